@@ -1,0 +1,43 @@
+# derivgen: `make demo` runs the main job, `make test` the test suite.
+# Both create .venv and install what they need on a fresh machine.
+
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.derivgen-installed
+
+.PHONY: demo test install pdflatex generate check clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+
+$(STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install -q -e '.[test]'
+	touch $@
+
+install: $(STAMP)
+
+# pdflatex compiles the standalone derivations; install it when absent and possible.
+pdflatex:
+	@if ! command -v pdflatex >/dev/null 2>&1; then \
+	  SUDO=""; [ "$$(id -u)" = 0 ] || SUDO="sudo -n"; \
+	  echo "installing texlive-latex-base for pdflatex"; \
+	  ($$SUDO apt-get update -qq && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq texlive-latex-base >/dev/null) \
+	    || echo "warning: could not install texlive-latex-base; LaTeX compile tests will skip (and fail under CI=true)"; \
+	fi
+
+demo: $(STAMP)
+	@echo "== the catalogue"
+	@$(BIN)/derivgen list
+	@echo
+	@echo "== layer norm, derived step by step"
+	@$(BIN)/derivgen derive layernorm --format text --no-prove
+	@echo "== every layer: closed form, reductions, proof at N = 2..6"
+	@$(BIN)/derivgen prove
+
+test: $(STAMP) pdflatex
+	$(BIN)/python -m pytest -q
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

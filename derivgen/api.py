@@ -1,0 +1,70 @@
+"""Programmatic entry points: names(), load_spec(), derive()."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .engine import ModeDerivation, derive_mode
+from .spec import Spec, catalogue_names, load_catalogue, load_spec_file
+
+
+@dataclass
+class Derivation:
+    """Everything derivgen knows about one layer: per-mode derivations and proofs."""
+    spec: Spec
+    modes: dict[str, ModeDerivation]
+    proofs: dict = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def train(self) -> ModeDerivation:
+        return self.modes["train"]
+
+    def __getattr__(self, item):
+        # convenience: d.dx, d.dparams ... refer to the first (training) mode
+        if item in ("dx", "dparams", "dinputs", "reductions", "steps", "g", "vanishing", "kept"):
+            return getattr(self.modes["train"], item)
+        raise AttributeError(item)
+
+    def render(self, fmt: str = "latex", standalone: bool = False) -> str:
+        from .document import render
+        return render(self, fmt, standalone)
+
+
+def names() -> list[str]:
+    """The built-in catalogue, sorted."""
+    return catalogue_names()
+
+
+def load_spec(name_or_path: str | Path) -> Spec:
+    """A catalogue name, or a path to a spec file (anything containing '/' or ending in .toml)."""
+    s = str(name_or_path)
+    if isinstance(name_or_path, Path) or s.endswith(".toml") or "/" in s:
+        return load_spec_file(s)
+    return load_catalogue(s)
+
+
+@functools.lru_cache(maxsize=64)
+def _derive_spec(spec: Spec, prove: tuple[int, ...]) -> Derivation:
+    modes = {m.name: derive_mode(spec, m.name) for m in spec.modes}
+    d = Derivation(spec, modes)
+    if prove:
+        from .proof import prove_derivation
+        d.proofs = prove_derivation(d, prove)
+    return d
+
+
+def derive(name_or_spec: str | Path | Spec, *, prove: bool | tuple[int, ...] = False) -> Derivation:
+    """Derive the backward pass of a catalogue layer, a spec file or a Spec.
+
+    ``prove=True`` also checks the closed forms against brute-force
+    differentiation at N = 2..6 (or pass the tuple of sizes).
+    """
+    spec = name_or_spec if isinstance(name_or_spec, Spec) else load_spec(name_or_spec)
+    sizes = tuple(range(2, 7)) if prove is True else tuple(prove or ())
+    return _derive_spec(spec, sizes)

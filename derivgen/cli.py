@@ -1,0 +1,172 @@
+"""The ``derivgen`` command line."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import click
+
+from . import api
+from .fsutil import atomic_write
+from .spec import SpecError
+
+
+class UserError(click.ClickException):
+    """Bad input: one line on stderr, exit code 2."""
+    exit_code = 2
+
+
+def _spec_or_name(name: str | None, spec: str | None):
+    if (name is None) == (spec is None):
+        raise UserError("give a layer NAME or --spec FILE (exactly one)")
+    try:
+        return api.load_spec(Path(spec)) if spec is not None else api.load_spec(name)
+    except SpecError as exc:
+        raise UserError(str(exc)) from None
+
+
+def _sizes(text: str) -> tuple[int, ...]:
+    try:
+        if "-" in text:
+            lo, hi = (int(t) for t in text.split("-", 1))
+            sizes = tuple(range(lo, hi + 1))
+        else:
+            sizes = tuple(int(t) for t in text.split(",") if t.strip())
+    except ValueError:
+        raise UserError(f"--prove-sizes: expected a range like 2-6 or a list like 2,3,4, got {text!r}") from None
+    if not sizes or min(sizes) < 2 or max(sizes) > 12:
+        raise UserError(f"--prove-sizes: sizes must lie in 2..12, got {text!r}")
+    return sizes
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="derivgen")
+def cli():
+    """Derive, prove and generate backward passes of normalization layers."""
+
+
+@cli.command("list")
+def list_cmd():
+    """The built-in catalogue, one line each."""
+    for name in api.names():
+        spec = api.load_spec(name)
+        modes = "/".join(m.name for m in spec.modes)
+        click.echo(f"{name:<18} {spec.title} [{modes}] — {spec.summary.split(';')[0]}")
+
+
+@cli.command("derive")
+@click.argument("name", required=False)
+@click.option("--spec", "spec_file", type=click.Path(dir_okay=False), help="A spec file instead of a catalogue NAME.")
+@click.option("--format", "fmt", type=click.Choice(["latex", "markdown", "text"]), default="latex", show_default=True)
+@click.option("--standalone", is_flag=True, help="A complete LaTeX document that compiles with pdflatex.")
+@click.option("-o", "--output", type=click.Path(dir_okay=False), help="Write to FILE instead of stdout.")
+@click.option("--pdf", type=click.Path(dir_okay=False), help="Also compile the standalone LaTeX to this PDF.")
+@click.option("--prove-sizes", default="2-6", show_default=True, help="Brute-force proof sizes (e.g. 2-6 or 2,3).")
+@click.option("--no-prove", is_flag=True, help="Skip the brute-force proof.")
+def derive_cmd(name, spec_file, fmt, standalone, output, pdf, prove_sizes, no_prove):
+    """Print the step-by-step derivation of a layer's backward pass."""
+    spec = _spec_or_name(name, spec_file)
+    sizes = () if no_prove else _sizes(prove_sizes)
+    d = api.derive(spec, prove=sizes)
+    failed = [m for m, p in d.proofs.items() if not p.ok]
+    text = d.render(fmt, standalone=standalone)
+    if output:
+        atomic_write(output, text)
+    else:
+        click.echo(text, nl=False)
+    if pdf:
+        _pdflatex(d.render("latex", standalone=True), Path(pdf))
+    if failed:
+        raise click.ClickException(f"{spec.name}: the closed form FAILED its brute-force proof in mode(s) {', '.join(failed)}")
+
+
+@cli.command("prove")
+@click.argument("names", nargs=-1)
+@click.option("--spec", "spec_files", multiple=True, type=click.Path(dir_okay=False), help="Spec file(s) to prove too.")
+@click.option("--prove-sizes", default="2-6", show_default=True, help="Brute-force sizes (e.g. 2-6).")
+def prove_cmd(names, spec_files, prove_sizes):
+    """Derive and prove layers (default: the whole catalogue); print a summary table."""
+    from .document import text_expr
+    sizes = _sizes(prove_sizes)
+    specs = [_spec_or_name(n, None) for n in names] + [_spec_or_name(None, f) for f in spec_files]
+    if not specs:
+        specs = [api.load_spec(n) for n in api.names()]
+    t_all = time.perf_counter()
+    t_derive = t_prove = 0.0
+    failed = []
+    rows = []
+    for spec in specs:
+        t0 = time.perf_counter()
+        d = api.derive(spec)
+        t1 = time.perf_counter()
+        from .proof import prove_derivation
+        proofs = prove_derivation(d, sizes)
+        t2 = time.perf_counter()
+        t_derive += t1 - t0
+        t_prove += t2 - t1
+        for mname, md in d.modes.items():
+            p = proofs[mname]
+            if not p.ok:
+                failed.append(f"{spec.name}/{mname}")
+            rows.append((spec.name, mname, str(len(md.reductions)), p.status,
+                         f"{sum(r.seconds for r in p.results):.1f}s", "∂L/∂x = " + text_expr(md.dx, spec)))
+    widths = [max(len(r[i]) for r in rows + [("layer", "mode", "red.", "proof", "time", "")]) for i in range(5)]
+    head = ("layer", "mode", "red.", f"proof N={sizes[0]}..{sizes[-1]}", "time")
+    widths[3] = max(widths[3], len(head[3]))
+    click.echo("  ".join(h.ljust(w) for h, w in zip(head, widths)) + "  closed form")
+    for r in rows:
+        click.echo("  ".join(c.ljust(w) for c, w in zip(r[:5], widths)) + "  " + r[5])
+    click.echo(f"\n{len(specs)} layer(s): derived in {t_derive:.2f} s, proven in {t_prove:.1f} s "
+               f"(total {time.perf_counter() - t_all:.1f} s)")
+    if failed:
+        raise click.ClickException(f"proof FAILED for {', '.join(failed)}")
+
+
+def _pdflatex(tex: str, pdf: Path) -> None:
+    exe = shutil.which("pdflatex")
+    if exe is None:
+        raise click.ClickException("pdflatex not found: install the Debian package texlive-latex-base "
+                                   "(apt-get install -y texlive-latex-base)")
+    with tempfile.TemporaryDirectory(prefix="derivgen-tex-") as tmp:
+        (Path(tmp) / "doc.tex").write_text(tex, encoding="utf-8")
+        for _ in range(2):
+            r = subprocess.run([exe, "-interaction=nonstopmode", "-halt-on-error", "doc.tex"],
+                               cwd=tmp, capture_output=True, text=True, timeout=120)
+            if r.returncode != 0:
+                lines = [l for l in r.stdout.splitlines() if l.startswith("!")]
+                raise click.ClickException(f"pdflatex failed: {lines[0] if lines else 'see log'}")
+        atomic_write(pdf, (Path(tmp) / "doc.pdf").read_bytes())
+
+
+def main(argv=None) -> int:
+    """Entry point: errors become one line and an exit code, never a traceback."""
+    try:
+        cli.main(args=argv, prog_name="derivgen", standalone_mode=False)
+    except click.exceptions.Exit as exc:
+        return exc.exit_code
+    except click.UsageError as exc:
+        msg = exc.format_message().splitlines()[0] if exc.format_message() else "usage error"
+        ctx = f"derivgen {exc.ctx.info_name}: " if exc.ctx and exc.ctx.info_name != "derivgen" else "derivgen: "
+        click.echo(f"{ctx}error: {msg}", err=True)
+        return 2
+    except click.ClickException as exc:
+        click.echo(f"derivgen: error: {exc.format_message()}", err=True)
+        return exc.exit_code
+    except click.exceptions.Abort:
+        click.echo("derivgen: aborted", err=True)
+        return 1
+    except (SpecError, ValueError) as exc:
+        click.echo(f"derivgen: error: {exc}", err=True)
+        return 2
+    except BrokenPipeError:
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,270 @@
+"""Derivations for people: LaTeX, Markdown and plain text.
+
+Two small printers over SymPy's own: spec symbols print with their display
+names (μ, σ², x̂, γ ...), element-level symbols carry the subscript i outside
+a group mean, and ``Mean(e)`` prints as ⟨e⟩ (LaTeX) or mean(e) (text).
+"""
+
+from __future__ import annotations
+
+import re
+
+import sympy
+from sympy.printing.latex import LatexPrinter
+from sympy.printing.str import StrPrinter
+
+from .reduce import Mean
+
+_ELEMENT = {"x", "dy", "g", "xhat"}
+
+
+class _Names:
+    def __init__(self, spec=None):
+        self.latex: dict[str, str] = {"dy": r"\frac{\partial L}{\partial y}", "g": "g", "x": "x", "N": "N"}
+        self.text: dict[str, str] = {"dy": "∂L/∂y", "g": "g", "x": "x", "N": "N"}
+        self.element = set(_ELEMENT)
+        self.options: set[str] = set()
+        if spec is not None:
+            self.options = {o.name for o in spec.options}
+            for n, item in spec.symbols.items():
+                self.latex[n] = item.latex
+                self.text[n] = item.text
+            self.element |= {p.name for p in spec.params}
+            if spec.normalized is not None:
+                self.element.add(spec.normalized.name)
+
+
+def _term_key(names):
+    def key(t):
+        syms = {str(s) for s in t.free_symbols}
+        return (t.could_extract_minus_sign(),              # positive terms first
+                not (syms & names.element),                   # element-level terms first
+                sympy.count_ops(t),                           # then simple before complex
+                bool(syms & names.options),                   # eps and friends last
+                sympy.default_sort_key(t))
+    return key
+
+
+class _Ordered:
+    """Order sums as people write them: x - μ, g - ⟨g⟩ - x̂⟨g x̂⟩, σ² + ε."""
+
+    def _as_ordered_terms(self, expr, order=None):
+        return sorted(expr.args, key=_term_key(self.names))
+
+
+class DerivLatexPrinter(_Ordered, LatexPrinter):
+    def __init__(self, names: _Names, subscript: bool = True):
+        super().__init__({"mul_symbol": None, "fold_short_frac": False})
+        self.names = names
+        self.subscript = subscript
+        self._depth = 0
+
+    def _print_Symbol(self, expr, style="plain"):
+        n = expr.name
+        base = self.names.latex.get(n)
+        if base is None:
+            return super()._print_Symbol(expr)
+        if n in self.names.element and self.subscript and self._depth == 0:
+            if n == "dy":
+                return r"\frac{\partial L}{\partial y_i}"
+            return "{%s}_i" % base if not base.endswith("}") or "\\" in base else base + "_i"
+        return base
+
+    def _print_Mean(self, expr):
+        self._depth += 1
+        try:
+            inner = self._print(expr.args[0])
+        finally:
+            self._depth -= 1
+        return r"\left\langle %s \right\rangle" % inner
+
+
+class DerivTextPrinter(_Ordered, StrPrinter):
+    def __init__(self, names: _Names):
+        super().__init__({"order": None})
+        self.names = names
+
+    def _print_Symbol(self, expr):
+        return self.names.text.get(expr.name, expr.name)
+
+    def _print_Mean(self, expr):
+        return "mean(%s)" % self._print(expr.args[0])
+
+
+def latex_expr(expr, spec=None, subscript: bool = True) -> str:
+    return DerivLatexPrinter(_Names(spec), subscript).doprint(expr)
+
+
+def text_expr(expr, spec=None) -> str:
+    s = DerivTextPrinter(_Names(spec)).doprint(expr)
+    return s.replace("**", "^").replace("*", "·")
+
+
+# ---------------------------------------------------------------- documents
+
+PREAMBLE = r"""\documentclass[11pt]{article}
+\usepackage[utf8]{inputenc}
+\usepackage[T1]{fontenc}
+\usepackage{amsmath,amssymb}
+\usepackage[margin=2.2cm]{geometry}
+\allowdisplaybreaks
+"""
+
+
+def _tex_escape(s: str) -> str:
+    repl = {"\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "$": r"\$", "#": r"\#",
+            "_": r"\_", "{": r"\{", "}": r"\}", "~": r"\textasciitilde{}", "^": r"\^{}"}
+    # x_i, e_j, y_i, Σ_j: subscripted names become math first
+    s = re.sub(r"(?<![A-Za-z])([A-Za-zΣ])_([a-z])(?![A-Za-z_])", "\x00\\1_\\2\x01", s)
+    out = "".join(repl.get(ch, ch) for ch in s)
+    out = re.sub("\x00(.)\\\\_(.)\x01",
+                 lambda m: "\x02%s_%s\x02" % ("\\Sigma" if m.group(1) == "Σ" else m.group(1), m.group(2)), out)
+    # unicode used in our prose -> math
+    uni = {"μ": r"$\mu$", "σ": r"$\sigma$", "²": r"$^2$", "∂": r"$\partial$", "⟨": r"$\langle$",
+           "⟩": r"$\rangle$", "Σ": r"$\Sigma$", "x̂": r"$\hat{x}$", "γ": r"$\gamma$", "β": r"$\beta$",
+           "ε": r"$\varepsilon$", "ρ": r"$\rho$", "α": r"$\alpha$", "·": r"$\cdot$", "≡": r"$\equiv$",
+           "—": "---", "“": "``", "”": "''", "ₜ": r"$_t$", "₋": "-", "₁": "1", "←": r"$\leftarrow$",
+           "√": r"$\sqrt{}$", "−": "-", "≠": r"$\neq$", "x̄": r"$\bar{x}$", "̂": ""}
+    for k in sorted(uni, key=len, reverse=True):
+        out = out.replace(k, uni[k])
+    return out.replace("\x02", "$")
+
+
+def _tex_mixed(s: str) -> str:
+    """Prose with $...$ math segments: escape the prose, keep the math."""
+    parts = s.split("$")
+    return "".join("$" + p + "$" if i % 2 else _tex_escape(p) for i, p in enumerate(parts))
+
+
+def render(derivation, fmt: str = "latex", standalone: bool = False) -> str:
+    if fmt == "latex":
+        body = _render_latex(derivation)
+        if standalone:
+            return (PREAMBLE + "\\title{%s: the backward pass, derived}\n\\author{derivgen}\n\\date{}\n"
+                    "\\begin{document}\n\\maketitle\n%s\\end{document}\n"
+                    % (_tex_escape(derivation.spec.title), body))
+        return body
+    if fmt == "markdown":
+        return _render_markdown(derivation)
+    if fmt == "text":
+        return _render_text(derivation)
+    raise ValueError(f"format must be latex, markdown or text, got {fmt!r}")
+
+
+def _mode_title(md, n_modes: int) -> str:
+    if n_modes == 1:
+        return ""
+    return {"train": "Training mode", "eval": "Evaluation mode"}.get(md.mode, md.mode)
+
+
+def _render_latex(d) -> str:
+    spec = d.spec
+    out = []
+    if spec.summary:
+        out.append(_tex_escape(spec.summary) + "\n")
+    for note in spec.notes:
+        out.append(r"\paragraph{Note.} " + _tex_escape(note) + "\n")
+    for md in d.modes.values():
+        mt = _mode_title(md, len(d.modes))
+        if mt:
+            out.append(r"\section{%s}" % mt)
+        for step in md.steps:
+            out.append((r"\subsection*{%s}" if mt else r"\section*{%s}") % _tex_escape(step.title))
+            if step.prose:
+                out.append(_tex_escape(step.prose))
+            if step.equations:
+                out.append(r"\begin{align*}")
+                lines = []
+                for eq in step.equations:
+                    if eq.rhs is None:
+                        line = eq.lhs_latex.replace(" = ", " &= ", 1)
+                    else:
+                        line = eq.lhs_latex + " &= " + latex_expr(eq.rhs, spec)
+                    lines.append(line)
+                out.append(" \\\\\n".join(lines))
+                out.append(r"\end{align*}")
+                notes = [eq.note for eq in step.equations if eq.note]
+                if notes:
+                    out.append(r"\begin{itemize}")
+                    for eq in step.equations:
+                        if eq.note:
+                            note = _tex_mixed(eq.note_latex) if eq.note_latex else _tex_escape(eq.note)
+                            out.append(r"\item $%s$: %s" % (eq.lhs_latex, note))
+                    out.append(r"\end{itemize}")
+            out.append("")
+        out.append(_proof_latex(md, d))
+    return "\n".join(out) + "\n"
+
+
+def _proof_lines(md, d) -> list[str]:
+    proof = d.proofs.get(md.mode)
+    if proof is None:
+        return ["Not checked against brute force (run with proofs enabled)."]
+    lines = []
+    for r in proof.results:
+        lines.append(f"N = {r.n}: {r.status} ({r.method}, {r.seconds:.2f} s)")
+    return lines
+
+
+def _proof_latex(md, d) -> str:
+    items = "\n".join(r"\item " + _tex_escape(l) for l in _proof_lines(md, d))
+    return (r"\section*{Proof against brute force}" "\n"
+            "For each N the layer is built from N explicit scalar symbols, differentiated with "
+            "sympy.diff, and the difference from the closed form above is reduced to zero with "
+            "cancel/together (``proven''); where that cannot be finished it is evaluated exactly at "
+            "random rational points (``checked numerically'').\n"
+            r"\begin{itemize}" "\n" + items + "\n" r"\end{itemize}" "\n")
+
+
+def _render_markdown(d) -> str:
+    spec = d.spec
+    out = [f"# {spec.title}: the backward pass, derived", ""]
+    if spec.summary:
+        out += [spec.summary, ""]
+    for note in spec.notes:
+        out += [f"> **Note.** {note}", ""]
+    for md in d.modes.values():
+        mt = _mode_title(md, len(d.modes))
+        if mt:
+            out += [f"## {mt}", ""]
+        h = "###" if mt else "##"
+        for step in md.steps:
+            out += [f"{h} {step.title}", ""]
+            if step.prose:
+                out += [step.prose, ""]
+            for eq in step.equations:
+                if eq.rhs is None:
+                    out.append(f"$$ {eq.lhs_latex} $$")
+                else:
+                    out.append(f"$$ {eq.lhs_latex} = {latex_expr(eq.rhs, spec)} $$")
+                if eq.note:
+                    out.append(f"*{eq.note}*")
+                out.append("")
+        out += [f"{h} Proof against brute force", ""]
+        out += [f"- {l}" for l in _proof_lines(md, d)] + [""]
+    return "\n".join(out)
+
+
+def _render_text(d) -> str:
+    spec = d.spec
+    out = [f"{spec.title}: the backward pass, derived", "=" * (len(spec.title) + 30)]
+    if spec.summary:
+        out += [spec.summary]
+    for note in spec.notes:
+        out += [f"Note: {note}"]
+    for md in d.modes.values():
+        mt = _mode_title(md, len(d.modes))
+        if mt:
+            out += ["", f"## {mt}"]
+        for step in md.steps:
+            out += ["", f"{step.title}", "-" * len(step.title)]
+            if step.prose:
+                out += [step.prose]
+            for eq in step.equations:
+                line = "  " + (eq.lhs_text if eq.rhs is None else f"{eq.lhs_text} = {text_expr(eq.rhs, spec)}")
+                out.append(line)
+                if eq.note:
+                    out.append(f"      ({eq.note})")
+        out += ["", "Proof against brute force", "-------------------------"]
+        out += [f"  {l}" for l in _proof_lines(md, d)]
+    return "\n".join(out) + "\n"

@@ -1,0 +1,86 @@
+"""Direct numeric evaluation of derived expressions for ONE normalization group.
+
+A deliberately simple tree walk (no code generation, no lambdify): element-level
+symbols map to 1-D float64 arrays over the group, group-level symbols to
+scalars, ``Mean(e)`` to ``np.mean``.  It is the reference the tests and
+``derivgen check`` compare generated code against, so it shares nothing with
+the emitters.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import sympy
+
+from .engine import G, ModeDerivation
+from .reduce import Mean
+from .spec import DY, N, X
+
+_FUNCS = {sympy.exp: np.exp, sympy.log: np.log, sympy.Abs: np.abs}
+
+
+def evaluate(expr: sympy.Expr, env: dict[sympy.Symbol, object]):
+    if expr.is_Symbol:
+        try:
+            return env[expr]
+        except KeyError:
+            raise KeyError(f"no value for symbol {expr}") from None
+    if expr.is_Number:
+        return float(expr)
+    if isinstance(expr, Mean):
+        return np.mean(evaluate(expr.args[0], env))
+    if expr.is_Add:
+        return sum(evaluate(a, env) for a in expr.args)
+    if expr.is_Mul:
+        out = 1.0
+        for a in expr.args:
+            out = out * evaluate(a, env)
+        return out
+    if expr.is_Pow:
+        b = evaluate(expr.base, env)
+        e = expr.exp
+        if e == sympy.Rational(1, 2):
+            return np.sqrt(b)
+        if e == -sympy.Rational(1, 2):
+            return 1.0 / np.sqrt(b)
+        return np.power(b, float(e)) if not e.is_Integer else b ** int(e)
+    for f, npf in _FUNCS.items():
+        if isinstance(expr, f):
+            return npf(evaluate(expr.args[0], env))
+    raise TypeError(f"cannot evaluate {type(expr).__name__}: {expr}")
+
+
+class GroupEvaluator:
+    """Forward and closed-form backward of one mode on a single group."""
+
+    def __init__(self, md: ModeDerivation):
+        self.md = md
+        self.spec = md.spec
+
+    def forward(self, x, params: dict, scalars: dict):
+        env = self._env(x, params, scalars)
+        for st in self.md.statistics:
+            env[st.symbol] = evaluate(st.expr, env)
+        if self.spec.normalized is not None:
+            env[self.spec.normalized.symbol] = evaluate(self.md.normalized_expr, env) * np.ones_like(x)
+        y = evaluate(self.spec.output, env) * np.ones_like(x)
+        return y, env
+
+    def backward(self, dy, env):
+        env = dict(env)
+        env[DY] = dy
+        if self.md.g is not None:
+            env[G] = evaluate(self.md.g, env) * np.ones_like(dy)
+        dx = evaluate(self.md.dx, env) * np.ones_like(dy)
+        dparams = {k: evaluate(v, env) * np.ones_like(dy) for k, v in self.md.dparams.items()}
+        dinputs = {k: float(evaluate(v, env)) for k, v in self.md.dinputs.items()}
+        return dx, dparams, dinputs
+
+    def _env(self, x, params, scalars):
+        env: dict = {X: np.asarray(x, dtype=np.float64), N: float(len(x))}
+        for p in self.spec.params:
+            env[p.symbol] = np.asarray(params[p.name], dtype=np.float64)
+        for item in (*self.spec.options, *self.spec.inputs, *self.spec.buffers):
+            if item.name in scalars:
+                env[item.symbol] = float(scalars[item.name])
+        return env

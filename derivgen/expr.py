@@ -1,0 +1,150 @@
+"""Restricted expression language for specs.
+
+Spec expressions are parsed with Python's :mod:`ast` into a syntax tree and
+then *walked* by hand into SymPy objects.  Nothing is ever evaluated as code:
+no ``eval``, no ``sympy.sympify``/``parse_expr`` (both call ``eval``).  Only
+these forms are accepted:
+
+* numbers (``2``, ``0.5``, ``1e-5``; converted exactly to rationals),
+* declared names,
+* ``+ - * / **`` and unary ``+``/``-``,
+* ``sqrt(e)``, ``exp(e)``, ``log(e)``, ``abs(e)``,
+* the group reductions ``mean(e)`` and ``sum(e)`` (``sum(e)`` is ``N*mean(e)``).
+
+Everything else -- attribute access, subscripts, lambdas, comprehensions,
+keyword arguments, strings, comparisons, calls to anything else -- is rejected
+with a message naming the offending text.
+"""
+
+from __future__ import annotations
+
+import ast
+from fractions import Fraction
+from typing import Callable, Mapping
+
+import sympy
+
+from .reduce import Mean
+
+MAX_EXPR_CHARS = 2000
+MAX_DEPTH = 40
+MAX_NODES = 400
+MAX_EXPONENT = 16  # |constant exponent| allowed in ``a ** k``
+
+FUNCTIONS: dict[str, Callable[[sympy.Expr], sympy.Expr]] = {
+    "sqrt": sympy.sqrt,
+    "exp": sympy.exp,
+    "log": sympy.log,
+    "abs": sympy.Abs,
+}
+REDUCTIONS = ("mean", "sum")
+
+
+class ExprError(ValueError):
+    """A spec expression was rejected; the message names the offending text."""
+
+
+def parse_expr(text: str, names: Mapping[str, sympy.Expr], *,
+               group_size: sympy.Expr, allow_reductions: bool = True) -> sympy.Expr:
+    """Parse ``text`` into a SymPy expression over ``names``.
+
+    ``names`` maps every identifier the expression may use to its SymPy object;
+    ``group_size`` is the symbol ``sum(e)`` scales ``mean(e)`` by.
+    """
+    if not isinstance(text, str):
+        raise ExprError(f"expected an expression string, got {type(text).__name__}")
+    if len(text) > MAX_EXPR_CHARS:
+        raise ExprError(f"expression is {len(text)} characters long (limit {MAX_EXPR_CHARS})")
+    if not text.strip():
+        raise ExprError("empty expression")
+    try:
+        tree = ast.parse(text.strip(), mode="eval")
+    except SyntaxError as exc:
+        raise ExprError(f"bad syntax in {text!r}: {exc.msg}") from None
+    except (ValueError, MemoryError, RecursionError):
+        raise ExprError(f"cannot parse {text!r}") from None
+    count = sum(1 for _ in ast.walk(tree))
+    if count > MAX_NODES:
+        raise ExprError(f"expression has {count} syntax nodes (limit {MAX_NODES})")
+    return _Builder(text, names, group_size, allow_reductions).build(tree.body, 0)
+
+
+class _Builder:
+    def __init__(self, text, names, group_size, allow_reductions):
+        self.text = text
+        self.names = names
+        self.N = group_size
+        self.allow_reductions = allow_reductions
+
+    def _snippet(self, node: ast.AST) -> str:
+        seg = ast.get_source_segment(self.text.strip(), node)
+        return seg if seg is not None else type(node).__name__
+
+    def fail(self, node: ast.AST, why: str):
+        raise ExprError(f"{why}: {self._snippet(node)!r} in {self.text!r}")
+
+    def build(self, node: ast.AST, depth: int) -> sympy.Expr:
+        if depth > MAX_DEPTH:
+            self.fail(node, f"expression nested deeper than {MAX_DEPTH}")
+        d = depth + 1
+        if isinstance(node, ast.Constant):
+            v = node.value
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                self.fail(node, "only numeric constants are allowed")
+            if isinstance(v, float) and (v != v or v in (float("inf"), float("-inf"))):
+                self.fail(node, "non-finite constant")
+            if isinstance(v, int) and abs(v) > 10**12:
+                self.fail(node, "integer constant too large")
+            # exact: 0.1 -> 1/10 via its shortest decimal repr
+            return sympy.Rational(Fraction(repr(v))) if isinstance(v, float) else sympy.Integer(v)
+        if isinstance(node, ast.Name):
+            if node.id in FUNCTIONS or node.id in REDUCTIONS and node.id not in self.names:
+                self.fail(node, f"function {node.id!r} used as a value")
+            if node.id not in self.names:
+                known = ", ".join(sorted(self.names)) or "none"
+                self.fail(node, f"unknown name {node.id!r} (known: {known})")
+            return self.names[node.id]
+        if isinstance(node, ast.UnaryOp):
+            operand = self.build(node.operand, d)
+            if isinstance(node.op, ast.USub):
+                return -operand
+            if isinstance(node.op, ast.UAdd):
+                return operand
+            self.fail(node, "unsupported unary operator")
+        if isinstance(node, ast.BinOp):
+            left = self.build(node.left, d)
+            right = self.build(node.right, d)
+            op = node.op
+            if isinstance(op, ast.Add):
+                return left + right
+            if isinstance(op, ast.Sub):
+                return left - right
+            if isinstance(op, ast.Mult):
+                return left * right
+            if isinstance(op, ast.Div):
+                if right == 0:
+                    self.fail(node, "division by zero")
+                return left / right
+            if isinstance(op, ast.Pow):
+                if right.is_number:
+                    if not right.is_real or abs(right) > MAX_EXPONENT:
+                        self.fail(node, f"constant exponent must be real with magnitude <= {MAX_EXPONENT}")
+                elif not right.free_symbols:
+                    self.fail(node, "unsupported exponent")
+                return sympy.Pow(left, right)
+            self.fail(node, "unsupported operator (allowed: + - * / **)")
+        if isinstance(node, ast.Call):
+            if not isinstance(node.func, ast.Name):
+                self.fail(node, "only calls of sqrt, exp, log, abs, mean, sum are allowed")
+            fname = node.func.id
+            if node.keywords or len(node.args) != 1 or isinstance(node.args[0], ast.Starred):
+                self.fail(node, f"{fname}() takes exactly one positional argument")
+            if fname in REDUCTIONS:
+                if not self.allow_reductions:
+                    self.fail(node, f"{fname}() is a group reduction; define it under [statistics]")
+                arg = self.build(node.args[0], d)
+                return Mean(arg) if fname == "mean" else self.N * Mean(arg)
+            if fname in FUNCTIONS:
+                return FUNCTIONS[fname](self.build(node.args[0], d))
+            self.fail(node, f"unknown function {fname!r} (allowed: sqrt, exp, log, abs, mean, sum)")
+        self.fail(node, f"unsupported syntax ({type(node).__name__})")

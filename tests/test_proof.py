@@ -1,0 +1,45 @@
+"""Every catalogue layer's closed form equals brute-force differentiation at
+N = 2..6, and the proof really can fail."""
+
+import dataclasses
+
+import pytest
+import sympy
+
+import derivgen
+from derivgen.engine import G
+from derivgen.proof import prove_mode
+from derivgen.reduce import Mean
+
+
+@pytest.mark.parametrize("name", derivgen.names())
+def test_catalogue_is_proven(name):
+    d = derivgen.derive(name)
+    for mode, md in d.modes.items():
+        proof = prove_mode(md, sizes=range(2, 7))
+        assert [r.n for r in proof.results] == [2, 3, 4, 5, 6]
+        assert proof.status == "proven", (mode, [(r.n, r.status, r.detail) for r in proof.results])
+
+
+def test_a_wrong_closed_form_fails():
+    md = derivgen.derive("layernorm").train
+    # drop the mean(g) term: the classic "forgot the mean path" bug
+    wrong = dataclasses.replace(md, dx=md.dx.xreplace({Mean(G): 0}))
+    proof = prove_mode(wrong, sizes=(2, 3))
+    assert proof.status == "FAILED"
+    assert "dx_0" in proof.results[0].detail
+
+
+def test_the_materials_negligible_term_is_zero_not_small():
+    """The hand derivation keeps + (rstd/N²)(Σ g x̂)(Σ x̂); adding it changes nothing."""
+    md = derivgen.derive("layernorm").train
+    xhat, rstd = sympy.Symbol("xhat"), sympy.Symbol("rstd", real=True)
+    N = sympy.Symbol("N", positive=True, integer=True)
+    extra = rstd / N ** 2 * (N * Mean(G * xhat)) * (N * Mean(xhat))
+    assert prove_mode(dataclasses.replace(md, dx=md.dx + extra), sizes=(3,)).status == "proven"
+
+
+def test_a_wrong_parameter_gradient_fails():
+    md = derivgen.derive("rmsnorm").train
+    wrong = dataclasses.replace(md, dparams={"gamma": md.dparams["gamma"] * 2})
+    assert prove_mode(wrong, sizes=(2,)).status == "FAILED"
