@@ -127,6 +127,34 @@ def prove_cmd(names, spec_files, prove_sizes):
         raise click.ClickException(f"proof FAILED for {', '.join(failed)}")
 
 
+@cli.command("generate")
+@click.argument("names", nargs=-1)
+@click.option("--spec", "spec_files", multiple=True, type=click.Path(dir_okay=False), help="Spec file(s) to generate.")
+@click.option("--target", type=click.Choice(["numpy", "c"]), multiple=True, help="Targets (default: both).")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None,
+              help="Output directory (default: generated/ in the current directory).")
+@click.option("--check", is_flag=True, help="Write nothing; exit 1 listing files that are stale.")
+def generate_cmd(names, spec_files, target, out_dir, check):
+    """Regenerate NumPy and C code (default: the whole catalogue into ./generated)."""
+    from . import generate as gen
+    targets = tuple(target) or gen.TARGETS
+    specs = [_spec_or_name(n, None) for n in names] + [_spec_or_name(None, f) for f in spec_files]
+    whole = not specs
+    files = gen.render_all(specs or None, targets)
+    out = Path(out_dir) if out_dir else Path("generated")
+    if check:
+        bad = gen.stale(files, out) + (gen.orphans(files, out, targets) if whole else [])
+        if bad:
+            raise click.ClickException(f"{len(bad)} stale generated file(s) in {out}/ "
+                                       f"(run `derivgen generate`): {', '.join(bad)}")
+        click.echo(f"{len(files)} generated file(s) in {out}/ are up to date")
+        return
+    written = gen.write(files, out)
+    for p in written:
+        click.echo(f"wrote {p}")
+    click.echo(f"{len(files)} file(s) in {out}/, {len(written)} changed")
+
+
 def _pdflatex(tex: str, pdf: Path) -> None:
     exe = shutil.which("pdflatex")
     if exe is None:

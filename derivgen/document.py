@@ -37,9 +37,12 @@ class _Names:
 def _term_key(names):
     def key(t):
         syms = {str(s) for s in t.free_symbols}
-        return (t.could_extract_minus_sign(),              # positive terms first
-                not (syms & names.element),                   # element-level terms first
-                sympy.count_ops(t),                           # then simple before complex
+        neg = t.could_extract_minus_sign()
+        degree = sum(1 for f in sympy.Mul.make_args(t) if {str(s) for s in f.free_symbols} & names.element
+                     and not isinstance(f, Mean))
+        return (neg,                                          # positive terms first
+                -degree if not neg else 0,                    # gamma*xhat + beta
+                sympy.count_ops(t),                           # simple before complex: g - mean(g) - ...
                 bool(syms & names.options),                   # eps and friends last
                 sympy.default_sort_key(t))
     return key
@@ -89,6 +92,25 @@ class DerivTextPrinter(_Ordered, StrPrinter):
 
     def _print_Mean(self, expr):
         return "mean(%s)" % self._print(expr.args[0])
+
+
+class CodeTextPrinter(_Ordered, StrPrinter):
+    """Plain identifiers, natural term order: for comments in generated code."""
+
+    def __init__(self, names: _Names):
+        super().__init__({"order": None})
+        self.names = names
+
+    def _print_Mean(self, expr):
+        return "mean(%s)" % self._print(expr.args[0])
+
+
+def code_text(expr, spec=None) -> str:
+    return CodeTextPrinter(_Names(spec)).doprint(expr)
+
+
+def ordered_names(spec):
+    return _Names(spec)
 
 
 def latex_expr(expr, spec=None, subscript: bool = True) -> str:

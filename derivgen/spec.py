@@ -45,7 +45,12 @@ ENGINE_RESERVED = {
     "x", "dy", "g", "N", "y", "dx", "sum", "sqrt", "exp", "log", "abs", "np", "numpy",
     "out", "cache", "grads", "training", "num_groups", "self", "cls", "i", "j", "k", "n", "c",
     "s", "o", "nn", "threads", "derivgen", "backend", "shape", "dtype", "min", "max",
+    # loop variables and locals of the generated C and NumPy code
+    "grp", "b", "m", "cg", "ch", "idx", "off", "base", "blocks", "block_stride", "n_groups", "nth",
+    "nthreads", "tid", "part", "mine", "xv", "dyv", "call", "partial", "np", "rt", "meta", "float",
+    "int", "none", "true", "false",
 }
+RESERVED_SUFFIXES = ("_t", "_g", "_v", "_in", "_out", "_stride", "_part")
 
 
 class SpecError(ValueError):
@@ -210,7 +215,8 @@ class _Ctx:
 
     def ident(self, where: str, name: str, taken: dict) -> str:
         if not IDENT.match(name) or keyword.iskeyword(name) or name in C_RESERVED \
-                or name in ENGINE_RESERVED or name.startswith(("d_", "tmp", "acc", "mean_")):
+                or name in ENGINE_RESERVED or name.startswith(("d_", "tmp", "acc", "mean_", "sum_", "k_", "grad_", "_")) \
+                or name.endswith(RESERVED_SUFFIXES):
             self.err(where, f"invalid or reserved name {name!r} (lower-case identifier, "
                             "not a C/Python keyword nor one of derivgen's own names)")
         if name in taken:

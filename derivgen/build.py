@@ -1,0 +1,140 @@
+"""Compile generated C into shared libraries, cached.
+
+The cache lives in a user cache directory (``$DERIVGEN_CACHE``, else
+``$XDG_CACHE_HOME/derivgen``, else ``~/.cache/derivgen``), never in
+site-packages or the source tree. Each library is keyed by the sha256 of its
+sources, the compiler's identity and the full argument list. Builds are safe
+under concurrency: a per-key file lock, a private temporary output, and an
+atomic rename. A failing compiler raises :class:`BuildError` carrying its
+stderr.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import functools
+import hashlib
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REQUIRED_FLAGS = ["-std=c99", "-fPIC", "-shared"]
+WARN_FLAGS = ["-Wall", "-Wextra", "-pedantic", "-Werror"]
+DEFAULT_CFLAGS = ["-O3", "-march=native", "-fno-math-errno"]
+
+
+class BuildError(RuntimeError):
+    """The C compiler failed; ``stderr`` holds its diagnostics."""
+
+    def __init__(self, message: str, stderr: str = "", argv: list[str] | None = None):
+        super().__init__(message + (f"\n{stderr.strip()}" if stderr.strip() else ""))
+        self.stderr = stderr
+        self.argv = argv or []
+
+
+def cache_dir() -> Path:
+    env = os.environ.get("DERIVGEN_CACHE")
+    if env:
+        return Path(env)
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg) if xdg else Path.home() / ".cache"
+    return base / "derivgen"
+
+
+def compiler() -> list[str]:
+    cc = shlex.split(os.environ.get("CC", "") or "cc")
+    if shutil.which(cc[0]) is None:
+        raise BuildError(f"C compiler {cc[0]!r} not found (set CC, or install gcc: apt-get install -y gcc)")
+    return cc
+
+
+def user_cflags() -> list[str]:
+    env = os.environ.get("CFLAGS")
+    return shlex.split(env) if env is not None else list(DEFAULT_CFLAGS)
+
+
+@functools.lru_cache(maxsize=None)
+def _compiler_id(cc: tuple[str, ...]) -> str:
+    try:
+        r = subprocess.run([*cc, "--version"], capture_output=True, text=True, timeout=60)
+        return r.stdout.splitlines()[0] if r.stdout else cc[0]
+    except (OSError, subprocess.SubprocessError):
+        return cc[0]
+
+
+@functools.lru_cache(maxsize=None)
+def openmp_flags(cc: tuple[str, ...]) -> tuple[str, ...]:
+    """``-fopenmp`` when the compiler and its runtime support it, else nothing."""
+    src = "#include <omp.h>\nint main(void){return omp_get_max_threads() > 0 ? 0 : 1;}\n"
+    with tempfile.TemporaryDirectory(prefix="derivgen-omp-") as tmp:
+        c = Path(tmp) / "t.c"
+        c.write_text(src)
+        try:
+            r = subprocess.run([*cc, "-fopenmp", str(c), "-o", str(Path(tmp) / "t")],
+                               capture_output=True, timeout=120)
+        except (OSError, subprocess.SubprocessError):
+            return ()
+        return ("-fopenmp",) if r.returncode == 0 else ()
+
+
+def build_argv(sources: list[Path], output: Path, *, openmp: bool = True, extra: list[str] | None = None,
+               warnings: bool = True) -> list[str]:
+    cc = compiler()
+    omp = list(openmp_flags(tuple(cc))) if openmp else []
+    inc = sorted({f"-I{p.parent}" for p in sources})
+    return [*cc, *REQUIRED_FLAGS, *(WARN_FLAGS if warnings else []), *user_cflags(), *omp, *(extra or []),
+            *inc, *[str(s) for s in sources], "-o", str(output), "-lm"]
+
+
+def build_shared(source: Path, *, openmp: bool = True, extra: list[str] | None = None) -> Path:
+    """Compile ``source`` (and the headers beside it) into a cached shared library."""
+    source = Path(source).resolve()
+    if not source.is_file():
+        raise BuildError(f"C source {source} not found")
+    header = source.with_suffix(".h")
+    h = hashlib.sha256()
+    for f in (source, header):
+        if f.is_file():
+            h.update(f.name.encode())
+            h.update(f.read_bytes())
+    probe = build_argv([source], Path("OUT"), openmp=openmp, extra=extra)
+    # the key covers the compiler identity and every argument except the paths
+    key_args = [a for a in probe if a not in (str(source), "OUT") and not a.startswith("-I")]
+    h.update(_compiler_id(tuple(compiler())).encode())
+    h.update("\0".join(key_args).encode())
+    key = h.hexdigest()[:24]
+    root = cache_dir()
+    root.mkdir(parents=True, exist_ok=True)
+    lib = root / f"{source.stem}-{key}.so"
+    if lib.is_file():
+        return lib
+    with open(root / f"{source.stem}-{key}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            if lib.is_file():          # another process built it while we waited
+                return lib
+            fd, tmp = tempfile.mkstemp(prefix=f".{lib.name}.", suffix=".tmp", dir=root)
+            os.close(fd)
+            argv = build_argv([source], Path(tmp), openmp=openmp, extra=extra)
+            try:
+                r = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+                if r.returncode != 0:
+                    raise BuildError(f"compiling {source.name} failed (exit {r.returncode}): {shlex.join(argv)}",
+                                     r.stderr, argv)
+                os.replace(tmp, lib)
+            finally:
+                if os.path.exists(tmp):
+                    os.unlink(tmp)
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+    return lib
+
+
+def main(argv=None) -> int:  # pragma: no cover - debugging helper
+    for src in argv or sys.argv[1:]:
+        print(build_shared(Path(src)))
+    return 0

@@ -1,0 +1,92 @@
+"""ctypes binding of generated C kernels, driven by the layer's metadata."""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from pathlib import Path
+
+import numpy as np
+
+from . import runtime as rt
+from .build import build_shared
+
+_SFX = {np.dtype(np.float32): "f32", np.dtype(np.float64): "f64"}
+
+
+def _ptr(a):
+    return None if a is None else ctypes.c_void_p(a.ctypes.data)
+
+
+class CKernel:
+    """Loads ``<name>.c`` (compiled on first use) and calls its kernels."""
+
+    def __init__(self, meta: dict, source: Path, threads: int = 0):
+        self.meta = meta
+        self.source = Path(source)
+        self.threads = threads
+        self._lib = None
+        self._lock = threading.Lock()
+
+    @property
+    def lib(self):
+        if self._lib is None:
+            with self._lock:
+                if self._lib is None:
+                    self._lib = ctypes.CDLL(str(build_shared(self.source)))
+        return self._lib
+
+    def _fn(self, mode: str, direction: str, dtype) -> ctypes._CFuncPtr:
+        fn = getattr(self.lib, f"{self.meta['name']}_{mode}_{direction}_{_SFX[np.dtype(dtype)]}")
+        fn.restype = ctypes.c_int
+        return fn
+
+    def forward(self, call: rt.ForwardCall):
+        L, m = call.layout, self.meta
+        stats = {s: np.empty(L.n_groups, dtype=call.dtype) for s in m["stats"][call.mode]}
+        args = [ctypes.c_int64(L.O), ctypes.c_int64(L.G), ctypes.c_int64(L.Cg), ctypes.c_int64(L.S), _ptr(call.x)]
+        args += [_ptr(call.params[p]) for p in m["params"]]
+        args += [ctypes.c_double(call.options[o]) for o in m["options"]]
+        for i in m["inputs"]:
+            v = call.inputs[i]
+            args += [_ptr(v), ctypes.c_int64(0 if v.size == 1 else 1)]
+        bufs = {}
+        for b in m["buffers"]:
+            buf = call.buffers[b]
+            if buf is not None and not buf.flags.c_contiguous:
+                bufs[b] = np.ascontiguousarray(buf)
+            else:
+                bufs[b] = buf
+            args.append(_ptr(bufs[b]))
+        args.append(_ptr(call.out))
+        args += [_ptr(stats[s]) for s in m["stats"][call.mode]]
+        args.append(ctypes.c_int(self.threads))
+        if self._fn(call.mode, "forward", call.dtype)(*args) != 0:
+            raise MemoryError(f"{m['name']}: forward kernel could not allocate its work buffer")
+        for b, buf in bufs.items():
+            if buf is not None and buf is not call.buffers[b]:
+                call.buffers[b][...] = buf
+        return call.out, call.cache(stats)
+
+    def backward(self, call: rt.BackwardCall, grads_type):
+        c, m = call.cache, self.meta
+        L = c.layout
+        dinputs = {i: np.empty(L.n_groups, dtype=c.dtype) for i in m["inputs"]}
+        args = [ctypes.c_int64(L.O), ctypes.c_int64(L.G), ctypes.c_int64(L.Cg), ctypes.c_int64(L.S),
+                _ptr(c.x), _ptr(call.dy)]
+        args += [_ptr(c.params[p]) for p in m["params"]]
+        args += [ctypes.c_double(c.options[o]) for o in m["options"]]
+        for i in m["inputs"]:
+            v = c.inputs[i]
+            args += [_ptr(v), ctypes.c_int64(0 if v.size == 1 else 1)]
+        args += [_ptr(c.stats[s]) for s in m["stats"][c.mode]]
+        args.append(_ptr(call.outs["dx"]))
+        args += [_ptr(call.outs["d" + p]) for p in m["params"]]
+        args += [_ptr(dinputs[i]) for i in m["inputs"]]
+        args.append(ctypes.c_int(self.threads))
+        if self._fn(c.mode, "backward", c.dtype)(*args) != 0:
+            raise MemoryError(f"{m['name']}: backward kernel could not allocate its work buffer")
+        values = {"dx": call.outs["dx"], **{"d" + p: call.outs["d" + p] for p in m["params"]}}
+        for i in m["inputs"]:
+            values["d" + i] = rt.finish_input_grad(c, i, dinputs[i])
+        return grads_type(**values)

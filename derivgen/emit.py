@@ -1,0 +1,396 @@
+"""Emit code from derivations: one IR per mode, one Jinja template per target.
+
+The IR is plain data the templates lay out as loops:
+
+* forward group program: ``Loop`` (accumulate sums of element expressions over
+  the group) and ``Assign`` (a per-group value from sums and earlier values),
+  exactly the statistics as the spec writes them -- two passes for a variance,
+  never E[x²] - E[x]²;
+* forward elementwise: the normalized coordinate, then y;
+* backward: element temporaries (x̂, g), the run-time reductions, per-group
+  coefficients, dx as ``Σ coefficient · element monomial``, parameter-gradient
+  contributions, per-group input gradients.
+
+Expressions are printed by SymPy's own printers (``NumPyPrinter``,
+``C99CodePrinter``); we only map symbols to variable names and ``Mean`` to the
+reduction of each target.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import pprint
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import jinja2
+import sympy
+from sympy import Add, Mul
+from sympy.codegen.ast import float32, float64, real
+from sympy.printing.c import C99CodePrinter
+from sympy.printing.numpy import NumPyPrinter
+
+from .api import Derivation, derive
+from .document import _Ordered, code_text, ordered_names
+from .engine import G, ModeDerivation
+from .reduce import Mean, means
+from .spec import DY, N, X, Spec
+
+TEMPLATE_FILES = {"numpy": "numpy.py.j2", "c": "kernel.c.j2", "h": "kernel.h.j2", "cbind": "cbinding.py.j2"}
+
+
+def template_dir() -> Path:
+    src = Path(__file__).resolve().parent.parent / "templates"
+    if (src / "numpy.py.j2").is_file():
+        return src
+    return Path(__file__).resolve().parent / "templates"
+
+
+# ------------------------------------------------------------------- IR
+
+@dataclass
+class Loop:
+    accs: list[tuple[str, sympy.Expr]]      # acc name, element expression summed over the group
+
+
+@dataclass
+class Assign:
+    name: str
+    expr: sympy.Expr                         # group-level
+    comment: str = ""
+
+
+@dataclass
+class ModeIR:
+    mode: str
+    stats: list[str]
+    forward: list                            # Loop | Assign
+    buffer_updates: list[tuple[str, sympy.Expr]]
+    fwd_elem: list[tuple[str, sympy.Expr]]   # (name, element expr); the last is y
+    bwd_elem: list[tuple[str, sympy.Expr]]   # element temporaries for the backward (x̂, g)
+    bwd_loop: list[tuple[str, sympy.Expr]]   # reduction accumulators
+    bwd_group: list[Assign]                  # per-group: reductions, coefficients, input grads
+    dx_terms: list[tuple[str, sympy.Expr]]   # (coefficient name, element monomial)
+    dx_closed: sympy.Expr                    # the closed form (for comments and NumPy)
+    dparams: list[tuple[str, sympy.Expr]]
+    dinputs: list[tuple[str, str]]           # (input, group variable holding its gradient)
+    element_symbols: list[str]
+    stat_exprs: list[tuple[str, sympy.Expr, str]]   # (name, expression as the spec writes it, source text)
+
+
+def _acc_name(base: str, k: int, total: int) -> str:
+    return f"sum_{base}" if total == 1 else f"sum_{base}_{k}"
+
+
+def build_mode_ir(md: ModeDerivation) -> ModeIR:
+    spec = md.spec
+    params = [p.symbol for p in spec.params]
+    element = {X, DY, G, *params}
+    xhat = spec.normalized.symbol if spec.normalized else None
+    if xhat is not None:
+        element.add(xhat)
+
+    def is_elem(e):
+        return bool(e.free_symbols & element) and not isinstance(e, Mean)
+
+    forward: list = []
+    for st in md.statistics:
+        atoms = means(st.expr)
+        sub = {}
+        if atoms:
+            accs = []
+            for k, a in enumerate(atoms):
+                nm = _acc_name(st.name, k, len(atoms))
+                accs.append((nm, a.args[0]))
+                sub[a] = sympy.Symbol(nm) / N
+            forward.append(Loop(accs))
+        forward.append(Assign(st.name, st.expr.xreplace(sub), comment=f"{st.name} = {st.expr_text}"))
+    mode = spec.mode(md.mode)
+    buffer_updates = [(b.name, b.update) for b in spec.buffers] if md.mode == "train" else []
+    fwd_elem = []
+    if xhat is not None:
+        fwd_elem.append((spec.normalized.name, md.normalized_expr))
+    fwd_elem.append(("y", spec.output))
+
+    bwd_elem = []
+    if xhat is not None:
+        bwd_elem.append((spec.normalized.name, md.normalized_expr))
+    if md.g is not None:
+        bwd_elem.append(("g", md.g))
+    bwd_loop = [(f"sum_{r.name[len('mean_'):]}" if r.name.startswith("mean_") else f"sum_{r.name}", r.arg)
+                for r in md.reductions]
+    bwd_group = [Assign(r.name, sympy.Symbol(acc) / N, comment=f"{r.name} = mean({r.arg})")
+                 for r, (acc, _) in zip(md.reductions, bwd_loop)]
+    # dx = Σ_k coefficient_k(group) · monomial_k(element)
+    dx = sympy.expand(md.dx_lowered, power_base=False, log=False)
+    by_mono: dict[sympy.Expr, list] = {}
+    for term in Add.make_args(dx):
+        c, m = [], []
+        for f in Mul.make_args(term):
+            (m if is_elem(f) else c).append(f)
+        by_mono.setdefault(Mul(*m), []).append(Mul(*c))
+    dx_terms = []
+    for mono in sorted(by_mono, key=sympy.default_sort_key):
+        nm = "k_" + ("1" if mono == 1 else "_".join(_mono_name(f) for f in Mul.make_args(mono)))
+        bwd_group.append(Assign(nm, sympy.factor_terms(Add(*by_mono[mono])),
+                                comment=f"coefficient of {mono} in dx"))
+        dx_terms.append((nm, mono))
+    dinputs = []
+    for i in spec.inputs:
+        nm = f"grad_{i.name}"
+        bwd_group.append(Assign(nm, md.lowered(md.dinputs[i.name]), comment=f"∂L/∂{i.name} for this group"))
+        dinputs.append((i.name, nm))
+    dparams = [(p.name, md.dparams[p.name]) for p in spec.params]
+    _ = mode
+    return ModeIR(mode=md.mode, stats=[s.name for s in md.statistics], forward=forward,
+                  buffer_updates=buffer_updates, fwd_elem=fwd_elem, bwd_elem=bwd_elem, bwd_loop=bwd_loop,
+                  bwd_group=bwd_group, dx_terms=dx_terms, dx_closed=md.dx_lowered, dparams=dparams,
+                  dinputs=dinputs, element_symbols=sorted(str(s) for s in element),
+                  stat_exprs=[(st.name, st.expr, st.expr_text) for st in md.statistics])
+
+
+def _mono_name(f: sympy.Expr) -> str:
+    b, e = f.as_base_exp()
+    return str(b) if e == 1 else f"{b}{e}"
+
+
+# ------------------------------------------------------------------- printers
+
+class _NumPy(_Ordered, NumPyPrinter):
+    def __init__(self, names):
+        super().__init__({"fully_qualified_modules": True, "allow_unknown_functions": False})
+        self.names = names
+
+    def _print_Mean(self, expr):
+        return "_mean(%s)" % self._print(expr.args[0])
+
+    def _print_Symbol(self, expr):
+        return expr.name
+
+
+def np_expr(e: sympy.Expr, spec: Spec | None = None) -> str:
+    return _NumPy(ordered_names(spec)).doprint(e).replace("numpy.", "np.")
+
+
+class _C(_Ordered, C99CodePrinter):
+    def __init__(self, ctype: str, rename: dict[str, str], names):
+        alias = float32 if ctype == "float" else float64
+        super().__init__({"type_aliases": {real: alias}})
+        self.rename = rename
+        self.names = names
+
+    def _print_Symbol(self, expr):
+        return self.rename.get(expr.name, expr.name)
+
+    def _print_Pow(self, expr):
+        # small integer powers as products: exact, fast, no pow() call
+        if expr.exp.is_Integer and 2 <= abs(int(expr.exp)) <= 4:
+            b = self.parenthesize(expr.base, sympy.printing.precedence.PRECEDENCE["Mul"])
+            prod = "*".join([b] * abs(int(expr.exp)))
+            return f"({prod})" if expr.exp > 0 else f"({self._print(sympy.S.One)}/({prod}))"
+        if expr.exp == -sympy.S.Half:
+            return "%s/%s" % (self._print(sympy.S.One), self._print(sympy.sqrt(expr.base)))
+        return super()._print_Pow(expr)
+
+
+_SPEC_FOR_PRINTING: list = [None]   # the spec being emitted (term ordering only)
+
+
+def c_expr(e: sympy.Expr, ctype: str, rename: dict[str, str] | None = None) -> str:
+    return _C(ctype, rename or {}, ordered_names(_SPEC_FOR_PRINTING[0])).doprint(e)
+
+
+# ------------------------------------------------------------------- C plans
+
+CTYPES = {"f32": "float", "f64": "double"}
+
+
+@dataclass
+class CLoop:
+    """One pass over the elements of a group."""
+    uses_params: bool
+    casts: list[tuple[str, str]]          # (T-typed local, group-level double expression)
+    loads: list[str]                      # element statements, in order
+    body: list[str]                       # accumulations / stores
+
+
+class CPlanner:
+    """Turns a ModeIR into C statement strings for one element type."""
+
+    def __init__(self, spec: Spec, ir: ModeIR, ctype: str):
+        self.spec, self.ir, self.ctype = spec, ir, ctype
+        self.params = [p.name for p in spec.params]
+        self.inputs = [i.name for i in spec.inputs]
+        self.buffers = [b.name for b in spec.buffers]
+        self.group_names: dict[str, str] = {"N": "N"}
+        for b in self.buffers:
+            self.group_names[b] = f"{b}_g"
+        self.elem_names: dict[str, str] = {"x": "xv", "dy": "dyv", **{p: f"{p}_v" for p in self.params}}
+
+    # group level, double precision
+    def g(self, e: sympy.Expr) -> str:
+        return c_expr(e, "double", self.group_names)
+
+    def loop(self, exprs: list[sympy.Expr], temps: list[tuple[str, sympy.Expr]], body_fmt) -> CLoop:
+        """Element loop computing ``exprs``; ``temps`` are element temporaries available."""
+        T = self.ctype
+        needed_temps: list[tuple[str, sympy.Expr]] = []
+        syms = set().union(*(e.free_symbols for e in exprs)) if exprs else set()
+        names = {str(s) for s in syms}
+        # temporaries used, transitively, kept in definition order
+        for nm, te in reversed(temps):
+            if nm in names:
+                needed_temps.insert(0, (nm, te))
+                names |= {str(s) for s in te.free_symbols}
+        temp_names = {nm for nm, _ in needed_temps}
+        elem_syms = {"x", "dy", *self.params} | temp_names
+        group_used = sorted(n for n in names if n not in elem_syms)
+        enames = dict(self.elem_names)
+        for gname in group_used:
+            enames[gname] = f"{self.group_names.get(gname, gname)}_t"
+        casts = [(enames[gname], self.group_names.get(gname, gname)) for gname in group_used]
+        loads = []
+        if "x" in names:
+            loads.append(f"const {T} xv = x[idx];")
+        if "dy" in names:
+            loads.append(f"const {T} dyv = dy[idx];")
+        for p in self.params:
+            if p in names:
+                loads.append(f"const {T} {p}_v = {p}[ch];")
+        for nm, te in needed_temps:
+            loads.append(f"const {T} {nm} = {c_expr(te, T, enames)};")
+            enames[nm] = nm
+        body = body_fmt(lambda e: c_expr(e, T, enames))
+        uses_params = any(p in names for p in self.params) or any(
+            "[ch]" in line for line in body)
+        return CLoop(uses_params, casts, loads, body)
+
+    def forward(self):
+        steps = []
+        temps: list = []
+        for st in self.ir.forward:
+            if isinstance(st, Loop):
+                steps.append(("loop", self.loop([e for _, e in st.accs], temps,
+                              lambda P, st=st: [f"{a} += (double)({P(e)});" for a, e in st.accs]),
+                              [a for a, _ in st.accs]))
+            else:
+                steps.append(("assign", st.name, self.g(st.expr), st.comment))
+        out_name, out_expr = self.ir.fwd_elem[-1]
+        temps = list(self.ir.fwd_elem[:-1])
+        final = self.loop([out_expr], temps, lambda P: [f"y[idx] = {P(out_expr)};"])
+        updates = [(b, self.g(e)) for b, e in self.ir.buffer_updates]
+        return steps, final, updates
+
+    def backward(self):
+        temps = list(self.ir.bwd_elem)
+        red = None
+        if self.ir.bwd_loop:
+            red = self.loop([e for _, e in self.ir.bwd_loop], temps,
+                            lambda P: [f"{a} += (double)({P(e)});" for a, e in self.ir.bwd_loop])
+        group = [(a.name, self.g(a.expr), a.comment) for a in self.ir.bwd_group]
+        dx_expr = Add(*[sympy.Symbol(k) * m for k, m in self.ir.dx_terms])
+        pexprs = [e for _, e in self.ir.dparams]
+
+        def body(P):
+            lines = [f"dx[idx] = {P(dx_expr)};"]
+            for k, (p, e) in enumerate(self.ir.dparams):
+                lines.append(f"mine[{k}*C + ch] += (double)({P(e)});")
+            return lines
+        final = self.loop([dx_expr, *pexprs], temps, body)
+        return red, [a for a, _ in self.ir.bwd_loop], group, final
+
+
+# ------------------------------------------------------------------- rendering
+
+@dataclass
+class Emitted:
+    name: str
+    files: dict[str, str] = field(default_factory=dict)   # relative path -> text
+
+
+def _grad_fields(spec: Spec) -> list[str]:
+    return ["dx", *("d" + p.name for p in spec.params), *("d" + i.name for i in spec.inputs)]
+
+
+def layer_meta(spec: Spec) -> dict:
+    """The calling contract, as plain data (embedded in generated files)."""
+    return {
+        "name": spec.name,
+        "layout": spec.layout,
+        "reduce": spec.reduce,
+        "params": [p.name for p in spec.params],
+        "param_init": {p.name: p.init for p in spec.params},
+        "options": {o.name: (o.default, o.min, o.max) for o in spec.options},
+        "inputs": [i.name for i in spec.inputs],
+        "buffers": [b.name for b in spec.buffers],
+        "buffer_init": {b.name: b.init for b in spec.buffers},
+        "modes": [m.name for m in spec.modes],
+        "min_group_size": {m.name: m.min_group_size for m in spec.modes},
+        "stats": {m.name: [s.name for s in m.statistics] for m in spec.modes},
+    }
+
+
+def _env() -> jinja2.Environment:
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(template_dir())),
+                             undefined=jinja2.StrictUndefined, keep_trailing_newline=True,
+                             trim_blocks=True, lstrip_blocks=True, autoescape=False)
+    env.filters["c"] = lambda e, ctype, names=None: c_expr(e, ctype, names)
+    env.filters["pyrepr"] = repr
+    env.filters["pformat"] = lambda v: pprint.pformat(v, width=96, sort_dicts=False)
+    return env
+
+
+def _formulas(d: Derivation) -> dict[str, list[str]]:
+    """Human-readable formulas for headers, per mode."""
+    spec = d.spec
+    out = {}
+
+    def T(e):
+        return code_text(e, spec)
+    for mname, md in d.modes.items():
+        lines = ["forward:"] + [f"  {st.name} = {T(st.expr)}" for st in md.statistics]
+        if spec.normalized is not None:
+            lines.append(f"  {spec.normalized.name} = {T(md.normalized_expr)}")
+        lines.append(f"  y = {T(spec.output)}")
+        for b in (spec.buffers if mname == "train" else ()):
+            lines.append(f"  {b.name} <- {T(b.update)}  (in place, not differentiated)")
+        lines.append("backward (closed form, derived by derivgen):")
+        if md.g is not None:
+            lines.append(f"  g = {T(md.g)}")
+        for r in md.reductions:
+            lines.append(f"  {r.name} = mean({T(r.arg)})")
+        lines.append(f"  dx = {T(md.dx_lowered)}")
+        for p, e in md.dparams.items():
+            lines.append(f"  d{p} = sum of {T(e)} over the axes {p} does not span")
+        for i, e in md.dinputs.items():
+            lines.append(f"  d{i} = {T(md.lowered(e))}  (per group; summed for a scalar input)")
+        out[mname] = lines
+    return out
+
+
+def emit(d: Derivation, targets=("numpy", "c")) -> Emitted:
+    spec = d.spec
+    env = _env()
+    env.filters["np"] = lambda e: np_expr(e, spec)
+    env.filters["code"] = lambda e: code_text(e, spec)
+    _SPEC_FOR_PRINTING[0] = spec
+    irs = {m: build_mode_ir(md) for m, md in d.modes.items()}
+    cplans = {(m, sfx): CPlanner(spec, ir, ct) for m, ir in irs.items() for sfx, ct in CTYPES.items()}
+    ctx = dict(spec=spec, meta=layer_meta(spec), irs=irs, modes=list(irs), formulas=_formulas(d),
+               source=spec.source, cplans=cplans, grad_fields=_grad_fields(spec), ctypes=CTYPES, per_sample=spec.reduce != "batch")
+    out = Emitted(spec.name)
+    if "numpy" in targets:
+        ctx_np = dict(ctx, template=TEMPLATE_FILES["numpy"])
+        out.files[f"numpy/{spec.name}.py"] = env.get_template(TEMPLATE_FILES["numpy"]).render(**ctx_np)
+    if "c" in targets:
+        for key, path in (("h", f"c/{spec.name}.h"), ("c", f"c/{spec.name}.c"), ("cbind", f"c/{spec.name}.py")):
+            out.files[path] = env.get_template(TEMPLATE_FILES[key]).render(**dict(ctx, template=TEMPLATE_FILES[key]))
+    return out
+
+
+def emit_layer(name_or_spec, targets=("numpy", "c")) -> Emitted:
+    return emit(derive(name_or_spec), targets)
+
+
+def source_hash(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()

@@ -1,0 +1,328 @@
+"""Runtime shared by the generated NumPy modules and the C bindings.
+
+Generated files hold the mathematics; this module holds the calling
+contract: argument validation (clear ``ValueError``/``TypeError`` naming the
+argument), the layout of x as a 4-D view ``(O, G, Cg, S)`` -- O outer
+(samples or rows), G groups of channels, Cg channels per group, S inner
+(spatial) -- and the output buffers.
+
+Every catalogue layout is such a view:
+
+==============  ============================  ==================================
+layer           view (O, G, Cg, S)            one normalization group
+==============  ============================  ==================================
+layernorm-like  (rows, 1, D, 1)               a row (per sample)
+instancenorm    (N, C, 1, spatial)            (sample, channel)
+groupnorm       (N, G, C/G, spatial)          (sample, group)
+batchnorm       (N, C, 1, spatial)            a channel, over samples and space
+==============  ============================  ==================================
+
+Parameters are always ``(1, G, Cg, 1)`` in this view; statistics are one value
+per group, stored as a flat array of ``n_groups`` values.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import namedtuple
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Any
+
+import numpy as np
+
+DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+
+
+@dataclass
+class Layout:
+    O: int
+    G: int
+    Cg: int
+    S: int
+    per_sample: bool
+    x_shape: tuple
+    param_shape: tuple
+    group_shape: tuple          # shape users see for per-group values (stats, inputs, buffers)
+
+    @property
+    def n_groups(self) -> int:
+        return self.O * self.G if self.per_sample else self.G
+
+    @property
+    def group_size(self) -> int:
+        return self.Cg * self.S * (1 if self.per_sample else self.O)
+
+    @property
+    def view4(self) -> tuple:
+        return (self.O, self.G, self.Cg, self.S)
+
+    @property
+    def stat4(self) -> tuple:
+        return (self.O, self.G, 1, 1) if self.per_sample else (1, self.G, 1, 1)
+
+    @property
+    def param4(self) -> tuple:
+        return (1, self.G, self.Cg, 1)
+
+    @property
+    def reduce_axes(self) -> tuple:
+        return (2, 3) if self.per_sample else (0, 2, 3)
+
+    @property
+    def param_axes(self) -> tuple:
+        """Axes of the 4-D view a parameter gradient is summed over."""
+        return (0, 3)
+
+
+def _check_array(name: str, a: Any) -> np.ndarray:
+    if not isinstance(a, np.ndarray):
+        if isinstance(a, (list, tuple)) or np.isscalar(a):
+            raise TypeError(f"{name} must be a numpy.ndarray of float32 or float64, got {type(a).__name__}")
+        raise TypeError(f"{name} must be a numpy.ndarray, got {type(a).__name__}")
+    if a.dtype not in DTYPES:
+        raise TypeError(f"{name} must have dtype float32 or float64, got {a.dtype}")
+    return a
+
+
+def _check_float(name: str, v: Any, lo=None, hi=None) -> float:
+    if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, float, np.integer, np.floating)):
+        raise TypeError(f"{name} must be a real number, got {type(v).__name__}")
+    f = float(v)
+    if not math.isfinite(f):
+        raise ValueError(f"{name} must be finite, got {f}")
+    if lo is not None and f < lo or hi is not None and f > hi:
+        rng = f"[{lo if lo is not None else '-inf'}, {hi if hi is not None else 'inf'}]"
+        raise ValueError(f"{name} must lie in {rng}, got {f}")
+    return f
+
+
+def resolve_layout(meta: dict, x: np.ndarray, first_param: np.ndarray | None, num_groups) -> Layout:
+    kind, red = meta["layout"], meta["reduce"]
+    name = meta["name"]
+    if x.size == 0:
+        raise ValueError(f"{name}: x is empty (shape {x.shape})")
+    if kind == "trailing":
+        p0 = meta["params"][0]
+        k = first_param.ndim
+        if k == 0:
+            raise ValueError(f"{name}: {p0} must have at least one dimension (it defines the normalized axes)")
+        if x.ndim < k or tuple(x.shape[x.ndim - k:]) != tuple(first_param.shape):
+            raise ValueError(f"{name}: {p0} has shape {first_param.shape}, which must equal the trailing "
+                             f"axes of x (shape {x.shape})")
+        lead = tuple(x.shape[:x.ndim - k])
+        return Layout(O=math.prod(lead), G=1, Cg=math.prod(first_param.shape), S=1, per_sample=True,
+                      x_shape=x.shape, param_shape=tuple(first_param.shape), group_shape=lead)
+    # channel layouts: x is (N, C, *spatial)
+    min_nd = 3 if red == "instance" else 2
+    if x.ndim < min_nd:
+        raise ValueError(f"{name}: x must have shape (N, C{', *spatial' if min_nd == 2 else ', L, ...'}) "
+                         f"with at least {min_nd} dimensions, got {x.shape}")
+    n, c = x.shape[0], x.shape[1]
+    S = math.prod(x.shape[2:])
+    if red == "batch":
+        return Layout(O=n, G=c, Cg=1, S=S, per_sample=False, x_shape=x.shape, param_shape=(c,), group_shape=(c,))
+    if red == "instance":
+        return Layout(O=n, G=c, Cg=1, S=S, per_sample=True, x_shape=x.shape, param_shape=(c,), group_shape=(n, c))
+    if isinstance(num_groups, (bool, np.bool_)) or not isinstance(num_groups, (int, np.integer)):
+        raise TypeError(f"{name}: num_groups must be an int, got {type(num_groups).__name__}")
+    G = int(num_groups)
+    if G <= 0 or c % G:
+        raise ValueError(f"{name}: num_groups={G} must be positive and divide the number of channels C={c}")
+    return Layout(O=n, G=G, Cg=c // G, S=S, per_sample=True, x_shape=x.shape, param_shape=(c,), group_shape=(n, G))
+
+
+@lru_cache(maxsize=None)
+def grads_type(name: str, fields: tuple[str, ...]):
+    return namedtuple(f"{name.title().replace('_', '')}Grads", fields)
+
+
+class Cache:
+    """What the forward saves for the backward.
+
+    Statistics are flat arrays of ``n_groups`` values; as attributes
+    (``cache.mean``, ``cache.rstd`` ...) they are shown in the layer's group
+    shape (rows for layer norm, (N, C) for instance norm, (C,) for batch norm).
+    """
+
+    def __init__(self, meta, mode, layout, x, params, stats, options, inputs):
+        self.meta, self.mode, self.layout = meta, mode, layout
+        self.x, self.params, self.stats = x, params, stats
+        self.options, self.inputs = options, inputs
+
+    @property
+    def dtype(self):
+        return self.x.dtype
+
+    def __getattr__(self, item):
+        stats = self.__dict__.get("stats", {})
+        if item in stats:
+            return stats[item].reshape(self.layout.group_shape)
+        raise AttributeError(item)
+
+    def __repr__(self):
+        return (f"<{self.meta['name']} cache mode={self.mode} x{tuple(self.x.shape)} {self.x.dtype} "
+                f"stats={list(self.stats)}>")
+
+
+@dataclass
+class ForwardCall:
+    meta: dict
+    mode: str
+    layout: Layout
+    dtype: np.dtype
+    x: np.ndarray                     # C-contiguous, original shape
+    params: dict[str, np.ndarray]     # C-contiguous, flat (C,)
+    options: dict[str, float]
+    inputs: dict[str, np.ndarray]     # flat, n_groups or 1 values
+    buffers: dict[str, np.ndarray | None]
+    out: np.ndarray
+    extra: dict = field(default_factory=dict)
+
+    def cache(self, stats: dict[str, np.ndarray]) -> Cache:
+        return Cache(self.meta, self.mode, self.layout, self.x, self.params, stats, self.options, self.inputs)
+
+
+def _contig(a: np.ndarray) -> np.ndarray:
+    return a if a.flags.c_contiguous else np.ascontiguousarray(a)
+
+
+def prepare_forward(meta: dict, x, params: dict, options: dict, inputs: dict, buffers: dict,
+                    training: bool, num_groups=None, out=None) -> ForwardCall:
+    name = meta["name"]
+    x = _check_array("x", x)
+    dtype = x.dtype
+    for pname in meta["params"]:
+        a = _check_array(pname, params[pname])
+        if a.dtype != dtype:
+            raise TypeError(f"{name}: {pname} has dtype {a.dtype} but x has {dtype}; use one dtype for all arrays")
+    first = params[meta["params"][0]] if meta["params"] else None
+    layout = resolve_layout(meta, x, first, num_groups)
+    for pname in meta["params"]:
+        if tuple(params[pname].shape) != layout.param_shape:
+            raise ValueError(f"{name}: {pname} must have shape {layout.param_shape}, got {params[pname].shape}")
+    if not isinstance(training, (bool, np.bool_)):
+        raise TypeError(f"{name}: training must be a bool, got {type(training).__name__}")
+    mode = "train" if training or "eval" not in meta["modes"] else "eval"
+    need = meta["min_group_size"][mode]
+    if layout.group_size < need:
+        raise ValueError(f"{name}: {mode} mode needs at least {need} values per normalization group, got "
+                         f"{layout.group_size} (x shape {x.shape})")
+    opts = {}
+    for oname, (default, lo, hi) in meta["options"].items():
+        v = options.get(oname)
+        if v is None:
+            raise TypeError(f"{name}: option {oname} is required")
+        opts[oname] = _check_float(oname, v, lo, hi)
+    ins = {}
+    for iname in meta["inputs"]:
+        v = inputs.get(iname)
+        if v is None:
+            raise TypeError(f"{name}: {iname} is required (a scalar or one value per group, shape {layout.group_shape})")
+        if isinstance(v, np.ndarray):
+            _check_array(iname, v)
+            if v.dtype != dtype:
+                raise TypeError(f"{name}: {iname} has dtype {v.dtype} but x has {dtype}")
+            if v.ndim == 0 or v.size == 1 and v.shape in ((), (1,)):
+                ins[iname] = v.reshape(1).astype(dtype)
+            elif tuple(v.shape) == tuple(layout.group_shape):
+                ins[iname] = _contig(v).reshape(-1)
+            else:
+                raise ValueError(f"{name}: {iname} must be a scalar or have shape {layout.group_shape}, got {v.shape}")
+        else:
+            ins[iname] = np.array([_check_float(iname, v)], dtype=dtype)
+    bufs = {}
+    for bname in meta["buffers"]:
+        b = buffers.get(bname)
+        if b is not None:
+            b = _check_array(bname, b)
+            if b.dtype != dtype:
+                raise TypeError(f"{name}: {bname} has dtype {b.dtype} but x has {dtype}")
+            if tuple(b.shape) != tuple(layout.group_shape):
+                raise ValueError(f"{name}: {bname} must have shape {layout.group_shape}, got {b.shape}")
+            if mode == "train" and not b.flags.writeable:
+                raise ValueError(f"{name}: {bname} must be writeable (it is updated in place in training mode)")
+        elif mode == "eval":
+            raise ValueError(f"{name}: eval mode (training=False) needs {bname}")
+        bufs[bname] = b
+    out = check_out("out", out, x.shape, dtype)
+    return ForwardCall(meta, mode, layout, dtype, _contig(x),
+                       {p: _contig(params[p]).reshape(-1) for p in meta["params"]},
+                       opts, ins, bufs, out)
+
+
+def check_out(name, out, shape, dtype):
+    if out is None:
+        return np.empty(shape, dtype=dtype)
+    out = _check_array(name, out)
+    if out.dtype != dtype or tuple(out.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)} and dtype {dtype}, got {out.shape} {out.dtype}")
+    if not out.flags.c_contiguous or not out.flags.writeable:
+        raise ValueError(f"{name} must be a writeable C-contiguous array")
+    return out
+
+
+@dataclass
+class BackwardCall:
+    cache: Cache
+    dy: np.ndarray
+    outs: dict[str, np.ndarray]       # dx (x shape), d<param> (param shape), d<input> (n_groups)
+
+
+def prepare_backward(meta: dict, dy, cache, out=None) -> BackwardCall:
+    name = meta["name"]
+    if not isinstance(cache, Cache) or cache.meta["name"] != name:
+        raise TypeError(f"{name}: cache must be the second value returned by this layer's forward")
+    dy = _check_array("dy", dy)
+    if dy.dtype != cache.dtype:
+        raise TypeError(f"{name}: dy has dtype {dy.dtype} but the forward ran in {cache.dtype}")
+    if tuple(dy.shape) != tuple(cache.layout.x_shape):
+        raise ValueError(f"{name}: dy must have the shape of x {cache.layout.x_shape}, got {dy.shape}")
+    fields = grad_fields(meta)
+    shapes = {"dx": cache.layout.x_shape}
+    for p in meta["params"]:
+        shapes["d" + p] = cache.layout.param_shape
+    given = {}
+    if out is not None:
+        if isinstance(out, dict):
+            given = dict(out)
+        else:
+            given = dict(zip(fields, out))
+        unknown = set(given) - set(fields)
+        if unknown:
+            raise ValueError(f"{name}: out has unknown field(s) {sorted(unknown)}; fields are {fields}")
+    outs = {}
+    for f in fields:
+        if f in shapes:
+            outs[f] = check_out(f"out.{f}", given.get(f), shapes[f], cache.dtype)
+    return BackwardCall(cache, _contig(dy), outs)
+
+
+def grad_fields(meta) -> tuple[str, ...]:
+    return ("dx", *("d" + p for p in meta["params"]), *("d" + i for i in meta["inputs"]))
+
+
+def finish_input_grad(cache: Cache, iname: str, per_group: np.ndarray) -> np.ndarray:
+    """Per-group input gradients, summed when the input was a scalar."""
+    if cache.inputs[iname].size == 1:
+        return np.asarray(per_group.sum(dtype=np.float64), dtype=cache.dtype)
+    return per_group.astype(cache.dtype, copy=False).reshape(cache.layout.group_shape)
+
+
+
+
+def group_view(values: np.ndarray, layout: Layout) -> np.ndarray:
+    """A per-group input (1 value or n_groups values) as a broadcastable 4-D array."""
+    return values.reshape(1, 1, 1, 1) if values.size == 1 else values.reshape(layout.stat4)
+
+
+def flat_stat(value, layout: Layout, dtype) -> np.ndarray:
+    """A per-group value (4-D broadcastable, or scalar) as a flat array of n_groups."""
+    a = np.broadcast_to(np.asarray(value, dtype=dtype), layout.stat4)
+    return np.ascontiguousarray(a).reshape(-1)
+
+
+def param_sum(contribution: np.ndarray, layout: Layout, out: np.ndarray) -> None:
+    """Sum a per-element parameter-gradient contribution over the axes the parameter does not span."""
+    s = np.sum(contribution, axis=layout.param_axes, dtype=np.float64)   # (G, Cg)
+    out.reshape(-1)[...] = s.reshape(-1)
