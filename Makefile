@@ -35,6 +35,9 @@ demo: $(STAMP)
 	@$(BIN)/derivgen derive layernorm --format text --no-prove
 	@echo "== every layer: closed form, reductions, proof at N = 2..6"
 	@$(BIN)/derivgen prove
+	@echo
+	@echo "== regenerate NumPy and C into generated/"
+	@$(BIN)/derivgen generate
 
 test: $(STAMP) pdflatex
 	$(BIN)/python -m pytest -q
