@@ -43,7 +43,7 @@ class CKernel:
 
     def forward(self, call: rt.ForwardCall):
         L, m = call.layout, self.meta
-        stats = {s: np.empty(L.n_groups, dtype=call.dtype) for s in m["stats"][call.mode]}
+        stats = {s: np.empty(L.n_groups, dtype=np.float64) for s in m["stats"][call.mode]}
         args = [ctypes.c_int64(L.O), ctypes.c_int64(L.G), ctypes.c_int64(L.Cg), ctypes.c_int64(L.S), _ptr(call.x)]
         args += [_ptr(call.params[p]) for p in m["params"]]
         args += [ctypes.c_double(call.options[o]) for o in m["options"]]

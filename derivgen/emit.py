@@ -209,7 +209,6 @@ CTYPES = {"f32": "float", "f64": "double"}
 class CLoop:
     """One pass over the elements of a group."""
     uses_params: bool
-    casts: list[tuple[str, str]]          # (T-typed local, group-level double expression)
     loads: list[str]                      # element statements, in order
     body: list[str]                       # accumulations / stores
 
@@ -232,7 +231,12 @@ class CPlanner:
         return c_expr(e, "double", self.group_names)
 
     def loop(self, exprs: list[sympy.Expr], temps: list[tuple[str, sympy.Expr]], body_fmt) -> CLoop:
-        """Element loop computing ``exprs``; ``temps`` are element temporaries available."""
+        """Element loop computing ``exprs``; ``temps`` are element temporaries available.
+
+        Loads and stores use the array type; all arithmetic is double, so a
+        float32 kernel centres and squares without rounding the statistics to
+        float (mean offset 1e4) or overflowing (|x| ~ 1e30).
+        """
         T = self.ctype
         needed_temps: list[tuple[str, sympy.Expr]] = []
         syms = set().union(*(e.free_symbols for e in exprs)) if exprs else set()
@@ -242,28 +246,22 @@ class CPlanner:
             if nm in names:
                 needed_temps.insert(0, (nm, te))
                 names |= {str(s) for s in te.free_symbols}
-        temp_names = {nm for nm, _ in needed_temps}
-        elem_syms = {"x", "dy", *self.params} | temp_names
-        group_used = sorted(n for n in names if n not in elem_syms)
-        enames = dict(self.elem_names)
-        for gname in group_used:
-            enames[gname] = f"{self.group_names.get(gname, gname)}_t"
-        casts = [(enames[gname], self.group_names.get(gname, gname)) for gname in group_used]
+        enames = dict(self.group_names)
+        enames.update(self.elem_names)
         loads = []
         if "x" in names:
-            loads.append(f"const {T} xv = x[idx];")
+            loads.append("const double xv = (double)x[idx];")
         if "dy" in names:
-            loads.append(f"const {T} dyv = dy[idx];")
+            loads.append("const double dyv = (double)dy[idx];")
         for p in self.params:
             if p in names:
-                loads.append(f"const {T} {p}_v = {p}[ch];")
+                loads.append(f"const double {p}_v = (double){p}[ch];")
         for nm, te in needed_temps:
-            loads.append(f"const {T} {nm} = {c_expr(te, T, enames)};")
+            loads.append(f"const double {nm} = {c_expr(te, 'double', enames)};")
             enames[nm] = nm
-        body = body_fmt(lambda e: c_expr(e, T, enames))
-        uses_params = any(p in names for p in self.params) or any(
-            "[ch]" in line for line in body)
-        return CLoop(uses_params, casts, loads, body)
+        body = body_fmt(lambda e: c_expr(e, "double", enames))
+        uses_params = any(p in names for p in self.params) or any("[ch]" in line for line in body)
+        return CLoop(uses_params, loads, body)
 
     def forward(self):
         steps = []
@@ -271,13 +269,13 @@ class CPlanner:
         for st in self.ir.forward:
             if isinstance(st, Loop):
                 steps.append(("loop", self.loop([e for _, e in st.accs], temps,
-                              lambda P, st=st: [f"{a} += (double)({P(e)});" for a, e in st.accs]),
+                              lambda P, st=st: [f"{a} += {P(e)};" for a, e in st.accs]),
                               [a for a, _ in st.accs]))
             else:
                 steps.append(("assign", st.name, self.g(st.expr), st.comment))
         out_name, out_expr = self.ir.fwd_elem[-1]
         temps = list(self.ir.fwd_elem[:-1])
-        final = self.loop([out_expr], temps, lambda P: [f"y[idx] = {P(out_expr)};"])
+        final = self.loop([out_expr], temps, lambda P: [f"y[idx] = ({self.ctype})({P(out_expr)});"])
         updates = [(b, self.g(e)) for b, e in self.ir.buffer_updates]
         return steps, final, updates
 
@@ -286,15 +284,15 @@ class CPlanner:
         red = None
         if self.ir.bwd_loop:
             red = self.loop([e for _, e in self.ir.bwd_loop], temps,
-                            lambda P: [f"{a} += (double)({P(e)});" for a, e in self.ir.bwd_loop])
+                            lambda P: [f"{a} += {P(e)};" for a, e in self.ir.bwd_loop])
         group = [(a.name, self.g(a.expr), a.comment) for a in self.ir.bwd_group]
         dx_expr = Add(*[sympy.Symbol(k) * m for k, m in self.ir.dx_terms])
         pexprs = [e for _, e in self.ir.dparams]
 
         def body(P):
-            lines = [f"dx[idx] = {P(dx_expr)};"]
+            lines = [f"dx[idx] = ({self.ctype})({P(dx_expr)});"]
             for k, (p, e) in enumerate(self.ir.dparams):
-                lines.append(f"mine[{k}*C + ch] += (double)({P(e)});")
+                lines.append(f"mine[{k}*C + ch] += {P(e)};")
             return lines
         final = self.loop([dx_expr, *pexprs], temps, body)
         return red, [a for a, _ in self.ir.bwd_loop], group, final

@@ -140,9 +140,11 @@ def grads_type(name: str, fields: tuple[str, ...]):
 class Cache:
     """What the forward saves for the backward.
 
-    Statistics are flat arrays of ``n_groups`` values; as attributes
-    (``cache.mean``, ``cache.rstd`` ...) they are shown in the layer's group
-    shape (rows for layer norm, (N, C) for instance norm, (C,) for batch norm).
+    Statistics are flat float64 arrays of ``n_groups`` values (kept in double
+    so the backward centres float32 data exactly as the forward did); as
+    attributes (``cache.mean``, ``cache.rstd`` ...) they are shown in the
+    layer's group shape (rows for layer norm, (N, C) for instance norm, (C,)
+    for batch norm) and dtype.
     """
 
     def __init__(self, meta, mode, layout, x, params, stats, options, inputs):
@@ -157,7 +159,7 @@ class Cache:
     def __getattr__(self, item):
         stats = self.__dict__.get("stats", {})
         if item in stats:
-            return stats[item].reshape(self.layout.group_shape)
+            return stats[item].reshape(self.layout.group_shape).astype(self.x.dtype)
         raise AttributeError(item)
 
     def __repr__(self):
@@ -316,13 +318,36 @@ def group_view(values: np.ndarray, layout: Layout) -> np.ndarray:
     return values.reshape(1, 1, 1, 1) if values.size == 1 else values.reshape(layout.stat4)
 
 
-def flat_stat(value, layout: Layout, dtype) -> np.ndarray:
-    """A per-group value (4-D broadcastable, or scalar) as a flat array of n_groups."""
-    a = np.broadcast_to(np.asarray(value, dtype=dtype), layout.stat4)
-    return np.ascontiguousarray(a).reshape(-1)
+# ---------------------------------------------------------------- NumPy backend helpers
+
+CHUNK_BYTES = 1 << 20   # float64 working set per chunk: temporaries stay in cache
 
 
-def param_sum(contribution: np.ndarray, layout: Layout, out: np.ndarray) -> None:
-    """Sum a per-element parameter-gradient contribution over the axes the parameter does not span."""
-    s = np.sum(contribution, axis=layout.param_axes, dtype=np.float64)   # (G, Cg)
-    out.reshape(-1)[...] = s.reshape(-1)
+def chunks(layout: Layout, itemsize: int = 8):
+    """Index tuples (into the 4-D x view, into the 4-D parameter view) covering
+    whole normalization groups, each chunk about CHUNK_BYTES of float64 data."""
+    L = layout
+    if L.per_sample:
+        per = max(1, L.G * L.Cg * L.S * itemsize)
+        step = max(1, CHUNK_BYTES // per)
+        for o0 in range(0, L.O, step):
+            yield (slice(o0, min(L.O, o0 + step)),), (slice(None),)
+    else:
+        per = max(1, L.O * L.Cg * L.S * itemsize)
+        step = max(1, CHUNK_BYTES // per)
+        for g0 in range(0, L.G, step):
+            s = (slice(None), slice(g0, min(L.G, g0 + step)))
+            yield s, s
+
+
+def new_stats(layout: Layout, names) -> dict[str, np.ndarray]:
+    return {n: np.empty(layout.stat4, dtype=np.float64) for n in names}
+
+
+def f64(a):
+    return np.asarray(a, dtype=np.float64)
+
+
+def store(out: np.ndarray, value: np.ndarray) -> np.ndarray:
+    out.reshape(-1)[...] = value.reshape(-1)
+    return out

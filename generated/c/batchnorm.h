@@ -6,8 +6,8 @@
  * Layout: x is viewed as [O][G][Cg][S] (C-contiguous): O outer, G groups,
  * Cg channels per group, S inner. One normalization group is one g (= channel):
  * the O blocks of S values it owns. Parameters have G*Cg values, indexed by
- * channel g*Cg + cg. Statistics (*_out, *_in) hold one value per group
- * (G groups), in group order.
+ * channel g*Cg + cg. Statistics (*_out, *_in) are double, one value per group
+ * (G groups), in group order. All arithmetic is double.
  * Buffers are updated in place in train mode (pass NULL to skip), read in eval mode.
  * nthreads <= 0 uses the OpenMP default; without OpenMP the kernels run serially.
  * Returns 0, or -1 when a work buffer cannot be allocated.
@@ -32,9 +32,9 @@ int batchnorm_train_forward_f32(
     float *restrict running_mean,
     float *restrict running_var,
     float *restrict y,
-    float *restrict mean_out,
-    float *restrict var_out,
-    float *restrict rstd_out,
+    double *restrict mean_out,
+    double *restrict var_out,
+    double *restrict rstd_out,
     int nthreads);
 
 int batchnorm_train_backward_f32(
@@ -45,9 +45,9 @@ int batchnorm_train_backward_f32(
     const float *restrict beta,
     double eps,
     double momentum,
-    const float *restrict mean_in,
-    const float *restrict var_in,
-    const float *restrict rstd_in,
+    const double *restrict mean_in,
+    const double *restrict var_in,
+    const double *restrict rstd_in,
     float *restrict dx,
     float *restrict dgamma,
     float *restrict dbeta,
@@ -94,9 +94,9 @@ int batchnorm_eval_forward_f32(
     const float *restrict running_mean,
     const float *restrict running_var,
     float *restrict y,
-    float *restrict mean_out,
-    float *restrict var_out,
-    float *restrict rstd_out,
+    double *restrict mean_out,
+    double *restrict var_out,
+    double *restrict rstd_out,
     int nthreads);
 
 int batchnorm_eval_backward_f32(
@@ -107,9 +107,9 @@ int batchnorm_eval_backward_f32(
     const float *restrict beta,
     double eps,
     double momentum,
-    const float *restrict mean_in,
-    const float *restrict var_in,
-    const float *restrict rstd_in,
+    const double *restrict mean_in,
+    const double *restrict var_in,
+    const double *restrict rstd_in,
     float *restrict dx,
     float *restrict dgamma,
     float *restrict dbeta,

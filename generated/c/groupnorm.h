@@ -6,8 +6,8 @@
  * Layout: x is viewed as [O][G][Cg][S] (C-contiguous): O outer, G groups,
  * Cg channels per group, S inner. One normalization group is one (o, g)
  * block of Cg*S contiguous values. Parameters have G*Cg values, indexed by
- * channel g*Cg + cg. Statistics (*_out, *_in) hold one value per group
- * (O*G groups), in group order.
+ * channel g*Cg + cg. Statistics (*_out, *_in) are double, one value per group
+ * (O*G groups), in group order. All arithmetic is double.
  * nthreads <= 0 uses the OpenMP default; without OpenMP the kernels run serially.
  * Returns 0, or -1 when a work buffer cannot be allocated.
  */
@@ -28,9 +28,9 @@ int groupnorm_train_forward_f32(
     const float *restrict beta,
     double eps,
     float *restrict y,
-    float *restrict mean_out,
-    float *restrict var_out,
-    float *restrict rstd_out,
+    double *restrict mean_out,
+    double *restrict var_out,
+    double *restrict rstd_out,
     int nthreads);
 
 int groupnorm_train_backward_f32(
@@ -40,9 +40,9 @@ int groupnorm_train_backward_f32(
     const float *restrict gamma,
     const float *restrict beta,
     double eps,
-    const float *restrict mean_in,
-    const float *restrict var_in,
-    const float *restrict rstd_in,
+    const double *restrict mean_in,
+    const double *restrict var_in,
+    const double *restrict rstd_in,
     float *restrict dx,
     float *restrict dgamma,
     float *restrict dbeta,

@@ -17,9 +17,10 @@
  *     dgamma = sum of dy*xhat over the axes gamma does not span
  *     dbeta = sum of dy over the axes beta does not span
  *
- * mean(.) is the mean over one normalization group of N elements. Sums are
- * accumulated in double; statistics are computed as written (two passes for a
- * variance), never as E[x^2] - E[x]^2.
+ * mean(.) is the mean over one normalization group of N elements. Arrays are
+ * read and written in their own type; all arithmetic and every sum is double.
+ * Statistics are computed as written (two passes for a variance), never as
+ * E[x^2] - E[x]^2. NaN and Inf propagate as IEEE arithmetic does.
  */
 #include "layernorm.h"
 
@@ -59,9 +60,9 @@ int layernorm_train_forward_f32(
     const float *restrict beta,
     double eps,
     float *restrict y,
-    float *restrict mean_out,
-    float *restrict var_out,
-    float *restrict rstd_out,
+    double *restrict mean_out,
+    double *restrict var_out,
+    double *restrict rstd_out,
     int nthreads)
 {
     const int64_t M = Cg * S;                       /* contiguous values per (o, g) block */
@@ -81,60 +82,51 @@ int layernorm_train_forward_f32(
         const int64_t g = grp % G;
         const int64_t base = grp * M;
         double sum_mean = 0.0;
-        {
-            for (int64_t b = 0; b < blocks; ++b) {
-                const int64_t off = base + b * block_stride;
-                for (int64_t m = 0; m < M; ++m) {
-                    const int64_t idx = off + m;
-                    const float xv = x[idx];
-                    sum_mean += (double)(xv);
-                }
+        for (int64_t b = 0; b < blocks; ++b) {
+            const int64_t off = base + b * block_stride;
+            for (int64_t m = 0; m < M; ++m) {
+                const int64_t idx = off + m;
+                const double xv = (double)x[idx];
+                sum_mean += xv;
             }
         }
         const double mean = sum_mean/N;  /* mean = mean(x) */
         double sum_var = 0.0;
-        {
-            const float mean_t = (float)mean;
-            for (int64_t b = 0; b < blocks; ++b) {
-                const int64_t off = base + b * block_stride;
-                for (int64_t m = 0; m < M; ++m) {
-                    const int64_t idx = off + m;
-                    const float xv = x[idx];
-                    sum_var += (double)(((xv - mean_t)*(xv - mean_t)));
-                }
+        for (int64_t b = 0; b < blocks; ++b) {
+            const int64_t off = base + b * block_stride;
+            for (int64_t m = 0; m < M; ++m) {
+                const int64_t idx = off + m;
+                const double xv = (double)x[idx];
+                sum_var += ((xv - mean)*(xv - mean));
             }
         }
         const double var = sum_var/N;  /* var = mean((x - mean)**2) */
         const double rstd = 1/sqrt(var + eps);  /* rstd = 1/sqrt(var + eps) */
-        mean_out[grp] = (float)mean;
-        var_out[grp] = (float)var;
-        rstd_out[grp] = (float)rstd;
+        mean_out[grp] = mean;
+        var_out[grp] = var;
+        rstd_out[grp] = rstd;
         {
-            {
-                const float mean_t = (float)mean;
-                const float rstd_t = (float)rstd;
-                for (int64_t b = 0; b < blocks; ++b) {
-                    const int64_t off = base + b * block_stride;
-                    if (S == 1) {
-                        for (int64_t m = 0; m < Cg; ++m) {
-                            const int64_t idx = off + m, ch = g * Cg + m;
-                            const float xv = x[idx];
-                            const float gamma_v = gamma[ch];
-                            const float beta_v = beta[ch];
-                            const float xhat = rstd_t*(xv - mean_t);
-                            y[idx] = gamma_v*xhat + beta_v;
-                        }
-                    } else {
-                        for (int64_t cg = 0; cg < Cg; ++cg) {
-                            const int64_t ch = g * Cg + cg;
-                            for (int64_t s = 0; s < S; ++s) {
-                                const int64_t idx = off + cg * S + s;
-                                const float xv = x[idx];
-                                const float gamma_v = gamma[ch];
-                                const float beta_v = beta[ch];
-                                const float xhat = rstd_t*(xv - mean_t);
-                                y[idx] = gamma_v*xhat + beta_v;
-                            }
+            for (int64_t b = 0; b < blocks; ++b) {
+                const int64_t off = base + b * block_stride;
+                if (S == 1) {
+                    for (int64_t m = 0; m < Cg; ++m) {
+                        const int64_t idx = off + m, ch = g * Cg + m;
+                        const double xv = (double)x[idx];
+                        const double gamma_v = (double)gamma[ch];
+                        const double beta_v = (double)beta[ch];
+                        const double xhat = rstd*(xv - mean);
+                        y[idx] = (float)(gamma_v*xhat + beta_v);
+                    }
+                } else {
+                    for (int64_t cg = 0; cg < Cg; ++cg) {
+                        const int64_t ch = g * Cg + cg;
+                        for (int64_t s = 0; s < S; ++s) {
+                            const int64_t idx = off + cg * S + s;
+                            const double xv = (double)x[idx];
+                            const double gamma_v = (double)gamma[ch];
+                            const double beta_v = (double)beta[ch];
+                            const double xhat = rstd*(xv - mean);
+                            y[idx] = (float)(gamma_v*xhat + beta_v);
                         }
                     }
                 }
@@ -152,9 +144,9 @@ int layernorm_train_backward_f32(
     const float *restrict gamma,
     const float *restrict beta,
     double eps,
-    const float *restrict mean_in,
-    const float *restrict var_in,
-    const float *restrict rstd_in,
+    const double *restrict mean_in,
+    const double *restrict var_in,
+    const double *restrict rstd_in,
     float *restrict dx,
     float *restrict dgamma,
     float *restrict dbeta,
@@ -183,43 +175,39 @@ int layernorm_train_backward_f32(
         for (int64_t grp = 0; grp < n_groups; ++grp) {
             const int64_t g = grp % G;
             const int64_t base = grp * M;
-            const double mean = (double)mean_in[grp];
-            const double var = (double)var_in[grp];
-            const double rstd = (double)rstd_in[grp];
+            const double mean = mean_in[grp];
+            const double var = var_in[grp];
+            const double rstd = rstd_in[grp];
             (void)mean;
             (void)var;
             (void)rstd;
             double sum_g = 0.0;
             double sum_g_xhat = 0.0;
-            {
-                const float mean_t = (float)mean;
-                const float rstd_t = (float)rstd;
-                for (int64_t b = 0; b < blocks; ++b) {
-                    const int64_t off = base + b * block_stride;
-                    if (S == 1) {
-                        for (int64_t m = 0; m < Cg; ++m) {
-                            const int64_t idx = off + m, ch = g * Cg + m;
-                            const float xv = x[idx];
-                            const float dyv = dy[idx];
-                            const float gamma_v = gamma[ch];
-                            const float xhat = rstd_t*(xv - mean_t);
-                            const float g = dyv*gamma_v;
-                            sum_g += (double)(g);
-                            sum_g_xhat += (double)(g*xhat);
-                        }
-                    } else {
-                        for (int64_t cg = 0; cg < Cg; ++cg) {
-                            const int64_t ch = g * Cg + cg;
-                            for (int64_t s = 0; s < S; ++s) {
-                                const int64_t idx = off + cg * S + s;
-                                const float xv = x[idx];
-                                const float dyv = dy[idx];
-                                const float gamma_v = gamma[ch];
-                                const float xhat = rstd_t*(xv - mean_t);
-                                const float g = dyv*gamma_v;
-                                sum_g += (double)(g);
-                                sum_g_xhat += (double)(g*xhat);
-                            }
+            for (int64_t b = 0; b < blocks; ++b) {
+                const int64_t off = base + b * block_stride;
+                if (S == 1) {
+                    for (int64_t m = 0; m < Cg; ++m) {
+                        const int64_t idx = off + m, ch = g * Cg + m;
+                        const double xv = (double)x[idx];
+                        const double dyv = (double)dy[idx];
+                        const double gamma_v = (double)gamma[ch];
+                        const double xhat = rstd*(xv - mean);
+                        const double g = dyv*gamma_v;
+                        sum_g += g;
+                        sum_g_xhat += g*xhat;
+                    }
+                } else {
+                    for (int64_t cg = 0; cg < Cg; ++cg) {
+                        const int64_t ch = g * Cg + cg;
+                        for (int64_t s = 0; s < S; ++s) {
+                            const int64_t idx = off + cg * S + s;
+                            const double xv = (double)x[idx];
+                            const double dyv = (double)dy[idx];
+                            const double gamma_v = (double)gamma[ch];
+                            const double xhat = rstd*(xv - mean);
+                            const double g = dyv*gamma_v;
+                            sum_g += g;
+                            sum_g_xhat += g*xhat;
                         }
                     }
                 }
@@ -229,40 +217,33 @@ int layernorm_train_backward_f32(
             const double k_1 = -mean_g*rstd;  /* coefficient of 1 in dx */
             const double k_g = rstd;  /* coefficient of g in dx */
             const double k_xhat = -mean_g_xhat*rstd;  /* coefficient of xhat in dx */
-            {
-                const float k_1_t = (float)k_1;
-                const float k_g_t = (float)k_g;
-                const float k_xhat_t = (float)k_xhat;
-                const float mean_t = (float)mean;
-                const float rstd_t = (float)rstd;
-                for (int64_t b = 0; b < blocks; ++b) {
-                    const int64_t off = base + b * block_stride;
-                    if (S == 1) {
-                        for (int64_t m = 0; m < Cg; ++m) {
-                            const int64_t idx = off + m, ch = g * Cg + m;
-                            const float xv = x[idx];
-                            const float dyv = dy[idx];
-                            const float gamma_v = gamma[ch];
-                            const float xhat = rstd_t*(xv - mean_t);
-                            const float g = dyv*gamma_v;
-                            dx[idx] = g*k_g_t + k_xhat_t*xhat + k_1_t;
-                            mine[0*C + ch] += (double)(dyv*xhat);
-                            mine[1*C + ch] += (double)(dyv);
-                        }
-                    } else {
-                        for (int64_t cg = 0; cg < Cg; ++cg) {
-                            const int64_t ch = g * Cg + cg;
-                            for (int64_t s = 0; s < S; ++s) {
-                                const int64_t idx = off + cg * S + s;
-                                const float xv = x[idx];
-                                const float dyv = dy[idx];
-                                const float gamma_v = gamma[ch];
-                                const float xhat = rstd_t*(xv - mean_t);
-                                const float g = dyv*gamma_v;
-                                dx[idx] = g*k_g_t + k_xhat_t*xhat + k_1_t;
-                                mine[0*C + ch] += (double)(dyv*xhat);
-                                mine[1*C + ch] += (double)(dyv);
-                            }
+            for (int64_t b = 0; b < blocks; ++b) {
+                const int64_t off = base + b * block_stride;
+                if (S == 1) {
+                    for (int64_t m = 0; m < Cg; ++m) {
+                        const int64_t idx = off + m, ch = g * Cg + m;
+                        const double xv = (double)x[idx];
+                        const double dyv = (double)dy[idx];
+                        const double gamma_v = (double)gamma[ch];
+                        const double xhat = rstd*(xv - mean);
+                        const double g = dyv*gamma_v;
+                        dx[idx] = (float)(g*k_g + k_xhat*xhat + k_1);
+                        mine[0*C + ch] += dyv*xhat;
+                        mine[1*C + ch] += dyv;
+                    }
+                } else {
+                    for (int64_t cg = 0; cg < Cg; ++cg) {
+                        const int64_t ch = g * Cg + cg;
+                        for (int64_t s = 0; s < S; ++s) {
+                            const int64_t idx = off + cg * S + s;
+                            const double xv = (double)x[idx];
+                            const double dyv = (double)dy[idx];
+                            const double gamma_v = (double)gamma[ch];
+                            const double xhat = rstd*(xv - mean);
+                            const double g = dyv*gamma_v;
+                            dx[idx] = (float)(g*k_g + k_xhat*xhat + k_1);
+                            mine[0*C + ch] += dyv*xhat;
+                            mine[1*C + ch] += dyv;
                         }
                     }
                 }
@@ -310,60 +291,51 @@ int layernorm_train_forward_f64(
         const int64_t g = grp % G;
         const int64_t base = grp * M;
         double sum_mean = 0.0;
-        {
-            for (int64_t b = 0; b < blocks; ++b) {
-                const int64_t off = base + b * block_stride;
-                for (int64_t m = 0; m < M; ++m) {
-                    const int64_t idx = off + m;
-                    const double xv = x[idx];
-                    sum_mean += (double)(xv);
-                }
+        for (int64_t b = 0; b < blocks; ++b) {
+            const int64_t off = base + b * block_stride;
+            for (int64_t m = 0; m < M; ++m) {
+                const int64_t idx = off + m;
+                const double xv = (double)x[idx];
+                sum_mean += xv;
             }
         }
         const double mean = sum_mean/N;  /* mean = mean(x) */
         double sum_var = 0.0;
-        {
-            const double mean_t = (double)mean;
-            for (int64_t b = 0; b < blocks; ++b) {
-                const int64_t off = base + b * block_stride;
-                for (int64_t m = 0; m < M; ++m) {
-                    const int64_t idx = off + m;
-                    const double xv = x[idx];
-                    sum_var += (double)(((xv - mean_t)*(xv - mean_t)));
-                }
+        for (int64_t b = 0; b < blocks; ++b) {
+            const int64_t off = base + b * block_stride;
+            for (int64_t m = 0; m < M; ++m) {
+                const int64_t idx = off + m;
+                const double xv = (double)x[idx];
+                sum_var += ((xv - mean)*(xv - mean));
             }
         }
         const double var = sum_var/N;  /* var = mean((x - mean)**2) */
         const double rstd = 1/sqrt(var + eps);  /* rstd = 1/sqrt(var + eps) */
-        mean_out[grp] = (double)mean;
-        var_out[grp] = (double)var;
-        rstd_out[grp] = (double)rstd;
+        mean_out[grp] = mean;
+        var_out[grp] = var;
+        rstd_out[grp] = rstd;
         {
-            {
-                const double mean_t = (double)mean;
-                const double rstd_t = (double)rstd;
-                for (int64_t b = 0; b < blocks; ++b) {
-                    const int64_t off = base + b * block_stride;
-                    if (S == 1) {
-                        for (int64_t m = 0; m < Cg; ++m) {
-                            const int64_t idx = off + m, ch = g * Cg + m;
-                            const double xv = x[idx];
-                            const double gamma_v = gamma[ch];
-                            const double beta_v = beta[ch];
-                            const double xhat = rstd_t*(xv - mean_t);
-                            y[idx] = gamma_v*xhat + beta_v;
-                        }
-                    } else {
-                        for (int64_t cg = 0; cg < Cg; ++cg) {
-                            const int64_t ch = g * Cg + cg;
-                            for (int64_t s = 0; s < S; ++s) {
-                                const int64_t idx = off + cg * S + s;
-                                const double xv = x[idx];
-                                const double gamma_v = gamma[ch];
-                                const double beta_v = beta[ch];
-                                const double xhat = rstd_t*(xv - mean_t);
-                                y[idx] = gamma_v*xhat + beta_v;
-                            }
+            for (int64_t b = 0; b < blocks; ++b) {
+                const int64_t off = base + b * block_stride;
+                if (S == 1) {
+                    for (int64_t m = 0; m < Cg; ++m) {
+                        const int64_t idx = off + m, ch = g * Cg + m;
+                        const double xv = (double)x[idx];
+                        const double gamma_v = (double)gamma[ch];
+                        const double beta_v = (double)beta[ch];
+                        const double xhat = rstd*(xv - mean);
+                        y[idx] = (double)(gamma_v*xhat + beta_v);
+                    }
+                } else {
+                    for (int64_t cg = 0; cg < Cg; ++cg) {
+                        const int64_t ch = g * Cg + cg;
+                        for (int64_t s = 0; s < S; ++s) {
+                            const int64_t idx = off + cg * S + s;
+                            const double xv = (double)x[idx];
+                            const double gamma_v = (double)gamma[ch];
+                            const double beta_v = (double)beta[ch];
+                            const double xhat = rstd*(xv - mean);
+                            y[idx] = (double)(gamma_v*xhat + beta_v);
                         }
                     }
                 }
@@ -412,43 +384,39 @@ int layernorm_train_backward_f64(
         for (int64_t grp = 0; grp < n_groups; ++grp) {
             const int64_t g = grp % G;
             const int64_t base = grp * M;
-            const double mean = (double)mean_in[grp];
-            const double var = (double)var_in[grp];
-            const double rstd = (double)rstd_in[grp];
+            const double mean = mean_in[grp];
+            const double var = var_in[grp];
+            const double rstd = rstd_in[grp];
             (void)mean;
             (void)var;
             (void)rstd;
             double sum_g = 0.0;
             double sum_g_xhat = 0.0;
-            {
-                const double mean_t = (double)mean;
-                const double rstd_t = (double)rstd;
-                for (int64_t b = 0; b < blocks; ++b) {
-                    const int64_t off = base + b * block_stride;
-                    if (S == 1) {
-                        for (int64_t m = 0; m < Cg; ++m) {
-                            const int64_t idx = off + m, ch = g * Cg + m;
-                            const double xv = x[idx];
-                            const double dyv = dy[idx];
-                            const double gamma_v = gamma[ch];
-                            const double xhat = rstd_t*(xv - mean_t);
+            for (int64_t b = 0; b < blocks; ++b) {
+                const int64_t off = base + b * block_stride;
+                if (S == 1) {
+                    for (int64_t m = 0; m < Cg; ++m) {
+                        const int64_t idx = off + m, ch = g * Cg + m;
+                        const double xv = (double)x[idx];
+                        const double dyv = (double)dy[idx];
+                        const double gamma_v = (double)gamma[ch];
+                        const double xhat = rstd*(xv - mean);
+                        const double g = dyv*gamma_v;
+                        sum_g += g;
+                        sum_g_xhat += g*xhat;
+                    }
+                } else {
+                    for (int64_t cg = 0; cg < Cg; ++cg) {
+                        const int64_t ch = g * Cg + cg;
+                        for (int64_t s = 0; s < S; ++s) {
+                            const int64_t idx = off + cg * S + s;
+                            const double xv = (double)x[idx];
+                            const double dyv = (double)dy[idx];
+                            const double gamma_v = (double)gamma[ch];
+                            const double xhat = rstd*(xv - mean);
                             const double g = dyv*gamma_v;
-                            sum_g += (double)(g);
-                            sum_g_xhat += (double)(g*xhat);
-                        }
-                    } else {
-                        for (int64_t cg = 0; cg < Cg; ++cg) {
-                            const int64_t ch = g * Cg + cg;
-                            for (int64_t s = 0; s < S; ++s) {
-                                const int64_t idx = off + cg * S + s;
-                                const double xv = x[idx];
-                                const double dyv = dy[idx];
-                                const double gamma_v = gamma[ch];
-                                const double xhat = rstd_t*(xv - mean_t);
-                                const double g = dyv*gamma_v;
-                                sum_g += (double)(g);
-                                sum_g_xhat += (double)(g*xhat);
-                            }
+                            sum_g += g;
+                            sum_g_xhat += g*xhat;
                         }
                     }
                 }
@@ -458,40 +426,33 @@ int layernorm_train_backward_f64(
             const double k_1 = -mean_g*rstd;  /* coefficient of 1 in dx */
             const double k_g = rstd;  /* coefficient of g in dx */
             const double k_xhat = -mean_g_xhat*rstd;  /* coefficient of xhat in dx */
-            {
-                const double k_1_t = (double)k_1;
-                const double k_g_t = (double)k_g;
-                const double k_xhat_t = (double)k_xhat;
-                const double mean_t = (double)mean;
-                const double rstd_t = (double)rstd;
-                for (int64_t b = 0; b < blocks; ++b) {
-                    const int64_t off = base + b * block_stride;
-                    if (S == 1) {
-                        for (int64_t m = 0; m < Cg; ++m) {
-                            const int64_t idx = off + m, ch = g * Cg + m;
-                            const double xv = x[idx];
-                            const double dyv = dy[idx];
-                            const double gamma_v = gamma[ch];
-                            const double xhat = rstd_t*(xv - mean_t);
+            for (int64_t b = 0; b < blocks; ++b) {
+                const int64_t off = base + b * block_stride;
+                if (S == 1) {
+                    for (int64_t m = 0; m < Cg; ++m) {
+                        const int64_t idx = off + m, ch = g * Cg + m;
+                        const double xv = (double)x[idx];
+                        const double dyv = (double)dy[idx];
+                        const double gamma_v = (double)gamma[ch];
+                        const double xhat = rstd*(xv - mean);
+                        const double g = dyv*gamma_v;
+                        dx[idx] = (double)(g*k_g + k_xhat*xhat + k_1);
+                        mine[0*C + ch] += dyv*xhat;
+                        mine[1*C + ch] += dyv;
+                    }
+                } else {
+                    for (int64_t cg = 0; cg < Cg; ++cg) {
+                        const int64_t ch = g * Cg + cg;
+                        for (int64_t s = 0; s < S; ++s) {
+                            const int64_t idx = off + cg * S + s;
+                            const double xv = (double)x[idx];
+                            const double dyv = (double)dy[idx];
+                            const double gamma_v = (double)gamma[ch];
+                            const double xhat = rstd*(xv - mean);
                             const double g = dyv*gamma_v;
-                            dx[idx] = g*k_g_t + k_xhat_t*xhat + k_1_t;
-                            mine[0*C + ch] += (double)(dyv*xhat);
-                            mine[1*C + ch] += (double)(dyv);
-                        }
-                    } else {
-                        for (int64_t cg = 0; cg < Cg; ++cg) {
-                            const int64_t ch = g * Cg + cg;
-                            for (int64_t s = 0; s < S; ++s) {
-                                const int64_t idx = off + cg * S + s;
-                                const double xv = x[idx];
-                                const double dyv = dy[idx];
-                                const double gamma_v = gamma[ch];
-                                const double xhat = rstd_t*(xv - mean_t);
-                                const double g = dyv*gamma_v;
-                                dx[idx] = g*k_g_t + k_xhat_t*xhat + k_1_t;
-                                mine[0*C + ch] += (double)(dyv*xhat);
-                                mine[1*C + ch] += (double)(dyv);
-                            }
+                            dx[idx] = (double)(g*k_g + k_xhat*xhat + k_1);
+                            mine[0*C + ch] += dyv*xhat;
+                            mine[1*C + ch] += dyv;
                         }
                     }
                 }

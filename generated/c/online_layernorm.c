@@ -20,9 +20,10 @@
  *     dprev_mean = N*(mean_g*(alpha - 1) + N*alpha*mean_g_xhat*(row_mean + alpha*mean - mean - alpha*row_mean)/(sample_std*(N - 1)))/std  (per group; summed for a scalar input)
  *     dprev_std = N*mean_g_xhat*(alpha - 1)/std  (per group; summed for a scalar input)
  *
- * mean(.) is the mean over one normalization group of N elements. Sums are
- * accumulated in double; statistics are computed as written (two passes for a
- * variance), never as E[x^2] - E[x]^2.
+ * mean(.) is the mean over one normalization group of N elements. Arrays are
+ * read and written in their own type; all arithmetic and every sum is double.
+ * Statistics are computed as written (two passes for a variance), never as
+ * E[x^2] - E[x]^2. NaN and Inf propagate as IEEE arithmetic does.
  */
 #include "online_layernorm.h"
 
@@ -65,10 +66,10 @@ int online_layernorm_train_forward_f32(
     const float *restrict prev_mean_in, int64_t prev_mean_stride,
     const float *restrict prev_std_in, int64_t prev_std_stride,
     float *restrict y,
-    float *restrict row_mean_out,
-    float *restrict mean_out,
-    float *restrict sample_std_out,
-    float *restrict std_out,
+    double *restrict row_mean_out,
+    double *restrict mean_out,
+    double *restrict sample_std_out,
+    double *restrict std_out,
     int nthreads)
 {
     const int64_t M = Cg * S;                       /* contiguous values per (o, g) block */
@@ -91,62 +92,53 @@ int online_layernorm_train_forward_f32(
         const double prev_mean = (double)prev_mean_in[grp * prev_mean_stride];
         const double prev_std = (double)prev_std_in[grp * prev_std_stride];
         double sum_row_mean = 0.0;
-        {
-            for (int64_t b = 0; b < blocks; ++b) {
-                const int64_t off = base + b * block_stride;
-                for (int64_t m = 0; m < M; ++m) {
-                    const int64_t idx = off + m;
-                    const float xv = x[idx];
-                    sum_row_mean += (double)(xv);
-                }
+        for (int64_t b = 0; b < blocks; ++b) {
+            const int64_t off = base + b * block_stride;
+            for (int64_t m = 0; m < M; ++m) {
+                const int64_t idx = off + m;
+                const double xv = (double)x[idx];
+                sum_row_mean += xv;
             }
         }
         const double row_mean = sum_row_mean/N;  /* row_mean = mean(x) */
         const double mean = alpha*row_mean + prev_mean*(1 - alpha);  /* mean = alpha*row_mean + (1 - alpha)*prev_mean */
         double sum_sample_std = 0.0;
-        {
-            const float mean_t = (float)mean;
-            for (int64_t b = 0; b < blocks; ++b) {
-                const int64_t off = base + b * block_stride;
-                for (int64_t m = 0; m < M; ++m) {
-                    const int64_t idx = off + m;
-                    const float xv = x[idx];
-                    sum_sample_std += (double)(((xv - mean_t)*(xv - mean_t)));
-                }
+        for (int64_t b = 0; b < blocks; ++b) {
+            const int64_t off = base + b * block_stride;
+            for (int64_t m = 0; m < M; ++m) {
+                const int64_t idx = off + m;
+                const double xv = (double)x[idx];
+                sum_sample_std += ((xv - mean)*(xv - mean));
             }
         }
         const double sample_std = sqrt(eps + sum_sample_std/(N - 1));  /* sample_std = sqrt(sum((x - mean)**2)/(N - 1) + eps) */
         const double std = alpha*sample_std + prev_std*(1 - alpha);  /* std = alpha*sample_std + (1 - alpha)*prev_std */
-        row_mean_out[grp] = (float)row_mean;
-        mean_out[grp] = (float)mean;
-        sample_std_out[grp] = (float)sample_std;
-        std_out[grp] = (float)std;
+        row_mean_out[grp] = row_mean;
+        mean_out[grp] = mean;
+        sample_std_out[grp] = sample_std;
+        std_out[grp] = std;
         {
-            {
-                const float mean_t = (float)mean;
-                const float std_t = (float)std;
-                for (int64_t b = 0; b < blocks; ++b) {
-                    const int64_t off = base + b * block_stride;
-                    if (S == 1) {
-                        for (int64_t m = 0; m < Cg; ++m) {
-                            const int64_t idx = off + m, ch = g * Cg + m;
-                            const float xv = x[idx];
-                            const float gamma_v = gamma[ch];
-                            const float beta_v = beta[ch];
-                            const float xhat = (xv - mean_t)/std_t;
-                            y[idx] = gamma_v*xhat + beta_v;
-                        }
-                    } else {
-                        for (int64_t cg = 0; cg < Cg; ++cg) {
-                            const int64_t ch = g * Cg + cg;
-                            for (int64_t s = 0; s < S; ++s) {
-                                const int64_t idx = off + cg * S + s;
-                                const float xv = x[idx];
-                                const float gamma_v = gamma[ch];
-                                const float beta_v = beta[ch];
-                                const float xhat = (xv - mean_t)/std_t;
-                                y[idx] = gamma_v*xhat + beta_v;
-                            }
+            for (int64_t b = 0; b < blocks; ++b) {
+                const int64_t off = base + b * block_stride;
+                if (S == 1) {
+                    for (int64_t m = 0; m < Cg; ++m) {
+                        const int64_t idx = off + m, ch = g * Cg + m;
+                        const double xv = (double)x[idx];
+                        const double gamma_v = (double)gamma[ch];
+                        const double beta_v = (double)beta[ch];
+                        const double xhat = (xv - mean)/std;
+                        y[idx] = (float)(gamma_v*xhat + beta_v);
+                    }
+                } else {
+                    for (int64_t cg = 0; cg < Cg; ++cg) {
+                        const int64_t ch = g * Cg + cg;
+                        for (int64_t s = 0; s < S; ++s) {
+                            const int64_t idx = off + cg * S + s;
+                            const double xv = (double)x[idx];
+                            const double gamma_v = (double)gamma[ch];
+                            const double beta_v = (double)beta[ch];
+                            const double xhat = (xv - mean)/std;
+                            y[idx] = (float)(gamma_v*xhat + beta_v);
                         }
                     }
                 }
@@ -167,10 +159,10 @@ int online_layernorm_train_backward_f32(
     double eps,
     const float *restrict prev_mean_in, int64_t prev_mean_stride,
     const float *restrict prev_std_in, int64_t prev_std_stride,
-    const float *restrict row_mean_in,
-    const float *restrict mean_in,
-    const float *restrict sample_std_in,
-    const float *restrict std_in,
+    const double *restrict row_mean_in,
+    const double *restrict mean_in,
+    const double *restrict sample_std_in,
+    const double *restrict std_in,
     float *restrict dx,
     float *restrict dgamma,
     float *restrict dbeta,
@@ -204,10 +196,10 @@ int online_layernorm_train_backward_f32(
             const int64_t base = grp * M;
             const double prev_mean = (double)prev_mean_in[grp * prev_mean_stride];
             const double prev_std = (double)prev_std_in[grp * prev_std_stride];
-            const double row_mean = (double)row_mean_in[grp];
-            const double mean = (double)mean_in[grp];
-            const double sample_std = (double)sample_std_in[grp];
-            const double std = (double)std_in[grp];
+            const double row_mean = row_mean_in[grp];
+            const double mean = mean_in[grp];
+            const double sample_std = sample_std_in[grp];
+            const double std = std_in[grp];
             (void)row_mean;
             (void)mean;
             (void)sample_std;
@@ -216,35 +208,31 @@ int online_layernorm_train_backward_f32(
             (void)prev_std;
             double sum_g = 0.0;
             double sum_g_xhat = 0.0;
-            {
-                const float mean_t = (float)mean;
-                const float std_t = (float)std;
-                for (int64_t b = 0; b < blocks; ++b) {
-                    const int64_t off = base + b * block_stride;
-                    if (S == 1) {
-                        for (int64_t m = 0; m < Cg; ++m) {
-                            const int64_t idx = off + m, ch = g * Cg + m;
-                            const float xv = x[idx];
-                            const float dyv = dy[idx];
-                            const float gamma_v = gamma[ch];
-                            const float xhat = (xv - mean_t)/std_t;
-                            const float g = dyv*gamma_v;
-                            sum_g += (double)(g);
-                            sum_g_xhat += (double)(g*xhat);
-                        }
-                    } else {
-                        for (int64_t cg = 0; cg < Cg; ++cg) {
-                            const int64_t ch = g * Cg + cg;
-                            for (int64_t s = 0; s < S; ++s) {
-                                const int64_t idx = off + cg * S + s;
-                                const float xv = x[idx];
-                                const float dyv = dy[idx];
-                                const float gamma_v = gamma[ch];
-                                const float xhat = (xv - mean_t)/std_t;
-                                const float g = dyv*gamma_v;
-                                sum_g += (double)(g);
-                                sum_g_xhat += (double)(g*xhat);
-                            }
+            for (int64_t b = 0; b < blocks; ++b) {
+                const int64_t off = base + b * block_stride;
+                if (S == 1) {
+                    for (int64_t m = 0; m < Cg; ++m) {
+                        const int64_t idx = off + m, ch = g * Cg + m;
+                        const double xv = (double)x[idx];
+                        const double dyv = (double)dy[idx];
+                        const double gamma_v = (double)gamma[ch];
+                        const double xhat = (xv - mean)/std;
+                        const double g = dyv*gamma_v;
+                        sum_g += g;
+                        sum_g_xhat += g*xhat;
+                    }
+                } else {
+                    for (int64_t cg = 0; cg < Cg; ++cg) {
+                        const int64_t ch = g * Cg + cg;
+                        for (int64_t s = 0; s < S; ++s) {
+                            const int64_t idx = off + cg * S + s;
+                            const double xv = (double)x[idx];
+                            const double dyv = (double)dy[idx];
+                            const double gamma_v = (double)gamma[ch];
+                            const double xhat = (xv - mean)/std;
+                            const double g = dyv*gamma_v;
+                            sum_g += g;
+                            sum_g_xhat += g*xhat;
                         }
                     }
                 }
@@ -258,40 +246,33 @@ int online_layernorm_train_backward_f32(
             const double grad_prev_std = N*mean_g_xhat*(alpha - 1)/std;  /* ∂L/∂prev_std for this group */
             dprev_mean[grp] = (float)grad_prev_mean;
             dprev_std[grp] = (float)grad_prev_std;
-            {
-                const float k_1_t = (float)k_1;
-                const float k_g_t = (float)k_g;
-                const float k_xhat_t = (float)k_xhat;
-                const float mean_t = (float)mean;
-                const float std_t = (float)std;
-                for (int64_t b = 0; b < blocks; ++b) {
-                    const int64_t off = base + b * block_stride;
-                    if (S == 1) {
-                        for (int64_t m = 0; m < Cg; ++m) {
-                            const int64_t idx = off + m, ch = g * Cg + m;
-                            const float xv = x[idx];
-                            const float dyv = dy[idx];
-                            const float gamma_v = gamma[ch];
-                            const float xhat = (xv - mean_t)/std_t;
-                            const float g = dyv*gamma_v;
-                            dx[idx] = g*k_g_t + k_xhat_t*xhat + k_1_t;
-                            mine[0*C + ch] += (double)(dyv*xhat);
-                            mine[1*C + ch] += (double)(dyv);
-                        }
-                    } else {
-                        for (int64_t cg = 0; cg < Cg; ++cg) {
-                            const int64_t ch = g * Cg + cg;
-                            for (int64_t s = 0; s < S; ++s) {
-                                const int64_t idx = off + cg * S + s;
-                                const float xv = x[idx];
-                                const float dyv = dy[idx];
-                                const float gamma_v = gamma[ch];
-                                const float xhat = (xv - mean_t)/std_t;
-                                const float g = dyv*gamma_v;
-                                dx[idx] = g*k_g_t + k_xhat_t*xhat + k_1_t;
-                                mine[0*C + ch] += (double)(dyv*xhat);
-                                mine[1*C + ch] += (double)(dyv);
-                            }
+            for (int64_t b = 0; b < blocks; ++b) {
+                const int64_t off = base + b * block_stride;
+                if (S == 1) {
+                    for (int64_t m = 0; m < Cg; ++m) {
+                        const int64_t idx = off + m, ch = g * Cg + m;
+                        const double xv = (double)x[idx];
+                        const double dyv = (double)dy[idx];
+                        const double gamma_v = (double)gamma[ch];
+                        const double xhat = (xv - mean)/std;
+                        const double g = dyv*gamma_v;
+                        dx[idx] = (float)(g*k_g + k_xhat*xhat + k_1);
+                        mine[0*C + ch] += dyv*xhat;
+                        mine[1*C + ch] += dyv;
+                    }
+                } else {
+                    for (int64_t cg = 0; cg < Cg; ++cg) {
+                        const int64_t ch = g * Cg + cg;
+                        for (int64_t s = 0; s < S; ++s) {
+                            const int64_t idx = off + cg * S + s;
+                            const double xv = (double)x[idx];
+                            const double dyv = (double)dy[idx];
+                            const double gamma_v = (double)gamma[ch];
+                            const double xhat = (xv - mean)/std;
+                            const double g = dyv*gamma_v;
+                            dx[idx] = (float)(g*k_g + k_xhat*xhat + k_1);
+                            mine[0*C + ch] += dyv*xhat;
+                            mine[1*C + ch] += dyv;
                         }
                     }
                 }
@@ -346,62 +327,53 @@ int online_layernorm_train_forward_f64(
         const double prev_mean = (double)prev_mean_in[grp * prev_mean_stride];
         const double prev_std = (double)prev_std_in[grp * prev_std_stride];
         double sum_row_mean = 0.0;
-        {
-            for (int64_t b = 0; b < blocks; ++b) {
-                const int64_t off = base + b * block_stride;
-                for (int64_t m = 0; m < M; ++m) {
-                    const int64_t idx = off + m;
-                    const double xv = x[idx];
-                    sum_row_mean += (double)(xv);
-                }
+        for (int64_t b = 0; b < blocks; ++b) {
+            const int64_t off = base + b * block_stride;
+            for (int64_t m = 0; m < M; ++m) {
+                const int64_t idx = off + m;
+                const double xv = (double)x[idx];
+                sum_row_mean += xv;
             }
         }
         const double row_mean = sum_row_mean/N;  /* row_mean = mean(x) */
         const double mean = alpha*row_mean + prev_mean*(1 - alpha);  /* mean = alpha*row_mean + (1 - alpha)*prev_mean */
         double sum_sample_std = 0.0;
-        {
-            const double mean_t = (double)mean;
-            for (int64_t b = 0; b < blocks; ++b) {
-                const int64_t off = base + b * block_stride;
-                for (int64_t m = 0; m < M; ++m) {
-                    const int64_t idx = off + m;
-                    const double xv = x[idx];
-                    sum_sample_std += (double)(((xv - mean_t)*(xv - mean_t)));
-                }
+        for (int64_t b = 0; b < blocks; ++b) {
+            const int64_t off = base + b * block_stride;
+            for (int64_t m = 0; m < M; ++m) {
+                const int64_t idx = off + m;
+                const double xv = (double)x[idx];
+                sum_sample_std += ((xv - mean)*(xv - mean));
             }
         }
         const double sample_std = sqrt(eps + sum_sample_std/(N - 1));  /* sample_std = sqrt(sum((x - mean)**2)/(N - 1) + eps) */
         const double std = alpha*sample_std + prev_std*(1 - alpha);  /* std = alpha*sample_std + (1 - alpha)*prev_std */
-        row_mean_out[grp] = (double)row_mean;
-        mean_out[grp] = (double)mean;
-        sample_std_out[grp] = (double)sample_std;
-        std_out[grp] = (double)std;
+        row_mean_out[grp] = row_mean;
+        mean_out[grp] = mean;
+        sample_std_out[grp] = sample_std;
+        std_out[grp] = std;
         {
-            {
-                const double mean_t = (double)mean;
-                const double std_t = (double)std;
-                for (int64_t b = 0; b < blocks; ++b) {
-                    const int64_t off = base + b * block_stride;
-                    if (S == 1) {
-                        for (int64_t m = 0; m < Cg; ++m) {
-                            const int64_t idx = off + m, ch = g * Cg + m;
-                            const double xv = x[idx];
-                            const double gamma_v = gamma[ch];
-                            const double beta_v = beta[ch];
-                            const double xhat = (xv - mean_t)/std_t;
-                            y[idx] = gamma_v*xhat + beta_v;
-                        }
-                    } else {
-                        for (int64_t cg = 0; cg < Cg; ++cg) {
-                            const int64_t ch = g * Cg + cg;
-                            for (int64_t s = 0; s < S; ++s) {
-                                const int64_t idx = off + cg * S + s;
-                                const double xv = x[idx];
-                                const double gamma_v = gamma[ch];
-                                const double beta_v = beta[ch];
-                                const double xhat = (xv - mean_t)/std_t;
-                                y[idx] = gamma_v*xhat + beta_v;
-                            }
+            for (int64_t b = 0; b < blocks; ++b) {
+                const int64_t off = base + b * block_stride;
+                if (S == 1) {
+                    for (int64_t m = 0; m < Cg; ++m) {
+                        const int64_t idx = off + m, ch = g * Cg + m;
+                        const double xv = (double)x[idx];
+                        const double gamma_v = (double)gamma[ch];
+                        const double beta_v = (double)beta[ch];
+                        const double xhat = (xv - mean)/std;
+                        y[idx] = (double)(gamma_v*xhat + beta_v);
+                    }
+                } else {
+                    for (int64_t cg = 0; cg < Cg; ++cg) {
+                        const int64_t ch = g * Cg + cg;
+                        for (int64_t s = 0; s < S; ++s) {
+                            const int64_t idx = off + cg * S + s;
+                            const double xv = (double)x[idx];
+                            const double gamma_v = (double)gamma[ch];
+                            const double beta_v = (double)beta[ch];
+                            const double xhat = (xv - mean)/std;
+                            y[idx] = (double)(gamma_v*xhat + beta_v);
                         }
                     }
                 }
@@ -459,10 +431,10 @@ int online_layernorm_train_backward_f64(
             const int64_t base = grp * M;
             const double prev_mean = (double)prev_mean_in[grp * prev_mean_stride];
             const double prev_std = (double)prev_std_in[grp * prev_std_stride];
-            const double row_mean = (double)row_mean_in[grp];
-            const double mean = (double)mean_in[grp];
-            const double sample_std = (double)sample_std_in[grp];
-            const double std = (double)std_in[grp];
+            const double row_mean = row_mean_in[grp];
+            const double mean = mean_in[grp];
+            const double sample_std = sample_std_in[grp];
+            const double std = std_in[grp];
             (void)row_mean;
             (void)mean;
             (void)sample_std;
@@ -471,35 +443,31 @@ int online_layernorm_train_backward_f64(
             (void)prev_std;
             double sum_g = 0.0;
             double sum_g_xhat = 0.0;
-            {
-                const double mean_t = (double)mean;
-                const double std_t = (double)std;
-                for (int64_t b = 0; b < blocks; ++b) {
-                    const int64_t off = base + b * block_stride;
-                    if (S == 1) {
-                        for (int64_t m = 0; m < Cg; ++m) {
-                            const int64_t idx = off + m, ch = g * Cg + m;
-                            const double xv = x[idx];
-                            const double dyv = dy[idx];
-                            const double gamma_v = gamma[ch];
-                            const double xhat = (xv - mean_t)/std_t;
+            for (int64_t b = 0; b < blocks; ++b) {
+                const int64_t off = base + b * block_stride;
+                if (S == 1) {
+                    for (int64_t m = 0; m < Cg; ++m) {
+                        const int64_t idx = off + m, ch = g * Cg + m;
+                        const double xv = (double)x[idx];
+                        const double dyv = (double)dy[idx];
+                        const double gamma_v = (double)gamma[ch];
+                        const double xhat = (xv - mean)/std;
+                        const double g = dyv*gamma_v;
+                        sum_g += g;
+                        sum_g_xhat += g*xhat;
+                    }
+                } else {
+                    for (int64_t cg = 0; cg < Cg; ++cg) {
+                        const int64_t ch = g * Cg + cg;
+                        for (int64_t s = 0; s < S; ++s) {
+                            const int64_t idx = off + cg * S + s;
+                            const double xv = (double)x[idx];
+                            const double dyv = (double)dy[idx];
+                            const double gamma_v = (double)gamma[ch];
+                            const double xhat = (xv - mean)/std;
                             const double g = dyv*gamma_v;
-                            sum_g += (double)(g);
-                            sum_g_xhat += (double)(g*xhat);
-                        }
-                    } else {
-                        for (int64_t cg = 0; cg < Cg; ++cg) {
-                            const int64_t ch = g * Cg + cg;
-                            for (int64_t s = 0; s < S; ++s) {
-                                const int64_t idx = off + cg * S + s;
-                                const double xv = x[idx];
-                                const double dyv = dy[idx];
-                                const double gamma_v = gamma[ch];
-                                const double xhat = (xv - mean_t)/std_t;
-                                const double g = dyv*gamma_v;
-                                sum_g += (double)(g);
-                                sum_g_xhat += (double)(g*xhat);
-                            }
+                            sum_g += g;
+                            sum_g_xhat += g*xhat;
                         }
                     }
                 }
@@ -513,40 +481,33 @@ int online_layernorm_train_backward_f64(
             const double grad_prev_std = N*mean_g_xhat*(alpha - 1)/std;  /* ∂L/∂prev_std for this group */
             dprev_mean[grp] = (double)grad_prev_mean;
             dprev_std[grp] = (double)grad_prev_std;
-            {
-                const double k_1_t = (double)k_1;
-                const double k_g_t = (double)k_g;
-                const double k_xhat_t = (double)k_xhat;
-                const double mean_t = (double)mean;
-                const double std_t = (double)std;
-                for (int64_t b = 0; b < blocks; ++b) {
-                    const int64_t off = base + b * block_stride;
-                    if (S == 1) {
-                        for (int64_t m = 0; m < Cg; ++m) {
-                            const int64_t idx = off + m, ch = g * Cg + m;
-                            const double xv = x[idx];
-                            const double dyv = dy[idx];
-                            const double gamma_v = gamma[ch];
-                            const double xhat = (xv - mean_t)/std_t;
+            for (int64_t b = 0; b < blocks; ++b) {
+                const int64_t off = base + b * block_stride;
+                if (S == 1) {
+                    for (int64_t m = 0; m < Cg; ++m) {
+                        const int64_t idx = off + m, ch = g * Cg + m;
+                        const double xv = (double)x[idx];
+                        const double dyv = (double)dy[idx];
+                        const double gamma_v = (double)gamma[ch];
+                        const double xhat = (xv - mean)/std;
+                        const double g = dyv*gamma_v;
+                        dx[idx] = (double)(g*k_g + k_xhat*xhat + k_1);
+                        mine[0*C + ch] += dyv*xhat;
+                        mine[1*C + ch] += dyv;
+                    }
+                } else {
+                    for (int64_t cg = 0; cg < Cg; ++cg) {
+                        const int64_t ch = g * Cg + cg;
+                        for (int64_t s = 0; s < S; ++s) {
+                            const int64_t idx = off + cg * S + s;
+                            const double xv = (double)x[idx];
+                            const double dyv = (double)dy[idx];
+                            const double gamma_v = (double)gamma[ch];
+                            const double xhat = (xv - mean)/std;
                             const double g = dyv*gamma_v;
-                            dx[idx] = g*k_g_t + k_xhat_t*xhat + k_1_t;
-                            mine[0*C + ch] += (double)(dyv*xhat);
-                            mine[1*C + ch] += (double)(dyv);
-                        }
-                    } else {
-                        for (int64_t cg = 0; cg < Cg; ++cg) {
-                            const int64_t ch = g * Cg + cg;
-                            for (int64_t s = 0; s < S; ++s) {
-                                const int64_t idx = off + cg * S + s;
-                                const double xv = x[idx];
-                                const double dyv = dy[idx];
-                                const double gamma_v = gamma[ch];
-                                const double xhat = (xv - mean_t)/std_t;
-                                const double g = dyv*gamma_v;
-                                dx[idx] = g*k_g_t + k_xhat_t*xhat + k_1_t;
-                                mine[0*C + ch] += (double)(dyv*xhat);
-                                mine[1*C + ch] += (double)(dyv);
-                            }
+                            dx[idx] = (double)(g*k_g + k_xhat*xhat + k_1);
+                            mine[0*C + ch] += dyv*xhat;
+                            mine[1*C + ch] += dyv;
                         }
                     }
                 }

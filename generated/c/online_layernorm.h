@@ -6,8 +6,8 @@
  * Layout: x is viewed as [O][G][Cg][S] (C-contiguous): O outer, G groups,
  * Cg channels per group, S inner. One normalization group is one (o, g)
  * block of Cg*S contiguous values. Parameters have G*Cg values, indexed by
- * channel g*Cg + cg. Statistics (*_out, *_in) hold one value per group
- * (O*G groups), in group order.
+ * channel g*Cg + cg. Statistics (*_out, *_in) are double, one value per group
+ * (O*G groups), in group order. All arithmetic is double.
  * Per-group inputs (*_in) are read at [group * stride]: stride 0 for a single
  * scalar, 1 for one value per group. Their gradients d* are written per group
  * (the caller sums them for a scalar input).
@@ -34,10 +34,10 @@ int online_layernorm_train_forward_f32(
     const float *restrict prev_mean_in, int64_t prev_mean_stride,
     const float *restrict prev_std_in, int64_t prev_std_stride,
     float *restrict y,
-    float *restrict row_mean_out,
-    float *restrict mean_out,
-    float *restrict sample_std_out,
-    float *restrict std_out,
+    double *restrict row_mean_out,
+    double *restrict mean_out,
+    double *restrict sample_std_out,
+    double *restrict std_out,
     int nthreads);
 
 int online_layernorm_train_backward_f32(
@@ -50,10 +50,10 @@ int online_layernorm_train_backward_f32(
     double eps,
     const float *restrict prev_mean_in, int64_t prev_mean_stride,
     const float *restrict prev_std_in, int64_t prev_std_stride,
-    const float *restrict row_mean_in,
-    const float *restrict mean_in,
-    const float *restrict sample_std_in,
-    const float *restrict std_in,
+    const double *restrict row_mean_in,
+    const double *restrict mean_in,
+    const double *restrict sample_std_in,
+    const double *restrict std_in,
     float *restrict dx,
     float *restrict dgamma,
     float *restrict dbeta,

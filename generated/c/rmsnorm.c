@@ -14,9 +14,10 @@
  *     dx = rstd*(g - mean_g_xhat*xhat)
  *     dgamma = sum of dy*xhat over the axes gamma does not span
  *
- * mean(.) is the mean over one normalization group of N elements. Sums are
- * accumulated in double; statistics are computed as written (two passes for a
- * variance), never as E[x^2] - E[x]^2.
+ * mean(.) is the mean over one normalization group of N elements. Arrays are
+ * read and written in their own type; all arithmetic and every sum is double.
+ * Statistics are computed as written (two passes for a variance), never as
+ * E[x^2] - E[x]^2. NaN and Inf propagate as IEEE arithmetic does.
  */
 #include "rmsnorm.h"
 
@@ -55,8 +56,8 @@ int rmsnorm_train_forward_f32(
     const float *restrict gamma,
     double eps,
     float *restrict y,
-    float *restrict ms_out,
-    float *restrict rstd_out,
+    double *restrict ms_out,
+    double *restrict rstd_out,
     int nthreads)
 {
     const int64_t M = Cg * S;                       /* contiguous values per (o, g) block */
@@ -75,43 +76,38 @@ int rmsnorm_train_forward_f32(
         const int64_t g = grp % G;
         const int64_t base = grp * M;
         double sum_ms = 0.0;
-        {
-            for (int64_t b = 0; b < blocks; ++b) {
-                const int64_t off = base + b * block_stride;
-                for (int64_t m = 0; m < M; ++m) {
-                    const int64_t idx = off + m;
-                    const float xv = x[idx];
-                    sum_ms += (double)((xv*xv));
-                }
+        for (int64_t b = 0; b < blocks; ++b) {
+            const int64_t off = base + b * block_stride;
+            for (int64_t m = 0; m < M; ++m) {
+                const int64_t idx = off + m;
+                const double xv = (double)x[idx];
+                sum_ms += (xv*xv);
             }
         }
         const double ms = sum_ms/N;  /* ms = mean(x**2) */
         const double rstd = 1/sqrt(ms + eps);  /* rstd = 1/sqrt(ms + eps) */
-        ms_out[grp] = (float)ms;
-        rstd_out[grp] = (float)rstd;
+        ms_out[grp] = ms;
+        rstd_out[grp] = rstd;
         {
-            {
-                const float rstd_t = (float)rstd;
-                for (int64_t b = 0; b < blocks; ++b) {
-                    const int64_t off = base + b * block_stride;
-                    if (S == 1) {
-                        for (int64_t m = 0; m < Cg; ++m) {
-                            const int64_t idx = off + m, ch = g * Cg + m;
-                            const float xv = x[idx];
-                            const float gamma_v = gamma[ch];
-                            const float xhat = rstd_t*xv;
-                            y[idx] = gamma_v*xhat;
-                        }
-                    } else {
-                        for (int64_t cg = 0; cg < Cg; ++cg) {
-                            const int64_t ch = g * Cg + cg;
-                            for (int64_t s = 0; s < S; ++s) {
-                                const int64_t idx = off + cg * S + s;
-                                const float xv = x[idx];
-                                const float gamma_v = gamma[ch];
-                                const float xhat = rstd_t*xv;
-                                y[idx] = gamma_v*xhat;
-                            }
+            for (int64_t b = 0; b < blocks; ++b) {
+                const int64_t off = base + b * block_stride;
+                if (S == 1) {
+                    for (int64_t m = 0; m < Cg; ++m) {
+                        const int64_t idx = off + m, ch = g * Cg + m;
+                        const double xv = (double)x[idx];
+                        const double gamma_v = (double)gamma[ch];
+                        const double xhat = rstd*xv;
+                        y[idx] = (float)(gamma_v*xhat);
+                    }
+                } else {
+                    for (int64_t cg = 0; cg < Cg; ++cg) {
+                        const int64_t ch = g * Cg + cg;
+                        for (int64_t s = 0; s < S; ++s) {
+                            const int64_t idx = off + cg * S + s;
+                            const double xv = (double)x[idx];
+                            const double gamma_v = (double)gamma[ch];
+                            const double xhat = rstd*xv;
+                            y[idx] = (float)(gamma_v*xhat);
                         }
                     }
                 }
@@ -128,8 +124,8 @@ int rmsnorm_train_backward_f32(
     const float *restrict dy,
     const float *restrict gamma,
     double eps,
-    const float *restrict ms_in,
-    const float *restrict rstd_in,
+    const double *restrict ms_in,
+    const double *restrict rstd_in,
     float *restrict dx,
     float *restrict dgamma,
     int nthreads)
@@ -156,37 +152,34 @@ int rmsnorm_train_backward_f32(
         for (int64_t grp = 0; grp < n_groups; ++grp) {
             const int64_t g = grp % G;
             const int64_t base = grp * M;
-            const double ms = (double)ms_in[grp];
-            const double rstd = (double)rstd_in[grp];
+            const double ms = ms_in[grp];
+            const double rstd = rstd_in[grp];
             (void)ms;
             (void)rstd;
             double sum_g_xhat = 0.0;
-            {
-                const float rstd_t = (float)rstd;
-                for (int64_t b = 0; b < blocks; ++b) {
-                    const int64_t off = base + b * block_stride;
-                    if (S == 1) {
-                        for (int64_t m = 0; m < Cg; ++m) {
-                            const int64_t idx = off + m, ch = g * Cg + m;
-                            const float xv = x[idx];
-                            const float dyv = dy[idx];
-                            const float gamma_v = gamma[ch];
-                            const float xhat = rstd_t*xv;
-                            const float g = dyv*gamma_v;
-                            sum_g_xhat += (double)(g*xhat);
-                        }
-                    } else {
-                        for (int64_t cg = 0; cg < Cg; ++cg) {
-                            const int64_t ch = g * Cg + cg;
-                            for (int64_t s = 0; s < S; ++s) {
-                                const int64_t idx = off + cg * S + s;
-                                const float xv = x[idx];
-                                const float dyv = dy[idx];
-                                const float gamma_v = gamma[ch];
-                                const float xhat = rstd_t*xv;
-                                const float g = dyv*gamma_v;
-                                sum_g_xhat += (double)(g*xhat);
-                            }
+            for (int64_t b = 0; b < blocks; ++b) {
+                const int64_t off = base + b * block_stride;
+                if (S == 1) {
+                    for (int64_t m = 0; m < Cg; ++m) {
+                        const int64_t idx = off + m, ch = g * Cg + m;
+                        const double xv = (double)x[idx];
+                        const double dyv = (double)dy[idx];
+                        const double gamma_v = (double)gamma[ch];
+                        const double xhat = rstd*xv;
+                        const double g = dyv*gamma_v;
+                        sum_g_xhat += g*xhat;
+                    }
+                } else {
+                    for (int64_t cg = 0; cg < Cg; ++cg) {
+                        const int64_t ch = g * Cg + cg;
+                        for (int64_t s = 0; s < S; ++s) {
+                            const int64_t idx = off + cg * S + s;
+                            const double xv = (double)x[idx];
+                            const double dyv = (double)dy[idx];
+                            const double gamma_v = (double)gamma[ch];
+                            const double xhat = rstd*xv;
+                            const double g = dyv*gamma_v;
+                            sum_g_xhat += g*xhat;
                         }
                     }
                 }
@@ -194,36 +187,31 @@ int rmsnorm_train_backward_f32(
             const double mean_g_xhat = sum_g_xhat/N;  /* mean_g_xhat = mean(g*xhat) */
             const double k_g = rstd;  /* coefficient of g in dx */
             const double k_xhat = -mean_g_xhat*rstd;  /* coefficient of xhat in dx */
-            {
-                const float k_g_t = (float)k_g;
-                const float k_xhat_t = (float)k_xhat;
-                const float rstd_t = (float)rstd;
-                for (int64_t b = 0; b < blocks; ++b) {
-                    const int64_t off = base + b * block_stride;
-                    if (S == 1) {
-                        for (int64_t m = 0; m < Cg; ++m) {
-                            const int64_t idx = off + m, ch = g * Cg + m;
-                            const float xv = x[idx];
-                            const float dyv = dy[idx];
-                            const float gamma_v = gamma[ch];
-                            const float xhat = rstd_t*xv;
-                            const float g = dyv*gamma_v;
-                            dx[idx] = g*k_g_t + k_xhat_t*xhat;
-                            mine[0*C + ch] += (double)(dyv*xhat);
-                        }
-                    } else {
-                        for (int64_t cg = 0; cg < Cg; ++cg) {
-                            const int64_t ch = g * Cg + cg;
-                            for (int64_t s = 0; s < S; ++s) {
-                                const int64_t idx = off + cg * S + s;
-                                const float xv = x[idx];
-                                const float dyv = dy[idx];
-                                const float gamma_v = gamma[ch];
-                                const float xhat = rstd_t*xv;
-                                const float g = dyv*gamma_v;
-                                dx[idx] = g*k_g_t + k_xhat_t*xhat;
-                                mine[0*C + ch] += (double)(dyv*xhat);
-                            }
+            for (int64_t b = 0; b < blocks; ++b) {
+                const int64_t off = base + b * block_stride;
+                if (S == 1) {
+                    for (int64_t m = 0; m < Cg; ++m) {
+                        const int64_t idx = off + m, ch = g * Cg + m;
+                        const double xv = (double)x[idx];
+                        const double dyv = (double)dy[idx];
+                        const double gamma_v = (double)gamma[ch];
+                        const double xhat = rstd*xv;
+                        const double g = dyv*gamma_v;
+                        dx[idx] = (float)(g*k_g + k_xhat*xhat);
+                        mine[0*C + ch] += dyv*xhat;
+                    }
+                } else {
+                    for (int64_t cg = 0; cg < Cg; ++cg) {
+                        const int64_t ch = g * Cg + cg;
+                        for (int64_t s = 0; s < S; ++s) {
+                            const int64_t idx = off + cg * S + s;
+                            const double xv = (double)x[idx];
+                            const double dyv = (double)dy[idx];
+                            const double gamma_v = (double)gamma[ch];
+                            const double xhat = rstd*xv;
+                            const double g = dyv*gamma_v;
+                            dx[idx] = (float)(g*k_g + k_xhat*xhat);
+                            mine[0*C + ch] += dyv*xhat;
                         }
                     }
                 }
@@ -267,43 +255,38 @@ int rmsnorm_train_forward_f64(
         const int64_t g = grp % G;
         const int64_t base = grp * M;
         double sum_ms = 0.0;
-        {
-            for (int64_t b = 0; b < blocks; ++b) {
-                const int64_t off = base + b * block_stride;
-                for (int64_t m = 0; m < M; ++m) {
-                    const int64_t idx = off + m;
-                    const double xv = x[idx];
-                    sum_ms += (double)((xv*xv));
-                }
+        for (int64_t b = 0; b < blocks; ++b) {
+            const int64_t off = base + b * block_stride;
+            for (int64_t m = 0; m < M; ++m) {
+                const int64_t idx = off + m;
+                const double xv = (double)x[idx];
+                sum_ms += (xv*xv);
             }
         }
         const double ms = sum_ms/N;  /* ms = mean(x**2) */
         const double rstd = 1/sqrt(ms + eps);  /* rstd = 1/sqrt(ms + eps) */
-        ms_out[grp] = (double)ms;
-        rstd_out[grp] = (double)rstd;
+        ms_out[grp] = ms;
+        rstd_out[grp] = rstd;
         {
-            {
-                const double rstd_t = (double)rstd;
-                for (int64_t b = 0; b < blocks; ++b) {
-                    const int64_t off = base + b * block_stride;
-                    if (S == 1) {
-                        for (int64_t m = 0; m < Cg; ++m) {
-                            const int64_t idx = off + m, ch = g * Cg + m;
-                            const double xv = x[idx];
-                            const double gamma_v = gamma[ch];
-                            const double xhat = rstd_t*xv;
-                            y[idx] = gamma_v*xhat;
-                        }
-                    } else {
-                        for (int64_t cg = 0; cg < Cg; ++cg) {
-                            const int64_t ch = g * Cg + cg;
-                            for (int64_t s = 0; s < S; ++s) {
-                                const int64_t idx = off + cg * S + s;
-                                const double xv = x[idx];
-                                const double gamma_v = gamma[ch];
-                                const double xhat = rstd_t*xv;
-                                y[idx] = gamma_v*xhat;
-                            }
+            for (int64_t b = 0; b < blocks; ++b) {
+                const int64_t off = base + b * block_stride;
+                if (S == 1) {
+                    for (int64_t m = 0; m < Cg; ++m) {
+                        const int64_t idx = off + m, ch = g * Cg + m;
+                        const double xv = (double)x[idx];
+                        const double gamma_v = (double)gamma[ch];
+                        const double xhat = rstd*xv;
+                        y[idx] = (double)(gamma_v*xhat);
+                    }
+                } else {
+                    for (int64_t cg = 0; cg < Cg; ++cg) {
+                        const int64_t ch = g * Cg + cg;
+                        for (int64_t s = 0; s < S; ++s) {
+                            const int64_t idx = off + cg * S + s;
+                            const double xv = (double)x[idx];
+                            const double gamma_v = (double)gamma[ch];
+                            const double xhat = rstd*xv;
+                            y[idx] = (double)(gamma_v*xhat);
                         }
                     }
                 }
@@ -348,37 +331,34 @@ int rmsnorm_train_backward_f64(
         for (int64_t grp = 0; grp < n_groups; ++grp) {
             const int64_t g = grp % G;
             const int64_t base = grp * M;
-            const double ms = (double)ms_in[grp];
-            const double rstd = (double)rstd_in[grp];
+            const double ms = ms_in[grp];
+            const double rstd = rstd_in[grp];
             (void)ms;
             (void)rstd;
             double sum_g_xhat = 0.0;
-            {
-                const double rstd_t = (double)rstd;
-                for (int64_t b = 0; b < blocks; ++b) {
-                    const int64_t off = base + b * block_stride;
-                    if (S == 1) {
-                        for (int64_t m = 0; m < Cg; ++m) {
-                            const int64_t idx = off + m, ch = g * Cg + m;
-                            const double xv = x[idx];
-                            const double dyv = dy[idx];
-                            const double gamma_v = gamma[ch];
-                            const double xhat = rstd_t*xv;
+            for (int64_t b = 0; b < blocks; ++b) {
+                const int64_t off = base + b * block_stride;
+                if (S == 1) {
+                    for (int64_t m = 0; m < Cg; ++m) {
+                        const int64_t idx = off + m, ch = g * Cg + m;
+                        const double xv = (double)x[idx];
+                        const double dyv = (double)dy[idx];
+                        const double gamma_v = (double)gamma[ch];
+                        const double xhat = rstd*xv;
+                        const double g = dyv*gamma_v;
+                        sum_g_xhat += g*xhat;
+                    }
+                } else {
+                    for (int64_t cg = 0; cg < Cg; ++cg) {
+                        const int64_t ch = g * Cg + cg;
+                        for (int64_t s = 0; s < S; ++s) {
+                            const int64_t idx = off + cg * S + s;
+                            const double xv = (double)x[idx];
+                            const double dyv = (double)dy[idx];
+                            const double gamma_v = (double)gamma[ch];
+                            const double xhat = rstd*xv;
                             const double g = dyv*gamma_v;
-                            sum_g_xhat += (double)(g*xhat);
-                        }
-                    } else {
-                        for (int64_t cg = 0; cg < Cg; ++cg) {
-                            const int64_t ch = g * Cg + cg;
-                            for (int64_t s = 0; s < S; ++s) {
-                                const int64_t idx = off + cg * S + s;
-                                const double xv = x[idx];
-                                const double dyv = dy[idx];
-                                const double gamma_v = gamma[ch];
-                                const double xhat = rstd_t*xv;
-                                const double g = dyv*gamma_v;
-                                sum_g_xhat += (double)(g*xhat);
-                            }
+                            sum_g_xhat += g*xhat;
                         }
                     }
                 }
@@ -386,36 +366,31 @@ int rmsnorm_train_backward_f64(
             const double mean_g_xhat = sum_g_xhat/N;  /* mean_g_xhat = mean(g*xhat) */
             const double k_g = rstd;  /* coefficient of g in dx */
             const double k_xhat = -mean_g_xhat*rstd;  /* coefficient of xhat in dx */
-            {
-                const double k_g_t = (double)k_g;
-                const double k_xhat_t = (double)k_xhat;
-                const double rstd_t = (double)rstd;
-                for (int64_t b = 0; b < blocks; ++b) {
-                    const int64_t off = base + b * block_stride;
-                    if (S == 1) {
-                        for (int64_t m = 0; m < Cg; ++m) {
-                            const int64_t idx = off + m, ch = g * Cg + m;
-                            const double xv = x[idx];
-                            const double dyv = dy[idx];
-                            const double gamma_v = gamma[ch];
-                            const double xhat = rstd_t*xv;
+            for (int64_t b = 0; b < blocks; ++b) {
+                const int64_t off = base + b * block_stride;
+                if (S == 1) {
+                    for (int64_t m = 0; m < Cg; ++m) {
+                        const int64_t idx = off + m, ch = g * Cg + m;
+                        const double xv = (double)x[idx];
+                        const double dyv = (double)dy[idx];
+                        const double gamma_v = (double)gamma[ch];
+                        const double xhat = rstd*xv;
+                        const double g = dyv*gamma_v;
+                        dx[idx] = (double)(g*k_g + k_xhat*xhat);
+                        mine[0*C + ch] += dyv*xhat;
+                    }
+                } else {
+                    for (int64_t cg = 0; cg < Cg; ++cg) {
+                        const int64_t ch = g * Cg + cg;
+                        for (int64_t s = 0; s < S; ++s) {
+                            const int64_t idx = off + cg * S + s;
+                            const double xv = (double)x[idx];
+                            const double dyv = (double)dy[idx];
+                            const double gamma_v = (double)gamma[ch];
+                            const double xhat = rstd*xv;
                             const double g = dyv*gamma_v;
-                            dx[idx] = g*k_g_t + k_xhat_t*xhat;
-                            mine[0*C + ch] += (double)(dyv*xhat);
-                        }
-                    } else {
-                        for (int64_t cg = 0; cg < Cg; ++cg) {
-                            const int64_t ch = g * Cg + cg;
-                            for (int64_t s = 0; s < S; ++s) {
-                                const int64_t idx = off + cg * S + s;
-                                const double xv = x[idx];
-                                const double dyv = dy[idx];
-                                const double gamma_v = gamma[ch];
-                                const double xhat = rstd_t*xv;
-                                const double g = dyv*gamma_v;
-                                dx[idx] = g*k_g_t + k_xhat_t*xhat;
-                                mine[0*C + ch] += (double)(dyv*xhat);
-                            }
+                            dx[idx] = (double)(g*k_g + k_xhat*xhat);
+                            mine[0*C + ch] += dyv*xhat;
                         }
                     }
                 }

@@ -6,8 +6,8 @@
  * Layout: x is viewed as [O][G][Cg][S] (C-contiguous): O outer, G groups,
  * Cg channels per group, S inner. One normalization group is one (o, g)
  * block of Cg*S contiguous values. Parameters have G*Cg values, indexed by
- * channel g*Cg + cg. Statistics (*_out, *_in) hold one value per group
- * (O*G groups), in group order.
+ * channel g*Cg + cg. Statistics (*_out, *_in) are double, one value per group
+ * (O*G groups), in group order. All arithmetic is double.
  * nthreads <= 0 uses the OpenMP default; without OpenMP the kernels run serially.
  * Returns 0, or -1 when a work buffer cannot be allocated.
  */
@@ -27,8 +27,8 @@ int rmsnorm_train_forward_f32(
     const float *restrict gamma,
     double eps,
     float *restrict y,
-    float *restrict ms_out,
-    float *restrict rstd_out,
+    double *restrict ms_out,
+    double *restrict rstd_out,
     int nthreads);
 
 int rmsnorm_train_backward_f32(
@@ -37,8 +37,8 @@ int rmsnorm_train_backward_f32(
     const float *restrict dy,
     const float *restrict gamma,
     double eps,
-    const float *restrict ms_in,
-    const float *restrict rstd_in,
+    const double *restrict ms_in,
+    const double *restrict rstd_in,
     float *restrict dx,
     float *restrict dgamma,
     int nthreads);

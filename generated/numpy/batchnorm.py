@@ -35,6 +35,10 @@ eval mode:
       dbeta = sum of dy over the axes beta does not span
 
 mean(.) is the mean over one normalization group of N elements.
+Arithmetic is float64 whatever the array dtype, over chunks of whole
+normalization groups small enough for the temporaries to stay in cache;
+results are stored in the dtype of x. NaN and Inf propagate as IEEE
+arithmetic does.
 """
 
 import numpy as np
@@ -93,8 +97,7 @@ def backward(dy, cache, *, out=None):
 
 def _group_mean(axes):
     def mean(a):
-        # float32 sums are accumulated in float64
-        return np.mean(a, axis=axes, keepdims=True, dtype=np.float64).astype(a.dtype, copy=False)
+        return np.mean(a, axis=axes, keepdims=True)
     return mean
 
 
@@ -102,27 +105,38 @@ def _forward_train(call):
     L = call.layout
     N = L.group_size
     _mean = _group_mean(L.reduce_axes)
-    x = call.x.reshape(L.view4)
-    gamma = call.params['gamma'].reshape(L.param4)
-    beta = call.params['beta'].reshape(L.param4)
+    X, Y = call.x.reshape(L.view4), call.out.reshape(L.view4)
+    P_gamma = call.params['gamma'].reshape(L.param4)
+    P_beta = call.params['beta'].reshape(L.param4)
     eps = call.options['eps']
     momentum = call.options['momentum']
-    running_mean = None if call.buffers['running_mean'] is None else call.buffers['running_mean'].reshape(L.stat4)
-    running_var = None if call.buffers['running_var'] is None else call.buffers['running_var'].reshape(L.stat4)
-    # statistics, as the spec writes them
-    mean = _mean(x)
-    var = _mean((x - mean)**2)
-    rstd = 1/np.sqrt(var + eps)
+    B_running_mean = None if call.buffers['running_mean'] is None else _rt.f64(call.buffers['running_mean']).reshape(L.stat4)
+    B_running_var = None if call.buffers['running_var'] is None else _rt.f64(call.buffers['running_var']).reshape(L.stat4)
+    stats = _rt.new_stats(L, ['mean', 'var', 'rstd'])
+    for s, sp in _rt.chunks(L):
+        x = _rt.f64(X[s])
+        gamma = _rt.f64(P_gamma[sp])
+        beta = _rt.f64(P_beta[sp])
+        running_mean = None if B_running_mean is None else B_running_mean[s]
+        running_var = None if B_running_var is None else B_running_var[s]
+        # statistics, as the spec writes them
+        mean = stats['mean'][s] = _mean(x)
+        var = stats['var'][s] = _mean((x - mean)**2)
+        rstd = stats['rstd'][s] = 1/np.sqrt(var + eps)
+        # output
+        xhat = rstd*(x - mean)
+        Y[s] = gamma*xhat + beta
     # running buffers, updated in place (not differentiated)
+    mean = stats['mean']
+    var = stats['var']
+    rstd = stats['rstd']
+    running_mean = B_running_mean
+    running_var = B_running_var
     if running_mean is not None:
-        running_mean[...] = mean*momentum + running_mean*(1 - momentum)
+        call.buffers['running_mean'][...] = (mean*momentum + running_mean*(1 - momentum)).reshape(L.group_shape)
     if running_var is not None:
-        running_var[...] = running_var*(1 - momentum) + N*momentum*var/(N - 1)
-    # output
-    xhat = rstd*(x - mean)
-    call.out.reshape(L.view4)[...] = gamma*xhat + beta
-    stats = {'mean': _rt.flat_stat(mean, L, call.dtype), 'var': _rt.flat_stat(var, L, call.dtype), 'rstd': _rt.flat_stat(rstd, L, call.dtype)}
-    return call.out, call.cache(stats)
+        call.buffers['running_var'][...] = (running_var*(1 - momentum) + N*momentum*var/(N - 1)).reshape(L.group_shape)
+    return call.out, call.cache({k: v.reshape(-1) for k, v in stats.items()})
 
 
 def _backward_train(call):
@@ -130,26 +144,34 @@ def _backward_train(call):
     L = c.layout
     N = L.group_size
     _mean = _group_mean(L.reduce_axes)
-    x = c.x.reshape(L.view4)
-    dy = call.dy.reshape(L.view4)
-    gamma = c.params['gamma'].reshape(L.param4)
-    beta = c.params['beta'].reshape(L.param4)
+    X, DY, DX = c.x.reshape(L.view4), call.dy.reshape(L.view4), call.outs["dx"].reshape(L.view4)
+    P_gamma = c.params['gamma'].reshape(L.param4)
+    D_gamma = np.zeros(L.param4, dtype=np.float64)
+    P_beta = c.params['beta'].reshape(L.param4)
+    D_beta = np.zeros(L.param4, dtype=np.float64)
     eps = c.options['eps']
     momentum = c.options['momentum']
-    mean = c.stats['mean'].reshape(L.stat4)
-    var = c.stats['var'].reshape(L.stat4)
-    rstd = c.stats['rstd'].reshape(L.stat4)
-    xhat = rstd*(x - mean)
-    g = dy*gamma
-    mean_g = _mean(g)
-    mean_g_xhat = _mean(g*xhat)
-    call.outs["dx"].reshape(L.view4)[...] = rstd*(g - mean_g - mean_g_xhat*xhat)
-    _rt.param_sum(dy*xhat, L, call.outs["dgamma"])
-    _rt.param_sum(dy, L, call.outs["dbeta"])
+    S_mean = c.stats['mean'].reshape(L.stat4)
+    S_var = c.stats['var'].reshape(L.stat4)
+    S_rstd = c.stats['rstd'].reshape(L.stat4)
+    for s, sp in _rt.chunks(L):
+        x, dy = _rt.f64(X[s]), _rt.f64(DY[s])
+        gamma = _rt.f64(P_gamma[sp])
+        beta = _rt.f64(P_beta[sp])
+        mean = S_mean[s]
+        var = S_var[s]
+        rstd = S_rstd[s]
+        xhat = rstd*(x - mean)
+        g = dy*gamma
+        mean_g = _mean(g)
+        mean_g_xhat = _mean(g*xhat)
+        DX[s] = rstd*(g - mean_g - mean_g_xhat*xhat)
+        D_gamma[sp] += np.sum(dy*xhat, axis=L.param_axes, keepdims=True)
+        D_beta[sp] += np.sum(dy, axis=L.param_axes, keepdims=True)
     return Grads(
         dx=call.outs["dx"],
-        dgamma=call.outs["dgamma"],
-        dbeta=call.outs["dbeta"],
+        dgamma=_rt.store(call.outs["dgamma"], D_gamma),
+        dbeta=_rt.store(call.outs["dbeta"], D_beta),
     )
 
 
@@ -157,22 +179,28 @@ def _forward_eval(call):
     L = call.layout
     N = L.group_size
     _mean = _group_mean(L.reduce_axes)
-    x = call.x.reshape(L.view4)
-    gamma = call.params['gamma'].reshape(L.param4)
-    beta = call.params['beta'].reshape(L.param4)
+    X, Y = call.x.reshape(L.view4), call.out.reshape(L.view4)
+    P_gamma = call.params['gamma'].reshape(L.param4)
+    P_beta = call.params['beta'].reshape(L.param4)
     eps = call.options['eps']
     momentum = call.options['momentum']
-    running_mean = None if call.buffers['running_mean'] is None else call.buffers['running_mean'].reshape(L.stat4)
-    running_var = None if call.buffers['running_var'] is None else call.buffers['running_var'].reshape(L.stat4)
-    # statistics, as the spec writes them
-    mean = running_mean
-    var = running_var
-    rstd = 1/np.sqrt(var + eps)
-    # output
-    xhat = rstd*(x - mean)
-    call.out.reshape(L.view4)[...] = gamma*xhat + beta
-    stats = {'mean': _rt.flat_stat(mean, L, call.dtype), 'var': _rt.flat_stat(var, L, call.dtype), 'rstd': _rt.flat_stat(rstd, L, call.dtype)}
-    return call.out, call.cache(stats)
+    B_running_mean = None if call.buffers['running_mean'] is None else _rt.f64(call.buffers['running_mean']).reshape(L.stat4)
+    B_running_var = None if call.buffers['running_var'] is None else _rt.f64(call.buffers['running_var']).reshape(L.stat4)
+    stats = _rt.new_stats(L, ['mean', 'var', 'rstd'])
+    for s, sp in _rt.chunks(L):
+        x = _rt.f64(X[s])
+        gamma = _rt.f64(P_gamma[sp])
+        beta = _rt.f64(P_beta[sp])
+        running_mean = None if B_running_mean is None else B_running_mean[s]
+        running_var = None if B_running_var is None else B_running_var[s]
+        # statistics, as the spec writes them
+        mean = stats['mean'][s] = running_mean
+        var = stats['var'][s] = running_var
+        rstd = stats['rstd'][s] = 1/np.sqrt(var + eps)
+        # output
+        xhat = rstd*(x - mean)
+        Y[s] = gamma*xhat + beta
+    return call.out, call.cache({k: v.reshape(-1) for k, v in stats.items()})
 
 
 def _backward_eval(call):
@@ -180,24 +208,32 @@ def _backward_eval(call):
     L = c.layout
     N = L.group_size
     _mean = _group_mean(L.reduce_axes)
-    x = c.x.reshape(L.view4)
-    dy = call.dy.reshape(L.view4)
-    gamma = c.params['gamma'].reshape(L.param4)
-    beta = c.params['beta'].reshape(L.param4)
+    X, DY, DX = c.x.reshape(L.view4), call.dy.reshape(L.view4), call.outs["dx"].reshape(L.view4)
+    P_gamma = c.params['gamma'].reshape(L.param4)
+    D_gamma = np.zeros(L.param4, dtype=np.float64)
+    P_beta = c.params['beta'].reshape(L.param4)
+    D_beta = np.zeros(L.param4, dtype=np.float64)
     eps = c.options['eps']
     momentum = c.options['momentum']
-    mean = c.stats['mean'].reshape(L.stat4)
-    var = c.stats['var'].reshape(L.stat4)
-    rstd = c.stats['rstd'].reshape(L.stat4)
-    xhat = rstd*(x - mean)
-    g = dy*gamma
-    call.outs["dx"].reshape(L.view4)[...] = g*rstd
-    _rt.param_sum(dy*xhat, L, call.outs["dgamma"])
-    _rt.param_sum(dy, L, call.outs["dbeta"])
+    S_mean = c.stats['mean'].reshape(L.stat4)
+    S_var = c.stats['var'].reshape(L.stat4)
+    S_rstd = c.stats['rstd'].reshape(L.stat4)
+    for s, sp in _rt.chunks(L):
+        x, dy = _rt.f64(X[s]), _rt.f64(DY[s])
+        gamma = _rt.f64(P_gamma[sp])
+        beta = _rt.f64(P_beta[sp])
+        mean = S_mean[s]
+        var = S_var[s]
+        rstd = S_rstd[s]
+        xhat = rstd*(x - mean)
+        g = dy*gamma
+        DX[s] = g*rstd
+        D_gamma[sp] += np.sum(dy*xhat, axis=L.param_axes, keepdims=True)
+        D_beta[sp] += np.sum(dy, axis=L.param_axes, keepdims=True)
     return Grads(
         dx=call.outs["dx"],
-        dgamma=call.outs["dgamma"],
-        dbeta=call.outs["dbeta"],
+        dgamma=_rt.store(call.outs["dgamma"], D_gamma),
+        dbeta=_rt.store(call.outs["dbeta"], D_beta),
     )
 
 

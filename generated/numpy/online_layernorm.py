@@ -22,6 +22,10 @@ Layer norm with running, alpha-weighted moments: mu_t and sigma_t mix this row's
       dprev_std = N*mean_g_xhat*(alpha - 1)/std  (per group; summed for a scalar input)
 
 mean(.) is the mean over one normalization group of N elements.
+Arithmetic is float64 whatever the array dtype, over chunks of whole
+normalization groups small enough for the temporaries to stay in cache;
+results are stored in the dtype of x. NaN and Inf propagate as IEEE
+arithmetic does.
 """
 
 import numpy as np
@@ -79,8 +83,7 @@ def backward(dy, cache, *, out=None):
 
 def _group_mean(axes):
     def mean(a):
-        # float32 sums are accumulated in float64
-        return np.mean(a, axis=axes, keepdims=True, dtype=np.float64).astype(a.dtype, copy=False)
+        return np.mean(a, axis=axes, keepdims=True)
     return mean
 
 
@@ -88,23 +91,29 @@ def _forward_train(call):
     L = call.layout
     N = L.group_size
     _mean = _group_mean(L.reduce_axes)
-    x = call.x.reshape(L.view4)
-    gamma = call.params['gamma'].reshape(L.param4)
-    beta = call.params['beta'].reshape(L.param4)
+    X, Y = call.x.reshape(L.view4), call.out.reshape(L.view4)
+    P_gamma = call.params['gamma'].reshape(L.param4)
+    P_beta = call.params['beta'].reshape(L.param4)
     alpha = call.options['alpha']
     eps = call.options['eps']
-    prev_mean = _rt.group_view(call.inputs['prev_mean'], L)
-    prev_std = _rt.group_view(call.inputs['prev_std'], L)
-    # statistics, as the spec writes them
-    row_mean = _mean(x)
-    mean = alpha*row_mean + prev_mean*(1 - alpha)
-    sample_std = np.sqrt(eps + N*_mean((x - mean)**2)/(N - 1))
-    std = alpha*sample_std + prev_std*(1 - alpha)
-    # output
-    xhat = (x - mean)/std
-    call.out.reshape(L.view4)[...] = gamma*xhat + beta
-    stats = {'row_mean': _rt.flat_stat(row_mean, L, call.dtype), 'mean': _rt.flat_stat(mean, L, call.dtype), 'sample_std': _rt.flat_stat(sample_std, L, call.dtype), 'std': _rt.flat_stat(std, L, call.dtype)}
-    return call.out, call.cache(stats)
+    I_prev_mean = _rt.f64(_rt.group_view(call.inputs['prev_mean'], L))
+    I_prev_std = _rt.f64(_rt.group_view(call.inputs['prev_std'], L))
+    stats = _rt.new_stats(L, ['row_mean', 'mean', 'sample_std', 'std'])
+    for s, sp in _rt.chunks(L):
+        x = _rt.f64(X[s])
+        gamma = _rt.f64(P_gamma[sp])
+        beta = _rt.f64(P_beta[sp])
+        prev_mean = I_prev_mean if I_prev_mean.size == 1 else I_prev_mean[s]
+        prev_std = I_prev_std if I_prev_std.size == 1 else I_prev_std[s]
+        # statistics, as the spec writes them
+        row_mean = stats['row_mean'][s] = _mean(x)
+        mean = stats['mean'][s] = alpha*row_mean + prev_mean*(1 - alpha)
+        sample_std = stats['sample_std'][s] = np.sqrt(eps + N*_mean((x - mean)**2)/(N - 1))
+        std = stats['std'][s] = alpha*sample_std + prev_std*(1 - alpha)
+        # output
+        xhat = (x - mean)/std
+        Y[s] = gamma*xhat + beta
+    return call.out, call.cache({k: v.reshape(-1) for k, v in stats.items()})
 
 
 def _backward_train(call):
@@ -112,31 +121,46 @@ def _backward_train(call):
     L = c.layout
     N = L.group_size
     _mean = _group_mean(L.reduce_axes)
-    x = c.x.reshape(L.view4)
-    dy = call.dy.reshape(L.view4)
-    gamma = c.params['gamma'].reshape(L.param4)
-    beta = c.params['beta'].reshape(L.param4)
+    X, DY, DX = c.x.reshape(L.view4), call.dy.reshape(L.view4), call.outs["dx"].reshape(L.view4)
+    P_gamma = c.params['gamma'].reshape(L.param4)
+    D_gamma = np.zeros(L.param4, dtype=np.float64)
+    P_beta = c.params['beta'].reshape(L.param4)
+    D_beta = np.zeros(L.param4, dtype=np.float64)
     alpha = c.options['alpha']
     eps = c.options['eps']
-    prev_mean = _rt.group_view(c.inputs['prev_mean'], L)
-    prev_std = _rt.group_view(c.inputs['prev_std'], L)
-    row_mean = c.stats['row_mean'].reshape(L.stat4)
-    mean = c.stats['mean'].reshape(L.stat4)
-    sample_std = c.stats['sample_std'].reshape(L.stat4)
-    std = c.stats['std'].reshape(L.stat4)
-    xhat = (x - mean)/std
-    g = dy*gamma
-    mean_g = _mean(g)
-    mean_g_xhat = _mean(g*xhat)
-    call.outs["dx"].reshape(L.view4)[...] = g/std + N*alpha*mean_g_xhat*(alpha*row_mean/std - xhat - alpha*mean/std)/(sample_std*(N - 1)) - alpha*mean_g/std
-    _rt.param_sum(dy*xhat, L, call.outs["dgamma"])
-    _rt.param_sum(dy, L, call.outs["dbeta"])
+    I_prev_mean = _rt.f64(_rt.group_view(c.inputs['prev_mean'], L))
+    D_prev_mean = np.empty(L.stat4, dtype=np.float64)
+    I_prev_std = _rt.f64(_rt.group_view(c.inputs['prev_std'], L))
+    D_prev_std = np.empty(L.stat4, dtype=np.float64)
+    S_row_mean = c.stats['row_mean'].reshape(L.stat4)
+    S_mean = c.stats['mean'].reshape(L.stat4)
+    S_sample_std = c.stats['sample_std'].reshape(L.stat4)
+    S_std = c.stats['std'].reshape(L.stat4)
+    for s, sp in _rt.chunks(L):
+        x, dy = _rt.f64(X[s]), _rt.f64(DY[s])
+        gamma = _rt.f64(P_gamma[sp])
+        beta = _rt.f64(P_beta[sp])
+        prev_mean = I_prev_mean if I_prev_mean.size == 1 else I_prev_mean[s]
+        prev_std = I_prev_std if I_prev_std.size == 1 else I_prev_std[s]
+        row_mean = S_row_mean[s]
+        mean = S_mean[s]
+        sample_std = S_sample_std[s]
+        std = S_std[s]
+        xhat = (x - mean)/std
+        g = dy*gamma
+        mean_g = _mean(g)
+        mean_g_xhat = _mean(g*xhat)
+        DX[s] = g/std + N*alpha*mean_g_xhat*(alpha*row_mean/std - xhat - alpha*mean/std)/(sample_std*(N - 1)) - alpha*mean_g/std
+        D_gamma[sp] += np.sum(dy*xhat, axis=L.param_axes, keepdims=True)
+        D_beta[sp] += np.sum(dy, axis=L.param_axes, keepdims=True)
+        D_prev_mean[s] = N*(mean_g*(alpha - 1) + N*alpha*mean_g_xhat*(row_mean + alpha*mean - mean - alpha*row_mean)/(sample_std*(N - 1)))/std
+        D_prev_std[s] = N*mean_g_xhat*(alpha - 1)/std
     return Grads(
         dx=call.outs["dx"],
-        dgamma=call.outs["dgamma"],
-        dbeta=call.outs["dbeta"],
-        dprev_mean=_rt.finish_input_grad(c, 'prev_mean', _rt.flat_stat(N*(mean_g*(alpha - 1) + N*alpha*mean_g_xhat*(row_mean + alpha*mean - mean - alpha*row_mean)/(sample_std*(N - 1)))/std, L, np.float64)),
-        dprev_std=_rt.finish_input_grad(c, 'prev_std', _rt.flat_stat(N*mean_g_xhat*(alpha - 1)/std, L, np.float64)),
+        dgamma=_rt.store(call.outs["dgamma"], D_gamma),
+        dbeta=_rt.store(call.outs["dbeta"], D_beta),
+        dprev_mean=_rt.finish_input_grad(c, 'prev_mean', D_prev_mean.reshape(-1)),
+        dprev_std=_rt.finish_input_grad(c, 'prev_std', D_prev_std.reshape(-1)),
     )
 
 

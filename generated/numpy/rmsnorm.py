@@ -16,6 +16,10 @@ Scale by the root mean square over the trailing axes gamma spans; no centering, 
       dgamma = sum of dy*xhat over the axes gamma does not span
 
 mean(.) is the mean over one normalization group of N elements.
+Arithmetic is float64 whatever the array dtype, over chunks of whole
+normalization groups small enough for the temporaries to stay in cache;
+results are stored in the dtype of x. NaN and Inf propagate as IEEE
+arithmetic does.
 """
 
 import numpy as np
@@ -69,8 +73,7 @@ def backward(dy, cache, *, out=None):
 
 def _group_mean(axes):
     def mean(a):
-        # float32 sums are accumulated in float64
-        return np.mean(a, axis=axes, keepdims=True, dtype=np.float64).astype(a.dtype, copy=False)
+        return np.mean(a, axis=axes, keepdims=True)
     return mean
 
 
@@ -78,17 +81,20 @@ def _forward_train(call):
     L = call.layout
     N = L.group_size
     _mean = _group_mean(L.reduce_axes)
-    x = call.x.reshape(L.view4)
-    gamma = call.params['gamma'].reshape(L.param4)
+    X, Y = call.x.reshape(L.view4), call.out.reshape(L.view4)
+    P_gamma = call.params['gamma'].reshape(L.param4)
     eps = call.options['eps']
-    # statistics, as the spec writes them
-    ms = _mean(x**2)
-    rstd = 1/np.sqrt(ms + eps)
-    # output
-    xhat = rstd*x
-    call.out.reshape(L.view4)[...] = gamma*xhat
-    stats = {'ms': _rt.flat_stat(ms, L, call.dtype), 'rstd': _rt.flat_stat(rstd, L, call.dtype)}
-    return call.out, call.cache(stats)
+    stats = _rt.new_stats(L, ['ms', 'rstd'])
+    for s, sp in _rt.chunks(L):
+        x = _rt.f64(X[s])
+        gamma = _rt.f64(P_gamma[sp])
+        # statistics, as the spec writes them
+        ms = stats['ms'][s] = _mean(x**2)
+        rstd = stats['rstd'][s] = 1/np.sqrt(ms + eps)
+        # output
+        xhat = rstd*x
+        Y[s] = gamma*xhat
+    return call.out, call.cache({k: v.reshape(-1) for k, v in stats.items()})
 
 
 def _backward_train(call):
@@ -96,20 +102,25 @@ def _backward_train(call):
     L = c.layout
     N = L.group_size
     _mean = _group_mean(L.reduce_axes)
-    x = c.x.reshape(L.view4)
-    dy = call.dy.reshape(L.view4)
-    gamma = c.params['gamma'].reshape(L.param4)
+    X, DY, DX = c.x.reshape(L.view4), call.dy.reshape(L.view4), call.outs["dx"].reshape(L.view4)
+    P_gamma = c.params['gamma'].reshape(L.param4)
+    D_gamma = np.zeros(L.param4, dtype=np.float64)
     eps = c.options['eps']
-    ms = c.stats['ms'].reshape(L.stat4)
-    rstd = c.stats['rstd'].reshape(L.stat4)
-    xhat = rstd*x
-    g = dy*gamma
-    mean_g_xhat = _mean(g*xhat)
-    call.outs["dx"].reshape(L.view4)[...] = rstd*(g - mean_g_xhat*xhat)
-    _rt.param_sum(dy*xhat, L, call.outs["dgamma"])
+    S_ms = c.stats['ms'].reshape(L.stat4)
+    S_rstd = c.stats['rstd'].reshape(L.stat4)
+    for s, sp in _rt.chunks(L):
+        x, dy = _rt.f64(X[s]), _rt.f64(DY[s])
+        gamma = _rt.f64(P_gamma[sp])
+        ms = S_ms[s]
+        rstd = S_rstd[s]
+        xhat = rstd*x
+        g = dy*gamma
+        mean_g_xhat = _mean(g*xhat)
+        DX[s] = rstd*(g - mean_g_xhat*xhat)
+        D_gamma[sp] += np.sum(dy*xhat, axis=L.param_axes, keepdims=True)
     return Grads(
         dx=call.outs["dx"],
-        dgamma=call.outs["dgamma"],
+        dgamma=_rt.store(call.outs["dgamma"], D_gamma),
     )
 
 
