@@ -38,6 +38,9 @@ demo: $(STAMP)
 	@echo
 	@echo "== regenerate NumPy and C into generated/"
 	@$(BIN)/derivgen generate
+	@echo
+	@echo "== build the C, cross-check every layer x backend x dtype (spec + finite differences, other backend, PyTorch, proof)"
+	@$(BIN)/derivgen check
 
 test: $(STAMP) pdflatex
 	$(BIN)/python -m pytest -q

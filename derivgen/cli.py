@@ -155,6 +155,46 @@ def generate_cmd(names, spec_files, target, out_dir, check):
     click.echo(f"{len(files)} file(s) in {out}/, {len(written)} changed")
 
 
+@cli.command("check")
+@click.argument("names", nargs=-1)
+@click.option("--spec", "spec_files", multiple=True, type=click.Path(dir_okay=False), help="Spec file(s) to check.")
+@click.option("--backend", "backends", default="numpy,c", show_default=True, help="Comma-separated: numpy,c.")
+@click.option("--dtype", "dtypes", default="float32,float64", show_default=True, help="Comma-separated: float32,float64.")
+@click.option("--prove-sizes", default="2-6", show_default=True, help="Brute-force proof sizes.")
+@click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
+def check_cmd(names, spec_files, backends, dtypes, prove_sizes, as_json):
+    """Cross-check every layer x backend x dtype: spec + finite differences, the other backend, PyTorch, proof."""
+    import json
+
+    from .check import check_layer, format_table, rows_json, stderr_progress
+    bl = tuple(b.strip() for b in backends.split(",") if b.strip())
+    dl = tuple(d.strip() for d in dtypes.split(",") if d.strip())
+    if not bl or any(b not in ("numpy", "c") for b in bl) or len(set(bl)) != len(bl):
+        raise UserError(f"--backend: expected a comma-separated subset of numpy,c, got {backends!r}")
+    if not dl or any(d not in ("float32", "float64") for d in dl) or len(set(dl)) != len(dl):
+        raise UserError(f"--dtype: expected a comma-separated subset of float32,float64, got {dtypes!r}")
+    sizes = _sizes(prove_sizes)
+    specs = [_spec_or_name(n, None) for n in names] + [_spec_or_name(None, f) for f in spec_files]
+    if not specs:
+        specs = [api.load_spec(n) for n in api.names()]
+    total = sum(len(s.modes) for s in specs) * len(bl) * len(dl)
+    progress = stderr_progress(total)
+    rows = []
+    for spec in specs:
+        rows += check_layer(spec, bl, dl, prove_sizes=sizes, progress=progress)
+    progress.done()
+    failed = [r for r in rows if r.failed]
+    if as_json:
+        click.echo(json.dumps({"rows": rows_json(rows), "failed": len(failed)}, indent=1))
+    else:
+        click.echo(format_table(rows))
+        skipped = sum(1 for r in rows if r.status.startswith("skipped"))
+        click.echo(f"\n{len(rows) - len(failed) - skipped} passed, {len(failed)} failed"
+                   + (f", {skipped} skipped" if skipped else ""))
+    if failed:
+        raise click.ClickException(f"{len(failed)} check(s) failed")
+
+
 def _pdflatex(tex: str, pdf: Path) -> None:
     exe = shutil.which("pdflatex")
     if exe is None:

@@ -248,9 +248,22 @@ def prepare_forward(meta: dict, x, params: dict, options: dict, inputs: dict, bu
             raise ValueError(f"{name}: eval mode (training=False) needs {bname}")
         bufs[bname] = b
     out = check_out("out", out, x.shape, dtype)
+    _no_overlap(name, {"out": out}, {"x": x, **params, **{k: v for k, v in bufs.items() if v is not None}})
     return ForwardCall(meta, mode, layout, dtype, _contig(x),
                        {p: _contig(params[p]).reshape(-1) for p in meta["params"]},
                        opts, ins, bufs, out)
+
+
+def _no_overlap(name: str, outputs: dict, inputs: dict) -> None:
+    for on, o in outputs.items():
+        for iname, i in inputs.items():
+            if isinstance(i, np.ndarray) and np.shares_memory(o, i):
+                raise ValueError(f"{name}: output {on} overlaps input {iname}; pass a separate array")
+    outs = list(outputs.items())
+    for k, (an, a) in enumerate(outs):
+        for bn, b in outs[k + 1:]:
+            if np.shares_memory(a, b):
+                raise ValueError(f"{name}: outputs {an} and {bn} overlap")
 
 
 def check_out(name, out, shape, dtype):
@@ -297,6 +310,7 @@ def prepare_backward(meta: dict, dy, cache, out=None) -> BackwardCall:
     for f in fields:
         if f in shapes:
             outs[f] = check_out(f"out.{f}", given.get(f), shapes[f], cache.dtype)
+    _no_overlap(name, outs, {"dy": dy, "x": cache.x, **cache.params})
     return BackwardCall(cache, _contig(dy), outs)
 
 

@@ -1,57 +1,10 @@
-"""PyTorch reference implementations (autograd) for every catalogue layer.
-
-Each case builds random inputs, runs the layer in torch float64 under autograd
-and returns (y, grads, buffers-after) for comparison. online_layernorm is not
-in PyTorch: it is written here with torch operations from its definition.
-"""
+"""Test cases for the backends; the torch reference lives in derivgen.torch_ref."""
 
 from __future__ import annotations
 
 import numpy as np
 
-
-def torch_reference(name, x, params, kw, dy):
-    import torch
-    import torch.nn.functional as F
-
-    t = {k: torch.tensor(v, dtype=torch.float64, requires_grad=True) for k, v in params.items()}
-    tx = torch.tensor(x, dtype=torch.float64, requires_grad=True)
-    extra_in = {}
-    buffers = {}
-    if name == "layernorm":
-        y = F.layer_norm(tx, tuple(params["gamma"].shape), t["gamma"], t["beta"], kw.get("eps", 1e-5))
-    elif name == "rmsnorm":
-        y = F.rms_norm(tx, tuple(params["gamma"].shape), t["gamma"], kw.get("eps", 1e-6))
-    elif name == "batchnorm":
-        rm = torch.tensor(kw["running_mean"], dtype=torch.float64) if kw.get("running_mean") is not None else None
-        rv = torch.tensor(kw["running_var"], dtype=torch.float64) if kw.get("running_var") is not None else None
-        y = F.batch_norm(tx, rm, rv, t["gamma"], t["beta"], kw.get("training", True),
-                         kw.get("momentum", 0.1), kw.get("eps", 1e-5))
-        buffers = {"running_mean": rm, "running_var": rv}
-    elif name == "instancenorm":
-        y = F.instance_norm(tx, weight=t["gamma"], bias=t["beta"], eps=kw.get("eps", 1e-5))
-    elif name == "groupnorm":
-        y = F.group_norm(tx, kw["num_groups"], t["gamma"], t["beta"], kw.get("eps", 1e-5))
-    elif name == "online_layernorm":
-        alpha, eps = kw["alpha"], kw.get("eps", 0.0)
-        pm = torch.tensor(np.asarray(kw["prev_mean"], dtype=np.float64), requires_grad=True)
-        ps = torch.tensor(np.asarray(kw["prev_std"], dtype=np.float64), requires_grad=True)
-        extra_in = {"prev_mean": pm, "prev_std": ps}
-        D = x.shape[-1]
-        mu = alpha * tx.mean(-1) + (1 - alpha) * pm
-        s = torch.sqrt(((tx - mu[..., None]) ** 2).sum(-1) / (D - 1) + eps)
-        sigma = alpha * s + (1 - alpha) * ps
-        y = t["gamma"] * (tx - mu[..., None]) / sigma[..., None] + t["beta"]
-    else:
-        raise KeyError(name)
-    y.backward(torch.tensor(dy, dtype=torch.float64))
-    grads = {"dx": tx.grad.numpy()}
-    for k, v in t.items():
-        grads["d" + k] = v.grad.numpy()
-    for k, v in extra_in.items():
-        grads["d" + k] = v.grad.numpy()
-    bufs = {k: (v.numpy() if v is not None else None) for k, v in buffers.items()}
-    return y.detach().numpy(), grads, bufs
+from derivgen.torch_ref import torch_reference  # noqa: F401  (re-exported for the tests)
 
 
 # (layer, x shape, param shape, keyword options)

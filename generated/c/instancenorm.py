@@ -38,7 +38,7 @@ _META = {'name': 'instancenorm',
          'buffers': [],
          'buffer_init': {},
          'modes': ['train'],
-         'min_group_size': {'train': 1},
+         'min_group_size': {'train': 2},
          'stats': {'train': ['mean', 'var', 'rstd']}}
 Grads = _rt.grads_type('instancenorm', _rt.grad_fields(_META))
 _kernel = CKernel(_META, Path(__file__).with_name('instancenorm.c'))

@@ -39,7 +39,7 @@ _META = {'name': 'instancenorm',
          'buffers': [],
          'buffer_init': {},
          'modes': ['train'],
-         'min_group_size': {'train': 1},
+         'min_group_size': {'train': 2},
          'stats': {'train': ['mean', 'var', 'rstd']}}
 Grads = _rt.grads_type('instancenorm', _rt.grad_fields(_META))
 

@@ -1,0 +1,289 @@
+"""Cross-check generated code: every layer x backend x dtype against
+
+1. the spec itself, evaluated group by group (derivgen.evaluate: forward), and
+   float64 central finite differences of the backend's forward (backward);
+2. the other backend;
+3. PyTorch autograd, where PyTorch has the layer (or the formula written in
+   torch operations: online_layernorm); without torch: "skipped: torch not
+   installed", which under CI=true is a failure;
+4. the engine's brute-force proof at small N.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from .api import derive, load
+from .evaluate import GroupEvaluator
+from .runtime import Layout, resolve_layout
+from .spec import Spec
+
+TOL = {
+    # check: (float64, float32), relative to max(1, max |reference|)
+    "spec": (1e-12, 2e-6),
+    "finite differences": (1e-6, 1e-5),
+    "other backend": (1e-12, 2e-6),
+    "torch": (1e-10, 2e-5),
+}
+DTYPES = {"float32": np.float32, "float64": np.float64}
+
+
+@dataclass
+class Row:
+    layer: str
+    mode: str
+    backend: str
+    dtype: str
+    check: str
+    errors: dict[str, float] = field(default_factory=dict)
+    tol: float | None = None
+    status: str = "ok"
+
+    @property
+    def failed(self) -> bool:
+        return self.status.startswith("FAIL")
+
+
+@dataclass
+class Case:
+    mode: str
+    x_shape: tuple
+    param_shape: tuple
+    kwargs: dict
+
+
+def cases_for(spec: Spec) -> list[Case]:
+    """Small shapes that exercise each layout (odd sizes), one per mode."""
+    out = []
+    for mode in spec.modes:
+        kw: dict = {}
+        if spec.layout == "trailing":
+            xs, ps = (3, 2, 5), (2, 5)
+        elif spec.reduce == "batch":
+            xs, ps = (4, 3, 5), (3,)
+        elif spec.reduce == "instance":
+            xs, ps = (2, 3, 7), (3,)
+        else:
+            xs, ps = (2, 6, 5), (6,)
+            kw["num_groups"] = 3
+        for o in spec.options:
+            if o.default is None:
+                lo = o.min if o.min is not None else 0.0
+                hi = o.max if o.max is not None else lo + 1.0
+                kw[o.name] = lo + 0.37 * (hi - lo)
+            elif o.name == "eps":
+                kw[o.name] = 1e-3
+        if "eval" in [m.name for m in spec.modes]:
+            kw["training"] = mode.name == "train"
+        out.append(Case(mode.name, xs, ps, kw))
+    return out
+
+
+def _inputs(spec: Spec, case: Case, dtype, seed: int):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(0.3, 1.3, case.x_shape)
+    dy = rng.normal(size=case.x_shape)
+    params = [rng.normal(1.0, 0.4, case.param_shape) for _ in spec.params]
+    kw = dict(case.kwargs)
+    first = np.empty(case.param_shape)
+    meta_like = {"name": spec.name, "layout": spec.layout, "reduce": spec.reduce, "params": ["p"]}
+    layout = resolve_layout(meta_like, x, first, kw.get("num_groups"))
+    for i in spec.inputs:
+        kw[i.name] = rng.uniform(0.6, 1.4, layout.group_shape)
+    for b in spec.buffers:
+        kw[b.name] = rng.uniform(0.6, 1.4, layout.group_shape)
+    cast = {k: (v.astype(dtype) if isinstance(v, np.ndarray) else v) for k, v in kw.items()}
+    return x.astype(dtype), dy.astype(dtype), [p.astype(dtype) for p in params], cast, layout
+
+
+def _copy_kw(kw):
+    return {k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in kw.items()}
+
+
+def _relerr(got, ref) -> float:
+    got = np.asarray(got, dtype=np.float64)
+    ref = np.asarray(ref, dtype=np.float64)
+    if got.shape != ref.shape:
+        return math.inf
+    both_nan = np.isnan(got) & np.isnan(ref)
+    diff = np.where(both_nan, 0.0, np.abs(got - ref))
+    return float(diff.max() / max(1.0, float(np.nanmax(np.abs(ref))) if ref.size else 1.0)) if ref.size else 0.0
+
+
+def _run(mod, spec, x, dy, params, kw):
+    kw = _copy_kw(kw)
+    y, cache = mod.forward(x, *params, **kw)
+    g = mod.backward(dy, cache)
+    out = {"y": y}
+    out.update({f: np.asarray(getattr(g, f)) for f in g._fields})
+    for b in spec.buffers:
+        if kw.get(b.name) is not None and kw.get("training", True):
+            out[b.name] = kw[b.name]
+    return out
+
+
+def _spec_forward(spec: Spec, md, x, params, kw, layout: Layout):
+    """y from the spec's own expressions, one group at a time (float64)."""
+    ev = GroupEvaluator(md)
+    L = layout
+    x4 = x.astype(np.float64).reshape(L.view4)
+    p4 = {p.name: np.broadcast_to(np.asarray(v, np.float64).reshape(L.param4), L.view4)
+          for p, v in zip(spec.params, params)}
+    y4 = np.empty_like(x4)
+    for grp in range(L.n_groups):
+        if L.per_sample:
+            o, g = divmod(grp, L.G)
+            sel = (o, g)
+        else:
+            sel = (slice(None), grp)
+        scalars = {o.name: kw[o.name] for o in spec.options if o.name in kw}
+        scalars.update({o.name: o.default for o in spec.options if o.name not in kw})
+        for item in (*spec.inputs, *spec.buffers):
+            v = np.asarray(kw[item.name], np.float64).reshape(-1)
+            scalars[item.name] = v[0] if v.size == 1 else v[grp]
+        xs = x4[sel]
+        y, _ = ev.forward(xs.reshape(-1), {k: v[sel].reshape(-1) for k, v in p4.items()}, scalars)
+        y4[sel] = y.reshape(xs.shape)
+    return y4.reshape(x.shape)
+
+
+def _fd(mod, spec, x, dy, params, kw, h=1e-6):
+    """Central differences of L = sum(dy * y) with respect to x, parameters and inputs (float64)."""
+    def loss(xx, pp, kk):
+        y, _ = mod.forward(xx, *pp, **_copy_kw(kk))
+        return float(np.sum(dy * y))
+    out = {}
+    fx = np.empty_like(x)
+    for idx in np.ndindex(x.shape):
+        xp, xm = x.copy(), x.copy()
+        xp[idx] += h
+        xm[idx] -= h
+        fx[idx] = (loss(xp, params, kw) - loss(xm, params, kw)) / (2 * h)
+    out["dx"] = fx
+    for k, p in enumerate(spec.params):
+        fp = np.empty_like(params[k])
+        for idx in np.ndindex(params[k].shape):
+            pp, pm = [q.copy() for q in params], [q.copy() for q in params]
+            pp[k][idx] += h
+            pm[k][idx] -= h
+            fp[idx] = (loss(x, pp, kw) - loss(x, pm, kw)) / (2 * h)
+        out["d" + p.name] = fp
+    for i in spec.inputs:
+        v = np.asarray(kw[i.name], np.float64)
+        fi = np.empty_like(v)
+        for idx in np.ndindex(v.shape):
+            kp, km = _copy_kw(kw), _copy_kw(kw)
+            kp[i.name] = v.copy()
+            km[i.name] = v.copy()
+            kp[i.name][idx] += h
+            km[i.name][idx] -= h
+            fi[idx] = (loss(x, params, kp) - loss(x, params, km)) / (2 * h)
+        out["d" + i.name] = fi
+    return out
+
+
+def check_layer(spec: Spec, backends=("numpy", "c"), dtypes=("float32", "float64"), *,
+                prove_sizes=(2, 3, 4, 5, 6), progress=None, in_ci: bool | None = None) -> list[Row]:
+    in_ci = (os.environ.get("CI", "").lower() in ("1", "true", "yes")) if in_ci is None else in_ci
+    from .torch_ref import HAS_REFERENCE, torch_available, torch_reference
+    d = derive(spec, prove=tuple(prove_sizes))
+    rows: list[Row] = []
+    for mname, proof in d.proofs.items():
+        rows.append(Row(spec.name, mname, "-", "-", f"proof N={prove_sizes[0]}..{prove_sizes[-1]}",
+                        status="ok" if proof.status == "proven" else
+                        ("ok (checked numerically)" if proof.ok else "FAIL: " + proof.status)))
+    mods = {b: load(spec, backend=b) for b in backends}
+    have_torch = torch_available()
+    for case in cases_for(spec):
+        md = d.modes[case.mode]
+        results: dict[tuple[str, str], dict] = {}
+        for dt in dtypes:
+            dtype = DTYPES[dt]
+            x, dy, params, kw, layout = _inputs(spec, case, dtype, seed=11)
+            x64, dy64 = x.astype(np.float64), dy.astype(np.float64)
+            p64 = [p.astype(np.float64) for p in params]
+            kw64 = {k: (v.astype(np.float64) if isinstance(v, np.ndarray) else v) for k, v in kw.items()}
+            ref_y = _spec_forward(spec, md, x64, p64, kw64, layout)
+            torch_ref = None
+            if have_torch and spec.name in HAS_REFERENCE and spec.source.startswith("catalogue/"):
+                y_t, g_t, b_t = torch_reference(spec.name, x64, dict(zip([p.name for p in spec.params], p64)),
+                                                _copy_kw(kw64), dy64)
+                torch_ref = {"y": y_t, **g_t, **{k: v for k, v in b_t.items() if v is not None and kw.get("training", True)}}
+            for b in backends:
+                if progress:
+                    progress(f"{spec.name} {case.mode} {b} {dt}")
+                mod = mods[b]
+                got = _run(mod, spec, x, dy, params, kw)
+                results[(b, dt)] = got
+                i = 0 if dt == "float64" else 1
+                # 1. the spec, and finite differences
+                fd = _fd(mod, spec, x64, dy64, p64, kw64)
+                errs = {"y": _relerr(got["y"], ref_y)}
+                errs.update({k: _relerr(got[k], v) for k, v in fd.items()})
+                ok = errs["y"] <= TOL["spec"][i] and all(errs[k] <= TOL["finite differences"][i] for k in fd)
+                rows.append(Row(spec.name, case.mode, b, dt, "spec + finite differences", errs,
+                                TOL["finite differences"][i], "ok" if ok else "FAIL"))
+                # 3. torch
+                if torch_ref is not None:
+                    errs = {k: _relerr(got[k], v) for k, v in torch_ref.items() if k in got}
+                    ok = all(e <= TOL["torch"][i] for e in errs.values())
+                    rows.append(Row(spec.name, case.mode, b, dt, "torch", errs, TOL["torch"][i], "ok" if ok else "FAIL"))
+                elif not have_torch:
+                    rows.append(Row(spec.name, case.mode, b, dt, "torch", status="FAIL: torch not installed (CI=true)"
+                                    if in_ci else "skipped: torch not installed"))
+                else:
+                    rows.append(Row(spec.name, case.mode, b, dt, "torch", status="skipped: no PyTorch counterpart"))
+            # 2. backends agree
+            if len(backends) == 2:
+                a, c = (results[(b, dt)] for b in backends)
+                i = 0 if dt == "float64" else 1
+                errs = {k: _relerr(c[k], a[k]) for k in a}
+                ok = all(e <= TOL["other backend"][i] for e in errs.values())
+                rows.append(Row(spec.name, case.mode, f"{backends[1]}~{backends[0]}", dt, "other backend", errs,
+                                TOL["other backend"][i], "ok" if ok else "FAIL"))
+    return rows
+
+
+def format_table(rows: list[Row]) -> str:
+    head = ("layer", "mode", "backend", "dtype", "check", "max relative error per output", "tol", "status")
+    body = []
+    for r in rows:
+        errs = "  ".join(f"{k} {v:.1e}" for k, v in r.errors.items()) or "-"
+        body.append((r.layer, r.mode, r.backend, r.dtype, r.check, errs,
+                     f"{r.tol:.0e}" if r.tol is not None else "-", r.status))
+    widths = [max(len(str(x[i])) for x in [head, *body]) for i in range(len(head))]
+    lines = ["  ".join(str(c).ljust(w) for c, w in zip(head, widths)).rstrip()]
+    lines += ["  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip() for row in body]
+    return "\n".join(lines)
+
+
+def rows_json(rows: list[Row]) -> list[dict]:
+    return [dict(asdict(r), failed=r.failed) for r in rows]
+
+
+def stderr_progress(total: int):
+    state = {"n": 0}
+    tty = sys.stderr.isatty()
+
+    def step(label: str):
+        state["n"] += 1
+        n = state["n"]
+        bar = "#" * int(24 * n / max(total, 1))
+        msg = f"[{bar:<24}] {n}/{total} {label}"
+        if tty:
+            sys.stderr.write("\r\033[K" + msg)
+            sys.stderr.flush()
+        elif n == 1 or n == total or n % 8 == 0:
+            sys.stderr.write(msg + "\n")
+
+    def done():
+        if tty:
+            sys.stderr.write("\r\033[K")
+            sys.stderr.flush()
+    step.done = done
+    return step
