@@ -195,6 +195,47 @@ def check_cmd(names, spec_files, backends, dtypes, prove_sizes, as_json):
         raise click.ClickException(f"{len(failed)} check(s) failed")
 
 
+def _shape(text: str) -> tuple[int, ...]:
+    try:
+        dims = tuple(int(t) for t in text.lower().replace(",", "x").split("x") if t.strip())
+    except ValueError:
+        dims = ()
+    if not dims or min(dims) < 1:
+        raise UserError(f"--shape: expected sizes like 8192x1024, got {text!r}")
+    return dims
+
+
+@cli.command("bench")
+@click.argument("names", nargs=-1)
+@click.option("--shape", "shapes", multiple=True, help="Shape(s) like 8192x1024 (default: per-layer defaults).")
+@click.option("--threads", type=click.IntRange(1, 256), default=None, help="Threads (default: all cores).")
+@click.option("--dtype", type=click.Choice(["float32", "float64"]), default="float32", show_default=True)
+@click.option("--repeat", type=click.IntRange(3, 1000), default=15, show_default=True, help="Timed runs per case.")
+@click.option("--json", "json_file", type=click.Path(dir_okay=False), help="Also write the results as JSON.")
+@click.option("--plot", "plot_file", type=click.Path(dir_okay=False), help="Save a chart (needs matplotlib).")
+@click.option("--default-malloc", is_flag=True, help="Do not tune glibc malloc (shows page-fault costs).")
+def bench_cmd(names, shapes, threads, dtype, repeat, json_file, plot_file, default_malloc):
+    """Time generated C and NumPy against plain NumPy, PyTorch and the memory-bandwidth bound."""
+    import json
+
+    from .bench import DEFAULT_SHAPES, format_report, plot, run_bench
+    from .check import stderr_progress
+    names = list(names) or list(DEFAULT_SHAPES)
+    for n in names:
+        _spec_or_name(n, None)
+    shp = [_shape(s) for s in shapes] or None
+    total = sum(len(shp or DEFAULT_SHAPES.get(n, [0])) for n in names) * 4
+    progress = stderr_progress(total)
+    report = run_bench(names, shp, threads, dtype, repeat, progress, tuned_malloc=not default_malloc)
+    progress.done()
+    click.echo(format_report(report))
+    if json_file:
+        atomic_write(json_file, json.dumps(report, indent=1))
+    if plot_file:
+        plot(report, plot_file)
+        click.echo(f"chart: {plot_file}")
+
+
 def _pdflatex(tex: str, pdf: Path) -> None:
     exe = shutil.which("pdflatex")
     if exe is None:

@@ -207,10 +207,19 @@ CTYPES = {"f32": "float", "f64": "double"}
 
 @dataclass
 class CLoop:
-    """One pass over the elements of a group."""
+    """One sweep over the elements of a group, as data for the C template.
+
+    The template emits it with 16 independent double lanes for every sum (so
+    the compiler vectorizes without reassociating: no -ffast-math, and the
+    summation order is fixed), and loads each parameter once per channel in
+    NCHW layouts.
+    """
     uses_params: bool
-    loads: list[str]                      # element statements, in order
-    body: list[str]                       # accumulations / stores
+    param_loads: list[str]                 # const double gamma_v = (double)gamma[ch];
+    elem_loads: list[str]                  # x, dy, then element temporaries, in order
+    stores: list[str]                      # dx[idx] = ...;
+    group_sums: list[tuple[str, str]]      # (accumulator, expression) summed over the group
+    param_sums: list[tuple[int, str]]      # (parameter slot, expression) summed per channel
 
 
 class CPlanner:
@@ -226,56 +235,54 @@ class CPlanner:
             self.group_names[b] = f"{b}_g"
         self.elem_names: dict[str, str] = {"x": "xv", "dy": "dyv", **{p: f"{p}_v" for p in self.params}}
 
-    # group level, double precision
     def g(self, e: sympy.Expr) -> str:
+        """A group-level expression (double)."""
         return c_expr(e, "double", self.group_names)
 
-    def loop(self, exprs: list[sympy.Expr], temps: list[tuple[str, sympy.Expr]], body_fmt) -> CLoop:
-        """Element loop computing ``exprs``; ``temps`` are element temporaries available.
+    def loop(self, exprs: list[sympy.Expr], temps: list[tuple[str, sympy.Expr]], *, stores=(), group_sums=(),
+             param_sums=()) -> CLoop:
+        """Element sweep computing ``exprs``; ``temps`` are element temporaries available.
 
         Loads and stores use the array type; all arithmetic is double, so a
         float32 kernel centres and squares without rounding the statistics to
         float (mean offset 1e4) or overflowing (|x| ~ 1e30).
         """
-        T = self.ctype
-        needed_temps: list[tuple[str, sympy.Expr]] = []
-        syms = set().union(*(e.free_symbols for e in exprs)) if exprs else set()
-        names = {str(s) for s in syms}
-        # temporaries used, transitively, kept in definition order
-        for nm, te in reversed(temps):
+        needed: list[tuple[str, sympy.Expr]] = []
+        names = {str(s) for e in exprs for s in e.free_symbols}
+        for nm, te in reversed(temps):          # temporaries used, transitively, in definition order
             if nm in names:
-                needed_temps.insert(0, (nm, te))
+                needed.insert(0, (nm, te))
                 names |= {str(s) for s in te.free_symbols}
         enames = dict(self.group_names)
         enames.update(self.elem_names)
-        loads = []
+        elem_loads = []
         if "x" in names:
-            loads.append("const double xv = (double)x[idx];")
+            elem_loads.append("const double xv = (double)x[idx];")
         if "dy" in names:
-            loads.append("const double dyv = (double)dy[idx];")
-        for p in self.params:
-            if p in names:
-                loads.append(f"const double {p}_v = (double){p}[ch];")
-        for nm, te in needed_temps:
-            loads.append(f"const double {nm} = {c_expr(te, 'double', enames)};")
+            elem_loads.append("const double dyv = (double)dy[idx];")
+        for nm, te in needed:
+            elem_loads.append(f"const double {nm} = {c_expr(te, 'double', enames)};")
             enames[nm] = nm
-        body = body_fmt(lambda e: c_expr(e, "double", enames))
-        uses_params = any(p in names for p in self.params) or any("[ch]" in line for line in body)
-        return CLoop(uses_params, loads, body)
+        param_loads = [f"const double {p}_v = (double){p}[ch];" for p in self.params if p in names]
+
+        def P(e):
+            return c_expr(e, "double", enames)
+        return CLoop(uses_params=bool(param_loads) or bool(param_sums), param_loads=param_loads,
+                     elem_loads=elem_loads, stores=[f.format(P=P) if isinstance(f, str) else f(P) for f in stores],
+                     group_sums=[(a, P(e)) for a, e in group_sums], param_sums=[(k, P(e)) for k, e in param_sums])
 
     def forward(self):
         steps = []
-        temps: list = []
         for st in self.ir.forward:
             if isinstance(st, Loop):
-                steps.append(("loop", self.loop([e for _, e in st.accs], temps,
-                              lambda P, st=st: [f"{a} += {P(e)};" for a, e in st.accs]),
+                steps.append(("loop", self.loop([e for _, e in st.accs], [], group_sums=st.accs),
                               [a for a, _ in st.accs]))
             else:
                 steps.append(("assign", st.name, self.g(st.expr), st.comment))
-        out_name, out_expr = self.ir.fwd_elem[-1]
+        _, out_expr = self.ir.fwd_elem[-1]
         temps = list(self.ir.fwd_elem[:-1])
-        final = self.loop([out_expr], temps, lambda P: [f"y[idx] = ({self.ctype})({P(out_expr)});"])
+        T = self.ctype
+        final = self.loop([out_expr], temps, stores=[lambda P: f"y[idx] = ({T})({P(out_expr)});"])
         updates = [(b, self.g(e)) for b, e in self.ir.buffer_updates]
         return steps, final, updates
 
@@ -283,18 +290,13 @@ class CPlanner:
         temps = list(self.ir.bwd_elem)
         red = None
         if self.ir.bwd_loop:
-            red = self.loop([e for _, e in self.ir.bwd_loop], temps,
-                            lambda P: [f"{a} += {P(e)};" for a, e in self.ir.bwd_loop])
+            red = self.loop([e for _, e in self.ir.bwd_loop], temps, group_sums=self.ir.bwd_loop)
         group = [(a.name, self.g(a.expr), a.comment) for a in self.ir.bwd_group]
         dx_expr = Add(*[sympy.Symbol(k) * m for k, m in self.ir.dx_terms])
         pexprs = [e for _, e in self.ir.dparams]
-
-        def body(P):
-            lines = [f"dx[idx] = ({self.ctype})({P(dx_expr)});"]
-            for k, (p, e) in enumerate(self.ir.dparams):
-                lines.append(f"mine[{k}*C + ch] += {P(e)};")
-            return lines
-        final = self.loop([dx_expr, *pexprs], temps, body)
+        T = self.ctype
+        final = self.loop([dx_expr, *pexprs], temps, stores=[lambda P: f"dx[idx] = ({T})({P(dx_expr)});"],
+                          param_sums=list(enumerate(pexprs)))
         return red, [a for a, _ in self.ir.bwd_loop], group, final
 
 

@@ -22,8 +22,11 @@
  *
  * mean(.) is the mean over one normalization group of N elements. Arrays are
  * read and written in their own type; all arithmetic and every sum is double.
- * Statistics are computed as written (two passes for a variance), never as
- * E[x^2] - E[x]^2. NaN and Inf propagate as IEEE arithmetic does.
+ * Statistics are computed as written (two passes for a variance, over a group
+ * that stays in cache), never as E[x^2] - E[x]^2. Sums run in DG_LANES
+ * independent lanes added pairwise at the end: vectorizable without
+ * reassociation, and the same order on every run and thread count. NaN and Inf
+ * propagate as IEEE arithmetic does.
  */
 #include "online_layernorm.h"
 
@@ -36,6 +39,8 @@
 #else
 #define DG_PRAGMA(x)
 #endif
+
+#define DG_LANES 16
 
 static int dg_threads(int nthreads)
 {
@@ -54,6 +59,16 @@ static int dg_thread_id(void)
 #else
     return 0;
 #endif
+}
+
+/* pairwise sum of the lanes */
+static double dg_lanes(const double *lane)
+{
+    double t[DG_LANES];
+    for (int j = 0; j < DG_LANES; ++j) t[j] = lane[j];
+    for (int w = DG_LANES / 2; w > 0; w /= 2)
+        for (int j = 0; j < w; ++j) t[j] += t[j + w];
+    return t[0];
 }
 /* ---- train forward, float ---- */
 int online_layernorm_train_forward_f32(
@@ -79,37 +94,65 @@ int online_layernorm_train_forward_f32(
     const double N = (double)(blocks * M);          /* values per group */
     const int nth = dg_threads(nthreads);
     (void)N;
+    (void)nth;
     (void)gamma;
     (void)beta;
-
-    (void)nth;
     (void)alpha;
     (void)eps;
+
     DG_PRAGMA(omp parallel for schedule(static) num_threads(nth))
     for (int64_t grp = 0; grp < n_groups; ++grp) {
-        const int64_t g = grp % G;
+        const int64_t gi = grp % G;                  /* channel group */
         const int64_t base = grp * M;
         const double prev_mean = (double)prev_mean_in[grp * prev_mean_stride];
         const double prev_std = (double)prev_std_in[grp * prev_std_stride];
-        double sum_row_mean = 0.0;
-        for (int64_t b = 0; b < blocks; ++b) {
-            const int64_t off = base + b * block_stride;
-            for (int64_t m = 0; m < M; ++m) {
-                const int64_t idx = off + m;
-                const double xv = (double)x[idx];
-                sum_row_mean += xv;
+        double sum_row_mean;
+        {
+            double lane_sum_row_mean[DG_LANES] = {0};
+            for (int64_t b = 0; b < blocks; ++b) {
+                const int64_t off = base + b * block_stride;
+                int64_t m = 0;
+                for (; m + DG_LANES <= M; m += DG_LANES) {
+                    for (int j = 0; j < DG_LANES; ++j) {
+                        const int64_t idx = off + m + j;
+                        const double xv = (double)x[idx];
+                        lane_sum_row_mean[j] += xv;
+                    }
+                }
+                for (; m < M; ++m) {
+                    const int j = 0;                /* the remainder goes to lane 0 */
+                    (void)j;
+                    const int64_t idx = off + m;
+                    const double xv = (double)x[idx];
+                    lane_sum_row_mean[j] += xv;
+                }
             }
+            sum_row_mean = dg_lanes(lane_sum_row_mean);
         }
         const double row_mean = sum_row_mean/N;  /* row_mean = mean(x) */
         const double mean = alpha*row_mean + prev_mean*(1 - alpha);  /* mean = alpha*row_mean + (1 - alpha)*prev_mean */
-        double sum_sample_std = 0.0;
-        for (int64_t b = 0; b < blocks; ++b) {
-            const int64_t off = base + b * block_stride;
-            for (int64_t m = 0; m < M; ++m) {
-                const int64_t idx = off + m;
-                const double xv = (double)x[idx];
-                sum_sample_std += ((xv - mean)*(xv - mean));
+        double sum_sample_std;
+        {
+            double lane_sum_sample_std[DG_LANES] = {0};
+            for (int64_t b = 0; b < blocks; ++b) {
+                const int64_t off = base + b * block_stride;
+                int64_t m = 0;
+                for (; m + DG_LANES <= M; m += DG_LANES) {
+                    for (int j = 0; j < DG_LANES; ++j) {
+                        const int64_t idx = off + m + j;
+                        const double xv = (double)x[idx];
+                        lane_sum_sample_std[j] += ((xv - mean)*(xv - mean));
+                    }
+                }
+                for (; m < M; ++m) {
+                    const int j = 0;                /* the remainder goes to lane 0 */
+                    (void)j;
+                    const int64_t idx = off + m;
+                    const double xv = (double)x[idx];
+                    lane_sum_sample_std[j] += ((xv - mean)*(xv - mean));
+                }
             }
+            sum_sample_std = dg_lanes(lane_sum_sample_std);
         }
         const double sample_std = sqrt(eps + sum_sample_std/(N - 1));  /* sample_std = sqrt(sum((x - mean)**2)/(N - 1) + eps) */
         const double std = alpha*sample_std + prev_std*(1 - alpha);  /* std = alpha*sample_std + (1 - alpha)*prev_std */
@@ -120,23 +163,49 @@ int online_layernorm_train_forward_f32(
         {
             for (int64_t b = 0; b < blocks; ++b) {
                 const int64_t off = base + b * block_stride;
-                if (S == 1) {
-                    for (int64_t m = 0; m < Cg; ++m) {
-                        const int64_t idx = off + m, ch = g * Cg + m;
-                        const double xv = (double)x[idx];
+                if (S == 1) {           /* parameters vary along the run */
+                    int64_t m = 0;
+                    for (; m + DG_LANES <= Cg; m += DG_LANES) {
+                        for (int j = 0; j < DG_LANES; ++j) {
+                            const int64_t idx = off + m + j;
+                            const int64_t ch = gi * Cg + m + j;
+                            const double gamma_v = (double)gamma[ch];
+                            const double beta_v = (double)beta[ch];
+                            const double xv = (double)x[idx];
+                            const double xhat = (xv - mean)/std;
+                            y[idx] = (float)(gamma_v*xhat + beta_v);
+                        }
+                    }
+                    for (; m < Cg; ++m) {
+                        const int j = 0;                /* the remainder goes to lane 0 */
+                        (void)j;
+                        const int64_t idx = off + m;
+                        const int64_t ch = gi * Cg + m;
                         const double gamma_v = (double)gamma[ch];
                         const double beta_v = (double)beta[ch];
+                        const double xv = (double)x[idx];
                         const double xhat = (xv - mean)/std;
                         y[idx] = (float)(gamma_v*xhat + beta_v);
                     }
-                } else {
+                } else {                /* NCHW: one parameter per run of S values */
                     for (int64_t cg = 0; cg < Cg; ++cg) {
-                        const int64_t ch = g * Cg + cg;
-                        for (int64_t s = 0; s < S; ++s) {
+                        const int64_t ch = gi * Cg + cg;
+                        const double gamma_v = (double)gamma[ch];
+                        const double beta_v = (double)beta[ch];
+                        int64_t s = 0;
+                        for (; s + DG_LANES <= S; s += DG_LANES) {
+                            for (int j = 0; j < DG_LANES; ++j) {
+                                const int64_t idx = off + cg * S + s + j;
+                                const double xv = (double)x[idx];
+                                const double xhat = (xv - mean)/std;
+                                y[idx] = (float)(gamma_v*xhat + beta_v);
+                            }
+                        }
+                        for (; s < S; ++s) {
+                            const int j = 0;                /* the remainder goes to lane 0 */
+                            (void)j;
                             const int64_t idx = off + cg * S + s;
                             const double xv = (double)x[idx];
-                            const double gamma_v = (double)gamma[ch];
-                            const double beta_v = (double)beta[ch];
                             const double xhat = (xv - mean)/std;
                             y[idx] = (float)(gamma_v*xhat + beta_v);
                         }
@@ -177,13 +246,14 @@ int online_layernorm_train_backward_f32(
     const double N = (double)(blocks * M);          /* values per group */
     const int nth = dg_threads(nthreads);
     (void)N;
+    (void)nth;
     (void)gamma;
     (void)beta;
+    (void)alpha;
+    (void)eps;
 
     const int64_t C = G * Cg;                        /* parameter length */
     const int64_t P = 2;      /* parameters */
-    (void)alpha;
-    (void)eps;
     /* per-thread partial sums of the parameter gradients, reduced once at the end */
     double *part = (double *)calloc((size_t)(nth * P * C) + 1, sizeof(double));
     if (part == NULL) return -1;
@@ -192,50 +262,87 @@ int online_layernorm_train_backward_f32(
         double *restrict mine = part + (int64_t)dg_thread_id() * P * C;
         DG_PRAGMA(omp for schedule(static))
         for (int64_t grp = 0; grp < n_groups; ++grp) {
-            const int64_t g = grp % G;
+            const int64_t gi = grp % G;                  /* channel group */
             const int64_t base = grp * M;
             const double prev_mean = (double)prev_mean_in[grp * prev_mean_stride];
-            const double prev_std = (double)prev_std_in[grp * prev_std_stride];
-            const double row_mean = row_mean_in[grp];
-            const double mean = mean_in[grp];
-            const double sample_std = sample_std_in[grp];
-            const double std = std_in[grp];
-            (void)row_mean;
-            (void)mean;
-            (void)sample_std;
-            (void)std;
             (void)prev_mean;
+            const double prev_std = (double)prev_std_in[grp * prev_std_stride];
             (void)prev_std;
-            double sum_g = 0.0;
-            double sum_g_xhat = 0.0;
-            for (int64_t b = 0; b < blocks; ++b) {
-                const int64_t off = base + b * block_stride;
-                if (S == 1) {
-                    for (int64_t m = 0; m < Cg; ++m) {
-                        const int64_t idx = off + m, ch = g * Cg + m;
-                        const double xv = (double)x[idx];
-                        const double dyv = (double)dy[idx];
-                        const double gamma_v = (double)gamma[ch];
-                        const double xhat = (xv - mean)/std;
-                        const double g = dyv*gamma_v;
-                        sum_g += g;
-                        sum_g_xhat += g*xhat;
-                    }
-                } else {
-                    for (int64_t cg = 0; cg < Cg; ++cg) {
-                        const int64_t ch = g * Cg + cg;
-                        for (int64_t s = 0; s < S; ++s) {
-                            const int64_t idx = off + cg * S + s;
+            const double row_mean = row_mean_in[grp];
+            (void)row_mean;
+            const double mean = mean_in[grp];
+            (void)mean;
+            const double sample_std = sample_std_in[grp];
+            (void)sample_std;
+            const double std = std_in[grp];
+            (void)std;
+            double sum_g;
+            double sum_g_xhat;
+            {
+                double lane_sum_g[DG_LANES] = {0};
+                double lane_sum_g_xhat[DG_LANES] = {0};
+                for (int64_t b = 0; b < blocks; ++b) {
+                    const int64_t off = base + b * block_stride;
+                    if (S == 1) {           /* parameters vary along the run */
+                        int64_t m = 0;
+                        for (; m + DG_LANES <= Cg; m += DG_LANES) {
+                            for (int j = 0; j < DG_LANES; ++j) {
+                                const int64_t idx = off + m + j;
+                                const int64_t ch = gi * Cg + m + j;
+                                const double gamma_v = (double)gamma[ch];
+                                const double xv = (double)x[idx];
+                                const double dyv = (double)dy[idx];
+                                const double xhat = (xv - mean)/std;
+                                const double g = dyv*gamma_v;
+                                lane_sum_g[j] += g;
+                                lane_sum_g_xhat[j] += g*xhat;
+                            }
+                        }
+                        for (; m < Cg; ++m) {
+                            const int j = 0;                /* the remainder goes to lane 0 */
+                            (void)j;
+                            const int64_t idx = off + m;
+                            const int64_t ch = gi * Cg + m;
+                            const double gamma_v = (double)gamma[ch];
                             const double xv = (double)x[idx];
                             const double dyv = (double)dy[idx];
-                            const double gamma_v = (double)gamma[ch];
                             const double xhat = (xv - mean)/std;
                             const double g = dyv*gamma_v;
-                            sum_g += g;
-                            sum_g_xhat += g*xhat;
+                            lane_sum_g[j] += g;
+                            lane_sum_g_xhat[j] += g*xhat;
+                        }
+                    } else {                /* NCHW: one parameter per run of S values */
+                        for (int64_t cg = 0; cg < Cg; ++cg) {
+                            const int64_t ch = gi * Cg + cg;
+                            const double gamma_v = (double)gamma[ch];
+                            int64_t s = 0;
+                            for (; s + DG_LANES <= S; s += DG_LANES) {
+                                for (int j = 0; j < DG_LANES; ++j) {
+                                    const int64_t idx = off + cg * S + s + j;
+                                    const double xv = (double)x[idx];
+                                    const double dyv = (double)dy[idx];
+                                    const double xhat = (xv - mean)/std;
+                                    const double g = dyv*gamma_v;
+                                    lane_sum_g[j] += g;
+                                    lane_sum_g_xhat[j] += g*xhat;
+                                }
+                            }
+                            for (; s < S; ++s) {
+                                const int j = 0;                /* the remainder goes to lane 0 */
+                                (void)j;
+                                const int64_t idx = off + cg * S + s;
+                                const double xv = (double)x[idx];
+                                const double dyv = (double)dy[idx];
+                                const double xhat = (xv - mean)/std;
+                                const double g = dyv*gamma_v;
+                                lane_sum_g[j] += g;
+                                lane_sum_g_xhat[j] += g*xhat;
+                            }
                         }
                     }
                 }
+                sum_g = dg_lanes(lane_sum_g);
+                sum_g_xhat = dg_lanes(lane_sum_g_xhat);
             }
             const double mean_g = sum_g/N;  /* mean_g = mean(g) */
             const double mean_g_xhat = sum_g_xhat/N;  /* mean_g_xhat = mean(g*xhat) */
@@ -246,33 +353,72 @@ int online_layernorm_train_backward_f32(
             const double grad_prev_std = N*mean_g_xhat*(alpha - 1)/std;  /* ∂L/∂prev_std for this group */
             dprev_mean[grp] = (float)grad_prev_mean;
             dprev_std[grp] = (float)grad_prev_std;
-            for (int64_t b = 0; b < blocks; ++b) {
-                const int64_t off = base + b * block_stride;
-                if (S == 1) {
-                    for (int64_t m = 0; m < Cg; ++m) {
-                        const int64_t idx = off + m, ch = g * Cg + m;
-                        const double xv = (double)x[idx];
-                        const double dyv = (double)dy[idx];
-                        const double gamma_v = (double)gamma[ch];
-                        const double xhat = (xv - mean)/std;
-                        const double g = dyv*gamma_v;
-                        dx[idx] = (float)(g*k_g + k_xhat*xhat + k_1);
-                        mine[0*C + ch] += dyv*xhat;
-                        mine[1*C + ch] += dyv;
-                    }
-                } else {
-                    for (int64_t cg = 0; cg < Cg; ++cg) {
-                        const int64_t ch = g * Cg + cg;
-                        for (int64_t s = 0; s < S; ++s) {
-                            const int64_t idx = off + cg * S + s;
+            {
+                for (int64_t b = 0; b < blocks; ++b) {
+                    const int64_t off = base + b * block_stride;
+                    if (S == 1) {           /* parameters vary along the run */
+                        int64_t m = 0;
+                        for (; m + DG_LANES <= Cg; m += DG_LANES) {
+                            for (int j = 0; j < DG_LANES; ++j) {
+                                const int64_t idx = off + m + j;
+                                const int64_t ch = gi * Cg + m + j;
+                                const double gamma_v = (double)gamma[ch];
+                                const double xv = (double)x[idx];
+                                const double dyv = (double)dy[idx];
+                                const double xhat = (xv - mean)/std;
+                                const double g = dyv*gamma_v;
+                                dx[idx] = (float)(g*k_g + k_xhat*xhat + k_1);
+                                mine[0 * C + ch] += dyv*xhat;
+                                mine[1 * C + ch] += dyv;
+                            }
+                        }
+                        for (; m < Cg; ++m) {
+                            const int j = 0;                /* the remainder goes to lane 0 */
+                            (void)j;
+                            const int64_t idx = off + m;
+                            const int64_t ch = gi * Cg + m;
+                            const double gamma_v = (double)gamma[ch];
                             const double xv = (double)x[idx];
                             const double dyv = (double)dy[idx];
-                            const double gamma_v = (double)gamma[ch];
                             const double xhat = (xv - mean)/std;
                             const double g = dyv*gamma_v;
                             dx[idx] = (float)(g*k_g + k_xhat*xhat + k_1);
-                            mine[0*C + ch] += dyv*xhat;
-                            mine[1*C + ch] += dyv;
+                            mine[0 * C + ch] += dyv*xhat;
+                            mine[1 * C + ch] += dyv;
+                        }
+                    } else {                /* NCHW: one parameter per run of S values */
+                        for (int64_t cg = 0; cg < Cg; ++cg) {
+                            const int64_t ch = gi * Cg + cg;
+                            const double gamma_v = (double)gamma[ch];
+                            double lane_p0[DG_LANES] = {0};
+                            double lane_p1[DG_LANES] = {0};
+                            int64_t s = 0;
+                            for (; s + DG_LANES <= S; s += DG_LANES) {
+                                for (int j = 0; j < DG_LANES; ++j) {
+                                    const int64_t idx = off + cg * S + s + j;
+                                    const double xv = (double)x[idx];
+                                    const double dyv = (double)dy[idx];
+                                    const double xhat = (xv - mean)/std;
+                                    const double g = dyv*gamma_v;
+                                    dx[idx] = (float)(g*k_g + k_xhat*xhat + k_1);
+                                    lane_p0[j] += dyv*xhat;
+                                    lane_p1[j] += dyv;
+                                }
+                            }
+                            for (; s < S; ++s) {
+                                const int j = 0;                /* the remainder goes to lane 0 */
+                                (void)j;
+                                const int64_t idx = off + cg * S + s;
+                                const double xv = (double)x[idx];
+                                const double dyv = (double)dy[idx];
+                                const double xhat = (xv - mean)/std;
+                                const double g = dyv*gamma_v;
+                                dx[idx] = (float)(g*k_g + k_xhat*xhat + k_1);
+                                lane_p0[j] += dyv*xhat;
+                                lane_p1[j] += dyv;
+                            }
+                            mine[0 * C + ch] += dg_lanes(lane_p0);
+                            mine[1 * C + ch] += dg_lanes(lane_p1);
                         }
                     }
                 }
@@ -314,37 +460,65 @@ int online_layernorm_train_forward_f64(
     const double N = (double)(blocks * M);          /* values per group */
     const int nth = dg_threads(nthreads);
     (void)N;
+    (void)nth;
     (void)gamma;
     (void)beta;
-
-    (void)nth;
     (void)alpha;
     (void)eps;
+
     DG_PRAGMA(omp parallel for schedule(static) num_threads(nth))
     for (int64_t grp = 0; grp < n_groups; ++grp) {
-        const int64_t g = grp % G;
+        const int64_t gi = grp % G;                  /* channel group */
         const int64_t base = grp * M;
         const double prev_mean = (double)prev_mean_in[grp * prev_mean_stride];
         const double prev_std = (double)prev_std_in[grp * prev_std_stride];
-        double sum_row_mean = 0.0;
-        for (int64_t b = 0; b < blocks; ++b) {
-            const int64_t off = base + b * block_stride;
-            for (int64_t m = 0; m < M; ++m) {
-                const int64_t idx = off + m;
-                const double xv = (double)x[idx];
-                sum_row_mean += xv;
+        double sum_row_mean;
+        {
+            double lane_sum_row_mean[DG_LANES] = {0};
+            for (int64_t b = 0; b < blocks; ++b) {
+                const int64_t off = base + b * block_stride;
+                int64_t m = 0;
+                for (; m + DG_LANES <= M; m += DG_LANES) {
+                    for (int j = 0; j < DG_LANES; ++j) {
+                        const int64_t idx = off + m + j;
+                        const double xv = (double)x[idx];
+                        lane_sum_row_mean[j] += xv;
+                    }
+                }
+                for (; m < M; ++m) {
+                    const int j = 0;                /* the remainder goes to lane 0 */
+                    (void)j;
+                    const int64_t idx = off + m;
+                    const double xv = (double)x[idx];
+                    lane_sum_row_mean[j] += xv;
+                }
             }
+            sum_row_mean = dg_lanes(lane_sum_row_mean);
         }
         const double row_mean = sum_row_mean/N;  /* row_mean = mean(x) */
         const double mean = alpha*row_mean + prev_mean*(1 - alpha);  /* mean = alpha*row_mean + (1 - alpha)*prev_mean */
-        double sum_sample_std = 0.0;
-        for (int64_t b = 0; b < blocks; ++b) {
-            const int64_t off = base + b * block_stride;
-            for (int64_t m = 0; m < M; ++m) {
-                const int64_t idx = off + m;
-                const double xv = (double)x[idx];
-                sum_sample_std += ((xv - mean)*(xv - mean));
+        double sum_sample_std;
+        {
+            double lane_sum_sample_std[DG_LANES] = {0};
+            for (int64_t b = 0; b < blocks; ++b) {
+                const int64_t off = base + b * block_stride;
+                int64_t m = 0;
+                for (; m + DG_LANES <= M; m += DG_LANES) {
+                    for (int j = 0; j < DG_LANES; ++j) {
+                        const int64_t idx = off + m + j;
+                        const double xv = (double)x[idx];
+                        lane_sum_sample_std[j] += ((xv - mean)*(xv - mean));
+                    }
+                }
+                for (; m < M; ++m) {
+                    const int j = 0;                /* the remainder goes to lane 0 */
+                    (void)j;
+                    const int64_t idx = off + m;
+                    const double xv = (double)x[idx];
+                    lane_sum_sample_std[j] += ((xv - mean)*(xv - mean));
+                }
             }
+            sum_sample_std = dg_lanes(lane_sum_sample_std);
         }
         const double sample_std = sqrt(eps + sum_sample_std/(N - 1));  /* sample_std = sqrt(sum((x - mean)**2)/(N - 1) + eps) */
         const double std = alpha*sample_std + prev_std*(1 - alpha);  /* std = alpha*sample_std + (1 - alpha)*prev_std */
@@ -355,23 +529,49 @@ int online_layernorm_train_forward_f64(
         {
             for (int64_t b = 0; b < blocks; ++b) {
                 const int64_t off = base + b * block_stride;
-                if (S == 1) {
-                    for (int64_t m = 0; m < Cg; ++m) {
-                        const int64_t idx = off + m, ch = g * Cg + m;
-                        const double xv = (double)x[idx];
+                if (S == 1) {           /* parameters vary along the run */
+                    int64_t m = 0;
+                    for (; m + DG_LANES <= Cg; m += DG_LANES) {
+                        for (int j = 0; j < DG_LANES; ++j) {
+                            const int64_t idx = off + m + j;
+                            const int64_t ch = gi * Cg + m + j;
+                            const double gamma_v = (double)gamma[ch];
+                            const double beta_v = (double)beta[ch];
+                            const double xv = (double)x[idx];
+                            const double xhat = (xv - mean)/std;
+                            y[idx] = (double)(gamma_v*xhat + beta_v);
+                        }
+                    }
+                    for (; m < Cg; ++m) {
+                        const int j = 0;                /* the remainder goes to lane 0 */
+                        (void)j;
+                        const int64_t idx = off + m;
+                        const int64_t ch = gi * Cg + m;
                         const double gamma_v = (double)gamma[ch];
                         const double beta_v = (double)beta[ch];
+                        const double xv = (double)x[idx];
                         const double xhat = (xv - mean)/std;
                         y[idx] = (double)(gamma_v*xhat + beta_v);
                     }
-                } else {
+                } else {                /* NCHW: one parameter per run of S values */
                     for (int64_t cg = 0; cg < Cg; ++cg) {
-                        const int64_t ch = g * Cg + cg;
-                        for (int64_t s = 0; s < S; ++s) {
+                        const int64_t ch = gi * Cg + cg;
+                        const double gamma_v = (double)gamma[ch];
+                        const double beta_v = (double)beta[ch];
+                        int64_t s = 0;
+                        for (; s + DG_LANES <= S; s += DG_LANES) {
+                            for (int j = 0; j < DG_LANES; ++j) {
+                                const int64_t idx = off + cg * S + s + j;
+                                const double xv = (double)x[idx];
+                                const double xhat = (xv - mean)/std;
+                                y[idx] = (double)(gamma_v*xhat + beta_v);
+                            }
+                        }
+                        for (; s < S; ++s) {
+                            const int j = 0;                /* the remainder goes to lane 0 */
+                            (void)j;
                             const int64_t idx = off + cg * S + s;
                             const double xv = (double)x[idx];
-                            const double gamma_v = (double)gamma[ch];
-                            const double beta_v = (double)beta[ch];
                             const double xhat = (xv - mean)/std;
                             y[idx] = (double)(gamma_v*xhat + beta_v);
                         }
@@ -412,13 +612,14 @@ int online_layernorm_train_backward_f64(
     const double N = (double)(blocks * M);          /* values per group */
     const int nth = dg_threads(nthreads);
     (void)N;
+    (void)nth;
     (void)gamma;
     (void)beta;
+    (void)alpha;
+    (void)eps;
 
     const int64_t C = G * Cg;                        /* parameter length */
     const int64_t P = 2;      /* parameters */
-    (void)alpha;
-    (void)eps;
     /* per-thread partial sums of the parameter gradients, reduced once at the end */
     double *part = (double *)calloc((size_t)(nth * P * C) + 1, sizeof(double));
     if (part == NULL) return -1;
@@ -427,50 +628,87 @@ int online_layernorm_train_backward_f64(
         double *restrict mine = part + (int64_t)dg_thread_id() * P * C;
         DG_PRAGMA(omp for schedule(static))
         for (int64_t grp = 0; grp < n_groups; ++grp) {
-            const int64_t g = grp % G;
+            const int64_t gi = grp % G;                  /* channel group */
             const int64_t base = grp * M;
             const double prev_mean = (double)prev_mean_in[grp * prev_mean_stride];
-            const double prev_std = (double)prev_std_in[grp * prev_std_stride];
-            const double row_mean = row_mean_in[grp];
-            const double mean = mean_in[grp];
-            const double sample_std = sample_std_in[grp];
-            const double std = std_in[grp];
-            (void)row_mean;
-            (void)mean;
-            (void)sample_std;
-            (void)std;
             (void)prev_mean;
+            const double prev_std = (double)prev_std_in[grp * prev_std_stride];
             (void)prev_std;
-            double sum_g = 0.0;
-            double sum_g_xhat = 0.0;
-            for (int64_t b = 0; b < blocks; ++b) {
-                const int64_t off = base + b * block_stride;
-                if (S == 1) {
-                    for (int64_t m = 0; m < Cg; ++m) {
-                        const int64_t idx = off + m, ch = g * Cg + m;
-                        const double xv = (double)x[idx];
-                        const double dyv = (double)dy[idx];
-                        const double gamma_v = (double)gamma[ch];
-                        const double xhat = (xv - mean)/std;
-                        const double g = dyv*gamma_v;
-                        sum_g += g;
-                        sum_g_xhat += g*xhat;
-                    }
-                } else {
-                    for (int64_t cg = 0; cg < Cg; ++cg) {
-                        const int64_t ch = g * Cg + cg;
-                        for (int64_t s = 0; s < S; ++s) {
-                            const int64_t idx = off + cg * S + s;
+            const double row_mean = row_mean_in[grp];
+            (void)row_mean;
+            const double mean = mean_in[grp];
+            (void)mean;
+            const double sample_std = sample_std_in[grp];
+            (void)sample_std;
+            const double std = std_in[grp];
+            (void)std;
+            double sum_g;
+            double sum_g_xhat;
+            {
+                double lane_sum_g[DG_LANES] = {0};
+                double lane_sum_g_xhat[DG_LANES] = {0};
+                for (int64_t b = 0; b < blocks; ++b) {
+                    const int64_t off = base + b * block_stride;
+                    if (S == 1) {           /* parameters vary along the run */
+                        int64_t m = 0;
+                        for (; m + DG_LANES <= Cg; m += DG_LANES) {
+                            for (int j = 0; j < DG_LANES; ++j) {
+                                const int64_t idx = off + m + j;
+                                const int64_t ch = gi * Cg + m + j;
+                                const double gamma_v = (double)gamma[ch];
+                                const double xv = (double)x[idx];
+                                const double dyv = (double)dy[idx];
+                                const double xhat = (xv - mean)/std;
+                                const double g = dyv*gamma_v;
+                                lane_sum_g[j] += g;
+                                lane_sum_g_xhat[j] += g*xhat;
+                            }
+                        }
+                        for (; m < Cg; ++m) {
+                            const int j = 0;                /* the remainder goes to lane 0 */
+                            (void)j;
+                            const int64_t idx = off + m;
+                            const int64_t ch = gi * Cg + m;
+                            const double gamma_v = (double)gamma[ch];
                             const double xv = (double)x[idx];
                             const double dyv = (double)dy[idx];
-                            const double gamma_v = (double)gamma[ch];
                             const double xhat = (xv - mean)/std;
                             const double g = dyv*gamma_v;
-                            sum_g += g;
-                            sum_g_xhat += g*xhat;
+                            lane_sum_g[j] += g;
+                            lane_sum_g_xhat[j] += g*xhat;
+                        }
+                    } else {                /* NCHW: one parameter per run of S values */
+                        for (int64_t cg = 0; cg < Cg; ++cg) {
+                            const int64_t ch = gi * Cg + cg;
+                            const double gamma_v = (double)gamma[ch];
+                            int64_t s = 0;
+                            for (; s + DG_LANES <= S; s += DG_LANES) {
+                                for (int j = 0; j < DG_LANES; ++j) {
+                                    const int64_t idx = off + cg * S + s + j;
+                                    const double xv = (double)x[idx];
+                                    const double dyv = (double)dy[idx];
+                                    const double xhat = (xv - mean)/std;
+                                    const double g = dyv*gamma_v;
+                                    lane_sum_g[j] += g;
+                                    lane_sum_g_xhat[j] += g*xhat;
+                                }
+                            }
+                            for (; s < S; ++s) {
+                                const int j = 0;                /* the remainder goes to lane 0 */
+                                (void)j;
+                                const int64_t idx = off + cg * S + s;
+                                const double xv = (double)x[idx];
+                                const double dyv = (double)dy[idx];
+                                const double xhat = (xv - mean)/std;
+                                const double g = dyv*gamma_v;
+                                lane_sum_g[j] += g;
+                                lane_sum_g_xhat[j] += g*xhat;
+                            }
                         }
                     }
                 }
+                sum_g = dg_lanes(lane_sum_g);
+                sum_g_xhat = dg_lanes(lane_sum_g_xhat);
             }
             const double mean_g = sum_g/N;  /* mean_g = mean(g) */
             const double mean_g_xhat = sum_g_xhat/N;  /* mean_g_xhat = mean(g*xhat) */
@@ -481,33 +719,72 @@ int online_layernorm_train_backward_f64(
             const double grad_prev_std = N*mean_g_xhat*(alpha - 1)/std;  /* ∂L/∂prev_std for this group */
             dprev_mean[grp] = (double)grad_prev_mean;
             dprev_std[grp] = (double)grad_prev_std;
-            for (int64_t b = 0; b < blocks; ++b) {
-                const int64_t off = base + b * block_stride;
-                if (S == 1) {
-                    for (int64_t m = 0; m < Cg; ++m) {
-                        const int64_t idx = off + m, ch = g * Cg + m;
-                        const double xv = (double)x[idx];
-                        const double dyv = (double)dy[idx];
-                        const double gamma_v = (double)gamma[ch];
-                        const double xhat = (xv - mean)/std;
-                        const double g = dyv*gamma_v;
-                        dx[idx] = (double)(g*k_g + k_xhat*xhat + k_1);
-                        mine[0*C + ch] += dyv*xhat;
-                        mine[1*C + ch] += dyv;
-                    }
-                } else {
-                    for (int64_t cg = 0; cg < Cg; ++cg) {
-                        const int64_t ch = g * Cg + cg;
-                        for (int64_t s = 0; s < S; ++s) {
-                            const int64_t idx = off + cg * S + s;
+            {
+                for (int64_t b = 0; b < blocks; ++b) {
+                    const int64_t off = base + b * block_stride;
+                    if (S == 1) {           /* parameters vary along the run */
+                        int64_t m = 0;
+                        for (; m + DG_LANES <= Cg; m += DG_LANES) {
+                            for (int j = 0; j < DG_LANES; ++j) {
+                                const int64_t idx = off + m + j;
+                                const int64_t ch = gi * Cg + m + j;
+                                const double gamma_v = (double)gamma[ch];
+                                const double xv = (double)x[idx];
+                                const double dyv = (double)dy[idx];
+                                const double xhat = (xv - mean)/std;
+                                const double g = dyv*gamma_v;
+                                dx[idx] = (double)(g*k_g + k_xhat*xhat + k_1);
+                                mine[0 * C + ch] += dyv*xhat;
+                                mine[1 * C + ch] += dyv;
+                            }
+                        }
+                        for (; m < Cg; ++m) {
+                            const int j = 0;                /* the remainder goes to lane 0 */
+                            (void)j;
+                            const int64_t idx = off + m;
+                            const int64_t ch = gi * Cg + m;
+                            const double gamma_v = (double)gamma[ch];
                             const double xv = (double)x[idx];
                             const double dyv = (double)dy[idx];
-                            const double gamma_v = (double)gamma[ch];
                             const double xhat = (xv - mean)/std;
                             const double g = dyv*gamma_v;
                             dx[idx] = (double)(g*k_g + k_xhat*xhat + k_1);
-                            mine[0*C + ch] += dyv*xhat;
-                            mine[1*C + ch] += dyv;
+                            mine[0 * C + ch] += dyv*xhat;
+                            mine[1 * C + ch] += dyv;
+                        }
+                    } else {                /* NCHW: one parameter per run of S values */
+                        for (int64_t cg = 0; cg < Cg; ++cg) {
+                            const int64_t ch = gi * Cg + cg;
+                            const double gamma_v = (double)gamma[ch];
+                            double lane_p0[DG_LANES] = {0};
+                            double lane_p1[DG_LANES] = {0};
+                            int64_t s = 0;
+                            for (; s + DG_LANES <= S; s += DG_LANES) {
+                                for (int j = 0; j < DG_LANES; ++j) {
+                                    const int64_t idx = off + cg * S + s + j;
+                                    const double xv = (double)x[idx];
+                                    const double dyv = (double)dy[idx];
+                                    const double xhat = (xv - mean)/std;
+                                    const double g = dyv*gamma_v;
+                                    dx[idx] = (double)(g*k_g + k_xhat*xhat + k_1);
+                                    lane_p0[j] += dyv*xhat;
+                                    lane_p1[j] += dyv;
+                                }
+                            }
+                            for (; s < S; ++s) {
+                                const int j = 0;                /* the remainder goes to lane 0 */
+                                (void)j;
+                                const int64_t idx = off + cg * S + s;
+                                const double xv = (double)x[idx];
+                                const double dyv = (double)dy[idx];
+                                const double xhat = (xv - mean)/std;
+                                const double g = dyv*gamma_v;
+                                dx[idx] = (double)(g*k_g + k_xhat*xhat + k_1);
+                                lane_p0[j] += dyv*xhat;
+                                lane_p1[j] += dyv;
+                            }
+                            mine[0 * C + ch] += dg_lanes(lane_p0);
+                            mine[1 * C + ch] += dg_lanes(lane_p1);
                         }
                     }
                 }

@@ -16,8 +16,11 @@
  *
  * mean(.) is the mean over one normalization group of N elements. Arrays are
  * read and written in their own type; all arithmetic and every sum is double.
- * Statistics are computed as written (two passes for a variance), never as
- * E[x^2] - E[x]^2. NaN and Inf propagate as IEEE arithmetic does.
+ * Statistics are computed as written (two passes for a variance, over a group
+ * that stays in cache), never as E[x^2] - E[x]^2. Sums run in DG_LANES
+ * independent lanes added pairwise at the end: vectorizable without
+ * reassociation, and the same order on every run and thread count. NaN and Inf
+ * propagate as IEEE arithmetic does.
  */
 #include "rmsnorm.h"
 
@@ -30,6 +33,8 @@
 #else
 #define DG_PRAGMA(x)
 #endif
+
+#define DG_LANES 16
 
 static int dg_threads(int nthreads)
 {
@@ -49,6 +54,16 @@ static int dg_thread_id(void)
     return 0;
 #endif
 }
+
+/* pairwise sum of the lanes */
+static double dg_lanes(const double *lane)
+{
+    double t[DG_LANES];
+    for (int j = 0; j < DG_LANES; ++j) t[j] = lane[j];
+    for (int w = DG_LANES / 2; w > 0; w /= 2)
+        for (int j = 0; j < w; ++j) t[j] += t[j + w];
+    return t[0];
+}
 /* ---- train forward, float ---- */
 int rmsnorm_train_forward_f32(
     int64_t O, int64_t G, int64_t Cg, int64_t S,
@@ -67,22 +82,36 @@ int rmsnorm_train_forward_f32(
     const double N = (double)(blocks * M);          /* values per group */
     const int nth = dg_threads(nthreads);
     (void)N;
-    (void)gamma;
-
     (void)nth;
+    (void)gamma;
     (void)eps;
+
     DG_PRAGMA(omp parallel for schedule(static) num_threads(nth))
     for (int64_t grp = 0; grp < n_groups; ++grp) {
-        const int64_t g = grp % G;
+        const int64_t gi = grp % G;                  /* channel group */
         const int64_t base = grp * M;
-        double sum_ms = 0.0;
-        for (int64_t b = 0; b < blocks; ++b) {
-            const int64_t off = base + b * block_stride;
-            for (int64_t m = 0; m < M; ++m) {
-                const int64_t idx = off + m;
-                const double xv = (double)x[idx];
-                sum_ms += (xv*xv);
+        double sum_ms;
+        {
+            double lane_sum_ms[DG_LANES] = {0};
+            for (int64_t b = 0; b < blocks; ++b) {
+                const int64_t off = base + b * block_stride;
+                int64_t m = 0;
+                for (; m + DG_LANES <= M; m += DG_LANES) {
+                    for (int j = 0; j < DG_LANES; ++j) {
+                        const int64_t idx = off + m + j;
+                        const double xv = (double)x[idx];
+                        lane_sum_ms[j] += (xv*xv);
+                    }
+                }
+                for (; m < M; ++m) {
+                    const int j = 0;                /* the remainder goes to lane 0 */
+                    (void)j;
+                    const int64_t idx = off + m;
+                    const double xv = (double)x[idx];
+                    lane_sum_ms[j] += (xv*xv);
+                }
             }
+            sum_ms = dg_lanes(lane_sum_ms);
         }
         const double ms = sum_ms/N;  /* ms = mean(x**2) */
         const double rstd = 1/sqrt(ms + eps);  /* rstd = 1/sqrt(ms + eps) */
@@ -91,21 +120,46 @@ int rmsnorm_train_forward_f32(
         {
             for (int64_t b = 0; b < blocks; ++b) {
                 const int64_t off = base + b * block_stride;
-                if (S == 1) {
-                    for (int64_t m = 0; m < Cg; ++m) {
-                        const int64_t idx = off + m, ch = g * Cg + m;
-                        const double xv = (double)x[idx];
+                if (S == 1) {           /* parameters vary along the run */
+                    int64_t m = 0;
+                    for (; m + DG_LANES <= Cg; m += DG_LANES) {
+                        for (int j = 0; j < DG_LANES; ++j) {
+                            const int64_t idx = off + m + j;
+                            const int64_t ch = gi * Cg + m + j;
+                            const double gamma_v = (double)gamma[ch];
+                            const double xv = (double)x[idx];
+                            const double xhat = rstd*xv;
+                            y[idx] = (float)(gamma_v*xhat);
+                        }
+                    }
+                    for (; m < Cg; ++m) {
+                        const int j = 0;                /* the remainder goes to lane 0 */
+                        (void)j;
+                        const int64_t idx = off + m;
+                        const int64_t ch = gi * Cg + m;
                         const double gamma_v = (double)gamma[ch];
+                        const double xv = (double)x[idx];
                         const double xhat = rstd*xv;
                         y[idx] = (float)(gamma_v*xhat);
                     }
-                } else {
+                } else {                /* NCHW: one parameter per run of S values */
                     for (int64_t cg = 0; cg < Cg; ++cg) {
-                        const int64_t ch = g * Cg + cg;
-                        for (int64_t s = 0; s < S; ++s) {
+                        const int64_t ch = gi * Cg + cg;
+                        const double gamma_v = (double)gamma[ch];
+                        int64_t s = 0;
+                        for (; s + DG_LANES <= S; s += DG_LANES) {
+                            for (int j = 0; j < DG_LANES; ++j) {
+                                const int64_t idx = off + cg * S + s + j;
+                                const double xv = (double)x[idx];
+                                const double xhat = rstd*xv;
+                                y[idx] = (float)(gamma_v*xhat);
+                            }
+                        }
+                        for (; s < S; ++s) {
+                            const int j = 0;                /* the remainder goes to lane 0 */
+                            (void)j;
                             const int64_t idx = off + cg * S + s;
                             const double xv = (double)x[idx];
-                            const double gamma_v = (double)gamma[ch];
                             const double xhat = rstd*xv;
                             y[idx] = (float)(gamma_v*xhat);
                         }
@@ -137,11 +191,12 @@ int rmsnorm_train_backward_f32(
     const double N = (double)(blocks * M);          /* values per group */
     const int nth = dg_threads(nthreads);
     (void)N;
+    (void)nth;
     (void)gamma;
+    (void)eps;
 
     const int64_t C = G * Cg;                        /* parameter length */
     const int64_t P = 1;      /* parameters */
-    (void)eps;
     /* per-thread partial sums of the parameter gradients, reduced once at the end */
     double *part = (double *)calloc((size_t)(nth * P * C) + 1, sizeof(double));
     if (part == NULL) return -1;
@@ -150,68 +205,136 @@ int rmsnorm_train_backward_f32(
         double *restrict mine = part + (int64_t)dg_thread_id() * P * C;
         DG_PRAGMA(omp for schedule(static))
         for (int64_t grp = 0; grp < n_groups; ++grp) {
-            const int64_t g = grp % G;
+            const int64_t gi = grp % G;                  /* channel group */
             const int64_t base = grp * M;
             const double ms = ms_in[grp];
-            const double rstd = rstd_in[grp];
             (void)ms;
+            const double rstd = rstd_in[grp];
             (void)rstd;
-            double sum_g_xhat = 0.0;
-            for (int64_t b = 0; b < blocks; ++b) {
-                const int64_t off = base + b * block_stride;
-                if (S == 1) {
-                    for (int64_t m = 0; m < Cg; ++m) {
-                        const int64_t idx = off + m, ch = g * Cg + m;
-                        const double xv = (double)x[idx];
-                        const double dyv = (double)dy[idx];
-                        const double gamma_v = (double)gamma[ch];
-                        const double xhat = rstd*xv;
-                        const double g = dyv*gamma_v;
-                        sum_g_xhat += g*xhat;
-                    }
-                } else {
-                    for (int64_t cg = 0; cg < Cg; ++cg) {
-                        const int64_t ch = g * Cg + cg;
-                        for (int64_t s = 0; s < S; ++s) {
-                            const int64_t idx = off + cg * S + s;
+            double sum_g_xhat;
+            {
+                double lane_sum_g_xhat[DG_LANES] = {0};
+                for (int64_t b = 0; b < blocks; ++b) {
+                    const int64_t off = base + b * block_stride;
+                    if (S == 1) {           /* parameters vary along the run */
+                        int64_t m = 0;
+                        for (; m + DG_LANES <= Cg; m += DG_LANES) {
+                            for (int j = 0; j < DG_LANES; ++j) {
+                                const int64_t idx = off + m + j;
+                                const int64_t ch = gi * Cg + m + j;
+                                const double gamma_v = (double)gamma[ch];
+                                const double xv = (double)x[idx];
+                                const double dyv = (double)dy[idx];
+                                const double xhat = rstd*xv;
+                                const double g = dyv*gamma_v;
+                                lane_sum_g_xhat[j] += g*xhat;
+                            }
+                        }
+                        for (; m < Cg; ++m) {
+                            const int j = 0;                /* the remainder goes to lane 0 */
+                            (void)j;
+                            const int64_t idx = off + m;
+                            const int64_t ch = gi * Cg + m;
+                            const double gamma_v = (double)gamma[ch];
                             const double xv = (double)x[idx];
                             const double dyv = (double)dy[idx];
-                            const double gamma_v = (double)gamma[ch];
                             const double xhat = rstd*xv;
                             const double g = dyv*gamma_v;
-                            sum_g_xhat += g*xhat;
+                            lane_sum_g_xhat[j] += g*xhat;
+                        }
+                    } else {                /* NCHW: one parameter per run of S values */
+                        for (int64_t cg = 0; cg < Cg; ++cg) {
+                            const int64_t ch = gi * Cg + cg;
+                            const double gamma_v = (double)gamma[ch];
+                            int64_t s = 0;
+                            for (; s + DG_LANES <= S; s += DG_LANES) {
+                                for (int j = 0; j < DG_LANES; ++j) {
+                                    const int64_t idx = off + cg * S + s + j;
+                                    const double xv = (double)x[idx];
+                                    const double dyv = (double)dy[idx];
+                                    const double xhat = rstd*xv;
+                                    const double g = dyv*gamma_v;
+                                    lane_sum_g_xhat[j] += g*xhat;
+                                }
+                            }
+                            for (; s < S; ++s) {
+                                const int j = 0;                /* the remainder goes to lane 0 */
+                                (void)j;
+                                const int64_t idx = off + cg * S + s;
+                                const double xv = (double)x[idx];
+                                const double dyv = (double)dy[idx];
+                                const double xhat = rstd*xv;
+                                const double g = dyv*gamma_v;
+                                lane_sum_g_xhat[j] += g*xhat;
+                            }
                         }
                     }
                 }
+                sum_g_xhat = dg_lanes(lane_sum_g_xhat);
             }
             const double mean_g_xhat = sum_g_xhat/N;  /* mean_g_xhat = mean(g*xhat) */
             const double k_g = rstd;  /* coefficient of g in dx */
             const double k_xhat = -mean_g_xhat*rstd;  /* coefficient of xhat in dx */
-            for (int64_t b = 0; b < blocks; ++b) {
-                const int64_t off = base + b * block_stride;
-                if (S == 1) {
-                    for (int64_t m = 0; m < Cg; ++m) {
-                        const int64_t idx = off + m, ch = g * Cg + m;
-                        const double xv = (double)x[idx];
-                        const double dyv = (double)dy[idx];
-                        const double gamma_v = (double)gamma[ch];
-                        const double xhat = rstd*xv;
-                        const double g = dyv*gamma_v;
-                        dx[idx] = (float)(g*k_g + k_xhat*xhat);
-                        mine[0*C + ch] += dyv*xhat;
-                    }
-                } else {
-                    for (int64_t cg = 0; cg < Cg; ++cg) {
-                        const int64_t ch = g * Cg + cg;
-                        for (int64_t s = 0; s < S; ++s) {
-                            const int64_t idx = off + cg * S + s;
+            {
+                for (int64_t b = 0; b < blocks; ++b) {
+                    const int64_t off = base + b * block_stride;
+                    if (S == 1) {           /* parameters vary along the run */
+                        int64_t m = 0;
+                        for (; m + DG_LANES <= Cg; m += DG_LANES) {
+                            for (int j = 0; j < DG_LANES; ++j) {
+                                const int64_t idx = off + m + j;
+                                const int64_t ch = gi * Cg + m + j;
+                                const double gamma_v = (double)gamma[ch];
+                                const double xv = (double)x[idx];
+                                const double dyv = (double)dy[idx];
+                                const double xhat = rstd*xv;
+                                const double g = dyv*gamma_v;
+                                dx[idx] = (float)(g*k_g + k_xhat*xhat);
+                                mine[0 * C + ch] += dyv*xhat;
+                            }
+                        }
+                        for (; m < Cg; ++m) {
+                            const int j = 0;                /* the remainder goes to lane 0 */
+                            (void)j;
+                            const int64_t idx = off + m;
+                            const int64_t ch = gi * Cg + m;
+                            const double gamma_v = (double)gamma[ch];
                             const double xv = (double)x[idx];
                             const double dyv = (double)dy[idx];
-                            const double gamma_v = (double)gamma[ch];
                             const double xhat = rstd*xv;
                             const double g = dyv*gamma_v;
                             dx[idx] = (float)(g*k_g + k_xhat*xhat);
-                            mine[0*C + ch] += dyv*xhat;
+                            mine[0 * C + ch] += dyv*xhat;
+                        }
+                    } else {                /* NCHW: one parameter per run of S values */
+                        for (int64_t cg = 0; cg < Cg; ++cg) {
+                            const int64_t ch = gi * Cg + cg;
+                            const double gamma_v = (double)gamma[ch];
+                            double lane_p0[DG_LANES] = {0};
+                            int64_t s = 0;
+                            for (; s + DG_LANES <= S; s += DG_LANES) {
+                                for (int j = 0; j < DG_LANES; ++j) {
+                                    const int64_t idx = off + cg * S + s + j;
+                                    const double xv = (double)x[idx];
+                                    const double dyv = (double)dy[idx];
+                                    const double xhat = rstd*xv;
+                                    const double g = dyv*gamma_v;
+                                    dx[idx] = (float)(g*k_g + k_xhat*xhat);
+                                    lane_p0[j] += dyv*xhat;
+                                }
+                            }
+                            for (; s < S; ++s) {
+                                const int j = 0;                /* the remainder goes to lane 0 */
+                                (void)j;
+                                const int64_t idx = off + cg * S + s;
+                                const double xv = (double)x[idx];
+                                const double dyv = (double)dy[idx];
+                                const double xhat = rstd*xv;
+                                const double g = dyv*gamma_v;
+                                dx[idx] = (float)(g*k_g + k_xhat*xhat);
+                                lane_p0[j] += dyv*xhat;
+                            }
+                            mine[0 * C + ch] += dg_lanes(lane_p0);
                         }
                     }
                 }
@@ -246,22 +369,36 @@ int rmsnorm_train_forward_f64(
     const double N = (double)(blocks * M);          /* values per group */
     const int nth = dg_threads(nthreads);
     (void)N;
-    (void)gamma;
-
     (void)nth;
+    (void)gamma;
     (void)eps;
+
     DG_PRAGMA(omp parallel for schedule(static) num_threads(nth))
     for (int64_t grp = 0; grp < n_groups; ++grp) {
-        const int64_t g = grp % G;
+        const int64_t gi = grp % G;                  /* channel group */
         const int64_t base = grp * M;
-        double sum_ms = 0.0;
-        for (int64_t b = 0; b < blocks; ++b) {
-            const int64_t off = base + b * block_stride;
-            for (int64_t m = 0; m < M; ++m) {
-                const int64_t idx = off + m;
-                const double xv = (double)x[idx];
-                sum_ms += (xv*xv);
+        double sum_ms;
+        {
+            double lane_sum_ms[DG_LANES] = {0};
+            for (int64_t b = 0; b < blocks; ++b) {
+                const int64_t off = base + b * block_stride;
+                int64_t m = 0;
+                for (; m + DG_LANES <= M; m += DG_LANES) {
+                    for (int j = 0; j < DG_LANES; ++j) {
+                        const int64_t idx = off + m + j;
+                        const double xv = (double)x[idx];
+                        lane_sum_ms[j] += (xv*xv);
+                    }
+                }
+                for (; m < M; ++m) {
+                    const int j = 0;                /* the remainder goes to lane 0 */
+                    (void)j;
+                    const int64_t idx = off + m;
+                    const double xv = (double)x[idx];
+                    lane_sum_ms[j] += (xv*xv);
+                }
             }
+            sum_ms = dg_lanes(lane_sum_ms);
         }
         const double ms = sum_ms/N;  /* ms = mean(x**2) */
         const double rstd = 1/sqrt(ms + eps);  /* rstd = 1/sqrt(ms + eps) */
@@ -270,21 +407,46 @@ int rmsnorm_train_forward_f64(
         {
             for (int64_t b = 0; b < blocks; ++b) {
                 const int64_t off = base + b * block_stride;
-                if (S == 1) {
-                    for (int64_t m = 0; m < Cg; ++m) {
-                        const int64_t idx = off + m, ch = g * Cg + m;
-                        const double xv = (double)x[idx];
+                if (S == 1) {           /* parameters vary along the run */
+                    int64_t m = 0;
+                    for (; m + DG_LANES <= Cg; m += DG_LANES) {
+                        for (int j = 0; j < DG_LANES; ++j) {
+                            const int64_t idx = off + m + j;
+                            const int64_t ch = gi * Cg + m + j;
+                            const double gamma_v = (double)gamma[ch];
+                            const double xv = (double)x[idx];
+                            const double xhat = rstd*xv;
+                            y[idx] = (double)(gamma_v*xhat);
+                        }
+                    }
+                    for (; m < Cg; ++m) {
+                        const int j = 0;                /* the remainder goes to lane 0 */
+                        (void)j;
+                        const int64_t idx = off + m;
+                        const int64_t ch = gi * Cg + m;
                         const double gamma_v = (double)gamma[ch];
+                        const double xv = (double)x[idx];
                         const double xhat = rstd*xv;
                         y[idx] = (double)(gamma_v*xhat);
                     }
-                } else {
+                } else {                /* NCHW: one parameter per run of S values */
                     for (int64_t cg = 0; cg < Cg; ++cg) {
-                        const int64_t ch = g * Cg + cg;
-                        for (int64_t s = 0; s < S; ++s) {
+                        const int64_t ch = gi * Cg + cg;
+                        const double gamma_v = (double)gamma[ch];
+                        int64_t s = 0;
+                        for (; s + DG_LANES <= S; s += DG_LANES) {
+                            for (int j = 0; j < DG_LANES; ++j) {
+                                const int64_t idx = off + cg * S + s + j;
+                                const double xv = (double)x[idx];
+                                const double xhat = rstd*xv;
+                                y[idx] = (double)(gamma_v*xhat);
+                            }
+                        }
+                        for (; s < S; ++s) {
+                            const int j = 0;                /* the remainder goes to lane 0 */
+                            (void)j;
                             const int64_t idx = off + cg * S + s;
                             const double xv = (double)x[idx];
-                            const double gamma_v = (double)gamma[ch];
                             const double xhat = rstd*xv;
                             y[idx] = (double)(gamma_v*xhat);
                         }
@@ -316,11 +478,12 @@ int rmsnorm_train_backward_f64(
     const double N = (double)(blocks * M);          /* values per group */
     const int nth = dg_threads(nthreads);
     (void)N;
+    (void)nth;
     (void)gamma;
+    (void)eps;
 
     const int64_t C = G * Cg;                        /* parameter length */
     const int64_t P = 1;      /* parameters */
-    (void)eps;
     /* per-thread partial sums of the parameter gradients, reduced once at the end */
     double *part = (double *)calloc((size_t)(nth * P * C) + 1, sizeof(double));
     if (part == NULL) return -1;
@@ -329,68 +492,136 @@ int rmsnorm_train_backward_f64(
         double *restrict mine = part + (int64_t)dg_thread_id() * P * C;
         DG_PRAGMA(omp for schedule(static))
         for (int64_t grp = 0; grp < n_groups; ++grp) {
-            const int64_t g = grp % G;
+            const int64_t gi = grp % G;                  /* channel group */
             const int64_t base = grp * M;
             const double ms = ms_in[grp];
-            const double rstd = rstd_in[grp];
             (void)ms;
+            const double rstd = rstd_in[grp];
             (void)rstd;
-            double sum_g_xhat = 0.0;
-            for (int64_t b = 0; b < blocks; ++b) {
-                const int64_t off = base + b * block_stride;
-                if (S == 1) {
-                    for (int64_t m = 0; m < Cg; ++m) {
-                        const int64_t idx = off + m, ch = g * Cg + m;
-                        const double xv = (double)x[idx];
-                        const double dyv = (double)dy[idx];
-                        const double gamma_v = (double)gamma[ch];
-                        const double xhat = rstd*xv;
-                        const double g = dyv*gamma_v;
-                        sum_g_xhat += g*xhat;
-                    }
-                } else {
-                    for (int64_t cg = 0; cg < Cg; ++cg) {
-                        const int64_t ch = g * Cg + cg;
-                        for (int64_t s = 0; s < S; ++s) {
-                            const int64_t idx = off + cg * S + s;
+            double sum_g_xhat;
+            {
+                double lane_sum_g_xhat[DG_LANES] = {0};
+                for (int64_t b = 0; b < blocks; ++b) {
+                    const int64_t off = base + b * block_stride;
+                    if (S == 1) {           /* parameters vary along the run */
+                        int64_t m = 0;
+                        for (; m + DG_LANES <= Cg; m += DG_LANES) {
+                            for (int j = 0; j < DG_LANES; ++j) {
+                                const int64_t idx = off + m + j;
+                                const int64_t ch = gi * Cg + m + j;
+                                const double gamma_v = (double)gamma[ch];
+                                const double xv = (double)x[idx];
+                                const double dyv = (double)dy[idx];
+                                const double xhat = rstd*xv;
+                                const double g = dyv*gamma_v;
+                                lane_sum_g_xhat[j] += g*xhat;
+                            }
+                        }
+                        for (; m < Cg; ++m) {
+                            const int j = 0;                /* the remainder goes to lane 0 */
+                            (void)j;
+                            const int64_t idx = off + m;
+                            const int64_t ch = gi * Cg + m;
+                            const double gamma_v = (double)gamma[ch];
                             const double xv = (double)x[idx];
                             const double dyv = (double)dy[idx];
-                            const double gamma_v = (double)gamma[ch];
                             const double xhat = rstd*xv;
                             const double g = dyv*gamma_v;
-                            sum_g_xhat += g*xhat;
+                            lane_sum_g_xhat[j] += g*xhat;
+                        }
+                    } else {                /* NCHW: one parameter per run of S values */
+                        for (int64_t cg = 0; cg < Cg; ++cg) {
+                            const int64_t ch = gi * Cg + cg;
+                            const double gamma_v = (double)gamma[ch];
+                            int64_t s = 0;
+                            for (; s + DG_LANES <= S; s += DG_LANES) {
+                                for (int j = 0; j < DG_LANES; ++j) {
+                                    const int64_t idx = off + cg * S + s + j;
+                                    const double xv = (double)x[idx];
+                                    const double dyv = (double)dy[idx];
+                                    const double xhat = rstd*xv;
+                                    const double g = dyv*gamma_v;
+                                    lane_sum_g_xhat[j] += g*xhat;
+                                }
+                            }
+                            for (; s < S; ++s) {
+                                const int j = 0;                /* the remainder goes to lane 0 */
+                                (void)j;
+                                const int64_t idx = off + cg * S + s;
+                                const double xv = (double)x[idx];
+                                const double dyv = (double)dy[idx];
+                                const double xhat = rstd*xv;
+                                const double g = dyv*gamma_v;
+                                lane_sum_g_xhat[j] += g*xhat;
+                            }
                         }
                     }
                 }
+                sum_g_xhat = dg_lanes(lane_sum_g_xhat);
             }
             const double mean_g_xhat = sum_g_xhat/N;  /* mean_g_xhat = mean(g*xhat) */
             const double k_g = rstd;  /* coefficient of g in dx */
             const double k_xhat = -mean_g_xhat*rstd;  /* coefficient of xhat in dx */
-            for (int64_t b = 0; b < blocks; ++b) {
-                const int64_t off = base + b * block_stride;
-                if (S == 1) {
-                    for (int64_t m = 0; m < Cg; ++m) {
-                        const int64_t idx = off + m, ch = g * Cg + m;
-                        const double xv = (double)x[idx];
-                        const double dyv = (double)dy[idx];
-                        const double gamma_v = (double)gamma[ch];
-                        const double xhat = rstd*xv;
-                        const double g = dyv*gamma_v;
-                        dx[idx] = (double)(g*k_g + k_xhat*xhat);
-                        mine[0*C + ch] += dyv*xhat;
-                    }
-                } else {
-                    for (int64_t cg = 0; cg < Cg; ++cg) {
-                        const int64_t ch = g * Cg + cg;
-                        for (int64_t s = 0; s < S; ++s) {
-                            const int64_t idx = off + cg * S + s;
+            {
+                for (int64_t b = 0; b < blocks; ++b) {
+                    const int64_t off = base + b * block_stride;
+                    if (S == 1) {           /* parameters vary along the run */
+                        int64_t m = 0;
+                        for (; m + DG_LANES <= Cg; m += DG_LANES) {
+                            for (int j = 0; j < DG_LANES; ++j) {
+                                const int64_t idx = off + m + j;
+                                const int64_t ch = gi * Cg + m + j;
+                                const double gamma_v = (double)gamma[ch];
+                                const double xv = (double)x[idx];
+                                const double dyv = (double)dy[idx];
+                                const double xhat = rstd*xv;
+                                const double g = dyv*gamma_v;
+                                dx[idx] = (double)(g*k_g + k_xhat*xhat);
+                                mine[0 * C + ch] += dyv*xhat;
+                            }
+                        }
+                        for (; m < Cg; ++m) {
+                            const int j = 0;                /* the remainder goes to lane 0 */
+                            (void)j;
+                            const int64_t idx = off + m;
+                            const int64_t ch = gi * Cg + m;
+                            const double gamma_v = (double)gamma[ch];
                             const double xv = (double)x[idx];
                             const double dyv = (double)dy[idx];
-                            const double gamma_v = (double)gamma[ch];
                             const double xhat = rstd*xv;
                             const double g = dyv*gamma_v;
                             dx[idx] = (double)(g*k_g + k_xhat*xhat);
-                            mine[0*C + ch] += dyv*xhat;
+                            mine[0 * C + ch] += dyv*xhat;
+                        }
+                    } else {                /* NCHW: one parameter per run of S values */
+                        for (int64_t cg = 0; cg < Cg; ++cg) {
+                            const int64_t ch = gi * Cg + cg;
+                            const double gamma_v = (double)gamma[ch];
+                            double lane_p0[DG_LANES] = {0};
+                            int64_t s = 0;
+                            for (; s + DG_LANES <= S; s += DG_LANES) {
+                                for (int j = 0; j < DG_LANES; ++j) {
+                                    const int64_t idx = off + cg * S + s + j;
+                                    const double xv = (double)x[idx];
+                                    const double dyv = (double)dy[idx];
+                                    const double xhat = rstd*xv;
+                                    const double g = dyv*gamma_v;
+                                    dx[idx] = (double)(g*k_g + k_xhat*xhat);
+                                    lane_p0[j] += dyv*xhat;
+                                }
+                            }
+                            for (; s < S; ++s) {
+                                const int j = 0;                /* the remainder goes to lane 0 */
+                                (void)j;
+                                const int64_t idx = off + cg * S + s;
+                                const double xv = (double)x[idx];
+                                const double dyv = (double)dy[idx];
+                                const double xhat = rstd*xv;
+                                const double g = dyv*gamma_v;
+                                dx[idx] = (double)(g*k_g + k_xhat*xhat);
+                                lane_p0[j] += dyv*xhat;
+                            }
+                            mine[0 * C + ch] += dg_lanes(lane_p0);
                         }
                     }
                 }
