@@ -88,7 +88,7 @@ def _view(name, x, params, kw):
     from .runtime import resolve_layout
     spec = load_spec(name)
     meta = {"name": name, "layout": spec.layout, "reduce": spec.reduce, "params": ["p"]}
-    L = resolve_layout(meta, x, params[0], kw.get("num_groups"))
+    L = resolve_layout(meta, x, {"p": params[0]}, kw.get("num_groups"))
     return (x.reshape(L.view4), [p.reshape(L.param4) for p in params], L.reduce_axes, L.param_axes, L.group_size)
 
 

@@ -63,7 +63,8 @@ def cases_for(spec: Spec) -> list[Case]:
     for mode in spec.modes:
         kw: dict = {}
         if spec.layout == "trailing":
-            xs, ps = (3, 2, 5), (2, 5)
+            spanning = [p for p in spec.params if not p.scalar]
+            xs, ps = ((3, 2, 5), (2, 5)) if spanning or spec.axes == 2 else ((3, 2, 5), (5,))
         elif spec.reduce == "batch":
             xs, ps = (4, 3, 5), (3,)
         elif spec.reduce == "instance":
@@ -88,11 +89,10 @@ def _inputs(spec: Spec, case: Case, dtype, seed: int):
     rng = np.random.default_rng(seed)
     x = rng.normal(0.3, 1.3, case.x_shape)
     dy = rng.normal(size=case.x_shape)
-    params = [rng.normal(1.0, 0.4, case.param_shape) for _ in spec.params]
+    params = [np.asarray(rng.normal(1.0, 0.4, () if p.scalar else case.param_shape)) for p in spec.params]
     kw = dict(case.kwargs)
-    first = np.empty(case.param_shape)
-    meta_like = {"name": spec.name, "layout": spec.layout, "reduce": spec.reduce, "params": ["p"]}
-    layout = resolve_layout(meta_like, x, first, kw.get("num_groups"))
+    meta_like = {"name": spec.name, "layout": spec.layout, "reduce": spec.reduce, "params": ["p"], "axes": spec.axes}
+    layout = resolve_layout(meta_like, x, {"p": np.empty(case.param_shape)}, kw.get("num_groups"))
     for i in spec.inputs:
         kw[i.name] = rng.uniform(0.6, 1.4, layout.group_shape)
     for b in spec.buffers:
@@ -132,7 +132,7 @@ def _spec_forward(spec: Spec, md, x, params, kw, layout: Layout):
     ev = GroupEvaluator(md)
     L = layout
     x4 = x.astype(np.float64).reshape(L.view4)
-    p4 = {p.name: np.broadcast_to(np.asarray(v, np.float64).reshape(L.param4), L.view4)
+    p4 = {p.name: np.broadcast_to(np.asarray(v, np.float64).reshape((1, 1, 1, 1) if p.scalar else L.param4), L.view4)
           for p, v in zip(spec.params, params)}
     y4 = np.empty_like(x4)
     for grp in range(L.n_groups):

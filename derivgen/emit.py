@@ -220,6 +220,7 @@ class CLoop:
     stores: list[str]                      # dx[idx] = ...;
     group_sums: list[tuple[str, str]]      # (accumulator, expression) summed over the group
     param_sums: list[tuple[int, str]]      # (parameter slot, expression) summed per channel
+    scalar_param_sums: list[tuple[int, str]] = field(default_factory=list)  # (slot, accumulator): scalar params
 
 
 class CPlanner:
@@ -228,6 +229,7 @@ class CPlanner:
     def __init__(self, spec: Spec, ir: ModeIR, ctype: str):
         self.spec, self.ir, self.ctype = spec, ir, ctype
         self.params = [p.name for p in spec.params]
+        self.scalar = {p.name for p in spec.params if p.scalar}
         self.inputs = [i.name for i in spec.inputs]
         self.buffers = [b.name for b in spec.buffers]
         self.group_names: dict[str, str] = {"N": "N"}
@@ -263,13 +265,23 @@ class CPlanner:
         for nm, te in needed:
             elem_loads.append(f"const double {nm} = {c_expr(te, 'double', enames)};")
             enames[nm] = nm
-        param_loads = [f"const double {p}_v = (double){p}[ch];" for p in self.params if p in names]
+        # scalar parameters are loaded once per group; channel parameters per channel
+        scalar_loads = [f"const double {p}_v = (double){p}[0];" for p in self.params if p in names and p in self.scalar]
+        param_loads = [f"const double {p}_v = (double){p}[ch];" for p in self.params
+                       if p in names and p not in self.scalar]
+        slots = {p: k for k, p in enumerate(self.params)}
+        chan_sums = [(k, e) for k, e in param_sums if self.params[k] not in self.scalar]
+        scal_sums = [(k, e) for k, e in param_sums if self.params[k] in self.scalar]
+        group_sums = list(group_sums) + [(f"psum_{k}", e) for k, e in scal_sums]
+        _ = slots
 
         def P(e):
             return c_expr(e, "double", enames)
-        return CLoop(uses_params=bool(param_loads) or bool(param_sums), param_loads=param_loads,
-                     elem_loads=elem_loads, stores=[f.format(P=P) if isinstance(f, str) else f(P) for f in stores],
-                     group_sums=[(a, P(e)) for a, e in group_sums], param_sums=[(k, P(e)) for k, e in param_sums])
+        return CLoop(uses_params=bool(param_loads) or bool(chan_sums), param_loads=param_loads,
+                     elem_loads=scalar_loads + elem_loads,
+                     stores=[f.format(P=P) if isinstance(f, str) else f(P) for f in stores],
+                     group_sums=[(a, P(e)) for a, e in group_sums], param_sums=[(k, P(e)) for k, e in chan_sums],
+                     scalar_param_sums=[(k, f"psum_{k}") for k, _ in scal_sums])
 
     def forward(self):
         steps = []
@@ -319,6 +331,8 @@ def layer_meta(spec: Spec) -> dict:
         "layout": spec.layout,
         "reduce": spec.reduce,
         "params": [p.name for p in spec.params],
+        "scalar_params": [p.name for p in spec.params if p.scalar],
+        "axes": spec.axes,
         "param_init": {p.name: p.init for p in spec.params},
         "options": {o.name: (o.default, o.min, o.max) for o in spec.options},
         "inputs": [i.name for i in spec.inputs],
@@ -360,8 +374,9 @@ def _formulas(d: Derivation) -> dict[str, list[str]]:
         for r in md.reductions:
             lines.append(f"  {r.name} = mean({T(r.arg)})")
         lines.append(f"  dx = {T(md.dx_lowered)}")
-        for p, e in md.dparams.items():
-            lines.append(f"  d{p} = sum of {T(e)} over the axes {p} does not span")
+        for p in spec.params:
+            where = "all elements" if p.scalar else f"the axes {p.name} does not span"
+            lines.append(f"  d{p.name} = sum of {T(md.dparams[p.name])} over {where}")
         for i, e in md.dinputs.items():
             lines.append(f"  d{i} = {T(md.lowered(e))}  (per group; summed for a scalar input)")
         out[mname] = lines

@@ -44,6 +44,12 @@ class ExprError(ValueError):
     """A spec expression was rejected; the message names the offending text."""
 
 
+def _short(text: str, limit: int = 80) -> str:
+    """repr() of text, cut in the middle when long (error messages stay one readable line)."""
+    r = repr(text)
+    return r if len(r) <= limit else r[: limit // 2 - 2] + "..." + r[-(limit // 2 - 2):]
+
+
 def parse_expr(text: str, names: Mapping[str, sympy.Expr], *,
                group_size: sympy.Expr, allow_reductions: bool = True) -> sympy.Expr:
     """Parse ``text`` into a SymPy expression over ``names``.
@@ -60,9 +66,9 @@ def parse_expr(text: str, names: Mapping[str, sympy.Expr], *,
     try:
         tree = ast.parse(text.strip(), mode="eval")
     except SyntaxError as exc:
-        raise ExprError(f"bad syntax in {text!r}: {exc.msg}") from None
+        raise ExprError(f"bad syntax in {_short(text)}: {exc.msg}") from None
     except (ValueError, MemoryError, RecursionError):
-        raise ExprError(f"cannot parse {text!r}") from None
+        raise ExprError(f"cannot parse {_short(text)}") from None
     count = sum(1 for _ in ast.walk(tree))
     if count > MAX_NODES:
         raise ExprError(f"expression has {count} syntax nodes (limit {MAX_NODES})")
@@ -81,7 +87,7 @@ class _Builder:
         return seg if seg is not None else type(node).__name__
 
     def fail(self, node: ast.AST, why: str):
-        raise ExprError(f"{why}: {self._snippet(node)!r} in {self.text!r}")
+        raise ExprError(f"{why}: {_short(self._snippet(node), 60)} in {_short(self.text)}")
 
     def build(self, node: ast.AST, depth: int) -> sympy.Expr:
         if depth > MAX_DEPTH:

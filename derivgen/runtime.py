@@ -97,22 +97,29 @@ def _check_float(name: str, v: Any, lo=None, hi=None) -> float:
     return f
 
 
-def resolve_layout(meta: dict, x: np.ndarray, first_param: np.ndarray | None, num_groups) -> Layout:
+def resolve_layout(meta: dict, x: np.ndarray, params: dict, num_groups) -> Layout:
     kind, red = meta["layout"], meta["reduce"]
     name = meta["name"]
     if x.size == 0:
         raise ValueError(f"{name}: x is empty (shape {x.shape})")
     if kind == "trailing":
-        p0 = meta["params"][0]
-        k = first_param.ndim
-        if k == 0:
-            raise ValueError(f"{name}: {p0} must have at least one dimension (it defines the normalized axes)")
-        if x.ndim < k or tuple(x.shape[x.ndim - k:]) != tuple(first_param.shape):
-            raise ValueError(f"{name}: {p0} has shape {first_param.shape}, which must equal the trailing "
-                             f"axes of x (shape {x.shape})")
+        spanning = [p for p in meta["params"] if p not in meta.get("scalar_params", ())]
+        if spanning:
+            p0, first = spanning[0], params[spanning[0]]
+            k = first.ndim
+            if k == 0:
+                raise ValueError(f"{name}: {p0} must have at least one dimension (it defines the normalized axes)")
+            if x.ndim < k or tuple(x.shape[x.ndim - k:]) != tuple(first.shape):
+                raise ValueError(f"{name}: {p0} has shape {first.shape}, which must equal the trailing "
+                                 f"axes of x (shape {x.shape})")
+        else:
+            k = meta.get("axes", 1)
+            if x.ndim < k:
+                raise ValueError(f"{name}: x must have at least {k} dimension(s), got shape {x.shape}")
         lead = tuple(x.shape[:x.ndim - k])
-        return Layout(O=math.prod(lead), G=1, Cg=math.prod(first_param.shape), S=1, per_sample=True,
-                      x_shape=x.shape, param_shape=tuple(first_param.shape), group_shape=lead)
+        norm = tuple(x.shape[x.ndim - k:])
+        return Layout(O=math.prod(lead), G=1, Cg=math.prod(norm), S=1, per_sample=True,
+                      x_shape=x.shape, param_shape=norm, group_shape=lead)
     # channel layouts: x is (N, C, *spatial)
     min_nd = 3 if red == "instance" else 2
     if x.ndim < min_nd:
@@ -198,10 +205,12 @@ def prepare_forward(meta: dict, x, params: dict, options: dict, inputs: dict, bu
         a = _check_array(pname, params[pname])
         if a.dtype != dtype:
             raise TypeError(f"{name}: {pname} has dtype {a.dtype} but x has {dtype}; use one dtype for all arrays")
-    first = params[meta["params"][0]] if meta["params"] else None
-    layout = resolve_layout(meta, x, first, num_groups)
+    layout = resolve_layout(meta, x, params, num_groups)
     for pname in meta["params"]:
-        if tuple(params[pname].shape) != layout.param_shape:
+        if pname in meta.get("scalar_params", ()):
+            if params[pname].size != 1 or params[pname].ndim > 1:
+                raise ValueError(f"{name}: {pname} is a scalar parameter: shape () or (1,), got {params[pname].shape}")
+        elif tuple(params[pname].shape) != layout.param_shape:
             raise ValueError(f"{name}: {pname} must have shape {layout.param_shape}, got {params[pname].shape}")
     if not isinstance(training, (bool, np.bool_)):
         raise TypeError(f"{name}: training must be a bool, got {type(training).__name__}")
@@ -296,7 +305,7 @@ def prepare_backward(meta: dict, dy, cache, out=None) -> BackwardCall:
     fields = grad_fields(meta)
     shapes = {"dx": cache.layout.x_shape}
     for p in meta["params"]:
-        shapes["d" + p] = cache.layout.param_shape
+        shapes["d" + p] = () if p in meta.get("scalar_params", ()) else cache.layout.param_shape
     given = {}
     if out is not None:
         if isinstance(out, dict):

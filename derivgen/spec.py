@@ -70,6 +70,7 @@ class Named:
 class Param(Named):
     init: float = 1.0
     role: str = "scale"          # "scale" or "shift" (documentation only)
+    scalar: bool = False         # one value for the whole tensor instead of one per channel/feature
 
 
 @dataclass(frozen=True)
@@ -114,6 +115,7 @@ class Spec:
     source: str                   # where the spec came from (for headers/errors)
     layout: str
     reduce: str
+    axes: int                     # trailing layout: normalized axes when no parameter spans them
     params: tuple[Param, ...]
     options: tuple[Option, ...]
     inputs: tuple[Input, ...]
@@ -180,7 +182,8 @@ def load_spec_file(path: str | Path) -> Spec:
         raise SpecError(f"{p}: cannot read spec: {exc.strerror}") from None
     except UnicodeDecodeError:
         raise SpecError(f"{p}: spec is not UTF-8 text") from None
-    return parse_spec(text, source=p.name)
+    safe = re.sub(r"[^A-Za-z0-9._-]", "_", p.name)[:80]     # it is printed into generated headers
+    return parse_spec(text, source=safe)
 
 
 class _Ctx:
@@ -207,6 +210,18 @@ class _Ctx:
         if len(v) > 2000:
             self.err(where, "string too long")
         return v
+
+    def prose(self, where: str, v: Any, *, allow_empty=False) -> str:
+        """One line of text that ends up in generated comments and docstrings: it
+        must not be able to close them (no triple quotes, comment delimiters,
+        backslashes or control characters)."""
+        t = self.string(where, v, allow_empty=allow_empty)
+        bad = next((tok for tok in (3 * '"', 3 * "'", "*/", "/*", "\\") if tok in t), None)
+        if bad is None and any(ord(ch) < 32 or ord(ch) == 127 for ch in t):
+            bad = "a control character or line break"
+        if bad is not None:
+            self.err(where, f"must not contain {bad!r} (the text is copied into generated code comments)")
+        return t
 
     def number(self, where: str, v: Any) -> float:
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
@@ -268,14 +283,15 @@ def parse_spec(text: str, source: str = "<spec>") -> Spec:
     name = ctx.string("name", data["name"])
     if not IDENT.match(name):
         ctx.err("name", f"must be a lower-case identifier, got {name!r}")
-    title = ctx.string("title", data.get("title", name))
-    summary = ctx.string("summary", data.get("summary", ""), allow_empty=True)
+    title = ctx.prose("title", data.get("title", name))
+    summary = ctx.prose("summary", data.get("summary", ""), allow_empty=True)
     notes = data.get("notes", [])
     if not isinstance(notes, list) or not all(isinstance(n, str) for n in notes):
         ctx.err("notes", "must be a list of strings")
+    notes = [ctx.prose(f"notes[{i}]", n) for i, n in enumerate(notes)]
 
     layout_t = ctx.table("layout", required=True)
-    ctx.keys("layout", layout_t, {"kind", "reduce"})
+    ctx.keys("layout", layout_t, {"kind", "reduce", "axes"})
     kind = layout_t.get("kind")
     if kind not in LAYOUTS:
         ctx.err("layout.kind", f"must be one of {', '.join(LAYOUTS)}, got {kind!r}")
@@ -283,6 +299,12 @@ def parse_spec(text: str, source: str = "<spec>") -> Spec:
     if reduce_ not in LAYOUTS[kind]:
         ctx.err("layout.reduce", f"for kind {kind!r} must be one of "
                                  f"{', '.join(LAYOUTS[kind])}, got {reduce_!r}")
+
+    axes = layout_t.get("axes", 1)
+    if isinstance(axes, bool) or not isinstance(axes, int) or not 1 <= axes <= 8:
+        ctx.err("layout.axes", f"must be an integer in 1..8, got {axes!r}")
+    if "axes" in layout_t and kind != "trailing":
+        ctx.err("layout.axes", "only a 'trailing' layout has normalized axes to count")
 
     taken: dict[str, str] = {}
     names: dict[str, sympy.Expr] = {"x": X, "N": N}
@@ -292,20 +314,22 @@ def parse_spec(text: str, source: str = "<spec>") -> Spec:
     for pname, v in ctx.table("params").items():
         where = f"params.{pname}"
         entry = _entry(ctx, where, v, None)
-        ctx.keys(where, entry, {"init", "role", "latex", "text"})
+        ctx.keys(where, entry, {"init", "role", "shape", "latex", "text"})
         ctx.ident(where, pname, taken)
         role = entry.get("role", "scale")
         if role not in ("scale", "shift"):
             ctx.err(f"{where}.role", "must be 'scale' or 'shift'")
+        shape = entry.get("shape", "channel")
+        if shape not in ("channel", "scalar"):
+            ctx.err(f"{where}.shape", f"must be 'channel' (one value per channel / normalized feature) or "
+                                      f"'scalar', got {shape!r}")
         init = ctx.number(f"{where}.init", entry.get("init", 1.0 if role == "scale" else 0.0))
         sym = sympy.Symbol(pname)
-        params.append(Param(pname, sym, *ctx.display(where, pname, entry), init=init, role=role))
+        params.append(Param(pname, sym, *ctx.display(where, pname, entry), init=init, role=role,
+                            scalar=shape == "scalar"))
         taken[pname] = "a parameter"
         names[pname] = sym
         varying.add(sym)
-    if kind == "trailing" and not params:
-        ctx.err("params", "a 'trailing' layout needs at least one parameter "
-                          "(its shape defines the normalized axes)")
 
     options = []
     for oname, v in ctx.table("options").items():
@@ -348,12 +372,19 @@ def parse_spec(text: str, source: str = "<spec>") -> Spec:
         taken[bname] = "a buffer"
         names[bname] = sym
 
+    stat_order = list(ctx.table("statistics").keys())
+
     def parse(where: str, text: Any, scope: dict, reductions: bool = True) -> sympy.Expr:
         t = ctx.string(where, text)
         try:
             return parse_expr(t, scope, group_size=N, allow_reductions=reductions)
         except ExprError as exc:
-            ctx.err(where, str(exc))
+            msg = str(exc)
+            m = re.match(r"unknown name '([a-z0-9_]+)'", msg)
+            if m and m.group(1) in stat_order:
+                msg = (f"statistic {m.group(1)!r} is used before it is defined (statistics are evaluated in "
+                       f"order and may refer only to earlier ones; cycles are not allowed): {t!r}")
+            ctx.err(where, msg)
 
     def statistics(where_root: str, table: dict, base: dict[str, Statistic] | None):
         scope = dict(names)
@@ -465,6 +496,11 @@ def parse_spec(text: str, source: str = "<spec>") -> Spec:
     if not output_full.has(X):
         ctx.err("output", "must depend on x")
 
+    # gradients are named d<name>: a declared d<name> would collide with one
+    declared = [n for n in taken] + [st.name for st in train_stats]
+    for n in declared:
+        if "d" + n in declared:
+            ctx.err(n, f"names {n!r} and {'d' + n!r} collide: the gradient of {n!r} is called {'d' + n!r}")
     # every statistic must be used, and statistics may not use later ones
     # (guaranteed by scoping); statistics must not reference parameters
     for mode in modes:
@@ -472,7 +508,7 @@ def parse_spec(text: str, source: str = "<spec>") -> Spec:
             if st.expr.free_symbols & {p.symbol for p in params}:
                 ctx.err(f"statistics.{st.name}.expr", "statistics may not depend on parameters")
     return Spec(name=name, title=title, summary=summary, source=source, layout=kind,
-                reduce=reduce_, params=tuple(params), options=tuple(options),
+                reduce=reduce_, axes=axes, params=tuple(params), options=tuple(options),
                 inputs=tuple(inputs), buffers=tuple(buffers), modes=tuple(modes),
                 normalized=normalized, normalized_expr=normalized_expr, output=output,
                 output_text=str(out_t), notes=tuple(notes))
