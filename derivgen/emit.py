@@ -193,6 +193,22 @@ class _C(_Ordered, C99CodePrinter):
         return super()._print_Pow(expr)
 
 
+class _CFloatElem(_C):
+    """Element arithmetic in float: a group-level addend h (double) enters a sum as
+    ``(elements + h_hi) + h_lo`` with h_hi = (float)h, h_lo = (float)(h - h_hi), so
+    x - mean is exact to float precision even when mean is 1e4 and x - mean is 1."""
+
+    def __init__(self, rename, names, hoisted):
+        super().__init__("float", rename, names)
+        self.hoisted = hoisted          # Add node -> (element part, hoisted name)
+
+    def _print_Add(self, expr, order=None):
+        if expr in self.hoisted:
+            elem, h = self.hoisted[expr]
+            return f"({self._print(elem)} + {h}_hi + {h}_lo)"
+        return super()._print_Add(expr, order)
+
+
 _SPEC_FOR_PRINTING: list = [None]   # the spec being emitted (term ordering only)
 
 
@@ -215,6 +231,7 @@ class CLoop:
     NCHW layouts.
     """
     uses_params: bool
+    prelude: list[str]                     # per-group declarations before the sweep (float copies, hi/lo)
     param_loads: list[str]                 # const double gamma_v = (double)gamma[ch];
     elem_loads: list[str]                  # x, dy, then element temporaries, in order
     stores: list[str]                      # dx[idx] = ...;
@@ -242,45 +259,98 @@ class CPlanner:
         return c_expr(e, "double", self.group_names)
 
     def loop(self, exprs: list[sympy.Expr], temps: list[tuple[str, sympy.Expr]], *, stores=(), group_sums=(),
-             param_sums=()) -> CLoop:
+             param_sums=(), arith: str = "double") -> CLoop:
         """Element sweep computing ``exprs``; ``temps`` are element temporaries available.
 
-        Loads and stores use the array type; all arithmetic is double, so a
-        float32 kernel centres and squares without rounding the statistics to
-        float (mean offset 1e4) or overflowing (|x| ~ 1e30).
+        Loads and stores use the array type. Sums are always double. With
+        ``arith="double"`` all arithmetic is double, so a float32 kernel centres
+        and squares without rounding the statistics to float (mean offset 1e4)
+        or overflowing (|x| ~ 1e30). ``arith="float"`` (output sweeps of float
+        kernels) computes in float, adding group-level terms as hi + lo pairs.
         """
+        A = arith
         needed: list[tuple[str, sympy.Expr]] = []
         names = {str(s) for e in exprs for s in e.free_symbols}
         for nm, te in reversed(temps):          # temporaries used, transitively, in definition order
             if nm in names:
                 needed.insert(0, (nm, te))
                 names |= {str(s) for s in te.free_symbols}
+        elem = {"x", "dy", *self.params} | {nm for nm, _ in needed}
         enames = dict(self.group_names)
         enames.update(self.elem_names)
+        prelude: list[str] = []
+        hoisted: dict = {}
+        if A == "float":
+            # group-level addends of mixed sums become hi/lo pairs; other group values float copies
+            every = [te for _, te in needed] + list(exprs)
+            count = 0
+            for e in every:
+                for node in sympy.preorder_traversal(e):
+                    if node.is_Add and node not in hoisted:
+                        ge = [t for t in node.args if not ({str(v) for v in t.free_symbols} & elem)]
+                        ee = [t for t in node.args if {str(v) for v in t.free_symbols} & elem]
+                        if ge and ee:
+                            h = f"h{count}"
+                            count += 1
+                            hoisted[node] = (Add(*ee), h)
+                            prelude.append(f"const double {h} = {self.g(Add(*ge))};")
+                            prelude.append(f"const float {h}_hi = (float){h};")
+                            prelude.append(f"const float {h}_lo = (float)({h} - (double){h}_hi);")
+            used: set[str] = set()
+
+            def collect(node):
+                if node in hoisted:              # only its element part is printed in float
+                    collect(hoisted[node][0])
+                elif node.is_Symbol:
+                    if str(node) not in elem:
+                        used.add(str(node))
+                else:
+                    for a in node.args:
+                        collect(a)
+            for e in every:
+                collect(e)
+            for gname in sorted(used):
+                src = self.group_names.get(gname, gname)
+                prelude.append(f"const float {src}_f = (float){src};")
+                enames[gname] = f"{src}_f"
+
+        def P(e):
+            """Element arithmetic (temporaries, stored outputs) in the sweep's type."""
+            if A == "float":
+                return _CFloatElem(enames, ordered_names(_SPEC_FOR_PRINTING[0]), hoisted).doprint(e)
+            return c_expr(e, "double", enames)
+        T = self.ctype
+        cvt = "" if A == T else f"({A})"
         elem_loads = []
         if "x" in names:
-            elem_loads.append("const double xv = (double)x[idx];")
+            elem_loads.append(f"const {A} xv = {cvt}x[idx];")
         if "dy" in names:
-            elem_loads.append("const double dyv = (double)dy[idx];")
+            elem_loads.append(f"const {A} dyv = {cvt}dy[idx];")
         for nm, te in needed:
-            elem_loads.append(f"const double {nm} = {c_expr(te, 'double', enames)};")
+            elem_loads.append(f"const {A} {nm} = {P(te)};")
             enames[nm] = nm
+        # summands are double: float element values are widened before any arithmetic, so the
+        # temporaries (x-hat, g) are the same values in every sweep and products do not overflow
+        dnames = dict(self.group_names)
+        dnames.update(self.elem_names)
+        dnames.update({nm: nm for nm, _ in needed})
+        if A != "double":
+            dnames.update({k: f"((double){v})" for k, v in dnames.items() if k in elem})
+
+        def S(e):
+            return c_expr(e, "double", dnames)
         # scalar parameters are loaded once per group; channel parameters per channel
-        scalar_loads = [f"const double {p}_v = (double){p}[0];" for p in self.params if p in names and p in self.scalar]
-        param_loads = [f"const double {p}_v = (double){p}[ch];" for p in self.params
+        scalar_loads = [f"const {A} {p}_v = {cvt}{p}[0];" for p in self.params if p in names and p in self.scalar]
+        param_loads = [f"const {A} {p}_v = {cvt}{p}[ch];" for p in self.params
                        if p in names and p not in self.scalar]
-        slots = {p: k for k, p in enumerate(self.params)}
         chan_sums = [(k, e) for k, e in param_sums if self.params[k] not in self.scalar]
         scal_sums = [(k, e) for k, e in param_sums if self.params[k] in self.scalar]
         group_sums = list(group_sums) + [(f"psum_{k}", e) for k, e in scal_sums]
-        _ = slots
-
-        def P(e):
-            return c_expr(e, "double", enames)
-        return CLoop(uses_params=bool(param_loads) or bool(chan_sums), param_loads=param_loads,
+        return CLoop(uses_params=bool(param_loads) or bool(chan_sums), prelude=prelude, param_loads=param_loads,
                      elem_loads=scalar_loads + elem_loads,
                      stores=[f.format(P=P) if isinstance(f, str) else f(P) for f in stores],
-                     group_sums=[(a, P(e)) for a, e in group_sums], param_sums=[(k, P(e)) for k, e in chan_sums],
+                     group_sums=[(a, S(e)) for a, e in group_sums],
+                     param_sums=[(k, S(e)) for k, e in chan_sums],
                      scalar_param_sums=[(k, f"psum_{k}") for k, _ in scal_sums])
 
     def forward(self):
@@ -294,7 +364,7 @@ class CPlanner:
         _, out_expr = self.ir.fwd_elem[-1]
         temps = list(self.ir.fwd_elem[:-1])
         T = self.ctype
-        final = self.loop([out_expr], temps, stores=[lambda P: f"y[idx] = ({T})({P(out_expr)});"])
+        final = self.loop([out_expr], temps, stores=[lambda P: f"y[idx] = ({T})({P(out_expr)});"], arith=T)
         updates = [(b, self.g(e)) for b, e in self.ir.buffer_updates]
         return steps, final, updates
 
@@ -302,13 +372,20 @@ class CPlanner:
         temps = list(self.ir.bwd_elem)
         red = None
         if self.ir.bwd_loop:
-            red = self.loop([e for _, e in self.ir.bwd_loop], temps, group_sums=self.ir.bwd_loop)
-        group = [(a.name, self.g(a.expr), a.comment) for a in self.ir.bwd_group]
-        dx_expr = Add(*[sympy.Symbol(k) * m for k, m in self.ir.dx_terms])
-        pexprs = [e for _, e in self.ir.dparams]
+            red = self.loop([e for _, e in self.ir.bwd_loop], temps, group_sums=self.ir.bwd_loop, arith=self.ctype)
         T = self.ctype
+        coeffs = {k for k, _ in self.ir.dx_terms}
+        group = [(a.name, self.g(a.expr), a.comment) for a in self.ir.bwd_group
+                 if T == "double" or a.name not in coeffs]
+        # double: dx = sum of per-group coefficients times element monomials (fewest flops);
+        # float: the factored closed form, whose cancellations the hi/lo addends keep exact
+        if T == "double":
+            dx_expr = Add(*[sympy.Symbol(k) * m for k, m in self.ir.dx_terms])
+        else:
+            dx_expr = self.ir.dx_closed
+        pexprs = [e for _, e in self.ir.dparams]
         final = self.loop([dx_expr, *pexprs], temps, stores=[lambda P: f"dx[idx] = ({T})({P(dx_expr)});"],
-                          param_sums=list(enumerate(pexprs)))
+                          param_sums=list(enumerate(pexprs)), arith=T)
         return red, [a for a, _ in self.ir.bwd_loop], group, final
 
 

@@ -53,7 +53,7 @@
 #define DG_PRAGMA(x)
 #endif
 
-#define DG_LANES 16
+#define DG_LANES 32
 
 static int dg_threads(int nthreads)
 {
@@ -177,6 +177,10 @@ int batchnorm_train_forward_f32(
         (void)running_mean_g;
         (void)running_var_g;
         {
+            const double h0 = -mean;
+            const float h0_hi = (float)h0;
+            const float h0_lo = (float)(h0 - (double)h0_hi);
+            const float rstd_f = (float)rstd;
             for (int64_t b = 0; b < blocks; ++b) {
                 const int64_t off = base + b * block_stride;
                 if (S == 1) {           /* parameters vary along the run */
@@ -185,10 +189,10 @@ int batchnorm_train_forward_f32(
                         for (int j = 0; j < DG_LANES; ++j) {
                             const int64_t idx = off + m + j;
                             const int64_t ch = gi * Cg + m + j;
-                            const double gamma_v = (double)gamma[ch];
-                            const double beta_v = (double)beta[ch];
-                            const double xv = (double)x[idx];
-                            const double xhat = rstd*(xv - mean);
+                            const float gamma_v = gamma[ch];
+                            const float beta_v = beta[ch];
+                            const float xv = x[idx];
+                            const float xhat = rstd_f*((xv + h0_hi + h0_lo));
                             y[idx] = (float)(gamma_v*xhat + beta_v);
                         }
                     }
@@ -197,23 +201,23 @@ int batchnorm_train_forward_f32(
                         (void)j;
                         const int64_t idx = off + m;
                         const int64_t ch = gi * Cg + m;
-                        const double gamma_v = (double)gamma[ch];
-                        const double beta_v = (double)beta[ch];
-                        const double xv = (double)x[idx];
-                        const double xhat = rstd*(xv - mean);
+                        const float gamma_v = gamma[ch];
+                        const float beta_v = beta[ch];
+                        const float xv = x[idx];
+                        const float xhat = rstd_f*((xv + h0_hi + h0_lo));
                         y[idx] = (float)(gamma_v*xhat + beta_v);
                     }
                 } else {                /* NCHW: one parameter per run of S values */
                     for (int64_t cg = 0; cg < Cg; ++cg) {
                         const int64_t ch = gi * Cg + cg;
-                        const double gamma_v = (double)gamma[ch];
-                        const double beta_v = (double)beta[ch];
+                        const float gamma_v = gamma[ch];
+                        const float beta_v = beta[ch];
                         int64_t s = 0;
                         for (; s + DG_LANES <= S; s += DG_LANES) {
                             for (int j = 0; j < DG_LANES; ++j) {
                                 const int64_t idx = off + cg * S + s + j;
-                                const double xv = (double)x[idx];
-                                const double xhat = rstd*(xv - mean);
+                                const float xv = x[idx];
+                                const float xhat = rstd_f*((xv + h0_hi + h0_lo));
                                 y[idx] = (float)(gamma_v*xhat + beta_v);
                             }
                         }
@@ -221,8 +225,8 @@ int batchnorm_train_forward_f32(
                             const int j = 0;                /* the remainder goes to lane 0 */
                             (void)j;
                             const int64_t idx = off + cg * S + s;
-                            const double xv = (double)x[idx];
-                            const double xhat = rstd*(xv - mean);
+                            const float xv = x[idx];
+                            const float xhat = rstd_f*((xv + h0_hi + h0_lo));
                             y[idx] = (float)(gamma_v*xhat + beta_v);
                         }
                     }
@@ -284,6 +288,10 @@ int batchnorm_train_backward_f32(
             double sum_g;
             double sum_g_xhat;
             {
+                const double h0 = -mean;
+                const float h0_hi = (float)h0;
+                const float h0_lo = (float)(h0 - (double)h0_hi);
+                const float rstd_f = (float)rstd;
                 double lane_sum_g[DG_LANES] = {0};
                 double lane_sum_g_xhat[DG_LANES] = {0};
                 for (int64_t b = 0; b < blocks; ++b) {
@@ -294,13 +302,13 @@ int batchnorm_train_backward_f32(
                             for (int j = 0; j < DG_LANES; ++j) {
                                 const int64_t idx = off + m + j;
                                 const int64_t ch = gi * Cg + m + j;
-                                const double gamma_v = (double)gamma[ch];
-                                const double xv = (double)x[idx];
-                                const double dyv = (double)dy[idx];
-                                const double xhat = rstd*(xv - mean);
-                                const double g = dyv*gamma_v;
-                                lane_sum_g[j] += g;
-                                lane_sum_g_xhat[j] += g*xhat;
+                                const float gamma_v = gamma[ch];
+                                const float xv = x[idx];
+                                const float dyv = dy[idx];
+                                const float xhat = rstd_f*((xv + h0_hi + h0_lo));
+                                const float g = dyv*gamma_v;
+                                lane_sum_g[j] += ((double)g);
+                                lane_sum_g_xhat[j] += ((double)g)*((double)xhat);
                             }
                         }
                         for (; m < Cg; ++m) {
@@ -308,40 +316,40 @@ int batchnorm_train_backward_f32(
                             (void)j;
                             const int64_t idx = off + m;
                             const int64_t ch = gi * Cg + m;
-                            const double gamma_v = (double)gamma[ch];
-                            const double xv = (double)x[idx];
-                            const double dyv = (double)dy[idx];
-                            const double xhat = rstd*(xv - mean);
-                            const double g = dyv*gamma_v;
-                            lane_sum_g[j] += g;
-                            lane_sum_g_xhat[j] += g*xhat;
+                            const float gamma_v = gamma[ch];
+                            const float xv = x[idx];
+                            const float dyv = dy[idx];
+                            const float xhat = rstd_f*((xv + h0_hi + h0_lo));
+                            const float g = dyv*gamma_v;
+                            lane_sum_g[j] += ((double)g);
+                            lane_sum_g_xhat[j] += ((double)g)*((double)xhat);
                         }
                     } else {                /* NCHW: one parameter per run of S values */
                         for (int64_t cg = 0; cg < Cg; ++cg) {
                             const int64_t ch = gi * Cg + cg;
-                            const double gamma_v = (double)gamma[ch];
+                            const float gamma_v = gamma[ch];
                             int64_t s = 0;
                             for (; s + DG_LANES <= S; s += DG_LANES) {
                                 for (int j = 0; j < DG_LANES; ++j) {
                                     const int64_t idx = off + cg * S + s + j;
-                                    const double xv = (double)x[idx];
-                                    const double dyv = (double)dy[idx];
-                                    const double xhat = rstd*(xv - mean);
-                                    const double g = dyv*gamma_v;
-                                    lane_sum_g[j] += g;
-                                    lane_sum_g_xhat[j] += g*xhat;
+                                    const float xv = x[idx];
+                                    const float dyv = dy[idx];
+                                    const float xhat = rstd_f*((xv + h0_hi + h0_lo));
+                                    const float g = dyv*gamma_v;
+                                    lane_sum_g[j] += ((double)g);
+                                    lane_sum_g_xhat[j] += ((double)g)*((double)xhat);
                                 }
                             }
                             for (; s < S; ++s) {
                                 const int j = 0;                /* the remainder goes to lane 0 */
                                 (void)j;
                                 const int64_t idx = off + cg * S + s;
-                                const double xv = (double)x[idx];
-                                const double dyv = (double)dy[idx];
-                                const double xhat = rstd*(xv - mean);
-                                const double g = dyv*gamma_v;
-                                lane_sum_g[j] += g;
-                                lane_sum_g_xhat[j] += g*xhat;
+                                const float xv = x[idx];
+                                const float dyv = dy[idx];
+                                const float xhat = rstd_f*((xv + h0_hi + h0_lo));
+                                const float g = dyv*gamma_v;
+                                lane_sum_g[j] += ((double)g);
+                                lane_sum_g_xhat[j] += ((double)g)*((double)xhat);
                             }
                         }
                     }
@@ -351,10 +359,15 @@ int batchnorm_train_backward_f32(
             }
             const double mean_g = sum_g/N;  /* mean_g = mean(g) */
             const double mean_g_xhat = sum_g_xhat/N;  /* mean_g_xhat = mean(g*xhat) */
-            const double k_1 = -mean_g*rstd;  /* coefficient of 1 in dx */
-            const double k_g = rstd;  /* coefficient of g in dx */
-            const double k_xhat = -mean_g_xhat*rstd;  /* coefficient of xhat in dx */
             {
+                const double h0 = -mean;
+                const float h0_hi = (float)h0;
+                const float h0_lo = (float)(h0 - (double)h0_hi);
+                const double h1 = -mean_g;
+                const float h1_hi = (float)h1;
+                const float h1_lo = (float)(h1 - (double)h1_hi);
+                const float mean_g_xhat_f = (float)mean_g_xhat;
+                const float rstd_f = (float)rstd;
                 for (int64_t b = 0; b < blocks; ++b) {
                     const int64_t off = base + b * block_stride;
                     if (S == 1) {           /* parameters vary along the run */
@@ -363,14 +376,14 @@ int batchnorm_train_backward_f32(
                             for (int j = 0; j < DG_LANES; ++j) {
                                 const int64_t idx = off + m + j;
                                 const int64_t ch = gi * Cg + m + j;
-                                const double gamma_v = (double)gamma[ch];
-                                const double xv = (double)x[idx];
-                                const double dyv = (double)dy[idx];
-                                const double xhat = rstd*(xv - mean);
-                                const double g = dyv*gamma_v;
-                                dx[idx] = (float)(g*k_g + k_xhat*xhat + k_1);
-                                mine[0 * C + ch] += dyv*xhat;
-                                mine[1 * C + ch] += dyv;
+                                const float gamma_v = gamma[ch];
+                                const float xv = x[idx];
+                                const float dyv = dy[idx];
+                                const float xhat = rstd_f*((xv + h0_hi + h0_lo));
+                                const float g = dyv*gamma_v;
+                                dx[idx] = (float)(rstd_f*((g - mean_g_xhat_f*xhat + h1_hi + h1_lo)));
+                                mine[0 * C + ch] += ((double)dyv)*((double)xhat);
+                                mine[1 * C + ch] += ((double)dyv);
                             }
                         }
                         for (; m < Cg; ++m) {
@@ -378,45 +391,45 @@ int batchnorm_train_backward_f32(
                             (void)j;
                             const int64_t idx = off + m;
                             const int64_t ch = gi * Cg + m;
-                            const double gamma_v = (double)gamma[ch];
-                            const double xv = (double)x[idx];
-                            const double dyv = (double)dy[idx];
-                            const double xhat = rstd*(xv - mean);
-                            const double g = dyv*gamma_v;
-                            dx[idx] = (float)(g*k_g + k_xhat*xhat + k_1);
-                            mine[0 * C + ch] += dyv*xhat;
-                            mine[1 * C + ch] += dyv;
+                            const float gamma_v = gamma[ch];
+                            const float xv = x[idx];
+                            const float dyv = dy[idx];
+                            const float xhat = rstd_f*((xv + h0_hi + h0_lo));
+                            const float g = dyv*gamma_v;
+                            dx[idx] = (float)(rstd_f*((g - mean_g_xhat_f*xhat + h1_hi + h1_lo)));
+                            mine[0 * C + ch] += ((double)dyv)*((double)xhat);
+                            mine[1 * C + ch] += ((double)dyv);
                         }
                     } else {                /* NCHW: one parameter per run of S values */
                         for (int64_t cg = 0; cg < Cg; ++cg) {
                             const int64_t ch = gi * Cg + cg;
-                            const double gamma_v = (double)gamma[ch];
+                            const float gamma_v = gamma[ch];
                             double lane_p0[DG_LANES] = {0};
                             double lane_p1[DG_LANES] = {0};
                             int64_t s = 0;
                             for (; s + DG_LANES <= S; s += DG_LANES) {
                                 for (int j = 0; j < DG_LANES; ++j) {
                                     const int64_t idx = off + cg * S + s + j;
-                                    const double xv = (double)x[idx];
-                                    const double dyv = (double)dy[idx];
-                                    const double xhat = rstd*(xv - mean);
-                                    const double g = dyv*gamma_v;
-                                    dx[idx] = (float)(g*k_g + k_xhat*xhat + k_1);
-                                    lane_p0[j] += dyv*xhat;
-                                    lane_p1[j] += dyv;
+                                    const float xv = x[idx];
+                                    const float dyv = dy[idx];
+                                    const float xhat = rstd_f*((xv + h0_hi + h0_lo));
+                                    const float g = dyv*gamma_v;
+                                    dx[idx] = (float)(rstd_f*((g - mean_g_xhat_f*xhat + h1_hi + h1_lo)));
+                                    lane_p0[j] += ((double)dyv)*((double)xhat);
+                                    lane_p1[j] += ((double)dyv);
                                 }
                             }
                             for (; s < S; ++s) {
                                 const int j = 0;                /* the remainder goes to lane 0 */
                                 (void)j;
                                 const int64_t idx = off + cg * S + s;
-                                const double xv = (double)x[idx];
-                                const double dyv = (double)dy[idx];
-                                const double xhat = rstd*(xv - mean);
-                                const double g = dyv*gamma_v;
-                                dx[idx] = (float)(g*k_g + k_xhat*xhat + k_1);
-                                lane_p0[j] += dyv*xhat;
-                                lane_p1[j] += dyv;
+                                const float xv = x[idx];
+                                const float dyv = dy[idx];
+                                const float xhat = rstd_f*((xv + h0_hi + h0_lo));
+                                const float g = dyv*gamma_v;
+                                dx[idx] = (float)(rstd_f*((g - mean_g_xhat_f*xhat + h1_hi + h1_lo)));
+                                lane_p0[j] += ((double)dyv)*((double)xhat);
+                                lane_p1[j] += ((double)dyv);
                             }
                             mine[0 * C + ch] += dg_lanes(lane_p0);
                             mine[1 * C + ch] += dg_lanes(lane_p1);
@@ -481,7 +494,7 @@ int batchnorm_train_forward_f64(
                 for (; m + DG_LANES <= M; m += DG_LANES) {
                     for (int j = 0; j < DG_LANES; ++j) {
                         const int64_t idx = off + m + j;
-                        const double xv = (double)x[idx];
+                        const double xv = x[idx];
                         lane_sum_mean[j] += xv;
                     }
                 }
@@ -489,7 +502,7 @@ int batchnorm_train_forward_f64(
                     const int j = 0;                /* the remainder goes to lane 0 */
                     (void)j;
                     const int64_t idx = off + m;
-                    const double xv = (double)x[idx];
+                    const double xv = x[idx];
                     lane_sum_mean[j] += xv;
                 }
             }
@@ -505,7 +518,7 @@ int batchnorm_train_forward_f64(
                 for (; m + DG_LANES <= M; m += DG_LANES) {
                     for (int j = 0; j < DG_LANES; ++j) {
                         const int64_t idx = off + m + j;
-                        const double xv = (double)x[idx];
+                        const double xv = x[idx];
                         lane_sum_var[j] += ((xv - mean)*(xv - mean));
                     }
                 }
@@ -513,7 +526,7 @@ int batchnorm_train_forward_f64(
                     const int j = 0;                /* the remainder goes to lane 0 */
                     (void)j;
                     const int64_t idx = off + m;
-                    const double xv = (double)x[idx];
+                    const double xv = x[idx];
                     lane_sum_var[j] += ((xv - mean)*(xv - mean));
                 }
             }
@@ -539,9 +552,9 @@ int batchnorm_train_forward_f64(
                         for (int j = 0; j < DG_LANES; ++j) {
                             const int64_t idx = off + m + j;
                             const int64_t ch = gi * Cg + m + j;
-                            const double gamma_v = (double)gamma[ch];
-                            const double beta_v = (double)beta[ch];
-                            const double xv = (double)x[idx];
+                            const double gamma_v = gamma[ch];
+                            const double beta_v = beta[ch];
+                            const double xv = x[idx];
                             const double xhat = rstd*(xv - mean);
                             y[idx] = (double)(gamma_v*xhat + beta_v);
                         }
@@ -551,22 +564,22 @@ int batchnorm_train_forward_f64(
                         (void)j;
                         const int64_t idx = off + m;
                         const int64_t ch = gi * Cg + m;
-                        const double gamma_v = (double)gamma[ch];
-                        const double beta_v = (double)beta[ch];
-                        const double xv = (double)x[idx];
+                        const double gamma_v = gamma[ch];
+                        const double beta_v = beta[ch];
+                        const double xv = x[idx];
                         const double xhat = rstd*(xv - mean);
                         y[idx] = (double)(gamma_v*xhat + beta_v);
                     }
                 } else {                /* NCHW: one parameter per run of S values */
                     for (int64_t cg = 0; cg < Cg; ++cg) {
                         const int64_t ch = gi * Cg + cg;
-                        const double gamma_v = (double)gamma[ch];
-                        const double beta_v = (double)beta[ch];
+                        const double gamma_v = gamma[ch];
+                        const double beta_v = beta[ch];
                         int64_t s = 0;
                         for (; s + DG_LANES <= S; s += DG_LANES) {
                             for (int j = 0; j < DG_LANES; ++j) {
                                 const int64_t idx = off + cg * S + s + j;
-                                const double xv = (double)x[idx];
+                                const double xv = x[idx];
                                 const double xhat = rstd*(xv - mean);
                                 y[idx] = (double)(gamma_v*xhat + beta_v);
                             }
@@ -575,7 +588,7 @@ int batchnorm_train_forward_f64(
                             const int j = 0;                /* the remainder goes to lane 0 */
                             (void)j;
                             const int64_t idx = off + cg * S + s;
-                            const double xv = (double)x[idx];
+                            const double xv = x[idx];
                             const double xhat = rstd*(xv - mean);
                             y[idx] = (double)(gamma_v*xhat + beta_v);
                         }
@@ -648,9 +661,9 @@ int batchnorm_train_backward_f64(
                             for (int j = 0; j < DG_LANES; ++j) {
                                 const int64_t idx = off + m + j;
                                 const int64_t ch = gi * Cg + m + j;
-                                const double gamma_v = (double)gamma[ch];
-                                const double xv = (double)x[idx];
-                                const double dyv = (double)dy[idx];
+                                const double gamma_v = gamma[ch];
+                                const double xv = x[idx];
+                                const double dyv = dy[idx];
                                 const double xhat = rstd*(xv - mean);
                                 const double g = dyv*gamma_v;
                                 lane_sum_g[j] += g;
@@ -662,9 +675,9 @@ int batchnorm_train_backward_f64(
                             (void)j;
                             const int64_t idx = off + m;
                             const int64_t ch = gi * Cg + m;
-                            const double gamma_v = (double)gamma[ch];
-                            const double xv = (double)x[idx];
-                            const double dyv = (double)dy[idx];
+                            const double gamma_v = gamma[ch];
+                            const double xv = x[idx];
+                            const double dyv = dy[idx];
                             const double xhat = rstd*(xv - mean);
                             const double g = dyv*gamma_v;
                             lane_sum_g[j] += g;
@@ -673,13 +686,13 @@ int batchnorm_train_backward_f64(
                     } else {                /* NCHW: one parameter per run of S values */
                         for (int64_t cg = 0; cg < Cg; ++cg) {
                             const int64_t ch = gi * Cg + cg;
-                            const double gamma_v = (double)gamma[ch];
+                            const double gamma_v = gamma[ch];
                             int64_t s = 0;
                             for (; s + DG_LANES <= S; s += DG_LANES) {
                                 for (int j = 0; j < DG_LANES; ++j) {
                                     const int64_t idx = off + cg * S + s + j;
-                                    const double xv = (double)x[idx];
-                                    const double dyv = (double)dy[idx];
+                                    const double xv = x[idx];
+                                    const double dyv = dy[idx];
                                     const double xhat = rstd*(xv - mean);
                                     const double g = dyv*gamma_v;
                                     lane_sum_g[j] += g;
@@ -690,8 +703,8 @@ int batchnorm_train_backward_f64(
                                 const int j = 0;                /* the remainder goes to lane 0 */
                                 (void)j;
                                 const int64_t idx = off + cg * S + s;
-                                const double xv = (double)x[idx];
-                                const double dyv = (double)dy[idx];
+                                const double xv = x[idx];
+                                const double dyv = dy[idx];
                                 const double xhat = rstd*(xv - mean);
                                 const double g = dyv*gamma_v;
                                 lane_sum_g[j] += g;
@@ -717,9 +730,9 @@ int batchnorm_train_backward_f64(
                             for (int j = 0; j < DG_LANES; ++j) {
                                 const int64_t idx = off + m + j;
                                 const int64_t ch = gi * Cg + m + j;
-                                const double gamma_v = (double)gamma[ch];
-                                const double xv = (double)x[idx];
-                                const double dyv = (double)dy[idx];
+                                const double gamma_v = gamma[ch];
+                                const double xv = x[idx];
+                                const double dyv = dy[idx];
                                 const double xhat = rstd*(xv - mean);
                                 const double g = dyv*gamma_v;
                                 dx[idx] = (double)(g*k_g + k_xhat*xhat + k_1);
@@ -732,9 +745,9 @@ int batchnorm_train_backward_f64(
                             (void)j;
                             const int64_t idx = off + m;
                             const int64_t ch = gi * Cg + m;
-                            const double gamma_v = (double)gamma[ch];
-                            const double xv = (double)x[idx];
-                            const double dyv = (double)dy[idx];
+                            const double gamma_v = gamma[ch];
+                            const double xv = x[idx];
+                            const double dyv = dy[idx];
                             const double xhat = rstd*(xv - mean);
                             const double g = dyv*gamma_v;
                             dx[idx] = (double)(g*k_g + k_xhat*xhat + k_1);
@@ -744,15 +757,15 @@ int batchnorm_train_backward_f64(
                     } else {                /* NCHW: one parameter per run of S values */
                         for (int64_t cg = 0; cg < Cg; ++cg) {
                             const int64_t ch = gi * Cg + cg;
-                            const double gamma_v = (double)gamma[ch];
+                            const double gamma_v = gamma[ch];
                             double lane_p0[DG_LANES] = {0};
                             double lane_p1[DG_LANES] = {0};
                             int64_t s = 0;
                             for (; s + DG_LANES <= S; s += DG_LANES) {
                                 for (int j = 0; j < DG_LANES; ++j) {
                                     const int64_t idx = off + cg * S + s + j;
-                                    const double xv = (double)x[idx];
-                                    const double dyv = (double)dy[idx];
+                                    const double xv = x[idx];
+                                    const double dyv = dy[idx];
                                     const double xhat = rstd*(xv - mean);
                                     const double g = dyv*gamma_v;
                                     dx[idx] = (double)(g*k_g + k_xhat*xhat + k_1);
@@ -764,8 +777,8 @@ int batchnorm_train_backward_f64(
                                 const int j = 0;                /* the remainder goes to lane 0 */
                                 (void)j;
                                 const int64_t idx = off + cg * S + s;
-                                const double xv = (double)x[idx];
-                                const double dyv = (double)dy[idx];
+                                const double xv = x[idx];
+                                const double dyv = dy[idx];
                                 const double xhat = rstd*(xv - mean);
                                 const double g = dyv*gamma_v;
                                 dx[idx] = (double)(g*k_g + k_xhat*xhat + k_1);
@@ -835,6 +848,10 @@ int batchnorm_eval_forward_f32(
         (void)running_mean_g;
         (void)running_var_g;
         {
+            const double h0 = -mean;
+            const float h0_hi = (float)h0;
+            const float h0_lo = (float)(h0 - (double)h0_hi);
+            const float rstd_f = (float)rstd;
             for (int64_t b = 0; b < blocks; ++b) {
                 const int64_t off = base + b * block_stride;
                 if (S == 1) {           /* parameters vary along the run */
@@ -843,10 +860,10 @@ int batchnorm_eval_forward_f32(
                         for (int j = 0; j < DG_LANES; ++j) {
                             const int64_t idx = off + m + j;
                             const int64_t ch = gi * Cg + m + j;
-                            const double gamma_v = (double)gamma[ch];
-                            const double beta_v = (double)beta[ch];
-                            const double xv = (double)x[idx];
-                            const double xhat = rstd*(xv - mean);
+                            const float gamma_v = gamma[ch];
+                            const float beta_v = beta[ch];
+                            const float xv = x[idx];
+                            const float xhat = rstd_f*((xv + h0_hi + h0_lo));
                             y[idx] = (float)(gamma_v*xhat + beta_v);
                         }
                     }
@@ -855,23 +872,23 @@ int batchnorm_eval_forward_f32(
                         (void)j;
                         const int64_t idx = off + m;
                         const int64_t ch = gi * Cg + m;
-                        const double gamma_v = (double)gamma[ch];
-                        const double beta_v = (double)beta[ch];
-                        const double xv = (double)x[idx];
-                        const double xhat = rstd*(xv - mean);
+                        const float gamma_v = gamma[ch];
+                        const float beta_v = beta[ch];
+                        const float xv = x[idx];
+                        const float xhat = rstd_f*((xv + h0_hi + h0_lo));
                         y[idx] = (float)(gamma_v*xhat + beta_v);
                     }
                 } else {                /* NCHW: one parameter per run of S values */
                     for (int64_t cg = 0; cg < Cg; ++cg) {
                         const int64_t ch = gi * Cg + cg;
-                        const double gamma_v = (double)gamma[ch];
-                        const double beta_v = (double)beta[ch];
+                        const float gamma_v = gamma[ch];
+                        const float beta_v = beta[ch];
                         int64_t s = 0;
                         for (; s + DG_LANES <= S; s += DG_LANES) {
                             for (int j = 0; j < DG_LANES; ++j) {
                                 const int64_t idx = off + cg * S + s + j;
-                                const double xv = (double)x[idx];
-                                const double xhat = rstd*(xv - mean);
+                                const float xv = x[idx];
+                                const float xhat = rstd_f*((xv + h0_hi + h0_lo));
                                 y[idx] = (float)(gamma_v*xhat + beta_v);
                             }
                         }
@@ -879,8 +896,8 @@ int batchnorm_eval_forward_f32(
                             const int j = 0;                /* the remainder goes to lane 0 */
                             (void)j;
                             const int64_t idx = off + cg * S + s;
-                            const double xv = (double)x[idx];
-                            const double xhat = rstd*(xv - mean);
+                            const float xv = x[idx];
+                            const float xhat = rstd_f*((xv + h0_hi + h0_lo));
                             y[idx] = (float)(gamma_v*xhat + beta_v);
                         }
                     }
@@ -939,8 +956,11 @@ int batchnorm_eval_backward_f32(
             (void)var;
             const double rstd = rstd_in[grp];
             (void)rstd;
-            const double k_g = rstd;  /* coefficient of g in dx */
             {
+                const double h0 = -mean;
+                const float h0_hi = (float)h0;
+                const float h0_lo = (float)(h0 - (double)h0_hi);
+                const float rstd_f = (float)rstd;
                 for (int64_t b = 0; b < blocks; ++b) {
                     const int64_t off = base + b * block_stride;
                     if (S == 1) {           /* parameters vary along the run */
@@ -949,14 +969,14 @@ int batchnorm_eval_backward_f32(
                             for (int j = 0; j < DG_LANES; ++j) {
                                 const int64_t idx = off + m + j;
                                 const int64_t ch = gi * Cg + m + j;
-                                const double gamma_v = (double)gamma[ch];
-                                const double xv = (double)x[idx];
-                                const double dyv = (double)dy[idx];
-                                const double xhat = rstd*(xv - mean);
-                                const double g = dyv*gamma_v;
-                                dx[idx] = (float)(g*k_g);
-                                mine[0 * C + ch] += dyv*xhat;
-                                mine[1 * C + ch] += dyv;
+                                const float gamma_v = gamma[ch];
+                                const float xv = x[idx];
+                                const float dyv = dy[idx];
+                                const float xhat = rstd_f*((xv + h0_hi + h0_lo));
+                                const float g = dyv*gamma_v;
+                                dx[idx] = (float)(g*rstd_f);
+                                mine[0 * C + ch] += ((double)dyv)*((double)xhat);
+                                mine[1 * C + ch] += ((double)dyv);
                             }
                         }
                         for (; m < Cg; ++m) {
@@ -964,45 +984,45 @@ int batchnorm_eval_backward_f32(
                             (void)j;
                             const int64_t idx = off + m;
                             const int64_t ch = gi * Cg + m;
-                            const double gamma_v = (double)gamma[ch];
-                            const double xv = (double)x[idx];
-                            const double dyv = (double)dy[idx];
-                            const double xhat = rstd*(xv - mean);
-                            const double g = dyv*gamma_v;
-                            dx[idx] = (float)(g*k_g);
-                            mine[0 * C + ch] += dyv*xhat;
-                            mine[1 * C + ch] += dyv;
+                            const float gamma_v = gamma[ch];
+                            const float xv = x[idx];
+                            const float dyv = dy[idx];
+                            const float xhat = rstd_f*((xv + h0_hi + h0_lo));
+                            const float g = dyv*gamma_v;
+                            dx[idx] = (float)(g*rstd_f);
+                            mine[0 * C + ch] += ((double)dyv)*((double)xhat);
+                            mine[1 * C + ch] += ((double)dyv);
                         }
                     } else {                /* NCHW: one parameter per run of S values */
                         for (int64_t cg = 0; cg < Cg; ++cg) {
                             const int64_t ch = gi * Cg + cg;
-                            const double gamma_v = (double)gamma[ch];
+                            const float gamma_v = gamma[ch];
                             double lane_p0[DG_LANES] = {0};
                             double lane_p1[DG_LANES] = {0};
                             int64_t s = 0;
                             for (; s + DG_LANES <= S; s += DG_LANES) {
                                 for (int j = 0; j < DG_LANES; ++j) {
                                     const int64_t idx = off + cg * S + s + j;
-                                    const double xv = (double)x[idx];
-                                    const double dyv = (double)dy[idx];
-                                    const double xhat = rstd*(xv - mean);
-                                    const double g = dyv*gamma_v;
-                                    dx[idx] = (float)(g*k_g);
-                                    lane_p0[j] += dyv*xhat;
-                                    lane_p1[j] += dyv;
+                                    const float xv = x[idx];
+                                    const float dyv = dy[idx];
+                                    const float xhat = rstd_f*((xv + h0_hi + h0_lo));
+                                    const float g = dyv*gamma_v;
+                                    dx[idx] = (float)(g*rstd_f);
+                                    lane_p0[j] += ((double)dyv)*((double)xhat);
+                                    lane_p1[j] += ((double)dyv);
                                 }
                             }
                             for (; s < S; ++s) {
                                 const int j = 0;                /* the remainder goes to lane 0 */
                                 (void)j;
                                 const int64_t idx = off + cg * S + s;
-                                const double xv = (double)x[idx];
-                                const double dyv = (double)dy[idx];
-                                const double xhat = rstd*(xv - mean);
-                                const double g = dyv*gamma_v;
-                                dx[idx] = (float)(g*k_g);
-                                lane_p0[j] += dyv*xhat;
-                                lane_p1[j] += dyv;
+                                const float xv = x[idx];
+                                const float dyv = dy[idx];
+                                const float xhat = rstd_f*((xv + h0_hi + h0_lo));
+                                const float g = dyv*gamma_v;
+                                dx[idx] = (float)(g*rstd_f);
+                                lane_p0[j] += ((double)dyv)*((double)xhat);
+                                lane_p1[j] += ((double)dyv);
                             }
                             mine[0 * C + ch] += dg_lanes(lane_p0);
                             mine[1 * C + ch] += dg_lanes(lane_p1);
@@ -1075,9 +1095,9 @@ int batchnorm_eval_forward_f64(
                         for (int j = 0; j < DG_LANES; ++j) {
                             const int64_t idx = off + m + j;
                             const int64_t ch = gi * Cg + m + j;
-                            const double gamma_v = (double)gamma[ch];
-                            const double beta_v = (double)beta[ch];
-                            const double xv = (double)x[idx];
+                            const double gamma_v = gamma[ch];
+                            const double beta_v = beta[ch];
+                            const double xv = x[idx];
                             const double xhat = rstd*(xv - mean);
                             y[idx] = (double)(gamma_v*xhat + beta_v);
                         }
@@ -1087,22 +1107,22 @@ int batchnorm_eval_forward_f64(
                         (void)j;
                         const int64_t idx = off + m;
                         const int64_t ch = gi * Cg + m;
-                        const double gamma_v = (double)gamma[ch];
-                        const double beta_v = (double)beta[ch];
-                        const double xv = (double)x[idx];
+                        const double gamma_v = gamma[ch];
+                        const double beta_v = beta[ch];
+                        const double xv = x[idx];
                         const double xhat = rstd*(xv - mean);
                         y[idx] = (double)(gamma_v*xhat + beta_v);
                     }
                 } else {                /* NCHW: one parameter per run of S values */
                     for (int64_t cg = 0; cg < Cg; ++cg) {
                         const int64_t ch = gi * Cg + cg;
-                        const double gamma_v = (double)gamma[ch];
-                        const double beta_v = (double)beta[ch];
+                        const double gamma_v = gamma[ch];
+                        const double beta_v = beta[ch];
                         int64_t s = 0;
                         for (; s + DG_LANES <= S; s += DG_LANES) {
                             for (int j = 0; j < DG_LANES; ++j) {
                                 const int64_t idx = off + cg * S + s + j;
-                                const double xv = (double)x[idx];
+                                const double xv = x[idx];
                                 const double xhat = rstd*(xv - mean);
                                 y[idx] = (double)(gamma_v*xhat + beta_v);
                             }
@@ -1111,7 +1131,7 @@ int batchnorm_eval_forward_f64(
                             const int j = 0;                /* the remainder goes to lane 0 */
                             (void)j;
                             const int64_t idx = off + cg * S + s;
-                            const double xv = (double)x[idx];
+                            const double xv = x[idx];
                             const double xhat = rstd*(xv - mean);
                             y[idx] = (double)(gamma_v*xhat + beta_v);
                         }
@@ -1181,9 +1201,9 @@ int batchnorm_eval_backward_f64(
                             for (int j = 0; j < DG_LANES; ++j) {
                                 const int64_t idx = off + m + j;
                                 const int64_t ch = gi * Cg + m + j;
-                                const double gamma_v = (double)gamma[ch];
-                                const double xv = (double)x[idx];
-                                const double dyv = (double)dy[idx];
+                                const double gamma_v = gamma[ch];
+                                const double xv = x[idx];
+                                const double dyv = dy[idx];
                                 const double xhat = rstd*(xv - mean);
                                 const double g = dyv*gamma_v;
                                 dx[idx] = (double)(g*k_g);
@@ -1196,9 +1216,9 @@ int batchnorm_eval_backward_f64(
                             (void)j;
                             const int64_t idx = off + m;
                             const int64_t ch = gi * Cg + m;
-                            const double gamma_v = (double)gamma[ch];
-                            const double xv = (double)x[idx];
-                            const double dyv = (double)dy[idx];
+                            const double gamma_v = gamma[ch];
+                            const double xv = x[idx];
+                            const double dyv = dy[idx];
                             const double xhat = rstd*(xv - mean);
                             const double g = dyv*gamma_v;
                             dx[idx] = (double)(g*k_g);
@@ -1208,15 +1228,15 @@ int batchnorm_eval_backward_f64(
                     } else {                /* NCHW: one parameter per run of S values */
                         for (int64_t cg = 0; cg < Cg; ++cg) {
                             const int64_t ch = gi * Cg + cg;
-                            const double gamma_v = (double)gamma[ch];
+                            const double gamma_v = gamma[ch];
                             double lane_p0[DG_LANES] = {0};
                             double lane_p1[DG_LANES] = {0};
                             int64_t s = 0;
                             for (; s + DG_LANES <= S; s += DG_LANES) {
                                 for (int j = 0; j < DG_LANES; ++j) {
                                     const int64_t idx = off + cg * S + s + j;
-                                    const double xv = (double)x[idx];
-                                    const double dyv = (double)dy[idx];
+                                    const double xv = x[idx];
+                                    const double dyv = dy[idx];
                                     const double xhat = rstd*(xv - mean);
                                     const double g = dyv*gamma_v;
                                     dx[idx] = (double)(g*k_g);
@@ -1228,8 +1248,8 @@ int batchnorm_eval_backward_f64(
                                 const int j = 0;                /* the remainder goes to lane 0 */
                                 (void)j;
                                 const int64_t idx = off + cg * S + s;
-                                const double xv = (double)x[idx];
-                                const double dyv = (double)dy[idx];
+                                const double xv = x[idx];
+                                const double dyv = dy[idx];
                                 const double xhat = rstd*(xv - mean);
                                 const double g = dyv*gamma_v;
                                 dx[idx] = (double)(g*k_g);

@@ -37,7 +37,7 @@
 #define DG_PRAGMA(x)
 #endif
 
-#define DG_LANES 16
+#define DG_LANES 32
 
 static int dg_threads(int nthreads)
 {
@@ -149,6 +149,10 @@ int instancenorm_train_forward_f32(
         var_out[grp] = var;
         rstd_out[grp] = rstd;
         {
+            const double h0 = -mean;
+            const float h0_hi = (float)h0;
+            const float h0_lo = (float)(h0 - (double)h0_hi);
+            const float rstd_f = (float)rstd;
             for (int64_t b = 0; b < blocks; ++b) {
                 const int64_t off = base + b * block_stride;
                 if (S == 1) {           /* parameters vary along the run */
@@ -157,10 +161,10 @@ int instancenorm_train_forward_f32(
                         for (int j = 0; j < DG_LANES; ++j) {
                             const int64_t idx = off + m + j;
                             const int64_t ch = gi * Cg + m + j;
-                            const double gamma_v = (double)gamma[ch];
-                            const double beta_v = (double)beta[ch];
-                            const double xv = (double)x[idx];
-                            const double xhat = rstd*(xv - mean);
+                            const float gamma_v = gamma[ch];
+                            const float beta_v = beta[ch];
+                            const float xv = x[idx];
+                            const float xhat = rstd_f*((xv + h0_hi + h0_lo));
                             y[idx] = (float)(gamma_v*xhat + beta_v);
                         }
                     }
@@ -169,23 +173,23 @@ int instancenorm_train_forward_f32(
                         (void)j;
                         const int64_t idx = off + m;
                         const int64_t ch = gi * Cg + m;
-                        const double gamma_v = (double)gamma[ch];
-                        const double beta_v = (double)beta[ch];
-                        const double xv = (double)x[idx];
-                        const double xhat = rstd*(xv - mean);
+                        const float gamma_v = gamma[ch];
+                        const float beta_v = beta[ch];
+                        const float xv = x[idx];
+                        const float xhat = rstd_f*((xv + h0_hi + h0_lo));
                         y[idx] = (float)(gamma_v*xhat + beta_v);
                     }
                 } else {                /* NCHW: one parameter per run of S values */
                     for (int64_t cg = 0; cg < Cg; ++cg) {
                         const int64_t ch = gi * Cg + cg;
-                        const double gamma_v = (double)gamma[ch];
-                        const double beta_v = (double)beta[ch];
+                        const float gamma_v = gamma[ch];
+                        const float beta_v = beta[ch];
                         int64_t s = 0;
                         for (; s + DG_LANES <= S; s += DG_LANES) {
                             for (int j = 0; j < DG_LANES; ++j) {
                                 const int64_t idx = off + cg * S + s + j;
-                                const double xv = (double)x[idx];
-                                const double xhat = rstd*(xv - mean);
+                                const float xv = x[idx];
+                                const float xhat = rstd_f*((xv + h0_hi + h0_lo));
                                 y[idx] = (float)(gamma_v*xhat + beta_v);
                             }
                         }
@@ -193,8 +197,8 @@ int instancenorm_train_forward_f32(
                             const int j = 0;                /* the remainder goes to lane 0 */
                             (void)j;
                             const int64_t idx = off + cg * S + s;
-                            const double xv = (double)x[idx];
-                            const double xhat = rstd*(xv - mean);
+                            const float xv = x[idx];
+                            const float xhat = rstd_f*((xv + h0_hi + h0_lo));
                             y[idx] = (float)(gamma_v*xhat + beta_v);
                         }
                     }
@@ -254,6 +258,10 @@ int instancenorm_train_backward_f32(
             double sum_g;
             double sum_g_xhat;
             {
+                const double h0 = -mean;
+                const float h0_hi = (float)h0;
+                const float h0_lo = (float)(h0 - (double)h0_hi);
+                const float rstd_f = (float)rstd;
                 double lane_sum_g[DG_LANES] = {0};
                 double lane_sum_g_xhat[DG_LANES] = {0};
                 for (int64_t b = 0; b < blocks; ++b) {
@@ -264,13 +272,13 @@ int instancenorm_train_backward_f32(
                             for (int j = 0; j < DG_LANES; ++j) {
                                 const int64_t idx = off + m + j;
                                 const int64_t ch = gi * Cg + m + j;
-                                const double gamma_v = (double)gamma[ch];
-                                const double xv = (double)x[idx];
-                                const double dyv = (double)dy[idx];
-                                const double xhat = rstd*(xv - mean);
-                                const double g = dyv*gamma_v;
-                                lane_sum_g[j] += g;
-                                lane_sum_g_xhat[j] += g*xhat;
+                                const float gamma_v = gamma[ch];
+                                const float xv = x[idx];
+                                const float dyv = dy[idx];
+                                const float xhat = rstd_f*((xv + h0_hi + h0_lo));
+                                const float g = dyv*gamma_v;
+                                lane_sum_g[j] += ((double)g);
+                                lane_sum_g_xhat[j] += ((double)g)*((double)xhat);
                             }
                         }
                         for (; m < Cg; ++m) {
@@ -278,40 +286,40 @@ int instancenorm_train_backward_f32(
                             (void)j;
                             const int64_t idx = off + m;
                             const int64_t ch = gi * Cg + m;
-                            const double gamma_v = (double)gamma[ch];
-                            const double xv = (double)x[idx];
-                            const double dyv = (double)dy[idx];
-                            const double xhat = rstd*(xv - mean);
-                            const double g = dyv*gamma_v;
-                            lane_sum_g[j] += g;
-                            lane_sum_g_xhat[j] += g*xhat;
+                            const float gamma_v = gamma[ch];
+                            const float xv = x[idx];
+                            const float dyv = dy[idx];
+                            const float xhat = rstd_f*((xv + h0_hi + h0_lo));
+                            const float g = dyv*gamma_v;
+                            lane_sum_g[j] += ((double)g);
+                            lane_sum_g_xhat[j] += ((double)g)*((double)xhat);
                         }
                     } else {                /* NCHW: one parameter per run of S values */
                         for (int64_t cg = 0; cg < Cg; ++cg) {
                             const int64_t ch = gi * Cg + cg;
-                            const double gamma_v = (double)gamma[ch];
+                            const float gamma_v = gamma[ch];
                             int64_t s = 0;
                             for (; s + DG_LANES <= S; s += DG_LANES) {
                                 for (int j = 0; j < DG_LANES; ++j) {
                                     const int64_t idx = off + cg * S + s + j;
-                                    const double xv = (double)x[idx];
-                                    const double dyv = (double)dy[idx];
-                                    const double xhat = rstd*(xv - mean);
-                                    const double g = dyv*gamma_v;
-                                    lane_sum_g[j] += g;
-                                    lane_sum_g_xhat[j] += g*xhat;
+                                    const float xv = x[idx];
+                                    const float dyv = dy[idx];
+                                    const float xhat = rstd_f*((xv + h0_hi + h0_lo));
+                                    const float g = dyv*gamma_v;
+                                    lane_sum_g[j] += ((double)g);
+                                    lane_sum_g_xhat[j] += ((double)g)*((double)xhat);
                                 }
                             }
                             for (; s < S; ++s) {
                                 const int j = 0;                /* the remainder goes to lane 0 */
                                 (void)j;
                                 const int64_t idx = off + cg * S + s;
-                                const double xv = (double)x[idx];
-                                const double dyv = (double)dy[idx];
-                                const double xhat = rstd*(xv - mean);
-                                const double g = dyv*gamma_v;
-                                lane_sum_g[j] += g;
-                                lane_sum_g_xhat[j] += g*xhat;
+                                const float xv = x[idx];
+                                const float dyv = dy[idx];
+                                const float xhat = rstd_f*((xv + h0_hi + h0_lo));
+                                const float g = dyv*gamma_v;
+                                lane_sum_g[j] += ((double)g);
+                                lane_sum_g_xhat[j] += ((double)g)*((double)xhat);
                             }
                         }
                     }
@@ -321,10 +329,15 @@ int instancenorm_train_backward_f32(
             }
             const double mean_g = sum_g/N;  /* mean_g = mean(g) */
             const double mean_g_xhat = sum_g_xhat/N;  /* mean_g_xhat = mean(g*xhat) */
-            const double k_1 = -mean_g*rstd;  /* coefficient of 1 in dx */
-            const double k_g = rstd;  /* coefficient of g in dx */
-            const double k_xhat = -mean_g_xhat*rstd;  /* coefficient of xhat in dx */
             {
+                const double h0 = -mean;
+                const float h0_hi = (float)h0;
+                const float h0_lo = (float)(h0 - (double)h0_hi);
+                const double h1 = -mean_g;
+                const float h1_hi = (float)h1;
+                const float h1_lo = (float)(h1 - (double)h1_hi);
+                const float mean_g_xhat_f = (float)mean_g_xhat;
+                const float rstd_f = (float)rstd;
                 for (int64_t b = 0; b < blocks; ++b) {
                     const int64_t off = base + b * block_stride;
                     if (S == 1) {           /* parameters vary along the run */
@@ -333,14 +346,14 @@ int instancenorm_train_backward_f32(
                             for (int j = 0; j < DG_LANES; ++j) {
                                 const int64_t idx = off + m + j;
                                 const int64_t ch = gi * Cg + m + j;
-                                const double gamma_v = (double)gamma[ch];
-                                const double xv = (double)x[idx];
-                                const double dyv = (double)dy[idx];
-                                const double xhat = rstd*(xv - mean);
-                                const double g = dyv*gamma_v;
-                                dx[idx] = (float)(g*k_g + k_xhat*xhat + k_1);
-                                mine[0 * C + ch] += dyv*xhat;
-                                mine[1 * C + ch] += dyv;
+                                const float gamma_v = gamma[ch];
+                                const float xv = x[idx];
+                                const float dyv = dy[idx];
+                                const float xhat = rstd_f*((xv + h0_hi + h0_lo));
+                                const float g = dyv*gamma_v;
+                                dx[idx] = (float)(rstd_f*((g - mean_g_xhat_f*xhat + h1_hi + h1_lo)));
+                                mine[0 * C + ch] += ((double)dyv)*((double)xhat);
+                                mine[1 * C + ch] += ((double)dyv);
                             }
                         }
                         for (; m < Cg; ++m) {
@@ -348,45 +361,45 @@ int instancenorm_train_backward_f32(
                             (void)j;
                             const int64_t idx = off + m;
                             const int64_t ch = gi * Cg + m;
-                            const double gamma_v = (double)gamma[ch];
-                            const double xv = (double)x[idx];
-                            const double dyv = (double)dy[idx];
-                            const double xhat = rstd*(xv - mean);
-                            const double g = dyv*gamma_v;
-                            dx[idx] = (float)(g*k_g + k_xhat*xhat + k_1);
-                            mine[0 * C + ch] += dyv*xhat;
-                            mine[1 * C + ch] += dyv;
+                            const float gamma_v = gamma[ch];
+                            const float xv = x[idx];
+                            const float dyv = dy[idx];
+                            const float xhat = rstd_f*((xv + h0_hi + h0_lo));
+                            const float g = dyv*gamma_v;
+                            dx[idx] = (float)(rstd_f*((g - mean_g_xhat_f*xhat + h1_hi + h1_lo)));
+                            mine[0 * C + ch] += ((double)dyv)*((double)xhat);
+                            mine[1 * C + ch] += ((double)dyv);
                         }
                     } else {                /* NCHW: one parameter per run of S values */
                         for (int64_t cg = 0; cg < Cg; ++cg) {
                             const int64_t ch = gi * Cg + cg;
-                            const double gamma_v = (double)gamma[ch];
+                            const float gamma_v = gamma[ch];
                             double lane_p0[DG_LANES] = {0};
                             double lane_p1[DG_LANES] = {0};
                             int64_t s = 0;
                             for (; s + DG_LANES <= S; s += DG_LANES) {
                                 for (int j = 0; j < DG_LANES; ++j) {
                                     const int64_t idx = off + cg * S + s + j;
-                                    const double xv = (double)x[idx];
-                                    const double dyv = (double)dy[idx];
-                                    const double xhat = rstd*(xv - mean);
-                                    const double g = dyv*gamma_v;
-                                    dx[idx] = (float)(g*k_g + k_xhat*xhat + k_1);
-                                    lane_p0[j] += dyv*xhat;
-                                    lane_p1[j] += dyv;
+                                    const float xv = x[idx];
+                                    const float dyv = dy[idx];
+                                    const float xhat = rstd_f*((xv + h0_hi + h0_lo));
+                                    const float g = dyv*gamma_v;
+                                    dx[idx] = (float)(rstd_f*((g - mean_g_xhat_f*xhat + h1_hi + h1_lo)));
+                                    lane_p0[j] += ((double)dyv)*((double)xhat);
+                                    lane_p1[j] += ((double)dyv);
                                 }
                             }
                             for (; s < S; ++s) {
                                 const int j = 0;                /* the remainder goes to lane 0 */
                                 (void)j;
                                 const int64_t idx = off + cg * S + s;
-                                const double xv = (double)x[idx];
-                                const double dyv = (double)dy[idx];
-                                const double xhat = rstd*(xv - mean);
-                                const double g = dyv*gamma_v;
-                                dx[idx] = (float)(g*k_g + k_xhat*xhat + k_1);
-                                lane_p0[j] += dyv*xhat;
-                                lane_p1[j] += dyv;
+                                const float xv = x[idx];
+                                const float dyv = dy[idx];
+                                const float xhat = rstd_f*((xv + h0_hi + h0_lo));
+                                const float g = dyv*gamma_v;
+                                dx[idx] = (float)(rstd_f*((g - mean_g_xhat_f*xhat + h1_hi + h1_lo)));
+                                lane_p0[j] += ((double)dyv)*((double)xhat);
+                                lane_p1[j] += ((double)dyv);
                             }
                             mine[0 * C + ch] += dg_lanes(lane_p0);
                             mine[1 * C + ch] += dg_lanes(lane_p1);
@@ -445,7 +458,7 @@ int instancenorm_train_forward_f64(
                 for (; m + DG_LANES <= M; m += DG_LANES) {
                     for (int j = 0; j < DG_LANES; ++j) {
                         const int64_t idx = off + m + j;
-                        const double xv = (double)x[idx];
+                        const double xv = x[idx];
                         lane_sum_mean[j] += xv;
                     }
                 }
@@ -453,7 +466,7 @@ int instancenorm_train_forward_f64(
                     const int j = 0;                /* the remainder goes to lane 0 */
                     (void)j;
                     const int64_t idx = off + m;
-                    const double xv = (double)x[idx];
+                    const double xv = x[idx];
                     lane_sum_mean[j] += xv;
                 }
             }
@@ -469,7 +482,7 @@ int instancenorm_train_forward_f64(
                 for (; m + DG_LANES <= M; m += DG_LANES) {
                     for (int j = 0; j < DG_LANES; ++j) {
                         const int64_t idx = off + m + j;
-                        const double xv = (double)x[idx];
+                        const double xv = x[idx];
                         lane_sum_var[j] += ((xv - mean)*(xv - mean));
                     }
                 }
@@ -477,7 +490,7 @@ int instancenorm_train_forward_f64(
                     const int j = 0;                /* the remainder goes to lane 0 */
                     (void)j;
                     const int64_t idx = off + m;
-                    const double xv = (double)x[idx];
+                    const double xv = x[idx];
                     lane_sum_var[j] += ((xv - mean)*(xv - mean));
                 }
             }
@@ -497,9 +510,9 @@ int instancenorm_train_forward_f64(
                         for (int j = 0; j < DG_LANES; ++j) {
                             const int64_t idx = off + m + j;
                             const int64_t ch = gi * Cg + m + j;
-                            const double gamma_v = (double)gamma[ch];
-                            const double beta_v = (double)beta[ch];
-                            const double xv = (double)x[idx];
+                            const double gamma_v = gamma[ch];
+                            const double beta_v = beta[ch];
+                            const double xv = x[idx];
                             const double xhat = rstd*(xv - mean);
                             y[idx] = (double)(gamma_v*xhat + beta_v);
                         }
@@ -509,22 +522,22 @@ int instancenorm_train_forward_f64(
                         (void)j;
                         const int64_t idx = off + m;
                         const int64_t ch = gi * Cg + m;
-                        const double gamma_v = (double)gamma[ch];
-                        const double beta_v = (double)beta[ch];
-                        const double xv = (double)x[idx];
+                        const double gamma_v = gamma[ch];
+                        const double beta_v = beta[ch];
+                        const double xv = x[idx];
                         const double xhat = rstd*(xv - mean);
                         y[idx] = (double)(gamma_v*xhat + beta_v);
                     }
                 } else {                /* NCHW: one parameter per run of S values */
                     for (int64_t cg = 0; cg < Cg; ++cg) {
                         const int64_t ch = gi * Cg + cg;
-                        const double gamma_v = (double)gamma[ch];
-                        const double beta_v = (double)beta[ch];
+                        const double gamma_v = gamma[ch];
+                        const double beta_v = beta[ch];
                         int64_t s = 0;
                         for (; s + DG_LANES <= S; s += DG_LANES) {
                             for (int j = 0; j < DG_LANES; ++j) {
                                 const int64_t idx = off + cg * S + s + j;
-                                const double xv = (double)x[idx];
+                                const double xv = x[idx];
                                 const double xhat = rstd*(xv - mean);
                                 y[idx] = (double)(gamma_v*xhat + beta_v);
                             }
@@ -533,7 +546,7 @@ int instancenorm_train_forward_f64(
                             const int j = 0;                /* the remainder goes to lane 0 */
                             (void)j;
                             const int64_t idx = off + cg * S + s;
-                            const double xv = (double)x[idx];
+                            const double xv = x[idx];
                             const double xhat = rstd*(xv - mean);
                             y[idx] = (double)(gamma_v*xhat + beta_v);
                         }
@@ -604,9 +617,9 @@ int instancenorm_train_backward_f64(
                             for (int j = 0; j < DG_LANES; ++j) {
                                 const int64_t idx = off + m + j;
                                 const int64_t ch = gi * Cg + m + j;
-                                const double gamma_v = (double)gamma[ch];
-                                const double xv = (double)x[idx];
-                                const double dyv = (double)dy[idx];
+                                const double gamma_v = gamma[ch];
+                                const double xv = x[idx];
+                                const double dyv = dy[idx];
                                 const double xhat = rstd*(xv - mean);
                                 const double g = dyv*gamma_v;
                                 lane_sum_g[j] += g;
@@ -618,9 +631,9 @@ int instancenorm_train_backward_f64(
                             (void)j;
                             const int64_t idx = off + m;
                             const int64_t ch = gi * Cg + m;
-                            const double gamma_v = (double)gamma[ch];
-                            const double xv = (double)x[idx];
-                            const double dyv = (double)dy[idx];
+                            const double gamma_v = gamma[ch];
+                            const double xv = x[idx];
+                            const double dyv = dy[idx];
                             const double xhat = rstd*(xv - mean);
                             const double g = dyv*gamma_v;
                             lane_sum_g[j] += g;
@@ -629,13 +642,13 @@ int instancenorm_train_backward_f64(
                     } else {                /* NCHW: one parameter per run of S values */
                         for (int64_t cg = 0; cg < Cg; ++cg) {
                             const int64_t ch = gi * Cg + cg;
-                            const double gamma_v = (double)gamma[ch];
+                            const double gamma_v = gamma[ch];
                             int64_t s = 0;
                             for (; s + DG_LANES <= S; s += DG_LANES) {
                                 for (int j = 0; j < DG_LANES; ++j) {
                                     const int64_t idx = off + cg * S + s + j;
-                                    const double xv = (double)x[idx];
-                                    const double dyv = (double)dy[idx];
+                                    const double xv = x[idx];
+                                    const double dyv = dy[idx];
                                     const double xhat = rstd*(xv - mean);
                                     const double g = dyv*gamma_v;
                                     lane_sum_g[j] += g;
@@ -646,8 +659,8 @@ int instancenorm_train_backward_f64(
                                 const int j = 0;                /* the remainder goes to lane 0 */
                                 (void)j;
                                 const int64_t idx = off + cg * S + s;
-                                const double xv = (double)x[idx];
-                                const double dyv = (double)dy[idx];
+                                const double xv = x[idx];
+                                const double dyv = dy[idx];
                                 const double xhat = rstd*(xv - mean);
                                 const double g = dyv*gamma_v;
                                 lane_sum_g[j] += g;
@@ -673,9 +686,9 @@ int instancenorm_train_backward_f64(
                             for (int j = 0; j < DG_LANES; ++j) {
                                 const int64_t idx = off + m + j;
                                 const int64_t ch = gi * Cg + m + j;
-                                const double gamma_v = (double)gamma[ch];
-                                const double xv = (double)x[idx];
-                                const double dyv = (double)dy[idx];
+                                const double gamma_v = gamma[ch];
+                                const double xv = x[idx];
+                                const double dyv = dy[idx];
                                 const double xhat = rstd*(xv - mean);
                                 const double g = dyv*gamma_v;
                                 dx[idx] = (double)(g*k_g + k_xhat*xhat + k_1);
@@ -688,9 +701,9 @@ int instancenorm_train_backward_f64(
                             (void)j;
                             const int64_t idx = off + m;
                             const int64_t ch = gi * Cg + m;
-                            const double gamma_v = (double)gamma[ch];
-                            const double xv = (double)x[idx];
-                            const double dyv = (double)dy[idx];
+                            const double gamma_v = gamma[ch];
+                            const double xv = x[idx];
+                            const double dyv = dy[idx];
                             const double xhat = rstd*(xv - mean);
                             const double g = dyv*gamma_v;
                             dx[idx] = (double)(g*k_g + k_xhat*xhat + k_1);
@@ -700,15 +713,15 @@ int instancenorm_train_backward_f64(
                     } else {                /* NCHW: one parameter per run of S values */
                         for (int64_t cg = 0; cg < Cg; ++cg) {
                             const int64_t ch = gi * Cg + cg;
-                            const double gamma_v = (double)gamma[ch];
+                            const double gamma_v = gamma[ch];
                             double lane_p0[DG_LANES] = {0};
                             double lane_p1[DG_LANES] = {0};
                             int64_t s = 0;
                             for (; s + DG_LANES <= S; s += DG_LANES) {
                                 for (int j = 0; j < DG_LANES; ++j) {
                                     const int64_t idx = off + cg * S + s + j;
-                                    const double xv = (double)x[idx];
-                                    const double dyv = (double)dy[idx];
+                                    const double xv = x[idx];
+                                    const double dyv = dy[idx];
                                     const double xhat = rstd*(xv - mean);
                                     const double g = dyv*gamma_v;
                                     dx[idx] = (double)(g*k_g + k_xhat*xhat + k_1);
@@ -720,8 +733,8 @@ int instancenorm_train_backward_f64(
                                 const int j = 0;                /* the remainder goes to lane 0 */
                                 (void)j;
                                 const int64_t idx = off + cg * S + s;
-                                const double xv = (double)x[idx];
-                                const double dyv = (double)dy[idx];
+                                const double xv = x[idx];
+                                const double dyv = dy[idx];
                                 const double xhat = rstd*(xv - mean);
                                 const double g = dyv*gamma_v;
                                 dx[idx] = (double)(g*k_g + k_xhat*xhat + k_1);

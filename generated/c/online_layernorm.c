@@ -40,7 +40,7 @@
 #define DG_PRAGMA(x)
 #endif
 
-#define DG_LANES 16
+#define DG_LANES 32
 
 static int dg_threads(int nthreads)
 {
@@ -161,6 +161,10 @@ int online_layernorm_train_forward_f32(
         sample_std_out[grp] = sample_std;
         std_out[grp] = std;
         {
+            const double h0 = -mean;
+            const float h0_hi = (float)h0;
+            const float h0_lo = (float)(h0 - (double)h0_hi);
+            const float std_f = (float)std;
             for (int64_t b = 0; b < blocks; ++b) {
                 const int64_t off = base + b * block_stride;
                 if (S == 1) {           /* parameters vary along the run */
@@ -169,10 +173,10 @@ int online_layernorm_train_forward_f32(
                         for (int j = 0; j < DG_LANES; ++j) {
                             const int64_t idx = off + m + j;
                             const int64_t ch = gi * Cg + m + j;
-                            const double gamma_v = (double)gamma[ch];
-                            const double beta_v = (double)beta[ch];
-                            const double xv = (double)x[idx];
-                            const double xhat = (xv - mean)/std;
+                            const float gamma_v = gamma[ch];
+                            const float beta_v = beta[ch];
+                            const float xv = x[idx];
+                            const float xhat = ((xv + h0_hi + h0_lo))/std_f;
                             y[idx] = (float)(gamma_v*xhat + beta_v);
                         }
                     }
@@ -181,23 +185,23 @@ int online_layernorm_train_forward_f32(
                         (void)j;
                         const int64_t idx = off + m;
                         const int64_t ch = gi * Cg + m;
-                        const double gamma_v = (double)gamma[ch];
-                        const double beta_v = (double)beta[ch];
-                        const double xv = (double)x[idx];
-                        const double xhat = (xv - mean)/std;
+                        const float gamma_v = gamma[ch];
+                        const float beta_v = beta[ch];
+                        const float xv = x[idx];
+                        const float xhat = ((xv + h0_hi + h0_lo))/std_f;
                         y[idx] = (float)(gamma_v*xhat + beta_v);
                     }
                 } else {                /* NCHW: one parameter per run of S values */
                     for (int64_t cg = 0; cg < Cg; ++cg) {
                         const int64_t ch = gi * Cg + cg;
-                        const double gamma_v = (double)gamma[ch];
-                        const double beta_v = (double)beta[ch];
+                        const float gamma_v = gamma[ch];
+                        const float beta_v = beta[ch];
                         int64_t s = 0;
                         for (; s + DG_LANES <= S; s += DG_LANES) {
                             for (int j = 0; j < DG_LANES; ++j) {
                                 const int64_t idx = off + cg * S + s + j;
-                                const double xv = (double)x[idx];
-                                const double xhat = (xv - mean)/std;
+                                const float xv = x[idx];
+                                const float xhat = ((xv + h0_hi + h0_lo))/std_f;
                                 y[idx] = (float)(gamma_v*xhat + beta_v);
                             }
                         }
@@ -205,8 +209,8 @@ int online_layernorm_train_forward_f32(
                             const int j = 0;                /* the remainder goes to lane 0 */
                             (void)j;
                             const int64_t idx = off + cg * S + s;
-                            const double xv = (double)x[idx];
-                            const double xhat = (xv - mean)/std;
+                            const float xv = x[idx];
+                            const float xhat = ((xv + h0_hi + h0_lo))/std_f;
                             y[idx] = (float)(gamma_v*xhat + beta_v);
                         }
                     }
@@ -279,6 +283,10 @@ int online_layernorm_train_backward_f32(
             double sum_g;
             double sum_g_xhat;
             {
+                const double h0 = -mean;
+                const float h0_hi = (float)h0;
+                const float h0_lo = (float)(h0 - (double)h0_hi);
+                const float std_f = (float)std;
                 double lane_sum_g[DG_LANES] = {0};
                 double lane_sum_g_xhat[DG_LANES] = {0};
                 for (int64_t b = 0; b < blocks; ++b) {
@@ -289,13 +297,13 @@ int online_layernorm_train_backward_f32(
                             for (int j = 0; j < DG_LANES; ++j) {
                                 const int64_t idx = off + m + j;
                                 const int64_t ch = gi * Cg + m + j;
-                                const double gamma_v = (double)gamma[ch];
-                                const double xv = (double)x[idx];
-                                const double dyv = (double)dy[idx];
-                                const double xhat = (xv - mean)/std;
-                                const double g = dyv*gamma_v;
-                                lane_sum_g[j] += g;
-                                lane_sum_g_xhat[j] += g*xhat;
+                                const float gamma_v = gamma[ch];
+                                const float xv = x[idx];
+                                const float dyv = dy[idx];
+                                const float xhat = ((xv + h0_hi + h0_lo))/std_f;
+                                const float g = dyv*gamma_v;
+                                lane_sum_g[j] += ((double)g);
+                                lane_sum_g_xhat[j] += ((double)g)*((double)xhat);
                             }
                         }
                         for (; m < Cg; ++m) {
@@ -303,40 +311,40 @@ int online_layernorm_train_backward_f32(
                             (void)j;
                             const int64_t idx = off + m;
                             const int64_t ch = gi * Cg + m;
-                            const double gamma_v = (double)gamma[ch];
-                            const double xv = (double)x[idx];
-                            const double dyv = (double)dy[idx];
-                            const double xhat = (xv - mean)/std;
-                            const double g = dyv*gamma_v;
-                            lane_sum_g[j] += g;
-                            lane_sum_g_xhat[j] += g*xhat;
+                            const float gamma_v = gamma[ch];
+                            const float xv = x[idx];
+                            const float dyv = dy[idx];
+                            const float xhat = ((xv + h0_hi + h0_lo))/std_f;
+                            const float g = dyv*gamma_v;
+                            lane_sum_g[j] += ((double)g);
+                            lane_sum_g_xhat[j] += ((double)g)*((double)xhat);
                         }
                     } else {                /* NCHW: one parameter per run of S values */
                         for (int64_t cg = 0; cg < Cg; ++cg) {
                             const int64_t ch = gi * Cg + cg;
-                            const double gamma_v = (double)gamma[ch];
+                            const float gamma_v = gamma[ch];
                             int64_t s = 0;
                             for (; s + DG_LANES <= S; s += DG_LANES) {
                                 for (int j = 0; j < DG_LANES; ++j) {
                                     const int64_t idx = off + cg * S + s + j;
-                                    const double xv = (double)x[idx];
-                                    const double dyv = (double)dy[idx];
-                                    const double xhat = (xv - mean)/std;
-                                    const double g = dyv*gamma_v;
-                                    lane_sum_g[j] += g;
-                                    lane_sum_g_xhat[j] += g*xhat;
+                                    const float xv = x[idx];
+                                    const float dyv = dy[idx];
+                                    const float xhat = ((xv + h0_hi + h0_lo))/std_f;
+                                    const float g = dyv*gamma_v;
+                                    lane_sum_g[j] += ((double)g);
+                                    lane_sum_g_xhat[j] += ((double)g)*((double)xhat);
                                 }
                             }
                             for (; s < S; ++s) {
                                 const int j = 0;                /* the remainder goes to lane 0 */
                                 (void)j;
                                 const int64_t idx = off + cg * S + s;
-                                const double xv = (double)x[idx];
-                                const double dyv = (double)dy[idx];
-                                const double xhat = (xv - mean)/std;
-                                const double g = dyv*gamma_v;
-                                lane_sum_g[j] += g;
-                                lane_sum_g_xhat[j] += g*xhat;
+                                const float xv = x[idx];
+                                const float dyv = dy[idx];
+                                const float xhat = ((xv + h0_hi + h0_lo))/std_f;
+                                const float g = dyv*gamma_v;
+                                lane_sum_g[j] += ((double)g);
+                                lane_sum_g_xhat[j] += ((double)g)*((double)xhat);
                             }
                         }
                     }
@@ -346,14 +354,25 @@ int online_layernorm_train_backward_f32(
             }
             const double mean_g = sum_g/N;  /* mean_g = mean(g) */
             const double mean_g_xhat = sum_g_xhat/N;  /* mean_g_xhat = mean(g*xhat) */
-            const double k_1 = alpha*(N*alpha*mean_g_xhat*row_mean/(sample_std*(N - 1)) - mean_g - N*alpha*mean*mean_g_xhat/(sample_std*(N - 1)))/std;  /* coefficient of 1 in dx */
-            const double k_g = 1.0/std;  /* coefficient of g in dx */
-            const double k_xhat = -N*alpha*mean_g_xhat/(sample_std*(N - 1));  /* coefficient of xhat in dx */
             const double grad_prev_mean = N*(mean_g*(alpha - 1) + N*alpha*mean_g_xhat*(row_mean + alpha*mean - mean - alpha*row_mean)/(sample_std*(N - 1)))/std;  /* ∂L/∂prev_mean for this group */
             const double grad_prev_std = N*mean_g_xhat*(alpha - 1)/std;  /* ∂L/∂prev_std for this group */
             dprev_mean[grp] = (float)grad_prev_mean;
             dprev_std[grp] = (float)grad_prev_std;
             {
+                const double h0 = -mean;
+                const float h0_hi = (float)h0;
+                const float h0_lo = (float)(h0 - (double)h0_hi);
+                const double h1 = -alpha*mean_g/std;
+                const float h1_hi = (float)h1;
+                const float h1_lo = (float)(h1 - (double)h1_hi);
+                const double h2 = alpha*row_mean/std - alpha*mean/std;
+                const float h2_hi = (float)h2;
+                const float h2_lo = (float)(h2 - (double)h2_hi);
+                const float N_f = (float)N;
+                const float alpha_f = (float)alpha;
+                const float mean_g_xhat_f = (float)mean_g_xhat;
+                const float sample_std_f = (float)sample_std;
+                const float std_f = (float)std;
                 for (int64_t b = 0; b < blocks; ++b) {
                     const int64_t off = base + b * block_stride;
                     if (S == 1) {           /* parameters vary along the run */
@@ -362,14 +381,14 @@ int online_layernorm_train_backward_f32(
                             for (int j = 0; j < DG_LANES; ++j) {
                                 const int64_t idx = off + m + j;
                                 const int64_t ch = gi * Cg + m + j;
-                                const double gamma_v = (double)gamma[ch];
-                                const double xv = (double)x[idx];
-                                const double dyv = (double)dy[idx];
-                                const double xhat = (xv - mean)/std;
-                                const double g = dyv*gamma_v;
-                                dx[idx] = (float)(g*k_g + k_xhat*xhat + k_1);
-                                mine[0 * C + ch] += dyv*xhat;
-                                mine[1 * C + ch] += dyv;
+                                const float gamma_v = gamma[ch];
+                                const float xv = x[idx];
+                                const float dyv = dy[idx];
+                                const float xhat = ((xv + h0_hi + h0_lo))/std_f;
+                                const float g = dyv*gamma_v;
+                                dx[idx] = (float)((g/std_f + N_f*alpha_f*mean_g_xhat_f*((-xhat + h2_hi + h2_lo))/(sample_std_f*(N_f - 1)) + h1_hi + h1_lo));
+                                mine[0 * C + ch] += ((double)dyv)*((double)xhat);
+                                mine[1 * C + ch] += ((double)dyv);
                             }
                         }
                         for (; m < Cg; ++m) {
@@ -377,45 +396,45 @@ int online_layernorm_train_backward_f32(
                             (void)j;
                             const int64_t idx = off + m;
                             const int64_t ch = gi * Cg + m;
-                            const double gamma_v = (double)gamma[ch];
-                            const double xv = (double)x[idx];
-                            const double dyv = (double)dy[idx];
-                            const double xhat = (xv - mean)/std;
-                            const double g = dyv*gamma_v;
-                            dx[idx] = (float)(g*k_g + k_xhat*xhat + k_1);
-                            mine[0 * C + ch] += dyv*xhat;
-                            mine[1 * C + ch] += dyv;
+                            const float gamma_v = gamma[ch];
+                            const float xv = x[idx];
+                            const float dyv = dy[idx];
+                            const float xhat = ((xv + h0_hi + h0_lo))/std_f;
+                            const float g = dyv*gamma_v;
+                            dx[idx] = (float)((g/std_f + N_f*alpha_f*mean_g_xhat_f*((-xhat + h2_hi + h2_lo))/(sample_std_f*(N_f - 1)) + h1_hi + h1_lo));
+                            mine[0 * C + ch] += ((double)dyv)*((double)xhat);
+                            mine[1 * C + ch] += ((double)dyv);
                         }
                     } else {                /* NCHW: one parameter per run of S values */
                         for (int64_t cg = 0; cg < Cg; ++cg) {
                             const int64_t ch = gi * Cg + cg;
-                            const double gamma_v = (double)gamma[ch];
+                            const float gamma_v = gamma[ch];
                             double lane_p0[DG_LANES] = {0};
                             double lane_p1[DG_LANES] = {0};
                             int64_t s = 0;
                             for (; s + DG_LANES <= S; s += DG_LANES) {
                                 for (int j = 0; j < DG_LANES; ++j) {
                                     const int64_t idx = off + cg * S + s + j;
-                                    const double xv = (double)x[idx];
-                                    const double dyv = (double)dy[idx];
-                                    const double xhat = (xv - mean)/std;
-                                    const double g = dyv*gamma_v;
-                                    dx[idx] = (float)(g*k_g + k_xhat*xhat + k_1);
-                                    lane_p0[j] += dyv*xhat;
-                                    lane_p1[j] += dyv;
+                                    const float xv = x[idx];
+                                    const float dyv = dy[idx];
+                                    const float xhat = ((xv + h0_hi + h0_lo))/std_f;
+                                    const float g = dyv*gamma_v;
+                                    dx[idx] = (float)((g/std_f + N_f*alpha_f*mean_g_xhat_f*((-xhat + h2_hi + h2_lo))/(sample_std_f*(N_f - 1)) + h1_hi + h1_lo));
+                                    lane_p0[j] += ((double)dyv)*((double)xhat);
+                                    lane_p1[j] += ((double)dyv);
                                 }
                             }
                             for (; s < S; ++s) {
                                 const int j = 0;                /* the remainder goes to lane 0 */
                                 (void)j;
                                 const int64_t idx = off + cg * S + s;
-                                const double xv = (double)x[idx];
-                                const double dyv = (double)dy[idx];
-                                const double xhat = (xv - mean)/std;
-                                const double g = dyv*gamma_v;
-                                dx[idx] = (float)(g*k_g + k_xhat*xhat + k_1);
-                                lane_p0[j] += dyv*xhat;
-                                lane_p1[j] += dyv;
+                                const float xv = x[idx];
+                                const float dyv = dy[idx];
+                                const float xhat = ((xv + h0_hi + h0_lo))/std_f;
+                                const float g = dyv*gamma_v;
+                                dx[idx] = (float)((g/std_f + N_f*alpha_f*mean_g_xhat_f*((-xhat + h2_hi + h2_lo))/(sample_std_f*(N_f - 1)) + h1_hi + h1_lo));
+                                lane_p0[j] += ((double)dyv)*((double)xhat);
+                                lane_p1[j] += ((double)dyv);
                             }
                             mine[0 * C + ch] += dg_lanes(lane_p0);
                             mine[1 * C + ch] += dg_lanes(lane_p1);
@@ -481,7 +500,7 @@ int online_layernorm_train_forward_f64(
                 for (; m + DG_LANES <= M; m += DG_LANES) {
                     for (int j = 0; j < DG_LANES; ++j) {
                         const int64_t idx = off + m + j;
-                        const double xv = (double)x[idx];
+                        const double xv = x[idx];
                         lane_sum_row_mean[j] += xv;
                     }
                 }
@@ -489,7 +508,7 @@ int online_layernorm_train_forward_f64(
                     const int j = 0;                /* the remainder goes to lane 0 */
                     (void)j;
                     const int64_t idx = off + m;
-                    const double xv = (double)x[idx];
+                    const double xv = x[idx];
                     lane_sum_row_mean[j] += xv;
                 }
             }
@@ -506,7 +525,7 @@ int online_layernorm_train_forward_f64(
                 for (; m + DG_LANES <= M; m += DG_LANES) {
                     for (int j = 0; j < DG_LANES; ++j) {
                         const int64_t idx = off + m + j;
-                        const double xv = (double)x[idx];
+                        const double xv = x[idx];
                         lane_sum_sample_std[j] += ((xv - mean)*(xv - mean));
                     }
                 }
@@ -514,7 +533,7 @@ int online_layernorm_train_forward_f64(
                     const int j = 0;                /* the remainder goes to lane 0 */
                     (void)j;
                     const int64_t idx = off + m;
-                    const double xv = (double)x[idx];
+                    const double xv = x[idx];
                     lane_sum_sample_std[j] += ((xv - mean)*(xv - mean));
                 }
             }
@@ -535,9 +554,9 @@ int online_layernorm_train_forward_f64(
                         for (int j = 0; j < DG_LANES; ++j) {
                             const int64_t idx = off + m + j;
                             const int64_t ch = gi * Cg + m + j;
-                            const double gamma_v = (double)gamma[ch];
-                            const double beta_v = (double)beta[ch];
-                            const double xv = (double)x[idx];
+                            const double gamma_v = gamma[ch];
+                            const double beta_v = beta[ch];
+                            const double xv = x[idx];
                             const double xhat = (xv - mean)/std;
                             y[idx] = (double)(gamma_v*xhat + beta_v);
                         }
@@ -547,22 +566,22 @@ int online_layernorm_train_forward_f64(
                         (void)j;
                         const int64_t idx = off + m;
                         const int64_t ch = gi * Cg + m;
-                        const double gamma_v = (double)gamma[ch];
-                        const double beta_v = (double)beta[ch];
-                        const double xv = (double)x[idx];
+                        const double gamma_v = gamma[ch];
+                        const double beta_v = beta[ch];
+                        const double xv = x[idx];
                         const double xhat = (xv - mean)/std;
                         y[idx] = (double)(gamma_v*xhat + beta_v);
                     }
                 } else {                /* NCHW: one parameter per run of S values */
                     for (int64_t cg = 0; cg < Cg; ++cg) {
                         const int64_t ch = gi * Cg + cg;
-                        const double gamma_v = (double)gamma[ch];
-                        const double beta_v = (double)beta[ch];
+                        const double gamma_v = gamma[ch];
+                        const double beta_v = beta[ch];
                         int64_t s = 0;
                         for (; s + DG_LANES <= S; s += DG_LANES) {
                             for (int j = 0; j < DG_LANES; ++j) {
                                 const int64_t idx = off + cg * S + s + j;
-                                const double xv = (double)x[idx];
+                                const double xv = x[idx];
                                 const double xhat = (xv - mean)/std;
                                 y[idx] = (double)(gamma_v*xhat + beta_v);
                             }
@@ -571,7 +590,7 @@ int online_layernorm_train_forward_f64(
                             const int j = 0;                /* the remainder goes to lane 0 */
                             (void)j;
                             const int64_t idx = off + cg * S + s;
-                            const double xv = (double)x[idx];
+                            const double xv = x[idx];
                             const double xhat = (xv - mean)/std;
                             y[idx] = (double)(gamma_v*xhat + beta_v);
                         }
@@ -655,9 +674,9 @@ int online_layernorm_train_backward_f64(
                             for (int j = 0; j < DG_LANES; ++j) {
                                 const int64_t idx = off + m + j;
                                 const int64_t ch = gi * Cg + m + j;
-                                const double gamma_v = (double)gamma[ch];
-                                const double xv = (double)x[idx];
-                                const double dyv = (double)dy[idx];
+                                const double gamma_v = gamma[ch];
+                                const double xv = x[idx];
+                                const double dyv = dy[idx];
                                 const double xhat = (xv - mean)/std;
                                 const double g = dyv*gamma_v;
                                 lane_sum_g[j] += g;
@@ -669,9 +688,9 @@ int online_layernorm_train_backward_f64(
                             (void)j;
                             const int64_t idx = off + m;
                             const int64_t ch = gi * Cg + m;
-                            const double gamma_v = (double)gamma[ch];
-                            const double xv = (double)x[idx];
-                            const double dyv = (double)dy[idx];
+                            const double gamma_v = gamma[ch];
+                            const double xv = x[idx];
+                            const double dyv = dy[idx];
                             const double xhat = (xv - mean)/std;
                             const double g = dyv*gamma_v;
                             lane_sum_g[j] += g;
@@ -680,13 +699,13 @@ int online_layernorm_train_backward_f64(
                     } else {                /* NCHW: one parameter per run of S values */
                         for (int64_t cg = 0; cg < Cg; ++cg) {
                             const int64_t ch = gi * Cg + cg;
-                            const double gamma_v = (double)gamma[ch];
+                            const double gamma_v = gamma[ch];
                             int64_t s = 0;
                             for (; s + DG_LANES <= S; s += DG_LANES) {
                                 for (int j = 0; j < DG_LANES; ++j) {
                                     const int64_t idx = off + cg * S + s + j;
-                                    const double xv = (double)x[idx];
-                                    const double dyv = (double)dy[idx];
+                                    const double xv = x[idx];
+                                    const double dyv = dy[idx];
                                     const double xhat = (xv - mean)/std;
                                     const double g = dyv*gamma_v;
                                     lane_sum_g[j] += g;
@@ -697,8 +716,8 @@ int online_layernorm_train_backward_f64(
                                 const int j = 0;                /* the remainder goes to lane 0 */
                                 (void)j;
                                 const int64_t idx = off + cg * S + s;
-                                const double xv = (double)x[idx];
-                                const double dyv = (double)dy[idx];
+                                const double xv = x[idx];
+                                const double dyv = dy[idx];
                                 const double xhat = (xv - mean)/std;
                                 const double g = dyv*gamma_v;
                                 lane_sum_g[j] += g;
@@ -728,9 +747,9 @@ int online_layernorm_train_backward_f64(
                             for (int j = 0; j < DG_LANES; ++j) {
                                 const int64_t idx = off + m + j;
                                 const int64_t ch = gi * Cg + m + j;
-                                const double gamma_v = (double)gamma[ch];
-                                const double xv = (double)x[idx];
-                                const double dyv = (double)dy[idx];
+                                const double gamma_v = gamma[ch];
+                                const double xv = x[idx];
+                                const double dyv = dy[idx];
                                 const double xhat = (xv - mean)/std;
                                 const double g = dyv*gamma_v;
                                 dx[idx] = (double)(g*k_g + k_xhat*xhat + k_1);
@@ -743,9 +762,9 @@ int online_layernorm_train_backward_f64(
                             (void)j;
                             const int64_t idx = off + m;
                             const int64_t ch = gi * Cg + m;
-                            const double gamma_v = (double)gamma[ch];
-                            const double xv = (double)x[idx];
-                            const double dyv = (double)dy[idx];
+                            const double gamma_v = gamma[ch];
+                            const double xv = x[idx];
+                            const double dyv = dy[idx];
                             const double xhat = (xv - mean)/std;
                             const double g = dyv*gamma_v;
                             dx[idx] = (double)(g*k_g + k_xhat*xhat + k_1);
@@ -755,15 +774,15 @@ int online_layernorm_train_backward_f64(
                     } else {                /* NCHW: one parameter per run of S values */
                         for (int64_t cg = 0; cg < Cg; ++cg) {
                             const int64_t ch = gi * Cg + cg;
-                            const double gamma_v = (double)gamma[ch];
+                            const double gamma_v = gamma[ch];
                             double lane_p0[DG_LANES] = {0};
                             double lane_p1[DG_LANES] = {0};
                             int64_t s = 0;
                             for (; s + DG_LANES <= S; s += DG_LANES) {
                                 for (int j = 0; j < DG_LANES; ++j) {
                                     const int64_t idx = off + cg * S + s + j;
-                                    const double xv = (double)x[idx];
-                                    const double dyv = (double)dy[idx];
+                                    const double xv = x[idx];
+                                    const double dyv = dy[idx];
                                     const double xhat = (xv - mean)/std;
                                     const double g = dyv*gamma_v;
                                     dx[idx] = (double)(g*k_g + k_xhat*xhat + k_1);
@@ -775,8 +794,8 @@ int online_layernorm_train_backward_f64(
                                 const int j = 0;                /* the remainder goes to lane 0 */
                                 (void)j;
                                 const int64_t idx = off + cg * S + s;
-                                const double xv = (double)x[idx];
-                                const double dyv = (double)dy[idx];
+                                const double xv = x[idx];
+                                const double dyv = dy[idx];
                                 const double xhat = (xv - mean)/std;
                                 const double g = dyv*gamma_v;
                                 dx[idx] = (double)(g*k_g + k_xhat*xhat + k_1);

@@ -34,7 +34,7 @@
 #define DG_PRAGMA(x)
 #endif
 
-#define DG_LANES 16
+#define DG_LANES 32
 
 static int dg_threads(int nthreads)
 {
@@ -118,6 +118,7 @@ int rmsnorm_train_forward_f32(
         ms_out[grp] = ms;
         rstd_out[grp] = rstd;
         {
+            const float rstd_f = (float)rstd;
             for (int64_t b = 0; b < blocks; ++b) {
                 const int64_t off = base + b * block_stride;
                 if (S == 1) {           /* parameters vary along the run */
@@ -126,9 +127,9 @@ int rmsnorm_train_forward_f32(
                         for (int j = 0; j < DG_LANES; ++j) {
                             const int64_t idx = off + m + j;
                             const int64_t ch = gi * Cg + m + j;
-                            const double gamma_v = (double)gamma[ch];
-                            const double xv = (double)x[idx];
-                            const double xhat = rstd*xv;
+                            const float gamma_v = gamma[ch];
+                            const float xv = x[idx];
+                            const float xhat = rstd_f*xv;
                             y[idx] = (float)(gamma_v*xhat);
                         }
                     }
@@ -137,21 +138,21 @@ int rmsnorm_train_forward_f32(
                         (void)j;
                         const int64_t idx = off + m;
                         const int64_t ch = gi * Cg + m;
-                        const double gamma_v = (double)gamma[ch];
-                        const double xv = (double)x[idx];
-                        const double xhat = rstd*xv;
+                        const float gamma_v = gamma[ch];
+                        const float xv = x[idx];
+                        const float xhat = rstd_f*xv;
                         y[idx] = (float)(gamma_v*xhat);
                     }
                 } else {                /* NCHW: one parameter per run of S values */
                     for (int64_t cg = 0; cg < Cg; ++cg) {
                         const int64_t ch = gi * Cg + cg;
-                        const double gamma_v = (double)gamma[ch];
+                        const float gamma_v = gamma[ch];
                         int64_t s = 0;
                         for (; s + DG_LANES <= S; s += DG_LANES) {
                             for (int j = 0; j < DG_LANES; ++j) {
                                 const int64_t idx = off + cg * S + s + j;
-                                const double xv = (double)x[idx];
-                                const double xhat = rstd*xv;
+                                const float xv = x[idx];
+                                const float xhat = rstd_f*xv;
                                 y[idx] = (float)(gamma_v*xhat);
                             }
                         }
@@ -159,8 +160,8 @@ int rmsnorm_train_forward_f32(
                             const int j = 0;                /* the remainder goes to lane 0 */
                             (void)j;
                             const int64_t idx = off + cg * S + s;
-                            const double xv = (double)x[idx];
-                            const double xhat = rstd*xv;
+                            const float xv = x[idx];
+                            const float xhat = rstd_f*xv;
                             y[idx] = (float)(gamma_v*xhat);
                         }
                     }
@@ -213,6 +214,7 @@ int rmsnorm_train_backward_f32(
             (void)rstd;
             double sum_g_xhat;
             {
+                const float rstd_f = (float)rstd;
                 double lane_sum_g_xhat[DG_LANES] = {0};
                 for (int64_t b = 0; b < blocks; ++b) {
                     const int64_t off = base + b * block_stride;
@@ -222,12 +224,12 @@ int rmsnorm_train_backward_f32(
                             for (int j = 0; j < DG_LANES; ++j) {
                                 const int64_t idx = off + m + j;
                                 const int64_t ch = gi * Cg + m + j;
-                                const double gamma_v = (double)gamma[ch];
-                                const double xv = (double)x[idx];
-                                const double dyv = (double)dy[idx];
-                                const double xhat = rstd*xv;
-                                const double g = dyv*gamma_v;
-                                lane_sum_g_xhat[j] += g*xhat;
+                                const float gamma_v = gamma[ch];
+                                const float xv = x[idx];
+                                const float dyv = dy[idx];
+                                const float xhat = rstd_f*xv;
+                                const float g = dyv*gamma_v;
+                                lane_sum_g_xhat[j] += ((double)g)*((double)xhat);
                             }
                         }
                         for (; m < Cg; ++m) {
@@ -235,37 +237,37 @@ int rmsnorm_train_backward_f32(
                             (void)j;
                             const int64_t idx = off + m;
                             const int64_t ch = gi * Cg + m;
-                            const double gamma_v = (double)gamma[ch];
-                            const double xv = (double)x[idx];
-                            const double dyv = (double)dy[idx];
-                            const double xhat = rstd*xv;
-                            const double g = dyv*gamma_v;
-                            lane_sum_g_xhat[j] += g*xhat;
+                            const float gamma_v = gamma[ch];
+                            const float xv = x[idx];
+                            const float dyv = dy[idx];
+                            const float xhat = rstd_f*xv;
+                            const float g = dyv*gamma_v;
+                            lane_sum_g_xhat[j] += ((double)g)*((double)xhat);
                         }
                     } else {                /* NCHW: one parameter per run of S values */
                         for (int64_t cg = 0; cg < Cg; ++cg) {
                             const int64_t ch = gi * Cg + cg;
-                            const double gamma_v = (double)gamma[ch];
+                            const float gamma_v = gamma[ch];
                             int64_t s = 0;
                             for (; s + DG_LANES <= S; s += DG_LANES) {
                                 for (int j = 0; j < DG_LANES; ++j) {
                                     const int64_t idx = off + cg * S + s + j;
-                                    const double xv = (double)x[idx];
-                                    const double dyv = (double)dy[idx];
-                                    const double xhat = rstd*xv;
-                                    const double g = dyv*gamma_v;
-                                    lane_sum_g_xhat[j] += g*xhat;
+                                    const float xv = x[idx];
+                                    const float dyv = dy[idx];
+                                    const float xhat = rstd_f*xv;
+                                    const float g = dyv*gamma_v;
+                                    lane_sum_g_xhat[j] += ((double)g)*((double)xhat);
                                 }
                             }
                             for (; s < S; ++s) {
                                 const int j = 0;                /* the remainder goes to lane 0 */
                                 (void)j;
                                 const int64_t idx = off + cg * S + s;
-                                const double xv = (double)x[idx];
-                                const double dyv = (double)dy[idx];
-                                const double xhat = rstd*xv;
-                                const double g = dyv*gamma_v;
-                                lane_sum_g_xhat[j] += g*xhat;
+                                const float xv = x[idx];
+                                const float dyv = dy[idx];
+                                const float xhat = rstd_f*xv;
+                                const float g = dyv*gamma_v;
+                                lane_sum_g_xhat[j] += ((double)g)*((double)xhat);
                             }
                         }
                     }
@@ -273,9 +275,9 @@ int rmsnorm_train_backward_f32(
                 sum_g_xhat = dg_lanes(lane_sum_g_xhat);
             }
             const double mean_g_xhat = sum_g_xhat/N;  /* mean_g_xhat = mean(g*xhat) */
-            const double k_g = rstd;  /* coefficient of g in dx */
-            const double k_xhat = -mean_g_xhat*rstd;  /* coefficient of xhat in dx */
             {
+                const float mean_g_xhat_f = (float)mean_g_xhat;
+                const float rstd_f = (float)rstd;
                 for (int64_t b = 0; b < blocks; ++b) {
                     const int64_t off = base + b * block_stride;
                     if (S == 1) {           /* parameters vary along the run */
@@ -284,13 +286,13 @@ int rmsnorm_train_backward_f32(
                             for (int j = 0; j < DG_LANES; ++j) {
                                 const int64_t idx = off + m + j;
                                 const int64_t ch = gi * Cg + m + j;
-                                const double gamma_v = (double)gamma[ch];
-                                const double xv = (double)x[idx];
-                                const double dyv = (double)dy[idx];
-                                const double xhat = rstd*xv;
-                                const double g = dyv*gamma_v;
-                                dx[idx] = (float)(g*k_g + k_xhat*xhat);
-                                mine[0 * C + ch] += dyv*xhat;
+                                const float gamma_v = gamma[ch];
+                                const float xv = x[idx];
+                                const float dyv = dy[idx];
+                                const float xhat = rstd_f*xv;
+                                const float g = dyv*gamma_v;
+                                dx[idx] = (float)(rstd_f*(g - mean_g_xhat_f*xhat));
+                                mine[0 * C + ch] += ((double)dyv)*((double)xhat);
                             }
                         }
                         for (; m < Cg; ++m) {
@@ -298,41 +300,41 @@ int rmsnorm_train_backward_f32(
                             (void)j;
                             const int64_t idx = off + m;
                             const int64_t ch = gi * Cg + m;
-                            const double gamma_v = (double)gamma[ch];
-                            const double xv = (double)x[idx];
-                            const double dyv = (double)dy[idx];
-                            const double xhat = rstd*xv;
-                            const double g = dyv*gamma_v;
-                            dx[idx] = (float)(g*k_g + k_xhat*xhat);
-                            mine[0 * C + ch] += dyv*xhat;
+                            const float gamma_v = gamma[ch];
+                            const float xv = x[idx];
+                            const float dyv = dy[idx];
+                            const float xhat = rstd_f*xv;
+                            const float g = dyv*gamma_v;
+                            dx[idx] = (float)(rstd_f*(g - mean_g_xhat_f*xhat));
+                            mine[0 * C + ch] += ((double)dyv)*((double)xhat);
                         }
                     } else {                /* NCHW: one parameter per run of S values */
                         for (int64_t cg = 0; cg < Cg; ++cg) {
                             const int64_t ch = gi * Cg + cg;
-                            const double gamma_v = (double)gamma[ch];
+                            const float gamma_v = gamma[ch];
                             double lane_p0[DG_LANES] = {0};
                             int64_t s = 0;
                             for (; s + DG_LANES <= S; s += DG_LANES) {
                                 for (int j = 0; j < DG_LANES; ++j) {
                                     const int64_t idx = off + cg * S + s + j;
-                                    const double xv = (double)x[idx];
-                                    const double dyv = (double)dy[idx];
-                                    const double xhat = rstd*xv;
-                                    const double g = dyv*gamma_v;
-                                    dx[idx] = (float)(g*k_g + k_xhat*xhat);
-                                    lane_p0[j] += dyv*xhat;
+                                    const float xv = x[idx];
+                                    const float dyv = dy[idx];
+                                    const float xhat = rstd_f*xv;
+                                    const float g = dyv*gamma_v;
+                                    dx[idx] = (float)(rstd_f*(g - mean_g_xhat_f*xhat));
+                                    lane_p0[j] += ((double)dyv)*((double)xhat);
                                 }
                             }
                             for (; s < S; ++s) {
                                 const int j = 0;                /* the remainder goes to lane 0 */
                                 (void)j;
                                 const int64_t idx = off + cg * S + s;
-                                const double xv = (double)x[idx];
-                                const double dyv = (double)dy[idx];
-                                const double xhat = rstd*xv;
-                                const double g = dyv*gamma_v;
-                                dx[idx] = (float)(g*k_g + k_xhat*xhat);
-                                lane_p0[j] += dyv*xhat;
+                                const float xv = x[idx];
+                                const float dyv = dy[idx];
+                                const float xhat = rstd_f*xv;
+                                const float g = dyv*gamma_v;
+                                dx[idx] = (float)(rstd_f*(g - mean_g_xhat_f*xhat));
+                                lane_p0[j] += ((double)dyv)*((double)xhat);
                             }
                             mine[0 * C + ch] += dg_lanes(lane_p0);
                         }
@@ -386,7 +388,7 @@ int rmsnorm_train_forward_f64(
                 for (; m + DG_LANES <= M; m += DG_LANES) {
                     for (int j = 0; j < DG_LANES; ++j) {
                         const int64_t idx = off + m + j;
-                        const double xv = (double)x[idx];
+                        const double xv = x[idx];
                         lane_sum_ms[j] += (xv*xv);
                     }
                 }
@@ -394,7 +396,7 @@ int rmsnorm_train_forward_f64(
                     const int j = 0;                /* the remainder goes to lane 0 */
                     (void)j;
                     const int64_t idx = off + m;
-                    const double xv = (double)x[idx];
+                    const double xv = x[idx];
                     lane_sum_ms[j] += (xv*xv);
                 }
             }
@@ -413,8 +415,8 @@ int rmsnorm_train_forward_f64(
                         for (int j = 0; j < DG_LANES; ++j) {
                             const int64_t idx = off + m + j;
                             const int64_t ch = gi * Cg + m + j;
-                            const double gamma_v = (double)gamma[ch];
-                            const double xv = (double)x[idx];
+                            const double gamma_v = gamma[ch];
+                            const double xv = x[idx];
                             const double xhat = rstd*xv;
                             y[idx] = (double)(gamma_v*xhat);
                         }
@@ -424,20 +426,20 @@ int rmsnorm_train_forward_f64(
                         (void)j;
                         const int64_t idx = off + m;
                         const int64_t ch = gi * Cg + m;
-                        const double gamma_v = (double)gamma[ch];
-                        const double xv = (double)x[idx];
+                        const double gamma_v = gamma[ch];
+                        const double xv = x[idx];
                         const double xhat = rstd*xv;
                         y[idx] = (double)(gamma_v*xhat);
                     }
                 } else {                /* NCHW: one parameter per run of S values */
                     for (int64_t cg = 0; cg < Cg; ++cg) {
                         const int64_t ch = gi * Cg + cg;
-                        const double gamma_v = (double)gamma[ch];
+                        const double gamma_v = gamma[ch];
                         int64_t s = 0;
                         for (; s + DG_LANES <= S; s += DG_LANES) {
                             for (int j = 0; j < DG_LANES; ++j) {
                                 const int64_t idx = off + cg * S + s + j;
-                                const double xv = (double)x[idx];
+                                const double xv = x[idx];
                                 const double xhat = rstd*xv;
                                 y[idx] = (double)(gamma_v*xhat);
                             }
@@ -446,7 +448,7 @@ int rmsnorm_train_forward_f64(
                             const int j = 0;                /* the remainder goes to lane 0 */
                             (void)j;
                             const int64_t idx = off + cg * S + s;
-                            const double xv = (double)x[idx];
+                            const double xv = x[idx];
                             const double xhat = rstd*xv;
                             y[idx] = (double)(gamma_v*xhat);
                         }
@@ -509,9 +511,9 @@ int rmsnorm_train_backward_f64(
                             for (int j = 0; j < DG_LANES; ++j) {
                                 const int64_t idx = off + m + j;
                                 const int64_t ch = gi * Cg + m + j;
-                                const double gamma_v = (double)gamma[ch];
-                                const double xv = (double)x[idx];
-                                const double dyv = (double)dy[idx];
+                                const double gamma_v = gamma[ch];
+                                const double xv = x[idx];
+                                const double dyv = dy[idx];
                                 const double xhat = rstd*xv;
                                 const double g = dyv*gamma_v;
                                 lane_sum_g_xhat[j] += g*xhat;
@@ -522,9 +524,9 @@ int rmsnorm_train_backward_f64(
                             (void)j;
                             const int64_t idx = off + m;
                             const int64_t ch = gi * Cg + m;
-                            const double gamma_v = (double)gamma[ch];
-                            const double xv = (double)x[idx];
-                            const double dyv = (double)dy[idx];
+                            const double gamma_v = gamma[ch];
+                            const double xv = x[idx];
+                            const double dyv = dy[idx];
                             const double xhat = rstd*xv;
                             const double g = dyv*gamma_v;
                             lane_sum_g_xhat[j] += g*xhat;
@@ -532,13 +534,13 @@ int rmsnorm_train_backward_f64(
                     } else {                /* NCHW: one parameter per run of S values */
                         for (int64_t cg = 0; cg < Cg; ++cg) {
                             const int64_t ch = gi * Cg + cg;
-                            const double gamma_v = (double)gamma[ch];
+                            const double gamma_v = gamma[ch];
                             int64_t s = 0;
                             for (; s + DG_LANES <= S; s += DG_LANES) {
                                 for (int j = 0; j < DG_LANES; ++j) {
                                     const int64_t idx = off + cg * S + s + j;
-                                    const double xv = (double)x[idx];
-                                    const double dyv = (double)dy[idx];
+                                    const double xv = x[idx];
+                                    const double dyv = dy[idx];
                                     const double xhat = rstd*xv;
                                     const double g = dyv*gamma_v;
                                     lane_sum_g_xhat[j] += g*xhat;
@@ -548,8 +550,8 @@ int rmsnorm_train_backward_f64(
                                 const int j = 0;                /* the remainder goes to lane 0 */
                                 (void)j;
                                 const int64_t idx = off + cg * S + s;
-                                const double xv = (double)x[idx];
-                                const double dyv = (double)dy[idx];
+                                const double xv = x[idx];
+                                const double dyv = dy[idx];
                                 const double xhat = rstd*xv;
                                 const double g = dyv*gamma_v;
                                 lane_sum_g_xhat[j] += g*xhat;
@@ -571,9 +573,9 @@ int rmsnorm_train_backward_f64(
                             for (int j = 0; j < DG_LANES; ++j) {
                                 const int64_t idx = off + m + j;
                                 const int64_t ch = gi * Cg + m + j;
-                                const double gamma_v = (double)gamma[ch];
-                                const double xv = (double)x[idx];
-                                const double dyv = (double)dy[idx];
+                                const double gamma_v = gamma[ch];
+                                const double xv = x[idx];
+                                const double dyv = dy[idx];
                                 const double xhat = rstd*xv;
                                 const double g = dyv*gamma_v;
                                 dx[idx] = (double)(g*k_g + k_xhat*xhat);
@@ -585,9 +587,9 @@ int rmsnorm_train_backward_f64(
                             (void)j;
                             const int64_t idx = off + m;
                             const int64_t ch = gi * Cg + m;
-                            const double gamma_v = (double)gamma[ch];
-                            const double xv = (double)x[idx];
-                            const double dyv = (double)dy[idx];
+                            const double gamma_v = gamma[ch];
+                            const double xv = x[idx];
+                            const double dyv = dy[idx];
                             const double xhat = rstd*xv;
                             const double g = dyv*gamma_v;
                             dx[idx] = (double)(g*k_g + k_xhat*xhat);
@@ -596,14 +598,14 @@ int rmsnorm_train_backward_f64(
                     } else {                /* NCHW: one parameter per run of S values */
                         for (int64_t cg = 0; cg < Cg; ++cg) {
                             const int64_t ch = gi * Cg + cg;
-                            const double gamma_v = (double)gamma[ch];
+                            const double gamma_v = gamma[ch];
                             double lane_p0[DG_LANES] = {0};
                             int64_t s = 0;
                             for (; s + DG_LANES <= S; s += DG_LANES) {
                                 for (int j = 0; j < DG_LANES; ++j) {
                                     const int64_t idx = off + cg * S + s + j;
-                                    const double xv = (double)x[idx];
-                                    const double dyv = (double)dy[idx];
+                                    const double xv = x[idx];
+                                    const double dyv = dy[idx];
                                     const double xhat = rstd*xv;
                                     const double g = dyv*gamma_v;
                                     dx[idx] = (double)(g*k_g + k_xhat*xhat);
@@ -614,8 +616,8 @@ int rmsnorm_train_backward_f64(
                                 const int j = 0;                /* the remainder goes to lane 0 */
                                 (void)j;
                                 const int64_t idx = off + cg * S + s;
-                                const double xv = (double)x[idx];
-                                const double dyv = (double)dy[idx];
+                                const double xv = x[idx];
+                                const double dyv = dy[idx];
                                 const double xhat = rstd*xv;
                                 const double g = dyv*gamma_v;
                                 dx[idx] = (double)(g*k_g + k_xhat*xhat);
