@@ -223,8 +223,7 @@ def run_bench(names, shapes=None, threads=None, dtype="float32", repeat=15, prog
                 if progress:
                     progress(f"{name} {shape} {backend}")
                 mod = load(name, backend=backend)
-                if backend == "c":
-                    mod.set_num_threads(threads)
+                mod.set_num_threads(threads)
                 y = np.empty_like(x)
                 _, cache = mod.forward(x, *params, out=y, **kw)
                 grads = mod.backward(dy, cache)

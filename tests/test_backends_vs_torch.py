@@ -87,3 +87,32 @@ def test_backends_agree_on_every_layer():
         np.testing.assert_allclose(y0, y1, rtol=1e-12, atol=1e-12)
         for a, b in zip(g0, g1):
             np.testing.assert_allclose(a, b, rtol=1e-11, atol=1e-11)
+
+
+@pytest.mark.parametrize("backend", ["numpy", "c"])
+@pytest.mark.parametrize("name", ["layernorm", "batchnorm", "groupnorm"])
+def test_results_do_not_depend_on_the_thread_count(name, backend):
+    """Per-group sums run in a fixed order: y and dx are the same bits for 1 and 3
+    threads. Parameter gradients are too in the NumPy backend (chunks summed in
+    order); the C kernels reduce per-thread partials, so they may differ in the
+    last bits between thread counts (never between runs with the same count)."""
+    mod = derivgen.load(name, backend=backend)
+    rng = np.random.default_rng(9)
+    shape = (300, 40) if name == "layernorm" else (12, 8, 30)
+    x = rng.normal(size=shape)
+    p = np.full(shape[-1] if name == "layernorm" else 8, 1.5)
+    kw = {"num_groups": 4} if name == "groupnorm" else {}
+    out = []
+    for th in (1, 3):
+        mod.set_num_threads(th)
+        y, c = mod.forward(x, p, p, **kw)
+        out.append((y, mod.backward(np.ones_like(x), c)))
+    mod.set_num_threads(0)
+    (y1, g1), (y3, g3) = out
+    np.testing.assert_array_equal(y1, y3)
+    np.testing.assert_array_equal(g1.dx, g3.dx)
+    for a, b in zip(g1[1:], g3[1:]):
+        if backend == "numpy":
+            np.testing.assert_array_equal(a, b)
+        else:
+            np.testing.assert_allclose(a, b, rtol=1e-13, atol=1e-13)

@@ -38,8 +38,9 @@
  * Statistics are computed as written (two passes for a variance, over a group
  * that stays in cache), never as E[x^2] - E[x]^2. Sums run in DG_LANES
  * independent lanes added pairwise at the end: vectorizable without
- * reassociation, and the same order on every run and thread count. NaN and Inf
- * propagate as IEEE arithmetic does.
+ * reassociation, and per-group results (statistics, y, dx) are the same bits
+ * for any thread count; parameter gradients add per-thread partials, the same
+ * bits for a given thread count. NaN and Inf propagate as IEEE arithmetic does.
  */
 #include "batchnorm.h"
 
@@ -115,6 +116,7 @@ int batchnorm_train_forward_f32(
     DG_PRAGMA(omp parallel for schedule(static) num_threads(nth))
     for (int64_t grp = 0; grp < n_groups; ++grp) {
         const int64_t gi = grp % G;                  /* channel group */
+        (void)gi;
         const int64_t base = gi * M;
         const double running_mean_g = running_mean ? (double)running_mean[gi] : 0.0;
         const double running_var_g = running_var ? (double)running_var[gi] : 0.0;
@@ -278,6 +280,7 @@ int batchnorm_train_backward_f32(
         DG_PRAGMA(omp for schedule(static))
         for (int64_t grp = 0; grp < n_groups; ++grp) {
             const int64_t gi = grp % G;                  /* channel group */
+            (void)gi;
             const int64_t base = gi * M;
             const double mean = mean_in[grp];
             (void)mean;
@@ -482,6 +485,7 @@ int batchnorm_train_forward_f64(
     DG_PRAGMA(omp parallel for schedule(static) num_threads(nth))
     for (int64_t grp = 0; grp < n_groups; ++grp) {
         const int64_t gi = grp % G;                  /* channel group */
+        (void)gi;
         const int64_t base = gi * M;
         const double running_mean_g = running_mean ? (double)running_mean[gi] : 0.0;
         const double running_var_g = running_var ? (double)running_var[gi] : 0.0;
@@ -641,6 +645,7 @@ int batchnorm_train_backward_f64(
         DG_PRAGMA(omp for schedule(static))
         for (int64_t grp = 0; grp < n_groups; ++grp) {
             const int64_t gi = grp % G;                  /* channel group */
+            (void)gi;
             const int64_t base = gi * M;
             const double mean = mean_in[grp];
             (void)mean;
@@ -836,6 +841,7 @@ int batchnorm_eval_forward_f32(
     DG_PRAGMA(omp parallel for schedule(static) num_threads(nth))
     for (int64_t grp = 0; grp < n_groups; ++grp) {
         const int64_t gi = grp % G;                  /* channel group */
+        (void)gi;
         const int64_t base = gi * M;
         const double running_mean_g = running_mean ? (double)running_mean[gi] : 0.0;
         const double running_var_g = running_var ? (double)running_var[gi] : 0.0;
@@ -949,6 +955,7 @@ int batchnorm_eval_backward_f32(
         DG_PRAGMA(omp for schedule(static))
         for (int64_t grp = 0; grp < n_groups; ++grp) {
             const int64_t gi = grp % G;                  /* channel group */
+            (void)gi;
             const int64_t base = gi * M;
             const double mean = mean_in[grp];
             (void)mean;
@@ -1075,6 +1082,7 @@ int batchnorm_eval_forward_f64(
     DG_PRAGMA(omp parallel for schedule(static) num_threads(nth))
     for (int64_t grp = 0; grp < n_groups; ++grp) {
         const int64_t gi = grp % G;                  /* channel group */
+        (void)gi;
         const int64_t base = gi * M;
         const double running_mean_g = running_mean ? (double)running_mean[gi] : 0.0;
         const double running_var_g = running_var ? (double)running_var[gi] : 0.0;
@@ -1184,6 +1192,7 @@ int batchnorm_eval_backward_f64(
         DG_PRAGMA(omp for schedule(static))
         for (int64_t grp = 0; grp < n_groups; ++grp) {
             const int64_t gi = grp % G;                  /* channel group */
+            (void)gi;
             const int64_t base = gi * M;
             const double mean = mean_in[grp];
             (void)mean;

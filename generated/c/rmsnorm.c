@@ -19,8 +19,9 @@
  * Statistics are computed as written (two passes for a variance, over a group
  * that stays in cache), never as E[x^2] - E[x]^2. Sums run in DG_LANES
  * independent lanes added pairwise at the end: vectorizable without
- * reassociation, and the same order on every run and thread count. NaN and Inf
- * propagate as IEEE arithmetic does.
+ * reassociation, and per-group results (statistics, y, dx) are the same bits
+ * for any thread count; parameter gradients add per-thread partials, the same
+ * bits for a given thread count. NaN and Inf propagate as IEEE arithmetic does.
  */
 #include "rmsnorm.h"
 
@@ -89,6 +90,7 @@ int rmsnorm_train_forward_f32(
     DG_PRAGMA(omp parallel for schedule(static) num_threads(nth))
     for (int64_t grp = 0; grp < n_groups; ++grp) {
         const int64_t gi = grp % G;                  /* channel group */
+        (void)gi;
         const int64_t base = grp * M;
         double sum_ms;
         {
@@ -207,6 +209,7 @@ int rmsnorm_train_backward_f32(
         DG_PRAGMA(omp for schedule(static))
         for (int64_t grp = 0; grp < n_groups; ++grp) {
             const int64_t gi = grp % G;                  /* channel group */
+            (void)gi;
             const int64_t base = grp * M;
             const double ms = ms_in[grp];
             (void)ms;
@@ -378,6 +381,7 @@ int rmsnorm_train_forward_f64(
     DG_PRAGMA(omp parallel for schedule(static) num_threads(nth))
     for (int64_t grp = 0; grp < n_groups; ++grp) {
         const int64_t gi = grp % G;                  /* channel group */
+        (void)gi;
         const int64_t base = grp * M;
         double sum_ms;
         {
@@ -495,6 +499,7 @@ int rmsnorm_train_backward_f64(
         DG_PRAGMA(omp for schedule(static))
         for (int64_t grp = 0; grp < n_groups; ++grp) {
             const int64_t gi = grp % G;                  /* channel group */
+            (void)gi;
             const int64_t base = grp * M;
             const double ms = ms_in[grp];
             (void)ms;

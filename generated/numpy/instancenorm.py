@@ -22,7 +22,10 @@ mean(.) is the mean over one normalization group of N elements.
 Arithmetic is float64 whatever the array dtype, over chunks of whole
 normalization groups small enough for the temporaries to stay in cache;
 results are stored in the dtype of x. NaN and Inf propagate as IEEE
-arithmetic does.
+arithmetic does. Chunks run on up to derivgen.runtime.num_threads() threads
+(NumPy releases the GIL in its loops); each writes only its own groups, and
+parameter gradients are summed in chunk order, so results do not depend on
+the number of threads.
 """
 
 import numpy as np
@@ -33,6 +36,8 @@ _META = {'name': 'instancenorm',
          'layout': 'channels',
          'reduce': 'instance',
          'params': ['gamma', 'beta'],
+         'scalar_params': [],
+         'axes': 1,
          'param_init': {'gamma': 1.0, 'beta': 0.0},
          'options': {'eps': (1e-05, 0.0, None)},
          'inputs': [],
@@ -75,25 +80,25 @@ def backward(dy, cache, *, out=None):
     return _BACKWARD[cache.mode](call)
 
 
-def _group_mean(axes):
-    def mean(a):
-        return np.mean(a, axis=axes, keepdims=True)
-    return mean
 
+def set_num_threads(n):
+    """Worker threads of the NumPy backend (process-wide; 0: OMP_NUM_THREADS, else all CPUs)."""
+    _rt.set_num_threads(n)
 
 def _forward_train(call):
     L = call.layout
     N = L.group_size
-    _mean = _group_mean(L.reduce_axes)
+    _mean = _rt.group_mean(L)
     X, Y = call.x.reshape(L.view4), call.out.reshape(L.view4)
-    P_gamma = call.params['gamma'].reshape(L.param4)
-    P_beta = call.params['beta'].reshape(L.param4)
+    P_gamma = _rt.f64(call.params['gamma']).reshape(L.param4)
+    P_beta = _rt.f64(call.params['beta']).reshape(L.param4)
     eps = call.options['eps']
     stats = _rt.new_stats(L, ['mean', 'var', 'rstd'])
-    for s, sp in _rt.chunks(L):
-        x = _rt.f64(X[s])
-        gamma = _rt.f64(P_gamma[sp])
-        beta = _rt.f64(P_beta[sp])
+
+    def _chunk(s, sp, tmp):
+        x = tmp.f64(X[s])
+        gamma = P_gamma[sp]
+        beta = P_beta[sp]
         # statistics, as the spec writes them
         mean = stats['mean'][s] = _mean(x)
         var = stats['var'][s] = _mean((x - mean)**2)
@@ -101,6 +106,8 @@ def _forward_train(call):
         # output
         xhat = rstd*(x - mean)
         Y[s] = gamma*xhat + beta
+
+    _rt.for_chunks(L, _chunk)
     return call.out, call.cache({k: v.reshape(-1) for k, v in stats.items()})
 
 
@@ -108,20 +115,21 @@ def _backward_train(call):
     c = call.cache
     L = c.layout
     N = L.group_size
-    _mean = _group_mean(L.reduce_axes)
+    _mean = _rt.group_mean(L)
     X, DY, DX = c.x.reshape(L.view4), call.dy.reshape(L.view4), call.outs["dx"].reshape(L.view4)
-    P_gamma = c.params['gamma'].reshape(L.param4)
+    P_gamma = _rt.f64(c.params['gamma']).reshape(L.param4)
     D_gamma = np.zeros(L.param4, dtype=np.float64)
-    P_beta = c.params['beta'].reshape(L.param4)
+    P_beta = _rt.f64(c.params['beta']).reshape(L.param4)
     D_beta = np.zeros(L.param4, dtype=np.float64)
     eps = c.options['eps']
     S_mean = c.stats['mean'].reshape(L.stat4)
     S_var = c.stats['var'].reshape(L.stat4)
     S_rstd = c.stats['rstd'].reshape(L.stat4)
-    for s, sp in _rt.chunks(L):
-        x, dy = _rt.f64(X[s]), _rt.f64(DY[s])
-        gamma = _rt.f64(P_gamma[sp])
-        beta = _rt.f64(P_beta[sp])
+
+    def _chunk(s, sp, tmp):
+        x, dy = tmp.f64(X[s]), tmp.f64(DY[s])
+        gamma = P_gamma[sp]
+        beta = P_beta[sp]
         mean = S_mean[s]
         var = S_var[s]
         rstd = S_rstd[s]
@@ -130,8 +138,14 @@ def _backward_train(call):
         mean_g = _mean(g)
         mean_g_xhat = _mean(g*xhat)
         DX[s] = rstd*(g - mean_g - mean_g_xhat*xhat)
-        D_gamma[sp] += np.sum(dy*xhat, axis=L.param_axes, keepdims=True)
-        D_beta[sp] += np.sum(dy, axis=L.param_axes, keepdims=True)
+        # this chunk's share of dgamma, dbeta
+        return (np.sum(dy*xhat, axis=L.param_axes, keepdims=True),
+                np.sum(dy, axis=L.param_axes, keepdims=True))
+
+    # parameter gradients: the chunks' shares summed in chunk order (the same bits for any number of threads)
+    for s, sp, (d_gamma, d_beta) in _rt.for_chunks(L, _chunk):
+        D_gamma[sp] += d_gamma
+        D_beta[sp] += d_beta
     return Grads(
         dx=call.outs["dx"],
         dgamma=_rt.store(call.outs["dgamma"], D_gamma),

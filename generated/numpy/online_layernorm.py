@@ -25,7 +25,10 @@ mean(.) is the mean over one normalization group of N elements.
 Arithmetic is float64 whatever the array dtype, over chunks of whole
 normalization groups small enough for the temporaries to stay in cache;
 results are stored in the dtype of x. NaN and Inf propagate as IEEE
-arithmetic does.
+arithmetic does. Chunks run on up to derivgen.runtime.num_threads() threads
+(NumPy releases the GIL in its loops); each writes only its own groups, and
+parameter gradients are summed in chunk order, so results do not depend on
+the number of threads.
 """
 
 import numpy as np
@@ -36,6 +39,8 @@ _META = {'name': 'online_layernorm',
          'layout': 'trailing',
          'reduce': 'features',
          'params': ['gamma', 'beta'],
+         'scalar_params': [],
+         'axes': 1,
          'param_init': {'gamma': 1.0, 'beta': 0.0},
          'options': {'alpha': (None, 0.0, 1.0), 'eps': (0.0, 0.0, None)},
          'inputs': ['prev_mean', 'prev_std'],
@@ -81,28 +86,28 @@ def backward(dy, cache, *, out=None):
     return _BACKWARD[cache.mode](call)
 
 
-def _group_mean(axes):
-    def mean(a):
-        return np.mean(a, axis=axes, keepdims=True)
-    return mean
 
+def set_num_threads(n):
+    """Worker threads of the NumPy backend (process-wide; 0: OMP_NUM_THREADS, else all CPUs)."""
+    _rt.set_num_threads(n)
 
 def _forward_train(call):
     L = call.layout
     N = L.group_size
-    _mean = _group_mean(L.reduce_axes)
+    _mean = _rt.group_mean(L)
     X, Y = call.x.reshape(L.view4), call.out.reshape(L.view4)
-    P_gamma = call.params['gamma'].reshape(L.param4)
-    P_beta = call.params['beta'].reshape(L.param4)
+    P_gamma = _rt.f64(call.params['gamma']).reshape(L.param4)
+    P_beta = _rt.f64(call.params['beta']).reshape(L.param4)
     alpha = call.options['alpha']
     eps = call.options['eps']
     I_prev_mean = _rt.f64(_rt.group_view(call.inputs['prev_mean'], L))
     I_prev_std = _rt.f64(_rt.group_view(call.inputs['prev_std'], L))
     stats = _rt.new_stats(L, ['row_mean', 'mean', 'sample_std', 'std'])
-    for s, sp in _rt.chunks(L):
-        x = _rt.f64(X[s])
-        gamma = _rt.f64(P_gamma[sp])
-        beta = _rt.f64(P_beta[sp])
+
+    def _chunk(s, sp, tmp):
+        x = tmp.f64(X[s])
+        gamma = P_gamma[sp]
+        beta = P_beta[sp]
         prev_mean = I_prev_mean if I_prev_mean.size == 1 else I_prev_mean[s]
         prev_std = I_prev_std if I_prev_std.size == 1 else I_prev_std[s]
         # statistics, as the spec writes them
@@ -113,6 +118,8 @@ def _forward_train(call):
         # output
         xhat = (x - mean)/std
         Y[s] = gamma*xhat + beta
+
+    _rt.for_chunks(L, _chunk)
     return call.out, call.cache({k: v.reshape(-1) for k, v in stats.items()})
 
 
@@ -120,11 +127,11 @@ def _backward_train(call):
     c = call.cache
     L = c.layout
     N = L.group_size
-    _mean = _group_mean(L.reduce_axes)
+    _mean = _rt.group_mean(L)
     X, DY, DX = c.x.reshape(L.view4), call.dy.reshape(L.view4), call.outs["dx"].reshape(L.view4)
-    P_gamma = c.params['gamma'].reshape(L.param4)
+    P_gamma = _rt.f64(c.params['gamma']).reshape(L.param4)
     D_gamma = np.zeros(L.param4, dtype=np.float64)
-    P_beta = c.params['beta'].reshape(L.param4)
+    P_beta = _rt.f64(c.params['beta']).reshape(L.param4)
     D_beta = np.zeros(L.param4, dtype=np.float64)
     alpha = c.options['alpha']
     eps = c.options['eps']
@@ -136,10 +143,11 @@ def _backward_train(call):
     S_mean = c.stats['mean'].reshape(L.stat4)
     S_sample_std = c.stats['sample_std'].reshape(L.stat4)
     S_std = c.stats['std'].reshape(L.stat4)
-    for s, sp in _rt.chunks(L):
-        x, dy = _rt.f64(X[s]), _rt.f64(DY[s])
-        gamma = _rt.f64(P_gamma[sp])
-        beta = _rt.f64(P_beta[sp])
+
+    def _chunk(s, sp, tmp):
+        x, dy = tmp.f64(X[s]), tmp.f64(DY[s])
+        gamma = P_gamma[sp]
+        beta = P_beta[sp]
         prev_mean = I_prev_mean if I_prev_mean.size == 1 else I_prev_mean[s]
         prev_std = I_prev_std if I_prev_std.size == 1 else I_prev_std[s]
         row_mean = S_row_mean[s]
@@ -151,10 +159,16 @@ def _backward_train(call):
         mean_g = _mean(g)
         mean_g_xhat = _mean(g*xhat)
         DX[s] = g/std + N*alpha*mean_g_xhat*(alpha*row_mean/std - xhat - alpha*mean/std)/(sample_std*(N - 1)) - alpha*mean_g/std
-        D_gamma[sp] += np.sum(dy*xhat, axis=L.param_axes, keepdims=True)
-        D_beta[sp] += np.sum(dy, axis=L.param_axes, keepdims=True)
         D_prev_mean[s] = N*(mean_g*(alpha - 1) + N*alpha*mean_g_xhat*(row_mean + alpha*mean - mean - alpha*row_mean)/(sample_std*(N - 1)))/std
         D_prev_std[s] = N*mean_g_xhat*(alpha - 1)/std
+        # this chunk's share of dgamma, dbeta
+        return (np.sum(dy*xhat, axis=L.param_axes, keepdims=True),
+                np.sum(dy, axis=L.param_axes, keepdims=True))
+
+    # parameter gradients: the chunks' shares summed in chunk order (the same bits for any number of threads)
+    for s, sp, (d_gamma, d_beta) in _rt.for_chunks(L, _chunk):
+        D_gamma[sp] += d_gamma
+        D_beta[sp] += d_beta
     return Grads(
         dx=call.outs["dx"],
         dgamma=_rt.store(call.outs["dgamma"], D_gamma),

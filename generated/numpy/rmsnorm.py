@@ -19,7 +19,10 @@ mean(.) is the mean over one normalization group of N elements.
 Arithmetic is float64 whatever the array dtype, over chunks of whole
 normalization groups small enough for the temporaries to stay in cache;
 results are stored in the dtype of x. NaN and Inf propagate as IEEE
-arithmetic does.
+arithmetic does. Chunks run on up to derivgen.runtime.num_threads() threads
+(NumPy releases the GIL in its loops); each writes only its own groups, and
+parameter gradients are summed in chunk order, so results do not depend on
+the number of threads.
 """
 
 import numpy as np
@@ -30,6 +33,8 @@ _META = {'name': 'rmsnorm',
          'layout': 'trailing',
          'reduce': 'features',
          'params': ['gamma'],
+         'scalar_params': [],
+         'axes': 1,
          'param_init': {'gamma': 1.0},
          'options': {'eps': (1e-06, 0.0, None)},
          'inputs': [],
@@ -71,29 +76,31 @@ def backward(dy, cache, *, out=None):
     return _BACKWARD[cache.mode](call)
 
 
-def _group_mean(axes):
-    def mean(a):
-        return np.mean(a, axis=axes, keepdims=True)
-    return mean
 
+def set_num_threads(n):
+    """Worker threads of the NumPy backend (process-wide; 0: OMP_NUM_THREADS, else all CPUs)."""
+    _rt.set_num_threads(n)
 
 def _forward_train(call):
     L = call.layout
     N = L.group_size
-    _mean = _group_mean(L.reduce_axes)
+    _mean = _rt.group_mean(L)
     X, Y = call.x.reshape(L.view4), call.out.reshape(L.view4)
-    P_gamma = call.params['gamma'].reshape(L.param4)
+    P_gamma = _rt.f64(call.params['gamma']).reshape(L.param4)
     eps = call.options['eps']
     stats = _rt.new_stats(L, ['ms', 'rstd'])
-    for s, sp in _rt.chunks(L):
-        x = _rt.f64(X[s])
-        gamma = _rt.f64(P_gamma[sp])
+
+    def _chunk(s, sp, tmp):
+        x = tmp.f64(X[s])
+        gamma = P_gamma[sp]
         # statistics, as the spec writes them
         ms = stats['ms'][s] = _mean(x**2)
         rstd = stats['rstd'][s] = 1/np.sqrt(ms + eps)
         # output
         xhat = rstd*x
         Y[s] = gamma*xhat
+
+    _rt.for_chunks(L, _chunk)
     return call.out, call.cache({k: v.reshape(-1) for k, v in stats.items()})
 
 
@@ -101,23 +108,29 @@ def _backward_train(call):
     c = call.cache
     L = c.layout
     N = L.group_size
-    _mean = _group_mean(L.reduce_axes)
+    _mean = _rt.group_mean(L)
     X, DY, DX = c.x.reshape(L.view4), call.dy.reshape(L.view4), call.outs["dx"].reshape(L.view4)
-    P_gamma = c.params['gamma'].reshape(L.param4)
+    P_gamma = _rt.f64(c.params['gamma']).reshape(L.param4)
     D_gamma = np.zeros(L.param4, dtype=np.float64)
     eps = c.options['eps']
     S_ms = c.stats['ms'].reshape(L.stat4)
     S_rstd = c.stats['rstd'].reshape(L.stat4)
-    for s, sp in _rt.chunks(L):
-        x, dy = _rt.f64(X[s]), _rt.f64(DY[s])
-        gamma = _rt.f64(P_gamma[sp])
+
+    def _chunk(s, sp, tmp):
+        x, dy = tmp.f64(X[s]), tmp.f64(DY[s])
+        gamma = P_gamma[sp]
         ms = S_ms[s]
         rstd = S_rstd[s]
         xhat = rstd*x
         g = dy*gamma
         mean_g_xhat = _mean(g*xhat)
         DX[s] = rstd*(g - mean_g_xhat*xhat)
-        D_gamma[sp] += np.sum(dy*xhat, axis=L.param_axes, keepdims=True)
+        # this chunk's share of dgamma
+        return (np.sum(dy*xhat, axis=L.param_axes, keepdims=True),)
+
+    # parameter gradients: the chunks' shares summed in chunk order (the same bits for any number of threads)
+    for s, sp, (d_gamma,) in _rt.for_chunks(L, _chunk):
+        D_gamma[sp] += d_gamma
     return Grads(
         dx=call.outs["dx"],
         dgamma=_rt.store(call.outs["dgamma"], D_gamma),
