@@ -18,7 +18,6 @@ reduction of each target.
 
 from __future__ import annotations
 
-import hashlib
 import pprint
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -105,7 +104,6 @@ def build_mode_ir(md: ModeDerivation) -> ModeIR:
                 sub[a] = sympy.Symbol(nm) / N
             forward.append(Loop(accs))
         forward.append(Assign(st.name, st.expr.xreplace(sub), comment=f"{st.name} = {st.expr_text}"))
-    mode = spec.mode(md.mode)
     buffer_updates = [(b.name, b.update) for b in spec.buffers] if md.mode == "train" else []
     fwd_elem = []
     if xhat is not None:
@@ -141,7 +139,6 @@ def build_mode_ir(md: ModeDerivation) -> ModeIR:
         bwd_group.append(Assign(nm, md.lowered(md.dinputs[i.name]), comment=f"∂L/∂{i.name} for this group"))
         dinputs.append((i.name, nm))
     dparams = [(p.name, md.dparams[p.name]) for p in spec.params]
-    _ = mode
     return ModeIR(mode=md.mode, stats=[s.name for s in md.statistics], forward=forward,
                   buffer_updates=buffer_updates, fwd_elem=fwd_elem, bwd_elem=bwd_elem, bwd_loop=bwd_loop,
                   bwd_group=bwd_group, dx_terms=dx_terms, dx_closed=md.dx_lowered, dparams=dparams,
@@ -483,6 +480,3 @@ def emit(d: Derivation, targets=("numpy", "c")) -> Emitted:
 def emit_layer(name_or_spec, targets=("numpy", "c")) -> Emitted:
     return emit(derive(name_or_spec), targets)
 
-
-def source_hash(text: str) -> str:
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()

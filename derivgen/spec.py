@@ -47,7 +47,7 @@ ENGINE_RESERVED = {
     "s", "o", "nn", "threads", "derivgen", "backend", "shape", "dtype", "min", "max",
     # loop variables and locals of the generated C and NumPy code
     "grp", "b", "m", "cg", "ch", "idx", "off", "base", "blocks", "block_stride", "n_groups", "nth",
-    "nthreads", "tid", "part", "mine", "xv", "dyv", "call", "partial", "np", "rt", "meta", "float",
+    "nthreads", "tid", "part", "mine", "xv", "dyv", "call", "partial", "rt", "meta", "float",
     "int", "none", "true", "false",
 }
 RESERVED_SUFFIXES = ("_t", "_g", "_v", "_in", "_out", "_stride", "_part")
