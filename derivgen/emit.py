@@ -372,8 +372,14 @@ class CPlanner:
             red = self.loop([e for _, e in self.ir.bwd_loop], temps, group_sums=self.ir.bwd_loop, arith=self.ctype)
         T = self.ctype
         coeffs = {k for k, _ in self.ir.dx_terms}
-        group = [(a.name, self.g(a.expr), a.comment) for a in self.ir.bwd_group
-                 if T == "double" or a.name not in coeffs]
+        means = {r for r, _ in zip((a.name for a in self.ir.bwd_group), self.ir.bwd_loop)}
+        kept = [a for a in self.ir.bwd_group if a.name not in means and (T == "double" or a.name not in coeffs)]
+        # the means stay sum/N (exact for constant rows); the values derived from them share
+        # subexpressions (online layer norm's coefficients do): name those once
+        repl, reduced = sympy.cse([a.expr for a in kept], symbols=sympy.numbered_symbols("cse"), order="none")
+        group = [(a.name, self.g(a.expr), a.comment) for a in self.ir.bwd_group if a.name in means]
+        group += [(str(t), self.g(e), "common subexpression") for t, e in repl]
+        group += [(a.name, self.g(r), a.comment) for a, r in zip(kept, reduced)]
         # double: dx = sum of per-group coefficients times element monomials (fewest flops);
         # float: the factored closed form, whose cancellations the hi/lo addends keep exact
         if T == "double":

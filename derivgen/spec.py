@@ -230,7 +230,7 @@ class _Ctx:
 
     def ident(self, where: str, name: str, taken: dict) -> str:
         if not IDENT.match(name) or keyword.iskeyword(name) or name in C_RESERVED \
-                or name in ENGINE_RESERVED or name.startswith(("d_", "tmp", "acc", "mean_", "sum_", "k_", "grad_", "_")) \
+                or name in ENGINE_RESERVED or name.startswith(("d_", "tmp", "acc", "mean_", "sum_", "k_", "grad_", "cse", "_")) \
                 or name.endswith(RESERVED_SUFFIXES):
             self.err(where, f"invalid or reserved name {name!r} (lower-case identifier, "
                             "not a C/Python keyword nor one of derivgen's own names)")

@@ -357,8 +357,10 @@ int online_layernorm_train_backward_f32(
             }
             const double mean_g = sum_g/N;  /* mean_g = mean(g) */
             const double mean_g_xhat = sum_g_xhat/N;  /* mean_g_xhat = mean(g*xhat) */
-            const double grad_prev_mean = N*(mean_g*(alpha - 1) + N*alpha*mean_g_xhat*(row_mean + alpha*mean - mean - alpha*row_mean)/(sample_std*(N - 1)))/std;  /* ∂L/∂prev_mean for this group */
-            const double grad_prev_std = N*mean_g_xhat*(alpha - 1)/std;  /* ∂L/∂prev_std for this group */
+            const double cse0 = alpha - 1;  /* common subexpression */
+            const double cse1 = N/std;  /* common subexpression */
+            const double grad_prev_mean = cse1*(cse0*mean_g + N*alpha*mean_g_xhat*(row_mean + alpha*mean - mean - alpha*row_mean)/(sample_std*(N - 1)));  /* ∂L/∂prev_mean for this group */
+            const double grad_prev_std = cse0*cse1*mean_g_xhat;  /* ∂L/∂prev_std for this group */
             dprev_mean[grp] = (float)grad_prev_mean;
             dprev_std[grp] = (float)grad_prev_std;
             {
@@ -736,11 +738,19 @@ int online_layernorm_train_backward_f64(
             }
             const double mean_g = sum_g/N;  /* mean_g = mean(g) */
             const double mean_g_xhat = sum_g_xhat/N;  /* mean_g_xhat = mean(g*xhat) */
-            const double k_1 = alpha*(N*alpha*mean_g_xhat*row_mean/(sample_std*(N - 1)) - mean_g - N*alpha*mean*mean_g_xhat/(sample_std*(N - 1)))/std;  /* coefficient of 1 in dx */
-            const double k_g = 1.0/std;  /* coefficient of g in dx */
-            const double k_xhat = -N*alpha*mean_g_xhat/(sample_std*(N - 1));  /* coefficient of xhat in dx */
-            const double grad_prev_mean = N*(mean_g*(alpha - 1) + N*alpha*mean_g_xhat*(row_mean + alpha*mean - mean - alpha*row_mean)/(sample_std*(N - 1)))/std;  /* ∂L/∂prev_mean for this group */
-            const double grad_prev_std = N*mean_g_xhat*(alpha - 1)/std;  /* ∂L/∂prev_std for this group */
+            const double cse0 = 1.0/std;  /* common subexpression */
+            const double cse1 = alpha*mean;  /* common subexpression */
+            const double cse2 = 1.0/sample_std;  /* common subexpression */
+            const double cse3 = 1.0/(N - 1);  /* common subexpression */
+            const double cse4 = N*cse2*cse3*mean_g_xhat;  /* common subexpression */
+            const double cse5 = alpha*cse4;  /* common subexpression */
+            const double cse6 = alpha - 1;  /* common subexpression */
+            const double cse7 = N*cse0;  /* common subexpression */
+            const double k_1 = alpha*cse0*(N*alpha*cse2*cse3*mean_g_xhat*row_mean - mean_g - cse1*cse4);  /* coefficient of 1 in dx */
+            const double k_g = cse0;  /* coefficient of g in dx */
+            const double k_xhat = -cse5;  /* coefficient of xhat in dx */
+            const double grad_prev_mean = cse7*(cse6*mean_g + cse5*(cse1 + row_mean - mean - alpha*row_mean));  /* ∂L/∂prev_mean for this group */
+            const double grad_prev_std = cse6*cse7*mean_g_xhat;  /* ∂L/∂prev_std for this group */
             dprev_mean[grp] = (double)grad_prev_mean;
             dprev_std[grp] = (double)grad_prev_std;
             {
