@@ -341,4 +341,8 @@ def plot(report: dict, path: str) -> None:
     ax.legend()
     ax.set_title(f"derivgen bench ({report['dtype']}, {report['threads']} threads)")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    from .fsutil import atomic_write
+    import io
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=120)
+    atomic_write(path, buf.getvalue())

@@ -232,7 +232,10 @@ def bench_cmd(names, shapes, threads, dtype, repeat, json_file, plot_file, defau
     if json_file:
         atomic_write(json_file, json.dumps(report, indent=1))
     if plot_file:
-        plot(report, plot_file)
+        try:
+            plot(report, plot_file)
+        except RuntimeError as exc:
+            raise click.ClickException(str(exc)) from None
         click.echo(f"chart: {plot_file}")
 
 
