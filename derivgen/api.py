@@ -80,27 +80,16 @@ def load(name_or_spec, backend: str = "numpy"):
     it works from an installed package too) and imported from there; the C
     backend compiles its kernels there on first use.
     """
-    import hashlib
     import importlib.util
     import sys
-
-    from .build import cache_dir
-    from .emit import emit
-    from .fsutil import atomic_write
 
     if backend not in ("numpy", "c"):
         raise ValueError(f"backend must be 'numpy' or 'c', got {backend!r}")
     spec = name_or_spec if isinstance(name_or_spec, Spec) else load_spec(name_or_spec)
-    files = emit(derive(spec), targets=(backend,)).files
-    digest = hashlib.sha256("\0".join(f"{k}\0{v}" for k, v in sorted(files.items())).encode()).hexdigest()[:16]
+    root, digest = materialize(spec, backend)
     key = (backend, digest)
     if key in _LOADED:
         return _LOADED[key]
-    root = cache_dir() / "modules" / f"{spec.name}-{backend}-{digest}"
-    for rel, text in files.items():
-        p = root / Path(rel).name
-        if not p.is_file() or p.read_text(encoding="utf-8") != text:
-            atomic_write(p, text)
     modname = f"derivgen_generated_{backend}_{spec.name}_{digest}"
     mspec = importlib.util.spec_from_file_location(modname, root / f"{spec.name}.py")
     module = importlib.util.module_from_spec(mspec)
@@ -108,3 +97,21 @@ def load(name_or_spec, backend: str = "numpy"):
     mspec.loader.exec_module(module)
     _LOADED[key] = module
     return module
+
+
+def materialize(spec: Spec, backend: str) -> tuple[Path, str]:
+    """Write the generated code of one backend into the cache; (directory, content digest)."""
+    import hashlib
+
+    from .build import cache_dir
+    from .emit import emit
+    from .fsutil import atomic_write
+
+    files = emit(derive(spec), targets=(backend,)).files
+    digest = hashlib.sha256("\0".join(f"{k}\0{v}" for k, v in sorted(files.items())).encode()).hexdigest()[:16]
+    root = cache_dir() / "modules" / f"{spec.name}-{backend}-{digest}"
+    for rel, text in files.items():
+        p = root / Path(rel).name
+        if not p.is_file() or p.read_text(encoding="utf-8") != text:
+            atomic_write(p, text)
+    return root, digest

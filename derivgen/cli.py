@@ -195,6 +195,22 @@ def check_cmd(names, spec_files, backends, dtypes, prove_sizes, as_json):
         raise click.ClickException(f"{len(failed)} check(s) failed")
 
 
+@cli.command("build")
+@click.argument("names", nargs=-1)
+@click.option("--spec", "spec_files", multiple=True, type=click.Path(dir_okay=False), help="Spec file(s) to build.")
+def build_cmd(names, spec_files):
+    """Compile the C kernels into shared libraries in the build cache (CC and CFLAGS honored)."""
+    from .build import BuildError, build_shared
+    specs = [_spec_or_name(n, None) for n in names] + [_spec_or_name(None, f) for f in spec_files]
+    for spec in specs or [api.load_spec(n) for n in api.names()]:
+        root, _ = api.materialize(spec, "c")
+        try:
+            lib = build_shared(root / f"{spec.name}.c")
+        except BuildError as exc:
+            raise click.ClickException(f"{spec.name}: {exc}") from None
+        click.echo(f"{spec.name:<18} {lib}")
+
+
 def _shape(text: str) -> tuple[int, ...]:
     try:
         dims = tuple(int(t) for t in text.lower().replace(",", "x").split("x") if t.strip())

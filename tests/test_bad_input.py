@@ -168,6 +168,7 @@ def test_instancenorm_needs_spatial_axes(backend):
         k.forward(np.ones((2, 3)), np.ones(3), np.ones(3))
 
 
+@pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning")
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_nan_and_inf_propagate(backend, dtype):
     """IEEE semantics: a NaN or Inf poisons its own group and nothing else."""

@@ -71,3 +71,14 @@ def test_concurrent_builds_of_the_same_kernel(cache, tmp_path):
     assert len(libs) == 1
     assert [p.name for p in cache.iterdir() if p.suffix == ".so"] == [Path(libs.pop()).name]
     assert not [p for p in cache.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_build_command(cache, monkeypatch):
+    r = subprocess.run([sys.executable, "-m", "derivgen", "build", "rmsnorm", "groupnorm"], capture_output=True,
+                       text=True, env=dict(os.environ, DERIVGEN_CACHE=str(cache)), timeout=600)
+    assert r.returncode == 0, r.stderr
+    libs = [line.split()[-1] for line in r.stdout.splitlines()]
+    assert len(libs) == 2 and all(Path(p).is_file() and Path(p).parent == cache for p in libs)
+    r = subprocess.run([sys.executable, "-m", "derivgen", "build", "rmsnorm"], capture_output=True, text=True,
+                       env=dict(os.environ, DERIVGEN_CACHE=str(cache), CFLAGS="-O2 -fno-such-flag"), timeout=600)
+    assert r.returncode == 1 and "no-such-flag" in r.stderr and "Traceback" not in r.stderr
