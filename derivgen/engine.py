@@ -247,8 +247,11 @@ def derive_mode(spec: Spec, mode_name: str | None = None) -> ModeDerivation:
                 lhs_t = partial_text(st.text, T(v)) + " via " + _txt(atom)
                 dr = Mean(sympy.factor_terms(sympy.diff(rarg, v)))
                 if val == 0:
-                    why = f"{_txt(dr)} = 0 because " + _why_zero(stats, _txt)
-                    why_l = f"${_ltx(dr)} = 0$ because " + _why_zero(stats, lambda e: "$" + _ltx(e) + "$")
+                    # linearity alone, then the definitions of the statistics it involves
+                    lin = sympy.factor_terms(ReductionAlgebra(varying).canon(raw))
+                    used = [t for t in stats if isinstance(t.expr, Mean) and lin.has(t.symbol)]
+                    why = f"{_txt(dr)} = {_txt(lin)} = 0 because " + _why_zero(used, _txt)
+                    why_l = f"${_ltx(dr)} = {_ltx(lin)} = 0$ because " + _why_zero(used, lambda e: "$" + _ltx(e) + "$")
                     vanishing.append((f"∂{st.text}/∂{T(v)} through the mean {_txt(atom)}", why))
                     stat_partials.equations.append(Equation(lhs_l, lhs_t, sympy.S.Zero, note=why, note_latex=why_l))
                 else:
@@ -368,8 +371,8 @@ def _solver(xhat: sympy.Symbol, xhat_def: sympy.Expr) -> sympy.Expr | None:
 
 
 def _why_zero(stats, txt) -> str:
-    defs = [f"{s.text} = {txt(s.expr)}" for s in stats if isinstance(s.expr, Mean)]
-    return "the definitions " + "; ".join(defs) + " make it cancel" if defs else "it cancels"
+    defs = [f"{s.text} = {txt(s.expr)}" for s in stats]
+    return " and ".join(defs) if defs else "its terms cancel"
 
 
 
