@@ -323,7 +323,8 @@ def derive_mode(spec: Spec, mode_name: str | None = None) -> ModeDerivation:
     if xhat is not None and alg.known.get(xhat, None) == 0:
         why = "exactly, so any term proportional to it — the “1/N²” term that hand derivations " \
               "drop as negligible — is not small but exactly zero"
-        note = f"⟨x̂⟩ = {_txt(xhat_def)} averaged = 0 {why}."
+        lin = sympy.factor_terms(ReductionAlgebra(varying).canon(Mean(xhat_def)))
+        note = f"{_txt(Mean(xhat))} = {_txt(lin)} = 0 {why}."
         note_l = f"$\\langle {spec.normalized.latex} \\rangle = 0$ {why}."
         vanishing.append(("Σ_j x̂_j", note))
         closed.equations.append(Equation(r"\sum_j " + spec.normalized.latex + "_j", "Σ x̂", sympy.S.Zero,
