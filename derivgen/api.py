@@ -70,7 +70,7 @@ def derive(name_or_spec: str | Path | Spec, *, prove: bool | tuple[int, ...] = F
     return _derive_spec(spec, sizes)
 
 
-_LOADED: dict[tuple[str, str], object] = {}
+_LOADED: dict[tuple, object] = {}   # (backend, digest) and (spec, backend) -> module
 
 
 def load(name_or_spec, backend: str = "numpy"):
@@ -86,16 +86,19 @@ def load(name_or_spec, backend: str = "numpy"):
     if backend not in ("numpy", "c"):
         raise ValueError(f"backend must be 'numpy' or 'c', got {backend!r}")
     spec = name_or_spec if isinstance(name_or_spec, Spec) else load_spec(name_or_spec)
+    if (spec, backend) in _LOADED:            # the same spec: no need to derive and render again
+        return _LOADED[(spec, backend)]
     root, digest = materialize(spec, backend)
     key = (backend, digest)
     if key in _LOADED:
+        _LOADED[(spec, backend)] = _LOADED[key]
         return _LOADED[key]
     modname = f"derivgen_generated_{backend}_{spec.name}_{digest}"
     mspec = importlib.util.spec_from_file_location(modname, root / f"{spec.name}.py")
     module = importlib.util.module_from_spec(mspec)
     sys.modules[modname] = module
     mspec.loader.exec_module(module)
-    _LOADED[key] = module
+    _LOADED[key] = _LOADED[(spec, backend)] = module
     return module
 
 

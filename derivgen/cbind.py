@@ -41,15 +41,23 @@ class CKernel:
         fn.restype = ctypes.c_int
         return fn
 
+    def _leading(self, L, arrays, params, options, inputs) -> list:
+        """The arguments both kernels start with: dims, data arrays, parameters, options,
+        per-group inputs (pointer and stride: 0 for a scalar, 1 for one value per group)."""
+        m = self.meta
+        args = [ctypes.c_int64(L.O), ctypes.c_int64(L.G), ctypes.c_int64(L.Cg), ctypes.c_int64(L.S)]
+        args += [_ptr(a) for a in arrays]
+        args += [_ptr(params[p]) for p in m["params"]]
+        args += [ctypes.c_double(options[o]) for o in m["options"]]
+        for i in m["inputs"]:
+            v = inputs[i]
+            args += [_ptr(v), ctypes.c_int64(0 if v.size == 1 else 1)]
+        return args
+
     def forward(self, call: rt.ForwardCall):
         L, m = call.layout, self.meta
         stats = {s: np.empty(L.n_groups, dtype=np.float64) for s in m["stats"][call.mode]}
-        args = [ctypes.c_int64(L.O), ctypes.c_int64(L.G), ctypes.c_int64(L.Cg), ctypes.c_int64(L.S), _ptr(call.x)]
-        args += [_ptr(call.params[p]) for p in m["params"]]
-        args += [ctypes.c_double(call.options[o]) for o in m["options"]]
-        for i in m["inputs"]:
-            v = call.inputs[i]
-            args += [_ptr(v), ctypes.c_int64(0 if v.size == 1 else 1)]
+        args = self._leading(L, [call.x], call.params, call.options, call.inputs)
         bufs = {}
         for b in m["buffers"]:
             buf = call.buffers[b]
@@ -72,13 +80,7 @@ class CKernel:
         c, m = call.cache, self.meta
         L = c.layout
         dinputs = {i: np.empty(L.n_groups, dtype=c.dtype) for i in m["inputs"]}
-        args = [ctypes.c_int64(L.O), ctypes.c_int64(L.G), ctypes.c_int64(L.Cg), ctypes.c_int64(L.S),
-                _ptr(c.x), _ptr(call.dy)]
-        args += [_ptr(c.params[p]) for p in m["params"]]
-        args += [ctypes.c_double(c.options[o]) for o in m["options"]]
-        for i in m["inputs"]:
-            v = c.inputs[i]
-            args += [_ptr(v), ctypes.c_int64(0 if v.size == 1 else 1)]
+        args = self._leading(L, [c.x, call.dy], c.params, c.options, c.inputs)
         args += [_ptr(c.stats[s]) for s in m["stats"][c.mode]]
         args.append(_ptr(call.outs["dx"]))
         args += [_ptr(call.outs["d" + p]) for p in m["params"]]

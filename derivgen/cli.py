@@ -30,6 +30,11 @@ def _spec_or_name(name: str | None, spec: str | None):
         raise UserError(str(exc)) from None
 
 
+def _specs(names, spec_files) -> list:
+    """Catalogue NAMES and --spec FILEs, validated, in the order given."""
+    return [_spec_or_name(n, None) for n in names] + [_spec_or_name(None, f) for f in spec_files]
+
+
 def _sizes(text: str) -> tuple[int, ...]:
     try:
         if "-" in text:
@@ -93,7 +98,7 @@ def prove_cmd(names, spec_files, prove_sizes):
     """Derive and prove layers (default: the whole catalogue); print a summary table."""
     from .document import text_expr
     sizes = _sizes(prove_sizes)
-    specs = [_spec_or_name(n, None) for n in names] + [_spec_or_name(None, f) for f in spec_files]
+    specs = _specs(names, spec_files)
     if not specs:
         specs = [api.load_spec(n) for n in api.names()]
     t_all = time.perf_counter()
@@ -138,7 +143,7 @@ def generate_cmd(names, spec_files, target, out_dir, check):
     """Regenerate NumPy and C code (default: the whole catalogue into ./generated)."""
     from . import generate as gen
     targets = tuple(target) or gen.TARGETS
-    specs = [_spec_or_name(n, None) for n in names] + [_spec_or_name(None, f) for f in spec_files]
+    specs = _specs(names, spec_files)
     whole = not specs
     files = gen.render_all(specs or None, targets)
     out = Path(out_dir) if out_dir else Path("generated")
@@ -174,7 +179,7 @@ def check_cmd(names, spec_files, backends, dtypes, prove_sizes, as_json):
     if not dl or any(d not in ("float32", "float64") for d in dl) or len(set(dl)) != len(dl):
         raise UserError(f"--dtype: expected a comma-separated subset of float32,float64, got {dtypes!r}")
     sizes = _sizes(prove_sizes)
-    specs = [_spec_or_name(n, None) for n in names] + [_spec_or_name(None, f) for f in spec_files]
+    specs = _specs(names, spec_files)
     if not specs:
         specs = [api.load_spec(n) for n in api.names()]
     total = sum(len(s.modes) for s in specs) * len(bl) * len(dl)
@@ -201,7 +206,7 @@ def check_cmd(names, spec_files, backends, dtypes, prove_sizes, as_json):
 def build_cmd(names, spec_files):
     """Compile the C kernels into shared libraries in the build cache (CC and CFLAGS honored)."""
     from .build import BuildError, build_shared
-    specs = [_spec_or_name(n, None) for n in names] + [_spec_or_name(None, f) for f in spec_files]
+    specs = _specs(names, spec_files)
     for spec in specs or [api.load_spec(n) for n in api.names()]:
         root, _ = api.materialize(spec, "c")
         try:
@@ -237,8 +242,7 @@ def bench_cmd(names, shapes, threads, dtype, repeat, json_file, plot_file, defau
     from .bench import DEFAULT_SHAPES, format_report, plot, run_bench
     from .check import stderr_progress
     names = list(names) or list(DEFAULT_SHAPES)
-    for n in names:
-        _spec_or_name(n, None)
+    _specs(names, ())
     shp = [_shape(s) for s in shapes] or None
     total = sum(len(shp or DEFAULT_SHAPES.get(n, [0])) for n in names) * 4
     progress = stderr_progress(total)
