@@ -222,7 +222,7 @@ CTYPES = {"f32": "float", "f64": "double"}
 class CLoop:
     """One sweep over the elements of a group, as data for the C template.
 
-    The template emits it with 16 independent double lanes for every sum (so
+    The template emits it with DG_LANES independent double lanes for every sum (so
     the compiler vectorizes without reassociating: no -ffast-math, and the
     summation order is fixed), and loads each parameter once per channel in
     NCHW layouts.
@@ -235,6 +235,9 @@ class CLoop:
     group_sums: list[tuple[str, str]]      # (accumulator, expression) summed over the group
     param_sums: list[tuple[int, str]]      # (parameter slot, expression) summed per channel
     scalar_param_sums: list[tuple[int, str]] = field(default_factory=list)  # (slot, accumulator): scalar params
+    param_pend: list[tuple[int, str]] = field(default_factory=list)  # param_sums in element arithmetic
+    outputs: list[str] = field(default_factory=list)       # full-size arrays written (y, dx), via <name>_w
+    prefetch: list[str] = field(default_factory=list)      # full-size arrays read ahead (first sweep only)
 
 
 class CPlanner:
@@ -256,8 +259,12 @@ class CPlanner:
         return c_expr(e, "double", self.group_names)
 
     def loop(self, exprs: list[sympy.Expr], temps: list[tuple[str, sympy.Expr]], *, stores=(), group_sums=(),
-             param_sums=(), arith: str = "double") -> CLoop:
+             param_sums=(), arith: str = "double", outputs=(), first: bool = False) -> CLoop:
         """Element sweep computing ``exprs``; ``temps`` are element temporaries available.
+
+        ``outputs`` are the full-size arrays the sweep writes (through ``<name>_w``,
+        which is either the array or a cache-resident tile streamed out after the
+        block); the ``first`` sweep of a function prefetches the arrays it reads.
 
         Loads and stores use the array type. Sums are always double. With
         ``arith="double"`` all arithmetic is double, so a float32 kernel centres
@@ -348,20 +355,24 @@ class CPlanner:
                      stores=[f.format(P=P) if isinstance(f, str) else f(P) for f in stores],
                      group_sums=[(a, S(e)) for a, e in group_sums],
                      param_sums=[(k, S(e)) for k, e in chan_sums],
-                     scalar_param_sums=[(k, f"psum_{k}") for k, _ in scal_sums])
+                     scalar_param_sums=[(k, f"psum_{k}") for k, _ in scal_sums],
+                     param_pend=[(k, P(e)) for k, e in chan_sums], outputs=list(outputs),
+                     prefetch=[a for a in ("x", "dy") if a in names] if first else [])
 
     def forward(self):
         steps = []
         for st in self.ir.forward:
             if isinstance(st, Loop):
-                steps.append(("loop", self.loop([e for _, e in st.accs], [], group_sums=st.accs),
+                steps.append(("loop", self.loop([e for _, e in st.accs], [], group_sums=st.accs, first=not any(s[0] == "loop" for s in steps)),
                               [a for a, _ in st.accs]))
             else:
                 steps.append(("assign", st.name, self.g(st.expr), st.comment))
         _, out_expr = self.ir.fwd_elem[-1]
         temps = list(self.ir.fwd_elem[:-1])
         T = self.ctype
-        final = self.loop([out_expr], temps, stores=[lambda P: f"y[idx] = ({T})({P(out_expr)});"], arith=T)
+        first = not any(st[0] == "loop" for st in steps)
+        final = self.loop([out_expr], temps, stores=[lambda P: f"y_w[idx - off] = ({T})({P(out_expr)});"], arith=T,
+                          outputs=["y"], first=first)
         updates = [(b, self.g(e)) for b, e in self.ir.buffer_updates]
         return steps, final, updates
 
@@ -369,7 +380,8 @@ class CPlanner:
         temps = list(self.ir.bwd_elem)
         red = None
         if self.ir.bwd_loop:
-            red = self.loop([e for _, e in self.ir.bwd_loop], temps, group_sums=self.ir.bwd_loop, arith=self.ctype)
+            red = self.loop([e for _, e in self.ir.bwd_loop], temps, group_sums=self.ir.bwd_loop, arith=self.ctype,
+                            first=True)
         T = self.ctype
         coeffs = {k for k, _ in self.ir.dx_terms}
         means = {r for r, _ in zip((a.name for a in self.ir.bwd_group), self.ir.bwd_loop)}
@@ -387,8 +399,8 @@ class CPlanner:
         else:
             dx_expr = self.ir.dx_closed
         pexprs = [e for _, e in self.ir.dparams]
-        final = self.loop([dx_expr, *pexprs], temps, stores=[lambda P: f"dx[idx] = ({T})({P(dx_expr)});"],
-                          param_sums=list(enumerate(pexprs)), arith=T)
+        final = self.loop([dx_expr, *pexprs], temps, stores=[lambda P: f"dx_w[idx - off] = ({T})({P(dx_expr)});"],
+                          param_sums=list(enumerate(pexprs)), arith=T, outputs=["dx"], first=red is None)
         return red, [a for a, _ in self.ir.bwd_loop], group, final
 
 

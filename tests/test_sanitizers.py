@@ -15,12 +15,12 @@ ROOT = Path(__file__).resolve().parent.parent
 SAN = "-O1 -g -fno-omit-frame-pointer -fsanitize=address,undefined -fno-sanitize-recover=all"
 
 
-def _sanitized(tmp_path, *args):
+def _sanitized(tmp_path, *args, extra: str = ""):
     gcc = require_tool("gcc")
     libasan = subprocess.run([gcc, "-print-file-name=libasan.so"], capture_output=True, text=True).stdout.strip()
     if not os.path.isabs(libasan):
         pytest.fail("gcc has no libasan.so (install libasan8 / gcc)")
-    env = dict(os.environ, CFLAGS=SAN, DERIVGEN_CACHE=str(tmp_path / "cache"), LD_PRELOAD=libasan,
+    env = dict(os.environ, CFLAGS=f"{SAN} {extra}", DERIVGEN_CACHE=str(tmp_path / "cache"), LD_PRELOAD=libasan,
                ASAN_OPTIONS="detect_leaks=0:abort_on_error=1", UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1",
                PYTHONPATH=str(ROOT))
     return subprocess.run([sys.executable, str(ROOT / "tests" / "sanitize_driver.py"), *args], env=env,
@@ -33,8 +33,11 @@ def test_the_sanitizer_catches_an_out_of_bounds_read(tmp_path):
     assert "AddressSanitizer" in r.stderr
 
 
-def test_kernels_under_asan_and_ubsan(tmp_path):
-    r = _sanitized(tmp_path)
+# the plain paths, and the streaming-store tiles and prefetch forced on for every size
+@pytest.mark.parametrize("extra", ["", "-march=native -DDG_STREAM_BYTES=0 -DDG_AHEAD_BYTES=64"],
+                         ids=["plain", "streamed"])
+def test_kernels_under_asan_and_ubsan(tmp_path, extra):
+    r = _sanitized(tmp_path, extra=extra)
     assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-6000:])
     assert "ERROR: AddressSanitizer" not in r.stderr and "runtime error" not in r.stderr, r.stderr[-6000:]
     assert "ran " in r.stdout

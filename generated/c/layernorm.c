@@ -18,18 +18,36 @@
  *     dbeta = sum of dy over the axes beta does not span
  *
  * mean(.) is the mean over one normalization group of N elements. Arrays are
- * read and written in their own type; all arithmetic and every sum is double.
- * Statistics are computed as written (two passes for a variance, over a group
- * that stays in cache), never as E[x^2] - E[x]^2. Sums run in DG_LANES
- * independent lanes added pairwise at the end: vectorizable without
+ * read and written in their own type. Statistics and every sum are double,
+ * computed as written (two passes for a variance, over a group that stays in
+ * cache), never as E[x^2] - E[x]^2. Output sweeps of the float kernels compute
+ * in float, adding group-level terms as hi + lo float pairs. Sums run in
+ * DG_LANES independent lanes added pairwise at the end: vectorizable without
  * reassociation, and per-group results (statistics, y, dx) are the same bits
- * for any thread count; parameter gradients add per-thread partials, the same
- * bits for a given thread count. NaN and Inf propagate as IEEE arithmetic does.
+ * for any thread count; parameter gradients add per-thread partials (float
+ * partials of the float kernels flushed to double every DG_PEND groups), the
+ * same bits for a given thread count. NaN and Inf propagate as IEEE arithmetic
+ * does.
+ *
+ * Memory traffic: the first sweep over a block prefetches DG_AHEAD_BYTES ahead,
+ * across block boundaries (hardware prefetchers stop at 4 KiB pages). Outputs
+ * of at least DG_STREAM_BYTES are computed block by block into a per-thread
+ * tile of at most DG_TILE_BYTES and written out with non-temporal stores, so
+ * their lines are not read before being overwritten. All three are macros a
+ * build may override (-D).
  */
 #include "layernorm.h"
 
 #include <math.h>
+#include <stdint.h>
 #include <stdlib.h>
+
+#if defined(__SSE2__) || defined(__AVX__) || defined(__AVX512F__)
+#include <immintrin.h>
+#define DG_HAVE_STREAM 1
+#else
+#define DG_HAVE_STREAM 0
+#endif
 
 #ifdef _OPENMP
 #include <omp.h>
@@ -39,6 +57,30 @@
 #endif
 
 #define DG_LANES 32
+#define DG_PEND 8
+#ifndef DG_AHEAD_BYTES
+#define DG_AHEAD_BYTES 4096
+#endif
+#ifndef DG_STREAM_BYTES
+#define DG_STREAM_BYTES ((int64_t)8 << 20)
+#endif
+#ifndef DG_TILE_BYTES
+#define DG_TILE_BYTES ((int64_t)256 << 10)
+#endif
+
+#if defined(__GNUC__)
+#define DG_PREFETCH(p) __builtin_prefetch(p)
+#else
+#define DG_PREFETCH(p) ((void)(p))
+#endif
+/* the lanes of a block are independent: every j touches its own elements */
+#if defined(__clang__)
+#define DG_INDEPENDENT _Pragma("clang loop vectorize(assume_safety)")
+#elif defined(__GNUC__)
+#define DG_INDEPENDENT _Pragma("GCC ivdep")
+#else
+#define DG_INDEPENDENT
+#endif
 
 static int dg_threads(int nthreads)
 {
@@ -68,6 +110,81 @@ static double dg_lanes(const double *lane)
         for (int j = 0; j < w; ++j) t[j] += t[j + w];
     return t[0];
 }
+
+/* the index `a` elements past position p of the block at off, continuing into
+ * the block read next (nxt); -1 past the end of the array */
+static inline int64_t dg_ahead(int64_t off, int64_t p, int64_t M, int64_t nxt, int64_t total, int64_t a)
+{
+    const int64_t q = p + a;
+    const int64_t i = q < M ? off + q : nxt + (q - M);
+    return i < total ? i : -1;
+}
+
+/* a per-thread tile for streaming out an output of `total` elements in blocks of M, or NULL */
+static inline void *dg_tile(int64_t total, int64_t M, int64_t size)
+{
+    if (!DG_HAVE_STREAM || total * size < DG_STREAM_BYTES || M * size > DG_TILE_BYTES)
+        return NULL;
+    return malloc((size_t)(M * size));
+}
+
+/* dst[0:n] = src[0:n] with non-temporal stores where dst is aligned */
+static inline void dg_stream_float(float *restrict dst, const float *restrict src, int64_t n)
+{
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    for (; i < n && ((uintptr_t)(dst + i) & 63u) != 0; ++i) dst[i] = src[i];
+    for (; i + 16 <= n; i += 16) _mm512_stream_ps(dst + i, _mm512_loadu_ps(src + i));
+#elif defined(__AVX__)
+    for (; i < n && ((uintptr_t)(dst + i) & 31u) != 0; ++i) dst[i] = src[i];
+    for (; i + 8 <= n; i += 8) _mm256_stream_ps(dst + i, _mm256_loadu_ps(src + i));
+#elif defined(__SSE2__)
+    for (; i < n && ((uintptr_t)(dst + i) & 15u) != 0; ++i) dst[i] = src[i];
+    for (; i + 4 <= n; i += 4) _mm_stream_ps(dst + i, _mm_loadu_ps(src + i));
+#endif
+    for (; i < n; ++i) dst[i] = src[i];
+}
+
+static inline void dg_stream_double(double *restrict dst, const double *restrict src, int64_t n)
+{
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    for (; i < n && ((uintptr_t)(dst + i) & 63u) != 0; ++i) dst[i] = src[i];
+    for (; i + 8 <= n; i += 8) _mm512_stream_pd(dst + i, _mm512_loadu_pd(src + i));
+#elif defined(__AVX__)
+    for (; i < n && ((uintptr_t)(dst + i) & 31u) != 0; ++i) dst[i] = src[i];
+    for (; i + 4 <= n; i += 4) _mm256_stream_pd(dst + i, _mm256_loadu_pd(src + i));
+#elif defined(__SSE2__)
+    for (; i < n && ((uintptr_t)(dst + i) & 15u) != 0; ++i) dst[i] = src[i];
+    for (; i + 2 <= n; i += 2) _mm_stream_pd(dst + i, _mm_loadu_pd(src + i));
+#endif
+    for (; i < n; ++i) dst[i] = src[i];
+}
+
+/* order the streaming stores before the results are used */
+static inline void dg_fence(void)
+{
+#if DG_HAVE_STREAM
+    _mm_sfence();
+#endif
+}
+
+/* acc += pend; pend = 0 */
+static inline void dg_flush_float(double *restrict acc, float *restrict pend, int64_t n)
+{
+    for (int64_t i = 0; i < n; ++i) {
+        acc[i] += (double)pend[i];
+        pend[i] = 0.0f;
+    }
+}
+
+static inline void dg_flush_double(double *restrict acc, double *restrict pend, int64_t n)
+{
+    for (int64_t i = 0; i < n; ++i) {
+        acc[i] += pend[i];
+        pend[i] = 0.0;
+    }
+}
 /* ---- train forward, float ---- */
 int layernorm_train_forward_f32(
     int64_t O, int64_t G, int64_t Cg, int64_t S,
@@ -86,126 +203,149 @@ int layernorm_train_forward_f32(
     const int64_t blocks = 1;               /* blocks per group */
     const int64_t block_stride = G * M;
     const double N = (double)(blocks * M);          /* values per group */
+    const int64_t total = n_groups * blocks * M;    /* values in x */
+    const int64_t ahead = DG_AHEAD_BYTES / (int64_t)sizeof(float);
     const int nth = dg_threads(nthreads);
     (void)N;
     (void)nth;
+    (void)total;
+    (void)ahead;
     (void)gamma;
     (void)beta;
     (void)eps;
 
-    DG_PRAGMA(omp parallel for schedule(static) num_threads(nth))
-    for (int64_t grp = 0; grp < n_groups; ++grp) {
-        const int64_t gi = grp % G;                  /* channel group */
-        (void)gi;
-        const int64_t base = grp * M;
-        double sum_mean;
-        {
-            double lane_sum_mean[DG_LANES] = {0};
-            for (int64_t b = 0; b < blocks; ++b) {
-                const int64_t off = base + b * block_stride;
-                int64_t m = 0;
-                for (; m + DG_LANES <= M; m += DG_LANES) {
-                    for (int j = 0; j < DG_LANES; ++j) {
-                        const int64_t idx = off + m + j;
+    DG_PRAGMA(omp parallel num_threads(nth))
+    {
+        float *y_tile = (float *)dg_tile(total, M, (int64_t)sizeof(float));   /* NULL: write y directly */
+        DG_PRAGMA(omp for schedule(static))
+        for (int64_t grp = 0; grp < n_groups; ++grp) {
+            const int64_t gi = grp % G;                  /* channel group */
+            (void)gi;
+            const int64_t base = grp * M;
+            double sum_mean;
+            {
+                double lane_sum_mean[DG_LANES] = {0};
+                for (int64_t b = 0; b < blocks; ++b) {
+                    const int64_t off = base + b * block_stride;
+                    const int64_t nxt = b + 1 < blocks ? off + block_stride : base + M;   /* block read next */
+                    int64_t m = 0;
+                    for (; m + DG_LANES <= M; m += DG_LANES) {
+                        for (int q = 0; q < DG_LANES; q += 64 / (int)sizeof(*x)) {  /* read ahead, a line at a time */
+                            const int64_t pf = dg_ahead(off, m + q, M, nxt, total, ahead);
+                            if (pf >= 0) DG_PREFETCH(x + pf);
+                        }
+                        DG_INDEPENDENT
+                        for (int j = 0; j < DG_LANES; ++j) {
+                            const int64_t idx = off + m + j;
+                            const double xv = (double)x[idx];
+                            lane_sum_mean[j] += xv;
+                        }
+                    }
+                    for (; m < M; ++m) {
+                        const int j = 0;                /* the remainder goes to lane 0 */
+                        (void)j;
+                        const int64_t idx = off + m;
                         const double xv = (double)x[idx];
                         lane_sum_mean[j] += xv;
                     }
                 }
-                for (; m < M; ++m) {
-                    const int j = 0;                /* the remainder goes to lane 0 */
-                    (void)j;
-                    const int64_t idx = off + m;
-                    const double xv = (double)x[idx];
-                    lane_sum_mean[j] += xv;
-                }
+                sum_mean = dg_lanes(lane_sum_mean);
             }
-            sum_mean = dg_lanes(lane_sum_mean);
-        }
-        const double mean = sum_mean/N;  /* mean = mean(x) */
-        double sum_var;
-        {
-            double lane_sum_var[DG_LANES] = {0};
-            for (int64_t b = 0; b < blocks; ++b) {
-                const int64_t off = base + b * block_stride;
-                int64_t m = 0;
-                for (; m + DG_LANES <= M; m += DG_LANES) {
-                    for (int j = 0; j < DG_LANES; ++j) {
-                        const int64_t idx = off + m + j;
+            const double mean = sum_mean/N;  /* mean = mean(x) */
+            double sum_var;
+            {
+                double lane_sum_var[DG_LANES] = {0};
+                for (int64_t b = 0; b < blocks; ++b) {
+                    const int64_t off = base + b * block_stride;
+                    int64_t m = 0;
+                    for (; m + DG_LANES <= M; m += DG_LANES) {
+                        DG_INDEPENDENT
+                        for (int j = 0; j < DG_LANES; ++j) {
+                            const int64_t idx = off + m + j;
+                            const double xv = (double)x[idx];
+                            lane_sum_var[j] += ((xv - mean)*(xv - mean));
+                        }
+                    }
+                    for (; m < M; ++m) {
+                        const int j = 0;                /* the remainder goes to lane 0 */
+                        (void)j;
+                        const int64_t idx = off + m;
                         const double xv = (double)x[idx];
                         lane_sum_var[j] += ((xv - mean)*(xv - mean));
                     }
                 }
-                for (; m < M; ++m) {
-                    const int j = 0;                /* the remainder goes to lane 0 */
-                    (void)j;
-                    const int64_t idx = off + m;
-                    const double xv = (double)x[idx];
-                    lane_sum_var[j] += ((xv - mean)*(xv - mean));
-                }
+                sum_var = dg_lanes(lane_sum_var);
             }
-            sum_var = dg_lanes(lane_sum_var);
-        }
-        const double var = sum_var/N;  /* var = mean((x - mean)**2) */
-        const double rstd = 1/sqrt(var + eps);  /* rstd = 1/sqrt(var + eps) */
-        mean_out[grp] = mean;
-        var_out[grp] = var;
-        rstd_out[grp] = rstd;
-        {
-            const double h0 = -mean;
-            const float h0_hi = (float)h0;
-            const float h0_lo = (float)(h0 - (double)h0_hi);
-            const float rstd_f = (float)rstd;
-            for (int64_t b = 0; b < blocks; ++b) {
-                const int64_t off = base + b * block_stride;
-                if (S == 1) {           /* parameters vary along the run */
-                    int64_t m = 0;
-                    for (; m + DG_LANES <= Cg; m += DG_LANES) {
-                        for (int j = 0; j < DG_LANES; ++j) {
-                            const int64_t idx = off + m + j;
-                            const int64_t ch = gi * Cg + m + j;
+            const double var = sum_var/N;  /* var = mean((x - mean)**2) */
+            const double rstd = 1/sqrt(var + eps);  /* rstd = 1/sqrt(var + eps) */
+            mean_out[grp] = mean;
+            var_out[grp] = var;
+            rstd_out[grp] = rstd;
+            {
+                const double h0 = -mean;
+                const float h0_hi = (float)h0;
+                const float h0_lo = (float)(h0 - (double)h0_hi);
+                const float rstd_f = (float)rstd;
+                for (int64_t b = 0; b < blocks; ++b) {
+                    const int64_t off = base + b * block_stride;
+                    float *restrict y_w = y_tile != NULL ? y_tile : y + off;
+                    if (S == 1) {           /* parameters vary along the run */
+                        int64_t m = 0;
+                        for (; m + DG_LANES <= Cg; m += DG_LANES) {
+                            DG_INDEPENDENT
+                            for (int j = 0; j < DG_LANES; ++j) {
+                                const int64_t idx = off + m + j;
+                                const int64_t ch = gi * Cg + m + j;
+                                const float gamma_v = gamma[ch];
+                                const float beta_v = beta[ch];
+                                const float xv = x[idx];
+                                const float xhat = rstd_f*((xv + h0_hi + h0_lo));
+                                y_w[idx - off] = (float)(gamma_v*xhat + beta_v);
+                            }
+                        }
+                        for (; m < Cg; ++m) {
+                            const int j = 0;                /* the remainder goes to lane 0 */
+                            (void)j;
+                            const int64_t idx = off + m;
+                            const int64_t ch = gi * Cg + m;
                             const float gamma_v = gamma[ch];
                             const float beta_v = beta[ch];
                             const float xv = x[idx];
                             const float xhat = rstd_f*((xv + h0_hi + h0_lo));
-                            y[idx] = (float)(gamma_v*xhat + beta_v);
+                            y_w[idx - off] = (float)(gamma_v*xhat + beta_v);
                         }
-                    }
-                    for (; m < Cg; ++m) {
-                        const int j = 0;                /* the remainder goes to lane 0 */
-                        (void)j;
-                        const int64_t idx = off + m;
-                        const int64_t ch = gi * Cg + m;
-                        const float gamma_v = gamma[ch];
-                        const float beta_v = beta[ch];
-                        const float xv = x[idx];
-                        const float xhat = rstd_f*((xv + h0_hi + h0_lo));
-                        y[idx] = (float)(gamma_v*xhat + beta_v);
-                    }
-                } else {                /* NCHW: one parameter per run of S values */
-                    for (int64_t cg = 0; cg < Cg; ++cg) {
-                        const int64_t ch = gi * Cg + cg;
-                        const float gamma_v = gamma[ch];
-                        const float beta_v = beta[ch];
-                        int64_t s = 0;
-                        for (; s + DG_LANES <= S; s += DG_LANES) {
-                            for (int j = 0; j < DG_LANES; ++j) {
-                                const int64_t idx = off + cg * S + s + j;
+                    } else {                /* NCHW: one parameter per run of S values */
+                        for (int64_t cg = 0; cg < Cg; ++cg) {
+                            const int64_t ch = gi * Cg + cg;
+                            const float gamma_v = gamma[ch];
+                            const float beta_v = beta[ch];
+                            int64_t s = 0;
+                            for (; s + DG_LANES <= S; s += DG_LANES) {
+                                DG_INDEPENDENT
+                                for (int j = 0; j < DG_LANES; ++j) {
+                                    const int64_t idx = off + cg * S + s + j;
+                                    const float xv = x[idx];
+                                    const float xhat = rstd_f*((xv + h0_hi + h0_lo));
+                                    y_w[idx - off] = (float)(gamma_v*xhat + beta_v);
+                                }
+                            }
+                            for (; s < S; ++s) {
+                                const int j = 0;                /* the remainder goes to lane 0 */
+                                (void)j;
+                                const int64_t idx = off + cg * S + s;
                                 const float xv = x[idx];
                                 const float xhat = rstd_f*((xv + h0_hi + h0_lo));
-                                y[idx] = (float)(gamma_v*xhat + beta_v);
+                                y_w[idx - off] = (float)(gamma_v*xhat + beta_v);
                             }
                         }
-                        for (; s < S; ++s) {
-                            const int j = 0;                /* the remainder goes to lane 0 */
-                            (void)j;
-                            const int64_t idx = off + cg * S + s;
-                            const float xv = x[idx];
-                            const float xhat = rstd_f*((xv + h0_hi + h0_lo));
-                            y[idx] = (float)(gamma_v*xhat + beta_v);
-                        }
                     }
+                    if (y_tile != NULL) dg_stream_float(y + off, y_tile, M);
                 }
             }
+        }
+        if (y_tile != NULL) {
+            dg_fence();
+            free(y_tile);
         }
     }
     return 0;
@@ -232,21 +372,36 @@ int layernorm_train_backward_f32(
     const int64_t blocks = 1;               /* blocks per group */
     const int64_t block_stride = G * M;
     const double N = (double)(blocks * M);          /* values per group */
+    const int64_t total = n_groups * blocks * M;    /* values in x */
+    const int64_t ahead = DG_AHEAD_BYTES / (int64_t)sizeof(float);
     const int nth = dg_threads(nthreads);
     (void)N;
     (void)nth;
+    (void)total;
+    (void)ahead;
     (void)gamma;
     (void)beta;
     (void)eps;
 
     const int64_t C = G * Cg;                        /* parameter length */
     const int64_t P = 2;      /* parameters */
-    /* per-thread partial sums of the parameter gradients, reduced once at the end */
+    /* per-thread partial sums of the parameter gradients, reduced once at the end;
+     * runs along the channel axis add into pend, flushed into part every DG_PEND groups */
     double *part = (double *)calloc((size_t)(nth * P * C) + 1, sizeof(double));
-    if (part == NULL) return -1;
+    float *pend_all = (float *)calloc((size_t)(nth * P * C) + 1, sizeof(float));
+    if (part == NULL || pend_all == NULL) {
+        free(part);
+        free(pend_all);
+        return -1;
+    }
     DG_PRAGMA(omp parallel num_threads(nth))
     {
         double *restrict mine = part + (int64_t)dg_thread_id() * P * C;
+        float *restrict pend = pend_all + (int64_t)dg_thread_id() * P * C;
+        int pending = 0;
+        float *dx_tile = (float *)dg_tile(total, M, (int64_t)sizeof(float));   /* NULL: write dx directly */
+        (void)pend;
+        (void)pending;
         DG_PRAGMA(omp for schedule(static))
         for (int64_t grp = 0; grp < n_groups; ++grp) {
             const int64_t gi = grp % G;                  /* channel group */
@@ -269,9 +424,19 @@ int layernorm_train_backward_f32(
                 double lane_sum_g_xhat[DG_LANES] = {0};
                 for (int64_t b = 0; b < blocks; ++b) {
                     const int64_t off = base + b * block_stride;
+                    const int64_t nxt = b + 1 < blocks ? off + block_stride : base + M;   /* block read next */
                     if (S == 1) {           /* parameters vary along the run */
                         int64_t m = 0;
                         for (; m + DG_LANES <= Cg; m += DG_LANES) {
+                            for (int q = 0; q < DG_LANES; q += 64 / (int)sizeof(*x)) {  /* read ahead, a line at a time */
+                                const int64_t pf = dg_ahead(off, m + q, M, nxt, total, ahead);
+                                if (pf >= 0) DG_PREFETCH(x + pf);
+                            }
+                            for (int q = 0; q < DG_LANES; q += 64 / (int)sizeof(*dy)) {  /* read ahead, a line at a time */
+                                const int64_t pf = dg_ahead(off, m + q, M, nxt, total, ahead);
+                                if (pf >= 0) DG_PREFETCH(dy + pf);
+                            }
+                            DG_INDEPENDENT
                             for (int j = 0; j < DG_LANES; ++j) {
                                 const int64_t idx = off + m + j;
                                 const int64_t ch = gi * Cg + m + j;
@@ -303,6 +468,15 @@ int layernorm_train_backward_f32(
                             const float gamma_v = gamma[ch];
                             int64_t s = 0;
                             for (; s + DG_LANES <= S; s += DG_LANES) {
+                                for (int q = 0; q < DG_LANES; q += 64 / (int)sizeof(*x)) {  /* read ahead, a line at a time */
+                                    const int64_t pf = dg_ahead(off, cg * S + s + q, M, nxt, total, ahead);
+                                    if (pf >= 0) DG_PREFETCH(x + pf);
+                                }
+                                for (int q = 0; q < DG_LANES; q += 64 / (int)sizeof(*dy)) {  /* read ahead, a line at a time */
+                                    const int64_t pf = dg_ahead(off, cg * S + s + q, M, nxt, total, ahead);
+                                    if (pf >= 0) DG_PREFETCH(dy + pf);
+                                }
+                                DG_INDEPENDENT
                                 for (int j = 0; j < DG_LANES; ++j) {
                                     const int64_t idx = off + cg * S + s + j;
                                     const float xv = x[idx];
@@ -343,9 +517,11 @@ int layernorm_train_backward_f32(
                 const float rstd_f = (float)rstd;
                 for (int64_t b = 0; b < blocks; ++b) {
                     const int64_t off = base + b * block_stride;
+                    float *restrict dx_w = dx_tile != NULL ? dx_tile : dx + off;
                     if (S == 1) {           /* parameters vary along the run */
                         int64_t m = 0;
                         for (; m + DG_LANES <= Cg; m += DG_LANES) {
+                            DG_INDEPENDENT
                             for (int j = 0; j < DG_LANES; ++j) {
                                 const int64_t idx = off + m + j;
                                 const int64_t ch = gi * Cg + m + j;
@@ -354,9 +530,9 @@ int layernorm_train_backward_f32(
                                 const float dyv = dy[idx];
                                 const float xhat = rstd_f*((xv + h0_hi + h0_lo));
                                 const float g = dyv*gamma_v;
-                                dx[idx] = (float)(rstd_f*((g - mean_g_xhat_f*xhat + h1_hi + h1_lo)));
-                                mine[0 * C + ch] += ((double)dyv)*((double)xhat);
-                                mine[1 * C + ch] += ((double)dyv);
+                                dx_w[idx - off] = (float)(rstd_f*((g - mean_g_xhat_f*xhat + h1_hi + h1_lo)));
+                                pend[0 * C + ch] += dyv*xhat;
+                                pend[1 * C + ch] += dyv;
                             }
                         }
                         for (; m < Cg; ++m) {
@@ -369,9 +545,9 @@ int layernorm_train_backward_f32(
                             const float dyv = dy[idx];
                             const float xhat = rstd_f*((xv + h0_hi + h0_lo));
                             const float g = dyv*gamma_v;
-                            dx[idx] = (float)(rstd_f*((g - mean_g_xhat_f*xhat + h1_hi + h1_lo)));
-                            mine[0 * C + ch] += ((double)dyv)*((double)xhat);
-                            mine[1 * C + ch] += ((double)dyv);
+                            dx_w[idx - off] = (float)(rstd_f*((g - mean_g_xhat_f*xhat + h1_hi + h1_lo)));
+                            pend[0 * C + ch] += dyv*xhat;
+                            pend[1 * C + ch] += dyv;
                         }
                     } else {                /* NCHW: one parameter per run of S values */
                         for (int64_t cg = 0; cg < Cg; ++cg) {
@@ -381,13 +557,14 @@ int layernorm_train_backward_f32(
                             double lane_p1[DG_LANES] = {0};
                             int64_t s = 0;
                             for (; s + DG_LANES <= S; s += DG_LANES) {
+                                DG_INDEPENDENT
                                 for (int j = 0; j < DG_LANES; ++j) {
                                     const int64_t idx = off + cg * S + s + j;
                                     const float xv = x[idx];
                                     const float dyv = dy[idx];
                                     const float xhat = rstd_f*((xv + h0_hi + h0_lo));
                                     const float g = dyv*gamma_v;
-                                    dx[idx] = (float)(rstd_f*((g - mean_g_xhat_f*xhat + h1_hi + h1_lo)));
+                                    dx_w[idx - off] = (float)(rstd_f*((g - mean_g_xhat_f*xhat + h1_hi + h1_lo)));
                                     lane_p0[j] += ((double)dyv)*((double)xhat);
                                     lane_p1[j] += ((double)dyv);
                                 }
@@ -400,7 +577,7 @@ int layernorm_train_backward_f32(
                                 const float dyv = dy[idx];
                                 const float xhat = rstd_f*((xv + h0_hi + h0_lo));
                                 const float g = dyv*gamma_v;
-                                dx[idx] = (float)(rstd_f*((g - mean_g_xhat_f*xhat + h1_hi + h1_lo)));
+                                dx_w[idx - off] = (float)(rstd_f*((g - mean_g_xhat_f*xhat + h1_hi + h1_lo)));
                                 lane_p0[j] += ((double)dyv)*((double)xhat);
                                 lane_p1[j] += ((double)dyv);
                             }
@@ -408,17 +585,31 @@ int layernorm_train_backward_f32(
                             mine[1 * C + ch] += dg_lanes(lane_p1);
                         }
                     }
+                    if (dx_tile != NULL) dg_stream_float(dx + off, dx_tile, M);
                 }
             }
+            if (S == 1 && ++pending == DG_PEND) {
+                dg_flush_float(mine, pend, P * C);
+                pending = 0;
+            }
+        }
+        dg_flush_float(mine, pend, P * C);
+        if (dx_tile != NULL) {
+            dg_fence();
+            free(dx_tile);
         }
     }
-    for (int64_t k = 0; k < P * C; ++k) {
+    for (int64_t c = 0; c < C; ++c) {       /* dgamma */
         double acc = 0.0;
-        for (int t = 0; t < nth; ++t) acc += part[(int64_t)t * P * C + k];
-        if (k / C == 0) dgamma[k % C] = (float)acc;
-        if (k / C == 1) dbeta[k % C] = (float)acc;
-        (void)acc;
+        for (int t = 0; t < nth; ++t) acc += part[(int64_t)t * P * C + 0 * C + c];
+        dgamma[c] = (float)acc;
     }
+    for (int64_t c = 0; c < C; ++c) {       /* dbeta */
+        double acc = 0.0;
+        for (int t = 0; t < nth; ++t) acc += part[(int64_t)t * P * C + 1 * C + c];
+        dbeta[c] = (float)acc;
+    }
+    free(pend_all);
     free(part);
     return 0;
 }
@@ -441,122 +632,145 @@ int layernorm_train_forward_f64(
     const int64_t blocks = 1;               /* blocks per group */
     const int64_t block_stride = G * M;
     const double N = (double)(blocks * M);          /* values per group */
+    const int64_t total = n_groups * blocks * M;    /* values in x */
+    const int64_t ahead = DG_AHEAD_BYTES / (int64_t)sizeof(double);
     const int nth = dg_threads(nthreads);
     (void)N;
     (void)nth;
+    (void)total;
+    (void)ahead;
     (void)gamma;
     (void)beta;
     (void)eps;
 
-    DG_PRAGMA(omp parallel for schedule(static) num_threads(nth))
-    for (int64_t grp = 0; grp < n_groups; ++grp) {
-        const int64_t gi = grp % G;                  /* channel group */
-        (void)gi;
-        const int64_t base = grp * M;
-        double sum_mean;
-        {
-            double lane_sum_mean[DG_LANES] = {0};
-            for (int64_t b = 0; b < blocks; ++b) {
-                const int64_t off = base + b * block_stride;
-                int64_t m = 0;
-                for (; m + DG_LANES <= M; m += DG_LANES) {
-                    for (int j = 0; j < DG_LANES; ++j) {
-                        const int64_t idx = off + m + j;
+    DG_PRAGMA(omp parallel num_threads(nth))
+    {
+        double *y_tile = (double *)dg_tile(total, M, (int64_t)sizeof(double));   /* NULL: write y directly */
+        DG_PRAGMA(omp for schedule(static))
+        for (int64_t grp = 0; grp < n_groups; ++grp) {
+            const int64_t gi = grp % G;                  /* channel group */
+            (void)gi;
+            const int64_t base = grp * M;
+            double sum_mean;
+            {
+                double lane_sum_mean[DG_LANES] = {0};
+                for (int64_t b = 0; b < blocks; ++b) {
+                    const int64_t off = base + b * block_stride;
+                    const int64_t nxt = b + 1 < blocks ? off + block_stride : base + M;   /* block read next */
+                    int64_t m = 0;
+                    for (; m + DG_LANES <= M; m += DG_LANES) {
+                        for (int q = 0; q < DG_LANES; q += 64 / (int)sizeof(*x)) {  /* read ahead, a line at a time */
+                            const int64_t pf = dg_ahead(off, m + q, M, nxt, total, ahead);
+                            if (pf >= 0) DG_PREFETCH(x + pf);
+                        }
+                        DG_INDEPENDENT
+                        for (int j = 0; j < DG_LANES; ++j) {
+                            const int64_t idx = off + m + j;
+                            const double xv = x[idx];
+                            lane_sum_mean[j] += xv;
+                        }
+                    }
+                    for (; m < M; ++m) {
+                        const int j = 0;                /* the remainder goes to lane 0 */
+                        (void)j;
+                        const int64_t idx = off + m;
                         const double xv = x[idx];
                         lane_sum_mean[j] += xv;
                     }
                 }
-                for (; m < M; ++m) {
-                    const int j = 0;                /* the remainder goes to lane 0 */
-                    (void)j;
-                    const int64_t idx = off + m;
-                    const double xv = x[idx];
-                    lane_sum_mean[j] += xv;
-                }
+                sum_mean = dg_lanes(lane_sum_mean);
             }
-            sum_mean = dg_lanes(lane_sum_mean);
-        }
-        const double mean = sum_mean/N;  /* mean = mean(x) */
-        double sum_var;
-        {
-            double lane_sum_var[DG_LANES] = {0};
-            for (int64_t b = 0; b < blocks; ++b) {
-                const int64_t off = base + b * block_stride;
-                int64_t m = 0;
-                for (; m + DG_LANES <= M; m += DG_LANES) {
-                    for (int j = 0; j < DG_LANES; ++j) {
-                        const int64_t idx = off + m + j;
+            const double mean = sum_mean/N;  /* mean = mean(x) */
+            double sum_var;
+            {
+                double lane_sum_var[DG_LANES] = {0};
+                for (int64_t b = 0; b < blocks; ++b) {
+                    const int64_t off = base + b * block_stride;
+                    int64_t m = 0;
+                    for (; m + DG_LANES <= M; m += DG_LANES) {
+                        DG_INDEPENDENT
+                        for (int j = 0; j < DG_LANES; ++j) {
+                            const int64_t idx = off + m + j;
+                            const double xv = x[idx];
+                            lane_sum_var[j] += ((xv - mean)*(xv - mean));
+                        }
+                    }
+                    for (; m < M; ++m) {
+                        const int j = 0;                /* the remainder goes to lane 0 */
+                        (void)j;
+                        const int64_t idx = off + m;
                         const double xv = x[idx];
                         lane_sum_var[j] += ((xv - mean)*(xv - mean));
                     }
                 }
-                for (; m < M; ++m) {
-                    const int j = 0;                /* the remainder goes to lane 0 */
-                    (void)j;
-                    const int64_t idx = off + m;
-                    const double xv = x[idx];
-                    lane_sum_var[j] += ((xv - mean)*(xv - mean));
-                }
+                sum_var = dg_lanes(lane_sum_var);
             }
-            sum_var = dg_lanes(lane_sum_var);
-        }
-        const double var = sum_var/N;  /* var = mean((x - mean)**2) */
-        const double rstd = 1/sqrt(var + eps);  /* rstd = 1/sqrt(var + eps) */
-        mean_out[grp] = mean;
-        var_out[grp] = var;
-        rstd_out[grp] = rstd;
-        {
-            for (int64_t b = 0; b < blocks; ++b) {
-                const int64_t off = base + b * block_stride;
-                if (S == 1) {           /* parameters vary along the run */
-                    int64_t m = 0;
-                    for (; m + DG_LANES <= Cg; m += DG_LANES) {
-                        for (int j = 0; j < DG_LANES; ++j) {
-                            const int64_t idx = off + m + j;
-                            const int64_t ch = gi * Cg + m + j;
+            const double var = sum_var/N;  /* var = mean((x - mean)**2) */
+            const double rstd = 1/sqrt(var + eps);  /* rstd = 1/sqrt(var + eps) */
+            mean_out[grp] = mean;
+            var_out[grp] = var;
+            rstd_out[grp] = rstd;
+            {
+                for (int64_t b = 0; b < blocks; ++b) {
+                    const int64_t off = base + b * block_stride;
+                    double *restrict y_w = y_tile != NULL ? y_tile : y + off;
+                    if (S == 1) {           /* parameters vary along the run */
+                        int64_t m = 0;
+                        for (; m + DG_LANES <= Cg; m += DG_LANES) {
+                            DG_INDEPENDENT
+                            for (int j = 0; j < DG_LANES; ++j) {
+                                const int64_t idx = off + m + j;
+                                const int64_t ch = gi * Cg + m + j;
+                                const double gamma_v = gamma[ch];
+                                const double beta_v = beta[ch];
+                                const double xv = x[idx];
+                                const double xhat = rstd*(xv - mean);
+                                y_w[idx - off] = (double)(gamma_v*xhat + beta_v);
+                            }
+                        }
+                        for (; m < Cg; ++m) {
+                            const int j = 0;                /* the remainder goes to lane 0 */
+                            (void)j;
+                            const int64_t idx = off + m;
+                            const int64_t ch = gi * Cg + m;
                             const double gamma_v = gamma[ch];
                             const double beta_v = beta[ch];
                             const double xv = x[idx];
                             const double xhat = rstd*(xv - mean);
-                            y[idx] = (double)(gamma_v*xhat + beta_v);
+                            y_w[idx - off] = (double)(gamma_v*xhat + beta_v);
                         }
-                    }
-                    for (; m < Cg; ++m) {
-                        const int j = 0;                /* the remainder goes to lane 0 */
-                        (void)j;
-                        const int64_t idx = off + m;
-                        const int64_t ch = gi * Cg + m;
-                        const double gamma_v = gamma[ch];
-                        const double beta_v = beta[ch];
-                        const double xv = x[idx];
-                        const double xhat = rstd*(xv - mean);
-                        y[idx] = (double)(gamma_v*xhat + beta_v);
-                    }
-                } else {                /* NCHW: one parameter per run of S values */
-                    for (int64_t cg = 0; cg < Cg; ++cg) {
-                        const int64_t ch = gi * Cg + cg;
-                        const double gamma_v = gamma[ch];
-                        const double beta_v = beta[ch];
-                        int64_t s = 0;
-                        for (; s + DG_LANES <= S; s += DG_LANES) {
-                            for (int j = 0; j < DG_LANES; ++j) {
-                                const int64_t idx = off + cg * S + s + j;
+                    } else {                /* NCHW: one parameter per run of S values */
+                        for (int64_t cg = 0; cg < Cg; ++cg) {
+                            const int64_t ch = gi * Cg + cg;
+                            const double gamma_v = gamma[ch];
+                            const double beta_v = beta[ch];
+                            int64_t s = 0;
+                            for (; s + DG_LANES <= S; s += DG_LANES) {
+                                DG_INDEPENDENT
+                                for (int j = 0; j < DG_LANES; ++j) {
+                                    const int64_t idx = off + cg * S + s + j;
+                                    const double xv = x[idx];
+                                    const double xhat = rstd*(xv - mean);
+                                    y_w[idx - off] = (double)(gamma_v*xhat + beta_v);
+                                }
+                            }
+                            for (; s < S; ++s) {
+                                const int j = 0;                /* the remainder goes to lane 0 */
+                                (void)j;
+                                const int64_t idx = off + cg * S + s;
                                 const double xv = x[idx];
                                 const double xhat = rstd*(xv - mean);
-                                y[idx] = (double)(gamma_v*xhat + beta_v);
+                                y_w[idx - off] = (double)(gamma_v*xhat + beta_v);
                             }
                         }
-                        for (; s < S; ++s) {
-                            const int j = 0;                /* the remainder goes to lane 0 */
-                            (void)j;
-                            const int64_t idx = off + cg * S + s;
-                            const double xv = x[idx];
-                            const double xhat = rstd*(xv - mean);
-                            y[idx] = (double)(gamma_v*xhat + beta_v);
-                        }
                     }
+                    if (y_tile != NULL) dg_stream_double(y + off, y_tile, M);
                 }
             }
+        }
+        if (y_tile != NULL) {
+            dg_fence();
+            free(y_tile);
         }
     }
     return 0;
@@ -583,21 +797,36 @@ int layernorm_train_backward_f64(
     const int64_t blocks = 1;               /* blocks per group */
     const int64_t block_stride = G * M;
     const double N = (double)(blocks * M);          /* values per group */
+    const int64_t total = n_groups * blocks * M;    /* values in x */
+    const int64_t ahead = DG_AHEAD_BYTES / (int64_t)sizeof(double);
     const int nth = dg_threads(nthreads);
     (void)N;
     (void)nth;
+    (void)total;
+    (void)ahead;
     (void)gamma;
     (void)beta;
     (void)eps;
 
     const int64_t C = G * Cg;                        /* parameter length */
     const int64_t P = 2;      /* parameters */
-    /* per-thread partial sums of the parameter gradients, reduced once at the end */
+    /* per-thread partial sums of the parameter gradients, reduced once at the end;
+     * runs along the channel axis add into pend, flushed into part every DG_PEND groups */
     double *part = (double *)calloc((size_t)(nth * P * C) + 1, sizeof(double));
-    if (part == NULL) return -1;
+    double *pend_all = (double *)calloc((size_t)(nth * P * C) + 1, sizeof(double));
+    if (part == NULL || pend_all == NULL) {
+        free(part);
+        free(pend_all);
+        return -1;
+    }
     DG_PRAGMA(omp parallel num_threads(nth))
     {
         double *restrict mine = part + (int64_t)dg_thread_id() * P * C;
+        double *restrict pend = pend_all + (int64_t)dg_thread_id() * P * C;
+        int pending = 0;
+        double *dx_tile = (double *)dg_tile(total, M, (int64_t)sizeof(double));   /* NULL: write dx directly */
+        (void)pend;
+        (void)pending;
         DG_PRAGMA(omp for schedule(static))
         for (int64_t grp = 0; grp < n_groups; ++grp) {
             const int64_t gi = grp % G;                  /* channel group */
@@ -616,9 +845,19 @@ int layernorm_train_backward_f64(
                 double lane_sum_g_xhat[DG_LANES] = {0};
                 for (int64_t b = 0; b < blocks; ++b) {
                     const int64_t off = base + b * block_stride;
+                    const int64_t nxt = b + 1 < blocks ? off + block_stride : base + M;   /* block read next */
                     if (S == 1) {           /* parameters vary along the run */
                         int64_t m = 0;
                         for (; m + DG_LANES <= Cg; m += DG_LANES) {
+                            for (int q = 0; q < DG_LANES; q += 64 / (int)sizeof(*x)) {  /* read ahead, a line at a time */
+                                const int64_t pf = dg_ahead(off, m + q, M, nxt, total, ahead);
+                                if (pf >= 0) DG_PREFETCH(x + pf);
+                            }
+                            for (int q = 0; q < DG_LANES; q += 64 / (int)sizeof(*dy)) {  /* read ahead, a line at a time */
+                                const int64_t pf = dg_ahead(off, m + q, M, nxt, total, ahead);
+                                if (pf >= 0) DG_PREFETCH(dy + pf);
+                            }
+                            DG_INDEPENDENT
                             for (int j = 0; j < DG_LANES; ++j) {
                                 const int64_t idx = off + m + j;
                                 const int64_t ch = gi * Cg + m + j;
@@ -650,6 +889,15 @@ int layernorm_train_backward_f64(
                             const double gamma_v = gamma[ch];
                             int64_t s = 0;
                             for (; s + DG_LANES <= S; s += DG_LANES) {
+                                for (int q = 0; q < DG_LANES; q += 64 / (int)sizeof(*x)) {  /* read ahead, a line at a time */
+                                    const int64_t pf = dg_ahead(off, cg * S + s + q, M, nxt, total, ahead);
+                                    if (pf >= 0) DG_PREFETCH(x + pf);
+                                }
+                                for (int q = 0; q < DG_LANES; q += 64 / (int)sizeof(*dy)) {  /* read ahead, a line at a time */
+                                    const int64_t pf = dg_ahead(off, cg * S + s + q, M, nxt, total, ahead);
+                                    if (pf >= 0) DG_PREFETCH(dy + pf);
+                                }
+                                DG_INDEPENDENT
                                 for (int j = 0; j < DG_LANES; ++j) {
                                     const int64_t idx = off + cg * S + s + j;
                                     const double xv = x[idx];
@@ -685,9 +933,11 @@ int layernorm_train_backward_f64(
             {
                 for (int64_t b = 0; b < blocks; ++b) {
                     const int64_t off = base + b * block_stride;
+                    double *restrict dx_w = dx_tile != NULL ? dx_tile : dx + off;
                     if (S == 1) {           /* parameters vary along the run */
                         int64_t m = 0;
                         for (; m + DG_LANES <= Cg; m += DG_LANES) {
+                            DG_INDEPENDENT
                             for (int j = 0; j < DG_LANES; ++j) {
                                 const int64_t idx = off + m + j;
                                 const int64_t ch = gi * Cg + m + j;
@@ -696,9 +946,9 @@ int layernorm_train_backward_f64(
                                 const double dyv = dy[idx];
                                 const double xhat = rstd*(xv - mean);
                                 const double g = dyv*gamma_v;
-                                dx[idx] = (double)(g*k_g + k_xhat*xhat + k_1);
-                                mine[0 * C + ch] += dyv*xhat;
-                                mine[1 * C + ch] += dyv;
+                                dx_w[idx - off] = (double)(g*k_g + k_xhat*xhat + k_1);
+                                pend[0 * C + ch] += dyv*xhat;
+                                pend[1 * C + ch] += dyv;
                             }
                         }
                         for (; m < Cg; ++m) {
@@ -711,9 +961,9 @@ int layernorm_train_backward_f64(
                             const double dyv = dy[idx];
                             const double xhat = rstd*(xv - mean);
                             const double g = dyv*gamma_v;
-                            dx[idx] = (double)(g*k_g + k_xhat*xhat + k_1);
-                            mine[0 * C + ch] += dyv*xhat;
-                            mine[1 * C + ch] += dyv;
+                            dx_w[idx - off] = (double)(g*k_g + k_xhat*xhat + k_1);
+                            pend[0 * C + ch] += dyv*xhat;
+                            pend[1 * C + ch] += dyv;
                         }
                     } else {                /* NCHW: one parameter per run of S values */
                         for (int64_t cg = 0; cg < Cg; ++cg) {
@@ -723,13 +973,14 @@ int layernorm_train_backward_f64(
                             double lane_p1[DG_LANES] = {0};
                             int64_t s = 0;
                             for (; s + DG_LANES <= S; s += DG_LANES) {
+                                DG_INDEPENDENT
                                 for (int j = 0; j < DG_LANES; ++j) {
                                     const int64_t idx = off + cg * S + s + j;
                                     const double xv = x[idx];
                                     const double dyv = dy[idx];
                                     const double xhat = rstd*(xv - mean);
                                     const double g = dyv*gamma_v;
-                                    dx[idx] = (double)(g*k_g + k_xhat*xhat + k_1);
+                                    dx_w[idx - off] = (double)(g*k_g + k_xhat*xhat + k_1);
                                     lane_p0[j] += dyv*xhat;
                                     lane_p1[j] += dyv;
                                 }
@@ -742,7 +993,7 @@ int layernorm_train_backward_f64(
                                 const double dyv = dy[idx];
                                 const double xhat = rstd*(xv - mean);
                                 const double g = dyv*gamma_v;
-                                dx[idx] = (double)(g*k_g + k_xhat*xhat + k_1);
+                                dx_w[idx - off] = (double)(g*k_g + k_xhat*xhat + k_1);
                                 lane_p0[j] += dyv*xhat;
                                 lane_p1[j] += dyv;
                             }
@@ -750,17 +1001,31 @@ int layernorm_train_backward_f64(
                             mine[1 * C + ch] += dg_lanes(lane_p1);
                         }
                     }
+                    if (dx_tile != NULL) dg_stream_double(dx + off, dx_tile, M);
                 }
             }
+            if (S == 1 && ++pending == DG_PEND) {
+                dg_flush_double(mine, pend, P * C);
+                pending = 0;
+            }
+        }
+        dg_flush_double(mine, pend, P * C);
+        if (dx_tile != NULL) {
+            dg_fence();
+            free(dx_tile);
         }
     }
-    for (int64_t k = 0; k < P * C; ++k) {
+    for (int64_t c = 0; c < C; ++c) {       /* dgamma */
         double acc = 0.0;
-        for (int t = 0; t < nth; ++t) acc += part[(int64_t)t * P * C + k];
-        if (k / C == 0) dgamma[k % C] = (double)acc;
-        if (k / C == 1) dbeta[k % C] = (double)acc;
-        (void)acc;
+        for (int t = 0; t < nth; ++t) acc += part[(int64_t)t * P * C + 0 * C + c];
+        dgamma[c] = (double)acc;
     }
+    for (int64_t c = 0; c < C; ++c) {       /* dbeta */
+        double acc = 0.0;
+        for (int t = 0; t < nth; ++t) acc += part[(int64_t)t * P * C + 1 * C + c];
+        dbeta[c] = (double)acc;
+    }
+    free(pend_all);
     free(part);
     return 0;
 }
