@@ -98,14 +98,15 @@ static int dg_thread_id(void)
 #endif
 }
 
-/* pairwise sum of the lanes */
-static double dg_lanes(const double *lane)
+/* pairwise sum of the DG_LANES = 32 lanes: ((l0 + l16) + (l8 + l24)) + ..., the
+ * same order for every group, written out so that it vectorizes */
+static inline double dg_lanes(const double *lane)
 {
-    double t[DG_LANES];
-    for (int j = 0; j < DG_LANES; ++j) t[j] = lane[j];
-    for (int w = DG_LANES / 2; w > 0; w /= 2)
-        for (int j = 0; j < w; ++j) t[j] += t[j + w];
-    return t[0];
+    double t[16];
+    for (int j = 0; j < 16; ++j) t[j] = lane[j] + lane[j + 16];
+    for (int j = 0; j < 8; ++j) t[j] += t[j + 8];
+    for (int j = 0; j < 4; ++j) t[j] += t[j + 4];
+    return (t[0] + t[2]) + (t[1] + t[3]);
 }
 
 /* the index `a` elements past position p of the block at off, continuing into
@@ -213,7 +214,7 @@ int rmsnorm_train_forward_f32(
         float *y_tile = (float *)dg_tile(total, M, (int64_t)sizeof(float));   /* NULL: write y directly */
         DG_PRAGMA(omp for schedule(static))
         for (int64_t grp = 0; grp < n_groups; ++grp) {
-            const int64_t gi = grp % G;                  /* channel group */
+            const int64_t gi = G == 1 ? 0 : grp % G;     /* channel group */
             (void)gi;
             const int64_t base = grp * M;
             double sum_ms;
@@ -362,7 +363,7 @@ int rmsnorm_train_backward_f32(
         (void)pending;
         DG_PRAGMA(omp for schedule(static))
         for (int64_t grp = 0; grp < n_groups; ++grp) {
-            const int64_t gi = grp % G;                  /* channel group */
+            const int64_t gi = G == 1 ? 0 : grp % G;     /* channel group */
             (void)gi;
             const int64_t base = grp * M;
             const double ms = ms_in[grp];
@@ -573,7 +574,7 @@ int rmsnorm_train_forward_f64(
         double *y_tile = (double *)dg_tile(total, M, (int64_t)sizeof(double));   /* NULL: write y directly */
         DG_PRAGMA(omp for schedule(static))
         for (int64_t grp = 0; grp < n_groups; ++grp) {
-            const int64_t gi = grp % G;                  /* channel group */
+            const int64_t gi = G == 1 ? 0 : grp % G;     /* channel group */
             (void)gi;
             const int64_t base = grp * M;
             double sum_ms;
@@ -721,7 +722,7 @@ int rmsnorm_train_backward_f64(
         (void)pending;
         DG_PRAGMA(omp for schedule(static))
         for (int64_t grp = 0; grp < n_groups; ++grp) {
-            const int64_t gi = grp % G;                  /* channel group */
+            const int64_t gi = G == 1 ? 0 : grp % G;     /* channel group */
             (void)gi;
             const int64_t base = grp * M;
             const double ms = ms_in[grp];
