@@ -51,6 +51,7 @@ def tune_malloc() -> bool:
 
 
 def timeit(fn, repeat: int, warmup: int = 2) -> float:
+    """Median ms of ``repeat`` calls after ``warmup``."""
     for _ in range(warmup):
         fn()
     ts = []
@@ -61,27 +62,46 @@ def timeit(fn, repeat: int, warmup: int = 2) -> float:
     return statistics.median(ts) * 1e3
 
 
+def round_robin(fns: dict, repeat: int, warmup: int = 2) -> dict:
+    """Median ms of each callable, timed in turn within every round, so that all
+    see the same machine: the shared machine's speed drifts by tens of percent
+    over seconds, and ratios of medians taken side by side are what is stable."""
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    ts: dict = {k: [] for k in fns}
+    for _ in range(repeat):
+        for k, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            ts[k].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) * 1e3 for k, v in ts.items()}
+
+
 # ------------------------------------------------------------------ bandwidth
 
 class Bandwidth:
-    def __init__(self, threads: int):
-        self.threads = threads
-        self.lib = ctypes.CDLL(str(build_shared(Path(__file__).with_name("bandwidth.c"))))
+    """STREAM-like probe over three 256 MiB arrays (far larger than the caches)."""
 
-    def measure(self, mib: int = 256, repeat: int = 7) -> dict:
-        n = mib * 2**20 // 4
-        a = np.ones(n, np.float32)
-        b = np.empty(n, np.float32)
-        c = np.ones(n, np.float32)
-        b[...] = 0
-        pa, pb, pc = (ctypes.c_void_p(v.ctypes.data) for v in (a, b, c))
-        copy = timeit(lambda: self.lib.dg_copy(pa, pb, ctypes.c_int64(n), ctypes.c_int(self.threads)), repeat, 1)
-        triad = timeit(lambda: self.lib.dg_triad(pb, pa, pc, ctypes.c_float(0.5), ctypes.c_int64(n),
-                                                 ctypes.c_int(self.threads)), repeat, 1)
-        stream = timeit(lambda: self.lib.dg_copy_stream(pa, pb, ctypes.c_int64(n), ctypes.c_int(self.threads)),
-                        repeat, 1)
-        return {"copy_GBps": 2 * n * 4 / copy / 1e6, "triad_GBps": 3 * n * 4 / triad / 1e6,
-                "stream_copy_GBps": 2 * n * 4 / stream / 1e6, "MiB": mib}
+    def __init__(self, threads: int, mib: int = 256):
+        self.threads, self.mib = threads, mib
+        self.lib = ctypes.CDLL(str(build_shared(Path(__file__).with_name("bandwidth.c"))))
+        self.n = n = mib * 2**20 // 4
+        self.arrays = (np.ones(n, np.float32), np.zeros(n, np.float32), np.ones(n, np.float32))
+        pa, pb, pc = (ctypes.c_void_p(v.ctypes.data) for v in self.arrays)
+        N, T = ctypes.c_int64(n), ctypes.c_int(threads)
+        self.copy = lambda: self.lib.dg_copy(pa, pb, N, T)
+        self.stream_copy = lambda: self.lib.dg_copy_stream(pa, pb, N, T)
+        self.triad = lambda: self.lib.dg_triad(pb, pa, pc, ctypes.c_float(0.5), N, T)
+
+    def rates(self, ms: dict) -> dict:
+        """GB/s from the median ms of copy / stream_copy / triad (where measured)."""
+        moved = {"copy": 2, "stream_copy": 2, "triad": 3}
+        return {f"{k}_GBps": moved[k] * self.n * 4 / ms[k] / 1e6 for k in moved if k in ms} | {"MiB": self.mib}
+
+    def measure(self, repeat: int = 7) -> dict:
+        return self.rates(round_robin({"copy": self.copy, "triad": self.triad, "stream_copy": self.stream_copy},
+                                      repeat, 1))
 
 
 # ------------------------------------------------------------------ plain NumPy baselines
@@ -208,7 +228,7 @@ def run_bench(names, shapes=None, threads=None, dtype="float32", repeat=15, prog
     have_torch = torch_available()
     dt = np.dtype(dtype)
     probe = Bandwidth(threads)
-    bw = probe.measure()
+    bw = probe.measure()          # for the header; each case is probed again beside its kernels
     results: list[Result] = []
     for name in names:
         for shape in (shapes or DEFAULT_SHAPES.get(name) or [(8192, 1024)]):
@@ -221,45 +241,54 @@ def run_bench(names, shapes=None, threads=None, dtype="float32", repeat=15, prog
             params = [np.ones(pshape, dt) + 0.1 * rng.standard_normal(pshape).astype(dt) for _ in spec.params]
             kw = _kwargs(name, x)
             nbytes = x.nbytes
-            # probed again beside each case: the shared machine's bandwidth drifts by tens of percent
-            cbw = probe.measure(repeat=5)
-            bound_fwd = 2 * nbytes / (cbw["copy_GBps"] * 1e6)
-            bound_bwd = 3 * nbytes / (cbw["copy_GBps"] * 1e6)
-            nt_fwd = 2 * nbytes / (cbw["stream_copy_GBps"] * 1e6)
-            nt_bwd = 3 * nbytes / (cbw["stream_copy_GBps"] * 1e6)
-            row_results = []
+            setup = {}
             for backend in ("c", "numpy"):
-                if progress:
-                    progress(f"{name} {shape} {backend}")
                 mod = load(name, backend=backend)
                 mod.set_num_threads(threads)
                 y = np.empty_like(x)
                 _, cache = mod.forward(x, *params, out=y, **kw)
-                grads = mod.backward(dy, cache)
-                r = Result(name, shape, f"generated {backend}")
-                r.fwd_ms = timeit(lambda: mod.forward(x, *params, out=y, **kw), repeat)
-                r.bwd_ms = timeit(lambda: mod.backward(dy, cache, out=grads), repeat)
-                r.step_ms = timeit(lambda: mod.backward(dy, mod.forward(x, *params, out=y, **kw)[1], out=grads), repeat)
-                r.step_alloc_ms = timeit(lambda: mod.backward(dy, mod.forward(x, *params, **kw)[1]), repeat)
+                setup[backend] = (mod, y, cache, mod.backward(dy, cache))
+
+            def calls(backend):
+                mod, y, cache, grads = setup[backend]
+                return {f"{backend}_fwd": lambda: mod.forward(x, *params, out=y, **kw),
+                        f"{backend}_bwd": lambda: mod.backward(dy, cache, out=grads),
+                        f"{backend}_step": lambda: mod.backward(dy, mod.forward(x, *params, out=y, **kw)[1],
+                                                                out=grads),
+                        f"{backend}_alloc": lambda: mod.backward(dy, mod.forward(x, *params, **kw)[1])}
+            fns = {**calls("c"), **calls("numpy")}
+            # 1. each kernel beside the bandwidth probe, in turn within every round
+            if progress:
+                progress(f"{name} {shape} kernels beside the bandwidth probe")
+            t1 = round_robin({"copy": probe.copy, "stream_copy": probe.stream_copy,
+                              **{k: f for k, f in fns.items() if k.endswith(("_fwd", "_bwd"))}}, repeat)
+            cbw = probe.rates(t1)
+            bound_fwd = 2 * nbytes / (cbw["copy_GBps"] * 1e6)
+            bound_bwd = 3 * nbytes / (cbw["copy_GBps"] * 1e6)
+            nt_fwd = 2 * nbytes / (cbw["stream_copy_GBps"] * 1e6)
+            nt_bwd = 3 * nbytes / (cbw["stream_copy_GBps"] * 1e6)
+            # 2. forward + backward of every implementation, side by side
+            if progress:
+                progress(f"{name} {shape} forward + backward side by side")
+            step_fns = {k: f for k, f in fns.items() if k.endswith(("_step", "_alloc"))}
+            step_fns["plain"] = lambda: plain_numpy(name, x, params, dy, kw)
+            if have_torch:
+                fwd_only, step = torch_step(name, x, params, dy, kw, threads)
+                step_fns.update(torch_fwd=fwd_only, torch_step=step)
+            t2 = round_robin(step_fns, repeat)
+            row_results = []
+            for backend in ("c", "numpy"):
+                r = Result(name, shape, f"generated {backend}", fwd_ms=t1[f"{backend}_fwd"],
+                           bwd_ms=t1[f"{backend}_bwd"], step_ms=t2[f"{backend}_step"],
+                           step_alloc_ms=t2[f"{backend}_alloc"], bandwidth=cbw)
                 r.ratios.update(fwd_vs_bound=r.fwd_ms / bound_fwd, bwd_vs_bound=r.bwd_ms / bound_bwd,
                                 fwd_vs_stream_bound=r.fwd_ms / nt_fwd, bwd_vs_stream_bound=r.bwd_ms / nt_bwd)
-                r.bandwidth = cbw
                 row_results.append(r)
-            if progress:
-                progress(f"{name} {shape} plain numpy")
-            r = Result(name, shape, "plain numpy")
-            r.step_alloc_ms = timeit(lambda: plain_numpy(name, x, params, dy, kw), max(3, repeat // 3))
-            row_results.append(r)
+            row_results.append(Result(name, shape, "plain numpy", step_alloc_ms=t2["plain"]))
             torch_ms = None
             if have_torch:
-                if progress:
-                    progress(f"{name} {shape} torch")
-                fwd_only, step = torch_step(name, x, params, dy, kw, threads)
-                r = Result(name, shape, "torch")
-                r.fwd_ms = timeit(fwd_only, repeat)
-                r.step_alloc_ms = timeit(step, repeat)
-                torch_ms = r.step_alloc_ms
-                row_results.append(r)
+                torch_ms = t2["torch_step"]
+                row_results.append(Result(name, shape, "torch", fwd_ms=t2["torch_fwd"], step_alloc_ms=torch_ms))
             plain_ms = row_results[2].step_alloc_ms
             for r in row_results:
                 best = r.step_ms if r.step_ms is not None else r.step_alloc_ms

@@ -244,7 +244,7 @@ def bench_cmd(names, shapes, threads, dtype, repeat, json_file, plot_file, defau
     names = list(names) or list(DEFAULT_SHAPES)
     _specs(names, ())
     shp = [_shape(s) for s in shapes] or None
-    total = sum(len(shp or DEFAULT_SHAPES.get(n, [0])) for n in names) * 4
+    total = sum(len(shp or DEFAULT_SHAPES.get(n, [0])) for n in names) * 2
     progress = stderr_progress(total)
     report = run_bench(names, shp, threads, dtype, repeat, progress, tuned_malloc=not default_malloc)
     progress.done()
