@@ -62,16 +62,22 @@ def timeit(fn, repeat: int, warmup: int = 2) -> float:
     return statistics.median(ts) * 1e3
 
 
+SETTLE_S = 0.005   # OpenMP workers (ours, torch's) spin for a while after a parallel region
+
+
 def round_robin(fns: dict, repeat: int, warmup: int = 2) -> dict:
     """Median ms of each callable, timed in turn within every round, so that all
     see the same machine: the shared machine's speed drifts by tens of percent
-    over seconds, and ratios of medians taken side by side are what is stable."""
+    over seconds, and ratios of medians taken side by side are what is stable.
+    Between calls it pauses (untimed) until the previous call's spinning
+    OpenMP workers have gone to sleep, so no call competes with them."""
     for _ in range(warmup):
         for fn in fns.values():
             fn()
     ts: dict = {k: [] for k in fns}
     for _ in range(repeat):
         for k, fn in fns.items():
+            time.sleep(SETTLE_S)
             t0 = time.perf_counter()
             fn()
             ts[k].append(time.perf_counter() - t0)

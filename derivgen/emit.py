@@ -231,13 +231,34 @@ class CLoop:
     prelude: list[str]                     # per-group declarations before the sweep (float copies, hi/lo)
     param_loads: list[str]                 # const double gamma_v = (double)gamma[ch];
     elem_loads: list[str]                  # x, dy, then element temporaries, in order
-    stores: list[str]                      # dx[idx] = ...;
+    stores: list[tuple[str, str]]          # (output array, value): dx, (float)(...)
     group_sums: list[tuple[str, str]]      # (accumulator, expression) summed over the group
     param_sums: list[tuple[int, str]]      # (parameter slot, expression) summed per channel
     scalar_param_sums: list[tuple[int, str]] = field(default_factory=list)  # (slot, accumulator): scalar params
     param_pend: list[tuple[int, str]] = field(default_factory=list)  # param_sums in element arithmetic
     outputs: list[str] = field(default_factory=list)       # full-size arrays written (y, dx), via <name>_w
     prefetch: list[str] = field(default_factory=list)      # full-size arrays read ahead (first sweep only)
+
+    # Runs whose iterations carry no lane sums may start their lane blocks anywhere, so a
+    # streaming run peels a scalar head up to a 64-byte boundary of its single output and
+    # streams whole blocks straight from registers ("direct"); the others compute into a
+    # cache-resident tile streamed out after the block, keeping the lane of every element.
+    def _direct(self, channel_lanes: bool) -> bool:
+        return len(self.outputs) == 1 and not self.group_sums and not (channel_lanes and self.param_sums)
+
+    @property
+    def direct_run(self) -> bool:             # along the channel axis (S == 1), or with no parameters
+        return self._direct(False)
+
+    @property
+    def direct_nchw(self) -> bool:            # runs of S values of one channel
+        return self._direct(True)
+
+    @property
+    def needs_tile(self) -> bool:
+        if not self.outputs:
+            return False
+        return not (self.direct_run and self.direct_nchw) if self.uses_params else not self.direct_run
 
 
 class CPlanner:
@@ -352,7 +373,7 @@ class CPlanner:
         group_sums = list(group_sums) + [(f"psum_{k}", e) for k, e in scal_sums]
         return CLoop(uses_params=bool(param_loads) or bool(chan_sums), prelude=prelude, param_loads=param_loads,
                      elem_loads=scalar_loads + elem_loads,
-                     stores=[f.format(P=P) if isinstance(f, str) else f(P) for f in stores],
+                     stores=[f(P) for f in stores],
                      group_sums=[(a, S(e)) for a, e in group_sums],
                      param_sums=[(k, S(e)) for k, e in chan_sums],
                      scalar_param_sums=[(k, f"psum_{k}") for k, _ in scal_sums],
@@ -371,7 +392,7 @@ class CPlanner:
         temps = list(self.ir.fwd_elem[:-1])
         T = self.ctype
         first = not any(st[0] == "loop" for st in steps)
-        final = self.loop([out_expr], temps, stores=[lambda P: f"y_w[idx - off] = ({T})({P(out_expr)});"], arith=T,
+        final = self.loop([out_expr], temps, stores=[lambda P: ("y", f"({T})({P(out_expr)})")], arith=T,
                           outputs=["y"], first=first)
         updates = [(b, self.g(e)) for b, e in self.ir.buffer_updates]
         return steps, final, updates
@@ -399,7 +420,7 @@ class CPlanner:
         else:
             dx_expr = self.ir.dx_closed
         pexprs = [e for _, e in self.ir.dparams]
-        final = self.loop([dx_expr, *pexprs], temps, stores=[lambda P: f"dx_w[idx - off] = ({T})({P(dx_expr)});"],
+        final = self.loop([dx_expr, *pexprs], temps, stores=[lambda P: ("dx", f"({T})({P(dx_expr)})")],
                           param_sums=list(enumerate(pexprs)), arith=T, outputs=["dx"], first=red is None)
         return red, [a for a, _ in self.ir.bwd_loop], group, final
 

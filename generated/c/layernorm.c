@@ -31,10 +31,13 @@
  *
  * Memory traffic: the first sweep over a block prefetches DG_AHEAD_BYTES ahead,
  * across block boundaries (hardware prefetchers stop at 4 KiB pages). Outputs
- * of at least DG_STREAM_BYTES are computed block by block into a per-thread
- * tile of at most DG_TILE_BYTES and written out with non-temporal stores, so
- * their lines are not read before being overwritten. All three are macros a
- * build may override (-D).
+ * of at least DG_STREAM_BYTES are written with non-temporal stores, so their
+ * lines are not read before being overwritten: runs without lane sums start
+ * their lane blocks at a 64-byte boundary and stream each block from
+ * registers; the others compute a block into a per-thread tile of at most
+ * DG_TILE_BYTES and stream it out. Either way every element is computed by
+ * the same arithmetic, so results are the same bits as without streaming. All
+ * three are macros a build may override (-D).
  */
 #include "layernorm.h"
 
@@ -121,12 +124,74 @@ static inline int64_t dg_ahead(int64_t off, int64_t p, int64_t M, int64_t nxt, i
     return i < total ? i : -1;
 }
 
-/* a per-thread tile for streaming out an output of `total` elements in blocks of M, or NULL */
-static inline void *dg_tile(int64_t total, int64_t M, int64_t size)
+/* whether an output of `total` elements is written with streaming stores */
+static inline int dg_stream_on(int64_t total, int64_t size)
 {
-    if (!DG_HAVE_STREAM || total * size < DG_STREAM_BYTES || M * size > DG_TILE_BYTES)
-        return NULL;
-    return malloc((size_t)(M * size));
+    return DG_HAVE_STREAM && total * size >= DG_STREAM_BYTES;
+}
+
+/* a per-thread tile for a block of M elements, or NULL (then the output is written in place) */
+static inline void *dg_tile(int on, int64_t M, int64_t size)
+{
+    return on && M * size <= DG_TILE_BYTES ? malloc((size_t)(M * size)) : NULL;
+}
+
+/* elements of `size` bytes from p to the next 64-byte boundary, at most n */
+static inline int64_t dg_head(const void *p, int64_t size, int64_t n)
+{
+    const int64_t mis = (int64_t)((uintptr_t)p & 63u);
+    if (mis == 0)
+        return 0;
+    if ((64 - mis) % size != 0)         /* not aligned to its own type: never streamed */
+        return n;
+    return (64 - mis) / size < n ? (64 - mis) / size : n;
+}
+
+/* dst[0:DG_LANES] = t, with non-temporal stores when `stream` (dst then 64-byte aligned) */
+static inline void dg_put_float(float *restrict dst, const float *restrict t, int stream)
+{
+#if defined(__AVX512F__)
+    if (stream) {
+        for (int j = 0; j < DG_LANES; j += 16) _mm512_stream_ps(dst + j, _mm512_loadu_ps(t + j));
+        return;
+    }
+#elif defined(__AVX__)
+    if (stream) {
+        for (int j = 0; j < DG_LANES; j += 8) _mm256_stream_ps(dst + j, _mm256_loadu_ps(t + j));
+        return;
+    }
+#elif defined(__SSE2__)
+    if (stream) {
+        for (int j = 0; j < DG_LANES; j += 4) _mm_stream_ps(dst + j, _mm_loadu_ps(t + j));
+        return;
+    }
+#else
+    (void)stream;
+#endif
+    for (int j = 0; j < DG_LANES; ++j) dst[j] = t[j];
+}
+
+static inline void dg_put_double(double *restrict dst, const double *restrict t, int stream)
+{
+#if defined(__AVX512F__)
+    if (stream) {
+        for (int j = 0; j < DG_LANES; j += 8) _mm512_stream_pd(dst + j, _mm512_loadu_pd(t + j));
+        return;
+    }
+#elif defined(__AVX__)
+    if (stream) {
+        for (int j = 0; j < DG_LANES; j += 4) _mm256_stream_pd(dst + j, _mm256_loadu_pd(t + j));
+        return;
+    }
+#elif defined(__SSE2__)
+    if (stream) {
+        for (int j = 0; j < DG_LANES; j += 2) _mm_stream_pd(dst + j, _mm_loadu_pd(t + j));
+        return;
+    }
+#else
+    (void)stream;
+#endif
+    for (int j = 0; j < DG_LANES; ++j) dst[j] = t[j];
 }
 
 /* dst[0:n] = src[0:n] with non-temporal stores where dst is aligned */
@@ -217,7 +282,8 @@ int layernorm_train_forward_f32(
 
     DG_PRAGMA(omp parallel num_threads(nth))
     {
-        float *y_tile = (float *)dg_tile(total, M, (int64_t)sizeof(float));   /* NULL: write y directly */
+        const int y_stream = dg_stream_on(total, (int64_t)sizeof(float));
+        (void)y_stream;
         DG_PRAGMA(omp for schedule(static))
         for (int64_t grp = 0; grp < n_groups; ++grp) {
             const int64_t gi = G == 1 ? 0 : grp % G;     /* channel group */
@@ -243,7 +309,7 @@ int layernorm_train_forward_f32(
                         }
                     }
                     for (; m < M; ++m) {
-                        const int j = 0;                /* the remainder goes to lane 0 */
+                        const int j = 0;                /* outside the lane blocks: lane 0 */
                         (void)j;
                         const int64_t idx = off + m;
                         const double xv = (double)x[idx];
@@ -268,7 +334,7 @@ int layernorm_train_forward_f32(
                         }
                     }
                     for (; m < M; ++m) {
-                        const int j = 0;                /* the remainder goes to lane 0 */
+                        const int j = 0;                /* outside the lane blocks: lane 0 */
                         (void)j;
                         const int64_t idx = off + m;
                         const double xv = (double)x[idx];
@@ -289,10 +355,24 @@ int layernorm_train_forward_f32(
                 const float rstd_f = (float)rstd;
                 for (int64_t b = 0; b < blocks; ++b) {
                     const int64_t off = base + b * block_stride;
-                    float *restrict y_w = y_tile != NULL ? y_tile : y + off;
                     if (S == 1) {           /* parameters vary along the run */
                         int64_t m = 0;
+                        if (y_stream) {          /* scalar head up to a 64-byte boundary of y */
+                            const int64_t head = dg_head(y + off, (int64_t)sizeof(float), Cg);
+                            for (; m < head; ++m) {
+                                const int j = 0;                /* outside the lane blocks: lane 0 */
+                                (void)j;
+                                const int64_t idx = off + m;
+                                const int64_t ch = gi * Cg + m;
+                                const float gamma_v = gamma[ch];
+                                const float beta_v = beta[ch];
+                                const float xv = x[idx];
+                                const float xhat = rstd_f*((xv + h0_hi + h0_lo));
+                                y[idx] = (float)(gamma_v*xhat + beta_v);
+                            }
+                        }
                         for (; m + DG_LANES <= Cg; m += DG_LANES) {
+                            float t_y[DG_LANES];
                             DG_INDEPENDENT
                             for (int j = 0; j < DG_LANES; ++j) {
                                 const int64_t idx = off + m + j;
@@ -301,11 +381,12 @@ int layernorm_train_forward_f32(
                                 const float beta_v = beta[ch];
                                 const float xv = x[idx];
                                 const float xhat = rstd_f*((xv + h0_hi + h0_lo));
-                                y_w[idx - off] = (float)(gamma_v*xhat + beta_v);
+                                t_y[j] = (float)(gamma_v*xhat + beta_v);
                             }
+                            dg_put_float(y + off + m, t_y, y_stream);
                         }
                         for (; m < Cg; ++m) {
-                            const int j = 0;                /* the remainder goes to lane 0 */
+                            const int j = 0;                /* outside the lane blocks: lane 0 */
                             (void)j;
                             const int64_t idx = off + m;
                             const int64_t ch = gi * Cg + m;
@@ -313,7 +394,7 @@ int layernorm_train_forward_f32(
                             const float beta_v = beta[ch];
                             const float xv = x[idx];
                             const float xhat = rstd_f*((xv + h0_hi + h0_lo));
-                            y_w[idx - off] = (float)(gamma_v*xhat + beta_v);
+                            y[idx] = (float)(gamma_v*xhat + beta_v);
                         }
                     } else {                /* NCHW: one parameter per run of S values */
                         for (int64_t cg = 0; cg < Cg; ++cg) {
@@ -321,33 +402,43 @@ int layernorm_train_forward_f32(
                             const float gamma_v = gamma[ch];
                             const float beta_v = beta[ch];
                             int64_t s = 0;
+                            if (y_stream) {          /* scalar head up to a 64-byte boundary of y */
+                                const int64_t head = dg_head(y + off + cg * S, (int64_t)sizeof(float), S);
+                                for (; s < head; ++s) {
+                                    const int j = 0;                /* outside the lane blocks: lane 0 */
+                                    (void)j;
+                                    const int64_t idx = off + cg * S + s;
+                                    const float xv = x[idx];
+                                    const float xhat = rstd_f*((xv + h0_hi + h0_lo));
+                                    y[idx] = (float)(gamma_v*xhat + beta_v);
+                                }
+                            }
                             for (; s + DG_LANES <= S; s += DG_LANES) {
+                                float t_y[DG_LANES];
                                 DG_INDEPENDENT
                                 for (int j = 0; j < DG_LANES; ++j) {
                                     const int64_t idx = off + cg * S + s + j;
                                     const float xv = x[idx];
                                     const float xhat = rstd_f*((xv + h0_hi + h0_lo));
-                                    y_w[idx - off] = (float)(gamma_v*xhat + beta_v);
+                                    t_y[j] = (float)(gamma_v*xhat + beta_v);
                                 }
+                                dg_put_float(y + off + cg * S + s, t_y, y_stream);
                             }
                             for (; s < S; ++s) {
-                                const int j = 0;                /* the remainder goes to lane 0 */
+                                const int j = 0;                /* outside the lane blocks: lane 0 */
                                 (void)j;
                                 const int64_t idx = off + cg * S + s;
                                 const float xv = x[idx];
                                 const float xhat = rstd_f*((xv + h0_hi + h0_lo));
-                                y_w[idx - off] = (float)(gamma_v*xhat + beta_v);
+                                y[idx] = (float)(gamma_v*xhat + beta_v);
                             }
                         }
                     }
-                    if (y_tile != NULL) dg_stream_float(y + off, y_tile, M);
                 }
             }
         }
-        if (y_tile != NULL) {
+        if (y_stream)
             dg_fence();
-            free(y_tile);
-        }
     }
     return 0;
 }
@@ -400,7 +491,9 @@ int layernorm_train_backward_f32(
         double *restrict mine = part + (int64_t)dg_thread_id() * P * C;
         float *restrict pend = pend_all + (int64_t)dg_thread_id() * P * C;
         int pending = 0;
-        float *dx_tile = (float *)dg_tile(total, M, (int64_t)sizeof(float));   /* NULL: write dx directly */
+        const int dx_stream = dg_stream_on(total, (int64_t)sizeof(float));
+        float *dx_tile = (float *)dg_tile(dx_stream, M, (int64_t)sizeof(float));   /* NULL: dx in place */
+        (void)dx_stream;
         (void)pend;
         (void)pending;
         DG_PRAGMA(omp for schedule(static))
@@ -451,7 +544,7 @@ int layernorm_train_backward_f32(
                             }
                         }
                         for (; m < Cg; ++m) {
-                            const int j = 0;                /* the remainder goes to lane 0 */
+                            const int j = 0;                /* outside the lane blocks: lane 0 */
                             (void)j;
                             const int64_t idx = off + m;
                             const int64_t ch = gi * Cg + m;
@@ -489,7 +582,7 @@ int layernorm_train_backward_f32(
                                 }
                             }
                             for (; s < S; ++s) {
-                                const int j = 0;                /* the remainder goes to lane 0 */
+                                const int j = 0;                /* outside the lane blocks: lane 0 */
                                 (void)j;
                                 const int64_t idx = off + cg * S + s;
                                 const float xv = x[idx];
@@ -521,7 +614,25 @@ int layernorm_train_backward_f32(
                     float *restrict dx_w = dx_tile != NULL ? dx_tile : dx + off;
                     if (S == 1) {           /* parameters vary along the run */
                         int64_t m = 0;
+                        if (dx_stream) {          /* scalar head up to a 64-byte boundary of dx */
+                            const int64_t head = dg_head(dx + off, (int64_t)sizeof(float), Cg);
+                            for (; m < head; ++m) {
+                                const int j = 0;                /* outside the lane blocks: lane 0 */
+                                (void)j;
+                                const int64_t idx = off + m;
+                                const int64_t ch = gi * Cg + m;
+                                const float gamma_v = gamma[ch];
+                                const float xv = x[idx];
+                                const float dyv = dy[idx];
+                                const float xhat = rstd_f*((xv + h0_hi + h0_lo));
+                                const float g = dyv*gamma_v;
+                                dx[idx] = (float)(rstd_f*((g - mean_g_xhat_f*xhat + h1_hi + h1_lo)));
+                                pend[0 * C + ch] += dyv*xhat;
+                                pend[1 * C + ch] += dyv;
+                            }
+                        }
                         for (; m + DG_LANES <= Cg; m += DG_LANES) {
+                            float t_dx[DG_LANES];
                             DG_INDEPENDENT
                             for (int j = 0; j < DG_LANES; ++j) {
                                 const int64_t idx = off + m + j;
@@ -531,13 +642,14 @@ int layernorm_train_backward_f32(
                                 const float dyv = dy[idx];
                                 const float xhat = rstd_f*((xv + h0_hi + h0_lo));
                                 const float g = dyv*gamma_v;
-                                dx_w[idx - off] = (float)(rstd_f*((g - mean_g_xhat_f*xhat + h1_hi + h1_lo)));
+                                t_dx[j] = (float)(rstd_f*((g - mean_g_xhat_f*xhat + h1_hi + h1_lo)));
                                 pend[0 * C + ch] += dyv*xhat;
                                 pend[1 * C + ch] += dyv;
                             }
+                            dg_put_float(dx + off + m, t_dx, dx_stream);
                         }
                         for (; m < Cg; ++m) {
-                            const int j = 0;                /* the remainder goes to lane 0 */
+                            const int j = 0;                /* outside the lane blocks: lane 0 */
                             (void)j;
                             const int64_t idx = off + m;
                             const int64_t ch = gi * Cg + m;
@@ -546,7 +658,7 @@ int layernorm_train_backward_f32(
                             const float dyv = dy[idx];
                             const float xhat = rstd_f*((xv + h0_hi + h0_lo));
                             const float g = dyv*gamma_v;
-                            dx_w[idx - off] = (float)(rstd_f*((g - mean_g_xhat_f*xhat + h1_hi + h1_lo)));
+                            dx[idx] = (float)(rstd_f*((g - mean_g_xhat_f*xhat + h1_hi + h1_lo)));
                             pend[0 * C + ch] += dyv*xhat;
                             pend[1 * C + ch] += dyv;
                         }
@@ -571,7 +683,7 @@ int layernorm_train_backward_f32(
                                 }
                             }
                             for (; s < S; ++s) {
-                                const int j = 0;                /* the remainder goes to lane 0 */
+                                const int j = 0;                /* outside the lane blocks: lane 0 */
                                 (void)j;
                                 const int64_t idx = off + cg * S + s;
                                 const float xv = x[idx];
@@ -586,7 +698,7 @@ int layernorm_train_backward_f32(
                             mine[1 * C + ch] += dg_lanes(lane_p1);
                         }
                     }
-                    if (dx_tile != NULL) dg_stream_float(dx + off, dx_tile, M);
+                    if (dx_tile != NULL && S != 1) dg_stream_float(dx + off, dx_tile, M);
                 }
             }
             if (S == 1 && ++pending == DG_PEND) {
@@ -595,10 +707,9 @@ int layernorm_train_backward_f32(
             }
         }
         dg_flush_float(mine, pend, P * C);
-        if (dx_tile != NULL) {
+        if (dx_stream)
             dg_fence();
-            free(dx_tile);
-        }
+        free(dx_tile);
     }
     for (int64_t c = 0; c < C; ++c) {       /* dgamma */
         double acc = 0.0;
@@ -646,7 +757,8 @@ int layernorm_train_forward_f64(
 
     DG_PRAGMA(omp parallel num_threads(nth))
     {
-        double *y_tile = (double *)dg_tile(total, M, (int64_t)sizeof(double));   /* NULL: write y directly */
+        const int y_stream = dg_stream_on(total, (int64_t)sizeof(double));
+        (void)y_stream;
         DG_PRAGMA(omp for schedule(static))
         for (int64_t grp = 0; grp < n_groups; ++grp) {
             const int64_t gi = G == 1 ? 0 : grp % G;     /* channel group */
@@ -672,7 +784,7 @@ int layernorm_train_forward_f64(
                         }
                     }
                     for (; m < M; ++m) {
-                        const int j = 0;                /* the remainder goes to lane 0 */
+                        const int j = 0;                /* outside the lane blocks: lane 0 */
                         (void)j;
                         const int64_t idx = off + m;
                         const double xv = x[idx];
@@ -697,7 +809,7 @@ int layernorm_train_forward_f64(
                         }
                     }
                     for (; m < M; ++m) {
-                        const int j = 0;                /* the remainder goes to lane 0 */
+                        const int j = 0;                /* outside the lane blocks: lane 0 */
                         (void)j;
                         const int64_t idx = off + m;
                         const double xv = x[idx];
@@ -714,10 +826,24 @@ int layernorm_train_forward_f64(
             {
                 for (int64_t b = 0; b < blocks; ++b) {
                     const int64_t off = base + b * block_stride;
-                    double *restrict y_w = y_tile != NULL ? y_tile : y + off;
                     if (S == 1) {           /* parameters vary along the run */
                         int64_t m = 0;
+                        if (y_stream) {          /* scalar head up to a 64-byte boundary of y */
+                            const int64_t head = dg_head(y + off, (int64_t)sizeof(double), Cg);
+                            for (; m < head; ++m) {
+                                const int j = 0;                /* outside the lane blocks: lane 0 */
+                                (void)j;
+                                const int64_t idx = off + m;
+                                const int64_t ch = gi * Cg + m;
+                                const double gamma_v = gamma[ch];
+                                const double beta_v = beta[ch];
+                                const double xv = x[idx];
+                                const double xhat = rstd*(xv - mean);
+                                y[idx] = (double)(gamma_v*xhat + beta_v);
+                            }
+                        }
                         for (; m + DG_LANES <= Cg; m += DG_LANES) {
+                            double t_y[DG_LANES];
                             DG_INDEPENDENT
                             for (int j = 0; j < DG_LANES; ++j) {
                                 const int64_t idx = off + m + j;
@@ -726,11 +852,12 @@ int layernorm_train_forward_f64(
                                 const double beta_v = beta[ch];
                                 const double xv = x[idx];
                                 const double xhat = rstd*(xv - mean);
-                                y_w[idx - off] = (double)(gamma_v*xhat + beta_v);
+                                t_y[j] = (double)(gamma_v*xhat + beta_v);
                             }
+                            dg_put_double(y + off + m, t_y, y_stream);
                         }
                         for (; m < Cg; ++m) {
-                            const int j = 0;                /* the remainder goes to lane 0 */
+                            const int j = 0;                /* outside the lane blocks: lane 0 */
                             (void)j;
                             const int64_t idx = off + m;
                             const int64_t ch = gi * Cg + m;
@@ -738,7 +865,7 @@ int layernorm_train_forward_f64(
                             const double beta_v = beta[ch];
                             const double xv = x[idx];
                             const double xhat = rstd*(xv - mean);
-                            y_w[idx - off] = (double)(gamma_v*xhat + beta_v);
+                            y[idx] = (double)(gamma_v*xhat + beta_v);
                         }
                     } else {                /* NCHW: one parameter per run of S values */
                         for (int64_t cg = 0; cg < Cg; ++cg) {
@@ -746,33 +873,43 @@ int layernorm_train_forward_f64(
                             const double gamma_v = gamma[ch];
                             const double beta_v = beta[ch];
                             int64_t s = 0;
+                            if (y_stream) {          /* scalar head up to a 64-byte boundary of y */
+                                const int64_t head = dg_head(y + off + cg * S, (int64_t)sizeof(double), S);
+                                for (; s < head; ++s) {
+                                    const int j = 0;                /* outside the lane blocks: lane 0 */
+                                    (void)j;
+                                    const int64_t idx = off + cg * S + s;
+                                    const double xv = x[idx];
+                                    const double xhat = rstd*(xv - mean);
+                                    y[idx] = (double)(gamma_v*xhat + beta_v);
+                                }
+                            }
                             for (; s + DG_LANES <= S; s += DG_LANES) {
+                                double t_y[DG_LANES];
                                 DG_INDEPENDENT
                                 for (int j = 0; j < DG_LANES; ++j) {
                                     const int64_t idx = off + cg * S + s + j;
                                     const double xv = x[idx];
                                     const double xhat = rstd*(xv - mean);
-                                    y_w[idx - off] = (double)(gamma_v*xhat + beta_v);
+                                    t_y[j] = (double)(gamma_v*xhat + beta_v);
                                 }
+                                dg_put_double(y + off + cg * S + s, t_y, y_stream);
                             }
                             for (; s < S; ++s) {
-                                const int j = 0;                /* the remainder goes to lane 0 */
+                                const int j = 0;                /* outside the lane blocks: lane 0 */
                                 (void)j;
                                 const int64_t idx = off + cg * S + s;
                                 const double xv = x[idx];
                                 const double xhat = rstd*(xv - mean);
-                                y_w[idx - off] = (double)(gamma_v*xhat + beta_v);
+                                y[idx] = (double)(gamma_v*xhat + beta_v);
                             }
                         }
                     }
-                    if (y_tile != NULL) dg_stream_double(y + off, y_tile, M);
                 }
             }
         }
-        if (y_tile != NULL) {
+        if (y_stream)
             dg_fence();
-            free(y_tile);
-        }
     }
     return 0;
 }
@@ -825,7 +962,9 @@ int layernorm_train_backward_f64(
         double *restrict mine = part + (int64_t)dg_thread_id() * P * C;
         double *restrict pend = pend_all + (int64_t)dg_thread_id() * P * C;
         int pending = 0;
-        double *dx_tile = (double *)dg_tile(total, M, (int64_t)sizeof(double));   /* NULL: write dx directly */
+        const int dx_stream = dg_stream_on(total, (int64_t)sizeof(double));
+        double *dx_tile = (double *)dg_tile(dx_stream, M, (int64_t)sizeof(double));   /* NULL: dx in place */
+        (void)dx_stream;
         (void)pend;
         (void)pending;
         DG_PRAGMA(omp for schedule(static))
@@ -872,7 +1011,7 @@ int layernorm_train_backward_f64(
                             }
                         }
                         for (; m < Cg; ++m) {
-                            const int j = 0;                /* the remainder goes to lane 0 */
+                            const int j = 0;                /* outside the lane blocks: lane 0 */
                             (void)j;
                             const int64_t idx = off + m;
                             const int64_t ch = gi * Cg + m;
@@ -910,7 +1049,7 @@ int layernorm_train_backward_f64(
                                 }
                             }
                             for (; s < S; ++s) {
-                                const int j = 0;                /* the remainder goes to lane 0 */
+                                const int j = 0;                /* outside the lane blocks: lane 0 */
                                 (void)j;
                                 const int64_t idx = off + cg * S + s;
                                 const double xv = x[idx];
@@ -937,7 +1076,25 @@ int layernorm_train_backward_f64(
                     double *restrict dx_w = dx_tile != NULL ? dx_tile : dx + off;
                     if (S == 1) {           /* parameters vary along the run */
                         int64_t m = 0;
+                        if (dx_stream) {          /* scalar head up to a 64-byte boundary of dx */
+                            const int64_t head = dg_head(dx + off, (int64_t)sizeof(double), Cg);
+                            for (; m < head; ++m) {
+                                const int j = 0;                /* outside the lane blocks: lane 0 */
+                                (void)j;
+                                const int64_t idx = off + m;
+                                const int64_t ch = gi * Cg + m;
+                                const double gamma_v = gamma[ch];
+                                const double xv = x[idx];
+                                const double dyv = dy[idx];
+                                const double xhat = rstd*(xv - mean);
+                                const double g = dyv*gamma_v;
+                                dx[idx] = (double)(g*k_g + k_xhat*xhat + k_1);
+                                pend[0 * C + ch] += dyv*xhat;
+                                pend[1 * C + ch] += dyv;
+                            }
+                        }
                         for (; m + DG_LANES <= Cg; m += DG_LANES) {
+                            double t_dx[DG_LANES];
                             DG_INDEPENDENT
                             for (int j = 0; j < DG_LANES; ++j) {
                                 const int64_t idx = off + m + j;
@@ -947,13 +1104,14 @@ int layernorm_train_backward_f64(
                                 const double dyv = dy[idx];
                                 const double xhat = rstd*(xv - mean);
                                 const double g = dyv*gamma_v;
-                                dx_w[idx - off] = (double)(g*k_g + k_xhat*xhat + k_1);
+                                t_dx[j] = (double)(g*k_g + k_xhat*xhat + k_1);
                                 pend[0 * C + ch] += dyv*xhat;
                                 pend[1 * C + ch] += dyv;
                             }
+                            dg_put_double(dx + off + m, t_dx, dx_stream);
                         }
                         for (; m < Cg; ++m) {
-                            const int j = 0;                /* the remainder goes to lane 0 */
+                            const int j = 0;                /* outside the lane blocks: lane 0 */
                             (void)j;
                             const int64_t idx = off + m;
                             const int64_t ch = gi * Cg + m;
@@ -962,7 +1120,7 @@ int layernorm_train_backward_f64(
                             const double dyv = dy[idx];
                             const double xhat = rstd*(xv - mean);
                             const double g = dyv*gamma_v;
-                            dx_w[idx - off] = (double)(g*k_g + k_xhat*xhat + k_1);
+                            dx[idx] = (double)(g*k_g + k_xhat*xhat + k_1);
                             pend[0 * C + ch] += dyv*xhat;
                             pend[1 * C + ch] += dyv;
                         }
@@ -987,7 +1145,7 @@ int layernorm_train_backward_f64(
                                 }
                             }
                             for (; s < S; ++s) {
-                                const int j = 0;                /* the remainder goes to lane 0 */
+                                const int j = 0;                /* outside the lane blocks: lane 0 */
                                 (void)j;
                                 const int64_t idx = off + cg * S + s;
                                 const double xv = x[idx];
@@ -1002,7 +1160,7 @@ int layernorm_train_backward_f64(
                             mine[1 * C + ch] += dg_lanes(lane_p1);
                         }
                     }
-                    if (dx_tile != NULL) dg_stream_double(dx + off, dx_tile, M);
+                    if (dx_tile != NULL && S != 1) dg_stream_double(dx + off, dx_tile, M);
                 }
             }
             if (S == 1 && ++pending == DG_PEND) {
@@ -1011,10 +1169,9 @@ int layernorm_train_backward_f64(
             }
         }
         dg_flush_double(mine, pend, P * C);
-        if (dx_tile != NULL) {
+        if (dx_stream)
             dg_fence();
-            free(dx_tile);
-        }
+        free(dx_tile);
     }
     for (int64_t c = 0; c < C; ++c) {       /* dgamma */
         double acc = 0.0;

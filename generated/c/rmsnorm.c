@@ -28,10 +28,13 @@
  *
  * Memory traffic: the first sweep over a block prefetches DG_AHEAD_BYTES ahead,
  * across block boundaries (hardware prefetchers stop at 4 KiB pages). Outputs
- * of at least DG_STREAM_BYTES are computed block by block into a per-thread
- * tile of at most DG_TILE_BYTES and written out with non-temporal stores, so
- * their lines are not read before being overwritten. All three are macros a
- * build may override (-D).
+ * of at least DG_STREAM_BYTES are written with non-temporal stores, so their
+ * lines are not read before being overwritten: runs without lane sums start
+ * their lane blocks at a 64-byte boundary and stream each block from
+ * registers; the others compute a block into a per-thread tile of at most
+ * DG_TILE_BYTES and stream it out. Either way every element is computed by
+ * the same arithmetic, so results are the same bits as without streaming. All
+ * three are macros a build may override (-D).
  */
 #include "rmsnorm.h"
 
@@ -118,12 +121,74 @@ static inline int64_t dg_ahead(int64_t off, int64_t p, int64_t M, int64_t nxt, i
     return i < total ? i : -1;
 }
 
-/* a per-thread tile for streaming out an output of `total` elements in blocks of M, or NULL */
-static inline void *dg_tile(int64_t total, int64_t M, int64_t size)
+/* whether an output of `total` elements is written with streaming stores */
+static inline int dg_stream_on(int64_t total, int64_t size)
 {
-    if (!DG_HAVE_STREAM || total * size < DG_STREAM_BYTES || M * size > DG_TILE_BYTES)
-        return NULL;
-    return malloc((size_t)(M * size));
+    return DG_HAVE_STREAM && total * size >= DG_STREAM_BYTES;
+}
+
+/* a per-thread tile for a block of M elements, or NULL (then the output is written in place) */
+static inline void *dg_tile(int on, int64_t M, int64_t size)
+{
+    return on && M * size <= DG_TILE_BYTES ? malloc((size_t)(M * size)) : NULL;
+}
+
+/* elements of `size` bytes from p to the next 64-byte boundary, at most n */
+static inline int64_t dg_head(const void *p, int64_t size, int64_t n)
+{
+    const int64_t mis = (int64_t)((uintptr_t)p & 63u);
+    if (mis == 0)
+        return 0;
+    if ((64 - mis) % size != 0)         /* not aligned to its own type: never streamed */
+        return n;
+    return (64 - mis) / size < n ? (64 - mis) / size : n;
+}
+
+/* dst[0:DG_LANES] = t, with non-temporal stores when `stream` (dst then 64-byte aligned) */
+static inline void dg_put_float(float *restrict dst, const float *restrict t, int stream)
+{
+#if defined(__AVX512F__)
+    if (stream) {
+        for (int j = 0; j < DG_LANES; j += 16) _mm512_stream_ps(dst + j, _mm512_loadu_ps(t + j));
+        return;
+    }
+#elif defined(__AVX__)
+    if (stream) {
+        for (int j = 0; j < DG_LANES; j += 8) _mm256_stream_ps(dst + j, _mm256_loadu_ps(t + j));
+        return;
+    }
+#elif defined(__SSE2__)
+    if (stream) {
+        for (int j = 0; j < DG_LANES; j += 4) _mm_stream_ps(dst + j, _mm_loadu_ps(t + j));
+        return;
+    }
+#else
+    (void)stream;
+#endif
+    for (int j = 0; j < DG_LANES; ++j) dst[j] = t[j];
+}
+
+static inline void dg_put_double(double *restrict dst, const double *restrict t, int stream)
+{
+#if defined(__AVX512F__)
+    if (stream) {
+        for (int j = 0; j < DG_LANES; j += 8) _mm512_stream_pd(dst + j, _mm512_loadu_pd(t + j));
+        return;
+    }
+#elif defined(__AVX__)
+    if (stream) {
+        for (int j = 0; j < DG_LANES; j += 4) _mm256_stream_pd(dst + j, _mm256_loadu_pd(t + j));
+        return;
+    }
+#elif defined(__SSE2__)
+    if (stream) {
+        for (int j = 0; j < DG_LANES; j += 2) _mm_stream_pd(dst + j, _mm_loadu_pd(t + j));
+        return;
+    }
+#else
+    (void)stream;
+#endif
+    for (int j = 0; j < DG_LANES; ++j) dst[j] = t[j];
 }
 
 /* dst[0:n] = src[0:n] with non-temporal stores where dst is aligned */
@@ -211,7 +276,8 @@ int rmsnorm_train_forward_f32(
 
     DG_PRAGMA(omp parallel num_threads(nth))
     {
-        float *y_tile = (float *)dg_tile(total, M, (int64_t)sizeof(float));   /* NULL: write y directly */
+        const int y_stream = dg_stream_on(total, (int64_t)sizeof(float));
+        (void)y_stream;
         DG_PRAGMA(omp for schedule(static))
         for (int64_t grp = 0; grp < n_groups; ++grp) {
             const int64_t gi = G == 1 ? 0 : grp % G;     /* channel group */
@@ -237,7 +303,7 @@ int rmsnorm_train_forward_f32(
                         }
                     }
                     for (; m < M; ++m) {
-                        const int j = 0;                /* the remainder goes to lane 0 */
+                        const int j = 0;                /* outside the lane blocks: lane 0 */
                         (void)j;
                         const int64_t idx = off + m;
                         const double xv = (double)x[idx];
@@ -254,10 +320,23 @@ int rmsnorm_train_forward_f32(
                 const float rstd_f = (float)rstd;
                 for (int64_t b = 0; b < blocks; ++b) {
                     const int64_t off = base + b * block_stride;
-                    float *restrict y_w = y_tile != NULL ? y_tile : y + off;
                     if (S == 1) {           /* parameters vary along the run */
                         int64_t m = 0;
+                        if (y_stream) {          /* scalar head up to a 64-byte boundary of y */
+                            const int64_t head = dg_head(y + off, (int64_t)sizeof(float), Cg);
+                            for (; m < head; ++m) {
+                                const int j = 0;                /* outside the lane blocks: lane 0 */
+                                (void)j;
+                                const int64_t idx = off + m;
+                                const int64_t ch = gi * Cg + m;
+                                const float gamma_v = gamma[ch];
+                                const float xv = x[idx];
+                                const float xhat = rstd_f*xv;
+                                y[idx] = (float)(gamma_v*xhat);
+                            }
+                        }
                         for (; m + DG_LANES <= Cg; m += DG_LANES) {
+                            float t_y[DG_LANES];
                             DG_INDEPENDENT
                             for (int j = 0; j < DG_LANES; ++j) {
                                 const int64_t idx = off + m + j;
@@ -265,51 +344,62 @@ int rmsnorm_train_forward_f32(
                                 const float gamma_v = gamma[ch];
                                 const float xv = x[idx];
                                 const float xhat = rstd_f*xv;
-                                y_w[idx - off] = (float)(gamma_v*xhat);
+                                t_y[j] = (float)(gamma_v*xhat);
                             }
+                            dg_put_float(y + off + m, t_y, y_stream);
                         }
                         for (; m < Cg; ++m) {
-                            const int j = 0;                /* the remainder goes to lane 0 */
+                            const int j = 0;                /* outside the lane blocks: lane 0 */
                             (void)j;
                             const int64_t idx = off + m;
                             const int64_t ch = gi * Cg + m;
                             const float gamma_v = gamma[ch];
                             const float xv = x[idx];
                             const float xhat = rstd_f*xv;
-                            y_w[idx - off] = (float)(gamma_v*xhat);
+                            y[idx] = (float)(gamma_v*xhat);
                         }
                     } else {                /* NCHW: one parameter per run of S values */
                         for (int64_t cg = 0; cg < Cg; ++cg) {
                             const int64_t ch = gi * Cg + cg;
                             const float gamma_v = gamma[ch];
                             int64_t s = 0;
+                            if (y_stream) {          /* scalar head up to a 64-byte boundary of y */
+                                const int64_t head = dg_head(y + off + cg * S, (int64_t)sizeof(float), S);
+                                for (; s < head; ++s) {
+                                    const int j = 0;                /* outside the lane blocks: lane 0 */
+                                    (void)j;
+                                    const int64_t idx = off + cg * S + s;
+                                    const float xv = x[idx];
+                                    const float xhat = rstd_f*xv;
+                                    y[idx] = (float)(gamma_v*xhat);
+                                }
+                            }
                             for (; s + DG_LANES <= S; s += DG_LANES) {
+                                float t_y[DG_LANES];
                                 DG_INDEPENDENT
                                 for (int j = 0; j < DG_LANES; ++j) {
                                     const int64_t idx = off + cg * S + s + j;
                                     const float xv = x[idx];
                                     const float xhat = rstd_f*xv;
-                                    y_w[idx - off] = (float)(gamma_v*xhat);
+                                    t_y[j] = (float)(gamma_v*xhat);
                                 }
+                                dg_put_float(y + off + cg * S + s, t_y, y_stream);
                             }
                             for (; s < S; ++s) {
-                                const int j = 0;                /* the remainder goes to lane 0 */
+                                const int j = 0;                /* outside the lane blocks: lane 0 */
                                 (void)j;
                                 const int64_t idx = off + cg * S + s;
                                 const float xv = x[idx];
                                 const float xhat = rstd_f*xv;
-                                y_w[idx - off] = (float)(gamma_v*xhat);
+                                y[idx] = (float)(gamma_v*xhat);
                             }
                         }
                     }
-                    if (y_tile != NULL) dg_stream_float(y + off, y_tile, M);
                 }
             }
         }
-        if (y_tile != NULL) {
+        if (y_stream)
             dg_fence();
-            free(y_tile);
-        }
     }
     return 0;
 }
@@ -358,7 +448,9 @@ int rmsnorm_train_backward_f32(
         double *restrict mine = part + (int64_t)dg_thread_id() * P * C;
         float *restrict pend = pend_all + (int64_t)dg_thread_id() * P * C;
         int pending = 0;
-        float *dx_tile = (float *)dg_tile(total, M, (int64_t)sizeof(float));   /* NULL: write dx directly */
+        const int dx_stream = dg_stream_on(total, (int64_t)sizeof(float));
+        float *dx_tile = (float *)dg_tile(dx_stream, M, (int64_t)sizeof(float));   /* NULL: dx in place */
+        (void)dx_stream;
         (void)pend;
         (void)pending;
         DG_PRAGMA(omp for schedule(static))
@@ -401,7 +493,7 @@ int rmsnorm_train_backward_f32(
                             }
                         }
                         for (; m < Cg; ++m) {
-                            const int j = 0;                /* the remainder goes to lane 0 */
+                            const int j = 0;                /* outside the lane blocks: lane 0 */
                             (void)j;
                             const int64_t idx = off + m;
                             const int64_t ch = gi * Cg + m;
@@ -437,7 +529,7 @@ int rmsnorm_train_backward_f32(
                                 }
                             }
                             for (; s < S; ++s) {
-                                const int j = 0;                /* the remainder goes to lane 0 */
+                                const int j = 0;                /* outside the lane blocks: lane 0 */
                                 (void)j;
                                 const int64_t idx = off + cg * S + s;
                                 const float xv = x[idx];
@@ -460,7 +552,24 @@ int rmsnorm_train_backward_f32(
                     float *restrict dx_w = dx_tile != NULL ? dx_tile : dx + off;
                     if (S == 1) {           /* parameters vary along the run */
                         int64_t m = 0;
+                        if (dx_stream) {          /* scalar head up to a 64-byte boundary of dx */
+                            const int64_t head = dg_head(dx + off, (int64_t)sizeof(float), Cg);
+                            for (; m < head; ++m) {
+                                const int j = 0;                /* outside the lane blocks: lane 0 */
+                                (void)j;
+                                const int64_t idx = off + m;
+                                const int64_t ch = gi * Cg + m;
+                                const float gamma_v = gamma[ch];
+                                const float xv = x[idx];
+                                const float dyv = dy[idx];
+                                const float xhat = rstd_f*xv;
+                                const float g = dyv*gamma_v;
+                                dx[idx] = (float)(rstd_f*(g - mean_g_xhat_f*xhat));
+                                pend[0 * C + ch] += dyv*xhat;
+                            }
+                        }
                         for (; m + DG_LANES <= Cg; m += DG_LANES) {
+                            float t_dx[DG_LANES];
                             DG_INDEPENDENT
                             for (int j = 0; j < DG_LANES; ++j) {
                                 const int64_t idx = off + m + j;
@@ -470,12 +579,13 @@ int rmsnorm_train_backward_f32(
                                 const float dyv = dy[idx];
                                 const float xhat = rstd_f*xv;
                                 const float g = dyv*gamma_v;
-                                dx_w[idx - off] = (float)(rstd_f*(g - mean_g_xhat_f*xhat));
+                                t_dx[j] = (float)(rstd_f*(g - mean_g_xhat_f*xhat));
                                 pend[0 * C + ch] += dyv*xhat;
                             }
+                            dg_put_float(dx + off + m, t_dx, dx_stream);
                         }
                         for (; m < Cg; ++m) {
-                            const int j = 0;                /* the remainder goes to lane 0 */
+                            const int j = 0;                /* outside the lane blocks: lane 0 */
                             (void)j;
                             const int64_t idx = off + m;
                             const int64_t ch = gi * Cg + m;
@@ -484,7 +594,7 @@ int rmsnorm_train_backward_f32(
                             const float dyv = dy[idx];
                             const float xhat = rstd_f*xv;
                             const float g = dyv*gamma_v;
-                            dx_w[idx - off] = (float)(rstd_f*(g - mean_g_xhat_f*xhat));
+                            dx[idx] = (float)(rstd_f*(g - mean_g_xhat_f*xhat));
                             pend[0 * C + ch] += dyv*xhat;
                         }
                     } else {                /* NCHW: one parameter per run of S values */
@@ -506,7 +616,7 @@ int rmsnorm_train_backward_f32(
                                 }
                             }
                             for (; s < S; ++s) {
-                                const int j = 0;                /* the remainder goes to lane 0 */
+                                const int j = 0;                /* outside the lane blocks: lane 0 */
                                 (void)j;
                                 const int64_t idx = off + cg * S + s;
                                 const float xv = x[idx];
@@ -519,7 +629,7 @@ int rmsnorm_train_backward_f32(
                             mine[0 * C + ch] += dg_lanes(lane_p0);
                         }
                     }
-                    if (dx_tile != NULL) dg_stream_float(dx + off, dx_tile, M);
+                    if (dx_tile != NULL && S != 1) dg_stream_float(dx + off, dx_tile, M);
                 }
             }
             if (S == 1 && ++pending == DG_PEND) {
@@ -528,10 +638,9 @@ int rmsnorm_train_backward_f32(
             }
         }
         dg_flush_float(mine, pend, P * C);
-        if (dx_tile != NULL) {
+        if (dx_stream)
             dg_fence();
-            free(dx_tile);
-        }
+        free(dx_tile);
     }
     for (int64_t c = 0; c < C; ++c) {       /* dgamma */
         double acc = 0.0;
@@ -571,7 +680,8 @@ int rmsnorm_train_forward_f64(
 
     DG_PRAGMA(omp parallel num_threads(nth))
     {
-        double *y_tile = (double *)dg_tile(total, M, (int64_t)sizeof(double));   /* NULL: write y directly */
+        const int y_stream = dg_stream_on(total, (int64_t)sizeof(double));
+        (void)y_stream;
         DG_PRAGMA(omp for schedule(static))
         for (int64_t grp = 0; grp < n_groups; ++grp) {
             const int64_t gi = G == 1 ? 0 : grp % G;     /* channel group */
@@ -597,7 +707,7 @@ int rmsnorm_train_forward_f64(
                         }
                     }
                     for (; m < M; ++m) {
-                        const int j = 0;                /* the remainder goes to lane 0 */
+                        const int j = 0;                /* outside the lane blocks: lane 0 */
                         (void)j;
                         const int64_t idx = off + m;
                         const double xv = x[idx];
@@ -613,10 +723,23 @@ int rmsnorm_train_forward_f64(
             {
                 for (int64_t b = 0; b < blocks; ++b) {
                     const int64_t off = base + b * block_stride;
-                    double *restrict y_w = y_tile != NULL ? y_tile : y + off;
                     if (S == 1) {           /* parameters vary along the run */
                         int64_t m = 0;
+                        if (y_stream) {          /* scalar head up to a 64-byte boundary of y */
+                            const int64_t head = dg_head(y + off, (int64_t)sizeof(double), Cg);
+                            for (; m < head; ++m) {
+                                const int j = 0;                /* outside the lane blocks: lane 0 */
+                                (void)j;
+                                const int64_t idx = off + m;
+                                const int64_t ch = gi * Cg + m;
+                                const double gamma_v = gamma[ch];
+                                const double xv = x[idx];
+                                const double xhat = rstd*xv;
+                                y[idx] = (double)(gamma_v*xhat);
+                            }
+                        }
                         for (; m + DG_LANES <= Cg; m += DG_LANES) {
+                            double t_y[DG_LANES];
                             DG_INDEPENDENT
                             for (int j = 0; j < DG_LANES; ++j) {
                                 const int64_t idx = off + m + j;
@@ -624,51 +747,62 @@ int rmsnorm_train_forward_f64(
                                 const double gamma_v = gamma[ch];
                                 const double xv = x[idx];
                                 const double xhat = rstd*xv;
-                                y_w[idx - off] = (double)(gamma_v*xhat);
+                                t_y[j] = (double)(gamma_v*xhat);
                             }
+                            dg_put_double(y + off + m, t_y, y_stream);
                         }
                         for (; m < Cg; ++m) {
-                            const int j = 0;                /* the remainder goes to lane 0 */
+                            const int j = 0;                /* outside the lane blocks: lane 0 */
                             (void)j;
                             const int64_t idx = off + m;
                             const int64_t ch = gi * Cg + m;
                             const double gamma_v = gamma[ch];
                             const double xv = x[idx];
                             const double xhat = rstd*xv;
-                            y_w[idx - off] = (double)(gamma_v*xhat);
+                            y[idx] = (double)(gamma_v*xhat);
                         }
                     } else {                /* NCHW: one parameter per run of S values */
                         for (int64_t cg = 0; cg < Cg; ++cg) {
                             const int64_t ch = gi * Cg + cg;
                             const double gamma_v = gamma[ch];
                             int64_t s = 0;
+                            if (y_stream) {          /* scalar head up to a 64-byte boundary of y */
+                                const int64_t head = dg_head(y + off + cg * S, (int64_t)sizeof(double), S);
+                                for (; s < head; ++s) {
+                                    const int j = 0;                /* outside the lane blocks: lane 0 */
+                                    (void)j;
+                                    const int64_t idx = off + cg * S + s;
+                                    const double xv = x[idx];
+                                    const double xhat = rstd*xv;
+                                    y[idx] = (double)(gamma_v*xhat);
+                                }
+                            }
                             for (; s + DG_LANES <= S; s += DG_LANES) {
+                                double t_y[DG_LANES];
                                 DG_INDEPENDENT
                                 for (int j = 0; j < DG_LANES; ++j) {
                                     const int64_t idx = off + cg * S + s + j;
                                     const double xv = x[idx];
                                     const double xhat = rstd*xv;
-                                    y_w[idx - off] = (double)(gamma_v*xhat);
+                                    t_y[j] = (double)(gamma_v*xhat);
                                 }
+                                dg_put_double(y + off + cg * S + s, t_y, y_stream);
                             }
                             for (; s < S; ++s) {
-                                const int j = 0;                /* the remainder goes to lane 0 */
+                                const int j = 0;                /* outside the lane blocks: lane 0 */
                                 (void)j;
                                 const int64_t idx = off + cg * S + s;
                                 const double xv = x[idx];
                                 const double xhat = rstd*xv;
-                                y_w[idx - off] = (double)(gamma_v*xhat);
+                                y[idx] = (double)(gamma_v*xhat);
                             }
                         }
                     }
-                    if (y_tile != NULL) dg_stream_double(y + off, y_tile, M);
                 }
             }
         }
-        if (y_tile != NULL) {
+        if (y_stream)
             dg_fence();
-            free(y_tile);
-        }
     }
     return 0;
 }
@@ -717,7 +851,9 @@ int rmsnorm_train_backward_f64(
         double *restrict mine = part + (int64_t)dg_thread_id() * P * C;
         double *restrict pend = pend_all + (int64_t)dg_thread_id() * P * C;
         int pending = 0;
-        double *dx_tile = (double *)dg_tile(total, M, (int64_t)sizeof(double));   /* NULL: write dx directly */
+        const int dx_stream = dg_stream_on(total, (int64_t)sizeof(double));
+        double *dx_tile = (double *)dg_tile(dx_stream, M, (int64_t)sizeof(double));   /* NULL: dx in place */
+        (void)dx_stream;
         (void)pend;
         (void)pending;
         DG_PRAGMA(omp for schedule(static))
@@ -759,7 +895,7 @@ int rmsnorm_train_backward_f64(
                             }
                         }
                         for (; m < Cg; ++m) {
-                            const int j = 0;                /* the remainder goes to lane 0 */
+                            const int j = 0;                /* outside the lane blocks: lane 0 */
                             (void)j;
                             const int64_t idx = off + m;
                             const int64_t ch = gi * Cg + m;
@@ -795,7 +931,7 @@ int rmsnorm_train_backward_f64(
                                 }
                             }
                             for (; s < S; ++s) {
-                                const int j = 0;                /* the remainder goes to lane 0 */
+                                const int j = 0;                /* outside the lane blocks: lane 0 */
                                 (void)j;
                                 const int64_t idx = off + cg * S + s;
                                 const double xv = x[idx];
@@ -818,7 +954,24 @@ int rmsnorm_train_backward_f64(
                     double *restrict dx_w = dx_tile != NULL ? dx_tile : dx + off;
                     if (S == 1) {           /* parameters vary along the run */
                         int64_t m = 0;
+                        if (dx_stream) {          /* scalar head up to a 64-byte boundary of dx */
+                            const int64_t head = dg_head(dx + off, (int64_t)sizeof(double), Cg);
+                            for (; m < head; ++m) {
+                                const int j = 0;                /* outside the lane blocks: lane 0 */
+                                (void)j;
+                                const int64_t idx = off + m;
+                                const int64_t ch = gi * Cg + m;
+                                const double gamma_v = gamma[ch];
+                                const double xv = x[idx];
+                                const double dyv = dy[idx];
+                                const double xhat = rstd*xv;
+                                const double g = dyv*gamma_v;
+                                dx[idx] = (double)(g*k_g + k_xhat*xhat);
+                                pend[0 * C + ch] += dyv*xhat;
+                            }
+                        }
                         for (; m + DG_LANES <= Cg; m += DG_LANES) {
+                            double t_dx[DG_LANES];
                             DG_INDEPENDENT
                             for (int j = 0; j < DG_LANES; ++j) {
                                 const int64_t idx = off + m + j;
@@ -828,12 +981,13 @@ int rmsnorm_train_backward_f64(
                                 const double dyv = dy[idx];
                                 const double xhat = rstd*xv;
                                 const double g = dyv*gamma_v;
-                                dx_w[idx - off] = (double)(g*k_g + k_xhat*xhat);
+                                t_dx[j] = (double)(g*k_g + k_xhat*xhat);
                                 pend[0 * C + ch] += dyv*xhat;
                             }
+                            dg_put_double(dx + off + m, t_dx, dx_stream);
                         }
                         for (; m < Cg; ++m) {
-                            const int j = 0;                /* the remainder goes to lane 0 */
+                            const int j = 0;                /* outside the lane blocks: lane 0 */
                             (void)j;
                             const int64_t idx = off + m;
                             const int64_t ch = gi * Cg + m;
@@ -842,7 +996,7 @@ int rmsnorm_train_backward_f64(
                             const double dyv = dy[idx];
                             const double xhat = rstd*xv;
                             const double g = dyv*gamma_v;
-                            dx_w[idx - off] = (double)(g*k_g + k_xhat*xhat);
+                            dx[idx] = (double)(g*k_g + k_xhat*xhat);
                             pend[0 * C + ch] += dyv*xhat;
                         }
                     } else {                /* NCHW: one parameter per run of S values */
@@ -864,7 +1018,7 @@ int rmsnorm_train_backward_f64(
                                 }
                             }
                             for (; s < S; ++s) {
-                                const int j = 0;                /* the remainder goes to lane 0 */
+                                const int j = 0;                /* outside the lane blocks: lane 0 */
                                 (void)j;
                                 const int64_t idx = off + cg * S + s;
                                 const double xv = x[idx];
@@ -877,7 +1031,7 @@ int rmsnorm_train_backward_f64(
                             mine[0 * C + ch] += dg_lanes(lane_p0);
                         }
                     }
-                    if (dx_tile != NULL) dg_stream_double(dx + off, dx_tile, M);
+                    if (dx_tile != NULL && S != 1) dg_stream_double(dx + off, dx_tile, M);
                 }
             }
             if (S == 1 && ++pending == DG_PEND) {
@@ -886,10 +1040,9 @@ int rmsnorm_train_backward_f64(
             }
         }
         dg_flush_double(mine, pend, P * C);
-        if (dx_tile != NULL) {
+        if (dx_stream)
             dg_fence();
-            free(dx_tile);
-        }
+        free(dx_tile);
     }
     for (int64_t c = 0; c < C; ++c) {       /* dgamma */
         double acc = 0.0;
