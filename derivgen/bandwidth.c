@@ -21,15 +21,6 @@ void dg_copy(const float *restrict a, float *restrict b, int64_t n, int nthreads
     for (int64_t i = 0; i < n; ++i) b[i] = a[i];
 }
 
-/* a = b + s * c, ordinary stores; counted as 3 * n * sizeof(float) */
-void dg_triad(float *restrict a, const float *restrict b, const float *restrict c, float s, int64_t n, int nthreads)
-{
-    int nth = nthreads > 0 ? nthreads : 1;
-    (void)nth;
-    DG_PRAGMA(omp parallel for schedule(static) num_threads(nth))
-    for (int64_t i = 0; i < n; ++i) a[i] = b[i] + s * c[i];
-}
-
 /* b = a with non-temporal (streaming) stores, as the kernels write large outputs;
  * counted as 2 * n * sizeof(float) */
 void dg_copy_stream(const float *restrict a, float *restrict b, int64_t n, int nthreads)

@@ -62,52 +62,46 @@ def timeit(fn, repeat: int, warmup: int = 2) -> float:
     return statistics.median(ts) * 1e3
 
 
-SETTLE_S = 0.005   # OpenMP workers (ours, torch's) spin for a while after a parallel region
+BATCH = 5   # timed calls in a row per implementation and round
 
 
-def round_robin(fns: dict, repeat: int, warmup: int = 2) -> dict:
-    """Median ms of each callable, timed in turn within every round, so that all
-    see the same machine: the shared machine's speed drifts by tens of percent
-    over seconds, and ratios of medians taken side by side are what is stable.
-    Between calls it pauses (untimed) until the previous call's spinning
-    OpenMP workers have gone to sleep, so no call competes with them."""
-    for _ in range(warmup):
-        for fn in fns.values():
-            fn()
+def round_robin(fns: dict, repeat: int, warmup: int = 1) -> dict:
+    """Median ms of ``repeat`` timed calls of each callable, taken in rounds: in
+    every round each callable runs ``warmup`` untimed calls and then up to BATCH
+    timed calls in a row. Back-to-back calls keep the cores busy (an idle vCPU
+    wakes up slowly), while the rounds spread every implementation over the
+    same stretch of time: the shared machine's speed drifts by tens of percent
+    over seconds, and only ratios of medians taken side by side are stable."""
     ts: dict = {k: [] for k in fns}
-    for _ in range(repeat):
+    while any(len(v) < repeat for v in ts.values()):
         for k, fn in fns.items():
-            time.sleep(SETTLE_S)
-            t0 = time.perf_counter()
-            fn()
-            ts[k].append(time.perf_counter() - t0)
+            for _ in range(warmup):
+                fn()
+            for _ in range(min(BATCH, repeat - len(ts[k]))):
+                t0 = time.perf_counter()
+                fn()
+                ts[k].append(time.perf_counter() - t0)
     return {k: statistics.median(v) * 1e3 for k, v in ts.items()}
 
 
 # ------------------------------------------------------------------ bandwidth
 
 class Bandwidth:
-    """STREAM-like probe over three 256 MiB arrays (far larger than the caches)."""
+    """STREAM-like copy probe over two 256 MiB arrays (far larger than the caches)."""
 
     def __init__(self, threads: int, mib: int = 256):
         self.threads, self.mib = threads, mib
         self.lib = ctypes.CDLL(str(build_shared(Path(__file__).with_name("bandwidth.c"))))
         self.n = n = mib * 2**20 // 4
-        self.arrays = (np.ones(n, np.float32), np.zeros(n, np.float32), np.ones(n, np.float32))
-        pa, pb, pc = (ctypes.c_void_p(v.ctypes.data) for v in self.arrays)
+        self.arrays = (np.ones(n, np.float32), np.zeros(n, np.float32))
+        pa, pb = (ctypes.c_void_p(v.ctypes.data) for v in self.arrays)
         N, T = ctypes.c_int64(n), ctypes.c_int(threads)
         self.copy = lambda: self.lib.dg_copy(pa, pb, N, T)
         self.stream_copy = lambda: self.lib.dg_copy_stream(pa, pb, N, T)
-        self.triad = lambda: self.lib.dg_triad(pb, pa, pc, ctypes.c_float(0.5), N, T)
 
     def rates(self, ms: dict) -> dict:
-        """GB/s from the median ms of copy / stream_copy / triad (where measured)."""
-        moved = {"copy": 2, "stream_copy": 2, "triad": 3}
-        return {f"{k}_GBps": moved[k] * self.n * 4 / ms[k] / 1e6 for k in moved if k in ms} | {"MiB": self.mib}
-
-    def measure(self, repeat: int = 7) -> dict:
-        return self.rates(round_robin({"copy": self.copy, "triad": self.triad, "stream_copy": self.stream_copy},
-                                      repeat, 1))
+        """GB/s (bytes read + bytes written) from the median ms of copy and stream_copy."""
+        return {f"{k}_GBps": 2 * self.n * 4 / ms[k] / 1e6 for k in ("copy", "stream_copy")} | {"MiB": self.mib}
 
 
 # ------------------------------------------------------------------ plain NumPy baselines
@@ -234,7 +228,6 @@ def run_bench(names, shapes=None, threads=None, dtype="float32", repeat=15, prog
     have_torch = torch_available()
     dt = np.dtype(dtype)
     probe = Bandwidth(threads)
-    bw = probe.measure()          # for the header; each case is probed again beside its kernels
     results: list[Result] = []
     for name in names:
         for shape in (shapes or DEFAULT_SHAPES.get(name) or [(8192, 1024)]):
@@ -303,15 +296,22 @@ def run_bench(names, shapes=None, threads=None, dtype="float32", repeat=15, prog
                 r.ratios["step_vs_plain_numpy"] = best / plain_ms
                 r.ratios["step_vs_bound"] = best / (bound_fwd + bound_bwd)
             results += row_results
+    probes = [r.bandwidth for r in results if r.impl == "generated c"]     # one probe per case
+    bw = {k: statistics.median(p[k] for p in probes) for k in ("copy_GBps", "stream_copy_GBps")} if probes else {}
+    bw.update(MiB=probe.mib, cases=len(probes),
+              copy_GBps_range=[min(p["copy_GBps"] for p in probes), max(p["copy_GBps"] for p in probes)]
+              if probes else [])
     return {"bandwidth": bw, "threads": threads, "dtype": dtype, "tuned_malloc": tuned, "torch": have_torch,
             "results": [asdict(r) for r in results]}
 
 
 def format_report(report: dict) -> str:
     bw = report["bandwidth"]
-    lines = [f"bandwidth probe ({bw['MiB']} MiB, {report['threads']} thread(s)): copy {bw['copy_GBps']:.1f} GB/s, "
-             f"triad {bw['triad_GBps']:.1f} GB/s, streaming-store copy {bw['stream_copy_GBps']:.1f} GB/s; "
-             f"dtype {report['dtype']}; malloc {'tuned' if report['tuned_malloc'] else 'default'}",
+    lo, hi = bw["copy_GBps_range"]
+    lines = [f"bandwidth probe ({bw['MiB']} MiB arrays, {report['threads']} thread(s), beside each case): copy "
+             f"{bw['copy_GBps']:.1f} GB/s median ({lo:.1f}-{hi:.1f}), streaming-store copy "
+             f"{bw['stream_copy_GBps']:.1f} GB/s; dtype {report['dtype']}; "
+             f"malloc {'tuned' if report['tuned_malloc'] else 'default'}",
              "bound = bytes moved (fwd: x, y; bwd: x, dy, dx) / copy bandwidth probed beside each case; "
              "'nt' = the same with the streaming-store copy", ""]
     head = ("layer", "shape", "impl", "fwd ms", "bwd ms", "fwd+bwd ms", "alloc ms", "x torch", "x bound", "fwd x bnd",

@@ -16,7 +16,9 @@ def test_bench_runs_and_reports_finite_numbers(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "bandwidth probe" in r.stdout and "targets" in r.stdout
     data = json.loads(out.read_text())
-    assert data["bandwidth"]["copy_GBps"] > 0 and math.isfinite(data["bandwidth"]["triad_GBps"])
+    bw = data["bandwidth"]
+    assert bw["copy_GBps"] > 0 and math.isfinite(bw["stream_copy_GBps"]) and bw["stream_copy_GBps"] > 0
+    assert bw["cases"] == 2 and bw["copy_GBps_range"][0] <= bw["copy_GBps"] <= bw["copy_GBps_range"][1]
     impls = {(row["layer"], row["impl"]) for row in data["results"]}
     for layer in ("layernorm", "batchnorm"):
         for impl in ("generated c", "generated numpy", "plain numpy"):
