@@ -240,9 +240,10 @@ class CLoop:
     prefetch: list[str] = field(default_factory=list)      # full-size arrays read ahead (first sweep only)
 
     # Runs whose iterations carry no lane sums may start their lane blocks anywhere, so a
-    # streaming run peels a scalar head up to a 64-byte boundary of its single output and
-    # streams whole blocks straight from registers ("direct"); the others compute into a
-    # cache-resident tile streamed out after the block, keeping the lane of every element.
+    # long streaming run peels a scalar head up to a 64-byte boundary of its single output
+    # and streams whole blocks straight from registers ("direct"); the others (and short
+    # runs, where the scalar head and tail would cost more) compute into a cache-resident
+    # tile streamed out after the block, keeping the lane of every element.
     def _direct(self, channel_lanes: bool) -> bool:
         return len(self.outputs) == 1 and not self.group_sums and not (channel_lanes and self.param_sums)
 
@@ -253,12 +254,6 @@ class CLoop:
     @property
     def direct_nchw(self) -> bool:            # runs of S values of one channel
         return self._direct(True)
-
-    @property
-    def needs_tile(self) -> bool:
-        if not self.outputs:
-            return False
-        return not (self.direct_run and self.direct_nchw) if self.uses_params else not self.direct_run
 
 
 class CPlanner:

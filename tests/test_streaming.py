@@ -39,18 +39,21 @@ def _run(tmp_path, tag: str, cflags: str) -> dict:
         return {k: z[k] for k in z.files}
 
 
-ISAS = [("sse2", ""), ("avx2", "-mavx2 -mfma"), ("avx512", "-mavx512f")]
+# streamed builds: every run long enough to stream straight from registers (DG_DIRECT_MIN=0),
+# or only runs of 512+ elements (the default; shorter ones go through the tile)
+ISAS = [("sse2", "", "-DDG_DIRECT_MIN=0"), ("avx2", "-mavx2 -mfma", ""),
+        ("avx512", "-mavx512f", "-DDG_DIRECT_MIN=0"), ("avx512-tiles", "-mavx512f", "")]
 
 
-@pytest.mark.parametrize("isa,flags", ISAS, ids=[i for i, _ in ISAS])
-def test_streaming_and_prefetch_change_no_bits(tmp_path, isa, flags):
-    needs = {"sse2": "sse2", "avx2": "avx2", "avx512": "avx512f"}[isa]
+@pytest.mark.parametrize("isa,flags,on", ISAS, ids=[i for i, _, _ in ISAS])
+def test_streaming_and_prefetch_change_no_bits(tmp_path, isa, flags, on):
+    needs = {"sse2": "sse2", "avx2": "avx2", "avx512": "avx512f", "avx512-tiles": "avx512f"}[isa]
     if f" {needs}" not in _cpu_flags():
         if os.environ.get("CI") == "true":            # the CI machines are AVX-512 x86-64
             pytest.fail(f"this machine's CPU lacks {needs}")
         pytest.skip(f"CPU lacks {needs}")
     plain = _run(tmp_path, "plain", f"{BASE} {flags} {OFF}")
-    streamed = _run(tmp_path, "streamed", f"{BASE} {flags} {ON}")
+    streamed = _run(tmp_path, "streamed", f"{BASE} {flags} {ON} {on}")
     assert plain.keys() == streamed.keys() and len(plain) > 100
     differ = [k for k in plain if not np.array_equal(plain[k], streamed[k], equal_nan=True)]
     assert not differ, differ[:10]

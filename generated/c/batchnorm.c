@@ -83,6 +83,9 @@
 #ifndef DG_STREAM_BYTES
 #define DG_STREAM_BYTES ((int64_t)8 << 20)
 #endif
+#ifndef DG_DIRECT_MIN
+#define DG_DIRECT_MIN 512               /* shorter runs stream through the tile */
+#endif
 #ifndef DG_TILE_BYTES
 #define DG_TILE_BYTES ((int64_t)256 << 10)
 #endif
@@ -303,6 +306,7 @@ int batchnorm_train_forward_f32(
     DG_PRAGMA(omp parallel num_threads(nth))
     {
         const int y_stream = dg_stream_on(total, (int64_t)sizeof(float));
+        float *y_tile = (float *)dg_tile(y_stream, M, (int64_t)sizeof(float));   /* NULL: y in place */
         (void)y_stream;
         DG_PRAGMA(omp for schedule(static))
         for (int64_t grp = 0; grp < n_groups; ++grp) {
@@ -383,9 +387,12 @@ int batchnorm_train_forward_f32(
                 const float rstd_f = (float)rstd;
                 for (int64_t b = 0; b < blocks; ++b) {
                     const int64_t off = base + b * block_stride;
+                    const int y_direct = S == 1 ? y_stream && (y_tile == NULL || Cg >= DG_DIRECT_MIN) : y_stream && (y_tile == NULL || S >= DG_DIRECT_MIN);
+                    float *restrict y_w = y_tile != NULL && !y_direct ? y_tile : y + off;
+                    (void)y_direct;
                     if (S == 1) {           /* parameters vary along the run */
                         int64_t m = 0;
-                        if (y_stream) {          /* scalar head up to a 64-byte boundary of y */
+                        if (y_direct) {          /* scalar head up to a 64-byte boundary of y */
                             const int64_t head = dg_head(y + off, (int64_t)sizeof(float), Cg);
                             for (; m < head; ++m) {
                                 const int j = 0;                /* outside the lane blocks: lane 0 */
@@ -396,7 +403,7 @@ int batchnorm_train_forward_f32(
                                 const float beta_v = beta[ch];
                                 const float xv = x[idx];
                                 const float xhat = rstd_f*((xv + h0_hi + h0_lo));
-                                y[idx] = (float)(gamma_v*xhat + beta_v);
+                                y_w[idx - off] = (float)(gamma_v*xhat + beta_v);
                             }
                         }
                         for (; m + DG_LANES <= Cg; m += DG_LANES) {
@@ -411,7 +418,7 @@ int batchnorm_train_forward_f32(
                                 const float xhat = rstd_f*((xv + h0_hi + h0_lo));
                                 t_y[j] = (float)(gamma_v*xhat + beta_v);
                             }
-                            dg_put_float(y + off + m, t_y, y_stream);
+                            dg_put_float(y_w + (m), t_y, y_direct);
                         }
                         for (; m < Cg; ++m) {
                             const int j = 0;                /* outside the lane blocks: lane 0 */
@@ -422,7 +429,7 @@ int batchnorm_train_forward_f32(
                             const float beta_v = beta[ch];
                             const float xv = x[idx];
                             const float xhat = rstd_f*((xv + h0_hi + h0_lo));
-                            y[idx] = (float)(gamma_v*xhat + beta_v);
+                            y_w[idx - off] = (float)(gamma_v*xhat + beta_v);
                         }
                     } else {                /* NCHW: one parameter per run of S values */
                         for (int64_t cg = 0; cg < Cg; ++cg) {
@@ -430,7 +437,7 @@ int batchnorm_train_forward_f32(
                             const float gamma_v = gamma[ch];
                             const float beta_v = beta[ch];
                             int64_t s = 0;
-                            if (y_stream) {          /* scalar head up to a 64-byte boundary of y */
+                            if (y_direct) {          /* scalar head up to a 64-byte boundary of y */
                                 const int64_t head = dg_head(y + off + cg * S, (int64_t)sizeof(float), S);
                                 for (; s < head; ++s) {
                                     const int j = 0;                /* outside the lane blocks: lane 0 */
@@ -438,7 +445,7 @@ int batchnorm_train_forward_f32(
                                     const int64_t idx = off + cg * S + s;
                                     const float xv = x[idx];
                                     const float xhat = rstd_f*((xv + h0_hi + h0_lo));
-                                    y[idx] = (float)(gamma_v*xhat + beta_v);
+                                    y_w[idx - off] = (float)(gamma_v*xhat + beta_v);
                                 }
                             }
                             for (; s + DG_LANES <= S; s += DG_LANES) {
@@ -450,7 +457,7 @@ int batchnorm_train_forward_f32(
                                     const float xhat = rstd_f*((xv + h0_hi + h0_lo));
                                     t_y[j] = (float)(gamma_v*xhat + beta_v);
                                 }
-                                dg_put_float(y + off + cg * S + s, t_y, y_stream);
+                                dg_put_float(y_w + (cg * S + s), t_y, y_direct);
                             }
                             for (; s < S; ++s) {
                                 const int j = 0;                /* outside the lane blocks: lane 0 */
@@ -458,15 +465,17 @@ int batchnorm_train_forward_f32(
                                 const int64_t idx = off + cg * S + s;
                                 const float xv = x[idx];
                                 const float xhat = rstd_f*((xv + h0_hi + h0_lo));
-                                y[idx] = (float)(gamma_v*xhat + beta_v);
+                                y_w[idx - off] = (float)(gamma_v*xhat + beta_v);
                             }
                         }
                     }
+                    if (y_tile != NULL && !y_direct) dg_stream_float(y + off, y_tile, M);
                 }
             }
         }
         if (y_stream)
             dg_fence();
+        free(y_tile);
     }
     return 0;
 }
@@ -641,10 +650,12 @@ int batchnorm_train_backward_f32(
                 const float rstd_f = (float)rstd;
                 for (int64_t b = 0; b < blocks; ++b) {
                     const int64_t off = base + b * block_stride;
-                    float *restrict dx_w = dx_tile != NULL ? dx_tile : dx + off;
+                    const int dx_direct = S == 1 ? dx_stream && (dx_tile == NULL || Cg >= DG_DIRECT_MIN) : 0;
+                    float *restrict dx_w = dx_tile != NULL && !dx_direct ? dx_tile : dx + off;
+                    (void)dx_direct;
                     if (S == 1) {           /* parameters vary along the run */
                         int64_t m = 0;
-                        if (dx_stream) {          /* scalar head up to a 64-byte boundary of dx */
+                        if (dx_direct) {          /* scalar head up to a 64-byte boundary of dx */
                             const int64_t head = dg_head(dx + off, (int64_t)sizeof(float), Cg);
                             for (; m < head; ++m) {
                                 const int j = 0;                /* outside the lane blocks: lane 0 */
@@ -656,7 +667,7 @@ int batchnorm_train_backward_f32(
                                 const float dyv = dy[idx];
                                 const float xhat = rstd_f*((xv + h0_hi + h0_lo));
                                 const float g = dyv*gamma_v;
-                                dx[idx] = (float)(rstd_f*((g - mean_g_xhat_f*xhat + h1_hi + h1_lo)));
+                                dx_w[idx - off] = (float)(rstd_f*((g - mean_g_xhat_f*xhat + h1_hi + h1_lo)));
                                 pend[0 * C + ch] += dyv*xhat;
                                 pend[1 * C + ch] += dyv;
                             }
@@ -676,7 +687,7 @@ int batchnorm_train_backward_f32(
                                 pend[0 * C + ch] += dyv*xhat;
                                 pend[1 * C + ch] += dyv;
                             }
-                            dg_put_float(dx + off + m, t_dx, dx_stream);
+                            dg_put_float(dx_w + (m), t_dx, dx_direct);
                         }
                         for (; m < Cg; ++m) {
                             const int j = 0;                /* outside the lane blocks: lane 0 */
@@ -688,7 +699,7 @@ int batchnorm_train_backward_f32(
                             const float dyv = dy[idx];
                             const float xhat = rstd_f*((xv + h0_hi + h0_lo));
                             const float g = dyv*gamma_v;
-                            dx[idx] = (float)(rstd_f*((g - mean_g_xhat_f*xhat + h1_hi + h1_lo)));
+                            dx_w[idx - off] = (float)(rstd_f*((g - mean_g_xhat_f*xhat + h1_hi + h1_lo)));
                             pend[0 * C + ch] += dyv*xhat;
                             pend[1 * C + ch] += dyv;
                         }
@@ -728,7 +739,7 @@ int batchnorm_train_backward_f32(
                             mine[1 * C + ch] += dg_lanes(lane_p1);
                         }
                     }
-                    if (dx_tile != NULL && S != 1) dg_stream_float(dx + off, dx_tile, M);
+                    if (dx_tile != NULL && !dx_direct) dg_stream_float(dx + off, dx_tile, M);
                 }
             }
             if (S == 1 && ++pending == DG_PEND) {
@@ -792,6 +803,7 @@ int batchnorm_train_forward_f64(
     DG_PRAGMA(omp parallel num_threads(nth))
     {
         const int y_stream = dg_stream_on(total, (int64_t)sizeof(double));
+        double *y_tile = (double *)dg_tile(y_stream, M, (int64_t)sizeof(double));   /* NULL: y in place */
         (void)y_stream;
         DG_PRAGMA(omp for schedule(static))
         for (int64_t grp = 0; grp < n_groups; ++grp) {
@@ -868,9 +880,12 @@ int batchnorm_train_forward_f64(
             {
                 for (int64_t b = 0; b < blocks; ++b) {
                     const int64_t off = base + b * block_stride;
+                    const int y_direct = S == 1 ? y_stream && (y_tile == NULL || Cg >= DG_DIRECT_MIN) : y_stream && (y_tile == NULL || S >= DG_DIRECT_MIN);
+                    double *restrict y_w = y_tile != NULL && !y_direct ? y_tile : y + off;
+                    (void)y_direct;
                     if (S == 1) {           /* parameters vary along the run */
                         int64_t m = 0;
-                        if (y_stream) {          /* scalar head up to a 64-byte boundary of y */
+                        if (y_direct) {          /* scalar head up to a 64-byte boundary of y */
                             const int64_t head = dg_head(y + off, (int64_t)sizeof(double), Cg);
                             for (; m < head; ++m) {
                                 const int j = 0;                /* outside the lane blocks: lane 0 */
@@ -881,7 +896,7 @@ int batchnorm_train_forward_f64(
                                 const double beta_v = beta[ch];
                                 const double xv = x[idx];
                                 const double xhat = rstd*(xv - mean);
-                                y[idx] = (double)(gamma_v*xhat + beta_v);
+                                y_w[idx - off] = (double)(gamma_v*xhat + beta_v);
                             }
                         }
                         for (; m + DG_LANES <= Cg; m += DG_LANES) {
@@ -896,7 +911,7 @@ int batchnorm_train_forward_f64(
                                 const double xhat = rstd*(xv - mean);
                                 t_y[j] = (double)(gamma_v*xhat + beta_v);
                             }
-                            dg_put_double(y + off + m, t_y, y_stream);
+                            dg_put_double(y_w + (m), t_y, y_direct);
                         }
                         for (; m < Cg; ++m) {
                             const int j = 0;                /* outside the lane blocks: lane 0 */
@@ -907,7 +922,7 @@ int batchnorm_train_forward_f64(
                             const double beta_v = beta[ch];
                             const double xv = x[idx];
                             const double xhat = rstd*(xv - mean);
-                            y[idx] = (double)(gamma_v*xhat + beta_v);
+                            y_w[idx - off] = (double)(gamma_v*xhat + beta_v);
                         }
                     } else {                /* NCHW: one parameter per run of S values */
                         for (int64_t cg = 0; cg < Cg; ++cg) {
@@ -915,7 +930,7 @@ int batchnorm_train_forward_f64(
                             const double gamma_v = gamma[ch];
                             const double beta_v = beta[ch];
                             int64_t s = 0;
-                            if (y_stream) {          /* scalar head up to a 64-byte boundary of y */
+                            if (y_direct) {          /* scalar head up to a 64-byte boundary of y */
                                 const int64_t head = dg_head(y + off + cg * S, (int64_t)sizeof(double), S);
                                 for (; s < head; ++s) {
                                     const int j = 0;                /* outside the lane blocks: lane 0 */
@@ -923,7 +938,7 @@ int batchnorm_train_forward_f64(
                                     const int64_t idx = off + cg * S + s;
                                     const double xv = x[idx];
                                     const double xhat = rstd*(xv - mean);
-                                    y[idx] = (double)(gamma_v*xhat + beta_v);
+                                    y_w[idx - off] = (double)(gamma_v*xhat + beta_v);
                                 }
                             }
                             for (; s + DG_LANES <= S; s += DG_LANES) {
@@ -935,7 +950,7 @@ int batchnorm_train_forward_f64(
                                     const double xhat = rstd*(xv - mean);
                                     t_y[j] = (double)(gamma_v*xhat + beta_v);
                                 }
-                                dg_put_double(y + off + cg * S + s, t_y, y_stream);
+                                dg_put_double(y_w + (cg * S + s), t_y, y_direct);
                             }
                             for (; s < S; ++s) {
                                 const int j = 0;                /* outside the lane blocks: lane 0 */
@@ -943,15 +958,17 @@ int batchnorm_train_forward_f64(
                                 const int64_t idx = off + cg * S + s;
                                 const double xv = x[idx];
                                 const double xhat = rstd*(xv - mean);
-                                y[idx] = (double)(gamma_v*xhat + beta_v);
+                                y_w[idx - off] = (double)(gamma_v*xhat + beta_v);
                             }
                         }
                     }
+                    if (y_tile != NULL && !y_direct) dg_stream_double(y + off, y_tile, M);
                 }
             }
         }
         if (y_stream)
             dg_fence();
+        free(y_tile);
     }
     return 0;
 }
@@ -1117,10 +1134,12 @@ int batchnorm_train_backward_f64(
             {
                 for (int64_t b = 0; b < blocks; ++b) {
                     const int64_t off = base + b * block_stride;
-                    double *restrict dx_w = dx_tile != NULL ? dx_tile : dx + off;
+                    const int dx_direct = S == 1 ? dx_stream && (dx_tile == NULL || Cg >= DG_DIRECT_MIN) : 0;
+                    double *restrict dx_w = dx_tile != NULL && !dx_direct ? dx_tile : dx + off;
+                    (void)dx_direct;
                     if (S == 1) {           /* parameters vary along the run */
                         int64_t m = 0;
-                        if (dx_stream) {          /* scalar head up to a 64-byte boundary of dx */
+                        if (dx_direct) {          /* scalar head up to a 64-byte boundary of dx */
                             const int64_t head = dg_head(dx + off, (int64_t)sizeof(double), Cg);
                             for (; m < head; ++m) {
                                 const int j = 0;                /* outside the lane blocks: lane 0 */
@@ -1132,7 +1151,7 @@ int batchnorm_train_backward_f64(
                                 const double dyv = dy[idx];
                                 const double xhat = rstd*(xv - mean);
                                 const double g = dyv*gamma_v;
-                                dx[idx] = (double)(g*k_g + k_xhat*xhat + k_1);
+                                dx_w[idx - off] = (double)(g*k_g + k_xhat*xhat + k_1);
                                 pend[0 * C + ch] += dyv*xhat;
                                 pend[1 * C + ch] += dyv;
                             }
@@ -1152,7 +1171,7 @@ int batchnorm_train_backward_f64(
                                 pend[0 * C + ch] += dyv*xhat;
                                 pend[1 * C + ch] += dyv;
                             }
-                            dg_put_double(dx + off + m, t_dx, dx_stream);
+                            dg_put_double(dx_w + (m), t_dx, dx_direct);
                         }
                         for (; m < Cg; ++m) {
                             const int j = 0;                /* outside the lane blocks: lane 0 */
@@ -1164,7 +1183,7 @@ int batchnorm_train_backward_f64(
                             const double dyv = dy[idx];
                             const double xhat = rstd*(xv - mean);
                             const double g = dyv*gamma_v;
-                            dx[idx] = (double)(g*k_g + k_xhat*xhat + k_1);
+                            dx_w[idx - off] = (double)(g*k_g + k_xhat*xhat + k_1);
                             pend[0 * C + ch] += dyv*xhat;
                             pend[1 * C + ch] += dyv;
                         }
@@ -1204,7 +1223,7 @@ int batchnorm_train_backward_f64(
                             mine[1 * C + ch] += dg_lanes(lane_p1);
                         }
                     }
-                    if (dx_tile != NULL && S != 1) dg_stream_double(dx + off, dx_tile, M);
+                    if (dx_tile != NULL && !dx_direct) dg_stream_double(dx + off, dx_tile, M);
                 }
             }
             if (S == 1 && ++pending == DG_PEND) {
@@ -1268,6 +1287,7 @@ int batchnorm_eval_forward_f32(
     DG_PRAGMA(omp parallel num_threads(nth))
     {
         const int y_stream = dg_stream_on(total, (int64_t)sizeof(float));
+        float *y_tile = (float *)dg_tile(y_stream, M, (int64_t)sizeof(float));   /* NULL: y in place */
         (void)y_stream;
         DG_PRAGMA(omp for schedule(static))
         for (int64_t grp = 0; grp < n_groups; ++grp) {
@@ -1292,9 +1312,12 @@ int batchnorm_eval_forward_f32(
                 for (int64_t b = 0; b < blocks; ++b) {
                     const int64_t off = base + b * block_stride;
                     const int64_t nxt = b + 1 < blocks ? off + block_stride : base + M;   /* block read next */
+                    const int y_direct = S == 1 ? y_stream && (y_tile == NULL || Cg >= DG_DIRECT_MIN) : y_stream && (y_tile == NULL || S >= DG_DIRECT_MIN);
+                    float *restrict y_w = y_tile != NULL && !y_direct ? y_tile : y + off;
+                    (void)y_direct;
                     if (S == 1) {           /* parameters vary along the run */
                         int64_t m = 0;
-                        if (y_stream) {          /* scalar head up to a 64-byte boundary of y */
+                        if (y_direct) {          /* scalar head up to a 64-byte boundary of y */
                             const int64_t head = dg_head(y + off, (int64_t)sizeof(float), Cg);
                             for (; m < head; ++m) {
                                 const int j = 0;                /* outside the lane blocks: lane 0 */
@@ -1305,7 +1328,7 @@ int batchnorm_eval_forward_f32(
                                 const float beta_v = beta[ch];
                                 const float xv = x[idx];
                                 const float xhat = rstd_f*((xv + h0_hi + h0_lo));
-                                y[idx] = (float)(gamma_v*xhat + beta_v);
+                                y_w[idx - off] = (float)(gamma_v*xhat + beta_v);
                             }
                         }
                         for (; m + DG_LANES <= Cg; m += DG_LANES) {
@@ -1324,7 +1347,7 @@ int batchnorm_eval_forward_f32(
                                 const float xhat = rstd_f*((xv + h0_hi + h0_lo));
                                 t_y[j] = (float)(gamma_v*xhat + beta_v);
                             }
-                            dg_put_float(y + off + m, t_y, y_stream);
+                            dg_put_float(y_w + (m), t_y, y_direct);
                         }
                         for (; m < Cg; ++m) {
                             const int j = 0;                /* outside the lane blocks: lane 0 */
@@ -1335,7 +1358,7 @@ int batchnorm_eval_forward_f32(
                             const float beta_v = beta[ch];
                             const float xv = x[idx];
                             const float xhat = rstd_f*((xv + h0_hi + h0_lo));
-                            y[idx] = (float)(gamma_v*xhat + beta_v);
+                            y_w[idx - off] = (float)(gamma_v*xhat + beta_v);
                         }
                     } else {                /* NCHW: one parameter per run of S values */
                         for (int64_t cg = 0; cg < Cg; ++cg) {
@@ -1343,7 +1366,7 @@ int batchnorm_eval_forward_f32(
                             const float gamma_v = gamma[ch];
                             const float beta_v = beta[ch];
                             int64_t s = 0;
-                            if (y_stream) {          /* scalar head up to a 64-byte boundary of y */
+                            if (y_direct) {          /* scalar head up to a 64-byte boundary of y */
                                 const int64_t head = dg_head(y + off + cg * S, (int64_t)sizeof(float), S);
                                 for (; s < head; ++s) {
                                     const int j = 0;                /* outside the lane blocks: lane 0 */
@@ -1351,7 +1374,7 @@ int batchnorm_eval_forward_f32(
                                     const int64_t idx = off + cg * S + s;
                                     const float xv = x[idx];
                                     const float xhat = rstd_f*((xv + h0_hi + h0_lo));
-                                    y[idx] = (float)(gamma_v*xhat + beta_v);
+                                    y_w[idx - off] = (float)(gamma_v*xhat + beta_v);
                                 }
                             }
                             for (; s + DG_LANES <= S; s += DG_LANES) {
@@ -1367,7 +1390,7 @@ int batchnorm_eval_forward_f32(
                                     const float xhat = rstd_f*((xv + h0_hi + h0_lo));
                                     t_y[j] = (float)(gamma_v*xhat + beta_v);
                                 }
-                                dg_put_float(y + off + cg * S + s, t_y, y_stream);
+                                dg_put_float(y_w + (cg * S + s), t_y, y_direct);
                             }
                             for (; s < S; ++s) {
                                 const int j = 0;                /* outside the lane blocks: lane 0 */
@@ -1375,15 +1398,17 @@ int batchnorm_eval_forward_f32(
                                 const int64_t idx = off + cg * S + s;
                                 const float xv = x[idx];
                                 const float xhat = rstd_f*((xv + h0_hi + h0_lo));
-                                y[idx] = (float)(gamma_v*xhat + beta_v);
+                                y_w[idx - off] = (float)(gamma_v*xhat + beta_v);
                             }
                         }
                     }
+                    if (y_tile != NULL && !y_direct) dg_stream_float(y + off, y_tile, M);
                 }
             }
         }
         if (y_stream)
             dg_fence();
+        free(y_tile);
     }
     return 0;
 }
@@ -1462,10 +1487,12 @@ int batchnorm_eval_backward_f32(
                 for (int64_t b = 0; b < blocks; ++b) {
                     const int64_t off = base + b * block_stride;
                     const int64_t nxt = b + 1 < blocks ? off + block_stride : base + M;   /* block read next */
-                    float *restrict dx_w = dx_tile != NULL ? dx_tile : dx + off;
+                    const int dx_direct = S == 1 ? dx_stream && (dx_tile == NULL || Cg >= DG_DIRECT_MIN) : 0;
+                    float *restrict dx_w = dx_tile != NULL && !dx_direct ? dx_tile : dx + off;
+                    (void)dx_direct;
                     if (S == 1) {           /* parameters vary along the run */
                         int64_t m = 0;
-                        if (dx_stream) {          /* scalar head up to a 64-byte boundary of dx */
+                        if (dx_direct) {          /* scalar head up to a 64-byte boundary of dx */
                             const int64_t head = dg_head(dx + off, (int64_t)sizeof(float), Cg);
                             for (; m < head; ++m) {
                                 const int j = 0;                /* outside the lane blocks: lane 0 */
@@ -1477,7 +1504,7 @@ int batchnorm_eval_backward_f32(
                                 const float dyv = dy[idx];
                                 const float xhat = rstd_f*((xv + h0_hi + h0_lo));
                                 const float g = dyv*gamma_v;
-                                dx[idx] = (float)(g*rstd_f);
+                                dx_w[idx - off] = (float)(g*rstd_f);
                                 pend[0 * C + ch] += dyv*xhat;
                                 pend[1 * C + ch] += dyv;
                             }
@@ -1505,7 +1532,7 @@ int batchnorm_eval_backward_f32(
                                 pend[0 * C + ch] += dyv*xhat;
                                 pend[1 * C + ch] += dyv;
                             }
-                            dg_put_float(dx + off + m, t_dx, dx_stream);
+                            dg_put_float(dx_w + (m), t_dx, dx_direct);
                         }
                         for (; m < Cg; ++m) {
                             const int j = 0;                /* outside the lane blocks: lane 0 */
@@ -1517,7 +1544,7 @@ int batchnorm_eval_backward_f32(
                             const float dyv = dy[idx];
                             const float xhat = rstd_f*((xv + h0_hi + h0_lo));
                             const float g = dyv*gamma_v;
-                            dx[idx] = (float)(g*rstd_f);
+                            dx_w[idx - off] = (float)(g*rstd_f);
                             pend[0 * C + ch] += dyv*xhat;
                             pend[1 * C + ch] += dyv;
                         }
@@ -1565,7 +1592,7 @@ int batchnorm_eval_backward_f32(
                             mine[1 * C + ch] += dg_lanes(lane_p1);
                         }
                     }
-                    if (dx_tile != NULL && S != 1) dg_stream_float(dx + off, dx_tile, M);
+                    if (dx_tile != NULL && !dx_direct) dg_stream_float(dx + off, dx_tile, M);
                 }
             }
             if (S == 1 && ++pending == DG_PEND) {
@@ -1629,6 +1656,7 @@ int batchnorm_eval_forward_f64(
     DG_PRAGMA(omp parallel num_threads(nth))
     {
         const int y_stream = dg_stream_on(total, (int64_t)sizeof(double));
+        double *y_tile = (double *)dg_tile(y_stream, M, (int64_t)sizeof(double));   /* NULL: y in place */
         (void)y_stream;
         DG_PRAGMA(omp for schedule(static))
         for (int64_t grp = 0; grp < n_groups; ++grp) {
@@ -1649,9 +1677,12 @@ int batchnorm_eval_forward_f64(
                 for (int64_t b = 0; b < blocks; ++b) {
                     const int64_t off = base + b * block_stride;
                     const int64_t nxt = b + 1 < blocks ? off + block_stride : base + M;   /* block read next */
+                    const int y_direct = S == 1 ? y_stream && (y_tile == NULL || Cg >= DG_DIRECT_MIN) : y_stream && (y_tile == NULL || S >= DG_DIRECT_MIN);
+                    double *restrict y_w = y_tile != NULL && !y_direct ? y_tile : y + off;
+                    (void)y_direct;
                     if (S == 1) {           /* parameters vary along the run */
                         int64_t m = 0;
-                        if (y_stream) {          /* scalar head up to a 64-byte boundary of y */
+                        if (y_direct) {          /* scalar head up to a 64-byte boundary of y */
                             const int64_t head = dg_head(y + off, (int64_t)sizeof(double), Cg);
                             for (; m < head; ++m) {
                                 const int j = 0;                /* outside the lane blocks: lane 0 */
@@ -1662,7 +1693,7 @@ int batchnorm_eval_forward_f64(
                                 const double beta_v = beta[ch];
                                 const double xv = x[idx];
                                 const double xhat = rstd*(xv - mean);
-                                y[idx] = (double)(gamma_v*xhat + beta_v);
+                                y_w[idx - off] = (double)(gamma_v*xhat + beta_v);
                             }
                         }
                         for (; m + DG_LANES <= Cg; m += DG_LANES) {
@@ -1681,7 +1712,7 @@ int batchnorm_eval_forward_f64(
                                 const double xhat = rstd*(xv - mean);
                                 t_y[j] = (double)(gamma_v*xhat + beta_v);
                             }
-                            dg_put_double(y + off + m, t_y, y_stream);
+                            dg_put_double(y_w + (m), t_y, y_direct);
                         }
                         for (; m < Cg; ++m) {
                             const int j = 0;                /* outside the lane blocks: lane 0 */
@@ -1692,7 +1723,7 @@ int batchnorm_eval_forward_f64(
                             const double beta_v = beta[ch];
                             const double xv = x[idx];
                             const double xhat = rstd*(xv - mean);
-                            y[idx] = (double)(gamma_v*xhat + beta_v);
+                            y_w[idx - off] = (double)(gamma_v*xhat + beta_v);
                         }
                     } else {                /* NCHW: one parameter per run of S values */
                         for (int64_t cg = 0; cg < Cg; ++cg) {
@@ -1700,7 +1731,7 @@ int batchnorm_eval_forward_f64(
                             const double gamma_v = gamma[ch];
                             const double beta_v = beta[ch];
                             int64_t s = 0;
-                            if (y_stream) {          /* scalar head up to a 64-byte boundary of y */
+                            if (y_direct) {          /* scalar head up to a 64-byte boundary of y */
                                 const int64_t head = dg_head(y + off + cg * S, (int64_t)sizeof(double), S);
                                 for (; s < head; ++s) {
                                     const int j = 0;                /* outside the lane blocks: lane 0 */
@@ -1708,7 +1739,7 @@ int batchnorm_eval_forward_f64(
                                     const int64_t idx = off + cg * S + s;
                                     const double xv = x[idx];
                                     const double xhat = rstd*(xv - mean);
-                                    y[idx] = (double)(gamma_v*xhat + beta_v);
+                                    y_w[idx - off] = (double)(gamma_v*xhat + beta_v);
                                 }
                             }
                             for (; s + DG_LANES <= S; s += DG_LANES) {
@@ -1724,7 +1755,7 @@ int batchnorm_eval_forward_f64(
                                     const double xhat = rstd*(xv - mean);
                                     t_y[j] = (double)(gamma_v*xhat + beta_v);
                                 }
-                                dg_put_double(y + off + cg * S + s, t_y, y_stream);
+                                dg_put_double(y_w + (cg * S + s), t_y, y_direct);
                             }
                             for (; s < S; ++s) {
                                 const int j = 0;                /* outside the lane blocks: lane 0 */
@@ -1732,15 +1763,17 @@ int batchnorm_eval_forward_f64(
                                 const int64_t idx = off + cg * S + s;
                                 const double xv = x[idx];
                                 const double xhat = rstd*(xv - mean);
-                                y[idx] = (double)(gamma_v*xhat + beta_v);
+                                y_w[idx - off] = (double)(gamma_v*xhat + beta_v);
                             }
                         }
                     }
+                    if (y_tile != NULL && !y_direct) dg_stream_double(y + off, y_tile, M);
                 }
             }
         }
         if (y_stream)
             dg_fence();
+        free(y_tile);
     }
     return 0;
 }
@@ -1816,10 +1849,12 @@ int batchnorm_eval_backward_f64(
                 for (int64_t b = 0; b < blocks; ++b) {
                     const int64_t off = base + b * block_stride;
                     const int64_t nxt = b + 1 < blocks ? off + block_stride : base + M;   /* block read next */
-                    double *restrict dx_w = dx_tile != NULL ? dx_tile : dx + off;
+                    const int dx_direct = S == 1 ? dx_stream && (dx_tile == NULL || Cg >= DG_DIRECT_MIN) : 0;
+                    double *restrict dx_w = dx_tile != NULL && !dx_direct ? dx_tile : dx + off;
+                    (void)dx_direct;
                     if (S == 1) {           /* parameters vary along the run */
                         int64_t m = 0;
-                        if (dx_stream) {          /* scalar head up to a 64-byte boundary of dx */
+                        if (dx_direct) {          /* scalar head up to a 64-byte boundary of dx */
                             const int64_t head = dg_head(dx + off, (int64_t)sizeof(double), Cg);
                             for (; m < head; ++m) {
                                 const int j = 0;                /* outside the lane blocks: lane 0 */
@@ -1831,7 +1866,7 @@ int batchnorm_eval_backward_f64(
                                 const double dyv = dy[idx];
                                 const double xhat = rstd*(xv - mean);
                                 const double g = dyv*gamma_v;
-                                dx[idx] = (double)(g*k_g);
+                                dx_w[idx - off] = (double)(g*k_g);
                                 pend[0 * C + ch] += dyv*xhat;
                                 pend[1 * C + ch] += dyv;
                             }
@@ -1859,7 +1894,7 @@ int batchnorm_eval_backward_f64(
                                 pend[0 * C + ch] += dyv*xhat;
                                 pend[1 * C + ch] += dyv;
                             }
-                            dg_put_double(dx + off + m, t_dx, dx_stream);
+                            dg_put_double(dx_w + (m), t_dx, dx_direct);
                         }
                         for (; m < Cg; ++m) {
                             const int j = 0;                /* outside the lane blocks: lane 0 */
@@ -1871,7 +1906,7 @@ int batchnorm_eval_backward_f64(
                             const double dyv = dy[idx];
                             const double xhat = rstd*(xv - mean);
                             const double g = dyv*gamma_v;
-                            dx[idx] = (double)(g*k_g);
+                            dx_w[idx - off] = (double)(g*k_g);
                             pend[0 * C + ch] += dyv*xhat;
                             pend[1 * C + ch] += dyv;
                         }
@@ -1919,7 +1954,7 @@ int batchnorm_eval_backward_f64(
                             mine[1 * C + ch] += dg_lanes(lane_p1);
                         }
                     }
-                    if (dx_tile != NULL && S != 1) dg_stream_double(dx + off, dx_tile, M);
+                    if (dx_tile != NULL && !dx_direct) dg_stream_double(dx + off, dx_tile, M);
                 }
             }
             if (S == 1 && ++pending == DG_PEND) {

@@ -67,6 +67,9 @@
 #ifndef DG_STREAM_BYTES
 #define DG_STREAM_BYTES ((int64_t)8 << 20)
 #endif
+#ifndef DG_DIRECT_MIN
+#define DG_DIRECT_MIN 512               /* shorter runs stream through the tile */
+#endif
 #ifndef DG_TILE_BYTES
 #define DG_TILE_BYTES ((int64_t)256 << 10)
 #endif
@@ -283,6 +286,7 @@ int instancenorm_train_forward_f32(
     DG_PRAGMA(omp parallel num_threads(nth))
     {
         const int y_stream = dg_stream_on(total, (int64_t)sizeof(float));
+        float *y_tile = (float *)dg_tile(y_stream, M, (int64_t)sizeof(float));   /* NULL: y in place */
         (void)y_stream;
         DG_PRAGMA(omp for schedule(static))
         for (int64_t grp = 0; grp < n_groups; ++grp) {
@@ -355,9 +359,12 @@ int instancenorm_train_forward_f32(
                 const float rstd_f = (float)rstd;
                 for (int64_t b = 0; b < blocks; ++b) {
                     const int64_t off = base + b * block_stride;
+                    const int y_direct = S == 1 ? y_stream && (y_tile == NULL || Cg >= DG_DIRECT_MIN) : y_stream && (y_tile == NULL || S >= DG_DIRECT_MIN);
+                    float *restrict y_w = y_tile != NULL && !y_direct ? y_tile : y + off;
+                    (void)y_direct;
                     if (S == 1) {           /* parameters vary along the run */
                         int64_t m = 0;
-                        if (y_stream) {          /* scalar head up to a 64-byte boundary of y */
+                        if (y_direct) {          /* scalar head up to a 64-byte boundary of y */
                             const int64_t head = dg_head(y + off, (int64_t)sizeof(float), Cg);
                             for (; m < head; ++m) {
                                 const int j = 0;                /* outside the lane blocks: lane 0 */
@@ -368,7 +375,7 @@ int instancenorm_train_forward_f32(
                                 const float beta_v = beta[ch];
                                 const float xv = x[idx];
                                 const float xhat = rstd_f*((xv + h0_hi + h0_lo));
-                                y[idx] = (float)(gamma_v*xhat + beta_v);
+                                y_w[idx - off] = (float)(gamma_v*xhat + beta_v);
                             }
                         }
                         for (; m + DG_LANES <= Cg; m += DG_LANES) {
@@ -383,7 +390,7 @@ int instancenorm_train_forward_f32(
                                 const float xhat = rstd_f*((xv + h0_hi + h0_lo));
                                 t_y[j] = (float)(gamma_v*xhat + beta_v);
                             }
-                            dg_put_float(y + off + m, t_y, y_stream);
+                            dg_put_float(y_w + (m), t_y, y_direct);
                         }
                         for (; m < Cg; ++m) {
                             const int j = 0;                /* outside the lane blocks: lane 0 */
@@ -394,7 +401,7 @@ int instancenorm_train_forward_f32(
                             const float beta_v = beta[ch];
                             const float xv = x[idx];
                             const float xhat = rstd_f*((xv + h0_hi + h0_lo));
-                            y[idx] = (float)(gamma_v*xhat + beta_v);
+                            y_w[idx - off] = (float)(gamma_v*xhat + beta_v);
                         }
                     } else {                /* NCHW: one parameter per run of S values */
                         for (int64_t cg = 0; cg < Cg; ++cg) {
@@ -402,7 +409,7 @@ int instancenorm_train_forward_f32(
                             const float gamma_v = gamma[ch];
                             const float beta_v = beta[ch];
                             int64_t s = 0;
-                            if (y_stream) {          /* scalar head up to a 64-byte boundary of y */
+                            if (y_direct) {          /* scalar head up to a 64-byte boundary of y */
                                 const int64_t head = dg_head(y + off + cg * S, (int64_t)sizeof(float), S);
                                 for (; s < head; ++s) {
                                     const int j = 0;                /* outside the lane blocks: lane 0 */
@@ -410,7 +417,7 @@ int instancenorm_train_forward_f32(
                                     const int64_t idx = off + cg * S + s;
                                     const float xv = x[idx];
                                     const float xhat = rstd_f*((xv + h0_hi + h0_lo));
-                                    y[idx] = (float)(gamma_v*xhat + beta_v);
+                                    y_w[idx - off] = (float)(gamma_v*xhat + beta_v);
                                 }
                             }
                             for (; s + DG_LANES <= S; s += DG_LANES) {
@@ -422,7 +429,7 @@ int instancenorm_train_forward_f32(
                                     const float xhat = rstd_f*((xv + h0_hi + h0_lo));
                                     t_y[j] = (float)(gamma_v*xhat + beta_v);
                                 }
-                                dg_put_float(y + off + cg * S + s, t_y, y_stream);
+                                dg_put_float(y_w + (cg * S + s), t_y, y_direct);
                             }
                             for (; s < S; ++s) {
                                 const int j = 0;                /* outside the lane blocks: lane 0 */
@@ -430,15 +437,17 @@ int instancenorm_train_forward_f32(
                                 const int64_t idx = off + cg * S + s;
                                 const float xv = x[idx];
                                 const float xhat = rstd_f*((xv + h0_hi + h0_lo));
-                                y[idx] = (float)(gamma_v*xhat + beta_v);
+                                y_w[idx - off] = (float)(gamma_v*xhat + beta_v);
                             }
                         }
                     }
+                    if (y_tile != NULL && !y_direct) dg_stream_float(y + off, y_tile, M);
                 }
             }
         }
         if (y_stream)
             dg_fence();
+        free(y_tile);
     }
     return 0;
 }
@@ -611,10 +620,12 @@ int instancenorm_train_backward_f32(
                 const float rstd_f = (float)rstd;
                 for (int64_t b = 0; b < blocks; ++b) {
                     const int64_t off = base + b * block_stride;
-                    float *restrict dx_w = dx_tile != NULL ? dx_tile : dx + off;
+                    const int dx_direct = S == 1 ? dx_stream && (dx_tile == NULL || Cg >= DG_DIRECT_MIN) : 0;
+                    float *restrict dx_w = dx_tile != NULL && !dx_direct ? dx_tile : dx + off;
+                    (void)dx_direct;
                     if (S == 1) {           /* parameters vary along the run */
                         int64_t m = 0;
-                        if (dx_stream) {          /* scalar head up to a 64-byte boundary of dx */
+                        if (dx_direct) {          /* scalar head up to a 64-byte boundary of dx */
                             const int64_t head = dg_head(dx + off, (int64_t)sizeof(float), Cg);
                             for (; m < head; ++m) {
                                 const int j = 0;                /* outside the lane blocks: lane 0 */
@@ -626,7 +637,7 @@ int instancenorm_train_backward_f32(
                                 const float dyv = dy[idx];
                                 const float xhat = rstd_f*((xv + h0_hi + h0_lo));
                                 const float g = dyv*gamma_v;
-                                dx[idx] = (float)(rstd_f*((g - mean_g_xhat_f*xhat + h1_hi + h1_lo)));
+                                dx_w[idx - off] = (float)(rstd_f*((g - mean_g_xhat_f*xhat + h1_hi + h1_lo)));
                                 pend[0 * C + ch] += dyv*xhat;
                                 pend[1 * C + ch] += dyv;
                             }
@@ -646,7 +657,7 @@ int instancenorm_train_backward_f32(
                                 pend[0 * C + ch] += dyv*xhat;
                                 pend[1 * C + ch] += dyv;
                             }
-                            dg_put_float(dx + off + m, t_dx, dx_stream);
+                            dg_put_float(dx_w + (m), t_dx, dx_direct);
                         }
                         for (; m < Cg; ++m) {
                             const int j = 0;                /* outside the lane blocks: lane 0 */
@@ -658,7 +669,7 @@ int instancenorm_train_backward_f32(
                             const float dyv = dy[idx];
                             const float xhat = rstd_f*((xv + h0_hi + h0_lo));
                             const float g = dyv*gamma_v;
-                            dx[idx] = (float)(rstd_f*((g - mean_g_xhat_f*xhat + h1_hi + h1_lo)));
+                            dx_w[idx - off] = (float)(rstd_f*((g - mean_g_xhat_f*xhat + h1_hi + h1_lo)));
                             pend[0 * C + ch] += dyv*xhat;
                             pend[1 * C + ch] += dyv;
                         }
@@ -698,7 +709,7 @@ int instancenorm_train_backward_f32(
                             mine[1 * C + ch] += dg_lanes(lane_p1);
                         }
                     }
-                    if (dx_tile != NULL && S != 1) dg_stream_float(dx + off, dx_tile, M);
+                    if (dx_tile != NULL && !dx_direct) dg_stream_float(dx + off, dx_tile, M);
                 }
             }
             if (S == 1 && ++pending == DG_PEND) {
@@ -758,6 +769,7 @@ int instancenorm_train_forward_f64(
     DG_PRAGMA(omp parallel num_threads(nth))
     {
         const int y_stream = dg_stream_on(total, (int64_t)sizeof(double));
+        double *y_tile = (double *)dg_tile(y_stream, M, (int64_t)sizeof(double));   /* NULL: y in place */
         (void)y_stream;
         DG_PRAGMA(omp for schedule(static))
         for (int64_t grp = 0; grp < n_groups; ++grp) {
@@ -826,9 +838,12 @@ int instancenorm_train_forward_f64(
             {
                 for (int64_t b = 0; b < blocks; ++b) {
                     const int64_t off = base + b * block_stride;
+                    const int y_direct = S == 1 ? y_stream && (y_tile == NULL || Cg >= DG_DIRECT_MIN) : y_stream && (y_tile == NULL || S >= DG_DIRECT_MIN);
+                    double *restrict y_w = y_tile != NULL && !y_direct ? y_tile : y + off;
+                    (void)y_direct;
                     if (S == 1) {           /* parameters vary along the run */
                         int64_t m = 0;
-                        if (y_stream) {          /* scalar head up to a 64-byte boundary of y */
+                        if (y_direct) {          /* scalar head up to a 64-byte boundary of y */
                             const int64_t head = dg_head(y + off, (int64_t)sizeof(double), Cg);
                             for (; m < head; ++m) {
                                 const int j = 0;                /* outside the lane blocks: lane 0 */
@@ -839,7 +854,7 @@ int instancenorm_train_forward_f64(
                                 const double beta_v = beta[ch];
                                 const double xv = x[idx];
                                 const double xhat = rstd*(xv - mean);
-                                y[idx] = (double)(gamma_v*xhat + beta_v);
+                                y_w[idx - off] = (double)(gamma_v*xhat + beta_v);
                             }
                         }
                         for (; m + DG_LANES <= Cg; m += DG_LANES) {
@@ -854,7 +869,7 @@ int instancenorm_train_forward_f64(
                                 const double xhat = rstd*(xv - mean);
                                 t_y[j] = (double)(gamma_v*xhat + beta_v);
                             }
-                            dg_put_double(y + off + m, t_y, y_stream);
+                            dg_put_double(y_w + (m), t_y, y_direct);
                         }
                         for (; m < Cg; ++m) {
                             const int j = 0;                /* outside the lane blocks: lane 0 */
@@ -865,7 +880,7 @@ int instancenorm_train_forward_f64(
                             const double beta_v = beta[ch];
                             const double xv = x[idx];
                             const double xhat = rstd*(xv - mean);
-                            y[idx] = (double)(gamma_v*xhat + beta_v);
+                            y_w[idx - off] = (double)(gamma_v*xhat + beta_v);
                         }
                     } else {                /* NCHW: one parameter per run of S values */
                         for (int64_t cg = 0; cg < Cg; ++cg) {
@@ -873,7 +888,7 @@ int instancenorm_train_forward_f64(
                             const double gamma_v = gamma[ch];
                             const double beta_v = beta[ch];
                             int64_t s = 0;
-                            if (y_stream) {          /* scalar head up to a 64-byte boundary of y */
+                            if (y_direct) {          /* scalar head up to a 64-byte boundary of y */
                                 const int64_t head = dg_head(y + off + cg * S, (int64_t)sizeof(double), S);
                                 for (; s < head; ++s) {
                                     const int j = 0;                /* outside the lane blocks: lane 0 */
@@ -881,7 +896,7 @@ int instancenorm_train_forward_f64(
                                     const int64_t idx = off + cg * S + s;
                                     const double xv = x[idx];
                                     const double xhat = rstd*(xv - mean);
-                                    y[idx] = (double)(gamma_v*xhat + beta_v);
+                                    y_w[idx - off] = (double)(gamma_v*xhat + beta_v);
                                 }
                             }
                             for (; s + DG_LANES <= S; s += DG_LANES) {
@@ -893,7 +908,7 @@ int instancenorm_train_forward_f64(
                                     const double xhat = rstd*(xv - mean);
                                     t_y[j] = (double)(gamma_v*xhat + beta_v);
                                 }
-                                dg_put_double(y + off + cg * S + s, t_y, y_stream);
+                                dg_put_double(y_w + (cg * S + s), t_y, y_direct);
                             }
                             for (; s < S; ++s) {
                                 const int j = 0;                /* outside the lane blocks: lane 0 */
@@ -901,15 +916,17 @@ int instancenorm_train_forward_f64(
                                 const int64_t idx = off + cg * S + s;
                                 const double xv = x[idx];
                                 const double xhat = rstd*(xv - mean);
-                                y[idx] = (double)(gamma_v*xhat + beta_v);
+                                y_w[idx - off] = (double)(gamma_v*xhat + beta_v);
                             }
                         }
                     }
+                    if (y_tile != NULL && !y_direct) dg_stream_double(y + off, y_tile, M);
                 }
             }
         }
         if (y_stream)
             dg_fence();
+        free(y_tile);
     }
     return 0;
 }
@@ -1073,10 +1090,12 @@ int instancenorm_train_backward_f64(
             {
                 for (int64_t b = 0; b < blocks; ++b) {
                     const int64_t off = base + b * block_stride;
-                    double *restrict dx_w = dx_tile != NULL ? dx_tile : dx + off;
+                    const int dx_direct = S == 1 ? dx_stream && (dx_tile == NULL || Cg >= DG_DIRECT_MIN) : 0;
+                    double *restrict dx_w = dx_tile != NULL && !dx_direct ? dx_tile : dx + off;
+                    (void)dx_direct;
                     if (S == 1) {           /* parameters vary along the run */
                         int64_t m = 0;
-                        if (dx_stream) {          /* scalar head up to a 64-byte boundary of dx */
+                        if (dx_direct) {          /* scalar head up to a 64-byte boundary of dx */
                             const int64_t head = dg_head(dx + off, (int64_t)sizeof(double), Cg);
                             for (; m < head; ++m) {
                                 const int j = 0;                /* outside the lane blocks: lane 0 */
@@ -1088,7 +1107,7 @@ int instancenorm_train_backward_f64(
                                 const double dyv = dy[idx];
                                 const double xhat = rstd*(xv - mean);
                                 const double g = dyv*gamma_v;
-                                dx[idx] = (double)(g*k_g + k_xhat*xhat + k_1);
+                                dx_w[idx - off] = (double)(g*k_g + k_xhat*xhat + k_1);
                                 pend[0 * C + ch] += dyv*xhat;
                                 pend[1 * C + ch] += dyv;
                             }
@@ -1108,7 +1127,7 @@ int instancenorm_train_backward_f64(
                                 pend[0 * C + ch] += dyv*xhat;
                                 pend[1 * C + ch] += dyv;
                             }
-                            dg_put_double(dx + off + m, t_dx, dx_stream);
+                            dg_put_double(dx_w + (m), t_dx, dx_direct);
                         }
                         for (; m < Cg; ++m) {
                             const int j = 0;                /* outside the lane blocks: lane 0 */
@@ -1120,7 +1139,7 @@ int instancenorm_train_backward_f64(
                             const double dyv = dy[idx];
                             const double xhat = rstd*(xv - mean);
                             const double g = dyv*gamma_v;
-                            dx[idx] = (double)(g*k_g + k_xhat*xhat + k_1);
+                            dx_w[idx - off] = (double)(g*k_g + k_xhat*xhat + k_1);
                             pend[0 * C + ch] += dyv*xhat;
                             pend[1 * C + ch] += dyv;
                         }
@@ -1160,7 +1179,7 @@ int instancenorm_train_backward_f64(
                             mine[1 * C + ch] += dg_lanes(lane_p1);
                         }
                     }
-                    if (dx_tile != NULL && S != 1) dg_stream_double(dx + off, dx_tile, M);
+                    if (dx_tile != NULL && !dx_direct) dg_stream_double(dx + off, dx_tile, M);
                 }
             }
             if (S == 1 && ++pending == DG_PEND) {

@@ -70,6 +70,9 @@
 #ifndef DG_STREAM_BYTES
 #define DG_STREAM_BYTES ((int64_t)8 << 20)
 #endif
+#ifndef DG_DIRECT_MIN
+#define DG_DIRECT_MIN 512               /* shorter runs stream through the tile */
+#endif
 #ifndef DG_TILE_BYTES
 #define DG_TILE_BYTES ((int64_t)256 << 10)
 #endif
@@ -291,6 +294,7 @@ int online_layernorm_train_forward_f32(
     DG_PRAGMA(omp parallel num_threads(nth))
     {
         const int y_stream = dg_stream_on(total, (int64_t)sizeof(float));
+        float *y_tile = (float *)dg_tile(y_stream, M, (int64_t)sizeof(float));   /* NULL: y in place */
         (void)y_stream;
         DG_PRAGMA(omp for schedule(static))
         for (int64_t grp = 0; grp < n_groups; ++grp) {
@@ -367,9 +371,12 @@ int online_layernorm_train_forward_f32(
                 const float std_f = (float)std;
                 for (int64_t b = 0; b < blocks; ++b) {
                     const int64_t off = base + b * block_stride;
+                    const int y_direct = S == 1 ? y_stream && (y_tile == NULL || Cg >= DG_DIRECT_MIN) : y_stream && (y_tile == NULL || S >= DG_DIRECT_MIN);
+                    float *restrict y_w = y_tile != NULL && !y_direct ? y_tile : y + off;
+                    (void)y_direct;
                     if (S == 1) {           /* parameters vary along the run */
                         int64_t m = 0;
-                        if (y_stream) {          /* scalar head up to a 64-byte boundary of y */
+                        if (y_direct) {          /* scalar head up to a 64-byte boundary of y */
                             const int64_t head = dg_head(y + off, (int64_t)sizeof(float), Cg);
                             for (; m < head; ++m) {
                                 const int j = 0;                /* outside the lane blocks: lane 0 */
@@ -380,7 +387,7 @@ int online_layernorm_train_forward_f32(
                                 const float beta_v = beta[ch];
                                 const float xv = x[idx];
                                 const float xhat = ((xv + h0_hi + h0_lo))/std_f;
-                                y[idx] = (float)(gamma_v*xhat + beta_v);
+                                y_w[idx - off] = (float)(gamma_v*xhat + beta_v);
                             }
                         }
                         for (; m + DG_LANES <= Cg; m += DG_LANES) {
@@ -395,7 +402,7 @@ int online_layernorm_train_forward_f32(
                                 const float xhat = ((xv + h0_hi + h0_lo))/std_f;
                                 t_y[j] = (float)(gamma_v*xhat + beta_v);
                             }
-                            dg_put_float(y + off + m, t_y, y_stream);
+                            dg_put_float(y_w + (m), t_y, y_direct);
                         }
                         for (; m < Cg; ++m) {
                             const int j = 0;                /* outside the lane blocks: lane 0 */
@@ -406,7 +413,7 @@ int online_layernorm_train_forward_f32(
                             const float beta_v = beta[ch];
                             const float xv = x[idx];
                             const float xhat = ((xv + h0_hi + h0_lo))/std_f;
-                            y[idx] = (float)(gamma_v*xhat + beta_v);
+                            y_w[idx - off] = (float)(gamma_v*xhat + beta_v);
                         }
                     } else {                /* NCHW: one parameter per run of S values */
                         for (int64_t cg = 0; cg < Cg; ++cg) {
@@ -414,7 +421,7 @@ int online_layernorm_train_forward_f32(
                             const float gamma_v = gamma[ch];
                             const float beta_v = beta[ch];
                             int64_t s = 0;
-                            if (y_stream) {          /* scalar head up to a 64-byte boundary of y */
+                            if (y_direct) {          /* scalar head up to a 64-byte boundary of y */
                                 const int64_t head = dg_head(y + off + cg * S, (int64_t)sizeof(float), S);
                                 for (; s < head; ++s) {
                                     const int j = 0;                /* outside the lane blocks: lane 0 */
@@ -422,7 +429,7 @@ int online_layernorm_train_forward_f32(
                                     const int64_t idx = off + cg * S + s;
                                     const float xv = x[idx];
                                     const float xhat = ((xv + h0_hi + h0_lo))/std_f;
-                                    y[idx] = (float)(gamma_v*xhat + beta_v);
+                                    y_w[idx - off] = (float)(gamma_v*xhat + beta_v);
                                 }
                             }
                             for (; s + DG_LANES <= S; s += DG_LANES) {
@@ -434,7 +441,7 @@ int online_layernorm_train_forward_f32(
                                     const float xhat = ((xv + h0_hi + h0_lo))/std_f;
                                     t_y[j] = (float)(gamma_v*xhat + beta_v);
                                 }
-                                dg_put_float(y + off + cg * S + s, t_y, y_stream);
+                                dg_put_float(y_w + (cg * S + s), t_y, y_direct);
                             }
                             for (; s < S; ++s) {
                                 const int j = 0;                /* outside the lane blocks: lane 0 */
@@ -442,15 +449,17 @@ int online_layernorm_train_forward_f32(
                                 const int64_t idx = off + cg * S + s;
                                 const float xv = x[idx];
                                 const float xhat = ((xv + h0_hi + h0_lo))/std_f;
-                                y[idx] = (float)(gamma_v*xhat + beta_v);
+                                y_w[idx - off] = (float)(gamma_v*xhat + beta_v);
                             }
                         }
                     }
+                    if (y_tile != NULL && !y_direct) dg_stream_float(y + off, y_tile, M);
                 }
             }
         }
         if (y_stream)
             dg_fence();
+        free(y_tile);
     }
     return 0;
 }
@@ -648,10 +657,12 @@ int online_layernorm_train_backward_f32(
                 const float std_f = (float)std;
                 for (int64_t b = 0; b < blocks; ++b) {
                     const int64_t off = base + b * block_stride;
-                    float *restrict dx_w = dx_tile != NULL ? dx_tile : dx + off;
+                    const int dx_direct = S == 1 ? dx_stream && (dx_tile == NULL || Cg >= DG_DIRECT_MIN) : 0;
+                    float *restrict dx_w = dx_tile != NULL && !dx_direct ? dx_tile : dx + off;
+                    (void)dx_direct;
                     if (S == 1) {           /* parameters vary along the run */
                         int64_t m = 0;
-                        if (dx_stream) {          /* scalar head up to a 64-byte boundary of dx */
+                        if (dx_direct) {          /* scalar head up to a 64-byte boundary of dx */
                             const int64_t head = dg_head(dx + off, (int64_t)sizeof(float), Cg);
                             for (; m < head; ++m) {
                                 const int j = 0;                /* outside the lane blocks: lane 0 */
@@ -663,7 +674,7 @@ int online_layernorm_train_backward_f32(
                                 const float dyv = dy[idx];
                                 const float xhat = ((xv + h0_hi + h0_lo))/std_f;
                                 const float g = dyv*gamma_v;
-                                dx[idx] = (float)((g/std_f + N_f*alpha_f*mean_g_xhat_f*((-xhat + h2_hi + h2_lo))/(sample_std_f*(N_f - 1)) + h1_hi + h1_lo));
+                                dx_w[idx - off] = (float)((g/std_f + N_f*alpha_f*mean_g_xhat_f*((-xhat + h2_hi + h2_lo))/(sample_std_f*(N_f - 1)) + h1_hi + h1_lo));
                                 pend[0 * C + ch] += dyv*xhat;
                                 pend[1 * C + ch] += dyv;
                             }
@@ -683,7 +694,7 @@ int online_layernorm_train_backward_f32(
                                 pend[0 * C + ch] += dyv*xhat;
                                 pend[1 * C + ch] += dyv;
                             }
-                            dg_put_float(dx + off + m, t_dx, dx_stream);
+                            dg_put_float(dx_w + (m), t_dx, dx_direct);
                         }
                         for (; m < Cg; ++m) {
                             const int j = 0;                /* outside the lane blocks: lane 0 */
@@ -695,7 +706,7 @@ int online_layernorm_train_backward_f32(
                             const float dyv = dy[idx];
                             const float xhat = ((xv + h0_hi + h0_lo))/std_f;
                             const float g = dyv*gamma_v;
-                            dx[idx] = (float)((g/std_f + N_f*alpha_f*mean_g_xhat_f*((-xhat + h2_hi + h2_lo))/(sample_std_f*(N_f - 1)) + h1_hi + h1_lo));
+                            dx_w[idx - off] = (float)((g/std_f + N_f*alpha_f*mean_g_xhat_f*((-xhat + h2_hi + h2_lo))/(sample_std_f*(N_f - 1)) + h1_hi + h1_lo));
                             pend[0 * C + ch] += dyv*xhat;
                             pend[1 * C + ch] += dyv;
                         }
@@ -735,7 +746,7 @@ int online_layernorm_train_backward_f32(
                             mine[1 * C + ch] += dg_lanes(lane_p1);
                         }
                     }
-                    if (dx_tile != NULL && S != 1) dg_stream_float(dx + off, dx_tile, M);
+                    if (dx_tile != NULL && !dx_direct) dg_stream_float(dx + off, dx_tile, M);
                 }
             }
             if (S == 1 && ++pending == DG_PEND) {
@@ -800,6 +811,7 @@ int online_layernorm_train_forward_f64(
     DG_PRAGMA(omp parallel num_threads(nth))
     {
         const int y_stream = dg_stream_on(total, (int64_t)sizeof(double));
+        double *y_tile = (double *)dg_tile(y_stream, M, (int64_t)sizeof(double));   /* NULL: y in place */
         (void)y_stream;
         DG_PRAGMA(omp for schedule(static))
         for (int64_t grp = 0; grp < n_groups; ++grp) {
@@ -872,9 +884,12 @@ int online_layernorm_train_forward_f64(
             {
                 for (int64_t b = 0; b < blocks; ++b) {
                     const int64_t off = base + b * block_stride;
+                    const int y_direct = S == 1 ? y_stream && (y_tile == NULL || Cg >= DG_DIRECT_MIN) : y_stream && (y_tile == NULL || S >= DG_DIRECT_MIN);
+                    double *restrict y_w = y_tile != NULL && !y_direct ? y_tile : y + off;
+                    (void)y_direct;
                     if (S == 1) {           /* parameters vary along the run */
                         int64_t m = 0;
-                        if (y_stream) {          /* scalar head up to a 64-byte boundary of y */
+                        if (y_direct) {          /* scalar head up to a 64-byte boundary of y */
                             const int64_t head = dg_head(y + off, (int64_t)sizeof(double), Cg);
                             for (; m < head; ++m) {
                                 const int j = 0;                /* outside the lane blocks: lane 0 */
@@ -885,7 +900,7 @@ int online_layernorm_train_forward_f64(
                                 const double beta_v = beta[ch];
                                 const double xv = x[idx];
                                 const double xhat = (xv - mean)/std;
-                                y[idx] = (double)(gamma_v*xhat + beta_v);
+                                y_w[idx - off] = (double)(gamma_v*xhat + beta_v);
                             }
                         }
                         for (; m + DG_LANES <= Cg; m += DG_LANES) {
@@ -900,7 +915,7 @@ int online_layernorm_train_forward_f64(
                                 const double xhat = (xv - mean)/std;
                                 t_y[j] = (double)(gamma_v*xhat + beta_v);
                             }
-                            dg_put_double(y + off + m, t_y, y_stream);
+                            dg_put_double(y_w + (m), t_y, y_direct);
                         }
                         for (; m < Cg; ++m) {
                             const int j = 0;                /* outside the lane blocks: lane 0 */
@@ -911,7 +926,7 @@ int online_layernorm_train_forward_f64(
                             const double beta_v = beta[ch];
                             const double xv = x[idx];
                             const double xhat = (xv - mean)/std;
-                            y[idx] = (double)(gamma_v*xhat + beta_v);
+                            y_w[idx - off] = (double)(gamma_v*xhat + beta_v);
                         }
                     } else {                /* NCHW: one parameter per run of S values */
                         for (int64_t cg = 0; cg < Cg; ++cg) {
@@ -919,7 +934,7 @@ int online_layernorm_train_forward_f64(
                             const double gamma_v = gamma[ch];
                             const double beta_v = beta[ch];
                             int64_t s = 0;
-                            if (y_stream) {          /* scalar head up to a 64-byte boundary of y */
+                            if (y_direct) {          /* scalar head up to a 64-byte boundary of y */
                                 const int64_t head = dg_head(y + off + cg * S, (int64_t)sizeof(double), S);
                                 for (; s < head; ++s) {
                                     const int j = 0;                /* outside the lane blocks: lane 0 */
@@ -927,7 +942,7 @@ int online_layernorm_train_forward_f64(
                                     const int64_t idx = off + cg * S + s;
                                     const double xv = x[idx];
                                     const double xhat = (xv - mean)/std;
-                                    y[idx] = (double)(gamma_v*xhat + beta_v);
+                                    y_w[idx - off] = (double)(gamma_v*xhat + beta_v);
                                 }
                             }
                             for (; s + DG_LANES <= S; s += DG_LANES) {
@@ -939,7 +954,7 @@ int online_layernorm_train_forward_f64(
                                     const double xhat = (xv - mean)/std;
                                     t_y[j] = (double)(gamma_v*xhat + beta_v);
                                 }
-                                dg_put_double(y + off + cg * S + s, t_y, y_stream);
+                                dg_put_double(y_w + (cg * S + s), t_y, y_direct);
                             }
                             for (; s < S; ++s) {
                                 const int j = 0;                /* outside the lane blocks: lane 0 */
@@ -947,15 +962,17 @@ int online_layernorm_train_forward_f64(
                                 const int64_t idx = off + cg * S + s;
                                 const double xv = x[idx];
                                 const double xhat = (xv - mean)/std;
-                                y[idx] = (double)(gamma_v*xhat + beta_v);
+                                y_w[idx - off] = (double)(gamma_v*xhat + beta_v);
                             }
                         }
                     }
+                    if (y_tile != NULL && !y_direct) dg_stream_double(y + off, y_tile, M);
                 }
             }
         }
         if (y_stream)
             dg_fence();
+        free(y_tile);
     }
     return 0;
 }
@@ -1144,10 +1161,12 @@ int online_layernorm_train_backward_f64(
             {
                 for (int64_t b = 0; b < blocks; ++b) {
                     const int64_t off = base + b * block_stride;
-                    double *restrict dx_w = dx_tile != NULL ? dx_tile : dx + off;
+                    const int dx_direct = S == 1 ? dx_stream && (dx_tile == NULL || Cg >= DG_DIRECT_MIN) : 0;
+                    double *restrict dx_w = dx_tile != NULL && !dx_direct ? dx_tile : dx + off;
+                    (void)dx_direct;
                     if (S == 1) {           /* parameters vary along the run */
                         int64_t m = 0;
-                        if (dx_stream) {          /* scalar head up to a 64-byte boundary of dx */
+                        if (dx_direct) {          /* scalar head up to a 64-byte boundary of dx */
                             const int64_t head = dg_head(dx + off, (int64_t)sizeof(double), Cg);
                             for (; m < head; ++m) {
                                 const int j = 0;                /* outside the lane blocks: lane 0 */
@@ -1159,7 +1178,7 @@ int online_layernorm_train_backward_f64(
                                 const double dyv = dy[idx];
                                 const double xhat = (xv - mean)/std;
                                 const double g = dyv*gamma_v;
-                                dx[idx] = (double)(g*k_g + k_xhat*xhat + k_1);
+                                dx_w[idx - off] = (double)(g*k_g + k_xhat*xhat + k_1);
                                 pend[0 * C + ch] += dyv*xhat;
                                 pend[1 * C + ch] += dyv;
                             }
@@ -1179,7 +1198,7 @@ int online_layernorm_train_backward_f64(
                                 pend[0 * C + ch] += dyv*xhat;
                                 pend[1 * C + ch] += dyv;
                             }
-                            dg_put_double(dx + off + m, t_dx, dx_stream);
+                            dg_put_double(dx_w + (m), t_dx, dx_direct);
                         }
                         for (; m < Cg; ++m) {
                             const int j = 0;                /* outside the lane blocks: lane 0 */
@@ -1191,7 +1210,7 @@ int online_layernorm_train_backward_f64(
                             const double dyv = dy[idx];
                             const double xhat = (xv - mean)/std;
                             const double g = dyv*gamma_v;
-                            dx[idx] = (double)(g*k_g + k_xhat*xhat + k_1);
+                            dx_w[idx - off] = (double)(g*k_g + k_xhat*xhat + k_1);
                             pend[0 * C + ch] += dyv*xhat;
                             pend[1 * C + ch] += dyv;
                         }
@@ -1231,7 +1250,7 @@ int online_layernorm_train_backward_f64(
                             mine[1 * C + ch] += dg_lanes(lane_p1);
                         }
                     }
-                    if (dx_tile != NULL && S != 1) dg_stream_double(dx + off, dx_tile, M);
+                    if (dx_tile != NULL && !dx_direct) dg_stream_double(dx + off, dx_tile, M);
                 }
             }
             if (S == 1 && ++pending == DG_PEND) {

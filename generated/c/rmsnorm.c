@@ -64,6 +64,9 @@
 #ifndef DG_STREAM_BYTES
 #define DG_STREAM_BYTES ((int64_t)8 << 20)
 #endif
+#ifndef DG_DIRECT_MIN
+#define DG_DIRECT_MIN 512               /* shorter runs stream through the tile */
+#endif
 #ifndef DG_TILE_BYTES
 #define DG_TILE_BYTES ((int64_t)256 << 10)
 #endif
@@ -277,6 +280,7 @@ int rmsnorm_train_forward_f32(
     DG_PRAGMA(omp parallel num_threads(nth))
     {
         const int y_stream = dg_stream_on(total, (int64_t)sizeof(float));
+        float *y_tile = (float *)dg_tile(y_stream, M, (int64_t)sizeof(float));   /* NULL: y in place */
         (void)y_stream;
         DG_PRAGMA(omp for schedule(static))
         for (int64_t grp = 0; grp < n_groups; ++grp) {
@@ -320,9 +324,12 @@ int rmsnorm_train_forward_f32(
                 const float rstd_f = (float)rstd;
                 for (int64_t b = 0; b < blocks; ++b) {
                     const int64_t off = base + b * block_stride;
+                    const int y_direct = S == 1 ? y_stream && (y_tile == NULL || Cg >= DG_DIRECT_MIN) : y_stream && (y_tile == NULL || S >= DG_DIRECT_MIN);
+                    float *restrict y_w = y_tile != NULL && !y_direct ? y_tile : y + off;
+                    (void)y_direct;
                     if (S == 1) {           /* parameters vary along the run */
                         int64_t m = 0;
-                        if (y_stream) {          /* scalar head up to a 64-byte boundary of y */
+                        if (y_direct) {          /* scalar head up to a 64-byte boundary of y */
                             const int64_t head = dg_head(y + off, (int64_t)sizeof(float), Cg);
                             for (; m < head; ++m) {
                                 const int j = 0;                /* outside the lane blocks: lane 0 */
@@ -332,7 +339,7 @@ int rmsnorm_train_forward_f32(
                                 const float gamma_v = gamma[ch];
                                 const float xv = x[idx];
                                 const float xhat = rstd_f*xv;
-                                y[idx] = (float)(gamma_v*xhat);
+                                y_w[idx - off] = (float)(gamma_v*xhat);
                             }
                         }
                         for (; m + DG_LANES <= Cg; m += DG_LANES) {
@@ -346,7 +353,7 @@ int rmsnorm_train_forward_f32(
                                 const float xhat = rstd_f*xv;
                                 t_y[j] = (float)(gamma_v*xhat);
                             }
-                            dg_put_float(y + off + m, t_y, y_stream);
+                            dg_put_float(y_w + (m), t_y, y_direct);
                         }
                         for (; m < Cg; ++m) {
                             const int j = 0;                /* outside the lane blocks: lane 0 */
@@ -356,14 +363,14 @@ int rmsnorm_train_forward_f32(
                             const float gamma_v = gamma[ch];
                             const float xv = x[idx];
                             const float xhat = rstd_f*xv;
-                            y[idx] = (float)(gamma_v*xhat);
+                            y_w[idx - off] = (float)(gamma_v*xhat);
                         }
                     } else {                /* NCHW: one parameter per run of S values */
                         for (int64_t cg = 0; cg < Cg; ++cg) {
                             const int64_t ch = gi * Cg + cg;
                             const float gamma_v = gamma[ch];
                             int64_t s = 0;
-                            if (y_stream) {          /* scalar head up to a 64-byte boundary of y */
+                            if (y_direct) {          /* scalar head up to a 64-byte boundary of y */
                                 const int64_t head = dg_head(y + off + cg * S, (int64_t)sizeof(float), S);
                                 for (; s < head; ++s) {
                                     const int j = 0;                /* outside the lane blocks: lane 0 */
@@ -371,7 +378,7 @@ int rmsnorm_train_forward_f32(
                                     const int64_t idx = off + cg * S + s;
                                     const float xv = x[idx];
                                     const float xhat = rstd_f*xv;
-                                    y[idx] = (float)(gamma_v*xhat);
+                                    y_w[idx - off] = (float)(gamma_v*xhat);
                                 }
                             }
                             for (; s + DG_LANES <= S; s += DG_LANES) {
@@ -383,7 +390,7 @@ int rmsnorm_train_forward_f32(
                                     const float xhat = rstd_f*xv;
                                     t_y[j] = (float)(gamma_v*xhat);
                                 }
-                                dg_put_float(y + off + cg * S + s, t_y, y_stream);
+                                dg_put_float(y_w + (cg * S + s), t_y, y_direct);
                             }
                             for (; s < S; ++s) {
                                 const int j = 0;                /* outside the lane blocks: lane 0 */
@@ -391,15 +398,17 @@ int rmsnorm_train_forward_f32(
                                 const int64_t idx = off + cg * S + s;
                                 const float xv = x[idx];
                                 const float xhat = rstd_f*xv;
-                                y[idx] = (float)(gamma_v*xhat);
+                                y_w[idx - off] = (float)(gamma_v*xhat);
                             }
                         }
                     }
+                    if (y_tile != NULL && !y_direct) dg_stream_float(y + off, y_tile, M);
                 }
             }
         }
         if (y_stream)
             dg_fence();
+        free(y_tile);
     }
     return 0;
 }
@@ -549,10 +558,12 @@ int rmsnorm_train_backward_f32(
                 const float rstd_f = (float)rstd;
                 for (int64_t b = 0; b < blocks; ++b) {
                     const int64_t off = base + b * block_stride;
-                    float *restrict dx_w = dx_tile != NULL ? dx_tile : dx + off;
+                    const int dx_direct = S == 1 ? dx_stream && (dx_tile == NULL || Cg >= DG_DIRECT_MIN) : 0;
+                    float *restrict dx_w = dx_tile != NULL && !dx_direct ? dx_tile : dx + off;
+                    (void)dx_direct;
                     if (S == 1) {           /* parameters vary along the run */
                         int64_t m = 0;
-                        if (dx_stream) {          /* scalar head up to a 64-byte boundary of dx */
+                        if (dx_direct) {          /* scalar head up to a 64-byte boundary of dx */
                             const int64_t head = dg_head(dx + off, (int64_t)sizeof(float), Cg);
                             for (; m < head; ++m) {
                                 const int j = 0;                /* outside the lane blocks: lane 0 */
@@ -564,7 +575,7 @@ int rmsnorm_train_backward_f32(
                                 const float dyv = dy[idx];
                                 const float xhat = rstd_f*xv;
                                 const float g = dyv*gamma_v;
-                                dx[idx] = (float)(rstd_f*(g - mean_g_xhat_f*xhat));
+                                dx_w[idx - off] = (float)(rstd_f*(g - mean_g_xhat_f*xhat));
                                 pend[0 * C + ch] += dyv*xhat;
                             }
                         }
@@ -582,7 +593,7 @@ int rmsnorm_train_backward_f32(
                                 t_dx[j] = (float)(rstd_f*(g - mean_g_xhat_f*xhat));
                                 pend[0 * C + ch] += dyv*xhat;
                             }
-                            dg_put_float(dx + off + m, t_dx, dx_stream);
+                            dg_put_float(dx_w + (m), t_dx, dx_direct);
                         }
                         for (; m < Cg; ++m) {
                             const int j = 0;                /* outside the lane blocks: lane 0 */
@@ -594,7 +605,7 @@ int rmsnorm_train_backward_f32(
                             const float dyv = dy[idx];
                             const float xhat = rstd_f*xv;
                             const float g = dyv*gamma_v;
-                            dx[idx] = (float)(rstd_f*(g - mean_g_xhat_f*xhat));
+                            dx_w[idx - off] = (float)(rstd_f*(g - mean_g_xhat_f*xhat));
                             pend[0 * C + ch] += dyv*xhat;
                         }
                     } else {                /* NCHW: one parameter per run of S values */
@@ -629,7 +640,7 @@ int rmsnorm_train_backward_f32(
                             mine[0 * C + ch] += dg_lanes(lane_p0);
                         }
                     }
-                    if (dx_tile != NULL && S != 1) dg_stream_float(dx + off, dx_tile, M);
+                    if (dx_tile != NULL && !dx_direct) dg_stream_float(dx + off, dx_tile, M);
                 }
             }
             if (S == 1 && ++pending == DG_PEND) {
@@ -681,6 +692,7 @@ int rmsnorm_train_forward_f64(
     DG_PRAGMA(omp parallel num_threads(nth))
     {
         const int y_stream = dg_stream_on(total, (int64_t)sizeof(double));
+        double *y_tile = (double *)dg_tile(y_stream, M, (int64_t)sizeof(double));   /* NULL: y in place */
         (void)y_stream;
         DG_PRAGMA(omp for schedule(static))
         for (int64_t grp = 0; grp < n_groups; ++grp) {
@@ -723,9 +735,12 @@ int rmsnorm_train_forward_f64(
             {
                 for (int64_t b = 0; b < blocks; ++b) {
                     const int64_t off = base + b * block_stride;
+                    const int y_direct = S == 1 ? y_stream && (y_tile == NULL || Cg >= DG_DIRECT_MIN) : y_stream && (y_tile == NULL || S >= DG_DIRECT_MIN);
+                    double *restrict y_w = y_tile != NULL && !y_direct ? y_tile : y + off;
+                    (void)y_direct;
                     if (S == 1) {           /* parameters vary along the run */
                         int64_t m = 0;
-                        if (y_stream) {          /* scalar head up to a 64-byte boundary of y */
+                        if (y_direct) {          /* scalar head up to a 64-byte boundary of y */
                             const int64_t head = dg_head(y + off, (int64_t)sizeof(double), Cg);
                             for (; m < head; ++m) {
                                 const int j = 0;                /* outside the lane blocks: lane 0 */
@@ -735,7 +750,7 @@ int rmsnorm_train_forward_f64(
                                 const double gamma_v = gamma[ch];
                                 const double xv = x[idx];
                                 const double xhat = rstd*xv;
-                                y[idx] = (double)(gamma_v*xhat);
+                                y_w[idx - off] = (double)(gamma_v*xhat);
                             }
                         }
                         for (; m + DG_LANES <= Cg; m += DG_LANES) {
@@ -749,7 +764,7 @@ int rmsnorm_train_forward_f64(
                                 const double xhat = rstd*xv;
                                 t_y[j] = (double)(gamma_v*xhat);
                             }
-                            dg_put_double(y + off + m, t_y, y_stream);
+                            dg_put_double(y_w + (m), t_y, y_direct);
                         }
                         for (; m < Cg; ++m) {
                             const int j = 0;                /* outside the lane blocks: lane 0 */
@@ -759,14 +774,14 @@ int rmsnorm_train_forward_f64(
                             const double gamma_v = gamma[ch];
                             const double xv = x[idx];
                             const double xhat = rstd*xv;
-                            y[idx] = (double)(gamma_v*xhat);
+                            y_w[idx - off] = (double)(gamma_v*xhat);
                         }
                     } else {                /* NCHW: one parameter per run of S values */
                         for (int64_t cg = 0; cg < Cg; ++cg) {
                             const int64_t ch = gi * Cg + cg;
                             const double gamma_v = gamma[ch];
                             int64_t s = 0;
-                            if (y_stream) {          /* scalar head up to a 64-byte boundary of y */
+                            if (y_direct) {          /* scalar head up to a 64-byte boundary of y */
                                 const int64_t head = dg_head(y + off + cg * S, (int64_t)sizeof(double), S);
                                 for (; s < head; ++s) {
                                     const int j = 0;                /* outside the lane blocks: lane 0 */
@@ -774,7 +789,7 @@ int rmsnorm_train_forward_f64(
                                     const int64_t idx = off + cg * S + s;
                                     const double xv = x[idx];
                                     const double xhat = rstd*xv;
-                                    y[idx] = (double)(gamma_v*xhat);
+                                    y_w[idx - off] = (double)(gamma_v*xhat);
                                 }
                             }
                             for (; s + DG_LANES <= S; s += DG_LANES) {
@@ -786,7 +801,7 @@ int rmsnorm_train_forward_f64(
                                     const double xhat = rstd*xv;
                                     t_y[j] = (double)(gamma_v*xhat);
                                 }
-                                dg_put_double(y + off + cg * S + s, t_y, y_stream);
+                                dg_put_double(y_w + (cg * S + s), t_y, y_direct);
                             }
                             for (; s < S; ++s) {
                                 const int j = 0;                /* outside the lane blocks: lane 0 */
@@ -794,15 +809,17 @@ int rmsnorm_train_forward_f64(
                                 const int64_t idx = off + cg * S + s;
                                 const double xv = x[idx];
                                 const double xhat = rstd*xv;
-                                y[idx] = (double)(gamma_v*xhat);
+                                y_w[idx - off] = (double)(gamma_v*xhat);
                             }
                         }
                     }
+                    if (y_tile != NULL && !y_direct) dg_stream_double(y + off, y_tile, M);
                 }
             }
         }
         if (y_stream)
             dg_fence();
+        free(y_tile);
     }
     return 0;
 }
@@ -951,10 +968,12 @@ int rmsnorm_train_backward_f64(
             {
                 for (int64_t b = 0; b < blocks; ++b) {
                     const int64_t off = base + b * block_stride;
-                    double *restrict dx_w = dx_tile != NULL ? dx_tile : dx + off;
+                    const int dx_direct = S == 1 ? dx_stream && (dx_tile == NULL || Cg >= DG_DIRECT_MIN) : 0;
+                    double *restrict dx_w = dx_tile != NULL && !dx_direct ? dx_tile : dx + off;
+                    (void)dx_direct;
                     if (S == 1) {           /* parameters vary along the run */
                         int64_t m = 0;
-                        if (dx_stream) {          /* scalar head up to a 64-byte boundary of dx */
+                        if (dx_direct) {          /* scalar head up to a 64-byte boundary of dx */
                             const int64_t head = dg_head(dx + off, (int64_t)sizeof(double), Cg);
                             for (; m < head; ++m) {
                                 const int j = 0;                /* outside the lane blocks: lane 0 */
@@ -966,7 +985,7 @@ int rmsnorm_train_backward_f64(
                                 const double dyv = dy[idx];
                                 const double xhat = rstd*xv;
                                 const double g = dyv*gamma_v;
-                                dx[idx] = (double)(g*k_g + k_xhat*xhat);
+                                dx_w[idx - off] = (double)(g*k_g + k_xhat*xhat);
                                 pend[0 * C + ch] += dyv*xhat;
                             }
                         }
@@ -984,7 +1003,7 @@ int rmsnorm_train_backward_f64(
                                 t_dx[j] = (double)(g*k_g + k_xhat*xhat);
                                 pend[0 * C + ch] += dyv*xhat;
                             }
-                            dg_put_double(dx + off + m, t_dx, dx_stream);
+                            dg_put_double(dx_w + (m), t_dx, dx_direct);
                         }
                         for (; m < Cg; ++m) {
                             const int j = 0;                /* outside the lane blocks: lane 0 */
@@ -996,7 +1015,7 @@ int rmsnorm_train_backward_f64(
                             const double dyv = dy[idx];
                             const double xhat = rstd*xv;
                             const double g = dyv*gamma_v;
-                            dx[idx] = (double)(g*k_g + k_xhat*xhat);
+                            dx_w[idx - off] = (double)(g*k_g + k_xhat*xhat);
                             pend[0 * C + ch] += dyv*xhat;
                         }
                     } else {                /* NCHW: one parameter per run of S values */
@@ -1031,7 +1050,7 @@ int rmsnorm_train_backward_f64(
                             mine[0 * C + ch] += dg_lanes(lane_p0);
                         }
                     }
-                    if (dx_tile != NULL && S != 1) dg_stream_double(dx + off, dx_tile, M);
+                    if (dx_tile != NULL && !dx_direct) dg_stream_double(dx + off, dx_tile, M);
                 }
             }
             if (S == 1 && ++pending == DG_PEND) {
