@@ -159,7 +159,12 @@ class _NumPy(_Ordered, NumPyPrinter):
         self.names = names
 
     def _print_Mean(self, expr):
-        return "_mean(%s)" % self._print(expr.args[0])
+        a = expr.args[0]
+        if a.is_Pow and a.exp == 2:                       # mean(e**2): one pass over e
+            return "_mean_sq(%s)" % self._print(a.base)
+        if a.is_Mul and len(a.args) == 2 and not any(f.is_Number for f in a.args):
+            return "_mean_prod(%s, %s)" % tuple(self._print(f) for f in a.args)   # no temporary product
+        return "_mean(%s)" % self._print(a)
 
     def _print_Symbol(self, expr):
         return expr.name
@@ -167,6 +172,27 @@ class _NumPy(_Ordered, NumPyPrinter):
 
 def np_expr(e: sympy.Expr, spec: Spec | None = None) -> str:
     return _NumPy(ordered_names(spec)).doprint(e).replace("numpy.", "np.")
+
+
+def np_store(target: str, e: sympy.Expr, spec: Spec | None = None) -> str:
+    """``target = e`` where the outermost product or sum writes straight into
+    ``target`` (converting to its dtype), instead of forming a float64
+    temporary and copying it."""
+    if (e.is_Mul or e.is_Add) and len(e.args) >= 2:
+        ufunc = "np.multiply" if e.is_Mul else "np.add"
+        args = e.as_ordered_factors() if e.is_Mul else _NumPy(ordered_names(spec))._as_ordered_terms(e)
+        head, rest = args[0], e.func(*args[1:])
+        return f"{ufunc}({np_expr(head, spec)}, {np_expr(rest, spec)}, out={target})"
+    return f"{target}[...] = {np_expr(e, spec)}"
+
+
+def np_sum(e: sympy.Expr, axes: str, spec: Spec | None = None) -> str:
+    """NumPy text for the sum of ``e`` over ``axes`` (keeping dimensions); a
+    product of two factors is summed without forming it."""
+    if e.is_Mul and len(e.args) == 2 and not any(f.is_Number for f in e.args):
+        a, b = (np_expr(f, spec) for f in e.args)
+        return f"_rt.sum_prod({a}, {b}, {axes})"
+    return f"np.sum({np_expr(e, spec)}, axis={axes}, keepdims=True)"
 
 
 class _C(_Ordered, C99CodePrinter):
@@ -495,7 +521,10 @@ def emit(d: Derivation, targets=("numpy", "c")) -> Emitted:
     spec = d.spec
     env = _env()
     env.filters["np"] = lambda e: np_expr(e, spec)
+    env.filters["npsum"] = lambda e, axes: np_sum(e, axes, spec)
     env.filters["code"] = lambda e: code_text(e, spec)
+    env.globals["mean_of"] = Mean
+    env.globals["np_store"] = lambda target, e: np_store(target, e, spec)
     _SPEC_FOR_PRINTING[0] = spec
     irs = {m: build_mode_ir(md) for m, md in d.modes.items()}
     cplans = {(m, sfx): CPlanner(spec, ir, ct) for m, ir in irs.items() for sfx, ct in CTYPES.items()}

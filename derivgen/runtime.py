@@ -515,6 +515,32 @@ def group_mean(layout: Layout):
     return mean
 
 
+def sum_prod(a, b, axes):
+    """``sum(a*b)`` over ``axes`` (all axes for None) of the 4-D chunk arrays,
+    keeping dimensions: one pass and no temporary (``np.einsum``) when a and b
+    have the same shape, else the plain product and sum."""
+    a, b = np.asarray(a), np.asarray(b)
+    if a.shape != b.shape or a.ndim != 4:
+        return np.add.reduce(a * b, axis=axes, keepdims=True)
+    keep = [i for i in range(4) if axes is not None and i not in axes]
+    out = np.einsum("abcd,abcd->" + "".join("abcd"[i] for i in keep), a, b)
+    return np.reshape(out, [a.shape[i] if i in keep else 1 for i in range(4)])
+
+
+def group_mean_prod(layout: Layout):
+    """``_mean_prod(a, b)``: the group mean of a*b; ``_mean_sq(a)``, the same
+    function with one argument: of a*a. Without the temporary product (see
+    :func:`sum_prod`)."""
+    axes = layout.reduce_axes
+
+    def mean_prod(a, b=None):
+        b = a if b is None else b
+        m = sum_prod(a, b, axes)
+        n = int(np.prod(np.broadcast_shapes(np.shape(a), np.shape(b)))) // m.size
+        return np.true_divide(m, n, out=m)
+    return mean_prod
+
+
 def new_stats(layout: Layout, names) -> dict[str, np.ndarray]:
     return {n: np.empty(layout.stat4, dtype=np.float64) for n in names}
 

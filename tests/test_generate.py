@@ -74,6 +74,7 @@ def test_generated_modules_import_directly():
 
 def test_numpy_module_reads_like_the_math():
     text = (ROOT / "generated" / "numpy" / "layernorm.py").read_text()
-    for line in ["mean = stats['mean'][s] = _mean(x)", "var = stats['var'][s] = _mean((x - mean)**2)", "xhat = rstd*(x - mean)",
-                 "mean_g_xhat = _mean(g*xhat)", "DX[s] = rstd*(g - mean_g - mean_g_xhat*xhat)"]:
+    for line in ["mean = stats['mean'][s] = _mean(x)", "var = stats['var'][s] = _mean_sq(x - mean)", "xhat = rstd*(x - mean)",
+                 "mean_g_xhat = _mean_prod(g, xhat)", "np.multiply(rstd, g - mean_g - mean_g_xhat*xhat, out=DX[s])",
+                 "np.add(gamma*xhat, beta, out=Y[s])", "_rt.sum_prod(dy, xhat, L.param_axes)"]:
         assert line in text, line

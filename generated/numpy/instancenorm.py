@@ -88,7 +88,8 @@ def set_num_threads(n):
 def _forward_train(call):
     L = call.layout
     N = L.group_size
-    _mean = _rt.group_mean(L)
+    _mean, _mean_prod = _rt.group_mean(L), _rt.group_mean_prod(L)
+    _mean_sq = _mean_prod
     X, Y = call.x.reshape(L.view4), call.out.reshape(L.view4)
     P_gamma = _rt.f64(call.params['gamma']).reshape(L.param4)
     P_beta = _rt.f64(call.params['beta']).reshape(L.param4)
@@ -101,11 +102,11 @@ def _forward_train(call):
         beta = P_beta[sp]
         # statistics, as the spec writes them
         mean = stats['mean'][s] = _mean(x)
-        var = stats['var'][s] = _mean((x - mean)**2)
+        var = stats['var'][s] = _mean_sq(x - mean)
         rstd = stats['rstd'][s] = 1/np.sqrt(var + eps)
         # output
         xhat = rstd*(x - mean)
-        Y[s] = gamma*xhat + beta
+        np.add(gamma*xhat, beta, out=Y[s])
 
     _rt.for_chunks(L, _chunk)
     return call.out, call.cache({k: v.reshape(-1) for k, v in stats.items()})
@@ -115,7 +116,8 @@ def _backward_train(call):
     c = call.cache
     L = c.layout
     N = L.group_size
-    _mean = _rt.group_mean(L)
+    _mean, _mean_prod = _rt.group_mean(L), _rt.group_mean_prod(L)
+    _mean_sq = _mean_prod
     X, DY, DX = c.x.reshape(L.view4), call.dy.reshape(L.view4), call.outs["dx"].reshape(L.view4)
     P_gamma = _rt.f64(c.params['gamma']).reshape(L.param4)
     D_gamma = np.zeros(L.param4, dtype=np.float64)
@@ -136,10 +138,10 @@ def _backward_train(call):
         xhat = rstd*(x - mean)
         g = dy*gamma
         mean_g = _mean(g)
-        mean_g_xhat = _mean(g*xhat)
-        DX[s] = rstd*(g - mean_g - mean_g_xhat*xhat)
+        mean_g_xhat = _mean_prod(g, xhat)
+        np.multiply(rstd, g - mean_g - mean_g_xhat*xhat, out=DX[s])
         # this chunk's share of dgamma, dbeta
-        return (np.sum(dy*xhat, axis=L.param_axes, keepdims=True),
+        return (_rt.sum_prod(dy, xhat, L.param_axes),
                 np.sum(dy, axis=L.param_axes, keepdims=True))
 
     # parameter gradients: the chunks' shares summed in chunk order (the same bits for any number of threads)

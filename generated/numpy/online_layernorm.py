@@ -94,7 +94,8 @@ def set_num_threads(n):
 def _forward_train(call):
     L = call.layout
     N = L.group_size
-    _mean = _rt.group_mean(L)
+    _mean, _mean_prod = _rt.group_mean(L), _rt.group_mean_prod(L)
+    _mean_sq = _mean_prod
     X, Y = call.x.reshape(L.view4), call.out.reshape(L.view4)
     P_gamma = _rt.f64(call.params['gamma']).reshape(L.param4)
     P_beta = _rt.f64(call.params['beta']).reshape(L.param4)
@@ -113,11 +114,11 @@ def _forward_train(call):
         # statistics, as the spec writes them
         row_mean = stats['row_mean'][s] = _mean(x)
         mean = stats['mean'][s] = alpha*row_mean + prev_mean*(1 - alpha)
-        sample_std = stats['sample_std'][s] = np.sqrt(eps + N*_mean((x - mean)**2)/(N - 1))
+        sample_std = stats['sample_std'][s] = np.sqrt(eps + N*_mean_sq(x - mean)/(N - 1))
         std = stats['std'][s] = alpha*sample_std + prev_std*(1 - alpha)
         # output
         xhat = (x - mean)/std
-        Y[s] = gamma*xhat + beta
+        np.add(gamma*xhat, beta, out=Y[s])
 
     _rt.for_chunks(L, _chunk)
     return call.out, call.cache({k: v.reshape(-1) for k, v in stats.items()})
@@ -127,7 +128,8 @@ def _backward_train(call):
     c = call.cache
     L = c.layout
     N = L.group_size
-    _mean = _rt.group_mean(L)
+    _mean, _mean_prod = _rt.group_mean(L), _rt.group_mean_prod(L)
+    _mean_sq = _mean_prod
     X, DY, DX = c.x.reshape(L.view4), call.dy.reshape(L.view4), call.outs["dx"].reshape(L.view4)
     P_gamma = _rt.f64(c.params['gamma']).reshape(L.param4)
     D_gamma = np.zeros(L.param4, dtype=np.float64)
@@ -157,12 +159,12 @@ def _backward_train(call):
         xhat = (x - mean)/std
         g = dy*gamma
         mean_g = _mean(g)
-        mean_g_xhat = _mean(g*xhat)
-        DX[s] = g/std + N*alpha*mean_g_xhat*(alpha*row_mean/std - xhat - alpha*mean/std)/(sample_std*(N - 1)) - alpha*mean_g/std
+        mean_g_xhat = _mean_prod(g, xhat)
+        np.add(g/std, N*alpha*mean_g_xhat*(alpha*row_mean/std - xhat - alpha*mean/std)/(sample_std*(N - 1)) - alpha*mean_g/std, out=DX[s])
         D_prev_mean[s] = N*(mean_g*(alpha - 1) + N*alpha*mean_g_xhat*(row_mean + alpha*mean - mean - alpha*row_mean)/(sample_std*(N - 1)))/std
         D_prev_std[s] = N*mean_g_xhat*(alpha - 1)/std
         # this chunk's share of dgamma, dbeta
-        return (np.sum(dy*xhat, axis=L.param_axes, keepdims=True),
+        return (_rt.sum_prod(dy, xhat, L.param_axes),
                 np.sum(dy, axis=L.param_axes, keepdims=True))
 
     # parameter gradients: the chunks' shares summed in chunk order (the same bits for any number of threads)

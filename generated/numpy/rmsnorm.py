@@ -84,7 +84,8 @@ def set_num_threads(n):
 def _forward_train(call):
     L = call.layout
     N = L.group_size
-    _mean = _rt.group_mean(L)
+    _mean, _mean_prod = _rt.group_mean(L), _rt.group_mean_prod(L)
+    _mean_sq = _mean_prod
     X, Y = call.x.reshape(L.view4), call.out.reshape(L.view4)
     P_gamma = _rt.f64(call.params['gamma']).reshape(L.param4)
     eps = call.options['eps']
@@ -94,11 +95,11 @@ def _forward_train(call):
         x = tmp.f64(X[s])
         gamma = P_gamma[sp]
         # statistics, as the spec writes them
-        ms = stats['ms'][s] = _mean(x**2)
+        ms = stats['ms'][s] = _mean_sq(x)
         rstd = stats['rstd'][s] = 1/np.sqrt(ms + eps)
         # output
         xhat = rstd*x
-        Y[s] = gamma*xhat
+        np.multiply(gamma, xhat, out=Y[s])
 
     _rt.for_chunks(L, _chunk)
     return call.out, call.cache({k: v.reshape(-1) for k, v in stats.items()})
@@ -108,7 +109,8 @@ def _backward_train(call):
     c = call.cache
     L = c.layout
     N = L.group_size
-    _mean = _rt.group_mean(L)
+    _mean, _mean_prod = _rt.group_mean(L), _rt.group_mean_prod(L)
+    _mean_sq = _mean_prod
     X, DY, DX = c.x.reshape(L.view4), call.dy.reshape(L.view4), call.outs["dx"].reshape(L.view4)
     P_gamma = _rt.f64(c.params['gamma']).reshape(L.param4)
     D_gamma = np.zeros(L.param4, dtype=np.float64)
@@ -123,10 +125,10 @@ def _backward_train(call):
         rstd = S_rstd[s]
         xhat = rstd*x
         g = dy*gamma
-        mean_g_xhat = _mean(g*xhat)
-        DX[s] = rstd*(g - mean_g_xhat*xhat)
+        mean_g_xhat = _mean_prod(g, xhat)
+        np.multiply(rstd, g - mean_g_xhat*xhat, out=DX[s])
         # this chunk's share of dgamma
-        return (np.sum(dy*xhat, axis=L.param_axes, keepdims=True),)
+        return (_rt.sum_prod(dy, xhat, L.param_axes),)
 
     # parameter gradients: the chunks' shares summed in chunk order (the same bits for any number of threads)
     for s, sp, (d_gamma,) in _rt.for_chunks(L, _chunk):
