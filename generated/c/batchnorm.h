@@ -7,7 +7,8 @@
  * Cg channels per group, S inner. One normalization group is one g (= channel):
  * the O blocks of S values it owns. Parameters have G*Cg values, indexed by
  * channel g*Cg + cg. Statistics (*_out, *_in) are double, one value per group
- * (G groups), in group order. All arithmetic is double.
+ * (G groups), in group order. Sums and statistics are double; the
+ * float kernels' element arithmetic is float (see the .c file for the numerics).
  * Buffers are updated in place in train mode (pass NULL to skip), read in eval mode.
  * nthreads <= 0 uses the OpenMP default; without OpenMP the kernels run serially.
  * Returns 0, or -1 when a work buffer cannot be allocated.

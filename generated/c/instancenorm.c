@@ -34,7 +34,7 @@
  * of at least DG_STREAM_BYTES are written with non-temporal stores, so their
  * lines are not read before being overwritten: runs without lane sums start
  * their lane blocks at a 64-byte boundary and stream each block from
- * registers; the others compute a block into a per-thread tile of at most
+ * registers; the others compute each run into a per-thread tile of at most
  * DG_TILE_BYTES and stream it out. Either way every element is computed by
  * the same arithmetic, so results are the same bits as without streaming. All
  * three are macros a build may override (-D).
@@ -133,10 +133,10 @@ static inline int dg_stream_on(int64_t total, int64_t size)
     return DG_HAVE_STREAM && total * size >= DG_STREAM_BYTES;
 }
 
-/* a per-thread tile for a block of M elements, or NULL (then the output is written in place) */
-static inline void *dg_tile(int on, int64_t M, int64_t size)
+/* a per-thread tile for a run of n elements, or NULL (then the output is written in place) */
+static inline void *dg_tile(int on, int64_t n, int64_t size)
 {
-    return on && M * size <= DG_TILE_BYTES ? malloc((size_t)(M * size)) : NULL;
+    return on && n * size <= DG_TILE_BYTES ? malloc((size_t)(n * size)) : NULL;
 }
 
 /* elements of `size` bytes from p to the next 64-byte boundary, at most n */
@@ -286,7 +286,7 @@ int instancenorm_train_forward_f32(
     DG_PRAGMA(omp parallel num_threads(nth))
     {
         const int y_stream = dg_stream_on(total, (int64_t)sizeof(float));
-        float *y_tile = (float *)dg_tile(y_stream, M, (int64_t)sizeof(float));   /* NULL: y in place */
+        float *y_tile = (float *)dg_tile(y_stream, S == 1 ? M : S, (int64_t)sizeof(float));
         (void)y_stream;
         DG_PRAGMA(omp for schedule(static))
         for (int64_t grp = 0; grp < n_groups; ++grp) {
@@ -319,6 +319,7 @@ int instancenorm_train_forward_f32(
                         const double xv = (double)x[idx];
                         lane_sum_mean[j] += xv;
                     }
+
                 }
                 sum_mean = dg_lanes(lane_sum_mean);
             }
@@ -344,6 +345,7 @@ int instancenorm_train_forward_f32(
                         const double xv = (double)x[idx];
                         lane_sum_var[j] += ((xv - mean)*(xv - mean));
                     }
+
                 }
                 sum_var = dg_lanes(lane_sum_var);
             }
@@ -360,9 +362,9 @@ int instancenorm_train_forward_f32(
                 for (int64_t b = 0; b < blocks; ++b) {
                     const int64_t off = base + b * block_stride;
                     const int y_direct = S == 1 ? y_stream && (y_tile == NULL || Cg >= DG_DIRECT_MIN) : y_stream && (y_tile == NULL || S >= DG_DIRECT_MIN);
-                    float *restrict y_w = y_tile != NULL && !y_direct ? y_tile : y + off;
                     (void)y_direct;
                     if (S == 1) {           /* parameters vary along the run */
+                        float *restrict y_r = y_tile != NULL && !y_direct ? y_tile : y + off;
                         int64_t m = 0;
                         if (y_direct) {          /* scalar head up to a 64-byte boundary of y */
                             const int64_t head = dg_head(y + off, (int64_t)sizeof(float), Cg);
@@ -375,7 +377,7 @@ int instancenorm_train_forward_f32(
                                 const float beta_v = beta[ch];
                                 const float xv = x[idx];
                                 const float xhat = rstd_f*((xv + h0_hi + h0_lo));
-                                y_w[idx - off] = (float)(gamma_v*xhat + beta_v);
+                                y_r[idx - (off)] = (float)(gamma_v*xhat + beta_v);
                             }
                         }
                         for (; m + DG_LANES <= Cg; m += DG_LANES) {
@@ -390,7 +392,7 @@ int instancenorm_train_forward_f32(
                                 const float xhat = rstd_f*((xv + h0_hi + h0_lo));
                                 t_y[j] = (float)(gamma_v*xhat + beta_v);
                             }
-                            dg_put_float(y_w + (m), t_y, y_direct);
+                            dg_put_float(y_r + m, t_y, y_direct);
                         }
                         for (; m < Cg; ++m) {
                             const int j = 0;                /* outside the lane blocks: lane 0 */
@@ -401,13 +403,16 @@ int instancenorm_train_forward_f32(
                             const float beta_v = beta[ch];
                             const float xv = x[idx];
                             const float xhat = rstd_f*((xv + h0_hi + h0_lo));
-                            y_w[idx - off] = (float)(gamma_v*xhat + beta_v);
+                            y_r[idx - (off)] = (float)(gamma_v*xhat + beta_v);
                         }
+                        if (y_tile != NULL && !y_direct) dg_stream_float(y + off, y_tile, Cg);
+
                     } else {                /* NCHW: one parameter per run of S values */
                         for (int64_t cg = 0; cg < Cg; ++cg) {
                             const int64_t ch = gi * Cg + cg;
                             const float gamma_v = gamma[ch];
                             const float beta_v = beta[ch];
+                            float *restrict y_r = y_tile != NULL && !y_direct ? y_tile : y + off + cg * S;
                             int64_t s = 0;
                             if (y_direct) {          /* scalar head up to a 64-byte boundary of y */
                                 const int64_t head = dg_head(y + off + cg * S, (int64_t)sizeof(float), S);
@@ -417,7 +422,7 @@ int instancenorm_train_forward_f32(
                                     const int64_t idx = off + cg * S + s;
                                     const float xv = x[idx];
                                     const float xhat = rstd_f*((xv + h0_hi + h0_lo));
-                                    y_w[idx - off] = (float)(gamma_v*xhat + beta_v);
+                                    y_r[idx - (off + cg * S)] = (float)(gamma_v*xhat + beta_v);
                                 }
                             }
                             for (; s + DG_LANES <= S; s += DG_LANES) {
@@ -429,7 +434,7 @@ int instancenorm_train_forward_f32(
                                     const float xhat = rstd_f*((xv + h0_hi + h0_lo));
                                     t_y[j] = (float)(gamma_v*xhat + beta_v);
                                 }
-                                dg_put_float(y_w + (cg * S + s), t_y, y_direct);
+                                dg_put_float(y_r + s, t_y, y_direct);
                             }
                             for (; s < S; ++s) {
                                 const int j = 0;                /* outside the lane blocks: lane 0 */
@@ -437,11 +442,12 @@ int instancenorm_train_forward_f32(
                                 const int64_t idx = off + cg * S + s;
                                 const float xv = x[idx];
                                 const float xhat = rstd_f*((xv + h0_hi + h0_lo));
-                                y_w[idx - off] = (float)(gamma_v*xhat + beta_v);
+                                y_r[idx - (off + cg * S)] = (float)(gamma_v*xhat + beta_v);
                             }
+                            if (y_tile != NULL && !y_direct) dg_stream_float(y + off + cg * S, y_tile, S);
+
                         }
                     }
-                    if (y_tile != NULL && !y_direct) dg_stream_float(y + off, y_tile, M);
                 }
             }
         }
@@ -501,7 +507,7 @@ int instancenorm_train_backward_f32(
         float *restrict pend = pend_all + (int64_t)dg_thread_id() * P * C;
         int pending = 0;
         const int dx_stream = dg_stream_on(total, (int64_t)sizeof(float));
-        float *dx_tile = (float *)dg_tile(dx_stream, M, (int64_t)sizeof(float));   /* NULL: dx in place */
+        float *dx_tile = (float *)dg_tile(dx_stream, S == 1 ? M : S, (int64_t)sizeof(float));
         (void)dx_stream;
         (void)pend;
         (void)pending;
@@ -565,6 +571,7 @@ int instancenorm_train_backward_f32(
                             lane_sum_g[j] += ((double)g);
                             lane_sum_g_xhat[j] += ((double)g)*((double)xhat);
                         }
+
                     } else {                /* NCHW: one parameter per run of S values */
                         for (int64_t cg = 0; cg < Cg; ++cg) {
                             const int64_t ch = gi * Cg + cg;
@@ -601,6 +608,7 @@ int instancenorm_train_backward_f32(
                                 lane_sum_g[j] += ((double)g);
                                 lane_sum_g_xhat[j] += ((double)g)*((double)xhat);
                             }
+
                         }
                     }
                 }
@@ -621,9 +629,9 @@ int instancenorm_train_backward_f32(
                 for (int64_t b = 0; b < blocks; ++b) {
                     const int64_t off = base + b * block_stride;
                     const int dx_direct = S == 1 ? dx_stream && (dx_tile == NULL || Cg >= DG_DIRECT_MIN) : 0;
-                    float *restrict dx_w = dx_tile != NULL && !dx_direct ? dx_tile : dx + off;
                     (void)dx_direct;
                     if (S == 1) {           /* parameters vary along the run */
+                        float *restrict dx_r = dx_tile != NULL && !dx_direct ? dx_tile : dx + off;
                         int64_t m = 0;
                         if (dx_direct) {          /* scalar head up to a 64-byte boundary of dx */
                             const int64_t head = dg_head(dx + off, (int64_t)sizeof(float), Cg);
@@ -637,7 +645,7 @@ int instancenorm_train_backward_f32(
                                 const float dyv = dy[idx];
                                 const float xhat = rstd_f*((xv + h0_hi + h0_lo));
                                 const float g = dyv*gamma_v;
-                                dx_w[idx - off] = (float)(rstd_f*((g - mean_g_xhat_f*xhat + h1_hi + h1_lo)));
+                                dx_r[idx - (off)] = (float)(rstd_f*((g - mean_g_xhat_f*xhat + h1_hi + h1_lo)));
                                 pend[0 * C + ch] += dyv*xhat;
                                 pend[1 * C + ch] += dyv;
                             }
@@ -657,7 +665,7 @@ int instancenorm_train_backward_f32(
                                 pend[0 * C + ch] += dyv*xhat;
                                 pend[1 * C + ch] += dyv;
                             }
-                            dg_put_float(dx_w + (m), t_dx, dx_direct);
+                            dg_put_float(dx_r + m, t_dx, dx_direct);
                         }
                         for (; m < Cg; ++m) {
                             const int j = 0;                /* outside the lane blocks: lane 0 */
@@ -669,16 +677,19 @@ int instancenorm_train_backward_f32(
                             const float dyv = dy[idx];
                             const float xhat = rstd_f*((xv + h0_hi + h0_lo));
                             const float g = dyv*gamma_v;
-                            dx_w[idx - off] = (float)(rstd_f*((g - mean_g_xhat_f*xhat + h1_hi + h1_lo)));
+                            dx_r[idx - (off)] = (float)(rstd_f*((g - mean_g_xhat_f*xhat + h1_hi + h1_lo)));
                             pend[0 * C + ch] += dyv*xhat;
                             pend[1 * C + ch] += dyv;
                         }
+                        if (dx_tile != NULL && !dx_direct) dg_stream_float(dx + off, dx_tile, Cg);
+
                     } else {                /* NCHW: one parameter per run of S values */
                         for (int64_t cg = 0; cg < Cg; ++cg) {
                             const int64_t ch = gi * Cg + cg;
                             const float gamma_v = gamma[ch];
                             double lane_p0[DG_LANES] = {0};
                             double lane_p1[DG_LANES] = {0};
+                            float *restrict dx_r = dx_tile != NULL && !dx_direct ? dx_tile : dx + off + cg * S;
                             int64_t s = 0;
                             for (; s + DG_LANES <= S; s += DG_LANES) {
                                 DG_INDEPENDENT
@@ -688,7 +699,7 @@ int instancenorm_train_backward_f32(
                                     const float dyv = dy[idx];
                                     const float xhat = rstd_f*((xv + h0_hi + h0_lo));
                                     const float g = dyv*gamma_v;
-                                    dx_w[idx - off] = (float)(rstd_f*((g - mean_g_xhat_f*xhat + h1_hi + h1_lo)));
+                                    dx_r[idx - (off + cg * S)] = (float)(rstd_f*((g - mean_g_xhat_f*xhat + h1_hi + h1_lo)));
                                     lane_p0[j] += ((double)dyv)*((double)xhat);
                                     lane_p1[j] += ((double)dyv);
                                 }
@@ -701,15 +712,16 @@ int instancenorm_train_backward_f32(
                                 const float dyv = dy[idx];
                                 const float xhat = rstd_f*((xv + h0_hi + h0_lo));
                                 const float g = dyv*gamma_v;
-                                dx_w[idx - off] = (float)(rstd_f*((g - mean_g_xhat_f*xhat + h1_hi + h1_lo)));
+                                dx_r[idx - (off + cg * S)] = (float)(rstd_f*((g - mean_g_xhat_f*xhat + h1_hi + h1_lo)));
                                 lane_p0[j] += ((double)dyv)*((double)xhat);
                                 lane_p1[j] += ((double)dyv);
                             }
+                            if (dx_tile != NULL && !dx_direct) dg_stream_float(dx + off + cg * S, dx_tile, S);
+
                             mine[0 * C + ch] += dg_lanes(lane_p0);
                             mine[1 * C + ch] += dg_lanes(lane_p1);
                         }
                     }
-                    if (dx_tile != NULL && !dx_direct) dg_stream_float(dx + off, dx_tile, M);
                 }
             }
             if (S == 1 && ++pending == DG_PEND) {
@@ -769,7 +781,7 @@ int instancenorm_train_forward_f64(
     DG_PRAGMA(omp parallel num_threads(nth))
     {
         const int y_stream = dg_stream_on(total, (int64_t)sizeof(double));
-        double *y_tile = (double *)dg_tile(y_stream, M, (int64_t)sizeof(double));   /* NULL: y in place */
+        double *y_tile = (double *)dg_tile(y_stream, S == 1 ? M : S, (int64_t)sizeof(double));
         (void)y_stream;
         DG_PRAGMA(omp for schedule(static))
         for (int64_t grp = 0; grp < n_groups; ++grp) {
@@ -802,6 +814,7 @@ int instancenorm_train_forward_f64(
                         const double xv = x[idx];
                         lane_sum_mean[j] += xv;
                     }
+
                 }
                 sum_mean = dg_lanes(lane_sum_mean);
             }
@@ -827,6 +840,7 @@ int instancenorm_train_forward_f64(
                         const double xv = x[idx];
                         lane_sum_var[j] += ((xv - mean)*(xv - mean));
                     }
+
                 }
                 sum_var = dg_lanes(lane_sum_var);
             }
@@ -839,9 +853,9 @@ int instancenorm_train_forward_f64(
                 for (int64_t b = 0; b < blocks; ++b) {
                     const int64_t off = base + b * block_stride;
                     const int y_direct = S == 1 ? y_stream && (y_tile == NULL || Cg >= DG_DIRECT_MIN) : y_stream && (y_tile == NULL || S >= DG_DIRECT_MIN);
-                    double *restrict y_w = y_tile != NULL && !y_direct ? y_tile : y + off;
                     (void)y_direct;
                     if (S == 1) {           /* parameters vary along the run */
+                        double *restrict y_r = y_tile != NULL && !y_direct ? y_tile : y + off;
                         int64_t m = 0;
                         if (y_direct) {          /* scalar head up to a 64-byte boundary of y */
                             const int64_t head = dg_head(y + off, (int64_t)sizeof(double), Cg);
@@ -854,7 +868,7 @@ int instancenorm_train_forward_f64(
                                 const double beta_v = beta[ch];
                                 const double xv = x[idx];
                                 const double xhat = rstd*(xv - mean);
-                                y_w[idx - off] = (double)(gamma_v*xhat + beta_v);
+                                y_r[idx - (off)] = (double)(gamma_v*xhat + beta_v);
                             }
                         }
                         for (; m + DG_LANES <= Cg; m += DG_LANES) {
@@ -869,7 +883,7 @@ int instancenorm_train_forward_f64(
                                 const double xhat = rstd*(xv - mean);
                                 t_y[j] = (double)(gamma_v*xhat + beta_v);
                             }
-                            dg_put_double(y_w + (m), t_y, y_direct);
+                            dg_put_double(y_r + m, t_y, y_direct);
                         }
                         for (; m < Cg; ++m) {
                             const int j = 0;                /* outside the lane blocks: lane 0 */
@@ -880,13 +894,16 @@ int instancenorm_train_forward_f64(
                             const double beta_v = beta[ch];
                             const double xv = x[idx];
                             const double xhat = rstd*(xv - mean);
-                            y_w[idx - off] = (double)(gamma_v*xhat + beta_v);
+                            y_r[idx - (off)] = (double)(gamma_v*xhat + beta_v);
                         }
+                        if (y_tile != NULL && !y_direct) dg_stream_double(y + off, y_tile, Cg);
+
                     } else {                /* NCHW: one parameter per run of S values */
                         for (int64_t cg = 0; cg < Cg; ++cg) {
                             const int64_t ch = gi * Cg + cg;
                             const double gamma_v = gamma[ch];
                             const double beta_v = beta[ch];
+                            double *restrict y_r = y_tile != NULL && !y_direct ? y_tile : y + off + cg * S;
                             int64_t s = 0;
                             if (y_direct) {          /* scalar head up to a 64-byte boundary of y */
                                 const int64_t head = dg_head(y + off + cg * S, (int64_t)sizeof(double), S);
@@ -896,7 +913,7 @@ int instancenorm_train_forward_f64(
                                     const int64_t idx = off + cg * S + s;
                                     const double xv = x[idx];
                                     const double xhat = rstd*(xv - mean);
-                                    y_w[idx - off] = (double)(gamma_v*xhat + beta_v);
+                                    y_r[idx - (off + cg * S)] = (double)(gamma_v*xhat + beta_v);
                                 }
                             }
                             for (; s + DG_LANES <= S; s += DG_LANES) {
@@ -908,7 +925,7 @@ int instancenorm_train_forward_f64(
                                     const double xhat = rstd*(xv - mean);
                                     t_y[j] = (double)(gamma_v*xhat + beta_v);
                                 }
-                                dg_put_double(y_w + (cg * S + s), t_y, y_direct);
+                                dg_put_double(y_r + s, t_y, y_direct);
                             }
                             for (; s < S; ++s) {
                                 const int j = 0;                /* outside the lane blocks: lane 0 */
@@ -916,11 +933,12 @@ int instancenorm_train_forward_f64(
                                 const int64_t idx = off + cg * S + s;
                                 const double xv = x[idx];
                                 const double xhat = rstd*(xv - mean);
-                                y_w[idx - off] = (double)(gamma_v*xhat + beta_v);
+                                y_r[idx - (off + cg * S)] = (double)(gamma_v*xhat + beta_v);
                             }
+                            if (y_tile != NULL && !y_direct) dg_stream_double(y + off + cg * S, y_tile, S);
+
                         }
                     }
-                    if (y_tile != NULL && !y_direct) dg_stream_double(y + off, y_tile, M);
                 }
             }
         }
@@ -980,7 +998,7 @@ int instancenorm_train_backward_f64(
         double *restrict pend = pend_all + (int64_t)dg_thread_id() * P * C;
         int pending = 0;
         const int dx_stream = dg_stream_on(total, (int64_t)sizeof(double));
-        double *dx_tile = (double *)dg_tile(dx_stream, M, (int64_t)sizeof(double));   /* NULL: dx in place */
+        double *dx_tile = (double *)dg_tile(dx_stream, S == 1 ? M : S, (int64_t)sizeof(double));
         (void)dx_stream;
         (void)pend;
         (void)pending;
@@ -1040,6 +1058,7 @@ int instancenorm_train_backward_f64(
                             lane_sum_g[j] += g;
                             lane_sum_g_xhat[j] += g*xhat;
                         }
+
                     } else {                /* NCHW: one parameter per run of S values */
                         for (int64_t cg = 0; cg < Cg; ++cg) {
                             const int64_t ch = gi * Cg + cg;
@@ -1076,6 +1095,7 @@ int instancenorm_train_backward_f64(
                                 lane_sum_g[j] += g;
                                 lane_sum_g_xhat[j] += g*xhat;
                             }
+
                         }
                     }
                 }
@@ -1091,9 +1111,9 @@ int instancenorm_train_backward_f64(
                 for (int64_t b = 0; b < blocks; ++b) {
                     const int64_t off = base + b * block_stride;
                     const int dx_direct = S == 1 ? dx_stream && (dx_tile == NULL || Cg >= DG_DIRECT_MIN) : 0;
-                    double *restrict dx_w = dx_tile != NULL && !dx_direct ? dx_tile : dx + off;
                     (void)dx_direct;
                     if (S == 1) {           /* parameters vary along the run */
+                        double *restrict dx_r = dx_tile != NULL && !dx_direct ? dx_tile : dx + off;
                         int64_t m = 0;
                         if (dx_direct) {          /* scalar head up to a 64-byte boundary of dx */
                             const int64_t head = dg_head(dx + off, (int64_t)sizeof(double), Cg);
@@ -1107,7 +1127,7 @@ int instancenorm_train_backward_f64(
                                 const double dyv = dy[idx];
                                 const double xhat = rstd*(xv - mean);
                                 const double g = dyv*gamma_v;
-                                dx_w[idx - off] = (double)(g*k_g + k_xhat*xhat + k_1);
+                                dx_r[idx - (off)] = (double)(g*k_g + k_xhat*xhat + k_1);
                                 pend[0 * C + ch] += dyv*xhat;
                                 pend[1 * C + ch] += dyv;
                             }
@@ -1127,7 +1147,7 @@ int instancenorm_train_backward_f64(
                                 pend[0 * C + ch] += dyv*xhat;
                                 pend[1 * C + ch] += dyv;
                             }
-                            dg_put_double(dx_w + (m), t_dx, dx_direct);
+                            dg_put_double(dx_r + m, t_dx, dx_direct);
                         }
                         for (; m < Cg; ++m) {
                             const int j = 0;                /* outside the lane blocks: lane 0 */
@@ -1139,16 +1159,19 @@ int instancenorm_train_backward_f64(
                             const double dyv = dy[idx];
                             const double xhat = rstd*(xv - mean);
                             const double g = dyv*gamma_v;
-                            dx_w[idx - off] = (double)(g*k_g + k_xhat*xhat + k_1);
+                            dx_r[idx - (off)] = (double)(g*k_g + k_xhat*xhat + k_1);
                             pend[0 * C + ch] += dyv*xhat;
                             pend[1 * C + ch] += dyv;
                         }
+                        if (dx_tile != NULL && !dx_direct) dg_stream_double(dx + off, dx_tile, Cg);
+
                     } else {                /* NCHW: one parameter per run of S values */
                         for (int64_t cg = 0; cg < Cg; ++cg) {
                             const int64_t ch = gi * Cg + cg;
                             const double gamma_v = gamma[ch];
                             double lane_p0[DG_LANES] = {0};
                             double lane_p1[DG_LANES] = {0};
+                            double *restrict dx_r = dx_tile != NULL && !dx_direct ? dx_tile : dx + off + cg * S;
                             int64_t s = 0;
                             for (; s + DG_LANES <= S; s += DG_LANES) {
                                 DG_INDEPENDENT
@@ -1158,7 +1181,7 @@ int instancenorm_train_backward_f64(
                                     const double dyv = dy[idx];
                                     const double xhat = rstd*(xv - mean);
                                     const double g = dyv*gamma_v;
-                                    dx_w[idx - off] = (double)(g*k_g + k_xhat*xhat + k_1);
+                                    dx_r[idx - (off + cg * S)] = (double)(g*k_g + k_xhat*xhat + k_1);
                                     lane_p0[j] += dyv*xhat;
                                     lane_p1[j] += dyv;
                                 }
@@ -1171,15 +1194,16 @@ int instancenorm_train_backward_f64(
                                 const double dyv = dy[idx];
                                 const double xhat = rstd*(xv - mean);
                                 const double g = dyv*gamma_v;
-                                dx_w[idx - off] = (double)(g*k_g + k_xhat*xhat + k_1);
+                                dx_r[idx - (off + cg * S)] = (double)(g*k_g + k_xhat*xhat + k_1);
                                 lane_p0[j] += dyv*xhat;
                                 lane_p1[j] += dyv;
                             }
+                            if (dx_tile != NULL && !dx_direct) dg_stream_double(dx + off + cg * S, dx_tile, S);
+
                             mine[0 * C + ch] += dg_lanes(lane_p0);
                             mine[1 * C + ch] += dg_lanes(lane_p1);
                         }
                     }
-                    if (dx_tile != NULL && !dx_direct) dg_stream_double(dx + off, dx_tile, M);
                 }
             }
             if (S == 1 && ++pending == DG_PEND) {

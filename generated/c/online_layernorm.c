@@ -37,7 +37,7 @@
  * of at least DG_STREAM_BYTES are written with non-temporal stores, so their
  * lines are not read before being overwritten: runs without lane sums start
  * their lane blocks at a 64-byte boundary and stream each block from
- * registers; the others compute a block into a per-thread tile of at most
+ * registers; the others compute each run into a per-thread tile of at most
  * DG_TILE_BYTES and stream it out. Either way every element is computed by
  * the same arithmetic, so results are the same bits as without streaming. All
  * three are macros a build may override (-D).
@@ -136,10 +136,10 @@ static inline int dg_stream_on(int64_t total, int64_t size)
     return DG_HAVE_STREAM && total * size >= DG_STREAM_BYTES;
 }
 
-/* a per-thread tile for a block of M elements, or NULL (then the output is written in place) */
-static inline void *dg_tile(int on, int64_t M, int64_t size)
+/* a per-thread tile for a run of n elements, or NULL (then the output is written in place) */
+static inline void *dg_tile(int on, int64_t n, int64_t size)
 {
-    return on && M * size <= DG_TILE_BYTES ? malloc((size_t)(M * size)) : NULL;
+    return on && n * size <= DG_TILE_BYTES ? malloc((size_t)(n * size)) : NULL;
 }
 
 /* elements of `size` bytes from p to the next 64-byte boundary, at most n */
@@ -294,7 +294,7 @@ int online_layernorm_train_forward_f32(
     DG_PRAGMA(omp parallel num_threads(nth))
     {
         const int y_stream = dg_stream_on(total, (int64_t)sizeof(float));
-        float *y_tile = (float *)dg_tile(y_stream, M, (int64_t)sizeof(float));   /* NULL: y in place */
+        float *y_tile = (float *)dg_tile(y_stream, S == 1 ? M : S, (int64_t)sizeof(float));
         (void)y_stream;
         DG_PRAGMA(omp for schedule(static))
         for (int64_t grp = 0; grp < n_groups; ++grp) {
@@ -329,6 +329,7 @@ int online_layernorm_train_forward_f32(
                         const double xv = (double)x[idx];
                         lane_sum_row_mean[j] += xv;
                     }
+
                 }
                 sum_row_mean = dg_lanes(lane_sum_row_mean);
             }
@@ -355,6 +356,7 @@ int online_layernorm_train_forward_f32(
                         const double xv = (double)x[idx];
                         lane_sum_sample_std[j] += ((xv - mean)*(xv - mean));
                     }
+
                 }
                 sum_sample_std = dg_lanes(lane_sum_sample_std);
             }
@@ -372,9 +374,9 @@ int online_layernorm_train_forward_f32(
                 for (int64_t b = 0; b < blocks; ++b) {
                     const int64_t off = base + b * block_stride;
                     const int y_direct = S == 1 ? y_stream && (y_tile == NULL || Cg >= DG_DIRECT_MIN) : y_stream && (y_tile == NULL || S >= DG_DIRECT_MIN);
-                    float *restrict y_w = y_tile != NULL && !y_direct ? y_tile : y + off;
                     (void)y_direct;
                     if (S == 1) {           /* parameters vary along the run */
+                        float *restrict y_r = y_tile != NULL && !y_direct ? y_tile : y + off;
                         int64_t m = 0;
                         if (y_direct) {          /* scalar head up to a 64-byte boundary of y */
                             const int64_t head = dg_head(y + off, (int64_t)sizeof(float), Cg);
@@ -387,7 +389,7 @@ int online_layernorm_train_forward_f32(
                                 const float beta_v = beta[ch];
                                 const float xv = x[idx];
                                 const float xhat = ((xv + h0_hi + h0_lo))/std_f;
-                                y_w[idx - off] = (float)(gamma_v*xhat + beta_v);
+                                y_r[idx - (off)] = (float)(gamma_v*xhat + beta_v);
                             }
                         }
                         for (; m + DG_LANES <= Cg; m += DG_LANES) {
@@ -402,7 +404,7 @@ int online_layernorm_train_forward_f32(
                                 const float xhat = ((xv + h0_hi + h0_lo))/std_f;
                                 t_y[j] = (float)(gamma_v*xhat + beta_v);
                             }
-                            dg_put_float(y_w + (m), t_y, y_direct);
+                            dg_put_float(y_r + m, t_y, y_direct);
                         }
                         for (; m < Cg; ++m) {
                             const int j = 0;                /* outside the lane blocks: lane 0 */
@@ -413,13 +415,16 @@ int online_layernorm_train_forward_f32(
                             const float beta_v = beta[ch];
                             const float xv = x[idx];
                             const float xhat = ((xv + h0_hi + h0_lo))/std_f;
-                            y_w[idx - off] = (float)(gamma_v*xhat + beta_v);
+                            y_r[idx - (off)] = (float)(gamma_v*xhat + beta_v);
                         }
+                        if (y_tile != NULL && !y_direct) dg_stream_float(y + off, y_tile, Cg);
+
                     } else {                /* NCHW: one parameter per run of S values */
                         for (int64_t cg = 0; cg < Cg; ++cg) {
                             const int64_t ch = gi * Cg + cg;
                             const float gamma_v = gamma[ch];
                             const float beta_v = beta[ch];
+                            float *restrict y_r = y_tile != NULL && !y_direct ? y_tile : y + off + cg * S;
                             int64_t s = 0;
                             if (y_direct) {          /* scalar head up to a 64-byte boundary of y */
                                 const int64_t head = dg_head(y + off + cg * S, (int64_t)sizeof(float), S);
@@ -429,7 +434,7 @@ int online_layernorm_train_forward_f32(
                                     const int64_t idx = off + cg * S + s;
                                     const float xv = x[idx];
                                     const float xhat = ((xv + h0_hi + h0_lo))/std_f;
-                                    y_w[idx - off] = (float)(gamma_v*xhat + beta_v);
+                                    y_r[idx - (off + cg * S)] = (float)(gamma_v*xhat + beta_v);
                                 }
                             }
                             for (; s + DG_LANES <= S; s += DG_LANES) {
@@ -441,7 +446,7 @@ int online_layernorm_train_forward_f32(
                                     const float xhat = ((xv + h0_hi + h0_lo))/std_f;
                                     t_y[j] = (float)(gamma_v*xhat + beta_v);
                                 }
-                                dg_put_float(y_w + (cg * S + s), t_y, y_direct);
+                                dg_put_float(y_r + s, t_y, y_direct);
                             }
                             for (; s < S; ++s) {
                                 const int j = 0;                /* outside the lane blocks: lane 0 */
@@ -449,11 +454,12 @@ int online_layernorm_train_forward_f32(
                                 const int64_t idx = off + cg * S + s;
                                 const float xv = x[idx];
                                 const float xhat = ((xv + h0_hi + h0_lo))/std_f;
-                                y_w[idx - off] = (float)(gamma_v*xhat + beta_v);
+                                y_r[idx - (off + cg * S)] = (float)(gamma_v*xhat + beta_v);
                             }
+                            if (y_tile != NULL && !y_direct) dg_stream_float(y + off + cg * S, y_tile, S);
+
                         }
                     }
-                    if (y_tile != NULL && !y_direct) dg_stream_float(y + off, y_tile, M);
                 }
             }
         }
@@ -520,7 +526,7 @@ int online_layernorm_train_backward_f32(
         float *restrict pend = pend_all + (int64_t)dg_thread_id() * P * C;
         int pending = 0;
         const int dx_stream = dg_stream_on(total, (int64_t)sizeof(float));
-        float *dx_tile = (float *)dg_tile(dx_stream, M, (int64_t)sizeof(float));   /* NULL: dx in place */
+        float *dx_tile = (float *)dg_tile(dx_stream, S == 1 ? M : S, (int64_t)sizeof(float));
         (void)dx_stream;
         (void)pend;
         (void)pending;
@@ -590,6 +596,7 @@ int online_layernorm_train_backward_f32(
                             lane_sum_g[j] += ((double)g);
                             lane_sum_g_xhat[j] += ((double)g)*((double)xhat);
                         }
+
                     } else {                /* NCHW: one parameter per run of S values */
                         for (int64_t cg = 0; cg < Cg; ++cg) {
                             const int64_t ch = gi * Cg + cg;
@@ -626,6 +633,7 @@ int online_layernorm_train_backward_f32(
                                 lane_sum_g[j] += ((double)g);
                                 lane_sum_g_xhat[j] += ((double)g)*((double)xhat);
                             }
+
                         }
                     }
                 }
@@ -658,9 +666,9 @@ int online_layernorm_train_backward_f32(
                 for (int64_t b = 0; b < blocks; ++b) {
                     const int64_t off = base + b * block_stride;
                     const int dx_direct = S == 1 ? dx_stream && (dx_tile == NULL || Cg >= DG_DIRECT_MIN) : 0;
-                    float *restrict dx_w = dx_tile != NULL && !dx_direct ? dx_tile : dx + off;
                     (void)dx_direct;
                     if (S == 1) {           /* parameters vary along the run */
+                        float *restrict dx_r = dx_tile != NULL && !dx_direct ? dx_tile : dx + off;
                         int64_t m = 0;
                         if (dx_direct) {          /* scalar head up to a 64-byte boundary of dx */
                             const int64_t head = dg_head(dx + off, (int64_t)sizeof(float), Cg);
@@ -674,7 +682,7 @@ int online_layernorm_train_backward_f32(
                                 const float dyv = dy[idx];
                                 const float xhat = ((xv + h0_hi + h0_lo))/std_f;
                                 const float g = dyv*gamma_v;
-                                dx_w[idx - off] = (float)((g/std_f + N_f*alpha_f*mean_g_xhat_f*((-xhat + h2_hi + h2_lo))/(sample_std_f*(N_f - 1)) + h1_hi + h1_lo));
+                                dx_r[idx - (off)] = (float)((g/std_f + N_f*alpha_f*mean_g_xhat_f*((-xhat + h2_hi + h2_lo))/(sample_std_f*(N_f - 1)) + h1_hi + h1_lo));
                                 pend[0 * C + ch] += dyv*xhat;
                                 pend[1 * C + ch] += dyv;
                             }
@@ -694,7 +702,7 @@ int online_layernorm_train_backward_f32(
                                 pend[0 * C + ch] += dyv*xhat;
                                 pend[1 * C + ch] += dyv;
                             }
-                            dg_put_float(dx_w + (m), t_dx, dx_direct);
+                            dg_put_float(dx_r + m, t_dx, dx_direct);
                         }
                         for (; m < Cg; ++m) {
                             const int j = 0;                /* outside the lane blocks: lane 0 */
@@ -706,16 +714,19 @@ int online_layernorm_train_backward_f32(
                             const float dyv = dy[idx];
                             const float xhat = ((xv + h0_hi + h0_lo))/std_f;
                             const float g = dyv*gamma_v;
-                            dx_w[idx - off] = (float)((g/std_f + N_f*alpha_f*mean_g_xhat_f*((-xhat + h2_hi + h2_lo))/(sample_std_f*(N_f - 1)) + h1_hi + h1_lo));
+                            dx_r[idx - (off)] = (float)((g/std_f + N_f*alpha_f*mean_g_xhat_f*((-xhat + h2_hi + h2_lo))/(sample_std_f*(N_f - 1)) + h1_hi + h1_lo));
                             pend[0 * C + ch] += dyv*xhat;
                             pend[1 * C + ch] += dyv;
                         }
+                        if (dx_tile != NULL && !dx_direct) dg_stream_float(dx + off, dx_tile, Cg);
+
                     } else {                /* NCHW: one parameter per run of S values */
                         for (int64_t cg = 0; cg < Cg; ++cg) {
                             const int64_t ch = gi * Cg + cg;
                             const float gamma_v = gamma[ch];
                             double lane_p0[DG_LANES] = {0};
                             double lane_p1[DG_LANES] = {0};
+                            float *restrict dx_r = dx_tile != NULL && !dx_direct ? dx_tile : dx + off + cg * S;
                             int64_t s = 0;
                             for (; s + DG_LANES <= S; s += DG_LANES) {
                                 DG_INDEPENDENT
@@ -725,7 +736,7 @@ int online_layernorm_train_backward_f32(
                                     const float dyv = dy[idx];
                                     const float xhat = ((xv + h0_hi + h0_lo))/std_f;
                                     const float g = dyv*gamma_v;
-                                    dx_w[idx - off] = (float)((g/std_f + N_f*alpha_f*mean_g_xhat_f*((-xhat + h2_hi + h2_lo))/(sample_std_f*(N_f - 1)) + h1_hi + h1_lo));
+                                    dx_r[idx - (off + cg * S)] = (float)((g/std_f + N_f*alpha_f*mean_g_xhat_f*((-xhat + h2_hi + h2_lo))/(sample_std_f*(N_f - 1)) + h1_hi + h1_lo));
                                     lane_p0[j] += ((double)dyv)*((double)xhat);
                                     lane_p1[j] += ((double)dyv);
                                 }
@@ -738,15 +749,16 @@ int online_layernorm_train_backward_f32(
                                 const float dyv = dy[idx];
                                 const float xhat = ((xv + h0_hi + h0_lo))/std_f;
                                 const float g = dyv*gamma_v;
-                                dx_w[idx - off] = (float)((g/std_f + N_f*alpha_f*mean_g_xhat_f*((-xhat + h2_hi + h2_lo))/(sample_std_f*(N_f - 1)) + h1_hi + h1_lo));
+                                dx_r[idx - (off + cg * S)] = (float)((g/std_f + N_f*alpha_f*mean_g_xhat_f*((-xhat + h2_hi + h2_lo))/(sample_std_f*(N_f - 1)) + h1_hi + h1_lo));
                                 lane_p0[j] += ((double)dyv)*((double)xhat);
                                 lane_p1[j] += ((double)dyv);
                             }
+                            if (dx_tile != NULL && !dx_direct) dg_stream_float(dx + off + cg * S, dx_tile, S);
+
                             mine[0 * C + ch] += dg_lanes(lane_p0);
                             mine[1 * C + ch] += dg_lanes(lane_p1);
                         }
                     }
-                    if (dx_tile != NULL && !dx_direct) dg_stream_float(dx + off, dx_tile, M);
                 }
             }
             if (S == 1 && ++pending == DG_PEND) {
@@ -811,7 +823,7 @@ int online_layernorm_train_forward_f64(
     DG_PRAGMA(omp parallel num_threads(nth))
     {
         const int y_stream = dg_stream_on(total, (int64_t)sizeof(double));
-        double *y_tile = (double *)dg_tile(y_stream, M, (int64_t)sizeof(double));   /* NULL: y in place */
+        double *y_tile = (double *)dg_tile(y_stream, S == 1 ? M : S, (int64_t)sizeof(double));
         (void)y_stream;
         DG_PRAGMA(omp for schedule(static))
         for (int64_t grp = 0; grp < n_groups; ++grp) {
@@ -846,6 +858,7 @@ int online_layernorm_train_forward_f64(
                         const double xv = x[idx];
                         lane_sum_row_mean[j] += xv;
                     }
+
                 }
                 sum_row_mean = dg_lanes(lane_sum_row_mean);
             }
@@ -872,6 +885,7 @@ int online_layernorm_train_forward_f64(
                         const double xv = x[idx];
                         lane_sum_sample_std[j] += ((xv - mean)*(xv - mean));
                     }
+
                 }
                 sum_sample_std = dg_lanes(lane_sum_sample_std);
             }
@@ -885,9 +899,9 @@ int online_layernorm_train_forward_f64(
                 for (int64_t b = 0; b < blocks; ++b) {
                     const int64_t off = base + b * block_stride;
                     const int y_direct = S == 1 ? y_stream && (y_tile == NULL || Cg >= DG_DIRECT_MIN) : y_stream && (y_tile == NULL || S >= DG_DIRECT_MIN);
-                    double *restrict y_w = y_tile != NULL && !y_direct ? y_tile : y + off;
                     (void)y_direct;
                     if (S == 1) {           /* parameters vary along the run */
+                        double *restrict y_r = y_tile != NULL && !y_direct ? y_tile : y + off;
                         int64_t m = 0;
                         if (y_direct) {          /* scalar head up to a 64-byte boundary of y */
                             const int64_t head = dg_head(y + off, (int64_t)sizeof(double), Cg);
@@ -900,7 +914,7 @@ int online_layernorm_train_forward_f64(
                                 const double beta_v = beta[ch];
                                 const double xv = x[idx];
                                 const double xhat = (xv - mean)/std;
-                                y_w[idx - off] = (double)(gamma_v*xhat + beta_v);
+                                y_r[idx - (off)] = (double)(gamma_v*xhat + beta_v);
                             }
                         }
                         for (; m + DG_LANES <= Cg; m += DG_LANES) {
@@ -915,7 +929,7 @@ int online_layernorm_train_forward_f64(
                                 const double xhat = (xv - mean)/std;
                                 t_y[j] = (double)(gamma_v*xhat + beta_v);
                             }
-                            dg_put_double(y_w + (m), t_y, y_direct);
+                            dg_put_double(y_r + m, t_y, y_direct);
                         }
                         for (; m < Cg; ++m) {
                             const int j = 0;                /* outside the lane blocks: lane 0 */
@@ -926,13 +940,16 @@ int online_layernorm_train_forward_f64(
                             const double beta_v = beta[ch];
                             const double xv = x[idx];
                             const double xhat = (xv - mean)/std;
-                            y_w[idx - off] = (double)(gamma_v*xhat + beta_v);
+                            y_r[idx - (off)] = (double)(gamma_v*xhat + beta_v);
                         }
+                        if (y_tile != NULL && !y_direct) dg_stream_double(y + off, y_tile, Cg);
+
                     } else {                /* NCHW: one parameter per run of S values */
                         for (int64_t cg = 0; cg < Cg; ++cg) {
                             const int64_t ch = gi * Cg + cg;
                             const double gamma_v = gamma[ch];
                             const double beta_v = beta[ch];
+                            double *restrict y_r = y_tile != NULL && !y_direct ? y_tile : y + off + cg * S;
                             int64_t s = 0;
                             if (y_direct) {          /* scalar head up to a 64-byte boundary of y */
                                 const int64_t head = dg_head(y + off + cg * S, (int64_t)sizeof(double), S);
@@ -942,7 +959,7 @@ int online_layernorm_train_forward_f64(
                                     const int64_t idx = off + cg * S + s;
                                     const double xv = x[idx];
                                     const double xhat = (xv - mean)/std;
-                                    y_w[idx - off] = (double)(gamma_v*xhat + beta_v);
+                                    y_r[idx - (off + cg * S)] = (double)(gamma_v*xhat + beta_v);
                                 }
                             }
                             for (; s + DG_LANES <= S; s += DG_LANES) {
@@ -954,7 +971,7 @@ int online_layernorm_train_forward_f64(
                                     const double xhat = (xv - mean)/std;
                                     t_y[j] = (double)(gamma_v*xhat + beta_v);
                                 }
-                                dg_put_double(y_w + (cg * S + s), t_y, y_direct);
+                                dg_put_double(y_r + s, t_y, y_direct);
                             }
                             for (; s < S; ++s) {
                                 const int j = 0;                /* outside the lane blocks: lane 0 */
@@ -962,11 +979,12 @@ int online_layernorm_train_forward_f64(
                                 const int64_t idx = off + cg * S + s;
                                 const double xv = x[idx];
                                 const double xhat = (xv - mean)/std;
-                                y_w[idx - off] = (double)(gamma_v*xhat + beta_v);
+                                y_r[idx - (off + cg * S)] = (double)(gamma_v*xhat + beta_v);
                             }
+                            if (y_tile != NULL && !y_direct) dg_stream_double(y + off + cg * S, y_tile, S);
+
                         }
                     }
-                    if (y_tile != NULL && !y_direct) dg_stream_double(y + off, y_tile, M);
                 }
             }
         }
@@ -1033,7 +1051,7 @@ int online_layernorm_train_backward_f64(
         double *restrict pend = pend_all + (int64_t)dg_thread_id() * P * C;
         int pending = 0;
         const int dx_stream = dg_stream_on(total, (int64_t)sizeof(double));
-        double *dx_tile = (double *)dg_tile(dx_stream, M, (int64_t)sizeof(double));   /* NULL: dx in place */
+        double *dx_tile = (double *)dg_tile(dx_stream, S == 1 ? M : S, (int64_t)sizeof(double));
         (void)dx_stream;
         (void)pend;
         (void)pending;
@@ -1099,6 +1117,7 @@ int online_layernorm_train_backward_f64(
                             lane_sum_g[j] += g;
                             lane_sum_g_xhat[j] += g*xhat;
                         }
+
                     } else {                /* NCHW: one parameter per run of S values */
                         for (int64_t cg = 0; cg < Cg; ++cg) {
                             const int64_t ch = gi * Cg + cg;
@@ -1135,6 +1154,7 @@ int online_layernorm_train_backward_f64(
                                 lane_sum_g[j] += g;
                                 lane_sum_g_xhat[j] += g*xhat;
                             }
+
                         }
                     }
                 }
@@ -1162,9 +1182,9 @@ int online_layernorm_train_backward_f64(
                 for (int64_t b = 0; b < blocks; ++b) {
                     const int64_t off = base + b * block_stride;
                     const int dx_direct = S == 1 ? dx_stream && (dx_tile == NULL || Cg >= DG_DIRECT_MIN) : 0;
-                    double *restrict dx_w = dx_tile != NULL && !dx_direct ? dx_tile : dx + off;
                     (void)dx_direct;
                     if (S == 1) {           /* parameters vary along the run */
+                        double *restrict dx_r = dx_tile != NULL && !dx_direct ? dx_tile : dx + off;
                         int64_t m = 0;
                         if (dx_direct) {          /* scalar head up to a 64-byte boundary of dx */
                             const int64_t head = dg_head(dx + off, (int64_t)sizeof(double), Cg);
@@ -1178,7 +1198,7 @@ int online_layernorm_train_backward_f64(
                                 const double dyv = dy[idx];
                                 const double xhat = (xv - mean)/std;
                                 const double g = dyv*gamma_v;
-                                dx_w[idx - off] = (double)(g*k_g + k_xhat*xhat + k_1);
+                                dx_r[idx - (off)] = (double)(g*k_g + k_xhat*xhat + k_1);
                                 pend[0 * C + ch] += dyv*xhat;
                                 pend[1 * C + ch] += dyv;
                             }
@@ -1198,7 +1218,7 @@ int online_layernorm_train_backward_f64(
                                 pend[0 * C + ch] += dyv*xhat;
                                 pend[1 * C + ch] += dyv;
                             }
-                            dg_put_double(dx_w + (m), t_dx, dx_direct);
+                            dg_put_double(dx_r + m, t_dx, dx_direct);
                         }
                         for (; m < Cg; ++m) {
                             const int j = 0;                /* outside the lane blocks: lane 0 */
@@ -1210,16 +1230,19 @@ int online_layernorm_train_backward_f64(
                             const double dyv = dy[idx];
                             const double xhat = (xv - mean)/std;
                             const double g = dyv*gamma_v;
-                            dx_w[idx - off] = (double)(g*k_g + k_xhat*xhat + k_1);
+                            dx_r[idx - (off)] = (double)(g*k_g + k_xhat*xhat + k_1);
                             pend[0 * C + ch] += dyv*xhat;
                             pend[1 * C + ch] += dyv;
                         }
+                        if (dx_tile != NULL && !dx_direct) dg_stream_double(dx + off, dx_tile, Cg);
+
                     } else {                /* NCHW: one parameter per run of S values */
                         for (int64_t cg = 0; cg < Cg; ++cg) {
                             const int64_t ch = gi * Cg + cg;
                             const double gamma_v = gamma[ch];
                             double lane_p0[DG_LANES] = {0};
                             double lane_p1[DG_LANES] = {0};
+                            double *restrict dx_r = dx_tile != NULL && !dx_direct ? dx_tile : dx + off + cg * S;
                             int64_t s = 0;
                             for (; s + DG_LANES <= S; s += DG_LANES) {
                                 DG_INDEPENDENT
@@ -1229,7 +1252,7 @@ int online_layernorm_train_backward_f64(
                                     const double dyv = dy[idx];
                                     const double xhat = (xv - mean)/std;
                                     const double g = dyv*gamma_v;
-                                    dx_w[idx - off] = (double)(g*k_g + k_xhat*xhat + k_1);
+                                    dx_r[idx - (off + cg * S)] = (double)(g*k_g + k_xhat*xhat + k_1);
                                     lane_p0[j] += dyv*xhat;
                                     lane_p1[j] += dyv;
                                 }
@@ -1242,15 +1265,16 @@ int online_layernorm_train_backward_f64(
                                 const double dyv = dy[idx];
                                 const double xhat = (xv - mean)/std;
                                 const double g = dyv*gamma_v;
-                                dx_w[idx - off] = (double)(g*k_g + k_xhat*xhat + k_1);
+                                dx_r[idx - (off + cg * S)] = (double)(g*k_g + k_xhat*xhat + k_1);
                                 lane_p0[j] += dyv*xhat;
                                 lane_p1[j] += dyv;
                             }
+                            if (dx_tile != NULL && !dx_direct) dg_stream_double(dx + off + cg * S, dx_tile, S);
+
                             mine[0 * C + ch] += dg_lanes(lane_p0);
                             mine[1 * C + ch] += dg_lanes(lane_p1);
                         }
                     }
-                    if (dx_tile != NULL && !dx_direct) dg_stream_double(dx + off, dx_tile, M);
                 }
             }
             if (S == 1 && ++pending == DG_PEND) {

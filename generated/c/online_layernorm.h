@@ -7,7 +7,8 @@
  * Cg channels per group, S inner. One normalization group is one (o, g)
  * block of Cg*S contiguous values. Parameters have G*Cg values, indexed by
  * channel g*Cg + cg. Statistics (*_out, *_in) are double, one value per group
- * (O*G groups), in group order. All arithmetic is double.
+ * (O*G groups), in group order. Sums and statistics are double; the
+ * float kernels' element arithmetic is float (see the .c file for the numerics).
  * Per-group inputs (*_in) are read at [group * stride]: stride 0 for a single
  * scalar, 1 for one value per group. Their gradients d* are written per group
  * (the caller sums them for a scalar input).

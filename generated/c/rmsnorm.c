@@ -31,7 +31,7 @@
  * of at least DG_STREAM_BYTES are written with non-temporal stores, so their
  * lines are not read before being overwritten: runs without lane sums start
  * their lane blocks at a 64-byte boundary and stream each block from
- * registers; the others compute a block into a per-thread tile of at most
+ * registers; the others compute each run into a per-thread tile of at most
  * DG_TILE_BYTES and stream it out. Either way every element is computed by
  * the same arithmetic, so results are the same bits as without streaming. All
  * three are macros a build may override (-D).
@@ -130,10 +130,10 @@ static inline int dg_stream_on(int64_t total, int64_t size)
     return DG_HAVE_STREAM && total * size >= DG_STREAM_BYTES;
 }
 
-/* a per-thread tile for a block of M elements, or NULL (then the output is written in place) */
-static inline void *dg_tile(int on, int64_t M, int64_t size)
+/* a per-thread tile for a run of n elements, or NULL (then the output is written in place) */
+static inline void *dg_tile(int on, int64_t n, int64_t size)
 {
-    return on && M * size <= DG_TILE_BYTES ? malloc((size_t)(M * size)) : NULL;
+    return on && n * size <= DG_TILE_BYTES ? malloc((size_t)(n * size)) : NULL;
 }
 
 /* elements of `size` bytes from p to the next 64-byte boundary, at most n */
@@ -280,7 +280,7 @@ int rmsnorm_train_forward_f32(
     DG_PRAGMA(omp parallel num_threads(nth))
     {
         const int y_stream = dg_stream_on(total, (int64_t)sizeof(float));
-        float *y_tile = (float *)dg_tile(y_stream, M, (int64_t)sizeof(float));   /* NULL: y in place */
+        float *y_tile = (float *)dg_tile(y_stream, S == 1 ? M : S, (int64_t)sizeof(float));
         (void)y_stream;
         DG_PRAGMA(omp for schedule(static))
         for (int64_t grp = 0; grp < n_groups; ++grp) {
@@ -313,6 +313,7 @@ int rmsnorm_train_forward_f32(
                         const double xv = (double)x[idx];
                         lane_sum_ms[j] += (xv*xv);
                     }
+
                 }
                 sum_ms = dg_lanes(lane_sum_ms);
             }
@@ -325,9 +326,9 @@ int rmsnorm_train_forward_f32(
                 for (int64_t b = 0; b < blocks; ++b) {
                     const int64_t off = base + b * block_stride;
                     const int y_direct = S == 1 ? y_stream && (y_tile == NULL || Cg >= DG_DIRECT_MIN) : y_stream && (y_tile == NULL || S >= DG_DIRECT_MIN);
-                    float *restrict y_w = y_tile != NULL && !y_direct ? y_tile : y + off;
                     (void)y_direct;
                     if (S == 1) {           /* parameters vary along the run */
+                        float *restrict y_r = y_tile != NULL && !y_direct ? y_tile : y + off;
                         int64_t m = 0;
                         if (y_direct) {          /* scalar head up to a 64-byte boundary of y */
                             const int64_t head = dg_head(y + off, (int64_t)sizeof(float), Cg);
@@ -339,7 +340,7 @@ int rmsnorm_train_forward_f32(
                                 const float gamma_v = gamma[ch];
                                 const float xv = x[idx];
                                 const float xhat = rstd_f*xv;
-                                y_w[idx - off] = (float)(gamma_v*xhat);
+                                y_r[idx - (off)] = (float)(gamma_v*xhat);
                             }
                         }
                         for (; m + DG_LANES <= Cg; m += DG_LANES) {
@@ -353,7 +354,7 @@ int rmsnorm_train_forward_f32(
                                 const float xhat = rstd_f*xv;
                                 t_y[j] = (float)(gamma_v*xhat);
                             }
-                            dg_put_float(y_w + (m), t_y, y_direct);
+                            dg_put_float(y_r + m, t_y, y_direct);
                         }
                         for (; m < Cg; ++m) {
                             const int j = 0;                /* outside the lane blocks: lane 0 */
@@ -363,12 +364,15 @@ int rmsnorm_train_forward_f32(
                             const float gamma_v = gamma[ch];
                             const float xv = x[idx];
                             const float xhat = rstd_f*xv;
-                            y_w[idx - off] = (float)(gamma_v*xhat);
+                            y_r[idx - (off)] = (float)(gamma_v*xhat);
                         }
+                        if (y_tile != NULL && !y_direct) dg_stream_float(y + off, y_tile, Cg);
+
                     } else {                /* NCHW: one parameter per run of S values */
                         for (int64_t cg = 0; cg < Cg; ++cg) {
                             const int64_t ch = gi * Cg + cg;
                             const float gamma_v = gamma[ch];
+                            float *restrict y_r = y_tile != NULL && !y_direct ? y_tile : y + off + cg * S;
                             int64_t s = 0;
                             if (y_direct) {          /* scalar head up to a 64-byte boundary of y */
                                 const int64_t head = dg_head(y + off + cg * S, (int64_t)sizeof(float), S);
@@ -378,7 +382,7 @@ int rmsnorm_train_forward_f32(
                                     const int64_t idx = off + cg * S + s;
                                     const float xv = x[idx];
                                     const float xhat = rstd_f*xv;
-                                    y_w[idx - off] = (float)(gamma_v*xhat);
+                                    y_r[idx - (off + cg * S)] = (float)(gamma_v*xhat);
                                 }
                             }
                             for (; s + DG_LANES <= S; s += DG_LANES) {
@@ -390,7 +394,7 @@ int rmsnorm_train_forward_f32(
                                     const float xhat = rstd_f*xv;
                                     t_y[j] = (float)(gamma_v*xhat);
                                 }
-                                dg_put_float(y_w + (cg * S + s), t_y, y_direct);
+                                dg_put_float(y_r + s, t_y, y_direct);
                             }
                             for (; s < S; ++s) {
                                 const int j = 0;                /* outside the lane blocks: lane 0 */
@@ -398,11 +402,12 @@ int rmsnorm_train_forward_f32(
                                 const int64_t idx = off + cg * S + s;
                                 const float xv = x[idx];
                                 const float xhat = rstd_f*xv;
-                                y_w[idx - off] = (float)(gamma_v*xhat);
+                                y_r[idx - (off + cg * S)] = (float)(gamma_v*xhat);
                             }
+                            if (y_tile != NULL && !y_direct) dg_stream_float(y + off + cg * S, y_tile, S);
+
                         }
                     }
-                    if (y_tile != NULL && !y_direct) dg_stream_float(y + off, y_tile, M);
                 }
             }
         }
@@ -458,7 +463,7 @@ int rmsnorm_train_backward_f32(
         float *restrict pend = pend_all + (int64_t)dg_thread_id() * P * C;
         int pending = 0;
         const int dx_stream = dg_stream_on(total, (int64_t)sizeof(float));
-        float *dx_tile = (float *)dg_tile(dx_stream, M, (int64_t)sizeof(float));   /* NULL: dx in place */
+        float *dx_tile = (float *)dg_tile(dx_stream, S == 1 ? M : S, (int64_t)sizeof(float));
         (void)dx_stream;
         (void)pend;
         (void)pending;
@@ -513,6 +518,7 @@ int rmsnorm_train_backward_f32(
                             const float g = dyv*gamma_v;
                             lane_sum_g_xhat[j] += ((double)g)*((double)xhat);
                         }
+
                     } else {                /* NCHW: one parameter per run of S values */
                         for (int64_t cg = 0; cg < Cg; ++cg) {
                             const int64_t ch = gi * Cg + cg;
@@ -547,6 +553,7 @@ int rmsnorm_train_backward_f32(
                                 const float g = dyv*gamma_v;
                                 lane_sum_g_xhat[j] += ((double)g)*((double)xhat);
                             }
+
                         }
                     }
                 }
@@ -559,9 +566,9 @@ int rmsnorm_train_backward_f32(
                 for (int64_t b = 0; b < blocks; ++b) {
                     const int64_t off = base + b * block_stride;
                     const int dx_direct = S == 1 ? dx_stream && (dx_tile == NULL || Cg >= DG_DIRECT_MIN) : 0;
-                    float *restrict dx_w = dx_tile != NULL && !dx_direct ? dx_tile : dx + off;
                     (void)dx_direct;
                     if (S == 1) {           /* parameters vary along the run */
+                        float *restrict dx_r = dx_tile != NULL && !dx_direct ? dx_tile : dx + off;
                         int64_t m = 0;
                         if (dx_direct) {          /* scalar head up to a 64-byte boundary of dx */
                             const int64_t head = dg_head(dx + off, (int64_t)sizeof(float), Cg);
@@ -575,7 +582,7 @@ int rmsnorm_train_backward_f32(
                                 const float dyv = dy[idx];
                                 const float xhat = rstd_f*xv;
                                 const float g = dyv*gamma_v;
-                                dx_w[idx - off] = (float)(rstd_f*(g - mean_g_xhat_f*xhat));
+                                dx_r[idx - (off)] = (float)(rstd_f*(g - mean_g_xhat_f*xhat));
                                 pend[0 * C + ch] += dyv*xhat;
                             }
                         }
@@ -593,7 +600,7 @@ int rmsnorm_train_backward_f32(
                                 t_dx[j] = (float)(rstd_f*(g - mean_g_xhat_f*xhat));
                                 pend[0 * C + ch] += dyv*xhat;
                             }
-                            dg_put_float(dx_w + (m), t_dx, dx_direct);
+                            dg_put_float(dx_r + m, t_dx, dx_direct);
                         }
                         for (; m < Cg; ++m) {
                             const int j = 0;                /* outside the lane blocks: lane 0 */
@@ -605,14 +612,17 @@ int rmsnorm_train_backward_f32(
                             const float dyv = dy[idx];
                             const float xhat = rstd_f*xv;
                             const float g = dyv*gamma_v;
-                            dx_w[idx - off] = (float)(rstd_f*(g - mean_g_xhat_f*xhat));
+                            dx_r[idx - (off)] = (float)(rstd_f*(g - mean_g_xhat_f*xhat));
                             pend[0 * C + ch] += dyv*xhat;
                         }
+                        if (dx_tile != NULL && !dx_direct) dg_stream_float(dx + off, dx_tile, Cg);
+
                     } else {                /* NCHW: one parameter per run of S values */
                         for (int64_t cg = 0; cg < Cg; ++cg) {
                             const int64_t ch = gi * Cg + cg;
                             const float gamma_v = gamma[ch];
                             double lane_p0[DG_LANES] = {0};
+                            float *restrict dx_r = dx_tile != NULL && !dx_direct ? dx_tile : dx + off + cg * S;
                             int64_t s = 0;
                             for (; s + DG_LANES <= S; s += DG_LANES) {
                                 DG_INDEPENDENT
@@ -622,7 +632,7 @@ int rmsnorm_train_backward_f32(
                                     const float dyv = dy[idx];
                                     const float xhat = rstd_f*xv;
                                     const float g = dyv*gamma_v;
-                                    dx_w[idx - off] = (float)(rstd_f*(g - mean_g_xhat_f*xhat));
+                                    dx_r[idx - (off + cg * S)] = (float)(rstd_f*(g - mean_g_xhat_f*xhat));
                                     lane_p0[j] += ((double)dyv)*((double)xhat);
                                 }
                             }
@@ -634,13 +644,14 @@ int rmsnorm_train_backward_f32(
                                 const float dyv = dy[idx];
                                 const float xhat = rstd_f*xv;
                                 const float g = dyv*gamma_v;
-                                dx_w[idx - off] = (float)(rstd_f*(g - mean_g_xhat_f*xhat));
+                                dx_r[idx - (off + cg * S)] = (float)(rstd_f*(g - mean_g_xhat_f*xhat));
                                 lane_p0[j] += ((double)dyv)*((double)xhat);
                             }
+                            if (dx_tile != NULL && !dx_direct) dg_stream_float(dx + off + cg * S, dx_tile, S);
+
                             mine[0 * C + ch] += dg_lanes(lane_p0);
                         }
                     }
-                    if (dx_tile != NULL && !dx_direct) dg_stream_float(dx + off, dx_tile, M);
                 }
             }
             if (S == 1 && ++pending == DG_PEND) {
@@ -692,7 +703,7 @@ int rmsnorm_train_forward_f64(
     DG_PRAGMA(omp parallel num_threads(nth))
     {
         const int y_stream = dg_stream_on(total, (int64_t)sizeof(double));
-        double *y_tile = (double *)dg_tile(y_stream, M, (int64_t)sizeof(double));   /* NULL: y in place */
+        double *y_tile = (double *)dg_tile(y_stream, S == 1 ? M : S, (int64_t)sizeof(double));
         (void)y_stream;
         DG_PRAGMA(omp for schedule(static))
         for (int64_t grp = 0; grp < n_groups; ++grp) {
@@ -725,6 +736,7 @@ int rmsnorm_train_forward_f64(
                         const double xv = x[idx];
                         lane_sum_ms[j] += (xv*xv);
                     }
+
                 }
                 sum_ms = dg_lanes(lane_sum_ms);
             }
@@ -736,9 +748,9 @@ int rmsnorm_train_forward_f64(
                 for (int64_t b = 0; b < blocks; ++b) {
                     const int64_t off = base + b * block_stride;
                     const int y_direct = S == 1 ? y_stream && (y_tile == NULL || Cg >= DG_DIRECT_MIN) : y_stream && (y_tile == NULL || S >= DG_DIRECT_MIN);
-                    double *restrict y_w = y_tile != NULL && !y_direct ? y_tile : y + off;
                     (void)y_direct;
                     if (S == 1) {           /* parameters vary along the run */
+                        double *restrict y_r = y_tile != NULL && !y_direct ? y_tile : y + off;
                         int64_t m = 0;
                         if (y_direct) {          /* scalar head up to a 64-byte boundary of y */
                             const int64_t head = dg_head(y + off, (int64_t)sizeof(double), Cg);
@@ -750,7 +762,7 @@ int rmsnorm_train_forward_f64(
                                 const double gamma_v = gamma[ch];
                                 const double xv = x[idx];
                                 const double xhat = rstd*xv;
-                                y_w[idx - off] = (double)(gamma_v*xhat);
+                                y_r[idx - (off)] = (double)(gamma_v*xhat);
                             }
                         }
                         for (; m + DG_LANES <= Cg; m += DG_LANES) {
@@ -764,7 +776,7 @@ int rmsnorm_train_forward_f64(
                                 const double xhat = rstd*xv;
                                 t_y[j] = (double)(gamma_v*xhat);
                             }
-                            dg_put_double(y_w + (m), t_y, y_direct);
+                            dg_put_double(y_r + m, t_y, y_direct);
                         }
                         for (; m < Cg; ++m) {
                             const int j = 0;                /* outside the lane blocks: lane 0 */
@@ -774,12 +786,15 @@ int rmsnorm_train_forward_f64(
                             const double gamma_v = gamma[ch];
                             const double xv = x[idx];
                             const double xhat = rstd*xv;
-                            y_w[idx - off] = (double)(gamma_v*xhat);
+                            y_r[idx - (off)] = (double)(gamma_v*xhat);
                         }
+                        if (y_tile != NULL && !y_direct) dg_stream_double(y + off, y_tile, Cg);
+
                     } else {                /* NCHW: one parameter per run of S values */
                         for (int64_t cg = 0; cg < Cg; ++cg) {
                             const int64_t ch = gi * Cg + cg;
                             const double gamma_v = gamma[ch];
+                            double *restrict y_r = y_tile != NULL && !y_direct ? y_tile : y + off + cg * S;
                             int64_t s = 0;
                             if (y_direct) {          /* scalar head up to a 64-byte boundary of y */
                                 const int64_t head = dg_head(y + off + cg * S, (int64_t)sizeof(double), S);
@@ -789,7 +804,7 @@ int rmsnorm_train_forward_f64(
                                     const int64_t idx = off + cg * S + s;
                                     const double xv = x[idx];
                                     const double xhat = rstd*xv;
-                                    y_w[idx - off] = (double)(gamma_v*xhat);
+                                    y_r[idx - (off + cg * S)] = (double)(gamma_v*xhat);
                                 }
                             }
                             for (; s + DG_LANES <= S; s += DG_LANES) {
@@ -801,7 +816,7 @@ int rmsnorm_train_forward_f64(
                                     const double xhat = rstd*xv;
                                     t_y[j] = (double)(gamma_v*xhat);
                                 }
-                                dg_put_double(y_w + (cg * S + s), t_y, y_direct);
+                                dg_put_double(y_r + s, t_y, y_direct);
                             }
                             for (; s < S; ++s) {
                                 const int j = 0;                /* outside the lane blocks: lane 0 */
@@ -809,11 +824,12 @@ int rmsnorm_train_forward_f64(
                                 const int64_t idx = off + cg * S + s;
                                 const double xv = x[idx];
                                 const double xhat = rstd*xv;
-                                y_w[idx - off] = (double)(gamma_v*xhat);
+                                y_r[idx - (off + cg * S)] = (double)(gamma_v*xhat);
                             }
+                            if (y_tile != NULL && !y_direct) dg_stream_double(y + off + cg * S, y_tile, S);
+
                         }
                     }
-                    if (y_tile != NULL && !y_direct) dg_stream_double(y + off, y_tile, M);
                 }
             }
         }
@@ -869,7 +885,7 @@ int rmsnorm_train_backward_f64(
         double *restrict pend = pend_all + (int64_t)dg_thread_id() * P * C;
         int pending = 0;
         const int dx_stream = dg_stream_on(total, (int64_t)sizeof(double));
-        double *dx_tile = (double *)dg_tile(dx_stream, M, (int64_t)sizeof(double));   /* NULL: dx in place */
+        double *dx_tile = (double *)dg_tile(dx_stream, S == 1 ? M : S, (int64_t)sizeof(double));
         (void)dx_stream;
         (void)pend;
         (void)pending;
@@ -923,6 +939,7 @@ int rmsnorm_train_backward_f64(
                             const double g = dyv*gamma_v;
                             lane_sum_g_xhat[j] += g*xhat;
                         }
+
                     } else {                /* NCHW: one parameter per run of S values */
                         for (int64_t cg = 0; cg < Cg; ++cg) {
                             const int64_t ch = gi * Cg + cg;
@@ -957,6 +974,7 @@ int rmsnorm_train_backward_f64(
                                 const double g = dyv*gamma_v;
                                 lane_sum_g_xhat[j] += g*xhat;
                             }
+
                         }
                     }
                 }
@@ -969,9 +987,9 @@ int rmsnorm_train_backward_f64(
                 for (int64_t b = 0; b < blocks; ++b) {
                     const int64_t off = base + b * block_stride;
                     const int dx_direct = S == 1 ? dx_stream && (dx_tile == NULL || Cg >= DG_DIRECT_MIN) : 0;
-                    double *restrict dx_w = dx_tile != NULL && !dx_direct ? dx_tile : dx + off;
                     (void)dx_direct;
                     if (S == 1) {           /* parameters vary along the run */
+                        double *restrict dx_r = dx_tile != NULL && !dx_direct ? dx_tile : dx + off;
                         int64_t m = 0;
                         if (dx_direct) {          /* scalar head up to a 64-byte boundary of dx */
                             const int64_t head = dg_head(dx + off, (int64_t)sizeof(double), Cg);
@@ -985,7 +1003,7 @@ int rmsnorm_train_backward_f64(
                                 const double dyv = dy[idx];
                                 const double xhat = rstd*xv;
                                 const double g = dyv*gamma_v;
-                                dx_w[idx - off] = (double)(g*k_g + k_xhat*xhat);
+                                dx_r[idx - (off)] = (double)(g*k_g + k_xhat*xhat);
                                 pend[0 * C + ch] += dyv*xhat;
                             }
                         }
@@ -1003,7 +1021,7 @@ int rmsnorm_train_backward_f64(
                                 t_dx[j] = (double)(g*k_g + k_xhat*xhat);
                                 pend[0 * C + ch] += dyv*xhat;
                             }
-                            dg_put_double(dx_w + (m), t_dx, dx_direct);
+                            dg_put_double(dx_r + m, t_dx, dx_direct);
                         }
                         for (; m < Cg; ++m) {
                             const int j = 0;                /* outside the lane blocks: lane 0 */
@@ -1015,14 +1033,17 @@ int rmsnorm_train_backward_f64(
                             const double dyv = dy[idx];
                             const double xhat = rstd*xv;
                             const double g = dyv*gamma_v;
-                            dx_w[idx - off] = (double)(g*k_g + k_xhat*xhat);
+                            dx_r[idx - (off)] = (double)(g*k_g + k_xhat*xhat);
                             pend[0 * C + ch] += dyv*xhat;
                         }
+                        if (dx_tile != NULL && !dx_direct) dg_stream_double(dx + off, dx_tile, Cg);
+
                     } else {                /* NCHW: one parameter per run of S values */
                         for (int64_t cg = 0; cg < Cg; ++cg) {
                             const int64_t ch = gi * Cg + cg;
                             const double gamma_v = gamma[ch];
                             double lane_p0[DG_LANES] = {0};
+                            double *restrict dx_r = dx_tile != NULL && !dx_direct ? dx_tile : dx + off + cg * S;
                             int64_t s = 0;
                             for (; s + DG_LANES <= S; s += DG_LANES) {
                                 DG_INDEPENDENT
@@ -1032,7 +1053,7 @@ int rmsnorm_train_backward_f64(
                                     const double dyv = dy[idx];
                                     const double xhat = rstd*xv;
                                     const double g = dyv*gamma_v;
-                                    dx_w[idx - off] = (double)(g*k_g + k_xhat*xhat);
+                                    dx_r[idx - (off + cg * S)] = (double)(g*k_g + k_xhat*xhat);
                                     lane_p0[j] += dyv*xhat;
                                 }
                             }
@@ -1044,13 +1065,14 @@ int rmsnorm_train_backward_f64(
                                 const double dyv = dy[idx];
                                 const double xhat = rstd*xv;
                                 const double g = dyv*gamma_v;
-                                dx_w[idx - off] = (double)(g*k_g + k_xhat*xhat);
+                                dx_r[idx - (off + cg * S)] = (double)(g*k_g + k_xhat*xhat);
                                 lane_p0[j] += dyv*xhat;
                             }
+                            if (dx_tile != NULL && !dx_direct) dg_stream_double(dx + off + cg * S, dx_tile, S);
+
                             mine[0 * C + ch] += dg_lanes(lane_p0);
                         }
                     }
-                    if (dx_tile != NULL && !dx_direct) dg_stream_double(dx + off, dx_tile, M);
                 }
             }
             if (S == 1 && ++pending == DG_PEND) {

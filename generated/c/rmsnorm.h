@@ -7,7 +7,8 @@
  * Cg channels per group, S inner. One normalization group is one (o, g)
  * block of Cg*S contiguous values. Parameters have G*Cg values, indexed by
  * channel g*Cg + cg. Statistics (*_out, *_in) are double, one value per group
- * (O*G groups), in group order. All arithmetic is double.
+ * (O*G groups), in group order. Sums and statistics are double; the
+ * float kernels' element arithmetic is float (see the .c file for the numerics).
  * nthreads <= 0 uses the OpenMP default; without OpenMP the kernels run serially.
  * Returns 0, or -1 when a work buffer cannot be allocated.
  */
