@@ -136,7 +136,7 @@ static inline int dg_stream_on(int64_t total, int64_t size)
 /* a per-thread tile for a run of n elements, or NULL (then the output is written in place) */
 static inline void *dg_tile(int on, int64_t n, int64_t size)
 {
-    return on && n * size <= DG_TILE_BYTES ? malloc((size_t)(n * size)) : NULL;
+    return on && n > 0 && n * size <= DG_TILE_BYTES ? malloc((size_t)(n * size)) : NULL;
 }
 
 /* elements of `size` bytes from p to the next 64-byte boundary, at most n */
