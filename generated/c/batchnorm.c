@@ -61,8 +61,24 @@
 #include <stdint.h>
 #include <stdlib.h>
 
-#if defined(__SSE2__) || defined(__AVX__) || defined(__AVX512F__)
+/* non-temporal stores of one vector: x86 intrinsics, the widest the build targets */
+#if defined(__AVX512F__)
 #include <immintrin.h>
+#define DG_VEC_BYTES 64
+#define DG_STREAM_F(p, s) _mm512_stream_ps((p), _mm512_loadu_ps(s))
+#define DG_STREAM_D(p, s) _mm512_stream_pd((p), _mm512_loadu_pd(s))
+#elif defined(__AVX__)
+#include <immintrin.h>
+#define DG_VEC_BYTES 32
+#define DG_STREAM_F(p, s) _mm256_stream_ps((p), _mm256_loadu_ps(s))
+#define DG_STREAM_D(p, s) _mm256_stream_pd((p), _mm256_loadu_pd(s))
+#elif defined(__SSE2__)
+#include <immintrin.h>
+#define DG_VEC_BYTES 16
+#define DG_STREAM_F(p, s) _mm_stream_ps((p), _mm_loadu_ps(s))
+#define DG_STREAM_D(p, s) _mm_stream_pd((p), _mm_loadu_pd(s))
+#endif
+#ifdef DG_VEC_BYTES
 #define DG_HAVE_STREAM 1
 #else
 #define DG_HAVE_STREAM 0
@@ -155,6 +171,13 @@ static inline void *dg_tile(int on, int64_t n, int64_t size)
     return on && n > 0 && n * size <= DG_TILE_BYTES ? malloc((size_t)(n * size)) : NULL;
 }
 
+/* whether a streamed run of n elements without lane sums streams from registers
+ * (else through the tile, when there is one) */
+static inline int dg_direct(int stream, const void *tile, int64_t n)
+{
+    return stream && (tile == NULL || n >= DG_DIRECT_MIN);
+}
+
 /* elements of `size` bytes from p to the next 64-byte boundary, at most n */
 static inline int64_t dg_head(const void *p, int64_t size, int64_t n)
 {
@@ -169,19 +192,9 @@ static inline int64_t dg_head(const void *p, int64_t size, int64_t n)
 /* dst[0:DG_LANES] = t, with non-temporal stores when `stream` (dst then 64-byte aligned) */
 static inline void dg_put_float(float *restrict dst, const float *restrict t, int stream)
 {
-#if defined(__AVX512F__)
+#if DG_HAVE_STREAM
     if (stream) {
-        for (int j = 0; j < DG_LANES; j += 16) _mm512_stream_ps(dst + j, _mm512_loadu_ps(t + j));
-        return;
-    }
-#elif defined(__AVX__)
-    if (stream) {
-        for (int j = 0; j < DG_LANES; j += 8) _mm256_stream_ps(dst + j, _mm256_loadu_ps(t + j));
-        return;
-    }
-#elif defined(__SSE2__)
-    if (stream) {
-        for (int j = 0; j < DG_LANES; j += 4) _mm_stream_ps(dst + j, _mm_loadu_ps(t + j));
+        for (int j = 0; j < DG_LANES; j += DG_VEC_BYTES / (int)sizeof(float)) DG_STREAM_F(dst + j, t + j);
         return;
     }
 #else
@@ -190,60 +203,60 @@ static inline void dg_put_float(float *restrict dst, const float *restrict t, in
     for (int j = 0; j < DG_LANES; ++j) dst[j] = t[j];
 }
 
-static inline void dg_put_double(double *restrict dst, const double *restrict t, int stream)
-{
-#if defined(__AVX512F__)
-    if (stream) {
-        for (int j = 0; j < DG_LANES; j += 8) _mm512_stream_pd(dst + j, _mm512_loadu_pd(t + j));
-        return;
-    }
-#elif defined(__AVX__)
-    if (stream) {
-        for (int j = 0; j < DG_LANES; j += 4) _mm256_stream_pd(dst + j, _mm256_loadu_pd(t + j));
-        return;
-    }
-#elif defined(__SSE2__)
-    if (stream) {
-        for (int j = 0; j < DG_LANES; j += 2) _mm_stream_pd(dst + j, _mm_loadu_pd(t + j));
-        return;
-    }
-#else
-    (void)stream;
-#endif
-    for (int j = 0; j < DG_LANES; ++j) dst[j] = t[j];
-}
-
-/* dst[0:n] = src[0:n] with non-temporal stores where dst is aligned */
+/* dst[0:n] = src[0:n], with non-temporal stores from the first vector-aligned element */
 static inline void dg_stream_float(float *restrict dst, const float *restrict src, int64_t n)
 {
     int64_t i = 0;
-#if defined(__AVX512F__)
-    for (; i < n && ((uintptr_t)(dst + i) & 63u) != 0; ++i) dst[i] = src[i];
-    for (; i + 16 <= n; i += 16) _mm512_stream_ps(dst + i, _mm512_loadu_ps(src + i));
-#elif defined(__AVX__)
-    for (; i < n && ((uintptr_t)(dst + i) & 31u) != 0; ++i) dst[i] = src[i];
-    for (; i + 8 <= n; i += 8) _mm256_stream_ps(dst + i, _mm256_loadu_ps(src + i));
-#elif defined(__SSE2__)
-    for (; i < n && ((uintptr_t)(dst + i) & 15u) != 0; ++i) dst[i] = src[i];
-    for (; i + 4 <= n; i += 4) _mm_stream_ps(dst + i, _mm_loadu_ps(src + i));
+#if DG_HAVE_STREAM
+    const int64_t w = DG_VEC_BYTES / (int64_t)sizeof(float);
+    for (; i < n && ((uintptr_t)(dst + i) & (DG_VEC_BYTES - 1)) != 0; ++i) dst[i] = src[i];
+    for (; i + w <= n; i += w) DG_STREAM_F(dst + i, src + i);
 #endif
     for (; i < n; ++i) dst[i] = src[i];
 }
 
+/* acc += pend; pend = 0 */
+static inline void dg_flush_float(double *restrict acc, float *restrict pend, int64_t n)
+{
+    for (int64_t i = 0; i < n; ++i) {
+        acc[i] += (double)pend[i];
+        pend[i] = 0;
+    }
+}
+
+/* dst[0:DG_LANES] = t, with non-temporal stores when `stream` (dst then 64-byte aligned) */
+static inline void dg_put_double(double *restrict dst, const double *restrict t, int stream)
+{
+#if DG_HAVE_STREAM
+    if (stream) {
+        for (int j = 0; j < DG_LANES; j += DG_VEC_BYTES / (int)sizeof(double)) DG_STREAM_D(dst + j, t + j);
+        return;
+    }
+#else
+    (void)stream;
+#endif
+    for (int j = 0; j < DG_LANES; ++j) dst[j] = t[j];
+}
+
+/* dst[0:n] = src[0:n], with non-temporal stores from the first vector-aligned element */
 static inline void dg_stream_double(double *restrict dst, const double *restrict src, int64_t n)
 {
     int64_t i = 0;
-#if defined(__AVX512F__)
-    for (; i < n && ((uintptr_t)(dst + i) & 63u) != 0; ++i) dst[i] = src[i];
-    for (; i + 8 <= n; i += 8) _mm512_stream_pd(dst + i, _mm512_loadu_pd(src + i));
-#elif defined(__AVX__)
-    for (; i < n && ((uintptr_t)(dst + i) & 31u) != 0; ++i) dst[i] = src[i];
-    for (; i + 4 <= n; i += 4) _mm256_stream_pd(dst + i, _mm256_loadu_pd(src + i));
-#elif defined(__SSE2__)
-    for (; i < n && ((uintptr_t)(dst + i) & 15u) != 0; ++i) dst[i] = src[i];
-    for (; i + 2 <= n; i += 2) _mm_stream_pd(dst + i, _mm_loadu_pd(src + i));
+#if DG_HAVE_STREAM
+    const int64_t w = DG_VEC_BYTES / (int64_t)sizeof(double);
+    for (; i < n && ((uintptr_t)(dst + i) & (DG_VEC_BYTES - 1)) != 0; ++i) dst[i] = src[i];
+    for (; i + w <= n; i += w) DG_STREAM_D(dst + i, src + i);
 #endif
     for (; i < n; ++i) dst[i] = src[i];
+}
+
+/* acc += pend; pend = 0 */
+static inline void dg_flush_double(double *restrict acc, double *restrict pend, int64_t n)
+{
+    for (int64_t i = 0; i < n; ++i) {
+        acc[i] += (double)pend[i];
+        pend[i] = 0;
+    }
 }
 
 /* order the streaming stores before the results are used */
@@ -252,23 +265,6 @@ static inline void dg_fence(void)
 #if DG_HAVE_STREAM
     _mm_sfence();
 #endif
-}
-
-/* acc += pend; pend = 0 */
-static inline void dg_flush_float(double *restrict acc, float *restrict pend, int64_t n)
-{
-    for (int64_t i = 0; i < n; ++i) {
-        acc[i] += (double)pend[i];
-        pend[i] = 0.0f;
-    }
-}
-
-static inline void dg_flush_double(double *restrict acc, double *restrict pend, int64_t n)
-{
-    for (int64_t i = 0; i < n; ++i) {
-        acc[i] += pend[i];
-        pend[i] = 0.0;
-    }
 }
 /* ---- train forward, float ---- */
 int batchnorm_train_forward_f32(
@@ -389,7 +385,7 @@ int batchnorm_train_forward_f32(
                 const float rstd_f = (float)rstd;
                 for (int64_t b = 0; b < blocks; ++b) {
                     const int64_t off = base + b * block_stride;
-                    const int y_direct = S == 1 ? y_stream && (y_tile == NULL || Cg >= DG_DIRECT_MIN) : y_stream && (y_tile == NULL || S >= DG_DIRECT_MIN);
+                    const int y_direct = S == 1 ? dg_direct(y_stream, y_tile, Cg) : dg_direct(y_stream, y_tile, S);   /* stream from registers */
                     (void)y_direct;
                     if (S == 1) {           /* parameters vary along the run */
                         float *restrict y_r = y_tile != NULL && !y_direct ? y_tile : y + off;
@@ -658,7 +654,7 @@ int batchnorm_train_backward_f32(
                 const float rstd_f = (float)rstd;
                 for (int64_t b = 0; b < blocks; ++b) {
                     const int64_t off = base + b * block_stride;
-                    const int dx_direct = S == 1 ? dx_stream && (dx_tile == NULL || Cg >= DG_DIRECT_MIN) : 0;
+                    const int dx_direct = S == 1 ? dg_direct(dx_stream, dx_tile, Cg) : 0;   /* stream from registers */
                     (void)dx_direct;
                     if (S == 1) {           /* parameters vary along the run */
                         float *restrict dx_r = dx_tile != NULL && !dx_direct ? dx_tile : dx + off;
@@ -894,7 +890,7 @@ int batchnorm_train_forward_f64(
             {
                 for (int64_t b = 0; b < blocks; ++b) {
                     const int64_t off = base + b * block_stride;
-                    const int y_direct = S == 1 ? y_stream && (y_tile == NULL || Cg >= DG_DIRECT_MIN) : y_stream && (y_tile == NULL || S >= DG_DIRECT_MIN);
+                    const int y_direct = S == 1 ? dg_direct(y_stream, y_tile, Cg) : dg_direct(y_stream, y_tile, S);   /* stream from registers */
                     (void)y_direct;
                     if (S == 1) {           /* parameters vary along the run */
                         double *restrict y_r = y_tile != NULL && !y_direct ? y_tile : y + off;
@@ -1154,7 +1150,7 @@ int batchnorm_train_backward_f64(
             {
                 for (int64_t b = 0; b < blocks; ++b) {
                     const int64_t off = base + b * block_stride;
-                    const int dx_direct = S == 1 ? dx_stream && (dx_tile == NULL || Cg >= DG_DIRECT_MIN) : 0;
+                    const int dx_direct = S == 1 ? dg_direct(dx_stream, dx_tile, Cg) : 0;   /* stream from registers */
                     (void)dx_direct;
                     if (S == 1) {           /* parameters vary along the run */
                         double *restrict dx_r = dx_tile != NULL && !dx_direct ? dx_tile : dx + off;
@@ -1336,7 +1332,7 @@ int batchnorm_eval_forward_f32(
                 for (int64_t b = 0; b < blocks; ++b) {
                     const int64_t off = base + b * block_stride;
                     const int64_t nxt = b + 1 < blocks ? off + block_stride : base + M;   /* block read next */
-                    const int y_direct = S == 1 ? y_stream && (y_tile == NULL || Cg >= DG_DIRECT_MIN) : y_stream && (y_tile == NULL || S >= DG_DIRECT_MIN);
+                    const int y_direct = S == 1 ? dg_direct(y_stream, y_tile, Cg) : dg_direct(y_stream, y_tile, S);   /* stream from registers */
                     (void)y_direct;
                     if (S == 1) {           /* parameters vary along the run */
                         float *restrict y_r = y_tile != NULL && !y_direct ? y_tile : y + off;
@@ -1515,7 +1511,7 @@ int batchnorm_eval_backward_f32(
                 for (int64_t b = 0; b < blocks; ++b) {
                     const int64_t off = base + b * block_stride;
                     const int64_t nxt = b + 1 < blocks ? off + block_stride : base + M;   /* block read next */
-                    const int dx_direct = S == 1 ? dx_stream && (dx_tile == NULL || Cg >= DG_DIRECT_MIN) : 0;
+                    const int dx_direct = S == 1 ? dg_direct(dx_stream, dx_tile, Cg) : 0;   /* stream from registers */
                     (void)dx_direct;
                     if (S == 1) {           /* parameters vary along the run */
                         float *restrict dx_r = dx_tile != NULL && !dx_direct ? dx_tile : dx + off;
@@ -1709,7 +1705,7 @@ int batchnorm_eval_forward_f64(
                 for (int64_t b = 0; b < blocks; ++b) {
                     const int64_t off = base + b * block_stride;
                     const int64_t nxt = b + 1 < blocks ? off + block_stride : base + M;   /* block read next */
-                    const int y_direct = S == 1 ? y_stream && (y_tile == NULL || Cg >= DG_DIRECT_MIN) : y_stream && (y_tile == NULL || S >= DG_DIRECT_MIN);
+                    const int y_direct = S == 1 ? dg_direct(y_stream, y_tile, Cg) : dg_direct(y_stream, y_tile, S);   /* stream from registers */
                     (void)y_direct;
                     if (S == 1) {           /* parameters vary along the run */
                         double *restrict y_r = y_tile != NULL && !y_direct ? y_tile : y + off;
@@ -1885,7 +1881,7 @@ int batchnorm_eval_backward_f64(
                 for (int64_t b = 0; b < blocks; ++b) {
                     const int64_t off = base + b * block_stride;
                     const int64_t nxt = b + 1 < blocks ? off + block_stride : base + M;   /* block read next */
-                    const int dx_direct = S == 1 ? dx_stream && (dx_tile == NULL || Cg >= DG_DIRECT_MIN) : 0;
+                    const int dx_direct = S == 1 ? dg_direct(dx_stream, dx_tile, Cg) : 0;   /* stream from registers */
                     (void)dx_direct;
                     if (S == 1) {           /* parameters vary along the run */
                         double *restrict dx_r = dx_tile != NULL && !dx_direct ? dx_tile : dx + off;
