@@ -162,8 +162,8 @@ class _NumPy(_Ordered, NumPyPrinter):
         a = expr.args[0]
         if a.is_Pow and a.exp == 2:                       # mean(e**2): one pass over e
             return "_mean_sq(%s)" % self._print(a.base)
-        if a.is_Mul and len(a.args) == 2 and not any(f.is_Number for f in a.args):
-            return "_mean_prod(%s, %s)" % tuple(self._print(f) for f in a.args)   # no temporary product
+        if _plain_pair(a, sympy.Mul):                     # mean(a*b): no temporary product
+            return "_mean_prod(%s, %s)" % tuple(self._print(f) for f in a.args)
         return "_mean(%s)" % self._print(a)
 
     def _print_Symbol(self, expr):
@@ -174,22 +174,30 @@ def np_expr(e: sympy.Expr, spec: Spec | None = None) -> str:
     return _NumPy(ordered_names(spec)).doprint(e).replace("numpy.", "np.")
 
 
+def _plain_pair(e: sympy.Expr, kind) -> bool:
+    """``e`` is a sum or product (``kind``) of exactly two operands that print as
+    themselves: no number, and no reciprocal (a/b prints as a division, which
+    splitting would turn into a reciprocal and a product, rounding twice)."""
+    return (isinstance(e, kind) and len(e.args) == 2
+            and not any(f.is_Number or (f.is_Pow and f.exp.is_negative) for f in e.args))
+
+
 def np_store(target: str, e: sympy.Expr, spec: Spec | None = None) -> str:
-    """``target = e`` where the outermost product or sum writes straight into
-    ``target`` (converting to its dtype), instead of forming a float64
-    temporary and copying it."""
-    if (e.is_Mul or e.is_Add) and len(e.args) >= 2:
+    """``target = e``; when ``e`` is a plain sum or product of two operands, the
+    ufunc writes straight into ``target`` (converting to its dtype) instead of
+    forming a float64 temporary and copying it. Anything else is assigned as
+    printed, so the arithmetic is always exactly the printed expression."""
+    if _plain_pair(e, sympy.Mul) or _plain_pair(e, sympy.Add):
         ufunc = "np.multiply" if e.is_Mul else "np.add"
         args = e.as_ordered_factors() if e.is_Mul else _NumPy(ordered_names(spec))._as_ordered_terms(e)
-        head, rest = args[0], e.func(*args[1:])
-        return f"{ufunc}({np_expr(head, spec)}, {np_expr(rest, spec)}, out={target})"
-    return f"{target}[...] = {np_expr(e, spec)}"
+        return f"{ufunc}({np_expr(args[0], spec)}, {np_expr(args[1], spec)}, out={target})"
+    return f"{target} = {np_expr(e, spec)}"
 
 
 def np_sum(e: sympy.Expr, axes: str, spec: Spec | None = None) -> str:
     """NumPy text for the sum of ``e`` over ``axes`` (keeping dimensions); a
     product of two factors is summed without forming it."""
-    if e.is_Mul and len(e.args) == 2 and not any(f.is_Number for f in e.args):
+    if _plain_pair(e, sympy.Mul):
         a, b = (np_expr(f, spec) for f in e.args)
         return f"_rt.sum_prod({a}, {b}, {axes})"
     return f"np.sum({np_expr(e, spec)}, axis={axes}, keepdims=True)"

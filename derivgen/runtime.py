@@ -522,6 +522,8 @@ def sum_prod(a, b, axes):
     a, b = np.asarray(a), np.asarray(b)
     if a.shape != b.shape or a.ndim != 4:
         return np.add.reduce(a * b, axis=axes, keepdims=True)
+    if axes is not None:
+        axes = tuple(int(i) % 4 for i in np.atleast_1d(axes))
     keep = [i for i in range(4) if axes is not None and i not in axes]
     out = np.einsum("abcd,abcd->" + "".join("abcd"[i] for i in keep), a, b)
     return np.reshape(out, [a.shape[i] if i in keep else 1 for i in range(4)])

@@ -100,3 +100,24 @@ def test_eps_zero_on_non_constant_rows(backend):
     yref = (x64 - x64.mean(1, keepdims=True)) / x64.std(1, keepdims=True)
     assert _err(y, yref) < 1e-6
     np.testing.assert_allclose(y.std(1), 1.0, rtol=1e-5)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_parameter_gradients_of_long_batches_stay_accurate(threads):
+    """batchnorm on (N, C): each dβ is a sum over N = 300000 rows. Float partials
+    must be flushed to double every few rows, not summed over the whole batch
+    (which drifts by several percent, or stalls at 2**24 for unit dy)."""
+    k = derivgen.load("batchnorm", backend="c")
+    k.set_num_threads(threads)
+    rng = np.random.default_rng(3)
+    n = 300_000
+    x = rng.normal(size=(n, 2)).astype(np.float32)
+    dy = np.empty((n, 2), np.float32)
+    dy[:, 0], dy[:, 1] = 1.0, 0.1
+    params = [np.ones(2, np.float32), np.zeros(2, np.float32)]
+    _, c = k.forward(x, *params)
+    g = k.backward(dy, c)
+    exact = dy.astype(np.float64).sum(axis=0)
+    assert np.abs(g.dbeta - exact).max() / exact.max() < 1e-6, (g.dbeta, exact)
+    ref = (dy.astype(np.float64) * (x - x.mean(0, dtype=np.float64)) / x.std(0, dtype=np.float64)).sum(axis=0)
+    assert np.abs(g.dgamma - ref).max() / np.abs(dy).sum(0).max() < 1e-6, (g.dgamma, ref)

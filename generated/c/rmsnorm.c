@@ -22,7 +22,7 @@
  * DG_LANES independent lanes added pairwise at the end: vectorizable without
  * reassociation, and per-group results (statistics, y, dx) are the same bits
  * for any thread count; parameter gradients add per-thread partials (float
- * partials of the float kernels flushed to double every DG_PEND groups), the
+ * partials of the float kernels flushed to double every DG_PEND runs), the
  * same bits for a given thread count. NaN and Inf propagate as IEEE arithmetic
  * does.
  *
@@ -72,7 +72,7 @@
 #define DG_PRAGMA(x)
 #endif
 
-#define DG_LANES 32
+#define DG_LANES 32                     /* dg_lanes and dg_put are written for 32 */
 #define DG_PEND 8
 #ifndef DG_AHEAD_BYTES
 #define DG_AHEAD_BYTES 4096
@@ -196,12 +196,15 @@ static inline void dg_stream_float(float *restrict dst, const float *restrict sr
     for (; i < n; ++i) dst[i] = src[i];
 }
 
-/* acc += pend; pend = 0 */
-static inline void dg_flush_float(double *restrict acc, float *restrict pend, int64_t n)
+/* acc += pend; pend = 0, over channels [lo, hi) of each of the P parameters */
+static inline void dg_flush_float(double *restrict acc, float *restrict pend, int64_t P, int64_t C,
+                                    int64_t lo, int64_t hi)
 {
-    for (int64_t i = 0; i < n; ++i) {
-        acc[i] += (double)pend[i];
-        pend[i] = 0;
+    for (int64_t k = 0; k < P; ++k) {
+        for (int64_t i = k * C + lo; i < k * C + hi; ++i) {
+            acc[i] += (double)pend[i];
+            pend[i] = 0;
+        }
     }
 }
 
@@ -231,12 +234,15 @@ static inline void dg_stream_double(double *restrict dst, const double *restrict
     for (; i < n; ++i) dst[i] = src[i];
 }
 
-/* acc += pend; pend = 0 */
-static inline void dg_flush_double(double *restrict acc, double *restrict pend, int64_t n)
+/* acc += pend; pend = 0, over channels [lo, hi) of each of the P parameters */
+static inline void dg_flush_double(double *restrict acc, double *restrict pend, int64_t P, int64_t C,
+                                    int64_t lo, int64_t hi)
 {
-    for (int64_t i = 0; i < n; ++i) {
-        acc[i] += (double)pend[i];
-        pend[i] = 0;
+    for (int64_t k = 0; k < P; ++k) {
+        for (int64_t i = k * C + lo; i < k * C + hi; ++i) {
+            acc[i] += (double)pend[i];
+            pend[i] = 0;
+        }
     }
 }
 
@@ -362,7 +368,7 @@ int rmsnorm_train_forward_f32(
                             const float xhat = rstd_f*xv;
                             y_r[idx - (off)] = (float)(gamma_v*xhat);
                         }
-                        if (y_tile != NULL && !y_direct) dg_stream_float(y + off, y_tile, Cg);
+                        if (y_tile != NULL && !y_direct) dg_stream_float(y + off, y_r, Cg);
 
                     } else {                /* NCHW: one parameter per run of S values */
                         for (int64_t cg = 0; cg < Cg; ++cg) {
@@ -400,7 +406,7 @@ int rmsnorm_train_forward_f32(
                                 const float xhat = rstd_f*xv;
                                 y_r[idx - (off + cg * S)] = (float)(gamma_v*xhat);
                             }
-                            if (y_tile != NULL && !y_direct) dg_stream_float(y + off + cg * S, y_tile, S);
+                            if (y_tile != NULL && !y_direct) dg_stream_float(y + off + cg * S, y_r, S);
 
                         }
                     }
@@ -445,7 +451,7 @@ int rmsnorm_train_backward_f32(
     const int64_t C = G * Cg;                        /* parameter length */
     const int64_t P = 1;      /* parameters */
     /* per-thread partial sums of the parameter gradients, reduced once at the end;
-     * runs along the channel axis add into pend, flushed into part every DG_PEND groups */
+     * runs along the channel axis add into float pend, flushed into part every DG_PEND runs */
     double *part = (double *)calloc((size_t)(nth * P * C) + 1, sizeof(double));
     float *pend_all = (float *)calloc((size_t)(nth * P * C) + 1, sizeof(float));
     if (part == NULL || pend_all == NULL) {
@@ -457,12 +463,15 @@ int rmsnorm_train_backward_f32(
     {
         double *restrict mine = part + (int64_t)dg_thread_id() * P * C;
         float *restrict pend = pend_all + (int64_t)dg_thread_id() * P * C;
-        int pending = 0;
+        int pending = 0;                             /* runs added into pend since its last flush */
+        int64_t pend_lo = C, pend_hi = 0;            /* the channels they touched */
         const int dx_stream = dg_stream_on(total, (int64_t)sizeof(float));
         float *dx_tile = (float *)dg_tile(dx_stream, S == 1 ? M : S, (int64_t)sizeof(float));
         (void)dx_stream;
         (void)pend;
         (void)pending;
+        (void)pend_lo;
+        (void)pend_hi;
         DG_PRAGMA(omp for schedule(static))
         for (int64_t grp = 0; grp < n_groups; ++grp) {
             const int64_t gi = G == 1 ? 0 : grp % G;     /* channel group */
@@ -611,8 +620,16 @@ int rmsnorm_train_backward_f32(
                             dx_r[idx - (off)] = (float)(rstd_f*(g - mean_g_xhat_f*xhat));
                             pend[0 * C + ch] += dyv*xhat;
                         }
-                        if (dx_tile != NULL && !dx_direct) dg_stream_float(dx + off, dx_tile, Cg);
+                        if (dx_tile != NULL && !dx_direct) dg_stream_float(dx + off, dx_r, Cg);
 
+                        pend_lo = pend_lo < gi * Cg ? pend_lo : gi * Cg;
+                        pend_hi = pend_hi > gi * Cg + Cg ? pend_hi : gi * Cg + Cg;
+                        if (++pending == DG_PEND) {     /* float partials of at most DG_PEND runs */
+                            dg_flush_float(mine, pend, P, C, pend_lo, pend_hi);
+                            pending = 0;
+                            pend_lo = C;
+                            pend_hi = 0;
+                        }
                     } else {                /* NCHW: one parameter per run of S values */
                         for (int64_t cg = 0; cg < Cg; ++cg) {
                             const int64_t ch = gi * Cg + cg;
@@ -643,19 +660,16 @@ int rmsnorm_train_backward_f32(
                                 dx_r[idx - (off + cg * S)] = (float)(rstd_f*(g - mean_g_xhat_f*xhat));
                                 lane_p0[j] += ((double)dyv)*((double)xhat);
                             }
-                            if (dx_tile != NULL && !dx_direct) dg_stream_float(dx + off + cg * S, dx_tile, S);
+                            if (dx_tile != NULL && !dx_direct) dg_stream_float(dx + off + cg * S, dx_r, S);
 
                             mine[0 * C + ch] += dg_lanes(lane_p0);
                         }
                     }
                 }
             }
-            if (S == 1 && ++pending == DG_PEND) {
-                dg_flush_float(mine, pend, P * C);
-                pending = 0;
-            }
         }
-        dg_flush_float(mine, pend, P * C);
+        if (pending > 0)
+            dg_flush_float(mine, pend, P, C, pend_lo, pend_hi);
         if (dx_stream)
             dg_fence();
         free(dx_tile);
@@ -784,7 +798,7 @@ int rmsnorm_train_forward_f64(
                             const double xhat = rstd*xv;
                             y_r[idx - (off)] = (double)(gamma_v*xhat);
                         }
-                        if (y_tile != NULL && !y_direct) dg_stream_double(y + off, y_tile, Cg);
+                        if (y_tile != NULL && !y_direct) dg_stream_double(y + off, y_r, Cg);
 
                     } else {                /* NCHW: one parameter per run of S values */
                         for (int64_t cg = 0; cg < Cg; ++cg) {
@@ -822,7 +836,7 @@ int rmsnorm_train_forward_f64(
                                 const double xhat = rstd*xv;
                                 y_r[idx - (off + cg * S)] = (double)(gamma_v*xhat);
                             }
-                            if (y_tile != NULL && !y_direct) dg_stream_double(y + off + cg * S, y_tile, S);
+                            if (y_tile != NULL && !y_direct) dg_stream_double(y + off + cg * S, y_r, S);
 
                         }
                     }
@@ -867,7 +881,7 @@ int rmsnorm_train_backward_f64(
     const int64_t C = G * Cg;                        /* parameter length */
     const int64_t P = 1;      /* parameters */
     /* per-thread partial sums of the parameter gradients, reduced once at the end;
-     * runs along the channel axis add into pend, flushed into part every DG_PEND groups */
+     * runs along the channel axis add into float pend, flushed into part every DG_PEND runs */
     double *part = (double *)calloc((size_t)(nth * P * C) + 1, sizeof(double));
     double *pend_all = (double *)calloc((size_t)(nth * P * C) + 1, sizeof(double));
     if (part == NULL || pend_all == NULL) {
@@ -879,12 +893,15 @@ int rmsnorm_train_backward_f64(
     {
         double *restrict mine = part + (int64_t)dg_thread_id() * P * C;
         double *restrict pend = pend_all + (int64_t)dg_thread_id() * P * C;
-        int pending = 0;
+        int pending = 0;                             /* runs added into pend since its last flush */
+        int64_t pend_lo = C, pend_hi = 0;            /* the channels they touched */
         const int dx_stream = dg_stream_on(total, (int64_t)sizeof(double));
         double *dx_tile = (double *)dg_tile(dx_stream, S == 1 ? M : S, (int64_t)sizeof(double));
         (void)dx_stream;
         (void)pend;
         (void)pending;
+        (void)pend_lo;
+        (void)pend_hi;
         DG_PRAGMA(omp for schedule(static))
         for (int64_t grp = 0; grp < n_groups; ++grp) {
             const int64_t gi = G == 1 ? 0 : grp % G;     /* channel group */
@@ -1032,8 +1049,16 @@ int rmsnorm_train_backward_f64(
                             dx_r[idx - (off)] = (double)(g*k_g + k_xhat*xhat);
                             pend[0 * C + ch] += dyv*xhat;
                         }
-                        if (dx_tile != NULL && !dx_direct) dg_stream_double(dx + off, dx_tile, Cg);
+                        if (dx_tile != NULL && !dx_direct) dg_stream_double(dx + off, dx_r, Cg);
 
+                        pend_lo = pend_lo < gi * Cg ? pend_lo : gi * Cg;
+                        pend_hi = pend_hi > gi * Cg + Cg ? pend_hi : gi * Cg + Cg;
+                        if (++pending == DG_PEND) {     /* float partials of at most DG_PEND runs */
+                            dg_flush_double(mine, pend, P, C, pend_lo, pend_hi);
+                            pending = 0;
+                            pend_lo = C;
+                            pend_hi = 0;
+                        }
                     } else {                /* NCHW: one parameter per run of S values */
                         for (int64_t cg = 0; cg < Cg; ++cg) {
                             const int64_t ch = gi * Cg + cg;
@@ -1064,19 +1089,16 @@ int rmsnorm_train_backward_f64(
                                 dx_r[idx - (off + cg * S)] = (double)(g*k_g + k_xhat*xhat);
                                 lane_p0[j] += dyv*xhat;
                             }
-                            if (dx_tile != NULL && !dx_direct) dg_stream_double(dx + off + cg * S, dx_tile, S);
+                            if (dx_tile != NULL && !dx_direct) dg_stream_double(dx + off + cg * S, dx_r, S);
 
                             mine[0 * C + ch] += dg_lanes(lane_p0);
                         }
                     }
                 }
             }
-            if (S == 1 && ++pending == DG_PEND) {
-                dg_flush_double(mine, pend, P * C);
-                pending = 0;
-            }
         }
-        dg_flush_double(mine, pend, P * C);
+        if (pending > 0)
+            dg_flush_double(mine, pend, P, C, pend_lo, pend_hi);
         if (dx_stream)
             dg_fence();
         free(dx_tile);

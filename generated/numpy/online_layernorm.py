@@ -160,7 +160,7 @@ def _backward_train(call):
         g = dy*gamma
         mean_g = _mean(g)
         mean_g_xhat = _mean_prod(g, xhat)
-        np.add(g/std, N*alpha*mean_g_xhat*(alpha*row_mean/std - xhat - alpha*mean/std)/(sample_std*(N - 1)) - alpha*mean_g/std, out=DX[s])
+        DX[s] = g/std + N*alpha*mean_g_xhat*(alpha*row_mean/std - xhat - alpha*mean/std)/(sample_std*(N - 1)) - alpha*mean_g/std
         D_prev_mean[s] = N*(mean_g*(alpha - 1) + N*alpha*mean_g_xhat*(row_mean + alpha*mean - mean - alpha*row_mean)/(sample_std*(N - 1)))/std
         D_prev_std[s] = N*mean_g_xhat*(alpha - 1)/std
         # this chunk's share of dgamma, dbeta
