@@ -62,7 +62,7 @@ def timeit(fn, repeat: int, warmup: int = 2) -> float:
     return statistics.median(ts) * 1e3
 
 
-BATCH = 5   # timed calls in a row per implementation and round
+BATCH = 3   # timed calls in a row per implementation and round
 
 
 def round_robin(fns: dict, repeat: int, warmup: int = 1) -> dict:
