@@ -270,14 +270,14 @@ class CLoop:
     param_sums: list[tuple[int, str]]      # (parameter slot, expression) summed per channel
     scalar_param_sums: list[tuple[int, str]] = field(default_factory=list)  # (slot, accumulator): scalar params
     param_pend: list[tuple[int, str]] = field(default_factory=list)  # param_sums in element arithmetic
-    outputs: list[str] = field(default_factory=list)       # full-size arrays written (y, dx), via <name>_w
+    outputs: list[str] = field(default_factory=list)       # full-size arrays written (y, dx)
     prefetch: list[str] = field(default_factory=list)      # full-size arrays read ahead (first sweep only)
 
     # Runs whose iterations carry no lane sums may start their lane blocks anywhere, so a
     # long streaming run peels a scalar head up to a 64-byte boundary of its single output
     # and streams whole blocks straight from registers ("direct"); the others (and short
     # runs, where the scalar head and tail would cost more) compute into a cache-resident
-    # tile streamed out after the block, keeping the lane of every element.
+    # tile streamed out after the run, keeping the lane of every element.
     def _direct(self, channel_lanes: bool) -> bool:
         return len(self.outputs) == 1 and not self.group_sums and not (channel_lanes and self.param_sums)
 
@@ -312,9 +312,10 @@ class CPlanner:
              param_sums=(), arith: str = "double", outputs=(), first: bool = False) -> CLoop:
         """Element sweep computing ``exprs``; ``temps`` are element temporaries available.
 
-        ``outputs`` are the full-size arrays the sweep writes (through ``<name>_w``,
-        which is either the array or a cache-resident tile streamed out after the
-        block); the ``first`` sweep of a function prefetches the arrays it reads.
+        ``outputs`` are the full-size arrays the sweep writes (straight, streamed
+        from registers, or through a cache-resident tile streamed out after each
+        run: see the template); the ``first`` sweep of a function prefetches the
+        arrays it reads.
 
         Loads and stores use the array type. Sums are always double. With
         ``arith="double"`` all arithmetic is double, so a float32 kernel centres
@@ -413,7 +414,8 @@ class CPlanner:
         steps = []
         for st in self.ir.forward:
             if isinstance(st, Loop):
-                steps.append(("loop", self.loop([e for _, e in st.accs], [], group_sums=st.accs, first=not any(s[0] == "loop" for s in steps)),
+                first = not any(s[0] == "loop" for s in steps)
+                steps.append(("loop", self.loop([e for _, e in st.accs], [], group_sums=st.accs, first=first),
                               [a for a, _ in st.accs]))
             else:
                 steps.append(("assign", st.name, self.g(st.expr), st.comment))
