@@ -275,9 +275,9 @@ class CLoop:
 
     # Runs whose iterations carry no lane sums may start their lane blocks anywhere, so a
     # long streaming run peels a scalar head up to a 64-byte boundary of its single output
-    # and streams whole blocks straight from registers ("direct"); the others (and short
-    # runs, where the scalar head and tail would cost more) compute into a cache-resident
-    # tile streamed out after the run, keeping the lane of every element.
+    # and streams whole blocks straight from registers ("direct"; short ones are written
+    # in place); runs with lane sums compute into a cache-resident tile that is streamed
+    # out afterwards, keeping the lane of every element.
     def _direct(self, channel_lanes: bool) -> bool:
         return len(self.outputs) == 1 and not self.group_sums and not (channel_lanes and self.param_sums)
 
@@ -288,6 +288,12 @@ class CLoop:
     @property
     def direct_nchw(self) -> bool:            # runs of S values of one channel
         return self._direct(True)
+
+    @property
+    def needs_tile(self) -> bool:             # some run of this sweep streams through a tile
+        if not self.outputs:
+            return False
+        return not (self.direct_run and self.direct_nchw) if self.uses_params else not self.direct_run
 
 
 class CPlanner:

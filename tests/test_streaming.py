@@ -39,9 +39,9 @@ def _run(tmp_path, tag: str, cflags: str) -> dict:
         return {k: z[k] for k in z.files}
 
 
-# streamed builds: every run long enough to stream straight from registers (DG_DIRECT_MIN=0),
-# only runs of 512+ elements (the default; shorter ones go through the tile), or no tile at
-# all (DG_TILE_BYTES=0: what runs longer than the tile get: in place, or from registers)
+# streamed builds: every run without lane sums streamed from registers (DG_DIRECT_MIN=0), only
+# runs of 512+ elements (the default; shorter ones written in place), or no tile at all for the
+# runs with lane sums (DG_TILE_BYTES=0: what runs longer than the tile get: in place)
 ISAS = [("sse2", "", "-DDG_DIRECT_MIN=0"), ("avx2", "-mavx2 -mfma", ""),
         ("avx512", "-mavx512f", "-DDG_DIRECT_MIN=0"), ("avx512-tiles", "-mavx512f", ""),
         ("avx512-no-tile", "-mavx512f", "-DDG_TILE_BYTES=0")]

@@ -31,8 +31,10 @@
  * of at least DG_STREAM_BYTES are written with non-temporal stores, so their
  * lines are not read before being overwritten: runs without lane sums start
  * their lane blocks at a 64-byte boundary and stream each block from
- * registers; the others compute each run into a per-thread tile of at most
- * DG_TILE_BYTES and stream it out. Either way every element is computed by
+ * registers (shorter runs are written in place); runs with lane sums compute
+ * into a per-thread tile of at most DG_TILE_BYTES (runs that follow on in the
+ * output share it) that is streamed out when the next run does not fit or does
+ * not follow on. Either way every element is computed by
  * the same arithmetic, so results are the same bits as without streaming. All
  * three are macros a build may override (-D).
  */
@@ -82,6 +84,9 @@
 #endif
 #ifndef DG_DIRECT_MIN
 #define DG_DIRECT_MIN 512               /* shorter runs stream through the tile */
+#endif
+#ifndef DG_TILE_MIN_BYTES
+#define DG_TILE_MIN_BYTES ((int64_t)16 << 10)
 #endif
 #ifndef DG_TILE_BYTES
 #define DG_TILE_BYTES ((int64_t)256 << 10)
@@ -146,17 +151,29 @@ static inline int dg_stream_on(int64_t total, int64_t size)
     return DG_HAVE_STREAM && total * size >= DG_STREAM_BYTES;
 }
 
-/* a per-thread tile for a run of n elements, or NULL (then the output is written in place) */
-static inline void *dg_tile(int on, int64_t n, int64_t size)
+/* elements in a per-thread tile: room for the longest run, n, and at least
+ * DG_TILE_MIN_BYTES (runs that follow on in the output share it), never over
+ * DG_TILE_BYTES; 0 when a run does not fit */
+static inline int64_t dg_tile_len(int64_t n, int64_t size)
 {
-    return on && n > 0 && n * size <= DG_TILE_BYTES ? malloc((size_t)(n * size)) : NULL;
+    const int64_t most = DG_TILE_BYTES / size, least = DG_TILE_MIN_BYTES / size;
+    if (n <= 0 || n > most)
+        return 0;
+    return least > most ? most : (least > n ? least : n);
 }
 
-/* whether a streamed run of n elements without lane sums streams from registers
- * (else through the tile, when there is one) */
-static inline int dg_direct(int stream, const void *tile, int64_t n)
+/* the tile, or NULL (then the output is written in place) */
+static inline void *dg_tile(int on, int64_t len, int64_t size)
 {
-    return stream && (tile == NULL || n >= DG_DIRECT_MIN);
+    return on && len > 0 ? malloc((size_t)(len * size)) : NULL;
+}
+
+/* whether a run of n elements without lane sums streams from registers (shorter
+ * runs are written in place: a scalar head and tail would cost them more than
+ * streaming saves) */
+static inline int dg_direct(int stream, int64_t n)
+{
+    return stream && n >= DG_DIRECT_MIN;
 }
 
 /* elements of `size` bytes from p to the next 64-byte boundary, at most n */
@@ -281,8 +298,7 @@ int rmsnorm_train_forward_f32(
 
     DG_PRAGMA(omp parallel num_threads(nth))
     {
-        const int y_stream = dg_stream_on(total, (int64_t)sizeof(float));
-        float *y_tile = (float *)dg_tile(y_stream, S == 1 ? M : S, (int64_t)sizeof(float));
+const int y_stream = dg_stream_on(total, (int64_t)sizeof(float));
         (void)y_stream;
         DG_PRAGMA(omp for schedule(static))
         for (int64_t grp = 0; grp < n_groups; ++grp) {
@@ -295,25 +311,27 @@ int rmsnorm_train_forward_f32(
                 for (int64_t b = 0; b < blocks; ++b) {
                     const int64_t off = base + b * block_stride;
                     const int64_t nxt = b + 1 < blocks ? off + block_stride : base + M;   /* block read next */
-                    int64_t m = 0;
-                    for (; m + DG_LANES <= M; m += DG_LANES) {
-                        for (int q = 0; q < DG_LANES; q += 64 / (int)sizeof(*x)) {  /* read ahead, a line at a time */
-                            const int64_t pf = dg_ahead(off, m + q, M, nxt, total, ahead);
-                            if (pf >= 0) DG_PREFETCH(x + pf);
+                    {
+                        int64_t m = 0;
+                        for (; m + DG_LANES <= M; m += DG_LANES) {
+                            for (int q = 0; q < DG_LANES; q += 64 / (int)sizeof(*x)) {  /* read ahead, a line at a time */
+                                const int64_t pf = dg_ahead(off, m + q, M, nxt, total, ahead);
+                                if (pf >= 0) DG_PREFETCH(x + pf);
+                            }
+                            DG_INDEPENDENT
+                            for (int j = 0; j < DG_LANES; ++j) {
+                                const int64_t idx = off + m + j;
+                                const double xv = (double)x[idx];
+                                lane_sum_ms[j] += (xv*xv);
+                            }
                         }
-                        DG_INDEPENDENT
-                        for (int j = 0; j < DG_LANES; ++j) {
-                            const int64_t idx = off + m + j;
+                        for (; m < M; ++m) {
+                            const int j = 0;                /* outside the lane blocks: lane 0 */
+                            (void)j;
+                            const int64_t idx = off + m;
                             const double xv = (double)x[idx];
                             lane_sum_ms[j] += (xv*xv);
                         }
-                    }
-                    for (; m < M; ++m) {
-                        const int j = 0;                /* outside the lane blocks: lane 0 */
-                        (void)j;
-                        const int64_t idx = off + m;
-                        const double xv = (double)x[idx];
-                        lane_sum_ms[j] += (xv*xv);
                     }
 
                 }
@@ -327,14 +345,39 @@ int rmsnorm_train_forward_f32(
                 const float rstd_f = (float)rstd;
                 for (int64_t b = 0; b < blocks; ++b) {
                     const int64_t off = base + b * block_stride;
-                    const int y_direct = S == 1 ? dg_direct(y_stream, y_tile, Cg) : dg_direct(y_stream, y_tile, S);   /* stream from registers */
+                    const int y_direct = S == 1 ? dg_direct(y_stream, Cg) : dg_direct(y_stream, S);   /* stream from registers */
                     (void)y_direct;
                     if (S == 1) {           /* parameters vary along the run */
-                        float *restrict y_r = y_tile != NULL && !y_direct ? y_tile : y + off;
-                        int64_t m = 0;
-                        if (y_direct) {          /* scalar head up to a 64-byte boundary of y */
-                            const int64_t head = dg_head(y + off, (int64_t)sizeof(float), Cg);
-                            for (; m < head; ++m) {
+                        {
+                            float *restrict y_r = y + off;
+                            int64_t m = 0;
+                            if (y_direct) {          /* scalar head up to a 64-byte boundary of y */
+                                const int64_t head = dg_head(y + off, (int64_t)sizeof(float), Cg);
+                                for (; m < head; ++m) {
+                                    const int j = 0;                /* outside the lane blocks: lane 0 */
+                                    (void)j;
+                                    const int64_t idx = off + m;
+                                    const int64_t ch = gi * Cg + m;
+                                    const float gamma_v = gamma[ch];
+                                    const float xv = x[idx];
+                                    const float xhat = rstd_f*xv;
+                                    y_r[idx - (off)] = (float)(gamma_v*xhat);
+                                }
+                            }
+                            for (; m + DG_LANES <= Cg; m += DG_LANES) {
+                                float t_y[DG_LANES];
+                                DG_INDEPENDENT
+                                for (int j = 0; j < DG_LANES; ++j) {
+                                    const int64_t idx = off + m + j;
+                                    const int64_t ch = gi * Cg + m + j;
+                                    const float gamma_v = gamma[ch];
+                                    const float xv = x[idx];
+                                    const float xhat = rstd_f*xv;
+                                    t_y[j] = (float)(gamma_v*xhat);
+                                }
+                                dg_put_float(y_r + m, t_y, y_direct);
+                            }
+                            for (; m < Cg; ++m) {
                                 const int j = 0;                /* outside the lane blocks: lane 0 */
                                 (void)j;
                                 const int64_t idx = off + m;
@@ -345,40 +388,37 @@ int rmsnorm_train_forward_f32(
                                 y_r[idx - (off)] = (float)(gamma_v*xhat);
                             }
                         }
-                        for (; m + DG_LANES <= Cg; m += DG_LANES) {
-                            float t_y[DG_LANES];
-                            DG_INDEPENDENT
-                            for (int j = 0; j < DG_LANES; ++j) {
-                                const int64_t idx = off + m + j;
-                                const int64_t ch = gi * Cg + m + j;
-                                const float gamma_v = gamma[ch];
-                                const float xv = x[idx];
-                                const float xhat = rstd_f*xv;
-                                t_y[j] = (float)(gamma_v*xhat);
-                            }
-                            dg_put_float(y_r + m, t_y, y_direct);
-                        }
-                        for (; m < Cg; ++m) {
-                            const int j = 0;                /* outside the lane blocks: lane 0 */
-                            (void)j;
-                            const int64_t idx = off + m;
-                            const int64_t ch = gi * Cg + m;
-                            const float gamma_v = gamma[ch];
-                            const float xv = x[idx];
-                            const float xhat = rstd_f*xv;
-                            y_r[idx - (off)] = (float)(gamma_v*xhat);
-                        }
-                        if (y_tile != NULL && !y_direct) dg_stream_float(y + off, y_r, Cg);
 
                     } else {                /* NCHW: one parameter per run of S values */
                         for (int64_t cg = 0; cg < Cg; ++cg) {
                             const int64_t ch = gi * Cg + cg;
                             const float gamma_v = gamma[ch];
-                            float *restrict y_r = y_tile != NULL && !y_direct ? y_tile : y + off + cg * S;
-                            int64_t s = 0;
-                            if (y_direct) {          /* scalar head up to a 64-byte boundary of y */
-                                const int64_t head = dg_head(y + off + cg * S, (int64_t)sizeof(float), S);
-                                for (; s < head; ++s) {
+                            {
+                                float *restrict y_r = y + off + cg * S;
+                                int64_t s = 0;
+                                if (y_direct) {          /* scalar head up to a 64-byte boundary of y */
+                                    const int64_t head = dg_head(y + off + cg * S, (int64_t)sizeof(float), S);
+                                    for (; s < head; ++s) {
+                                        const int j = 0;                /* outside the lane blocks: lane 0 */
+                                        (void)j;
+                                        const int64_t idx = off + cg * S + s;
+                                        const float xv = x[idx];
+                                        const float xhat = rstd_f*xv;
+                                        y_r[idx - (off + cg * S)] = (float)(gamma_v*xhat);
+                                    }
+                                }
+                                for (; s + DG_LANES <= S; s += DG_LANES) {
+                                    float t_y[DG_LANES];
+                                    DG_INDEPENDENT
+                                    for (int j = 0; j < DG_LANES; ++j) {
+                                        const int64_t idx = off + cg * S + s + j;
+                                        const float xv = x[idx];
+                                        const float xhat = rstd_f*xv;
+                                        t_y[j] = (float)(gamma_v*xhat);
+                                    }
+                                    dg_put_float(y_r + s, t_y, y_direct);
+                                }
+                                for (; s < S; ++s) {
                                     const int j = 0;                /* outside the lane blocks: lane 0 */
                                     (void)j;
                                     const int64_t idx = off + cg * S + s;
@@ -387,26 +427,6 @@ int rmsnorm_train_forward_f32(
                                     y_r[idx - (off + cg * S)] = (float)(gamma_v*xhat);
                                 }
                             }
-                            for (; s + DG_LANES <= S; s += DG_LANES) {
-                                float t_y[DG_LANES];
-                                DG_INDEPENDENT
-                                for (int j = 0; j < DG_LANES; ++j) {
-                                    const int64_t idx = off + cg * S + s + j;
-                                    const float xv = x[idx];
-                                    const float xhat = rstd_f*xv;
-                                    t_y[j] = (float)(gamma_v*xhat);
-                                }
-                                dg_put_float(y_r + s, t_y, y_direct);
-                            }
-                            for (; s < S; ++s) {
-                                const int j = 0;                /* outside the lane blocks: lane 0 */
-                                (void)j;
-                                const int64_t idx = off + cg * S + s;
-                                const float xv = x[idx];
-                                const float xhat = rstd_f*xv;
-                                y_r[idx - (off + cg * S)] = (float)(gamma_v*xhat);
-                            }
-                            if (y_tile != NULL && !y_direct) dg_stream_float(y + off + cg * S, y_r, S);
 
                         }
                     }
@@ -415,7 +435,7 @@ int rmsnorm_train_forward_f32(
         }
         if (y_stream)
             dg_fence();
-        free(y_tile);
+
     }
     return 0;
 }
@@ -465,8 +485,10 @@ int rmsnorm_train_backward_f32(
         float *restrict pend = pend_all + (int64_t)dg_thread_id() * P * C;
         int pending = 0;                             /* runs added into pend since its last flush */
         int64_t pend_lo = C, pend_hi = 0;            /* the channels they touched */
-        const int dx_stream = dg_stream_on(total, (int64_t)sizeof(float));
-        float *dx_tile = (float *)dg_tile(dx_stream, S == 1 ? M : S, (int64_t)sizeof(float));
+const int dx_stream = dg_stream_on(total, (int64_t)sizeof(float));
+        const int64_t dx_cap = dg_tile_len(S == 1 ? M : S, (int64_t)sizeof(float));
+        float *dx_tile = (float *)dg_tile(dx_stream, dx_cap, (int64_t)sizeof(float));   /* NULL: dx in place */
+        int64_t dx_at = 0, dx_fill = 0;           /* the tile holds dx[at, at + fill) */
         (void)dx_stream;
         (void)pend;
         (void)pending;
@@ -489,20 +511,34 @@ int rmsnorm_train_backward_f32(
                     const int64_t off = base + b * block_stride;
                     const int64_t nxt = b + 1 < blocks ? off + block_stride : base + M;   /* block read next */
                     if (S == 1) {           /* parameters vary along the run */
-                        int64_t m = 0;
-                        for (; m + DG_LANES <= Cg; m += DG_LANES) {
-                            for (int q = 0; q < DG_LANES; q += 64 / (int)sizeof(*x)) {  /* read ahead, a line at a time */
-                                const int64_t pf = dg_ahead(off, m + q, M, nxt, total, ahead);
-                                if (pf >= 0) DG_PREFETCH(x + pf);
+                        {
+                            int64_t m = 0;
+                            for (; m + DG_LANES <= Cg; m += DG_LANES) {
+                                for (int q = 0; q < DG_LANES; q += 64 / (int)sizeof(*x)) {  /* read ahead, a line at a time */
+                                    const int64_t pf = dg_ahead(off, m + q, M, nxt, total, ahead);
+                                    if (pf >= 0) DG_PREFETCH(x + pf);
+                                }
+                                for (int q = 0; q < DG_LANES; q += 64 / (int)sizeof(*dy)) {  /* read ahead, a line at a time */
+                                    const int64_t pf = dg_ahead(off, m + q, M, nxt, total, ahead);
+                                    if (pf >= 0) DG_PREFETCH(dy + pf);
+                                }
+                                DG_INDEPENDENT
+                                for (int j = 0; j < DG_LANES; ++j) {
+                                    const int64_t idx = off + m + j;
+                                    const int64_t ch = gi * Cg + m + j;
+                                    const float gamma_v = gamma[ch];
+                                    const float xv = x[idx];
+                                    const float dyv = dy[idx];
+                                    const float xhat = rstd_f*xv;
+                                    const float g = dyv*gamma_v;
+                                    lane_sum_g_xhat[j] += ((double)g)*((double)xhat);
+                                }
                             }
-                            for (int q = 0; q < DG_LANES; q += 64 / (int)sizeof(*dy)) {  /* read ahead, a line at a time */
-                                const int64_t pf = dg_ahead(off, m + q, M, nxt, total, ahead);
-                                if (pf >= 0) DG_PREFETCH(dy + pf);
-                            }
-                            DG_INDEPENDENT
-                            for (int j = 0; j < DG_LANES; ++j) {
-                                const int64_t idx = off + m + j;
-                                const int64_t ch = gi * Cg + m + j;
+                            for (; m < Cg; ++m) {
+                                const int j = 0;                /* outside the lane blocks: lane 0 */
+                                (void)j;
+                                const int64_t idx = off + m;
+                                const int64_t ch = gi * Cg + m;
                                 const float gamma_v = gamma[ch];
                                 const float xv = x[idx];
                                 const float dyv = dy[idx];
@@ -511,52 +547,42 @@ int rmsnorm_train_backward_f32(
                                 lane_sum_g_xhat[j] += ((double)g)*((double)xhat);
                             }
                         }
-                        for (; m < Cg; ++m) {
-                            const int j = 0;                /* outside the lane blocks: lane 0 */
-                            (void)j;
-                            const int64_t idx = off + m;
-                            const int64_t ch = gi * Cg + m;
-                            const float gamma_v = gamma[ch];
-                            const float xv = x[idx];
-                            const float dyv = dy[idx];
-                            const float xhat = rstd_f*xv;
-                            const float g = dyv*gamma_v;
-                            lane_sum_g_xhat[j] += ((double)g)*((double)xhat);
-                        }
 
                     } else {                /* NCHW: one parameter per run of S values */
                         for (int64_t cg = 0; cg < Cg; ++cg) {
                             const int64_t ch = gi * Cg + cg;
                             const float gamma_v = gamma[ch];
-                            int64_t s = 0;
-                            for (; s + DG_LANES <= S; s += DG_LANES) {
-                                for (int q = 0; q < DG_LANES; q += 64 / (int)sizeof(*x)) {  /* read ahead, a line at a time */
-                                    const int64_t pf = dg_ahead(off, cg * S + s + q, M, nxt, total, ahead);
-                                    if (pf >= 0) DG_PREFETCH(x + pf);
+                            {
+                                int64_t s = 0;
+                                for (; s + DG_LANES <= S; s += DG_LANES) {
+                                    for (int q = 0; q < DG_LANES; q += 64 / (int)sizeof(*x)) {  /* read ahead, a line at a time */
+                                        const int64_t pf = dg_ahead(off, cg * S + s + q, M, nxt, total, ahead);
+                                        if (pf >= 0) DG_PREFETCH(x + pf);
+                                    }
+                                    for (int q = 0; q < DG_LANES; q += 64 / (int)sizeof(*dy)) {  /* read ahead, a line at a time */
+                                        const int64_t pf = dg_ahead(off, cg * S + s + q, M, nxt, total, ahead);
+                                        if (pf >= 0) DG_PREFETCH(dy + pf);
+                                    }
+                                    DG_INDEPENDENT
+                                    for (int j = 0; j < DG_LANES; ++j) {
+                                        const int64_t idx = off + cg * S + s + j;
+                                        const float xv = x[idx];
+                                        const float dyv = dy[idx];
+                                        const float xhat = rstd_f*xv;
+                                        const float g = dyv*gamma_v;
+                                        lane_sum_g_xhat[j] += ((double)g)*((double)xhat);
+                                    }
                                 }
-                                for (int q = 0; q < DG_LANES; q += 64 / (int)sizeof(*dy)) {  /* read ahead, a line at a time */
-                                    const int64_t pf = dg_ahead(off, cg * S + s + q, M, nxt, total, ahead);
-                                    if (pf >= 0) DG_PREFETCH(dy + pf);
-                                }
-                                DG_INDEPENDENT
-                                for (int j = 0; j < DG_LANES; ++j) {
-                                    const int64_t idx = off + cg * S + s + j;
+                                for (; s < S; ++s) {
+                                    const int j = 0;                /* outside the lane blocks: lane 0 */
+                                    (void)j;
+                                    const int64_t idx = off + cg * S + s;
                                     const float xv = x[idx];
                                     const float dyv = dy[idx];
                                     const float xhat = rstd_f*xv;
                                     const float g = dyv*gamma_v;
                                     lane_sum_g_xhat[j] += ((double)g)*((double)xhat);
                                 }
-                            }
-                            for (; s < S; ++s) {
-                                const int j = 0;                /* outside the lane blocks: lane 0 */
-                                (void)j;
-                                const int64_t idx = off + cg * S + s;
-                                const float xv = x[idx];
-                                const float dyv = dy[idx];
-                                const float xhat = rstd_f*xv;
-                                const float g = dyv*gamma_v;
-                                lane_sum_g_xhat[j] += ((double)g)*((double)xhat);
                             }
 
                         }
@@ -570,14 +596,45 @@ int rmsnorm_train_backward_f32(
                 const float rstd_f = (float)rstd;
                 for (int64_t b = 0; b < blocks; ++b) {
                     const int64_t off = base + b * block_stride;
-                    const int dx_direct = S == 1 ? dg_direct(dx_stream, dx_tile, Cg) : 0;   /* stream from registers */
+                    const int dx_direct = S == 1 ? dg_direct(dx_stream, Cg) : 0;   /* stream from registers */
                     (void)dx_direct;
                     if (S == 1) {           /* parameters vary along the run */
-                        float *restrict dx_r = dx_tile != NULL && !dx_direct ? dx_tile : dx + off;
-                        int64_t m = 0;
-                        if (dx_direct) {          /* scalar head up to a 64-byte boundary of dx */
-                            const int64_t head = dg_head(dx + off, (int64_t)sizeof(float), Cg);
-                            for (; m < head; ++m) {
+                        {
+                            float *restrict dx_r = dx + off;
+                            int64_t m = 0;
+                            if (dx_direct) {          /* scalar head up to a 64-byte boundary of dx */
+                                const int64_t head = dg_head(dx + off, (int64_t)sizeof(float), Cg);
+                                for (; m < head; ++m) {
+                                    const int j = 0;                /* outside the lane blocks: lane 0 */
+                                    (void)j;
+                                    const int64_t idx = off + m;
+                                    const int64_t ch = gi * Cg + m;
+                                    const float gamma_v = gamma[ch];
+                                    const float xv = x[idx];
+                                    const float dyv = dy[idx];
+                                    const float xhat = rstd_f*xv;
+                                    const float g = dyv*gamma_v;
+                                    dx_r[idx - (off)] = (float)(rstd_f*(g - mean_g_xhat_f*xhat));
+                                    pend[0 * C + ch] += dyv*xhat;
+                                }
+                            }
+                            for (; m + DG_LANES <= Cg; m += DG_LANES) {
+                                float t_dx[DG_LANES];
+                                DG_INDEPENDENT
+                                for (int j = 0; j < DG_LANES; ++j) {
+                                    const int64_t idx = off + m + j;
+                                    const int64_t ch = gi * Cg + m + j;
+                                    const float gamma_v = gamma[ch];
+                                    const float xv = x[idx];
+                                    const float dyv = dy[idx];
+                                    const float xhat = rstd_f*xv;
+                                    const float g = dyv*gamma_v;
+                                    t_dx[j] = (float)(rstd_f*(g - mean_g_xhat_f*xhat));
+                                    pend[0 * C + ch] += dyv*xhat;
+                                }
+                                dg_put_float(dx_r + m, t_dx, dx_direct);
+                            }
+                            for (; m < Cg; ++m) {
                                 const int j = 0;                /* outside the lane blocks: lane 0 */
                                 (void)j;
                                 const int64_t idx = off + m;
@@ -591,36 +648,6 @@ int rmsnorm_train_backward_f32(
                                 pend[0 * C + ch] += dyv*xhat;
                             }
                         }
-                        for (; m + DG_LANES <= Cg; m += DG_LANES) {
-                            float t_dx[DG_LANES];
-                            DG_INDEPENDENT
-                            for (int j = 0; j < DG_LANES; ++j) {
-                                const int64_t idx = off + m + j;
-                                const int64_t ch = gi * Cg + m + j;
-                                const float gamma_v = gamma[ch];
-                                const float xv = x[idx];
-                                const float dyv = dy[idx];
-                                const float xhat = rstd_f*xv;
-                                const float g = dyv*gamma_v;
-                                t_dx[j] = (float)(rstd_f*(g - mean_g_xhat_f*xhat));
-                                pend[0 * C + ch] += dyv*xhat;
-                            }
-                            dg_put_float(dx_r + m, t_dx, dx_direct);
-                        }
-                        for (; m < Cg; ++m) {
-                            const int j = 0;                /* outside the lane blocks: lane 0 */
-                            (void)j;
-                            const int64_t idx = off + m;
-                            const int64_t ch = gi * Cg + m;
-                            const float gamma_v = gamma[ch];
-                            const float xv = x[idx];
-                            const float dyv = dy[idx];
-                            const float xhat = rstd_f*xv;
-                            const float g = dyv*gamma_v;
-                            dx_r[idx - (off)] = (float)(rstd_f*(g - mean_g_xhat_f*xhat));
-                            pend[0 * C + ch] += dyv*xhat;
-                        }
-                        if (dx_tile != NULL && !dx_direct) dg_stream_float(dx + off, dx_r, Cg);
 
                         pend_lo = pend_lo < gi * Cg ? pend_lo : gi * Cg;
                         pend_hi = pend_hi > gi * Cg + Cg ? pend_hi : gi * Cg + Cg;
@@ -635,12 +662,32 @@ int rmsnorm_train_backward_f32(
                             const int64_t ch = gi * Cg + cg;
                             const float gamma_v = gamma[ch];
                             double lane_p0[DG_LANES] = {0};
-                            float *restrict dx_r = dx_tile != NULL && !dx_direct ? dx_tile : dx + off + cg * S;
-                            int64_t s = 0;
-                            for (; s + DG_LANES <= S; s += DG_LANES) {
-                                DG_INDEPENDENT
-                                for (int j = 0; j < DG_LANES; ++j) {
-                                    const int64_t idx = off + cg * S + s + j;
+                            if (dx_tile != NULL && dx_fill > 0
+                                && (dx_at + dx_fill != off + cg * S || dx_fill + S > dx_cap)) {
+                                dg_stream_float(dx + dx_at, dx_tile, dx_fill);
+                                dx_fill = 0;
+                            }
+                            if (dx_fill == 0)
+                                dx_at = off + cg * S;
+                            {
+                                float *restrict dx_r = dx_tile != NULL ? dx_tile + dx_fill : dx + off + cg * S;
+                                int64_t s = 0;
+                                for (; s + DG_LANES <= S; s += DG_LANES) {
+                                    DG_INDEPENDENT
+                                    for (int j = 0; j < DG_LANES; ++j) {
+                                        const int64_t idx = off + cg * S + s + j;
+                                        const float xv = x[idx];
+                                        const float dyv = dy[idx];
+                                        const float xhat = rstd_f*xv;
+                                        const float g = dyv*gamma_v;
+                                        dx_r[idx - (off + cg * S)] = (float)(rstd_f*(g - mean_g_xhat_f*xhat));
+                                        lane_p0[j] += ((double)dyv)*((double)xhat);
+                                    }
+                                }
+                                for (; s < S; ++s) {
+                                    const int j = 0;                /* outside the lane blocks: lane 0 */
+                                    (void)j;
+                                    const int64_t idx = off + cg * S + s;
                                     const float xv = x[idx];
                                     const float dyv = dy[idx];
                                     const float xhat = rstd_f*xv;
@@ -649,18 +696,8 @@ int rmsnorm_train_backward_f32(
                                     lane_p0[j] += ((double)dyv)*((double)xhat);
                                 }
                             }
-                            for (; s < S; ++s) {
-                                const int j = 0;                /* outside the lane blocks: lane 0 */
-                                (void)j;
-                                const int64_t idx = off + cg * S + s;
-                                const float xv = x[idx];
-                                const float dyv = dy[idx];
-                                const float xhat = rstd_f*xv;
-                                const float g = dyv*gamma_v;
-                                dx_r[idx - (off + cg * S)] = (float)(rstd_f*(g - mean_g_xhat_f*xhat));
-                                lane_p0[j] += ((double)dyv)*((double)xhat);
-                            }
-                            if (dx_tile != NULL && !dx_direct) dg_stream_float(dx + off + cg * S, dx_r, S);
+                            if (dx_tile != NULL)
+                                dx_fill += S;
 
                             mine[0 * C + ch] += dg_lanes(lane_p0);
                         }
@@ -670,9 +707,12 @@ int rmsnorm_train_backward_f32(
         }
         if (pending > 0)
             dg_flush_float(mine, pend, P, C, pend_lo, pend_hi);
+        if (dx_fill > 0)
+            dg_stream_float(dx + dx_at, dx_tile, dx_fill);
         if (dx_stream)
             dg_fence();
         free(dx_tile);
+
     }
     for (int64_t c = 0; c < C; ++c) {       /* dgamma */
         double acc = 0.0;
@@ -712,8 +752,7 @@ int rmsnorm_train_forward_f64(
 
     DG_PRAGMA(omp parallel num_threads(nth))
     {
-        const int y_stream = dg_stream_on(total, (int64_t)sizeof(double));
-        double *y_tile = (double *)dg_tile(y_stream, S == 1 ? M : S, (int64_t)sizeof(double));
+const int y_stream = dg_stream_on(total, (int64_t)sizeof(double));
         (void)y_stream;
         DG_PRAGMA(omp for schedule(static))
         for (int64_t grp = 0; grp < n_groups; ++grp) {
@@ -726,25 +765,27 @@ int rmsnorm_train_forward_f64(
                 for (int64_t b = 0; b < blocks; ++b) {
                     const int64_t off = base + b * block_stride;
                     const int64_t nxt = b + 1 < blocks ? off + block_stride : base + M;   /* block read next */
-                    int64_t m = 0;
-                    for (; m + DG_LANES <= M; m += DG_LANES) {
-                        for (int q = 0; q < DG_LANES; q += 64 / (int)sizeof(*x)) {  /* read ahead, a line at a time */
-                            const int64_t pf = dg_ahead(off, m + q, M, nxt, total, ahead);
-                            if (pf >= 0) DG_PREFETCH(x + pf);
+                    {
+                        int64_t m = 0;
+                        for (; m + DG_LANES <= M; m += DG_LANES) {
+                            for (int q = 0; q < DG_LANES; q += 64 / (int)sizeof(*x)) {  /* read ahead, a line at a time */
+                                const int64_t pf = dg_ahead(off, m + q, M, nxt, total, ahead);
+                                if (pf >= 0) DG_PREFETCH(x + pf);
+                            }
+                            DG_INDEPENDENT
+                            for (int j = 0; j < DG_LANES; ++j) {
+                                const int64_t idx = off + m + j;
+                                const double xv = x[idx];
+                                lane_sum_ms[j] += (xv*xv);
+                            }
                         }
-                        DG_INDEPENDENT
-                        for (int j = 0; j < DG_LANES; ++j) {
-                            const int64_t idx = off + m + j;
+                        for (; m < M; ++m) {
+                            const int j = 0;                /* outside the lane blocks: lane 0 */
+                            (void)j;
+                            const int64_t idx = off + m;
                             const double xv = x[idx];
                             lane_sum_ms[j] += (xv*xv);
                         }
-                    }
-                    for (; m < M; ++m) {
-                        const int j = 0;                /* outside the lane blocks: lane 0 */
-                        (void)j;
-                        const int64_t idx = off + m;
-                        const double xv = x[idx];
-                        lane_sum_ms[j] += (xv*xv);
                     }
 
                 }
@@ -757,14 +798,39 @@ int rmsnorm_train_forward_f64(
             {
                 for (int64_t b = 0; b < blocks; ++b) {
                     const int64_t off = base + b * block_stride;
-                    const int y_direct = S == 1 ? dg_direct(y_stream, y_tile, Cg) : dg_direct(y_stream, y_tile, S);   /* stream from registers */
+                    const int y_direct = S == 1 ? dg_direct(y_stream, Cg) : dg_direct(y_stream, S);   /* stream from registers */
                     (void)y_direct;
                     if (S == 1) {           /* parameters vary along the run */
-                        double *restrict y_r = y_tile != NULL && !y_direct ? y_tile : y + off;
-                        int64_t m = 0;
-                        if (y_direct) {          /* scalar head up to a 64-byte boundary of y */
-                            const int64_t head = dg_head(y + off, (int64_t)sizeof(double), Cg);
-                            for (; m < head; ++m) {
+                        {
+                            double *restrict y_r = y + off;
+                            int64_t m = 0;
+                            if (y_direct) {          /* scalar head up to a 64-byte boundary of y */
+                                const int64_t head = dg_head(y + off, (int64_t)sizeof(double), Cg);
+                                for (; m < head; ++m) {
+                                    const int j = 0;                /* outside the lane blocks: lane 0 */
+                                    (void)j;
+                                    const int64_t idx = off + m;
+                                    const int64_t ch = gi * Cg + m;
+                                    const double gamma_v = gamma[ch];
+                                    const double xv = x[idx];
+                                    const double xhat = rstd*xv;
+                                    y_r[idx - (off)] = (double)(gamma_v*xhat);
+                                }
+                            }
+                            for (; m + DG_LANES <= Cg; m += DG_LANES) {
+                                double t_y[DG_LANES];
+                                DG_INDEPENDENT
+                                for (int j = 0; j < DG_LANES; ++j) {
+                                    const int64_t idx = off + m + j;
+                                    const int64_t ch = gi * Cg + m + j;
+                                    const double gamma_v = gamma[ch];
+                                    const double xv = x[idx];
+                                    const double xhat = rstd*xv;
+                                    t_y[j] = (double)(gamma_v*xhat);
+                                }
+                                dg_put_double(y_r + m, t_y, y_direct);
+                            }
+                            for (; m < Cg; ++m) {
                                 const int j = 0;                /* outside the lane blocks: lane 0 */
                                 (void)j;
                                 const int64_t idx = off + m;
@@ -775,40 +841,37 @@ int rmsnorm_train_forward_f64(
                                 y_r[idx - (off)] = (double)(gamma_v*xhat);
                             }
                         }
-                        for (; m + DG_LANES <= Cg; m += DG_LANES) {
-                            double t_y[DG_LANES];
-                            DG_INDEPENDENT
-                            for (int j = 0; j < DG_LANES; ++j) {
-                                const int64_t idx = off + m + j;
-                                const int64_t ch = gi * Cg + m + j;
-                                const double gamma_v = gamma[ch];
-                                const double xv = x[idx];
-                                const double xhat = rstd*xv;
-                                t_y[j] = (double)(gamma_v*xhat);
-                            }
-                            dg_put_double(y_r + m, t_y, y_direct);
-                        }
-                        for (; m < Cg; ++m) {
-                            const int j = 0;                /* outside the lane blocks: lane 0 */
-                            (void)j;
-                            const int64_t idx = off + m;
-                            const int64_t ch = gi * Cg + m;
-                            const double gamma_v = gamma[ch];
-                            const double xv = x[idx];
-                            const double xhat = rstd*xv;
-                            y_r[idx - (off)] = (double)(gamma_v*xhat);
-                        }
-                        if (y_tile != NULL && !y_direct) dg_stream_double(y + off, y_r, Cg);
 
                     } else {                /* NCHW: one parameter per run of S values */
                         for (int64_t cg = 0; cg < Cg; ++cg) {
                             const int64_t ch = gi * Cg + cg;
                             const double gamma_v = gamma[ch];
-                            double *restrict y_r = y_tile != NULL && !y_direct ? y_tile : y + off + cg * S;
-                            int64_t s = 0;
-                            if (y_direct) {          /* scalar head up to a 64-byte boundary of y */
-                                const int64_t head = dg_head(y + off + cg * S, (int64_t)sizeof(double), S);
-                                for (; s < head; ++s) {
+                            {
+                                double *restrict y_r = y + off + cg * S;
+                                int64_t s = 0;
+                                if (y_direct) {          /* scalar head up to a 64-byte boundary of y */
+                                    const int64_t head = dg_head(y + off + cg * S, (int64_t)sizeof(double), S);
+                                    for (; s < head; ++s) {
+                                        const int j = 0;                /* outside the lane blocks: lane 0 */
+                                        (void)j;
+                                        const int64_t idx = off + cg * S + s;
+                                        const double xv = x[idx];
+                                        const double xhat = rstd*xv;
+                                        y_r[idx - (off + cg * S)] = (double)(gamma_v*xhat);
+                                    }
+                                }
+                                for (; s + DG_LANES <= S; s += DG_LANES) {
+                                    double t_y[DG_LANES];
+                                    DG_INDEPENDENT
+                                    for (int j = 0; j < DG_LANES; ++j) {
+                                        const int64_t idx = off + cg * S + s + j;
+                                        const double xv = x[idx];
+                                        const double xhat = rstd*xv;
+                                        t_y[j] = (double)(gamma_v*xhat);
+                                    }
+                                    dg_put_double(y_r + s, t_y, y_direct);
+                                }
+                                for (; s < S; ++s) {
                                     const int j = 0;                /* outside the lane blocks: lane 0 */
                                     (void)j;
                                     const int64_t idx = off + cg * S + s;
@@ -817,26 +880,6 @@ int rmsnorm_train_forward_f64(
                                     y_r[idx - (off + cg * S)] = (double)(gamma_v*xhat);
                                 }
                             }
-                            for (; s + DG_LANES <= S; s += DG_LANES) {
-                                double t_y[DG_LANES];
-                                DG_INDEPENDENT
-                                for (int j = 0; j < DG_LANES; ++j) {
-                                    const int64_t idx = off + cg * S + s + j;
-                                    const double xv = x[idx];
-                                    const double xhat = rstd*xv;
-                                    t_y[j] = (double)(gamma_v*xhat);
-                                }
-                                dg_put_double(y_r + s, t_y, y_direct);
-                            }
-                            for (; s < S; ++s) {
-                                const int j = 0;                /* outside the lane blocks: lane 0 */
-                                (void)j;
-                                const int64_t idx = off + cg * S + s;
-                                const double xv = x[idx];
-                                const double xhat = rstd*xv;
-                                y_r[idx - (off + cg * S)] = (double)(gamma_v*xhat);
-                            }
-                            if (y_tile != NULL && !y_direct) dg_stream_double(y + off + cg * S, y_r, S);
 
                         }
                     }
@@ -845,7 +888,7 @@ int rmsnorm_train_forward_f64(
         }
         if (y_stream)
             dg_fence();
-        free(y_tile);
+
     }
     return 0;
 }
@@ -895,8 +938,10 @@ int rmsnorm_train_backward_f64(
         double *restrict pend = pend_all + (int64_t)dg_thread_id() * P * C;
         int pending = 0;                             /* runs added into pend since its last flush */
         int64_t pend_lo = C, pend_hi = 0;            /* the channels they touched */
-        const int dx_stream = dg_stream_on(total, (int64_t)sizeof(double));
-        double *dx_tile = (double *)dg_tile(dx_stream, S == 1 ? M : S, (int64_t)sizeof(double));
+const int dx_stream = dg_stream_on(total, (int64_t)sizeof(double));
+        const int64_t dx_cap = dg_tile_len(S == 1 ? M : S, (int64_t)sizeof(double));
+        double *dx_tile = (double *)dg_tile(dx_stream, dx_cap, (int64_t)sizeof(double));   /* NULL: dx in place */
+        int64_t dx_at = 0, dx_fill = 0;           /* the tile holds dx[at, at + fill) */
         (void)dx_stream;
         (void)pend;
         (void)pending;
@@ -918,20 +963,34 @@ int rmsnorm_train_backward_f64(
                     const int64_t off = base + b * block_stride;
                     const int64_t nxt = b + 1 < blocks ? off + block_stride : base + M;   /* block read next */
                     if (S == 1) {           /* parameters vary along the run */
-                        int64_t m = 0;
-                        for (; m + DG_LANES <= Cg; m += DG_LANES) {
-                            for (int q = 0; q < DG_LANES; q += 64 / (int)sizeof(*x)) {  /* read ahead, a line at a time */
-                                const int64_t pf = dg_ahead(off, m + q, M, nxt, total, ahead);
-                                if (pf >= 0) DG_PREFETCH(x + pf);
+                        {
+                            int64_t m = 0;
+                            for (; m + DG_LANES <= Cg; m += DG_LANES) {
+                                for (int q = 0; q < DG_LANES; q += 64 / (int)sizeof(*x)) {  /* read ahead, a line at a time */
+                                    const int64_t pf = dg_ahead(off, m + q, M, nxt, total, ahead);
+                                    if (pf >= 0) DG_PREFETCH(x + pf);
+                                }
+                                for (int q = 0; q < DG_LANES; q += 64 / (int)sizeof(*dy)) {  /* read ahead, a line at a time */
+                                    const int64_t pf = dg_ahead(off, m + q, M, nxt, total, ahead);
+                                    if (pf >= 0) DG_PREFETCH(dy + pf);
+                                }
+                                DG_INDEPENDENT
+                                for (int j = 0; j < DG_LANES; ++j) {
+                                    const int64_t idx = off + m + j;
+                                    const int64_t ch = gi * Cg + m + j;
+                                    const double gamma_v = gamma[ch];
+                                    const double xv = x[idx];
+                                    const double dyv = dy[idx];
+                                    const double xhat = rstd*xv;
+                                    const double g = dyv*gamma_v;
+                                    lane_sum_g_xhat[j] += g*xhat;
+                                }
                             }
-                            for (int q = 0; q < DG_LANES; q += 64 / (int)sizeof(*dy)) {  /* read ahead, a line at a time */
-                                const int64_t pf = dg_ahead(off, m + q, M, nxt, total, ahead);
-                                if (pf >= 0) DG_PREFETCH(dy + pf);
-                            }
-                            DG_INDEPENDENT
-                            for (int j = 0; j < DG_LANES; ++j) {
-                                const int64_t idx = off + m + j;
-                                const int64_t ch = gi * Cg + m + j;
+                            for (; m < Cg; ++m) {
+                                const int j = 0;                /* outside the lane blocks: lane 0 */
+                                (void)j;
+                                const int64_t idx = off + m;
+                                const int64_t ch = gi * Cg + m;
                                 const double gamma_v = gamma[ch];
                                 const double xv = x[idx];
                                 const double dyv = dy[idx];
@@ -940,52 +999,42 @@ int rmsnorm_train_backward_f64(
                                 lane_sum_g_xhat[j] += g*xhat;
                             }
                         }
-                        for (; m < Cg; ++m) {
-                            const int j = 0;                /* outside the lane blocks: lane 0 */
-                            (void)j;
-                            const int64_t idx = off + m;
-                            const int64_t ch = gi * Cg + m;
-                            const double gamma_v = gamma[ch];
-                            const double xv = x[idx];
-                            const double dyv = dy[idx];
-                            const double xhat = rstd*xv;
-                            const double g = dyv*gamma_v;
-                            lane_sum_g_xhat[j] += g*xhat;
-                        }
 
                     } else {                /* NCHW: one parameter per run of S values */
                         for (int64_t cg = 0; cg < Cg; ++cg) {
                             const int64_t ch = gi * Cg + cg;
                             const double gamma_v = gamma[ch];
-                            int64_t s = 0;
-                            for (; s + DG_LANES <= S; s += DG_LANES) {
-                                for (int q = 0; q < DG_LANES; q += 64 / (int)sizeof(*x)) {  /* read ahead, a line at a time */
-                                    const int64_t pf = dg_ahead(off, cg * S + s + q, M, nxt, total, ahead);
-                                    if (pf >= 0) DG_PREFETCH(x + pf);
+                            {
+                                int64_t s = 0;
+                                for (; s + DG_LANES <= S; s += DG_LANES) {
+                                    for (int q = 0; q < DG_LANES; q += 64 / (int)sizeof(*x)) {  /* read ahead, a line at a time */
+                                        const int64_t pf = dg_ahead(off, cg * S + s + q, M, nxt, total, ahead);
+                                        if (pf >= 0) DG_PREFETCH(x + pf);
+                                    }
+                                    for (int q = 0; q < DG_LANES; q += 64 / (int)sizeof(*dy)) {  /* read ahead, a line at a time */
+                                        const int64_t pf = dg_ahead(off, cg * S + s + q, M, nxt, total, ahead);
+                                        if (pf >= 0) DG_PREFETCH(dy + pf);
+                                    }
+                                    DG_INDEPENDENT
+                                    for (int j = 0; j < DG_LANES; ++j) {
+                                        const int64_t idx = off + cg * S + s + j;
+                                        const double xv = x[idx];
+                                        const double dyv = dy[idx];
+                                        const double xhat = rstd*xv;
+                                        const double g = dyv*gamma_v;
+                                        lane_sum_g_xhat[j] += g*xhat;
+                                    }
                                 }
-                                for (int q = 0; q < DG_LANES; q += 64 / (int)sizeof(*dy)) {  /* read ahead, a line at a time */
-                                    const int64_t pf = dg_ahead(off, cg * S + s + q, M, nxt, total, ahead);
-                                    if (pf >= 0) DG_PREFETCH(dy + pf);
-                                }
-                                DG_INDEPENDENT
-                                for (int j = 0; j < DG_LANES; ++j) {
-                                    const int64_t idx = off + cg * S + s + j;
+                                for (; s < S; ++s) {
+                                    const int j = 0;                /* outside the lane blocks: lane 0 */
+                                    (void)j;
+                                    const int64_t idx = off + cg * S + s;
                                     const double xv = x[idx];
                                     const double dyv = dy[idx];
                                     const double xhat = rstd*xv;
                                     const double g = dyv*gamma_v;
                                     lane_sum_g_xhat[j] += g*xhat;
                                 }
-                            }
-                            for (; s < S; ++s) {
-                                const int j = 0;                /* outside the lane blocks: lane 0 */
-                                (void)j;
-                                const int64_t idx = off + cg * S + s;
-                                const double xv = x[idx];
-                                const double dyv = dy[idx];
-                                const double xhat = rstd*xv;
-                                const double g = dyv*gamma_v;
-                                lane_sum_g_xhat[j] += g*xhat;
                             }
 
                         }
@@ -999,14 +1048,45 @@ int rmsnorm_train_backward_f64(
             {
                 for (int64_t b = 0; b < blocks; ++b) {
                     const int64_t off = base + b * block_stride;
-                    const int dx_direct = S == 1 ? dg_direct(dx_stream, dx_tile, Cg) : 0;   /* stream from registers */
+                    const int dx_direct = S == 1 ? dg_direct(dx_stream, Cg) : 0;   /* stream from registers */
                     (void)dx_direct;
                     if (S == 1) {           /* parameters vary along the run */
-                        double *restrict dx_r = dx_tile != NULL && !dx_direct ? dx_tile : dx + off;
-                        int64_t m = 0;
-                        if (dx_direct) {          /* scalar head up to a 64-byte boundary of dx */
-                            const int64_t head = dg_head(dx + off, (int64_t)sizeof(double), Cg);
-                            for (; m < head; ++m) {
+                        {
+                            double *restrict dx_r = dx + off;
+                            int64_t m = 0;
+                            if (dx_direct) {          /* scalar head up to a 64-byte boundary of dx */
+                                const int64_t head = dg_head(dx + off, (int64_t)sizeof(double), Cg);
+                                for (; m < head; ++m) {
+                                    const int j = 0;                /* outside the lane blocks: lane 0 */
+                                    (void)j;
+                                    const int64_t idx = off + m;
+                                    const int64_t ch = gi * Cg + m;
+                                    const double gamma_v = gamma[ch];
+                                    const double xv = x[idx];
+                                    const double dyv = dy[idx];
+                                    const double xhat = rstd*xv;
+                                    const double g = dyv*gamma_v;
+                                    dx_r[idx - (off)] = (double)(g*k_g + k_xhat*xhat);
+                                    pend[0 * C + ch] += dyv*xhat;
+                                }
+                            }
+                            for (; m + DG_LANES <= Cg; m += DG_LANES) {
+                                double t_dx[DG_LANES];
+                                DG_INDEPENDENT
+                                for (int j = 0; j < DG_LANES; ++j) {
+                                    const int64_t idx = off + m + j;
+                                    const int64_t ch = gi * Cg + m + j;
+                                    const double gamma_v = gamma[ch];
+                                    const double xv = x[idx];
+                                    const double dyv = dy[idx];
+                                    const double xhat = rstd*xv;
+                                    const double g = dyv*gamma_v;
+                                    t_dx[j] = (double)(g*k_g + k_xhat*xhat);
+                                    pend[0 * C + ch] += dyv*xhat;
+                                }
+                                dg_put_double(dx_r + m, t_dx, dx_direct);
+                            }
+                            for (; m < Cg; ++m) {
                                 const int j = 0;                /* outside the lane blocks: lane 0 */
                                 (void)j;
                                 const int64_t idx = off + m;
@@ -1020,36 +1100,6 @@ int rmsnorm_train_backward_f64(
                                 pend[0 * C + ch] += dyv*xhat;
                             }
                         }
-                        for (; m + DG_LANES <= Cg; m += DG_LANES) {
-                            double t_dx[DG_LANES];
-                            DG_INDEPENDENT
-                            for (int j = 0; j < DG_LANES; ++j) {
-                                const int64_t idx = off + m + j;
-                                const int64_t ch = gi * Cg + m + j;
-                                const double gamma_v = gamma[ch];
-                                const double xv = x[idx];
-                                const double dyv = dy[idx];
-                                const double xhat = rstd*xv;
-                                const double g = dyv*gamma_v;
-                                t_dx[j] = (double)(g*k_g + k_xhat*xhat);
-                                pend[0 * C + ch] += dyv*xhat;
-                            }
-                            dg_put_double(dx_r + m, t_dx, dx_direct);
-                        }
-                        for (; m < Cg; ++m) {
-                            const int j = 0;                /* outside the lane blocks: lane 0 */
-                            (void)j;
-                            const int64_t idx = off + m;
-                            const int64_t ch = gi * Cg + m;
-                            const double gamma_v = gamma[ch];
-                            const double xv = x[idx];
-                            const double dyv = dy[idx];
-                            const double xhat = rstd*xv;
-                            const double g = dyv*gamma_v;
-                            dx_r[idx - (off)] = (double)(g*k_g + k_xhat*xhat);
-                            pend[0 * C + ch] += dyv*xhat;
-                        }
-                        if (dx_tile != NULL && !dx_direct) dg_stream_double(dx + off, dx_r, Cg);
 
                         pend_lo = pend_lo < gi * Cg ? pend_lo : gi * Cg;
                         pend_hi = pend_hi > gi * Cg + Cg ? pend_hi : gi * Cg + Cg;
@@ -1064,12 +1114,32 @@ int rmsnorm_train_backward_f64(
                             const int64_t ch = gi * Cg + cg;
                             const double gamma_v = gamma[ch];
                             double lane_p0[DG_LANES] = {0};
-                            double *restrict dx_r = dx_tile != NULL && !dx_direct ? dx_tile : dx + off + cg * S;
-                            int64_t s = 0;
-                            for (; s + DG_LANES <= S; s += DG_LANES) {
-                                DG_INDEPENDENT
-                                for (int j = 0; j < DG_LANES; ++j) {
-                                    const int64_t idx = off + cg * S + s + j;
+                            if (dx_tile != NULL && dx_fill > 0
+                                && (dx_at + dx_fill != off + cg * S || dx_fill + S > dx_cap)) {
+                                dg_stream_double(dx + dx_at, dx_tile, dx_fill);
+                                dx_fill = 0;
+                            }
+                            if (dx_fill == 0)
+                                dx_at = off + cg * S;
+                            {
+                                double *restrict dx_r = dx_tile != NULL ? dx_tile + dx_fill : dx + off + cg * S;
+                                int64_t s = 0;
+                                for (; s + DG_LANES <= S; s += DG_LANES) {
+                                    DG_INDEPENDENT
+                                    for (int j = 0; j < DG_LANES; ++j) {
+                                        const int64_t idx = off + cg * S + s + j;
+                                        const double xv = x[idx];
+                                        const double dyv = dy[idx];
+                                        const double xhat = rstd*xv;
+                                        const double g = dyv*gamma_v;
+                                        dx_r[idx - (off + cg * S)] = (double)(g*k_g + k_xhat*xhat);
+                                        lane_p0[j] += dyv*xhat;
+                                    }
+                                }
+                                for (; s < S; ++s) {
+                                    const int j = 0;                /* outside the lane blocks: lane 0 */
+                                    (void)j;
+                                    const int64_t idx = off + cg * S + s;
                                     const double xv = x[idx];
                                     const double dyv = dy[idx];
                                     const double xhat = rstd*xv;
@@ -1078,18 +1148,8 @@ int rmsnorm_train_backward_f64(
                                     lane_p0[j] += dyv*xhat;
                                 }
                             }
-                            for (; s < S; ++s) {
-                                const int j = 0;                /* outside the lane blocks: lane 0 */
-                                (void)j;
-                                const int64_t idx = off + cg * S + s;
-                                const double xv = x[idx];
-                                const double dyv = dy[idx];
-                                const double xhat = rstd*xv;
-                                const double g = dyv*gamma_v;
-                                dx_r[idx - (off + cg * S)] = (double)(g*k_g + k_xhat*xhat);
-                                lane_p0[j] += dyv*xhat;
-                            }
-                            if (dx_tile != NULL && !dx_direct) dg_stream_double(dx + off + cg * S, dx_r, S);
+                            if (dx_tile != NULL)
+                                dx_fill += S;
 
                             mine[0 * C + ch] += dg_lanes(lane_p0);
                         }
@@ -1099,9 +1159,12 @@ int rmsnorm_train_backward_f64(
         }
         if (pending > 0)
             dg_flush_double(mine, pend, P, C, pend_lo, pend_hi);
+        if (dx_fill > 0)
+            dg_stream_double(dx + dx_at, dx_tile, dx_fill);
         if (dx_stream)
             dg_fence();
         free(dx_tile);
+
     }
     for (int64_t c = 0; c < C; ++c) {       /* dgamma */
         double acc = 0.0;
