@@ -50,18 +50,6 @@ def tune_malloc() -> bool:
         return False
 
 
-def timeit(fn, repeat: int, warmup: int = 2) -> float:
-    """Median ms of ``repeat`` calls after ``warmup``."""
-    for _ in range(warmup):
-        fn()
-    ts = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts) * 1e3
-
-
 BATCH = 3   # timed calls in a row per implementation and round
 
 
@@ -262,10 +250,9 @@ def run_bench(names, shapes=None, threads=None, dtype="float32", repeat=15, prog
             t1 = round_robin({"copy": probe.copy, "stream_copy": probe.stream_copy,
                               **{k: f for k, f in fns.items() if k.endswith(("_fwd", "_bwd"))}}, repeat)
             cbw = probe.rates(t1)
-            bound_fwd = 2 * nbytes / (cbw["copy_GBps"] * 1e6)
-            bound_bwd = 3 * nbytes / (cbw["copy_GBps"] * 1e6)
-            nt_fwd = 2 * nbytes / (cbw["stream_copy_GBps"] * 1e6)
-            nt_bwd = 3 * nbytes / (cbw["stream_copy_GBps"] * 1e6)
+            moved = {"fwd": 2 * nbytes, "bwd": 3 * nbytes}        # fwd: x, y; bwd: x, dy, dx
+            bound = {ph: b / (cbw["copy_GBps"] * 1e6) for ph, b in moved.items()}          # ms
+            nt_bound = {ph: b / (cbw["stream_copy_GBps"] * 1e6) for ph, b in moved.items()}
             # 2. forward + backward of every implementation, side by side
             if progress:
                 progress(f"{name} {shape} forward + backward side by side")
@@ -280,21 +267,21 @@ def run_bench(names, shapes=None, threads=None, dtype="float32", repeat=15, prog
                 r = Result(name, shape, f"generated {backend}", fwd_ms=t1[f"{backend}_fwd"],
                            bwd_ms=t1[f"{backend}_bwd"], step_ms=t2[f"{backend}_step"],
                            step_alloc_ms=t2[f"{backend}_alloc"], bandwidth=cbw)
-                r.ratios.update(fwd_vs_bound=r.fwd_ms / bound_fwd, bwd_vs_bound=r.bwd_ms / bound_bwd,
-                                fwd_vs_stream_bound=r.fwd_ms / nt_fwd, bwd_vs_stream_bound=r.bwd_ms / nt_bwd)
+                for ph, ms in (("fwd", r.fwd_ms), ("bwd", r.bwd_ms)):
+                    r.ratios[f"{ph}_vs_bound"] = ms / bound[ph]
+                    r.ratios[f"{ph}_vs_stream_bound"] = ms / nt_bound[ph]
                 row_results.append(r)
             row_results.append(Result(name, shape, "plain numpy", step_alloc_ms=t2["plain"]))
             torch_ms = None
             if have_torch:
                 torch_ms = t2["torch_step"]
                 row_results.append(Result(name, shape, "torch", fwd_ms=t2["torch_fwd"], step_alloc_ms=torch_ms))
-            plain_ms = row_results[2].step_alloc_ms
             for r in row_results:
                 best = r.step_ms if r.step_ms is not None else r.step_alloc_ms
                 if torch_ms:
                     r.ratios["step_vs_torch"] = best / torch_ms
-                r.ratios["step_vs_plain_numpy"] = best / plain_ms
-                r.ratios["step_vs_bound"] = best / (bound_fwd + bound_bwd)
+                r.ratios["step_vs_plain_numpy"] = best / t2["plain"]
+                r.ratios["step_vs_bound"] = best / (bound["fwd"] + bound["bwd"])
             results += row_results
     probes = [r.bandwidth for r in results if r.impl == "generated c"]     # one probe per case
     bw = {k: statistics.median(p[k] for p in probes) for k in ("copy_GBps", "stream_copy_GBps")} if probes else {}

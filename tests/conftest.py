@@ -1,7 +1,12 @@
 import os
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
 
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
@@ -24,3 +29,11 @@ def require_module(name: str):
         if IN_CI:
             pytest.fail(f"python module {name} is not installed (required under CI=true)")
         pytest.skip(f"{name} not installed")
+
+
+def run_driver(script: str, tmp_path, cflags: str, *args, env=None, timeout: int = 900):
+    """Run ``tests/<script>`` in a subprocess whose C kernels are built with
+    ``cflags`` into a cache of its own under ``tmp_path``."""
+    full = dict(os.environ, CFLAGS=cflags, DERIVGEN_CACHE=str(tmp_path / "cache"), PYTHONPATH=str(ROOT), **(env or {}))
+    return subprocess.run([sys.executable, str(ROOT / "tests" / script), *map(str, args)], env=full,
+                          capture_output=True, text=True, timeout=timeout, cwd=tmp_path)

@@ -4,14 +4,11 @@ Both run in subprocesses, so a fault is a failed test, not a dead test run."""
 
 import os
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-from conftest import require_tool
+from conftest import ROOT, require_tool, run_driver
 
-ROOT = Path(__file__).resolve().parent.parent
 SAN = "-O1 -g -fno-omit-frame-pointer -fsanitize=address,undefined -fno-sanitize-recover=all"
 
 
@@ -20,11 +17,9 @@ def _sanitized(tmp_path, *args, extra: str = ""):
     libasan = subprocess.run([gcc, "-print-file-name=libasan.so"], capture_output=True, text=True).stdout.strip()
     if not os.path.isabs(libasan):
         pytest.fail("gcc has no libasan.so (install libasan8 / gcc)")
-    env = dict(os.environ, CFLAGS=f"{SAN} {extra}", DERIVGEN_CACHE=str(tmp_path / "cache"), LD_PRELOAD=libasan,
-               ASAN_OPTIONS="detect_leaks=0:abort_on_error=1", UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1",
-               PYTHONPATH=str(ROOT))
-    return subprocess.run([sys.executable, str(ROOT / "tests" / "sanitize_driver.py"), *args], env=env,
-                          capture_output=True, text=True, timeout=900, cwd=tmp_path)
+    env = dict(LD_PRELOAD=libasan, ASAN_OPTIONS="detect_leaks=0:abort_on_error=1",
+               UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1")
+    return run_driver("sanitize_driver.py", tmp_path, f"{SAN} {extra}", *args, env=env)
 
 
 def test_the_sanitizer_catches_an_out_of_bounds_read(tmp_path):

@@ -6,16 +6,13 @@ every layer, both dtypes, 1 and 2 threads, misaligned inputs and outputs, and
 for the AVX-512, AVX2 and SSE2 variants of the streaming copy."""
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from conftest import require_tool
+from conftest import require_tool, run_driver
 
-ROOT = Path(__file__).resolve().parent.parent
 BASE = "-O2 -fno-math-errno"
 OFF = "-DDG_STREAM_BYTES=INT64_MAX -DDG_AHEAD_BYTES=0"
 ON = "-DDG_STREAM_BYTES=0 -DDG_AHEAD_BYTES=64"
@@ -31,9 +28,7 @@ def _cpu_flags() -> str:
 def _run(tmp_path, tag: str, cflags: str) -> dict:
     require_tool("gcc")
     out = tmp_path / f"{tag}.npz"
-    env = dict(os.environ, CFLAGS=cflags, DERIVGEN_CACHE=str(tmp_path / "cache"), PYTHONPATH=str(ROOT))
-    r = subprocess.run([sys.executable, str(ROOT / "tests" / "stream_driver.py"), str(out)], env=env,
-                       capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    r = run_driver("stream_driver.py", tmp_path, cflags, out, timeout=600)
     assert r.returncode == 0, (cflags, r.stdout[-2000:], r.stderr[-4000:])
     with np.load(out) as z:
         return {k: z[k] for k in z.files}

@@ -34,12 +34,12 @@
  * of at least DG_STREAM_BYTES are written with non-temporal stores, so their
  * lines are not read before being overwritten: runs without lane sums start
  * their lane blocks at a 64-byte boundary and stream each block from
- * registers (shorter runs are written in place); runs with lane sums compute
- * into a per-thread tile of at most DG_TILE_BYTES (runs that follow on in the
- * output share it) that is streamed out when the next run does not fit or does
- * not follow on. Either way every element is computed by
- * the same arithmetic, so results are the same bits as without streaming. All
- * three are macros a build may override (-D).
+ * registers (runs shorter than DG_DIRECT_MIN are written in place); runs with
+ * lane sums compute into a per-thread tile of DG_TILE_MIN_BYTES to
+ * DG_TILE_BYTES (runs that follow on in the output share it) that is streamed
+ * out when the next run does not fit or does not follow on. Either way every
+ * element is computed by the same arithmetic, so results are the same bits as
+ * without streaming. All of these sizes are macros a build may override (-D).
  */
 #include "layernorm.h"
 
