@@ -6,7 +6,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.derivgen-installed
 
-.PHONY: demo test install pdflatex generate check clean
+.PHONY: demo test install pdflatex generate check clean fuzz
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -44,6 +44,12 @@ demo: $(STAMP)
 
 test: $(STAMP) pdflatex
 	$(BIN)/python -m pytest -q
+
+# the spec fuzzer's larger corpus (the test suite runs seeds 0-199); SEEDS=a-b, JOBS=n
+SEEDS ?= 200-1199
+JOBS  ?= 2
+fuzz: $(STAMP)
+	$(BIN)/python tests/specfuzz.py --seeds $(SEEDS) --jobs $(JOBS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

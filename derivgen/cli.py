@@ -205,14 +205,21 @@ def check_cmd(names, spec_files, backends, dtypes, prove_sizes, as_json):
 @click.option("--spec", "spec_files", multiple=True, type=click.Path(dir_okay=False), help="Spec file(s) to build.")
 def build_cmd(names, spec_files):
     """Compile the C kernels into shared libraries in the build cache (CC and CFLAGS honored)."""
-    from .build import BuildError, build_shared
+    import warnings
+
+    from .build import BuildError, BuildWarning, build_shared
     specs = _specs(names, spec_files)
     for spec in specs or [api.load_spec(n) for n in api.names()]:
         root, _ = api.materialize(spec, "c")
-        try:
-            lib = build_shared(root / f"{spec.name}.c")
-        except BuildError as exc:
-            raise click.ClickException(f"{spec.name}: {exc}") from None
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", BuildWarning)
+            try:
+                lib = build_shared(root / f"{spec.name}.c")
+            except BuildError as exc:
+                raise click.ClickException(f"{spec.name}: {exc}") from None
+        for w in caught:
+            if issubclass(w.category, BuildWarning):
+                click.echo(f"derivgen: warning: {w.message}", err=True)
         click.echo(f"{spec.name:<18} {lib}")
 
 

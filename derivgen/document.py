@@ -13,50 +13,11 @@ import sympy
 from sympy.printing.latex import LatexPrinter
 from sympy.printing.str import StrPrinter
 
+from .naming import DisplayNames, _Ordered
 from .reduce import Mean
 
-_ELEMENT = {"x", "dy", "g", "xhat"}
-
-
-class _Names:
-    def __init__(self, spec=None):
-        self.latex: dict[str, str] = {"dy": r"\frac{\partial L}{\partial y}", "g": "g", "x": "x", "N": "N"}
-        self.text: dict[str, str] = {"dy": "∂L/∂y", "g": "g", "x": "x", "N": "N"}
-        self.element = set(_ELEMENT)
-        self.options: set[str] = set()
-        if spec is not None:
-            self.options = {o.name for o in spec.options}
-            for n, item in spec.symbols.items():
-                self.latex[n] = item.latex
-                self.text[n] = item.text
-            self.element |= {p.name for p in spec.params}
-            if spec.normalized is not None:
-                self.element.add(spec.normalized.name)
-
-
-def _term_key(names):
-    def key(t):
-        syms = {str(s) for s in t.free_symbols}
-        neg = t.could_extract_minus_sign()
-        degree = sum(1 for f in sympy.Mul.make_args(t) if {str(s) for s in f.free_symbols} & names.element
-                     and not isinstance(f, Mean))
-        return (neg,                                          # positive terms first
-                -degree if not neg else 0,                    # gamma*xhat + beta
-                sympy.count_ops(t),                           # simple before complex: g - mean(g) - ...
-                bool(syms & names.options),                   # eps and friends last
-                sympy.default_sort_key(t))
-    return key
-
-
-class _Ordered:
-    """Order sums as people write them: x - μ, g - ⟨g⟩ - x̂⟨g x̂⟩, σ² + ε."""
-
-    def _as_ordered_terms(self, expr, order=None):
-        return sorted(expr.args, key=_term_key(self.names))
-
-
 class DerivLatexPrinter(_Ordered, LatexPrinter):
-    def __init__(self, names: _Names, subscript: bool = True):
+    def __init__(self, names: DisplayNames, subscript: bool = True):
         super().__init__({"mul_symbol": None, "fold_short_frac": False})
         self.names = names
         self.subscript = subscript
@@ -83,7 +44,7 @@ class DerivLatexPrinter(_Ordered, LatexPrinter):
 
 
 class DerivTextPrinter(_Ordered, StrPrinter):
-    def __init__(self, names: _Names):
+    def __init__(self, names: DisplayNames):
         super().__init__({"order": None})
         self.names = names
 
@@ -94,31 +55,12 @@ class DerivTextPrinter(_Ordered, StrPrinter):
         return "mean(%s)" % self._print(expr.args[0])
 
 
-class CodeTextPrinter(_Ordered, StrPrinter):
-    """Plain identifiers, natural term order: for comments in generated code."""
-
-    def __init__(self, names: _Names):
-        super().__init__({"order": None})
-        self.names = names
-
-    def _print_Mean(self, expr):
-        return "mean(%s)" % self._print(expr.args[0])
+def latex_expr(expr, spec=None, subscript: bool = True, extra=None) -> str:
+    return DerivLatexPrinter(DisplayNames(spec, extra), subscript).doprint(expr)
 
 
-def code_text(expr, spec=None) -> str:
-    return CodeTextPrinter(_Names(spec)).doprint(expr)
-
-
-def ordered_names(spec):
-    return _Names(spec)
-
-
-def latex_expr(expr, spec=None, subscript: bool = True) -> str:
-    return DerivLatexPrinter(_Names(spec), subscript).doprint(expr)
-
-
-def text_expr(expr, spec=None) -> str:
-    s = DerivTextPrinter(_Names(spec)).doprint(expr)
+def text_expr(expr, spec=None, extra=None) -> str:
+    s = DerivTextPrinter(DisplayNames(spec, extra)).doprint(expr)
     return s.replace("**", "^").replace("*", "·")
 
 
@@ -173,6 +115,14 @@ def render(derivation, fmt: str = "latex", standalone: bool = False) -> str:
     raise ValueError(f"format must be latex, markdown or text, got {fmt!r}")
 
 
+def _extra(md) -> dict:
+    """Display names beyond the spec's: the auxiliaries and the centred coordinate."""
+    out = {s.name: s for s in md.statistics}
+    if md.coordinate is not None:
+        out[md.coordinate.name] = md.coordinate
+    return out
+
+
 def _mode_title(md, n_modes: int) -> str:
     if n_modes == 1:
         return ""
@@ -201,7 +151,7 @@ def _render_latex(d) -> str:
                     if eq.rhs is None:
                         line = eq.lhs_latex.replace(" = ", " &= ", 1)
                     else:
-                        line = eq.lhs_latex + " &= " + latex_expr(eq.rhs, spec)
+                        line = eq.lhs_latex + " &= " + latex_expr(eq.rhs, spec, extra=_extra(md))
                     lines.append(line)
                 out.append(" \\\\\n".join(lines))
                 out.append(r"\end{align*}")
@@ -258,7 +208,7 @@ def _render_markdown(d) -> str:
                 if eq.rhs is None:
                     out.append(f"$$ {eq.lhs_latex} $$")
                 else:
-                    out.append(f"$$ {eq.lhs_latex} = {latex_expr(eq.rhs, spec)} $$")
+                    out.append(f"$$ {eq.lhs_latex} = {latex_expr(eq.rhs, spec, extra=_extra(md))} $$")
                 if eq.note:
                     out.append(f"*{eq.note}*")
                 out.append("")
@@ -283,7 +233,7 @@ def _render_text(d) -> str:
             if step.prose:
                 out += [step.prose]
             for eq in step.equations:
-                line = "  " + (eq.lhs_text if eq.rhs is None else f"{eq.lhs_text} = {text_expr(eq.rhs, spec)}")
+                line = "  " + (eq.lhs_text if eq.rhs is None else f"{eq.lhs_text} = {text_expr(eq.rhs, spec, extra=_extra(md))}")
                 out.append(line)
                 if eq.note:
                     out.append(f"      ({eq.note})")

@@ -3,51 +3,53 @@
 For one mode of a spec (statistics s_1..s_K, normalized coordinate x̂, output
 y) it derives, as a careful person does by hand:
 
-1. the local partial derivatives (∂y/∂x, ∂y/∂s_k, ∂s_k/∂s_m, ∂s_k/∂x_i),
-2. the adjoint of every statistic, latest first (∂L/∂s_k), with the terms
-   that vanish by the definition of the statistics shown and explained
-   (∂σ²/∂μ ∝ Σ(x-μ) = 0),
-3. ∂L/∂x, rewritten in the normalized coordinate x̂ and in g = ∂L/∂y · ∂y/∂x̂,
-   where it collapses to a compact closed form with few group reductions,
-4. the parameter gradients (reductions over the non-parameter axes) and the
-   gradients of per-group inputs.
+1. the statistics as a *program* (:func:`atomize`): every group mean the
+   statistics are not linear in, and every square root, power, exp, log,
+   abs or tanh of group values inside a larger statistic, is named as an
+   auxiliary statistic. The engine then knows every mean the forward
+   computes, and every derivative is rational in named values
+   (d√u/du = 1/(2√u) is 1/(2·a) for the named a = √u) -- so the closed form
+   is the same whether a user writes one statistic or three;
+2. the adjoint of every statistic, latest first (∂L/∂s_k), through the
+   partial derivatives of the program, with the terms that vanish by the
+   definitions of the statistics recorded with their reasons
+   (∂σ²/∂μ ∝ Σ(x-μ) = 0) and the ones that look like they vanish but do
+   not recorded as kept;
+3. ∂L/∂x and the gradients of per-channel parameters: element-level, with
+   per-group coefficients; rewritten in the normalized coordinate x̂ and in
+   g = ∂L/∂y · ∂y/∂x̂, where they collapse to compact closed forms with few
+   group reductions; per-group inputs and scalar parameters that enter the
+   statistics get per-group gradients.
 
 No ``sympy.simplify``: only linearity of means, known statistics (from
-:mod:`derivgen.reduce`), substitution of x̂, ``expand`` on small expressions
-and ``factor_terms``.
+:mod:`derivgen.reduce`), substitution of x̂, ``expand`` and ``factor`` on
+small per-group coefficients, ``factor_terms``. The result is plain data
+(:class:`ModeDerivation`); the document for people is built from it in
+:mod:`derivgen.narrative`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import sympy
 from sympy import Add, Mul
 
-from .reduce import Mean, ReductionAlgebra, hide_means, means
-from .document import latex_expr, text_expr
+from . import domain
+from .reduce import Mean, ReductionAlgebra, expand, hide_means, means
 from .spec import DY, N, X, Named, Spec, Statistic
 
-G = sympy.Symbol("g")
+G = sympy.Symbol("g", real=True)
 G_NAMED = Named("g", G, "g", "g")
 DY_NAMED = Named("dy", DY, r"\frac{\partial L}{\partial y}", "∂L/∂y")
 
-
-@dataclass
-class Equation:
-    """One displayed equation: ``lhs = rhs`` (rhs a SymPy expression or None)."""
-    lhs_latex: str
-    lhs_text: str
-    rhs: sympy.Expr | None = None
-    note: str = ""
-    note_latex: str = ""      # the note with its mathematics in LaTeX (optional)
+# group-level functions whose derivative the engine writes through their own value
+ELEMENTARY = (sympy.exp, sympy.log, sympy.Abs, sympy.tanh)
 
 
-@dataclass
-class Step:
-    title: str
-    prose: str
-    equations: list[Equation] = field(default_factory=list)
+class DerivationError(ValueError):
+    """The engine cannot derive what a spec asks for; the message names the file and field."""
 
 
 @dataclass
@@ -63,20 +65,60 @@ class Reduction:
 
 
 @dataclass
+class Partial:
+    """One partial derivative of a statistic, as the derivation shows it.
+
+    kind: "group" (∂s/∂v for an earlier group value v), "element" (∂s/∂x_i or
+    ∂s/∂p_i through a mean), "zero" (∂s/∂v through a mean that vanishes by the
+    definitions of the statistics) or "kept" (one that looks like it might
+    vanish but does not)."""
+    stat: Statistic
+    wrt: sympy.Symbol
+    kind: str
+    value: sympy.Expr
+    atom: Mean | None = None
+    raw: sympy.Expr | None = None          # the mean of ∂r/∂v as written (zero / kept)
+    linear: sympy.Expr | None = None       # the same after linearity alone (zero) / canonical (kept)
+    because: tuple[Statistic, ...] = ()    # the statistics whose definitions make it zero
+
+
+@dataclass
+class ParamGrad:
+    """∂L/∂p = (sum of ``element`` over the axes p does not span) + (sum of ``group`` over groups)."""
+    element: sympy.Expr
+    group: sympy.Expr = sympy.S.Zero
+
+
+@dataclass
 class ModeDerivation:
     spec: Spec
     mode: str
-    statistics: tuple[Statistic, ...]
-    normalized_expr: sympy.Expr | None      # x̂ in terms of x and statistics
+    user_statistics: tuple[Statistic, ...]   # as the spec writes them
+    statistics: tuple[Statistic, ...]        # the program: user statistics and auxiliaries, in order
+    normalized_expr: sympy.Expr | None       # x̂ in terms of x and statistics
     output: sympy.Expr                       # y in terms of x̂ (or x) and params
     g: sympy.Expr | None                     # g = dy * ∂y/∂x̂, when used
     dx: sympy.Expr                           # closed form, Mean atoms over g, x̂, dy
-    dparams: dict[str, sympy.Expr]           # per-element contribution, summed over non-param axes
+    grads: dict[str, ParamGrad]              # per parameter
     dinputs: dict[str, sympy.Expr]           # per-group value
     reductions: list[Reduction]              # run-time reductions of the backward
-    vanishing: list[tuple[str, str]]         # (what, why) exactly-zero terms
+    vanishing: list[tuple[str, str]]         # (what, why) exactly-zero terms (text; see narrative)
     kept: list[tuple[str, str]]              # terms that look like they vanish but do not
-    steps: list[Step]
+    partials: list[Partial] = field(default_factory=list)
+    adjoints: dict[sympy.Symbol, sympy.Expr] = field(default_factory=dict)   # ∂L/∂s, closed form
+    sum_xhat_zero: bool = False              # mean(x̂) = 0 exactly (the "negligible" term)
+    coordinate: Named | None = None          # the closed forms' element coordinate: x̂, or the centred x - μ
+    coordinate_expr: sympy.Expr | None = None
+
+    @property
+    def dparams(self) -> dict[str, sympy.Expr]:
+        """The element-level part of each parameter gradient (all of it unless the parameter
+        is a scalar that enters the statistics)."""
+        return {k: v.element for k, v in self.grads.items()}
+
+    @property
+    def aux(self) -> tuple[Statistic, ...]:
+        return tuple(s for s in self.statistics if s.aux)
 
     def lowered(self, expr: sympy.Expr) -> sympy.Expr:
         """Replace Mean atoms by the reduction symbols of the backward program."""
@@ -86,280 +128,235 @@ class ModeDerivation:
     def dx_lowered(self) -> sympy.Expr:
         return self.lowered(self.dx)
 
+    @cached_property
+    def steps(self):
+        from .narrative import build_steps
+        return build_steps(self)
 
-def partial_latex(num: str, den: str) -> str:
-    return r"\frac{\partial %s}{\partial %s}" % (num, den)
+
+# ------------------------------------------------------------------ the program
+
+@dataclass
+class _SelfRule:
+    """s = c·F(u): ∂s/∂u written through s itself."""
+    func: type
+    coef: sympy.Expr
+    arg: sympy.Expr
+    exp: sympy.Expr | None = None
+
+    def du(self, s: sympy.Symbol) -> sympy.Expr:
+        f = s / self.coef
+        if self.func is sympy.Pow:
+            q = self.exp
+            if q.is_Rational and ((q - 1) / q).is_Integer:
+                return self.coef * q * f ** ((q - 1) / q)      # √u: 1/(2√u); u^(-1/2): -u^(-3/2)/2
+            return self.coef * q * f / self.arg
+        if self.func is sympy.exp:
+            return self.coef * f
+        if self.func is sympy.log:
+            return self.coef / self.arg
+        if self.func is sympy.Abs:
+            return self.coef * sympy.sign(self.arg)
+        if self.func is sympy.tanh:
+            return self.coef * (1 - f ** 2)
+        raise AssertionError(self.func)
 
 
-def partial_text(num: str, den: str) -> str:
-    return f"∂{num}/∂{den}"
+def _elementary(e: sympy.Expr) -> bool:
+    return (e.is_Pow and not e.exp.is_Integer) or isinstance(e, ELEMENTARY)
 
+
+def _self_rule(expr: sympy.Expr, active: set) -> _SelfRule | None:
+    """expr = c·F(u) with c free of differentiable values: the rule, else None."""
+    coef, rest = [], []
+    for f in Mul.make_args(expr):
+        (rest if f.free_symbols & active else coef).append(f)
+    if len(rest) != 1 or not _elementary(rest[0]):
+        return None
+    node = rest[0]
+    if node.is_Pow:
+        return _SelfRule(sympy.Pow, Mul(*coef), node.base, node.exp)
+    return _SelfRule(type(node), Mul(*coef), node.args[0])
+
+
+class Program:
+    """The statistics of one mode with their auxiliaries, and what they tell about means."""
+
+    def __init__(self, spec: Spec, stats: tuple[Statistic, ...], alg: ReductionAlgebra,
+                 differentiable: set[sympy.Symbol]):
+        self.spec = spec
+        self.alg = alg
+        self.active = set(differentiable)          # group values with adjoints (inputs, scalar params)
+        self.stats: list[Statistic] = []
+        self.rules: dict[sympy.Symbol, _SelfRule] = {}
+        self._by_def: dict[sympy.Expr, sympy.Symbol] = {}
+        for st in stats:
+            self._add(st)
+
+    def _aux(self, expr: sympy.Expr, origin: Statistic, why: str) -> sympy.Symbol:
+        """The symbol of an auxiliary statistic defined as ``expr`` (one already defined the
+        same way is reused: the same computation)."""
+        if expr in self._by_def:
+            return self._by_def[expr]
+        k = sum(1 for s in self.stats if s.aux) + 1
+        sym = domain.symbol(f"Aux{k}", domain.sign_level(expr))
+        st = Statistic(sym.name, sym, f"a_{{{k}}}", f"a{_subscript(k)}", expr=expr,
+                       expr_text=f"{why} in {origin.name}", aux=True)
+        self._append(st)
+        return sym
+
+    def _append(self, st: Statistic):
+        self.stats.append(st)
+        self.active.add(st.symbol)
+        self._by_def.setdefault(st.expr, st.symbol)
+        rule = _self_rule(st.expr, self.active - {st.symbol}) if not st.expr.has(Mean) else None
+        if rule is not None:
+            self.rules[st.symbol] = rule
+        if st.expr.has(Mean):
+            self.alg.learn(st.symbol, st.expr)
+
+    def _add(self, st: Statistic):
+        expr = st.expr
+        # 1. a mean inside another mean's argument is computed first: an auxiliary
+        while True:
+            nested = [i for m in means(expr) for i in means(m.args[0]) if not means(i.args[0])]
+            if not nested:
+                break
+            expr = expr.xreplace({m: self._aux(m, st, "a mean") for m in nested})
+        # 2. so are the means a statistic is not linear in (those the engine could not solve for)
+        canonical = self.alg.canon(expr)
+        if _has_elementary_mean(expr) or (canonical.has(Mean) and not self.alg.solvable(canonical)):
+            # every mean of it, as written (two-pass; never rewritten through other means, which
+            # could turn ⟨(x - μ)²⟩ into ⟨x²⟩ - μ²)
+            expr = expr.xreplace({atom: self._aux(atom, st, "a mean") for atom in means(expr)})
+        elif canonical.has(Mean):
+            expr = expr.xreplace({atom: self._by_def[atom] for atom in means(expr) if atom in self._by_def})
+        # 3. square roots, powers, exp, log, abs, tanh of group values inside a larger expression
+        rule = _self_rule(expr, self.active)
+        if rule is None:
+            expr = self._name_elementary(expr, st)
+        else:
+            inner = self._name_elementary(rule.arg, st)
+            if inner != rule.arg:
+                expr = expr.xreplace({rule.arg: inner})
+        self._append(Statistic(st.name, st.symbol, st.latex, st.text, expr=expr, expr_text=st.expr_text))
+
+    def _name_elementary(self, expr: sympy.Expr, st: Statistic) -> sympy.Expr:
+        def visit(e):
+            if e.is_Atom or isinstance(e, Mean):
+                return e
+            args = [visit(a) for a in e.args]
+            e2 = e.func(*args) if any(a is not b for a, b in zip(args, e.args)) else e
+            if _elementary(e2) and e2.free_symbols & self.active and not e2.has(Mean):
+                return self._aux(e2, st, "a " + _kind(e2))
+            return e2
+        return visit(expr)
+
+    def partial(self, st: Statistic, v: sympy.Symbol, hidden: sympy.Expr) -> sympy.Expr:
+        """∂(definition of st)/∂v, with ``hidden`` the definition with its means as symbols."""
+        rule = self.rules.get(st.symbol)
+        if rule is not None:
+            return rule.du(st.symbol) * sympy.diff(rule.arg, v)
+        return sympy.diff(hidden, v)
+
+
+def _depth(e) -> int:
+    return 1 + max((_depth(a) for a in e.args), default=0)
+
+
+def _kind(e) -> str:
+    if e.is_Pow:
+        return "square root" if e.exp == sympy.S.Half else "power"
+    return {sympy.exp: "exponential", sympy.log: "logarithm", sympy.Abs: "absolute value",
+            sympy.tanh: "tanh"}[type(e)]
+
+
+def _has_elementary_mean(e) -> bool:
+    return any(_elementary(n) and n.has(Mean) for n in sympy.preorder_traversal(e))
+
+
+def _subscript(k: int) -> str:
+    return str(k).translate(str.maketrans("0123456789", "₀₁₂₃₄₅₆₇₈₉"))
+
+
+# ------------------------------------------------------------------ tidy closed forms
+
+def _flip(f: sympy.Expr) -> sympy.Expr:
+    return sympy.expand(-f)
+
+
+def _nice_signs(e: sympy.Expr) -> sympy.Expr:
+    """-α(μ - x̄)/σ -> α(x̄ - μ)/σ and (α - 1)(μ - x̄) -> (1 - α)(x̄ - μ): a product's sign is
+    absorbed by a difference, and differences with a negative constant are turned round in pairs."""
+    if not e.is_Mul:
+        return e
+    coeff, rest = e.as_coeff_Mul()
+    factors = list(Mul.make_args(rest))
+    adds = [i for i, f in enumerate(factors) if f.is_Add]
+    if not adds:
+        return e
+    wants = [i for i in adds if any(t.is_Number and t < 0 for t in factors[i].args)]
+    flip: list[int] = []
+    if coeff < 0:
+        first = wants[0] if wants else adds[0]
+        flip.append(first)
+        coeff = -coeff
+        wants = [i for i in wants if i != first]
+    while len(wants) >= 2:
+        flip += wants[:2]
+        wants = wants[2:]
+    if wants:
+        others = [i for i in adds if i not in flip and i != wants[0]]
+        if others:
+            flip += [wants[0], others[0]]
+    for i in flip:
+        factors[i] = _flip(factors[i])
+    return coeff * Mul(*factors)
+
+
+def _nice_group(e: sympy.Expr) -> sympy.Expr:
+    """A per-group coefficient, factored (small expressions only)."""
+    if e.is_Atom or sympy.count_ops(e) > 400:
+        return sympy.factor_terms(e)
+    f = sympy.factor(e, deep=False)
+    if sympy.count_ops(f) > sympy.count_ops(sympy.factor_terms(e)):
+        f = sympy.factor_terms(e)
+    num, den = sympy.fraction(f)
+    return _nice_signs(num) / den if den != 1 else _nice_signs(f)
+
+
+def tidy(e: sympy.Expr, element: set[sympy.Symbol]) -> sympy.Expr:
+    """Collect by products of means, then by element monomials; factor each per-group coefficient."""
+    e = expand(e)
+    if e == 0:
+        return e
+    by_means: dict[sympy.Expr, list] = {}
+    for t in Add.make_args(e):
+        m = Mul(*[f for f in Mul.make_args(t) if f.has(Mean)])
+        by_means.setdefault(m, []).append(t / m)
+    out = []
+    for m in sorted(by_means, key=sympy.default_sort_key):
+        by_elem: dict[sympy.Expr, list] = {}
+        for t in by_means[m]:
+            el = Mul(*[f for f in Mul.make_args(t) if f.free_symbols & element])
+            by_elem.setdefault(el, []).append(t / el)
+        coef = Add(*[el * _nice_group(Add(*gs)) for el, gs in sorted(by_elem.items(),
+                                                                   key=lambda kv: sympy.default_sort_key(kv[0]))])
+        out.append(m * (sympy.factor_terms(coef) if len(by_elem) > 1 else coef))
+    return _nice_signs(sympy.factor_terms(Add(*out)))
+
+
+# ------------------------------------------------------------------ the derivation
 
 def _reduction_name(arg: sympy.Expr, names: dict[sympy.Symbol, str]) -> str:
     parts = []
     for f in sorted(Mul.make_args(arg), key=sympy.default_sort_key):
         b, e = f.as_base_exp()
         base = names.get(b, None) if isinstance(b, sympy.Symbol) else None
-        if base is None:
+        if base is None or not (e == 1 or (e.is_Integer and e > 0)):
             return ""
-        parts.append(base if e == 1 else f"{base}{e}" if e.is_Integer and e > 0 else "")
-        if not parts[-1]:
-            return ""
-    return "mean_" + "_".join(parts)
-
-
-class _PowerRules:
-    """b**e -> (s/c)**(e/q) for statistics defined as s = c * b**q."""
-
-    def __init__(self):
-        self.rules: list[tuple[sympy.Expr, sympy.Expr, sympy.Expr, sympy.Expr]] = []
-
-    def add(self, stat: sympy.Symbol, definition: sympy.Expr):
-        const, powers = [], []
-        for f in Mul.make_args(definition):
-            if f.is_Pow and f.exp.is_Rational and not f.exp.is_Integer:
-                powers.append(f)
-            else:
-                const.append(f)
-        if len(powers) == 1 and not any(c.free_symbols - {N} for c in const if not c.is_number):
-            p = powers[0]
-            self.rules.append((p.base, p.exp, Mul(*const), stat))
-
-    def apply(self, expr: sympy.Expr) -> sympy.Expr:
-        for base, q, c, s in self.rules:
-            expr = expr.replace(lambda e: e.is_Pow and e.base == base,
-                                lambda e: (s / c) ** (e.exp / q))
-        return expr
-
-
-def derive_mode(spec: Spec, mode_name: str | None = None) -> ModeDerivation:
-    mode = spec.mode(mode_name)
-    stats = mode.statistics
-    stat_syms = [s.symbol for s in stats]
-    group_syms = set(stat_syms) | {i.symbol for i in spec.inputs}
-    named = spec.symbols
-    sym_named = {n.symbol: n for n in named.values()}
-
-    xhat = spec.normalized.symbol if spec.normalized else None
-    xhat_def = spec.normalized_expr
-    y_full = spec.output.xreplace({xhat: xhat_def}) if xhat is not None else spec.output
-    params = {p.name: p.symbol for p in spec.params}
-
-    varying = {X, DY, G, *params.values()} | ({xhat} if xhat is not None else set())
-    alg = ReductionAlgebra(varying)
-    rules = _PowerRules()
-    canon_defs: dict[sympy.Symbol, sympy.Expr] = {}
-    for st in stats:
-        canon_defs[st.symbol] = alg.learn(st.symbol, st.expr)
-    for st in stats:
-        hidden, _ = hide_means(st.expr, prefix=f"{st.name}_R")
-        rules.add(st.symbol, hidden)
-
-    steps: list[Step] = []
-    vanishing: list[tuple[str, str]] = []
-    kept: list[tuple[str, str]] = []
-
-    def _txt(e) -> str:
-        return text_expr(e, spec)
-
-    def _ltx(e) -> str:
-        return latex_expr(e, spec, subscript=False)
-
-    def L(sym):  # latex name
-        return sym_named[sym].latex if sym in sym_named else sympy.latex(sym)
-
-    def T(sym):
-        return sym_named[sym].text if sym in sym_named else str(sym)
-
-    # ---- 1. definitions -------------------------------------------------
-    defs = Step("Definitions",
-                "One normalization group holds N elements x_i. Angle brackets are the mean over "
-                "the group, ⟨e⟩ = (1/N) Σ_j e_j. The statistics, in order:")
-    for st in stats:
-        defs.equations.append(Equation(st.latex, st.text, st.expr))
-    if xhat is not None:
-        defs.equations.append(Equation(spec.normalized.latex + "_i", spec.normalized.text, xhat_def))
-    defs.equations.append(Equation("y_i", "y", spec.output))
-    steps.append(defs)
-
-    # ---- 2. local partials of the output ---------------------------------
-    dy_dx = sympy.diff(y_full, X)
-    local = Step("Local partial derivatives",
-                 "y_i depends on x_i directly and on every statistic; each statistic depends "
-                 "on all x_j of the group. With L the loss and ∂L/∂y_i given, the chain rule "
-                 "runs through the statistics latest first:")
-    chain_l = partial_latex("L", "x_i") + " = " + partial_latex("L", "y_i") + partial_latex("y_i", "x_i") + \
-        "".join(" + " + partial_latex("L", L(s)) + partial_latex(L(s), "x_i")
-                for s in stat_syms if mode_depends_on_x(canon_defs, s, stat_syms))
-    chain_t = "∂L/∂x_i = ∂L/∂y_i·∂y_i/∂x_i" + "".join(
-        f" + ∂L/∂{T(s)}·∂{T(s)}/∂x_i" for s in stat_syms if mode_depends_on_x(canon_defs, s, stat_syms))
-    local.equations.append(Equation(chain_l, chain_t, None))
-    if xhat is not None:
-        dy_dxhat = sympy.diff(spec.output, xhat)
-        local.equations.append(Equation(partial_latex("y", spec.normalized.latex), partial_text("y", spec.normalized.text), dy_dxhat))
-        local.equations.append(Equation(partial_latex(spec.normalized.latex, "x"), partial_text(spec.normalized.text, "x"),
-                                        sympy.diff(xhat_def, X)))
-        for s in stat_syms:
-            d = sympy.diff(xhat_def, s)
-            if d != 0:
-                local.equations.append(Equation(partial_latex(spec.normalized.latex, L(s)),
-                                                partial_text(spec.normalized.text, T(s)), d))
-    else:
-        local.equations.append(Equation(partial_latex("y", "x"), "∂y/∂x", dy_dx))
-    steps.append(local)
-
-    # ---- 3. reverse pass through the statistics --------------------------
-    adj: dict[sympy.Symbol, sympy.Expr] = {}
-    for s in list(stat_syms) + [i.symbol for i in spec.inputs]:
-        adj[s] = alg.canon(N * Mean(DY * sympy.diff(y_full, s)))
-    dx_terms = [DY * dy_dx]
-    stat_partials = Step("Partial derivatives of the statistics",
-                         "Each statistic is a function of group means; a mean ⟨r⟩ contributes "
-                         "(1/N)·∂r/∂x_i to ∂s/∂x_i and ⟨∂r/∂s'⟩ to ∂s/∂s' for an earlier statistic s'. "
-                         "These last terms are where hand derivations go wrong:")
-    adjoint_step = Step("Gradients with respect to the statistics",
-                        "Latest statistic first; each collects ∂L/∂y through y and through every "
-                        "later statistic:")
-    for st in reversed(stats):
-        s = st.symbol
-        hidden, table = hide_means(st.expr, prefix=f"{st.name}_R")
-        sbar = adj[s]
-        for v in sorted(hidden.free_symbols & group_syms, key=sympy.default_sort_key):
-            d = rules.apply(sympy.diff(hidden, v)).xreplace(table)
-            if d != 0:
-                adj[v] = adj[v] + sbar * d
-                stat_partials.equations.append(Equation(partial_latex(st.latex, L(v)), partial_text(st.text, T(v)), d))
-        for r, atom in table.items():
-            coef = rules.apply(sympy.diff(hidden, r)).xreplace(table)
-            if coef == 0:
-                continue
-            abar = sbar * coef
-            rarg = atom.args[0]
-            dr_dx = sympy.diff(rarg, X)
-            if dr_dx != 0:
-                dx_terms.append(abar / N * dr_dx)
-                stat_partials.equations.append(Equation(partial_latex(st.latex, "x_i"), partial_text(st.text, "x_i"),
-                                                        sympy.factor_terms(coef / N * dr_dx)))
-            for v in sorted(rarg.free_symbols & group_syms, key=sympy.default_sort_key):
-                raw = Mean(sympy.diff(rarg, v))
-                val = alg.canon(raw)
-                lhs_l = partial_latex(st.latex, L(v)) + r"\ \text{via}\ " + _ltx(atom)
-                lhs_t = partial_text(st.text, T(v)) + " via " + _txt(atom)
-                dr = Mean(sympy.factor_terms(sympy.diff(rarg, v)))
-                if val == 0:
-                    # linearity alone, then the definitions of the statistics it involves
-                    lin = sympy.factor_terms(ReductionAlgebra(varying).canon(raw))
-                    used = [t for t in stats if isinstance(t.expr, Mean) and lin.has(t.symbol)]
-                    why = f"{_txt(dr)} = {_txt(lin)} = 0 because " + _why_zero(used, _txt)
-                    why_l = f"${_ltx(dr)} = {_ltx(lin)} = 0$ because " + _why_zero(used, lambda e: "$" + _ltx(e) + "$")
-                    vanishing.append((f"∂{st.text}/∂{T(v)} through the mean {_txt(atom)}", why))
-                    stat_partials.equations.append(Equation(lhs_l, lhs_t, sympy.S.Zero, note=why, note_latex=why_l))
-                else:
-                    fv = sympy.factor_terms(val)
-                    why = f"{_txt(dr)} = {_txt(fv)}, which is not zero in general: kept"
-                    why_l = f"${_ltx(dr)} = {_ltx(fv)}$, which is not zero in general: kept"
-                    kept.append((f"∂{st.text}/∂{T(v)} through the mean {_txt(atom)}", why))
-                    stat_partials.equations.append(Equation(lhs_l, lhs_t, sympy.factor_terms(coef * val),
-                                                            note=why, note_latex=why_l))
-                    adj[v] = adj[v] + abar * val
-    steps.append(stat_partials)
-
-    # ---- 4. normalized coordinates and g ----------------------------------
-    to_xhat = _solver(xhat, xhat_def) if xhat is not None else None
-    if to_xhat is not None:
-        for k in (1, 2):
-            val = alg.canon(Mean(xhat_def ** k))
-            if not val.has(Mean):
-                alg.known[xhat ** k] = sympy.factor_terms(val)
-    g_def = None
-    if xhat is not None:
-        d = sympy.diff(spec.output, xhat)
-        if d != 0:
-            g_def = DY * d
-
-    def finish(expr: sympy.Expr, use_g: bool = True) -> sympy.Expr:
-        e = expr
-        if to_xhat is not None:
-            e = e.subs(X, to_xhat)
-        e = alg.canon(sympy.expand(alg.canon(e), power_base=False, log=False))
-        if use_g and g_def is not None:
-            eg = alg.canon(e.subs(DY, G / (g_def / DY)))
-            if not (eg.free_symbols & set(params.values())) and not eg.has(DY):
-                e = eg
-        e = sympy.expand(e, power_base=False, log=False)
-        e = sympy.collect(e, means(e), func=sympy.factor_terms) if e.has(Mean) else e
-        return sympy.factor_terms(e)
-
-    for st in reversed(stats):
-        adjoint_step.equations.append(Equation(partial_latex("L", st.latex), partial_text("L", st.text),
-                                               finish(adj[st.symbol])))
-    steps.append(adjoint_step)
-
-    dx = finish(Add(*dx_terms))
-    dparams = {name: finish(DY * sympy.diff(spec.output if xhat is not None else y_full, sym), use_g=False)
-               for name, sym in params.items()}
-    dinputs = {i.name: finish(adj[i.symbol]) for i in spec.inputs}
-
-    # run-time reductions: means that still contain dy or g
-    atoms = set()
-    for e in [dx, *dinputs.values()]:
-        atoms |= set(means(e))
-    red_names = {X: "x", DY: "dy", G: "g", **{p: n for n, p in params.items()}}
-    if xhat is not None:
-        red_names[xhat] = spec.normalized.name
-    reductions = []
-    for i, atom in enumerate(sorted(atoms, key=sympy.default_sort_key)):
-        nm = _reduction_name(atom.args[0], red_names) or f"mean_{i}"
-        reductions.append(Reduction(nm, sympy.Symbol(nm), atom.args[0]))
-
-    closed = Step("Closed form",
-                  "Substituting x = x(x̂) and " + (f"g = {_txt(g_def)}, " if g_def is not None else "")
-                  + "applying linearity of ⟨·⟩ and the definitions of the statistics:")
-    if g_def is not None and dx.has(G):
-        closed.equations.append(Equation("g_i", "g", g_def))
-    closed.equations.append(Equation(partial_latex("L", "x_i"), "∂L/∂x", dx))
-    closed.prose += f" the backward needs {len(reductions)} reduction(s) per group: " + \
-        ", ".join(_txt(r.atom) for r in reductions) + "."
-    if xhat is not None and alg.known.get(xhat, None) == 0:
-        why = "exactly, so any term proportional to it — the “1/N²” term that hand derivations " \
-              "drop as negligible — is not small but exactly zero"
-        lin = sympy.factor_terms(ReductionAlgebra(varying).canon(Mean(xhat_def)))
-        note = f"{_txt(Mean(xhat))} = {_txt(lin)} = 0 {why}."
-        note_l = f"$\\langle {spec.normalized.latex} \\rangle = 0$ {why}."
-        vanishing.append(("Σ_j x̂_j", note))
-        closed.equations.append(Equation(r"\sum_j " + spec.normalized.latex + "_j", "Σ x̂", sympy.S.Zero,
-                                         note=note, note_latex=note_l))
-    steps.append(closed)
-
-    pstep = Step("Parameter gradients",
-                 "Parameters do not enter the statistics, so their gradients are plain sums of "
-                 "∂L/∂y·∂y/∂p over the axes the parameter does not span:")
-    for p in spec.params:
-        pstep.equations.append(Equation(partial_latex("L", p.latex), partial_text("L", p.text), dparams[p.name],
-                                        note="summed over the non-parameter axes"))
-    steps.append(pstep)
-    if spec.inputs:
-        istep = Step("Gradients of the per-group inputs",
-                     "Summed over groups when the input is a single scalar:")
-        for i in spec.inputs:
-            istep.equations.append(Equation(partial_latex("L", i.latex), partial_text("L", i.text), dinputs[i.name]))
-        steps.append(istep)
-    if spec.buffers and mode.name == "train":
-        bstep = Step("Running buffers (not differentiated)", "Updated in place in training mode:")
-        for b in spec.buffers:
-            bstep.equations.append(Equation(b.latex + r" \leftarrow", b.text + " ←", b.update))
-        steps.append(bstep)
-
-    return ModeDerivation(spec=spec, mode=mode.name, statistics=stats, normalized_expr=xhat_def,
-                          output=spec.output, g=g_def if (g_def is not None and (dx.has(G) or any(e.has(G) for e in dinputs.values()))) else None,
-                          dx=dx, dparams=dparams, dinputs=dinputs,
-                          reductions=reductions, vanishing=vanishing, kept=kept, steps=steps)
-
-
-def mode_depends_on_x(canon_defs, s, stat_syms) -> bool:
-    e = canon_defs[s]
-    return bool(e.has(Mean)) or any(mode_depends_on_x(canon_defs, t, stat_syms)
-                                    for t in e.free_symbols if t in canon_defs)
+        parts.append(base if e == 1 else f"{base}{e}")
+    return "Mean_" + "_".join(parts)
 
 
 def _solver(xhat: sympy.Symbol, xhat_def: sympy.Expr) -> sympy.Expr | None:
@@ -371,9 +368,202 @@ def _solver(xhat: sympy.Symbol, xhat_def: sympy.Expr) -> sympy.Expr | None:
     return sympy.expand((xhat - intercept) / slope)
 
 
-def _why_zero(stats, txt) -> str:
-    defs = [f"{s.text} = {txt(s.expr)}" for s in stats]
-    return " and ".join(defs) if defs else "its terms cancel"
+def _check_derivatives(spec: Spec, where: str, e: sympy.Expr):
+    if e.has(sympy.Derivative, sympy.Subs) or e.has(sympy.zoo, sympy.nan):
+        raise DerivationError(f"{spec.source}: {where}: cannot differentiate this expression "
+                              f"(it is not differentiable where the layer is defined)")
 
 
+def derive_mode(spec: Spec, mode_name: str | None = None) -> ModeDerivation:
+    try:
+        return _Deriver(spec, spec.mode(mode_name)).run()
+    except DerivationError:
+        raise
+    except (TypeError, ValueError, AttributeError, NotImplementedError, RecursionError) as exc:
+        raise DerivationError(f"{spec.source}: the engine cannot derive this layer ({type(exc).__name__}: "
+                              f"{str(exc).splitlines()[0][:160] if str(exc) else 'no detail'})") from None
 
+
+class _Deriver:
+    def __init__(self, spec: Spec, mode):
+        self.spec, self.mode = spec, mode
+        self.xhat = spec.normalized.symbol if spec.normalized else None
+        self.xhat_def = spec.normalized_expr
+        self.y_full = spec.output.xreplace({self.xhat: self.xhat_def}) if self.xhat is not None else spec.output
+        self.y_hat = spec.output                 # y with x̂ as a symbol (or y itself)
+        dy_dxhat = sympy.diff(spec.output, self.xhat) if self.xhat is not None else sympy.S.Zero
+        self.g_def = DY * dy_dxhat if dy_dxhat != 0 else None
+        self.channel = {p.symbol: p for p in spec.params if not p.scalar}
+        self.scalar = {p.symbol: p for p in spec.params if p.scalar}
+        varying = {X, DY, G, *self.channel} | ({self.xhat} if self.xhat is not None else set())
+        self.alg = ReductionAlgebra(varying, active={DY, G})
+        inputs = {i.symbol for i in spec.inputs}
+        self.program = Program(spec, mode.statistics, self.alg, inputs | set(self.scalar))
+        self.group_diff = set(self.program.active)       # every group value with an adjoint
+        self.coord, self.coord_def = self._coordinate()
+        if self.coord is not None:
+            self.alg.varying.add(self.coord.symbol)
+        self.element_diff = [X, *self.channel]
+
+    def _coordinate(self) -> tuple[Named | None, sympy.Expr | None]:
+        """The element coordinate of the closed forms: the spec's x̂; without one, x - μ for the
+        group mean μ when a statistic gives it, so that polynomials in x are written (and
+        computed) in powers of the centred x - μ, never expanded into raw powers of x."""
+        spec = self.spec
+        if spec.normalized is not None:
+            return spec.normalized, spec.normalized_expr
+        centre = None
+        for node in sympy.preorder_traversal(self.y_full):      # the deviation the output uses: x - μ
+            if node.is_Add and X in node.args and not (node - X).has(X) and not self.alg.is_varying(node - X):
+                centre = sympy.expand(X - node)
+                break
+        if centre is None:
+            centre = self.alg.canon(Mean(X))                      # else the group mean, if known
+        if centre.has(Mean) or not centre.free_symbols:
+            return None, None
+        stats = {s.symbol: s for s in self.program.stats}
+        if centre in stats:
+            text, latex = f"(x - {stats[centre].text})", f"(x - {stats[centre].latex})"
+        else:
+            text, latex = f"(x - {centre})", f"(x - {sympy.latex(centre)})"
+        sym = domain.symbol("Xc")
+        return Named("Xc", sym, latex, text), X - centre
+
+    def dL(self, v: sympy.Symbol) -> sympy.Expr:
+        """∂L/∂y·∂y/∂v for one element, with the path through x̂ written in g = ∂L/∂y·∂y/∂x̂
+        (the adjoint of x̂) and the direct paths in ∂L/∂y: γ·x̂ + β + t·x gives g·∂x̂/∂x + ∂L/∂y·t."""
+        direct = DY * sympy.diff(self.y_hat, v)
+        if self.g_def is None:
+            return direct
+        return G * sympy.diff(self.xhat_def, v) + direct
+
+    # ---- 1. reverse pass through the program -----------------------------
+    def reverse(self):
+        spec, prog, alg = self.spec, self.program, self.alg
+        adj: dict[sympy.Symbol, sympy.Expr] = {}
+        for v in sorted(self.group_diff, key=sympy.default_sort_key):
+            adj[v] = sympy.S.Zero if v in self.scalar else alg.canon(N * Mean(self.dL(v)))
+        terms = {X: [self.dL(X)]}
+        for p in self.channel:
+            terms[p] = [self.dL(p)]
+        partials: list[Partial] = []
+        for st in reversed(list(prog.stats)):
+            s = st.symbol
+            hidden, table = hide_means(st.expr, prefix=f"{st.name}_R")
+            sbar = adj[s]
+            for v in sorted(hidden.free_symbols & self.group_diff, key=sympy.default_sort_key):
+                d = prog.partial(st, v, hidden).xreplace(table)
+                _check_derivatives(spec, f"statistics.{st.name}", d)
+                if d != 0:
+                    adj[v] = adj[v] + sbar * d
+                    partials.append(Partial(st, v, "group", d))
+            for r, atom in table.items():
+                coef = prog.partial(st, r, hidden).xreplace(table)
+                if coef == 0:
+                    continue
+                abar = sbar * coef
+                rarg = atom.args[0]
+                for e in self.element_diff:
+                    de = sympy.diff(rarg, e)
+                    _check_derivatives(spec, f"statistics.{st.name}", de)
+                    if de != 0:
+                        terms[e].append(abar / N * de)
+                        partials.append(Partial(st, e, "element", sympy.factor_terms(coef / N * de), atom=atom))
+                for v in sorted(rarg.free_symbols & self.group_diff, key=sympy.default_sort_key):
+                    raw = Mean(sympy.diff(rarg, v))
+                    val = alg.canon(raw)
+                    if any(not m.has(DY, G) for m in means(val)):
+                        val = self._forward_mean(raw, st, adj)
+                    dr = Mean(sympy.factor_terms(sympy.diff(rarg, v)))
+                    if val == 0:
+                        lin = sympy.factor_terms(ReductionAlgebra(alg.varying).canon(raw))
+                        used = tuple(t for t in prog.stats if isinstance(t.expr, Mean) and lin.has(t.symbol))
+                        partials.append(Partial(st, v, "zero", sympy.S.Zero, atom=atom, raw=dr, linear=lin,
+                                                because=used))
+                    else:
+                        partials.append(Partial(st, v, "kept", sympy.factor_terms(coef * val), atom=atom, raw=dr,
+                                                linear=sympy.factor_terms(val)))
+                        adj[v] = adj[v] + abar * val
+        return adj, terms, partials
+
+    def _forward_mean(self, raw: Mean, st: Statistic, adj: dict) -> sympy.Expr:
+        """A mean of x alone that no statistic determines (⟨(x - μ)³⟩ from differentiating a
+        fourth moment through μ, ⟨sign(x - μ)⟩ from a mean absolute deviation): an auxiliary
+        the forward computes as written, two-pass, rather than a reduction of the backward or
+        an expansion in raw moments of x."""
+        const, vary = self.alg.split(sympy.factor_terms(raw.args[0]))
+        sym = self.program._aux(Mean(vary), st, "a mean the backward needs")
+        adj.setdefault(sym, sympy.S.Zero)
+        return self.alg.canon(raw)
+
+    # ---- 2. closed forms ---------------------------------------------------
+    def closed_forms(self, adj, terms):
+        spec, alg = self.spec, self.alg
+        xhat = self.coord.symbol if self.coord is not None else None
+        to_xhat = _solver(xhat, self.coord_def) if xhat is not None else None
+        if to_xhat is not None:
+            alg.derived = {xhat: self.coord_def}
+        g_def = self.g_def
+        element = {X, DY, G, *self.channel} | ({xhat} if xhat is not None else set())
+
+        def finish(expr: sympy.Expr) -> sympy.Expr:
+            """In x̂, reduced by the algebra (linearity, known statistics), tidied."""
+            e = expr
+            if to_xhat is not None:
+                e = e.subs(X, to_xhat)
+            e = alg.canon(expand(alg.canon(e)))
+            return tidy(e, element)
+
+        dx = finish(Add(*terms[X]))
+        grads = {}
+        for p in spec.params:
+            if p.scalar:
+                grads[p.name] = ParamGrad(finish(self.dL(p.symbol)), finish(adj[p.symbol]))
+            else:
+                grads[p.name] = ParamGrad(finish(Add(*terms[p.symbol])))
+        dinputs = {i.name: finish(adj[i.symbol]) for i in spec.inputs}
+        adjoints = {st.symbol: finish(adj[st.symbol]) for st in self.program.stats}
+        sum_zero = self.xhat is not None and to_xhat is not None and alg.canon(Mean(self.xhat)) == 0
+        return g_def, dx, grads, dinputs, adjoints, sum_zero
+
+    def reductions(self, dx, grads, dinputs) -> list[Reduction]:
+        spec = self.spec
+        xhat = self.coord.symbol if self.coord is not None else None
+        atoms = set(means(dx))
+        for e in [*dinputs.values(), *(g.element for g in grads.values()), *(g.group for g in grads.values())]:
+            atoms |= set(means(e))
+        names = {X: "x", DY: "dy", G: "g", **{p.symbol: p.name for p in spec.params}}
+        if xhat is not None:
+            names[xhat] = self.coord.name
+        out, used = [], set()
+        for i, atom in enumerate(sorted(atoms, key=sympy.default_sort_key)):
+            nm = _reduction_name(atom.args[0], names) or f"Mean_{i}"
+            while nm in used:
+                nm += "_"
+            used.add(nm)
+            out.append(Reduction(nm, sympy.Symbol(nm, real=True), atom.args[0]))
+        return out
+
+    def run(self) -> ModeDerivation:
+        spec = self.spec
+        adj, terms, partials = self.reverse()
+        g_def, dx, grads, dinputs, adjoints, sum_zero = self.closed_forms(adj, terms)
+        for where, e in [("output", dx), *((f"params.{k}", v.element + v.group) for k, v in grads.items())]:
+            _check_derivatives(spec, where, e)
+        reductions = self.reductions(dx, grads, dinputs)
+        uses_g = g_def is not None and (dx.has(G) or any(e.has(G) for e in dinputs.values())
+                                        or any(v.element.has(G) or v.group.has(G) for v in grads.values()))
+        from .narrative import facts
+        vanishing, kept = facts(spec, self.program.stats, partials, sum_zero, self.xhat_def)
+        return ModeDerivation(spec=spec, mode=self.mode.name, user_statistics=self.mode.statistics,
+                              statistics=tuple(self.program.stats), normalized_expr=self.xhat_def,
+                              output=spec.output, g=g_def if uses_g else None, dx=dx, grads=grads,
+                              dinputs=dinputs, reductions=reductions, vanishing=vanishing, kept=kept,
+                              partials=partials, adjoints=adjoints, sum_xhat_zero=sum_zero,
+                              coordinate=self.coord, coordinate_expr=self.coord_def)
+
+
+def mode_depends_on_x(md: ModeDerivation, s: sympy.Symbol) -> bool:
+    defs = {st.symbol: st.expr for st in md.statistics}
+    e = defs[s]
+    return bool(e.has(Mean)) or any(mode_depends_on_x(md, t) for t in e.free_symbols if t in defs)

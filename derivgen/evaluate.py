@@ -16,7 +16,7 @@ from .engine import G, ModeDerivation
 from .reduce import Mean
 from .spec import DY, N, X
 
-_FUNCS = {sympy.exp: np.exp, sympy.log: np.log, sympy.Abs: np.abs}
+_FUNCS = {sympy.exp: np.exp, sympy.log: np.log, sympy.Abs: np.abs, sympy.tanh: np.tanh, sympy.sign: np.sign}
 
 
 def evaluate(expr: sympy.Expr, env: dict[sympy.Symbol, object]):
@@ -59,10 +59,12 @@ class GroupEvaluator:
 
     def forward(self, x, params: dict, scalars: dict):
         env = self._env(x, params, scalars)
-        for st in self.md.statistics:
+        for st in self.md.statistics:          # with the auxiliaries the engine named
             env[st.symbol] = evaluate(st.expr, env)
         if self.spec.normalized is not None:
             env[self.spec.normalized.symbol] = evaluate(self.md.normalized_expr, env) * np.ones_like(x)
+        if self.md.coordinate is not None:        # the backward's coordinate (x̂, or the centred x - μ)
+            env[self.md.coordinate.symbol] = evaluate(self.md.coordinate_expr, env) * np.ones_like(x)
         y = evaluate(self.spec.output, env) * np.ones_like(x)
         return y, env
 
@@ -72,14 +74,20 @@ class GroupEvaluator:
         if self.md.g is not None:
             env[G] = evaluate(self.md.g, env) * np.ones_like(dy)
         dx = evaluate(self.md.dx, env) * np.ones_like(dy)
-        dparams = {k: evaluate(v, env) * np.ones_like(dy) for k, v in self.md.dparams.items()}
+        dparams = {}
+        for p in self.spec.params:
+            gr = self.md.grads[p.name]
+            elem = evaluate(gr.element, env) * np.ones_like(dy)
+            # a scalar parameter: its whole gradient from this group; per channel: per element
+            dparams[p.name] = float(np.sum(elem) + evaluate(gr.group, env)) if p.scalar else elem
         dinputs = {k: float(evaluate(v, env)) for k, v in self.md.dinputs.items()}
         return dx, dparams, dinputs
 
     def _env(self, x, params, scalars):
         env: dict = {X: np.asarray(x, dtype=np.float64), N: float(len(x))}
         for p in self.spec.params:
-            env[p.symbol] = np.asarray(params[p.name], dtype=np.float64)
+            v = np.asarray(params[p.name], dtype=np.float64)
+            env[p.symbol] = float(v.reshape(-1)[0]) if p.scalar else v
         for item in (*self.spec.options, *self.spec.inputs, *self.spec.buffers):
             if item.name in scalars:
                 env[item.symbol] = float(scalars[item.name])

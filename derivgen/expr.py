@@ -8,7 +8,7 @@ these forms are accepted:
 * numbers (``2``, ``0.5``, ``1e-5``; converted exactly to rationals),
 * declared names,
 * ``+ - * / **`` and unary ``+``/``-``,
-* ``sqrt(e)``, ``exp(e)``, ``log(e)``, ``abs(e)``,
+* ``sqrt(e)``, ``exp(e)``, ``log(e)``, ``abs(e)``, ``tanh(e)``,
 * the group reductions ``mean(e)`` and ``sum(e)`` (``sum(e)`` is ``N*mean(e)``).
 
 Everything else -- attribute access, subscripts, lambdas, comprehensions,
@@ -36,6 +36,7 @@ FUNCTIONS: dict[str, Callable[[sympy.Expr], sympy.Expr]] = {
     "exp": sympy.exp,
     "log": sympy.log,
     "abs": sympy.Abs,
+    "tanh": sympy.tanh,
 }
 REDUCTIONS = ("mean", "sum")
 
@@ -141,7 +142,7 @@ class _Builder:
             self.fail(node, "unsupported operator (allowed: + - * / **)")
         if isinstance(node, ast.Call):
             if not isinstance(node.func, ast.Name):
-                self.fail(node, "only calls of sqrt, exp, log, abs, mean, sum are allowed")
+                self.fail(node, "only calls of sqrt, exp, log, abs, tanh, mean, sum are allowed")
             fname = node.func.id
             if node.keywords or len(node.args) != 1 or isinstance(node.args[0], ast.Starred):
                 self.fail(node, f"{fname}() takes exactly one positional argument")
@@ -152,5 +153,5 @@ class _Builder:
                 return Mean(arg) if fname == "mean" else self.N * Mean(arg)
             if fname in FUNCTIONS:
                 return FUNCTIONS[fname](self.build(node.args[0], d))
-            self.fail(node, f"unknown function {fname!r} (allowed: sqrt, exp, log, abs, mean, sum)")
+            self.fail(node, f"unknown function {fname!r} (allowed: sqrt, exp, log, abs, tanh, mean, sum)")
         self.fail(node, f"unsupported syntax ({type(node).__name__})")

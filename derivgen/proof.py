@@ -1,10 +1,13 @@
 """Proof of the closed forms against brute-force differentiation at small N.
 
 For N = 2..6 the layer is written out with N explicit scalar symbols per
-element-level quantity (x_j, ∂L/∂y_j and every parameter), the statistics as
-explicit sums, ``L = Σ_j ∂L/∂y_j · y_j`` differentiated with ``sympy.diff``,
-and the difference from the closed form reduced to zero with
-``together``/``cancel``.  Where that does not reach zero within the budget,
+element-level quantity (x_j, ∂L/∂y_j and every per-channel parameter), the
+statistics as explicit sums, ``L = Σ_j ∂L/∂y_j · y_j`` differentiated with
+``sympy.diff``, and the difference from the closed form reduced to zero with
+``together``/``cancel`` -- one coefficient of each ∂L/∂y_j at a time (both
+sides are linear in ∂L/∂y), at element 0 (the layer is symmetric in its
+elements), with square roots as generators t, t² = E, and absolute values
+split by sign.  Where that does not reach zero within the budget,
 the difference is evaluated exactly at random rational points with 60-digit
 precision, and the result is reported as "checked numerically" -- never as
 "proven".
@@ -12,12 +15,18 @@ precision, and the result is reported as "checked numerically" -- never as
 
 from __future__ import annotations
 
+import itertools
+import math
 import random
+import signal
+import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import sympy
 
+from . import domain
 from .engine import G, ModeDerivation
 from .reduce import Mean
 from .spec import DY, N, X
@@ -56,24 +65,29 @@ class ModeProof:
         return "checked numerically"
 
 
+def _elements(name: str, n: int) -> list[sympy.Symbol]:
+    """x[0], ..., x[n-1]: no spec name has brackets (and sympy.symbols("stat_20:2") is a range)."""
+    return [sympy.Symbol(f"{name}[{j}]", real=True) for j in range(n)]
+
+
 class _Explicit:
     """Writes element-level expressions out at N = n explicit elements."""
 
     def __init__(self, md: ModeDerivation, n: int):
         spec = md.spec
         self.n = n
-        self.elem: dict[sympy.Symbol, list[sympy.Symbol]] = {
-            X: list(sympy.symbols(f"x0:{n}", real=True)),
-            DY: list(sympy.symbols(f"dy0:{n}", real=True)),
-        }
+        self.elem: dict[sympy.Symbol, list[sympy.Symbol]] = {X: _elements("x", n), DY: _elements("dy", n)}
         for p in spec.params:
-            self.elem[p.symbol] = list(sympy.symbols(f"{p.name}0:{n}", real=True))
+            if not p.scalar:              # a scalar parameter is one symbol for the whole group
+                self.elem[p.symbol] = _elements(p.name, n)
         self.group: dict[sympy.Symbol, sympy.Expr] = {N: sympy.Integer(n)}
         for st in md.statistics:
             self.group[st.symbol] = self.at(st.expr, None)
         self.derived: dict[sympy.Symbol, sympy.Expr] = {}
         if spec.normalized is not None:
             self.derived[spec.normalized.symbol] = md.normalized_expr
+        if md.coordinate is not None:
+            self.derived[md.coordinate.symbol] = md.coordinate_expr
         if md.g is not None:
             self.derived[G] = md.g
 
@@ -83,33 +97,219 @@ class _Explicit:
             return sympy.Add(*[self.at(m.args[0], j) for j in range(self.n)]) / self.n
         e = expr.replace(lambda a: isinstance(a, Mean), mean)
         sub = dict(getattr(self, "derived", {}))
-        e = e.xreplace(sub) if sub else e
+        while sub and e.free_symbols & set(sub):        # g may be written in x̂
+            e = e.xreplace(sub)
         table = dict(self.group)
         if i is not None:
             table.update({s: v[i] for s, v in self.elem.items()})
         return e.xreplace(table)
 
 
+def _strip_positive(e: sympy.Expr) -> sympy.Expr:
+    """|a·p| = |a|·p and sign(a·p) = sign(a) for a factor p positive on the layer's domain
+    (a root of a non-negative value, a negative power, eps): the case split then sees one
+    argument, x₀, where SymPy wrote sign(x₀/(ε + √(x₀⁴/2 + x₁⁴/2))^(1/3)) and |x₀|."""
+    def split(u, nonzero=False):
+        """u = keep·pos with pos positive (a denominator is not zero: non-negative is positive)."""
+        keep, pos = [], []
+        least = domain.NONNEG if nonzero else domain.POSITIVE
+        for f in sympy.Mul.make_args(u):
+            (pos if domain.sign_level(f) >= least or f.is_positive else keep).append(f)
+        return sympy.Mul(*keep), sympy.Mul(*pos)
+
+    def prim(p):
+        """p = c·k: a number c and a primitive k of one sign convention (of k and -k, the
+        one that sorts first), so equal arguments written differently compare equal."""
+        c, k = sympy.factor_terms(sympy.expand(p)).as_coeff_Mul()
+        k = sympy.expand(k)
+        if k.could_extract_minus_sign():          # SymPy's own convention for |k| and sign(k)
+            c, k = -c, sympy.expand(-k)
+        return c, k
+
+    def canonical(u):
+        """u = c·s·k₁/k₂: a number c, a positive s, and the primitive numerator and denominator."""
+        num, den = sympy.fraction(sympy.together(u))
+        num, s1 = split(num)
+        den, s2 = split(den, nonzero=True)
+        c1, k1 = prim(num)
+        c2, k2 = prim(den)
+        return c1 / c2, s1 / s2, k1, k2
+
+    def abs_(a):
+        c, s, k1, k2 = canonical(a.args[0])
+        return abs(c) * s * sympy.Abs(k1) / sympy.Abs(k2)
+
+    def sign_(a):
+        c, s, k1, k2 = canonical(a.args[0])
+        return sympy.sign(c) * sympy.sign(k1) * sympy.sign(k2)
+    e = e.replace(lambda a: isinstance(a, sympy.Abs), abs_)
+    return e.replace(lambda a: isinstance(a, sympy.sign), sign_)
+
+
 def _zero_symbolic(diff: sympy.Expr) -> bool:
-    return sympy.cancel(sympy.together(diff)) == 0
+    """Zero by exact rational reduction (see :func:`_reduces_to_zero`). Absolute values
+    (SymPy writes √(t²) as |t| for real t, as at N = 2) are split by cases: |t| = ±t and
+    sign(t) = ±1, one argument at a time (at most 32 cases), each case reduced the same
+    way; a case whose signs no point has (x₀ - 2x₁ + x₂, x₀ + x₁ - 2x₂ and -2x₀ + x₁ + x₂
+    all positive: they sum to zero) is skipped."""
+    budget = [32]
+
+    def split(e, decided):
+        e = _strip_positive(e)
+        args = sorted({a.args[0] for a in e.atoms(sympy.Abs, sympy.sign)}, key=sympy.default_sort_key)
+        if not args:
+            return _reduces_to_zero(e)
+        t = args[0]
+        for sgn in (1, -1):
+            case = decided + [(t, sgn)]
+            if _infeasible(case):
+                continue
+            budget[0] -= 1
+            if budget[0] < 0:
+                return False
+            sub = e.replace(lambda a: isinstance(a, sympy.Abs) and a.args[0] == t, lambda a: sgn * t)
+            sub = sub.replace(lambda a: isinstance(a, sympy.sign) and a.args[0] == t, lambda a: sympy.Integer(sgn))
+            if not split(sub, case):
+                return False
+        return True
+    return split(diff, [])
+
+
+def _infeasible(case: list[tuple[sympy.Expr, int]]) -> bool:
+    """No point gives every linear form its sign: some non-negative combination of the
+    signed forms (not all zero) is identically zero (Gordan's alternative). Forms that are
+    not linear and homogeneous are assumed feasible."""
+    syms = sorted(set().union(*(t.free_symbols for t, _ in case)), key=sympy.default_sort_key)
+    if len(case) < 2 or not syms:
+        return False
+    vecs = []
+    for t, sgn in case:
+        try:
+            poly = sympy.Poly(t, *syms)
+        except sympy.PolynomialError:
+            return False
+        if poly.total_degree() != 1 or poly.coeff_monomial(1) != 0:
+            return False
+        vecs.append([sgn * poly.coeff_monomial(s) for s in syms])
+    for r in range(2, len(vecs) + 1):
+        for subset in itertools.combinations(range(len(vecs)), r):
+            null = sympy.Matrix([vecs[k] for k in subset]).T.nullspace()
+            if len(null) == 1 and (all(v > 0 for v in null[0]) or all(v < 0 for v in null[0])):
+                return True
+    return False
+
+
+def _roots(e: sympy.Expr) -> list[sympy.Pow]:
+    return [q for q in e.atoms(sympy.Pow) if q.exp.is_Rational and not q.exp.is_Integer]
+
+
+def _primitive_root(q: sympy.Pow) -> sympy.Expr:
+    """b^(p/q) -> c^(p/q)·k^(p/q) for b = c·k, c > 0 its numeric content, when b holds no other
+    root: one root written two ways (√(x₀²/4 + ...) and √(13x₀² + ...)/4) becomes one generator."""
+    c, k = sympy.expand(q.base).as_content_primitive()
+    if c <= 0 or c == 1:
+        return q
+    return sympy.Pow(c, q.exp) * sympy.Pow(k, q.exp)
+
+
+def _reduces_to_zero(diff: sympy.Expr) -> bool:
+    """Zero as a rational function once every root b^(1/q) is a generator t with t^q = b.
+
+    ``cancel`` alone treats √E as independent of E (at N = 2 a standard deviation is
+    √((x₀ - x₁)²/2), and the two sides meet only through t² = E), and is slow with roots
+    inside. Roots are replaced innermost first (a root may sit inside another's base),
+    b^(p/q) by t^p; the difference is brought over one denominator, and its numerator --
+    a polynomial in the generators -- is pseudo-reduced modulo den(b)·t^q - num(b),
+    outermost first."""
+    if not _roots(diff):
+        return sympy.cancel(sympy.together(diff)) == 0
+    e, rels = diff, []
+    for k in range(8):
+        inner = [q for q in _roots(e) if not _roots(q.base)]
+        if not inner:
+            break
+        if k == 0:
+            e = e.replace(lambda q: q in inner and not q.base.is_Number, _primitive_root)
+            continue
+        base = min((q.base for q in inner), key=sympy.default_sort_key)
+        den = math.lcm(*[int(q.exp.q) for q in inner if q.base == base])
+        t = sympy.Dummy(f"t{k}", positive=True)
+        e = e.replace(lambda q, b=base: q.is_Pow and q.base == b and q.exp.is_Rational and not q.exp.is_Integer,
+                      lambda q, t=t, d=den: t ** int(d * q.exp))
+        rels.append((t, den, base))
+    if _roots(e):
+        return False
+    # functions of the generators (exp(-t²)) are generators of their own
+    opaque = {f: sympy.Dummy(f"u{k}") for k, f in enumerate(sorted(
+        (f for f in e.atoms(sympy.Function) if f.free_symbols & {t for t, _, _ in rels}), key=sympy.default_sort_key))}
+    e = e.xreplace(opaque)
+    num = sympy.expand(sympy.numer(sympy.together(e)))
+    try:
+        for t, den, base in reversed(rels):
+            if num.has(t):
+                bn, bd = sympy.fraction(sympy.together(base.xreplace(opaque)))
+                num = sympy.expand(sympy.prem(num, sympy.expand(bd * t ** den - bn), t))
+    except sympy.PolynomialError:
+        return False
+    return num == 0
 
 
 def _zero_numeric(diff: sympy.Expr, rng: random.Random, trials: int = 3) -> bool:
-    """Exact evaluation at random rational points (positive eps/std, alpha in (0, 1))."""
+    """Exact evaluation at random rational points: positive where a symbol is declared
+    non-negative (eps, statistics of squares), in (0, 1) for mixing coefficients."""
     for _ in range(trials):
         vals = {}
-        for s in diff.free_symbols:
+        for s in sorted(diff.free_symbols, key=lambda s: s.name):
             name = s.name
-            if name.startswith("eps") or name.startswith("prev_std"):
-                vals[s] = sympy.Rational(rng.randint(1, 100), 1000)
-            elif name == "alpha" or name == "momentum":
+            if name in ("alpha", "momentum"):
                 vals[s] = sympy.Rational(rng.randint(1, 99), 100)
+            elif s.is_nonnegative or name.startswith("eps") or name.startswith("prev_std"):
+                vals[s] = sympy.Rational(rng.randint(1, 100), 1000)
             else:
                 vals[s] = sympy.Rational(rng.randint(-300, 300), 97)
         v = diff.xreplace(vals).evalf(60)
         if not v.is_number or abs(v) > sympy.Float("1e-40", 60):
             return False
     return True
+
+
+SYMBOLIC_SECONDS = 30.0   # per size: symbolic reduction beyond this falls back to exact numbers
+
+
+class _OutOfTime(Exception):
+    pass
+
+
+@contextmanager
+def _budget(seconds: float):
+    """Raise _OutOfTime in the block after ``seconds`` (main thread only: SIGALRM); an
+    outer alarm (the spec fuzzer's) is kept and restored."""
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "setitimer"):
+        yield
+        return
+    outer_left, _ = signal.getitimer(signal.ITIMER_REAL)
+    if outer_left and outer_left <= seconds:
+        yield                                   # the outer alarm comes first anyway
+        return
+    t0 = time.monotonic()
+
+    def fire(signum, frame):
+        raise _OutOfTime()
+    old = signal.signal(signal.SIGALRM, fire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+        if outer_left:
+            signal.setitimer(signal.ITIMER_REAL, max(1e-3, outer_left - (time.monotonic() - t0)))
+
+
+def _proven(d: sympy.Expr, dys: list[sympy.Symbol]) -> bool:
+    """Symbolically zero: both sides are linear in ∂L/∂y, so each coefficient vanishes on its own."""
+    return all(_zero_symbolic(sympy.diff(d, dyj)) for dyj in dys) and \
+        _zero_symbolic(d.xreplace({dyj: 0 for dyj in dys}))
 
 
 def prove_mode(md: ModeDerivation, sizes=(2, 3, 4, 5, 6)) -> ModeProof:
@@ -124,16 +324,30 @@ def prove_mode(md: ModeDerivation, sizes=(2, 3, 4, 5, 6)) -> ModeProof:
         ys = [ex.at(y_full, i) for i in range(n)]
         loss = sympy.Add(*[ex.elem[DY][i] * ys[i] for i in range(n)])
         checks: list[tuple[str, sympy.Expr]] = []
-        for i in range(n):
-            checks.append((f"dx_{i}", sympy.diff(loss, ex.elem[X][i]) - ex.at(md.dx, i)))
-            for p in spec.params:
-                checks.append((f"d{p.name}_{i}", sympy.diff(loss, ex.elem[p.symbol][i]) - ex.at(md.dparams[p.name], i)))
+        # element 0 stands for every element: the explicit layer is symmetric under any joint
+        # permutation of (x_j, dy_j, p_j), and the closed form is the same formula at every j
+        checks.append(("dx_0", sympy.diff(loss, ex.elem[X][0]) - ex.at(md.dx, 0)))
+        for p in spec.params:
+            if not p.scalar:
+                checks.append((f"d{p.name}_0", sympy.diff(loss, ex.elem[p.symbol][0])
+                               - ex.at(md.grads[p.name].element, 0)))
+        for p in spec.params:
+            if p.scalar:
+                gr = md.grads[p.name]
+                total = sympy.Add(*[ex.at(gr.element, i) for i in range(n)]) + ex.at(gr.group, None)
+                checks.append((f"d{p.name}", sympy.diff(loss, p.symbol) - total))
         for inp in spec.inputs:
             checks.append((f"d{inp.name}", sympy.diff(loss, inp.symbol) - ex.at(md.dinputs[inp.name], None)))
         method, status, detail = "cancel/together", "proven", ""
+        symbolic = True
         for what, d in checks:
-            if _zero_symbolic(d):
-                continue
+            if symbolic:
+                try:
+                    with _budget(max(0.1, SYMBOLIC_SECONDS - (time.perf_counter() - t0))):
+                        if _proven(d, ex.elem[DY]):
+                            continue
+                except _OutOfTime:
+                    symbolic = False            # out of time: exact numbers for the rest
             if _zero_numeric(d, rng):
                 method, status = "exact rationals, 60 digits", "checked numerically"
                 continue

@@ -3,6 +3,8 @@
 ``Mean(e)`` is the mean of the element-level expression ``e`` over one
 normalization group (a row for layer norm, a channel for batch norm, ...).
 The group size is the symbol ``N``; ``sum(e)`` is written ``N*Mean(e)``.
+A mean knows what its argument tells: the mean of real values is real, of
+non-negative values non-negative, of positive values positive.
 
 :class:`ReductionAlgebra` knows which symbols vary inside a group (``x``,
 ``dy``, per-element parameters, ``xhat``...) and applies the rules a careful
@@ -10,9 +12,14 @@ person uses by hand, without ``sympy.simplify``:
 
 * linearity: ``Mean(a + b) = Mean(a) + Mean(b)``, ``Mean(c*a) = c*Mean(a)``
   for ``c`` constant over the group, ``Mean(c) = c``;
-* known statistics: ``Mean(x) = mu`` when ``mu`` is defined as ``mean(x)``,
-  and anything solvable from that (``Mean(x**2) = var + mu**2`` -- used only
-  symbolically, never to compute a statistic).
+* known statistics: every statistic is a linear relation among group means
+  (``mu = Mean(x)``, ``var = Mean(x**2) - mu**2``, a kurtosis
+  ``k = (Mean(x**4) - 4*mu*Mean(x**3) + ...)/var**2``); each relation is
+  solved for its largest unknown mean, so any mean that is a combination of
+  known ones reduces to statistics -- used only symbolically, never to
+  compute a statistic;
+* derived element symbols: a mean of ``xhat**k`` (no ``dy``) is rewritten
+  through the definition of ``xhat`` and reduced the same way.
 """
 
 from __future__ import annotations
@@ -30,6 +37,24 @@ class Mean(sympy.Function):
     def eval(cls, arg):  # never auto-evaluate: rewriting is explicit
         return None
 
+    def _eval_is_extended_real(self):
+        return self.args[0].is_extended_real
+
+    def _eval_is_finite(self):
+        return self.args[0].is_finite
+
+    def _eval_is_extended_nonnegative(self):
+        return self.args[0].is_extended_nonnegative
+
+    def _eval_is_extended_positive(self):
+        return self.args[0].is_extended_positive
+
+    def _eval_is_extended_nonpositive(self):
+        return self.args[0].is_extended_nonpositive
+
+    def _eval_is_extended_negative(self):
+        return self.args[0].is_extended_negative
+
 
 def means(expr: sympy.Basic) -> list[Mean]:
     """Mean atoms in ``expr`` in a deterministic order."""
@@ -37,16 +62,63 @@ def means(expr: sympy.Basic) -> list[Mean]:
 
 
 def hide_means(expr: sympy.Expr, prefix: str = "R"):
-    """Replace each Mean atom by a fresh symbol; returns (expr, {symbol: atom})."""
+    """Replace each Mean atom by a fresh real symbol; returns (expr, {symbol: atom})."""
     atoms = means(expr)
-    table = {m: sympy.Symbol(f"_{prefix}{i}") for i, m in enumerate(atoms)}
+    table = {m: sympy.Dummy(f"{prefix}{i}", real=True) for i, m in enumerate(atoms)}
     return expr.xreplace(table), {s: m for m, s in table.items()}
 
 
+def _opaque(e: sympy.Expr) -> bool:
+    """A node expansion treats as an atom: a function other than a mean (tanh(x̂), |x - μ|,
+    exp(...)) or a non-integer power (√(x̂² + 1)) -- expanding inside them helps nothing
+    and turns √((x - μ)²/σ² + 1) into √(μ²/σ² - 2μx/σ² + x²/σ² + 1)."""
+    return (isinstance(e, sympy.Function) and not isinstance(e, Mean)) or (e.is_Pow and not e.exp.is_Integer)
+
+
+def expand(e: sympy.Expr) -> sympy.Expr:
+    """Polynomial expansion over sums, products, integer powers and means; every other
+    function and every root stays as written (see :func:`_opaque`)."""
+    if not isinstance(e, sympy.Basic) or e.is_Atom:
+        return e
+    table: dict = {}
+
+    def hide(node):
+        if node.is_Atom:
+            return node
+        if _opaque(node):
+            if node not in table:
+                table[node] = sympy.Dummy(f"F{len(table)}", **_assumptions(node))
+            return table[node]
+        if isinstance(node, Mean):                # its argument expanded the same way, then hidden
+            m = Mean(expand(node.args[0]))
+            if m not in table:
+                table[m] = sympy.Dummy(f"M{len(table)}", **_assumptions(m))
+            return table[m]
+        args = [hide(a) for a in node.args]
+        return node.func(*args) if any(a is not b for a, b in zip(args, node.args)) else node
+
+    hidden = sympy.expand(hide(e), power_base=False, log=False, deep=True)
+    return hidden.xreplace({d: n for n, d in table.items()}) if table else hidden
+
+
+def _assumptions(node) -> dict:
+    if node.is_positive:
+        return {"positive": True}
+    if node.is_nonnegative:
+        return {"nonnegative": True}
+    return {"real": True} if node.is_real else {}
+
+
+_expand = expand
+
+
 class ReductionAlgebra:
-    def __init__(self, varying: set[sympy.Symbol]):
+    def __init__(self, varying: set[sympy.Symbol], derived: dict[sympy.Symbol, sympy.Expr] | None = None,
+                 active: set[sympy.Symbol] = frozenset()):
         self.varying = set(varying)
-        self.known: dict[sympy.Expr, sympy.Expr] = {}
+        self.known: dict[sympy.Expr, sympy.Expr] = {}     # mean argument -> group-level value
+        self.derived = dict(derived or {})                # element symbol -> its definition (x̂)
+        self.active = set(active)                         # element symbols whose means are never known (dy, g)
 
     def is_varying(self, expr: sympy.Expr) -> bool:
         """Does ``expr`` vary inside a group (ignoring symbols inside Mean)?"""
@@ -64,33 +136,69 @@ class ReductionAlgebra:
         """Apply linearity and known statistics to every Mean in ``expr``."""
         if not expr.has(Mean):
             return expr
+        return expr.replace(lambda e: isinstance(e, Mean), self._rewrite)
 
-        def rewrite(m: Mean) -> sympy.Expr:
-            arg = sympy.expand(self.canon(m.args[0]), power_base=False, log=False)
-            total = sympy.S.Zero
-            for term in Add.make_args(arg):
-                const, vary = self.split(term)
-                if vary == 1:
-                    total += const
-                else:
-                    total += const * self.known.get(vary, Mean(vary))
-            return total
+    def _rewrite(self, m: Mean) -> sympy.Expr:
+        arg = _expand(self.canon(m.args[0]))
+        total = sympy.S.Zero
+        for term in Add.make_args(arg):
+            const, vary = self.split(term)
+            total += const * (sympy.S.One if vary == 1 else self._mean_of(vary))
+        return total
 
-        return expr.replace(lambda e: isinstance(e, Mean), rewrite)
+    def _mean_of(self, vary: sympy.Expr) -> sympy.Expr:
+        """The mean of one varying monomial: known, through x̂'s definition, or unknown."""
+        if vary in self.known:
+            return self.known[vary]
+        if self.derived and not (vary.free_symbols & self.active) and vary.free_symbols & set(self.derived):
+            through = self._rewrite(Mean(_expand(vary.xreplace(self.derived))))
+            if not through.has(Mean):
+                return through
+        return Mean(vary)
 
-    def learn(self, stat: sympy.Symbol, definition: sympy.Expr) -> sympy.Expr | None:
-        """Record what ``stat = definition`` tells about one unknown mean.
+    def unknown(self, expr: sympy.Expr) -> list[Mean]:
+        """The Mean atoms of the canonical ``expr`` (means no statistic determines)."""
+        return means(self.canon(expr))
 
-        If the canonical definition is linear in exactly one unknown Mean atom
-        ``A`` (for example ``var = Mean(x**2) - mu**2``), solve it for ``A``.
+    def linear_in_unknowns(self, canonical: sympy.Expr) -> bool:
+        """Is ``canonical`` a linear combination of its Mean atoms with group-level coefficients?"""
+        hidden, table = hide_means(canonical)
+        for r in table:
+            coef = sympy.diff(hidden, r)
+            if coef.has(*table) or not coef.free_symbols.isdisjoint(table):
+                return False
+        return True
+
+    def _pivot(self, canonical: sympy.Expr):
+        """(hidden, table, pivot symbol, pivot atom, its coefficient) of a canonical definition."""
+        hidden, table = hide_means(canonical)
+        r, atom = sorted(table.items(), key=lambda kv: sympy.default_sort_key(kv[1]))[-1]
+        return hidden, table, r, atom, sympy.diff(hidden, r)
+
+    def solvable(self, canonical: sympy.Expr) -> bool:
+        """Linear in its unknown means, and the coefficient of the one it is solved for is
+        never zero (α·⟨x⟩ + (1 - α)·μ₀ with α ≥ 0 says nothing about ⟨x⟩ when α = 0)."""
+        if not canonical.has(Mean) or not self.linear_in_unknowns(canonical):
+            return False
+        return bool(self._pivot(canonical)[4].is_nonzero)
+
+    def learn(self, stat: sympy.Symbol, definition: sympy.Expr) -> sympy.Expr:
+        """Record what ``stat = definition`` tells about the group means.
+
+        The canonical definition must be linear in its unknown Mean atoms
+        (see :meth:`linear_in_unknowns`); it is solved for the largest one,
+        which from then on is known in terms of ``stat`` and the others.
         Returns the canonical definition.
         """
         c = self.canon(definition)
-        hidden, table = hide_means(c)
-        if len(table) == 1:
-            (r, atom), = table.items()
-            coef = sympy.diff(hidden, r)
-            if coef != 0 and not coef.has(r):
-                rest = hidden.subs(r, 0)
-                self.known[atom.args[0]] = sympy.expand((stat - rest) / coef)
+        if not self.solvable(c):
+            return c
+        hidden, table, r, atom, coef = self._pivot(c)
+        rest = _expand(hidden.subs(r, 0)).xreplace(table)
+        value = _expand((stat - rest) / coef)
+        # keep every known value in terms of unknown atoms only
+        for k, v in list(self.known.items()):
+            if v.has(atom):
+                self.known[k] = _expand(v.xreplace({atom: value}))
+        self.known[atom.args[0]] = value
         return c

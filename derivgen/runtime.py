@@ -543,6 +543,12 @@ def group_mean_prod(layout: Layout):
     return mean_prod
 
 
+def group_total(value, like) -> float:
+    """The sum over the groups of a chunk of a per-group value (``like`` is a per-group
+    array of the chunk: a constant value counts once per group)."""
+    return float(np.sum(np.broadcast_to(value, np.shape(like))))
+
+
 def new_stats(layout: Layout, names) -> dict[str, np.ndarray]:
     return {n: np.empty(layout.stat4, dtype=np.float64) for n in names}
 

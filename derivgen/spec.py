@@ -21,12 +21,15 @@ from typing import Any
 
 import sympy
 
+from . import domain
+from .domain import domain_error
 from .expr import ExprError, parse_expr
+from .reduce import hide_means
 
 # The group size inside expressions.
 N = sympy.Symbol("N", positive=True, integer=True)
-X = sympy.Symbol("x")
-DY = sympy.Symbol("dy")
+X = sympy.Symbol("x", real=True)
+DY = sympy.Symbol("dy", real=True)
 
 LAYOUTS = {
     # kind -> allowed reduce values
@@ -34,23 +37,46 @@ LAYOUTS = {
     "channels": ("batch", "instance", "group"),
 }
 IDENT = re.compile(r"^[a-z][a-z0-9_]{0,30}$")
-C_RESERVED = set("""
+
+# Names a spec may not declare. Everything the generated code names itself
+# (loop variables, accumulators, reductions, coefficients, temporaries) lives
+# in a namespace no spec identifier can reach: it starts with an upper-case
+# letter or an underscore (see derivgen/naming.py). What is left is:
+#   the language keywords of the two targets,
+C_KEYWORDS = set("""
 auto break case char const continue default do double else enum extern float for goto if
 inline int long register restrict return short signed sizeof static struct switch typedef
-union unsigned void volatile while _Bool _Complex _Imaginary bool complex imaginary
-main errno assert abs fabs sqrt exp log pow fmax fmin isnan isinf nan inf size_t
+union unsigned void volatile while bool complex imaginary
 """.split())
-# names the engine or the generated code uses itself
-ENGINE_RESERVED = {
-    "x", "dy", "g", "N", "y", "dx", "sum", "sqrt", "exp", "log", "abs", "np", "numpy",
-    "out", "cache", "grads", "training", "num_groups", "self", "cls", "i", "j", "k", "n", "c",
-    "s", "o", "nn", "threads", "derivgen", "backend", "shape", "dtype", "min", "max",
-    # loop variables and locals of the generated C and NumPy code
-    "grp", "b", "m", "cg", "ch", "idx", "off", "base", "blocks", "block_stride", "n_groups", "nth",
-    "nthreads", "tid", "part", "mine", "xv", "dyv", "call", "partial", "rt", "meta", "float",
-    "int", "none", "true", "false",
-}
-RESERVED_SUFFIXES = ("_t", "_g", "_v", "_in", "_out", "_stride", "_part")
+#   the C library functions and types the generated C uses (a local of that
+#   name would hide them),
+C_LIBRARY = set("""
+sqrt sqrtf exp expf log logf pow powf fabs fabsf tanh tanhf malloc calloc free
+int64_t uintptr_t size_t main
+""".split())
+#   and the names the spec format itself defines: the data and its gradient,
+#   the derivation's g, the functions of the expression language, and the
+#   keyword arguments every generated forward takes.
+FORMAT_NAMES = {"x", "y", "dy", "dx", "g", "sqrt", "exp", "log", "abs", "tanh",
+                "out", "training", "num_groups"}
+
+
+def reserved_reason(name: str) -> str | None:
+    """Why ``name`` cannot be declared in a spec, or None."""
+    if not IDENT.match(name):
+        return "not a lower-case identifier (a letter, then letters, digits and underscores, at most 31)"
+    if keyword.iskeyword(name):
+        return "a Python keyword"
+    if name in C_KEYWORDS:
+        return "a C keyword"
+    if name in C_LIBRARY:
+        return "a C library name the generated code uses"
+    if name in FORMAT_NAMES:
+        return "a name the spec format defines itself"
+    grad = "d" + name
+    if keyword.iskeyword(grad) or grad in C_KEYWORDS:
+        return f"its gradient would be called {grad!r}, a keyword"
+    return None
 
 
 class SpecError(ValueError):
@@ -97,6 +123,7 @@ class Buffer(Named):
 class Statistic(Named):
     expr: sympy.Expr = sympy.S.Zero
     expr_text: str = ""
+    aux: bool = False             # named by the engine (a sub-expression of a user's statistic)
 
 
 @dataclass(frozen=True)
@@ -154,7 +181,9 @@ _N_NAMED = Named("N", N, "N", "N")
 
 _GREEK = {"alpha": ("\\alpha", "α"), "beta": ("\\beta", "β"), "gamma": ("\\gamma", "γ"),
           "eps": ("\\varepsilon", "ε"), "mu": ("\\mu", "μ"), "sigma": ("\\sigma", "σ"),
-          "momentum": ("m", "m")}
+          "momentum": ("m", "m"), "delta": ("\\delta", "δ"), "lambda_": ("\\lambda", "λ"),
+          "tau": ("\\tau", "τ"), "rho": ("\\rho", "ρ"), "mu_t": ("\\mu_t", "μₜ"),
+          "sigma_t": ("\\sigma_t", "σₜ")}
 
 
 def catalogue_dir():
@@ -229,11 +258,9 @@ class _Ctx:
         return float(v)
 
     def ident(self, where: str, name: str, taken: dict) -> str:
-        if not IDENT.match(name) or keyword.iskeyword(name) or name in C_RESERVED \
-                or name in ENGINE_RESERVED or name.startswith(("d_", "tmp", "acc", "mean_", "sum_", "k_", "grad_", "cse", "_")) \
-                or name.endswith(RESERVED_SUFFIXES):
-            self.err(where, f"invalid or reserved name {name!r} (lower-case identifier, "
-                            "not a C/Python keyword nor one of derivgen's own names)")
+        why = reserved_reason(name)
+        if why is not None:
+            self.err(where, f"invalid or reserved name {name!r}: {why}")
         if name in taken:
             self.err(where, f"name {name!r} is already declared as {taken[name]}")
         return name
@@ -257,14 +284,237 @@ class _Ctx:
             self.err(where, f"unknown field(s) {', '.join(sorted(extra))} "
                             f"(allowed: {', '.join(sorted(allowed))})")
 
+    def entry(self, where: str, v: Any, main: str | None) -> dict:
+        """A table entry, or a bare value standing for its ``main`` field."""
+        if isinstance(v, dict):
+            return v
+        if main is None:
+            self.err(where, "must be a table")
+        return {main: v}
 
-def _entry(ctx: _Ctx, where: str, v: Any, main: str | None) -> dict:
-    """A table entry, or a bare value standing for its ``main`` field."""
-    if isinstance(v, dict):
-        return v
-    if main is None:
-        ctx.err(where, "must be a table")
-    return {main: v}
+
+class _Parser:
+    """parse_spec's state: the declared names so far and their symbols."""
+
+    def __init__(self, ctx: _Ctx):
+        self.ctx = ctx
+        self.taken: dict[str, str] = {}                  # name -> what it is
+        self.names: dict[str, sympy.Expr] = {"x": X, "N": N}
+        self.stat_order: list[str] = []
+        self.channel_params: set[sympy.Symbol] = set()
+
+    def declare(self, where: str, name: str, what: str, sym: sympy.Expr):
+        self.ctx.ident(where, name, self.taken)
+        self.taken[name] = what
+        self.names[name] = sym
+
+    def expr(self, where: str, text: Any, scope: dict, reductions: bool = True) -> sympy.Expr:
+        ctx = self.ctx
+        t = ctx.string(where, text)
+        try:
+            e = parse_expr(t, scope, group_size=N, allow_reductions=reductions)
+        except ExprError as exc:
+            msg = str(exc)
+            m = re.match(r"unknown name '([a-z0-9_]+)'", msg)
+            if m and m.group(1) in self.stat_order:
+                msg = (f"statistic {m.group(1)!r} is used before it is defined (statistics are evaluated in "
+                       f"order and may refer only to earlier ones; cycles are not allowed): {t!r}")
+            ctx.err(where, msg)
+        why = domain_error(e)
+        if why is not None:
+            ctx.err(where, f"{why} in {t!r}")
+        return e
+
+    # ---- declarations -------------------------------------------------
+    def header(self, data: dict) -> tuple[str, str, str, list[str]]:
+        ctx = self.ctx
+        if "name" not in data:
+            ctx.err("name", "missing required field")
+        name = ctx.string("name", data["name"])
+        if not IDENT.match(name):
+            ctx.err("name", f"must be a lower-case identifier, got {name!r}")
+        title = ctx.prose("title", data.get("title", name))
+        summary = ctx.prose("summary", data.get("summary", ""), allow_empty=True)
+        notes = data.get("notes", [])
+        if not isinstance(notes, list) or not all(isinstance(n, str) for n in notes):
+            ctx.err("notes", "must be a list of strings")
+        return name, title, summary, [ctx.prose(f"notes[{i}]", n) for i, n in enumerate(notes)]
+
+    def layout(self) -> tuple[str, str, int]:
+        ctx = self.ctx
+        t = ctx.table("layout", required=True)
+        ctx.keys("layout", t, {"kind", "reduce", "axes"})
+        kind = t.get("kind")
+        if kind not in LAYOUTS:
+            ctx.err("layout.kind", f"must be one of {', '.join(LAYOUTS)}, got {kind!r}")
+        reduce_ = t.get("reduce", LAYOUTS[kind][0])
+        if reduce_ not in LAYOUTS[kind]:
+            ctx.err("layout.reduce", f"for kind {kind!r} must be one of {', '.join(LAYOUTS[kind])}, got {reduce_!r}")
+        axes = t.get("axes", 1)
+        if isinstance(axes, bool) or not isinstance(axes, int) or not 1 <= axes <= 8:
+            ctx.err("layout.axes", f"must be an integer in 1..8, got {axes!r}")
+        if "axes" in t and kind != "trailing":
+            ctx.err("layout.axes", "only a 'trailing' layout has normalized axes to count")
+        return kind, reduce_, axes
+
+    def params(self) -> list[Param]:
+        ctx, out = self.ctx, []
+        for pname, v in ctx.table("params").items():
+            where = f"params.{pname}"
+            entry = ctx.entry(where, v, None)
+            ctx.keys(where, entry, {"init", "role", "shape", "latex", "text"})
+            role = entry.get("role", "scale")
+            if role not in ("scale", "shift"):
+                ctx.err(f"{where}.role", "must be 'scale' or 'shift'")
+            shape = entry.get("shape", "channel")
+            if shape not in ("channel", "scalar"):
+                ctx.err(f"{where}.shape", f"must be 'channel' (one value per channel / normalized feature) or "
+                                          f"'scalar', got {shape!r}")
+            init = ctx.number(f"{where}.init", entry.get("init", 1.0 if role == "scale" else 0.0))
+            sym = domain.symbol(pname)
+            self.declare(where, pname, "a parameter", sym)
+            if shape == "channel":
+                self.channel_params.add(sym)
+            out.append(Param(pname, sym, *ctx.display(where, pname, entry), init=init, role=role,
+                             scalar=shape == "scalar"))
+        return out
+
+    def options(self) -> list[Option]:
+        ctx, out = self.ctx, []
+        for oname, v in ctx.table("options").items():
+            where = f"options.{oname}"
+            entry = ctx.entry(where, v, "default")
+            ctx.keys(where, entry, {"default", "min", "max", "latex", "text"})
+            lo = ctx.number(f"{where}.min", entry["min"]) if "min" in entry else None
+            hi = ctx.number(f"{where}.max", entry["max"]) if "max" in entry else None
+            if lo is not None and hi is not None and lo > hi:
+                ctx.err(where, f"min {lo} is greater than max {hi}")
+            default = ctx.number(f"{where}.default", entry["default"]) if "default" in entry else None
+            if default is not None and ((lo is not None and default < lo) or (hi is not None and default > hi)):
+                ctx.err(f"{where}.default", f"{default} is outside [{lo}, {hi}]")
+            level = domain.REAL if lo is None else (domain.POSITIVE if lo > 0 else
+                                                    domain.NONNEG if lo == 0 else domain.REAL)
+            sym = domain.symbol(oname, level)
+            self.declare(where, oname, "an option", sym)
+            out.append(Option(oname, sym, *ctx.display(where, oname, entry), default=default, min=lo, max=hi))
+        return out
+
+    def inputs(self) -> list[Input]:
+        ctx, out = self.ctx, []
+        for iname, v in ctx.table("inputs").items():
+            where = f"inputs.{iname}"
+            entry = ctx.entry(where, v, None)
+            ctx.keys(where, entry, {"latex", "text"})
+            sym = domain.symbol(iname)
+            self.declare(where, iname, "an input", sym)
+            out.append(Input(iname, sym, *ctx.display(where, iname, entry)))
+        return out
+
+    def buffer_entries(self) -> list[tuple[str, str, dict, sympy.Symbol]]:
+        ctx, out = self.ctx, []
+        for bname, v in ctx.table("buffers").items():
+            where = f"buffers.{bname}"
+            entry = ctx.entry(where, v, None)
+            ctx.keys(where, entry, {"init", "update", "latex", "text"})
+            if "update" not in entry:
+                ctx.err(f"{where}.update", "missing required field")
+            sym = domain.symbol(bname)
+            self.declare(where, bname, "a buffer", sym)
+            out.append((bname, where, entry, sym))
+        return out
+
+    # ---- statistics ---------------------------------------------------
+    def statistics(self, where_root: str, table: dict, base: dict[str, Statistic] | None,
+                   bound: dict[str, int]) -> tuple[list[Statistic], dict, dict[str, int]]:
+        """The statistics of one mode, in order; ``base`` is the training mode's (for a
+        redefinition); ``bound`` caps the sign each statistic may be declared with (a
+        sign must hold in every mode). Returns (statistics, scope, inferred signs)."""
+        ctx = self.ctx
+        scope = dict(self.names)
+        out: list[Statistic] = []
+        taken = dict(self.taken)
+        inferred: dict[str, int] = {}
+        if base is not None:
+            extra = set(table) - set(base)
+            if extra:
+                ctx.err(where_root, f"redefines unknown statistic(s) {', '.join(sorted(extra))}")
+        items = list(base.items()) if base is not None else list(table.items())
+        for sname, v in items:
+            where = f"{where_root}.{sname}"
+            if base is not None:
+                prev = v
+                if sname in table:
+                    entry = ctx.entry(where, table[sname], "expr")
+                    ctx.keys(where, entry, {"expr"})
+                    expr_text = entry["expr"]
+                else:
+                    expr_text = prev.expr_text
+                expr = self.expr(f"{where}.expr", expr_text, scope)
+                latex, text = prev.latex, prev.text
+            else:
+                entry = ctx.entry(where, v, "expr")
+                ctx.keys(where, entry, {"expr", "latex", "text"})
+                ctx.ident(where, sname, taken)
+                if "expr" not in entry:
+                    ctx.err(f"{where}.expr", "missing required field")
+                expr_text = entry["expr"]
+                expr = self.expr(f"{where}.expr", expr_text, scope)
+                latex, text = ctx.display(where, sname, entry)
+                taken[sname] = "a statistic"
+            self.check_group_level(f"{where}.expr", expr, expr_text)
+            inferred[sname] = domain.sign_level(expr)
+            sym = domain.symbol(sname, min(inferred[sname], bound.get(sname, domain.POSITIVE)))
+            st = Statistic(sname, sym, latex, text, expr=expr, expr_text=expr_text)
+            scope[sname] = st.symbol
+            out.append(st)
+        return out, scope, inferred
+
+    def check_group_level(self, where: str, expr: sympy.Expr, text: str):
+        """A statistic is one value per group: x and per-channel parameters only inside mean()/sum()."""
+        outside = hide_means(expr)[0].free_symbols
+        if X in outside:
+            self.ctx.err(where, f"x appears outside mean()/sum(): a statistic is one value per group: {text!r}")
+        for p in sorted(outside & self.channel_params, key=str):
+            self.ctx.err(where, f"the per-channel parameter {p} varies within a normalization group; use it "
+                                f"inside mean()/sum(), or declare it shape = 'scalar': {text!r}")
+
+    def modes(self, stats_t: dict) -> list[Mode]:
+        ctx = self.ctx
+        modes_t = ctx.table("modes")
+        for mname, mt in modes_t.items():
+            where = f"modes.{mname}"
+            if mname not in ("train", "eval"):
+                ctx.err(where, "modes may be 'train' or 'eval'")
+            if not isinstance(mt, dict):
+                ctx.err(where, "must be a table")
+            ctx.keys(where, mt, {"statistics", "min_group_size"})
+        eval_t = modes_t.get("eval")
+        if eval_t is not None and not isinstance(eval_t.get("statistics", {}), dict):
+            ctx.err("modes.eval.statistics", "must be a table")
+
+        def min_size(mname: str) -> int:
+            v = ctx.number(f"modes.{mname}.min_group_size", modes_t.get(mname, {}).get("min_group_size", 1))
+            if v != int(v) or not 1 <= v <= 1 << 20:
+                ctx.err(f"modes.{mname}.min_group_size", f"must be a positive integer, got {v}")
+            return int(v)
+
+        # a statistic's sign must hold in every mode: weaken until it does (a few rounds at most)
+        bound: dict[str, int] = {}
+        while True:
+            train, scope, signs = self.statistics("statistics", stats_t, None, bound)
+            modes = [Mode("train", tuple(train), min_size("train"))]
+            if eval_t is not None:
+                ev, _, ev_signs = self.statistics("modes.eval.statistics", eval_t.get("statistics", {}),
+                                                  {s.name: s for s in train}, bound)
+                for k, lv in ev_signs.items():
+                    signs[k] = min(signs[k], lv)
+                modes.append(Mode("eval", tuple(ev), min_size("eval")))
+            new = {k: min(v, bound.get(k, domain.POSITIVE)) for k, v in signs.items()}
+            if all(new[s.name] >= domain.level_of_symbol(s.symbol) for m in modes for s in m.statistics
+                   if s.name in new):
+                self.stat_scope = scope
+                return modes
+            bound = new
 
 
 def parse_spec(text: str, source: str = "<spec>") -> Spec:
@@ -278,237 +528,76 @@ def parse_spec(text: str, source: str = "<spec>") -> Spec:
     ctx.keys("<top level>", data, {"name", "title", "summary", "notes", "layout", "params",
                                    "options", "inputs", "buffers", "statistics", "normalized",
                                    "output", "modes"})
-    if "name" not in data:
-        ctx.err("name", "missing required field")
-    name = ctx.string("name", data["name"])
-    if not IDENT.match(name):
-        ctx.err("name", f"must be a lower-case identifier, got {name!r}")
-    title = ctx.prose("title", data.get("title", name))
-    summary = ctx.prose("summary", data.get("summary", ""), allow_empty=True)
-    notes = data.get("notes", [])
-    if not isinstance(notes, list) or not all(isinstance(n, str) for n in notes):
-        ctx.err("notes", "must be a list of strings")
-    notes = [ctx.prose(f"notes[{i}]", n) for i, n in enumerate(notes)]
+    P = _Parser(ctx)
+    name, title, summary, notes = P.header(data)
+    kind, reduce_, axes = P.layout()
+    params = P.params()
+    options = P.options()
+    inputs = P.inputs()
+    buffer_entries = P.buffer_entries()
 
-    layout_t = ctx.table("layout", required=True)
-    ctx.keys("layout", layout_t, {"kind", "reduce", "axes"})
-    kind = layout_t.get("kind")
-    if kind not in LAYOUTS:
-        ctx.err("layout.kind", f"must be one of {', '.join(LAYOUTS)}, got {kind!r}")
-    reduce_ = layout_t.get("reduce", LAYOUTS[kind][0])
-    if reduce_ not in LAYOUTS[kind]:
-        ctx.err("layout.reduce", f"for kind {kind!r} must be one of "
-                                 f"{', '.join(LAYOUTS[kind])}, got {reduce_!r}")
-
-    axes = layout_t.get("axes", 1)
-    if isinstance(axes, bool) or not isinstance(axes, int) or not 1 <= axes <= 8:
-        ctx.err("layout.axes", f"must be an integer in 1..8, got {axes!r}")
-    if "axes" in layout_t and kind != "trailing":
-        ctx.err("layout.axes", "only a 'trailing' layout has normalized axes to count")
-
-    taken: dict[str, str] = {}
-    names: dict[str, sympy.Expr] = {"x": X, "N": N}
-    varying = {X}
-
-    params = []
-    for pname, v in ctx.table("params").items():
-        where = f"params.{pname}"
-        entry = _entry(ctx, where, v, None)
-        ctx.keys(where, entry, {"init", "role", "shape", "latex", "text"})
-        ctx.ident(where, pname, taken)
-        role = entry.get("role", "scale")
-        if role not in ("scale", "shift"):
-            ctx.err(f"{where}.role", "must be 'scale' or 'shift'")
-        shape = entry.get("shape", "channel")
-        if shape not in ("channel", "scalar"):
-            ctx.err(f"{where}.shape", f"must be 'channel' (one value per channel / normalized feature) or "
-                                      f"'scalar', got {shape!r}")
-        init = ctx.number(f"{where}.init", entry.get("init", 1.0 if role == "scale" else 0.0))
-        sym = sympy.Symbol(pname)
-        params.append(Param(pname, sym, *ctx.display(where, pname, entry), init=init, role=role,
-                            scalar=shape == "scalar"))
-        taken[pname] = "a parameter"
-        names[pname] = sym
-        varying.add(sym)
-
-    options = []
-    for oname, v in ctx.table("options").items():
-        where = f"options.{oname}"
-        entry = _entry(ctx, where, v, "default")
-        ctx.keys(where, entry, {"default", "min", "max", "latex", "text"})
-        ctx.ident(where, oname, taken)
-        lo = ctx.number(f"{where}.min", entry["min"]) if "min" in entry else None
-        hi = ctx.number(f"{where}.max", entry["max"]) if "max" in entry else None
-        default = ctx.number(f"{where}.default", entry["default"]) if "default" in entry else None
-        if default is not None and ((lo is not None and default < lo) or (hi is not None and default > hi)):
-            ctx.err(f"{where}.default", f"{default} is outside [{lo}, {hi}]")
-        sym = sympy.Symbol(oname, real=True)
-        options.append(Option(oname, sym, *ctx.display(where, oname, entry),
-                              default=default, min=lo, max=hi))
-        taken[oname] = "an option"
-        names[oname] = sym
-
-    inputs = []
-    for iname, v in ctx.table("inputs").items():
-        where = f"inputs.{iname}"
-        entry = _entry(ctx, where, v, None)
-        ctx.keys(where, entry, {"latex", "text"})
-        ctx.ident(where, iname, taken)
-        sym = sympy.Symbol(iname, real=True)
-        inputs.append(Input(iname, sym, *ctx.display(where, iname, entry)))
-        taken[iname] = "an input"
-        names[iname] = sym
-
-    buffer_entries = []
-    for bname, v in ctx.table("buffers").items():
-        where = f"buffers.{bname}"
-        entry = _entry(ctx, where, v, None)
-        ctx.keys(where, entry, {"init", "update", "latex", "text"})
-        ctx.ident(where, bname, taken)
-        if "update" not in entry:
-            ctx.err(f"{where}.update", "missing required field")
-        sym = sympy.Symbol(bname, real=True)
-        buffer_entries.append((bname, where, entry, sym))
-        taken[bname] = "a buffer"
-        names[bname] = sym
-
-    stat_order = list(ctx.table("statistics").keys())
-
-    def parse(where: str, text: Any, scope: dict, reductions: bool = True) -> sympy.Expr:
-        t = ctx.string(where, text)
-        try:
-            return parse_expr(t, scope, group_size=N, allow_reductions=reductions)
-        except ExprError as exc:
-            msg = str(exc)
-            m = re.match(r"unknown name '([a-z0-9_]+)'", msg)
-            if m and m.group(1) in stat_order:
-                msg = (f"statistic {m.group(1)!r} is used before it is defined (statistics are evaluated in "
-                       f"order and may refer only to earlier ones; cycles are not allowed): {t!r}")
-            ctx.err(where, msg)
-
-    def statistics(where_root: str, table: dict, base: dict[str, Statistic] | None):
-        scope = dict(names)
-        out: list[Statistic] = []
-        local_taken = dict(taken)
-        if base is not None:
-            extra = set(table) - set(base)
-            if extra:
-                ctx.err(where_root, f"redefines unknown statistic(s) {', '.join(sorted(extra))}")
-        items = list(base.items()) if base is not None else list(table.items())
-        for sname, v in items:
-            where = f"{where_root}.{sname}"
-            if base is not None:
-                prev = v
-                if sname in table:
-                    entry = _entry(ctx, where, table[sname], "expr")
-                    ctx.keys(where, entry, {"expr"})
-                    expr_text = entry["expr"]
-                    expr = parse(f"{where}.expr", expr_text, scope)
-                else:
-                    expr_text, expr = prev.expr_text, None
-                    expr = parse(f"{where}.expr", expr_text, scope)
-                st = Statistic(sname, prev.symbol, prev.latex, prev.text, expr=expr, expr_text=expr_text)
-            else:
-                entry = _entry(ctx, where, v, "expr")
-                ctx.keys(where, entry, {"expr", "latex", "text"})
-                ctx.ident(where, sname, local_taken)
-                if "expr" not in entry:
-                    ctx.err(f"{where}.expr", "missing required field")
-                expr = parse(f"{where}.expr", entry["expr"], scope)
-                st = Statistic(sname, sympy.Symbol(sname, real=True), *ctx.display(where, sname, entry),
-                               expr=expr, expr_text=entry["expr"])
-                local_taken[sname] = "a statistic"
-            scope[sname] = st.symbol
-            out.append(st)
-        return out, scope
-
-    stats_t = ctx.table("statistics", required=True)
-    if not stats_t:
-        ctx.err("statistics", "at least one statistic is required")
-    train_stats, scope = statistics("statistics", stats_t, None)
-    for st in train_stats:
-        taken[st.name] = "a statistic"
-
-    modes_t = ctx.table("modes")
-    mode_specs: list[tuple[str, dict]] = []
-    for mname, mt in modes_t.items():
-        where = f"modes.{mname}"
-        if mname not in ("train", "eval"):
-            ctx.err(where, "modes may be 'train' or 'eval'")
-        if not isinstance(mt, dict):
-            ctx.err(where, "must be a table")
-        ctx.keys(where, mt, {"statistics", "min_group_size"})
-        mode_specs.append((mname, mt))
-    train_min = 1
-    for mname, mt in mode_specs:
-        if mname == "train":
-            train_min = int(ctx.number("modes.train.min_group_size", mt.get("min_group_size", 1)))
-    modes = [Mode("train", tuple(train_stats), train_min)]
-    for mname, mt in mode_specs:
-        if mname != "eval":
-            continue
-        st_t = mt.get("statistics", {})
-        if not isinstance(st_t, dict):
-            ctx.err("modes.eval.statistics", "must be a table")
-        eval_stats, _ = statistics("modes.eval.statistics", st_t,
-                                   {s.name: s for s in train_stats})
-        modes.append(Mode("eval", tuple(eval_stats),
-                          int(ctx.number("modes.eval.min_group_size", mt.get("min_group_size", 1)))))
+    stats_t = ctx.table("statistics")       # none: an elementwise layer (Dynamic Tanh)
+    P.stat_order = list(stats_t)
+    modes = P.modes(stats_t)
+    scope = P.stat_scope
+    for st in modes[0].statistics:
+        P.taken[st.name] = "a statistic"
 
     buffers = []
     for bname, where, entry, sym in buffer_entries:
-        upd = parse(f"{where}.update", entry["update"], scope, reductions=False)
+        upd = P.expr(f"{where}.update", entry["update"], scope, reductions=False)
+        P.check_group_level(f"{where}.update", upd, entry["update"])
         buffers.append(Buffer(bname, sym, *ctx.display(where, bname, entry),
                               init=ctx.number(f"{where}.init", entry.get("init", 0.0)),
                               update=upd, update_text=entry["update"]))
 
-    # the normalized coordinate (optional but strongly recommended)
-    normalized = normalized_expr = None
-    out_scope = dict(scope)
-    norm_t = data.get("normalized")
-    if norm_t is not None:
-        if not isinstance(norm_t, dict):
-            ctx.err("normalized", "must be a table")
-        ctx.keys("normalized", norm_t, {"name", "expr", "latex", "text"})
-        for f in ("name", "expr"):
-            if f not in norm_t:
-                ctx.err(f"normalized.{f}", "missing required field")
-        nname = ctx.ident("normalized.name", ctx.string("normalized.name", norm_t["name"]), taken)
-        normalized_expr = parse("normalized.expr", norm_t["expr"], scope, reductions=False)
-        if not normalized_expr.has(X):
-            ctx.err("normalized.expr", "must depend on x")
-        nsym = sympy.Symbol(nname)
-        normalized = Named(nname, nsym, *ctx.display("normalized", nname, norm_t))
-        out_scope[nname] = nsym
-        taken[nname] = "the normalized coordinate"
-
+    normalized, normalized_expr, out_scope = _normalized(ctx, P, data, scope)
     out_t = data.get("output")
     if out_t is None:
         ctx.err("output", "missing required field")
     if isinstance(out_t, dict):
         ctx.keys("output", out_t, {"y"})
-        out_t = out_t.get("y")
-    output = parse("output", out_t, out_scope, reductions=False)
-    if normalized is not None:
-        output_full = output.xreplace({normalized.symbol: normalized_expr})
-    else:
-        output_full = output
+        if "y" not in out_t:
+            ctx.err("output.y", "missing required field")
+        out_t = out_t["y"]
+    output = P.expr("output", out_t, out_scope, reductions=False)
+    output_full = output.xreplace({normalized.symbol: normalized_expr}) if normalized is not None else output
     if not output_full.has(X):
         ctx.err("output", "must depend on x")
 
     # gradients are named d<name>: a declared d<name> would collide with one
-    declared = [n for n in taken] + [st.name for st in train_stats]
+    declared = list(P.taken)
     for n in declared:
         if "d" + n in declared:
             ctx.err(n, f"names {n!r} and {'d' + n!r} collide: the gradient of {n!r} is called {'d' + n!r}")
-    # every statistic must be used, and statistics may not use later ones
-    # (guaranteed by scoping); statistics must not reference parameters
-    for mode in modes:
-        for st in mode.statistics:
-            if st.expr.free_symbols & {p.symbol for p in params}:
-                ctx.err(f"statistics.{st.name}.expr", "statistics may not depend on parameters")
     return Spec(name=name, title=title, summary=summary, source=source, layout=kind,
                 reduce=reduce_, axes=axes, params=tuple(params), options=tuple(options),
                 inputs=tuple(inputs), buffers=tuple(buffers), modes=tuple(modes),
                 normalized=normalized, normalized_expr=normalized_expr, output=output,
                 output_text=str(out_t), notes=tuple(notes))
+
+
+def _normalized(ctx: _Ctx, P: _Parser, data: dict, scope: dict):
+    """The optional normalized coordinate: (Named, expression, the output's scope)."""
+    out_scope = dict(scope)
+    norm_t = data.get("normalized")
+    if norm_t is None:
+        return None, None, out_scope
+    if not isinstance(norm_t, dict):
+        ctx.err("normalized", "must be a table")
+    ctx.keys("normalized", norm_t, {"name", "expr", "latex", "text"})
+    for f in ("name", "expr"):
+        if f not in norm_t:
+            ctx.err(f"normalized.{f}", "missing required field")
+    nname = ctx.ident("normalized.name", ctx.string("normalized.name", norm_t["name"]), P.taken)
+    expr = P.expr("normalized.expr", norm_t["expr"], scope, reductions=False)
+    if not expr.has(X):
+        ctx.err("normalized.expr", "must depend on x")
+    slope = sympy.diff(expr, X)
+    if slope.has(X) or (slope.free_symbols | expr.subs(X, 0).free_symbols) & P.channel_params:
+        ctx.err("normalized.expr", f"must be affine in x with a slope that is one value per group "
+                                   f"(a*x + b, a and b statistics, options or numbers): {norm_t['expr']!r}")
+    nsym = domain.symbol(nname)
+    P.taken[nname] = "the normalized coordinate"
+    out_scope[nname] = nsym
+    return Named(nname, nsym, *ctx.display("normalized", nname, norm_t)), expr, out_scope

@@ -10,6 +10,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
+# every kernel the tests build must compile without a single warning (users' builds only show them)
+os.environ["DERIVGEN_WERROR"] = "1"
+
 
 def require_tool(name: str) -> str:
     """Path of an executable; skip locally when missing, fail under CI=true."""

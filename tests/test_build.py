@@ -59,7 +59,8 @@ def test_missing_compiler_is_a_clear_error(cache, monkeypatch):
 def test_concurrent_builds_of_the_same_kernel(cache, tmp_path):
     src = tmp_path / "k.c"
     src.write_text((ROOT / "generated" / "c" / "layernorm.c").read_text())
-    (tmp_path / "layernorm.h").write_text((ROOT / "generated" / "c" / "layernorm.h").read_text())
+    for h in ("layernorm.h", "derivgen-kernels.h"):
+        (tmp_path / h).write_text((ROOT / "generated" / "c" / h).read_text())
     code = ("import sys; from pathlib import Path; from derivgen.build import build_shared; "
             "print(build_shared(Path(sys.argv[1])))")
     env = dict(os.environ, DERIVGEN_CACHE=str(cache))

@@ -101,8 +101,13 @@ BAD = [
      "used before it is defined"),
     ("undefined", BASE.replace('"gamma*(x - mean)"', '"gamma*(x - mu)"'), "unknown name 'mu'"),
     ("missing-output", BASE.replace('[output]\ny = "gamma*(x - mean)"', ""), "output: missing"),
-    ("missing-stats", BASE.replace('[statistics]\nmean = "mean(x)"', "").replace("- mean", "- 1"),
-     "statistics: missing"),
+    ("stats-not-a-table", BASE.replace('[statistics]\nmean = "mean(x)"', "").replace("- mean", "- 1")
+     .replace('name = "t"', 'name = "t"\nstatistics = 3'), "statistics: must be a table"),
+    ("x-outside-mean", BASE.replace('"mean(x)"', '"x + 1"'), "x appears outside mean"),
+    ("channel-param-outside-mean", BASE.replace('"mean(x)"', '"mean(x) + gamma"'), "per-channel parameter gamma"),
+    ("sqrt-of-negative", BASE.replace('"mean(x)"', '"sqrt(-mean(x**2) - 1)"'), "non-integer power of a negative"),
+    ("log-of-nonpositive", BASE.replace('"mean(x)"', '"log(-mean(x**2))"'), "logarithm of a value that is never positive"),
+    ("normalized-not-affine", BASE + '[normalized]\nname = "z"\nexpr = "x**2"\n', "affine in x"),
     ("unknown-field", BASE + "\nextra = 1\n", "unknown field"),
     ("bad-layout", BASE.replace('kind = "trailing"', 'kind = "diagonal"'), "layout.kind"),
     ("reduction-in-output", BASE.replace('"gamma*(x - mean)"', '"gamma*(x - mean(x))"'), "group reduction"),
@@ -152,3 +157,37 @@ def test_prose_with_code_delimiters_is_rejected_but_safe_prose_is_kept():
         if rel.endswith(".py"):
             compile(body, rel, "exec")       # still valid Python
     assert "A (weird) title: 50% <ok> & 'quoted'" in out["c/t.c"]
+
+
+# the fewest run-time reductions each example's backward can have (layer-norm-like 2,
+# RMS-like 1, no statistics 0)
+MIN_REDUCTIONS = {"scalenorm": 1, "layernorm_nobias": 2, "material_sigma": 2, "dynamic_tanh": 0,
+                  "online_layernorm_notation": 2}
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=[p.stem for p in EXAMPLES])
+def test_example_is_minimal_and_proven_symbolically(path):
+    from derivgen.proof import prove_mode
+    d = derivgen.derive(path)
+    assert d.spec.name in MIN_REDUCTIONS, "add the new example to MIN_REDUCTIONS"
+    for md in d.modes.values():
+        assert len(md.reductions) == MIN_REDUCTIONS[d.spec.name], md.reductions
+        proof = prove_mode(md, sizes=(2, 3, 4))
+        assert proof.status == "proven", [(r.n, r.status, r.detail) for r in proof.results]
+
+
+def test_online_layernorm_in_the_notes_notation_matches_the_catalogue():
+    """The notes' notation (mu_t, sigma_t, s; one statistic less) gives the catalogue layer."""
+    a = derivgen.load(str(ROOT / "examples" / "online_layernorm_notation.toml"))
+    b = derivgen.load("online_layernorm")
+    rng = np.random.default_rng(5)
+    x, g, bb = rng.normal(size=(4, 9)), rng.normal(1, 0.2, 9), rng.normal(size=9)
+    pm, ps = rng.normal(size=4), rng.uniform(0.5, 1.5, 4)
+    ya, ca = a.forward(x, g, bb, alpha=0.3, mu_prev=pm, sigma_prev=ps)
+    yb, cb = b.forward(x, g, bb, alpha=0.3, prev_mean=pm, prev_std=ps)
+    np.testing.assert_allclose(ya, yb, rtol=1e-12, atol=1e-12)
+    dy = rng.normal(size=x.shape)
+    ga, gb = a.backward(dy, ca), b.backward(dy, cb)
+    np.testing.assert_allclose(ga.dx, gb.dx, rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(ga.dmu_prev, gb.dprev_mean, rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(ga.dsigma_prev, gb.dprev_std, rtol=1e-10, atol=1e-12)

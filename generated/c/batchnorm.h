@@ -23,6 +23,14 @@ extern "C" {
 #define restrict
 #endif
 
+/* The machine's cache sizes, in bytes: outputs of at least stream_bytes are written with
+ * streaming stores, tiles hold at most tile_bytes (<= 0: keep the build's defaults; the
+ * Python binding passes a quarter of the last-level cache and a quarter of L2). */
+void batchnorm_configure(int64_t stream_bytes, int64_t tile_bytes);
+
+/* The instruction sets this build targets ("avx512f avx2 fma sse2", "avx2 fma sse2", ...). */
+const char *batchnorm_isa(void);
+
 int batchnorm_train_forward_f32(
     int64_t O, int64_t G, int64_t Cg, int64_t S,
     const float *restrict x,
@@ -33,10 +41,10 @@ int batchnorm_train_forward_f32(
     float *restrict running_mean,
     float *restrict running_var,
     float *restrict y,
-    double *restrict mean_out,
-    double *restrict var_out,
-    double *restrict rstd_out,
-    int nthreads);
+    double *restrict mean_Out,
+    double *restrict var_Out,
+    double *restrict rstd_Out,
+    int Nthreads);
 
 int batchnorm_train_backward_f32(
     int64_t O, int64_t G, int64_t Cg, int64_t S,
@@ -46,13 +54,13 @@ int batchnorm_train_backward_f32(
     const float *restrict beta,
     double eps,
     double momentum,
-    const double *restrict mean_in,
-    const double *restrict var_in,
-    const double *restrict rstd_in,
+    const double *restrict mean_In,
+    const double *restrict var_In,
+    const double *restrict rstd_In,
     float *restrict dx,
     float *restrict dgamma,
     float *restrict dbeta,
-    int nthreads);
+    int Nthreads);
 
 int batchnorm_train_forward_f64(
     int64_t O, int64_t G, int64_t Cg, int64_t S,
@@ -64,10 +72,10 @@ int batchnorm_train_forward_f64(
     double *restrict running_mean,
     double *restrict running_var,
     double *restrict y,
-    double *restrict mean_out,
-    double *restrict var_out,
-    double *restrict rstd_out,
-    int nthreads);
+    double *restrict mean_Out,
+    double *restrict var_Out,
+    double *restrict rstd_Out,
+    int Nthreads);
 
 int batchnorm_train_backward_f64(
     int64_t O, int64_t G, int64_t Cg, int64_t S,
@@ -77,13 +85,13 @@ int batchnorm_train_backward_f64(
     const double *restrict beta,
     double eps,
     double momentum,
-    const double *restrict mean_in,
-    const double *restrict var_in,
-    const double *restrict rstd_in,
+    const double *restrict mean_In,
+    const double *restrict var_In,
+    const double *restrict rstd_In,
     double *restrict dx,
     double *restrict dgamma,
     double *restrict dbeta,
-    int nthreads);
+    int Nthreads);
 
 int batchnorm_eval_forward_f32(
     int64_t O, int64_t G, int64_t Cg, int64_t S,
@@ -95,10 +103,10 @@ int batchnorm_eval_forward_f32(
     const float *restrict running_mean,
     const float *restrict running_var,
     float *restrict y,
-    double *restrict mean_out,
-    double *restrict var_out,
-    double *restrict rstd_out,
-    int nthreads);
+    double *restrict mean_Out,
+    double *restrict var_Out,
+    double *restrict rstd_Out,
+    int Nthreads);
 
 int batchnorm_eval_backward_f32(
     int64_t O, int64_t G, int64_t Cg, int64_t S,
@@ -108,13 +116,13 @@ int batchnorm_eval_backward_f32(
     const float *restrict beta,
     double eps,
     double momentum,
-    const double *restrict mean_in,
-    const double *restrict var_in,
-    const double *restrict rstd_in,
+    const double *restrict mean_In,
+    const double *restrict var_In,
+    const double *restrict rstd_In,
     float *restrict dx,
     float *restrict dgamma,
     float *restrict dbeta,
-    int nthreads);
+    int Nthreads);
 
 int batchnorm_eval_forward_f64(
     int64_t O, int64_t G, int64_t Cg, int64_t S,
@@ -126,10 +134,10 @@ int batchnorm_eval_forward_f64(
     const double *restrict running_mean,
     const double *restrict running_var,
     double *restrict y,
-    double *restrict mean_out,
-    double *restrict var_out,
-    double *restrict rstd_out,
-    int nthreads);
+    double *restrict mean_Out,
+    double *restrict var_Out,
+    double *restrict rstd_Out,
+    int Nthreads);
 
 int batchnorm_eval_backward_f64(
     int64_t O, int64_t G, int64_t Cg, int64_t S,
@@ -139,13 +147,13 @@ int batchnorm_eval_backward_f64(
     const double *restrict beta,
     double eps,
     double momentum,
-    const double *restrict mean_in,
-    const double *restrict var_in,
-    const double *restrict rstd_in,
+    const double *restrict mean_In,
+    const double *restrict var_In,
+    const double *restrict rstd_In,
     double *restrict dx,
     double *restrict dgamma,
     double *restrict dbeta,
-    int nthreads);
+    int Nthreads);
 
 #ifdef __cplusplus
 }

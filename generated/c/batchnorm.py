@@ -15,9 +15,9 @@ train mode:
       running_var <- running_var*(1 - momentum) + N*momentum*var/(N - 1)  (in place, not differentiated)
     backward (closed form, derived by derivgen):
       g = dy*gamma
-      mean_g = mean(g)
-      mean_g_xhat = mean(g*xhat)
-      dx = rstd*(g - mean_g - mean_g_xhat*xhat)
+      Mean_g = mean(g)
+      Mean_g_xhat = mean(g*xhat)
+      dx = rstd*(g - Mean_g - Mean_g_xhat*xhat)
       dgamma = sum of dy*xhat over the axes gamma does not span
       dbeta = sum of dy over the axes beta does not span
 
@@ -75,7 +75,7 @@ def forward(x, gamma, beta, *, eps=1e-05, momentum=0.1, running_mean=None, runni
     training: True normalizes with batch statistics; False with the running buffers.
     out: optional preallocated C-contiguous array for y (shape and dtype of x).
     """
-    call = _rt.prepare_forward(
+    _call = _rt.prepare_forward(
         _META, x,
         {"gamma": gamma, "beta": beta},
         {"eps": eps, "momentum": momentum},
@@ -85,7 +85,7 @@ def forward(x, gamma, beta, *, eps=1e-05, momentum=0.1, running_mean=None, runni
         num_groups=None,
         out=out,
     )
-    return _kernel.forward(call)
+    return _kernel.forward(_call)
 
 
 def backward(dy, cache, *, out=None):
@@ -93,8 +93,8 @@ def backward(dy, cache, *, out=None):
 
     out: optional preallocated arrays, a Grads-like tuple or a dict by field name.
     """
-    call = _rt.prepare_backward(_META, dy, cache, out)
-    return _kernel.backward(call, Grads)
+    _call = _rt.prepare_backward(_META, dy, cache, out)
+    return _kernel.backward(_call, Grads)
 
 
 def set_num_threads(n):

@@ -22,6 +22,14 @@ extern "C" {
 #define restrict
 #endif
 
+/* The machine's cache sizes, in bytes: outputs of at least stream_bytes are written with
+ * streaming stores, tiles hold at most tile_bytes (<= 0: keep the build's defaults; the
+ * Python binding passes a quarter of the last-level cache and a quarter of L2). */
+void groupnorm_configure(int64_t stream_bytes, int64_t tile_bytes);
+
+/* The instruction sets this build targets ("avx512f avx2 fma sse2", "avx2 fma sse2", ...). */
+const char *groupnorm_isa(void);
+
 int groupnorm_train_forward_f32(
     int64_t O, int64_t G, int64_t Cg, int64_t S,
     const float *restrict x,
@@ -29,10 +37,10 @@ int groupnorm_train_forward_f32(
     const float *restrict beta,
     double eps,
     float *restrict y,
-    double *restrict mean_out,
-    double *restrict var_out,
-    double *restrict rstd_out,
-    int nthreads);
+    double *restrict mean_Out,
+    double *restrict var_Out,
+    double *restrict rstd_Out,
+    int Nthreads);
 
 int groupnorm_train_backward_f32(
     int64_t O, int64_t G, int64_t Cg, int64_t S,
@@ -41,13 +49,13 @@ int groupnorm_train_backward_f32(
     const float *restrict gamma,
     const float *restrict beta,
     double eps,
-    const double *restrict mean_in,
-    const double *restrict var_in,
-    const double *restrict rstd_in,
+    const double *restrict mean_In,
+    const double *restrict var_In,
+    const double *restrict rstd_In,
     float *restrict dx,
     float *restrict dgamma,
     float *restrict dbeta,
-    int nthreads);
+    int Nthreads);
 
 int groupnorm_train_forward_f64(
     int64_t O, int64_t G, int64_t Cg, int64_t S,
@@ -56,10 +64,10 @@ int groupnorm_train_forward_f64(
     const double *restrict beta,
     double eps,
     double *restrict y,
-    double *restrict mean_out,
-    double *restrict var_out,
-    double *restrict rstd_out,
-    int nthreads);
+    double *restrict mean_Out,
+    double *restrict var_Out,
+    double *restrict rstd_Out,
+    int Nthreads);
 
 int groupnorm_train_backward_f64(
     int64_t O, int64_t G, int64_t Cg, int64_t S,
@@ -68,13 +76,13 @@ int groupnorm_train_backward_f64(
     const double *restrict gamma,
     const double *restrict beta,
     double eps,
-    const double *restrict mean_in,
-    const double *restrict var_in,
-    const double *restrict rstd_in,
+    const double *restrict mean_In,
+    const double *restrict var_In,
+    const double *restrict rstd_In,
     double *restrict dx,
     double *restrict dgamma,
     double *restrict dbeta,
-    int nthreads);
+    int Nthreads);
 
 #ifdef __cplusplus
 }

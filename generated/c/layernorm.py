@@ -12,9 +12,9 @@ Statistics per sample over the trailing axes that gamma and beta span (torch.nn.
       y = gamma*xhat + beta
     backward (closed form, derived by derivgen):
       g = dy*gamma
-      mean_g = mean(g)
-      mean_g_xhat = mean(g*xhat)
-      dx = rstd*(g - mean_g - mean_g_xhat*xhat)
+      Mean_g = mean(g)
+      Mean_g_xhat = mean(g*xhat)
+      dx = rstd*(g - Mean_g - Mean_g_xhat*xhat)
       dgamma = sum of dy*xhat over the axes gamma does not span
       dbeta = sum of dy over the axes beta does not span
 
@@ -55,7 +55,7 @@ def forward(x, gamma, beta, *, eps=1e-05, out=None):
     eps: option (default 1e-05), >= 0.0.
     out: optional preallocated C-contiguous array for y (shape and dtype of x).
     """
-    call = _rt.prepare_forward(
+    _call = _rt.prepare_forward(
         _META, x,
         {"gamma": gamma, "beta": beta},
         {"eps": eps},
@@ -65,7 +65,7 @@ def forward(x, gamma, beta, *, eps=1e-05, out=None):
         num_groups=None,
         out=out,
     )
-    return _kernel.forward(call)
+    return _kernel.forward(_call)
 
 
 def backward(dy, cache, *, out=None):
@@ -73,8 +73,8 @@ def backward(dy, cache, *, out=None):
 
     out: optional preallocated arrays, a Grads-like tuple or a dict by field name.
     """
-    call = _rt.prepare_backward(_META, dy, cache, out)
-    return _kernel.backward(call, Grads)
+    _call = _rt.prepare_backward(_META, dy, cache, out)
+    return _kernel.backward(_call, Grads)
 
 
 def set_num_threads(n):

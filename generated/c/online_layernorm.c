@@ -6,275 +6,38 @@
  *   forward:
  *     row_mean = mean(x)
  *     mean = alpha*row_mean + prev_mean*(1 - alpha)
- *     sample_std = sqrt(eps + N*mean((x - mean)**2)/(N - 1))
+ *     Aux1 = mean((x - mean)**2)  (named by derivgen)
+ *     sample_std = sqrt(eps + Aux1*N/(N - 1))
  *     std = alpha*sample_std + prev_std*(1 - alpha)
  *     xhat = (x - mean)/std
  *     y = gamma*xhat + beta
  *   backward (closed form, derived by derivgen):
  *     g = dy*gamma
- *     mean_g = mean(g)
- *     mean_g_xhat = mean(g*xhat)
- *     dx = g/std + N*alpha*mean_g_xhat*(alpha*row_mean/std - xhat - alpha*mean/std)/(sample_std*(N - 1)) - alpha*mean_g/std
+ *     Mean_g = mean(g)
+ *     Mean_g_xhat = mean(g*xhat)
+ *     dx = g/std + Mean_g_xhat*N*alpha*(alpha*(row_mean - mean)/std - xhat)/(sample_std*(N - 1)) - Mean_g*alpha/std
  *     dgamma = sum of dy*xhat over the axes gamma does not span
  *     dbeta = sum of dy over the axes beta does not span
- *     dprev_mean = N*(mean_g*(alpha - 1) + N*alpha*mean_g_xhat*(row_mean + alpha*mean - mean - alpha*row_mean)/(sample_std*(N - 1)))/std  (per group; summed for a scalar input)
- *     dprev_std = N*mean_g_xhat*(alpha - 1)/std  (per group; summed for a scalar input)
+ *     dprev_mean = N*(Mean_g*(alpha - 1) + Mean_g_xhat*N*alpha*(1 - alpha)*(row_mean - mean)/(sample_std*(N - 1)))/std  (per group; summed for a scalar input)
+ *     dprev_std = Mean_g_xhat*N*(alpha - 1)/std  (per group; summed for a scalar input)
  *
- * mean(.) is the mean over one normalization group of N elements. Arrays are
- * read and written in their own type. Statistics and every sum are double,
- * computed as written (two passes for a variance, over a group that stays in
- * cache), never as E[x^2] - E[x]^2. Output sweeps of the float kernels compute
- * in float, adding group-level terms as hi + lo float pairs. Sums run in
- * DG_LANES independent lanes added pairwise at the end: vectorizable without
- * reassociation, and per-group results (statistics, y, dx) are the same bits
- * for any thread count; parameter gradients add per-thread partials (float
- * partials of the float kernels flushed to double every DG_PEND runs), the
- * same bits for a given thread count. NaN and Inf propagate as IEEE arithmetic
- * does.
- *
- * Memory traffic: the first sweep over a block prefetches DG_AHEAD_BYTES ahead,
- * across block boundaries (hardware prefetchers stop at 4 KiB pages). Outputs
- * of at least DG_STREAM_BYTES are written with non-temporal stores, so their
- * lines are not read before being overwritten: runs without lane sums start
- * their lane blocks at a 64-byte boundary and stream each block from
- * registers (runs shorter than DG_DIRECT_MIN are written in place); runs with
- * lane sums compute into a per-thread tile of DG_TILE_MIN_BYTES to
- * DG_TILE_BYTES (runs that follow on in the output share it) that is streamed
- * out when the next run does not fit or does not follow on. Either way every
- * element is computed by the same arithmetic, so results are the same bits as
- * without streaming. All of these sizes are macros a build may override (-D).
+ * mean(.) is the mean over one normalization group of N elements. How the
+ * kernels compute (double statistics and sums in DG_LANES lanes, float output
+ * sweeps with hi + lo group terms, prefetch, streaming stores) is described in
+ * derivgen-kernels.h, which holds the machinery every layer shares: this file
+ * holds this layer's mathematics and loops.
  */
 #include "online_layernorm.h"
+#include "derivgen-kernels.h"
 
-#include <math.h>
-#include <stdint.h>
-#include <stdlib.h>
-
-/* non-temporal stores of one vector: x86 intrinsics, the widest the build targets */
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#define DG_VEC_BYTES 64
-#define DG_STREAM_F(p, s) _mm512_stream_ps((p), _mm512_loadu_ps(s))
-#define DG_STREAM_D(p, s) _mm512_stream_pd((p), _mm512_loadu_pd(s))
-#elif defined(__AVX__)
-#include <immintrin.h>
-#define DG_VEC_BYTES 32
-#define DG_STREAM_F(p, s) _mm256_stream_ps((p), _mm256_loadu_ps(s))
-#define DG_STREAM_D(p, s) _mm256_stream_pd((p), _mm256_loadu_pd(s))
-#elif defined(__SSE2__)
-#include <immintrin.h>
-#define DG_VEC_BYTES 16
-#define DG_STREAM_F(p, s) _mm_stream_ps((p), _mm_loadu_ps(s))
-#define DG_STREAM_D(p, s) _mm_stream_pd((p), _mm_loadu_pd(s))
-#endif
-#ifdef DG_VEC_BYTES
-#define DG_HAVE_STREAM 1
-#else
-#define DG_HAVE_STREAM 0
-#endif
-
-#ifdef _OPENMP
-#include <omp.h>
-#define DG_PRAGMA(x) _Pragma(#x)
-#else
-#define DG_PRAGMA(x)
-#endif
-
-#define DG_LANES 32                     /* dg_lanes and dg_put are written for 32 */
-#define DG_PEND 8
-#ifndef DG_AHEAD_BYTES
-#define DG_AHEAD_BYTES 4096
-#endif
-#ifndef DG_STREAM_BYTES
-#define DG_STREAM_BYTES ((int64_t)8 << 20)
-#endif
-#ifndef DG_DIRECT_MIN
-#define DG_DIRECT_MIN 512               /* shorter runs stream through the tile */
-#endif
-#ifndef DG_TILE_MIN_BYTES
-#define DG_TILE_MIN_BYTES ((int64_t)16 << 10)
-#endif
-#ifndef DG_TILE_BYTES
-#define DG_TILE_BYTES ((int64_t)256 << 10)
-#endif
-
-#if defined(__GNUC__)
-#define DG_PREFETCH(p) __builtin_prefetch(p)
-#else
-#define DG_PREFETCH(p) ((void)(p))
-#endif
-/* the lanes of a block are independent: every j touches its own elements */
-#if defined(__clang__)
-#define DG_INDEPENDENT _Pragma("clang loop vectorize(assume_safety)")
-#elif defined(__GNUC__)
-#define DG_INDEPENDENT _Pragma("GCC ivdep")
-#else
-#define DG_INDEPENDENT
-#endif
-
-static int dg_threads(int nthreads)
+void online_layernorm_configure(int64_t stream_bytes, int64_t tile_bytes)
 {
-#ifdef _OPENMP
-    return nthreads > 0 ? nthreads : omp_get_max_threads();
-#else
-    (void)nthreads;
-    return 1;
-#endif
+    Dg_configure(stream_bytes, tile_bytes);
 }
 
-static int dg_thread_id(void)
+const char *online_layernorm_isa(void)
 {
-#ifdef _OPENMP
-    return omp_get_thread_num();
-#else
-    return 0;
-#endif
-}
-
-/* pairwise sum of the DG_LANES = 32 lanes: ((l0 + l16) + (l8 + l24)) + ..., the
- * same order for every group, written out so that it vectorizes */
-static inline double dg_lanes(const double *lane)
-{
-    double t[16];
-    for (int j = 0; j < 16; ++j) t[j] = lane[j] + lane[j + 16];
-    for (int j = 0; j < 8; ++j) t[j] += t[j + 8];
-    for (int j = 0; j < 4; ++j) t[j] += t[j + 4];
-    return (t[0] + t[2]) + (t[1] + t[3]);
-}
-
-/* the index `a` elements past position p of the block at off, continuing into
- * the block read next (nxt); -1 past the end of the array */
-static inline int64_t dg_ahead(int64_t off, int64_t p, int64_t M, int64_t nxt, int64_t total, int64_t a)
-{
-    const int64_t q = p + a;
-    const int64_t i = q < M ? off + q : nxt + (q - M);
-    return i < total ? i : -1;
-}
-
-/* whether an output of `total` elements is written with streaming stores */
-static inline int dg_stream_on(int64_t total, int64_t size)
-{
-    return DG_HAVE_STREAM && total * size >= DG_STREAM_BYTES;
-}
-
-/* elements in a per-thread tile: room for the longest run, n, and at least
- * DG_TILE_MIN_BYTES (runs that follow on in the output share it), never over
- * DG_TILE_BYTES; 0 when a run does not fit */
-static inline int64_t dg_tile_len(int64_t n, int64_t size)
-{
-    const int64_t most = DG_TILE_BYTES / size, least = DG_TILE_MIN_BYTES / size;
-    if (n <= 0 || n > most)
-        return 0;
-    return least > most ? most : (least > n ? least : n);
-}
-
-/* the tile, or NULL (then the output is written in place) */
-static inline void *dg_tile(int on, int64_t len, int64_t size)
-{
-    return on && len > 0 ? malloc((size_t)(len * size)) : NULL;
-}
-
-/* whether a run of n elements without lane sums streams from registers (shorter
- * runs are written in place: a scalar head and tail would cost them more than
- * streaming saves) */
-static inline int dg_direct(int stream, int64_t n)
-{
-    return stream && n >= DG_DIRECT_MIN;
-}
-
-/* elements of `size` bytes from p to the next 64-byte boundary, at most n */
-static inline int64_t dg_head(const void *p, int64_t size, int64_t n)
-{
-    const int64_t mis = (int64_t)((uintptr_t)p & 63u);
-    if (mis == 0)
-        return 0;
-    if ((64 - mis) % size != 0)         /* not aligned to its own type: never streamed */
-        return n;
-    return (64 - mis) / size < n ? (64 - mis) / size : n;
-}
-
-/* dst[0:DG_LANES] = t, with non-temporal stores when `stream` (dst then 64-byte aligned) */
-static inline void dg_put_float(float *restrict dst, const float *restrict t, int stream)
-{
-#if DG_HAVE_STREAM
-    if (stream) {
-        for (int j = 0; j < DG_LANES; j += DG_VEC_BYTES / (int)sizeof(float)) DG_STREAM_F(dst + j, t + j);
-        return;
-    }
-#else
-    (void)stream;
-#endif
-    for (int j = 0; j < DG_LANES; ++j) dst[j] = t[j];
-}
-
-/* dst[0:n] = src[0:n], with non-temporal stores from the first vector-aligned element */
-static inline void dg_stream_float(float *restrict dst, const float *restrict src, int64_t n)
-{
-    int64_t i = 0;
-#if DG_HAVE_STREAM
-    const int64_t w = DG_VEC_BYTES / (int64_t)sizeof(float);
-    for (; i < n && ((uintptr_t)(dst + i) & (DG_VEC_BYTES - 1)) != 0; ++i) dst[i] = src[i];
-    for (; i + w <= n; i += w) DG_STREAM_F(dst + i, src + i);
-#endif
-    for (; i < n; ++i) dst[i] = src[i];
-}
-
-/* acc += pend; pend = 0, over channels [lo, hi) of each of the P parameters */
-static inline void dg_flush_float(double *restrict acc, float *restrict pend, int64_t P, int64_t C,
-                                    int64_t lo, int64_t hi)
-{
-    for (int64_t k = 0; k < P; ++k) {
-        for (int64_t i = k * C + lo; i < k * C + hi; ++i) {
-            acc[i] += (double)pend[i];
-            pend[i] = 0;
-        }
-    }
-}
-
-/* dst[0:DG_LANES] = t, with non-temporal stores when `stream` (dst then 64-byte aligned) */
-static inline void dg_put_double(double *restrict dst, const double *restrict t, int stream)
-{
-#if DG_HAVE_STREAM
-    if (stream) {
-        for (int j = 0; j < DG_LANES; j += DG_VEC_BYTES / (int)sizeof(double)) DG_STREAM_D(dst + j, t + j);
-        return;
-    }
-#else
-    (void)stream;
-#endif
-    for (int j = 0; j < DG_LANES; ++j) dst[j] = t[j];
-}
-
-/* dst[0:n] = src[0:n], with non-temporal stores from the first vector-aligned element */
-static inline void dg_stream_double(double *restrict dst, const double *restrict src, int64_t n)
-{
-    int64_t i = 0;
-#if DG_HAVE_STREAM
-    const int64_t w = DG_VEC_BYTES / (int64_t)sizeof(double);
-    for (; i < n && ((uintptr_t)(dst + i) & (DG_VEC_BYTES - 1)) != 0; ++i) dst[i] = src[i];
-    for (; i + w <= n; i += w) DG_STREAM_D(dst + i, src + i);
-#endif
-    for (; i < n; ++i) dst[i] = src[i];
-}
-
-/* acc += pend; pend = 0, over channels [lo, hi) of each of the P parameters */
-static inline void dg_flush_double(double *restrict acc, double *restrict pend, int64_t P, int64_t C,
-                                    int64_t lo, int64_t hi)
-{
-    for (int64_t k = 0; k < P; ++k) {
-        for (int64_t i = k * C + lo; i < k * C + hi; ++i) {
-            acc[i] += (double)pend[i];
-            pend[i] = 0;
-        }
-    }
-}
-
-/* order the streaming stores before the results are used */
-static inline void dg_fence(void)
-{
-#if DG_HAVE_STREAM
-    _mm_sfence();
-#endif
+    return DG_ISA;
 }
 /* ---- train forward, float ---- */
 int online_layernorm_train_forward_f32(
@@ -284,211 +47,176 @@ int online_layernorm_train_forward_f32(
     const float *restrict beta,
     double alpha,
     double eps,
-    const float *restrict prev_mean_in, int64_t prev_mean_stride,
-    const float *restrict prev_std_in, int64_t prev_std_stride,
+    const float *restrict prev_mean_In, int64_t prev_mean_Stride,
+    const float *restrict prev_std_In, int64_t prev_std_Stride,
     float *restrict y,
-    double *restrict row_mean_out,
-    double *restrict mean_out,
-    double *restrict sample_std_out,
-    double *restrict std_out,
-    int nthreads)
+    double *restrict row_mean_Out,
+    double *restrict mean_Out,
+    double *restrict Aux1_Out,
+    double *restrict sample_std_Out,
+    double *restrict std_Out,
+    int Nthreads)
 {
     const int64_t M = Cg * S;                       /* contiguous values per (o, g) block */
-    const int64_t n_groups = O * G;
-    const int64_t blocks = 1;               /* blocks per group */
-    const int64_t block_stride = G * M;
-    const double N = (double)(blocks * M);          /* values per group */
-    const int64_t total = n_groups * blocks * M;    /* values in x */
-    const int64_t ahead = DG_AHEAD_BYTES / (int64_t)sizeof(float);
-    const int nth = dg_threads(nthreads);
+    const int64_t N_groups = O * G;
+    const int64_t Blocks = 1;               /* blocks per group */
+    const int64_t Block_stride = G * M;
+    const double N = (double)(Blocks * M);          /* values per group */
+    const int64_t Total = N_groups * Blocks * M;    /* values in x */
+    const int64_t Ahead = DG_AHEAD_BYTES / (int64_t)sizeof(float);
+    const int Nth = Dg_threads(Nthreads);
     (void)N;
-    (void)nth;
-    (void)total;
-    (void)ahead;
+    (void)Nth;
+    (void)Total;
+    (void)Ahead;
     (void)gamma;
     (void)beta;
     (void)alpha;
     (void)eps;
+    (void)x;
 
-    DG_PRAGMA(omp parallel num_threads(nth))
+    DG_PRAGMA(omp parallel num_threads(Nth))
     {
-const int y_stream = dg_stream_on(total, (int64_t)sizeof(float));
-        (void)y_stream;
+const int y_Stream = Dg_stream_on(Total, (int64_t)sizeof(float));
+        (void)y_Stream;
         DG_PRAGMA(omp for schedule(static))
-        for (int64_t grp = 0; grp < n_groups; ++grp) {
-            const int64_t gi = G == 1 ? 0 : grp % G;     /* channel group */
-            (void)gi;
-            const int64_t base = grp * M;
-            const double prev_mean = (double)prev_mean_in[grp * prev_mean_stride];
-            const double prev_std = (double)prev_std_in[grp * prev_std_stride];
-            double sum_row_mean;
+        for (int64_t Grp = 0; Grp < N_groups; ++Grp) {
+            const int64_t Gi = G == 1 ? 0 : Grp % G;     /* channel group */
+            (void)Gi;
+            const int64_t Base = Grp * M;
+            const double prev_mean = (double)prev_mean_In[Grp * prev_mean_Stride];
+            (void)prev_mean;
+            const double prev_std = (double)prev_std_In[Grp * prev_std_Stride];
+            (void)prev_std;
+            double Sum_row_mean;
             {
-                double lane_sum_row_mean[DG_LANES] = {0};
-                for (int64_t b = 0; b < blocks; ++b) {
-                    const int64_t off = base + b * block_stride;
-                    const int64_t nxt = b + 1 < blocks ? off + block_stride : base + M;   /* block read next */
+                double Lane_Sum_row_mean[DG_LANES] = {0};
+                for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
+                    const int64_t Off = Base + Blk * Block_stride;
+                    const int64_t Nxt = Blk + 1 < Blocks ? Off + Block_stride : Base + M;   /* block read next */
                     {
-                        int64_t m = 0;
-                        for (; m + DG_LANES <= M; m += DG_LANES) {
-                            for (int q = 0; q < DG_LANES; q += 64 / (int)sizeof(*x)) {  /* read ahead, a line at a time */
-                                const int64_t pf = dg_ahead(off, m + q, M, nxt, total, ahead);
-                                if (pf >= 0) DG_PREFETCH(x + pf);
+                        int64_t Mi = 0;
+                        for (; Mi + DG_LANES <= M; Mi += DG_LANES) {
+                            for (int Q = 0; Q < DG_LANES; Q += 64 / (int)sizeof(*x)) {  /* read ahead, a line at a time */
+                                const int64_t Pf = Dg_ahead(Off, Mi + Q, M, Nxt, Total, Ahead);
+                                if (Pf >= 0) DG_PREFETCH(x + Pf);
                             }
                             DG_INDEPENDENT
-                            for (int j = 0; j < DG_LANES; ++j) {
-                                const int64_t idx = off + m + j;
-                                const double xv = (double)x[idx];
-                                lane_sum_row_mean[j] += xv;
+                            for (int J = 0; J < DG_LANES; ++J) {
+                                const int64_t Idx = Off + Mi + J;
+                                const double Xv = (double)x[Idx];
+                                Lane_Sum_row_mean[J] += Xv;
                             }
                         }
-                        for (; m < M; ++m) {
-                            const int j = 0;                /* outside the lane blocks: lane 0 */
-                            (void)j;
-                            const int64_t idx = off + m;
-                            const double xv = (double)x[idx];
-                            lane_sum_row_mean[j] += xv;
+                        for (; Mi < M; ++Mi) {
+                            const int J = 0;                /* outside the lane blocks: lane 0 */
+                            (void)J;
+                            const int64_t Idx = Off + Mi;
+                            const double Xv = (double)x[Idx];
+                            Lane_Sum_row_mean[J] += Xv;
                         }
                     }
 
                 }
-                sum_row_mean = dg_lanes(lane_sum_row_mean);
+                Sum_row_mean = Dg_lanes(Lane_Sum_row_mean);
             }
-            const double row_mean = sum_row_mean/N;  /* row_mean = mean(x) */
+            const double row_mean = Sum_row_mean/N;  /* row_mean = mean(x) */
             const double mean = alpha*row_mean + prev_mean*(1 - alpha);  /* mean = alpha*row_mean + (1 - alpha)*prev_mean */
-            double sum_sample_std;
+            double Sum_Aux1;
             {
-                double lane_sum_sample_std[DG_LANES] = {0};
-                for (int64_t b = 0; b < blocks; ++b) {
-                    const int64_t off = base + b * block_stride;
+                double Lane_Sum_Aux1[DG_LANES] = {0};
+                for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
+                    const int64_t Off = Base + Blk * Block_stride;
                     {
-                        int64_t m = 0;
-                        for (; m + DG_LANES <= M; m += DG_LANES) {
+                        int64_t Mi = 0;
+                        for (; Mi + DG_LANES <= M; Mi += DG_LANES) {
                             DG_INDEPENDENT
-                            for (int j = 0; j < DG_LANES; ++j) {
-                                const int64_t idx = off + m + j;
-                                const double xv = (double)x[idx];
-                                lane_sum_sample_std[j] += ((xv - mean)*(xv - mean));
+                            for (int J = 0; J < DG_LANES; ++J) {
+                                const int64_t Idx = Off + Mi + J;
+                                const double Xv = (double)x[Idx];
+                                Lane_Sum_Aux1[J] += ((Xv - mean)*(Xv - mean));
                             }
                         }
-                        for (; m < M; ++m) {
-                            const int j = 0;                /* outside the lane blocks: lane 0 */
-                            (void)j;
-                            const int64_t idx = off + m;
-                            const double xv = (double)x[idx];
-                            lane_sum_sample_std[j] += ((xv - mean)*(xv - mean));
+                        for (; Mi < M; ++Mi) {
+                            const int J = 0;                /* outside the lane blocks: lane 0 */
+                            (void)J;
+                            const int64_t Idx = Off + Mi;
+                            const double Xv = (double)x[Idx];
+                            Lane_Sum_Aux1[J] += ((Xv - mean)*(Xv - mean));
                         }
                     }
 
                 }
-                sum_sample_std = dg_lanes(lane_sum_sample_std);
+                Sum_Aux1 = Dg_lanes(Lane_Sum_Aux1);
             }
-            const double sample_std = sqrt(eps + sum_sample_std/(N - 1));  /* sample_std = sqrt(sum((x - mean)**2)/(N - 1) + eps) */
+            const double Aux1 = Sum_Aux1/N;  /* Aux1 = a mean in sample_std */
+            const double sample_std = sqrt(eps + Aux1*N/(N - 1));  /* sample_std = sqrt(sum((x - mean)**2)/(N - 1) + eps) */
             const double std = alpha*sample_std + prev_std*(1 - alpha);  /* std = alpha*sample_std + (1 - alpha)*prev_std */
-            row_mean_out[grp] = row_mean;
-            mean_out[grp] = mean;
-            sample_std_out[grp] = sample_std;
-            std_out[grp] = std;
+            row_mean_Out[Grp] = row_mean;
+            mean_Out[Grp] = mean;
+            Aux1_Out[Grp] = Aux1;
+            sample_std_Out[Grp] = sample_std;
+            std_Out[Grp] = std;
             {
-                const double h0 = -mean;
-                const float h0_hi = (float)h0;
-                const float h0_lo = (float)(h0 - (double)h0_hi);
-                const float std_f = (float)std;
-                for (int64_t b = 0; b < blocks; ++b) {
-                    const int64_t off = base + b * block_stride;
-                    const int y_direct = S == 1 ? dg_direct(y_stream, Cg) : dg_direct(y_stream, S);   /* stream from registers */
-                    (void)y_direct;
-                    if (S == 1) {           /* parameters vary along the run */
+                const double H0 = -mean;
+                const float H0_hi = (float)H0;
+                const float H0_lo = (float)(H0 - (double)H0_hi);
+                const float std_F = (float)std;
+                for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
+                    const int64_t Off = Base + Blk * Block_stride;
+                    const int y_Direct = Dg_direct(y_Stream, Cg);   /* stream from registers */
+                    (void)y_Direct;
+                    {                       /* a trailing layout (S == 1): parameters vary along the run */
                         {
-                            float *restrict y_r = y + off;
-                            int64_t m = 0;
-                            if (y_direct) {          /* scalar head up to a 64-byte boundary of y */
-                                const int64_t head = dg_head(y + off, (int64_t)sizeof(float), Cg);
-                                for (; m < head; ++m) {
-                                    const int j = 0;                /* outside the lane blocks: lane 0 */
-                                    (void)j;
-                                    const int64_t idx = off + m;
-                                    const int64_t ch = gi * Cg + m;
-                                    const float gamma_v = gamma[ch];
-                                    const float beta_v = beta[ch];
-                                    const float xv = x[idx];
-                                    const float xhat = ((xv + h0_hi + h0_lo))/std_f;
-                                    y_r[idx - (off)] = (float)(gamma_v*xhat + beta_v);
+                            float *restrict y_R = y + Off;
+                            int64_t Mi = 0;
+                            if (y_Direct) {          /* scalar head up to a 64-byte boundary of y */
+                                const int64_t Head = Dg_head(y + Off, (int64_t)sizeof(float), Cg);
+                                for (; Mi < Head; ++Mi) {
+                                    const int J = 0;                /* outside the lane blocks: lane 0 */
+                                    (void)J;
+                                    const int64_t Idx = Off + Mi;
+                                    const int64_t Ch = Gi * Cg + Mi;
+                                    const float gamma_V = gamma[Ch];
+                                    const float beta_V = beta[Ch];
+                                    const float Xv = x[Idx];
+                                    const float xhat = ((Xv + H0_hi + H0_lo))/std_F;
+                                    y_R[Idx - (Off)] = (float)(gamma_V*xhat + beta_V);
                                 }
                             }
-                            for (; m + DG_LANES <= Cg; m += DG_LANES) {
-                                float t_y[DG_LANES];
+                            for (; Mi + DG_LANES <= Cg; Mi += DG_LANES) {
+                                float T_y[DG_LANES];
                                 DG_INDEPENDENT
-                                for (int j = 0; j < DG_LANES; ++j) {
-                                    const int64_t idx = off + m + j;
-                                    const int64_t ch = gi * Cg + m + j;
-                                    const float gamma_v = gamma[ch];
-                                    const float beta_v = beta[ch];
-                                    const float xv = x[idx];
-                                    const float xhat = ((xv + h0_hi + h0_lo))/std_f;
-                                    t_y[j] = (float)(gamma_v*xhat + beta_v);
+                                for (int J = 0; J < DG_LANES; ++J) {
+                                    const int64_t Idx = Off + Mi + J;
+                                    const int64_t Ch = Gi * Cg + Mi + J;
+                                    const float gamma_V = gamma[Ch];
+                                    const float beta_V = beta[Ch];
+                                    const float Xv = x[Idx];
+                                    const float xhat = ((Xv + H0_hi + H0_lo))/std_F;
+                                    T_y[J] = (float)(gamma_V*xhat + beta_V);
                                 }
-                                dg_put_float(y_r + m, t_y, y_direct);
+                                Dg_put_float(y_R + Mi, T_y, y_Direct);
                             }
-                            for (; m < Cg; ++m) {
-                                const int j = 0;                /* outside the lane blocks: lane 0 */
-                                (void)j;
-                                const int64_t idx = off + m;
-                                const int64_t ch = gi * Cg + m;
-                                const float gamma_v = gamma[ch];
-                                const float beta_v = beta[ch];
-                                const float xv = x[idx];
-                                const float xhat = ((xv + h0_hi + h0_lo))/std_f;
-                                y_r[idx - (off)] = (float)(gamma_v*xhat + beta_v);
+                            for (; Mi < Cg; ++Mi) {
+                                const int J = 0;                /* outside the lane blocks: lane 0 */
+                                (void)J;
+                                const int64_t Idx = Off + Mi;
+                                const int64_t Ch = Gi * Cg + Mi;
+                                const float gamma_V = gamma[Ch];
+                                const float beta_V = beta[Ch];
+                                const float Xv = x[Idx];
+                                const float xhat = ((Xv + H0_hi + H0_lo))/std_F;
+                                y_R[Idx - (Off)] = (float)(gamma_V*xhat + beta_V);
                             }
                         }
 
-                    } else {                /* NCHW: one parameter per run of S values */
-                        for (int64_t cg = 0; cg < Cg; ++cg) {
-                            const int64_t ch = gi * Cg + cg;
-                            const float gamma_v = gamma[ch];
-                            const float beta_v = beta[ch];
-                            {
-                                float *restrict y_r = y + off + cg * S;
-                                int64_t s = 0;
-                                if (y_direct) {          /* scalar head up to a 64-byte boundary of y */
-                                    const int64_t head = dg_head(y + off + cg * S, (int64_t)sizeof(float), S);
-                                    for (; s < head; ++s) {
-                                        const int j = 0;                /* outside the lane blocks: lane 0 */
-                                        (void)j;
-                                        const int64_t idx = off + cg * S + s;
-                                        const float xv = x[idx];
-                                        const float xhat = ((xv + h0_hi + h0_lo))/std_f;
-                                        y_r[idx - (off + cg * S)] = (float)(gamma_v*xhat + beta_v);
-                                    }
-                                }
-                                for (; s + DG_LANES <= S; s += DG_LANES) {
-                                    float t_y[DG_LANES];
-                                    DG_INDEPENDENT
-                                    for (int j = 0; j < DG_LANES; ++j) {
-                                        const int64_t idx = off + cg * S + s + j;
-                                        const float xv = x[idx];
-                                        const float xhat = ((xv + h0_hi + h0_lo))/std_f;
-                                        t_y[j] = (float)(gamma_v*xhat + beta_v);
-                                    }
-                                    dg_put_float(y_r + s, t_y, y_direct);
-                                }
-                                for (; s < S; ++s) {
-                                    const int j = 0;                /* outside the lane blocks: lane 0 */
-                                    (void)j;
-                                    const int64_t idx = off + cg * S + s;
-                                    const float xv = x[idx];
-                                    const float xhat = ((xv + h0_hi + h0_lo))/std_f;
-                                    y_r[idx - (off + cg * S)] = (float)(gamma_v*xhat + beta_v);
-                                }
-                            }
-
-                        }
                     }
                 }
             }
         }
-        if (y_stream)
-            dg_fence();
+        if (y_Stream)
+            Dg_fence();
 
     }
     return 0;
@@ -503,338 +231,256 @@ int online_layernorm_train_backward_f32(
     const float *restrict beta,
     double alpha,
     double eps,
-    const float *restrict prev_mean_in, int64_t prev_mean_stride,
-    const float *restrict prev_std_in, int64_t prev_std_stride,
-    const double *restrict row_mean_in,
-    const double *restrict mean_in,
-    const double *restrict sample_std_in,
-    const double *restrict std_in,
+    const float *restrict prev_mean_In, int64_t prev_mean_Stride,
+    const float *restrict prev_std_In, int64_t prev_std_Stride,
+    const double *restrict row_mean_In,
+    const double *restrict mean_In,
+    const double *restrict Aux1_In,
+    const double *restrict sample_std_In,
+    const double *restrict std_In,
     float *restrict dx,
     float *restrict dgamma,
     float *restrict dbeta,
     float *restrict dprev_mean,
     float *restrict dprev_std,
-    int nthreads)
+    int Nthreads)
 {
     const int64_t M = Cg * S;                       /* contiguous values per (o, g) block */
-    const int64_t n_groups = O * G;
-    const int64_t blocks = 1;               /* blocks per group */
-    const int64_t block_stride = G * M;
-    const double N = (double)(blocks * M);          /* values per group */
-    const int64_t total = n_groups * blocks * M;    /* values in x */
-    const int64_t ahead = DG_AHEAD_BYTES / (int64_t)sizeof(float);
-    const int nth = dg_threads(nthreads);
+    const int64_t N_groups = O * G;
+    const int64_t Blocks = 1;               /* blocks per group */
+    const int64_t Block_stride = G * M;
+    const double N = (double)(Blocks * M);          /* values per group */
+    const int64_t Total = N_groups * Blocks * M;    /* values in x */
+    const int64_t Ahead = DG_AHEAD_BYTES / (int64_t)sizeof(float);
+    const int Nth = Dg_threads(Nthreads);
     (void)N;
-    (void)nth;
-    (void)total;
-    (void)ahead;
+    (void)Nth;
+    (void)Total;
+    (void)Ahead;
     (void)gamma;
     (void)beta;
     (void)alpha;
     (void)eps;
+    (void)x;
 
     const int64_t C = G * Cg;                        /* parameter length */
     const int64_t P = 2;      /* parameters */
+    (void)dy;
     /* per-thread partial sums of the parameter gradients, reduced once at the end;
      * runs along the channel axis add into float pend, flushed into part every DG_PEND runs */
-    double *part = (double *)calloc((size_t)(nth * P * C) + 1, sizeof(double));
-    float *pend_all = (float *)calloc((size_t)(nth * P * C) + 1, sizeof(float));
-    if (part == NULL || pend_all == NULL) {
-        free(part);
-        free(pend_all);
+    double *Part = (double *)calloc((size_t)(Nth * P * C) + 1, sizeof(double));
+    float *Pend_all = (float *)calloc((size_t)(Nth * P * C) + 1, sizeof(float));
+    if (Part == NULL || Pend_all == NULL) {
+        free(Part);
+        free(Pend_all);
         return -1;
     }
-    DG_PRAGMA(omp parallel num_threads(nth))
+    DG_PRAGMA(omp parallel num_threads(Nth))
     {
-        double *restrict mine = part + (int64_t)dg_thread_id() * P * C;
-        float *restrict pend = pend_all + (int64_t)dg_thread_id() * P * C;
-        int pending = 0;                             /* runs added into pend since its last flush */
-        int64_t pend_lo = C, pend_hi = 0;            /* the channels they touched */
-const int dx_stream = dg_stream_on(total, (int64_t)sizeof(float));
-        const int64_t dx_cap = dg_tile_len(S == 1 ? M : S, (int64_t)sizeof(float));
-        float *dx_tile = (float *)dg_tile(dx_stream, dx_cap, (int64_t)sizeof(float));   /* NULL: dx in place */
-        int64_t dx_at = 0, dx_fill = 0;           /* the tile holds dx[at, at + fill) */
-        (void)dx_stream;
-        (void)pend;
-        (void)pending;
-        (void)pend_lo;
-        (void)pend_hi;
+        double *restrict Mine = Part + (int64_t)Dg_thread_id() * P * C;
+        (void)Mine;
+        float *restrict Pend = Pend_all + (int64_t)Dg_thread_id() * P * C;
+        int Pending = 0;                             /* runs added into pend since its last flush */
+        int64_t Pend_lo = C, Pend_hi = 0;            /* the channels they touched */
+const int dx_Stream = Dg_stream_on(Total, (int64_t)sizeof(float));
+        const int64_t dx_Cap = Dg_tile_len(M, (int64_t)sizeof(float));
+        float *dx_Tile = (float *)Dg_tile(dx_Stream, dx_Cap, (int64_t)sizeof(float));   /* NULL: dx in place */
+        int64_t dx_At = 0, dx_Fill = 0;           /* the tile holds dx[at, at + fill) */
+        (void)dx_Stream;
+        (void)Pend;
+        (void)Pending;
+        (void)Pend_lo;
+        (void)Pend_hi;
         DG_PRAGMA(omp for schedule(static))
-        for (int64_t grp = 0; grp < n_groups; ++grp) {
-            const int64_t gi = G == 1 ? 0 : grp % G;     /* channel group */
-            (void)gi;
-            const int64_t base = grp * M;
-            const double prev_mean = (double)prev_mean_in[grp * prev_mean_stride];
+        for (int64_t Grp = 0; Grp < N_groups; ++Grp) {
+            const int64_t Gi = G == 1 ? 0 : Grp % G;     /* channel group */
+            (void)Gi;
+            const int64_t Base = Grp * M;
+            const double prev_mean = (double)prev_mean_In[Grp * prev_mean_Stride];
             (void)prev_mean;
-            const double prev_std = (double)prev_std_in[grp * prev_std_stride];
+            const double prev_std = (double)prev_std_In[Grp * prev_std_Stride];
             (void)prev_std;
-            const double row_mean = row_mean_in[grp];
+            const double row_mean = row_mean_In[Grp];
             (void)row_mean;
-            const double mean = mean_in[grp];
+            const double mean = mean_In[Grp];
             (void)mean;
-            const double sample_std = sample_std_in[grp];
+            const double Aux1 = Aux1_In[Grp];
+            (void)Aux1;
+            const double sample_std = sample_std_In[Grp];
             (void)sample_std;
-            const double std = std_in[grp];
+            const double std = std_In[Grp];
             (void)std;
-            double sum_g;
-            double sum_g_xhat;
+            double Sum_g;
+            double Sum_g_xhat;
             {
-                const double h0 = -mean;
-                const float h0_hi = (float)h0;
-                const float h0_lo = (float)(h0 - (double)h0_hi);
-                const float std_f = (float)std;
-                double lane_sum_g[DG_LANES] = {0};
-                double lane_sum_g_xhat[DG_LANES] = {0};
-                for (int64_t b = 0; b < blocks; ++b) {
-                    const int64_t off = base + b * block_stride;
-                    const int64_t nxt = b + 1 < blocks ? off + block_stride : base + M;   /* block read next */
-                    if (S == 1) {           /* parameters vary along the run */
+                const double H0 = -mean;
+                const float H0_hi = (float)H0;
+                const float H0_lo = (float)(H0 - (double)H0_hi);
+                const float std_F = (float)std;
+                double Lane_Sum_g[DG_LANES] = {0};
+                double Lane_Sum_g_xhat[DG_LANES] = {0};
+                for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
+                    const int64_t Off = Base + Blk * Block_stride;
+                    const int64_t Nxt = Blk + 1 < Blocks ? Off + Block_stride : Base + M;   /* block read next */
+                    {                       /* a trailing layout (S == 1): parameters vary along the run */
                         {
-                            int64_t m = 0;
-                            for (; m + DG_LANES <= Cg; m += DG_LANES) {
-                                for (int q = 0; q < DG_LANES; q += 64 / (int)sizeof(*x)) {  /* read ahead, a line at a time */
-                                    const int64_t pf = dg_ahead(off, m + q, M, nxt, total, ahead);
-                                    if (pf >= 0) DG_PREFETCH(x + pf);
+                            int64_t Mi = 0;
+                            for (; Mi + DG_LANES <= Cg; Mi += DG_LANES) {
+                                for (int Q = 0; Q < DG_LANES; Q += 64 / (int)sizeof(*x)) {  /* read ahead, a line at a time */
+                                    const int64_t Pf = Dg_ahead(Off, Mi + Q, M, Nxt, Total, Ahead);
+                                    if (Pf >= 0) DG_PREFETCH(x + Pf);
                                 }
-                                for (int q = 0; q < DG_LANES; q += 64 / (int)sizeof(*dy)) {  /* read ahead, a line at a time */
-                                    const int64_t pf = dg_ahead(off, m + q, M, nxt, total, ahead);
-                                    if (pf >= 0) DG_PREFETCH(dy + pf);
+                                for (int Q = 0; Q < DG_LANES; Q += 64 / (int)sizeof(*dy)) {  /* read ahead, a line at a time */
+                                    const int64_t Pf = Dg_ahead(Off, Mi + Q, M, Nxt, Total, Ahead);
+                                    if (Pf >= 0) DG_PREFETCH(dy + Pf);
                                 }
                                 DG_INDEPENDENT
-                                for (int j = 0; j < DG_LANES; ++j) {
-                                    const int64_t idx = off + m + j;
-                                    const int64_t ch = gi * Cg + m + j;
-                                    const float gamma_v = gamma[ch];
-                                    const float xv = x[idx];
-                                    const float dyv = dy[idx];
-                                    const float xhat = ((xv + h0_hi + h0_lo))/std_f;
-                                    const float g = dyv*gamma_v;
-                                    lane_sum_g[j] += ((double)g);
-                                    lane_sum_g_xhat[j] += ((double)g)*((double)xhat);
+                                for (int J = 0; J < DG_LANES; ++J) {
+                                    const int64_t Idx = Off + Mi + J;
+                                    const int64_t Ch = Gi * Cg + Mi + J;
+                                    const float gamma_V = gamma[Ch];
+                                    const float Xv = x[Idx];
+                                    const float Dyv = dy[Idx];
+                                    const float xhat = ((Xv + H0_hi + H0_lo))/std_F;
+                                    const float g = Dyv*gamma_V;
+                                    Lane_Sum_g[J] += ((double)g);
+                                    Lane_Sum_g_xhat[J] += ((double)g)*((double)xhat);
                                 }
                             }
-                            for (; m < Cg; ++m) {
-                                const int j = 0;                /* outside the lane blocks: lane 0 */
-                                (void)j;
-                                const int64_t idx = off + m;
-                                const int64_t ch = gi * Cg + m;
-                                const float gamma_v = gamma[ch];
-                                const float xv = x[idx];
-                                const float dyv = dy[idx];
-                                const float xhat = ((xv + h0_hi + h0_lo))/std_f;
-                                const float g = dyv*gamma_v;
-                                lane_sum_g[j] += ((double)g);
-                                lane_sum_g_xhat[j] += ((double)g)*((double)xhat);
+                            for (; Mi < Cg; ++Mi) {
+                                const int J = 0;                /* outside the lane blocks: lane 0 */
+                                (void)J;
+                                const int64_t Idx = Off + Mi;
+                                const int64_t Ch = Gi * Cg + Mi;
+                                const float gamma_V = gamma[Ch];
+                                const float Xv = x[Idx];
+                                const float Dyv = dy[Idx];
+                                const float xhat = ((Xv + H0_hi + H0_lo))/std_F;
+                                const float g = Dyv*gamma_V;
+                                Lane_Sum_g[J] += ((double)g);
+                                Lane_Sum_g_xhat[J] += ((double)g)*((double)xhat);
                             }
                         }
 
-                    } else {                /* NCHW: one parameter per run of S values */
-                        for (int64_t cg = 0; cg < Cg; ++cg) {
-                            const int64_t ch = gi * Cg + cg;
-                            const float gamma_v = gamma[ch];
-                            {
-                                int64_t s = 0;
-                                for (; s + DG_LANES <= S; s += DG_LANES) {
-                                    for (int q = 0; q < DG_LANES; q += 64 / (int)sizeof(*x)) {  /* read ahead, a line at a time */
-                                        const int64_t pf = dg_ahead(off, cg * S + s + q, M, nxt, total, ahead);
-                                        if (pf >= 0) DG_PREFETCH(x + pf);
-                                    }
-                                    for (int q = 0; q < DG_LANES; q += 64 / (int)sizeof(*dy)) {  /* read ahead, a line at a time */
-                                        const int64_t pf = dg_ahead(off, cg * S + s + q, M, nxt, total, ahead);
-                                        if (pf >= 0) DG_PREFETCH(dy + pf);
-                                    }
-                                    DG_INDEPENDENT
-                                    for (int j = 0; j < DG_LANES; ++j) {
-                                        const int64_t idx = off + cg * S + s + j;
-                                        const float xv = x[idx];
-                                        const float dyv = dy[idx];
-                                        const float xhat = ((xv + h0_hi + h0_lo))/std_f;
-                                        const float g = dyv*gamma_v;
-                                        lane_sum_g[j] += ((double)g);
-                                        lane_sum_g_xhat[j] += ((double)g)*((double)xhat);
-                                    }
-                                }
-                                for (; s < S; ++s) {
-                                    const int j = 0;                /* outside the lane blocks: lane 0 */
-                                    (void)j;
-                                    const int64_t idx = off + cg * S + s;
-                                    const float xv = x[idx];
-                                    const float dyv = dy[idx];
-                                    const float xhat = ((xv + h0_hi + h0_lo))/std_f;
-                                    const float g = dyv*gamma_v;
-                                    lane_sum_g[j] += ((double)g);
-                                    lane_sum_g_xhat[j] += ((double)g)*((double)xhat);
-                                }
-                            }
-
-                        }
                     }
                 }
-                sum_g = dg_lanes(lane_sum_g);
-                sum_g_xhat = dg_lanes(lane_sum_g_xhat);
+                Sum_g = Dg_lanes(Lane_Sum_g);
+                Sum_g_xhat = Dg_lanes(Lane_Sum_g_xhat);
             }
-            const double mean_g = sum_g/N;  /* mean_g = mean(g) */
-            const double mean_g_xhat = sum_g_xhat/N;  /* mean_g_xhat = mean(g*xhat) */
-            const double cse0 = alpha - 1;  /* common subexpression */
-            const double cse1 = N/std;  /* common subexpression */
-            const double grad_prev_mean = cse1*(cse0*mean_g + N*alpha*mean_g_xhat*(row_mean + alpha*mean - mean - alpha*row_mean)/(sample_std*(N - 1)));  /* ∂L/∂prev_mean for this group */
-            const double grad_prev_std = cse0*cse1*mean_g_xhat;  /* ∂L/∂prev_std for this group */
-            dprev_mean[grp] = (float)grad_prev_mean;
-            dprev_std[grp] = (float)grad_prev_std;
+            const double Mean_g = Sum_g/N;  /* Mean_g = mean(g) */
+            const double Mean_g_xhat = Sum_g_xhat/N;  /* Mean_g_xhat = mean(g*xhat) */
+            const double Cse0 = alpha - 1;  /* common subexpression */
+            const double Cse1 = N/std;  /* common subexpression */
+            const double prev_mean_Grad = Cse1*(Cse0*Mean_g - Cse0*Mean_g_xhat*N*alpha*(row_mean - mean)/(sample_std*(N - 1)));  /* dL/dprev_mean for this group */
+            const double prev_std_Grad = Cse0*Cse1*Mean_g_xhat;  /* dL/dprev_std for this group */
+            dprev_mean[Grp] = (float)prev_mean_Grad;
+            dprev_std[Grp] = (float)prev_std_Grad;
             {
-                const double h0 = -mean;
-                const float h0_hi = (float)h0;
-                const float h0_lo = (float)(h0 - (double)h0_hi);
-                const double h1 = -alpha*mean_g/std;
-                const float h1_hi = (float)h1;
-                const float h1_lo = (float)(h1 - (double)h1_hi);
-                const double h2 = alpha*row_mean/std - alpha*mean/std;
-                const float h2_hi = (float)h2;
-                const float h2_lo = (float)(h2 - (double)h2_hi);
-                const float N_f = (float)N;
-                const float alpha_f = (float)alpha;
-                const float mean_g_xhat_f = (float)mean_g_xhat;
-                const float sample_std_f = (float)sample_std;
-                const float std_f = (float)std;
-                for (int64_t b = 0; b < blocks; ++b) {
-                    const int64_t off = base + b * block_stride;
-                    const int dx_direct = S == 1 ? dg_direct(dx_stream, Cg) : 0;   /* stream from registers */
-                    (void)dx_direct;
-                    if (S == 1) {           /* parameters vary along the run */
+                const double H0 = -mean;
+                const float H0_hi = (float)H0;
+                const float H0_lo = (float)(H0 - (double)H0_hi);
+                const double H1 = -Mean_g*alpha/std;
+                const float H1_hi = (float)H1;
+                const float H1_lo = (float)(H1 - (double)H1_hi);
+                const double H2 = alpha*(row_mean - mean)/std;
+                const float H2_hi = (float)H2;
+                const float H2_lo = (float)(H2 - (double)H2_hi);
+                const float Mean_g_xhat_F = (float)Mean_g_xhat;
+                const float N_F = (float)N;
+                const float alpha_F = (float)alpha;
+                const float sample_std_F = (float)sample_std;
+                const float std_F = (float)std;
+                for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
+                    const int64_t Off = Base + Blk * Block_stride;
+                    const int dx_Direct = Dg_direct(dx_Stream, Cg);   /* stream from registers */
+                    (void)dx_Direct;
+                    {                       /* a trailing layout (S == 1): parameters vary along the run */
                         {
-                            float *restrict dx_r = dx + off;
-                            int64_t m = 0;
-                            if (dx_direct) {          /* scalar head up to a 64-byte boundary of dx */
-                                const int64_t head = dg_head(dx + off, (int64_t)sizeof(float), Cg);
-                                for (; m < head; ++m) {
-                                    const int j = 0;                /* outside the lane blocks: lane 0 */
-                                    (void)j;
-                                    const int64_t idx = off + m;
-                                    const int64_t ch = gi * Cg + m;
-                                    const float gamma_v = gamma[ch];
-                                    const float xv = x[idx];
-                                    const float dyv = dy[idx];
-                                    const float xhat = ((xv + h0_hi + h0_lo))/std_f;
-                                    const float g = dyv*gamma_v;
-                                    dx_r[idx - (off)] = (float)((g/std_f + N_f*alpha_f*mean_g_xhat_f*((-xhat + h2_hi + h2_lo))/(sample_std_f*(N_f - 1)) + h1_hi + h1_lo));
-                                    pend[0 * C + ch] += dyv*xhat;
-                                    pend[1 * C + ch] += dyv;
+                            float *restrict dx_R = dx + Off;
+                            int64_t Mi = 0;
+                            if (dx_Direct) {          /* scalar head up to a 64-byte boundary of dx */
+                                const int64_t Head = Dg_head(dx + Off, (int64_t)sizeof(float), Cg);
+                                for (; Mi < Head; ++Mi) {
+                                    const int J = 0;                /* outside the lane blocks: lane 0 */
+                                    (void)J;
+                                    const int64_t Idx = Off + Mi;
+                                    const int64_t Ch = Gi * Cg + Mi;
+                                    const float gamma_V = gamma[Ch];
+                                    const float Xv = x[Idx];
+                                    const float Dyv = dy[Idx];
+                                    const float xhat = ((Xv + H0_hi + H0_lo))/std_F;
+                                    const float g = Dyv*gamma_V;
+                                    dx_R[Idx - (Off)] = (float)((g/std_F + Mean_g_xhat_F*N_F*alpha_F*((-xhat + H2_hi + H2_lo))/(sample_std_F*(N_F - 1)) + H1_hi + H1_lo));
+                                    Pend[0 * C + Ch] += Dyv*xhat;
+                                    Pend[1 * C + Ch] += Dyv;
                                 }
                             }
-                            for (; m + DG_LANES <= Cg; m += DG_LANES) {
-                                float t_dx[DG_LANES];
+                            for (; Mi + DG_LANES <= Cg; Mi += DG_LANES) {
+                                float T_dx[DG_LANES];
                                 DG_INDEPENDENT
-                                for (int j = 0; j < DG_LANES; ++j) {
-                                    const int64_t idx = off + m + j;
-                                    const int64_t ch = gi * Cg + m + j;
-                                    const float gamma_v = gamma[ch];
-                                    const float xv = x[idx];
-                                    const float dyv = dy[idx];
-                                    const float xhat = ((xv + h0_hi + h0_lo))/std_f;
-                                    const float g = dyv*gamma_v;
-                                    t_dx[j] = (float)((g/std_f + N_f*alpha_f*mean_g_xhat_f*((-xhat + h2_hi + h2_lo))/(sample_std_f*(N_f - 1)) + h1_hi + h1_lo));
-                                    pend[0 * C + ch] += dyv*xhat;
-                                    pend[1 * C + ch] += dyv;
+                                for (int J = 0; J < DG_LANES; ++J) {
+                                    const int64_t Idx = Off + Mi + J;
+                                    const int64_t Ch = Gi * Cg + Mi + J;
+                                    const float gamma_V = gamma[Ch];
+                                    const float Xv = x[Idx];
+                                    const float Dyv = dy[Idx];
+                                    const float xhat = ((Xv + H0_hi + H0_lo))/std_F;
+                                    const float g = Dyv*gamma_V;
+                                    T_dx[J] = (float)((g/std_F + Mean_g_xhat_F*N_F*alpha_F*((-xhat + H2_hi + H2_lo))/(sample_std_F*(N_F - 1)) + H1_hi + H1_lo));
+                                    Pend[0 * C + Ch] += Dyv*xhat;
+                                    Pend[1 * C + Ch] += Dyv;
                                 }
-                                dg_put_float(dx_r + m, t_dx, dx_direct);
+                                Dg_put_float(dx_R + Mi, T_dx, dx_Direct);
                             }
-                            for (; m < Cg; ++m) {
-                                const int j = 0;                /* outside the lane blocks: lane 0 */
-                                (void)j;
-                                const int64_t idx = off + m;
-                                const int64_t ch = gi * Cg + m;
-                                const float gamma_v = gamma[ch];
-                                const float xv = x[idx];
-                                const float dyv = dy[idx];
-                                const float xhat = ((xv + h0_hi + h0_lo))/std_f;
-                                const float g = dyv*gamma_v;
-                                dx_r[idx - (off)] = (float)((g/std_f + N_f*alpha_f*mean_g_xhat_f*((-xhat + h2_hi + h2_lo))/(sample_std_f*(N_f - 1)) + h1_hi + h1_lo));
-                                pend[0 * C + ch] += dyv*xhat;
-                                pend[1 * C + ch] += dyv;
+                            for (; Mi < Cg; ++Mi) {
+                                const int J = 0;                /* outside the lane blocks: lane 0 */
+                                (void)J;
+                                const int64_t Idx = Off + Mi;
+                                const int64_t Ch = Gi * Cg + Mi;
+                                const float gamma_V = gamma[Ch];
+                                const float Xv = x[Idx];
+                                const float Dyv = dy[Idx];
+                                const float xhat = ((Xv + H0_hi + H0_lo))/std_F;
+                                const float g = Dyv*gamma_V;
+                                dx_R[Idx - (Off)] = (float)((g/std_F + Mean_g_xhat_F*N_F*alpha_F*((-xhat + H2_hi + H2_lo))/(sample_std_F*(N_F - 1)) + H1_hi + H1_lo));
+                                Pend[0 * C + Ch] += Dyv*xhat;
+                                Pend[1 * C + Ch] += Dyv;
                             }
                         }
 
-                        pend_lo = pend_lo < gi * Cg ? pend_lo : gi * Cg;
-                        pend_hi = pend_hi > gi * Cg + Cg ? pend_hi : gi * Cg + Cg;
-                        if (++pending == DG_PEND) {     /* float partials of at most DG_PEND runs */
-                            dg_flush_float(mine, pend, P, C, pend_lo, pend_hi);
-                            pending = 0;
-                            pend_lo = C;
-                            pend_hi = 0;
-                        }
-                    } else {                /* NCHW: one parameter per run of S values */
-                        for (int64_t cg = 0; cg < Cg; ++cg) {
-                            const int64_t ch = gi * Cg + cg;
-                            const float gamma_v = gamma[ch];
-                            double lane_p0[DG_LANES] = {0};
-                            double lane_p1[DG_LANES] = {0};
-                            if (dx_tile != NULL && dx_fill > 0
-                                && (dx_at + dx_fill != off + cg * S || dx_fill + S > dx_cap)) {
-                                dg_stream_float(dx + dx_at, dx_tile, dx_fill);
-                                dx_fill = 0;
-                            }
-                            if (dx_fill == 0)
-                                dx_at = off + cg * S;
-                            {
-                                float *restrict dx_r = dx_tile != NULL ? dx_tile + dx_fill : dx + off + cg * S;
-                                int64_t s = 0;
-                                for (; s + DG_LANES <= S; s += DG_LANES) {
-                                    DG_INDEPENDENT
-                                    for (int j = 0; j < DG_LANES; ++j) {
-                                        const int64_t idx = off + cg * S + s + j;
-                                        const float xv = x[idx];
-                                        const float dyv = dy[idx];
-                                        const float xhat = ((xv + h0_hi + h0_lo))/std_f;
-                                        const float g = dyv*gamma_v;
-                                        dx_r[idx - (off + cg * S)] = (float)((g/std_f + N_f*alpha_f*mean_g_xhat_f*((-xhat + h2_hi + h2_lo))/(sample_std_f*(N_f - 1)) + h1_hi + h1_lo));
-                                        lane_p0[j] += ((double)dyv)*((double)xhat);
-                                        lane_p1[j] += ((double)dyv);
-                                    }
-                                }
-                                for (; s < S; ++s) {
-                                    const int j = 0;                /* outside the lane blocks: lane 0 */
-                                    (void)j;
-                                    const int64_t idx = off + cg * S + s;
-                                    const float xv = x[idx];
-                                    const float dyv = dy[idx];
-                                    const float xhat = ((xv + h0_hi + h0_lo))/std_f;
-                                    const float g = dyv*gamma_v;
-                                    dx_r[idx - (off + cg * S)] = (float)((g/std_f + N_f*alpha_f*mean_g_xhat_f*((-xhat + h2_hi + h2_lo))/(sample_std_f*(N_f - 1)) + h1_hi + h1_lo));
-                                    lane_p0[j] += ((double)dyv)*((double)xhat);
-                                    lane_p1[j] += ((double)dyv);
-                                }
-                            }
-                            if (dx_tile != NULL)
-                                dx_fill += S;
-
-                            mine[0 * C + ch] += dg_lanes(lane_p0);
-                            mine[1 * C + ch] += dg_lanes(lane_p1);
+                        Pend_lo = Pend_lo < Gi * Cg ? Pend_lo : Gi * Cg;
+                        Pend_hi = Pend_hi > Gi * Cg + Cg ? Pend_hi : Gi * Cg + Cg;
+                        if (++Pending == DG_PEND) {     /* float partials of at most DG_PEND runs */
+                            Dg_flush_float(Mine, Pend, P, C, Pend_lo, Pend_hi);
+                            Pending = 0;
+                            Pend_lo = C;
+                            Pend_hi = 0;
                         }
                     }
                 }
             }
         }
-        if (pending > 0)
-            dg_flush_float(mine, pend, P, C, pend_lo, pend_hi);
-        if (dx_fill > 0)
-            dg_stream_float(dx + dx_at, dx_tile, dx_fill);
-        if (dx_stream)
-            dg_fence();
-        free(dx_tile);
+        if (Pending > 0)
+            Dg_flush_float(Mine, Pend, P, C, Pend_lo, Pend_hi);
+        if (dx_Fill > 0)
+            Dg_stream_float(dx + dx_At, dx_Tile, dx_Fill);
+        if (dx_Stream)
+            Dg_fence();
+        free(dx_Tile);
 
     }
-    for (int64_t c = 0; c < C; ++c) {       /* dgamma */
-        double acc = 0.0;
-        for (int t = 0; t < nth; ++t) acc += part[(int64_t)t * P * C + 0 * C + c];
-        dgamma[c] = (float)acc;
+    for (int64_t Cc = 0; Cc < C; ++Cc) {       /* dgamma */
+        double Acc = 0.0;
+        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * P * C + 0 * C + Cc];
+        dgamma[Cc] = (float)Acc;
     }
-    for (int64_t c = 0; c < C; ++c) {       /* dbeta */
-        double acc = 0.0;
-        for (int t = 0; t < nth; ++t) acc += part[(int64_t)t * P * C + 1 * C + c];
-        dbeta[c] = (float)acc;
+    for (int64_t Cc = 0; Cc < C; ++Cc) {       /* dbeta */
+        double Acc = 0.0;
+        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * P * C + 1 * C + Cc];
+        dbeta[Cc] = (float)Acc;
     }
-    free(pend_all);
-    free(part);
+    free(Pend_all);
+    free(Part);
     return 0;
 }
 
@@ -846,207 +492,172 @@ int online_layernorm_train_forward_f64(
     const double *restrict beta,
     double alpha,
     double eps,
-    const double *restrict prev_mean_in, int64_t prev_mean_stride,
-    const double *restrict prev_std_in, int64_t prev_std_stride,
+    const double *restrict prev_mean_In, int64_t prev_mean_Stride,
+    const double *restrict prev_std_In, int64_t prev_std_Stride,
     double *restrict y,
-    double *restrict row_mean_out,
-    double *restrict mean_out,
-    double *restrict sample_std_out,
-    double *restrict std_out,
-    int nthreads)
+    double *restrict row_mean_Out,
+    double *restrict mean_Out,
+    double *restrict Aux1_Out,
+    double *restrict sample_std_Out,
+    double *restrict std_Out,
+    int Nthreads)
 {
     const int64_t M = Cg * S;                       /* contiguous values per (o, g) block */
-    const int64_t n_groups = O * G;
-    const int64_t blocks = 1;               /* blocks per group */
-    const int64_t block_stride = G * M;
-    const double N = (double)(blocks * M);          /* values per group */
-    const int64_t total = n_groups * blocks * M;    /* values in x */
-    const int64_t ahead = DG_AHEAD_BYTES / (int64_t)sizeof(double);
-    const int nth = dg_threads(nthreads);
+    const int64_t N_groups = O * G;
+    const int64_t Blocks = 1;               /* blocks per group */
+    const int64_t Block_stride = G * M;
+    const double N = (double)(Blocks * M);          /* values per group */
+    const int64_t Total = N_groups * Blocks * M;    /* values in x */
+    const int64_t Ahead = DG_AHEAD_BYTES / (int64_t)sizeof(double);
+    const int Nth = Dg_threads(Nthreads);
     (void)N;
-    (void)nth;
-    (void)total;
-    (void)ahead;
+    (void)Nth;
+    (void)Total;
+    (void)Ahead;
     (void)gamma;
     (void)beta;
     (void)alpha;
     (void)eps;
+    (void)x;
 
-    DG_PRAGMA(omp parallel num_threads(nth))
+    DG_PRAGMA(omp parallel num_threads(Nth))
     {
-const int y_stream = dg_stream_on(total, (int64_t)sizeof(double));
-        (void)y_stream;
+const int y_Stream = Dg_stream_on(Total, (int64_t)sizeof(double));
+        (void)y_Stream;
         DG_PRAGMA(omp for schedule(static))
-        for (int64_t grp = 0; grp < n_groups; ++grp) {
-            const int64_t gi = G == 1 ? 0 : grp % G;     /* channel group */
-            (void)gi;
-            const int64_t base = grp * M;
-            const double prev_mean = (double)prev_mean_in[grp * prev_mean_stride];
-            const double prev_std = (double)prev_std_in[grp * prev_std_stride];
-            double sum_row_mean;
+        for (int64_t Grp = 0; Grp < N_groups; ++Grp) {
+            const int64_t Gi = G == 1 ? 0 : Grp % G;     /* channel group */
+            (void)Gi;
+            const int64_t Base = Grp * M;
+            const double prev_mean = (double)prev_mean_In[Grp * prev_mean_Stride];
+            (void)prev_mean;
+            const double prev_std = (double)prev_std_In[Grp * prev_std_Stride];
+            (void)prev_std;
+            double Sum_row_mean;
             {
-                double lane_sum_row_mean[DG_LANES] = {0};
-                for (int64_t b = 0; b < blocks; ++b) {
-                    const int64_t off = base + b * block_stride;
-                    const int64_t nxt = b + 1 < blocks ? off + block_stride : base + M;   /* block read next */
+                double Lane_Sum_row_mean[DG_LANES] = {0};
+                for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
+                    const int64_t Off = Base + Blk * Block_stride;
+                    const int64_t Nxt = Blk + 1 < Blocks ? Off + Block_stride : Base + M;   /* block read next */
                     {
-                        int64_t m = 0;
-                        for (; m + DG_LANES <= M; m += DG_LANES) {
-                            for (int q = 0; q < DG_LANES; q += 64 / (int)sizeof(*x)) {  /* read ahead, a line at a time */
-                                const int64_t pf = dg_ahead(off, m + q, M, nxt, total, ahead);
-                                if (pf >= 0) DG_PREFETCH(x + pf);
+                        int64_t Mi = 0;
+                        for (; Mi + DG_LANES <= M; Mi += DG_LANES) {
+                            for (int Q = 0; Q < DG_LANES; Q += 64 / (int)sizeof(*x)) {  /* read ahead, a line at a time */
+                                const int64_t Pf = Dg_ahead(Off, Mi + Q, M, Nxt, Total, Ahead);
+                                if (Pf >= 0) DG_PREFETCH(x + Pf);
                             }
                             DG_INDEPENDENT
-                            for (int j = 0; j < DG_LANES; ++j) {
-                                const int64_t idx = off + m + j;
-                                const double xv = x[idx];
-                                lane_sum_row_mean[j] += xv;
+                            for (int J = 0; J < DG_LANES; ++J) {
+                                const int64_t Idx = Off + Mi + J;
+                                const double Xv = x[Idx];
+                                Lane_Sum_row_mean[J] += Xv;
                             }
                         }
-                        for (; m < M; ++m) {
-                            const int j = 0;                /* outside the lane blocks: lane 0 */
-                            (void)j;
-                            const int64_t idx = off + m;
-                            const double xv = x[idx];
-                            lane_sum_row_mean[j] += xv;
+                        for (; Mi < M; ++Mi) {
+                            const int J = 0;                /* outside the lane blocks: lane 0 */
+                            (void)J;
+                            const int64_t Idx = Off + Mi;
+                            const double Xv = x[Idx];
+                            Lane_Sum_row_mean[J] += Xv;
                         }
                     }
 
                 }
-                sum_row_mean = dg_lanes(lane_sum_row_mean);
+                Sum_row_mean = Dg_lanes(Lane_Sum_row_mean);
             }
-            const double row_mean = sum_row_mean/N;  /* row_mean = mean(x) */
+            const double row_mean = Sum_row_mean/N;  /* row_mean = mean(x) */
             const double mean = alpha*row_mean + prev_mean*(1 - alpha);  /* mean = alpha*row_mean + (1 - alpha)*prev_mean */
-            double sum_sample_std;
+            double Sum_Aux1;
             {
-                double lane_sum_sample_std[DG_LANES] = {0};
-                for (int64_t b = 0; b < blocks; ++b) {
-                    const int64_t off = base + b * block_stride;
+                double Lane_Sum_Aux1[DG_LANES] = {0};
+                for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
+                    const int64_t Off = Base + Blk * Block_stride;
                     {
-                        int64_t m = 0;
-                        for (; m + DG_LANES <= M; m += DG_LANES) {
+                        int64_t Mi = 0;
+                        for (; Mi + DG_LANES <= M; Mi += DG_LANES) {
                             DG_INDEPENDENT
-                            for (int j = 0; j < DG_LANES; ++j) {
-                                const int64_t idx = off + m + j;
-                                const double xv = x[idx];
-                                lane_sum_sample_std[j] += ((xv - mean)*(xv - mean));
+                            for (int J = 0; J < DG_LANES; ++J) {
+                                const int64_t Idx = Off + Mi + J;
+                                const double Xv = x[Idx];
+                                Lane_Sum_Aux1[J] += ((Xv - mean)*(Xv - mean));
                             }
                         }
-                        for (; m < M; ++m) {
-                            const int j = 0;                /* outside the lane blocks: lane 0 */
-                            (void)j;
-                            const int64_t idx = off + m;
-                            const double xv = x[idx];
-                            lane_sum_sample_std[j] += ((xv - mean)*(xv - mean));
+                        for (; Mi < M; ++Mi) {
+                            const int J = 0;                /* outside the lane blocks: lane 0 */
+                            (void)J;
+                            const int64_t Idx = Off + Mi;
+                            const double Xv = x[Idx];
+                            Lane_Sum_Aux1[J] += ((Xv - mean)*(Xv - mean));
                         }
                     }
 
                 }
-                sum_sample_std = dg_lanes(lane_sum_sample_std);
+                Sum_Aux1 = Dg_lanes(Lane_Sum_Aux1);
             }
-            const double sample_std = sqrt(eps + sum_sample_std/(N - 1));  /* sample_std = sqrt(sum((x - mean)**2)/(N - 1) + eps) */
+            const double Aux1 = Sum_Aux1/N;  /* Aux1 = a mean in sample_std */
+            const double sample_std = sqrt(eps + Aux1*N/(N - 1));  /* sample_std = sqrt(sum((x - mean)**2)/(N - 1) + eps) */
             const double std = alpha*sample_std + prev_std*(1 - alpha);  /* std = alpha*sample_std + (1 - alpha)*prev_std */
-            row_mean_out[grp] = row_mean;
-            mean_out[grp] = mean;
-            sample_std_out[grp] = sample_std;
-            std_out[grp] = std;
+            row_mean_Out[Grp] = row_mean;
+            mean_Out[Grp] = mean;
+            Aux1_Out[Grp] = Aux1;
+            sample_std_Out[Grp] = sample_std;
+            std_Out[Grp] = std;
             {
-                for (int64_t b = 0; b < blocks; ++b) {
-                    const int64_t off = base + b * block_stride;
-                    const int y_direct = S == 1 ? dg_direct(y_stream, Cg) : dg_direct(y_stream, S);   /* stream from registers */
-                    (void)y_direct;
-                    if (S == 1) {           /* parameters vary along the run */
+                for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
+                    const int64_t Off = Base + Blk * Block_stride;
+                    const int y_Direct = Dg_direct(y_Stream, Cg);   /* stream from registers */
+                    (void)y_Direct;
+                    {                       /* a trailing layout (S == 1): parameters vary along the run */
                         {
-                            double *restrict y_r = y + off;
-                            int64_t m = 0;
-                            if (y_direct) {          /* scalar head up to a 64-byte boundary of y */
-                                const int64_t head = dg_head(y + off, (int64_t)sizeof(double), Cg);
-                                for (; m < head; ++m) {
-                                    const int j = 0;                /* outside the lane blocks: lane 0 */
-                                    (void)j;
-                                    const int64_t idx = off + m;
-                                    const int64_t ch = gi * Cg + m;
-                                    const double gamma_v = gamma[ch];
-                                    const double beta_v = beta[ch];
-                                    const double xv = x[idx];
-                                    const double xhat = (xv - mean)/std;
-                                    y_r[idx - (off)] = (double)(gamma_v*xhat + beta_v);
+                            double *restrict y_R = y + Off;
+                            int64_t Mi = 0;
+                            if (y_Direct) {          /* scalar head up to a 64-byte boundary of y */
+                                const int64_t Head = Dg_head(y + Off, (int64_t)sizeof(double), Cg);
+                                for (; Mi < Head; ++Mi) {
+                                    const int J = 0;                /* outside the lane blocks: lane 0 */
+                                    (void)J;
+                                    const int64_t Idx = Off + Mi;
+                                    const int64_t Ch = Gi * Cg + Mi;
+                                    const double gamma_V = gamma[Ch];
+                                    const double beta_V = beta[Ch];
+                                    const double Xv = x[Idx];
+                                    const double xhat = (Xv - mean)/std;
+                                    y_R[Idx - (Off)] = (double)(gamma_V*xhat + beta_V);
                                 }
                             }
-                            for (; m + DG_LANES <= Cg; m += DG_LANES) {
-                                double t_y[DG_LANES];
+                            for (; Mi + DG_LANES <= Cg; Mi += DG_LANES) {
+                                double T_y[DG_LANES];
                                 DG_INDEPENDENT
-                                for (int j = 0; j < DG_LANES; ++j) {
-                                    const int64_t idx = off + m + j;
-                                    const int64_t ch = gi * Cg + m + j;
-                                    const double gamma_v = gamma[ch];
-                                    const double beta_v = beta[ch];
-                                    const double xv = x[idx];
-                                    const double xhat = (xv - mean)/std;
-                                    t_y[j] = (double)(gamma_v*xhat + beta_v);
+                                for (int J = 0; J < DG_LANES; ++J) {
+                                    const int64_t Idx = Off + Mi + J;
+                                    const int64_t Ch = Gi * Cg + Mi + J;
+                                    const double gamma_V = gamma[Ch];
+                                    const double beta_V = beta[Ch];
+                                    const double Xv = x[Idx];
+                                    const double xhat = (Xv - mean)/std;
+                                    T_y[J] = (double)(gamma_V*xhat + beta_V);
                                 }
-                                dg_put_double(y_r + m, t_y, y_direct);
+                                Dg_put_double(y_R + Mi, T_y, y_Direct);
                             }
-                            for (; m < Cg; ++m) {
-                                const int j = 0;                /* outside the lane blocks: lane 0 */
-                                (void)j;
-                                const int64_t idx = off + m;
-                                const int64_t ch = gi * Cg + m;
-                                const double gamma_v = gamma[ch];
-                                const double beta_v = beta[ch];
-                                const double xv = x[idx];
-                                const double xhat = (xv - mean)/std;
-                                y_r[idx - (off)] = (double)(gamma_v*xhat + beta_v);
+                            for (; Mi < Cg; ++Mi) {
+                                const int J = 0;                /* outside the lane blocks: lane 0 */
+                                (void)J;
+                                const int64_t Idx = Off + Mi;
+                                const int64_t Ch = Gi * Cg + Mi;
+                                const double gamma_V = gamma[Ch];
+                                const double beta_V = beta[Ch];
+                                const double Xv = x[Idx];
+                                const double xhat = (Xv - mean)/std;
+                                y_R[Idx - (Off)] = (double)(gamma_V*xhat + beta_V);
                             }
                         }
 
-                    } else {                /* NCHW: one parameter per run of S values */
-                        for (int64_t cg = 0; cg < Cg; ++cg) {
-                            const int64_t ch = gi * Cg + cg;
-                            const double gamma_v = gamma[ch];
-                            const double beta_v = beta[ch];
-                            {
-                                double *restrict y_r = y + off + cg * S;
-                                int64_t s = 0;
-                                if (y_direct) {          /* scalar head up to a 64-byte boundary of y */
-                                    const int64_t head = dg_head(y + off + cg * S, (int64_t)sizeof(double), S);
-                                    for (; s < head; ++s) {
-                                        const int j = 0;                /* outside the lane blocks: lane 0 */
-                                        (void)j;
-                                        const int64_t idx = off + cg * S + s;
-                                        const double xv = x[idx];
-                                        const double xhat = (xv - mean)/std;
-                                        y_r[idx - (off + cg * S)] = (double)(gamma_v*xhat + beta_v);
-                                    }
-                                }
-                                for (; s + DG_LANES <= S; s += DG_LANES) {
-                                    double t_y[DG_LANES];
-                                    DG_INDEPENDENT
-                                    for (int j = 0; j < DG_LANES; ++j) {
-                                        const int64_t idx = off + cg * S + s + j;
-                                        const double xv = x[idx];
-                                        const double xhat = (xv - mean)/std;
-                                        t_y[j] = (double)(gamma_v*xhat + beta_v);
-                                    }
-                                    dg_put_double(y_r + s, t_y, y_direct);
-                                }
-                                for (; s < S; ++s) {
-                                    const int j = 0;                /* outside the lane blocks: lane 0 */
-                                    (void)j;
-                                    const int64_t idx = off + cg * S + s;
-                                    const double xv = x[idx];
-                                    const double xhat = (xv - mean)/std;
-                                    y_r[idx - (off + cg * S)] = (double)(gamma_v*xhat + beta_v);
-                                }
-                            }
-
-                        }
                     }
                 }
             }
         }
-        if (y_stream)
-            dg_fence();
+        if (y_Stream)
+            Dg_fence();
 
     }
     return 0;
@@ -1061,328 +672,244 @@ int online_layernorm_train_backward_f64(
     const double *restrict beta,
     double alpha,
     double eps,
-    const double *restrict prev_mean_in, int64_t prev_mean_stride,
-    const double *restrict prev_std_in, int64_t prev_std_stride,
-    const double *restrict row_mean_in,
-    const double *restrict mean_in,
-    const double *restrict sample_std_in,
-    const double *restrict std_in,
+    const double *restrict prev_mean_In, int64_t prev_mean_Stride,
+    const double *restrict prev_std_In, int64_t prev_std_Stride,
+    const double *restrict row_mean_In,
+    const double *restrict mean_In,
+    const double *restrict Aux1_In,
+    const double *restrict sample_std_In,
+    const double *restrict std_In,
     double *restrict dx,
     double *restrict dgamma,
     double *restrict dbeta,
     double *restrict dprev_mean,
     double *restrict dprev_std,
-    int nthreads)
+    int Nthreads)
 {
     const int64_t M = Cg * S;                       /* contiguous values per (o, g) block */
-    const int64_t n_groups = O * G;
-    const int64_t blocks = 1;               /* blocks per group */
-    const int64_t block_stride = G * M;
-    const double N = (double)(blocks * M);          /* values per group */
-    const int64_t total = n_groups * blocks * M;    /* values in x */
-    const int64_t ahead = DG_AHEAD_BYTES / (int64_t)sizeof(double);
-    const int nth = dg_threads(nthreads);
+    const int64_t N_groups = O * G;
+    const int64_t Blocks = 1;               /* blocks per group */
+    const int64_t Block_stride = G * M;
+    const double N = (double)(Blocks * M);          /* values per group */
+    const int64_t Total = N_groups * Blocks * M;    /* values in x */
+    const int64_t Ahead = DG_AHEAD_BYTES / (int64_t)sizeof(double);
+    const int Nth = Dg_threads(Nthreads);
     (void)N;
-    (void)nth;
-    (void)total;
-    (void)ahead;
+    (void)Nth;
+    (void)Total;
+    (void)Ahead;
     (void)gamma;
     (void)beta;
     (void)alpha;
     (void)eps;
+    (void)x;
 
     const int64_t C = G * Cg;                        /* parameter length */
     const int64_t P = 2;      /* parameters */
+    (void)dy;
     /* per-thread partial sums of the parameter gradients, reduced once at the end;
      * runs along the channel axis add into float pend, flushed into part every DG_PEND runs */
-    double *part = (double *)calloc((size_t)(nth * P * C) + 1, sizeof(double));
-    double *pend_all = (double *)calloc((size_t)(nth * P * C) + 1, sizeof(double));
-    if (part == NULL || pend_all == NULL) {
-        free(part);
-        free(pend_all);
+    double *Part = (double *)calloc((size_t)(Nth * P * C) + 1, sizeof(double));
+    double *Pend_all = (double *)calloc((size_t)(Nth * P * C) + 1, sizeof(double));
+    if (Part == NULL || Pend_all == NULL) {
+        free(Part);
+        free(Pend_all);
         return -1;
     }
-    DG_PRAGMA(omp parallel num_threads(nth))
+    DG_PRAGMA(omp parallel num_threads(Nth))
     {
-        double *restrict mine = part + (int64_t)dg_thread_id() * P * C;
-        double *restrict pend = pend_all + (int64_t)dg_thread_id() * P * C;
-        int pending = 0;                             /* runs added into pend since its last flush */
-        int64_t pend_lo = C, pend_hi = 0;            /* the channels they touched */
-const int dx_stream = dg_stream_on(total, (int64_t)sizeof(double));
-        const int64_t dx_cap = dg_tile_len(S == 1 ? M : S, (int64_t)sizeof(double));
-        double *dx_tile = (double *)dg_tile(dx_stream, dx_cap, (int64_t)sizeof(double));   /* NULL: dx in place */
-        int64_t dx_at = 0, dx_fill = 0;           /* the tile holds dx[at, at + fill) */
-        (void)dx_stream;
-        (void)pend;
-        (void)pending;
-        (void)pend_lo;
-        (void)pend_hi;
+        double *restrict Mine = Part + (int64_t)Dg_thread_id() * P * C;
+        (void)Mine;
+        double *restrict Pend = Pend_all + (int64_t)Dg_thread_id() * P * C;
+        int Pending = 0;                             /* runs added into pend since its last flush */
+        int64_t Pend_lo = C, Pend_hi = 0;            /* the channels they touched */
+const int dx_Stream = Dg_stream_on(Total, (int64_t)sizeof(double));
+        const int64_t dx_Cap = Dg_tile_len(M, (int64_t)sizeof(double));
+        double *dx_Tile = (double *)Dg_tile(dx_Stream, dx_Cap, (int64_t)sizeof(double));   /* NULL: dx in place */
+        int64_t dx_At = 0, dx_Fill = 0;           /* the tile holds dx[at, at + fill) */
+        (void)dx_Stream;
+        (void)Pend;
+        (void)Pending;
+        (void)Pend_lo;
+        (void)Pend_hi;
         DG_PRAGMA(omp for schedule(static))
-        for (int64_t grp = 0; grp < n_groups; ++grp) {
-            const int64_t gi = G == 1 ? 0 : grp % G;     /* channel group */
-            (void)gi;
-            const int64_t base = grp * M;
-            const double prev_mean = (double)prev_mean_in[grp * prev_mean_stride];
+        for (int64_t Grp = 0; Grp < N_groups; ++Grp) {
+            const int64_t Gi = G == 1 ? 0 : Grp % G;     /* channel group */
+            (void)Gi;
+            const int64_t Base = Grp * M;
+            const double prev_mean = (double)prev_mean_In[Grp * prev_mean_Stride];
             (void)prev_mean;
-            const double prev_std = (double)prev_std_in[grp * prev_std_stride];
+            const double prev_std = (double)prev_std_In[Grp * prev_std_Stride];
             (void)prev_std;
-            const double row_mean = row_mean_in[grp];
+            const double row_mean = row_mean_In[Grp];
             (void)row_mean;
-            const double mean = mean_in[grp];
+            const double mean = mean_In[Grp];
             (void)mean;
-            const double sample_std = sample_std_in[grp];
+            const double Aux1 = Aux1_In[Grp];
+            (void)Aux1;
+            const double sample_std = sample_std_In[Grp];
             (void)sample_std;
-            const double std = std_in[grp];
+            const double std = std_In[Grp];
             (void)std;
-            double sum_g;
-            double sum_g_xhat;
+            double Sum_g;
+            double Sum_g_xhat;
             {
-                double lane_sum_g[DG_LANES] = {0};
-                double lane_sum_g_xhat[DG_LANES] = {0};
-                for (int64_t b = 0; b < blocks; ++b) {
-                    const int64_t off = base + b * block_stride;
-                    const int64_t nxt = b + 1 < blocks ? off + block_stride : base + M;   /* block read next */
-                    if (S == 1) {           /* parameters vary along the run */
+                double Lane_Sum_g[DG_LANES] = {0};
+                double Lane_Sum_g_xhat[DG_LANES] = {0};
+                for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
+                    const int64_t Off = Base + Blk * Block_stride;
+                    const int64_t Nxt = Blk + 1 < Blocks ? Off + Block_stride : Base + M;   /* block read next */
+                    {                       /* a trailing layout (S == 1): parameters vary along the run */
                         {
-                            int64_t m = 0;
-                            for (; m + DG_LANES <= Cg; m += DG_LANES) {
-                                for (int q = 0; q < DG_LANES; q += 64 / (int)sizeof(*x)) {  /* read ahead, a line at a time */
-                                    const int64_t pf = dg_ahead(off, m + q, M, nxt, total, ahead);
-                                    if (pf >= 0) DG_PREFETCH(x + pf);
+                            int64_t Mi = 0;
+                            for (; Mi + DG_LANES <= Cg; Mi += DG_LANES) {
+                                for (int Q = 0; Q < DG_LANES; Q += 64 / (int)sizeof(*x)) {  /* read ahead, a line at a time */
+                                    const int64_t Pf = Dg_ahead(Off, Mi + Q, M, Nxt, Total, Ahead);
+                                    if (Pf >= 0) DG_PREFETCH(x + Pf);
                                 }
-                                for (int q = 0; q < DG_LANES; q += 64 / (int)sizeof(*dy)) {  /* read ahead, a line at a time */
-                                    const int64_t pf = dg_ahead(off, m + q, M, nxt, total, ahead);
-                                    if (pf >= 0) DG_PREFETCH(dy + pf);
+                                for (int Q = 0; Q < DG_LANES; Q += 64 / (int)sizeof(*dy)) {  /* read ahead, a line at a time */
+                                    const int64_t Pf = Dg_ahead(Off, Mi + Q, M, Nxt, Total, Ahead);
+                                    if (Pf >= 0) DG_PREFETCH(dy + Pf);
                                 }
                                 DG_INDEPENDENT
-                                for (int j = 0; j < DG_LANES; ++j) {
-                                    const int64_t idx = off + m + j;
-                                    const int64_t ch = gi * Cg + m + j;
-                                    const double gamma_v = gamma[ch];
-                                    const double xv = x[idx];
-                                    const double dyv = dy[idx];
-                                    const double xhat = (xv - mean)/std;
-                                    const double g = dyv*gamma_v;
-                                    lane_sum_g[j] += g;
-                                    lane_sum_g_xhat[j] += g*xhat;
+                                for (int J = 0; J < DG_LANES; ++J) {
+                                    const int64_t Idx = Off + Mi + J;
+                                    const int64_t Ch = Gi * Cg + Mi + J;
+                                    const double gamma_V = gamma[Ch];
+                                    const double Xv = x[Idx];
+                                    const double Dyv = dy[Idx];
+                                    const double xhat = (Xv - mean)/std;
+                                    const double g = Dyv*gamma_V;
+                                    Lane_Sum_g[J] += g;
+                                    Lane_Sum_g_xhat[J] += g*xhat;
                                 }
                             }
-                            for (; m < Cg; ++m) {
-                                const int j = 0;                /* outside the lane blocks: lane 0 */
-                                (void)j;
-                                const int64_t idx = off + m;
-                                const int64_t ch = gi * Cg + m;
-                                const double gamma_v = gamma[ch];
-                                const double xv = x[idx];
-                                const double dyv = dy[idx];
-                                const double xhat = (xv - mean)/std;
-                                const double g = dyv*gamma_v;
-                                lane_sum_g[j] += g;
-                                lane_sum_g_xhat[j] += g*xhat;
+                            for (; Mi < Cg; ++Mi) {
+                                const int J = 0;                /* outside the lane blocks: lane 0 */
+                                (void)J;
+                                const int64_t Idx = Off + Mi;
+                                const int64_t Ch = Gi * Cg + Mi;
+                                const double gamma_V = gamma[Ch];
+                                const double Xv = x[Idx];
+                                const double Dyv = dy[Idx];
+                                const double xhat = (Xv - mean)/std;
+                                const double g = Dyv*gamma_V;
+                                Lane_Sum_g[J] += g;
+                                Lane_Sum_g_xhat[J] += g*xhat;
                             }
                         }
 
-                    } else {                /* NCHW: one parameter per run of S values */
-                        for (int64_t cg = 0; cg < Cg; ++cg) {
-                            const int64_t ch = gi * Cg + cg;
-                            const double gamma_v = gamma[ch];
-                            {
-                                int64_t s = 0;
-                                for (; s + DG_LANES <= S; s += DG_LANES) {
-                                    for (int q = 0; q < DG_LANES; q += 64 / (int)sizeof(*x)) {  /* read ahead, a line at a time */
-                                        const int64_t pf = dg_ahead(off, cg * S + s + q, M, nxt, total, ahead);
-                                        if (pf >= 0) DG_PREFETCH(x + pf);
-                                    }
-                                    for (int q = 0; q < DG_LANES; q += 64 / (int)sizeof(*dy)) {  /* read ahead, a line at a time */
-                                        const int64_t pf = dg_ahead(off, cg * S + s + q, M, nxt, total, ahead);
-                                        if (pf >= 0) DG_PREFETCH(dy + pf);
-                                    }
-                                    DG_INDEPENDENT
-                                    for (int j = 0; j < DG_LANES; ++j) {
-                                        const int64_t idx = off + cg * S + s + j;
-                                        const double xv = x[idx];
-                                        const double dyv = dy[idx];
-                                        const double xhat = (xv - mean)/std;
-                                        const double g = dyv*gamma_v;
-                                        lane_sum_g[j] += g;
-                                        lane_sum_g_xhat[j] += g*xhat;
-                                    }
-                                }
-                                for (; s < S; ++s) {
-                                    const int j = 0;                /* outside the lane blocks: lane 0 */
-                                    (void)j;
-                                    const int64_t idx = off + cg * S + s;
-                                    const double xv = x[idx];
-                                    const double dyv = dy[idx];
-                                    const double xhat = (xv - mean)/std;
-                                    const double g = dyv*gamma_v;
-                                    lane_sum_g[j] += g;
-                                    lane_sum_g_xhat[j] += g*xhat;
-                                }
-                            }
-
-                        }
                     }
                 }
-                sum_g = dg_lanes(lane_sum_g);
-                sum_g_xhat = dg_lanes(lane_sum_g_xhat);
+                Sum_g = Dg_lanes(Lane_Sum_g);
+                Sum_g_xhat = Dg_lanes(Lane_Sum_g_xhat);
             }
-            const double mean_g = sum_g/N;  /* mean_g = mean(g) */
-            const double mean_g_xhat = sum_g_xhat/N;  /* mean_g_xhat = mean(g*xhat) */
-            const double cse0 = 1.0/std;  /* common subexpression */
-            const double cse1 = alpha*mean;  /* common subexpression */
-            const double cse2 = 1.0/sample_std;  /* common subexpression */
-            const double cse3 = 1.0/(N - 1);  /* common subexpression */
-            const double cse4 = N*cse2*cse3*mean_g_xhat;  /* common subexpression */
-            const double cse5 = alpha*cse4;  /* common subexpression */
-            const double cse6 = alpha - 1;  /* common subexpression */
-            const double cse7 = N*cse0;  /* common subexpression */
-            const double k_1 = alpha*cse0*(N*alpha*cse2*cse3*mean_g_xhat*row_mean - mean_g - cse1*cse4);  /* coefficient of 1 in dx */
-            const double k_g = cse0;  /* coefficient of g in dx */
-            const double k_xhat = -cse5;  /* coefficient of xhat in dx */
-            const double grad_prev_mean = cse7*(cse6*mean_g + cse5*(cse1 + row_mean - mean - alpha*row_mean));  /* ∂L/∂prev_mean for this group */
-            const double grad_prev_std = cse6*cse7*mean_g_xhat;  /* ∂L/∂prev_std for this group */
-            dprev_mean[grp] = (double)grad_prev_mean;
-            dprev_std[grp] = (double)grad_prev_std;
+            const double Mean_g = Sum_g/N;  /* Mean_g = mean(g) */
+            const double Mean_g_xhat = Sum_g_xhat/N;  /* Mean_g_xhat = mean(g*xhat) */
+            const double Cse0 = 1.0/std;  /* common subexpression */
+            const double Cse1 = 1.0/sample_std;  /* common subexpression */
+            const double Cse2 = 1.0/(N - 1);  /* common subexpression */
+            const double Cse3 = Cse1*Cse2*Mean_g_xhat*N*alpha;  /* common subexpression */
+            const double Cse4 = alpha - 1;  /* common subexpression */
+            const double Cse5 = Cse0*N;  /* common subexpression */
+            const double K_1 = Cse0*alpha*(Cse1*Cse2*Mean_g_xhat*N*alpha*row_mean - Mean_g - Cse3*mean);  /* coefficient of 1 in dx */
+            const double K_g = Cse0;  /* coefficient of g in dx */
+            const double K_xhat = -Cse3;  /* coefficient of xhat in dx */
+            const double prev_mean_Grad = Cse5*(Cse4*Mean_g - Cse3*Cse4*(row_mean - mean));  /* dL/dprev_mean for this group */
+            const double prev_std_Grad = Cse4*Cse5*Mean_g_xhat;  /* dL/dprev_std for this group */
+            dprev_mean[Grp] = (double)prev_mean_Grad;
+            dprev_std[Grp] = (double)prev_std_Grad;
             {
-                for (int64_t b = 0; b < blocks; ++b) {
-                    const int64_t off = base + b * block_stride;
-                    const int dx_direct = S == 1 ? dg_direct(dx_stream, Cg) : 0;   /* stream from registers */
-                    (void)dx_direct;
-                    if (S == 1) {           /* parameters vary along the run */
+                for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
+                    const int64_t Off = Base + Blk * Block_stride;
+                    const int dx_Direct = Dg_direct(dx_Stream, Cg);   /* stream from registers */
+                    (void)dx_Direct;
+                    {                       /* a trailing layout (S == 1): parameters vary along the run */
                         {
-                            double *restrict dx_r = dx + off;
-                            int64_t m = 0;
-                            if (dx_direct) {          /* scalar head up to a 64-byte boundary of dx */
-                                const int64_t head = dg_head(dx + off, (int64_t)sizeof(double), Cg);
-                                for (; m < head; ++m) {
-                                    const int j = 0;                /* outside the lane blocks: lane 0 */
-                                    (void)j;
-                                    const int64_t idx = off + m;
-                                    const int64_t ch = gi * Cg + m;
-                                    const double gamma_v = gamma[ch];
-                                    const double xv = x[idx];
-                                    const double dyv = dy[idx];
-                                    const double xhat = (xv - mean)/std;
-                                    const double g = dyv*gamma_v;
-                                    dx_r[idx - (off)] = (double)(g*k_g + k_xhat*xhat + k_1);
-                                    pend[0 * C + ch] += dyv*xhat;
-                                    pend[1 * C + ch] += dyv;
+                            double *restrict dx_R = dx + Off;
+                            int64_t Mi = 0;
+                            if (dx_Direct) {          /* scalar head up to a 64-byte boundary of dx */
+                                const int64_t Head = Dg_head(dx + Off, (int64_t)sizeof(double), Cg);
+                                for (; Mi < Head; ++Mi) {
+                                    const int J = 0;                /* outside the lane blocks: lane 0 */
+                                    (void)J;
+                                    const int64_t Idx = Off + Mi;
+                                    const int64_t Ch = Gi * Cg + Mi;
+                                    const double gamma_V = gamma[Ch];
+                                    const double Xv = x[Idx];
+                                    const double Dyv = dy[Idx];
+                                    const double xhat = (Xv - mean)/std;
+                                    const double g = Dyv*gamma_V;
+                                    dx_R[Idx - (Off)] = (double)(K_g*g + K_xhat*xhat + K_1);
+                                    Pend[0 * C + Ch] += Dyv*xhat;
+                                    Pend[1 * C + Ch] += Dyv;
                                 }
                             }
-                            for (; m + DG_LANES <= Cg; m += DG_LANES) {
-                                double t_dx[DG_LANES];
+                            for (; Mi + DG_LANES <= Cg; Mi += DG_LANES) {
+                                double T_dx[DG_LANES];
                                 DG_INDEPENDENT
-                                for (int j = 0; j < DG_LANES; ++j) {
-                                    const int64_t idx = off + m + j;
-                                    const int64_t ch = gi * Cg + m + j;
-                                    const double gamma_v = gamma[ch];
-                                    const double xv = x[idx];
-                                    const double dyv = dy[idx];
-                                    const double xhat = (xv - mean)/std;
-                                    const double g = dyv*gamma_v;
-                                    t_dx[j] = (double)(g*k_g + k_xhat*xhat + k_1);
-                                    pend[0 * C + ch] += dyv*xhat;
-                                    pend[1 * C + ch] += dyv;
+                                for (int J = 0; J < DG_LANES; ++J) {
+                                    const int64_t Idx = Off + Mi + J;
+                                    const int64_t Ch = Gi * Cg + Mi + J;
+                                    const double gamma_V = gamma[Ch];
+                                    const double Xv = x[Idx];
+                                    const double Dyv = dy[Idx];
+                                    const double xhat = (Xv - mean)/std;
+                                    const double g = Dyv*gamma_V;
+                                    T_dx[J] = (double)(K_g*g + K_xhat*xhat + K_1);
+                                    Pend[0 * C + Ch] += Dyv*xhat;
+                                    Pend[1 * C + Ch] += Dyv;
                                 }
-                                dg_put_double(dx_r + m, t_dx, dx_direct);
+                                Dg_put_double(dx_R + Mi, T_dx, dx_Direct);
                             }
-                            for (; m < Cg; ++m) {
-                                const int j = 0;                /* outside the lane blocks: lane 0 */
-                                (void)j;
-                                const int64_t idx = off + m;
-                                const int64_t ch = gi * Cg + m;
-                                const double gamma_v = gamma[ch];
-                                const double xv = x[idx];
-                                const double dyv = dy[idx];
-                                const double xhat = (xv - mean)/std;
-                                const double g = dyv*gamma_v;
-                                dx_r[idx - (off)] = (double)(g*k_g + k_xhat*xhat + k_1);
-                                pend[0 * C + ch] += dyv*xhat;
-                                pend[1 * C + ch] += dyv;
+                            for (; Mi < Cg; ++Mi) {
+                                const int J = 0;                /* outside the lane blocks: lane 0 */
+                                (void)J;
+                                const int64_t Idx = Off + Mi;
+                                const int64_t Ch = Gi * Cg + Mi;
+                                const double gamma_V = gamma[Ch];
+                                const double Xv = x[Idx];
+                                const double Dyv = dy[Idx];
+                                const double xhat = (Xv - mean)/std;
+                                const double g = Dyv*gamma_V;
+                                dx_R[Idx - (Off)] = (double)(K_g*g + K_xhat*xhat + K_1);
+                                Pend[0 * C + Ch] += Dyv*xhat;
+                                Pend[1 * C + Ch] += Dyv;
                             }
                         }
 
-                        pend_lo = pend_lo < gi * Cg ? pend_lo : gi * Cg;
-                        pend_hi = pend_hi > gi * Cg + Cg ? pend_hi : gi * Cg + Cg;
-                        if (++pending == DG_PEND) {     /* float partials of at most DG_PEND runs */
-                            dg_flush_double(mine, pend, P, C, pend_lo, pend_hi);
-                            pending = 0;
-                            pend_lo = C;
-                            pend_hi = 0;
-                        }
-                    } else {                /* NCHW: one parameter per run of S values */
-                        for (int64_t cg = 0; cg < Cg; ++cg) {
-                            const int64_t ch = gi * Cg + cg;
-                            const double gamma_v = gamma[ch];
-                            double lane_p0[DG_LANES] = {0};
-                            double lane_p1[DG_LANES] = {0};
-                            if (dx_tile != NULL && dx_fill > 0
-                                && (dx_at + dx_fill != off + cg * S || dx_fill + S > dx_cap)) {
-                                dg_stream_double(dx + dx_at, dx_tile, dx_fill);
-                                dx_fill = 0;
-                            }
-                            if (dx_fill == 0)
-                                dx_at = off + cg * S;
-                            {
-                                double *restrict dx_r = dx_tile != NULL ? dx_tile + dx_fill : dx + off + cg * S;
-                                int64_t s = 0;
-                                for (; s + DG_LANES <= S; s += DG_LANES) {
-                                    DG_INDEPENDENT
-                                    for (int j = 0; j < DG_LANES; ++j) {
-                                        const int64_t idx = off + cg * S + s + j;
-                                        const double xv = x[idx];
-                                        const double dyv = dy[idx];
-                                        const double xhat = (xv - mean)/std;
-                                        const double g = dyv*gamma_v;
-                                        dx_r[idx - (off + cg * S)] = (double)(g*k_g + k_xhat*xhat + k_1);
-                                        lane_p0[j] += dyv*xhat;
-                                        lane_p1[j] += dyv;
-                                    }
-                                }
-                                for (; s < S; ++s) {
-                                    const int j = 0;                /* outside the lane blocks: lane 0 */
-                                    (void)j;
-                                    const int64_t idx = off + cg * S + s;
-                                    const double xv = x[idx];
-                                    const double dyv = dy[idx];
-                                    const double xhat = (xv - mean)/std;
-                                    const double g = dyv*gamma_v;
-                                    dx_r[idx - (off + cg * S)] = (double)(g*k_g + k_xhat*xhat + k_1);
-                                    lane_p0[j] += dyv*xhat;
-                                    lane_p1[j] += dyv;
-                                }
-                            }
-                            if (dx_tile != NULL)
-                                dx_fill += S;
-
-                            mine[0 * C + ch] += dg_lanes(lane_p0);
-                            mine[1 * C + ch] += dg_lanes(lane_p1);
+                        Pend_lo = Pend_lo < Gi * Cg ? Pend_lo : Gi * Cg;
+                        Pend_hi = Pend_hi > Gi * Cg + Cg ? Pend_hi : Gi * Cg + Cg;
+                        if (++Pending == DG_PEND) {     /* float partials of at most DG_PEND runs */
+                            Dg_flush_double(Mine, Pend, P, C, Pend_lo, Pend_hi);
+                            Pending = 0;
+                            Pend_lo = C;
+                            Pend_hi = 0;
                         }
                     }
                 }
             }
         }
-        if (pending > 0)
-            dg_flush_double(mine, pend, P, C, pend_lo, pend_hi);
-        if (dx_fill > 0)
-            dg_stream_double(dx + dx_at, dx_tile, dx_fill);
-        if (dx_stream)
-            dg_fence();
-        free(dx_tile);
+        if (Pending > 0)
+            Dg_flush_double(Mine, Pend, P, C, Pend_lo, Pend_hi);
+        if (dx_Fill > 0)
+            Dg_stream_double(dx + dx_At, dx_Tile, dx_Fill);
+        if (dx_Stream)
+            Dg_fence();
+        free(dx_Tile);
 
     }
-    for (int64_t c = 0; c < C; ++c) {       /* dgamma */
-        double acc = 0.0;
-        for (int t = 0; t < nth; ++t) acc += part[(int64_t)t * P * C + 0 * C + c];
-        dgamma[c] = (double)acc;
+    for (int64_t Cc = 0; Cc < C; ++Cc) {       /* dgamma */
+        double Acc = 0.0;
+        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * P * C + 0 * C + Cc];
+        dgamma[Cc] = (double)Acc;
     }
-    for (int64_t c = 0; c < C; ++c) {       /* dbeta */
-        double acc = 0.0;
-        for (int t = 0; t < nth; ++t) acc += part[(int64_t)t * P * C + 1 * C + c];
-        dbeta[c] = (double)acc;
+    for (int64_t Cc = 0; Cc < C; ++Cc) {       /* dbeta */
+        double Acc = 0.0;
+        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * P * C + 1 * C + Cc];
+        dbeta[Cc] = (double)Acc;
     }
-    free(pend_all);
-    free(part);
+    free(Pend_all);
+    free(Part);
     return 0;
 }

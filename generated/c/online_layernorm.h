@@ -25,6 +25,14 @@ extern "C" {
 #define restrict
 #endif
 
+/* The machine's cache sizes, in bytes: outputs of at least stream_bytes are written with
+ * streaming stores, tiles hold at most tile_bytes (<= 0: keep the build's defaults; the
+ * Python binding passes a quarter of the last-level cache and a quarter of L2). */
+void online_layernorm_configure(int64_t stream_bytes, int64_t tile_bytes);
+
+/* The instruction sets this build targets ("avx512f avx2 fma sse2", "avx2 fma sse2", ...). */
+const char *online_layernorm_isa(void);
+
 int online_layernorm_train_forward_f32(
     int64_t O, int64_t G, int64_t Cg, int64_t S,
     const float *restrict x,
@@ -32,14 +40,15 @@ int online_layernorm_train_forward_f32(
     const float *restrict beta,
     double alpha,
     double eps,
-    const float *restrict prev_mean_in, int64_t prev_mean_stride,
-    const float *restrict prev_std_in, int64_t prev_std_stride,
+    const float *restrict prev_mean_In, int64_t prev_mean_Stride,
+    const float *restrict prev_std_In, int64_t prev_std_Stride,
     float *restrict y,
-    double *restrict row_mean_out,
-    double *restrict mean_out,
-    double *restrict sample_std_out,
-    double *restrict std_out,
-    int nthreads);
+    double *restrict row_mean_Out,
+    double *restrict mean_Out,
+    double *restrict Aux1_Out,
+    double *restrict sample_std_Out,
+    double *restrict std_Out,
+    int Nthreads);
 
 int online_layernorm_train_backward_f32(
     int64_t O, int64_t G, int64_t Cg, int64_t S,
@@ -49,18 +58,19 @@ int online_layernorm_train_backward_f32(
     const float *restrict beta,
     double alpha,
     double eps,
-    const float *restrict prev_mean_in, int64_t prev_mean_stride,
-    const float *restrict prev_std_in, int64_t prev_std_stride,
-    const double *restrict row_mean_in,
-    const double *restrict mean_in,
-    const double *restrict sample_std_in,
-    const double *restrict std_in,
+    const float *restrict prev_mean_In, int64_t prev_mean_Stride,
+    const float *restrict prev_std_In, int64_t prev_std_Stride,
+    const double *restrict row_mean_In,
+    const double *restrict mean_In,
+    const double *restrict Aux1_In,
+    const double *restrict sample_std_In,
+    const double *restrict std_In,
     float *restrict dx,
     float *restrict dgamma,
     float *restrict dbeta,
     float *restrict dprev_mean,
     float *restrict dprev_std,
-    int nthreads);
+    int Nthreads);
 
 int online_layernorm_train_forward_f64(
     int64_t O, int64_t G, int64_t Cg, int64_t S,
@@ -69,14 +79,15 @@ int online_layernorm_train_forward_f64(
     const double *restrict beta,
     double alpha,
     double eps,
-    const double *restrict prev_mean_in, int64_t prev_mean_stride,
-    const double *restrict prev_std_in, int64_t prev_std_stride,
+    const double *restrict prev_mean_In, int64_t prev_mean_Stride,
+    const double *restrict prev_std_In, int64_t prev_std_Stride,
     double *restrict y,
-    double *restrict row_mean_out,
-    double *restrict mean_out,
-    double *restrict sample_std_out,
-    double *restrict std_out,
-    int nthreads);
+    double *restrict row_mean_Out,
+    double *restrict mean_Out,
+    double *restrict Aux1_Out,
+    double *restrict sample_std_Out,
+    double *restrict std_Out,
+    int Nthreads);
 
 int online_layernorm_train_backward_f64(
     int64_t O, int64_t G, int64_t Cg, int64_t S,
@@ -86,18 +97,19 @@ int online_layernorm_train_backward_f64(
     const double *restrict beta,
     double alpha,
     double eps,
-    const double *restrict prev_mean_in, int64_t prev_mean_stride,
-    const double *restrict prev_std_in, int64_t prev_std_stride,
-    const double *restrict row_mean_in,
-    const double *restrict mean_in,
-    const double *restrict sample_std_in,
-    const double *restrict std_in,
+    const double *restrict prev_mean_In, int64_t prev_mean_Stride,
+    const double *restrict prev_std_In, int64_t prev_std_Stride,
+    const double *restrict row_mean_In,
+    const double *restrict mean_In,
+    const double *restrict Aux1_In,
+    const double *restrict sample_std_In,
+    const double *restrict std_In,
     double *restrict dx,
     double *restrict dgamma,
     double *restrict dbeta,
     double *restrict dprev_mean,
     double *restrict dprev_std,
-    int nthreads);
+    int Nthreads);
 
 #ifdef __cplusplus
 }

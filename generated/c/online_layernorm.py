@@ -7,19 +7,20 @@ Layer norm with running, alpha-weighted moments: mu_t and sigma_t mix this row's
     forward:
       row_mean = mean(x)
       mean = alpha*row_mean + prev_mean*(1 - alpha)
-      sample_std = sqrt(eps + N*mean((x - mean)**2)/(N - 1))
+      Aux1 = mean((x - mean)**2)  (named by derivgen)
+      sample_std = sqrt(eps + Aux1*N/(N - 1))
       std = alpha*sample_std + prev_std*(1 - alpha)
       xhat = (x - mean)/std
       y = gamma*xhat + beta
     backward (closed form, derived by derivgen):
       g = dy*gamma
-      mean_g = mean(g)
-      mean_g_xhat = mean(g*xhat)
-      dx = g/std + N*alpha*mean_g_xhat*(alpha*row_mean/std - xhat - alpha*mean/std)/(sample_std*(N - 1)) - alpha*mean_g/std
+      Mean_g = mean(g)
+      Mean_g_xhat = mean(g*xhat)
+      dx = g/std + Mean_g_xhat*N*alpha*(alpha*(row_mean - mean)/std - xhat)/(sample_std*(N - 1)) - Mean_g*alpha/std
       dgamma = sum of dy*xhat over the axes gamma does not span
       dbeta = sum of dy over the axes beta does not span
-      dprev_mean = N*(mean_g*(alpha - 1) + N*alpha*mean_g_xhat*(row_mean + alpha*mean - mean - alpha*row_mean)/(sample_std*(N - 1)))/std  (per group; summed for a scalar input)
-      dprev_std = N*mean_g_xhat*(alpha - 1)/std  (per group; summed for a scalar input)
+      dprev_mean = N*(Mean_g*(alpha - 1) + Mean_g_xhat*N*alpha*(1 - alpha)*(row_mean - mean)/(sample_std*(N - 1)))/std  (per group; summed for a scalar input)
+      dprev_std = Mean_g_xhat*N*(alpha - 1)/std  (per group; summed for a scalar input)
 
 mean(.) is the mean over one normalization group of N elements.
 Python binding of the C kernels in online_layernorm.c (compiled on first use
@@ -44,7 +45,7 @@ _META = {'name': 'online_layernorm',
          'buffer_init': {},
          'modes': ['train'],
          'min_group_size': {'train': 2},
-         'stats': {'train': ['row_mean', 'mean', 'sample_std', 'std']}}
+         'stats': {'train': ['row_mean', 'mean', 'Aux1', 'sample_std', 'std']}}
 Grads = _rt.grads_type('online_layernorm', _rt.grad_fields(_META))
 _kernel = CKernel(_META, Path(__file__).with_name('online_layernorm.c'))
 
@@ -61,7 +62,7 @@ def forward(x, gamma, beta, *, alpha, prev_mean, prev_std, eps=0.0, out=None):
     prev_std: a scalar or one value per group; differentiable (see Grads.dprev_std).
     out: optional preallocated C-contiguous array for y (shape and dtype of x).
     """
-    call = _rt.prepare_forward(
+    _call = _rt.prepare_forward(
         _META, x,
         {"gamma": gamma, "beta": beta},
         {"alpha": alpha, "eps": eps},
@@ -71,7 +72,7 @@ def forward(x, gamma, beta, *, alpha, prev_mean, prev_std, eps=0.0, out=None):
         num_groups=None,
         out=out,
     )
-    return _kernel.forward(call)
+    return _kernel.forward(_call)
 
 
 def backward(dy, cache, *, out=None):
@@ -79,8 +80,8 @@ def backward(dy, cache, *, out=None):
 
     out: optional preallocated arrays, a Grads-like tuple or a dict by field name.
     """
-    call = _rt.prepare_backward(_META, dy, cache, out)
-    return _kernel.backward(call, Grads)
+    _call = _rt.prepare_backward(_META, dy, cache, out)
+    return _kernel.backward(_call, Grads)
 
 
 def set_num_threads(n):

@@ -22,15 +22,23 @@ extern "C" {
 #define restrict
 #endif
 
+/* The machine's cache sizes, in bytes: outputs of at least stream_bytes are written with
+ * streaming stores, tiles hold at most tile_bytes (<= 0: keep the build's defaults; the
+ * Python binding passes a quarter of the last-level cache and a quarter of L2). */
+void rmsnorm_configure(int64_t stream_bytes, int64_t tile_bytes);
+
+/* The instruction sets this build targets ("avx512f avx2 fma sse2", "avx2 fma sse2", ...). */
+const char *rmsnorm_isa(void);
+
 int rmsnorm_train_forward_f32(
     int64_t O, int64_t G, int64_t Cg, int64_t S,
     const float *restrict x,
     const float *restrict gamma,
     double eps,
     float *restrict y,
-    double *restrict ms_out,
-    double *restrict rstd_out,
-    int nthreads);
+    double *restrict ms_Out,
+    double *restrict rstd_Out,
+    int Nthreads);
 
 int rmsnorm_train_backward_f32(
     int64_t O, int64_t G, int64_t Cg, int64_t S,
@@ -38,11 +46,11 @@ int rmsnorm_train_backward_f32(
     const float *restrict dy,
     const float *restrict gamma,
     double eps,
-    const double *restrict ms_in,
-    const double *restrict rstd_in,
+    const double *restrict ms_In,
+    const double *restrict rstd_In,
     float *restrict dx,
     float *restrict dgamma,
-    int nthreads);
+    int Nthreads);
 
 int rmsnorm_train_forward_f64(
     int64_t O, int64_t G, int64_t Cg, int64_t S,
@@ -50,9 +58,9 @@ int rmsnorm_train_forward_f64(
     const double *restrict gamma,
     double eps,
     double *restrict y,
-    double *restrict ms_out,
-    double *restrict rstd_out,
-    int nthreads);
+    double *restrict ms_Out,
+    double *restrict rstd_Out,
+    int Nthreads);
 
 int rmsnorm_train_backward_f64(
     int64_t O, int64_t G, int64_t Cg, int64_t S,
@@ -60,11 +68,11 @@ int rmsnorm_train_backward_f64(
     const double *restrict dy,
     const double *restrict gamma,
     double eps,
-    const double *restrict ms_in,
-    const double *restrict rstd_in,
+    const double *restrict ms_In,
+    const double *restrict rstd_In,
     double *restrict dx,
     double *restrict dgamma,
-    int nthreads);
+    int Nthreads);
 
 #ifdef __cplusplus
 }

@@ -11,8 +11,8 @@ Scale by the root mean square over the trailing axes gamma spans; no centering, 
       y = gamma*xhat
     backward (closed form, derived by derivgen):
       g = dy*gamma
-      mean_g_xhat = mean(g*xhat)
-      dx = rstd*(g - mean_g_xhat*xhat)
+      Mean_g_xhat = mean(g*xhat)
+      dx = rstd*(g - Mean_g_xhat*xhat)
       dgamma = sum of dy*xhat over the axes gamma does not span
 
 mean(.) is the mean over one normalization group of N elements.
@@ -51,7 +51,7 @@ def forward(x, gamma, *, eps=1e-06, out=None):
     eps: option (default 1e-06), >= 0.0.
     out: optional preallocated C-contiguous array for y (shape and dtype of x).
     """
-    call = _rt.prepare_forward(
+    _call = _rt.prepare_forward(
         _META, x,
         {"gamma": gamma},
         {"eps": eps},
@@ -61,7 +61,7 @@ def forward(x, gamma, *, eps=1e-06, out=None):
         num_groups=None,
         out=out,
     )
-    return _kernel.forward(call)
+    return _kernel.forward(_call)
 
 
 def backward(dy, cache, *, out=None):
@@ -69,8 +69,8 @@ def backward(dy, cache, *, out=None):
 
     out: optional preallocated arrays, a Grads-like tuple or a dict by field name.
     """
-    call = _rt.prepare_backward(_META, dy, cache, out)
-    return _kernel.backward(call, Grads)
+    _call = _rt.prepare_backward(_META, dy, cache, out)
+    return _kernel.backward(_call, Grads)
 
 
 def set_num_threads(n):

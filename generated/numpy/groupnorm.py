@@ -12,9 +12,9 @@ x of shape (N, C, *spatial), C split into num_groups groups; statistics per (sam
       y = gamma*xhat + beta
     backward (closed form, derived by derivgen):
       g = dy*gamma
-      mean_g = mean(g)
-      mean_g_xhat = mean(g*xhat)
-      dx = rstd*(g - mean_g - mean_g_xhat*xhat)
+      Mean_g = mean(g)
+      Mean_g_xhat = mean(g*xhat)
+      dx = rstd*(g - Mean_g - Mean_g_xhat*xhat)
       dgamma = sum of dy*xhat over the axes gamma does not span
       dbeta = sum of dy over the axes beta does not span
 
@@ -28,7 +28,7 @@ parameter gradients are summed in chunk order, so results do not depend on
 the number of threads.
 """
 
-import numpy as np
+import numpy as _np
 
 from derivgen import runtime as _rt
 
@@ -59,7 +59,7 @@ def forward(x, gamma, beta, *, num_groups, eps=1e-05, out=None):
     eps: option (default 1e-05), >= 0.0.
     out: optional preallocated C-contiguous array for y (shape and dtype of x).
     """
-    call = _rt.prepare_forward(
+    _call = _rt.prepare_forward(
         _META, x,
         {"gamma": gamma, "beta": beta},
         {"eps": eps},
@@ -69,7 +69,7 @@ def forward(x, gamma, beta, *, num_groups, eps=1e-05, out=None):
         num_groups=num_groups,
         out=out,
     )
-    return _FORWARD[call.mode](call)
+    return _FORWARD[_call.mode](_call)
 
 
 def backward(dy, cache, *, out=None):
@@ -77,8 +77,8 @@ def backward(dy, cache, *, out=None):
 
     out: optional preallocated arrays, a Grads-like tuple or a dict by field name.
     """
-    call = _rt.prepare_backward(_META, dy, cache, out)
-    return _BACKWARD[cache.mode](call)
+    _call = _rt.prepare_backward(_META, dy, cache, out)
+    return _BACKWARD[cache.mode](_call)
 
 
 
@@ -86,73 +86,73 @@ def set_num_threads(n):
     """Worker threads of the NumPy backend (process-wide; 0: OMP_NUM_THREADS, else all CPUs)."""
     _rt.set_num_threads(n)
 
-def _forward_train(call):
-    L = call.layout
+def _forward_train(_call):
+    L = _call.layout
     N = L.group_size
     _mean, _mean_prod = _rt.group_mean(L), _rt.group_mean_prod(L)
     _mean_sq = _mean_prod
-    X, Y = call.x.reshape(L.view4), call.out.reshape(L.view4)
-    P_gamma = _rt.f64(call.params['gamma']).reshape(L.param4)
-    P_beta = _rt.f64(call.params['beta']).reshape(L.param4)
-    eps = call.options['eps']
-    stats = _rt.new_stats(L, ['mean', 'var', 'rstd'])
+    X, Y = _call.x.reshape(L.view4), _call.out.reshape(L.view4)
+    P_gamma = _rt.f64(_call.params['gamma']).reshape(L.param4)
+    P_beta = _rt.f64(_call.params['beta']).reshape(L.param4)
+    eps = _call.options['eps']
+    _stats = _rt.new_stats(L, ['mean', 'var', 'rstd'])
 
-    def _chunk(s, sp, tmp):
-        x = tmp.f64(X[s])
-        gamma = P_gamma[sp]
-        beta = P_beta[sp]
+    def _chunk(_s, _sp, _tmp):
+        x = _tmp.f64(X[_s])
+        gamma = P_gamma[_sp]
+        beta = P_beta[_sp]
         # statistics, as the spec writes them
-        mean = stats['mean'][s] = _mean(x)
-        var = stats['var'][s] = _mean_sq(x - mean)
-        rstd = stats['rstd'][s] = 1/np.sqrt(var + eps)
+        mean = _stats['mean'][_s] = _mean(x)
+        var = _stats['var'][_s] = _mean_sq(x - mean)
+        rstd = _stats['rstd'][_s] = 1/_np.sqrt(var + eps)
         # output
         xhat = rstd*(x - mean)
-        np.add(gamma*xhat, beta, out=Y[s])
+        _np.add(gamma*xhat, beta, out=Y[_s])
 
     _rt.for_chunks(L, _chunk)
-    return call.out, call.cache({k: v.reshape(-1) for k, v in stats.items()})
+    return _call.out, _call.cache({k: v.reshape(-1) for k, v in _stats.items()})
 
 
-def _backward_train(call):
-    c = call.cache
-    L = c.layout
+def _backward_train(_call):
+    _c = _call.cache
+    L = _c.layout
     N = L.group_size
     _mean, _mean_prod = _rt.group_mean(L), _rt.group_mean_prod(L)
     _mean_sq = _mean_prod
-    X, DY, DX = c.x.reshape(L.view4), call.dy.reshape(L.view4), call.outs["dx"].reshape(L.view4)
-    P_gamma = _rt.f64(c.params['gamma']).reshape(L.param4)
-    D_gamma = np.zeros(L.param4, dtype=np.float64)
-    P_beta = _rt.f64(c.params['beta']).reshape(L.param4)
-    D_beta = np.zeros(L.param4, dtype=np.float64)
-    eps = c.options['eps']
-    S_mean = c.stats['mean'].reshape(L.stat4)
-    S_var = c.stats['var'].reshape(L.stat4)
-    S_rstd = c.stats['rstd'].reshape(L.stat4)
+    X, DY, DX = _c.x.reshape(L.view4), _call.dy.reshape(L.view4), _call.outs["dx"].reshape(L.view4)
+    P_gamma = _rt.f64(_c.params['gamma']).reshape(L.param4)
+    D_gamma = _np.zeros(L.param4, dtype=_np.float64)
+    P_beta = _rt.f64(_c.params['beta']).reshape(L.param4)
+    D_beta = _np.zeros(L.param4, dtype=_np.float64)
+    eps = _c.options['eps']
+    S_mean = _c.stats['mean'].reshape(L.stat4)
+    S_var = _c.stats['var'].reshape(L.stat4)
+    S_rstd = _c.stats['rstd'].reshape(L.stat4)
 
-    def _chunk(s, sp, tmp):
-        x, dy = tmp.f64(X[s]), tmp.f64(DY[s])
-        gamma = P_gamma[sp]
-        beta = P_beta[sp]
-        mean = S_mean[s]
-        var = S_var[s]
-        rstd = S_rstd[s]
+    def _chunk(_s, _sp, _tmp):
+        x, dy = _tmp.f64(X[_s]), _tmp.f64(DY[_s])
+        gamma = P_gamma[_sp]
+        beta = P_beta[_sp]
+        mean = S_mean[_s]
+        var = S_var[_s]
+        rstd = S_rstd[_s]
         xhat = rstd*(x - mean)
         g = dy*gamma
-        mean_g = _mean(g)
-        mean_g_xhat = _mean_prod(g, xhat)
-        np.multiply(rstd, g - mean_g - mean_g_xhat*xhat, out=DX[s])
+        Mean_g = _mean(g)
+        Mean_g_xhat = _mean_prod(g, xhat)
+        _np.multiply(rstd, g - Mean_g - Mean_g_xhat*xhat, out=DX[_s])
         # this chunk's share of dgamma, dbeta
         return (_rt.sum_prod(dy, xhat, L.param_axes),
-                np.sum(dy, axis=L.param_axes, keepdims=True))
+                _np.sum(dy, axis=L.param_axes, keepdims=True))
 
     # parameter gradients: the chunks' shares summed in chunk order (the same bits for any number of threads)
-    for s, sp, (d_gamma, d_beta) in _rt.for_chunks(L, _chunk):
-        D_gamma[sp] += d_gamma
-        D_beta[sp] += d_beta
+    for _s, _sp, (_d_gamma, _d_beta) in _rt.for_chunks(L, _chunk):
+        D_gamma[_sp] += _d_gamma
+        D_beta[_sp] += _d_beta
     return Grads(
-        dx=call.outs["dx"],
-        dgamma=_rt.store(call.outs["dgamma"], D_gamma),
-        dbeta=_rt.store(call.outs["dbeta"], D_beta),
+        dx=_call.outs["dx"],
+        dgamma=_rt.store(_call.outs["dgamma"], D_gamma),
+        dbeta=_rt.store(_call.outs["dbeta"], D_beta),
     )
 
 

@@ -7,19 +7,20 @@ Layer norm with running, alpha-weighted moments: mu_t and sigma_t mix this row's
     forward:
       row_mean = mean(x)
       mean = alpha*row_mean + prev_mean*(1 - alpha)
-      sample_std = sqrt(eps + N*mean((x - mean)**2)/(N - 1))
+      Aux1 = mean((x - mean)**2)  (named by derivgen)
+      sample_std = sqrt(eps + Aux1*N/(N - 1))
       std = alpha*sample_std + prev_std*(1 - alpha)
       xhat = (x - mean)/std
       y = gamma*xhat + beta
     backward (closed form, derived by derivgen):
       g = dy*gamma
-      mean_g = mean(g)
-      mean_g_xhat = mean(g*xhat)
-      dx = g/std + N*alpha*mean_g_xhat*(alpha*row_mean/std - xhat - alpha*mean/std)/(sample_std*(N - 1)) - alpha*mean_g/std
+      Mean_g = mean(g)
+      Mean_g_xhat = mean(g*xhat)
+      dx = g/std + Mean_g_xhat*N*alpha*(alpha*(row_mean - mean)/std - xhat)/(sample_std*(N - 1)) - Mean_g*alpha/std
       dgamma = sum of dy*xhat over the axes gamma does not span
       dbeta = sum of dy over the axes beta does not span
-      dprev_mean = N*(mean_g*(alpha - 1) + N*alpha*mean_g_xhat*(row_mean + alpha*mean - mean - alpha*row_mean)/(sample_std*(N - 1)))/std  (per group; summed for a scalar input)
-      dprev_std = N*mean_g_xhat*(alpha - 1)/std  (per group; summed for a scalar input)
+      dprev_mean = N*(Mean_g*(alpha - 1) + Mean_g_xhat*N*alpha*(1 - alpha)*(row_mean - mean)/(sample_std*(N - 1)))/std  (per group; summed for a scalar input)
+      dprev_std = Mean_g_xhat*N*(alpha - 1)/std  (per group; summed for a scalar input)
 
 mean(.) is the mean over one normalization group of N elements.
 Arithmetic is float64 whatever the array dtype, over chunks of whole
@@ -31,7 +32,7 @@ parameter gradients are summed in chunk order, so results do not depend on
 the number of threads.
 """
 
-import numpy as np
+import numpy as _np
 
 from derivgen import runtime as _rt
 
@@ -48,7 +49,7 @@ _META = {'name': 'online_layernorm',
          'buffer_init': {},
          'modes': ['train'],
          'min_group_size': {'train': 2},
-         'stats': {'train': ['row_mean', 'mean', 'sample_std', 'std']}}
+         'stats': {'train': ['row_mean', 'mean', 'Aux1', 'sample_std', 'std']}}
 Grads = _rt.grads_type('online_layernorm', _rt.grad_fields(_META))
 
 
@@ -64,7 +65,7 @@ def forward(x, gamma, beta, *, alpha, prev_mean, prev_std, eps=0.0, out=None):
     prev_std: a scalar or one value per group; differentiable (see Grads.dprev_std).
     out: optional preallocated C-contiguous array for y (shape and dtype of x).
     """
-    call = _rt.prepare_forward(
+    _call = _rt.prepare_forward(
         _META, x,
         {"gamma": gamma, "beta": beta},
         {"alpha": alpha, "eps": eps},
@@ -74,7 +75,7 @@ def forward(x, gamma, beta, *, alpha, prev_mean, prev_std, eps=0.0, out=None):
         num_groups=None,
         out=out,
     )
-    return _FORWARD[call.mode](call)
+    return _FORWARD[_call.mode](_call)
 
 
 def backward(dy, cache, *, out=None):
@@ -82,8 +83,8 @@ def backward(dy, cache, *, out=None):
 
     out: optional preallocated arrays, a Grads-like tuple or a dict by field name.
     """
-    call = _rt.prepare_backward(_META, dy, cache, out)
-    return _BACKWARD[cache.mode](call)
+    _call = _rt.prepare_backward(_META, dy, cache, out)
+    return _BACKWARD[cache.mode](_call)
 
 
 
@@ -91,92 +92,95 @@ def set_num_threads(n):
     """Worker threads of the NumPy backend (process-wide; 0: OMP_NUM_THREADS, else all CPUs)."""
     _rt.set_num_threads(n)
 
-def _forward_train(call):
-    L = call.layout
+def _forward_train(_call):
+    L = _call.layout
     N = L.group_size
     _mean, _mean_prod = _rt.group_mean(L), _rt.group_mean_prod(L)
     _mean_sq = _mean_prod
-    X, Y = call.x.reshape(L.view4), call.out.reshape(L.view4)
-    P_gamma = _rt.f64(call.params['gamma']).reshape(L.param4)
-    P_beta = _rt.f64(call.params['beta']).reshape(L.param4)
-    alpha = call.options['alpha']
-    eps = call.options['eps']
-    I_prev_mean = _rt.f64(_rt.group_view(call.inputs['prev_mean'], L))
-    I_prev_std = _rt.f64(_rt.group_view(call.inputs['prev_std'], L))
-    stats = _rt.new_stats(L, ['row_mean', 'mean', 'sample_std', 'std'])
+    X, Y = _call.x.reshape(L.view4), _call.out.reshape(L.view4)
+    P_gamma = _rt.f64(_call.params['gamma']).reshape(L.param4)
+    P_beta = _rt.f64(_call.params['beta']).reshape(L.param4)
+    alpha = _call.options['alpha']
+    eps = _call.options['eps']
+    I_prev_mean = _rt.f64(_rt.group_view(_call.inputs['prev_mean'], L))
+    I_prev_std = _rt.f64(_rt.group_view(_call.inputs['prev_std'], L))
+    _stats = _rt.new_stats(L, ['row_mean', 'mean', 'Aux1', 'sample_std', 'std'])
 
-    def _chunk(s, sp, tmp):
-        x = tmp.f64(X[s])
-        gamma = P_gamma[sp]
-        beta = P_beta[sp]
-        prev_mean = I_prev_mean if I_prev_mean.size == 1 else I_prev_mean[s]
-        prev_std = I_prev_std if I_prev_std.size == 1 else I_prev_std[s]
+    def _chunk(_s, _sp, _tmp):
+        x = _tmp.f64(X[_s])
+        gamma = P_gamma[_sp]
+        beta = P_beta[_sp]
+        prev_mean = I_prev_mean if I_prev_mean.size == 1 else I_prev_mean[_s]
+        prev_std = I_prev_std if I_prev_std.size == 1 else I_prev_std[_s]
         # statistics, as the spec writes them
-        row_mean = stats['row_mean'][s] = _mean(x)
-        mean = stats['mean'][s] = alpha*row_mean + prev_mean*(1 - alpha)
-        sample_std = stats['sample_std'][s] = np.sqrt(eps + N*_mean_sq(x - mean)/(N - 1))
-        std = stats['std'][s] = alpha*sample_std + prev_std*(1 - alpha)
+        row_mean = _stats['row_mean'][_s] = _mean(x)
+        mean = _stats['mean'][_s] = alpha*row_mean + prev_mean*(1 - alpha)
+        Aux1 = _stats['Aux1'][_s] = _mean_sq(x - mean)
+        sample_std = _stats['sample_std'][_s] = _np.sqrt(eps + Aux1*N/(N - 1))
+        std = _stats['std'][_s] = alpha*sample_std + prev_std*(1 - alpha)
         # output
         xhat = (x - mean)/std
-        np.add(gamma*xhat, beta, out=Y[s])
+        _np.add(gamma*xhat, beta, out=Y[_s])
 
     _rt.for_chunks(L, _chunk)
-    return call.out, call.cache({k: v.reshape(-1) for k, v in stats.items()})
+    return _call.out, _call.cache({k: v.reshape(-1) for k, v in _stats.items()})
 
 
-def _backward_train(call):
-    c = call.cache
-    L = c.layout
+def _backward_train(_call):
+    _c = _call.cache
+    L = _c.layout
     N = L.group_size
     _mean, _mean_prod = _rt.group_mean(L), _rt.group_mean_prod(L)
     _mean_sq = _mean_prod
-    X, DY, DX = c.x.reshape(L.view4), call.dy.reshape(L.view4), call.outs["dx"].reshape(L.view4)
-    P_gamma = _rt.f64(c.params['gamma']).reshape(L.param4)
-    D_gamma = np.zeros(L.param4, dtype=np.float64)
-    P_beta = _rt.f64(c.params['beta']).reshape(L.param4)
-    D_beta = np.zeros(L.param4, dtype=np.float64)
-    alpha = c.options['alpha']
-    eps = c.options['eps']
-    I_prev_mean = _rt.f64(_rt.group_view(c.inputs['prev_mean'], L))
-    D_prev_mean = np.empty(L.stat4, dtype=np.float64)
-    I_prev_std = _rt.f64(_rt.group_view(c.inputs['prev_std'], L))
-    D_prev_std = np.empty(L.stat4, dtype=np.float64)
-    S_row_mean = c.stats['row_mean'].reshape(L.stat4)
-    S_mean = c.stats['mean'].reshape(L.stat4)
-    S_sample_std = c.stats['sample_std'].reshape(L.stat4)
-    S_std = c.stats['std'].reshape(L.stat4)
+    X, DY, DX = _c.x.reshape(L.view4), _call.dy.reshape(L.view4), _call.outs["dx"].reshape(L.view4)
+    P_gamma = _rt.f64(_c.params['gamma']).reshape(L.param4)
+    D_gamma = _np.zeros(L.param4, dtype=_np.float64)
+    P_beta = _rt.f64(_c.params['beta']).reshape(L.param4)
+    D_beta = _np.zeros(L.param4, dtype=_np.float64)
+    alpha = _c.options['alpha']
+    eps = _c.options['eps']
+    I_prev_mean = _rt.f64(_rt.group_view(_c.inputs['prev_mean'], L))
+    D_prev_mean = _np.empty(L.stat4, dtype=_np.float64)
+    I_prev_std = _rt.f64(_rt.group_view(_c.inputs['prev_std'], L))
+    D_prev_std = _np.empty(L.stat4, dtype=_np.float64)
+    S_row_mean = _c.stats['row_mean'].reshape(L.stat4)
+    S_mean = _c.stats['mean'].reshape(L.stat4)
+    S_Aux1 = _c.stats['Aux1'].reshape(L.stat4)
+    S_sample_std = _c.stats['sample_std'].reshape(L.stat4)
+    S_std = _c.stats['std'].reshape(L.stat4)
 
-    def _chunk(s, sp, tmp):
-        x, dy = tmp.f64(X[s]), tmp.f64(DY[s])
-        gamma = P_gamma[sp]
-        beta = P_beta[sp]
-        prev_mean = I_prev_mean if I_prev_mean.size == 1 else I_prev_mean[s]
-        prev_std = I_prev_std if I_prev_std.size == 1 else I_prev_std[s]
-        row_mean = S_row_mean[s]
-        mean = S_mean[s]
-        sample_std = S_sample_std[s]
-        std = S_std[s]
+    def _chunk(_s, _sp, _tmp):
+        x, dy = _tmp.f64(X[_s]), _tmp.f64(DY[_s])
+        gamma = P_gamma[_sp]
+        beta = P_beta[_sp]
+        prev_mean = I_prev_mean if I_prev_mean.size == 1 else I_prev_mean[_s]
+        prev_std = I_prev_std if I_prev_std.size == 1 else I_prev_std[_s]
+        row_mean = S_row_mean[_s]
+        mean = S_mean[_s]
+        Aux1 = S_Aux1[_s]
+        sample_std = S_sample_std[_s]
+        std = S_std[_s]
         xhat = (x - mean)/std
         g = dy*gamma
-        mean_g = _mean(g)
-        mean_g_xhat = _mean_prod(g, xhat)
-        DX[s] = g/std + N*alpha*mean_g_xhat*(alpha*row_mean/std - xhat - alpha*mean/std)/(sample_std*(N - 1)) - alpha*mean_g/std
-        D_prev_mean[s] = N*(mean_g*(alpha - 1) + N*alpha*mean_g_xhat*(row_mean + alpha*mean - mean - alpha*row_mean)/(sample_std*(N - 1)))/std
-        D_prev_std[s] = N*mean_g_xhat*(alpha - 1)/std
+        Mean_g = _mean(g)
+        Mean_g_xhat = _mean_prod(g, xhat)
+        DX[_s] = g/std + Mean_g_xhat*N*alpha*(alpha*(row_mean - mean)/std - xhat)/(sample_std*(N - 1)) - Mean_g*alpha/std
+        D_prev_mean[_s] = N*(Mean_g*(alpha - 1) + Mean_g_xhat*N*alpha*(1 - alpha)*(row_mean - mean)/(sample_std*(N - 1)))/std
+        D_prev_std[_s] = Mean_g_xhat*N*(alpha - 1)/std
         # this chunk's share of dgamma, dbeta
         return (_rt.sum_prod(dy, xhat, L.param_axes),
-                np.sum(dy, axis=L.param_axes, keepdims=True))
+                _np.sum(dy, axis=L.param_axes, keepdims=True))
 
     # parameter gradients: the chunks' shares summed in chunk order (the same bits for any number of threads)
-    for s, sp, (d_gamma, d_beta) in _rt.for_chunks(L, _chunk):
-        D_gamma[sp] += d_gamma
-        D_beta[sp] += d_beta
+    for _s, _sp, (_d_gamma, _d_beta) in _rt.for_chunks(L, _chunk):
+        D_gamma[_sp] += _d_gamma
+        D_beta[_sp] += _d_beta
     return Grads(
-        dx=call.outs["dx"],
-        dgamma=_rt.store(call.outs["dgamma"], D_gamma),
-        dbeta=_rt.store(call.outs["dbeta"], D_beta),
-        dprev_mean=_rt.finish_input_grad(c, 'prev_mean', D_prev_mean.reshape(-1)),
-        dprev_std=_rt.finish_input_grad(c, 'prev_std', D_prev_std.reshape(-1)),
+        dx=_call.outs["dx"],
+        dgamma=_rt.store(_call.outs["dgamma"], D_gamma),
+        dbeta=_rt.store(_call.outs["dbeta"], D_beta),
+        dprev_mean=_rt.finish_input_grad(_c, 'prev_mean', D_prev_mean.reshape(-1)),
+        dprev_std=_rt.finish_input_grad(_c, 'prev_std', D_prev_std.reshape(-1)),
     )
 
 

@@ -43,11 +43,11 @@ int main(void)
         const int64_t R = 3, D = 6;
         float *x = fill(R * D, 3.f), *g = fill(D, 1.f), *b = fill(D, 1.f), *dy = fill(R * D, 1.f);
         float pm = 0.1f, ps = 1.2f, y[18], dx[18], dg[6], db[6], dpm[3], dps[3];
-        double st[4][3];
+        double st[5][3];        /* row_mean, mean, Aux1 = mean((x - mean)^2), sample_std, std */
         bad |= online_layernorm_train_forward_f32(R, 1, D, 1, x, g, b, 0.3, 0.0, &pm, 0, &ps, 0, y,
-                                                  st[0], st[1], st[2], st[3], 1);
+                                                  st[0], st[1], st[2], st[3], st[4], 1);
         bad |= online_layernorm_train_backward_f32(R, 1, D, 1, x, dy, g, b, 0.3, 0.0, &pm, 0, &ps, 0,
-                                                   st[0], st[1], st[2], st[3], dx, dg, db, dpm, dps, 1);
+                                                   st[0], st[1], st[2], st[3], st[4], dx, dg, db, dpm, dps, 1);
         free(x); free(g); free(b); free(dy);
     }
     printf("memcheck driver: %s\n", bad ? "kernel error" : "ok");

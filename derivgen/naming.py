@@ -1,0 +1,91 @@
+"""Names: how symbols are shown to people, and how generated code names things.
+
+Display names (``DisplayNames``) map a spec's symbols to the forms people read
+(μ, σ², x̂, γ ...) and order the terms of a sum as people write them; the
+document printers and the comments of generated code share them.
+
+Code names: the generated NumPy and C keep every name of their own --
+loop variables, accumulators, reductions, coefficients, temporaries -- in a
+namespace no spec identifier can reach. Spec identifiers are lower-case
+(``[a-z][a-z0-9_]*``); derivgen's own names start with an upper-case letter
+(``Grp``, ``Mean_g_xhat``, ``K_xhat``, ``Aux1``) or, in Python, an underscore
+(``_chunk``, ``_np``). A user may therefore call a statistic ``s``, ``m``,
+``base`` or ``mu_t``.
+"""
+
+from __future__ import annotations
+
+import sympy
+from sympy.printing.str import StrPrinter
+
+from .reduce import Mean
+
+_ELEMENT = {"x", "dy", "g", "xhat"}
+
+
+class DisplayNames:
+    def __init__(self, spec=None, extra=None):
+        self.latex: dict[str, str] = {"dy": r"\frac{\partial L}{\partial y}", "g": "g", "x": "x", "N": "N"}
+        self.text: dict[str, str] = {"dy": "∂L/∂y", "g": "g", "x": "x", "N": "N"}
+        self.element = set(_ELEMENT)
+        self.options: set[str] = set()
+        if spec is not None:
+            self.options = {o.name for o in spec.options}
+            for n, item in spec.symbols.items():
+                self.latex[n] = item.latex
+                self.text[n] = item.text
+            self.element |= {p.name for p in spec.params}
+            if spec.normalized is not None:
+                self.element.add(spec.normalized.name)
+        for n, item in (extra or {}).items():
+            self.latex.setdefault(n, item.latex)
+            self.text.setdefault(n, item.text)
+
+
+def _term_key(names):
+    def key(t):
+        syms = {str(s) for s in t.free_symbols}
+        neg = t.could_extract_minus_sign()
+        degree = sum(1 for f in sympy.Mul.make_args(t) if {str(s) for s in f.free_symbols} & names.element
+                     and not isinstance(f, Mean))
+        return (neg,                                          # positive terms first
+                -degree if not neg else 0,                    # gamma*xhat + beta
+                sympy.count_ops(t),                           # simple before complex: g - mean(g) - ...
+                bool(syms & names.options),                   # eps and friends last
+                sympy.default_sort_key(t))
+    return key
+
+
+class _Ordered:
+    """Order sums as people write them: x - μ, g - ⟨g⟩ - x̂⟨g x̂⟩, σ² + ε."""
+
+    def _as_ordered_terms(self, expr, order=None):
+        return sorted(expr.args, key=_term_key(self.names))
+
+
+class CodeTextPrinter(_Ordered, StrPrinter):
+    """Plain identifiers, natural term order: for comments in generated code."""
+
+    def __init__(self, names: DisplayNames):
+        super().__init__({"order": None})
+        self.names = names
+
+    def _print_Mean(self, expr):
+        return "mean(%s)" % self._print(expr.args[0])
+
+
+def code_text(expr, spec=None) -> str:
+    return CodeTextPrinter(DisplayNames(spec)).doprint(expr)
+
+
+def ordered_names(spec):
+    return DisplayNames(spec)
+
+
+
+
+def derived(name: str, tag: str) -> str:
+    """The code name derivgen gives a value derived from a user's name: ``mean_Out``
+    (tag an upper-case word), unique because user names are unique and lower-case."""
+    assert tag[:1].isupper()
+    return f"{name}_{tag}"

@@ -1,0 +1,116 @@
+"""Printers of the generated code: SymPy expressions as NumPy and C text.
+
+SymPy's own printers (``NumPyPrinter``, ``C99CodePrinter``) with our term
+order (sums as people write them), our names (a symbol prints as its code
+name), ``Mean`` as each target's group reduction, small integer powers as
+products, and float element arithmetic that adds group-level terms as
+hi + lo pairs.
+"""
+
+from __future__ import annotations
+
+import sympy
+from sympy.codegen.ast import float32, float64, real
+from sympy.printing.c import C99CodePrinter
+from sympy.printing.numpy import NumPyPrinter
+
+from .naming import _Ordered, ordered_names
+from .spec import Spec
+
+class _NumPy(_Ordered, NumPyPrinter):
+    def __init__(self, names):
+        super().__init__({"fully_qualified_modules": True, "allow_unknown_functions": False})
+        self.names = names
+
+    def _print_Mean(self, expr):
+        a = expr.args[0]
+        if a.is_Pow and a.exp == 2:                       # mean(e**2): one pass over e
+            return "_mean_sq(%s)" % self._print(a.base)
+        if _plain_pair(a, sympy.Mul):                     # mean(a*b): no temporary product
+            return "_mean_prod(%s, %s)" % tuple(self._print(f) for f in a.args)
+        return "_mean(%s)" % self._print(a)
+
+    def _print_Symbol(self, expr):
+        return expr.name
+
+    def _print_Abs(self, expr):
+        return "numpy.abs(%s)" % self._print(expr.args[0])
+
+
+def np_expr(e: sympy.Expr, spec: Spec | None = None) -> str:
+    return _NumPy(ordered_names(spec)).doprint(e).replace("numpy.", "_np.")
+
+
+def _plain_pair(e: sympy.Expr, kind) -> bool:
+    """``e`` is a sum or product (``kind``) of exactly two operands that print as
+    themselves: no number, and no reciprocal (a/b prints as a division, which
+    splitting would turn into a reciprocal and a product, rounding twice)."""
+    return (isinstance(e, kind) and len(e.args) == 2
+            and not any(f.is_Number or (f.is_Pow and f.exp.is_negative) for f in e.args))
+
+
+def np_store(target: str, e: sympy.Expr, spec: Spec | None = None) -> str:
+    """``target = e``; when ``e`` is a plain sum or product of two operands, the
+    ufunc writes straight into ``target`` (converting to its dtype) instead of
+    forming a float64 temporary and copying it. Anything else is assigned as
+    printed, so the arithmetic is always exactly the printed expression."""
+    if _plain_pair(e, sympy.Mul) or _plain_pair(e, sympy.Add):
+        ufunc = "_np.multiply" if e.is_Mul else "_np.add"
+        args = e.as_ordered_factors() if e.is_Mul else _NumPy(ordered_names(spec))._as_ordered_terms(e)
+        return f"{ufunc}({np_expr(args[0], spec)}, {np_expr(args[1], spec)}, out={target})"
+    return f"{target} = {np_expr(e, spec)}"
+
+
+def np_sum(e: sympy.Expr, axes: str, spec: Spec | None = None) -> str:
+    """NumPy text for the sum of ``e`` over ``axes`` (keeping dimensions); a
+    product of two factors is summed without forming it; a zero gradient is 0.0."""
+    if e == 0:
+        return "0.0"
+    if _plain_pair(e, sympy.Mul):
+        a, b = (np_expr(f, spec) for f in e.args)
+        return f"_rt.sum_prod({a}, {b}, {axes})"
+    return f"_np.sum({np_expr(e, spec)}, axis={axes}, keepdims=True)"
+
+
+class _C(_Ordered, C99CodePrinter):
+    def __init__(self, ctype: str, rename: dict[str, str], names):
+        alias = float32 if ctype == "float" else float64
+        super().__init__({"type_aliases": {real: alias}, "math_macros": {}})   # no M_SQRT2: strict C99
+        self.rename = rename
+        self.names = names
+
+    def _print_Symbol(self, expr):
+        return self.rename.get(expr.name, expr.name)
+
+    def _print_Pow(self, expr):
+        # small integer powers as products: exact, fast, no pow() call
+        if expr.exp.is_Integer and 2 <= abs(int(expr.exp)) <= 4:
+            b = self.parenthesize(expr.base, sympy.printing.precedence.PRECEDENCE["Mul"])
+            prod = "*".join([b] * abs(int(expr.exp)))
+            return f"({prod})" if expr.exp > 0 else f"({self._print(sympy.S.One)}/({prod}))"
+        if expr.exp == -sympy.S.Half:
+            return "%s/%s" % (self._print(sympy.S.One), self._print(sympy.sqrt(expr.base)))
+        return super()._print_Pow(expr)
+
+
+class _CFloatElem(_C):
+    """Element arithmetic in float: a group-level addend h (double) enters a sum as
+    ``(elements + h_hi) + h_lo`` with h_hi = (float)h, h_lo = (float)(h - h_hi), so
+    x - mean is exact to float precision even when mean is 1e4 and x - mean is 1."""
+
+    def __init__(self, rename, names, hoisted):
+        super().__init__("float", rename, names)
+        self.hoisted = hoisted          # Add node -> (element part, hoisted name)
+
+    def _print_Add(self, expr, order=None):
+        if expr in self.hoisted:
+            elem, h = self.hoisted[expr]
+            return f"({self._print(elem)} + {h}_hi + {h}_lo)"
+        return super()._print_Add(expr, order)
+
+
+_SPEC_FOR_PRINTING: list = [None]   # the spec being emitted (term ordering only)
+
+
+def c_expr(e: sympy.Expr, ctype: str, rename: dict[str, str] | None = None) -> str:
+    return _C(ctype, rename or {}, ordered_names(_SPEC_FOR_PRINTING[0])).doprint(e)
