@@ -33,8 +33,27 @@ class CKernel:
         if self._lib is None:
             with self._lock:
                 if self._lib is None:
-                    self._lib = ctypes.CDLL(str(build_shared(self.source)))
+                    lib = ctypes.CDLL(str(build_shared(self.source)))
+                    self._configure(lib)
+                    self._lib = lib
         return self._lib
+
+    def _configure(self, lib):
+        """Tell the kernels this machine's cache sizes (see derivgen.machine); a build
+        that fixed them with -DDG_STREAM_BYTES / -DDG_TILE_BYTES keeps its own."""
+        from .machine import machine
+        m = machine()
+        fn = lib[f"{self.meta['name']}_configure"]
+        fn.restype = None
+        fn.argtypes = [ctypes.c_int64, ctypes.c_int64]
+        fn(m.stream_bytes, m.tile_bytes)
+
+    @property
+    def isa(self) -> str:
+        """The instruction sets this build of the kernels targets ("avx2 fma sse2", ...)."""
+        fn = self.lib[f"{self.meta['name']}_isa"]
+        fn.restype = ctypes.c_char_p
+        return fn().decode()
 
     def _fn(self, mode: str, direction: str, dtype) -> ctypes._CFuncPtr:
         fn = getattr(self.lib, f"{self.meta['name']}_{mode}_{direction}_{_SFX[np.dtype(dtype)]}")
