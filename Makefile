@@ -45,11 +45,13 @@ demo: $(STAMP)
 test: $(STAMP) pdflatex
 	$(BIN)/python -m pytest -q
 
-# the spec fuzzer's larger corpus (the test suite runs seeds 0-199); SEEDS=a-b, JOBS=n
+# the spec fuzzer's larger corpus (the test suite runs seeds 0-199); SEEDS=a-b, JOBS=n,
+# PROOF_SECONDS per proof size (the test suite's 10) before exact numbers take over
 SEEDS ?= 200-1199
 JOBS  ?= 2
+PROOF_SECONDS ?= 10
 fuzz: $(STAMP)
-	$(BIN)/python tests/specfuzz.py --seeds $(SEEDS) --jobs $(JOBS)
+	$(BIN)/python tests/specfuzz.py --seeds $(SEEDS) --jobs $(JOBS) --proof-seconds $(PROOF_SECONDS) --progress
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -70,35 +70,45 @@ def derive(name_or_spec: str | Path | Spec, *, prove: bool | tuple[int, ...] = F
     return _derive_spec(spec, sizes)
 
 
-_LOADED: dict[tuple, object] = {}   # (backend, digest) and (spec, backend) -> module
+_LOADED: dict[tuple, object] = {}   # (backend, digest, cflags) and (spec, backend, cflags) -> module
 
 
-def load(name_or_spec, backend: str = "numpy"):
+def load(name_or_spec, backend: str = "numpy", *, cflags: list[str] | None = None):
     """Import a layer's generated module: ``forward``/``backward`` over NumPy or C.
 
     The code is generated from the spec into the derivgen cache directory (so
     it works from an installed package too) and imported from there; the C
-    backend compiles its kernels there on first use.
+    backend compiles its kernels there on first use, with ``$CFLAGS`` (or the
+    defaults), or with ``cflags`` when given: each set of flags is a module of
+    its own, so builds for several instruction sets can run side by side
+    (``derivgen.build.march_cflags("x86-64-v3")``).
     """
+    import hashlib
     import importlib.util
     import sys
 
     if backend not in ("numpy", "c"):
         raise ValueError(f"backend must be 'numpy' or 'c', got {backend!r}")
+    if cflags is not None and backend != "c":
+        raise ValueError("cflags= applies to the C backend only")
     spec = name_or_spec if isinstance(name_or_spec, Spec) else load_spec(name_or_spec)
-    if (spec, backend) in _LOADED:            # the same spec: no need to derive and render again
-        return _LOADED[(spec, backend)]
+    flags = None if cflags is None else tuple(str(f) for f in cflags)
+    if (spec, backend, flags) in _LOADED:      # the same spec: no need to derive and render again
+        return _LOADED[(spec, backend, flags)]
     root, digest = materialize(spec, backend)
-    key = (backend, digest)
+    key = (backend, digest, flags)
     if key in _LOADED:
-        _LOADED[(spec, backend)] = _LOADED[key]
+        _LOADED[(spec, backend, flags)] = _LOADED[key]
         return _LOADED[key]
-    modname = f"derivgen_generated_{backend}_{spec.name}_{digest}"
+    tag = "" if flags is None else "_" + hashlib.sha256("\0".join(flags).encode()).hexdigest()[:8]
+    modname = f"derivgen_generated_{backend}_{spec.name}_{digest}{tag}"
     mspec = importlib.util.spec_from_file_location(modname, root / f"{spec.name}.py")
     module = importlib.util.module_from_spec(mspec)
     sys.modules[modname] = module
     mspec.loader.exec_module(module)
-    _LOADED[key] = _LOADED[(spec, backend)] = module
+    if flags is not None:
+        module._kernel.cflags = list(flags)   # built on first use, so before any call
+    _LOADED[key] = _LOADED[(spec, backend, flags)] = module
     return module
 
 

@@ -20,21 +20,32 @@ from pathlib import Path
 
 import numpy as np
 
-from .api import load, load_spec
-from .build import build_shared
+from .api import derive, load, load_spec
+from .build import build_shared, march_cflags, user_cflags
+from .machine import machine
 
 DEFAULT_SHAPES = {
-    "layernorm": [(8192, 1024), (512, 8192), (65536, 128)],
+    "layernorm": [(8192, 1024), (512, 8192), (65536, 128), (16384, 256)],
     "rmsnorm": [(8192, 1024), (512, 8192), (65536, 128)],
     "online_layernorm": [(8192, 1024)],
     "batchnorm": [(32, 64, 56, 56)],
     "instancenorm": [(32, 64, 56, 56)],
     "groupnorm": [(32, 64, 56, 56)],
 }
-# issue targets (float32, 2 threads, preallocated outputs): ours/torch for fwd+bwd
-TORCH_TARGETS = {"layernorm": 0.8, "rmsnorm": 0.25, "batchnorm": 0.6, "groupnorm": 0.8, "instancenorm": 0.8}
-BOUND_TARGET = 1.25          # layernorm forward and backward each vs the bandwidth bound
-NUMPY_TARGET = 0.6           # generated NumPy layernorm fwd+bwd vs the plain NumPy baseline
+# targets (2 threads, preallocated outputs): C fwd+bwd / torch, per (layer, shape, dtype);
+# shape None is the layer's first bench shape
+TORCH_TARGETS = [
+    ("layernorm", (8192, 1024), "float32", 0.75), ("layernorm", (65536, 128), "float32", 0.8),
+    ("layernorm", (16384, 256), "float32", 0.8), ("layernorm", (512, 8192), "float32", 0.8),
+    ("groupnorm", None, "float32", 0.7), ("rmsnorm", None, "float32", 0.2),
+    ("batchnorm", None, "float32", 0.5), ("instancenorm", None, "float32", 0.5),
+    ("layernorm", (8192, 1024), "float64", 0.8),
+]
+NT_TARGET = 1.3       # every layer's forward and backward / the streaming-store bound, first shape
+NUMPY_TARGET = 0.6    # generated NumPy layer norm fwd+bwd / plain NumPy (float32, first shape)
+# the CPU flags a -march build needs to run here
+ISA_NEEDS = {"x86-64-v4": ("avx512f", "avx512bw", "avx512vl"), "x86-64-v3": ("avx2", "fma"),
+             "x86-64-v2": ("sse4_2",), "x86-64": ()}
 
 
 def tune_malloc() -> bool:
@@ -199,108 +210,238 @@ class Result:
     bandwidth: dict = field(default_factory=dict)   # the probe taken beside this case (C and NumPy rows)
 
 
-def _kwargs(name, x):
+@dataclass
+class Build:
+    """One build of the C kernels: its label in the table, flags, and what the compiler targeted."""
+    label: str                 # "generated c" or "generated c [x86-64-v3]"
+    march: str                 # "native" (the user's CFLAGS or the defaults) or a -march value
+    cflags: list
+    isa: str = ""              # from the library itself (<layer>_isa)
+    skipped: str = ""          # why it was not run on this machine
+
+
+def builds_for(isas) -> list[Build]:
+    """The C builds to time: ``native`` and any -march names; one this CPU cannot run is
+    listed as skipped (an AVX-512 build on an AVX2-only CPU)."""
+    flags = set(machine().flags)
+    out = []
+    for march in isas:
+        label = "generated c" if list(isas) == ["native"] else f"generated c [{march}]"
+        b = Build(label, march, march_cflags(march) if march != "native" else user_cflags())
+        missing = [f for f in ISA_NEEDS.get(march, ()) if f not in flags]
+        if missing:
+            b.skipped = f"this CPU lacks {', '.join(missing)}"
+        out.append(b)
+    return out
+
+
+def _case_spec(layer):
+    """(spec, label, is_catalogue) for a catalogue name or a Spec (from --spec FILE)."""
+    spec = load_spec(layer) if isinstance(layer, str) else layer
+    return spec, spec.name, spec.source.startswith("catalogue/")
+
+
+def default_shapes(spec) -> list[tuple]:
+    if spec.name in DEFAULT_SHAPES and spec.source.startswith("catalogue/"):
+        return DEFAULT_SHAPES[spec.name]
+    if spec.layout == "trailing":
+        return [(8192, 32, 32)] if spec.axes == 2 else [(8192, 1024)]
+    return [(32, 64, 56, 56)]
+
+
+def _inputs(spec, shape, dt, catalogue: bool):
+    """x, dy, parameters and keyword arguments of one case (fixed seed)."""
+    from .runtime import resolve_layout
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal(shape, dtype=np.float32).astype(dt)
+    dy = rng.standard_normal(shape, dtype=np.float32).astype(dt)
+    pshape = tuple(shape[len(shape) - spec.axes:]) if spec.layout == "trailing" else (shape[1],)
+    params = [np.asarray(1.0 + 0.1 * rng.standard_normal(() if p.scalar else pshape), dtype=dt)
+              for p in spec.params]
     kw: dict = {}
-    if name == "groupnorm":
+    if spec.reduce == "group":
         kw["num_groups"] = 8
-    if name == "online_layernorm":
+    if catalogue and spec.name == "online_layernorm":
         kw.update(alpha=0.1, prev_mean=0.0, prev_std=1.0)
-    return kw
+        return x, dy, params, kw
+    for o in spec.options:
+        if o.default is None:                       # a required option: inside its range
+            lo = o.min if o.min is not None else 0.0
+            hi = o.max if o.max is not None else lo + 1.0
+            kw[o.name] = lo + 0.37 * (hi - lo)
+    meta = {"name": spec.name, "layout": spec.layout, "reduce": spec.reduce, "params": ["p"], "axes": spec.axes}
+    L = resolve_layout(meta, x, {"p": np.empty(pshape)}, kw.get("num_groups"))
+    for item in (*spec.inputs, *spec.buffers):
+        kw[item.name] = rng.uniform(0.6, 1.4, L.group_shape).astype(dt)
+    if any(m.name == "eval" for m in spec.modes):
+        kw["training"] = True
+    return x, dy, params, kw
 
 
-def run_bench(names, shapes=None, threads=None, dtype="float32", repeat=15, progress=None,
-              tuned_malloc=True) -> dict:
+def _baseline(spec, catalogue, x, params, dy, kw):
+    """The plain NumPy fwd+bwd: the textbook one for catalogue layers, else from the spec."""
+    if catalogue:
+        return lambda: plain_numpy(spec.name, x, params, dy, kw)
+    from .baseline import PlainNumPy
+    from .runtime import resolve_layout
+    meta = {"name": spec.name, "layout": spec.layout, "reduce": spec.reduce, "params": ["p"], "axes": spec.axes}
+    pshape = params[0].shape if params and params[0].ndim else tuple(x.shape[x.ndim - spec.axes:])
+    L = resolve_layout(meta, x, {"p": np.empty(pshape) if spec.layout == "trailing" else np.empty(x.shape[1])},
+                       kw.get("num_groups"))
+    pn = PlainNumPy(derive(spec).modes["train"], L)
+    opts = {k: v for k, v in kw.items() if k not in ("num_groups", "training")}
+    return lambda: pn.step(x, params, dy, opts)
+
+
+def run_bench(layers, shapes=None, threads=None, dtype="float32", repeat=15, progress=None,
+              tuned_malloc=True, isas=("native",)) -> dict:
+    """Time every layer (catalogue names or Specs) at its shapes: each C build, the generated
+    NumPy, plain NumPy and (catalogue layers) torch, side by side; see the README's Speed."""
     threads = threads or os.cpu_count() or 1
     tuned = tune_malloc() if tuned_malloc else False
     from .torch_ref import torch_available
     have_torch = torch_available()
     dt = np.dtype(dtype)
+    builds = builds_for(isas)
+    live = [b for b in builds if not b.skipped]
     probe = Bandwidth(threads)
     results: list[Result] = []
-    for name in names:
-        for shape in (shapes or DEFAULT_SHAPES.get(name) or [(8192, 1024)]):
+    for layer in layers:
+        spec, name, catalogue = _case_spec(layer)
+        for shape in (shapes or default_shapes(spec)):
             shape = tuple(shape)
-            rng = np.random.default_rng(0)
-            x = rng.standard_normal(shape, dtype=np.float32).astype(dt)
-            dy = rng.standard_normal(shape, dtype=np.float32).astype(dt)
-            spec = load_spec(name)
-            pshape = (shape[-1],) if spec.layout == "trailing" else (shape[1],)
-            params = [np.ones(pshape, dt) + 0.1 * rng.standard_normal(pshape).astype(dt) for _ in spec.params]
-            kw = _kwargs(name, x)
+            x, dy, params, kw = _inputs(spec, shape, dt, catalogue)
             nbytes = x.nbytes
             setup = {}
-            for backend in ("c", "numpy"):
-                mod = load(name, backend=backend)
+            impls = [(b.label, load(spec, backend="c", cflags=b.cflags if b.march != "native" else None))
+                     for b in live] + [("generated numpy", load(spec, backend="numpy"))]
+            for label, mod in impls:
                 mod.set_num_threads(threads)
                 y = np.empty_like(x)
                 _, cache = mod.forward(x, *params, out=y, **kw)
-                setup[backend] = (mod, y, cache, mod.backward(dy, cache))
+                setup[label] = (mod, y, cache, mod.backward(dy, cache))
+            for b in live:
+                b.isa = b.isa or setup[b.label][0]._kernel.isa
 
-            def calls(backend):
-                mod, y, cache, grads = setup[backend]
-                return {f"{backend}_fwd": lambda: mod.forward(x, *params, out=y, **kw),
-                        f"{backend}_bwd": lambda: mod.backward(dy, cache, out=grads),
-                        f"{backend}_step": lambda: mod.backward(dy, mod.forward(x, *params, out=y, **kw)[1],
-                                                                out=grads),
-                        f"{backend}_alloc": lambda: mod.backward(dy, mod.forward(x, *params, **kw)[1])}
-            fns = {**calls("c"), **calls("numpy")}
+            def calls(label):
+                mod, y, cache, grads = setup[label]
+                return {(label, "fwd"): lambda: mod.forward(x, *params, out=y, **kw),
+                        (label, "bwd"): lambda: mod.backward(dy, cache, out=grads),
+                        (label, "step"): lambda: mod.backward(dy, mod.forward(x, *params, out=y, **kw)[1],
+                                                              out=grads),
+                        (label, "alloc"): lambda: mod.backward(dy, mod.forward(x, *params, **kw)[1])}
+            fns = {}
+            for label, _ in impls:
+                fns.update(calls(label))
             # 1. each kernel beside the bandwidth probe, in turn within every round
             if progress:
                 progress(f"{name} {shape} kernels beside the bandwidth probe")
-            t1 = round_robin({"copy": probe.copy, "stream_copy": probe.stream_copy,
-                              **{k: f for k, f in fns.items() if k.endswith(("_fwd", "_bwd"))}}, repeat)
-            cbw = probe.rates(t1)
+            t1 = round_robin({("probe", "copy"): probe.copy, ("probe", "stream_copy"): probe.stream_copy,
+                              **{k: f for k, f in fns.items() if k[1] in ("fwd", "bwd")}}, repeat)
+            cbw = probe.rates({"copy": t1[("probe", "copy")], "stream_copy": t1[("probe", "stream_copy")]})
             moved = {"fwd": 2 * nbytes, "bwd": 3 * nbytes}        # fwd: x, y; bwd: x, dy, dx
             bound = {ph: b / (cbw["copy_GBps"] * 1e6) for ph, b in moved.items()}          # ms
             nt_bound = {ph: b / (cbw["stream_copy_GBps"] * 1e6) for ph, b in moved.items()}
             # 2. forward + backward of every implementation, side by side
             if progress:
                 progress(f"{name} {shape} forward + backward side by side")
-            step_fns = {k: f for k, f in fns.items() if k.endswith(("_step", "_alloc"))}
-            step_fns["plain"] = lambda: plain_numpy(name, x, params, dy, kw)
-            if have_torch:
+            step_fns = {k: f for k, f in fns.items() if k[1] in ("step", "alloc")}
+            step_fns[("plain numpy", "alloc")] = _baseline(spec, catalogue, x, params, dy, kw)
+            if have_torch and catalogue:
                 fwd_only, step = torch_step(name, x, params, dy, kw, threads)
-                step_fns.update(torch_fwd=fwd_only, torch_step=step)
+                step_fns.update({("torch", "fwd"): fwd_only, ("torch", "alloc"): step})
             t2 = round_robin(step_fns, repeat)
-            row_results = []
-            for backend in ("c", "numpy"):
-                r = Result(name, shape, f"generated {backend}", fwd_ms=t1[f"{backend}_fwd"],
-                           bwd_ms=t1[f"{backend}_bwd"], step_ms=t2[f"{backend}_step"],
-                           step_alloc_ms=t2[f"{backend}_alloc"], bandwidth=cbw)
+            rows = []
+            for label, _ in impls:
+                r = Result(name, shape, label, fwd_ms=t1[(label, "fwd")], bwd_ms=t1[(label, "bwd")],
+                           step_ms=t2[(label, "step")], step_alloc_ms=t2[(label, "alloc")], bandwidth=cbw)
                 for ph, ms in (("fwd", r.fwd_ms), ("bwd", r.bwd_ms)):
                     r.ratios[f"{ph}_vs_bound"] = ms / bound[ph]
                     r.ratios[f"{ph}_vs_stream_bound"] = ms / nt_bound[ph]
-                row_results.append(r)
-            row_results.append(Result(name, shape, "plain numpy", step_alloc_ms=t2["plain"]))
-            torch_ms = None
-            if have_torch:
-                torch_ms = t2["torch_step"]
-                row_results.append(Result(name, shape, "torch", fwd_ms=t2["torch_fwd"], step_alloc_ms=torch_ms))
-            for r in row_results:
+                rows.append(r)
+            rows.append(Result(name, shape, "plain numpy", step_alloc_ms=t2[("plain numpy", "alloc")]))
+            torch_ms = t2.get(("torch", "alloc"))
+            if torch_ms is not None:
+                rows.append(Result(name, shape, "torch", fwd_ms=t2[("torch", "fwd")], step_alloc_ms=torch_ms))
+            for r in rows:
                 best = r.step_ms if r.step_ms is not None else r.step_alloc_ms
                 if torch_ms:
                     r.ratios["step_vs_torch"] = best / torch_ms
-                r.ratios["step_vs_plain_numpy"] = best / t2["plain"]
+                r.ratios["step_vs_plain_numpy"] = best / t2[("plain numpy", "alloc")]
                 r.ratios["step_vs_bound"] = best / (bound["fwd"] + bound["bwd"])
-            results += row_results
-    probes = [r.bandwidth for r in results if r.impl == "generated c"]     # one probe per case
+            results += rows
+    probes = [r.bandwidth for r in results if r.impl == "generated numpy"]     # one probe per case
     bw = {k: statistics.median(p[k] for p in probes) for k in ("copy_GBps", "stream_copy_GBps")} if probes else {}
     bw.update(MiB=probe.mib, cases=len(probes),
               copy_GBps_range=[min(p["copy_GBps"] for p in probes), max(p["copy_GBps"] for p in probes)]
               if probes else [])
-    return {"bandwidth": bw, "threads": threads, "dtype": dtype, "tuned_malloc": tuned, "torch": have_torch,
-            "results": [asdict(r) for r in results]}
+    report = {"machine": machine().as_dict(), "builds": [asdict(b) for b in builds], "bandwidth": bw,
+              "threads": threads, "dtype": dtype, "tuned_malloc": tuned, "torch": have_torch,
+              "results": [asdict(r) for r in results]}
+    report["targets"] = evaluate_targets(report)
+    return report
+
+
+def evaluate_targets(report: dict) -> list[dict]:
+    """Every target that this report's rows can judge, per C build."""
+    res, dtype = report["results"], report["dtype"]
+    # the project's targets: catalogue layers at their default shapes (a first shape is the
+    # layer's first default one), whatever else the run timed
+    first = {layer: shapes[0] for layer, shapes in DEFAULT_SHAPES.items()}
+    out = []
+
+    def row(layer, shape, impl):
+        return next((q for q in res if q["layer"] == layer and tuple(q["shape"]) == shape and q["impl"] == impl),
+                    None)
+    c_labels = [b["label"] for b in report["builds"] if not b["skipped"]]
+    for label in c_labels:
+        for layer, shape, dt, limit in TORCH_TARGETS:
+            shape = first.get(layer) if shape is None else shape
+            r = row(layer, shape, label) if dt == dtype else None
+            if r is None or "step_vs_torch" not in r["ratios"]:
+                continue
+            v = r["ratios"]["step_vs_torch"]
+            out.append({"build": label, "what": f"{layer} {'x'.join(map(str, shape))} fwd+bwd / torch",
+                        "value": v, "limit": limit, "met": v <= limit})
+        for layer, shape in first.items():
+            r = row(layer, shape, label)
+            if r is None:
+                continue
+            for ph, word in (("fwd", "forward"), ("bwd", "backward")):
+                v = r["ratios"][f"{ph}_vs_stream_bound"]
+                out.append({"build": label, "what": f"{layer} {'x'.join(map(str, shape))} {word} / streaming-store "
+                            f"bound", "value": v, "limit": NT_TARGET, "met": v <= NT_TARGET})
+    shape = first.get("layernorm")
+    r = row("layernorm", shape, "generated numpy") if shape and dtype == "float32" else None
+    if r is not None:
+        v = r["ratios"]["step_vs_plain_numpy"]
+        out.append({"build": "generated numpy", "what": f"layernorm {'x'.join(map(str, shape))} fwd+bwd / plain "
+                    "numpy", "value": v, "limit": NUMPY_TARGET, "met": v <= NUMPY_TARGET})
+    return out
+
+
+def header_lines(report: dict) -> list[str]:
+    m = report["machine"]
+    caches = ", ".join(f"{k} {v >> 20} MiB" if v >= 1 << 20 else f"{k} {v >> 10} KiB"
+                       for k, v in m["caches"].items()) or "caches unknown"
+    lines = [f"machine: {m['cpu']}; {m['cores']} core(s); {caches}; CPU flags: {' '.join(m['flags']) or '-'}"]
+    for b in report["builds"]:
+        what = f"skipped ({b['skipped']})" if b["skipped"] else f"targets {b['isa'] or '?'}"
+        lines.append(f"{b['label']}: CFLAGS {' '.join(b['cflags'])}; {what}")
+    bw = report["bandwidth"]
+    if bw.get("cases"):
+        lo, hi = bw["copy_GBps_range"]
+        lines.append(f"bandwidth probe ({bw['MiB']} MiB arrays, {report['threads']} thread(s), beside each case): "
+                     f"copy {bw['copy_GBps']:.1f} GB/s median ({lo:.1f}-{hi:.1f}), streaming-store copy "
+                     f"{bw['stream_copy_GBps']:.1f} GB/s; dtype {report['dtype']}; "
+                     f"malloc {'tuned' if report['tuned_malloc'] else 'default'}")
+    lines.append("bound = bytes moved (fwd: x, y; bwd: x, dy, dx) / copy bandwidth probed beside each case; "
+                 "'nt' = the same with the streaming-store copy")
+    return lines
 
 
 def format_report(report: dict) -> str:
-    bw = report["bandwidth"]
-    lo, hi = bw["copy_GBps_range"]
-    lines = [f"bandwidth probe ({bw['MiB']} MiB arrays, {report['threads']} thread(s), beside each case): copy "
-             f"{bw['copy_GBps']:.1f} GB/s median ({lo:.1f}-{hi:.1f}), streaming-store copy "
-             f"{bw['stream_copy_GBps']:.1f} GB/s; dtype {report['dtype']}; "
-             f"malloc {'tuned' if report['tuned_malloc'] else 'default'}",
-             "bound = bytes moved (fwd: x, y; bwd: x, dy, dx) / copy bandwidth probed beside each case; "
-             "'nt' = the same with the streaming-store copy", ""]
+    lines = header_lines(report) + [""]
     head = ("layer", "shape", "impl", "fwd ms", "bwd ms", "fwd+bwd ms", "alloc ms", "x torch", "x bound", "fwd x bnd",
             "bwd x bnd", "fwd x nt", "bwd x nt")
     rows = []
@@ -322,30 +463,16 @@ def format_report(report: dict) -> str:
 
 
 def target_lines(report: dict) -> list[str]:
-    out = ["targets (first shape of each layer; preallocated outputs):"]
-    seen = set()
-    for r in report["results"]:
-        key = (r["layer"], tuple(r["shape"]))
-        if r["layer"] in seen or r["impl"] != "generated c":
-            continue
-        seen.add(r["layer"])
-        ra = r["ratios"]
-        if r["layer"] in TORCH_TARGETS and "step_vs_torch" in ra:
-            t = TORCH_TARGETS[r["layer"]]
-            out.append(f"  {r['layer']} {'x'.join(map(str, key[1]))}: C fwd+bwd / torch = {ra['step_vs_torch']:.2f} "
-                       f"(target <= {t}) {'met' if ra['step_vs_torch'] <= t else 'MISSED'}")
-        if r["layer"] == "layernorm":
-            for ph in ("fwd", "bwd"):
-                v = ra[f"{ph}_vs_bound"]
-                out.append(f"  layernorm {ph} / bandwidth bound = {v:.2f} (target <= {BOUND_TARGET}) "
-                           f"{'met' if v <= BOUND_TARGET else 'MISSED'}; "
-                           f"/ streaming-store bound = {ra[f'{ph}_vs_stream_bound']:.2f}")
-            npy = next((q for q in report["results"] if q["layer"] == "layernorm" and tuple(q["shape"]) == key[1]
-                        and q["impl"] == "generated numpy"), None)
-            if npy:
-                v = npy["ratios"]["step_vs_plain_numpy"]
-                out.append(f"  layernorm generated NumPy / plain NumPy = {v:.2f} (target <= {NUMPY_TARGET}) "
-                           f"{'met' if v <= NUMPY_TARGET else 'MISSED'}")
+    targets = report.get("targets") or evaluate_targets(report)
+    if not targets:
+        return ["targets: none of this run's cases has one"]
+    out = [f"targets ({report['dtype']}, {report['threads']} thread(s), preallocated outputs; the project's targets are set for float32 and 2 threads):"]
+    width = max(len(t["what"]) for t in targets)
+    for t in targets:
+        out.append(f"  {t['build']:<24} {t['what']:<{width}}  {t['value']:.2f} (<= {t['limit']})  "
+                   f"{'met' if t['met'] else 'MISSED'}")
+    met = sum(t["met"] for t in targets)
+    out.append(f"  {met} of {len(targets)} met")
     return out
 
 
@@ -362,15 +489,15 @@ def plot(report: dict, path: str) -> None:
         k = f"{r['layer']}\n{'x'.join(map(str, r['shape']))}"
         if k not in cases:
             cases.append(k)
-    impls = ["generated c", "generated numpy", "plain numpy", "torch"]
+    impls = list(dict.fromkeys(r["impl"] for r in res))
     fig, ax = plt.subplots(figsize=(max(8, 1.6 * len(cases)), 4.5))
-    w = 0.2
+    w = 0.8 / max(1, len(impls))
     for i, impl in enumerate(impls):
         vals = []
         for k in cases:
             r = next((q for q in res if f"{q['layer']}\n{'x'.join(map(str, q['shape']))}" == k and q["impl"] == impl), None)
             vals.append((r["step_ms"] or r["step_alloc_ms"]) if r else math.nan)
-        ax.bar([j + (i - 1.5) * w for j in range(len(cases))], vals, w, label=impl)
+        ax.bar([j + (i - (len(impls) - 1) / 2) * w for j in range(len(cases))], vals, w, label=impl)
     ax.set_xticks(range(len(cases)))
     ax.set_xticklabels(cases, fontsize=8)
     ax.set_ylabel("forward + backward, ms (median)")

@@ -71,6 +71,15 @@ def user_cflags() -> list[str]:
     return shlex.split(env) if env is not None else list(DEFAULT_CFLAGS)
 
 
+def march_cflags(march: str, base: list[str] | None = None) -> list[str]:
+    """``base`` (the user's CFLAGS, else the defaults) with its -march replaced by ``march``
+    ("native" keeps base as it is): builds of one kernel for several instruction sets."""
+    base = user_cflags() if base is None else list(base)
+    if march == "native":
+        return base
+    return [f for f in base if not f.startswith(("-march=", "-mtune="))] + [f"-march={march}"]
+
+
 @functools.lru_cache(maxsize=None)
 def _compiler_id(cc: tuple[str, ...]) -> str:
     try:
@@ -96,17 +105,21 @@ def openmp_flags(cc: tuple[str, ...]) -> tuple[str, ...]:
 
 
 def build_argv(sources: list[Path], output: Path, *, openmp: bool = True, extra: list[str] | None = None,
-               warnings: bool = True) -> list[str]:
+               warnings: bool = True, cflags: list[str] | None = None) -> list[str]:
+    """The compiler's argument list; ``cflags`` replaces the user's CFLAGS (or the defaults)."""
     cc = compiler()
     omp = list(openmp_flags(tuple(cc))) if openmp else []
     inc = sorted({f"-I{p.parent}" for p in sources})
     warn = (WARN_FLAGS + (STRICT_FLAGS if strict() else [])) if warnings else []
-    return [*cc, *REQUIRED_FLAGS, *warn, *user_cflags(), *omp, *(extra or []),
+    flags = user_cflags() if cflags is None else list(cflags)
+    return [*cc, *REQUIRED_FLAGS, *warn, *flags, *omp, *(extra or []),
             *inc, *[str(s) for s in sources], "-o", str(output), "-lm"]
 
 
-def build_shared(source: Path, *, openmp: bool = True, extra: list[str] | None = None) -> Path:
-    """Compile ``source`` (and the headers beside it) into a cached shared library."""
+def build_shared(source: Path, *, openmp: bool = True, extra: list[str] | None = None,
+                 cflags: list[str] | None = None) -> Path:
+    """Compile ``source`` (and the headers beside it) into a cached shared library;
+    ``cflags`` replaces $CFLAGS (e.g. :func:`march_cflags` for another instruction set)."""
     source = Path(source).resolve()
     if not source.is_file():
         raise BuildError(f"C source {source} not found")
@@ -116,7 +129,7 @@ def build_shared(source: Path, *, openmp: bool = True, extra: list[str] | None =
         if f.is_file():
             h.update(f.name.encode())
             h.update(f.read_bytes())
-    probe = build_argv([source], Path("OUT"), openmp=openmp, extra=extra)
+    probe = build_argv([source], Path("OUT"), openmp=openmp, extra=extra, cflags=cflags)
     # the key covers the compiler identity and every argument except the paths
     key_args = [a for a in probe if a not in (str(source), "OUT") and not a.startswith("-I")]
     h.update(_compiler_id(tuple(compiler())).encode())
@@ -134,7 +147,7 @@ def build_shared(source: Path, *, openmp: bool = True, extra: list[str] | None =
                 return lib
             fd, tmp = tempfile.mkstemp(prefix=f".{lib.name}.", suffix=".tmp", dir=root)
             os.close(fd)
-            argv = build_argv([source], Path(tmp), openmp=openmp, extra=extra)
+            argv = build_argv([source], Path(tmp), openmp=openmp, extra=extra, cflags=cflags)
             try:
                 r = subprocess.run(argv, capture_output=True, text=True, timeout=600)
                 if r.returncode != 0:

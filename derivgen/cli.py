@@ -235,25 +235,36 @@ def _shape(text: str) -> tuple[int, ...]:
 
 @cli.command("bench")
 @click.argument("names", nargs=-1)
+@click.option("--spec", "spec_files", multiple=True, type=click.Path(dir_okay=False),
+              help="Bench a spec file too (against plain NumPy written from its formulas).")
 @click.option("--shape", "shapes", multiple=True, help="Shape(s) like 8192x1024 (default: per-layer defaults).")
 @click.option("--threads", type=click.IntRange(1, 256), default=None, help="Threads (default: all cores).")
 @click.option("--dtype", type=click.Choice(["float32", "float64"]), default="float32", show_default=True)
 @click.option("--repeat", type=click.IntRange(3, 1000), default=15, show_default=True, help="Timed runs per case.")
+@click.option("--isa", "isas", default="native", show_default=True,
+              help="C builds side by side: native (CFLAGS or the defaults) and/or -march names, comma-separated, "
+                   "e.g. x86-64-v4,x86-64-v3,x86-64 (one the CPU cannot run is skipped).")
 @click.option("--json", "json_file", type=click.Path(dir_okay=False), help="Also write the results as JSON.")
 @click.option("--plot", "plot_file", type=click.Path(dir_okay=False), help="Save a chart (needs matplotlib).")
 @click.option("--default-malloc", is_flag=True, help="Do not tune glibc malloc (shows page-fault costs).")
-def bench_cmd(names, shapes, threads, dtype, repeat, json_file, plot_file, default_malloc):
+def bench_cmd(names, spec_files, shapes, threads, dtype, repeat, isas, json_file, plot_file, default_malloc):
     """Time generated C and NumPy against plain NumPy, PyTorch and the memory-bandwidth bound."""
     import json
+    import re
 
-    from .bench import DEFAULT_SHAPES, format_report, plot, run_bench
+    from .bench import DEFAULT_SHAPES, default_shapes, format_report, plot, run_bench
     from .check import stderr_progress
-    names = list(names) or list(DEFAULT_SHAPES)
-    _specs(names, ())
+    names = list(names) or ([] if spec_files else list(DEFAULT_SHAPES))
+    specs = _specs(names, spec_files)
+    marches = [m.strip() for m in isas.split(",") if m.strip()]
+    bad = [m for m in marches if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.+-]*", m)]
+    if not marches or bad or len(set(marches)) != len(marches):
+        raise UserError(f"--isa: expected native and/or -march names, comma-separated, each once; got {isas!r}")
     shp = [_shape(s) for s in shapes] or None
-    total = sum(len(shp or DEFAULT_SHAPES.get(n, [0])) for n in names) * 2
+    total = sum(len(shp or default_shapes(s)) for s in specs) * 2
     progress = stderr_progress(total)
-    report = run_bench(names, shp, threads, dtype, repeat, progress, tuned_malloc=not default_malloc)
+    layers = [s.name if s.source.startswith("catalogue/") else s for s in specs]
+    report = run_bench(layers, shp, threads, dtype, repeat, progress, tuned_malloc=not default_malloc, isas=marches)
     progress.done()
     click.echo(format_report(report))
     if json_file:

@@ -19,7 +19,9 @@ from .spec import DY, N, X
 _FUNCS = {sympy.exp: np.exp, sympy.log: np.log, sympy.Abs: np.abs, sympy.tanh: np.tanh, sympy.sign: np.sign}
 
 
-def evaluate(expr: sympy.Expr, env: dict[sympy.Symbol, object]):
+def evaluate(expr: sympy.Expr, env: dict[sympy.Symbol, object], mean=np.mean):
+    """``expr`` over the values in ``env``; ``mean`` reduces a Mean's argument (default: the
+    whole array, one group; derivgen.baseline passes a mean over the group axes)."""
     if expr.is_Symbol:
         try:
             return env[expr]
@@ -28,16 +30,16 @@ def evaluate(expr: sympy.Expr, env: dict[sympy.Symbol, object]):
     if expr.is_Number:
         return float(expr)
     if isinstance(expr, Mean):
-        return np.mean(evaluate(expr.args[0], env))
+        return mean(evaluate(expr.args[0], env, mean))
     if expr.is_Add:
-        return sum(evaluate(a, env) for a in expr.args)
+        return sum(evaluate(a, env, mean) for a in expr.args)
     if expr.is_Mul:
         out = 1.0
         for a in expr.args:
-            out = out * evaluate(a, env)
+            out = out * evaluate(a, env, mean)
         return out
     if expr.is_Pow:
-        b = evaluate(expr.base, env)
+        b = evaluate(expr.base, env, mean)
         e = expr.exp
         if e == sympy.Rational(1, 2):
             return np.sqrt(b)
@@ -46,7 +48,7 @@ def evaluate(expr: sympy.Expr, env: dict[sympy.Symbol, object]):
         return np.power(b, float(e)) if not e.is_Integer else b ** int(e)
     for f, npf in _FUNCS.items():
         if isinstance(expr, f):
-            return npf(evaluate(expr.args[0], env))
+            return npf(evaluate(expr.args[0], env, mean))
     raise TypeError(f"cannot evaluate {type(expr).__name__}: {expr}")
 
 

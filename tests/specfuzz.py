@@ -420,7 +420,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, help="one seed")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--show", action="store_true", help="print the spec(s)")
-    ap.add_argument("--proof-seconds", type=float, default=30.0,
+    ap.add_argument("--progress", action="store_true", help="a line per spec (seed, result, proof, seconds)")
+    ap.add_argument("--proof-seconds", type=float, default=10.0,
                     help="symbolic reduction per proof size before exact numbers take over")
     args = ap.parse_args(argv)
     if args.seed is not None:
@@ -438,9 +439,15 @@ def main(argv=None) -> int:
         return 0
     t0 = time.perf_counter()
 
+    count = [0]
+
     def report(r):
+        count[0] += 1
         if not r.ok:
             print(f"FAIL seed {r.seed}: {r.failure}", flush=True)
+        elif args.progress:
+            print(f"[{count[0]}/{len(seeds)} {time.perf_counter() - t0:.0f}s] seed {r.seed}: ok, {r.proof}, "
+                  f"{r.reductions} reduction(s), {r.seconds:.1f}s", flush=True)
     results = run_corpus(seeds, args.jobs, args.proof_seconds, report)
     print(summary(results, time.perf_counter() - t0))
     return 0 if all(r.ok for r in results) else 1
