@@ -109,6 +109,8 @@ class ModeDerivation:
     sum_xhat_zero: bool = False              # mean(x̂) = 0 exactly (the "negligible" term)
     coordinate: Named | None = None          # the closed forms' element coordinate: x̂, or the centred x - μ
     coordinate_expr: sympy.Expr | None = None
+    implicit_coordinate: bool = False        # x̂ named by the engine: the output uses it without [normalized]
+    output_in_coordinate: sympy.Expr | None = None   # y written in that x̂ (direct paths keep x)
 
     @property
     def dparams(self) -> dict[str, sympy.Expr]:
@@ -400,18 +402,120 @@ class _Deriver:
         inputs = {i.symbol for i in spec.inputs}
         self.program = Program(spec, mode.statistics, self.alg, inputs | set(self.scalar))
         self.group_diff = set(self.program.active)       # every group value with an adjoint
+        self.implicit: Named | None = None
+        if self.xhat is None:
+            self._adopt_implicit_coordinate()
         self.coord, self.coord_def = self._coordinate()
         if self.coord is not None:
             self.alg.varying.add(self.coord.symbol)
         self.element_diff = [X, *self.channel]
 
+    # ---- the normalized coordinate a spec uses without naming it --------------
+    def _x_dependent(self) -> set[sympy.Symbol]:
+        """The statistics whose values depend on x (through a mean of x, or another such)."""
+        dep: set[sympy.Symbol] = set()
+        for st in self.program.stats:
+            if any(m.args[0].has(X) for m in means(st.expr)) or st.expr.free_symbols & dep:
+                dep.add(st.symbol)
+        return dep
+
+    def _group_level(self, e: sympy.Expr) -> bool:
+        return not e.has(X) and not self.alg.is_varying(e)
+
+    def _affine(self, e: sympy.Expr) -> bool:
+        """a·x + b with a ≠ 0 and a, b one value per group (x itself too)."""
+        if not e.has(X):
+            return False
+        slope = sympy.diff(e, X)
+        return slope != 0 and self._group_level(slope) and self._group_level(e.subs(X, 0))
+
+    def _coordinate_candidates(self, xdep: set) -> list[sympy.Expr]:
+        """Affine-in-x subexpressions of the output that involve statistics of x: (x - μ)·ρ,
+        also where SymPy split a power of it (γ·ρ²·(x - μ)² holds (x - μ)·ρ)."""
+        found: list[sympy.Expr] = []
+        for node in sympy.preorder_traversal(self.y_full):
+            if node != X and self._affine(node):
+                found.append(node)
+            if not node.is_Mul:
+                continue
+            factors = Mul.make_args(node)
+            for f in factors:
+                base, k = f.as_base_exp()
+                if not (k.is_Integer and k > 0 and self._affine(base)):
+                    continue
+                scale = []
+                for h in factors:
+                    hb, he = h.as_base_exp()
+                    if h is not f and self._group_level(h) and h.free_symbols & xdep and (he / k).is_Rational:
+                        scale.append(hb ** (he / k))
+                if scale:
+                    found.append(base * Mul(*scale))
+        out = []
+        for c in found:
+            if (c.free_symbols & xdep) and c not in out:
+                out.append(c)
+        return out
+
+    def _rewrite_in(self, c: sympy.Expr, u: sympy.Symbol) -> tuple[sympy.Expr, int]:
+        """y with every additive term that depends on x only through c written in u (the
+        others keep x: a direct path such as t·x); and how many terms that is."""
+        slope = sympy.diff(c, X)
+        x_of_u = sympy.expand((u - c.subs(X, 0)) / slope)
+        through = c.free_symbols & self._xdep
+        terms, clean = [], 0
+        for t in Add.make_args(self.y_full):
+            t2 = t.xreplace({X: x_of_u})
+            if t.has(X) and t2.has(u) and not (t2.free_symbols & through):
+                terms.append(t2)
+                clean += 1
+            else:
+                terms.append(t)
+        return Add(*terms), clean
+
+    def _adopt_implicit_coordinate(self):
+        """A spec without [normalized] whose output still normalizes x -- z = (x - μ)·ρ written
+        inline, once or several times -- gets the same closed form as one that names z: the
+        engine names the coordinate itself (u = (x - μ)·ρ, shown as x̂) and writes the backward
+        in it and in g = ∂L/∂y·∂y/∂u. Candidates are the affine-in-x subexpressions of the
+        output over statistics of x; the one through which most terms of y depend on x wins
+        (then the one over the most statistics -- (x - μ)·ρ over x - μ -- and the fewest
+        other group values)."""
+        self._xdep = self._x_dependent()
+        if not self._xdep:
+            return
+        taken = {item.text for item in self.spec.symbols.values()}
+        text, latex = ("x̂", r"\hat{x}") if "x̂" not in taken else ("u", "u")
+        u = domain.symbol("Xn")
+        best = None
+        for c in self._coordinate_candidates(self._xdep):
+            y_hat, clean = self._rewrite_in(c, u)
+            if clean == 0:
+                continue
+            score = (clean, len(c.free_symbols & self._xdep), -len(c.free_symbols - self._xdep - {X}),
+                     -sympy.count_ops(c))
+            if best is None or score > best[0]:
+                best = (score, c, y_hat)
+        if best is None:
+            return
+        _, c, y_hat = best
+        dy_du = sympy.diff(y_hat, u)
+        if dy_du == 0:
+            return
+        self.implicit = Named("Xn", u, latex, text)
+        self.xhat, self.xhat_def, self.y_hat = u, c, y_hat
+        self.g_def = DY * dy_du
+        self.alg.varying.add(u)
+
     def _coordinate(self) -> tuple[Named | None, sympy.Expr | None]:
-        """The element coordinate of the closed forms: the spec's x̂; without one, x - μ for the
-        group mean μ when a statistic gives it, so that polynomials in x are written (and
-        computed) in powers of the centred x - μ, never expanded into raw powers of x."""
+        """The element coordinate of the closed forms: the spec's x̂, or the one its output uses
+        without naming it; without either, x - μ for the group mean μ when a statistic gives
+        it, so that polynomials in x are written (and computed) in powers of the centred
+        x - μ, never expanded into raw powers of x."""
         spec = self.spec
         if spec.normalized is not None:
             return spec.normalized, spec.normalized_expr
+        if self.implicit is not None:
+            return self.implicit, self.xhat_def
         centre = None
         for node in sympy.preorder_traversal(self.y_full):      # the deviation the output uses: x - μ
             if node.is_Add and X in node.args and not (node - X).has(X) and not self.alg.is_varying(node - X):
@@ -523,7 +627,8 @@ class _Deriver:
                 grads[p.name] = ParamGrad(finish(Add(*terms[p.symbol])))
         dinputs = {i.name: finish(adj[i.symbol]) for i in spec.inputs}
         adjoints = {st.symbol: finish(adj[st.symbol]) for st in self.program.stats}
-        sum_zero = self.xhat is not None and to_xhat is not None and alg.canon(Mean(self.xhat)) == 0
+        sum_zero = (self.spec.normalized is not None and to_xhat is not None
+                    and alg.canon(Mean(self.xhat)) == 0)
         return g_def, dx, grads, dinputs, adjoints, sum_zero
 
     def reductions(self, dx, grads, dinputs) -> list[Reduction]:
@@ -560,7 +665,9 @@ class _Deriver:
                               output=spec.output, g=g_def if uses_g else None, dx=dx, grads=grads,
                               dinputs=dinputs, reductions=reductions, vanishing=vanishing, kept=kept,
                               partials=partials, adjoints=adjoints, sum_xhat_zero=sum_zero,
-                              coordinate=self.coord, coordinate_expr=self.coord_def)
+                              coordinate=self.coord, coordinate_expr=self.coord_def,
+                              implicit_coordinate=self.implicit is not None,
+                              output_in_coordinate=self.y_hat if self.implicit is not None else None)
 
 
 def mode_depends_on_x(md: ModeDerivation, s: sympy.Symbol) -> bool:

@@ -193,6 +193,10 @@ def build_steps(md) -> list[Step]:
     if xhat is not None:
         xt = spec.normalized.text
         how = f"Substituting x = x({xt}) and " + (f"g = {n.txt(md.g)}, " if md.g is not None else "")
+    elif md.implicit_coordinate:
+        how = (f"The output normalizes x without naming it: with {md.coordinate.text} = "
+               f"{n.txt(md.coordinate_expr)} (named here) y = {n.txt(md.output_in_coordinate)}. "
+               f"Substituting x = x({md.coordinate.text}) and " + (f"g = {n.txt(md.g)}, " if md.g is not None else ""))
     elif md.coordinate is not None:
         how = (f"Writing x through the centred coordinate {md.coordinate.text} (polynomials in x are never "
                "expanded into raw powers of x, which would cancel catastrophically), ")

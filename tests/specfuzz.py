@@ -109,8 +109,10 @@ class _Spec:
         return "\n".join(out) + "\n"
 
 
-def generate(seed: int) -> str:
-    """One random valid spec (TOML text)."""
+def generate(seed: int, name_coordinate: bool | None = None) -> str:
+    """One random valid spec (TOML text). ``name_coordinate`` forces the normalized
+    coordinate to be named in [normalized] (True) or written inline in the output (False);
+    every random draw is the same either way, so the two specs are the same layer."""
     rng = random.Random(seed)
     names = Names(rng)
     s = _Spec(rng, names)
@@ -244,8 +246,15 @@ def generate(seed: int) -> str:
             s.eval_stats.append((c, buf))
 
     # ---- normalized coordinate and output
-    if rng.random() < 0.75:
+    named = rng.random() < 0.75
+    if named:
         nname = names.new("xhat", "z", "n", "u")
+    elif name_coordinate:               # a name without a random draw: the rest stays the same
+        nname = next(n for n in ("xhat", "z", "n", "u", "xhat_0", "xhat_1") if names.ok(n))
+        names.taken.add(nname)
+    if name_coordinate is not None:
+        named = name_coordinate
+    if named:
         s.normalized = (nname, xh)
         z = nname
     else:

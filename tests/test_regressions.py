@@ -46,7 +46,10 @@ def test_buffer_is_per_group_in_a_per_sample_layout():
 def test_fourth_moment_backward_is_centred_and_needs_two_reductions():
     md = derivgen.derive(ROOT / "tests" / "regressions" / "fourth_moment_without_xhat.toml").train
     assert len(md.reductions) == 2
-    assert md.coordinate is not None and md.coordinate.text == "(x - mean)"
+    # the output normalizes x inline: the engine names x̂ = (x - mean)/r itself
+    syms = {s.name: s for s in md.coordinate_expr.free_symbols}
+    assert md.implicit_coordinate and set(syms) == {"x", "mean", "r"}
+    assert md.coordinate_expr == (syms["x"] - syms["mean"]) / syms["r"]
     # the third central moment is computed by the forward, as written
     assert any(str(s.expr) == "Mean((-mean + x)**3)" for s in md.aux)
     # no raw power of x anywhere in the closed form
@@ -89,3 +92,10 @@ def test_abs_differentiates_to_sign():
     import sympy
     assert not md.dx.has(sympy.re, sympy.im, sympy.Subs, sympy.Derivative)
     assert md.dx.has(sympy.sign) and len(md.reductions) == 1
+
+
+def test_an_inline_coordinate_is_named_by_the_engine():
+    md = derivgen.derive(ROOT / "tests" / "regressions" / "inline_coordinate.toml").train
+    assert md.implicit_coordinate and md.coordinate.text == "x̂"
+    assert sorted(r.name for r in md.reductions) == ["Mean_Xn_g", "Mean_g"]
+    assert md.g is not None and not md.dx.has(derivgen.spec.X)

@@ -76,3 +76,22 @@ def test_corpus_runs_after_openmp_kernels_in_the_same_process(tmp_path):
         out, _ = proc.communicate()
         pytest.fail("the corpus hung after OpenMP kernels ran in its process:\n" + out[-2000:])
     assert proc.returncode == 0, out
+
+
+def test_naming_the_coordinate_or_not_needs_the_same_reductions():
+    """The same layer written with its normalized coordinate in [normalized] or inline in the
+    output (z = (x - mu)*r three times over): the engine names an inline coordinate itself, so
+    the backward needs no more run-time reductions either way (regression: fuzz seed 228
+    needed 6 inline, where mean(g) and mean(g*x̂) do)."""
+    import derivgen
+    worse = []
+    for seed in range(120):
+        named = parse_spec(specfuzz.generate(seed, name_coordinate=True), source=f"named{seed}.toml")
+        inline = parse_spec(specfuzz.generate(seed, name_coordinate=False), source=f"inline{seed}.toml")
+        assert named.normalized is not None and inline.normalized is None
+        dn, di = derivgen.derive(named), derivgen.derive(inline)
+        for mode in dn.modes:
+            a, b = len(dn.modes[mode].reductions), len(di.modes[mode].reductions)
+            if b > a:
+                worse.append(f"seed {seed} {mode}: {b} reductions inline, {a} named")
+    assert not worse, "\n".join(worse)
