@@ -29,7 +29,9 @@ from pathlib import Path
 REQUIRED_FLAGS = ["-std=c99", "-fPIC", "-shared"]
 WARN_FLAGS = ["-Wall", "-Wextra", "-pedantic"]
 STRICT_FLAGS = ["-Werror"]           # with DERIVGEN_WERROR=1 (the test suite, CI)
-DEFAULT_CFLAGS = ["-O3", "-march=native", "-fno-math-errno"]
+# -ffp-contract=fast: a*b + c as one fused multiply-add where the ISA has it (-std=c99
+# alone turns contraction off); layer norm's forward 1.05-1.2x faster on AVX2 and AVX-512
+DEFAULT_CFLAGS = ["-O3", "-march=native", "-fno-math-errno", "-ffp-contract=fast"]
 
 
 class BuildWarning(UserWarning):

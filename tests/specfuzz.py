@@ -343,6 +343,20 @@ def _run_seed(seed: int) -> Result:
 def _init_worker(proof_seconds: float):
     import derivgen.proof
     derivgen.proof.SYMBOLIC_SECONDS = proof_seconds
+    _die_with_parent()
+
+
+def _die_with_parent():
+    """A worker ends when the process that started it does (Linux): a corpus stopped with
+    Ctrl-C or kill leaves no spawned workers behind."""
+    import ctypes
+    import signal
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        PR_SET_PDEATHSIG = 1
+        libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
 
 
 def run_corpus(seeds, jobs: int = 2, proof_seconds: float = 10.0, on_result=None,
