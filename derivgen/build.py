@@ -123,6 +123,19 @@ def build_shared(source: Path, *, openmp: bool = True, extra: list[str] | None =
     """Compile ``source`` (and the headers beside it) into a cached shared library;
     ``cflags`` replaces $CFLAGS (e.g. :func:`march_cflags` for another instruction set)."""
     source = Path(source).resolve()
+    lib = library_path(source, openmp=openmp, extra=extra, cflags=cflags)
+    if lib.is_file():
+        return lib
+    root = lib.parent
+    key = lib.stem[len(source.stem) + 1:]
+    return _compile(source, lib, root, key, openmp, extra, cflags)
+
+
+def library_path(source: Path, *, openmp: bool = True, extra: list[str] | None = None,
+                 cflags: list[str] | None = None) -> Path:
+    """Where :func:`build_shared` keeps (or will put) the library of ``source`` built with
+    these flags: the cache key is the sources, the compiler's identity and its arguments."""
+    source = Path(source).resolve()
     if not source.is_file():
         raise BuildError(f"C source {source} not found")
     header = source.with_suffix(".h")
@@ -137,11 +150,11 @@ def build_shared(source: Path, *, openmp: bool = True, extra: list[str] | None =
     h.update(_compiler_id(tuple(compiler())).encode())
     h.update("\0".join(key_args).encode())
     key = h.hexdigest()[:24]
-    root = cache_dir()
+    return cache_dir() / f"{source.stem}-{key}.so"
+
+
+def _compile(source: Path, lib: Path, root: Path, key: str, openmp, extra, cflags) -> Path:
     root.mkdir(parents=True, exist_ok=True)
-    lib = root / f"{source.stem}-{key}.so"
-    if lib.is_file():
-        return lib
     with open(root / f"{source.stem}-{key}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:

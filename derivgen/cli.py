@@ -207,20 +207,25 @@ def build_cmd(names, spec_files):
     """Compile the C kernels into shared libraries in the build cache (CC and CFLAGS honored)."""
     import warnings
 
-    from .build import BuildError, BuildWarning, build_shared
+    from .build import BuildError, BuildWarning, build_shared, library_path
     specs = _specs(names, spec_files)
     for spec in specs or [api.load_spec(n) for n in api.names()]:
         root, _ = api.materialize(spec, "c")
+        source = root / f"{spec.name}.c"
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", BuildWarning)
             try:
-                lib = build_shared(root / f"{spec.name}.c")
+                cached = library_path(source).is_file()
+                t0 = time.perf_counter()
+                lib = build_shared(source)
+                took = time.perf_counter() - t0
             except BuildError as exc:
                 raise click.ClickException(f"{spec.name}: {exc}") from None
         for w in caught:
             if issubclass(w.category, BuildWarning):
                 click.echo(f"derivgen: warning: {w.message}", err=True)
-        click.echo(f"{spec.name:<18} {lib}")
+        what = "cached" if cached else f"compiled in {took:.1f} s"
+        click.echo(f"{spec.name:<18} {what:<18} {lib}")
 
 
 def _shape(text: str) -> tuple[int, ...]:

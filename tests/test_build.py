@@ -80,6 +80,10 @@ def test_build_command(cache, monkeypatch):
     assert r.returncode == 0, r.stderr
     libs = [line.split()[-1] for line in r.stdout.splitlines()]
     assert len(libs) == 2 and all(Path(p).is_file() and Path(p).parent == cache for p in libs)
+    assert all(" compiled in " in line for line in r.stdout.splitlines())
+    again = subprocess.run([sys.executable, "-m", "derivgen", "build", "rmsnorm"], capture_output=True, text=True,
+                           env=dict(os.environ, DERIVGEN_CACHE=str(cache)), timeout=600)
+    assert again.returncode == 0 and " cached " in again.stdout and again.stdout.split()[-1] == libs[0]
     r = subprocess.run([sys.executable, "-m", "derivgen", "build", "rmsnorm"], capture_output=True, text=True,
                        env=dict(os.environ, DERIVGEN_CACHE=str(cache), CFLAGS="-O2 -fno-such-flag"), timeout=600)
     assert r.returncode == 1 and "no-such-flag" in r.stderr and "Traceback" not in r.stderr
