@@ -139,8 +139,14 @@ static void Dg_configure(int64_t stream_bytes, int64_t tile_bytes)
 #define DG_ISA "scalar"
 #endif
 
+/* read-ahead into L2 (prefetcht1), not L1: measured side by side on an AVX2 and an AVX-512
+ * build (Zen 4), layer norm at 8192x1024 was 1.15-1.25x faster forward and 1.05-1.1x
+ * backward. Rows that are not a multiple of 4 KiB showed the same, so L1 set conflicts
+ * between the rows of x, dy and the parameters are not the reason; a likely one (not
+ * measured: no hardware counters on these machines) is that lines prefetched into L1
+ * displace the ones the later sweeps of the current row still read */
 #if defined(__GNUC__)
-#define DG_PREFETCH(p) __builtin_prefetch(p)
+#define DG_PREFETCH(p) __builtin_prefetch((p), 0, 2)
 #else
 #define DG_PREFETCH(p) ((void)(p))
 #endif
