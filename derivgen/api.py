@@ -74,7 +74,8 @@ _LOADED: dict[tuple, object] = {}   # (backend, digest, cflags) and (spec, backe
 
 
 def load(name_or_spec, backend: str = "numpy", *, cflags: list[str] | None = None):
-    """Import a layer's generated module: ``forward``/``backward`` over NumPy or C.
+    """Import a layer's generated module: ``forward``/``backward`` over NumPy or C
+    (or, ``backend="torch"``, the closed forms as PyTorch operations; see derivgen.torch).
 
     The code is generated from the spec into the derivgen cache directory (so
     it works from an installed package too) and imported from there; the C
@@ -87,8 +88,8 @@ def load(name_or_spec, backend: str = "numpy", *, cflags: list[str] | None = Non
     import importlib.util
     import sys
 
-    if backend not in ("numpy", "c"):
-        raise ValueError(f"backend must be 'numpy' or 'c', got {backend!r}")
+    if backend not in ("numpy", "c", "torch"):
+        raise ValueError(f"backend must be 'numpy', 'c' or 'torch', got {backend!r}")
     if cflags is not None and backend != "c":
         raise ValueError("cflags= applies to the C backend only")
     spec = name_or_spec if isinstance(name_or_spec, Spec) else load_spec(name_or_spec)

@@ -135,12 +135,13 @@ def prove_cmd(names, spec_files, prove_sizes):
 @cli.command("generate")
 @click.argument("names", nargs=-1)
 @click.option("--spec", "spec_files", multiple=True, type=click.Path(dir_okay=False), help="Spec file(s) to generate.")
-@click.option("--target", type=click.Choice(["numpy", "c"]), multiple=True, help="Targets (default: both).")
+@click.option("--target", type=click.Choice(["numpy", "c", "torch"]), multiple=True,
+              help="Targets (default: all three).")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None,
               help="Output directory (default: generated/ in the current directory).")
 @click.option("--check", is_flag=True, help="Write nothing; exit 1 listing files that are stale.")
 def generate_cmd(names, spec_files, target, out_dir, check):
-    """Regenerate NumPy and C code (default: the whole catalogue into ./generated)."""
+    """Regenerate NumPy, C and PyTorch code (default: the whole catalogue into ./generated)."""
     from . import generate as gen
     targets = tuple(target) or gen.TARGETS
     specs = _specs(names, spec_files)

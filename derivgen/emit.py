@@ -30,11 +30,11 @@ from .api import Derivation, derive
 from .cplan import CTYPES, CPlanner
 from .engine import G, ModeDerivation
 from .naming import code_text, derived
-from .printers import _SPEC_FOR_PRINTING, c_expr, np_expr, np_store, np_sum
+from .printers import _SPEC_FOR_PRINTING, c_expr, np_expr, np_store, np_sum, torch_expr
 from .reduce import Mean, means
 from .spec import DY, N, X, Spec
 
-TEMPLATE_FILES = {"numpy": "numpy.py.j2", "c": "kernel.c.j2", "h": "kernel.h.j2", "cbind": "cbinding.py.j2",
+TEMPLATE_FILES = {"numpy": "numpy.py.j2", "torch": "torch.py.j2", "c": "kernel.c.j2", "h": "kernel.h.j2", "cbind": "cbinding.py.j2",
                   "kernels": "derivgen-kernels.h.j2"}
 SHARED_HEADER = "derivgen-kernels.h"     # no spec name has a hyphen: it cannot collide with a layer
 
@@ -264,6 +264,7 @@ def emit(d: Derivation, targets=("numpy", "c")) -> Emitted:
     spec = d.spec
     env = _env()
     env.filters["np"] = lambda e: np_expr(e, spec)
+    env.filters["torch"] = lambda e: torch_expr(e, spec)
     env.filters["npsum"] = lambda e, axes: np_sum(e, axes, spec)
     env.filters["code"] = lambda e: code_text(e, spec)
     env.globals["mean_of"] = Mean
@@ -278,6 +279,9 @@ def emit(d: Derivation, targets=("numpy", "c")) -> Emitted:
     if "numpy" in targets:
         ctx_np = dict(ctx, template=TEMPLATE_FILES["numpy"])
         out.files[f"numpy/{spec.name}.py"] = env.get_template(TEMPLATE_FILES["numpy"]).render(**ctx_np)
+    if "torch" in targets:
+        ctx_t = dict(ctx, template=TEMPLATE_FILES["torch"])
+        out.files[f"torch/{spec.name}.py"] = env.get_template(TEMPLATE_FILES["torch"]).render(**ctx_t)
     if "c" in targets:
         for key, path in (("h", f"c/{spec.name}.h"), ("c", f"c/{spec.name}.c"), ("cbind", f"c/{spec.name}.py"),
                           ("kernels", f"c/{SHARED_HEADER}")):

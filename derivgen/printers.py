@@ -41,6 +41,12 @@ def np_expr(e: sympy.Expr, spec: Spec | None = None) -> str:
     return _NumPy(ordered_names(spec)).doprint(e).replace("numpy.", "_np.")
 
 
+def torch_expr(e: sympy.Expr, spec: Spec | None = None) -> str:
+    """PyTorch text: the NumPy printing with the functions of ``derivgen.torch._target``
+    (imported as ``_t``), which take tensors and plain numbers alike."""
+    return _NumPy(ordered_names(spec)).doprint(e).replace("numpy.", "_t.")
+
+
 def _plain_pair(e: sympy.Expr, kind) -> bool:
     """``e`` is a sum or product (``kind``) of exactly two operands that print as
     themselves: no number, and no reciprocal (a/b prints as a division, which

@@ -1,0 +1,24 @@
+"""derivgen layers in PyTorch: operators, autograd, and drop-in ``torch.nn`` modules.
+
+    import derivgen.torch as dt
+    model = dt.convert(model)                 # torch.nn norms -> derivgen twins, same state
+    norm = dt.LayerNorm(1024)                 # the torch.nn.LayerNorm constructor
+    mine = dt.Module("my_norm.toml", 256)     # any spec, as a module
+
+torch is an optional dependency (``pip install 'derivgen[torch]'``, which pins
+the CPU wheel). See :mod:`derivgen.torch.ops` for the operators and
+:mod:`derivgen.torch.nn` for the modules.
+"""
+
+try:
+    import torch as _torch  # noqa: F401
+except ImportError as e:      # pragma: no cover - exercised by a subprocess test
+    raise ImportError("derivgen.torch needs PyTorch, an optional dependency: "
+                      "pip install 'derivgen[torch]' (torch==2.13.0, the CPU wheel)") from e
+
+from .nn import (BatchNorm1d, BatchNorm2d, BatchNorm3d, GroupNorm, InstanceNorm1d, InstanceNorm2d,  # noqa: E402
+                 InstanceNorm3d, LayerNorm, Module, RMSNorm, convert, function)
+from .ops import layer  # noqa: E402
+
+__all__ = ["LayerNorm", "RMSNorm", "BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "InstanceNorm1d",
+           "InstanceNorm2d", "InstanceNorm3d", "GroupNorm", "Module", "convert", "function", "layer"]

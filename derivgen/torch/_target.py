@@ -1,0 +1,82 @@
+"""What the generated PyTorch modules (``generated/torch/<layer>.py``) call.
+
+The printed expressions name their functions ``_t.sqrt``, ``_t.exp`` ...: here
+they take tensors and plain numbers alike (a group size N is a Python int, a
+statistic a tensor). The reductions are over the 4-D view (O, G, Cg, S) of
+:class:`derivgen.runtime.Layout`, as in the NumPy target.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+pi = math.pi
+
+
+def _unary(tfn, mfn):
+    def f(a):
+        return tfn(a) if isinstance(a, torch.Tensor) else mfn(a)
+    f.__name__ = tfn.__name__
+    return f
+
+
+def _msign(a):
+    return (a > 0) - (a < 0)
+
+
+sqrt = _unary(torch.sqrt, math.sqrt)
+exp = _unary(torch.exp, math.exp)
+log = _unary(torch.log, math.log)
+tanh = _unary(torch.tanh, math.tanh)
+abs = _unary(torch.abs, lambda a: -a if a < 0 else a)   # noqa: A001  (the printed name)
+sign = _unary(torch.sign, _msign)
+
+
+def group_mean(L):
+    """``_mean``: the mean over each normalization group, keeping the 4 dimensions.
+    An operand constant along some reduced axes (a parameter) has the same mean
+    as its broadcast, so it is not expanded."""
+    dims = L.reduce_axes
+
+    def mean(a):
+        return a.mean(dim=dims, keepdim=True)
+    return mean
+
+
+def group_mean_prod(L):
+    """``_mean_prod(a, b)`` and ``_mean_sq(a)`` (one argument): the group mean of a*b."""
+    mean = group_mean(L)
+
+    def mean_prod(a, b=None):
+        return mean(a * (a if b is None else b))
+    return mean_prod
+
+
+def _full(a, x):
+    a = a if isinstance(a, torch.Tensor) else torch.as_tensor(a, dtype=x.dtype, device=x.device)
+    return a.expand(x.shape) if tuple(a.shape) != tuple(x.shape) else a
+
+
+def elementwise(a, x):
+    """An element-level result (y, dx) with the shape of the 4-D x."""
+    return _full(a, x)
+
+
+def per_group(a, x, L):
+    """A group-level value as a (O, G, 1, 1) or (1, G, 1, 1) tensor."""
+    a = a if isinstance(a, torch.Tensor) else torch.as_tensor(a, dtype=x.dtype, device=x.device)
+    return a.expand(L.stat4)
+
+
+def param_sum(a, x, L, scalar: bool):
+    """A parameter gradient: the element contributions summed over the axes the
+    parameter does not span ((0, 3) of the view), or over everything for a scalar."""
+    full = _full(a, x)
+    return full.sum() if scalar else full.sum(dim=L.param_axes, keepdim=True)
+
+
+def group_total(a, x, L):
+    """The sum over all groups of a group-level value (a scalar parameter in the statistics)."""
+    return per_group(a, x, L).sum()

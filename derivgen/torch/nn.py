@@ -1,0 +1,322 @@
+"""Drop-in ``torch.nn`` normalization modules over derivgen's operators.
+
+Each class *is* its torch.nn namesake (a subclass): the same constructor
+arguments and defaults, attributes, ``reset_parameters``, ``extra_repr`` and
+``state_dict`` keys, and ``isinstance(m, torch.nn.LayerNorm)`` holds. Only the
+arithmetic is replaced: the forward and backward run derivgen's generated C
+kernels (see :mod:`derivgen.torch.ops`), and running buffers are updated
+with the spec's own update rule.
+
+``convert(model)`` swaps every supported torch.nn norm in a model for its
+twin, keeping parameters, buffers, device, dtype and training mode.
+:class:`Module` makes any spec (a catalogue name or a spec file) a module.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .ops import layer
+
+__all__ = ["LayerNorm", "RMSNorm", "BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "InstanceNorm1d",
+           "InstanceNorm2d", "InstanceNorm3d", "GroupNorm", "Module", "convert", "function"]
+
+
+def _param(p, like, shape, fill):
+    """A parameter, or the constant a torch.nn module uses when it has none
+    (affine=False, bias=False): ones for a scale, zeros for a shift."""
+    if p is not None:
+        return p
+    return like.new_full(tuple(shape), fill)
+
+
+class _Twin:
+    """Binds the derivgen layers a twin uses when it is made (by its constructor or by
+    :func:`convert`), so that the forward is plain attribute access: nothing for
+    torch.compile to trace but the operators."""
+
+    _DG_LAYERS: tuple[str, ...] = ()
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._dg_bind()
+
+    def _dg_bind(self):
+        self._dg = {n: layer(n) for n in self._DG_LAYERS}
+
+
+class LayerNorm(_Twin, nn.LayerNorm):
+    """torch.nn.LayerNorm, computed by derivgen's layer ``layernorm``."""
+
+    _DG_LAYERS = ("layernorm",)
+
+    def forward(self, input):
+        lay = self._dg["layernorm"]
+        shape = self.normalized_shape
+        y, _ = lay.forward(input, {"gamma": _param(self.weight, input, shape, 1.0),
+                                   "beta": _param(self.bias, input, shape, 0.0)},
+                           {}, {"eps": self.eps})
+        return y
+
+
+class RMSNorm(_Twin, nn.RMSNorm):
+    """torch.nn.RMSNorm, computed by derivgen's layer ``rmsnorm`` (eps=None is the
+    machine epsilon of the input's dtype, as in torch)."""
+
+    _DG_LAYERS = ("rmsnorm",)
+
+    def forward(self, x):
+        lay = self._dg["rmsnorm"]
+        eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
+        y, _ = lay.forward(x, {"gamma": _param(self.weight, x, self.normalized_shape, 1.0)}, {}, {"eps": eps})
+        return y
+
+
+class _BatchNormMixin(_Twin):
+    """The forward of torch.nn's _BatchNorm with derivgen's ``batchnorm`` layer."""
+
+    _DG_LAYERS = ("batchnorm",)
+
+    def forward(self, input):
+        self._check_input_dim(input)
+        lay = self._dg["batchnorm"]
+        momentum = self.momentum if self.momentum is not None else 0.0
+        if self.training and self.track_running_stats and self.num_batches_tracked is not None:
+            self.num_batches_tracked.add_(1)
+            if self.momentum is None:        # cumulative moving average, as a tensor (no graph break)
+                momentum = self.num_batches_tracked.to(torch.float64).reciprocal()
+        use_batch = self.training or (self.running_mean is None and self.running_var is None)
+        c = input.shape[1]
+        params = {"gamma": _param(self.weight, input, (c,), 1.0), "beta": _param(self.bias, input, (c,), 0.0)}
+        options = {"eps": self.eps, "momentum": momentum if isinstance(momentum, float) else 0.0}
+        if use_batch:
+            y, stats = lay.forward(input, params, {}, options, training=True)
+            if self.training and self.track_running_stats:
+                n = input.numel() // c
+                lay.update_buffers(stats, {"running_mean": self.running_mean, "running_var": self.running_var},
+                                   {"eps": self.eps, "momentum": momentum}, n)
+            return y
+        y, _ = lay.forward(input, params, {}, options, training=False,
+                           buffers={"running_mean": self.running_mean, "running_var": self.running_var})
+        return y
+
+
+class BatchNorm1d(_BatchNormMixin, nn.BatchNorm1d):
+    """torch.nn.BatchNorm1d, computed by derivgen's layer ``batchnorm``."""
+
+
+class BatchNorm2d(_BatchNormMixin, nn.BatchNorm2d):
+    """torch.nn.BatchNorm2d, computed by derivgen's layer ``batchnorm``."""
+
+
+class BatchNorm3d(_BatchNormMixin, nn.BatchNorm3d):
+    """torch.nn.BatchNorm3d, computed by derivgen's layer ``batchnorm``."""
+
+
+class _InstanceNormMixin(_Twin):
+    """torch.nn's _InstanceNorm with derivgen's ``instancenorm`` layer; with
+    track_running_stats, the running statistics are the batch means of the
+    per-instance ones (as torch.nn does), and eval mode normalizes with them
+    through derivgen's ``batchnorm`` eval operator (the same arithmetic)."""
+
+    _DG_LAYERS = ("instancenorm", "batchnorm")
+
+    def _apply_instance_norm(self, input):
+        c = input.shape[1]
+        params = {"gamma": _param(self.weight, input, (c,), 1.0), "beta": _param(self.bias, input, (c,), 0.0)}
+        if self.training or not self.track_running_stats:
+            y, stats = self._dg["instancenorm"].forward(input, params, {}, {"eps": self.eps})
+            if self.training and self.running_mean is not None:
+                S = input.numel() // (input.shape[0] * c)
+                self._dg["batchnorm"].update_buffers(
+                    {k: stats[k] for k in ("mean", "var", "rstd")},
+                    {"running_mean": self.running_mean, "running_var": self.running_var},
+                    {"eps": self.eps, "momentum": self.momentum if self.momentum is not None else 0.0}, S,
+                    reduce_dims=(input.shape[0],))
+            return y
+        y, _ = self._dg["batchnorm"].forward(input, params, {}, {"eps": self.eps, "momentum": 0.0}, training=False,
+                                          buffers={"running_mean": self.running_mean,
+                                                   "running_var": self.running_var})
+        return y
+
+
+class InstanceNorm1d(_InstanceNormMixin, nn.InstanceNorm1d):
+    """torch.nn.InstanceNorm1d, computed by derivgen's layer ``instancenorm``."""
+
+
+class InstanceNorm2d(_InstanceNormMixin, nn.InstanceNorm2d):
+    """torch.nn.InstanceNorm2d, computed by derivgen's layer ``instancenorm``."""
+
+
+class InstanceNorm3d(_InstanceNormMixin, nn.InstanceNorm3d):
+    """torch.nn.InstanceNorm3d, computed by derivgen's layer ``instancenorm``."""
+
+
+class GroupNorm(_Twin, nn.GroupNorm):
+    """torch.nn.GroupNorm, computed by derivgen's layer ``groupnorm``."""
+
+    _DG_LAYERS = ("groupnorm",)
+
+    def forward(self, input):
+        c = input.shape[1]
+        y, _ = self._dg["groupnorm"].forward(
+            input, {"gamma": _param(self.weight, input, (c,), 1.0), "beta": _param(self.bias, input, (c,), 0.0)},
+            {}, {"eps": self.eps}, num_groups=self.num_groups)
+        return y
+
+
+# ------------------------------------------------------------------ any spec
+
+class Module(nn.Module):
+    """Any derivgen layer as a module: ``Module(spec, size, num_groups=..., **options)``.
+
+    spec: a catalogue name, a spec file path or a Spec. size: the normalized
+    shape for a trailing layout (an int or a tuple, as torch.nn.LayerNorm's
+    normalized_shape), the number of channels C for a channel layout.
+    Parameters are the spec's, named as in the spec and initialized with its
+    ``init`` values; buffers likewise (updated in training mode with the
+    spec's rule). Options are attributes (``m.eps``); the spec's per-group
+    inputs are keyword arguments of ``forward`` (``m(x, prev_mean=..., prev_std=...)``).
+    """
+
+    def __init__(self, spec, size, *, num_groups: int | None = None, device=None, dtype=None, **options):
+        super().__init__()
+        self._layer = layer(spec)
+        meta = self._layer.meta
+        self.layer_name = meta["name"]
+        unknown = set(options) - set(meta["options"])
+        if unknown:
+            raise TypeError(f"{self.layer_name}: unknown option(s) {sorted(unknown)}; options are {list(meta['options'])}")
+        for o, (default, lo, hi) in meta["options"].items():
+            v = options.get(o, default)
+            if v is None:
+                raise TypeError(f"{self.layer_name}: option {o} is required (it has no default)")
+            setattr(self, o, float(v))
+        if meta["reduce"] == "group":
+            if not isinstance(num_groups, int) or num_groups <= 0:
+                raise TypeError(f"{self.layer_name}: num_groups must be a positive int, got {num_groups!r}")
+        self.num_groups = num_groups or 0
+        if isinstance(size, int):
+            size = (size,)
+        self.size = tuple(int(s) for s in size)
+        kw = {"device": device, "dtype": dtype}
+        for p in meta["params"]:
+            shape = () if p in meta["scalar_params"] else self.size
+            self.register_parameter(p, nn.Parameter(torch.full(shape, float(meta["param_init"][p]), **kw)))
+        if meta["buffers"]:
+            if meta["layout"] != "channels" or meta["reduce"] != "batch":
+                raise ValueError(f"{self.layer_name}: buffers are supported for a batch-reduced layer only")
+            for b in meta["buffers"]:
+                self.register_buffer(b, torch.full(self.size, float(meta["buffer_init"][b]), **kw))
+
+    def extra_repr(self) -> str:
+        opts = ", ".join(f"{o}={getattr(self, o)}" for o in self._layer.meta["options"])
+        return f"{self.layer_name}, {self.size}" + (f", {opts}" if opts else "")
+
+    def forward(self, x, **inputs):
+        lay, meta = self._layer, self._layer.meta
+        missing = [i for i in meta["inputs"] if i not in inputs]
+        extra = set(inputs) - set(meta["inputs"])
+        if missing or extra:
+            raise TypeError(f"{self.layer_name}: forward takes the per-group inputs {meta['inputs']} as keywords"
+                            + (f"; missing {missing}" if missing else "") + (f"; unknown {sorted(extra)}" if extra else ""))
+        ins = {i: (v if isinstance(v, torch.Tensor) else torch.tensor(float(v), dtype=x.dtype))
+               for i, v in inputs.items()}
+        params = {p: getattr(self, p) for p in meta["params"]}
+        options = {o: getattr(self, o) for o in meta["options"]}
+        bufs = {b: getattr(self, b) for b in meta["buffers"]}
+        y, stats = lay.forward(x, params, ins, options, training=self.training, buffers=bufs,
+                               num_groups=self.num_groups)
+        if self.training and bufs:
+            lay.update_buffers(stats, bufs, options, x.numel() // x.shape[1])
+        return y
+
+
+class _Function:
+    """A layer as a function of tensors (see :func:`function`)."""
+
+    def __init__(self, spec):
+        self._layer = layer(spec)
+
+    def __call__(self, x, *, training: bool = True, num_groups: int = 0, **kw):
+        meta = self._layer.meta
+        known = {*meta["params"], *meta["inputs"], *meta["options"], *meta["buffers"]}
+        unknown = set(kw) - known
+        if unknown:
+            raise TypeError(f"{meta['name']}: unknown argument(s) {sorted(unknown)}; arguments are {sorted(known)}")
+        params = {}
+        for p in meta["params"]:
+            if p not in kw:
+                raise TypeError(f"{meta['name']}: parameter {p} is required")
+            params[p] = kw[p]
+        options = {}
+        for o, (default, _, _) in meta["options"].items():
+            options[o] = kw.get(o, default)
+            if options[o] is None:
+                raise TypeError(f"{meta['name']}: option {o} is required")
+        ins = {}
+        for i in meta["inputs"]:
+            if i not in kw:
+                raise TypeError(f"{meta['name']}: input {i} is required")
+            v = kw[i]
+            ins[i] = v if isinstance(v, torch.Tensor) else torch.tensor(float(v), dtype=x.dtype)
+        bufs = {b: kw.get(b) for b in meta["buffers"]}
+        if not training and any(v is None for v in bufs.values()):
+            raise ValueError(f"{meta['name']}: training=False normalizes with the buffers {meta['buffers']}; pass them")
+        y, stats = self._layer.forward(x, params, ins, options, training=training, buffers=bufs,
+                                       num_groups=num_groups)
+        if training and bufs and all(v is not None for v in bufs.values()):
+            self._layer.update_buffers(stats, bufs, options, x.numel() // x.shape[1])
+        return y
+
+
+def function(spec):
+    """A layer as a function: ``f = function("layernorm"); y = f(x, gamma=w, beta=b, eps=1e-5)``.
+    Parameters, per-group inputs and options are keywords (options default as in the
+    spec); ``training=False`` normalizes with the buffers passed as keywords, which
+    training mode updates in place when given."""
+    return _Function(spec)
+
+
+# ------------------------------------------------------------------ convert
+
+_TWINS = {
+    nn.LayerNorm: LayerNorm, nn.RMSNorm: RMSNorm,
+    nn.BatchNorm1d: BatchNorm1d, nn.BatchNorm2d: BatchNorm2d, nn.BatchNorm3d: BatchNorm3d,
+    nn.InstanceNorm1d: InstanceNorm1d, nn.InstanceNorm2d: InstanceNorm2d, nn.InstanceNorm3d: InstanceNorm3d,
+    nn.GroupNorm: GroupNorm,
+}
+
+
+def _twin_of(m: nn.Module) -> nn.Module | None:
+    cls = _TWINS.get(type(m))
+    if cls is None:
+        return None
+    new = cls.__new__(cls)
+    new.__dict__.update(m.__dict__)        # the same parameters, buffers, hooks, attributes and mode
+    new.__dict__["_parameters"] = dict(m._parameters)
+    new.__dict__["_buffers"] = dict(m._buffers)
+    new.__dict__["_modules"] = dict(m._modules)
+    new._dg_bind()
+    return new
+
+
+def convert(model: nn.Module) -> nn.Module:
+    """Replace every torch.nn LayerNorm, RMSNorm, BatchNorm1d/2d/3d, InstanceNorm1d/2d/3d
+    and GroupNorm in ``model`` (in place; the root too) by its derivgen twin, sharing
+    the same parameter and buffer tensors (an optimizer built before keeps working).
+    Subclasses of those (torch's SyncBatchNorm, user classes) are left alone.
+    Returns the model (the twin when ``model`` itself is a norm)."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"convert: model must be a torch.nn.Module, got {type(model).__name__}")
+    root = _twin_of(model)
+    if root is not None:
+        return root
+    for name, child in list(model.named_children()):
+        twin = _twin_of(child)
+        if twin is not None:
+            setattr(model, name, twin)
+        else:
+            convert(child)
+    return model

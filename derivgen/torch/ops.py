@@ -1,0 +1,373 @@
+"""Every derived layer as PyTorch operators in the ``derivgen`` namespace.
+
+For each mode of a layer (``train``; ``eval`` where the spec has one) two
+operators, defined with explicit schemas and no mutation::
+
+    derivgen::<layer>_<mode>_forward(x, params..., inputs..., [buffers...], options..., groups)
+        -> (y, statistic...)
+    derivgen::<layer>_<mode>_backward(dy, x, params..., inputs..., [buffers...], statistics...,
+                                      options..., groups)
+        -> (dx, dparam..., dinput...)
+
+Their CPU kernels are the generated C (``derivgen.load(spec, "c")``), called
+on the tensors' own memory: a contiguous float32/float64 tensor is passed
+without a copy, and the kernels run without the GIL. Statistics are float64,
+one value per normalization group, and are not differentiable (they are what
+the backward needs; a loss that uses them gets an error, not a silent zero).
+
+* ``register_fake`` gives shapes and dtypes, so ``torch.compile`` traces a
+  model through the operators without graph breaks;
+* the forward's ``register_autograd`` calls the backward operator;
+* the backward operator's own ``register_autograd`` differentiates the
+  generated PyTorch target (``derivgen.load(spec, "torch")``), whose backward
+  computes the statistics from x again: second and higher derivatives
+  (``create_graph=True``, ``gradgradcheck``) are exact.
+
+Running buffers are not touched by the operators: :mod:`derivgen.torch.nn`
+updates them with the spec's update rule (``update_buffers`` of the torch
+target), so the operators stay functional.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .. import runtime as rt
+from ..api import load, load_spec, materialize
+from ..spec import Spec, catalogue_names, load_catalogue
+
+_LIB = torch.library.Library("derivgen", "FRAGMENT")
+_LOCK = threading.RLock()
+_LAYERS: dict[str, "TorchLayer"] = {}
+_DTYPES = (torch.float32, torch.float64)
+
+
+def layer(spec_or_name) -> "TorchLayer":
+    """The operators of a catalogue layer (by name), a spec file or a Spec,
+    registered on first use."""
+    spec = spec_or_name if isinstance(spec_or_name, Spec) else load_spec(spec_or_name)
+    base = op_base(spec)
+    with _LOCK:
+        if base not in _LAYERS:
+            _LAYERS[base] = TorchLayer(spec, base)
+        return _LAYERS[base]
+
+
+def op_base(spec: Spec) -> str:
+    """A catalogue layer's operators are named after it; any other spec's carry the
+    digest of its generated code too, so two specs with one name never collide."""
+    if spec.name in catalogue_names() and load_catalogue(spec.name) == spec:
+        return spec.name
+    return f"{spec.name}_{materialize(spec, 'c')[1][:12]}"
+
+
+@dataclass(frozen=True)
+class ModeOps:
+    mode: str
+    forward: object        # torch._ops.OpOverload
+    backward: object
+
+
+def layout(meta: dict, x_shape, param_shapes: dict, groups: int) -> rt.Layout:
+    """The 4-D view of x from shapes alone (works on fake and symbolic shapes too);
+    the same view the NumPy/C runtime resolves, with the same errors."""
+    name = meta["name"]
+    nd = len(x_shape)
+    if meta["layout"] == "trailing":
+        spanning = [p for p in meta["params"] if p not in meta["scalar_params"]]
+        k = len(param_shapes[spanning[0]]) if spanning else meta["axes"]
+        if k == 0:
+            raise ValueError(f"{name}: {spanning[0]} must have at least one dimension (it defines the normalized axes)")
+        if nd < k or (spanning and tuple(x_shape[nd - k:]) != tuple(param_shapes[spanning[0]])):
+            raise ValueError(f"{name}: the normalized shape {tuple(param_shapes[spanning[0]]) if spanning else k} "
+                             f"must be the trailing axes of x (shape {tuple(x_shape)})")
+        lead, norm = tuple(x_shape[:nd - k]), tuple(x_shape[nd - k:])
+        return rt.Layout(O=math.prod(lead), G=1, Cg=math.prod(norm), S=1, per_sample=True,
+                         x_shape=tuple(x_shape), param_shape=norm, group_shape=lead)
+    red = meta["reduce"]
+    if nd < (3 if red == "instance" else 2):
+        raise ValueError(f"{name}: x must have shape (N, C, *spatial), got {tuple(x_shape)}")
+    n, c, S = x_shape[0], x_shape[1], math.prod(x_shape[2:])
+    if red == "batch":
+        return rt.Layout(O=n, G=c, Cg=1, S=S, per_sample=False, x_shape=tuple(x_shape), param_shape=(c,),
+                         group_shape=(c,))
+    if red == "instance":
+        return rt.Layout(O=n, G=c, Cg=1, S=S, per_sample=True, x_shape=tuple(x_shape), param_shape=(c,),
+                         group_shape=(n, c))
+    if groups <= 0 or c % groups:
+        raise ValueError(f"{name}: num_groups={groups} must be positive and divide the number of channels C={c}")
+    return rt.Layout(O=n, G=groups, Cg=c // groups, S=S, per_sample=True, x_shape=tuple(x_shape),
+                     param_shape=(c,), group_shape=(n, groups))
+
+
+def _check(name: str, what: str, t) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: {what} must be a torch.Tensor, got {type(t).__name__}")
+    if t.device.type not in ("cpu", "meta"):
+        raise ValueError(f"{name}: {what} is on {t.device}; derivgen's kernels run on the CPU")
+    if t.dtype not in _DTYPES:
+        raise TypeError(f"{name}: {what} has dtype {t.dtype}; derivgen.torch supports float32 and float64")
+
+
+def _ret(values: tuple):
+    """An operator with one output returns a Tensor, not a 1-tuple (its schema says ``-> Tensor``)."""
+    return values[0] if len(values) == 1 else values
+
+
+def _tup(out) -> tuple:
+    return (out,) if isinstance(out, torch.Tensor) else tuple(out)
+
+
+def _np(t: torch.Tensor) -> np.ndarray:
+    """The tensor's memory as a NumPy array (no copy; the runtime copies a
+    non-contiguous one once, as for NumPy callers)."""
+    return t.detach().numpy()
+
+
+class TorchLayer:
+    """One spec's operators, the generated C and PyTorch modules behind them, and
+    the argument bookkeeping the modules share."""
+
+    def __init__(self, spec: Spec, base: str):
+        self.spec, self.base = spec, base
+        self.ckernel = load(spec, "c")
+        self.target = load(spec, "torch")
+        self.meta = self.ckernel._META
+        m = self.meta
+        self.params, self.inputs, self.buffers = list(m["params"]), list(m["inputs"]), list(m["buffers"])
+        self.options = list(m["options"])
+        self.grads_type = rt.grads_type(spec.name, rt.grad_fields(m))
+        self.modes = {mode: self._register(mode) for mode in m["modes"]}
+
+    # one object per spec and process: copies of a module share it, a pickle names the spec
+    def __copy__(self):
+        return self
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def __reduce__(self):
+        return (layer, (self.spec,))
+
+    # ---------------------------------------------------------------- schema
+    def _args(self, mode: str) -> list[tuple[str, str, str]]:
+        """(schema type, schema name, spec name) of a forward operator's arguments."""
+        a = [("Tensor", "x", "x")]
+        a += [("Tensor", f"p{k}", p) for k, p in enumerate(self.params)]
+        a += [("Tensor", f"i{k}", i) for k, i in enumerate(self.inputs)]
+        if mode == "eval":
+            a += [("Tensor", f"b{k}", b) for k, b in enumerate(self.buffers)]
+        a += [("float", f"o{k}", o) for k, o in enumerate(self.options)]
+        a.append(("int", "groups", "num_groups"))
+        return a
+
+    def _register(self, mode: str) -> ModeOps:
+        fargs = self._args(mode)
+        stats = self.meta["stats"][mode]
+        fname, bname = f"{self.base}_{mode}_forward", f"{self.base}_{mode}_backward"
+        fschema = "(" + ", ".join(f"{t} {n}" for t, n, _ in fargs) + ") -> (" + ", ".join(
+            ["Tensor"] * (1 + len(stats))) + ")"
+        tensor_args = [a for a in fargs if a[0] == "Tensor"]
+        bargs = [("Tensor", "dy", "dy")] + tensor_args + [("Tensor", f"s{k}", s) for k, s in enumerate(stats)] + [
+            a for a in fargs if a[0] != "Tensor"]
+        nout = 1 + len(self.params) + len(self.inputs)
+        bschema = "(" + ", ".join(f"{t} {n}" for t, n, _ in bargs) + ") -> (" + ", ".join(["Tensor"] * nout) + ")"
+        _LIB.define(fname + fschema)
+        _LIB.define(bname + bschema)
+        _LIB.impl(fname, self._forward_impl(mode, fargs), "CPU")
+        _LIB.impl(bname, self._backward_impl(mode, bargs), "CPU")
+        fop = getattr(torch.ops.derivgen, fname).default
+        bop = getattr(torch.ops.derivgen, bname).default
+        torch.library.register_fake(fop, self._forward_fake(mode, fargs), lib=_LIB)
+        torch.library.register_fake(bop, self._backward_fake(mode, bargs), lib=_LIB)
+        self._register_autograd(mode, fop, bop, fargs, bargs)
+        return ModeOps(mode, fop, bop)
+
+    def _split(self, names, args) -> dict:
+        return {spec_name: v for (_, _, spec_name), v in zip(names, args)}
+
+    # ---------------------------------------------------------------- kernels
+    def _prepare(self, mode: str, a: dict, out: torch.Tensor) -> rt.ForwardCall:
+        name = self.meta["name"]
+        for k in ["x", *self.params, *self.inputs, *(self.buffers if mode == "eval" else ())]:
+            _check(name, k, a[k])
+        return rt.prepare_forward(
+            self.meta, _np(a["x"]), {p: _np(a[p]) for p in self.params}, {o: a[o] for o in self.options},
+            {i: _np(a[i]) for i in self.inputs},
+            {b: (_np(a[b]) if mode == "eval" else None) for b in self.buffers},
+            training=mode == "train", num_groups=a["num_groups"] if self.meta["reduce"] == "group" else None,
+            out=_np(out))
+
+    def _forward_impl(self, mode, fargs):
+        stats = self.meta["stats"][mode]
+
+        def impl(*args):
+            a = self._split(fargs, args)
+            y = torch.empty(a["x"].shape, dtype=a["x"].dtype)
+            call = self._prepare(mode, a, y)
+            _, cache = self.ckernel._kernel.forward(call)
+            return _ret((y, *(torch.from_numpy(cache.stats[s]) for s in stats)))
+        return impl
+
+    def _backward_impl(self, mode, bargs):
+        stats = self.meta["stats"][mode]
+
+        def impl(*args):
+            a = self._split(bargs, args)
+            x, dy = a["x"], a["dy"]
+            _check(self.meta["name"], "dy", dy)
+            dx = torch.empty(x.shape, dtype=x.dtype)
+            call = self._prepare(mode, a, dx)
+            st = {}
+            for s in stats:
+                t = a[s]
+                if t.dtype != torch.float64 or t.numel() != call.layout.n_groups:
+                    raise ValueError(f"{self.meta['name']}: statistic {s} must be float64 with one value per "
+                                     f"group ({call.layout.n_groups}), got {t.dtype} {tuple(t.shape)}")
+                st[s] = _np(t.contiguous()).reshape(-1)
+            dparams = {p: torch.empty(a[p].shape, dtype=x.dtype) for p in self.params}
+            bc = rt.prepare_backward(self.meta, _np(dy), call.cache(st),
+                                     {"dx": _np(dx), **{"d" + p: _np(t).reshape(call.layout.param_shape)
+                                                        if p not in self.meta["scalar_params"] else _np(t).reshape(())
+                                                        for p, t in dparams.items()}})
+            g = self.ckernel._kernel.backward(bc, self.grads_type)
+            out = [dx, *dparams.values()]
+            for i in self.inputs:
+                v = torch.from_numpy(np.asarray(getattr(g, "d" + i)))
+                out.append(v.reshape(a[i].shape).to(x.dtype))
+            return _ret(tuple(out))
+        return impl
+
+    # ---------------------------------------------------------------- fake
+    def _forward_fake(self, mode, fargs):
+        stats = self.meta["stats"][mode]
+
+        def fake(*args):
+            a = self._split(fargs, args)
+            x = a["x"]
+            L = layout(self.meta, x.shape, {p: a[p].shape for p in self.params}, a["num_groups"])
+            return _ret((x.new_empty(x.shape), *(x.new_empty((L.n_groups,), dtype=torch.float64) for _ in stats)))
+        return fake
+
+    def _backward_fake(self, mode, bargs):
+        def fake(*args):
+            a = self._split(bargs, args)
+            x = a["x"]
+            return _ret((x.new_empty(x.shape), *(x.new_empty(a[p].shape) for p in self.params),
+                         *(x.new_empty(a[i].shape) for i in self.inputs)))
+        return fake
+
+    # ---------------------------------------------------------------- autograd
+    def _register_autograd(self, mode, fop, bop, fargs, bargs):
+        nstats = len(self.meta["stats"][mode])
+        n_fwd_tensors = sum(1 for t, _, _ in fargs if t == "Tensor")
+        diff = ["x", *self.params, *self.inputs]
+
+        def setup_forward(ctx, inputs, output):
+            ctx.inputs = inputs
+            tensors = [v for (t, _, _), v in zip(fargs, inputs) if t == "Tensor"]
+            output = _tup(output)
+            ctx.save_for_backward(*tensors, *output[1:])
+            if len(output) > 1:
+                ctx.mark_non_differentiable(*output[1:])
+
+        def backward_forward(ctx, dy, *dstats):
+            saved = ctx.saved_tensors
+            tensors, stats = saved[:n_fwd_tensors], saved[n_fwd_tensors:]
+            scalars = [v for (t, _, _), v in zip(fargs, ctx.inputs) if t != "Tensor"]
+            grads = _tup(bop(dy.contiguous(), *tensors, *stats, *scalars))
+            by_name = dict(zip(diff, grads))
+            return tuple(by_name.get(sname) if t == "Tensor" else None for t, _, sname in fargs)
+
+        torch.library.register_autograd(fop, backward_forward, setup_context=setup_forward, lib=_LIB)
+
+        def setup_backward(ctx, inputs, output):
+            ctx.inputs = inputs
+            ctx.save_for_backward(*(v for (t, _, _), v in zip(bargs, inputs) if t == "Tensor"))
+
+        def backward_backward(ctx, *cotangents):
+            tensors = ctx.saved_tensors
+            tnames = [s for t, _, s in bargs if t == "Tensor"]
+            a = dict(zip(tnames, tensors))
+            a.update({s: v for (t, _, s), v in zip(bargs, ctx.inputs) if t != "Tensor"})
+            wrt = ["dy", *diff]
+            outs = [a["x"], *(a[p] for p in self.params), *(a[i] for i in self.inputs)]
+            cot = [torch.zeros_like(o) if c is None else c for c, o in zip(cotangents, outs)]
+
+            def f(*primals):
+                b = dict(a)
+                b.update(zip(wrt, primals))
+                return self.target_backward(mode, b)
+
+            if len(outs) == 1:
+                cot = cot[0]
+            _, vjp = torch.func.vjp(lambda *p: _ret(f(*p)), *(a[w] for w in wrt))
+            g = dict(zip(wrt, vjp(cot if isinstance(cot, torch.Tensor) else tuple(cot))))
+            return tuple(g.get(s) if t == "Tensor" else None for t, _, s in bargs)
+
+        torch.library.register_autograd(bop, backward_backward, setup_context=setup_backward, lib=_LIB)
+
+    # ---------------------------------------------------------------- torch target
+    def views(self, a: dict, L: rt.Layout, mode: str) -> dict:
+        """Keyword arguments of the generated PyTorch functions: 4-D views."""
+        kw = {"_L": L}
+        for p in self.params:
+            kw[p] = a[p].reshape((1, 1, 1, 1) if p in self.meta["scalar_params"] else L.param4)
+        for i in self.inputs:
+            kw[i] = a[i].reshape((1, 1, 1, 1) if a[i].numel() == 1 else L.stat4)
+        for b in self.buffers:
+            v = a.get(b) if mode == "eval" else None
+            kw[b] = None if v is None else v.reshape(L.stat4)
+        for o in self.options:
+            kw[o] = a[o]
+        return kw
+
+    def target_backward(self, mode: str, a: dict) -> tuple:
+        """(dx, dparams..., dinputs...) by the generated PyTorch closed form, shaped as
+        the backward operator returns them."""
+        x = a["x"]
+        L = layout(self.meta, x.shape, {p: a[p].shape for p in self.params}, a["num_groups"])
+        dx, dp, di = self.target.BACKWARD[mode](a["dy"].reshape(L.view4), x.reshape(L.view4),
+                                                **self.views(a, L, mode))
+        out = [dx.reshape(x.shape)]
+        out += [dp[p].reshape(a[p].shape) for p in self.params]
+        for i in self.inputs:
+            v = di[i]
+            out.append(v.sum().reshape(a[i].shape) if a[i].numel() == 1 else v.reshape(a[i].shape))
+        return tuple(out)
+
+    # ---------------------------------------------------------------- calling
+    def forward(self, x, params: dict, inputs: dict, options: dict, *, training: bool = True,
+                buffers: dict | None = None, num_groups: int = 0):
+        """(y, {statistic: float64 per-group tensor}) through the operators (autograd-aware)."""
+        mode = "train" if training or "eval" not in self.modes else "eval"
+        ops = self.modes[mode]
+        args = [x, *(params[p] for p in self.params), *(inputs[i] for i in self.inputs)]
+        if mode == "eval":
+            args += [buffers[b] for b in self.buffers]
+        args += [float(options[o]) for o in self.options]
+        args.append(int(num_groups or 0))
+        out = _tup(ops.forward(*args))
+        return out[0], dict(zip(self.meta["stats"][mode], out[1:]))
+
+    def update_buffers(self, stats: dict, buffers: dict, options: dict, group_size, reduce_dims=()) -> None:
+        """Apply the spec's running-buffer updates in place (no autograd). Statistics are
+        per-group float64 tensors shaped like the buffers, or with extra leading
+        ``reduce_dims`` to average over (instance norm's per-sample statistics)."""
+        with torch.no_grad():
+            shape = next(iter(buffers.values())).shape
+            vals = {}
+            for s, t in stats.items():
+                vals[s] = t.reshape(*reduce_dims, *shape)
+            bufs64 = {b: v.to(torch.float64) for b, v in buffers.items()}
+            opts = {o: (v.to(torch.float64) if isinstance(v, torch.Tensor) else v) for o, v in options.items()}
+            new = self.target.update_buffers(**vals, **bufs64, **opts, N=group_size)
+            for b, v in new.items():
+                if reduce_dims:
+                    v = v.mean(dim=tuple(range(len(reduce_dims))))
+                buffers[b].copy_(v)

@@ -1,0 +1,240 @@
+"""derivgen.torch's modules as drop-in torch.nn twins: constructor variants, state_dict,
+convert, training parity (eager and torch.compile), eval outputs and running buffers."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from conftest import require_module
+
+torch = require_module("torch")
+from torch import nn  # noqa: E402
+
+import derivgen.torch as dt  # noqa: E402
+
+TOL = {torch.float32: dict(rtol=1e-5, atol=1e-6), torch.float64: dict(rtol=1e-10, atol=1e-12)}
+
+VARIANTS = [
+    ("LayerNorm", lambda: nn.LayerNorm(12), (5, 12)),
+    ("LayerNorm-2d-shape", lambda: nn.LayerNorm((3, 4)), (2, 5, 3, 4)),
+    ("LayerNorm-nobias", lambda: nn.LayerNorm(12, bias=False), (5, 12)),
+    ("LayerNorm-noaffine", lambda: nn.LayerNorm(12, elementwise_affine=False), (5, 12)),
+    ("RMSNorm", lambda: nn.RMSNorm(12), (4, 3, 12)),
+    ("RMSNorm-eps", lambda: nn.RMSNorm([12], eps=1e-3), (4, 12)),
+    ("RMSNorm-noaffine", lambda: nn.RMSNorm(12, elementwise_affine=False), (4, 12)),
+    ("BatchNorm1d-NC", lambda: nn.BatchNorm1d(6), (7, 6)),
+    ("BatchNorm1d-NCL", lambda: nn.BatchNorm1d(6), (3, 6, 5)),
+    ("BatchNorm2d", lambda: nn.BatchNorm2d(4), (3, 4, 5, 6)),
+    ("BatchNorm2d-cma", lambda: nn.BatchNorm2d(4, momentum=None), (3, 4, 5, 6)),
+    ("BatchNorm2d-untracked", lambda: nn.BatchNorm2d(4, track_running_stats=False), (3, 4, 5, 6)),
+    ("BatchNorm2d-noaffine", lambda: nn.BatchNorm2d(4, affine=False), (3, 4, 5, 6)),
+    ("BatchNorm2d-nobias", lambda: nn.BatchNorm2d(4, bias=False), (3, 4, 5, 6)),
+    ("BatchNorm3d", lambda: nn.BatchNorm3d(3, momentum=0.3), (2, 3, 2, 3, 4)),
+    ("InstanceNorm1d", lambda: nn.InstanceNorm1d(4), (3, 4, 9)),
+    ("InstanceNorm1d-unbatched", lambda: nn.InstanceNorm1d(4, affine=True), (4, 9)),
+    ("InstanceNorm2d-affine", lambda: nn.InstanceNorm2d(4, affine=True), (3, 4, 5, 6)),
+    ("InstanceNorm2d-tracked", lambda: nn.InstanceNorm2d(4, affine=True, track_running_stats=True), (3, 4, 5, 6)),
+    ("InstanceNorm3d", lambda: nn.InstanceNorm3d(2, affine=True), (2, 2, 3, 3, 3)),
+    ("GroupNorm", lambda: nn.GroupNorm(3, 6), (4, 6, 5, 2)),
+    ("GroupNorm-noaffine", lambda: nn.GroupNorm(2, 6, affine=False), (4, 6, 7)),
+]
+
+
+def _randomize(m, seed):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.copy_(torch.rand(p.shape, generator=g, dtype=p.dtype) + 0.5)
+        for name, b in m.named_buffers():
+            if b.is_floating_point():
+                b.copy_(torch.rand(b.shape, generator=g, dtype=b.dtype) + 0.5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
+@pytest.mark.parametrize("name,make,shape", VARIANTS, ids=[v[0] for v in VARIANTS])
+def test_twin_matches_torch_nn(name, make, shape, dtype):
+    """Three training steps and one eval step: outputs, every gradient, running buffers
+    and num_batches_tracked agree with torch.nn."""
+    ref = make().to(dtype)
+    _randomize(ref, 1)
+    twin = dt.convert(copy.deepcopy(ref))
+    assert type(twin).__name__ == type(ref).__name__ and isinstance(twin, type(ref))
+    assert type(twin).__module__ == "derivgen.torch.nn"
+    g = torch.Generator().manual_seed(2)
+    for step in range(4):
+        if step == 3:
+            ref.eval(), twin.eval()
+        x = torch.randn(shape, generator=g, dtype=dtype) * 2 + 0.5
+        dy = torch.randn(shape, generator=g, dtype=dtype)
+        outs = []
+        for m in (ref, twin):
+            xx = x.clone().requires_grad_(True)
+            y = m(xx)
+            grads = torch.autograd.grad(y, [xx, *m.parameters()], dy)
+            outs.append((y, grads))
+        torch.testing.assert_close(outs[1][0], outs[0][0], **TOL[dtype])
+        for a, b in zip(outs[1][1], outs[0][1]):
+            torch.testing.assert_close(a, b, **TOL[dtype])
+        for (k, a), (k2, b) in zip(twin.state_dict().items(), ref.state_dict().items()):
+            assert k == k2
+            torch.testing.assert_close(a, b, **TOL[dtype])
+
+
+def test_constructor_attributes_and_state_dict_keys_are_torch_nn():
+    for cls_name in ("LayerNorm", "RMSNorm", "BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "InstanceNorm1d",
+                     "InstanceNorm2d", "InstanceNorm3d", "GroupNorm"):
+        ours, theirs = getattr(dt, cls_name), getattr(nn, cls_name)
+        args = (2, 4) if cls_name == "GroupNorm" else (4,)
+        a, b = ours(*args), theirs(*args)
+        assert list(a.state_dict()) == list(b.state_dict()), cls_name
+        assert repr(a) == repr(b), cls_name
+        for attr in ("eps", "momentum", "affine", "track_running_stats", "normalized_shape", "elementwise_affine",
+                     "num_groups", "num_channels", "num_features"):
+            assert getattr(a, attr, None) == getattr(b, attr, None), (cls_name, attr)
+    a = dt.BatchNorm2d(3, affine=False, track_running_stats=False)
+    assert a.weight is None and a.running_mean is None and list(a.state_dict()) == []
+
+
+def test_state_dict_round_trips_both_ways():
+    ref = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.GroupNorm(2, 4), nn.Flatten(), nn.LazyLinear(5))
+    ref(torch.randn(2, 3, 6, 6))
+    _randomize(ref, 3)
+    ours = dt.convert(copy.deepcopy(ref))
+    fresh_ref = copy.deepcopy(ref)
+    _randomize(fresh_ref, 4)
+    fresh_ref.load_state_dict(ours.state_dict())
+    for (k, a), (_, b) in zip(fresh_ref.state_dict().items(), ref.state_dict().items()):
+        assert torch.equal(a, b), k
+    fresh_ours = dt.convert(copy.deepcopy(fresh_ref))
+    _randomize(fresh_ours, 5)
+    fresh_ours.load_state_dict(ref.state_dict())
+    for (k, a), (_, b) in zip(fresh_ours.state_dict().items(), ref.state_dict().items()):
+        assert torch.equal(a, b), k
+
+
+def test_convert_every_supported_norm_shares_tensors():
+    model = nn.ModuleDict({
+        "ln": nn.LayerNorm(4), "rms": nn.RMSNorm(4), "bn1": nn.BatchNorm1d(4), "bn2": nn.BatchNorm2d(4),
+        "bn3": nn.BatchNorm3d(4), "in1": nn.InstanceNorm1d(4), "in2": nn.InstanceNorm2d(4),
+        "in3": nn.InstanceNorm3d(4), "gn": nn.GroupNorm(2, 4),
+        "nested": nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4)),
+        "sync": nn.SyncBatchNorm(4),        # not a supported norm: left alone
+    })
+    model.eval()
+    weight = model["ln"].weight
+    dt.convert(model)
+    for k in ("ln", "rms", "bn1", "bn2", "bn3", "in1", "in2", "in3", "gn"):
+        assert type(model[k]).__module__ == "derivgen.torch.nn", k
+        assert not model[k].training
+    assert type(model["nested"][1]) is dt.LayerNorm
+    assert type(model["sync"]) is nn.SyncBatchNorm
+    assert model["ln"].weight is weight                   # an optimizer built before keeps working
+    assert type(dt.convert(nn.LayerNorm(3))) is dt.LayerNorm
+    with pytest.raises(TypeError, match="convert: model must be a torch.nn.Module"):
+        dt.convert("model")
+
+
+# ------------------------------------------------------------------ training parity
+
+class Block(nn.Module):
+    """A small pre-norm transformer block: LayerNorm, attention, RMSNorm, MLP."""
+
+    def __init__(self, d=16, heads=2):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(d)
+        self.attn = nn.MultiheadAttention(d, heads, batch_first=True)
+        self.ln2 = nn.RMSNorm(d)
+        self.mlp = nn.Sequential(nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d))
+        self.head = nn.Linear(d, 1)
+
+    def forward(self, x):
+        h = self.ln1(x)
+        x = x + self.attn(h, h, h, need_weights=False)[0]
+        x = x + self.mlp(self.ln2(x))
+        return self.head(x).mean(dim=(1, 2))
+
+
+class CNN(nn.Module):
+    """BatchNorm2d, GroupNorm and InstanceNorm2d (tracked running statistics)."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(
+            nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
+            nn.Conv2d(8, 8, 3, padding=1), nn.GroupNorm(4, 8), nn.ReLU(),
+            nn.Conv2d(8, 6, 3, padding=1), nn.InstanceNorm2d(6, affine=True, track_running_stats=True), nn.ReLU(),
+            nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(6, 1))
+
+    def forward(self, x):
+        return self.net(x).squeeze(1)
+
+
+def _data(kind, dtype):
+    g = torch.Generator().manual_seed(7)
+    shape = (4, 6, 16) if kind == "block" else (6, 3, 8, 8)
+    return [(torch.randn(shape, generator=g, dtype=dtype), torch.randn(shape[0], generator=g, dtype=dtype))
+            for _ in range(4)]
+
+
+def _train(model, data, steps=20, compile_=False):
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    run = torch.compile(model, fullgraph=True, backend="aot_eager") if compile_ else model
+    losses = []
+    for step in range(steps):
+        x, t = data[step % len(data)]
+        opt.zero_grad()
+        loss = ((run(x) - t) ** 2).mean()
+        loss.backward()
+        opt.step()
+        losses.append(loss.detach())
+    model.eval()
+    with torch.no_grad():
+        ev = run(data[0][0])
+    return torch.stack(losses), ev
+
+
+@pytest.mark.parametrize("compile_", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("kind", ["block", "cnn"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["f32", "f64"])
+def test_training_parity(kind, dtype, compile_):
+    """20 SGD steps with torch.nn norms and with their derivgen twins (convert): losses, final
+    parameters, running buffers and eval outputs agree (float32 1e-5 relative, float64 1e-10);
+    compiled with torch.compile(fullgraph=True), which fails on any graph break."""
+    torch.manual_seed(0)
+    ref = (Block() if kind == "block" else CNN()).to(dtype)
+    ours = dt.convert(copy.deepcopy(ref))
+    data = _data(kind, dtype)
+    if compile_:
+        torch._dynamo.reset()
+    l_ref, e_ref = _train(ref, data, compile_=compile_)
+    l_ours, e_ours = _train(ours, data, compile_=compile_)
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(l_ours, l_ref, **tol)
+    torch.testing.assert_close(e_ours, e_ref, **tol)
+    for (k, a), (k2, b) in zip(ours.state_dict().items(), ref.state_dict().items()):
+        assert k == k2
+        torch.testing.assert_close(a, b, **tol, msg=lambda m, k=k: f"{k}: {m}")
+
+
+def test_generic_module_for_any_spec(tmp_path):
+    """Module(spec): the online layer norm in the material's notation, trained a few steps,
+    with its per-group inputs as keywords; its gradients match autograd through the
+    generated PyTorch target."""
+    from conftest import ROOT
+    spec = str(ROOT / "examples" / "online_layernorm_notation.toml")
+    m = dt.Module(spec, 8, alpha=0.25).double()
+    names = [n for n, _ in m.named_parameters()]
+    assert names == list(m._layer.meta["params"])
+    x = torch.randn(5, 8, dtype=torch.float64, requires_grad=True)
+    kw = {i: torch.rand(5, dtype=torch.float64) + 0.5 for i in m._layer.meta["inputs"]}
+    y = m(x, **kw)
+    assert y.shape == x.shape
+    assert torch.autograd.gradcheck(lambda x: m(x, **kw), (x,))
+    with pytest.raises(TypeError, match="forward takes the per-group inputs"):
+        m(x)
+    with pytest.raises(TypeError, match="option alpha is required"):
+        dt.Module(spec, 8)
+    with pytest.raises(TypeError, match="unknown option"):
+        dt.Module(spec, 8, alpha=0.2, beta2=3)

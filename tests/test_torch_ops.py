@@ -1,0 +1,162 @@
+"""derivgen.torch's operators: gradcheck, gradgradcheck and opcheck for every mode of every
+catalogue layer and example spec, and the operators' bad-input errors."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, require_module
+
+torch = require_module("torch")
+import derivgen  # noqa: E402
+import derivgen.torch as dt  # noqa: E402
+from derivgen.torch.ops import layer  # noqa: E402
+from torch_cases import arguments  # noqa: E402
+
+EXAMPLES = sorted(str(p) for p in (ROOT / "examples").glob("*.toml"))
+LAYERS = derivgen.names() + EXAMPLES
+
+
+def _cases():
+    for name in LAYERS:
+        for mode in derivgen.load_spec(name).modes:
+            yield pytest.param(name, mode.name, id=f"{Path(name).stem}-{mode.name}")
+
+
+def _fn(lay, mode, params, inputs, options, buffers, groups):
+    pnames, inames = list(params), list(inputs)
+
+    def f(x, *rest):
+        ps = dict(zip(pnames, rest[:len(pnames)]))
+        ins = dict(zip(inames, rest[len(pnames):]))
+        y, _ = lay.forward(x, ps, ins, options, training=mode == "train", buffers=buffers, num_groups=groups)
+        return y
+    return f
+
+
+@pytest.mark.parametrize("name,mode", list(_cases()))
+def test_gradcheck_and_gradgradcheck(name, mode):
+    """First derivatives through the C kernels, second through the generated PyTorch target
+    (the backward operator's own autograd), against finite differences in float64."""
+    lay = layer(name)
+    x, params, inputs, options, buffers, groups = arguments(lay, mode)
+    f = _fn(lay, mode, params, inputs, options, buffers, groups)
+    args = (x, *params.values(), *inputs.values())
+    assert torch.autograd.gradcheck(f, args, eps=1e-6, atol=1e-6, rtol=1e-5)
+    assert torch.autograd.gradgradcheck(f, args, eps=1e-6, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name,mode", list(_cases()))
+def test_opcheck(name, mode):
+    """Schema, autograd registration, fake tensors and AOT dispatch (dynamic shapes) of both
+    operators of each mode."""
+    lay = layer(name)
+    x, params, inputs, options, buffers, groups = arguments(lay, mode)
+    ops = lay.modes[mode]
+    fargs = [x, *params.values(), *inputs.values()]
+    if mode == "eval":
+        fargs += list(buffers.values())
+    scalars = [float(options[o]) for o in lay.meta["options"]] + [groups]
+    res = torch.library.opcheck(ops.forward, (*fargs, *scalars))
+    assert all(v == "SUCCESS" for v in res.values()), res
+    out = ops.forward(*fargs, *scalars)
+    y, *stats = (out,) if isinstance(out, torch.Tensor) else out
+    dy = torch.randn_like(y)
+    res = torch.library.opcheck(ops.backward, (dy, *fargs, *stats, *scalars))
+    assert all(v == "SUCCESS" for v in res.values()), res
+
+
+def test_statistics_are_not_differentiable():
+    """A loss that uses a statistic output gets an error, never a silent zero gradient."""
+    lay = layer("layernorm")
+    x, params, inputs, options, _, _ = arguments(lay, "train")
+    y, stats = lay.forward(x, params, inputs, options)
+    assert not stats["rstd"].requires_grad
+    with pytest.raises(RuntimeError):
+        stats["rstd"].sum().backward()
+
+
+def test_float32_matches_float64_and_torch():
+    lay = layer("layernorm")
+    x = torch.randn(64, 256) * 3 + 1e3            # a large offset: the kernels centre exactly
+    w, b = torch.rand(256) + 0.5, torch.randn(256)
+    y, _ = lay.forward(x, {"gamma": w, "beta": b}, {}, {"eps": 1e-5})
+    ref = torch.nn.functional.layer_norm(x.double(), (256,), w.double(), b.double(), 1e-5)
+    assert (y.double() - ref).abs().max() < 5e-6
+
+
+def test_noncontiguous_input_and_dy():
+    lay = layer("layernorm")
+    x = torch.randn(8, 32, dtype=torch.float64).t().contiguous().t()   # strided view (column-major)
+    assert not x.is_contiguous()
+    x.requires_grad_(True)
+    w, b = torch.rand(32, dtype=torch.float64, requires_grad=True), torch.randn(32, dtype=torch.float64)
+    y = dt.function("layernorm")(x, gamma=w, beta=b)
+    dy = torch.randn(32, 8, dtype=torch.float64).t()
+    gx, gw = torch.autograd.grad(y, (x, w), dy)
+    xr = x.detach().clone().requires_grad_(True)
+    wr = w.detach().clone().requires_grad_(True)
+    yr = torch.nn.functional.layer_norm(xr, (32,), wr, b, 1e-5)
+    rx, rw = torch.autograd.grad(yr, (xr, wr), dy)
+    torch.testing.assert_close(y, yr, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(gx, rx, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(gw, rw, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("bad,err,match", [
+    (lambda x, w, b: (x.to(torch.bfloat16), w, b), TypeError, "x has dtype torch.bfloat16"),
+    (lambda x, w, b: (x.to(torch.int32), w, b), TypeError, "x has dtype torch.int32"),
+    (lambda x, w, b: (x, w.float(), b), TypeError, "gamma has dtype float32 but x has float64"),
+    (lambda x, w, b: (x, w[:3], b), ValueError, "gamma"),
+    (lambda x, w, b: (x[:, :3], w, b), ValueError, "trailing axes of x"),
+])
+def test_bad_input_names_the_argument(bad, err, match):
+    f = dt.function("layernorm")
+    x, w, b = torch.randn(4, 6, dtype=torch.float64), torch.ones(6, dtype=torch.float64), torch.zeros(6, dtype=torch.float64)
+    x, w, b = bad(x, w, b)
+    with pytest.raises(err, match=match):
+        f(x, gamma=w, beta=b)
+
+
+def test_function_argument_errors():
+    f = dt.function("online_layernorm")
+    x = torch.randn(3, 5, dtype=torch.float64)
+    w, b = torch.ones(5, dtype=torch.float64), torch.zeros(5, dtype=torch.float64)
+    with pytest.raises(TypeError, match="option alpha is required"):
+        f(x, gamma=w, beta=b, prev_mean=0.0, prev_std=1.0)
+    with pytest.raises(TypeError, match="input prev_std is required"):
+        f(x, gamma=w, beta=b, prev_mean=0.0, alpha=0.5)
+    with pytest.raises(TypeError, match=r"unknown argument\(s\) \['gama'\]"):
+        f(x, gama=w, beta=b, prev_mean=0.0, prev_std=1.0, alpha=0.5)
+    with pytest.raises(ValueError, match="num_groups=4 must be positive and divide"):
+        dt.function("groupnorm")(torch.randn(2, 6, 3), gamma=torch.ones(6), beta=torch.zeros(6), num_groups=4)
+
+
+def test_import_without_torch_names_the_extra():
+    code = ("import sys; sys.modules['torch'] = None\n"
+            "try:\n    import derivgen.torch\nexcept ImportError as e:\n    print(e)\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert "pip install 'derivgen[torch]'" in r.stdout, r.stdout + r.stderr
+    r = subprocess.run([sys.executable, "-c", "import sys; sys.modules['torch'] = None; import derivgen; "
+                        "print(derivgen.load('layernorm', 'c').forward)"],
+                       capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert r.returncode == 0, r.stderr    # the rest of derivgen does not need torch
+
+
+def test_user_spec_operators_do_not_collide_with_the_catalogue(tmp_path):
+    """A spec file named like a catalogue layer but different gets operators of its own."""
+    text = (ROOT / "derivgen" / "catalogue" / "layernorm.toml").read_text().replace(
+        'y = "gamma*xhat + beta"', 'y = "gamma*xhat + 2*beta"')
+    p = tmp_path / "layernorm.toml"
+    p.write_text(text)
+    mine, cat = layer(str(p)), layer("layernorm")
+    assert mine.base != cat.base and mine.base.startswith("layernorm_")
+    x = torch.randn(3, 4, dtype=torch.float64)
+    w, b = torch.ones(4, dtype=torch.float64), torch.ones(4, dtype=torch.float64)
+    y1, _ = mine.forward(x, {"gamma": w, "beta": b}, {}, {"eps": 1e-5})
+    y2, _ = cat.forward(x, {"gamma": w, "beta": b}, {}, {"eps": 1e-5})
+    torch.testing.assert_close(y1 - y2, torch.ones_like(y1), rtol=0, atol=1e-12)
