@@ -253,10 +253,32 @@ def _shape(text: str) -> tuple[int, ...]:
 @click.option("--json", "json_file", type=click.Path(dir_okay=False), help="Also write the results as JSON.")
 @click.option("--plot", "plot_file", type=click.Path(dir_okay=False), help="Save a chart (needs matplotlib).")
 @click.option("--default-malloc", is_flag=True, help="Do not tune glibc malloc (shows page-fault costs).")
-def bench_cmd(names, spec_files, shapes, threads, dtype, repeat, isas, json_file, plot_file, default_malloc):
+@click.option("--torch", "with_torch", is_flag=True,
+              help="Bench derivgen.torch's modules against torch.nn's instead, through autograd.")
+def bench_cmd(names, spec_files, shapes, threads, dtype, repeat, isas, json_file, plot_file, default_malloc,
+              with_torch):
     """Time generated C and NumPy against plain NumPy, PyTorch and the memory-bandwidth bound."""
     import json
     import re
+
+    if with_torch:
+        if names or spec_files or shapes or plot_file or isas != "native":
+            raise UserError("--torch benches its own fixed cases; it takes --threads, --dtype, --repeat and --json only")
+        try:
+            from .torch.bench import CASES, format_torch_report, run_torch_bench
+        except ImportError as e:
+            raise UserError(str(e)) from None
+        from .check import stderr_progress
+        if not default_malloc:
+            from .bench import tune_malloc
+            tune_malloc()
+        progress = stderr_progress(len(CASES) + 1)
+        rep = run_torch_bench(threads, repeat, dtype, progress)
+        progress.done()
+        click.echo(format_torch_report(rep))
+        if json_file:
+            atomic_write(json_file, json.dumps(rep, indent=1))
+        return
 
     from .bench import DEFAULT_SHAPES, default_shapes, format_report, plot, run_bench
     from .check import stderr_progress

@@ -238,3 +238,36 @@ def test_generic_module_for_any_spec(tmp_path):
         dt.Module(spec, 8)
     with pytest.raises(TypeError, match="unknown option"):
         dt.Module(spec, 8, alpha=0.2, beta2=3)
+
+
+def test_online_layernorm_module_against_plain_torch_autograd():
+    """OnlineLayerNorm's output and gradients (x, gamma, beta and the running moments)
+    against the material's definition written in plain torch and differentiated by autograd."""
+    torch.manual_seed(3)
+    m = dt.OnlineLayerNorm(7, alpha=0.3, eps=1e-4).double()
+    _randomize(m, 9)
+    x = torch.randn(4, 7, dtype=torch.float64, requires_grad=True)
+    pm = torch.randn(4, dtype=torch.float64, requires_grad=True)
+    ps = (torch.rand(4, dtype=torch.float64) + 0.5).requires_grad_(True)
+    y = m(x, pm, ps)
+    mu = 0.3 * x.mean(-1) + 0.7 * pm
+    s = (((x - mu[:, None]) ** 2).sum(-1) / 6 + 1e-4).sqrt()
+    sd = 0.3 * s + 0.7 * ps
+    ref = m.gamma * (x - mu[:, None]) / sd[:, None] + m.beta
+    dy = torch.randn_like(ref)
+    torch.testing.assert_close(y, ref, rtol=1e-12, atol=1e-12)
+    got = torch.autograd.grad(y, (x, m.gamma, m.beta, pm, ps), dy)
+    want = torch.autograd.grad(ref, (x, m.gamma, m.beta, pm, ps), dy)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_function_takes_parameters_by_position():
+    f = dt.function("layernorm")
+    x, w, b = torch.randn(3, 5), torch.rand(5), torch.randn(5)
+    torch.testing.assert_close(f(x, w, b, eps=1e-3), nn.functional.layer_norm(x, (5,), w, b, 1e-3))
+    torch.testing.assert_close(f(x, w, beta=b), f(x, gamma=w, beta=b))
+    with pytest.raises(TypeError, match="given both by position and by keyword"):
+        f(x, w, gamma=w, beta=b)
+    with pytest.raises(TypeError, match="positionally, got 3"):
+        f(x, w, b, b)

@@ -20,7 +20,7 @@ from torch import nn
 from .ops import layer
 
 __all__ = ["LayerNorm", "RMSNorm", "BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "InstanceNorm1d",
-           "InstanceNorm2d", "InstanceNorm3d", "GroupNorm", "Module", "convert", "function"]
+           "InstanceNorm2d", "InstanceNorm3d", "GroupNorm", "OnlineLayerNorm", "Module", "convert", "function"]
 
 
 def _param(p, like, shape, fill):
@@ -238,45 +238,66 @@ class _Function:
 
     def __init__(self, spec):
         self._layer = layer(spec)
+        self.__doc__ = f"derivgen layer {self._layer.meta['name']}: f(x, {', '.join(self._layer.params)}, **options)"
 
-    def __call__(self, x, *, training: bool = True, num_groups: int = 0, **kw):
+    def __call__(self, x, *params, training: bool = True, num_groups: int = 0, **kw):
         meta = self._layer.meta
+        name = meta["name"]
+        if len(params) > len(meta["params"]):
+            raise TypeError(f"{name}: takes x and {len(meta['params'])} parameter(s) {meta['params']} "
+                            f"positionally, got {len(params)}")
+        given = dict(zip(meta["params"], params))
+        twice = set(given) & set(kw)
+        if twice:
+            raise TypeError(f"{name}: parameter(s) {sorted(twice)} given both by position and by keyword")
+        kw = {**given, **kw}
         known = {*meta["params"], *meta["inputs"], *meta["options"], *meta["buffers"]}
         unknown = set(kw) - known
         if unknown:
-            raise TypeError(f"{meta['name']}: unknown argument(s) {sorted(unknown)}; arguments are {sorted(known)}")
-        params = {}
+            raise TypeError(f"{name}: unknown argument(s) {sorted(unknown)}; arguments are {sorted(known)}")
         for p in meta["params"]:
             if p not in kw:
-                raise TypeError(f"{meta['name']}: parameter {p} is required")
-            params[p] = kw[p]
+                raise TypeError(f"{name}: parameter {p} is required")
         options = {}
         for o, (default, _, _) in meta["options"].items():
             options[o] = kw.get(o, default)
             if options[o] is None:
-                raise TypeError(f"{meta['name']}: option {o} is required")
+                raise TypeError(f"{name}: option {o} is required")
         ins = {}
         for i in meta["inputs"]:
             if i not in kw:
-                raise TypeError(f"{meta['name']}: input {i} is required")
+                raise TypeError(f"{name}: input {i} is required")
             v = kw[i]
             ins[i] = v if isinstance(v, torch.Tensor) else torch.tensor(float(v), dtype=x.dtype)
         bufs = {b: kw.get(b) for b in meta["buffers"]}
         if not training and any(v is None for v in bufs.values()):
-            raise ValueError(f"{meta['name']}: training=False normalizes with the buffers {meta['buffers']}; pass them")
-        y, stats = self._layer.forward(x, params, ins, options, training=training, buffers=bufs,
-                                       num_groups=num_groups)
+            raise ValueError(f"{name}: training=False normalizes with the buffers {meta['buffers']}; pass them")
+        y, stats = self._layer.forward(x, {p: kw[p] for p in meta["params"]}, ins, options, training=training,
+                                       buffers=bufs, num_groups=num_groups)
         if training and bufs and all(v is not None for v in bufs.values()):
             self._layer.update_buffers(stats, bufs, options, x.numel() // x.shape[1])
         return y
 
 
 def function(spec):
-    """A layer as a function: ``f = function("layernorm"); y = f(x, gamma=w, beta=b, eps=1e-5)``.
-    Parameters, per-group inputs and options are keywords (options default as in the
-    spec); ``training=False`` normalizes with the buffers passed as keywords, which
-    training mode updates in place when given."""
+    """A layer as an autograd-aware function: ``f = function("layernorm")``, then
+    ``f(x, weight, bias, eps=1e-5)``. Parameters come positionally in the spec's
+    order (or as keywords by name), per-group inputs and options as keywords
+    (options default as in the spec); ``training=False`` normalizes with the
+    buffers passed as keywords, which training mode updates in place when given."""
     return _Function(spec)
+
+
+class OnlineLayerNorm(Module):
+    """The online layer norm of the source material (catalogue ``online_layernorm``):
+    ``OnlineLayerNorm(normalized_shape, alpha, eps=0.0)``; ``forward(x, prev_mean, prev_std)``
+    takes the running moments (one value per row, or scalars), and gradients flow into them."""
+
+    def __init__(self, normalized_shape, alpha: float, eps: float = 0.0, *, device=None, dtype=None):
+        super().__init__("online_layernorm", normalized_shape, alpha=alpha, eps=eps, device=device, dtype=dtype)
+
+    def forward(self, x, prev_mean, prev_std):
+        return super().forward(x, prev_mean=prev_mean, prev_std=prev_std)
 
 
 # ------------------------------------------------------------------ convert

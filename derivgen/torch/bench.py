@@ -1,0 +1,162 @@
+"""``derivgen bench --torch``: derivgen's modules against their torch.nn namesakes,
+through autograd (forward, then backward of the output), side by side in one process.
+
+Every case times the two modules round-robin (see derivgen.bench.round_robin) on
+the same input tensor, so the ratio compares them over the same stretch of the
+machine's time. A transformer block's whole training step is timed too, once
+with torch.nn norms and once converted, with the share of the step the norms take.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+from ..bench import round_robin
+from ..machine import machine
+from . import nn as dnn
+
+# (label, torch.nn module factory, input shape, memory format, target derivgen/torch or None)
+CASES = [
+    ("LayerNorm", lambda: nn.LayerNorm(1024), (8192, 1024), None, 0.85),
+    ("BatchNorm2d", lambda: nn.BatchNorm2d(64), (32, 64, 56, 56), None, 0.6),
+    ("RMSNorm", lambda: nn.RMSNorm(1024), (8192, 1024), None, 0.3),
+    ("GroupNorm", lambda: nn.GroupNorm(32, 64), (32, 64, 56, 56), None, None),
+    ("InstanceNorm2d", lambda: nn.InstanceNorm2d(64, affine=True), (32, 64, 56, 56), None, None),
+    ("BatchNorm2d channels_last", lambda: nn.BatchNorm2d(64), (32, 64, 56, 56), torch.channels_last, 0.6),
+    ("LayerNorm per call", lambda: nn.LayerNorm(1024), (8, 1024), None, 1.5),
+]
+
+
+def _step(m, x, dy):
+    def call():
+        x.grad = None
+        for p in m.parameters():
+            p.grad = None
+        m(x).backward(dy)
+    return call
+
+
+def _fwd(m, x):
+    def call():
+        with torch.no_grad():
+            m(x)
+    return call
+
+
+class Block(nn.Module):
+    """A pre-norm transformer block (LayerNorm, attention, RMSNorm, MLP)."""
+
+    def __init__(self, d=512, heads=8):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.RMSNorm(d)
+        self.attn = nn.MultiheadAttention(d, heads, batch_first=True)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+
+    def forward(self, x):
+        h = self.ln1(x)
+        x = x + self.attn(h, h, h, need_weights=False)[0]
+        return x + self.mlp(self.ln2(x))
+
+
+def run_torch_bench(threads: int | None = None, repeat: int = 15, dtype: str = "float32", progress=None) -> dict:
+    threads = threads or machine().cores
+    torch.set_num_threads(threads)
+    tdt = getattr(torch, dtype)
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+    for label, make, shape, fmt, target in CASES:
+        ref = make().to(tdt)
+        ours = dnn.convert(copy.deepcopy(ref))
+        x = torch.randn(shape, generator=gen, dtype=tdt)
+        if fmt is not None:
+            x = x.contiguous(memory_format=fmt)
+        x.requires_grad_(True)
+        dy = torch.randn(shape, generator=gen, dtype=tdt)
+        if fmt is not None:
+            dy = dy.contiguous(memory_format=fmt)
+        row = {"case": label, "shape": list(shape), "target": target,
+               "memory_format": "channels_last" if fmt is not None else "contiguous"}
+        try:
+            ours(x).backward(dy)
+        except (TypeError, ValueError, NotImplementedError) as e:
+            row["error"] = str(e).splitlines()[0]
+            rows.append(row)
+            if progress:
+                progress(label)
+            continue
+        ms = round_robin({"torch_step": _step(ref, x, dy), "derivgen_step": _step(ours, x, dy),
+                          "torch_fwd": _fwd(ref, x), "derivgen_fwd": _fwd(ours, x)}, repeat)
+        row.update(ms)
+        row["ratio"] = ms["derivgen_step"] / ms["torch_step"]
+        row["fwd_ratio"] = ms["derivgen_fwd"] / ms["torch_fwd"]
+        rows.append(row)
+        if progress:
+            progress(label)
+    # a transformer block's training step
+    torch.manual_seed(0)
+    ref = Block().to(tdt)
+    ours = dnn.convert(copy.deepcopy(ref))
+    x = torch.randn(16, 128, 512, generator=gen, dtype=tdt)
+    norms_x = torch.randn(16, 128, 512, generator=gen, dtype=tdt, requires_grad=True)
+    dy = torch.randn(16, 128, 512, generator=gen, dtype=tdt)
+
+    def train_step(m):
+        opt = torch.optim.SGD(m.parameters(), lr=1e-3)
+
+        def call():
+            opt.zero_grad()
+            m(x).backward(dy)
+            opt.step()
+        return call
+
+    def norms_only(m):
+        mods = [m.ln1, m.ln2]
+
+        def call():
+            norms_x.grad = None
+            for mod in mods:
+                for p in mod.parameters():
+                    p.grad = None
+                mod(norms_x).backward(dy)
+        return call
+
+    ms = round_robin({"torch_step": train_step(ref), "derivgen_step": train_step(ours),
+                      "torch_norms": norms_only(ref), "derivgen_norms": norms_only(ours)}, repeat)
+    block = dict(ms, shape=[16, 128, 512], ratio=ms["derivgen_step"] / ms["torch_step"],
+                 torch_norm_share=ms["torch_norms"] / ms["torch_step"],
+                 derivgen_norm_share=ms["derivgen_norms"] / ms["derivgen_step"])
+    if progress:
+        progress("transformer block")
+    m = machine()
+    return {"machine": {"cpu": m.cpu, "cores": m.cores, "torch": torch.__version__,
+                        "torch_threads": torch.get_num_threads()},
+            "dtype": dtype, "repeat": repeat, "threads": threads, "cases": rows, "block": block}
+
+
+def format_torch_report(rep: dict) -> str:
+    m = rep["machine"]
+    lines = [f"derivgen.torch vs torch.nn, through autograd: {rep['dtype']}, {rep['threads']} threads, "
+             f"median of {rep['repeat']} (round-robin), torch {m['torch']}",
+             f"machine: {m['cpu']}, {m['cores']} cores",
+             "",
+             f"{'case':28s} {'shape':>16s} {'torch fwd+bwd':>13s} {'derivgen':>9s} {'ratio':>6s} "
+             f"{'fwd ratio':>9s} {'target':>7s}"]
+    for r in rep["cases"]:
+        shape = "x".join(map(str, r["shape"]))
+        tgt = f"<= {r['target']}" if r["target"] is not None else ""
+        if "error" in r:
+            lines.append(f"{r['case']:28s} {shape:>16s}   not supported: {r['error']}")
+            continue
+        ok = "" if r["target"] is None else ("  met" if r["ratio"] <= r["target"] else "  MISSED")
+        lines.append(f"{r['case']:28s} {shape:>16s} {r['torch_step']:10.2f} ms {r['derivgen_step']:6.2f} ms "
+                     f"{r['ratio']:6.2f} {r['fwd_ratio']:9.2f} {tgt:>7s}{ok}")
+    b = rep["block"]
+    lines += ["",
+              f"transformer block training step ({'x'.join(map(str, b['shape']))}, LayerNorm + RMSNorm, SGD): "
+              f"torch.nn {b['torch_step']:.1f} ms, derivgen {b['derivgen_step']:.1f} ms (ratio {b['ratio']:.2f}); "
+              f"norms' share of the step: torch.nn {100 * b['torch_norm_share']:.1f}%, "
+              f"derivgen {100 * b['derivgen_norm_share']:.1f}%"]
+    return "\n".join(lines)
