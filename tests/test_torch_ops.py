@@ -160,3 +160,24 @@ def test_user_spec_operators_do_not_collide_with_the_catalogue(tmp_path):
     y1, _ = mine.forward(x, {"gamma": w, "beta": b}, {}, {"eps": 1e-5})
     y2, _ = cat.forward(x, {"gamma": w, "beta": b}, {}, {"eps": 1e-5})
     torch.testing.assert_close(y1 - y2, torch.ones_like(y1), rtol=0, atol=1e-12)
+
+
+def test_fast_path_keeps_validating_and_matches_the_operator():
+    """After a signature has been validated, calls go straight to the kernel; a bad option,
+    a non-contiguous tensor or another dtype must still take the checked path, and the eager
+    path must give the operator's bits."""
+    lay = layer("layernorm")
+    f = dt.function("layernorm")
+    x, w, b = torch.randn(6, 16), torch.rand(16) + 0.5, torch.randn(16)
+    for _ in range(3):
+        y = f(x, w, b, eps=1e-5)
+    op = lay.modes["train"].forward(x, w, b, 1e-5, 0)[0]
+    assert torch.equal(y, op)
+    with pytest.raises(ValueError, match=r"eps must lie in \[0.0, inf\], got -1.0"):
+        f(x, w, b, eps=-1.0)
+    with pytest.raises(ValueError, match="eps must be finite"):
+        f(x, w, b, eps=float("nan"))
+    with pytest.raises(TypeError, match="gamma has dtype float64 but x has float32"):
+        f(x, w.double(), b)
+    xt = torch.randn(16, 6).t()
+    torch.testing.assert_close(f(xt, w, b), torch.nn.functional.layer_norm(xt, (16,), w, b), rtol=1e-5, atol=1e-6)
