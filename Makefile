@@ -41,6 +41,9 @@ demo: $(STAMP)
 	@echo
 	@echo "== build the C, cross-check every layer x backend x dtype (spec + finite differences, other backend, PyTorch, proof)"
 	@$(BIN)/derivgen check
+	@echo
+	@echo "== PyTorch: models trained with torch.nn norms and after derivgen.torch.convert"
+	@$(BIN)/python -m derivgen.torch.demo
 
 test: $(STAMP) pdflatex
 	$(BIN)/python -m pytest -q

@@ -271,3 +271,15 @@ def test_function_takes_parameters_by_position():
         f(x, w, gamma=w, beta=b)
     with pytest.raises(TypeError, match="positionally, got 3"):
         f(x, w, b, b)
+
+
+def test_demo_runs_and_float64_training_agrees():
+    """`make demo`'s PyTorch part: exits 0 only when the float64 runs agree to 1e-10."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+    r = subprocess.run([sys.executable, "-m", "derivgen.torch.demo"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.count("the same in float64") == 2

@@ -181,3 +181,26 @@ def test_fast_path_keeps_validating_and_matches_the_operator():
         f(x, w.double(), b)
     xt = torch.randn(16, 6).t()
     torch.testing.assert_close(f(xt, w, b), torch.nn.functional.layer_norm(xt, (16,), w, b), rtol=1e-5, atol=1e-6)
+
+
+FUZZ_SEEDS = range(24)
+
+
+@pytest.mark.parametrize("seed", FUZZ_SEEDS)
+def test_fuzzed_specs_as_torch_operators(seed, tmp_path):
+    """Any spec a user could write (the spec fuzzer's), as operators: opcheck, gradcheck and
+    gradgradcheck in float64 for each of its modes."""
+    import specfuzz
+    p = tmp_path / f"fuzz{seed}.toml"
+    p.write_text(specfuzz.generate(seed))
+    lay = layer(str(p))
+    for mode in lay.meta["modes"]:
+        x, params, inputs, options, buffers, groups = arguments(lay, mode, seed=seed)
+        f = _fn(lay, mode, params, inputs, options, buffers, groups)
+        args = (x, *params.values(), *inputs.values())
+        assert torch.autograd.gradcheck(f, args, eps=1e-6, atol=1e-5, rtol=1e-4)
+        assert torch.autograd.gradgradcheck(f, args, eps=1e-6, atol=1e-4, rtol=1e-3)
+        fargs = [x, *params.values(), *inputs.values(), *(buffers.values() if mode == "eval" else ())]
+        res = torch.library.opcheck(lay.modes[mode].forward,
+                                    (*fargs, *[float(options[o]) for o in lay.meta["options"]], groups))
+        assert all(v == "SUCCESS" for v in res.values()), res

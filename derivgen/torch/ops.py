@@ -453,6 +453,8 @@ class TorchLayer:
                 and not torch._C._are_functorch_transforms_active():
             out = _Eager.apply(self, mode, len(args) - 1 - len(self.options), *args)
         else:
+            for k, t in zip(["x", *self.params, *self.inputs], args):
+                _check(self.meta["name"], k, t)      # a CUDA tensor: an error naming it, not a dispatch failure
             out = _tup(ops.forward(*args))
         return out[0], dict(zip(self.meta["stats"][mode], out[1:]))
 
