@@ -22,7 +22,25 @@ from .naming import derived, ordered_names
 from .printers import _CFloatElem, _SPEC_FOR_PRINTING, c_expr
 from .spec import Spec
 
-CTYPES = {"f32": "float", "f64": "double"}
+CTYPES = {"f32": "float", "f64": "double", "bf16": "dg_bf16"}
+# the arithmetic type of each storage type: bfloat16 is read and written as bfloat16 and
+# computed in float (as PyTorch's CPU kernels do), rounding to nearest even on store
+ATYPES = {"float": "float", "double": "double", "dg_bf16": "float"}
+
+
+def c_load(text: str, T: str, to: str = "double") -> str:
+    """C text reading one stored element ``text`` of type T as ``to``."""
+    if T == "dg_bf16":
+        v = f"Dg_from_bf16({text})"
+        return v if to == "float" else f"({to}){v}"
+    return text if to == T else f"({to}){text}"
+
+
+def c_store(text: str, T: str) -> str:
+    """C text converting the value ``text`` to the stored type T."""
+    if T == "dg_bf16":
+        return f"Dg_to_bf16((float)({text}))"
+    return f"({T})({text})"
 
 
 @dataclass
@@ -89,6 +107,7 @@ class CPlanner:
 
     def __init__(self, spec: Spec, ir, ctype: str):
         self.spec, self.ir, self.ctype = spec, ir, ctype
+        self.atype = ATYPES[ctype]
         self.params = [p.name for p in spec.params]
         self.scalar = {p.name for p in spec.params if p.scalar}
         self.group_names: dict[str, str] = {"N": "N"}
@@ -183,12 +202,11 @@ class CPlanner:
             if A == "float":
                 return _CFloatElem(enames, ordered_names(_SPEC_FOR_PRINTING[0]), hoisted).doprint(e)
             return c_expr(e, "double", enames)
-        cvt = "" if A == T else f"({A})"
         elem_loads = []
         if "x" in names:
-            elem_loads.append(f"const {A} Xv = {cvt}x[Idx];")
+            elem_loads.append(f"const {A} Xv = {c_load('x[Idx]', T, A)};")
         if "dy" in names:
-            elem_loads.append(f"const {A} Dyv = {cvt}dy[Idx];")
+            elem_loads.append(f"const {A} Dyv = {c_load('dy[Idx]', T, A)};")
         for nm, te in needed:
             elem_loads.append(f"const {A} {nm} = {P(te)};")
             enames[nm] = nm
@@ -202,7 +220,7 @@ class CPlanner:
 
         def S(e):
             return c_expr(e, "double", dnames)
-        param_loads = [f"const {A} {derived(p, 'V')} = {cvt}{p}[Ch];" for p in chan if p in names]
+        param_loads = [f"const {A} {derived(p, 'V')} = {c_load(p + '[Ch]', T, A)};" for p in chan if p in names]
         chan_sums = [(k, e) for k, e in param_sums if self.params[k] not in self.scalar]
         scal_sums = [(k, e) for k, e in param_sums if self.params[k] in self.scalar]
         all_sums = list(group_sums) + [(f"Psum_{k}", e) for k, e in scal_sums]
@@ -233,7 +251,7 @@ class CPlanner:
         temps = list(self.ir.fwd_elem[:-1])
         T = self.ctype
         first = not any(st[0] == "loop" for st in steps)
-        final = self.loop([out_expr], temps, stores=[lambda P: ("y", f"({T})({P(out_expr)})")], arith=T,
+        final = self.loop([out_expr], temps, stores=[lambda P: ("y", c_store(P(out_expr), T))], arith=self.atype,
                           outputs=["y"], first=first)
         updates = [(b, self.g(e)) for b, e in self.ir.buffer_updates]
         return steps, final, updates
@@ -244,10 +262,10 @@ class CPlanner:
         their common subexpressions named once (online layer norm's coefficients share
         several). Float kernels compute dx from the factored closed form, so they skip the
         coefficients of the expanded one."""
-        T = self.ctype
+        A = self.atype
         coeffs = {k for k, _ in self.ir.dx_terms}
         means = {r for r, _ in zip((a.name for a in self.ir.bwd_group), self.ir.bwd_loop)}
-        kept = [a for a in self.ir.bwd_group if a.name not in means and (T == "double" or a.name not in coeffs)]
+        kept = [a for a in self.ir.bwd_group if a.name not in means and (A == "double" or a.name not in coeffs)]
         repl, reduced = sympy.cse([a.expr for a in kept], symbols=sympy.numbered_symbols("Cse"), order="none")
         group = [(a.name, self.g(a.expr), a.comment) for a in self.ir.bwd_group if a.name in means]
         group += [(str(t), self.g(e), "common subexpression") for t, e in repl]
@@ -258,17 +276,17 @@ class CPlanner:
         temps = list(self.ir.bwd_elem)
         red = None
         if self.ir.bwd_loop:
-            red = self.loop([e for _, e in self.ir.bwd_loop], temps, group_sums=self.ir.bwd_loop, arith=self.ctype,
+            red = self.loop([e for _, e in self.ir.bwd_loop], temps, group_sums=self.ir.bwd_loop, arith=self.atype,
                             first=True)
         T = self.ctype
         group = self._group_values()
         # double: dx = sum of per-group coefficients times element monomials (fewest flops);
         # float: the factored closed form, whose cancellations the hi/lo addends keep exact
-        if T == "double":
+        if self.atype == "double":
             dx_expr = Add(*[sympy.Symbol(k) * m for k, m in self.ir.dx_terms])
         else:
             dx_expr = self.ir.dx_closed
         pexprs = [e for _, e in self.ir.dparams]
-        final = self.loop([dx_expr, *pexprs], temps, stores=[lambda P: ("dx", f"({T})({P(dx_expr)})")],
-                          param_sums=list(enumerate(pexprs)), arith=T, outputs=["dx"], first=red is None)
+        final = self.loop([dx_expr, *pexprs], temps, stores=[lambda P: ("dx", c_store(P(dx_expr), T))],
+                          param_sums=list(enumerate(pexprs)), arith=self.atype, outputs=["dx"], first=red is None)
         return red, [a for a, _ in self.ir.bwd_loop], group, final

@@ -27,7 +27,7 @@ import sympy
 from sympy import Add, Mul
 
 from .api import Derivation, derive
-from .cplan import CTYPES, CPlanner
+from .cplan import ATYPES, CTYPES, CPlanner, c_load, c_store
 from .engine import G, ModeDerivation
 from .naming import code_text, derived
 from .printers import _SPEC_FOR_PRINTING, c_expr, np_expr, np_store, np_sum, torch_expr
@@ -268,12 +268,14 @@ def emit(d: Derivation, targets=("numpy", "c")) -> Emitted:
     env.filters["npsum"] = lambda e, axes: np_sum(e, axes, spec)
     env.filters["code"] = lambda e: code_text(e, spec)
     env.globals["mean_of"] = Mean
+    env.globals["cload"] = c_load
+    env.globals["cstore"] = c_store
     env.globals["np_store"] = lambda target, e: np_store(target, e, spec)
     _SPEC_FOR_PRINTING[0] = spec
     irs = {m: build_mode_ir(md) for m, md in d.modes.items()}
     cplans = {(m, sfx): CPlanner(spec, ir, ct) for m, ir in irs.items() for sfx, ct in CTYPES.items()}
     ctx = dict(spec=spec, meta=layer_meta(d), irs=irs, modes=list(irs), formulas=_formulas(d),
-               source=spec.source, cplans=cplans, grad_fields=_grad_fields(spec), ctypes=CTYPES,
+               source=spec.source, cplans=cplans, grad_fields=_grad_fields(spec), ctypes=CTYPES, atypes=ATYPES,
                per_sample=spec.reduce != "batch", trailing=spec.layout == "trailing")
     out = Emitted(spec.name)
     if "numpy" in targets:

@@ -283,3 +283,45 @@ def test_demo_runs_and_float64_training_agrees():
                        timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.count("the same in float64") == 2
+
+
+BF16_CASES = [
+    ("LayerNorm", lambda: nn.LayerNorm(256), (64, 256)),
+    ("RMSNorm", lambda: nn.RMSNorm(256), (64, 256)),
+    ("BatchNorm2d", lambda: nn.BatchNorm2d(8), (4, 8, 5, 6)),
+    ("GroupNorm", lambda: nn.GroupNorm(4, 8), (4, 8, 5, 6)),
+    ("InstanceNorm2d", lambda: nn.InstanceNorm2d(8, affine=True), (4, 8, 5, 6)),
+]
+
+
+@pytest.mark.parametrize("name,make,shape", BF16_CASES, ids=[c[0] for c in BF16_CASES])
+def test_bfloat16_matches_torch_within_bf16_rounding(name, make, shape):
+    """bfloat16 in and out, computed in float inside the kernels: the output and every gradient
+    agree with torch.nn's own bfloat16 results within bfloat16 rounding, and are as close as
+    torch's to the exact (float64) values of the same bfloat16 inputs. In eval mode too."""
+    ref = make()
+    _randomize(ref, 5)
+    ref = ref.to(torch.bfloat16)
+    ours = dt.convert(copy.deepcopy(ref))
+    g = torch.Generator().manual_seed(6)
+    exact = copy.deepcopy(ref).double()
+    for step in range(2):
+        if step == 1:
+            for m in (ref, ours, exact):
+                m.eval()
+        x = (torch.randn(shape, generator=g) * 2 + 3).to(torch.bfloat16)
+        dy = torch.randn(shape, generator=g).to(torch.bfloat16)
+        res = []
+        for m, dtype in ((ref, torch.bfloat16), (ours, torch.bfloat16), (exact, torch.float64)):
+            xx = x.to(dtype).requires_grad_(True)
+            y = m(xx)
+            res.append([y, *torch.autograd.grad(y, [xx, *m.parameters()], dy.to(dtype))])
+        for k, (a, b, e) in enumerate(zip(*res)):
+            assert a.dtype == b.dtype == torch.bfloat16
+            torch.testing.assert_close(b, a, rtol=1.6e-2, atol=1.6e-2 * float(a.detach().abs().max()))
+            a, b, e = a.detach(), b.detach(), e.detach()
+            err_ours = float((b.double() - e).abs().max() / e.abs().max())
+            err_torch = float((a.double() - e).abs().max() / e.abs().max())
+            assert err_ours <= max(1.25 * err_torch, 2 ** -8), (k, err_ours, err_torch)
+    for (k, a), (_, b) in zip(ours.state_dict().items(), ref.state_dict().items()):
+        torch.testing.assert_close(a, b, rtol=1.6e-2, atol=1e-2, msg=lambda m, k=k: f"{k}: {m}")

@@ -108,7 +108,9 @@ def test_noncontiguous_input_and_dy():
 
 
 @pytest.mark.parametrize("bad,err,match", [
-    (lambda x, w, b: (x.to(torch.bfloat16), w, b), TypeError, "x has dtype torch.bfloat16"),
+    (lambda x, w, b: (x.to(torch.float16), w, b), TypeError, "x has dtype torch.float16; derivgen.torch supports"),
+    (lambda x, w, b: (x.to(torch.bfloat16), w, b), TypeError, "gamma has dtype torch.float64 but x has torch.bfl"),
+    (lambda x, w, b: (x.to(torch.complex128), w, b), TypeError, "x has dtype torch.complex128"),
     (lambda x, w, b: (x.to(torch.int32), w, b), TypeError, "x has dtype torch.int32"),
     (lambda x, w, b: (x, w.float(), b), TypeError, "gamma has dtype float32 but x has float64"),
     (lambda x, w, b: (x, w[:3], b), ValueError, "gamma"),
@@ -204,3 +206,30 @@ def test_fuzzed_specs_as_torch_operators(seed, tmp_path):
         res = torch.library.opcheck(lay.modes[mode].forward,
                                     (*fargs, *[float(options[o]) for o in lay.meta["options"]], groups))
         assert all(v == "SUCCESS" for v in res.values()), res
+
+
+@pytest.mark.parametrize("name,mode", list(_cases()))
+def test_bfloat16_kernels_every_layer(name, mode):
+    """Every catalogue and example layer's bfloat16 kernels (read and written as bfloat16,
+    computed in float): output and gradients within bfloat16 rounding of float64 on the
+    same bfloat16-rounded inputs."""
+    lay = layer(name)
+    x, params, inputs, options, buffers, groups = arguments(lay, mode, requires_grad=False)
+    rnd = {k: v.to(torch.bfloat16) for k, v in {"x": x, **params, **inputs, **buffers}.items()}
+    dy = torch.randn(x.shape, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    outs = {}
+    for dtype in (torch.bfloat16, torch.float64):
+        t = {k: v.to(dtype).requires_grad_(k not in buffers) for k, v in rnd.items()}
+        y, _ = lay.forward(t["x"], {p: t[p] for p in params}, {i: t[i] for i in inputs}, options,
+                           training=mode == "train", buffers={b: t[b] for b in buffers}, num_groups=groups)
+        wrt = [t["x"], *(t[p] for p in params), *(t[i] for i in inputs)]
+        outs[dtype] = [y, *torch.autograd.grad(y, wrt, dy.to(dtype))]
+    for a, e in zip(outs[torch.bfloat16], outs[torch.float64]):
+        a, e = a.detach(), e.detach()
+        assert a.dtype == torch.bfloat16
+        scale = float(e.abs().max()) or 1.0
+        assert float((a.double() - e).abs().max()) <= 2 ** -6 * scale
+    fargs = [rnd["x"], *(rnd[p] for p in params), *(rnd[i] for i in inputs), *(rnd[b] for b in buffers)]
+    res = torch.library.opcheck(lay.modes[mode].forward,
+                                (*fargs, *[float(options[o]) for o in lay.meta["options"]], groups))
+    assert all(v == "SUCCESS" for v in res.values()), res

@@ -45,8 +45,8 @@ from ..spec import Spec, catalogue_names, load_catalogue
 _LIB = torch.library.Library("derivgen", "FRAGMENT")
 _LOCK = threading.RLock()
 _LAYERS: dict[str, "TorchLayer"] = {}
-_DTYPES = (torch.float32, torch.float64)
-_SFX = {torch.float32: "f32", torch.float64: "f64"}
+_DTYPES = (torch.float32, torch.float64, torch.bfloat16)
+_SFX = {torch.float32: "f32", torch.float64: "f64", torch.bfloat16: "bf16"}
 
 
 def layer(spec_or_name) -> "TorchLayer":
@@ -113,7 +113,7 @@ def _check(name: str, what: str, t) -> None:
     if t.device.type not in ("cpu", "meta"):
         raise ValueError(f"{name}: {what} is on {t.device}; derivgen's kernels run on the CPU")
     if t.dtype not in _DTYPES:
-        raise TypeError(f"{name}: {what} has dtype {t.dtype}; derivgen.torch supports float32 and float64")
+        raise TypeError(f"{name}: {what} has dtype {t.dtype}; derivgen.torch supports float32, float64 and bfloat16")
 
 
 def _ret(values: tuple):
@@ -238,6 +238,40 @@ class TorchLayer:
                 return False
         return True
 
+    def _validate(self, mode: str, a: dict) -> rt.Layout:
+        """The runtime's checks, on tensors (for dtypes NumPy lacks: bfloat16)."""
+        m, name = self.meta, self.meta["name"]
+        x = a["x"]
+        tensors = ["x", *self.params, *self.inputs, *(self.buffers if mode == "eval" else ())]
+        for k in tensors:
+            _check(name, k, a[k])
+            if a[k].dtype != x.dtype:
+                raise TypeError(f"{name}: {k} has dtype {a[k].dtype} but x has {x.dtype}; use one dtype for all")
+        if x.numel() == 0:
+            raise ValueError(f"{name}: x is empty (shape {tuple(x.shape)})")
+        L = layout(m, tuple(x.shape), {p: tuple(a[p].shape) for p in self.params}, a["num_groups"])
+        for p in self.params:
+            if p in m["scalar_params"]:
+                if a[p].numel() != 1 or a[p].dim() > 1:
+                    raise ValueError(f"{name}: {p} is a scalar parameter: shape () or (1,), got {tuple(a[p].shape)}")
+            elif tuple(a[p].shape) != tuple(L.param_shape):
+                raise ValueError(f"{name}: {p} must have shape {tuple(L.param_shape)}, got {tuple(a[p].shape)}")
+        need = m["min_group_size"][mode]
+        if L.group_size < need:
+            raise ValueError(f"{name}: {mode} mode needs at least {need} values per normalization group, got "
+                             f"{L.group_size} (x shape {tuple(x.shape)})")
+        for o, (_, lo, hi) in m["options"].items():
+            rt._check_float(o, a[o], lo, hi)
+        for i in self.inputs:
+            v = a[i]
+            if not (v.numel() == 1 and v.dim() <= 1) and tuple(v.shape) != tuple(L.group_shape):
+                raise ValueError(f"{name}: {i} must be a scalar or have shape {tuple(L.group_shape)}, "
+                                 f"got {tuple(v.shape)}")
+        for b in (self.buffers if mode == "eval" else ()):
+            if tuple(a[b].shape) != tuple(L.group_shape):
+                raise ValueError(f"{name}: {b} must have shape {tuple(L.group_shape)}, got {tuple(a[b].shape)}")
+        return L
+
     def _forward_impl(self, mode, fargs):
         stats = self.meta["stats"][mode]
         ntens = sum(1 for t, _, _ in fargs if t == "Tensor")
@@ -250,7 +284,13 @@ class TorchLayer:
             key = tuple([(t.shape, t.dtype, t.is_cpu, t.is_contiguous()) for t in tens]) + (args[-1],)
             plan = plans.get(key)
             opts = args[ntens:ntens + nopt]
-            if plan is not None and self._options_ok(opts):
+            bf16 = tens[0].dtype == torch.bfloat16
+            if bf16:                    # no NumPy dtype: checked on the tensors, run directly
+                if plan is None or not self._options_ok(opts):
+                    L = self._validate(mode, self._split(fargs, args))
+                    plan = plans[key] = (self._cfn(mode, "forward", torch.bfloat16), L, len(self.inputs))
+                tens = [t.contiguous() for t in tens]
+            if plan is not None and (bf16 or self._options_ok(opts)):
                 fn, L, n_in = plan
                 x = tens[0]
                 y = torch.empty(x.shape, dtype=x.dtype)
@@ -309,6 +349,22 @@ class TorchLayer:
             tens = args[:ntens]
             key = tuple([(t.shape, t.dtype, t.is_cpu, t.is_contiguous()) for t in tens]) + (args[-1],)
             plan = plans.get(key)
+            if tens[1].dtype == torch.bfloat16:     # no NumPy dtype: checked on the tensors, run directly
+                if plan is None or not self._options_ok(args[ntens:ntens + nopt]):
+                    a = self._split(bargs, args)
+                    L = self._validate(mode, a)
+                    _check(self.meta["name"], "dy", a["dy"])
+                    if a["dy"].dtype != a["x"].dtype or tuple(a["dy"].shape) != tuple(a["x"].shape):
+                        raise ValueError(f"{self.meta['name']}: dy must have the shape and dtype of x "
+                                         f"{tuple(a['x'].shape)} {a['x'].dtype}, got {tuple(a['dy'].shape)} "
+                                         f"{a['dy'].dtype}")
+                    plan = plans[key] = (self._cfn(mode, "backward", torch.bfloat16), L)
+                args = (*[t.contiguous() for t in tens], *args[ntens:])
+                out = fast(plan, args, eager)
+                if out is None:
+                    raise ValueError(f"{self.meta['name']}: the statistics must be float64 with one value per "
+                                     f"group ({plan[1].n_groups}), as the forward returns them")
+                return out
             if plan is not None and self._options_ok(args[ntens:ntens + nopt]):
                 out = fast(plan, args, eager)
                 if out is not None:

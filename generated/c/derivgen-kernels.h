@@ -33,6 +33,32 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
+
+#ifndef DERIVGEN_BF16_TYPE
+#define DERIVGEN_BF16_TYPE
+typedef uint16_t dg_bf16;   /* bfloat16: the sign, exponent and top 7 mantissa bits of a float */
+#endif
+
+/* bfloat16 -> float: exact */
+static inline float Dg_from_bf16(dg_bf16 h)
+{
+    const uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* float -> bfloat16, rounding to nearest even (as PyTorch's c10::BFloat16); NaN -> 0x7FC0 */
+static inline dg_bf16 Dg_to_bf16(float f)
+{
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u)
+        return (dg_bf16)0x7fc0u;
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (dg_bf16)(u >> 16);
+}
 
 /* non-temporal stores (and plain copies) of one vector: x86 intrinsics, the widest the
  * build targets */
@@ -354,6 +380,18 @@ static inline void Dg_flush_double(double *restrict Acc, double *restrict Pend, 
             Pend[i] = 0;
         }
     }
+}
+
+/* bfloat16 outputs are written in place, never streamed (see the kernels' tile setup) */
+static inline void Dg_put_dg_bf16(dg_bf16 *restrict dst, const dg_bf16 *restrict Th, int stream)
+{
+    (void)stream;
+    for (int J = 0; J < DG_LANES; ++J) dst[J] = Th[J];
+}
+
+static inline void Dg_stream_dg_bf16(dg_bf16 *restrict dst, const dg_bf16 *restrict src, int64_t n)
+{
+    for (int64_t i = 0; i < n; ++i) dst[i] = src[i];
 }
 
 /* order the streaming stores before the results are used */

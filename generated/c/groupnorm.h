@@ -9,6 +9,8 @@
  * channel g*Cg + cg. Statistics (*_out, *_in) are double, one value per group
  * (O*G groups), in group order. Sums and statistics are double; the
  * float kernels' element arithmetic is float (see the .c file for the numerics).
+ * The bf16 kernels read and write bfloat16 (dg_bf16: the upper 16 bits of a float) and
+ * compute as the float ones do, rounding each stored value to nearest even.
  * nthreads <= 0 uses the OpenMP default; without OpenMP the kernels run serially.
  * Returns 0, or -1 when a work buffer cannot be allocated.
  */
@@ -16,6 +18,11 @@
 #define DERIVGEN_GROUPNORM_H
 
 #include <stdint.h>
+
+#ifndef DERIVGEN_BF16_TYPE
+#define DERIVGEN_BF16_TYPE
+typedef uint16_t dg_bf16;   /* bfloat16: the sign, exponent and top 7 mantissa bits of a float */
+#endif
 
 #ifdef __cplusplus
 extern "C" {
@@ -82,6 +89,33 @@ int groupnorm_train_backward_f64(
     double *restrict dx,
     double *restrict dgamma,
     double *restrict dbeta,
+    int Nthreads);
+
+int groupnorm_train_forward_bf16(
+    int64_t O, int64_t G, int64_t Cg, int64_t S,
+    const dg_bf16 *restrict x,
+    const dg_bf16 *restrict gamma,
+    const dg_bf16 *restrict beta,
+    double eps,
+    dg_bf16 *restrict y,
+    double *restrict mean_Out,
+    double *restrict var_Out,
+    double *restrict rstd_Out,
+    int Nthreads);
+
+int groupnorm_train_backward_bf16(
+    int64_t O, int64_t G, int64_t Cg, int64_t S,
+    const dg_bf16 *restrict x,
+    const dg_bf16 *restrict dy,
+    const dg_bf16 *restrict gamma,
+    const dg_bf16 *restrict beta,
+    double eps,
+    const double *restrict mean_In,
+    const double *restrict var_In,
+    const double *restrict rstd_In,
+    dg_bf16 *restrict dx,
+    dg_bf16 *restrict dgamma,
+    dg_bf16 *restrict dbeta,
     int Nthreads);
 
 #ifdef __cplusplus

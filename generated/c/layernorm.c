@@ -67,7 +67,7 @@ int layernorm_train_forward_f32(
 
     DG_PRAGMA(omp parallel num_threads(Nth))
     {
-const int y_Stream = Dg_stream_on(Total, (int64_t)sizeof(float));
+        const int y_Stream = Dg_stream_on(Total, (int64_t)sizeof(float));
         (void)y_Stream;
         DG_PRAGMA(omp for schedule(static))
         for (int64_t Grp = 0; Grp < N_groups; ++Grp) {
@@ -256,7 +256,7 @@ int layernorm_train_backward_f32(
         float *restrict Pend = Pend_all + (int64_t)Dg_thread_id() * P * C;
         int Pending = 0;                             /* runs added into pend since its last flush */
         int64_t Pend_lo = C, Pend_hi = 0;            /* the channels they touched */
-const int dx_Stream = Dg_stream_on(Total, (int64_t)sizeof(float));
+        const int dx_Stream = Dg_stream_on(Total, (int64_t)sizeof(float));
         const int64_t dx_Cap = Dg_tile_len(M, (int64_t)sizeof(float));
         float *dx_Tile = (float *)Dg_tile(dx_Stream, dx_Cap, (int64_t)sizeof(float));   /* NULL: dx in place */
         int64_t dx_At = 0, dx_Fill = 0;           /* the tile holds dx[at, at + fill) */
@@ -426,12 +426,12 @@ const int dx_Stream = Dg_stream_on(Total, (int64_t)sizeof(float));
     for (int64_t Cc = 0; Cc < C; ++Cc) {       /* dgamma */
         double Acc = 0.0;
         for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * P * C + 0 * C + Cc];
-        dgamma[Cc] = (float)Acc;
+        dgamma[Cc] = (float)(Acc);
     }
     for (int64_t Cc = 0; Cc < C; ++Cc) {       /* dbeta */
         double Acc = 0.0;
         for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * P * C + 1 * C + Cc];
-        dbeta[Cc] = (float)Acc;
+        dbeta[Cc] = (float)(Acc);
     }
     free(Pend_all);
     free(Part);
@@ -470,7 +470,7 @@ int layernorm_train_forward_f64(
 
     DG_PRAGMA(omp parallel num_threads(Nth))
     {
-const int y_Stream = Dg_stream_on(Total, (int64_t)sizeof(double));
+        const int y_Stream = Dg_stream_on(Total, (int64_t)sizeof(double));
         (void)y_Stream;
         DG_PRAGMA(omp for schedule(static))
         for (int64_t Grp = 0; Grp < N_groups; ++Grp) {
@@ -655,7 +655,7 @@ int layernorm_train_backward_f64(
         double *restrict Pend = Pend_all + (int64_t)Dg_thread_id() * P * C;
         int Pending = 0;                             /* runs added into pend since its last flush */
         int64_t Pend_lo = C, Pend_hi = 0;            /* the channels they touched */
-const int dx_Stream = Dg_stream_on(Total, (int64_t)sizeof(double));
+        const int dx_Stream = Dg_stream_on(Total, (int64_t)sizeof(double));
         const int64_t dx_Cap = Dg_tile_len(M, (int64_t)sizeof(double));
         double *dx_Tile = (double *)Dg_tile(dx_Stream, dx_Cap, (int64_t)sizeof(double));   /* NULL: dx in place */
         int64_t dx_At = 0, dx_Fill = 0;           /* the tile holds dx[at, at + fill) */
@@ -816,12 +816,415 @@ const int dx_Stream = Dg_stream_on(Total, (int64_t)sizeof(double));
     for (int64_t Cc = 0; Cc < C; ++Cc) {       /* dgamma */
         double Acc = 0.0;
         for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * P * C + 0 * C + Cc];
-        dgamma[Cc] = (double)Acc;
+        dgamma[Cc] = (double)(Acc);
     }
     for (int64_t Cc = 0; Cc < C; ++Cc) {       /* dbeta */
         double Acc = 0.0;
         for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * P * C + 1 * C + Cc];
-        dbeta[Cc] = (double)Acc;
+        dbeta[Cc] = (double)(Acc);
+    }
+    free(Pend_all);
+    free(Part);
+    return 0;
+}
+
+/* ---- train forward, dg_bf16 ---- */
+int layernorm_train_forward_bf16(
+    int64_t O, int64_t G, int64_t Cg, int64_t S,
+    const dg_bf16 *restrict x,
+    const dg_bf16 *restrict gamma,
+    const dg_bf16 *restrict beta,
+    double eps,
+    dg_bf16 *restrict y,
+    double *restrict mean_Out,
+    double *restrict var_Out,
+    double *restrict rstd_Out,
+    int Nthreads)
+{
+    const int64_t M = Cg * S;                       /* contiguous values per (o, g) block */
+    const int64_t N_groups = O * G;
+    const int64_t Blocks = 1;               /* blocks per group */
+    const int64_t Block_stride = G * M;
+    const double N = (double)(Blocks * M);          /* values per group */
+    const int64_t Total = N_groups * Blocks * M;    /* values in x */
+    const int64_t Ahead = DG_AHEAD_BYTES / (int64_t)sizeof(dg_bf16);
+    const int Nth = Dg_threads(Nthreads);
+    (void)N;
+    (void)Nth;
+    (void)Total;
+    (void)Ahead;
+    (void)gamma;
+    (void)beta;
+    (void)eps;
+    (void)x;
+
+    DG_PRAGMA(omp parallel num_threads(Nth))
+    {
+        const int y_Stream = 0;   /* bfloat16 outputs are written in place */
+        (void)y_Stream;
+        DG_PRAGMA(omp for schedule(static))
+        for (int64_t Grp = 0; Grp < N_groups; ++Grp) {
+            const int64_t Gi = G == 1 ? 0 : Grp % G;     /* channel group */
+            (void)Gi;
+            const int64_t Base = Grp * M;
+            double Sum_mean;
+            {
+                double Lane_Sum_mean[DG_LANES] = {0};
+                for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
+                    const int64_t Off = Base + Blk * Block_stride;
+                    const int64_t Nxt = Blk + 1 < Blocks ? Off + Block_stride : Base + M;   /* block read next */
+                    {
+                        int64_t Mi = 0;
+                        for (; Mi + DG_LANES <= M; Mi += DG_LANES) {
+                            for (int Q = 0; Q < DG_LANES; Q += 64 / (int)sizeof(*x)) {  /* read ahead, a line at a time */
+                                const int64_t Pf = Dg_ahead(Off, Mi + Q, M, Nxt, Total, Ahead);
+                                if (Pf >= 0) DG_PREFETCH(x + Pf);
+                            }
+                            DG_INDEPENDENT
+                            for (int J = 0; J < DG_LANES; ++J) {
+                                const int64_t Idx = Off + Mi + J;
+                                const double Xv = (double)Dg_from_bf16(x[Idx]);
+                                Lane_Sum_mean[J] += Xv;
+                            }
+                        }
+                        for (; Mi < M; ++Mi) {
+                            const int J = 0;                /* outside the lane blocks: lane 0 */
+                            (void)J;
+                            const int64_t Idx = Off + Mi;
+                            const double Xv = (double)Dg_from_bf16(x[Idx]);
+                            Lane_Sum_mean[J] += Xv;
+                        }
+                    }
+
+                }
+                Sum_mean = Dg_lanes(Lane_Sum_mean);
+            }
+            const double mean = Sum_mean/N;  /* mean = mean(x) */
+            double Sum_var;
+            {
+                double Lane_Sum_var[DG_LANES] = {0};
+                for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
+                    const int64_t Off = Base + Blk * Block_stride;
+                    {
+                        int64_t Mi = 0;
+                        for (; Mi + DG_LANES <= M; Mi += DG_LANES) {
+                            DG_INDEPENDENT
+                            for (int J = 0; J < DG_LANES; ++J) {
+                                const int64_t Idx = Off + Mi + J;
+                                const double Xv = (double)Dg_from_bf16(x[Idx]);
+                                Lane_Sum_var[J] += ((Xv - mean)*(Xv - mean));
+                            }
+                        }
+                        for (; Mi < M; ++Mi) {
+                            const int J = 0;                /* outside the lane blocks: lane 0 */
+                            (void)J;
+                            const int64_t Idx = Off + Mi;
+                            const double Xv = (double)Dg_from_bf16(x[Idx]);
+                            Lane_Sum_var[J] += ((Xv - mean)*(Xv - mean));
+                        }
+                    }
+
+                }
+                Sum_var = Dg_lanes(Lane_Sum_var);
+            }
+            const double var = Sum_var/N;  /* var = mean((x - mean)**2) */
+            const double rstd = 1/sqrt(var + eps);  /* rstd = 1/sqrt(var + eps) */
+            mean_Out[Grp] = mean;
+            var_Out[Grp] = var;
+            rstd_Out[Grp] = rstd;
+            {
+                const double H0 = -mean;
+                const float H0_hi = (float)H0;
+                const float H0_lo = (float)(H0 - (double)H0_hi);
+                const float rstd_F = (float)rstd;
+                for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
+                    const int64_t Off = Base + Blk * Block_stride;
+                    const int y_Direct = Dg_direct(y_Stream, Cg);   /* stream from registers */
+                    (void)y_Direct;
+                    {                       /* a trailing layout (S == 1): parameters vary along the run */
+                        {
+                            dg_bf16 *restrict y_R = y + Off;
+                            int64_t Mi = 0;
+                            if (y_Direct) {          /* scalar head up to a 64-byte boundary of y */
+                                const int64_t Head = Dg_head(y + Off, (int64_t)sizeof(dg_bf16), Cg);
+                                for (; Mi < Head; ++Mi) {
+                                    const int J = 0;                /* outside the lane blocks: lane 0 */
+                                    (void)J;
+                                    const int64_t Idx = Off + Mi;
+                                    const int64_t Ch = Gi * Cg + Mi;
+                                    const float gamma_V = Dg_from_bf16(gamma[Ch]);
+                                    const float beta_V = Dg_from_bf16(beta[Ch]);
+                                    const float Xv = Dg_from_bf16(x[Idx]);
+                                    const float xhat = rstd_F*((Xv + H0_hi + H0_lo));
+                                    y_R[Idx - (Off)] = Dg_to_bf16((float)(gamma_V*xhat + beta_V));
+                                }
+                            }
+                            for (; Mi + DG_LANES <= Cg; Mi += DG_LANES) {
+                                dg_bf16 T_y[DG_LANES];
+                                DG_INDEPENDENT
+                                for (int J = 0; J < DG_LANES; ++J) {
+                                    const int64_t Idx = Off + Mi + J;
+                                    const int64_t Ch = Gi * Cg + Mi + J;
+                                    const float gamma_V = Dg_from_bf16(gamma[Ch]);
+                                    const float beta_V = Dg_from_bf16(beta[Ch]);
+                                    const float Xv = Dg_from_bf16(x[Idx]);
+                                    const float xhat = rstd_F*((Xv + H0_hi + H0_lo));
+                                    T_y[J] = Dg_to_bf16((float)(gamma_V*xhat + beta_V));
+                                }
+                                Dg_put_dg_bf16(y_R + Mi, T_y, y_Direct);
+                            }
+                            for (; Mi < Cg; ++Mi) {
+                                const int J = 0;                /* outside the lane blocks: lane 0 */
+                                (void)J;
+                                const int64_t Idx = Off + Mi;
+                                const int64_t Ch = Gi * Cg + Mi;
+                                const float gamma_V = Dg_from_bf16(gamma[Ch]);
+                                const float beta_V = Dg_from_bf16(beta[Ch]);
+                                const float Xv = Dg_from_bf16(x[Idx]);
+                                const float xhat = rstd_F*((Xv + H0_hi + H0_lo));
+                                y_R[Idx - (Off)] = Dg_to_bf16((float)(gamma_V*xhat + beta_V));
+                            }
+                        }
+
+                    }
+                }
+            }
+        }
+        if (y_Stream)
+            Dg_fence();
+
+    }
+    return 0;
+}
+
+/* ---- train backward, dg_bf16 ---- */
+int layernorm_train_backward_bf16(
+    int64_t O, int64_t G, int64_t Cg, int64_t S,
+    const dg_bf16 *restrict x,
+    const dg_bf16 *restrict dy,
+    const dg_bf16 *restrict gamma,
+    const dg_bf16 *restrict beta,
+    double eps,
+    const double *restrict mean_In,
+    const double *restrict var_In,
+    const double *restrict rstd_In,
+    dg_bf16 *restrict dx,
+    dg_bf16 *restrict dgamma,
+    dg_bf16 *restrict dbeta,
+    int Nthreads)
+{
+    const int64_t M = Cg * S;                       /* contiguous values per (o, g) block */
+    const int64_t N_groups = O * G;
+    const int64_t Blocks = 1;               /* blocks per group */
+    const int64_t Block_stride = G * M;
+    const double N = (double)(Blocks * M);          /* values per group */
+    const int64_t Total = N_groups * Blocks * M;    /* values in x */
+    const int64_t Ahead = DG_AHEAD_BYTES / (int64_t)sizeof(dg_bf16);
+    const int Nth = Dg_threads(Nthreads);
+    (void)N;
+    (void)Nth;
+    (void)Total;
+    (void)Ahead;
+    (void)gamma;
+    (void)beta;
+    (void)eps;
+    (void)x;
+
+    const int64_t C = G * Cg;                        /* parameter length */
+    const int64_t P = 2;      /* parameters */
+    (void)dy;
+    /* per-thread partial sums of the parameter gradients, reduced once at the end;
+     * runs along the channel axis add into float pend, flushed into part every DG_PEND runs */
+    double *Part = (double *)calloc((size_t)(Nth * P * C) + 1, sizeof(double));
+    float *Pend_all = (float *)calloc((size_t)(Nth * P * C) + 1, sizeof(float));
+    if (Part == NULL || Pend_all == NULL) {
+        free(Part);
+        free(Pend_all);
+        return -1;
+    }
+    DG_PRAGMA(omp parallel num_threads(Nth))
+    {
+        double *restrict Mine = Part + (int64_t)Dg_thread_id() * P * C;
+        (void)Mine;
+        float *restrict Pend = Pend_all + (int64_t)Dg_thread_id() * P * C;
+        int Pending = 0;                             /* runs added into pend since its last flush */
+        int64_t Pend_lo = C, Pend_hi = 0;            /* the channels they touched */
+        const int dx_Stream = 0;   /* bfloat16 outputs are written in place */
+        const int64_t dx_Cap = Dg_tile_len(M, (int64_t)sizeof(dg_bf16));
+        dg_bf16 *dx_Tile = (dg_bf16 *)Dg_tile(dx_Stream, dx_Cap, (int64_t)sizeof(dg_bf16));   /* NULL: dx in place */
+        int64_t dx_At = 0, dx_Fill = 0;           /* the tile holds dx[at, at + fill) */
+        (void)dx_Stream;
+        (void)Pend;
+        (void)Pending;
+        (void)Pend_lo;
+        (void)Pend_hi;
+        DG_PRAGMA(omp for schedule(static))
+        for (int64_t Grp = 0; Grp < N_groups; ++Grp) {
+            const int64_t Gi = G == 1 ? 0 : Grp % G;     /* channel group */
+            (void)Gi;
+            const int64_t Base = Grp * M;
+            const double mean = mean_In[Grp];
+            (void)mean;
+            const double var = var_In[Grp];
+            (void)var;
+            const double rstd = rstd_In[Grp];
+            (void)rstd;
+            double Sum_g;
+            double Sum_g_xhat;
+            {
+                const double H0 = -mean;
+                const float H0_hi = (float)H0;
+                const float H0_lo = (float)(H0 - (double)H0_hi);
+                const float rstd_F = (float)rstd;
+                double Lane_Sum_g[DG_LANES] = {0};
+                double Lane_Sum_g_xhat[DG_LANES] = {0};
+                for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
+                    const int64_t Off = Base + Blk * Block_stride;
+                    const int64_t Nxt = Blk + 1 < Blocks ? Off + Block_stride : Base + M;   /* block read next */
+                    {                       /* a trailing layout (S == 1): parameters vary along the run */
+                        {
+                            int64_t Mi = 0;
+                            for (; Mi + DG_LANES <= Cg; Mi += DG_LANES) {
+                                for (int Q = 0; Q < DG_LANES; Q += 64 / (int)sizeof(*x)) {  /* read ahead, a line at a time */
+                                    const int64_t Pf = Dg_ahead(Off, Mi + Q, M, Nxt, Total, Ahead);
+                                    if (Pf >= 0) DG_PREFETCH(x + Pf);
+                                }
+                                for (int Q = 0; Q < DG_LANES; Q += 64 / (int)sizeof(*dy)) {  /* read ahead, a line at a time */
+                                    const int64_t Pf = Dg_ahead(Off, Mi + Q, M, Nxt, Total, Ahead);
+                                    if (Pf >= 0) DG_PREFETCH(dy + Pf);
+                                }
+                                DG_INDEPENDENT
+                                for (int J = 0; J < DG_LANES; ++J) {
+                                    const int64_t Idx = Off + Mi + J;
+                                    const int64_t Ch = Gi * Cg + Mi + J;
+                                    const float gamma_V = Dg_from_bf16(gamma[Ch]);
+                                    const float Xv = Dg_from_bf16(x[Idx]);
+                                    const float Dyv = Dg_from_bf16(dy[Idx]);
+                                    const float xhat = rstd_F*((Xv + H0_hi + H0_lo));
+                                    const float g = Dyv*gamma_V;
+                                    Lane_Sum_g[J] += ((double)g);
+                                    Lane_Sum_g_xhat[J] += ((double)g)*((double)xhat);
+                                }
+                            }
+                            for (; Mi < Cg; ++Mi) {
+                                const int J = 0;                /* outside the lane blocks: lane 0 */
+                                (void)J;
+                                const int64_t Idx = Off + Mi;
+                                const int64_t Ch = Gi * Cg + Mi;
+                                const float gamma_V = Dg_from_bf16(gamma[Ch]);
+                                const float Xv = Dg_from_bf16(x[Idx]);
+                                const float Dyv = Dg_from_bf16(dy[Idx]);
+                                const float xhat = rstd_F*((Xv + H0_hi + H0_lo));
+                                const float g = Dyv*gamma_V;
+                                Lane_Sum_g[J] += ((double)g);
+                                Lane_Sum_g_xhat[J] += ((double)g)*((double)xhat);
+                            }
+                        }
+
+                    }
+                }
+                Sum_g = Dg_lanes(Lane_Sum_g);
+                Sum_g_xhat = Dg_lanes(Lane_Sum_g_xhat);
+            }
+            const double Mean_g = Sum_g/N;  /* Mean_g = mean(g) */
+            const double Mean_g_xhat = Sum_g_xhat/N;  /* Mean_g_xhat = mean(g*xhat) */
+            {
+                const double H0 = -mean;
+                const float H0_hi = (float)H0;
+                const float H0_lo = (float)(H0 - (double)H0_hi);
+                const double H1 = -Mean_g;
+                const float H1_hi = (float)H1;
+                const float H1_lo = (float)(H1 - (double)H1_hi);
+                const float Mean_g_xhat_F = (float)Mean_g_xhat;
+                const float rstd_F = (float)rstd;
+                for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
+                    const int64_t Off = Base + Blk * Block_stride;
+                    const int dx_Direct = Dg_direct(dx_Stream, Cg);   /* stream from registers */
+                    (void)dx_Direct;
+                    {                       /* a trailing layout (S == 1): parameters vary along the run */
+                        {
+                            dg_bf16 *restrict dx_R = dx + Off;
+                            int64_t Mi = 0;
+                            if (dx_Direct) {          /* scalar head up to a 64-byte boundary of dx */
+                                const int64_t Head = Dg_head(dx + Off, (int64_t)sizeof(dg_bf16), Cg);
+                                for (; Mi < Head; ++Mi) {
+                                    const int J = 0;                /* outside the lane blocks: lane 0 */
+                                    (void)J;
+                                    const int64_t Idx = Off + Mi;
+                                    const int64_t Ch = Gi * Cg + Mi;
+                                    const float gamma_V = Dg_from_bf16(gamma[Ch]);
+                                    const float Xv = Dg_from_bf16(x[Idx]);
+                                    const float Dyv = Dg_from_bf16(dy[Idx]);
+                                    const float xhat = rstd_F*((Xv + H0_hi + H0_lo));
+                                    const float g = Dyv*gamma_V;
+                                    dx_R[Idx - (Off)] = Dg_to_bf16((float)(rstd_F*((g - Mean_g_xhat_F*xhat + H1_hi + H1_lo))));
+                                    Pend[0 * C + Ch] += Dyv*xhat;
+                                    Pend[1 * C + Ch] += Dyv;
+                                }
+                            }
+                            for (; Mi + DG_LANES <= Cg; Mi += DG_LANES) {
+                                dg_bf16 T_dx[DG_LANES];
+                                DG_INDEPENDENT
+                                for (int J = 0; J < DG_LANES; ++J) {
+                                    const int64_t Idx = Off + Mi + J;
+                                    const int64_t Ch = Gi * Cg + Mi + J;
+                                    const float gamma_V = Dg_from_bf16(gamma[Ch]);
+                                    const float Xv = Dg_from_bf16(x[Idx]);
+                                    const float Dyv = Dg_from_bf16(dy[Idx]);
+                                    const float xhat = rstd_F*((Xv + H0_hi + H0_lo));
+                                    const float g = Dyv*gamma_V;
+                                    T_dx[J] = Dg_to_bf16((float)(rstd_F*((g - Mean_g_xhat_F*xhat + H1_hi + H1_lo))));
+                                    Pend[0 * C + Ch] += Dyv*xhat;
+                                    Pend[1 * C + Ch] += Dyv;
+                                }
+                                Dg_put_dg_bf16(dx_R + Mi, T_dx, dx_Direct);
+                            }
+                            for (; Mi < Cg; ++Mi) {
+                                const int J = 0;                /* outside the lane blocks: lane 0 */
+                                (void)J;
+                                const int64_t Idx = Off + Mi;
+                                const int64_t Ch = Gi * Cg + Mi;
+                                const float gamma_V = Dg_from_bf16(gamma[Ch]);
+                                const float Xv = Dg_from_bf16(x[Idx]);
+                                const float Dyv = Dg_from_bf16(dy[Idx]);
+                                const float xhat = rstd_F*((Xv + H0_hi + H0_lo));
+                                const float g = Dyv*gamma_V;
+                                dx_R[Idx - (Off)] = Dg_to_bf16((float)(rstd_F*((g - Mean_g_xhat_F*xhat + H1_hi + H1_lo))));
+                                Pend[0 * C + Ch] += Dyv*xhat;
+                                Pend[1 * C + Ch] += Dyv;
+                            }
+                        }
+
+                        Pend_lo = Pend_lo < Gi * Cg ? Pend_lo : Gi * Cg;
+                        Pend_hi = Pend_hi > Gi * Cg + Cg ? Pend_hi : Gi * Cg + Cg;
+                        if (++Pending == DG_PEND) {     /* float partials of at most DG_PEND runs */
+                            Dg_flush_float(Mine, Pend, P, C, Pend_lo, Pend_hi);
+                            Pending = 0;
+                            Pend_lo = C;
+                            Pend_hi = 0;
+                        }
+                    }
+                }
+            }
+        }
+        if (Pending > 0)
+            Dg_flush_float(Mine, Pend, P, C, Pend_lo, Pend_hi);
+        if (dx_Fill > 0)
+            Dg_stream_dg_bf16(dx + dx_At, dx_Tile, dx_Fill);
+        if (dx_Stream)
+            Dg_fence();
+        free(dx_Tile);
+
+    }
+    for (int64_t Cc = 0; Cc < C; ++Cc) {       /* dgamma */
+        double Acc = 0.0;
+        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * P * C + 0 * C + Cc];
+        dgamma[Cc] = Dg_to_bf16((float)(Acc));
+    }
+    for (int64_t Cc = 0; Cc < C; ++Cc) {       /* dbeta */
+        double Acc = 0.0;
+        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * P * C + 1 * C + Cc];
+        dbeta[Cc] = Dg_to_bf16((float)(Acc));
     }
     free(Pend_all);
     free(Part);

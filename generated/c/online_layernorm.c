@@ -77,7 +77,7 @@ int online_layernorm_train_forward_f32(
 
     DG_PRAGMA(omp parallel num_threads(Nth))
     {
-const int y_Stream = Dg_stream_on(Total, (int64_t)sizeof(float));
+        const int y_Stream = Dg_stream_on(Total, (int64_t)sizeof(float));
         (void)y_Stream;
         DG_PRAGMA(omp for schedule(static))
         for (int64_t Grp = 0; Grp < N_groups; ++Grp) {
@@ -282,7 +282,7 @@ int online_layernorm_train_backward_f32(
         float *restrict Pend = Pend_all + (int64_t)Dg_thread_id() * P * C;
         int Pending = 0;                             /* runs added into pend since its last flush */
         int64_t Pend_lo = C, Pend_hi = 0;            /* the channels they touched */
-const int dx_Stream = Dg_stream_on(Total, (int64_t)sizeof(float));
+        const int dx_Stream = Dg_stream_on(Total, (int64_t)sizeof(float));
         const int64_t dx_Cap = Dg_tile_len(M, (int64_t)sizeof(float));
         float *dx_Tile = (float *)Dg_tile(dx_Stream, dx_Cap, (int64_t)sizeof(float));   /* NULL: dx in place */
         int64_t dx_At = 0, dx_Fill = 0;           /* the tile holds dx[at, at + fill) */
@@ -373,8 +373,8 @@ const int dx_Stream = Dg_stream_on(Total, (int64_t)sizeof(float));
             const double Cse1 = N/std;  /* common subexpression */
             const double prev_mean_Grad = Cse1*(Cse0*Mean_g - Cse0*Mean_g_xhat*N*alpha*(row_mean - mean)/(sample_std*(N - 1)));  /* dL/dprev_mean for this group */
             const double prev_std_Grad = Cse0*Cse1*Mean_g_xhat;  /* dL/dprev_std for this group */
-            dprev_mean[Grp] = (float)prev_mean_Grad;
-            dprev_std[Grp] = (float)prev_std_Grad;
+            dprev_mean[Grp] = (float)(prev_mean_Grad);
+            dprev_std[Grp] = (float)(prev_std_Grad);
             {
                 const double H0 = -mean;
                 const float H0_hi = (float)H0;
@@ -472,12 +472,12 @@ const int dx_Stream = Dg_stream_on(Total, (int64_t)sizeof(float));
     for (int64_t Cc = 0; Cc < C; ++Cc) {       /* dgamma */
         double Acc = 0.0;
         for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * P * C + 0 * C + Cc];
-        dgamma[Cc] = (float)Acc;
+        dgamma[Cc] = (float)(Acc);
     }
     for (int64_t Cc = 0; Cc < C; ++Cc) {       /* dbeta */
         double Acc = 0.0;
         for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * P * C + 1 * C + Cc];
-        dbeta[Cc] = (float)Acc;
+        dbeta[Cc] = (float)(Acc);
     }
     free(Pend_all);
     free(Part);
@@ -522,16 +522,16 @@ int online_layernorm_train_forward_f64(
 
     DG_PRAGMA(omp parallel num_threads(Nth))
     {
-const int y_Stream = Dg_stream_on(Total, (int64_t)sizeof(double));
+        const int y_Stream = Dg_stream_on(Total, (int64_t)sizeof(double));
         (void)y_Stream;
         DG_PRAGMA(omp for schedule(static))
         for (int64_t Grp = 0; Grp < N_groups; ++Grp) {
             const int64_t Gi = G == 1 ? 0 : Grp % G;     /* channel group */
             (void)Gi;
             const int64_t Base = Grp * M;
-            const double prev_mean = (double)prev_mean_In[Grp * prev_mean_Stride];
+            const double prev_mean = prev_mean_In[Grp * prev_mean_Stride];
             (void)prev_mean;
-            const double prev_std = (double)prev_std_In[Grp * prev_std_Stride];
+            const double prev_std = prev_std_In[Grp * prev_std_Stride];
             (void)prev_std;
             double Sum_row_mean;
             {
@@ -723,7 +723,7 @@ int online_layernorm_train_backward_f64(
         double *restrict Pend = Pend_all + (int64_t)Dg_thread_id() * P * C;
         int Pending = 0;                             /* runs added into pend since its last flush */
         int64_t Pend_lo = C, Pend_hi = 0;            /* the channels they touched */
-const int dx_Stream = Dg_stream_on(Total, (int64_t)sizeof(double));
+        const int dx_Stream = Dg_stream_on(Total, (int64_t)sizeof(double));
         const int64_t dx_Cap = Dg_tile_len(M, (int64_t)sizeof(double));
         double *dx_Tile = (double *)Dg_tile(dx_Stream, dx_Cap, (int64_t)sizeof(double));   /* NULL: dx in place */
         int64_t dx_At = 0, dx_Fill = 0;           /* the tile holds dx[at, at + fill) */
@@ -737,9 +737,9 @@ const int dx_Stream = Dg_stream_on(Total, (int64_t)sizeof(double));
             const int64_t Gi = G == 1 ? 0 : Grp % G;     /* channel group */
             (void)Gi;
             const int64_t Base = Grp * M;
-            const double prev_mean = (double)prev_mean_In[Grp * prev_mean_Stride];
+            const double prev_mean = prev_mean_In[Grp * prev_mean_Stride];
             (void)prev_mean;
-            const double prev_std = (double)prev_std_In[Grp * prev_std_Stride];
+            const double prev_std = prev_std_In[Grp * prev_std_Stride];
             (void)prev_std;
             const double row_mean = row_mean_In[Grp];
             (void)row_mean;
@@ -817,8 +817,8 @@ const int dx_Stream = Dg_stream_on(Total, (int64_t)sizeof(double));
             const double K_xhat = -Cse3;  /* coefficient of xhat in dx */
             const double prev_mean_Grad = Cse5*(Cse4*Mean_g - Cse3*Cse4*(row_mean - mean));  /* dL/dprev_mean for this group */
             const double prev_std_Grad = Cse4*Cse5*Mean_g_xhat;  /* dL/dprev_std for this group */
-            dprev_mean[Grp] = (double)prev_mean_Grad;
-            dprev_std[Grp] = (double)prev_std_Grad;
+            dprev_mean[Grp] = (double)(prev_mean_Grad);
+            dprev_std[Grp] = (double)(prev_std_Grad);
             {
                 for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
                     const int64_t Off = Base + Blk * Block_stride;
@@ -902,12 +902,457 @@ const int dx_Stream = Dg_stream_on(Total, (int64_t)sizeof(double));
     for (int64_t Cc = 0; Cc < C; ++Cc) {       /* dgamma */
         double Acc = 0.0;
         for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * P * C + 0 * C + Cc];
-        dgamma[Cc] = (double)Acc;
+        dgamma[Cc] = (double)(Acc);
     }
     for (int64_t Cc = 0; Cc < C; ++Cc) {       /* dbeta */
         double Acc = 0.0;
         for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * P * C + 1 * C + Cc];
-        dbeta[Cc] = (double)Acc;
+        dbeta[Cc] = (double)(Acc);
+    }
+    free(Pend_all);
+    free(Part);
+    return 0;
+}
+
+/* ---- train forward, dg_bf16 ---- */
+int online_layernorm_train_forward_bf16(
+    int64_t O, int64_t G, int64_t Cg, int64_t S,
+    const dg_bf16 *restrict x,
+    const dg_bf16 *restrict gamma,
+    const dg_bf16 *restrict beta,
+    double alpha,
+    double eps,
+    const dg_bf16 *restrict prev_mean_In, int64_t prev_mean_Stride,
+    const dg_bf16 *restrict prev_std_In, int64_t prev_std_Stride,
+    dg_bf16 *restrict y,
+    double *restrict row_mean_Out,
+    double *restrict mean_Out,
+    double *restrict Aux1_Out,
+    double *restrict sample_std_Out,
+    double *restrict std_Out,
+    int Nthreads)
+{
+    const int64_t M = Cg * S;                       /* contiguous values per (o, g) block */
+    const int64_t N_groups = O * G;
+    const int64_t Blocks = 1;               /* blocks per group */
+    const int64_t Block_stride = G * M;
+    const double N = (double)(Blocks * M);          /* values per group */
+    const int64_t Total = N_groups * Blocks * M;    /* values in x */
+    const int64_t Ahead = DG_AHEAD_BYTES / (int64_t)sizeof(dg_bf16);
+    const int Nth = Dg_threads(Nthreads);
+    (void)N;
+    (void)Nth;
+    (void)Total;
+    (void)Ahead;
+    (void)gamma;
+    (void)beta;
+    (void)alpha;
+    (void)eps;
+    (void)x;
+
+    DG_PRAGMA(omp parallel num_threads(Nth))
+    {
+        const int y_Stream = 0;   /* bfloat16 outputs are written in place */
+        (void)y_Stream;
+        DG_PRAGMA(omp for schedule(static))
+        for (int64_t Grp = 0; Grp < N_groups; ++Grp) {
+            const int64_t Gi = G == 1 ? 0 : Grp % G;     /* channel group */
+            (void)Gi;
+            const int64_t Base = Grp * M;
+            const double prev_mean = (double)Dg_from_bf16(prev_mean_In[Grp * prev_mean_Stride]);
+            (void)prev_mean;
+            const double prev_std = (double)Dg_from_bf16(prev_std_In[Grp * prev_std_Stride]);
+            (void)prev_std;
+            double Sum_row_mean;
+            {
+                double Lane_Sum_row_mean[DG_LANES] = {0};
+                for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
+                    const int64_t Off = Base + Blk * Block_stride;
+                    const int64_t Nxt = Blk + 1 < Blocks ? Off + Block_stride : Base + M;   /* block read next */
+                    {
+                        int64_t Mi = 0;
+                        for (; Mi + DG_LANES <= M; Mi += DG_LANES) {
+                            for (int Q = 0; Q < DG_LANES; Q += 64 / (int)sizeof(*x)) {  /* read ahead, a line at a time */
+                                const int64_t Pf = Dg_ahead(Off, Mi + Q, M, Nxt, Total, Ahead);
+                                if (Pf >= 0) DG_PREFETCH(x + Pf);
+                            }
+                            DG_INDEPENDENT
+                            for (int J = 0; J < DG_LANES; ++J) {
+                                const int64_t Idx = Off + Mi + J;
+                                const double Xv = (double)Dg_from_bf16(x[Idx]);
+                                Lane_Sum_row_mean[J] += Xv;
+                            }
+                        }
+                        for (; Mi < M; ++Mi) {
+                            const int J = 0;                /* outside the lane blocks: lane 0 */
+                            (void)J;
+                            const int64_t Idx = Off + Mi;
+                            const double Xv = (double)Dg_from_bf16(x[Idx]);
+                            Lane_Sum_row_mean[J] += Xv;
+                        }
+                    }
+
+                }
+                Sum_row_mean = Dg_lanes(Lane_Sum_row_mean);
+            }
+            const double row_mean = Sum_row_mean/N;  /* row_mean = mean(x) */
+            const double mean = alpha*row_mean + prev_mean*(1 - alpha);  /* mean = alpha*row_mean + (1 - alpha)*prev_mean */
+            double Sum_Aux1;
+            {
+                double Lane_Sum_Aux1[DG_LANES] = {0};
+                for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
+                    const int64_t Off = Base + Blk * Block_stride;
+                    {
+                        int64_t Mi = 0;
+                        for (; Mi + DG_LANES <= M; Mi += DG_LANES) {
+                            DG_INDEPENDENT
+                            for (int J = 0; J < DG_LANES; ++J) {
+                                const int64_t Idx = Off + Mi + J;
+                                const double Xv = (double)Dg_from_bf16(x[Idx]);
+                                Lane_Sum_Aux1[J] += ((Xv - mean)*(Xv - mean));
+                            }
+                        }
+                        for (; Mi < M; ++Mi) {
+                            const int J = 0;                /* outside the lane blocks: lane 0 */
+                            (void)J;
+                            const int64_t Idx = Off + Mi;
+                            const double Xv = (double)Dg_from_bf16(x[Idx]);
+                            Lane_Sum_Aux1[J] += ((Xv - mean)*(Xv - mean));
+                        }
+                    }
+
+                }
+                Sum_Aux1 = Dg_lanes(Lane_Sum_Aux1);
+            }
+            const double Aux1 = Sum_Aux1/N;  /* Aux1 = a mean in sample_std */
+            const double sample_std = sqrt(eps + Aux1*N/(N - 1));  /* sample_std = sqrt(sum((x - mean)**2)/(N - 1) + eps) */
+            const double std = alpha*sample_std + prev_std*(1 - alpha);  /* std = alpha*sample_std + (1 - alpha)*prev_std */
+            row_mean_Out[Grp] = row_mean;
+            mean_Out[Grp] = mean;
+            Aux1_Out[Grp] = Aux1;
+            sample_std_Out[Grp] = sample_std;
+            std_Out[Grp] = std;
+            {
+                const double H0 = -mean;
+                const float H0_hi = (float)H0;
+                const float H0_lo = (float)(H0 - (double)H0_hi);
+                const float std_F = (float)std;
+                for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
+                    const int64_t Off = Base + Blk * Block_stride;
+                    const int y_Direct = Dg_direct(y_Stream, Cg);   /* stream from registers */
+                    (void)y_Direct;
+                    {                       /* a trailing layout (S == 1): parameters vary along the run */
+                        {
+                            dg_bf16 *restrict y_R = y + Off;
+                            int64_t Mi = 0;
+                            if (y_Direct) {          /* scalar head up to a 64-byte boundary of y */
+                                const int64_t Head = Dg_head(y + Off, (int64_t)sizeof(dg_bf16), Cg);
+                                for (; Mi < Head; ++Mi) {
+                                    const int J = 0;                /* outside the lane blocks: lane 0 */
+                                    (void)J;
+                                    const int64_t Idx = Off + Mi;
+                                    const int64_t Ch = Gi * Cg + Mi;
+                                    const float gamma_V = Dg_from_bf16(gamma[Ch]);
+                                    const float beta_V = Dg_from_bf16(beta[Ch]);
+                                    const float Xv = Dg_from_bf16(x[Idx]);
+                                    const float xhat = ((Xv + H0_hi + H0_lo))/std_F;
+                                    y_R[Idx - (Off)] = Dg_to_bf16((float)(gamma_V*xhat + beta_V));
+                                }
+                            }
+                            for (; Mi + DG_LANES <= Cg; Mi += DG_LANES) {
+                                dg_bf16 T_y[DG_LANES];
+                                DG_INDEPENDENT
+                                for (int J = 0; J < DG_LANES; ++J) {
+                                    const int64_t Idx = Off + Mi + J;
+                                    const int64_t Ch = Gi * Cg + Mi + J;
+                                    const float gamma_V = Dg_from_bf16(gamma[Ch]);
+                                    const float beta_V = Dg_from_bf16(beta[Ch]);
+                                    const float Xv = Dg_from_bf16(x[Idx]);
+                                    const float xhat = ((Xv + H0_hi + H0_lo))/std_F;
+                                    T_y[J] = Dg_to_bf16((float)(gamma_V*xhat + beta_V));
+                                }
+                                Dg_put_dg_bf16(y_R + Mi, T_y, y_Direct);
+                            }
+                            for (; Mi < Cg; ++Mi) {
+                                const int J = 0;                /* outside the lane blocks: lane 0 */
+                                (void)J;
+                                const int64_t Idx = Off + Mi;
+                                const int64_t Ch = Gi * Cg + Mi;
+                                const float gamma_V = Dg_from_bf16(gamma[Ch]);
+                                const float beta_V = Dg_from_bf16(beta[Ch]);
+                                const float Xv = Dg_from_bf16(x[Idx]);
+                                const float xhat = ((Xv + H0_hi + H0_lo))/std_F;
+                                y_R[Idx - (Off)] = Dg_to_bf16((float)(gamma_V*xhat + beta_V));
+                            }
+                        }
+
+                    }
+                }
+            }
+        }
+        if (y_Stream)
+            Dg_fence();
+
+    }
+    return 0;
+}
+
+/* ---- train backward, dg_bf16 ---- */
+int online_layernorm_train_backward_bf16(
+    int64_t O, int64_t G, int64_t Cg, int64_t S,
+    const dg_bf16 *restrict x,
+    const dg_bf16 *restrict dy,
+    const dg_bf16 *restrict gamma,
+    const dg_bf16 *restrict beta,
+    double alpha,
+    double eps,
+    const dg_bf16 *restrict prev_mean_In, int64_t prev_mean_Stride,
+    const dg_bf16 *restrict prev_std_In, int64_t prev_std_Stride,
+    const double *restrict row_mean_In,
+    const double *restrict mean_In,
+    const double *restrict Aux1_In,
+    const double *restrict sample_std_In,
+    const double *restrict std_In,
+    dg_bf16 *restrict dx,
+    dg_bf16 *restrict dgamma,
+    dg_bf16 *restrict dbeta,
+    dg_bf16 *restrict dprev_mean,
+    dg_bf16 *restrict dprev_std,
+    int Nthreads)
+{
+    const int64_t M = Cg * S;                       /* contiguous values per (o, g) block */
+    const int64_t N_groups = O * G;
+    const int64_t Blocks = 1;               /* blocks per group */
+    const int64_t Block_stride = G * M;
+    const double N = (double)(Blocks * M);          /* values per group */
+    const int64_t Total = N_groups * Blocks * M;    /* values in x */
+    const int64_t Ahead = DG_AHEAD_BYTES / (int64_t)sizeof(dg_bf16);
+    const int Nth = Dg_threads(Nthreads);
+    (void)N;
+    (void)Nth;
+    (void)Total;
+    (void)Ahead;
+    (void)gamma;
+    (void)beta;
+    (void)alpha;
+    (void)eps;
+    (void)x;
+
+    const int64_t C = G * Cg;                        /* parameter length */
+    const int64_t P = 2;      /* parameters */
+    (void)dy;
+    /* per-thread partial sums of the parameter gradients, reduced once at the end;
+     * runs along the channel axis add into float pend, flushed into part every DG_PEND runs */
+    double *Part = (double *)calloc((size_t)(Nth * P * C) + 1, sizeof(double));
+    float *Pend_all = (float *)calloc((size_t)(Nth * P * C) + 1, sizeof(float));
+    if (Part == NULL || Pend_all == NULL) {
+        free(Part);
+        free(Pend_all);
+        return -1;
+    }
+    DG_PRAGMA(omp parallel num_threads(Nth))
+    {
+        double *restrict Mine = Part + (int64_t)Dg_thread_id() * P * C;
+        (void)Mine;
+        float *restrict Pend = Pend_all + (int64_t)Dg_thread_id() * P * C;
+        int Pending = 0;                             /* runs added into pend since its last flush */
+        int64_t Pend_lo = C, Pend_hi = 0;            /* the channels they touched */
+        const int dx_Stream = 0;   /* bfloat16 outputs are written in place */
+        const int64_t dx_Cap = Dg_tile_len(M, (int64_t)sizeof(dg_bf16));
+        dg_bf16 *dx_Tile = (dg_bf16 *)Dg_tile(dx_Stream, dx_Cap, (int64_t)sizeof(dg_bf16));   /* NULL: dx in place */
+        int64_t dx_At = 0, dx_Fill = 0;           /* the tile holds dx[at, at + fill) */
+        (void)dx_Stream;
+        (void)Pend;
+        (void)Pending;
+        (void)Pend_lo;
+        (void)Pend_hi;
+        DG_PRAGMA(omp for schedule(static))
+        for (int64_t Grp = 0; Grp < N_groups; ++Grp) {
+            const int64_t Gi = G == 1 ? 0 : Grp % G;     /* channel group */
+            (void)Gi;
+            const int64_t Base = Grp * M;
+            const double prev_mean = (double)Dg_from_bf16(prev_mean_In[Grp * prev_mean_Stride]);
+            (void)prev_mean;
+            const double prev_std = (double)Dg_from_bf16(prev_std_In[Grp * prev_std_Stride]);
+            (void)prev_std;
+            const double row_mean = row_mean_In[Grp];
+            (void)row_mean;
+            const double mean = mean_In[Grp];
+            (void)mean;
+            const double Aux1 = Aux1_In[Grp];
+            (void)Aux1;
+            const double sample_std = sample_std_In[Grp];
+            (void)sample_std;
+            const double std = std_In[Grp];
+            (void)std;
+            double Sum_g;
+            double Sum_g_xhat;
+            {
+                const double H0 = -mean;
+                const float H0_hi = (float)H0;
+                const float H0_lo = (float)(H0 - (double)H0_hi);
+                const float std_F = (float)std;
+                double Lane_Sum_g[DG_LANES] = {0};
+                double Lane_Sum_g_xhat[DG_LANES] = {0};
+                for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
+                    const int64_t Off = Base + Blk * Block_stride;
+                    const int64_t Nxt = Blk + 1 < Blocks ? Off + Block_stride : Base + M;   /* block read next */
+                    {                       /* a trailing layout (S == 1): parameters vary along the run */
+                        {
+                            int64_t Mi = 0;
+                            for (; Mi + DG_LANES <= Cg; Mi += DG_LANES) {
+                                for (int Q = 0; Q < DG_LANES; Q += 64 / (int)sizeof(*x)) {  /* read ahead, a line at a time */
+                                    const int64_t Pf = Dg_ahead(Off, Mi + Q, M, Nxt, Total, Ahead);
+                                    if (Pf >= 0) DG_PREFETCH(x + Pf);
+                                }
+                                for (int Q = 0; Q < DG_LANES; Q += 64 / (int)sizeof(*dy)) {  /* read ahead, a line at a time */
+                                    const int64_t Pf = Dg_ahead(Off, Mi + Q, M, Nxt, Total, Ahead);
+                                    if (Pf >= 0) DG_PREFETCH(dy + Pf);
+                                }
+                                DG_INDEPENDENT
+                                for (int J = 0; J < DG_LANES; ++J) {
+                                    const int64_t Idx = Off + Mi + J;
+                                    const int64_t Ch = Gi * Cg + Mi + J;
+                                    const float gamma_V = Dg_from_bf16(gamma[Ch]);
+                                    const float Xv = Dg_from_bf16(x[Idx]);
+                                    const float Dyv = Dg_from_bf16(dy[Idx]);
+                                    const float xhat = ((Xv + H0_hi + H0_lo))/std_F;
+                                    const float g = Dyv*gamma_V;
+                                    Lane_Sum_g[J] += ((double)g);
+                                    Lane_Sum_g_xhat[J] += ((double)g)*((double)xhat);
+                                }
+                            }
+                            for (; Mi < Cg; ++Mi) {
+                                const int J = 0;                /* outside the lane blocks: lane 0 */
+                                (void)J;
+                                const int64_t Idx = Off + Mi;
+                                const int64_t Ch = Gi * Cg + Mi;
+                                const float gamma_V = Dg_from_bf16(gamma[Ch]);
+                                const float Xv = Dg_from_bf16(x[Idx]);
+                                const float Dyv = Dg_from_bf16(dy[Idx]);
+                                const float xhat = ((Xv + H0_hi + H0_lo))/std_F;
+                                const float g = Dyv*gamma_V;
+                                Lane_Sum_g[J] += ((double)g);
+                                Lane_Sum_g_xhat[J] += ((double)g)*((double)xhat);
+                            }
+                        }
+
+                    }
+                }
+                Sum_g = Dg_lanes(Lane_Sum_g);
+                Sum_g_xhat = Dg_lanes(Lane_Sum_g_xhat);
+            }
+            const double Mean_g = Sum_g/N;  /* Mean_g = mean(g) */
+            const double Mean_g_xhat = Sum_g_xhat/N;  /* Mean_g_xhat = mean(g*xhat) */
+            const double Cse0 = alpha - 1;  /* common subexpression */
+            const double Cse1 = N/std;  /* common subexpression */
+            const double prev_mean_Grad = Cse1*(Cse0*Mean_g - Cse0*Mean_g_xhat*N*alpha*(row_mean - mean)/(sample_std*(N - 1)));  /* dL/dprev_mean for this group */
+            const double prev_std_Grad = Cse0*Cse1*Mean_g_xhat;  /* dL/dprev_std for this group */
+            dprev_mean[Grp] = Dg_to_bf16((float)(prev_mean_Grad));
+            dprev_std[Grp] = Dg_to_bf16((float)(prev_std_Grad));
+            {
+                const double H0 = -mean;
+                const float H0_hi = (float)H0;
+                const float H0_lo = (float)(H0 - (double)H0_hi);
+                const double H1 = -Mean_g*alpha/std;
+                const float H1_hi = (float)H1;
+                const float H1_lo = (float)(H1 - (double)H1_hi);
+                const double H2 = alpha*(row_mean - mean)/std;
+                const float H2_hi = (float)H2;
+                const float H2_lo = (float)(H2 - (double)H2_hi);
+                const float Mean_g_xhat_F = (float)Mean_g_xhat;
+                const float N_F = (float)N;
+                const float alpha_F = (float)alpha;
+                const float sample_std_F = (float)sample_std;
+                const float std_F = (float)std;
+                for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
+                    const int64_t Off = Base + Blk * Block_stride;
+                    const int dx_Direct = Dg_direct(dx_Stream, Cg);   /* stream from registers */
+                    (void)dx_Direct;
+                    {                       /* a trailing layout (S == 1): parameters vary along the run */
+                        {
+                            dg_bf16 *restrict dx_R = dx + Off;
+                            int64_t Mi = 0;
+                            if (dx_Direct) {          /* scalar head up to a 64-byte boundary of dx */
+                                const int64_t Head = Dg_head(dx + Off, (int64_t)sizeof(dg_bf16), Cg);
+                                for (; Mi < Head; ++Mi) {
+                                    const int J = 0;                /* outside the lane blocks: lane 0 */
+                                    (void)J;
+                                    const int64_t Idx = Off + Mi;
+                                    const int64_t Ch = Gi * Cg + Mi;
+                                    const float gamma_V = Dg_from_bf16(gamma[Ch]);
+                                    const float Xv = Dg_from_bf16(x[Idx]);
+                                    const float Dyv = Dg_from_bf16(dy[Idx]);
+                                    const float xhat = ((Xv + H0_hi + H0_lo))/std_F;
+                                    const float g = Dyv*gamma_V;
+                                    dx_R[Idx - (Off)] = Dg_to_bf16((float)((g/std_F + Mean_g_xhat_F*N_F*alpha_F*((-xhat + H2_hi + H2_lo))/(sample_std_F*(N_F - 1)) + H1_hi + H1_lo)));
+                                    Pend[0 * C + Ch] += Dyv*xhat;
+                                    Pend[1 * C + Ch] += Dyv;
+                                }
+                            }
+                            for (; Mi + DG_LANES <= Cg; Mi += DG_LANES) {
+                                dg_bf16 T_dx[DG_LANES];
+                                DG_INDEPENDENT
+                                for (int J = 0; J < DG_LANES; ++J) {
+                                    const int64_t Idx = Off + Mi + J;
+                                    const int64_t Ch = Gi * Cg + Mi + J;
+                                    const float gamma_V = Dg_from_bf16(gamma[Ch]);
+                                    const float Xv = Dg_from_bf16(x[Idx]);
+                                    const float Dyv = Dg_from_bf16(dy[Idx]);
+                                    const float xhat = ((Xv + H0_hi + H0_lo))/std_F;
+                                    const float g = Dyv*gamma_V;
+                                    T_dx[J] = Dg_to_bf16((float)((g/std_F + Mean_g_xhat_F*N_F*alpha_F*((-xhat + H2_hi + H2_lo))/(sample_std_F*(N_F - 1)) + H1_hi + H1_lo)));
+                                    Pend[0 * C + Ch] += Dyv*xhat;
+                                    Pend[1 * C + Ch] += Dyv;
+                                }
+                                Dg_put_dg_bf16(dx_R + Mi, T_dx, dx_Direct);
+                            }
+                            for (; Mi < Cg; ++Mi) {
+                                const int J = 0;                /* outside the lane blocks: lane 0 */
+                                (void)J;
+                                const int64_t Idx = Off + Mi;
+                                const int64_t Ch = Gi * Cg + Mi;
+                                const float gamma_V = Dg_from_bf16(gamma[Ch]);
+                                const float Xv = Dg_from_bf16(x[Idx]);
+                                const float Dyv = Dg_from_bf16(dy[Idx]);
+                                const float xhat = ((Xv + H0_hi + H0_lo))/std_F;
+                                const float g = Dyv*gamma_V;
+                                dx_R[Idx - (Off)] = Dg_to_bf16((float)((g/std_F + Mean_g_xhat_F*N_F*alpha_F*((-xhat + H2_hi + H2_lo))/(sample_std_F*(N_F - 1)) + H1_hi + H1_lo)));
+                                Pend[0 * C + Ch] += Dyv*xhat;
+                                Pend[1 * C + Ch] += Dyv;
+                            }
+                        }
+
+                        Pend_lo = Pend_lo < Gi * Cg ? Pend_lo : Gi * Cg;
+                        Pend_hi = Pend_hi > Gi * Cg + Cg ? Pend_hi : Gi * Cg + Cg;
+                        if (++Pending == DG_PEND) {     /* float partials of at most DG_PEND runs */
+                            Dg_flush_float(Mine, Pend, P, C, Pend_lo, Pend_hi);
+                            Pending = 0;
+                            Pend_lo = C;
+                            Pend_hi = 0;
+                        }
+                    }
+                }
+            }
+        }
+        if (Pending > 0)
+            Dg_flush_float(Mine, Pend, P, C, Pend_lo, Pend_hi);
+        if (dx_Fill > 0)
+            Dg_stream_dg_bf16(dx + dx_At, dx_Tile, dx_Fill);
+        if (dx_Stream)
+            Dg_fence();
+        free(dx_Tile);
+
+    }
+    for (int64_t Cc = 0; Cc < C; ++Cc) {       /* dgamma */
+        double Acc = 0.0;
+        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * P * C + 0 * C + Cc];
+        dgamma[Cc] = Dg_to_bf16((float)(Acc));
+    }
+    for (int64_t Cc = 0; Cc < C; ++Cc) {       /* dbeta */
+        double Acc = 0.0;
+        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * P * C + 1 * C + Cc];
+        dbeta[Cc] = Dg_to_bf16((float)(Acc));
     }
     free(Pend_all);
     free(Part);

@@ -12,6 +12,8 @@
  * Per-group inputs (*_in) are read at [group * stride]: stride 0 for a single
  * scalar, 1 for one value per group. Their gradients d* are written per group
  * (the caller sums them for a scalar input).
+ * The bf16 kernels read and write bfloat16 (dg_bf16: the upper 16 bits of a float) and
+ * compute as the float ones do, rounding each stored value to nearest even.
  * nthreads <= 0 uses the OpenMP default; without OpenMP the kernels run serially.
  * Returns 0, or -1 when a work buffer cannot be allocated.
  */
@@ -19,6 +21,11 @@
 #define DERIVGEN_ONLINE_LAYERNORM_H
 
 #include <stdint.h>
+
+#ifndef DERIVGEN_BF16_TYPE
+#define DERIVGEN_BF16_TYPE
+typedef uint16_t dg_bf16;   /* bfloat16: the sign, exponent and top 7 mantissa bits of a float */
+#endif
 
 #ifdef __cplusplus
 extern "C" {
@@ -109,6 +116,45 @@ int online_layernorm_train_backward_f64(
     double *restrict dbeta,
     double *restrict dprev_mean,
     double *restrict dprev_std,
+    int Nthreads);
+
+int online_layernorm_train_forward_bf16(
+    int64_t O, int64_t G, int64_t Cg, int64_t S,
+    const dg_bf16 *restrict x,
+    const dg_bf16 *restrict gamma,
+    const dg_bf16 *restrict beta,
+    double alpha,
+    double eps,
+    const dg_bf16 *restrict prev_mean_In, int64_t prev_mean_Stride,
+    const dg_bf16 *restrict prev_std_In, int64_t prev_std_Stride,
+    dg_bf16 *restrict y,
+    double *restrict row_mean_Out,
+    double *restrict mean_Out,
+    double *restrict Aux1_Out,
+    double *restrict sample_std_Out,
+    double *restrict std_Out,
+    int Nthreads);
+
+int online_layernorm_train_backward_bf16(
+    int64_t O, int64_t G, int64_t Cg, int64_t S,
+    const dg_bf16 *restrict x,
+    const dg_bf16 *restrict dy,
+    const dg_bf16 *restrict gamma,
+    const dg_bf16 *restrict beta,
+    double alpha,
+    double eps,
+    const dg_bf16 *restrict prev_mean_In, int64_t prev_mean_Stride,
+    const dg_bf16 *restrict prev_std_In, int64_t prev_std_Stride,
+    const double *restrict row_mean_In,
+    const double *restrict mean_In,
+    const double *restrict Aux1_In,
+    const double *restrict sample_std_In,
+    const double *restrict std_In,
+    dg_bf16 *restrict dx,
+    dg_bf16 *restrict dgamma,
+    dg_bf16 *restrict dbeta,
+    dg_bf16 *restrict dprev_mean,
+    dg_bf16 *restrict dprev_std,
     int Nthreads);
 
 #ifdef __cplusplus

@@ -61,7 +61,7 @@ int rmsnorm_train_forward_f32(
 
     DG_PRAGMA(omp parallel num_threads(Nth))
     {
-const int y_Stream = Dg_stream_on(Total, (int64_t)sizeof(float));
+        const int y_Stream = Dg_stream_on(Total, (int64_t)sizeof(float));
         (void)y_Stream;
         DG_PRAGMA(omp for schedule(static))
         for (int64_t Grp = 0; Grp < N_groups; ++Grp) {
@@ -211,7 +211,7 @@ int rmsnorm_train_backward_f32(
         float *restrict Pend = Pend_all + (int64_t)Dg_thread_id() * P * C;
         int Pending = 0;                             /* runs added into pend since its last flush */
         int64_t Pend_lo = C, Pend_hi = 0;            /* the channels they touched */
-const int dx_Stream = Dg_stream_on(Total, (int64_t)sizeof(float));
+        const int dx_Stream = Dg_stream_on(Total, (int64_t)sizeof(float));
         const int64_t dx_Cap = Dg_tile_len(M, (int64_t)sizeof(float));
         float *dx_Tile = (float *)Dg_tile(dx_Stream, dx_Cap, (int64_t)sizeof(float));   /* NULL: dx in place */
         int64_t dx_At = 0, dx_Fill = 0;           /* the tile holds dx[at, at + fill) */
@@ -361,7 +361,7 @@ const int dx_Stream = Dg_stream_on(Total, (int64_t)sizeof(float));
     for (int64_t Cc = 0; Cc < C; ++Cc) {       /* dgamma */
         double Acc = 0.0;
         for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * P * C + 0 * C + Cc];
-        dgamma[Cc] = (float)Acc;
+        dgamma[Cc] = (float)(Acc);
     }
     free(Pend_all);
     free(Part);
@@ -397,7 +397,7 @@ int rmsnorm_train_forward_f64(
 
     DG_PRAGMA(omp parallel num_threads(Nth))
     {
-const int y_Stream = Dg_stream_on(Total, (int64_t)sizeof(double));
+        const int y_Stream = Dg_stream_on(Total, (int64_t)sizeof(double));
         (void)y_Stream;
         DG_PRAGMA(omp for schedule(static))
         for (int64_t Grp = 0; Grp < N_groups; ++Grp) {
@@ -546,7 +546,7 @@ int rmsnorm_train_backward_f64(
         double *restrict Pend = Pend_all + (int64_t)Dg_thread_id() * P * C;
         int Pending = 0;                             /* runs added into pend since its last flush */
         int64_t Pend_lo = C, Pend_hi = 0;            /* the channels they touched */
-const int dx_Stream = Dg_stream_on(Total, (int64_t)sizeof(double));
+        const int dx_Stream = Dg_stream_on(Total, (int64_t)sizeof(double));
         const int64_t dx_Cap = Dg_tile_len(M, (int64_t)sizeof(double));
         double *dx_Tile = (double *)Dg_tile(dx_Stream, dx_Cap, (int64_t)sizeof(double));   /* NULL: dx in place */
         int64_t dx_At = 0, dx_Fill = 0;           /* the tile holds dx[at, at + fill) */
@@ -695,7 +695,343 @@ const int dx_Stream = Dg_stream_on(Total, (int64_t)sizeof(double));
     for (int64_t Cc = 0; Cc < C; ++Cc) {       /* dgamma */
         double Acc = 0.0;
         for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * P * C + 0 * C + Cc];
-        dgamma[Cc] = (double)Acc;
+        dgamma[Cc] = (double)(Acc);
+    }
+    free(Pend_all);
+    free(Part);
+    return 0;
+}
+
+/* ---- train forward, dg_bf16 ---- */
+int rmsnorm_train_forward_bf16(
+    int64_t O, int64_t G, int64_t Cg, int64_t S,
+    const dg_bf16 *restrict x,
+    const dg_bf16 *restrict gamma,
+    double eps,
+    dg_bf16 *restrict y,
+    double *restrict ms_Out,
+    double *restrict rstd_Out,
+    int Nthreads)
+{
+    const int64_t M = Cg * S;                       /* contiguous values per (o, g) block */
+    const int64_t N_groups = O * G;
+    const int64_t Blocks = 1;               /* blocks per group */
+    const int64_t Block_stride = G * M;
+    const double N = (double)(Blocks * M);          /* values per group */
+    const int64_t Total = N_groups * Blocks * M;    /* values in x */
+    const int64_t Ahead = DG_AHEAD_BYTES / (int64_t)sizeof(dg_bf16);
+    const int Nth = Dg_threads(Nthreads);
+    (void)N;
+    (void)Nth;
+    (void)Total;
+    (void)Ahead;
+    (void)gamma;
+    (void)eps;
+    (void)x;
+
+    DG_PRAGMA(omp parallel num_threads(Nth))
+    {
+        const int y_Stream = 0;   /* bfloat16 outputs are written in place */
+        (void)y_Stream;
+        DG_PRAGMA(omp for schedule(static))
+        for (int64_t Grp = 0; Grp < N_groups; ++Grp) {
+            const int64_t Gi = G == 1 ? 0 : Grp % G;     /* channel group */
+            (void)Gi;
+            const int64_t Base = Grp * M;
+            double Sum_ms;
+            {
+                double Lane_Sum_ms[DG_LANES] = {0};
+                for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
+                    const int64_t Off = Base + Blk * Block_stride;
+                    const int64_t Nxt = Blk + 1 < Blocks ? Off + Block_stride : Base + M;   /* block read next */
+                    {
+                        int64_t Mi = 0;
+                        for (; Mi + DG_LANES <= M; Mi += DG_LANES) {
+                            for (int Q = 0; Q < DG_LANES; Q += 64 / (int)sizeof(*x)) {  /* read ahead, a line at a time */
+                                const int64_t Pf = Dg_ahead(Off, Mi + Q, M, Nxt, Total, Ahead);
+                                if (Pf >= 0) DG_PREFETCH(x + Pf);
+                            }
+                            DG_INDEPENDENT
+                            for (int J = 0; J < DG_LANES; ++J) {
+                                const int64_t Idx = Off + Mi + J;
+                                const double Xv = (double)Dg_from_bf16(x[Idx]);
+                                Lane_Sum_ms[J] += (Xv*Xv);
+                            }
+                        }
+                        for (; Mi < M; ++Mi) {
+                            const int J = 0;                /* outside the lane blocks: lane 0 */
+                            (void)J;
+                            const int64_t Idx = Off + Mi;
+                            const double Xv = (double)Dg_from_bf16(x[Idx]);
+                            Lane_Sum_ms[J] += (Xv*Xv);
+                        }
+                    }
+
+                }
+                Sum_ms = Dg_lanes(Lane_Sum_ms);
+            }
+            const double ms = Sum_ms/N;  /* ms = mean(x**2) */
+            const double rstd = 1/sqrt(ms + eps);  /* rstd = 1/sqrt(ms + eps) */
+            ms_Out[Grp] = ms;
+            rstd_Out[Grp] = rstd;
+            {
+                const float rstd_F = (float)rstd;
+                for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
+                    const int64_t Off = Base + Blk * Block_stride;
+                    const int y_Direct = Dg_direct(y_Stream, Cg);   /* stream from registers */
+                    (void)y_Direct;
+                    {                       /* a trailing layout (S == 1): parameters vary along the run */
+                        {
+                            dg_bf16 *restrict y_R = y + Off;
+                            int64_t Mi = 0;
+                            if (y_Direct) {          /* scalar head up to a 64-byte boundary of y */
+                                const int64_t Head = Dg_head(y + Off, (int64_t)sizeof(dg_bf16), Cg);
+                                for (; Mi < Head; ++Mi) {
+                                    const int J = 0;                /* outside the lane blocks: lane 0 */
+                                    (void)J;
+                                    const int64_t Idx = Off + Mi;
+                                    const int64_t Ch = Gi * Cg + Mi;
+                                    const float gamma_V = Dg_from_bf16(gamma[Ch]);
+                                    const float Xv = Dg_from_bf16(x[Idx]);
+                                    const float xhat = rstd_F*Xv;
+                                    y_R[Idx - (Off)] = Dg_to_bf16((float)(gamma_V*xhat));
+                                }
+                            }
+                            for (; Mi + DG_LANES <= Cg; Mi += DG_LANES) {
+                                dg_bf16 T_y[DG_LANES];
+                                DG_INDEPENDENT
+                                for (int J = 0; J < DG_LANES; ++J) {
+                                    const int64_t Idx = Off + Mi + J;
+                                    const int64_t Ch = Gi * Cg + Mi + J;
+                                    const float gamma_V = Dg_from_bf16(gamma[Ch]);
+                                    const float Xv = Dg_from_bf16(x[Idx]);
+                                    const float xhat = rstd_F*Xv;
+                                    T_y[J] = Dg_to_bf16((float)(gamma_V*xhat));
+                                }
+                                Dg_put_dg_bf16(y_R + Mi, T_y, y_Direct);
+                            }
+                            for (; Mi < Cg; ++Mi) {
+                                const int J = 0;                /* outside the lane blocks: lane 0 */
+                                (void)J;
+                                const int64_t Idx = Off + Mi;
+                                const int64_t Ch = Gi * Cg + Mi;
+                                const float gamma_V = Dg_from_bf16(gamma[Ch]);
+                                const float Xv = Dg_from_bf16(x[Idx]);
+                                const float xhat = rstd_F*Xv;
+                                y_R[Idx - (Off)] = Dg_to_bf16((float)(gamma_V*xhat));
+                            }
+                        }
+
+                    }
+                }
+            }
+        }
+        if (y_Stream)
+            Dg_fence();
+
+    }
+    return 0;
+}
+
+/* ---- train backward, dg_bf16 ---- */
+int rmsnorm_train_backward_bf16(
+    int64_t O, int64_t G, int64_t Cg, int64_t S,
+    const dg_bf16 *restrict x,
+    const dg_bf16 *restrict dy,
+    const dg_bf16 *restrict gamma,
+    double eps,
+    const double *restrict ms_In,
+    const double *restrict rstd_In,
+    dg_bf16 *restrict dx,
+    dg_bf16 *restrict dgamma,
+    int Nthreads)
+{
+    const int64_t M = Cg * S;                       /* contiguous values per (o, g) block */
+    const int64_t N_groups = O * G;
+    const int64_t Blocks = 1;               /* blocks per group */
+    const int64_t Block_stride = G * M;
+    const double N = (double)(Blocks * M);          /* values per group */
+    const int64_t Total = N_groups * Blocks * M;    /* values in x */
+    const int64_t Ahead = DG_AHEAD_BYTES / (int64_t)sizeof(dg_bf16);
+    const int Nth = Dg_threads(Nthreads);
+    (void)N;
+    (void)Nth;
+    (void)Total;
+    (void)Ahead;
+    (void)gamma;
+    (void)eps;
+    (void)x;
+
+    const int64_t C = G * Cg;                        /* parameter length */
+    const int64_t P = 1;      /* parameters */
+    (void)dy;
+    /* per-thread partial sums of the parameter gradients, reduced once at the end;
+     * runs along the channel axis add into float pend, flushed into part every DG_PEND runs */
+    double *Part = (double *)calloc((size_t)(Nth * P * C) + 1, sizeof(double));
+    float *Pend_all = (float *)calloc((size_t)(Nth * P * C) + 1, sizeof(float));
+    if (Part == NULL || Pend_all == NULL) {
+        free(Part);
+        free(Pend_all);
+        return -1;
+    }
+    DG_PRAGMA(omp parallel num_threads(Nth))
+    {
+        double *restrict Mine = Part + (int64_t)Dg_thread_id() * P * C;
+        (void)Mine;
+        float *restrict Pend = Pend_all + (int64_t)Dg_thread_id() * P * C;
+        int Pending = 0;                             /* runs added into pend since its last flush */
+        int64_t Pend_lo = C, Pend_hi = 0;            /* the channels they touched */
+        const int dx_Stream = 0;   /* bfloat16 outputs are written in place */
+        const int64_t dx_Cap = Dg_tile_len(M, (int64_t)sizeof(dg_bf16));
+        dg_bf16 *dx_Tile = (dg_bf16 *)Dg_tile(dx_Stream, dx_Cap, (int64_t)sizeof(dg_bf16));   /* NULL: dx in place */
+        int64_t dx_At = 0, dx_Fill = 0;           /* the tile holds dx[at, at + fill) */
+        (void)dx_Stream;
+        (void)Pend;
+        (void)Pending;
+        (void)Pend_lo;
+        (void)Pend_hi;
+        DG_PRAGMA(omp for schedule(static))
+        for (int64_t Grp = 0; Grp < N_groups; ++Grp) {
+            const int64_t Gi = G == 1 ? 0 : Grp % G;     /* channel group */
+            (void)Gi;
+            const int64_t Base = Grp * M;
+            const double ms = ms_In[Grp];
+            (void)ms;
+            const double rstd = rstd_In[Grp];
+            (void)rstd;
+            double Sum_g_xhat;
+            {
+                const float rstd_F = (float)rstd;
+                double Lane_Sum_g_xhat[DG_LANES] = {0};
+                for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
+                    const int64_t Off = Base + Blk * Block_stride;
+                    const int64_t Nxt = Blk + 1 < Blocks ? Off + Block_stride : Base + M;   /* block read next */
+                    {                       /* a trailing layout (S == 1): parameters vary along the run */
+                        {
+                            int64_t Mi = 0;
+                            for (; Mi + DG_LANES <= Cg; Mi += DG_LANES) {
+                                for (int Q = 0; Q < DG_LANES; Q += 64 / (int)sizeof(*x)) {  /* read ahead, a line at a time */
+                                    const int64_t Pf = Dg_ahead(Off, Mi + Q, M, Nxt, Total, Ahead);
+                                    if (Pf >= 0) DG_PREFETCH(x + Pf);
+                                }
+                                for (int Q = 0; Q < DG_LANES; Q += 64 / (int)sizeof(*dy)) {  /* read ahead, a line at a time */
+                                    const int64_t Pf = Dg_ahead(Off, Mi + Q, M, Nxt, Total, Ahead);
+                                    if (Pf >= 0) DG_PREFETCH(dy + Pf);
+                                }
+                                DG_INDEPENDENT
+                                for (int J = 0; J < DG_LANES; ++J) {
+                                    const int64_t Idx = Off + Mi + J;
+                                    const int64_t Ch = Gi * Cg + Mi + J;
+                                    const float gamma_V = Dg_from_bf16(gamma[Ch]);
+                                    const float Xv = Dg_from_bf16(x[Idx]);
+                                    const float Dyv = Dg_from_bf16(dy[Idx]);
+                                    const float xhat = rstd_F*Xv;
+                                    const float g = Dyv*gamma_V;
+                                    Lane_Sum_g_xhat[J] += ((double)g)*((double)xhat);
+                                }
+                            }
+                            for (; Mi < Cg; ++Mi) {
+                                const int J = 0;                /* outside the lane blocks: lane 0 */
+                                (void)J;
+                                const int64_t Idx = Off + Mi;
+                                const int64_t Ch = Gi * Cg + Mi;
+                                const float gamma_V = Dg_from_bf16(gamma[Ch]);
+                                const float Xv = Dg_from_bf16(x[Idx]);
+                                const float Dyv = Dg_from_bf16(dy[Idx]);
+                                const float xhat = rstd_F*Xv;
+                                const float g = Dyv*gamma_V;
+                                Lane_Sum_g_xhat[J] += ((double)g)*((double)xhat);
+                            }
+                        }
+
+                    }
+                }
+                Sum_g_xhat = Dg_lanes(Lane_Sum_g_xhat);
+            }
+            const double Mean_g_xhat = Sum_g_xhat/N;  /* Mean_g_xhat = mean(g*xhat) */
+            {
+                const float Mean_g_xhat_F = (float)Mean_g_xhat;
+                const float rstd_F = (float)rstd;
+                for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
+                    const int64_t Off = Base + Blk * Block_stride;
+                    const int dx_Direct = Dg_direct(dx_Stream, Cg);   /* stream from registers */
+                    (void)dx_Direct;
+                    {                       /* a trailing layout (S == 1): parameters vary along the run */
+                        {
+                            dg_bf16 *restrict dx_R = dx + Off;
+                            int64_t Mi = 0;
+                            if (dx_Direct) {          /* scalar head up to a 64-byte boundary of dx */
+                                const int64_t Head = Dg_head(dx + Off, (int64_t)sizeof(dg_bf16), Cg);
+                                for (; Mi < Head; ++Mi) {
+                                    const int J = 0;                /* outside the lane blocks: lane 0 */
+                                    (void)J;
+                                    const int64_t Idx = Off + Mi;
+                                    const int64_t Ch = Gi * Cg + Mi;
+                                    const float gamma_V = Dg_from_bf16(gamma[Ch]);
+                                    const float Xv = Dg_from_bf16(x[Idx]);
+                                    const float Dyv = Dg_from_bf16(dy[Idx]);
+                                    const float xhat = rstd_F*Xv;
+                                    const float g = Dyv*gamma_V;
+                                    dx_R[Idx - (Off)] = Dg_to_bf16((float)(rstd_F*(g - Mean_g_xhat_F*xhat)));
+                                    Pend[0 * C + Ch] += Dyv*xhat;
+                                }
+                            }
+                            for (; Mi + DG_LANES <= Cg; Mi += DG_LANES) {
+                                dg_bf16 T_dx[DG_LANES];
+                                DG_INDEPENDENT
+                                for (int J = 0; J < DG_LANES; ++J) {
+                                    const int64_t Idx = Off + Mi + J;
+                                    const int64_t Ch = Gi * Cg + Mi + J;
+                                    const float gamma_V = Dg_from_bf16(gamma[Ch]);
+                                    const float Xv = Dg_from_bf16(x[Idx]);
+                                    const float Dyv = Dg_from_bf16(dy[Idx]);
+                                    const float xhat = rstd_F*Xv;
+                                    const float g = Dyv*gamma_V;
+                                    T_dx[J] = Dg_to_bf16((float)(rstd_F*(g - Mean_g_xhat_F*xhat)));
+                                    Pend[0 * C + Ch] += Dyv*xhat;
+                                }
+                                Dg_put_dg_bf16(dx_R + Mi, T_dx, dx_Direct);
+                            }
+                            for (; Mi < Cg; ++Mi) {
+                                const int J = 0;                /* outside the lane blocks: lane 0 */
+                                (void)J;
+                                const int64_t Idx = Off + Mi;
+                                const int64_t Ch = Gi * Cg + Mi;
+                                const float gamma_V = Dg_from_bf16(gamma[Ch]);
+                                const float Xv = Dg_from_bf16(x[Idx]);
+                                const float Dyv = Dg_from_bf16(dy[Idx]);
+                                const float xhat = rstd_F*Xv;
+                                const float g = Dyv*gamma_V;
+                                dx_R[Idx - (Off)] = Dg_to_bf16((float)(rstd_F*(g - Mean_g_xhat_F*xhat)));
+                                Pend[0 * C + Ch] += Dyv*xhat;
+                            }
+                        }
+
+                        Pend_lo = Pend_lo < Gi * Cg ? Pend_lo : Gi * Cg;
+                        Pend_hi = Pend_hi > Gi * Cg + Cg ? Pend_hi : Gi * Cg + Cg;
+                        if (++Pending == DG_PEND) {     /* float partials of at most DG_PEND runs */
+                            Dg_flush_float(Mine, Pend, P, C, Pend_lo, Pend_hi);
+                            Pending = 0;
+                            Pend_lo = C;
+                            Pend_hi = 0;
+                        }
+                    }
+                }
+            }
+        }
+        if (Pending > 0)
+            Dg_flush_float(Mine, Pend, P, C, Pend_lo, Pend_hi);
+        if (dx_Fill > 0)
+            Dg_stream_dg_bf16(dx + dx_At, dx_Tile, dx_Fill);
+        if (dx_Stream)
+            Dg_fence();
+        free(dx_Tile);
+
+    }
+    for (int64_t Cc = 0; Cc < C; ++Cc) {       /* dgamma */
+        double Acc = 0.0;
+        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * P * C + 0 * C + Cc];
+        dgamma[Cc] = Dg_to_bf16((float)(Acc));
     }
     free(Pend_all);
     free(Part);
