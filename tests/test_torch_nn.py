@@ -325,3 +325,19 @@ def test_bfloat16_matches_torch_within_bf16_rounding(name, make, shape):
             assert err_ours <= max(1.25 * err_torch, 2 ** -8), (k, err_ours, err_torch)
     for (k, a), (_, b) in zip(ours.state_dict().items(), ref.state_dict().items()):
         torch.testing.assert_close(a, b, rtol=1.6e-2, atol=1e-2, msg=lambda m, k=k: f"{k}: {m}")
+
+
+@pytest.mark.parametrize("name,make,shape", [v for v in VARIANTS if v[0] in (
+    "LayerNorm", "RMSNorm", "BatchNorm2d", "BatchNorm1d-NC", "InstanceNorm2d-affine", "GroupNorm")],
+    ids=lambda v: v if isinstance(v, str) else "")
+def test_modules_gradgradcheck(name, make, shape):
+    """Every module's backward is differentiable (float64): gradgradcheck through the module."""
+    m = dt.convert(make()).double()
+    _randomize(m, 8)
+    x = torch.randn(shape, dtype=torch.float64, requires_grad=True)
+    params = list(m.parameters())
+
+    def f(x, *ps):
+        return torch.func.functional_call(m, dict(zip([n for n, _ in m.named_parameters()], ps)), (x,))
+    assert torch.autograd.gradcheck(f, (x, *params))
+    assert torch.autograd.gradgradcheck(f, (x, *params))
