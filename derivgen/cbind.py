@@ -21,11 +21,13 @@ def _ptr(a):
 class CKernel:
     """Loads ``<name>.c`` (compiled on first use) and calls its kernels."""
 
-    def __init__(self, meta: dict, source: Path, threads: int = 0, cflags: list[str] | None = None):
+    def __init__(self, meta: dict, source: Path, threads: int = 0, cflags: list[str] | None = None,
+                 extra: list[str] | None = None):
         self.meta = meta
         self.source = Path(source)
         self.threads = threads
         self.cflags = cflags          # None: $CFLAGS or the defaults (see derivgen.build)
+        self.extra = extra            # added to the flags: -DDG_BF16_ONLY for the bfloat16 library
         self._lib = None
         self._lock = threading.Lock()
 
@@ -34,7 +36,7 @@ class CKernel:
         if self._lib is None:
             with self._lock:
                 if self._lib is None:
-                    lib = ctypes.CDLL(str(build_shared(self.source, cflags=self.cflags)))
+                    lib = ctypes.CDLL(str(build_shared(self.source, cflags=self.cflags, extra=self.extra)))
                     self._configure(lib)
                     self._lib = lib
         return self._lib

@@ -206,6 +206,13 @@ def test_fuzzed_specs_as_torch_operators(seed, tmp_path):
         res = torch.library.opcheck(lay.modes[mode].forward,
                                     (*fargs, *[float(options[o]) for o in lay.meta["options"]], groups))
         assert all(v == "SUCCESS" for v in res.values()), res
+        # the bfloat16 kernels of the spec: compiled under -Werror (the tests' build) and run
+        b = {k: v.detach().to(torch.bfloat16) for k, v in {"x": x, **params, **inputs, **buffers}.items()}
+        yb, _ = lay.forward(b["x"], {k: b[k] for k in params}, {k: b[k] for k in inputs}, options,
+                            training=mode == "train", buffers={k: b[k] for k in buffers}, num_groups=groups)
+        y64 = f(b["x"].double(), *(b[k].double() for k in params), *(b[k].double() for k in inputs)).detach()
+        assert yb.dtype == torch.bfloat16
+        assert float((yb.double() - y64).abs().max()) <= 2 ** -6 * (float(y64.abs().max()) or 1.0)
 
 
 @pytest.mark.parametrize("name,mode", list(_cases()))

@@ -146,6 +146,7 @@ class TorchLayer:
         self._ranges = [m["options"][o] for o in self.options]
         self.grads_type = rt.grads_type(spec.name, rt.grad_fields(m))
         self._impls: dict = {}
+        self._bf16 = None
         self.modes = {mode: self._register(mode) for mode in m["modes"]}
 
     # one object per spec and process: copies of a module share it, a pickle names the spec
@@ -218,7 +219,7 @@ class TorchLayer:
 
     def _cfn(self, mode: str, direction: str, dtype) -> ctypes._CFuncPtr:
         m = self.meta
-        fn = self.ckernel._kernel.lib[f"{m['name']}_{mode}_{direction}_{_SFX[dtype]}"]   # a fresh object
+        fn = self._kernel_for(dtype).lib[f"{m['name']}_{mode}_{direction}_{_SFX[dtype]}"]   # a fresh object
         V, I64 = ctypes.c_void_p, ctypes.c_int64
         args = [I64] * 4 + [V] * (1 if direction == "forward" else 2) + [V] * len(self.params)
         args += [ctypes.c_double] * len(self.options) + [V, I64] * len(self.inputs)
@@ -230,6 +231,17 @@ class TorchLayer:
         fn.argtypes = args + [ctypes.c_int]
         fn.restype = ctypes.c_int
         return fn
+
+    def _kernel_for(self, dtype):
+        """The C library for a dtype: float and double in the layer's own build; bfloat16 in a
+        second build of the same source (-DDG_BF16_ONLY), compiled on first use."""
+        main = self.ckernel._kernel
+        if dtype != torch.bfloat16:
+            return main
+        if self._bf16 is None:
+            from ..cbind import CKernel
+            self._bf16 = CKernel(self.meta, main.source, main.threads, cflags=main.cflags, extra=["-DDG_BF16_ONLY"])
+        return self._bf16
 
     def _options_ok(self, opts) -> bool:
         for v, (_, lo, hi) in zip(opts, self._ranges):

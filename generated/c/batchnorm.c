@@ -42,6 +42,21 @@
 #include "batchnorm.h"
 #include "derivgen-kernels.h"
 
+/* Which kernels this build compiles: float and double by default; -DDG_WITH_BF16 adds the
+ * bfloat16 ones, -DDG_BF16_ONLY compiles only those (derivgen.torch builds that second
+ * library the first time it meets a bfloat16 tensor, so loading a layer compiles no more
+ * than NumPy callers use). */
+#if defined(DG_BF16_ONLY) || defined(DG_WITH_BF16)
+#define DG_WANT_BF16 1
+#else
+#define DG_WANT_BF16 0
+#endif
+#if defined(DG_BF16_ONLY)
+#define DG_WANT_FLOAT 0
+#else
+#define DG_WANT_FLOAT 1
+#endif
+
 void batchnorm_configure(int64_t stream_bytes, int64_t tile_bytes)
 {
     Dg_configure(stream_bytes, tile_bytes);
@@ -51,6 +66,8 @@ const char *batchnorm_isa(void)
 {
     return DG_ISA;
 }
+#if DG_WANT_FLOAT
+
 /* ---- train forward, float ---- */
 int batchnorm_train_forward_f32(
     int64_t O, int64_t G, int64_t Cg, int64_t S,
@@ -596,6 +613,9 @@ int batchnorm_train_backward_f32(
     free(Part);
     return 0;
 }
+#endif /* DG_WANT_FLOAT */
+
+#if DG_WANT_FLOAT
 
 /* ---- train forward, double ---- */
 int batchnorm_train_forward_f64(
@@ -1129,6 +1149,9 @@ int batchnorm_train_backward_f64(
     free(Part);
     return 0;
 }
+#endif /* DG_WANT_FLOAT */
+
+#if DG_WANT_BF16
 
 /* ---- train forward, dg_bf16 ---- */
 int batchnorm_train_forward_bf16(
@@ -1675,6 +1698,9 @@ int batchnorm_train_backward_bf16(
     free(Part);
     return 0;
 }
+#endif /* DG_WANT_BF16 */
+
+#if DG_WANT_FLOAT
 
 /* ---- eval forward, float ---- */
 int batchnorm_eval_forward_f32(
@@ -2081,6 +2107,9 @@ int batchnorm_eval_backward_f32(
     free(Part);
     return 0;
 }
+#endif /* DG_WANT_FLOAT */
+
+#if DG_WANT_FLOAT
 
 /* ---- eval forward, double ---- */
 int batchnorm_eval_forward_f64(
@@ -2480,6 +2509,9 @@ int batchnorm_eval_backward_f64(
     free(Part);
     return 0;
 }
+#endif /* DG_WANT_FLOAT */
+
+#if DG_WANT_BF16
 
 /* ---- eval forward, dg_bf16 ---- */
 int batchnorm_eval_forward_bf16(
@@ -2886,3 +2918,4 @@ int batchnorm_eval_backward_bf16(
     free(Part);
     return 0;
 }
+#endif /* DG_WANT_BF16 */

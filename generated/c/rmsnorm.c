@@ -23,6 +23,21 @@
 #include "rmsnorm.h"
 #include "derivgen-kernels.h"
 
+/* Which kernels this build compiles: float and double by default; -DDG_WITH_BF16 adds the
+ * bfloat16 ones, -DDG_BF16_ONLY compiles only those (derivgen.torch builds that second
+ * library the first time it meets a bfloat16 tensor, so loading a layer compiles no more
+ * than NumPy callers use). */
+#if defined(DG_BF16_ONLY) || defined(DG_WITH_BF16)
+#define DG_WANT_BF16 1
+#else
+#define DG_WANT_BF16 0
+#endif
+#if defined(DG_BF16_ONLY)
+#define DG_WANT_FLOAT 0
+#else
+#define DG_WANT_FLOAT 1
+#endif
+
 void rmsnorm_configure(int64_t stream_bytes, int64_t tile_bytes)
 {
     Dg_configure(stream_bytes, tile_bytes);
@@ -32,6 +47,8 @@ const char *rmsnorm_isa(void)
 {
     return DG_ISA;
 }
+#if DG_WANT_FLOAT
+
 /* ---- train forward, float ---- */
 int rmsnorm_train_forward_f32(
     int64_t O, int64_t G, int64_t Cg, int64_t S,
@@ -367,6 +384,9 @@ int rmsnorm_train_backward_f32(
     free(Part);
     return 0;
 }
+#endif /* DG_WANT_FLOAT */
+
+#if DG_WANT_FLOAT
 
 /* ---- train forward, double ---- */
 int rmsnorm_train_forward_f64(
@@ -701,6 +721,9 @@ int rmsnorm_train_backward_f64(
     free(Part);
     return 0;
 }
+#endif /* DG_WANT_FLOAT */
+
+#if DG_WANT_BF16
 
 /* ---- train forward, dg_bf16 ---- */
 int rmsnorm_train_forward_bf16(
@@ -1037,3 +1060,4 @@ int rmsnorm_train_backward_bf16(
     free(Part);
     return 0;
 }
+#endif /* DG_WANT_BF16 */
