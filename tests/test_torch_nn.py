@@ -341,3 +341,19 @@ def test_modules_gradgradcheck(name, make, shape):
         return torch.func.functional_call(m, dict(zip([n for n, _ in m.named_parameters()], ps)), (x,))
     assert torch.autograd.gradcheck(f, (x, *params))
     assert torch.autograd.gradgradcheck(f, (x, *params))
+
+
+def test_whole_model_pickles_and_deep_copies():
+    """torch.save(model) / torch.load and copy.deepcopy of converted models (EMA copies,
+    checkpoints of whole modules): the layer bindings are looked up again, not pickled."""
+    import io
+    m = dt.convert(nn.Sequential(nn.LayerNorm(8), nn.BatchNorm1d(8), nn.GroupNorm(2, 8)))
+    buf = io.BytesIO()
+    torch.save(m, buf)
+    buf.seek(0)
+    m2 = torch.load(buf, weights_only=False)
+    m3 = copy.deepcopy(m)
+    x = torch.randn(4, 8)
+    m.eval(), m2.eval(), m3.eval()
+    assert torch.equal(m(x), m2(x)) and torch.equal(m(x), m3(x))
+    assert type(m2[0]) is dt.LayerNorm
