@@ -357,3 +357,22 @@ def test_whole_model_pickles_and_deep_copies():
     m.eval(), m2.eval(), m3.eval()
     assert torch.equal(m(x), m2(x)) and torch.equal(m(x), m3(x))
     assert type(m2[0]) is dt.LayerNorm
+
+
+@pytest.mark.parametrize("make", [lambda: nn.BatchNorm2d(6), lambda: nn.GroupNorm(3, 6),
+                                  lambda: nn.InstanceNorm2d(6, affine=True)], ids=["bn", "gn", "in"])
+def test_channels_last_input_keeps_its_format_and_values(make):
+    """A channels_last input gives a channels_last output (so the convolutions after it stay in
+    that format), with the contiguous input's values; gradients too. (The kernels compute in
+    the contiguous layout today: see the README.)"""
+    ref = dt.convert(make()).double()
+    x = torch.randn(3, 6, 5, 4, dtype=torch.float64)
+    xc = x.contiguous(memory_format=torch.channels_last).requires_grad_(True)
+    xn = x.clone().requires_grad_(True)
+    yc, yn = ref(xc), ref(xn)
+    assert yc.is_contiguous(memory_format=torch.channels_last)
+    assert torch.equal(yc, yn)
+    dy = torch.randn_like(yn)
+    gc = torch.autograd.grad(yc, xc, dy)[0]
+    gn = torch.autograd.grad(yn, xn, dy)[0]
+    assert torch.equal(gc, gn)

@@ -31,6 +31,17 @@ def _param(p, like, shape, fill):
     return like.new_full(tuple(shape), fill)
 
 
+def _like(input, y):
+    """y in the input's memory format: the kernels work in the contiguous (NCHW) layout
+    today, so a channels_last input is copied in and the output copied back, which keeps
+    the model's convolutions in the format it chose."""
+    if input.dim() in (4, 5) and not input.is_contiguous():
+        fmt = torch.channels_last if input.dim() == 4 else torch.channels_last_3d
+        if input.is_contiguous(memory_format=fmt):
+            return y.contiguous(memory_format=fmt)
+    return y
+
+
 class _Twin:
     """Binds the derivgen layers a twin uses when it is made (by its constructor or by
     :func:`convert`), so that the forward is plain attribute access: nothing for
@@ -96,10 +107,10 @@ class _BatchNormMixin(_Twin):
                 n = input.numel() // c
                 lay.update_buffers(stats, {"running_mean": self.running_mean, "running_var": self.running_var},
                                    {"eps": self.eps, "momentum": momentum}, n)
-            return y
+            return _like(input, y)
         y, _ = lay.forward(input, params, {}, options, training=False,
                            buffers={"running_mean": self.running_mean, "running_var": self.running_var})
-        return y
+        return _like(input, y)
 
 
 class BatchNorm1d(_BatchNormMixin, nn.BatchNorm1d):
@@ -134,11 +145,11 @@ class _InstanceNormMixin(_Twin):
                     {"running_mean": self.running_mean, "running_var": self.running_var},
                     {"eps": self.eps, "momentum": self.momentum if self.momentum is not None else 0.0}, S,
                     reduce_dims=(input.shape[0],))
-            return y
+            return _like(input, y)
         y, _ = self._dg["batchnorm"].forward(input, params, {}, {"eps": self.eps, "momentum": 0.0}, training=False,
                                           buffers={"running_mean": self.running_mean,
                                                    "running_var": self.running_var})
-        return y
+        return _like(input, y)
 
 
 class InstanceNorm1d(_InstanceNormMixin, nn.InstanceNorm1d):
@@ -163,7 +174,7 @@ class GroupNorm(_Twin, nn.GroupNorm):
         y, _ = self._dg["groupnorm"].forward(
             input, {"gamma": _param(self.weight, input, (c,), 1.0), "beta": _param(self.bias, input, (c,), 0.0)},
             {}, {"eps": self.eps}, num_groups=self.num_groups)
-        return y
+        return _like(input, y)
 
 
 # ------------------------------------------------------------------ any spec

@@ -210,12 +210,12 @@ class TorchLayer:
             training=mode == "train", num_groups=a["num_groups"] if self.meta["reduce"] == "group" else None,
             out=_np(out))
 
-    # The first call with a given signature (shapes, dtypes, groups) goes through the
-    # runtime's full validation (clear errors naming the argument); a signature that
-    # passed it, on contiguous tensors, is then called directly: the kernel's ctypes
-    # function with its argument types declared, on the tensors' data pointers. Per call
-    # that leaves allocating the outputs and the option range checks (8x1024 layer norm
-    # fwd+bwd: ~480 us through the full path, see the README's PyTorch section).
+    # The first call with a given signature (shapes, dtypes, contiguity, groups) goes
+    # through the runtime's full validation (clear errors naming the argument); a
+    # signature that passed it is then called directly: the kernel's ctypes function with
+    # its argument types declared, on the tensors' data pointers (a strided tensor is
+    # copied once first). Per call that leaves allocating the outputs and the option range
+    # checks (8x1024 layer norm fwd+bwd: ~480 us through the full path, see the README).
 
     def _cfn(self, mode: str, direction: str, dtype) -> ctypes._CFuncPtr:
         m = self.meta
@@ -301,9 +301,9 @@ class TorchLayer:
                 if plan is None or not self._options_ok(opts):
                     L = self._validate(mode, self._split(fargs, args))
                     plan = plans[key] = (self._cfn(mode, "forward", torch.bfloat16), L, len(self.inputs))
-                tens = [t.contiguous() for t in tens]
             if plan is not None and (bf16 or self._options_ok(opts)):
                 fn, L, n_in = plan
+                tens = [t if t.is_contiguous() else t.contiguous() for t in tens]   # a strided tensor: one copy
                 x = tens[0]
                 y = torch.empty(x.shape, dtype=x.dtype)
                 st = [torch.empty(L.n_groups, dtype=torch.float64) for _ in stats]
@@ -319,10 +319,7 @@ class TorchLayer:
             y = torch.empty(a["x"].shape, dtype=a["x"].dtype)
             call = self._prepare(mode, a, y)
             _, cache = self.ckernel._kernel.forward(call)
-            if all(t.is_contiguous() for t in tens):
-                plans[key] = (self._cfn(mode, "forward", tens[0].dtype), call.layout, len(self.inputs))
-            else:
-                plans[key] = None
+            plans[key] = (self._cfn(mode, "forward", tens[0].dtype), call.layout, len(self.inputs))
             return _ret((y, *(torch.from_numpy(cache.stats[s]) for s in stats)))
         return impl
 
@@ -334,7 +331,7 @@ class TorchLayer:
 
         def fast(plan, args, eager):
             fn, L = plan
-            tens = args[:ntens]
+            tens = [t if t.is_contiguous() else t.contiguous() for t in args[:ntens]]   # a strided tensor: one copy
             dy, x = tens[0], tens[1]
             params = tens[2:2 + npar]
             ins = tens[2 + npar:2 + npar + nin]
@@ -371,7 +368,6 @@ class TorchLayer:
                                          f"{tuple(a['x'].shape)} {a['x'].dtype}, got {tuple(a['dy'].shape)} "
                                          f"{a['dy'].dtype}")
                     plan = plans[key] = (self._cfn(mode, "backward", torch.bfloat16), L)
-                args = (*[t.contiguous() for t in tens], *args[ntens:])
                 out = fast(plan, args, eager)
                 if out is None:
                     raise ValueError(f"{self.meta['name']}: the statistics must be float64 with one value per "
@@ -399,8 +395,7 @@ class TorchLayer:
                                                         if p not in self.meta["scalar_params"] else _np(t).reshape(())
                                                         for p, t in dparams.items()}})
             g = self.ckernel._kernel.backward(bc, self.grads_type)
-            if all(t.is_contiguous() for t in tens):
-                plans[key] = (self._cfn(mode, "backward", x.dtype), call.layout)
+            plans[key] = (self._cfn(mode, "backward", x.dtype), call.layout)
             out = [dx, *dparams.values()]
             for i in self.inputs:
                 v = torch.from_numpy(np.asarray(getattr(g, "d" + i)))
