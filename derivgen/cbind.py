@@ -27,7 +27,7 @@ class CKernel:
         self.source = Path(source)
         self.threads = threads
         self.cflags = cflags          # None: $CFLAGS or the defaults (see derivgen.build)
-        self.extra = extra            # added to the flags: -DDG_BF16_ONLY for the bfloat16 library
+        self.extra = extra            # added to the flags: -DDG_EXTRAS_ONLY for the bfloat16 and channels-last library
         self._lib = None
         self._lock = threading.Lock()
 

@@ -290,3 +290,46 @@ class CPlanner:
         final = self.loop([dx_expr, *pexprs], temps, stores=[lambda P: ("dx", c_store(P(dx_expr), T))],
                           param_sums=list(enumerate(pexprs)), arith=self.atype, outputs=["dx"], first=red is None)
         return red, [a for a, _ in self.ir.bwd_loop], group, final
+
+
+# ---- channels last (NHWC) -------------------------------------------------
+#
+# The NHWC kernels run the same sweeps over a block of groups in lockstep: for every
+# position s of a run (and every channel of a group), the innermost loop walks the
+# block's groups, which are adjacent in memory. Each group keeps its own DG_LANES
+# lanes, filled in the same order as the NCHW kernels fill them (lane J gets the
+# run's positions J, J + DG_LANES, ..., the remainder lane 0), so sums, statistics
+# and outputs are the NCHW kernels' bits. Group-level values live in arrays
+# ``Gv_<name>[Gi]``; the innermost loop declares the ones its code uses.
+
+_DECL = re.compile(r"^const (\w+) (\w+) = (.*);$")
+
+
+@dataclass
+class NhwcSweep:
+    loop: CLoop
+    prelude: list[tuple[str, str, str]]        # (type, name, expression) computed per group
+    prelude_inputs: list[str]                  # group values the prelude reads
+    inner_group: list[str]                     # group values the element code reads
+    inner_prelude: list[tuple[str, str]]       # (type, name) of prelude values the element code reads
+
+
+def nhwc_sweep(lp: CLoop, group_names: list[str]) -> NhwcSweep:
+    prelude = []
+    for line in lp.prelude:
+        m = _DECL.match(line)
+        assert m, line
+        prelude.append((m.group(1), m.group(2), m.group(3)))
+    body = (lp.param_loads + lp.elem_loads + [v for _, v in lp.stores] + [v for _, v in lp.group_sums]
+            + [v for _, v in lp.param_sums])
+    pnames = {n for _, n, _ in prelude}
+    return NhwcSweep(
+        loop=lp, prelude=prelude,
+        prelude_inputs=[n for n in group_names if n not in pnames and _used(n, [e for _, _, e in prelude])],
+        inner_group=[n for n in group_names if n not in pnames and _used(n, body)],
+        inner_prelude=[(t, n) for t, n, _ in prelude if _used(n, body)])
+
+
+def used_in(names: list[str], text: str) -> list[str]:
+    """The names that C text uses (as whole identifiers)."""
+    return [n for n in names if _used(n, [text])]

@@ -27,7 +27,7 @@ import sympy
 from sympy import Add, Mul
 
 from .api import Derivation, derive
-from .cplan import ATYPES, CTYPES, CPlanner, c_load, c_store
+from .cplan import ATYPES, CTYPES, CPlanner, c_load, c_store, nhwc_sweep, used_in
 from .engine import G, ModeDerivation
 from .naming import code_text, derived
 from .printers import _SPEC_FOR_PRINTING, c_expr, np_expr, np_store, np_sum, torch_expr
@@ -270,6 +270,8 @@ def emit(d: Derivation, targets=("numpy", "c")) -> Emitted:
     env.globals["mean_of"] = Mean
     env.globals["cload"] = c_load
     env.globals["cstore"] = c_store
+    env.globals["nhwc"] = nhwc_sweep
+    env.globals["used_in"] = used_in
     env.globals["np_store"] = lambda target, e: np_store(target, e, spec)
     _SPEC_FOR_PRINTING[0] = spec
     irs = {m: build_mode_ir(md) for m, md in d.modes.items()}

@@ -20,11 +20,11 @@ def cache(tmp_path, monkeypatch):
     return tmp_path / "cache"
 
 
-@pytest.mark.parametrize("openmp,kernels", [(True, "-DDG_WITH_BF16"), (False, "-DDG_BF16_ONLY")],
-                         ids=["openmp-all-kernels", "serial-bf16-only"])
+@pytest.mark.parametrize("openmp,kernels", [(True, "-DDG_WITH_EXTRAS"), (False, "-DDG_EXTRAS_ONLY")],
+                         ids=["openmp-all-kernels", "serial-extras-only"])
 @pytest.mark.parametrize("src", GEN_C, ids=[p.stem for p in GEN_C])
 def test_generated_c_is_strict_c99(src, openmp, kernels, tmp_path):
-    """Every kernel of every generated file (float, double and bfloat16: the default build
+    """Every kernel of every generated file (float, double, bfloat16, channels-last: the default build
     compiles the first two, and the fuzzer and the other tests compile it under -Werror)."""
     cc = require_tool("gcc")
     argv = [cc, "-std=c99", "-Wall", "-Wextra", "-pedantic", "-Werror", "-O2", "-fPIC", "-c", kernels,

@@ -359,6 +359,74 @@ def test_whole_model_pickles_and_deep_copies():
     assert type(m2[0]) is dt.LayerNorm
 
 
+CL_MODULES = [("bn", lambda: nn.BatchNorm2d(6)), ("bn-eval", lambda: nn.BatchNorm2d(6).eval()),
+              ("bn3d", lambda: nn.BatchNorm3d(6)), ("gn", lambda: nn.GroupNorm(3, 6)),
+              ("gn-2", lambda: nn.GroupNorm(2, 6)), ("in", lambda: nn.InstanceNorm2d(6, affine=True)),
+              ("in-tracked", lambda: nn.InstanceNorm2d(6, affine=True, track_running_stats=True))]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=["f32", "f64", "bf16"])
+@pytest.mark.parametrize("name,make", CL_MODULES, ids=[c[0] for c in CL_MODULES])
+def test_channels_last_is_bit_for_bit_the_contiguous_result(name, make, dtype):
+    """A channels_last input runs the channels-last kernels (in its own layout, no transposing
+    copy) and gives a channels_last output with the contiguous input's bits: output, every
+    gradient and the running buffers, at spatial sizes that are and are not multiples of the
+    kernels' 32 lanes."""
+    for shape in ((3, 6, 5, 4), (2, 6, 8, 8), (2, 6, 7, 9)) if "3d" not in name else ((2, 6, 3, 4, 5),):
+        m = dt.convert(make()).to(dtype)
+        _randomize(m, 11)
+        m2 = copy.deepcopy(m)
+        fmt = torch.channels_last if len(shape) == 4 else torch.channels_last_3d
+        g = torch.Generator().manual_seed(12)
+        x = (torch.randn(shape, generator=g) * 2 + 1).to(dtype)
+        dy = torch.randn(shape, generator=g).to(dtype)
+        xc = x.contiguous(memory_format=fmt).requires_grad_(True)
+        xn = x.clone().requires_grad_(True)
+        yc, yn = m(xc), m2(xn)
+        assert yc.is_contiguous(memory_format=fmt) and not yc.is_contiguous()
+        assert torch.equal(yc, yn)
+        gc = torch.autograd.grad(yc, [xc, *m.parameters()], dy)
+        gn = torch.autograd.grad(yn, [xn, *m2.parameters()], dy)
+        assert gc[0].is_contiguous(memory_format=fmt)
+        for a, b in zip(gc, gn):
+            assert torch.equal(a, b)
+        for a, b in zip(m.buffers(), m2.buffers()):
+            assert torch.equal(a, b)
+
+
+def test_channels_last_operators_opcheck():
+    """The operators on channels_last tensors: fake kernels give the real strides."""
+    from derivgen.torch.ops import layer
+    for name, groups in (("batchnorm", 0), ("groupnorm", 3), ("instancenorm", 0)):
+        lay = layer(name)
+        x = torch.randn(2, 6, 5, 3, dtype=torch.float64).contiguous(memory_format=torch.channels_last)
+        w, b = torch.rand(6, dtype=torch.float64) + 0.5, torch.randn(6, dtype=torch.float64)
+        opts = [1e-5] + ([0.1] if name == "batchnorm" else [])
+        res = torch.library.opcheck(lay.modes["train"].forward, (x.requires_grad_(True), w, b, *opts, groups))
+        assert all(v == "SUCCESS" for v in res.values()), res
+        y, *stats = lay.modes["train"].forward(x.detach(), w, b, *opts, groups)
+        assert y.is_contiguous(memory_format=torch.channels_last)
+        dy = torch.randn_like(y)
+        res = torch.library.opcheck(lay.modes["train"].backward, (dy, x.detach(), w, b, *stats, *opts, groups))
+        assert all(v == "SUCCESS" for v in res.values()), res
+
+
+def test_whole_model_pickles_and_deep_copies():
+    """torch.save(model) / torch.load and copy.deepcopy of converted models (EMA copies,
+    checkpoints of whole modules): the layer bindings are looked up again, not pickled."""
+    import io
+    m = dt.convert(nn.Sequential(nn.LayerNorm(8), nn.BatchNorm1d(8), nn.GroupNorm(2, 8)))
+    buf = io.BytesIO()
+    torch.save(m, buf)
+    buf.seek(0)
+    m2 = torch.load(buf, weights_only=False)
+    m3 = copy.deepcopy(m)
+    x = torch.randn(4, 8)
+    m.eval(), m2.eval(), m3.eval()
+    assert torch.equal(m(x), m2(x)) and torch.equal(m(x), m3(x))
+    assert type(m2[0]) is dt.LayerNorm
+
+
 @pytest.mark.parametrize("make", [lambda: nn.BatchNorm2d(6), lambda: nn.GroupNorm(3, 6),
                                   lambda: nn.InstanceNorm2d(6, affine=True)], ids=["bn", "gn", "in"])
 def test_channels_last_input_keeps_its_format_and_values(make):

@@ -213,6 +213,17 @@ def test_fuzzed_specs_as_torch_operators(seed, tmp_path):
         y64 = f(b["x"].double(), *(b[k].double() for k in params), *(b[k].double() for k in inputs)).detach()
         assert yb.dtype == torch.bfloat16
         assert float((yb.double() - y64).abs().max()) <= 2 ** -6 * (float(y64.abs().max()) or 1.0)
+        if lay.meta["layout"] == "channels":     # channels last: the NCHW kernels' bits
+            x4 = x.detach().reshape(*x.shape, 1)
+            outs = []
+            for xx in (x4.contiguous(memory_format=torch.channels_last), x4.clone()):
+                xx.requires_grad_(True)
+                y = f(xx, *params.values(), *inputs.values())
+                outs.append([y, *torch.autograd.grad(y, [xx, *params.values(), *inputs.values()],
+                                                     torch.ones_like(y))])
+            assert outs[0][0].is_contiguous(memory_format=torch.channels_last)
+            for a, b in zip(*outs):
+                assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("name,mode", list(_cases()))

@@ -32,9 +32,9 @@ def _param(p, like, shape, fill):
 
 
 def _like(input, y):
-    """y in the input's memory format: the kernels work in the contiguous (NCHW) layout
-    today, so a channels_last input is copied in and the output copied back, which keeps
-    the model's convolutions in the format it chose."""
+    """y in the input's memory format. The channels-last kernels already return a
+    channels_last output for a channels_last input; this covers other strided inputs
+    that are channels_last in all but name (a size-1 dimension)."""
     if input.dim() in (4, 5) and not input.is_contiguous():
         fmt = torch.channels_last if input.dim() == 4 else torch.channels_last_3d
         if input.is_contiguous(memory_format=fmt):

@@ -125,6 +125,15 @@ def _tup(out) -> tuple:
     return (out,) if isinstance(out, torch.Tensor) else tuple(out)
 
 
+def _cl(t: torch.Tensor):
+    return torch.channels_last if t.dim() == 4 else torch.channels_last_3d
+
+
+def _nhwc(t: torch.Tensor) -> bool:
+    """A channels-last tensor (NHWC / NDHWC) that is not also plain contiguous."""
+    return t.dim() in (4, 5) and not t.is_contiguous() and t.is_contiguous(memory_format=_cl(t))
+
+
 def _np(t: torch.Tensor) -> np.ndarray:
     """The tensor's memory as a NumPy array (no copy; the runtime copies a
     non-contiguous one once, as for NumPy callers)."""
@@ -146,7 +155,8 @@ class TorchLayer:
         self._ranges = [m["options"][o] for o in self.options]
         self.grads_type = rt.grads_type(spec.name, rt.grad_fields(m))
         self._impls: dict = {}
-        self._bf16 = None
+        self._extras = None
+        self._channel_layout = self.meta["layout"] == "channels"
         self.modes = {mode: self._register(mode) for mode in m["modes"]}
 
     # one object per spec and process: copies of a module share it, a pickle names the spec
@@ -217,9 +227,10 @@ class TorchLayer:
     # copied once first). Per call that leaves allocating the outputs and the option range
     # checks (8x1024 layer norm fwd+bwd: ~480 us through the full path, see the README).
 
-    def _cfn(self, mode: str, direction: str, dtype) -> ctypes._CFuncPtr:
+    def _cfn(self, mode: str, direction: str, dtype, nhwc: bool = False) -> ctypes._CFuncPtr:
         m = self.meta
-        fn = self._kernel_for(dtype).lib[f"{m['name']}_{mode}_{direction}_{_SFX[dtype]}"]   # a fresh object
+        name = f"{m['name']}_{mode}_{direction}_{'nhwc_' if nhwc else ''}{_SFX[dtype]}"
+        fn = self._kernel_for(dtype, nhwc).lib[name]   # a fresh function object: argtypes of its own
         V, I64 = ctypes.c_void_p, ctypes.c_int64
         args = [I64] * 4 + [V] * (1 if direction == "forward" else 2) + [V] * len(self.params)
         args += [ctypes.c_double] * len(self.options) + [V, I64] * len(self.inputs)
@@ -232,16 +243,18 @@ class TorchLayer:
         fn.restype = ctypes.c_int
         return fn
 
-    def _kernel_for(self, dtype):
-        """The C library for a dtype: float and double in the layer's own build; bfloat16 in a
-        second build of the same source (-DDG_BF16_ONLY), compiled on first use."""
+    def _kernel_for(self, dtype, nhwc: bool = False):
+        """The C library: float and double NCHW kernels in the layer's own build; the bfloat16
+        and channels-last ones in a second build of the same source (-DDG_EXTRAS_ONLY),
+        compiled on first use."""
         main = self.ckernel._kernel
-        if dtype != torch.bfloat16:
+        if dtype != torch.bfloat16 and not nhwc:
             return main
-        if self._bf16 is None:
+        if self._extras is None:
             from ..cbind import CKernel
-            self._bf16 = CKernel(self.meta, main.source, main.threads, cflags=main.cflags, extra=["-DDG_BF16_ONLY"])
-        return self._bf16
+            self._extras = CKernel(self.meta, main.source, main.threads, cflags=main.cflags,
+                                   extra=["-DDG_EXTRAS_ONLY"])
+        return self._extras
 
     def _options_ok(self, opts) -> bool:
         for v, (_, lo, hi) in zip(opts, self._ranges):
@@ -293,19 +306,21 @@ class TorchLayer:
 
         def impl(*args, eager=False):
             tens = args[:ntens]
-            key = tuple([(t.shape, t.dtype, t.is_cpu, t.is_contiguous()) for t in tens]) + (args[-1],)
+            nhwc = self._channel_layout and _nhwc(tens[0])
+            key = tuple([(t.shape, t.dtype, t.is_cpu, t.is_contiguous()) for t in tens]) + (args[-1], nhwc)
             plan = plans.get(key)
             opts = args[ntens:ntens + nopt]
-            bf16 = tens[0].dtype == torch.bfloat16
-            if bf16:                    # no NumPy dtype: checked on the tensors, run directly
+            direct = nhwc or tens[0].dtype == torch.bfloat16
+            if direct:                  # checked on the tensors (NumPy has neither), run directly
                 if plan is None or not self._options_ok(opts):
                     L = self._validate(mode, self._split(fargs, args))
-                    plan = plans[key] = (self._cfn(mode, "forward", torch.bfloat16), L, len(self.inputs))
-            if plan is not None and (bf16 or self._options_ok(opts)):
+                    plan = plans[key] = (self._cfn(mode, "forward", tens[0].dtype, nhwc), L, len(self.inputs))
+            if plan is not None and (direct or self._options_ok(opts)):
                 fn, L, n_in = plan
-                tens = [t if t.is_contiguous() else t.contiguous() for t in tens]   # a strided tensor: one copy
+                x = tens[0]             # channels last: computed in its own layout, no copy
+                tens = [x if nhwc else x.contiguous()] + [t.contiguous() for t in tens[1:]]
                 x = tens[0]
-                y = torch.empty(x.shape, dtype=x.dtype)
+                y = torch.empty_like(x) if nhwc else torch.empty(x.shape, dtype=x.dtype)
                 st = [torch.empty(L.n_groups, dtype=torch.float64) for _ in stats]
                 ins = []
                 for t in tens[1 + len(self.params):1 + len(self.params) + n_in]:
@@ -329,16 +344,20 @@ class TorchLayer:
         nstat, nopt, npar, nin = len(stats), len(self.options), len(self.params), len(self.inputs)
         plans: dict = {}
 
-        def fast(plan, args, eager):
+        def fast(plan, args, eager, nhwc=False):
             fn, L = plan
-            tens = [t if t.is_contiguous() else t.contiguous() for t in args[:ntens]]   # a strided tensor: one copy
+            if nhwc:                    # x in its channels-last layout; dy brought to it
+                tens = [args[0].contiguous(memory_format=_cl(args[1])), args[1],
+                        *(t.contiguous() for t in args[2:ntens])]
+            else:
+                tens = [t.contiguous() for t in args[:ntens]]   # a strided tensor: one copy
             dy, x = tens[0], tens[1]
             params = tens[2:2 + npar]
             ins = tens[2 + npar:2 + npar + nin]
             st = tens[ntens - nstat:]
             if any(t.dtype != torch.float64 or t.numel() != L.n_groups for t in st):
                 return None
-            dx = torch.empty(x.shape, dtype=x.dtype)
+            dx = torch.empty_like(x) if nhwc else torch.empty(x.shape, dtype=x.dtype)
             dps = [torch.empty(p.shape, dtype=x.dtype) for p in params]
             dis = [torch.empty(L.n_groups, dtype=x.dtype) for _ in ins]
             pairs = []
@@ -356,9 +375,10 @@ class TorchLayer:
 
         def impl(*args, eager=False):
             tens = args[:ntens]
-            key = tuple([(t.shape, t.dtype, t.is_cpu, t.is_contiguous()) for t in tens]) + (args[-1],)
+            nhwc = self._channel_layout and _nhwc(tens[1])
+            key = tuple([(t.shape, t.dtype, t.is_cpu, t.is_contiguous()) for t in tens]) + (args[-1], nhwc)
             plan = plans.get(key)
-            if tens[1].dtype == torch.bfloat16:     # no NumPy dtype: checked on the tensors, run directly
+            if nhwc or tens[1].dtype == torch.bfloat16:     # checked on the tensors, run directly
                 if plan is None or not self._options_ok(args[ntens:ntens + nopt]):
                     a = self._split(bargs, args)
                     L = self._validate(mode, a)
@@ -367,8 +387,8 @@ class TorchLayer:
                         raise ValueError(f"{self.meta['name']}: dy must have the shape and dtype of x "
                                          f"{tuple(a['x'].shape)} {a['x'].dtype}, got {tuple(a['dy'].shape)} "
                                          f"{a['dy'].dtype}")
-                    plan = plans[key] = (self._cfn(mode, "backward", torch.bfloat16), L)
-                out = fast(plan, args, eager)
+                    plan = plans[key] = (self._cfn(mode, "backward", tens[1].dtype, nhwc), L)
+                out = fast(plan, args, eager, nhwc)
                 if out is None:
                     raise ValueError(f"{self.meta['name']}: the statistics must be float64 with one value per "
                                      f"group ({plan[1].n_groups}), as the forward returns them")
@@ -411,14 +431,16 @@ class TorchLayer:
             a = self._split(fargs, args)
             x = a["x"]
             L = layout(self.meta, x.shape, {p: a[p].shape for p in self.params}, a["num_groups"])
-            return _ret((x.new_empty(x.shape), *(x.new_empty((L.n_groups,), dtype=torch.float64) for _ in stats)))
+            y = torch.empty_like(x) if self._channel_layout and _nhwc(x) else x.new_empty(x.shape)
+            return _ret((y, *(x.new_empty((L.n_groups,), dtype=torch.float64) for _ in stats)))
         return fake
 
     def _backward_fake(self, mode, bargs):
         def fake(*args):
             a = self._split(bargs, args)
             x = a["x"]
-            return _ret((x.new_empty(x.shape), *(x.new_empty(a[p].shape) for p in self.params),
+            dx = torch.empty_like(x) if self._channel_layout and _nhwc(x) else x.new_empty(x.shape)
+            return _ret((dx, *(x.new_empty(a[p].shape) for p in self.params),
                          *(x.new_empty(a[i].shape) for i in self.inputs)))
         return fake
 

@@ -204,6 +204,27 @@ static int Dg_thread_id(void)
 #endif
 }
 
+/* this thread's share [lo, hi) of n items: contiguous blocks in thread order, the first
+ * n % threads one item longer (OpenMP's schedule(static), written out so that the NCHW
+ * and channels-last kernels split the groups alike: their parameter-gradient partials,
+ * and so their bits, agree) */
+static void Dg_share(int64_t n, int64_t *lo, int64_t *hi)
+{
+#ifdef _OPENMP
+    const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+#else
+    const int64_t t = 0, nt = 1;
+#endif
+    const int64_t q = n / nt, r = n % nt;
+    *lo = t * q + (t < r ? t : r);
+    *hi = *lo + q + (t < r ? 1 : 0);
+}
+
+/* groups the channels-last kernels sweep in lockstep (adjacent in memory) */
+#ifndef DG_NHWC_GROUPS
+#define DG_NHWC_GROUPS 64
+#endif
+
 /* pairwise sum of the DG_LANES lanes: for 32, ((l0 + l16) + (l8 + l24)) + ...; the
  * same order for every group and every build. With vector intrinsics for 32 lanes (each
  * halving step is whole vectors until the last two, inside one vector), so the lanes

@@ -26,16 +26,17 @@
 #include "instancenorm.h"
 #include "derivgen-kernels.h"
 
-/* Which kernels this build compiles: float and double by default; -DDG_WITH_BF16 adds the
- * bfloat16 ones, -DDG_BF16_ONLY compiles only those (derivgen.torch builds that second
- * library the first time it meets a bfloat16 tensor, so loading a layer compiles no more
- * than NumPy callers use). */
-#if defined(DG_BF16_ONLY) || defined(DG_WITH_BF16)
-#define DG_WANT_BF16 1
+/* Which kernels this build compiles: float and double in the NCHW layout by default;
+ * -DDG_WITH_EXTRAS adds the "extras" (the bfloat16 kernels, and the channels-last ones of
+ * a channel layout), -DDG_EXTRAS_ONLY compiles only those: derivgen.torch builds that
+ * second library the first time it meets a bfloat16 or channels-last tensor, so loading
+ * a layer compiles no more than NumPy callers use. */
+#if defined(DG_EXTRAS_ONLY) || defined(DG_WITH_EXTRAS)
+#define DG_WANT_EXTRAS 1
 #else
-#define DG_WANT_BF16 0
+#define DG_WANT_EXTRAS 0
 #endif
-#if defined(DG_BF16_ONLY)
+#if defined(DG_EXTRAS_ONLY)
 #define DG_WANT_FLOAT 0
 #else
 #define DG_WANT_FLOAT 1
@@ -86,8 +87,9 @@ int instancenorm_train_forward_f32(
     {
         const int y_Stream = Dg_stream_on(Total, (int64_t)sizeof(float));
         (void)y_Stream;
-        DG_PRAGMA(omp for schedule(static))
-        for (int64_t Grp = 0; Grp < N_groups; ++Grp) {
+        int64_t Lo, Hi;
+        Dg_share(N_groups, &Lo, &Hi);              /* this thread's groups (as schedule(static)) */
+        for (int64_t Grp = Lo; Grp < Hi; ++Grp) {
             const int64_t Gi = G == 1 ? 0 : Grp % G;     /* channel group */
             (void)Gi;
             const int64_t Base = Grp * M;
@@ -323,8 +325,9 @@ int instancenorm_train_backward_f32(
         (void)Pending;
         (void)Pend_lo;
         (void)Pend_hi;
-        DG_PRAGMA(omp for schedule(static))
-        for (int64_t Grp = 0; Grp < N_groups; ++Grp) {
+        int64_t Lo, Hi;
+        Dg_share(N_groups, &Lo, &Hi);              /* this thread's groups (as schedule(static)) */
+        for (int64_t Grp = Lo; Grp < Hi; ++Grp) {
             const int64_t Gi = G == 1 ? 0 : Grp % G;     /* channel group */
             (void)Gi;
             const int64_t Base = Grp * M;
@@ -585,6 +588,416 @@ int instancenorm_train_backward_f32(
 }
 #endif /* DG_WANT_FLOAT */
 
+#if DG_WANT_EXTRAS
+
+/* ---- train forward, channels last (NHWC), float ---- */
+int instancenorm_train_forward_nhwc_f32(
+    int64_t O, int64_t G, int64_t Cg, int64_t S,
+    const float *restrict x,
+    const float *restrict gamma,
+    const float *restrict beta,
+    double eps,
+    float *restrict y,
+    double *restrict mean_Out,
+    double *restrict var_Out,
+    double *restrict rstd_Out,
+    int Nthreads)
+{
+const int64_t C = G * Cg;
+    const int64_t N_groups = O * G;
+    const int64_t Blocks = 1;   /* blocks of a group: samples */
+    const double N = (double)(Blocks * Cg * S);               /* values per group */
+    const int Nth = Dg_threads(Nthreads);
+    (void)N;
+    (void)Nth;
+    (void)x;
+    (void)gamma;
+    (void)beta;
+    (void)eps;
+
+    DG_PRAGMA(omp parallel num_threads(Nth))
+    {
+int64_t Lo, Hi;
+        Dg_share(N_groups, &Lo, &Hi);             /* the NCHW kernels' split of the groups */
+        for (int64_t B0 = Lo; B0 < Hi;) {
+            const int64_t Oi = B0 / G;   /* the block's sample */
+            const int64_t Gb = B0 % G;   /* its first group */
+            int64_t W = Hi - B0 < DG_NHWC_GROUPS ? Hi - B0 : DG_NHWC_GROUPS;
+            if (Gb + W > G)
+                W = G - Gb;                       /* one sample's groups at a time */
+            (void)Oi;
+
+            double Gv_Sum_mean[DG_NHWC_GROUPS];
+            {
+                double Lane_Sum_mean[DG_LANES][DG_NHWC_GROUPS];
+                memset(Lane_Sum_mean, 0, sizeof Lane_Sum_mean);
+                const int64_t Run = Cg * S;      /* values per run */
+                const int64_t Full = Run - Run % DG_LANES;     /* the rest go to lane 0 */
+                (void)Full;
+                for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
+                    const int64_t Ob = Oi;
+                    for (int64_t Ci = 0; Ci < Cg; ++Ci) {
+                        for (int64_t Si = 0; Si < S; ++Si) {
+                            const int64_t Pos = Ci * S + Si;
+                            const int J = Pos < Full ? (int)(Pos % DG_LANES) : 0;
+                            const int64_t Row = (Ob * S + Si) * C + Ci;
+                            (void)J;
+                            DG_INDEPENDENT
+                            for (int64_t Gi = 0; Gi < W; ++Gi) {
+                                const int64_t Idx = Row + (Gb + Gi) * Cg;
+                                const int64_t Ch = (Gb + Gi) * Cg + Ci;
+                                (void)Idx;
+                                (void)Ch;
+                                const double Xv = (double)x[Idx];
+                                Lane_Sum_mean[J][Gi] += Xv;
+                            }
+                        }
+                    }
+                }
+                for (int64_t Gi = 0; Gi < W; ++Gi) {
+                    double Col[DG_LANES];
+                    for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_Sum_mean[Q][Gi];
+                    Gv_Sum_mean[Gi] = Dg_lanes(Col);
+                }
+            }
+            double Gv_mean[DG_NHWC_GROUPS];
+            for (int64_t Gi = 0; Gi < W; ++Gi) {
+                const double Sum_mean = Gv_Sum_mean[Gi];
+                Gv_mean[Gi] = Sum_mean/N;
+            }
+            (void)Gv_mean;   /* mean = mean(x) */
+            double Gv_Sum_var[DG_NHWC_GROUPS];
+            {
+                double Lane_Sum_var[DG_LANES][DG_NHWC_GROUPS];
+                memset(Lane_Sum_var, 0, sizeof Lane_Sum_var);
+                const int64_t Run = Cg * S;      /* values per run */
+                const int64_t Full = Run - Run % DG_LANES;     /* the rest go to lane 0 */
+                (void)Full;
+                for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
+                    const int64_t Ob = Oi;
+                    for (int64_t Ci = 0; Ci < Cg; ++Ci) {
+                        for (int64_t Si = 0; Si < S; ++Si) {
+                            const int64_t Pos = Ci * S + Si;
+                            const int J = Pos < Full ? (int)(Pos % DG_LANES) : 0;
+                            const int64_t Row = (Ob * S + Si) * C + Ci;
+                            (void)J;
+                            DG_INDEPENDENT
+                            for (int64_t Gi = 0; Gi < W; ++Gi) {
+                                const int64_t Idx = Row + (Gb + Gi) * Cg;
+                                const int64_t Ch = (Gb + Gi) * Cg + Ci;
+                                (void)Idx;
+                                (void)Ch;
+                                const double mean = Gv_mean[Gi];
+                                const double Xv = (double)x[Idx];
+                                Lane_Sum_var[J][Gi] += ((Xv - mean)*(Xv - mean));
+                            }
+                        }
+                    }
+                }
+                for (int64_t Gi = 0; Gi < W; ++Gi) {
+                    double Col[DG_LANES];
+                    for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_Sum_var[Q][Gi];
+                    Gv_Sum_var[Gi] = Dg_lanes(Col);
+                }
+            }
+            double Gv_var[DG_NHWC_GROUPS];
+            for (int64_t Gi = 0; Gi < W; ++Gi) {
+                const double Sum_var = Gv_Sum_var[Gi];
+                Gv_var[Gi] = Sum_var/N;
+            }
+            (void)Gv_var;   /* var = mean((x - mean)**2) */
+            double Gv_rstd[DG_NHWC_GROUPS];
+            for (int64_t Gi = 0; Gi < W; ++Gi) {
+                const double var = Gv_var[Gi];
+                Gv_rstd[Gi] = 1/sqrt(var + eps);
+            }
+            (void)Gv_rstd;   /* rstd = 1/sqrt(var + eps) */
+            for (int64_t Gi = 0; Gi < W; ++Gi) {
+                mean_Out[B0 + Gi] = Gv_mean[Gi];
+                var_Out[B0 + Gi] = Gv_var[Gi];
+                rstd_Out[B0 + Gi] = Gv_rstd[Gi];
+            }
+            {
+                float Pv_H0_hi[DG_NHWC_GROUPS];
+                float Pv_H0_lo[DG_NHWC_GROUPS];
+                float Pv_rstd_F[DG_NHWC_GROUPS];
+                for (int64_t Gi = 0; Gi < W; ++Gi) {
+                    const double mean = Gv_mean[Gi];
+                    const double rstd = Gv_rstd[Gi];
+                    const double H0 = -mean;
+                    const float H0_hi = (float)H0;
+                    Pv_H0_hi[Gi] = H0_hi;
+                    const float H0_lo = (float)(H0 - (double)H0_hi);
+                    Pv_H0_lo[Gi] = H0_lo;
+                    const float rstd_F = (float)rstd;
+                    Pv_rstd_F[Gi] = rstd_F;
+                }
+                const int64_t Run = S;      /* values per run */
+                const int64_t Full = Run - Run % DG_LANES;     /* the rest go to lane 0 */
+                (void)Full;
+                for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
+                    const int64_t Ob = Oi;
+                    for (int64_t Ci = 0; Ci < Cg; ++Ci) {
+                        for (int64_t Si = 0; Si < S; ++Si) {
+                            const int64_t Pos = Si;
+                            const int J = Pos < Full ? (int)(Pos % DG_LANES) : 0;
+                            const int64_t Row = (Ob * S + Si) * C + Ci;
+                            (void)J;
+                            DG_INDEPENDENT
+                            for (int64_t Gi = 0; Gi < W; ++Gi) {
+                                const int64_t Idx = Row + (Gb + Gi) * Cg;
+                                const int64_t Ch = (Gb + Gi) * Cg + Ci;
+                                (void)Idx;
+                                (void)Ch;
+                                const float H0_hi = Pv_H0_hi[Gi];
+                                const float H0_lo = Pv_H0_lo[Gi];
+                                const float rstd_F = Pv_rstd_F[Gi];
+                                const float gamma_V = gamma[Ch];
+                                const float beta_V = beta[Ch];
+                                const float Xv = x[Idx];
+                                const float xhat = rstd_F*((Xv + H0_hi + H0_lo));
+                                y[Idx] = (float)(gamma_V*xhat + beta_V);
+                            }
+                        }
+                    }
+                }
+            }
+            B0 += W;
+        }
+    }
+    return 0;
+}
+
+/* ---- train backward, channels last (NHWC), float ---- */
+int instancenorm_train_backward_nhwc_f32(
+    int64_t O, int64_t G, int64_t Cg, int64_t S,
+    const float *restrict x,
+    const float *restrict dy,
+    const float *restrict gamma,
+    const float *restrict beta,
+    double eps,
+    const double *restrict mean_In,
+    const double *restrict var_In,
+    const double *restrict rstd_In,
+    float *restrict dx,
+    float *restrict dgamma,
+    float *restrict dbeta,
+    int Nthreads)
+{
+const int64_t C = G * Cg;
+    const int64_t N_groups = O * G;
+    const int64_t Blocks = 1;   /* blocks of a group: samples */
+    const double N = (double)(Blocks * Cg * S);               /* values per group */
+    const int Nth = Dg_threads(Nthreads);
+    (void)N;
+    (void)Nth;
+    (void)x;
+    (void)gamma;
+    (void)beta;
+    (void)eps;
+
+    const int64_t P = 2;      /* parameters */
+    (void)dy;
+    /* per-thread partial sums of the parameter gradients, reduced once at the end */
+    double *Part = (double *)calloc((size_t)(Nth * P * C) + 1, sizeof(double));
+    if (Part == NULL)
+        return -1;
+    DG_PRAGMA(omp parallel num_threads(Nth))
+    {
+        double *restrict Mine = Part + (int64_t)Dg_thread_id() * P * C;
+        (void)Mine;
+int64_t Lo, Hi;
+        Dg_share(N_groups, &Lo, &Hi);             /* the NCHW kernels' split of the groups */
+        for (int64_t B0 = Lo; B0 < Hi;) {
+            const int64_t Oi = B0 / G;   /* the block's sample */
+            const int64_t Gb = B0 % G;   /* its first group */
+            int64_t W = Hi - B0 < DG_NHWC_GROUPS ? Hi - B0 : DG_NHWC_GROUPS;
+            if (Gb + W > G)
+                W = G - Gb;                       /* one sample's groups at a time */
+            (void)Oi;
+
+            double Gv_mean[DG_NHWC_GROUPS];
+            for (int64_t Gi = 0; Gi < W; ++Gi)
+                Gv_mean[Gi] = mean_In[B0 + Gi];
+            (void)Gv_mean;
+            double Gv_var[DG_NHWC_GROUPS];
+            for (int64_t Gi = 0; Gi < W; ++Gi)
+                Gv_var[Gi] = var_In[B0 + Gi];
+            (void)Gv_var;
+            double Gv_rstd[DG_NHWC_GROUPS];
+            for (int64_t Gi = 0; Gi < W; ++Gi)
+                Gv_rstd[Gi] = rstd_In[B0 + Gi];
+            (void)Gv_rstd;
+            double Gv_Sum_g[DG_NHWC_GROUPS];
+            double Gv_Sum_g_xhat[DG_NHWC_GROUPS];
+            {
+                float Pv_H0_hi[DG_NHWC_GROUPS];
+                float Pv_H0_lo[DG_NHWC_GROUPS];
+                float Pv_rstd_F[DG_NHWC_GROUPS];
+                for (int64_t Gi = 0; Gi < W; ++Gi) {
+                    const double mean = Gv_mean[Gi];
+                    const double rstd = Gv_rstd[Gi];
+                    const double H0 = -mean;
+                    const float H0_hi = (float)H0;
+                    Pv_H0_hi[Gi] = H0_hi;
+                    const float H0_lo = (float)(H0 - (double)H0_hi);
+                    Pv_H0_lo[Gi] = H0_lo;
+                    const float rstd_F = (float)rstd;
+                    Pv_rstd_F[Gi] = rstd_F;
+                }
+                double Lane_Sum_g[DG_LANES][DG_NHWC_GROUPS];
+                memset(Lane_Sum_g, 0, sizeof Lane_Sum_g);
+                double Lane_Sum_g_xhat[DG_LANES][DG_NHWC_GROUPS];
+                memset(Lane_Sum_g_xhat, 0, sizeof Lane_Sum_g_xhat);
+                const int64_t Run = S;      /* values per run */
+                const int64_t Full = Run - Run % DG_LANES;     /* the rest go to lane 0 */
+                (void)Full;
+                for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
+                    const int64_t Ob = Oi;
+                    for (int64_t Ci = 0; Ci < Cg; ++Ci) {
+                        for (int64_t Si = 0; Si < S; ++Si) {
+                            const int64_t Pos = Si;
+                            const int J = Pos < Full ? (int)(Pos % DG_LANES) : 0;
+                            const int64_t Row = (Ob * S + Si) * C + Ci;
+                            (void)J;
+                            DG_INDEPENDENT
+                            for (int64_t Gi = 0; Gi < W; ++Gi) {
+                                const int64_t Idx = Row + (Gb + Gi) * Cg;
+                                const int64_t Ch = (Gb + Gi) * Cg + Ci;
+                                (void)Idx;
+                                (void)Ch;
+                                const float H0_hi = Pv_H0_hi[Gi];
+                                const float H0_lo = Pv_H0_lo[Gi];
+                                const float rstd_F = Pv_rstd_F[Gi];
+                                const float gamma_V = gamma[Ch];
+                                const float Xv = x[Idx];
+                                const float Dyv = dy[Idx];
+                                const float xhat = rstd_F*((Xv + H0_hi + H0_lo));
+                                const float g = Dyv*gamma_V;
+                                Lane_Sum_g[J][Gi] += ((double)g);
+                                Lane_Sum_g_xhat[J][Gi] += ((double)g)*((double)xhat);
+                            }
+                        }
+                    }
+                }
+                for (int64_t Gi = 0; Gi < W; ++Gi) {
+                    double Col[DG_LANES];
+                    for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_Sum_g[Q][Gi];
+                    Gv_Sum_g[Gi] = Dg_lanes(Col);
+                }
+                for (int64_t Gi = 0; Gi < W; ++Gi) {
+                    double Col[DG_LANES];
+                    for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_Sum_g_xhat[Q][Gi];
+                    Gv_Sum_g_xhat[Gi] = Dg_lanes(Col);
+                }
+            }
+            double Gv_Mean_g[DG_NHWC_GROUPS];
+            for (int64_t Gi = 0; Gi < W; ++Gi) {
+                const double Sum_g = Gv_Sum_g[Gi];
+                Gv_Mean_g[Gi] = Sum_g/N;
+            }
+            (void)Gv_Mean_g;   /* Mean_g = mean(g) */
+            double Gv_Mean_g_xhat[DG_NHWC_GROUPS];
+            for (int64_t Gi = 0; Gi < W; ++Gi) {
+                const double Sum_g_xhat = Gv_Sum_g_xhat[Gi];
+                Gv_Mean_g_xhat[Gi] = Sum_g_xhat/N;
+            }
+            (void)Gv_Mean_g_xhat;   /* Mean_g_xhat = mean(g*xhat) */
+            {
+                float Pv_H0_hi[DG_NHWC_GROUPS];
+                float Pv_H0_lo[DG_NHWC_GROUPS];
+                float Pv_H1_hi[DG_NHWC_GROUPS];
+                float Pv_H1_lo[DG_NHWC_GROUPS];
+                float Pv_Mean_g_xhat_F[DG_NHWC_GROUPS];
+                float Pv_rstd_F[DG_NHWC_GROUPS];
+                for (int64_t Gi = 0; Gi < W; ++Gi) {
+                    const double mean = Gv_mean[Gi];
+                    const double rstd = Gv_rstd[Gi];
+                    const double Mean_g = Gv_Mean_g[Gi];
+                    const double Mean_g_xhat = Gv_Mean_g_xhat[Gi];
+                    const double H0 = -mean;
+                    const float H0_hi = (float)H0;
+                    Pv_H0_hi[Gi] = H0_hi;
+                    const float H0_lo = (float)(H0 - (double)H0_hi);
+                    Pv_H0_lo[Gi] = H0_lo;
+                    const double H1 = -Mean_g;
+                    const float H1_hi = (float)H1;
+                    Pv_H1_hi[Gi] = H1_hi;
+                    const float H1_lo = (float)(H1 - (double)H1_hi);
+                    Pv_H1_lo[Gi] = H1_lo;
+                    const float Mean_g_xhat_F = (float)Mean_g_xhat;
+                    Pv_Mean_g_xhat_F[Gi] = Mean_g_xhat_F;
+                    const float rstd_F = (float)rstd;
+                    Pv_rstd_F[Gi] = rstd_F;
+                }
+                const int64_t Run = S;      /* values per run */
+                const int64_t Full = Run - Run % DG_LANES;     /* the rest go to lane 0 */
+                (void)Full;
+                for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
+                    const int64_t Ob = Oi;
+                    for (int64_t Ci = 0; Ci < Cg; ++Ci) {
+                        double Lane_p0[DG_LANES][DG_NHWC_GROUPS];
+                        memset(Lane_p0, 0, sizeof Lane_p0);
+                        double Lane_p1[DG_LANES][DG_NHWC_GROUPS];
+                        memset(Lane_p1, 0, sizeof Lane_p1);
+                        for (int64_t Si = 0; Si < S; ++Si) {
+                            const int64_t Pos = Si;
+                            const int J = Pos < Full ? (int)(Pos % DG_LANES) : 0;
+                            const int64_t Row = (Ob * S + Si) * C + Ci;
+                            (void)J;
+                            DG_INDEPENDENT
+                            for (int64_t Gi = 0; Gi < W; ++Gi) {
+                                const int64_t Idx = Row + (Gb + Gi) * Cg;
+                                const int64_t Ch = (Gb + Gi) * Cg + Ci;
+                                (void)Idx;
+                                (void)Ch;
+                                const float H0_hi = Pv_H0_hi[Gi];
+                                const float H0_lo = Pv_H0_lo[Gi];
+                                const float H1_hi = Pv_H1_hi[Gi];
+                                const float H1_lo = Pv_H1_lo[Gi];
+                                const float Mean_g_xhat_F = Pv_Mean_g_xhat_F[Gi];
+                                const float rstd_F = Pv_rstd_F[Gi];
+                                const float gamma_V = gamma[Ch];
+                                const float Xv = x[Idx];
+                                const float Dyv = dy[Idx];
+                                const float xhat = rstd_F*((Xv + H0_hi + H0_lo));
+                                const float g = Dyv*gamma_V;
+                                dx[Idx] = (float)(rstd_F*((g - Mean_g_xhat_F*xhat + H1_hi + H1_lo)));
+                                Lane_p0[J][Gi] += ((double)Dyv)*((double)xhat);
+                                Lane_p1[J][Gi] += ((double)Dyv);
+                            }
+                        }
+                        for (int64_t Gi = 0; Gi < W; ++Gi) {
+                            double Col[DG_LANES];
+                            for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_p0[Q][Gi];
+                            Mine[0 * C + (Gb + Gi) * Cg + Ci] += Dg_lanes(Col);
+                        }
+                        for (int64_t Gi = 0; Gi < W; ++Gi) {
+                            double Col[DG_LANES];
+                            for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_p1[Q][Gi];
+                            Mine[1 * C + (Gb + Gi) * Cg + Ci] += Dg_lanes(Col);
+                        }
+                    }
+                }
+            }
+            B0 += W;
+        }
+    }
+    for (int64_t Cc = 0; Cc < C; ++Cc) {       /* dgamma */
+        double Acc = 0.0;
+        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * P * C + 0 * C + Cc];
+        dgamma[Cc] = (float)(Acc);
+    }
+    for (int64_t Cc = 0; Cc < C; ++Cc) {       /* dbeta */
+        double Acc = 0.0;
+        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * P * C + 1 * C + Cc];
+        dbeta[Cc] = (float)(Acc);
+    }
+    free(Part);
+    return 0;
+}
+#endif /* DG_WANT_EXTRAS */
+
 #if DG_WANT_FLOAT
 
 /* ---- train forward, double ---- */
@@ -621,8 +1034,9 @@ int instancenorm_train_forward_f64(
     {
         const int y_Stream = Dg_stream_on(Total, (int64_t)sizeof(double));
         (void)y_Stream;
-        DG_PRAGMA(omp for schedule(static))
-        for (int64_t Grp = 0; Grp < N_groups; ++Grp) {
+        int64_t Lo, Hi;
+        Dg_share(N_groups, &Lo, &Hi);              /* this thread's groups (as schedule(static)) */
+        for (int64_t Grp = Lo; Grp < Hi; ++Grp) {
             const int64_t Gi = G == 1 ? 0 : Grp % G;     /* channel group */
             (void)Gi;
             const int64_t Base = Grp * M;
@@ -854,8 +1268,9 @@ int instancenorm_train_backward_f64(
         (void)Pending;
         (void)Pend_lo;
         (void)Pend_hi;
-        DG_PRAGMA(omp for schedule(static))
-        for (int64_t Grp = 0; Grp < N_groups; ++Grp) {
+        int64_t Lo, Hi;
+        Dg_share(N_groups, &Lo, &Hi);              /* this thread's groups (as schedule(static)) */
+        for (int64_t Grp = Lo; Grp < Hi; ++Grp) {
             const int64_t Gi = G == 1 ? 0 : Grp % G;     /* channel group */
             (void)Gi;
             const int64_t Base = Grp * M;
@@ -1107,7 +1522,380 @@ int instancenorm_train_backward_f64(
 }
 #endif /* DG_WANT_FLOAT */
 
-#if DG_WANT_BF16
+#if DG_WANT_EXTRAS
+
+/* ---- train forward, channels last (NHWC), double ---- */
+int instancenorm_train_forward_nhwc_f64(
+    int64_t O, int64_t G, int64_t Cg, int64_t S,
+    const double *restrict x,
+    const double *restrict gamma,
+    const double *restrict beta,
+    double eps,
+    double *restrict y,
+    double *restrict mean_Out,
+    double *restrict var_Out,
+    double *restrict rstd_Out,
+    int Nthreads)
+{
+const int64_t C = G * Cg;
+    const int64_t N_groups = O * G;
+    const int64_t Blocks = 1;   /* blocks of a group: samples */
+    const double N = (double)(Blocks * Cg * S);               /* values per group */
+    const int Nth = Dg_threads(Nthreads);
+    (void)N;
+    (void)Nth;
+    (void)x;
+    (void)gamma;
+    (void)beta;
+    (void)eps;
+
+    DG_PRAGMA(omp parallel num_threads(Nth))
+    {
+int64_t Lo, Hi;
+        Dg_share(N_groups, &Lo, &Hi);             /* the NCHW kernels' split of the groups */
+        for (int64_t B0 = Lo; B0 < Hi;) {
+            const int64_t Oi = B0 / G;   /* the block's sample */
+            const int64_t Gb = B0 % G;   /* its first group */
+            int64_t W = Hi - B0 < DG_NHWC_GROUPS ? Hi - B0 : DG_NHWC_GROUPS;
+            if (Gb + W > G)
+                W = G - Gb;                       /* one sample's groups at a time */
+            (void)Oi;
+
+            double Gv_Sum_mean[DG_NHWC_GROUPS];
+            {
+                double Lane_Sum_mean[DG_LANES][DG_NHWC_GROUPS];
+                memset(Lane_Sum_mean, 0, sizeof Lane_Sum_mean);
+                const int64_t Run = Cg * S;      /* values per run */
+                const int64_t Full = Run - Run % DG_LANES;     /* the rest go to lane 0 */
+                (void)Full;
+                for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
+                    const int64_t Ob = Oi;
+                    for (int64_t Ci = 0; Ci < Cg; ++Ci) {
+                        for (int64_t Si = 0; Si < S; ++Si) {
+                            const int64_t Pos = Ci * S + Si;
+                            const int J = Pos < Full ? (int)(Pos % DG_LANES) : 0;
+                            const int64_t Row = (Ob * S + Si) * C + Ci;
+                            (void)J;
+                            DG_INDEPENDENT
+                            for (int64_t Gi = 0; Gi < W; ++Gi) {
+                                const int64_t Idx = Row + (Gb + Gi) * Cg;
+                                const int64_t Ch = (Gb + Gi) * Cg + Ci;
+                                (void)Idx;
+                                (void)Ch;
+                                const double Xv = x[Idx];
+                                Lane_Sum_mean[J][Gi] += Xv;
+                            }
+                        }
+                    }
+                }
+                for (int64_t Gi = 0; Gi < W; ++Gi) {
+                    double Col[DG_LANES];
+                    for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_Sum_mean[Q][Gi];
+                    Gv_Sum_mean[Gi] = Dg_lanes(Col);
+                }
+            }
+            double Gv_mean[DG_NHWC_GROUPS];
+            for (int64_t Gi = 0; Gi < W; ++Gi) {
+                const double Sum_mean = Gv_Sum_mean[Gi];
+                Gv_mean[Gi] = Sum_mean/N;
+            }
+            (void)Gv_mean;   /* mean = mean(x) */
+            double Gv_Sum_var[DG_NHWC_GROUPS];
+            {
+                double Lane_Sum_var[DG_LANES][DG_NHWC_GROUPS];
+                memset(Lane_Sum_var, 0, sizeof Lane_Sum_var);
+                const int64_t Run = Cg * S;      /* values per run */
+                const int64_t Full = Run - Run % DG_LANES;     /* the rest go to lane 0 */
+                (void)Full;
+                for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
+                    const int64_t Ob = Oi;
+                    for (int64_t Ci = 0; Ci < Cg; ++Ci) {
+                        for (int64_t Si = 0; Si < S; ++Si) {
+                            const int64_t Pos = Ci * S + Si;
+                            const int J = Pos < Full ? (int)(Pos % DG_LANES) : 0;
+                            const int64_t Row = (Ob * S + Si) * C + Ci;
+                            (void)J;
+                            DG_INDEPENDENT
+                            for (int64_t Gi = 0; Gi < W; ++Gi) {
+                                const int64_t Idx = Row + (Gb + Gi) * Cg;
+                                const int64_t Ch = (Gb + Gi) * Cg + Ci;
+                                (void)Idx;
+                                (void)Ch;
+                                const double mean = Gv_mean[Gi];
+                                const double Xv = x[Idx];
+                                Lane_Sum_var[J][Gi] += ((Xv - mean)*(Xv - mean));
+                            }
+                        }
+                    }
+                }
+                for (int64_t Gi = 0; Gi < W; ++Gi) {
+                    double Col[DG_LANES];
+                    for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_Sum_var[Q][Gi];
+                    Gv_Sum_var[Gi] = Dg_lanes(Col);
+                }
+            }
+            double Gv_var[DG_NHWC_GROUPS];
+            for (int64_t Gi = 0; Gi < W; ++Gi) {
+                const double Sum_var = Gv_Sum_var[Gi];
+                Gv_var[Gi] = Sum_var/N;
+            }
+            (void)Gv_var;   /* var = mean((x - mean)**2) */
+            double Gv_rstd[DG_NHWC_GROUPS];
+            for (int64_t Gi = 0; Gi < W; ++Gi) {
+                const double var = Gv_var[Gi];
+                Gv_rstd[Gi] = 1/sqrt(var + eps);
+            }
+            (void)Gv_rstd;   /* rstd = 1/sqrt(var + eps) */
+            for (int64_t Gi = 0; Gi < W; ++Gi) {
+                mean_Out[B0 + Gi] = Gv_mean[Gi];
+                var_Out[B0 + Gi] = Gv_var[Gi];
+                rstd_Out[B0 + Gi] = Gv_rstd[Gi];
+            }
+            {
+                const int64_t Run = S;      /* values per run */
+                const int64_t Full = Run - Run % DG_LANES;     /* the rest go to lane 0 */
+                (void)Full;
+                for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
+                    const int64_t Ob = Oi;
+                    for (int64_t Ci = 0; Ci < Cg; ++Ci) {
+                        for (int64_t Si = 0; Si < S; ++Si) {
+                            const int64_t Pos = Si;
+                            const int J = Pos < Full ? (int)(Pos % DG_LANES) : 0;
+                            const int64_t Row = (Ob * S + Si) * C + Ci;
+                            (void)J;
+                            DG_INDEPENDENT
+                            for (int64_t Gi = 0; Gi < W; ++Gi) {
+                                const int64_t Idx = Row + (Gb + Gi) * Cg;
+                                const int64_t Ch = (Gb + Gi) * Cg + Ci;
+                                (void)Idx;
+                                (void)Ch;
+                                const double mean = Gv_mean[Gi];
+                                const double rstd = Gv_rstd[Gi];
+                                const double gamma_V = gamma[Ch];
+                                const double beta_V = beta[Ch];
+                                const double Xv = x[Idx];
+                                const double xhat = rstd*(Xv - mean);
+                                y[Idx] = (double)(gamma_V*xhat + beta_V);
+                            }
+                        }
+                    }
+                }
+            }
+            B0 += W;
+        }
+    }
+    return 0;
+}
+
+/* ---- train backward, channels last (NHWC), double ---- */
+int instancenorm_train_backward_nhwc_f64(
+    int64_t O, int64_t G, int64_t Cg, int64_t S,
+    const double *restrict x,
+    const double *restrict dy,
+    const double *restrict gamma,
+    const double *restrict beta,
+    double eps,
+    const double *restrict mean_In,
+    const double *restrict var_In,
+    const double *restrict rstd_In,
+    double *restrict dx,
+    double *restrict dgamma,
+    double *restrict dbeta,
+    int Nthreads)
+{
+const int64_t C = G * Cg;
+    const int64_t N_groups = O * G;
+    const int64_t Blocks = 1;   /* blocks of a group: samples */
+    const double N = (double)(Blocks * Cg * S);               /* values per group */
+    const int Nth = Dg_threads(Nthreads);
+    (void)N;
+    (void)Nth;
+    (void)x;
+    (void)gamma;
+    (void)beta;
+    (void)eps;
+
+    const int64_t P = 2;      /* parameters */
+    (void)dy;
+    /* per-thread partial sums of the parameter gradients, reduced once at the end */
+    double *Part = (double *)calloc((size_t)(Nth * P * C) + 1, sizeof(double));
+    if (Part == NULL)
+        return -1;
+    DG_PRAGMA(omp parallel num_threads(Nth))
+    {
+        double *restrict Mine = Part + (int64_t)Dg_thread_id() * P * C;
+        (void)Mine;
+int64_t Lo, Hi;
+        Dg_share(N_groups, &Lo, &Hi);             /* the NCHW kernels' split of the groups */
+        for (int64_t B0 = Lo; B0 < Hi;) {
+            const int64_t Oi = B0 / G;   /* the block's sample */
+            const int64_t Gb = B0 % G;   /* its first group */
+            int64_t W = Hi - B0 < DG_NHWC_GROUPS ? Hi - B0 : DG_NHWC_GROUPS;
+            if (Gb + W > G)
+                W = G - Gb;                       /* one sample's groups at a time */
+            (void)Oi;
+
+            double Gv_mean[DG_NHWC_GROUPS];
+            for (int64_t Gi = 0; Gi < W; ++Gi)
+                Gv_mean[Gi] = mean_In[B0 + Gi];
+            (void)Gv_mean;
+            double Gv_var[DG_NHWC_GROUPS];
+            for (int64_t Gi = 0; Gi < W; ++Gi)
+                Gv_var[Gi] = var_In[B0 + Gi];
+            (void)Gv_var;
+            double Gv_rstd[DG_NHWC_GROUPS];
+            for (int64_t Gi = 0; Gi < W; ++Gi)
+                Gv_rstd[Gi] = rstd_In[B0 + Gi];
+            (void)Gv_rstd;
+            double Gv_Sum_g[DG_NHWC_GROUPS];
+            double Gv_Sum_g_xhat[DG_NHWC_GROUPS];
+            {
+                double Lane_Sum_g[DG_LANES][DG_NHWC_GROUPS];
+                memset(Lane_Sum_g, 0, sizeof Lane_Sum_g);
+                double Lane_Sum_g_xhat[DG_LANES][DG_NHWC_GROUPS];
+                memset(Lane_Sum_g_xhat, 0, sizeof Lane_Sum_g_xhat);
+                const int64_t Run = S;      /* values per run */
+                const int64_t Full = Run - Run % DG_LANES;     /* the rest go to lane 0 */
+                (void)Full;
+                for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
+                    const int64_t Ob = Oi;
+                    for (int64_t Ci = 0; Ci < Cg; ++Ci) {
+                        for (int64_t Si = 0; Si < S; ++Si) {
+                            const int64_t Pos = Si;
+                            const int J = Pos < Full ? (int)(Pos % DG_LANES) : 0;
+                            const int64_t Row = (Ob * S + Si) * C + Ci;
+                            (void)J;
+                            DG_INDEPENDENT
+                            for (int64_t Gi = 0; Gi < W; ++Gi) {
+                                const int64_t Idx = Row + (Gb + Gi) * Cg;
+                                const int64_t Ch = (Gb + Gi) * Cg + Ci;
+                                (void)Idx;
+                                (void)Ch;
+                                const double mean = Gv_mean[Gi];
+                                const double rstd = Gv_rstd[Gi];
+                                const double gamma_V = gamma[Ch];
+                                const double Xv = x[Idx];
+                                const double Dyv = dy[Idx];
+                                const double xhat = rstd*(Xv - mean);
+                                const double g = Dyv*gamma_V;
+                                Lane_Sum_g[J][Gi] += g;
+                                Lane_Sum_g_xhat[J][Gi] += g*xhat;
+                            }
+                        }
+                    }
+                }
+                for (int64_t Gi = 0; Gi < W; ++Gi) {
+                    double Col[DG_LANES];
+                    for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_Sum_g[Q][Gi];
+                    Gv_Sum_g[Gi] = Dg_lanes(Col);
+                }
+                for (int64_t Gi = 0; Gi < W; ++Gi) {
+                    double Col[DG_LANES];
+                    for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_Sum_g_xhat[Q][Gi];
+                    Gv_Sum_g_xhat[Gi] = Dg_lanes(Col);
+                }
+            }
+            double Gv_Mean_g[DG_NHWC_GROUPS];
+            for (int64_t Gi = 0; Gi < W; ++Gi) {
+                const double Sum_g = Gv_Sum_g[Gi];
+                Gv_Mean_g[Gi] = Sum_g/N;
+            }
+            (void)Gv_Mean_g;   /* Mean_g = mean(g) */
+            double Gv_Mean_g_xhat[DG_NHWC_GROUPS];
+            for (int64_t Gi = 0; Gi < W; ++Gi) {
+                const double Sum_g_xhat = Gv_Sum_g_xhat[Gi];
+                Gv_Mean_g_xhat[Gi] = Sum_g_xhat/N;
+            }
+            (void)Gv_Mean_g_xhat;   /* Mean_g_xhat = mean(g*xhat) */
+            double Gv_K_1[DG_NHWC_GROUPS];
+            for (int64_t Gi = 0; Gi < W; ++Gi) {
+                const double rstd = Gv_rstd[Gi];
+                const double Mean_g = Gv_Mean_g[Gi];
+                Gv_K_1[Gi] = -Mean_g*rstd;
+            }
+            (void)Gv_K_1;   /* coefficient of 1 in dx */
+            double Gv_K_g[DG_NHWC_GROUPS];
+            for (int64_t Gi = 0; Gi < W; ++Gi) {
+                const double rstd = Gv_rstd[Gi];
+                Gv_K_g[Gi] = rstd;
+            }
+            (void)Gv_K_g;   /* coefficient of g in dx */
+            double Gv_K_xhat[DG_NHWC_GROUPS];
+            for (int64_t Gi = 0; Gi < W; ++Gi) {
+                const double rstd = Gv_rstd[Gi];
+                const double Mean_g_xhat = Gv_Mean_g_xhat[Gi];
+                Gv_K_xhat[Gi] = -Mean_g_xhat*rstd;
+            }
+            (void)Gv_K_xhat;   /* coefficient of xhat in dx */
+            {
+                const int64_t Run = S;      /* values per run */
+                const int64_t Full = Run - Run % DG_LANES;     /* the rest go to lane 0 */
+                (void)Full;
+                for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
+                    const int64_t Ob = Oi;
+                    for (int64_t Ci = 0; Ci < Cg; ++Ci) {
+                        double Lane_p0[DG_LANES][DG_NHWC_GROUPS];
+                        memset(Lane_p0, 0, sizeof Lane_p0);
+                        double Lane_p1[DG_LANES][DG_NHWC_GROUPS];
+                        memset(Lane_p1, 0, sizeof Lane_p1);
+                        for (int64_t Si = 0; Si < S; ++Si) {
+                            const int64_t Pos = Si;
+                            const int J = Pos < Full ? (int)(Pos % DG_LANES) : 0;
+                            const int64_t Row = (Ob * S + Si) * C + Ci;
+                            (void)J;
+                            DG_INDEPENDENT
+                            for (int64_t Gi = 0; Gi < W; ++Gi) {
+                                const int64_t Idx = Row + (Gb + Gi) * Cg;
+                                const int64_t Ch = (Gb + Gi) * Cg + Ci;
+                                (void)Idx;
+                                (void)Ch;
+                                const double mean = Gv_mean[Gi];
+                                const double rstd = Gv_rstd[Gi];
+                                const double K_1 = Gv_K_1[Gi];
+                                const double K_g = Gv_K_g[Gi];
+                                const double K_xhat = Gv_K_xhat[Gi];
+                                const double gamma_V = gamma[Ch];
+                                const double Xv = x[Idx];
+                                const double Dyv = dy[Idx];
+                                const double xhat = rstd*(Xv - mean);
+                                const double g = Dyv*gamma_V;
+                                dx[Idx] = (double)(K_g*g + K_xhat*xhat + K_1);
+                                Lane_p0[J][Gi] += Dyv*xhat;
+                                Lane_p1[J][Gi] += Dyv;
+                            }
+                        }
+                        for (int64_t Gi = 0; Gi < W; ++Gi) {
+                            double Col[DG_LANES];
+                            for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_p0[Q][Gi];
+                            Mine[0 * C + (Gb + Gi) * Cg + Ci] += Dg_lanes(Col);
+                        }
+                        for (int64_t Gi = 0; Gi < W; ++Gi) {
+                            double Col[DG_LANES];
+                            for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_p1[Q][Gi];
+                            Mine[1 * C + (Gb + Gi) * Cg + Ci] += Dg_lanes(Col);
+                        }
+                    }
+                }
+            }
+            B0 += W;
+        }
+    }
+    for (int64_t Cc = 0; Cc < C; ++Cc) {       /* dgamma */
+        double Acc = 0.0;
+        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * P * C + 0 * C + Cc];
+        dgamma[Cc] = (double)(Acc);
+    }
+    for (int64_t Cc = 0; Cc < C; ++Cc) {       /* dbeta */
+        double Acc = 0.0;
+        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * P * C + 1 * C + Cc];
+        dbeta[Cc] = (double)(Acc);
+    }
+    free(Part);
+    return 0;
+}
+#endif /* DG_WANT_EXTRAS */
+
+#if DG_WANT_EXTRAS
 
 /* ---- train forward, dg_bf16 ---- */
 int instancenorm_train_forward_bf16(
@@ -1143,8 +1931,9 @@ int instancenorm_train_forward_bf16(
     {
         const int y_Stream = 0;   /* bfloat16 outputs are written in place */
         (void)y_Stream;
-        DG_PRAGMA(omp for schedule(static))
-        for (int64_t Grp = 0; Grp < N_groups; ++Grp) {
+        int64_t Lo, Hi;
+        Dg_share(N_groups, &Lo, &Hi);              /* this thread's groups (as schedule(static)) */
+        for (int64_t Grp = Lo; Grp < Hi; ++Grp) {
             const int64_t Gi = G == 1 ? 0 : Grp % G;     /* channel group */
             (void)Gi;
             const int64_t Base = Grp * M;
@@ -1380,8 +2169,9 @@ int instancenorm_train_backward_bf16(
         (void)Pending;
         (void)Pend_lo;
         (void)Pend_hi;
-        DG_PRAGMA(omp for schedule(static))
-        for (int64_t Grp = 0; Grp < N_groups; ++Grp) {
+        int64_t Lo, Hi;
+        Dg_share(N_groups, &Lo, &Hi);              /* this thread's groups (as schedule(static)) */
+        for (int64_t Grp = Lo; Grp < Hi; ++Grp) {
             const int64_t Gi = G == 1 ? 0 : Grp % G;     /* channel group */
             (void)Gi;
             const int64_t Base = Grp * M;
@@ -1640,4 +2430,414 @@ int instancenorm_train_backward_bf16(
     free(Part);
     return 0;
 }
-#endif /* DG_WANT_BF16 */
+#endif /* DG_WANT_EXTRAS */
+
+#if DG_WANT_EXTRAS
+
+/* ---- train forward, channels last (NHWC), dg_bf16 ---- */
+int instancenorm_train_forward_nhwc_bf16(
+    int64_t O, int64_t G, int64_t Cg, int64_t S,
+    const dg_bf16 *restrict x,
+    const dg_bf16 *restrict gamma,
+    const dg_bf16 *restrict beta,
+    double eps,
+    dg_bf16 *restrict y,
+    double *restrict mean_Out,
+    double *restrict var_Out,
+    double *restrict rstd_Out,
+    int Nthreads)
+{
+const int64_t C = G * Cg;
+    const int64_t N_groups = O * G;
+    const int64_t Blocks = 1;   /* blocks of a group: samples */
+    const double N = (double)(Blocks * Cg * S);               /* values per group */
+    const int Nth = Dg_threads(Nthreads);
+    (void)N;
+    (void)Nth;
+    (void)x;
+    (void)gamma;
+    (void)beta;
+    (void)eps;
+
+    DG_PRAGMA(omp parallel num_threads(Nth))
+    {
+int64_t Lo, Hi;
+        Dg_share(N_groups, &Lo, &Hi);             /* the NCHW kernels' split of the groups */
+        for (int64_t B0 = Lo; B0 < Hi;) {
+            const int64_t Oi = B0 / G;   /* the block's sample */
+            const int64_t Gb = B0 % G;   /* its first group */
+            int64_t W = Hi - B0 < DG_NHWC_GROUPS ? Hi - B0 : DG_NHWC_GROUPS;
+            if (Gb + W > G)
+                W = G - Gb;                       /* one sample's groups at a time */
+            (void)Oi;
+
+            double Gv_Sum_mean[DG_NHWC_GROUPS];
+            {
+                double Lane_Sum_mean[DG_LANES][DG_NHWC_GROUPS];
+                memset(Lane_Sum_mean, 0, sizeof Lane_Sum_mean);
+                const int64_t Run = Cg * S;      /* values per run */
+                const int64_t Full = Run - Run % DG_LANES;     /* the rest go to lane 0 */
+                (void)Full;
+                for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
+                    const int64_t Ob = Oi;
+                    for (int64_t Ci = 0; Ci < Cg; ++Ci) {
+                        for (int64_t Si = 0; Si < S; ++Si) {
+                            const int64_t Pos = Ci * S + Si;
+                            const int J = Pos < Full ? (int)(Pos % DG_LANES) : 0;
+                            const int64_t Row = (Ob * S + Si) * C + Ci;
+                            (void)J;
+                            DG_INDEPENDENT
+                            for (int64_t Gi = 0; Gi < W; ++Gi) {
+                                const int64_t Idx = Row + (Gb + Gi) * Cg;
+                                const int64_t Ch = (Gb + Gi) * Cg + Ci;
+                                (void)Idx;
+                                (void)Ch;
+                                const double Xv = (double)Dg_from_bf16(x[Idx]);
+                                Lane_Sum_mean[J][Gi] += Xv;
+                            }
+                        }
+                    }
+                }
+                for (int64_t Gi = 0; Gi < W; ++Gi) {
+                    double Col[DG_LANES];
+                    for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_Sum_mean[Q][Gi];
+                    Gv_Sum_mean[Gi] = Dg_lanes(Col);
+                }
+            }
+            double Gv_mean[DG_NHWC_GROUPS];
+            for (int64_t Gi = 0; Gi < W; ++Gi) {
+                const double Sum_mean = Gv_Sum_mean[Gi];
+                Gv_mean[Gi] = Sum_mean/N;
+            }
+            (void)Gv_mean;   /* mean = mean(x) */
+            double Gv_Sum_var[DG_NHWC_GROUPS];
+            {
+                double Lane_Sum_var[DG_LANES][DG_NHWC_GROUPS];
+                memset(Lane_Sum_var, 0, sizeof Lane_Sum_var);
+                const int64_t Run = Cg * S;      /* values per run */
+                const int64_t Full = Run - Run % DG_LANES;     /* the rest go to lane 0 */
+                (void)Full;
+                for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
+                    const int64_t Ob = Oi;
+                    for (int64_t Ci = 0; Ci < Cg; ++Ci) {
+                        for (int64_t Si = 0; Si < S; ++Si) {
+                            const int64_t Pos = Ci * S + Si;
+                            const int J = Pos < Full ? (int)(Pos % DG_LANES) : 0;
+                            const int64_t Row = (Ob * S + Si) * C + Ci;
+                            (void)J;
+                            DG_INDEPENDENT
+                            for (int64_t Gi = 0; Gi < W; ++Gi) {
+                                const int64_t Idx = Row + (Gb + Gi) * Cg;
+                                const int64_t Ch = (Gb + Gi) * Cg + Ci;
+                                (void)Idx;
+                                (void)Ch;
+                                const double mean = Gv_mean[Gi];
+                                const double Xv = (double)Dg_from_bf16(x[Idx]);
+                                Lane_Sum_var[J][Gi] += ((Xv - mean)*(Xv - mean));
+                            }
+                        }
+                    }
+                }
+                for (int64_t Gi = 0; Gi < W; ++Gi) {
+                    double Col[DG_LANES];
+                    for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_Sum_var[Q][Gi];
+                    Gv_Sum_var[Gi] = Dg_lanes(Col);
+                }
+            }
+            double Gv_var[DG_NHWC_GROUPS];
+            for (int64_t Gi = 0; Gi < W; ++Gi) {
+                const double Sum_var = Gv_Sum_var[Gi];
+                Gv_var[Gi] = Sum_var/N;
+            }
+            (void)Gv_var;   /* var = mean((x - mean)**2) */
+            double Gv_rstd[DG_NHWC_GROUPS];
+            for (int64_t Gi = 0; Gi < W; ++Gi) {
+                const double var = Gv_var[Gi];
+                Gv_rstd[Gi] = 1/sqrt(var + eps);
+            }
+            (void)Gv_rstd;   /* rstd = 1/sqrt(var + eps) */
+            for (int64_t Gi = 0; Gi < W; ++Gi) {
+                mean_Out[B0 + Gi] = Gv_mean[Gi];
+                var_Out[B0 + Gi] = Gv_var[Gi];
+                rstd_Out[B0 + Gi] = Gv_rstd[Gi];
+            }
+            {
+                float Pv_H0_hi[DG_NHWC_GROUPS];
+                float Pv_H0_lo[DG_NHWC_GROUPS];
+                float Pv_rstd_F[DG_NHWC_GROUPS];
+                for (int64_t Gi = 0; Gi < W; ++Gi) {
+                    const double mean = Gv_mean[Gi];
+                    const double rstd = Gv_rstd[Gi];
+                    const double H0 = -mean;
+                    const float H0_hi = (float)H0;
+                    Pv_H0_hi[Gi] = H0_hi;
+                    const float H0_lo = (float)(H0 - (double)H0_hi);
+                    Pv_H0_lo[Gi] = H0_lo;
+                    const float rstd_F = (float)rstd;
+                    Pv_rstd_F[Gi] = rstd_F;
+                }
+                const int64_t Run = S;      /* values per run */
+                const int64_t Full = Run - Run % DG_LANES;     /* the rest go to lane 0 */
+                (void)Full;
+                for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
+                    const int64_t Ob = Oi;
+                    for (int64_t Ci = 0; Ci < Cg; ++Ci) {
+                        for (int64_t Si = 0; Si < S; ++Si) {
+                            const int64_t Pos = Si;
+                            const int J = Pos < Full ? (int)(Pos % DG_LANES) : 0;
+                            const int64_t Row = (Ob * S + Si) * C + Ci;
+                            (void)J;
+                            DG_INDEPENDENT
+                            for (int64_t Gi = 0; Gi < W; ++Gi) {
+                                const int64_t Idx = Row + (Gb + Gi) * Cg;
+                                const int64_t Ch = (Gb + Gi) * Cg + Ci;
+                                (void)Idx;
+                                (void)Ch;
+                                const float H0_hi = Pv_H0_hi[Gi];
+                                const float H0_lo = Pv_H0_lo[Gi];
+                                const float rstd_F = Pv_rstd_F[Gi];
+                                const float gamma_V = Dg_from_bf16(gamma[Ch]);
+                                const float beta_V = Dg_from_bf16(beta[Ch]);
+                                const float Xv = Dg_from_bf16(x[Idx]);
+                                const float xhat = rstd_F*((Xv + H0_hi + H0_lo));
+                                y[Idx] = Dg_to_bf16((float)(gamma_V*xhat + beta_V));
+                            }
+                        }
+                    }
+                }
+            }
+            B0 += W;
+        }
+    }
+    return 0;
+}
+
+/* ---- train backward, channels last (NHWC), dg_bf16 ---- */
+int instancenorm_train_backward_nhwc_bf16(
+    int64_t O, int64_t G, int64_t Cg, int64_t S,
+    const dg_bf16 *restrict x,
+    const dg_bf16 *restrict dy,
+    const dg_bf16 *restrict gamma,
+    const dg_bf16 *restrict beta,
+    double eps,
+    const double *restrict mean_In,
+    const double *restrict var_In,
+    const double *restrict rstd_In,
+    dg_bf16 *restrict dx,
+    dg_bf16 *restrict dgamma,
+    dg_bf16 *restrict dbeta,
+    int Nthreads)
+{
+const int64_t C = G * Cg;
+    const int64_t N_groups = O * G;
+    const int64_t Blocks = 1;   /* blocks of a group: samples */
+    const double N = (double)(Blocks * Cg * S);               /* values per group */
+    const int Nth = Dg_threads(Nthreads);
+    (void)N;
+    (void)Nth;
+    (void)x;
+    (void)gamma;
+    (void)beta;
+    (void)eps;
+
+    const int64_t P = 2;      /* parameters */
+    (void)dy;
+    /* per-thread partial sums of the parameter gradients, reduced once at the end */
+    double *Part = (double *)calloc((size_t)(Nth * P * C) + 1, sizeof(double));
+    if (Part == NULL)
+        return -1;
+    DG_PRAGMA(omp parallel num_threads(Nth))
+    {
+        double *restrict Mine = Part + (int64_t)Dg_thread_id() * P * C;
+        (void)Mine;
+int64_t Lo, Hi;
+        Dg_share(N_groups, &Lo, &Hi);             /* the NCHW kernels' split of the groups */
+        for (int64_t B0 = Lo; B0 < Hi;) {
+            const int64_t Oi = B0 / G;   /* the block's sample */
+            const int64_t Gb = B0 % G;   /* its first group */
+            int64_t W = Hi - B0 < DG_NHWC_GROUPS ? Hi - B0 : DG_NHWC_GROUPS;
+            if (Gb + W > G)
+                W = G - Gb;                       /* one sample's groups at a time */
+            (void)Oi;
+
+            double Gv_mean[DG_NHWC_GROUPS];
+            for (int64_t Gi = 0; Gi < W; ++Gi)
+                Gv_mean[Gi] = mean_In[B0 + Gi];
+            (void)Gv_mean;
+            double Gv_var[DG_NHWC_GROUPS];
+            for (int64_t Gi = 0; Gi < W; ++Gi)
+                Gv_var[Gi] = var_In[B0 + Gi];
+            (void)Gv_var;
+            double Gv_rstd[DG_NHWC_GROUPS];
+            for (int64_t Gi = 0; Gi < W; ++Gi)
+                Gv_rstd[Gi] = rstd_In[B0 + Gi];
+            (void)Gv_rstd;
+            double Gv_Sum_g[DG_NHWC_GROUPS];
+            double Gv_Sum_g_xhat[DG_NHWC_GROUPS];
+            {
+                float Pv_H0_hi[DG_NHWC_GROUPS];
+                float Pv_H0_lo[DG_NHWC_GROUPS];
+                float Pv_rstd_F[DG_NHWC_GROUPS];
+                for (int64_t Gi = 0; Gi < W; ++Gi) {
+                    const double mean = Gv_mean[Gi];
+                    const double rstd = Gv_rstd[Gi];
+                    const double H0 = -mean;
+                    const float H0_hi = (float)H0;
+                    Pv_H0_hi[Gi] = H0_hi;
+                    const float H0_lo = (float)(H0 - (double)H0_hi);
+                    Pv_H0_lo[Gi] = H0_lo;
+                    const float rstd_F = (float)rstd;
+                    Pv_rstd_F[Gi] = rstd_F;
+                }
+                double Lane_Sum_g[DG_LANES][DG_NHWC_GROUPS];
+                memset(Lane_Sum_g, 0, sizeof Lane_Sum_g);
+                double Lane_Sum_g_xhat[DG_LANES][DG_NHWC_GROUPS];
+                memset(Lane_Sum_g_xhat, 0, sizeof Lane_Sum_g_xhat);
+                const int64_t Run = S;      /* values per run */
+                const int64_t Full = Run - Run % DG_LANES;     /* the rest go to lane 0 */
+                (void)Full;
+                for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
+                    const int64_t Ob = Oi;
+                    for (int64_t Ci = 0; Ci < Cg; ++Ci) {
+                        for (int64_t Si = 0; Si < S; ++Si) {
+                            const int64_t Pos = Si;
+                            const int J = Pos < Full ? (int)(Pos % DG_LANES) : 0;
+                            const int64_t Row = (Ob * S + Si) * C + Ci;
+                            (void)J;
+                            DG_INDEPENDENT
+                            for (int64_t Gi = 0; Gi < W; ++Gi) {
+                                const int64_t Idx = Row + (Gb + Gi) * Cg;
+                                const int64_t Ch = (Gb + Gi) * Cg + Ci;
+                                (void)Idx;
+                                (void)Ch;
+                                const float H0_hi = Pv_H0_hi[Gi];
+                                const float H0_lo = Pv_H0_lo[Gi];
+                                const float rstd_F = Pv_rstd_F[Gi];
+                                const float gamma_V = Dg_from_bf16(gamma[Ch]);
+                                const float Xv = Dg_from_bf16(x[Idx]);
+                                const float Dyv = Dg_from_bf16(dy[Idx]);
+                                const float xhat = rstd_F*((Xv + H0_hi + H0_lo));
+                                const float g = Dyv*gamma_V;
+                                Lane_Sum_g[J][Gi] += ((double)g);
+                                Lane_Sum_g_xhat[J][Gi] += ((double)g)*((double)xhat);
+                            }
+                        }
+                    }
+                }
+                for (int64_t Gi = 0; Gi < W; ++Gi) {
+                    double Col[DG_LANES];
+                    for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_Sum_g[Q][Gi];
+                    Gv_Sum_g[Gi] = Dg_lanes(Col);
+                }
+                for (int64_t Gi = 0; Gi < W; ++Gi) {
+                    double Col[DG_LANES];
+                    for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_Sum_g_xhat[Q][Gi];
+                    Gv_Sum_g_xhat[Gi] = Dg_lanes(Col);
+                }
+            }
+            double Gv_Mean_g[DG_NHWC_GROUPS];
+            for (int64_t Gi = 0; Gi < W; ++Gi) {
+                const double Sum_g = Gv_Sum_g[Gi];
+                Gv_Mean_g[Gi] = Sum_g/N;
+            }
+            (void)Gv_Mean_g;   /* Mean_g = mean(g) */
+            double Gv_Mean_g_xhat[DG_NHWC_GROUPS];
+            for (int64_t Gi = 0; Gi < W; ++Gi) {
+                const double Sum_g_xhat = Gv_Sum_g_xhat[Gi];
+                Gv_Mean_g_xhat[Gi] = Sum_g_xhat/N;
+            }
+            (void)Gv_Mean_g_xhat;   /* Mean_g_xhat = mean(g*xhat) */
+            {
+                float Pv_H0_hi[DG_NHWC_GROUPS];
+                float Pv_H0_lo[DG_NHWC_GROUPS];
+                float Pv_H1_hi[DG_NHWC_GROUPS];
+                float Pv_H1_lo[DG_NHWC_GROUPS];
+                float Pv_Mean_g_xhat_F[DG_NHWC_GROUPS];
+                float Pv_rstd_F[DG_NHWC_GROUPS];
+                for (int64_t Gi = 0; Gi < W; ++Gi) {
+                    const double mean = Gv_mean[Gi];
+                    const double rstd = Gv_rstd[Gi];
+                    const double Mean_g = Gv_Mean_g[Gi];
+                    const double Mean_g_xhat = Gv_Mean_g_xhat[Gi];
+                    const double H0 = -mean;
+                    const float H0_hi = (float)H0;
+                    Pv_H0_hi[Gi] = H0_hi;
+                    const float H0_lo = (float)(H0 - (double)H0_hi);
+                    Pv_H0_lo[Gi] = H0_lo;
+                    const double H1 = -Mean_g;
+                    const float H1_hi = (float)H1;
+                    Pv_H1_hi[Gi] = H1_hi;
+                    const float H1_lo = (float)(H1 - (double)H1_hi);
+                    Pv_H1_lo[Gi] = H1_lo;
+                    const float Mean_g_xhat_F = (float)Mean_g_xhat;
+                    Pv_Mean_g_xhat_F[Gi] = Mean_g_xhat_F;
+                    const float rstd_F = (float)rstd;
+                    Pv_rstd_F[Gi] = rstd_F;
+                }
+                const int64_t Run = S;      /* values per run */
+                const int64_t Full = Run - Run % DG_LANES;     /* the rest go to lane 0 */
+                (void)Full;
+                for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
+                    const int64_t Ob = Oi;
+                    for (int64_t Ci = 0; Ci < Cg; ++Ci) {
+                        double Lane_p0[DG_LANES][DG_NHWC_GROUPS];
+                        memset(Lane_p0, 0, sizeof Lane_p0);
+                        double Lane_p1[DG_LANES][DG_NHWC_GROUPS];
+                        memset(Lane_p1, 0, sizeof Lane_p1);
+                        for (int64_t Si = 0; Si < S; ++Si) {
+                            const int64_t Pos = Si;
+                            const int J = Pos < Full ? (int)(Pos % DG_LANES) : 0;
+                            const int64_t Row = (Ob * S + Si) * C + Ci;
+                            (void)J;
+                            DG_INDEPENDENT
+                            for (int64_t Gi = 0; Gi < W; ++Gi) {
+                                const int64_t Idx = Row + (Gb + Gi) * Cg;
+                                const int64_t Ch = (Gb + Gi) * Cg + Ci;
+                                (void)Idx;
+                                (void)Ch;
+                                const float H0_hi = Pv_H0_hi[Gi];
+                                const float H0_lo = Pv_H0_lo[Gi];
+                                const float H1_hi = Pv_H1_hi[Gi];
+                                const float H1_lo = Pv_H1_lo[Gi];
+                                const float Mean_g_xhat_F = Pv_Mean_g_xhat_F[Gi];
+                                const float rstd_F = Pv_rstd_F[Gi];
+                                const float gamma_V = Dg_from_bf16(gamma[Ch]);
+                                const float Xv = Dg_from_bf16(x[Idx]);
+                                const float Dyv = Dg_from_bf16(dy[Idx]);
+                                const float xhat = rstd_F*((Xv + H0_hi + H0_lo));
+                                const float g = Dyv*gamma_V;
+                                dx[Idx] = Dg_to_bf16((float)(rstd_F*((g - Mean_g_xhat_F*xhat + H1_hi + H1_lo))));
+                                Lane_p0[J][Gi] += ((double)Dyv)*((double)xhat);
+                                Lane_p1[J][Gi] += ((double)Dyv);
+                            }
+                        }
+                        for (int64_t Gi = 0; Gi < W; ++Gi) {
+                            double Col[DG_LANES];
+                            for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_p0[Q][Gi];
+                            Mine[0 * C + (Gb + Gi) * Cg + Ci] += Dg_lanes(Col);
+                        }
+                        for (int64_t Gi = 0; Gi < W; ++Gi) {
+                            double Col[DG_LANES];
+                            for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_p1[Q][Gi];
+                            Mine[1 * C + (Gb + Gi) * Cg + Ci] += Dg_lanes(Col);
+                        }
+                    }
+                }
+            }
+            B0 += W;
+        }
+    }
+    for (int64_t Cc = 0; Cc < C; ++Cc) {       /* dgamma */
+        double Acc = 0.0;
+        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * P * C + 0 * C + Cc];
+        dgamma[Cc] = Dg_to_bf16((float)(Acc));
+    }
+    for (int64_t Cc = 0; Cc < C; ++Cc) {       /* dbeta */
+        double Acc = 0.0;
+        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * P * C + 1 * C + Cc];
+        dbeta[Cc] = Dg_to_bf16((float)(Acc));
+    }
+    free(Part);
+    return 0;
+}
+#endif /* DG_WANT_EXTRAS */

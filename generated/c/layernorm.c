@@ -26,16 +26,17 @@
 #include "layernorm.h"
 #include "derivgen-kernels.h"
 
-/* Which kernels this build compiles: float and double by default; -DDG_WITH_BF16 adds the
- * bfloat16 ones, -DDG_BF16_ONLY compiles only those (derivgen.torch builds that second
- * library the first time it meets a bfloat16 tensor, so loading a layer compiles no more
- * than NumPy callers use). */
-#if defined(DG_BF16_ONLY) || defined(DG_WITH_BF16)
-#define DG_WANT_BF16 1
+/* Which kernels this build compiles: float and double in the NCHW layout by default;
+ * -DDG_WITH_EXTRAS adds the "extras" (the bfloat16 kernels, and the channels-last ones of
+ * a channel layout), -DDG_EXTRAS_ONLY compiles only those: derivgen.torch builds that
+ * second library the first time it meets a bfloat16 or channels-last tensor, so loading
+ * a layer compiles no more than NumPy callers use. */
+#if defined(DG_EXTRAS_ONLY) || defined(DG_WITH_EXTRAS)
+#define DG_WANT_EXTRAS 1
 #else
-#define DG_WANT_BF16 0
+#define DG_WANT_EXTRAS 0
 #endif
-#if defined(DG_BF16_ONLY)
+#if defined(DG_EXTRAS_ONLY)
 #define DG_WANT_FLOAT 0
 #else
 #define DG_WANT_FLOAT 1
@@ -86,8 +87,9 @@ int layernorm_train_forward_f32(
     {
         const int y_Stream = Dg_stream_on(Total, (int64_t)sizeof(float));
         (void)y_Stream;
-        DG_PRAGMA(omp for schedule(static))
-        for (int64_t Grp = 0; Grp < N_groups; ++Grp) {
+        int64_t Lo, Hi;
+        Dg_share(N_groups, &Lo, &Hi);              /* this thread's groups (as schedule(static)) */
+        for (int64_t Grp = Lo; Grp < Hi; ++Grp) {
             const int64_t Gi = G == 1 ? 0 : Grp % G;     /* channel group */
             (void)Gi;
             const int64_t Base = Grp * M;
@@ -282,8 +284,9 @@ int layernorm_train_backward_f32(
         (void)Pending;
         (void)Pend_lo;
         (void)Pend_hi;
-        DG_PRAGMA(omp for schedule(static))
-        for (int64_t Grp = 0; Grp < N_groups; ++Grp) {
+        int64_t Lo, Hi;
+        Dg_share(N_groups, &Lo, &Hi);              /* this thread's groups (as schedule(static)) */
+        for (int64_t Grp = Lo; Grp < Hi; ++Grp) {
             const int64_t Gi = G == 1 ? 0 : Grp % G;     /* channel group */
             (void)Gi;
             const int64_t Base = Grp * M;
@@ -492,8 +495,9 @@ int layernorm_train_forward_f64(
     {
         const int y_Stream = Dg_stream_on(Total, (int64_t)sizeof(double));
         (void)y_Stream;
-        DG_PRAGMA(omp for schedule(static))
-        for (int64_t Grp = 0; Grp < N_groups; ++Grp) {
+        int64_t Lo, Hi;
+        Dg_share(N_groups, &Lo, &Hi);              /* this thread's groups (as schedule(static)) */
+        for (int64_t Grp = Lo; Grp < Hi; ++Grp) {
             const int64_t Gi = G == 1 ? 0 : Grp % G;     /* channel group */
             (void)Gi;
             const int64_t Base = Grp * M;
@@ -684,8 +688,9 @@ int layernorm_train_backward_f64(
         (void)Pending;
         (void)Pend_lo;
         (void)Pend_hi;
-        DG_PRAGMA(omp for schedule(static))
-        for (int64_t Grp = 0; Grp < N_groups; ++Grp) {
+        int64_t Lo, Hi;
+        Dg_share(N_groups, &Lo, &Hi);              /* this thread's groups (as schedule(static)) */
+        for (int64_t Grp = Lo; Grp < Hi; ++Grp) {
             const int64_t Gi = G == 1 ? 0 : Grp % G;     /* channel group */
             (void)Gi;
             const int64_t Base = Grp * M;
@@ -849,7 +854,7 @@ int layernorm_train_backward_f64(
 }
 #endif /* DG_WANT_FLOAT */
 
-#if DG_WANT_BF16
+#if DG_WANT_EXTRAS
 
 /* ---- train forward, dg_bf16 ---- */
 int layernorm_train_forward_bf16(
@@ -885,8 +890,9 @@ int layernorm_train_forward_bf16(
     {
         const int y_Stream = 0;   /* bfloat16 outputs are written in place */
         (void)y_Stream;
-        DG_PRAGMA(omp for schedule(static))
-        for (int64_t Grp = 0; Grp < N_groups; ++Grp) {
+        int64_t Lo, Hi;
+        Dg_share(N_groups, &Lo, &Hi);              /* this thread's groups (as schedule(static)) */
+        for (int64_t Grp = Lo; Grp < Hi; ++Grp) {
             const int64_t Gi = G == 1 ? 0 : Grp % G;     /* channel group */
             (void)Gi;
             const int64_t Base = Grp * M;
@@ -1081,8 +1087,9 @@ int layernorm_train_backward_bf16(
         (void)Pending;
         (void)Pend_lo;
         (void)Pend_hi;
-        DG_PRAGMA(omp for schedule(static))
-        for (int64_t Grp = 0; Grp < N_groups; ++Grp) {
+        int64_t Lo, Hi;
+        Dg_share(N_groups, &Lo, &Hi);              /* this thread's groups (as schedule(static)) */
+        for (int64_t Grp = Lo; Grp < Hi; ++Grp) {
             const int64_t Gi = G == 1 ? 0 : Grp % G;     /* channel group */
             (void)Gi;
             const int64_t Base = Grp * M;
@@ -1253,4 +1260,4 @@ int layernorm_train_backward_bf16(
     free(Part);
     return 0;
 }
-#endif /* DG_WANT_BF16 */
+#endif /* DG_WANT_EXTRAS */
