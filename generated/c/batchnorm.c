@@ -686,8 +686,8 @@ int64_t Lo, Hi;
                             (void)J;
                             DG_INDEPENDENT
                             for (int64_t Gi = 0; Gi < W; ++Gi) {
-                                const int64_t Idx = Row + (Gb + Gi) * Cg;
-                                const int64_t Ch = (Gb + Gi) * Cg + Ci;
+                                const int64_t Idx = Row + Gb + Gi;     /* one channel per group (Cg == 1): contiguous */
+                                const int64_t Ch = Gb + Gi;
                                 (void)Idx;
                                 (void)Ch;
                                 const double Xv = (double)x[Idx];
@@ -725,8 +725,8 @@ int64_t Lo, Hi;
                             (void)J;
                             DG_INDEPENDENT
                             for (int64_t Gi = 0; Gi < W; ++Gi) {
-                                const int64_t Idx = Row + (Gb + Gi) * Cg;
-                                const int64_t Ch = (Gb + Gi) * Cg + Ci;
+                                const int64_t Idx = Row + Gb + Gi;     /* one channel per group (Cg == 1): contiguous */
+                                const int64_t Ch = Gb + Gi;
                                 (void)Idx;
                                 (void)Ch;
                                 const double mean = Gv_mean[Gi];
@@ -797,8 +797,8 @@ int64_t Lo, Hi;
                             (void)J;
                             DG_INDEPENDENT
                             for (int64_t Gi = 0; Gi < W; ++Gi) {
-                                const int64_t Idx = Row + (Gb + Gi) * Cg;
-                                const int64_t Ch = (Gb + Gi) * Cg + Ci;
+                                const int64_t Idx = Row + Gb + Gi;     /* one channel per group (Cg == 1): contiguous */
+                                const int64_t Ch = Gb + Gi;
                                 (void)Idx;
                                 (void)Ch;
                                 const float H0_hi = Pv_H0_hi[Gi];
@@ -916,8 +916,8 @@ int64_t Lo, Hi;
                             (void)J;
                             DG_INDEPENDENT
                             for (int64_t Gi = 0; Gi < W; ++Gi) {
-                                const int64_t Idx = Row + (Gb + Gi) * Cg;
-                                const int64_t Ch = (Gb + Gi) * Cg + Ci;
+                                const int64_t Idx = Row + Gb + Gi;     /* one channel per group (Cg == 1): contiguous */
+                                const int64_t Ch = Gb + Gi;
                                 (void)Idx;
                                 (void)Ch;
                                 const float H0_hi = Pv_H0_hi[Gi];
@@ -1001,8 +1001,8 @@ int64_t Lo, Hi;
                             (void)J;
                             DG_INDEPENDENT
                             for (int64_t Gi = 0; Gi < W; ++Gi) {
-                                const int64_t Idx = Row + (Gb + Gi) * Cg;
-                                const int64_t Ch = (Gb + Gi) * Cg + Ci;
+                                const int64_t Idx = Row + Gb + Gi;     /* one channel per group (Cg == 1): contiguous */
+                                const int64_t Ch = Gb + Gi;
                                 (void)Idx;
                                 (void)Ch;
                                 const float H0_hi = Pv_H0_hi[Gi];
@@ -1658,8 +1658,8 @@ int64_t Lo, Hi;
                             (void)J;
                             DG_INDEPENDENT
                             for (int64_t Gi = 0; Gi < W; ++Gi) {
-                                const int64_t Idx = Row + (Gb + Gi) * Cg;
-                                const int64_t Ch = (Gb + Gi) * Cg + Ci;
+                                const int64_t Idx = Row + Gb + Gi;     /* one channel per group (Cg == 1): contiguous */
+                                const int64_t Ch = Gb + Gi;
                                 (void)Idx;
                                 (void)Ch;
                                 const double Xv = x[Idx];
@@ -1697,8 +1697,8 @@ int64_t Lo, Hi;
                             (void)J;
                             DG_INDEPENDENT
                             for (int64_t Gi = 0; Gi < W; ++Gi) {
-                                const int64_t Idx = Row + (Gb + Gi) * Cg;
-                                const int64_t Ch = (Gb + Gi) * Cg + Ci;
+                                const int64_t Idx = Row + Gb + Gi;     /* one channel per group (Cg == 1): contiguous */
+                                const int64_t Ch = Gb + Gi;
                                 (void)Idx;
                                 (void)Ch;
                                 const double mean = Gv_mean[Gi];
@@ -1755,8 +1755,8 @@ int64_t Lo, Hi;
                             (void)J;
                             DG_INDEPENDENT
                             for (int64_t Gi = 0; Gi < W; ++Gi) {
-                                const int64_t Idx = Row + (Gb + Gi) * Cg;
-                                const int64_t Ch = (Gb + Gi) * Cg + Ci;
+                                const int64_t Idx = Row + Gb + Gi;     /* one channel per group (Cg == 1): contiguous */
+                                const int64_t Ch = Gb + Gi;
                                 (void)Idx;
                                 (void)Ch;
                                 const double mean = Gv_mean[Gi];
@@ -1859,8 +1859,8 @@ int64_t Lo, Hi;
                             (void)J;
                             DG_INDEPENDENT
                             for (int64_t Gi = 0; Gi < W; ++Gi) {
-                                const int64_t Idx = Row + (Gb + Gi) * Cg;
-                                const int64_t Ch = (Gb + Gi) * Cg + Ci;
+                                const int64_t Idx = Row + Gb + Gi;     /* one channel per group (Cg == 1): contiguous */
+                                const int64_t Ch = Gb + Gi;
                                 (void)Idx;
                                 (void)Ch;
                                 const double mean = Gv_mean[Gi];
@@ -1937,8 +1937,8 @@ int64_t Lo, Hi;
                             (void)J;
                             DG_INDEPENDENT
                             for (int64_t Gi = 0; Gi < W; ++Gi) {
-                                const int64_t Idx = Row + (Gb + Gi) * Cg;
-                                const int64_t Ch = (Gb + Gi) * Cg + Ci;
+                                const int64_t Idx = Row + Gb + Gi;     /* one channel per group (Cg == 1): contiguous */
+                                const int64_t Ch = Gb + Gi;
                                 (void)Idx;
                                 (void)Ch;
                                 const double mean = Gv_mean[Gi];
@@ -2606,8 +2606,8 @@ int64_t Lo, Hi;
                             (void)J;
                             DG_INDEPENDENT
                             for (int64_t Gi = 0; Gi < W; ++Gi) {
-                                const int64_t Idx = Row + (Gb + Gi) * Cg;
-                                const int64_t Ch = (Gb + Gi) * Cg + Ci;
+                                const int64_t Idx = Row + Gb + Gi;     /* one channel per group (Cg == 1): contiguous */
+                                const int64_t Ch = Gb + Gi;
                                 (void)Idx;
                                 (void)Ch;
                                 const double Xv = (double)Dg_from_bf16(x[Idx]);
@@ -2645,8 +2645,8 @@ int64_t Lo, Hi;
                             (void)J;
                             DG_INDEPENDENT
                             for (int64_t Gi = 0; Gi < W; ++Gi) {
-                                const int64_t Idx = Row + (Gb + Gi) * Cg;
-                                const int64_t Ch = (Gb + Gi) * Cg + Ci;
+                                const int64_t Idx = Row + Gb + Gi;     /* one channel per group (Cg == 1): contiguous */
+                                const int64_t Ch = Gb + Gi;
                                 (void)Idx;
                                 (void)Ch;
                                 const double mean = Gv_mean[Gi];
@@ -2717,8 +2717,8 @@ int64_t Lo, Hi;
                             (void)J;
                             DG_INDEPENDENT
                             for (int64_t Gi = 0; Gi < W; ++Gi) {
-                                const int64_t Idx = Row + (Gb + Gi) * Cg;
-                                const int64_t Ch = (Gb + Gi) * Cg + Ci;
+                                const int64_t Idx = Row + Gb + Gi;     /* one channel per group (Cg == 1): contiguous */
+                                const int64_t Ch = Gb + Gi;
                                 (void)Idx;
                                 (void)Ch;
                                 const float H0_hi = Pv_H0_hi[Gi];
@@ -2836,8 +2836,8 @@ int64_t Lo, Hi;
                             (void)J;
                             DG_INDEPENDENT
                             for (int64_t Gi = 0; Gi < W; ++Gi) {
-                                const int64_t Idx = Row + (Gb + Gi) * Cg;
-                                const int64_t Ch = (Gb + Gi) * Cg + Ci;
+                                const int64_t Idx = Row + Gb + Gi;     /* one channel per group (Cg == 1): contiguous */
+                                const int64_t Ch = Gb + Gi;
                                 (void)Idx;
                                 (void)Ch;
                                 const float H0_hi = Pv_H0_hi[Gi];
@@ -2921,8 +2921,8 @@ int64_t Lo, Hi;
                             (void)J;
                             DG_INDEPENDENT
                             for (int64_t Gi = 0; Gi < W; ++Gi) {
-                                const int64_t Idx = Row + (Gb + Gi) * Cg;
-                                const int64_t Ch = (Gb + Gi) * Cg + Ci;
+                                const int64_t Idx = Row + Gb + Gi;     /* one channel per group (Cg == 1): contiguous */
+                                const int64_t Ch = Gb + Gi;
                                 (void)Idx;
                                 (void)Ch;
                                 const float H0_hi = Pv_H0_hi[Gi];
@@ -3485,8 +3485,8 @@ int64_t Lo, Hi;
                             (void)J;
                             DG_INDEPENDENT
                             for (int64_t Gi = 0; Gi < W; ++Gi) {
-                                const int64_t Idx = Row + (Gb + Gi) * Cg;
-                                const int64_t Ch = (Gb + Gi) * Cg + Ci;
+                                const int64_t Idx = Row + Gb + Gi;     /* one channel per group (Cg == 1): contiguous */
+                                const int64_t Ch = Gb + Gi;
                                 (void)Idx;
                                 (void)Ch;
                                 const float H0_hi = Pv_H0_hi[Gi];
@@ -3602,8 +3602,8 @@ int64_t Lo, Hi;
                             (void)J;
                             DG_INDEPENDENT
                             for (int64_t Gi = 0; Gi < W; ++Gi) {
-                                const int64_t Idx = Row + (Gb + Gi) * Cg;
-                                const int64_t Ch = (Gb + Gi) * Cg + Ci;
+                                const int64_t Idx = Row + Gb + Gi;     /* one channel per group (Cg == 1): contiguous */
+                                const int64_t Ch = Gb + Gi;
                                 (void)Idx;
                                 (void)Ch;
                                 const float H0_hi = Pv_H0_hi[Gi];
@@ -4142,8 +4142,8 @@ int64_t Lo, Hi;
                             (void)J;
                             DG_INDEPENDENT
                             for (int64_t Gi = 0; Gi < W; ++Gi) {
-                                const int64_t Idx = Row + (Gb + Gi) * Cg;
-                                const int64_t Ch = (Gb + Gi) * Cg + Ci;
+                                const int64_t Idx = Row + Gb + Gi;     /* one channel per group (Cg == 1): contiguous */
+                                const int64_t Ch = Gb + Gi;
                                 (void)Idx;
                                 (void)Ch;
                                 const double mean = Gv_mean[Gi];
@@ -4250,8 +4250,8 @@ int64_t Lo, Hi;
                             (void)J;
                             DG_INDEPENDENT
                             for (int64_t Gi = 0; Gi < W; ++Gi) {
-                                const int64_t Idx = Row + (Gb + Gi) * Cg;
-                                const int64_t Ch = (Gb + Gi) * Cg + Ci;
+                                const int64_t Idx = Row + Gb + Gi;     /* one channel per group (Cg == 1): contiguous */
+                                const int64_t Ch = Gb + Gi;
                                 (void)Idx;
                                 (void)Ch;
                                 const double mean = Gv_mean[Gi];
@@ -4811,8 +4811,8 @@ int64_t Lo, Hi;
                             (void)J;
                             DG_INDEPENDENT
                             for (int64_t Gi = 0; Gi < W; ++Gi) {
-                                const int64_t Idx = Row + (Gb + Gi) * Cg;
-                                const int64_t Ch = (Gb + Gi) * Cg + Ci;
+                                const int64_t Idx = Row + Gb + Gi;     /* one channel per group (Cg == 1): contiguous */
+                                const int64_t Ch = Gb + Gi;
                                 (void)Idx;
                                 (void)Ch;
                                 const float H0_hi = Pv_H0_hi[Gi];
@@ -4928,8 +4928,8 @@ int64_t Lo, Hi;
                             (void)J;
                             DG_INDEPENDENT
                             for (int64_t Gi = 0; Gi < W; ++Gi) {
-                                const int64_t Idx = Row + (Gb + Gi) * Cg;
-                                const int64_t Ch = (Gb + Gi) * Cg + Ci;
+                                const int64_t Idx = Row + Gb + Gi;     /* one channel per group (Cg == 1): contiguous */
+                                const int64_t Ch = Gb + Gi;
                                 (void)Idx;
                                 (void)Ch;
                                 const float H0_hi = Pv_H0_hi[Gi];

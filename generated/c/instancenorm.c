@@ -644,8 +644,8 @@ int64_t Lo, Hi;
                             (void)J;
                             DG_INDEPENDENT
                             for (int64_t Gi = 0; Gi < W; ++Gi) {
-                                const int64_t Idx = Row + (Gb + Gi) * Cg;
-                                const int64_t Ch = (Gb + Gi) * Cg + Ci;
+                                const int64_t Idx = Row + Gb + Gi;     /* one channel per group (Cg == 1): contiguous */
+                                const int64_t Ch = Gb + Gi;
                                 (void)Idx;
                                 (void)Ch;
                                 const double Xv = (double)x[Idx];
@@ -683,8 +683,8 @@ int64_t Lo, Hi;
                             (void)J;
                             DG_INDEPENDENT
                             for (int64_t Gi = 0; Gi < W; ++Gi) {
-                                const int64_t Idx = Row + (Gb + Gi) * Cg;
-                                const int64_t Ch = (Gb + Gi) * Cg + Ci;
+                                const int64_t Idx = Row + Gb + Gi;     /* one channel per group (Cg == 1): contiguous */
+                                const int64_t Ch = Gb + Gi;
                                 (void)Idx;
                                 (void)Ch;
                                 const double mean = Gv_mean[Gi];
@@ -745,8 +745,8 @@ int64_t Lo, Hi;
                             (void)J;
                             DG_INDEPENDENT
                             for (int64_t Gi = 0; Gi < W; ++Gi) {
-                                const int64_t Idx = Row + (Gb + Gi) * Cg;
-                                const int64_t Ch = (Gb + Gi) * Cg + Ci;
+                                const int64_t Idx = Row + Gb + Gi;     /* one channel per group (Cg == 1): contiguous */
+                                const int64_t Ch = Gb + Gi;
                                 (void)Idx;
                                 (void)Ch;
                                 const float H0_hi = Pv_H0_hi[Gi];
@@ -862,8 +862,8 @@ int64_t Lo, Hi;
                             (void)J;
                             DG_INDEPENDENT
                             for (int64_t Gi = 0; Gi < W; ++Gi) {
-                                const int64_t Idx = Row + (Gb + Gi) * Cg;
-                                const int64_t Ch = (Gb + Gi) * Cg + Ci;
+                                const int64_t Idx = Row + Gb + Gi;     /* one channel per group (Cg == 1): contiguous */
+                                const int64_t Ch = Gb + Gi;
                                 (void)Idx;
                                 (void)Ch;
                                 const float H0_hi = Pv_H0_hi[Gi];
@@ -947,8 +947,8 @@ int64_t Lo, Hi;
                             (void)J;
                             DG_INDEPENDENT
                             for (int64_t Gi = 0; Gi < W; ++Gi) {
-                                const int64_t Idx = Row + (Gb + Gi) * Cg;
-                                const int64_t Ch = (Gb + Gi) * Cg + Ci;
+                                const int64_t Idx = Row + Gb + Gi;     /* one channel per group (Cg == 1): contiguous */
+                                const int64_t Ch = Gb + Gi;
                                 (void)Idx;
                                 (void)Ch;
                                 const float H0_hi = Pv_H0_hi[Gi];
@@ -1578,8 +1578,8 @@ int64_t Lo, Hi;
                             (void)J;
                             DG_INDEPENDENT
                             for (int64_t Gi = 0; Gi < W; ++Gi) {
-                                const int64_t Idx = Row + (Gb + Gi) * Cg;
-                                const int64_t Ch = (Gb + Gi) * Cg + Ci;
+                                const int64_t Idx = Row + Gb + Gi;     /* one channel per group (Cg == 1): contiguous */
+                                const int64_t Ch = Gb + Gi;
                                 (void)Idx;
                                 (void)Ch;
                                 const double Xv = x[Idx];
@@ -1617,8 +1617,8 @@ int64_t Lo, Hi;
                             (void)J;
                             DG_INDEPENDENT
                             for (int64_t Gi = 0; Gi < W; ++Gi) {
-                                const int64_t Idx = Row + (Gb + Gi) * Cg;
-                                const int64_t Ch = (Gb + Gi) * Cg + Ci;
+                                const int64_t Idx = Row + Gb + Gi;     /* one channel per group (Cg == 1): contiguous */
+                                const int64_t Ch = Gb + Gi;
                                 (void)Idx;
                                 (void)Ch;
                                 const double mean = Gv_mean[Gi];
@@ -1665,8 +1665,8 @@ int64_t Lo, Hi;
                             (void)J;
                             DG_INDEPENDENT
                             for (int64_t Gi = 0; Gi < W; ++Gi) {
-                                const int64_t Idx = Row + (Gb + Gi) * Cg;
-                                const int64_t Ch = (Gb + Gi) * Cg + Ci;
+                                const int64_t Idx = Row + Gb + Gi;     /* one channel per group (Cg == 1): contiguous */
+                                const int64_t Ch = Gb + Gi;
                                 (void)Idx;
                                 (void)Ch;
                                 const double mean = Gv_mean[Gi];
@@ -1767,8 +1767,8 @@ int64_t Lo, Hi;
                             (void)J;
                             DG_INDEPENDENT
                             for (int64_t Gi = 0; Gi < W; ++Gi) {
-                                const int64_t Idx = Row + (Gb + Gi) * Cg;
-                                const int64_t Ch = (Gb + Gi) * Cg + Ci;
+                                const int64_t Idx = Row + Gb + Gi;     /* one channel per group (Cg == 1): contiguous */
+                                const int64_t Ch = Gb + Gi;
                                 (void)Idx;
                                 (void)Ch;
                                 const double mean = Gv_mean[Gi];
@@ -1845,8 +1845,8 @@ int64_t Lo, Hi;
                             (void)J;
                             DG_INDEPENDENT
                             for (int64_t Gi = 0; Gi < W; ++Gi) {
-                                const int64_t Idx = Row + (Gb + Gi) * Cg;
-                                const int64_t Ch = (Gb + Gi) * Cg + Ci;
+                                const int64_t Idx = Row + Gb + Gi;     /* one channel per group (Cg == 1): contiguous */
+                                const int64_t Ch = Gb + Gi;
                                 (void)Idx;
                                 (void)Ch;
                                 const double mean = Gv_mean[Gi];
@@ -2488,8 +2488,8 @@ int64_t Lo, Hi;
                             (void)J;
                             DG_INDEPENDENT
                             for (int64_t Gi = 0; Gi < W; ++Gi) {
-                                const int64_t Idx = Row + (Gb + Gi) * Cg;
-                                const int64_t Ch = (Gb + Gi) * Cg + Ci;
+                                const int64_t Idx = Row + Gb + Gi;     /* one channel per group (Cg == 1): contiguous */
+                                const int64_t Ch = Gb + Gi;
                                 (void)Idx;
                                 (void)Ch;
                                 const double Xv = (double)Dg_from_bf16(x[Idx]);
@@ -2527,8 +2527,8 @@ int64_t Lo, Hi;
                             (void)J;
                             DG_INDEPENDENT
                             for (int64_t Gi = 0; Gi < W; ++Gi) {
-                                const int64_t Idx = Row + (Gb + Gi) * Cg;
-                                const int64_t Ch = (Gb + Gi) * Cg + Ci;
+                                const int64_t Idx = Row + Gb + Gi;     /* one channel per group (Cg == 1): contiguous */
+                                const int64_t Ch = Gb + Gi;
                                 (void)Idx;
                                 (void)Ch;
                                 const double mean = Gv_mean[Gi];
@@ -2589,8 +2589,8 @@ int64_t Lo, Hi;
                             (void)J;
                             DG_INDEPENDENT
                             for (int64_t Gi = 0; Gi < W; ++Gi) {
-                                const int64_t Idx = Row + (Gb + Gi) * Cg;
-                                const int64_t Ch = (Gb + Gi) * Cg + Ci;
+                                const int64_t Idx = Row + Gb + Gi;     /* one channel per group (Cg == 1): contiguous */
+                                const int64_t Ch = Gb + Gi;
                                 (void)Idx;
                                 (void)Ch;
                                 const float H0_hi = Pv_H0_hi[Gi];
@@ -2706,8 +2706,8 @@ int64_t Lo, Hi;
                             (void)J;
                             DG_INDEPENDENT
                             for (int64_t Gi = 0; Gi < W; ++Gi) {
-                                const int64_t Idx = Row + (Gb + Gi) * Cg;
-                                const int64_t Ch = (Gb + Gi) * Cg + Ci;
+                                const int64_t Idx = Row + Gb + Gi;     /* one channel per group (Cg == 1): contiguous */
+                                const int64_t Ch = Gb + Gi;
                                 (void)Idx;
                                 (void)Ch;
                                 const float H0_hi = Pv_H0_hi[Gi];
@@ -2791,8 +2791,8 @@ int64_t Lo, Hi;
                             (void)J;
                             DG_INDEPENDENT
                             for (int64_t Gi = 0; Gi < W; ++Gi) {
-                                const int64_t Idx = Row + (Gb + Gi) * Cg;
-                                const int64_t Ch = (Gb + Gi) * Cg + Ci;
+                                const int64_t Idx = Row + Gb + Gi;     /* one channel per group (Cg == 1): contiguous */
+                                const int64_t Ch = Gb + Gi;
                                 (void)Idx;
                                 (void)Ch;
                                 const float H0_hi = Pv_H0_hi[Gi];
