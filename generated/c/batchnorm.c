@@ -671,8 +671,8 @@ int64_t Lo, Hi;
             (void)Gv_running_var_G;
             double Gv_Sum_mean[DG_NHWC_GROUPS];
             {
-                double Lane_Sum_mean[DG_LANES][DG_NHWC_GROUPS];
-                memset(Lane_Sum_mean, 0, sizeof Lane_Sum_mean);
+                double Lane_Sum_mean[DG_LANES * DG_NHWC_GROUPS];     /* [lane][group], dense for this W */
+                memset(Lane_Sum_mean, 0, (size_t)(DG_LANES * W) * sizeof(double));
                 const int64_t Run = Cg * S;      /* values per run */
                 const int64_t Full = Run - Run % DG_LANES;     /* the rest go to lane 0 */
                 (void)Full;
@@ -691,14 +691,14 @@ int64_t Lo, Hi;
                                 (void)Idx;
                                 (void)Ch;
                                 const double Xv = (double)x[Idx];
-                                Lane_Sum_mean[J][Gi] += Xv;
+                                Lane_Sum_mean[J * W + Gi] += Xv;
                             }
                         }
                     }
                 }
                 for (int64_t Gi = 0; Gi < W; ++Gi) {
                     double Col[DG_LANES];
-                    for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_Sum_mean[Q][Gi];
+                    for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_Sum_mean[Q * W + Gi];
                     Gv_Sum_mean[Gi] = Dg_lanes(Col);
                 }
             }
@@ -710,8 +710,8 @@ int64_t Lo, Hi;
             (void)Gv_mean;   /* mean = mean(x) */
             double Gv_Sum_var[DG_NHWC_GROUPS];
             {
-                double Lane_Sum_var[DG_LANES][DG_NHWC_GROUPS];
-                memset(Lane_Sum_var, 0, sizeof Lane_Sum_var);
+                double Lane_Sum_var[DG_LANES * DG_NHWC_GROUPS];     /* [lane][group], dense for this W */
+                memset(Lane_Sum_var, 0, (size_t)(DG_LANES * W) * sizeof(double));
                 const int64_t Run = Cg * S;      /* values per run */
                 const int64_t Full = Run - Run % DG_LANES;     /* the rest go to lane 0 */
                 (void)Full;
@@ -731,14 +731,14 @@ int64_t Lo, Hi;
                                 (void)Ch;
                                 const double mean = Gv_mean[Gi];
                                 const double Xv = (double)x[Idx];
-                                Lane_Sum_var[J][Gi] += ((Xv - mean)*(Xv - mean));
+                                Lane_Sum_var[J * W + Gi] += ((Xv - mean)*(Xv - mean));
                             }
                         }
                     }
                 }
                 for (int64_t Gi = 0; Gi < W; ++Gi) {
                     double Col[DG_LANES];
-                    for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_Sum_var[Q][Gi];
+                    for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_Sum_var[Q * W + Gi];
                     Gv_Sum_var[Gi] = Dg_lanes(Col);
                 }
             }
@@ -899,10 +899,10 @@ int64_t Lo, Hi;
                     const float rstd_F = (float)rstd;
                     Pv_rstd_F[Gi] = rstd_F;
                 }
-                double Lane_Sum_g[DG_LANES][DG_NHWC_GROUPS];
-                memset(Lane_Sum_g, 0, sizeof Lane_Sum_g);
-                double Lane_Sum_g_xhat[DG_LANES][DG_NHWC_GROUPS];
-                memset(Lane_Sum_g_xhat, 0, sizeof Lane_Sum_g_xhat);
+                double Lane_Sum_g[DG_LANES * DG_NHWC_GROUPS];     /* [lane][group], dense for this W */
+                memset(Lane_Sum_g, 0, (size_t)(DG_LANES * W) * sizeof(double));
+                double Lane_Sum_g_xhat[DG_LANES * DG_NHWC_GROUPS];     /* [lane][group], dense for this W */
+                memset(Lane_Sum_g_xhat, 0, (size_t)(DG_LANES * W) * sizeof(double));
                 const int64_t Run = S;      /* values per run */
                 const int64_t Full = Run - Run % DG_LANES;     /* the rest go to lane 0 */
                 (void)Full;
@@ -928,20 +928,20 @@ int64_t Lo, Hi;
                                 const float Dyv = dy[Idx];
                                 const float xhat = rstd_F*((Xv + H0_hi + H0_lo));
                                 const float g = Dyv*gamma_V;
-                                Lane_Sum_g[J][Gi] += ((double)g);
-                                Lane_Sum_g_xhat[J][Gi] += ((double)g)*((double)xhat);
+                                Lane_Sum_g[J * W + Gi] += ((double)g);
+                                Lane_Sum_g_xhat[J * W + Gi] += ((double)g)*((double)xhat);
                             }
                         }
                     }
                 }
                 for (int64_t Gi = 0; Gi < W; ++Gi) {
                     double Col[DG_LANES];
-                    for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_Sum_g[Q][Gi];
+                    for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_Sum_g[Q * W + Gi];
                     Gv_Sum_g[Gi] = Dg_lanes(Col);
                 }
                 for (int64_t Gi = 0; Gi < W; ++Gi) {
                     double Col[DG_LANES];
-                    for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_Sum_g_xhat[Q][Gi];
+                    for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_Sum_g_xhat[Q * W + Gi];
                     Gv_Sum_g_xhat[Gi] = Dg_lanes(Col);
                 }
             }
@@ -990,10 +990,10 @@ int64_t Lo, Hi;
                 for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
                     const int64_t Ob = Blk;
                     for (int64_t Ci = 0; Ci < Cg; ++Ci) {
-                        double Lane_p0[DG_LANES][DG_NHWC_GROUPS];
-                        memset(Lane_p0, 0, sizeof Lane_p0);
-                        double Lane_p1[DG_LANES][DG_NHWC_GROUPS];
-                        memset(Lane_p1, 0, sizeof Lane_p1);
+                        double Lane_p0[DG_LANES * DG_NHWC_GROUPS];
+                        memset(Lane_p0, 0, (size_t)(DG_LANES * W) * sizeof(double));
+                        double Lane_p1[DG_LANES * DG_NHWC_GROUPS];
+                        memset(Lane_p1, 0, (size_t)(DG_LANES * W) * sizeof(double));
                         for (int64_t Si = 0; Si < S; ++Si) {
                             const int64_t Pos = Si;
                             const int J = Pos < Full ? (int)(Pos % DG_LANES) : 0;
@@ -1017,18 +1017,18 @@ int64_t Lo, Hi;
                                 const float xhat = rstd_F*((Xv + H0_hi + H0_lo));
                                 const float g = Dyv*gamma_V;
                                 dx[Idx] = (float)(rstd_F*((g - Mean_g_xhat_F*xhat + H1_hi + H1_lo)));
-                                Lane_p0[J][Gi] += ((double)Dyv)*((double)xhat);
-                                Lane_p1[J][Gi] += ((double)Dyv);
+                                Lane_p0[J * W + Gi] += ((double)Dyv)*((double)xhat);
+                                Lane_p1[J * W + Gi] += ((double)Dyv);
                             }
                         }
                         for (int64_t Gi = 0; Gi < W; ++Gi) {
                             double Col[DG_LANES];
-                            for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_p0[Q][Gi];
+                            for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_p0[Q * W + Gi];
                             Mine[0 * C + (Gb + Gi) * Cg + Ci] += Dg_lanes(Col);
                         }
                         for (int64_t Gi = 0; Gi < W; ++Gi) {
                             double Col[DG_LANES];
-                            for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_p1[Q][Gi];
+                            for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_p1[Q * W + Gi];
                             Mine[1 * C + (Gb + Gi) * Cg + Ci] += Dg_lanes(Col);
                         }
                     }
@@ -1643,8 +1643,8 @@ int64_t Lo, Hi;
             (void)Gv_running_var_G;
             double Gv_Sum_mean[DG_NHWC_GROUPS];
             {
-                double Lane_Sum_mean[DG_LANES][DG_NHWC_GROUPS];
-                memset(Lane_Sum_mean, 0, sizeof Lane_Sum_mean);
+                double Lane_Sum_mean[DG_LANES * DG_NHWC_GROUPS];     /* [lane][group], dense for this W */
+                memset(Lane_Sum_mean, 0, (size_t)(DG_LANES * W) * sizeof(double));
                 const int64_t Run = Cg * S;      /* values per run */
                 const int64_t Full = Run - Run % DG_LANES;     /* the rest go to lane 0 */
                 (void)Full;
@@ -1663,14 +1663,14 @@ int64_t Lo, Hi;
                                 (void)Idx;
                                 (void)Ch;
                                 const double Xv = x[Idx];
-                                Lane_Sum_mean[J][Gi] += Xv;
+                                Lane_Sum_mean[J * W + Gi] += Xv;
                             }
                         }
                     }
                 }
                 for (int64_t Gi = 0; Gi < W; ++Gi) {
                     double Col[DG_LANES];
-                    for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_Sum_mean[Q][Gi];
+                    for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_Sum_mean[Q * W + Gi];
                     Gv_Sum_mean[Gi] = Dg_lanes(Col);
                 }
             }
@@ -1682,8 +1682,8 @@ int64_t Lo, Hi;
             (void)Gv_mean;   /* mean = mean(x) */
             double Gv_Sum_var[DG_NHWC_GROUPS];
             {
-                double Lane_Sum_var[DG_LANES][DG_NHWC_GROUPS];
-                memset(Lane_Sum_var, 0, sizeof Lane_Sum_var);
+                double Lane_Sum_var[DG_LANES * DG_NHWC_GROUPS];     /* [lane][group], dense for this W */
+                memset(Lane_Sum_var, 0, (size_t)(DG_LANES * W) * sizeof(double));
                 const int64_t Run = Cg * S;      /* values per run */
                 const int64_t Full = Run - Run % DG_LANES;     /* the rest go to lane 0 */
                 (void)Full;
@@ -1703,14 +1703,14 @@ int64_t Lo, Hi;
                                 (void)Ch;
                                 const double mean = Gv_mean[Gi];
                                 const double Xv = x[Idx];
-                                Lane_Sum_var[J][Gi] += ((Xv - mean)*(Xv - mean));
+                                Lane_Sum_var[J * W + Gi] += ((Xv - mean)*(Xv - mean));
                             }
                         }
                     }
                 }
                 for (int64_t Gi = 0; Gi < W; ++Gi) {
                     double Col[DG_LANES];
-                    for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_Sum_var[Q][Gi];
+                    for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_Sum_var[Q * W + Gi];
                     Gv_Sum_var[Gi] = Dg_lanes(Col);
                 }
             }
@@ -1842,10 +1842,10 @@ int64_t Lo, Hi;
             double Gv_Sum_g[DG_NHWC_GROUPS];
             double Gv_Sum_g_xhat[DG_NHWC_GROUPS];
             {
-                double Lane_Sum_g[DG_LANES][DG_NHWC_GROUPS];
-                memset(Lane_Sum_g, 0, sizeof Lane_Sum_g);
-                double Lane_Sum_g_xhat[DG_LANES][DG_NHWC_GROUPS];
-                memset(Lane_Sum_g_xhat, 0, sizeof Lane_Sum_g_xhat);
+                double Lane_Sum_g[DG_LANES * DG_NHWC_GROUPS];     /* [lane][group], dense for this W */
+                memset(Lane_Sum_g, 0, (size_t)(DG_LANES * W) * sizeof(double));
+                double Lane_Sum_g_xhat[DG_LANES * DG_NHWC_GROUPS];     /* [lane][group], dense for this W */
+                memset(Lane_Sum_g_xhat, 0, (size_t)(DG_LANES * W) * sizeof(double));
                 const int64_t Run = S;      /* values per run */
                 const int64_t Full = Run - Run % DG_LANES;     /* the rest go to lane 0 */
                 (void)Full;
@@ -1870,20 +1870,20 @@ int64_t Lo, Hi;
                                 const double Dyv = dy[Idx];
                                 const double xhat = rstd*(Xv - mean);
                                 const double g = Dyv*gamma_V;
-                                Lane_Sum_g[J][Gi] += g;
-                                Lane_Sum_g_xhat[J][Gi] += g*xhat;
+                                Lane_Sum_g[J * W + Gi] += g;
+                                Lane_Sum_g_xhat[J * W + Gi] += g*xhat;
                             }
                         }
                     }
                 }
                 for (int64_t Gi = 0; Gi < W; ++Gi) {
                     double Col[DG_LANES];
-                    for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_Sum_g[Q][Gi];
+                    for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_Sum_g[Q * W + Gi];
                     Gv_Sum_g[Gi] = Dg_lanes(Col);
                 }
                 for (int64_t Gi = 0; Gi < W; ++Gi) {
                     double Col[DG_LANES];
-                    for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_Sum_g_xhat[Q][Gi];
+                    for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_Sum_g_xhat[Q * W + Gi];
                     Gv_Sum_g_xhat[Gi] = Dg_lanes(Col);
                 }
             }
@@ -1926,10 +1926,10 @@ int64_t Lo, Hi;
                 for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
                     const int64_t Ob = Blk;
                     for (int64_t Ci = 0; Ci < Cg; ++Ci) {
-                        double Lane_p0[DG_LANES][DG_NHWC_GROUPS];
-                        memset(Lane_p0, 0, sizeof Lane_p0);
-                        double Lane_p1[DG_LANES][DG_NHWC_GROUPS];
-                        memset(Lane_p1, 0, sizeof Lane_p1);
+                        double Lane_p0[DG_LANES * DG_NHWC_GROUPS];
+                        memset(Lane_p0, 0, (size_t)(DG_LANES * W) * sizeof(double));
+                        double Lane_p1[DG_LANES * DG_NHWC_GROUPS];
+                        memset(Lane_p1, 0, (size_t)(DG_LANES * W) * sizeof(double));
                         for (int64_t Si = 0; Si < S; ++Si) {
                             const int64_t Pos = Si;
                             const int J = Pos < Full ? (int)(Pos % DG_LANES) : 0;
@@ -1952,18 +1952,18 @@ int64_t Lo, Hi;
                                 const double xhat = rstd*(Xv - mean);
                                 const double g = Dyv*gamma_V;
                                 dx[Idx] = (double)(K_g*g + K_xhat*xhat + K_1);
-                                Lane_p0[J][Gi] += Dyv*xhat;
-                                Lane_p1[J][Gi] += Dyv;
+                                Lane_p0[J * W + Gi] += Dyv*xhat;
+                                Lane_p1[J * W + Gi] += Dyv;
                             }
                         }
                         for (int64_t Gi = 0; Gi < W; ++Gi) {
                             double Col[DG_LANES];
-                            for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_p0[Q][Gi];
+                            for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_p0[Q * W + Gi];
                             Mine[0 * C + (Gb + Gi) * Cg + Ci] += Dg_lanes(Col);
                         }
                         for (int64_t Gi = 0; Gi < W; ++Gi) {
                             double Col[DG_LANES];
-                            for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_p1[Q][Gi];
+                            for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_p1[Q * W + Gi];
                             Mine[1 * C + (Gb + Gi) * Cg + Ci] += Dg_lanes(Col);
                         }
                     }
@@ -2591,8 +2591,8 @@ int64_t Lo, Hi;
             (void)Gv_running_var_G;
             double Gv_Sum_mean[DG_NHWC_GROUPS];
             {
-                double Lane_Sum_mean[DG_LANES][DG_NHWC_GROUPS];
-                memset(Lane_Sum_mean, 0, sizeof Lane_Sum_mean);
+                double Lane_Sum_mean[DG_LANES * DG_NHWC_GROUPS];     /* [lane][group], dense for this W */
+                memset(Lane_Sum_mean, 0, (size_t)(DG_LANES * W) * sizeof(double));
                 const int64_t Run = Cg * S;      /* values per run */
                 const int64_t Full = Run - Run % DG_LANES;     /* the rest go to lane 0 */
                 (void)Full;
@@ -2611,14 +2611,14 @@ int64_t Lo, Hi;
                                 (void)Idx;
                                 (void)Ch;
                                 const double Xv = (double)Dg_from_bf16(x[Idx]);
-                                Lane_Sum_mean[J][Gi] += Xv;
+                                Lane_Sum_mean[J * W + Gi] += Xv;
                             }
                         }
                     }
                 }
                 for (int64_t Gi = 0; Gi < W; ++Gi) {
                     double Col[DG_LANES];
-                    for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_Sum_mean[Q][Gi];
+                    for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_Sum_mean[Q * W + Gi];
                     Gv_Sum_mean[Gi] = Dg_lanes(Col);
                 }
             }
@@ -2630,8 +2630,8 @@ int64_t Lo, Hi;
             (void)Gv_mean;   /* mean = mean(x) */
             double Gv_Sum_var[DG_NHWC_GROUPS];
             {
-                double Lane_Sum_var[DG_LANES][DG_NHWC_GROUPS];
-                memset(Lane_Sum_var, 0, sizeof Lane_Sum_var);
+                double Lane_Sum_var[DG_LANES * DG_NHWC_GROUPS];     /* [lane][group], dense for this W */
+                memset(Lane_Sum_var, 0, (size_t)(DG_LANES * W) * sizeof(double));
                 const int64_t Run = Cg * S;      /* values per run */
                 const int64_t Full = Run - Run % DG_LANES;     /* the rest go to lane 0 */
                 (void)Full;
@@ -2651,14 +2651,14 @@ int64_t Lo, Hi;
                                 (void)Ch;
                                 const double mean = Gv_mean[Gi];
                                 const double Xv = (double)Dg_from_bf16(x[Idx]);
-                                Lane_Sum_var[J][Gi] += ((Xv - mean)*(Xv - mean));
+                                Lane_Sum_var[J * W + Gi] += ((Xv - mean)*(Xv - mean));
                             }
                         }
                     }
                 }
                 for (int64_t Gi = 0; Gi < W; ++Gi) {
                     double Col[DG_LANES];
-                    for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_Sum_var[Q][Gi];
+                    for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_Sum_var[Q * W + Gi];
                     Gv_Sum_var[Gi] = Dg_lanes(Col);
                 }
             }
@@ -2819,10 +2819,10 @@ int64_t Lo, Hi;
                     const float rstd_F = (float)rstd;
                     Pv_rstd_F[Gi] = rstd_F;
                 }
-                double Lane_Sum_g[DG_LANES][DG_NHWC_GROUPS];
-                memset(Lane_Sum_g, 0, sizeof Lane_Sum_g);
-                double Lane_Sum_g_xhat[DG_LANES][DG_NHWC_GROUPS];
-                memset(Lane_Sum_g_xhat, 0, sizeof Lane_Sum_g_xhat);
+                double Lane_Sum_g[DG_LANES * DG_NHWC_GROUPS];     /* [lane][group], dense for this W */
+                memset(Lane_Sum_g, 0, (size_t)(DG_LANES * W) * sizeof(double));
+                double Lane_Sum_g_xhat[DG_LANES * DG_NHWC_GROUPS];     /* [lane][group], dense for this W */
+                memset(Lane_Sum_g_xhat, 0, (size_t)(DG_LANES * W) * sizeof(double));
                 const int64_t Run = S;      /* values per run */
                 const int64_t Full = Run - Run % DG_LANES;     /* the rest go to lane 0 */
                 (void)Full;
@@ -2848,20 +2848,20 @@ int64_t Lo, Hi;
                                 const float Dyv = Dg_from_bf16(dy[Idx]);
                                 const float xhat = rstd_F*((Xv + H0_hi + H0_lo));
                                 const float g = Dyv*gamma_V;
-                                Lane_Sum_g[J][Gi] += ((double)g);
-                                Lane_Sum_g_xhat[J][Gi] += ((double)g)*((double)xhat);
+                                Lane_Sum_g[J * W + Gi] += ((double)g);
+                                Lane_Sum_g_xhat[J * W + Gi] += ((double)g)*((double)xhat);
                             }
                         }
                     }
                 }
                 for (int64_t Gi = 0; Gi < W; ++Gi) {
                     double Col[DG_LANES];
-                    for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_Sum_g[Q][Gi];
+                    for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_Sum_g[Q * W + Gi];
                     Gv_Sum_g[Gi] = Dg_lanes(Col);
                 }
                 for (int64_t Gi = 0; Gi < W; ++Gi) {
                     double Col[DG_LANES];
-                    for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_Sum_g_xhat[Q][Gi];
+                    for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_Sum_g_xhat[Q * W + Gi];
                     Gv_Sum_g_xhat[Gi] = Dg_lanes(Col);
                 }
             }
@@ -2910,10 +2910,10 @@ int64_t Lo, Hi;
                 for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
                     const int64_t Ob = Blk;
                     for (int64_t Ci = 0; Ci < Cg; ++Ci) {
-                        double Lane_p0[DG_LANES][DG_NHWC_GROUPS];
-                        memset(Lane_p0, 0, sizeof Lane_p0);
-                        double Lane_p1[DG_LANES][DG_NHWC_GROUPS];
-                        memset(Lane_p1, 0, sizeof Lane_p1);
+                        double Lane_p0[DG_LANES * DG_NHWC_GROUPS];
+                        memset(Lane_p0, 0, (size_t)(DG_LANES * W) * sizeof(double));
+                        double Lane_p1[DG_LANES * DG_NHWC_GROUPS];
+                        memset(Lane_p1, 0, (size_t)(DG_LANES * W) * sizeof(double));
                         for (int64_t Si = 0; Si < S; ++Si) {
                             const int64_t Pos = Si;
                             const int J = Pos < Full ? (int)(Pos % DG_LANES) : 0;
@@ -2937,18 +2937,18 @@ int64_t Lo, Hi;
                                 const float xhat = rstd_F*((Xv + H0_hi + H0_lo));
                                 const float g = Dyv*gamma_V;
                                 dx[Idx] = Dg_to_bf16((float)(rstd_F*((g - Mean_g_xhat_F*xhat + H1_hi + H1_lo))));
-                                Lane_p0[J][Gi] += ((double)Dyv)*((double)xhat);
-                                Lane_p1[J][Gi] += ((double)Dyv);
+                                Lane_p0[J * W + Gi] += ((double)Dyv)*((double)xhat);
+                                Lane_p1[J * W + Gi] += ((double)Dyv);
                             }
                         }
                         for (int64_t Gi = 0; Gi < W; ++Gi) {
                             double Col[DG_LANES];
-                            for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_p0[Q][Gi];
+                            for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_p0[Q * W + Gi];
                             Mine[0 * C + (Gb + Gi) * Cg + Ci] += Dg_lanes(Col);
                         }
                         for (int64_t Gi = 0; Gi < W; ++Gi) {
                             double Col[DG_LANES];
-                            for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_p1[Q][Gi];
+                            for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_p1[Q * W + Gi];
                             Mine[1 * C + (Gb + Gi) * Cg + Ci] += Dg_lanes(Col);
                         }
                     }
@@ -3591,10 +3591,10 @@ int64_t Lo, Hi;
                 for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
                     const int64_t Ob = Blk;
                     for (int64_t Ci = 0; Ci < Cg; ++Ci) {
-                        double Lane_p0[DG_LANES][DG_NHWC_GROUPS];
-                        memset(Lane_p0, 0, sizeof Lane_p0);
-                        double Lane_p1[DG_LANES][DG_NHWC_GROUPS];
-                        memset(Lane_p1, 0, sizeof Lane_p1);
+                        double Lane_p0[DG_LANES * DG_NHWC_GROUPS];
+                        memset(Lane_p0, 0, (size_t)(DG_LANES * W) * sizeof(double));
+                        double Lane_p1[DG_LANES * DG_NHWC_GROUPS];
+                        memset(Lane_p1, 0, (size_t)(DG_LANES * W) * sizeof(double));
                         for (int64_t Si = 0; Si < S; ++Si) {
                             const int64_t Pos = Si;
                             const int J = Pos < Full ? (int)(Pos % DG_LANES) : 0;
@@ -3615,18 +3615,18 @@ int64_t Lo, Hi;
                                 const float xhat = rstd_F*((Xv + H0_hi + H0_lo));
                                 const float g = Dyv*gamma_V;
                                 dx[Idx] = (float)(g*rstd_F);
-                                Lane_p0[J][Gi] += ((double)Dyv)*((double)xhat);
-                                Lane_p1[J][Gi] += ((double)Dyv);
+                                Lane_p0[J * W + Gi] += ((double)Dyv)*((double)xhat);
+                                Lane_p1[J * W + Gi] += ((double)Dyv);
                             }
                         }
                         for (int64_t Gi = 0; Gi < W; ++Gi) {
                             double Col[DG_LANES];
-                            for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_p0[Q][Gi];
+                            for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_p0[Q * W + Gi];
                             Mine[0 * C + (Gb + Gi) * Cg + Ci] += Dg_lanes(Col);
                         }
                         for (int64_t Gi = 0; Gi < W; ++Gi) {
                             double Col[DG_LANES];
-                            for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_p1[Q][Gi];
+                            for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_p1[Q * W + Gi];
                             Mine[1 * C + (Gb + Gi) * Cg + Ci] += Dg_lanes(Col);
                         }
                     }
@@ -4239,10 +4239,10 @@ int64_t Lo, Hi;
                 for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
                     const int64_t Ob = Blk;
                     for (int64_t Ci = 0; Ci < Cg; ++Ci) {
-                        double Lane_p0[DG_LANES][DG_NHWC_GROUPS];
-                        memset(Lane_p0, 0, sizeof Lane_p0);
-                        double Lane_p1[DG_LANES][DG_NHWC_GROUPS];
-                        memset(Lane_p1, 0, sizeof Lane_p1);
+                        double Lane_p0[DG_LANES * DG_NHWC_GROUPS];
+                        memset(Lane_p0, 0, (size_t)(DG_LANES * W) * sizeof(double));
+                        double Lane_p1[DG_LANES * DG_NHWC_GROUPS];
+                        memset(Lane_p1, 0, (size_t)(DG_LANES * W) * sizeof(double));
                         for (int64_t Si = 0; Si < S; ++Si) {
                             const int64_t Pos = Si;
                             const int J = Pos < Full ? (int)(Pos % DG_LANES) : 0;
@@ -4263,18 +4263,18 @@ int64_t Lo, Hi;
                                 const double xhat = rstd*(Xv - mean);
                                 const double g = Dyv*gamma_V;
                                 dx[Idx] = (double)(K_g*g);
-                                Lane_p0[J][Gi] += Dyv*xhat;
-                                Lane_p1[J][Gi] += Dyv;
+                                Lane_p0[J * W + Gi] += Dyv*xhat;
+                                Lane_p1[J * W + Gi] += Dyv;
                             }
                         }
                         for (int64_t Gi = 0; Gi < W; ++Gi) {
                             double Col[DG_LANES];
-                            for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_p0[Q][Gi];
+                            for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_p0[Q * W + Gi];
                             Mine[0 * C + (Gb + Gi) * Cg + Ci] += Dg_lanes(Col);
                         }
                         for (int64_t Gi = 0; Gi < W; ++Gi) {
                             double Col[DG_LANES];
-                            for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_p1[Q][Gi];
+                            for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_p1[Q * W + Gi];
                             Mine[1 * C + (Gb + Gi) * Cg + Ci] += Dg_lanes(Col);
                         }
                     }
@@ -4917,10 +4917,10 @@ int64_t Lo, Hi;
                 for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
                     const int64_t Ob = Blk;
                     for (int64_t Ci = 0; Ci < Cg; ++Ci) {
-                        double Lane_p0[DG_LANES][DG_NHWC_GROUPS];
-                        memset(Lane_p0, 0, sizeof Lane_p0);
-                        double Lane_p1[DG_LANES][DG_NHWC_GROUPS];
-                        memset(Lane_p1, 0, sizeof Lane_p1);
+                        double Lane_p0[DG_LANES * DG_NHWC_GROUPS];
+                        memset(Lane_p0, 0, (size_t)(DG_LANES * W) * sizeof(double));
+                        double Lane_p1[DG_LANES * DG_NHWC_GROUPS];
+                        memset(Lane_p1, 0, (size_t)(DG_LANES * W) * sizeof(double));
                         for (int64_t Si = 0; Si < S; ++Si) {
                             const int64_t Pos = Si;
                             const int J = Pos < Full ? (int)(Pos % DG_LANES) : 0;
@@ -4941,18 +4941,18 @@ int64_t Lo, Hi;
                                 const float xhat = rstd_F*((Xv + H0_hi + H0_lo));
                                 const float g = Dyv*gamma_V;
                                 dx[Idx] = Dg_to_bf16((float)(g*rstd_F));
-                                Lane_p0[J][Gi] += ((double)Dyv)*((double)xhat);
-                                Lane_p1[J][Gi] += ((double)Dyv);
+                                Lane_p0[J * W + Gi] += ((double)Dyv)*((double)xhat);
+                                Lane_p1[J * W + Gi] += ((double)Dyv);
                             }
                         }
                         for (int64_t Gi = 0; Gi < W; ++Gi) {
                             double Col[DG_LANES];
-                            for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_p0[Q][Gi];
+                            for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_p0[Q * W + Gi];
                             Mine[0 * C + (Gb + Gi) * Cg + Ci] += Dg_lanes(Col);
                         }
                         for (int64_t Gi = 0; Gi < W; ++Gi) {
                             double Col[DG_LANES];
-                            for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_p1[Q][Gi];
+                            for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_p1[Q * W + Gi];
                             Mine[1 * C + (Gb + Gi) * Cg + Ci] += Dg_lanes(Col);
                         }
                     }

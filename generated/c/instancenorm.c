@@ -629,8 +629,8 @@ int64_t Lo, Hi;
 
             double Gv_Sum_mean[DG_NHWC_GROUPS];
             {
-                double Lane_Sum_mean[DG_LANES][DG_NHWC_GROUPS];
-                memset(Lane_Sum_mean, 0, sizeof Lane_Sum_mean);
+                double Lane_Sum_mean[DG_LANES * DG_NHWC_GROUPS];     /* [lane][group], dense for this W */
+                memset(Lane_Sum_mean, 0, (size_t)(DG_LANES * W) * sizeof(double));
                 const int64_t Run = Cg * S;      /* values per run */
                 const int64_t Full = Run - Run % DG_LANES;     /* the rest go to lane 0 */
                 (void)Full;
@@ -649,14 +649,14 @@ int64_t Lo, Hi;
                                 (void)Idx;
                                 (void)Ch;
                                 const double Xv = (double)x[Idx];
-                                Lane_Sum_mean[J][Gi] += Xv;
+                                Lane_Sum_mean[J * W + Gi] += Xv;
                             }
                         }
                     }
                 }
                 for (int64_t Gi = 0; Gi < W; ++Gi) {
                     double Col[DG_LANES];
-                    for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_Sum_mean[Q][Gi];
+                    for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_Sum_mean[Q * W + Gi];
                     Gv_Sum_mean[Gi] = Dg_lanes(Col);
                 }
             }
@@ -668,8 +668,8 @@ int64_t Lo, Hi;
             (void)Gv_mean;   /* mean = mean(x) */
             double Gv_Sum_var[DG_NHWC_GROUPS];
             {
-                double Lane_Sum_var[DG_LANES][DG_NHWC_GROUPS];
-                memset(Lane_Sum_var, 0, sizeof Lane_Sum_var);
+                double Lane_Sum_var[DG_LANES * DG_NHWC_GROUPS];     /* [lane][group], dense for this W */
+                memset(Lane_Sum_var, 0, (size_t)(DG_LANES * W) * sizeof(double));
                 const int64_t Run = Cg * S;      /* values per run */
                 const int64_t Full = Run - Run % DG_LANES;     /* the rest go to lane 0 */
                 (void)Full;
@@ -689,14 +689,14 @@ int64_t Lo, Hi;
                                 (void)Ch;
                                 const double mean = Gv_mean[Gi];
                                 const double Xv = (double)x[Idx];
-                                Lane_Sum_var[J][Gi] += ((Xv - mean)*(Xv - mean));
+                                Lane_Sum_var[J * W + Gi] += ((Xv - mean)*(Xv - mean));
                             }
                         }
                     }
                 }
                 for (int64_t Gi = 0; Gi < W; ++Gi) {
                     double Col[DG_LANES];
-                    for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_Sum_var[Q][Gi];
+                    for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_Sum_var[Q * W + Gi];
                     Gv_Sum_var[Gi] = Dg_lanes(Col);
                 }
             }
@@ -845,10 +845,10 @@ int64_t Lo, Hi;
                     const float rstd_F = (float)rstd;
                     Pv_rstd_F[Gi] = rstd_F;
                 }
-                double Lane_Sum_g[DG_LANES][DG_NHWC_GROUPS];
-                memset(Lane_Sum_g, 0, sizeof Lane_Sum_g);
-                double Lane_Sum_g_xhat[DG_LANES][DG_NHWC_GROUPS];
-                memset(Lane_Sum_g_xhat, 0, sizeof Lane_Sum_g_xhat);
+                double Lane_Sum_g[DG_LANES * DG_NHWC_GROUPS];     /* [lane][group], dense for this W */
+                memset(Lane_Sum_g, 0, (size_t)(DG_LANES * W) * sizeof(double));
+                double Lane_Sum_g_xhat[DG_LANES * DG_NHWC_GROUPS];     /* [lane][group], dense for this W */
+                memset(Lane_Sum_g_xhat, 0, (size_t)(DG_LANES * W) * sizeof(double));
                 const int64_t Run = S;      /* values per run */
                 const int64_t Full = Run - Run % DG_LANES;     /* the rest go to lane 0 */
                 (void)Full;
@@ -874,20 +874,20 @@ int64_t Lo, Hi;
                                 const float Dyv = dy[Idx];
                                 const float xhat = rstd_F*((Xv + H0_hi + H0_lo));
                                 const float g = Dyv*gamma_V;
-                                Lane_Sum_g[J][Gi] += ((double)g);
-                                Lane_Sum_g_xhat[J][Gi] += ((double)g)*((double)xhat);
+                                Lane_Sum_g[J * W + Gi] += ((double)g);
+                                Lane_Sum_g_xhat[J * W + Gi] += ((double)g)*((double)xhat);
                             }
                         }
                     }
                 }
                 for (int64_t Gi = 0; Gi < W; ++Gi) {
                     double Col[DG_LANES];
-                    for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_Sum_g[Q][Gi];
+                    for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_Sum_g[Q * W + Gi];
                     Gv_Sum_g[Gi] = Dg_lanes(Col);
                 }
                 for (int64_t Gi = 0; Gi < W; ++Gi) {
                     double Col[DG_LANES];
-                    for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_Sum_g_xhat[Q][Gi];
+                    for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_Sum_g_xhat[Q * W + Gi];
                     Gv_Sum_g_xhat[Gi] = Dg_lanes(Col);
                 }
             }
@@ -936,10 +936,10 @@ int64_t Lo, Hi;
                 for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
                     const int64_t Ob = Oi;
                     for (int64_t Ci = 0; Ci < Cg; ++Ci) {
-                        double Lane_p0[DG_LANES][DG_NHWC_GROUPS];
-                        memset(Lane_p0, 0, sizeof Lane_p0);
-                        double Lane_p1[DG_LANES][DG_NHWC_GROUPS];
-                        memset(Lane_p1, 0, sizeof Lane_p1);
+                        double Lane_p0[DG_LANES * DG_NHWC_GROUPS];
+                        memset(Lane_p0, 0, (size_t)(DG_LANES * W) * sizeof(double));
+                        double Lane_p1[DG_LANES * DG_NHWC_GROUPS];
+                        memset(Lane_p1, 0, (size_t)(DG_LANES * W) * sizeof(double));
                         for (int64_t Si = 0; Si < S; ++Si) {
                             const int64_t Pos = Si;
                             const int J = Pos < Full ? (int)(Pos % DG_LANES) : 0;
@@ -963,18 +963,18 @@ int64_t Lo, Hi;
                                 const float xhat = rstd_F*((Xv + H0_hi + H0_lo));
                                 const float g = Dyv*gamma_V;
                                 dx[Idx] = (float)(rstd_F*((g - Mean_g_xhat_F*xhat + H1_hi + H1_lo)));
-                                Lane_p0[J][Gi] += ((double)Dyv)*((double)xhat);
-                                Lane_p1[J][Gi] += ((double)Dyv);
+                                Lane_p0[J * W + Gi] += ((double)Dyv)*((double)xhat);
+                                Lane_p1[J * W + Gi] += ((double)Dyv);
                             }
                         }
                         for (int64_t Gi = 0; Gi < W; ++Gi) {
                             double Col[DG_LANES];
-                            for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_p0[Q][Gi];
+                            for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_p0[Q * W + Gi];
                             Mine[0 * C + (Gb + Gi) * Cg + Ci] += Dg_lanes(Col);
                         }
                         for (int64_t Gi = 0; Gi < W; ++Gi) {
                             double Col[DG_LANES];
-                            for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_p1[Q][Gi];
+                            for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_p1[Q * W + Gi];
                             Mine[1 * C + (Gb + Gi) * Cg + Ci] += Dg_lanes(Col);
                         }
                     }
@@ -1563,8 +1563,8 @@ int64_t Lo, Hi;
 
             double Gv_Sum_mean[DG_NHWC_GROUPS];
             {
-                double Lane_Sum_mean[DG_LANES][DG_NHWC_GROUPS];
-                memset(Lane_Sum_mean, 0, sizeof Lane_Sum_mean);
+                double Lane_Sum_mean[DG_LANES * DG_NHWC_GROUPS];     /* [lane][group], dense for this W */
+                memset(Lane_Sum_mean, 0, (size_t)(DG_LANES * W) * sizeof(double));
                 const int64_t Run = Cg * S;      /* values per run */
                 const int64_t Full = Run - Run % DG_LANES;     /* the rest go to lane 0 */
                 (void)Full;
@@ -1583,14 +1583,14 @@ int64_t Lo, Hi;
                                 (void)Idx;
                                 (void)Ch;
                                 const double Xv = x[Idx];
-                                Lane_Sum_mean[J][Gi] += Xv;
+                                Lane_Sum_mean[J * W + Gi] += Xv;
                             }
                         }
                     }
                 }
                 for (int64_t Gi = 0; Gi < W; ++Gi) {
                     double Col[DG_LANES];
-                    for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_Sum_mean[Q][Gi];
+                    for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_Sum_mean[Q * W + Gi];
                     Gv_Sum_mean[Gi] = Dg_lanes(Col);
                 }
             }
@@ -1602,8 +1602,8 @@ int64_t Lo, Hi;
             (void)Gv_mean;   /* mean = mean(x) */
             double Gv_Sum_var[DG_NHWC_GROUPS];
             {
-                double Lane_Sum_var[DG_LANES][DG_NHWC_GROUPS];
-                memset(Lane_Sum_var, 0, sizeof Lane_Sum_var);
+                double Lane_Sum_var[DG_LANES * DG_NHWC_GROUPS];     /* [lane][group], dense for this W */
+                memset(Lane_Sum_var, 0, (size_t)(DG_LANES * W) * sizeof(double));
                 const int64_t Run = Cg * S;      /* values per run */
                 const int64_t Full = Run - Run % DG_LANES;     /* the rest go to lane 0 */
                 (void)Full;
@@ -1623,14 +1623,14 @@ int64_t Lo, Hi;
                                 (void)Ch;
                                 const double mean = Gv_mean[Gi];
                                 const double Xv = x[Idx];
-                                Lane_Sum_var[J][Gi] += ((Xv - mean)*(Xv - mean));
+                                Lane_Sum_var[J * W + Gi] += ((Xv - mean)*(Xv - mean));
                             }
                         }
                     }
                 }
                 for (int64_t Gi = 0; Gi < W; ++Gi) {
                     double Col[DG_LANES];
-                    for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_Sum_var[Q][Gi];
+                    for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_Sum_var[Q * W + Gi];
                     Gv_Sum_var[Gi] = Dg_lanes(Col);
                 }
             }
@@ -1750,10 +1750,10 @@ int64_t Lo, Hi;
             double Gv_Sum_g[DG_NHWC_GROUPS];
             double Gv_Sum_g_xhat[DG_NHWC_GROUPS];
             {
-                double Lane_Sum_g[DG_LANES][DG_NHWC_GROUPS];
-                memset(Lane_Sum_g, 0, sizeof Lane_Sum_g);
-                double Lane_Sum_g_xhat[DG_LANES][DG_NHWC_GROUPS];
-                memset(Lane_Sum_g_xhat, 0, sizeof Lane_Sum_g_xhat);
+                double Lane_Sum_g[DG_LANES * DG_NHWC_GROUPS];     /* [lane][group], dense for this W */
+                memset(Lane_Sum_g, 0, (size_t)(DG_LANES * W) * sizeof(double));
+                double Lane_Sum_g_xhat[DG_LANES * DG_NHWC_GROUPS];     /* [lane][group], dense for this W */
+                memset(Lane_Sum_g_xhat, 0, (size_t)(DG_LANES * W) * sizeof(double));
                 const int64_t Run = S;      /* values per run */
                 const int64_t Full = Run - Run % DG_LANES;     /* the rest go to lane 0 */
                 (void)Full;
@@ -1778,20 +1778,20 @@ int64_t Lo, Hi;
                                 const double Dyv = dy[Idx];
                                 const double xhat = rstd*(Xv - mean);
                                 const double g = Dyv*gamma_V;
-                                Lane_Sum_g[J][Gi] += g;
-                                Lane_Sum_g_xhat[J][Gi] += g*xhat;
+                                Lane_Sum_g[J * W + Gi] += g;
+                                Lane_Sum_g_xhat[J * W + Gi] += g*xhat;
                             }
                         }
                     }
                 }
                 for (int64_t Gi = 0; Gi < W; ++Gi) {
                     double Col[DG_LANES];
-                    for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_Sum_g[Q][Gi];
+                    for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_Sum_g[Q * W + Gi];
                     Gv_Sum_g[Gi] = Dg_lanes(Col);
                 }
                 for (int64_t Gi = 0; Gi < W; ++Gi) {
                     double Col[DG_LANES];
-                    for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_Sum_g_xhat[Q][Gi];
+                    for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_Sum_g_xhat[Q * W + Gi];
                     Gv_Sum_g_xhat[Gi] = Dg_lanes(Col);
                 }
             }
@@ -1834,10 +1834,10 @@ int64_t Lo, Hi;
                 for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
                     const int64_t Ob = Oi;
                     for (int64_t Ci = 0; Ci < Cg; ++Ci) {
-                        double Lane_p0[DG_LANES][DG_NHWC_GROUPS];
-                        memset(Lane_p0, 0, sizeof Lane_p0);
-                        double Lane_p1[DG_LANES][DG_NHWC_GROUPS];
-                        memset(Lane_p1, 0, sizeof Lane_p1);
+                        double Lane_p0[DG_LANES * DG_NHWC_GROUPS];
+                        memset(Lane_p0, 0, (size_t)(DG_LANES * W) * sizeof(double));
+                        double Lane_p1[DG_LANES * DG_NHWC_GROUPS];
+                        memset(Lane_p1, 0, (size_t)(DG_LANES * W) * sizeof(double));
                         for (int64_t Si = 0; Si < S; ++Si) {
                             const int64_t Pos = Si;
                             const int J = Pos < Full ? (int)(Pos % DG_LANES) : 0;
@@ -1860,18 +1860,18 @@ int64_t Lo, Hi;
                                 const double xhat = rstd*(Xv - mean);
                                 const double g = Dyv*gamma_V;
                                 dx[Idx] = (double)(K_g*g + K_xhat*xhat + K_1);
-                                Lane_p0[J][Gi] += Dyv*xhat;
-                                Lane_p1[J][Gi] += Dyv;
+                                Lane_p0[J * W + Gi] += Dyv*xhat;
+                                Lane_p1[J * W + Gi] += Dyv;
                             }
                         }
                         for (int64_t Gi = 0; Gi < W; ++Gi) {
                             double Col[DG_LANES];
-                            for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_p0[Q][Gi];
+                            for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_p0[Q * W + Gi];
                             Mine[0 * C + (Gb + Gi) * Cg + Ci] += Dg_lanes(Col);
                         }
                         for (int64_t Gi = 0; Gi < W; ++Gi) {
                             double Col[DG_LANES];
-                            for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_p1[Q][Gi];
+                            for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_p1[Q * W + Gi];
                             Mine[1 * C + (Gb + Gi) * Cg + Ci] += Dg_lanes(Col);
                         }
                     }
@@ -2473,8 +2473,8 @@ int64_t Lo, Hi;
 
             double Gv_Sum_mean[DG_NHWC_GROUPS];
             {
-                double Lane_Sum_mean[DG_LANES][DG_NHWC_GROUPS];
-                memset(Lane_Sum_mean, 0, sizeof Lane_Sum_mean);
+                double Lane_Sum_mean[DG_LANES * DG_NHWC_GROUPS];     /* [lane][group], dense for this W */
+                memset(Lane_Sum_mean, 0, (size_t)(DG_LANES * W) * sizeof(double));
                 const int64_t Run = Cg * S;      /* values per run */
                 const int64_t Full = Run - Run % DG_LANES;     /* the rest go to lane 0 */
                 (void)Full;
@@ -2493,14 +2493,14 @@ int64_t Lo, Hi;
                                 (void)Idx;
                                 (void)Ch;
                                 const double Xv = (double)Dg_from_bf16(x[Idx]);
-                                Lane_Sum_mean[J][Gi] += Xv;
+                                Lane_Sum_mean[J * W + Gi] += Xv;
                             }
                         }
                     }
                 }
                 for (int64_t Gi = 0; Gi < W; ++Gi) {
                     double Col[DG_LANES];
-                    for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_Sum_mean[Q][Gi];
+                    for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_Sum_mean[Q * W + Gi];
                     Gv_Sum_mean[Gi] = Dg_lanes(Col);
                 }
             }
@@ -2512,8 +2512,8 @@ int64_t Lo, Hi;
             (void)Gv_mean;   /* mean = mean(x) */
             double Gv_Sum_var[DG_NHWC_GROUPS];
             {
-                double Lane_Sum_var[DG_LANES][DG_NHWC_GROUPS];
-                memset(Lane_Sum_var, 0, sizeof Lane_Sum_var);
+                double Lane_Sum_var[DG_LANES * DG_NHWC_GROUPS];     /* [lane][group], dense for this W */
+                memset(Lane_Sum_var, 0, (size_t)(DG_LANES * W) * sizeof(double));
                 const int64_t Run = Cg * S;      /* values per run */
                 const int64_t Full = Run - Run % DG_LANES;     /* the rest go to lane 0 */
                 (void)Full;
@@ -2533,14 +2533,14 @@ int64_t Lo, Hi;
                                 (void)Ch;
                                 const double mean = Gv_mean[Gi];
                                 const double Xv = (double)Dg_from_bf16(x[Idx]);
-                                Lane_Sum_var[J][Gi] += ((Xv - mean)*(Xv - mean));
+                                Lane_Sum_var[J * W + Gi] += ((Xv - mean)*(Xv - mean));
                             }
                         }
                     }
                 }
                 for (int64_t Gi = 0; Gi < W; ++Gi) {
                     double Col[DG_LANES];
-                    for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_Sum_var[Q][Gi];
+                    for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_Sum_var[Q * W + Gi];
                     Gv_Sum_var[Gi] = Dg_lanes(Col);
                 }
             }
@@ -2689,10 +2689,10 @@ int64_t Lo, Hi;
                     const float rstd_F = (float)rstd;
                     Pv_rstd_F[Gi] = rstd_F;
                 }
-                double Lane_Sum_g[DG_LANES][DG_NHWC_GROUPS];
-                memset(Lane_Sum_g, 0, sizeof Lane_Sum_g);
-                double Lane_Sum_g_xhat[DG_LANES][DG_NHWC_GROUPS];
-                memset(Lane_Sum_g_xhat, 0, sizeof Lane_Sum_g_xhat);
+                double Lane_Sum_g[DG_LANES * DG_NHWC_GROUPS];     /* [lane][group], dense for this W */
+                memset(Lane_Sum_g, 0, (size_t)(DG_LANES * W) * sizeof(double));
+                double Lane_Sum_g_xhat[DG_LANES * DG_NHWC_GROUPS];     /* [lane][group], dense for this W */
+                memset(Lane_Sum_g_xhat, 0, (size_t)(DG_LANES * W) * sizeof(double));
                 const int64_t Run = S;      /* values per run */
                 const int64_t Full = Run - Run % DG_LANES;     /* the rest go to lane 0 */
                 (void)Full;
@@ -2718,20 +2718,20 @@ int64_t Lo, Hi;
                                 const float Dyv = Dg_from_bf16(dy[Idx]);
                                 const float xhat = rstd_F*((Xv + H0_hi + H0_lo));
                                 const float g = Dyv*gamma_V;
-                                Lane_Sum_g[J][Gi] += ((double)g);
-                                Lane_Sum_g_xhat[J][Gi] += ((double)g)*((double)xhat);
+                                Lane_Sum_g[J * W + Gi] += ((double)g);
+                                Lane_Sum_g_xhat[J * W + Gi] += ((double)g)*((double)xhat);
                             }
                         }
                     }
                 }
                 for (int64_t Gi = 0; Gi < W; ++Gi) {
                     double Col[DG_LANES];
-                    for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_Sum_g[Q][Gi];
+                    for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_Sum_g[Q * W + Gi];
                     Gv_Sum_g[Gi] = Dg_lanes(Col);
                 }
                 for (int64_t Gi = 0; Gi < W; ++Gi) {
                     double Col[DG_LANES];
-                    for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_Sum_g_xhat[Q][Gi];
+                    for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_Sum_g_xhat[Q * W + Gi];
                     Gv_Sum_g_xhat[Gi] = Dg_lanes(Col);
                 }
             }
@@ -2780,10 +2780,10 @@ int64_t Lo, Hi;
                 for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
                     const int64_t Ob = Oi;
                     for (int64_t Ci = 0; Ci < Cg; ++Ci) {
-                        double Lane_p0[DG_LANES][DG_NHWC_GROUPS];
-                        memset(Lane_p0, 0, sizeof Lane_p0);
-                        double Lane_p1[DG_LANES][DG_NHWC_GROUPS];
-                        memset(Lane_p1, 0, sizeof Lane_p1);
+                        double Lane_p0[DG_LANES * DG_NHWC_GROUPS];
+                        memset(Lane_p0, 0, (size_t)(DG_LANES * W) * sizeof(double));
+                        double Lane_p1[DG_LANES * DG_NHWC_GROUPS];
+                        memset(Lane_p1, 0, (size_t)(DG_LANES * W) * sizeof(double));
                         for (int64_t Si = 0; Si < S; ++Si) {
                             const int64_t Pos = Si;
                             const int J = Pos < Full ? (int)(Pos % DG_LANES) : 0;
@@ -2807,18 +2807,18 @@ int64_t Lo, Hi;
                                 const float xhat = rstd_F*((Xv + H0_hi + H0_lo));
                                 const float g = Dyv*gamma_V;
                                 dx[Idx] = Dg_to_bf16((float)(rstd_F*((g - Mean_g_xhat_F*xhat + H1_hi + H1_lo))));
-                                Lane_p0[J][Gi] += ((double)Dyv)*((double)xhat);
-                                Lane_p1[J][Gi] += ((double)Dyv);
+                                Lane_p0[J * W + Gi] += ((double)Dyv)*((double)xhat);
+                                Lane_p1[J * W + Gi] += ((double)Dyv);
                             }
                         }
                         for (int64_t Gi = 0; Gi < W; ++Gi) {
                             double Col[DG_LANES];
-                            for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_p0[Q][Gi];
+                            for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_p0[Q * W + Gi];
                             Mine[0 * C + (Gb + Gi) * Cg + Ci] += Dg_lanes(Col);
                         }
                         for (int64_t Gi = 0; Gi < W; ++Gi) {
                             double Col[DG_LANES];
-                            for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_p1[Q][Gi];
+                            for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_p1[Q * W + Gi];
                             Mine[1 * C + (Gb + Gi) * Cg + Ci] += Dg_lanes(Col);
                         }
                     }
