@@ -58,6 +58,24 @@ class CKernel:
         fn.restype = ctypes.c_char_p
         return fn().decode()
 
+    def cfunc(self, mode: str, direction: str, sfx: str) -> ctypes._CFuncPtr:
+        """A fresh ctypes function object for one kernel (``sfx``: f32, f64, bf16, nhwc_f32 ...)
+        with its argument types declared, so pointers may be passed as plain ints (derivgen.torch
+        calls it on tensors' data pointers)."""
+        m = self.meta
+        fn = self.lib[f"{m['name']}_{mode}_{direction}_{sfx}"]    # lib[...] makes a new object
+        V, I64 = ctypes.c_void_p, ctypes.c_int64
+        args = [I64] * 4 + [V] * (1 if direction == "forward" else 2) + [V] * len(m["params"])
+        args += [ctypes.c_double] * len(m["options"]) + [V, I64] * len(m["inputs"])
+        nst = len(m["stats"][mode])
+        if direction == "forward":
+            args += [V] * len(m["buffers"]) + [V] + [V] * nst
+        else:
+            args += [V] * nst + [V] + [V] * len(m["params"]) + [V] * len(m["inputs"])
+        fn.argtypes = args + [ctypes.c_int]
+        fn.restype = ctypes.c_int
+        return fn
+
     def _fn(self, mode: str, direction: str, dtype) -> ctypes._CFuncPtr:
         fn = getattr(self.lib, f"{self.meta['name']}_{mode}_{direction}_{_SFX[np.dtype(dtype)]}")
         fn.restype = ctypes.c_int

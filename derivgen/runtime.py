@@ -98,45 +98,53 @@ def _check_float(name: str, v: Any, lo=None, hi=None) -> float:
 
 
 def resolve_layout(meta: dict, x: np.ndarray, params: dict, num_groups) -> Layout:
+    if x.size == 0:
+        raise ValueError(f"{meta['name']}: x is empty (shape {x.shape})")
+    return layout_from_shapes(meta, x.shape, {p: a.shape for p, a in params.items()}, num_groups)
+
+
+def layout_from_shapes(meta: dict, x_shape, param_shapes: dict, num_groups) -> Layout:
+    """The 4-D view of x from shapes alone (derivgen.torch calls it on fake and symbolic
+    shapes too), with errors naming the argument."""
     kind, red = meta["layout"], meta["reduce"]
     name = meta["name"]
-    if x.size == 0:
-        raise ValueError(f"{name}: x is empty (shape {x.shape})")
+    x_shape = tuple(x_shape)
+    nd = len(x_shape)
     if kind == "trailing":
         spanning = [p for p in meta["params"] if p not in meta.get("scalar_params", ())]
         if spanning:
-            p0, first = spanning[0], params[spanning[0]]
-            k = first.ndim
+            p0, first = spanning[0], tuple(param_shapes[spanning[0]])
+            k = len(first)
             if k == 0:
                 raise ValueError(f"{name}: {p0} must have at least one dimension (it defines the normalized axes)")
-            if x.ndim < k or tuple(x.shape[x.ndim - k:]) != tuple(first.shape):
-                raise ValueError(f"{name}: {p0} has shape {first.shape}, which must equal the trailing "
-                                 f"axes of x (shape {x.shape})")
+            if nd < k or x_shape[nd - k:] != first:
+                raise ValueError(f"{name}: {p0} has shape {first}, which must equal the trailing "
+                                 f"axes of x (shape {x_shape})")
         else:
             k = meta.get("axes", 1)
-            if x.ndim < k:
-                raise ValueError(f"{name}: x must have at least {k} dimension(s), got shape {x.shape}")
-        lead = tuple(x.shape[:x.ndim - k])
-        norm = tuple(x.shape[x.ndim - k:])
+            if nd < k:
+                raise ValueError(f"{name}: x must have at least {k} dimension(s), got shape {x_shape}")
+        lead = x_shape[:nd - k]
+        norm = x_shape[nd - k:]
         return Layout(O=math.prod(lead), G=1, Cg=math.prod(norm), S=1, per_sample=True,
-                      x_shape=x.shape, param_shape=norm, group_shape=lead)
+                      x_shape=x_shape, param_shape=norm, group_shape=lead)
     # channel layouts: x is (N, C, *spatial)
     min_nd = 3 if red == "instance" else 2
-    if x.ndim < min_nd:
+    if nd < min_nd:
         raise ValueError(f"{name}: x must have shape (N, C{', *spatial' if min_nd == 2 else ', L, ...'}) "
-                         f"with at least {min_nd} dimensions, got {x.shape}")
-    n, c = x.shape[0], x.shape[1]
-    S = math.prod(x.shape[2:])
+                         f"with at least {min_nd} dimensions, got {x_shape}")
+    n, c = x_shape[0], x_shape[1]
+    S = math.prod(x_shape[2:])
     if red == "batch":
-        return Layout(O=n, G=c, Cg=1, S=S, per_sample=False, x_shape=x.shape, param_shape=(c,), group_shape=(c,))
+        return Layout(O=n, G=c, Cg=1, S=S, per_sample=False, x_shape=x_shape, param_shape=(c,), group_shape=(c,))
     if red == "instance":
-        return Layout(O=n, G=c, Cg=1, S=S, per_sample=True, x_shape=x.shape, param_shape=(c,), group_shape=(n, c))
+        return Layout(O=n, G=c, Cg=1, S=S, per_sample=True, x_shape=x_shape, param_shape=(c,), group_shape=(n, c))
     if isinstance(num_groups, (bool, np.bool_)) or not isinstance(num_groups, (int, np.integer)):
         raise TypeError(f"{name}: num_groups must be an int, got {type(num_groups).__name__}")
     G = int(num_groups)
     if G <= 0 or c % G:
         raise ValueError(f"{name}: num_groups={G} must be positive and divide the number of channels C={c}")
-    return Layout(O=n, G=G, Cg=c // G, S=S, per_sample=True, x_shape=x.shape, param_shape=(c,), group_shape=(n, G))
+    return Layout(O=n, G=G, Cg=c // G, S=S, per_sample=True, x_shape=x_shape, param_shape=(c,), group_shape=(n, G))
 
 
 @lru_cache(maxsize=None)

@@ -70,45 +70,27 @@ for name, shapes in SHAPES.items():
 # the channel layouts), called as derivgen.torch calls them, without torch: NHWC arrays are
 # NumPy arrays laid out (N, *spatial, C), bfloat16 ones uint16. The channels-last results
 # must be the NCHW kernels' bits.
-import ctypes  # noqa: E402
 import os  # noqa: E402
 
 from derivgen.build import user_cflags  # noqa: E402
 from derivgen.cbind import CKernel  # noqa: E402
 from derivgen.runtime import resolve_layout  # noqa: E402
 
-V, I64 = ctypes.c_void_p, ctypes.c_int64
-
-
 def ptr(a):
     return None if a is None else a.ctypes.data
 
 
-def fn(lib, meta, mode, direction, sfx):
-    f = lib[f"{meta['name']}_{mode}_{direction}_{sfx}"]
-    n_st = len(meta["stats"][mode])
-    args = [I64] * 4 + [V] * (1 if direction == "forward" else 2) + [V] * len(meta["params"])
-    args += [ctypes.c_double] * len(meta["options"]) + [V, I64] * len(meta["inputs"])
-    if direction == "forward":
-        args += [V] * len(meta["buffers"]) + [V] + [V] * n_st
-    else:
-        args += [V] * n_st + [V] + [V] * len(meta["params"]) + [V] * len(meta["inputs"])
-    f.argtypes = args + [ctypes.c_int]
-    f.restype = ctypes.c_int
-    return f
-
-
-def run_pair(lib, meta, mode, sfx, L, x, dy, params, opts, bufs, threads):
+def run_pair(kern, meta, mode, sfx, L, x, dy, params, opts, bufs, threads):
     """forward + backward of one kernel pair; returns (y, stats, dx, dparams)."""
     n_st = len(meta["stats"][mode])
     st = [np.empty(L.n_groups) for _ in range(n_st)]
     y = np.empty_like(x)
     b = [bufs.get(k) for k in meta["buffers"]]
-    assert fn(lib, meta, mode, "forward", sfx)(L.O, L.G, L.Cg, L.S, ptr(x), *map(ptr, params), *opts,
+    assert kern.cfunc(mode, "forward", sfx)(L.O, L.G, L.Cg, L.S, ptr(x), *map(ptr, params), *opts,
                                                 *map(ptr, b), ptr(y), *map(ptr, st), threads) == 0
     dx = np.empty_like(x)
     dps = [np.empty_like(p) for p in params]
-    assert fn(lib, meta, mode, "backward", sfx)(L.O, L.G, L.Cg, L.S, ptr(x), ptr(dy), *map(ptr, params), *opts,
+    assert kern.cfunc(mode, "backward", sfx)(L.O, L.G, L.Cg, L.S, ptr(x), ptr(dy), *map(ptr, params), *opts,
                                                  *map(ptr, st), ptr(dx), *map(ptr, dps), threads) == 0
     return y, st, dx, dps
 
@@ -121,7 +103,7 @@ for name, shapes in SHAPES.items():
         continue                                  # online layer norm: bfloat16 covered by the torch tests
     flags = os.environ.get("CFLAGS")
     ext = CKernel(meta, k._kernel.source, cflags=None if flags is None else user_cflags(),
-                  extra=["-DDG_EXTRAS_ONLY"]).lib
+                  extra=["-DDG_EXTRAS_ONLY"])
     for xs, ps in shapes:
         groups = (2 if xs[1] % 2 == 0 else 1) if name == "groupnorm" else None
         x64 = rng.normal(size=xs)
@@ -144,7 +126,7 @@ for name, shapes in SHAPES.items():
                     dy = rng.normal(size=xs).astype(dtype)
                     params = [rng.normal(size=ps).astype(dtype) for _ in meta["params"]]
                     bd = {kk: v.astype(dtype) for kk, v in bufs.items()}
-                    ref = run_pair(k._kernel.lib, meta, mode, sfx, L, x, dy, params, opts, bd, threads)
+                    ref = run_pair(k._kernel, meta, mode, sfx, L, x, dy, params, opts, bd, threads)
                     nhwc = lambda a: np.ascontiguousarray(np.moveaxis(a, 1, -1))      # noqa: E731
                     got = run_pair(ext, meta, mode, "nhwc_" + sfx, L, nhwc(x), nhwc(dy), params, opts, bd, threads)
                     assert np.array_equal(np.moveaxis(got[0], -1, 1), ref[0], equal_nan=True), (name, xs, sfx)

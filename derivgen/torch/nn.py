@@ -31,17 +31,6 @@ def _param(p, like, shape, fill):
     return like.new_full(tuple(shape), fill)
 
 
-def _like(input, y):
-    """y in the input's memory format. The channels-last kernels already return a
-    channels_last output for a channels_last input; this covers other strided inputs
-    that are channels_last in all but name (a size-1 dimension)."""
-    if input.dim() in (4, 5) and not input.is_contiguous():
-        fmt = torch.channels_last if input.dim() == 4 else torch.channels_last_3d
-        if input.is_contiguous(memory_format=fmt):
-            return y.contiguous(memory_format=fmt)
-    return y
-
-
 class _Twin:
     """Binds the derivgen layers a twin uses when it is made (by its constructor or by
     :func:`convert`), so that the forward is plain attribute access: nothing for
@@ -107,10 +96,10 @@ class _BatchNormMixin(_Twin):
                 n = input.numel() // c
                 lay.update_buffers(stats, {"running_mean": self.running_mean, "running_var": self.running_var},
                                    {"eps": self.eps, "momentum": momentum}, n)
-            return _like(input, y)
+            return y
         y, _ = lay.forward(input, params, {}, options, training=False,
                            buffers={"running_mean": self.running_mean, "running_var": self.running_var})
-        return _like(input, y)
+        return y
 
 
 class BatchNorm1d(_BatchNormMixin, nn.BatchNorm1d):
@@ -145,11 +134,11 @@ class _InstanceNormMixin(_Twin):
                     {"running_mean": self.running_mean, "running_var": self.running_var},
                     {"eps": self.eps, "momentum": self.momentum if self.momentum is not None else 0.0}, S,
                     reduce_dims=(input.shape[0],))
-            return _like(input, y)
+            return y
         y, _ = self._dg["batchnorm"].forward(input, params, {}, {"eps": self.eps, "momentum": 0.0}, training=False,
                                           buffers={"running_mean": self.running_mean,
                                                    "running_var": self.running_var})
-        return _like(input, y)
+        return y
 
 
 class InstanceNorm1d(_InstanceNormMixin, nn.InstanceNorm1d):
@@ -174,7 +163,7 @@ class GroupNorm(_Twin, nn.GroupNorm):
         y, _ = self._dg["groupnorm"].forward(
             input, {"gamma": _param(self.weight, input, (c,), 1.0), "beta": _param(self.bias, input, (c,), 0.0)},
             {}, {"eps": self.eps}, num_groups=self.num_groups)
-        return _like(input, y)
+        return y
 
 
 # ------------------------------------------------------------------ any spec
@@ -232,16 +221,20 @@ class Module(nn.Module):
         if missing or extra:
             raise TypeError(f"{self.layer_name}: forward takes the per-group inputs {meta['inputs']} as keywords"
                             + (f"; missing {missing}" if missing else "") + (f"; unknown {sorted(extra)}" if extra else ""))
-        ins = {i: (v if isinstance(v, torch.Tensor) else torch.tensor(float(v), dtype=x.dtype))
-               for i, v in inputs.items()}
-        params = {p: getattr(self, p) for p in meta["params"]}
-        options = {o: getattr(self, o) for o in meta["options"]}
-        bufs = {b: getattr(self, b) for b in meta["buffers"]}
-        y, stats = lay.forward(x, params, ins, options, training=self.training, buffers=bufs,
-                               num_groups=self.num_groups)
-        if self.training and bufs:
-            lay.update_buffers(stats, bufs, options, x.numel() // x.shape[1])
-        return y
+        return _run(lay, x, {p: getattr(self, p) for p in meta["params"]}, inputs,
+                    {o: getattr(self, o) for o in meta["options"]}, self.training,
+                    {b: getattr(self, b) for b in meta["buffers"]}, self.num_groups)
+
+
+def _run(lay, x, params: dict, inputs: dict, options: dict, training: bool, bufs: dict, num_groups):
+    """y of a spec's layer; per-group inputs may be numbers; running buffers, when all are
+    given, are updated in training mode (batch-reduced layers: N values per channel)."""
+    ins = {i: (v if isinstance(v, torch.Tensor) else torch.tensor(float(v), dtype=x.dtype))
+           for i, v in inputs.items()}
+    y, stats = lay.forward(x, params, ins, options, training=training, buffers=bufs, num_groups=num_groups)
+    if training and bufs and all(v is not None for v in bufs.values()):
+        lay.update_buffers(stats, bufs, options, x.numel() // x.shape[1])
+    return y
 
 
 class _Function:
@@ -274,20 +267,14 @@ class _Function:
             options[o] = kw.get(o, default)
             if options[o] is None:
                 raise TypeError(f"{name}: option {o} is required")
-        ins = {}
         for i in meta["inputs"]:
             if i not in kw:
                 raise TypeError(f"{name}: input {i} is required")
-            v = kw[i]
-            ins[i] = v if isinstance(v, torch.Tensor) else torch.tensor(float(v), dtype=x.dtype)
         bufs = {b: kw.get(b) for b in meta["buffers"]}
         if not training and any(v is None for v in bufs.values()):
             raise ValueError(f"{name}: training=False normalizes with the buffers {meta['buffers']}; pass them")
-        y, stats = self._layer.forward(x, {p: kw[p] for p in meta["params"]}, ins, options, training=training,
-                                       buffers=bufs, num_groups=num_groups)
-        if training and bufs and all(v is not None for v in bufs.values()):
-            self._layer.update_buffers(stats, bufs, options, x.numel() // x.shape[1])
-        return y
+        return _run(self._layer, x, {p: kw[p] for p in meta["params"]}, {i: kw[i] for i in meta["inputs"]},
+                    options, training, bufs, num_groups)
 
 
 def function(spec):

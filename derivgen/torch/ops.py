@@ -76,35 +76,8 @@ class ModeOps:
 
 
 def layout(meta: dict, x_shape, param_shapes: dict, groups: int) -> rt.Layout:
-    """The 4-D view of x from shapes alone (works on fake and symbolic shapes too);
-    the same view the NumPy/C runtime resolves, with the same errors."""
-    name = meta["name"]
-    nd = len(x_shape)
-    if meta["layout"] == "trailing":
-        spanning = [p for p in meta["params"] if p not in meta["scalar_params"]]
-        k = len(param_shapes[spanning[0]]) if spanning else meta["axes"]
-        if k == 0:
-            raise ValueError(f"{name}: {spanning[0]} must have at least one dimension (it defines the normalized axes)")
-        if nd < k or (spanning and tuple(x_shape[nd - k:]) != tuple(param_shapes[spanning[0]])):
-            raise ValueError(f"{name}: the normalized shape {tuple(param_shapes[spanning[0]]) if spanning else k} "
-                             f"must be the trailing axes of x (shape {tuple(x_shape)})")
-        lead, norm = tuple(x_shape[:nd - k]), tuple(x_shape[nd - k:])
-        return rt.Layout(O=math.prod(lead), G=1, Cg=math.prod(norm), S=1, per_sample=True,
-                         x_shape=tuple(x_shape), param_shape=norm, group_shape=lead)
-    red = meta["reduce"]
-    if nd < (3 if red == "instance" else 2):
-        raise ValueError(f"{name}: x must have shape (N, C, *spatial), got {tuple(x_shape)}")
-    n, c, S = x_shape[0], x_shape[1], math.prod(x_shape[2:])
-    if red == "batch":
-        return rt.Layout(O=n, G=c, Cg=1, S=S, per_sample=False, x_shape=tuple(x_shape), param_shape=(c,),
-                         group_shape=(c,))
-    if red == "instance":
-        return rt.Layout(O=n, G=c, Cg=1, S=S, per_sample=True, x_shape=tuple(x_shape), param_shape=(c,),
-                         group_shape=(n, c))
-    if groups <= 0 or c % groups:
-        raise ValueError(f"{name}: num_groups={groups} must be positive and divide the number of channels C={c}")
-    return rt.Layout(O=n, G=groups, Cg=c // groups, S=S, per_sample=True, x_shape=tuple(x_shape),
-                     param_shape=(c,), group_shape=(n, groups))
+    """The runtime's 4-D view of x, from shapes (``groups`` 0 for layers without groups)."""
+    return rt.layout_from_shapes(meta, x_shape, param_shapes, groups if meta["reduce"] == "group" else None)
 
 
 def _check(name: str, what: str, t) -> None:
@@ -228,20 +201,7 @@ class TorchLayer:
     # checks (8x1024 layer norm fwd+bwd: ~480 us through the full path, see the README).
 
     def _cfn(self, mode: str, direction: str, dtype, nhwc: bool = False) -> ctypes._CFuncPtr:
-        m = self.meta
-        name = f"{m['name']}_{mode}_{direction}_{'nhwc_' if nhwc else ''}{_SFX[dtype]}"
-        fn = self._kernel_for(dtype, nhwc).lib[name]   # a fresh function object: argtypes of its own
-        V, I64 = ctypes.c_void_p, ctypes.c_int64
-        args = [I64] * 4 + [V] * (1 if direction == "forward" else 2) + [V] * len(self.params)
-        args += [ctypes.c_double] * len(self.options) + [V, I64] * len(self.inputs)
-        nst = len(m["stats"][mode])
-        if direction == "forward":
-            args += [V] * len(self.buffers) + [V] + [V] * nst
-        else:
-            args += [V] * nst + [V] + [V] * len(self.params) + [V] * len(self.inputs)
-        fn.argtypes = args + [ctypes.c_int]
-        fn.restype = ctypes.c_int
-        return fn
+        return self._kernel_for(dtype, nhwc).cfunc(mode, direction, ("nhwc_" if nhwc else "") + _SFX[dtype])
 
     def _kernel_for(self, dtype, nhwc: bool = False):
         """The C library: float and double NCHW kernels in the layer's own build; the bfloat16
