@@ -264,7 +264,7 @@ class TorchLayer:
         nbuf_null = [None] * len(self.buffers) if mode == "train" else []
         plans: dict = {}
 
-        def impl(*args, eager=False):
+        def impl(*args):
             tens = args[:ntens]
             nhwc = self._channel_layout and _nhwc(tens[0])
             key = tuple([(t.shape, t.dtype, t.is_cpu, t.is_contiguous()) for t in tens]) + (args[-1], nhwc)
@@ -304,7 +304,7 @@ class TorchLayer:
         nstat, nopt, npar, nin = len(stats), len(self.options), len(self.params), len(self.inputs)
         plans: dict = {}
 
-        def fast(plan, args, eager, nhwc=False):
+        def fast(plan, args, nhwc=False):
             fn, L = plan
             if nhwc:                    # x in its channels-last layout; dy brought to it
                 tens = [args[0].contiguous(memory_format=_cl(args[1])), args[1],
@@ -333,7 +333,7 @@ class TorchLayer:
                            else d.reshape(t.shape))
             return _ret(tuple(out))
 
-        def impl(*args, eager=False):
+        def impl(*args):
             tens = args[:ntens]
             nhwc = self._channel_layout and _nhwc(tens[1])
             key = tuple([(t.shape, t.dtype, t.is_cpu, t.is_contiguous()) for t in tens]) + (args[-1], nhwc)
@@ -348,13 +348,13 @@ class TorchLayer:
                                          f"{tuple(a['x'].shape)} {a['x'].dtype}, got {tuple(a['dy'].shape)} "
                                          f"{a['dy'].dtype}")
                     plan = plans[key] = (self._cfn(mode, "backward", tens[1].dtype, nhwc), L)
-                out = fast(plan, args, eager, nhwc)
+                out = fast(plan, args, nhwc)
                 if out is None:
                     raise ValueError(f"{self.meta['name']}: the statistics must be float64 with one value per "
                                      f"group ({plan[1].n_groups}), as the forward returns them")
                 return out
             if plan is not None and self._options_ok(args[ntens:ntens + nopt]):
-                out = fast(plan, args, eager)
+                out = fast(plan, args)
                 if out is not None:
                     return out
             a = self._split(bargs, args)
@@ -532,7 +532,7 @@ class _Eager(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, lay, mode, ntensors, *args):
-        out = _tup(lay._impls[mode][0](*args, eager=True))
+        out = _tup(lay._impls[mode][0](*args))
         ctx.lay, ctx.mode, ctx.ntensors = lay, mode, ntensors
         ctx.scalars = args[ntensors:]
         ctx.save_for_backward(*args[:ntensors], *out[1:])
@@ -548,6 +548,6 @@ class _Eager(torch.autograd.Function):
         if torch.is_grad_enabled():
             grads = _tup(lay.modes[mode].backward(*args))
         else:
-            grads = _tup(lay._impls[mode][1](*args, eager=True))
+            grads = _tup(lay._impls[mode][1](*args))
         ndiff = 1 + len(lay.params) + len(lay.inputs)
         return (None, None, None, *grads[:ndiff], *([None] * (n - ndiff)), *([None] * len(ctx.scalars)))
