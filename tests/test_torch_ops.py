@@ -185,6 +185,47 @@ def test_fast_path_keeps_validating_and_matches_the_operator():
     torch.testing.assert_close(f(xt, w, b), torch.nn.functional.layer_norm(xt, (16,), w, b), rtol=1e-5, atol=1e-6)
 
 
+def test_eager_path_detects_in_place_changes_and_keeps_statistics():
+    """The eager path saves its inputs through autograd (a tensor changed in place before
+    the backward is an error, as for torch's own operators), returns the same statistics
+    with and without autograd, and plans one signature per shape."""
+    lay = layer("batchnorm")
+    x = torch.randn(4, 3, 5, dtype=torch.float64, requires_grad=True)
+    w, b = torch.rand(3, dtype=torch.float64, requires_grad=True), torch.randn(3, dtype=torch.float64)
+    opts = {"eps": 1e-5, "momentum": 0.1}
+    y, st = lay.forward(x, {"gamma": w, "beta": b}, {}, opts)
+    with torch.no_grad():
+        y0, st0 = lay.forward(x, {"gamma": w, "beta": b}, {}, opts)
+    assert torch.equal(y, y0) and st.keys() == st0.keys()
+    assert all(torch.equal(st[k], st0[k]) and st[k].dtype == torch.float64 and not st[k].requires_grad for k in st)
+    with torch.no_grad():
+        w.mul_(2.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+    for n in (2, 7, 2):                     # another shape, then the first again
+        xn = torch.randn(n, 3, 5, dtype=torch.float64, requires_grad=True)
+        wn = torch.rand(3, dtype=torch.float64, requires_grad=True)
+        yn, _ = lay.forward(xn, {"gamma": wn, "beta": b}, {}, opts)
+        g = torch.autograd.grad(yn, (xn, wn), torch.ones_like(yn) + xn.detach())
+        xr, wr = xn.detach().clone().requires_grad_(True), wn.detach().clone().requires_grad_(True)
+        yr = torch.nn.functional.batch_norm(xr, None, None, wr, b, training=True, eps=1e-5)
+        gr = torch.autograd.grad(yr, (xr, wr), torch.ones_like(yr) + xn.detach())
+        torch.testing.assert_close(yn, yr, rtol=1e-12, atol=1e-12)
+        for a, c in zip(g, gr):
+            torch.testing.assert_close(a, c, rtol=1e-10, atol=1e-12)
+
+
+def test_torch_bench_report_runs():
+    """``derivgen bench --torch``'s machinery on its per-call case (timings are not asserted:
+    a report with both sides and a ratio)."""
+    from derivgen.torch.bench import format_torch_report, run_torch_bench
+    rep = run_torch_bench(threads=1, repeat=2, cases=["LayerNorm per call"])
+    (row,) = rep["cases"]
+    assert row["torch_step"] > 0 and row["derivgen_step"] > 0 and row["ratio"] > 0
+    text = format_torch_report(rep)
+    assert "LayerNorm per call" in text and " us " in text and rep["block"] is None
+
+
 FUZZ_SEEDS = range(16)
 
 

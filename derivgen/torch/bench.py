@@ -30,19 +30,32 @@ CASES = [
 ]
 
 
+def _inner(x) -> int:
+    """Calls per timed sample: small inputs take tens of microseconds per call, too
+    short for one perf_counter reading each, so a sample is a loop of calls."""
+    return max(1, min(200, 2**16 // max(1, x.numel() // 16)))
+
+
 def _step(m, x, dy):
+    params = list(m.parameters())
+    k = _inner(x)
+
     def call():
-        x.grad = None
-        for p in m.parameters():
-            p.grad = None
-        m(x).backward(dy)
+        for _ in range(k):
+            x.grad = None
+            for p in params:
+                p.grad = None
+            m(x).backward(dy)
     return call
 
 
 def _fwd(m, x):
+    k = _inner(x)
+
     def call():
         with torch.no_grad():
-            m(x)
+            for _ in range(k):
+                m(x)
     return call
 
 
@@ -61,13 +74,26 @@ class Block(nn.Module):
         return x + self.mlp(self.ln2(x))
 
 
-def run_torch_bench(threads: int | None = None, repeat: int = 15, dtype: str = "float32", progress=None) -> dict:
+def run_torch_bench(threads: int | None = None, repeat: int = 15, dtype: str = "float32", progress=None,
+                    cases=None) -> dict:
+    """The table of CASES (or those whose labels are in ``cases``) and the transformer
+    block (unless ``cases`` leaves it out: include "block")."""
     threads = threads or machine().cores
+    before = torch.get_num_threads()
     torch.set_num_threads(threads)
+    try:
+        return _run(threads, repeat, dtype, progress, cases)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _run(threads, repeat, dtype, progress, cases) -> dict:
     tdt = getattr(torch, dtype)
     gen = torch.Generator().manual_seed(0)
     rows = []
     for label, make, shape, fmt, target in CASES:
+        if cases is not None and label not in cases:
+            continue
         ref = make().to(tdt)
         ours = dnn.convert(copy.deepcopy(ref))
         x = torch.randn(shape, generator=gen, dtype=tdt)
@@ -89,12 +115,19 @@ def run_torch_bench(threads: int | None = None, repeat: int = 15, dtype: str = "
             continue
         ms = round_robin({"torch_step": _step(ref, x, dy), "derivgen_step": _step(ours, x, dy),
                           "torch_fwd": _fwd(ref, x), "derivgen_fwd": _fwd(ours, x)}, repeat)
-        row.update(ms)
+        row.update({k: v / _inner(x) for k, v in ms.items()})
+        ms = row
         row["ratio"] = ms["derivgen_step"] / ms["torch_step"]
         row["fwd_ratio"] = ms["derivgen_fwd"] / ms["torch_fwd"]
         rows.append(row)
         if progress:
             progress(label)
+    m = machine()
+    rep = {"machine": {"cpu": m.cpu, "cores": m.cores, "torch": torch.__version__,
+                       "torch_threads": torch.get_num_threads()},
+           "dtype": dtype, "repeat": repeat, "threads": threads, "cases": rows, "block": None}
+    if cases is not None and "block" not in cases:
+        return rep
     # a transformer block's training step
     torch.manual_seed(0)
     ref = Block().to(tdt)
@@ -130,10 +163,12 @@ def run_torch_bench(threads: int | None = None, repeat: int = 15, dtype: str = "
                  derivgen_norm_share=ms["derivgen_norms"] / ms["derivgen_step"])
     if progress:
         progress("transformer block")
-    m = machine()
-    return {"machine": {"cpu": m.cpu, "cores": m.cores, "torch": torch.__version__,
-                        "torch_threads": torch.get_num_threads()},
-            "dtype": dtype, "repeat": repeat, "threads": threads, "cases": rows, "block": block}
+    rep["block"] = block
+    return rep
+
+
+def _t(ms: float) -> str:
+    return f"{ms:.2f} ms" if ms >= 1 else f"{1e3 * ms:.1f} us"
 
 
 def format_torch_report(rep: dict) -> str:
@@ -151,9 +186,11 @@ def format_torch_report(rep: dict) -> str:
             lines.append(f"{r['case']:28s} {shape:>16s}   not supported: {r['error']}")
             continue
         ok = "" if r["target"] is None else ("  met" if r["ratio"] <= r["target"] else "  MISSED")
-        lines.append(f"{r['case']:28s} {shape:>16s} {r['torch_step']:10.2f} ms {r['derivgen_step']:6.2f} ms "
+        lines.append(f"{r['case']:28s} {shape:>16s} {_t(r['torch_step']):>13s} {_t(r['derivgen_step']):>9s} "
                      f"{r['ratio']:6.2f} {r['fwd_ratio']:9.2f} {tgt:>7s}{ok}")
     b = rep["block"]
+    if b is None:
+        return "\n".join(lines)
     lines += ["",
               f"transformer block training step ({'x'.join(map(str, b['shape']))}, LayerNorm + RMSNorm, SGD): "
               f"torch.nn {b['torch_step']:.1f} ms, derivgen {b['derivgen_step']:.1f} ms (ratio {b['ratio']:.2f}); "

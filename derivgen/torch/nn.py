@@ -52,12 +52,10 @@ class LayerNorm(_Twin, nn.LayerNorm):
     _DG_LAYERS = ("layernorm",)
 
     def forward(self, input):
-        lay = self._dg["layernorm"]
         shape = self.normalized_shape
-        y, _ = lay.forward(input, {"gamma": _param(self.weight, input, shape, 1.0),
-                                   "beta": _param(self.bias, input, shape, 0.0)},
-                           {}, {"eps": self.eps})
-        return y
+        return self._dg["layernorm"].call(
+            "train", [input, _param(self.weight, input, shape, 1.0), _param(self.bias, input, shape, 0.0)],
+            (float(self.eps),), 0, stats=False)[0]
 
 
 class RMSNorm(_Twin, nn.RMSNorm):
@@ -67,10 +65,9 @@ class RMSNorm(_Twin, nn.RMSNorm):
     _DG_LAYERS = ("rmsnorm",)
 
     def forward(self, x):
-        lay = self._dg["rmsnorm"]
         eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
-        y, _ = lay.forward(x, {"gamma": _param(self.weight, x, self.normalized_shape, 1.0)}, {}, {"eps": eps})
-        return y
+        return self._dg["rmsnorm"].call("train", [x, _param(self.weight, x, self.normalized_shape, 1.0)],
+                                        (float(eps),), 0, stats=False)[0]
 
 
 class _BatchNormMixin(_Twin):
@@ -97,7 +94,7 @@ class _BatchNormMixin(_Twin):
                 lay.update_buffers(stats, {"running_mean": self.running_mean, "running_var": self.running_var},
                                    {"eps": self.eps, "momentum": momentum}, n)
             return y
-        y, _ = lay.forward(input, params, {}, options, training=False,
+        y, _ = lay.forward(input, params, {}, options, training=False, stats=False,
                            buffers={"running_mean": self.running_mean, "running_var": self.running_var})
         return y
 
@@ -162,7 +159,7 @@ class GroupNorm(_Twin, nn.GroupNorm):
         c = input.shape[1]
         y, _ = self._dg["groupnorm"].forward(
             input, {"gamma": _param(self.weight, input, (c,), 1.0), "beta": _param(self.bias, input, (c,), 0.0)},
-            {}, {"eps": self.eps}, num_groups=self.num_groups)
+            {}, {"eps": self.eps}, num_groups=self.num_groups, stats=False)
         return y
 
 
