@@ -117,9 +117,10 @@ int batchnorm_train_forward_f32(
             const double running_var_G = running_var ? (double)running_var[Grp] : 0.0;   /* one value per group */
             double Sum_mean;
             {
-                double Lane_Sum_mean[DG_LANES] = {0};
+                Sum_mean = 0.0;         /* the blocks' lane sums, added in block order */
                 for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
                     const int64_t Off = Base + Blk * Block_stride;
+                    double Lane_Sum_mean[DG_LANES] = {0};
                     const int64_t Nxt = Blk + 1 < Blocks ? Off + Block_stride : Base + M;   /* block read next */
                     {
                         int64_t Mi = 0;
@@ -144,15 +145,16 @@ int batchnorm_train_forward_f32(
                         }
                     }
 
+                    Sum_mean += Dg_lanes(Lane_Sum_mean);
                 }
-                Sum_mean = Dg_lanes(Lane_Sum_mean);
             }
             const double mean = Sum_mean/N;  /* mean = mean(x) */
             double Sum_var;
             {
-                double Lane_Sum_var[DG_LANES] = {0};
+                Sum_var = 0.0;         /* the blocks' lane sums, added in block order */
                 for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
                     const int64_t Off = Base + Blk * Block_stride;
+                    double Lane_Sum_var[DG_LANES] = {0};
                     {
                         int64_t Mi = 0;
                         for (; Mi + DG_LANES <= M; Mi += DG_LANES) {
@@ -172,8 +174,8 @@ int batchnorm_train_forward_f32(
                         }
                     }
 
+                    Sum_var += Dg_lanes(Lane_Sum_var);
                 }
-                Sum_var = Dg_lanes(Lane_Sum_var);
             }
             const double var = Sum_var/N;  /* var = mean((x - mean)**2) */
             const double rstd = 1/sqrt(var + eps);  /* rstd = 1/sqrt(var + eps) */
@@ -374,10 +376,12 @@ int batchnorm_train_backward_f32(
                 const float H0_hi = (float)H0;
                 const float H0_lo = (float)(H0 - (double)H0_hi);
                 const float rstd_F = (float)rstd;
-                double Lane_Sum_g[DG_LANES] = {0};
-                double Lane_Sum_g_xhat[DG_LANES] = {0};
+                Sum_g = 0.0;         /* the blocks' lane sums, added in block order */
+                Sum_g_xhat = 0.0;         /* the blocks' lane sums, added in block order */
                 for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
                     const int64_t Off = Base + Blk * Block_stride;
+                    double Lane_Sum_g[DG_LANES] = {0};
+                    double Lane_Sum_g_xhat[DG_LANES] = {0};
                     const int64_t Nxt = Blk + 1 < Blocks ? Off + Block_stride : Base + M;   /* block read next */
                     if (S == 1) {           /* parameters vary along the run */
                         {
@@ -460,9 +464,9 @@ int batchnorm_train_backward_f32(
 
                         }
                     }
+                    Sum_g += Dg_lanes(Lane_Sum_g);
+                    Sum_g_xhat += Dg_lanes(Lane_Sum_g_xhat);
                 }
-                Sum_g = Dg_lanes(Lane_Sum_g);
-                Sum_g_xhat = Dg_lanes(Lane_Sum_g_xhat);
             }
             const double Mean_g = Sum_g/N;  /* Mean_g = mean(g) */
             const double Mean_g_xhat = Sum_g_xhat/N;  /* Mean_g_xhat = mean(g*xhat) */
@@ -619,7 +623,6 @@ int batchnorm_train_backward_f32(
 #endif /* DG_WANT_FLOAT */
 
 #if DG_WANT_EXTRAS
-
 /* ---- train forward, channels last (NHWC), float ---- */
 int batchnorm_train_forward_nhwc_f32(
     int64_t O, int64_t G, int64_t Cg, int64_t S,
@@ -642,6 +645,7 @@ const int64_t C = G * Cg;
     const double N = (double)(Blocks * Cg * S);               /* values per group */
     const int Nth = Dg_threads(Nthreads);
     (void)N;
+    (void)N_groups;
     (void)Nth;
     (void)x;
     (void)gamma;
@@ -649,177 +653,214 @@ const int64_t C = G * Cg;
     (void)eps;
     (void)momentum;
 
+const int64_t Full = S - S % DG_LANES;          /* positions past it go to lane 0 */
+    const int Out_Stream = Dg_stream_on(O * S * C, (int64_t)sizeof(float));
+    (void)Out_Stream;
+    double *Gv_running_mean_G = (double *)calloc((size_t)(G) + 1, sizeof(double));
+    double *Gv_running_var_G = (double *)calloc((size_t)(G) + 1, sizeof(double));
+    double *Gv_Sum_mean = (double *)calloc((size_t)(G) + 1, sizeof(double));
+    double *Bs_Sum_mean = (double *)calloc((size_t)(DG_NHWC_CHUNK * G) + 1, sizeof(double));
+    double *Gv_mean = (double *)calloc((size_t)(G) + 1, sizeof(double));
+    double *Gv_Sum_var = (double *)calloc((size_t)(G) + 1, sizeof(double));
+    double *Bs_Sum_var = (double *)calloc((size_t)(DG_NHWC_CHUNK * G) + 1, sizeof(double));
+    double *Gv_var = (double *)calloc((size_t)(G) + 1, sizeof(double));
+    double *Gv_rstd = (double *)calloc((size_t)(G) + 1, sizeof(double));
+    float *PvF_H0_hi = (float *)calloc((size_t)(G) + 1, sizeof(float));
+    float *PvF_H0_lo = (float *)calloc((size_t)(G) + 1, sizeof(float));
+    float *PvF_rstd_F = (float *)calloc((size_t)(G) + 1, sizeof(float));
+    if (Gv_running_mean_G == NULL || Gv_running_var_G == NULL || Gv_Sum_mean == NULL || Bs_Sum_mean == NULL || Gv_mean == NULL || Gv_Sum_var == NULL || Bs_Sum_var == NULL || Gv_var == NULL || Gv_rstd == NULL || PvF_H0_hi == NULL || PvF_H0_lo == NULL || PvF_rstd_F == NULL) {
+        free(Gv_running_mean_G);
+        free(Gv_running_var_G);
+        free(Gv_Sum_mean);
+        free(Bs_Sum_mean);
+        free(Gv_mean);
+        free(Gv_Sum_var);
+        free(Bs_Sum_var);
+        free(Gv_var);
+        free(Gv_rstd);
+        free(PvF_H0_hi);
+        free(PvF_H0_lo);
+        free(PvF_rstd_F);
+        return -1;
+    }
     DG_PRAGMA(omp parallel num_threads(Nth))
     {
-int64_t Lo, Hi;
-        Dg_share(N_groups, &Lo, &Hi);             /* the NCHW kernels' split of the groups */
-        for (int64_t B0 = Lo; B0 < Hi;) {
-            const int64_t Oi = 0;   /* the block's sample */
-            const int64_t Gb = B0;   /* its first group */
-            int64_t W = Hi - B0 < DG_NHWC_GROUPS ? Hi - B0 : DG_NHWC_GROUPS;
-            if (Gb + W > G)
-                W = G - Gb;                       /* one sample's groups at a time */
-            (void)Oi;
-
-            double Gv_running_mean_G[DG_NHWC_GROUPS];
-            for (int64_t Gi = 0; Gi < W; ++Gi)
-                Gv_running_mean_G[Gi] = running_mean ? (double)running_mean[B0 + Gi] : 0.0;
-            (void)Gv_running_mean_G;
-            double Gv_running_var_G[DG_NHWC_GROUPS];
-            for (int64_t Gi = 0; Gi < W; ++Gi)
-                Gv_running_var_G[Gi] = running_var ? (double)running_var[B0 + Gi] : 0.0;
-            (void)Gv_running_var_G;
-            double Gv_Sum_mean[DG_NHWC_GROUPS];
-            {
-                double Lane_Sum_mean[DG_LANES * DG_NHWC_GROUPS];     /* [lane][group], dense for this W */
-                memset(Lane_Sum_mean, 0, (size_t)(DG_LANES * W) * sizeof(double));
-                const int64_t Run = Cg * S;      /* values per run */
-                const int64_t Full = Run - Run % DG_LANES;     /* the rest go to lane 0 */
-                (void)Full;
-                for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
-                    const int64_t Ob = Blk;
-                    for (int64_t Ci = 0; Ci < Cg; ++Ci) {
-                        for (int64_t Si = 0; Si < S; ++Si) {
-                            const int64_t Pos = Ci * S + Si;
-                            const int J = Pos < Full ? (int)(Pos % DG_LANES) : 0;
-                            const int64_t Row = (Ob * S + Si) * C + Ci;
-                            (void)J;
-                            DG_INDEPENDENT
-                            for (int64_t Gi = 0; Gi < W; ++Gi) {
-                                const int64_t Idx = Row + Gb + Gi;     /* one channel per group (Cg == 1): contiguous */
-                                const int64_t Ch = Gb + Gi;
-                                (void)Idx;
-                                (void)Ch;
-                                const double Xv = (double)x[Idx];
-                                Lane_Sum_mean[J * W + Gi] += Xv;
-                            }
-                        }
-                    }
-                }
-                for (int64_t Gi = 0; Gi < W; ++Gi) {
-                    double Col[DG_LANES];
-                    for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_Sum_mean[Q * W + Gi];
-                    Gv_Sum_mean[Gi] = Dg_lanes(Col);
-                }
-            }
-            double Gv_mean[DG_NHWC_GROUPS];
-            for (int64_t Gi = 0; Gi < W; ++Gi) {
-                const double Sum_mean = Gv_Sum_mean[Gi];
-                Gv_mean[Gi] = Sum_mean/N;
-            }
-            (void)Gv_mean;   /* mean = mean(x) */
-            double Gv_Sum_var[DG_NHWC_GROUPS];
-            {
-                double Lane_Sum_var[DG_LANES * DG_NHWC_GROUPS];     /* [lane][group], dense for this W */
-                memset(Lane_Sum_var, 0, (size_t)(DG_LANES * W) * sizeof(double));
-                const int64_t Run = Cg * S;      /* values per run */
-                const int64_t Full = Run - Run % DG_LANES;     /* the rest go to lane 0 */
-                (void)Full;
-                for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
-                    const int64_t Ob = Blk;
-                    for (int64_t Ci = 0; Ci < Cg; ++Ci) {
-                        for (int64_t Si = 0; Si < S; ++Si) {
-                            const int64_t Pos = Ci * S + Si;
-                            const int J = Pos < Full ? (int)(Pos % DG_LANES) : 0;
-                            const int64_t Row = (Ob * S + Si) * C + Ci;
-                            (void)J;
-                            DG_INDEPENDENT
-                            for (int64_t Gi = 0; Gi < W; ++Gi) {
-                                const int64_t Idx = Row + Gb + Gi;     /* one channel per group (Cg == 1): contiguous */
-                                const int64_t Ch = Gb + Gi;
-                                (void)Idx;
-                                (void)Ch;
-                                const double mean = Gv_mean[Gi];
-                                const double Xv = (double)x[Idx];
-                                Lane_Sum_var[J * W + Gi] += ((Xv - mean)*(Xv - mean));
-                            }
-                        }
-                    }
-                }
-                for (int64_t Gi = 0; Gi < W; ++Gi) {
-                    double Col[DG_LANES];
-                    for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_Sum_var[Q * W + Gi];
-                    Gv_Sum_var[Gi] = Dg_lanes(Col);
-                }
-            }
-            double Gv_var[DG_NHWC_GROUPS];
-            for (int64_t Gi = 0; Gi < W; ++Gi) {
-                const double Sum_var = Gv_Sum_var[Gi];
-                Gv_var[Gi] = Sum_var/N;
-            }
-            (void)Gv_var;   /* var = mean((x - mean)**2) */
-            double Gv_rstd[DG_NHWC_GROUPS];
-            for (int64_t Gi = 0; Gi < W; ++Gi) {
-                const double var = Gv_var[Gi];
-                Gv_rstd[Gi] = 1/sqrt(var + eps);
-            }
-            (void)Gv_rstd;   /* rstd = 1/sqrt(var + eps) */
-            for (int64_t Gi = 0; Gi < W; ++Gi) {
-                mean_Out[B0 + Gi] = Gv_mean[Gi];
-                var_Out[B0 + Gi] = Gv_var[Gi];
-                rstd_Out[B0 + Gi] = Gv_rstd[Gi];
-            }
-            if (running_mean && running_var) {
-                for (int64_t Gi = 0; Gi < W; ++Gi) {
-                    const double running_mean_G = Gv_running_mean_G[Gi];
-                    const double running_var_G = Gv_running_var_G[Gi];
-                    const double mean = Gv_mean[Gi];
-                    const double var = Gv_var[Gi];
-                    running_mean[B0 + Gi] = (float)(mean*momentum + running_mean_G*(1 - momentum));
-                    running_var[B0 + Gi] = (float)(running_var_G*(1 - momentum) + N*momentum*var/(N - 1));
-                }
-            }
-            {
-                float Pv_H0_hi[DG_NHWC_GROUPS];
-                float Pv_H0_lo[DG_NHWC_GROUPS];
-                float Pv_rstd_F[DG_NHWC_GROUPS];
-                for (int64_t Gi = 0; Gi < W; ++Gi) {
-                    const double mean = Gv_mean[Gi];
-                    const double rstd = Gv_rstd[Gi];
-                    const double H0 = -mean;
-                    const float H0_hi = (float)H0;
-                    Pv_H0_hi[Gi] = H0_hi;
-                    const float H0_lo = (float)(H0 - (double)H0_hi);
-                    Pv_H0_lo[Gi] = H0_lo;
-                    const float rstd_F = (float)rstd;
-                    Pv_rstd_F[Gi] = rstd_F;
-                }
-                const int64_t Run = S;      /* values per run */
-                const int64_t Full = Run - Run % DG_LANES;     /* the rest go to lane 0 */
-                (void)Full;
-                for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
-                    const int64_t Ob = Blk;
-                    for (int64_t Ci = 0; Ci < Cg; ++Ci) {
-                        for (int64_t Si = 0; Si < S; ++Si) {
-                            const int64_t Pos = Si;
-                            const int J = Pos < Full ? (int)(Pos % DG_LANES) : 0;
-                            const int64_t Row = (Ob * S + Si) * C + Ci;
-                            (void)J;
-                            DG_INDEPENDENT
-                            for (int64_t Gi = 0; Gi < W; ++Gi) {
-                                const int64_t Idx = Row + Gb + Gi;     /* one channel per group (Cg == 1): contiguous */
-                                const int64_t Ch = Gb + Gi;
-                                (void)Idx;
-                                (void)Ch;
-                                const float H0_hi = Pv_H0_hi[Gi];
-                                const float H0_lo = Pv_H0_lo[Gi];
-                                const float rstd_F = Pv_rstd_F[Gi];
-                                const float gamma_V = gamma[Ch];
-                                const float beta_V = beta[Ch];
-                                const float Xv = x[Idx];
-                                const float xhat = rstd_F*((Xv + H0_hi + H0_lo));
-                                y[Idx] = (float)(gamma_V*xhat + beta_V);
-                            }
-                        }
-                    }
-                }
-            }
-            B0 += W;
+        DG_PRAGMA(omp for schedule(static))
+        for (int64_t Gq = 0; Gq < G; ++Gq) {
+            (void)Gq;
+            Gv_running_mean_G[Gq] = running_mean ? (double)running_mean[Gq] : 0.0;
+            Gv_running_var_G[Gq] = running_var ? (double)running_var[Gq] : 0.0;
         }
+        for (int64_t Ck = 0; Ck < O; Ck += DG_NHWC_CHUNK) {
+            const int64_t Ck_end = O - Ck < DG_NHWC_CHUNK ? O : Ck + DG_NHWC_CHUNK;
+            int64_t Lo, Hi;
+            Dg_share(Ck_end - Ck, &Lo, &Hi);         /* this thread's samples of the chunk */
+            for (int64_t Ob = Ck + Lo; Ob < Ck + Hi; ++Ob) {
+                for (int64_t Gb = 0; Gb < G; Gb += DG_NHWC_GROUPS) {
+                    const int64_t W = G - Gb < DG_NHWC_GROUPS ? G - Gb : DG_NHWC_GROUPS;
+                    double Lane_Sum_mean[DG_LANES * DG_NHWC_GROUPS];     /* [lane][channel], dense for this W */
+                    memset(Lane_Sum_mean, 0, (size_t)(DG_LANES * W) * sizeof(double));
+                    for (int64_t Si = 0; Si < S; ++Si) {
+                        const int J = Si < Full ? (int)(Si % DG_LANES) : 0;   /* the rest: lane 0 */
+                        const int64_t Row = (Ob * S + Si) * C;
+                        (void)J;
+                        DG_INDEPENDENT
+                        for (int64_t Gi = 0; Gi < W; ++Gi) {
+                            const int64_t Ch = Gb + Gi;
+                            const int64_t Idx = Row + Ch;
+                            (void)Idx;
+                            const double Xv = (double)x[Idx];
+                            Lane_Sum_mean[J * W + Gi] += Xv;
+                        }
+
+                    }
+                    for (int64_t Gi = 0; Gi < W; ++Gi) {
+                        double Col[DG_LANES];
+                        for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_Sum_mean[Q * W + Gi];
+                        Bs_Sum_mean[(Ob - Ck) * G + Gb + Gi] = Dg_lanes(Col);
+                    }
+                }
+            }
+            DG_PRAGMA(omp barrier)
+            DG_PRAGMA(omp for schedule(static))
+            for (int64_t Gq = 0; Gq < G; ++Gq)
+                for (int64_t Ob = Ck; Ob < Ck_end; ++Ob) {      /* sample order, as the NCHW blocks */
+                    Gv_Sum_mean[Gq] += Bs_Sum_mean[(Ob - Ck) * G + Gq];
+                }
+        }
+        DG_PRAGMA(omp for schedule(static))
+        for (int64_t Gq = 0; Gq < G; ++Gq) {
+            const double Sum_mean = Gv_Sum_mean[Gq];
+            Gv_mean[Gq] = Sum_mean/N;
+        }   /* mean = mean(x) */
+        for (int64_t Ck = 0; Ck < O; Ck += DG_NHWC_CHUNK) {
+            const int64_t Ck_end = O - Ck < DG_NHWC_CHUNK ? O : Ck + DG_NHWC_CHUNK;
+            int64_t Lo, Hi;
+            Dg_share(Ck_end - Ck, &Lo, &Hi);         /* this thread's samples of the chunk */
+            for (int64_t Ob = Ck + Lo; Ob < Ck + Hi; ++Ob) {
+                for (int64_t Gb = 0; Gb < G; Gb += DG_NHWC_GROUPS) {
+                    const int64_t W = G - Gb < DG_NHWC_GROUPS ? G - Gb : DG_NHWC_GROUPS;
+                    double Lane_Sum_var[DG_LANES * DG_NHWC_GROUPS];     /* [lane][channel], dense for this W */
+                    memset(Lane_Sum_var, 0, (size_t)(DG_LANES * W) * sizeof(double));
+                    for (int64_t Si = 0; Si < S; ++Si) {
+                        const int J = Si < Full ? (int)(Si % DG_LANES) : 0;   /* the rest: lane 0 */
+                        const int64_t Row = (Ob * S + Si) * C;
+                        (void)J;
+                        DG_INDEPENDENT
+                        for (int64_t Gi = 0; Gi < W; ++Gi) {
+                            const int64_t Ch = Gb + Gi;
+                            const int64_t Idx = Row + Ch;
+                            (void)Idx;
+                            const double mean = Gv_mean[Ch];
+                            const double Xv = (double)x[Idx];
+                            Lane_Sum_var[J * W + Gi] += ((Xv - mean)*(Xv - mean));
+                        }
+
+                    }
+                    for (int64_t Gi = 0; Gi < W; ++Gi) {
+                        double Col[DG_LANES];
+                        for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_Sum_var[Q * W + Gi];
+                        Bs_Sum_var[(Ob - Ck) * G + Gb + Gi] = Dg_lanes(Col);
+                    }
+                }
+            }
+            DG_PRAGMA(omp barrier)
+            DG_PRAGMA(omp for schedule(static))
+            for (int64_t Gq = 0; Gq < G; ++Gq)
+                for (int64_t Ob = Ck; Ob < Ck_end; ++Ob) {      /* sample order, as the NCHW blocks */
+                    Gv_Sum_var[Gq] += Bs_Sum_var[(Ob - Ck) * G + Gq];
+                }
+        }
+        DG_PRAGMA(omp for schedule(static))
+        for (int64_t Gq = 0; Gq < G; ++Gq) {
+            const double Sum_var = Gv_Sum_var[Gq];
+            Gv_var[Gq] = Sum_var/N;
+        }   /* var = mean((x - mean)**2) */
+        DG_PRAGMA(omp for schedule(static))
+        for (int64_t Gq = 0; Gq < G; ++Gq) {
+            const double var = Gv_var[Gq];
+            Gv_rstd[Gq] = 1/sqrt(var + eps);
+        }   /* rstd = 1/sqrt(var + eps) */
+        DG_PRAGMA(omp for schedule(static))
+        for (int64_t Gq = 0; Gq < G; ++Gq) {
+            mean_Out[Gq] = Gv_mean[Gq];
+            var_Out[Gq] = Gv_var[Gq];
+            rstd_Out[Gq] = Gv_rstd[Gq];
+            if (running_mean && running_var) {
+                const double running_mean_G = Gv_running_mean_G[Gq];
+                const double running_var_G = Gv_running_var_G[Gq];
+                const double mean = Gv_mean[Gq];
+                const double var = Gv_var[Gq];
+                running_mean[Gq] = (float)(mean*momentum + running_mean_G*(1 - momentum));
+                running_var[Gq] = (float)(running_var_G*(1 - momentum) + N*momentum*var/(N - 1));
+            }
+        }
+        DG_PRAGMA(omp for schedule(static))
+        for (int64_t Gq = 0; Gq < G; ++Gq) {
+            const double mean = Gv_mean[Gq];
+            const double rstd = Gv_rstd[Gq];
+            const double H0 = -mean;
+            (void)H0;
+            const float H0_hi = (float)H0;
+            PvF_H0_hi[Gq] = H0_hi;
+            const float H0_lo = (float)(H0 - (double)H0_hi);
+            PvF_H0_lo[Gq] = H0_lo;
+            const float rstd_F = (float)rstd;
+            PvF_rstd_F[Gq] = rstd_F;
+        }
+        for (int64_t Ck = 0; Ck < O; Ck += O) {
+            const int64_t Ck_end = O - Ck < O ? O : Ck + O;
+            int64_t Lo, Hi;
+            Dg_share(Ck_end - Ck, &Lo, &Hi);         /* this thread's samples of the chunk */
+            for (int64_t Ob = Ck + Lo; Ob < Ck + Hi; ++Ob) {
+                for (int64_t Gb = 0; Gb < G; Gb += DG_NHWC_GROUPS) {
+                    const int64_t W = G - Gb < DG_NHWC_GROUPS ? G - Gb : DG_NHWC_GROUPS;
+                    for (int64_t Si = 0; Si < S; ++Si) {
+                        const int J = Si < Full ? (int)(Si % DG_LANES) : 0;   /* the rest: lane 0 */
+                        const int64_t Row = (Ob * S + Si) * C;
+                        (void)J;
+                        float St_y[DG_NHWC_GROUPS];     /* the row's outputs, streamed out below */
+                        DG_INDEPENDENT
+                        for (int64_t Gi = 0; Gi < W; ++Gi) {
+                            const int64_t Ch = Gb + Gi;
+                            const int64_t Idx = Row + Ch;
+                            (void)Idx;
+                            const float H0_hi = PvF_H0_hi[Ch];
+                            const float H0_lo = PvF_H0_lo[Ch];
+                            const float rstd_F = PvF_rstd_F[Ch];
+                            const float gamma_V = gamma[Ch];
+                            const float beta_V = beta[Ch];
+                            const float Xv = x[Idx];
+                            const float xhat = rstd_F*((Xv + H0_hi + H0_lo));
+                            St_y[Gi] = (float)(gamma_V*xhat + beta_V);
+                        }
+                        if (Out_Stream)
+                            Dg_stream_float(y + Row + Gb, St_y, W);
+                        else
+                            memcpy(y + Row + Gb, St_y, (size_t)W * sizeof(float));
+
+                    }
+                }
+            }
+        }
+        if (Out_Stream)
+            Dg_fence();
     }
+    free(Gv_running_mean_G);
+    free(Gv_running_var_G);
+    free(Gv_Sum_mean);
+    free(Bs_Sum_mean);
+    free(Gv_mean);
+    free(Gv_Sum_var);
+    free(Bs_Sum_var);
+    free(Gv_var);
+    free(Gv_rstd);
+    free(PvF_H0_hi);
+    free(PvF_H0_lo);
+    free(PvF_rstd_F);
+
     return 0;
 }
-
 /* ---- train backward, channels last (NHWC), float ---- */
 int batchnorm_train_backward_nhwc_f32(
     int64_t O, int64_t G, int64_t Cg, int64_t S,
@@ -843,6 +884,7 @@ const int64_t C = G * Cg;
     const double N = (double)(Blocks * Cg * S);               /* values per group */
     const int Nth = Dg_threads(Nthreads);
     (void)N;
+    (void)N_groups;
     (void)Nth;
     (void)x;
     (void)gamma;
@@ -850,204 +892,293 @@ const int64_t C = G * Cg;
     (void)eps;
     (void)momentum;
 
+const int64_t Full = S - S % DG_LANES;          /* positions past it go to lane 0 */
+    const int Out_Stream = Dg_stream_on(O * S * C, (int64_t)sizeof(float));
+    (void)Out_Stream;
     const int64_t P = 2;      /* parameters */
     (void)dy;
-    /* per-thread partial sums of the parameter gradients, reduced once at the end */
-    double *Part = (double *)calloc((size_t)(Nth * P * C) + 1, sizeof(double));
-    if (Part == NULL)
+    double *Gv_mean = (double *)calloc((size_t)(G) + 1, sizeof(double));
+    double *Gv_var = (double *)calloc((size_t)(G) + 1, sizeof(double));
+    double *Gv_rstd = (double *)calloc((size_t)(G) + 1, sizeof(double));
+    double *Gv_Sum_g = (double *)calloc((size_t)(G) + 1, sizeof(double));
+    double *Bs_Sum_g = (double *)calloc((size_t)(DG_NHWC_CHUNK * G) + 1, sizeof(double));
+    double *Gv_Sum_g_xhat = (double *)calloc((size_t)(G) + 1, sizeof(double));
+    double *Bs_Sum_g_xhat = (double *)calloc((size_t)(DG_NHWC_CHUNK * G) + 1, sizeof(double));
+    float *PvR_H0_hi = (float *)calloc((size_t)(G) + 1, sizeof(float));
+    float *PvR_H0_lo = (float *)calloc((size_t)(G) + 1, sizeof(float));
+    float *PvR_rstd_F = (float *)calloc((size_t)(G) + 1, sizeof(float));
+    double *Gv_Mean_g = (double *)calloc((size_t)(G) + 1, sizeof(double));
+    double *Gv_Mean_g_xhat = (double *)calloc((size_t)(G) + 1, sizeof(double));
+    double *Dp0 = (double *)calloc((size_t)(G) + 1, sizeof(double));
+    double *Bs_p0 = (double *)calloc((size_t)(DG_NHWC_CHUNK * G) + 1, sizeof(double));
+    double *Dp1 = (double *)calloc((size_t)(G) + 1, sizeof(double));
+    double *Bs_p1 = (double *)calloc((size_t)(DG_NHWC_CHUNK * G) + 1, sizeof(double));
+    float *PvF_H0_hi = (float *)calloc((size_t)(G) + 1, sizeof(float));
+    float *PvF_H0_lo = (float *)calloc((size_t)(G) + 1, sizeof(float));
+    float *PvF_H1_hi = (float *)calloc((size_t)(G) + 1, sizeof(float));
+    float *PvF_H1_lo = (float *)calloc((size_t)(G) + 1, sizeof(float));
+    float *PvF_Mean_g_xhat_F = (float *)calloc((size_t)(G) + 1, sizeof(float));
+    float *PvF_rstd_F = (float *)calloc((size_t)(G) + 1, sizeof(float));
+    if (Gv_mean == NULL || Gv_var == NULL || Gv_rstd == NULL || Gv_Sum_g == NULL || Bs_Sum_g == NULL || Gv_Sum_g_xhat == NULL || Bs_Sum_g_xhat == NULL || PvR_H0_hi == NULL || PvR_H0_lo == NULL || PvR_rstd_F == NULL || Gv_Mean_g == NULL || Gv_Mean_g_xhat == NULL || Dp0 == NULL || Bs_p0 == NULL || Dp1 == NULL || Bs_p1 == NULL || PvF_H0_hi == NULL || PvF_H0_lo == NULL || PvF_H1_hi == NULL || PvF_H1_lo == NULL || PvF_Mean_g_xhat_F == NULL || PvF_rstd_F == NULL) {
+        free(Gv_mean);
+        free(Gv_var);
+        free(Gv_rstd);
+        free(Gv_Sum_g);
+        free(Bs_Sum_g);
+        free(Gv_Sum_g_xhat);
+        free(Bs_Sum_g_xhat);
+        free(PvR_H0_hi);
+        free(PvR_H0_lo);
+        free(PvR_rstd_F);
+        free(Gv_Mean_g);
+        free(Gv_Mean_g_xhat);
+        free(Dp0);
+        free(Bs_p0);
+        free(Dp1);
+        free(Bs_p1);
+        free(PvF_H0_hi);
+        free(PvF_H0_lo);
+        free(PvF_H1_hi);
+        free(PvF_H1_lo);
+        free(PvF_Mean_g_xhat_F);
+        free(PvF_rstd_F);
         return -1;
+    }
+    /* per-thread partial sums of scalar parameters' gradients, in the NCHW kernels' order */
+    double *Part = (double *)calloc((size_t)(Nth * P * C) + 1, sizeof(double));
+    if (Part == NULL) {
+    free(Gv_mean);
+    free(Gv_var);
+    free(Gv_rstd);
+    free(Gv_Sum_g);
+    free(Bs_Sum_g);
+    free(Gv_Sum_g_xhat);
+    free(Bs_Sum_g_xhat);
+    free(PvR_H0_hi);
+    free(PvR_H0_lo);
+    free(PvR_rstd_F);
+    free(Gv_Mean_g);
+    free(Gv_Mean_g_xhat);
+    free(Dp0);
+    free(Bs_p0);
+    free(Dp1);
+    free(Bs_p1);
+    free(PvF_H0_hi);
+    free(PvF_H0_lo);
+    free(PvF_H1_hi);
+    free(PvF_H1_lo);
+    free(PvF_Mean_g_xhat_F);
+    free(PvF_rstd_F);
+
+        return -1;
+    }
     DG_PRAGMA(omp parallel num_threads(Nth))
     {
-        double *restrict Mine = Part + (int64_t)Dg_thread_id() * P * C;
-        (void)Mine;
-int64_t Lo, Hi;
-        Dg_share(N_groups, &Lo, &Hi);             /* the NCHW kernels' split of the groups */
-        for (int64_t B0 = Lo; B0 < Hi;) {
-            const int64_t Oi = 0;   /* the block's sample */
-            const int64_t Gb = B0;   /* its first group */
-            int64_t W = Hi - B0 < DG_NHWC_GROUPS ? Hi - B0 : DG_NHWC_GROUPS;
-            if (Gb + W > G)
-                W = G - Gb;                       /* one sample's groups at a time */
-            (void)Oi;
-
-            double Gv_mean[DG_NHWC_GROUPS];
-            for (int64_t Gi = 0; Gi < W; ++Gi)
-                Gv_mean[Gi] = mean_In[B0 + Gi];
-            (void)Gv_mean;
-            double Gv_var[DG_NHWC_GROUPS];
-            for (int64_t Gi = 0; Gi < W; ++Gi)
-                Gv_var[Gi] = var_In[B0 + Gi];
-            (void)Gv_var;
-            double Gv_rstd[DG_NHWC_GROUPS];
-            for (int64_t Gi = 0; Gi < W; ++Gi)
-                Gv_rstd[Gi] = rstd_In[B0 + Gi];
-            (void)Gv_rstd;
-            double Gv_Sum_g[DG_NHWC_GROUPS];
-            double Gv_Sum_g_xhat[DG_NHWC_GROUPS];
-            {
-                float Pv_H0_hi[DG_NHWC_GROUPS];
-                float Pv_H0_lo[DG_NHWC_GROUPS];
-                float Pv_rstd_F[DG_NHWC_GROUPS];
-                for (int64_t Gi = 0; Gi < W; ++Gi) {
-                    const double mean = Gv_mean[Gi];
-                    const double rstd = Gv_rstd[Gi];
-                    const double H0 = -mean;
-                    const float H0_hi = (float)H0;
-                    Pv_H0_hi[Gi] = H0_hi;
-                    const float H0_lo = (float)(H0 - (double)H0_hi);
-                    Pv_H0_lo[Gi] = H0_lo;
-                    const float rstd_F = (float)rstd;
-                    Pv_rstd_F[Gi] = rstd_F;
-                }
-                double Lane_Sum_g[DG_LANES * DG_NHWC_GROUPS];     /* [lane][group], dense for this W */
-                memset(Lane_Sum_g, 0, (size_t)(DG_LANES * W) * sizeof(double));
-                double Lane_Sum_g_xhat[DG_LANES * DG_NHWC_GROUPS];     /* [lane][group], dense for this W */
-                memset(Lane_Sum_g_xhat, 0, (size_t)(DG_LANES * W) * sizeof(double));
-                const int64_t Run = S;      /* values per run */
-                const int64_t Full = Run - Run % DG_LANES;     /* the rest go to lane 0 */
-                (void)Full;
-                for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
-                    const int64_t Ob = Blk;
-                    for (int64_t Ci = 0; Ci < Cg; ++Ci) {
-                        for (int64_t Si = 0; Si < S; ++Si) {
-                            const int64_t Pos = Si;
-                            const int J = Pos < Full ? (int)(Pos % DG_LANES) : 0;
-                            const int64_t Row = (Ob * S + Si) * C + Ci;
-                            (void)J;
-                            DG_INDEPENDENT
-                            for (int64_t Gi = 0; Gi < W; ++Gi) {
-                                const int64_t Idx = Row + Gb + Gi;     /* one channel per group (Cg == 1): contiguous */
-                                const int64_t Ch = Gb + Gi;
-                                (void)Idx;
-                                (void)Ch;
-                                const float H0_hi = Pv_H0_hi[Gi];
-                                const float H0_lo = Pv_H0_lo[Gi];
-                                const float rstd_F = Pv_rstd_F[Gi];
-                                const float gamma_V = gamma[Ch];
-                                const float Xv = x[Idx];
-                                const float Dyv = dy[Idx];
-                                const float xhat = rstd_F*((Xv + H0_hi + H0_lo));
-                                const float g = Dyv*gamma_V;
-                                Lane_Sum_g[J * W + Gi] += ((double)g);
-                                Lane_Sum_g_xhat[J * W + Gi] += ((double)g)*((double)xhat);
-                            }
-                        }
-                    }
-                }
-                for (int64_t Gi = 0; Gi < W; ++Gi) {
-                    double Col[DG_LANES];
-                    for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_Sum_g[Q * W + Gi];
-                    Gv_Sum_g[Gi] = Dg_lanes(Col);
-                }
-                for (int64_t Gi = 0; Gi < W; ++Gi) {
-                    double Col[DG_LANES];
-                    for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_Sum_g_xhat[Q * W + Gi];
-                    Gv_Sum_g_xhat[Gi] = Dg_lanes(Col);
-                }
-            }
-            double Gv_Mean_g[DG_NHWC_GROUPS];
-            for (int64_t Gi = 0; Gi < W; ++Gi) {
-                const double Sum_g = Gv_Sum_g[Gi];
-                Gv_Mean_g[Gi] = Sum_g/N;
-            }
-            (void)Gv_Mean_g;   /* Mean_g = mean(g) */
-            double Gv_Mean_g_xhat[DG_NHWC_GROUPS];
-            for (int64_t Gi = 0; Gi < W; ++Gi) {
-                const double Sum_g_xhat = Gv_Sum_g_xhat[Gi];
-                Gv_Mean_g_xhat[Gi] = Sum_g_xhat/N;
-            }
-            (void)Gv_Mean_g_xhat;   /* Mean_g_xhat = mean(g*xhat) */
-            {
-                float Pv_H0_hi[DG_NHWC_GROUPS];
-                float Pv_H0_lo[DG_NHWC_GROUPS];
-                float Pv_H1_hi[DG_NHWC_GROUPS];
-                float Pv_H1_lo[DG_NHWC_GROUPS];
-                float Pv_Mean_g_xhat_F[DG_NHWC_GROUPS];
-                float Pv_rstd_F[DG_NHWC_GROUPS];
-                for (int64_t Gi = 0; Gi < W; ++Gi) {
-                    const double mean = Gv_mean[Gi];
-                    const double rstd = Gv_rstd[Gi];
-                    const double Mean_g = Gv_Mean_g[Gi];
-                    const double Mean_g_xhat = Gv_Mean_g_xhat[Gi];
-                    const double H0 = -mean;
-                    const float H0_hi = (float)H0;
-                    Pv_H0_hi[Gi] = H0_hi;
-                    const float H0_lo = (float)(H0 - (double)H0_hi);
-                    Pv_H0_lo[Gi] = H0_lo;
-                    const double H1 = -Mean_g;
-                    const float H1_hi = (float)H1;
-                    Pv_H1_hi[Gi] = H1_hi;
-                    const float H1_lo = (float)(H1 - (double)H1_hi);
-                    Pv_H1_lo[Gi] = H1_lo;
-                    const float Mean_g_xhat_F = (float)Mean_g_xhat;
-                    Pv_Mean_g_xhat_F[Gi] = Mean_g_xhat_F;
-                    const float rstd_F = (float)rstd;
-                    Pv_rstd_F[Gi] = rstd_F;
-                }
-                const int64_t Run = S;      /* values per run */
-                const int64_t Full = Run - Run % DG_LANES;     /* the rest go to lane 0 */
-                (void)Full;
-                for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
-                    const int64_t Ob = Blk;
-                    for (int64_t Ci = 0; Ci < Cg; ++Ci) {
-                        double Lane_p0[DG_LANES * DG_NHWC_GROUPS];
-                        memset(Lane_p0, 0, (size_t)(DG_LANES * W) * sizeof(double));
-                        double Lane_p1[DG_LANES * DG_NHWC_GROUPS];
-                        memset(Lane_p1, 0, (size_t)(DG_LANES * W) * sizeof(double));
-                        for (int64_t Si = 0; Si < S; ++Si) {
-                            const int64_t Pos = Si;
-                            const int J = Pos < Full ? (int)(Pos % DG_LANES) : 0;
-                            const int64_t Row = (Ob * S + Si) * C + Ci;
-                            (void)J;
-                            DG_INDEPENDENT
-                            for (int64_t Gi = 0; Gi < W; ++Gi) {
-                                const int64_t Idx = Row + Gb + Gi;     /* one channel per group (Cg == 1): contiguous */
-                                const int64_t Ch = Gb + Gi;
-                                (void)Idx;
-                                (void)Ch;
-                                const float H0_hi = Pv_H0_hi[Gi];
-                                const float H0_lo = Pv_H0_lo[Gi];
-                                const float H1_hi = Pv_H1_hi[Gi];
-                                const float H1_lo = Pv_H1_lo[Gi];
-                                const float Mean_g_xhat_F = Pv_Mean_g_xhat_F[Gi];
-                                const float rstd_F = Pv_rstd_F[Gi];
-                                const float gamma_V = gamma[Ch];
-                                const float Xv = x[Idx];
-                                const float Dyv = dy[Idx];
-                                const float xhat = rstd_F*((Xv + H0_hi + H0_lo));
-                                const float g = Dyv*gamma_V;
-                                dx[Idx] = (float)(rstd_F*((g - Mean_g_xhat_F*xhat + H1_hi + H1_lo)));
-                                Lane_p0[J * W + Gi] += ((double)Dyv)*((double)xhat);
-                                Lane_p1[J * W + Gi] += ((double)Dyv);
-                            }
-                        }
-                        for (int64_t Gi = 0; Gi < W; ++Gi) {
-                            double Col[DG_LANES];
-                            for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_p0[Q * W + Gi];
-                            Mine[0 * C + (Gb + Gi) * Cg + Ci] += Dg_lanes(Col);
-                        }
-                        for (int64_t Gi = 0; Gi < W; ++Gi) {
-                            double Col[DG_LANES];
-                            for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_p1[Q * W + Gi];
-                            Mine[1 * C + (Gb + Gi) * Cg + Ci] += Dg_lanes(Col);
-                        }
-                    }
-                }
-            }
-            B0 += W;
+        DG_PRAGMA(omp for schedule(static))
+        for (int64_t Gq = 0; Gq < G; ++Gq) {
+            (void)Gq;
+            Gv_mean[Gq] = mean_In[Gq];
+            Gv_var[Gq] = var_In[Gq];
+            Gv_rstd[Gq] = rstd_In[Gq];
         }
+        DG_PRAGMA(omp for schedule(static))
+        for (int64_t Gq = 0; Gq < G; ++Gq) {
+            const double mean = Gv_mean[Gq];
+            const double rstd = Gv_rstd[Gq];
+            const double H0 = -mean;
+            (void)H0;
+            const float H0_hi = (float)H0;
+            PvR_H0_hi[Gq] = H0_hi;
+            const float H0_lo = (float)(H0 - (double)H0_hi);
+            PvR_H0_lo[Gq] = H0_lo;
+            const float rstd_F = (float)rstd;
+            PvR_rstd_F[Gq] = rstd_F;
+        }
+        for (int64_t Ck = 0; Ck < O; Ck += DG_NHWC_CHUNK) {
+            const int64_t Ck_end = O - Ck < DG_NHWC_CHUNK ? O : Ck + DG_NHWC_CHUNK;
+            int64_t Lo, Hi;
+            Dg_share(Ck_end - Ck, &Lo, &Hi);         /* this thread's samples of the chunk */
+            for (int64_t Ob = Ck + Lo; Ob < Ck + Hi; ++Ob) {
+                for (int64_t Gb = 0; Gb < G; Gb += DG_NHWC_GROUPS) {
+                    const int64_t W = G - Gb < DG_NHWC_GROUPS ? G - Gb : DG_NHWC_GROUPS;
+                    double Lane_Sum_g[DG_LANES * DG_NHWC_GROUPS];     /* [lane][channel], dense for this W */
+                    memset(Lane_Sum_g, 0, (size_t)(DG_LANES * W) * sizeof(double));
+                    double Lane_Sum_g_xhat[DG_LANES * DG_NHWC_GROUPS];     /* [lane][channel], dense for this W */
+                    memset(Lane_Sum_g_xhat, 0, (size_t)(DG_LANES * W) * sizeof(double));
+                    for (int64_t Si = 0; Si < S; ++Si) {
+                        const int J = Si < Full ? (int)(Si % DG_LANES) : 0;   /* the rest: lane 0 */
+                        const int64_t Row = (Ob * S + Si) * C;
+                        (void)J;
+                        DG_INDEPENDENT
+                        for (int64_t Gi = 0; Gi < W; ++Gi) {
+                            const int64_t Ch = Gb + Gi;
+                            const int64_t Idx = Row + Ch;
+                            (void)Idx;
+                            const float H0_hi = PvR_H0_hi[Ch];
+                            const float H0_lo = PvR_H0_lo[Ch];
+                            const float rstd_F = PvR_rstd_F[Ch];
+                            const float gamma_V = gamma[Ch];
+                            const float Xv = x[Idx];
+                            const float Dyv = dy[Idx];
+                            const float xhat = rstd_F*((Xv + H0_hi + H0_lo));
+                            const float g = Dyv*gamma_V;
+                            Lane_Sum_g[J * W + Gi] += ((double)g);
+                            Lane_Sum_g_xhat[J * W + Gi] += ((double)g)*((double)xhat);
+                        }
+
+                    }
+                    for (int64_t Gi = 0; Gi < W; ++Gi) {
+                        double Col[DG_LANES];
+                        for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_Sum_g[Q * W + Gi];
+                        Bs_Sum_g[(Ob - Ck) * G + Gb + Gi] = Dg_lanes(Col);
+                    }
+                    for (int64_t Gi = 0; Gi < W; ++Gi) {
+                        double Col[DG_LANES];
+                        for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_Sum_g_xhat[Q * W + Gi];
+                        Bs_Sum_g_xhat[(Ob - Ck) * G + Gb + Gi] = Dg_lanes(Col);
+                    }
+                }
+            }
+            DG_PRAGMA(omp barrier)
+            DG_PRAGMA(omp for schedule(static))
+            for (int64_t Gq = 0; Gq < G; ++Gq)
+                for (int64_t Ob = Ck; Ob < Ck_end; ++Ob) {      /* sample order, as the NCHW blocks */
+                    Gv_Sum_g[Gq] += Bs_Sum_g[(Ob - Ck) * G + Gq];
+                    Gv_Sum_g_xhat[Gq] += Bs_Sum_g_xhat[(Ob - Ck) * G + Gq];
+                }
+        }
+        DG_PRAGMA(omp for schedule(static))
+        for (int64_t Gq = 0; Gq < G; ++Gq) {
+            const double Sum_g = Gv_Sum_g[Gq];
+            Gv_Mean_g[Gq] = Sum_g/N;
+        }   /* Mean_g = mean(g) */
+        DG_PRAGMA(omp for schedule(static))
+        for (int64_t Gq = 0; Gq < G; ++Gq) {
+            const double Sum_g_xhat = Gv_Sum_g_xhat[Gq];
+            Gv_Mean_g_xhat[Gq] = Sum_g_xhat/N;
+        }   /* Mean_g_xhat = mean(g*xhat) */
+        DG_PRAGMA(omp for schedule(static))
+        for (int64_t Gq = 0; Gq < G; ++Gq) {
+            const double mean = Gv_mean[Gq];
+            const double rstd = Gv_rstd[Gq];
+            const double Mean_g = Gv_Mean_g[Gq];
+            const double Mean_g_xhat = Gv_Mean_g_xhat[Gq];
+            const double H0 = -mean;
+            (void)H0;
+            const float H0_hi = (float)H0;
+            PvF_H0_hi[Gq] = H0_hi;
+            const float H0_lo = (float)(H0 - (double)H0_hi);
+            PvF_H0_lo[Gq] = H0_lo;
+            const double H1 = -Mean_g;
+            (void)H1;
+            const float H1_hi = (float)H1;
+            PvF_H1_hi[Gq] = H1_hi;
+            const float H1_lo = (float)(H1 - (double)H1_hi);
+            PvF_H1_lo[Gq] = H1_lo;
+            const float Mean_g_xhat_F = (float)Mean_g_xhat;
+            PvF_Mean_g_xhat_F[Gq] = Mean_g_xhat_F;
+            const float rstd_F = (float)rstd;
+            PvF_rstd_F[Gq] = rstd_F;
+        }
+        for (int64_t Ck = 0; Ck < O; Ck += DG_NHWC_CHUNK) {
+            const int64_t Ck_end = O - Ck < DG_NHWC_CHUNK ? O : Ck + DG_NHWC_CHUNK;
+            int64_t Lo, Hi;
+            Dg_share(Ck_end - Ck, &Lo, &Hi);         /* this thread's samples of the chunk */
+            for (int64_t Ob = Ck + Lo; Ob < Ck + Hi; ++Ob) {
+                for (int64_t Gb = 0; Gb < G; Gb += DG_NHWC_GROUPS) {
+                    const int64_t W = G - Gb < DG_NHWC_GROUPS ? G - Gb : DG_NHWC_GROUPS;
+                    double Lane_p0[DG_LANES * DG_NHWC_GROUPS];
+                    memset(Lane_p0, 0, (size_t)(DG_LANES * W) * sizeof(double));
+                    double Lane_p1[DG_LANES * DG_NHWC_GROUPS];
+                    memset(Lane_p1, 0, (size_t)(DG_LANES * W) * sizeof(double));
+                    for (int64_t Si = 0; Si < S; ++Si) {
+                        const int J = Si < Full ? (int)(Si % DG_LANES) : 0;   /* the rest: lane 0 */
+                        const int64_t Row = (Ob * S + Si) * C;
+                        (void)J;
+                        float St_dx[DG_NHWC_GROUPS];     /* the row's outputs, streamed out below */
+                        DG_INDEPENDENT
+                        for (int64_t Gi = 0; Gi < W; ++Gi) {
+                            const int64_t Ch = Gb + Gi;
+                            const int64_t Idx = Row + Ch;
+                            (void)Idx;
+                            const float H0_hi = PvF_H0_hi[Ch];
+                            const float H0_lo = PvF_H0_lo[Ch];
+                            const float H1_hi = PvF_H1_hi[Ch];
+                            const float H1_lo = PvF_H1_lo[Ch];
+                            const float Mean_g_xhat_F = PvF_Mean_g_xhat_F[Ch];
+                            const float rstd_F = PvF_rstd_F[Ch];
+                            const float gamma_V = gamma[Ch];
+                            const float Xv = x[Idx];
+                            const float Dyv = dy[Idx];
+                            const float xhat = rstd_F*((Xv + H0_hi + H0_lo));
+                            const float g = Dyv*gamma_V;
+                            St_dx[Gi] = (float)(rstd_F*((g - Mean_g_xhat_F*xhat + H1_hi + H1_lo)));
+                            Lane_p0[J * W + Gi] += ((double)Dyv)*((double)xhat);
+                            Lane_p1[J * W + Gi] += ((double)Dyv);
+                        }
+                        if (Out_Stream)
+                            Dg_stream_float(dx + Row + Gb, St_dx, W);
+                        else
+                            memcpy(dx + Row + Gb, St_dx, (size_t)W * sizeof(float));
+
+                    }
+                    for (int64_t Gi = 0; Gi < W; ++Gi) {
+                        double Col[DG_LANES];
+                        for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_p0[Q * W + Gi];
+                        Bs_p0[(Ob - Ck) * G + Gb + Gi] = Dg_lanes(Col);
+                    }
+                    for (int64_t Gi = 0; Gi < W; ++Gi) {
+                        double Col[DG_LANES];
+                        for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_p1[Q * W + Gi];
+                        Bs_p1[(Ob - Ck) * G + Gb + Gi] = Dg_lanes(Col);
+                    }
+                }
+            }
+            DG_PRAGMA(omp barrier)
+            DG_PRAGMA(omp for schedule(static))
+            for (int64_t Gq = 0; Gq < G; ++Gq)
+                for (int64_t Ob = Ck; Ob < Ck_end; ++Ob) {      /* sample order, as the NCHW blocks */
+                    Dp0[Gq] += Bs_p0[(Ob - Ck) * G + Gq];
+                    Dp1[Gq] += Bs_p1[(Ob - Ck) * G + Gq];
+                }
+        }
+        if (Out_Stream)
+            Dg_fence();
     }
     for (int64_t Cc = 0; Cc < C; ++Cc) {       /* dgamma */
-        double Acc = 0.0;
+        double Acc = 0.0 + Dp0[Cc];
         for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * P * C + 0 * C + Cc];
         dgamma[Cc] = (float)(Acc);
     }
     for (int64_t Cc = 0; Cc < C; ++Cc) {       /* dbeta */
-        double Acc = 0.0;
+        double Acc = 0.0 + Dp1[Cc];
         for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * P * C + 1 * C + Cc];
         dbeta[Cc] = (float)(Acc);
     }
     free(Part);
+    free(Gv_mean);
+    free(Gv_var);
+    free(Gv_rstd);
+    free(Gv_Sum_g);
+    free(Bs_Sum_g);
+    free(Gv_Sum_g_xhat);
+    free(Bs_Sum_g_xhat);
+    free(PvR_H0_hi);
+    free(PvR_H0_lo);
+    free(PvR_rstd_F);
+    free(Gv_Mean_g);
+    free(Gv_Mean_g_xhat);
+    free(Dp0);
+    free(Bs_p0);
+    free(Dp1);
+    free(Bs_p1);
+    free(PvF_H0_hi);
+    free(PvF_H0_lo);
+    free(PvF_H1_hi);
+    free(PvF_H1_lo);
+    free(PvF_Mean_g_xhat_F);
+    free(PvF_rstd_F);
+
     return 0;
 }
 #endif /* DG_WANT_EXTRAS */
@@ -1102,9 +1233,10 @@ int batchnorm_train_forward_f64(
             const double running_var_G = running_var ? running_var[Grp] : 0.0;   /* one value per group */
             double Sum_mean;
             {
-                double Lane_Sum_mean[DG_LANES] = {0};
+                Sum_mean = 0.0;         /* the blocks' lane sums, added in block order */
                 for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
                     const int64_t Off = Base + Blk * Block_stride;
+                    double Lane_Sum_mean[DG_LANES] = {0};
                     const int64_t Nxt = Blk + 1 < Blocks ? Off + Block_stride : Base + M;   /* block read next */
                     {
                         int64_t Mi = 0;
@@ -1129,15 +1261,16 @@ int batchnorm_train_forward_f64(
                         }
                     }
 
+                    Sum_mean += Dg_lanes(Lane_Sum_mean);
                 }
-                Sum_mean = Dg_lanes(Lane_Sum_mean);
             }
             const double mean = Sum_mean/N;  /* mean = mean(x) */
             double Sum_var;
             {
-                double Lane_Sum_var[DG_LANES] = {0};
+                Sum_var = 0.0;         /* the blocks' lane sums, added in block order */
                 for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
                     const int64_t Off = Base + Blk * Block_stride;
+                    double Lane_Sum_var[DG_LANES] = {0};
                     {
                         int64_t Mi = 0;
                         for (; Mi + DG_LANES <= M; Mi += DG_LANES) {
@@ -1157,8 +1290,8 @@ int batchnorm_train_forward_f64(
                         }
                     }
 
+                    Sum_var += Dg_lanes(Lane_Sum_var);
                 }
-                Sum_var = Dg_lanes(Lane_Sum_var);
             }
             const double var = Sum_var/N;  /* var = mean((x - mean)**2) */
             const double rstd = 1/sqrt(var + eps);  /* rstd = 1/sqrt(var + eps) */
@@ -1351,10 +1484,12 @@ int batchnorm_train_backward_f64(
             double Sum_g;
             double Sum_g_xhat;
             {
-                double Lane_Sum_g[DG_LANES] = {0};
-                double Lane_Sum_g_xhat[DG_LANES] = {0};
+                Sum_g = 0.0;         /* the blocks' lane sums, added in block order */
+                Sum_g_xhat = 0.0;         /* the blocks' lane sums, added in block order */
                 for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
                     const int64_t Off = Base + Blk * Block_stride;
+                    double Lane_Sum_g[DG_LANES] = {0};
+                    double Lane_Sum_g_xhat[DG_LANES] = {0};
                     const int64_t Nxt = Blk + 1 < Blocks ? Off + Block_stride : Base + M;   /* block read next */
                     if (S == 1) {           /* parameters vary along the run */
                         {
@@ -1437,9 +1572,9 @@ int batchnorm_train_backward_f64(
 
                         }
                     }
+                    Sum_g += Dg_lanes(Lane_Sum_g);
+                    Sum_g_xhat += Dg_lanes(Lane_Sum_g_xhat);
                 }
-                Sum_g = Dg_lanes(Lane_Sum_g);
-                Sum_g_xhat = Dg_lanes(Lane_Sum_g_xhat);
             }
             const double Mean_g = Sum_g/N;  /* Mean_g = mean(g) */
             const double Mean_g_xhat = Sum_g_xhat/N;  /* Mean_g_xhat = mean(g*xhat) */
@@ -1591,7 +1726,6 @@ int batchnorm_train_backward_f64(
 #endif /* DG_WANT_FLOAT */
 
 #if DG_WANT_EXTRAS
-
 /* ---- train forward, channels last (NHWC), double ---- */
 int batchnorm_train_forward_nhwc_f64(
     int64_t O, int64_t G, int64_t Cg, int64_t S,
@@ -1614,6 +1748,7 @@ const int64_t C = G * Cg;
     const double N = (double)(Blocks * Cg * S);               /* values per group */
     const int Nth = Dg_threads(Nthreads);
     (void)N;
+    (void)N_groups;
     (void)Nth;
     (void)x;
     (void)gamma;
@@ -1621,162 +1756,191 @@ const int64_t C = G * Cg;
     (void)eps;
     (void)momentum;
 
+const int64_t Full = S - S % DG_LANES;          /* positions past it go to lane 0 */
+    const int Out_Stream = Dg_stream_on(O * S * C, (int64_t)sizeof(double));
+    (void)Out_Stream;
+    double *Gv_running_mean_G = (double *)calloc((size_t)(G) + 1, sizeof(double));
+    double *Gv_running_var_G = (double *)calloc((size_t)(G) + 1, sizeof(double));
+    double *Gv_Sum_mean = (double *)calloc((size_t)(G) + 1, sizeof(double));
+    double *Bs_Sum_mean = (double *)calloc((size_t)(DG_NHWC_CHUNK * G) + 1, sizeof(double));
+    double *Gv_mean = (double *)calloc((size_t)(G) + 1, sizeof(double));
+    double *Gv_Sum_var = (double *)calloc((size_t)(G) + 1, sizeof(double));
+    double *Bs_Sum_var = (double *)calloc((size_t)(DG_NHWC_CHUNK * G) + 1, sizeof(double));
+    double *Gv_var = (double *)calloc((size_t)(G) + 1, sizeof(double));
+    double *Gv_rstd = (double *)calloc((size_t)(G) + 1, sizeof(double));
+    if (Gv_running_mean_G == NULL || Gv_running_var_G == NULL || Gv_Sum_mean == NULL || Bs_Sum_mean == NULL || Gv_mean == NULL || Gv_Sum_var == NULL || Bs_Sum_var == NULL || Gv_var == NULL || Gv_rstd == NULL) {
+        free(Gv_running_mean_G);
+        free(Gv_running_var_G);
+        free(Gv_Sum_mean);
+        free(Bs_Sum_mean);
+        free(Gv_mean);
+        free(Gv_Sum_var);
+        free(Bs_Sum_var);
+        free(Gv_var);
+        free(Gv_rstd);
+        return -1;
+    }
     DG_PRAGMA(omp parallel num_threads(Nth))
     {
-int64_t Lo, Hi;
-        Dg_share(N_groups, &Lo, &Hi);             /* the NCHW kernels' split of the groups */
-        for (int64_t B0 = Lo; B0 < Hi;) {
-            const int64_t Oi = 0;   /* the block's sample */
-            const int64_t Gb = B0;   /* its first group */
-            int64_t W = Hi - B0 < DG_NHWC_GROUPS ? Hi - B0 : DG_NHWC_GROUPS;
-            if (Gb + W > G)
-                W = G - Gb;                       /* one sample's groups at a time */
-            (void)Oi;
-
-            double Gv_running_mean_G[DG_NHWC_GROUPS];
-            for (int64_t Gi = 0; Gi < W; ++Gi)
-                Gv_running_mean_G[Gi] = running_mean ? running_mean[B0 + Gi] : 0.0;
-            (void)Gv_running_mean_G;
-            double Gv_running_var_G[DG_NHWC_GROUPS];
-            for (int64_t Gi = 0; Gi < W; ++Gi)
-                Gv_running_var_G[Gi] = running_var ? running_var[B0 + Gi] : 0.0;
-            (void)Gv_running_var_G;
-            double Gv_Sum_mean[DG_NHWC_GROUPS];
-            {
-                double Lane_Sum_mean[DG_LANES * DG_NHWC_GROUPS];     /* [lane][group], dense for this W */
-                memset(Lane_Sum_mean, 0, (size_t)(DG_LANES * W) * sizeof(double));
-                const int64_t Run = Cg * S;      /* values per run */
-                const int64_t Full = Run - Run % DG_LANES;     /* the rest go to lane 0 */
-                (void)Full;
-                for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
-                    const int64_t Ob = Blk;
-                    for (int64_t Ci = 0; Ci < Cg; ++Ci) {
-                        for (int64_t Si = 0; Si < S; ++Si) {
-                            const int64_t Pos = Ci * S + Si;
-                            const int J = Pos < Full ? (int)(Pos % DG_LANES) : 0;
-                            const int64_t Row = (Ob * S + Si) * C + Ci;
-                            (void)J;
-                            DG_INDEPENDENT
-                            for (int64_t Gi = 0; Gi < W; ++Gi) {
-                                const int64_t Idx = Row + Gb + Gi;     /* one channel per group (Cg == 1): contiguous */
-                                const int64_t Ch = Gb + Gi;
-                                (void)Idx;
-                                (void)Ch;
-                                const double Xv = x[Idx];
-                                Lane_Sum_mean[J * W + Gi] += Xv;
-                            }
-                        }
-                    }
-                }
-                for (int64_t Gi = 0; Gi < W; ++Gi) {
-                    double Col[DG_LANES];
-                    for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_Sum_mean[Q * W + Gi];
-                    Gv_Sum_mean[Gi] = Dg_lanes(Col);
-                }
-            }
-            double Gv_mean[DG_NHWC_GROUPS];
-            for (int64_t Gi = 0; Gi < W; ++Gi) {
-                const double Sum_mean = Gv_Sum_mean[Gi];
-                Gv_mean[Gi] = Sum_mean/N;
-            }
-            (void)Gv_mean;   /* mean = mean(x) */
-            double Gv_Sum_var[DG_NHWC_GROUPS];
-            {
-                double Lane_Sum_var[DG_LANES * DG_NHWC_GROUPS];     /* [lane][group], dense for this W */
-                memset(Lane_Sum_var, 0, (size_t)(DG_LANES * W) * sizeof(double));
-                const int64_t Run = Cg * S;      /* values per run */
-                const int64_t Full = Run - Run % DG_LANES;     /* the rest go to lane 0 */
-                (void)Full;
-                for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
-                    const int64_t Ob = Blk;
-                    for (int64_t Ci = 0; Ci < Cg; ++Ci) {
-                        for (int64_t Si = 0; Si < S; ++Si) {
-                            const int64_t Pos = Ci * S + Si;
-                            const int J = Pos < Full ? (int)(Pos % DG_LANES) : 0;
-                            const int64_t Row = (Ob * S + Si) * C + Ci;
-                            (void)J;
-                            DG_INDEPENDENT
-                            for (int64_t Gi = 0; Gi < W; ++Gi) {
-                                const int64_t Idx = Row + Gb + Gi;     /* one channel per group (Cg == 1): contiguous */
-                                const int64_t Ch = Gb + Gi;
-                                (void)Idx;
-                                (void)Ch;
-                                const double mean = Gv_mean[Gi];
-                                const double Xv = x[Idx];
-                                Lane_Sum_var[J * W + Gi] += ((Xv - mean)*(Xv - mean));
-                            }
-                        }
-                    }
-                }
-                for (int64_t Gi = 0; Gi < W; ++Gi) {
-                    double Col[DG_LANES];
-                    for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_Sum_var[Q * W + Gi];
-                    Gv_Sum_var[Gi] = Dg_lanes(Col);
-                }
-            }
-            double Gv_var[DG_NHWC_GROUPS];
-            for (int64_t Gi = 0; Gi < W; ++Gi) {
-                const double Sum_var = Gv_Sum_var[Gi];
-                Gv_var[Gi] = Sum_var/N;
-            }
-            (void)Gv_var;   /* var = mean((x - mean)**2) */
-            double Gv_rstd[DG_NHWC_GROUPS];
-            for (int64_t Gi = 0; Gi < W; ++Gi) {
-                const double var = Gv_var[Gi];
-                Gv_rstd[Gi] = 1/sqrt(var + eps);
-            }
-            (void)Gv_rstd;   /* rstd = 1/sqrt(var + eps) */
-            for (int64_t Gi = 0; Gi < W; ++Gi) {
-                mean_Out[B0 + Gi] = Gv_mean[Gi];
-                var_Out[B0 + Gi] = Gv_var[Gi];
-                rstd_Out[B0 + Gi] = Gv_rstd[Gi];
-            }
-            if (running_mean && running_var) {
-                for (int64_t Gi = 0; Gi < W; ++Gi) {
-                    const double running_mean_G = Gv_running_mean_G[Gi];
-                    const double running_var_G = Gv_running_var_G[Gi];
-                    const double mean = Gv_mean[Gi];
-                    const double var = Gv_var[Gi];
-                    running_mean[B0 + Gi] = (double)(mean*momentum + running_mean_G*(1 - momentum));
-                    running_var[B0 + Gi] = (double)(running_var_G*(1 - momentum) + N*momentum*var/(N - 1));
-                }
-            }
-            {
-                const int64_t Run = S;      /* values per run */
-                const int64_t Full = Run - Run % DG_LANES;     /* the rest go to lane 0 */
-                (void)Full;
-                for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
-                    const int64_t Ob = Blk;
-                    for (int64_t Ci = 0; Ci < Cg; ++Ci) {
-                        for (int64_t Si = 0; Si < S; ++Si) {
-                            const int64_t Pos = Si;
-                            const int J = Pos < Full ? (int)(Pos % DG_LANES) : 0;
-                            const int64_t Row = (Ob * S + Si) * C + Ci;
-                            (void)J;
-                            DG_INDEPENDENT
-                            for (int64_t Gi = 0; Gi < W; ++Gi) {
-                                const int64_t Idx = Row + Gb + Gi;     /* one channel per group (Cg == 1): contiguous */
-                                const int64_t Ch = Gb + Gi;
-                                (void)Idx;
-                                (void)Ch;
-                                const double mean = Gv_mean[Gi];
-                                const double rstd = Gv_rstd[Gi];
-                                const double gamma_V = gamma[Ch];
-                                const double beta_V = beta[Ch];
-                                const double Xv = x[Idx];
-                                const double xhat = rstd*(Xv - mean);
-                                y[Idx] = (double)(gamma_V*xhat + beta_V);
-                            }
-                        }
-                    }
-                }
-            }
-            B0 += W;
+        DG_PRAGMA(omp for schedule(static))
+        for (int64_t Gq = 0; Gq < G; ++Gq) {
+            (void)Gq;
+            Gv_running_mean_G[Gq] = running_mean ? running_mean[Gq] : 0.0;
+            Gv_running_var_G[Gq] = running_var ? running_var[Gq] : 0.0;
         }
+        for (int64_t Ck = 0; Ck < O; Ck += DG_NHWC_CHUNK) {
+            const int64_t Ck_end = O - Ck < DG_NHWC_CHUNK ? O : Ck + DG_NHWC_CHUNK;
+            int64_t Lo, Hi;
+            Dg_share(Ck_end - Ck, &Lo, &Hi);         /* this thread's samples of the chunk */
+            for (int64_t Ob = Ck + Lo; Ob < Ck + Hi; ++Ob) {
+                for (int64_t Gb = 0; Gb < G; Gb += DG_NHWC_GROUPS) {
+                    const int64_t W = G - Gb < DG_NHWC_GROUPS ? G - Gb : DG_NHWC_GROUPS;
+                    double Lane_Sum_mean[DG_LANES * DG_NHWC_GROUPS];     /* [lane][channel], dense for this W */
+                    memset(Lane_Sum_mean, 0, (size_t)(DG_LANES * W) * sizeof(double));
+                    for (int64_t Si = 0; Si < S; ++Si) {
+                        const int J = Si < Full ? (int)(Si % DG_LANES) : 0;   /* the rest: lane 0 */
+                        const int64_t Row = (Ob * S + Si) * C;
+                        (void)J;
+                        DG_INDEPENDENT
+                        for (int64_t Gi = 0; Gi < W; ++Gi) {
+                            const int64_t Ch = Gb + Gi;
+                            const int64_t Idx = Row + Ch;
+                            (void)Idx;
+                            const double Xv = x[Idx];
+                            Lane_Sum_mean[J * W + Gi] += Xv;
+                        }
+
+                    }
+                    for (int64_t Gi = 0; Gi < W; ++Gi) {
+                        double Col[DG_LANES];
+                        for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_Sum_mean[Q * W + Gi];
+                        Bs_Sum_mean[(Ob - Ck) * G + Gb + Gi] = Dg_lanes(Col);
+                    }
+                }
+            }
+            DG_PRAGMA(omp barrier)
+            DG_PRAGMA(omp for schedule(static))
+            for (int64_t Gq = 0; Gq < G; ++Gq)
+                for (int64_t Ob = Ck; Ob < Ck_end; ++Ob) {      /* sample order, as the NCHW blocks */
+                    Gv_Sum_mean[Gq] += Bs_Sum_mean[(Ob - Ck) * G + Gq];
+                }
+        }
+        DG_PRAGMA(omp for schedule(static))
+        for (int64_t Gq = 0; Gq < G; ++Gq) {
+            const double Sum_mean = Gv_Sum_mean[Gq];
+            Gv_mean[Gq] = Sum_mean/N;
+        }   /* mean = mean(x) */
+        for (int64_t Ck = 0; Ck < O; Ck += DG_NHWC_CHUNK) {
+            const int64_t Ck_end = O - Ck < DG_NHWC_CHUNK ? O : Ck + DG_NHWC_CHUNK;
+            int64_t Lo, Hi;
+            Dg_share(Ck_end - Ck, &Lo, &Hi);         /* this thread's samples of the chunk */
+            for (int64_t Ob = Ck + Lo; Ob < Ck + Hi; ++Ob) {
+                for (int64_t Gb = 0; Gb < G; Gb += DG_NHWC_GROUPS) {
+                    const int64_t W = G - Gb < DG_NHWC_GROUPS ? G - Gb : DG_NHWC_GROUPS;
+                    double Lane_Sum_var[DG_LANES * DG_NHWC_GROUPS];     /* [lane][channel], dense for this W */
+                    memset(Lane_Sum_var, 0, (size_t)(DG_LANES * W) * sizeof(double));
+                    for (int64_t Si = 0; Si < S; ++Si) {
+                        const int J = Si < Full ? (int)(Si % DG_LANES) : 0;   /* the rest: lane 0 */
+                        const int64_t Row = (Ob * S + Si) * C;
+                        (void)J;
+                        DG_INDEPENDENT
+                        for (int64_t Gi = 0; Gi < W; ++Gi) {
+                            const int64_t Ch = Gb + Gi;
+                            const int64_t Idx = Row + Ch;
+                            (void)Idx;
+                            const double mean = Gv_mean[Ch];
+                            const double Xv = x[Idx];
+                            Lane_Sum_var[J * W + Gi] += ((Xv - mean)*(Xv - mean));
+                        }
+
+                    }
+                    for (int64_t Gi = 0; Gi < W; ++Gi) {
+                        double Col[DG_LANES];
+                        for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_Sum_var[Q * W + Gi];
+                        Bs_Sum_var[(Ob - Ck) * G + Gb + Gi] = Dg_lanes(Col);
+                    }
+                }
+            }
+            DG_PRAGMA(omp barrier)
+            DG_PRAGMA(omp for schedule(static))
+            for (int64_t Gq = 0; Gq < G; ++Gq)
+                for (int64_t Ob = Ck; Ob < Ck_end; ++Ob) {      /* sample order, as the NCHW blocks */
+                    Gv_Sum_var[Gq] += Bs_Sum_var[(Ob - Ck) * G + Gq];
+                }
+        }
+        DG_PRAGMA(omp for schedule(static))
+        for (int64_t Gq = 0; Gq < G; ++Gq) {
+            const double Sum_var = Gv_Sum_var[Gq];
+            Gv_var[Gq] = Sum_var/N;
+        }   /* var = mean((x - mean)**2) */
+        DG_PRAGMA(omp for schedule(static))
+        for (int64_t Gq = 0; Gq < G; ++Gq) {
+            const double var = Gv_var[Gq];
+            Gv_rstd[Gq] = 1/sqrt(var + eps);
+        }   /* rstd = 1/sqrt(var + eps) */
+        DG_PRAGMA(omp for schedule(static))
+        for (int64_t Gq = 0; Gq < G; ++Gq) {
+            mean_Out[Gq] = Gv_mean[Gq];
+            var_Out[Gq] = Gv_var[Gq];
+            rstd_Out[Gq] = Gv_rstd[Gq];
+            if (running_mean && running_var) {
+                const double running_mean_G = Gv_running_mean_G[Gq];
+                const double running_var_G = Gv_running_var_G[Gq];
+                const double mean = Gv_mean[Gq];
+                const double var = Gv_var[Gq];
+                running_mean[Gq] = (double)(mean*momentum + running_mean_G*(1 - momentum));
+                running_var[Gq] = (double)(running_var_G*(1 - momentum) + N*momentum*var/(N - 1));
+            }
+        }
+        for (int64_t Ck = 0; Ck < O; Ck += O) {
+            const int64_t Ck_end = O - Ck < O ? O : Ck + O;
+            int64_t Lo, Hi;
+            Dg_share(Ck_end - Ck, &Lo, &Hi);         /* this thread's samples of the chunk */
+            for (int64_t Ob = Ck + Lo; Ob < Ck + Hi; ++Ob) {
+                for (int64_t Gb = 0; Gb < G; Gb += DG_NHWC_GROUPS) {
+                    const int64_t W = G - Gb < DG_NHWC_GROUPS ? G - Gb : DG_NHWC_GROUPS;
+                    for (int64_t Si = 0; Si < S; ++Si) {
+                        const int J = Si < Full ? (int)(Si % DG_LANES) : 0;   /* the rest: lane 0 */
+                        const int64_t Row = (Ob * S + Si) * C;
+                        (void)J;
+                        double St_y[DG_NHWC_GROUPS];     /* the row's outputs, streamed out below */
+                        DG_INDEPENDENT
+                        for (int64_t Gi = 0; Gi < W; ++Gi) {
+                            const int64_t Ch = Gb + Gi;
+                            const int64_t Idx = Row + Ch;
+                            (void)Idx;
+                            const double mean = Gv_mean[Ch];
+                            const double rstd = Gv_rstd[Ch];
+                            const double gamma_V = gamma[Ch];
+                            const double beta_V = beta[Ch];
+                            const double Xv = x[Idx];
+                            const double xhat = rstd*(Xv - mean);
+                            St_y[Gi] = (double)(gamma_V*xhat + beta_V);
+                        }
+                        if (Out_Stream)
+                            Dg_stream_double(y + Row + Gb, St_y, W);
+                        else
+                            memcpy(y + Row + Gb, St_y, (size_t)W * sizeof(double));
+
+                    }
+                }
+            }
+        }
+        if (Out_Stream)
+            Dg_fence();
     }
+    free(Gv_running_mean_G);
+    free(Gv_running_var_G);
+    free(Gv_Sum_mean);
+    free(Bs_Sum_mean);
+    free(Gv_mean);
+    free(Gv_Sum_var);
+    free(Bs_Sum_var);
+    free(Gv_var);
+    free(Gv_rstd);
+
     return 0;
 }
-
 /* ---- train backward, channels last (NHWC), double ---- */
 int batchnorm_train_backward_nhwc_f64(
     int64_t O, int64_t G, int64_t Cg, int64_t S,
@@ -1800,6 +1964,7 @@ const int64_t C = G * Cg;
     const double N = (double)(Blocks * Cg * S);               /* values per group */
     const int Nth = Dg_threads(Nthreads);
     (void)N;
+    (void)N_groups;
     (void)Nth;
     (void)x;
     (void)gamma;
@@ -1807,182 +1972,248 @@ const int64_t C = G * Cg;
     (void)eps;
     (void)momentum;
 
+const int64_t Full = S - S % DG_LANES;          /* positions past it go to lane 0 */
+    const int Out_Stream = Dg_stream_on(O * S * C, (int64_t)sizeof(double));
+    (void)Out_Stream;
     const int64_t P = 2;      /* parameters */
     (void)dy;
-    /* per-thread partial sums of the parameter gradients, reduced once at the end */
-    double *Part = (double *)calloc((size_t)(Nth * P * C) + 1, sizeof(double));
-    if (Part == NULL)
+    double *Gv_mean = (double *)calloc((size_t)(G) + 1, sizeof(double));
+    double *Gv_var = (double *)calloc((size_t)(G) + 1, sizeof(double));
+    double *Gv_rstd = (double *)calloc((size_t)(G) + 1, sizeof(double));
+    double *Gv_Sum_g = (double *)calloc((size_t)(G) + 1, sizeof(double));
+    double *Bs_Sum_g = (double *)calloc((size_t)(DG_NHWC_CHUNK * G) + 1, sizeof(double));
+    double *Gv_Sum_g_xhat = (double *)calloc((size_t)(G) + 1, sizeof(double));
+    double *Bs_Sum_g_xhat = (double *)calloc((size_t)(DG_NHWC_CHUNK * G) + 1, sizeof(double));
+    double *Gv_Mean_g = (double *)calloc((size_t)(G) + 1, sizeof(double));
+    double *Gv_Mean_g_xhat = (double *)calloc((size_t)(G) + 1, sizeof(double));
+    double *Gv_K_1 = (double *)calloc((size_t)(G) + 1, sizeof(double));
+    double *Gv_K_g = (double *)calloc((size_t)(G) + 1, sizeof(double));
+    double *Gv_K_xhat = (double *)calloc((size_t)(G) + 1, sizeof(double));
+    double *Dp0 = (double *)calloc((size_t)(G) + 1, sizeof(double));
+    double *Bs_p0 = (double *)calloc((size_t)(DG_NHWC_CHUNK * G) + 1, sizeof(double));
+    double *Dp1 = (double *)calloc((size_t)(G) + 1, sizeof(double));
+    double *Bs_p1 = (double *)calloc((size_t)(DG_NHWC_CHUNK * G) + 1, sizeof(double));
+    if (Gv_mean == NULL || Gv_var == NULL || Gv_rstd == NULL || Gv_Sum_g == NULL || Bs_Sum_g == NULL || Gv_Sum_g_xhat == NULL || Bs_Sum_g_xhat == NULL || Gv_Mean_g == NULL || Gv_Mean_g_xhat == NULL || Gv_K_1 == NULL || Gv_K_g == NULL || Gv_K_xhat == NULL || Dp0 == NULL || Bs_p0 == NULL || Dp1 == NULL || Bs_p1 == NULL) {
+        free(Gv_mean);
+        free(Gv_var);
+        free(Gv_rstd);
+        free(Gv_Sum_g);
+        free(Bs_Sum_g);
+        free(Gv_Sum_g_xhat);
+        free(Bs_Sum_g_xhat);
+        free(Gv_Mean_g);
+        free(Gv_Mean_g_xhat);
+        free(Gv_K_1);
+        free(Gv_K_g);
+        free(Gv_K_xhat);
+        free(Dp0);
+        free(Bs_p0);
+        free(Dp1);
+        free(Bs_p1);
         return -1;
+    }
+    /* per-thread partial sums of scalar parameters' gradients, in the NCHW kernels' order */
+    double *Part = (double *)calloc((size_t)(Nth * P * C) + 1, sizeof(double));
+    if (Part == NULL) {
+    free(Gv_mean);
+    free(Gv_var);
+    free(Gv_rstd);
+    free(Gv_Sum_g);
+    free(Bs_Sum_g);
+    free(Gv_Sum_g_xhat);
+    free(Bs_Sum_g_xhat);
+    free(Gv_Mean_g);
+    free(Gv_Mean_g_xhat);
+    free(Gv_K_1);
+    free(Gv_K_g);
+    free(Gv_K_xhat);
+    free(Dp0);
+    free(Bs_p0);
+    free(Dp1);
+    free(Bs_p1);
+
+        return -1;
+    }
     DG_PRAGMA(omp parallel num_threads(Nth))
     {
-        double *restrict Mine = Part + (int64_t)Dg_thread_id() * P * C;
-        (void)Mine;
-int64_t Lo, Hi;
-        Dg_share(N_groups, &Lo, &Hi);             /* the NCHW kernels' split of the groups */
-        for (int64_t B0 = Lo; B0 < Hi;) {
-            const int64_t Oi = 0;   /* the block's sample */
-            const int64_t Gb = B0;   /* its first group */
-            int64_t W = Hi - B0 < DG_NHWC_GROUPS ? Hi - B0 : DG_NHWC_GROUPS;
-            if (Gb + W > G)
-                W = G - Gb;                       /* one sample's groups at a time */
-            (void)Oi;
-
-            double Gv_mean[DG_NHWC_GROUPS];
-            for (int64_t Gi = 0; Gi < W; ++Gi)
-                Gv_mean[Gi] = mean_In[B0 + Gi];
-            (void)Gv_mean;
-            double Gv_var[DG_NHWC_GROUPS];
-            for (int64_t Gi = 0; Gi < W; ++Gi)
-                Gv_var[Gi] = var_In[B0 + Gi];
-            (void)Gv_var;
-            double Gv_rstd[DG_NHWC_GROUPS];
-            for (int64_t Gi = 0; Gi < W; ++Gi)
-                Gv_rstd[Gi] = rstd_In[B0 + Gi];
-            (void)Gv_rstd;
-            double Gv_Sum_g[DG_NHWC_GROUPS];
-            double Gv_Sum_g_xhat[DG_NHWC_GROUPS];
-            {
-                double Lane_Sum_g[DG_LANES * DG_NHWC_GROUPS];     /* [lane][group], dense for this W */
-                memset(Lane_Sum_g, 0, (size_t)(DG_LANES * W) * sizeof(double));
-                double Lane_Sum_g_xhat[DG_LANES * DG_NHWC_GROUPS];     /* [lane][group], dense for this W */
-                memset(Lane_Sum_g_xhat, 0, (size_t)(DG_LANES * W) * sizeof(double));
-                const int64_t Run = S;      /* values per run */
-                const int64_t Full = Run - Run % DG_LANES;     /* the rest go to lane 0 */
-                (void)Full;
-                for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
-                    const int64_t Ob = Blk;
-                    for (int64_t Ci = 0; Ci < Cg; ++Ci) {
-                        for (int64_t Si = 0; Si < S; ++Si) {
-                            const int64_t Pos = Si;
-                            const int J = Pos < Full ? (int)(Pos % DG_LANES) : 0;
-                            const int64_t Row = (Ob * S + Si) * C + Ci;
-                            (void)J;
-                            DG_INDEPENDENT
-                            for (int64_t Gi = 0; Gi < W; ++Gi) {
-                                const int64_t Idx = Row + Gb + Gi;     /* one channel per group (Cg == 1): contiguous */
-                                const int64_t Ch = Gb + Gi;
-                                (void)Idx;
-                                (void)Ch;
-                                const double mean = Gv_mean[Gi];
-                                const double rstd = Gv_rstd[Gi];
-                                const double gamma_V = gamma[Ch];
-                                const double Xv = x[Idx];
-                                const double Dyv = dy[Idx];
-                                const double xhat = rstd*(Xv - mean);
-                                const double g = Dyv*gamma_V;
-                                Lane_Sum_g[J * W + Gi] += g;
-                                Lane_Sum_g_xhat[J * W + Gi] += g*xhat;
-                            }
-                        }
-                    }
-                }
-                for (int64_t Gi = 0; Gi < W; ++Gi) {
-                    double Col[DG_LANES];
-                    for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_Sum_g[Q * W + Gi];
-                    Gv_Sum_g[Gi] = Dg_lanes(Col);
-                }
-                for (int64_t Gi = 0; Gi < W; ++Gi) {
-                    double Col[DG_LANES];
-                    for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_Sum_g_xhat[Q * W + Gi];
-                    Gv_Sum_g_xhat[Gi] = Dg_lanes(Col);
-                }
-            }
-            double Gv_Mean_g[DG_NHWC_GROUPS];
-            for (int64_t Gi = 0; Gi < W; ++Gi) {
-                const double Sum_g = Gv_Sum_g[Gi];
-                Gv_Mean_g[Gi] = Sum_g/N;
-            }
-            (void)Gv_Mean_g;   /* Mean_g = mean(g) */
-            double Gv_Mean_g_xhat[DG_NHWC_GROUPS];
-            for (int64_t Gi = 0; Gi < W; ++Gi) {
-                const double Sum_g_xhat = Gv_Sum_g_xhat[Gi];
-                Gv_Mean_g_xhat[Gi] = Sum_g_xhat/N;
-            }
-            (void)Gv_Mean_g_xhat;   /* Mean_g_xhat = mean(g*xhat) */
-            double Gv_K_1[DG_NHWC_GROUPS];
-            for (int64_t Gi = 0; Gi < W; ++Gi) {
-                const double rstd = Gv_rstd[Gi];
-                const double Mean_g = Gv_Mean_g[Gi];
-                Gv_K_1[Gi] = -Mean_g*rstd;
-            }
-            (void)Gv_K_1;   /* coefficient of 1 in dx */
-            double Gv_K_g[DG_NHWC_GROUPS];
-            for (int64_t Gi = 0; Gi < W; ++Gi) {
-                const double rstd = Gv_rstd[Gi];
-                Gv_K_g[Gi] = rstd;
-            }
-            (void)Gv_K_g;   /* coefficient of g in dx */
-            double Gv_K_xhat[DG_NHWC_GROUPS];
-            for (int64_t Gi = 0; Gi < W; ++Gi) {
-                const double rstd = Gv_rstd[Gi];
-                const double Mean_g_xhat = Gv_Mean_g_xhat[Gi];
-                Gv_K_xhat[Gi] = -Mean_g_xhat*rstd;
-            }
-            (void)Gv_K_xhat;   /* coefficient of xhat in dx */
-            {
-                const int64_t Run = S;      /* values per run */
-                const int64_t Full = Run - Run % DG_LANES;     /* the rest go to lane 0 */
-                (void)Full;
-                for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
-                    const int64_t Ob = Blk;
-                    for (int64_t Ci = 0; Ci < Cg; ++Ci) {
-                        double Lane_p0[DG_LANES * DG_NHWC_GROUPS];
-                        memset(Lane_p0, 0, (size_t)(DG_LANES * W) * sizeof(double));
-                        double Lane_p1[DG_LANES * DG_NHWC_GROUPS];
-                        memset(Lane_p1, 0, (size_t)(DG_LANES * W) * sizeof(double));
-                        for (int64_t Si = 0; Si < S; ++Si) {
-                            const int64_t Pos = Si;
-                            const int J = Pos < Full ? (int)(Pos % DG_LANES) : 0;
-                            const int64_t Row = (Ob * S + Si) * C + Ci;
-                            (void)J;
-                            DG_INDEPENDENT
-                            for (int64_t Gi = 0; Gi < W; ++Gi) {
-                                const int64_t Idx = Row + Gb + Gi;     /* one channel per group (Cg == 1): contiguous */
-                                const int64_t Ch = Gb + Gi;
-                                (void)Idx;
-                                (void)Ch;
-                                const double mean = Gv_mean[Gi];
-                                const double rstd = Gv_rstd[Gi];
-                                const double K_1 = Gv_K_1[Gi];
-                                const double K_g = Gv_K_g[Gi];
-                                const double K_xhat = Gv_K_xhat[Gi];
-                                const double gamma_V = gamma[Ch];
-                                const double Xv = x[Idx];
-                                const double Dyv = dy[Idx];
-                                const double xhat = rstd*(Xv - mean);
-                                const double g = Dyv*gamma_V;
-                                dx[Idx] = (double)(K_g*g + K_xhat*xhat + K_1);
-                                Lane_p0[J * W + Gi] += Dyv*xhat;
-                                Lane_p1[J * W + Gi] += Dyv;
-                            }
-                        }
-                        for (int64_t Gi = 0; Gi < W; ++Gi) {
-                            double Col[DG_LANES];
-                            for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_p0[Q * W + Gi];
-                            Mine[0 * C + (Gb + Gi) * Cg + Ci] += Dg_lanes(Col);
-                        }
-                        for (int64_t Gi = 0; Gi < W; ++Gi) {
-                            double Col[DG_LANES];
-                            for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_p1[Q * W + Gi];
-                            Mine[1 * C + (Gb + Gi) * Cg + Ci] += Dg_lanes(Col);
-                        }
-                    }
-                }
-            }
-            B0 += W;
+        DG_PRAGMA(omp for schedule(static))
+        for (int64_t Gq = 0; Gq < G; ++Gq) {
+            (void)Gq;
+            Gv_mean[Gq] = mean_In[Gq];
+            Gv_var[Gq] = var_In[Gq];
+            Gv_rstd[Gq] = rstd_In[Gq];
         }
+        for (int64_t Ck = 0; Ck < O; Ck += DG_NHWC_CHUNK) {
+            const int64_t Ck_end = O - Ck < DG_NHWC_CHUNK ? O : Ck + DG_NHWC_CHUNK;
+            int64_t Lo, Hi;
+            Dg_share(Ck_end - Ck, &Lo, &Hi);         /* this thread's samples of the chunk */
+            for (int64_t Ob = Ck + Lo; Ob < Ck + Hi; ++Ob) {
+                for (int64_t Gb = 0; Gb < G; Gb += DG_NHWC_GROUPS) {
+                    const int64_t W = G - Gb < DG_NHWC_GROUPS ? G - Gb : DG_NHWC_GROUPS;
+                    double Lane_Sum_g[DG_LANES * DG_NHWC_GROUPS];     /* [lane][channel], dense for this W */
+                    memset(Lane_Sum_g, 0, (size_t)(DG_LANES * W) * sizeof(double));
+                    double Lane_Sum_g_xhat[DG_LANES * DG_NHWC_GROUPS];     /* [lane][channel], dense for this W */
+                    memset(Lane_Sum_g_xhat, 0, (size_t)(DG_LANES * W) * sizeof(double));
+                    for (int64_t Si = 0; Si < S; ++Si) {
+                        const int J = Si < Full ? (int)(Si % DG_LANES) : 0;   /* the rest: lane 0 */
+                        const int64_t Row = (Ob * S + Si) * C;
+                        (void)J;
+                        DG_INDEPENDENT
+                        for (int64_t Gi = 0; Gi < W; ++Gi) {
+                            const int64_t Ch = Gb + Gi;
+                            const int64_t Idx = Row + Ch;
+                            (void)Idx;
+                            const double mean = Gv_mean[Ch];
+                            const double rstd = Gv_rstd[Ch];
+                            const double gamma_V = gamma[Ch];
+                            const double Xv = x[Idx];
+                            const double Dyv = dy[Idx];
+                            const double xhat = rstd*(Xv - mean);
+                            const double g = Dyv*gamma_V;
+                            Lane_Sum_g[J * W + Gi] += g;
+                            Lane_Sum_g_xhat[J * W + Gi] += g*xhat;
+                        }
+
+                    }
+                    for (int64_t Gi = 0; Gi < W; ++Gi) {
+                        double Col[DG_LANES];
+                        for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_Sum_g[Q * W + Gi];
+                        Bs_Sum_g[(Ob - Ck) * G + Gb + Gi] = Dg_lanes(Col);
+                    }
+                    for (int64_t Gi = 0; Gi < W; ++Gi) {
+                        double Col[DG_LANES];
+                        for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_Sum_g_xhat[Q * W + Gi];
+                        Bs_Sum_g_xhat[(Ob - Ck) * G + Gb + Gi] = Dg_lanes(Col);
+                    }
+                }
+            }
+            DG_PRAGMA(omp barrier)
+            DG_PRAGMA(omp for schedule(static))
+            for (int64_t Gq = 0; Gq < G; ++Gq)
+                for (int64_t Ob = Ck; Ob < Ck_end; ++Ob) {      /* sample order, as the NCHW blocks */
+                    Gv_Sum_g[Gq] += Bs_Sum_g[(Ob - Ck) * G + Gq];
+                    Gv_Sum_g_xhat[Gq] += Bs_Sum_g_xhat[(Ob - Ck) * G + Gq];
+                }
+        }
+        DG_PRAGMA(omp for schedule(static))
+        for (int64_t Gq = 0; Gq < G; ++Gq) {
+            const double Sum_g = Gv_Sum_g[Gq];
+            Gv_Mean_g[Gq] = Sum_g/N;
+        }   /* Mean_g = mean(g) */
+        DG_PRAGMA(omp for schedule(static))
+        for (int64_t Gq = 0; Gq < G; ++Gq) {
+            const double Sum_g_xhat = Gv_Sum_g_xhat[Gq];
+            Gv_Mean_g_xhat[Gq] = Sum_g_xhat/N;
+        }   /* Mean_g_xhat = mean(g*xhat) */
+        DG_PRAGMA(omp for schedule(static))
+        for (int64_t Gq = 0; Gq < G; ++Gq) {
+            const double rstd = Gv_rstd[Gq];
+            const double Mean_g = Gv_Mean_g[Gq];
+            Gv_K_1[Gq] = -Mean_g*rstd;
+        }   /* coefficient of 1 in dx */
+        DG_PRAGMA(omp for schedule(static))
+        for (int64_t Gq = 0; Gq < G; ++Gq) {
+            const double rstd = Gv_rstd[Gq];
+            Gv_K_g[Gq] = rstd;
+        }   /* coefficient of g in dx */
+        DG_PRAGMA(omp for schedule(static))
+        for (int64_t Gq = 0; Gq < G; ++Gq) {
+            const double rstd = Gv_rstd[Gq];
+            const double Mean_g_xhat = Gv_Mean_g_xhat[Gq];
+            Gv_K_xhat[Gq] = -Mean_g_xhat*rstd;
+        }   /* coefficient of xhat in dx */
+        for (int64_t Ck = 0; Ck < O; Ck += DG_NHWC_CHUNK) {
+            const int64_t Ck_end = O - Ck < DG_NHWC_CHUNK ? O : Ck + DG_NHWC_CHUNK;
+            int64_t Lo, Hi;
+            Dg_share(Ck_end - Ck, &Lo, &Hi);         /* this thread's samples of the chunk */
+            for (int64_t Ob = Ck + Lo; Ob < Ck + Hi; ++Ob) {
+                for (int64_t Gb = 0; Gb < G; Gb += DG_NHWC_GROUPS) {
+                    const int64_t W = G - Gb < DG_NHWC_GROUPS ? G - Gb : DG_NHWC_GROUPS;
+                    double Lane_p0[DG_LANES * DG_NHWC_GROUPS];
+                    memset(Lane_p0, 0, (size_t)(DG_LANES * W) * sizeof(double));
+                    double Lane_p1[DG_LANES * DG_NHWC_GROUPS];
+                    memset(Lane_p1, 0, (size_t)(DG_LANES * W) * sizeof(double));
+                    for (int64_t Si = 0; Si < S; ++Si) {
+                        const int J = Si < Full ? (int)(Si % DG_LANES) : 0;   /* the rest: lane 0 */
+                        const int64_t Row = (Ob * S + Si) * C;
+                        (void)J;
+                        double St_dx[DG_NHWC_GROUPS];     /* the row's outputs, streamed out below */
+                        DG_INDEPENDENT
+                        for (int64_t Gi = 0; Gi < W; ++Gi) {
+                            const int64_t Ch = Gb + Gi;
+                            const int64_t Idx = Row + Ch;
+                            (void)Idx;
+                            const double mean = Gv_mean[Ch];
+                            const double rstd = Gv_rstd[Ch];
+                            const double K_1 = Gv_K_1[Ch];
+                            const double K_g = Gv_K_g[Ch];
+                            const double K_xhat = Gv_K_xhat[Ch];
+                            const double gamma_V = gamma[Ch];
+                            const double Xv = x[Idx];
+                            const double Dyv = dy[Idx];
+                            const double xhat = rstd*(Xv - mean);
+                            const double g = Dyv*gamma_V;
+                            St_dx[Gi] = (double)(K_g*g + K_xhat*xhat + K_1);
+                            Lane_p0[J * W + Gi] += Dyv*xhat;
+                            Lane_p1[J * W + Gi] += Dyv;
+                        }
+                        if (Out_Stream)
+                            Dg_stream_double(dx + Row + Gb, St_dx, W);
+                        else
+                            memcpy(dx + Row + Gb, St_dx, (size_t)W * sizeof(double));
+
+                    }
+                    for (int64_t Gi = 0; Gi < W; ++Gi) {
+                        double Col[DG_LANES];
+                        for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_p0[Q * W + Gi];
+                        Bs_p0[(Ob - Ck) * G + Gb + Gi] = Dg_lanes(Col);
+                    }
+                    for (int64_t Gi = 0; Gi < W; ++Gi) {
+                        double Col[DG_LANES];
+                        for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_p1[Q * W + Gi];
+                        Bs_p1[(Ob - Ck) * G + Gb + Gi] = Dg_lanes(Col);
+                    }
+                }
+            }
+            DG_PRAGMA(omp barrier)
+            DG_PRAGMA(omp for schedule(static))
+            for (int64_t Gq = 0; Gq < G; ++Gq)
+                for (int64_t Ob = Ck; Ob < Ck_end; ++Ob) {      /* sample order, as the NCHW blocks */
+                    Dp0[Gq] += Bs_p0[(Ob - Ck) * G + Gq];
+                    Dp1[Gq] += Bs_p1[(Ob - Ck) * G + Gq];
+                }
+        }
+        if (Out_Stream)
+            Dg_fence();
     }
     for (int64_t Cc = 0; Cc < C; ++Cc) {       /* dgamma */
-        double Acc = 0.0;
+        double Acc = 0.0 + Dp0[Cc];
         for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * P * C + 0 * C + Cc];
         dgamma[Cc] = (double)(Acc);
     }
     for (int64_t Cc = 0; Cc < C; ++Cc) {       /* dbeta */
-        double Acc = 0.0;
+        double Acc = 0.0 + Dp1[Cc];
         for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * P * C + 1 * C + Cc];
         dbeta[Cc] = (double)(Acc);
     }
     free(Part);
+    free(Gv_mean);
+    free(Gv_var);
+    free(Gv_rstd);
+    free(Gv_Sum_g);
+    free(Bs_Sum_g);
+    free(Gv_Sum_g_xhat);
+    free(Bs_Sum_g_xhat);
+    free(Gv_Mean_g);
+    free(Gv_Mean_g_xhat);
+    free(Gv_K_1);
+    free(Gv_K_g);
+    free(Gv_K_xhat);
+    free(Dp0);
+    free(Bs_p0);
+    free(Dp1);
+    free(Bs_p1);
+
     return 0;
 }
 #endif /* DG_WANT_EXTRAS */
@@ -2037,9 +2268,10 @@ int batchnorm_train_forward_bf16(
             const double running_var_G = running_var ? (double)Dg_from_bf16(running_var[Grp]) : 0.0;   /* one value per group */
             double Sum_mean;
             {
-                double Lane_Sum_mean[DG_LANES] = {0};
+                Sum_mean = 0.0;         /* the blocks' lane sums, added in block order */
                 for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
                     const int64_t Off = Base + Blk * Block_stride;
+                    double Lane_Sum_mean[DG_LANES] = {0};
                     const int64_t Nxt = Blk + 1 < Blocks ? Off + Block_stride : Base + M;   /* block read next */
                     {
                         int64_t Mi = 0;
@@ -2064,15 +2296,16 @@ int batchnorm_train_forward_bf16(
                         }
                     }
 
+                    Sum_mean += Dg_lanes(Lane_Sum_mean);
                 }
-                Sum_mean = Dg_lanes(Lane_Sum_mean);
             }
             const double mean = Sum_mean/N;  /* mean = mean(x) */
             double Sum_var;
             {
-                double Lane_Sum_var[DG_LANES] = {0};
+                Sum_var = 0.0;         /* the blocks' lane sums, added in block order */
                 for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
                     const int64_t Off = Base + Blk * Block_stride;
+                    double Lane_Sum_var[DG_LANES] = {0};
                     {
                         int64_t Mi = 0;
                         for (; Mi + DG_LANES <= M; Mi += DG_LANES) {
@@ -2092,8 +2325,8 @@ int batchnorm_train_forward_bf16(
                         }
                     }
 
+                    Sum_var += Dg_lanes(Lane_Sum_var);
                 }
-                Sum_var = Dg_lanes(Lane_Sum_var);
             }
             const double var = Sum_var/N;  /* var = mean((x - mean)**2) */
             const double rstd = 1/sqrt(var + eps);  /* rstd = 1/sqrt(var + eps) */
@@ -2294,10 +2527,12 @@ int batchnorm_train_backward_bf16(
                 const float H0_hi = (float)H0;
                 const float H0_lo = (float)(H0 - (double)H0_hi);
                 const float rstd_F = (float)rstd;
-                double Lane_Sum_g[DG_LANES] = {0};
-                double Lane_Sum_g_xhat[DG_LANES] = {0};
+                Sum_g = 0.0;         /* the blocks' lane sums, added in block order */
+                Sum_g_xhat = 0.0;         /* the blocks' lane sums, added in block order */
                 for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
                     const int64_t Off = Base + Blk * Block_stride;
+                    double Lane_Sum_g[DG_LANES] = {0};
+                    double Lane_Sum_g_xhat[DG_LANES] = {0};
                     const int64_t Nxt = Blk + 1 < Blocks ? Off + Block_stride : Base + M;   /* block read next */
                     if (S == 1) {           /* parameters vary along the run */
                         {
@@ -2380,9 +2615,9 @@ int batchnorm_train_backward_bf16(
 
                         }
                     }
+                    Sum_g += Dg_lanes(Lane_Sum_g);
+                    Sum_g_xhat += Dg_lanes(Lane_Sum_g_xhat);
                 }
-                Sum_g = Dg_lanes(Lane_Sum_g);
-                Sum_g_xhat = Dg_lanes(Lane_Sum_g_xhat);
             }
             const double Mean_g = Sum_g/N;  /* Mean_g = mean(g) */
             const double Mean_g_xhat = Sum_g_xhat/N;  /* Mean_g_xhat = mean(g*xhat) */
@@ -2539,7 +2774,6 @@ int batchnorm_train_backward_bf16(
 #endif /* DG_WANT_EXTRAS */
 
 #if DG_WANT_EXTRAS
-
 /* ---- train forward, channels last (NHWC), dg_bf16 ---- */
 int batchnorm_train_forward_nhwc_bf16(
     int64_t O, int64_t G, int64_t Cg, int64_t S,
@@ -2562,6 +2796,7 @@ const int64_t C = G * Cg;
     const double N = (double)(Blocks * Cg * S);               /* values per group */
     const int Nth = Dg_threads(Nthreads);
     (void)N;
+    (void)N_groups;
     (void)Nth;
     (void)x;
     (void)gamma;
@@ -2569,177 +2804,214 @@ const int64_t C = G * Cg;
     (void)eps;
     (void)momentum;
 
+const int64_t Full = S - S % DG_LANES;          /* positions past it go to lane 0 */
+    const int Out_Stream = 0;
+    (void)Out_Stream;
+    double *Gv_running_mean_G = (double *)calloc((size_t)(G) + 1, sizeof(double));
+    double *Gv_running_var_G = (double *)calloc((size_t)(G) + 1, sizeof(double));
+    double *Gv_Sum_mean = (double *)calloc((size_t)(G) + 1, sizeof(double));
+    double *Bs_Sum_mean = (double *)calloc((size_t)(DG_NHWC_CHUNK * G) + 1, sizeof(double));
+    double *Gv_mean = (double *)calloc((size_t)(G) + 1, sizeof(double));
+    double *Gv_Sum_var = (double *)calloc((size_t)(G) + 1, sizeof(double));
+    double *Bs_Sum_var = (double *)calloc((size_t)(DG_NHWC_CHUNK * G) + 1, sizeof(double));
+    double *Gv_var = (double *)calloc((size_t)(G) + 1, sizeof(double));
+    double *Gv_rstd = (double *)calloc((size_t)(G) + 1, sizeof(double));
+    float *PvF_H0_hi = (float *)calloc((size_t)(G) + 1, sizeof(float));
+    float *PvF_H0_lo = (float *)calloc((size_t)(G) + 1, sizeof(float));
+    float *PvF_rstd_F = (float *)calloc((size_t)(G) + 1, sizeof(float));
+    if (Gv_running_mean_G == NULL || Gv_running_var_G == NULL || Gv_Sum_mean == NULL || Bs_Sum_mean == NULL || Gv_mean == NULL || Gv_Sum_var == NULL || Bs_Sum_var == NULL || Gv_var == NULL || Gv_rstd == NULL || PvF_H0_hi == NULL || PvF_H0_lo == NULL || PvF_rstd_F == NULL) {
+        free(Gv_running_mean_G);
+        free(Gv_running_var_G);
+        free(Gv_Sum_mean);
+        free(Bs_Sum_mean);
+        free(Gv_mean);
+        free(Gv_Sum_var);
+        free(Bs_Sum_var);
+        free(Gv_var);
+        free(Gv_rstd);
+        free(PvF_H0_hi);
+        free(PvF_H0_lo);
+        free(PvF_rstd_F);
+        return -1;
+    }
     DG_PRAGMA(omp parallel num_threads(Nth))
     {
-int64_t Lo, Hi;
-        Dg_share(N_groups, &Lo, &Hi);             /* the NCHW kernels' split of the groups */
-        for (int64_t B0 = Lo; B0 < Hi;) {
-            const int64_t Oi = 0;   /* the block's sample */
-            const int64_t Gb = B0;   /* its first group */
-            int64_t W = Hi - B0 < DG_NHWC_GROUPS ? Hi - B0 : DG_NHWC_GROUPS;
-            if (Gb + W > G)
-                W = G - Gb;                       /* one sample's groups at a time */
-            (void)Oi;
-
-            double Gv_running_mean_G[DG_NHWC_GROUPS];
-            for (int64_t Gi = 0; Gi < W; ++Gi)
-                Gv_running_mean_G[Gi] = running_mean ? (double)Dg_from_bf16(running_mean[B0 + Gi]) : 0.0;
-            (void)Gv_running_mean_G;
-            double Gv_running_var_G[DG_NHWC_GROUPS];
-            for (int64_t Gi = 0; Gi < W; ++Gi)
-                Gv_running_var_G[Gi] = running_var ? (double)Dg_from_bf16(running_var[B0 + Gi]) : 0.0;
-            (void)Gv_running_var_G;
-            double Gv_Sum_mean[DG_NHWC_GROUPS];
-            {
-                double Lane_Sum_mean[DG_LANES * DG_NHWC_GROUPS];     /* [lane][group], dense for this W */
-                memset(Lane_Sum_mean, 0, (size_t)(DG_LANES * W) * sizeof(double));
-                const int64_t Run = Cg * S;      /* values per run */
-                const int64_t Full = Run - Run % DG_LANES;     /* the rest go to lane 0 */
-                (void)Full;
-                for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
-                    const int64_t Ob = Blk;
-                    for (int64_t Ci = 0; Ci < Cg; ++Ci) {
-                        for (int64_t Si = 0; Si < S; ++Si) {
-                            const int64_t Pos = Ci * S + Si;
-                            const int J = Pos < Full ? (int)(Pos % DG_LANES) : 0;
-                            const int64_t Row = (Ob * S + Si) * C + Ci;
-                            (void)J;
-                            DG_INDEPENDENT
-                            for (int64_t Gi = 0; Gi < W; ++Gi) {
-                                const int64_t Idx = Row + Gb + Gi;     /* one channel per group (Cg == 1): contiguous */
-                                const int64_t Ch = Gb + Gi;
-                                (void)Idx;
-                                (void)Ch;
-                                const double Xv = (double)Dg_from_bf16(x[Idx]);
-                                Lane_Sum_mean[J * W + Gi] += Xv;
-                            }
-                        }
-                    }
-                }
-                for (int64_t Gi = 0; Gi < W; ++Gi) {
-                    double Col[DG_LANES];
-                    for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_Sum_mean[Q * W + Gi];
-                    Gv_Sum_mean[Gi] = Dg_lanes(Col);
-                }
-            }
-            double Gv_mean[DG_NHWC_GROUPS];
-            for (int64_t Gi = 0; Gi < W; ++Gi) {
-                const double Sum_mean = Gv_Sum_mean[Gi];
-                Gv_mean[Gi] = Sum_mean/N;
-            }
-            (void)Gv_mean;   /* mean = mean(x) */
-            double Gv_Sum_var[DG_NHWC_GROUPS];
-            {
-                double Lane_Sum_var[DG_LANES * DG_NHWC_GROUPS];     /* [lane][group], dense for this W */
-                memset(Lane_Sum_var, 0, (size_t)(DG_LANES * W) * sizeof(double));
-                const int64_t Run = Cg * S;      /* values per run */
-                const int64_t Full = Run - Run % DG_LANES;     /* the rest go to lane 0 */
-                (void)Full;
-                for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
-                    const int64_t Ob = Blk;
-                    for (int64_t Ci = 0; Ci < Cg; ++Ci) {
-                        for (int64_t Si = 0; Si < S; ++Si) {
-                            const int64_t Pos = Ci * S + Si;
-                            const int J = Pos < Full ? (int)(Pos % DG_LANES) : 0;
-                            const int64_t Row = (Ob * S + Si) * C + Ci;
-                            (void)J;
-                            DG_INDEPENDENT
-                            for (int64_t Gi = 0; Gi < W; ++Gi) {
-                                const int64_t Idx = Row + Gb + Gi;     /* one channel per group (Cg == 1): contiguous */
-                                const int64_t Ch = Gb + Gi;
-                                (void)Idx;
-                                (void)Ch;
-                                const double mean = Gv_mean[Gi];
-                                const double Xv = (double)Dg_from_bf16(x[Idx]);
-                                Lane_Sum_var[J * W + Gi] += ((Xv - mean)*(Xv - mean));
-                            }
-                        }
-                    }
-                }
-                for (int64_t Gi = 0; Gi < W; ++Gi) {
-                    double Col[DG_LANES];
-                    for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_Sum_var[Q * W + Gi];
-                    Gv_Sum_var[Gi] = Dg_lanes(Col);
-                }
-            }
-            double Gv_var[DG_NHWC_GROUPS];
-            for (int64_t Gi = 0; Gi < W; ++Gi) {
-                const double Sum_var = Gv_Sum_var[Gi];
-                Gv_var[Gi] = Sum_var/N;
-            }
-            (void)Gv_var;   /* var = mean((x - mean)**2) */
-            double Gv_rstd[DG_NHWC_GROUPS];
-            for (int64_t Gi = 0; Gi < W; ++Gi) {
-                const double var = Gv_var[Gi];
-                Gv_rstd[Gi] = 1/sqrt(var + eps);
-            }
-            (void)Gv_rstd;   /* rstd = 1/sqrt(var + eps) */
-            for (int64_t Gi = 0; Gi < W; ++Gi) {
-                mean_Out[B0 + Gi] = Gv_mean[Gi];
-                var_Out[B0 + Gi] = Gv_var[Gi];
-                rstd_Out[B0 + Gi] = Gv_rstd[Gi];
-            }
-            if (running_mean && running_var) {
-                for (int64_t Gi = 0; Gi < W; ++Gi) {
-                    const double running_mean_G = Gv_running_mean_G[Gi];
-                    const double running_var_G = Gv_running_var_G[Gi];
-                    const double mean = Gv_mean[Gi];
-                    const double var = Gv_var[Gi];
-                    running_mean[B0 + Gi] = Dg_to_bf16((float)(mean*momentum + running_mean_G*(1 - momentum)));
-                    running_var[B0 + Gi] = Dg_to_bf16((float)(running_var_G*(1 - momentum) + N*momentum*var/(N - 1)));
-                }
-            }
-            {
-                float Pv_H0_hi[DG_NHWC_GROUPS];
-                float Pv_H0_lo[DG_NHWC_GROUPS];
-                float Pv_rstd_F[DG_NHWC_GROUPS];
-                for (int64_t Gi = 0; Gi < W; ++Gi) {
-                    const double mean = Gv_mean[Gi];
-                    const double rstd = Gv_rstd[Gi];
-                    const double H0 = -mean;
-                    const float H0_hi = (float)H0;
-                    Pv_H0_hi[Gi] = H0_hi;
-                    const float H0_lo = (float)(H0 - (double)H0_hi);
-                    Pv_H0_lo[Gi] = H0_lo;
-                    const float rstd_F = (float)rstd;
-                    Pv_rstd_F[Gi] = rstd_F;
-                }
-                const int64_t Run = S;      /* values per run */
-                const int64_t Full = Run - Run % DG_LANES;     /* the rest go to lane 0 */
-                (void)Full;
-                for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
-                    const int64_t Ob = Blk;
-                    for (int64_t Ci = 0; Ci < Cg; ++Ci) {
-                        for (int64_t Si = 0; Si < S; ++Si) {
-                            const int64_t Pos = Si;
-                            const int J = Pos < Full ? (int)(Pos % DG_LANES) : 0;
-                            const int64_t Row = (Ob * S + Si) * C + Ci;
-                            (void)J;
-                            DG_INDEPENDENT
-                            for (int64_t Gi = 0; Gi < W; ++Gi) {
-                                const int64_t Idx = Row + Gb + Gi;     /* one channel per group (Cg == 1): contiguous */
-                                const int64_t Ch = Gb + Gi;
-                                (void)Idx;
-                                (void)Ch;
-                                const float H0_hi = Pv_H0_hi[Gi];
-                                const float H0_lo = Pv_H0_lo[Gi];
-                                const float rstd_F = Pv_rstd_F[Gi];
-                                const float gamma_V = Dg_from_bf16(gamma[Ch]);
-                                const float beta_V = Dg_from_bf16(beta[Ch]);
-                                const float Xv = Dg_from_bf16(x[Idx]);
-                                const float xhat = rstd_F*((Xv + H0_hi + H0_lo));
-                                y[Idx] = Dg_to_bf16((float)(gamma_V*xhat + beta_V));
-                            }
-                        }
-                    }
-                }
-            }
-            B0 += W;
+        DG_PRAGMA(omp for schedule(static))
+        for (int64_t Gq = 0; Gq < G; ++Gq) {
+            (void)Gq;
+            Gv_running_mean_G[Gq] = running_mean ? (double)Dg_from_bf16(running_mean[Gq]) : 0.0;
+            Gv_running_var_G[Gq] = running_var ? (double)Dg_from_bf16(running_var[Gq]) : 0.0;
         }
+        for (int64_t Ck = 0; Ck < O; Ck += DG_NHWC_CHUNK) {
+            const int64_t Ck_end = O - Ck < DG_NHWC_CHUNK ? O : Ck + DG_NHWC_CHUNK;
+            int64_t Lo, Hi;
+            Dg_share(Ck_end - Ck, &Lo, &Hi);         /* this thread's samples of the chunk */
+            for (int64_t Ob = Ck + Lo; Ob < Ck + Hi; ++Ob) {
+                for (int64_t Gb = 0; Gb < G; Gb += DG_NHWC_GROUPS) {
+                    const int64_t W = G - Gb < DG_NHWC_GROUPS ? G - Gb : DG_NHWC_GROUPS;
+                    double Lane_Sum_mean[DG_LANES * DG_NHWC_GROUPS];     /* [lane][channel], dense for this W */
+                    memset(Lane_Sum_mean, 0, (size_t)(DG_LANES * W) * sizeof(double));
+                    for (int64_t Si = 0; Si < S; ++Si) {
+                        const int J = Si < Full ? (int)(Si % DG_LANES) : 0;   /* the rest: lane 0 */
+                        const int64_t Row = (Ob * S + Si) * C;
+                        (void)J;
+                        DG_INDEPENDENT
+                        for (int64_t Gi = 0; Gi < W; ++Gi) {
+                            const int64_t Ch = Gb + Gi;
+                            const int64_t Idx = Row + Ch;
+                            (void)Idx;
+                            const double Xv = (double)Dg_from_bf16(x[Idx]);
+                            Lane_Sum_mean[J * W + Gi] += Xv;
+                        }
+
+                    }
+                    for (int64_t Gi = 0; Gi < W; ++Gi) {
+                        double Col[DG_LANES];
+                        for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_Sum_mean[Q * W + Gi];
+                        Bs_Sum_mean[(Ob - Ck) * G + Gb + Gi] = Dg_lanes(Col);
+                    }
+                }
+            }
+            DG_PRAGMA(omp barrier)
+            DG_PRAGMA(omp for schedule(static))
+            for (int64_t Gq = 0; Gq < G; ++Gq)
+                for (int64_t Ob = Ck; Ob < Ck_end; ++Ob) {      /* sample order, as the NCHW blocks */
+                    Gv_Sum_mean[Gq] += Bs_Sum_mean[(Ob - Ck) * G + Gq];
+                }
+        }
+        DG_PRAGMA(omp for schedule(static))
+        for (int64_t Gq = 0; Gq < G; ++Gq) {
+            const double Sum_mean = Gv_Sum_mean[Gq];
+            Gv_mean[Gq] = Sum_mean/N;
+        }   /* mean = mean(x) */
+        for (int64_t Ck = 0; Ck < O; Ck += DG_NHWC_CHUNK) {
+            const int64_t Ck_end = O - Ck < DG_NHWC_CHUNK ? O : Ck + DG_NHWC_CHUNK;
+            int64_t Lo, Hi;
+            Dg_share(Ck_end - Ck, &Lo, &Hi);         /* this thread's samples of the chunk */
+            for (int64_t Ob = Ck + Lo; Ob < Ck + Hi; ++Ob) {
+                for (int64_t Gb = 0; Gb < G; Gb += DG_NHWC_GROUPS) {
+                    const int64_t W = G - Gb < DG_NHWC_GROUPS ? G - Gb : DG_NHWC_GROUPS;
+                    double Lane_Sum_var[DG_LANES * DG_NHWC_GROUPS];     /* [lane][channel], dense for this W */
+                    memset(Lane_Sum_var, 0, (size_t)(DG_LANES * W) * sizeof(double));
+                    for (int64_t Si = 0; Si < S; ++Si) {
+                        const int J = Si < Full ? (int)(Si % DG_LANES) : 0;   /* the rest: lane 0 */
+                        const int64_t Row = (Ob * S + Si) * C;
+                        (void)J;
+                        DG_INDEPENDENT
+                        for (int64_t Gi = 0; Gi < W; ++Gi) {
+                            const int64_t Ch = Gb + Gi;
+                            const int64_t Idx = Row + Ch;
+                            (void)Idx;
+                            const double mean = Gv_mean[Ch];
+                            const double Xv = (double)Dg_from_bf16(x[Idx]);
+                            Lane_Sum_var[J * W + Gi] += ((Xv - mean)*(Xv - mean));
+                        }
+
+                    }
+                    for (int64_t Gi = 0; Gi < W; ++Gi) {
+                        double Col[DG_LANES];
+                        for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_Sum_var[Q * W + Gi];
+                        Bs_Sum_var[(Ob - Ck) * G + Gb + Gi] = Dg_lanes(Col);
+                    }
+                }
+            }
+            DG_PRAGMA(omp barrier)
+            DG_PRAGMA(omp for schedule(static))
+            for (int64_t Gq = 0; Gq < G; ++Gq)
+                for (int64_t Ob = Ck; Ob < Ck_end; ++Ob) {      /* sample order, as the NCHW blocks */
+                    Gv_Sum_var[Gq] += Bs_Sum_var[(Ob - Ck) * G + Gq];
+                }
+        }
+        DG_PRAGMA(omp for schedule(static))
+        for (int64_t Gq = 0; Gq < G; ++Gq) {
+            const double Sum_var = Gv_Sum_var[Gq];
+            Gv_var[Gq] = Sum_var/N;
+        }   /* var = mean((x - mean)**2) */
+        DG_PRAGMA(omp for schedule(static))
+        for (int64_t Gq = 0; Gq < G; ++Gq) {
+            const double var = Gv_var[Gq];
+            Gv_rstd[Gq] = 1/sqrt(var + eps);
+        }   /* rstd = 1/sqrt(var + eps) */
+        DG_PRAGMA(omp for schedule(static))
+        for (int64_t Gq = 0; Gq < G; ++Gq) {
+            mean_Out[Gq] = Gv_mean[Gq];
+            var_Out[Gq] = Gv_var[Gq];
+            rstd_Out[Gq] = Gv_rstd[Gq];
+            if (running_mean && running_var) {
+                const double running_mean_G = Gv_running_mean_G[Gq];
+                const double running_var_G = Gv_running_var_G[Gq];
+                const double mean = Gv_mean[Gq];
+                const double var = Gv_var[Gq];
+                running_mean[Gq] = Dg_to_bf16((float)(mean*momentum + running_mean_G*(1 - momentum)));
+                running_var[Gq] = Dg_to_bf16((float)(running_var_G*(1 - momentum) + N*momentum*var/(N - 1)));
+            }
+        }
+        DG_PRAGMA(omp for schedule(static))
+        for (int64_t Gq = 0; Gq < G; ++Gq) {
+            const double mean = Gv_mean[Gq];
+            const double rstd = Gv_rstd[Gq];
+            const double H0 = -mean;
+            (void)H0;
+            const float H0_hi = (float)H0;
+            PvF_H0_hi[Gq] = H0_hi;
+            const float H0_lo = (float)(H0 - (double)H0_hi);
+            PvF_H0_lo[Gq] = H0_lo;
+            const float rstd_F = (float)rstd;
+            PvF_rstd_F[Gq] = rstd_F;
+        }
+        for (int64_t Ck = 0; Ck < O; Ck += O) {
+            const int64_t Ck_end = O - Ck < O ? O : Ck + O;
+            int64_t Lo, Hi;
+            Dg_share(Ck_end - Ck, &Lo, &Hi);         /* this thread's samples of the chunk */
+            for (int64_t Ob = Ck + Lo; Ob < Ck + Hi; ++Ob) {
+                for (int64_t Gb = 0; Gb < G; Gb += DG_NHWC_GROUPS) {
+                    const int64_t W = G - Gb < DG_NHWC_GROUPS ? G - Gb : DG_NHWC_GROUPS;
+                    for (int64_t Si = 0; Si < S; ++Si) {
+                        const int J = Si < Full ? (int)(Si % DG_LANES) : 0;   /* the rest: lane 0 */
+                        const int64_t Row = (Ob * S + Si) * C;
+                        (void)J;
+                        dg_bf16 St_y[DG_NHWC_GROUPS];     /* the row's outputs, streamed out below */
+                        DG_INDEPENDENT
+                        for (int64_t Gi = 0; Gi < W; ++Gi) {
+                            const int64_t Ch = Gb + Gi;
+                            const int64_t Idx = Row + Ch;
+                            (void)Idx;
+                            const float H0_hi = PvF_H0_hi[Ch];
+                            const float H0_lo = PvF_H0_lo[Ch];
+                            const float rstd_F = PvF_rstd_F[Ch];
+                            const float gamma_V = Dg_from_bf16(gamma[Ch]);
+                            const float beta_V = Dg_from_bf16(beta[Ch]);
+                            const float Xv = Dg_from_bf16(x[Idx]);
+                            const float xhat = rstd_F*((Xv + H0_hi + H0_lo));
+                            St_y[Gi] = Dg_to_bf16((float)(gamma_V*xhat + beta_V));
+                        }
+                        if (Out_Stream)
+                            Dg_stream_dg_bf16(y + Row + Gb, St_y, W);
+                        else
+                            memcpy(y + Row + Gb, St_y, (size_t)W * sizeof(dg_bf16));
+
+                    }
+                }
+            }
+        }
+        if (Out_Stream)
+            Dg_fence();
     }
+    free(Gv_running_mean_G);
+    free(Gv_running_var_G);
+    free(Gv_Sum_mean);
+    free(Bs_Sum_mean);
+    free(Gv_mean);
+    free(Gv_Sum_var);
+    free(Bs_Sum_var);
+    free(Gv_var);
+    free(Gv_rstd);
+    free(PvF_H0_hi);
+    free(PvF_H0_lo);
+    free(PvF_rstd_F);
+
     return 0;
 }
-
 /* ---- train backward, channels last (NHWC), dg_bf16 ---- */
 int batchnorm_train_backward_nhwc_bf16(
     int64_t O, int64_t G, int64_t Cg, int64_t S,
@@ -2763,6 +3035,7 @@ const int64_t C = G * Cg;
     const double N = (double)(Blocks * Cg * S);               /* values per group */
     const int Nth = Dg_threads(Nthreads);
     (void)N;
+    (void)N_groups;
     (void)Nth;
     (void)x;
     (void)gamma;
@@ -2770,204 +3043,293 @@ const int64_t C = G * Cg;
     (void)eps;
     (void)momentum;
 
+const int64_t Full = S - S % DG_LANES;          /* positions past it go to lane 0 */
+    const int Out_Stream = 0;
+    (void)Out_Stream;
     const int64_t P = 2;      /* parameters */
     (void)dy;
-    /* per-thread partial sums of the parameter gradients, reduced once at the end */
-    double *Part = (double *)calloc((size_t)(Nth * P * C) + 1, sizeof(double));
-    if (Part == NULL)
+    double *Gv_mean = (double *)calloc((size_t)(G) + 1, sizeof(double));
+    double *Gv_var = (double *)calloc((size_t)(G) + 1, sizeof(double));
+    double *Gv_rstd = (double *)calloc((size_t)(G) + 1, sizeof(double));
+    double *Gv_Sum_g = (double *)calloc((size_t)(G) + 1, sizeof(double));
+    double *Bs_Sum_g = (double *)calloc((size_t)(DG_NHWC_CHUNK * G) + 1, sizeof(double));
+    double *Gv_Sum_g_xhat = (double *)calloc((size_t)(G) + 1, sizeof(double));
+    double *Bs_Sum_g_xhat = (double *)calloc((size_t)(DG_NHWC_CHUNK * G) + 1, sizeof(double));
+    float *PvR_H0_hi = (float *)calloc((size_t)(G) + 1, sizeof(float));
+    float *PvR_H0_lo = (float *)calloc((size_t)(G) + 1, sizeof(float));
+    float *PvR_rstd_F = (float *)calloc((size_t)(G) + 1, sizeof(float));
+    double *Gv_Mean_g = (double *)calloc((size_t)(G) + 1, sizeof(double));
+    double *Gv_Mean_g_xhat = (double *)calloc((size_t)(G) + 1, sizeof(double));
+    double *Dp0 = (double *)calloc((size_t)(G) + 1, sizeof(double));
+    double *Bs_p0 = (double *)calloc((size_t)(DG_NHWC_CHUNK * G) + 1, sizeof(double));
+    double *Dp1 = (double *)calloc((size_t)(G) + 1, sizeof(double));
+    double *Bs_p1 = (double *)calloc((size_t)(DG_NHWC_CHUNK * G) + 1, sizeof(double));
+    float *PvF_H0_hi = (float *)calloc((size_t)(G) + 1, sizeof(float));
+    float *PvF_H0_lo = (float *)calloc((size_t)(G) + 1, sizeof(float));
+    float *PvF_H1_hi = (float *)calloc((size_t)(G) + 1, sizeof(float));
+    float *PvF_H1_lo = (float *)calloc((size_t)(G) + 1, sizeof(float));
+    float *PvF_Mean_g_xhat_F = (float *)calloc((size_t)(G) + 1, sizeof(float));
+    float *PvF_rstd_F = (float *)calloc((size_t)(G) + 1, sizeof(float));
+    if (Gv_mean == NULL || Gv_var == NULL || Gv_rstd == NULL || Gv_Sum_g == NULL || Bs_Sum_g == NULL || Gv_Sum_g_xhat == NULL || Bs_Sum_g_xhat == NULL || PvR_H0_hi == NULL || PvR_H0_lo == NULL || PvR_rstd_F == NULL || Gv_Mean_g == NULL || Gv_Mean_g_xhat == NULL || Dp0 == NULL || Bs_p0 == NULL || Dp1 == NULL || Bs_p1 == NULL || PvF_H0_hi == NULL || PvF_H0_lo == NULL || PvF_H1_hi == NULL || PvF_H1_lo == NULL || PvF_Mean_g_xhat_F == NULL || PvF_rstd_F == NULL) {
+        free(Gv_mean);
+        free(Gv_var);
+        free(Gv_rstd);
+        free(Gv_Sum_g);
+        free(Bs_Sum_g);
+        free(Gv_Sum_g_xhat);
+        free(Bs_Sum_g_xhat);
+        free(PvR_H0_hi);
+        free(PvR_H0_lo);
+        free(PvR_rstd_F);
+        free(Gv_Mean_g);
+        free(Gv_Mean_g_xhat);
+        free(Dp0);
+        free(Bs_p0);
+        free(Dp1);
+        free(Bs_p1);
+        free(PvF_H0_hi);
+        free(PvF_H0_lo);
+        free(PvF_H1_hi);
+        free(PvF_H1_lo);
+        free(PvF_Mean_g_xhat_F);
+        free(PvF_rstd_F);
         return -1;
+    }
+    /* per-thread partial sums of scalar parameters' gradients, in the NCHW kernels' order */
+    double *Part = (double *)calloc((size_t)(Nth * P * C) + 1, sizeof(double));
+    if (Part == NULL) {
+    free(Gv_mean);
+    free(Gv_var);
+    free(Gv_rstd);
+    free(Gv_Sum_g);
+    free(Bs_Sum_g);
+    free(Gv_Sum_g_xhat);
+    free(Bs_Sum_g_xhat);
+    free(PvR_H0_hi);
+    free(PvR_H0_lo);
+    free(PvR_rstd_F);
+    free(Gv_Mean_g);
+    free(Gv_Mean_g_xhat);
+    free(Dp0);
+    free(Bs_p0);
+    free(Dp1);
+    free(Bs_p1);
+    free(PvF_H0_hi);
+    free(PvF_H0_lo);
+    free(PvF_H1_hi);
+    free(PvF_H1_lo);
+    free(PvF_Mean_g_xhat_F);
+    free(PvF_rstd_F);
+
+        return -1;
+    }
     DG_PRAGMA(omp parallel num_threads(Nth))
     {
-        double *restrict Mine = Part + (int64_t)Dg_thread_id() * P * C;
-        (void)Mine;
-int64_t Lo, Hi;
-        Dg_share(N_groups, &Lo, &Hi);             /* the NCHW kernels' split of the groups */
-        for (int64_t B0 = Lo; B0 < Hi;) {
-            const int64_t Oi = 0;   /* the block's sample */
-            const int64_t Gb = B0;   /* its first group */
-            int64_t W = Hi - B0 < DG_NHWC_GROUPS ? Hi - B0 : DG_NHWC_GROUPS;
-            if (Gb + W > G)
-                W = G - Gb;                       /* one sample's groups at a time */
-            (void)Oi;
-
-            double Gv_mean[DG_NHWC_GROUPS];
-            for (int64_t Gi = 0; Gi < W; ++Gi)
-                Gv_mean[Gi] = mean_In[B0 + Gi];
-            (void)Gv_mean;
-            double Gv_var[DG_NHWC_GROUPS];
-            for (int64_t Gi = 0; Gi < W; ++Gi)
-                Gv_var[Gi] = var_In[B0 + Gi];
-            (void)Gv_var;
-            double Gv_rstd[DG_NHWC_GROUPS];
-            for (int64_t Gi = 0; Gi < W; ++Gi)
-                Gv_rstd[Gi] = rstd_In[B0 + Gi];
-            (void)Gv_rstd;
-            double Gv_Sum_g[DG_NHWC_GROUPS];
-            double Gv_Sum_g_xhat[DG_NHWC_GROUPS];
-            {
-                float Pv_H0_hi[DG_NHWC_GROUPS];
-                float Pv_H0_lo[DG_NHWC_GROUPS];
-                float Pv_rstd_F[DG_NHWC_GROUPS];
-                for (int64_t Gi = 0; Gi < W; ++Gi) {
-                    const double mean = Gv_mean[Gi];
-                    const double rstd = Gv_rstd[Gi];
-                    const double H0 = -mean;
-                    const float H0_hi = (float)H0;
-                    Pv_H0_hi[Gi] = H0_hi;
-                    const float H0_lo = (float)(H0 - (double)H0_hi);
-                    Pv_H0_lo[Gi] = H0_lo;
-                    const float rstd_F = (float)rstd;
-                    Pv_rstd_F[Gi] = rstd_F;
-                }
-                double Lane_Sum_g[DG_LANES * DG_NHWC_GROUPS];     /* [lane][group], dense for this W */
-                memset(Lane_Sum_g, 0, (size_t)(DG_LANES * W) * sizeof(double));
-                double Lane_Sum_g_xhat[DG_LANES * DG_NHWC_GROUPS];     /* [lane][group], dense for this W */
-                memset(Lane_Sum_g_xhat, 0, (size_t)(DG_LANES * W) * sizeof(double));
-                const int64_t Run = S;      /* values per run */
-                const int64_t Full = Run - Run % DG_LANES;     /* the rest go to lane 0 */
-                (void)Full;
-                for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
-                    const int64_t Ob = Blk;
-                    for (int64_t Ci = 0; Ci < Cg; ++Ci) {
-                        for (int64_t Si = 0; Si < S; ++Si) {
-                            const int64_t Pos = Si;
-                            const int J = Pos < Full ? (int)(Pos % DG_LANES) : 0;
-                            const int64_t Row = (Ob * S + Si) * C + Ci;
-                            (void)J;
-                            DG_INDEPENDENT
-                            for (int64_t Gi = 0; Gi < W; ++Gi) {
-                                const int64_t Idx = Row + Gb + Gi;     /* one channel per group (Cg == 1): contiguous */
-                                const int64_t Ch = Gb + Gi;
-                                (void)Idx;
-                                (void)Ch;
-                                const float H0_hi = Pv_H0_hi[Gi];
-                                const float H0_lo = Pv_H0_lo[Gi];
-                                const float rstd_F = Pv_rstd_F[Gi];
-                                const float gamma_V = Dg_from_bf16(gamma[Ch]);
-                                const float Xv = Dg_from_bf16(x[Idx]);
-                                const float Dyv = Dg_from_bf16(dy[Idx]);
-                                const float xhat = rstd_F*((Xv + H0_hi + H0_lo));
-                                const float g = Dyv*gamma_V;
-                                Lane_Sum_g[J * W + Gi] += ((double)g);
-                                Lane_Sum_g_xhat[J * W + Gi] += ((double)g)*((double)xhat);
-                            }
-                        }
-                    }
-                }
-                for (int64_t Gi = 0; Gi < W; ++Gi) {
-                    double Col[DG_LANES];
-                    for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_Sum_g[Q * W + Gi];
-                    Gv_Sum_g[Gi] = Dg_lanes(Col);
-                }
-                for (int64_t Gi = 0; Gi < W; ++Gi) {
-                    double Col[DG_LANES];
-                    for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_Sum_g_xhat[Q * W + Gi];
-                    Gv_Sum_g_xhat[Gi] = Dg_lanes(Col);
-                }
-            }
-            double Gv_Mean_g[DG_NHWC_GROUPS];
-            for (int64_t Gi = 0; Gi < W; ++Gi) {
-                const double Sum_g = Gv_Sum_g[Gi];
-                Gv_Mean_g[Gi] = Sum_g/N;
-            }
-            (void)Gv_Mean_g;   /* Mean_g = mean(g) */
-            double Gv_Mean_g_xhat[DG_NHWC_GROUPS];
-            for (int64_t Gi = 0; Gi < W; ++Gi) {
-                const double Sum_g_xhat = Gv_Sum_g_xhat[Gi];
-                Gv_Mean_g_xhat[Gi] = Sum_g_xhat/N;
-            }
-            (void)Gv_Mean_g_xhat;   /* Mean_g_xhat = mean(g*xhat) */
-            {
-                float Pv_H0_hi[DG_NHWC_GROUPS];
-                float Pv_H0_lo[DG_NHWC_GROUPS];
-                float Pv_H1_hi[DG_NHWC_GROUPS];
-                float Pv_H1_lo[DG_NHWC_GROUPS];
-                float Pv_Mean_g_xhat_F[DG_NHWC_GROUPS];
-                float Pv_rstd_F[DG_NHWC_GROUPS];
-                for (int64_t Gi = 0; Gi < W; ++Gi) {
-                    const double mean = Gv_mean[Gi];
-                    const double rstd = Gv_rstd[Gi];
-                    const double Mean_g = Gv_Mean_g[Gi];
-                    const double Mean_g_xhat = Gv_Mean_g_xhat[Gi];
-                    const double H0 = -mean;
-                    const float H0_hi = (float)H0;
-                    Pv_H0_hi[Gi] = H0_hi;
-                    const float H0_lo = (float)(H0 - (double)H0_hi);
-                    Pv_H0_lo[Gi] = H0_lo;
-                    const double H1 = -Mean_g;
-                    const float H1_hi = (float)H1;
-                    Pv_H1_hi[Gi] = H1_hi;
-                    const float H1_lo = (float)(H1 - (double)H1_hi);
-                    Pv_H1_lo[Gi] = H1_lo;
-                    const float Mean_g_xhat_F = (float)Mean_g_xhat;
-                    Pv_Mean_g_xhat_F[Gi] = Mean_g_xhat_F;
-                    const float rstd_F = (float)rstd;
-                    Pv_rstd_F[Gi] = rstd_F;
-                }
-                const int64_t Run = S;      /* values per run */
-                const int64_t Full = Run - Run % DG_LANES;     /* the rest go to lane 0 */
-                (void)Full;
-                for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
-                    const int64_t Ob = Blk;
-                    for (int64_t Ci = 0; Ci < Cg; ++Ci) {
-                        double Lane_p0[DG_LANES * DG_NHWC_GROUPS];
-                        memset(Lane_p0, 0, (size_t)(DG_LANES * W) * sizeof(double));
-                        double Lane_p1[DG_LANES * DG_NHWC_GROUPS];
-                        memset(Lane_p1, 0, (size_t)(DG_LANES * W) * sizeof(double));
-                        for (int64_t Si = 0; Si < S; ++Si) {
-                            const int64_t Pos = Si;
-                            const int J = Pos < Full ? (int)(Pos % DG_LANES) : 0;
-                            const int64_t Row = (Ob * S + Si) * C + Ci;
-                            (void)J;
-                            DG_INDEPENDENT
-                            for (int64_t Gi = 0; Gi < W; ++Gi) {
-                                const int64_t Idx = Row + Gb + Gi;     /* one channel per group (Cg == 1): contiguous */
-                                const int64_t Ch = Gb + Gi;
-                                (void)Idx;
-                                (void)Ch;
-                                const float H0_hi = Pv_H0_hi[Gi];
-                                const float H0_lo = Pv_H0_lo[Gi];
-                                const float H1_hi = Pv_H1_hi[Gi];
-                                const float H1_lo = Pv_H1_lo[Gi];
-                                const float Mean_g_xhat_F = Pv_Mean_g_xhat_F[Gi];
-                                const float rstd_F = Pv_rstd_F[Gi];
-                                const float gamma_V = Dg_from_bf16(gamma[Ch]);
-                                const float Xv = Dg_from_bf16(x[Idx]);
-                                const float Dyv = Dg_from_bf16(dy[Idx]);
-                                const float xhat = rstd_F*((Xv + H0_hi + H0_lo));
-                                const float g = Dyv*gamma_V;
-                                dx[Idx] = Dg_to_bf16((float)(rstd_F*((g - Mean_g_xhat_F*xhat + H1_hi + H1_lo))));
-                                Lane_p0[J * W + Gi] += ((double)Dyv)*((double)xhat);
-                                Lane_p1[J * W + Gi] += ((double)Dyv);
-                            }
-                        }
-                        for (int64_t Gi = 0; Gi < W; ++Gi) {
-                            double Col[DG_LANES];
-                            for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_p0[Q * W + Gi];
-                            Mine[0 * C + (Gb + Gi) * Cg + Ci] += Dg_lanes(Col);
-                        }
-                        for (int64_t Gi = 0; Gi < W; ++Gi) {
-                            double Col[DG_LANES];
-                            for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_p1[Q * W + Gi];
-                            Mine[1 * C + (Gb + Gi) * Cg + Ci] += Dg_lanes(Col);
-                        }
-                    }
-                }
-            }
-            B0 += W;
+        DG_PRAGMA(omp for schedule(static))
+        for (int64_t Gq = 0; Gq < G; ++Gq) {
+            (void)Gq;
+            Gv_mean[Gq] = mean_In[Gq];
+            Gv_var[Gq] = var_In[Gq];
+            Gv_rstd[Gq] = rstd_In[Gq];
         }
+        DG_PRAGMA(omp for schedule(static))
+        for (int64_t Gq = 0; Gq < G; ++Gq) {
+            const double mean = Gv_mean[Gq];
+            const double rstd = Gv_rstd[Gq];
+            const double H0 = -mean;
+            (void)H0;
+            const float H0_hi = (float)H0;
+            PvR_H0_hi[Gq] = H0_hi;
+            const float H0_lo = (float)(H0 - (double)H0_hi);
+            PvR_H0_lo[Gq] = H0_lo;
+            const float rstd_F = (float)rstd;
+            PvR_rstd_F[Gq] = rstd_F;
+        }
+        for (int64_t Ck = 0; Ck < O; Ck += DG_NHWC_CHUNK) {
+            const int64_t Ck_end = O - Ck < DG_NHWC_CHUNK ? O : Ck + DG_NHWC_CHUNK;
+            int64_t Lo, Hi;
+            Dg_share(Ck_end - Ck, &Lo, &Hi);         /* this thread's samples of the chunk */
+            for (int64_t Ob = Ck + Lo; Ob < Ck + Hi; ++Ob) {
+                for (int64_t Gb = 0; Gb < G; Gb += DG_NHWC_GROUPS) {
+                    const int64_t W = G - Gb < DG_NHWC_GROUPS ? G - Gb : DG_NHWC_GROUPS;
+                    double Lane_Sum_g[DG_LANES * DG_NHWC_GROUPS];     /* [lane][channel], dense for this W */
+                    memset(Lane_Sum_g, 0, (size_t)(DG_LANES * W) * sizeof(double));
+                    double Lane_Sum_g_xhat[DG_LANES * DG_NHWC_GROUPS];     /* [lane][channel], dense for this W */
+                    memset(Lane_Sum_g_xhat, 0, (size_t)(DG_LANES * W) * sizeof(double));
+                    for (int64_t Si = 0; Si < S; ++Si) {
+                        const int J = Si < Full ? (int)(Si % DG_LANES) : 0;   /* the rest: lane 0 */
+                        const int64_t Row = (Ob * S + Si) * C;
+                        (void)J;
+                        DG_INDEPENDENT
+                        for (int64_t Gi = 0; Gi < W; ++Gi) {
+                            const int64_t Ch = Gb + Gi;
+                            const int64_t Idx = Row + Ch;
+                            (void)Idx;
+                            const float H0_hi = PvR_H0_hi[Ch];
+                            const float H0_lo = PvR_H0_lo[Ch];
+                            const float rstd_F = PvR_rstd_F[Ch];
+                            const float gamma_V = Dg_from_bf16(gamma[Ch]);
+                            const float Xv = Dg_from_bf16(x[Idx]);
+                            const float Dyv = Dg_from_bf16(dy[Idx]);
+                            const float xhat = rstd_F*((Xv + H0_hi + H0_lo));
+                            const float g = Dyv*gamma_V;
+                            Lane_Sum_g[J * W + Gi] += ((double)g);
+                            Lane_Sum_g_xhat[J * W + Gi] += ((double)g)*((double)xhat);
+                        }
+
+                    }
+                    for (int64_t Gi = 0; Gi < W; ++Gi) {
+                        double Col[DG_LANES];
+                        for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_Sum_g[Q * W + Gi];
+                        Bs_Sum_g[(Ob - Ck) * G + Gb + Gi] = Dg_lanes(Col);
+                    }
+                    for (int64_t Gi = 0; Gi < W; ++Gi) {
+                        double Col[DG_LANES];
+                        for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_Sum_g_xhat[Q * W + Gi];
+                        Bs_Sum_g_xhat[(Ob - Ck) * G + Gb + Gi] = Dg_lanes(Col);
+                    }
+                }
+            }
+            DG_PRAGMA(omp barrier)
+            DG_PRAGMA(omp for schedule(static))
+            for (int64_t Gq = 0; Gq < G; ++Gq)
+                for (int64_t Ob = Ck; Ob < Ck_end; ++Ob) {      /* sample order, as the NCHW blocks */
+                    Gv_Sum_g[Gq] += Bs_Sum_g[(Ob - Ck) * G + Gq];
+                    Gv_Sum_g_xhat[Gq] += Bs_Sum_g_xhat[(Ob - Ck) * G + Gq];
+                }
+        }
+        DG_PRAGMA(omp for schedule(static))
+        for (int64_t Gq = 0; Gq < G; ++Gq) {
+            const double Sum_g = Gv_Sum_g[Gq];
+            Gv_Mean_g[Gq] = Sum_g/N;
+        }   /* Mean_g = mean(g) */
+        DG_PRAGMA(omp for schedule(static))
+        for (int64_t Gq = 0; Gq < G; ++Gq) {
+            const double Sum_g_xhat = Gv_Sum_g_xhat[Gq];
+            Gv_Mean_g_xhat[Gq] = Sum_g_xhat/N;
+        }   /* Mean_g_xhat = mean(g*xhat) */
+        DG_PRAGMA(omp for schedule(static))
+        for (int64_t Gq = 0; Gq < G; ++Gq) {
+            const double mean = Gv_mean[Gq];
+            const double rstd = Gv_rstd[Gq];
+            const double Mean_g = Gv_Mean_g[Gq];
+            const double Mean_g_xhat = Gv_Mean_g_xhat[Gq];
+            const double H0 = -mean;
+            (void)H0;
+            const float H0_hi = (float)H0;
+            PvF_H0_hi[Gq] = H0_hi;
+            const float H0_lo = (float)(H0 - (double)H0_hi);
+            PvF_H0_lo[Gq] = H0_lo;
+            const double H1 = -Mean_g;
+            (void)H1;
+            const float H1_hi = (float)H1;
+            PvF_H1_hi[Gq] = H1_hi;
+            const float H1_lo = (float)(H1 - (double)H1_hi);
+            PvF_H1_lo[Gq] = H1_lo;
+            const float Mean_g_xhat_F = (float)Mean_g_xhat;
+            PvF_Mean_g_xhat_F[Gq] = Mean_g_xhat_F;
+            const float rstd_F = (float)rstd;
+            PvF_rstd_F[Gq] = rstd_F;
+        }
+        for (int64_t Ck = 0; Ck < O; Ck += DG_NHWC_CHUNK) {
+            const int64_t Ck_end = O - Ck < DG_NHWC_CHUNK ? O : Ck + DG_NHWC_CHUNK;
+            int64_t Lo, Hi;
+            Dg_share(Ck_end - Ck, &Lo, &Hi);         /* this thread's samples of the chunk */
+            for (int64_t Ob = Ck + Lo; Ob < Ck + Hi; ++Ob) {
+                for (int64_t Gb = 0; Gb < G; Gb += DG_NHWC_GROUPS) {
+                    const int64_t W = G - Gb < DG_NHWC_GROUPS ? G - Gb : DG_NHWC_GROUPS;
+                    double Lane_p0[DG_LANES * DG_NHWC_GROUPS];
+                    memset(Lane_p0, 0, (size_t)(DG_LANES * W) * sizeof(double));
+                    double Lane_p1[DG_LANES * DG_NHWC_GROUPS];
+                    memset(Lane_p1, 0, (size_t)(DG_LANES * W) * sizeof(double));
+                    for (int64_t Si = 0; Si < S; ++Si) {
+                        const int J = Si < Full ? (int)(Si % DG_LANES) : 0;   /* the rest: lane 0 */
+                        const int64_t Row = (Ob * S + Si) * C;
+                        (void)J;
+                        dg_bf16 St_dx[DG_NHWC_GROUPS];     /* the row's outputs, streamed out below */
+                        DG_INDEPENDENT
+                        for (int64_t Gi = 0; Gi < W; ++Gi) {
+                            const int64_t Ch = Gb + Gi;
+                            const int64_t Idx = Row + Ch;
+                            (void)Idx;
+                            const float H0_hi = PvF_H0_hi[Ch];
+                            const float H0_lo = PvF_H0_lo[Ch];
+                            const float H1_hi = PvF_H1_hi[Ch];
+                            const float H1_lo = PvF_H1_lo[Ch];
+                            const float Mean_g_xhat_F = PvF_Mean_g_xhat_F[Ch];
+                            const float rstd_F = PvF_rstd_F[Ch];
+                            const float gamma_V = Dg_from_bf16(gamma[Ch]);
+                            const float Xv = Dg_from_bf16(x[Idx]);
+                            const float Dyv = Dg_from_bf16(dy[Idx]);
+                            const float xhat = rstd_F*((Xv + H0_hi + H0_lo));
+                            const float g = Dyv*gamma_V;
+                            St_dx[Gi] = Dg_to_bf16((float)(rstd_F*((g - Mean_g_xhat_F*xhat + H1_hi + H1_lo))));
+                            Lane_p0[J * W + Gi] += ((double)Dyv)*((double)xhat);
+                            Lane_p1[J * W + Gi] += ((double)Dyv);
+                        }
+                        if (Out_Stream)
+                            Dg_stream_dg_bf16(dx + Row + Gb, St_dx, W);
+                        else
+                            memcpy(dx + Row + Gb, St_dx, (size_t)W * sizeof(dg_bf16));
+
+                    }
+                    for (int64_t Gi = 0; Gi < W; ++Gi) {
+                        double Col[DG_LANES];
+                        for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_p0[Q * W + Gi];
+                        Bs_p0[(Ob - Ck) * G + Gb + Gi] = Dg_lanes(Col);
+                    }
+                    for (int64_t Gi = 0; Gi < W; ++Gi) {
+                        double Col[DG_LANES];
+                        for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_p1[Q * W + Gi];
+                        Bs_p1[(Ob - Ck) * G + Gb + Gi] = Dg_lanes(Col);
+                    }
+                }
+            }
+            DG_PRAGMA(omp barrier)
+            DG_PRAGMA(omp for schedule(static))
+            for (int64_t Gq = 0; Gq < G; ++Gq)
+                for (int64_t Ob = Ck; Ob < Ck_end; ++Ob) {      /* sample order, as the NCHW blocks */
+                    Dp0[Gq] += Bs_p0[(Ob - Ck) * G + Gq];
+                    Dp1[Gq] += Bs_p1[(Ob - Ck) * G + Gq];
+                }
+        }
+        if (Out_Stream)
+            Dg_fence();
     }
     for (int64_t Cc = 0; Cc < C; ++Cc) {       /* dgamma */
-        double Acc = 0.0;
+        double Acc = 0.0 + Dp0[Cc];
         for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * P * C + 0 * C + Cc];
         dgamma[Cc] = Dg_to_bf16((float)(Acc));
     }
     for (int64_t Cc = 0; Cc < C; ++Cc) {       /* dbeta */
-        double Acc = 0.0;
+        double Acc = 0.0 + Dp1[Cc];
         for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * P * C + 1 * C + Cc];
         dbeta[Cc] = Dg_to_bf16((float)(Acc));
     }
     free(Part);
+    free(Gv_mean);
+    free(Gv_var);
+    free(Gv_rstd);
+    free(Gv_Sum_g);
+    free(Bs_Sum_g);
+    free(Gv_Sum_g_xhat);
+    free(Bs_Sum_g_xhat);
+    free(PvR_H0_hi);
+    free(PvR_H0_lo);
+    free(PvR_rstd_F);
+    free(Gv_Mean_g);
+    free(Gv_Mean_g_xhat);
+    free(Dp0);
+    free(Bs_p0);
+    free(Dp1);
+    free(Bs_p1);
+    free(PvF_H0_hi);
+    free(PvF_H0_lo);
+    free(PvF_H1_hi);
+    free(PvF_H1_lo);
+    free(PvF_Mean_g_xhat_F);
+    free(PvF_rstd_F);
+
     return 0;
 }
 #endif /* DG_WANT_EXTRAS */
@@ -3384,7 +3746,6 @@ int batchnorm_eval_backward_f32(
 #endif /* DG_WANT_FLOAT */
 
 #if DG_WANT_EXTRAS
-
 /* ---- eval forward, channels last (NHWC), float ---- */
 int batchnorm_eval_forward_nhwc_f32(
     int64_t O, int64_t G, int64_t Cg, int64_t S,
@@ -3407,6 +3768,7 @@ const int64_t C = G * Cg;
     const double N = (double)(Blocks * Cg * S);               /* values per group */
     const int Nth = Dg_threads(Nthreads);
     (void)N;
+    (void)N_groups;
     (void)Nth;
     (void)x;
     (void)gamma;
@@ -3414,100 +3776,119 @@ const int64_t C = G * Cg;
     (void)eps;
     (void)momentum;
 
+const int64_t Full = S - S % DG_LANES;          /* positions past it go to lane 0 */
+    const int Out_Stream = Dg_stream_on(O * S * C, (int64_t)sizeof(float));
+    (void)Out_Stream;
+    double *Gv_running_mean_G = (double *)calloc((size_t)(G) + 1, sizeof(double));
+    double *Gv_running_var_G = (double *)calloc((size_t)(G) + 1, sizeof(double));
+    double *Gv_mean = (double *)calloc((size_t)(G) + 1, sizeof(double));
+    double *Gv_var = (double *)calloc((size_t)(G) + 1, sizeof(double));
+    double *Gv_rstd = (double *)calloc((size_t)(G) + 1, sizeof(double));
+    float *PvF_H0_hi = (float *)calloc((size_t)(G) + 1, sizeof(float));
+    float *PvF_H0_lo = (float *)calloc((size_t)(G) + 1, sizeof(float));
+    float *PvF_rstd_F = (float *)calloc((size_t)(G) + 1, sizeof(float));
+    if (Gv_running_mean_G == NULL || Gv_running_var_G == NULL || Gv_mean == NULL || Gv_var == NULL || Gv_rstd == NULL || PvF_H0_hi == NULL || PvF_H0_lo == NULL || PvF_rstd_F == NULL) {
+        free(Gv_running_mean_G);
+        free(Gv_running_var_G);
+        free(Gv_mean);
+        free(Gv_var);
+        free(Gv_rstd);
+        free(PvF_H0_hi);
+        free(PvF_H0_lo);
+        free(PvF_rstd_F);
+        return -1;
+    }
     DG_PRAGMA(omp parallel num_threads(Nth))
     {
-int64_t Lo, Hi;
-        Dg_share(N_groups, &Lo, &Hi);             /* the NCHW kernels' split of the groups */
-        for (int64_t B0 = Lo; B0 < Hi;) {
-            const int64_t Oi = 0;   /* the block's sample */
-            const int64_t Gb = B0;   /* its first group */
-            int64_t W = Hi - B0 < DG_NHWC_GROUPS ? Hi - B0 : DG_NHWC_GROUPS;
-            if (Gb + W > G)
-                W = G - Gb;                       /* one sample's groups at a time */
-            (void)Oi;
-
-            double Gv_running_mean_G[DG_NHWC_GROUPS];
-            for (int64_t Gi = 0; Gi < W; ++Gi)
-                Gv_running_mean_G[Gi] = running_mean ? (double)running_mean[B0 + Gi] : 0.0;
-            (void)Gv_running_mean_G;
-            double Gv_running_var_G[DG_NHWC_GROUPS];
-            for (int64_t Gi = 0; Gi < W; ++Gi)
-                Gv_running_var_G[Gi] = running_var ? (double)running_var[B0 + Gi] : 0.0;
-            (void)Gv_running_var_G;
-            double Gv_mean[DG_NHWC_GROUPS];
-            for (int64_t Gi = 0; Gi < W; ++Gi) {
-                const double running_mean_G = Gv_running_mean_G[Gi];
-                Gv_mean[Gi] = running_mean_G;
-            }
-            (void)Gv_mean;   /* mean = running_mean */
-            double Gv_var[DG_NHWC_GROUPS];
-            for (int64_t Gi = 0; Gi < W; ++Gi) {
-                const double running_var_G = Gv_running_var_G[Gi];
-                Gv_var[Gi] = running_var_G;
-            }
-            (void)Gv_var;   /* var = running_var */
-            double Gv_rstd[DG_NHWC_GROUPS];
-            for (int64_t Gi = 0; Gi < W; ++Gi) {
-                const double var = Gv_var[Gi];
-                Gv_rstd[Gi] = 1/sqrt(var + eps);
-            }
-            (void)Gv_rstd;   /* rstd = 1/sqrt(var + eps) */
-            for (int64_t Gi = 0; Gi < W; ++Gi) {
-                mean_Out[B0 + Gi] = Gv_mean[Gi];
-                var_Out[B0 + Gi] = Gv_var[Gi];
-                rstd_Out[B0 + Gi] = Gv_rstd[Gi];
-            }
-            {
-                float Pv_H0_hi[DG_NHWC_GROUPS];
-                float Pv_H0_lo[DG_NHWC_GROUPS];
-                float Pv_rstd_F[DG_NHWC_GROUPS];
-                for (int64_t Gi = 0; Gi < W; ++Gi) {
-                    const double mean = Gv_mean[Gi];
-                    const double rstd = Gv_rstd[Gi];
-                    const double H0 = -mean;
-                    const float H0_hi = (float)H0;
-                    Pv_H0_hi[Gi] = H0_hi;
-                    const float H0_lo = (float)(H0 - (double)H0_hi);
-                    Pv_H0_lo[Gi] = H0_lo;
-                    const float rstd_F = (float)rstd;
-                    Pv_rstd_F[Gi] = rstd_F;
-                }
-                const int64_t Run = S;      /* values per run */
-                const int64_t Full = Run - Run % DG_LANES;     /* the rest go to lane 0 */
-                (void)Full;
-                for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
-                    const int64_t Ob = Blk;
-                    for (int64_t Ci = 0; Ci < Cg; ++Ci) {
-                        for (int64_t Si = 0; Si < S; ++Si) {
-                            const int64_t Pos = Si;
-                            const int J = Pos < Full ? (int)(Pos % DG_LANES) : 0;
-                            const int64_t Row = (Ob * S + Si) * C + Ci;
-                            (void)J;
-                            DG_INDEPENDENT
-                            for (int64_t Gi = 0; Gi < W; ++Gi) {
-                                const int64_t Idx = Row + Gb + Gi;     /* one channel per group (Cg == 1): contiguous */
-                                const int64_t Ch = Gb + Gi;
-                                (void)Idx;
-                                (void)Ch;
-                                const float H0_hi = Pv_H0_hi[Gi];
-                                const float H0_lo = Pv_H0_lo[Gi];
-                                const float rstd_F = Pv_rstd_F[Gi];
-                                const float gamma_V = gamma[Ch];
-                                const float beta_V = beta[Ch];
-                                const float Xv = x[Idx];
-                                const float xhat = rstd_F*((Xv + H0_hi + H0_lo));
-                                y[Idx] = (float)(gamma_V*xhat + beta_V);
-                            }
+        DG_PRAGMA(omp for schedule(static))
+        for (int64_t Gq = 0; Gq < G; ++Gq) {
+            (void)Gq;
+            Gv_running_mean_G[Gq] = running_mean ? (double)running_mean[Gq] : 0.0;
+            Gv_running_var_G[Gq] = running_var ? (double)running_var[Gq] : 0.0;
+        }
+        DG_PRAGMA(omp for schedule(static))
+        for (int64_t Gq = 0; Gq < G; ++Gq) {
+            const double running_mean_G = Gv_running_mean_G[Gq];
+            Gv_mean[Gq] = running_mean_G;
+        }   /* mean = running_mean */
+        DG_PRAGMA(omp for schedule(static))
+        for (int64_t Gq = 0; Gq < G; ++Gq) {
+            const double running_var_G = Gv_running_var_G[Gq];
+            Gv_var[Gq] = running_var_G;
+        }   /* var = running_var */
+        DG_PRAGMA(omp for schedule(static))
+        for (int64_t Gq = 0; Gq < G; ++Gq) {
+            const double var = Gv_var[Gq];
+            Gv_rstd[Gq] = 1/sqrt(var + eps);
+        }   /* rstd = 1/sqrt(var + eps) */
+        DG_PRAGMA(omp for schedule(static))
+        for (int64_t Gq = 0; Gq < G; ++Gq) {
+            mean_Out[Gq] = Gv_mean[Gq];
+            var_Out[Gq] = Gv_var[Gq];
+            rstd_Out[Gq] = Gv_rstd[Gq];
+        }
+        DG_PRAGMA(omp for schedule(static))
+        for (int64_t Gq = 0; Gq < G; ++Gq) {
+            const double mean = Gv_mean[Gq];
+            const double rstd = Gv_rstd[Gq];
+            const double H0 = -mean;
+            (void)H0;
+            const float H0_hi = (float)H0;
+            PvF_H0_hi[Gq] = H0_hi;
+            const float H0_lo = (float)(H0 - (double)H0_hi);
+            PvF_H0_lo[Gq] = H0_lo;
+            const float rstd_F = (float)rstd;
+            PvF_rstd_F[Gq] = rstd_F;
+        }
+        for (int64_t Ck = 0; Ck < O; Ck += O) {
+            const int64_t Ck_end = O - Ck < O ? O : Ck + O;
+            int64_t Lo, Hi;
+            Dg_share(Ck_end - Ck, &Lo, &Hi);         /* this thread's samples of the chunk */
+            for (int64_t Ob = Ck + Lo; Ob < Ck + Hi; ++Ob) {
+                for (int64_t Gb = 0; Gb < G; Gb += DG_NHWC_GROUPS) {
+                    const int64_t W = G - Gb < DG_NHWC_GROUPS ? G - Gb : DG_NHWC_GROUPS;
+                    for (int64_t Si = 0; Si < S; ++Si) {
+                        const int J = Si < Full ? (int)(Si % DG_LANES) : 0;   /* the rest: lane 0 */
+                        const int64_t Row = (Ob * S + Si) * C;
+                        (void)J;
+                        float St_y[DG_NHWC_GROUPS];     /* the row's outputs, streamed out below */
+                        DG_INDEPENDENT
+                        for (int64_t Gi = 0; Gi < W; ++Gi) {
+                            const int64_t Ch = Gb + Gi;
+                            const int64_t Idx = Row + Ch;
+                            (void)Idx;
+                            const float H0_hi = PvF_H0_hi[Ch];
+                            const float H0_lo = PvF_H0_lo[Ch];
+                            const float rstd_F = PvF_rstd_F[Ch];
+                            const float gamma_V = gamma[Ch];
+                            const float beta_V = beta[Ch];
+                            const float Xv = x[Idx];
+                            const float xhat = rstd_F*((Xv + H0_hi + H0_lo));
+                            St_y[Gi] = (float)(gamma_V*xhat + beta_V);
                         }
+                        if (Out_Stream)
+                            Dg_stream_float(y + Row + Gb, St_y, W);
+                        else
+                            memcpy(y + Row + Gb, St_y, (size_t)W * sizeof(float));
+
                     }
                 }
             }
-            B0 += W;
         }
+        if (Out_Stream)
+            Dg_fence();
     }
+    free(Gv_running_mean_G);
+    free(Gv_running_var_G);
+    free(Gv_mean);
+    free(Gv_var);
+    free(Gv_rstd);
+    free(PvF_H0_hi);
+    free(PvF_H0_lo);
+    free(PvF_rstd_F);
+
     return 0;
 }
-
 /* ---- eval backward, channels last (NHWC), float ---- */
 int batchnorm_eval_backward_nhwc_f32(
     int64_t O, int64_t G, int64_t Cg, int64_t S,
@@ -3531,6 +3912,7 @@ const int64_t C = G * Cg;
     const double N = (double)(Blocks * Cg * S);               /* values per group */
     const int Nth = Dg_threads(Nthreads);
     (void)N;
+    (void)N_groups;
     (void)Nth;
     (void)x;
     (void)gamma;
@@ -3538,114 +3920,156 @@ const int64_t C = G * Cg;
     (void)eps;
     (void)momentum;
 
+const int64_t Full = S - S % DG_LANES;          /* positions past it go to lane 0 */
+    const int Out_Stream = Dg_stream_on(O * S * C, (int64_t)sizeof(float));
+    (void)Out_Stream;
     const int64_t P = 2;      /* parameters */
     (void)dy;
-    /* per-thread partial sums of the parameter gradients, reduced once at the end */
-    double *Part = (double *)calloc((size_t)(Nth * P * C) + 1, sizeof(double));
-    if (Part == NULL)
+    double *Gv_mean = (double *)calloc((size_t)(G) + 1, sizeof(double));
+    double *Gv_var = (double *)calloc((size_t)(G) + 1, sizeof(double));
+    double *Gv_rstd = (double *)calloc((size_t)(G) + 1, sizeof(double));
+    double *Dp0 = (double *)calloc((size_t)(G) + 1, sizeof(double));
+    double *Bs_p0 = (double *)calloc((size_t)(DG_NHWC_CHUNK * G) + 1, sizeof(double));
+    double *Dp1 = (double *)calloc((size_t)(G) + 1, sizeof(double));
+    double *Bs_p1 = (double *)calloc((size_t)(DG_NHWC_CHUNK * G) + 1, sizeof(double));
+    float *PvF_H0_hi = (float *)calloc((size_t)(G) + 1, sizeof(float));
+    float *PvF_H0_lo = (float *)calloc((size_t)(G) + 1, sizeof(float));
+    float *PvF_rstd_F = (float *)calloc((size_t)(G) + 1, sizeof(float));
+    if (Gv_mean == NULL || Gv_var == NULL || Gv_rstd == NULL || Dp0 == NULL || Bs_p0 == NULL || Dp1 == NULL || Bs_p1 == NULL || PvF_H0_hi == NULL || PvF_H0_lo == NULL || PvF_rstd_F == NULL) {
+        free(Gv_mean);
+        free(Gv_var);
+        free(Gv_rstd);
+        free(Dp0);
+        free(Bs_p0);
+        free(Dp1);
+        free(Bs_p1);
+        free(PvF_H0_hi);
+        free(PvF_H0_lo);
+        free(PvF_rstd_F);
         return -1;
+    }
+    /* per-thread partial sums of scalar parameters' gradients, in the NCHW kernels' order */
+    double *Part = (double *)calloc((size_t)(Nth * P * C) + 1, sizeof(double));
+    if (Part == NULL) {
+    free(Gv_mean);
+    free(Gv_var);
+    free(Gv_rstd);
+    free(Dp0);
+    free(Bs_p0);
+    free(Dp1);
+    free(Bs_p1);
+    free(PvF_H0_hi);
+    free(PvF_H0_lo);
+    free(PvF_rstd_F);
+
+        return -1;
+    }
     DG_PRAGMA(omp parallel num_threads(Nth))
     {
-        double *restrict Mine = Part + (int64_t)Dg_thread_id() * P * C;
-        (void)Mine;
-int64_t Lo, Hi;
-        Dg_share(N_groups, &Lo, &Hi);             /* the NCHW kernels' split of the groups */
-        for (int64_t B0 = Lo; B0 < Hi;) {
-            const int64_t Oi = 0;   /* the block's sample */
-            const int64_t Gb = B0;   /* its first group */
-            int64_t W = Hi - B0 < DG_NHWC_GROUPS ? Hi - B0 : DG_NHWC_GROUPS;
-            if (Gb + W > G)
-                W = G - Gb;                       /* one sample's groups at a time */
-            (void)Oi;
+        DG_PRAGMA(omp for schedule(static))
+        for (int64_t Gq = 0; Gq < G; ++Gq) {
+            (void)Gq;
+            Gv_mean[Gq] = mean_In[Gq];
+            Gv_var[Gq] = var_In[Gq];
+            Gv_rstd[Gq] = rstd_In[Gq];
+        }
+        DG_PRAGMA(omp for schedule(static))
+        for (int64_t Gq = 0; Gq < G; ++Gq) {
+            const double mean = Gv_mean[Gq];
+            const double rstd = Gv_rstd[Gq];
+            const double H0 = -mean;
+            (void)H0;
+            const float H0_hi = (float)H0;
+            PvF_H0_hi[Gq] = H0_hi;
+            const float H0_lo = (float)(H0 - (double)H0_hi);
+            PvF_H0_lo[Gq] = H0_lo;
+            const float rstd_F = (float)rstd;
+            PvF_rstd_F[Gq] = rstd_F;
+        }
+        for (int64_t Ck = 0; Ck < O; Ck += DG_NHWC_CHUNK) {
+            const int64_t Ck_end = O - Ck < DG_NHWC_CHUNK ? O : Ck + DG_NHWC_CHUNK;
+            int64_t Lo, Hi;
+            Dg_share(Ck_end - Ck, &Lo, &Hi);         /* this thread's samples of the chunk */
+            for (int64_t Ob = Ck + Lo; Ob < Ck + Hi; ++Ob) {
+                for (int64_t Gb = 0; Gb < G; Gb += DG_NHWC_GROUPS) {
+                    const int64_t W = G - Gb < DG_NHWC_GROUPS ? G - Gb : DG_NHWC_GROUPS;
+                    double Lane_p0[DG_LANES * DG_NHWC_GROUPS];
+                    memset(Lane_p0, 0, (size_t)(DG_LANES * W) * sizeof(double));
+                    double Lane_p1[DG_LANES * DG_NHWC_GROUPS];
+                    memset(Lane_p1, 0, (size_t)(DG_LANES * W) * sizeof(double));
+                    for (int64_t Si = 0; Si < S; ++Si) {
+                        const int J = Si < Full ? (int)(Si % DG_LANES) : 0;   /* the rest: lane 0 */
+                        const int64_t Row = (Ob * S + Si) * C;
+                        (void)J;
+                        float St_dx[DG_NHWC_GROUPS];     /* the row's outputs, streamed out below */
+                        DG_INDEPENDENT
+                        for (int64_t Gi = 0; Gi < W; ++Gi) {
+                            const int64_t Ch = Gb + Gi;
+                            const int64_t Idx = Row + Ch;
+                            (void)Idx;
+                            const float H0_hi = PvF_H0_hi[Ch];
+                            const float H0_lo = PvF_H0_lo[Ch];
+                            const float rstd_F = PvF_rstd_F[Ch];
+                            const float gamma_V = gamma[Ch];
+                            const float Xv = x[Idx];
+                            const float Dyv = dy[Idx];
+                            const float xhat = rstd_F*((Xv + H0_hi + H0_lo));
+                            const float g = Dyv*gamma_V;
+                            St_dx[Gi] = (float)(g*rstd_F);
+                            Lane_p0[J * W + Gi] += ((double)Dyv)*((double)xhat);
+                            Lane_p1[J * W + Gi] += ((double)Dyv);
+                        }
+                        if (Out_Stream)
+                            Dg_stream_float(dx + Row + Gb, St_dx, W);
+                        else
+                            memcpy(dx + Row + Gb, St_dx, (size_t)W * sizeof(float));
 
-            double Gv_mean[DG_NHWC_GROUPS];
-            for (int64_t Gi = 0; Gi < W; ++Gi)
-                Gv_mean[Gi] = mean_In[B0 + Gi];
-            (void)Gv_mean;
-            double Gv_var[DG_NHWC_GROUPS];
-            for (int64_t Gi = 0; Gi < W; ++Gi)
-                Gv_var[Gi] = var_In[B0 + Gi];
-            (void)Gv_var;
-            double Gv_rstd[DG_NHWC_GROUPS];
-            for (int64_t Gi = 0; Gi < W; ++Gi)
-                Gv_rstd[Gi] = rstd_In[B0 + Gi];
-            (void)Gv_rstd;
-            {
-                float Pv_H0_hi[DG_NHWC_GROUPS];
-                float Pv_H0_lo[DG_NHWC_GROUPS];
-                float Pv_rstd_F[DG_NHWC_GROUPS];
-                for (int64_t Gi = 0; Gi < W; ++Gi) {
-                    const double mean = Gv_mean[Gi];
-                    const double rstd = Gv_rstd[Gi];
-                    const double H0 = -mean;
-                    const float H0_hi = (float)H0;
-                    Pv_H0_hi[Gi] = H0_hi;
-                    const float H0_lo = (float)(H0 - (double)H0_hi);
-                    Pv_H0_lo[Gi] = H0_lo;
-                    const float rstd_F = (float)rstd;
-                    Pv_rstd_F[Gi] = rstd_F;
-                }
-                const int64_t Run = S;      /* values per run */
-                const int64_t Full = Run - Run % DG_LANES;     /* the rest go to lane 0 */
-                (void)Full;
-                for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
-                    const int64_t Ob = Blk;
-                    for (int64_t Ci = 0; Ci < Cg; ++Ci) {
-                        double Lane_p0[DG_LANES * DG_NHWC_GROUPS];
-                        memset(Lane_p0, 0, (size_t)(DG_LANES * W) * sizeof(double));
-                        double Lane_p1[DG_LANES * DG_NHWC_GROUPS];
-                        memset(Lane_p1, 0, (size_t)(DG_LANES * W) * sizeof(double));
-                        for (int64_t Si = 0; Si < S; ++Si) {
-                            const int64_t Pos = Si;
-                            const int J = Pos < Full ? (int)(Pos % DG_LANES) : 0;
-                            const int64_t Row = (Ob * S + Si) * C + Ci;
-                            (void)J;
-                            DG_INDEPENDENT
-                            for (int64_t Gi = 0; Gi < W; ++Gi) {
-                                const int64_t Idx = Row + Gb + Gi;     /* one channel per group (Cg == 1): contiguous */
-                                const int64_t Ch = Gb + Gi;
-                                (void)Idx;
-                                (void)Ch;
-                                const float H0_hi = Pv_H0_hi[Gi];
-                                const float H0_lo = Pv_H0_lo[Gi];
-                                const float rstd_F = Pv_rstd_F[Gi];
-                                const float gamma_V = gamma[Ch];
-                                const float Xv = x[Idx];
-                                const float Dyv = dy[Idx];
-                                const float xhat = rstd_F*((Xv + H0_hi + H0_lo));
-                                const float g = Dyv*gamma_V;
-                                dx[Idx] = (float)(g*rstd_F);
-                                Lane_p0[J * W + Gi] += ((double)Dyv)*((double)xhat);
-                                Lane_p1[J * W + Gi] += ((double)Dyv);
-                            }
-                        }
-                        for (int64_t Gi = 0; Gi < W; ++Gi) {
-                            double Col[DG_LANES];
-                            for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_p0[Q * W + Gi];
-                            Mine[0 * C + (Gb + Gi) * Cg + Ci] += Dg_lanes(Col);
-                        }
-                        for (int64_t Gi = 0; Gi < W; ++Gi) {
-                            double Col[DG_LANES];
-                            for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_p1[Q * W + Gi];
-                            Mine[1 * C + (Gb + Gi) * Cg + Ci] += Dg_lanes(Col);
-                        }
+                    }
+                    for (int64_t Gi = 0; Gi < W; ++Gi) {
+                        double Col[DG_LANES];
+                        for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_p0[Q * W + Gi];
+                        Bs_p0[(Ob - Ck) * G + Gb + Gi] = Dg_lanes(Col);
+                    }
+                    for (int64_t Gi = 0; Gi < W; ++Gi) {
+                        double Col[DG_LANES];
+                        for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_p1[Q * W + Gi];
+                        Bs_p1[(Ob - Ck) * G + Gb + Gi] = Dg_lanes(Col);
                     }
                 }
             }
-            B0 += W;
+            DG_PRAGMA(omp barrier)
+            DG_PRAGMA(omp for schedule(static))
+            for (int64_t Gq = 0; Gq < G; ++Gq)
+                for (int64_t Ob = Ck; Ob < Ck_end; ++Ob) {      /* sample order, as the NCHW blocks */
+                    Dp0[Gq] += Bs_p0[(Ob - Ck) * G + Gq];
+                    Dp1[Gq] += Bs_p1[(Ob - Ck) * G + Gq];
+                }
         }
+        if (Out_Stream)
+            Dg_fence();
     }
     for (int64_t Cc = 0; Cc < C; ++Cc) {       /* dgamma */
-        double Acc = 0.0;
+        double Acc = 0.0 + Dp0[Cc];
         for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * P * C + 0 * C + Cc];
         dgamma[Cc] = (float)(Acc);
     }
     for (int64_t Cc = 0; Cc < C; ++Cc) {       /* dbeta */
-        double Acc = 0.0;
+        double Acc = 0.0 + Dp1[Cc];
         for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * P * C + 1 * C + Cc];
         dbeta[Cc] = (float)(Acc);
     }
     free(Part);
+    free(Gv_mean);
+    free(Gv_var);
+    free(Gv_rstd);
+    free(Dp0);
+    free(Bs_p0);
+    free(Dp1);
+    free(Bs_p1);
+    free(PvF_H0_hi);
+    free(PvF_H0_lo);
+    free(PvF_rstd_F);
+
     return 0;
 }
 #endif /* DG_WANT_EXTRAS */
@@ -4055,7 +4479,6 @@ int batchnorm_eval_backward_f64(
 #endif /* DG_WANT_FLOAT */
 
 #if DG_WANT_EXTRAS
-
 /* ---- eval forward, channels last (NHWC), double ---- */
 int batchnorm_eval_forward_nhwc_f64(
     int64_t O, int64_t G, int64_t Cg, int64_t S,
@@ -4078,6 +4501,7 @@ const int64_t C = G * Cg;
     const double N = (double)(Blocks * Cg * S);               /* values per group */
     const int Nth = Dg_threads(Nthreads);
     (void)N;
+    (void)N_groups;
     (void)Nth;
     (void)x;
     (void)gamma;
@@ -4085,85 +4509,96 @@ const int64_t C = G * Cg;
     (void)eps;
     (void)momentum;
 
+const int64_t Full = S - S % DG_LANES;          /* positions past it go to lane 0 */
+    const int Out_Stream = Dg_stream_on(O * S * C, (int64_t)sizeof(double));
+    (void)Out_Stream;
+    double *Gv_running_mean_G = (double *)calloc((size_t)(G) + 1, sizeof(double));
+    double *Gv_running_var_G = (double *)calloc((size_t)(G) + 1, sizeof(double));
+    double *Gv_mean = (double *)calloc((size_t)(G) + 1, sizeof(double));
+    double *Gv_var = (double *)calloc((size_t)(G) + 1, sizeof(double));
+    double *Gv_rstd = (double *)calloc((size_t)(G) + 1, sizeof(double));
+    if (Gv_running_mean_G == NULL || Gv_running_var_G == NULL || Gv_mean == NULL || Gv_var == NULL || Gv_rstd == NULL) {
+        free(Gv_running_mean_G);
+        free(Gv_running_var_G);
+        free(Gv_mean);
+        free(Gv_var);
+        free(Gv_rstd);
+        return -1;
+    }
     DG_PRAGMA(omp parallel num_threads(Nth))
     {
-int64_t Lo, Hi;
-        Dg_share(N_groups, &Lo, &Hi);             /* the NCHW kernels' split of the groups */
-        for (int64_t B0 = Lo; B0 < Hi;) {
-            const int64_t Oi = 0;   /* the block's sample */
-            const int64_t Gb = B0;   /* its first group */
-            int64_t W = Hi - B0 < DG_NHWC_GROUPS ? Hi - B0 : DG_NHWC_GROUPS;
-            if (Gb + W > G)
-                W = G - Gb;                       /* one sample's groups at a time */
-            (void)Oi;
-
-            double Gv_running_mean_G[DG_NHWC_GROUPS];
-            for (int64_t Gi = 0; Gi < W; ++Gi)
-                Gv_running_mean_G[Gi] = running_mean ? running_mean[B0 + Gi] : 0.0;
-            (void)Gv_running_mean_G;
-            double Gv_running_var_G[DG_NHWC_GROUPS];
-            for (int64_t Gi = 0; Gi < W; ++Gi)
-                Gv_running_var_G[Gi] = running_var ? running_var[B0 + Gi] : 0.0;
-            (void)Gv_running_var_G;
-            double Gv_mean[DG_NHWC_GROUPS];
-            for (int64_t Gi = 0; Gi < W; ++Gi) {
-                const double running_mean_G = Gv_running_mean_G[Gi];
-                Gv_mean[Gi] = running_mean_G;
-            }
-            (void)Gv_mean;   /* mean = running_mean */
-            double Gv_var[DG_NHWC_GROUPS];
-            for (int64_t Gi = 0; Gi < W; ++Gi) {
-                const double running_var_G = Gv_running_var_G[Gi];
-                Gv_var[Gi] = running_var_G;
-            }
-            (void)Gv_var;   /* var = running_var */
-            double Gv_rstd[DG_NHWC_GROUPS];
-            for (int64_t Gi = 0; Gi < W; ++Gi) {
-                const double var = Gv_var[Gi];
-                Gv_rstd[Gi] = 1/sqrt(var + eps);
-            }
-            (void)Gv_rstd;   /* rstd = 1/sqrt(var + eps) */
-            for (int64_t Gi = 0; Gi < W; ++Gi) {
-                mean_Out[B0 + Gi] = Gv_mean[Gi];
-                var_Out[B0 + Gi] = Gv_var[Gi];
-                rstd_Out[B0 + Gi] = Gv_rstd[Gi];
-            }
-            {
-                const int64_t Run = S;      /* values per run */
-                const int64_t Full = Run - Run % DG_LANES;     /* the rest go to lane 0 */
-                (void)Full;
-                for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
-                    const int64_t Ob = Blk;
-                    for (int64_t Ci = 0; Ci < Cg; ++Ci) {
-                        for (int64_t Si = 0; Si < S; ++Si) {
-                            const int64_t Pos = Si;
-                            const int J = Pos < Full ? (int)(Pos % DG_LANES) : 0;
-                            const int64_t Row = (Ob * S + Si) * C + Ci;
-                            (void)J;
-                            DG_INDEPENDENT
-                            for (int64_t Gi = 0; Gi < W; ++Gi) {
-                                const int64_t Idx = Row + Gb + Gi;     /* one channel per group (Cg == 1): contiguous */
-                                const int64_t Ch = Gb + Gi;
-                                (void)Idx;
-                                (void)Ch;
-                                const double mean = Gv_mean[Gi];
-                                const double rstd = Gv_rstd[Gi];
-                                const double gamma_V = gamma[Ch];
-                                const double beta_V = beta[Ch];
-                                const double Xv = x[Idx];
-                                const double xhat = rstd*(Xv - mean);
-                                y[Idx] = (double)(gamma_V*xhat + beta_V);
-                            }
+        DG_PRAGMA(omp for schedule(static))
+        for (int64_t Gq = 0; Gq < G; ++Gq) {
+            (void)Gq;
+            Gv_running_mean_G[Gq] = running_mean ? running_mean[Gq] : 0.0;
+            Gv_running_var_G[Gq] = running_var ? running_var[Gq] : 0.0;
+        }
+        DG_PRAGMA(omp for schedule(static))
+        for (int64_t Gq = 0; Gq < G; ++Gq) {
+            const double running_mean_G = Gv_running_mean_G[Gq];
+            Gv_mean[Gq] = running_mean_G;
+        }   /* mean = running_mean */
+        DG_PRAGMA(omp for schedule(static))
+        for (int64_t Gq = 0; Gq < G; ++Gq) {
+            const double running_var_G = Gv_running_var_G[Gq];
+            Gv_var[Gq] = running_var_G;
+        }   /* var = running_var */
+        DG_PRAGMA(omp for schedule(static))
+        for (int64_t Gq = 0; Gq < G; ++Gq) {
+            const double var = Gv_var[Gq];
+            Gv_rstd[Gq] = 1/sqrt(var + eps);
+        }   /* rstd = 1/sqrt(var + eps) */
+        DG_PRAGMA(omp for schedule(static))
+        for (int64_t Gq = 0; Gq < G; ++Gq) {
+            mean_Out[Gq] = Gv_mean[Gq];
+            var_Out[Gq] = Gv_var[Gq];
+            rstd_Out[Gq] = Gv_rstd[Gq];
+        }
+        for (int64_t Ck = 0; Ck < O; Ck += O) {
+            const int64_t Ck_end = O - Ck < O ? O : Ck + O;
+            int64_t Lo, Hi;
+            Dg_share(Ck_end - Ck, &Lo, &Hi);         /* this thread's samples of the chunk */
+            for (int64_t Ob = Ck + Lo; Ob < Ck + Hi; ++Ob) {
+                for (int64_t Gb = 0; Gb < G; Gb += DG_NHWC_GROUPS) {
+                    const int64_t W = G - Gb < DG_NHWC_GROUPS ? G - Gb : DG_NHWC_GROUPS;
+                    for (int64_t Si = 0; Si < S; ++Si) {
+                        const int J = Si < Full ? (int)(Si % DG_LANES) : 0;   /* the rest: lane 0 */
+                        const int64_t Row = (Ob * S + Si) * C;
+                        (void)J;
+                        double St_y[DG_NHWC_GROUPS];     /* the row's outputs, streamed out below */
+                        DG_INDEPENDENT
+                        for (int64_t Gi = 0; Gi < W; ++Gi) {
+                            const int64_t Ch = Gb + Gi;
+                            const int64_t Idx = Row + Ch;
+                            (void)Idx;
+                            const double mean = Gv_mean[Ch];
+                            const double rstd = Gv_rstd[Ch];
+                            const double gamma_V = gamma[Ch];
+                            const double beta_V = beta[Ch];
+                            const double Xv = x[Idx];
+                            const double xhat = rstd*(Xv - mean);
+                            St_y[Gi] = (double)(gamma_V*xhat + beta_V);
                         }
+                        if (Out_Stream)
+                            Dg_stream_double(y + Row + Gb, St_y, W);
+                        else
+                            memcpy(y + Row + Gb, St_y, (size_t)W * sizeof(double));
+
                     }
                 }
             }
-            B0 += W;
         }
+        if (Out_Stream)
+            Dg_fence();
     }
+    free(Gv_running_mean_G);
+    free(Gv_running_var_G);
+    free(Gv_mean);
+    free(Gv_var);
+    free(Gv_rstd);
+
     return 0;
 }
-
 /* ---- eval backward, channels last (NHWC), double ---- */
 int batchnorm_eval_backward_nhwc_f64(
     int64_t O, int64_t G, int64_t Cg, int64_t S,
@@ -4187,6 +4622,7 @@ const int64_t C = G * Cg;
     const double N = (double)(Blocks * Cg * S);               /* values per group */
     const int Nth = Dg_threads(Nthreads);
     (void)N;
+    (void)N_groups;
     (void)Nth;
     (void)x;
     (void)gamma;
@@ -4194,106 +4630,140 @@ const int64_t C = G * Cg;
     (void)eps;
     (void)momentum;
 
+const int64_t Full = S - S % DG_LANES;          /* positions past it go to lane 0 */
+    const int Out_Stream = Dg_stream_on(O * S * C, (int64_t)sizeof(double));
+    (void)Out_Stream;
     const int64_t P = 2;      /* parameters */
     (void)dy;
-    /* per-thread partial sums of the parameter gradients, reduced once at the end */
-    double *Part = (double *)calloc((size_t)(Nth * P * C) + 1, sizeof(double));
-    if (Part == NULL)
+    double *Gv_mean = (double *)calloc((size_t)(G) + 1, sizeof(double));
+    double *Gv_var = (double *)calloc((size_t)(G) + 1, sizeof(double));
+    double *Gv_rstd = (double *)calloc((size_t)(G) + 1, sizeof(double));
+    double *Gv_K_g = (double *)calloc((size_t)(G) + 1, sizeof(double));
+    double *Dp0 = (double *)calloc((size_t)(G) + 1, sizeof(double));
+    double *Bs_p0 = (double *)calloc((size_t)(DG_NHWC_CHUNK * G) + 1, sizeof(double));
+    double *Dp1 = (double *)calloc((size_t)(G) + 1, sizeof(double));
+    double *Bs_p1 = (double *)calloc((size_t)(DG_NHWC_CHUNK * G) + 1, sizeof(double));
+    if (Gv_mean == NULL || Gv_var == NULL || Gv_rstd == NULL || Gv_K_g == NULL || Dp0 == NULL || Bs_p0 == NULL || Dp1 == NULL || Bs_p1 == NULL) {
+        free(Gv_mean);
+        free(Gv_var);
+        free(Gv_rstd);
+        free(Gv_K_g);
+        free(Dp0);
+        free(Bs_p0);
+        free(Dp1);
+        free(Bs_p1);
         return -1;
+    }
+    /* per-thread partial sums of scalar parameters' gradients, in the NCHW kernels' order */
+    double *Part = (double *)calloc((size_t)(Nth * P * C) + 1, sizeof(double));
+    if (Part == NULL) {
+    free(Gv_mean);
+    free(Gv_var);
+    free(Gv_rstd);
+    free(Gv_K_g);
+    free(Dp0);
+    free(Bs_p0);
+    free(Dp1);
+    free(Bs_p1);
+
+        return -1;
+    }
     DG_PRAGMA(omp parallel num_threads(Nth))
     {
-        double *restrict Mine = Part + (int64_t)Dg_thread_id() * P * C;
-        (void)Mine;
-int64_t Lo, Hi;
-        Dg_share(N_groups, &Lo, &Hi);             /* the NCHW kernels' split of the groups */
-        for (int64_t B0 = Lo; B0 < Hi;) {
-            const int64_t Oi = 0;   /* the block's sample */
-            const int64_t Gb = B0;   /* its first group */
-            int64_t W = Hi - B0 < DG_NHWC_GROUPS ? Hi - B0 : DG_NHWC_GROUPS;
-            if (Gb + W > G)
-                W = G - Gb;                       /* one sample's groups at a time */
-            (void)Oi;
+        DG_PRAGMA(omp for schedule(static))
+        for (int64_t Gq = 0; Gq < G; ++Gq) {
+            (void)Gq;
+            Gv_mean[Gq] = mean_In[Gq];
+            Gv_var[Gq] = var_In[Gq];
+            Gv_rstd[Gq] = rstd_In[Gq];
+        }
+        DG_PRAGMA(omp for schedule(static))
+        for (int64_t Gq = 0; Gq < G; ++Gq) {
+            const double rstd = Gv_rstd[Gq];
+            Gv_K_g[Gq] = rstd;
+        }   /* coefficient of g in dx */
+        for (int64_t Ck = 0; Ck < O; Ck += DG_NHWC_CHUNK) {
+            const int64_t Ck_end = O - Ck < DG_NHWC_CHUNK ? O : Ck + DG_NHWC_CHUNK;
+            int64_t Lo, Hi;
+            Dg_share(Ck_end - Ck, &Lo, &Hi);         /* this thread's samples of the chunk */
+            for (int64_t Ob = Ck + Lo; Ob < Ck + Hi; ++Ob) {
+                for (int64_t Gb = 0; Gb < G; Gb += DG_NHWC_GROUPS) {
+                    const int64_t W = G - Gb < DG_NHWC_GROUPS ? G - Gb : DG_NHWC_GROUPS;
+                    double Lane_p0[DG_LANES * DG_NHWC_GROUPS];
+                    memset(Lane_p0, 0, (size_t)(DG_LANES * W) * sizeof(double));
+                    double Lane_p1[DG_LANES * DG_NHWC_GROUPS];
+                    memset(Lane_p1, 0, (size_t)(DG_LANES * W) * sizeof(double));
+                    for (int64_t Si = 0; Si < S; ++Si) {
+                        const int J = Si < Full ? (int)(Si % DG_LANES) : 0;   /* the rest: lane 0 */
+                        const int64_t Row = (Ob * S + Si) * C;
+                        (void)J;
+                        double St_dx[DG_NHWC_GROUPS];     /* the row's outputs, streamed out below */
+                        DG_INDEPENDENT
+                        for (int64_t Gi = 0; Gi < W; ++Gi) {
+                            const int64_t Ch = Gb + Gi;
+                            const int64_t Idx = Row + Ch;
+                            (void)Idx;
+                            const double mean = Gv_mean[Ch];
+                            const double rstd = Gv_rstd[Ch];
+                            const double K_g = Gv_K_g[Ch];
+                            const double gamma_V = gamma[Ch];
+                            const double Xv = x[Idx];
+                            const double Dyv = dy[Idx];
+                            const double xhat = rstd*(Xv - mean);
+                            const double g = Dyv*gamma_V;
+                            St_dx[Gi] = (double)(K_g*g);
+                            Lane_p0[J * W + Gi] += Dyv*xhat;
+                            Lane_p1[J * W + Gi] += Dyv;
+                        }
+                        if (Out_Stream)
+                            Dg_stream_double(dx + Row + Gb, St_dx, W);
+                        else
+                            memcpy(dx + Row + Gb, St_dx, (size_t)W * sizeof(double));
 
-            double Gv_mean[DG_NHWC_GROUPS];
-            for (int64_t Gi = 0; Gi < W; ++Gi)
-                Gv_mean[Gi] = mean_In[B0 + Gi];
-            (void)Gv_mean;
-            double Gv_var[DG_NHWC_GROUPS];
-            for (int64_t Gi = 0; Gi < W; ++Gi)
-                Gv_var[Gi] = var_In[B0 + Gi];
-            (void)Gv_var;
-            double Gv_rstd[DG_NHWC_GROUPS];
-            for (int64_t Gi = 0; Gi < W; ++Gi)
-                Gv_rstd[Gi] = rstd_In[B0 + Gi];
-            (void)Gv_rstd;
-            double Gv_K_g[DG_NHWC_GROUPS];
-            for (int64_t Gi = 0; Gi < W; ++Gi) {
-                const double rstd = Gv_rstd[Gi];
-                Gv_K_g[Gi] = rstd;
-            }
-            (void)Gv_K_g;   /* coefficient of g in dx */
-            {
-                const int64_t Run = S;      /* values per run */
-                const int64_t Full = Run - Run % DG_LANES;     /* the rest go to lane 0 */
-                (void)Full;
-                for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
-                    const int64_t Ob = Blk;
-                    for (int64_t Ci = 0; Ci < Cg; ++Ci) {
-                        double Lane_p0[DG_LANES * DG_NHWC_GROUPS];
-                        memset(Lane_p0, 0, (size_t)(DG_LANES * W) * sizeof(double));
-                        double Lane_p1[DG_LANES * DG_NHWC_GROUPS];
-                        memset(Lane_p1, 0, (size_t)(DG_LANES * W) * sizeof(double));
-                        for (int64_t Si = 0; Si < S; ++Si) {
-                            const int64_t Pos = Si;
-                            const int J = Pos < Full ? (int)(Pos % DG_LANES) : 0;
-                            const int64_t Row = (Ob * S + Si) * C + Ci;
-                            (void)J;
-                            DG_INDEPENDENT
-                            for (int64_t Gi = 0; Gi < W; ++Gi) {
-                                const int64_t Idx = Row + Gb + Gi;     /* one channel per group (Cg == 1): contiguous */
-                                const int64_t Ch = Gb + Gi;
-                                (void)Idx;
-                                (void)Ch;
-                                const double mean = Gv_mean[Gi];
-                                const double rstd = Gv_rstd[Gi];
-                                const double K_g = Gv_K_g[Gi];
-                                const double gamma_V = gamma[Ch];
-                                const double Xv = x[Idx];
-                                const double Dyv = dy[Idx];
-                                const double xhat = rstd*(Xv - mean);
-                                const double g = Dyv*gamma_V;
-                                dx[Idx] = (double)(K_g*g);
-                                Lane_p0[J * W + Gi] += Dyv*xhat;
-                                Lane_p1[J * W + Gi] += Dyv;
-                            }
-                        }
-                        for (int64_t Gi = 0; Gi < W; ++Gi) {
-                            double Col[DG_LANES];
-                            for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_p0[Q * W + Gi];
-                            Mine[0 * C + (Gb + Gi) * Cg + Ci] += Dg_lanes(Col);
-                        }
-                        for (int64_t Gi = 0; Gi < W; ++Gi) {
-                            double Col[DG_LANES];
-                            for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_p1[Q * W + Gi];
-                            Mine[1 * C + (Gb + Gi) * Cg + Ci] += Dg_lanes(Col);
-                        }
+                    }
+                    for (int64_t Gi = 0; Gi < W; ++Gi) {
+                        double Col[DG_LANES];
+                        for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_p0[Q * W + Gi];
+                        Bs_p0[(Ob - Ck) * G + Gb + Gi] = Dg_lanes(Col);
+                    }
+                    for (int64_t Gi = 0; Gi < W; ++Gi) {
+                        double Col[DG_LANES];
+                        for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_p1[Q * W + Gi];
+                        Bs_p1[(Ob - Ck) * G + Gb + Gi] = Dg_lanes(Col);
                     }
                 }
             }
-            B0 += W;
+            DG_PRAGMA(omp barrier)
+            DG_PRAGMA(omp for schedule(static))
+            for (int64_t Gq = 0; Gq < G; ++Gq)
+                for (int64_t Ob = Ck; Ob < Ck_end; ++Ob) {      /* sample order, as the NCHW blocks */
+                    Dp0[Gq] += Bs_p0[(Ob - Ck) * G + Gq];
+                    Dp1[Gq] += Bs_p1[(Ob - Ck) * G + Gq];
+                }
         }
+        if (Out_Stream)
+            Dg_fence();
     }
     for (int64_t Cc = 0; Cc < C; ++Cc) {       /* dgamma */
-        double Acc = 0.0;
+        double Acc = 0.0 + Dp0[Cc];
         for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * P * C + 0 * C + Cc];
         dgamma[Cc] = (double)(Acc);
     }
     for (int64_t Cc = 0; Cc < C; ++Cc) {       /* dbeta */
-        double Acc = 0.0;
+        double Acc = 0.0 + Dp1[Cc];
         for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * P * C + 1 * C + Cc];
         dbeta[Cc] = (double)(Acc);
     }
     free(Part);
+    free(Gv_mean);
+    free(Gv_var);
+    free(Gv_rstd);
+    free(Gv_K_g);
+    free(Dp0);
+    free(Bs_p0);
+    free(Dp1);
+    free(Bs_p1);
+
     return 0;
 }
 #endif /* DG_WANT_EXTRAS */
@@ -4710,7 +5180,6 @@ int batchnorm_eval_backward_bf16(
 #endif /* DG_WANT_EXTRAS */
 
 #if DG_WANT_EXTRAS
-
 /* ---- eval forward, channels last (NHWC), dg_bf16 ---- */
 int batchnorm_eval_forward_nhwc_bf16(
     int64_t O, int64_t G, int64_t Cg, int64_t S,
@@ -4733,6 +5202,7 @@ const int64_t C = G * Cg;
     const double N = (double)(Blocks * Cg * S);               /* values per group */
     const int Nth = Dg_threads(Nthreads);
     (void)N;
+    (void)N_groups;
     (void)Nth;
     (void)x;
     (void)gamma;
@@ -4740,100 +5210,119 @@ const int64_t C = G * Cg;
     (void)eps;
     (void)momentum;
 
+const int64_t Full = S - S % DG_LANES;          /* positions past it go to lane 0 */
+    const int Out_Stream = 0;
+    (void)Out_Stream;
+    double *Gv_running_mean_G = (double *)calloc((size_t)(G) + 1, sizeof(double));
+    double *Gv_running_var_G = (double *)calloc((size_t)(G) + 1, sizeof(double));
+    double *Gv_mean = (double *)calloc((size_t)(G) + 1, sizeof(double));
+    double *Gv_var = (double *)calloc((size_t)(G) + 1, sizeof(double));
+    double *Gv_rstd = (double *)calloc((size_t)(G) + 1, sizeof(double));
+    float *PvF_H0_hi = (float *)calloc((size_t)(G) + 1, sizeof(float));
+    float *PvF_H0_lo = (float *)calloc((size_t)(G) + 1, sizeof(float));
+    float *PvF_rstd_F = (float *)calloc((size_t)(G) + 1, sizeof(float));
+    if (Gv_running_mean_G == NULL || Gv_running_var_G == NULL || Gv_mean == NULL || Gv_var == NULL || Gv_rstd == NULL || PvF_H0_hi == NULL || PvF_H0_lo == NULL || PvF_rstd_F == NULL) {
+        free(Gv_running_mean_G);
+        free(Gv_running_var_G);
+        free(Gv_mean);
+        free(Gv_var);
+        free(Gv_rstd);
+        free(PvF_H0_hi);
+        free(PvF_H0_lo);
+        free(PvF_rstd_F);
+        return -1;
+    }
     DG_PRAGMA(omp parallel num_threads(Nth))
     {
-int64_t Lo, Hi;
-        Dg_share(N_groups, &Lo, &Hi);             /* the NCHW kernels' split of the groups */
-        for (int64_t B0 = Lo; B0 < Hi;) {
-            const int64_t Oi = 0;   /* the block's sample */
-            const int64_t Gb = B0;   /* its first group */
-            int64_t W = Hi - B0 < DG_NHWC_GROUPS ? Hi - B0 : DG_NHWC_GROUPS;
-            if (Gb + W > G)
-                W = G - Gb;                       /* one sample's groups at a time */
-            (void)Oi;
-
-            double Gv_running_mean_G[DG_NHWC_GROUPS];
-            for (int64_t Gi = 0; Gi < W; ++Gi)
-                Gv_running_mean_G[Gi] = running_mean ? (double)Dg_from_bf16(running_mean[B0 + Gi]) : 0.0;
-            (void)Gv_running_mean_G;
-            double Gv_running_var_G[DG_NHWC_GROUPS];
-            for (int64_t Gi = 0; Gi < W; ++Gi)
-                Gv_running_var_G[Gi] = running_var ? (double)Dg_from_bf16(running_var[B0 + Gi]) : 0.0;
-            (void)Gv_running_var_G;
-            double Gv_mean[DG_NHWC_GROUPS];
-            for (int64_t Gi = 0; Gi < W; ++Gi) {
-                const double running_mean_G = Gv_running_mean_G[Gi];
-                Gv_mean[Gi] = running_mean_G;
-            }
-            (void)Gv_mean;   /* mean = running_mean */
-            double Gv_var[DG_NHWC_GROUPS];
-            for (int64_t Gi = 0; Gi < W; ++Gi) {
-                const double running_var_G = Gv_running_var_G[Gi];
-                Gv_var[Gi] = running_var_G;
-            }
-            (void)Gv_var;   /* var = running_var */
-            double Gv_rstd[DG_NHWC_GROUPS];
-            for (int64_t Gi = 0; Gi < W; ++Gi) {
-                const double var = Gv_var[Gi];
-                Gv_rstd[Gi] = 1/sqrt(var + eps);
-            }
-            (void)Gv_rstd;   /* rstd = 1/sqrt(var + eps) */
-            for (int64_t Gi = 0; Gi < W; ++Gi) {
-                mean_Out[B0 + Gi] = Gv_mean[Gi];
-                var_Out[B0 + Gi] = Gv_var[Gi];
-                rstd_Out[B0 + Gi] = Gv_rstd[Gi];
-            }
-            {
-                float Pv_H0_hi[DG_NHWC_GROUPS];
-                float Pv_H0_lo[DG_NHWC_GROUPS];
-                float Pv_rstd_F[DG_NHWC_GROUPS];
-                for (int64_t Gi = 0; Gi < W; ++Gi) {
-                    const double mean = Gv_mean[Gi];
-                    const double rstd = Gv_rstd[Gi];
-                    const double H0 = -mean;
-                    const float H0_hi = (float)H0;
-                    Pv_H0_hi[Gi] = H0_hi;
-                    const float H0_lo = (float)(H0 - (double)H0_hi);
-                    Pv_H0_lo[Gi] = H0_lo;
-                    const float rstd_F = (float)rstd;
-                    Pv_rstd_F[Gi] = rstd_F;
-                }
-                const int64_t Run = S;      /* values per run */
-                const int64_t Full = Run - Run % DG_LANES;     /* the rest go to lane 0 */
-                (void)Full;
-                for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
-                    const int64_t Ob = Blk;
-                    for (int64_t Ci = 0; Ci < Cg; ++Ci) {
-                        for (int64_t Si = 0; Si < S; ++Si) {
-                            const int64_t Pos = Si;
-                            const int J = Pos < Full ? (int)(Pos % DG_LANES) : 0;
-                            const int64_t Row = (Ob * S + Si) * C + Ci;
-                            (void)J;
-                            DG_INDEPENDENT
-                            for (int64_t Gi = 0; Gi < W; ++Gi) {
-                                const int64_t Idx = Row + Gb + Gi;     /* one channel per group (Cg == 1): contiguous */
-                                const int64_t Ch = Gb + Gi;
-                                (void)Idx;
-                                (void)Ch;
-                                const float H0_hi = Pv_H0_hi[Gi];
-                                const float H0_lo = Pv_H0_lo[Gi];
-                                const float rstd_F = Pv_rstd_F[Gi];
-                                const float gamma_V = Dg_from_bf16(gamma[Ch]);
-                                const float beta_V = Dg_from_bf16(beta[Ch]);
-                                const float Xv = Dg_from_bf16(x[Idx]);
-                                const float xhat = rstd_F*((Xv + H0_hi + H0_lo));
-                                y[Idx] = Dg_to_bf16((float)(gamma_V*xhat + beta_V));
-                            }
+        DG_PRAGMA(omp for schedule(static))
+        for (int64_t Gq = 0; Gq < G; ++Gq) {
+            (void)Gq;
+            Gv_running_mean_G[Gq] = running_mean ? (double)Dg_from_bf16(running_mean[Gq]) : 0.0;
+            Gv_running_var_G[Gq] = running_var ? (double)Dg_from_bf16(running_var[Gq]) : 0.0;
+        }
+        DG_PRAGMA(omp for schedule(static))
+        for (int64_t Gq = 0; Gq < G; ++Gq) {
+            const double running_mean_G = Gv_running_mean_G[Gq];
+            Gv_mean[Gq] = running_mean_G;
+        }   /* mean = running_mean */
+        DG_PRAGMA(omp for schedule(static))
+        for (int64_t Gq = 0; Gq < G; ++Gq) {
+            const double running_var_G = Gv_running_var_G[Gq];
+            Gv_var[Gq] = running_var_G;
+        }   /* var = running_var */
+        DG_PRAGMA(omp for schedule(static))
+        for (int64_t Gq = 0; Gq < G; ++Gq) {
+            const double var = Gv_var[Gq];
+            Gv_rstd[Gq] = 1/sqrt(var + eps);
+        }   /* rstd = 1/sqrt(var + eps) */
+        DG_PRAGMA(omp for schedule(static))
+        for (int64_t Gq = 0; Gq < G; ++Gq) {
+            mean_Out[Gq] = Gv_mean[Gq];
+            var_Out[Gq] = Gv_var[Gq];
+            rstd_Out[Gq] = Gv_rstd[Gq];
+        }
+        DG_PRAGMA(omp for schedule(static))
+        for (int64_t Gq = 0; Gq < G; ++Gq) {
+            const double mean = Gv_mean[Gq];
+            const double rstd = Gv_rstd[Gq];
+            const double H0 = -mean;
+            (void)H0;
+            const float H0_hi = (float)H0;
+            PvF_H0_hi[Gq] = H0_hi;
+            const float H0_lo = (float)(H0 - (double)H0_hi);
+            PvF_H0_lo[Gq] = H0_lo;
+            const float rstd_F = (float)rstd;
+            PvF_rstd_F[Gq] = rstd_F;
+        }
+        for (int64_t Ck = 0; Ck < O; Ck += O) {
+            const int64_t Ck_end = O - Ck < O ? O : Ck + O;
+            int64_t Lo, Hi;
+            Dg_share(Ck_end - Ck, &Lo, &Hi);         /* this thread's samples of the chunk */
+            for (int64_t Ob = Ck + Lo; Ob < Ck + Hi; ++Ob) {
+                for (int64_t Gb = 0; Gb < G; Gb += DG_NHWC_GROUPS) {
+                    const int64_t W = G - Gb < DG_NHWC_GROUPS ? G - Gb : DG_NHWC_GROUPS;
+                    for (int64_t Si = 0; Si < S; ++Si) {
+                        const int J = Si < Full ? (int)(Si % DG_LANES) : 0;   /* the rest: lane 0 */
+                        const int64_t Row = (Ob * S + Si) * C;
+                        (void)J;
+                        dg_bf16 St_y[DG_NHWC_GROUPS];     /* the row's outputs, streamed out below */
+                        DG_INDEPENDENT
+                        for (int64_t Gi = 0; Gi < W; ++Gi) {
+                            const int64_t Ch = Gb + Gi;
+                            const int64_t Idx = Row + Ch;
+                            (void)Idx;
+                            const float H0_hi = PvF_H0_hi[Ch];
+                            const float H0_lo = PvF_H0_lo[Ch];
+                            const float rstd_F = PvF_rstd_F[Ch];
+                            const float gamma_V = Dg_from_bf16(gamma[Ch]);
+                            const float beta_V = Dg_from_bf16(beta[Ch]);
+                            const float Xv = Dg_from_bf16(x[Idx]);
+                            const float xhat = rstd_F*((Xv + H0_hi + H0_lo));
+                            St_y[Gi] = Dg_to_bf16((float)(gamma_V*xhat + beta_V));
                         }
+                        if (Out_Stream)
+                            Dg_stream_dg_bf16(y + Row + Gb, St_y, W);
+                        else
+                            memcpy(y + Row + Gb, St_y, (size_t)W * sizeof(dg_bf16));
+
                     }
                 }
             }
-            B0 += W;
         }
+        if (Out_Stream)
+            Dg_fence();
     }
+    free(Gv_running_mean_G);
+    free(Gv_running_var_G);
+    free(Gv_mean);
+    free(Gv_var);
+    free(Gv_rstd);
+    free(PvF_H0_hi);
+    free(PvF_H0_lo);
+    free(PvF_rstd_F);
+
     return 0;
 }
-
 /* ---- eval backward, channels last (NHWC), dg_bf16 ---- */
 int batchnorm_eval_backward_nhwc_bf16(
     int64_t O, int64_t G, int64_t Cg, int64_t S,
@@ -4857,6 +5346,7 @@ const int64_t C = G * Cg;
     const double N = (double)(Blocks * Cg * S);               /* values per group */
     const int Nth = Dg_threads(Nthreads);
     (void)N;
+    (void)N_groups;
     (void)Nth;
     (void)x;
     (void)gamma;
@@ -4864,114 +5354,156 @@ const int64_t C = G * Cg;
     (void)eps;
     (void)momentum;
 
+const int64_t Full = S - S % DG_LANES;          /* positions past it go to lane 0 */
+    const int Out_Stream = 0;
+    (void)Out_Stream;
     const int64_t P = 2;      /* parameters */
     (void)dy;
-    /* per-thread partial sums of the parameter gradients, reduced once at the end */
-    double *Part = (double *)calloc((size_t)(Nth * P * C) + 1, sizeof(double));
-    if (Part == NULL)
+    double *Gv_mean = (double *)calloc((size_t)(G) + 1, sizeof(double));
+    double *Gv_var = (double *)calloc((size_t)(G) + 1, sizeof(double));
+    double *Gv_rstd = (double *)calloc((size_t)(G) + 1, sizeof(double));
+    double *Dp0 = (double *)calloc((size_t)(G) + 1, sizeof(double));
+    double *Bs_p0 = (double *)calloc((size_t)(DG_NHWC_CHUNK * G) + 1, sizeof(double));
+    double *Dp1 = (double *)calloc((size_t)(G) + 1, sizeof(double));
+    double *Bs_p1 = (double *)calloc((size_t)(DG_NHWC_CHUNK * G) + 1, sizeof(double));
+    float *PvF_H0_hi = (float *)calloc((size_t)(G) + 1, sizeof(float));
+    float *PvF_H0_lo = (float *)calloc((size_t)(G) + 1, sizeof(float));
+    float *PvF_rstd_F = (float *)calloc((size_t)(G) + 1, sizeof(float));
+    if (Gv_mean == NULL || Gv_var == NULL || Gv_rstd == NULL || Dp0 == NULL || Bs_p0 == NULL || Dp1 == NULL || Bs_p1 == NULL || PvF_H0_hi == NULL || PvF_H0_lo == NULL || PvF_rstd_F == NULL) {
+        free(Gv_mean);
+        free(Gv_var);
+        free(Gv_rstd);
+        free(Dp0);
+        free(Bs_p0);
+        free(Dp1);
+        free(Bs_p1);
+        free(PvF_H0_hi);
+        free(PvF_H0_lo);
+        free(PvF_rstd_F);
         return -1;
+    }
+    /* per-thread partial sums of scalar parameters' gradients, in the NCHW kernels' order */
+    double *Part = (double *)calloc((size_t)(Nth * P * C) + 1, sizeof(double));
+    if (Part == NULL) {
+    free(Gv_mean);
+    free(Gv_var);
+    free(Gv_rstd);
+    free(Dp0);
+    free(Bs_p0);
+    free(Dp1);
+    free(Bs_p1);
+    free(PvF_H0_hi);
+    free(PvF_H0_lo);
+    free(PvF_rstd_F);
+
+        return -1;
+    }
     DG_PRAGMA(omp parallel num_threads(Nth))
     {
-        double *restrict Mine = Part + (int64_t)Dg_thread_id() * P * C;
-        (void)Mine;
-int64_t Lo, Hi;
-        Dg_share(N_groups, &Lo, &Hi);             /* the NCHW kernels' split of the groups */
-        for (int64_t B0 = Lo; B0 < Hi;) {
-            const int64_t Oi = 0;   /* the block's sample */
-            const int64_t Gb = B0;   /* its first group */
-            int64_t W = Hi - B0 < DG_NHWC_GROUPS ? Hi - B0 : DG_NHWC_GROUPS;
-            if (Gb + W > G)
-                W = G - Gb;                       /* one sample's groups at a time */
-            (void)Oi;
+        DG_PRAGMA(omp for schedule(static))
+        for (int64_t Gq = 0; Gq < G; ++Gq) {
+            (void)Gq;
+            Gv_mean[Gq] = mean_In[Gq];
+            Gv_var[Gq] = var_In[Gq];
+            Gv_rstd[Gq] = rstd_In[Gq];
+        }
+        DG_PRAGMA(omp for schedule(static))
+        for (int64_t Gq = 0; Gq < G; ++Gq) {
+            const double mean = Gv_mean[Gq];
+            const double rstd = Gv_rstd[Gq];
+            const double H0 = -mean;
+            (void)H0;
+            const float H0_hi = (float)H0;
+            PvF_H0_hi[Gq] = H0_hi;
+            const float H0_lo = (float)(H0 - (double)H0_hi);
+            PvF_H0_lo[Gq] = H0_lo;
+            const float rstd_F = (float)rstd;
+            PvF_rstd_F[Gq] = rstd_F;
+        }
+        for (int64_t Ck = 0; Ck < O; Ck += DG_NHWC_CHUNK) {
+            const int64_t Ck_end = O - Ck < DG_NHWC_CHUNK ? O : Ck + DG_NHWC_CHUNK;
+            int64_t Lo, Hi;
+            Dg_share(Ck_end - Ck, &Lo, &Hi);         /* this thread's samples of the chunk */
+            for (int64_t Ob = Ck + Lo; Ob < Ck + Hi; ++Ob) {
+                for (int64_t Gb = 0; Gb < G; Gb += DG_NHWC_GROUPS) {
+                    const int64_t W = G - Gb < DG_NHWC_GROUPS ? G - Gb : DG_NHWC_GROUPS;
+                    double Lane_p0[DG_LANES * DG_NHWC_GROUPS];
+                    memset(Lane_p0, 0, (size_t)(DG_LANES * W) * sizeof(double));
+                    double Lane_p1[DG_LANES * DG_NHWC_GROUPS];
+                    memset(Lane_p1, 0, (size_t)(DG_LANES * W) * sizeof(double));
+                    for (int64_t Si = 0; Si < S; ++Si) {
+                        const int J = Si < Full ? (int)(Si % DG_LANES) : 0;   /* the rest: lane 0 */
+                        const int64_t Row = (Ob * S + Si) * C;
+                        (void)J;
+                        dg_bf16 St_dx[DG_NHWC_GROUPS];     /* the row's outputs, streamed out below */
+                        DG_INDEPENDENT
+                        for (int64_t Gi = 0; Gi < W; ++Gi) {
+                            const int64_t Ch = Gb + Gi;
+                            const int64_t Idx = Row + Ch;
+                            (void)Idx;
+                            const float H0_hi = PvF_H0_hi[Ch];
+                            const float H0_lo = PvF_H0_lo[Ch];
+                            const float rstd_F = PvF_rstd_F[Ch];
+                            const float gamma_V = Dg_from_bf16(gamma[Ch]);
+                            const float Xv = Dg_from_bf16(x[Idx]);
+                            const float Dyv = Dg_from_bf16(dy[Idx]);
+                            const float xhat = rstd_F*((Xv + H0_hi + H0_lo));
+                            const float g = Dyv*gamma_V;
+                            St_dx[Gi] = Dg_to_bf16((float)(g*rstd_F));
+                            Lane_p0[J * W + Gi] += ((double)Dyv)*((double)xhat);
+                            Lane_p1[J * W + Gi] += ((double)Dyv);
+                        }
+                        if (Out_Stream)
+                            Dg_stream_dg_bf16(dx + Row + Gb, St_dx, W);
+                        else
+                            memcpy(dx + Row + Gb, St_dx, (size_t)W * sizeof(dg_bf16));
 
-            double Gv_mean[DG_NHWC_GROUPS];
-            for (int64_t Gi = 0; Gi < W; ++Gi)
-                Gv_mean[Gi] = mean_In[B0 + Gi];
-            (void)Gv_mean;
-            double Gv_var[DG_NHWC_GROUPS];
-            for (int64_t Gi = 0; Gi < W; ++Gi)
-                Gv_var[Gi] = var_In[B0 + Gi];
-            (void)Gv_var;
-            double Gv_rstd[DG_NHWC_GROUPS];
-            for (int64_t Gi = 0; Gi < W; ++Gi)
-                Gv_rstd[Gi] = rstd_In[B0 + Gi];
-            (void)Gv_rstd;
-            {
-                float Pv_H0_hi[DG_NHWC_GROUPS];
-                float Pv_H0_lo[DG_NHWC_GROUPS];
-                float Pv_rstd_F[DG_NHWC_GROUPS];
-                for (int64_t Gi = 0; Gi < W; ++Gi) {
-                    const double mean = Gv_mean[Gi];
-                    const double rstd = Gv_rstd[Gi];
-                    const double H0 = -mean;
-                    const float H0_hi = (float)H0;
-                    Pv_H0_hi[Gi] = H0_hi;
-                    const float H0_lo = (float)(H0 - (double)H0_hi);
-                    Pv_H0_lo[Gi] = H0_lo;
-                    const float rstd_F = (float)rstd;
-                    Pv_rstd_F[Gi] = rstd_F;
-                }
-                const int64_t Run = S;      /* values per run */
-                const int64_t Full = Run - Run % DG_LANES;     /* the rest go to lane 0 */
-                (void)Full;
-                for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
-                    const int64_t Ob = Blk;
-                    for (int64_t Ci = 0; Ci < Cg; ++Ci) {
-                        double Lane_p0[DG_LANES * DG_NHWC_GROUPS];
-                        memset(Lane_p0, 0, (size_t)(DG_LANES * W) * sizeof(double));
-                        double Lane_p1[DG_LANES * DG_NHWC_GROUPS];
-                        memset(Lane_p1, 0, (size_t)(DG_LANES * W) * sizeof(double));
-                        for (int64_t Si = 0; Si < S; ++Si) {
-                            const int64_t Pos = Si;
-                            const int J = Pos < Full ? (int)(Pos % DG_LANES) : 0;
-                            const int64_t Row = (Ob * S + Si) * C + Ci;
-                            (void)J;
-                            DG_INDEPENDENT
-                            for (int64_t Gi = 0; Gi < W; ++Gi) {
-                                const int64_t Idx = Row + Gb + Gi;     /* one channel per group (Cg == 1): contiguous */
-                                const int64_t Ch = Gb + Gi;
-                                (void)Idx;
-                                (void)Ch;
-                                const float H0_hi = Pv_H0_hi[Gi];
-                                const float H0_lo = Pv_H0_lo[Gi];
-                                const float rstd_F = Pv_rstd_F[Gi];
-                                const float gamma_V = Dg_from_bf16(gamma[Ch]);
-                                const float Xv = Dg_from_bf16(x[Idx]);
-                                const float Dyv = Dg_from_bf16(dy[Idx]);
-                                const float xhat = rstd_F*((Xv + H0_hi + H0_lo));
-                                const float g = Dyv*gamma_V;
-                                dx[Idx] = Dg_to_bf16((float)(g*rstd_F));
-                                Lane_p0[J * W + Gi] += ((double)Dyv)*((double)xhat);
-                                Lane_p1[J * W + Gi] += ((double)Dyv);
-                            }
-                        }
-                        for (int64_t Gi = 0; Gi < W; ++Gi) {
-                            double Col[DG_LANES];
-                            for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_p0[Q * W + Gi];
-                            Mine[0 * C + (Gb + Gi) * Cg + Ci] += Dg_lanes(Col);
-                        }
-                        for (int64_t Gi = 0; Gi < W; ++Gi) {
-                            double Col[DG_LANES];
-                            for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_p1[Q * W + Gi];
-                            Mine[1 * C + (Gb + Gi) * Cg + Ci] += Dg_lanes(Col);
-                        }
+                    }
+                    for (int64_t Gi = 0; Gi < W; ++Gi) {
+                        double Col[DG_LANES];
+                        for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_p0[Q * W + Gi];
+                        Bs_p0[(Ob - Ck) * G + Gb + Gi] = Dg_lanes(Col);
+                    }
+                    for (int64_t Gi = 0; Gi < W; ++Gi) {
+                        double Col[DG_LANES];
+                        for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_p1[Q * W + Gi];
+                        Bs_p1[(Ob - Ck) * G + Gb + Gi] = Dg_lanes(Col);
                     }
                 }
             }
-            B0 += W;
+            DG_PRAGMA(omp barrier)
+            DG_PRAGMA(omp for schedule(static))
+            for (int64_t Gq = 0; Gq < G; ++Gq)
+                for (int64_t Ob = Ck; Ob < Ck_end; ++Ob) {      /* sample order, as the NCHW blocks */
+                    Dp0[Gq] += Bs_p0[(Ob - Ck) * G + Gq];
+                    Dp1[Gq] += Bs_p1[(Ob - Ck) * G + Gq];
+                }
         }
+        if (Out_Stream)
+            Dg_fence();
     }
     for (int64_t Cc = 0; Cc < C; ++Cc) {       /* dgamma */
-        double Acc = 0.0;
+        double Acc = 0.0 + Dp0[Cc];
         for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * P * C + 0 * C + Cc];
         dgamma[Cc] = Dg_to_bf16((float)(Acc));
     }
     for (int64_t Cc = 0; Cc < C; ++Cc) {       /* dbeta */
-        double Acc = 0.0;
+        double Acc = 0.0 + Dp1[Cc];
         for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * P * C + 1 * C + Cc];
         dbeta[Cc] = Dg_to_bf16((float)(Acc));
     }
     free(Part);
+    free(Gv_mean);
+    free(Gv_var);
+    free(Gv_rstd);
+    free(Dp0);
+    free(Bs_p0);
+    free(Dp1);
+    free(Bs_p1);
+    free(PvF_H0_hi);
+    free(PvF_H0_lo);
+    free(PvF_rstd_F);
+
     return 0;
 }
 #endif /* DG_WANT_EXTRAS */

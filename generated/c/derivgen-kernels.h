@@ -224,6 +224,10 @@ static void Dg_share(int64_t n, int64_t *lo, int64_t *hi)
 #ifndef DG_NHWC_GROUPS
 #define DG_NHWC_GROUPS 64
 #endif
+/* samples whose (sample, channel) block sums a channels-last batch kernel keeps at once */
+#ifndef DG_NHWC_CHUNK
+#define DG_NHWC_CHUNK 64
+#endif
 
 /* pairwise sum of the DG_LANES lanes: for 32, ((l0 + l16) + (l8 + l24)) + ...; the
  * same order for every group and every build. With vector intrinsics for 32 lanes (each

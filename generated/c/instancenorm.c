@@ -95,9 +95,10 @@ int instancenorm_train_forward_f32(
             const int64_t Base = Grp * M;
             double Sum_mean;
             {
-                double Lane_Sum_mean[DG_LANES] = {0};
+                Sum_mean = 0.0;         /* the blocks' lane sums, added in block order */
                 for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
                     const int64_t Off = Base + Blk * Block_stride;
+                    double Lane_Sum_mean[DG_LANES] = {0};
                     const int64_t Nxt = Blk + 1 < Blocks ? Off + Block_stride : Base + M;   /* block read next */
                     {
                         int64_t Mi = 0;
@@ -122,15 +123,16 @@ int instancenorm_train_forward_f32(
                         }
                     }
 
+                    Sum_mean += Dg_lanes(Lane_Sum_mean);
                 }
-                Sum_mean = Dg_lanes(Lane_Sum_mean);
             }
             const double mean = Sum_mean/N;  /* mean = mean(x) */
             double Sum_var;
             {
-                double Lane_Sum_var[DG_LANES] = {0};
+                Sum_var = 0.0;         /* the blocks' lane sums, added in block order */
                 for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
                     const int64_t Off = Base + Blk * Block_stride;
+                    double Lane_Sum_var[DG_LANES] = {0};
                     {
                         int64_t Mi = 0;
                         for (; Mi + DG_LANES <= M; Mi += DG_LANES) {
@@ -150,8 +152,8 @@ int instancenorm_train_forward_f32(
                         }
                     }
 
+                    Sum_var += Dg_lanes(Lane_Sum_var);
                 }
-                Sum_var = Dg_lanes(Lane_Sum_var);
             }
             const double var = Sum_var/N;  /* var = mean((x - mean)**2) */
             const double rstd = 1/sqrt(var + eps);  /* rstd = 1/sqrt(var + eps) */
@@ -344,10 +346,12 @@ int instancenorm_train_backward_f32(
                 const float H0_hi = (float)H0;
                 const float H0_lo = (float)(H0 - (double)H0_hi);
                 const float rstd_F = (float)rstd;
-                double Lane_Sum_g[DG_LANES] = {0};
-                double Lane_Sum_g_xhat[DG_LANES] = {0};
+                Sum_g = 0.0;         /* the blocks' lane sums, added in block order */
+                Sum_g_xhat = 0.0;         /* the blocks' lane sums, added in block order */
                 for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
                     const int64_t Off = Base + Blk * Block_stride;
+                    double Lane_Sum_g[DG_LANES] = {0};
+                    double Lane_Sum_g_xhat[DG_LANES] = {0};
                     const int64_t Nxt = Blk + 1 < Blocks ? Off + Block_stride : Base + M;   /* block read next */
                     if (S == 1) {           /* parameters vary along the run */
                         {
@@ -430,9 +434,9 @@ int instancenorm_train_backward_f32(
 
                         }
                     }
+                    Sum_g += Dg_lanes(Lane_Sum_g);
+                    Sum_g_xhat += Dg_lanes(Lane_Sum_g_xhat);
                 }
-                Sum_g = Dg_lanes(Lane_Sum_g);
-                Sum_g_xhat = Dg_lanes(Lane_Sum_g_xhat);
             }
             const double Mean_g = Sum_g/N;  /* Mean_g = mean(g) */
             const double Mean_g_xhat = Sum_g_xhat/N;  /* Mean_g_xhat = mean(g*xhat) */
@@ -609,6 +613,7 @@ const int64_t C = G * Cg;
     const double N = (double)(Blocks * Cg * S);               /* values per group */
     const int Nth = Dg_threads(Nthreads);
     (void)N;
+    (void)N_groups;
     (void)Nth;
     (void)x;
     (void)gamma;
@@ -657,7 +662,7 @@ int64_t Lo, Hi;
                 for (int64_t Gi = 0; Gi < W; ++Gi) {
                     double Col[DG_LANES];
                     for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_Sum_mean[Q * W + Gi];
-                    Gv_Sum_mean[Gi] = Dg_lanes(Col);
+                    Gv_Sum_mean[Gi] = 0.0 + Dg_lanes(Col);     /* one block: the NCHW kernels' 0 + block sum */
                 }
             }
             double Gv_mean[DG_NHWC_GROUPS];
@@ -697,7 +702,7 @@ int64_t Lo, Hi;
                 for (int64_t Gi = 0; Gi < W; ++Gi) {
                     double Col[DG_LANES];
                     for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_Sum_var[Q * W + Gi];
-                    Gv_Sum_var[Gi] = Dg_lanes(Col);
+                    Gv_Sum_var[Gi] = 0.0 + Dg_lanes(Col);     /* one block: the NCHW kernels' 0 + block sum */
                 }
             }
             double Gv_var[DG_NHWC_GROUPS];
@@ -790,6 +795,7 @@ const int64_t C = G * Cg;
     const double N = (double)(Blocks * Cg * S);               /* values per group */
     const int Nth = Dg_threads(Nthreads);
     (void)N;
+    (void)N_groups;
     (void)Nth;
     (void)x;
     (void)gamma;
@@ -883,12 +889,12 @@ int64_t Lo, Hi;
                 for (int64_t Gi = 0; Gi < W; ++Gi) {
                     double Col[DG_LANES];
                     for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_Sum_g[Q * W + Gi];
-                    Gv_Sum_g[Gi] = Dg_lanes(Col);
+                    Gv_Sum_g[Gi] = 0.0 + Dg_lanes(Col);     /* one block: the NCHW kernels' 0 + block sum */
                 }
                 for (int64_t Gi = 0; Gi < W; ++Gi) {
                     double Col[DG_LANES];
                     for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_Sum_g_xhat[Q * W + Gi];
-                    Gv_Sum_g_xhat[Gi] = Dg_lanes(Col);
+                    Gv_Sum_g_xhat[Gi] = 0.0 + Dg_lanes(Col);     /* one block: the NCHW kernels' 0 + block sum */
                 }
             }
             double Gv_Mean_g[DG_NHWC_GROUPS];
@@ -1042,9 +1048,10 @@ int instancenorm_train_forward_f64(
             const int64_t Base = Grp * M;
             double Sum_mean;
             {
-                double Lane_Sum_mean[DG_LANES] = {0};
+                Sum_mean = 0.0;         /* the blocks' lane sums, added in block order */
                 for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
                     const int64_t Off = Base + Blk * Block_stride;
+                    double Lane_Sum_mean[DG_LANES] = {0};
                     const int64_t Nxt = Blk + 1 < Blocks ? Off + Block_stride : Base + M;   /* block read next */
                     {
                         int64_t Mi = 0;
@@ -1069,15 +1076,16 @@ int instancenorm_train_forward_f64(
                         }
                     }
 
+                    Sum_mean += Dg_lanes(Lane_Sum_mean);
                 }
-                Sum_mean = Dg_lanes(Lane_Sum_mean);
             }
             const double mean = Sum_mean/N;  /* mean = mean(x) */
             double Sum_var;
             {
-                double Lane_Sum_var[DG_LANES] = {0};
+                Sum_var = 0.0;         /* the blocks' lane sums, added in block order */
                 for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
                     const int64_t Off = Base + Blk * Block_stride;
+                    double Lane_Sum_var[DG_LANES] = {0};
                     {
                         int64_t Mi = 0;
                         for (; Mi + DG_LANES <= M; Mi += DG_LANES) {
@@ -1097,8 +1105,8 @@ int instancenorm_train_forward_f64(
                         }
                     }
 
+                    Sum_var += Dg_lanes(Lane_Sum_var);
                 }
-                Sum_var = Dg_lanes(Lane_Sum_var);
             }
             const double var = Sum_var/N;  /* var = mean((x - mean)**2) */
             const double rstd = 1/sqrt(var + eps);  /* rstd = 1/sqrt(var + eps) */
@@ -1283,10 +1291,12 @@ int instancenorm_train_backward_f64(
             double Sum_g;
             double Sum_g_xhat;
             {
-                double Lane_Sum_g[DG_LANES] = {0};
-                double Lane_Sum_g_xhat[DG_LANES] = {0};
+                Sum_g = 0.0;         /* the blocks' lane sums, added in block order */
+                Sum_g_xhat = 0.0;         /* the blocks' lane sums, added in block order */
                 for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
                     const int64_t Off = Base + Blk * Block_stride;
+                    double Lane_Sum_g[DG_LANES] = {0};
+                    double Lane_Sum_g_xhat[DG_LANES] = {0};
                     const int64_t Nxt = Blk + 1 < Blocks ? Off + Block_stride : Base + M;   /* block read next */
                     if (S == 1) {           /* parameters vary along the run */
                         {
@@ -1369,9 +1379,9 @@ int instancenorm_train_backward_f64(
 
                         }
                     }
+                    Sum_g += Dg_lanes(Lane_Sum_g);
+                    Sum_g_xhat += Dg_lanes(Lane_Sum_g_xhat);
                 }
-                Sum_g = Dg_lanes(Lane_Sum_g);
-                Sum_g_xhat = Dg_lanes(Lane_Sum_g_xhat);
             }
             const double Mean_g = Sum_g/N;  /* Mean_g = mean(g) */
             const double Mean_g_xhat = Sum_g_xhat/N;  /* Mean_g_xhat = mean(g*xhat) */
@@ -1543,6 +1553,7 @@ const int64_t C = G * Cg;
     const double N = (double)(Blocks * Cg * S);               /* values per group */
     const int Nth = Dg_threads(Nthreads);
     (void)N;
+    (void)N_groups;
     (void)Nth;
     (void)x;
     (void)gamma;
@@ -1591,7 +1602,7 @@ int64_t Lo, Hi;
                 for (int64_t Gi = 0; Gi < W; ++Gi) {
                     double Col[DG_LANES];
                     for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_Sum_mean[Q * W + Gi];
-                    Gv_Sum_mean[Gi] = Dg_lanes(Col);
+                    Gv_Sum_mean[Gi] = 0.0 + Dg_lanes(Col);     /* one block: the NCHW kernels' 0 + block sum */
                 }
             }
             double Gv_mean[DG_NHWC_GROUPS];
@@ -1631,7 +1642,7 @@ int64_t Lo, Hi;
                 for (int64_t Gi = 0; Gi < W; ++Gi) {
                     double Col[DG_LANES];
                     for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_Sum_var[Q * W + Gi];
-                    Gv_Sum_var[Gi] = Dg_lanes(Col);
+                    Gv_Sum_var[Gi] = 0.0 + Dg_lanes(Col);     /* one block: the NCHW kernels' 0 + block sum */
                 }
             }
             double Gv_var[DG_NHWC_GROUPS];
@@ -1709,6 +1720,7 @@ const int64_t C = G * Cg;
     const double N = (double)(Blocks * Cg * S);               /* values per group */
     const int Nth = Dg_threads(Nthreads);
     (void)N;
+    (void)N_groups;
     (void)Nth;
     (void)x;
     (void)gamma;
@@ -1787,12 +1799,12 @@ int64_t Lo, Hi;
                 for (int64_t Gi = 0; Gi < W; ++Gi) {
                     double Col[DG_LANES];
                     for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_Sum_g[Q * W + Gi];
-                    Gv_Sum_g[Gi] = Dg_lanes(Col);
+                    Gv_Sum_g[Gi] = 0.0 + Dg_lanes(Col);     /* one block: the NCHW kernels' 0 + block sum */
                 }
                 for (int64_t Gi = 0; Gi < W; ++Gi) {
                     double Col[DG_LANES];
                     for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_Sum_g_xhat[Q * W + Gi];
-                    Gv_Sum_g_xhat[Gi] = Dg_lanes(Col);
+                    Gv_Sum_g_xhat[Gi] = 0.0 + Dg_lanes(Col);     /* one block: the NCHW kernels' 0 + block sum */
                 }
             }
             double Gv_Mean_g[DG_NHWC_GROUPS];
@@ -1939,9 +1951,10 @@ int instancenorm_train_forward_bf16(
             const int64_t Base = Grp * M;
             double Sum_mean;
             {
-                double Lane_Sum_mean[DG_LANES] = {0};
+                Sum_mean = 0.0;         /* the blocks' lane sums, added in block order */
                 for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
                     const int64_t Off = Base + Blk * Block_stride;
+                    double Lane_Sum_mean[DG_LANES] = {0};
                     const int64_t Nxt = Blk + 1 < Blocks ? Off + Block_stride : Base + M;   /* block read next */
                     {
                         int64_t Mi = 0;
@@ -1966,15 +1979,16 @@ int instancenorm_train_forward_bf16(
                         }
                     }
 
+                    Sum_mean += Dg_lanes(Lane_Sum_mean);
                 }
-                Sum_mean = Dg_lanes(Lane_Sum_mean);
             }
             const double mean = Sum_mean/N;  /* mean = mean(x) */
             double Sum_var;
             {
-                double Lane_Sum_var[DG_LANES] = {0};
+                Sum_var = 0.0;         /* the blocks' lane sums, added in block order */
                 for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
                     const int64_t Off = Base + Blk * Block_stride;
+                    double Lane_Sum_var[DG_LANES] = {0};
                     {
                         int64_t Mi = 0;
                         for (; Mi + DG_LANES <= M; Mi += DG_LANES) {
@@ -1994,8 +2008,8 @@ int instancenorm_train_forward_bf16(
                         }
                     }
 
+                    Sum_var += Dg_lanes(Lane_Sum_var);
                 }
-                Sum_var = Dg_lanes(Lane_Sum_var);
             }
             const double var = Sum_var/N;  /* var = mean((x - mean)**2) */
             const double rstd = 1/sqrt(var + eps);  /* rstd = 1/sqrt(var + eps) */
@@ -2188,10 +2202,12 @@ int instancenorm_train_backward_bf16(
                 const float H0_hi = (float)H0;
                 const float H0_lo = (float)(H0 - (double)H0_hi);
                 const float rstd_F = (float)rstd;
-                double Lane_Sum_g[DG_LANES] = {0};
-                double Lane_Sum_g_xhat[DG_LANES] = {0};
+                Sum_g = 0.0;         /* the blocks' lane sums, added in block order */
+                Sum_g_xhat = 0.0;         /* the blocks' lane sums, added in block order */
                 for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
                     const int64_t Off = Base + Blk * Block_stride;
+                    double Lane_Sum_g[DG_LANES] = {0};
+                    double Lane_Sum_g_xhat[DG_LANES] = {0};
                     const int64_t Nxt = Blk + 1 < Blocks ? Off + Block_stride : Base + M;   /* block read next */
                     if (S == 1) {           /* parameters vary along the run */
                         {
@@ -2274,9 +2290,9 @@ int instancenorm_train_backward_bf16(
 
                         }
                     }
+                    Sum_g += Dg_lanes(Lane_Sum_g);
+                    Sum_g_xhat += Dg_lanes(Lane_Sum_g_xhat);
                 }
-                Sum_g = Dg_lanes(Lane_Sum_g);
-                Sum_g_xhat = Dg_lanes(Lane_Sum_g_xhat);
             }
             const double Mean_g = Sum_g/N;  /* Mean_g = mean(g) */
             const double Mean_g_xhat = Sum_g_xhat/N;  /* Mean_g_xhat = mean(g*xhat) */
@@ -2453,6 +2469,7 @@ const int64_t C = G * Cg;
     const double N = (double)(Blocks * Cg * S);               /* values per group */
     const int Nth = Dg_threads(Nthreads);
     (void)N;
+    (void)N_groups;
     (void)Nth;
     (void)x;
     (void)gamma;
@@ -2501,7 +2518,7 @@ int64_t Lo, Hi;
                 for (int64_t Gi = 0; Gi < W; ++Gi) {
                     double Col[DG_LANES];
                     for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_Sum_mean[Q * W + Gi];
-                    Gv_Sum_mean[Gi] = Dg_lanes(Col);
+                    Gv_Sum_mean[Gi] = 0.0 + Dg_lanes(Col);     /* one block: the NCHW kernels' 0 + block sum */
                 }
             }
             double Gv_mean[DG_NHWC_GROUPS];
@@ -2541,7 +2558,7 @@ int64_t Lo, Hi;
                 for (int64_t Gi = 0; Gi < W; ++Gi) {
                     double Col[DG_LANES];
                     for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_Sum_var[Q * W + Gi];
-                    Gv_Sum_var[Gi] = Dg_lanes(Col);
+                    Gv_Sum_var[Gi] = 0.0 + Dg_lanes(Col);     /* one block: the NCHW kernels' 0 + block sum */
                 }
             }
             double Gv_var[DG_NHWC_GROUPS];
@@ -2634,6 +2651,7 @@ const int64_t C = G * Cg;
     const double N = (double)(Blocks * Cg * S);               /* values per group */
     const int Nth = Dg_threads(Nthreads);
     (void)N;
+    (void)N_groups;
     (void)Nth;
     (void)x;
     (void)gamma;
@@ -2727,12 +2745,12 @@ int64_t Lo, Hi;
                 for (int64_t Gi = 0; Gi < W; ++Gi) {
                     double Col[DG_LANES];
                     for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_Sum_g[Q * W + Gi];
-                    Gv_Sum_g[Gi] = Dg_lanes(Col);
+                    Gv_Sum_g[Gi] = 0.0 + Dg_lanes(Col);     /* one block: the NCHW kernels' 0 + block sum */
                 }
                 for (int64_t Gi = 0; Gi < W; ++Gi) {
                     double Col[DG_LANES];
                     for (int Q = 0; Q < DG_LANES; ++Q) Col[Q] = Lane_Sum_g_xhat[Q * W + Gi];
-                    Gv_Sum_g_xhat[Gi] = Dg_lanes(Col);
+                    Gv_Sum_g_xhat[Gi] = 0.0 + Dg_lanes(Col);     /* one block: the NCHW kernels' 0 + block sum */
                 }
             }
             double Gv_Mean_g[DG_NHWC_GROUPS];
