@@ -52,10 +52,11 @@ class LayerNorm(_Twin, nn.LayerNorm):
     _DG_LAYERS = ("layernorm",)
 
     def forward(self, input):
-        shape = self.normalized_shape
-        return self._dg["layernorm"].call(
-            "train", [input, _param(self.weight, input, shape, 1.0), _param(self.bias, input, shape, 0.0)],
-            (float(self.eps),), 0, stats=False)[0]
+        w, b = self.weight, self.bias
+        if w is None or b is None:
+            shape = self.normalized_shape
+            w, b = _param(w, input, shape, 1.0), _param(b, input, shape, 0.0)
+        return self._dg["layernorm"].call("train", [input, w, b], (float(self.eps),), 0, stats=False)[0]
 
 
 class RMSNorm(_Twin, nn.RMSNorm):

@@ -527,7 +527,7 @@ class _Plan:
     Python around each kernel)."""
 
     __slots__ = ("lay", "mode", "groups", "ffn", "bfn", "dims", "threads", "n_groups", "nhwc", "npar", "nin",
-                 "copy", "in_flags", "null_bufs", "stat_offsets", "stats_like", "name")
+                 "copy", "in_flags", "null_bufs", "stat_offsets", "stats_like", "name", "simple")
 
     def __init__(self, lay: TorchLayer, mode: str, L: rt.Layout, tens: list, nhwc: bool, groups: int):
         x = tens[0]
@@ -547,6 +547,8 @@ class _Plan:
         nstat = len(lay.meta["stats"][mode])
         self.stat_offsets = [8 * ng * k for k in range(nstat)]
         self.stats_like = torch.empty((nstat, ng), dtype=torch.float64)
+        # contiguous tensors, no per-group inputs, no buffers passed (train mode)
+        self.simple = not self.copy and not nin and (mode == "train" or not lay.buffers)
 
     def _inputs(self, ins) -> list:
         pairs = []
@@ -558,6 +560,14 @@ class _Plan:
         """y and the statistics by the forward kernel on validated tensors. The statistics
         are one float64 tensor per statistic, or with ``blob`` one (statistics, groups)
         tensor (one allocation: the eager path keeps them together)."""
+        if self.simple and blob:                # the common case, with the least Python
+            y = torch.empty_like(tens[0])
+            st = torch.empty_like(self.stats_like)
+            p = st.data_ptr()
+            if self.ffn(*self.dims, *[t.data_ptr() for t in tens], *opts, *self.null_bufs, y.data_ptr(),
+                        *[p + o for o in self.stat_offsets], self.threads) != 0:
+                raise MemoryError(f"{self.name}: forward kernel could not allocate its work buffer")
+            return y, st
         if self.copy:
             tens = [tens[0] if self.nhwc else tens[0].contiguous()] + [t.contiguous() for t in tens[1:]]
         x = tens[0]
@@ -580,6 +590,15 @@ class _Plan:
     def backward(self, dy, tens, stat_ptrs, opts) -> tuple:
         """(dx, dparams..., dinputs...) by the backward kernel. ``tens`` are the forward's
         tensors (x, params, inputs[, buffers]); dy has x's shape and dtype."""
+        if self.simple and not self.nhwc:       # the common case, with the least Python
+            x = tens[0]
+            dy = dy.contiguous()
+            dx = torch.empty_like(x)
+            dps = [torch.empty_like(p) for p in tens[1:]]
+            if self.bfn(*self.dims, x.data_ptr(), dy.data_ptr(), *[p.data_ptr() for p in tens[1:]], *opts,
+                        *stat_ptrs, dx.data_ptr(), *[t.data_ptr() for t in dps], self.threads) != 0:
+                raise MemoryError(f"{self.name}: backward kernel could not allocate its work buffer")
+            return (dx, *dps)
         k = 1 + self.npar
         x = tens[0]
         if self.copy:
