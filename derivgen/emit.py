@@ -111,6 +111,23 @@ def _forward_program(md: ModeDerivation) -> list:
     return forward
 
 
+def split_levels(ir: ModeIR) -> list[tuple[list, list]]:
+    """The forward program as levels of a split reduction: (sums, assigns) pairs. A
+    level's sums (accumulator name, element expression) are summed over the elements of
+    each group, whatever part of a group one caller holds (a rank, a micro-batch); its
+    assigns compute statistics from the totals, N (the group's size) and the
+    statistics of earlier levels. Statistics that need no sums come in a level with none."""
+    levels: list[tuple[list, list]] = []
+    for step in ir.forward:
+        if isinstance(step, Loop):
+            levels.append((list(step.accs), []))
+        else:
+            if not levels:
+                levels.append(([], []))
+            levels[-1][1].append(step)
+    return levels
+
+
 def build_mode_ir(md: ModeDerivation) -> ModeIR:
     spec = md.spec
     element = {X, DY, G, *(p.symbol for p in spec.params if not p.scalar)}
@@ -272,6 +289,7 @@ def emit(d: Derivation, targets=("numpy", "c")) -> Emitted:
     env.globals["cstore"] = c_store
     env.globals["nhwc"] = nhwc_sweep
     env.globals["used_in"] = used_in
+    env.globals["split_levels"] = split_levels
     env.globals["np_store"] = lambda target, e: np_store(target, e, spec)
     _SPEC_FOR_PRINTING[0] = spec
     irs = {m: build_mode_ir(md) for m, md in d.modes.items()}

@@ -45,6 +45,16 @@ def group_mean(L):
     return mean
 
 
+def group_sum(L, x):
+    """``_sum``: the sum over each group's elements held here (keeping the 4 dimensions);
+    an operand constant along reduced axes (a parameter) counts once per element."""
+    dims = L.reduce_axes
+
+    def total(a):
+        return _full(a, x).sum(dim=dims, keepdim=True)
+    return total
+
+
 def group_mean_prod(L):
     """``_mean_prod(a, b)`` and ``_mean_sq(a)`` (one argument): the group mean of a*b."""
     mean = group_mean(L)

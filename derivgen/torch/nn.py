@@ -15,11 +15,13 @@ twin, keeping parameters, buffers, device, dtype and training mode.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from . import sync
 from .ops import layer
 
-__all__ = ["LayerNorm", "RMSNorm", "BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "InstanceNorm1d",
+__all__ = ["LayerNorm", "RMSNorm", "BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "SyncBatchNorm", "InstanceNorm1d",
            "InstanceNorm2d", "InstanceNorm3d", "GroupNorm", "OnlineLayerNorm", "Module", "convert", "function"]
 
 
@@ -89,15 +91,22 @@ class _BatchNormMixin(_Twin):
         params = {"gamma": _param(self.weight, input, (c,), 1.0), "beta": _param(self.bias, input, (c,), 0.0)}
         options = {"eps": self.eps, "momentum": momentum if isinstance(momentum, float) else 0.0}
         if use_batch:
-            y, stats = lay.forward(input, params, {}, options, training=True)
+            y, stats, n = self._batch_forward(lay, input, params, options)
             if self.training and self.track_running_stats:
-                n = input.numel() // c
                 lay.update_buffers(stats, {"running_mean": self.running_mean, "running_var": self.running_var},
                                    {"eps": self.eps, "momentum": momentum}, n)
             return y
+        if input.numel() == 0:              # an empty batch normalizes to an empty output, as in torch.nn
+            return torch.empty_like(input)
         y, _ = lay.forward(input, params, {}, options, training=False, stats=False,
                            buffers={"running_mean": self.running_mean, "running_var": self.running_var})
         return y
+
+
+    def _batch_forward(self, lay, input, params, options):
+        """y, the batch statistics and the number of values per channel they are over."""
+        y, stats = lay.forward(input, params, {}, options, training=True)
+        return y, stats, input.numel() // input.shape[1]
 
 
 class BatchNorm1d(_BatchNormMixin, nn.BatchNorm1d):
@@ -110,6 +119,59 @@ class BatchNorm2d(_BatchNormMixin, nn.BatchNorm2d):
 
 class BatchNorm3d(_BatchNormMixin, nn.BatchNorm3d):
     """torch.nn.BatchNorm3d, computed by derivgen's layer ``batchnorm``."""
+
+
+class SyncBatchNorm(_BatchNormMixin, nn.modules.batchnorm._BatchNorm):
+    """torch.nn.SyncBatchNorm on the CPU: the statistics of the batch that the processes
+    of ``process_group`` (default: the whole world) hold together, by derivgen's split
+    reduction (:mod:`derivgen.torch.sync`: one all_reduce per statistics level in the
+    forward, one in the backward, one small all_gather that checks the parts fit). Any
+    process's part may be empty. With one process, outside training, or without an
+    initialized torch.distributed, it is :class:`BatchNorm2d` (any input dimension).
+
+    torch.nn.SyncBatchNorm's constructor, attributes, state_dict keys and
+    ``convert_sync_batchnorm``; deliberately not a subclass of it, because
+    DistributedDataParallel refuses torch.nn.SyncBatchNorm layers on the CPU."""
+
+    def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1, affine: bool = True,
+                 track_running_stats: bool = True, process_group=None, device=None, dtype=None):
+        super().__init__(num_features, eps, momentum, affine, track_running_stats, device=device, dtype=dtype)
+        self.process_group = process_group
+
+    def _batch_forward(self, lay, input, params, options):
+        if self.training and dist.is_available() and dist.is_initialized():
+            pg = self.process_group if self.process_group is not None else dist.group.WORLD
+            if dist.get_world_size(pg) > 1:
+                return sync.sync_forward(lay, pg, input, params, options)
+        return super()._batch_forward(lay, input, params, options)
+
+    def _check_input_dim(self, input):
+        if input.dim() < 2:
+            raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
+
+    @classmethod
+    def convert_sync_batchnorm(cls, module, process_group=None):
+        """Every torch.nn BatchNorm1d/2d/3d (and derivgen's) in ``module`` replaced by a
+        derivgen SyncBatchNorm sharing its parameters and buffers, as
+        torch.nn.SyncBatchNorm.convert_sync_batchnorm does; returns the module."""
+        out = module
+        if isinstance(module, nn.modules.batchnorm._BatchNorm) and not isinstance(module, (nn.SyncBatchNorm, cls)):
+            out = cls(module.num_features, module.eps, module.momentum, module.affine,
+                      module.track_running_stats, process_group)
+            if module.affine:
+                with torch.no_grad():
+                    out.weight = module.weight
+                    out.bias = module.bias
+            out.running_mean = module.running_mean
+            out.running_var = module.running_var
+            out.num_batches_tracked = module.num_batches_tracked
+            out.training = module.training
+            if hasattr(module, "qconfig"):
+                out.qconfig = module.qconfig
+        for name, child in module.named_children():
+            out.add_module(name, cls.convert_sync_batchnorm(child, process_group))
+        del module
+        return out
 
 
 class _InstanceNormMixin(_Twin):
@@ -176,13 +238,22 @@ class Module(nn.Module):
     ``init`` values; buffers likewise (updated in training mode with the
     spec's rule). Options are attributes (``m.eps``); the spec's per-group
     inputs are keyword arguments of ``forward`` (``m(x, prev_mean=..., prev_std=...)``).
+    ``sync=True`` or a ``process_group`` (layers whose groups span the batch): in
+    training, statistics over the batch the group's processes hold together, as
+    :class:`SyncBatchNorm` (the default group when ``process_group`` is None).
     """
 
-    def __init__(self, spec, size, *, num_groups: int | None = None, device=None, dtype=None, **options):
+    def __init__(self, spec, size, *, num_groups: int | None = None, device=None, dtype=None,
+                 sync: bool = False, process_group=None, **options):
         super().__init__()
         self._layer = layer(spec)
         meta = self._layer.meta
         self.layer_name = meta["name"]
+        self.sync = bool(sync or process_group is not None)
+        self.process_group = process_group
+        if self.sync and (meta["layout"] != "channels" or meta["reduce"] != "batch"):
+            raise ValueError(f"{self.layer_name}: sync/process_group need a layer whose groups span the batch "
+                             f"(layout channels, reduce batch); this one is {meta['layout']}/{meta['reduce']}")
         unknown = set(options) - set(meta["options"])
         if unknown:
             raise TypeError(f"{self.layer_name}: unknown option(s) {sorted(unknown)}; options are {list(meta['options'])}")
@@ -219,9 +290,19 @@ class Module(nn.Module):
         if missing or extra:
             raise TypeError(f"{self.layer_name}: forward takes the per-group inputs {meta['inputs']} as keywords"
                             + (f"; missing {missing}" if missing else "") + (f"; unknown {sorted(extra)}" if extra else ""))
-        return _run(lay, x, {p: getattr(self, p) for p in meta["params"]}, inputs,
-                    {o: getattr(self, o) for o in meta["options"]}, self.training,
-                    {b: getattr(self, b) for b in meta["buffers"]}, self.num_groups)
+        params = {p: getattr(self, p) for p in meta["params"]}
+        options = {o: getattr(self, o) for o in meta["options"]}
+        bufs = {b: getattr(self, b) for b in meta["buffers"]}
+        if self.sync and self.training and dist.is_available() and dist.is_initialized():
+            pg = self.process_group if self.process_group is not None else dist.group.WORLD
+            if dist.get_world_size(pg) > 1:
+                ins = {i: (v if isinstance(v, torch.Tensor) else torch.tensor(float(v), dtype=x.dtype))
+                       for i, v in inputs.items()}
+                y, stats, n = sync.sync_forward(lay, pg, x, params, options, ins)
+                if bufs:
+                    lay.update_buffers(stats, bufs, options, n)
+                return y
+        return _run(lay, x, params, inputs, options, self.training, bufs, self.num_groups)
 
 
 def _run(lay, x, params: dict, inputs: dict, options: dict, training: bool, bufs: dict, num_groups):

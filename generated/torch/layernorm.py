@@ -95,5 +95,85 @@ def backward_train(dy, x, *, gamma, beta, eps, _L):
     }
     return _dx, _dparams, _dinputs
 
+
+# ---- train mode as a split reduction: every group's statistics from sums over
+# whatever part of the group a caller holds (a process, a micro-batch), one level
+# at a time; see derivgen.torch.sync.
+SPLIT_LEVELS_TRAIN = 2
+
+
+def partial_train(level, x, *, gamma, beta, eps, _L, _stats):
+    """The sums of statistics level ``level`` over the elements of this x, per group
+    (4-D, keepdim), given the statistics of the earlier levels in ``_stats``."""
+    _sum = _t.group_sum(_L, x)
+    mean = _stats.get('mean')
+    var = _stats.get('var')
+    rstd = _stats.get('rstd')
+    if level == 0:
+        return (_sum(x), )
+    if level == 1:
+        return (_sum((x - mean)**2), )
+    raise ValueError(f"level must be 0 to 1, got {level}")
+
+
+def finish_train(level, _sums, *, gamma, beta, eps, _stats, N):
+    """The statistics of level ``level`` from the sums over whole groups (``_sums``, in
+    the order partial_train returns them) and the group size N: a dict."""
+    mean = _stats.get('mean')
+    var = _stats.get('var')
+    rstd = _stats.get('rstd')
+    _new = {}
+    if level == 0:
+        Sum_mean = _sums[0]
+        mean = _new['mean'] = Sum_mean/N   # mean = mean(x)
+        return _new
+    if level == 1:
+        Sum_var = _sums[0]
+        var = _new['var'] = Sum_var/N   # var = mean((x - mean)**2)
+        rstd = _new['rstd'] = 1/_t.sqrt(var + eps)   # rstd = 1/sqrt(var + eps)
+        return _new
+    raise ValueError(f"level must be 0 to 1, got {level}")
+
+
+def apply_train(x, *, gamma, beta, eps, _stats):
+    """y (4-D) from the statistics of whole groups."""
+    mean = _stats['mean']
+    var = _stats['var']
+    rstd = _stats['rstd']
+    xhat = rstd*(x - mean)
+    return _t.elementwise(gamma*xhat + beta, x)
+
+
+def backward_partial_train(dy, x, *, gamma, beta, eps, _L, _stats, N):
+    """The backward's sums over the elements of this part of each group (4-D, keepdim)."""
+    _sum = _t.group_sum(_L, x)
+    mean = _stats['mean']
+    var = _stats['var']
+    rstd = _stats['rstd']
+    xhat = rstd*(x - mean)
+    g = dy*gamma
+    return (_sum(g), _sum(g*xhat), )
+
+
+def backward_apply_train(dy, x, *, gamma, beta, eps, _L, _stats, _sums, N, _group_terms=True):
+    """(dx, {parameter: gradient over this part}, {input: per-group gradient}) from the
+    sums over whole groups; ``_group_terms=False`` leaves out the terms a parameter or
+    input gets once per group (through the statistics), for all but one part."""
+    mean = _stats['mean']
+    var = _stats['var']
+    rstd = _stats['rstd']
+    xhat = rstd*(x - mean)
+    g = dy*gamma
+    Mean_g = _sums[0] / N
+    Mean_g_xhat = _sums[1] / N
+    _dx = _t.elementwise(rstd*(g - Mean_g - Mean_g_xhat*xhat), x)
+    _dparams = {
+        'gamma': _t.param_sum(dy*xhat, x, _L, scalar=False),
+        'beta': _t.param_sum(dy, x, _L, scalar=False),
+    }
+    _dinputs = {
+    }
+    return _dx, _dparams, _dinputs
+
 FORWARD = {'train': forward_train}
 BACKWARD = {'train': backward_train}

@@ -107,5 +107,99 @@ def backward_train(dy, x, *, gamma, beta, prev_mean, prev_std, alpha, eps, _L):
     }
     return _dx, _dparams, _dinputs
 
+
+# ---- train mode as a split reduction: every group's statistics from sums over
+# whatever part of the group a caller holds (a process, a micro-batch), one level
+# at a time; see derivgen.torch.sync.
+SPLIT_LEVELS_TRAIN = 2
+
+
+def partial_train(level, x, *, gamma, beta, prev_mean, prev_std, alpha, eps, _L, _stats):
+    """The sums of statistics level ``level`` over the elements of this x, per group
+    (4-D, keepdim), given the statistics of the earlier levels in ``_stats``."""
+    _sum = _t.group_sum(_L, x)
+    row_mean = _stats.get('row_mean')
+    mean = _stats.get('mean')
+    Aux1 = _stats.get('Aux1')
+    sample_std = _stats.get('sample_std')
+    std = _stats.get('std')
+    if level == 0:
+        return (_sum(x), )
+    if level == 1:
+        return (_sum((x - mean)**2), )
+    raise ValueError(f"level must be 0 to 1, got {level}")
+
+
+def finish_train(level, _sums, *, gamma, beta, prev_mean, prev_std, alpha, eps, _stats, N):
+    """The statistics of level ``level`` from the sums over whole groups (``_sums``, in
+    the order partial_train returns them) and the group size N: a dict."""
+    row_mean = _stats.get('row_mean')
+    mean = _stats.get('mean')
+    Aux1 = _stats.get('Aux1')
+    sample_std = _stats.get('sample_std')
+    std = _stats.get('std')
+    _new = {}
+    if level == 0:
+        Sum_row_mean = _sums[0]
+        row_mean = _new['row_mean'] = Sum_row_mean/N   # row_mean = mean(x)
+        mean = _new['mean'] = alpha*row_mean + prev_mean*(1 - alpha)   # mean = alpha*row_mean + (1 - alpha)*prev_mean
+        return _new
+    if level == 1:
+        Sum_Aux1 = _sums[0]
+        Aux1 = _new['Aux1'] = Sum_Aux1/N   # Aux1 = a mean in sample_std
+        sample_std = _new['sample_std'] = _t.sqrt(eps + Aux1*N/(N - 1))   # sample_std = sqrt(sum((x - mean)**2)/(N - 1) + eps)
+        std = _new['std'] = alpha*sample_std + prev_std*(1 - alpha)   # std = alpha*sample_std + (1 - alpha)*prev_std
+        return _new
+    raise ValueError(f"level must be 0 to 1, got {level}")
+
+
+def apply_train(x, *, gamma, beta, prev_mean, prev_std, alpha, eps, _stats):
+    """y (4-D) from the statistics of whole groups."""
+    row_mean = _stats['row_mean']
+    mean = _stats['mean']
+    Aux1 = _stats['Aux1']
+    sample_std = _stats['sample_std']
+    std = _stats['std']
+    xhat = (x - mean)/std
+    return _t.elementwise(gamma*xhat + beta, x)
+
+
+def backward_partial_train(dy, x, *, gamma, beta, prev_mean, prev_std, alpha, eps, _L, _stats, N):
+    """The backward's sums over the elements of this part of each group (4-D, keepdim)."""
+    _sum = _t.group_sum(_L, x)
+    row_mean = _stats['row_mean']
+    mean = _stats['mean']
+    Aux1 = _stats['Aux1']
+    sample_std = _stats['sample_std']
+    std = _stats['std']
+    xhat = (x - mean)/std
+    g = dy*gamma
+    return (_sum(g), _sum(g*xhat), )
+
+
+def backward_apply_train(dy, x, *, gamma, beta, prev_mean, prev_std, alpha, eps, _L, _stats, _sums, N, _group_terms=True):
+    """(dx, {parameter: gradient over this part}, {input: per-group gradient}) from the
+    sums over whole groups; ``_group_terms=False`` leaves out the terms a parameter or
+    input gets once per group (through the statistics), for all but one part."""
+    row_mean = _stats['row_mean']
+    mean = _stats['mean']
+    Aux1 = _stats['Aux1']
+    sample_std = _stats['sample_std']
+    std = _stats['std']
+    xhat = (x - mean)/std
+    g = dy*gamma
+    Mean_g = _sums[0] / N
+    Mean_g_xhat = _sums[1] / N
+    _dx = _t.elementwise(g/std + Mean_g_xhat*N*alpha*(alpha*(row_mean - mean)/std - xhat)/(sample_std*(N - 1)) - Mean_g*alpha/std, x)
+    _dparams = {
+        'gamma': _t.param_sum(dy*xhat, x, _L, scalar=False),
+        'beta': _t.param_sum(dy, x, _L, scalar=False),
+    }
+    _dinputs = {
+        'prev_mean': _t.per_group(N*(Mean_g*(alpha - 1) + Mean_g_xhat*N*alpha*(1 - alpha)*(row_mean - mean)/(sample_std*(N - 1)))/std if _group_terms else 0.0, x, _L),
+        'prev_std': _t.per_group(Mean_g_xhat*N*(alpha - 1)/std if _group_terms else 0.0, x, _L),
+    }
+    return _dx, _dparams, _dinputs
+
 FORWARD = {'train': forward_train}
 BACKWARD = {'train': backward_train}

@@ -87,5 +87,72 @@ def backward_train(dy, x, *, gamma, eps, _L):
     }
     return _dx, _dparams, _dinputs
 
+
+# ---- train mode as a split reduction: every group's statistics from sums over
+# whatever part of the group a caller holds (a process, a micro-batch), one level
+# at a time; see derivgen.torch.sync.
+SPLIT_LEVELS_TRAIN = 1
+
+
+def partial_train(level, x, *, gamma, eps, _L, _stats):
+    """The sums of statistics level ``level`` over the elements of this x, per group
+    (4-D, keepdim), given the statistics of the earlier levels in ``_stats``."""
+    _sum = _t.group_sum(_L, x)
+    ms = _stats.get('ms')
+    rstd = _stats.get('rstd')
+    if level == 0:
+        return (_sum(x**2), )
+    raise ValueError(f"level must be 0 to 0, got {level}")
+
+
+def finish_train(level, _sums, *, gamma, eps, _stats, N):
+    """The statistics of level ``level`` from the sums over whole groups (``_sums``, in
+    the order partial_train returns them) and the group size N: a dict."""
+    ms = _stats.get('ms')
+    rstd = _stats.get('rstd')
+    _new = {}
+    if level == 0:
+        Sum_ms = _sums[0]
+        ms = _new['ms'] = Sum_ms/N   # ms = mean(x**2)
+        rstd = _new['rstd'] = 1/_t.sqrt(ms + eps)   # rstd = 1/sqrt(ms + eps)
+        return _new
+    raise ValueError(f"level must be 0 to 0, got {level}")
+
+
+def apply_train(x, *, gamma, eps, _stats):
+    """y (4-D) from the statistics of whole groups."""
+    ms = _stats['ms']
+    rstd = _stats['rstd']
+    xhat = rstd*x
+    return _t.elementwise(gamma*xhat, x)
+
+
+def backward_partial_train(dy, x, *, gamma, eps, _L, _stats, N):
+    """The backward's sums over the elements of this part of each group (4-D, keepdim)."""
+    _sum = _t.group_sum(_L, x)
+    ms = _stats['ms']
+    rstd = _stats['rstd']
+    xhat = rstd*x
+    g = dy*gamma
+    return (_sum(g*xhat), )
+
+
+def backward_apply_train(dy, x, *, gamma, eps, _L, _stats, _sums, N, _group_terms=True):
+    """(dx, {parameter: gradient over this part}, {input: per-group gradient}) from the
+    sums over whole groups; ``_group_terms=False`` leaves out the terms a parameter or
+    input gets once per group (through the statistics), for all but one part."""
+    ms = _stats['ms']
+    rstd = _stats['rstd']
+    xhat = rstd*x
+    g = dy*gamma
+    Mean_g_xhat = _sums[0] / N
+    _dx = _t.elementwise(rstd*(g - Mean_g_xhat*xhat), x)
+    _dparams = {
+        'gamma': _t.param_sum(dy*xhat, x, _L, scalar=False),
+    }
+    _dinputs = {
+    }
+    return _dx, _dparams, _dinputs
+
 FORWARD = {'train': forward_train}
 BACKWARD = {'train': backward_train}

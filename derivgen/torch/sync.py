@@ -1,0 +1,207 @@
+"""Batch statistics over a batch that no single process holds: the split reduction.
+
+A layer whose groups span the batch (batch norm, and any spec with ``reduce =
+"batch"``) computes its statistics level by level (``split_levels`` in
+derivgen.emit: the forward program's sweeps): each process sums its own part of
+every group, one ``all_reduce`` adds the sums of a level, and every process
+finishes the level's statistics from the totals and the global group size. The
+mean's sums come first, then the sums of squared deviations from the *global*
+mean: the same two-pass numerics as one process, never E[x^2] - E[x]^2. The
+backward needs the sums of its reductions (for batch norm, of g and g*x_hat):
+one more all_reduce, then each process applies the closed form to its part.
+
+The functions come from the generated PyTorch target (``partial_<mode>``,
+``finish_<mode>``, ``apply_<mode>``, ``backward_partial_<mode>``,
+``backward_apply_<mode>``), computed in float64 whatever the input dtype.
+Before the first level, one small ``all_gather`` exchanges each process's
+element count, channel count and dtype, and whether its input passed the checks,
+so that a bad input on one process is an error on every process instead of a hang.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from .. import runtime as rt
+
+_DTYPE_CODES = {torch.float32: 1, torch.float64: 2, torch.bfloat16: 3}
+
+
+class SyncError(ValueError):
+    """Raised on every process when the processes' inputs do not fit together."""
+
+
+def _layout(lay, x_shape, param_shapes: dict) -> rt.Layout:
+    meta = lay.meta
+    if len(x_shape) >= 2 and x_shape[0] == 0:   # an empty part: the layout of one sample, O = 0
+        L = rt.layout_from_shapes(meta, (1, *x_shape[1:]), param_shapes, None)
+        return rt.Layout(O=0, G=L.G, Cg=L.Cg, S=L.S, per_sample=L.per_sample, x_shape=tuple(x_shape),
+                         param_shape=L.param_shape, group_shape=L.group_shape)
+    return rt.layout_from_shapes(meta, x_shape, param_shapes, None)
+
+
+def _check_part(lay, x, params: dict, channels: int) -> str | None:
+    """This process's input problems (None when it is fine)."""
+    name = lay.meta["name"]
+    if not isinstance(x, torch.Tensor):
+        return f"{name}: x must be a torch.Tensor, got {type(x).__name__}"
+    if x.device.type != "cpu":
+        return f"{name}: x is on {x.device}; derivgen's split reduction runs on the CPU"
+    if x.dtype not in _DTYPE_CODES:
+        return f"{name}: x has dtype {x.dtype}; supported are float32, float64 and bfloat16"
+    if x.dim() < 2 or x.shape[1] != channels:
+        return f"{name}: x must have shape (N, {channels}, ...), got {tuple(x.shape)}"
+    for p, t in params.items():
+        if t.dtype != x.dtype:
+            return f"{name}: {p} has dtype {t.dtype} but x has {x.dtype}"
+    return None
+
+
+def exchange(lay, pg, x, problem: str | None, channels: int) -> int:
+    """The header collective: every process's count of values per group, channels, dtype
+    and status. Raises SyncError on every process if any process failed its checks or
+    the parts disagree; returns the global group size."""
+    name = lay.meta["name"]
+    ok = problem is None
+    per = (math.prod(x.shape) // max(1, x.shape[1])) if ok else 0
+    code = _DTYPE_CODES.get(getattr(x, "dtype", None), 0)
+    mine = torch.tensor([int(ok), per, x.shape[1] if ok else channels, code], dtype=torch.int64)
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size(pg))]
+    dist.all_gather(every, mine, group=pg)
+    rows = [tuple(int(v) for v in t) for t in every]
+    if not ok:
+        raise SyncError(problem + " (every process of the group raises)")
+    bad = [r for r, row in enumerate(rows) if row[0] == 0]
+    if bad:
+        raise SyncError(f"{name}: process(es) {bad} of the group failed their input checks (see their error)")
+    if len({row[2] for row in rows}) > 1:
+        raise SyncError(f"{name}: the processes' inputs have different channel counts: "
+                        f"{[row[2] for row in rows]} (by rank in the group)")
+    if len({row[3] for row in rows}) > 1:
+        names = {v: k for k, v in _DTYPE_CODES.items()}
+        raise SyncError(f"{name}: the processes' inputs have different dtypes: {[names[row[3]] for row in rows]}")
+    n = sum(row[1] for row in rows)
+    need = lay.meta["min_group_size"]["train"]
+    if n < need:
+        raise SyncError(f"{name}: the group's processes hold {n} values per channel together; training "
+                        f"mode needs at least {need}")
+    return n
+
+
+def _all_reduce(parts: tuple, pg) -> tuple:
+    """One all_reduce for all of a level's sums."""
+    if not parts:
+        return parts
+    flat = torch.cat([p.reshape(-1) for p in parts])
+    dist.all_reduce(flat, group=pg)
+    out, at = [], 0
+    for p in parts:
+        out.append(flat[at:at + p.numel()].reshape(p.shape))
+        at += p.numel()
+    return tuple(out)
+
+
+class _SyncFunction(torch.autograd.Function):
+    """y of a batch-reduced layer over a batch split across processes, with the
+    split backward (one all_reduce of the backward's sums)."""
+
+    @staticmethod
+    def forward(ctx, lay, pg, n, options, kw_inputs, x, *params):
+        target = lay.target
+        L = _layout(lay, tuple(x.shape), {p: tuple(t.shape) for p, t in zip(lay.params, params)})
+        a = {"x": x, **dict(zip(lay.params, (t.double() for t in params))), **options}
+        a.update(kw_inputs)
+        kw = lay.views(a, L, "train")
+        kw.pop("_L")
+        x4 = x.detach().double().reshape(L.view4)
+        stats: dict = {}
+        for level in range(target.SPLIT_LEVELS_TRAIN):
+            sums = _all_reduce(target.partial_train(level, x4, **kw, _L=L, _stats=stats), pg)
+            stats.update(target.finish_train(level, sums, **kw, _stats=stats, N=n))
+        y = target.apply_train(x4, **kw, _stats=stats).reshape(x.shape).to(x.dtype)
+        ctx.lay, ctx.pg, ctx.n, ctx.kw, ctx.L, ctx.stats = lay, pg, n, kw, L, stats
+        ctx.save_for_backward(x, *params)
+        st = [stats[s].detach().reshape(-1).clone() for s in lay.meta["stats"]["train"]]
+        ctx.mark_non_differentiable(*st)
+        return (y, *st)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dy, *dstats):
+        lay, pg, n, kw, L, stats = ctx.lay, ctx.pg, ctx.n, ctx.kw, ctx.L, ctx.stats
+        x, *params = ctx.saved_tensors
+        target = lay.target
+        x4 = x.double().reshape(L.view4)
+        dy4 = dy.double().reshape(L.view4)
+        sums = _all_reduce(target.backward_partial_train(dy4, x4, **kw, _L=L, _stats=stats, N=n), pg)
+        dx, dparams, _ = target.backward_apply_train(dy4, x4, **kw, _L=L, _stats=stats, _sums=sums, N=n,
+                                                     _group_terms=dist.get_rank(pg) == 0)
+        grads = [dparams[p].reshape(t.shape).to(t.dtype) for p, t in zip(lay.params, params)]
+        return (None, None, None, None, None, dx.reshape(x.shape).to(x.dtype), *grads)
+
+
+def sync_forward(lay, pg, x, params: dict, options: dict, inputs: dict | None = None):
+    """(y, {statistic: per-group float64 tensor}, N) of a batch-reduced layer in
+    training mode over the batch the processes of ``pg`` hold together (``pg`` None:
+    the default group). Autograd-aware; the parameters' gradients are this process's
+    part (DistributedDataParallel adds them up)."""
+    meta = lay.meta
+    if meta["layout"] != "channels" or meta["reduce"] != "batch":
+        raise ValueError(f"{meta['name']}: a split reduction across processes needs a layer whose groups span "
+                         f"the batch (layout channels, reduce batch); this one is {meta['layout']}/{meta['reduce']}")
+    pg = pg if pg is not None else dist.group.WORLD
+    channels = next((t.shape[0] for p, t in params.items() if p not in meta["scalar_params"]), x.shape[1])
+    problem = _check_part(lay, x, params, channels)
+    n = exchange(lay, pg, x, problem, channels)
+    opts = {o: float(options[o]) for o in lay.options}
+    ins = {i: inputs[i] for i in lay.inputs} if inputs else {}
+    out = _SyncFunction.apply(lay, pg, n, opts, ins, x, *(params[p] for p in lay.params))
+    y, st = out[0], out[1:]
+    return y, dict(zip(meta["stats"]["train"], st)), n
+
+
+def statistics_over(lay, parts, params: dict, options: dict) -> tuple[dict, int]:
+    """The training statistics of a batch-reduced layer over a batch held in parts (a
+    sequence of tensors (n_k, C, ...), or a callable returning a fresh iterable of them:
+    the parts are read once per statistics level), one part in memory at a time. Returns
+    ({statistic: per-group float64 tensor (1, C, 1, 1)}, values per group); then
+    ``apply_statistics`` normalizes each part. The arithmetic of one process with the
+    whole batch, in float64: the split reduction without torch.distributed."""
+    meta = lay.meta
+    if meta["layout"] != "channels" or meta["reduce"] != "batch":
+        raise ValueError(f"{meta['name']}: statistics over parts need a layer whose groups span the batch")
+    again = parts if callable(parts) else (lambda: parts)
+    target = lay.target
+    stats: dict = {}
+    n = None
+    for level in range(target.SPLIT_LEVELS_TRAIN):
+        total, count = None, 0
+        for x in again():
+            L = _layout(lay, tuple(x.shape), {p: tuple(t.shape) for p, t in params.items()})
+            kw = _kw(lay, x, L, params, options)
+            sums = target.partial_train(level, x.detach().double().reshape(L.view4), **kw, _L=L, _stats=stats)
+            total = sums if total is None else tuple(a + b for a, b in zip(total, sums))
+            count += L.O * L.Cg * L.S
+        if count == 0:
+            raise ValueError(f"{meta['name']}: the parts hold no values")
+        n = count
+        stats.update(target.finish_train(level, total, **_kw(lay, x, L, params, options), _stats=stats, N=n))
+    return stats, n
+
+
+def apply_statistics(lay, x, stats: dict, params: dict, options: dict):
+    """y of one part, normalized with statistics from :func:`statistics_over`."""
+    L = _layout(lay, tuple(x.shape), {p: tuple(t.shape) for p, t in params.items()})
+    y = lay.target.apply_train(x.detach().double().reshape(L.view4), **_kw(lay, x, L, params, options),
+                               _stats=stats)
+    return y.reshape(x.shape).to(x.dtype)
+
+
+def _kw(lay, x, L, params, options):
+    a = {"x": x, **{p: t.detach().double() for p, t in params.items()}, **options}
+    kw = lay.views(a, L, "train")
+    kw.pop("_L")
+    return kw

@@ -1,0 +1,171 @@
+"""Split reductions (derivgen.torch.sync): SyncBatchNorm and Module(spec, sync=True) on
+2, 3 and 4 gloo processes on localhost with unequal parts (one empty) against one process
+on the whole batch; DDP training after convert_sync_batchnorm; bad input on one process is
+an error on every process; statistics over micro-batches without torch.distributed.
+Every multi-process run is bounded: a hung collective fails the test, not CI."""
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, require_module
+
+torch = require_module("torch")
+import derivgen.torch as dt  # noqa: E402
+from derivgen.torch import sync  # noqa: E402
+from derivgen.torch.ops import layer  # noqa: E402
+
+
+def run(case: str, world: int, timeout: int = 240) -> str:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    p = subprocess.Popen([sys.executable, str(ROOT / "tests" / "sync_driver.py"), case, str(world)], cwd=ROOT,
+                         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        out, err = p.communicate()
+        raise AssertionError(f"{case} on {world} processes did not finish in {timeout} s:\n{out}\n{err[-3000:]}")
+    assert p.returncode == 0, out + err[-3000:]
+    assert f"{case} with {world} processes: ok" in out, out
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_sync_batchnorm_matches_one_process(world):
+    out = run("batchnorm", world)
+    assert "torch.float32 step 1 dweight" in out and "torch.float64 eval y" in out
+
+
+def test_user_spec_with_a_batch_reduction():
+    out = run("spec", 3)
+    assert "spec dgamma" in out
+
+
+def test_ddp_training_with_convert_sync_batchnorm():
+    out = run("train", 2)
+    assert "train 1.running_var" in out and "train 4.num_batches_tracked" not in out
+
+
+@pytest.mark.parametrize("case,world", [("badshape", 2), ("baddtype", 3)])
+def test_bad_part_is_an_error_on_every_process(case, world):
+    out = run(case, world)
+    assert sum(f"rank {r} raised SyncError" in out for r in range(world)) == world, out
+
+
+def test_statistics_over_micro_batches_equal_the_whole_batch():
+    """The split without torch.distributed: statistics accumulated over parts (one in
+    memory at a time), then each part normalized, equal the one-batch layer."""
+    lay = layer("batchnorm")
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(11, 4, 3, 5, generator=g, dtype=torch.float64) * 3 + 2
+    params = {"gamma": torch.rand(4, generator=g, dtype=torch.float64) + 0.5,
+              "beta": torch.randn(4, generator=g, dtype=torch.float64)}
+    options = {"eps": 1e-5, "momentum": 0.1}
+    parts = [x[:4], x[4:4], x[4:9], x[9:]]
+    stats, n = sync.statistics_over(lay, parts, params, options)
+    assert n == 11 * 15
+    y = torch.cat([sync.apply_statistics(lay, p, stats, params, options) for p in parts])
+    ref = torch.nn.functional.batch_norm(x, None, None, params["gamma"], params["beta"], training=True, eps=1e-5)
+    torch.testing.assert_close(y, ref, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(stats["var"].reshape(-1), x.var(dim=(0, 2, 3), unbiased=False), rtol=1e-12, atol=0)
+    with pytest.raises(ValueError, match="groups span the batch"):
+        sync.statistics_over(layer("layernorm"), parts, {}, {})
+
+
+def test_sync_needs_a_batch_reduced_layer():
+    with pytest.raises(ValueError, match="groups span the batch"):
+        dt.Module("layernorm", 8, sync=True)
+
+
+def test_sync_batchnorm_alone_is_batchnorm():
+    """Without torch.distributed (or with one process) SyncBatchNorm is BatchNorm: same
+    constructor, state_dict keys and results as torch.nn.BatchNorm2d."""
+    ref = torch.nn.BatchNorm2d(3, momentum=None).double()
+    ours = dt.SyncBatchNorm(3, momentum=None).double()
+    assert list(ours.state_dict()) == list(torch.nn.SyncBatchNorm(3).state_dict())
+    x = torch.randn(4, 3, 5, 2, dtype=torch.float64)
+    torch.testing.assert_close(ours(x), ref(x), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(ours.running_var, ref.running_var, rtol=1e-12, atol=1e-12)
+    conv = dt.SyncBatchNorm.convert_sync_batchnorm(torch.nn.Sequential(torch.nn.BatchNorm1d(3), torch.nn.ReLU()))
+    assert type(conv[0]) is dt.SyncBatchNorm and conv[0].num_features == 3
+
+
+def _split_matches_closed_forms(spec):
+    """The generated split functions (partial/finish/apply, backward_partial/apply) of a
+    spec's train mode against its one-piece forward and backward: on the whole x, and
+    for a layer whose groups span the batch, on x in two parts whose sums are added."""
+    import derivgen
+    from derivgen import runtime as rt
+    from torch_cases import arguments
+
+    target = derivgen.load(spec, "torch")
+    meta = target.META
+
+    class _Lay:                              # what torch_cases.arguments reads
+        pass
+    lay = _Lay()
+    lay.meta = meta
+    x, params, inputs, options, _, groups = arguments(lay, "train", requires_grad=False)
+    x, params = x.detach(), {k: v.detach() for k, v in params.items()}
+    inputs = {k: v.detach() for k, v in inputs.items()}
+
+    def layout(xx):
+        return rt.layout_from_shapes(meta, tuple(xx.shape), {p: tuple(t.shape) for p, t in params.items()},
+                                     groups if meta["reduce"] == "group" else None)
+
+    def kw(L):
+        k = {p: t.reshape((1, 1, 1, 1) if p in meta["scalar_params"] else L.param4) for p, t in params.items()}
+        k.update({i: t.reshape((1, 1, 1, 1) if t.numel() == 1 else L.stat4) for i, t in inputs.items()})
+        k.update({b: None for b in meta["buffers"]})
+        k.update(options)
+        return k
+
+    L = layout(x)
+    dy = torch.randn(L.view4, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
+    x4 = x.reshape(L.view4)
+    y_ref, st_ref = target.forward_train(x4, **kw(L), _L=L)
+    dx_ref, dp_ref, _ = target.backward_train(dy, x4, **kw(L), _L=L)
+    batch = meta["layout"] == "channels" and meta["reduce"] == "batch" and x.shape[0] > 1
+    cuts = [(0, 1), (1, x.shape[0])] if batch else [(0, x.shape[0])]
+    parts = [(x4[a:b], dy[a:b]) for a, b in cuts]
+    Ls = [L if not batch else rt.Layout(O=b - a, G=L.G, Cg=L.Cg, S=L.S, per_sample=False, x_shape=None,
+                                        param_shape=L.param_shape, group_shape=L.group_shape) for a, b in cuts]
+    k = kw(L)
+    stats = {}
+    for level in range(target.SPLIT_LEVELS_TRAIN):
+        sums = None
+        for (xp, _), Lp in zip(parts, Ls):
+            s = target.partial_train(level, xp, **k, _L=Lp, _stats=stats)
+            sums = s if sums is None else tuple(u + v for u, v in zip(sums, s))
+        stats.update(target.finish_train(level, sums, **k, _stats=stats, N=L.group_size))
+    for name, v in st_ref.items():
+        torch.testing.assert_close(torch.as_tensor(stats[name]).expand_as(v), v, rtol=1e-12, atol=1e-12)
+    y = torch.cat([target.apply_train(xp, **k, _stats=stats) for xp, _ in parts])
+    torch.testing.assert_close(y, y_ref, rtol=1e-12, atol=1e-12)
+    bsums = None
+    for (xp, dp), Lp in zip(parts, Ls):
+        s = target.backward_partial_train(dp, xp, **k, _L=Lp, _stats=stats, N=L.group_size)
+        bsums = s if bsums is None else tuple(u + v for u, v in zip(bsums, s))
+    outs = [target.backward_apply_train(dp, xp, **k, _L=Lp, _stats=stats, _sums=bsums, N=L.group_size,
+                                        _group_terms=j == 0) for j, ((xp, dp), Lp) in enumerate(zip(parts, Ls))]
+    torch.testing.assert_close(torch.cat([o[0] for o in outs]), dx_ref, rtol=1e-10, atol=1e-12)
+    for p in params:
+        torch.testing.assert_close(sum(o[1][p] for o in outs), dp_ref[p], rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", sorted(__import__("derivgen").names())
+                         + sorted(str(p) for p in (ROOT / "examples").glob("*.toml")))
+def test_split_functions_every_layer(name):
+    _split_matches_closed_forms(name)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_split_functions_fuzzed_specs(seed, tmp_path):
+    import specfuzz
+    p = tmp_path / f"fuzz{seed}.toml"
+    p.write_text(specfuzz.generate(seed))
+    _split_matches_closed_forms(str(p))
