@@ -255,8 +255,10 @@ def _shape(text: str) -> tuple[int, ...]:
 @click.option("--default-malloc", is_flag=True, help="Do not tune glibc malloc (shows page-fault costs).")
 @click.option("--torch", "with_torch", is_flag=True,
               help="Bench derivgen.torch's modules against torch.nn's instead, through autograd.")
+@click.option("--sync", "sync_world", type=click.IntRange(2, 64), default=None,
+              help="With --torch: SyncBatchNorm split over this many gloo processes against one process.")
 def bench_cmd(names, spec_files, shapes, threads, dtype, repeat, isas, json_file, plot_file, default_malloc,
-              with_torch):
+              with_torch, sync_world):
     """Time generated C and NumPy against plain NumPy, PyTorch and the memory-bandwidth bound."""
     import json
     import re
@@ -268,6 +270,13 @@ def bench_cmd(names, spec_files, shapes, threads, dtype, repeat, isas, json_file
             from .torch.bench import CASES, format_torch_report, run_torch_bench
         except ImportError as e:
             raise UserError(str(e)) from None
+        if sync_world:
+            from .torch.bench_sync import format_sync_report, run_sync_bench
+            rep = run_sync_bench(sync_world, repeat)
+            click.echo(format_sync_report(rep))
+            if json_file:
+                atomic_write(json_file, json.dumps(rep, indent=1))
+            return
         from .check import stderr_progress
         if not default_malloc:
             from .bench import tune_malloc
@@ -280,6 +289,8 @@ def bench_cmd(names, spec_files, shapes, threads, dtype, repeat, isas, json_file
             atomic_write(json_file, json.dumps(rep, indent=1))
         return
 
+    if sync_world:
+        raise UserError("--sync benches derivgen.torch's SyncBatchNorm: use it with --torch")
     from .bench import DEFAULT_SHAPES, default_shapes, format_report, plot, run_bench
     from .check import stderr_progress
     names = list(names) or ([] if spec_files else list(DEFAULT_SHAPES))

@@ -107,6 +107,12 @@ def test_bench_rejects_a_bad_isa_list():
     assert r.returncode == 2 and "--isa" in r.stderr and "Traceback" not in r.stderr
 
 
+def test_bench_sync_needs_torch_flag():
+    r = subprocess.run([sys.executable, "-m", "derivgen", "bench", "--sync", "2"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--sync" in r.stderr and "Traceback" not in r.stderr
+
+
 def test_spec_baseline_matches_the_generated_code():
     """The plain NumPy written from a spec's formulas (bench --spec) computes the same values."""
     import numpy as np

@@ -169,3 +169,16 @@ def test_split_functions_fuzzed_specs(seed, tmp_path):
     p = tmp_path / f"fuzz{seed}.toml"
     p.write_text(specfuzz.generate(seed))
     _split_matches_closed_forms(str(p))
+
+
+def test_sync_bench_reports_both_sides():
+    """``derivgen bench --torch --sync 2``'s machinery (timings are not asserted)."""
+    from derivgen.torch import bench_sync
+    old = bench_sync.SHAPE
+    bench_sync.SHAPE = (4, 3, 8, 8)
+    try:
+        rep = bench_sync.run_sync_bench(2, repeat=2)
+    finally:
+        bench_sync.SHAPE = old
+    assert len(rep["sync_step_ms"]) == 2 and rep["one_process_ms"] > 0 and rep["bound_ms"] > 0
+    assert "collectives" in bench_sync.format_sync_report(rep)
