@@ -76,6 +76,25 @@ class CKernel:
         fn.restype = ctypes.c_int
         return fn
 
+    def split_cfunc(self, kind: str, sfx: str) -> ctypes._CFuncPtr:
+        """A split-reduction kernel of a batch layout's training mode (``kind``: partial,
+        finish, apply, bpartial, bapply; ``sfx``: f32 or f64), argument types declared."""
+        m = self.meta
+        fn = self.lib[f"{m['name']}_train_split_{kind}_{sfx}"]
+        V, I64, D, Int = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double, ctypes.c_int
+        common = [V] * len(m["params"]) + [D] * len(m["options"]) + [V, I64] * len(m["inputs"])
+        args = {
+            "partial": [I64] * 4 + [V] + common + [Int, V, D, V, Int],
+            "finish": [I64] * 4 + common + [Int, V, D, V],
+            "apply": [I64] * 4 + [V] + common + [V, D, V, Int],
+            "bpartial": [I64] * 4 + [V, V] + common + [V, D, V, Int],
+            "bapply": [I64] * 4 + [V, V] + common + [V, V, D, Int, V] + [V] * len(m["params"])
+                      + [V] * len(m["inputs"]) + [Int],
+        }[kind]
+        fn.argtypes = args
+        fn.restype = ctypes.c_int
+        return fn
+
     def _fn(self, mode: str, direction: str, dtype) -> ctypes._CFuncPtr:
         fn = getattr(self.lib, f"{self.meta['name']}_{mode}_{direction}_{_SFX[np.dtype(dtype)]}")
         fn.restype = ctypes.c_int
@@ -131,4 +150,83 @@ class CKernel:
         values = {"dx": call.outs["dx"], **{"d" + p: call.outs["d" + p] for p in m["params"]}}
         for i in m["inputs"]:
             values["d" + i] = rt.finish_input_grad(c, i, dinputs[i])
+        return grads_type(**values)
+
+    # ------------------------------------------------------------------ split reduction
+    # (batch layouts, training mode; see the split_* functions of the generated modules)
+
+    def _split(self, kind: str, call: rt.SplitCall) -> ctypes._CFuncPtr:
+        return self._fn("train", "split_" + kind, call.dtype)
+
+    def split_partial(self, call: rt.SplitCall, level: int) -> np.ndarray:
+        m, L = self.meta, call.layout
+        levels = m["split"]["levels"]
+        if not isinstance(level, (int, np.integer)) or not 0 <= level < len(levels):
+            raise ValueError(f"{m['name']}: level must be an int from 0 to {len(levels) - 1}, got {level!r}")
+        if level > 0 and call.stats is None:
+            raise TypeError(f"{m['name']}: level {level} needs the statistics of the earlier levels: "
+                            f"stats= (from split_finish)")
+        stats = call.stats if call.stats is not None else np.zeros((len(m["stats"]["train"]), L.n_groups))
+        sums = np.zeros((levels[level], L.n_groups))
+        if L.O and levels[level]:
+            args = self._leading(L, [call.x], call.params, call.options, call.inputs)
+            args += [ctypes.c_int(int(level)), _ptr(stats), ctypes.c_double(call.count or 0.0), _ptr(sums),
+                     ctypes.c_int(self.threads)]
+            if self._split("partial", call)(*args) != 0:
+                raise ValueError(f"{m['name']}: split partial kernel refused level {level}")
+        return sums
+
+    def split_finish(self, call: rt.SplitCall, level: int, sums) -> np.ndarray:
+        m, L = self.meta, call.layout
+        levels = m["split"]["levels"]
+        if not isinstance(level, (int, np.integer)) or not 0 <= level < len(levels):
+            raise ValueError(f"{m['name']}: level must be an int from 0 to {len(levels) - 1}, got {level!r}")
+        sums = rt.check_sums(m, sums, levels[level], L)
+        out = rt.stats_array(m, call)
+        args = self._leading(L, [], call.params, call.options, call.inputs)
+        args += [ctypes.c_int(int(level)), _ptr(sums), ctypes.c_double(call.count), _ptr(out)]
+        if self._split("finish", call)(*args) != 0:
+            raise ValueError(f"{m['name']}: split finish kernel refused level {level}")
+        return out
+
+    def split_apply(self, call: rt.SplitCall, out) -> np.ndarray:
+        L = call.layout
+        y = rt.check_out("out", out, call.x.shape, call.dtype)
+        if L.O:
+            args = self._leading(L, [call.x], call.params, call.options, call.inputs)
+            args += [_ptr(call.stats), ctypes.c_double(call.count), _ptr(y), ctypes.c_int(self.threads)]
+            if self._split("apply", call)(*args) != 0:
+                raise MemoryError(f"{self.meta['name']}: split apply kernel could not allocate its work buffer")
+        return y
+
+    def split_backward_partial(self, call: rt.SplitCall, dy) -> np.ndarray:
+        m, L = self.meta, call.layout
+        dy = rt.check_dy(m, dy, call)
+        sums = np.zeros((m["split"]["backward"], L.n_groups))
+        if L.O and len(sums):
+            args = self._leading(L, [call.x, dy], call.params, call.options, call.inputs)
+            args += [_ptr(call.stats), ctypes.c_double(call.count), _ptr(sums), ctypes.c_int(self.threads)]
+            if self._split("bpartial", call)(*args) != 0:
+                raise RuntimeError(f"{m['name']}: split backward partial kernel failed")
+        return sums
+
+    def split_backward_apply(self, call: rt.SplitCall, dy, sums, group_terms: bool, grads_type):
+        m, L = self.meta, call.layout
+        dy = rt.check_dy(m, dy, call)
+        sums = rt.check_sums(m, sums, m["split"]["backward"], L)
+        dx = np.empty(call.x.shape, dtype=call.dtype)
+        dparams = {p: np.zeros(call.params[p].shape, dtype=call.dtype) for p in m["params"]}
+        dinputs = {i: np.zeros(L.n_groups, dtype=call.dtype) for i in m["inputs"]}
+        if L.O:
+            args = self._leading(L, [call.x, dy], call.params, call.options, call.inputs)
+            args += [_ptr(call.stats), _ptr(sums), ctypes.c_double(call.count), ctypes.c_int(int(bool(group_terms))),
+                     _ptr(dx)] + [_ptr(dparams[p]) for p in m["params"]] + [_ptr(dinputs[i]) for i in m["inputs"]]
+            args.append(ctypes.c_int(self.threads))
+            if self._split("bapply", call)(*args) != 0:
+                raise MemoryError(f"{m['name']}: split backward apply kernel could not allocate its work buffer")
+        values = {"dx": dx, **{"d" + p: v for p, v in dparams.items()}}
+        for i in m["inputs"]:
+            v = dinputs[i]
+            values["d" + i] = (np.asarray(v.sum(dtype=np.float64), dtype=call.dtype) if call.inputs[i].size == 1
+                               else v.reshape(L.group_shape))
         return grads_type(**values)

@@ -230,7 +230,24 @@ def layer_meta(d: Derivation) -> dict:
         "modes": [m.name for m in spec.modes],
         "min_group_size": {m.name: m.min_group_size for m in spec.modes},
         "stats": {m: [s.name for s in md.statistics] for m, md in d.modes.items()},
+        "split": _split_meta(d),
     }
+
+
+def _split_meta(d: Derivation) -> dict | None:
+    """The split reduction's shape (batch layouts, training mode): sums per level of the
+    forward and sums of the backward, per group."""
+    spec = d.spec
+    if spec.layout != "channels" or spec.reduce != "batch" or "train" not in d.modes:
+        return None
+    md = d.modes["train"]
+    levels = []
+    for step in _forward_program(md):
+        if isinstance(step, Loop):
+            levels.append(len(step.accs))
+        elif not levels:
+            levels.append(0)
+    return {"levels": levels, "backward": len(md.reductions)}
 
 
 def _env() -> jinja2.Environment:

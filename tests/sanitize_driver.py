@@ -134,5 +134,64 @@ for name, shapes in SHAPES.items():
                     assert np.array_equal(np.moveaxis(got[2], -1, 1), ref[2], equal_nan=True), (name, xs, sfx)
                     assert all(np.array_equal(a, b, equal_nan=True) for a, b in zip(got[3], ref[3]))
                     extras += 1
-print(f"ran {count} forward/backward pairs, {extras} of the extras (bfloat16, channels-last)", flush=True)
+# The split-reduction kernels of the batch layout (train mode), over parts of the batch
+# (one of them empty), against the one-piece kernels
+splits = 0
+k = derivgen.load("batchnorm", backend="c")
+meta = k._META
+for xs, ps in SHAPES["batchnorm"]:
+    for dtype, sfx in ((np.float32, "f32"), (np.float64, "f64")):
+        x = rng.normal(size=xs).astype(dtype)
+        dy = rng.normal(size=xs).astype(dtype)
+        params = [rng.normal(size=ps).astype(dtype) for _ in meta["params"]]
+        opts = [1e-5, 0.1]
+        L = resolve_layout(meta, x, {p: np.empty(ps) for p in meta["params"]}, None)
+        for threads in (1, 2):
+            ref = run_pair(k._kernel, meta, "train", sfx, L, x, dy, params, opts, {}, threads)
+            cut = xs[0] // 2
+            parts = [(x[:cut], dy[:cut]), (x[cut:], dy[cut:])]
+            Ls = [L.__class__(O=p[0].shape[0], G=L.G, Cg=L.Cg, S=L.S, per_sample=False, x_shape=p[0].shape,
+                              param_shape=L.param_shape, group_shape=L.group_shape) for p in parts]
+            fn = {kind: k._kernel.split_cfunc(kind, sfx) for kind in ("partial", "finish", "apply", "bpartial",
+                                                                       "bapply")}
+            n = float(L.group_size)
+            stats = np.zeros((len(meta["stats"]["train"]), L.n_groups))
+            for level, nsums in enumerate(meta["split"]["levels"]):
+                total = np.zeros((nsums, L.n_groups))
+                for (xp, _), Lp in zip(parts, Ls):
+                    sums = np.zeros((nsums, L.n_groups))
+                    assert fn["partial"](Lp.O, Lp.G, Lp.Cg, Lp.S, ptr(np.ascontiguousarray(xp)), *map(ptr, params),
+                                         *opts, level, ptr(stats), n, ptr(sums), threads) == 0
+                    total += sums
+                assert fn["finish"](L.O, L.G, L.Cg, L.S, *map(ptr, params), *opts, level, ptr(total), n,
+                                    ptr(stats)) == 0
+            assert all(np.allclose(stats[i], ref[1][i], rtol=1e-12, atol=1e-12) for i in range(len(ref[1])))
+            bsum = np.zeros((meta["split"]["backward"], L.n_groups))
+            ys, dxs, dps = [], [], np.zeros((len(params), *ps))
+            for j, ((xp, dp), Lp) in enumerate(zip(parts, Ls)):
+                xp, dp = np.ascontiguousarray(xp), np.ascontiguousarray(dp)
+                y = np.empty_like(xp)
+                assert fn["apply"](Lp.O, Lp.G, Lp.Cg, Lp.S, ptr(xp), *map(ptr, params), *opts, ptr(stats), n,
+                                   ptr(y), threads) == 0
+                ys.append(y)
+                sums = np.zeros_like(bsum)
+                assert fn["bpartial"](Lp.O, Lp.G, Lp.Cg, Lp.S, ptr(xp), ptr(dp), *map(ptr, params), *opts,
+                                      ptr(stats), n, ptr(sums), threads) == 0
+                bsum += sums
+            for j, ((xp, dp), Lp) in enumerate(zip(parts, Ls)):
+                xp, dp = np.ascontiguousarray(xp), np.ascontiguousarray(dp)
+                dx = np.empty_like(xp)
+                d = [np.empty_like(p) for p in params]
+                if Lp.O:
+                    assert fn["bapply"](Lp.O, Lp.G, Lp.Cg, Lp.S, ptr(xp), ptr(dp), *map(ptr, params), *opts,
+                                        ptr(stats), ptr(bsum), n, int(j == 0), ptr(dx), *map(ptr, d), threads) == 0
+                    dps += np.array(d, dtype=np.float64)
+                dxs.append(dx)
+            tol = dict(rtol=1e-4, atol=1e-5) if dtype == np.float32 else dict(rtol=1e-10, atol=1e-12)
+            assert np.allclose(np.concatenate(ys), ref[0], **tol), (xs, sfx)
+            assert np.allclose(np.concatenate(dxs), ref[2], **tol), (xs, sfx)
+            assert all(np.allclose(a, b, **tol) for a, b in zip(dps, ref[3])), (xs, sfx)
+            splits += 1
+print(f"ran {count} forward/backward pairs, {extras} of the extras (bfloat16, channels-last), "
+      f"{splits} split reductions", flush=True)
 sys.exit(0)

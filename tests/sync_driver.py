@@ -105,7 +105,9 @@ def close(name, a, b, rtol):
 
 
 def case_batchnorm(rank, world):
-    for dtype, rtol in ((torch.float64, 1e-12), (torch.float32, 2e-6)):
+    # float32/float64 parts run the C split kernels; a channels-last part the PyTorch target
+    for dtype, rtol, fmt in ((torch.float64, 1e-12, None), (torch.float32, 2e-6, None),
+                             (torch.float64, 1e-12, torch.channels_last)):
         x, dy = batch(dtype, world)             # the reference: float64 on the same (rounded) values
         ref = nn.BatchNorm2d(3, momentum=0.3).double()
         with torch.no_grad():
@@ -118,15 +120,19 @@ def case_batchnorm(rank, world):
             xr = x.double().clone().requires_grad_(True)
             yr = ref(xr)
             yr.backward(dy.double())
-            xo = part(x, rank, world).detach().clone().requires_grad_(True)
+            xo = part(x, rank, world).detach().clone()
+            if fmt is not None:
+                xo = xo.contiguous(memory_format=fmt)
+            xo.requires_grad_(True)
             yo = ours(xo)
             yo.backward(part(dy, rank, world))
-            close(f"{dtype} step {step} y", gather_cat(yo.detach(), world), yr.detach(), rtol)
-            close(f"{dtype} step {step} dx", gather_cat(xo.grad, world), xr.grad, rtol)
-            close(f"{dtype} step {step} dweight", gather_sum(ours.weight.grad), ref.weight.grad, rtol)
-            close(f"{dtype} step {step} dbias", gather_sum(ours.bias.grad), ref.bias.grad, rtol)
-            close(f"{dtype} step {step} running_mean", ours.running_mean, ref.running_mean, rtol)
-            close(f"{dtype} step {step} running_var", ours.running_var, ref.running_var, rtol)
+            dtype_ = f"{dtype}{'' if fmt is None else ' channels_last'}"
+            close(f"{dtype_} step {step} y", gather_cat(yo.detach(), world), yr.detach(), rtol)
+            close(f"{dtype_} step {step} dx", gather_cat(xo.grad, world), xr.grad, rtol)
+            close(f"{dtype_} step {step} dweight", gather_sum(ours.weight.grad), ref.weight.grad, rtol)
+            close(f"{dtype_} step {step} dbias", gather_sum(ours.bias.grad), ref.bias.grad, rtol)
+            close(f"{dtype_} step {step} running_mean", ours.running_mean, ref.running_mean, rtol)
+            close(f"{dtype_} step {step} running_var", ours.running_var, ref.running_var, rtol)
             assert int(ours.num_batches_tracked) == int(ref.num_batches_tracked) == step + 1
             for m in (ref, ours):
                 m.weight.grad = m.bias.grad = None

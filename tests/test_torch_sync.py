@@ -155,6 +155,75 @@ def _split_matches_closed_forms(spec):
     torch.testing.assert_close(torch.cat([o[0] for o in outs]), dx_ref, rtol=1e-10, atol=1e-12)
     for p in params:
         torch.testing.assert_close(sum(o[1][p] for o in outs), dp_ref[p], rtol=1e-10, atol=1e-12)
+    if meta["split"] is None:
+        return
+    # the generated C split kernels, over the same parts
+    from derivgen.torch.sync import _CSplit
+
+    class _Pg:
+        pass
+    lay_c = layer(spec)
+    c = _CSplit(lay_c, torch.float64)
+    pp = [params[p].contiguous() for p in meta["params"]]
+    ins = [inputs[i].contiguous() for i in meta["inputs"]]
+    opts = [float(options[o]) for o in meta["options"]]
+    st_c, y_c, dx_c, dp_c = None, [], [], [torch.zeros_like(t) for t in pp]
+    # forward: the C kernels' partial sums of each part, added here (what all_reduce does)
+    import derivgen.torch.sync as S
+    orig = S.dist.all_reduce
+    parts_x = [x[a:b].contiguous() for a, b in cuts]
+    parts_dy = [dy[a:b].reshape(x[a:b].shape).contiguous() for a, b in cuts]
+    try:
+        sums_by_call = []
+
+        def fake_all_reduce(t, group=None):        # each part's sums, added over the parts
+            sums_by_call.append(t)
+        S.dist.all_reduce = fake_all_reduce
+        # run the parts level by level in lockstep: a level's sums of every part, then finish
+        stats_c = torch.zeros((len(meta["stats"]["train"]), L.n_groups), dtype=torch.float64)
+        dims = [(lp.O, lp.G, lp.Cg, lp.S) for lp in Ls]
+        for level, nsums in enumerate(meta["split"]["levels"]):
+            total = torch.zeros((nsums, L.n_groups), dtype=torch.float64)
+            for xp, d in zip(parts_x, dims):
+                sums = torch.zeros_like(total)
+                if nsums:
+                    assert c.fn["partial"](*d, xp.data_ptr(), *[t.data_ptr() for t in pp], *opts,
+                                           *c._inputs(ins), level, stats_c.data_ptr(), float(L.group_size),
+                                           sums.data_ptr(), 1) == 0
+                total += sums
+            assert c.fn["finish"](*dims[0], *[t.data_ptr() for t in pp], *opts, *c._inputs(ins), level,
+                                  total.data_ptr(), float(L.group_size), stats_c.data_ptr()) == 0
+        for i, name in enumerate(meta["stats"]["train"]):
+            torch.testing.assert_close(stats_c[i].reshape(st_ref[name].shape[1]), st_ref[name].reshape(-1),
+                                       rtol=1e-12, atol=1e-12)
+        bt = torch.zeros((meta["split"]["backward"], L.n_groups), dtype=torch.float64)
+        for xp, dp, d in zip(parts_x, parts_dy, dims):
+            y = torch.empty_like(xp)
+            assert c.fn["apply"](*d, xp.data_ptr(), *[t.data_ptr() for t in pp], *opts, *c._inputs(ins),
+                                 stats_c.data_ptr(), float(L.group_size), y.data_ptr(), 1) == 0
+            y_c.append(y)
+            sums = torch.zeros_like(bt)
+            if meta["split"]["backward"]:
+                assert c.fn["bpartial"](*d, xp.data_ptr(), dp.data_ptr(), *[t.data_ptr() for t in pp], *opts,
+                                        *c._inputs(ins), stats_c.data_ptr(), float(L.group_size),
+                                        sums.data_ptr(), 1) == 0
+            bt += sums
+        for j, (xp, dp, d) in enumerate(zip(parts_x, parts_dy, dims)):
+            dx = torch.empty_like(xp)
+            dps = [torch.empty_like(t) for t in pp]
+            dis = [torch.empty(L.n_groups, dtype=torch.float64) for _ in ins]
+            assert c.fn["bapply"](*d, xp.data_ptr(), dp.data_ptr(), *[t.data_ptr() for t in pp], *opts,
+                                  *c._inputs(ins), stats_c.data_ptr(), bt.data_ptr(), float(L.group_size), int(j == 0),
+                                  dx.data_ptr(), *[t.data_ptr() for t in dps], *[t.data_ptr() for t in dis], 1) == 0
+            dx_c.append(dx)
+            for acc, t in zip(dp_c, dps):
+                acc += t
+    finally:
+        S.dist.all_reduce = orig
+    torch.testing.assert_close(torch.cat(y_c).reshape(L.view4), y_ref, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(torch.cat(dx_c).reshape(L.view4), dx_ref, rtol=1e-10, atol=1e-12)
+    for p, t in zip(meta["params"], dp_c):
+        torch.testing.assert_close(t, dp_ref[p].reshape(t.shape), rtol=1e-10, atol=1e-12)
 
 
 @pytest.mark.parametrize("name", sorted(__import__("derivgen").names())

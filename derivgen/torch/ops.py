@@ -129,6 +129,7 @@ class TorchLayer:
         self.grads_type = rt.grads_type(spec.name, rt.grad_fields(m))
         self._impls: dict = {}
         self._plans: dict = {}
+        self._csplit: dict = {}         # dtype -> derivgen.torch.sync._CSplit
         self._extras = None
         self._channel_layout = self.meta["layout"] == "channels"
         self._fargs = {mode: self._args(mode) for mode in m["modes"]}

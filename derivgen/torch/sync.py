@@ -104,41 +104,118 @@ def _all_reduce(parts: tuple, pg) -> tuple:
     return tuple(out)
 
 
+class _CSplit:
+    """The generated C split kernels of a layer (float32/float64, NCHW-contiguous parts)."""
+
+    def __init__(self, lay, dtype):
+        sfx = {torch.float32: "f32", torch.float64: "f64"}[dtype]
+        k = lay.ckernel._kernel
+        self.fn = {kind: k.split_cfunc(kind, sfx) for kind in ("partial", "finish", "apply", "bpartial", "bapply")}
+        self.threads = k.threads
+        self.split = lay.meta["split"]
+        self.nstat = len(lay.meta["stats"]["train"])
+
+    @staticmethod
+    def _inputs(ins):
+        pairs = []
+        for t in ins:
+            pairs += [t.data_ptr(), 0 if t.numel() == 1 else 1]
+        return pairs
+
+    def forward(self, L, x, params, opts, ins, n, pg):
+        dims = (L.O, L.G, L.Cg, L.S)
+        pp = [p.data_ptr() for p in params]
+        pairs = self._inputs(ins)
+        stats = torch.zeros((self.nstat, L.n_groups), dtype=torch.float64)
+        for level, nsums in enumerate(self.split["levels"]):
+            sums = torch.zeros((nsums, L.n_groups), dtype=torch.float64)
+            if nsums:
+                if L.O and self.fn["partial"](*dims, x.data_ptr(), *pp, *opts, *pairs, level, stats.data_ptr(),
+                                              float(n), sums.data_ptr(), self.threads) != 0:
+                    raise RuntimeError("split partial kernel failed")
+                dist.all_reduce(sums, group=pg)
+            if self.fn["finish"](*dims, *pp, *opts, *pairs, level, sums.data_ptr(), float(n), stats.data_ptr()) != 0:
+                raise RuntimeError("split finish kernel failed")
+        y = torch.empty_like(x)
+        if L.O and self.fn["apply"](*dims, x.data_ptr(), *pp, *opts, *pairs, stats.data_ptr(), float(n),
+                                    y.data_ptr(), self.threads) != 0:
+            raise MemoryError("split apply kernel could not allocate its work buffer")
+        return y, stats
+
+    def backward(self, L, x, dy, params, opts, ins, stats, n, pg, group_terms):
+        dims = (L.O, L.G, L.Cg, L.S)
+        pp = [p.data_ptr() for p in params]
+        pairs = self._inputs(ins)
+        sums = torch.zeros((self.split["backward"], L.n_groups), dtype=torch.float64)
+        if self.split["backward"]:
+            if L.O and self.fn["bpartial"](*dims, x.data_ptr(), dy.data_ptr(), *pp, *opts, *pairs, stats.data_ptr(),
+                                           float(n), sums.data_ptr(), self.threads) != 0:
+                raise RuntimeError("split bpartial kernel failed")
+            dist.all_reduce(sums, group=pg)
+        dx = torch.empty_like(x)
+        dps = [torch.empty_like(p) for p in params]
+        dis = [torch.empty(L.n_groups, dtype=x.dtype) for _ in ins]
+        if L.O == 0:
+            return dx, [d.zero_() for d in dps]
+        if self.fn["bapply"](*dims, x.data_ptr(), dy.data_ptr(), *pp, *opts, *pairs, stats.data_ptr(),
+                             sums.data_ptr(), float(n), int(group_terms), dx.data_ptr(),
+                             *[d.data_ptr() for d in dps], *[d.data_ptr() for d in dis], self.threads) != 0:
+            raise MemoryError("split bapply kernel could not allocate its work buffer")
+        return dx, dps
+
+
 class _SyncFunction(torch.autograd.Function):
     """y of a batch-reduced layer over a batch split across processes, with the
-    split backward (one all_reduce of the backward's sums)."""
+    split backward (one all_reduce of the backward's sums). float32/float64 parts in
+    the NCHW layout run the generated C split kernels; other parts (bfloat16, channels
+    last, strided) the generated PyTorch target in float64."""
 
     @staticmethod
     def forward(ctx, lay, pg, n, options, kw_inputs, x, *params):
-        target = lay.target
         L = _layout(lay, tuple(x.shape), {p: tuple(t.shape) for p, t in zip(lay.params, params)})
-        a = {"x": x, **dict(zip(lay.params, (t.double() for t in params))), **options}
-        a.update(kw_inputs)
-        kw = lay.views(a, L, "train")
-        kw.pop("_L")
-        x4 = x.detach().double().reshape(L.view4)
-        stats: dict = {}
-        for level in range(target.SPLIT_LEVELS_TRAIN):
-            sums = _all_reduce(target.partial_train(level, x4, **kw, _L=L, _stats=stats), pg)
-            stats.update(target.finish_train(level, sums, **kw, _stats=stats, N=n))
-        y = target.apply_train(x4, **kw, _stats=stats).reshape(x.shape).to(x.dtype)
-        ctx.lay, ctx.pg, ctx.n, ctx.kw, ctx.L, ctx.stats = lay, pg, n, kw, L, stats
-        ctx.save_for_backward(x, *params)
-        st = [stats[s].detach().reshape(-1).clone() for s in lay.meta["stats"]["train"]]
+        ctx.lay, ctx.pg, ctx.n, ctx.L = lay, pg, n, L
+        names = lay.meta["stats"]["train"]
+        if x.dtype in (torch.float32, torch.float64) and x.is_contiguous() and lay.meta["split"]:
+            c = lay._csplit.get(x.dtype)
+            if c is None:
+                c = lay._csplit[x.dtype] = _CSplit(lay, x.dtype)
+            params_c = [t.contiguous() for t in params]
+            ins = [kw_inputs[i].to(x.dtype).contiguous() for i in lay.inputs]
+            opts = [options[o] for o in lay.options]
+            y, stats = c.forward(L, x, params_c, opts, ins, n, pg)
+            ctx.c, ctx.opts, ctx.ins, ctx.stats = c, opts, ins, stats
+            ctx.save_for_backward(x, *params_c)
+            st = [stats[k].clone() for k in range(len(names))]
+        else:
+            target = lay.target
+            kw = _kw(lay, x, L, dict(zip(lay.params, params)), options, kw_inputs)
+            x4 = x.detach().double().reshape(L.view4)
+            stats = {}
+            for level in range(target.SPLIT_LEVELS_TRAIN):
+                sums = _all_reduce(target.partial_train(level, x4, **kw, _L=L, _stats=stats), pg)
+                stats.update(target.finish_train(level, sums, **kw, _stats=stats, N=n))
+            y = target.apply_train(x4, **kw, _stats=stats).reshape(x.shape).to(x.dtype)
+            ctx.c, ctx.kw, ctx.stats = None, kw, stats
+            ctx.save_for_backward(x, *params)
+            st = [stats[s].detach().reshape(-1).clone() for s in names]
         ctx.mark_non_differentiable(*st)
         return (y, *st)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dy, *dstats):
-        lay, pg, n, kw, L, stats = ctx.lay, ctx.pg, ctx.n, ctx.kw, ctx.L, ctx.stats
+        lay, pg, n, L = ctx.lay, ctx.pg, ctx.n, ctx.L
         x, *params = ctx.saved_tensors
+        first = dist.get_rank(pg) == 0
+        if ctx.c is not None:
+            dx, dps = ctx.c.backward(L, x, dy.contiguous(), params, ctx.opts, ctx.ins, ctx.stats, n, pg, first)
+            return (None, None, None, None, None, dx, *dps)
         target = lay.target
         x4 = x.double().reshape(L.view4)
         dy4 = dy.double().reshape(L.view4)
-        sums = _all_reduce(target.backward_partial_train(dy4, x4, **kw, _L=L, _stats=stats, N=n), pg)
-        dx, dparams, _ = target.backward_apply_train(dy4, x4, **kw, _L=L, _stats=stats, _sums=sums, N=n,
-                                                     _group_terms=dist.get_rank(pg) == 0)
+        sums = _all_reduce(target.backward_partial_train(dy4, x4, **ctx.kw, _L=L, _stats=ctx.stats, N=n), pg)
+        dx, dparams, _ = target.backward_apply_train(dy4, x4, **ctx.kw, _L=L, _stats=ctx.stats, _sums=sums, N=n,
+                                                     _group_terms=first)
         grads = [dparams[p].reshape(t.shape).to(t.dtype) for p, t in zip(lay.params, params)]
         return (None, None, None, None, None, dx.reshape(x.shape).to(x.dtype), *grads)
 
@@ -158,6 +235,8 @@ def sync_forward(lay, pg, x, params: dict, options: dict, inputs: dict | None = 
     n = exchange(lay, pg, x, problem, channels)
     opts = {o: float(options[o]) for o in lay.options}
     ins = {i: inputs[i] for i in lay.inputs} if inputs else {}
+    if set(ins) != set(lay.inputs):
+        raise ValueError(f"{meta['name']}: the per-group inputs {lay.inputs} are required")
     out = _SyncFunction.apply(lay, pg, n, opts, ins, x, *(params[p] for p in lay.params))
     y, st = out[0], out[1:]
     return y, dict(zip(meta["stats"]["train"], st)), n
@@ -200,8 +279,9 @@ def apply_statistics(lay, x, stats: dict, params: dict, options: dict):
     return y.reshape(x.shape).to(x.dtype)
 
 
-def _kw(lay, x, L, params, options):
+def _kw(lay, x, L, params, options, inputs=None):
     a = {"x": x, **{p: t.detach().double() for p, t in params.items()}, **options}
+    a.update({i: v.detach().double() for i, v in (inputs or {}).items()})
     kw = lay.views(a, L, "train")
     kw.pop("_L")
     return kw

@@ -89,6 +89,7 @@ int batchnorm_train_forward_f32(
     const int64_t N_groups = G;
     const int64_t Blocks = O;               /* blocks per group */
     const int64_t Block_stride = G * M;
+    (void)Block_stride;
     const double N = (double)(Blocks * M);          /* values per group */
     const int64_t Total = N_groups * Blocks * M;    /* values in x */
     const int64_t Ahead = DG_AHEAD_BYTES / (int64_t)sizeof(float);
@@ -113,6 +114,7 @@ int batchnorm_train_forward_f32(
             const int64_t Gi = G == 1 ? 0 : Grp % G;     /* channel group */
             (void)Gi;
             const int64_t Base = Gi * M;
+            (void)Base;
             const double running_mean_G = running_mean ? (double)running_mean[Grp] : 0.0;   /* one value per group */
             const double running_var_G = running_var ? (double)running_var[Grp] : 0.0;   /* one value per group */
             double Sum_mean;
@@ -315,6 +317,7 @@ int batchnorm_train_backward_f32(
     const int64_t N_groups = G;
     const int64_t Blocks = O;               /* blocks per group */
     const int64_t Block_stride = G * M;
+    (void)Block_stride;
     const double N = (double)(Blocks * M);          /* values per group */
     const int64_t Total = N_groups * Blocks * M;    /* values in x */
     const int64_t Ahead = DG_AHEAD_BYTES / (int64_t)sizeof(float);
@@ -363,6 +366,7 @@ int batchnorm_train_backward_f32(
             const int64_t Gi = G == 1 ? 0 : Grp % G;     /* channel group */
             (void)Gi;
             const int64_t Base = Gi * M;
+            (void)Base;
             const double mean = mean_In[Grp];
             (void)mean;
             const double var = var_In[Grp];
@@ -468,6 +472,759 @@ int batchnorm_train_backward_f32(
                     Sum_g_xhat += Dg_lanes(Lane_Sum_g_xhat);
                 }
             }
+            const double Mean_g = Sum_g/N;  /* Mean_g = mean(g) */
+            const double Mean_g_xhat = Sum_g_xhat/N;  /* Mean_g_xhat = mean(g*xhat) */
+            {
+                const double H0 = -mean;
+                const float H0_hi = (float)H0;
+                const float H0_lo = (float)(H0 - (double)H0_hi);
+                const double H1 = -Mean_g;
+                const float H1_hi = (float)H1;
+                const float H1_lo = (float)(H1 - (double)H1_hi);
+                const float Mean_g_xhat_F = (float)Mean_g_xhat;
+                const float rstd_F = (float)rstd;
+                for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
+                    const int64_t Off = Base + Blk * Block_stride;
+                    const int dx_Direct = S == 1 ? Dg_direct(dx_Stream, Cg) : 0;   /* stream from registers */
+                    (void)dx_Direct;
+                    if (S == 1) {           /* parameters vary along the run */
+                        {
+                            float *restrict dx_R = dx + Off;
+                            int64_t Mi = 0;
+                            if (dx_Direct) {          /* scalar head up to a 64-byte boundary of dx */
+                                const int64_t Head = Dg_head(dx + Off, (int64_t)sizeof(float), Cg);
+                                for (; Mi < Head; ++Mi) {
+                                    const int J = 0;                /* outside the lane blocks: lane 0 */
+                                    (void)J;
+                                    const int64_t Idx = Off + Mi;
+                                    const int64_t Ch = Gi * Cg + Mi;
+                                    const float gamma_V = gamma[Ch];
+                                    const float Xv = x[Idx];
+                                    const float Dyv = dy[Idx];
+                                    const float xhat = rstd_F*((Xv + H0_hi + H0_lo));
+                                    const float g = Dyv*gamma_V;
+                                    dx_R[Idx - (Off)] = (float)(rstd_F*((g - Mean_g_xhat_F*xhat + H1_hi + H1_lo)));
+                                    Pend[0 * C + Ch] += Dyv*xhat;
+                                    Pend[1 * C + Ch] += Dyv;
+                                }
+                            }
+                            for (; Mi + DG_LANES <= Cg; Mi += DG_LANES) {
+                                float T_dx[DG_LANES];
+                                DG_INDEPENDENT
+                                for (int J = 0; J < DG_LANES; ++J) {
+                                    const int64_t Idx = Off + Mi + J;
+                                    const int64_t Ch = Gi * Cg + Mi + J;
+                                    const float gamma_V = gamma[Ch];
+                                    const float Xv = x[Idx];
+                                    const float Dyv = dy[Idx];
+                                    const float xhat = rstd_F*((Xv + H0_hi + H0_lo));
+                                    const float g = Dyv*gamma_V;
+                                    T_dx[J] = (float)(rstd_F*((g - Mean_g_xhat_F*xhat + H1_hi + H1_lo)));
+                                    Pend[0 * C + Ch] += Dyv*xhat;
+                                    Pend[1 * C + Ch] += Dyv;
+                                }
+                                Dg_put_float(dx_R + Mi, T_dx, dx_Direct);
+                            }
+                            for (; Mi < Cg; ++Mi) {
+                                const int J = 0;                /* outside the lane blocks: lane 0 */
+                                (void)J;
+                                const int64_t Idx = Off + Mi;
+                                const int64_t Ch = Gi * Cg + Mi;
+                                const float gamma_V = gamma[Ch];
+                                const float Xv = x[Idx];
+                                const float Dyv = dy[Idx];
+                                const float xhat = rstd_F*((Xv + H0_hi + H0_lo));
+                                const float g = Dyv*gamma_V;
+                                dx_R[Idx - (Off)] = (float)(rstd_F*((g - Mean_g_xhat_F*xhat + H1_hi + H1_lo)));
+                                Pend[0 * C + Ch] += Dyv*xhat;
+                                Pend[1 * C + Ch] += Dyv;
+                            }
+                        }
+
+                        Pend_lo = Pend_lo < Gi * Cg ? Pend_lo : Gi * Cg;
+                        Pend_hi = Pend_hi > Gi * Cg + Cg ? Pend_hi : Gi * Cg + Cg;
+                        if (++Pending == DG_PEND) {     /* float partials of at most DG_PEND runs */
+                            Dg_flush_float(Mine, Pend, P, C, Pend_lo, Pend_hi);
+                            Pending = 0;
+                            Pend_lo = C;
+                            Pend_hi = 0;
+                        }
+                    } else {                /* NCHW: one parameter per run of S values */
+                        for (int64_t Ci = 0; Ci < Cg; ++Ci) {
+                            const int64_t Ch = Gi * Cg + Ci;
+                            const float gamma_V = gamma[Ch];
+                            double Lane_p0[DG_LANES] = {0};
+                            double Lane_p1[DG_LANES] = {0};
+                            if (dx_Tile != NULL && dx_Fill > 0
+                                && (dx_At + dx_Fill != Off + Ci * S || dx_Fill + S > dx_Cap)) {
+                                Dg_stream_float(dx + dx_At, dx_Tile, dx_Fill);
+                                dx_Fill = 0;
+                            }
+                            if (dx_Fill == 0)
+                                dx_At = Off + Ci * S;
+                            {
+                                float *restrict dx_R = dx_Tile != NULL ? dx_Tile + dx_Fill : dx + Off + Ci * S;
+                                int64_t Si = 0;
+                                for (; Si + DG_LANES <= S; Si += DG_LANES) {
+                                    DG_INDEPENDENT
+                                    for (int J = 0; J < DG_LANES; ++J) {
+                                        const int64_t Idx = Off + Ci * S + Si + J;
+                                        const float Xv = x[Idx];
+                                        const float Dyv = dy[Idx];
+                                        const float xhat = rstd_F*((Xv + H0_hi + H0_lo));
+                                        const float g = Dyv*gamma_V;
+                                        dx_R[Idx - (Off + Ci * S)] = (float)(rstd_F*((g - Mean_g_xhat_F*xhat + H1_hi + H1_lo)));
+                                        Lane_p0[J] += ((double)Dyv)*((double)xhat);
+                                        Lane_p1[J] += ((double)Dyv);
+                                    }
+                                }
+                                for (; Si < S; ++Si) {
+                                    const int J = 0;                /* outside the lane blocks: lane 0 */
+                                    (void)J;
+                                    const int64_t Idx = Off + Ci * S + Si;
+                                    const float Xv = x[Idx];
+                                    const float Dyv = dy[Idx];
+                                    const float xhat = rstd_F*((Xv + H0_hi + H0_lo));
+                                    const float g = Dyv*gamma_V;
+                                    dx_R[Idx - (Off + Ci * S)] = (float)(rstd_F*((g - Mean_g_xhat_F*xhat + H1_hi + H1_lo)));
+                                    Lane_p0[J] += ((double)Dyv)*((double)xhat);
+                                    Lane_p1[J] += ((double)Dyv);
+                                }
+                            }
+                            if (dx_Tile != NULL)
+                                dx_Fill += S;
+
+                            Mine[0 * C + Ch] += Dg_lanes(Lane_p0);
+                            Mine[1 * C + Ch] += Dg_lanes(Lane_p1);
+                        }
+                    }
+                }
+            }
+        }
+        if (Pending > 0)
+            Dg_flush_float(Mine, Pend, P, C, Pend_lo, Pend_hi);
+        if (dx_Fill > 0)
+            Dg_stream_float(dx + dx_At, dx_Tile, dx_Fill);
+        if (dx_Stream)
+            Dg_fence();
+        free(dx_Tile);
+
+    }
+    for (int64_t Cc = 0; Cc < C; ++Cc) {       /* dgamma */
+        double Acc = 0.0;
+        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * P * C + 0 * C + Cc];
+        dgamma[Cc] = (float)(Acc);
+    }
+    for (int64_t Cc = 0; Cc < C; ++Cc) {       /* dbeta */
+        double Acc = 0.0;
+        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * P * C + 1 * C + Cc];
+        dbeta[Cc] = (float)(Acc);
+    }
+    free(Pend_all);
+    free(Part);
+    return 0;
+}
+
+/* ---- train split reduction, float: level Level's sums over this part of every
+ * group (2 levels), given the statistics of the earlier levels ---- */
+int batchnorm_train_split_partial_f32(
+    int64_t O, int64_t G, int64_t Cg, int64_t S,
+    const float *restrict x,
+    const float *restrict gamma,
+    const float *restrict beta,
+    double eps,
+    double momentum,
+
+    int Level,
+    const double *restrict Stats,
+    double N_total,
+    double *restrict Sums,
+    int Nthreads)
+{
+    const int64_t M = Cg * S;                       /* contiguous values per (o, g) block */
+    const int64_t N_groups = G;
+    const int64_t Blocks = O;               /* blocks per group */
+    const int64_t Block_stride = G * M;
+    (void)Block_stride;
+    const double N = N_total;                  /* values per group, over all parts */
+    const int64_t Total = N_groups * Blocks * M;    /* values in x */
+    const int64_t Ahead = DG_AHEAD_BYTES / (int64_t)sizeof(float);
+    const int Nth = Dg_threads(Nthreads);
+    (void)N;
+    (void)Nth;
+    (void)Total;
+    (void)Ahead;
+    (void)gamma;
+    (void)beta;
+    (void)eps;
+    (void)momentum;
+    (void)x;
+
+    (void)Stats;
+    (void)Sums;
+    if (Level < 0 || Level >= 2)
+        return -2;
+    DG_PRAGMA(omp parallel num_threads(Nth))
+    {
+        int64_t Lo, Hi;
+        Dg_share(N_groups, &Lo, &Hi);
+        for (int64_t Grp = Lo; Grp < Hi; ++Grp) {
+            if (Level == 0) {
+            const int64_t Gi = G == 1 ? 0 : Grp % G;     /* channel group */
+            (void)Gi;
+            const int64_t Base = Gi * M;
+            (void)Base;
+
+                double Sum_mean;
+                {
+                    Sum_mean = 0.0;         /* the blocks' lane sums, added in block order */
+                    for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
+                        const int64_t Off = Base + Blk * Block_stride;
+                        double Lane_Sum_mean[DG_LANES] = {0};
+                        const int64_t Nxt = Blk + 1 < Blocks ? Off + Block_stride : Base + M;   /* block read next */
+                        {
+                            int64_t Mi = 0;
+                            for (; Mi + DG_LANES <= M; Mi += DG_LANES) {
+                                for (int Q = 0; Q < DG_LANES; Q += 64 / (int)sizeof(*x)) {  /* read ahead, a line at a time */
+                                    const int64_t Pf = Dg_ahead(Off, Mi + Q, M, Nxt, Total, Ahead);
+                                    if (Pf >= 0) DG_PREFETCH(x + Pf);
+                                }
+                                DG_INDEPENDENT
+                                for (int J = 0; J < DG_LANES; ++J) {
+                                    const int64_t Idx = Off + Mi + J;
+                                    const double Xv = (double)x[Idx];
+                                    Lane_Sum_mean[J] += Xv;
+                                }
+                            }
+                            for (; Mi < M; ++Mi) {
+                                const int J = 0;                /* outside the lane blocks: lane 0 */
+                                (void)J;
+                                const int64_t Idx = Off + Mi;
+                                const double Xv = (double)x[Idx];
+                                Lane_Sum_mean[J] += Xv;
+                            }
+                        }
+
+                        Sum_mean += Dg_lanes(Lane_Sum_mean);
+                    }
+                }
+                Sums[0 * N_groups + Grp] = Sum_mean;
+            }
+            if (Level == 1) {
+            const int64_t Gi = G == 1 ? 0 : Grp % G;     /* channel group */
+            (void)Gi;
+            const int64_t Base = Gi * M;
+            (void)Base;
+            const double mean = Stats[0 * N_groups + Grp];
+            (void)mean;
+
+                double Sum_var;
+                {
+                    Sum_var = 0.0;         /* the blocks' lane sums, added in block order */
+                    for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
+                        const int64_t Off = Base + Blk * Block_stride;
+                        double Lane_Sum_var[DG_LANES] = {0};
+                        {
+                            int64_t Mi = 0;
+                            for (; Mi + DG_LANES <= M; Mi += DG_LANES) {
+                                DG_INDEPENDENT
+                                for (int J = 0; J < DG_LANES; ++J) {
+                                    const int64_t Idx = Off + Mi + J;
+                                    const double Xv = (double)x[Idx];
+                                    Lane_Sum_var[J] += ((Xv - mean)*(Xv - mean));
+                                }
+                            }
+                            for (; Mi < M; ++Mi) {
+                                const int J = 0;                /* outside the lane blocks: lane 0 */
+                                (void)J;
+                                const int64_t Idx = Off + Mi;
+                                const double Xv = (double)x[Idx];
+                                Lane_Sum_var[J] += ((Xv - mean)*(Xv - mean));
+                            }
+                        }
+
+                        Sum_var += Dg_lanes(Lane_Sum_var);
+                    }
+                }
+                Sums[0 * N_groups + Grp] = Sum_var;
+            }
+        }
+    }
+    return 0;
+}
+
+/* ---- train split reduction, float: level Level's statistics from its sums over
+ * whole groups and the group size N_total (written into Stats) ---- */
+int batchnorm_train_split_finish_f32(
+    int64_t O, int64_t G, int64_t Cg, int64_t S,
+    const float *restrict gamma,
+    const float *restrict beta,
+    double eps,
+    double momentum,
+
+    int Level,
+    const double *restrict Sums,
+    double N_total,
+    double *restrict Stats)
+{
+    const float *restrict x = NULL;
+    const int Nthreads = 1;
+    const int64_t M = Cg * S;                       /* contiguous values per (o, g) block */
+    const int64_t N_groups = G;
+    const int64_t Blocks = O;               /* blocks per group */
+    const int64_t Block_stride = G * M;
+    (void)Block_stride;
+    const double N = N_total;                  /* values per group, over all parts */
+    const int64_t Total = N_groups * Blocks * M;    /* values in x */
+    const int64_t Ahead = DG_AHEAD_BYTES / (int64_t)sizeof(float);
+    const int Nth = Dg_threads(Nthreads);
+    (void)N;
+    (void)Nth;
+    (void)Total;
+    (void)Ahead;
+    (void)gamma;
+    (void)beta;
+    (void)eps;
+    (void)momentum;
+    (void)x;
+
+    (void)Stats;
+    (void)Sums;
+    if (Level < 0 || Level >= 2)
+        return -2;
+    for (int64_t Grp = 0; Grp < N_groups; ++Grp) {
+        if (Level == 0) {
+            const int64_t Gi = G == 1 ? 0 : Grp % G;     /* channel group */
+            (void)Gi;
+            const int64_t Base = Gi * M;
+            (void)Base;
+
+            const double Sum_mean = Sums[0 * N_groups + Grp];
+            const double mean = Sum_mean/N;  /* mean = mean(x) */
+            Stats[0 * N_groups + Grp] = mean;
+        }
+        if (Level == 1) {
+            const int64_t Gi = G == 1 ? 0 : Grp % G;     /* channel group */
+            (void)Gi;
+            const int64_t Base = Gi * M;
+            (void)Base;
+            const double mean = Stats[0 * N_groups + Grp];
+            (void)mean;
+
+            const double Sum_var = Sums[0 * N_groups + Grp];
+            const double var = Sum_var/N;  /* var = mean((x - mean)**2) */
+            Stats[1 * N_groups + Grp] = var;
+            const double rstd = 1/sqrt(var + eps);  /* rstd = 1/sqrt(var + eps) */
+            Stats[2 * N_groups + Grp] = rstd;
+        }
+    }
+    return 0;
+}
+
+/* ---- train split reduction, float: y of this part from the statistics of whole groups ---- */
+int batchnorm_train_split_apply_f32(
+    int64_t O, int64_t G, int64_t Cg, int64_t S,
+    const float *restrict x,
+    const float *restrict gamma,
+    const float *restrict beta,
+    double eps,
+    double momentum,
+
+    const double *restrict Stats,
+    double N_total,
+    float *restrict y,
+    int Nthreads)
+{
+    const int64_t M = Cg * S;                       /* contiguous values per (o, g) block */
+    const int64_t N_groups = G;
+    const int64_t Blocks = O;               /* blocks per group */
+    const int64_t Block_stride = G * M;
+    (void)Block_stride;
+    const double N = N_total;                  /* values per group, over all parts */
+    const int64_t Total = N_groups * Blocks * M;    /* values in x */
+    const int64_t Ahead = DG_AHEAD_BYTES / (int64_t)sizeof(float);
+    const int Nth = Dg_threads(Nthreads);
+    (void)N;
+    (void)Nth;
+    (void)Total;
+    (void)Ahead;
+    (void)gamma;
+    (void)beta;
+    (void)eps;
+    (void)momentum;
+    (void)x;
+
+    (void)Stats;
+    DG_PRAGMA(omp parallel num_threads(Nth))
+    {
+        const int y_Stream = Dg_stream_on(Total, (int64_t)sizeof(float));
+        (void)y_Stream;
+        int64_t Lo, Hi;
+        Dg_share(N_groups, &Lo, &Hi);
+        for (int64_t Grp = Lo; Grp < Hi; ++Grp) {
+            const int64_t Gi = G == 1 ? 0 : Grp % G;     /* channel group */
+            (void)Gi;
+            const int64_t Base = Gi * M;
+            (void)Base;
+            const double mean = Stats[0 * N_groups + Grp];
+            (void)mean;
+            const double var = Stats[1 * N_groups + Grp];
+            (void)var;
+            const double rstd = Stats[2 * N_groups + Grp];
+            (void)rstd;
+
+            {
+                const double H0 = -mean;
+                const float H0_hi = (float)H0;
+                const float H0_lo = (float)(H0 - (double)H0_hi);
+                const float rstd_F = (float)rstd;
+                for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
+                    const int64_t Off = Base + Blk * Block_stride;
+                    const int y_Direct = S == 1 ? Dg_direct(y_Stream, Cg) : Dg_direct(y_Stream, S);   /* stream from registers */
+                    (void)y_Direct;
+                    if (S == 1) {           /* parameters vary along the run */
+                        {
+                            float *restrict y_R = y + Off;
+                            int64_t Mi = 0;
+                            if (y_Direct) {          /* scalar head up to a 64-byte boundary of y */
+                                const int64_t Head = Dg_head(y + Off, (int64_t)sizeof(float), Cg);
+                                for (; Mi < Head; ++Mi) {
+                                    const int J = 0;                /* outside the lane blocks: lane 0 */
+                                    (void)J;
+                                    const int64_t Idx = Off + Mi;
+                                    const int64_t Ch = Gi * Cg + Mi;
+                                    const float gamma_V = gamma[Ch];
+                                    const float beta_V = beta[Ch];
+                                    const float Xv = x[Idx];
+                                    const float xhat = rstd_F*((Xv + H0_hi + H0_lo));
+                                    y_R[Idx - (Off)] = (float)(gamma_V*xhat + beta_V);
+                                }
+                            }
+                            for (; Mi + DG_LANES <= Cg; Mi += DG_LANES) {
+                                float T_y[DG_LANES];
+                                DG_INDEPENDENT
+                                for (int J = 0; J < DG_LANES; ++J) {
+                                    const int64_t Idx = Off + Mi + J;
+                                    const int64_t Ch = Gi * Cg + Mi + J;
+                                    const float gamma_V = gamma[Ch];
+                                    const float beta_V = beta[Ch];
+                                    const float Xv = x[Idx];
+                                    const float xhat = rstd_F*((Xv + H0_hi + H0_lo));
+                                    T_y[J] = (float)(gamma_V*xhat + beta_V);
+                                }
+                                Dg_put_float(y_R + Mi, T_y, y_Direct);
+                            }
+                            for (; Mi < Cg; ++Mi) {
+                                const int J = 0;                /* outside the lane blocks: lane 0 */
+                                (void)J;
+                                const int64_t Idx = Off + Mi;
+                                const int64_t Ch = Gi * Cg + Mi;
+                                const float gamma_V = gamma[Ch];
+                                const float beta_V = beta[Ch];
+                                const float Xv = x[Idx];
+                                const float xhat = rstd_F*((Xv + H0_hi + H0_lo));
+                                y_R[Idx - (Off)] = (float)(gamma_V*xhat + beta_V);
+                            }
+                        }
+
+                    } else {                /* NCHW: one parameter per run of S values */
+                        for (int64_t Ci = 0; Ci < Cg; ++Ci) {
+                            const int64_t Ch = Gi * Cg + Ci;
+                            const float gamma_V = gamma[Ch];
+                            const float beta_V = beta[Ch];
+                            {
+                                float *restrict y_R = y + Off + Ci * S;
+                                int64_t Si = 0;
+                                if (y_Direct) {          /* scalar head up to a 64-byte boundary of y */
+                                    const int64_t Head = Dg_head(y + Off + Ci * S, (int64_t)sizeof(float), S);
+                                    for (; Si < Head; ++Si) {
+                                        const int J = 0;                /* outside the lane blocks: lane 0 */
+                                        (void)J;
+                                        const int64_t Idx = Off + Ci * S + Si;
+                                        const float Xv = x[Idx];
+                                        const float xhat = rstd_F*((Xv + H0_hi + H0_lo));
+                                        y_R[Idx - (Off + Ci * S)] = (float)(gamma_V*xhat + beta_V);
+                                    }
+                                }
+                                for (; Si + DG_LANES <= S; Si += DG_LANES) {
+                                    float T_y[DG_LANES];
+                                    DG_INDEPENDENT
+                                    for (int J = 0; J < DG_LANES; ++J) {
+                                        const int64_t Idx = Off + Ci * S + Si + J;
+                                        const float Xv = x[Idx];
+                                        const float xhat = rstd_F*((Xv + H0_hi + H0_lo));
+                                        T_y[J] = (float)(gamma_V*xhat + beta_V);
+                                    }
+                                    Dg_put_float(y_R + Si, T_y, y_Direct);
+                                }
+                                for (; Si < S; ++Si) {
+                                    const int J = 0;                /* outside the lane blocks: lane 0 */
+                                    (void)J;
+                                    const int64_t Idx = Off + Ci * S + Si;
+                                    const float Xv = x[Idx];
+                                    const float xhat = rstd_F*((Xv + H0_hi + H0_lo));
+                                    y_R[Idx - (Off + Ci * S)] = (float)(gamma_V*xhat + beta_V);
+                                }
+                            }
+
+                        }
+                    }
+                }
+            }
+        }
+        if (y_Stream)
+            Dg_fence();
+
+    }
+    return 0;
+}
+
+/* ---- train split reduction, float: the backward's sums over this part of every
+ * group (2 per group) ---- */
+int batchnorm_train_split_bpartial_f32(
+    int64_t O, int64_t G, int64_t Cg, int64_t S,
+    const float *restrict x,
+    const float *restrict dy,
+    const float *restrict gamma,
+    const float *restrict beta,
+    double eps,
+    double momentum,
+
+    const double *restrict Stats,
+    double N_total,
+    double *restrict Sums,
+    int Nthreads)
+{
+    const int64_t M = Cg * S;                       /* contiguous values per (o, g) block */
+    const int64_t N_groups = G;
+    const int64_t Blocks = O;               /* blocks per group */
+    const int64_t Block_stride = G * M;
+    (void)Block_stride;
+    const double N = N_total;                  /* values per group, over all parts */
+    const int64_t Total = N_groups * Blocks * M;    /* values in x */
+    const int64_t Ahead = DG_AHEAD_BYTES / (int64_t)sizeof(float);
+    const int Nth = Dg_threads(Nthreads);
+    (void)N;
+    (void)Nth;
+    (void)Total;
+    (void)Ahead;
+    (void)gamma;
+    (void)beta;
+    (void)eps;
+    (void)momentum;
+    (void)x;
+
+    (void)dy;
+    (void)Stats;
+    (void)Sums;
+    DG_PRAGMA(omp parallel num_threads(Nth))
+    {
+        int64_t Lo, Hi;
+        Dg_share(N_groups, &Lo, &Hi);
+        for (int64_t Grp = Lo; Grp < Hi; ++Grp) {
+            const int64_t Gi = G == 1 ? 0 : Grp % G;     /* channel group */
+            (void)Gi;
+            const int64_t Base = Gi * M;
+            (void)Base;
+            const double mean = Stats[0 * N_groups + Grp];
+            (void)mean;
+            const double var = Stats[1 * N_groups + Grp];
+            (void)var;
+            const double rstd = Stats[2 * N_groups + Grp];
+            (void)rstd;
+
+            double Sum_g;
+            double Sum_g_xhat;
+            {
+                const double H0 = -mean;
+                const float H0_hi = (float)H0;
+                const float H0_lo = (float)(H0 - (double)H0_hi);
+                const float rstd_F = (float)rstd;
+                Sum_g = 0.0;         /* the blocks' lane sums, added in block order */
+                Sum_g_xhat = 0.0;         /* the blocks' lane sums, added in block order */
+                for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
+                    const int64_t Off = Base + Blk * Block_stride;
+                    double Lane_Sum_g[DG_LANES] = {0};
+                    double Lane_Sum_g_xhat[DG_LANES] = {0};
+                    const int64_t Nxt = Blk + 1 < Blocks ? Off + Block_stride : Base + M;   /* block read next */
+                    if (S == 1) {           /* parameters vary along the run */
+                        {
+                            int64_t Mi = 0;
+                            for (; Mi + DG_LANES <= Cg; Mi += DG_LANES) {
+                                for (int Q = 0; Q < DG_LANES; Q += 64 / (int)sizeof(*x)) {  /* read ahead, a line at a time */
+                                    const int64_t Pf = Dg_ahead(Off, Mi + Q, M, Nxt, Total, Ahead);
+                                    if (Pf >= 0) DG_PREFETCH(x + Pf);
+                                }
+                                for (int Q = 0; Q < DG_LANES; Q += 64 / (int)sizeof(*dy)) {  /* read ahead, a line at a time */
+                                    const int64_t Pf = Dg_ahead(Off, Mi + Q, M, Nxt, Total, Ahead);
+                                    if (Pf >= 0) DG_PREFETCH(dy + Pf);
+                                }
+                                DG_INDEPENDENT
+                                for (int J = 0; J < DG_LANES; ++J) {
+                                    const int64_t Idx = Off + Mi + J;
+                                    const int64_t Ch = Gi * Cg + Mi + J;
+                                    const float gamma_V = gamma[Ch];
+                                    const float Xv = x[Idx];
+                                    const float Dyv = dy[Idx];
+                                    const float xhat = rstd_F*((Xv + H0_hi + H0_lo));
+                                    const float g = Dyv*gamma_V;
+                                    Lane_Sum_g[J] += ((double)g);
+                                    Lane_Sum_g_xhat[J] += ((double)g)*((double)xhat);
+                                }
+                            }
+                            for (; Mi < Cg; ++Mi) {
+                                const int J = 0;                /* outside the lane blocks: lane 0 */
+                                (void)J;
+                                const int64_t Idx = Off + Mi;
+                                const int64_t Ch = Gi * Cg + Mi;
+                                const float gamma_V = gamma[Ch];
+                                const float Xv = x[Idx];
+                                const float Dyv = dy[Idx];
+                                const float xhat = rstd_F*((Xv + H0_hi + H0_lo));
+                                const float g = Dyv*gamma_V;
+                                Lane_Sum_g[J] += ((double)g);
+                                Lane_Sum_g_xhat[J] += ((double)g)*((double)xhat);
+                            }
+                        }
+
+                    } else {                /* NCHW: one parameter per run of S values */
+                        for (int64_t Ci = 0; Ci < Cg; ++Ci) {
+                            const int64_t Ch = Gi * Cg + Ci;
+                            const float gamma_V = gamma[Ch];
+                            {
+                                int64_t Si = 0;
+                                for (; Si + DG_LANES <= S; Si += DG_LANES) {
+                                    for (int Q = 0; Q < DG_LANES; Q += 64 / (int)sizeof(*x)) {  /* read ahead, a line at a time */
+                                        const int64_t Pf = Dg_ahead(Off, Ci * S + Si + Q, M, Nxt, Total, Ahead);
+                                        if (Pf >= 0) DG_PREFETCH(x + Pf);
+                                    }
+                                    for (int Q = 0; Q < DG_LANES; Q += 64 / (int)sizeof(*dy)) {  /* read ahead, a line at a time */
+                                        const int64_t Pf = Dg_ahead(Off, Ci * S + Si + Q, M, Nxt, Total, Ahead);
+                                        if (Pf >= 0) DG_PREFETCH(dy + Pf);
+                                    }
+                                    DG_INDEPENDENT
+                                    for (int J = 0; J < DG_LANES; ++J) {
+                                        const int64_t Idx = Off + Ci * S + Si + J;
+                                        const float Xv = x[Idx];
+                                        const float Dyv = dy[Idx];
+                                        const float xhat = rstd_F*((Xv + H0_hi + H0_lo));
+                                        const float g = Dyv*gamma_V;
+                                        Lane_Sum_g[J] += ((double)g);
+                                        Lane_Sum_g_xhat[J] += ((double)g)*((double)xhat);
+                                    }
+                                }
+                                for (; Si < S; ++Si) {
+                                    const int J = 0;                /* outside the lane blocks: lane 0 */
+                                    (void)J;
+                                    const int64_t Idx = Off + Ci * S + Si;
+                                    const float Xv = x[Idx];
+                                    const float Dyv = dy[Idx];
+                                    const float xhat = rstd_F*((Xv + H0_hi + H0_lo));
+                                    const float g = Dyv*gamma_V;
+                                    Lane_Sum_g[J] += ((double)g);
+                                    Lane_Sum_g_xhat[J] += ((double)g)*((double)xhat);
+                                }
+                            }
+
+                        }
+                    }
+                    Sum_g += Dg_lanes(Lane_Sum_g);
+                    Sum_g_xhat += Dg_lanes(Lane_Sum_g_xhat);
+                }
+            }
+            Sums[0 * N_groups + Grp] = Sum_g;
+            Sums[1 * N_groups + Grp] = Sum_g_xhat;
+        }
+    }
+    return 0;
+}
+
+/* ---- train backward apply of the split reduction, float: the backward's sums over
+ * whole groups (from split_bpartial, added over the parts) and the group size N_total are
+ * given; parameter gradients are over this part; group_terms 0 leaves out what a
+ * parameter or input gets once per group (through the statistics), for all parts but one ---- */
+int batchnorm_train_split_bapply_f32(
+    int64_t O, int64_t G, int64_t Cg, int64_t S,
+    const float *restrict x,
+    const float *restrict dy,
+    const float *restrict gamma,
+    const float *restrict beta,
+    double eps,
+    double momentum,
+    const double *restrict Stats,
+    const double *restrict Sums,
+    double N_total,
+    int Group_terms,
+    float *restrict dx,
+    float *restrict dgamma,
+    float *restrict dbeta,
+    int Nthreads)
+{
+    const int64_t M = Cg * S;                       /* contiguous values per (o, g) block */
+    const int64_t N_groups = G;
+    const int64_t Blocks = O;               /* blocks per group */
+    const int64_t Block_stride = G * M;
+    (void)Block_stride;
+    const double N = N_total;                  /* values per group, over all parts */
+    const int64_t Total = N_groups * Blocks * M;    /* values in x */
+    const int64_t Ahead = DG_AHEAD_BYTES / (int64_t)sizeof(float);
+    const int Nth = Dg_threads(Nthreads);
+    (void)N;
+    (void)Nth;
+    (void)Total;
+    (void)Ahead;
+    (void)gamma;
+    (void)beta;
+    (void)eps;
+    (void)momentum;
+    (void)x;
+
+    (void)Group_terms;
+    (void)Stats;
+    (void)Sums;
+    const int64_t C = G * Cg;                        /* parameter length */
+    const int64_t P = 2;      /* parameters */
+    (void)dy;
+    /* per-thread partial sums of the parameter gradients, reduced once at the end;
+     * runs along the channel axis add into float pend, flushed into part every DG_PEND runs */
+    double *Part = (double *)calloc((size_t)(Nth * P * C) + 1, sizeof(double));
+    float *Pend_all = (float *)calloc((size_t)(Nth * P * C) + 1, sizeof(float));
+    if (Part == NULL || Pend_all == NULL) {
+        free(Part);
+        free(Pend_all);
+        return -1;
+    }
+    DG_PRAGMA(omp parallel num_threads(Nth))
+    {
+        double *restrict Mine = Part + (int64_t)Dg_thread_id() * P * C;
+        (void)Mine;
+        float *restrict Pend = Pend_all + (int64_t)Dg_thread_id() * P * C;
+        int Pending = 0;                             /* runs added into pend since its last flush */
+        int64_t Pend_lo = C, Pend_hi = 0;            /* the channels they touched */
+        const int dx_Stream = Dg_stream_on(Total, (int64_t)sizeof(float));
+        const int64_t dx_Cap = Dg_tile_len(S == 1 ? M : S, (int64_t)sizeof(float));
+        float *dx_Tile = (float *)Dg_tile(dx_Stream, dx_Cap, (int64_t)sizeof(float));   /* NULL: dx in place */
+        int64_t dx_At = 0, dx_Fill = 0;           /* the tile holds dx[at, at + fill) */
+        (void)dx_Stream;
+        (void)Pend;
+        (void)Pending;
+        (void)Pend_lo;
+        (void)Pend_hi;
+        int64_t Lo, Hi;
+        Dg_share(N_groups, &Lo, &Hi);              /* this thread's groups (as schedule(static)) */
+        for (int64_t Grp = Lo; Grp < Hi; ++Grp) {
+            const int64_t Gi = G == 1 ? 0 : Grp % G;     /* channel group */
+            (void)Gi;
+            const int64_t Base = Gi * M;
+            (void)Base;
+            const double mean = Stats[0 * N_groups + Grp];
+            (void)mean;
+            const double var = Stats[1 * N_groups + Grp];
+            (void)var;
+            const double rstd = Stats[2 * N_groups + Grp];
+            (void)rstd;
+            const double Sum_g = Sums[0 * N_groups + Grp];
+            const double Sum_g_xhat = Sums[1 * N_groups + Grp];
             const double Mean_g = Sum_g/N;  /* Mean_g = mean(g) */
             const double Mean_g_xhat = Sum_g_xhat/N;  /* Mean_g_xhat = mean(g*xhat) */
             {
@@ -1205,6 +1962,7 @@ int batchnorm_train_forward_f64(
     const int64_t N_groups = G;
     const int64_t Blocks = O;               /* blocks per group */
     const int64_t Block_stride = G * M;
+    (void)Block_stride;
     const double N = (double)(Blocks * M);          /* values per group */
     const int64_t Total = N_groups * Blocks * M;    /* values in x */
     const int64_t Ahead = DG_AHEAD_BYTES / (int64_t)sizeof(double);
@@ -1229,6 +1987,7 @@ int batchnorm_train_forward_f64(
             const int64_t Gi = G == 1 ? 0 : Grp % G;     /* channel group */
             (void)Gi;
             const int64_t Base = Gi * M;
+            (void)Base;
             const double running_mean_G = running_mean ? running_mean[Grp] : 0.0;   /* one value per group */
             const double running_var_G = running_var ? running_var[Grp] : 0.0;   /* one value per group */
             double Sum_mean;
@@ -1427,6 +2186,7 @@ int batchnorm_train_backward_f64(
     const int64_t N_groups = G;
     const int64_t Blocks = O;               /* blocks per group */
     const int64_t Block_stride = G * M;
+    (void)Block_stride;
     const double N = (double)(Blocks * M);          /* values per group */
     const int64_t Total = N_groups * Blocks * M;    /* values in x */
     const int64_t Ahead = DG_AHEAD_BYTES / (int64_t)sizeof(double);
@@ -1475,6 +2235,7 @@ int batchnorm_train_backward_f64(
             const int64_t Gi = G == 1 ? 0 : Grp % G;     /* channel group */
             (void)Gi;
             const int64_t Base = Gi * M;
+            (void)Base;
             const double mean = mean_In[Grp];
             (void)mean;
             const double var = var_In[Grp];
@@ -1576,6 +2337,746 @@ int batchnorm_train_backward_f64(
                     Sum_g_xhat += Dg_lanes(Lane_Sum_g_xhat);
                 }
             }
+            const double Mean_g = Sum_g/N;  /* Mean_g = mean(g) */
+            const double Mean_g_xhat = Sum_g_xhat/N;  /* Mean_g_xhat = mean(g*xhat) */
+            const double K_1 = -Mean_g*rstd;  /* coefficient of 1 in dx */
+            const double K_g = rstd;  /* coefficient of g in dx */
+            const double K_xhat = -Mean_g_xhat*rstd;  /* coefficient of xhat in dx */
+            {
+                for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
+                    const int64_t Off = Base + Blk * Block_stride;
+                    const int dx_Direct = S == 1 ? Dg_direct(dx_Stream, Cg) : 0;   /* stream from registers */
+                    (void)dx_Direct;
+                    if (S == 1) {           /* parameters vary along the run */
+                        {
+                            double *restrict dx_R = dx + Off;
+                            int64_t Mi = 0;
+                            if (dx_Direct) {          /* scalar head up to a 64-byte boundary of dx */
+                                const int64_t Head = Dg_head(dx + Off, (int64_t)sizeof(double), Cg);
+                                for (; Mi < Head; ++Mi) {
+                                    const int J = 0;                /* outside the lane blocks: lane 0 */
+                                    (void)J;
+                                    const int64_t Idx = Off + Mi;
+                                    const int64_t Ch = Gi * Cg + Mi;
+                                    const double gamma_V = gamma[Ch];
+                                    const double Xv = x[Idx];
+                                    const double Dyv = dy[Idx];
+                                    const double xhat = rstd*(Xv - mean);
+                                    const double g = Dyv*gamma_V;
+                                    dx_R[Idx - (Off)] = (double)(K_g*g + K_xhat*xhat + K_1);
+                                    Pend[0 * C + Ch] += Dyv*xhat;
+                                    Pend[1 * C + Ch] += Dyv;
+                                }
+                            }
+                            for (; Mi + DG_LANES <= Cg; Mi += DG_LANES) {
+                                double T_dx[DG_LANES];
+                                DG_INDEPENDENT
+                                for (int J = 0; J < DG_LANES; ++J) {
+                                    const int64_t Idx = Off + Mi + J;
+                                    const int64_t Ch = Gi * Cg + Mi + J;
+                                    const double gamma_V = gamma[Ch];
+                                    const double Xv = x[Idx];
+                                    const double Dyv = dy[Idx];
+                                    const double xhat = rstd*(Xv - mean);
+                                    const double g = Dyv*gamma_V;
+                                    T_dx[J] = (double)(K_g*g + K_xhat*xhat + K_1);
+                                    Pend[0 * C + Ch] += Dyv*xhat;
+                                    Pend[1 * C + Ch] += Dyv;
+                                }
+                                Dg_put_double(dx_R + Mi, T_dx, dx_Direct);
+                            }
+                            for (; Mi < Cg; ++Mi) {
+                                const int J = 0;                /* outside the lane blocks: lane 0 */
+                                (void)J;
+                                const int64_t Idx = Off + Mi;
+                                const int64_t Ch = Gi * Cg + Mi;
+                                const double gamma_V = gamma[Ch];
+                                const double Xv = x[Idx];
+                                const double Dyv = dy[Idx];
+                                const double xhat = rstd*(Xv - mean);
+                                const double g = Dyv*gamma_V;
+                                dx_R[Idx - (Off)] = (double)(K_g*g + K_xhat*xhat + K_1);
+                                Pend[0 * C + Ch] += Dyv*xhat;
+                                Pend[1 * C + Ch] += Dyv;
+                            }
+                        }
+
+                        Pend_lo = Pend_lo < Gi * Cg ? Pend_lo : Gi * Cg;
+                        Pend_hi = Pend_hi > Gi * Cg + Cg ? Pend_hi : Gi * Cg + Cg;
+                        if (++Pending == DG_PEND) {     /* float partials of at most DG_PEND runs */
+                            Dg_flush_double(Mine, Pend, P, C, Pend_lo, Pend_hi);
+                            Pending = 0;
+                            Pend_lo = C;
+                            Pend_hi = 0;
+                        }
+                    } else {                /* NCHW: one parameter per run of S values */
+                        for (int64_t Ci = 0; Ci < Cg; ++Ci) {
+                            const int64_t Ch = Gi * Cg + Ci;
+                            const double gamma_V = gamma[Ch];
+                            double Lane_p0[DG_LANES] = {0};
+                            double Lane_p1[DG_LANES] = {0};
+                            if (dx_Tile != NULL && dx_Fill > 0
+                                && (dx_At + dx_Fill != Off + Ci * S || dx_Fill + S > dx_Cap)) {
+                                Dg_stream_double(dx + dx_At, dx_Tile, dx_Fill);
+                                dx_Fill = 0;
+                            }
+                            if (dx_Fill == 0)
+                                dx_At = Off + Ci * S;
+                            {
+                                double *restrict dx_R = dx_Tile != NULL ? dx_Tile + dx_Fill : dx + Off + Ci * S;
+                                int64_t Si = 0;
+                                for (; Si + DG_LANES <= S; Si += DG_LANES) {
+                                    DG_INDEPENDENT
+                                    for (int J = 0; J < DG_LANES; ++J) {
+                                        const int64_t Idx = Off + Ci * S + Si + J;
+                                        const double Xv = x[Idx];
+                                        const double Dyv = dy[Idx];
+                                        const double xhat = rstd*(Xv - mean);
+                                        const double g = Dyv*gamma_V;
+                                        dx_R[Idx - (Off + Ci * S)] = (double)(K_g*g + K_xhat*xhat + K_1);
+                                        Lane_p0[J] += Dyv*xhat;
+                                        Lane_p1[J] += Dyv;
+                                    }
+                                }
+                                for (; Si < S; ++Si) {
+                                    const int J = 0;                /* outside the lane blocks: lane 0 */
+                                    (void)J;
+                                    const int64_t Idx = Off + Ci * S + Si;
+                                    const double Xv = x[Idx];
+                                    const double Dyv = dy[Idx];
+                                    const double xhat = rstd*(Xv - mean);
+                                    const double g = Dyv*gamma_V;
+                                    dx_R[Idx - (Off + Ci * S)] = (double)(K_g*g + K_xhat*xhat + K_1);
+                                    Lane_p0[J] += Dyv*xhat;
+                                    Lane_p1[J] += Dyv;
+                                }
+                            }
+                            if (dx_Tile != NULL)
+                                dx_Fill += S;
+
+                            Mine[0 * C + Ch] += Dg_lanes(Lane_p0);
+                            Mine[1 * C + Ch] += Dg_lanes(Lane_p1);
+                        }
+                    }
+                }
+            }
+        }
+        if (Pending > 0)
+            Dg_flush_double(Mine, Pend, P, C, Pend_lo, Pend_hi);
+        if (dx_Fill > 0)
+            Dg_stream_double(dx + dx_At, dx_Tile, dx_Fill);
+        if (dx_Stream)
+            Dg_fence();
+        free(dx_Tile);
+
+    }
+    for (int64_t Cc = 0; Cc < C; ++Cc) {       /* dgamma */
+        double Acc = 0.0;
+        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * P * C + 0 * C + Cc];
+        dgamma[Cc] = (double)(Acc);
+    }
+    for (int64_t Cc = 0; Cc < C; ++Cc) {       /* dbeta */
+        double Acc = 0.0;
+        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * P * C + 1 * C + Cc];
+        dbeta[Cc] = (double)(Acc);
+    }
+    free(Pend_all);
+    free(Part);
+    return 0;
+}
+
+/* ---- train split reduction, double: level Level's sums over this part of every
+ * group (2 levels), given the statistics of the earlier levels ---- */
+int batchnorm_train_split_partial_f64(
+    int64_t O, int64_t G, int64_t Cg, int64_t S,
+    const double *restrict x,
+    const double *restrict gamma,
+    const double *restrict beta,
+    double eps,
+    double momentum,
+
+    int Level,
+    const double *restrict Stats,
+    double N_total,
+    double *restrict Sums,
+    int Nthreads)
+{
+    const int64_t M = Cg * S;                       /* contiguous values per (o, g) block */
+    const int64_t N_groups = G;
+    const int64_t Blocks = O;               /* blocks per group */
+    const int64_t Block_stride = G * M;
+    (void)Block_stride;
+    const double N = N_total;                  /* values per group, over all parts */
+    const int64_t Total = N_groups * Blocks * M;    /* values in x */
+    const int64_t Ahead = DG_AHEAD_BYTES / (int64_t)sizeof(double);
+    const int Nth = Dg_threads(Nthreads);
+    (void)N;
+    (void)Nth;
+    (void)Total;
+    (void)Ahead;
+    (void)gamma;
+    (void)beta;
+    (void)eps;
+    (void)momentum;
+    (void)x;
+
+    (void)Stats;
+    (void)Sums;
+    if (Level < 0 || Level >= 2)
+        return -2;
+    DG_PRAGMA(omp parallel num_threads(Nth))
+    {
+        int64_t Lo, Hi;
+        Dg_share(N_groups, &Lo, &Hi);
+        for (int64_t Grp = Lo; Grp < Hi; ++Grp) {
+            if (Level == 0) {
+            const int64_t Gi = G == 1 ? 0 : Grp % G;     /* channel group */
+            (void)Gi;
+            const int64_t Base = Gi * M;
+            (void)Base;
+
+                double Sum_mean;
+                {
+                    Sum_mean = 0.0;         /* the blocks' lane sums, added in block order */
+                    for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
+                        const int64_t Off = Base + Blk * Block_stride;
+                        double Lane_Sum_mean[DG_LANES] = {0};
+                        const int64_t Nxt = Blk + 1 < Blocks ? Off + Block_stride : Base + M;   /* block read next */
+                        {
+                            int64_t Mi = 0;
+                            for (; Mi + DG_LANES <= M; Mi += DG_LANES) {
+                                for (int Q = 0; Q < DG_LANES; Q += 64 / (int)sizeof(*x)) {  /* read ahead, a line at a time */
+                                    const int64_t Pf = Dg_ahead(Off, Mi + Q, M, Nxt, Total, Ahead);
+                                    if (Pf >= 0) DG_PREFETCH(x + Pf);
+                                }
+                                DG_INDEPENDENT
+                                for (int J = 0; J < DG_LANES; ++J) {
+                                    const int64_t Idx = Off + Mi + J;
+                                    const double Xv = x[Idx];
+                                    Lane_Sum_mean[J] += Xv;
+                                }
+                            }
+                            for (; Mi < M; ++Mi) {
+                                const int J = 0;                /* outside the lane blocks: lane 0 */
+                                (void)J;
+                                const int64_t Idx = Off + Mi;
+                                const double Xv = x[Idx];
+                                Lane_Sum_mean[J] += Xv;
+                            }
+                        }
+
+                        Sum_mean += Dg_lanes(Lane_Sum_mean);
+                    }
+                }
+                Sums[0 * N_groups + Grp] = Sum_mean;
+            }
+            if (Level == 1) {
+            const int64_t Gi = G == 1 ? 0 : Grp % G;     /* channel group */
+            (void)Gi;
+            const int64_t Base = Gi * M;
+            (void)Base;
+            const double mean = Stats[0 * N_groups + Grp];
+            (void)mean;
+
+                double Sum_var;
+                {
+                    Sum_var = 0.0;         /* the blocks' lane sums, added in block order */
+                    for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
+                        const int64_t Off = Base + Blk * Block_stride;
+                        double Lane_Sum_var[DG_LANES] = {0};
+                        {
+                            int64_t Mi = 0;
+                            for (; Mi + DG_LANES <= M; Mi += DG_LANES) {
+                                DG_INDEPENDENT
+                                for (int J = 0; J < DG_LANES; ++J) {
+                                    const int64_t Idx = Off + Mi + J;
+                                    const double Xv = x[Idx];
+                                    Lane_Sum_var[J] += ((Xv - mean)*(Xv - mean));
+                                }
+                            }
+                            for (; Mi < M; ++Mi) {
+                                const int J = 0;                /* outside the lane blocks: lane 0 */
+                                (void)J;
+                                const int64_t Idx = Off + Mi;
+                                const double Xv = x[Idx];
+                                Lane_Sum_var[J] += ((Xv - mean)*(Xv - mean));
+                            }
+                        }
+
+                        Sum_var += Dg_lanes(Lane_Sum_var);
+                    }
+                }
+                Sums[0 * N_groups + Grp] = Sum_var;
+            }
+        }
+    }
+    return 0;
+}
+
+/* ---- train split reduction, double: level Level's statistics from its sums over
+ * whole groups and the group size N_total (written into Stats) ---- */
+int batchnorm_train_split_finish_f64(
+    int64_t O, int64_t G, int64_t Cg, int64_t S,
+    const double *restrict gamma,
+    const double *restrict beta,
+    double eps,
+    double momentum,
+
+    int Level,
+    const double *restrict Sums,
+    double N_total,
+    double *restrict Stats)
+{
+    const double *restrict x = NULL;
+    const int Nthreads = 1;
+    const int64_t M = Cg * S;                       /* contiguous values per (o, g) block */
+    const int64_t N_groups = G;
+    const int64_t Blocks = O;               /* blocks per group */
+    const int64_t Block_stride = G * M;
+    (void)Block_stride;
+    const double N = N_total;                  /* values per group, over all parts */
+    const int64_t Total = N_groups * Blocks * M;    /* values in x */
+    const int64_t Ahead = DG_AHEAD_BYTES / (int64_t)sizeof(double);
+    const int Nth = Dg_threads(Nthreads);
+    (void)N;
+    (void)Nth;
+    (void)Total;
+    (void)Ahead;
+    (void)gamma;
+    (void)beta;
+    (void)eps;
+    (void)momentum;
+    (void)x;
+
+    (void)Stats;
+    (void)Sums;
+    if (Level < 0 || Level >= 2)
+        return -2;
+    for (int64_t Grp = 0; Grp < N_groups; ++Grp) {
+        if (Level == 0) {
+            const int64_t Gi = G == 1 ? 0 : Grp % G;     /* channel group */
+            (void)Gi;
+            const int64_t Base = Gi * M;
+            (void)Base;
+
+            const double Sum_mean = Sums[0 * N_groups + Grp];
+            const double mean = Sum_mean/N;  /* mean = mean(x) */
+            Stats[0 * N_groups + Grp] = mean;
+        }
+        if (Level == 1) {
+            const int64_t Gi = G == 1 ? 0 : Grp % G;     /* channel group */
+            (void)Gi;
+            const int64_t Base = Gi * M;
+            (void)Base;
+            const double mean = Stats[0 * N_groups + Grp];
+            (void)mean;
+
+            const double Sum_var = Sums[0 * N_groups + Grp];
+            const double var = Sum_var/N;  /* var = mean((x - mean)**2) */
+            Stats[1 * N_groups + Grp] = var;
+            const double rstd = 1/sqrt(var + eps);  /* rstd = 1/sqrt(var + eps) */
+            Stats[2 * N_groups + Grp] = rstd;
+        }
+    }
+    return 0;
+}
+
+/* ---- train split reduction, double: y of this part from the statistics of whole groups ---- */
+int batchnorm_train_split_apply_f64(
+    int64_t O, int64_t G, int64_t Cg, int64_t S,
+    const double *restrict x,
+    const double *restrict gamma,
+    const double *restrict beta,
+    double eps,
+    double momentum,
+
+    const double *restrict Stats,
+    double N_total,
+    double *restrict y,
+    int Nthreads)
+{
+    const int64_t M = Cg * S;                       /* contiguous values per (o, g) block */
+    const int64_t N_groups = G;
+    const int64_t Blocks = O;               /* blocks per group */
+    const int64_t Block_stride = G * M;
+    (void)Block_stride;
+    const double N = N_total;                  /* values per group, over all parts */
+    const int64_t Total = N_groups * Blocks * M;    /* values in x */
+    const int64_t Ahead = DG_AHEAD_BYTES / (int64_t)sizeof(double);
+    const int Nth = Dg_threads(Nthreads);
+    (void)N;
+    (void)Nth;
+    (void)Total;
+    (void)Ahead;
+    (void)gamma;
+    (void)beta;
+    (void)eps;
+    (void)momentum;
+    (void)x;
+
+    (void)Stats;
+    DG_PRAGMA(omp parallel num_threads(Nth))
+    {
+        const int y_Stream = Dg_stream_on(Total, (int64_t)sizeof(double));
+        (void)y_Stream;
+        int64_t Lo, Hi;
+        Dg_share(N_groups, &Lo, &Hi);
+        for (int64_t Grp = Lo; Grp < Hi; ++Grp) {
+            const int64_t Gi = G == 1 ? 0 : Grp % G;     /* channel group */
+            (void)Gi;
+            const int64_t Base = Gi * M;
+            (void)Base;
+            const double mean = Stats[0 * N_groups + Grp];
+            (void)mean;
+            const double var = Stats[1 * N_groups + Grp];
+            (void)var;
+            const double rstd = Stats[2 * N_groups + Grp];
+            (void)rstd;
+
+            {
+                for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
+                    const int64_t Off = Base + Blk * Block_stride;
+                    const int y_Direct = S == 1 ? Dg_direct(y_Stream, Cg) : Dg_direct(y_Stream, S);   /* stream from registers */
+                    (void)y_Direct;
+                    if (S == 1) {           /* parameters vary along the run */
+                        {
+                            double *restrict y_R = y + Off;
+                            int64_t Mi = 0;
+                            if (y_Direct) {          /* scalar head up to a 64-byte boundary of y */
+                                const int64_t Head = Dg_head(y + Off, (int64_t)sizeof(double), Cg);
+                                for (; Mi < Head; ++Mi) {
+                                    const int J = 0;                /* outside the lane blocks: lane 0 */
+                                    (void)J;
+                                    const int64_t Idx = Off + Mi;
+                                    const int64_t Ch = Gi * Cg + Mi;
+                                    const double gamma_V = gamma[Ch];
+                                    const double beta_V = beta[Ch];
+                                    const double Xv = x[Idx];
+                                    const double xhat = rstd*(Xv - mean);
+                                    y_R[Idx - (Off)] = (double)(gamma_V*xhat + beta_V);
+                                }
+                            }
+                            for (; Mi + DG_LANES <= Cg; Mi += DG_LANES) {
+                                double T_y[DG_LANES];
+                                DG_INDEPENDENT
+                                for (int J = 0; J < DG_LANES; ++J) {
+                                    const int64_t Idx = Off + Mi + J;
+                                    const int64_t Ch = Gi * Cg + Mi + J;
+                                    const double gamma_V = gamma[Ch];
+                                    const double beta_V = beta[Ch];
+                                    const double Xv = x[Idx];
+                                    const double xhat = rstd*(Xv - mean);
+                                    T_y[J] = (double)(gamma_V*xhat + beta_V);
+                                }
+                                Dg_put_double(y_R + Mi, T_y, y_Direct);
+                            }
+                            for (; Mi < Cg; ++Mi) {
+                                const int J = 0;                /* outside the lane blocks: lane 0 */
+                                (void)J;
+                                const int64_t Idx = Off + Mi;
+                                const int64_t Ch = Gi * Cg + Mi;
+                                const double gamma_V = gamma[Ch];
+                                const double beta_V = beta[Ch];
+                                const double Xv = x[Idx];
+                                const double xhat = rstd*(Xv - mean);
+                                y_R[Idx - (Off)] = (double)(gamma_V*xhat + beta_V);
+                            }
+                        }
+
+                    } else {                /* NCHW: one parameter per run of S values */
+                        for (int64_t Ci = 0; Ci < Cg; ++Ci) {
+                            const int64_t Ch = Gi * Cg + Ci;
+                            const double gamma_V = gamma[Ch];
+                            const double beta_V = beta[Ch];
+                            {
+                                double *restrict y_R = y + Off + Ci * S;
+                                int64_t Si = 0;
+                                if (y_Direct) {          /* scalar head up to a 64-byte boundary of y */
+                                    const int64_t Head = Dg_head(y + Off + Ci * S, (int64_t)sizeof(double), S);
+                                    for (; Si < Head; ++Si) {
+                                        const int J = 0;                /* outside the lane blocks: lane 0 */
+                                        (void)J;
+                                        const int64_t Idx = Off + Ci * S + Si;
+                                        const double Xv = x[Idx];
+                                        const double xhat = rstd*(Xv - mean);
+                                        y_R[Idx - (Off + Ci * S)] = (double)(gamma_V*xhat + beta_V);
+                                    }
+                                }
+                                for (; Si + DG_LANES <= S; Si += DG_LANES) {
+                                    double T_y[DG_LANES];
+                                    DG_INDEPENDENT
+                                    for (int J = 0; J < DG_LANES; ++J) {
+                                        const int64_t Idx = Off + Ci * S + Si + J;
+                                        const double Xv = x[Idx];
+                                        const double xhat = rstd*(Xv - mean);
+                                        T_y[J] = (double)(gamma_V*xhat + beta_V);
+                                    }
+                                    Dg_put_double(y_R + Si, T_y, y_Direct);
+                                }
+                                for (; Si < S; ++Si) {
+                                    const int J = 0;                /* outside the lane blocks: lane 0 */
+                                    (void)J;
+                                    const int64_t Idx = Off + Ci * S + Si;
+                                    const double Xv = x[Idx];
+                                    const double xhat = rstd*(Xv - mean);
+                                    y_R[Idx - (Off + Ci * S)] = (double)(gamma_V*xhat + beta_V);
+                                }
+                            }
+
+                        }
+                    }
+                }
+            }
+        }
+        if (y_Stream)
+            Dg_fence();
+
+    }
+    return 0;
+}
+
+/* ---- train split reduction, double: the backward's sums over this part of every
+ * group (2 per group) ---- */
+int batchnorm_train_split_bpartial_f64(
+    int64_t O, int64_t G, int64_t Cg, int64_t S,
+    const double *restrict x,
+    const double *restrict dy,
+    const double *restrict gamma,
+    const double *restrict beta,
+    double eps,
+    double momentum,
+
+    const double *restrict Stats,
+    double N_total,
+    double *restrict Sums,
+    int Nthreads)
+{
+    const int64_t M = Cg * S;                       /* contiguous values per (o, g) block */
+    const int64_t N_groups = G;
+    const int64_t Blocks = O;               /* blocks per group */
+    const int64_t Block_stride = G * M;
+    (void)Block_stride;
+    const double N = N_total;                  /* values per group, over all parts */
+    const int64_t Total = N_groups * Blocks * M;    /* values in x */
+    const int64_t Ahead = DG_AHEAD_BYTES / (int64_t)sizeof(double);
+    const int Nth = Dg_threads(Nthreads);
+    (void)N;
+    (void)Nth;
+    (void)Total;
+    (void)Ahead;
+    (void)gamma;
+    (void)beta;
+    (void)eps;
+    (void)momentum;
+    (void)x;
+
+    (void)dy;
+    (void)Stats;
+    (void)Sums;
+    DG_PRAGMA(omp parallel num_threads(Nth))
+    {
+        int64_t Lo, Hi;
+        Dg_share(N_groups, &Lo, &Hi);
+        for (int64_t Grp = Lo; Grp < Hi; ++Grp) {
+            const int64_t Gi = G == 1 ? 0 : Grp % G;     /* channel group */
+            (void)Gi;
+            const int64_t Base = Gi * M;
+            (void)Base;
+            const double mean = Stats[0 * N_groups + Grp];
+            (void)mean;
+            const double var = Stats[1 * N_groups + Grp];
+            (void)var;
+            const double rstd = Stats[2 * N_groups + Grp];
+            (void)rstd;
+
+            double Sum_g;
+            double Sum_g_xhat;
+            {
+                Sum_g = 0.0;         /* the blocks' lane sums, added in block order */
+                Sum_g_xhat = 0.0;         /* the blocks' lane sums, added in block order */
+                for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
+                    const int64_t Off = Base + Blk * Block_stride;
+                    double Lane_Sum_g[DG_LANES] = {0};
+                    double Lane_Sum_g_xhat[DG_LANES] = {0};
+                    const int64_t Nxt = Blk + 1 < Blocks ? Off + Block_stride : Base + M;   /* block read next */
+                    if (S == 1) {           /* parameters vary along the run */
+                        {
+                            int64_t Mi = 0;
+                            for (; Mi + DG_LANES <= Cg; Mi += DG_LANES) {
+                                for (int Q = 0; Q < DG_LANES; Q += 64 / (int)sizeof(*x)) {  /* read ahead, a line at a time */
+                                    const int64_t Pf = Dg_ahead(Off, Mi + Q, M, Nxt, Total, Ahead);
+                                    if (Pf >= 0) DG_PREFETCH(x + Pf);
+                                }
+                                for (int Q = 0; Q < DG_LANES; Q += 64 / (int)sizeof(*dy)) {  /* read ahead, a line at a time */
+                                    const int64_t Pf = Dg_ahead(Off, Mi + Q, M, Nxt, Total, Ahead);
+                                    if (Pf >= 0) DG_PREFETCH(dy + Pf);
+                                }
+                                DG_INDEPENDENT
+                                for (int J = 0; J < DG_LANES; ++J) {
+                                    const int64_t Idx = Off + Mi + J;
+                                    const int64_t Ch = Gi * Cg + Mi + J;
+                                    const double gamma_V = gamma[Ch];
+                                    const double Xv = x[Idx];
+                                    const double Dyv = dy[Idx];
+                                    const double xhat = rstd*(Xv - mean);
+                                    const double g = Dyv*gamma_V;
+                                    Lane_Sum_g[J] += g;
+                                    Lane_Sum_g_xhat[J] += g*xhat;
+                                }
+                            }
+                            for (; Mi < Cg; ++Mi) {
+                                const int J = 0;                /* outside the lane blocks: lane 0 */
+                                (void)J;
+                                const int64_t Idx = Off + Mi;
+                                const int64_t Ch = Gi * Cg + Mi;
+                                const double gamma_V = gamma[Ch];
+                                const double Xv = x[Idx];
+                                const double Dyv = dy[Idx];
+                                const double xhat = rstd*(Xv - mean);
+                                const double g = Dyv*gamma_V;
+                                Lane_Sum_g[J] += g;
+                                Lane_Sum_g_xhat[J] += g*xhat;
+                            }
+                        }
+
+                    } else {                /* NCHW: one parameter per run of S values */
+                        for (int64_t Ci = 0; Ci < Cg; ++Ci) {
+                            const int64_t Ch = Gi * Cg + Ci;
+                            const double gamma_V = gamma[Ch];
+                            {
+                                int64_t Si = 0;
+                                for (; Si + DG_LANES <= S; Si += DG_LANES) {
+                                    for (int Q = 0; Q < DG_LANES; Q += 64 / (int)sizeof(*x)) {  /* read ahead, a line at a time */
+                                        const int64_t Pf = Dg_ahead(Off, Ci * S + Si + Q, M, Nxt, Total, Ahead);
+                                        if (Pf >= 0) DG_PREFETCH(x + Pf);
+                                    }
+                                    for (int Q = 0; Q < DG_LANES; Q += 64 / (int)sizeof(*dy)) {  /* read ahead, a line at a time */
+                                        const int64_t Pf = Dg_ahead(Off, Ci * S + Si + Q, M, Nxt, Total, Ahead);
+                                        if (Pf >= 0) DG_PREFETCH(dy + Pf);
+                                    }
+                                    DG_INDEPENDENT
+                                    for (int J = 0; J < DG_LANES; ++J) {
+                                        const int64_t Idx = Off + Ci * S + Si + J;
+                                        const double Xv = x[Idx];
+                                        const double Dyv = dy[Idx];
+                                        const double xhat = rstd*(Xv - mean);
+                                        const double g = Dyv*gamma_V;
+                                        Lane_Sum_g[J] += g;
+                                        Lane_Sum_g_xhat[J] += g*xhat;
+                                    }
+                                }
+                                for (; Si < S; ++Si) {
+                                    const int J = 0;                /* outside the lane blocks: lane 0 */
+                                    (void)J;
+                                    const int64_t Idx = Off + Ci * S + Si;
+                                    const double Xv = x[Idx];
+                                    const double Dyv = dy[Idx];
+                                    const double xhat = rstd*(Xv - mean);
+                                    const double g = Dyv*gamma_V;
+                                    Lane_Sum_g[J] += g;
+                                    Lane_Sum_g_xhat[J] += g*xhat;
+                                }
+                            }
+
+                        }
+                    }
+                    Sum_g += Dg_lanes(Lane_Sum_g);
+                    Sum_g_xhat += Dg_lanes(Lane_Sum_g_xhat);
+                }
+            }
+            Sums[0 * N_groups + Grp] = Sum_g;
+            Sums[1 * N_groups + Grp] = Sum_g_xhat;
+        }
+    }
+    return 0;
+}
+
+/* ---- train backward apply of the split reduction, double: the backward's sums over
+ * whole groups (from split_bpartial, added over the parts) and the group size N_total are
+ * given; parameter gradients are over this part; group_terms 0 leaves out what a
+ * parameter or input gets once per group (through the statistics), for all parts but one ---- */
+int batchnorm_train_split_bapply_f64(
+    int64_t O, int64_t G, int64_t Cg, int64_t S,
+    const double *restrict x,
+    const double *restrict dy,
+    const double *restrict gamma,
+    const double *restrict beta,
+    double eps,
+    double momentum,
+    const double *restrict Stats,
+    const double *restrict Sums,
+    double N_total,
+    int Group_terms,
+    double *restrict dx,
+    double *restrict dgamma,
+    double *restrict dbeta,
+    int Nthreads)
+{
+    const int64_t M = Cg * S;                       /* contiguous values per (o, g) block */
+    const int64_t N_groups = G;
+    const int64_t Blocks = O;               /* blocks per group */
+    const int64_t Block_stride = G * M;
+    (void)Block_stride;
+    const double N = N_total;                  /* values per group, over all parts */
+    const int64_t Total = N_groups * Blocks * M;    /* values in x */
+    const int64_t Ahead = DG_AHEAD_BYTES / (int64_t)sizeof(double);
+    const int Nth = Dg_threads(Nthreads);
+    (void)N;
+    (void)Nth;
+    (void)Total;
+    (void)Ahead;
+    (void)gamma;
+    (void)beta;
+    (void)eps;
+    (void)momentum;
+    (void)x;
+
+    (void)Group_terms;
+    (void)Stats;
+    (void)Sums;
+    const int64_t C = G * Cg;                        /* parameter length */
+    const int64_t P = 2;      /* parameters */
+    (void)dy;
+    /* per-thread partial sums of the parameter gradients, reduced once at the end;
+     * runs along the channel axis add into float pend, flushed into part every DG_PEND runs */
+    double *Part = (double *)calloc((size_t)(Nth * P * C) + 1, sizeof(double));
+    double *Pend_all = (double *)calloc((size_t)(Nth * P * C) + 1, sizeof(double));
+    if (Part == NULL || Pend_all == NULL) {
+        free(Part);
+        free(Pend_all);
+        return -1;
+    }
+    DG_PRAGMA(omp parallel num_threads(Nth))
+    {
+        double *restrict Mine = Part + (int64_t)Dg_thread_id() * P * C;
+        (void)Mine;
+        double *restrict Pend = Pend_all + (int64_t)Dg_thread_id() * P * C;
+        int Pending = 0;                             /* runs added into pend since its last flush */
+        int64_t Pend_lo = C, Pend_hi = 0;            /* the channels they touched */
+        const int dx_Stream = Dg_stream_on(Total, (int64_t)sizeof(double));
+        const int64_t dx_Cap = Dg_tile_len(S == 1 ? M : S, (int64_t)sizeof(double));
+        double *dx_Tile = (double *)Dg_tile(dx_Stream, dx_Cap, (int64_t)sizeof(double));   /* NULL: dx in place */
+        int64_t dx_At = 0, dx_Fill = 0;           /* the tile holds dx[at, at + fill) */
+        (void)dx_Stream;
+        (void)Pend;
+        (void)Pending;
+        (void)Pend_lo;
+        (void)Pend_hi;
+        int64_t Lo, Hi;
+        Dg_share(N_groups, &Lo, &Hi);              /* this thread's groups (as schedule(static)) */
+        for (int64_t Grp = Lo; Grp < Hi; ++Grp) {
+            const int64_t Gi = G == 1 ? 0 : Grp % G;     /* channel group */
+            (void)Gi;
+            const int64_t Base = Gi * M;
+            (void)Base;
+            const double mean = Stats[0 * N_groups + Grp];
+            (void)mean;
+            const double var = Stats[1 * N_groups + Grp];
+            (void)var;
+            const double rstd = Stats[2 * N_groups + Grp];
+            (void)rstd;
+            const double Sum_g = Sums[0 * N_groups + Grp];
+            const double Sum_g_xhat = Sums[1 * N_groups + Grp];
             const double Mean_g = Sum_g/N;  /* Mean_g = mean(g) */
             const double Mean_g_xhat = Sum_g_xhat/N;  /* Mean_g_xhat = mean(g*xhat) */
             const double K_1 = -Mean_g*rstd;  /* coefficient of 1 in dx */
@@ -2240,6 +3741,7 @@ int batchnorm_train_forward_bf16(
     const int64_t N_groups = G;
     const int64_t Blocks = O;               /* blocks per group */
     const int64_t Block_stride = G * M;
+    (void)Block_stride;
     const double N = (double)(Blocks * M);          /* values per group */
     const int64_t Total = N_groups * Blocks * M;    /* values in x */
     const int64_t Ahead = DG_AHEAD_BYTES / (int64_t)sizeof(dg_bf16);
@@ -2264,6 +3766,7 @@ int batchnorm_train_forward_bf16(
             const int64_t Gi = G == 1 ? 0 : Grp % G;     /* channel group */
             (void)Gi;
             const int64_t Base = Gi * M;
+            (void)Base;
             const double running_mean_G = running_mean ? (double)Dg_from_bf16(running_mean[Grp]) : 0.0;   /* one value per group */
             const double running_var_G = running_var ? (double)Dg_from_bf16(running_var[Grp]) : 0.0;   /* one value per group */
             double Sum_mean;
@@ -2466,6 +3969,7 @@ int batchnorm_train_backward_bf16(
     const int64_t N_groups = G;
     const int64_t Blocks = O;               /* blocks per group */
     const int64_t Block_stride = G * M;
+    (void)Block_stride;
     const double N = (double)(Blocks * M);          /* values per group */
     const int64_t Total = N_groups * Blocks * M;    /* values in x */
     const int64_t Ahead = DG_AHEAD_BYTES / (int64_t)sizeof(dg_bf16);
@@ -2514,6 +4018,7 @@ int batchnorm_train_backward_bf16(
             const int64_t Gi = G == 1 ? 0 : Grp % G;     /* channel group */
             (void)Gi;
             const int64_t Base = Gi * M;
+            (void)Base;
             const double mean = mean_In[Grp];
             (void)mean;
             const double var = var_In[Grp];
@@ -3356,6 +4861,7 @@ int batchnorm_eval_forward_f32(
     const int64_t N_groups = G;
     const int64_t Blocks = O;               /* blocks per group */
     const int64_t Block_stride = G * M;
+    (void)Block_stride;
     const double N = (double)(Blocks * M);          /* values per group */
     const int64_t Total = N_groups * Blocks * M;    /* values in x */
     const int64_t Ahead = DG_AHEAD_BYTES / (int64_t)sizeof(float);
@@ -3380,6 +4886,7 @@ int batchnorm_eval_forward_f32(
             const int64_t Gi = G == 1 ? 0 : Grp % G;     /* channel group */
             (void)Gi;
             const int64_t Base = Gi * M;
+            (void)Base;
             const double running_mean_G = running_mean ? (double)running_mean[Grp] : 0.0;   /* one value per group */
             const double running_var_G = running_var ? (double)running_var[Grp] : 0.0;   /* one value per group */
             const double mean = running_mean_G;  /* mean = running_mean */
@@ -3526,6 +5033,7 @@ int batchnorm_eval_backward_f32(
     const int64_t N_groups = G;
     const int64_t Blocks = O;               /* blocks per group */
     const int64_t Block_stride = G * M;
+    (void)Block_stride;
     const double N = (double)(Blocks * M);          /* values per group */
     const int64_t Total = N_groups * Blocks * M;    /* values in x */
     const int64_t Ahead = DG_AHEAD_BYTES / (int64_t)sizeof(float);
@@ -3574,6 +5082,7 @@ int batchnorm_eval_backward_f32(
             const int64_t Gi = G == 1 ? 0 : Grp % G;     /* channel group */
             (void)Gi;
             const int64_t Base = Gi * M;
+            (void)Base;
             const double mean = mean_In[Grp];
             (void)mean;
             const double var = var_In[Grp];
@@ -4096,6 +5605,7 @@ int batchnorm_eval_forward_f64(
     const int64_t N_groups = G;
     const int64_t Blocks = O;               /* blocks per group */
     const int64_t Block_stride = G * M;
+    (void)Block_stride;
     const double N = (double)(Blocks * M);          /* values per group */
     const int64_t Total = N_groups * Blocks * M;    /* values in x */
     const int64_t Ahead = DG_AHEAD_BYTES / (int64_t)sizeof(double);
@@ -4120,6 +5630,7 @@ int batchnorm_eval_forward_f64(
             const int64_t Gi = G == 1 ? 0 : Grp % G;     /* channel group */
             (void)Gi;
             const int64_t Base = Gi * M;
+            (void)Base;
             const double running_mean_G = running_mean ? running_mean[Grp] : 0.0;   /* one value per group */
             const double running_var_G = running_var ? running_var[Grp] : 0.0;   /* one value per group */
             const double mean = running_mean_G;  /* mean = running_mean */
@@ -4262,6 +5773,7 @@ int batchnorm_eval_backward_f64(
     const int64_t N_groups = G;
     const int64_t Blocks = O;               /* blocks per group */
     const int64_t Block_stride = G * M;
+    (void)Block_stride;
     const double N = (double)(Blocks * M);          /* values per group */
     const int64_t Total = N_groups * Blocks * M;    /* values in x */
     const int64_t Ahead = DG_AHEAD_BYTES / (int64_t)sizeof(double);
@@ -4310,6 +5822,7 @@ int batchnorm_eval_backward_f64(
             const int64_t Gi = G == 1 ? 0 : Grp % G;     /* channel group */
             (void)Gi;
             const int64_t Base = Gi * M;
+            (void)Base;
             const double mean = mean_In[Grp];
             (void)mean;
             const double var = var_In[Grp];
@@ -4790,6 +6303,7 @@ int batchnorm_eval_forward_bf16(
     const int64_t N_groups = G;
     const int64_t Blocks = O;               /* blocks per group */
     const int64_t Block_stride = G * M;
+    (void)Block_stride;
     const double N = (double)(Blocks * M);          /* values per group */
     const int64_t Total = N_groups * Blocks * M;    /* values in x */
     const int64_t Ahead = DG_AHEAD_BYTES / (int64_t)sizeof(dg_bf16);
@@ -4814,6 +6328,7 @@ int batchnorm_eval_forward_bf16(
             const int64_t Gi = G == 1 ? 0 : Grp % G;     /* channel group */
             (void)Gi;
             const int64_t Base = Gi * M;
+            (void)Base;
             const double running_mean_G = running_mean ? (double)Dg_from_bf16(running_mean[Grp]) : 0.0;   /* one value per group */
             const double running_var_G = running_var ? (double)Dg_from_bf16(running_var[Grp]) : 0.0;   /* one value per group */
             const double mean = running_mean_G;  /* mean = running_mean */
@@ -4960,6 +6475,7 @@ int batchnorm_eval_backward_bf16(
     const int64_t N_groups = G;
     const int64_t Blocks = O;               /* blocks per group */
     const int64_t Block_stride = G * M;
+    (void)Block_stride;
     const double N = (double)(Blocks * M);          /* values per group */
     const int64_t Total = N_groups * Blocks * M;    /* values in x */
     const int64_t Ahead = DG_AHEAD_BYTES / (int64_t)sizeof(dg_bf16);
@@ -5008,6 +6524,7 @@ int batchnorm_eval_backward_bf16(
             const int64_t Gi = G == 1 ? 0 : Grp % G;     /* channel group */
             (void)Gi;
             const int64_t Base = Gi * M;
+            (void)Base;
             const double mean = mean_In[Grp];
             (void)mean;
             const double var = var_In[Grp];

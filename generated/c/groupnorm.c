@@ -70,6 +70,7 @@ int groupnorm_train_forward_f32(
     const int64_t N_groups = O * G;
     const int64_t Blocks = 1;               /* blocks per group */
     const int64_t Block_stride = G * M;
+    (void)Block_stride;
     const double N = (double)(Blocks * M);          /* values per group */
     const int64_t Total = N_groups * Blocks * M;    /* values in x */
     const int64_t Ahead = DG_AHEAD_BYTES / (int64_t)sizeof(float);
@@ -93,6 +94,7 @@ int groupnorm_train_forward_f32(
             const int64_t Gi = G == 1 ? 0 : Grp % G;     /* channel group */
             (void)Gi;
             const int64_t Base = Grp * M;
+            (void)Base;
             double Sum_mean;
             {
                 Sum_mean = 0.0;         /* the blocks' lane sums, added in block order */
@@ -286,6 +288,7 @@ int groupnorm_train_backward_f32(
     const int64_t N_groups = O * G;
     const int64_t Blocks = 1;               /* blocks per group */
     const int64_t Block_stride = G * M;
+    (void)Block_stride;
     const double N = (double)(Blocks * M);          /* values per group */
     const int64_t Total = N_groups * Blocks * M;    /* values in x */
     const int64_t Ahead = DG_AHEAD_BYTES / (int64_t)sizeof(float);
@@ -333,6 +336,7 @@ int groupnorm_train_backward_f32(
             const int64_t Gi = G == 1 ? 0 : Grp % G;     /* channel group */
             (void)Gi;
             const int64_t Base = Grp * M;
+            (void)Base;
             const double mean = mean_In[Grp];
             (void)mean;
             const double var = var_In[Grp];
@@ -1023,6 +1027,7 @@ int groupnorm_train_forward_f64(
     const int64_t N_groups = O * G;
     const int64_t Blocks = 1;               /* blocks per group */
     const int64_t Block_stride = G * M;
+    (void)Block_stride;
     const double N = (double)(Blocks * M);          /* values per group */
     const int64_t Total = N_groups * Blocks * M;    /* values in x */
     const int64_t Ahead = DG_AHEAD_BYTES / (int64_t)sizeof(double);
@@ -1046,6 +1051,7 @@ int groupnorm_train_forward_f64(
             const int64_t Gi = G == 1 ? 0 : Grp % G;     /* channel group */
             (void)Gi;
             const int64_t Base = Grp * M;
+            (void)Base;
             double Sum_mean;
             {
                 Sum_mean = 0.0;         /* the blocks' lane sums, added in block order */
@@ -1235,6 +1241,7 @@ int groupnorm_train_backward_f64(
     const int64_t N_groups = O * G;
     const int64_t Blocks = 1;               /* blocks per group */
     const int64_t Block_stride = G * M;
+    (void)Block_stride;
     const double N = (double)(Blocks * M);          /* values per group */
     const int64_t Total = N_groups * Blocks * M;    /* values in x */
     const int64_t Ahead = DG_AHEAD_BYTES / (int64_t)sizeof(double);
@@ -1282,6 +1289,7 @@ int groupnorm_train_backward_f64(
             const int64_t Gi = G == 1 ? 0 : Grp % G;     /* channel group */
             (void)Gi;
             const int64_t Base = Grp * M;
+            (void)Base;
             const double mean = mean_In[Grp];
             (void)mean;
             const double var = var_In[Grp];
@@ -1926,6 +1934,7 @@ int groupnorm_train_forward_bf16(
     const int64_t N_groups = O * G;
     const int64_t Blocks = 1;               /* blocks per group */
     const int64_t Block_stride = G * M;
+    (void)Block_stride;
     const double N = (double)(Blocks * M);          /* values per group */
     const int64_t Total = N_groups * Blocks * M;    /* values in x */
     const int64_t Ahead = DG_AHEAD_BYTES / (int64_t)sizeof(dg_bf16);
@@ -1949,6 +1958,7 @@ int groupnorm_train_forward_bf16(
             const int64_t Gi = G == 1 ? 0 : Grp % G;     /* channel group */
             (void)Gi;
             const int64_t Base = Grp * M;
+            (void)Base;
             double Sum_mean;
             {
                 Sum_mean = 0.0;         /* the blocks' lane sums, added in block order */
@@ -2142,6 +2152,7 @@ int groupnorm_train_backward_bf16(
     const int64_t N_groups = O * G;
     const int64_t Blocks = 1;               /* blocks per group */
     const int64_t Block_stride = G * M;
+    (void)Block_stride;
     const double N = (double)(Blocks * M);          /* values per group */
     const int64_t Total = N_groups * Blocks * M;    /* values in x */
     const int64_t Ahead = DG_AHEAD_BYTES / (int64_t)sizeof(dg_bf16);
@@ -2189,6 +2200,7 @@ int groupnorm_train_backward_bf16(
             const int64_t Gi = G == 1 ? 0 : Grp % G;     /* channel group */
             (void)Gi;
             const int64_t Base = Grp * M;
+            (void)Base;
             const double mean = mean_In[Grp];
             (void)mean;
             const double var = var_In[Grp];

@@ -70,6 +70,7 @@ int layernorm_train_forward_f32(
     const int64_t N_groups = O * G;
     const int64_t Blocks = 1;               /* blocks per group */
     const int64_t Block_stride = G * M;
+    (void)Block_stride;
     const double N = (double)(Blocks * M);          /* values per group */
     const int64_t Total = N_groups * Blocks * M;    /* values in x */
     const int64_t Ahead = DG_AHEAD_BYTES / (int64_t)sizeof(float);
@@ -93,6 +94,7 @@ int layernorm_train_forward_f32(
             const int64_t Gi = G == 1 ? 0 : Grp % G;     /* channel group */
             (void)Gi;
             const int64_t Base = Grp * M;
+            (void)Base;
             double Sum_mean;
             {
                 double Lane_Sum_mean[DG_LANES] = {0};
@@ -243,6 +245,7 @@ int layernorm_train_backward_f32(
     const int64_t N_groups = O * G;
     const int64_t Blocks = 1;               /* blocks per group */
     const int64_t Block_stride = G * M;
+    (void)Block_stride;
     const double N = (double)(Blocks * M);          /* values per group */
     const int64_t Total = N_groups * Blocks * M;    /* values in x */
     const int64_t Ahead = DG_AHEAD_BYTES / (int64_t)sizeof(float);
@@ -290,6 +293,7 @@ int layernorm_train_backward_f32(
             const int64_t Gi = G == 1 ? 0 : Grp % G;     /* channel group */
             (void)Gi;
             const int64_t Base = Grp * M;
+            (void)Base;
             const double mean = mean_In[Grp];
             (void)mean;
             const double var = var_In[Grp];
@@ -478,6 +482,7 @@ int layernorm_train_forward_f64(
     const int64_t N_groups = O * G;
     const int64_t Blocks = 1;               /* blocks per group */
     const int64_t Block_stride = G * M;
+    (void)Block_stride;
     const double N = (double)(Blocks * M);          /* values per group */
     const int64_t Total = N_groups * Blocks * M;    /* values in x */
     const int64_t Ahead = DG_AHEAD_BYTES / (int64_t)sizeof(double);
@@ -501,6 +506,7 @@ int layernorm_train_forward_f64(
             const int64_t Gi = G == 1 ? 0 : Grp % G;     /* channel group */
             (void)Gi;
             const int64_t Base = Grp * M;
+            (void)Base;
             double Sum_mean;
             {
                 double Lane_Sum_mean[DG_LANES] = {0};
@@ -647,6 +653,7 @@ int layernorm_train_backward_f64(
     const int64_t N_groups = O * G;
     const int64_t Blocks = 1;               /* blocks per group */
     const int64_t Block_stride = G * M;
+    (void)Block_stride;
     const double N = (double)(Blocks * M);          /* values per group */
     const int64_t Total = N_groups * Blocks * M;    /* values in x */
     const int64_t Ahead = DG_AHEAD_BYTES / (int64_t)sizeof(double);
@@ -694,6 +701,7 @@ int layernorm_train_backward_f64(
             const int64_t Gi = G == 1 ? 0 : Grp % G;     /* channel group */
             (void)Gi;
             const int64_t Base = Grp * M;
+            (void)Base;
             const double mean = mean_In[Grp];
             (void)mean;
             const double var = var_In[Grp];
@@ -873,6 +881,7 @@ int layernorm_train_forward_bf16(
     const int64_t N_groups = O * G;
     const int64_t Blocks = 1;               /* blocks per group */
     const int64_t Block_stride = G * M;
+    (void)Block_stride;
     const double N = (double)(Blocks * M);          /* values per group */
     const int64_t Total = N_groups * Blocks * M;    /* values in x */
     const int64_t Ahead = DG_AHEAD_BYTES / (int64_t)sizeof(dg_bf16);
@@ -896,6 +905,7 @@ int layernorm_train_forward_bf16(
             const int64_t Gi = G == 1 ? 0 : Grp % G;     /* channel group */
             (void)Gi;
             const int64_t Base = Grp * M;
+            (void)Base;
             double Sum_mean;
             {
                 double Lane_Sum_mean[DG_LANES] = {0};
@@ -1046,6 +1056,7 @@ int layernorm_train_backward_bf16(
     const int64_t N_groups = O * G;
     const int64_t Blocks = 1;               /* blocks per group */
     const int64_t Block_stride = G * M;
+    (void)Block_stride;
     const double N = (double)(Blocks * M);          /* values per group */
     const int64_t Total = N_groups * Blocks * M;    /* values in x */
     const int64_t Ahead = DG_AHEAD_BYTES / (int64_t)sizeof(dg_bf16);
@@ -1093,6 +1104,7 @@ int layernorm_train_backward_bf16(
             const int64_t Gi = G == 1 ? 0 : Grp % G;     /* channel group */
             (void)Gi;
             const int64_t Base = Grp * M;
+            (void)Base;
             const double mean = mean_In[Grp];
             (void)mean;
             const double var = var_In[Grp];

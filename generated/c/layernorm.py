@@ -41,7 +41,8 @@ _META = {'name': 'layernorm',
          'buffer_init': {},
          'modes': ['train'],
          'min_group_size': {'train': 1},
-         'stats': {'train': ['mean', 'var', 'rstd']}}
+         'stats': {'train': ['mean', 'var', 'rstd']},
+         'split': None}
 Grads = _rt.grads_type('layernorm', _rt.grad_fields(_META))
 _kernel = CKernel(_META, Path(__file__).with_name('layernorm.c'))
 

@@ -79,6 +79,7 @@ int online_layernorm_train_forward_f32(
     const int64_t N_groups = O * G;
     const int64_t Blocks = 1;               /* blocks per group */
     const int64_t Block_stride = G * M;
+    (void)Block_stride;
     const double N = (double)(Blocks * M);          /* values per group */
     const int64_t Total = N_groups * Blocks * M;    /* values in x */
     const int64_t Ahead = DG_AHEAD_BYTES / (int64_t)sizeof(float);
@@ -103,6 +104,7 @@ int online_layernorm_train_forward_f32(
             const int64_t Gi = G == 1 ? 0 : Grp % G;     /* channel group */
             (void)Gi;
             const int64_t Base = Grp * M;
+            (void)Base;
             const double prev_mean = (double)prev_mean_In[Grp * prev_mean_Stride];
             (void)prev_mean;
             const double prev_std = (double)prev_std_In[Grp * prev_std_Stride];
@@ -268,6 +270,7 @@ int online_layernorm_train_backward_f32(
     const int64_t N_groups = O * G;
     const int64_t Blocks = 1;               /* blocks per group */
     const int64_t Block_stride = G * M;
+    (void)Block_stride;
     const double N = (double)(Blocks * M);          /* values per group */
     const int64_t Total = N_groups * Blocks * M;    /* values in x */
     const int64_t Ahead = DG_AHEAD_BYTES / (int64_t)sizeof(float);
@@ -316,6 +319,7 @@ int online_layernorm_train_backward_f32(
             const int64_t Gi = G == 1 ? 0 : Grp % G;     /* channel group */
             (void)Gi;
             const int64_t Base = Grp * M;
+            (void)Base;
             const double prev_mean = (double)prev_mean_In[Grp * prev_mean_Stride];
             (void)prev_mean;
             const double prev_std = (double)prev_std_In[Grp * prev_std_Stride];
@@ -529,6 +533,7 @@ int online_layernorm_train_forward_f64(
     const int64_t N_groups = O * G;
     const int64_t Blocks = 1;               /* blocks per group */
     const int64_t Block_stride = G * M;
+    (void)Block_stride;
     const double N = (double)(Blocks * M);          /* values per group */
     const int64_t Total = N_groups * Blocks * M;    /* values in x */
     const int64_t Ahead = DG_AHEAD_BYTES / (int64_t)sizeof(double);
@@ -553,6 +558,7 @@ int online_layernorm_train_forward_f64(
             const int64_t Gi = G == 1 ? 0 : Grp % G;     /* channel group */
             (void)Gi;
             const int64_t Base = Grp * M;
+            (void)Base;
             const double prev_mean = prev_mean_In[Grp * prev_mean_Stride];
             (void)prev_mean;
             const double prev_std = prev_std_In[Grp * prev_std_Stride];
@@ -714,6 +720,7 @@ int online_layernorm_train_backward_f64(
     const int64_t N_groups = O * G;
     const int64_t Blocks = 1;               /* blocks per group */
     const int64_t Block_stride = G * M;
+    (void)Block_stride;
     const double N = (double)(Blocks * M);          /* values per group */
     const int64_t Total = N_groups * Blocks * M;    /* values in x */
     const int64_t Ahead = DG_AHEAD_BYTES / (int64_t)sizeof(double);
@@ -762,6 +769,7 @@ int online_layernorm_train_backward_f64(
             const int64_t Gi = G == 1 ? 0 : Grp % G;     /* channel group */
             (void)Gi;
             const int64_t Base = Grp * M;
+            (void)Base;
             const double prev_mean = prev_mean_In[Grp * prev_mean_Stride];
             (void)prev_mean;
             const double prev_std = prev_std_In[Grp * prev_std_Stride];
@@ -964,6 +972,7 @@ int online_layernorm_train_forward_bf16(
     const int64_t N_groups = O * G;
     const int64_t Blocks = 1;               /* blocks per group */
     const int64_t Block_stride = G * M;
+    (void)Block_stride;
     const double N = (double)(Blocks * M);          /* values per group */
     const int64_t Total = N_groups * Blocks * M;    /* values in x */
     const int64_t Ahead = DG_AHEAD_BYTES / (int64_t)sizeof(dg_bf16);
@@ -988,6 +997,7 @@ int online_layernorm_train_forward_bf16(
             const int64_t Gi = G == 1 ? 0 : Grp % G;     /* channel group */
             (void)Gi;
             const int64_t Base = Grp * M;
+            (void)Base;
             const double prev_mean = (double)Dg_from_bf16(prev_mean_In[Grp * prev_mean_Stride]);
             (void)prev_mean;
             const double prev_std = (double)Dg_from_bf16(prev_std_In[Grp * prev_std_Stride]);
@@ -1153,6 +1163,7 @@ int online_layernorm_train_backward_bf16(
     const int64_t N_groups = O * G;
     const int64_t Blocks = 1;               /* blocks per group */
     const int64_t Block_stride = G * M;
+    (void)Block_stride;
     const double N = (double)(Blocks * M);          /* values per group */
     const int64_t Total = N_groups * Blocks * M;    /* values in x */
     const int64_t Ahead = DG_AHEAD_BYTES / (int64_t)sizeof(dg_bf16);
@@ -1201,6 +1212,7 @@ int online_layernorm_train_backward_bf16(
             const int64_t Gi = G == 1 ? 0 : Grp % G;     /* channel group */
             (void)Gi;
             const int64_t Base = Grp * M;
+            (void)Base;
             const double prev_mean = (double)Dg_from_bf16(prev_mean_In[Grp * prev_mean_Stride]);
             (void)prev_mean;
             const double prev_std = (double)Dg_from_bf16(prev_std_In[Grp * prev_std_Stride]);

@@ -65,6 +65,7 @@ int rmsnorm_train_forward_f32(
     const int64_t N_groups = O * G;
     const int64_t Blocks = 1;               /* blocks per group */
     const int64_t Block_stride = G * M;
+    (void)Block_stride;
     const double N = (double)(Blocks * M);          /* values per group */
     const int64_t Total = N_groups * Blocks * M;    /* values in x */
     const int64_t Ahead = DG_AHEAD_BYTES / (int64_t)sizeof(float);
@@ -87,6 +88,7 @@ int rmsnorm_train_forward_f32(
             const int64_t Gi = G == 1 ? 0 : Grp % G;     /* channel group */
             (void)Gi;
             const int64_t Base = Grp * M;
+            (void)Base;
             double Sum_ms;
             {
                 double Lane_Sum_ms[DG_LANES] = {0};
@@ -199,6 +201,7 @@ int rmsnorm_train_backward_f32(
     const int64_t N_groups = O * G;
     const int64_t Blocks = 1;               /* blocks per group */
     const int64_t Block_stride = G * M;
+    (void)Block_stride;
     const double N = (double)(Blocks * M);          /* values per group */
     const int64_t Total = N_groups * Blocks * M;    /* values in x */
     const int64_t Ahead = DG_AHEAD_BYTES / (int64_t)sizeof(float);
@@ -245,6 +248,7 @@ int rmsnorm_train_backward_f32(
             const int64_t Gi = G == 1 ? 0 : Grp % G;     /* channel group */
             (void)Gi;
             const int64_t Base = Grp * M;
+            (void)Base;
             const double ms = ms_In[Grp];
             (void)ms;
             const double rstd = rstd_In[Grp];
@@ -406,6 +410,7 @@ int rmsnorm_train_forward_f64(
     const int64_t N_groups = O * G;
     const int64_t Blocks = 1;               /* blocks per group */
     const int64_t Block_stride = G * M;
+    (void)Block_stride;
     const double N = (double)(Blocks * M);          /* values per group */
     const int64_t Total = N_groups * Blocks * M;    /* values in x */
     const int64_t Ahead = DG_AHEAD_BYTES / (int64_t)sizeof(double);
@@ -428,6 +433,7 @@ int rmsnorm_train_forward_f64(
             const int64_t Gi = G == 1 ? 0 : Grp % G;     /* channel group */
             (void)Gi;
             const int64_t Base = Grp * M;
+            (void)Base;
             double Sum_ms;
             {
                 double Lane_Sum_ms[DG_LANES] = {0};
@@ -539,6 +545,7 @@ int rmsnorm_train_backward_f64(
     const int64_t N_groups = O * G;
     const int64_t Blocks = 1;               /* blocks per group */
     const int64_t Block_stride = G * M;
+    (void)Block_stride;
     const double N = (double)(Blocks * M);          /* values per group */
     const int64_t Total = N_groups * Blocks * M;    /* values in x */
     const int64_t Ahead = DG_AHEAD_BYTES / (int64_t)sizeof(double);
@@ -585,6 +592,7 @@ int rmsnorm_train_backward_f64(
             const int64_t Gi = G == 1 ? 0 : Grp % G;     /* channel group */
             (void)Gi;
             const int64_t Base = Grp * M;
+            (void)Base;
             const double ms = ms_In[Grp];
             (void)ms;
             const double rstd = rstd_In[Grp];
@@ -745,6 +753,7 @@ int rmsnorm_train_forward_bf16(
     const int64_t N_groups = O * G;
     const int64_t Blocks = 1;               /* blocks per group */
     const int64_t Block_stride = G * M;
+    (void)Block_stride;
     const double N = (double)(Blocks * M);          /* values per group */
     const int64_t Total = N_groups * Blocks * M;    /* values in x */
     const int64_t Ahead = DG_AHEAD_BYTES / (int64_t)sizeof(dg_bf16);
@@ -767,6 +776,7 @@ int rmsnorm_train_forward_bf16(
             const int64_t Gi = G == 1 ? 0 : Grp % G;     /* channel group */
             (void)Gi;
             const int64_t Base = Grp * M;
+            (void)Base;
             double Sum_ms;
             {
                 double Lane_Sum_ms[DG_LANES] = {0};
@@ -879,6 +889,7 @@ int rmsnorm_train_backward_bf16(
     const int64_t N_groups = O * G;
     const int64_t Blocks = 1;               /* blocks per group */
     const int64_t Block_stride = G * M;
+    (void)Block_stride;
     const double N = (double)(Blocks * M);          /* values per group */
     const int64_t Total = N_groups * Blocks * M;    /* values in x */
     const int64_t Ahead = DG_AHEAD_BYTES / (int64_t)sizeof(dg_bf16);
@@ -925,6 +936,7 @@ int rmsnorm_train_backward_bf16(
             const int64_t Gi = G == 1 ? 0 : Grp % G;     /* channel group */
             (void)Gi;
             const int64_t Base = Grp * M;
+            (void)Base;
             const double ms = ms_In[Grp];
             (void)ms;
             const double rstd = rstd_In[Grp];

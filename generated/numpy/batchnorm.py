@@ -61,7 +61,8 @@ _META = {'name': 'batchnorm',
          'buffer_init': {'running_mean': 0.0, 'running_var': 1.0},
          'modes': ['train', 'eval'],
          'min_group_size': {'train': 2, 'eval': 1},
-         'stats': {'train': ['mean', 'var', 'rstd'], 'eval': ['mean', 'var', 'rstd']}}
+         'stats': {'train': ['mean', 'var', 'rstd'], 'eval': ['mean', 'var', 'rstd']},
+         'split': {'levels': [1, 1], 'backward': 2}}
 Grads = _rt.grads_type('batchnorm', _rt.grad_fields(_META))
 
 
@@ -262,6 +263,184 @@ def _backward_eval(_call):
         dx=_call.outs["dx"],
         dgamma=_rt.store(_call.outs["dgamma"], D_gamma),
         dbeta=_rt.store(_call.outs["dbeta"], D_beta),
+    )
+
+
+# ---- the split reduction: the training forward and backward of a batch held in parts
+# (processes, micro-batches). Statistics are a (statistics, groups) float64 array in the
+# order ['mean', 'var', 'rstd']; count is the number of values per group over all parts.
+#   for level in range(2):      # sums per level: [1, 1]
+#       sums = sum over the parts of split_partial(level, part, ..., stats=stats)
+#       stats = split_finish(level, sums, count, ..., stats=stats)
+#   y_part = split_apply(part, ..., stats=stats, count=count)
+#   bsums = sum over the parts of split_backward_partial(dy_part, part, ..., stats=stats, count=count)
+#   grads_part = split_backward_apply(dy_part, part, ..., stats=stats, sums=bsums, count=count,
+#                                     group_terms=(this is the first part))
+# Parameter gradients are the part's share: add them over the parts.
+SPLIT_LEVELS = 2
+
+
+def _split_names(_c):
+    """The part's arrays as 4-D float64 views, by the names the formulas use."""
+    L = _c.layout
+    v = {"x": _rt.f64(_c.x).reshape(L.view4)}
+    v['gamma'] = _rt.f64(_c.params['gamma']).reshape(L.param4)
+    v['beta'] = _rt.f64(_c.params['beta']).reshape(L.param4)
+    v['mean'] = None if _c.stats is None else _c.stats[0].reshape(L.stat4)
+    v['var'] = None if _c.stats is None else _c.stats[1].reshape(L.stat4)
+    v['rstd'] = None if _c.stats is None else _c.stats[2].reshape(L.stat4)
+    return v
+
+
+def split_partial(level, x, gamma, beta, *, eps=1e-05, momentum=0.1, stats=None):
+    """This part's sums of statistics level ``level`` per group: float64 (sums, groups)."""
+    _c = _rt.prepare_split(
+        _META, x,
+        {"gamma": gamma, "beta": beta},
+        {"eps": eps, "momentum": momentum},
+        {},
+        stats)
+    L = _c.layout
+    _v = _split_names(_c)
+    x = _v["x"]
+    gamma = _v['gamma']
+    beta = _v['beta']
+    eps = _c.options['eps']
+    momentum = _c.options['momentum']
+    mean = _v['mean']
+    var = _v['var']
+    rstd = _v['rstd']
+    _sum = _rt.part_sum(L, x)
+    if level == 0:
+        _rt.need_stats(_META, _c, 0)
+        return _rt.sums_array(L, [_sum(x)])
+    if level == 1:
+        _rt.need_stats(_META, _c, 1)
+        return _rt.sums_array(L, [_sum((x - mean)**2)])
+    raise ValueError(f"batchnorm: level must be an int from 0 to 1, got {level!r}")
+
+
+def split_finish(level, sums, count, gamma, beta, *, eps=1e-05, momentum=0.1, stats=None):
+    """The statistics with level ``level``'s rows filled from its sums over all parts
+    (a new (statistics, groups) float64 array)."""
+    _c = _rt.prepare_split(
+        _META, _rt.finish_part(sums, _META, [gamma, beta]),
+        {"gamma": gamma, "beta": beta},
+        {"eps": eps, "momentum": momentum},
+        {},
+        stats, count, need_count=True)
+    L = _c.layout
+    N = _c.count
+    _v = _split_names(_c)
+    gamma = _v['gamma']
+    beta = _v['beta']
+    eps = _c.options['eps']
+    momentum = _c.options['momentum']
+    mean = _v['mean']
+    var = _v['var']
+    rstd = _v['rstd']
+    _out = _rt.stats_array(_META, _c)
+    if level == 0:
+        _S = _rt.check_sums(_META, sums, 1, L)
+        Sum_mean = _S[0].reshape(L.stat4)
+        mean = Sum_mean/N   # mean = mean(x)
+        _out[0] = _np.broadcast_to(mean, L.stat4).reshape(-1)
+        return _out
+    if level == 1:
+        _S = _rt.check_sums(_META, sums, 1, L)
+        Sum_var = _S[0].reshape(L.stat4)
+        var = Sum_var/N   # var = mean((x - mean)**2)
+        _out[1] = _np.broadcast_to(var, L.stat4).reshape(-1)
+        rstd = 1/_np.sqrt(var + eps)   # rstd = 1/sqrt(var + eps)
+        _out[2] = _np.broadcast_to(rstd, L.stat4).reshape(-1)
+        return _out
+    raise ValueError(f"batchnorm: level must be an int from 0 to 1, got {level!r}")
+
+
+def split_apply(x, gamma, beta, *, eps=1e-05, momentum=0.1, stats, count, out=None):
+    """This part's y from the statistics of the whole batch."""
+    _c = _rt.prepare_split(
+        _META, x,
+        {"gamma": gamma, "beta": beta},
+        {"eps": eps, "momentum": momentum},
+        {},
+        stats, count, need_stats=True, need_count=True)
+    L = _c.layout
+    N = _c.count
+    _v = _split_names(_c)
+    Y = _rt.check_out("out", out, _c.x.shape, _c.dtype)
+    x = _v["x"]
+    gamma = _v['gamma']
+    beta = _v['beta']
+    eps = _c.options['eps']
+    momentum = _c.options['momentum']
+    mean = _v['mean']
+    var = _v['var']
+    rstd = _v['rstd']
+    xhat = rstd*(x - mean)
+    Y.reshape(L.view4)[...] = gamma*xhat + beta
+    return Y
+
+
+def split_backward_partial(dy, x, gamma, beta, *, eps=1e-05, momentum=0.1, stats, count):
+    """This part's sums for the backward, per group: float64 (sums, groups)."""
+    _c = _rt.prepare_split(
+        _META, x,
+        {"gamma": gamma, "beta": beta},
+        {"eps": eps, "momentum": momentum},
+        {},
+        stats, count, need_stats=True, need_count=True)
+    L = _c.layout
+    N = _c.count
+    _v = _split_names(_c)
+    x = _v["x"]
+    dy = _rt.f64(_rt.check_dy(_META, dy, _c)).reshape(L.view4)
+    gamma = _v['gamma']
+    beta = _v['beta']
+    eps = _c.options['eps']
+    momentum = _c.options['momentum']
+    mean = _v['mean']
+    var = _v['var']
+    rstd = _v['rstd']
+    xhat = rstd*(x - mean)
+    g = dy*gamma
+    _sum = _rt.part_sum(L, x)
+    return _rt.sums_array(L, [_sum(g), _sum(g*xhat)])
+
+
+def split_backward_apply(dy, x, gamma, beta, *, eps=1e-05, momentum=0.1, stats, sums, count, group_terms=True):
+    """This part's ``Grads``: dx, and the parameters' and inputs' gradients over this part
+    (group_terms=False leaves out what they get once per group, through the statistics:
+    pass True for exactly one part)."""
+    _c = _rt.prepare_split(
+        _META, x,
+        {"gamma": gamma, "beta": beta},
+        {"eps": eps, "momentum": momentum},
+        {},
+        stats, count, need_stats=True, need_count=True)
+    L = _c.layout
+    N = _c.count
+    _v = _split_names(_c)
+    _S = _rt.check_sums(_META, sums, 2, L)
+    DX = _np.empty(_c.x.shape, dtype=_c.dtype)
+    x = _v["x"]
+    dy = _rt.f64(_rt.check_dy(_META, dy, _c)).reshape(L.view4)
+    gamma = _v['gamma']
+    beta = _v['beta']
+    eps = _c.options['eps']
+    momentum = _c.options['momentum']
+    mean = _v['mean']
+    var = _v['var']
+    rstd = _v['rstd']
+    xhat = rstd*(x - mean)
+    g = dy*gamma
+    Mean_g = _S[0].reshape(L.stat4) / N
+    Mean_g_xhat = _S[1].reshape(L.stat4) / N
+    DX.reshape(L.view4)[...] = rstd*(g - Mean_g - Mean_g_xhat*xhat)
+    return Grads(
+        dx=DX,
+        dgamma=_rt.part_param_grad(_rt.sum_prod(dy, xhat, L.param_axes), _c.params['gamma']),
+        dbeta=_rt.part_param_grad(_np.sum(dy, axis=L.param_axes, keepdims=True), _c.params['beta']),
     )
 
 

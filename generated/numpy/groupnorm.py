@@ -45,7 +45,8 @@ _META = {'name': 'groupnorm',
          'buffer_init': {},
          'modes': ['train'],
          'min_group_size': {'train': 2},
-         'stats': {'train': ['mean', 'var', 'rstd']}}
+         'stats': {'train': ['mean', 'var', 'rstd']},
+         'split': None}
 Grads = _rt.grads_type('groupnorm', _rt.grad_fields(_META))
 
 

@@ -45,7 +45,8 @@ _META = {'name': 'layernorm',
          'buffer_init': {},
          'modes': ['train'],
          'min_group_size': {'train': 1},
-         'stats': {'train': ['mean', 'var', 'rstd']}}
+         'stats': {'train': ['mean', 'var', 'rstd']},
+         'split': None}
 Grads = _rt.grads_type('layernorm', _rt.grad_fields(_META))
 
 

@@ -42,7 +42,8 @@ _META = {'name': 'rmsnorm',
          'buffer_init': {},
          'modes': ['train'],
          'min_group_size': {'train': 1},
-         'stats': {'train': ['ms', 'rstd']}}
+         'stats': {'train': ['ms', 'rstd']},
+         'split': None}
 Grads = _rt.grads_type('rmsnorm', _rt.grad_fields(_META))
 
 

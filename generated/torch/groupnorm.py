@@ -48,7 +48,8 @@ META = {'name': 'groupnorm',
         'buffer_init': {},
         'modes': ['train'],
         'min_group_size': {'train': 2},
-        'stats': {'train': ['mean', 'var', 'rstd']}}
+        'stats': {'train': ['mean', 'var', 'rstd']},
+        'split': None}
 
 
 def statistics_train(x, *, gamma, beta, eps, _L):

@@ -45,7 +45,8 @@ META = {'name': 'rmsnorm',
         'buffer_init': {},
         'modes': ['train'],
         'min_group_size': {'train': 1},
-        'stats': {'train': ['ms', 'rstd']}}
+        'stats': {'train': ['ms', 'rstd']},
+        'split': None}
 
 
 def statistics_train(x, *, gamma, eps, _L):
