@@ -161,8 +161,7 @@ class CKernel:
     def split_partial(self, call: rt.SplitCall, level: int) -> np.ndarray:
         m, L = self.meta, call.layout
         levels = m["split"]["levels"]
-        if not isinstance(level, (int, np.integer)) or not 0 <= level < len(levels):
-            raise ValueError(f"{m['name']}: level must be an int from 0 to {len(levels) - 1}, got {level!r}")
+        level = rt.split_level(m, level)
         if level > 0 and call.stats is None:
             raise TypeError(f"{m['name']}: level {level} needs the statistics of the earlier levels: "
                             f"stats= (from split_finish)")
@@ -179,8 +178,7 @@ class CKernel:
     def split_finish(self, call: rt.SplitCall, level: int, sums) -> np.ndarray:
         m, L = self.meta, call.layout
         levels = m["split"]["levels"]
-        if not isinstance(level, (int, np.integer)) or not 0 <= level < len(levels):
-            raise ValueError(f"{m['name']}: level must be an int from 0 to {len(levels) - 1}, got {level!r}")
+        level = rt.split_level(m, level)
         sums = rt.check_sums(m, sums, levels[level], L)
         out = rt.stats_array(m, call)
         args = self._leading(L, [], call.params, call.options, call.inputs)

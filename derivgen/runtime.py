@@ -304,14 +304,43 @@ def split_layout(meta: dict, x_shape, param_shapes: dict) -> Layout:
     return layout_from_shapes(meta, x_shape, param_shapes, None)
 
 
-def prepare_split(meta: dict, x, params: dict, options: dict, inputs: dict, stats=None, count=None,
+def _by_name(meta: dict, what: str, given, names: list, defaults: dict | None = None) -> dict:
+    """A dict by name from a dict or a sequence in spec order (None: empty), with defaults."""
+    name = meta["name"]
+    if given is None:
+        given = {}
+    if isinstance(given, (list, tuple)):
+        if len(given) != len(names):
+            raise TypeError(f"{name}: {what} must be a dict by name or a sequence of {len(names)} "
+                            f"({names}), got {len(given)} values")
+        given = dict(zip(names, given))
+    if not isinstance(given, dict):
+        raise TypeError(f"{name}: {what} must be a dict by name or a sequence, got {type(given).__name__}")
+    unknown = set(given) - set(names)
+    if unknown:
+        raise TypeError(f"{name}: unknown {what} {sorted(unknown)}; {what} are {names}")
+    out = dict(defaults or {})
+    out.update(given)
+    return out
+
+
+def prepare_split(meta: dict, x, params, options=None, inputs=None, stats=None, count=None,
                   need_stats: bool = False, need_count: bool = False) -> SplitCall:
-    """Checks for the split-reduction functions (errors name the argument). A part may be
-    empty; the minimum group size applies to ``count``, the size over all parts."""
+    """Checks for the split-reduction functions (errors name the argument). Parameters are
+    a dict by name or a sequence in spec order; options and per-group inputs dicts by name
+    (options default as in the spec). A part may be empty; the minimum group size applies
+    to ``count``, the size over all parts."""
     name = meta["name"]
     if meta.get("split") is None:
         raise ValueError(f"{name}: the split reduction is for layers whose groups span the batch "
                          f"(layout channels, reduce batch); this one is {meta['layout']}/{meta['reduce']}")
+    params = _by_name(meta, "params", params, list(meta["params"]))
+    missing = [p for p in meta["params"] if p not in params]
+    if missing:
+        raise TypeError(f"{name}: params {missing} are required")
+    options = _by_name(meta, "options", options, list(meta["options"]),
+                       {o: d for o, (d, _, _) in meta["options"].items() if d is not None})
+    inputs = _by_name(meta, "inputs", inputs, list(meta["inputs"]))
     x = _check_array("x", x)
     dtype = x.dtype
     for p in meta["params"]:
@@ -368,15 +397,23 @@ def sums_array(layout: Layout, sums: list) -> np.ndarray:
     return out
 
 
+def split_level(meta: dict, level) -> int:
+    n = len(meta["split"]["levels"])
+    if isinstance(level, (bool, np.bool_)) or not isinstance(level, (int, np.integer)) or not 0 <= level < n:
+        raise ValueError(f"{meta['name']}: level must be an int from 0 to {n - 1}, got {level!r}")
+    return int(level)
+
+
 def need_stats(meta: dict, call: SplitCall, level: int) -> None:
     if level > 0 and call.stats is None:
         raise TypeError(f"{meta['name']}: level {level} needs the statistics of the earlier levels: "
                         f"stats= (from split_finish)")
 
 
-def finish_part(sums, meta: dict, params: list) -> np.ndarray:
+def finish_part(sums, meta: dict, params) -> np.ndarray:
     """An empty part with the groups of ``sums`` (split_finish reads no x): its layout
     and dtype (the parameters', float64 without any)."""
+    params = list(params.values()) if isinstance(params, dict) else list(params or [])
     arrays = [p for p in params if isinstance(p, np.ndarray)]
     spanning = [p for p in arrays if p.size > 1 or p.ndim == 1 and p.shape[0] > 1]
     groups = spanning[0].shape[0] if spanning else (np.shape(sums)[1] if np.ndim(sums) == 2 else 0)

@@ -11,7 +11,9 @@ one line per check. Usage: sync_driver.py CASE WORLD, CASE one of
   train       a small CNN under DistributedDataParallel after
               SyncBatchNorm.convert_sync_batchnorm, 10 SGD steps, against one process;
   badshape    one process has another channel count: every process raises SyncError;
-  baddtype    one process fails its input checks: every process raises SyncError.
+  baddtype    one process fails its input checks: every process raises SyncError;
+  raise       one process raises before the layer and exits: the others get an error from
+              the collective (its peer is gone), not a hang.
 """
 
 import datetime
@@ -208,10 +210,27 @@ def case_bad(rank, world, what):
     raise AssertionError(f"rank {rank}: no error")
 
 
+def case_raise(rank, world):
+    x, _ = batch(torch.float64, world)
+    m = dt.SyncBatchNorm(3).double()
+    if rank == 1:
+        print("rank 1 raising before the layer", flush=True)
+        os._exit(3)                                # a crash mid-step: no more collectives from here
+    try:
+        m(part(x, rank, world))
+    except Exception as e:                         # gloo: the peer closed the connection, or the timeout
+        print(f"rank {rank} got {type(e).__name__}: {str(e).splitlines()[0][:120]}", flush=True)
+        os._exit(0)
+    raise AssertionError(f"rank {rank}: no error")
+
+
 def rank_main(rank, world, port, case):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group("gloo", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=20 if case == "raise" else 60))
     torch.set_num_threads(1)
+    if case == "raise":
+        case_raise(rank, world)
     try:
         if case in ("badshape", "baddtype"):
             case_bad(rank, world, case)
@@ -227,7 +246,14 @@ def main():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.start_processes(rank_main, args=(world, port, case), nprocs=world, join=True, start_method="fork")
+    if case == "raise":                            # rank 1 exits with 3 on purpose; every other rank with 0
+        ctx = mp.start_processes(rank_main, args=(world, port, case), nprocs=world, join=False, start_method="fork")
+        for p in ctx.processes:
+            p.join(120)
+        codes = [p.exitcode for p in ctx.processes]
+        assert codes == [0 if r != 1 else 3 for r in range(world)], codes
+    else:
+        mp.start_processes(rank_main, args=(world, port, case), nprocs=world, join=True, start_method="fork")
     print(f"{case} with {world} processes: ok")
 
 

@@ -13,16 +13,18 @@ import derivgen
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _run_split(mod, parts, dys, params, kw, first_only=True):
+def _run_split(mod, parts, dys, params, kw):
     meta = mod._META
+    options = {o: kw[o] for o in meta["options"] if o in kw}
+    inputs = {i: kw[i] for i in meta["inputs"]}
     count = sum(p.size // p.shape[1] for p in parts)
     stats = None
     for level, nsums in enumerate(meta["split"]["levels"]):
-        sums = sum(mod.split_partial(level, p, *params, stats=stats, **kw) for p in parts)
-        stats = mod.split_finish(level, sums, count, *params, stats=stats, **kw)
-    ys = [mod.split_apply(p, *params, stats=stats, count=count, **kw) for p in parts]
-    bsums = sum(mod.split_backward_partial(d, p, *params, stats=stats, count=count, **kw) for p, d in zip(parts, dys))
-    grads = [mod.split_backward_apply(d, p, *params, stats=stats, sums=bsums, count=count, group_terms=j == 0, **kw)
+        sums = sum(mod.split_partial(level, p, params, options, inputs, stats=stats) for p in parts)
+        stats = mod.split_finish(level, sums, count, params, options, inputs, stats=stats)
+    ys = [mod.split_apply(p, params, stats, count, options, inputs) for p in parts]
+    bsums = sum(mod.split_backward_partial(d, p, params, stats, count, options, inputs) for p, d in zip(parts, dys))
+    grads = [mod.split_backward_apply(d, p, params, stats, bsums, count, options, inputs, group_terms=j == 0)
              for j, (p, d) in enumerate(zip(parts, dys))]
     return stats, ys, grads
 
@@ -98,22 +100,26 @@ def test_split_bad_calls_name_the_argument(backend):
     x = np.ones((2, 3, 4))
     g, b = np.ones(3), np.zeros(3)
     with pytest.raises(ValueError, match="level must be an int from 0 to 1, got 2"):
-        mod.split_partial(2, x, g, b)
+        mod.split_partial(2, x, [g, b])
     with pytest.raises(TypeError, match="level 1 needs the statistics"):
-        mod.split_partial(1, x, g, b)
-    s0 = mod.split_partial(0, x, g, b)
+        mod.split_partial(1, x, [g, b])
+    with pytest.raises(TypeError, match=r"unknown options \['epsilon'\]"):
+        mod.split_partial(0, x, [g, b], {"epsilon": 1e-3})
+    with pytest.raises(TypeError, match=r"params \['beta'\] are required"):
+        mod.split_partial(0, x, {"gamma": g})
+    s0 = mod.split_partial(0, x, {"gamma": g, "beta": b})
     with pytest.raises(ValueError, match=r"sums must be float64 of shape \(1, 3\)"):
-        mod.split_finish(0, s0[:, :2], 8, g, b)
+        mod.split_finish(0, s0[:, :2], 8, [g, b])
     with pytest.raises(ValueError, match="count=1 values per group"):
-        mod.split_finish(0, s0, 1, g, b)
-    st = mod.split_finish(0, s0, 8, g, b)
+        mod.split_finish(0, s0, 1, [g, b])
+    st = mod.split_finish(0, s0, 8, [g, b])
     with pytest.raises(ValueError, match=r"stats must be float64 of shape \(3, 3\)"):
-        mod.split_apply(x, g, b, stats=st[:2], count=8)
+        mod.split_apply(x, [g, b], st[:2], 8)
     with pytest.raises(ValueError, match="dy must have the shape and dtype of x"):
-        mod.split_backward_partial(np.ones((2, 3, 5)), x, g, b, stats=st, count=8)
+        mod.split_backward_partial(np.ones((2, 3, 5)), x, [g, b], st, 8)
     with pytest.raises(ValueError, match="gamma must have shape"):
-        mod.split_partial(0, x, np.ones(4), b)
+        mod.split_partial(0, x, [np.ones(4), b])
     with pytest.raises(TypeError, match="gamma has dtype float32 but x has float64"):
-        mod.split_partial(0, x, g.astype(np.float32), b)
+        mod.split_partial(0, x, [g.astype(np.float32), b])
     ln = derivgen.load("layernorm", backend)
     assert not hasattr(ln, "split_partial")

@@ -56,6 +56,13 @@ def test_bad_part_is_an_error_on_every_process(case, world):
     assert sum(f"rank {r} raised SyncError" in out for r in range(world)) == world, out
 
 
+def test_a_process_that_dies_mid_step_is_an_error_on_the_others():
+    """One process exits before the layer: the others get gloo's error from the header
+    collective (its peer is gone) instead of waiting forever."""
+    out = run("raise", 3, timeout=180)
+    assert "rank 0 got RuntimeError" in out and "rank 2 got RuntimeError" in out, out
+
+
 def test_statistics_over_micro_batches_equal_the_whole_batch():
     """The split without torch.distributed: statistics accumulated over parts (one in
     memory at a time), then each part normalized, equal the one-batch layer."""
@@ -246,8 +253,9 @@ def test_sync_bench_reports_both_sides():
     old = bench_sync.SHAPE
     bench_sync.SHAPE = (4, 3, 8, 8)
     try:
-        rep = bench_sync.run_sync_bench(2, repeat=2)
+        rep = bench_sync.run_sync_bench(2, repeat=3, timeout=240)
     finally:
         bench_sync.SHAPE = old
     assert len(rep["sync_step_ms"]) == 2 and rep["one_process_ms"] > 0 and rep["bound_ms"] > 0
+    assert len(rep["kernels"]) == 5 and all(ms > 0 for _, ms, _, _ in rep["kernels"])
     assert "collectives" in bench_sync.format_sync_report(rep)

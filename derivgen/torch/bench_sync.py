@@ -42,16 +42,28 @@ def _timed_collectives():
     return spent, orig
 
 
-def _rank(rank, world, port, repeat, out):
+def _join(ctx, timeout: float) -> bool:
+    """Wait for the processes (errors raised as torch.multiprocessing does); False on timeout,
+    after killing them."""
+    deadline = time.monotonic() + timeout
+    while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
+        if time.monotonic() >= deadline:
+            for p in ctx.processes:
+                p.kill()
+            return False
+    return True
+
+
+def _rank(rank, world, port, repeat, out, shape=SHAPE):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     from derivgen.torch import SyncBatchNorm
     g = torch.Generator().manual_seed(rank)
-    n = SHAPE[0] // world
-    x = torch.randn((n, *SHAPE[1:]), generator=g).requires_grad_(True)
-    dy = torch.randn((n, *SHAPE[1:]), generator=g)
-    m = SyncBatchNorm(SHAPE[1])
+    n = shape[0] // world
+    x = torch.randn((n, *shape[1:]), generator=g).requires_grad_(True)
+    dy = torch.randn((n, *shape[1:]), generator=g)
+    m = SyncBatchNorm(shape[1])
     spent, orig = _timed_collectives()
     steps, colls = [], []
     try:
@@ -75,7 +87,7 @@ def _rank(rank, world, port, repeat, out):
     dist.destroy_process_group()
 
 
-def run_sync_bench(world: int = 2, repeat: int = 10) -> dict:
+def run_sync_bench(world: int = 2, repeat: int = 10, timeout: float = 600) -> dict:
     from ..bench import Bandwidth
     from ..machine import machine
     from .nn import BatchNorm2d
@@ -84,7 +96,11 @@ def run_sync_bench(world: int = 2, repeat: int = 10) -> dict:
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "res.pt")
-        mp.start_processes(_rank, args=(world, port, repeat, out), nprocs=world, join=True, start_method="fork")
+        # spawn, not fork: a process that has run OpenMP kernels (derivgen's, torch's) cannot fork safely
+        ctx = mp.start_processes(_rank, args=(world, port, repeat, out, SHAPE), nprocs=world, join=False,
+                                 start_method="spawn")
+        if not _join(ctx, timeout=timeout):
+            raise RuntimeError(f"the {world} benchmark processes did not finish in {timeout:g} s")
         per_rank = torch.load(out)
     # one process on the whole batch, all cores, derivgen's C kernels
     torch.set_num_threads(machine().cores)
@@ -102,6 +118,7 @@ def run_sync_bench(world: int = 2, repeat: int = 10) -> dict:
     probe = Bandwidth(machine().cores)
     bw = probe.rates(round_robin({"copy": probe.copy, "stream_copy": probe.stream_copy}, 5))["copy_GBps"]
     del probe
+    kernels = _kernel_times(x.detach(), dy, repeat, bw)
     nbytes = x.numel() * 4
     # the split passes in float32 terms: forward reads x per level (2) and once to apply
     # (writes y); backward reads x and dy for its sums and again to apply (writes dx)
@@ -110,7 +127,48 @@ def run_sync_bench(world: int = 2, repeat: int = 10) -> dict:
             "sync_step_ms": [1e3 * float(v) for v in per_rank[:, 0]],
             "sync_collective_ms": [1e3 * float(v) for v in per_rank[:, 1]],
             "one_process_ms": 1e3 * statistics.median(one), "copy_gbps": bw,
-            "bound_ms": 1e3 * passes * nbytes / (bw * 1e9)}
+            "bound_ms": 1e3 * passes * nbytes / (bw * 1e9), "kernels": kernels}
+
+
+def _kernel_times(x, dy, repeat, bw) -> list:
+    """The C split kernels alone on the whole batch in this process (all cores):
+    (name, ms, tensors read + written, ms at the copy bandwidth)."""
+    from ..bench import round_robin
+    from .ops import layer
+    from .sync import _CSplit
+    lay = layer("batchnorm")
+    c = _CSplit(lay, torch.float32)
+    from .. import runtime as rt
+    Lx = rt.layout_from_shapes(lay.meta, tuple(x.shape), {"gamma": (x.shape[1],), "beta": (x.shape[1],)}, None)
+    g, b = torch.ones(x.shape[1]), torch.zeros(x.shape[1])
+    dims = (Lx.O, Lx.G, Lx.Cg, Lx.S)
+    pp = [g.data_ptr(), b.data_ptr()]
+    opts = [1e-5, 0.1]
+    n = float(Lx.group_size)
+    stats = torch.zeros((3, Lx.n_groups), dtype=torch.float64)
+    sums = torch.zeros((2, Lx.n_groups), dtype=torch.float64)
+    y, dx = torch.empty_like(x), torch.empty_like(x)
+    dg, db = torch.empty_like(g), torch.empty_like(b)
+    f, th = c.fn, c.threads
+    for level in range(2):                       # real statistics for the later kernels
+        f["partial"](*dims, x.data_ptr(), *pp, *opts, level, stats.data_ptr(), n, sums.data_ptr(), th)
+        f["finish"](*dims, *pp, *opts, level, sums.data_ptr(), n, stats.data_ptr())
+    calls = {
+        "partial, level 0 (sum x)": (lambda: f["partial"](*dims, x.data_ptr(), *pp, *opts, 0, stats.data_ptr(), n,
+                                                          sums.data_ptr(), th), 1),
+        "partial, level 1 (sum (x-mean)^2)": (lambda: f["partial"](*dims, x.data_ptr(), *pp, *opts, 1,
+                                                                   stats.data_ptr(), n, sums.data_ptr(), th), 1),
+        "apply (y)": (lambda: f["apply"](*dims, x.data_ptr(), *pp, *opts, stats.data_ptr(), n, y.data_ptr(), th), 2),
+        "backward partial (sum g, g*xhat)": (lambda: f["bpartial"](*dims, x.data_ptr(), dy.data_ptr(), *pp, *opts,
+                                                                   stats.data_ptr(), n, sums.data_ptr(), th), 2),
+        "backward apply (dx, dgamma, dbeta)": (lambda: f["bapply"](*dims, x.data_ptr(), dy.data_ptr(), *pp, *opts,
+                                                                   stats.data_ptr(), sums.data_ptr(), n, 1,
+                                                                   dx.data_ptr(), dg.data_ptr(), db.data_ptr(), th),
+                                               3),
+    }
+    ms = round_robin({k: v[0] for k, v in calls.items()}, repeat)
+    nbytes = x.numel() * 4
+    return [(k, ms[k], calls[k][1], 1e3 * calls[k][1] * nbytes / (bw * 1e9)) for k in calls]
 
 
 def format_sync_report(r: dict) -> str:
@@ -125,4 +183,6 @@ def format_sync_report(r: dict) -> str:
         f"(split / one: {step / r['one_process_ms']:.2f})",
         f"  bandwidth bound of the split's passes (9 tensor sweeps at {r['copy_gbps']:.1f} GB/s copy): "
         f"{r['bound_ms']:.2f} ms (split / bound: {step / r['bound_ms']:.2f})",
+        "  the C split kernels alone, one process, whole batch (tensors read + written; time / bandwidth bound):",
+        *[f"    {name:36s} {ms:7.2f} ms  {k} tensor(s)  {ms / bound:5.2f}x" for name, ms, k, bound in r["kernels"]],
     ])

@@ -101,68 +101,50 @@ def backward(dy, cache, *, out=None):
 # ---- the split reduction: the training forward and backward of a batch held in parts
 # (processes, micro-batches). Statistics are a (statistics, groups) float64 array in the
 # order ['mean', 'var', 'rstd']; count is the number of values per group over all parts.
+# params: a dict by name or a sequence in spec order (['gamma', 'beta']); options and
+# per-group inputs: dicts by name (options default as in the spec).
 #   for level in range(2):      # sums per level: [1, 1]
-#       sums = sum over the parts of split_partial(level, part, ..., stats=stats)
-#       stats = split_finish(level, sums, count, ..., stats=stats)
-#   y_part = split_apply(part, ..., stats=stats, count=count)
-#   bsums = sum over the parts of split_backward_partial(dy_part, part, ..., stats=stats, count=count)
-#   grads_part = split_backward_apply(dy_part, part, ..., stats=stats, sums=bsums, count=count,
+#       sums = sum over the parts of split_partial(level, part, params, options, stats=stats)
+#       stats = split_finish(level, sums, count, params, options, stats=stats)
+#   y_part = split_apply(part, params, stats, count, options)
+#   bsums = sum over the parts of split_backward_partial(dy_part, part, params, stats, count, options)
+#   grads_part = split_backward_apply(dy_part, part, params, stats, bsums, count, options,
 #                                     group_terms=(this is the first part))
 # Parameter gradients are the part's share: add them over the parts.
 SPLIT_LEVELS = 2
 
 
-def split_partial(level, x, gamma, beta, *, eps=1e-05, momentum=0.1, stats=None):
+def split_partial(level, x, params, options=None, inputs=None, stats=None):
     """This part's sums of statistics level ``level`` per group: float64 (sums, groups)."""
-    return _kernel.split_partial(_rt.prepare_split(
-        _META, x,
-        {"gamma": gamma, "beta": beta},
-        {"eps": eps, "momentum": momentum},
-        {},
-        stats), level)
+    return _kernel.split_partial(_rt.prepare_split(_META, x, params, options, inputs, stats), level)
 
 
-def split_finish(level, sums, count, gamma, beta, *, eps=1e-05, momentum=0.1, stats=None):
+def split_finish(level, sums, count, params, options=None, inputs=None, stats=None):
     """The statistics with level ``level``'s rows filled from its sums over all parts
     (a new (statistics, groups) float64 array)."""
-    return _kernel.split_finish(_rt.prepare_split(
-        _META, _rt.finish_part(sums, _META, [gamma, beta]),
-        {"gamma": gamma, "beta": beta},
-        {"eps": eps, "momentum": momentum},
-        {},
-        stats, count, need_count=True), level, sums)
+    return _kernel.split_finish(_rt.prepare_split(_META, _rt.finish_part(sums, _META, params), params, options,
+                                                  inputs, stats, count, need_count=True), level, sums)
 
 
-def split_apply(x, gamma, beta, *, eps=1e-05, momentum=0.1, stats, count, out=None):
+def split_apply(x, params, stats, count, options=None, inputs=None, out=None):
     """This part's y from the statistics of the whole batch."""
-    return _kernel.split_apply(_rt.prepare_split(
-        _META, x,
-        {"gamma": gamma, "beta": beta},
-        {"eps": eps, "momentum": momentum},
-        {},
-        stats, count, need_stats=True, need_count=True), out)
+    return _kernel.split_apply(_rt.prepare_split(_META, x, params, options, inputs, stats, count,
+                                                 need_stats=True, need_count=True), out)
 
 
-def split_backward_partial(dy, x, gamma, beta, *, eps=1e-05, momentum=0.1, stats, count):
+def split_backward_partial(dy, x, params, stats, count, options=None, inputs=None):
     """This part's sums for the backward, per group: float64 (sums, groups)."""
-    return _kernel.split_backward_partial(_rt.prepare_split(
-        _META, x,
-        {"gamma": gamma, "beta": beta},
-        {"eps": eps, "momentum": momentum},
-        {},
-        stats, count, need_stats=True, need_count=True), dy)
+    return _kernel.split_backward_partial(_rt.prepare_split(_META, x, params, options, inputs, stats, count,
+                                                            need_stats=True, need_count=True), dy)
 
 
-def split_backward_apply(dy, x, gamma, beta, *, eps=1e-05, momentum=0.1, stats, sums, count, group_terms=True):
+def split_backward_apply(dy, x, params, stats, sums, count, options=None, inputs=None, group_terms=True):
     """This part's ``Grads``: dx, and the parameters' and inputs' gradients over this part
     (group_terms=False leaves out what they get once per group, through the statistics:
     pass True for exactly one part)."""
-    return _kernel.split_backward_apply(_rt.prepare_split(
-        _META, x,
-        {"gamma": gamma, "beta": beta},
-        {"eps": eps, "momentum": momentum},
-        {},
-        stats, count, need_stats=True, need_count=True), dy, sums, group_terms, Grads)
+    return _kernel.split_backward_apply(_rt.prepare_split(_META, x, params, options, inputs, stats, count,
+                                                          need_stats=True, need_count=True), dy, sums,
+                                        group_terms, Grads)
 
 
 def set_num_threads(n):

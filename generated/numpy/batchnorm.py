@@ -269,12 +269,14 @@ def _backward_eval(_call):
 # ---- the split reduction: the training forward and backward of a batch held in parts
 # (processes, micro-batches). Statistics are a (statistics, groups) float64 array in the
 # order ['mean', 'var', 'rstd']; count is the number of values per group over all parts.
+# params: a dict by name or a sequence in spec order (['gamma', 'beta']); options and
+# per-group inputs: dicts by name (options default as in the spec).
 #   for level in range(2):      # sums per level: [1, 1]
-#       sums = sum over the parts of split_partial(level, part, ..., stats=stats)
-#       stats = split_finish(level, sums, count, ..., stats=stats)
-#   y_part = split_apply(part, ..., stats=stats, count=count)
-#   bsums = sum over the parts of split_backward_partial(dy_part, part, ..., stats=stats, count=count)
-#   grads_part = split_backward_apply(dy_part, part, ..., stats=stats, sums=bsums, count=count,
+#       sums = sum over the parts of split_partial(level, part, params, options, stats=stats)
+#       stats = split_finish(level, sums, count, params, options, stats=stats)
+#   y_part = split_apply(part, params, stats, count, options)
+#   bsums = sum over the parts of split_backward_partial(dy_part, part, params, stats, count, options)
+#   grads_part = split_backward_apply(dy_part, part, params, stats, bsums, count, options,
 #                                     group_terms=(this is the first part))
 # Parameter gradients are the part's share: add them over the parts.
 SPLIT_LEVELS = 2
@@ -292,14 +294,10 @@ def _split_names(_c):
     return v
 
 
-def split_partial(level, x, gamma, beta, *, eps=1e-05, momentum=0.1, stats=None):
+def split_partial(level, x, params, options=None, inputs=None, stats=None):
     """This part's sums of statistics level ``level`` per group: float64 (sums, groups)."""
-    _c = _rt.prepare_split(
-        _META, x,
-        {"gamma": gamma, "beta": beta},
-        {"eps": eps, "momentum": momentum},
-        {},
-        stats)
+    _c = _rt.prepare_split(_META, x, params, options, inputs, stats)
+    _level = _rt.split_level(_META, level)
     L = _c.layout
     _v = _split_names(_c)
     x = _v["x"]
@@ -310,25 +308,23 @@ def split_partial(level, x, gamma, beta, *, eps=1e-05, momentum=0.1, stats=None)
     mean = _v['mean']
     var = _v['var']
     rstd = _v['rstd']
-    _sum = _rt.part_sum(L, x)
-    if level == 0:
+
+    _sum = _rt.part_sum(L, _v["x"])
+    if _level == 0:
         _rt.need_stats(_META, _c, 0)
         return _rt.sums_array(L, [_sum(x)])
-    if level == 1:
+    if _level == 1:
         _rt.need_stats(_META, _c, 1)
         return _rt.sums_array(L, [_sum((x - mean)**2)])
-    raise ValueError(f"batchnorm: level must be an int from 0 to 1, got {level!r}")
 
 
-def split_finish(level, sums, count, gamma, beta, *, eps=1e-05, momentum=0.1, stats=None):
+def split_finish(level, sums, count, params, options=None, inputs=None, stats=None):
     """The statistics with level ``level``'s rows filled from its sums over all parts
     (a new (statistics, groups) float64 array)."""
-    _c = _rt.prepare_split(
-        _META, _rt.finish_part(sums, _META, [gamma, beta]),
-        {"gamma": gamma, "beta": beta},
-        {"eps": eps, "momentum": momentum},
-        {},
-        stats, count, need_count=True)
+    _c = _rt.prepare_split(_META, _rt.finish_part(sums, _META, params), params, options, inputs, stats, count,
+                           need_count=True)
+    _level = _rt.split_level(_META, level)
+    _sums = sums
     L = _c.layout
     N = _c.count
     _v = _split_names(_c)
@@ -339,36 +335,31 @@ def split_finish(level, sums, count, gamma, beta, *, eps=1e-05, momentum=0.1, st
     mean = _v['mean']
     var = _v['var']
     rstd = _v['rstd']
+
     _out = _rt.stats_array(_META, _c)
-    if level == 0:
-        _S = _rt.check_sums(_META, sums, 1, L)
+    if _level == 0:
+        _S = _rt.check_sums(_META, _sums, 1, L)
         Sum_mean = _S[0].reshape(L.stat4)
         mean = Sum_mean/N   # mean = mean(x)
         _out[0] = _np.broadcast_to(mean, L.stat4).reshape(-1)
         return _out
-    if level == 1:
-        _S = _rt.check_sums(_META, sums, 1, L)
+    if _level == 1:
+        _S = _rt.check_sums(_META, _sums, 1, L)
         Sum_var = _S[0].reshape(L.stat4)
         var = Sum_var/N   # var = mean((x - mean)**2)
         _out[1] = _np.broadcast_to(var, L.stat4).reshape(-1)
         rstd = 1/_np.sqrt(var + eps)   # rstd = 1/sqrt(var + eps)
         _out[2] = _np.broadcast_to(rstd, L.stat4).reshape(-1)
         return _out
-    raise ValueError(f"batchnorm: level must be an int from 0 to 1, got {level!r}")
 
 
-def split_apply(x, gamma, beta, *, eps=1e-05, momentum=0.1, stats, count, out=None):
+def split_apply(x, params, stats, count, options=None, inputs=None, out=None):
     """This part's y from the statistics of the whole batch."""
-    _c = _rt.prepare_split(
-        _META, x,
-        {"gamma": gamma, "beta": beta},
-        {"eps": eps, "momentum": momentum},
-        {},
-        stats, count, need_stats=True, need_count=True)
+    _c = _rt.prepare_split(_META, x, params, options, inputs, stats, count, need_stats=True, need_count=True)
     L = _c.layout
     N = _c.count
+    _Y = _rt.check_out("out", out, _c.x.shape, _c.dtype)
     _v = _split_names(_c)
-    Y = _rt.check_out("out", out, _c.x.shape, _c.dtype)
     x = _v["x"]
     gamma = _v['gamma']
     beta = _v['beta']
@@ -377,24 +368,20 @@ def split_apply(x, gamma, beta, *, eps=1e-05, momentum=0.1, stats, count, out=No
     mean = _v['mean']
     var = _v['var']
     rstd = _v['rstd']
+
     xhat = rstd*(x - mean)
-    Y.reshape(L.view4)[...] = gamma*xhat + beta
-    return Y
+    _Y.reshape(L.view4)[...] = gamma*xhat + beta
+    return _Y
 
 
-def split_backward_partial(dy, x, gamma, beta, *, eps=1e-05, momentum=0.1, stats, count):
+def split_backward_partial(dy, x, params, stats, count, options=None, inputs=None):
     """This part's sums for the backward, per group: float64 (sums, groups)."""
-    _c = _rt.prepare_split(
-        _META, x,
-        {"gamma": gamma, "beta": beta},
-        {"eps": eps, "momentum": momentum},
-        {},
-        stats, count, need_stats=True, need_count=True)
+    _c = _rt.prepare_split(_META, x, params, options, inputs, stats, count, need_stats=True, need_count=True)
+    _dy = _rt.f64(_rt.check_dy(_META, dy, _c))
     L = _c.layout
     N = _c.count
     _v = _split_names(_c)
     x = _v["x"]
-    dy = _rt.f64(_rt.check_dy(_META, dy, _c)).reshape(L.view4)
     gamma = _v['gamma']
     beta = _v['beta']
     eps = _c.options['eps']
@@ -402,29 +389,27 @@ def split_backward_partial(dy, x, gamma, beta, *, eps=1e-05, momentum=0.1, stats
     mean = _v['mean']
     var = _v['var']
     rstd = _v['rstd']
+
+    dy = _dy.reshape(L.view4)
     xhat = rstd*(x - mean)
     g = dy*gamma
-    _sum = _rt.part_sum(L, x)
+    _sum = _rt.part_sum(L, _v["x"])
     return _rt.sums_array(L, [_sum(g), _sum(g*xhat)])
 
 
-def split_backward_apply(dy, x, gamma, beta, *, eps=1e-05, momentum=0.1, stats, sums, count, group_terms=True):
+def split_backward_apply(dy, x, params, stats, sums, count, options=None, inputs=None, group_terms=True):
     """This part's ``Grads``: dx, and the parameters' and inputs' gradients over this part
     (group_terms=False leaves out what they get once per group, through the statistics:
     pass True for exactly one part)."""
-    _c = _rt.prepare_split(
-        _META, x,
-        {"gamma": gamma, "beta": beta},
-        {"eps": eps, "momentum": momentum},
-        {},
-        stats, count, need_stats=True, need_count=True)
+    _c = _rt.prepare_split(_META, x, params, options, inputs, stats, count, need_stats=True, need_count=True)
+    _dy = _rt.f64(_rt.check_dy(_META, dy, _c))
+    _terms = bool(group_terms)
     L = _c.layout
     N = _c.count
-    _v = _split_names(_c)
     _S = _rt.check_sums(_META, sums, 2, L)
-    DX = _np.empty(_c.x.shape, dtype=_c.dtype)
+    _DX = _np.empty(_c.x.shape, dtype=_c.dtype)
+    _v = _split_names(_c)
     x = _v["x"]
-    dy = _rt.f64(_rt.check_dy(_META, dy, _c)).reshape(L.view4)
     gamma = _v['gamma']
     beta = _v['beta']
     eps = _c.options['eps']
@@ -432,13 +417,15 @@ def split_backward_apply(dy, x, gamma, beta, *, eps=1e-05, momentum=0.1, stats, 
     mean = _v['mean']
     var = _v['var']
     rstd = _v['rstd']
+
+    dy = _dy.reshape(L.view4)
     xhat = rstd*(x - mean)
     g = dy*gamma
     Mean_g = _S[0].reshape(L.stat4) / N
     Mean_g_xhat = _S[1].reshape(L.stat4) / N
-    DX.reshape(L.view4)[...] = rstd*(g - Mean_g - Mean_g_xhat*xhat)
+    _DX.reshape(L.view4)[...] = rstd*(g - Mean_g - Mean_g_xhat*xhat)
     return Grads(
-        dx=DX,
+        dx=_DX,
         dgamma=_rt.part_param_grad(_rt.sum_prod(dy, xhat, L.param_axes), _c.params['gamma']),
         dbeta=_rt.part_param_grad(_np.sum(dy, axis=L.param_axes, keepdims=True), _c.params['beta']),
     )
