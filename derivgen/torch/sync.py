@@ -35,12 +35,7 @@ class SyncError(ValueError):
 
 
 def _layout(lay, x_shape, param_shapes: dict) -> rt.Layout:
-    meta = lay.meta
-    if len(x_shape) >= 2 and x_shape[0] == 0:   # an empty part: the layout of one sample, O = 0
-        L = rt.layout_from_shapes(meta, (1, *x_shape[1:]), param_shapes, None)
-        return rt.Layout(O=0, G=L.G, Cg=L.Cg, S=L.S, per_sample=L.per_sample, x_shape=tuple(x_shape),
-                         param_shape=L.param_shape, group_shape=L.group_shape)
-    return rt.layout_from_shapes(meta, x_shape, param_shapes, None)
+    return rt.split_layout(lay.meta, x_shape, param_shapes)
 
 
 def _check_part(lay, x, params: dict, channels: int) -> str | None:
