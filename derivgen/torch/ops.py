@@ -515,6 +515,12 @@ class _Eager(torch.autograd.Function):
         return (None, None, None, *grads, *([None] * (len(tens) - len(grads))))
 
 
+def threads(kernel) -> int:
+    """The threads a kernel call uses: the layer's own setting (``set_num_threads`` of its
+    C module), else torch's (``torch.set_num_threads``), so one setting governs both."""
+    return kernel.threads or torch.get_num_threads()
+
+
 # _Eager.apply without torch.autograd.Function.apply's Python wrapper (default-argument
 # binding and the functorch branch), which is not needed here: only reached with no
 # functorch transform active, and _Eager has no setup_context
@@ -527,7 +533,7 @@ class _Plan:
     its outputs and passes data pointers (8x1024 layer norm: a few microseconds of
     Python around each kernel)."""
 
-    __slots__ = ("lay", "mode", "groups", "ffn", "bfn", "dims", "threads", "n_groups", "nhwc", "npar", "nin",
+    __slots__ = ("lay", "mode", "groups", "ffn", "bfn", "dims", "kernel", "n_groups", "nhwc", "npar", "nin",
                  "copy", "in_flags", "null_bufs", "stat_offsets", "stats_like", "name", "simple")
 
     def __init__(self, lay: TorchLayer, mode: str, L: rt.Layout, tens: list, nhwc: bool, groups: int):
@@ -537,7 +543,7 @@ class _Plan:
         self.ffn = lay._cfn(mode, "forward", x.dtype, nhwc)
         self.bfn = lay._cfn(mode, "backward", x.dtype, nhwc)
         self.dims = (L.O, L.G, L.Cg, L.S)
-        self.threads = lay.ckernel._kernel.threads
+        self.kernel = lay.ckernel._kernel
         self.n_groups = ng = L.n_groups
         self.nhwc = nhwc
         self.npar, self.nin = npar, nin = len(lay.params), len(lay.inputs)
@@ -566,7 +572,7 @@ class _Plan:
             st = torch.empty_like(self.stats_like)
             p = st.data_ptr()
             if self.ffn(*self.dims, *[t.data_ptr() for t in tens], *opts, *self.null_bufs, y.data_ptr(),
-                        *[p + o for o in self.stat_offsets], self.threads) != 0:
+                        *[p + o for o in self.stat_offsets], threads(self.kernel)) != 0:
                 raise MemoryError(f"{self.name}: forward kernel could not allocate its work buffer")
             return y, st
         if self.copy:
@@ -584,7 +590,7 @@ class _Plan:
         ptrs = [t.data_ptr() for t in tens]
         ins = self._inputs(tens[k:k + self.nin]) if self.nin else []
         bufs = ptrs[k + self.nin:] or self.null_bufs
-        if self.ffn(*self.dims, *ptrs[:k], *opts, *ins, *bufs, y.data_ptr(), *sp, self.threads) != 0:
+        if self.ffn(*self.dims, *ptrs[:k], *opts, *ins, *bufs, y.data_ptr(), *sp, threads(self.kernel)) != 0:
             raise MemoryError(f"{self.name}: forward kernel could not allocate its work buffer")
         return y, st
 
@@ -597,7 +603,7 @@ class _Plan:
             dx = torch.empty_like(x)
             dps = [torch.empty_like(p) for p in tens[1:]]
             if self.bfn(*self.dims, x.data_ptr(), dy.data_ptr(), *[p.data_ptr() for p in tens[1:]], *opts,
-                        *stat_ptrs, dx.data_ptr(), *[t.data_ptr() for t in dps], self.threads) != 0:
+                        *stat_ptrs, dx.data_ptr(), *[t.data_ptr() for t in dps], threads(self.kernel)) != 0:
                 raise MemoryError(f"{self.name}: backward kernel could not allocate its work buffer")
             return (dx, *dps)
         k = 1 + self.npar
@@ -617,7 +623,7 @@ class _Plan:
             ins = dis = pairs = ()
         if self.bfn(*self.dims, x.data_ptr(), dy.data_ptr(), *[p.data_ptr() for p in params], *opts, *pairs,
                     *stat_ptrs, dx.data_ptr(), *[t.data_ptr() for t in dps], *[t.data_ptr() for t in dis],
-                    self.threads) != 0:
+                    threads(self.kernel)) != 0:
             raise MemoryError(f"{self.name}: backward kernel could not allocate its work buffer")
         if not self.nin:
             return (dx, *dps)

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from .. import runtime as rt
+from .ops import threads
 
 _DTYPE_CODES = {torch.float32: 1, torch.float64: 2, torch.bfloat16: 3}
 
@@ -106,7 +107,7 @@ class _CSplit:
         sfx = {torch.float32: "f32", torch.float64: "f64"}[dtype]
         k = lay.ckernel._kernel
         self.fn = {kind: k.split_cfunc(kind, sfx) for kind in ("partial", "finish", "apply", "bpartial", "bapply")}
-        self.threads = k.threads
+        self.kernel = k
         self.split = lay.meta["split"]
         self.nstat = len(lay.meta["stats"]["train"])
 
@@ -126,14 +127,14 @@ class _CSplit:
             sums = torch.zeros((nsums, L.n_groups), dtype=torch.float64)
             if nsums:
                 if L.O and self.fn["partial"](*dims, x.data_ptr(), *pp, *opts, *pairs, level, stats.data_ptr(),
-                                              float(n), sums.data_ptr(), self.threads) != 0:
+                                              float(n), sums.data_ptr(), threads(self.kernel)) != 0:
                     raise RuntimeError("split partial kernel failed")
                 dist.all_reduce(sums, group=pg)
             if self.fn["finish"](*dims, *pp, *opts, *pairs, level, sums.data_ptr(), float(n), stats.data_ptr()) != 0:
                 raise RuntimeError("split finish kernel failed")
         y = torch.empty_like(x)
         if L.O and self.fn["apply"](*dims, x.data_ptr(), *pp, *opts, *pairs, stats.data_ptr(), float(n),
-                                    y.data_ptr(), self.threads) != 0:
+                                    y.data_ptr(), threads(self.kernel)) != 0:
             raise MemoryError("split apply kernel could not allocate its work buffer")
         return y, stats
 
@@ -144,7 +145,7 @@ class _CSplit:
         sums = torch.zeros((self.split["backward"], L.n_groups), dtype=torch.float64)
         if self.split["backward"]:
             if L.O and self.fn["bpartial"](*dims, x.data_ptr(), dy.data_ptr(), *pp, *opts, *pairs, stats.data_ptr(),
-                                           float(n), sums.data_ptr(), self.threads) != 0:
+                                           float(n), sums.data_ptr(), threads(self.kernel)) != 0:
                 raise RuntimeError("split bpartial kernel failed")
             dist.all_reduce(sums, group=pg)
         dx = torch.empty_like(x)
@@ -154,7 +155,7 @@ class _CSplit:
             return dx, [d.zero_() for d in dps]
         if self.fn["bapply"](*dims, x.data_ptr(), dy.data_ptr(), *pp, *opts, *pairs, stats.data_ptr(),
                              sums.data_ptr(), float(n), int(group_terms), dx.data_ptr(),
-                             *[d.data_ptr() for d in dps], *[d.data_ptr() for d in dis], self.threads) != 0:
+                             *[d.data_ptr() for d in dps], *[d.data_ptr() for d in dis], threads(self.kernel)) != 0:
             raise MemoryError("split bapply kernel could not allocate its work buffer")
         return dx, dps
 
