@@ -204,22 +204,33 @@ def _contig(a: np.ndarray) -> np.ndarray:
     return a if a.flags.c_contiguous else np.ascontiguousarray(a)
 
 
+def _param_dtypes(meta: dict, params: dict, dtype) -> None:
+    for pname in meta["params"]:
+        a = _check_array(pname, params[pname])
+        if a.dtype != dtype:
+            raise TypeError(f"{meta['name']}: {pname} has dtype {a.dtype} but x has {dtype}; "
+                            f"use one dtype for all arrays")
+
+
+def _param_shapes(meta: dict, params: dict, layout: Layout) -> None:
+    for pname in meta["params"]:
+        if pname in meta.get("scalar_params", ()):
+            if params[pname].size != 1 or params[pname].ndim > 1:
+                raise ValueError(f"{meta['name']}: {pname} is a scalar parameter: shape () or (1,), "
+                                 f"got {params[pname].shape}")
+        elif tuple(params[pname].shape) != layout.param_shape:
+            raise ValueError(f"{meta['name']}: {pname} must have shape {layout.param_shape}, "
+                             f"got {params[pname].shape}")
+
+
 def prepare_forward(meta: dict, x, params: dict, options: dict, inputs: dict, buffers: dict,
                     training: bool, num_groups=None, out=None) -> ForwardCall:
     name = meta["name"]
     x = _check_array("x", x)
     dtype = x.dtype
-    for pname in meta["params"]:
-        a = _check_array(pname, params[pname])
-        if a.dtype != dtype:
-            raise TypeError(f"{name}: {pname} has dtype {a.dtype} but x has {dtype}; use one dtype for all arrays")
+    _param_dtypes(meta, params, dtype)
     layout = resolve_layout(meta, x, params, num_groups)
-    for pname in meta["params"]:
-        if pname in meta.get("scalar_params", ()):
-            if params[pname].size != 1 or params[pname].ndim > 1:
-                raise ValueError(f"{name}: {pname} is a scalar parameter: shape () or (1,), got {params[pname].shape}")
-        elif tuple(params[pname].shape) != layout.param_shape:
-            raise ValueError(f"{name}: {pname} must have shape {layout.param_shape}, got {params[pname].shape}")
+    _param_shapes(meta, params, layout)
     if not isinstance(training, (bool, np.bool_)):
         raise TypeError(f"{name}: training must be a bool, got {type(training).__name__}")
     mode = "train" if training or "eval" not in meta["modes"] else "eval"
@@ -343,17 +354,9 @@ def prepare_split(meta: dict, x, params, options=None, inputs=None, stats=None, 
     inputs = _by_name(meta, "inputs", inputs, list(meta["inputs"]))
     x = _check_array("x", x)
     dtype = x.dtype
-    for p in meta["params"]:
-        a = _check_array(p, params[p])
-        if a.dtype != dtype:
-            raise TypeError(f"{name}: {p} has dtype {a.dtype} but x has {dtype}; use one dtype for all arrays")
+    _param_dtypes(meta, params, dtype)
     layout = split_layout(meta, x.shape, {p: params[p].shape for p in meta["params"]})
-    for p in meta["params"]:
-        if p in meta.get("scalar_params", ()):
-            if params[p].size != 1 or params[p].ndim > 1:
-                raise ValueError(f"{name}: {p} is a scalar parameter: shape () or (1,), got {params[p].shape}")
-        elif tuple(params[p].shape) != layout.param_shape:
-            raise ValueError(f"{name}: {p} must have shape {layout.param_shape}, got {params[p].shape}")
+    _param_shapes(meta, params, layout)
     opts = {}
     for oname, (default, lo, hi) in meta["options"].items():
         v = options.get(oname)
