@@ -204,6 +204,16 @@ def _contig(a: np.ndarray) -> np.ndarray:
     return a if a.flags.c_contiguous else np.ascontiguousarray(a)
 
 
+def _options(meta: dict, options: dict) -> dict[str, float]:
+    opts = {}
+    for oname, (default, lo, hi) in meta["options"].items():
+        v = options.get(oname)
+        if v is None:
+            raise TypeError(f"{meta['name']}: option {oname} is required")
+        opts[oname] = _check_float(oname, v, lo, hi)
+    return opts
+
+
 def _param_dtypes(meta: dict, params: dict, dtype) -> None:
     for pname in meta["params"]:
         a = _check_array(pname, params[pname])
@@ -238,12 +248,7 @@ def prepare_forward(meta: dict, x, params: dict, options: dict, inputs: dict, bu
     if layout.group_size < need:
         raise ValueError(f"{name}: {mode} mode needs at least {need} values per normalization group, got "
                          f"{layout.group_size} (x shape {x.shape})")
-    opts = {}
-    for oname, (default, lo, hi) in meta["options"].items():
-        v = options.get(oname)
-        if v is None:
-            raise TypeError(f"{name}: option {oname} is required")
-        opts[oname] = _check_float(oname, v, lo, hi)
+    opts = _options(meta, options)
     ins = _inputs(meta, inputs, layout, dtype)
     bufs = {}
     for bname in meta["buffers"]:
@@ -357,12 +362,7 @@ def prepare_split(meta: dict, x, params, options=None, inputs=None, stats=None, 
     _param_dtypes(meta, params, dtype)
     layout = split_layout(meta, x.shape, {p: params[p].shape for p in meta["params"]})
     _param_shapes(meta, params, layout)
-    opts = {}
-    for oname, (default, lo, hi) in meta["options"].items():
-        v = options.get(oname)
-        if v is None:
-            raise TypeError(f"{name}: option {oname} is required")
-        opts[oname] = _check_float(oname, v, lo, hi)
+    opts = _options(meta, options)
     nst = len(meta["stats"]["train"])
     if stats is not None:
         stats = _check_array("stats", stats)

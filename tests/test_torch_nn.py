@@ -411,22 +411,6 @@ def test_channels_last_operators_opcheck():
         assert all(v == "SUCCESS" for v in res.values()), res
 
 
-def test_whole_model_pickles_and_deep_copies():
-    """torch.save(model) / torch.load and copy.deepcopy of converted models (EMA copies,
-    checkpoints of whole modules): the layer bindings are looked up again, not pickled."""
-    import io
-    m = dt.convert(nn.Sequential(nn.LayerNorm(8), nn.BatchNorm1d(8), nn.GroupNorm(2, 8)))
-    buf = io.BytesIO()
-    torch.save(m, buf)
-    buf.seek(0)
-    m2 = torch.load(buf, weights_only=False)
-    m3 = copy.deepcopy(m)
-    x = torch.randn(4, 8)
-    m.eval(), m2.eval(), m3.eval()
-    assert torch.equal(m(x), m2(x)) and torch.equal(m(x), m3(x))
-    assert type(m2[0]) is dt.LayerNorm
-
-
 @pytest.mark.parametrize("make", [lambda: nn.BatchNorm2d(6), lambda: nn.GroupNorm(3, 6),
                                   lambda: nn.InstanceNorm2d(6, affine=True)], ids=["bn", "gn", "in"])
 def test_channels_last_input_keeps_its_format_and_values(make):

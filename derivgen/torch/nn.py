@@ -15,7 +15,6 @@ twin, keeping parameters, buffers, device, dtype and training mode.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from . import sync
@@ -139,15 +138,16 @@ class SyncBatchNorm(_BatchNormMixin, nn.modules.batchnorm._BatchNorm):
         self.process_group = process_group
 
     def _batch_forward(self, lay, input, params, options):
-        if self.training and dist.is_available() and dist.is_initialized():
-            pg = self.process_group if self.process_group is not None else dist.group.WORLD
-            if dist.get_world_size(pg) > 1:
-                return sync.sync_forward(lay, pg, input, params, options)
+        pg = sync.sync_group(self.process_group, self.training)
+        if pg is not None:
+            return sync.sync_forward(lay, pg, input, params, options)
         return super()._batch_forward(lay, input, params, options)
 
     def _check_input_dim(self, input):
         if input.dim() < 2:
             raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
+        if input.size(1) == 0:                  # torch.nn.SyncBatchNorm's own checks and messages
+            raise ValueError("SyncBatchNorm number of input channels should be non-zero")
 
     @classmethod
     def convert_sync_batchnorm(cls, module, process_group=None):
@@ -293,15 +293,14 @@ class Module(nn.Module):
         params = {p: getattr(self, p) for p in meta["params"]}
         options = {o: getattr(self, o) for o in meta["options"]}
         bufs = {b: getattr(self, b) for b in meta["buffers"]}
-        if self.sync and self.training and dist.is_available() and dist.is_initialized():
-            pg = self.process_group if self.process_group is not None else dist.group.WORLD
-            if dist.get_world_size(pg) > 1:
-                ins = {i: (v if isinstance(v, torch.Tensor) else torch.tensor(float(v), dtype=x.dtype))
-                       for i, v in inputs.items()}
-                y, stats, n = sync.sync_forward(lay, pg, x, params, options, ins)
-                if bufs:
-                    lay.update_buffers(stats, bufs, options, n)
-                return y
+        pg = sync.sync_group(self.process_group, self.training) if self.sync else None
+        if pg is not None:
+            ins = {i: (v if isinstance(v, torch.Tensor) else torch.tensor(float(v), dtype=x.dtype))
+                   for i, v in inputs.items()}
+            y, stats, n = sync.sync_forward(lay, pg, x, params, options, ins)
+            if bufs:
+                lay.update_buffers(stats, bufs, options, n)
+            return y
         return _run(lay, x, params, inputs, options, self.training, bufs, self.num_groups)
 
 

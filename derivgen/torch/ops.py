@@ -266,6 +266,18 @@ class TorchLayer:
         nhwc = self._channel_layout and _nhwc(tens[xi])
         return tuple([(t.shape, t.dtype, t.is_cpu, t.is_contiguous()) for t in tens]) + (groups, nhwc), nhwc
 
+    def _plan(self, mode: str, tens, opts, groups) -> "_Plan":
+        """The plan of a forward call's signature, validated (and remembered) on first use
+        and whenever the options are out of range (so that the error names them)."""
+        try:
+            key, nhwc = self._key(tens, 0, groups)
+            plan = self._plans.get((mode, key))
+        except AttributeError:          # not a tensor: the validation names it
+            key = nhwc = plan = None
+        if plan is None or not self._options_ok(opts):
+            plan = self._forward_plan(mode, self._fargs[mode], [*tens, *opts, groups], key, nhwc)
+        return plan
+
     def _forward_plan(self, mode: str, fargs, args, key, nhwc: bool) -> "_Plan":
         """Validate a forward signature (raising on bad input) and remember its plan."""
         a = self._split(fargs, args)
@@ -285,11 +297,8 @@ class TorchLayer:
 
         def impl(*args):
             tens = args[:ntens]
-            key, nhwc = self._key(tens, 0, args[-1])
-            plan = self._plans.get((mode, key))
             opts = args[ntens:ntens + nopt]
-            if plan is None or not self._options_ok(opts):
-                plan = self._forward_plan(mode, fargs, args, key, nhwc)
+            plan = self._plan(mode, tens, opts, args[-1])
             y, st = plan.forward(tens, opts, blob=False)
             return _ret((y, *st))
         return impl
@@ -443,13 +452,7 @@ class TorchLayer:
         x = tens[0]
         if isinstance(x, torch.Tensor) and x.is_cpu and not torch.compiler.is_compiling() \
                 and not torch._C._are_functorch_transforms_active():
-            try:
-                key, nhwc = self._key(tens, 0, groups)
-                plan = self._plans.get((mode, key))
-            except AttributeError:      # not a tensor: the validation below names it
-                key = nhwc = plan = None
-            if plan is None or not self._options_ok(opts):
-                plan = self._forward_plan(mode, self._fargs[mode], [*tens, *opts, groups], key, nhwc)
+            plan = self._plan(mode, tens, opts, groups)
             if torch.is_grad_enabled() and any([t.requires_grad for t in tens]):
                 box = []
                 y = _eager_apply(plan, opts, box, *tens)
@@ -515,6 +518,14 @@ class _Eager(torch.autograd.Function):
         return (None, None, None, *grads, *([None] * (len(tens) - len(grads))))
 
 
+def input_pairs(ins) -> list:
+    """Per-group inputs as the kernels take them: pointer, then stride (0: a scalar)."""
+    pairs = []
+    for t in ins:
+        pairs += [t.data_ptr(), 0 if t.numel() == 1 else 1]
+    return pairs
+
+
 def threads(kernel) -> int:
     """The threads a kernel call uses: the layer's own setting (``set_num_threads`` of its
     C module), else torch's (``torch.set_num_threads``), so one setting governs both."""
@@ -534,7 +545,7 @@ class _Plan:
     Python around each kernel)."""
 
     __slots__ = ("lay", "mode", "groups", "ffn", "bfn", "dims", "kernel", "n_groups", "nhwc", "npar", "nin",
-                 "copy", "in_flags", "null_bufs", "stat_offsets", "stats_like", "name", "simple")
+                 "copy", "null_bufs", "stat_offsets", "stats_like", "name", "simple")
 
     def __init__(self, lay: TorchLayer, mode: str, L: rt.Layout, tens: list, nhwc: bool, groups: int):
         x = tens[0]
@@ -549,19 +560,12 @@ class _Plan:
         self.npar, self.nin = npar, nin = len(lay.params), len(lay.inputs)
         # a strided tensor (or a channels-last one where this layer has no such kernel) is copied
         self.copy = not all(t.is_contiguous() for t in (tens[1:] if nhwc else tens))
-        self.in_flags = [0 if t.numel() == 1 else 1 for t in tens[1 + npar:1 + npar + nin]]
         self.null_bufs = [None] * len(lay.buffers) if mode == "train" else []
         nstat = len(lay.meta["stats"][mode])
         self.stat_offsets = [8 * ng * k for k in range(nstat)]
         self.stats_like = torch.empty((nstat, ng), dtype=torch.float64)
         # contiguous tensors, no per-group inputs, no buffers passed (train mode)
         self.simple = not self.copy and not nin and (mode == "train" or not lay.buffers)
-
-    def _inputs(self, ins) -> list:
-        pairs = []
-        for t, f in zip(ins, self.in_flags):
-            pairs += [t.data_ptr(), f]
-        return pairs
 
     def forward(self, tens, opts, blob: bool):
         """y and the statistics by the forward kernel on validated tensors. The statistics
@@ -588,7 +592,7 @@ class _Plan:
             sp = [t.data_ptr() for t in st]
         k = 1 + self.npar
         ptrs = [t.data_ptr() for t in tens]
-        ins = self._inputs(tens[k:k + self.nin]) if self.nin else []
+        ins = input_pairs(tens[k:k + self.nin]) if self.nin else []
         bufs = ptrs[k + self.nin:] or self.null_bufs
         if self.ffn(*self.dims, *ptrs[:k], *opts, *ins, *bufs, y.data_ptr(), *sp, threads(self.kernel)) != 0:
             raise MemoryError(f"{self.name}: forward kernel could not allocate its work buffer")
@@ -618,7 +622,7 @@ class _Plan:
         if self.nin:
             ins = tens[k:k + self.nin]
             dis = [torch.empty(self.n_groups, dtype=x.dtype) for _ in ins]
-            pairs = self._inputs(ins)
+            pairs = input_pairs(ins)
         else:
             ins = dis = pairs = ()
         if self.bfn(*self.dims, x.data_ptr(), dy.data_ptr(), *[p.data_ptr() for p in params], *opts, *pairs,

@@ -26,17 +26,13 @@ import torch
 import torch.distributed as dist
 
 from .. import runtime as rt
-from .ops import threads
+from .ops import input_pairs, threads
 
 _DTYPE_CODES = {torch.float32: 1, torch.float64: 2, torch.bfloat16: 3}
 
 
 class SyncError(ValueError):
     """Raised on every process when the processes' inputs do not fit together."""
-
-
-def _layout(lay, x_shape, param_shapes: dict) -> rt.Layout:
-    return rt.split_layout(lay.meta, x_shape, param_shapes)
 
 
 def _check_part(lay, x, params: dict, channels: int) -> str | None:
@@ -111,12 +107,7 @@ class _CSplit:
         self.split = lay.meta["split"]
         self.nstat = len(lay.meta["stats"]["train"])
 
-    @staticmethod
-    def _inputs(ins):
-        pairs = []
-        for t in ins:
-            pairs += [t.data_ptr(), 0 if t.numel() == 1 else 1]
-        return pairs
+    _inputs = staticmethod(input_pairs)
 
     def forward(self, L, x, params, opts, ins, n, pg):
         dims = (L.O, L.G, L.Cg, L.S)
@@ -168,7 +159,7 @@ class _SyncFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, lay, pg, n, options, kw_inputs, x, *params):
-        L = _layout(lay, tuple(x.shape), {p: tuple(t.shape) for p, t in zip(lay.params, params)})
+        L = rt.split_layout(lay.meta, tuple(x.shape), {p: tuple(t.shape) for p, t in zip(lay.params, params)})
         ctx.lay, ctx.pg, ctx.n, ctx.L = lay, pg, n, L
         names = lay.meta["stats"]["train"]
         if x.dtype in (torch.float32, torch.float64) and x.is_contiguous() and lay.meta["split"]:
@@ -216,6 +207,15 @@ class _SyncFunction(torch.autograd.Function):
         return (None, None, None, None, None, dx.reshape(x.shape).to(x.dtype), *grads)
 
 
+def sync_group(process_group, training: bool):
+    """The process group a split reduction runs over, or None when there is nothing to
+    split (not training, torch.distributed not initialized, or one process)."""
+    if not (training and dist.is_available() and dist.is_initialized()):
+        return None
+    pg = process_group if process_group is not None else dist.group.WORLD
+    return pg if dist.get_world_size(pg) > 1 else None
+
+
 def sync_forward(lay, pg, x, params: dict, options: dict, inputs: dict | None = None):
     """(y, {statistic: per-group float64 tensor}, N) of a batch-reduced layer in
     training mode over the batch the processes of ``pg`` hold together (``pg`` None:
@@ -255,7 +255,7 @@ def statistics_over(lay, parts, params: dict, options: dict) -> tuple[dict, int]
     for level in range(target.SPLIT_LEVELS_TRAIN):
         total, count = None, 0
         for x in again():
-            L = _layout(lay, tuple(x.shape), {p: tuple(t.shape) for p, t in params.items()})
+            L = rt.split_layout(lay.meta, tuple(x.shape), {p: tuple(t.shape) for p, t in params.items()})
             kw = _kw(lay, x, L, params, options)
             sums = target.partial_train(level, x.detach().double().reshape(L.view4), **kw, _L=L, _stats=stats)
             total = sums if total is None else tuple(a + b for a, b in zip(total, sums))
@@ -269,7 +269,7 @@ def statistics_over(lay, parts, params: dict, options: dict) -> tuple[dict, int]
 
 def apply_statistics(lay, x, stats: dict, params: dict, options: dict):
     """y of one part, normalized with statistics from :func:`statistics_over`."""
-    L = _layout(lay, tuple(x.shape), {p: tuple(t.shape) for p, t in params.items()})
+    L = rt.split_layout(lay.meta, tuple(x.shape), {p: tuple(t.shape) for p, t in params.items()})
     y = lay.target.apply_train(x.detach().double().reshape(L.view4), **_kw(lay, x, L, params, options),
                                _stats=stats)
     return y.reshape(x.shape).to(x.dtype)
