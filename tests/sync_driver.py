@@ -17,6 +17,7 @@ one line per check. Usage: sync_driver.py CASE WORLD, CASE one of
 """
 
 import datetime
+import gc
 import os
 import socket
 import sys
@@ -238,7 +239,11 @@ def rank_main(rank, world, port, case):
             {"batchnorm": case_batchnorm, "spec": case_spec, "train": case_train}[case](rank, world)
         dist.barrier()
     finally:
+        gc.collect()
         dist.destroy_process_group()
+    sys.stdout.flush()                             # no interpreter teardown with gloo's threads about
+    sys.stderr.flush()                             # (it can abort: see ddp_driver.py)
+    os._exit(0)
 
 
 def main():
