@@ -111,6 +111,7 @@ class ModeDerivation:
     coordinate_expr: sympy.Expr | None = None
     implicit_coordinate: bool = False        # x̂ named by the engine: the output uses it without [normalized]
     output_in_coordinate: sympy.Expr | None = None   # y written in that x̂ (direct paths keep x)
+    engine: object = field(default=None, repr=False, compare=False)   # the _Deriver (second order reuses it)
 
     @property
     def dparams(self) -> dict[str, sympy.Expr]:
@@ -608,15 +609,9 @@ class _Deriver:
         if to_xhat is not None:
             alg.derived = {xhat: self.coord_def}
         g_def = self.g_def
-        element = {X, DY, G, *self.channel} | ({xhat} if xhat is not None else set())
-
-        def finish(expr: sympy.Expr) -> sympy.Expr:
-            """In x̂, reduced by the algebra (linearity, known statistics), tidied."""
-            e = expr
-            if to_xhat is not None:
-                e = e.subs(X, to_xhat)
-            e = alg.canon(expand(alg.canon(e)))
-            return tidy(e, element)
+        self.to_xhat = to_xhat
+        self.element = {X, DY, G, *self.channel} | ({xhat} if xhat is not None else set())
+        finish = self.finish
 
         dx = finish(Add(*terms[X]))
         grads = {}
@@ -631,13 +626,27 @@ class _Deriver:
                     and alg.canon(Mean(self.xhat)) == 0)
         return g_def, dx, grads, dinputs, adjoints, sum_zero
 
+    def finish(self, expr: sympy.Expr) -> sympy.Expr:
+        """In x̂, reduced by the algebra (linearity, known statistics), tidied."""
+        e = expr
+        if self.to_xhat is not None:
+            e = e.subs(X, self.to_xhat)
+        e = self.alg.canon(expand(self.alg.canon(e)))
+        return tidy(e, self.element)
+
     def reductions(self, dx, grads, dinputs) -> list[Reduction]:
+        return self.name_reductions([dx, *dinputs.values(), *(g.element for g in grads.values()),
+                                     *(g.group for g in grads.values())])
+
+    def name_reductions(self, exprs, extra: dict | None = None) -> list[Reduction]:
+        """The Mean atoms of ``exprs`` as named reductions (Mean_g_xhat ...); ``extra`` names
+        further element symbols (the second order's cotangents and tangents)."""
         spec = self.spec
         xhat = self.coord.symbol if self.coord is not None else None
-        atoms = set(means(dx))
-        for e in [*dinputs.values(), *(g.element for g in grads.values()), *(g.group for g in grads.values())]:
+        atoms = set()
+        for e in exprs:
             atoms |= set(means(e))
-        names = {X: "x", DY: "dy", G: "g", **{p.symbol: p.name for p in spec.params}}
+        names = {X: "x", DY: "dy", G: "g", **{p.symbol: p.name for p in spec.params}, **(extra or {})}
         if xhat is not None:
             names[xhat] = self.coord.name
         out, used = [], set()
@@ -667,7 +676,8 @@ class _Deriver:
                               partials=partials, adjoints=adjoints, sum_xhat_zero=sum_zero,
                               coordinate=self.coord, coordinate_expr=self.coord_def,
                               implicit_coordinate=self.implicit is not None,
-                              output_in_coordinate=self.y_hat if self.implicit is not None else None)
+                              output_in_coordinate=self.y_hat if self.implicit is not None else None,
+                              engine=self)
 
 
 def mode_depends_on_x(md: ModeDerivation, s: sympy.Symbol) -> bool:
