@@ -200,6 +200,103 @@ def _mono_name(f: sympy.Expr) -> str:
     return str(b) if e == 1 else f"{b}{e}"
 
 
+# ------------------------------------------------------------------- second order
+
+@dataclass
+class SecondIR:
+    """A second-order kernel (``bb``: the double backward; ``jvp``) as one reduction sweep
+    and one output sweep per group, like the first-order backward."""
+    kind: str
+    temps: list[tuple[str, sympy.Expr]]           # element temporaries (x̂, g), in order
+    loop: list[tuple[str, sympy.Expr]]            # (accumulator, element expression summed)
+    means: list[Assign]                           # Mean_... = Sum_.../N
+    group: list[Assign]                           # coefficients and per-group outputs
+    outputs: list[tuple[str, list[tuple[str, sympy.Expr]], sympy.Expr]]   # (array, Σ coef·monomial, closed)
+    param_elem: list[tuple[str, sympy.Expr]]      # (parameter, element contribution summed like dp)
+    param_group: list[tuple[str, str]]            # (parameter, group variable): scalar parameters
+    input_out: list[tuple[str, str]]              # (input, group variable)
+    seed_x: str                                   # the seed symbol of x (X_Dd, X_T)
+    seed_params: dict[str, str]                   # parameter -> seed symbol
+    seed_inputs: dict[str, str]
+
+
+def _by_monomial(expr, is_elem, prefix: str, used: set, spec) -> tuple[list[Assign], list[tuple[str, sympy.Expr]]]:
+    """expr = Σ_k coefficient_k(group) · monomial_k(element): the coefficients as group
+    assignments (fewest flops per element)."""
+    e = sympy.expand(expr, power_base=False, log=False)
+    by_mono: dict[sympy.Expr, list] = {}
+    for term in Add.make_args(e):
+        c, m = [], []
+        for f in Mul.make_args(term):
+            (m if is_elem(f) else c).append(f)
+        by_mono.setdefault(Mul(*m), []).append(Mul(*c))
+    assigns, terms = [], []
+    for mono in sorted(by_mono, key=sympy.default_sort_key):
+        coef = sympy.factor_terms(Add(*by_mono[mono]))
+        if coef == 0:
+            continue
+        nm = _unique(prefix + ("1" if mono == 1 else "_".join(_mono_name(f) for f in Mul.make_args(mono))), used)
+        assigns.append(Assign(nm, coef, comment=f"coefficient of {code_text(mono, spec)}"))
+        terms.append((nm, mono))
+    return assigns, terms
+
+
+def build_second_ir(so, kind: str) -> SecondIR:
+    md, spec = so.md, so.spec
+    element = {str(s) for s in so.element} | {"x", "dy"}
+
+    def is_elem(f):
+        return bool({str(v) for v in f.free_symbols} & element) and not isinstance(f, Mean)
+    temps = []
+    if md.coordinate is not None:
+        temps.append((md.coordinate.name, md.coordinate_expr))
+    if md.g is not None and kind == "bb":
+        temps.append(("g", md.g))
+    reds = so.reductions if kind == "bb" else so.jvp_reductions
+    low = so.lowered if kind == "bb" else so.jvp_lowered
+    loop = [("Sum_" + r.name[len("Mean_"):], r.arg) for r in reds]
+    means_ = [Assign(r.name, sympy.Symbol(acc) / N, comment=f"{r.name} = mean({code_text(r.arg, spec)})")
+              for r, (acc, _) in zip(reds, loop)]
+    used: set[str] = set()
+    group, outputs, param_elem, param_group, input_out = [], [], [], [], []
+    if kind == "bb":
+        outs = [("dx", so.dx), ("ddy", so.ddy)]
+    else:
+        outs = [("ty", so.ty)]
+    for name, e in outs:
+        assigns, terms = _by_monomial(low(e), is_elem, f"K{name.upper()}_", used, spec)
+        group += assigns
+        outputs.append((name, terms, low(e)))
+    if kind == "bb":
+        for p in spec.params:
+            gr = so.grads[p.name]
+            param_elem.append((p.name, low(gr.element)))
+            if gr.group != 0:
+                nm = _unique(derived(p.name, "Grad2"), used)
+                group.append(Assign(nm, low(gr.group), comment=f"d{p.name} through the statistics, this group"))
+                param_group.append((p.name, nm))
+        for i in spec.inputs:
+            nm = _unique(derived(i.name, "Grad2"), used)
+            group.append(Assign(nm, low(so.dinputs[i.name]), comment=f"d{i.name} for this group"))
+            input_out.append((i.name, nm))
+        seeds = (so.cot_x, so.cot_params, so.cot_inputs)
+    else:
+        seeds = (so.tan_x, so.tan_params, so.tan_inputs)
+    # only the temporaries something uses
+    names = set()
+    for e in [*(e for _, e in loop), *(e for _, _, e in outputs), *(e for _, e in param_elem)]:
+        names |= {str(v) for v in e.free_symbols}
+    kept = []
+    for nm, te in reversed(temps):
+        if nm in names:
+            kept.insert(0, (nm, te))
+            names |= {str(v) for v in te.free_symbols}
+    return SecondIR(kind=kind, temps=kept, loop=loop, means=means_, group=group, outputs=outputs,
+                    param_elem=param_elem, param_group=param_group, input_out=input_out,
+                    seed_x=seeds[0].name, seed_params={k: v.name for k, v in seeds[1].items()},
+                    seed_inputs={k: v.name for k, v in seeds[2].items()})
+
+
 # ------------------------------------------------------------------- rendering
 
 @dataclass
@@ -310,8 +407,10 @@ def emit(d: Derivation, targets=("numpy", "c")) -> Emitted:
     env.globals["np_store"] = lambda target, e: np_store(target, e, spec)
     _SPEC_FOR_PRINTING[0] = spec
     irs = {m: build_mode_ir(md) for m, md in d.modes.items()}
+    irs2 = {m: {"bb": build_second_ir(md.second, "bb"), "jvp": build_second_ir(md.second, "jvp")}
+            for m, md in d.modes.items()}
     cplans = {(m, sfx): CPlanner(spec, ir, ct) for m, ir in irs.items() for sfx, ct in CTYPES.items()}
-    ctx = dict(spec=spec, meta=layer_meta(d), irs=irs, modes=list(irs), formulas=_formulas(d),
+    ctx = dict(spec=spec, meta=layer_meta(d), irs=irs, irs2=irs2, modes=list(irs), formulas=_formulas(d),
                source=spec.source, cplans=cplans, grad_fields=_grad_fields(spec), ctypes=CTYPES, atypes=ATYPES,
                per_sample=spec.reduce != "batch", trailing=spec.layout == "trailing")
     out = Emitted(spec.name)

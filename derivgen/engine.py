@@ -132,6 +132,12 @@ class ModeDerivation:
         return self.lowered(self.dx)
 
     @cached_property
+    def second(self):
+        """The second-order closed forms (double backward, JVP): derivgen.second."""
+        from .second import derive_second
+        return derive_second(self)
+
+    @cached_property
     def steps(self):
         from .narrative import build_steps
         return build_steps(self)

@@ -521,6 +521,105 @@ def prepare_backward(meta: dict, dy, cache, out=None) -> BackwardCall:
     return BackwardCall(cache, _contig(dy), outs)
 
 
+# ------------------------------------------------------------------ second order
+
+@dataclass
+class SecondCall:
+    """A validated call of ``backward_backward`` or ``jvp``: the seeds (cotangents of the
+    backward's outputs, or tangents of the forward's inputs; zeros where not given) and
+    the outputs."""
+    cache: Cache
+    dy: np.ndarray | None             # backward_backward only
+    seed_x: np.ndarray                # x's shape, C-contiguous
+    seed_params: dict[str, np.ndarray]   # flat, like cache.params
+    seed_inputs: dict[str, np.ndarray]   # flat, 1 or n_groups values
+    outs: dict[str, np.ndarray]
+
+
+def second_fields(meta) -> tuple[str, ...]:
+    """``backward_backward``'s fields: the gradients of L2 = sum(ddx*dx) + sum(dd<p>*d<p>) + ...
+    with respect to x, dy, the parameters and the inputs."""
+    return ("dx", "ddy", *("d" + p for p in meta["params"]), *("d" + i for i in meta["inputs"]))
+
+
+def _cache(meta: dict, cache) -> Cache:
+    if not isinstance(cache, Cache) or cache.meta["name"] != meta["name"]:
+        raise TypeError(f"{meta['name']}: cache must be the second value returned by this layer's forward")
+    return cache
+
+
+def _like_x(meta: dict, what: str, v, cache: Cache) -> np.ndarray:
+    if v is None:
+        return np.zeros(cache.layout.x_shape, dtype=cache.dtype)
+    v = _check_array(what, v)
+    if v.dtype != cache.dtype:
+        raise TypeError(f"{meta['name']}: {what} has dtype {v.dtype} but the forward ran in {cache.dtype}")
+    if tuple(v.shape) != tuple(cache.layout.x_shape):
+        raise ValueError(f"{meta['name']}: {what} must have the shape of x {cache.layout.x_shape}, got {v.shape}")
+    return _contig(v)
+
+
+def _seeds(meta: dict, what: str, params, inputs, cache: Cache) -> tuple[dict, dict]:
+    """Seeds of the parameters (dict by name or sequence in spec order; None entries are
+    zeros) and of the per-group inputs (dict by name)."""
+    name = meta["name"]
+    given = _by_name(meta, what + "params", params, meta["params"])
+    sp = {}
+    for pn in meta["params"]:
+        ref = cache.params[pn]
+        v = given.get(pn)
+        if v is None:
+            sp[pn] = np.zeros(ref.shape, dtype=cache.dtype)
+            continue
+        if not isinstance(v, np.ndarray):
+            v = np.asarray(_check_float(f"{what}params.{pn}", v), dtype=cache.dtype)
+        a = _check_array(f"{what}params.{pn}", v)
+        if a.dtype != cache.dtype:
+            raise TypeError(f"{name}: {what}params.{pn} has dtype {a.dtype} but the forward ran in {cache.dtype}")
+        shape = () if pn in meta.get("scalar_params", ()) else cache.layout.param_shape
+        if a.size != ref.size or (a.ndim and tuple(a.shape) != tuple(shape) and pn not in meta.get("scalar_params", ())):
+            raise ValueError(f"{name}: {what}params.{pn} must have the shape of {pn} {shape}, got {a.shape}")
+        sp[pn] = _contig(a).reshape(-1)
+    gi = _by_name(meta, what + "inputs", inputs, meta["inputs"])
+    si = _inputs(meta, {i: (0.0 if gi.get(i) is None else gi[i]) for i in meta["inputs"]}, cache.layout, cache.dtype)
+    return sp, si
+
+
+def prepare_backward_backward(meta: dict, dy, cache, ddx=None, ddparams=None, ddinputs=None,
+                              out=None) -> SecondCall:
+    name = meta["name"]
+    cache = _cache(meta, cache)
+    dy = _like_x(meta, "dy", dy if dy is not None else _missing(name, "dy"), cache)
+    seed_x = _like_x(meta, "ddx", ddx, cache)
+    sp, si = _seeds(meta, "dd", ddparams, ddinputs, cache)
+    fields = second_fields(meta)
+    shapes = {"dx": cache.layout.x_shape, "ddy": cache.layout.x_shape}
+    for p in meta["params"]:
+        shapes["d" + p] = () if p in meta.get("scalar_params", ()) else cache.layout.param_shape
+    given = {}
+    if out is not None:
+        given = dict(out) if isinstance(out, dict) else dict(zip(fields, out))
+        unknown = set(given) - set(fields)
+        if unknown:
+            raise ValueError(f"{name}: out has unknown field(s) {sorted(unknown)}; fields are {fields}")
+    outs = {f: check_out(f"out.{f}", given.get(f), shapes[f], cache.dtype) for f in fields if f in shapes}
+    _no_overlap(name, outs, {"dy": dy, "x": cache.x, "ddx": seed_x, **cache.params})
+    return SecondCall(cache, dy, seed_x, sp, si, outs)
+
+
+def prepare_jvp(meta: dict, cache, tx=None, tparams=None, tinputs=None, out=None) -> SecondCall:
+    cache = _cache(meta, cache)
+    seed_x = _like_x(meta, "tx", tx, cache)
+    sp, si = _seeds(meta, "t", tparams, tinputs, cache)
+    ty = check_out("out", out, cache.layout.x_shape, cache.dtype)
+    _no_overlap(meta["name"], {"out": ty}, {"x": cache.x, "tx": seed_x, **cache.params})
+    return SecondCall(cache, None, seed_x, sp, si, {"ty": ty})
+
+
+def _missing(name: str, what: str):
+    raise TypeError(f"{name}: {what} is required")
+
+
 def grad_fields(meta) -> tuple[str, ...]:
     return ("dx", *("d" + p for p in meta["params"]), *("d" + i for i in meta["inputs"]))
 
