@@ -152,6 +152,53 @@ class CKernel:
             values["d" + i] = rt.finish_input_grad(c, i, dinputs[i])
         return grads_type(**values)
 
+    # ------------------------------------------------------------------ second order
+
+    def second_cfunc(self, mode: str, kind: str, sfx: str) -> ctypes._CFuncPtr:
+        """The double backward (``kind`` "bb") or JVP ("jvp") kernel, argument types declared."""
+        m = self.meta
+        fn = self.lib[f"{m['name']}_{mode}_{kind}_{sfx}"]
+        V, I64 = ctypes.c_void_p, ctypes.c_int64
+        args = [I64] * 4 + [V] * (2 if kind == "bb" else 1) + [V] * len(m["params"])
+        args += [ctypes.c_double] * len(m["options"]) + [V, I64] * len(m["inputs"])
+        args += [V] * len(m["stats"][mode]) + [V] + [V] * len(m["params"]) + [V, I64] * len(m["inputs"])
+        if kind == "bb":
+            args += [V, V] + [V] * len(m["params"]) + [V] * len(m["inputs"])
+        else:
+            args += [V]
+        fn.argtypes = args + [ctypes.c_int]
+        fn.restype = ctypes.c_int
+        return fn
+
+    def second(self, call: rt.SecondCall, kind: str, grads_type=None):
+        """``backward_backward`` (kind "bb", returns grads_type) or ``jvp`` (returns y's tangent)."""
+        c, m = call.cache, self.meta
+        L = c.layout
+        args = self._leading(L, [c.x] + ([call.dy] if kind == "bb" else []), c.params, c.options, c.inputs)
+        args += [_ptr(c.stats[s]) for s in m["stats"][c.mode]]
+        args.append(_ptr(call.seed_x))
+        args += [_ptr(call.seed_params[p]) for p in m["params"]]
+        for i in m["inputs"]:
+            v = call.seed_inputs[i]
+            args += [_ptr(v), ctypes.c_int64(0 if v.size == 1 else 1)]
+        dinputs = {i: np.empty(L.n_groups, dtype=c.dtype) for i in m["inputs"]}
+        if kind == "bb":
+            args += [_ptr(call.outs["dx"]), _ptr(call.outs["ddy"])]
+            args += [_ptr(call.outs["d" + p]) for p in m["params"]] + [_ptr(dinputs[i]) for i in m["inputs"]]
+        else:
+            args.append(_ptr(call.outs["ty"]))
+        args.append(ctypes.c_int(self.threads))
+        fn = getattr(self.lib, f"{m['name']}_{c.mode}_{kind}_{_SFX[np.dtype(c.dtype)]}")
+        fn.restype = ctypes.c_int
+        if fn(*args) != 0:
+            raise MemoryError(f"{m['name']}: second-order kernel could not allocate its work buffer")
+        if kind != "bb":
+            return call.outs["ty"]
+        values = {"dx": call.outs["dx"], "ddy": call.outs["ddy"], **{"d" + p: call.outs["d" + p] for p in m["params"]}}
+        for i in m["inputs"]:
+            values["d" + i] = rt.finish_input_grad(c, i, dinputs[i])
+        return grads_type(**values)
+
     # ------------------------------------------------------------------ split reduction
     # (batch layouts, training mode; see the split_* functions of the generated modules)
 

@@ -29,6 +29,8 @@ TOL = {
     "finite differences": (1e-6, 1e-5),
     "other backend": (1e-12, 2e-6),
     "torch": (1e-10, 2e-5),
+    # second order: finite differences of the (float64) backward and forward
+    "second order finite differences": (1e-6, 1e-4),
 }
 DTYPES = {"float32": np.float32, "float64": np.float64}
 
@@ -115,12 +117,39 @@ def _relerr(got, ref) -> float:
     return float(diff.max() / max(1.0, float(np.nanmax(np.abs(ref))) if ref.size else 1.0)) if ref.size else 0.0
 
 
-def _run(mod, spec, x, dy, params, kw):
+def _seeds(spec: Spec, x, params, kw, layout: Layout, seed: int = 23):
+    """Cotangents for the double backward (by the backward's field names) and tangents
+    for the JVP (by the forward's argument names), float64."""
+    rng = np.random.default_rng(seed)
+    bb = {"dx": rng.normal(size=x.shape)}
+    jv = {"x": rng.normal(size=x.shape)}
+    for p, v in zip(spec.params, params):
+        bb["d" + p.name] = rng.normal(size=np.shape(v))
+        jv[p.name] = rng.normal(size=np.shape(v))
+    for i in spec.inputs:
+        bb["d" + i.name] = rng.normal(size=np.shape(kw[i.name]))
+        jv[i.name] = rng.normal(size=np.shape(kw[i.name]))
+    return bb, jv
+
+
+def _second(mod, spec, cache, dy, seeds, dtype) -> dict:
+    bb, jv = ({k: np.asarray(v, dtype=dtype) for k, v in d.items()} for d in seeds)
+    g2 = mod.backward_backward(dy, cache, bb["dx"], {p.name: bb["d" + p.name] for p in spec.params},
+                               ddinputs={i.name: bb["d" + i.name] for i in spec.inputs})
+    out = {"bb." + f: np.asarray(getattr(g2, f)) for f in g2._fields}
+    out["jvp.ty"] = mod.jvp(cache, jv["x"], {p.name: jv[p.name] for p in spec.params},
+                            tinputs={i.name: jv[i.name] for i in spec.inputs})
+    return out
+
+
+def _run(mod, spec, x, dy, params, kw, seeds=None):
     kw = _copy_kw(kw)
     y, cache = mod.forward(x, *params, **kw)
     g = mod.backward(dy, cache)
     out = {"y": y}
     out.update({f: np.asarray(getattr(g, f)) for f in g._fields})
+    if seeds is not None:
+        out.update(_second(mod, spec, cache, dy, seeds, x.dtype))
     for b in spec.buffers:
         if kw.get(b.name) is not None and kw.get("training", True):
             out[b.name] = kw[b.name]
@@ -187,6 +216,43 @@ def _fd(mod, spec, x, dy, params, kw, h=1e-6):
     return out
 
 
+def _fd_second(mod, spec, x, dy, params, kw, seeds, h=1e-6) -> dict:
+    """Central differences (float64) of L2 = sum(seeds * backward) with respect to x, dy, the
+    parameters and the inputs, and of y along the JVP's tangents."""
+    bb, jv = seeds
+    names = [p.name for p in spec.params]
+
+    def l2(xx, dd, pp, kk):
+        _, c = mod.forward(xx, *pp, **_copy_kw(kk))
+        g = mod.backward(dd, c)
+        return float(sum(np.sum(bb[f] * np.asarray(getattr(g, f))) for f in g._fields))
+
+    def vary(what, arr, f):
+        out = np.empty_like(np.asarray(arr, dtype=np.float64))
+        for idx in np.ndindex(out.shape):
+            a, b = np.array(arr, dtype=np.float64), np.array(arr, dtype=np.float64)
+            a[idx] += h
+            b[idx] -= h
+            out[idx] = (f(a) - f(b)) / (2 * h)
+        return out
+    out = {"bb.dx": vary("x", x, lambda a: l2(a, dy, params, kw)),
+           "bb.ddy": vary("dy", dy, lambda a: l2(x, a, params, kw))}
+    for k, p in enumerate(names):
+        out["bb.d" + p] = vary(p, params[k], lambda a, k=k: l2(x, dy, [a if j == k else q for j, q in
+                                                                       enumerate(params)], kw))
+    for i in spec.inputs:
+        out["bb.d" + i.name] = vary(i.name, kw[i.name], lambda a, i=i: l2(x, dy, params, {**kw, i.name: a}))
+
+    def y_at(t):
+        pp = [q + t * jv[p] for q, p in zip(params, names)]
+        kk = _copy_kw(kw)
+        for i in spec.inputs:
+            kk[i.name] = np.asarray(kw[i.name], np.float64) + t * jv[i.name]
+        return mod.forward(x + t * jv["x"], *pp, **kk)[0]
+    out["jvp.ty"] = (y_at(h) - y_at(-h)) / (2 * h)
+    return out
+
+
 def check_layer(spec: Spec, backends=("numpy", "c"), dtypes=("float32", "float64"), *,
                 prove_sizes=(2, 3, 4, 5, 6), progress=None, in_ci: bool | None = None) -> list[Row]:
     in_ci = (os.environ.get("CI", "").lower() in ("1", "true", "yes")) if in_ci is None else in_ci
@@ -214,11 +280,17 @@ def check_layer(spec: Spec, backends=("numpy", "c"), dtypes=("float32", "float64
                 y_t, g_t, b_t = torch_reference(spec.name, x64, dict(zip([p.name for p in spec.params], p64)),
                                                 _copy_kw(kw64), dy64)
                 torch_ref = {"y": y_t, **g_t, **{k: v for k, v in b_t.items() if v is not None and kw.get("training", True)}}
+            seeds = _seeds(spec, x64, p64, kw64, layout)
+            torch_second = None
+            if torch_ref is not None:
+                from .torch_ref import torch_second_reference
+                torch_second = torch_second_reference(spec.name, x64, dict(zip([p.name for p in spec.params], p64)),
+                                                      _copy_kw(kw64), dy64, *seeds)
             for b in backends:
                 if progress:
                     progress(f"{spec.name} {case.mode} {b} {dt}")
                 mod = mods[b]
-                got = _run(mod, spec, x, dy, params, kw)
+                got = _run(mod, spec, x, dy, params, kw, seeds)
                 results[(b, dt)] = got
                 i = 0 if dt == "float64" else 1
                 # 1. the spec, and finite differences
@@ -228,11 +300,20 @@ def check_layer(spec: Spec, backends=("numpy", "c"), dtypes=("float32", "float64
                 ok = errs["y"] <= TOL["spec"][i] and all(errs[k] <= TOL["finite differences"][i] for k in fd)
                 rows.append(Row(spec.name, case.mode, b, dt, "spec + finite differences", errs,
                                 TOL["finite differences"][i], "ok" if ok else "FAIL"))
+                fd2 = _fd_second(mod, spec, x64, dy64, p64, kw64, seeds)
+                errs = {k: _relerr(got[k], v) for k, v in fd2.items()}
+                tol2 = TOL["second order finite differences"][i]
+                rows.append(Row(spec.name, case.mode, b, dt, "second order: finite differences", errs, tol2,
+                                "ok" if all(e <= tol2 for e in errs.values()) else "FAIL"))
                 # 3. torch
                 if torch_ref is not None:
                     errs = {k: _relerr(got[k], v) for k, v in torch_ref.items() if k in got}
                     ok = all(e <= TOL["torch"][i] for e in errs.values())
                     rows.append(Row(spec.name, case.mode, b, dt, "torch", errs, TOL["torch"][i], "ok" if ok else "FAIL"))
+                    errs = {k: _relerr(got[k], v) for k, v in torch_second.items()}
+                    ok = all(e <= TOL["torch"][i] for e in errs.values())
+                    rows.append(Row(spec.name, case.mode, b, dt, "torch second order", errs, TOL["torch"][i],
+                                    "ok" if ok else "FAIL"))
                 elif not have_torch:
                     rows.append(Row(spec.name, case.mode, b, dt, "torch", status="FAIL: torch not installed (CI=true)"
                                     if in_ci else "skipped: torch not installed"))

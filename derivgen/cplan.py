@@ -333,3 +333,76 @@ def nhwc_sweep(lp: CLoop, group_names: list[str]) -> NhwcSweep:
 def used_in(names: list[str], text: str) -> list[str]:
     """The names that C text uses (as whole identifiers)."""
     return [n for n in names if _used(n, [text])]
+
+
+# ---- second order (derivgen.second): the double backward and the JVP -------------
+#
+# One reduction sweep and one output sweep per group, all arithmetic in double (float
+# and bfloat16 values are widened on load), sums in DG_LANES lanes; the template
+# (kernel.c.j2, second_kernel) lays out the loops.
+
+@dataclass
+class SecondPlan:
+    elem1: list[str]                  # sweep 1: element loads and temporaries
+    chan1: list[str]                  # sweep 1: per-channel loads
+    sums: list[tuple[str, str]]       # (accumulator, C expression)
+    group: list[tuple[str, str, str]]   # (name, C expression, comment) per group between the sweeps
+    elem2: list[str]
+    chan2: list[str]
+    stores: list[tuple[str, str]]     # (output array, C expression in double)
+    param_sums: list[tuple[int, str]]   # (parameter slot, C expression)
+    inputs: list[tuple[str, str]]     # (input, group variable)
+    param_groups: list[tuple[int, str]]   # (parameter slot, group variable)
+    seed_group: list[str]             # per-group loads of input seeds, scalar seeds
+
+
+def second_plan(spec: Spec, ir, ctype: str) -> SecondPlan:
+    from .printers import c_expr
+    params = [p.name for p in spec.params]
+    scalar = {p.name for p in spec.params if p.scalar}
+    rename = {"N": "N", "x": "Xv", "dy": "Dyv"}
+    for p in params:
+        rename[p] = derived(p, "G") if p in scalar else derived(p, "V")
+
+    def C(e):
+        return c_expr(e, "double", rename)
+    seed_chan = {ir.seed_params[p]: p for p in params if p not in scalar}
+
+    def needed(exprs):
+        names = {str(s) for e in exprs for s in e.free_symbols}
+        temps = []
+        for nm, te in reversed(ir.temps):
+            if nm in names:
+                temps.insert(0, (nm, te))
+                names |= {str(s) for s in te.free_symbols}
+        loads = []
+        if "x" in names:
+            loads.append(f"const double Xv = {c_load('x[Idx]', ctype)};")
+        if "dy" in names:
+            loads.append(f"const double Dyv = {c_load('dy[Idx]', ctype)};")
+        if ir.seed_x in names:
+            loads.append(f"const double {ir.seed_x} = {c_load('Seed_x[Idx]', ctype)};")
+        chan = [f"const double {derived(p, 'V')} = {c_load(p + '[Ch]', ctype)};" for p in params
+                if p not in scalar and p in names]
+        chan += [f"const double {s} = {c_load(p + '_Seed[Ch]', ctype)};" for s, p in seed_chan.items() if s in names]
+        return loads + [f"const double {nm} = {C(te)};" for nm, te in temps], chan
+    elem1, chan1 = needed([e for _, e in ir.loop])
+    outs2 = []
+    for name, terms, closed in ir.outputs:
+        outs2.append((name, Add(*[sympy.Symbol(k) * m for k, m in terms])))
+    pexprs = [(k, e) for k, (p, e) in enumerate(ir.param_elem) if e != 0]
+    elem2, chan2 = needed([e for _, e in outs2] + [e for _, e in pexprs])
+    group = [(a.name, C(a.expr), a.comment) for a in ir.means]
+    repl, reduced = sympy.cse([a.expr for a in ir.group], symbols=sympy.numbered_symbols("Cse"), order="none")
+    group += [(str(t), C(e), "common subexpression") for t, e in repl]
+    group += [(a.name, C(r), a.comment) for a, r in zip(ir.group, reduced)]
+    seed_group = []
+    for i, s in ir.seed_inputs.items():
+        seed_group.append(f"const double {s} = {c_load(i + '_Seed_In[Grp * ' + i + '_Seed_Stride]', ctype)};")
+    for p in params:
+        if p in scalar:
+            seed_group.append(f"const double {ir.seed_params[p]} = {c_load(p + '_Seed[0]', ctype)};")
+    return SecondPlan(elem1=elem1, chan1=chan1, sums=[(a, C(e)) for a, e in ir.loop], group=group,
+                      elem2=elem2, chan2=chan2, stores=[(n, C(e)) for n, e in outs2],
+                      param_sums=[(k, C(e)) for k, e in pexprs], inputs=list(ir.input_out),
+                      param_groups=[(params.index(p), v) for p, v in ir.param_group], seed_group=seed_group)

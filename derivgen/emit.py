@@ -27,7 +27,7 @@ import sympy
 from sympy import Add, Mul
 
 from .api import Derivation, derive
-from .cplan import ATYPES, CTYPES, CPlanner, c_load, c_store, nhwc_sweep, used_in
+from .cplan import ATYPES, CTYPES, CPlanner, c_load, c_store, nhwc_sweep, second_plan, used_in
 from .engine import G, ModeDerivation
 from .naming import code_text, derived
 from .printers import _SPEC_FOR_PRINTING, c_expr, np_expr, np_store, np_sum, torch_expr
@@ -404,6 +404,7 @@ def emit(d: Derivation, targets=("numpy", "c")) -> Emitted:
     env.globals["nhwc"] = nhwc_sweep
     env.globals["used_in"] = used_in
     env.globals["split_levels"] = split_levels
+    env.globals["second_plan"] = second_plan
     env.globals["np_store"] = lambda target, e: np_store(target, e, spec)
     _SPEC_FOR_PRINTING[0] = spec
     irs = {m: build_mode_ir(md) for m, md in d.modes.items()}

@@ -22,11 +22,69 @@ def torch_available() -> bool:
 
 def torch_reference(name, x, params, kw, dy):
     import torch
-    import torch.nn.functional as F
 
     t = {k: torch.tensor(v, dtype=torch.float64, requires_grad=True) for k, v in params.items()}
     tx = torch.tensor(x, dtype=torch.float64, requires_grad=True)
     extra_in = {}
+    if name == "online_layernorm":
+        extra_in = {k: torch.tensor(np.asarray(kw[k], dtype=np.float64), requires_grad=True)
+                    for k in ("prev_mean", "prev_std")}
+    y, buffers = _forward(name, tx, t, extra_in, kw, x, params)
+    y.backward(torch.tensor(dy, dtype=torch.float64))
+    grads = {"dx": tx.grad.numpy()}
+    for k, v in t.items():
+        grads["d" + k] = v.grad.numpy()
+    for k, v in extra_in.items():
+        grads["d" + k] = v.grad.numpy()
+    bufs = {k: (v.numpy() if v is not None else None) for k, v in buffers.items()}
+    return y.detach().numpy(), grads, bufs
+
+
+def torch_second_reference(name, x, params, kw, dy, bb_seeds: dict, jvp_seeds: dict) -> dict:
+    """PyTorch's own second order, float64: the double backward by
+    ``torch.autograd.grad(..., create_graph=True)`` and a second grad (keys ``bb.dx``,
+    ``bb.ddy``, ``bb.d<p>``, ``bb.d<input>``), and ``torch.func.jvp`` of the forward
+    (``jvp.ty``). Seeds are dicts by the backward's field names (dx, d<p>, d<input>) and
+    by the forward's argument names (x, <p>, <input>)."""
+    import torch
+
+    f64 = torch.float64
+    names = list(params)
+    inputs = ["prev_mean", "prev_std"] if name == "online_layernorm" else []
+    tx = torch.tensor(x, dtype=f64, requires_grad=True)
+    t = {k: torch.tensor(v, dtype=f64, requires_grad=True) for k, v in params.items()}
+    ins = {k: torch.tensor(np.asarray(kw[k], dtype=np.float64), requires_grad=True) for k in inputs}
+    tdy = torch.tensor(dy, dtype=f64, requires_grad=True)
+    kw_nb = {k: v for k, v in kw.items() if k not in ("running_mean", "running_var") or not kw.get("training", True)}
+    y, _ = _forward(name, tx, t, ins, kw_nb, x, params)
+    wrt = [tx, *t.values(), *ins.values()]
+    first = torch.autograd.grad(y, wrt, tdy, create_graph=True, allow_unused=True)
+    fields = ["dx", *("d" + k for k in names), *("d" + k for k in inputs)]
+    l2 = sum((torch.as_tensor(np.asarray(bb_seeds[f], dtype=np.float64)) * g).sum()
+             for f, g in zip(fields, first) if g is not None)
+    second = torch.autograd.grad(l2, [tx, tdy, *t.values(), *ins.values()], allow_unused=True)
+    out = {}
+    for f, v, ref in zip(["dx", "ddy", *("d" + k for k in names), *("d" + k for k in inputs)], second,
+                         [tx, tdy, *t.values(), *ins.values()]):
+        out["bb." + f] = (torch.zeros_like(ref) if v is None else v).detach().numpy()
+
+    def fwd(xx, *rest):
+        pp = dict(zip(names, rest[:len(names)]))
+        ii = dict(zip(inputs, rest[len(names):]))
+        return _forward(name, xx, pp, ii, kw_nb, x, params)[0]
+    primals = (tx.detach(), *(v.detach() for v in t.values()), *(v.detach() for v in ins.values()))
+    tangents = tuple(torch.as_tensor(np.asarray(jvp_seeds[k], dtype=np.float64))
+                     for k in ["x", *names, *inputs])
+    _, ty = torch.func.jvp(fwd, primals, tangents)
+    out["jvp.ty"] = ty.detach().numpy()
+    return out
+
+
+def _forward(name, tx, t, extra_in, kw, x, params):
+    """y of the layer in torch operations, and the running buffers it updated."""
+    import torch
+    import torch.nn.functional as F
+
     buffers = {}
     if name == "layernorm":
         y = F.layer_norm(tx, tuple(params["gamma"].shape), t["gamma"], t["beta"], kw.get("eps", 1e-5))
@@ -44,9 +102,7 @@ def torch_reference(name, x, params, kw, dy):
         y = F.group_norm(tx, kw["num_groups"], t["gamma"], t["beta"], kw.get("eps", 1e-5))
     elif name == "online_layernorm":
         alpha, eps = kw["alpha"], kw.get("eps", 0.0)
-        pm = torch.tensor(np.asarray(kw["prev_mean"], dtype=np.float64), requires_grad=True)
-        ps = torch.tensor(np.asarray(kw["prev_std"], dtype=np.float64), requires_grad=True)
-        extra_in = {"prev_mean": pm, "prev_std": ps}
+        pm, ps = extra_in["prev_mean"], extra_in["prev_std"]
         k = params["gamma"].ndim
         axes = tuple(range(x.ndim - k, x.ndim))
         D = int(np.prod(x.shape[x.ndim - k:]))
@@ -57,11 +113,4 @@ def torch_reference(name, x, params, kw, dy):
         y = t["gamma"] * (tx - mu[expand]) / sigma[expand] + t["beta"]
     else:
         raise KeyError(name)
-    y.backward(torch.tensor(dy, dtype=torch.float64))
-    grads = {"dx": tx.grad.numpy()}
-    for k, v in t.items():
-        grads["d" + k] = v.grad.numpy()
-    for k, v in extra_in.items():
-        grads["d" + k] = v.grad.numpy()
-    bufs = {k: (v.numpy() if v is not None else None) for k, v in buffers.items()}
-    return y.detach().numpy(), grads, bufs
+    return y, buffers
