@@ -244,7 +244,7 @@ def _fd_second(mod, spec, x, dy, params, kw, seeds, h=1e-6) -> dict:
         out["bb.d" + i.name] = vary(i.name, kw[i.name], lambda a, i=i: l2(x, dy, params, {**kw, i.name: a}))
 
     def y_at(t):
-        pp = [q + t * jv[p] for q, p in zip(params, names)]
+        pp = [np.asarray(q + t * jv[p]) for q, p in zip(params, names)]
         kk = _copy_kw(kw)
         for i in spec.inputs:
             kk[i.name] = np.asarray(kw[i.name], np.float64) + t * jv[i.name]

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.autograd.forward_ad as _fwad
 
 from .. import runtime as rt
 from ..api import load, load_spec, materialize
@@ -73,6 +74,8 @@ class ModeOps:
     mode: str
     forward: object        # torch._ops.OpOverload
     backward: object
+    bb: object = None      # the double backward (derived kernels)
+    jvp: object = None     # the forward-mode derivative (derived kernels)
 
 
 def layout(meta: dict, x_shape, param_shapes: dict, groups: int) -> rt.Layout:
@@ -178,8 +181,157 @@ class TorchLayer:
         bop = getattr(torch.ops.derivgen, bname).default
         torch.library.register_fake(fop, self._forward_fake(mode, fargs), lib=_LIB)
         torch.library.register_fake(bop, self._backward_fake(mode, bargs), lib=_LIB)
-        self._register_autograd(mode, fop, bop, fargs, bargs)
-        return ModeOps(mode, fop, bop)
+        bbop, jvpop = self._register_second(mode, fargs, bargs)
+        self._register_autograd(mode, fop, bop, fargs, bargs, bbop)
+        return ModeOps(mode, fop, bop, bbop, jvpop)
+
+    # ---------------------------------------------------------------- second order
+    # derivgen::<layer>_<mode>_bb(dy, x, params..., inputs..., [buffers...], statistics..., ddx,
+    #     ddparams..., ddinputs..., options..., groups) -> (dx, ddy, dparams..., dinputs...)
+    # derivgen::<layer>_<mode>_jvp(x, params..., inputs..., [buffers...], statistics..., tx,
+    #     tparams..., tinputs..., options..., groups) -> ty
+    # float32/float64 run the derived C kernels (derivgen.second); bfloat16 and channels-last
+    # tensors take the generated PyTorch closed form through torch.func (the same derivatives).
+    def _second_args(self, mode, fargs, bargs):
+        diff = ["x", *self.params, *self.inputs]
+        tens_b = [a for a in bargs if a[0] == "Tensor"]
+        scal = [a for a in fargs if a[0] != "Tensor"]
+        bb = tens_b + [("Tensor", f"c{k}", "c_" + n) for k, n in enumerate(diff)] + scal
+        tens_f = [a for a in bargs if a[0] == "Tensor" and a[2] != "dy"]
+        jv = tens_f + [("Tensor", f"t{k}", "t_" + n) for k, n in enumerate(diff)] + scal
+        return bb, jv
+
+    def _register_second(self, mode, fargs, bargs):
+        bbargs, jvargs = self._second_args(mode, fargs, bargs)
+        self._bbargs = getattr(self, "_bbargs", {})
+        self._bbargs[mode] = bbargs
+        nout = 2 + len(self.params) + len(self.inputs)
+        bbname, jvname = f"{self.base}_{mode}_bb", f"{self.base}_{mode}_jvp"
+        _LIB.define(bbname + "(" + ", ".join(f"{t} {n}" for t, n, _ in bbargs) + ") -> ("
+                    + ", ".join(["Tensor"] * nout) + ")")
+        _LIB.define(jvname + "(" + ", ".join(f"{t} {n}" for t, n, _ in jvargs) + ") -> Tensor")
+        _LIB.impl(bbname, self._bb_impl(mode, bbargs), "CPU")
+        _LIB.impl(jvname, self._jvp_impl(mode, jvargs), "CPU")
+        bbop = getattr(torch.ops.derivgen, bbname).default
+        jvop = getattr(torch.ops.derivgen, jvname).default
+
+        def bb_fake(*args):
+            a = self._split(bbargs, args)
+            x = a["x"]
+            return (torch.empty_like(x), torch.empty_like(x), *(torch.empty_like(a[p]) for p in self.params),
+                    *(torch.empty_like(a[i]) for i in self.inputs))
+
+        def jvp_fake(*args):
+            return torch.empty_like(self._split(jvargs, args)["x"])
+        torch.library.register_fake(bbop, bb_fake, lib=_LIB)
+        torch.library.register_fake(jvop, jvp_fake, lib=_LIB)
+
+        def setup_bb(ctx, inputs, output):
+            ctx.inputs = inputs
+            ctx.save_for_backward(*(v for (t, _, _), v in zip(bbargs, inputs) if t == "Tensor"))
+
+        def bb_backward(ctx, *cots):
+            # third order: the generated PyTorch closed form, differentiated by torch.func
+            tnames = [s for t, _, s in bbargs if t == "Tensor"]
+            a = dict(zip(tnames, ctx.saved_tensors))
+            a.update({s: v for (t, _, s), v in zip(bbargs, ctx.inputs) if t != "Tensor"})
+            diff = ["x", *self.params, *self.inputs]
+            wrt = ["dy", *diff, *("c_" + n for n in diff)]
+            outs = self._generic_bb(mode, a)
+            cot = tuple(torch.zeros_like(o) if c is None else c for c, o in zip(cots, outs))
+
+            def f(*primals):
+                b = dict(a)
+                b.update(zip(wrt, primals))
+                return self._generic_bb(mode, b)
+            _, vjp = torch.func.vjp(f, *(a[w] for w in wrt))
+            g = dict(zip(wrt, vjp(cot)))
+            return tuple(g.get(s) if t == "Tensor" else None for t, _, s in bbargs)
+        torch.library.register_autograd(bbop, bb_backward, setup_context=setup_bb, lib=_LIB)
+        return bbop, jvop
+
+    def _generic_bb(self, mode: str, a: dict) -> tuple:
+        """The double backward as torch.func's VJP of the generated PyTorch backward
+        (bfloat16, channels last, third order)."""
+        diff = ["x", *self.params, *self.inputs]
+        wrt = ["dy", *diff]
+
+        def f(*primals):
+            b = dict(a)
+            b.update(zip(wrt, primals))
+            return self.target_backward(mode, b)
+        _, vjp = torch.func.vjp(f, *(a[w] for w in wrt))
+        g = vjp(tuple(a["c_" + n] for n in diff))
+        by = dict(zip(wrt, g))
+        return (by["x"], by["dy"], *(by[p] for p in self.params), *(by[i] for i in self.inputs))
+
+    def _generic_jvp(self, mode: str, a: dict):
+        diff = ["x", *self.params, *self.inputs]
+
+        def f(*primals):
+            b = dict(a)
+            b.update(zip(diff, primals))
+            L = layout(self.meta, b["x"].shape, {p: b[p].shape for p in self.params}, b["num_groups"])
+            return self.target.FORWARD[mode](b["x"].reshape(L.view4), **self.views(b, L, mode))[0].reshape(
+                b["x"].shape)
+        return torch.func.jvp(f, tuple(a[n] for n in diff), tuple(a["t_" + n] for n in diff))[1]
+
+    def _second_fast(self, a: dict) -> bool:
+        x = a["x"]
+        return x.dtype in (torch.float32, torch.float64) and not (self._channel_layout and _nhwc(x))
+
+    def _second_call(self, mode: str, kind: str, a: dict):
+        """The derived C kernel on contiguous float32/float64 tensors."""
+        m = self.meta
+        x = a["x"].contiguous()
+        L = layout(m, tuple(x.shape), {p: tuple(a[p].shape) for p in self.params}, a["num_groups"])
+        fn = self._kernel_for(x.dtype).second_cfunc(mode, kind, _SFX[x.dtype])
+        c = {k: (v.contiguous() if isinstance(v, torch.Tensor) else v) for k, v in a.items()}
+        pre = "c_" if kind == "bb" else "t_"
+        for n in ["x", *self.params, *self.inputs]:
+            if c[pre + n].dtype != x.dtype:
+                c[pre + n] = c[pre + n].to(x.dtype)
+        args = [L.O, L.G, L.Cg, L.S, x.data_ptr()] + ([c["dy"].data_ptr()] if kind == "bb" else [])
+        args += [c[p].data_ptr() for p in self.params] + [c[o] for o in self.options]
+        args += input_pairs([c[i] for i in self.inputs])
+        args += [c[s].data_ptr() for s in m["stats"][mode]]
+        args.append(c[pre + "x"].data_ptr())
+        args += [c[pre + p].data_ptr() for p in self.params]
+        args += input_pairs([c[pre + i] for i in self.inputs])
+        if kind == "bb":
+            outs = [torch.empty_like(x), torch.empty_like(x), *(torch.empty_like(c[p]) for p in self.params)]
+            dis = [torch.empty(L.n_groups, dtype=x.dtype) for _ in self.inputs]
+            args += [t.data_ptr() for t in outs + dis]
+        else:
+            outs = [torch.empty_like(x)]
+            dis = []
+            args.append(outs[0].data_ptr())
+        args.append(threads(self.ckernel._kernel))
+        if fn(*args) != 0:
+            raise MemoryError(f"{m['name']}: second-order kernel could not allocate its work buffer")
+        if kind != "bb":
+            return outs[0].reshape(a["x"].shape)
+        for i, d in zip(self.inputs, dis):
+            t = a[i]
+            outs.append(d.sum(dtype=torch.float64).to(x.dtype).reshape(t.shape) if t.numel() == 1
+                        else d.reshape(t.shape))
+        return tuple(outs)
+
+    def _bb_impl(self, mode, bbargs):
+        def impl(*args):
+            a = self._split(bbargs, args)
+            if self._second_fast(a):
+                return self._second_call(mode, "bb", a)
+            return self._generic_bb(mode, a)
+        return impl
+
+    def _jvp_impl(self, mode, jvargs):
+        def impl(*args):
+            a = self._split(jvargs, args)
+            if self._second_fast(a):
+                return self._second_call(mode, "jvp", a)
+            return self._generic_jvp(mode, a)
+        return impl
 
     def _split(self, names, args) -> dict:
         return {spec_name: v for (_, _, spec_name), v in zip(names, args)}
@@ -357,7 +509,7 @@ class TorchLayer:
         return fake
 
     # ---------------------------------------------------------------- autograd
-    def _register_autograd(self, mode, fop, bop, fargs, bargs):
+    def _register_autograd(self, mode, fop, bop, fargs, bargs, bbop):
         nstats = len(self.meta["stats"][mode])
         n_fwd_tensors = sum(1 for t, _, _ in fargs if t == "Tensor")
         diff = ["x", *self.params, *self.inputs]
@@ -385,23 +537,15 @@ class TorchLayer:
             ctx.save_for_backward(*(v for (t, _, _), v in zip(bargs, inputs) if t == "Tensor"))
 
         def backward_backward(ctx, *cotangents):
+            # the derived double backward (derivgen.second): one operator, derived kernels
             tensors = ctx.saved_tensors
             tnames = [s for t, _, s in bargs if t == "Tensor"]
             a = dict(zip(tnames, tensors))
-            a.update({s: v for (t, _, s), v in zip(bargs, ctx.inputs) if t != "Tensor"})
-            wrt = ["dy", *diff]
+            scal = [v for (t, _, _), v in zip(bargs, ctx.inputs) if t != "Tensor"]
             outs = [a["x"], *(a[p] for p in self.params), *(a[i] for i in self.inputs)]
             cot = [torch.zeros_like(o) if c is None else c for c, o in zip(cotangents, outs)]
-
-            def f(*primals):
-                b = dict(a)
-                b.update(zip(wrt, primals))
-                return self.target_backward(mode, b)
-
-            if len(outs) == 1:
-                cot = cot[0]
-            _, vjp = torch.func.vjp(lambda *p: _ret(f(*p)), *(a[w] for w in wrt))
-            g = dict(zip(wrt, vjp(cot if isinstance(cot, torch.Tensor) else tuple(cot))))
+            got = _tup(bbop(*tensors, *cot, *scal))
+            g = dict(zip(["x", "dy", *self.params, *self.inputs], got))
             return tuple(g.get(s) if t == "Tensor" else None for t, _, s in bargs)
 
         torch.library.register_autograd(bop, backward_backward, setup_context=setup_backward, lib=_LIB)
@@ -451,9 +595,15 @@ class TorchLayer:
         inputs, and in eval mode buffers), options (floats), groups (0 without groups)."""
         x = tens[0]
         if isinstance(x, torch.Tensor) and x.is_cpu and not torch.compiler.is_compiling() \
-                and not torch._C._are_functorch_transforms_active():
+                and torch._C._are_functorch_transforms_active():
+            # torch.func (jvp, vjp, grad, ...): an autograd.Function over the operators, with the
+            # derived backward and JVP
             plan = self._plan(mode, tens, opts, groups)
-            if torch.is_grad_enabled() and any([t.requires_grad for t in tens]):
+            out = _Functional.apply(self, mode, opts, groups, *tens)
+            return out[0], dict(zip(self.meta["stats"][mode], out[1:]))
+        if isinstance(x, torch.Tensor) and x.is_cpu and not torch.compiler.is_compiling():
+            plan = self._plan(mode, tens, opts, groups)
+            if (torch.is_grad_enabled() and any([t.requires_grad for t in tens])) or _fwad._current_level >= 0:
                 box = []
                 y = _eager_apply(plan, opts, box, *tens)
                 st = box[0]
@@ -502,8 +652,17 @@ class _Eager(torch.autograd.Function):
         y, st = plan.forward(tens, opts, blob=True)
         ctx.plan, ctx.opts, ctx.st = plan, opts, st
         ctx.save_for_backward(*tens)
+        ctx.save_for_forward(*tens)
         box.append(st)
         return y
+
+    @staticmethod
+    def jvp(ctx, _plan, _opts, _box, *tangents):
+        """Forward mode (torch.autograd.forward_ad): the derived JVP kernel."""
+        plan, tens = ctx.plan, ctx.saved_tensors
+        t = [torch.zeros_like(v) if d is None else d for d, v in zip(tangents, tens)]
+        n = 1 + len(plan.lay.params) + len(plan.lay.inputs)
+        return plan.lay.modes[plan.mode].jvp(*tens, *ctx.st.unbind(0), *t[:n], *ctx.opts, plan.groups)
 
     @staticmethod
     def backward(ctx, dy):
@@ -516,6 +675,40 @@ class _Eager(torch.autograd.Function):
             base = st.data_ptr()
             grads = plan.backward(dy, tens, [base + o for o in plan.stat_offsets], ctx.opts)
         return (None, None, None, *grads, *([None] * (len(tens) - len(grads))))
+
+
+class _Functional(torch.autograd.Function):
+    """The operators under torch.func transforms (``torch.func.jvp``, ``vjp``, ``grad``...):
+    the backward operator for reverse mode (its own autograd is the derived double
+    backward) and the JVP operator for forward mode, both from derivgen.second."""
+
+    @staticmethod
+    def forward(lay, mode, opts, groups, *tens):
+        return _tup(lay.modes[mode].forward(*tens, *opts, groups))
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        lay, mode, opts, groups, *tens = inputs
+        ctx.lay, ctx.mode, ctx.opts, ctx.groups, ctx.ntens = lay, mode, opts, groups, len(tens)
+        ctx.save_for_backward(*tens, *output[1:])
+        ctx.save_for_forward(*tens, *output[1:])
+        ctx.mark_non_differentiable(*output[1:])
+
+    @staticmethod
+    def backward(ctx, dy, *dstats):
+        lay, saved = ctx.lay, ctx.saved_tensors
+        tens, st = saved[:ctx.ntens], saved[ctx.ntens:]
+        grads = _tup(lay.modes[ctx.mode].backward(dy.contiguous(), *tens, *st, *ctx.opts, ctx.groups))
+        return (None, None, None, None, *grads, *([None] * (ctx.ntens - len(grads))))
+
+    @staticmethod
+    def jvp(ctx, _lay, _mode, _opts, _groups, *tangents):
+        lay, saved = ctx.lay, ctx.saved_tensors
+        tens, st = saved[:ctx.ntens], saved[ctx.ntens:]
+        n = 1 + len(lay.params) + len(lay.inputs)
+        t = [torch.zeros_like(v) if d is None else d for d, v in zip(tangents[:n], tens)]
+        ty = lay.modes[ctx.mode].jvp(*tens, *st, *t, *ctx.opts, ctx.groups)
+        return (ty, *(None for _ in st))
 
 
 def input_pairs(ins) -> list:
