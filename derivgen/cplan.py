@@ -353,7 +353,7 @@ class SecondPlan:
     param_sums: list[tuple[int, str]]   # (parameter slot, C expression)
     inputs: list[tuple[str, str]]     # (input, group variable)
     param_groups: list[tuple[int, str]]   # (parameter slot, group variable)
-    seed_group: list[str]             # per-group loads of input seeds, scalar seeds
+    seed_group: list[tuple[str, str]]   # (name, declaration): per-group loads of input seeds, scalar seeds
 
 
 def second_plan(spec: Spec, ir, ctype: str) -> SecondPlan:
@@ -398,10 +398,10 @@ def second_plan(spec: Spec, ir, ctype: str) -> SecondPlan:
     group += [(a.name, C(r), a.comment) for a, r in zip(ir.group, reduced)]
     seed_group = []
     for i, s in ir.seed_inputs.items():
-        seed_group.append(f"const double {s} = {c_load(i + '_Seed_In[Grp * ' + i + '_Seed_Stride]', ctype)};")
+        seed_group.append((s, f"const double {s} = {c_load(i + '_Seed_In[Grp * ' + i + '_Seed_Stride]', ctype)};"))
     for p in params:
         if p in scalar:
-            seed_group.append(f"const double {ir.seed_params[p]} = {c_load(p + '_Seed[0]', ctype)};")
+            seed_group.append((ir.seed_params[p], f"const double {ir.seed_params[p]} = {c_load(p + '_Seed[0]', ctype)};"))
     return SecondPlan(elem1=elem1, chan1=chan1, sums=[(a, C(e)) for a, e in ir.loop], group=group,
                       elem2=elem2, chan2=chan2, stores=[(n, C(e)) for n, e in outs2],
                       param_sums=[(k, C(e)) for k, e in pexprs], inputs=list(ir.input_out),

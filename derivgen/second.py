@@ -92,6 +92,15 @@ def _tangent(item) -> Named:
     return _named(derived(item.name, "T"), rf"\dot{{{item.latex}}}", f"{item.text}\u0307")
 
 
+def almost_everywhere(e: sympy.Expr) -> sympy.Expr:
+    """The derivative of sign(u) (from |u| in a layer) is zero wherever it is defined (u ≠ 0),
+    as the first order's sign(u) is |u|'s derivative wherever that is defined: DiracDelta
+    terms are dropped."""
+    if not e.has(sympy.DiracDelta):
+        return e
+    return e.replace(lambda a: isinstance(a, sympy.DiracDelta), lambda a: sympy.S.Zero)
+
+
 def derive_second(md: ModeDerivation) -> SecondOrder:
     """The double backward and the JVP of one mode, as closed forms."""
     eng = md.engine
@@ -179,7 +188,7 @@ def derive_second(md: ModeDerivation) -> SecondOrder:
     unlower = {r.symbol: Mean(r.arg) for r in md.reductions}
 
     def fin(e) -> sympy.Expr:
-        return eng.finish(sympy.sympify(e).xreplace(unlower))
+        return eng.finish(almost_everywhere(sympy.sympify(e).xreplace(unlower)))
 
     dx2 = fin(ebar.get(X, 0))
     ddy = fin(ebar.get(DY, 0))
