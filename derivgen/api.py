@@ -31,9 +31,9 @@ class Derivation:
             return getattr(self.modes["train"], item)
         raise AttributeError(item)
 
-    def render(self, fmt: str = "latex", standalone: bool = False) -> str:
+    def render(self, fmt: str = "latex", standalone: bool = False, order: int = 1, second_sizes=(2, 3, 4, 5)) -> str:
         from .document import render
-        return render(self, fmt, standalone)
+        return render(self, fmt, standalone, order=order, second_sizes=second_sizes)
 
 
 def names() -> list[str]:

@@ -73,19 +73,22 @@ def list_cmd():
 @click.option("--pdf", type=click.Path(dir_okay=False), help="Also compile the standalone LaTeX to this PDF.")
 @click.option("--prove-sizes", default="2-6", show_default=True, help="Brute-force proof sizes (e.g. 2-6 or 2,3).")
 @click.option("--no-prove", is_flag=True, help="Skip the brute-force proof.")
-def derive_cmd(name, spec_file, fmt, standalone, output, pdf, prove_sizes, no_prove):
+@click.option("--order", type=click.IntRange(1, 2), default=1, show_default=True,
+              help="2 adds the second order: the double backward and the JVP, derived and proven (N up to 5).")
+def derive_cmd(name, spec_file, fmt, standalone, output, pdf, prove_sizes, no_prove, order):
     """Print the step-by-step derivation of a layer's backward pass."""
     spec = _spec_or_name(name, spec_file)
     sizes = () if no_prove else _sizes(prove_sizes)
     d = api.derive(spec, prove=sizes)
     failed = [m for m, p in d.proofs.items() if not p.ok]
-    text = d.render(fmt, standalone=standalone)
+    text = d.render(fmt, standalone=standalone, order=order, second_sizes=tuple(n for n in sizes if n <= 5))
     if output:
         atomic_write(output, text)
     else:
         click.echo(text, nl=False)
     if pdf:
-        _pdflatex(d.render("latex", standalone=True), Path(pdf))
+        _pdflatex(d.render("latex", standalone=True, order=order,
+                           second_sizes=tuple(n for n in sizes if n <= 5)), Path(pdf))
     if failed:
         raise click.ClickException(f"{spec.name}: the closed form FAILED its brute-force proof in mode(s) {', '.join(failed)}")
 

@@ -100,19 +100,21 @@ def _tex_mixed(s: str) -> str:
     return "".join("$" + p + "$" if i % 2 else _tex_escape(p) for i, p in enumerate(parts))
 
 
-def render(derivation, fmt: str = "latex", standalone: bool = False) -> str:
+def render(derivation, fmt: str = "latex", standalone: bool = False, order: int = 1,
+           second_sizes=(2, 3, 4, 5)) -> str:
+    if fmt not in ("latex", "markdown", "text"):
+        raise ValueError(f"format must be latex, markdown or text, got {fmt!r}")
+    second = render_second(derivation, fmt, second_sizes) if order >= 2 else ""
     if fmt == "latex":
-        body = _render_latex(derivation)
+        body = _render_latex(derivation) + second
         if standalone:
             return (PREAMBLE + "\\title{%s: the backward pass, derived}\n\\author{derivgen}\n\\date{}\n"
                     "\\begin{document}\n\\maketitle\n%s\\end{document}\n"
                     % (_tex_escape(derivation.spec.title), body))
         return body
     if fmt == "markdown":
-        return _render_markdown(derivation)
-    if fmt == "text":
-        return _render_text(derivation)
-    raise ValueError(f"format must be latex, markdown or text, got {fmt!r}")
+        return _render_markdown(derivation) + second
+    return _render_text(derivation) + second
 
 
 def _extra(md) -> dict:
@@ -239,4 +241,70 @@ def _render_text(d) -> str:
                     out.append(f"      ({eq.note})")
         out += ["", "Proof against brute force", "-------------------------"]
         out += [f"  {l}" for l in _proof_lines(md, d)]
+    return "\n".join(out) + "\n"
+
+
+# ---------------------------------------------------------------- second order
+
+def _second_parts(md, proof) -> tuple[str, list[tuple[str, str, object]], list[str]]:
+    """(prose, [(lhs latex, lhs text, rhs)], proof lines) of one mode's second order."""
+    so = md.second
+    spec = md.spec
+    cots = ", ".join([so.cot_x.text, *(so.cot_params[p.name].text for p in spec.params),
+                      *(so.cot_inputs[i.name].text for i in spec.inputs)])
+    tans = ", ".join([so.tan_x.text, *(so.tan_params[p.name].text for p in spec.params),
+                      *(so.tan_inputs[i.name].text for i in spec.inputs)])
+    prose = (f"The double backward is the vector-Jacobian product of the backward above: with the cotangents "
+             f"{cots} of the backward's outputs it differentiates L₂ = Σ δx·∂L/∂x + Σ δp·∂L/∂p + ... once more, "
+             f"by reverse mode through the backward's own program (statistics, x̂, g, its reductions), and the "
+             f"nested means collapse by linearity and the known statistics to means of element monomials: "
+             f"{len(so.reductions)} reductions per group, one sweep for them and one for the outputs. "
+             f"The JVP is forward mode through the forward program with the tangents {tans}: "
+             f"{len(so.jvp_reductions)} reductions. Terms from |u| (a DiracDelta) are dropped: zero wherever the "
+             f"first derivative exists.")
+    if spec.name == "layernorm":
+        prose += (" For comparison, PyTorch's hand-written layer_norm_double_backward "
+                  "(torch/csrc/autograd/FunctionsManual.cpp) computes the same result by hand as a long chain of tensor operations (and PyTorch has no such formula for a layer it does not ship).")
+    eqs = []
+    for r in so.reductions + [r for r in so.jvp_reductions if r.name not in {q.name for q in so.reductions}]:
+        eqs.append((r.name.replace("_", r"\_"), r.name, Mean(r.arg)))
+    eqs.append((r"\frac{\partial L_2}{\partial x}", "∂L₂/∂x", so.dx))
+    eqs.append((r"\frac{\partial L_2}{\partial (\partial L/\partial y)}", "∂L₂/∂(∂L/∂y)", so.ddy))
+    for p in spec.params:
+        gr = so.grads[p.name]
+        e = gr.element if gr.group == 0 else gr.element + gr.group
+        eqs.append((r"\frac{\partial L_2}{\partial %s}" % p.latex, f"∂L₂/∂{p.text}", e))
+    for i in spec.inputs:
+        eqs.append((r"\frac{\partial L_2}{\partial %s}" % i.latex, f"∂L₂/∂{i.text}", so.dinputs[i.name]))
+    eqs.append((r"\dot{y}", "ẏ", so.ty))
+    lines = ["not checked (run with proofs enabled)"] if proof is None else [
+        f"N = {r.n}: {r.status} ({r.method}, {r.seconds:.2f} s)" for r in proof.results]
+    return prose, eqs, lines
+
+
+def render_second(d, fmt: str, sizes=(2, 3, 4, 5)) -> str:
+    """The "Second order" section of a derivation document (``derivgen derive --order 2``)."""
+    from .proof import prove_second_mode
+    out = []
+    for md in d.modes.values():
+        proof = prove_second_mode(md.second, sizes) if sizes else None
+        prose, eqs, lines = _second_parts(md, proof)
+        extra = {**_extra(md), **md.second.names}
+        mt = _mode_title(md, len(d.modes))
+        title = "Second order" + (f" ({mt.lower()})" if mt else "")
+        if fmt == "latex":
+            out += [r"\section*{%s}" % title, _tex_escape(prose), r"\begin{align*}",
+                    " \\\\\n".join(f"{l} &= {latex_expr(e, d.spec, extra=extra)}" for l, _, e in eqs),
+                    r"\end{align*}", r"\paragraph{Proof against brute force.} Second derivatives of the "
+                    r"explicit layer at small N (sympy.diff twice) against the closed forms:",
+                    r"\begin{itemize}", *(r"\item " + _tex_escape(x) for x in lines), r"\end{itemize}", ""]
+        elif fmt == "markdown":
+            out += [f"## {title}", "", prose, ""]
+            out += [f"$$ {l} = {latex_expr(e, d.spec, extra=extra)} $$\n" for l, _, e in eqs]
+            out += ["Proof against brute force (second derivatives of the explicit layer):", ""]
+            out += [f"- {x}" for x in lines] + [""]
+        else:
+            out += ["", title, "-" * len(title), prose]
+            out += [f"  {t} = {text_expr(e, d.spec, extra=extra)}" for _, t, e in eqs]
+            out += ["", "  Proof against brute force (second derivatives):"] + [f"    {x}" for x in lines]
     return "\n".join(out) + "\n"

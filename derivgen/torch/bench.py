@@ -126,6 +126,10 @@ def _run(threads, repeat, dtype, progress, cases) -> dict:
     rep = {"machine": {"cpu": m.cpu, "cores": m.cores, "torch": torch.__version__,
                        "torch_threads": torch.get_num_threads()},
            "dtype": dtype, "repeat": repeat, "threads": threads, "cases": rows, "block": None}
+    if cases is None or "second" in cases:
+        rep["second"] = _second_rows(tdt, gen, repeat)
+        if progress:
+            progress("second order")
     if cases is not None and "block" not in cases:
         return rep
     # a transformer block's training step
@@ -167,6 +171,46 @@ def _run(threads, repeat, dtype, progress, cases) -> dict:
     return rep
 
 
+SECOND_SHAPE = (8192, 1024)
+
+
+def _second_rows(tdt, gen, repeat) -> list[dict]:
+    """Layer norm's second order, each side's whole computation: the double backward
+    (forward, backward with create_graph=True, and the gradient of a loss on the
+    gradients: torch.nn runs PyTorch's hand-written layer_norm_double_backward,
+    derivgen its derived kernel) and the JVP (torch.func.jvp of the module)."""
+    ref = nn.LayerNorm(SECOND_SHAPE[-1]).to(tdt)
+    with torch.no_grad():
+        ref.weight.normal_(1.0, 0.2, generator=gen)
+        ref.bias.normal_(0.0, 0.2, generator=gen)
+    ours = dnn.convert(copy.deepcopy(ref))
+    x = torch.randn(SECOND_SHAPE, generator=gen, dtype=tdt, requires_grad=True)
+    dy, v, t = (torch.randn(SECOND_SHAPE, generator=gen, dtype=tdt) for _ in range(3))
+
+    def double_backward(m):
+        wrt = [x, *m.parameters()]
+
+        def call():
+            g = torch.autograd.grad(m(x), wrt, dy, create_graph=True)
+            loss = (g[0] * v).sum() + (g[1] * g[1]).sum()
+            torch.autograd.grad(loss, wrt, allow_unused=True)
+        return call
+
+    def jvp(m):
+        xd = x.detach()
+
+        def call():
+            torch.func.jvp(m, (xd,), (t,))
+        return call
+    ms = round_robin({"torch_bb": double_backward(ref), "derivgen_bb": double_backward(ours),
+                      "torch_jvp": jvp(ref), "derivgen_jvp": jvp(ours)}, repeat)
+    return [{"case": "LayerNorm double backward", "shape": list(SECOND_SHAPE), "target": 0.5,
+             "torch": ms["torch_bb"], "derivgen": ms["derivgen_bb"], "ratio": ms["derivgen_bb"] / ms["torch_bb"]},
+            {"case": "LayerNorm JVP (torch.func.jvp)", "shape": list(SECOND_SHAPE), "target": 0.5,
+             "torch": ms["torch_jvp"], "derivgen": ms["derivgen_jvp"],
+             "ratio": ms["derivgen_jvp"] / ms["torch_jvp"]}]
+
+
 def _t(ms: float) -> str:
     return f"{ms:.2f} ms" if ms >= 1 else f"{1e3 * ms:.1f} us"
 
@@ -188,6 +232,13 @@ def format_torch_report(rep: dict) -> str:
         ok = "" if r["target"] is None else ("  met" if r["ratio"] <= r["target"] else "  MISSED")
         lines.append(f"{r['case']:28s} {shape:>16s} {_t(r['torch_step']):>13s} {_t(r['derivgen_step']):>9s} "
                      f"{r['ratio']:6.2f} {r['fwd_ratio']:9.2f} {tgt:>7s}{ok}")
+    if rep.get("second"):
+        lines += ["", "second order, derived (derivgen.second) vs PyTorch's hand-written formulas:",
+                  f"{'case':32s} {'shape':>12s} {'torch':>10s} {'derivgen':>10s} {'ratio':>6s} {'target':>7s}"]
+        for r in rep["second"]:
+            ok = "  met" if r["ratio"] <= r["target"] else "  MISSED"
+            lines.append(f"{r['case']:32s} {'x'.join(map(str, r['shape'])):>12s} {_t(r['torch']):>10s} "
+                         f"{_t(r['derivgen']):>10s} {r['ratio']:6.2f} {'<= ' + str(r['target']):>7s}{ok}")
     b = rep["block"]
     if b is None:
         return "\n".join(lines)

@@ -69,6 +69,46 @@ int batchnorm_train_backward_f32(
     float *restrict dbeta,
     int Nthreads);
 
+/* second order (derivgen.second): the double backward (bb) writes the gradients of
+ * L2 = sum(Seed_x*dx) + sum(<p>_Seed*d<p>) + sum(<i>_Seed*d<i>) with respect to x (Out_dx),
+ * dy (Out_ddy), the parameters (<p>_Out) and the inputs (<i>_Out, per group); the JVP
+ * writes the tangent of y (Out_ty) along Seed_x, <p>_Seed, <i>_Seed. */
+int batchnorm_train_bb_f32(
+    int64_t O, int64_t G, int64_t Cg, int64_t S,
+    const float *restrict x,
+    const float *restrict dy,
+    const float *restrict gamma,
+    const float *restrict beta,
+    double eps,
+    double momentum,
+    const double *restrict mean_In,
+    const double *restrict var_In,
+    const double *restrict rstd_In,
+    const float *restrict Seed_x,
+    const float *restrict gamma_Seed,
+    const float *restrict beta_Seed,
+    float *restrict Out_dx,
+    float *restrict Out_ddy,
+    float *restrict gamma_Out,
+    float *restrict beta_Out,
+    int Nthreads);
+
+int batchnorm_train_jvp_f32(
+    int64_t O, int64_t G, int64_t Cg, int64_t S,
+    const float *restrict x,
+    const float *restrict gamma,
+    const float *restrict beta,
+    double eps,
+    double momentum,
+    const double *restrict mean_In,
+    const double *restrict var_In,
+    const double *restrict rstd_In,
+    const float *restrict Seed_x,
+    const float *restrict gamma_Seed,
+    const float *restrict beta_Seed,
+    float *restrict Out_ty,
+    int Nthreads);
+
 int batchnorm_train_forward_f64(
     int64_t O, int64_t G, int64_t Cg, int64_t S,
     const double *restrict x,
@@ -98,6 +138,46 @@ int batchnorm_train_backward_f64(
     double *restrict dx,
     double *restrict dgamma,
     double *restrict dbeta,
+    int Nthreads);
+
+/* second order (derivgen.second): the double backward (bb) writes the gradients of
+ * L2 = sum(Seed_x*dx) + sum(<p>_Seed*d<p>) + sum(<i>_Seed*d<i>) with respect to x (Out_dx),
+ * dy (Out_ddy), the parameters (<p>_Out) and the inputs (<i>_Out, per group); the JVP
+ * writes the tangent of y (Out_ty) along Seed_x, <p>_Seed, <i>_Seed. */
+int batchnorm_train_bb_f64(
+    int64_t O, int64_t G, int64_t Cg, int64_t S,
+    const double *restrict x,
+    const double *restrict dy,
+    const double *restrict gamma,
+    const double *restrict beta,
+    double eps,
+    double momentum,
+    const double *restrict mean_In,
+    const double *restrict var_In,
+    const double *restrict rstd_In,
+    const double *restrict Seed_x,
+    const double *restrict gamma_Seed,
+    const double *restrict beta_Seed,
+    double *restrict Out_dx,
+    double *restrict Out_ddy,
+    double *restrict gamma_Out,
+    double *restrict beta_Out,
+    int Nthreads);
+
+int batchnorm_train_jvp_f64(
+    int64_t O, int64_t G, int64_t Cg, int64_t S,
+    const double *restrict x,
+    const double *restrict gamma,
+    const double *restrict beta,
+    double eps,
+    double momentum,
+    const double *restrict mean_In,
+    const double *restrict var_In,
+    const double *restrict rstd_In,
+    const double *restrict Seed_x,
+    const double *restrict gamma_Seed,
+    const double *restrict beta_Seed,
+    double *restrict Out_ty,
     int Nthreads);
 
 int batchnorm_train_forward_bf16(
@@ -162,6 +242,46 @@ int batchnorm_eval_backward_f32(
     float *restrict dbeta,
     int Nthreads);
 
+/* second order (derivgen.second): the double backward (bb) writes the gradients of
+ * L2 = sum(Seed_x*dx) + sum(<p>_Seed*d<p>) + sum(<i>_Seed*d<i>) with respect to x (Out_dx),
+ * dy (Out_ddy), the parameters (<p>_Out) and the inputs (<i>_Out, per group); the JVP
+ * writes the tangent of y (Out_ty) along Seed_x, <p>_Seed, <i>_Seed. */
+int batchnorm_eval_bb_f32(
+    int64_t O, int64_t G, int64_t Cg, int64_t S,
+    const float *restrict x,
+    const float *restrict dy,
+    const float *restrict gamma,
+    const float *restrict beta,
+    double eps,
+    double momentum,
+    const double *restrict mean_In,
+    const double *restrict var_In,
+    const double *restrict rstd_In,
+    const float *restrict Seed_x,
+    const float *restrict gamma_Seed,
+    const float *restrict beta_Seed,
+    float *restrict Out_dx,
+    float *restrict Out_ddy,
+    float *restrict gamma_Out,
+    float *restrict beta_Out,
+    int Nthreads);
+
+int batchnorm_eval_jvp_f32(
+    int64_t O, int64_t G, int64_t Cg, int64_t S,
+    const float *restrict x,
+    const float *restrict gamma,
+    const float *restrict beta,
+    double eps,
+    double momentum,
+    const double *restrict mean_In,
+    const double *restrict var_In,
+    const double *restrict rstd_In,
+    const float *restrict Seed_x,
+    const float *restrict gamma_Seed,
+    const float *restrict beta_Seed,
+    float *restrict Out_ty,
+    int Nthreads);
+
 int batchnorm_eval_forward_f64(
     int64_t O, int64_t G, int64_t Cg, int64_t S,
     const double *restrict x,
@@ -191,6 +311,46 @@ int batchnorm_eval_backward_f64(
     double *restrict dx,
     double *restrict dgamma,
     double *restrict dbeta,
+    int Nthreads);
+
+/* second order (derivgen.second): the double backward (bb) writes the gradients of
+ * L2 = sum(Seed_x*dx) + sum(<p>_Seed*d<p>) + sum(<i>_Seed*d<i>) with respect to x (Out_dx),
+ * dy (Out_ddy), the parameters (<p>_Out) and the inputs (<i>_Out, per group); the JVP
+ * writes the tangent of y (Out_ty) along Seed_x, <p>_Seed, <i>_Seed. */
+int batchnorm_eval_bb_f64(
+    int64_t O, int64_t G, int64_t Cg, int64_t S,
+    const double *restrict x,
+    const double *restrict dy,
+    const double *restrict gamma,
+    const double *restrict beta,
+    double eps,
+    double momentum,
+    const double *restrict mean_In,
+    const double *restrict var_In,
+    const double *restrict rstd_In,
+    const double *restrict Seed_x,
+    const double *restrict gamma_Seed,
+    const double *restrict beta_Seed,
+    double *restrict Out_dx,
+    double *restrict Out_ddy,
+    double *restrict gamma_Out,
+    double *restrict beta_Out,
+    int Nthreads);
+
+int batchnorm_eval_jvp_f64(
+    int64_t O, int64_t G, int64_t Cg, int64_t S,
+    const double *restrict x,
+    const double *restrict gamma,
+    const double *restrict beta,
+    double eps,
+    double momentum,
+    const double *restrict mean_In,
+    const double *restrict var_In,
+    const double *restrict rstd_In,
+    const double *restrict Seed_x,
+    const double *restrict gamma_Seed,
+    const double *restrict beta_Seed,
+    double *restrict Out_ty,
     int Nthreads);
 
 int batchnorm_eval_forward_bf16(

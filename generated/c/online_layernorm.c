@@ -507,6 +507,868 @@ int online_layernorm_train_backward_f32(
     free(Part);
     return 0;
 }
+
+/* ---- train double backward, float (derived by derivgen.second) ---- */
+int online_layernorm_train_bb_f32(
+    int64_t O, int64_t G, int64_t Cg, int64_t S,
+    const float *restrict x,
+    const float *restrict dy,
+    const float *restrict gamma,
+    const float *restrict beta,
+    double alpha,
+    double eps,
+    const float *restrict prev_mean_In, int64_t prev_mean_Stride,
+    const float *restrict prev_std_In, int64_t prev_std_Stride,
+    const double *restrict row_mean_In,
+    const double *restrict mean_In,
+    const double *restrict Aux1_In,
+    const double *restrict sample_std_In,
+    const double *restrict std_In,
+    const float *restrict Seed_x,
+    const float *restrict gamma_Seed,
+    const float *restrict beta_Seed,
+    const float *restrict prev_mean_Seed_In, int64_t prev_mean_Seed_Stride,
+    const float *restrict prev_std_Seed_In, int64_t prev_std_Seed_Stride,
+    float *restrict Out_dx,
+    float *restrict Out_ddy,
+    float *restrict gamma_Out,
+    float *restrict beta_Out,
+    float *restrict prev_mean_Out,
+    float *restrict prev_std_Out,
+    int Nthreads)
+{
+    const int64_t M = Cg * S;                       /* contiguous values per (o, g) block */
+    const int64_t N_groups = O * G;
+    const int64_t Blocks = 1;               /* blocks per group */
+    const int64_t Block_stride = G * M;
+    (void)Block_stride;
+    const double N = (double)(Blocks * M);          /* values per group */
+    const int64_t Total = N_groups * Blocks * M;    /* values in x */
+    const int64_t Ahead = DG_AHEAD_BYTES / (int64_t)sizeof(float);
+    const int Nth = Dg_threads(Nthreads);
+    (void)N;
+    (void)Nth;
+    (void)Total;
+    (void)Ahead;
+    (void)gamma;
+    (void)beta;
+    (void)alpha;
+    (void)eps;
+    (void)x;
+
+    const int64_t C = G * Cg;                        /* parameter length */
+    const int64_t P = 2;      /* parameters */
+    (void)C;
+    (void)P;
+    (void)dy;
+    (void)Seed_x;
+    (void)gamma_Seed;
+    (void)beta_Seed;
+    double *Part = (double *)calloc((size_t)(Nth * P * C) + 1, sizeof(double));
+    if (Part == NULL)
+        return -1;
+    DG_PRAGMA(omp parallel num_threads(Nth))
+    {
+        double *restrict Mine = Part + (int64_t)Dg_thread_id() * P * C;
+        (void)Mine;
+        int64_t Lo, Hi;
+        Dg_share(N_groups, &Lo, &Hi);              /* this thread's groups (as schedule(static)) */
+        for (int64_t Grp = Lo; Grp < Hi; ++Grp) {
+            const int64_t Gi = G == 1 ? 0 : Grp % G;     /* channel group */
+            (void)Gi;
+            const int64_t Base = Grp * M;
+            (void)Base;
+            const double prev_mean = (double)prev_mean_In[Grp * prev_mean_Stride];
+            (void)prev_mean;
+            const double prev_std = (double)prev_std_In[Grp * prev_std_Stride];
+            (void)prev_std;
+            const double prev_mean_Dd = (double)prev_mean_Seed_In[Grp * prev_mean_Seed_Stride];
+            (void)prev_mean_Dd;
+            const double prev_std_Dd = (double)prev_std_Seed_In[Grp * prev_std_Seed_Stride];
+            (void)prev_std_Dd;
+            const double row_mean = row_mean_In[Grp];
+            (void)row_mean;
+            const double mean = mean_In[Grp];
+            (void)mean;
+            const double Aux1 = Aux1_In[Grp];
+            (void)Aux1;
+            const double sample_std = sample_std_In[Grp];
+            (void)sample_std;
+            const double std = std_In[Grp];
+            (void)std;
+            double Sum_dx;
+            double Sum_g;
+            double Sum_dx_g;
+            double Sum_dx_xhat;
+            double Sum_dy_dgamma;
+            double Sum_g_xhat;
+            double Sum_dy_dgamma_xhat;
+            {
+                double Lane_Sum_dx[DG_LANES] = {0};
+                double Lane_Sum_g[DG_LANES] = {0};
+                double Lane_Sum_dx_g[DG_LANES] = {0};
+                double Lane_Sum_dx_xhat[DG_LANES] = {0};
+                double Lane_Sum_dy_dgamma[DG_LANES] = {0};
+                double Lane_Sum_g_xhat[DG_LANES] = {0};
+                double Lane_Sum_dy_dgamma_xhat[DG_LANES] = {0};
+                for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
+                    const int64_t Off = Base + Blk * Block_stride;
+                    if (S == 1) {          /* one value per channel: parameters vary along the run */
+                        int64_t Mi = 0;
+                        for (; Mi + DG_LANES <= Cg; Mi += DG_LANES) {
+                            for (int J = 0; J < DG_LANES; ++J) {
+                                const int64_t Idx = Off + Mi + J;
+                                const int64_t Ch = Gi * Cg + Mi + J;
+                                (void)Ch;
+                                const double gamma_V = (double)gamma[Ch];
+                                const double gamma_Dd = (double)gamma_Seed[Ch];
+                                const double Xv = (double)x[Idx];
+                                const double Dyv = (double)dy[Idx];
+                                const double X_Dd = (double)Seed_x[Idx];
+                                const double xhat = (Xv - mean)/std;
+                                const double g = Dyv*gamma_V;
+                                Lane_Sum_dx[J] += X_Dd;
+                                Lane_Sum_g[J] += g;
+                                Lane_Sum_dx_g[J] += X_Dd*g;
+                                Lane_Sum_dx_xhat[J] += X_Dd*xhat;
+                                Lane_Sum_dy_dgamma[J] += Dyv*gamma_Dd;
+                                Lane_Sum_g_xhat[J] += g*xhat;
+                                Lane_Sum_dy_dgamma_xhat[J] += Dyv*gamma_Dd*xhat;
+
+                            }
+                        }
+                        for (; Mi < Cg; ++Mi) {
+                            const int64_t Idx = Off + Mi;
+                            const int64_t Ch = Gi * Cg + Mi;
+                            (void)Ch;
+                            const double gamma_V = (double)gamma[Ch];
+                            const double gamma_Dd = (double)gamma_Seed[Ch];
+                            const double Xv = (double)x[Idx];
+                            const double Dyv = (double)dy[Idx];
+                            const double X_Dd = (double)Seed_x[Idx];
+                            const double xhat = (Xv - mean)/std;
+                            const double g = Dyv*gamma_V;
+                            Lane_Sum_dx[0] += X_Dd;
+                            Lane_Sum_g[0] += g;
+                            Lane_Sum_dx_g[0] += X_Dd*g;
+                            Lane_Sum_dx_xhat[0] += X_Dd*xhat;
+                            Lane_Sum_dy_dgamma[0] += Dyv*gamma_Dd;
+                            Lane_Sum_g_xhat[0] += g*xhat;
+                            Lane_Sum_dy_dgamma_xhat[0] += Dyv*gamma_Dd*xhat;
+
+                        }
+                    } else {               /* NCHW: runs of S values of one channel */
+                        for (int64_t Ci = 0; Ci < Cg; ++Ci) {
+                            const int64_t Ch = Gi * Cg + Ci;
+                            (void)Ch;
+                            const double gamma_V = (double)gamma[Ch];
+                            const double gamma_Dd = (double)gamma_Seed[Ch];
+                            int64_t Si = 0;
+                            for (; Si + DG_LANES <= S; Si += DG_LANES) {
+                                for (int J = 0; J < DG_LANES; ++J) {
+                                    const int64_t Idx = Off + Ci * S + Si + J;
+                                    const double Xv = (double)x[Idx];
+                                    const double Dyv = (double)dy[Idx];
+                                    const double X_Dd = (double)Seed_x[Idx];
+                                    const double xhat = (Xv - mean)/std;
+                                    const double g = Dyv*gamma_V;
+                                    Lane_Sum_dx[J] += X_Dd;
+                                    Lane_Sum_g[J] += g;
+                                    Lane_Sum_dx_g[J] += X_Dd*g;
+                                    Lane_Sum_dx_xhat[J] += X_Dd*xhat;
+                                    Lane_Sum_dy_dgamma[J] += Dyv*gamma_Dd;
+                                    Lane_Sum_g_xhat[J] += g*xhat;
+                                    Lane_Sum_dy_dgamma_xhat[J] += Dyv*gamma_Dd*xhat;
+
+                                }
+                            }
+                            for (; Si < S; ++Si) {
+                                const int64_t Idx = Off + Ci * S + Si;
+                                const double Xv = (double)x[Idx];
+                                const double Dyv = (double)dy[Idx];
+                                const double X_Dd = (double)Seed_x[Idx];
+                                const double xhat = (Xv - mean)/std;
+                                const double g = Dyv*gamma_V;
+                                Lane_Sum_dx[0] += X_Dd;
+                                Lane_Sum_g[0] += g;
+                                Lane_Sum_dx_g[0] += X_Dd*g;
+                                Lane_Sum_dx_xhat[0] += X_Dd*xhat;
+                                Lane_Sum_dy_dgamma[0] += Dyv*gamma_Dd;
+                                Lane_Sum_g_xhat[0] += g*xhat;
+                                Lane_Sum_dy_dgamma_xhat[0] += Dyv*gamma_Dd*xhat;
+
+                            }
+                        }
+                    }
+                }
+                Sum_dx = Dg_lanes(Lane_Sum_dx);
+                Sum_g = Dg_lanes(Lane_Sum_g);
+                Sum_dx_g = Dg_lanes(Lane_Sum_dx_g);
+                Sum_dx_xhat = Dg_lanes(Lane_Sum_dx_xhat);
+                Sum_dy_dgamma = Dg_lanes(Lane_Sum_dy_dgamma);
+                Sum_g_xhat = Dg_lanes(Lane_Sum_g_xhat);
+                Sum_dy_dgamma_xhat = Dg_lanes(Lane_Sum_dy_dgamma_xhat);
+            }
+            const double Mean_dx = Sum_dx/N;  /* Mean_dx = mean(X_Dd) */
+            (void)Mean_dx;
+            const double Mean_g = Sum_g/N;  /* Mean_g = mean(g) */
+            (void)Mean_g;
+            const double Mean_dx_g = Sum_dx_g/N;  /* Mean_dx_g = mean(X_Dd*g) */
+            (void)Mean_dx_g;
+            const double Mean_dx_xhat = Sum_dx_xhat/N;  /* Mean_dx_xhat = mean(X_Dd*xhat) */
+            (void)Mean_dx_xhat;
+            const double Mean_dy_dgamma = Sum_dy_dgamma/N;  /* Mean_dy_dgamma = mean(dy*gamma_Dd) */
+            (void)Mean_dy_dgamma;
+            const double Mean_g_xhat = Sum_g_xhat/N;  /* Mean_g_xhat = mean(g*xhat) */
+            (void)Mean_g_xhat;
+            const double Mean_dy_dgamma_xhat = Sum_dy_dgamma_xhat/N;  /* Mean_dy_dgamma_xhat = mean(dy*gamma_Dd*xhat) */
+            (void)Mean_dy_dgamma_xhat;
+            const double Cse0 = 1.0/std;  /* common subexpression */
+            (void)Cse0;
+            const double Cse1 = N - 1;  /* common subexpression */
+            (void)Cse1;
+            const double Cse2 = 1.0/Cse1;  /* common subexpression */
+            (void)Cse2;
+            const double Cse3 = Cse2*Mean_g;  /* common subexpression */
+            (void)Cse3;
+            const double Cse4 = (1/(std*std));  /* common subexpression */
+            (void)Cse4;
+            const double Cse5 = Cse4*prev_std_Dd;  /* common subexpression */
+            (void)Cse5;
+            const double Cse6 = Cse3*Cse5;  /* common subexpression */
+            (void)Cse6;
+            const double Cse7 = 1.0/sample_std;  /* common subexpression */
+            (void)Cse7;
+            const double Cse8 = Cse7*prev_mean_Dd;  /* common subexpression */
+            (void)Cse8;
+            const double Cse9 = (N*N);  /* common subexpression */
+            (void)Cse9;
+            const double Cse10 = 2*N;  /* common subexpression */
+            (void)Cse10;
+            const double Cse11 = 1.0/(1 + Cse9 - Cse10);  /* common subexpression */
+            (void)Cse11;
+            const double Cse12 = Cse11*Mean_g_xhat;  /* common subexpression */
+            (void)Cse12;
+            const double Cse13 = Cse12*Cse9;  /* common subexpression */
+            (void)Cse13;
+            const double Cse14 = Cse0*Cse13;  /* common subexpression */
+            (void)Cse14;
+            const double Cse15 = Cse14*Cse8;  /* common subexpression */
+            (void)Cse15;
+            const double Cse16 = N*alpha;  /* common subexpression */
+            (void)Cse16;
+            const double Cse17 = Cse0*N;  /* common subexpression */
+            (void)Cse17;
+            const double Cse18 = Cse17*Cse8;  /* common subexpression */
+            (void)Cse18;
+            const double Cse19 = Cse12*Cse18;  /* common subexpression */
+            (void)Cse19;
+            const double Cse20 = Cse17*Cse7;  /* common subexpression */
+            (void)Cse20;
+            const double Cse21 = (alpha*alpha);  /* common subexpression */
+            (void)Cse21;
+            const double Cse22 = Cse21*Mean_dx;  /* common subexpression */
+            (void)Cse22;
+            const double Cse23 = Cse16*Cse7;  /* common subexpression */
+            (void)Cse23;
+            const double Cse24 = Cse2*Cse23*Cse4*Mean_dx_g;  /* common subexpression */
+            (void)Cse24;
+            const double Cse25 = Mean_dx_xhat*alpha;  /* common subexpression */
+            (void)Cse25;
+            const double Cse26 = alpha*mean;  /* common subexpression */
+            (void)Cse26;
+            const double Cse27 = (1/(sample_std*sample_std*sample_std));  /* common subexpression */
+            (void)Cse27;
+            const double Cse28 = Cse13*Cse27;  /* common subexpression */
+            (void)Cse28;
+            const double Cse29 = Cse20*row_mean;  /* common subexpression */
+            (void)Cse29;
+            const double Cse30 = Cse2*Mean_dy_dgamma_xhat;  /* common subexpression */
+            (void)Cse30;
+            const double Cse31 = Cse30*alpha;  /* common subexpression */
+            (void)Cse31;
+            const double Cse32 = Cse14*Cse22;  /* common subexpression */
+            (void)Cse32;
+            const double Cse33 = Cse20*mean;  /* common subexpression */
+            (void)Cse33;
+            const double Cse34 = Cse10*Cse12;  /* common subexpression */
+            (void)Cse34;
+            const double Cse35 = Cse34*Cse7;  /* common subexpression */
+            (void)Cse35;
+            const double Cse36 = Mean_dx*alpha;  /* common subexpression */
+            (void)Cse36;
+            const double Cse37 = Cse0*Cse36;  /* common subexpression */
+            (void)Cse37;
+            const double Cse38 = Cse0*Cse7;  /* common subexpression */
+            (void)Cse38;
+            const double Cse39 = alpha*prev_mean_Dd;  /* common subexpression */
+            (void)Cse39;
+            const double Cse40 = 2*Cse12;  /* common subexpression */
+            (void)Cse40;
+            const double Cse41 = Cse40*Cse9;  /* common subexpression */
+            (void)Cse41;
+            const double Cse42 = Cse39*Cse41;  /* common subexpression */
+            (void)Cse42;
+            const double Cse43 = Cse41*Cse7;  /* common subexpression */
+            (void)Cse43;
+            const double Cse44 = Cse10*Cse39;  /* common subexpression */
+            (void)Cse44;
+            const double Cse45 = Cse12*Cse38;  /* common subexpression */
+            (void)Cse45;
+            const double Cse46 = (mean*mean);  /* common subexpression */
+            (void)Cse46;
+            const double Cse47 = Cse27*Cse32;  /* common subexpression */
+            (void)Cse47;
+            const double Cse48 = (row_mean*row_mean);  /* common subexpression */
+            (void)Cse48;
+            const double Cse49 = Cse14*Cse27;  /* common subexpression */
+            (void)Cse49;
+            const double Cse50 = Cse39*Cse49;  /* common subexpression */
+            (void)Cse50;
+            const double Cse51 = Cse46*prev_mean_Dd;  /* common subexpression */
+            (void)Cse51;
+            const double Cse52 = Cse21*Cse49;  /* common subexpression */
+            (void)Cse52;
+            const double Cse53 = Cse48*prev_mean_Dd;  /* common subexpression */
+            (void)Cse53;
+            const double Cse54 = Cse10*row_mean;  /* common subexpression */
+            (void)Cse54;
+            const double Cse55 = Cse3*Cse4*Cse7;  /* common subexpression */
+            (void)Cse55;
+            const double Cse56 = Cse21*row_mean;  /* common subexpression */
+            (void)Cse56;
+            const double Cse57 = Cse0*Cse56;  /* common subexpression */
+            (void)Cse57;
+            const double Cse58 = (sample_std*sample_std);  /* common subexpression */
+            (void)Cse58;
+            const double Cse59 = 1.0/Cse58;  /* common subexpression */
+            (void)Cse59;
+            const double Cse60 = Cse41*Cse59;  /* common subexpression */
+            (void)Cse60;
+            const double Cse61 = Cse60*Mean_dx_xhat;  /* common subexpression */
+            (void)Cse61;
+            const double Cse62 = Cse10*Cse7;  /* common subexpression */
+            (void)Cse62;
+            const double Cse63 = Cse4*Cse62*mean;  /* common subexpression */
+            (void)Cse63;
+            const double Cse64 = Cse2*prev_mean_Dd;  /* common subexpression */
+            (void)Cse64;
+            const double Cse65 = Cse21*Cse64;  /* common subexpression */
+            (void)Cse65;
+            const double Cse66 = Cse65*Mean_g;  /* common subexpression */
+            (void)Cse66;
+            const double Cse67 = Cse44*row_mean;  /* common subexpression */
+            (void)Cse67;
+            const double Cse68 = Cse35*Cse5;  /* common subexpression */
+            (void)Cse68;
+            const double Cse69 = Cse21*mean;  /* common subexpression */
+            (void)Cse69;
+            const double Cse70 = Cse43*Cse5;  /* common subexpression */
+            (void)Cse70;
+            const double Cse71 = (alpha*alpha*alpha);  /* common subexpression */
+            (void)Cse71;
+            const double Cse72 = Cse4*Cse60;  /* common subexpression */
+            (void)Cse72;
+            const double Cse73 = Cse71*Cse72;  /* common subexpression */
+            (void)Cse73;
+            const double Cse74 = 2*alpha;  /* common subexpression */
+            (void)Cse74;
+            const double Cse75 = Cse13*Cse5*Cse7*Cse74;  /* common subexpression */
+            (void)Cse75;
+            const double Cse76 = Cse73*Mean_dx;  /* common subexpression */
+            (void)Cse76;
+            const double Cse77 = Cse44*mean;  /* common subexpression */
+            (void)Cse77;
+            const double Cse78 = Cse21*Cse72;  /* common subexpression */
+            (void)Cse78;
+            const double Cse79 = 4*mean;  /* common subexpression */
+            (void)Cse79;
+            const double Cse80 = Cse79*row_mean;  /* common subexpression */
+            (void)Cse80;
+            const double Cse81 = Cse71*Cse80;  /* common subexpression */
+            (void)Cse81;
+            const double Cse82 = Cse13*Cse4*Cse59;  /* common subexpression */
+            (void)Cse82;
+            const double Cse83 = Cse81*Cse82;  /* common subexpression */
+            (void)Cse83;
+            const double Cse84 = Cse27*Cse41;  /* common subexpression */
+            (void)Cse84;
+            const double Cse85 = Cse0*row_mean;  /* common subexpression */
+            (void)Cse85;
+            const double Cse86 = Cse85*mean;  /* common subexpression */
+            (void)Cse86;
+            const double Cse87 = mean*prev_mean_Dd;  /* common subexpression */
+            (void)Cse87;
+            const double Cse88 = Mean_g_xhat*alpha;  /* common subexpression */
+            (void)Cse88;
+            const double Cse89 = Cse2*Cse88;  /* common subexpression */
+            (void)Cse89;
+            const double Cse90 = Cse0*prev_std_Dd;  /* common subexpression */
+            (void)Cse90;
+            const double Cse91 = Cse90*alpha;  /* common subexpression */
+            (void)Cse91;
+            const double Cse92 = Cse23*Mean_dx_xhat;  /* common subexpression */
+            (void)Cse92;
+            const double Cse93 = Cse18*Cse21;  /* common subexpression */
+            (void)Cse93;
+            const double Cse94 = Cse2*(Cse0*prev_std_Dd + Cse0*N*alpha*prev_std_Dd + Cse0*Cse21*Cse7*Mean_dx*N*row_mean + Cse0*Cse21*Cse7*N*mean*prev_mean_Dd + Cse0*Cse7*N*alpha*prev_mean_Dd*row_mean - Cse91 - Cse92 - Cse22*Cse33 - Cse33*Cse39 - Cse90*N - Cse93*row_mean);  /* common subexpression */
+            (void)Cse94;
+            const double Cse95 = Cse0*Mean_dx_g;  /* common subexpression */
+            (void)Cse95;
+            const double Cse96 = Cse2*Cse95;  /* common subexpression */
+            (void)Cse96;
+            const double Cse97 = Cse0*Mean_g;  /* common subexpression */
+            (void)Cse97;
+            const double Cse98 = Cse0*Cse3;  /* common subexpression */
+            (void)Cse98;
+            const double Cse99 = Cse59*N;  /* common subexpression */
+            (void)Cse99;
+            const double Cse100 = Cse12*Cse99;  /* common subexpression */
+            (void)Cse100;
+            const double Cse101 = Cse99*prev_mean_Dd;  /* common subexpression */
+            (void)Cse101;
+            const double Cse102 = Cse101*Cse12;  /* common subexpression */
+            (void)Cse102;
+            const double Cse103 = Cse100*Cse36;  /* common subexpression */
+            (void)Cse103;
+            const double Cse104 = Cse39*N;  /* common subexpression */
+            (void)Cse104;
+            const double Cse105 = Cse104*row_mean;  /* common subexpression */
+            (void)Cse105;
+            const double Cse106 = Cse12*Cse59;  /* common subexpression */
+            (void)Cse106;
+            const double Cse107 = Cse104*mean;  /* common subexpression */
+            (void)Cse107;
+            const double Cse108 = Cse22*Cse35;  /* common subexpression */
+            (void)Cse108;
+            const double Cse109 = Cse0*Cse8;  /* common subexpression */
+            (void)Cse109;
+            const double Cse110 = Cse109*Cse34;  /* common subexpression */
+            (void)Cse110;
+            const double Cse111 = alpha - 1;  /* common subexpression */
+            (void)Cse111;
+            const double Cse112 = 2*Cse2;  /* common subexpression */
+            (void)Cse112;
+            const double Cse113 = Cse112*Cse90;  /* common subexpression */
+            (void)Cse113;
+            const double Cse114 = Cse113*row_mean;  /* common subexpression */
+            (void)Cse114;
+            const double Cse115 = Cse113*mean;  /* common subexpression */
+            (void)Cse115;
+            const double Cse116 = Cse11*Cse51;  /* common subexpression */
+            (void)Cse116;
+            const double Cse117 = Cse116*Cse99;  /* common subexpression */
+            (void)Cse117;
+            const double Cse118 = Cse11*Cse48;  /* common subexpression */
+            (void)Cse118;
+            const double Cse119 = Cse101*Cse118;  /* common subexpression */
+            (void)Cse119;
+            const double Cse120 = Cse2*Cse91;  /* common subexpression */
+            (void)Cse120;
+            const double Cse121 = 4*row_mean;  /* common subexpression */
+            (void)Cse121;
+            const double Cse122 = Cse11*Cse59;  /* common subexpression */
+            (void)Cse122;
+            const double Cse123 = Cse122*Cse54*Cse87;  /* common subexpression */
+            (void)Cse123;
+            const double Cse124 = Cse44*Cse46;  /* common subexpression */
+            (void)Cse124;
+            const double Cse125 = Cse118*Cse44;  /* common subexpression */
+            (void)Cse125;
+            const double Cse126 = Cse10*Cse71;  /* common subexpression */
+            (void)Cse126;
+            const double Cse127 = prev_std_Dd*sample_std;  /* common subexpression */
+            (void)Cse127;
+            const double Cse128 = Cse127*N - Cse127;  /* common subexpression */
+            (void)Cse128;
+            const double Cse129 = (Cse111*Cse111);  /* common subexpression */
+            (void)Cse129;
+            const double Cse130 = Cse129*Cse7;  /* common subexpression */
+            (void)Cse130;
+            const double Cse131 = -Cse111;  /* common subexpression */
+            (void)Cse131;
+            const double Cse132 = mean - row_mean;  /* common subexpression */
+            (void)Cse132;
+            const double Cse133 = -Cse131*Cse132*Cse23;  /* common subexpression */
+            (void)Cse133;
+            const double Cse134 = Cse58*std;  /* common subexpression */
+            (void)Cse134;
+            const double Cse135 = Cse134*alpha;  /* common subexpression */
+            (void)Cse135;
+            const double Cse136 = Cse16*std;  /* common subexpression */
+            (void)Cse136;
+            const double Cse137 = Cse21*sample_std;  /* common subexpression */
+            (void)Cse137;
+            const double Cse138 = Cse10*Cse137;  /* common subexpression */
+            (void)Cse138;
+            const double Cse139 = Cse131*Cse36;  /* common subexpression */
+            (void)Cse139;
+            const double Cse140 = Cse27/(Cse1*Cse1);  /* common subexpression */
+            (void)Cse140;
+            const double Cse141 = Cse131*Mean_dx_xhat;  /* common subexpression */
+            (void)Cse141;
+            const double Cse142 = Cse131*Cse132*Cse22*Cse62;  /* common subexpression */
+            (void)Cse142;
+            const double Cse143 = Cse0*Mean_g_xhat;  /* common subexpression */
+            (void)Cse143;
+            const double KDX_1 = alpha*(Cse15 + Cse15*Cse21 + Cse24*row_mean + Cse29*Cse31 + Cse37*Cse43 + Cse44*Cse45 + Cse46*Cse47 + Cse46*Cse50 + Cse46*Cse76 + Cse47*Cse48 + Cse48*Cse50 + Cse48*Cse76 + Cse51*Cse78 + Cse53*Cse78 + Cse55*Cse77 + Cse56*Cse70 + Cse6*N + Cse68*Cse69 + Cse75*mean + Cse83*prev_mean_Dd + Cse6*alpha + Cse0*Cse61*Cse69 + Cse12*Cse20*Cse22 + Cse20*Cse25*Cse3 + Cse22*Cse3*Cse63 + Cse26*Cse28*Mean_dx_xhat + Cse57*Cse84*Cse87 + Cse68*alpha*row_mean + Cse4*Cse54*Cse66*Cse7 - Cse19 - Cse6 - Cse0*Mean_dy_dgamma - Cse16*Cse6 - Cse19*Cse21 - Cse24*mean - Cse26*Cse68 - Cse31*Cse33 - Cse32*Cse7 - Cse35*Cse37 - Cse38*Cse42 - Cse51*Cse52 - Cse51*Cse73 - Cse52*Cse53 - Cse53*Cse73 - Cse55*Cse67 - Cse56*Cse68 - Cse57*Cse61 - Cse63*Cse66 - Cse69*Cse70 - Cse75*row_mean - Cse83*Mean_dx - Cse22*Cse54*Cse55 - Cse22*Cse84*Cse86 - Cse25*Cse28*row_mean - Cse27*Cse42*Cse86 - Cse21*Cse80*Cse82*prev_mean_Dd);  /* coefficient of 1 */
+            (void)KDX_1;
+            const double KDX_X_Dd = -Cse20*Cse89;  /* coefficient of X_Dd */
+            (void)KDX_X_Dd;
+            const double KDX_g = Cse0*Cse94;  /* coefficient of g */
+            (void)KDX_g;
+            const double KDX_xhat = Cse23*(Cse102*mean + Cse103*mean + Cse105*Cse106 + Cse110*Cse56 + Cse25*Cse35 + Cse34*Cse90 + Cse36*Cse98 + Cse40*Cse91 + Cse45*Cse77 + Cse64*Cse97 + Cse0*Cse108*mean + Cse100*Mean_dx_xhat*std - Cse30 - Cse96 - Cse102*row_mean - Cse103*row_mean - Cse106*Cse107 - Cse108*Cse85 - Cse110*Cse69 - Cse34*Cse91 - Cse39*Cse98 - Cse40*Cse90 - Cse45*Cse67);  /* coefficient of xhat */
+            (void)KDX_xhat;
+            const double KDX_dy_gamma_Dd = Cse0;  /* coefficient of dy*gamma_Dd */
+            (void)KDX_dy_gamma_Dd;
+            const double KDDY_beta_Dd = 1;  /* coefficient of beta_Dd */
+            (void)KDDY_beta_Dd;
+            const double KDDY_gamma = Cse0*(alpha*prev_mean_Dd - Cse36 - prev_mean_Dd);  /* coefficient of gamma */
+            (void)KDDY_gamma;
+            const double KDDY_X_Dd_gamma = Cse0;  /* coefficient of X_Dd*gamma */
+            (void)KDDY_X_Dd_gamma;
+            const double KDDY_gamma_xhat = Cse94;  /* coefficient of gamma*xhat */
+            (void)KDDY_gamma_xhat;
+            const double KDDY_gamma_Dd_xhat = 1;  /* coefficient of gamma_Dd*xhat */
+            (void)KDDY_gamma_Dd_xhat;
+            const double prev_mean_Grad2 = Cse17*(Cse111*Mean_dy_dgamma + Cse133*Cse30 + Cse133*Cse96 + Cse142*Cse98 + Cse131*Cse3*Cse92 + Cse130*Cse98*(Cse128 + Cse77 - Cse67) + Cse132*Cse140*Cse141*Cse88*Cse9*(std + Cse74*sample_std) + Cse139*Cse140*Cse17*Mean_g_xhat*(Cse135 + Cse134*N + Cse136*Cse46 + Cse136*Cse48 + Cse138*Cse46 + Cse138*Cse48 - Cse134 - Cse135*N - Cse137*Cse80*N - Cse26*Cse54*std) + Cse23*Mean_g_xhat*(Cse115 + Cse117 + Cse119 + Cse112*Cse39 + Cse115*Cse21 + Cse117*Cse21 + Cse119*Cse21 + Cse120*Cse121 + Cse125*Cse38 + Cse107*Cse121*Cse122 + Cse109*Cse118*Cse126 + Cse11*Cse124*Cse38 + Cse116*Cse126*Cse38 + 8*Cse11*Cse93*mean*row_mean - Cse114 - Cse123 - Cse64 - Cse65 - Cse114*Cse21 - Cse120*Cse79 - Cse122*Cse124 - Cse123*Cse21 - Cse125*Cse59 - 4*Cse118*Cse93 - Cse11*Cse18*Cse81 - 4*Cse116*Cse20*Cse21 - Cse11*Cse29*Cse39*Cse79));  /* dprev_mean for this group */
+            (void)prev_mean_Grad2;
+            const double prev_std_Grad2 = Cse17*(Cse111*Cse95 + Cse111*Mean_dy_dgamma_xhat + Cse139*Cse97 + Cse129*Cse97*prev_mean_Dd + Cse141*Cse62*Cse89 + Cse142*Cse143*Cse2 + Cse112*Cse130*Cse143*(Cse107 + Cse128 - Cse105));  /* dprev_std for this group */
+            (void)prev_std_Grad2;
+            prev_mean_Out[Grp] = (float)(prev_mean_Grad2);
+            prev_std_Out[Grp] = (float)(prev_std_Grad2);
+            {
+                for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
+                    const int64_t Off = Base + Blk * Block_stride;
+                    if (S == 1) {          /* one value per channel: parameters vary along the run */
+                        int64_t Mi = 0;
+                        for (; Mi + DG_LANES <= Cg; Mi += DG_LANES) {
+                            for (int J = 0; J < DG_LANES; ++J) {
+                                const int64_t Idx = Off + Mi + J;
+                                const int64_t Ch = Gi * Cg + Mi + J;
+                                (void)Ch;
+                                const double gamma_V = (double)gamma[Ch];
+                                const double gamma_Dd = (double)gamma_Seed[Ch];
+                                const double beta_Dd = (double)beta_Seed[Ch];
+                                const double Xv = (double)x[Idx];
+                                const double Dyv = (double)dy[Idx];
+                                const double X_Dd = (double)Seed_x[Idx];
+                                const double xhat = (Xv - mean)/std;
+                                const double g = Dyv*gamma_V;
+                                Out_dx[Idx] = (float)(KDX_g*g + KDX_xhat*xhat + KDX_dy_gamma_Dd*Dyv*gamma_Dd + KDX_1 + KDX_X_Dd*X_Dd);
+                                Out_ddy[Idx] = (float)(KDDY_gamma_xhat*gamma_V*xhat + KDDY_gamma*gamma_V + KDDY_X_Dd_gamma*X_Dd*gamma_V + KDDY_gamma_Dd_xhat*gamma_Dd*xhat + KDDY_beta_Dd*beta_Dd);
+                                Mine[0 * C + Ch] += Dyv*(Mean_dx*alpha*(N*alpha*xhat*(row_mean - mean)/(sample_std*(N - 1)) - 1)/std + (xhat*(1 - alpha)*(prev_std_Dd*sample_std + N*alpha*prev_mean_Dd*row_mean - N*prev_std_Dd*sample_std - N*alpha*mean*prev_mean_Dd)/(sample_std*(N - 1)) + X_Dd + prev_mean_Dd*(alpha - 1))/std - Mean_dx_xhat*N*alpha*xhat/(sample_std*(N - 1)));
+
+                            }
+                        }
+                        for (; Mi < Cg; ++Mi) {
+                            const int64_t Idx = Off + Mi;
+                            const int64_t Ch = Gi * Cg + Mi;
+                            (void)Ch;
+                            const double gamma_V = (double)gamma[Ch];
+                            const double gamma_Dd = (double)gamma_Seed[Ch];
+                            const double beta_Dd = (double)beta_Seed[Ch];
+                            const double Xv = (double)x[Idx];
+                            const double Dyv = (double)dy[Idx];
+                            const double X_Dd = (double)Seed_x[Idx];
+                            const double xhat = (Xv - mean)/std;
+                            const double g = Dyv*gamma_V;
+                            Out_dx[Idx] = (float)(KDX_g*g + KDX_xhat*xhat + KDX_dy_gamma_Dd*Dyv*gamma_Dd + KDX_1 + KDX_X_Dd*X_Dd);
+                            Out_ddy[Idx] = (float)(KDDY_gamma_xhat*gamma_V*xhat + KDDY_gamma*gamma_V + KDDY_X_Dd_gamma*X_Dd*gamma_V + KDDY_gamma_Dd_xhat*gamma_Dd*xhat + KDDY_beta_Dd*beta_Dd);
+                            Mine[0 * C + Ch] += Dyv*(Mean_dx*alpha*(N*alpha*xhat*(row_mean - mean)/(sample_std*(N - 1)) - 1)/std + (xhat*(1 - alpha)*(prev_std_Dd*sample_std + N*alpha*prev_mean_Dd*row_mean - N*prev_std_Dd*sample_std - N*alpha*mean*prev_mean_Dd)/(sample_std*(N - 1)) + X_Dd + prev_mean_Dd*(alpha - 1))/std - Mean_dx_xhat*N*alpha*xhat/(sample_std*(N - 1)));
+
+                        }
+                    } else {               /* NCHW: runs of S values of one channel */
+                        for (int64_t Ci = 0; Ci < Cg; ++Ci) {
+                            const int64_t Ch = Gi * Cg + Ci;
+                            (void)Ch;
+                            const double gamma_V = (double)gamma[Ch];
+                            const double gamma_Dd = (double)gamma_Seed[Ch];
+                            const double beta_Dd = (double)beta_Seed[Ch];
+                            double Pacc_0 = 0.0;
+                            int64_t Si = 0;
+                            for (; Si + DG_LANES <= S; Si += DG_LANES) {
+                                for (int J = 0; J < DG_LANES; ++J) {
+                                    const int64_t Idx = Off + Ci * S + Si + J;
+                                    const double Xv = (double)x[Idx];
+                                    const double Dyv = (double)dy[Idx];
+                                    const double X_Dd = (double)Seed_x[Idx];
+                                    const double xhat = (Xv - mean)/std;
+                                    const double g = Dyv*gamma_V;
+                                    Out_dx[Idx] = (float)(KDX_g*g + KDX_xhat*xhat + KDX_dy_gamma_Dd*Dyv*gamma_Dd + KDX_1 + KDX_X_Dd*X_Dd);
+                                    Out_ddy[Idx] = (float)(KDDY_gamma_xhat*gamma_V*xhat + KDDY_gamma*gamma_V + KDDY_X_Dd_gamma*X_Dd*gamma_V + KDDY_gamma_Dd_xhat*gamma_Dd*xhat + KDDY_beta_Dd*beta_Dd);
+                                    Pacc_0 += Dyv*(Mean_dx*alpha*(N*alpha*xhat*(row_mean - mean)/(sample_std*(N - 1)) - 1)/std + (xhat*(1 - alpha)*(prev_std_Dd*sample_std + N*alpha*prev_mean_Dd*row_mean - N*prev_std_Dd*sample_std - N*alpha*mean*prev_mean_Dd)/(sample_std*(N - 1)) + X_Dd + prev_mean_Dd*(alpha - 1))/std - Mean_dx_xhat*N*alpha*xhat/(sample_std*(N - 1)));
+
+                                }
+                            }
+                            for (; Si < S; ++Si) {
+                                const int64_t Idx = Off + Ci * S + Si;
+                                const double Xv = (double)x[Idx];
+                                const double Dyv = (double)dy[Idx];
+                                const double X_Dd = (double)Seed_x[Idx];
+                                const double xhat = (Xv - mean)/std;
+                                const double g = Dyv*gamma_V;
+                                Out_dx[Idx] = (float)(KDX_g*g + KDX_xhat*xhat + KDX_dy_gamma_Dd*Dyv*gamma_Dd + KDX_1 + KDX_X_Dd*X_Dd);
+                                Out_ddy[Idx] = (float)(KDDY_gamma_xhat*gamma_V*xhat + KDDY_gamma*gamma_V + KDDY_X_Dd_gamma*X_Dd*gamma_V + KDDY_gamma_Dd_xhat*gamma_Dd*xhat + KDDY_beta_Dd*beta_Dd);
+                                Pacc_0 += Dyv*(Mean_dx*alpha*(N*alpha*xhat*(row_mean - mean)/(sample_std*(N - 1)) - 1)/std + (xhat*(1 - alpha)*(prev_std_Dd*sample_std + N*alpha*prev_mean_Dd*row_mean - N*prev_std_Dd*sample_std - N*alpha*mean*prev_mean_Dd)/(sample_std*(N - 1)) + X_Dd + prev_mean_Dd*(alpha - 1))/std - Mean_dx_xhat*N*alpha*xhat/(sample_std*(N - 1)));
+
+                            }
+                            Mine[0 * C + Ch] += Pacc_0;
+                        }
+                    }
+                }
+            }
+        }
+    }
+    for (int64_t Cc = 0; Cc < C; ++Cc) {       /* dgamma */
+        double Acc = 0.0;
+        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * P * C + 0 * C + Cc];
+        gamma_Out[Cc] = (float)(Acc);
+    }
+    for (int64_t Cc = 0; Cc < C; ++Cc) {       /* dbeta */
+        double Acc = 0.0;
+        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * P * C + 1 * C + Cc];
+        beta_Out[Cc] = (float)(Acc);
+    }
+    free(Part);
+    return 0;
+}
+
+/* ---- train JVP, float (derived by derivgen.second) ---- */
+int online_layernorm_train_jvp_f32(
+    int64_t O, int64_t G, int64_t Cg, int64_t S,
+    const float *restrict x,
+    const float *restrict gamma,
+    const float *restrict beta,
+    double alpha,
+    double eps,
+    const float *restrict prev_mean_In, int64_t prev_mean_Stride,
+    const float *restrict prev_std_In, int64_t prev_std_Stride,
+    const double *restrict row_mean_In,
+    const double *restrict mean_In,
+    const double *restrict Aux1_In,
+    const double *restrict sample_std_In,
+    const double *restrict std_In,
+    const float *restrict Seed_x,
+    const float *restrict gamma_Seed,
+    const float *restrict beta_Seed,
+    const float *restrict prev_mean_Seed_In, int64_t prev_mean_Seed_Stride,
+    const float *restrict prev_std_Seed_In, int64_t prev_std_Seed_Stride,
+    float *restrict Out_ty,
+    int Nthreads)
+{
+    const int64_t M = Cg * S;                       /* contiguous values per (o, g) block */
+    const int64_t N_groups = O * G;
+    const int64_t Blocks = 1;               /* blocks per group */
+    const int64_t Block_stride = G * M;
+    (void)Block_stride;
+    const double N = (double)(Blocks * M);          /* values per group */
+    const int64_t Total = N_groups * Blocks * M;    /* values in x */
+    const int64_t Ahead = DG_AHEAD_BYTES / (int64_t)sizeof(float);
+    const int Nth = Dg_threads(Nthreads);
+    (void)N;
+    (void)Nth;
+    (void)Total;
+    (void)Ahead;
+    (void)gamma;
+    (void)beta;
+    (void)alpha;
+    (void)eps;
+    (void)x;
+
+    const int64_t C = G * Cg;                        /* parameter length */
+    const int64_t P = 2;      /* parameters */
+    (void)C;
+    (void)P;
+    (void)Seed_x;
+    (void)gamma_Seed;
+    (void)beta_Seed;
+    DG_PRAGMA(omp parallel num_threads(Nth))
+    {
+        int64_t Lo, Hi;
+        Dg_share(N_groups, &Lo, &Hi);              /* this thread's groups (as schedule(static)) */
+        for (int64_t Grp = Lo; Grp < Hi; ++Grp) {
+            const int64_t Gi = G == 1 ? 0 : Grp % G;     /* channel group */
+            (void)Gi;
+            const int64_t Base = Grp * M;
+            (void)Base;
+            const double prev_mean = (double)prev_mean_In[Grp * prev_mean_Stride];
+            (void)prev_mean;
+            const double prev_std = (double)prev_std_In[Grp * prev_std_Stride];
+            (void)prev_std;
+            const double prev_mean_T = (double)prev_mean_Seed_In[Grp * prev_mean_Seed_Stride];
+            (void)prev_mean_T;
+            const double prev_std_T = (double)prev_std_Seed_In[Grp * prev_std_Seed_Stride];
+            (void)prev_std_T;
+            const double row_mean = row_mean_In[Grp];
+            (void)row_mean;
+            const double mean = mean_In[Grp];
+            (void)mean;
+            const double Aux1 = Aux1_In[Grp];
+            (void)Aux1;
+            const double sample_std = sample_std_In[Grp];
+            (void)sample_std;
+            const double std = std_In[Grp];
+            (void)std;
+            double Sum_tx;
+            double Sum_tx_xhat;
+            {
+                double Lane_Sum_tx[DG_LANES] = {0};
+                double Lane_Sum_tx_xhat[DG_LANES] = {0};
+                for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
+                    const int64_t Off = Base + Blk * Block_stride;
+                    if (S == 1) {          /* one value per channel: parameters vary along the run */
+                        int64_t Mi = 0;
+                        for (; Mi + DG_LANES <= Cg; Mi += DG_LANES) {
+                            for (int J = 0; J < DG_LANES; ++J) {
+                                const int64_t Idx = Off + Mi + J;
+                                const int64_t Ch = Gi * Cg + Mi + J;
+                                (void)Ch;
+                                const double Xv = (double)x[Idx];
+                                const double X_T = (double)Seed_x[Idx];
+                                const double xhat = (Xv - mean)/std;
+                                Lane_Sum_tx[J] += X_T;
+                                Lane_Sum_tx_xhat[J] += X_T*xhat;
+
+                            }
+                        }
+                        for (; Mi < Cg; ++Mi) {
+                            const int64_t Idx = Off + Mi;
+                            const int64_t Ch = Gi * Cg + Mi;
+                            (void)Ch;
+                            const double Xv = (double)x[Idx];
+                            const double X_T = (double)Seed_x[Idx];
+                            const double xhat = (Xv - mean)/std;
+                            Lane_Sum_tx[0] += X_T;
+                            Lane_Sum_tx_xhat[0] += X_T*xhat;
+
+                        }
+                    } else {               /* NCHW: runs of S values of one channel */
+                        for (int64_t Ci = 0; Ci < Cg; ++Ci) {
+                            const int64_t Ch = Gi * Cg + Ci;
+                            (void)Ch;
+                            int64_t Si = 0;
+                            for (; Si + DG_LANES <= S; Si += DG_LANES) {
+                                for (int J = 0; J < DG_LANES; ++J) {
+                                    const int64_t Idx = Off + Ci * S + Si + J;
+                                    const double Xv = (double)x[Idx];
+                                    const double X_T = (double)Seed_x[Idx];
+                                    const double xhat = (Xv - mean)/std;
+                                    Lane_Sum_tx[J] += X_T;
+                                    Lane_Sum_tx_xhat[J] += X_T*xhat;
+
+                                }
+                            }
+                            for (; Si < S; ++Si) {
+                                const int64_t Idx = Off + Ci * S + Si;
+                                const double Xv = (double)x[Idx];
+                                const double X_T = (double)Seed_x[Idx];
+                                const double xhat = (Xv - mean)/std;
+                                Lane_Sum_tx[0] += X_T;
+                                Lane_Sum_tx_xhat[0] += X_T*xhat;
+
+                            }
+                        }
+                    }
+                }
+                Sum_tx = Dg_lanes(Lane_Sum_tx);
+                Sum_tx_xhat = Dg_lanes(Lane_Sum_tx_xhat);
+            }
+            const double Mean_tx = Sum_tx/N;  /* Mean_tx = mean(X_T) */
+            (void)Mean_tx;
+            const double Mean_tx_xhat = Sum_tx_xhat/N;  /* Mean_tx_xhat = mean(X_T*xhat) */
+            (void)Mean_tx_xhat;
+            const double Cse0 = 1.0/std;  /* common subexpression */
+            (void)Cse0;
+            const double Cse1 = Cse0*prev_std_T;  /* common subexpression */
+            (void)Cse1;
+            const double Cse2 = 1.0/sample_std;  /* common subexpression */
+            (void)Cse2;
+            const double Cse3 = Cse2*N;  /* common subexpression */
+            (void)Cse3;
+            const double Cse4 = (alpha*alpha);  /* common subexpression */
+            (void)Cse4;
+            const double Cse5 = Cse0*Cse3;  /* common subexpression */
+            (void)Cse5;
+            const double Cse6 = Cse4*Cse5;  /* common subexpression */
+            (void)Cse6;
+            const double KTY_beta_T = 1;  /* coefficient of beta_T */
+            (void)KTY_beta_T;
+            const double KTY_gamma = Cse0*(alpha*prev_mean_T - prev_mean_T - Mean_tx*alpha);  /* coefficient of gamma */
+            (void)KTY_gamma;
+            const double KTY_X_T_gamma = Cse0;  /* coefficient of X_T*gamma */
+            (void)KTY_X_T_gamma;
+            const double KTY_gamma_xhat = (Cse0*prev_std_T + Cse0*N*alpha*prev_std_T + Cse0*Cse2*Cse4*Mean_tx*N*row_mean + Cse0*Cse2*Cse4*N*mean*prev_mean_T + Cse0*Cse2*N*alpha*prev_mean_T*row_mean - Cse1*N - Cse1*alpha - Cse6*Mean_tx*mean - Cse6*prev_mean_T*row_mean - Cse3*Mean_tx_xhat*alpha - Cse5*alpha*mean*prev_mean_T)/(N - 1);  /* coefficient of gamma*xhat */
+            (void)KTY_gamma_xhat;
+            const double KTY_gamma_T_xhat = 1;  /* coefficient of gamma_T*xhat */
+            (void)KTY_gamma_T_xhat;
+            {
+                for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
+                    const int64_t Off = Base + Blk * Block_stride;
+                    if (S == 1) {          /* one value per channel: parameters vary along the run */
+                        int64_t Mi = 0;
+                        for (; Mi + DG_LANES <= Cg; Mi += DG_LANES) {
+                            for (int J = 0; J < DG_LANES; ++J) {
+                                const int64_t Idx = Off + Mi + J;
+                                const int64_t Ch = Gi * Cg + Mi + J;
+                                (void)Ch;
+                                const double gamma_V = (double)gamma[Ch];
+                                const double gamma_T = (double)gamma_Seed[Ch];
+                                const double beta_T = (double)beta_Seed[Ch];
+                                const double Xv = (double)x[Idx];
+                                const double X_T = (double)Seed_x[Idx];
+                                const double xhat = (Xv - mean)/std;
+                                Out_ty[Idx] = (float)(KTY_gamma_xhat*gamma_V*xhat + KTY_gamma*gamma_V + KTY_X_T_gamma*X_T*gamma_V + KTY_gamma_T_xhat*gamma_T*xhat + KTY_beta_T*beta_T);
+
+                            }
+                        }
+                        for (; Mi < Cg; ++Mi) {
+                            const int64_t Idx = Off + Mi;
+                            const int64_t Ch = Gi * Cg + Mi;
+                            (void)Ch;
+                            const double gamma_V = (double)gamma[Ch];
+                            const double gamma_T = (double)gamma_Seed[Ch];
+                            const double beta_T = (double)beta_Seed[Ch];
+                            const double Xv = (double)x[Idx];
+                            const double X_T = (double)Seed_x[Idx];
+                            const double xhat = (Xv - mean)/std;
+                            Out_ty[Idx] = (float)(KTY_gamma_xhat*gamma_V*xhat + KTY_gamma*gamma_V + KTY_X_T_gamma*X_T*gamma_V + KTY_gamma_T_xhat*gamma_T*xhat + KTY_beta_T*beta_T);
+
+                        }
+                    } else {               /* NCHW: runs of S values of one channel */
+                        for (int64_t Ci = 0; Ci < Cg; ++Ci) {
+                            const int64_t Ch = Gi * Cg + Ci;
+                            (void)Ch;
+                            const double gamma_V = (double)gamma[Ch];
+                            const double gamma_T = (double)gamma_Seed[Ch];
+                            const double beta_T = (double)beta_Seed[Ch];
+                            int64_t Si = 0;
+                            for (; Si + DG_LANES <= S; Si += DG_LANES) {
+                                for (int J = 0; J < DG_LANES; ++J) {
+                                    const int64_t Idx = Off + Ci * S + Si + J;
+                                    const double Xv = (double)x[Idx];
+                                    const double X_T = (double)Seed_x[Idx];
+                                    const double xhat = (Xv - mean)/std;
+                                    Out_ty[Idx] = (float)(KTY_gamma_xhat*gamma_V*xhat + KTY_gamma*gamma_V + KTY_X_T_gamma*X_T*gamma_V + KTY_gamma_T_xhat*gamma_T*xhat + KTY_beta_T*beta_T);
+
+                                }
+                            }
+                            for (; Si < S; ++Si) {
+                                const int64_t Idx = Off + Ci * S + Si;
+                                const double Xv = (double)x[Idx];
+                                const double X_T = (double)Seed_x[Idx];
+                                const double xhat = (Xv - mean)/std;
+                                Out_ty[Idx] = (float)(KTY_gamma_xhat*gamma_V*xhat + KTY_gamma*gamma_V + KTY_X_T_gamma*X_T*gamma_V + KTY_gamma_T_xhat*gamma_T*xhat + KTY_beta_T*beta_T);
+
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+    return 0;
+}
 #endif /* DG_WANT_FLOAT */
 
 #if DG_WANT_FLOAT
@@ -944,6 +1806,868 @@ int online_layernorm_train_backward_f64(
     }
     free(Pend_all);
     free(Part);
+    return 0;
+}
+
+/* ---- train double backward, double (derived by derivgen.second) ---- */
+int online_layernorm_train_bb_f64(
+    int64_t O, int64_t G, int64_t Cg, int64_t S,
+    const double *restrict x,
+    const double *restrict dy,
+    const double *restrict gamma,
+    const double *restrict beta,
+    double alpha,
+    double eps,
+    const double *restrict prev_mean_In, int64_t prev_mean_Stride,
+    const double *restrict prev_std_In, int64_t prev_std_Stride,
+    const double *restrict row_mean_In,
+    const double *restrict mean_In,
+    const double *restrict Aux1_In,
+    const double *restrict sample_std_In,
+    const double *restrict std_In,
+    const double *restrict Seed_x,
+    const double *restrict gamma_Seed,
+    const double *restrict beta_Seed,
+    const double *restrict prev_mean_Seed_In, int64_t prev_mean_Seed_Stride,
+    const double *restrict prev_std_Seed_In, int64_t prev_std_Seed_Stride,
+    double *restrict Out_dx,
+    double *restrict Out_ddy,
+    double *restrict gamma_Out,
+    double *restrict beta_Out,
+    double *restrict prev_mean_Out,
+    double *restrict prev_std_Out,
+    int Nthreads)
+{
+    const int64_t M = Cg * S;                       /* contiguous values per (o, g) block */
+    const int64_t N_groups = O * G;
+    const int64_t Blocks = 1;               /* blocks per group */
+    const int64_t Block_stride = G * M;
+    (void)Block_stride;
+    const double N = (double)(Blocks * M);          /* values per group */
+    const int64_t Total = N_groups * Blocks * M;    /* values in x */
+    const int64_t Ahead = DG_AHEAD_BYTES / (int64_t)sizeof(double);
+    const int Nth = Dg_threads(Nthreads);
+    (void)N;
+    (void)Nth;
+    (void)Total;
+    (void)Ahead;
+    (void)gamma;
+    (void)beta;
+    (void)alpha;
+    (void)eps;
+    (void)x;
+
+    const int64_t C = G * Cg;                        /* parameter length */
+    const int64_t P = 2;      /* parameters */
+    (void)C;
+    (void)P;
+    (void)dy;
+    (void)Seed_x;
+    (void)gamma_Seed;
+    (void)beta_Seed;
+    double *Part = (double *)calloc((size_t)(Nth * P * C) + 1, sizeof(double));
+    if (Part == NULL)
+        return -1;
+    DG_PRAGMA(omp parallel num_threads(Nth))
+    {
+        double *restrict Mine = Part + (int64_t)Dg_thread_id() * P * C;
+        (void)Mine;
+        int64_t Lo, Hi;
+        Dg_share(N_groups, &Lo, &Hi);              /* this thread's groups (as schedule(static)) */
+        for (int64_t Grp = Lo; Grp < Hi; ++Grp) {
+            const int64_t Gi = G == 1 ? 0 : Grp % G;     /* channel group */
+            (void)Gi;
+            const int64_t Base = Grp * M;
+            (void)Base;
+            const double prev_mean = prev_mean_In[Grp * prev_mean_Stride];
+            (void)prev_mean;
+            const double prev_std = prev_std_In[Grp * prev_std_Stride];
+            (void)prev_std;
+            const double prev_mean_Dd = prev_mean_Seed_In[Grp * prev_mean_Seed_Stride];
+            (void)prev_mean_Dd;
+            const double prev_std_Dd = prev_std_Seed_In[Grp * prev_std_Seed_Stride];
+            (void)prev_std_Dd;
+            const double row_mean = row_mean_In[Grp];
+            (void)row_mean;
+            const double mean = mean_In[Grp];
+            (void)mean;
+            const double Aux1 = Aux1_In[Grp];
+            (void)Aux1;
+            const double sample_std = sample_std_In[Grp];
+            (void)sample_std;
+            const double std = std_In[Grp];
+            (void)std;
+            double Sum_dx;
+            double Sum_g;
+            double Sum_dx_g;
+            double Sum_dx_xhat;
+            double Sum_dy_dgamma;
+            double Sum_g_xhat;
+            double Sum_dy_dgamma_xhat;
+            {
+                double Lane_Sum_dx[DG_LANES] = {0};
+                double Lane_Sum_g[DG_LANES] = {0};
+                double Lane_Sum_dx_g[DG_LANES] = {0};
+                double Lane_Sum_dx_xhat[DG_LANES] = {0};
+                double Lane_Sum_dy_dgamma[DG_LANES] = {0};
+                double Lane_Sum_g_xhat[DG_LANES] = {0};
+                double Lane_Sum_dy_dgamma_xhat[DG_LANES] = {0};
+                for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
+                    const int64_t Off = Base + Blk * Block_stride;
+                    if (S == 1) {          /* one value per channel: parameters vary along the run */
+                        int64_t Mi = 0;
+                        for (; Mi + DG_LANES <= Cg; Mi += DG_LANES) {
+                            for (int J = 0; J < DG_LANES; ++J) {
+                                const int64_t Idx = Off + Mi + J;
+                                const int64_t Ch = Gi * Cg + Mi + J;
+                                (void)Ch;
+                                const double gamma_V = gamma[Ch];
+                                const double gamma_Dd = gamma_Seed[Ch];
+                                const double Xv = x[Idx];
+                                const double Dyv = dy[Idx];
+                                const double X_Dd = Seed_x[Idx];
+                                const double xhat = (Xv - mean)/std;
+                                const double g = Dyv*gamma_V;
+                                Lane_Sum_dx[J] += X_Dd;
+                                Lane_Sum_g[J] += g;
+                                Lane_Sum_dx_g[J] += X_Dd*g;
+                                Lane_Sum_dx_xhat[J] += X_Dd*xhat;
+                                Lane_Sum_dy_dgamma[J] += Dyv*gamma_Dd;
+                                Lane_Sum_g_xhat[J] += g*xhat;
+                                Lane_Sum_dy_dgamma_xhat[J] += Dyv*gamma_Dd*xhat;
+
+                            }
+                        }
+                        for (; Mi < Cg; ++Mi) {
+                            const int64_t Idx = Off + Mi;
+                            const int64_t Ch = Gi * Cg + Mi;
+                            (void)Ch;
+                            const double gamma_V = gamma[Ch];
+                            const double gamma_Dd = gamma_Seed[Ch];
+                            const double Xv = x[Idx];
+                            const double Dyv = dy[Idx];
+                            const double X_Dd = Seed_x[Idx];
+                            const double xhat = (Xv - mean)/std;
+                            const double g = Dyv*gamma_V;
+                            Lane_Sum_dx[0] += X_Dd;
+                            Lane_Sum_g[0] += g;
+                            Lane_Sum_dx_g[0] += X_Dd*g;
+                            Lane_Sum_dx_xhat[0] += X_Dd*xhat;
+                            Lane_Sum_dy_dgamma[0] += Dyv*gamma_Dd;
+                            Lane_Sum_g_xhat[0] += g*xhat;
+                            Lane_Sum_dy_dgamma_xhat[0] += Dyv*gamma_Dd*xhat;
+
+                        }
+                    } else {               /* NCHW: runs of S values of one channel */
+                        for (int64_t Ci = 0; Ci < Cg; ++Ci) {
+                            const int64_t Ch = Gi * Cg + Ci;
+                            (void)Ch;
+                            const double gamma_V = gamma[Ch];
+                            const double gamma_Dd = gamma_Seed[Ch];
+                            int64_t Si = 0;
+                            for (; Si + DG_LANES <= S; Si += DG_LANES) {
+                                for (int J = 0; J < DG_LANES; ++J) {
+                                    const int64_t Idx = Off + Ci * S + Si + J;
+                                    const double Xv = x[Idx];
+                                    const double Dyv = dy[Idx];
+                                    const double X_Dd = Seed_x[Idx];
+                                    const double xhat = (Xv - mean)/std;
+                                    const double g = Dyv*gamma_V;
+                                    Lane_Sum_dx[J] += X_Dd;
+                                    Lane_Sum_g[J] += g;
+                                    Lane_Sum_dx_g[J] += X_Dd*g;
+                                    Lane_Sum_dx_xhat[J] += X_Dd*xhat;
+                                    Lane_Sum_dy_dgamma[J] += Dyv*gamma_Dd;
+                                    Lane_Sum_g_xhat[J] += g*xhat;
+                                    Lane_Sum_dy_dgamma_xhat[J] += Dyv*gamma_Dd*xhat;
+
+                                }
+                            }
+                            for (; Si < S; ++Si) {
+                                const int64_t Idx = Off + Ci * S + Si;
+                                const double Xv = x[Idx];
+                                const double Dyv = dy[Idx];
+                                const double X_Dd = Seed_x[Idx];
+                                const double xhat = (Xv - mean)/std;
+                                const double g = Dyv*gamma_V;
+                                Lane_Sum_dx[0] += X_Dd;
+                                Lane_Sum_g[0] += g;
+                                Lane_Sum_dx_g[0] += X_Dd*g;
+                                Lane_Sum_dx_xhat[0] += X_Dd*xhat;
+                                Lane_Sum_dy_dgamma[0] += Dyv*gamma_Dd;
+                                Lane_Sum_g_xhat[0] += g*xhat;
+                                Lane_Sum_dy_dgamma_xhat[0] += Dyv*gamma_Dd*xhat;
+
+                            }
+                        }
+                    }
+                }
+                Sum_dx = Dg_lanes(Lane_Sum_dx);
+                Sum_g = Dg_lanes(Lane_Sum_g);
+                Sum_dx_g = Dg_lanes(Lane_Sum_dx_g);
+                Sum_dx_xhat = Dg_lanes(Lane_Sum_dx_xhat);
+                Sum_dy_dgamma = Dg_lanes(Lane_Sum_dy_dgamma);
+                Sum_g_xhat = Dg_lanes(Lane_Sum_g_xhat);
+                Sum_dy_dgamma_xhat = Dg_lanes(Lane_Sum_dy_dgamma_xhat);
+            }
+            const double Mean_dx = Sum_dx/N;  /* Mean_dx = mean(X_Dd) */
+            (void)Mean_dx;
+            const double Mean_g = Sum_g/N;  /* Mean_g = mean(g) */
+            (void)Mean_g;
+            const double Mean_dx_g = Sum_dx_g/N;  /* Mean_dx_g = mean(X_Dd*g) */
+            (void)Mean_dx_g;
+            const double Mean_dx_xhat = Sum_dx_xhat/N;  /* Mean_dx_xhat = mean(X_Dd*xhat) */
+            (void)Mean_dx_xhat;
+            const double Mean_dy_dgamma = Sum_dy_dgamma/N;  /* Mean_dy_dgamma = mean(dy*gamma_Dd) */
+            (void)Mean_dy_dgamma;
+            const double Mean_g_xhat = Sum_g_xhat/N;  /* Mean_g_xhat = mean(g*xhat) */
+            (void)Mean_g_xhat;
+            const double Mean_dy_dgamma_xhat = Sum_dy_dgamma_xhat/N;  /* Mean_dy_dgamma_xhat = mean(dy*gamma_Dd*xhat) */
+            (void)Mean_dy_dgamma_xhat;
+            const double Cse0 = 1.0/std;  /* common subexpression */
+            (void)Cse0;
+            const double Cse1 = N - 1;  /* common subexpression */
+            (void)Cse1;
+            const double Cse2 = 1.0/Cse1;  /* common subexpression */
+            (void)Cse2;
+            const double Cse3 = Cse2*Mean_g;  /* common subexpression */
+            (void)Cse3;
+            const double Cse4 = (1/(std*std));  /* common subexpression */
+            (void)Cse4;
+            const double Cse5 = Cse4*prev_std_Dd;  /* common subexpression */
+            (void)Cse5;
+            const double Cse6 = Cse3*Cse5;  /* common subexpression */
+            (void)Cse6;
+            const double Cse7 = 1.0/sample_std;  /* common subexpression */
+            (void)Cse7;
+            const double Cse8 = Cse7*prev_mean_Dd;  /* common subexpression */
+            (void)Cse8;
+            const double Cse9 = (N*N);  /* common subexpression */
+            (void)Cse9;
+            const double Cse10 = 2*N;  /* common subexpression */
+            (void)Cse10;
+            const double Cse11 = 1.0/(1 + Cse9 - Cse10);  /* common subexpression */
+            (void)Cse11;
+            const double Cse12 = Cse11*Mean_g_xhat;  /* common subexpression */
+            (void)Cse12;
+            const double Cse13 = Cse12*Cse9;  /* common subexpression */
+            (void)Cse13;
+            const double Cse14 = Cse0*Cse13;  /* common subexpression */
+            (void)Cse14;
+            const double Cse15 = Cse14*Cse8;  /* common subexpression */
+            (void)Cse15;
+            const double Cse16 = N*alpha;  /* common subexpression */
+            (void)Cse16;
+            const double Cse17 = Cse0*N;  /* common subexpression */
+            (void)Cse17;
+            const double Cse18 = Cse17*Cse8;  /* common subexpression */
+            (void)Cse18;
+            const double Cse19 = Cse12*Cse18;  /* common subexpression */
+            (void)Cse19;
+            const double Cse20 = Cse17*Cse7;  /* common subexpression */
+            (void)Cse20;
+            const double Cse21 = (alpha*alpha);  /* common subexpression */
+            (void)Cse21;
+            const double Cse22 = Cse21*Mean_dx;  /* common subexpression */
+            (void)Cse22;
+            const double Cse23 = Cse16*Cse7;  /* common subexpression */
+            (void)Cse23;
+            const double Cse24 = Cse2*Cse23*Cse4*Mean_dx_g;  /* common subexpression */
+            (void)Cse24;
+            const double Cse25 = Mean_dx_xhat*alpha;  /* common subexpression */
+            (void)Cse25;
+            const double Cse26 = alpha*mean;  /* common subexpression */
+            (void)Cse26;
+            const double Cse27 = (1/(sample_std*sample_std*sample_std));  /* common subexpression */
+            (void)Cse27;
+            const double Cse28 = Cse13*Cse27;  /* common subexpression */
+            (void)Cse28;
+            const double Cse29 = Cse20*row_mean;  /* common subexpression */
+            (void)Cse29;
+            const double Cse30 = Cse2*Mean_dy_dgamma_xhat;  /* common subexpression */
+            (void)Cse30;
+            const double Cse31 = Cse30*alpha;  /* common subexpression */
+            (void)Cse31;
+            const double Cse32 = Cse14*Cse22;  /* common subexpression */
+            (void)Cse32;
+            const double Cse33 = Cse20*mean;  /* common subexpression */
+            (void)Cse33;
+            const double Cse34 = Cse10*Cse12;  /* common subexpression */
+            (void)Cse34;
+            const double Cse35 = Cse34*Cse7;  /* common subexpression */
+            (void)Cse35;
+            const double Cse36 = Mean_dx*alpha;  /* common subexpression */
+            (void)Cse36;
+            const double Cse37 = Cse0*Cse36;  /* common subexpression */
+            (void)Cse37;
+            const double Cse38 = Cse0*Cse7;  /* common subexpression */
+            (void)Cse38;
+            const double Cse39 = alpha*prev_mean_Dd;  /* common subexpression */
+            (void)Cse39;
+            const double Cse40 = 2*Cse12;  /* common subexpression */
+            (void)Cse40;
+            const double Cse41 = Cse40*Cse9;  /* common subexpression */
+            (void)Cse41;
+            const double Cse42 = Cse39*Cse41;  /* common subexpression */
+            (void)Cse42;
+            const double Cse43 = Cse41*Cse7;  /* common subexpression */
+            (void)Cse43;
+            const double Cse44 = Cse10*Cse39;  /* common subexpression */
+            (void)Cse44;
+            const double Cse45 = Cse12*Cse38;  /* common subexpression */
+            (void)Cse45;
+            const double Cse46 = (mean*mean);  /* common subexpression */
+            (void)Cse46;
+            const double Cse47 = Cse27*Cse32;  /* common subexpression */
+            (void)Cse47;
+            const double Cse48 = (row_mean*row_mean);  /* common subexpression */
+            (void)Cse48;
+            const double Cse49 = Cse14*Cse27;  /* common subexpression */
+            (void)Cse49;
+            const double Cse50 = Cse39*Cse49;  /* common subexpression */
+            (void)Cse50;
+            const double Cse51 = Cse46*prev_mean_Dd;  /* common subexpression */
+            (void)Cse51;
+            const double Cse52 = Cse21*Cse49;  /* common subexpression */
+            (void)Cse52;
+            const double Cse53 = Cse48*prev_mean_Dd;  /* common subexpression */
+            (void)Cse53;
+            const double Cse54 = Cse10*row_mean;  /* common subexpression */
+            (void)Cse54;
+            const double Cse55 = Cse3*Cse4*Cse7;  /* common subexpression */
+            (void)Cse55;
+            const double Cse56 = Cse21*row_mean;  /* common subexpression */
+            (void)Cse56;
+            const double Cse57 = Cse0*Cse56;  /* common subexpression */
+            (void)Cse57;
+            const double Cse58 = (sample_std*sample_std);  /* common subexpression */
+            (void)Cse58;
+            const double Cse59 = 1.0/Cse58;  /* common subexpression */
+            (void)Cse59;
+            const double Cse60 = Cse41*Cse59;  /* common subexpression */
+            (void)Cse60;
+            const double Cse61 = Cse60*Mean_dx_xhat;  /* common subexpression */
+            (void)Cse61;
+            const double Cse62 = Cse10*Cse7;  /* common subexpression */
+            (void)Cse62;
+            const double Cse63 = Cse4*Cse62*mean;  /* common subexpression */
+            (void)Cse63;
+            const double Cse64 = Cse2*prev_mean_Dd;  /* common subexpression */
+            (void)Cse64;
+            const double Cse65 = Cse21*Cse64;  /* common subexpression */
+            (void)Cse65;
+            const double Cse66 = Cse65*Mean_g;  /* common subexpression */
+            (void)Cse66;
+            const double Cse67 = Cse44*row_mean;  /* common subexpression */
+            (void)Cse67;
+            const double Cse68 = Cse35*Cse5;  /* common subexpression */
+            (void)Cse68;
+            const double Cse69 = Cse21*mean;  /* common subexpression */
+            (void)Cse69;
+            const double Cse70 = Cse43*Cse5;  /* common subexpression */
+            (void)Cse70;
+            const double Cse71 = (alpha*alpha*alpha);  /* common subexpression */
+            (void)Cse71;
+            const double Cse72 = Cse4*Cse60;  /* common subexpression */
+            (void)Cse72;
+            const double Cse73 = Cse71*Cse72;  /* common subexpression */
+            (void)Cse73;
+            const double Cse74 = 2*alpha;  /* common subexpression */
+            (void)Cse74;
+            const double Cse75 = Cse13*Cse5*Cse7*Cse74;  /* common subexpression */
+            (void)Cse75;
+            const double Cse76 = Cse73*Mean_dx;  /* common subexpression */
+            (void)Cse76;
+            const double Cse77 = Cse44*mean;  /* common subexpression */
+            (void)Cse77;
+            const double Cse78 = Cse21*Cse72;  /* common subexpression */
+            (void)Cse78;
+            const double Cse79 = 4*mean;  /* common subexpression */
+            (void)Cse79;
+            const double Cse80 = Cse79*row_mean;  /* common subexpression */
+            (void)Cse80;
+            const double Cse81 = Cse71*Cse80;  /* common subexpression */
+            (void)Cse81;
+            const double Cse82 = Cse13*Cse4*Cse59;  /* common subexpression */
+            (void)Cse82;
+            const double Cse83 = Cse81*Cse82;  /* common subexpression */
+            (void)Cse83;
+            const double Cse84 = Cse27*Cse41;  /* common subexpression */
+            (void)Cse84;
+            const double Cse85 = Cse0*row_mean;  /* common subexpression */
+            (void)Cse85;
+            const double Cse86 = Cse85*mean;  /* common subexpression */
+            (void)Cse86;
+            const double Cse87 = mean*prev_mean_Dd;  /* common subexpression */
+            (void)Cse87;
+            const double Cse88 = Mean_g_xhat*alpha;  /* common subexpression */
+            (void)Cse88;
+            const double Cse89 = Cse2*Cse88;  /* common subexpression */
+            (void)Cse89;
+            const double Cse90 = Cse0*prev_std_Dd;  /* common subexpression */
+            (void)Cse90;
+            const double Cse91 = Cse90*alpha;  /* common subexpression */
+            (void)Cse91;
+            const double Cse92 = Cse23*Mean_dx_xhat;  /* common subexpression */
+            (void)Cse92;
+            const double Cse93 = Cse18*Cse21;  /* common subexpression */
+            (void)Cse93;
+            const double Cse94 = Cse2*(Cse0*prev_std_Dd + Cse0*N*alpha*prev_std_Dd + Cse0*Cse21*Cse7*Mean_dx*N*row_mean + Cse0*Cse21*Cse7*N*mean*prev_mean_Dd + Cse0*Cse7*N*alpha*prev_mean_Dd*row_mean - Cse91 - Cse92 - Cse22*Cse33 - Cse33*Cse39 - Cse90*N - Cse93*row_mean);  /* common subexpression */
+            (void)Cse94;
+            const double Cse95 = Cse0*Mean_dx_g;  /* common subexpression */
+            (void)Cse95;
+            const double Cse96 = Cse2*Cse95;  /* common subexpression */
+            (void)Cse96;
+            const double Cse97 = Cse0*Mean_g;  /* common subexpression */
+            (void)Cse97;
+            const double Cse98 = Cse0*Cse3;  /* common subexpression */
+            (void)Cse98;
+            const double Cse99 = Cse59*N;  /* common subexpression */
+            (void)Cse99;
+            const double Cse100 = Cse12*Cse99;  /* common subexpression */
+            (void)Cse100;
+            const double Cse101 = Cse99*prev_mean_Dd;  /* common subexpression */
+            (void)Cse101;
+            const double Cse102 = Cse101*Cse12;  /* common subexpression */
+            (void)Cse102;
+            const double Cse103 = Cse100*Cse36;  /* common subexpression */
+            (void)Cse103;
+            const double Cse104 = Cse39*N;  /* common subexpression */
+            (void)Cse104;
+            const double Cse105 = Cse104*row_mean;  /* common subexpression */
+            (void)Cse105;
+            const double Cse106 = Cse12*Cse59;  /* common subexpression */
+            (void)Cse106;
+            const double Cse107 = Cse104*mean;  /* common subexpression */
+            (void)Cse107;
+            const double Cse108 = Cse22*Cse35;  /* common subexpression */
+            (void)Cse108;
+            const double Cse109 = Cse0*Cse8;  /* common subexpression */
+            (void)Cse109;
+            const double Cse110 = Cse109*Cse34;  /* common subexpression */
+            (void)Cse110;
+            const double Cse111 = alpha - 1;  /* common subexpression */
+            (void)Cse111;
+            const double Cse112 = 2*Cse2;  /* common subexpression */
+            (void)Cse112;
+            const double Cse113 = Cse112*Cse90;  /* common subexpression */
+            (void)Cse113;
+            const double Cse114 = Cse113*row_mean;  /* common subexpression */
+            (void)Cse114;
+            const double Cse115 = Cse113*mean;  /* common subexpression */
+            (void)Cse115;
+            const double Cse116 = Cse11*Cse51;  /* common subexpression */
+            (void)Cse116;
+            const double Cse117 = Cse116*Cse99;  /* common subexpression */
+            (void)Cse117;
+            const double Cse118 = Cse11*Cse48;  /* common subexpression */
+            (void)Cse118;
+            const double Cse119 = Cse101*Cse118;  /* common subexpression */
+            (void)Cse119;
+            const double Cse120 = Cse2*Cse91;  /* common subexpression */
+            (void)Cse120;
+            const double Cse121 = 4*row_mean;  /* common subexpression */
+            (void)Cse121;
+            const double Cse122 = Cse11*Cse59;  /* common subexpression */
+            (void)Cse122;
+            const double Cse123 = Cse122*Cse54*Cse87;  /* common subexpression */
+            (void)Cse123;
+            const double Cse124 = Cse44*Cse46;  /* common subexpression */
+            (void)Cse124;
+            const double Cse125 = Cse118*Cse44;  /* common subexpression */
+            (void)Cse125;
+            const double Cse126 = Cse10*Cse71;  /* common subexpression */
+            (void)Cse126;
+            const double Cse127 = prev_std_Dd*sample_std;  /* common subexpression */
+            (void)Cse127;
+            const double Cse128 = Cse127*N - Cse127;  /* common subexpression */
+            (void)Cse128;
+            const double Cse129 = (Cse111*Cse111);  /* common subexpression */
+            (void)Cse129;
+            const double Cse130 = Cse129*Cse7;  /* common subexpression */
+            (void)Cse130;
+            const double Cse131 = -Cse111;  /* common subexpression */
+            (void)Cse131;
+            const double Cse132 = mean - row_mean;  /* common subexpression */
+            (void)Cse132;
+            const double Cse133 = -Cse131*Cse132*Cse23;  /* common subexpression */
+            (void)Cse133;
+            const double Cse134 = Cse58*std;  /* common subexpression */
+            (void)Cse134;
+            const double Cse135 = Cse134*alpha;  /* common subexpression */
+            (void)Cse135;
+            const double Cse136 = Cse16*std;  /* common subexpression */
+            (void)Cse136;
+            const double Cse137 = Cse21*sample_std;  /* common subexpression */
+            (void)Cse137;
+            const double Cse138 = Cse10*Cse137;  /* common subexpression */
+            (void)Cse138;
+            const double Cse139 = Cse131*Cse36;  /* common subexpression */
+            (void)Cse139;
+            const double Cse140 = Cse27/(Cse1*Cse1);  /* common subexpression */
+            (void)Cse140;
+            const double Cse141 = Cse131*Mean_dx_xhat;  /* common subexpression */
+            (void)Cse141;
+            const double Cse142 = Cse131*Cse132*Cse22*Cse62;  /* common subexpression */
+            (void)Cse142;
+            const double Cse143 = Cse0*Mean_g_xhat;  /* common subexpression */
+            (void)Cse143;
+            const double KDX_1 = alpha*(Cse15 + Cse15*Cse21 + Cse24*row_mean + Cse29*Cse31 + Cse37*Cse43 + Cse44*Cse45 + Cse46*Cse47 + Cse46*Cse50 + Cse46*Cse76 + Cse47*Cse48 + Cse48*Cse50 + Cse48*Cse76 + Cse51*Cse78 + Cse53*Cse78 + Cse55*Cse77 + Cse56*Cse70 + Cse6*N + Cse68*Cse69 + Cse75*mean + Cse83*prev_mean_Dd + Cse6*alpha + Cse0*Cse61*Cse69 + Cse12*Cse20*Cse22 + Cse20*Cse25*Cse3 + Cse22*Cse3*Cse63 + Cse26*Cse28*Mean_dx_xhat + Cse57*Cse84*Cse87 + Cse68*alpha*row_mean + Cse4*Cse54*Cse66*Cse7 - Cse19 - Cse6 - Cse0*Mean_dy_dgamma - Cse16*Cse6 - Cse19*Cse21 - Cse24*mean - Cse26*Cse68 - Cse31*Cse33 - Cse32*Cse7 - Cse35*Cse37 - Cse38*Cse42 - Cse51*Cse52 - Cse51*Cse73 - Cse52*Cse53 - Cse53*Cse73 - Cse55*Cse67 - Cse56*Cse68 - Cse57*Cse61 - Cse63*Cse66 - Cse69*Cse70 - Cse75*row_mean - Cse83*Mean_dx - Cse22*Cse54*Cse55 - Cse22*Cse84*Cse86 - Cse25*Cse28*row_mean - Cse27*Cse42*Cse86 - Cse21*Cse80*Cse82*prev_mean_Dd);  /* coefficient of 1 */
+            (void)KDX_1;
+            const double KDX_X_Dd = -Cse20*Cse89;  /* coefficient of X_Dd */
+            (void)KDX_X_Dd;
+            const double KDX_g = Cse0*Cse94;  /* coefficient of g */
+            (void)KDX_g;
+            const double KDX_xhat = Cse23*(Cse102*mean + Cse103*mean + Cse105*Cse106 + Cse110*Cse56 + Cse25*Cse35 + Cse34*Cse90 + Cse36*Cse98 + Cse40*Cse91 + Cse45*Cse77 + Cse64*Cse97 + Cse0*Cse108*mean + Cse100*Mean_dx_xhat*std - Cse30 - Cse96 - Cse102*row_mean - Cse103*row_mean - Cse106*Cse107 - Cse108*Cse85 - Cse110*Cse69 - Cse34*Cse91 - Cse39*Cse98 - Cse40*Cse90 - Cse45*Cse67);  /* coefficient of xhat */
+            (void)KDX_xhat;
+            const double KDX_dy_gamma_Dd = Cse0;  /* coefficient of dy*gamma_Dd */
+            (void)KDX_dy_gamma_Dd;
+            const double KDDY_beta_Dd = 1;  /* coefficient of beta_Dd */
+            (void)KDDY_beta_Dd;
+            const double KDDY_gamma = Cse0*(alpha*prev_mean_Dd - Cse36 - prev_mean_Dd);  /* coefficient of gamma */
+            (void)KDDY_gamma;
+            const double KDDY_X_Dd_gamma = Cse0;  /* coefficient of X_Dd*gamma */
+            (void)KDDY_X_Dd_gamma;
+            const double KDDY_gamma_xhat = Cse94;  /* coefficient of gamma*xhat */
+            (void)KDDY_gamma_xhat;
+            const double KDDY_gamma_Dd_xhat = 1;  /* coefficient of gamma_Dd*xhat */
+            (void)KDDY_gamma_Dd_xhat;
+            const double prev_mean_Grad2 = Cse17*(Cse111*Mean_dy_dgamma + Cse133*Cse30 + Cse133*Cse96 + Cse142*Cse98 + Cse131*Cse3*Cse92 + Cse130*Cse98*(Cse128 + Cse77 - Cse67) + Cse132*Cse140*Cse141*Cse88*Cse9*(std + Cse74*sample_std) + Cse139*Cse140*Cse17*Mean_g_xhat*(Cse135 + Cse134*N + Cse136*Cse46 + Cse136*Cse48 + Cse138*Cse46 + Cse138*Cse48 - Cse134 - Cse135*N - Cse137*Cse80*N - Cse26*Cse54*std) + Cse23*Mean_g_xhat*(Cse115 + Cse117 + Cse119 + Cse112*Cse39 + Cse115*Cse21 + Cse117*Cse21 + Cse119*Cse21 + Cse120*Cse121 + Cse125*Cse38 + Cse107*Cse121*Cse122 + Cse109*Cse118*Cse126 + Cse11*Cse124*Cse38 + Cse116*Cse126*Cse38 + 8*Cse11*Cse93*mean*row_mean - Cse114 - Cse123 - Cse64 - Cse65 - Cse114*Cse21 - Cse120*Cse79 - Cse122*Cse124 - Cse123*Cse21 - Cse125*Cse59 - 4*Cse118*Cse93 - Cse11*Cse18*Cse81 - 4*Cse116*Cse20*Cse21 - Cse11*Cse29*Cse39*Cse79));  /* dprev_mean for this group */
+            (void)prev_mean_Grad2;
+            const double prev_std_Grad2 = Cse17*(Cse111*Cse95 + Cse111*Mean_dy_dgamma_xhat + Cse139*Cse97 + Cse129*Cse97*prev_mean_Dd + Cse141*Cse62*Cse89 + Cse142*Cse143*Cse2 + Cse112*Cse130*Cse143*(Cse107 + Cse128 - Cse105));  /* dprev_std for this group */
+            (void)prev_std_Grad2;
+            prev_mean_Out[Grp] = (double)(prev_mean_Grad2);
+            prev_std_Out[Grp] = (double)(prev_std_Grad2);
+            {
+                for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
+                    const int64_t Off = Base + Blk * Block_stride;
+                    if (S == 1) {          /* one value per channel: parameters vary along the run */
+                        int64_t Mi = 0;
+                        for (; Mi + DG_LANES <= Cg; Mi += DG_LANES) {
+                            for (int J = 0; J < DG_LANES; ++J) {
+                                const int64_t Idx = Off + Mi + J;
+                                const int64_t Ch = Gi * Cg + Mi + J;
+                                (void)Ch;
+                                const double gamma_V = gamma[Ch];
+                                const double gamma_Dd = gamma_Seed[Ch];
+                                const double beta_Dd = beta_Seed[Ch];
+                                const double Xv = x[Idx];
+                                const double Dyv = dy[Idx];
+                                const double X_Dd = Seed_x[Idx];
+                                const double xhat = (Xv - mean)/std;
+                                const double g = Dyv*gamma_V;
+                                Out_dx[Idx] = (double)(KDX_g*g + KDX_xhat*xhat + KDX_dy_gamma_Dd*Dyv*gamma_Dd + KDX_1 + KDX_X_Dd*X_Dd);
+                                Out_ddy[Idx] = (double)(KDDY_gamma_xhat*gamma_V*xhat + KDDY_gamma*gamma_V + KDDY_X_Dd_gamma*X_Dd*gamma_V + KDDY_gamma_Dd_xhat*gamma_Dd*xhat + KDDY_beta_Dd*beta_Dd);
+                                Mine[0 * C + Ch] += Dyv*(Mean_dx*alpha*(N*alpha*xhat*(row_mean - mean)/(sample_std*(N - 1)) - 1)/std + (xhat*(1 - alpha)*(prev_std_Dd*sample_std + N*alpha*prev_mean_Dd*row_mean - N*prev_std_Dd*sample_std - N*alpha*mean*prev_mean_Dd)/(sample_std*(N - 1)) + X_Dd + prev_mean_Dd*(alpha - 1))/std - Mean_dx_xhat*N*alpha*xhat/(sample_std*(N - 1)));
+
+                            }
+                        }
+                        for (; Mi < Cg; ++Mi) {
+                            const int64_t Idx = Off + Mi;
+                            const int64_t Ch = Gi * Cg + Mi;
+                            (void)Ch;
+                            const double gamma_V = gamma[Ch];
+                            const double gamma_Dd = gamma_Seed[Ch];
+                            const double beta_Dd = beta_Seed[Ch];
+                            const double Xv = x[Idx];
+                            const double Dyv = dy[Idx];
+                            const double X_Dd = Seed_x[Idx];
+                            const double xhat = (Xv - mean)/std;
+                            const double g = Dyv*gamma_V;
+                            Out_dx[Idx] = (double)(KDX_g*g + KDX_xhat*xhat + KDX_dy_gamma_Dd*Dyv*gamma_Dd + KDX_1 + KDX_X_Dd*X_Dd);
+                            Out_ddy[Idx] = (double)(KDDY_gamma_xhat*gamma_V*xhat + KDDY_gamma*gamma_V + KDDY_X_Dd_gamma*X_Dd*gamma_V + KDDY_gamma_Dd_xhat*gamma_Dd*xhat + KDDY_beta_Dd*beta_Dd);
+                            Mine[0 * C + Ch] += Dyv*(Mean_dx*alpha*(N*alpha*xhat*(row_mean - mean)/(sample_std*(N - 1)) - 1)/std + (xhat*(1 - alpha)*(prev_std_Dd*sample_std + N*alpha*prev_mean_Dd*row_mean - N*prev_std_Dd*sample_std - N*alpha*mean*prev_mean_Dd)/(sample_std*(N - 1)) + X_Dd + prev_mean_Dd*(alpha - 1))/std - Mean_dx_xhat*N*alpha*xhat/(sample_std*(N - 1)));
+
+                        }
+                    } else {               /* NCHW: runs of S values of one channel */
+                        for (int64_t Ci = 0; Ci < Cg; ++Ci) {
+                            const int64_t Ch = Gi * Cg + Ci;
+                            (void)Ch;
+                            const double gamma_V = gamma[Ch];
+                            const double gamma_Dd = gamma_Seed[Ch];
+                            const double beta_Dd = beta_Seed[Ch];
+                            double Pacc_0 = 0.0;
+                            int64_t Si = 0;
+                            for (; Si + DG_LANES <= S; Si += DG_LANES) {
+                                for (int J = 0; J < DG_LANES; ++J) {
+                                    const int64_t Idx = Off + Ci * S + Si + J;
+                                    const double Xv = x[Idx];
+                                    const double Dyv = dy[Idx];
+                                    const double X_Dd = Seed_x[Idx];
+                                    const double xhat = (Xv - mean)/std;
+                                    const double g = Dyv*gamma_V;
+                                    Out_dx[Idx] = (double)(KDX_g*g + KDX_xhat*xhat + KDX_dy_gamma_Dd*Dyv*gamma_Dd + KDX_1 + KDX_X_Dd*X_Dd);
+                                    Out_ddy[Idx] = (double)(KDDY_gamma_xhat*gamma_V*xhat + KDDY_gamma*gamma_V + KDDY_X_Dd_gamma*X_Dd*gamma_V + KDDY_gamma_Dd_xhat*gamma_Dd*xhat + KDDY_beta_Dd*beta_Dd);
+                                    Pacc_0 += Dyv*(Mean_dx*alpha*(N*alpha*xhat*(row_mean - mean)/(sample_std*(N - 1)) - 1)/std + (xhat*(1 - alpha)*(prev_std_Dd*sample_std + N*alpha*prev_mean_Dd*row_mean - N*prev_std_Dd*sample_std - N*alpha*mean*prev_mean_Dd)/(sample_std*(N - 1)) + X_Dd + prev_mean_Dd*(alpha - 1))/std - Mean_dx_xhat*N*alpha*xhat/(sample_std*(N - 1)));
+
+                                }
+                            }
+                            for (; Si < S; ++Si) {
+                                const int64_t Idx = Off + Ci * S + Si;
+                                const double Xv = x[Idx];
+                                const double Dyv = dy[Idx];
+                                const double X_Dd = Seed_x[Idx];
+                                const double xhat = (Xv - mean)/std;
+                                const double g = Dyv*gamma_V;
+                                Out_dx[Idx] = (double)(KDX_g*g + KDX_xhat*xhat + KDX_dy_gamma_Dd*Dyv*gamma_Dd + KDX_1 + KDX_X_Dd*X_Dd);
+                                Out_ddy[Idx] = (double)(KDDY_gamma_xhat*gamma_V*xhat + KDDY_gamma*gamma_V + KDDY_X_Dd_gamma*X_Dd*gamma_V + KDDY_gamma_Dd_xhat*gamma_Dd*xhat + KDDY_beta_Dd*beta_Dd);
+                                Pacc_0 += Dyv*(Mean_dx*alpha*(N*alpha*xhat*(row_mean - mean)/(sample_std*(N - 1)) - 1)/std + (xhat*(1 - alpha)*(prev_std_Dd*sample_std + N*alpha*prev_mean_Dd*row_mean - N*prev_std_Dd*sample_std - N*alpha*mean*prev_mean_Dd)/(sample_std*(N - 1)) + X_Dd + prev_mean_Dd*(alpha - 1))/std - Mean_dx_xhat*N*alpha*xhat/(sample_std*(N - 1)));
+
+                            }
+                            Mine[0 * C + Ch] += Pacc_0;
+                        }
+                    }
+                }
+            }
+        }
+    }
+    for (int64_t Cc = 0; Cc < C; ++Cc) {       /* dgamma */
+        double Acc = 0.0;
+        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * P * C + 0 * C + Cc];
+        gamma_Out[Cc] = (double)(Acc);
+    }
+    for (int64_t Cc = 0; Cc < C; ++Cc) {       /* dbeta */
+        double Acc = 0.0;
+        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * P * C + 1 * C + Cc];
+        beta_Out[Cc] = (double)(Acc);
+    }
+    free(Part);
+    return 0;
+}
+
+/* ---- train JVP, double (derived by derivgen.second) ---- */
+int online_layernorm_train_jvp_f64(
+    int64_t O, int64_t G, int64_t Cg, int64_t S,
+    const double *restrict x,
+    const double *restrict gamma,
+    const double *restrict beta,
+    double alpha,
+    double eps,
+    const double *restrict prev_mean_In, int64_t prev_mean_Stride,
+    const double *restrict prev_std_In, int64_t prev_std_Stride,
+    const double *restrict row_mean_In,
+    const double *restrict mean_In,
+    const double *restrict Aux1_In,
+    const double *restrict sample_std_In,
+    const double *restrict std_In,
+    const double *restrict Seed_x,
+    const double *restrict gamma_Seed,
+    const double *restrict beta_Seed,
+    const double *restrict prev_mean_Seed_In, int64_t prev_mean_Seed_Stride,
+    const double *restrict prev_std_Seed_In, int64_t prev_std_Seed_Stride,
+    double *restrict Out_ty,
+    int Nthreads)
+{
+    const int64_t M = Cg * S;                       /* contiguous values per (o, g) block */
+    const int64_t N_groups = O * G;
+    const int64_t Blocks = 1;               /* blocks per group */
+    const int64_t Block_stride = G * M;
+    (void)Block_stride;
+    const double N = (double)(Blocks * M);          /* values per group */
+    const int64_t Total = N_groups * Blocks * M;    /* values in x */
+    const int64_t Ahead = DG_AHEAD_BYTES / (int64_t)sizeof(double);
+    const int Nth = Dg_threads(Nthreads);
+    (void)N;
+    (void)Nth;
+    (void)Total;
+    (void)Ahead;
+    (void)gamma;
+    (void)beta;
+    (void)alpha;
+    (void)eps;
+    (void)x;
+
+    const int64_t C = G * Cg;                        /* parameter length */
+    const int64_t P = 2;      /* parameters */
+    (void)C;
+    (void)P;
+    (void)Seed_x;
+    (void)gamma_Seed;
+    (void)beta_Seed;
+    DG_PRAGMA(omp parallel num_threads(Nth))
+    {
+        int64_t Lo, Hi;
+        Dg_share(N_groups, &Lo, &Hi);              /* this thread's groups (as schedule(static)) */
+        for (int64_t Grp = Lo; Grp < Hi; ++Grp) {
+            const int64_t Gi = G == 1 ? 0 : Grp % G;     /* channel group */
+            (void)Gi;
+            const int64_t Base = Grp * M;
+            (void)Base;
+            const double prev_mean = prev_mean_In[Grp * prev_mean_Stride];
+            (void)prev_mean;
+            const double prev_std = prev_std_In[Grp * prev_std_Stride];
+            (void)prev_std;
+            const double prev_mean_T = prev_mean_Seed_In[Grp * prev_mean_Seed_Stride];
+            (void)prev_mean_T;
+            const double prev_std_T = prev_std_Seed_In[Grp * prev_std_Seed_Stride];
+            (void)prev_std_T;
+            const double row_mean = row_mean_In[Grp];
+            (void)row_mean;
+            const double mean = mean_In[Grp];
+            (void)mean;
+            const double Aux1 = Aux1_In[Grp];
+            (void)Aux1;
+            const double sample_std = sample_std_In[Grp];
+            (void)sample_std;
+            const double std = std_In[Grp];
+            (void)std;
+            double Sum_tx;
+            double Sum_tx_xhat;
+            {
+                double Lane_Sum_tx[DG_LANES] = {0};
+                double Lane_Sum_tx_xhat[DG_LANES] = {0};
+                for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
+                    const int64_t Off = Base + Blk * Block_stride;
+                    if (S == 1) {          /* one value per channel: parameters vary along the run */
+                        int64_t Mi = 0;
+                        for (; Mi + DG_LANES <= Cg; Mi += DG_LANES) {
+                            for (int J = 0; J < DG_LANES; ++J) {
+                                const int64_t Idx = Off + Mi + J;
+                                const int64_t Ch = Gi * Cg + Mi + J;
+                                (void)Ch;
+                                const double Xv = x[Idx];
+                                const double X_T = Seed_x[Idx];
+                                const double xhat = (Xv - mean)/std;
+                                Lane_Sum_tx[J] += X_T;
+                                Lane_Sum_tx_xhat[J] += X_T*xhat;
+
+                            }
+                        }
+                        for (; Mi < Cg; ++Mi) {
+                            const int64_t Idx = Off + Mi;
+                            const int64_t Ch = Gi * Cg + Mi;
+                            (void)Ch;
+                            const double Xv = x[Idx];
+                            const double X_T = Seed_x[Idx];
+                            const double xhat = (Xv - mean)/std;
+                            Lane_Sum_tx[0] += X_T;
+                            Lane_Sum_tx_xhat[0] += X_T*xhat;
+
+                        }
+                    } else {               /* NCHW: runs of S values of one channel */
+                        for (int64_t Ci = 0; Ci < Cg; ++Ci) {
+                            const int64_t Ch = Gi * Cg + Ci;
+                            (void)Ch;
+                            int64_t Si = 0;
+                            for (; Si + DG_LANES <= S; Si += DG_LANES) {
+                                for (int J = 0; J < DG_LANES; ++J) {
+                                    const int64_t Idx = Off + Ci * S + Si + J;
+                                    const double Xv = x[Idx];
+                                    const double X_T = Seed_x[Idx];
+                                    const double xhat = (Xv - mean)/std;
+                                    Lane_Sum_tx[J] += X_T;
+                                    Lane_Sum_tx_xhat[J] += X_T*xhat;
+
+                                }
+                            }
+                            for (; Si < S; ++Si) {
+                                const int64_t Idx = Off + Ci * S + Si;
+                                const double Xv = x[Idx];
+                                const double X_T = Seed_x[Idx];
+                                const double xhat = (Xv - mean)/std;
+                                Lane_Sum_tx[0] += X_T;
+                                Lane_Sum_tx_xhat[0] += X_T*xhat;
+
+                            }
+                        }
+                    }
+                }
+                Sum_tx = Dg_lanes(Lane_Sum_tx);
+                Sum_tx_xhat = Dg_lanes(Lane_Sum_tx_xhat);
+            }
+            const double Mean_tx = Sum_tx/N;  /* Mean_tx = mean(X_T) */
+            (void)Mean_tx;
+            const double Mean_tx_xhat = Sum_tx_xhat/N;  /* Mean_tx_xhat = mean(X_T*xhat) */
+            (void)Mean_tx_xhat;
+            const double Cse0 = 1.0/std;  /* common subexpression */
+            (void)Cse0;
+            const double Cse1 = Cse0*prev_std_T;  /* common subexpression */
+            (void)Cse1;
+            const double Cse2 = 1.0/sample_std;  /* common subexpression */
+            (void)Cse2;
+            const double Cse3 = Cse2*N;  /* common subexpression */
+            (void)Cse3;
+            const double Cse4 = (alpha*alpha);  /* common subexpression */
+            (void)Cse4;
+            const double Cse5 = Cse0*Cse3;  /* common subexpression */
+            (void)Cse5;
+            const double Cse6 = Cse4*Cse5;  /* common subexpression */
+            (void)Cse6;
+            const double KTY_beta_T = 1;  /* coefficient of beta_T */
+            (void)KTY_beta_T;
+            const double KTY_gamma = Cse0*(alpha*prev_mean_T - prev_mean_T - Mean_tx*alpha);  /* coefficient of gamma */
+            (void)KTY_gamma;
+            const double KTY_X_T_gamma = Cse0;  /* coefficient of X_T*gamma */
+            (void)KTY_X_T_gamma;
+            const double KTY_gamma_xhat = (Cse0*prev_std_T + Cse0*N*alpha*prev_std_T + Cse0*Cse2*Cse4*Mean_tx*N*row_mean + Cse0*Cse2*Cse4*N*mean*prev_mean_T + Cse0*Cse2*N*alpha*prev_mean_T*row_mean - Cse1*N - Cse1*alpha - Cse6*Mean_tx*mean - Cse6*prev_mean_T*row_mean - Cse3*Mean_tx_xhat*alpha - Cse5*alpha*mean*prev_mean_T)/(N - 1);  /* coefficient of gamma*xhat */
+            (void)KTY_gamma_xhat;
+            const double KTY_gamma_T_xhat = 1;  /* coefficient of gamma_T*xhat */
+            (void)KTY_gamma_T_xhat;
+            {
+                for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
+                    const int64_t Off = Base + Blk * Block_stride;
+                    if (S == 1) {          /* one value per channel: parameters vary along the run */
+                        int64_t Mi = 0;
+                        for (; Mi + DG_LANES <= Cg; Mi += DG_LANES) {
+                            for (int J = 0; J < DG_LANES; ++J) {
+                                const int64_t Idx = Off + Mi + J;
+                                const int64_t Ch = Gi * Cg + Mi + J;
+                                (void)Ch;
+                                const double gamma_V = gamma[Ch];
+                                const double gamma_T = gamma_Seed[Ch];
+                                const double beta_T = beta_Seed[Ch];
+                                const double Xv = x[Idx];
+                                const double X_T = Seed_x[Idx];
+                                const double xhat = (Xv - mean)/std;
+                                Out_ty[Idx] = (double)(KTY_gamma_xhat*gamma_V*xhat + KTY_gamma*gamma_V + KTY_X_T_gamma*X_T*gamma_V + KTY_gamma_T_xhat*gamma_T*xhat + KTY_beta_T*beta_T);
+
+                            }
+                        }
+                        for (; Mi < Cg; ++Mi) {
+                            const int64_t Idx = Off + Mi;
+                            const int64_t Ch = Gi * Cg + Mi;
+                            (void)Ch;
+                            const double gamma_V = gamma[Ch];
+                            const double gamma_T = gamma_Seed[Ch];
+                            const double beta_T = beta_Seed[Ch];
+                            const double Xv = x[Idx];
+                            const double X_T = Seed_x[Idx];
+                            const double xhat = (Xv - mean)/std;
+                            Out_ty[Idx] = (double)(KTY_gamma_xhat*gamma_V*xhat + KTY_gamma*gamma_V + KTY_X_T_gamma*X_T*gamma_V + KTY_gamma_T_xhat*gamma_T*xhat + KTY_beta_T*beta_T);
+
+                        }
+                    } else {               /* NCHW: runs of S values of one channel */
+                        for (int64_t Ci = 0; Ci < Cg; ++Ci) {
+                            const int64_t Ch = Gi * Cg + Ci;
+                            (void)Ch;
+                            const double gamma_V = gamma[Ch];
+                            const double gamma_T = gamma_Seed[Ch];
+                            const double beta_T = beta_Seed[Ch];
+                            int64_t Si = 0;
+                            for (; Si + DG_LANES <= S; Si += DG_LANES) {
+                                for (int J = 0; J < DG_LANES; ++J) {
+                                    const int64_t Idx = Off + Ci * S + Si + J;
+                                    const double Xv = x[Idx];
+                                    const double X_T = Seed_x[Idx];
+                                    const double xhat = (Xv - mean)/std;
+                                    Out_ty[Idx] = (double)(KTY_gamma_xhat*gamma_V*xhat + KTY_gamma*gamma_V + KTY_X_T_gamma*X_T*gamma_V + KTY_gamma_T_xhat*gamma_T*xhat + KTY_beta_T*beta_T);
+
+                                }
+                            }
+                            for (; Si < S; ++Si) {
+                                const int64_t Idx = Off + Ci * S + Si;
+                                const double Xv = x[Idx];
+                                const double X_T = Seed_x[Idx];
+                                const double xhat = (Xv - mean)/std;
+                                Out_ty[Idx] = (double)(KTY_gamma_xhat*gamma_V*xhat + KTY_gamma*gamma_V + KTY_X_T_gamma*X_T*gamma_V + KTY_gamma_T_xhat*gamma_T*xhat + KTY_beta_T*beta_T);
+
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
     return 0;
 }
 #endif /* DG_WANT_FLOAT */

@@ -48,6 +48,7 @@ _META = {'name': 'online_layernorm',
          'stats': {'train': ['row_mean', 'mean', 'Aux1', 'sample_std', 'std']},
          'split': None}
 Grads = _rt.grads_type('online_layernorm', _rt.grad_fields(_META))
+SecondGrads = _rt.grads_type('online_layernorm_second', _rt.second_fields(_META))
 _kernel = CKernel(_META, Path(__file__).with_name('online_layernorm.c'))
 
 
@@ -83,6 +84,30 @@ def backward(dy, cache, *, out=None):
     """
     _call = _rt.prepare_backward(_META, dy, cache, out)
     return _kernel.backward(_call, Grads)
+
+
+def backward_backward(dy, cache, ddx=None, ddparams=None, *, ddinputs=None, out=None):
+    """Double backward: the vector-Jacobian product of ``backward``, derived by derivgen.
+
+    With the cotangents ddx (of dx), ddparams (of the parameter gradients: a dict by
+    name or a sequence in order; missing ones are zero) and ddinputs (of the input
+    gradients), returns the gradients of
+    L2 = sum(ddx*dx) + sum(dd<p>*d<p>) + sum(dd<input>*d<input>) with respect to x, dy,
+    the parameters and the inputs: ``SecondGrads(dx, ddy, dgamma, dbeta, dprev_mean, dprev_std)``.
+    out: optional preallocated arrays, a SecondGrads-like tuple or a dict by field name.
+    """
+    _call = _rt.prepare_backward_backward(_META, dy, cache, ddx, ddparams, ddinputs, out)
+    return _kernel.second(_call, "bb", SecondGrads)
+
+
+def jvp(cache, tx=None, tparams=None, *, tinputs=None, out=None):
+    """Forward-mode derivative (JVP) of ``forward``, derived by derivgen: the tangent of y
+    along the tangents tx (of x), tparams (of the parameters: a dict by name or a
+    sequence; missing ones are zero) and tinputs (of the inputs), at the point the
+    forward that returned ``cache`` was evaluated. out: an optional preallocated array.
+    """
+    _call = _rt.prepare_jvp(_META, cache, tx, tparams, tinputs, out)
+    return _kernel.second(_call, "jvp")
 
 
 def set_num_threads(n):

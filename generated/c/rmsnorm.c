@@ -391,6 +391,448 @@ int rmsnorm_train_backward_f32(
     free(Part);
     return 0;
 }
+
+/* ---- train double backward, float (derived by derivgen.second) ---- */
+int rmsnorm_train_bb_f32(
+    int64_t O, int64_t G, int64_t Cg, int64_t S,
+    const float *restrict x,
+    const float *restrict dy,
+    const float *restrict gamma,
+    double eps,
+    const double *restrict ms_In,
+    const double *restrict rstd_In,
+    const float *restrict Seed_x,
+    const float *restrict gamma_Seed,
+    float *restrict Out_dx,
+    float *restrict Out_ddy,
+    float *restrict gamma_Out,
+    int Nthreads)
+{
+    const int64_t M = Cg * S;                       /* contiguous values per (o, g) block */
+    const int64_t N_groups = O * G;
+    const int64_t Blocks = 1;               /* blocks per group */
+    const int64_t Block_stride = G * M;
+    (void)Block_stride;
+    const double N = (double)(Blocks * M);          /* values per group */
+    const int64_t Total = N_groups * Blocks * M;    /* values in x */
+    const int64_t Ahead = DG_AHEAD_BYTES / (int64_t)sizeof(float);
+    const int Nth = Dg_threads(Nthreads);
+    (void)N;
+    (void)Nth;
+    (void)Total;
+    (void)Ahead;
+    (void)gamma;
+    (void)eps;
+    (void)x;
+
+    const int64_t C = G * Cg;                        /* parameter length */
+    const int64_t P = 1;      /* parameters */
+    (void)C;
+    (void)P;
+    (void)dy;
+    (void)Seed_x;
+    (void)gamma_Seed;
+    double *Part = (double *)calloc((size_t)(Nth * P * C) + 1, sizeof(double));
+    if (Part == NULL)
+        return -1;
+    DG_PRAGMA(omp parallel num_threads(Nth))
+    {
+        double *restrict Mine = Part + (int64_t)Dg_thread_id() * P * C;
+        (void)Mine;
+        int64_t Lo, Hi;
+        Dg_share(N_groups, &Lo, &Hi);              /* this thread's groups (as schedule(static)) */
+        for (int64_t Grp = Lo; Grp < Hi; ++Grp) {
+            const int64_t Gi = G == 1 ? 0 : Grp % G;     /* channel group */
+            (void)Gi;
+            const int64_t Base = Grp * M;
+            (void)Base;
+            const double ms = ms_In[Grp];
+            (void)ms;
+            const double rstd = rstd_In[Grp];
+            (void)rstd;
+            double Sum_dx_g;
+            double Sum_dx_xhat;
+            double Sum_g_xhat;
+            double Sum_dy_dgamma_xhat;
+            {
+                double Lane_Sum_dx_g[DG_LANES] = {0};
+                double Lane_Sum_dx_xhat[DG_LANES] = {0};
+                double Lane_Sum_g_xhat[DG_LANES] = {0};
+                double Lane_Sum_dy_dgamma_xhat[DG_LANES] = {0};
+                for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
+                    const int64_t Off = Base + Blk * Block_stride;
+                    if (S == 1) {          /* one value per channel: parameters vary along the run */
+                        int64_t Mi = 0;
+                        for (; Mi + DG_LANES <= Cg; Mi += DG_LANES) {
+                            for (int J = 0; J < DG_LANES; ++J) {
+                                const int64_t Idx = Off + Mi + J;
+                                const int64_t Ch = Gi * Cg + Mi + J;
+                                (void)Ch;
+                                const double gamma_V = (double)gamma[Ch];
+                                const double gamma_Dd = (double)gamma_Seed[Ch];
+                                const double Xv = (double)x[Idx];
+                                const double Dyv = (double)dy[Idx];
+                                const double X_Dd = (double)Seed_x[Idx];
+                                const double xhat = rstd*Xv;
+                                const double g = Dyv*gamma_V;
+                                Lane_Sum_dx_g[J] += X_Dd*g;
+                                Lane_Sum_dx_xhat[J] += X_Dd*xhat;
+                                Lane_Sum_g_xhat[J] += g*xhat;
+                                Lane_Sum_dy_dgamma_xhat[J] += Dyv*gamma_Dd*xhat;
+
+                            }
+                        }
+                        for (; Mi < Cg; ++Mi) {
+                            const int64_t Idx = Off + Mi;
+                            const int64_t Ch = Gi * Cg + Mi;
+                            (void)Ch;
+                            const double gamma_V = (double)gamma[Ch];
+                            const double gamma_Dd = (double)gamma_Seed[Ch];
+                            const double Xv = (double)x[Idx];
+                            const double Dyv = (double)dy[Idx];
+                            const double X_Dd = (double)Seed_x[Idx];
+                            const double xhat = rstd*Xv;
+                            const double g = Dyv*gamma_V;
+                            Lane_Sum_dx_g[0] += X_Dd*g;
+                            Lane_Sum_dx_xhat[0] += X_Dd*xhat;
+                            Lane_Sum_g_xhat[0] += g*xhat;
+                            Lane_Sum_dy_dgamma_xhat[0] += Dyv*gamma_Dd*xhat;
+
+                        }
+                    } else {               /* NCHW: runs of S values of one channel */
+                        for (int64_t Ci = 0; Ci < Cg; ++Ci) {
+                            const int64_t Ch = Gi * Cg + Ci;
+                            (void)Ch;
+                            const double gamma_V = (double)gamma[Ch];
+                            const double gamma_Dd = (double)gamma_Seed[Ch];
+                            int64_t Si = 0;
+                            for (; Si + DG_LANES <= S; Si += DG_LANES) {
+                                for (int J = 0; J < DG_LANES; ++J) {
+                                    const int64_t Idx = Off + Ci * S + Si + J;
+                                    const double Xv = (double)x[Idx];
+                                    const double Dyv = (double)dy[Idx];
+                                    const double X_Dd = (double)Seed_x[Idx];
+                                    const double xhat = rstd*Xv;
+                                    const double g = Dyv*gamma_V;
+                                    Lane_Sum_dx_g[J] += X_Dd*g;
+                                    Lane_Sum_dx_xhat[J] += X_Dd*xhat;
+                                    Lane_Sum_g_xhat[J] += g*xhat;
+                                    Lane_Sum_dy_dgamma_xhat[J] += Dyv*gamma_Dd*xhat;
+
+                                }
+                            }
+                            for (; Si < S; ++Si) {
+                                const int64_t Idx = Off + Ci * S + Si;
+                                const double Xv = (double)x[Idx];
+                                const double Dyv = (double)dy[Idx];
+                                const double X_Dd = (double)Seed_x[Idx];
+                                const double xhat = rstd*Xv;
+                                const double g = Dyv*gamma_V;
+                                Lane_Sum_dx_g[0] += X_Dd*g;
+                                Lane_Sum_dx_xhat[0] += X_Dd*xhat;
+                                Lane_Sum_g_xhat[0] += g*xhat;
+                                Lane_Sum_dy_dgamma_xhat[0] += Dyv*gamma_Dd*xhat;
+
+                            }
+                        }
+                    }
+                }
+                Sum_dx_g = Dg_lanes(Lane_Sum_dx_g);
+                Sum_dx_xhat = Dg_lanes(Lane_Sum_dx_xhat);
+                Sum_g_xhat = Dg_lanes(Lane_Sum_g_xhat);
+                Sum_dy_dgamma_xhat = Dg_lanes(Lane_Sum_dy_dgamma_xhat);
+            }
+            const double Mean_dx_g = Sum_dx_g/N;  /* Mean_dx_g = mean(X_Dd*g) */
+            (void)Mean_dx_g;
+            const double Mean_dx_xhat = Sum_dx_xhat/N;  /* Mean_dx_xhat = mean(X_Dd*xhat) */
+            (void)Mean_dx_xhat;
+            const double Mean_g_xhat = Sum_g_xhat/N;  /* Mean_g_xhat = mean(g*xhat) */
+            (void)Mean_g_xhat;
+            const double Mean_dy_dgamma_xhat = Sum_dy_dgamma_xhat/N;  /* Mean_dy_dgamma_xhat = mean(dy*gamma_Dd*xhat) */
+            (void)Mean_dy_dgamma_xhat;
+            const double Cse0 = (rstd*rstd);  /* common subexpression */
+            (void)Cse0;
+            const double KDX_X_Dd = -Cse0*Mean_g_xhat;  /* coefficient of X_Dd */
+            (void)KDX_X_Dd;
+            const double KDX_g = -Cse0*Mean_dx_xhat;  /* coefficient of g */
+            (void)KDX_g;
+            const double KDX_xhat = rstd*(3*Mean_dx_xhat*Mean_g_xhat*rstd - Mean_dy_dgamma_xhat - Mean_dx_g*rstd);  /* coefficient of xhat */
+            (void)KDX_xhat;
+            const double KDX_dy_gamma_Dd = rstd;  /* coefficient of dy*gamma_Dd */
+            (void)KDX_dy_gamma_Dd;
+            const double KDDY_X_Dd_gamma = rstd;  /* coefficient of X_Dd*gamma */
+            (void)KDDY_X_Dd_gamma;
+            const double KDDY_gamma_xhat = -Mean_dx_xhat*rstd;  /* coefficient of gamma*xhat */
+            (void)KDDY_gamma_xhat;
+            const double KDDY_gamma_Dd_xhat = 1;  /* coefficient of gamma_Dd*xhat */
+            (void)KDDY_gamma_Dd_xhat;
+            {
+                for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
+                    const int64_t Off = Base + Blk * Block_stride;
+                    if (S == 1) {          /* one value per channel: parameters vary along the run */
+                        int64_t Mi = 0;
+                        for (; Mi + DG_LANES <= Cg; Mi += DG_LANES) {
+                            for (int J = 0; J < DG_LANES; ++J) {
+                                const int64_t Idx = Off + Mi + J;
+                                const int64_t Ch = Gi * Cg + Mi + J;
+                                (void)Ch;
+                                const double gamma_V = (double)gamma[Ch];
+                                const double gamma_Dd = (double)gamma_Seed[Ch];
+                                const double Xv = (double)x[Idx];
+                                const double Dyv = (double)dy[Idx];
+                                const double X_Dd = (double)Seed_x[Idx];
+                                const double xhat = rstd*Xv;
+                                const double g = Dyv*gamma_V;
+                                Out_dx[Idx] = (float)(KDX_g*g + KDX_xhat*xhat + KDX_dy_gamma_Dd*Dyv*gamma_Dd + KDX_X_Dd*X_Dd);
+                                Out_ddy[Idx] = (float)(KDDY_gamma_xhat*gamma_V*xhat + KDDY_X_Dd_gamma*X_Dd*gamma_V + KDDY_gamma_Dd_xhat*gamma_Dd*xhat);
+                                Mine[0 * C + Ch] += Dyv*rstd*(X_Dd - Mean_dx_xhat*xhat);
+
+                            }
+                        }
+                        for (; Mi < Cg; ++Mi) {
+                            const int64_t Idx = Off + Mi;
+                            const int64_t Ch = Gi * Cg + Mi;
+                            (void)Ch;
+                            const double gamma_V = (double)gamma[Ch];
+                            const double gamma_Dd = (double)gamma_Seed[Ch];
+                            const double Xv = (double)x[Idx];
+                            const double Dyv = (double)dy[Idx];
+                            const double X_Dd = (double)Seed_x[Idx];
+                            const double xhat = rstd*Xv;
+                            const double g = Dyv*gamma_V;
+                            Out_dx[Idx] = (float)(KDX_g*g + KDX_xhat*xhat + KDX_dy_gamma_Dd*Dyv*gamma_Dd + KDX_X_Dd*X_Dd);
+                            Out_ddy[Idx] = (float)(KDDY_gamma_xhat*gamma_V*xhat + KDDY_X_Dd_gamma*X_Dd*gamma_V + KDDY_gamma_Dd_xhat*gamma_Dd*xhat);
+                            Mine[0 * C + Ch] += Dyv*rstd*(X_Dd - Mean_dx_xhat*xhat);
+
+                        }
+                    } else {               /* NCHW: runs of S values of one channel */
+                        for (int64_t Ci = 0; Ci < Cg; ++Ci) {
+                            const int64_t Ch = Gi * Cg + Ci;
+                            (void)Ch;
+                            const double gamma_V = (double)gamma[Ch];
+                            const double gamma_Dd = (double)gamma_Seed[Ch];
+                            double Pacc_0 = 0.0;
+                            int64_t Si = 0;
+                            for (; Si + DG_LANES <= S; Si += DG_LANES) {
+                                for (int J = 0; J < DG_LANES; ++J) {
+                                    const int64_t Idx = Off + Ci * S + Si + J;
+                                    const double Xv = (double)x[Idx];
+                                    const double Dyv = (double)dy[Idx];
+                                    const double X_Dd = (double)Seed_x[Idx];
+                                    const double xhat = rstd*Xv;
+                                    const double g = Dyv*gamma_V;
+                                    Out_dx[Idx] = (float)(KDX_g*g + KDX_xhat*xhat + KDX_dy_gamma_Dd*Dyv*gamma_Dd + KDX_X_Dd*X_Dd);
+                                    Out_ddy[Idx] = (float)(KDDY_gamma_xhat*gamma_V*xhat + KDDY_X_Dd_gamma*X_Dd*gamma_V + KDDY_gamma_Dd_xhat*gamma_Dd*xhat);
+                                    Pacc_0 += Dyv*rstd*(X_Dd - Mean_dx_xhat*xhat);
+
+                                }
+                            }
+                            for (; Si < S; ++Si) {
+                                const int64_t Idx = Off + Ci * S + Si;
+                                const double Xv = (double)x[Idx];
+                                const double Dyv = (double)dy[Idx];
+                                const double X_Dd = (double)Seed_x[Idx];
+                                const double xhat = rstd*Xv;
+                                const double g = Dyv*gamma_V;
+                                Out_dx[Idx] = (float)(KDX_g*g + KDX_xhat*xhat + KDX_dy_gamma_Dd*Dyv*gamma_Dd + KDX_X_Dd*X_Dd);
+                                Out_ddy[Idx] = (float)(KDDY_gamma_xhat*gamma_V*xhat + KDDY_X_Dd_gamma*X_Dd*gamma_V + KDDY_gamma_Dd_xhat*gamma_Dd*xhat);
+                                Pacc_0 += Dyv*rstd*(X_Dd - Mean_dx_xhat*xhat);
+
+                            }
+                            Mine[0 * C + Ch] += Pacc_0;
+                        }
+                    }
+                }
+            }
+        }
+    }
+    for (int64_t Cc = 0; Cc < C; ++Cc) {       /* dgamma */
+        double Acc = 0.0;
+        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * P * C + 0 * C + Cc];
+        gamma_Out[Cc] = (float)(Acc);
+    }
+    free(Part);
+    return 0;
+}
+
+/* ---- train JVP, float (derived by derivgen.second) ---- */
+int rmsnorm_train_jvp_f32(
+    int64_t O, int64_t G, int64_t Cg, int64_t S,
+    const float *restrict x,
+    const float *restrict gamma,
+    double eps,
+    const double *restrict ms_In,
+    const double *restrict rstd_In,
+    const float *restrict Seed_x,
+    const float *restrict gamma_Seed,
+    float *restrict Out_ty,
+    int Nthreads)
+{
+    const int64_t M = Cg * S;                       /* contiguous values per (o, g) block */
+    const int64_t N_groups = O * G;
+    const int64_t Blocks = 1;               /* blocks per group */
+    const int64_t Block_stride = G * M;
+    (void)Block_stride;
+    const double N = (double)(Blocks * M);          /* values per group */
+    const int64_t Total = N_groups * Blocks * M;    /* values in x */
+    const int64_t Ahead = DG_AHEAD_BYTES / (int64_t)sizeof(float);
+    const int Nth = Dg_threads(Nthreads);
+    (void)N;
+    (void)Nth;
+    (void)Total;
+    (void)Ahead;
+    (void)gamma;
+    (void)eps;
+    (void)x;
+
+    const int64_t C = G * Cg;                        /* parameter length */
+    const int64_t P = 1;      /* parameters */
+    (void)C;
+    (void)P;
+    (void)Seed_x;
+    (void)gamma_Seed;
+    DG_PRAGMA(omp parallel num_threads(Nth))
+    {
+        int64_t Lo, Hi;
+        Dg_share(N_groups, &Lo, &Hi);              /* this thread's groups (as schedule(static)) */
+        for (int64_t Grp = Lo; Grp < Hi; ++Grp) {
+            const int64_t Gi = G == 1 ? 0 : Grp % G;     /* channel group */
+            (void)Gi;
+            const int64_t Base = Grp * M;
+            (void)Base;
+            const double ms = ms_In[Grp];
+            (void)ms;
+            const double rstd = rstd_In[Grp];
+            (void)rstd;
+            double Sum_tx_xhat;
+            {
+                double Lane_Sum_tx_xhat[DG_LANES] = {0};
+                for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
+                    const int64_t Off = Base + Blk * Block_stride;
+                    if (S == 1) {          /* one value per channel: parameters vary along the run */
+                        int64_t Mi = 0;
+                        for (; Mi + DG_LANES <= Cg; Mi += DG_LANES) {
+                            for (int J = 0; J < DG_LANES; ++J) {
+                                const int64_t Idx = Off + Mi + J;
+                                const int64_t Ch = Gi * Cg + Mi + J;
+                                (void)Ch;
+                                const double Xv = (double)x[Idx];
+                                const double X_T = (double)Seed_x[Idx];
+                                const double xhat = rstd*Xv;
+                                Lane_Sum_tx_xhat[J] += X_T*xhat;
+
+                            }
+                        }
+                        for (; Mi < Cg; ++Mi) {
+                            const int64_t Idx = Off + Mi;
+                            const int64_t Ch = Gi * Cg + Mi;
+                            (void)Ch;
+                            const double Xv = (double)x[Idx];
+                            const double X_T = (double)Seed_x[Idx];
+                            const double xhat = rstd*Xv;
+                            Lane_Sum_tx_xhat[0] += X_T*xhat;
+
+                        }
+                    } else {               /* NCHW: runs of S values of one channel */
+                        for (int64_t Ci = 0; Ci < Cg; ++Ci) {
+                            const int64_t Ch = Gi * Cg + Ci;
+                            (void)Ch;
+                            int64_t Si = 0;
+                            for (; Si + DG_LANES <= S; Si += DG_LANES) {
+                                for (int J = 0; J < DG_LANES; ++J) {
+                                    const int64_t Idx = Off + Ci * S + Si + J;
+                                    const double Xv = (double)x[Idx];
+                                    const double X_T = (double)Seed_x[Idx];
+                                    const double xhat = rstd*Xv;
+                                    Lane_Sum_tx_xhat[J] += X_T*xhat;
+
+                                }
+                            }
+                            for (; Si < S; ++Si) {
+                                const int64_t Idx = Off + Ci * S + Si;
+                                const double Xv = (double)x[Idx];
+                                const double X_T = (double)Seed_x[Idx];
+                                const double xhat = rstd*Xv;
+                                Lane_Sum_tx_xhat[0] += X_T*xhat;
+
+                            }
+                        }
+                    }
+                }
+                Sum_tx_xhat = Dg_lanes(Lane_Sum_tx_xhat);
+            }
+            const double Mean_tx_xhat = Sum_tx_xhat/N;  /* Mean_tx_xhat = mean(X_T*xhat) */
+            (void)Mean_tx_xhat;
+            const double KTY_X_T_gamma = rstd;  /* coefficient of X_T*gamma */
+            (void)KTY_X_T_gamma;
+            const double KTY_gamma_xhat = -Mean_tx_xhat*rstd;  /* coefficient of gamma*xhat */
+            (void)KTY_gamma_xhat;
+            const double KTY_gamma_T_xhat = 1;  /* coefficient of gamma_T*xhat */
+            (void)KTY_gamma_T_xhat;
+            {
+                for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
+                    const int64_t Off = Base + Blk * Block_stride;
+                    if (S == 1) {          /* one value per channel: parameters vary along the run */
+                        int64_t Mi = 0;
+                        for (; Mi + DG_LANES <= Cg; Mi += DG_LANES) {
+                            for (int J = 0; J < DG_LANES; ++J) {
+                                const int64_t Idx = Off + Mi + J;
+                                const int64_t Ch = Gi * Cg + Mi + J;
+                                (void)Ch;
+                                const double gamma_V = (double)gamma[Ch];
+                                const double gamma_T = (double)gamma_Seed[Ch];
+                                const double Xv = (double)x[Idx];
+                                const double X_T = (double)Seed_x[Idx];
+                                const double xhat = rstd*Xv;
+                                Out_ty[Idx] = (float)(KTY_gamma_xhat*gamma_V*xhat + KTY_X_T_gamma*X_T*gamma_V + KTY_gamma_T_xhat*gamma_T*xhat);
+
+                            }
+                        }
+                        for (; Mi < Cg; ++Mi) {
+                            const int64_t Idx = Off + Mi;
+                            const int64_t Ch = Gi * Cg + Mi;
+                            (void)Ch;
+                            const double gamma_V = (double)gamma[Ch];
+                            const double gamma_T = (double)gamma_Seed[Ch];
+                            const double Xv = (double)x[Idx];
+                            const double X_T = (double)Seed_x[Idx];
+                            const double xhat = rstd*Xv;
+                            Out_ty[Idx] = (float)(KTY_gamma_xhat*gamma_V*xhat + KTY_X_T_gamma*X_T*gamma_V + KTY_gamma_T_xhat*gamma_T*xhat);
+
+                        }
+                    } else {               /* NCHW: runs of S values of one channel */
+                        for (int64_t Ci = 0; Ci < Cg; ++Ci) {
+                            const int64_t Ch = Gi * Cg + Ci;
+                            (void)Ch;
+                            const double gamma_V = (double)gamma[Ch];
+                            const double gamma_T = (double)gamma_Seed[Ch];
+                            int64_t Si = 0;
+                            for (; Si + DG_LANES <= S; Si += DG_LANES) {
+                                for (int J = 0; J < DG_LANES; ++J) {
+                                    const int64_t Idx = Off + Ci * S + Si + J;
+                                    const double Xv = (double)x[Idx];
+                                    const double X_T = (double)Seed_x[Idx];
+                                    const double xhat = rstd*Xv;
+                                    Out_ty[Idx] = (float)(KTY_gamma_xhat*gamma_V*xhat + KTY_X_T_gamma*X_T*gamma_V + KTY_gamma_T_xhat*gamma_T*xhat);
+
+                                }
+                            }
+                            for (; Si < S; ++Si) {
+                                const int64_t Idx = Off + Ci * S + Si;
+                                const double Xv = (double)x[Idx];
+                                const double X_T = (double)Seed_x[Idx];
+                                const double xhat = rstd*Xv;
+                                Out_ty[Idx] = (float)(KTY_gamma_xhat*gamma_V*xhat + KTY_X_T_gamma*X_T*gamma_V + KTY_gamma_T_xhat*gamma_T*xhat);
+
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+    return 0;
+}
 #endif /* DG_WANT_FLOAT */
 
 #if DG_WANT_FLOAT
@@ -732,6 +1174,448 @@ int rmsnorm_train_backward_f64(
     }
     free(Pend_all);
     free(Part);
+    return 0;
+}
+
+/* ---- train double backward, double (derived by derivgen.second) ---- */
+int rmsnorm_train_bb_f64(
+    int64_t O, int64_t G, int64_t Cg, int64_t S,
+    const double *restrict x,
+    const double *restrict dy,
+    const double *restrict gamma,
+    double eps,
+    const double *restrict ms_In,
+    const double *restrict rstd_In,
+    const double *restrict Seed_x,
+    const double *restrict gamma_Seed,
+    double *restrict Out_dx,
+    double *restrict Out_ddy,
+    double *restrict gamma_Out,
+    int Nthreads)
+{
+    const int64_t M = Cg * S;                       /* contiguous values per (o, g) block */
+    const int64_t N_groups = O * G;
+    const int64_t Blocks = 1;               /* blocks per group */
+    const int64_t Block_stride = G * M;
+    (void)Block_stride;
+    const double N = (double)(Blocks * M);          /* values per group */
+    const int64_t Total = N_groups * Blocks * M;    /* values in x */
+    const int64_t Ahead = DG_AHEAD_BYTES / (int64_t)sizeof(double);
+    const int Nth = Dg_threads(Nthreads);
+    (void)N;
+    (void)Nth;
+    (void)Total;
+    (void)Ahead;
+    (void)gamma;
+    (void)eps;
+    (void)x;
+
+    const int64_t C = G * Cg;                        /* parameter length */
+    const int64_t P = 1;      /* parameters */
+    (void)C;
+    (void)P;
+    (void)dy;
+    (void)Seed_x;
+    (void)gamma_Seed;
+    double *Part = (double *)calloc((size_t)(Nth * P * C) + 1, sizeof(double));
+    if (Part == NULL)
+        return -1;
+    DG_PRAGMA(omp parallel num_threads(Nth))
+    {
+        double *restrict Mine = Part + (int64_t)Dg_thread_id() * P * C;
+        (void)Mine;
+        int64_t Lo, Hi;
+        Dg_share(N_groups, &Lo, &Hi);              /* this thread's groups (as schedule(static)) */
+        for (int64_t Grp = Lo; Grp < Hi; ++Grp) {
+            const int64_t Gi = G == 1 ? 0 : Grp % G;     /* channel group */
+            (void)Gi;
+            const int64_t Base = Grp * M;
+            (void)Base;
+            const double ms = ms_In[Grp];
+            (void)ms;
+            const double rstd = rstd_In[Grp];
+            (void)rstd;
+            double Sum_dx_g;
+            double Sum_dx_xhat;
+            double Sum_g_xhat;
+            double Sum_dy_dgamma_xhat;
+            {
+                double Lane_Sum_dx_g[DG_LANES] = {0};
+                double Lane_Sum_dx_xhat[DG_LANES] = {0};
+                double Lane_Sum_g_xhat[DG_LANES] = {0};
+                double Lane_Sum_dy_dgamma_xhat[DG_LANES] = {0};
+                for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
+                    const int64_t Off = Base + Blk * Block_stride;
+                    if (S == 1) {          /* one value per channel: parameters vary along the run */
+                        int64_t Mi = 0;
+                        for (; Mi + DG_LANES <= Cg; Mi += DG_LANES) {
+                            for (int J = 0; J < DG_LANES; ++J) {
+                                const int64_t Idx = Off + Mi + J;
+                                const int64_t Ch = Gi * Cg + Mi + J;
+                                (void)Ch;
+                                const double gamma_V = gamma[Ch];
+                                const double gamma_Dd = gamma_Seed[Ch];
+                                const double Xv = x[Idx];
+                                const double Dyv = dy[Idx];
+                                const double X_Dd = Seed_x[Idx];
+                                const double xhat = rstd*Xv;
+                                const double g = Dyv*gamma_V;
+                                Lane_Sum_dx_g[J] += X_Dd*g;
+                                Lane_Sum_dx_xhat[J] += X_Dd*xhat;
+                                Lane_Sum_g_xhat[J] += g*xhat;
+                                Lane_Sum_dy_dgamma_xhat[J] += Dyv*gamma_Dd*xhat;
+
+                            }
+                        }
+                        for (; Mi < Cg; ++Mi) {
+                            const int64_t Idx = Off + Mi;
+                            const int64_t Ch = Gi * Cg + Mi;
+                            (void)Ch;
+                            const double gamma_V = gamma[Ch];
+                            const double gamma_Dd = gamma_Seed[Ch];
+                            const double Xv = x[Idx];
+                            const double Dyv = dy[Idx];
+                            const double X_Dd = Seed_x[Idx];
+                            const double xhat = rstd*Xv;
+                            const double g = Dyv*gamma_V;
+                            Lane_Sum_dx_g[0] += X_Dd*g;
+                            Lane_Sum_dx_xhat[0] += X_Dd*xhat;
+                            Lane_Sum_g_xhat[0] += g*xhat;
+                            Lane_Sum_dy_dgamma_xhat[0] += Dyv*gamma_Dd*xhat;
+
+                        }
+                    } else {               /* NCHW: runs of S values of one channel */
+                        for (int64_t Ci = 0; Ci < Cg; ++Ci) {
+                            const int64_t Ch = Gi * Cg + Ci;
+                            (void)Ch;
+                            const double gamma_V = gamma[Ch];
+                            const double gamma_Dd = gamma_Seed[Ch];
+                            int64_t Si = 0;
+                            for (; Si + DG_LANES <= S; Si += DG_LANES) {
+                                for (int J = 0; J < DG_LANES; ++J) {
+                                    const int64_t Idx = Off + Ci * S + Si + J;
+                                    const double Xv = x[Idx];
+                                    const double Dyv = dy[Idx];
+                                    const double X_Dd = Seed_x[Idx];
+                                    const double xhat = rstd*Xv;
+                                    const double g = Dyv*gamma_V;
+                                    Lane_Sum_dx_g[J] += X_Dd*g;
+                                    Lane_Sum_dx_xhat[J] += X_Dd*xhat;
+                                    Lane_Sum_g_xhat[J] += g*xhat;
+                                    Lane_Sum_dy_dgamma_xhat[J] += Dyv*gamma_Dd*xhat;
+
+                                }
+                            }
+                            for (; Si < S; ++Si) {
+                                const int64_t Idx = Off + Ci * S + Si;
+                                const double Xv = x[Idx];
+                                const double Dyv = dy[Idx];
+                                const double X_Dd = Seed_x[Idx];
+                                const double xhat = rstd*Xv;
+                                const double g = Dyv*gamma_V;
+                                Lane_Sum_dx_g[0] += X_Dd*g;
+                                Lane_Sum_dx_xhat[0] += X_Dd*xhat;
+                                Lane_Sum_g_xhat[0] += g*xhat;
+                                Lane_Sum_dy_dgamma_xhat[0] += Dyv*gamma_Dd*xhat;
+
+                            }
+                        }
+                    }
+                }
+                Sum_dx_g = Dg_lanes(Lane_Sum_dx_g);
+                Sum_dx_xhat = Dg_lanes(Lane_Sum_dx_xhat);
+                Sum_g_xhat = Dg_lanes(Lane_Sum_g_xhat);
+                Sum_dy_dgamma_xhat = Dg_lanes(Lane_Sum_dy_dgamma_xhat);
+            }
+            const double Mean_dx_g = Sum_dx_g/N;  /* Mean_dx_g = mean(X_Dd*g) */
+            (void)Mean_dx_g;
+            const double Mean_dx_xhat = Sum_dx_xhat/N;  /* Mean_dx_xhat = mean(X_Dd*xhat) */
+            (void)Mean_dx_xhat;
+            const double Mean_g_xhat = Sum_g_xhat/N;  /* Mean_g_xhat = mean(g*xhat) */
+            (void)Mean_g_xhat;
+            const double Mean_dy_dgamma_xhat = Sum_dy_dgamma_xhat/N;  /* Mean_dy_dgamma_xhat = mean(dy*gamma_Dd*xhat) */
+            (void)Mean_dy_dgamma_xhat;
+            const double Cse0 = (rstd*rstd);  /* common subexpression */
+            (void)Cse0;
+            const double KDX_X_Dd = -Cse0*Mean_g_xhat;  /* coefficient of X_Dd */
+            (void)KDX_X_Dd;
+            const double KDX_g = -Cse0*Mean_dx_xhat;  /* coefficient of g */
+            (void)KDX_g;
+            const double KDX_xhat = rstd*(3*Mean_dx_xhat*Mean_g_xhat*rstd - Mean_dy_dgamma_xhat - Mean_dx_g*rstd);  /* coefficient of xhat */
+            (void)KDX_xhat;
+            const double KDX_dy_gamma_Dd = rstd;  /* coefficient of dy*gamma_Dd */
+            (void)KDX_dy_gamma_Dd;
+            const double KDDY_X_Dd_gamma = rstd;  /* coefficient of X_Dd*gamma */
+            (void)KDDY_X_Dd_gamma;
+            const double KDDY_gamma_xhat = -Mean_dx_xhat*rstd;  /* coefficient of gamma*xhat */
+            (void)KDDY_gamma_xhat;
+            const double KDDY_gamma_Dd_xhat = 1;  /* coefficient of gamma_Dd*xhat */
+            (void)KDDY_gamma_Dd_xhat;
+            {
+                for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
+                    const int64_t Off = Base + Blk * Block_stride;
+                    if (S == 1) {          /* one value per channel: parameters vary along the run */
+                        int64_t Mi = 0;
+                        for (; Mi + DG_LANES <= Cg; Mi += DG_LANES) {
+                            for (int J = 0; J < DG_LANES; ++J) {
+                                const int64_t Idx = Off + Mi + J;
+                                const int64_t Ch = Gi * Cg + Mi + J;
+                                (void)Ch;
+                                const double gamma_V = gamma[Ch];
+                                const double gamma_Dd = gamma_Seed[Ch];
+                                const double Xv = x[Idx];
+                                const double Dyv = dy[Idx];
+                                const double X_Dd = Seed_x[Idx];
+                                const double xhat = rstd*Xv;
+                                const double g = Dyv*gamma_V;
+                                Out_dx[Idx] = (double)(KDX_g*g + KDX_xhat*xhat + KDX_dy_gamma_Dd*Dyv*gamma_Dd + KDX_X_Dd*X_Dd);
+                                Out_ddy[Idx] = (double)(KDDY_gamma_xhat*gamma_V*xhat + KDDY_X_Dd_gamma*X_Dd*gamma_V + KDDY_gamma_Dd_xhat*gamma_Dd*xhat);
+                                Mine[0 * C + Ch] += Dyv*rstd*(X_Dd - Mean_dx_xhat*xhat);
+
+                            }
+                        }
+                        for (; Mi < Cg; ++Mi) {
+                            const int64_t Idx = Off + Mi;
+                            const int64_t Ch = Gi * Cg + Mi;
+                            (void)Ch;
+                            const double gamma_V = gamma[Ch];
+                            const double gamma_Dd = gamma_Seed[Ch];
+                            const double Xv = x[Idx];
+                            const double Dyv = dy[Idx];
+                            const double X_Dd = Seed_x[Idx];
+                            const double xhat = rstd*Xv;
+                            const double g = Dyv*gamma_V;
+                            Out_dx[Idx] = (double)(KDX_g*g + KDX_xhat*xhat + KDX_dy_gamma_Dd*Dyv*gamma_Dd + KDX_X_Dd*X_Dd);
+                            Out_ddy[Idx] = (double)(KDDY_gamma_xhat*gamma_V*xhat + KDDY_X_Dd_gamma*X_Dd*gamma_V + KDDY_gamma_Dd_xhat*gamma_Dd*xhat);
+                            Mine[0 * C + Ch] += Dyv*rstd*(X_Dd - Mean_dx_xhat*xhat);
+
+                        }
+                    } else {               /* NCHW: runs of S values of one channel */
+                        for (int64_t Ci = 0; Ci < Cg; ++Ci) {
+                            const int64_t Ch = Gi * Cg + Ci;
+                            (void)Ch;
+                            const double gamma_V = gamma[Ch];
+                            const double gamma_Dd = gamma_Seed[Ch];
+                            double Pacc_0 = 0.0;
+                            int64_t Si = 0;
+                            for (; Si + DG_LANES <= S; Si += DG_LANES) {
+                                for (int J = 0; J < DG_LANES; ++J) {
+                                    const int64_t Idx = Off + Ci * S + Si + J;
+                                    const double Xv = x[Idx];
+                                    const double Dyv = dy[Idx];
+                                    const double X_Dd = Seed_x[Idx];
+                                    const double xhat = rstd*Xv;
+                                    const double g = Dyv*gamma_V;
+                                    Out_dx[Idx] = (double)(KDX_g*g + KDX_xhat*xhat + KDX_dy_gamma_Dd*Dyv*gamma_Dd + KDX_X_Dd*X_Dd);
+                                    Out_ddy[Idx] = (double)(KDDY_gamma_xhat*gamma_V*xhat + KDDY_X_Dd_gamma*X_Dd*gamma_V + KDDY_gamma_Dd_xhat*gamma_Dd*xhat);
+                                    Pacc_0 += Dyv*rstd*(X_Dd - Mean_dx_xhat*xhat);
+
+                                }
+                            }
+                            for (; Si < S; ++Si) {
+                                const int64_t Idx = Off + Ci * S + Si;
+                                const double Xv = x[Idx];
+                                const double Dyv = dy[Idx];
+                                const double X_Dd = Seed_x[Idx];
+                                const double xhat = rstd*Xv;
+                                const double g = Dyv*gamma_V;
+                                Out_dx[Idx] = (double)(KDX_g*g + KDX_xhat*xhat + KDX_dy_gamma_Dd*Dyv*gamma_Dd + KDX_X_Dd*X_Dd);
+                                Out_ddy[Idx] = (double)(KDDY_gamma_xhat*gamma_V*xhat + KDDY_X_Dd_gamma*X_Dd*gamma_V + KDDY_gamma_Dd_xhat*gamma_Dd*xhat);
+                                Pacc_0 += Dyv*rstd*(X_Dd - Mean_dx_xhat*xhat);
+
+                            }
+                            Mine[0 * C + Ch] += Pacc_0;
+                        }
+                    }
+                }
+            }
+        }
+    }
+    for (int64_t Cc = 0; Cc < C; ++Cc) {       /* dgamma */
+        double Acc = 0.0;
+        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * P * C + 0 * C + Cc];
+        gamma_Out[Cc] = (double)(Acc);
+    }
+    free(Part);
+    return 0;
+}
+
+/* ---- train JVP, double (derived by derivgen.second) ---- */
+int rmsnorm_train_jvp_f64(
+    int64_t O, int64_t G, int64_t Cg, int64_t S,
+    const double *restrict x,
+    const double *restrict gamma,
+    double eps,
+    const double *restrict ms_In,
+    const double *restrict rstd_In,
+    const double *restrict Seed_x,
+    const double *restrict gamma_Seed,
+    double *restrict Out_ty,
+    int Nthreads)
+{
+    const int64_t M = Cg * S;                       /* contiguous values per (o, g) block */
+    const int64_t N_groups = O * G;
+    const int64_t Blocks = 1;               /* blocks per group */
+    const int64_t Block_stride = G * M;
+    (void)Block_stride;
+    const double N = (double)(Blocks * M);          /* values per group */
+    const int64_t Total = N_groups * Blocks * M;    /* values in x */
+    const int64_t Ahead = DG_AHEAD_BYTES / (int64_t)sizeof(double);
+    const int Nth = Dg_threads(Nthreads);
+    (void)N;
+    (void)Nth;
+    (void)Total;
+    (void)Ahead;
+    (void)gamma;
+    (void)eps;
+    (void)x;
+
+    const int64_t C = G * Cg;                        /* parameter length */
+    const int64_t P = 1;      /* parameters */
+    (void)C;
+    (void)P;
+    (void)Seed_x;
+    (void)gamma_Seed;
+    DG_PRAGMA(omp parallel num_threads(Nth))
+    {
+        int64_t Lo, Hi;
+        Dg_share(N_groups, &Lo, &Hi);              /* this thread's groups (as schedule(static)) */
+        for (int64_t Grp = Lo; Grp < Hi; ++Grp) {
+            const int64_t Gi = G == 1 ? 0 : Grp % G;     /* channel group */
+            (void)Gi;
+            const int64_t Base = Grp * M;
+            (void)Base;
+            const double ms = ms_In[Grp];
+            (void)ms;
+            const double rstd = rstd_In[Grp];
+            (void)rstd;
+            double Sum_tx_xhat;
+            {
+                double Lane_Sum_tx_xhat[DG_LANES] = {0};
+                for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
+                    const int64_t Off = Base + Blk * Block_stride;
+                    if (S == 1) {          /* one value per channel: parameters vary along the run */
+                        int64_t Mi = 0;
+                        for (; Mi + DG_LANES <= Cg; Mi += DG_LANES) {
+                            for (int J = 0; J < DG_LANES; ++J) {
+                                const int64_t Idx = Off + Mi + J;
+                                const int64_t Ch = Gi * Cg + Mi + J;
+                                (void)Ch;
+                                const double Xv = x[Idx];
+                                const double X_T = Seed_x[Idx];
+                                const double xhat = rstd*Xv;
+                                Lane_Sum_tx_xhat[J] += X_T*xhat;
+
+                            }
+                        }
+                        for (; Mi < Cg; ++Mi) {
+                            const int64_t Idx = Off + Mi;
+                            const int64_t Ch = Gi * Cg + Mi;
+                            (void)Ch;
+                            const double Xv = x[Idx];
+                            const double X_T = Seed_x[Idx];
+                            const double xhat = rstd*Xv;
+                            Lane_Sum_tx_xhat[0] += X_T*xhat;
+
+                        }
+                    } else {               /* NCHW: runs of S values of one channel */
+                        for (int64_t Ci = 0; Ci < Cg; ++Ci) {
+                            const int64_t Ch = Gi * Cg + Ci;
+                            (void)Ch;
+                            int64_t Si = 0;
+                            for (; Si + DG_LANES <= S; Si += DG_LANES) {
+                                for (int J = 0; J < DG_LANES; ++J) {
+                                    const int64_t Idx = Off + Ci * S + Si + J;
+                                    const double Xv = x[Idx];
+                                    const double X_T = Seed_x[Idx];
+                                    const double xhat = rstd*Xv;
+                                    Lane_Sum_tx_xhat[J] += X_T*xhat;
+
+                                }
+                            }
+                            for (; Si < S; ++Si) {
+                                const int64_t Idx = Off + Ci * S + Si;
+                                const double Xv = x[Idx];
+                                const double X_T = Seed_x[Idx];
+                                const double xhat = rstd*Xv;
+                                Lane_Sum_tx_xhat[0] += X_T*xhat;
+
+                            }
+                        }
+                    }
+                }
+                Sum_tx_xhat = Dg_lanes(Lane_Sum_tx_xhat);
+            }
+            const double Mean_tx_xhat = Sum_tx_xhat/N;  /* Mean_tx_xhat = mean(X_T*xhat) */
+            (void)Mean_tx_xhat;
+            const double KTY_X_T_gamma = rstd;  /* coefficient of X_T*gamma */
+            (void)KTY_X_T_gamma;
+            const double KTY_gamma_xhat = -Mean_tx_xhat*rstd;  /* coefficient of gamma*xhat */
+            (void)KTY_gamma_xhat;
+            const double KTY_gamma_T_xhat = 1;  /* coefficient of gamma_T*xhat */
+            (void)KTY_gamma_T_xhat;
+            {
+                for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
+                    const int64_t Off = Base + Blk * Block_stride;
+                    if (S == 1) {          /* one value per channel: parameters vary along the run */
+                        int64_t Mi = 0;
+                        for (; Mi + DG_LANES <= Cg; Mi += DG_LANES) {
+                            for (int J = 0; J < DG_LANES; ++J) {
+                                const int64_t Idx = Off + Mi + J;
+                                const int64_t Ch = Gi * Cg + Mi + J;
+                                (void)Ch;
+                                const double gamma_V = gamma[Ch];
+                                const double gamma_T = gamma_Seed[Ch];
+                                const double Xv = x[Idx];
+                                const double X_T = Seed_x[Idx];
+                                const double xhat = rstd*Xv;
+                                Out_ty[Idx] = (double)(KTY_gamma_xhat*gamma_V*xhat + KTY_X_T_gamma*X_T*gamma_V + KTY_gamma_T_xhat*gamma_T*xhat);
+
+                            }
+                        }
+                        for (; Mi < Cg; ++Mi) {
+                            const int64_t Idx = Off + Mi;
+                            const int64_t Ch = Gi * Cg + Mi;
+                            (void)Ch;
+                            const double gamma_V = gamma[Ch];
+                            const double gamma_T = gamma_Seed[Ch];
+                            const double Xv = x[Idx];
+                            const double X_T = Seed_x[Idx];
+                            const double xhat = rstd*Xv;
+                            Out_ty[Idx] = (double)(KTY_gamma_xhat*gamma_V*xhat + KTY_X_T_gamma*X_T*gamma_V + KTY_gamma_T_xhat*gamma_T*xhat);
+
+                        }
+                    } else {               /* NCHW: runs of S values of one channel */
+                        for (int64_t Ci = 0; Ci < Cg; ++Ci) {
+                            const int64_t Ch = Gi * Cg + Ci;
+                            (void)Ch;
+                            const double gamma_V = gamma[Ch];
+                            const double gamma_T = gamma_Seed[Ch];
+                            int64_t Si = 0;
+                            for (; Si + DG_LANES <= S; Si += DG_LANES) {
+                                for (int J = 0; J < DG_LANES; ++J) {
+                                    const int64_t Idx = Off + Ci * S + Si + J;
+                                    const double Xv = x[Idx];
+                                    const double X_T = Seed_x[Idx];
+                                    const double xhat = rstd*Xv;
+                                    Out_ty[Idx] = (double)(KTY_gamma_xhat*gamma_V*xhat + KTY_X_T_gamma*X_T*gamma_V + KTY_gamma_T_xhat*gamma_T*xhat);
+
+                                }
+                            }
+                            for (; Si < S; ++Si) {
+                                const int64_t Idx = Off + Ci * S + Si;
+                                const double Xv = x[Idx];
+                                const double X_T = Seed_x[Idx];
+                                const double xhat = rstd*Xv;
+                                Out_ty[Idx] = (double)(KTY_gamma_xhat*gamma_V*xhat + KTY_X_T_gamma*X_T*gamma_V + KTY_gamma_T_xhat*gamma_T*xhat);
+
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
     return 0;
 }
 #endif /* DG_WANT_FLOAT */

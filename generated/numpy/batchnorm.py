@@ -64,6 +64,7 @@ _META = {'name': 'batchnorm',
          'stats': {'train': ['mean', 'var', 'rstd'], 'eval': ['mean', 'var', 'rstd']},
          'split': {'levels': [1, 1], 'backward': 2}}
 Grads = _rt.grads_type('batchnorm', _rt.grad_fields(_META))
+SecondGrads = _rt.grads_type('batchnorm_second', _rt.second_fields(_META))
 
 
 def forward(x, gamma, beta, *, eps=1e-05, momentum=0.1, running_mean=None, running_var=None, training=True, out=None):
@@ -100,6 +101,30 @@ def backward(dy, cache, *, out=None):
     _call = _rt.prepare_backward(_META, dy, cache, out)
     return _BACKWARD[cache.mode](_call)
 
+
+
+def backward_backward(dy, cache, ddx=None, ddparams=None, *, ddinputs=None, out=None):
+    """Double backward: the vector-Jacobian product of ``backward``, derived by derivgen.
+
+    With the cotangents ddx (of dx), ddparams (of the parameter gradients: a dict by
+    name or a sequence in order; missing ones are zero) and ddinputs (of the input
+    gradients), returns the gradients of
+    L2 = sum(ddx*dx) + sum(dd<p>*d<p>) + sum(dd<input>*d<input>) with respect to x, dy,
+    the parameters and the inputs: ``SecondGrads(dx, ddy, dgamma, dbeta)``.
+    out: optional preallocated arrays, a SecondGrads-like tuple or a dict by field name.
+    """
+    _call = _rt.prepare_backward_backward(_META, dy, cache, ddx, ddparams, ddinputs, out)
+    return _BACKWARD_BACKWARD[cache.mode](_call)
+
+
+def jvp(cache, tx=None, tparams=None, *, tinputs=None, out=None):
+    """Forward-mode derivative (JVP) of ``forward``, derived by derivgen: the tangent of y
+    along the tangents tx (of x), tparams (of the parameters: a dict by name or a
+    sequence; missing ones are zero) and tinputs (of the inputs), at the point the
+    forward that returned ``cache`` was evaluated. out: an optional preallocated array.
+    """
+    _call = _rt.prepare_jvp(_META, cache, tx, tparams, tinputs, out)
+    return _JVP[cache.mode](_call)
 
 
 def set_num_threads(n):
@@ -431,5 +456,185 @@ def split_backward_apply(dy, x, params, stats, sums, count, options=None, inputs
     )
 
 
+def _bb_train(_call):
+    _c = _call.cache
+    L = _c.layout
+    N = L.group_size
+    _mean, _mean_prod = _rt.group_mean(L), _rt.group_mean_prod(L)
+    _mean_sq = _mean_prod
+    X, SX = _c.x.reshape(L.view4), _call.seed_x.reshape(L.view4)
+    DY = _call.dy.reshape(L.view4)
+    OUT_dx, OUT_ddy = _call.outs["dx"].reshape(L.view4), _call.outs["ddy"].reshape(L.view4)
+    _G0 = _np.zeros(L.stat4)
+    P_gamma = _rt.f64(_c.params['gamma']).reshape(L.param4)
+    Q_gamma = _rt.f64(_call.seed_params['gamma']).reshape(L.param4)
+    D_gamma = _np.zeros(L.param4, dtype=_np.float64)
+    P_beta = _rt.f64(_c.params['beta']).reshape(L.param4)
+    Q_beta = _rt.f64(_call.seed_params['beta']).reshape(L.param4)
+    D_beta = _np.zeros(L.param4, dtype=_np.float64)
+    eps = _c.options['eps']
+    momentum = _c.options['momentum']
+    S_mean = _c.stats['mean'].reshape(L.stat4)
+    S_var = _c.stats['var'].reshape(L.stat4)
+    S_rstd = _c.stats['rstd'].reshape(L.stat4)
+
+    def _chunk(_s, _sp, _tmp):
+        x, X_Dd = _tmp.f64(X[_s]), _tmp.f64(SX[_s])
+        dy = _tmp.f64(DY[_s])
+        gamma = P_gamma[_sp]
+        gamma_Dd = Q_gamma[_sp]
+        beta = P_beta[_sp]
+        beta_Dd = Q_beta[_sp]
+        mean = S_mean[_s]
+        var = S_var[_s]
+        rstd = S_rstd[_s]
+        xhat = rstd*(x - mean)
+        g = dy*gamma
+        Mean_dx = _mean(X_Dd)
+        Mean_g = _mean(g)
+        Mean_dx_g = _mean_prod(X_Dd, g)
+        Mean_dx_xhat = _mean_prod(X_Dd, xhat)
+        Mean_dy_dgamma = _mean_prod(dy, gamma_Dd)
+        Mean_g_xhat = _mean_prod(g, xhat)
+        Mean_dy_dgamma_xhat = _mean(dy*gamma_Dd*xhat)
+        _np.multiply(rstd, dy*gamma_Dd + Mean_dx*Mean_g*rstd*xhat + 3*Mean_dx_xhat*Mean_g_xhat*rstd*xhat + Mean_dx*Mean_g_xhat*rstd + Mean_dx_xhat*Mean_g*rstd - Mean_dy_dgamma - Mean_dy_dgamma_xhat*xhat - Mean_dx_g*rstd*xhat - Mean_dx_xhat*g*rstd - Mean_g_xhat*X_Dd*rstd, out=OUT_dx[_s])
+        OUT_ddy[_s] = gamma_Dd*xhat + X_Dd*gamma*rstd + beta_Dd - Mean_dx*gamma*rstd - Mean_dx_xhat*gamma*rstd*xhat
+        return (_np.sum(dy*rstd*(X_Dd - Mean_dx - Mean_dx_xhat*xhat), axis=L.param_axes, keepdims=True),
+                0.0)
+
+    for _s, _sp, (_d_gamma, _d_beta) in _rt.for_chunks(L, _chunk):
+        D_gamma[_sp] += _d_gamma
+        D_beta[_sp] += _d_beta
+    return SecondGrads(
+        dx=_call.outs["dx"],
+        ddy=_call.outs["ddy"],
+        dgamma=_rt.store(_call.outs["dgamma"], D_gamma),
+        dbeta=_rt.store(_call.outs["dbeta"], D_beta),
+    )
+
+
+def _jvp_train(_call):
+    _c = _call.cache
+    L = _c.layout
+    N = L.group_size
+    _mean, _mean_prod = _rt.group_mean(L), _rt.group_mean_prod(L)
+    _mean_sq = _mean_prod
+    X, SX = _c.x.reshape(L.view4), _call.seed_x.reshape(L.view4)
+    OUT_ty = _call.outs["ty"].reshape(L.view4)
+    _G0 = _np.zeros(L.stat4)
+    P_gamma = _rt.f64(_c.params['gamma']).reshape(L.param4)
+    Q_gamma = _rt.f64(_call.seed_params['gamma']).reshape(L.param4)
+    P_beta = _rt.f64(_c.params['beta']).reshape(L.param4)
+    Q_beta = _rt.f64(_call.seed_params['beta']).reshape(L.param4)
+    eps = _c.options['eps']
+    momentum = _c.options['momentum']
+    S_mean = _c.stats['mean'].reshape(L.stat4)
+    S_var = _c.stats['var'].reshape(L.stat4)
+    S_rstd = _c.stats['rstd'].reshape(L.stat4)
+
+    def _chunk(_s, _sp, _tmp):
+        x, X_T = _tmp.f64(X[_s]), _tmp.f64(SX[_s])
+        gamma = P_gamma[_sp]
+        gamma_T = Q_gamma[_sp]
+        beta = P_beta[_sp]
+        beta_T = Q_beta[_sp]
+        mean = S_mean[_s]
+        var = S_var[_s]
+        rstd = S_rstd[_s]
+        xhat = rstd*(x - mean)
+        Mean_tx = _mean(X_T)
+        Mean_tx_xhat = _mean_prod(X_T, xhat)
+        OUT_ty[_s] = gamma_T*xhat + X_T*gamma*rstd + beta_T - Mean_tx*gamma*rstd - Mean_tx_xhat*gamma*rstd*xhat
+
+    _rt.for_chunks(L, _chunk)
+    return _call.outs["ty"]
+
+
+def _bb_eval(_call):
+    _c = _call.cache
+    L = _c.layout
+    N = L.group_size
+    _mean, _mean_prod = _rt.group_mean(L), _rt.group_mean_prod(L)
+    _mean_sq = _mean_prod
+    X, SX = _c.x.reshape(L.view4), _call.seed_x.reshape(L.view4)
+    DY = _call.dy.reshape(L.view4)
+    OUT_dx, OUT_ddy = _call.outs["dx"].reshape(L.view4), _call.outs["ddy"].reshape(L.view4)
+    _G0 = _np.zeros(L.stat4)
+    P_gamma = _rt.f64(_c.params['gamma']).reshape(L.param4)
+    Q_gamma = _rt.f64(_call.seed_params['gamma']).reshape(L.param4)
+    D_gamma = _np.zeros(L.param4, dtype=_np.float64)
+    P_beta = _rt.f64(_c.params['beta']).reshape(L.param4)
+    Q_beta = _rt.f64(_call.seed_params['beta']).reshape(L.param4)
+    D_beta = _np.zeros(L.param4, dtype=_np.float64)
+    eps = _c.options['eps']
+    momentum = _c.options['momentum']
+    S_mean = _c.stats['mean'].reshape(L.stat4)
+    S_var = _c.stats['var'].reshape(L.stat4)
+    S_rstd = _c.stats['rstd'].reshape(L.stat4)
+
+    def _chunk(_s, _sp, _tmp):
+        x, X_Dd = _tmp.f64(X[_s]), _tmp.f64(SX[_s])
+        dy = _tmp.f64(DY[_s])
+        gamma = P_gamma[_sp]
+        gamma_Dd = Q_gamma[_sp]
+        beta = P_beta[_sp]
+        beta_Dd = Q_beta[_sp]
+        mean = S_mean[_s]
+        var = S_var[_s]
+        rstd = S_rstd[_s]
+        xhat = rstd*(x - mean)
+        OUT_dx[_s] = dy*gamma_Dd*rstd
+        OUT_ddy[_s] = gamma_Dd*xhat + X_Dd*gamma*rstd + beta_Dd
+        return (_np.sum(X_Dd*dy*rstd, axis=L.param_axes, keepdims=True),
+                0.0)
+
+    for _s, _sp, (_d_gamma, _d_beta) in _rt.for_chunks(L, _chunk):
+        D_gamma[_sp] += _d_gamma
+        D_beta[_sp] += _d_beta
+    return SecondGrads(
+        dx=_call.outs["dx"],
+        ddy=_call.outs["ddy"],
+        dgamma=_rt.store(_call.outs["dgamma"], D_gamma),
+        dbeta=_rt.store(_call.outs["dbeta"], D_beta),
+    )
+
+
+def _jvp_eval(_call):
+    _c = _call.cache
+    L = _c.layout
+    N = L.group_size
+    _mean, _mean_prod = _rt.group_mean(L), _rt.group_mean_prod(L)
+    _mean_sq = _mean_prod
+    X, SX = _c.x.reshape(L.view4), _call.seed_x.reshape(L.view4)
+    OUT_ty = _call.outs["ty"].reshape(L.view4)
+    _G0 = _np.zeros(L.stat4)
+    P_gamma = _rt.f64(_c.params['gamma']).reshape(L.param4)
+    Q_gamma = _rt.f64(_call.seed_params['gamma']).reshape(L.param4)
+    P_beta = _rt.f64(_c.params['beta']).reshape(L.param4)
+    Q_beta = _rt.f64(_call.seed_params['beta']).reshape(L.param4)
+    eps = _c.options['eps']
+    momentum = _c.options['momentum']
+    S_mean = _c.stats['mean'].reshape(L.stat4)
+    S_var = _c.stats['var'].reshape(L.stat4)
+    S_rstd = _c.stats['rstd'].reshape(L.stat4)
+
+    def _chunk(_s, _sp, _tmp):
+        x, X_T = _tmp.f64(X[_s]), _tmp.f64(SX[_s])
+        gamma = P_gamma[_sp]
+        gamma_T = Q_gamma[_sp]
+        beta = P_beta[_sp]
+        beta_T = Q_beta[_sp]
+        mean = S_mean[_s]
+        var = S_var[_s]
+        rstd = S_rstd[_s]
+        xhat = rstd*(x - mean)
+        OUT_ty[_s] = gamma_T*xhat + X_T*gamma*rstd + beta_T
+
+    _rt.for_chunks(L, _chunk)
+    return _call.outs["ty"]
+
+
 _FORWARD = {'train': _forward_train, 'eval': _forward_eval}
 _BACKWARD = {'train': _backward_train, 'eval': _backward_eval}
+_BACKWARD_BACKWARD = {'train': _bb_train, 'eval': _bb_eval}
+_JVP = {'train': _jvp_train, 'eval': _jvp_eval}

@@ -52,6 +52,7 @@ _META = {'name': 'online_layernorm',
          'stats': {'train': ['row_mean', 'mean', 'Aux1', 'sample_std', 'std']},
          'split': None}
 Grads = _rt.grads_type('online_layernorm', _rt.grad_fields(_META))
+SecondGrads = _rt.grads_type('online_layernorm_second', _rt.second_fields(_META))
 
 
 def forward(x, gamma, beta, *, alpha, prev_mean, prev_std, eps=0.0, out=None):
@@ -87,6 +88,30 @@ def backward(dy, cache, *, out=None):
     _call = _rt.prepare_backward(_META, dy, cache, out)
     return _BACKWARD[cache.mode](_call)
 
+
+
+def backward_backward(dy, cache, ddx=None, ddparams=None, *, ddinputs=None, out=None):
+    """Double backward: the vector-Jacobian product of ``backward``, derived by derivgen.
+
+    With the cotangents ddx (of dx), ddparams (of the parameter gradients: a dict by
+    name or a sequence in order; missing ones are zero) and ddinputs (of the input
+    gradients), returns the gradients of
+    L2 = sum(ddx*dx) + sum(dd<p>*d<p>) + sum(dd<input>*d<input>) with respect to x, dy,
+    the parameters and the inputs: ``SecondGrads(dx, ddy, dgamma, dbeta, dprev_mean, dprev_std)``.
+    out: optional preallocated arrays, a SecondGrads-like tuple or a dict by field name.
+    """
+    _call = _rt.prepare_backward_backward(_META, dy, cache, ddx, ddparams, ddinputs, out)
+    return _BACKWARD_BACKWARD[cache.mode](_call)
+
+
+def jvp(cache, tx=None, tparams=None, *, tinputs=None, out=None):
+    """Forward-mode derivative (JVP) of ``forward``, derived by derivgen: the tangent of y
+    along the tangents tx (of x), tparams (of the parameters: a dict by name or a
+    sequence; missing ones are zero) and tinputs (of the inputs), at the point the
+    forward that returned ``cache`` was evaluated. out: an optional preallocated array.
+    """
+    _call = _rt.prepare_jvp(_META, cache, tx, tparams, tinputs, out)
+    return _JVP[cache.mode](_call)
 
 
 def set_num_threads(n):
@@ -185,5 +210,131 @@ def _backward_train(_call):
     )
 
 
+def _bb_train(_call):
+    _c = _call.cache
+    L = _c.layout
+    N = L.group_size
+    _mean, _mean_prod = _rt.group_mean(L), _rt.group_mean_prod(L)
+    _mean_sq = _mean_prod
+    X, SX = _c.x.reshape(L.view4), _call.seed_x.reshape(L.view4)
+    DY = _call.dy.reshape(L.view4)
+    OUT_dx, OUT_ddy = _call.outs["dx"].reshape(L.view4), _call.outs["ddy"].reshape(L.view4)
+    _G0 = _np.zeros(L.stat4)
+    P_gamma = _rt.f64(_c.params['gamma']).reshape(L.param4)
+    Q_gamma = _rt.f64(_call.seed_params['gamma']).reshape(L.param4)
+    D_gamma = _np.zeros(L.param4, dtype=_np.float64)
+    P_beta = _rt.f64(_c.params['beta']).reshape(L.param4)
+    Q_beta = _rt.f64(_call.seed_params['beta']).reshape(L.param4)
+    D_beta = _np.zeros(L.param4, dtype=_np.float64)
+    alpha = _c.options['alpha']
+    eps = _c.options['eps']
+    I_prev_mean = _rt.f64(_rt.group_view(_c.inputs['prev_mean'], L))
+    J_prev_mean = _rt.f64(_rt.group_view(_call.seed_inputs['prev_mean'], L))
+    D_prev_mean = _np.empty(L.stat4, dtype=_np.float64)
+    I_prev_std = _rt.f64(_rt.group_view(_c.inputs['prev_std'], L))
+    J_prev_std = _rt.f64(_rt.group_view(_call.seed_inputs['prev_std'], L))
+    D_prev_std = _np.empty(L.stat4, dtype=_np.float64)
+    S_row_mean = _c.stats['row_mean'].reshape(L.stat4)
+    S_mean = _c.stats['mean'].reshape(L.stat4)
+    S_Aux1 = _c.stats['Aux1'].reshape(L.stat4)
+    S_sample_std = _c.stats['sample_std'].reshape(L.stat4)
+    S_std = _c.stats['std'].reshape(L.stat4)
+
+    def _chunk(_s, _sp, _tmp):
+        x, X_Dd = _tmp.f64(X[_s]), _tmp.f64(SX[_s])
+        dy = _tmp.f64(DY[_s])
+        gamma = P_gamma[_sp]
+        gamma_Dd = Q_gamma[_sp]
+        beta = P_beta[_sp]
+        beta_Dd = Q_beta[_sp]
+        prev_mean = I_prev_mean if I_prev_mean.size == 1 else I_prev_mean[_s]
+        prev_mean_Dd = J_prev_mean if J_prev_mean.size == 1 else J_prev_mean[_s]
+        prev_std = I_prev_std if I_prev_std.size == 1 else I_prev_std[_s]
+        prev_std_Dd = J_prev_std if J_prev_std.size == 1 else J_prev_std[_s]
+        row_mean = S_row_mean[_s]
+        mean = S_mean[_s]
+        Aux1 = S_Aux1[_s]
+        sample_std = S_sample_std[_s]
+        std = S_std[_s]
+        xhat = (x - mean)/std
+        g = dy*gamma
+        Mean_dx = _mean(X_Dd)
+        Mean_g = _mean(g)
+        Mean_dx_g = _mean_prod(X_Dd, g)
+        Mean_dx_xhat = _mean_prod(X_Dd, xhat)
+        Mean_dy_dgamma = _mean_prod(dy, gamma_Dd)
+        Mean_g_xhat = _mean_prod(g, xhat)
+        Mean_dy_dgamma_xhat = _mean(dy*gamma_Dd*xhat)
+        OUT_dx[_s] = Mean_dy_dgamma_xhat*N*alpha*(alpha*(row_mean - mean)/std - xhat)/(sample_std*(N - 1)) + Mean_dx_g*N*alpha*(alpha*(row_mean - mean)/std - xhat)/(sample_std*std*(N - 1)) + Mean_dx*N*alpha**2*g*(row_mean - mean)/(sample_std*std**2*(N - 1)) + Mean_dx*Mean_g*N*alpha**2*(xhat + 2*alpha*(mean - row_mean)/std)/(sample_std*std*(N - 1)) + Mean_dx_xhat*Mean_g_xhat*N**2*alpha*(std + 2*alpha*sample_std)*(xhat + alpha*(mean - row_mean)/std)/(sample_std**3*(N - 1)**2) + (dy*gamma_Dd + g*(1 - alpha)*(prev_std_Dd*sample_std + N*alpha*prev_mean_Dd*row_mean - N*prev_std_Dd*sample_std - N*alpha*mean*prev_mean_Dd)/(sample_std*std*(N - 1)))/std + Mean_g*alpha*(1 - alpha)*(N*prev_mean_Dd*xhat + (N*prev_std_Dd*sample_std + 2*N*alpha*mean*prev_mean_Dd - prev_std_Dd*sample_std - 2*N*alpha*prev_mean_Dd*row_mean)/std)/(sample_std*std*(N - 1)) + Mean_dx*Mean_g_xhat*N*alpha**2*(N*xhat*(mean - row_mean)*(std + 2*alpha*sample_std) + (alpha*sample_std**2*std + 2*N*sample_std**2*std + N*alpha*mean**2*std + N*alpha*row_mean**2*std + 2*N*alpha**2*mean**2*sample_std + 2*N*alpha**2*row_mean**2*sample_std - 2*sample_std**2*std - N*alpha*sample_std**2*std - 2*N*alpha*mean*row_mean*std - 4*N*alpha**2*mean*row_mean*sample_std)/std)/(sample_std**3*std*(N - 1)**2) + Mean_g_xhat*N*alpha*(xhat*(1 - alpha)*(N*mean*prev_mean_Dd*std + 2*N*prev_std_Dd*sample_std**2 + 2*N*alpha*mean*prev_mean_Dd*sample_std - 2*prev_std_Dd*sample_std**2 - N*prev_mean_Dd*row_mean*std - 2*N*alpha*prev_mean_Dd*row_mean*sample_std)/(sample_std**2*(N - 1)) + (1 - alpha)*(N*prev_mean_Dd*sample_std**2*std + alpha*prev_mean_Dd*sample_std**2*std + 2*alpha*prev_std_Dd*row_mean*sample_std**2 + N*alpha*mean**2*prev_mean_Dd*std + N*alpha*prev_mean_Dd*row_mean**2*std + 2*N*alpha*mean*prev_std_Dd*sample_std**2 + 2*N*alpha**2*mean**2*prev_mean_Dd*sample_std + 2*N*alpha**2*prev_mean_Dd*row_mean**2*sample_std - prev_mean_Dd*sample_std**2*std - 2*alpha*mean*prev_std_Dd*sample_std**2 - N*alpha*prev_mean_Dd*sample_std**2*std - 2*N*alpha*prev_std_Dd*row_mean*sample_std**2 - 2*N*alpha*mean*prev_mean_Dd*row_mean*std - 4*N*alpha**2*mean*prev_mean_Dd*row_mean*sample_std)/(sample_std**2*std*(N - 1)) - X_Dd)/(sample_std*std*(N - 1)) + Mean_dx_xhat*Mean_g*N*alpha**2/(sample_std*std*(N - 1)) - Mean_dy_dgamma*alpha/std - Mean_dx_xhat*N*alpha*g/(sample_std*std*(N - 1))
+        OUT_ddy[_s] = Mean_dx*alpha*gamma*(N*alpha*xhat*(row_mean - mean)/(sample_std*(N - 1)) - 1)/std + gamma*xhat*(1 - alpha)*(prev_std_Dd*sample_std + N*alpha*prev_mean_Dd*row_mean - N*prev_std_Dd*sample_std - N*alpha*mean*prev_mean_Dd)/(sample_std*std*(N - 1)) + gamma_Dd*xhat + X_Dd*gamma/std + gamma*prev_mean_Dd*(alpha - 1)/std + beta_Dd - Mean_dx_xhat*N*alpha*gamma*xhat/(sample_std*(N - 1))
+        D_prev_mean[_s] = N*(Mean_dy_dgamma*(alpha - 1) + Mean_dx_xhat*Mean_g*N*alpha*(1 - alpha)/(sample_std*(N - 1)) + Mean_dy_dgamma_xhat*N*alpha*(1 - alpha)*(row_mean - mean)/(sample_std*(N - 1)) + Mean_dx_g*N*alpha*(1 - alpha)*(row_mean - mean)/(sample_std*std*(N - 1)) + 2*Mean_dx*Mean_g*N*alpha**2*(1 - alpha)*(mean - row_mean)/(sample_std*std*(N - 1)) + Mean_dx_xhat*Mean_g_xhat*N**2*alpha*(1 - alpha)*(mean - row_mean)*(std + 2*alpha*sample_std)/(sample_std**3*(N - 1)**2) + Mean_g*(alpha - 1)**2*(N*prev_std_Dd*sample_std + 2*N*alpha*mean*prev_mean_Dd - prev_std_Dd*sample_std - 2*N*alpha*prev_mean_Dd*row_mean)/(sample_std*std*(N - 1)) + Mean_dx*Mean_g_xhat*N*alpha*(1 - alpha)*(N*sample_std**2*std + alpha*sample_std**2*std + N*alpha*mean**2*std + N*alpha*row_mean**2*std + 2*N*alpha**2*mean**2*sample_std + 2*N*alpha**2*row_mean**2*sample_std - sample_std**2*std - N*alpha*sample_std**2*std - 2*N*alpha*mean*row_mean*std - 4*N*alpha**2*mean*row_mean*sample_std)/(sample_std**3*std*(N - 1)**2) + Mean_g_xhat*N*alpha*(2*alpha*prev_mean_Dd/(N - 1) + 2*mean*prev_std_Dd/(std*(N - 1)) + 4*alpha*prev_std_Dd*row_mean/(std*(N - 1)) + 2*alpha**2*mean*prev_std_Dd/(std*(N - 1)) + N*mean**2*prev_mean_Dd/(sample_std**2*(1 + N**2 - 2*N)) + N*prev_mean_Dd*row_mean**2/(sample_std**2*(1 + N**2 - 2*N)) + N*alpha**2*mean**2*prev_mean_Dd/(sample_std**2*(1 + N**2 - 2*N)) + N*alpha**2*prev_mean_Dd*row_mean**2/(sample_std**2*(1 + N**2 - 2*N)) + 4*N*alpha*mean*prev_mean_Dd*row_mean/(sample_std**2*(1 + N**2 - 2*N)) + 2*N*alpha*mean**2*prev_mean_Dd/(sample_std*std*(1 + N**2 - 2*N)) + 2*N*alpha*prev_mean_Dd*row_mean**2/(sample_std*std*(1 + N**2 - 2*N)) + 2*N*alpha**3*mean**2*prev_mean_Dd/(sample_std*std*(1 + N**2 - 2*N)) + 2*N*alpha**3*prev_mean_Dd*row_mean**2/(sample_std*std*(1 + N**2 - 2*N)) + 8*N*alpha**2*mean*prev_mean_Dd*row_mean/(sample_std*std*(1 + N**2 - 2*N)) - prev_mean_Dd/(N - 1) - alpha**2*prev_mean_Dd/(N - 1) - 2*prev_std_Dd*row_mean/(std*(N - 1)) - 4*alpha*mean*prev_std_Dd/(std*(N - 1)) - 2*alpha**2*prev_std_Dd*row_mean/(std*(N - 1)) - 2*N*mean*prev_mean_Dd*row_mean/(sample_std**2*(1 + N**2 - 2*N)) - 2*N*alpha*mean**2*prev_mean_Dd/(sample_std**2*(1 + N**2 - 2*N)) - 2*N*alpha*prev_mean_Dd*row_mean**2/(sample_std**2*(1 + N**2 - 2*N)) - 4*N*alpha*mean*prev_mean_Dd*row_mean/(sample_std*std*(1 + N**2 - 2*N)) - 2*N*alpha**2*mean*prev_mean_Dd*row_mean/(sample_std**2*(1 + N**2 - 2*N)) - 4*N*alpha**2*mean**2*prev_mean_Dd/(sample_std*std*(1 + N**2 - 2*N)) - 4*N*alpha**2*prev_mean_Dd*row_mean**2/(sample_std*std*(1 + N**2 - 2*N)) - 4*N*alpha**3*mean*prev_mean_Dd*row_mean/(sample_std*std*(1 + N**2 - 2*N)))/sample_std)/std
+        D_prev_std[_s] = N*(Mean_dy_dgamma_xhat*(alpha - 1) + Mean_dx_g*(alpha - 1)/std + Mean_g*prev_mean_Dd*(alpha - 1)**2/std + Mean_dx*Mean_g*alpha*(1 - alpha)/std + 2*Mean_dx_xhat*Mean_g_xhat*N*alpha*(1 - alpha)/(sample_std*(N - 1)) + 2*Mean_dx*Mean_g_xhat*N*alpha**2*(1 - alpha)*(mean - row_mean)/(sample_std*std*(N - 1)) + 2*Mean_g_xhat*(alpha - 1)**2*(N*prev_std_Dd*sample_std + N*alpha*mean*prev_mean_Dd - prev_std_Dd*sample_std - N*alpha*prev_mean_Dd*row_mean)/(sample_std*std*(N - 1)))/std
+        return (_rt.sum_prod(dy, Mean_dx*alpha*(N*alpha*xhat*(row_mean - mean)/(sample_std*(N - 1)) - 1)/std + (xhat*(1 - alpha)*(prev_std_Dd*sample_std + N*alpha*prev_mean_Dd*row_mean - N*prev_std_Dd*sample_std - N*alpha*mean*prev_mean_Dd)/(sample_std*(N - 1)) + X_Dd + prev_mean_Dd*(alpha - 1))/std - Mean_dx_xhat*N*alpha*xhat/(sample_std*(N - 1)), L.param_axes),
+                0.0)
+
+    for _s, _sp, (_d_gamma, _d_beta) in _rt.for_chunks(L, _chunk):
+        D_gamma[_sp] += _d_gamma
+        D_beta[_sp] += _d_beta
+    return SecondGrads(
+        dx=_call.outs["dx"],
+        ddy=_call.outs["ddy"],
+        dgamma=_rt.store(_call.outs["dgamma"], D_gamma),
+        dbeta=_rt.store(_call.outs["dbeta"], D_beta),
+        dprev_mean=_rt.finish_input_grad(_c, 'prev_mean', D_prev_mean.reshape(-1)),
+        dprev_std=_rt.finish_input_grad(_c, 'prev_std', D_prev_std.reshape(-1)),
+    )
+
+
+def _jvp_train(_call):
+    _c = _call.cache
+    L = _c.layout
+    N = L.group_size
+    _mean, _mean_prod = _rt.group_mean(L), _rt.group_mean_prod(L)
+    _mean_sq = _mean_prod
+    X, SX = _c.x.reshape(L.view4), _call.seed_x.reshape(L.view4)
+    OUT_ty = _call.outs["ty"].reshape(L.view4)
+    _G0 = _np.zeros(L.stat4)
+    P_gamma = _rt.f64(_c.params['gamma']).reshape(L.param4)
+    Q_gamma = _rt.f64(_call.seed_params['gamma']).reshape(L.param4)
+    P_beta = _rt.f64(_c.params['beta']).reshape(L.param4)
+    Q_beta = _rt.f64(_call.seed_params['beta']).reshape(L.param4)
+    alpha = _c.options['alpha']
+    eps = _c.options['eps']
+    I_prev_mean = _rt.f64(_rt.group_view(_c.inputs['prev_mean'], L))
+    J_prev_mean = _rt.f64(_rt.group_view(_call.seed_inputs['prev_mean'], L))
+    I_prev_std = _rt.f64(_rt.group_view(_c.inputs['prev_std'], L))
+    J_prev_std = _rt.f64(_rt.group_view(_call.seed_inputs['prev_std'], L))
+    S_row_mean = _c.stats['row_mean'].reshape(L.stat4)
+    S_mean = _c.stats['mean'].reshape(L.stat4)
+    S_Aux1 = _c.stats['Aux1'].reshape(L.stat4)
+    S_sample_std = _c.stats['sample_std'].reshape(L.stat4)
+    S_std = _c.stats['std'].reshape(L.stat4)
+
+    def _chunk(_s, _sp, _tmp):
+        x, X_T = _tmp.f64(X[_s]), _tmp.f64(SX[_s])
+        gamma = P_gamma[_sp]
+        gamma_T = Q_gamma[_sp]
+        beta = P_beta[_sp]
+        beta_T = Q_beta[_sp]
+        prev_mean = I_prev_mean if I_prev_mean.size == 1 else I_prev_mean[_s]
+        prev_mean_T = J_prev_mean if J_prev_mean.size == 1 else J_prev_mean[_s]
+        prev_std = I_prev_std if I_prev_std.size == 1 else I_prev_std[_s]
+        prev_std_T = J_prev_std if J_prev_std.size == 1 else J_prev_std[_s]
+        row_mean = S_row_mean[_s]
+        mean = S_mean[_s]
+        Aux1 = S_Aux1[_s]
+        sample_std = S_sample_std[_s]
+        std = S_std[_s]
+        xhat = (x - mean)/std
+        Mean_tx = _mean(X_T)
+        Mean_tx_xhat = _mean_prod(X_T, xhat)
+        OUT_ty[_s] = Mean_tx*alpha*gamma*(N*alpha*xhat*(row_mean - mean)/(sample_std*(N - 1)) - 1)/std + gamma*xhat*(1 - alpha)*(prev_std_T*sample_std + N*alpha*prev_mean_T*row_mean - N*prev_std_T*sample_std - N*alpha*mean*prev_mean_T)/(sample_std*std*(N - 1)) + gamma_T*xhat + X_T*gamma/std + gamma*prev_mean_T*(alpha - 1)/std + beta_T - Mean_tx_xhat*N*alpha*gamma*xhat/(sample_std*(N - 1))
+
+    _rt.for_chunks(L, _chunk)
+    return _call.outs["ty"]
+
+
 _FORWARD = {'train': _forward_train}
 _BACKWARD = {'train': _backward_train}
+_BACKWARD_BACKWARD = {'train': _bb_train}
+_JVP = {'train': _jvp_train}
