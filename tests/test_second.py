@@ -196,3 +196,27 @@ def test_torch_float32_double_backward_matches_float64():
         h, = torch.autograd.grad((g * g).sum(), x)
         res.append(h.double())
     torch.testing.assert_close(res[1], res[0], rtol=2e-4, atol=2e-4)
+
+
+def test_second_order_bench_machinery():
+    """``derivgen bench --torch``'s second-order rows (timings are not asserted)."""
+    torch = __import__("conftest").require_module("torch")
+    from derivgen.torch.bench import _second_rows, format_torch_report
+    rows = _second_rows(torch.float32, torch.Generator().manual_seed(0), 3, (16, 32))
+    assert [r["case"] for r in rows] == ["LayerNorm double backward", "LayerNorm JVP (torch.func.jvp)"]
+    assert all(r["torch"] > 0 and r["derivgen"] > 0 and r["ratio"] > 0 for r in rows)
+    text = format_torch_report({"machine": {"cpu": "cpu", "cores": 1, "torch": torch.__version__}, "dtype": "float32",
+                                "repeat": 3, "threads": 1, "cases": [], "second": rows, "block": None})
+    assert "LayerNorm double backward" in text and "<= 0.5" in text
+
+
+def test_cli_derive_order_2(tmp_path):
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-m", "derivgen", "derive", "rmsnorm", "--format", "markdown", "--order", "2",
+                        "--prove-sizes", "2-3"], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "## Second order" in r.stdout and "N = 3: proven" in r.stdout
+    r = subprocess.run([sys.executable, "-m", "derivgen", "derive", "rmsnorm", "--order", "3"],
+                       capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert r.returncode == 2 and "--order" in r.stderr and "Traceback" not in r.stderr

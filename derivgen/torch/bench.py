@@ -174,18 +174,18 @@ def _run(threads, repeat, dtype, progress, cases) -> dict:
 SECOND_SHAPE = (8192, 1024)
 
 
-def _second_rows(tdt, gen, repeat) -> list[dict]:
+def _second_rows(tdt, gen, repeat, shape=SECOND_SHAPE) -> list[dict]:
     """Layer norm's second order, each side's whole computation: the double backward
     (forward, backward with create_graph=True, and the gradient of a loss on the
     gradients: torch.nn runs PyTorch's hand-written layer_norm_double_backward,
     derivgen its derived kernel) and the JVP (torch.func.jvp of the module)."""
-    ref = nn.LayerNorm(SECOND_SHAPE[-1]).to(tdt)
+    ref = nn.LayerNorm(shape[-1]).to(tdt)
     with torch.no_grad():
         ref.weight.normal_(1.0, 0.2, generator=gen)
         ref.bias.normal_(0.0, 0.2, generator=gen)
     ours = dnn.convert(copy.deepcopy(ref))
-    x = torch.randn(SECOND_SHAPE, generator=gen, dtype=tdt, requires_grad=True)
-    dy, v, t = (torch.randn(SECOND_SHAPE, generator=gen, dtype=tdt) for _ in range(3))
+    x = torch.randn(shape, generator=gen, dtype=tdt, requires_grad=True)
+    dy, v, t = (torch.randn(shape, generator=gen, dtype=tdt) for _ in range(3))
 
     def double_backward(m):
         wrt = [x, *m.parameters()]
@@ -204,9 +204,9 @@ def _second_rows(tdt, gen, repeat) -> list[dict]:
         return call
     ms = round_robin({"torch_bb": double_backward(ref), "derivgen_bb": double_backward(ours),
                       "torch_jvp": jvp(ref), "derivgen_jvp": jvp(ours)}, repeat)
-    return [{"case": "LayerNorm double backward", "shape": list(SECOND_SHAPE), "target": 0.5,
+    return [{"case": "LayerNorm double backward", "shape": list(shape), "target": 0.5,
              "torch": ms["torch_bb"], "derivgen": ms["derivgen_bb"], "ratio": ms["derivgen_bb"] / ms["torch_bb"]},
-            {"case": "LayerNorm JVP (torch.func.jvp)", "shape": list(SECOND_SHAPE), "target": 0.5,
+            {"case": "LayerNorm JVP (torch.func.jvp)", "shape": list(shape), "target": 0.5,
              "torch": ms["torch_jvp"], "derivgen": ms["derivgen_jvp"],
              "ratio": ms["derivgen_jvp"] / ms["torch_jvp"]}]
 
