@@ -296,13 +296,18 @@ def run(text: str, seed: int = -1, prove_sizes=(2, 3)) -> Result:
         rows = check_layer(spec, prove_sizes=prove_sizes)
         import derivgen
         d = derivgen.derive(spec, prove=tuple(prove_sizes))
+        from derivgen.proof import prove_second_mode
+        second = {m: prove_second_mode(md.second, tuple(prove_sizes), symbolic_seconds=5.0)
+                  for m, md in d.modes.items()}
+        bad2 = [f"{m} second order: {r.detail or r.status}" for m, pr in second.items() for r in pr.results
+                if not r.ok]
         statuses = {p.status for p in d.proofs.values()}
         proof = "FAILED" if "FAILED" in statuses else (
             "checked numerically" if "checked numerically" in statuses else "proven")
         bad = [r for r in rows if r.failed]
-        fail = "; ".join(f"{r.mode} {r.backend} {r.dtype} {r.check}: {r.status} "
-                         + " ".join(f"{k}={v:.1e}" for k, v in r.errors.items()) for r in bad)
-        return Result(seed, not bad, proof, max(len(m.reductions) for m in d.modes.values()),
+        fail = "; ".join([f"{r.mode} {r.backend} {r.dtype} {r.check}: {r.status} "
+                          + " ".join(f"{k}={v:.1e}" for k, v in r.errors.items()) for r in bad] + bad2)
+        return Result(seed, not bad and not bad2, proof, max(len(m.reductions) for m in d.modes.values()),
                       time.perf_counter() - t0, fail)
     except BaseException as exc:            # noqa: BLE001 - every failure is a finding
         if isinstance(exc, KeyboardInterrupt):
