@@ -18,10 +18,13 @@ the backward needs; a loss that uses them gets an error, not a silent zero).
 * ``register_fake`` gives shapes and dtypes, so ``torch.compile`` traces a
   model through the operators without graph breaks;
 * the forward's ``register_autograd`` calls the backward operator;
-* the backward operator's own ``register_autograd`` differentiates the
-  generated PyTorch target (``derivgen.load(spec, "torch")``), whose backward
-  computes the statistics from x again: second and higher derivatives
-  (``create_graph=True``, ``gradgradcheck``) are exact.
+* the backward operator's own ``register_autograd`` is the derived double
+  backward (derivgen.second): a third operator per mode,
+  ``derivgen::<layer>_<mode>_bb``, over the generated C kernels; a fourth,
+  ``derivgen::<layer>_<mode>_jvp``, is forward mode (``torch.func.jvp``,
+  ``torch.autograd.forward_ad``). bfloat16, channels last and third order
+  differentiate the generated PyTorch target (``derivgen.load(spec, "torch")``)
+  under torch.func instead: exact at any order.
 
 Running buffers are not touched by the operators: :mod:`derivgen.torch.nn`
 updates them with the spec's update rule (``update_buffers`` of the torch
