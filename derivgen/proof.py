@@ -306,10 +306,11 @@ def _budget(seconds: float):
             signal.setitimer(signal.ITIMER_REAL, max(1e-3, outer_left - (time.monotonic() - t0)))
 
 
-def _proven(d: sympy.Expr, dys: list[sympy.Symbol]) -> bool:
-    """Symbolically zero: both sides are linear in ∂L/∂y, so each coefficient vanishes on its own."""
-    return all(_zero_symbolic(sympy.diff(d, dyj)) for dyj in dys) and \
-        _zero_symbolic(d.xreplace({dyj: 0 for dyj in dys}))
+def _proven(d: sympy.Expr, lin: list[sympy.Symbol]) -> bool:
+    """Symbolically zero: both sides are linear in the symbols ``lin`` (∂L/∂y; the second
+    order's cotangents or tangents), so each coefficient vanishes on its own."""
+    return all(_zero_symbolic(sympy.diff(d, s)) for s in lin if d.has(s)) and \
+        _zero_symbolic(d.xreplace({s: 0 for s in lin}))
 
 
 def prove_mode(md: ModeDerivation, sizes=(2, 3, 4, 5, 6)) -> ModeProof:
@@ -338,23 +339,30 @@ def prove_mode(md: ModeDerivation, sizes=(2, 3, 4, 5, 6)) -> ModeProof:
                 checks.append((f"d{p.name}", sympy.diff(loss, p.symbol) - total))
         for inp in spec.inputs:
             checks.append((f"d{inp.name}", sympy.diff(loss, inp.symbol) - ex.at(md.dinputs[inp.name], None)))
-        method, status, detail = "cancel/together", "proven", ""
-        symbolic = True
-        for what, d in checks:
-            if symbolic:
-                try:
-                    with _budget(max(0.1, SYMBOLIC_SECONDS - (time.perf_counter() - t0))):
-                        if _proven(d, ex.elem[DY]):
-                            continue
-                except _OutOfTime:
-                    symbolic = False            # out of time: exact numbers for the rest
-            if _zero_numeric(d, rng):
-                method, status = "exact rationals, 60 digits", "checked numerically"
-                continue
-            status, detail = "FAILED", f"{what} differs from brute force"
-            break
-        out.results.append(ProofResult(n, status, method, time.perf_counter() - t0, detail))
+        out.results.append(_settle(n, [(w, d, ex.elem[DY]) for w, d in checks], t0, rng, SYMBOLIC_SECONDS))
     return out
+
+
+def _settle(n: int, checks, t0: float, rng: random.Random, seconds: float) -> ProofResult:
+    """One size's result: each (what, difference, symbols it is linear in) reduced to zero
+    symbolically (one coefficient of those symbols at a time) until ``seconds`` since t0
+    have passed, then by exact rational evaluation; the first that is not zero fails."""
+    method, status, detail = "cancel/together", "proven", ""
+    symbolic = True
+    for what, d, lin in checks:
+        if symbolic:
+            try:
+                with _budget(max(0.1, seconds - (time.perf_counter() - t0))):
+                    if _proven(d, lin):
+                        continue
+            except _OutOfTime:
+                symbolic = False            # out of time: exact numbers for the rest
+        if _zero_numeric(d, rng):
+            method, status = "exact rationals, 60 digits", "checked numerically"
+            continue
+        status, detail = "FAILED", f"{what} differs from brute force"
+        break
+    return ProofResult(n, status, method, time.perf_counter() - t0, detail)
 
 
 def prove_derivation(d, sizes=(2, 3, 4, 5, 6)) -> dict[str, ModeProof]:
@@ -432,21 +440,5 @@ def prove_second_mode(so, sizes=(2, 3, 4, 5), symbolic_seconds: float = SYMBOLIC
         checks.append(("JVP y_0", ty0 - ex.at(so.ty, 0), tseeds))
         from .second import almost_everywhere
         checks = [(w, almost_everywhere(d), lin) for w, d, lin in checks]   # where |u| is differentiable
-        method, status, detail = "cancel/together", "proven", ""
-        symbolic = True
-        for what, d, lin in checks:
-            if symbolic:
-                try:
-                    with _budget(max(0.1, symbolic_seconds - (time.perf_counter() - t0))):
-                        if all(_zero_symbolic(sympy.diff(d, s)) for s in lin if d.has(s)) and \
-                                _zero_symbolic(d.xreplace({s: 0 for s in lin})):
-                            continue
-                except _OutOfTime:
-                    symbolic = False
-            if _zero_numeric(d, rng):
-                method, status = "exact rationals, 60 digits", "checked numerically"
-                continue
-            status, detail = "FAILED", f"{what} differs from brute force"
-            break
-        out.results.append(ProofResult(n, status, method, time.perf_counter() - t0, detail))
+        out.results.append(_settle(n, checks, t0, rng, symbolic_seconds))
     return out

@@ -220,3 +220,32 @@ def test_cli_derive_order_2(tmp_path):
     r = subprocess.run([sys.executable, "-m", "derivgen", "derive", "rmsnorm", "--order", "3"],
                        capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert r.returncode == 2 and "--order" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_torch_second_order_channels_last_and_bfloat16():
+    """Tensors the derived kernels do not take (channels last, bfloat16) get the same
+    second derivatives from the generated PyTorch closed form."""
+    torch = __import__("conftest").require_module("torch")
+    import derivgen.torch as dt
+    torch.manual_seed(2)
+    m = dt.BatchNorm2d(3, track_running_stats=False).double()
+    x = torch.randn(2, 3, 4, 4, dtype=torch.float64)
+    res = []
+    for fmt in (torch.contiguous_format, torch.channels_last):
+        xi = x.contiguous(memory_format=fmt).requires_grad_(True)
+        g, = torch.autograd.grad(m(xi), xi, torch.ones_like(xi) + xi.detach(), create_graph=True)
+        h, = torch.autograd.grad((g * g).sum(), xi)
+        _, t = torch.func.jvp(m, (xi.detach(),), (torch.ones_like(xi) * 0.5 + xi.detach() ** 2,))
+        res.append((h, t))
+    torch.testing.assert_close(res[1][0], res[0][0], rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(res[1][1], res[0][1], rtol=1e-10, atol=1e-12)
+    ln = dt.LayerNorm(16)
+    xb = torch.randn(4, 16)
+    out = []
+    for dtype in (torch.float32, torch.bfloat16):
+        mm = ln.to(dtype)
+        xi = xb.to(dtype).requires_grad_(True)
+        g, = torch.autograd.grad(mm(xi), xi, torch.ones_like(xi) + xi.detach(), create_graph=True)
+        h, = torch.autograd.grad((g.float() ** 2).sum(), xi)
+        out.append(h.float())
+    torch.testing.assert_close(out[1], out[0], rtol=0.1, atol=0.15)

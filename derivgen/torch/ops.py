@@ -213,8 +213,8 @@ class TorchLayer:
         _LIB.define(bbname + "(" + ", ".join(f"{t} {n}" for t, n, _ in bbargs) + ") -> ("
                     + ", ".join(["Tensor"] * nout) + ")")
         _LIB.define(jvname + "(" + ", ".join(f"{t} {n}" for t, n, _ in jvargs) + ") -> Tensor")
-        _LIB.impl(bbname, self._bb_impl(mode, bbargs), "CPU")
-        _LIB.impl(jvname, self._jvp_impl(mode, jvargs), "CPU")
+        _LIB.impl(bbname, self._second_impl(mode, "bb", bbargs), "CPU")
+        _LIB.impl(jvname, self._second_impl(mode, "jvp", jvargs), "CPU")
         bbop = getattr(torch.ops.derivgen, bbname).default
         jvop = getattr(torch.ops.derivgen, jvname).default
 
@@ -320,20 +320,12 @@ class TorchLayer:
                         else d.reshape(t.shape))
         return tuple(outs)
 
-    def _bb_impl(self, mode, bbargs):
+    def _second_impl(self, mode, kind, names):
         def impl(*args):
-            a = self._split(bbargs, args)
+            a = self._split(names, args)
             if self._second_fast(a):
-                return self._second_call(mode, "bb", a)
-            return self._generic_bb(mode, a)
-        return impl
-
-    def _jvp_impl(self, mode, jvargs):
-        def impl(*args):
-            a = self._split(jvargs, args)
-            if self._second_fast(a):
-                return self._second_call(mode, "jvp", a)
-            return self._generic_jvp(mode, a)
+                return self._second_call(mode, kind, a)
+            return getattr(self, "_generic_" + kind)(mode, a)      # _generic_bb, _generic_jvp
         return impl
 
     def _split(self, names, args) -> dict:
