@@ -64,11 +64,13 @@ def test_a_broken_backend_is_reported(monkeypatch):
     spec = derivgen.load_spec("layernorm")
     real = chk._run
 
-    def broken(mod, spec_, x, dy, params, kw):
-        out = real(mod, spec_, x, dy, params, kw)
+    def broken(mod, spec_, x, dy, params, kw, seeds=None):
+        out = real(mod, spec_, x, dy, params, kw, seeds)
         out["dx"] = out["dx"] * 1.001
+        out["bb.ddy"] = out["bb.ddy"] * 1.001          # the second-order rows catch their own outputs
         return out
     monkeypatch.setattr(chk, "_run", broken)
     rows = chk.check_layer(spec, ("numpy",), ("float64",), prove_sizes=(2,), in_ci=False)
     bad = {r.check for r in rows if r.failed}
     assert "spec + finite differences" in bad and "torch" in bad
+    assert "second order: finite differences" in bad and "torch second order" in bad
