@@ -63,7 +63,14 @@ for name, shapes in SHAPES.items():
                         if training is not None:
                             kk.update(training=training, running_mean=np.zeros(ps, dtype), running_var=np.ones(ps, dtype))
                         y, c = k.forward(x, *params, **kk)
-                        g = k.backward(rng.normal(size=xs).astype(dtype), c)
+                        dy = rng.normal(size=xs).astype(dtype)
+                        g = k.backward(dy, c)
+                        # second order: every seed given (inputs too), and none
+                        seeds = {"ddinputs": {i: np.ones_like(kk[i]) for i in ("prev_mean", "prev_std") if i in kk}}
+                        k.backward_backward(dy, c, dy, [np.ones_like(p) for p in params], **seeds)
+                        k.backward_backward(dy, c)
+                        k.jvp(c, dy, [np.ones_like(p) for p in params],
+                              tinputs={i: np.ones_like(kk[i]) for i in ("prev_mean", "prev_std") if i in kk})
                         count += 1
 
 # The extras library (-DDG_EXTRAS_ONLY: bfloat16 kernels, and the channels-last kernels of
