@@ -256,8 +256,15 @@ def _reduces_to_zero(diff: sympy.Expr) -> bool:
 
 def _zero_numeric(diff: sympy.Expr, rng: random.Random, trials: int = 3) -> bool:
     """Exact evaluation at random rational points: positive where a symbol is declared
-    non-negative (eps, statistics of squares), in (0, 1) for mixing coefficients."""
-    for _ in range(trials):
+    non-negative (eps, statistics of squares), in (0, 1) for mixing coefficients. A point
+    where either side is undefined (NaN: two equal values at N = 2 make a deviation zero,
+    and a root of it has no derivative there) is drawn again, up to 3 times per trial;
+    a difference that is undefined everywhere is not zero."""
+    done = tries = 0
+    while done < trials:
+        tries += 1
+        if tries > 4 * trials:
+            return False
         vals = {}
         for s in sorted(diff.free_symbols, key=lambda s: s.name):
             name = s.name
@@ -268,8 +275,11 @@ def _zero_numeric(diff: sympy.Expr, rng: random.Random, trials: int = 3) -> bool
             else:
                 vals[s] = sympy.Rational(rng.randint(-300, 300), 97)
         v = diff.xreplace(vals).evalf(60)
+        if v.has(sympy.nan, sympy.zoo, sympy.oo, -sympy.oo):
+            continue
         if not v.is_number or abs(v) > sympy.Float("1e-40", 60):
             return False
+        done += 1
     return True
 
 

@@ -23,6 +23,31 @@ def test_regression_spec_goes_through_the_pipeline(path):
     assert not bad, bad
     proofs = [r for r in rows if r.check.startswith("proof")]
     assert proofs and all(r.status == "ok" for r in proofs), [r.status for r in proofs]   # symbolic
+    from derivgen.proof import prove_second_mode
+    for mode, md in derivgen.derive(spec).modes.items():
+        second = prove_second_mode(md.second, (2, 3), symbolic_seconds=10.0)
+        assert second.ok, (mode, [(r.n, r.status, r.detail) for r in second.results])
+
+
+def test_numeric_check_redraws_points_where_the_layer_is_undefined():
+    import random
+
+    import sympy
+    from derivgen.proof import _zero_numeric
+    a, b = sympy.symbols("a b", real=True)
+
+    class Scripted(random.Random):
+        """Draws a = b first (where the expression is 0/0), then distinct values."""
+        def __init__(self):
+            super().__init__(0)
+            self.script = [5, 5, 1, 2, 3, 7, 11, 13]
+
+        def randint(self, lo, hi):
+            return self.script.pop(0) if self.script else super().randint(lo, hi)
+    diff = sympy.Mul(a - b, sympy.Pow(a - b, -1, evaluate=False), evaluate=False) - 1
+    assert _zero_numeric(diff, Scripted())                # zero wherever defined: a = b is drawn again
+    assert not _zero_numeric(sympy.nan * a, random.Random(0))   # undefined everywhere is not zero
+    assert not _zero_numeric(a - b, random.Random(0))
 
 
 def test_gradient_name_that_is_a_keyword_is_refused():
