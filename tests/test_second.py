@@ -249,3 +249,35 @@ def test_torch_second_order_channels_last_and_bfloat16():
         h, = torch.autograd.grad((g.float() ** 2).sum(), xi)
         out.append(h.float())
     torch.testing.assert_close(out[1], out[0], rtol=0.1, atol=0.15)
+
+
+def test_torch_third_order_matches_finite_differences():
+    """The derived double backward is itself differentiable (third order through the
+    generated PyTorch closed form, statistics recomputed from x): the gradient of a loss on
+    a Hessian-vector product matches central differences of the second order. (PyTorch
+    2.13's own third derivative of layer_norm does not: its double backward treats the
+    saved mean and rstd as constants.)"""
+    torch = __import__("conftest").require_module("torch")
+    import derivgen.torch as dt
+    torch.manual_seed(0)
+    m = dt.LayerNorm(5).double()
+    with torch.no_grad():
+        m.weight.normal_()
+        m.bias.normal_()
+    x = torch.randn(3, 5, dtype=torch.float64, requires_grad=True)
+    w, v = torch.randn_like(x), torch.randn_like(x)
+
+    def second(z, create_graph):
+        g, = torch.autograd.grad((m(z) * w).sum(), z, create_graph=True)
+        h, = torch.autograd.grad((g * v).sum(), z, create_graph=create_graph)
+        return h
+    k, = torch.autograd.grad((second(x, True) ** 2).sum(), x)
+    fd = torch.zeros_like(x)
+    for i in range(x.numel()):
+        e = torch.zeros_like(x).view(-1)
+        e[i] = 1e-6
+        e = e.view_as(x)
+        hp = second((x + e).detach().requires_grad_(True), False)
+        hm = second((x - e).detach().requires_grad_(True), False)
+        fd.view(-1)[i] = ((hp ** 2).sum() - (hm ** 2).sum()) / 2e-6
+    torch.testing.assert_close(k, fd, rtol=1e-6, atol=1e-6)

@@ -68,6 +68,12 @@ def test_opcheck(name, mode):
     dy = torch.randn_like(y)
     res = torch.library.opcheck(ops.backward, (dy, *fargs, *stats, *scalars))
     assert all(v == "SUCCESS" for v in res.values()), res
+    # the second-order operators (derived kernels): double backward and JVP
+    seeds = [torch.randn_like(t) for t in (x, *params.values(), *inputs.values())]
+    res = torch.library.opcheck(ops.bb, (dy, *fargs, *stats, *seeds, *scalars))
+    assert all(v == "SUCCESS" for v in res.values()), res
+    res = torch.library.opcheck(ops.jvp, (*fargs, *stats, *seeds, *scalars))
+    assert all(v == "SUCCESS" for v in res.values()), res
 
 
 def test_statistics_are_not_differentiable():

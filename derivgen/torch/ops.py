@@ -251,6 +251,28 @@ class TorchLayer:
             g = dict(zip(wrt, vjp(cot)))
             return tuple(g.get(s) if t == "Tensor" else None for t, _, s in bbargs)
         torch.library.register_autograd(bbop, bb_backward, setup_context=setup_bb, lib=_LIB)
+
+        def setup_jvp(ctx, inputs, output):
+            ctx.inputs = inputs
+            ctx.save_for_backward(*(v for (t, _, _), v in zip(jvargs, inputs) if t == "Tensor"))
+
+        def jvp_backward(ctx, cot):
+            # reverse over forward (jacrev of jacfwd, a loss on a tangent): the generated
+            # PyTorch closed form, differentiated by torch.func
+            tnames = [s for t, _, s in jvargs if t == "Tensor"]
+            a = dict(zip(tnames, ctx.saved_tensors))
+            a.update({s: v for (t, _, s), v in zip(jvargs, ctx.inputs) if t != "Tensor"})
+            diff = ["x", *self.params, *self.inputs]
+            wrt = [*diff, *("t_" + n for n in diff)]
+
+            def f(*primals):
+                b = dict(a)
+                b.update(zip(wrt, primals))
+                return self._generic_jvp(mode, b)
+            _, vjp = torch.func.vjp(f, *(a[w] for w in wrt))
+            g = dict(zip(wrt, vjp(cot)))
+            return tuple(g.get(s) if t == "Tensor" else None for t, _, s in jvargs)
+        torch.library.register_autograd(jvop, jvp_backward, setup_context=setup_jvp, lib=_LIB)
         return bbop, jvop
 
     def _generic_bb(self, mode: str, a: dict) -> tuple:
@@ -592,8 +614,9 @@ class TorchLayer:
         if isinstance(x, torch.Tensor) and x.is_cpu and not torch.compiler.is_compiling() \
                 and torch._C._are_functorch_transforms_active():
             # torch.func (jvp, vjp, grad, ...): an autograd.Function over the operators, with the
-            # derived backward and JVP
-            plan = self._plan(mode, tens, opts, groups)
+            # derived backward and JVP (vmap, and so jacfwd/jacrev/hessian, is not supported:
+            # the registered operators have no batching rule)
+            self._plan(mode, tens, opts, groups)
             out = _Functional.apply(self, mode, opts, groups, *tens)
             return out[0], dict(zip(self.meta["stats"][mode], out[1:]))
         if isinstance(x, torch.Tensor) and x.is_cpu and not torch.compiler.is_compiling():
