@@ -30,8 +30,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import sympy
-from sympy import Add
-
 from .engine import G, ModeDerivation, ParamGrad, Reduction, _check_derivatives
 from .naming import derived
 from .reduce import Mean, hide_means
@@ -80,7 +78,7 @@ class SecondOrder:
         return out
 
 
-def _named(name: str, latex: str, text: str, level_real=True) -> Named:
+def _named(name: str, latex: str, text: str) -> Named:
     return Named(name, sympy.Symbol(name, real=True), latex, text)
 
 
@@ -214,7 +212,7 @@ def derive_second(md: ModeDerivation) -> SecondOrder:
         tan[i.symbol] = tan_i[i.name].symbol
     elem_in = {X} | channel
 
-    def tangent(expr: sympy.Expr, group_syms, where: str) -> sympy.Expr:
+    def tangent(expr: sympy.Expr, where: str) -> sympy.Expr:
         out = sympy.S.Zero
         for u in sorted(expr.free_symbols & set(tan), key=sympy.default_sort_key):
             d = sympy.diff(expr, u)
@@ -234,14 +232,14 @@ def derive_second(md: ModeDerivation) -> SecondOrder:
         for r, atom in table.items():
             coef = prog.partial(st, r, hidden).xreplace(table)
             if coef != 0:
-                ts += coef * Mean(tangent(atom.args[0], None, f"statistics.{st.name}"))
+                ts += coef * Mean(tangent(atom.args[0], f"statistics.{st.name}"))
         tan[st.symbol] = ts
     xh = eng.xhat
     if xh is not None:
-        txh = tangent(eng.xhat_def, None, "normalized")
-        ty = sympy.diff(eng.y_hat, xh) * txh + tangent(eng.y_hat, None, "output")
+        txh = tangent(eng.xhat_def, "normalized")
+        ty = sympy.diff(eng.y_hat, xh) * txh + tangent(eng.y_hat, "output")
     else:
-        ty = tangent(eng.y_full, None, "output")
+        ty = tangent(eng.y_full, "output")
     ty = fin(ty)
     _check_derivatives(spec, "JVP", ty)
     jvp_reductions = eng.name_reductions([ty], extra)

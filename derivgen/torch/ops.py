@@ -527,7 +527,6 @@ class TorchLayer:
 
     # ---------------------------------------------------------------- autograd
     def _register_autograd(self, mode, fop, bop, fargs, bargs, bbop):
-        nstats = len(self.meta["stats"][mode])
         n_fwd_tensors = sum(1 for t, _, _ in fargs if t == "Tensor")
         diff = ["x", *self.params, *self.inputs]
 
