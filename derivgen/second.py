@@ -93,10 +93,17 @@ def _tangent(item) -> Named:
 def almost_everywhere(e: sympy.Expr) -> sympy.Expr:
     """The derivative of sign(u) (from |u| in a layer) is zero wherever it is defined (u ≠ 0),
     as the first order's sign(u) is |u|'s derivative wherever that is defined: DiracDelta
-    terms are dropped."""
-    if not e.has(sympy.DiracDelta):
-        return e
-    return e.replace(lambda a: isinstance(a, sympy.DiracDelta), lambda a: sympy.S.Zero)
+    terms, and derivatives of sign that SymPy leaves unevaluated, are dropped."""
+    if e.has(sympy.Derivative):
+        e = e.replace(lambda a: isinstance(a, sympy.Derivative) and isinstance(a.expr, sympy.sign),
+                      lambda a: sympy.S.Zero)
+    if e.has(sympy.DiracDelta):
+        e = e.replace(lambda a: isinstance(a, sympy.DiracDelta), lambda a: sympy.S.Zero)
+    return e
+
+
+def _d(expr: sympy.Expr, u: sympy.Symbol) -> sympy.Expr:
+    return almost_everywhere(sympy.diff(expr, u))
 
 
 def derive_second(md: ModeDerivation) -> SecondOrder:
@@ -135,19 +142,19 @@ def derive_second(md: ModeDerivation) -> SecondOrder:
         if w == 0:
             return
         for u in sorted(expr.free_symbols & element, key=sympy.default_sort_key):
-            d = sympy.diff(expr, u)
+            d = _d(expr, u)
             _check_derivatives(spec, where, d)
             if d != 0:
                 ebar[u] = ebar.get(u, 0) + w * d
         for a in sorted(expr.free_symbols & group_diff, key=sympy.default_sort_key):
-            d = sympy.diff(expr, a)
+            d = _d(expr, a)
             _check_derivatives(spec, where, d)
             if d != 0:
                 gbar[a] = gbar.get(a, 0) + N * Mean(w * d)
 
     def group_through(expr: sympy.Expr, w: sympy.Expr):
         for a in sorted(expr.free_symbols & group_diff, key=sympy.default_sort_key):
-            d = sympy.diff(expr, a)
+            d = _d(expr, a)
             if d != 0:
                 gbar[a] = gbar.get(a, 0) + w * d
 
@@ -173,12 +180,12 @@ def derive_second(md: ModeDerivation) -> SecondOrder:
             continue
         hidden, table = hide_means(st.expr, prefix=f"{st.name}_Q")
         for v in sorted(hidden.free_symbols & group_diff, key=sympy.default_sort_key):
-            d = prog.partial(st, v, hidden).xreplace(table)
+            d = almost_everywhere(prog.partial(st, v, hidden).xreplace(table))
             _check_derivatives(spec, f"statistics.{st.name}", d)
             if d != 0:
                 gbar[v] = gbar.get(v, 0) + w * d
         for r, atom in table.items():
-            coef = prog.partial(st, r, hidden).xreplace(table)
+            coef = almost_everywhere(prog.partial(st, r, hidden).xreplace(table))
             if coef != 0:
                 through(atom.args[0], w * coef / N, f"statistics.{st.name}")
     element |= {G} | ({coord} if coord is not None else set())
@@ -215,7 +222,7 @@ def derive_second(md: ModeDerivation) -> SecondOrder:
     def tangent(expr: sympy.Expr, where: str) -> sympy.Expr:
         out = sympy.S.Zero
         for u in sorted(expr.free_symbols & set(tan), key=sympy.default_sort_key):
-            d = sympy.diff(expr, u)
+            d = _d(expr, u)
             _check_derivatives(spec, where, d)
             out += d * tan[u]
         return out
@@ -226,18 +233,18 @@ def derive_second(md: ModeDerivation) -> SecondOrder:
         for v in sorted(hidden.free_symbols & set(tan), key=sympy.default_sort_key):
             if v in elem_in:
                 continue
-            d = prog.partial(st, v, hidden).xreplace(table)
+            d = almost_everywhere(prog.partial(st, v, hidden).xreplace(table))
             _check_derivatives(spec, f"statistics.{st.name}", d)
             ts += d * tan[v]
         for r, atom in table.items():
-            coef = prog.partial(st, r, hidden).xreplace(table)
+            coef = almost_everywhere(prog.partial(st, r, hidden).xreplace(table))
             if coef != 0:
                 ts += coef * Mean(tangent(atom.args[0], f"statistics.{st.name}"))
         tan[st.symbol] = ts
     xh = eng.xhat
     if xh is not None:
         txh = tangent(eng.xhat_def, "normalized")
-        ty = sympy.diff(eng.y_hat, xh) * txh + tangent(eng.y_hat, "output")
+        ty = _d(eng.y_hat, xh) * txh + tangent(eng.y_hat, "output")
     else:
         ty = tangent(eng.y_full, "output")
     ty = fin(ty)
