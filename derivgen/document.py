@@ -185,7 +185,7 @@ def _proof_latex(md, d) -> str:
     return (r"\section*{Proof against brute force}" "\n"
             "For each N the layer is built from N explicit scalar symbols, differentiated with "
             "sympy.diff, and the difference from the closed form above is reduced to zero with "
-            "cancel/together (``proven''); where that cannot be finished it is evaluated exactly at "
+            "cancel/together (``proven''); where that cannot be finished it is evaluated in 80-digit arithmetic at "
             "random rational points (``checked numerically'').\n"
             r"\begin{itemize}" "\n" + items + "\n" r"\end{itemize}" "\n")
 
