@@ -6,7 +6,10 @@ import functools
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .build import cache_dir
+from .emit import emit
 from .engine import ModeDerivation, derive_mode
+from .fsutil import atomic_write
 from .spec import Spec, catalogue_names, load_catalogue, load_spec_file
 
 
@@ -116,10 +119,6 @@ def load(name_or_spec, backend: str = "numpy", *, cflags: list[str] | None = Non
 def materialize(spec: Spec, backend: str) -> tuple[Path, str]:
     """Write the generated code of one backend into the cache; (directory, content digest)."""
     import hashlib
-
-    from .build import cache_dir
-    from .emit import emit
-    from .fsutil import atomic_write
 
     files = emit(derive(spec), targets=(backend,)).files
     digest = hashlib.sha256("\0".join(f"{k}\0{v}" for k, v in sorted(files.items())).encode()).hexdigest()[:16]

@@ -3,8 +3,13 @@
 The kernel template (templates/kernel.c.j2) lays out the loops -- groups,
 blocks, runs of contiguous values, DG_LANES lanes -- and this module fills
 them: what each sweep over a group loads, computes, stores and sums, and the
-per-group values between sweeps. Every name it makes is in derivgen's own
-namespace (an upper-case letter; see :mod:`derivgen.naming`): element loads
+per-group values between sweeps. :func:`plan_kernel` computes a mode's whole
+plan for one element type once, before rendering, as plain data
+(:class:`KernelPlan`); the templates only lay it out. Every line records the
+names it reads (as the printer printed them), so which group values a sweep
+needs is known from the plan, never read back from the C text. Every name it
+makes is in derivgen's own namespace (an upper-case letter; see
+:mod:`derivgen.naming`): element loads
 ``Xv``, ``Dyv``, ``gamma_V``; group values of buffers and scalar parameters
 ``b_G``; float copies ``rstd_F``; hi/lo pairs ``H0_hi``; common
 subexpressions ``Cse0``.
@@ -12,15 +17,15 @@ subexpressions ``Cse0``.
 
 from __future__ import annotations
 
-import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import ClassVar
 
 import sympy
 from sympy import Add
 
-from .naming import derived, ordered_names
-from .printers import _CFloatElem, _SPEC_FOR_PRINTING, c_expr
-from .spec import Spec
+from .ir import Assign, Loop, ModeIR, SecondIR, needed_temps
+from .naming import derived
+from .printers import SpecPrinter
 
 CTYPES = {"f32": "float", "f64": "double", "bf16": "dg_bf16"}
 # the arithmetic type of each storage type: bfloat16 is read and written as bfloat16 and
@@ -43,7 +48,21 @@ def c_store(text: str, T: str) -> str:
     return f"({T})({text})"
 
 
-@dataclass
+@dataclass(frozen=True)
+class CDecl:
+    """A per-group declaration before a sweep: ``const ctype name = expr;``."""
+    ctype: str
+    name: str
+    expr: str
+    reads: frozenset[str]                  # the names the expression reads
+
+    @property
+    def line(self) -> str:
+        """The declaration as one C statement."""
+        return f"const {self.ctype} {self.name} = {self.expr};"
+
+
+@dataclass(frozen=True)
 class CLoop:
     """One sweep over the elements of a group, as data for the C template.
 
@@ -53,16 +72,17 @@ class CLoop:
     NCHW layouts.
     """
     uses_params: bool
-    prelude: list[str]                     # per-group declarations before the sweep (float copies, hi/lo)
-    param_loads: list[str]                 # const double gamma_V = (double)gamma[Ch];
-    elem_loads: list[str]                  # x, dy, then element temporaries, in order
-    stores: list[tuple[str, str]]          # (output array, value): dx, (float)(...)
-    group_sums: list[tuple[str, str]]      # (accumulator, expression) summed over the group
-    param_sums: list[tuple[int, str]]      # (parameter slot, expression) summed per channel
-    scalar_param_sums: list[tuple[int, str]] = field(default_factory=list)  # (slot, accumulator): scalar params
-    param_pend: list[tuple[int, str]] = field(default_factory=list)  # param_sums in element arithmetic
-    outputs: list[str] = field(default_factory=list)       # full-size arrays written (y, dx)
-    prefetch: list[str] = field(default_factory=list)      # full-size arrays read ahead (first sweep only)
+    prelude: tuple[CDecl, ...]             # per-group declarations before the sweep (float copies, hi/lo)
+    param_loads: tuple[str, ...]           # const double gamma_V = (double)gamma[Ch];
+    elem_loads: tuple[str, ...]            # x, dy, then element temporaries, in order
+    stores: tuple[tuple[str, str], ...]    # (output array, value): dx, (float)(...)
+    group_sums: tuple[tuple[str, str], ...]   # (accumulator, expression) summed over the group
+    param_sums: tuple[tuple[int, str], ...]   # (parameter slot, expression) summed per channel
+    scalar_param_sums: tuple[tuple[int, str], ...]   # (slot, accumulator): scalar params
+    param_pend: tuple[tuple[int, str], ...]   # param_sums in element arithmetic
+    outputs: tuple[str, ...]               # full-size arrays written (y, dx)
+    prefetch: tuple[str, ...]              # full-size arrays read ahead (first sweep only)
+    reads: frozenset[str]                  # the names the element code (all but param_pend) reads
 
     # Runs whose iterations carry no lane sums may start their lane blocks anywhere, so a
     # long streaming run peels a scalar head up to a 64-byte boundary of its single output
@@ -87,26 +107,128 @@ class CLoop:
         return not (self.direct_run and self.direct_nchw) if self.uses_params else not self.direct_run
 
 
-def _used(name: str, texts: list[str]) -> bool:
-    pat = re.compile(r"(?<![A-Za-z0-9_])" + re.escape(name) + r"(?![A-Za-z0-9_])")
-    return any(pat.search(t) for t in texts)
-
-
-def _live(prelude: list[tuple[str, str]], code: list[str]) -> list[str]:
-    """The prelude declarations (name, line) that the code uses, directly or through
+def _live(prelude: list[CDecl], reads: frozenset[str]) -> tuple[CDecl, ...]:
+    """The prelude declarations that code reading ``reads`` uses, directly or through
     another kept declaration (H0 through H0_hi); the rest would be unused variables."""
-    keep: list[tuple[str, str]] = []
-    for name, line in reversed(prelude):
-        if _used(name, code + [ln for _, ln in keep]):
-            keep.insert(0, (name, line))
-    return [ln for _, ln in keep]
+    keep: list[CDecl] = []
+    used = set(reads)
+    for decl in reversed(prelude):
+        if decl.name in used:
+            keep.insert(0, decl)
+            used |= decl.reads
+    return tuple(keep)
+
+
+# ---- channels last (NHWC) -------------------------------------------------
+#
+# The NHWC kernels run the same sweeps over a block of groups in lockstep: for every
+# position s of a run (and every channel of a group), the innermost loop walks the
+# block's groups, which are adjacent in memory. Each group keeps its own DG_LANES
+# lanes, filled in the same order as the NCHW kernels fill them (lane J gets the
+# run's positions J, J + DG_LANES, ..., the remainder lane 0), so sums, statistics
+# and outputs are the NCHW kernels' bits. Group-level values live in arrays
+# ``Gv_<name>[Gi]``; the innermost loop declares the ones its code uses.
+
+@dataclass(frozen=True)
+class NhwcSweep:
+    """A sweep's group-level needs in the NHWC kernels."""
+    prelude_inputs: tuple[str, ...]            # group values the prelude reads
+    inner_group: tuple[str, ...]               # group values the element code reads
+    inner_prelude: tuple[tuple[str, str], ...]   # (type, name) of prelude values the element code reads
+
+
+def nhwc_sweep(lp: CLoop, group_names: list[str]) -> NhwcSweep:
+    """What a sweep reads of the group values ``group_names`` defined before it."""
+    pnames = {d.name for d in lp.prelude}
+    prelude_reads = frozenset().union(*(d.reads for d in lp.prelude))
+    return NhwcSweep(
+        prelude_inputs=tuple(n for n in group_names if n not in pnames and n in prelude_reads),
+        inner_group=tuple(n for n in group_names if n not in pnames and n in lp.reads),
+        inner_prelude=tuple((d.ctype, d.name) for d in lp.prelude if d.name in lp.reads))
+
+
+# ---- a kernel's plan -------------------------------------------------------
+
+@dataclass(frozen=True)
+class Sweep:
+    """A sweep of a kernel: its loop, the accumulators it leaves, and its NHWC needs."""
+    kind: ClassVar[str] = "sweep"
+    loop: CLoop
+    accs: tuple[str, ...]
+    nhwc: NhwcSweep
+
+
+@dataclass(frozen=True)
+class GroupValue:
+    """A per-group value between sweeps: ``const double name = expr;``."""
+    kind: ClassVar[str] = "assign"
+    name: str
+    expr: str
+    comment: str
+    reads: tuple[str, ...]                 # the group values defined before it that it reads, in order
+
+
+@dataclass(frozen=True)
+class SplitLevel:
+    """A level of the split reduction: its sweep (None: no sums), the statistics it
+    assigns, and the statistics of the earlier levels."""
+    sweep: Sweep | None
+    assigns: tuple[GroupValue, ...]
+    known: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class ForwardPlan:
+    """The forward kernel: sweeps and statistics in order, the buffer updates, the output sweep."""
+    steps: tuple[Sweep | GroupValue, ...]
+    final: Sweep
+    updates: tuple[tuple[str, str], ...]   # (buffer, C expression)
+    update_reads: tuple[str, ...]          # the group values the updates read
+    levels: tuple[SplitLevel, ...]
+
+
+@dataclass(frozen=True)
+class BackwardPlan:
+    """The backward kernel: the reduction sweep (None: no reductions), the group values, the output sweep."""
+    reduction: Sweep | None
+    group: tuple[GroupValue, ...]
+    final: Sweep
+
+
+@dataclass(frozen=True)
+class SecondPlan:
+    """A second-order kernel (derivgen.second): one reduction sweep, one output sweep per
+    group, all arithmetic in double (float and bfloat16 values are widened on load), sums
+    in DG_LANES lanes; the template (kernel.c.j2, second_kernel) lays out the loops."""
+    elem1: tuple[str, ...]                 # sweep 1: element loads and temporaries
+    chan1: tuple[str, ...]                 # sweep 1: per-channel loads
+    sums: tuple[tuple[str, str], ...]      # (accumulator, C expression)
+    group: tuple[tuple[str, str, str], ...]   # (name, C expression, comment) per group between the sweeps
+    elem2: tuple[str, ...]
+    chan2: tuple[str, ...]
+    stores: tuple[tuple[str, str], ...]    # (output array, C expression in double)
+    param_sums: tuple[tuple[int, str], ...]   # (parameter slot, C expression)
+    inputs: tuple[tuple[str, str], ...]    # (input, group variable)
+    param_groups: tuple[tuple[int, str], ...]   # (parameter slot, group variable)
+    seed_group: tuple[tuple[str, str], ...]   # (name, declaration): per-group loads of input seeds, scalar seeds
+
+
+@dataclass(frozen=True)
+class KernelPlan:
+    """Every C kernel of one mode for one element type, planned once before rendering."""
+    mode: str
+    ctype: str
+    forward: ForwardPlan
+    backward: BackwardPlan
+    second: dict[str, SecondPlan] | None   # "bb", "jvp"; None for bfloat16 (no second-order kernels)
 
 
 class CPlanner:
     """Turns a ModeIR into C statement strings for one element type."""
 
-    def __init__(self, spec: Spec, ir, ctype: str):
-        self.spec, self.ir, self.ctype = spec, ir, ctype
+    def __init__(self, printer: SpecPrinter, ir: ModeIR, ctype: str):
+        spec = printer.spec
+        self.printer, self.spec, self.ir, self.ctype = printer, spec, ir, ctype
         self.atype = ATYPES[ctype]
         self.params = [p.name for p in spec.params]
         self.scalar = {p.name for p in spec.params if p.scalar}
@@ -118,28 +240,16 @@ class CPlanner:
         self.elem_names: dict[str, str] = {"x": "Xv", "dy": "Dyv",
                                            **{p: derived(p, "V") for p in self.params if p not in self.scalar}}
 
-    def g(self, e: sympy.Expr) -> str:
-        """A group-level expression (double)."""
-        return c_expr(e, "double", self.group_names)
+    def g(self, e: sympy.Expr) -> tuple[str, frozenset[str]]:
+        """A group-level expression (double), and the names it reads."""
+        return self.printer.c_reads(e, "double", self.group_names)
 
     # ---- one sweep -----------------------------------------------------
-    @staticmethod
-    def _needed(exprs, temps) -> tuple[list[tuple[str, sympy.Expr]], set[str]]:
-        """The element temporaries the expressions use, transitively, in definition order;
-        and every name used."""
-        needed: list[tuple[str, sympy.Expr]] = []
-        names = {str(s) for e in exprs for s in e.free_symbols}
-        for nm, te in reversed(temps):
-            if nm in names:
-                needed.insert(0, (nm, te))
-                names |= {str(s) for s in te.free_symbols}
-        return needed, names
-
-    def _float_prelude(self, every, elem: set[str], enames: dict[str, str]):
+    def _float_prelude(self, every, elem: set[str], enames: dict[str, str]) -> tuple[list[CDecl], dict]:
         """Float element arithmetic: group-level addends of mixed sums become hi/lo pairs
-        (H0_hi + H0_lo), other group values float copies (rstd_F). Returns the prelude as
-        (name, declaration) pairs and the hoisted Add nodes; updates ``enames``."""
-        prelude: list[tuple[str, str]] = []
+        (H0_hi + H0_lo), other group values float copies (rstd_F). Returns the prelude
+        and the hoisted Add nodes; updates ``enames``."""
+        prelude: list[CDecl] = []
         hoisted: dict = {}
         for e in every:
             for node in sympy.preorder_traversal(e):
@@ -149,9 +259,10 @@ class CPlanner:
                     if ge and ee:
                         h = f"H{len(hoisted)}"
                         hoisted[node] = (Add(*ee), h)
-                        prelude.append((h, f"const double {h} = {self.g(Add(*ge))};"))
-                        prelude.append((f"{h}_hi", f"const float {h}_hi = (float){h};"))
-                        prelude.append((f"{h}_lo", f"const float {h}_lo = (float)({h} - (double){h}_hi);"))
+                        prelude.append(CDecl("double", h, *self.g(Add(*ge))))
+                        prelude.append(CDecl("float", f"{h}_hi", f"(float){h}", frozenset({h})))
+                        prelude.append(CDecl("float", f"{h}_lo", f"(float)({h} - (double){h}_hi)",
+                                             frozenset({h, f"{h}_hi"})))
         used: set[str] = set()
 
         def collect(node):
@@ -168,13 +279,14 @@ class CPlanner:
         for gname in sorted(used):
             src = self.group_names.get(gname, gname)
             f = src + "_F"                  # rstd_F, Mean_g_F: an upper-case tag, derivgen's namespace
-            prelude.append((f, f"const float {f} = (float){src};"))
+            prelude.append(CDecl("float", f, f"(float){src}", frozenset({src})))
             enames[gname] = f
         return prelude, hoisted
 
     def loop(self, exprs: list[sympy.Expr], temps: list[tuple[str, sympy.Expr]], *, stores=(), group_sums=(),
              param_sums=(), arith: str = "double", outputs=(), first: bool = False) -> CLoop:
-        """Element sweep computing ``exprs``; ``temps`` are element temporaries available.
+        """Element sweep computing ``exprs``; ``temps`` are element temporaries available;
+        ``stores`` are (output array, element expression) pairs.
 
         ``outputs`` are the full-size arrays the sweep writes (straight, streamed
         from registers, or through a cache-resident tile streamed out after each
@@ -188,7 +300,7 @@ class CPlanner:
         kernels) computes in float, adding group-level terms as hi + lo pairs.
         """
         A, T = arith, self.ctype
-        needed, names = self._needed(exprs, temps)
+        needed, names = needed_temps(exprs, temps)
         chan = [p for p in self.params if p not in self.scalar]
         elem = {"x", "dy", *chan} | {nm for nm, _ in needed}
         enames = dict(self.group_names)
@@ -196,19 +308,24 @@ class CPlanner:
         prelude, hoisted = ([], {})
         if A == "float":
             prelude, hoisted = self._float_prelude([te for _, te in needed] + list(exprs), elem, enames)
+        body_reads: set[str] = set()
+        pend_reads: set[str] = set()
 
-        def P(e):
+        def element(e: sympy.Expr, into: set[str]) -> str:
             """Element arithmetic (temporaries, stored outputs) in the sweep's type."""
             if A == "float":
-                return _CFloatElem(enames, ordered_names(_SPEC_FOR_PRINTING[0]), hoisted).doprint(e)
-            return c_expr(e, "double", enames)
+                text, reads = self.printer.c_float_reads(e, enames, hoisted)
+            else:
+                text, reads = self.printer.c_reads(e, "double", enames)
+            into |= reads
+            return text
         elem_loads = []
         if "x" in names:
             elem_loads.append(f"const {A} Xv = {c_load('x[Idx]', T, A)};")
         if "dy" in names:
             elem_loads.append(f"const {A} Dyv = {c_load('dy[Idx]', T, A)};")
         for nm, te in needed:
-            elem_loads.append(f"const {A} {nm} = {P(te)};")
+            elem_loads.append(f"const {A} {nm} = {element(te, body_reads)};")
             enames[nm] = nm
         # summands are double: float element values are widened before any arithmetic, so the
         # temporaries (x-hat, g) are the same values in every sweep and products do not overflow
@@ -218,68 +335,91 @@ class CPlanner:
         if A != "double":
             dnames.update({k: f"((double){v})" for k, v in dnames.items() if k in elem})
 
-        def S(e):
-            return c_expr(e, "double", dnames)
+        def summand(e: sympy.Expr) -> str:
+            text, reads = self.printer.c_reads(e, "double", dnames)
+            body_reads.update(reads)
+            return text
         param_loads = [f"const {A} {derived(p, 'V')} = {c_load(p + '[Ch]', T, A)};" for p in chan if p in names]
         chan_sums = [(k, e) for k, e in param_sums if self.params[k] not in self.scalar]
         scal_sums = [(k, e) for k, e in param_sums if self.params[k] in self.scalar]
         all_sums = list(group_sums) + [(f"Psum_{k}", e) for k, e in scal_sums]
-        lp = CLoop(uses_params=bool(param_loads) or bool(chan_sums), prelude=[], param_loads=param_loads,
-                   elem_loads=elem_loads, stores=[f(P) for f in stores],
-                   group_sums=[(a, S(e)) for a, e in all_sums],
-                   param_sums=[(k, S(e)) for k, e in chan_sums],
-                   scalar_param_sums=[(k, f"Psum_{k}") for k, _ in scal_sums],
-                   param_pend=[(k, P(e)) for k, e in chan_sums], outputs=list(outputs),
-                   prefetch=[a for a in ("x", "dy") if a in names] if first else [])
-        code = (lp.param_loads + lp.elem_loads + [v for _, v in lp.stores] + [v for _, v in lp.group_sums]
-                + [v for _, v in lp.param_sums] + [v for _, v in lp.param_pend])
-        lp.prelude = _live(prelude, code)
-        return lp
+        stored = tuple((o, c_store(element(e, body_reads), T)) for o, e in stores)
+        sums = tuple((a, summand(e)) for a, e in all_sums)
+        chan_summands = tuple((k, summand(e)) for k, e in chan_sums)
+        pend = tuple((k, element(e, pend_reads)) for k, e in chan_sums)
+        return CLoop(uses_params=bool(param_loads) or bool(chan_sums),
+                     prelude=_live(prelude, frozenset(body_reads | pend_reads)),
+                     param_loads=tuple(param_loads), elem_loads=tuple(elem_loads), stores=stored,
+                     group_sums=sums, param_sums=chan_summands,
+                     scalar_param_sums=tuple((k, f"Psum_{k}") for k, _ in scal_sums), param_pend=pend,
+                     outputs=tuple(outputs), prefetch=tuple(a for a in ("x", "dy") if a in names) if first else (),
+                     reads=frozenset(body_reads))
+
+    def _sweep(self, lp: CLoop, accs, names: list[str]) -> Sweep:
+        """A sweep with its accumulators, given the group values defined before it."""
+        return Sweep(loop=lp, accs=tuple(accs), nhwc=nhwc_sweep(lp, names))
+
+    def _group_value(self, name: str, e: sympy.Expr, comment: str, names: list[str]) -> GroupValue:
+        """``name = e`` per group, given the group values defined before it."""
+        text, reads = self.g(e)
+        return GroupValue(name=name, expr=text, comment=comment, reads=tuple(n for n in names if n in reads))
 
     # ---- the two kernels ------------------------------------------------
-    def forward(self):
-        from .emit import Loop
-        steps = []
+    def forward(self) -> ForwardPlan:
+        """The forward kernel's plan."""
+        spec = self.spec
+        names = [i.name for i in spec.inputs] + [derived(b.name, "G") for b in spec.buffers]
+        steps: list[Sweep | GroupValue] = []
         for st in self.ir.forward:
             if isinstance(st, Loop):
-                first = not any(s[0] == "loop" for s in steps)
-                steps.append(("loop", self.loop([e for _, e in st.accs], [], group_sums=st.accs, first=first),
-                              [a for a, _ in st.accs]))
+                first = not any(isinstance(s, Sweep) for s in steps)
+                lp = self.loop([e for _, e in st.accs], [], group_sums=st.accs, first=first)
+                steps.append(self._sweep(lp, [a for a, _ in st.accs], names))
+                names += [a for a, _ in st.accs]
             else:
-                steps.append(("assign", st.name, self.g(st.expr), st.comment))
+                steps.append(self._group_value(st.name, st.expr, st.comment, names))
+                names.append(st.name)
         _, out_expr = self.ir.fwd_elem[-1]
         temps = list(self.ir.fwd_elem[:-1])
-        T = self.ctype
-        first = not any(st[0] == "loop" for st in steps)
-        final = self.loop([out_expr], temps, stores=[lambda P: ("y", c_store(P(out_expr), T))], arith=self.atype,
-                          outputs=["y"], first=first)
-        updates = [(b, self.g(e)) for b, e in self.ir.buffer_updates]
-        return steps, final, updates
+        first = not any(isinstance(s, Sweep) for s in steps)
+        final = self.loop([out_expr], temps, stores=[("y", out_expr)], arith=self.atype, outputs=["y"], first=first)
+        updates = [(b, *self.g(e)) for b, e in self.ir.buffer_updates]
+        update_reads = frozenset().union(*(r for _, _, r in updates))
+        return ForwardPlan(steps=tuple(steps), final=self._sweep(final, (), names),
+                           updates=tuple((b, text) for b, text, _ in updates),
+                           update_reads=tuple(n for n in names if n in update_reads), levels=_levels(steps))
 
-    def _group_values(self):
+    def _group_values(self, names: list[str]) -> list[GroupValue]:
         """The per-group values between the reduction sweep and the final one: the means
         (kept as sum/N, exact for constant rows), then the values derived from them with
         their common subexpressions named once (online layer norm's coefficients share
         several). Float kernels compute dx from the factored closed form, so they skip the
-        coefficients of the expanded one."""
+        coefficients of the expanded one. ``names`` (the group values before them) grows."""
         A = self.atype
         coeffs = {k for k, _ in self.ir.dx_terms}
         means = {r for r, _ in zip((a.name for a in self.ir.bwd_group), self.ir.bwd_loop)}
         kept = [a for a in self.ir.bwd_group if a.name not in means and (A == "double" or a.name not in coeffs)]
         repl, reduced = sympy.cse([a.expr for a in kept], symbols=sympy.numbered_symbols("Cse"), order="none")
-        group = [(a.name, self.g(a.expr), a.comment) for a in self.ir.bwd_group if a.name in means]
-        group += [(str(t), self.g(e), "common subexpression") for t, e in repl]
-        group += [(a.name, self.g(r), a.comment) for a, r in zip(kept, reduced)]
+        values = [Assign(a.name, a.expr, a.comment) for a in self.ir.bwd_group if a.name in means]
+        values += [Assign(str(t), e, "common subexpression") for t, e in repl]
+        values += [Assign(a.name, r, a.comment) for a, r in zip(kept, reduced)]
+        group = []
+        for a in values:
+            group.append(self._group_value(a.name, a.expr, a.comment, names))
+            names.append(a.name)
         return group
 
-    def backward(self):
+    def backward(self) -> BackwardPlan:
+        """The backward kernel's plan."""
+        names = [i.name for i in self.spec.inputs] + list(self.ir.stats)
         temps = list(self.ir.bwd_elem)
         red = None
         if self.ir.bwd_loop:
-            red = self.loop([e for _, e in self.ir.bwd_loop], temps, group_sums=self.ir.bwd_loop, arith=self.atype,
-                            first=True)
-        T = self.ctype
-        group = self._group_values()
+            lp = self.loop([e for _, e in self.ir.bwd_loop], temps, group_sums=self.ir.bwd_loop, arith=self.atype,
+                           first=True)
+            red = self._sweep(lp, [a for a, _ in self.ir.bwd_loop], names)
+            names += [a for a, _ in self.ir.bwd_loop]
+        group = self._group_values(names)
         # double: dx = sum of per-group coefficients times element monomials (fewest flops);
         # float: the factored closed form, whose cancellations the hi/lo addends keep exact
         if self.atype == "double":
@@ -287,77 +427,31 @@ class CPlanner:
         else:
             dx_expr = self.ir.dx_closed
         pexprs = [e for _, e in self.ir.dparams]
-        final = self.loop([dx_expr, *pexprs], temps, stores=[lambda P: ("dx", c_store(P(dx_expr), T))],
+        final = self.loop([dx_expr, *pexprs], temps, stores=[("dx", dx_expr)],
                           param_sums=list(enumerate(pexprs)), arith=self.atype, outputs=["dx"], first=red is None)
-        return red, [a for a, _ in self.ir.bwd_loop], group, final
+        return BackwardPlan(reduction=red, group=tuple(group), final=self._sweep(final, (), names))
 
 
-# ---- channels last (NHWC) -------------------------------------------------
-#
-# The NHWC kernels run the same sweeps over a block of groups in lockstep: for every
-# position s of a run (and every channel of a group), the innermost loop walks the
-# block's groups, which are adjacent in memory. Each group keeps its own DG_LANES
-# lanes, filled in the same order as the NCHW kernels fill them (lane J gets the
-# run's positions J, J + DG_LANES, ..., the remainder lane 0), so sums, statistics
-# and outputs are the NCHW kernels' bits. Group-level values live in arrays
-# ``Gv_<name>[Gi]``; the innermost loop declares the ones its code uses.
-
-_DECL = re.compile(r"^const (\w+) (\w+) = (.*);$")
-
-
-@dataclass
-class NhwcSweep:
-    loop: CLoop
-    prelude: list[tuple[str, str, str]]        # (type, name, expression) computed per group
-    prelude_inputs: list[str]                  # group values the prelude reads
-    inner_group: list[str]                     # group values the element code reads
-    inner_prelude: list[tuple[str, str]]       # (type, name) of prelude values the element code reads
-
-
-def nhwc_sweep(lp: CLoop, group_names: list[str]) -> NhwcSweep:
-    prelude = []
-    for line in lp.prelude:
-        m = _DECL.match(line)
-        assert m, line
-        prelude.append((m.group(1), m.group(2), m.group(3)))
-    body = (lp.param_loads + lp.elem_loads + [v for _, v in lp.stores] + [v for _, v in lp.group_sums]
-            + [v for _, v in lp.param_sums])
-    pnames = {n for _, n, _ in prelude}
-    return NhwcSweep(
-        loop=lp, prelude=prelude,
-        prelude_inputs=[n for n in group_names if n not in pnames and _used(n, [e for _, _, e in prelude])],
-        inner_group=[n for n in group_names if n not in pnames and _used(n, body)],
-        inner_prelude=[(t, n) for t, n, _ in prelude if _used(n, body)])
-
-
-def used_in(names: list[str], text: str) -> list[str]:
-    """The names that C text uses (as whole identifiers)."""
-    return [n for n in names if _used(n, [text])]
+def _levels(steps: list[Sweep | GroupValue]) -> tuple[SplitLevel, ...]:
+    """The forward's steps as split-reduction levels (see :func:`derivgen.ir.split_levels`)."""
+    levels: list[tuple[Sweep | None, list[GroupValue]]] = []
+    for st in steps:
+        if isinstance(st, Sweep) or not levels:
+            levels.append((st if isinstance(st, Sweep) else None, []))
+        if isinstance(st, GroupValue):
+            levels[-1][1].append(st)
+    out, known = [], []
+    for sweep, assigns in levels:
+        out.append(SplitLevel(sweep=sweep, assigns=tuple(assigns), known=tuple(known)))
+        known += [a.name for a in assigns]
+    return tuple(out)
 
 
 # ---- second order (derivgen.second): the double backward and the JVP -------------
-#
-# One reduction sweep and one output sweep per group, all arithmetic in double (float
-# and bfloat16 values are widened on load), sums in DG_LANES lanes; the template
-# (kernel.c.j2, second_kernel) lays out the loops.
 
-@dataclass
-class SecondPlan:
-    elem1: list[str]                  # sweep 1: element loads and temporaries
-    chan1: list[str]                  # sweep 1: per-channel loads
-    sums: list[tuple[str, str]]       # (accumulator, C expression)
-    group: list[tuple[str, str, str]]   # (name, C expression, comment) per group between the sweeps
-    elem2: list[str]
-    chan2: list[str]
-    stores: list[tuple[str, str]]     # (output array, C expression in double)
-    param_sums: list[tuple[int, str]]   # (parameter slot, C expression)
-    inputs: list[tuple[str, str]]     # (input, group variable)
-    param_groups: list[tuple[int, str]]   # (parameter slot, group variable)
-    seed_group: list[tuple[str, str]]   # (name, declaration): per-group loads of input seeds, scalar seeds
-
-
-def second_plan(spec: Spec, ir, ctype: str) -> SecondPlan:
-    from .printers import c_expr
+def second_plan(printer: SpecPrinter, ir: SecondIR, ctype: str) -> SecondPlan:
+    """The C plan of one second-order kernel for the element type ``ctype``."""
+    spec = printer.spec
     params = [p.name for p in spec.params]
     scalar = {p.name for p in spec.params if p.scalar}
     rename = {"N": "N", "x": "Xv", "dy": "Dyv"}
@@ -365,16 +459,11 @@ def second_plan(spec: Spec, ir, ctype: str) -> SecondPlan:
         rename[p] = derived(p, "G") if p in scalar else derived(p, "V")
 
     def C(e):
-        return c_expr(e, "double", rename)
+        return printer.c(e, "double", rename)
     seed_chan = {ir.seed_params[p]: p for p in params if p not in scalar}
 
     def needed(exprs):
-        names = {str(s) for e in exprs for s in e.free_symbols}
-        temps = []
-        for nm, te in reversed(ir.temps):
-            if nm in names:
-                temps.insert(0, (nm, te))
-                names |= {str(s) for s in te.free_symbols}
+        temps, names = needed_temps(exprs, ir.temps)
         loads = []
         if "x" in names:
             loads.append(f"const double Xv = {c_load('x[Idx]', ctype)};")
@@ -385,7 +474,7 @@ def second_plan(spec: Spec, ir, ctype: str) -> SecondPlan:
         chan = [f"const double {derived(p, 'V')} = {c_load(p + '[Ch]', ctype)};" for p in params
                 if p not in scalar and p in names]
         chan += [f"const double {s} = {c_load(p + '_Seed[Ch]', ctype)};" for s, p in seed_chan.items() if s in names]
-        return loads + [f"const double {nm} = {C(te)};" for nm, te in temps], chan
+        return tuple(loads + [f"const double {nm} = {C(te)};" for nm, te in temps]), tuple(chan)
     elem1, chan1 = needed([e for _, e in ir.loop])
     outs2 = []
     for name, terms, closed in ir.outputs:
@@ -402,7 +491,16 @@ def second_plan(spec: Spec, ir, ctype: str) -> SecondPlan:
     for p in params:
         if p in scalar:
             seed_group.append((ir.seed_params[p], f"const double {ir.seed_params[p]} = {c_load(p + '_Seed[0]', ctype)};"))
-    return SecondPlan(elem1=elem1, chan1=chan1, sums=[(a, C(e)) for a, e in ir.loop], group=group,
-                      elem2=elem2, chan2=chan2, stores=[(n, C(e)) for n, e in outs2],
-                      param_sums=[(k, C(e)) for k, e in pexprs], inputs=list(ir.input_out),
-                      param_groups=[(params.index(p), v) for p, v in ir.param_group], seed_group=seed_group)
+    return SecondPlan(elem1=elem1, chan1=chan1, sums=tuple((a, C(e)) for a, e in ir.loop), group=tuple(group),
+                      elem2=elem2, chan2=chan2, stores=tuple((n, C(e)) for n, e in outs2),
+                      param_sums=tuple((k, C(e)) for k, e in pexprs), inputs=tuple(ir.input_out),
+                      param_groups=tuple((params.index(p), v) for p, v in ir.param_group), seed_group=tuple(seed_group))
+
+
+def plan_kernel(printer: SpecPrinter, ir: ModeIR, second: dict[str, SecondIR], ctype: str) -> KernelPlan:
+    """Every C kernel of one mode (its first-order ``ir``, its ``second``-order IRs by kind)
+    for the element type ``ctype``; bfloat16 has no second-order kernels."""
+    planner = CPlanner(printer, ir, ctype)
+    return KernelPlan(mode=ir.mode, ctype=ctype, forward=planner.forward(), backward=planner.backward(),
+                      second=None if ctype == "dg_bf16" else {k: second_plan(printer, s, ctype)
+                                                              for k, s in second.items()})

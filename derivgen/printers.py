@@ -1,5 +1,8 @@
 """Printers of the generated code: SymPy expressions as NumPy and C text.
 
+One :class:`SpecPrinter` per spec carries the spec's naming to every printer (term
+order); the code generator builds it once per layer and passes it explicitly.
+
 SymPy's own printers (``NumPyPrinter``, ``C99CodePrinter``) with our term
 order (sums as people write them), our names (a symbol prints as its code
 name), ``Mean`` as each target's group reduction, small integer powers as
@@ -14,7 +17,7 @@ from sympy.codegen.ast import float32, float64, real
 from sympy.printing.c import C99CodePrinter
 from sympy.printing.numpy import NumPyPrinter
 
-from .naming import _Ordered, ordered_names
+from .naming import _Ordered, code_text, ordered_names
 from .spec import Spec
 
 class _NumPy(_Ordered, NumPyPrinter):
@@ -84,9 +87,12 @@ class _C(_Ordered, C99CodePrinter):
         super().__init__({"type_aliases": {real: alias}, "math_macros": {}})   # no M_SQRT2: strict C99
         self.rename = rename
         self.names = names
+        self.printed: set[str] = set()     # what the symbols printed as, for the planner
 
     def _print_Symbol(self, expr):
-        return self.rename.get(expr.name, expr.name)
+        text = self.rename.get(expr.name, expr.name)
+        self.printed.add(text)
+        return text
 
     def _print_Pow(self, expr):
         # small integer powers as products: exact, fast, no pow() call
@@ -111,12 +117,50 @@ class _CFloatElem(_C):
     def _print_Add(self, expr, order=None):
         if expr in self.hoisted:
             elem, h = self.hoisted[expr]
+            self.printed.update((f"{h}_hi", f"{h}_lo"))
             return f"({self._print(elem)} + {h}_hi + {h}_lo)"
         return super()._print_Add(expr, order)
 
 
-_SPEC_FOR_PRINTING: list = [None]   # the spec being emitted (term ordering only)
+class SpecPrinter:
+    """The printers of one spec's generated code: NumPy, PyTorch, C and comment text,
+    with the spec's term order. Built once per layer and passed to whatever prints."""
 
+    def __init__(self, spec: Spec):
+        self.spec = spec
+        self.names = ordered_names(spec)
 
-def c_expr(e: sympy.Expr, ctype: str, rename: dict[str, str] | None = None) -> str:
-    return _C(ctype, rename or {}, ordered_names(_SPEC_FOR_PRINTING[0])).doprint(e)
+    def numpy(self, e: sympy.Expr) -> str:
+        """NumPy text (``_np.``)."""
+        return np_expr(e, self.spec)
+
+    def torch(self, e: sympy.Expr) -> str:
+        """PyTorch text (``_t.``)."""
+        return torch_expr(e, self.spec)
+
+    def np_store(self, target: str, e: sympy.Expr) -> str:
+        """NumPy statement storing ``e`` into ``target`` (see :func:`np_store`)."""
+        return np_store(target, e, self.spec)
+
+    def np_sum(self, e: sympy.Expr, axes: str) -> str:
+        """NumPy text summing ``e`` over ``axes`` (see :func:`np_sum`)."""
+        return np_sum(e, axes, self.spec)
+
+    def code(self, e: sympy.Expr) -> str:
+        """Plain text for comments of generated code."""
+        return code_text(e, self.spec)
+
+    def c(self, e: sympy.Expr, ctype: str, rename: dict[str, str] | None = None) -> str:
+        """C text in ``ctype`` arithmetic, symbols printed by ``rename`` (or as themselves)."""
+        return self.c_reads(e, ctype, rename)[0]
+
+    def c_reads(self, e: sympy.Expr, ctype: str, rename: dict[str, str] | None = None) -> tuple[str, frozenset[str]]:
+        """C text as :meth:`c`, and what its symbols printed as (the names it reads)."""
+        printer = _C(ctype, rename or {}, self.names)
+        return printer.doprint(e), frozenset(printer.printed)
+
+    def c_float_reads(self, e: sympy.Expr, rename: dict[str, str], hoisted: dict) -> tuple[str, frozenset[str]]:
+        """Float element arithmetic (group-level addends of the ``hoisted`` sums as hi + lo
+        pairs; see :class:`_CFloatElem`), and the names it reads."""
+        printer = _CFloatElem(rename, self.names, hoisted)
+        return printer.doprint(e), frozenset(printer.printed)

@@ -150,9 +150,9 @@ def test_cli_rejects_with_exit_2_and_writes_nothing(label, text, needle, tmp_pat
 def test_prose_with_code_delimiters_is_rejected_but_safe_prose_is_kept():
     """Titles and summaries reach generated comments; text that could close a comment or
     docstring is refused, and ordinary prose is copied as written into valid files."""
-    from derivgen.emit import emit_layer
+    from derivgen.emit import emit
     ok = BASE.replace('name = "t"', 'name = "t"\ntitle = "A (weird) title: 50% <ok> & \'quoted\'"')
-    out = emit_layer(parse_spec(ok, source="ok.toml")).files
+    out = emit(derivgen.derive(parse_spec(ok, source="ok.toml"))).files
     for rel, body in out.items():
         if rel.endswith(".py"):
             compile(body, rel, "exec")       # still valid Python
