@@ -10,6 +10,7 @@ per layer. Every name the generated code makes is in derivgen's own namespace
 
 from __future__ import annotations
 
+import functools
 import pprint
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -87,21 +88,48 @@ def _split_meta(spec: Spec, irs: Mapping[str, ModeIR]) -> dict | None:
     return {"levels": [len(sums) for sums, _ in ir.levels], "backward": len(ir.bwd_loop)}
 
 
-def _env(printer: SpecPrinter) -> jinja2.Environment:
-    """The Jinja environment of one layer: its filters print with the layer's ``printer``."""
+@jinja2.pass_context
+def _np(ctx, e) -> str:
+    return ctx["printer"].numpy(e)
+
+
+@jinja2.pass_context
+def _torch(ctx, e) -> str:
+    return ctx["printer"].torch(e)
+
+
+@jinja2.pass_context
+def _npsum(ctx, e, axes: str) -> str:
+    return ctx["printer"].np_sum(e, axes)
+
+
+@jinja2.pass_context
+def _code(ctx, e) -> str:
+    return ctx["printer"].code(e)
+
+
+@jinja2.pass_context
+def _np_store(ctx, target: str, e) -> str:
+    return ctx["printer"].np_store(target, e)
+
+
+@functools.lru_cache(maxsize=1)
+def _env() -> jinja2.Environment:
+    """The Jinja environment (its compiled templates are kept for every layer): the
+    printing filters print with the layer's printer, the render context's ``printer``."""
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(template_dir())),
                              undefined=jinja2.StrictUndefined, keep_trailing_newline=True,
                              trim_blocks=True, lstrip_blocks=True, autoescape=False)
     env.filters["pyrepr"] = repr
     env.filters["pformat"] = lambda v: pprint.pformat(v, width=96, sort_dicts=False)
-    env.filters["np"] = printer.numpy
-    env.filters["torch"] = printer.torch
-    env.filters["npsum"] = printer.np_sum
-    env.filters["code"] = printer.code
+    env.filters["np"] = _np
+    env.filters["torch"] = _torch
+    env.filters["npsum"] = _npsum
+    env.filters["code"] = _code
     env.globals["mean_of"] = Mean
     env.globals["cload"] = c_load
     env.globals["cstore"] = c_store
-    env.globals["np_store"] = printer.np_store
+    env.globals["np_store"] = _np_store
     return env
 
 
@@ -143,13 +171,13 @@ def emit(d: LayerDerivation, targets=("numpy", "c")) -> Emitted:
     the templates lay them out."""
     spec = d.spec
     printer = SpecPrinter(spec)
-    env = _env(printer)
+    env = _env()
     irs = {m: build_mode_ir(md) for m, md in d.modes.items()}
     irs2 = {m: {"bb": build_second_ir(md.second, "bb"), "jvp": build_second_ir(md.second, "jvp")}
             for m, md in d.modes.items()}
     kernels = {(m, sfx): plan_kernel(printer, ir, irs2[m], ct) for m, ir in irs.items() for sfx, ct in CTYPES.items()
                } if "c" in targets else {}
-    ctx = dict(spec=spec, meta=layer_meta(spec, irs), irs=irs, irs2=irs2, modes=list(irs),
+    ctx = dict(printer=printer, spec=spec, meta=layer_meta(spec, irs), irs=irs, irs2=irs2, modes=list(irs),
                formulas=_formulas(d, printer), source=spec.source, kernels=kernels, grad_fields=_grad_fields(spec),
                ctypes=CTYPES, atypes=ATYPES, per_sample=spec.reduce != "batch", trailing=spec.layout == "trailing")
     out = Emitted(spec.name)
