@@ -262,9 +262,14 @@ class _Sampler:
     (below its max) where only one bound is declared; any other symbol up to 0.1
     above zero where it is declared non-negative, else in about [-3, 3]."""
 
-    def __init__(self, spec, seed: int):
-        self.rng = random.Random(seed)
-        self.bounds = {o.name: (_exact(o.min), _exact(o.max)) for o in spec.options}
+    def __init__(self, rng: random.Random, bounds: dict[str, tuple] | None = None):
+        self.rng = rng
+        self.bounds = bounds or {}      # symbol name -> (min, max), either None
+
+    @classmethod
+    def for_spec(cls, spec, seed: int) -> _Sampler:
+        """Points within the declared bounds of ``spec``'s options, seeded with ``seed``."""
+        return cls(random.Random(seed), {o.name: (_exact(o.min), _exact(o.max)) for o in spec.options})
 
     def value(self, s: sympy.Symbol) -> sympy.Rational:
         """One random value for ``s`` (one draw from the generator)."""
@@ -352,7 +357,7 @@ def _proven(d: sympy.Expr, lin: list[sympy.Symbol]) -> bool:
 def prove_mode(md: ModeDerivation, sizes=(2, 3, 4, 5, 6)) -> ModeProof:
     spec = md.spec
     out = ModeProof(md.mode)
-    rng = _Sampler(spec, 1234)
+    rng = _Sampler.for_spec(spec, 1234)
     for n in sizes:
         t0 = time.perf_counter()
         ex = _Explicit(md, n)
@@ -416,7 +421,7 @@ def prove_second_mode(so, sizes=(2, 3, 4, 5), symbolic_seconds: float = SYMBOLIC
     md = so.md
     spec = md.spec
     out = ModeProof(md.mode)
-    rng = _Sampler(spec, 4321)
+    rng = _Sampler.for_spec(spec, 4321)
     for n in sizes:
         t0 = time.perf_counter()
         ex = _Explicit(md, n)
