@@ -42,6 +42,7 @@ def _callable_names() -> str:
 
 
 def _arguments(n: int) -> str:
+    """``n`` positional argument(s), in words for messages."""
     return "one positional argument" if n == 1 else f"{n} positional arguments"
 
 

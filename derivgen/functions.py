@@ -46,6 +46,8 @@ class Elementary:
     ``\\op{\\left(u \\right)}`` (a power as ``\\op^{k}``), or a template with ``{0}``
     (a power appended as ``^{k}``).
     ``text`` is the name plain text and comments print it as: ``text(u)``.
+    ``arity`` is how many arguments the parser takes; the derivative, sign and
+    domain rules are written for one, as every entry has.
     """
 
     name: str
