@@ -13,10 +13,12 @@ import sympy
 from sympy.printing.latex import LatexPrinter
 from sympy.printing.str import StrPrinter
 
-from .naming import DisplayNames, _Ordered
+from . import functions
+from .functions import SpellsFunctions, call
+from .naming import DisplayNames, TextSpelling, _Ordered
 from .reduce import Mean
 
-class DerivLatexPrinter(_Ordered, LatexPrinter):
+class DerivLatexPrinter(SpellsFunctions, _Ordered, LatexPrinter):
     def __init__(self, names: DisplayNames, subscript: bool = True):
         super().__init__({"mul_symbol": None, "fold_short_frac": False})
         self.names = names
@@ -42,8 +44,24 @@ class DerivLatexPrinter(_Ordered, LatexPrinter):
             self._depth -= 1
         return r"\left\langle %s \right\rangle" % inner
 
+    def _print_elementary(self, fn: functions.Elementary, expr: sympy.Expr, exp: str | None = None) -> str:
+        """The entry's LaTeX: ``\\op^{exp}{\\left(u \\right)}``, or its template (then ``^{exp}``)."""
+        arg = ",".join(self._print(a) for a in expr.args)
+        if "{0}" in fn.latex:
+            tex = fn.latex.format(arg)
+            return tex if exp is None else r"%s^{%s}" % (tex, exp)
+        power = "" if exp is None else "^{%s}" % exp
+        return r"%s%s{\left(%s \right)}" % (fn.latex, power, arg)
 
-class DerivTextPrinter(_Ordered, StrPrinter):
+    def _print_Pow(self, expr):
+        root = functions.half_power_sign(expr)
+        if not root:
+            return super()._print_Pow(expr)
+        tex = call(functions.half_power().latex, self._print(expr.base))
+        return tex if root > 0 else r"\frac{1}{%s}" % tex
+
+
+class DerivTextPrinter(TextSpelling, _Ordered, StrPrinter):
     def __init__(self, names: DisplayNames):
         super().__init__({"order": None})
         self.names = names

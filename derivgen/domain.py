@@ -6,7 +6,8 @@ Every quantity in a spec is real. A statistic is declared *non-negative* or
 value is real and finite):
 
 * a square root or any non-integer power is non-negative (its base must be);
-  an absolute value, an even power and ``exp`` too (``exp`` positive);
+  an even power too; an elementary function (``exp``, ``abs``, ``tanh`` ...) is
+  what its entry's ``sign`` rule in :mod:`derivgen.functions` says;
 * a negative power or a quotient of a non-negative value is positive: it is
   defined only where the value is not zero;
 * sums, products and means of non-negative values are non-negative, positive
@@ -21,9 +22,11 @@ from __future__ import annotations
 
 import sympy
 
+from . import functions
+from .functions import NONNEG, POSITIVE, REAL
 from .reduce import Mean
 
-REAL, NONNEG, POSITIVE = 0, 1, 2
+__all__ = ["REAL", "NONNEG", "POSITIVE", "symbol", "level_of_symbol", "sign_level", "domain_error"]
 
 
 def symbol(name: str, level: int = REAL) -> sympy.Symbol:
@@ -36,6 +39,7 @@ def symbol(name: str, level: int = REAL) -> sympy.Symbol:
 
 
 def level_of_symbol(s: sympy.Symbol) -> int:
+    """What the assumptions of ``s`` say it is: POSITIVE, NONNEG or REAL."""
     if s.is_positive:
         return POSITIVE
     if s.is_nonnegative:
@@ -70,12 +74,9 @@ def sign_level(e: sympy.Expr) -> int:
             return lb if lb >= NONNEG else REAL
         # a non-integer power: the base must be non-negative, and so is the value
         return POSITIVE if q.is_negative or lb == POSITIVE else NONNEG
-    if isinstance(e, sympy.exp):
-        return POSITIVE
-    if isinstance(e, sympy.Abs):
-        return POSITIVE if sign_level(e.args[0]) == POSITIVE else NONNEG
-    if isinstance(e, sympy.tanh):
-        return sign_level(e.args[0])
+    fn = functions.of_node(e)
+    if fn is not None:
+        return fn.sign(sign_level(e.args[0]))
     return REAL
 
 
@@ -87,6 +88,21 @@ def domain_error(e: sympy.Expr) -> str | None:
     for node in sympy.preorder_traversal(e):
         if node.is_Pow and not node.exp.is_Integer and node.exp.is_number and node.base.is_negative:
             return f"a non-integer power of a negative value: {node}"
-        if isinstance(node, sympy.log) and node.args[0].is_nonpositive:
-            return f"the logarithm of a value that is never positive: {node}"
+        why = _outside_domain(node)
+        if why is not None:
+            return why
+    return None
+
+
+def _outside_domain(node: sympy.Expr) -> str | None:
+    """Why a table function's node is undefined everywhere (its argument is known never
+    to be what the function requires), or None."""
+    fn = functions.of_node(node)
+    if fn is None:
+        return None
+    arg = node.args[0]
+    if fn.requires == POSITIVE and arg.is_nonpositive:
+        return f"the {fn.kind} of a value that is never positive: {node}"
+    if fn.requires == NONNEG and arg.is_negative:
+        return f"the {fn.kind} of a negative value: {node}"
     return None

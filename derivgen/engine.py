@@ -36,16 +36,13 @@ from functools import cached_property
 import sympy
 from sympy import Add, Mul
 
-from . import domain
+from . import domain, functions
 from .reduce import Mean, ReductionAlgebra, expand, hide_means, means
 from .spec import DY, N, X, Named, Spec, Statistic
 
 G = sympy.Symbol("g", real=True)
 G_NAMED = Named("g", G, "g", "g")
 DY_NAMED = Named("dy", DY, r"\frac{\partial L}{\partial y}", "∂L/∂y")
-
-# group-level functions whose derivative the engine writes through their own value
-ELEMENTARY = (sympy.exp, sympy.log, sympy.Abs, sympy.tanh)
 
 
 class DerivationError(ValueError):
@@ -160,19 +157,13 @@ class _SelfRule:
             if q.is_Rational and ((q - 1) / q).is_Integer:
                 return self.coef * q * f ** ((q - 1) / q)      # √u: 1/(2√u); u^(-1/2): -u^(-3/2)/2
             return self.coef * q * f / self.arg
-        if self.func is sympy.exp:
-            return self.coef * f
-        if self.func is sympy.log:
-            return self.coef / self.arg
-        if self.func is sympy.Abs:
-            return self.coef * sympy.sign(self.arg)
-        if self.func is sympy.tanh:
-            return self.coef * (1 - f ** 2)
-        raise AssertionError(self.func)
+        return self.coef * functions.of_class(self.func).derivative(f, self.arg)
 
 
 def _elementary(e: sympy.Expr) -> bool:
-    return (e.is_Pow and not e.exp.is_Integer) or isinstance(e, ELEMENTARY)
+    """A non-integer power or a function of derivgen.functions' table: a group-level
+    function whose derivative the engine writes through its own value."""
+    return (e.is_Pow and not e.exp.is_Integer) or functions.of_node(e) is not None
 
 
 def _self_rule(expr: sympy.Expr, active: set) -> _SelfRule | None:
@@ -275,9 +266,8 @@ def _depth(e) -> int:
 
 def _kind(e) -> str:
     if e.is_Pow:
-        return "square root" if e.exp == sympy.S.Half else "power"
-    return {sympy.exp: "exponential", sympy.log: "logarithm", sympy.Abs: "absolute value",
-            sympy.tanh: "tanh"}[type(e)]
+        return functions.half_power().kind if e.exp == sympy.S.Half else "power"
+    return functions.of_node(e).kind
 
 
 def _has_elementary_mean(e) -> bool:

@@ -12,11 +12,10 @@ from __future__ import annotations
 import numpy as np
 import sympy
 
+from . import functions
 from .engine import G, ModeDerivation
 from .reduce import Mean
 from .spec import DY, N, X
-
-_FUNCS = {sympy.exp: np.exp, sympy.log: np.log, sympy.Abs: np.abs, sympy.tanh: np.tanh, sympy.sign: np.sign}
 
 
 def evaluate(expr: sympy.Expr, env: dict[sympy.Symbol, object], mean=np.mean):
@@ -41,14 +40,14 @@ def evaluate(expr: sympy.Expr, env: dict[sympy.Symbol, object], mean=np.mean):
     if expr.is_Pow:
         b = evaluate(expr.base, env, mean)
         e = expr.exp
-        if e == sympy.Rational(1, 2):
-            return np.sqrt(b)
-        if e == -sympy.Rational(1, 2):
-            return 1.0 / np.sqrt(b)
+        root = functions.half_power_sign(expr)
+        if root:
+            r = getattr(np, functions.half_power().numpy)(b)
+            return r if root > 0 else 1.0 / r
         return np.power(b, float(e)) if not e.is_Integer else b ** int(e)
-    for f, npf in _FUNCS.items():
-        if isinstance(expr, f):
-            return npf(evaluate(expr.args[0], env, mean))
+    fn = functions.of_node(expr)
+    if fn is not None:                 # the table's NumPy function
+        return getattr(np, fn.numpy)(*(evaluate(a, env, mean) for a in expr.args))
     raise TypeError(f"cannot evaluate {type(expr).__name__}: {expr}")
 
 

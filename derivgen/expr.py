@@ -8,7 +8,8 @@ these forms are accepted:
 * numbers (``2``, ``0.5``, ``1e-5``; converted exactly to rationals),
 * declared names,
 * ``+ - * / **`` and unary ``+``/``-``,
-* ``sqrt(e)``, ``exp(e)``, ``log(e)``, ``abs(e)``, ``tanh(e)``,
+* the elementary functions of :mod:`derivgen.functions` (``sqrt(e)``, ``exp(e)``,
+  ``log(e)``, ``abs(e)``, ``tanh(e)``),
 * the group reductions ``mean(e)`` and ``sum(e)`` (``sum(e)`` is ``N*mean(e)``).
 
 Everything else -- attribute access, subscripts, lambdas, comprehensions,
@@ -20,10 +21,11 @@ from __future__ import annotations
 
 import ast
 from fractions import Fraction
-from typing import Callable, Mapping
+from typing import Mapping
 
 import sympy
 
+from . import functions
 from .reduce import Mean
 
 MAX_EXPR_CHARS = 2000
@@ -31,14 +33,17 @@ MAX_DEPTH = 40
 MAX_NODES = 400
 MAX_EXPONENT = 16  # |constant exponent| allowed in ``a ** k``
 
-FUNCTIONS: dict[str, Callable[[sympy.Expr], sympy.Expr]] = {
-    "sqrt": sympy.sqrt,
-    "exp": sympy.exp,
-    "log": sympy.log,
-    "abs": sympy.Abs,
-    "tanh": sympy.tanh,
-}
 REDUCTIONS = ("mean", "sum")
+
+
+def _callable_names() -> str:
+    """The functions a call may name, for messages: the table's, then the reductions."""
+    return ", ".join((*functions.language(), *REDUCTIONS))
+
+
+def _arguments(n: int) -> str:
+    """``n`` positional argument(s), in words for messages."""
+    return "one positional argument" if n == 1 else f"{n} positional arguments"
 
 
 class ExprError(ValueError):
@@ -105,7 +110,7 @@ class _Builder:
             # exact: 0.1 -> 1/10 via its shortest decimal repr
             return sympy.Rational(Fraction(repr(v))) if isinstance(v, float) else sympy.Integer(v)
         if isinstance(node, ast.Name):
-            if node.id in FUNCTIONS or node.id in REDUCTIONS and node.id not in self.names:
+            if node.id in functions.language() or node.id in REDUCTIONS and node.id not in self.names:
                 self.fail(node, f"function {node.id!r} used as a value")
             if node.id not in self.names:
                 known = ", ".join(sorted(self.names)) or "none"
@@ -141,17 +146,23 @@ class _Builder:
                 return sympy.Pow(left, right)
             self.fail(node, "unsupported operator (allowed: + - * / **)")
         if isinstance(node, ast.Call):
-            if not isinstance(node.func, ast.Name):
-                self.fail(node, "only calls of sqrt, exp, log, abs, tanh, mean, sum are allowed")
-            fname = node.func.id
-            if node.keywords or len(node.args) != 1 or isinstance(node.args[0], ast.Starred):
-                self.fail(node, f"{fname}() takes exactly one positional argument")
-            if fname in REDUCTIONS:
-                if not self.allow_reductions:
-                    self.fail(node, f"{fname}() is a group reduction; define it under [statistics]")
-                arg = self.build(node.args[0], d)
-                return Mean(arg) if fname == "mean" else self.N * Mean(arg)
-            if fname in FUNCTIONS:
-                return FUNCTIONS[fname](self.build(node.args[0], d))
-            self.fail(node, f"unknown function {fname!r} (allowed: sqrt, exp, log, abs, tanh, mean, sum)")
+            return self.call(node, d)
         self.fail(node, f"unsupported syntax ({type(node).__name__})")
+
+    def call(self, node: ast.Call, d: int) -> sympy.Expr:
+        """A call of a table function (derivgen.functions) or of a group reduction."""
+        if not isinstance(node.func, ast.Name):
+            self.fail(node, f"only calls of {_callable_names()} are allowed")
+        fname = node.func.id
+        fn = functions.language().get(fname)
+        arity = fn.arity if fn is not None else 1
+        if node.keywords or len(node.args) != arity or any(isinstance(a, ast.Starred) for a in node.args):
+            self.fail(node, f"{fname}() takes exactly {_arguments(arity)}")
+        if fname in REDUCTIONS:
+            if not self.allow_reductions:
+                self.fail(node, f"{fname}() is a group reduction; define it under [statistics]")
+            arg = self.build(node.args[0], d)
+            return Mean(arg) if fname == "mean" else self.N * Mean(arg)
+        if fn is not None:
+            return fn.build(*(self.build(a, d) for a in node.args))
+        self.fail(node, f"unknown function {fname!r} (allowed: {_callable_names()})")

@@ -18,6 +18,7 @@ from __future__ import annotations
 import sympy
 from sympy.printing.str import StrPrinter
 
+from . import functions
 from .reduce import Mean
 
 _ELEMENT = {"x", "dy", "g", "xhat"}
@@ -63,7 +64,22 @@ class _Ordered:
         return sorted(expr.args, key=_term_key(self.names))
 
 
-class CodeTextPrinter(_Ordered, StrPrinter):
+class TextSpelling(functions.SpellsFunctions):
+    """StrPrinter mixin: elementary functions as ``text(u)`` of their table entry
+    (derivgen.functions), a square root as ``sqrt(u)`` and ``1/sqrt(u)``."""
+
+    def _print_elementary(self, fn: functions.Elementary, expr: sympy.Expr) -> str:
+        return "%s(%s)" % (fn.text, self.stringify(expr.args, ", "))
+
+    def _print_Pow(self, expr, rational=False):
+        root = functions.half_power_sign(expr)
+        if rational or not root:
+            return super()._print_Pow(expr, rational)
+        text = "%s(%s)" % (functions.half_power().text, self._print(expr.base))
+        return text if root > 0 else "%s/%s" % (self._print(sympy.S.One), text)
+
+
+class CodeTextPrinter(TextSpelling, _Ordered, StrPrinter):
     """Plain identifiers, natural term order: for comments in generated code."""
 
     def __init__(self, names: DisplayNames):

@@ -6,8 +6,9 @@ order); the code generator builds it once per layer and passes it explicitly.
 SymPy's own printers (``NumPyPrinter``, ``C99CodePrinter``) with our term
 order (sums as people write them), our names (a symbol prints as its code
 name), ``Mean`` as each target's group reduction, small integer powers as
-products, and float element arithmetic that adds group-level terms as
-hi + lo pairs.
+products, float element arithmetic that adds group-level terms as
+hi + lo pairs, and the elementary functions (square roots included) spelled as
+their entries in :mod:`derivgen.functions` say.
 """
 
 from __future__ import annotations
@@ -17,10 +18,12 @@ from sympy.codegen.ast import float32, float64, real
 from sympy.printing.c import C99CodePrinter
 from sympy.printing.numpy import NumPyPrinter
 
+from . import functions
+from .functions import SpellsFunctions, call
 from .naming import _Ordered, code_text, ordered_names
 from .spec import Spec
 
-class _NumPy(_Ordered, NumPyPrinter):
+class _NumPy(SpellsFunctions, _Ordered, NumPyPrinter):
     def __init__(self, names):
         super().__init__({"fully_qualified_modules": True, "allow_unknown_functions": False})
         self.names = names
@@ -36,8 +39,19 @@ class _NumPy(_Ordered, NumPyPrinter):
     def _print_Symbol(self, expr):
         return expr.name
 
-    def _print_Abs(self, expr):
-        return "numpy.abs(%s)" % self._print(expr.args[0])
+    def _print_elementary(self, fn: functions.Elementary, expr: sympy.Expr) -> str:
+        return self._spell(fn, expr.args)
+
+    def _spell(self, fn: functions.Elementary, args: tuple) -> str:
+        """``numpy.<fn.numpy>(args)`` (derivgen.torch._target has the same names)."""
+        return "%s(%s)" % (self._module_format("numpy." + fn.numpy), self.stringify(args, ", "))
+
+    def _print_Pow(self, expr, rational=False):
+        root = functions.half_power_sign(expr)
+        if rational or not root:
+            return super()._print_Pow(expr, rational)
+        text = self._spell(functions.half_power(), (expr.base,))
+        return text if root > 0 else "%s/%s" % (self._print(sympy.S.One), text)
 
 
 def np_expr(e: sympy.Expr, spec: Spec | None = None) -> str:
@@ -81,13 +95,21 @@ def np_sum(e: sympy.Expr, axes: str, spec: Spec | None = None) -> str:
     return f"_np.sum({np_expr(e, spec)}, axis={axes}, keepdims=True)"
 
 
-class _C(_Ordered, C99CodePrinter):
+class _C(SpellsFunctions, _Ordered, C99CodePrinter):
     def __init__(self, ctype: str, rename: dict[str, str], names):
         alias = float32 if ctype == "float" else float64
         super().__init__({"type_aliases": {real: alias}, "math_macros": {}})   # no M_SQRT2: strict C99
+        self.ctype = ctype
         self.rename = rename
         self.names = names
         self.printed: set[str] = set()     # what the symbols printed as, for the planner
+
+    def _print_elementary(self, fn: functions.Elementary, expr: sympy.Expr) -> str:
+        return self._spell(fn, expr.args)
+
+    def _spell(self, fn: functions.Elementary, args: tuple) -> str:
+        """The entry's C spelling for this printer's element type."""
+        return call(fn.c(self.ctype), self.stringify(args, ", "))
 
     def _print_Symbol(self, expr):
         text = self.rename.get(expr.name, expr.name)
@@ -100,8 +122,10 @@ class _C(_Ordered, C99CodePrinter):
             b = self.parenthesize(expr.base, sympy.printing.precedence.PRECEDENCE["Mul"])
             prod = "*".join([b] * abs(int(expr.exp)))
             return f"({prod})" if expr.exp > 0 else f"({self._print(sympy.S.One)}/({prod}))"
-        if expr.exp == -sympy.S.Half:
-            return "%s/%s" % (self._print(sympy.S.One), self._print(sympy.sqrt(expr.base)))
+        root = functions.half_power_sign(expr)
+        if root:
+            text = self._spell(functions.half_power(), (expr.base,))
+            return text if root > 0 else "%s/%s" % (self._print(sympy.S.One), text)
         return super()._print_Pow(expr)
 
 

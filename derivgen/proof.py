@@ -256,30 +256,55 @@ def _reduces_to_zero(diff: sympy.Expr) -> bool:
 NUMERIC_DIGITS = 80
 
 
-def _zero_numeric(diff: sympy.Expr, rng: random.Random, trials: int = 3) -> bool:
+class _Sampler:
+    """Random rational points for the numeric check: an option strictly inside its
+    declared [min, max] (1/100 steps of the interval), or up to 0.1 above its min
+    (below its max) where only one bound is declared; any other symbol up to 0.1
+    above zero where it is declared non-negative, else in about [-3, 3]."""
+
+    def __init__(self, rng: random.Random, bounds: dict[str, tuple] | None = None):
+        self.rng = rng
+        self.bounds = bounds or {}      # symbol name -> (min, max), either None
+
+    @classmethod
+    def for_spec(cls, spec, seed: int) -> _Sampler:
+        """Points within the declared bounds of ``spec``'s options, seeded with ``seed``."""
+        return cls(random.Random(seed), {o.name: (_exact(o.min), _exact(o.max)) for o in spec.options})
+
+    def value(self, s: sympy.Symbol) -> sympy.Rational:
+        """One random value for ``s`` (one draw from the generator)."""
+        lo, hi = self.bounds.get(s.name, (None, None))
+        if lo is not None and hi is not None:
+            return lo + (hi - lo) * sympy.Rational(self.rng.randint(1, 99), 100)
+        if lo is not None:
+            return lo + sympy.Rational(self.rng.randint(1, 100), 1000)
+        if hi is not None:
+            return hi - sympy.Rational(self.rng.randint(1, 100), 1000)
+        if s.is_nonnegative:
+            return sympy.Rational(self.rng.randint(1, 100), 1000)
+        return sympy.Rational(self.rng.randint(-300, 300), 97)
+
+
+def _exact(v: float | None) -> sympy.Rational | None:
+    """A declared bound as the rational its shortest decimal form names (1e-05 -> 1/100000)."""
+    return None if v is None else sympy.Rational(repr(float(v)))
+
+
+def _zero_numeric(diff: sympy.Expr, points: _Sampler, trials: int = 3) -> bool:
     """Evaluation in 80-digit arithmetic at random rational points (|difference| < 1e-40
     is zero: cancellation of terms up to ~1e35 stays below that; exact rational
     arithmetic would be exact but grows without bound inside tanh and exp -- a minute
-    where this takes seconds): positive where a symbol is declared
-    non-negative (eps, statistics of squares), in (0, 1) for mixing coefficients. A point
-    where either side is undefined (NaN: two equal values at N = 2 make a deviation zero,
-    and a root of it has no derivative there) is drawn again, up to 3 times per trial;
-    a difference that is undefined everywhere is not zero."""
+    where this takes seconds), drawn within each option's declared bounds (see
+    :class:`_Sampler`). A point where either side is undefined (NaN: two equal values
+    at N = 2 make a deviation zero, and a root of it has no derivative there) is drawn
+    again, up to 3 times per trial; a difference that is undefined everywhere is not zero."""
     done = tries = 0
     while done < trials:
         tries += 1
         if tries > 4 * trials:
             return False
-        vals = {}
-        for s in sorted(diff.free_symbols, key=lambda s: s.name):
-            name = s.name
-            if name in ("alpha", "momentum"):
-                r = sympy.Rational(rng.randint(1, 99), 100)
-            elif s.is_nonnegative or name.startswith("eps") or name.startswith("prev_std"):
-                r = sympy.Rational(rng.randint(1, 100), 1000)
-            else:
-                r = sympy.Rational(rng.randint(-300, 300), 97)
-            vals[s] = sympy.Float(r, NUMERIC_DIGITS)
+        vals = {s: sympy.Float(points.value(s), NUMERIC_DIGITS)
+                for s in sorted(diff.free_symbols, key=lambda s: s.name)}
         v = diff.xreplace(vals).evalf(NUMERIC_DIGITS)
         if v.has(sympy.nan, sympy.zoo, sympy.oo, -sympy.oo):
             continue
@@ -332,7 +357,7 @@ def _proven(d: sympy.Expr, lin: list[sympy.Symbol]) -> bool:
 def prove_mode(md: ModeDerivation, sizes=(2, 3, 4, 5, 6)) -> ModeProof:
     spec = md.spec
     out = ModeProof(md.mode)
-    rng = random.Random(1234)
+    rng = _Sampler.for_spec(spec, 1234)
     for n in sizes:
         t0 = time.perf_counter()
         ex = _Explicit(md, n)
@@ -359,7 +384,7 @@ def prove_mode(md: ModeDerivation, sizes=(2, 3, 4, 5, 6)) -> ModeProof:
     return out
 
 
-def _settle(n: int, checks, t0: float, rng: random.Random, seconds: float) -> ProofResult:
+def _settle(n: int, checks, t0: float, rng: _Sampler, seconds: float) -> ProofResult:
     """One size's result: each (what, difference, symbols it is linear in) reduced to zero
     symbolically (one coefficient of those symbols at a time) until ``seconds`` since t0
     have passed, then in 80-digit arithmetic at random rational points; the first that is not zero fails."""
@@ -396,7 +421,7 @@ def prove_second_mode(so, sizes=(2, 3, 4, 5), symbolic_seconds: float = SYMBOLIC
     md = so.md
     spec = md.spec
     out = ModeProof(md.mode)
-    rng = random.Random(4321)
+    rng = _Sampler.for_spec(spec, 4321)
     for n in sizes:
         t0 = time.perf_counter()
         ex = _Explicit(md, n)

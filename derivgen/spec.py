@@ -10,7 +10,6 @@ expression goes through :mod:`derivgen.expr`; nothing is evaluated as code.
 
 from __future__ import annotations
 
-import keyword
 import math
 import re
 import tomllib
@@ -21,7 +20,7 @@ from typing import Any
 
 import sympy
 
-from . import domain
+from . import domain, functions, reserved
 from .domain import domain_error
 from .expr import ExprError, parse_expr
 from .reduce import hide_means
@@ -41,40 +40,26 @@ IDENT = re.compile(r"^[a-z][a-z0-9_]{0,30}$")
 # Names a spec may not declare. Everything the generated code names itself
 # (loop variables, accumulators, reductions, coefficients, temporaries) lives
 # in a namespace no spec identifier can reach: it starts with an upper-case
-# letter or an underscore (see derivgen/naming.py). What is left is:
-#   the language keywords of the two targets,
-C_KEYWORDS = set("""
-auto break case char const continue default do double else enum extern float for goto if
-inline int long register restrict return short signed sizeof static struct switch typedef
-union unsigned void volatile while bool complex imaginary
-""".split())
-#   the C library functions and types the generated C uses (a local of that
-#   name would hide them),
-C_LIBRARY = set("""
-sqrt sqrtf exp expf log logf pow powf fabs fabsf tanh tanhf malloc calloc free
-int64_t uintptr_t size_t main
-""".split())
-#   and the names the spec format itself defines: the data and its gradient,
-#   the derivation's g, the functions of the expression language, and the
-#   keyword arguments every generated forward takes.
-FORMAT_NAMES = {"x", "y", "dy", "dx", "g", "sqrt", "exp", "log", "abs", "tanh",
-                "out", "training", "num_groups"}
+# letter or an underscore (see derivgen/naming.py). What is left is the names
+# the targets reserve (their keywords and the library names the generated code
+# uses: derivgen/reserved.py), and the names the spec format itself defines:
+# the data and its gradient, the derivation's g, the keyword arguments every
+# generated forward takes, and the functions of the expression language
+# (derivgen/functions.py).
+FORMAT_NAMES = frozenset({"x", "y", "dy", "dx", "g", "out", "training", "num_groups"})
 
 
 def reserved_reason(name: str) -> str | None:
     """Why ``name`` cannot be declared in a spec, or None."""
     if not IDENT.match(name):
         return "not a lower-case identifier (a letter, then letters, digits and underscores, at most 31)"
-    if keyword.iskeyword(name):
-        return "a Python keyword"
-    if name in C_KEYWORDS:
-        return "a C keyword"
-    if name in C_LIBRARY:
-        return "a C library name the generated code uses"
-    if name in FORMAT_NAMES:
+    why = reserved.collision(name)
+    if why is not None:
+        return why
+    if name in FORMAT_NAMES or name in functions.language():
         return "a name the spec format defines itself"
     grad = "d" + name
-    if keyword.iskeyword(grad) or grad in C_KEYWORDS:
+    if reserved.is_keyword(grad):
         return f"its gradient would be called {grad!r}, a keyword"
     return None
 

@@ -44,3 +44,18 @@ def test_a_wrong_parameter_gradient_fails():
     wrong = dataclasses.replace(md, grads={"gamma": dataclasses.replace(md.grads["gamma"],
                                                                         element=md.grads["gamma"].element * 2)})
     assert prove_mode(wrong, sizes=(2,)).status == "FAILED"
+
+
+def test_numeric_points_lie_within_each_options_declared_bounds():
+    from types import SimpleNamespace
+
+    from derivgen.proof import _Sampler
+    spec = SimpleNamespace(options=[SimpleNamespace(name="zeta", min=-2.0, max=-1.0),
+                                    SimpleNamespace(name="tiny", min=1e-05, max=None),
+                                    SimpleNamespace(name="cap", min=None, max=3.0)])
+    points = _Sampler.for_spec(spec, 0)
+    zeta, tiny, cap = sympy.symbols("zeta tiny cap", real=True)
+    for _ in range(50):
+        assert -2 < points.value(zeta) < -1
+        assert sympy.Rational(1, 100000) < points.value(tiny) <= sympy.Rational(1, 100000) + sympy.Rational(1, 10)
+        assert 3 - sympy.Rational(1, 10) <= points.value(cap) < 3

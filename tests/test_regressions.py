@@ -33,7 +33,7 @@ def test_numeric_check_redraws_points_where_the_layer_is_undefined():
     import random
 
     import sympy
-    from derivgen.proof import _zero_numeric
+    from derivgen.proof import _Sampler, _zero_numeric
     a, b = sympy.symbols("a b", real=True)
 
     class Scripted(random.Random):
@@ -45,9 +45,9 @@ def test_numeric_check_redraws_points_where_the_layer_is_undefined():
         def randint(self, lo, hi):
             return self.script.pop(0) if self.script else super().randint(lo, hi)
     diff = sympy.Mul(a - b, sympy.Pow(a - b, -1, evaluate=False), evaluate=False) - 1
-    assert _zero_numeric(diff, Scripted())                # zero wherever defined: a = b is drawn again
-    assert not _zero_numeric(sympy.nan * a, random.Random(0))   # undefined everywhere is not zero
-    assert not _zero_numeric(a - b, random.Random(0))
+    assert _zero_numeric(diff, _Sampler(Scripted()))       # zero wherever defined: a = b is drawn again
+    assert not _zero_numeric(sympy.nan * a, _Sampler(random.Random(0)))   # undefined everywhere is not zero
+    assert not _zero_numeric(a - b, _Sampler(random.Random(0)))
 
 
 def test_gradient_name_that_is_a_keyword_is_refused():

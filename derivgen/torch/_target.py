@@ -1,8 +1,8 @@
 """What the generated PyTorch modules (``generated/torch/<layer>.py``) call.
 
-The printed expressions name their functions ``_t.sqrt``, ``_t.exp`` ...: here
-they take tensors and plain numbers alike (a group size N is a Python int, a
-statistic a tensor). The reductions are over the 4-D view (O, G, Cg, S) of
+The printed expressions name their functions ``_t.sqrt``, ``_t.exp`` ... (each
+function's NumPy name in :mod:`derivgen.functions`): here they take tensors and
+plain numbers alike (a group size N is a Python int, a statistic a tensor). The reductions are over the 4-D view (O, G, Cg, S) of
 :class:`derivgen.runtime.Layout`, as in the NumPy target.
 """
 
@@ -10,28 +10,35 @@ from __future__ import annotations
 
 import math
 
+from typing import Callable
+
 import torch
+
+from .. import functions
 
 pi = math.pi
 
 
-def _unary(tfn, mfn):
+def _unary(fn: functions.Elementary) -> Callable:
+    """The table function ``fn`` for a tensor (torch.<fn.torch>) or a plain number (fn.scalar)."""
+    tfn = getattr(torch, fn.torch)
+
     def f(a):
-        return tfn(a) if isinstance(a, torch.Tensor) else mfn(a)
+        return tfn(a) if isinstance(a, torch.Tensor) else fn.scalar(a)
     f.__name__ = tfn.__name__
     return f
 
 
-def _msign(a):
-    return (a > 0) - (a < 0)
+# sqrt, exp, log, abs, tanh, sign ...: one module attribute per table entry, by its printed name
+globals().update({fn.numpy: _unary(fn) for fn in functions.TABLE.values()})
 
 
-sqrt = _unary(torch.sqrt, math.sqrt)
-exp = _unary(torch.exp, math.exp)
-log = _unary(torch.log, math.log)
-tanh = _unary(torch.tanh, math.tanh)
-abs = _unary(torch.abs, lambda a: -a if a < 0 else a)   # noqa: A001  (the printed name)
-sign = _unary(torch.sign, _msign)
+def __getattr__(name: str) -> Callable:
+    """A function registered in derivgen.functions after this module was imported."""
+    fn = functions.of_numpy_name(name)
+    if fn is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return _unary(fn)
 
 
 def group_mean(L):

@@ -1,0 +1,50 @@
+"""Names the targets reserve: what a spec identifier may not be called because the
+generated code (Python: NumPy and PyTorch; C) would not compile or would hide
+something it uses.
+
+This is the code generators' knowledge, kept as data in a bottom-layer module so
+that the spec parser can reject such names when it validates a spec without
+importing the code generators. Each target declares its language keywords and
+the library names its code uses; the C library functions of the elementary
+functions come from their table (:mod:`derivgen.functions`).
+"""
+
+from __future__ import annotations
+
+import keyword
+
+from . import functions
+
+C_KEYWORDS = frozenset("""
+auto break case char const continue default do double else enum extern float for goto if
+inline int long register restrict return short signed sizeof static struct switch typedef
+union unsigned void volatile while bool complex imaginary
+""".split())
+
+# the C library functions and types the generated C uses besides the table's functions
+C_LIBRARY_EXTRA = frozenset("""
+pow powf malloc calloc free int64_t uintptr_t size_t main
+""".split())
+
+
+def is_keyword(name: str) -> bool:
+    """``name`` is a keyword of a target language (Python or C)."""
+    return keyword.iskeyword(name) or name in C_KEYWORDS
+
+
+def c_library() -> frozenset[str]:
+    """The C library names the generated C uses (a local of that name would hide them):
+    the elementary functions' C spellings that are names, and the others it calls."""
+    names = {s for fn in functions.TABLE.values() for s in (fn.c_double, fn.c_float) if s.isidentifier()}
+    return C_LIBRARY_EXTRA | names
+
+
+def collision(name: str) -> str | None:
+    """Why ``name`` collides with a target language (a keyword, a library name), or None."""
+    if keyword.iskeyword(name):
+        return "a Python keyword"
+    if name in C_KEYWORDS:
+        return "a C keyword"
+    if name in c_library():
+        return "a C library name the generated code uses"
+    return None
