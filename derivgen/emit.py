@@ -26,6 +26,7 @@ import jinja2
 import sympy
 from sympy import Add, Mul
 
+from .abi import kernel_signature
 from .api import Derivation, derive
 from .cplan import ATYPES, CTYPES, CPlanner, c_load, c_store, nhwc_sweep, second_plan, used_in
 from .engine import G, ModeDerivation
@@ -354,6 +355,7 @@ def _env() -> jinja2.Environment:
     env.filters["c"] = lambda e, ctype, names=None: c_expr(e, ctype, names)
     env.filters["pyrepr"] = repr
     env.filters["pformat"] = lambda v: pprint.pformat(v, width=96, sort_dicts=False)
+    env.globals["kernel_signature"] = kernel_signature
     return env
 
 
