@@ -25,7 +25,8 @@ derivgen.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping, Sequence
+from itertools import chain
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 ELEM = "ELEM"                  # the kernel's element type: float, double or dg_bf16
 KINDS = ("forward", "backward", "bb", "jvp")
@@ -117,6 +118,28 @@ class KernelSignature:
             unknown = sorted(set(values) - set(self.sections))
             raise ValueError(f"{self.symbol('*')}: no section(s) {unknown}; sections are {self.sections}")
         return out
+
+    def packer(self, names: Sequence[str], merged: Mapping[str, Sequence[str]] | None = None
+               ) -> Callable[..., list]:
+        """A fast :meth:`pack` for a hot call site: ``packer(names)(*seqs)`` concatenates one
+        sequence per name. ``names`` are sections in the signature's order (the sections
+        without arguments may be left out); ``merged`` lets one name stand for consecutive
+        sections (``{"x_params": ("x", "params")}``: one list of x's and the parameters'
+        pointers). The order is checked here, once; each call checks the total count."""
+        merged = dict(merged or {})
+        expanded = [s for n in names for s in merged.get(n, (n,))]
+        wanted = [s for s, n in zip(self.sections, self.sizes) if n or s in expanded]
+        if expanded != wanted:
+            raise ValueError(f"{self.symbol('*')}: sections {expanded} do not follow the signature's "
+                             f"{wanted}")
+        total, where, join = len(self.args), self.symbol("*"), chain.from_iterable
+
+        def pack(*seqs) -> list:
+            out = list(join(seqs))
+            if len(out) != total:
+                raise ValueError(f"{where}: {total} arguments expected, got {len(out)}")
+            return out
+        return pack
 
 
 class _Builder:
