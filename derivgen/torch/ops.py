@@ -46,6 +46,8 @@ from .. import runtime as rt
 from ..api import load, load_spec, materialize
 from ..cbind import CKernel, input_pairs
 from ..spec import Spec, catalogue_names, load_catalogue
+from ..validate import (check_buffer_shape, check_group_size, check_input_shape, check_not_empty, check_options,
+                        check_param_shapes, check_same_dtype)
 
 _LIB = torch.library.Library("derivgen", "FRAGMENT")
 _LOCK = threading.RLock()
@@ -400,37 +402,23 @@ class TorchLayer:
         return True
 
     def _validate(self, mode: str, a: dict) -> rt.Layout:
-        """The runtime's checks, on tensors (for dtypes NumPy lacks: bfloat16)."""
-        m, name = self.meta, self.meta["name"]
+        """The argument contract of derivgen.validate, on tensors (for what NumPy lacks:
+        bfloat16, the channels-last view)."""
+        m = self.meta
         x = a["x"]
         tensors = ["x", *self.params, *self.inputs, *(self.buffers if mode == "eval" else ())]
         for k in tensors:
-            _check(name, k, a[k])
-            if a[k].dtype != x.dtype:
-                raise TypeError(f"{name}: {k} has dtype {a[k].dtype} but x has {x.dtype}; use one dtype for all")
-        if x.numel() == 0:
-            raise ValueError(f"{name}: x is empty (shape {tuple(x.shape)})")
+            _check(m["name"], k, a[k])
+            check_same_dtype(m, k, a[k].dtype, x.dtype, "; use one dtype for all")
+        check_not_empty(m, tuple(x.shape))
         L = layout(m, tuple(x.shape), {p: tuple(a[p].shape) for p in self.params}, a["num_groups"])
-        for p in self.params:
-            if p in m["scalar_params"]:
-                if a[p].numel() != 1 or a[p].dim() > 1:
-                    raise ValueError(f"{name}: {p} is a scalar parameter: shape () or (1,), got {tuple(a[p].shape)}")
-            elif tuple(a[p].shape) != tuple(L.param_shape):
-                raise ValueError(f"{name}: {p} must have shape {tuple(L.param_shape)}, got {tuple(a[p].shape)}")
-        need = m["min_group_size"][mode]
-        if L.group_size < need:
-            raise ValueError(f"{name}: {mode} mode needs at least {need} values per normalization group, got "
-                             f"{L.group_size} (x shape {tuple(x.shape)})")
-        for o, (_, lo, hi) in m["options"].items():
-            rt._check_float(o, a[o], lo, hi)
+        check_param_shapes(m, {p: a[p].shape for p in self.params}, L)
+        check_group_size(m, mode, L)
+        check_options(m, {o: a[o] for o in self.options})
         for i in self.inputs:
-            v = a[i]
-            if not (v.numel() == 1 and v.dim() <= 1) and tuple(v.shape) != tuple(L.group_shape):
-                raise ValueError(f"{name}: {i} must be a scalar or have shape {tuple(L.group_shape)}, "
-                                 f"got {tuple(v.shape)}")
+            check_input_shape(m, i, tuple(a[i].shape), L)
         for b in (self.buffers if mode == "eval" else ()):
-            if tuple(a[b].shape) != tuple(L.group_shape):
-                raise ValueError(f"{name}: {b} must have shape {tuple(L.group_shape)}, got {tuple(a[b].shape)}")
+            check_buffer_shape(m, b, tuple(a[b].shape), L)
         return L
 
     def _key(self, tens, xi: int, groups):
