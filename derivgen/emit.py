@@ -19,6 +19,7 @@ from typing import Protocol
 
 import jinja2
 
+from .abi import kernel_signature
 from .cplan import ATYPES, CTYPES, c_load, c_store, plan_kernel
 from .engine import ModeDerivation
 from .ir import ModeIR, build_mode_ir, build_second_ir
@@ -130,6 +131,7 @@ def _env() -> jinja2.Environment:
     env.globals["cload"] = c_load
     env.globals["cstore"] = c_store
     env.globals["np_store"] = _np_store
+    env.globals["kernel_signature"] = kernel_signature
     return env
 
 

@@ -23,7 +23,6 @@ per group, stored as a flat array of ``n_groups`` values.
 
 from __future__ import annotations
 
-import math
 from collections import namedtuple
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -31,48 +30,17 @@ from typing import Any
 
 import numpy as np
 
+from .validate import (Layout, check_buffer_shape, check_float, check_group_size, check_input_shape,
+                       check_not_empty, check_options, check_param_shapes, check_same_dtype, is_scalar_shape,
+                       layout_from_shapes)
+
+# re-exported: the generated modules call them as derivgen.runtime.<name>
+from .executor import (CHUNK_BYTES, chunks, f64, for_chunks, group_mean, group_mean_prod, group_total,
+                       new_stats, num_threads, set_num_threads, store, sum_prod)
+
+_check_float = check_float      # the name derivgen.torch and older callers use
+
 DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
-
-
-@dataclass
-class Layout:
-    O: int
-    G: int
-    Cg: int
-    S: int
-    per_sample: bool
-    x_shape: tuple
-    param_shape: tuple
-    group_shape: tuple          # shape users see for per-group values (stats, inputs, buffers)
-
-    @property
-    def n_groups(self) -> int:
-        return self.O * self.G if self.per_sample else self.G
-
-    @property
-    def group_size(self) -> int:
-        return self.Cg * self.S * (1 if self.per_sample else self.O)
-
-    @property
-    def view4(self) -> tuple:
-        return (self.O, self.G, self.Cg, self.S)
-
-    @property
-    def stat4(self) -> tuple:
-        return (self.O, self.G, 1, 1) if self.per_sample else (1, self.G, 1, 1)
-
-    @property
-    def param4(self) -> tuple:
-        return (1, self.G, self.Cg, 1)
-
-    @property
-    def reduce_axes(self) -> tuple:
-        return (2, 3) if self.per_sample else (0, 2, 3)
-
-    @property
-    def param_axes(self) -> tuple:
-        """Axes of the 4-D view a parameter gradient is summed over."""
-        return (0, 3)
 
 
 def _check_array(name: str, a: Any) -> np.ndarray:
@@ -85,66 +53,10 @@ def _check_array(name: str, a: Any) -> np.ndarray:
     return a
 
 
-def _check_float(name: str, v: Any, lo=None, hi=None) -> float:
-    if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, float, np.integer, np.floating)):
-        raise TypeError(f"{name} must be a real number, got {type(v).__name__}")
-    f = float(v)
-    if not math.isfinite(f):
-        raise ValueError(f"{name} must be finite, got {f}")
-    if lo is not None and f < lo or hi is not None and f > hi:
-        rng = f"[{lo if lo is not None else '-inf'}, {hi if hi is not None else 'inf'}]"
-        raise ValueError(f"{name} must lie in {rng}, got {f}")
-    return f
-
-
 def resolve_layout(meta: dict, x: np.ndarray, params: dict, num_groups) -> Layout:
-    if x.size == 0:
-        raise ValueError(f"{meta['name']}: x is empty (shape {x.shape})")
+    """The layout of a non-empty x (errors name the argument)."""
+    check_not_empty(meta, x.shape)
     return layout_from_shapes(meta, x.shape, {p: a.shape for p, a in params.items()}, num_groups)
-
-
-def layout_from_shapes(meta: dict, x_shape, param_shapes: dict, num_groups) -> Layout:
-    """The 4-D view of x from shapes alone (derivgen.torch calls it on fake and symbolic
-    shapes too), with errors naming the argument."""
-    kind, red = meta["layout"], meta["reduce"]
-    name = meta["name"]
-    x_shape = tuple(x_shape)
-    nd = len(x_shape)
-    if kind == "trailing":
-        spanning = [p for p in meta["params"] if p not in meta.get("scalar_params", ())]
-        if spanning:
-            p0, first = spanning[0], tuple(param_shapes[spanning[0]])
-            k = len(first)
-            if k == 0:
-                raise ValueError(f"{name}: {p0} must have at least one dimension (it defines the normalized axes)")
-            if nd < k or x_shape[nd - k:] != first:
-                raise ValueError(f"{name}: {p0} has shape {first}, which must equal the trailing "
-                                 f"axes of x (shape {x_shape})")
-        else:
-            k = meta.get("axes", 1)
-            if nd < k:
-                raise ValueError(f"{name}: x must have at least {k} dimension(s), got shape {x_shape}")
-        lead = x_shape[:nd - k]
-        norm = x_shape[nd - k:]
-        return Layout(O=math.prod(lead), G=1, Cg=math.prod(norm), S=1, per_sample=True,
-                      x_shape=x_shape, param_shape=norm, group_shape=lead)
-    # channel layouts: x is (N, C, *spatial)
-    min_nd = 3 if red == "instance" else 2
-    if nd < min_nd:
-        raise ValueError(f"{name}: x must have shape (N, C{', *spatial' if min_nd == 2 else ', L, ...'}) "
-                         f"with at least {min_nd} dimensions, got {x_shape}")
-    n, c = x_shape[0], x_shape[1]
-    S = math.prod(x_shape[2:])
-    if red == "batch":
-        return Layout(O=n, G=c, Cg=1, S=S, per_sample=False, x_shape=x_shape, param_shape=(c,), group_shape=(c,))
-    if red == "instance":
-        return Layout(O=n, G=c, Cg=1, S=S, per_sample=True, x_shape=x_shape, param_shape=(c,), group_shape=(n, c))
-    if isinstance(num_groups, (bool, np.bool_)) or not isinstance(num_groups, (int, np.integer)):
-        raise TypeError(f"{name}: num_groups must be an int, got {type(num_groups).__name__}")
-    G = int(num_groups)
-    if G <= 0 or c % G:
-        raise ValueError(f"{name}: num_groups={G} must be positive and divide the number of channels C={c}")
-    return Layout(O=n, G=G, Cg=c // G, S=S, per_sample=True, x_shape=x_shape, param_shape=(c,), group_shape=(n, G))
 
 
 @lru_cache(maxsize=None)
@@ -205,32 +117,16 @@ def _contig(a: np.ndarray) -> np.ndarray:
 
 
 def _options(meta: dict, options: dict) -> dict[str, float]:
-    opts = {}
-    for oname, (default, lo, hi) in meta["options"].items():
-        v = options.get(oname)
-        if v is None:
-            raise TypeError(f"{meta['name']}: option {oname} is required")
-        opts[oname] = _check_float(oname, v, lo, hi)
-    return opts
+    return check_options(meta, options)
 
 
 def _param_dtypes(meta: dict, params: dict, dtype) -> None:
     for pname in meta["params"]:
-        a = _check_array(pname, params[pname])
-        if a.dtype != dtype:
-            raise TypeError(f"{meta['name']}: {pname} has dtype {a.dtype} but x has {dtype}; "
-                            f"use one dtype for all arrays")
+        check_same_dtype(meta, pname, _check_array(pname, params[pname]).dtype, dtype, "; use one dtype for all arrays")
 
 
 def _param_shapes(meta: dict, params: dict, layout: Layout) -> None:
-    for pname in meta["params"]:
-        if pname in meta.get("scalar_params", ()):
-            if params[pname].size != 1 or params[pname].ndim > 1:
-                raise ValueError(f"{meta['name']}: {pname} is a scalar parameter: shape () or (1,), "
-                                 f"got {params[pname].shape}")
-        elif tuple(params[pname].shape) != layout.param_shape:
-            raise ValueError(f"{meta['name']}: {pname} must have shape {layout.param_shape}, "
-                             f"got {params[pname].shape}")
+    check_param_shapes(meta, {p: params[p].shape for p in meta["params"]}, layout)
 
 
 def prepare_forward(meta: dict, x, params: dict, options: dict, inputs: dict, buffers: dict,
@@ -244,10 +140,7 @@ def prepare_forward(meta: dict, x, params: dict, options: dict, inputs: dict, bu
     if not isinstance(training, (bool, np.bool_)):
         raise TypeError(f"{name}: training must be a bool, got {type(training).__name__}")
     mode = "train" if training or "eval" not in meta["modes"] else "eval"
-    need = meta["min_group_size"][mode]
-    if layout.group_size < need:
-        raise ValueError(f"{name}: {mode} mode needs at least {need} values per normalization group, got "
-                         f"{layout.group_size} (x shape {x.shape})")
+    check_group_size(meta, mode, layout)
     opts = _options(meta, options)
     ins = _inputs(meta, inputs, layout, dtype)
     bufs = {}
@@ -255,10 +148,8 @@ def prepare_forward(meta: dict, x, params: dict, options: dict, inputs: dict, bu
         b = buffers.get(bname)
         if b is not None:
             b = _check_array(bname, b)
-            if b.dtype != dtype:
-                raise TypeError(f"{name}: {bname} has dtype {b.dtype} but x has {dtype}")
-            if tuple(b.shape) != tuple(layout.group_shape):
-                raise ValueError(f"{name}: {bname} must have shape {layout.group_shape}, got {b.shape}")
+            check_same_dtype(meta, bname, b.dtype, dtype)
+            check_buffer_shape(meta, bname, b.shape, layout)
             if mode == "train" and not b.flags.writeable:
                 raise ValueError(f"{name}: {bname} must be writeable (it is updated in place in training mode)")
         elif mode == "eval":
@@ -281,14 +172,9 @@ def _inputs(meta: dict, inputs: dict, layout: Layout, dtype) -> dict:
             raise TypeError(f"{name}: {iname} is required (a scalar or one value per group, shape {layout.group_shape})")
         if isinstance(v, np.ndarray):
             _check_array(iname, v)
-            if v.dtype != dtype:
-                raise TypeError(f"{name}: {iname} has dtype {v.dtype} but x has {dtype}")
-            if v.ndim == 0 or v.size == 1 and v.shape in ((), (1,)):
-                ins[iname] = v.reshape(1).astype(dtype)
-            elif tuple(v.shape) == tuple(layout.group_shape):
-                ins[iname] = _contig(v).reshape(-1)
-            else:
-                raise ValueError(f"{name}: {iname} must be a scalar or have shape {layout.group_shape}, got {v.shape}")
+            check_same_dtype(meta, iname, v.dtype, dtype)
+            check_input_shape(meta, iname, v.shape, layout)
+            ins[iname] = v.reshape(1).astype(dtype) if is_scalar_shape(v.shape) else _contig(v).reshape(-1)
         else:
             ins[iname] = np.array([_check_float(iname, v)], dtype=dtype)
     return ins
@@ -636,224 +522,3 @@ def finish_input_grad(cache: Cache, iname: str, per_group: np.ndarray) -> np.nda
 def group_view(values: np.ndarray, layout: Layout) -> np.ndarray:
     """A per-group input (1 value or n_groups values) as a broadcastable 4-D array."""
     return values.reshape(1, 1, 1, 1) if values.size == 1 else values.reshape(layout.stat4)
-
-
-# ---------------------------------------------------------------- NumPy backend helpers
-#
-# The generated NumPy modules compute in float64 over chunks of whole
-# normalization groups (so float32 data with a large mean offset or |x| ~ 1e30
-# is centred and squared exactly as in double), one chunk at a time per worker
-# thread: NumPy releases the GIL inside its loops, so chunks run in parallel.
-# Every chunk writes its own slices of y, dx and the statistics; parameter
-# gradients are returned per chunk and summed in chunk order, so results are
-# the same bits for any number of threads.
-
-import os as _os
-import threading as _threading
-from contextlib import contextmanager as _contextmanager
-
-CHUNK_BYTES = 1 << 20   # float64 bytes of x per chunk: a chunk and its temporaries stay in L2/L3
-NUM_THREADS = 0         # 0: OMP_NUM_THREADS if set (as the C kernels), else the CPUs available
-
-
-def set_num_threads(n: int) -> None:
-    """Worker threads of the NumPy backend (0: OMP_NUM_THREADS, else all CPUs available)."""
-    global NUM_THREADS
-    NUM_THREADS = max(0, int(n))
-
-
-def num_threads() -> int:
-    if NUM_THREADS:
-        return NUM_THREADS
-    env = _os.environ.get("OMP_NUM_THREADS", "").split(",")[0].strip()
-    if env.isdigit() and int(env) > 0:
-        return int(env)
-    try:
-        return len(_os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return _os.cpu_count() or 1
-
-
-def chunks(layout: Layout, itemsize: int = 8):
-    """Index tuples (into the 4-D x view, into the 4-D parameter view) covering
-    whole normalization groups, each chunk about CHUNK_BYTES of float64 data."""
-    L = layout
-    if L.per_sample:
-        per = max(1, L.G * L.Cg * L.S * itemsize)
-        step = max(1, CHUNK_BYTES // per)
-        for o0 in range(0, L.O, step):
-            yield (slice(o0, min(L.O, o0 + step)),), (slice(None),)
-    else:
-        per = max(1, L.O * L.Cg * L.S * itemsize)
-        step = max(1, CHUNK_BYTES // per)
-        for g0 in range(0, L.G, step):
-            s = (slice(None), slice(g0, min(L.G, g0 + step)))
-            yield s, s
-
-
-def _ufunc_bufsize(layout: Layout, default: int) -> int:
-    """NumPy copies broadcast operands through its ufunc buffer when a contiguous
-    run is shorter than the buffer (8192 elements): rows of 1024 then cost 2-3x
-    a plain loop. A buffer no longer than the runs of x that a statistic or a
-    parameter is constant along avoids the copies (buffering stays as it was
-    for short runs, where it does not matter)."""
-    L = layout
-    run = L.S if L.S > 1 else (L.Cg if L.per_sample else 0)
-    return default if run < 1024 else min(default, run - run % 16)
-
-
-@_contextmanager
-def _numpy_state(bufsize: int, err: dict, errcall):
-    """The caller's floating-point error handling and our ufunc buffer size, for
-    this thread only; restored on exit."""
-    with np.errstate(call=errcall, **err):
-        old = np.getbufsize()
-        np.setbufsize(bufsize)
-        try:
-            yield
-        finally:
-            np.setbufsize(old)
-
-
-class _Scratch:
-    """float64 copies of the chunks, in buffers one worker reuses chunk after chunk."""
-
-    def __init__(self):
-        self.bufs: list[np.ndarray] = []
-        self.k = 0
-
-    def f64(self, a: np.ndarray) -> np.ndarray:
-        """``a`` as float64: itself when it already is, else a copy in the next buffer."""
-        if a.dtype == np.float64:
-            return a
-        k, self.k = self.k, self.k + 1
-        if k == len(self.bufs):
-            self.bufs.append(np.empty(0))
-        if self.bufs[k].size < a.size:
-            self.bufs[k] = np.empty(a.size)
-        out = self.bufs[k][:a.size].reshape(a.shape)
-        np.copyto(out, a)
-        return out
-
-
-def for_chunks(layout: Layout, body) -> list:
-    """Run ``body(s, sp, tmp)`` on every chunk of whole groups (see :func:`chunks`)
-    on up to :func:`num_threads` threads; ``tmp.f64(a)`` is ``a`` in float64, in
-    a buffer the thread reuses. Returns ``[(s, sp, result), ...]`` in chunk order."""
-    todo = list(chunks(layout))
-    results = [None] * len(todo)
-    state = (_ufunc_bufsize(layout, np.getbufsize()), np.geterr(), np.geterrcall())
-    nth = min(num_threads(), len(todo))
-    lock = _threading.Lock()
-    nxt = iter(range(len(todo)))
-    failed = []
-
-    def work():
-        scratch = _Scratch()
-        with _numpy_state(*state):
-            while not failed:
-                with lock:
-                    k = next(nxt, None)
-                if k is None:
-                    return
-                s, sp = todo[k]
-                scratch.k = 0
-                try:
-                    results[k] = (s, sp, body(s, sp, scratch))
-                except BaseException:
-                    failed.append(k)
-                    raise
-
-    if nth <= 1:
-        work()
-        return results
-    helpers = [_pool().submit(work) for _ in range(nth - 1)]
-    try:
-        work()
-    finally:
-        for h in helpers:
-            if not h.cancel():      # a helper that never started has nothing left to do
-                h.result()
-    return results
-
-
-_POOL = None
-_POOL_LOCK = _threading.Lock()
-
-
-def _pool():
-    global _POOL
-    with _POOL_LOCK:
-        if _POOL is None or _POOL._max_workers < num_threads() - 1:
-            from concurrent.futures import ThreadPoolExecutor
-            _POOL = ThreadPoolExecutor(max(1, num_threads() - 1), thread_name_prefix="derivgen")
-        return _POOL
-
-
-def _forget_pool():
-    """A forked child has none of the parent's threads: start a new pool there."""
-    global _POOL, _POOL_LOCK
-    _POOL, _POOL_LOCK = None, _threading.Lock()
-
-
-if hasattr(_os, "register_at_fork"):
-    _os.register_at_fork(after_in_child=_forget_pool)
-
-
-def group_mean(layout: Layout):
-    """``_mean``: the mean over each normalization group of a chunk (np.mean's
-    sum and division, without its per-call overhead)."""
-    axes = layout.reduce_axes
-
-    def mean(a):
-        m = np.add.reduce(a, axis=axes, keepdims=True)
-        np.true_divide(m, a.size // m.size, out=m)
-        return m
-    return mean
-
-
-def sum_prod(a, b, axes):
-    """``sum(a*b)`` over ``axes`` (all axes for None) of the 4-D chunk arrays,
-    keeping dimensions: one pass and no temporary (``np.einsum``) when a and b
-    have the same shape, else the plain product and sum."""
-    a, b = np.asarray(a), np.asarray(b)
-    if a.shape != b.shape or a.ndim != 4:
-        return np.add.reduce(a * b, axis=axes, keepdims=True)
-    if axes is not None:
-        axes = tuple(int(i) % 4 for i in np.atleast_1d(axes))
-    keep = [i for i in range(4) if axes is not None and i not in axes]
-    out = np.einsum("abcd,abcd->" + "".join("abcd"[i] for i in keep), a, b)
-    return np.reshape(out, [a.shape[i] if i in keep else 1 for i in range(4)])
-
-
-def group_mean_prod(layout: Layout):
-    """``_mean_prod(a, b)``: the group mean of a*b; ``_mean_sq(a)``, the same
-    function with one argument: of a*a. Without the temporary product (see
-    :func:`sum_prod`)."""
-    axes = layout.reduce_axes
-
-    def mean_prod(a, b=None):
-        b = a if b is None else b
-        m = sum_prod(a, b, axes)
-        n = int(np.prod(np.broadcast_shapes(np.shape(a), np.shape(b)))) // m.size
-        return np.true_divide(m, n, out=m)
-    return mean_prod
-
-
-def group_total(value, like) -> float:
-    """The sum over the groups of a chunk of a per-group value (``like`` is a per-group
-    array of the chunk: a constant value counts once per group)."""
-    return float(np.sum(np.broadcast_to(value, np.shape(like))))
-
-
-def new_stats(layout: Layout, names) -> dict[str, np.ndarray]:
-    return {n: np.empty(layout.stat4, dtype=np.float64) for n in names}
-
-
-def f64(a):
-    return np.asarray(a, dtype=np.float64)
-
-
-def store(out: np.ndarray, value: np.ndarray) -> np.ndarray:
-    out.reshape(-1)[...] = value.reshape(-1)
-    return out

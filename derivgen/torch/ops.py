@@ -44,7 +44,10 @@ import torch.autograd.forward_ad as _fwad
 
 from .. import runtime as rt
 from ..api import load, load_spec, materialize
+from ..cbind import CKernel, input_pairs
 from ..spec import Spec, catalogue_names, load_catalogue
+from ..validate import (check_buffer_shape, check_group_size, check_input_shape, check_not_empty, check_options,
+                        check_param_shapes, check_same_dtype)
 
 _LIB = torch.library.Library("derivgen", "FRAGMENT")
 _LOCK = threading.RLock()
@@ -316,22 +319,25 @@ class TorchLayer:
         for n in ["x", *self.params, *self.inputs]:
             if c[pre + n].dtype != x.dtype:
                 c[pre + n] = c[pre + n].to(x.dtype)
-        args = [L.O, L.G, L.Cg, L.S, x.data_ptr()] + ([c["dy"].data_ptr()] if kind == "bb" else [])
-        args += [c[p].data_ptr() for p in self.params] + [c[o] for o in self.options]
-        args += input_pairs([c[i] for i in self.inputs])
-        args += [c[s].data_ptr() for s in m["stats"][mode]]
-        args.append(c[pre + "x"].data_ptr())
-        args += [c[pre + p].data_ptr() for p in self.params]
-        args += input_pairs([c[pre + i] for i in self.inputs])
+        sig = self._kernel_for(x.dtype).signatures[(mode, kind)]
+        sections = {"dims": (L.O, L.G, L.Cg, L.S), "x": (x.data_ptr(),),
+                    "params": [c[p].data_ptr() for p in self.params], "options": [c[o] for o in self.options],
+                    "inputs": input_pairs([c[i] for i in self.inputs]),
+                    "stats": [c[s].data_ptr() for s in m["stats"][mode]], "seed_x": (c[pre + "x"].data_ptr(),),
+                    "seed_params": [c[pre + p].data_ptr() for p in self.params],
+                    "seed_inputs": input_pairs([c[pre + i] for i in self.inputs]),
+                    "nthreads": (threads(self.ckernel._kernel),)}
         if kind == "bb":
             outs = [torch.empty_like(x), torch.empty_like(x), *(torch.empty_like(c[p]) for p in self.params)]
             dis = [torch.empty(L.n_groups, dtype=x.dtype) for _ in self.inputs]
-            args += [t.data_ptr() for t in outs + dis]
+            sections.update({"dy": (c["dy"].data_ptr(),), "out_dx": (outs[0].data_ptr(),),
+                             "out_ddy": (outs[1].data_ptr(),), "out_params": [t.data_ptr() for t in outs[2:]],
+                             "out_inputs": [t.data_ptr() for t in dis]})
         else:
             outs = [torch.empty_like(x)]
             dis = []
-            args.append(outs[0].data_ptr())
-        args.append(threads(self.ckernel._kernel))
+            sections["out_ty"] = (outs[0].data_ptr(),)
+        args = sig.pack(sections)
         if fn(*args) != 0:
             raise MemoryError(f"{m['name']}: second-order kernel could not allocate its work buffer")
         if kind != "bb":
@@ -384,7 +390,6 @@ class TorchLayer:
         if dtype != torch.bfloat16 and not nhwc:
             return main
         if self._extras is None:
-            from ..cbind import CKernel
             self._extras = CKernel(self.meta, main.source, main.threads, cflags=main.cflags,
                                    extra=["-DDG_EXTRAS_ONLY"])
         return self._extras
@@ -397,37 +402,23 @@ class TorchLayer:
         return True
 
     def _validate(self, mode: str, a: dict) -> rt.Layout:
-        """The runtime's checks, on tensors (for dtypes NumPy lacks: bfloat16)."""
-        m, name = self.meta, self.meta["name"]
+        """The argument contract of derivgen.validate, on tensors (for what NumPy lacks:
+        bfloat16, the channels-last view)."""
+        m = self.meta
         x = a["x"]
         tensors = ["x", *self.params, *self.inputs, *(self.buffers if mode == "eval" else ())]
         for k in tensors:
-            _check(name, k, a[k])
-            if a[k].dtype != x.dtype:
-                raise TypeError(f"{name}: {k} has dtype {a[k].dtype} but x has {x.dtype}; use one dtype for all")
-        if x.numel() == 0:
-            raise ValueError(f"{name}: x is empty (shape {tuple(x.shape)})")
+            _check(m["name"], k, a[k])
+            check_same_dtype(m, k, a[k].dtype, x.dtype, "; use one dtype for all")
+        check_not_empty(m, tuple(x.shape))
         L = layout(m, tuple(x.shape), {p: tuple(a[p].shape) for p in self.params}, a["num_groups"])
-        for p in self.params:
-            if p in m["scalar_params"]:
-                if a[p].numel() != 1 or a[p].dim() > 1:
-                    raise ValueError(f"{name}: {p} is a scalar parameter: shape () or (1,), got {tuple(a[p].shape)}")
-            elif tuple(a[p].shape) != tuple(L.param_shape):
-                raise ValueError(f"{name}: {p} must have shape {tuple(L.param_shape)}, got {tuple(a[p].shape)}")
-        need = m["min_group_size"][mode]
-        if L.group_size < need:
-            raise ValueError(f"{name}: {mode} mode needs at least {need} values per normalization group, got "
-                             f"{L.group_size} (x shape {tuple(x.shape)})")
-        for o, (_, lo, hi) in m["options"].items():
-            rt._check_float(o, a[o], lo, hi)
+        check_param_shapes(m, {p: a[p].shape for p in self.params}, L)
+        check_group_size(m, mode, L)
+        check_options(m, {o: a[o] for o in self.options})
         for i in self.inputs:
-            v = a[i]
-            if not (v.numel() == 1 and v.dim() <= 1) and tuple(v.shape) != tuple(L.group_shape):
-                raise ValueError(f"{name}: {i} must be a scalar or have shape {tuple(L.group_shape)}, "
-                                 f"got {tuple(v.shape)}")
+            check_input_shape(m, i, tuple(a[i].shape), L)
         for b in (self.buffers if mode == "eval" else ()):
-            if tuple(a[b].shape) != tuple(L.group_shape):
-                raise ValueError(f"{name}: {b} must have shape {tuple(L.group_shape)}, got {tuple(a[b].shape)}")
+            check_buffer_shape(m, b, tuple(a[b].shape), L)
         return L
 
     def _key(self, tens, xi: int, groups):
@@ -728,14 +719,6 @@ class _Functional(torch.autograd.Function):
         return (ty, *(None for _ in st))
 
 
-def input_pairs(ins) -> list:
-    """Per-group inputs as the kernels take them: pointer, then stride (0: a scalar)."""
-    pairs = []
-    for t in ins:
-        pairs += [t.data_ptr(), 0 if t.numel() == 1 else 1]
-    return pairs
-
-
 def threads(kernel) -> int:
     """The threads a kernel call uses: the layer's own setting (``set_num_threads`` of its
     C module), else torch's (``torch.set_num_threads``), so one setting governs both."""
@@ -754,7 +737,7 @@ class _Plan:
     its outputs and passes data pointers (8x1024 layer norm: a few microseconds of
     Python around each kernel)."""
 
-    __slots__ = ("lay", "mode", "groups", "ffn", "bfn", "dims", "kernel", "n_groups", "nhwc", "npar", "nin",
+    __slots__ = ("lay", "mode", "groups", "ffn", "bfn", "fsig", "bsig", "fpack", "bpack", "dims", "kernel", "n_groups", "nhwc", "npar", "nin",
                  "copy", "null_bufs", "stat_offsets", "stats_like", "name", "simple")
 
     def __init__(self, lay: TorchLayer, mode: str, L: rt.Layout, tens: list, nhwc: bool, groups: int):
@@ -763,6 +746,15 @@ class _Plan:
         self.name = lay.meta["name"]
         self.ffn = lay._cfn(mode, "forward", x.dtype, nhwc)
         self.bfn = lay._cfn(mode, "backward", x.dtype, nhwc)
+        self.fsig = lay.ckernel._kernel.signatures[(mode, "forward")]
+        self.bsig = lay.ckernel._kernel.signatures[(mode, "backward")]
+        # the common case's packers (no per-group inputs): x with the parameters, x with dy
+        self.fpack = self.bpack = None
+        if not lay.inputs:
+            self.fpack = self.fsig.packer(("dims", "x_params", "options", "buffers", "y", "stats", "nthreads"),
+                                          merged={"x_params": ("x", "params")})
+            self.bpack = self.bsig.packer(("dims", "x_dy", "params", "options", "stats", "dx", "dparams",
+                                           "nthreads"), merged={"x_dy": ("x", "dy")})
         self.dims = (L.O, L.G, L.Cg, L.S)
         self.kernel = lay.ckernel._kernel
         self.n_groups = ng = L.n_groups
@@ -785,8 +777,9 @@ class _Plan:
             y = torch.empty_like(tens[0])
             st = torch.empty_like(self.stats_like)
             p = st.data_ptr()
-            if self.ffn(*self.dims, *[t.data_ptr() for t in tens], *opts, *self.null_bufs, y.data_ptr(),
-                        *[p + o for o in self.stat_offsets], threads(self.kernel)) != 0:
+            if self.ffn(*self.fpack(self.dims, [t.data_ptr() for t in tens], opts, self.null_bufs,
+                                    (y.data_ptr(),), [p + o for o in self.stat_offsets],
+                                    (threads(self.kernel),))) != 0:
                 raise MemoryError(f"{self.name}: forward kernel could not allocate its work buffer")
             return y, st
         if self.copy:
@@ -802,9 +795,10 @@ class _Plan:
             sp = [t.data_ptr() for t in st]
         k = 1 + self.npar
         ptrs = [t.data_ptr() for t in tens]
-        ins = input_pairs(tens[k:k + self.nin]) if self.nin else []
-        bufs = ptrs[k + self.nin:] or self.null_bufs
-        if self.ffn(*self.dims, *ptrs[:k], *opts, *ins, *bufs, y.data_ptr(), *sp, threads(self.kernel)) != 0:
+        if self.ffn(*self.fsig.pack({
+                "dims": self.dims, "x": ptrs[:1], "params": ptrs[1:k], "options": opts,
+                "inputs": input_pairs(tens[k:k + self.nin]), "buffers": ptrs[k + self.nin:] or self.null_bufs,
+                "y": (y.data_ptr(),), "stats": sp, "nthreads": (threads(self.kernel),)})) != 0:
             raise MemoryError(f"{self.name}: forward kernel could not allocate its work buffer")
         return y, st
 
@@ -816,8 +810,9 @@ class _Plan:
             dy = dy.contiguous()
             dx = torch.empty_like(x)
             dps = [torch.empty_like(p) for p in tens[1:]]
-            if self.bfn(*self.dims, x.data_ptr(), dy.data_ptr(), *[p.data_ptr() for p in tens[1:]], *opts,
-                        *stat_ptrs, dx.data_ptr(), *[t.data_ptr() for t in dps], threads(self.kernel)) != 0:
+            if self.bfn(*self.bpack(self.dims, (x.data_ptr(), dy.data_ptr()), [p.data_ptr() for p in tens[1:]],
+                                    opts, stat_ptrs, (dx.data_ptr(),), [t.data_ptr() for t in dps],
+                                    (threads(self.kernel),))) != 0:
                 raise MemoryError(f"{self.name}: backward kernel could not allocate its work buffer")
             return (dx, *dps)
         k = 1 + self.npar
@@ -829,15 +824,13 @@ class _Plan:
         params = tens[1:k]
         dx = torch.empty_like(x)
         dps = [torch.empty_like(p) for p in params]
-        if self.nin:
-            ins = tens[k:k + self.nin]
-            dis = [torch.empty(self.n_groups, dtype=x.dtype) for _ in ins]
-            pairs = input_pairs(ins)
-        else:
-            ins = dis = pairs = ()
-        if self.bfn(*self.dims, x.data_ptr(), dy.data_ptr(), *[p.data_ptr() for p in params], *opts, *pairs,
-                    *stat_ptrs, dx.data_ptr(), *[t.data_ptr() for t in dps], *[t.data_ptr() for t in dis],
-                    threads(self.kernel)) != 0:
+        ins = tens[k:k + self.nin]
+        dis = [torch.empty(self.n_groups, dtype=x.dtype) for _ in ins]
+        if self.bfn(*self.bsig.pack({
+                "dims": self.dims, "x": (x.data_ptr(),), "dy": (dy.data_ptr(),),
+                "params": [p.data_ptr() for p in params], "options": opts, "inputs": input_pairs(ins),
+                "stats": stat_ptrs, "dx": (dx.data_ptr(),), "dparams": [t.data_ptr() for t in dps],
+                "dinputs": [t.data_ptr() for t in dis], "nthreads": (threads(self.kernel),)})) != 0:
             raise MemoryError(f"{self.name}: backward kernel could not allocate its work buffer")
         if not self.nin:
             return (dx, *dps)

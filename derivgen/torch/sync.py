@@ -26,7 +26,8 @@ import torch
 import torch.distributed as dist
 
 from .. import runtime as rt
-from .ops import input_pairs, threads
+from ..cbind import input_pairs
+from .ops import threads
 
 _DTYPE_CODES = {torch.float32: 1, torch.float64: 2, torch.bfloat16: 3}
 
@@ -97,58 +98,74 @@ def _all_reduce(parts: tuple, pg) -> tuple:
 
 
 class _CSplit:
-    """The generated C split kernels of a layer (float32/float64, NCHW-contiguous parts)."""
+    """The generated C split kernels of a layer (float32/float64, NCHW-contiguous parts),
+    called with the arguments their signatures (derivgen.abi) lay out."""
+
+    KINDS = ("partial", "finish", "apply", "bpartial", "bapply")
+    _inputs = staticmethod(input_pairs)         # per-group inputs as (pointer, stride) pairs
 
     def __init__(self, lay, dtype):
         sfx = {torch.float32: "f32", torch.float64: "f64"}[dtype]
         k = lay.ckernel._kernel
-        self.fn = {kind: k.split_cfunc(kind, sfx) for kind in ("partial", "finish", "apply", "bpartial", "bapply")}
+        self.fn = {kind: k.split_cfunc(kind, sfx) for kind in self.KINDS}
+        self.sig = {kind: k.signatures[("train", "split_" + kind)] for kind in self.KINDS}
         self.kernel = k
         self.split = lay.meta["split"]
         self.nstat = len(lay.meta["stats"]["train"])
 
-    _inputs = staticmethod(input_pairs)
+    def _call(self, kind: str, leading: dict, **sections) -> int:
+        """One split kernel's status, from the leading sections and the kernel's own."""
+        return self.fn[kind](*self.sig[kind].pack({**leading, **sections}))
+
+    @staticmethod
+    def _leading(L, params, opts, ins) -> dict:
+        return {"dims": (L.O, L.G, L.Cg, L.S), "params": [p.data_ptr() for p in params], "options": opts,
+                "inputs": input_pairs(ins)}
 
     def forward(self, L, x, params, opts, ins, n, pg):
-        dims = (L.O, L.G, L.Cg, L.S)
-        pp = [p.data_ptr() for p in params]
-        pairs = self._inputs(ins)
+        """y and the (statistics, groups) float64 statistics of the whole batch, one
+        all_reduce per statistics level."""
+        lead = self._leading(L, params, opts, ins)
+        nth = (threads(self.kernel),)
         stats = torch.zeros((self.nstat, L.n_groups), dtype=torch.float64)
         for level, nsums in enumerate(self.split["levels"]):
             sums = torch.zeros((nsums, L.n_groups), dtype=torch.float64)
             if nsums:
-                if L.O and self.fn["partial"](*dims, x.data_ptr(), *pp, *opts, *pairs, level, stats.data_ptr(),
-                                              float(n), sums.data_ptr(), threads(self.kernel)) != 0:
+                if L.O and self._call("partial", lead, x=(x.data_ptr(),), level=(level,), stats=(stats.data_ptr(),),
+                                      count=(float(n),), sums=(sums.data_ptr(),), nthreads=nth) != 0:
                     raise RuntimeError("split partial kernel failed")
                 dist.all_reduce(sums, group=pg)
-            if self.fn["finish"](*dims, *pp, *opts, *pairs, level, sums.data_ptr(), float(n), stats.data_ptr()) != 0:
+            if self._call("finish", lead, level=(level,), sums=(sums.data_ptr(),), count=(float(n),),
+                          stats=(stats.data_ptr(),)) != 0:
                 raise RuntimeError("split finish kernel failed")
         y = torch.empty_like(x)
-        if L.O and self.fn["apply"](*dims, x.data_ptr(), *pp, *opts, *pairs, stats.data_ptr(), float(n),
-                                    y.data_ptr(), threads(self.kernel)) != 0:
+        if L.O and self._call("apply", lead, x=(x.data_ptr(),), stats=(stats.data_ptr(),), count=(float(n),),
+                              y=(y.data_ptr(),), nthreads=nth) != 0:
             raise MemoryError("split apply kernel could not allocate its work buffer")
         return y, stats
 
     def backward(self, L, x, dy, params, opts, ins, stats, n, pg, group_terms):
-        dims = (L.O, L.G, L.Cg, L.S)
-        pp = [p.data_ptr() for p in params]
-        pairs = self._inputs(ins)
+        """dx and this part's parameter gradients, one all_reduce of the backward's sums."""
+        lead = self._leading(L, params, opts, ins)
+        nth = (threads(self.kernel),)
         sums = torch.zeros((self.split["backward"], L.n_groups), dtype=torch.float64)
         if self.split["backward"]:
-            if L.O and self.fn["bpartial"](*dims, x.data_ptr(), dy.data_ptr(), *pp, *opts, *pairs, stats.data_ptr(),
-                                           float(n), sums.data_ptr(), threads(self.kernel)) != 0:
+            if L.O and self._call("bpartial", lead, x=(x.data_ptr(),), dy=(dy.data_ptr(),),
+                                  stats=(stats.data_ptr(),), count=(float(n),), sums=(sums.data_ptr(),),
+                                  nthreads=nth) != 0:
                 raise RuntimeError("split bpartial kernel failed")
             dist.all_reduce(sums, group=pg)
         dx = torch.empty_like(x)
-        dps = [torch.empty_like(p) for p in params]
-        dis = [torch.empty(L.n_groups, dtype=x.dtype) for _ in ins]
+        dparams = [torch.empty_like(p) for p in params]
+        dinputs = [torch.empty(L.n_groups, dtype=x.dtype) for _ in ins]
         if L.O == 0:
-            return dx, [d.zero_() for d in dps]
-        if self.fn["bapply"](*dims, x.data_ptr(), dy.data_ptr(), *pp, *opts, *pairs, stats.data_ptr(),
-                             sums.data_ptr(), float(n), int(group_terms), dx.data_ptr(),
-                             *[d.data_ptr() for d in dps], *[d.data_ptr() for d in dis], threads(self.kernel)) != 0:
+            return dx, [d.zero_() for d in dparams]
+        if self._call("bapply", lead, x=(x.data_ptr(),), dy=(dy.data_ptr(),), stats=(stats.data_ptr(),),
+                      sums=(sums.data_ptr(),), count=(float(n),), group_terms=(int(group_terms),),
+                      dx=(dx.data_ptr(),), dparams=[d.data_ptr() for d in dparams],
+                      dinputs=[d.data_ptr() for d in dinputs], nthreads=nth) != 0:
             raise MemoryError("split bapply kernel could not allocate its work buffer")
-        return dx, dps
+        return dx, dparams
 
 
 class _SyncFunction(torch.autograd.Function):

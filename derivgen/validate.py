@@ -1,0 +1,175 @@
+"""The argument-validation contract shared by every backend: NumPy and C
+(:mod:`derivgen.runtime`) and PyTorch (:mod:`derivgen.torch`).
+
+The checks work on shapes, dtypes and Python numbers, whatever holds the data (NumPy
+arrays, tensors), so each backend runs the same checks with the same messages; the
+backends add what only they have (array types, devices, memory overlap).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+
+@dataclass
+class Layout:
+    """x as a 4-D view (O, G, Cg, S) and the shapes users see (see derivgen.runtime)."""
+
+    O: int
+    G: int
+    Cg: int
+    S: int
+    per_sample: bool
+    x_shape: tuple
+    param_shape: tuple
+    group_shape: tuple          # shape users see for per-group values (stats, inputs, buffers)
+
+    @property
+    def n_groups(self) -> int:
+        return self.O * self.G if self.per_sample else self.G
+
+    @property
+    def group_size(self) -> int:
+        return self.Cg * self.S * (1 if self.per_sample else self.O)
+
+    @property
+    def view4(self) -> tuple:
+        return (self.O, self.G, self.Cg, self.S)
+
+    @property
+    def stat4(self) -> tuple:
+        return (self.O, self.G, 1, 1) if self.per_sample else (1, self.G, 1, 1)
+
+    @property
+    def param4(self) -> tuple:
+        return (1, self.G, self.Cg, 1)
+
+    @property
+    def reduce_axes(self) -> tuple:
+        return (2, 3) if self.per_sample else (0, 2, 3)
+
+    @property
+    def param_axes(self) -> tuple:
+        """Axes of the 4-D view a parameter gradient is summed over."""
+        return (0, 3)
+
+
+def check_float(name: str, v: Any, lo=None, hi=None) -> float:
+    """A real number as a float, finite and within [lo, hi] (None: unbounded)."""
+    if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, float, np.integer, np.floating)):
+        raise TypeError(f"{name} must be a real number, got {type(v).__name__}")
+    f = float(v)
+    if not math.isfinite(f):
+        raise ValueError(f"{name} must be finite, got {f}")
+    if lo is not None and f < lo or hi is not None and f > hi:
+        rng = f"[{lo if lo is not None else '-inf'}, {hi if hi is not None else 'inf'}]"
+        raise ValueError(f"{name} must lie in {rng}, got {f}")
+    return f
+
+
+def layout_from_shapes(meta: dict, x_shape, param_shapes: dict, num_groups) -> Layout:
+    """The 4-D view of x from shapes alone (derivgen.torch calls it on fake and symbolic
+    shapes too), with errors naming the argument."""
+    kind, red = meta["layout"], meta["reduce"]
+    name = meta["name"]
+    x_shape = tuple(x_shape)
+    nd = len(x_shape)
+    if kind == "trailing":
+        spanning = [p for p in meta["params"] if p not in meta.get("scalar_params", ())]
+        if spanning:
+            p0, first = spanning[0], tuple(param_shapes[spanning[0]])
+            k = len(first)
+            if k == 0:
+                raise ValueError(f"{name}: {p0} must have at least one dimension (it defines the normalized axes)")
+            if nd < k or x_shape[nd - k:] != first:
+                raise ValueError(f"{name}: {p0} has shape {first}, which must equal the trailing "
+                                 f"axes of x (shape {x_shape})")
+        else:
+            k = meta.get("axes", 1)
+            if nd < k:
+                raise ValueError(f"{name}: x must have at least {k} dimension(s), got shape {x_shape}")
+        lead = x_shape[:nd - k]
+        norm = x_shape[nd - k:]
+        return Layout(O=math.prod(lead), G=1, Cg=math.prod(norm), S=1, per_sample=True,
+                      x_shape=x_shape, param_shape=norm, group_shape=lead)
+    # channel layouts: x is (N, C, *spatial)
+    min_nd = 3 if red == "instance" else 2
+    if nd < min_nd:
+        raise ValueError(f"{name}: x must have shape (N, C{', *spatial' if min_nd == 2 else ', L, ...'}) "
+                         f"with at least {min_nd} dimensions, got {x_shape}")
+    n, c = x_shape[0], x_shape[1]
+    S = math.prod(x_shape[2:])
+    if red == "batch":
+        return Layout(O=n, G=c, Cg=1, S=S, per_sample=False, x_shape=x_shape, param_shape=(c,), group_shape=(c,))
+    if red == "instance":
+        return Layout(O=n, G=c, Cg=1, S=S, per_sample=True, x_shape=x_shape, param_shape=(c,), group_shape=(n, c))
+    if isinstance(num_groups, (bool, np.bool_)) or not isinstance(num_groups, (int, np.integer)):
+        raise TypeError(f"{name}: num_groups must be an int, got {type(num_groups).__name__}")
+    G = int(num_groups)
+    if G <= 0 or c % G:
+        raise ValueError(f"{name}: num_groups={G} must be positive and divide the number of channels C={c}")
+    return Layout(O=n, G=G, Cg=c // G, S=S, per_sample=True, x_shape=x_shape, param_shape=(c,), group_shape=(n, G))
+
+
+def check_not_empty(meta: dict, x_shape) -> None:
+    """x holds at least one value."""
+    if math.prod(x_shape) == 0:
+        raise ValueError(f"{meta['name']}: x is empty (shape {tuple(x_shape)})")
+
+
+def check_same_dtype(meta: dict, what: str, dtype, x_dtype, hint: str = "") -> None:
+    """An argument has x's dtype (``hint`` ends the message)."""
+    if dtype != x_dtype:
+        raise TypeError(f"{meta['name']}: {what} has dtype {dtype} but x has {x_dtype}{hint}")
+
+
+def check_param_shapes(meta: dict, shapes: dict, layout: Layout) -> None:
+    """Every parameter has the shape of the normalized channels (a scalar one: () or (1,))."""
+    for pname in meta["params"]:
+        shape = tuple(shapes[pname])
+        if pname in meta.get("scalar_params", ()):
+            if math.prod(shape) != 1 or len(shape) > 1:
+                raise ValueError(f"{meta['name']}: {pname} is a scalar parameter: shape () or (1,), got {shape}")
+        elif shape != tuple(layout.param_shape):
+            raise ValueError(f"{meta['name']}: {pname} must have shape {tuple(layout.param_shape)}, got {shape}")
+
+
+def check_group_size(meta: dict, mode: str, layout: Layout) -> None:
+    """Each normalization group holds at least the mode's minimum number of values."""
+    need = meta["min_group_size"][mode]
+    if layout.group_size < need:
+        raise ValueError(f"{meta['name']}: {mode} mode needs at least {need} values per normalization group, "
+                         f"got {layout.group_size} (x shape {tuple(layout.x_shape)})")
+
+
+def check_options(meta: dict, options: dict) -> dict[str, float]:
+    """Every option given, a finite float within its declared range."""
+    opts = {}
+    for oname, (_, lo, hi) in meta["options"].items():
+        v = options.get(oname)
+        if v is None:
+            raise TypeError(f"{meta['name']}: option {oname} is required")
+        opts[oname] = check_float(oname, v, lo, hi)
+    return opts
+
+
+def is_scalar_shape(shape) -> bool:
+    """A per-group input given as one value: shape () or (1,)."""
+    return math.prod(shape) == 1 and len(shape) <= 1
+
+
+def check_input_shape(meta: dict, iname: str, shape, layout: Layout) -> None:
+    """A per-group input is a scalar or has one value per group."""
+    if not is_scalar_shape(shape) and tuple(shape) != tuple(layout.group_shape):
+        raise ValueError(f"{meta['name']}: {iname} must be a scalar or have shape {tuple(layout.group_shape)}, "
+                         f"got {tuple(shape)}")
+
+
+def check_buffer_shape(meta: dict, bname: str, shape, layout: Layout) -> None:
+    """A running buffer has one value per group."""
+    if tuple(shape) != tuple(layout.group_shape):
+        raise ValueError(f"{meta['name']}: {bname} must have shape {tuple(layout.group_shape)}, got {tuple(shape)}")
