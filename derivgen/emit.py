@@ -53,6 +53,7 @@ class Emitted:
     """One layer's generated files."""
     name: str
     files: dict[str, str] = field(default_factory=dict)   # relative path -> text
+    meta: dict = field(default_factory=dict)              # the calling contract (layer_meta)
 
 
 def _grad_fields(spec: Spec) -> list[str]:
@@ -179,10 +180,11 @@ def emit(d: LayerDerivation, targets=("numpy", "c")) -> Emitted:
             for m, md in d.modes.items()}
     kernels = {(m, sfx): plan_kernel(printer, ir, irs2[m], ct) for m, ir in irs.items() for sfx, ct in CTYPES.items()
                } if "c" in targets else {}
-    ctx = dict(printer=printer, spec=spec, meta=layer_meta(spec, irs), irs=irs, irs2=irs2, modes=list(irs),
+    meta = layer_meta(spec, irs)
+    ctx = dict(printer=printer, spec=spec, meta=meta, irs=irs, irs2=irs2, modes=list(irs),
                formulas=_formulas(d, printer), source=spec.source, kernels=kernels, grad_fields=_grad_fields(spec),
                ctypes=CTYPES, atypes=ATYPES, per_sample=spec.reduce != "batch", trailing=spec.layout == "trailing")
-    out = Emitted(spec.name)
+    out = Emitted(spec.name, meta=meta)
     if "numpy" in targets:
         ctx_np = dict(ctx, template=TEMPLATE_FILES["numpy"])
         out.files[f"numpy/{spec.name}.py"] = env.get_template(TEMPLATE_FILES["numpy"]).render(**ctx_np)

@@ -10,7 +10,7 @@ import pytest
 
 from derivgen.abi import KINDS, SPLIT_KINDS, KernelSignature, kernel_signature, kernel_signatures
 from derivgen.api import derive, load_spec
-from derivgen.emit import emit, layer_meta
+from derivgen.emit import emit
 from derivgen.spec import catalogue_names
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -65,8 +65,8 @@ def test_generated_headers_declare_the_described_prototypes(name):
 @pytest.mark.parametrize("example", ["dynamic_tanh", "layernorm_nobias"])
 def test_example_specs_declare_the_described_prototypes(example):
     d = derive(load_spec(ROOT / "examples" / f"{example}.toml"))
-    files = emit(d, targets=("c",)).files
-    meta = layer_meta(d)
+    emitted = emit(d, targets=("c",))
+    files, meta = emitted.files, emitted.meta
     _check_layer(meta, files[f"c/{meta['name']}.h"], files[f"c/{meta['name']}.c"])
 
 

@@ -19,7 +19,7 @@ from derivgen.document import latex_expr, text_expr
 from derivgen.expr import ExprError, parse_expr
 from derivgen.functions import NONNEG, POSITIVE, REAL, Elementary
 from derivgen.naming import code_text
-from derivgen.printers import c_expr, np_expr, torch_expr
+from derivgen.printers import SpecPrinter, np_expr, torch_expr
 from derivgen.spec import N, parse_spec, reserved_reason
 from derivgen.torch import _target
 
@@ -31,6 +31,11 @@ ATAN = Elementary(
     "atan", sympy.atan, sympy.atan, lambda f, u: 1 / (1 + u ** 2), "arctangent", lambda level: level, REAL,
     numpy="arctan", c_double="atan", c_float="atanf", torch="atan", scalar=math.atan,
     latex=r"\operatorname{atan}", text="atan")
+
+
+def c_expr(e: sympy.Expr, ctype: str) -> str:
+    """The C printer's text for e (the printer of a catalogue spec; no spec names in e)."""
+    return SpecPrinter(derivgen.load_spec("layernorm")).c(e, ctype)
 
 
 @pytest.fixture
