@@ -408,7 +408,7 @@ def emit(d: Derivation, targets=("numpy", "c")) -> Emitted:
     env.globals["np_store"] = lambda target, e: np_store(target, e, spec)
     _SPEC_FOR_PRINTING[0] = spec
     irs = {m: build_mode_ir(md) for m, md in d.modes.items()}
-    irs2 = {m: {"bb": build_second_ir(md.second, "bb"), "jvp": build_second_ir(md.second, "jvp")}
+    irs2 = {m: {"bb": build_second_ir(d.second(m), "bb"), "jvp": build_second_ir(d.second(m), "jvp")}
             for m, md in d.modes.items()}
     cplans = {(m, sfx): CPlanner(spec, ir, ct) for m, ir in irs.items() for sfx, ct in CTYPES.items()}
     ctx = dict(spec=spec, meta=layer_meta(d), irs=irs, irs2=irs2, modes=list(irs), formulas=_formulas(d),
