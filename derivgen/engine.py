@@ -482,14 +482,9 @@ class _Deriver:
 
     def __init__(self, spec: Spec, mode):
         self.spec, self.mode = spec, mode
-        self.xhat = spec.normalized.symbol if spec.normalized else None
-        self.xhat_def = spec.normalized_expr
-        self.y_full = spec.output.xreplace({self.xhat: self.xhat_def}) if self.xhat is not None else spec.output
-        self.y_hat = spec.output                 # y with x̂ as a symbol (or y itself)
-        dy_dxhat = sympy.diff(spec.output, self.xhat) if self.xhat is not None else sympy.S.Zero
-        self.g_def = DY * dy_dxhat if dy_dxhat != 0 else None
         self.channel = {p.symbol: p for p in spec.params if not p.scalar}
         self.scalar = {p.symbol: p for p in spec.params if p.scalar}
+        self._use_normalized(spec.normalized.symbol if spec.normalized else None, spec.normalized_expr)
         varying = {X, DY, G, *self.channel} | ({self.xhat} if self.xhat is not None else set())
         self.alg = ReductionAlgebra(varying, active={DY, G})
         inputs = {i.symbol for i in spec.inputs}
@@ -498,13 +493,27 @@ class _Deriver:
         self.implicit: ImplicitCoordinate | None = None
         if self.xhat is None:
             self._adopt(find_implicit(spec, self.program.stats, self.y_full, self.alg))
-        self.coord, self.coord_def = closed_form_coordinate(spec, self.program.stats, self.y_full, self.alg,
-                                                            self.implicit)
-        if self.coord is not None:
-            self.alg.varying.add(self.coord.symbol)
+        self._use_coordinate(*closed_form_coordinate(spec, self.program.stats, self.y_full, self.alg,
+                                                     self.implicit))
         self.element_diff = [X, *self.channel]
-        xhat = self.coord.symbol if self.coord is not None else None
-        self.to_xhat = _solver(xhat, self.coord_def) if xhat is not None else None
+
+    def _use_normalized(self, xhat: sympy.Symbol | None, xhat_def: sympy.Expr | None):
+        """The spec's x̂ (if any): y in full, y in x̂, and g = ∂L/∂y·∂y/∂x̂ where y uses x̂."""
+        spec = self.spec
+        self.xhat, self.xhat_def = xhat, xhat_def
+        self.y_full = spec.output.xreplace({xhat: xhat_def}) if xhat is not None else spec.output
+        self.y_hat = spec.output                 # y with x̂ as a symbol (or y itself)
+        dy_dxhat = sympy.diff(spec.output, xhat) if xhat is not None else sympy.S.Zero
+        self.g_def = DY * dy_dxhat if dy_dxhat != 0 else None
+
+    def _use_coordinate(self, coord: Named | None, coord_def: sympy.Expr | None):
+        """The closed forms' element coordinate: an element symbol, x written in it where it is
+        affine in x, and the element symbols of the closed forms."""
+        self.coord, self.coord_def = coord, coord_def
+        xhat = coord.symbol if coord is not None else None
+        if xhat is not None:
+            self.alg.varying.add(xhat)
+        self.to_xhat = _solver(xhat, coord_def) if xhat is not None else None
         self.element = {X, DY, G, *self.channel} | ({xhat} if xhat is not None else set())
 
     def _adopt(self, implicit: ImplicitCoordinate | None):
@@ -594,10 +603,9 @@ class _Deriver:
         """In x̂, reduced by the algebra (linearity, known statistics), tidied."""
         return closed_form(expr, self.alg, self.to_xhat, self.element)
 
-    def run(self) -> ModeDerivation:
-        """The derivation as data."""
+    def _closed_forms(self, adj: _Adjoints):
+        """dx, the parameter and input gradients and the statistics' adjoints in closed form."""
         spec, finish = self.spec, self.finish
-        adj = self.reverse()
         if self.to_xhat is not None:
             self.alg.derived = {self.coord.symbol: self.coord_def}
         dx = finish(Add(*adj.terms[X]))
@@ -609,19 +617,28 @@ class _Deriver:
                 grads[p.name] = ParamGrad(finish(Add(*adj.terms[p.symbol])))
         dinputs = {i.name: finish(adj.group[i.symbol]) for i in spec.inputs}
         adjoints = {st.symbol: finish(adj.group[st.symbol]) for st in self.program.stats}
-        sum_zero = (spec.normalized is not None and self.to_xhat is not None
-                    and self.alg.canon(Mean(self.xhat)) == 0)
         for where, e in [("output", dx), *((f"params.{k}", v.element + v.group) for k, v in grads.items())]:
             check_derivatives(spec, where, e)
-        reductions = name_reductions(spec, self.coord, [dx, *dinputs.values(), *(g.element for g in grads.values()),
-                                                        *(g.group for g in grads.values())])
-        uses_g = self.g_def is not None and (dx.has(G) or any(e.has(G) for e in dinputs.values())
-                                             or any(v.element.has(G) or v.group.has(G) for v in grads.values()))
+        return dx, grads, dinputs, adjoints
+
+    def _sum_xhat_zero(self) -> bool:
+        """⟨x̂⟩ = 0 exactly for the spec's x̂."""
+        return self.spec.normalized is not None and self.to_xhat is not None \
+            and self.alg.canon(Mean(self.xhat)) == 0
+
+    def run(self) -> ModeDerivation:
+        """The derivation as data."""
+        spec = self.spec
+        adj = self.reverse()
+        dx, grads, dinputs, adjoints = self._closed_forms(adj)
+        sum_zero = self._sum_xhat_zero()
+        results = [dx, *dinputs.values(), *(g.element for g in grads.values()), *(g.group for g in grads.values())]
+        uses_g = self.g_def is not None and any(e.has(G) for e in results)
         return ModeDerivation(spec=spec, mode=self.mode.name, user_statistics=self.mode.statistics,
                               statistics=tuple(self.program.stats), normalized_expr=self.xhat_def,
                               output=spec.output, g=self.g_def if uses_g else None, dx=dx, grads=grads,
-                              dinputs=dinputs, reductions=reductions, partials=tuple(adj.partials),
-                              adjoints=adjoints, sum_xhat_zero=sum_zero,
+                              dinputs=dinputs, reductions=name_reductions(spec, self.coord, results),
+                              partials=tuple(adj.partials), adjoints=adjoints, sum_xhat_zero=sum_zero,
                               coordinate=self.coord, coordinate_expr=self.coord_def,
                               implicit_coordinate=self.implicit is not None,
                               output_in_coordinate=self.y_hat if self.implicit is not None else None,
