@@ -3,40 +3,93 @@
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from .build import cache_dir
 from .emit import emit
 from .engine import ModeDerivation, derive_mode
 from .fsutil import atomic_write
+from . import document
+from .narrative import Step, build_steps, facts
+from .proof import ModeProof, prove_derivation, prove_second_mode
+from .second import SecondOrder, derive_second
 from .spec import Spec, catalogue_names, load_catalogue, load_spec_file
 
+_TRAIN_MODE_FIELDS = ("dx", "dparams", "dinputs", "reductions", "g")
 
-@dataclass
+
+@dataclass(frozen=True)
 class Derivation:
-    """Everything derivgen knows about one layer: per-mode derivations and proofs."""
+    """Everything derivgen knows about one layer: per-mode derivations and proofs.
+
+    The first order of each mode is computed up front (``modes``); its second order
+    (:meth:`second`), its steps for people (:meth:`steps_of`) and the proofs of the second
+    order are computed on first use and kept."""
     spec: Spec
     modes: dict[str, ModeDerivation]
-    proofs: dict = field(default_factory=dict)
+    proofs: dict[str, ModeProof] = field(default_factory=dict)
+    _cache: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def name(self) -> str:
+        """The layer's name."""
         return self.spec.name
 
     @property
     def train(self) -> ModeDerivation:
+        """The training mode's derivation."""
         return self.modes["train"]
 
     def __getattr__(self, item):
         # convenience: d.dx, d.dparams ... refer to the first (training) mode
-        if item in ("dx", "dparams", "dinputs", "reductions", "steps", "g", "vanishing", "kept"):
+        if item in _TRAIN_MODE_FIELDS:
             return getattr(self.modes["train"], item)
         raise AttributeError(item)
 
-    def render(self, fmt: str = "latex", standalone: bool = False, order: int = 1, second_sizes=(2, 3, 4, 5)) -> str:
-        from .document import render
-        return render(self, fmt, standalone, order=order, second_sizes=second_sizes)
+    def _cached(self, key: tuple, compute):
+        if key not in self._cache:
+            self._cache[key] = compute()
+        return self._cache[key]
+
+    def second(self, mode: str = "train") -> SecondOrder:
+        """The second order (double backward, JVP) of one mode."""
+        return self._cached(("second", mode), lambda: derive_second(self.modes[mode]))
+
+    def steps_of(self, mode: str = "train") -> tuple[Step, ...]:
+        """The derivation of one mode as steps for people."""
+        return self._cached(("steps", mode), lambda: build_steps(self.modes[mode]))
+
+    def second_proof(self, mode: str, sizes: tuple[int, ...]) -> ModeProof:
+        """The second order of one mode against brute force at the sizes ``sizes``."""
+        return self._cached(("second proof", mode, sizes), lambda: prove_second_mode(self.second(mode), sizes))
+
+    @property
+    def steps(self) -> tuple[Step, ...]:
+        """The training mode's steps."""
+        return self.steps_of("train")
+
+    @property
+    def vanishing(self) -> list[tuple[str, str]]:
+        """The training mode's exactly-zero terms, (what, why), as text."""
+        return facts(self.train)[0]
+
+    @property
+    def kept(self) -> list[tuple[str, str]]:
+        """The training mode's terms that look like they vanish but do not, (what, why)."""
+        return facts(self.train)[1]
+
+    def render(self, fmt: str = "latex", standalone: bool = False, order: int = 1,
+               second_sizes=(2, 3, 4, 5)) -> str:
+        """The derivation for people in LaTeX, Markdown or text; ``order=2`` adds the second
+        order, proven at ``second_sizes`` (none: not proven)."""
+        document.check_format(fmt)
+        sizes = tuple(second_sizes)
+        modes = [document.ModeDocument(self.modes[m], self.steps_of(m), self.proofs.get(m),
+                                       self.second(m) if order >= 2 else None,
+                                       self.second_proof(m, sizes) if order >= 2 and sizes else None)
+                 for m in self.modes]
+        return document.render(self.spec, modes, fmt, standalone)
 
 
 def names() -> list[str]:
@@ -54,12 +107,8 @@ def load_spec(name_or_path: str | Path) -> Spec:
 
 @functools.lru_cache(maxsize=64)
 def _derive_spec(spec: Spec, prove: tuple[int, ...]) -> Derivation:
-    modes = {m.name: derive_mode(spec, m.name) for m in spec.modes}
-    d = Derivation(spec, modes)
-    if prove:
-        from .proof import prove_derivation
-        d.proofs = prove_derivation(d, prove)
-    return d
+    d = Derivation(spec, {m.name: derive_mode(spec, m.name) for m in spec.modes})
+    return replace(d, proofs=prove_derivation(d, prove)) if prove else d
 
 
 def derive(name_or_spec: str | Path | Spec, *, prove: bool | tuple[int, ...] = False) -> Derivation:

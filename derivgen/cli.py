@@ -12,7 +12,9 @@ from pathlib import Path
 import click
 
 from . import api
+from .document import text_expr
 from .fsutil import atomic_write
+from .proof import prove_derivation
 from .spec import SpecError
 
 
@@ -99,7 +101,6 @@ def derive_cmd(name, spec_file, fmt, standalone, output, pdf, prove_sizes, no_pr
 @click.option("--prove-sizes", default="2-6", show_default=True, help="Brute-force sizes (e.g. 2-6).")
 def prove_cmd(names, spec_files, prove_sizes):
     """Derive and prove layers (default: the whole catalogue); print a summary table."""
-    from .document import text_expr
     sizes = _sizes(prove_sizes)
     specs = _specs(names, spec_files)
     if not specs:
@@ -112,7 +113,6 @@ def prove_cmd(names, spec_files, prove_sizes):
         t0 = time.perf_counter()
         d = api.derive(spec)
         t1 = time.perf_counter()
-        from .proof import prove_derivation
         proofs = prove_derivation(d, sizes)
         t2 = time.perf_counter()
         t_derive += t1 - t0

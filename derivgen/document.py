@@ -8,15 +8,18 @@ a group mean, and ``Mean(e)`` prints as ⟨e⟩ (LaTeX) or mean(e) (text).
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
-import sympy
 from sympy.printing.latex import LatexPrinter
 from sympy.printing.str import StrPrinter
 
 from . import functions
+from .engine import ModeDerivation
 from .functions import SpellsFunctions, call
 from .naming import DisplayNames, TextSpelling, _Ordered
+from .proof import ModeProof
 from .reduce import Mean
+from .second import SecondOrder
 
 class DerivLatexPrinter(SpellsFunctions, _Ordered, LatexPrinter):
     def __init__(self, names: DisplayNames, subscript: bool = True):
@@ -118,88 +121,113 @@ def _tex_mixed(s: str) -> str:
     return "".join("$" + p + "$" if i % 2 else _tex_escape(p) for i, p in enumerate(parts))
 
 
-def render(derivation, fmt: str = "latex", standalone: bool = False, order: int = 1,
-           second_sizes=(2, 3, 4, 5)) -> str:
-    if fmt not in ("latex", "markdown", "text"):
+FORMATS = ("latex", "markdown", "text")
+
+
+@dataclass(frozen=True)
+class ModeDocument:
+    """What a document shows of one mode, all computed before rendering: the derivation, its
+    steps (:func:`derivgen.narrative.build_steps`), its proof (None: not checked) and, for
+    the second-order section, the second order and its proof."""
+    derivation: ModeDerivation
+    steps: tuple
+    proof: ModeProof | None = None
+    second: SecondOrder | None = None
+    second_proof: ModeProof | None = None
+
+
+def check_format(fmt: str):
+    """Raise ValueError unless ``fmt`` is one of :data:`FORMATS`."""
+    if fmt not in FORMATS:
         raise ValueError(f"format must be latex, markdown or text, got {fmt!r}")
-    second = render_second(derivation, fmt, second_sizes) if order >= 2 else ""
+
+
+def render(spec, modes: list[ModeDocument], fmt: str = "latex", standalone: bool = False) -> str:
+    """The derivation document of a layer in LaTeX, Markdown or text, from data computed
+    beforehand; a "Second order" section follows when the modes carry their second order."""
+    check_format(fmt)
+    second = render_second(spec, modes, fmt) if any(m.second is not None for m in modes) else ""
     if fmt == "latex":
-        body = _render_latex(derivation) + second
+        body = _render_latex(spec, modes) + second
         if standalone:
             return (PREAMBLE + "\\title{%s: the backward pass, derived}\n\\author{derivgen}\n\\date{}\n"
                     "\\begin{document}\n\\maketitle\n%s\\end{document}\n"
-                    % (_tex_escape(derivation.spec.title), body))
+                    % (_tex_escape(spec.title), body))
         return body
     if fmt == "markdown":
-        return _render_markdown(derivation) + second
-    return _render_text(derivation) + second
+        return _render_markdown(spec, modes) + second
+    return _render_text(spec, modes) + second
 
 
-def _extra(md) -> dict:
+def _extra(mode: ModeDerivation) -> dict:
     """Display names beyond the spec's: the auxiliaries and the centred coordinate."""
-    out = {s.name: s for s in md.statistics}
-    if md.coordinate is not None:
-        out[md.coordinate.name] = md.coordinate
+    out = {s.name: s for s in mode.statistics}
+    if mode.coordinate is not None:
+        out[mode.coordinate.name] = mode.coordinate
     return out
 
 
-def _mode_title(md, n_modes: int) -> str:
+def _mode_title(mode: ModeDerivation, n_modes: int) -> str:
     if n_modes == 1:
         return ""
-    return {"train": "Training mode", "eval": "Evaluation mode"}.get(md.mode, md.mode)
+    return {"train": "Training mode", "eval": "Evaluation mode"}.get(mode.mode, mode.mode)
 
 
-def _render_latex(d) -> str:
-    spec = d.spec
+def _latex_notes(step) -> list[str]:
+    """The notes of a step's equations as a LaTeX list (none: nothing)."""
+    if not any(eq.note for eq in step.equations):
+        return []
+    out = [r"\begin{itemize}"]
+    for eq in step.equations:
+        if eq.note:
+            note = _tex_mixed(eq.note_latex) if eq.note_latex else _tex_escape(eq.note)
+            out.append(r"\item $%s$: %s" % (eq.lhs_latex, note))
+    out.append(r"\end{itemize}")
+    return out
+
+
+def _latex_step(step, spec, mode: ModeDerivation, heading: str) -> list[str]:
+    out = [heading % _tex_escape(step.title)]
+    if step.prose:
+        out.append(_tex_escape(step.prose))
+    if step.equations:
+        lines = []
+        for eq in step.equations:
+            if eq.rhs is None:
+                lines.append(eq.lhs_latex.replace(" = ", " &= ", 1))
+            else:
+                lines.append(eq.lhs_latex + " &= " + latex_expr(eq.rhs, spec, extra=_extra(mode)))
+        out += [r"\begin{align*}", " \\\\\n".join(lines), r"\end{align*}"]
+        out += _latex_notes(step)
+    out.append("")
+    return out
+
+
+def _render_latex(spec, modes: list[ModeDocument]) -> str:
     out = []
     if spec.summary:
         out.append(_tex_escape(spec.summary) + "\n")
     for note in spec.notes:
         out.append(r"\paragraph{Note.} " + _tex_escape(note) + "\n")
-    for md in d.modes.values():
-        mt = _mode_title(md, len(d.modes))
+    for doc in modes:
+        mode = doc.derivation
+        mt = _mode_title(mode, len(modes))
         if mt:
             out.append(r"\section{%s}" % mt)
-        for step in md.steps:
-            out.append((r"\subsection*{%s}" if mt else r"\section*{%s}") % _tex_escape(step.title))
-            if step.prose:
-                out.append(_tex_escape(step.prose))
-            if step.equations:
-                out.append(r"\begin{align*}")
-                lines = []
-                for eq in step.equations:
-                    if eq.rhs is None:
-                        line = eq.lhs_latex.replace(" = ", " &= ", 1)
-                    else:
-                        line = eq.lhs_latex + " &= " + latex_expr(eq.rhs, spec, extra=_extra(md))
-                    lines.append(line)
-                out.append(" \\\\\n".join(lines))
-                out.append(r"\end{align*}")
-                notes = [eq.note for eq in step.equations if eq.note]
-                if notes:
-                    out.append(r"\begin{itemize}")
-                    for eq in step.equations:
-                        if eq.note:
-                            note = _tex_mixed(eq.note_latex) if eq.note_latex else _tex_escape(eq.note)
-                            out.append(r"\item $%s$: %s" % (eq.lhs_latex, note))
-                    out.append(r"\end{itemize}")
-            out.append("")
-        out.append(_proof_latex(md, d))
+        for step in doc.steps:
+            out += _latex_step(step, spec, mode, r"\subsection*{%s}" if mt else r"\section*{%s}")
+        out.append(_proof_latex(doc.proof))
     return "\n".join(out) + "\n"
 
 
-def _proof_lines(md, d) -> list[str]:
-    proof = d.proofs.get(md.mode)
+def _proof_lines(proof: ModeProof | None) -> list[str]:
     if proof is None:
         return ["Not checked against brute force (run with proofs enabled)."]
-    lines = []
-    for r in proof.results:
-        lines.append(f"N = {r.n}: {r.status} ({r.method}, {r.seconds:.2f} s)")
-    return lines
+    return [f"N = {r.n}: {r.status} ({r.method}, {r.seconds:.2f} s)" for r in proof.results]
 
 
-def _proof_latex(md, d) -> str:
-    items = "\n".join(r"\item " + _tex_escape(l) for l in _proof_lines(md, d))
+def _proof_latex(proof: ModeProof | None) -> str:
+    items = "\n".join(r"\item " + _tex_escape(line) for line in _proof_lines(proof))
     return (r"\section*{Proof against brute force}" "\n"
             "For each N the layer is built from N explicit scalar symbols, differentiated with "
             "sympy.diff, and the difference from the closed form above is reduced to zero with "
@@ -208,19 +236,19 @@ def _proof_latex(md, d) -> str:
             r"\begin{itemize}" "\n" + items + "\n" r"\end{itemize}" "\n")
 
 
-def _render_markdown(d) -> str:
-    spec = d.spec
+def _render_markdown(spec, modes: list[ModeDocument]) -> str:
     out = [f"# {spec.title}: the backward pass, derived", ""]
     if spec.summary:
         out += [spec.summary, ""]
     for note in spec.notes:
         out += [f"> **Note.** {note}", ""]
-    for md in d.modes.values():
-        mt = _mode_title(md, len(d.modes))
+    for doc in modes:
+        mode = doc.derivation
+        mt = _mode_title(mode, len(modes))
         if mt:
             out += [f"## {mt}", ""]
         h = "###" if mt else "##"
-        for step in md.steps:
+        for step in doc.steps:
             out += [f"{h} {step.title}", ""]
             if step.prose:
                 out += [step.prose, ""]
@@ -228,101 +256,110 @@ def _render_markdown(d) -> str:
                 if eq.rhs is None:
                     out.append(f"$$ {eq.lhs_latex} $$")
                 else:
-                    out.append(f"$$ {eq.lhs_latex} = {latex_expr(eq.rhs, spec, extra=_extra(md))} $$")
+                    out.append(f"$$ {eq.lhs_latex} = {latex_expr(eq.rhs, spec, extra=_extra(mode))} $$")
                 if eq.note:
                     out.append(f"*{eq.note}*")
                 out.append("")
         out += [f"{h} Proof against brute force", ""]
-        out += [f"- {l}" for l in _proof_lines(md, d)] + [""]
+        out += [f"- {line}" for line in _proof_lines(doc.proof)] + [""]
     return "\n".join(out)
 
 
-def _render_text(d) -> str:
-    spec = d.spec
+def _render_text(spec, modes: list[ModeDocument]) -> str:
     out = [f"{spec.title}: the backward pass, derived", "=" * (len(spec.title) + 30)]
     if spec.summary:
         out += [spec.summary]
     for note in spec.notes:
         out += [f"Note: {note}"]
-    for md in d.modes.values():
-        mt = _mode_title(md, len(d.modes))
+    for doc in modes:
+        mode = doc.derivation
+        mt = _mode_title(mode, len(modes))
         if mt:
             out += ["", f"## {mt}"]
-        for step in md.steps:
+        for step in doc.steps:
             out += ["", f"{step.title}", "-" * len(step.title)]
             if step.prose:
                 out += [step.prose]
             for eq in step.equations:
-                line = "  " + (eq.lhs_text if eq.rhs is None else f"{eq.lhs_text} = {text_expr(eq.rhs, spec, extra=_extra(md))}")
-                out.append(line)
+                rhs = "" if eq.rhs is None else " = " + text_expr(eq.rhs, spec, extra=_extra(mode))
+                out.append("  " + eq.lhs_text + rhs)
                 if eq.note:
                     out.append(f"      ({eq.note})")
         out += ["", "Proof against brute force", "-------------------------"]
-        out += [f"  {l}" for l in _proof_lines(md, d)]
+        out += [f"  {line}" for line in _proof_lines(doc.proof)]
     return "\n".join(out) + "\n"
 
 
 # ---------------------------------------------------------------- second order
 
-def _second_parts(md, proof) -> tuple[str, list[tuple[str, str, object]], list[str]]:
-    """(prose, [(lhs latex, lhs text, rhs)], proof lines) of one mode's second order."""
-    so = md.second
-    spec = md.spec
-    cots = ", ".join([so.cot_x.text, *(so.cot_params[p.name].text for p in spec.params),
-                      *(so.cot_inputs[i.name].text for i in spec.inputs)])
-    tans = ", ".join([so.tan_x.text, *(so.tan_params[p.name].text for p in spec.params),
-                      *(so.tan_inputs[i.name].text for i in spec.inputs)])
+def _second_prose(second: SecondOrder) -> str:
+    spec = second.spec
+    cots = ", ".join([second.cot_x.text, *(second.cot_params[p.name].text for p in spec.params),
+                      *(second.cot_inputs[i.name].text for i in spec.inputs)])
+    tans = ", ".join([second.tan_x.text, *(second.tan_params[p.name].text for p in spec.params),
+                      *(second.tan_inputs[i.name].text for i in spec.inputs)])
     prose = (f"The double backward is the vector-Jacobian product of the backward above: with the cotangents "
              f"{cots} of the backward's outputs it differentiates L₂ = Σ δx·∂L/∂x + Σ δp·∂L/∂p + ... once more, "
              f"by reverse mode through the backward's own program (statistics, x̂, g, its reductions), and the "
              f"nested means collapse by linearity and the known statistics to means of element monomials: "
-             f"{len(so.reductions)} reductions per group, one sweep for them and one for the outputs. "
+             f"{len(second.reductions)} reductions per group, one sweep for them and one for the outputs. "
              f"The JVP is forward mode through the forward program with the tangents {tans}: "
-             f"{len(so.jvp_reductions)} reductions. Terms from |u| (a DiracDelta) are dropped: zero wherever the "
+             f"{len(second.jvp_reductions)} reductions. Terms from |u| (a DiracDelta) are dropped: zero wherever the "
              f"first derivative exists.")
     if spec.name == "layernorm":
         prose += (" For comparison, PyTorch's hand-written layer_norm_double_backward "
                   "(torch/csrc/autograd/FunctionsManual.cpp) is about 140 lines of tensor operations written by hand over the same 7 row reductions (two of them computed twice); a layer PyTorch does not ship has no such formula.")
+    return prose
+
+
+def _second_equations(second: SecondOrder) -> list[tuple[str, str, object]]:
+    """[(lhs latex, lhs text, rhs)]: the reductions, the double backward's outputs, ẏ."""
+    spec = second.spec
     eqs = []
-    for r in so.reductions + [r for r in so.jvp_reductions if r.name not in {q.name for q in so.reductions}]:
+    jvp_only = [r for r in second.jvp_reductions if r.name not in {q.name for q in second.reductions}]
+    for r in (*second.reductions, *jvp_only):
         eqs.append((r.name.replace("_", r"\_"), r.name, Mean(r.arg)))
-    eqs.append((r"\frac{\partial L_2}{\partial x}", "∂L₂/∂x", so.dx))
-    eqs.append((r"\frac{\partial L_2}{\partial (\partial L/\partial y)}", "∂L₂/∂(∂L/∂y)", so.ddy))
+    eqs.append((r"\frac{\partial L_2}{\partial x}", "∂L₂/∂x", second.dx))
+    eqs.append((r"\frac{\partial L_2}{\partial (\partial L/\partial y)}", "∂L₂/∂(∂L/∂y)", second.ddy))
     for p in spec.params:
-        gr = so.grads[p.name]
+        gr = second.grads[p.name]
         e = gr.element if gr.group == 0 else gr.element + gr.group
         eqs.append((r"\frac{\partial L_2}{\partial %s}" % p.latex, f"∂L₂/∂{p.text}", e))
     for i in spec.inputs:
-        eqs.append((r"\frac{\partial L_2}{\partial %s}" % i.latex, f"∂L₂/∂{i.text}", so.dinputs[i.name]))
-    eqs.append((r"\dot{y}", "ẏ", so.ty))
-    lines = ["not checked (run with proofs enabled)"] if proof is None else [
-        f"N = {r.n}: {r.status} ({r.method}, {r.seconds:.2f} s)" for r in proof.results]
-    return prose, eqs, lines
+        eqs.append((r"\frac{\partial L_2}{\partial %s}" % i.latex, f"∂L₂/∂{i.text}", second.dinputs[i.name]))
+    eqs.append((r"\dot{y}", "ẏ", second.ty))
+    return eqs
 
 
-def render_second(d, fmt: str, sizes=(2, 3, 4, 5)) -> str:
-    """The "Second order" section of a derivation document (``derivgen derive --order 2``)."""
-    from .proof import prove_second_mode
+def _second_proof_lines(proof: ModeProof | None) -> list[str]:
+    if proof is None:
+        return ["not checked (run with proofs enabled)"]
+    return [f"N = {r.n}: {r.status} ({r.method}, {r.seconds:.2f} s)" for r in proof.results]
+
+
+def render_second(spec, modes: list[ModeDocument], fmt: str) -> str:
+    """The "Second order" section of a derivation document (``derivgen derive --order 2``),
+    from each mode's second order and its proof (None: not checked)."""
     out = []
-    for md in d.modes.values():
-        proof = prove_second_mode(md.second, sizes) if sizes else None
-        prose, eqs, lines = _second_parts(md, proof)
-        extra = {**_extra(md), **md.second.names}
-        mt = _mode_title(md, len(d.modes))
+    for doc in modes:
+        mode, second = doc.derivation, doc.second
+        prose, eqs, lines = _second_prose(second), _second_equations(second), _second_proof_lines(doc.second_proof)
+        extra = {**_extra(mode), **second.names}
+        mt = _mode_title(mode, len(modes))
         title = "Second order" + (f" ({mt.lower()})" if mt else "")
         if fmt == "latex":
             out += [r"\section*{%s}" % title, _tex_escape(prose), r"\begin{align*}",
-                    " \\\\\n".join(f"{l} &= {latex_expr(e, d.spec, extra=extra)}" for l, _, e in eqs),
+                    " \\\\\n".join(f"{lhs} &= {latex_expr(e, spec, extra=extra)}" for lhs, _, e in eqs),
                     r"\end{align*}", r"\paragraph{Proof against brute force.} Second derivatives of the "
                     r"explicit layer at small N (sympy.diff twice) against the closed forms:",
                     r"\begin{itemize}", *(r"\item " + _tex_escape(x) for x in lines), r"\end{itemize}", ""]
         elif fmt == "markdown":
             out += [f"## {title}", "", prose, ""]
-            out += [f"$$ {l} = {latex_expr(e, d.spec, extra=extra)} $$\n" for l, _, e in eqs]
+            out += [f"$$ {lhs} = {latex_expr(e, spec, extra=extra)} $$\n" for lhs, _, e in eqs]
             out += ["Proof against brute force (second derivatives of the explicit layer):", ""]
             out += [f"- {x}" for x in lines] + [""]
         else:
             out += ["", title, "-" * len(title), prose]
-            out += [f"  {t} = {text_expr(e, d.spec, extra=extra)}" for _, t, e in eqs]
+            out += [f"  {t} = {text_expr(e, spec, extra=extra)}" for _, t, e in eqs]
             out += ["", "  Proof against brute force (second derivatives):"] + [f"    {x}" for x in lines]
     return "\n".join(out) + "\n"

@@ -176,7 +176,7 @@ def emit(d: LayerDerivation, targets=("numpy", "c")) -> Emitted:
     printer = SpecPrinter(spec)
     env = _env()
     irs = {m: build_mode_ir(md) for m, md in d.modes.items()}
-    irs2 = {m: {"bb": build_second_ir(md.second, "bb"), "jvp": build_second_ir(md.second, "jvp")}
+    irs2 = {m: {"bb": build_second_ir(d.second(m), "bb"), "jvp": build_second_ir(d.second(m), "jvp")}
             for m, md in d.modes.items()}
     kernels = {(m, sfx): plan_kernel(printer, ir, irs2[m], ct) for m, ir in irs.items() for sfx, ct in CTYPES.items()
                } if "c" in targets else {}

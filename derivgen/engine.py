@@ -31,12 +31,12 @@ small per-group coefficients, ``factor_terms``. The result is plain data
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import cached_property
 
 import sympy
 from sympy import Add, Mul
 
 from . import domain, functions
+from .coordinate import ImplicitCoordinate, closed_form_coordinate, find_implicit
 from .reduce import Mean, ReductionAlgebra, expand, hide_means, means
 from .spec import DY, N, X, Named, Spec, Statistic
 
@@ -49,7 +49,7 @@ class DerivationError(ValueError):
     """The engine cannot derive what a spec asks for; the message names the file and field."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class Reduction:
     """A per-group reduction the backward computes at run time: name = Mean(arg)."""
     name: str
@@ -58,10 +58,11 @@ class Reduction:
 
     @property
     def atom(self) -> Mean:
+        """The mean this reduction computes, as a Mean atom of the closed forms."""
         return Mean(self.arg)
 
 
-@dataclass
+@dataclass(frozen=True)
 class Partial:
     """One partial derivative of a statistic, as the derivation shows it.
 
@@ -79,15 +80,44 @@ class Partial:
     because: tuple[Statistic, ...] = ()    # the statistics whose definitions make it zero
 
 
-@dataclass
+@dataclass(frozen=True)
 class ParamGrad:
     """∂L/∂p = (sum of ``element`` over the axes p does not span) + (sum of ``group`` over groups)."""
     element: sympy.Expr
     group: sympy.Expr = sympy.S.Zero
 
 
-@dataclass
+@dataclass(frozen=True)
+class MeanFacts:
+    """What the engine's reduction algebra knew when a derivation finished: the element
+    symbols, those whose means are never known (∂L/∂y, g), the element symbols defined
+    through x (the coordinate), and every mean the statistics determine. Later stages
+    (the second order) build their own working algebra from it (:meth:`algebra`)."""
+    varying: frozenset[sympy.Symbol]
+    active: frozenset[sympy.Symbol]
+    derived: tuple[tuple[sympy.Symbol, sympy.Expr], ...]
+    known: tuple[tuple[sympy.Expr, sympy.Expr], ...]
+
+    @classmethod
+    def of(cls, alg: ReductionAlgebra) -> MeanFacts:
+        """A copy of what ``alg`` knows now."""
+        return cls(frozenset(alg.varying), frozenset(alg.active), tuple(alg.derived.items()),
+                   tuple(alg.known.items()))
+
+    def algebra(self, element: frozenset[sympy.Symbol] = frozenset()) -> ReductionAlgebra:
+        """A fresh algebra that knows these facts, with ``element`` as further element
+        symbols whose means are never known (the second order's cotangents and tangents)."""
+        alg = ReductionAlgebra(self.varying | element, dict(self.derived), active=self.active | element)
+        alg.known.update(self.known)
+        return alg
+
+
+@dataclass(frozen=True)
 class ModeDerivation:
+    """The first-order derivation of one mode, as plain data: the program of statistics,
+    the partial derivatives, the adjoints, the closed forms and their reductions -- and what
+    later stages need to go on from them (the coordinate, the algebra's facts, the rules of
+    the statistics' elementary functions). Made by :func:`derive_mode`; never changed."""
     spec: Spec
     mode: str
     user_statistics: tuple[Statistic, ...]   # as the spec writes them
@@ -98,17 +128,18 @@ class ModeDerivation:
     dx: sympy.Expr                           # closed form, Mean atoms over g, x̂, dy
     grads: dict[str, ParamGrad]              # per parameter
     dinputs: dict[str, sympy.Expr]           # per-group value
-    reductions: list[Reduction]              # run-time reductions of the backward
-    vanishing: list[tuple[str, str]]         # (what, why) exactly-zero terms (text; see narrative)
-    kept: list[tuple[str, str]]              # terms that look like they vanish but do not
-    partials: list[Partial] = field(default_factory=list)
+    reductions: tuple[Reduction, ...]        # run-time reductions of the backward
+    partials: tuple[Partial, ...] = ()
     adjoints: dict[sympy.Symbol, sympy.Expr] = field(default_factory=dict)   # ∂L/∂s, closed form
     sum_xhat_zero: bool = False              # mean(x̂) = 0 exactly (the "negligible" term)
     coordinate: Named | None = None          # the closed forms' element coordinate: x̂, or the centred x - μ
     coordinate_expr: sympy.Expr | None = None
     implicit_coordinate: bool = False        # x̂ named by the engine: the output uses it without [normalized]
     output_in_coordinate: sympy.Expr | None = None   # y written in that x̂ (direct paths keep x)
-    engine: object = field(default=None, repr=False, compare=False)   # the _Deriver (second order reuses it)
+    x_in_coordinate: sympy.Expr | None = None        # x written in the coordinate (when it is affine in x)
+    element: frozenset[sympy.Symbol] = frozenset()   # the element symbols of the closed forms
+    mean_facts: MeanFacts | None = field(default=None, repr=False)
+    self_rules: dict[sympy.Symbol, _SelfRule] = field(default_factory=dict, repr=False)   # s = c·F(u)
 
     @property
     def dparams(self) -> dict[str, sympy.Expr]:
@@ -118,7 +149,20 @@ class ModeDerivation:
 
     @property
     def aux(self) -> tuple[Statistic, ...]:
+        """The auxiliary statistics the engine named."""
         return tuple(s for s in self.statistics if s.aux)
+
+    @property
+    def normalized_symbol(self) -> sympy.Symbol | None:
+        """x̂: the spec's, or the one the engine named for an output that normalizes x inline."""
+        if self.spec.normalized is not None or self.implicit_coordinate:
+            return self.coordinate.symbol
+        return None
+
+    @property
+    def output_in_normalized(self) -> sympy.Expr:
+        """y with x̂ as a symbol (y itself when there is no x̂)."""
+        return self.output_in_coordinate if self.implicit_coordinate else self.output
 
     def lowered(self, expr: sympy.Expr) -> sympy.Expr:
         """Replace Mean atoms by the reduction symbols of the backward program."""
@@ -126,18 +170,8 @@ class ModeDerivation:
 
     @property
     def dx_lowered(self) -> sympy.Expr:
+        """∂L/∂x over the reduction symbols."""
         return self.lowered(self.dx)
-
-    @cached_property
-    def second(self):
-        """The second-order closed forms (double backward, JVP): derivgen.second."""
-        from .second import derive_second
-        return derive_second(self)
-
-    @cached_property
-    def steps(self):
-        from .narrative import build_steps
-        return build_steps(self)
 
 
 # ------------------------------------------------------------------ the program
@@ -254,10 +288,17 @@ class Program:
 
     def partial(self, st: Statistic, v: sympy.Symbol, hidden: sympy.Expr) -> sympy.Expr:
         """∂(definition of st)/∂v, with ``hidden`` the definition with its means as symbols."""
-        rule = self.rules.get(st.symbol)
-        if rule is not None:
-            return rule.du(st.symbol) * sympy.diff(rule.arg, v)
-        return sympy.diff(hidden, v)
+        return statistic_partial(self.rules, st, v, hidden)
+
+
+def statistic_partial(rules: dict[sympy.Symbol, _SelfRule], st: Statistic, v: sympy.Symbol,
+                      hidden: sympy.Expr) -> sympy.Expr:
+    """∂(definition of st)/∂v, with ``hidden`` the definition with its means as symbols; a
+    statistic s = c·F(u) with a rule in ``rules`` is differentiated through its own value."""
+    rule = rules.get(st.symbol)
+    if rule is not None:
+        return rule.du(st.symbol) * sympy.diff(rule.arg, v)
+    return sympy.diff(hidden, v)
 
 
 def _depth(e) -> int:
@@ -358,6 +399,36 @@ def _reduction_name(arg: sympy.Expr, names: dict[sympy.Symbol, str]) -> str:
     return "Mean_" + "_".join(parts)
 
 
+def name_reductions(spec: Spec, coordinate: Named | None, exprs, extra: dict | None = None) -> tuple[Reduction, ...]:
+    """The Mean atoms of ``exprs`` as named reductions (Mean_g_xhat ...), in a fixed order;
+    ``extra`` names further element symbols (the second order's cotangents and tangents)."""
+    atoms = set()
+    for e in exprs:
+        atoms |= set(means(e))
+    names = {X: "x", DY: "dy", G: "g", **{p.symbol: p.name for p in spec.params}, **(extra or {})}
+    if coordinate is not None:
+        names[coordinate.symbol] = coordinate.name
+    out, used = [], set()
+    for i, atom in enumerate(sorted(atoms, key=sympy.default_sort_key)):
+        nm = _reduction_name(atom.args[0], names) or f"Mean_{i}"
+        while nm in used:
+            nm += "_"
+        used.add(nm)
+        out.append(Reduction(nm, sympy.Symbol(nm, real=True), atom.args[0]))
+    return tuple(out)
+
+
+def closed_form(expr: sympy.Expr, alg: ReductionAlgebra, x_in_coordinate: sympy.Expr | None,
+                element: set[sympy.Symbol] | frozenset[sympy.Symbol]) -> sympy.Expr:
+    """``expr`` in the coordinate (x replaced by ``x_in_coordinate``), reduced by the algebra
+    (linearity, known statistics), tidied over the ``element`` symbols."""
+    e = expr
+    if x_in_coordinate is not None:
+        e = e.subs(X, x_in_coordinate)
+    e = alg.canon(expand(alg.canon(e)))
+    return tidy(e, element)
+
+
 def _solver(xhat: sympy.Symbol, xhat_def: sympy.Expr) -> sympy.Expr | None:
     """x as a function of x̂ when x̂ is affine in x with a group-constant slope."""
     slope = sympy.diff(xhat_def, X)
@@ -367,13 +438,16 @@ def _solver(xhat: sympy.Symbol, xhat_def: sympy.Expr) -> sympy.Expr | None:
     return sympy.expand((xhat - intercept) / slope)
 
 
-def _check_derivatives(spec: Spec, where: str, e: sympy.Expr):
+def check_derivatives(spec: Spec, where: str, e: sympy.Expr):
+    """Raise :class:`DerivationError` where SymPy could not differentiate (an unevaluated
+    Derivative or Subs) or the derivative is undefined (zoo, nan)."""
     if e.has(sympy.Derivative, sympy.Subs) or e.has(sympy.zoo, sympy.nan):
         raise DerivationError(f"{spec.source}: {where}: cannot differentiate this expression "
                               f"(it is not differentiable where the layer is defined)")
 
 
 def derive_mode(spec: Spec, mode_name: str | None = None) -> ModeDerivation:
+    """The first-order derivation of one mode of ``spec`` (the first mode by default)."""
     try:
         return _Deriver(spec, spec.mode(mode_name)).run()
     except DerivationError:
@@ -383,152 +457,65 @@ def derive_mode(spec: Spec, mode_name: str | None = None) -> ModeDerivation:
                               f"{str(exc).splitlines()[0][:160] if str(exc) else 'no detail'})") from None
 
 
+@dataclass
+class _Adjoints:
+    """The reverse pass's state: ∂L/∂v of every group value, the element-level terms of
+    ∂L/∂x and of each per-channel parameter's gradient, and the partials as shown."""
+    group: dict[sympy.Symbol, sympy.Expr]
+    terms: dict[sympy.Symbol, list[sympy.Expr]]
+    partials: list[Partial] = field(default_factory=list)
+
+
 class _Deriver:
+    """One mode's reverse pass and closed forms (see the module docstring); used once, by
+    :func:`derive_mode`, which returns its result as a :class:`ModeDerivation`."""
+
     def __init__(self, spec: Spec, mode):
         self.spec, self.mode = spec, mode
-        self.xhat = spec.normalized.symbol if spec.normalized else None
-        self.xhat_def = spec.normalized_expr
-        self.y_full = spec.output.xreplace({self.xhat: self.xhat_def}) if self.xhat is not None else spec.output
-        self.y_hat = spec.output                 # y with x̂ as a symbol (or y itself)
-        dy_dxhat = sympy.diff(spec.output, self.xhat) if self.xhat is not None else sympy.S.Zero
-        self.g_def = DY * dy_dxhat if dy_dxhat != 0 else None
         self.channel = {p.symbol: p for p in spec.params if not p.scalar}
         self.scalar = {p.symbol: p for p in spec.params if p.scalar}
+        self._use_normalized(spec.normalized.symbol if spec.normalized else None, spec.normalized_expr)
         varying = {X, DY, G, *self.channel} | ({self.xhat} if self.xhat is not None else set())
         self.alg = ReductionAlgebra(varying, active={DY, G})
         inputs = {i.symbol for i in spec.inputs}
         self.program = Program(spec, mode.statistics, self.alg, inputs | set(self.scalar))
         self.group_diff = set(self.program.active)       # every group value with an adjoint
-        self.implicit: Named | None = None
+        self.implicit: ImplicitCoordinate | None = None
         if self.xhat is None:
-            self._adopt_implicit_coordinate()
-        self.coord, self.coord_def = self._coordinate()
-        if self.coord is not None:
-            self.alg.varying.add(self.coord.symbol)
+            self._adopt(find_implicit(spec, self.program.stats, self.y_full, self.alg))
+        self._use_coordinate(*closed_form_coordinate(spec, self.program.stats, self.y_full, self.alg,
+                                                     self.implicit))
         self.element_diff = [X, *self.channel]
 
-    # ---- the normalized coordinate a spec uses without naming it --------------
-    def _x_dependent(self) -> set[sympy.Symbol]:
-        """The statistics whose values depend on x (through a mean of x, or another such)."""
-        dep: set[sympy.Symbol] = set()
-        for st in self.program.stats:
-            if any(m.args[0].has(X) for m in means(st.expr)) or st.expr.free_symbols & dep:
-                dep.add(st.symbol)
-        return dep
-
-    def _group_level(self, e: sympy.Expr) -> bool:
-        return not e.has(X) and not self.alg.is_varying(e)
-
-    def _affine(self, e: sympy.Expr) -> bool:
-        """a·x + b with a ≠ 0 and a, b one value per group (x itself too)."""
-        if not e.has(X):
-            return False
-        slope = sympy.diff(e, X)
-        return slope != 0 and self._group_level(slope) and self._group_level(e.subs(X, 0))
-
-    def _coordinate_candidates(self, xdep: set) -> list[sympy.Expr]:
-        """Affine-in-x subexpressions of the output that involve statistics of x: (x - μ)·ρ,
-        also where SymPy split a power of it (γ·ρ²·(x - μ)² holds (x - μ)·ρ)."""
-        found: list[sympy.Expr] = []
-        for node in sympy.preorder_traversal(self.y_full):
-            if node != X and self._affine(node):
-                found.append(node)
-            if not node.is_Mul:
-                continue
-            factors = Mul.make_args(node)
-            for f in factors:
-                base, k = f.as_base_exp()
-                if not (k.is_Integer and k > 0 and self._affine(base)):
-                    continue
-                scale = []
-                for h in factors:
-                    hb, he = h.as_base_exp()
-                    if h is not f and self._group_level(h) and h.free_symbols & xdep and (he / k).is_Rational:
-                        scale.append(hb ** (he / k))
-                if scale:
-                    found.append(base * Mul(*scale))
-        out = []
-        for c in found:
-            if (c.free_symbols & xdep) and c not in out:
-                out.append(c)
-        return out
-
-    def _rewrite_in(self, c: sympy.Expr, u: sympy.Symbol) -> tuple[sympy.Expr, int]:
-        """y with every additive term that depends on x only through c written in u (the
-        others keep x: a direct path such as t·x); and how many terms that is."""
-        slope = sympy.diff(c, X)
-        x_of_u = sympy.expand((u - c.subs(X, 0)) / slope)
-        through = c.free_symbols & self._xdep
-        terms, clean = [], 0
-        for t in Add.make_args(self.y_full):
-            t2 = t.xreplace({X: x_of_u})
-            if t.has(X) and t2.has(u) and not (t2.free_symbols & through):
-                terms.append(t2)
-                clean += 1
-            else:
-                terms.append(t)
-        return Add(*terms), clean
-
-    def _adopt_implicit_coordinate(self):
-        """A spec without [normalized] whose output still normalizes x -- z = (x - μ)·ρ written
-        inline, once or several times -- gets the same closed form as one that names z: the
-        engine names the coordinate itself (u = (x - μ)·ρ, shown as x̂) and writes the backward
-        in it and in g = ∂L/∂y·∂y/∂u. Candidates are the affine-in-x subexpressions of the
-        output over statistics of x; the one through which most terms of y depend on x wins
-        (then the one over the most statistics -- (x - μ)·ρ over x - μ -- and the fewest
-        other group values)."""
-        self._xdep = self._x_dependent()
-        if not self._xdep:
-            return
-        taken = {item.text for item in self.spec.symbols.values()}
-        text, latex = ("x̂", r"\hat{x}") if "x̂" not in taken else ("u", "u")
-        u = domain.symbol("Xn")
-        best = None
-        for c in self._coordinate_candidates(self._xdep):
-            y_hat, clean = self._rewrite_in(c, u)
-            if clean == 0:
-                continue
-            score = (clean, len(c.free_symbols & self._xdep), -len(c.free_symbols - self._xdep - {X}),
-                     -sympy.count_ops(c))
-            if best is None or score > best[0]:
-                best = (score, c, y_hat)
-        if best is None:
-            return
-        _, c, y_hat = best
-        dy_du = sympy.diff(y_hat, u)
-        if dy_du == 0:
-            return
-        self.implicit = Named("Xn", u, latex, text)
-        self.xhat, self.xhat_def, self.y_hat = u, c, y_hat
-        self.g_def = DY * dy_du
-        self.alg.varying.add(u)
-
-    def _coordinate(self) -> tuple[Named | None, sympy.Expr | None]:
-        """The element coordinate of the closed forms: the spec's x̂, or the one its output uses
-        without naming it; without either, x - μ for the group mean μ when a statistic gives
-        it, so that polynomials in x are written (and computed) in powers of the centred
-        x - μ, never expanded into raw powers of x."""
+    def _use_normalized(self, xhat: sympy.Symbol | None, xhat_def: sympy.Expr | None):
+        """The spec's x̂ (if any): y in full, y in x̂, and g = ∂L/∂y·∂y/∂x̂ where y uses x̂."""
         spec = self.spec
-        if spec.normalized is not None:
-            return spec.normalized, spec.normalized_expr
-        if self.implicit is not None:
-            return self.implicit, self.xhat_def
-        centre = None
-        for node in sympy.preorder_traversal(self.y_full):      # the deviation the output uses: x - μ
-            if node.is_Add and X in node.args and not (node - X).has(X) and not self.alg.is_varying(node - X):
-                centre = sympy.expand(X - node)
-                break
-        if centre is None:
-            centre = self.alg.canon(Mean(X))                      # else the group mean, if known
-        if centre.has(Mean) or not centre.free_symbols:
-            return None, None
-        stats = {s.symbol: s for s in self.program.stats}
-        if centre in stats:
-            text, latex = f"(x - {stats[centre].text})", f"(x - {stats[centre].latex})"
-        else:
-            text, latex = f"(x - {centre})", f"(x - {sympy.latex(centre)})"
-        sym = domain.symbol("Xc")
-        return Named("Xc", sym, latex, text), X - centre
+        self.xhat, self.xhat_def = xhat, xhat_def
+        self.y_full = spec.output.xreplace({xhat: xhat_def}) if xhat is not None else spec.output
+        self.y_hat = spec.output                 # y with x̂ as a symbol (or y itself)
+        dy_dxhat = sympy.diff(spec.output, xhat) if xhat is not None else sympy.S.Zero
+        self.g_def = DY * dy_dxhat if dy_dxhat != 0 else None
+
+    def _use_coordinate(self, coord: Named | None, coord_def: sympy.Expr | None):
+        """The closed forms' element coordinate: an element symbol, x written in it where it is
+        affine in x, and the element symbols of the closed forms."""
+        self.coord, self.coord_def = coord, coord_def
+        xhat = coord.symbol if coord is not None else None
+        if xhat is not None:
+            self.alg.varying.add(xhat)
+        self.to_xhat = _solver(xhat, coord_def) if xhat is not None else None
+        self.element = {X, DY, G, *self.channel} | ({xhat} if xhat is not None else set())
+
+    def _adopt(self, implicit: ImplicitCoordinate | None):
+        """Write the backward in the coordinate the output uses without naming it (x̂ = u,
+        g = ∂L/∂y·∂y/∂u), as for a spec that names it."""
+        if implicit is None:
+            return
+        u = implicit.named.symbol
+        self.implicit = implicit
+        self.xhat, self.xhat_def, self.y_hat = u, implicit.definition, implicit.output
+        self.g_def = DY * sympy.diff(implicit.output, u)
+        self.alg.varying.add(u)
 
     def dL(self, v: sympy.Symbol) -> sympy.Expr:
         """∂L/∂y·∂y/∂v for one element, with the path through x̂ written in g = ∂L/∂y·∂y/∂x̂
@@ -539,53 +526,57 @@ class _Deriver:
         return G * sympy.diff(self.xhat_def, v) + direct
 
     # ---- 1. reverse pass through the program -----------------------------
-    def reverse(self):
-        spec, prog, alg = self.spec, self.program, self.alg
-        adj: dict[sympy.Symbol, sympy.Expr] = {}
-        for v in sorted(self.group_diff, key=sympy.default_sort_key):
-            adj[v] = sympy.S.Zero if v in self.scalar else alg.canon(N * Mean(self.dL(v)))
-        terms = {X: [self.dL(X)]}
-        for p in self.channel:
-            terms[p] = [self.dL(p)]
-        partials: list[Partial] = []
-        for st in reversed(list(prog.stats)):
-            s = st.symbol
+    def reverse(self) -> _Adjoints:
+        """∂L/∂s of every statistic, latest first, and the element-level terms of ∂L/∂x, ∂L/∂p."""
+        group = {v: sympy.S.Zero if v in self.scalar else self.alg.canon(N * Mean(self.dL(v)))
+                 for v in sorted(self.group_diff, key=sympy.default_sort_key)}
+        terms = {e: [self.dL(e)] for e in [X, *self.channel]}
+        adj = _Adjoints(group, terms)
+        for st in reversed(list(self.program.stats)):
             hidden, table = hide_means(st.expr, prefix=f"{st.name}_R")
-            sbar = adj[s]
-            for v in sorted(hidden.free_symbols & self.group_diff, key=sympy.default_sort_key):
-                d = prog.partial(st, v, hidden).xreplace(table)
-                _check_derivatives(spec, f"statistics.{st.name}", d)
-                if d != 0:
-                    adj[v] = adj[v] + sbar * d
-                    partials.append(Partial(st, v, "group", d))
+            self._through_group_values(st, hidden, table, adj)
             for r, atom in table.items():
-                coef = prog.partial(st, r, hidden).xreplace(table)
-                if coef == 0:
-                    continue
-                abar = sbar * coef
-                rarg = atom.args[0]
-                for e in self.element_diff:
-                    de = sympy.diff(rarg, e)
-                    _check_derivatives(spec, f"statistics.{st.name}", de)
-                    if de != 0:
-                        terms[e].append(abar / N * de)
-                        partials.append(Partial(st, e, "element", sympy.factor_terms(coef / N * de), atom=atom))
-                for v in sorted(rarg.free_symbols & self.group_diff, key=sympy.default_sort_key):
-                    raw = Mean(sympy.diff(rarg, v))
-                    val = alg.canon(raw)
-                    if any(not m.has(DY, G) for m in means(val)):
-                        val = self._forward_mean(raw, st, adj)
-                    dr = Mean(sympy.factor_terms(sympy.diff(rarg, v)))
-                    if val == 0:
-                        lin = sympy.factor_terms(ReductionAlgebra(alg.varying).canon(raw))
-                        used = tuple(t for t in prog.stats if isinstance(t.expr, Mean) and lin.has(t.symbol))
-                        partials.append(Partial(st, v, "zero", sympy.S.Zero, atom=atom, raw=dr, linear=lin,
-                                                because=used))
-                    else:
-                        partials.append(Partial(st, v, "kept", sympy.factor_terms(coef * val), atom=atom, raw=dr,
-                                                linear=sympy.factor_terms(val)))
-                        adj[v] = adj[v] + abar * val
-        return adj, terms, partials
+                coef = self.program.partial(st, r, hidden).xreplace(table)
+                if coef != 0:
+                    self._through_mean(st, coef, atom, adj)
+        return adj
+
+    def _through_group_values(self, st: Statistic, hidden: sympy.Expr, table: dict, adj: _Adjoints):
+        """s̄·∂s/∂v to every earlier group value v the definition of s names outside a mean."""
+        sbar = adj.group[st.symbol]
+        for v in sorted(hidden.free_symbols & self.group_diff, key=sympy.default_sort_key):
+            d = self.program.partial(st, v, hidden).xreplace(table)
+            check_derivatives(self.spec, f"statistics.{st.name}", d)
+            if d != 0:
+                adj.group[v] = adj.group[v] + sbar * d
+                adj.partials.append(Partial(st, v, "group", d))
+
+    def _through_mean(self, st: Statistic, coef: sympy.Expr, atom: Mean, adj: _Adjoints):
+        """s̄·∂s/∂⟨r⟩ through one mean ⟨r⟩ of s: (1/N)·∂r/∂x_i to the elements, ⟨∂r/∂v⟩ to
+        the group values inside r -- zero by the definitions of the statistics, or kept."""
+        abar = adj.group[st.symbol] * coef
+        rarg = atom.args[0]
+        for e in self.element_diff:
+            de = sympy.diff(rarg, e)
+            check_derivatives(self.spec, f"statistics.{st.name}", de)
+            if de != 0:
+                adj.terms[e].append(abar / N * de)
+                adj.partials.append(Partial(st, e, "element", sympy.factor_terms(coef / N * de), atom=atom))
+        for v in sorted(rarg.free_symbols & self.group_diff, key=sympy.default_sort_key):
+            raw = Mean(sympy.diff(rarg, v))
+            val = self.alg.canon(raw)
+            if any(not m.has(DY, G) for m in means(val)):
+                val = self._forward_mean(raw, st, adj.group)
+            dr = Mean(sympy.factor_terms(sympy.diff(rarg, v)))
+            if val == 0:
+                lin = sympy.factor_terms(ReductionAlgebra(self.alg.varying).canon(raw))
+                used = tuple(t for t in self.program.stats if isinstance(t.expr, Mean) and lin.has(t.symbol))
+                adj.partials.append(Partial(st, v, "zero", sympy.S.Zero, atom=atom, raw=dr, linear=lin,
+                                            because=used))
+            else:
+                adj.partials.append(Partial(st, v, "kept", sympy.factor_terms(coef * val), atom=atom, raw=dr,
+                                            linear=sympy.factor_terms(val)))
+                adj.group[v] = adj.group[v] + abar * val
 
     def _forward_mean(self, raw: Mean, st: Statistic, adj: dict) -> sympy.Expr:
         """A mean of x alone that no statistic determines (⟨(x - μ)³⟩ from differentiating a
@@ -598,85 +589,55 @@ class _Deriver:
         return self.alg.canon(raw)
 
     # ---- 2. closed forms ---------------------------------------------------
-    def closed_forms(self, adj, terms):
-        spec, alg = self.spec, self.alg
-        xhat = self.coord.symbol if self.coord is not None else None
-        to_xhat = _solver(xhat, self.coord_def) if xhat is not None else None
-        if to_xhat is not None:
-            alg.derived = {xhat: self.coord_def}
-        g_def = self.g_def
-        self.to_xhat = to_xhat
-        self.element = {X, DY, G, *self.channel} | ({xhat} if xhat is not None else set())
-        finish = self.finish
+    def finish(self, expr: sympy.Expr) -> sympy.Expr:
+        """In x̂, reduced by the algebra (linearity, known statistics), tidied."""
+        return closed_form(expr, self.alg, self.to_xhat, self.element)
 
-        dx = finish(Add(*terms[X]))
+    def _closed_forms(self, adj: _Adjoints):
+        """dx, the parameter and input gradients and the statistics' adjoints in closed form."""
+        spec, finish = self.spec, self.finish
+        if self.to_xhat is not None:
+            self.alg.derived = {self.coord.symbol: self.coord_def}
+        dx = finish(Add(*adj.terms[X]))
         grads = {}
         for p in spec.params:
             if p.scalar:
-                grads[p.name] = ParamGrad(finish(self.dL(p.symbol)), finish(adj[p.symbol]))
+                grads[p.name] = ParamGrad(finish(self.dL(p.symbol)), finish(adj.group[p.symbol]))
             else:
-                grads[p.name] = ParamGrad(finish(Add(*terms[p.symbol])))
-        dinputs = {i.name: finish(adj[i.symbol]) for i in spec.inputs}
-        adjoints = {st.symbol: finish(adj[st.symbol]) for st in self.program.stats}
-        sum_zero = (self.spec.normalized is not None and to_xhat is not None
-                    and alg.canon(Mean(self.xhat)) == 0)
-        return g_def, dx, grads, dinputs, adjoints, sum_zero
+                grads[p.name] = ParamGrad(finish(Add(*adj.terms[p.symbol])))
+        dinputs = {i.name: finish(adj.group[i.symbol]) for i in spec.inputs}
+        adjoints = {st.symbol: finish(adj.group[st.symbol]) for st in self.program.stats}
+        for where, e in [("output", dx), *((f"params.{k}", v.element + v.group) for k, v in grads.items())]:
+            check_derivatives(spec, where, e)
+        return dx, grads, dinputs, adjoints
 
-    def finish(self, expr: sympy.Expr) -> sympy.Expr:
-        """In x̂, reduced by the algebra (linearity, known statistics), tidied."""
-        e = expr
-        if self.to_xhat is not None:
-            e = e.subs(X, self.to_xhat)
-        e = self.alg.canon(expand(self.alg.canon(e)))
-        return tidy(e, self.element)
-
-    def reductions(self, dx, grads, dinputs) -> list[Reduction]:
-        return self.name_reductions([dx, *dinputs.values(), *(g.element for g in grads.values()),
-                                     *(g.group for g in grads.values())])
-
-    def name_reductions(self, exprs, extra: dict | None = None) -> list[Reduction]:
-        """The Mean atoms of ``exprs`` as named reductions (Mean_g_xhat ...); ``extra`` names
-        further element symbols (the second order's cotangents and tangents)."""
-        spec = self.spec
-        xhat = self.coord.symbol if self.coord is not None else None
-        atoms = set()
-        for e in exprs:
-            atoms |= set(means(e))
-        names = {X: "x", DY: "dy", G: "g", **{p.symbol: p.name for p in spec.params}, **(extra or {})}
-        if xhat is not None:
-            names[xhat] = self.coord.name
-        out, used = [], set()
-        for i, atom in enumerate(sorted(atoms, key=sympy.default_sort_key)):
-            nm = _reduction_name(atom.args[0], names) or f"Mean_{i}"
-            while nm in used:
-                nm += "_"
-            used.add(nm)
-            out.append(Reduction(nm, sympy.Symbol(nm, real=True), atom.args[0]))
-        return out
+    def _sum_xhat_zero(self) -> bool:
+        """⟨x̂⟩ = 0 exactly for the spec's x̂."""
+        return self.spec.normalized is not None and self.to_xhat is not None \
+            and self.alg.canon(Mean(self.xhat)) == 0
 
     def run(self) -> ModeDerivation:
+        """The derivation as data."""
         spec = self.spec
-        adj, terms, partials = self.reverse()
-        g_def, dx, grads, dinputs, adjoints, sum_zero = self.closed_forms(adj, terms)
-        for where, e in [("output", dx), *((f"params.{k}", v.element + v.group) for k, v in grads.items())]:
-            _check_derivatives(spec, where, e)
-        reductions = self.reductions(dx, grads, dinputs)
-        uses_g = g_def is not None and (dx.has(G) or any(e.has(G) for e in dinputs.values())
-                                        or any(v.element.has(G) or v.group.has(G) for v in grads.values()))
-        from .narrative import facts
-        vanishing, kept = facts(spec, self.program.stats, partials, sum_zero, self.xhat_def)
+        adj = self.reverse()
+        dx, grads, dinputs, adjoints = self._closed_forms(adj)
+        sum_zero = self._sum_xhat_zero()
+        results = [dx, *dinputs.values(), *(g.element for g in grads.values()), *(g.group for g in grads.values())]
+        uses_g = self.g_def is not None and any(e.has(G) for e in results)
         return ModeDerivation(spec=spec, mode=self.mode.name, user_statistics=self.mode.statistics,
                               statistics=tuple(self.program.stats), normalized_expr=self.xhat_def,
-                              output=spec.output, g=g_def if uses_g else None, dx=dx, grads=grads,
-                              dinputs=dinputs, reductions=reductions, vanishing=vanishing, kept=kept,
-                              partials=partials, adjoints=adjoints, sum_xhat_zero=sum_zero,
+                              output=spec.output, g=self.g_def if uses_g else None, dx=dx, grads=grads,
+                              dinputs=dinputs, reductions=name_reductions(spec, self.coord, results),
+                              partials=tuple(adj.partials), adjoints=adjoints, sum_xhat_zero=sum_zero,
                               coordinate=self.coord, coordinate_expr=self.coord_def,
                               implicit_coordinate=self.implicit is not None,
                               output_in_coordinate=self.y_hat if self.implicit is not None else None,
-                              engine=self)
+                              x_in_coordinate=self.to_xhat, element=frozenset(self.element),
+                              mean_facts=MeanFacts.of(self.alg), self_rules=dict(self.program.rules))
 
 
-def mode_depends_on_x(md: ModeDerivation, s: sympy.Symbol) -> bool:
-    defs = {st.symbol: st.expr for st in md.statistics}
+def mode_depends_on_x(mode: ModeDerivation, s: sympy.Symbol) -> bool:
+    """Does the statistic ``s`` of ``mode`` depend on x (through a mean, or another statistic)?"""
+    defs = {st.symbol: st.expr for st in mode.statistics}
     e = defs[s]
-    return bool(e.has(Mean)) or any(mode_depends_on_x(md, t) for t in e.free_symbols if t in defs)
+    return bool(e.has(Mean)) or any(mode_depends_on_x(mode, t) for t in e.free_symbols if t in defs)

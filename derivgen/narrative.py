@@ -11,16 +11,17 @@ LaTeX, Markdown or text.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import sympy
 
 from .document import latex_expr, text_expr
+from .engine import ModeDerivation, Partial, mode_depends_on_x
 from .reduce import Mean, ReductionAlgebra
 from .spec import DY, X
 
 
-@dataclass
+@dataclass(frozen=True)
 class Equation:
     """One displayed equation: ``lhs = rhs`` (rhs a SymPy expression or None)."""
     lhs_latex: str
@@ -30,18 +31,21 @@ class Equation:
     note_latex: str = ""      # the note with its mathematics in LaTeX (optional)
 
 
-@dataclass
+@dataclass(frozen=True)
 class Step:
+    """One step of a derivation: a title, its prose and its equations."""
     title: str
     prose: str
-    equations: list[Equation] = field(default_factory=list)
+    equations: tuple[Equation, ...] = ()
 
 
 def partial_latex(num: str, den: str) -> str:
+    """∂num/∂den in LaTeX."""
     return r"\frac{\partial %s}{\partial %s}" % (num, den)
 
 
 def partial_text(num: str, den: str) -> str:
+    """∂num/∂den in text."""
     return f"∂{num}/∂{den}"
 
 
@@ -59,18 +63,22 @@ class _Names:
         if coordinate is not None:
             self.named[coordinate.symbol.name] = coordinate
 
-    def L(self, sym) -> str:
+    def latex(self, sym) -> str:
+        """A symbol's name in LaTeX."""
         n = self.named.get(getattr(sym, "name", None))
         return n.latex if n is not None else sympy.latex(sym)
 
-    def T(self, sym) -> str:
+    def text(self, sym) -> str:
+        """A symbol's name in text."""
         n = self.named.get(getattr(sym, "name", None))
         return n.text if n is not None else str(sym)
 
-    def txt(self, e) -> str:
+    def expr_text(self, e) -> str:
+        """An expression in text."""
         return text_expr(e, self.spec, extra=self.named)
 
-    def ltx(self, e) -> str:
+    def expr_latex(self, e) -> str:
+        """An expression in LaTeX (no element subscripts)."""
         return latex_expr(e, self.spec, subscript=False, extra=self.named)
 
 
@@ -79,20 +87,34 @@ def _why_zero(stats, show) -> str:
     return " and ".join(defs) if defs else "its terms cancel"
 
 
-def facts(spec, statistics, partials, sum_zero: bool, xhat_def) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
-    """(vanishing, kept): the terms that are exactly zero and the ones kept, with reasons (text)."""
-    names = _Names(spec, statistics)
+def _why_zero_text(p: Partial, names: _Names) -> str:
+    return f"{names.expr_text(p.raw)} = {names.expr_text(p.linear)} = 0 because " + _why_zero(p.because,
+                                                                                              names.expr_text)
+
+
+def _why_kept_text(p: Partial, names: _Names) -> str:
+    return f"{names.expr_text(p.raw)} = {names.expr_text(p.linear)}, which is not zero in general: kept"
+
+
+def _through_mean_text(p: Partial, names: _Names) -> str:
+    return f"∂{p.stat.text}/∂{names.text(p.wrt)} through the mean {names.expr_text(p.atom)}"
+
+
+def facts(mode: ModeDerivation) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+    """(vanishing, kept): the terms of one mode's derivation that are exactly zero and the
+    ones kept, with reasons (text)."""
+    spec = mode.spec
+    names = _Names(spec, mode.statistics)
     vanishing, kept = [], []
-    for p in partials:
+    for p in mode.partials:
         if p.kind == "zero":
-            why = f"{names.txt(p.raw)} = {names.txt(p.linear)} = 0 because " + _why_zero(p.because, names.txt)
-            vanishing.append((f"∂{p.stat.text}/∂{names.T(p.wrt)} through the mean {names.txt(p.atom)}", why))
+            vanishing.append((_through_mean_text(p, names), _why_zero_text(p, names)))
         elif p.kind == "kept":
-            why = f"{names.txt(p.raw)} = {names.txt(p.linear)}, which is not zero in general: kept"
-            kept.append((f"∂{p.stat.text}/∂{names.T(p.wrt)} through the mean {names.txt(p.atom)}", why))
-    if sum_zero:
-        lin = _linear_mean(spec, xhat_def)
-        vanishing.append(("Σ_j x̂_j", f"{names.txt(Mean(spec.normalized.symbol))} = {names.txt(lin)} = 0 {_NEGLIGIBLE}."))
+            kept.append((_through_mean_text(p, names), _why_kept_text(p, names)))
+    if mode.sum_xhat_zero:
+        lin = _linear_mean(spec, mode.normalized_expr)
+        vanishing.append(("Σ_j x̂_j", f"{names.expr_text(Mean(spec.normalized.symbol))} = "
+                                     f"{names.expr_text(lin)} = 0 {_NEGLIGIBLE}."))
     return vanishing, kept
 
 
@@ -101,153 +123,180 @@ def _linear_mean(spec, xhat_def):
     return sympy.factor_terms(ReductionAlgebra(varying).canon(Mean(xhat_def)))
 
 
-def build_steps(md) -> list[Step]:
-    from .engine import mode_depends_on_x
-    spec = md.spec
-    n = _Names(spec, md.statistics, md.coordinate)
-    xhat = spec.normalized.symbol if spec.normalized else None
-    steps: list[Step] = []
+# ---------------------------------------------------------------- the steps
 
-    # ---- definitions
-    defs = Step("Definitions",
+def _definitions(mode: ModeDerivation) -> Step:
+    spec = mode.spec
+    eqs = [Equation(st.latex, st.text, st.expr) for st in mode.user_statistics]
+    if spec.normalized is not None:
+        eqs.append(Equation(spec.normalized.latex + "_i", spec.normalized.text, mode.normalized_expr))
+    eqs.append(Equation("y_i", "y", spec.output))
+    return Step("Definitions",
                 "One normalization group holds N elements x_i. Angle brackets are the mean over "
-                "the group, ⟨e⟩ = (1/N) Σ_j e_j. The statistics, in order:")
-    for st in md.user_statistics:
-        defs.equations.append(Equation(st.latex, st.text, st.expr))
-    if xhat is not None:
-        defs.equations.append(Equation(spec.normalized.latex + "_i", spec.normalized.text, md.normalized_expr))
-    defs.equations.append(Equation("y_i", "y", spec.output))
-    steps.append(defs)
-    if md.aux:
-        aux = Step("Auxiliary statistics",
-                   "derivgen names the group means the statistics are not linear in, and the square roots, "
-                   "powers and other functions of group values inside them, so that every mean the backward "
-                   "meets is known and every derivative is rational in named values. As computed:")
-        for st in md.statistics:
-            note = f"named by derivgen: {st.expr_text}" if st.aux else ""
-            aux.equations.append(Equation(st.latex, st.text, st.expr, note=note))
-        steps.append(aux)
+                "the group, ⟨e⟩ = (1/N) Σ_j e_j. The statistics, in order:", tuple(eqs))
 
-    # ---- local partials of the output
-    stat_syms = [s.symbol for s in md.statistics]
-    local = Step("Local partial derivatives",
-                 "y_i depends on x_i directly and on every statistic; each statistic depends "
-                 "on all x_j of the group. With L the loss and ∂L/∂y_i given, the chain rule "
-                 "runs through the statistics latest first:")
-    through = [s for s in stat_syms if mode_depends_on_x(md, s)]
+
+def _auxiliaries(mode: ModeDerivation) -> Step:
+    eqs = [Equation(st.latex, st.text, st.expr, note=f"named by derivgen: {st.expr_text}" if st.aux else "")
+           for st in mode.statistics]
+    return Step("Auxiliary statistics",
+                "derivgen names the group means the statistics are not linear in, and the square roots, "
+                "powers and other functions of group values inside them, so that every mean the backward "
+                "meets is known and every derivative is rational in named values. As computed:", tuple(eqs))
+
+
+def _chain_rule(mode: ModeDerivation, names: _Names) -> Equation:
+    """∂L/∂x_i through y and every statistic that depends on x."""
+    through = [s.symbol for s in mode.statistics if mode_depends_on_x(mode, s.symbol)]
     chain_l = partial_latex("L", "x_i") + " = " + partial_latex("L", "y_i") + partial_latex("y_i", "x_i") + \
-        "".join(" + " + partial_latex("L", n.L(s)) + partial_latex(n.L(s), "x_i") for s in through)
-    chain_t = "∂L/∂x_i = ∂L/∂y_i·∂y_i/∂x_i" + "".join(f" + ∂L/∂{n.T(s)}·∂{n.T(s)}/∂x_i" for s in through)
-    local.equations.append(Equation(chain_l, chain_t, None))
-    if xhat is not None:
-        local.equations.append(Equation(partial_latex("y", spec.normalized.latex),
-                                        partial_text("y", spec.normalized.text), sympy.diff(spec.output, xhat)))
-        local.equations.append(Equation(partial_latex(spec.normalized.latex, "x"),
-                                        partial_text(spec.normalized.text, "x"), sympy.diff(md.normalized_expr, X)))
-        for s in stat_syms:
-            d = sympy.diff(md.normalized_expr, s)
+        "".join(" + " + partial_latex("L", names.latex(s)) + partial_latex(names.latex(s), "x_i") for s in through)
+    chain_t = "∂L/∂x_i = ∂L/∂y_i·∂y_i/∂x_i" + "".join(f" + ∂L/∂{names.text(s)}·∂{names.text(s)}/∂x_i"
+                                                       for s in through)
+    return Equation(chain_l, chain_t, None)
+
+
+def _local_partials(mode: ModeDerivation, names: _Names) -> Step:
+    spec = mode.spec
+    eqs = [_chain_rule(mode, names)]
+    if spec.normalized is not None:
+        xhat = spec.normalized
+        eqs.append(Equation(partial_latex("y", xhat.latex), partial_text("y", xhat.text),
+                            sympy.diff(spec.output, xhat.symbol)))
+        eqs.append(Equation(partial_latex(xhat.latex, "x"), partial_text(xhat.text, "x"),
+                            sympy.diff(mode.normalized_expr, X)))
+        for st in mode.statistics:
+            d = sympy.diff(mode.normalized_expr, st.symbol)
             if d != 0:
-                local.equations.append(Equation(partial_latex(spec.normalized.latex, n.L(s)),
-                                                partial_text(spec.normalized.text, n.T(s)), d))
+                eqs.append(Equation(partial_latex(xhat.latex, names.latex(st.symbol)),
+                                    partial_text(xhat.text, names.text(st.symbol)), d))
     else:
-        y_full = spec.output
-        local.equations.append(Equation(partial_latex("y", "x"), "∂y/∂x", sympy.diff(y_full, X)))
-    steps.append(local)
+        eqs.append(Equation(partial_latex("y", "x"), "∂y/∂x", sympy.diff(spec.output, X)))
+    return Step("Local partial derivatives",
+                "y_i depends on x_i directly and on every statistic; each statistic depends "
+                "on all x_j of the group. With L the loss and ∂L/∂y_i given, the chain rule "
+                "runs through the statistics latest first:", tuple(eqs))
 
-    # ---- partials of the statistics
-    sp = Step("Partial derivatives of the statistics",
-              "Each statistic is a function of group means; a mean ⟨r⟩ contributes "
-              "(1/N)·∂r/∂x_i to ∂s/∂x_i and ⟨∂r/∂s'⟩ to ∂s/∂s' for an earlier statistic s'. "
-              "These last terms are where hand derivations go wrong:")
-    for p in md.partials:
-        st = p.stat
-        if p.kind == "group":
-            sp.equations.append(Equation(partial_latex(st.latex, n.L(p.wrt)), partial_text(st.text, n.T(p.wrt)),
-                                         p.value))
-        elif p.kind == "element":
-            sub = "x_i" if p.wrt == X else n.L(p.wrt) + "_i"
-            subt = "x_i" if p.wrt == X else n.T(p.wrt) + "_i"
-            sp.equations.append(Equation(partial_latex(st.latex, sub), partial_text(st.text, subt), p.value))
-        else:
-            lhs_l = partial_latex(st.latex, n.L(p.wrt)) + r"\ \text{via}\ " + n.ltx(p.atom)
-            lhs_t = partial_text(st.text, n.T(p.wrt)) + " via " + n.txt(p.atom)
-            if p.kind == "zero":
-                why = f"{n.txt(p.raw)} = {n.txt(p.linear)} = 0 because " + _why_zero(p.because, n.txt)
-                why_l = (f"${n.ltx(p.raw)} = {n.ltx(p.linear)} = 0$ because "
-                         + _why_zero(p.because, lambda e: "$" + n.ltx(e) + "$"))
-                sp.equations.append(Equation(lhs_l, lhs_t, sympy.S.Zero, note=why, note_latex=why_l))
-            else:
-                why = f"{n.txt(p.raw)} = {n.txt(p.linear)}, which is not zero in general: kept"
-                why_l = f"${n.ltx(p.raw)} = {n.ltx(p.linear)}$, which is not zero in general: kept"
-                sp.equations.append(Equation(lhs_l, lhs_t, p.value, note=why, note_latex=why_l))
-    steps.append(sp)
 
-    adj = Step("Gradients with respect to the statistics",
-               "Latest statistic first; each collects ∂L/∂y through y and through every later statistic:")
-    for st in reversed(md.statistics):
-        adj.equations.append(Equation(partial_latex("L", st.latex), partial_text("L", st.text),
-                                      md.adjoints[st.symbol]))
-    steps.append(adj)
+def _partial_equation(p: Partial, names: _Names) -> Equation:
+    """One partial derivative of a statistic; through a mean, with why it vanishes or is kept."""
+    st = p.stat
+    if p.kind == "group":
+        return Equation(partial_latex(st.latex, names.latex(p.wrt)), partial_text(st.text, names.text(p.wrt)),
+                        p.value)
+    if p.kind == "element":
+        sub = "x_i" if p.wrt == X else names.latex(p.wrt) + "_i"
+        subt = "x_i" if p.wrt == X else names.text(p.wrt) + "_i"
+        return Equation(partial_latex(st.latex, sub), partial_text(st.text, subt), p.value)
+    lhs_l = partial_latex(st.latex, names.latex(p.wrt)) + r"\ \text{via}\ " + names.expr_latex(p.atom)
+    lhs_t = partial_text(st.text, names.text(p.wrt)) + " via " + names.expr_text(p.atom)
+    if p.kind == "zero":
+        why_l = (f"${names.expr_latex(p.raw)} = {names.expr_latex(p.linear)} = 0$ because "
+                 + _why_zero(p.because, lambda e: "$" + names.expr_latex(e) + "$"))
+        return Equation(lhs_l, lhs_t, sympy.S.Zero, note=_why_zero_text(p, names), note_latex=why_l)
+    why_l = f"${names.expr_latex(p.raw)} = {names.expr_latex(p.linear)}$, which is not zero in general: kept"
+    return Equation(lhs_l, lhs_t, p.value, note=_why_kept_text(p, names), note_latex=why_l)
 
-    # ---- closed form
-    if xhat is not None:
-        xt = spec.normalized.text
-        how = f"Substituting x = x({xt}) and " + (f"g = {n.txt(md.g)}, " if md.g is not None else "")
-    elif md.implicit_coordinate:
-        how = (f"The output normalizes x without naming it: with {md.coordinate.text} = "
-               f"{n.txt(md.coordinate_expr)} (named here) y = {n.txt(md.output_in_coordinate)}. "
-               f"Substituting x = x({md.coordinate.text}) and " + (f"g = {n.txt(md.g)}, " if md.g is not None else ""))
-    elif md.coordinate is not None:
-        how = (f"Writing x through the centred coordinate {md.coordinate.text} (polynomials in x are never "
-               "expanded into raw powers of x, which would cancel catastrophically), ")
+
+def _statistic_partials(mode: ModeDerivation, names: _Names) -> Step:
+    return Step("Partial derivatives of the statistics",
+                "Each statistic is a function of group means; a mean ⟨r⟩ contributes "
+                "(1/N)·∂r/∂x_i to ∂s/∂x_i and ⟨∂r/∂s'⟩ to ∂s/∂s' for an earlier statistic s'. "
+                "These last terms are where hand derivations go wrong:",
+                tuple(_partial_equation(p, names) for p in mode.partials))
+
+
+def _statistic_adjoints(mode: ModeDerivation) -> Step:
+    return Step("Gradients with respect to the statistics",
+                "Latest statistic first; each collects ∂L/∂y through y and through every later statistic:",
+                tuple(Equation(partial_latex("L", st.latex), partial_text("L", st.text), mode.adjoints[st.symbol])
+                      for st in reversed(mode.statistics)))
+
+
+def _closed_form_how(mode: ModeDerivation, names: _Names) -> str:
+    """How the closed form is reached: through which coordinate."""
+    spec = mode.spec
+    with_g = f"g = {names.expr_text(mode.g)}, " if mode.g is not None else ""
+    if spec.normalized is not None:
+        return f"Substituting x = x({spec.normalized.text}) and " + with_g
+    if mode.implicit_coordinate:
+        return (f"The output normalizes x without naming it: with {mode.coordinate.text} = "
+                f"{names.expr_text(mode.coordinate_expr)} (named here) y = "
+                f"{names.expr_text(mode.output_in_coordinate)}. "
+                f"Substituting x = x({mode.coordinate.text}) and " + with_g)
+    if mode.coordinate is not None:
+        return (f"Writing x through the centred coordinate {mode.coordinate.text} (polynomials in x are never "
+                "expanded into raw powers of x, which would cancel catastrophically), ")
+    return ""
+
+
+def _closed_form(mode: ModeDerivation, names: _Names) -> Step:
+    spec = mode.spec
+    how = _closed_form_how(mode, names)
+    prose = how + ("applying" if how else "Applying") + " linearity of ⟨·⟩ and the definitions of the statistics:"
+    prose += f" the backward needs {len(mode.reductions)} reduction(s) per group: " + \
+        ", ".join(names.expr_text(r.atom) for r in mode.reductions) + "."
+    eqs = []
+    if mode.g is not None:
+        eqs.append(Equation("g_i", "g", mode.g))
+    eqs.append(Equation(partial_latex("L", "x_i"), "∂L/∂x", mode.dx))
+    if mode.sum_xhat_zero:
+        xhat = spec.normalized
+        lin = _linear_mean(spec, mode.normalized_expr)
+        note = f"{names.expr_text(Mean(xhat.symbol))} = {names.expr_text(lin)} = 0 {_NEGLIGIBLE}."
+        note_l = f"$\\langle {xhat.latex} \\rangle = 0$ {_NEGLIGIBLE}."
+        eqs.append(Equation(r"\sum_j " + xhat.latex + "_j", "Σ x̂", sympy.S.Zero, note=note, note_latex=note_l))
+    return Step("Closed form", prose, tuple(eqs))
+
+
+def _parameter_gradients(mode: ModeDerivation) -> Step:
+    spec = mode.spec
+    through_stats = [p for p in spec.params if mode.grads[p.name].group != 0 or
+                     any(q.wrt == p.symbol for q in mode.partials)]
+    if through_stats:
+        prose = ("Parameters that enter the statistics collect their gradient through them too: the "
+                 "element-level part is summed over the axes the parameter does not span, the per-group "
+                 "part (a scalar parameter inside a statistic) over the groups:")
     else:
-        how = ""
-    closed = Step("Closed form", how + ("applying" if how else "Applying")
-                  + " linearity of ⟨·⟩ and the definitions of the statistics:")
-    if md.g is not None:
-        closed.equations.append(Equation("g_i", "g", md.g))
-    closed.equations.append(Equation(partial_latex("L", "x_i"), "∂L/∂x", md.dx))
-    closed.prose += f" the backward needs {len(md.reductions)} reduction(s) per group: " + \
-        ", ".join(n.txt(r.atom) for r in md.reductions) + "."
-    if md.sum_xhat_zero:
-        lin = _linear_mean(spec, md.normalized_expr)
-        note = f"{n.txt(Mean(xhat))} = {n.txt(lin)} = 0 {_NEGLIGIBLE}."
-        note_l = f"$\\langle {spec.normalized.latex} \\rangle = 0$ {_NEGLIGIBLE}."
-        closed.equations.append(Equation(r"\sum_j " + spec.normalized.latex + "_j", "Σ x̂", sympy.S.Zero,
-                                         note=note, note_latex=note_l))
-    steps.append(closed)
+        prose = ("Parameters do not enter the statistics, so their gradients are plain sums of "
+                 "∂L/∂y·∂y/∂p over the axes the parameter does not span:")
+    eqs = []
+    for p in spec.params:
+        gr = mode.grads[p.name]
+        eqs.append(Equation(partial_latex("L", p.latex), partial_text("L", p.text), gr.element,
+                            note="summed over all elements" if p.scalar else "summed over the non-parameter axes"))
+        if gr.group != 0:
+            eqs.append(Equation(partial_latex("L", p.latex) + r"\ \text{(statistics)}",
+                                partial_text("L", p.text) + " (statistics)", gr.group,
+                                note="per group, summed over the groups"))
+    return Step("Parameter gradients", prose, tuple(eqs))
 
-    # ---- parameters, inputs, buffers
-    through_stats = [p for p in spec.params if md.grads[p.name].group != 0 or
-                     any(q.wrt == p.symbol for q in md.partials)]
+
+def _input_gradients(mode: ModeDerivation) -> Step:
+    return Step("Gradients of the per-group inputs", "Summed over groups when the input is a single scalar:",
+                tuple(Equation(partial_latex("L", i.latex), partial_text("L", i.text), mode.dinputs[i.name])
+                      for i in mode.spec.inputs))
+
+
+def _running_buffers(mode: ModeDerivation) -> Step:
+    return Step("Running buffers (not differentiated)", "Updated in place in training mode:",
+                tuple(Equation(b.latex + r" \leftarrow", b.text + " ←", b.update) for b in mode.spec.buffers))
+
+
+def build_steps(mode: ModeDerivation) -> tuple[Step, ...]:
+    """The derivation of one mode as the steps a careful person writes down: definitions,
+    auxiliaries, local partials, the partials of the statistics (with the terms that vanish
+    and why), the adjoints, the closed form, the parameter and input gradients, the buffers."""
+    spec = mode.spec
+    names = _Names(spec, mode.statistics, mode.coordinate)
+    steps = [_definitions(mode)]
+    if mode.aux:
+        steps.append(_auxiliaries(mode))
+    steps += [_local_partials(mode, names), _statistic_partials(mode, names), _statistic_adjoints(mode),
+              _closed_form(mode, names)]
     if spec.params:
-        if through_stats:
-            prose = ("Parameters that enter the statistics collect their gradient through them too: the "
-                     "element-level part is summed over the axes the parameter does not span, the per-group "
-                     "part (a scalar parameter inside a statistic) over the groups:")
-        else:
-            prose = ("Parameters do not enter the statistics, so their gradients are plain sums of "
-                     "∂L/∂y·∂y/∂p over the axes the parameter does not span:")
-        ps = Step("Parameter gradients", prose)
-        for p in spec.params:
-            gr = md.grads[p.name]
-            ps.equations.append(Equation(partial_latex("L", p.latex), partial_text("L", p.text), gr.element,
-                                         note="summed over all elements" if p.scalar
-                                         else "summed over the non-parameter axes"))
-            if gr.group != 0:
-                ps.equations.append(Equation(partial_latex("L", p.latex) + r"\ \text{(statistics)}",
-                                             partial_text("L", p.text) + " (statistics)", gr.group,
-                                             note="per group, summed over the groups"))
-        steps.append(ps)
+        steps.append(_parameter_gradients(mode))
     if spec.inputs:
-        istep = Step("Gradients of the per-group inputs", "Summed over groups when the input is a single scalar:")
-        for i in spec.inputs:
-            istep.equations.append(Equation(partial_latex("L", i.latex), partial_text("L", i.text),
-                                            md.dinputs[i.name]))
-        steps.append(istep)
-    if spec.buffers and md.mode == "train":
-        bstep = Step("Running buffers (not differentiated)", "Updated in place in training mode:")
-        for b in spec.buffers:
-            bstep.equations.append(Equation(b.latex + r" \leftarrow", b.text + " ←", b.update))
-        steps.append(bstep)
-    return steps
+        steps.append(_input_gradients(mode))
+    if spec.buffers and mode.mode == "train":
+        steps.append(_running_buffers(mode))
+    return tuple(steps)

@@ -28,6 +28,7 @@ import sympy
 from . import domain
 from .engine import G, ModeDerivation
 from .reduce import Mean
+from .second import SecondOrder, almost_everywhere
 from .spec import DY, N, X
 
 
@@ -355,6 +356,7 @@ def _proven(d: sympy.Expr, lin: list[sympy.Symbol]) -> bool:
 
 
 def prove_mode(md: ModeDerivation, sizes=(2, 3, 4, 5, 6)) -> ModeProof:
+    """One mode's first-order closed forms against brute-force differentiation at each size."""
     spec = md.spec
     out = ModeProof(md.mode)
     rng = _Sampler.for_spec(spec, 1234)
@@ -407,10 +409,11 @@ def _settle(n: int, checks, t0: float, rng: _Sampler, seconds: float) -> ProofRe
 
 
 def prove_derivation(d, sizes=(2, 3, 4, 5, 6)) -> dict[str, ModeProof]:
+    """Every mode of a derivation (anything with ``modes``) proven: mode name -> proof."""
     return {name: prove_mode(md, sizes) for name, md in d.modes.items()}
 
 
-def prove_second_mode(so, sizes=(2, 3, 4, 5), symbolic_seconds: float = SYMBOLIC_SECONDS) -> ModeProof:
+def prove_second_mode(second: SecondOrder, sizes=(2, 3, 4, 5), symbolic_seconds: float = SYMBOLIC_SECONDS) -> ModeProof:
     """The second-order closed forms (:mod:`derivgen.second`) against brute force at small N:
     the first-order gradients of the explicit layer by ``sympy.diff``, their VJP with the
     cotangents (δx, δp, δi) differentiated again, and the directional derivative of the
@@ -418,41 +421,41 @@ def prove_second_mode(so, sizes=(2, 3, 4, 5), symbolic_seconds: float = SYMBOLIC
     coefficient of each cotangent or tangent at a time (both sides are linear in them).
     Falls back to 80-digit evaluation at random rational points when the symbolic budget
     runs out (reported as "checked numerically")."""
-    md = so.md
-    spec = md.spec
-    out = ModeProof(md.mode)
+    first = second.md
+    spec = first.spec
+    out = ModeProof(first.mode)
     rng = _Sampler.for_spec(spec, 4321)
     for n in sizes:
         t0 = time.perf_counter()
-        ex = _Explicit(md, n)
-        for named in [so.cot_x, so.tan_x, *(so.cot_params[p.name] for p in spec.params if not p.scalar),
-                      *(so.tan_params[p.name] for p in spec.params if not p.scalar)]:
+        ex = _Explicit(first, n)
+        for named in [second.cot_x, second.tan_x, *(second.cot_params[p.name] for p in spec.params if not p.scalar),
+                      *(second.tan_params[p.name] for p in spec.params if not p.scalar)]:
             ex.elem[named.symbol] = _elements(named.name, n)
         xhat = spec.normalized.symbol if spec.normalized else None
-        y_full = spec.output.xreplace({xhat: md.normalized_expr}) if xhat is not None else spec.output
+        y_full = spec.output.xreplace({xhat: first.normalized_expr}) if xhat is not None else spec.output
         ys = [ex.at(y_full, i) for i in range(n)]
         dys = ex.elem[DY]
         loss = sympy.Add(*[dys[i] * ys[i] for i in range(n)])
         # the VJP of the brute-force backward
-        l2 = sympy.Add(*[ex.elem[so.cot_x.symbol][i] * sympy.diff(loss, ex.elem[X][i]) for i in range(n)])
+        l2 = sympy.Add(*[ex.elem[second.cot_x.symbol][i] * sympy.diff(loss, ex.elem[X][i]) for i in range(n)])
         for p in spec.params:
-            c = so.cot_params[p.name].symbol
+            c = second.cot_params[p.name].symbol
             if p.scalar:
                 l2 += c * sympy.diff(loss, p.symbol)
             else:
                 l2 += sympy.Add(*[ex.elem[c][i] * sympy.diff(loss, ex.elem[p.symbol][i]) for i in range(n)])
         for inp in spec.inputs:
-            l2 += so.cot_inputs[inp.name].symbol * sympy.diff(loss, inp.symbol)
+            l2 += second.cot_inputs[inp.name].symbol * sympy.diff(loss, inp.symbol)
         checks: list[tuple[str, sympy.Expr, list]] = []
-        seeds = [*ex.elem[so.cot_x.symbol]]
+        seeds = [*ex.elem[second.cot_x.symbol]]
         for p in spec.params:
-            c = so.cot_params[p.name].symbol
+            c = second.cot_params[p.name].symbol
             seeds += [c] if p.scalar else ex.elem[c]
-        seeds += [so.cot_inputs[i.name].symbol for i in spec.inputs]
-        checks.append(("double backward dx_0", sympy.diff(l2, ex.elem[X][0]) - ex.at(so.dx, 0), seeds))
-        checks.append(("double backward ddy_0", sympy.diff(l2, dys[0]) - ex.at(so.ddy, 0), seeds))
+        seeds += [second.cot_inputs[i.name].symbol for i in spec.inputs]
+        checks.append(("double backward dx_0", sympy.diff(l2, ex.elem[X][0]) - ex.at(second.dx, 0), seeds))
+        checks.append(("double backward ddy_0", sympy.diff(l2, dys[0]) - ex.at(second.ddy, 0), seeds))
         for p in spec.params:
-            gr = so.grads[p.name]
+            gr = second.grads[p.name]
             if p.scalar:
                 total = sympy.Add(*[ex.at(gr.element, i) for i in range(n)]) + ex.at(gr.group, None)
                 checks.append((f"double backward d{p.name}", sympy.diff(l2, p.symbol) - total, seeds))
@@ -461,13 +464,13 @@ def prove_second_mode(so, sizes=(2, 3, 4, 5), symbolic_seconds: float = SYMBOLIC
                                - ex.at(gr.element, 0), seeds))
         for inp in spec.inputs:
             checks.append((f"double backward d{inp.name}", sympy.diff(l2, inp.symbol)
-                           - ex.at(so.dinputs[inp.name], None), seeds))
+                           - ex.at(second.dinputs[inp.name], None), seeds))
         # the directional derivative of y_0
-        tx = ex.elem[so.tan_x.symbol]
+        tx = ex.elem[second.tan_x.symbol]
         ty0 = sympy.Add(*[sympy.diff(ys[0], ex.elem[X][j]) * tx[j] for j in range(n)])
         tseeds = list(tx)
         for p in spec.params:
-            t = so.tan_params[p.name].symbol
+            t = second.tan_params[p.name].symbol
             if p.scalar:
                 ty0 += sympy.diff(ys[0], p.symbol) * t
                 tseeds.append(t)
@@ -475,11 +478,10 @@ def prove_second_mode(so, sizes=(2, 3, 4, 5), symbolic_seconds: float = SYMBOLIC
                 ty0 += sympy.Add(*[sympy.diff(ys[0], ex.elem[p.symbol][j]) * ex.elem[t][j] for j in range(n)])
                 tseeds += ex.elem[t]
         for inp in spec.inputs:
-            t = so.tan_inputs[inp.name].symbol
+            t = second.tan_inputs[inp.name].symbol
             ty0 += sympy.diff(ys[0], inp.symbol) * t
             tseeds.append(t)
-        checks.append(("JVP y_0", ty0 - ex.at(so.ty, 0), tseeds))
-        from .second import almost_everywhere
+        checks.append(("JVP y_0", ty0 - ex.at(second.ty, 0), tseeds))
         checks = [(w, almost_everywhere(d), lin) for w, d, lin in checks]   # where |u| is differentiable
         out.results.append(_settle(n, checks, t0, rng, symbolic_seconds))
     return out

@@ -27,20 +27,22 @@ per group. No ``sympy.simplify``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import sympy
-from .engine import G, ModeDerivation, ParamGrad, Reduction, _check_derivatives
+
+from .engine import G, ModeDerivation, ParamGrad, Reduction, check_derivatives, closed_form, name_reductions, \
+    statistic_partial
 from .naming import derived
-from .reduce import Mean, hide_means
-from .spec import DY, N, X, Named
+from .reduce import Mean, ReductionAlgebra, hide_means
+from .spec import DY, N, X, Named, Spec, Statistic
 
 
-@dataclass
+@dataclass(frozen=True)
 class SecondOrder:
     """The second-order closed forms of one mode (expressions over Mean atoms, like
     :class:`derivgen.engine.ModeDerivation`'s; ``lowered`` gives them over the reductions)."""
-    md: ModeDerivation
+    md: ModeDerivation                            # the first order it is derived from
     # the double backward: cotangents of the backward's outputs ...
     cot_x: Named                                  # δx: of dx (element)
     cot_params: dict[str, Named]                  # δp: of dp (per channel, or one value for a scalar p)
@@ -50,23 +52,26 @@ class SecondOrder:
     ddy: sympy.Expr                               # ∂L₂/∂(∂L/∂y) (element)
     grads: dict[str, ParamGrad]                   # ∂L₂/∂p: element part summed like dp, group part per group
     dinputs: dict[str, sympy.Expr]                # ∂L₂/∂i per group
-    reductions: list[Reduction]
+    reductions: tuple[Reduction, ...]
     # the JVP: tangents of the forward's inputs, and ẏ
     tan_x: Named
     tan_params: dict[str, Named]
     tan_inputs: dict[str, Named]
     ty: sympy.Expr
-    jvp_reductions: list[Reduction]
-    element: set = field(default_factory=set)     # the element symbols of these closed forms
+    jvp_reductions: tuple[Reduction, ...]
+    element: frozenset[sympy.Symbol] = frozenset()   # the element symbols of these closed forms
 
     @property
-    def spec(self):
+    def spec(self) -> Spec:
+        """The layer's spec."""
         return self.md.spec
 
     def lowered(self, expr: sympy.Expr) -> sympy.Expr:
+        """Replace the double backward's Mean atoms by its reduction symbols."""
         return expr.xreplace({r.atom: r.symbol for r in self.reductions})
 
     def jvp_lowered(self, expr: sympy.Expr) -> sympy.Expr:
+        """Replace the JVP's Mean atoms by its reduction symbols."""
         return expr.xreplace({r.atom: r.symbol for r in self.jvp_reductions})
 
     @property
@@ -106,150 +111,240 @@ def _d(expr: sympy.Expr, u: sympy.Symbol) -> sympy.Expr:
     return almost_everywhere(sympy.diff(expr, u))
 
 
-def derive_second(md: ModeDerivation) -> SecondOrder:
-    """The double backward and the JVP of one mode, as closed forms."""
-    eng = md.engine
-    if eng is None:
-        raise ValueError("derive_second needs a ModeDerivation made by derivgen.engine.derive_mode")
-    spec = md.spec
-    cot_x = _named("X_Dd", r"\delta x", "δx")
-    tan_x = _named("X_T", r"\dot{x}", "ẋ")
-    cot_p = {p.name: _cotangent(p) for p in spec.params}
-    cot_i = {i.name: _cotangent(i) for i in spec.inputs}
-    tan_p = {p.name: _tangent(p) for p in spec.params}
-    tan_i = {i.name: _tangent(i) for i in spec.inputs}
-    channel = {p.symbol for p in spec.params if not p.scalar}
-    new_elem = {cot_x.symbol, tan_x.symbol} | {cot_p[p.name].symbol for p in spec.params if not p.scalar} \
-        | {tan_p[p.name].symbol for p in spec.params if not p.scalar}
-    eng.alg.varying |= new_elem
-    eng.alg.active |= new_elem
-    eng.element |= new_elem
-    coord = md.coordinate.symbol if md.coordinate is not None else None
-    element = {X, DY, G, *channel, *new_elem} | ({coord} if coord is not None else set())
+def _sorted(symbols) -> list[sympy.Symbol]:
+    return sorted(symbols, key=sympy.default_sort_key)
 
-    extra = {cot_x.symbol: "dx", tan_x.symbol: "tx", **{cot_p[p.name].symbol: "d" + p.name for p in spec.params},
-             **{tan_p[p.name].symbol: "t" + p.name for p in spec.params}}
 
-    # ---- the double backward: reverse mode through the backward program -------------
-    stats = [st.symbol for st in md.statistics]
-    reds = {r.symbol: r for r in md.reductions}
-    group_diff = set(stats) | set(reds) | {i.symbol for i in spec.inputs} | {p.symbol for p in spec.params if p.scalar}
-    ebar: dict[sympy.Symbol, sympy.Expr] = {}
-    gbar: dict[sympy.Symbol, sympy.Expr] = {}
+@dataclass(frozen=True)
+class _Seeds:
+    """The second order's new symbols: cotangents of the backward's outputs (δx, δp, δi)
+    and tangents of the forward's inputs (ẋ, ṗ, i̇)."""
+    cot_x: Named
+    tan_x: Named
+    cot_params: dict[str, Named]
+    cot_inputs: dict[str, Named]
+    tan_params: dict[str, Named]
+    tan_inputs: dict[str, Named]
 
-    def through(expr: sympy.Expr, w: sympy.Expr, where: str):
-        """An element value ``expr`` whose adjoint is ``w`` (element-level): to its inputs."""
+    @classmethod
+    def of(cls, spec: Spec) -> _Seeds:
+        """The seeds of one layer, named after its parameters and inputs."""
+        return cls(cot_x=_named("X_Dd", r"\delta x", "δx"), tan_x=_named("X_T", r"\dot{x}", "ẋ"),
+                   cot_params={p.name: _cotangent(p) for p in spec.params},
+                   cot_inputs={i.name: _cotangent(i) for i in spec.inputs},
+                   tan_params={p.name: _tangent(p) for p in spec.params},
+                   tan_inputs={i.name: _tangent(i) for i in spec.inputs})
+
+    def element(self, spec: Spec) -> frozenset[sympy.Symbol]:
+        """The seeds that are element values: δx, ẋ and those of per-channel parameters."""
+        channel = [p.name for p in spec.params if not p.scalar]
+        return frozenset({self.cot_x.symbol, self.tan_x.symbol} | {self.cot_params[p].symbol for p in channel}
+                         | {self.tan_params[p].symbol for p in channel})
+
+    def reduction_names(self, spec: Spec) -> dict[sympy.Symbol, str]:
+        """How the reductions' names spell the element seeds (Mean_dx_xhat ...)."""
+        return {self.cot_x.symbol: "dx", self.tan_x.symbol: "tx",
+                **{self.cot_params[p.name].symbol: "d" + p.name for p in spec.params},
+                **{self.tan_params[p.name].symbol: "t" + p.name for p in spec.params}}
+
+
+class _Closer:
+    """Brings second-order expressions to closed form in the first order's coordinate, with a
+    working algebra of its own built from the first order's facts."""
+
+    def __init__(self, first: ModeDerivation, seeds: frozenset[sympy.Symbol]):
+        self.alg: ReductionAlgebra = first.mean_facts.algebra(seeds)
+        self.x_in_coordinate = first.x_in_coordinate
+        self.element = first.element | seeds
+        self.unlower = {r.symbol: Mean(r.arg) for r in first.reductions}
+
+    def __call__(self, e) -> sympy.Expr:
+        """A closed form: the first order's reductions as means again, |u|'s second
+        derivative dropped where it is defined, reduced and tidied like the first order."""
+        return closed_form(almost_everywhere(sympy.sympify(e).xreplace(self.unlower)), self.alg,
+                           self.x_in_coordinate, self.element)
+
+
+class _ReversePass:
+    """Reverse mode through the backward program: the adjoints of its element values
+    (``element_adj``) and of its group values (``group_adj``), seeded with the cotangents."""
+
+    def __init__(self, first: ModeDerivation, seeds: frozenset[sympy.Symbol]):
+        spec = self.spec = first.spec
+        self.rules = first.self_rules
+        channel = {p.symbol for p in spec.params if not p.scalar}
+        coord = first.coordinate.symbol if first.coordinate is not None else None
+        self.element = {X, DY, G, *channel, *seeds} | ({coord} if coord is not None else set())
+        self.group_diff = set(st.symbol for st in first.statistics) | {r.symbol for r in first.reductions} \
+            | {i.symbol for i in spec.inputs} | {p.symbol for p in spec.params if p.scalar}
+        self.element_adj: dict[sympy.Symbol, sympy.Expr] = {}
+        self.group_adj: dict[sympy.Symbol, sympy.Expr] = {}
+
+    def through(self, expr: sympy.Expr, w: sympy.Expr, where: str):
+        """An element value ``expr`` whose adjoint is ``w`` (element-level): to its inputs --
+        element values directly, group values as N·mean(w·∂expr/∂v)."""
         if w == 0:
             return
-        for u in sorted(expr.free_symbols & element, key=sympy.default_sort_key):
+        for u in _sorted(expr.free_symbols & self.element):
             d = _d(expr, u)
-            _check_derivatives(spec, where, d)
+            check_derivatives(self.spec, where, d)
             if d != 0:
-                ebar[u] = ebar.get(u, 0) + w * d
-        for a in sorted(expr.free_symbols & group_diff, key=sympy.default_sort_key):
+                self.element_adj[u] = self.element_adj.get(u, 0) + w * d
+        for a in _sorted(expr.free_symbols & self.group_diff):
             d = _d(expr, a)
-            _check_derivatives(spec, where, d)
+            check_derivatives(self.spec, where, d)
             if d != 0:
-                gbar[a] = gbar.get(a, 0) + N * Mean(w * d)
+                self.group_adj[a] = self.group_adj.get(a, 0) + N * Mean(w * d)
 
-    def group_through(expr: sympy.Expr, w: sympy.Expr):
-        for a in sorted(expr.free_symbols & group_diff, key=sympy.default_sort_key):
+    def group_through(self, expr: sympy.Expr, w: sympy.Expr):
+        """A group value ``expr`` whose adjoint is ``w``: to the group values it is made of."""
+        for a in _sorted(expr.free_symbols & self.group_diff):
             d = _d(expr, a)
             if d != 0:
-                gbar[a] = gbar.get(a, 0) + w * d
+                self.group_adj[a] = self.group_adj.get(a, 0) + w * d
 
-    through(md.dx_lowered, cot_x.symbol, "the backward's dx")
-    for p in spec.params:
-        gr = md.grads[p.name]
-        through(md.lowered(gr.element), cot_p[p.name].symbol, f"the backward's d{p.name}")
-        group_through(md.lowered(gr.group), cot_p[p.name].symbol)
-    for i in spec.inputs:
-        group_through(md.lowered(md.dinputs[i.name]), cot_i[i.name].symbol)
-    for r in reversed(md.reductions):             # r = mean(arg)
-        w = gbar.pop(r.symbol, 0)
-        through(r.arg, w / N, f"the backward's {r.name}")
-    for sym, definition in (((G, md.g),) if md.g is not None else ()) + \
-            (((coord, md.coordinate_expr),) if coord is not None else ()):
-        w = ebar.pop(sym, 0)
-        element.discard(sym)
-        through(definition, w, "the backward's element values")
-    prog = eng.program
-    for st in reversed(md.statistics):
-        w = gbar.pop(st.symbol, 0)
+    def element_definition(self, sym: sympy.Symbol, definition: sympy.Expr):
+        """An element value of the backward (g, the coordinate) to what defines it; from
+        then on it is no longer an input of the program."""
+        w = self.element_adj.pop(sym, 0)
+        self.element.discard(sym)
+        self.through(definition, w, "the backward's element values")
+
+    def statistic(self, st: Statistic):
+        """A statistic to the group values and the means its definition is made of."""
+        w = self.group_adj.pop(st.symbol, 0)
         if w == 0:
-            continue
+            return
         hidden, table = hide_means(st.expr, prefix=f"{st.name}_Q")
-        for v in sorted(hidden.free_symbols & group_diff, key=sympy.default_sort_key):
-            d = almost_everywhere(prog.partial(st, v, hidden).xreplace(table))
-            _check_derivatives(spec, f"statistics.{st.name}", d)
+        for v in _sorted(hidden.free_symbols & self.group_diff):
+            d = almost_everywhere(statistic_partial(self.rules, st, v, hidden).xreplace(table))
+            check_derivatives(self.spec, f"statistics.{st.name}", d)
             if d != 0:
-                gbar[v] = gbar.get(v, 0) + w * d
+                self.group_adj[v] = self.group_adj.get(v, 0) + w * d
         for r, atom in table.items():
-            coef = almost_everywhere(prog.partial(st, r, hidden).xreplace(table))
+            coef = almost_everywhere(statistic_partial(self.rules, st, r, hidden).xreplace(table))
             if coef != 0:
-                through(atom.args[0], w * coef / N, f"statistics.{st.name}")
-    element |= {G} | ({coord} if coord is not None else set())
+                self.through(atom.args[0], w * coef / N, f"statistics.{st.name}")
 
-    unlower = {r.symbol: Mean(r.arg) for r in md.reductions}
 
-    def fin(e) -> sympy.Expr:
-        return eng.finish(almost_everywhere(sympy.sympify(e).xreplace(unlower)))
+def _double_backward_adjoints(first: ModeDerivation, seeds: _Seeds) -> _ReversePass:
+    """Reverse mode through the backward program, outputs first, then its reductions
+    (latest first), its element values g and the coordinate, and the statistics."""
+    spec = first.spec
+    rev = _ReversePass(first, seeds.element(spec))
+    rev.through(first.dx_lowered, seeds.cot_x.symbol, "the backward's dx")
+    for p in spec.params:
+        gr = first.grads[p.name]
+        rev.through(first.lowered(gr.element), seeds.cot_params[p.name].symbol, f"the backward's d{p.name}")
+        rev.group_through(first.lowered(gr.group), seeds.cot_params[p.name].symbol)
+    for i in spec.inputs:
+        rev.group_through(first.lowered(first.dinputs[i.name]), seeds.cot_inputs[i.name].symbol)
+    for r in reversed(first.reductions):             # r = mean(arg)
+        w = rev.group_adj.pop(r.symbol, 0)
+        rev.through(r.arg, w / N, f"the backward's {r.name}")
+    if first.g is not None:
+        rev.element_definition(G, first.g)
+    if first.coordinate is not None:
+        rev.element_definition(first.coordinate.symbol, first.coordinate_expr)
+    for st in reversed(first.statistics):
+        rev.statistic(st)
+    return rev
 
-    dx2 = fin(ebar.get(X, 0))
-    ddy = fin(ebar.get(DY, 0))
+
+def _double_backward(first: ModeDerivation, seeds: _Seeds, close: _Closer):
+    """(∂L₂/∂x, ∂L₂/∂(∂L/∂y), ∂L₂/∂p, ∂L₂/∂i) as closed forms."""
+    spec = first.spec
+    rev = _double_backward_adjoints(first, seeds)
+    element_adj, group_adj = rev.element_adj, rev.group_adj
+    dx = close(element_adj.get(X, 0))
+    ddy = close(element_adj.get(DY, 0))
     grads = {}
     for p in spec.params:
         if p.scalar:
-            grads[p.name] = ParamGrad(sympy.S.Zero, fin(gbar.get(p.symbol, 0)))
+            grads[p.name] = ParamGrad(sympy.S.Zero, close(group_adj.get(p.symbol, 0)))
         else:
-            grads[p.name] = ParamGrad(fin(ebar.get(p.symbol, 0)))
-    dinputs = {i.name: fin(gbar.get(i.symbol, 0)) for i in spec.inputs}
-    for where, e in [("double backward dx", dx2), ("double backward ddy", ddy),
+            grads[p.name] = ParamGrad(close(element_adj.get(p.symbol, 0)))
+    dinputs = {i.name: close(group_adj.get(i.symbol, 0)) for i in spec.inputs}
+    for where, e in [("double backward dx", dx), ("double backward ddy", ddy),
                      *((f"double backward d{k}", v.element + v.group) for k, v in grads.items()),
                      *((f"double backward d{k}", v) for k, v in dinputs.items())]:
-        _check_derivatives(spec, where, e)
-    reductions = eng.name_reductions([dx2, ddy, *dinputs.values(), *(g.element for g in grads.values()),
-                                      *(g.group for g in grads.values())], extra)
+        check_derivatives(spec, where, e)
+    return dx, ddy, grads, dinputs
 
-    # ---- the JVP: forward mode through the forward program ---------------------------
-    tan: dict[sympy.Symbol, sympy.Expr] = {X: tan_x.symbol}
-    for p in spec.params:
-        tan[p.symbol] = tan_p[p.name].symbol
-    for i in spec.inputs:
-        tan[i.symbol] = tan_i[i.name].symbol
-    elem_in = {X} | channel
 
-    def tangent(expr: sympy.Expr, where: str) -> sympy.Expr:
+class _ForwardPass:
+    """Forward mode through the forward program: the tangent of every value from the
+    tangents of x, the parameters and the inputs."""
+
+    def __init__(self, first: ModeDerivation, seeds: _Seeds):
+        spec = self.spec = first.spec
+        self.rules = first.self_rules
+        self.tan: dict[sympy.Symbol, sympy.Expr] = {X: seeds.tan_x.symbol}
+        for p in spec.params:
+            self.tan[p.symbol] = seeds.tan_params[p.name].symbol
+        for i in spec.inputs:
+            self.tan[i.symbol] = seeds.tan_inputs[i.name].symbol
+        self.elem_in = {X} | {p.symbol for p in spec.params if not p.scalar}
+
+    def tangent(self, expr: sympy.Expr, where: str) -> sympy.Expr:
+        """Σ ∂expr/∂u·u̇ over the values u with a tangent."""
         out = sympy.S.Zero
-        for u in sorted(expr.free_symbols & set(tan), key=sympy.default_sort_key):
+        for u in _sorted(expr.free_symbols & set(self.tan)):
             d = _d(expr, u)
-            _check_derivatives(spec, where, d)
-            out += d * tan[u]
+            check_derivatives(self.spec, where, d)
+            out += d * self.tan[u]
         return out
 
-    for st in md.statistics:
+    def statistic(self, st: Statistic):
+        """The tangent of one statistic, through its group values and its means."""
         hidden, table = hide_means(st.expr, prefix=f"{st.name}_Q")
         ts = sympy.S.Zero
-        for v in sorted(hidden.free_symbols & set(tan), key=sympy.default_sort_key):
-            if v in elem_in:
+        for v in _sorted(hidden.free_symbols & set(self.tan)):
+            if v in self.elem_in:
                 continue
-            d = almost_everywhere(prog.partial(st, v, hidden).xreplace(table))
-            _check_derivatives(spec, f"statistics.{st.name}", d)
-            ts += d * tan[v]
+            d = almost_everywhere(statistic_partial(self.rules, st, v, hidden).xreplace(table))
+            check_derivatives(self.spec, f"statistics.{st.name}", d)
+            ts += d * self.tan[v]
         for r, atom in table.items():
-            coef = almost_everywhere(prog.partial(st, r, hidden).xreplace(table))
+            coef = almost_everywhere(statistic_partial(self.rules, st, r, hidden).xreplace(table))
             if coef != 0:
-                ts += coef * Mean(tangent(atom.args[0], f"statistics.{st.name}"))
-        tan[st.symbol] = ts
-    xh = eng.xhat
-    if xh is not None:
-        txh = tangent(eng.xhat_def, "normalized")
-        ty = _d(eng.y_hat, xh) * txh + tangent(eng.y_hat, "output")
+                ts += coef * Mean(self.tangent(atom.args[0], f"statistics.{st.name}"))
+        self.tan[st.symbol] = ts
+
+
+def _jvp(first: ModeDerivation, seeds: _Seeds, close: _Closer) -> sympy.Expr:
+    """ẏ as a closed form: forward mode through the statistics, x̂ and y."""
+    fwd = _ForwardPass(first, seeds)
+    for st in first.statistics:
+        fwd.statistic(st)
+    xhat = first.normalized_symbol
+    if xhat is not None:
+        y = first.output_in_normalized
+        txhat = fwd.tangent(first.normalized_expr, "normalized")
+        ty = _d(y, xhat) * txhat + fwd.tangent(y, "output")
     else:
-        ty = tangent(eng.y_full, "output")
-    ty = fin(ty)
-    _check_derivatives(spec, "JVP", ty)
-    jvp_reductions = eng.name_reductions([ty], extra)
-    return SecondOrder(md=md, cot_x=cot_x, cot_params=cot_p, cot_inputs=cot_i, dx=dx2, ddy=ddy, grads=grads,
-                       dinputs=dinputs, reductions=reductions, tan_x=tan_x, tan_params=tan_p, tan_inputs=tan_i,
-                       ty=ty, jvp_reductions=jvp_reductions, element=element)
+        ty = fwd.tangent(first.output, "output")
+    ty = close(ty)
+    check_derivatives(first.spec, "JVP", ty)
+    return ty
+
+
+def derive_second(first: ModeDerivation) -> SecondOrder:
+    """The double backward and the JVP of one mode, as closed forms, from its first order
+    (which is read, never changed)."""
+    if first.mean_facts is None:
+        raise ValueError("derive_second needs a ModeDerivation made by derivgen.engine.derive_mode")
+    spec = first.spec
+    seeds = _Seeds.of(spec)
+    close = _Closer(first, seeds.element(spec))
+    names = seeds.reduction_names(spec)
+    dx, ddy, grads, dinputs = _double_backward(first, seeds, close)
+    reductions = name_reductions(spec, first.coordinate, [dx, ddy, *dinputs.values(),
+                                                          *(g.element for g in grads.values()),
+                                                          *(g.group for g in grads.values())], names)
+    ty = _jvp(first, seeds, close)
+    jvp_reductions = name_reductions(spec, first.coordinate, [ty], names)
+    return SecondOrder(md=first, cot_x=seeds.cot_x, cot_params=seeds.cot_params, cot_inputs=seeds.cot_inputs,
+                       dx=dx, ddy=ddy, grads=grads, dinputs=dinputs, reductions=reductions, tan_x=seeds.tan_x,
+                       tan_params=seeds.tan_params, tan_inputs=seeds.tan_inputs, ty=ty,
+                       jvp_reductions=jvp_reductions, element=close.element)

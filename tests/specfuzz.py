@@ -298,8 +298,8 @@ def run(text: str, seed: int = -1, prove_sizes=(2, 3)) -> Result:
         d = derivgen.derive(spec, prove=tuple(prove_sizes))
         from derivgen.proof import prove_second_mode
         every, sizes2 = SECOND_ORDER
-        second = {m: prove_second_mode(md.second, sizes2, symbolic_seconds=5.0)
-                  for m, md in d.modes.items()} if seed < 0 or seed % every == 0 else {}
+        second = {m: prove_second_mode(d.second(m), sizes2, symbolic_seconds=5.0)
+                  for m in d.modes} if seed < 0 or seed % every == 0 else {}
         bad2 = [f"{m} second order: {r.detail or r.status}" for m, pr in second.items() for r in pr.results
                 if not r.ok]
         statuses = {p.status for p in d.proofs.values()}

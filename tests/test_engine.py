@@ -38,7 +38,7 @@ def test_rmsnorm_needs_one_reduction():
 
 def test_batchnorm_eval_backward_is_elementwise():
     md = derivgen.derive("batchnorm").modes["eval"]
-    assert md.reductions == []
+    assert md.reductions == ()
     assert _same(md.dx, G * rstd)
 
 

@@ -24,8 +24,9 @@ def test_regression_spec_goes_through_the_pipeline(path):
     proofs = [r for r in rows if r.check.startswith("proof")]
     assert proofs and all(r.status == "ok" for r in proofs), [r.status for r in proofs]   # symbolic
     from derivgen.proof import prove_second_mode
-    for mode, md in derivgen.derive(spec).modes.items():
-        second = prove_second_mode(md.second, (2,), symbolic_seconds=5.0)
+    d = derivgen.derive(spec)
+    for mode in d.modes:
+        second = prove_second_mode(d.second(mode), (2,), symbolic_seconds=5.0)
         assert second.ok, (mode, [(r.n, r.status, r.detail) for r in second.results])
 
 

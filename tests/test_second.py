@@ -2,6 +2,8 @@
 proven against brute force, generated in NumPy and C, and checked against finite
 differences of the first-order code, the other backend and PyTorch."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 import sympy
@@ -20,7 +22,7 @@ LAYERS = [(n, m) for n in derivgen.names() for m in derivgen.derive(n).modes]
 
 
 def test_layernorm_double_backward_is_the_compact_closed_form():
-    so = derivgen.derive("layernorm").train.second
+    so = derivgen.derive("layernorm").second("train")
     text = code_text(so.ddy, so.spec)
     # d(dx)/d(dy) seen through dx's cotangent: gamma*rstd*(δx - mean(δx) - x̂·mean(δx·x̂)) + δγ·x̂ + δβ
     assert text == ("gamma_Dd*xhat + X_Dd*gamma*rstd + beta_Dd - gamma*rstd*mean(X_Dd) "
@@ -33,7 +35,7 @@ def test_layernorm_double_backward_is_the_compact_closed_form():
 
 @pytest.mark.parametrize("name,mode", LAYERS)
 def test_catalogue_second_order_is_proven(name, mode):
-    so = derivgen.derive(name).modes[mode].second
+    so = derivgen.derive(name).second(mode)
     proof = prove_second_mode(so, (2, 3), symbolic_seconds=5.0)
     assert proof.ok, [(r.n, r.status, r.detail) for r in proof.results]
     if name != "online_layernorm":
@@ -49,12 +51,12 @@ def test_examples_second_order_is_proven(path):
 
 def test_proof_catches_a_wrong_double_backward():
     """The brute-force check is not vacuous: a sign flipped in one term fails it."""
-    so = derivgen.derive("rmsnorm").train.second
+    so = derivgen.derive("rmsnorm").second("train")
     bad = sympy.Symbol("X_Dd", real=True)
-    so_bad = type(so)(**{**so.__dict__, "ddy": so.ddy + sympy.Symbol("rstd", positive=True) * bad})
+    so_bad = dataclasses.replace(so, ddy=so.ddy + sympy.Symbol("rstd", positive=True) * bad)
     proof = prove_second_mode(so_bad, (2,))
     assert not proof.ok and "ddy" in proof.results[0].detail
-    so_bad = type(so)(**{**so.__dict__, "ty": -so.ty})
+    so_bad = dataclasses.replace(so, ty=-so.ty)
     assert not prove_second_mode(so_bad, (2,)).ok
 
 
