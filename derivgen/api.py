@@ -6,15 +6,15 @@ import functools
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from .build import cache_dir
-from .emit import emit
-from .engine import ModeDerivation, derive_mode
-from .fsutil import atomic_write
-from . import document
-from .narrative import Step, build_steps, facts
-from .proof import ModeProof, prove_derivation, prove_second_mode
-from .second import SecondOrder, derive_second
-from .spec import Spec, catalogue_names, load_catalogue, load_spec_file
+from derivgen.runtime.build import cache_dir
+from derivgen.codegen.emit import emit
+from derivgen.derive.first import ModeDerivation, derive_mode
+from derivgen.runtime.fsutil import atomic_write
+from derivgen.explain import document
+from derivgen.explain.steps import Step, build_steps, facts
+from derivgen.prove.proof import ModeProof, prove_derivation, prove_second_mode
+from derivgen.derive.second import SecondOrder, derive_second
+from derivgen.spec.model import Spec, catalogue_names, load_catalogue, load_spec_file
 
 _TRAIN_MODE_FIELDS = ("dx", "dparams", "dinputs", "reductions", "g")
 
@@ -134,7 +134,7 @@ def load(name_or_spec, backend: str = "numpy", *, cflags: list[str] | None = Non
     backend compiles its kernels there on first use, with ``$CFLAGS`` (or the
     defaults), or with ``cflags`` when given: each set of flags is a module of
     its own, so builds for several instruction sets can run side by side
-    (``derivgen.build.march_cflags("x86-64-v3")``).
+    (``derivgen.runtime.build.march_cflags("x86-64-v3")``).
     """
     import hashlib
     import importlib.util

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import click
 
-from . import api
-from .document import text_expr
-from .fsutil import atomic_write
-from .proof import prove_derivation
-from .spec import SpecError
+from derivgen import api
+from derivgen.explain.document import text_expr
+from derivgen.runtime.fsutil import atomic_write
+from derivgen.prove.proof import prove_derivation
+from derivgen.spec.model import SpecError
 
 
 class UserError(click.ClickException):
@@ -145,7 +145,7 @@ def prove_cmd(names, spec_files, prove_sizes):
 @click.option("--check", is_flag=True, help="Write nothing; exit 1 listing files that are stale.")
 def generate_cmd(names, spec_files, target, out_dir, check):
     """Regenerate NumPy, C and PyTorch code (default: the whole catalogue into ./generated)."""
-    from . import generate as gen
+    from derivgen.tools import generate as gen
     targets = tuple(target) or gen.TARGETS
     specs = _specs(names, spec_files)
     whole = not specs
@@ -175,7 +175,7 @@ def check_cmd(names, spec_files, backends, dtypes, prove_sizes, as_json):
     """Cross-check every layer x backend x dtype: spec + finite differences, the other backend, PyTorch, proof."""
     import json
 
-    from .check import check_layer, format_table, rows_json, stderr_progress
+    from derivgen.tools.check import check_layer, format_table, rows_json, stderr_progress
     bl = tuple(b.strip() for b in backends.split(",") if b.strip())
     dl = tuple(d.strip() for d in dtypes.split(",") if d.strip())
     if not bl or any(b not in ("numpy", "c") for b in bl) or len(set(bl)) != len(bl):
@@ -211,7 +211,7 @@ def build_cmd(names, spec_files):
     """Compile the C kernels into shared libraries in the build cache (CC and CFLAGS honored)."""
     import warnings
 
-    from .build import BuildError, BuildWarning, build_shared, library_path
+    from derivgen.runtime.build import BuildError, BuildWarning, build_shared, library_path
     specs = _specs(names, spec_files)
     for spec in specs or [api.load_spec(n) for n in api.names()]:
         root, _ = api.materialize(spec, "c")
@@ -270,19 +270,19 @@ def bench_cmd(names, spec_files, shapes, threads, dtype, repeat, isas, json_file
         if names or spec_files or shapes or plot_file or isas != "native":
             raise UserError("--torch benches its own fixed cases; it takes --threads, --dtype, --repeat and --json only")
         try:
-            from .torch.bench import CASES, format_torch_report, run_torch_bench
+            from derivgen.torch.bench import CASES, format_torch_report, run_torch_bench
         except ImportError as e:
             raise UserError(str(e)) from None
         if sync_world:
-            from .torch.bench_sync import format_sync_report, run_sync_bench
+            from derivgen.torch.bench_sync import format_sync_report, run_sync_bench
             rep = run_sync_bench(sync_world, repeat)
             click.echo(format_sync_report(rep))
             if json_file:
                 atomic_write(json_file, json.dumps(rep, indent=1))
             return
-        from .check import stderr_progress
+        from derivgen.tools.check import stderr_progress
         if not default_malloc:
-            from .bench import tune_malloc
+            from derivgen.tools.bench import tune_malloc
             tune_malloc()
         progress = stderr_progress(len(CASES) + 1)
         rep = run_torch_bench(threads, repeat, dtype, progress)
@@ -294,8 +294,8 @@ def bench_cmd(names, spec_files, shapes, threads, dtype, repeat, isas, json_file
 
     if sync_world:
         raise UserError("--sync benches derivgen.torch's SyncBatchNorm: use it with --torch")
-    from .bench import DEFAULT_SHAPES, default_shapes, format_report, plot, run_bench
-    from .check import stderr_progress
+    from derivgen.tools.bench import DEFAULT_SHAPES, default_shapes, format_report, plot, run_bench
+    from derivgen.tools.check import stderr_progress
     names = list(names) or ([] if spec_files else list(DEFAULT_SHAPES))
     specs = _specs(names, spec_files)
     marches = [m.strip() for m in isas.split(",") if m.strip()]

@@ -1,10 +1,10 @@
-"""Test cases for the backends; the torch reference lives in derivgen.torch_ref."""
+"""Test cases for the backends; the torch reference lives in derivgen.tools.torch_ref."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from derivgen.torch_ref import torch_reference  # noqa: F401  (re-exported for the tests)
+from derivgen.tools.torch_ref import torch_reference  # noqa: F401  (re-exported for the tests)
 
 
 # (layer, x shape, param shape, keyword options)

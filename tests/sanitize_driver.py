@@ -79,8 +79,8 @@ for name, shapes in SHAPES.items():
 # must be the NCHW kernels' bits.
 import os  # noqa: E402
 
-from derivgen.build import user_cflags  # noqa: E402
-from derivgen.cbind import CKernel  # noqa: E402
+from derivgen.runtime.build import user_cflags  # noqa: E402
+from derivgen.runtime.cbind import CKernel  # noqa: E402
 from derivgen.runtime import resolve_layout  # noqa: E402
 
 def ptr(a):

@@ -18,7 +18,7 @@ uses for its locals.
 ``run(text)`` parses, derives, proves at N = 2, 3, generates NumPy and C,
 compiles the C (with ``-Werror`` under the test suite), and checks both
 backends in float32 and float64 against float64 finite differences and each
-other (:func:`derivgen.check.check_layer`).
+other (:func:`derivgen.tools.check.check_layer`).
 
     python tests/specfuzz.py --seeds 0-1999 --jobs 2      # the larger corpus (make fuzz)
     python tests/specfuzz.py --seed 17 --show             # one spec, printed
@@ -52,7 +52,7 @@ class Names:
     """Unique, valid, non-colliding identifiers (gradients are d<name>)."""
 
     def __init__(self, rng: random.Random):
-        from derivgen.spec import reserved_reason
+        from derivgen.spec.model import reserved_reason
         self.rng, self.taken, self._bad = rng, set(), reserved_reason
 
     def ok(self, n: str) -> bool:
@@ -288,15 +288,15 @@ class Result:
 
 def run(text: str, seed: int = -1, prove_sizes=(2, 3)) -> Result:
     """Parse, derive, prove, generate, compile, check. Never raises: failures are results."""
-    from derivgen.check import check_layer
-    from derivgen.spec import parse_spec
+    from derivgen.tools.check import check_layer
+    from derivgen.spec.model import parse_spec
     t0 = time.perf_counter()
     try:
         spec = parse_spec(text, source=f"fuzz{seed}.toml")
         rows = check_layer(spec, prove_sizes=prove_sizes)
         import derivgen
         d = derivgen.derive(spec, prove=tuple(prove_sizes))
-        from derivgen.proof import prove_second_mode
+        from derivgen.prove.proof import prove_second_mode
         every, sizes2 = SECOND_ORDER
         second = {m: prove_second_mode(d.second(m), sizes2, symbolic_seconds=5.0)
                   for m in d.modes} if seed < 0 or seed % every == 0 else {}
@@ -350,8 +350,8 @@ def _run_seed(seed: int) -> Result:
 
 
 def _init_worker(proof_seconds: float, second_order=None):
-    import derivgen.proof
-    derivgen.proof.SYMBOLIC_SECONDS = proof_seconds
+    import derivgen.prove.proof
+    derivgen.prove.proof.SYMBOLIC_SECONDS = proof_seconds
     if second_order is not None:
         global SECOND_ORDER
         SECOND_ORDER = second_order

@@ -1,4 +1,4 @@
-"""derivgen.abi: the one description of the C kernels' calling convention is what the
+"""derivgen.runtime.abi: the one description of the C kernels' calling convention is what the
 generated C declares (headers and the split kernels in the .c files), and what the
 bindings pack."""
 
@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from derivgen.abi import KINDS, SPLIT_KINDS, KernelSignature, kernel_signature, kernel_signatures
+from derivgen.runtime.abi import KINDS, SPLIT_KINDS, KernelSignature, kernel_signature, kernel_signatures
 from derivgen.api import derive, load_spec
-from derivgen.emit import emit
-from derivgen.spec import catalogue_names
+from derivgen.codegen.emit import emit
+from derivgen.spec.model import catalogue_names
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -38,7 +38,7 @@ def test_plain_numpy_baseline_is_correct():
     """The baseline is a fair one: it computes the same gradients."""
     import numpy as np
     import derivgen
-    from derivgen.bench import plain_numpy
+    from derivgen.tools.bench import plain_numpy
     rng = np.random.default_rng(0)
     for name, shape, kw in [("layernorm", (6, 10), {}), ("rmsnorm", (6, 10), {}),
                             ("batchnorm", (4, 3, 5), {}), ("groupnorm", (2, 6, 5), {"num_groups": 3}),
@@ -72,7 +72,7 @@ def test_bench_isa_builds_side_by_side_and_a_user_spec(tmp_path):
     """--isa times one C build per instruction set in the same rounds; --spec benches a user's
     layer against plain NumPy written from its formulas (no torch row: not a catalogue layer)."""
     from pathlib import Path
-    from derivgen.machine import machine
+    from derivgen.runtime.machine import machine
     out = tmp_path / "bench.json"
     spec = Path(__file__).resolve().parent.parent / "examples" / "dynamic_tanh.toml"
     r = subprocess.run([sys.executable, "-m", "derivgen", "bench", "rmsnorm", "--spec", str(spec), "--shape", "16x32",
@@ -117,7 +117,7 @@ def test_spec_baseline_matches_the_generated_code():
     """The plain NumPy written from a spec's formulas (bench --spec) computes the same values."""
     import numpy as np
     import derivgen
-    from derivgen.baseline import PlainNumPy
+    from derivgen.tools.baseline import PlainNumPy
     from derivgen.runtime import resolve_layout
     rng = np.random.default_rng(1)
     for name, shape, kw in [("layernorm", (6, 10), {}), ("groupnorm", (2, 6, 5), {"num_groups": 3}),

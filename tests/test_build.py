@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from conftest import require_tool
-from derivgen import build
+from derivgen.runtime import build
 
 ROOT = Path(__file__).resolve().parent.parent
 GEN_C = sorted((ROOT / "generated" / "c").glob("*.c"))
@@ -64,7 +64,7 @@ def test_concurrent_builds_of_the_same_kernel(cache, tmp_path):
     src.write_text((ROOT / "generated" / "c" / "layernorm.c").read_text())
     for h in ("layernorm.h", "derivgen-kernels.h"):
         (tmp_path / h).write_text((ROOT / "generated" / "c" / h).read_text())
-    code = ("import sys; from pathlib import Path; from derivgen.build import build_shared; "
+    code = ("import sys; from pathlib import Path; from derivgen.runtime.build import build_shared; "
             "print(build_shared(Path(sys.argv[1])))")
     env = dict(os.environ, DERIVGEN_CACHE=str(cache))
     procs = [subprocess.Popen([sys.executable, "-c", code, str(src)], stdout=subprocess.PIPE,

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import derivgen
-from derivgen import check as chk
+from derivgen.tools import check as chk
 
 
 def run(*args, env=None):
@@ -51,7 +51,7 @@ def test_check_bad_options(args, needle):
 
 
 def test_torch_missing_is_a_skip_locally_and_a_failure_in_ci(monkeypatch):
-    import derivgen.torch_ref as tr
+    import derivgen.tools.torch_ref as tr
     monkeypatch.setattr(tr, "torch_available", lambda: False)
     spec = derivgen.load_spec("rmsnorm")
     local = chk.check_layer(spec, ("numpy",), ("float64",), prove_sizes=(2,), in_ci=False)

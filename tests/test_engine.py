@@ -5,8 +5,8 @@ import pytest
 import sympy
 
 import derivgen
-from derivgen.engine import G
-from derivgen.reduce import Mean
+from derivgen.derive.first import G
+from derivgen.symbolic.reduce import Mean
 
 xhat, rstd = sympy.symbols("xhat rstd")
 rstd = sympy.Symbol("rstd", real=True)

@@ -5,8 +5,8 @@ import time
 import pytest
 import sympy
 
-from derivgen.expr import ExprError, parse_expr
-from derivgen.reduce import Mean
+from derivgen.spec.expr import ExprError, parse_expr
+from derivgen.symbolic.reduce import Mean
 
 x, mu, eps = sympy.symbols("x mu eps")
 N = sympy.Symbol("N")

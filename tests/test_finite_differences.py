@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 import derivgen
-from derivgen.evaluate import GroupEvaluator
+from derivgen.tools.evaluate import GroupEvaluator
 
 CASES = [(n, m) for n in derivgen.names() for m in derivgen.derive(n).modes]
 

@@ -1,4 +1,4 @@
-"""The table of elementary functions (derivgen.functions): every entry is consistent
+"""The table of elementary functions (derivgen.symbolic.functions): every entry is consistent
 with SymPy and with itself across the parser, the derivative rule, the sign and
 domain rules and the NumPy / C / PyTorch / LaTeX / text spellings; and a function
 added to the table only (a test-local entry) flows through parse -> derive -> prove
@@ -13,14 +13,15 @@ import sympy
 import torch
 
 import derivgen
-from derivgen import domain, functions
-from derivgen.build import build_shared
-from derivgen.document import latex_expr, text_expr
-from derivgen.expr import ExprError, parse_expr
-from derivgen.functions import NONNEG, POSITIVE, REAL, Elementary
-from derivgen.naming import code_text
-from derivgen.printers import SpecPrinter, np_expr, torch_expr
-from derivgen.spec import N, parse_spec, reserved_reason
+from derivgen.symbolic import domain
+from derivgen.symbolic import functions
+from derivgen.runtime.build import build_shared
+from derivgen.explain.document import latex_expr, text_expr
+from derivgen.spec.expr import ExprError, parse_expr
+from derivgen.symbolic.functions import NONNEG, POSITIVE, REAL, Elementary
+from derivgen.symbolic.naming import code_text
+from derivgen.codegen.printers import SpecPrinter, np_expr, torch_expr
+from derivgen.spec.model import N, parse_spec, reserved_reason
 from derivgen.torch import _target
 
 U = sympy.Symbol("u", real=True)
@@ -95,7 +96,7 @@ def check_entry(fn: Elementary, c_values: dict | None = None):
     if fn.requires != REAL:
         p = sympy.Symbol("p", positive=True)
         assert domain.domain_error(fn.build(-p)) is not None
-    # derivgen.domain applies the rule (where SymPy keeps F(p) as it is: sign(p) is 1)
+    # derivgen.symbolic.domain applies the rule (where SymPy keeps F(p) as it is: sign(p) is 1)
     at_positive = fn.build(sympy.Symbol("p", positive=True))
     if fn.node is None or isinstance(at_positive, fn.node):
         assert domain.sign_level(at_positive) == fn.sign(POSITIVE)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 import derivgen
-from derivgen import generate as gen
+from derivgen.tools import generate as gen
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from conftest import require_tool
-from derivgen.machine import machine
+from derivgen.runtime.machine import machine
 
 ROOT = Path(__file__).resolve().parent.parent
 PROBE = r"""

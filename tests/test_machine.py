@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import derivgen
-from derivgen import machine as mach
+from derivgen.runtime import machine as mach
 
 
 @pytest.mark.parametrize("text, size", [("32K", 32 << 10), ("1024K", 1 << 20), ("32M", 32 << 20),
@@ -57,7 +57,7 @@ def test_kernels_are_configured_from_the_machine_on_load(tmp_path, monkeypatch):
     real_flags = set(mach.machine().flags)
     fake = mach.Machine("cpu", 2, {2: 4 << 20, 3: 64 << 20})
     monkeypatch.setattr(mach, "machine", lambda: fake)
-    from derivgen import cbind
+    from derivgen.runtime import cbind
     real = cbind.CKernel._configure
 
     def spy(self, lib):

@@ -7,9 +7,9 @@ import pytest
 import sympy
 
 import derivgen
-from derivgen.engine import G
-from derivgen.proof import prove_mode
-from derivgen.reduce import Mean
+from derivgen.derive.first import G
+from derivgen.prove.proof import prove_mode
+from derivgen.symbolic.reduce import Mean
 
 
 @pytest.mark.parametrize("name", derivgen.names())
@@ -49,7 +49,7 @@ def test_a_wrong_parameter_gradient_fails():
 def test_numeric_points_lie_within_each_options_declared_bounds():
     from types import SimpleNamespace
 
-    from derivgen.proof import _Sampler
+    from derivgen.prove.proof import _Sampler
     spec = SimpleNamespace(options=[SimpleNamespace(name="zeta", min=-2.0, max=-1.0),
                                     SimpleNamespace(name="tiny", min=1e-05, max=None),
                                     SimpleNamespace(name="cap", min=None, max=3.0)])

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 import derivgen
 from conftest import require_module
-from derivgen.torch_ref import torch_reference
+from derivgen.tools.torch_ref import torch_reference
 
 SETTINGS = settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow],
                     derandomize=True)

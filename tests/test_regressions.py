@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 import derivgen
-from derivgen.check import check_layer
-from derivgen.spec import SpecError, parse_spec
+from derivgen.tools.check import check_layer
+from derivgen.spec.model import SpecError, parse_spec
 
 ROOT = Path(__file__).resolve().parent.parent
 REGRESSIONS = sorted((ROOT / "tests" / "regressions").glob("*.toml"))
@@ -23,7 +23,7 @@ def test_regression_spec_goes_through_the_pipeline(path):
     assert not bad, bad
     proofs = [r for r in rows if r.check.startswith("proof")]
     assert proofs and all(r.status == "ok" for r in proofs), [r.status for r in proofs]   # symbolic
-    from derivgen.proof import prove_second_mode
+    from derivgen.prove.proof import prove_second_mode
     d = derivgen.derive(spec)
     for mode in d.modes:
         second = prove_second_mode(d.second(mode), (2,), symbolic_seconds=5.0)
@@ -34,7 +34,7 @@ def test_numeric_check_redraws_points_where_the_layer_is_undefined():
     import random
 
     import sympy
-    from derivgen.proof import _Sampler, _zero_numeric
+    from derivgen.prove.proof import _Sampler, _zero_numeric
     a, b = sympy.symbols("a b", real=True)
 
     class Scripted(random.Random):
@@ -79,7 +79,7 @@ def test_fourth_moment_backward_is_centred_and_needs_two_reductions():
     # the third central moment is computed by the forward, as written
     assert any(str(s.expr) == "Mean((-mean + x)**3)" for s in md.aux)
     # no raw power of x anywhere in the closed form
-    assert not md.dx.has(derivgen.spec.X)
+    assert not md.dx.has(derivgen.spec.model.X)
 
 
 def test_mixing_coefficient_that_may_be_zero_is_not_divided_by():
@@ -124,4 +124,4 @@ def test_an_inline_coordinate_is_named_by_the_engine():
     md = derivgen.derive(ROOT / "tests" / "regressions" / "inline_coordinate.toml").train
     assert md.implicit_coordinate and md.coordinate.text == "x̂"
     assert sorted(r.name for r in md.reductions) == ["Mean_Xn_g", "Mean_g"]
-    assert md.g is not None and not md.dx.has(derivgen.spec.X)
+    assert md.g is not None and not md.dx.has(derivgen.spec.model.X)

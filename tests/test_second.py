@@ -1,4 +1,4 @@
-"""Second order, derived (derivgen.second): the double backward and the JVP as closed forms,
+"""Second order, derived (derivgen.derive.second): the double backward and the JVP as closed forms,
 proven against brute force, generated in NumPy and C, and checked against finite
 differences of the first-order code, the other backend and PyTorch."""
 
@@ -9,11 +9,11 @@ import pytest
 import sympy
 
 import derivgen
-from derivgen.check import check_layer
-from derivgen.naming import code_text
-from derivgen.proof import prove_second_mode
-from derivgen.reduce import Mean
-from derivgen.second import derive_second
+from derivgen.tools.check import check_layer
+from derivgen.symbolic.naming import code_text
+from derivgen.prove.proof import prove_second_mode
+from derivgen.symbolic.reduce import Mean
+from derivgen.derive.second import derive_second
 
 from conftest import ROOT
 

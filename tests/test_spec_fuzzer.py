@@ -12,7 +12,7 @@ import time
 import pytest
 
 import specfuzz
-from derivgen.spec import parse_spec, reserved_reason
+from derivgen.spec.model import parse_spec, reserved_reason
 
 CI_SEEDS = range(200)
 CI_DEADLINE = 900        # seconds; seeds not started by then fail the test ("not run")

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 import derivgen
-from derivgen.check import check_layer
-from derivgen.spec import SpecError, parse_spec
+from derivgen.tools.check import check_layer
+from derivgen.spec.model import SpecError, parse_spec
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = sorted((ROOT / "examples").glob("*.toml"))
@@ -150,7 +150,7 @@ def test_cli_rejects_with_exit_2_and_writes_nothing(label, text, needle, tmp_pat
 def test_prose_with_code_delimiters_is_rejected_but_safe_prose_is_kept():
     """Titles and summaries reach generated comments; text that could close a comment or
     docstring is refused, and ordinary prose is copied as written into valid files."""
-    from derivgen.emit import emit
+    from derivgen.codegen.emit import emit
     ok = BASE.replace('name = "t"', 'name = "t"\ntitle = "A (weird) title: 50% <ok> & \'quoted\'"')
     out = emit(derivgen.derive(parse_spec(ok, source="ok.toml"))).files
     for rel, body in out.items():
@@ -167,7 +167,7 @@ MIN_REDUCTIONS = {"scalenorm": 1, "layernorm_nobias": 2, "material_sigma": 2, "d
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=[p.stem for p in EXAMPLES])
 def test_example_is_minimal_and_proven_symbolically(path):
-    from derivgen.proof import prove_mode
+    from derivgen.prove.proof import prove_mode
     d = derivgen.derive(path)
     assert d.spec.name in MIN_REDUCTIONS, "add the new example to MIN_REDUCTIONS"
     for md in d.modes.values():

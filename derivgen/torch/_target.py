@@ -1,7 +1,7 @@
 """What the generated PyTorch modules (``generated/torch/<layer>.py``) call.
 
 The printed expressions name their functions ``_t.sqrt``, ``_t.exp`` ... (each
-function's NumPy name in :mod:`derivgen.functions`): here they take tensors and
+function's NumPy name in :mod:`derivgen.symbolic.functions`): here they take tensors and
 plain numbers alike (a group size N is a Python int, a statistic a tensor). The reductions are over the 4-D view (O, G, Cg, S) of
 :class:`derivgen.runtime.Layout`, as in the NumPy target.
 """
@@ -14,7 +14,7 @@ from typing import Callable
 
 import torch
 
-from .. import functions
+from derivgen.symbolic import functions
 
 pi = math.pi
 
@@ -34,7 +34,7 @@ globals().update({fn.numpy: _unary(fn) for fn in functions.TABLE.values()})
 
 
 def __getattr__(name: str) -> Callable:
-    """A function registered in derivgen.functions after this module was imported."""
+    """A function registered in derivgen.symbolic.functions after this module was imported."""
     fn = functions.of_numpy_name(name)
     if fn is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

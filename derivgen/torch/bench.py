@@ -1,7 +1,7 @@
 """``derivgen bench --torch``: derivgen's modules against their torch.nn namesakes,
 through autograd (forward, then backward of the output), side by side in one process.
 
-Every case times the two modules round-robin (see derivgen.bench.round_robin) on
+Every case times the two modules round-robin (see derivgen.tools.bench.round_robin) on
 the same input tensor, so the ratio compares them over the same stretch of the
 machine's time. A transformer block's whole training step is timed too, once
 with torch.nn norms and once converted, with the share of the step the norms take.
@@ -14,9 +14,9 @@ import copy
 import torch
 from torch import nn
 
-from ..bench import round_robin
-from ..machine import machine
-from . import nn as dnn
+from derivgen.tools.bench import round_robin
+from derivgen.runtime.machine import machine
+from derivgen.torch import nn as dnn
 
 # (label, torch.nn module factory, input shape, memory format, target derivgen/torch or None)
 CASES = [
@@ -233,7 +233,7 @@ def format_torch_report(rep: dict) -> str:
         lines.append(f"{r['case']:28s} {shape:>16s} {_t(r['torch_step']):>13s} {_t(r['derivgen_step']):>9s} "
                      f"{r['ratio']:6.2f} {r['fwd_ratio']:9.2f} {tgt:>7s}{ok}")
     if rep.get("second"):
-        lines += ["", "second order, derived (derivgen.second) vs PyTorch's hand-written formulas:",
+        lines += ["", "second order, derived (derivgen.derive.second) vs PyTorch's hand-written formulas:",
                   f"{'case':32s} {'shape':>12s} {'torch':>10s} {'derivgen':>10s} {'ratio':>6s} {'target':>7s}"]
         for r in rep["second"]:
             ok = "  met" if r["ratio"] <= r["target"] else "  MISSED"

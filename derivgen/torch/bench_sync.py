@@ -94,9 +94,9 @@ def _rank(rank, world, port, repeat, out, shape=SHAPE):
 
 
 def run_sync_bench(world: int = 2, repeat: int = 10, timeout: float = 600) -> dict:
-    from ..bench import Bandwidth
-    from ..machine import machine
-    from .nn import BatchNorm2d
+    from derivgen.tools.bench import Bandwidth
+    from derivgen.runtime.machine import machine
+    from derivgen.torch.nn import BatchNorm2d
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -120,7 +120,7 @@ def run_sync_bench(world: int = 2, repeat: int = 10, timeout: float = 600) -> di
         m(x).backward(dy)
         if i >= 2:
             one.append(time.perf_counter() - t0)
-    from ..bench import round_robin
+    from derivgen.tools.bench import round_robin
     probe = Bandwidth(machine().cores)
     bw = probe.rates(round_robin({"copy": probe.copy, "stream_copy": probe.stream_copy}, 5))["copy_GBps"]
     del probe
@@ -139,12 +139,12 @@ def run_sync_bench(world: int = 2, repeat: int = 10, timeout: float = 600) -> di
 def _kernel_times(x, dy, repeat, bw) -> list:
     """The C split kernels alone on the whole batch in this process (all cores):
     (name, ms, tensors read + written, ms at the copy bandwidth)."""
-    from ..bench import round_robin
-    from .ops import layer
-    from .sync import _CSplit
+    from derivgen.tools.bench import round_robin
+    from derivgen.torch.ops import layer
+    from derivgen.torch.sync import _CSplit
     lay = layer("batchnorm")
     c = _CSplit(lay, torch.float32)
-    from .. import runtime as rt
+    from derivgen import runtime as rt
     Lx = rt.layout_from_shapes(lay.meta, tuple(x.shape), {"gamma": (x.shape[1],), "beta": (x.shape[1],)}, None)
     g, b = torch.ones(x.shape[1]), torch.zeros(x.shape[1])
     dims = (Lx.O, Lx.G, Lx.Cg, Lx.S)
@@ -155,7 +155,7 @@ def _kernel_times(x, dy, repeat, bw) -> list:
     sums = torch.zeros((2, Lx.n_groups), dtype=torch.float64)
     y, dx = torch.empty_like(x), torch.empty_like(x)
     dg, db = torch.empty_like(g), torch.empty_like(b)
-    from .ops import threads
+    from derivgen.torch.ops import threads
     f, th = c.fn, threads(c.kernel)
     for level in range(2):                       # real statistics for the later kernels
         f["partial"](*dims, x.data_ptr(), *pp, *opts, level, stats.data_ptr(), n, sums.data_ptr(), th)

@@ -17,8 +17,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from . import sync
-from .ops import layer
+from derivgen.torch import sync
+from derivgen.torch.ops import layer
 
 __all__ = ["LayerNorm", "RMSNorm", "BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "SyncBatchNorm", "InstanceNorm1d",
            "InstanceNorm2d", "InstanceNorm3d", "GroupNorm", "OnlineLayerNorm", "Module", "convert", "function"]

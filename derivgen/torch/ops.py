@@ -19,7 +19,7 @@ the backward needs; a loss that uses them gets an error, not a silent zero).
   model through the operators without graph breaks;
 * the forward's ``register_autograd`` calls the backward operator;
 * the backward operator's own ``register_autograd`` is the derived double
-  backward (derivgen.second): a third operator per mode,
+  backward (derivgen.derive.second): a third operator per mode,
   ``derivgen::<layer>_<mode>_bb``, over the generated C kernels; a fourth,
   ``derivgen::<layer>_<mode>_jvp``, is forward mode (``torch.func.jvp``,
   ``torch.autograd.forward_ad``). bfloat16, channels last and third order
@@ -42,11 +42,11 @@ import numpy as np
 import torch
 import torch.autograd.forward_ad as _fwad
 
-from .. import runtime as rt
-from ..api import load, load_spec, materialize
-from ..cbind import CKernel, input_pairs
-from ..spec import Spec, catalogue_names, load_catalogue
-from ..validate import (check_buffer_shape, check_group_size, check_input_shape, check_not_empty, check_options,
+from derivgen import runtime as rt
+from derivgen.api import load, load_spec, materialize
+from derivgen.runtime.cbind import CKernel, input_pairs
+from derivgen.spec.model import Spec, catalogue_names, load_catalogue
+from derivgen.runtime.validate import (check_buffer_shape, check_group_size, check_input_shape, check_not_empty, check_options,
                         check_param_shapes, check_same_dtype)
 
 _LIB = torch.library.Library("derivgen", "FRAGMENT")
@@ -196,7 +196,7 @@ class TorchLayer:
     #     ddparams..., ddinputs..., options..., groups) -> (dx, ddy, dparams..., dinputs...)
     # derivgen::<layer>_<mode>_jvp(x, params..., inputs..., [buffers...], statistics..., tx,
     #     tparams..., tinputs..., options..., groups) -> ty
-    # float32/float64 run the derived C kernels (derivgen.second); bfloat16 and channels-last
+    # float32/float64 run the derived C kernels (derivgen.derive.second); bfloat16 and channels-last
     # tensors take the generated PyTorch closed form through torch.func (the same derivatives).
     def _second_args(self, mode, fargs, bargs):
         diff = ["x", *self.params, *self.inputs]
@@ -402,7 +402,7 @@ class TorchLayer:
         return True
 
     def _validate(self, mode: str, a: dict) -> rt.Layout:
-        """The argument contract of derivgen.validate, on tensors (for what NumPy lacks:
+        """The argument contract of derivgen.runtime.validate, on tensors (for what NumPy lacks:
         bfloat16, the channels-last view)."""
         m = self.meta
         x = a["x"]
@@ -544,7 +544,7 @@ class TorchLayer:
             ctx.save_for_backward(*(v for (t, _, _), v in zip(bargs, inputs) if t == "Tensor"))
 
         def backward_backward(ctx, *cotangents):
-            # the derived double backward (derivgen.second): one operator, derived kernels
+            # the derived double backward (derivgen.derive.second): one operator, derived kernels
             tensors = ctx.saved_tensors
             tnames = [s for t, _, s in bargs if t == "Tensor"]
             a = dict(zip(tnames, tensors))
@@ -688,7 +688,7 @@ class _Eager(torch.autograd.Function):
 class _Functional(torch.autograd.Function):
     """The operators under torch.func transforms (``torch.func.jvp``, ``vjp``, ``grad``...):
     the backward operator for reverse mode (its own autograd is the derived double
-    backward) and the JVP operator for forward mode, both from derivgen.second."""
+    backward) and the JVP operator for forward mode, both from derivgen.derive.second."""
 
     @staticmethod
     def forward(lay, mode, opts, groups, *tens):

@@ -2,7 +2,7 @@
 
 A layer whose groups span the batch (batch norm, and any spec with ``reduce =
 "batch"``) computes its statistics level by level (``split_levels`` in
-derivgen.emit: the forward program's sweeps): each process sums its own part of
+derivgen.codegen.emit: the forward program's sweeps): each process sums its own part of
 every group, one ``all_reduce`` adds the sums of a level, and every process
 finishes the level's statistics from the totals and the global group size. The
 mean's sums come first, then the sums of squared deviations from the *global*
@@ -25,9 +25,9 @@ import math
 import torch
 import torch.distributed as dist
 
-from .. import runtime as rt
-from ..cbind import input_pairs
-from .ops import threads
+from derivgen import runtime as rt
+from derivgen.runtime.cbind import input_pairs
+from derivgen.torch.ops import threads
 
 _DTYPE_CODES = {torch.float32: 1, torch.float64: 2, torch.bfloat16: 3}
 
@@ -99,7 +99,7 @@ def _all_reduce(parts: tuple, pg) -> tuple:
 
 class _CSplit:
     """The generated C split kernels of a layer (float32/float64, NCHW-contiguous parts),
-    called with the arguments their signatures (derivgen.abi) lay out."""
+    called with the arguments their signatures (derivgen.runtime.abi) lay out."""
 
     KINDS = ("partial", "finish", "apply", "bpartial", "bapply")
     _inputs = staticmethod(input_pairs)         # per-group inputs as (pointer, stride) pairs

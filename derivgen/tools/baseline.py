@@ -4,7 +4,7 @@ layer's formulas, as a baseline for ``derivgen bench --spec``.
 Whole arrays in their own dtype, one NumPy call per operation, means over the group
 axes with ``keepdims`` -- no chunking, no threads, no fused loops: what the generated
 NumPy and C are measured against. The formulas are the derivation's (statistics in
-order, the closed-form backward), walked by :func:`derivgen.evaluate.evaluate`;
+order, the closed-form backward), walked by :func:`derivgen.tools.evaluate.evaluate`;
 nothing is generated or evaluated as text.
 """
 
@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from .engine import G, ModeDerivation
-from .evaluate import evaluate
-from .runtime import Layout
-from .spec import DY, N, X
+from derivgen.derive.first import G, ModeDerivation
+from derivgen.tools.evaluate import evaluate
+from derivgen.runtime import Layout
+from derivgen.spec.model import DY, N, X
 
 
 class PlainNumPy:

@@ -18,8 +18,8 @@ from __future__ import annotations
 import sympy
 from sympy.printing.str import StrPrinter
 
-from . import functions
-from .reduce import Mean
+from derivgen.symbolic import functions
+from derivgen.symbolic.reduce import Mean
 
 _ELEMENT = {"x", "dy", "g", "xhat"}
 
@@ -66,7 +66,7 @@ class _Ordered:
 
 class TextSpelling(functions.SpellsFunctions):
     """StrPrinter mixin: elementary functions as ``text(u)`` of their table entry
-    (derivgen.functions), a square root as ``sqrt(u)`` and ``1/sqrt(u)``."""
+    (derivgen.symbolic.functions), a square root as ``sqrt(u)`` and ``1/sqrt(u)``."""
 
     def _print_elementary(self, fn: functions.Elementary, expr: sympy.Expr) -> str:
         return "%s(%s)" % (fn.text, self.stringify(expr.args, ", "))

@@ -8,7 +8,7 @@ these forms are accepted:
 * numbers (``2``, ``0.5``, ``1e-5``; converted exactly to rationals),
 * declared names,
 * ``+ - * / **`` and unary ``+``/``-``,
-* the elementary functions of :mod:`derivgen.functions` (``sqrt(e)``, ``exp(e)``,
+* the elementary functions of :mod:`derivgen.symbolic.functions` (``sqrt(e)``, ``exp(e)``,
   ``log(e)``, ``abs(e)``, ``tanh(e)``),
 * the group reductions ``mean(e)`` and ``sum(e)`` (``sum(e)`` is ``N*mean(e)``).
 
@@ -25,8 +25,8 @@ from typing import Mapping
 
 import sympy
 
-from . import functions
-from .reduce import Mean
+from derivgen.symbolic import functions
+from derivgen.symbolic.reduce import Mean
 
 MAX_EXPR_CHARS = 2000
 MAX_DEPTH = 40
@@ -150,7 +150,7 @@ class _Builder:
         self.fail(node, f"unsupported syntax ({type(node).__name__})")
 
     def call(self, node: ast.Call, d: int) -> sympy.Expr:
-        """A call of a table function (derivgen.functions) or of a group reduction."""
+        """A call of a table function (derivgen.symbolic.functions) or of a group reduction."""
         if not isinstance(node.func, ast.Name):
             self.fail(node, f"only calls of {_callable_names()} are allowed")
         fname = node.func.id

@@ -9,7 +9,7 @@ plan for one element type once, before rendering, as plain data
 names it reads (as the printer printed them), so which group values a sweep
 needs is known from the plan, never read back from the C text. Every name it
 makes is in derivgen's own namespace (an upper-case letter; see
-:mod:`derivgen.naming`): element loads
+:mod:`derivgen.symbolic.naming`): element loads
 ``Xv``, ``Dyv``, ``gamma_V``; group values of buffers and scalar parameters
 ``b_G``; float copies ``rstd_F``; hi/lo pairs ``H0_hi``; common
 subexpressions ``Cse0``.
@@ -23,9 +23,9 @@ from typing import ClassVar
 import sympy
 from sympy import Add
 
-from .ir import Assign, Loop, ModeIR, SecondIR, needed_temps
-from .naming import derived
-from .printers import SpecPrinter
+from derivgen.codegen.ir import Assign, Loop, ModeIR, SecondIR, needed_temps
+from derivgen.symbolic.naming import derived
+from derivgen.codegen.printers import SpecPrinter
 
 CTYPES = {"f32": "float", "f64": "double", "bf16": "dg_bf16"}
 # the arithmetic type of each storage type: bfloat16 is read and written as bfloat16 and
@@ -197,7 +197,7 @@ class BackwardPlan:
 
 @dataclass(frozen=True)
 class SecondPlan:
-    """A second-order kernel (derivgen.second): one reduction sweep, one output sweep per
+    """A second-order kernel (derivgen.derive.second): one reduction sweep, one output sweep per
     group, all arithmetic in double (float and bfloat16 values are widened on load), sums
     in DG_LANES lanes; the template (kernel.c.j2, second_kernel) lays out the loops."""
     elem1: tuple[str, ...]                 # sweep 1: element loads and temporaries
@@ -433,7 +433,7 @@ class CPlanner:
 
 
 def _levels(steps: list[Sweep | GroupValue]) -> tuple[SplitLevel, ...]:
-    """The forward's steps as split-reduction levels (see :func:`derivgen.ir.split_levels`)."""
+    """The forward's steps as split-reduction levels (see :func:`derivgen.codegen.ir.split_levels`)."""
     levels: list[tuple[Sweep | None, list[GroupValue]]] = []
     for st in steps:
         if isinstance(st, Sweep) or not levels:
@@ -447,7 +447,7 @@ def _levels(steps: list[Sweep | GroupValue]) -> tuple[SplitLevel, ...]:
     return tuple(out)
 
 
-# ---- second order (derivgen.second): the double backward and the JVP -------------
+# ---- second order (derivgen.derive.second): the double backward and the JVP -------------
 
 def second_plan(printer: SpecPrinter, ir: SecondIR, ctype: str) -> SecondPlan:
     """The C plan of one second-order kernel for the element type ``ctype``."""

@@ -13,13 +13,13 @@ from dataclasses import dataclass
 from sympy.printing.latex import LatexPrinter
 from sympy.printing.str import StrPrinter
 
-from . import functions
-from .engine import ModeDerivation
-from .functions import SpellsFunctions, call
-from .naming import DisplayNames, TextSpelling, _Ordered
-from .proof import ModeProof
-from .reduce import Mean
-from .second import SecondOrder
+from derivgen.symbolic import functions
+from derivgen.derive.first import ModeDerivation
+from derivgen.symbolic.functions import SpellsFunctions, call
+from derivgen.symbolic.naming import DisplayNames, TextSpelling, _Ordered
+from derivgen.prove.proof import ModeProof
+from derivgen.symbolic.reduce import Mean
+from derivgen.derive.second import SecondOrder
 
 class DerivLatexPrinter(SpellsFunctions, _Ordered, LatexPrinter):
     def __init__(self, names: DisplayNames, subscript: bool = True):
@@ -127,7 +127,7 @@ FORMATS = ("latex", "markdown", "text")
 @dataclass(frozen=True)
 class ModeDocument:
     """What a document shows of one mode, all computed before rendering: the derivation, its
-    steps (:func:`derivgen.narrative.build_steps`), its proof (None: not checked) and, for
+    steps (:func:`derivgen.explain.steps.build_steps`), its proof (None: not checked) and, for
     the second-order section, the second order and its proof."""
     derivation: ModeDerivation
     steps: tuple

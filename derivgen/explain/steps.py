@@ -1,11 +1,11 @@
 """The derivation for people, built from the engine's results.
 
-:mod:`derivgen.engine` computes (a :class:`~derivgen.engine.ModeDerivation`:
+:mod:`derivgen.derive.first` computes (a :class:`~derivgen.derive.first.ModeDerivation`:
 the program of statistics, the partial derivatives, the adjoints, the
 closed forms); this module turns that data into the steps a careful person
 writes down -- definitions, local partials, the partials of the statistics
 with the terms that vanish and why, the adjoints, the closed form, the
-parameter and input gradients -- for :mod:`derivgen.document` to print as
+parameter and input gradients -- for :mod:`derivgen.explain.document` to print as
 LaTeX, Markdown or text.
 """
 
@@ -15,10 +15,10 @@ from dataclasses import dataclass
 
 import sympy
 
-from .document import latex_expr, text_expr
-from .engine import ModeDerivation, Partial, mode_depends_on_x
-from .reduce import Mean, ReductionAlgebra
-from .spec import DY, X
+from derivgen.explain.document import latex_expr, text_expr
+from derivgen.derive.first import ModeDerivation, Partial, mode_depends_on_x
+from derivgen.symbolic.reduce import Mean, ReductionAlgebra
+from derivgen.spec.model import DY, X
 
 
 @dataclass(frozen=True)

@@ -6,14 +6,14 @@ This is the code generators' knowledge, kept as data in a bottom-layer module so
 that the spec parser can reject such names when it validates a spec without
 importing the code generators. Each target declares its language keywords and
 the library names its code uses; the C library functions of the elementary
-functions come from their table (:mod:`derivgen.functions`).
+functions come from their table (:mod:`derivgen.symbolic.functions`).
 """
 
 from __future__ import annotations
 
 import keyword
 
-from . import functions
+from derivgen.symbolic import functions
 
 C_KEYWORDS = frozenset("""
 auto break case char const continue default do double else enum extern float for goto if

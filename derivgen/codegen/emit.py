@@ -1,11 +1,11 @@
 """Emit code from derivations: one IR per mode, one Jinja template per target.
 
 A layer's derivation (plain data: its spec and per-mode derivations) becomes the
-IR of :mod:`derivgen.ir`, and every C kernel's plan (:mod:`derivgen.cplan`) is
+IR of :mod:`derivgen.codegen.ir`, and every C kernel's plan (:mod:`derivgen.codegen.cplan`) is
 computed once, before rendering; the templates receive plain data and only lay
-out text. Expressions are printed by one :class:`derivgen.printers.SpecPrinter`
+out text. Expressions are printed by one :class:`derivgen.codegen.printers.SpecPrinter`
 per layer. Every name the generated code makes is in derivgen's own namespace
-(see :mod:`derivgen.naming`).
+(see :mod:`derivgen.symbolic.naming`).
 """
 
 from __future__ import annotations
@@ -19,13 +19,13 @@ from typing import Protocol
 
 import jinja2
 
-from .abi import kernel_signature
-from .cplan import ATYPES, CTYPES, c_load, c_store, plan_kernel
-from .engine import ModeDerivation
-from .ir import ModeIR, build_mode_ir, build_second_ir
-from .printers import SpecPrinter
-from .reduce import Mean
-from .spec import Spec
+from derivgen.runtime.abi import kernel_signature
+from derivgen.codegen.cplan import ATYPES, CTYPES, c_load, c_store, plan_kernel
+from derivgen.derive.first import ModeDerivation
+from derivgen.codegen.ir import ModeIR, build_mode_ir, build_second_ir
+from derivgen.codegen.printers import SpecPrinter
+from derivgen.symbolic.reduce import Mean
+from derivgen.spec.model import Spec
 
 TEMPLATE_FILES = {"numpy": "numpy.py.j2", "torch": "torch.py.j2", "c": "kernel.c.j2", "h": "kernel.h.j2", "cbind": "cbinding.py.j2",
                   "kernels": "derivgen-kernels.h.j2"}
@@ -40,10 +40,10 @@ class LayerDerivation(Protocol):
 
 def template_dir() -> Path:
     """The directory of the Jinja templates (the source tree's, else the installed copy)."""
-    src = Path(__file__).resolve().parent.parent / "templates"
+    src = Path(__file__).resolve().parents[2] / "templates"   # a source checkout
     if (src / "numpy.py.j2").is_file():
         return src
-    return Path(__file__).resolve().parent / "templates"
+    return Path(__file__).resolve().parents[1] / "templates"     # installed: derivgen/templates
 
 
 # ------------------------------------------------------------------- rendering

@@ -4,8 +4,8 @@ Every function a spec expression may call (``sqrt``, ``exp``, ``log``, ``abs``,
 ``tanh``), and ``sign`` (which only appears as the derivative of ``abs``), is one
 :class:`Elementary` entry of :data:`TABLE`: how the parser builds it, how it is
 differentiated, what is known about its sign and where it is defined, and how
-each target spells it. The parser (:mod:`derivgen.expr`), the engine's
-derivative rules, :mod:`derivgen.domain`, :mod:`derivgen.evaluate`, the code
+each target spells it. The parser (:mod:`derivgen.spec.expr`), the engine's
+derivative rules, :mod:`derivgen.symbolic.domain`, :mod:`derivgen.tools.evaluate`, the code
 printers, the PyTorch target (:mod:`derivgen.torch._target`), the document
 printers and the names a spec may not declare all read this table, so adding
 a function is one entry here and a test (``tests/test_functions.py``).
@@ -14,7 +14,7 @@ This is a bottom-layer module: it imports SymPy and the standard library only.
 
 ``sqrt`` is special: SymPy writes ``sqrt(u)`` as the power ``u**(1/2)``, so it has
 no node class of its own (``node`` is None). The engine differentiates it, and
-:mod:`derivgen.domain` reasons about it, by the rules for non-integer powers; its
+:mod:`derivgen.symbolic.domain` reasons about it, by the rules for non-integer powers; its
 entry gives the parser its constructor and the targets their spelling of a
 half power. Its derivative and sign entries state the same rules, and the test
 checks them against SymPy.
@@ -28,7 +28,7 @@ from typing import Callable
 
 import sympy
 
-# What a value is known to be on the layer's domain (derivgen.domain re-exports these).
+# What a value is known to be on the layer's domain (derivgen.symbolic.domain re-exports these).
 REAL, NONNEG, POSITIVE = 0, 1, 2
 
 

@@ -20,7 +20,7 @@ from contextlib import contextmanager as _contextmanager
 
 import numpy as np
 
-from .validate import Layout
+from derivgen.runtime.validate import Layout
 
 CHUNK_BYTES = 1 << 20   # float64 bytes of x per chunk: a chunk and its temporaries stay in L2/L3
 NUM_THREADS = 0         # 0: OMP_NUM_THREADS if set (as the C kernels), else the CPUs available

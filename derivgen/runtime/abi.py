@@ -1,8 +1,8 @@
 """The calling convention of the generated C kernels, as data.
 
 One description, derived from a layer's metadata (the ``_META`` dict of the generated
-bindings, ``derivgen.emit.layer_meta``), of every kernel's argument list: the C
-templates render their prototypes from it, :mod:`derivgen.cbind` declares ctypes
+bindings, ``derivgen.codegen.emit.layer_meta``), of every kernel's argument list: the C
+templates render their prototypes from it, :mod:`derivgen.runtime.cbind` declares ctypes
 argument types and packs NumPy calls with it, :mod:`derivgen.torch` packs its calls
 on tensors' data pointers with it.
 

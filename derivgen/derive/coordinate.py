@@ -1,6 +1,6 @@
 """The element coordinate of a mode's closed forms.
 
-The engine (:mod:`derivgen.engine`) writes every closed form in one element
+The engine (:mod:`derivgen.derive.first`) writes every closed form in one element
 coordinate, so that polynomials in x are never expanded into raw powers of x:
 
 * the spec's own x̂ (``[normalized]``);
@@ -21,9 +21,9 @@ from dataclasses import dataclass
 import sympy
 from sympy import Add, Mul
 
-from . import domain
-from .reduce import Mean, ReductionAlgebra, means
-from .spec import X, Named, Spec, Statistic
+from derivgen.symbolic import domain
+from derivgen.symbolic.reduce import Mean, ReductionAlgebra, means
+from derivgen.spec.model import X, Named, Spec, Statistic
 
 
 @dataclass(frozen=True)

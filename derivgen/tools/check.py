@@ -1,6 +1,6 @@
 """Cross-check generated code: every layer x backend x dtype against
 
-1. the spec itself, evaluated group by group (derivgen.evaluate: forward), and
+1. the spec itself, evaluated group by group (derivgen.tools.evaluate: forward), and
    float64 central finite differences of the backend's forward (backward);
 2. the other backend;
 3. PyTorch autograd, where PyTorch has the layer (or the formula written in
@@ -18,10 +18,10 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from .api import derive, load
-from .evaluate import GroupEvaluator
-from .runtime import Layout, resolve_layout
-from .spec import Spec
+from derivgen.api import derive, load
+from derivgen.tools.evaluate import GroupEvaluator
+from derivgen.runtime import Layout, resolve_layout
+from derivgen.spec.model import Spec
 
 TOL = {
     # check: (float64, float32), relative to max(1, max |reference|)
@@ -257,7 +257,7 @@ def _fd_second(mod, spec, x, dy, params, kw, seeds, h=1e-6) -> dict:
 def check_layer(spec: Spec, backends=("numpy", "c"), dtypes=("float32", "float64"), *,
                 prove_sizes=(2, 3, 4, 5, 6), progress=None, in_ci: bool | None = None) -> list[Row]:
     in_ci = (os.environ.get("CI", "").lower() in ("1", "true", "yes")) if in_ci is None else in_ci
-    from .torch_ref import HAS_REFERENCE, torch_available, torch_reference
+    from derivgen.tools.torch_ref import HAS_REFERENCE, torch_available, torch_reference
     d = derive(spec, prove=tuple(prove_sizes))
     rows: list[Row] = []
     for mname, proof in d.proofs.items():
@@ -284,7 +284,7 @@ def check_layer(spec: Spec, backends=("numpy", "c"), dtypes=("float32", "float64
             seeds = _seeds(spec, x64, p64, kw64, layout)
             torch_second = None
             if torch_ref is not None:
-                from .torch_ref import torch_second_reference
+                from derivgen.tools.torch_ref import torch_second_reference
                 torch_second = torch_second_reference(spec.name, x64, dict(zip([p.name for p in spec.params], p64)),
                                                       _copy_kw(kw64), dy64, *seeds)
             for b in backends:

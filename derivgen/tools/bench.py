@@ -20,9 +20,9 @@ from pathlib import Path
 
 import numpy as np
 
-from .api import derive, load, load_spec
-from .build import build_shared, march_cflags, user_cflags
-from .machine import machine
+from derivgen.api import derive, load, load_spec
+from derivgen.runtime.build import build_shared, march_cflags, user_cflags
+from derivgen.runtime.machine import machine
 
 DEFAULT_SHAPES = {
     "layernorm": [(8192, 1024), (512, 8192), (65536, 128), (16384, 256)],
@@ -107,7 +107,7 @@ class Bandwidth:
 
 def _view(name, x, params, kw):
     """(x4, params4, reduce axes, param axes, N) in the (O, G, Cg, S) view, as the runtime does."""
-    from .runtime import resolve_layout
+    from derivgen.runtime import resolve_layout
     spec = load_spec(name)
     meta = {"name": name, "layout": spec.layout, "reduce": spec.reduce, "params": ["p"]}
     L = resolve_layout(meta, x, {"p": params[0]}, kw.get("num_groups"))
@@ -251,7 +251,7 @@ def default_shapes(spec) -> list[tuple]:
 
 def _inputs(spec, shape, dt, catalogue: bool):
     """x, dy, parameters and keyword arguments of one case (fixed seed)."""
-    from .runtime import resolve_layout
+    from derivgen.runtime import resolve_layout
     rng = np.random.default_rng(0)
     x = rng.standard_normal(shape, dtype=np.float32).astype(dt)
     dy = rng.standard_normal(shape, dtype=np.float32).astype(dt)
@@ -282,8 +282,8 @@ def _baseline(spec, catalogue, x, params, dy, kw):
     """The plain NumPy fwd+bwd: the textbook one for catalogue layers, else from the spec."""
     if catalogue:
         return lambda: plain_numpy(spec.name, x, params, dy, kw)
-    from .baseline import PlainNumPy
-    from .runtime import resolve_layout
+    from derivgen.tools.baseline import PlainNumPy
+    from derivgen.runtime import resolve_layout
     meta = {"name": spec.name, "layout": spec.layout, "reduce": spec.reduce, "params": ["p"], "axes": spec.axes}
     pshape = params[0].shape if params and params[0].ndim else tuple(x.shape[x.ndim - spec.axes:])
     L = resolve_layout(meta, x, {"p": np.empty(pshape) if spec.layout == "trailing" else np.empty(x.shape[1])},
@@ -299,7 +299,7 @@ def run_bench(layers, shapes=None, threads=None, dtype="float32", repeat=15, pro
     NumPy, plain NumPy and (catalogue layers) torch, side by side; see the README's Speed."""
     threads = threads or os.cpu_count() or 1
     tuned = tune_malloc() if tuned_malloc else False
-    from .torch_ref import torch_available
+    from derivgen.tools.torch_ref import torch_available
     have_torch = torch_available()
     dt = np.dtype(dtype)
     builds = builds_for(isas)
@@ -505,7 +505,7 @@ def plot(report: dict, path: str) -> None:
     ax.legend()
     ax.set_title(f"derivgen bench ({report['dtype']}, {report['threads']} threads)")
     fig.tight_layout()
-    from .fsutil import atomic_write
+    from derivgen.runtime.fsutil import atomic_write
     import io
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=120)

@@ -16,7 +16,7 @@ and ∂L₂/∂x, ∂L₂/∂(∂L/∂y), ∂L₂/∂p, ∂L₂/∂inputs are th
 The *JVP* is forward mode through the forward program with the tangents ẋ, ṗ, i̇.
 
 Both run through reductions the same way the first-order engine does
-(:mod:`derivgen.engine`): an element value's adjoint reaches a group value v as
+(:mod:`derivgen.derive.first`): an element value's adjoint reaches a group value v as
 N·mean(adjoint·∂e/∂v); a group value's adjoint reaches the elements of a mean's
 argument divided by N. The results are brought to closed forms by the first-order
 engine's own rewrites -- linearity of means, the known statistics, x in terms of
@@ -31,17 +31,17 @@ from dataclasses import dataclass
 
 import sympy
 
-from .engine import G, ModeDerivation, ParamGrad, Reduction, check_derivatives, closed_form, name_reductions, \
+from derivgen.derive.first import G, ModeDerivation, ParamGrad, Reduction, check_derivatives, closed_form, name_reductions, \
     statistic_partial
-from .naming import derived
-from .reduce import Mean, ReductionAlgebra, hide_means
-from .spec import DY, N, X, Named, Spec, Statistic
+from derivgen.symbolic.naming import derived
+from derivgen.symbolic.reduce import Mean, ReductionAlgebra, hide_means
+from derivgen.spec.model import DY, N, X, Named, Spec, Statistic
 
 
 @dataclass(frozen=True)
 class SecondOrder:
     """The second-order closed forms of one mode (expressions over Mean atoms, like
-    :class:`derivgen.engine.ModeDerivation`'s; ``lowered`` gives them over the reductions)."""
+    :class:`derivgen.derive.first.ModeDerivation`'s; ``lowered`` gives them over the reductions)."""
     md: ModeDerivation                            # the first order it is derived from
     # the double backward: cotangents of the backward's outputs ...
     cot_x: Named                                  # δx: of dx (element)
@@ -333,7 +333,7 @@ def derive_second(first: ModeDerivation) -> SecondOrder:
     """The double backward and the JVP of one mode, as closed forms, from its first order
     (which is read, never changed)."""
     if first.mean_facts is None:
-        raise ValueError("derive_second needs a ModeDerivation made by derivgen.engine.derive_mode")
+        raise ValueError("derive_second needs a ModeDerivation made by derivgen.derive.first.derive_mode")
     spec = first.spec
     seeds = _Seeds.of(spec)
     close = _Closer(first, seeds.element(spec))

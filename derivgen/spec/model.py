@@ -5,7 +5,7 @@ the learnable parameters span), the learnable parameters, scalar options,
 per-group inputs (differentiable, e.g. previous running moments), buffers
 (non-differentiable state updated in place, e.g. running statistics), the
 statistics in order, the normalized coordinate and the output.  Every
-expression goes through :mod:`derivgen.expr`; nothing is evaluated as code.
+expression goes through :mod:`derivgen.spec.expr`; nothing is evaluated as code.
 """
 
 from __future__ import annotations
@@ -20,10 +20,12 @@ from typing import Any
 
 import sympy
 
-from . import domain, functions, reserved
-from .domain import domain_error
-from .expr import ExprError, parse_expr
-from .reduce import hide_means
+from derivgen.symbolic import domain
+from derivgen.symbolic import functions
+from derivgen.spec import reserved
+from derivgen.symbolic.domain import domain_error
+from derivgen.spec.expr import ExprError, parse_expr
+from derivgen.symbolic.reduce import hide_means
 
 # The group size inside expressions.
 N = sympy.Symbol("N", positive=True, integer=True)
@@ -40,12 +42,12 @@ IDENT = re.compile(r"^[a-z][a-z0-9_]{0,30}$")
 # Names a spec may not declare. Everything the generated code names itself
 # (loop variables, accumulators, reductions, coefficients, temporaries) lives
 # in a namespace no spec identifier can reach: it starts with an upper-case
-# letter or an underscore (see derivgen/naming.py). What is left is the names
+# letter or an underscore (see derivgen/symbolic/naming.py). What is left is the names
 # the targets reserve (their keywords and the library names the generated code
-# uses: derivgen/reserved.py), and the names the spec format itself defines:
+# uses: derivgen/spec/reserved.py), and the names the spec format itself defines:
 # the data and its gradient, the derivation's g, the keyword arguments every
 # generated forward takes, and the functions of the expression language
-# (derivgen/functions.py).
+# (derivgen/symbolic/functions.py).
 FORMAT_NAMES = frozenset({"x", "y", "dy", "dx", "g", "out", "training", "num_groups"})
 
 
@@ -172,7 +174,7 @@ _GREEK = {"alpha": ("\\alpha", "α"), "beta": ("\\beta", "β"), "gamma": ("\\gam
 
 
 def catalogue_dir():
-    return resources.files("derivgen") / "catalogue"
+    return resources.files("derivgen.spec") / "catalogue"
 
 
 def catalogue_names() -> list[str]:

@@ -12,9 +12,9 @@ The IR is what every target lays out as loops:
   contributions, per-group input gradients.
 
 It is built from a mode's derivation (:func:`build_mode_ir`) and from its second
-order (:func:`build_second_ir`); the C planner (:mod:`derivgen.cplan`) and the
-templates (:mod:`derivgen.emit`) read it. Every name it makes is in derivgen's
-own namespace (see :mod:`derivgen.naming`).
+order (:func:`build_second_ir`); the C planner (:mod:`derivgen.codegen.cplan`) and the
+templates (:mod:`derivgen.codegen.emit`) read it. Every name it makes is in derivgen's
+own namespace (see :mod:`derivgen.symbolic.naming`).
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ from dataclasses import dataclass
 import sympy
 from sympy import Add, Mul
 
-from .engine import G, ModeDerivation
-from .naming import code_text, derived
-from .reduce import Mean, means
-from .spec import DY, N, X, Spec
+from derivgen.derive.first import G, ModeDerivation
+from derivgen.symbolic.naming import code_text, derived
+from derivgen.symbolic.reduce import Mean, means
+from derivgen.spec.model import DY, N, X, Spec
 
 
 @dataclass

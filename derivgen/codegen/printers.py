@@ -8,7 +8,7 @@ order (sums as people write them), our names (a symbol prints as its code
 name), ``Mean`` as each target's group reduction, small integer powers as
 products, float element arithmetic that adds group-level terms as
 hi + lo pairs, and the elementary functions (square roots included) spelled as
-their entries in :mod:`derivgen.functions` say.
+their entries in :mod:`derivgen.symbolic.functions` say.
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ from sympy.codegen.ast import float32, float64, real
 from sympy.printing.c import C99CodePrinter
 from sympy.printing.numpy import NumPyPrinter
 
-from . import functions
-from .functions import SpellsFunctions, call
-from .naming import _Ordered, code_text, ordered_names
-from .spec import Spec
+from derivgen.symbolic import functions
+from derivgen.symbolic.functions import SpellsFunctions, call
+from derivgen.symbolic.naming import _Ordered, code_text, ordered_names
+from derivgen.spec.model import Spec
 
 class _NumPy(SpellsFunctions, _Ordered, NumPyPrinter):
     def __init__(self, names):

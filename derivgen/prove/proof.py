@@ -25,11 +25,11 @@ from dataclasses import dataclass, field
 
 import sympy
 
-from . import domain
-from .engine import G, ModeDerivation
-from .reduce import Mean
-from .second import SecondOrder, almost_everywhere
-from .spec import DY, N, X
+from derivgen.symbolic import domain
+from derivgen.derive.first import G, ModeDerivation
+from derivgen.symbolic.reduce import Mean
+from derivgen.derive.second import SecondOrder, almost_everywhere
+from derivgen.spec.model import DY, N, X
 
 
 @dataclass
@@ -414,7 +414,7 @@ def prove_derivation(d, sizes=(2, 3, 4, 5, 6)) -> dict[str, ModeProof]:
 
 
 def prove_second_mode(second: SecondOrder, sizes=(2, 3, 4, 5), symbolic_seconds: float = SYMBOLIC_SECONDS) -> ModeProof:
-    """The second-order closed forms (:mod:`derivgen.second`) against brute force at small N:
+    """The second-order closed forms (:mod:`derivgen.derive.second`) against brute force at small N:
     the first-order gradients of the explicit layer by ``sympy.diff``, their VJP with the
     cotangents (δx, δp, δi) differentiated again, and the directional derivative of the
     explicit y along (ẋ, ṗ, i̇); compared at element 0 like the first order, one

@@ -22,10 +22,10 @@ y) it derives, as a careful person does by hand:
    statistics get per-group gradients.
 
 No ``sympy.simplify``: only linearity of means, known statistics (from
-:mod:`derivgen.reduce`), substitution of x̂, ``expand`` and ``factor`` on
+:mod:`derivgen.symbolic.reduce`), substitution of x̂, ``expand`` and ``factor`` on
 small per-group coefficients, ``factor_terms``. The result is plain data
 (:class:`ModeDerivation`); the document for people is built from it in
-:mod:`derivgen.narrative`.
+:mod:`derivgen.explain.steps`.
 """
 
 from __future__ import annotations
@@ -35,10 +35,11 @@ from dataclasses import dataclass, field
 import sympy
 from sympy import Add, Mul
 
-from . import domain, functions
-from .coordinate import ImplicitCoordinate, closed_form_coordinate, find_implicit
-from .reduce import Mean, ReductionAlgebra, expand, hide_means, means
-from .spec import DY, N, X, Named, Spec, Statistic
+from derivgen.symbolic import domain
+from derivgen.symbolic import functions
+from derivgen.derive.coordinate import ImplicitCoordinate, closed_form_coordinate, find_implicit
+from derivgen.symbolic.reduce import Mean, ReductionAlgebra, expand, hide_means, means
+from derivgen.spec.model import DY, N, X, Named, Spec, Statistic
 
 G = sympy.Symbol("g", real=True)
 G_NAMED = Named("g", G, "g", "g")
@@ -195,7 +196,7 @@ class _SelfRule:
 
 
 def _elementary(e: sympy.Expr) -> bool:
-    """A non-integer power or a function of derivgen.functions' table: a group-level
+    """A non-integer power or a function of derivgen.symbolic.functions' table: a group-level
     function whose derivative the engine writes through its own value."""
     return (e.is_Pow and not e.exp.is_Integer) or functions.of_node(e) is not None
 

@@ -12,15 +12,15 @@ from __future__ import annotations
 import numpy as np
 import sympy
 
-from . import functions
-from .engine import G, ModeDerivation
-from .reduce import Mean
-from .spec import DY, N, X
+from derivgen.symbolic import functions
+from derivgen.derive.first import G, ModeDerivation
+from derivgen.symbolic.reduce import Mean
+from derivgen.spec.model import DY, N, X
 
 
 def evaluate(expr: sympy.Expr, env: dict[sympy.Symbol, object], mean=np.mean):
     """``expr`` over the values in ``env``; ``mean`` reduces a Mean's argument (default: the
-    whole array, one group; derivgen.baseline passes a mean over the group axes)."""
+    whole array, one group; derivgen.tools.baseline passes a mean over the group axes)."""
     if expr.is_Symbol:
         try:
             return env[expr]

@@ -19,6 +19,19 @@ batchnorm       (N, C, 1, spatial)            a channel, over samples and space
 
 Parameters are always ``(1, G, Cg, 1)`` in this view; statistics are one value
 per group, stored as a flat array of ``n_groups`` values.
+
+Stage 0 beside :mod:`derivgen.symbolic` (no SymPy here): what generated code calls at run
+time. This face is the module the generated NumPy and C bindings import
+(``from derivgen import runtime as _rt``); beside it:
+
+* :mod:`~derivgen.runtime.abi`: every C kernel's calling convention, as data (the C
+  prototypes, the ctypes binding and the PyTorch operators are all produced from it);
+* :mod:`~derivgen.runtime.validate`: the one argument-validation contract of every backend;
+* :mod:`~derivgen.runtime.executor`: the NumPy backend's thread pool;
+* :mod:`~derivgen.runtime.cbind`: the ctypes binding of compiled kernels;
+* :mod:`~derivgen.runtime.build`: compiling generated C into cached shared libraries;
+* :mod:`~derivgen.runtime.machine`: what the CPU is (model, ISA flags, caches);
+* :mod:`~derivgen.runtime.fsutil`: atomic file writes.
 """
 
 from __future__ import annotations
@@ -30,12 +43,12 @@ from typing import Any
 
 import numpy as np
 
-from .validate import (Layout, check_buffer_shape, check_float, check_group_size, check_input_shape,
+from derivgen.runtime.validate import (Layout, check_buffer_shape, check_float, check_group_size, check_input_shape,
                        check_not_empty, check_options, check_param_shapes, check_same_dtype, is_scalar_shape,
                        layout_from_shapes)
 
 # re-exported: the generated modules call them as derivgen.runtime.<name>
-from .executor import (CHUNK_BYTES, chunks, f64, for_chunks, group_mean, group_mean_prod, group_total,
+from derivgen.runtime.executor import (CHUNK_BYTES, chunks, f64, for_chunks, group_mean, group_mean_prod, group_total,
                        new_stats, num_threads, set_num_threads, store, sum_prod)
 
 _check_float = check_float      # the name derivgen.torch and older callers use

@@ -1,0 +1,16 @@
+"""Stage 5, code generation: derivations in, source text out.
+
+* :mod:`~derivgen.codegen.ir`: each mode's forward, backward and second-order programs as
+  plain data (loops, assignments, reductions);
+* :mod:`~derivgen.codegen.printers`: ``SpecPrinter``, one per spec: SymPy expressions as
+  NumPy, PyTorch and C text;
+* :mod:`~derivgen.codegen.cplan`: the C kernels' plans (statements per element type,
+  sweeps, split-reduction levels), computed once per layer;
+* :mod:`~derivgen.codegen.emit`: builds IR and plans, then renders the Jinja templates
+  (``templates/``), which only lay out text. The kernels' calling convention comes from
+  :mod:`derivgen.runtime.abi`.
+"""
+
+from derivgen.codegen.emit import Emitted, emit
+
+__all__ = ["Emitted", "emit"]

@@ -1,0 +1,27 @@
+"""Stage 1, specs: a layer as data.
+
+* :mod:`~derivgen.spec.model`: the TOML spec format, parsed and validated into a frozen
+  :class:`Spec` (parameters, options, statistics, the output, modes, buffers);
+* :mod:`~derivgen.spec.expr`: the restricted expression parser (an ``ast`` walk over
+  a whitelist; nothing is evaluated);
+* :mod:`~derivgen.spec.reserved`: the identifiers the targets reserve;
+* ``catalogue/``: the built-in layers, one TOML file each.
+"""
+
+from derivgen.spec.expr import ExprError, parse_expr
+from derivgen.spec.model import (
+    DY,
+    N,
+    X,
+    Named,
+    Spec,
+    SpecError,
+    Statistic,
+    catalogue_names,
+    load_catalogue,
+    load_spec_file,
+    parse_spec,
+)
+
+__all__ = ["DY", "N", "X", "ExprError", "Named", "Spec", "SpecError", "Statistic", "catalogue_names",
+           "load_catalogue", "load_spec_file", "parse_expr", "parse_spec"]
