@@ -6,7 +6,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.derivgen-installed
 
-.PHONY: demo test install pdflatex generate check clean fuzz
+.PHONY: demo test install pdflatex generate check clean fuzz lint format
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -44,6 +44,15 @@ demo: $(STAMP)
 	@echo
 	@echo "== PyTorch: models trained with torch.nn norms and after derivgen.torch.convert"
 	@$(BIN)/python -m derivgen.torch.demo
+
+# ruff: lint and format (configured in pyproject.toml; generated/ is template output and excluded)
+lint: $(STAMP)
+	$(BIN)/ruff check derivgen tests
+	$(BIN)/ruff format --check derivgen tests
+
+format: $(STAMP)
+	$(BIN)/ruff check --fix derivgen tests
+	$(BIN)/ruff format derivgen tests
 
 test: $(STAMP) pdflatex
 	$(BIN)/python -m pytest -q
