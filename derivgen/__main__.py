@@ -1,3 +1,5 @@
+"""``python -m derivgen``: the ``derivgen`` command line."""
+
 import sys
 
 from derivgen.cli import main

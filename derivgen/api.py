@@ -1,19 +1,25 @@
-"""Programmatic entry points: names(), load_spec(), derive()."""
+"""Programmatic entry points: ``names()``, ``load_spec()``, ``derive()`` (a frozen :class:`Derivation`)
+and ``load()`` (a layer's generated NumPy, C or PyTorch module, from the cache)."""
 
 from __future__ import annotations
 
 import functools
+import hashlib
+import importlib.util
+import sys
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from types import ModuleType
 
-from derivgen.runtime.build import cache_dir
 from derivgen.codegen.emit import emit
 from derivgen.derive.first import ModeDerivation, derive_mode
-from derivgen.runtime.fsutil import atomic_write
+from derivgen.derive.second import SecondOrder, derive_second
 from derivgen.explain import document
 from derivgen.explain.steps import Step, build_steps, facts
 from derivgen.prove.proof import ModeProof, prove_derivation, prove_second_mode
-from derivgen.derive.second import SecondOrder, derive_second
+from derivgen.runtime.build import cache_dir
+from derivgen.runtime.fsutil import atomic_write
 from derivgen.spec.model import Spec, catalogue_names, load_catalogue, load_spec_file
 
 _TRAIN_MODE_FIELDS = ("dx", "dparams", "dinputs", "reductions", "g")
@@ -41,13 +47,13 @@ class Derivation:
         """The training mode's derivation."""
         return self.modes["train"]
 
-    def __getattr__(self, item):
+    def __getattr__(self, item: str) -> object:
         # convenience: d.dx, d.dparams ... refer to the first (training) mode
         if item in _TRAIN_MODE_FIELDS:
             return getattr(self.modes["train"], item)
         raise AttributeError(item)
 
-    def _cached(self, key: tuple, compute):
+    def _cached(self, key: tuple, compute: Callable[[], object]):
         if key not in self._cache:
             self._cache[key] = compute()
         return self._cache[key]
@@ -80,15 +86,15 @@ class Derivation:
         return facts(self.train)[1]
 
     def render(self, fmt: str = "latex", standalone: bool = False, order: int = 1,
-               second_sizes=(2, 3, 4, 5)) -> str:
+               second_sizes: Iterable[int] = (2, 3, 4, 5)) -> str:
         """The derivation for people in LaTeX, Markdown or text; ``order=2`` adds the second
         order, proven at ``second_sizes`` (none: not proven)."""
         document.check_format(fmt)
         sizes = tuple(second_sizes)
-        modes = [document.ModeDocument(self.modes[m], self.steps_of(m), self.proofs.get(m),
-                                       self.second(m) if order >= 2 else None,
-                                       self.second_proof(m, sizes) if order >= 2 and sizes else None)
-                 for m in self.modes]
+        modes = [document.ModeDocument(self.modes[mode], self.steps_of(mode), self.proofs.get(mode),
+                                       self.second(mode) if order >= 2 else None,
+                                       self.second_proof(mode, sizes) if order >= 2 and sizes else None)
+                 for mode in self.modes]
         return document.render(self.spec, modes, fmt, standalone)
 
 
@@ -99,16 +105,17 @@ def names() -> list[str]:
 
 def load_spec(name_or_path: str | Path) -> Spec:
     """A catalogue name, or a path to a spec file (anything containing '/' or ending in .toml)."""
-    s = str(name_or_path)
-    if isinstance(name_or_path, Path) or s.endswith(".toml") or "/" in s:
-        return load_spec_file(s)
-    return load_catalogue(s)
+    text = str(name_or_path)
+    if isinstance(name_or_path, Path) or text.endswith(".toml") or "/" in text:
+        return load_spec_file(text)
+    return load_catalogue(text)
 
 
 @functools.lru_cache(maxsize=64)
 def _derive_spec(spec: Spec, prove: tuple[int, ...]) -> Derivation:
-    d = Derivation(spec, {m.name: derive_mode(spec, m.name) for m in spec.modes})
-    return replace(d, proofs=prove_derivation(d, prove)) if prove else d
+    """Derive every mode of ``spec`` and, when ``prove`` names sizes, prove them (memoized)."""
+    derivation = Derivation(spec, {m.name: derive_mode(spec, m.name) for m in spec.modes})
+    return replace(derivation, proofs=prove_derivation(derivation, prove)) if prove else derivation
 
 
 def derive(name_or_spec: str | Path | Spec, *, prove: bool | tuple[int, ...] = False) -> Derivation:
@@ -122,10 +129,10 @@ def derive(name_or_spec: str | Path | Spec, *, prove: bool | tuple[int, ...] = F
     return _derive_spec(spec, sizes)
 
 
-_LOADED: dict[tuple, object] = {}   # (backend, digest, cflags) and (spec, backend, cflags) -> module
+_LOADED: dict[tuple, ModuleType] = {}   # (backend, digest, cflags) and (spec, backend, cflags) -> module
 
 
-def load(name_or_spec, backend: str = "numpy", *, cflags: list[str] | None = None):
+def load(name_or_spec: str | Path | Spec, backend: str = "numpy", *, cflags: list[str] | None = None) -> ModuleType:
     """Import a layer's generated module: ``forward``/``backward`` over NumPy or C
     (or, ``backend="torch"``, the closed forms as PyTorch operations; see derivgen.torch).
 
@@ -136,10 +143,6 @@ def load(name_or_spec, backend: str = "numpy", *, cflags: list[str] | None = Non
     its own, so builds for several instruction sets can run side by side
     (``derivgen.runtime.build.march_cflags("x86-64-v3")``).
     """
-    import hashlib
-    import importlib.util
-    import sys
-
     if backend not in ("numpy", "c", "torch"):
         raise ValueError(f"backend must be 'numpy', 'c' or 'torch', got {backend!r}")
     if cflags is not None and backend != "c":
@@ -155,10 +158,10 @@ def load(name_or_spec, backend: str = "numpy", *, cflags: list[str] | None = Non
         return _LOADED[key]
     tag = "" if flags is None else "_" + hashlib.sha256("\0".join(flags).encode()).hexdigest()[:8]
     modname = f"derivgen_generated_{backend}_{spec.name}_{digest}{tag}"
-    mspec = importlib.util.spec_from_file_location(modname, root / f"{spec.name}.py")
-    module = importlib.util.module_from_spec(mspec)
+    module_spec = importlib.util.spec_from_file_location(modname, root / f"{spec.name}.py")
+    module = importlib.util.module_from_spec(module_spec)
     sys.modules[modname] = module
-    mspec.loader.exec_module(module)
+    module_spec.loader.exec_module(module)
     if flags is not None:
         module._kernel.cflags = list(flags)   # built on first use, so before any call
     _LOADED[key] = _LOADED[(spec, backend, flags)] = module
@@ -167,13 +170,11 @@ def load(name_or_spec, backend: str = "numpy", *, cflags: list[str] | None = Non
 
 def materialize(spec: Spec, backend: str) -> tuple[Path, str]:
     """Write the generated code of one backend into the cache; (directory, content digest)."""
-    import hashlib
-
     files = emit(derive(spec), targets=(backend,)).files
     digest = hashlib.sha256("\0".join(f"{k}\0{v}" for k, v in sorted(files.items())).encode()).hexdigest()[:16]
     root = cache_dir() / "modules" / f"{spec.name}-{backend}-{digest}"
     for rel, text in files.items():
-        p = root / Path(rel).name
-        if not p.is_file() or p.read_text(encoding="utf-8") != text:
-            atomic_write(p, text)
+        path = root / Path(rel).name
+        if not path.is_file() or path.read_text(encoding="utf-8") != text:
+            atomic_write(path, text)
     return root, digest

@@ -2,20 +2,27 @@
 
 from __future__ import annotations
 
+import json
+import re
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 import click
 
 from derivgen import api
 from derivgen.explain.document import text_expr
-from derivgen.runtime.fsutil import atomic_write
 from derivgen.prove.proof import prove_derivation
-from derivgen.spec.model import SpecError
+from derivgen.runtime.build import BuildError, BuildWarning, build_shared, library_path
+from derivgen.runtime.fsutil import atomic_write
+from derivgen.spec.model import Spec, SpecError
+from derivgen.tools import generate as gen
+from derivgen.tools.bench import DEFAULT_SHAPES, default_shapes, format_report, plot, run_bench, tune_malloc
+from derivgen.tools.check import check_layer, format_table, rows_json, stderr_progress
 
 
 class UserError(click.ClickException):
@@ -23,7 +30,8 @@ class UserError(click.ClickException):
     exit_code = 2
 
 
-def _spec_or_name(name: str | None, spec: str | None):
+def _spec_or_name(name: str | None, spec: str | None) -> Spec:
+    """The spec of a catalogue NAME or a --spec FILE (exactly one given); a bad one is a UserError."""
     if (name is None) == (spec is None):
         raise UserError("give a layer NAME or --spec FILE (exactly one)")
     try:
@@ -32,12 +40,13 @@ def _spec_or_name(name: str | None, spec: str | None):
         raise UserError(str(exc)) from None
 
 
-def _specs(names, spec_files) -> list:
+def _specs(names: tuple[str, ...] | list[str], spec_files: tuple[str, ...]) -> list[Spec]:
     """Catalogue NAMES and --spec FILEs, validated, in the order given."""
     return [_spec_or_name(n, None) for n in names] + [_spec_or_name(None, f) for f in spec_files]
 
 
 def _sizes(text: str) -> tuple[int, ...]:
+    """The proof sizes of ``--prove-sizes``: a range ``2-6`` or a list ``2,3,4``, each in 2..12."""
     try:
         if "-" in text:
             lo, hi = (int(t) for t in text.split("-", 1))
@@ -53,12 +62,12 @@ def _sizes(text: str) -> tuple[int, ...]:
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="derivgen")
-def cli():
+def cli() -> None:
     """Derive, prove and generate backward passes of normalization layers."""
 
 
 @cli.command("list")
-def list_cmd():
+def list_cmd() -> None:
     """The built-in catalogue, one line each."""
     for name in api.names():
         spec = api.load_spec(name)
@@ -77,20 +86,21 @@ def list_cmd():
 @click.option("--no-prove", is_flag=True, help="Skip the brute-force proof.")
 @click.option("--order", type=click.IntRange(1, 2), default=1, show_default=True,
               help="2 adds the second order: the double backward and the JVP, derived and proven (N up to 5).")
-def derive_cmd(name, spec_file, fmt, standalone, output, pdf, prove_sizes, no_prove, order):
+def derive_cmd(name: str | None, spec_file: str | None, fmt: str, standalone: bool, output: str | None,
+               pdf: str | None, prove_sizes: str, no_prove: bool, order: int) -> None:
     """Print the step-by-step derivation of a layer's backward pass."""
     spec = _spec_or_name(name, spec_file)
     sizes = () if no_prove else _sizes(prove_sizes)
-    d = api.derive(spec, prove=sizes)
-    failed = [m for m, p in d.proofs.items() if not p.ok]
-    text = d.render(fmt, standalone=standalone, order=order, second_sizes=tuple(n for n in sizes if n <= 5))
+    derivation = api.derive(spec, prove=sizes)
+    failed = [mode for mode, proof in derivation.proofs.items() if not proof.ok]
+    second_sizes = tuple(n for n in sizes if n <= 5)
+    text = derivation.render(fmt, standalone=standalone, order=order, second_sizes=second_sizes)
     if output:
         atomic_write(output, text)
     else:
         click.echo(text, nl=False)
     if pdf:
-        _pdflatex(d.render("latex", standalone=True, order=order,
-                           second_sizes=tuple(n for n in sizes if n <= 5)), Path(pdf))
+        _pdflatex(derivation.render("latex", standalone=True, order=order, second_sizes=second_sizes), Path(pdf))
     if failed:
         raise click.ClickException(f"{spec.name}: the closed form FAILED its brute-force proof in mode(s) {', '.join(failed)}")
 
@@ -99,7 +109,7 @@ def derive_cmd(name, spec_file, fmt, standalone, output, pdf, prove_sizes, no_pr
 @click.argument("names", nargs=-1)
 @click.option("--spec", "spec_files", multiple=True, type=click.Path(dir_okay=False), help="Spec file(s) to prove too.")
 @click.option("--prove-sizes", default="2-6", show_default=True, help="Brute-force sizes (e.g. 2-6).")
-def prove_cmd(names, spec_files, prove_sizes):
+def prove_cmd(names: tuple[str, ...], spec_files: tuple[str, ...], prove_sizes: str) -> None:
     """Derive and prove layers (default: the whole catalogue); print a summary table."""
     sizes = _sizes(prove_sizes)
     specs = _specs(names, spec_files)
@@ -111,18 +121,18 @@ def prove_cmd(names, spec_files, prove_sizes):
     rows = []
     for spec in specs:
         t0 = time.perf_counter()
-        d = api.derive(spec)
+        derivation = api.derive(spec)
         t1 = time.perf_counter()
-        proofs = prove_derivation(d, sizes)
+        proofs = prove_derivation(derivation, sizes)
         t2 = time.perf_counter()
         t_derive += t1 - t0
         t_prove += t2 - t1
-        for mname, md in d.modes.items():
-            p = proofs[mname]
-            if not p.ok:
-                failed.append(f"{spec.name}/{mname}")
-            rows.append((spec.name, mname, str(len(md.reductions)), p.status,
-                         f"{sum(r.seconds for r in p.results):.1f}s", "∂L/∂x = " + text_expr(md.dx, spec)))
+        for mode_name, mode in derivation.modes.items():
+            proof = proofs[mode_name]
+            if not proof.ok:
+                failed.append(f"{spec.name}/{mode_name}")
+            rows.append((spec.name, mode_name, str(len(mode.reductions)), proof.status,
+                         f"{sum(r.seconds for r in proof.results):.1f}s", "∂L/∂x = " + text_expr(mode.dx, spec)))
     widths = [max(len(r[i]) for r in rows + [("layer", "mode", "red.", "proof", "time", "")]) for i in range(5)]
     head = ("layer", "mode", "red.", f"proof N={sizes[0]}..{sizes[-1]}", "time")
     widths[3] = max(widths[3], len(head[3]))
@@ -143,9 +153,9 @@ def prove_cmd(names, spec_files, prove_sizes):
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None,
               help="Output directory (default: generated/ in the current directory).")
 @click.option("--check", is_flag=True, help="Write nothing; exit 1 listing files that are stale.")
-def generate_cmd(names, spec_files, target, out_dir, check):
+def generate_cmd(names: tuple[str, ...], spec_files: tuple[str, ...], target: tuple[str, ...],
+                 out_dir: str | None, check: bool) -> None:
     """Regenerate NumPy, C and PyTorch code (default: the whole catalogue into ./generated)."""
-    from derivgen.tools import generate as gen
     targets = tuple(target) or gen.TARGETS
     specs = _specs(names, spec_files)
     whole = not specs
@@ -159,8 +169,8 @@ def generate_cmd(names, spec_files, target, out_dir, check):
         click.echo(f"{len(files)} generated file(s) in {out}/ are up to date")
         return
     written = gen.write(files, out)
-    for p in written:
-        click.echo(f"wrote {p}")
+    for path in written:
+        click.echo(f"wrote {path}")
     click.echo(f"{len(files)} file(s) in {out}/, {len(written)} changed")
 
 
@@ -171,26 +181,26 @@ def generate_cmd(names, spec_files, target, out_dir, check):
 @click.option("--dtype", "dtypes", default="float32,float64", show_default=True, help="Comma-separated: float32,float64.")
 @click.option("--prove-sizes", default="2-6", show_default=True, help="Brute-force proof sizes.")
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
-def check_cmd(names, spec_files, backends, dtypes, prove_sizes, as_json):
+def check_cmd(names: tuple[str, ...], spec_files: tuple[str, ...], backends: str, dtypes: str, prove_sizes: str,
+              as_json: bool) -> None:
     """Cross-check every layer x backend x dtype: spec + finite differences, the other backend, PyTorch, proof."""
-    import json
-
-    from derivgen.tools.check import check_layer, format_table, rows_json, stderr_progress
-    bl = tuple(b.strip() for b in backends.split(",") if b.strip())
-    dl = tuple(d.strip() for d in dtypes.split(",") if d.strip())
-    if not bl or any(b not in ("numpy", "c") for b in bl) or len(set(bl)) != len(bl):
+    backend_list = tuple(b.strip() for b in backends.split(",") if b.strip())
+    dtype_list = tuple(d.strip() for d in dtypes.split(",") if d.strip())
+    if (not backend_list or any(b not in ("numpy", "c") for b in backend_list)
+            or len(set(backend_list)) != len(backend_list)):
         raise UserError(f"--backend: expected a comma-separated subset of numpy,c, got {backends!r}")
-    if not dl or any(d not in ("float32", "float64") for d in dl) or len(set(dl)) != len(dl):
+    if (not dtype_list or any(d not in ("float32", "float64") for d in dtype_list)
+            or len(set(dtype_list)) != len(dtype_list)):
         raise UserError(f"--dtype: expected a comma-separated subset of float32,float64, got {dtypes!r}")
     sizes = _sizes(prove_sizes)
     specs = _specs(names, spec_files)
     if not specs:
         specs = [api.load_spec(n) for n in api.names()]
-    total = sum(len(s.modes) for s in specs) * len(bl) * len(dl)
+    total = sum(len(s.modes) for s in specs) * len(backend_list) * len(dtype_list)
     progress = stderr_progress(total)
     rows = []
     for spec in specs:
-        rows += check_layer(spec, bl, dl, prove_sizes=sizes, progress=progress)
+        rows += check_layer(spec, backend_list, dtype_list, prove_sizes=sizes, progress=progress)
     progress.done()
     failed = [r for r in rows if r.failed]
     if as_json:
@@ -207,11 +217,8 @@ def check_cmd(names, spec_files, backends, dtypes, prove_sizes, as_json):
 @cli.command("build")
 @click.argument("names", nargs=-1)
 @click.option("--spec", "spec_files", multiple=True, type=click.Path(dir_okay=False), help="Spec file(s) to build.")
-def build_cmd(names, spec_files):
+def build_cmd(names: tuple[str, ...], spec_files: tuple[str, ...]) -> None:
     """Compile the C kernels into shared libraries in the build cache (CC and CFLAGS honored)."""
-    import warnings
-
-    from derivgen.runtime.build import BuildError, BuildWarning, build_shared, library_path
     specs = _specs(names, spec_files)
     for spec in specs or [api.load_spec(n) for n in api.names()]:
         root, _ = api.materialize(spec, "c")
@@ -233,6 +240,7 @@ def build_cmd(names, spec_files):
 
 
 def _shape(text: str) -> tuple[int, ...]:
+    """A ``--shape`` like ``8192x1024`` (or ``8192,1024``) as a tuple of positive sizes."""
     try:
         dims = tuple(int(t) for t in text.lower().replace(",", "x").split("x") if t.strip())
     except ValueError:
@@ -260,53 +268,29 @@ def _shape(text: str) -> tuple[int, ...]:
               help="Bench derivgen.torch's modules against torch.nn's instead, through autograd.")
 @click.option("--sync", "sync_world", type=click.IntRange(2, 64), default=None,
               help="With --torch: SyncBatchNorm split over this many gloo processes against one process.")
-def bench_cmd(names, spec_files, shapes, threads, dtype, repeat, isas, json_file, plot_file, default_malloc,
-              with_torch, sync_world):
+def bench_cmd(names: tuple[str, ...], spec_files: tuple[str, ...], shapes: tuple[str, ...], threads: int | None,
+              dtype: str, repeat: int, isas: str, json_file: str | None, plot_file: str | None, default_malloc: bool,
+              with_torch: bool, sync_world: int | None) -> None:
     """Time generated C and NumPy against plain NumPy, PyTorch and the memory-bandwidth bound."""
-    import json
-    import re
-
     if with_torch:
         if names or spec_files or shapes or plot_file or isas != "native":
             raise UserError("--torch benches its own fixed cases; it takes --threads, --dtype, --repeat and --json only")
-        try:
-            from derivgen.torch.bench import CASES, format_torch_report, run_torch_bench
-        except ImportError as e:
-            raise UserError(str(e)) from None
-        if sync_world:
-            from derivgen.torch.bench_sync import format_sync_report, run_sync_bench
-            rep = run_sync_bench(sync_world, repeat)
-            click.echo(format_sync_report(rep))
-            if json_file:
-                atomic_write(json_file, json.dumps(rep, indent=1))
-            return
-        from derivgen.tools.check import stderr_progress
-        if not default_malloc:
-            from derivgen.tools.bench import tune_malloc
-            tune_malloc()
-        progress = stderr_progress(len(CASES) + 1)
-        rep = run_torch_bench(threads, repeat, dtype, progress)
-        progress.done()
-        click.echo(format_torch_report(rep))
-        if json_file:
-            atomic_write(json_file, json.dumps(rep, indent=1))
+        _bench_torch(threads, dtype, repeat, json_file, default_malloc, sync_world)
         return
-
     if sync_world:
         raise UserError("--sync benches derivgen.torch's SyncBatchNorm: use it with --torch")
-    from derivgen.tools.bench import DEFAULT_SHAPES, default_shapes, format_report, plot, run_bench
-    from derivgen.tools.check import stderr_progress
     names = list(names) or ([] if spec_files else list(DEFAULT_SHAPES))
     specs = _specs(names, spec_files)
     marches = [m.strip() for m in isas.split(",") if m.strip()]
     bad = [m for m in marches if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.+-]*", m)]
     if not marches or bad or len(set(marches)) != len(marches):
         raise UserError(f"--isa: expected native and/or -march names, comma-separated, each once; got {isas!r}")
-    shp = [_shape(s) for s in shapes] or None
-    total = sum(len(shp or default_shapes(s)) for s in specs) * 2
+    shape_list = [_shape(s) for s in shapes] or None
+    total = sum(len(shape_list or default_shapes(s)) for s in specs) * 2
     progress = stderr_progress(total)
     layers = [s.name if s.source.startswith("catalogue/") else s for s in specs]
-    report = run_bench(layers, shp, threads, dtype, repeat, progress, tuned_malloc=not default_malloc, isas=marches)
+    report = run_bench(layers, shape_list, threads, dtype, repeat, progress, tuned_malloc=not default_malloc,
+                       isas=marches)
     progress.done()
     click.echo(format_report(report))
     if json_file:
@@ -319,7 +303,34 @@ def bench_cmd(names, spec_files, shapes, threads, dtype, repeat, isas, json_file
         click.echo(f"chart: {plot_file}")
 
 
+def _bench_torch(threads: int | None, dtype: str, repeat: int, json_file: str | None, default_malloc: bool,
+                 sync_world: int | None) -> None:
+    """``bench --torch``: derivgen.torch's modules against torch.nn's (or, with ``--sync``, SyncBatchNorm
+    split over processes against one process)."""
+    try:  # imported here: PyTorch is an optional dependency, and these modules import it
+        from derivgen.torch.bench import CASES, format_torch_report, run_torch_bench
+    except ImportError as e:
+        raise UserError(str(e)) from None
+    if sync_world:
+        from derivgen.torch.bench_sync import format_sync_report, run_sync_bench  # optional PyTorch, as above
+
+        report = run_sync_bench(sync_world, repeat)
+        click.echo(format_sync_report(report))
+        if json_file:
+            atomic_write(json_file, json.dumps(report, indent=1))
+        return
+    if not default_malloc:
+        tune_malloc()
+    progress = stderr_progress(len(CASES) + 1)
+    report = run_torch_bench(threads, repeat, dtype, progress)
+    progress.done()
+    click.echo(format_torch_report(report))
+    if json_file:
+        atomic_write(json_file, json.dumps(report, indent=1))
+
+
 def _pdflatex(tex: str, pdf: Path) -> None:
+    """Compile standalone LaTeX to ``pdf`` with pdflatex (run twice, for references)."""
     exe = shutil.which("pdflatex")
     if exe is None:
         raise click.ClickException("pdflatex not found: install the Debian package texlive-latex-base "
@@ -327,15 +338,15 @@ def _pdflatex(tex: str, pdf: Path) -> None:
     with tempfile.TemporaryDirectory(prefix="derivgen-tex-") as tmp:
         (Path(tmp) / "doc.tex").write_text(tex, encoding="utf-8")
         for _ in range(2):
-            r = subprocess.run([exe, "-interaction=nonstopmode", "-halt-on-error", "doc.tex"],
-                               cwd=tmp, capture_output=True, text=True, timeout=120)
-            if r.returncode != 0:
-                lines = [l for l in r.stdout.splitlines() if l.startswith("!")]
+            run = subprocess.run([exe, "-interaction=nonstopmode", "-halt-on-error", "doc.tex"],
+                                 cwd=tmp, capture_output=True, text=True, timeout=120, check=False)
+            if run.returncode != 0:         # its log's "!" lines say why
+                lines = [line for line in run.stdout.splitlines() if line.startswith("!")]
                 raise click.ClickException(f"pdflatex failed: {lines[0] if lines else 'see log'}")
         atomic_write(pdf, (Path(tmp) / "doc.pdf").read_bytes())
 
 
-def main(argv=None) -> int:
+def main(argv: list[str] | None = None) -> int:
     """Entry point: errors become one line and an exit code, never a traceback."""
     try:
         cli.main(args=argv, prog_name="derivgen", standalone_mode=False)

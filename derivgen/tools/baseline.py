@@ -13,9 +13,9 @@ from __future__ import annotations
 import numpy as np
 
 from derivgen.derive.first import G, ModeDerivation
-from derivgen.tools.evaluate import evaluate
 from derivgen.runtime import Layout
 from derivgen.spec.model import DY, N, X
+from derivgen.tools.evaluate import evaluate
 
 
 class PlainNumPy:

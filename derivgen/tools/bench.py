@@ -282,8 +282,8 @@ def _baseline(spec, catalogue, x, params, dy, kw):
     """The plain NumPy fwd+bwd: the textbook one for catalogue layers, else from the spec."""
     if catalogue:
         return lambda: plain_numpy(spec.name, x, params, dy, kw)
-    from derivgen.tools.baseline import PlainNumPy
     from derivgen.runtime import resolve_layout
+    from derivgen.tools.baseline import PlainNumPy
     meta = {"name": spec.name, "layout": spec.layout, "reduce": spec.reduce, "params": ["p"], "axes": spec.axes}
     pshape = params[0].shape if params and params[0].ndim else tuple(x.shape[x.ndim - spec.axes:])
     L = resolve_layout(meta, x, {"p": np.empty(pshape) if spec.layout == "trailing" else np.empty(x.shape[1])},
@@ -505,8 +505,9 @@ def plot(report: dict, path: str) -> None:
     ax.legend()
     ax.set_title(f"derivgen bench ({report['dtype']}, {report['threads']} threads)")
     fig.tight_layout()
-    from derivgen.runtime.fsutil import atomic_write
     import io
+
+    from derivgen.runtime.fsutil import atomic_write
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=120)
     atomic_write(path, buf.getvalue())

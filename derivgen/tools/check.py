@@ -19,9 +19,9 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from derivgen.api import derive, load
-from derivgen.tools.evaluate import GroupEvaluator
 from derivgen.runtime import Layout, resolve_layout
 from derivgen.spec.model import Spec
+from derivgen.tools.evaluate import GroupEvaluator
 
 TOL = {
     # check: (float64, float32), relative to max(1, max |reference|)

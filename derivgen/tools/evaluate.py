@@ -12,10 +12,10 @@ from __future__ import annotations
 import numpy as np
 import sympy
 
-from derivgen.symbolic import functions
 from derivgen.derive.first import G, ModeDerivation
-from derivgen.symbolic.reduce import Mean
 from derivgen.spec.model import DY, N, X
+from derivgen.symbolic import functions
+from derivgen.symbolic.reduce import Mean
 
 
 def evaluate(expr: sympy.Expr, env: dict[sympy.Symbol, object], mean=np.mean):
