@@ -19,60 +19,67 @@ from derivgen.tools.evaluate import evaluate
 
 
 class PlainNumPy:
-    def __init__(self, md: ModeDerivation, layout: Layout):
-        self.md, self.spec, self.L = md, md.spec, layout
+    """One mode's forward and backward over whole arrays in the (O, G, Cg, S) view of ``layout``."""
 
-    def _mean(self, a):
-        L = self.L
-        return np.mean(np.broadcast_to(a, L.view4), axis=L.reduce_axes, keepdims=True)
+    def __init__(self, mode: ModeDerivation, layout: Layout):
+        self.mode, self.spec, self.layout = mode, mode.spec, layout
 
-    def _group(self, v):
+    def _mean(self, a: np.ndarray) -> np.ndarray:
+        """The mean over each group's axes, kept as size-1 axes."""
+        layout = self.layout
+        return np.mean(np.broadcast_to(a, layout.view4), axis=layout.reduce_axes, keepdims=True)
+
+    def _group(self, v: object) -> float | np.ndarray:
         """A per-group value (input, buffer) as a scalar or in the statistics' shape."""
         v = np.asarray(v)
-        return float(v.reshape(-1)[0]) if v.size == 1 else v.reshape(self.L.stat4)
+        return float(v.reshape(-1)[0]) if v.size == 1 else v.reshape(self.layout.stat4)
 
-    def forward(self, x, params, kw):
-        """y and the values the backward needs (a dict of arrays and scalars)."""
-        L, md, spec = self.L, self.md, self.spec
-        env: dict = {X: x.reshape(L.view4), N: float(L.group_size)}
+    def forward(self, x: np.ndarray, params: list[np.ndarray], kw: dict) -> tuple[np.ndarray, dict]:
+        """y and the values the backward needs (a dict of arrays and scalars); ``kw`` holds the
+        options, inputs and buffers by name."""
+        layout, mode, spec = self.layout, self.mode, self.spec
+        env: dict = {X: x.reshape(layout.view4), N: float(layout.group_size)}
         for p, v in zip(spec.params, params):
-            env[p.symbol] = float(np.asarray(v).reshape(-1)[0]) if p.scalar else v.reshape(L.param4)
+            env[p.symbol] = float(np.asarray(v).reshape(-1)[0]) if p.scalar else v.reshape(layout.param4)
         for o in spec.options:
             env[o.symbol] = float(kw.get(o.name, o.default))
         for item in (*spec.inputs, *spec.buffers):
             if kw.get(item.name) is not None:
                 env[item.symbol] = self._group(kw[item.name])
-        for st in md.statistics:
+        for st in mode.statistics:
             env[st.symbol] = evaluate(st.expr, env, self._mean)
         if spec.normalized is not None:
-            env[spec.normalized.symbol] = evaluate(md.normalized_expr, env, self._mean)
-        if md.coordinate is not None:
-            env[md.coordinate.symbol] = evaluate(md.coordinate_expr, env, self._mean)
+            env[spec.normalized.symbol] = evaluate(mode.normalized_expr, env, self._mean)
+        if mode.coordinate is not None:
+            env[mode.coordinate.symbol] = evaluate(mode.coordinate_expr, env, self._mean)
         y = evaluate(spec.output, env, self._mean)
-        return np.broadcast_to(y, L.view4).reshape(L.x_shape), env
+        return np.broadcast_to(y, layout.view4).reshape(layout.x_shape), env
 
-    def backward(self, dy, env):
-        L, md, spec = self.L, self.md, self.spec
+    def backward(self, dy: np.ndarray, env: dict) -> list:
+        """[dx, the parameters' gradients..., the inputs' gradients...] at cotangent ``dy``, each
+        in its argument's shape."""
+        layout, mode, spec = self.layout, self.mode, self.spec
         env = dict(env)
-        env[DY] = dy.reshape(L.view4)
-        if md.g is not None:
-            env[G] = evaluate(md.g, env, self._mean)
-        dx = np.broadcast_to(evaluate(md.dx, env, self._mean), L.view4).reshape(L.x_shape)
+        env[DY] = dy.reshape(layout.view4)
+        if mode.g is not None:
+            env[G] = evaluate(mode.g, env, self._mean)
+        dx = np.broadcast_to(evaluate(mode.dx, env, self._mean), layout.view4).reshape(layout.x_shape)
         grads = [dx]
         for p in spec.params:
-            gr = md.grads[p.name]
-            elem = np.broadcast_to(evaluate(gr.element, env, self._mean), L.view4)
-            group = np.sum(np.broadcast_to(evaluate(gr.group, env, self._mean), L.stat4))
+            grad = mode.grads[p.name]
+            elem = np.broadcast_to(evaluate(grad.element, env, self._mean), layout.view4)
+            group = np.sum(np.broadcast_to(evaluate(grad.group, env, self._mean), layout.stat4))
             if p.scalar:
                 grads.append(np.sum(elem) + group)
             else:
-                grads.append(np.sum(elem, axis=L.param_axes).reshape(L.param_shape))
+                grads.append(np.sum(elem, axis=layout.param_axes).reshape(layout.param_shape))
         for i in spec.inputs:                   # in the input's shape: one value, or one per group
-            gi = np.broadcast_to(evaluate(md.dinputs[i.name], env, self._mean), L.stat4)
+            gi = np.broadcast_to(evaluate(mode.dinputs[i.name], env, self._mean), layout.stat4)
             scalar = not isinstance(env.get(i.symbol), np.ndarray)
-            grads.append(np.sum(gi) if scalar else gi.reshape(L.group_shape))
+            grads.append(np.sum(gi) if scalar else gi.reshape(layout.group_shape))
         return grads
 
-    def step(self, x, params, dy, kw):
+    def step(self, x: np.ndarray, params: list[np.ndarray], dy: np.ndarray, kw: dict) -> tuple[np.ndarray, list]:
+        """Forward then backward: (y, the backward's gradients)."""
         y, env = self.forward(x, params, kw)
         return y, self.backward(dy, env)

@@ -9,6 +9,8 @@ the emitters.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import sympy
 
@@ -18,7 +20,7 @@ from derivgen.symbolic import functions
 from derivgen.symbolic.reduce import Mean
 
 
-def evaluate(expr: sympy.Expr, env: dict[sympy.Symbol, object], mean=np.mean):
+def evaluate(expr: sympy.Expr, env: dict[sympy.Symbol, object], mean: Callable = np.mean) -> object:
     """``expr`` over the values in ``env``; ``mean`` reduces a Mean's argument (default: the
     whole array, one group; derivgen.tools.baseline passes a mean over the group axes)."""
     if expr.is_Symbol:
@@ -38,13 +40,13 @@ def evaluate(expr: sympy.Expr, env: dict[sympy.Symbol, object], mean=np.mean):
             out = out * evaluate(a, env, mean)
         return out
     if expr.is_Pow:
-        b = evaluate(expr.base, env, mean)
-        e = expr.exp
-        root = functions.half_power_sign(expr)
+        base = evaluate(expr.base, env, mean)
+        exponent = expr.exp
+        root = functions.half_power_sign(expr)        # x**(1/2) or x**(-1/2): the table's square root
         if root:
-            r = getattr(np, functions.half_power().numpy)(b)
-            return r if root > 0 else 1.0 / r
-        return np.power(b, float(e)) if not e.is_Integer else b ** int(e)
+            sqrt = getattr(np, functions.half_power().numpy)(base)
+            return sqrt if root > 0 else 1.0 / sqrt
+        return np.power(base, float(exponent)) if not exponent.is_Integer else base ** int(exponent)
     fn = functions.of_node(expr)
     if fn is not None:                 # the table's NumPy function
         return getattr(np, fn.numpy)(*(evaluate(a, env, mean) for a in expr.args))
@@ -54,37 +56,46 @@ def evaluate(expr: sympy.Expr, env: dict[sympy.Symbol, object], mean=np.mean):
 class GroupEvaluator:
     """Forward and closed-form backward of one mode on a single group."""
 
-    def __init__(self, md: ModeDerivation):
-        self.md = md
-        self.spec = md.spec
+    def __init__(self, mode: ModeDerivation):
+        self.mode = mode
+        self.spec = mode.spec
 
-    def forward(self, x, params: dict, scalars: dict):
+    def forward(self, x: np.ndarray, params: dict, scalars: dict) -> tuple[np.ndarray, dict]:
+        """y over the group's elements ``x``, and the environment (statistics, coordinates) the
+        backward reads. ``params`` by name (arrays over the group, or scalars); ``scalars`` the
+        options, inputs and buffers by name (one value each)."""
+        mode, spec = self.mode, self.spec
         env = self._env(x, params, scalars)
-        for st in self.md.statistics:          # with the auxiliaries the engine named
+        for st in mode.statistics:          # with the auxiliaries the engine named
             env[st.symbol] = evaluate(st.expr, env)
-        if self.spec.normalized is not None:
-            env[self.spec.normalized.symbol] = evaluate(self.md.normalized_expr, env) * np.ones_like(x)
-        if self.md.coordinate is not None:        # the backward's coordinate (x̂, or the centred x - μ)
-            env[self.md.coordinate.symbol] = evaluate(self.md.coordinate_expr, env) * np.ones_like(x)
-        y = evaluate(self.spec.output, env) * np.ones_like(x)
+        if spec.normalized is not None:
+            env[spec.normalized.symbol] = evaluate(mode.normalized_expr, env) * np.ones_like(x)
+        if mode.coordinate is not None:        # the backward's coordinate (x̂, or the centred x - μ)
+            env[mode.coordinate.symbol] = evaluate(mode.coordinate_expr, env) * np.ones_like(x)
+        y = evaluate(spec.output, env) * np.ones_like(x)
         return y, env
 
-    def backward(self, dy, env):
+    def backward(self, dy: np.ndarray, env: dict) -> tuple[np.ndarray, dict[str, object], dict[str, float]]:
+        """The closed forms at cotangent ``dy``: (dx, parameter gradients by name, input gradients
+        by name). A per-element parameter's gradient is per element (sum it over the groups);
+        a scalar one's is this group's whole share."""
+        mode = self.mode
         env = dict(env)
         env[DY] = dy
-        if self.md.g is not None:
-            env[G] = evaluate(self.md.g, env) * np.ones_like(dy)
-        dx = evaluate(self.md.dx, env) * np.ones_like(dy)
+        if mode.g is not None:
+            env[G] = evaluate(mode.g, env) * np.ones_like(dy)
+        dx = evaluate(mode.dx, env) * np.ones_like(dy)
         dparams = {}
         for p in self.spec.params:
-            gr = self.md.grads[p.name]
-            elem = evaluate(gr.element, env) * np.ones_like(dy)
+            grad = mode.grads[p.name]
+            elem = evaluate(grad.element, env) * np.ones_like(dy)
             # a scalar parameter: its whole gradient from this group; per channel: per element
-            dparams[p.name] = float(np.sum(elem) + evaluate(gr.group, env)) if p.scalar else elem
-        dinputs = {k: float(evaluate(v, env)) for k, v in self.md.dinputs.items()}
+            dparams[p.name] = float(np.sum(elem) + evaluate(grad.group, env)) if p.scalar else elem
+        dinputs = {k: float(evaluate(v, env)) for k, v in mode.dinputs.items()}
         return dx, dparams, dinputs
 
-    def _env(self, x, params, scalars):
+    def _env(self, x: np.ndarray, params: dict, scalars: dict) -> dict:
+        """The symbols' values before the statistics: x, N, the parameters and the scalars given."""
         env: dict = {X: np.asarray(x, dtype=np.float64), N: float(len(x))}
         for p in self.spec.params:
             v = np.asarray(params[p.name], dtype=np.float64)
