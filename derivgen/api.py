@@ -32,6 +32,7 @@ class Derivation:
     The first order of each mode is computed up front (``modes``); its second order
     (:meth:`second`), its steps for people (:meth:`steps_of`) and the proofs of the second
     order are computed on first use and kept."""
+
     spec: Spec
     modes: dict[str, ModeDerivation]
     proofs: dict[str, ModeProof] = field(default_factory=dict)
@@ -85,16 +86,23 @@ class Derivation:
         """The training mode's terms that look like they vanish but do not, (what, why)."""
         return facts(self.train)[1]
 
-    def render(self, fmt: str = "latex", standalone: bool = False, order: int = 1,
-               second_sizes: Iterable[int] = (2, 3, 4, 5)) -> str:
+    def render(
+        self, fmt: str = "latex", standalone: bool = False, order: int = 1, second_sizes: Iterable[int] = (2, 3, 4, 5)
+    ) -> str:
         """The derivation for people in LaTeX, Markdown or text; ``order=2`` adds the second
         order, proven at ``second_sizes`` (none: not proven)."""
         document.check_format(fmt)
         sizes = tuple(second_sizes)
-        modes = [document.ModeDocument(self.modes[mode], self.steps_of(mode), self.proofs.get(mode),
-                                       self.second(mode) if order >= 2 else None,
-                                       self.second_proof(mode, sizes) if order >= 2 and sizes else None)
-                 for mode in self.modes]
+        modes = [
+            document.ModeDocument(
+                self.modes[mode],
+                self.steps_of(mode),
+                self.proofs.get(mode),
+                self.second(mode) if order >= 2 else None,
+                self.second_proof(mode, sizes) if order >= 2 and sizes else None,
+            )
+            for mode in self.modes
+        ]
         return document.render(self.spec, modes, fmt, standalone)
 
 
@@ -129,7 +137,7 @@ def derive(name_or_spec: str | Path | Spec, *, prove: bool | tuple[int, ...] = F
     return _derive_spec(spec, sizes)
 
 
-_LOADED: dict[tuple, ModuleType] = {}   # (backend, digest, cflags) and (spec, backend, cflags) -> module
+_LOADED: dict[tuple, ModuleType] = {}  # (backend, digest, cflags) and (spec, backend, cflags) -> module
 
 
 def load(name_or_spec: str | Path | Spec, backend: str = "numpy", *, cflags: list[str] | None = None) -> ModuleType:
@@ -149,7 +157,7 @@ def load(name_or_spec: str | Path | Spec, backend: str = "numpy", *, cflags: lis
         raise ValueError("cflags= applies to the C backend only")
     spec = name_or_spec if isinstance(name_or_spec, Spec) else load_spec(name_or_spec)
     flags = None if cflags is None else tuple(str(f) for f in cflags)
-    if (spec, backend, flags) in _LOADED:      # the same spec: no need to derive and render again
+    if (spec, backend, flags) in _LOADED:  # the same spec: no need to derive and render again
         return _LOADED[(spec, backend, flags)]
     root, digest = materialize(spec, backend)
     key = (backend, digest, flags)
@@ -163,7 +171,7 @@ def load(name_or_spec: str | Path | Spec, backend: str = "numpy", *, cflags: lis
     sys.modules[modname] = module
     module_spec.loader.exec_module(module)
     if flags is not None:
-        module._kernel.cflags = list(flags)   # built on first use, so before any call
+        module._kernel.cflags = list(flags)  # built on first use, so before any call
     _LOADED[key] = _LOADED[(spec, backend, flags)] = module
     return module
 

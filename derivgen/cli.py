@@ -27,6 +27,7 @@ from derivgen.tools.check import check_layer, format_table, rows_json, stderr_pr
 
 class UserError(click.ClickException):
     """Bad input: one line on stderr, exit code 2."""
+
     exit_code = 2
 
 
@@ -84,10 +85,24 @@ def list_cmd() -> None:
 @click.option("--pdf", type=click.Path(dir_okay=False), help="Also compile the standalone LaTeX to this PDF.")
 @click.option("--prove-sizes", default="2-6", show_default=True, help="Brute-force proof sizes (e.g. 2-6 or 2,3).")
 @click.option("--no-prove", is_flag=True, help="Skip the brute-force proof.")
-@click.option("--order", type=click.IntRange(1, 2), default=1, show_default=True,
-              help="2 adds the second order: the double backward and the JVP, derived and proven (N up to 5).")
-def derive_cmd(name: str | None, spec_file: str | None, fmt: str, standalone: bool, output: str | None,
-               pdf: str | None, prove_sizes: str, no_prove: bool, order: int) -> None:
+@click.option(
+    "--order",
+    type=click.IntRange(1, 2),
+    default=1,
+    show_default=True,
+    help="2 adds the second order: the double backward and the JVP, derived and proven (N up to 5).",
+)
+def derive_cmd(
+    name: str | None,
+    spec_file: str | None,
+    fmt: str,
+    standalone: bool,
+    output: str | None,
+    pdf: str | None,
+    prove_sizes: str,
+    no_prove: bool,
+    order: int,
+) -> None:
     """Print the step-by-step derivation of a layer's backward pass."""
     spec = _spec_or_name(name, spec_file)
     sizes = () if no_prove else _sizes(prove_sizes)
@@ -102,7 +117,9 @@ def derive_cmd(name: str | None, spec_file: str | None, fmt: str, standalone: bo
     if pdf:
         _pdflatex(derivation.render("latex", standalone=True, order=order, second_sizes=second_sizes), Path(pdf))
     if failed:
-        raise click.ClickException(f"{spec.name}: the closed form FAILED its brute-force proof in mode(s) {', '.join(failed)}")
+        raise click.ClickException(
+            f"{spec.name}: the closed form FAILED its brute-force proof in mode(s) {', '.join(failed)}"
+        )
 
 
 @cli.command("prove")
@@ -131,16 +148,26 @@ def prove_cmd(names: tuple[str, ...], spec_files: tuple[str, ...], prove_sizes: 
             proof = proofs[mode_name]
             if not proof.ok:
                 failed.append(f"{spec.name}/{mode_name}")
-            rows.append((spec.name, mode_name, str(len(mode.reductions)), proof.status,
-                         f"{sum(r.seconds for r in proof.results):.1f}s", "∂L/∂x = " + text_expr(mode.dx, spec)))
+            rows.append(
+                (
+                    spec.name,
+                    mode_name,
+                    str(len(mode.reductions)),
+                    proof.status,
+                    f"{sum(r.seconds for r in proof.results):.1f}s",
+                    "∂L/∂x = " + text_expr(mode.dx, spec),
+                )
+            )
     widths = [max(len(r[i]) for r in rows + [("layer", "mode", "red.", "proof", "time", "")]) for i in range(5)]
     head = ("layer", "mode", "red.", f"proof N={sizes[0]}..{sizes[-1]}", "time")
     widths[3] = max(widths[3], len(head[3]))
     click.echo("  ".join(h.ljust(w) for h, w in zip(head, widths)) + "  closed form")
     for r in rows:
         click.echo("  ".join(c.ljust(w) for c, w in zip(r[:5], widths)) + "  " + r[5])
-    click.echo(f"\n{len(specs)} layer(s): derived in {t_derive:.2f} s, proven in {t_prove:.1f} s "
-               f"(total {time.perf_counter() - t_all:.1f} s)")
+    click.echo(
+        f"\n{len(specs)} layer(s): derived in {t_derive:.2f} s, proven in {t_prove:.1f} s "
+        f"(total {time.perf_counter() - t_all:.1f} s)"
+    )
     if failed:
         raise click.ClickException(f"proof FAILED for {', '.join(failed)}")
 
@@ -148,13 +175,20 @@ def prove_cmd(names: tuple[str, ...], spec_files: tuple[str, ...], prove_sizes: 
 @cli.command("generate")
 @click.argument("names", nargs=-1)
 @click.option("--spec", "spec_files", multiple=True, type=click.Path(dir_okay=False), help="Spec file(s) to generate.")
-@click.option("--target", type=click.Choice(["numpy", "c", "torch"]), multiple=True,
-              help="Targets (default: all three).")
-@click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None,
-              help="Output directory (default: generated/ in the current directory).")
+@click.option(
+    "--target", type=click.Choice(["numpy", "c", "torch"]), multiple=True, help="Targets (default: all three)."
+)
+@click.option(
+    "--out",
+    "out_dir",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="Output directory (default: generated/ in the current directory).",
+)
 @click.option("--check", is_flag=True, help="Write nothing; exit 1 listing files that are stale.")
-def generate_cmd(names: tuple[str, ...], spec_files: tuple[str, ...], target: tuple[str, ...],
-                 out_dir: str | None, check: bool) -> None:
+def generate_cmd(
+    names: tuple[str, ...], spec_files: tuple[str, ...], target: tuple[str, ...], out_dir: str | None, check: bool
+) -> None:
     """Regenerate NumPy, C and PyTorch code (default: the whole catalogue into ./generated)."""
     targets = tuple(target) or gen.TARGETS
     specs = _specs(names, spec_files)
@@ -164,8 +198,9 @@ def generate_cmd(names: tuple[str, ...], spec_files: tuple[str, ...], target: tu
     if check:
         bad = gen.stale(files, out) + (gen.orphans(files, out, targets) if whole else [])
         if bad:
-            raise click.ClickException(f"{len(bad)} stale generated file(s) in {out}/ "
-                                       f"(run `derivgen generate`): {', '.join(bad)}")
+            raise click.ClickException(
+                f"{len(bad)} stale generated file(s) in {out}/ (run `derivgen generate`): {', '.join(bad)}"
+            )
         click.echo(f"{len(files)} generated file(s) in {out}/ are up to date")
         return
     written = gen.write(files, out)
@@ -178,19 +213,28 @@ def generate_cmd(names: tuple[str, ...], spec_files: tuple[str, ...], target: tu
 @click.argument("names", nargs=-1)
 @click.option("--spec", "spec_files", multiple=True, type=click.Path(dir_okay=False), help="Spec file(s) to check.")
 @click.option("--backend", "backends", default="numpy,c", show_default=True, help="Comma-separated: numpy,c.")
-@click.option("--dtype", "dtypes", default="float32,float64", show_default=True, help="Comma-separated: float32,float64.")
+@click.option(
+    "--dtype", "dtypes", default="float32,float64", show_default=True, help="Comma-separated: float32,float64."
+)
 @click.option("--prove-sizes", default="2-6", show_default=True, help="Brute-force proof sizes.")
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
-def check_cmd(names: tuple[str, ...], spec_files: tuple[str, ...], backends: str, dtypes: str, prove_sizes: str,
-              as_json: bool) -> None:
+def check_cmd(
+    names: tuple[str, ...], spec_files: tuple[str, ...], backends: str, dtypes: str, prove_sizes: str, as_json: bool
+) -> None:
     """Cross-check every layer x backend x dtype: spec + finite differences, the other backend, PyTorch, proof."""
     backend_list = tuple(b.strip() for b in backends.split(",") if b.strip())
     dtype_list = tuple(d.strip() for d in dtypes.split(",") if d.strip())
-    if (not backend_list or any(b not in ("numpy", "c") for b in backend_list)
-            or len(set(backend_list)) != len(backend_list)):
+    if (
+        not backend_list
+        or any(b not in ("numpy", "c") for b in backend_list)
+        or len(set(backend_list)) != len(backend_list)
+    ):
         raise UserError(f"--backend: expected a comma-separated subset of numpy,c, got {backends!r}")
-    if (not dtype_list or any(d not in ("float32", "float64") for d in dtype_list)
-            or len(set(dtype_list)) != len(dtype_list)):
+    if (
+        not dtype_list
+        or any(d not in ("float32", "float64") for d in dtype_list)
+        or len(set(dtype_list)) != len(dtype_list)
+    ):
         raise UserError(f"--dtype: expected a comma-separated subset of float32,float64, got {dtypes!r}")
     sizes = _sizes(prove_sizes)
     specs = _specs(names, spec_files)
@@ -208,8 +252,10 @@ def check_cmd(names: tuple[str, ...], spec_files: tuple[str, ...], backends: str
     else:
         click.echo(format_table(rows))
         skipped = sum(1 for r in rows if r.status.startswith("skipped"))
-        click.echo(f"\n{len(rows) - len(failed) - skipped} passed, {len(failed)} failed"
-                   + (f", {skipped} skipped" if skipped else ""))
+        click.echo(
+            f"\n{len(rows) - len(failed) - skipped} passed, {len(failed)} failed"
+            + (f", {skipped} skipped" if skipped else "")
+        )
     if failed:
         raise click.ClickException(f"{len(failed)} check(s) failed")
 
@@ -252,29 +298,61 @@ def _shape(text: str) -> tuple[int, ...]:
 
 @cli.command("bench")
 @click.argument("names", nargs=-1)
-@click.option("--spec", "spec_files", multiple=True, type=click.Path(dir_okay=False),
-              help="Bench a spec file too (against plain NumPy written from its formulas).")
+@click.option(
+    "--spec",
+    "spec_files",
+    multiple=True,
+    type=click.Path(dir_okay=False),
+    help="Bench a spec file too (against plain NumPy written from its formulas).",
+)
 @click.option("--shape", "shapes", multiple=True, help="Shape(s) like 8192x1024 (default: per-layer defaults).")
 @click.option("--threads", type=click.IntRange(1, 256), default=None, help="Threads (default: all cores).")
 @click.option("--dtype", type=click.Choice(["float32", "float64"]), default="float32", show_default=True)
 @click.option("--repeat", type=click.IntRange(3, 1000), default=15, show_default=True, help="Timed runs per case.")
-@click.option("--isa", "isas", default="native", show_default=True,
-              help="C builds side by side: native (CFLAGS or the defaults) and/or -march names, comma-separated, "
-                   "e.g. x86-64-v4,x86-64-v3,x86-64 (one the CPU cannot run is skipped).")
+@click.option(
+    "--isa",
+    "isas",
+    default="native",
+    show_default=True,
+    help="C builds side by side: native (CFLAGS or the defaults) and/or -march names, comma-separated, "
+    "e.g. x86-64-v4,x86-64-v3,x86-64 (one the CPU cannot run is skipped).",
+)
 @click.option("--json", "json_file", type=click.Path(dir_okay=False), help="Also write the results as JSON.")
 @click.option("--plot", "plot_file", type=click.Path(dir_okay=False), help="Save a chart (needs matplotlib).")
 @click.option("--default-malloc", is_flag=True, help="Do not tune glibc malloc (shows page-fault costs).")
-@click.option("--torch", "with_torch", is_flag=True,
-              help="Bench derivgen.torch's modules against torch.nn's instead, through autograd.")
-@click.option("--sync", "sync_world", type=click.IntRange(2, 64), default=None,
-              help="With --torch: SyncBatchNorm split over this many gloo processes against one process.")
-def bench_cmd(names: tuple[str, ...], spec_files: tuple[str, ...], shapes: tuple[str, ...], threads: int | None,
-              dtype: str, repeat: int, isas: str, json_file: str | None, plot_file: str | None, default_malloc: bool,
-              with_torch: bool, sync_world: int | None) -> None:
+@click.option(
+    "--torch",
+    "with_torch",
+    is_flag=True,
+    help="Bench derivgen.torch's modules against torch.nn's instead, through autograd.",
+)
+@click.option(
+    "--sync",
+    "sync_world",
+    type=click.IntRange(2, 64),
+    default=None,
+    help="With --torch: SyncBatchNorm split over this many gloo processes against one process.",
+)
+def bench_cmd(
+    names: tuple[str, ...],
+    spec_files: tuple[str, ...],
+    shapes: tuple[str, ...],
+    threads: int | None,
+    dtype: str,
+    repeat: int,
+    isas: str,
+    json_file: str | None,
+    plot_file: str | None,
+    default_malloc: bool,
+    with_torch: bool,
+    sync_world: int | None,
+) -> None:
     """Time generated C and NumPy against plain NumPy, PyTorch and the memory-bandwidth bound."""
     if with_torch:
         if names or spec_files or shapes or plot_file or isas != "native":
-            raise UserError("--torch benches its own fixed cases; it takes --threads, --dtype, --repeat and --json only")
+            raise UserError(
+                "--torch benches its own fixed cases; it takes --threads, --dtype, --repeat and --json only"
+            )
         _bench_torch(threads, dtype, repeat, json_file, default_malloc, sync_world)
         return
     if sync_world:
@@ -289,8 +367,9 @@ def bench_cmd(names: tuple[str, ...], spec_files: tuple[str, ...], shapes: tuple
     total = sum(len(shape_list or default_shapes(s)) for s in specs) * 2
     progress = stderr_progress(total)
     layers = [s.name if s.source.startswith("catalogue/") else s for s in specs]
-    report = run_bench(layers, shape_list, threads, dtype, repeat, progress, tuned_malloc=not default_malloc,
-                       isas=marches)
+    report = run_bench(
+        layers, shape_list, threads, dtype, repeat, progress, tuned_malloc=not default_malloc, isas=marches
+    )
     progress.done()
     click.echo(format_report(report))
     if json_file:
@@ -303,8 +382,9 @@ def bench_cmd(names: tuple[str, ...], spec_files: tuple[str, ...], shapes: tuple
         click.echo(f"chart: {plot_file}")
 
 
-def _bench_torch(threads: int | None, dtype: str, repeat: int, json_file: str | None, default_malloc: bool,
-                 sync_world: int | None) -> None:
+def _bench_torch(
+    threads: int | None, dtype: str, repeat: int, json_file: str | None, default_malloc: bool, sync_world: int | None
+) -> None:
     """``bench --torch``: derivgen.torch's modules against torch.nn's (or, with ``--sync``, SyncBatchNorm
     split over processes against one process)."""
     try:  # imported here: PyTorch is an optional dependency, and these modules import it
@@ -333,14 +413,21 @@ def _pdflatex(tex: str, pdf: Path) -> None:
     """Compile standalone LaTeX to ``pdf`` with pdflatex (run twice, for references)."""
     exe = shutil.which("pdflatex")
     if exe is None:
-        raise click.ClickException("pdflatex not found: install the Debian package texlive-latex-base "
-                                   "(apt-get install -y texlive-latex-base)")
+        raise click.ClickException(
+            "pdflatex not found: install the Debian package texlive-latex-base (apt-get install -y texlive-latex-base)"
+        )
     with tempfile.TemporaryDirectory(prefix="derivgen-tex-") as tmp:
         (Path(tmp) / "doc.tex").write_text(tex, encoding="utf-8")
         for _ in range(2):
-            run = subprocess.run([exe, "-interaction=nonstopmode", "-halt-on-error", "doc.tex"],
-                                 cwd=tmp, capture_output=True, text=True, timeout=120, check=False)
-            if run.returncode != 0:         # its log's "!" lines say why
+            run = subprocess.run(
+                [exe, "-interaction=nonstopmode", "-halt-on-error", "doc.tex"],
+                cwd=tmp,
+                capture_output=True,
+                text=True,
+                timeout=120,
+                check=False,
+            )
+            if run.returncode != 0:  # its log's "!" lines say why
                 lines = [line for line in run.stdout.splitlines() if line.startswith("!")]
                 raise click.ClickException(f"pdflatex failed: {lines[0] if lines else 'see log'}")
         atomic_write(pdf, (Path(tmp) / "doc.pdf").read_bytes())

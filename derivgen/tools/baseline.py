@@ -73,7 +73,7 @@ class PlainNumPy:
                 grads.append(np.sum(elem) + group)
             else:
                 grads.append(np.sum(elem, axis=layout.param_axes).reshape(layout.param_shape))
-        for i in spec.inputs:                   # in the input's shape: one value, or one per group
+        for i in spec.inputs:  # in the input's shape: one value, or one per group
             gi = np.broadcast_to(evaluate(mode.dinputs[i.name], env, self._mean), layout.stat4)
             scalar = not isinstance(env.get(i.symbol), np.ndarray)
             grads.append(np.sum(gi) if scalar else gi.reshape(layout.group_shape))

@@ -11,19 +11,28 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import io
 import math
 import os
 import statistics
 import time
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from types import ModuleType
 
 import numpy as np
 
 from derivgen.api import derive, load, load_spec
+from derivgen.runtime import resolve_layout
 from derivgen.runtime.build import build_shared, march_cflags, user_cflags
+from derivgen.runtime.fsutil import atomic_write
 from derivgen.runtime.machine import machine
+from derivgen.spec.model import Spec
+from derivgen.tools.baseline import PlainNumPy
+from derivgen.tools.torch_ref import torch_available
 
+# the catalogue layers' bench shapes; the first one of each is the one the targets judge
 DEFAULT_SHAPES = {
     "layernorm": [(8192, 1024), (512, 8192), (65536, 128), (16384, 256)],
     "rmsnorm": [(8192, 1024), (512, 8192), (65536, 128)],
@@ -35,17 +44,25 @@ DEFAULT_SHAPES = {
 # targets (2 threads, preallocated outputs): C fwd+bwd / torch, per (layer, shape, dtype);
 # shape None is the layer's first bench shape
 TORCH_TARGETS = [
-    ("layernorm", (8192, 1024), "float32", 0.75), ("layernorm", (65536, 128), "float32", 0.8),
-    ("layernorm", (16384, 256), "float32", 0.8), ("layernorm", (512, 8192), "float32", 0.8),
-    ("groupnorm", None, "float32", 0.7), ("rmsnorm", None, "float32", 0.2),
-    ("batchnorm", None, "float32", 0.5), ("instancenorm", None, "float32", 0.5),
+    ("layernorm", (8192, 1024), "float32", 0.75),
+    ("layernorm", (65536, 128), "float32", 0.8),
+    ("layernorm", (16384, 256), "float32", 0.8),
+    ("layernorm", (512, 8192), "float32", 0.8),
+    ("groupnorm", None, "float32", 0.7),
+    ("rmsnorm", None, "float32", 0.2),
+    ("batchnorm", None, "float32", 0.5),
+    ("instancenorm", None, "float32", 0.5),
     ("layernorm", (8192, 1024), "float64", 0.8),
 ]
-NT_TARGET = 1.3       # every layer's forward and backward / the streaming-store bound, first shape
-NUMPY_TARGET = 0.6    # generated NumPy layer norm fwd+bwd / plain NumPy (float32, first shape)
+NT_TARGET = 1.3  # every layer's forward and backward / the streaming-store bound, first shape
+NUMPY_TARGET = 0.6  # generated NumPy layer norm fwd+bwd / plain NumPy (float32, first shape)
 # the CPU flags a -march build needs to run here
-ISA_NEEDS = {"x86-64-v4": ("avx512f", "avx512bw", "avx512vl"), "x86-64-v3": ("avx2", "fma"),
-             "x86-64-v2": ("sse4_2",), "x86-64": ()}
+ISA_NEEDS = {
+    "x86-64-v4": ("avx512f", "avx512bw", "avx512vl"),
+    "x86-64-v3": ("avx2", "fma"),
+    "x86-64-v2": ("sse4_2",),
+    "x86-64": (),
+}
 
 
 def tune_malloc() -> bool:
@@ -61,10 +78,10 @@ def tune_malloc() -> bool:
         return False
 
 
-BATCH = 3   # timed calls in a row per implementation and round
+BATCH = 3  # timed calls in a row per implementation and round
 
 
-def round_robin(fns: dict, repeat: int, warmup: int = 1) -> dict:
+def round_robin(fns: dict[object, Callable[[], object]], repeat: int, warmup: int = 1) -> dict[object, float]:
     """Median ms of ``repeat`` timed calls of each callable, taken in rounds: in
     every round each callable runs ``warmup`` untimed calls and then up to BATCH
     timed calls in a row. Back-to-back calls keep the cores busy (an idle vCPU
@@ -85,10 +102,11 @@ def round_robin(fns: dict, repeat: int, warmup: int = 1) -> dict:
 
 # ------------------------------------------------------------------ bandwidth
 
+
 class Bandwidth:
     """STREAM-like copy probe over two 256 MiB arrays (far larger than the caches)."""
 
-    def __init__(self, threads: int, mib: int = 256):
+    def __init__(self, threads: int, mib: int = 256) -> None:
         self.threads, self.mib = threads, mib
         self.lib = ctypes.CDLL(str(build_shared(Path(__file__).with_name("bandwidth.c"))))
         self.n = n = mib * 2**20 // 4
@@ -98,24 +116,31 @@ class Bandwidth:
         self.copy = lambda: self.lib.dg_copy(pa, pb, N, T)
         self.stream_copy = lambda: self.lib.dg_copy_stream(pa, pb, N, T)
 
-    def rates(self, ms: dict) -> dict:
+    def rates(self, ms: dict[str, float]) -> dict[str, float]:
         """GB/s (bytes read + bytes written) from the median ms of copy and stream_copy."""
         return {f"{k}_GBps": 2 * self.n * 4 / ms[k] / 1e6 for k in ("copy", "stream_copy")} | {"MiB": self.mib}
 
 
 # ------------------------------------------------------------------ plain NumPy baselines
 
-def _view(name, x, params, kw):
+
+def _view(name: str, x: np.ndarray, params: list[np.ndarray], kw: dict) -> tuple:
     """(x4, params4, reduce axes, param axes, N) in the (O, G, Cg, S) view, as the runtime does."""
-    from derivgen.runtime import resolve_layout
     spec = load_spec(name)
     meta = {"name": name, "layout": spec.layout, "reduce": spec.reduce, "params": ["p"]}
-    L = resolve_layout(meta, x, {"p": params[0]}, kw.get("num_groups"))
-    return (x.reshape(L.view4), [p.reshape(L.param4) for p in params], L.reduce_axes, L.param_axes, L.group_size)
+    layout = resolve_layout(meta, x, {"p": params[0]}, kw.get("num_groups"))
+    return (
+        x.reshape(layout.view4),
+        [p.reshape(layout.param4) for p in params],
+        layout.reduce_axes,
+        layout.param_axes,
+        layout.group_size,
+    )
 
 
-def plain_numpy(name, x, params, dy, kw):
-    """A textbook NumPy forward + backward (what one writes without derivgen)."""
+def plain_numpy(name: str, x: np.ndarray, params: list[np.ndarray], dy: np.ndarray, kw: dict) -> tuple:
+    """A textbook NumPy forward + backward of a catalogue layer (what one writes without
+    derivgen): (y, (dx, the parameters' gradients...))."""
     x4, p4, ax, pax, N = _view(name, x, params, kw)
     dy4 = dy.reshape(x4.shape)
     eps = kw.get("eps", 1e-6 if name == "rmsnorm" else (0.0 if name == "online_layernorm" else 1e-5))
@@ -155,16 +180,22 @@ def plain_numpy(name, x, params, dy, kw):
 
 # ------------------------------------------------------------------ torch
 
-def torch_step(name, x, params, dy, kw, threads):
-    import torch
+
+def torch_step(
+    name: str, x: np.ndarray, params: list[np.ndarray], dy: np.ndarray, kw: dict, threads: int
+) -> tuple[Callable[[], None], Callable[[], None]]:
+    """PyTorch's own layer on the same arrays (shared, not copied), with ``threads`` threads:
+    (forward without autograd, forward + backward through autograd)."""
+    import torch  # optional dependency: only when it is installed
     import torch.nn.functional as F
+
     torch.set_num_threads(threads)
     tx = torch.from_numpy(x).requires_grad_(True)
     tp = [torch.from_numpy(p).requires_grad_(True) for p in params]
     tdy = torch.from_numpy(dy)
     eps = kw.get("eps")
 
-    def fwd():
+    def fwd() -> torch.Tensor:
         if name == "layernorm":
             return F.layer_norm(tx, tuple(params[0].shape), tp[0], tp[1], eps or 1e-5)
         if name == "rmsnorm":
@@ -183,44 +214,50 @@ def torch_step(name, x, params, dy, kw, threads):
             return tp[0] * (tx - mu) / sig + tp[1]
         raise KeyError(name)
 
-    def fwd_only():
+    def fwd_only() -> None:
         with torch.no_grad():
             fwd()
 
-    def step():
+    def step() -> None:
         tx.grad = None
         for p in tp:
             p.grad = None
         fwd().backward(tdy)
+
     return fwd_only, step
 
 
 # ------------------------------------------------------------------ the bench
 
+
 @dataclass
 class Result:
+    """One implementation's timings (ms, medians) on one case, and its ratios to the bounds,
+    to PyTorch and to plain NumPy."""
+
     layer: str
     shape: tuple
     impl: str
     fwd_ms: float | None = None
     bwd_ms: float | None = None
-    step_ms: float | None = None          # forward + backward, preallocated outputs
-    step_alloc_ms: float | None = None    # forward + backward, allocating outputs
+    step_ms: float | None = None  # forward + backward, preallocated outputs
+    step_alloc_ms: float | None = None  # forward + backward, allocating outputs
     ratios: dict = field(default_factory=dict)
-    bandwidth: dict = field(default_factory=dict)   # the probe taken beside this case (C and NumPy rows)
+    bandwidth: dict = field(default_factory=dict)  # the probe taken beside this case (C and NumPy rows)
 
 
 @dataclass
 class Build:
     """One build of the C kernels: its label in the table, flags, and what the compiler targeted."""
-    label: str                 # "generated c" or "generated c [x86-64-v3]"
-    march: str                 # "native" (the user's CFLAGS or the defaults) or a -march value
+
+    label: str  # "generated c" or "generated c [x86-64-v3]"
+    march: str  # "native" (the user's CFLAGS or the defaults) or a -march value
     cflags: list
-    isa: str = ""              # from the library itself (<layer>_isa)
-    skipped: str = ""          # why it was not run on this machine
+    isa: str = ""  # from the library itself (<layer>_isa)
+    skipped: str = ""  # why it was not run on this machine
 
 
-def builds_for(isas) -> list[Build]:
+def builds_for(isas: Sequence[str]) -> list[Build]:
     """The C builds to time: ``native`` and any -march names; one this CPU cannot run is
     listed as skipped (an AVX-512 build on an AVX2-only CPU)."""
     flags = set(machine().flags)
@@ -235,13 +272,14 @@ def builds_for(isas) -> list[Build]:
     return out
 
 
-def _case_spec(layer):
+def _case_spec(layer: str | Spec) -> tuple[Spec, str, bool]:
     """(spec, label, is_catalogue) for a catalogue name or a Spec (from --spec FILE)."""
     spec = load_spec(layer) if isinstance(layer, str) else layer
     return spec, spec.name, spec.source.startswith("catalogue/")
 
 
-def default_shapes(spec) -> list[tuple]:
+def default_shapes(spec: Spec) -> list[tuple]:
+    """The shapes a layer is benched at by default: a catalogue layer's own, else one by layout."""
     if spec.name in DEFAULT_SHAPES and spec.source.startswith("catalogue/"):
         return DEFAULT_SHAPES[spec.name]
     if spec.layout == "trailing":
@@ -249,15 +287,13 @@ def default_shapes(spec) -> list[tuple]:
     return [(32, 64, 56, 56)]
 
 
-def _inputs(spec, shape, dt, catalogue: bool):
+def _inputs(spec: Spec, shape: tuple, dt: np.dtype, catalogue: bool) -> tuple:
     """x, dy, parameters and keyword arguments of one case (fixed seed)."""
-    from derivgen.runtime import resolve_layout
     rng = np.random.default_rng(0)
     x = rng.standard_normal(shape, dtype=np.float32).astype(dt)
     dy = rng.standard_normal(shape, dtype=np.float32).astype(dt)
-    pshape = tuple(shape[len(shape) - spec.axes:]) if spec.layout == "trailing" else (shape[1],)
-    params = [np.asarray(1.0 + 0.1 * rng.standard_normal(() if p.scalar else pshape), dtype=dt)
-              for p in spec.params]
+    pshape = tuple(shape[len(shape) - spec.axes :]) if spec.layout == "trailing" else (shape[1],)
+    params = [np.asarray(1.0 + 0.1 * rng.standard_normal(() if p.scalar else pshape), dtype=dt) for p in spec.params]
     kw: dict = {}
     if spec.reduce == "group":
         kw["num_groups"] = 8
@@ -265,41 +301,49 @@ def _inputs(spec, shape, dt, catalogue: bool):
         kw.update(alpha=0.1, prev_mean=0.0, prev_std=1.0)
         return x, dy, params, kw
     for o in spec.options:
-        if o.default is None:                       # a required option: inside its range
+        if o.default is None:  # a required option: inside its range
             lo = o.min if o.min is not None else 0.0
             hi = o.max if o.max is not None else lo + 1.0
             kw[o.name] = lo + 0.37 * (hi - lo)
     meta = {"name": spec.name, "layout": spec.layout, "reduce": spec.reduce, "params": ["p"], "axes": spec.axes}
-    L = resolve_layout(meta, x, {"p": np.empty(pshape)}, kw.get("num_groups"))
+    layout = resolve_layout(meta, x, {"p": np.empty(pshape)}, kw.get("num_groups"))
     for item in (*spec.inputs, *spec.buffers):
-        kw[item.name] = rng.uniform(0.6, 1.4, L.group_shape).astype(dt)
+        kw[item.name] = rng.uniform(0.6, 1.4, layout.group_shape).astype(dt)
     if any(m.name == "eval" for m in spec.modes):
         kw["training"] = True
     return x, dy, params, kw
 
 
-def _baseline(spec, catalogue, x, params, dy, kw):
+def _baseline(
+    spec: Spec, catalogue: bool, x: np.ndarray, params: list[np.ndarray], dy: np.ndarray, kw: dict
+) -> Callable[[], object]:
     """The plain NumPy fwd+bwd: the textbook one for catalogue layers, else from the spec."""
     if catalogue:
         return lambda: plain_numpy(spec.name, x, params, dy, kw)
-    from derivgen.runtime import resolve_layout
-    from derivgen.tools.baseline import PlainNumPy
     meta = {"name": spec.name, "layout": spec.layout, "reduce": spec.reduce, "params": ["p"], "axes": spec.axes}
-    pshape = params[0].shape if params and params[0].ndim else tuple(x.shape[x.ndim - spec.axes:])
-    L = resolve_layout(meta, x, {"p": np.empty(pshape) if spec.layout == "trailing" else np.empty(x.shape[1])},
-                       kw.get("num_groups"))
-    pn = PlainNumPy(derive(spec).modes["train"], L)
+    pshape = params[0].shape if params and params[0].ndim else tuple(x.shape[x.ndim - spec.axes :])
+    layout = resolve_layout(
+        meta, x, {"p": np.empty(pshape) if spec.layout == "trailing" else np.empty(x.shape[1])}, kw.get("num_groups")
+    )
+    baseline = PlainNumPy(derive(spec).modes["train"], layout)
     opts = {k: v for k, v in kw.items() if k not in ("num_groups", "training")}
-    return lambda: pn.step(x, params, dy, opts)
+    return lambda: baseline.step(x, params, dy, opts)
 
 
-def run_bench(layers, shapes=None, threads=None, dtype="float32", repeat=15, progress=None,
-              tuned_malloc=True, isas=("native",)) -> dict:
+def run_bench(
+    layers: Iterable[str | Spec],
+    shapes: Sequence[tuple] | None = None,
+    threads: int | None = None,
+    dtype: str = "float32",
+    repeat: int = 15,
+    progress: Callable[[str], None] | None = None,
+    tuned_malloc: bool = True,
+    isas: Sequence[str] = ("native",),
+) -> dict:
     """Time every layer (catalogue names or Specs) at its shapes: each C build, the generated
     NumPy, plain NumPy and (catalogue layers) torch, side by side; see the README's Speed."""
     threads = threads or os.cpu_count() or 1
     tuned = tune_malloc() if tuned_malloc else False
-    from derivgen.tools.torch_ref import torch_available
     have_torch = torch_available()
     dt = np.dtype(dtype)
     builds = builds_for(isas)
@@ -308,78 +352,124 @@ def run_bench(layers, shapes=None, threads=None, dtype="float32", repeat=15, pro
     results: list[Result] = []
     for layer in layers:
         spec, name, catalogue = _case_spec(layer)
-        for shape in (shapes or default_shapes(spec)):
-            shape = tuple(shape)
-            x, dy, params, kw = _inputs(spec, shape, dt, catalogue)
-            nbytes = x.nbytes
-            setup = {}
-            impls = [(b.label, load(spec, backend="c", cflags=b.cflags if b.march != "native" else None))
-                     for b in live] + [("generated numpy", load(spec, backend="numpy"))]
-            for label, mod in impls:
-                mod.set_num_threads(threads)
-                y = np.empty_like(x)
-                _, cache = mod.forward(x, *params, out=y, **kw)
-                setup[label] = (mod, y, cache, mod.backward(dy, cache))
-            for b in live:
-                b.isa = b.isa or setup[b.label][0]._kernel.isa
-
-            def calls(label):
-                mod, y, cache, grads = setup[label]
-                return {(label, "fwd"): lambda: mod.forward(x, *params, out=y, **kw),
-                        (label, "bwd"): lambda: mod.backward(dy, cache, out=grads),
-                        (label, "step"): lambda: mod.backward(dy, mod.forward(x, *params, out=y, **kw)[1],
-                                                              out=grads),
-                        (label, "alloc"): lambda: mod.backward(dy, mod.forward(x, *params, **kw)[1])}
-            fns = {}
-            for label, _ in impls:
-                fns.update(calls(label))
-            # 1. each kernel beside the bandwidth probe, in turn within every round
-            if progress:
-                progress(f"{name} {shape} kernels beside the bandwidth probe")
-            t1 = round_robin({("probe", "copy"): probe.copy, ("probe", "stream_copy"): probe.stream_copy,
-                              **{k: f for k, f in fns.items() if k[1] in ("fwd", "bwd")}}, repeat)
-            cbw = probe.rates({"copy": t1[("probe", "copy")], "stream_copy": t1[("probe", "stream_copy")]})
-            moved = {"fwd": 2 * nbytes, "bwd": 3 * nbytes}        # fwd: x, y; bwd: x, dy, dx
-            bound = {ph: b / (cbw["copy_GBps"] * 1e6) for ph, b in moved.items()}          # ms
-            nt_bound = {ph: b / (cbw["stream_copy_GBps"] * 1e6) for ph, b in moved.items()}
-            # 2. forward + backward of every implementation, side by side
-            if progress:
-                progress(f"{name} {shape} forward + backward side by side")
-            step_fns = {k: f for k, f in fns.items() if k[1] in ("step", "alloc")}
-            step_fns[("plain numpy", "alloc")] = _baseline(spec, catalogue, x, params, dy, kw)
-            if have_torch and catalogue:
-                fwd_only, step = torch_step(name, x, params, dy, kw, threads)
-                step_fns.update({("torch", "fwd"): fwd_only, ("torch", "alloc"): step})
-            t2 = round_robin(step_fns, repeat)
-            rows = []
-            for label, _ in impls:
-                r = Result(name, shape, label, fwd_ms=t1[(label, "fwd")], bwd_ms=t1[(label, "bwd")],
-                           step_ms=t2[(label, "step")], step_alloc_ms=t2[(label, "alloc")], bandwidth=cbw)
-                for ph, ms in (("fwd", r.fwd_ms), ("bwd", r.bwd_ms)):
-                    r.ratios[f"{ph}_vs_bound"] = ms / bound[ph]
-                    r.ratios[f"{ph}_vs_stream_bound"] = ms / nt_bound[ph]
-                rows.append(r)
-            rows.append(Result(name, shape, "plain numpy", step_alloc_ms=t2[("plain numpy", "alloc")]))
-            torch_ms = t2.get(("torch", "alloc"))
-            if torch_ms is not None:
-                rows.append(Result(name, shape, "torch", fwd_ms=t2[("torch", "fwd")], step_alloc_ms=torch_ms))
-            for r in rows:
-                best = r.step_ms if r.step_ms is not None else r.step_alloc_ms
-                if torch_ms:
-                    r.ratios["step_vs_torch"] = best / torch_ms
-                r.ratios["step_vs_plain_numpy"] = best / t2[("plain numpy", "alloc")]
-                r.ratios["step_vs_bound"] = best / (bound["fwd"] + bound["bwd"])
-            results += rows
-    probes = [r.bandwidth for r in results if r.impl == "generated numpy"]     # one probe per case
+        for shape in shapes or default_shapes(spec):
+            results += _bench_case(
+                spec, name, catalogue, tuple(shape), dt, threads, repeat, live, probe, have_torch, progress
+            )
+    probes = [r.bandwidth for r in results if r.impl == "generated numpy"]  # one probe per case
     bw = {k: statistics.median(p[k] for p in probes) for k in ("copy_GBps", "stream_copy_GBps")} if probes else {}
-    bw.update(MiB=probe.mib, cases=len(probes),
-              copy_GBps_range=[min(p["copy_GBps"] for p in probes), max(p["copy_GBps"] for p in probes)]
-              if probes else [])
-    report = {"machine": machine().as_dict(), "builds": [asdict(b) for b in builds], "bandwidth": bw,
-              "threads": threads, "dtype": dtype, "tuned_malloc": tuned, "torch": have_torch,
-              "results": [asdict(r) for r in results]}
+    bw.update(
+        MiB=probe.mib,
+        cases=len(probes),
+        copy_GBps_range=[min(p["copy_GBps"] for p in probes), max(p["copy_GBps"] for p in probes)] if probes else [],
+    )
+    report = {
+        "machine": machine().as_dict(),
+        "builds": [asdict(b) for b in builds],
+        "bandwidth": bw,
+        "threads": threads,
+        "dtype": dtype,
+        "tuned_malloc": tuned,
+        "torch": have_torch,
+        "results": [asdict(r) for r in results],
+    }
     report["targets"] = evaluate_targets(report)
     return report
+
+
+def _timed_calls(
+    label: str, setup: tuple, x: np.ndarray, params: list[np.ndarray], dy: np.ndarray, kw: dict
+) -> dict[tuple[str, str], Callable[[], object]]:
+    """One generated module's timed calls: forward, backward, both with preallocated outputs, and
+    both allocating. ``setup`` is (module, y, cache, gradients) from a first call."""
+    mod, y, cache, grads = setup
+    return {
+        (label, "fwd"): lambda: mod.forward(x, *params, out=y, **kw),
+        (label, "bwd"): lambda: mod.backward(dy, cache, out=grads),
+        (label, "step"): lambda: mod.backward(dy, mod.forward(x, *params, out=y, **kw)[1], out=grads),
+        (label, "alloc"): lambda: mod.backward(dy, mod.forward(x, *params, **kw)[1]),
+    }
+
+
+def _bench_case(
+    spec: Spec,
+    name: str,
+    catalogue: bool,
+    shape: tuple,
+    dt: np.dtype,
+    threads: int,
+    repeat: int,
+    live: list[Build],
+    probe: Bandwidth,
+    have_torch: bool,
+    progress: Callable[[str], None] | None,
+) -> list[Result]:
+    """The rows of one layer at one shape: 1. each kernel beside the bandwidth probe, 2. forward +
+    backward of every implementation side by side; their ratios to the bounds, torch and plain NumPy."""
+    x, dy, params, kw = _inputs(spec, shape, dt, catalogue)
+    nbytes = x.nbytes
+    impls: list[tuple[str, ModuleType]] = [
+        (b.label, load(spec, backend="c", cflags=b.cflags if b.march != "native" else None)) for b in live
+    ] + [("generated numpy", load(spec, backend="numpy"))]
+    fns = {}
+    for label, mod in impls:
+        mod.set_num_threads(threads)
+        y = np.empty_like(x)
+        _, cache = mod.forward(x, *params, out=y, **kw)
+        fns.update(_timed_calls(label, (mod, y, cache, mod.backward(dy, cache)), x, params, dy, kw))
+    for b, (_, mod) in zip(live, impls):
+        b.isa = b.isa or mod._kernel.isa
+    # 1. each kernel beside the bandwidth probe, in turn within every round
+    if progress:
+        progress(f"{name} {shape} kernels beside the bandwidth probe")
+    t1 = round_robin(
+        {
+            ("probe", "copy"): probe.copy,
+            ("probe", "stream_copy"): probe.stream_copy,
+            **{k: f for k, f in fns.items() if k[1] in ("fwd", "bwd")},
+        },
+        repeat,
+    )
+    cbw = probe.rates({"copy": t1[("probe", "copy")], "stream_copy": t1[("probe", "stream_copy")]})
+    moved = {"fwd": 2 * nbytes, "bwd": 3 * nbytes}  # fwd: x, y; bwd: x, dy, dx
+    bound = {ph: b / (cbw["copy_GBps"] * 1e6) for ph, b in moved.items()}  # ms
+    nt_bound = {ph: b / (cbw["stream_copy_GBps"] * 1e6) for ph, b in moved.items()}
+    # 2. forward + backward of every implementation, side by side
+    if progress:
+        progress(f"{name} {shape} forward + backward side by side")
+    step_fns = {k: f for k, f in fns.items() if k[1] in ("step", "alloc")}
+    step_fns[("plain numpy", "alloc")] = _baseline(spec, catalogue, x, params, dy, kw)
+    if have_torch and catalogue:
+        fwd_only, step = torch_step(name, x, params, dy, kw, threads)
+        step_fns.update({("torch", "fwd"): fwd_only, ("torch", "alloc"): step})
+    t2 = round_robin(step_fns, repeat)
+    rows = []
+    for label, _ in impls:
+        r = Result(
+            name,
+            shape,
+            label,
+            fwd_ms=t1[(label, "fwd")],
+            bwd_ms=t1[(label, "bwd")],
+            step_ms=t2[(label, "step")],
+            step_alloc_ms=t2[(label, "alloc")],
+            bandwidth=cbw,
+        )
+        for ph, ms in (("fwd", r.fwd_ms), ("bwd", r.bwd_ms)):
+            r.ratios[f"{ph}_vs_bound"] = ms / bound[ph]
+            r.ratios[f"{ph}_vs_stream_bound"] = ms / nt_bound[ph]
+        rows.append(r)
+    rows.append(Result(name, shape, "plain numpy", step_alloc_ms=t2[("plain numpy", "alloc")]))
+    torch_ms = t2.get(("torch", "alloc"))
+    if torch_ms is not None:
+        rows.append(Result(name, shape, "torch", fwd_ms=t2[("torch", "fwd")], step_alloc_ms=torch_ms))
+    for r in rows:
+        best = r.step_ms if r.step_ms is not None else r.step_alloc_ms
+        if torch_ms:
+            r.ratios["step_vs_torch"] = best / torch_ms
+        r.ratios["step_vs_plain_numpy"] = best / t2[("plain numpy", "alloc")]
+        r.ratios["step_vs_bound"] = best / (bound["fwd"] + bound["bwd"])
+    return rows
 
 
 def evaluate_targets(report: dict) -> list[dict]:
@@ -390,9 +480,9 @@ def evaluate_targets(report: dict) -> list[dict]:
     first = {layer: shapes[0] for layer, shapes in DEFAULT_SHAPES.items()}
     out = []
 
-    def row(layer, shape, impl):
-        return next((q for q in res if q["layer"] == layer and tuple(q["shape"]) == shape and q["impl"] == impl),
-                    None)
+    def row(layer: str, shape: tuple, impl: str) -> dict | None:
+        return next((q for q in res if q["layer"] == layer and tuple(q["shape"]) == shape and q["impl"] == impl), None)
+
     c_labels = [b["label"] for b in report["builds"] if not b["skipped"]]
     for label in c_labels:
         for layer, shape, dt, limit in TORCH_TARGETS:
@@ -401,29 +491,53 @@ def evaluate_targets(report: dict) -> list[dict]:
             if r is None or "step_vs_torch" not in r["ratios"]:
                 continue
             v = r["ratios"]["step_vs_torch"]
-            out.append({"build": label, "what": f"{layer} {'x'.join(map(str, shape))} fwd+bwd / torch",
-                        "value": v, "limit": limit, "met": v <= limit})
+            out.append(
+                {
+                    "build": label,
+                    "what": f"{layer} {'x'.join(map(str, shape))} fwd+bwd / torch",
+                    "value": v,
+                    "limit": limit,
+                    "met": v <= limit,
+                }
+            )
         for layer, shape in first.items():
             r = row(layer, shape, label)
             if r is None:
                 continue
             for ph, word in (("fwd", "forward"), ("bwd", "backward")):
                 v = r["ratios"][f"{ph}_vs_stream_bound"]
-                out.append({"build": label, "what": f"{layer} {'x'.join(map(str, shape))} {word} / streaming-store "
-                            f"bound", "value": v, "limit": NT_TARGET, "met": v <= NT_TARGET})
+                out.append(
+                    {
+                        "build": label,
+                        "what": f"{layer} {'x'.join(map(str, shape))} {word} / streaming-store bound",
+                        "value": v,
+                        "limit": NT_TARGET,
+                        "met": v <= NT_TARGET,
+                    }
+                )
     shape = first.get("layernorm")
     r = row("layernorm", shape, "generated numpy") if shape and dtype == "float32" else None
     if r is not None:
         v = r["ratios"]["step_vs_plain_numpy"]
-        out.append({"build": "generated numpy", "what": f"layernorm {'x'.join(map(str, shape))} fwd+bwd / plain "
-                    "numpy", "value": v, "limit": NUMPY_TARGET, "met": v <= NUMPY_TARGET})
+        out.append(
+            {
+                "build": "generated numpy",
+                "what": f"layernorm {'x'.join(map(str, shape))} fwd+bwd / plain numpy",
+                "value": v,
+                "limit": NUMPY_TARGET,
+                "met": v <= NUMPY_TARGET,
+            }
+        )
     return out
 
 
 def header_lines(report: dict) -> list[str]:
+    """The report's preamble: the machine, each C build, the bandwidth probe, what 'bound' means."""
     m = report["machine"]
-    caches = ", ".join(f"{k} {v >> 20} MiB" if v >= 1 << 20 else f"{k} {v >> 10} KiB"
-                       for k, v in m["caches"].items()) or "caches unknown"
+    caches = (
+        ", ".join(f"{k} {v >> 20} MiB" if v >= 1 << 20 else f"{k} {v >> 10} KiB" for k, v in m["caches"].items())
+        or "caches unknown"
+    )
     lines = [f"machine: {m['cpu']}; {m['cores']} core(s); {caches}; CPU flags: {' '.join(m['flags']) or '-'}"]
     for b in report["builds"]:
         what = f"skipped ({b['skipped']})" if b["skipped"] else f"targets {b['isa'] or '?'}"
@@ -431,29 +545,61 @@ def header_lines(report: dict) -> list[str]:
     bw = report["bandwidth"]
     if bw.get("cases"):
         lo, hi = bw["copy_GBps_range"]
-        lines.append(f"bandwidth probe ({bw['MiB']} MiB arrays, {report['threads']} thread(s), beside each case): "
-                     f"copy {bw['copy_GBps']:.1f} GB/s median ({lo:.1f}-{hi:.1f}), streaming-store copy "
-                     f"{bw['stream_copy_GBps']:.1f} GB/s; dtype {report['dtype']}; "
-                     f"malloc {'tuned' if report['tuned_malloc'] else 'default'}")
-    lines.append("bound = bytes moved (fwd: x, y; bwd: x, dy, dx) / copy bandwidth probed beside each case; "
-                 "'nt' = the same with the streaming-store copy")
+        lines.append(
+            f"bandwidth probe ({bw['MiB']} MiB arrays, {report['threads']} thread(s), beside each case): "
+            f"copy {bw['copy_GBps']:.1f} GB/s median ({lo:.1f}-{hi:.1f}), streaming-store copy "
+            f"{bw['stream_copy_GBps']:.1f} GB/s; dtype {report['dtype']}; "
+            f"malloc {'tuned' if report['tuned_malloc'] else 'default'}"
+        )
+    lines.append(
+        "bound = bytes moved (fwd: x, y; bwd: x, dy, dx) / copy bandwidth probed beside each case; "
+        "'nt' = the same with the streaming-store copy"
+    )
     return lines
 
 
 def format_report(report: dict) -> str:
+    """The report as text: the preamble, a table of every row, and the targets."""
     lines = header_lines(report) + [""]
-    head = ("layer", "shape", "impl", "fwd ms", "bwd ms", "fwd+bwd ms", "alloc ms", "x torch", "x bound", "fwd x bnd",
-            "bwd x bnd", "fwd x nt", "bwd x nt")
+    head = (
+        "layer",
+        "shape",
+        "impl",
+        "fwd ms",
+        "bwd ms",
+        "fwd+bwd ms",
+        "alloc ms",
+        "x torch",
+        "x bound",
+        "fwd x bnd",
+        "bwd x bnd",
+        "fwd x nt",
+        "bwd x nt",
+    )
     rows = []
 
-    def f(v, fmt="{:.2f}"):
+    def f(v: float | None, fmt: str = "{:.2f}") -> str:
         return "-" if v is None else fmt.format(v)
+
     for r in report["results"]:
         ra = r["ratios"]
-        rows.append((r["layer"], "x".join(map(str, r["shape"])), r["impl"], f(r["fwd_ms"]), f(r["bwd_ms"]),
-                     f(r["step_ms"]), f(r["step_alloc_ms"]), f(ra.get("step_vs_torch")), f(ra.get("step_vs_bound")),
-                     f(ra.get("fwd_vs_bound")), f(ra.get("bwd_vs_bound")), f(ra.get("fwd_vs_stream_bound")),
-                     f(ra.get("bwd_vs_stream_bound"))))
+        rows.append(
+            (
+                r["layer"],
+                "x".join(map(str, r["shape"])),
+                r["impl"],
+                f(r["fwd_ms"]),
+                f(r["bwd_ms"]),
+                f(r["step_ms"]),
+                f(r["step_alloc_ms"]),
+                f(ra.get("step_vs_torch")),
+                f(ra.get("step_vs_bound")),
+                f(ra.get("fwd_vs_bound")),
+                f(ra.get("bwd_vs_bound")),
+                f(ra.get("fwd_vs_stream_bound")),
+                f(ra.get("bwd_vs_stream_bound")),
+            )
+        )
     widths = [max(len(str(x[i])) for x in [head, *rows]) for i in range(len(head))]
     lines.append("  ".join(h.ljust(w) for h, w in zip(head, widths)).rstrip())
     lines += ["  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
@@ -463,22 +609,30 @@ def format_report(report: dict) -> str:
 
 
 def target_lines(report: dict) -> list[str]:
+    """The project's targets this report can judge, each met or MISSED, and how many were met."""
     targets = report.get("targets") or evaluate_targets(report)
     if not targets:
         return ["targets: none of this run's cases has one"]
-    out = [f"targets ({report['dtype']}, {report['threads']} thread(s), preallocated outputs; the project's targets are set for float32 and 2 threads):"]
+    out = [
+        f"targets ({report['dtype']}, {report['threads']} thread(s), preallocated outputs; the project's targets are set for float32 and 2 threads):"
+    ]
     width = max(len(t["what"]) for t in targets)
     for t in targets:
-        out.append(f"  {t['build']:<24} {t['what']:<{width}}  {t['value']:.2f} (<= {t['limit']})  "
-                   f"{'met' if t['met'] else 'MISSED'}")
+        out.append(
+            f"  {t['build']:<24} {t['what']:<{width}}  {t['value']:.2f} (<= {t['limit']})  "
+            f"{'met' if t['met'] else 'MISSED'}"
+        )
     met = sum(t["met"] for t in targets)
     out.append(f"  {met} of {len(targets)} met")
     return out
 
 
 def plot(report: dict, path: str) -> None:
-    try:
+    """A bar chart (PNG, log scale) of every implementation's forward + backward per case;
+    RuntimeError without matplotlib."""
+    try:  # imported here: matplotlib is an optional dependency (derivgen[plot])
         import matplotlib
+
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
@@ -495,7 +649,9 @@ def plot(report: dict, path: str) -> None:
     for i, impl in enumerate(impls):
         vals = []
         for k in cases:
-            r = next((q for q in res if f"{q['layer']}\n{'x'.join(map(str, q['shape']))}" == k and q["impl"] == impl), None)
+            r = next(
+                (q for q in res if f"{q['layer']}\n{'x'.join(map(str, q['shape']))}" == k and q["impl"] == impl), None
+            )
             vals.append((r["step_ms"] or r["step_alloc_ms"]) if r else math.nan)
         ax.bar([j + (i - (len(impls) - 1) / 2) * w for j in range(len(cases))], vals, w, label=impl)
     ax.set_xticks(range(len(cases)))
@@ -505,9 +661,6 @@ def plot(report: dict, path: str) -> None:
     ax.legend()
     ax.set_title(f"derivgen bench ({report['dtype']}, {report['threads']} threads)")
     fig.tight_layout()
-    import io
-
-    from derivgen.runtime.fsutil import atomic_write
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=120)
     atomic_write(path, buf.getvalue())

@@ -14,13 +14,17 @@ from __future__ import annotations
 import math
 import os
 import sys
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
+from types import ModuleType
 
 import numpy as np
 
 from derivgen.api import derive, load
+from derivgen.derive.first import ModeDerivation
 from derivgen.runtime import Layout, resolve_layout
 from derivgen.spec.model import Spec
+from derivgen.tools import torch_ref  # as a module: tests stand in for its torch_available
 from derivgen.tools.evaluate import GroupEvaluator
 
 TOL = {
@@ -37,6 +41,9 @@ DTYPES = {"float32": np.float32, "float64": np.float64}
 
 @dataclass
 class Row:
+    """One line of the table: a check of one layer, mode, backend and dtype, with the largest
+    relative error per output, the tolerance and ``ok``, ``FAIL...`` or ``skipped...``."""
+
     layer: str
     mode: str
     backend: str
@@ -48,11 +55,14 @@ class Row:
 
     @property
     def failed(self) -> bool:
+        """Whether the check failed (a skip is no failure)."""
         return self.status.startswith("FAIL")
 
 
 @dataclass
 class Case:
+    """A mode's test case: the shapes of x and the parameters, and the keyword arguments."""
+
     mode: str
     x_shape: tuple
     param_shape: tuple
@@ -87,7 +97,8 @@ def cases_for(spec: Spec) -> list[Case]:
     return out
 
 
-def _inputs(spec: Spec, case: Case, dtype, seed: int):
+def _inputs(spec: Spec, case: Case, dtype: type, seed: int) -> tuple:
+    """(x, dy, parameters, keyword arguments, layout) of a case in ``dtype``, random with ``seed``."""
     rng = np.random.default_rng(seed)
     x = rng.normal(0.3, 1.3, case.x_shape)
     dy = rng.normal(size=case.x_shape)
@@ -103,11 +114,14 @@ def _inputs(spec: Spec, case: Case, dtype, seed: int):
     return x.astype(dtype), dy.astype(dtype), [p.astype(dtype) for p in params], cast, layout
 
 
-def _copy_kw(kw):
+def _copy_kw(kw: dict) -> dict:
+    """``kw`` with its arrays copied (a backend may update buffers in place)."""
     return {k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in kw.items()}
 
 
-def _relerr(got, ref) -> float:
+def _relerr(got: object, ref: object) -> float:
+    """max |got - ref| / max(1, max |ref|) (NaN where both are NaN counts as equal; shapes that
+    differ: infinite)."""
     got = np.asarray(got, dtype=np.float64)
     ref = np.asarray(ref, dtype=np.float64)
     if got.shape != ref.shape:
@@ -117,7 +131,9 @@ def _relerr(got, ref) -> float:
     return float(diff.max() / max(1.0, float(np.nanmax(np.abs(ref))) if ref.size else 1.0)) if ref.size else 0.0
 
 
-def _seeds(spec: Spec, x, params, kw, layout: Layout, seed: int = 23):
+def _seeds(
+    spec: Spec, x: np.ndarray, params: list[np.ndarray], kw: dict, layout: Layout, seed: int = 23
+) -> tuple[dict, dict]:
     """Cotangents for the double backward (by the backward's field names) and tangents
     for the JVP (by the forward's argument names), float64."""
     rng = np.random.default_rng(seed)
@@ -132,17 +148,36 @@ def _seeds(spec: Spec, x, params, kw, layout: Layout, seed: int = 23):
     return bb, jv
 
 
-def _second(mod, spec, cache, dy, seeds, dtype) -> dict:
+def _second(
+    mod: ModuleType, spec: Spec, cache: object, dy: np.ndarray, seeds: tuple[dict, dict], dtype: np.dtype
+) -> dict:
+    """The module's double backward (keys ``bb.<field>``) and JVP (``jvp.ty``) at the seeds."""
     bb, jv = ({k: np.asarray(v, dtype=dtype) for k, v in d.items()} for d in seeds)
-    g2 = mod.backward_backward(dy, cache, bb["dx"], {p.name: bb["d" + p.name] for p in spec.params},
-                               ddinputs={i.name: bb["d" + i.name] for i in spec.inputs})
+    g2 = mod.backward_backward(
+        dy,
+        cache,
+        bb["dx"],
+        {p.name: bb["d" + p.name] for p in spec.params},
+        ddinputs={i.name: bb["d" + i.name] for i in spec.inputs},
+    )
     out = {"bb." + f: np.asarray(getattr(g2, f)) for f in g2._fields}
-    out["jvp.ty"] = mod.jvp(cache, jv["x"], {p.name: jv[p.name] for p in spec.params},
-                            tinputs={i.name: jv[i.name] for i in spec.inputs})
+    out["jvp.ty"] = mod.jvp(
+        cache, jv["x"], {p.name: jv[p.name] for p in spec.params}, tinputs={i.name: jv[i.name] for i in spec.inputs}
+    )
     return out
 
 
-def _run(mod, spec, x, dy, params, kw, seeds=None):
+def _run(
+    mod: ModuleType,
+    spec: Spec,
+    x: np.ndarray,
+    dy: np.ndarray,
+    params: list[np.ndarray],
+    kw: dict,
+    seeds: tuple[dict, dict] | None = None,
+) -> dict:
+    """Every output of one backend by name: y, the gradients, the second order (given seeds)
+    and the buffers the forward updated (in training)."""
     kw = _copy_kw(kw)
     y, cache = mod.forward(x, *params, **kw)
     g = mod.backward(dy, cache)
@@ -156,18 +191,22 @@ def _run(mod, spec, x, dy, params, kw, seeds=None):
     return out
 
 
-def _spec_forward(spec: Spec, md, x, params, kw, layout: Layout):
+def _spec_forward(
+    spec: Spec, mode: ModeDerivation, x: np.ndarray, params: list[np.ndarray], kw: dict, layout: Layout
+) -> np.ndarray:
     """y from the spec's own expressions, one group at a time (float64)."""
-    ev = GroupEvaluator(md)
-    L = layout
-    x4 = x.astype(np.float64).reshape(L.view4)
-    p4 = {p.name: np.broadcast_to(np.asarray(v, np.float64).reshape((1, 1, 1, 1) if p.scalar else L.param4), L.view4)
-          for p, v in zip(spec.params, params)}
+    ev = GroupEvaluator(mode)
+    x4 = x.astype(np.float64).reshape(layout.view4)
+    p4 = {
+        p.name: np.broadcast_to(
+            np.asarray(v, np.float64).reshape((1, 1, 1, 1) if p.scalar else layout.param4), layout.view4
+        )
+        for p, v in zip(spec.params, params)
+    }
     y4 = np.empty_like(x4)
-    for grp in range(L.n_groups):
-        if L.per_sample:
-            o, g = divmod(grp, L.G)
-            sel = (o, g)
+    for grp in range(layout.n_groups):
+        if layout.per_sample:
+            sel = divmod(grp, layout.G)  # (sample, group)
         else:
             sel = (slice(None), grp)
         scalars = {o.name: kw[o.name] for o in spec.options if o.name in kw}
@@ -181,11 +220,15 @@ def _spec_forward(spec: Spec, md, x, params, kw, layout: Layout):
     return y4.reshape(x.shape)
 
 
-def _fd(mod, spec, x, dy, params, kw, h=1e-6):
+def _fd(
+    mod: ModuleType, spec: Spec, x: np.ndarray, dy: np.ndarray, params: list[np.ndarray], kw: dict, h: float = 1e-6
+) -> dict[str, np.ndarray]:
     """Central differences of L = sum(dy * y) with respect to x, parameters and inputs (float64)."""
-    def loss(xx, pp, kk):
+
+    def loss(xx: np.ndarray, pp: list[np.ndarray], kk: dict) -> float:
         y, _ = mod.forward(xx, *pp, **_copy_kw(kk))
         return float(np.sum(dy * y))
+
     out = {}
     fx = np.empty_like(x)
     for idx in np.ndindex(x.shape):
@@ -216,7 +259,16 @@ def _fd(mod, spec, x, dy, params, kw, h=1e-6):
     return out
 
 
-def _fd_second(mod, spec, x, dy, params, kw, seeds, h=1e-6) -> dict:
+def _fd_second(
+    mod: ModuleType,
+    spec: Spec,
+    x: np.ndarray,
+    dy: np.ndarray,
+    params: list[np.ndarray],
+    kw: dict,
+    seeds: tuple[dict, dict],
+    h: float = 1e-6,
+) -> dict:
     """Central differences (float64) of L2 = sum(seeds * backward) with respect to x, dy, the
     parameters and the inputs -- along one random direction per argument (the gradient's
     projection: two backward calls per argument, not two per element; the other backend
@@ -236,11 +288,15 @@ def _fd_second(mod, spec, x, dy, params, kw, seeds, h=1e-6) -> dict:
         arr = np.asarray(arr, dtype=np.float64)
         u = rng.normal(size=arr.shape)
         return u, (f(np.asarray(arr + h * u)) - f(np.asarray(arr - h * u))) / (2 * h)
-    out = {"bb.dx": vary("x", x, lambda a: l2(a, dy, params, kw)),
-           "bb.ddy": vary("dy", dy, lambda a: l2(x, a, params, kw))}
+
+    out = {
+        "bb.dx": vary("x", x, lambda a: l2(a, dy, params, kw)),
+        "bb.ddy": vary("dy", dy, lambda a: l2(x, a, params, kw)),
+    }
     for k, p in enumerate(names):
-        out["bb.d" + p] = vary(p, params[k], lambda a, k=k: l2(x, dy, [a if j == k else q for j, q in
-                                                                       enumerate(params)], kw))
+        out["bb.d" + p] = vary(
+            p, params[k], lambda a, k=k: l2(x, dy, [a if j == k else q for j, q in enumerate(params)], kw)
+        )
     for i in spec.inputs:
         out["bb.d" + i.name] = vary(i.name, kw[i.name], lambda a, i=i: l2(x, dy, params, {**kw, i.name: a}))
 
@@ -250,95 +306,178 @@ def _fd_second(mod, spec, x, dy, params, kw, seeds, h=1e-6) -> dict:
         for i in spec.inputs:
             kk[i.name] = np.asarray(kw[i.name], np.float64) + t * jv[i.name]
         return mod.forward(x + t * jv["x"], *pp, **kk)[0]
+
     out["jvp.ty"] = (y_at(h) - y_at(-h)) / (2 * h)
     return out
 
 
-def check_layer(spec: Spec, backends=("numpy", "c"), dtypes=("float32", "float64"), *,
-                prove_sizes=(2, 3, 4, 5, 6), progress=None, in_ci: bool | None = None) -> list[Row]:
+def check_layer(
+    spec: Spec,
+    backends: Sequence[str] = ("numpy", "c"),
+    dtypes: Sequence[str] = ("float32", "float64"),
+    *,
+    prove_sizes: Sequence[int] = (2, 3, 4, 5, 6),
+    progress: Callable[[str], None] | None = None,
+    in_ci: bool | None = None,
+) -> list[Row]:
+    """Every check of one layer, as rows: the proof of each mode, then per mode and dtype each
+    backend against the spec and finite differences (first and second order) and PyTorch, and
+    the two backends against each other. ``in_ci`` (default: ``$CI``) makes a missing PyTorch a
+    failure rather than a skip; ``progress`` is called once per mode, backend and dtype."""
     in_ci = (os.environ.get("CI", "").lower() in ("1", "true", "yes")) if in_ci is None else in_ci
-    from derivgen.tools.torch_ref import HAS_REFERENCE, torch_available, torch_reference
-    d = derive(spec, prove=tuple(prove_sizes))
+    derivation = derive(spec, prove=tuple(prove_sizes))
     rows: list[Row] = []
-    for mname, proof in d.proofs.items():
-        rows.append(Row(spec.name, mname, "-", "-", f"proof N={prove_sizes[0]}..{prove_sizes[-1]}",
-                        status="ok" if proof.status == "proven" else
-                        ("ok (checked numerically)" if proof.ok else "FAIL: " + proof.status)))
+    for mode_name, proof in derivation.proofs.items():
+        rows.append(
+            Row(
+                spec.name,
+                mode_name,
+                "-",
+                "-",
+                f"proof N={prove_sizes[0]}..{prove_sizes[-1]}",
+                status="ok"
+                if proof.status == "proven"
+                else ("ok (checked numerically)" if proof.ok else "FAIL: " + proof.status),
+            )
+        )
     mods = {b: load(spec, backend=b) for b in backends}
-    have_torch = torch_available()
+    have_torch = torch_ref.torch_available()
     for case in cases_for(spec):
-        md = d.modes[case.mode]
-        results: dict[tuple[str, str], dict] = {}
         for dt in dtypes:
-            dtype = DTYPES[dt]
-            x, dy, params, kw, layout = _inputs(spec, case, dtype, seed=11)
-            x64, dy64 = x.astype(np.float64), dy.astype(np.float64)
-            p64 = [p.astype(np.float64) for p in params]
-            kw64 = {k: (v.astype(np.float64) if isinstance(v, np.ndarray) else v) for k, v in kw.items()}
-            ref_y = _spec_forward(spec, md, x64, p64, kw64, layout)
-            torch_ref = None
-            if have_torch and spec.name in HAS_REFERENCE and spec.source.startswith("catalogue/"):
-                y_t, g_t, b_t = torch_reference(spec.name, x64, dict(zip([p.name for p in spec.params], p64)),
-                                                _copy_kw(kw64), dy64)
-                torch_ref = {"y": y_t, **g_t, **{k: v for k, v in b_t.items() if v is not None and kw.get("training", True)}}
-            seeds = _seeds(spec, x64, p64, kw64, layout)
-            torch_second = None
-            if torch_ref is not None:
-                from derivgen.tools.torch_ref import torch_second_reference
-                torch_second = torch_second_reference(spec.name, x64, dict(zip([p.name for p in spec.params], p64)),
-                                                      _copy_kw(kw64), dy64, *seeds)
-            for b in backends:
-                if progress:
-                    progress(f"{spec.name} {case.mode} {b} {dt}")
-                mod = mods[b]
-                got = _run(mod, spec, x, dy, params, kw, seeds)
-                results[(b, dt)] = got
-                i = 0 if dt == "float64" else 1
-                # 1. the spec, and finite differences
-                fd = _fd(mod, spec, x64, dy64, p64, kw64)
-                errs = {"y": _relerr(got["y"], ref_y)}
-                errs.update({k: _relerr(got[k], v) for k, v in fd.items()})
-                ok = errs["y"] <= TOL["spec"][i] and all(errs[k] <= TOL["finite differences"][i] for k in fd)
-                rows.append(Row(spec.name, case.mode, b, dt, "spec + finite differences", errs,
-                                TOL["finite differences"][i], "ok" if ok else "FAIL"))
-                fd2 = _fd_second(mod, spec, x64, dy64, p64, kw64, seeds)
-                errs = {k: (_relerr(np.sum(np.asarray(got[k], np.float64) * v[0]), v[1]) if isinstance(v, tuple)
-                            else _relerr(got[k], v)) for k, v in fd2.items()}
-                tol2 = TOL["second order finite differences"][i]
-                rows.append(Row(spec.name, case.mode, b, dt, "second order: finite differences", errs, tol2,
-                                "ok" if all(e <= tol2 for e in errs.values()) else "FAIL"))
-                # 3. torch
-                if torch_ref is not None:
-                    errs = {k: _relerr(got[k], v) for k, v in torch_ref.items() if k in got}
-                    ok = all(e <= TOL["torch"][i] for e in errs.values())
-                    rows.append(Row(spec.name, case.mode, b, dt, "torch", errs, TOL["torch"][i], "ok" if ok else "FAIL"))
-                    errs = {k: _relerr(got[k], v) for k, v in torch_second.items()}
-                    ok = all(e <= TOL["torch"][i] for e in errs.values())
-                    rows.append(Row(spec.name, case.mode, b, dt, "torch second order", errs, TOL["torch"][i],
-                                    "ok" if ok else "FAIL"))
-                elif not have_torch:
-                    rows.append(Row(spec.name, case.mode, b, dt, "torch", status="FAIL: torch not installed (CI=true)"
-                                    if in_ci else "skipped: torch not installed"))
-                else:
-                    rows.append(Row(spec.name, case.mode, b, dt, "torch", status="skipped: no PyTorch counterpart"))
-            # 2. backends agree
-            if len(backends) == 2:
-                a, c = (results[(b, dt)] for b in backends)
-                i = 0 if dt == "float64" else 1
-                errs = {k: _relerr(c[k], a[k]) for k in a}
-                ok = all(e <= TOL["other backend"][i] for e in errs.values())
-                rows.append(Row(spec.name, case.mode, f"{backends[1]}~{backends[0]}", dt, "other backend", errs,
-                                TOL["other backend"][i], "ok" if ok else "FAIL"))
+            rows += _check_case(
+                spec, derivation.modes[case.mode], case, dt, backends, mods, have_torch, in_ci, progress
+            )
     return rows
 
 
+def _check_case(
+    spec: Spec,
+    mode: ModeDerivation,
+    case: Case,
+    dt: str,
+    backends: Sequence[str],
+    mods: dict[str, ModuleType],
+    have_torch: bool,
+    in_ci: bool,
+    progress: Callable[[str], None] | None,
+) -> list[Row]:
+    """The rows of one case in one dtype: each backend's checks, then the backends against each other."""
+    col = 0 if dt == "float64" else 1  # the tolerances' column
+    x, dy, params, kw, layout = _inputs(spec, case, DTYPES[dt], seed=11)
+    x64, dy64 = x.astype(np.float64), dy.astype(np.float64)
+    p64 = [p.astype(np.float64) for p in params]
+    kw64 = {k: (v.astype(np.float64) if isinstance(v, np.ndarray) else v) for k, v in kw.items()}
+    ref_y = _spec_forward(spec, mode, x64, p64, kw64, layout)
+    torch_first = None
+    if have_torch and spec.name in torch_ref.HAS_REFERENCE and spec.source.startswith("catalogue/"):
+        y_t, g_t, b_t = torch_ref.torch_reference(
+            spec.name, x64, dict(zip([p.name for p in spec.params], p64)), _copy_kw(kw64), dy64
+        )
+        buffers = {k: v for k, v in b_t.items() if v is not None and kw.get("training", True)}
+        torch_first = {"y": y_t, **g_t, **buffers}
+    seeds = _seeds(spec, x64, p64, kw64, layout)
+    torch_second = None
+    if torch_first is not None:
+        torch_second = torch_ref.torch_second_reference(
+            spec.name, x64, dict(zip([p.name for p in spec.params], p64)), _copy_kw(kw64), dy64, *seeds
+        )
+    rows: list[Row] = []
+    results: dict[str, dict] = {}
+    for b in backends:
+        if progress:
+            progress(f"{spec.name} {case.mode} {b} {dt}")
+        mod = mods[b]
+        got = _run(mod, spec, x, dy, params, kw, seeds)
+        results[b] = got
+        label = (spec.name, case.mode, b, dt)
+        # 1. the spec, and finite differences
+        fd = _fd(mod, spec, x64, dy64, p64, kw64)
+        errs = {"y": _relerr(got["y"], ref_y)}
+        errs.update({k: _relerr(got[k], v) for k, v in fd.items()})
+        ok = errs["y"] <= TOL["spec"][col] and all(errs[k] <= TOL["finite differences"][col] for k in fd)
+        rows.append(
+            Row(*label, "spec + finite differences", errs, TOL["finite differences"][col], "ok" if ok else "FAIL")
+        )
+        fd2 = _fd_second(mod, spec, x64, dy64, p64, kw64, seeds)
+        errs = {
+            k: (
+                _relerr(np.sum(np.asarray(got[k], np.float64) * v[0]), v[1])
+                if isinstance(v, tuple)
+                else _relerr(got[k], v)
+            )
+            for k, v in fd2.items()
+        }
+        tol2 = TOL["second order finite differences"][col]
+        rows.append(
+            Row(
+                *label,
+                "second order: finite differences",
+                errs,
+                tol2,
+                "ok" if all(e <= tol2 for e in errs.values()) else "FAIL",
+            )
+        )
+        # 3. torch
+        rows += _torch_rows(label, got, torch_first, torch_second, have_torch, in_ci, col)
+    # 2. backends agree
+    if len(backends) == 2:
+        first, other = (results[b] for b in backends)
+        errs = {k: _relerr(other[k], first[k]) for k in first}
+        ok = all(e <= TOL["other backend"][col] for e in errs.values())
+        rows.append(
+            Row(
+                spec.name,
+                case.mode,
+                f"{backends[1]}~{backends[0]}",
+                dt,
+                "other backend",
+                errs,
+                TOL["other backend"][col],
+                "ok" if ok else "FAIL",
+            )
+        )
+    return rows
+
+
+def _torch_rows(
+    label: tuple[str, str, str, str],
+    got: dict,
+    torch_first: dict | None,
+    torch_second: dict | None,
+    have_torch: bool,
+    in_ci: bool,
+    col: int,
+) -> list[Row]:
+    """One backend's rows against PyTorch (first and second order), or why there are none."""
+    if torch_first is not None:
+        tol = TOL["torch"][col]
+        errs = {k: _relerr(got[k], v) for k, v in torch_first.items() if k in got}
+        rows = [Row(*label, "torch", errs, tol, "ok" if all(e <= tol for e in errs.values()) else "FAIL")]
+        errs = {k: _relerr(got[k], v) for k, v in torch_second.items()}
+        rows.append(
+            Row(*label, "torch second order", errs, tol, "ok" if all(e <= tol for e in errs.values()) else "FAIL")
+        )
+        return rows
+    if not have_torch:
+        return [
+            Row(
+                *label,
+                "torch",
+                status="FAIL: torch not installed (CI=true)" if in_ci else "skipped: torch not installed",
+            )
+        ]
+    return [Row(*label, "torch", status="skipped: no PyTorch counterpart")]
+
+
 def format_table(rows: list[Row]) -> str:
+    """The rows as an aligned text table with a header line."""
     head = ("layer", "mode", "backend", "dtype", "check", "max relative error per output", "tol", "status")
     body = []
     for r in rows:
         errs = "  ".join(f"{k} {v:.1e}" for k, v in r.errors.items()) or "-"
-        body.append((r.layer, r.mode, r.backend, r.dtype, r.check, errs,
-                     f"{r.tol:.0e}" if r.tol is not None else "-", r.status))
+        body.append(
+            (r.layer, r.mode, r.backend, r.dtype, r.check, errs, f"{r.tol:.0e}" if r.tol is not None else "-", r.status)
+        )
     widths = [max(len(str(x[i])) for x in [head, *body]) for i in range(len(head))]
     lines = ["  ".join(str(c).ljust(w) for c, w in zip(head, widths)).rstrip()]
     lines += ["  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip() for row in body]
@@ -346,10 +485,13 @@ def format_table(rows: list[Row]) -> str:
 
 
 def rows_json(rows: list[Row]) -> list[dict]:
+    """The rows as JSON-ready dicts, each with its ``failed``."""
     return [dict(asdict(r), failed=r.failed) for r in rows]
 
 
-def stderr_progress(total: int):
+def stderr_progress(total: int) -> Callable[[str], None]:
+    """A progress callback for ``total`` steps on stderr: a bar redrawn in place on a terminal,
+    otherwise a line at the first, every 8th and the last step; its ``done()`` clears the bar."""
     state = {"n": 0}
     tty = sys.stderr.isatty()
 
@@ -368,5 +510,6 @@ def stderr_progress(total: int):
         if tty:
             sys.stderr.write("\r\033[K")
             sys.stderr.flush()
+
     step.done = done
     return step

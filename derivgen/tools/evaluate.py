@@ -42,13 +42,13 @@ def evaluate(expr: sympy.Expr, env: dict[sympy.Symbol, object], mean: Callable =
     if expr.is_Pow:
         base = evaluate(expr.base, env, mean)
         exponent = expr.exp
-        root = functions.half_power_sign(expr)        # x**(1/2) or x**(-1/2): the table's square root
+        root = functions.half_power_sign(expr)  # x**(1/2) or x**(-1/2): the table's square root
         if root:
             sqrt = getattr(np, functions.half_power().numpy)(base)
             return sqrt if root > 0 else 1.0 / sqrt
         return np.power(base, float(exponent)) if not exponent.is_Integer else base ** int(exponent)
     fn = functions.of_node(expr)
-    if fn is not None:                 # the table's NumPy function
+    if fn is not None:  # the table's NumPy function
         return getattr(np, fn.numpy)(*(evaluate(a, env, mean) for a in expr.args))
     raise TypeError(f"cannot evaluate {type(expr).__name__}: {expr}")
 
@@ -66,11 +66,11 @@ class GroupEvaluator:
         options, inputs and buffers by name (one value each)."""
         mode, spec = self.mode, self.spec
         env = self._env(x, params, scalars)
-        for st in mode.statistics:          # with the auxiliaries the engine named
+        for st in mode.statistics:  # with the auxiliaries the engine named
             env[st.symbol] = evaluate(st.expr, env)
         if spec.normalized is not None:
             env[spec.normalized.symbol] = evaluate(mode.normalized_expr, env) * np.ones_like(x)
-        if mode.coordinate is not None:        # the backward's coordinate (x̂, or the centred x - μ)
+        if mode.coordinate is not None:  # the backward's coordinate (x̂, or the centred x - μ)
             env[mode.coordinate.symbol] = evaluate(mode.coordinate_expr, env) * np.ones_like(x)
         y = evaluate(spec.output, env) * np.ones_like(x)
         return y, env

@@ -36,8 +36,9 @@ def torch_reference(
     tx = torch.tensor(x, dtype=torch.float64, requires_grad=True)
     extra_in = {}
     if name == "online_layernorm":
-        extra_in = {k: torch.tensor(np.asarray(kw[k], dtype=np.float64), requires_grad=True)
-                    for k in ("prev_mean", "prev_std")}
+        extra_in = {
+            k: torch.tensor(np.asarray(kw[k], dtype=np.float64), requires_grad=True) for k in ("prev_mean", "prev_std")
+        }
     y, buffers = _forward(name, tx, tparams, extra_in, kw, x, params)
     y.backward(torch.tensor(dy, dtype=torch.float64))
     grads = {"dx": tx.grad.numpy()}
@@ -72,21 +73,27 @@ def torch_second_reference(
     wrt = [tx, *tparams.values(), *ins.values()]
     first = torch.autograd.grad(y, wrt, tdy, create_graph=True, allow_unused=True)
     fields = ["dx", *("d" + k for k in names), *("d" + k for k in inputs)]
-    l2 = sum((torch.as_tensor(np.asarray(bb_seeds[f], dtype=np.float64)) * g).sum()
-             for f, g in zip(fields, first) if g is not None)
+    l2 = sum(
+        (torch.as_tensor(np.asarray(bb_seeds[f], dtype=np.float64)) * g).sum()
+        for f, g in zip(fields, first)
+        if g is not None
+    )
     second = torch.autograd.grad(l2, [tx, tdy, *tparams.values(), *ins.values()], allow_unused=True)
     out = {}
-    for f, v, ref in zip(["dx", "ddy", *("d" + k for k in names), *("d" + k for k in inputs)], second,
-                         [tx, tdy, *tparams.values(), *ins.values()]):
+    for f, v, ref in zip(
+        ["dx", "ddy", *("d" + k for k in names), *("d" + k for k in inputs)],
+        second,
+        [tx, tdy, *tparams.values(), *ins.values()],
+    ):
         out["bb." + f] = (torch.zeros_like(ref) if v is None else v).detach().numpy()
 
     def fwd(xx: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor:
-        pp = dict(zip(names, rest[:len(names)]))
-        ii = dict(zip(inputs, rest[len(names):]))
+        pp = dict(zip(names, rest[: len(names)]))
+        ii = dict(zip(inputs, rest[len(names) :]))
         return _forward(name, xx, pp, ii, kw_nb, x, params)[0]
+
     primals = (tx.detach(), *(v.detach() for v in tparams.values()), *(v.detach() for v in ins.values()))
-    tangents = tuple(torch.as_tensor(np.asarray(jvp_seeds[k], dtype=np.float64))
-                     for k in ["x", *names, *inputs])
+    tangents = tuple(torch.as_tensor(np.asarray(jvp_seeds[k], dtype=np.float64)) for k in ["x", *names, *inputs])
     _, ty = torch.func.jvp(fwd, primals, tangents)
     out["jvp.ty"] = ty.detach().numpy()
     return out
@@ -105,8 +112,16 @@ def _forward(name: str, tx, tparams: dict, extra_in: dict, kw: dict, x: np.ndarr
     elif name == "batchnorm":
         rm = torch.tensor(kw["running_mean"], dtype=torch.float64) if kw.get("running_mean") is not None else None
         rv = torch.tensor(kw["running_var"], dtype=torch.float64) if kw.get("running_var") is not None else None
-        y = F.batch_norm(tx, rm, rv, tparams["gamma"], tparams["beta"], kw.get("training", True),
-                         kw.get("momentum", 0.1), kw.get("eps", 1e-5))
+        y = F.batch_norm(
+            tx,
+            rm,
+            rv,
+            tparams["gamma"],
+            tparams["beta"],
+            kw.get("training", True),
+            kw.get("momentum", 0.1),
+            kw.get("eps", 1e-5),
+        )
         buffers = {"running_mean": rm, "running_var": rv}
     elif name == "instancenorm":
         y = F.instance_norm(tx, weight=tparams["gamma"], bias=tparams["beta"], eps=kw.get("eps", 1e-5))
@@ -117,7 +132,7 @@ def _forward(name: str, tx, tparams: dict, extra_in: dict, kw: dict, x: np.ndarr
         pm, ps = extra_in["prev_mean"], extra_in["prev_std"]
         k = params["gamma"].ndim
         axes = tuple(range(x.ndim - k, x.ndim))
-        D = int(np.prod(x.shape[x.ndim - k:]))
+        D = int(np.prod(x.shape[x.ndim - k :]))
         expand = (...,) + (None,) * k
         mu = alpha * tx.mean(axes) + (1 - alpha) * pm
         s = torch.sqrt(((tx - mu[expand]) ** 2).sum(axes) / (D - 1) + eps)
