@@ -54,7 +54,8 @@ class Derivation:
             return getattr(self.modes["train"], item)
         raise AttributeError(item)
 
-    def _cached(self, key: tuple, compute: Callable[[], object]):
+    def _cached(self, key: tuple, compute: Callable[[], object]) -> object:
+        """``compute()``, computed once per ``key`` and kept."""
         if key not in self._cache:
             self._cache[key] = compute()
         return self._cache[key]

@@ -196,6 +196,7 @@ def torch_step(
     eps = kw.get("eps")
 
     def fwd() -> torch.Tensor:
+        """y by torch's own functional layer (online layer norm: from its formula)."""
         if name == "layernorm":
             return F.layer_norm(tx, tuple(params[0].shape), tp[0], tp[1], eps or 1e-5)
         if name == "rmsnorm":
@@ -215,10 +216,12 @@ def torch_step(
         raise KeyError(name)
 
     def fwd_only() -> None:
+        """The forward without autograd."""
         with torch.no_grad():
             fwd()
 
     def step() -> None:
+        """Forward and backward through autograd."""
         tx.grad = None
         for p in tp:
             p.grad = None
@@ -481,6 +484,7 @@ def evaluate_targets(report: dict) -> list[dict]:
     out = []
 
     def row(layer: str, shape: tuple, impl: str) -> dict | None:
+        """The report's row of one layer, shape and implementation, if it has one."""
         return next((q for q in res if q["layer"] == layer and tuple(q["shape"]) == shape and q["impl"] == impl), None)
 
     c_labels = [b["label"] for b in report["builds"] if not b["skipped"]]
@@ -579,6 +583,7 @@ def format_report(report: dict) -> str:
     rows = []
 
     def f(v: float | None, fmt: str = "{:.2f}") -> str:
+        """A cell: the value formatted, or '-'."""
         return "-" if v is None else fmt.format(v)
 
     for r in report["results"]:

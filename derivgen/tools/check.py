@@ -226,6 +226,7 @@ def _fd(
     """Central differences of L = sum(dy * y) with respect to x, parameters and inputs (float64)."""
 
     def loss(xx: np.ndarray, pp: list[np.ndarray], kk: dict) -> float:
+        """L = sum(dy * y) at these arguments."""
         y, _ = mod.forward(xx, *pp, **_copy_kw(kk))
         return float(np.sum(dy * y))
 
@@ -279,12 +280,14 @@ def _fd_second(
     names = [p.name for p in spec.params]
     rng = np.random.default_rng(101)
 
-    def l2(xx, dd, pp, kk):
+    def l2(xx: np.ndarray, dd: np.ndarray, pp: list[np.ndarray], kk: dict) -> float:
+        """L2 = sum over the backward's outputs of seed * output, at these arguments."""
         _, c = mod.forward(xx, *pp, **_copy_kw(kk))
         g = mod.backward(dd, c)
         return float(sum(np.sum(bb[f] * np.asarray(getattr(g, f))) for f in g._fields))
 
-    def vary(what, arr, f):
+    def vary(what: str, arr: object, f: Callable[[np.ndarray], float]) -> tuple[np.ndarray, float]:
+        """(a random direction u, the central difference of f along u at ``arr``); ``what`` names the argument."""
         arr = np.asarray(arr, dtype=np.float64)
         u = rng.normal(size=arr.shape)
         return u, (f(np.asarray(arr + h * u)) - f(np.asarray(arr - h * u))) / (2 * h)
@@ -300,7 +303,8 @@ def _fd_second(
     for i in spec.inputs:
         out["bb.d" + i.name] = vary(i.name, kw[i.name], lambda a, i=i: l2(x, dy, params, {**kw, i.name: a}))
 
-    def y_at(t):
+    def y_at(t: float) -> np.ndarray:
+        """y at the arguments moved by t along the JVP's tangents."""
         pp = [np.asarray(q + t * jv[p]) for q, p in zip(params, names)]
         kk = _copy_kw(kw)
         for i in spec.inputs:
@@ -495,7 +499,8 @@ def stderr_progress(total: int) -> Callable[[str], None]:
     state = {"n": 0}
     tty = sys.stderr.isatty()
 
-    def step(label: str):
+    def step(label: str) -> None:
+        """One step done, ``label`` saying which."""
         state["n"] += 1
         n = state["n"]
         bar = "#" * int(24 * n / max(total, 1))
@@ -506,7 +511,8 @@ def stderr_progress(total: int) -> Callable[[str], None]:
         elif n == 1 or n == total or n % 8 == 0:
             sys.stderr.write(msg + "\n")
 
-    def done():
+    def done() -> None:
+        """Clear the bar (on a terminal)."""
         if tty:
             sys.stderr.write("\r\033[K")
             sys.stderr.flush()

@@ -10,7 +10,12 @@ so this module imports without it.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
+
+if TYPE_CHECKING:  # for the annotations only; at run time torch is imported where it is used
+    import torch
 
 # the catalogue layers that have a reference here
 HAS_REFERENCE = ("layernorm", "rmsnorm", "batchnorm", "instancenorm", "groupnorm", "online_layernorm")
@@ -88,6 +93,7 @@ def torch_second_reference(
         out["bb." + f] = (torch.zeros_like(ref) if v is None else v).detach().numpy()
 
     def fwd(xx: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor:
+        """y as a function of x, the parameters and the inputs (in that order), for torch.func.jvp."""
         pp = dict(zip(names, rest[: len(names)]))
         ii = dict(zip(inputs, rest[len(names) :]))
         return _forward(name, xx, pp, ii, kw_nb, x, params)[0]
@@ -99,7 +105,9 @@ def torch_second_reference(
     return out
 
 
-def _forward(name: str, tx, tparams: dict, extra_in: dict, kw: dict, x: np.ndarray, params: dict) -> tuple:
+def _forward(
+    name: str, tx: torch.Tensor, tparams: dict, extra_in: dict, kw: dict, x: np.ndarray, params: dict
+) -> tuple:
     """y of the layer in torch operations, and the running buffers it updated."""
     import torch  # optional dependency
     import torch.nn.functional as F
