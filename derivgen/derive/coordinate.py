@@ -21,15 +21,16 @@ from dataclasses import dataclass
 import sympy
 from sympy import Add, Mul
 
+from derivgen.spec.model import Named, Spec, Statistic, X
 from derivgen.symbolic import domain
 from derivgen.symbolic.reduce import Mean, ReductionAlgebra, means
-from derivgen.spec.model import X, Named, Spec, Statistic
 
 
 @dataclass(frozen=True)
 class ImplicitCoordinate:
     """The coordinate u = ``definition`` the output normalizes x by without [normalized]
     (named ``named`` by the engine), and y written in it (``output``)."""
+
     named: Named
     definition: sympy.Expr
     output: sympy.Expr
@@ -111,12 +112,12 @@ class _Search:
     def score(self, c: sympy.Expr, clean: int) -> tuple:
         """The most terms of y through c, then the most statistics, the fewest other group
         values, the smallest expression."""
-        return (clean, len(c.free_symbols & self.xdep), -len(c.free_symbols - self.xdep - {X}),
-                -sympy.count_ops(c))
+        return (clean, len(c.free_symbols & self.xdep), -len(c.free_symbols - self.xdep - {X}), -sympy.count_ops(c))
 
 
-def find_implicit(spec: Spec, stats: tuple[Statistic, ...] | list[Statistic], y_full: sympy.Expr,
-                  alg: ReductionAlgebra) -> ImplicitCoordinate | None:
+def find_implicit(
+    spec: Spec, stats: tuple[Statistic, ...] | list[Statistic], y_full: sympy.Expr, alg: ReductionAlgebra
+) -> ImplicitCoordinate | None:
     """A spec without [normalized] whose output still normalizes x -- z = (x - μ)·ρ written
     inline, once or several times -- gets the same closed form as one that names z: the
     coordinate u = (x - μ)·ρ, shown as x̂ (or u where the spec uses x̂), and y written in it.
@@ -155,9 +156,13 @@ def _centre(y_full: sympy.Expr, alg: ReductionAlgebra) -> sympy.Expr:
     return alg.canon(Mean(X))
 
 
-def closed_form_coordinate(spec: Spec, stats: tuple[Statistic, ...] | list[Statistic], y_full: sympy.Expr,
-                           alg: ReductionAlgebra, implicit: ImplicitCoordinate | None
-                           ) -> tuple[Named | None, sympy.Expr | None]:
+def closed_form_coordinate(
+    spec: Spec,
+    stats: tuple[Statistic, ...] | list[Statistic],
+    y_full: sympy.Expr,
+    alg: ReductionAlgebra,
+    implicit: ImplicitCoordinate | None,
+) -> tuple[Named | None, sympy.Expr | None]:
     """The element coordinate of the closed forms and its definition: the spec's x̂, or the
     one its output uses without naming it; without either, x - μ for the group mean μ when a
     statistic gives it, so that polynomials in x are written (and computed) in powers of the

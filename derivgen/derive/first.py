@@ -35,11 +35,10 @@ from dataclasses import dataclass, field
 import sympy
 from sympy import Add, Mul
 
-from derivgen.symbolic import domain
-from derivgen.symbolic import functions
 from derivgen.derive.coordinate import ImplicitCoordinate, closed_form_coordinate, find_implicit
+from derivgen.spec.model import DY, N, Named, Spec, Statistic, X
+from derivgen.symbolic import domain, functions
 from derivgen.symbolic.reduce import Mean, ReductionAlgebra, expand, hide_means, means
-from derivgen.spec.model import DY, N, X, Named, Spec, Statistic
 
 G = sympy.Symbol("g", real=True)
 G_NAMED = Named("g", G, "g", "g")
@@ -53,6 +52,7 @@ class DerivationError(ValueError):
 @dataclass(frozen=True)
 class Reduction:
     """A per-group reduction the backward computes at run time: name = Mean(arg)."""
+
     name: str
     symbol: sympy.Symbol
     arg: sympy.Expr
@@ -71,19 +71,21 @@ class Partial:
     ∂s/∂p_i through a mean), "zero" (∂s/∂v through a mean that vanishes by the
     definitions of the statistics) or "kept" (one that looks like it might
     vanish but does not)."""
+
     stat: Statistic
     wrt: sympy.Symbol
     kind: str
     value: sympy.Expr
     atom: Mean | None = None
-    raw: sympy.Expr | None = None          # the mean of ∂r/∂v as written (zero / kept)
-    linear: sympy.Expr | None = None       # the same after linearity alone (zero) / canonical (kept)
-    because: tuple[Statistic, ...] = ()    # the statistics whose definitions make it zero
+    raw: sympy.Expr | None = None  # the mean of ∂r/∂v as written (zero / kept)
+    linear: sympy.Expr | None = None  # the same after linearity alone (zero) / canonical (kept)
+    because: tuple[Statistic, ...] = ()  # the statistics whose definitions make it zero
 
 
 @dataclass(frozen=True)
 class ParamGrad:
     """∂L/∂p = (sum of ``element`` over the axes p does not span) + (sum of ``group`` over groups)."""
+
     element: sympy.Expr
     group: sympy.Expr = sympy.S.Zero
 
@@ -94,6 +96,7 @@ class MeanFacts:
     symbols, those whose means are never known (∂L/∂y, g), the element symbols defined
     through x (the coordinate), and every mean the statistics determine. Later stages
     (the second order) build their own working algebra from it (:meth:`algebra`)."""
+
     varying: frozenset[sympy.Symbol]
     active: frozenset[sympy.Symbol]
     derived: tuple[tuple[sympy.Symbol, sympy.Expr], ...]
@@ -102,8 +105,7 @@ class MeanFacts:
     @classmethod
     def of(cls, alg: ReductionAlgebra) -> MeanFacts:
         """A copy of what ``alg`` knows now."""
-        return cls(frozenset(alg.varying), frozenset(alg.active), tuple(alg.derived.items()),
-                   tuple(alg.known.items()))
+        return cls(frozenset(alg.varying), frozenset(alg.active), tuple(alg.derived.items()), tuple(alg.known.items()))
 
     def algebra(self, element: frozenset[sympy.Symbol] = frozenset()) -> ReductionAlgebra:
         """A fresh algebra that knows these facts, with ``element`` as further element
@@ -119,28 +121,29 @@ class ModeDerivation:
     the partial derivatives, the adjoints, the closed forms and their reductions -- and what
     later stages need to go on from them (the coordinate, the algebra's facts, the rules of
     the statistics' elementary functions). Made by :func:`derive_mode`; never changed."""
+
     spec: Spec
     mode: str
-    user_statistics: tuple[Statistic, ...]   # as the spec writes them
-    statistics: tuple[Statistic, ...]        # the program: user statistics and auxiliaries, in order
-    normalized_expr: sympy.Expr | None       # x̂ in terms of x and statistics
-    output: sympy.Expr                       # y in terms of x̂ (or x) and params
-    g: sympy.Expr | None                     # g = dy * ∂y/∂x̂, when used
-    dx: sympy.Expr                           # closed form, Mean atoms over g, x̂, dy
-    grads: dict[str, ParamGrad]              # per parameter
-    dinputs: dict[str, sympy.Expr]           # per-group value
-    reductions: tuple[Reduction, ...]        # run-time reductions of the backward
+    user_statistics: tuple[Statistic, ...]  # as the spec writes them
+    statistics: tuple[Statistic, ...]  # the program: user statistics and auxiliaries, in order
+    normalized_expr: sympy.Expr | None  # x̂ in terms of x and statistics
+    output: sympy.Expr  # y in terms of x̂ (or x) and params
+    g: sympy.Expr | None  # g = dy * ∂y/∂x̂, when used
+    dx: sympy.Expr  # closed form, Mean atoms over g, x̂, dy
+    grads: dict[str, ParamGrad]  # per parameter
+    dinputs: dict[str, sympy.Expr]  # per-group value
+    reductions: tuple[Reduction, ...]  # run-time reductions of the backward
     partials: tuple[Partial, ...] = ()
-    adjoints: dict[sympy.Symbol, sympy.Expr] = field(default_factory=dict)   # ∂L/∂s, closed form
-    sum_xhat_zero: bool = False              # mean(x̂) = 0 exactly (the "negligible" term)
-    coordinate: Named | None = None          # the closed forms' element coordinate: x̂, or the centred x - μ
+    adjoints: dict[sympy.Symbol, sympy.Expr] = field(default_factory=dict)  # ∂L/∂s, closed form
+    sum_xhat_zero: bool = False  # mean(x̂) = 0 exactly (the "negligible" term)
+    coordinate: Named | None = None  # the closed forms' element coordinate: x̂, or the centred x - μ
     coordinate_expr: sympy.Expr | None = None
-    implicit_coordinate: bool = False        # x̂ named by the engine: the output uses it without [normalized]
-    output_in_coordinate: sympy.Expr | None = None   # y written in that x̂ (direct paths keep x)
-    x_in_coordinate: sympy.Expr | None = None        # x written in the coordinate (when it is affine in x)
-    element: frozenset[sympy.Symbol] = frozenset()   # the element symbols of the closed forms
+    implicit_coordinate: bool = False  # x̂ named by the engine: the output uses it without [normalized]
+    output_in_coordinate: sympy.Expr | None = None  # y written in that x̂ (direct paths keep x)
+    x_in_coordinate: sympy.Expr | None = None  # x written in the coordinate (when it is affine in x)
+    element: frozenset[sympy.Symbol] = frozenset()  # the element symbols of the closed forms
     mean_facts: MeanFacts | None = field(default=None, repr=False)
-    self_rules: dict[sympy.Symbol, _SelfRule] = field(default_factory=dict, repr=False)   # s = c·F(u)
+    self_rules: dict[sympy.Symbol, _SelfRule] = field(default_factory=dict, repr=False)  # s = c·F(u)
 
     @property
     def dparams(self) -> dict[str, sympy.Expr]:
@@ -177,9 +180,11 @@ class ModeDerivation:
 
 # ------------------------------------------------------------------ the program
 
+
 @dataclass
 class _SelfRule:
     """s = c·F(u): ∂s/∂u written through s itself."""
+
     func: type
     coef: sympy.Expr
     arg: sympy.Expr
@@ -190,7 +195,7 @@ class _SelfRule:
         if self.func is sympy.Pow:
             q = self.exp
             if q.is_Rational and ((q - 1) / q).is_Integer:
-                return self.coef * q * f ** ((q - 1) / q)      # √u: 1/(2√u); u^(-1/2): -u^(-3/2)/2
+                return self.coef * q * f ** ((q - 1) / q)  # √u: 1/(2√u); u^(-1/2): -u^(-3/2)/2
             return self.coef * q * f / self.arg
         return self.coef * functions.of_class(self.func).derivative(f, self.arg)
 
@@ -217,11 +222,12 @@ def _self_rule(expr: sympy.Expr, active: set) -> _SelfRule | None:
 class Program:
     """The statistics of one mode with their auxiliaries, and what they tell about means."""
 
-    def __init__(self, spec: Spec, stats: tuple[Statistic, ...], alg: ReductionAlgebra,
-                 differentiable: set[sympy.Symbol]):
+    def __init__(
+        self, spec: Spec, stats: tuple[Statistic, ...], alg: ReductionAlgebra, differentiable: set[sympy.Symbol]
+    ):
         self.spec = spec
         self.alg = alg
-        self.active = set(differentiable)          # group values with adjoints (inputs, scalar params)
+        self.active = set(differentiable)  # group values with adjoints (inputs, scalar params)
         self.stats: list[Statistic] = []
         self.rules: dict[sympy.Symbol, _SelfRule] = {}
         self._by_def: dict[sympy.Expr, sympy.Symbol] = {}
@@ -235,8 +241,9 @@ class Program:
             return self._by_def[expr]
         k = sum(1 for s in self.stats if s.aux) + 1
         sym = domain.symbol(f"Aux{k}", domain.sign_level(expr))
-        st = Statistic(sym.name, sym, f"a_{{{k}}}", f"a{_subscript(k)}", expr=expr,
-                       expr_text=f"{why} in {origin.name}", aux=True)
+        st = Statistic(
+            sym.name, sym, f"a_{{{k}}}", f"a{_subscript(k)}", expr=expr, expr_text=f"{why} in {origin.name}", aux=True
+        )
         self._append(st)
         return sym
 
@@ -285,6 +292,7 @@ class Program:
             if _elementary(e2) and e2.free_symbols & self.active and not e2.has(Mean):
                 return self._aux(e2, st, "a " + _kind(e2))
             return e2
+
         return visit(expr)
 
     def partial(self, st: Statistic, v: sympy.Symbol, hidden: sympy.Expr) -> sympy.Expr:
@@ -292,8 +300,9 @@ class Program:
         return statistic_partial(self.rules, st, v, hidden)
 
 
-def statistic_partial(rules: dict[sympy.Symbol, _SelfRule], st: Statistic, v: sympy.Symbol,
-                      hidden: sympy.Expr) -> sympy.Expr:
+def statistic_partial(
+    rules: dict[sympy.Symbol, _SelfRule], st: Statistic, v: sympy.Symbol, hidden: sympy.Expr
+) -> sympy.Expr:
     """∂(definition of st)/∂v, with ``hidden`` the definition with its means as symbols; a
     statistic s = c·F(u) with a rule in ``rules`` is differentiated through its own value."""
     rule = rules.get(st.symbol)
@@ -321,6 +330,7 @@ def _subscript(k: int) -> str:
 
 
 # ------------------------------------------------------------------ tidy closed forms
+
 
 def _flip(f: sympy.Expr) -> sympy.Expr:
     return sympy.expand(-f)
@@ -381,13 +391,18 @@ def tidy(e: sympy.Expr, element: set[sympy.Symbol]) -> sympy.Expr:
         for t in by_means[m]:
             el = Mul(*[f for f in Mul.make_args(t) if f.free_symbols & element])
             by_elem.setdefault(el, []).append(t / el)
-        coef = Add(*[el * _nice_group(Add(*gs)) for el, gs in sorted(by_elem.items(),
-                                                                   key=lambda kv: sympy.default_sort_key(kv[0]))])
+        coef = Add(
+            *[
+                el * _nice_group(Add(*gs))
+                for el, gs in sorted(by_elem.items(), key=lambda kv: sympy.default_sort_key(kv[0]))
+            ]
+        )
         out.append(m * (sympy.factor_terms(coef) if len(by_elem) > 1 else coef))
     return _nice_signs(sympy.factor_terms(Add(*out)))
 
 
 # ------------------------------------------------------------------ the derivation
+
 
 def _reduction_name(arg: sympy.Expr, names: dict[sympy.Symbol, str]) -> str:
     parts = []
@@ -419,8 +434,12 @@ def name_reductions(spec: Spec, coordinate: Named | None, exprs, extra: dict | N
     return tuple(out)
 
 
-def closed_form(expr: sympy.Expr, alg: ReductionAlgebra, x_in_coordinate: sympy.Expr | None,
-                element: set[sympy.Symbol] | frozenset[sympy.Symbol]) -> sympy.Expr:
+def closed_form(
+    expr: sympy.Expr,
+    alg: ReductionAlgebra,
+    x_in_coordinate: sympy.Expr | None,
+    element: set[sympy.Symbol] | frozenset[sympy.Symbol],
+) -> sympy.Expr:
     """``expr`` in the coordinate (x replaced by ``x_in_coordinate``), reduced by the algebra
     (linearity, known statistics), tidied over the ``element`` symbols."""
     e = expr
@@ -443,8 +462,10 @@ def check_derivatives(spec: Spec, where: str, e: sympy.Expr):
     """Raise :class:`DerivationError` where SymPy could not differentiate (an unevaluated
     Derivative or Subs) or the derivative is undefined (zoo, nan)."""
     if e.has(sympy.Derivative, sympy.Subs) or e.has(sympy.zoo, sympy.nan):
-        raise DerivationError(f"{spec.source}: {where}: cannot differentiate this expression "
-                              f"(it is not differentiable where the layer is defined)")
+        raise DerivationError(
+            f"{spec.source}: {where}: cannot differentiate this expression "
+            f"(it is not differentiable where the layer is defined)"
+        )
 
 
 def derive_mode(spec: Spec, mode_name: str | None = None) -> ModeDerivation:
@@ -454,14 +475,17 @@ def derive_mode(spec: Spec, mode_name: str | None = None) -> ModeDerivation:
     except DerivationError:
         raise
     except (TypeError, ValueError, AttributeError, NotImplementedError, RecursionError) as exc:
-        raise DerivationError(f"{spec.source}: the engine cannot derive this layer ({type(exc).__name__}: "
-                              f"{str(exc).splitlines()[0][:160] if str(exc) else 'no detail'})") from None
+        raise DerivationError(
+            f"{spec.source}: the engine cannot derive this layer ({type(exc).__name__}: "
+            f"{str(exc).splitlines()[0][:160] if str(exc) else 'no detail'})"
+        ) from None
 
 
 @dataclass
 class _Adjoints:
     """The reverse pass's state: ∂L/∂v of every group value, the element-level terms of
     ∂L/∂x and of each per-channel parameter's gradient, and the partials as shown."""
+
     group: dict[sympy.Symbol, sympy.Expr]
     terms: dict[sympy.Symbol, list[sympy.Expr]]
     partials: list[Partial] = field(default_factory=list)
@@ -480,12 +504,11 @@ class _Deriver:
         self.alg = ReductionAlgebra(varying, active={DY, G})
         inputs = {i.symbol for i in spec.inputs}
         self.program = Program(spec, mode.statistics, self.alg, inputs | set(self.scalar))
-        self.group_diff = set(self.program.active)       # every group value with an adjoint
+        self.group_diff = set(self.program.active)  # every group value with an adjoint
         self.implicit: ImplicitCoordinate | None = None
         if self.xhat is None:
             self._adopt(find_implicit(spec, self.program.stats, self.y_full, self.alg))
-        self._use_coordinate(*closed_form_coordinate(spec, self.program.stats, self.y_full, self.alg,
-                                                     self.implicit))
+        self._use_coordinate(*closed_form_coordinate(spec, self.program.stats, self.y_full, self.alg, self.implicit))
         self.element_diff = [X, *self.channel]
 
     def _use_normalized(self, xhat: sympy.Symbol | None, xhat_def: sympy.Expr | None):
@@ -493,7 +516,7 @@ class _Deriver:
         spec = self.spec
         self.xhat, self.xhat_def = xhat, xhat_def
         self.y_full = spec.output.xreplace({xhat: xhat_def}) if xhat is not None else spec.output
-        self.y_hat = spec.output                 # y with x̂ as a symbol (or y itself)
+        self.y_hat = spec.output  # y with x̂ as a symbol (or y itself)
         dy_dxhat = sympy.diff(spec.output, xhat) if xhat is not None else sympy.S.Zero
         self.g_def = DY * dy_dxhat if dy_dxhat != 0 else None
 
@@ -529,8 +552,10 @@ class _Deriver:
     # ---- 1. reverse pass through the program -----------------------------
     def reverse(self) -> _Adjoints:
         """∂L/∂s of every statistic, latest first, and the element-level terms of ∂L/∂x, ∂L/∂p."""
-        group = {v: sympy.S.Zero if v in self.scalar else self.alg.canon(N * Mean(self.dL(v)))
-                 for v in sorted(self.group_diff, key=sympy.default_sort_key)}
+        group = {
+            v: sympy.S.Zero if v in self.scalar else self.alg.canon(N * Mean(self.dL(v)))
+            for v in sorted(self.group_diff, key=sympy.default_sort_key)
+        }
         terms = {e: [self.dL(e)] for e in [X, *self.channel]}
         adj = _Adjoints(group, terms)
         for st in reversed(list(self.program.stats)):
@@ -572,11 +597,13 @@ class _Deriver:
             if val == 0:
                 lin = sympy.factor_terms(ReductionAlgebra(self.alg.varying).canon(raw))
                 used = tuple(t for t in self.program.stats if isinstance(t.expr, Mean) and lin.has(t.symbol))
-                adj.partials.append(Partial(st, v, "zero", sympy.S.Zero, atom=atom, raw=dr, linear=lin,
-                                            because=used))
+                adj.partials.append(Partial(st, v, "zero", sympy.S.Zero, atom=atom, raw=dr, linear=lin, because=used))
             else:
-                adj.partials.append(Partial(st, v, "kept", sympy.factor_terms(coef * val), atom=atom, raw=dr,
-                                            linear=sympy.factor_terms(val)))
+                adj.partials.append(
+                    Partial(
+                        st, v, "kept", sympy.factor_terms(coef * val), atom=atom, raw=dr, linear=sympy.factor_terms(val)
+                    )
+                )
                 adj.group[v] = adj.group[v] + abar * val
 
     def _forward_mean(self, raw: Mean, st: Statistic, adj: dict) -> sympy.Expr:
@@ -584,7 +611,7 @@ class _Deriver:
         fourth moment through μ, ⟨sign(x - μ)⟩ from a mean absolute deviation): an auxiliary
         the forward computes as written, two-pass, rather than a reduction of the backward or
         an expansion in raw moments of x."""
-        const, vary = self.alg.split(sympy.factor_terms(raw.args[0]))
+        _, vary = self.alg.split(sympy.factor_terms(raw.args[0]))
         sym = self.program._aux(Mean(vary), st, "a mean the backward needs")
         adj.setdefault(sym, sympy.S.Zero)
         return self.alg.canon(raw)
@@ -614,8 +641,7 @@ class _Deriver:
 
     def _sum_xhat_zero(self) -> bool:
         """⟨x̂⟩ = 0 exactly for the spec's x̂."""
-        return self.spec.normalized is not None and self.to_xhat is not None \
-            and self.alg.canon(Mean(self.xhat)) == 0
+        return self.spec.normalized is not None and self.to_xhat is not None and self.alg.canon(Mean(self.xhat)) == 0
 
     def run(self) -> ModeDerivation:
         """The derivation as data."""
@@ -625,16 +651,30 @@ class _Deriver:
         sum_zero = self._sum_xhat_zero()
         results = [dx, *dinputs.values(), *(g.element for g in grads.values()), *(g.group for g in grads.values())]
         uses_g = self.g_def is not None and any(e.has(G) for e in results)
-        return ModeDerivation(spec=spec, mode=self.mode.name, user_statistics=self.mode.statistics,
-                              statistics=tuple(self.program.stats), normalized_expr=self.xhat_def,
-                              output=spec.output, g=self.g_def if uses_g else None, dx=dx, grads=grads,
-                              dinputs=dinputs, reductions=name_reductions(spec, self.coord, results),
-                              partials=tuple(adj.partials), adjoints=adjoints, sum_xhat_zero=sum_zero,
-                              coordinate=self.coord, coordinate_expr=self.coord_def,
-                              implicit_coordinate=self.implicit is not None,
-                              output_in_coordinate=self.y_hat if self.implicit is not None else None,
-                              x_in_coordinate=self.to_xhat, element=frozenset(self.element),
-                              mean_facts=MeanFacts.of(self.alg), self_rules=dict(self.program.rules))
+        return ModeDerivation(
+            spec=spec,
+            mode=self.mode.name,
+            user_statistics=self.mode.statistics,
+            statistics=tuple(self.program.stats),
+            normalized_expr=self.xhat_def,
+            output=spec.output,
+            g=self.g_def if uses_g else None,
+            dx=dx,
+            grads=grads,
+            dinputs=dinputs,
+            reductions=name_reductions(spec, self.coord, results),
+            partials=tuple(adj.partials),
+            adjoints=adjoints,
+            sum_xhat_zero=sum_zero,
+            coordinate=self.coord,
+            coordinate_expr=self.coord_def,
+            implicit_coordinate=self.implicit is not None,
+            output_in_coordinate=self.y_hat if self.implicit is not None else None,
+            x_in_coordinate=self.to_xhat,
+            element=frozenset(self.element),
+            mean_facts=MeanFacts.of(self.alg),
+            self_rules=dict(self.program.rules),
+        )
 
 
 def mode_depends_on_x(mode: ModeDerivation, s: sympy.Symbol) -> bool:

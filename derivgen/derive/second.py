@@ -31,27 +31,36 @@ from dataclasses import dataclass
 
 import sympy
 
-from derivgen.derive.first import G, ModeDerivation, ParamGrad, Reduction, check_derivatives, closed_form, name_reductions, \
-    statistic_partial
+from derivgen.derive.first import (
+    G,
+    ModeDerivation,
+    ParamGrad,
+    Reduction,
+    check_derivatives,
+    closed_form,
+    name_reductions,
+    statistic_partial,
+)
+from derivgen.spec.model import DY, N, Named, Spec, Statistic, X
 from derivgen.symbolic.naming import derived
 from derivgen.symbolic.reduce import Mean, ReductionAlgebra, hide_means
-from derivgen.spec.model import DY, N, X, Named, Spec, Statistic
 
 
 @dataclass(frozen=True)
 class SecondOrder:
     """The second-order closed forms of one mode (expressions over Mean atoms, like
     :class:`derivgen.derive.first.ModeDerivation`'s; ``lowered`` gives them over the reductions)."""
-    md: ModeDerivation                            # the first order it is derived from
+
+    md: ModeDerivation  # the first order it is derived from
     # the double backward: cotangents of the backward's outputs ...
-    cot_x: Named                                  # δx: of dx (element)
-    cot_params: dict[str, Named]                  # δp: of dp (per channel, or one value for a scalar p)
-    cot_inputs: dict[str, Named]                  # δi: of di (per group)
+    cot_x: Named  # δx: of dx (element)
+    cot_params: dict[str, Named]  # δp: of dp (per channel, or one value for a scalar p)
+    cot_inputs: dict[str, Named]  # δi: of di (per group)
     # ... and the gradients of L₂ = Σ δx·dx + Σ δp·dp + Σ δi·di
-    dx: sympy.Expr                                # ∂L₂/∂x (element)
-    ddy: sympy.Expr                               # ∂L₂/∂(∂L/∂y) (element)
-    grads: dict[str, ParamGrad]                   # ∂L₂/∂p: element part summed like dp, group part per group
-    dinputs: dict[str, sympy.Expr]                # ∂L₂/∂i per group
+    dx: sympy.Expr  # ∂L₂/∂x (element)
+    ddy: sympy.Expr  # ∂L₂/∂(∂L/∂y) (element)
+    grads: dict[str, ParamGrad]  # ∂L₂/∂p: element part summed like dp, group part per group
+    dinputs: dict[str, sympy.Expr]  # ∂L₂/∂i per group
     reductions: tuple[Reduction, ...]
     # the JVP: tangents of the forward's inputs, and ẏ
     tan_x: Named
@@ -59,7 +68,7 @@ class SecondOrder:
     tan_inputs: dict[str, Named]
     ty: sympy.Expr
     jvp_reductions: tuple[Reduction, ...]
-    element: frozenset[sympy.Symbol] = frozenset()   # the element symbols of these closed forms
+    element: frozenset[sympy.Symbol] = frozenset()  # the element symbols of these closed forms
 
     @property
     def spec(self) -> Spec:
@@ -100,8 +109,9 @@ def almost_everywhere(e: sympy.Expr) -> sympy.Expr:
     as the first order's sign(u) is |u|'s derivative wherever that is defined: DiracDelta
     terms, and derivatives of sign that SymPy leaves unevaluated, are dropped."""
     if e.has(sympy.Derivative):
-        e = e.replace(lambda a: isinstance(a, sympy.Derivative) and isinstance(a.expr, sympy.sign),
-                      lambda a: sympy.S.Zero)
+        e = e.replace(
+            lambda a: isinstance(a, sympy.Derivative) and isinstance(a.expr, sympy.sign), lambda a: sympy.S.Zero
+        )
     if e.has(sympy.DiracDelta):
         e = e.replace(lambda a: isinstance(a, sympy.DiracDelta), lambda a: sympy.S.Zero)
     return e
@@ -119,6 +129,7 @@ def _sorted(symbols) -> list[sympy.Symbol]:
 class _Seeds:
     """The second order's new symbols: cotangents of the backward's outputs (δx, δp, δi)
     and tangents of the forward's inputs (ẋ, ṗ, i̇)."""
+
     cot_x: Named
     tan_x: Named
     cot_params: dict[str, Named]
@@ -129,23 +140,32 @@ class _Seeds:
     @classmethod
     def of(cls, spec: Spec) -> _Seeds:
         """The seeds of one layer, named after its parameters and inputs."""
-        return cls(cot_x=_named("X_Dd", r"\delta x", "δx"), tan_x=_named("X_T", r"\dot{x}", "ẋ"),
-                   cot_params={p.name: _cotangent(p) for p in spec.params},
-                   cot_inputs={i.name: _cotangent(i) for i in spec.inputs},
-                   tan_params={p.name: _tangent(p) for p in spec.params},
-                   tan_inputs={i.name: _tangent(i) for i in spec.inputs})
+        return cls(
+            cot_x=_named("X_Dd", r"\delta x", "δx"),
+            tan_x=_named("X_T", r"\dot{x}", "ẋ"),
+            cot_params={p.name: _cotangent(p) for p in spec.params},
+            cot_inputs={i.name: _cotangent(i) for i in spec.inputs},
+            tan_params={p.name: _tangent(p) for p in spec.params},
+            tan_inputs={i.name: _tangent(i) for i in spec.inputs},
+        )
 
     def element(self, spec: Spec) -> frozenset[sympy.Symbol]:
         """The seeds that are element values: δx, ẋ and those of per-channel parameters."""
         channel = [p.name for p in spec.params if not p.scalar]
-        return frozenset({self.cot_x.symbol, self.tan_x.symbol} | {self.cot_params[p].symbol for p in channel}
-                         | {self.tan_params[p].symbol for p in channel})
+        return frozenset(
+            {self.cot_x.symbol, self.tan_x.symbol}
+            | {self.cot_params[p].symbol for p in channel}
+            | {self.tan_params[p].symbol for p in channel}
+        )
 
     def reduction_names(self, spec: Spec) -> dict[sympy.Symbol, str]:
         """How the reductions' names spell the element seeds (Mean_dx_xhat ...)."""
-        return {self.cot_x.symbol: "dx", self.tan_x.symbol: "tx",
-                **{self.cot_params[p.name].symbol: "d" + p.name for p in spec.params},
-                **{self.tan_params[p.name].symbol: "t" + p.name for p in spec.params}}
+        return {
+            self.cot_x.symbol: "dx",
+            self.tan_x.symbol: "tx",
+            **{self.cot_params[p.name].symbol: "d" + p.name for p in spec.params},
+            **{self.tan_params[p.name].symbol: "t" + p.name for p in spec.params},
+        }
 
 
 class _Closer:
@@ -161,8 +181,9 @@ class _Closer:
     def __call__(self, e) -> sympy.Expr:
         """A closed form: the first order's reductions as means again, |u|'s second
         derivative dropped where it is defined, reduced and tidied like the first order."""
-        return closed_form(almost_everywhere(sympy.sympify(e).xreplace(self.unlower)), self.alg,
-                           self.x_in_coordinate, self.element)
+        return closed_form(
+            almost_everywhere(sympy.sympify(e).xreplace(self.unlower)), self.alg, self.x_in_coordinate, self.element
+        )
 
 
 class _ReversePass:
@@ -175,8 +196,12 @@ class _ReversePass:
         channel = {p.symbol for p in spec.params if not p.scalar}
         coord = first.coordinate.symbol if first.coordinate is not None else None
         self.element = {X, DY, G, *channel, *seeds} | ({coord} if coord is not None else set())
-        self.group_diff = set(st.symbol for st in first.statistics) | {r.symbol for r in first.reductions} \
-            | {i.symbol for i in spec.inputs} | {p.symbol for p in spec.params if p.scalar}
+        self.group_diff = (
+            {st.symbol for st in first.statistics}
+            | {r.symbol for r in first.reductions}
+            | {i.symbol for i in spec.inputs}
+            | {p.symbol for p in spec.params if p.scalar}
+        )
         self.element_adj: dict[sympy.Symbol, sympy.Expr] = {}
         self.group_adj: dict[sympy.Symbol, sympy.Expr] = {}
 
@@ -239,7 +264,7 @@ def _double_backward_adjoints(first: ModeDerivation, seeds: _Seeds) -> _ReverseP
         rev.group_through(first.lowered(gr.group), seeds.cot_params[p.name].symbol)
     for i in spec.inputs:
         rev.group_through(first.lowered(first.dinputs[i.name]), seeds.cot_inputs[i.name].symbol)
-    for r in reversed(first.reductions):             # r = mean(arg)
+    for r in reversed(first.reductions):  # r = mean(arg)
         w = rev.group_adj.pop(r.symbol, 0)
         rev.through(r.arg, w / N, f"the backward's {r.name}")
     if first.g is not None:
@@ -265,9 +290,12 @@ def _double_backward(first: ModeDerivation, seeds: _Seeds, close: _Closer):
         else:
             grads[p.name] = ParamGrad(close(element_adj.get(p.symbol, 0)))
     dinputs = {i.name: close(group_adj.get(i.symbol, 0)) for i in spec.inputs}
-    for where, e in [("double backward dx", dx), ("double backward ddy", ddy),
-                     *((f"double backward d{k}", v.element + v.group) for k, v in grads.items()),
-                     *((f"double backward d{k}", v) for k, v in dinputs.items())]:
+    for where, e in [
+        ("double backward dx", dx),
+        ("double backward ddy", ddy),
+        *((f"double backward d{k}", v.element + v.group) for k, v in grads.items()),
+        *((f"double backward d{k}", v) for k, v in dinputs.items()),
+    ]:
         check_derivatives(spec, where, e)
     return dx, ddy, grads, dinputs
 
@@ -339,12 +367,28 @@ def derive_second(first: ModeDerivation) -> SecondOrder:
     close = _Closer(first, seeds.element(spec))
     names = seeds.reduction_names(spec)
     dx, ddy, grads, dinputs = _double_backward(first, seeds, close)
-    reductions = name_reductions(spec, first.coordinate, [dx, ddy, *dinputs.values(),
-                                                          *(g.element for g in grads.values()),
-                                                          *(g.group for g in grads.values())], names)
+    reductions = name_reductions(
+        spec,
+        first.coordinate,
+        [dx, ddy, *dinputs.values(), *(g.element for g in grads.values()), *(g.group for g in grads.values())],
+        names,
+    )
     ty = _jvp(first, seeds, close)
     jvp_reductions = name_reductions(spec, first.coordinate, [ty], names)
-    return SecondOrder(md=first, cot_x=seeds.cot_x, cot_params=seeds.cot_params, cot_inputs=seeds.cot_inputs,
-                       dx=dx, ddy=ddy, grads=grads, dinputs=dinputs, reductions=reductions, tan_x=seeds.tan_x,
-                       tan_params=seeds.tan_params, tan_inputs=seeds.tan_inputs, ty=ty,
-                       jvp_reductions=jvp_reductions, element=close.element)
+    return SecondOrder(
+        md=first,
+        cot_x=seeds.cot_x,
+        cot_params=seeds.cot_params,
+        cot_inputs=seeds.cot_inputs,
+        dx=dx,
+        ddy=ddy,
+        grads=grads,
+        dinputs=dinputs,
+        reductions=reductions,
+        tan_x=seeds.tan_x,
+        tan_params=seeds.tan_params,
+        tan_inputs=seeds.tan_inputs,
+        ty=ty,
+        jvp_reductions=jvp_reductions,
+        element=close.element,
+    )

@@ -20,8 +20,9 @@ with a message naming the offending text.
 from __future__ import annotations
 
 import ast
+import math
+from collections.abc import Mapping
 from fractions import Fraction
-from typing import Mapping
 
 import sympy
 
@@ -53,11 +54,12 @@ class ExprError(ValueError):
 def _short(text: str, limit: int = 80) -> str:
     """repr() of text, cut in the middle when long (error messages stay one readable line)."""
     r = repr(text)
-    return r if len(r) <= limit else r[: limit // 2 - 2] + "..." + r[-(limit // 2 - 2):]
+    return r if len(r) <= limit else r[: limit // 2 - 2] + "..." + r[-(limit // 2 - 2) :]
 
 
-def parse_expr(text: str, names: Mapping[str, sympy.Expr], *,
-               group_size: sympy.Expr, allow_reductions: bool = True) -> sympy.Expr:
+def parse_expr(
+    text: str, names: Mapping[str, sympy.Expr], *, group_size: sympy.Expr, allow_reductions: bool = True
+) -> sympy.Expr:
     """Parse ``text`` into a SymPy expression over ``names``.
 
     ``names`` maps every identifier the expression may use to its SymPy object;
@@ -103,7 +105,7 @@ class _Builder:
             v = node.value
             if isinstance(v, bool) or not isinstance(v, (int, float)):
                 self.fail(node, "only numeric constants are allowed")
-            if isinstance(v, float) and (v != v or v in (float("inf"), float("-inf"))):
+            if isinstance(v, float) and not math.isfinite(v):
                 self.fail(node, "non-finite constant")
             if isinstance(v, int) and abs(v) > 10**12:
                 self.fail(node, "integer constant too large")

@@ -12,19 +12,18 @@ from __future__ import annotations
 
 import math
 import re
-import tomllib
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
 import sympy
+import tomllib
 
-from derivgen.symbolic import domain
-from derivgen.symbolic import functions
 from derivgen.spec import reserved
-from derivgen.symbolic.domain import domain_error
 from derivgen.spec.expr import ExprError, parse_expr
+from derivgen.symbolic import domain, functions
+from derivgen.symbolic.domain import domain_error
 from derivgen.symbolic.reduce import hide_means
 
 # The group size inside expressions.
@@ -73,6 +72,7 @@ class SpecError(ValueError):
 @dataclass(frozen=True)
 class Named:
     """A named quantity with its display forms."""
+
     name: str
     symbol: sympy.Symbol
     latex: str
@@ -82,8 +82,8 @@ class Named:
 @dataclass(frozen=True)
 class Param(Named):
     init: float = 1.0
-    role: str = "scale"          # "scale" or "shift" (documentation only)
-    scalar: bool = False         # one value for the whole tensor instead of one per channel/feature
+    role: str = "scale"  # "scale" or "shift" (documentation only)
+    scalar: bool = False  # one value for the whole tensor instead of one per channel/feature
 
 
 @dataclass(frozen=True)
@@ -101,6 +101,7 @@ class Input(Named):
 @dataclass(frozen=True)
 class Buffer(Named):
     """Per-group state, updated in place in training mode, never differentiated."""
+
     init: float = 0.0
     update: sympy.Expr = sympy.S.Zero
     update_text: str = ""
@@ -110,12 +111,13 @@ class Buffer(Named):
 class Statistic(Named):
     expr: sympy.Expr = sympy.S.Zero
     expr_text: str = ""
-    aux: bool = False             # named by the engine (a sub-expression of a user's statistic)
+    aux: bool = False  # named by the engine (a sub-expression of a user's statistic)
 
 
 @dataclass(frozen=True)
 class Mode:
     """A forward mode; statistics may be redefined (batch norm eval)."""
+
     name: str
     statistics: tuple[Statistic, ...]
     min_group_size: int
@@ -126,15 +128,15 @@ class Spec:
     name: str
     title: str
     summary: str
-    source: str                   # where the spec came from (for headers/errors)
+    source: str  # where the spec came from (for headers/errors)
     layout: str
     reduce: str
-    axes: int                     # trailing layout: normalized axes when no parameter spans them
+    axes: int  # trailing layout: normalized axes when no parameter spans them
     params: tuple[Param, ...]
     options: tuple[Option, ...]
     inputs: tuple[Input, ...]
     buffers: tuple[Buffer, ...]
-    modes: tuple[Mode, ...]       # first mode is the training / default mode
+    modes: tuple[Mode, ...]  # first mode is the training / default mode
     normalized: Named | None
     normalized_expr: sympy.Expr | None
     output: sympy.Expr
@@ -166,11 +168,21 @@ class Spec:
 _X_NAMED = Named("x", X, "x", "x")
 _N_NAMED = Named("N", N, "N", "N")
 
-_GREEK = {"alpha": ("\\alpha", "α"), "beta": ("\\beta", "β"), "gamma": ("\\gamma", "γ"),
-          "eps": ("\\varepsilon", "ε"), "mu": ("\\mu", "μ"), "sigma": ("\\sigma", "σ"),
-          "momentum": ("m", "m"), "delta": ("\\delta", "δ"), "lambda_": ("\\lambda", "λ"),
-          "tau": ("\\tau", "τ"), "rho": ("\\rho", "ρ"), "mu_t": ("\\mu_t", "μₜ"),
-          "sigma_t": ("\\sigma_t", "σₜ")}
+_GREEK = {
+    "alpha": ("\\alpha", "α"),
+    "beta": ("\\beta", "β"),
+    "gamma": ("\\gamma", "γ"),
+    "eps": ("\\varepsilon", "ε"),
+    "mu": ("\\mu", "μ"),
+    "sigma": ("\\sigma", "σ"),
+    "momentum": ("m", "m"),
+    "delta": ("\\delta", "δ"),
+    "lambda_": ("\\lambda", "λ"),
+    "tau": ("\\tau", "τ"),
+    "rho": ("\\rho", "ρ"),
+    "mu_t": ("\\mu_t", "μₜ"),
+    "sigma_t": ("\\sigma_t", "σₜ"),
+}
 
 
 def catalogue_dir():
@@ -198,7 +210,7 @@ def load_spec_file(path: str | Path) -> Spec:
         raise SpecError(f"{p}: cannot read spec: {exc.strerror}") from None
     except UnicodeDecodeError:
         raise SpecError(f"{p}: spec is not UTF-8 text") from None
-    safe = re.sub(r"[^A-Za-z0-9._-]", "_", p.name)[:80]     # it is printed into generated headers
+    safe = re.sub(r"[^A-Za-z0-9._-]", "_", p.name)[:80]  # it is printed into generated headers
     return parse_spec(text, source=safe)
 
 
@@ -255,7 +267,8 @@ class _Ctx:
     def display(self, where: str, name: str, entry: dict) -> tuple[str, str]:
         latex, text = _GREEK.get(name, (None, None))
         if latex is None:
-            latex = "\\mathrm{%s}" % name.replace("_", "\\_")
+            escaped = name.replace("_", "\\_")
+            latex = f"\\mathrm{{{escaped}}}"
             text = name
         if "latex" in entry:
             latex = self.string(f"{where}.latex", entry["latex"])
@@ -268,8 +281,7 @@ class _Ctx:
     def keys(self, where: str, entry: dict, allowed: set[str]):
         extra = set(entry) - allowed
         if extra:
-            self.err(where, f"unknown field(s) {', '.join(sorted(extra))} "
-                            f"(allowed: {', '.join(sorted(allowed))})")
+            self.err(where, f"unknown field(s) {', '.join(sorted(extra))} (allowed: {', '.join(sorted(allowed))})")
 
     def entry(self, where: str, v: Any, main: str | None) -> dict:
         """A table entry, or a bare value standing for its ``main`` field."""
@@ -285,7 +297,7 @@ class _Parser:
 
     def __init__(self, ctx: _Ctx):
         self.ctx = ctx
-        self.taken: dict[str, str] = {}                  # name -> what it is
+        self.taken: dict[str, str] = {}  # name -> what it is
         self.names: dict[str, sympy.Expr] = {"x": X, "N": N}
         self.stat_order: list[str] = []
         self.channel_params: set[sympy.Symbol] = set()
@@ -304,8 +316,10 @@ class _Parser:
             msg = str(exc)
             m = re.match(r"unknown name '([a-z0-9_]+)'", msg)
             if m and m.group(1) in self.stat_order:
-                msg = (f"statistic {m.group(1)!r} is used before it is defined (statistics are evaluated in "
-                       f"order and may refer only to earlier ones; cycles are not allowed): {t!r}")
+                msg = (
+                    f"statistic {m.group(1)!r} is used before it is defined (statistics are evaluated in "
+                    f"order and may refer only to earlier ones; cycles are not allowed): {t!r}"
+                )
             ctx.err(where, msg)
         why = domain_error(e)
         if why is not None:
@@ -355,15 +369,18 @@ class _Parser:
                 ctx.err(f"{where}.role", "must be 'scale' or 'shift'")
             shape = entry.get("shape", "channel")
             if shape not in ("channel", "scalar"):
-                ctx.err(f"{where}.shape", f"must be 'channel' (one value per channel / normalized feature) or "
-                                          f"'scalar', got {shape!r}")
+                ctx.err(
+                    f"{where}.shape",
+                    f"must be 'channel' (one value per channel / normalized feature) or 'scalar', got {shape!r}",
+                )
             init = ctx.number(f"{where}.init", entry.get("init", 1.0 if role == "scale" else 0.0))
             sym = domain.symbol(pname)
             self.declare(where, pname, "a parameter", sym)
             if shape == "channel":
                 self.channel_params.add(sym)
-            out.append(Param(pname, sym, *ctx.display(where, pname, entry), init=init, role=role,
-                             scalar=shape == "scalar"))
+            out.append(
+                Param(pname, sym, *ctx.display(where, pname, entry), init=init, role=role, scalar=shape == "scalar")
+            )
         return out
 
     def options(self) -> list[Option]:
@@ -379,8 +396,11 @@ class _Parser:
             default = ctx.number(f"{where}.default", entry["default"]) if "default" in entry else None
             if default is not None and ((lo is not None and default < lo) or (hi is not None and default > hi)):
                 ctx.err(f"{where}.default", f"{default} is outside [{lo}, {hi}]")
-            level = domain.REAL if lo is None else (domain.POSITIVE if lo > 0 else
-                                                    domain.NONNEG if lo == 0 else domain.REAL)
+            level = (
+                domain.REAL
+                if lo is None
+                else (domain.POSITIVE if lo > 0 else domain.NONNEG if lo == 0 else domain.REAL)
+            )
             sym = domain.symbol(oname, level)
             self.declare(where, oname, "an option", sym)
             out.append(Option(oname, sym, *ctx.display(where, oname, entry), default=default, min=lo, max=hi))
@@ -411,8 +431,9 @@ class _Parser:
         return out
 
     # ---- statistics ---------------------------------------------------
-    def statistics(self, where_root: str, table: dict, base: dict[str, Statistic] | None,
-                   bound: dict[str, int]) -> tuple[list[Statistic], dict, dict[str, int]]:
+    def statistics(
+        self, where_root: str, table: dict, base: dict[str, Statistic] | None, bound: dict[str, int]
+    ) -> tuple[list[Statistic], dict, dict[str, int]]:
         """The statistics of one mode, in order; ``base`` is the training mode's (for a
         redefinition); ``bound`` caps the sign each statistic may be declared with (a
         sign must hold in every mode). Returns (statistics, scope, inferred signs)."""
@@ -462,8 +483,11 @@ class _Parser:
         if X in outside:
             self.ctx.err(where, f"x appears outside mean()/sum(): a statistic is one value per group: {text!r}")
         for p in sorted(outside & self.channel_params, key=str):
-            self.ctx.err(where, f"the per-channel parameter {p} varies within a normalization group; use it "
-                                f"inside mean()/sum(), or declare it shape = 'scalar': {text!r}")
+            self.ctx.err(
+                where,
+                f"the per-channel parameter {p} varies within a normalization group; use it "
+                f"inside mean()/sum(), or declare it shape = 'scalar': {text!r}",
+            )
 
     def modes(self, stats_t: dict) -> list[Mode]:
         ctx = self.ctx
@@ -491,14 +515,16 @@ class _Parser:
             train, scope, signs = self.statistics("statistics", stats_t, None, bound)
             modes = [Mode("train", tuple(train), min_size("train"))]
             if eval_t is not None:
-                ev, _, ev_signs = self.statistics("modes.eval.statistics", eval_t.get("statistics", {}),
-                                                  {s.name: s for s in train}, bound)
+                ev, _, ev_signs = self.statistics(
+                    "modes.eval.statistics", eval_t.get("statistics", {}), {s.name: s for s in train}, bound
+                )
                 for k, lv in ev_signs.items():
                     signs[k] = min(signs[k], lv)
                 modes.append(Mode("eval", tuple(ev), min_size("eval")))
             new = {k: min(v, bound.get(k, domain.POSITIVE)) for k, v in signs.items()}
-            if all(new[s.name] >= domain.level_of_symbol(s.symbol) for m in modes for s in m.statistics
-                   if s.name in new):
+            if all(
+                new[s.name] >= domain.level_of_symbol(s.symbol) for m in modes for s in m.statistics if s.name in new
+            ):
                 self.stat_scope = scope
                 return modes
             bound = new
@@ -512,9 +538,25 @@ def parse_spec(text: str, source: str = "<spec>") -> Spec:
     except tomllib.TOMLDecodeError as exc:
         raise SpecError(f"{source}: invalid TOML: {exc}") from None
     ctx = _Ctx(source, data)
-    ctx.keys("<top level>", data, {"name", "title", "summary", "notes", "layout", "params",
-                                   "options", "inputs", "buffers", "statistics", "normalized",
-                                   "output", "modes"})
+    ctx.keys(
+        "<top level>",
+        data,
+        {
+            "name",
+            "title",
+            "summary",
+            "notes",
+            "layout",
+            "params",
+            "options",
+            "inputs",
+            "buffers",
+            "statistics",
+            "normalized",
+            "output",
+            "modes",
+        },
+    )
     P = _Parser(ctx)
     name, title, summary, notes = P.header(data)
     kind, reduce_, axes = P.layout()
@@ -523,7 +565,7 @@ def parse_spec(text: str, source: str = "<spec>") -> Spec:
     inputs = P.inputs()
     buffer_entries = P.buffer_entries()
 
-    stats_t = ctx.table("statistics")       # none: an elementwise layer (Dynamic Tanh)
+    stats_t = ctx.table("statistics")  # none: an elementwise layer (Dynamic Tanh)
     P.stat_order = list(stats_t)
     modes = P.modes(stats_t)
     scope = P.stat_scope
@@ -534,9 +576,16 @@ def parse_spec(text: str, source: str = "<spec>") -> Spec:
     for bname, where, entry, sym in buffer_entries:
         upd = P.expr(f"{where}.update", entry["update"], scope, reductions=False)
         P.check_group_level(f"{where}.update", upd, entry["update"])
-        buffers.append(Buffer(bname, sym, *ctx.display(where, bname, entry),
-                              init=ctx.number(f"{where}.init", entry.get("init", 0.0)),
-                              update=upd, update_text=entry["update"]))
+        buffers.append(
+            Buffer(
+                bname,
+                sym,
+                *ctx.display(where, bname, entry),
+                init=ctx.number(f"{where}.init", entry.get("init", 0.0)),
+                update=upd,
+                update_text=entry["update"],
+            )
+        )
 
     normalized, normalized_expr, out_scope = _normalized(ctx, P, data, scope)
     out_t = data.get("output")
@@ -557,11 +606,25 @@ def parse_spec(text: str, source: str = "<spec>") -> Spec:
     for n in declared:
         if "d" + n in declared:
             ctx.err(n, f"names {n!r} and {'d' + n!r} collide: the gradient of {n!r} is called {'d' + n!r}")
-    return Spec(name=name, title=title, summary=summary, source=source, layout=kind,
-                reduce=reduce_, axes=axes, params=tuple(params), options=tuple(options),
-                inputs=tuple(inputs), buffers=tuple(buffers), modes=tuple(modes),
-                normalized=normalized, normalized_expr=normalized_expr, output=output,
-                output_text=str(out_t), notes=tuple(notes))
+    return Spec(
+        name=name,
+        title=title,
+        summary=summary,
+        source=source,
+        layout=kind,
+        reduce=reduce_,
+        axes=axes,
+        params=tuple(params),
+        options=tuple(options),
+        inputs=tuple(inputs),
+        buffers=tuple(buffers),
+        modes=tuple(modes),
+        normalized=normalized,
+        normalized_expr=normalized_expr,
+        output=output,
+        output_text=str(out_t),
+        notes=tuple(notes),
+    )
 
 
 def _normalized(ctx: _Ctx, P: _Parser, data: dict, scope: dict):
@@ -582,8 +645,11 @@ def _normalized(ctx: _Ctx, P: _Parser, data: dict, scope: dict):
         ctx.err("normalized.expr", "must depend on x")
     slope = sympy.diff(expr, X)
     if slope.has(X) or (slope.free_symbols | expr.subs(X, 0).free_symbols) & P.channel_params:
-        ctx.err("normalized.expr", f"must be affine in x with a slope that is one value per group "
-                                   f"(a*x + b, a and b statistics, options or numbers): {norm_t['expr']!r}")
+        ctx.err(
+            "normalized.expr",
+            f"must be affine in x with a slope that is one value per group "
+            f"(a*x + b, a and b statistics, options or numbers): {norm_t['expr']!r}",
+        )
     nsym = domain.symbol(nname)
     P.taken[nname] = "the normalized coordinate"
     out_scope[nname] = nsym

@@ -47,13 +47,19 @@ def _term_key(names):
     def key(t):
         syms = {str(s) for s in t.free_symbols}
         neg = t.could_extract_minus_sign()
-        degree = sum(1 for f in sympy.Mul.make_args(t) if {str(s) for s in f.free_symbols} & names.element
-                     and not isinstance(f, Mean))
-        return (neg,                                          # positive terms first
-                -degree if not neg else 0,                    # gamma*xhat + beta
-                sympy.count_ops(t),                           # simple before complex: g - mean(g) - ...
-                bool(syms & names.options),                   # eps and friends last
-                sympy.default_sort_key(t))
+        degree = sum(
+            1
+            for f in sympy.Mul.make_args(t)
+            if {str(s) for s in f.free_symbols} & names.element and not isinstance(f, Mean)
+        )
+        return (
+            neg,  # positive terms first
+            -degree if not neg else 0,  # gamma*xhat + beta
+            sympy.count_ops(t),  # simple before complex: g - mean(g) - ...
+            bool(syms & names.options),  # eps and friends last
+            sympy.default_sort_key(t),
+        )
+
     return key
 
 
@@ -69,14 +75,14 @@ class TextSpelling(functions.SpellsFunctions):
     (derivgen.symbolic.functions), a square root as ``sqrt(u)`` and ``1/sqrt(u)``."""
 
     def _print_elementary(self, fn: functions.Elementary, expr: sympy.Expr) -> str:
-        return "%s(%s)" % (fn.text, self.stringify(expr.args, ", "))
+        return f"{fn.text}({self.stringify(expr.args, ', ')})"
 
     def _print_Pow(self, expr, rational=False):
         root = functions.half_power_sign(expr)
         if rational or not root:
             return super()._print_Pow(expr, rational)
-        text = "%s(%s)" % (functions.half_power().text, self._print(expr.base))
-        return text if root > 0 else "%s/%s" % (self._print(sympy.S.One), text)
+        text = f"{functions.half_power().text}({self._print(expr.base)})"
+        return text if root > 0 else f"{self._print(sympy.S.One)}/{text}"
 
 
 class CodeTextPrinter(TextSpelling, _Ordered, StrPrinter):
@@ -87,7 +93,7 @@ class CodeTextPrinter(TextSpelling, _Ordered, StrPrinter):
         self.names = names
 
     def _print_Mean(self, expr):
-        return "mean(%s)" % self._print(expr.args[0])
+        return f"mean({self._print(expr.args[0])})"
 
 
 def code_text(expr, spec=None) -> str:
@@ -96,8 +102,6 @@ def code_text(expr, spec=None) -> str:
 
 def ordered_names(spec):
     return DisplayNames(spec)
-
-
 
 
 def derived(name: str, tag: str) -> str:

@@ -89,7 +89,7 @@ def expand(e: sympy.Expr) -> sympy.Expr:
             if node not in table:
                 table[node] = sympy.Dummy(f"F{len(table)}", **_assumptions(node))
             return table[node]
-        if isinstance(node, Mean):                # its argument expanded the same way, then hidden
+        if isinstance(node, Mean):  # its argument expanded the same way, then hidden
             m = Mean(expand(node.args[0]))
             if m not in table:
                 table[m] = sympy.Dummy(f"M{len(table)}", **_assumptions(m))
@@ -109,16 +109,17 @@ def _assumptions(node) -> dict:
     return {"real": True} if node.is_real else {}
 
 
-_expand = expand
-
-
 class ReductionAlgebra:
-    def __init__(self, varying: set[sympy.Symbol], derived: dict[sympy.Symbol, sympy.Expr] | None = None,
-                 active: set[sympy.Symbol] = frozenset()):
+    def __init__(
+        self,
+        varying: set[sympy.Symbol],
+        derived: dict[sympy.Symbol, sympy.Expr] | None = None,
+        active: set[sympy.Symbol] = frozenset(),
+    ):
         self.varying = set(varying)
-        self.known: dict[sympy.Expr, sympy.Expr] = {}     # mean argument -> group-level value
-        self.derived = dict(derived or {})                # element symbol -> its definition (x̂)
-        self.active = set(active)                         # element symbols whose means are never known (dy, g)
+        self.known: dict[sympy.Expr, sympy.Expr] = {}  # mean argument -> group-level value
+        self.derived = dict(derived or {})  # element symbol -> its definition (x̂)
+        self.active = set(active)  # element symbols whose means are never known (dy, g)
 
     def is_varying(self, expr: sympy.Expr) -> bool:
         """Does ``expr`` vary inside a group (ignoring symbols inside Mean)?"""
@@ -139,7 +140,7 @@ class ReductionAlgebra:
         return expr.replace(lambda e: isinstance(e, Mean), self._rewrite)
 
     def _rewrite(self, m: Mean) -> sympy.Expr:
-        arg = _expand(self.canon(m.args[0]))
+        arg = expand(self.canon(m.args[0]))
         total = sympy.S.Zero
         for term in Add.make_args(arg):
             const, vary = self.split(term)
@@ -151,7 +152,7 @@ class ReductionAlgebra:
         if vary in self.known:
             return self.known[vary]
         if self.derived and not (vary.free_symbols & self.active) and vary.free_symbols & set(self.derived):
-            through = self._rewrite(Mean(_expand(vary.xreplace(self.derived))))
+            through = self._rewrite(Mean(expand(vary.xreplace(self.derived))))
             if not through.has(Mean):
                 return through
         return Mean(vary)
@@ -172,7 +173,8 @@ class ReductionAlgebra:
     def _pivot(self, canonical: sympy.Expr):
         """(hidden, table, pivot symbol, pivot atom, its coefficient) of a canonical definition."""
         hidden, table = hide_means(canonical)
-        r, atom = sorted(table.items(), key=lambda kv: sympy.default_sort_key(kv[1]))[-1]
+        # the largest atom; of equal keys the last, as the last of a stable sort
+        r, atom = max(reversed(table.items()), key=lambda kv: sympy.default_sort_key(kv[1]))
         return hidden, table, r, atom, sympy.diff(hidden, r)
 
     def solvable(self, canonical: sympy.Expr) -> bool:
@@ -194,11 +196,11 @@ class ReductionAlgebra:
         if not self.solvable(c):
             return c
         hidden, table, r, atom, coef = self._pivot(c)
-        rest = _expand(hidden.subs(r, 0)).xreplace(table)
-        value = _expand((stat - rest) / coef)
+        rest = expand(hidden.subs(r, 0)).xreplace(table)
+        value = expand((stat - rest) / coef)
         # keep every known value in terms of unknown atoms only
         for k, v in list(self.known.items()):
             if v.has(atom):
-                self.known[k] = _expand(v.xreplace({atom: value}))
+                self.known[k] = expand(v.xreplace({atom: value}))
         self.known[atom.args[0]] = value
         return c
