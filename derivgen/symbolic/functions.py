@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import sympy
 
@@ -79,26 +80,32 @@ def call(spelling: str, arg: str) -> str:
 
 
 def _nonnegative(level: int) -> int:
+    """Sign rule: non-negative, positive where the argument is."""
     return POSITIVE if level == POSITIVE else NONNEG
 
 
 def _positive(level: int) -> int:
+    """Sign rule: positive whatever the argument."""
     return POSITIVE
 
 
 def _unknown(level: int) -> int:
+    """Sign rule: nothing known."""
     return REAL
 
 
 def _same(level: int) -> int:
+    """Sign rule: what the argument is (an odd, increasing function through 0)."""
     return level
 
 
 def _abs(a: float) -> float:
+    """|a| for a Python number."""
     return -a if a < 0 else a
 
 
 def _sign(a: float) -> int:
+    """sign(a) for a Python number: -1, 0 or 1."""
     return (a > 0) - (a < 0)
 
 
@@ -263,7 +270,7 @@ class SpellsFunctions:
     ``_print_elementary(fn, expr, **kwargs)``, which spells it from the entry ``fn``
     (instead of SymPy's own printing of that class)."""
 
-    def _print(self, expr, **kwargs):
+    def _print(self, expr: sympy.Basic, **kwargs: Any) -> str:
         fn = of_node(expr) if isinstance(expr, sympy.Function) else None
         if fn is None:
             return super()._print(expr, **kwargs)

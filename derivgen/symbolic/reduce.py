@@ -34,25 +34,27 @@ class Mean(sympy.Function):
     nargs = 1
 
     @classmethod
-    def eval(cls, arg):  # never auto-evaluate: rewriting is explicit
+    def eval(cls, arg: sympy.Expr) -> sympy.Expr | None:
+        """Never evaluated on construction: every rewrite of a mean is explicit
+        (:class:`ReductionAlgebra`)."""
         return None
 
-    def _eval_is_extended_real(self):
+    def _eval_is_extended_real(self) -> bool | None:
         return self.args[0].is_extended_real
 
-    def _eval_is_finite(self):
+    def _eval_is_finite(self) -> bool | None:
         return self.args[0].is_finite
 
-    def _eval_is_extended_nonnegative(self):
+    def _eval_is_extended_nonnegative(self) -> bool | None:
         return self.args[0].is_extended_nonnegative
 
-    def _eval_is_extended_positive(self):
+    def _eval_is_extended_positive(self) -> bool | None:
         return self.args[0].is_extended_positive
 
-    def _eval_is_extended_nonpositive(self):
+    def _eval_is_extended_nonpositive(self) -> bool | None:
         return self.args[0].is_extended_nonpositive
 
-    def _eval_is_extended_negative(self):
+    def _eval_is_extended_negative(self) -> bool | None:
         return self.args[0].is_extended_negative
 
 
@@ -61,7 +63,7 @@ def means(expr: sympy.Basic) -> list[Mean]:
     return sorted(expr.atoms(Mean), key=sympy.default_sort_key)
 
 
-def hide_means(expr: sympy.Expr, prefix: str = "R"):
+def hide_means(expr: sympy.Expr, prefix: str = "R") -> tuple[sympy.Expr, dict[sympy.Dummy, Mean]]:
     """Replace each Mean atom by a fresh real symbol; returns (expr, {symbol: atom})."""
     atoms = means(expr)
     table = {m: sympy.Dummy(f"{prefix}{i}", real=True) for i, m in enumerate(atoms)}
@@ -80,9 +82,10 @@ def expand(e: sympy.Expr) -> sympy.Expr:
     function and every root stays as written (see :func:`_opaque`)."""
     if not isinstance(e, sympy.Basic) or e.is_Atom:
         return e
-    table: dict = {}
+    table: dict[sympy.Expr, sympy.Dummy] = {}
 
-    def hide(node):
+    def hide(node: sympy.Basic) -> sympy.Basic:
+        """``node`` with its opaque nodes and means replaced by dummies (recorded in ``table``)."""
         if node.is_Atom:
             return node
         if _opaque(node):
@@ -101,7 +104,8 @@ def expand(e: sympy.Expr) -> sympy.Expr:
     return hidden.xreplace({d: n for n, d in table.items()}) if table else hidden
 
 
-def _assumptions(node) -> dict:
+def _assumptions(node: sympy.Expr) -> dict[str, bool]:
+    """The sign assumptions a dummy standing for ``node`` keeps."""
     if node.is_positive:
         return {"positive": True}
     if node.is_nonnegative:
@@ -110,12 +114,18 @@ def _assumptions(node) -> dict:
 
 
 class ReductionAlgebra:
+    """What is known about group means, and the rules that rewrite them (see the module
+    docstring): ``varying`` are the element symbols (the others are one value per group),
+    ``known`` maps a mean's argument to its value in statistics (filled by :meth:`learn`),
+    ``derived`` defines element symbols through x (x̂ = (x - μ)·ρ), and ``active`` are the
+    element symbols whose means are never known (∂L/∂y, g)."""
+
     def __init__(
         self,
-        varying: set[sympy.Symbol],
+        varying: set[sympy.Symbol] | frozenset[sympy.Symbol],
         derived: dict[sympy.Symbol, sympy.Expr] | None = None,
-        active: set[sympy.Symbol] = frozenset(),
-    ):
+        active: set[sympy.Symbol] | frozenset[sympy.Symbol] = frozenset(),
+    ) -> None:
         self.varying = set(varying)
         self.known: dict[sympy.Expr, sympy.Expr] = {}  # mean argument -> group-level value
         self.derived = dict(derived or {})  # element symbol -> its definition (x̂)
@@ -170,7 +180,9 @@ class ReductionAlgebra:
                 return False
         return True
 
-    def _pivot(self, canonical: sympy.Expr):
+    def _pivot(
+        self, canonical: sympy.Expr
+    ) -> tuple[sympy.Expr, dict[sympy.Dummy, Mean], sympy.Dummy, Mean, sympy.Expr]:
         """(hidden, table, pivot symbol, pivot atom, its coefficient) of a canonical definition."""
         hidden, table = hide_means(canonical)
         # the largest atom; of equal keys the last, as the last of a stable sort
@@ -192,10 +204,10 @@ class ReductionAlgebra:
         which from then on is known in terms of ``stat`` and the others.
         Returns the canonical definition.
         """
-        c = self.canon(definition)
-        if not self.solvable(c):
-            return c
-        hidden, table, r, atom, coef = self._pivot(c)
+        canonical = self.canon(definition)
+        if not self.solvable(canonical):
+            return canonical
+        hidden, table, r, atom, coef = self._pivot(canonical)
         rest = expand(hidden.subs(r, 0)).xreplace(table)
         value = expand((stat - rest) / coef)
         # keep every known value in terms of unknown atoms only
@@ -203,4 +215,4 @@ class ReductionAlgebra:
             if v.has(atom):
                 self.known[k] = expand(v.xreplace({atom: value}))
         self.known[atom.args[0]] = value
-        return c
+        return canonical
