@@ -30,19 +30,18 @@ small per-group coefficients, ``factor_terms``. The result is plain data
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import sympy
 from sympy import Add, Mul
 
 from derivgen.derive.coordinate import ImplicitCoordinate, closed_form_coordinate, find_implicit
-from derivgen.spec.model import DY, N, Named, Spec, Statistic, X
+from derivgen.spec.model import DY, Mode, N, Named, Spec, Statistic, X
 from derivgen.symbolic import domain, functions
 from derivgen.symbolic.reduce import Mean, ReductionAlgebra, expand, hide_means, means
 
 G = sympy.Symbol("g", real=True)
-G_NAMED = Named("g", G, "g", "g")
-DY_NAMED = Named("dy", DY, r"\frac{\partial L}{\partial y}", "∂L/∂y")
 
 
 class DerivationError(ValueError):
@@ -191,6 +190,7 @@ class _SelfRule:
     exp: sympy.Expr | None = None
 
     def du(self, s: sympy.Symbol) -> sympy.Expr:
+        """∂s/∂u, with F(u) written s/c: c·F'(u) rational in s where F is a power."""
         f = s / self.coef
         if self.func is sympy.Pow:
             q = self.exp
@@ -220,11 +220,15 @@ def _self_rule(expr: sympy.Expr, active: set) -> _SelfRule | None:
 
 
 class Program:
-    """The statistics of one mode with their auxiliaries, and what they tell about means."""
+    """The statistics of one mode with their auxiliaries, and what they tell about means.
+
+    ``stats`` is the program in order (each user statistic preceded by the auxiliaries it
+    needs), ``rules`` the statistics s = c·F(u) differentiated through their own value, and
+    ``alg`` (shared with the caller) learns every statistic's definition."""
 
     def __init__(
         self, spec: Spec, stats: tuple[Statistic, ...], alg: ReductionAlgebra, differentiable: set[sympy.Symbol]
-    ):
+    ) -> None:
         self.spec = spec
         self.alg = alg
         self.active = set(differentiable)  # group values with adjoints (inputs, scalar params)
@@ -234,9 +238,9 @@ class Program:
         for st in stats:
             self._add(st)
 
-    def _aux(self, expr: sympy.Expr, origin: Statistic, why: str) -> sympy.Symbol:
-        """The symbol of an auxiliary statistic defined as ``expr`` (one already defined the
-        same way is reused: the same computation)."""
+    def auxiliary(self, expr: sympy.Expr, origin: Statistic, why: str) -> sympy.Symbol:
+        """The symbol of an auxiliary statistic defined as ``expr``, named for ``why`` it is
+        needed in ``origin`` (one already defined the same way is reused: the same computation)."""
         if expr in self._by_def:
             return self._by_def[expr]
         k = sum(1 for s in self.stats if s.aux) + 1
@@ -247,7 +251,8 @@ class Program:
         self._append(st)
         return sym
 
-    def _append(self, st: Statistic):
+    def _append(self, st: Statistic) -> None:
+        """Add ``st`` to the program as it is: its rule if it is c·F(u), what it tells the algebra."""
         self.stats.append(st)
         self.active.add(st.symbol)
         self._by_def.setdefault(st.expr, st.symbol)
@@ -257,20 +262,21 @@ class Program:
         if st.expr.has(Mean):
             self.alg.learn(st.symbol, st.expr)
 
-    def _add(self, st: Statistic):
+    def _add(self, st: Statistic) -> None:
+        """Add a user's statistic, naming first what it needs as auxiliaries (steps 1-3)."""
         expr = st.expr
         # 1. a mean inside another mean's argument is computed first: an auxiliary
         while True:
             nested = [i for m in means(expr) for i in means(m.args[0]) if not means(i.args[0])]
             if not nested:
                 break
-            expr = expr.xreplace({m: self._aux(m, st, "a mean") for m in nested})
+            expr = expr.xreplace({m: self.auxiliary(m, st, "a mean") for m in nested})
         # 2. so are the means a statistic is not linear in (those the engine could not solve for)
         canonical = self.alg.canon(expr)
         if _has_elementary_mean(expr) or (canonical.has(Mean) and not self.alg.solvable(canonical)):
             # every mean of it, as written (two-pass; never rewritten through other means, which
             # could turn ⟨(x - μ)²⟩ into ⟨x²⟩ - μ²)
-            expr = expr.xreplace({atom: self._aux(atom, st, "a mean") for atom in means(expr)})
+            expr = expr.xreplace({atom: self.auxiliary(atom, st, "a mean") for atom in means(expr)})
         elif canonical.has(Mean):
             expr = expr.xreplace({atom: self._by_def[atom] for atom in means(expr) if atom in self._by_def})
         # 3. square roots, powers, exp, log, abs, tanh of group values inside a larger expression
@@ -284,13 +290,16 @@ class Program:
         self._append(Statistic(st.name, st.symbol, st.latex, st.text, expr=expr, expr_text=st.expr_text))
 
     def _name_elementary(self, expr: sympy.Expr, st: Statistic) -> sympy.Expr:
-        def visit(e):
+        """``expr`` with every elementary function of differentiable group values (outside means)
+        replaced by an auxiliary, innermost first."""
+
+        def visit(e: sympy.Expr) -> sympy.Expr:
             if e.is_Atom or isinstance(e, Mean):
                 return e
             args = [visit(a) for a in e.args]
             e2 = e.func(*args) if any(a is not b for a, b in zip(args, e.args)) else e
             if _elementary(e2) and e2.free_symbols & self.active and not e2.has(Mean):
-                return self._aux(e2, st, "a " + _kind(e2))
+                return self.auxiliary(e2, st, "a " + _kind(e2))
             return e2
 
         return visit(expr)
@@ -311,21 +320,20 @@ def statistic_partial(
     return sympy.diff(hidden, v)
 
 
-def _depth(e) -> int:
-    return 1 + max((_depth(a) for a in e.args), default=0)
-
-
-def _kind(e) -> str:
+def _kind(e: sympy.Expr) -> str:
+    """What an elementary node is, in words (for an auxiliary's origin: "a square root in s")."""
     if e.is_Pow:
         return functions.half_power().kind if e.exp == sympy.S.Half else "power"
     return functions.of_node(e).kind
 
 
-def _has_elementary_mean(e) -> bool:
+def _has_elementary_mean(e: sympy.Expr) -> bool:
+    """Does ``e`` hold an elementary function of a mean (√⟨x²⟩, log⟨x⟩ ...)?"""
     return any(_elementary(n) and n.has(Mean) for n in sympy.preorder_traversal(e))
 
 
 def _subscript(k: int) -> str:
+    """``k`` in Unicode subscript digits (a₁₂)."""
     return str(k).translate(str.maketrans("0123456789", "₀₁₂₃₄₅₆₇₈₉"))
 
 
@@ -333,6 +341,7 @@ def _subscript(k: int) -> str:
 
 
 def _flip(f: sympy.Expr) -> sympy.Expr:
+    """-f, expanded: a difference turned round (μ - x̄ -> x̄ - μ)."""
     return sympy.expand(-f)
 
 
@@ -405,6 +414,8 @@ def tidy(e: sympy.Expr, element: set[sympy.Symbol]) -> sympy.Expr:
 
 
 def _reduction_name(arg: sympy.Expr, names: dict[sympy.Symbol, str]) -> str:
+    """``Mean_g_xhat2`` for a monomial of named element symbols with positive integer powers,
+    else ""."""
     parts = []
     for f in sorted(Mul.make_args(arg), key=sympy.default_sort_key):
         b, e = f.as_base_exp()
@@ -415,7 +426,12 @@ def _reduction_name(arg: sympy.Expr, names: dict[sympy.Symbol, str]) -> str:
     return "Mean_" + "_".join(parts)
 
 
-def name_reductions(spec: Spec, coordinate: Named | None, exprs, extra: dict | None = None) -> tuple[Reduction, ...]:
+def name_reductions(
+    spec: Spec,
+    coordinate: Named | None,
+    exprs: Iterable[sympy.Expr],
+    extra: dict[sympy.Symbol, str] | None = None,
+) -> tuple[Reduction, ...]:
     """The Mean atoms of ``exprs`` as named reductions (Mean_g_xhat ...), in a fixed order;
     ``extra`` names further element symbols (the second order's cotangents and tangents)."""
     atoms = set()
@@ -458,7 +474,7 @@ def _solver(xhat: sympy.Symbol, xhat_def: sympy.Expr) -> sympy.Expr | None:
     return sympy.expand((xhat - intercept) / slope)
 
 
-def check_derivatives(spec: Spec, where: str, e: sympy.Expr):
+def check_derivatives(spec: Spec, where: str, e: sympy.Expr) -> None:
     """Raise :class:`DerivationError` where SymPy could not differentiate (an unevaluated
     Derivative or Subs) or the derivative is undefined (zoo, nan)."""
     if e.has(sympy.Derivative, sympy.Subs) or e.has(sympy.zoo, sympy.nan):
@@ -495,7 +511,7 @@ class _Deriver:
     """One mode's reverse pass and closed forms (see the module docstring); used once, by
     :func:`derive_mode`, which returns its result as a :class:`ModeDerivation`."""
 
-    def __init__(self, spec: Spec, mode):
+    def __init__(self, spec: Spec, mode: Mode) -> None:
         self.spec, self.mode = spec, mode
         self.channel = {p.symbol: p for p in spec.params if not p.scalar}
         self.scalar = {p.symbol: p for p in spec.params if p.scalar}
@@ -511,7 +527,7 @@ class _Deriver:
         self._use_coordinate(*closed_form_coordinate(spec, self.program.stats, self.y_full, self.alg, self.implicit))
         self.element_diff = [X, *self.channel]
 
-    def _use_normalized(self, xhat: sympy.Symbol | None, xhat_def: sympy.Expr | None):
+    def _use_normalized(self, xhat: sympy.Symbol | None, xhat_def: sympy.Expr | None) -> None:
         """The spec's x̂ (if any): y in full, y in x̂, and g = ∂L/∂y·∂y/∂x̂ where y uses x̂."""
         spec = self.spec
         self.xhat, self.xhat_def = xhat, xhat_def
@@ -520,7 +536,7 @@ class _Deriver:
         dy_dxhat = sympy.diff(spec.output, xhat) if xhat is not None else sympy.S.Zero
         self.g_def = DY * dy_dxhat if dy_dxhat != 0 else None
 
-    def _use_coordinate(self, coord: Named | None, coord_def: sympy.Expr | None):
+    def _use_coordinate(self, coord: Named | None, coord_def: sympy.Expr | None) -> None:
         """The closed forms' element coordinate: an element symbol, x written in it where it is
         affine in x, and the element symbols of the closed forms."""
         self.coord, self.coord_def = coord, coord_def
@@ -530,7 +546,7 @@ class _Deriver:
         self.to_xhat = _solver(xhat, coord_def) if xhat is not None else None
         self.element = {X, DY, G, *self.channel} | ({xhat} if xhat is not None else set())
 
-    def _adopt(self, implicit: ImplicitCoordinate | None):
+    def _adopt(self, implicit: ImplicitCoordinate | None) -> None:
         """Write the backward in the coordinate the output uses without naming it (x̂ = u,
         g = ∂L/∂y·∂y/∂u), as for a spec that names it."""
         if implicit is None:
@@ -567,7 +583,9 @@ class _Deriver:
                     self._through_mean(st, coef, atom, adj)
         return adj
 
-    def _through_group_values(self, st: Statistic, hidden: sympy.Expr, table: dict, adj: _Adjoints):
+    def _through_group_values(
+        self, st: Statistic, hidden: sympy.Expr, table: dict[sympy.Dummy, Mean], adj: _Adjoints
+    ) -> None:
         """s̄·∂s/∂v to every earlier group value v the definition of s names outside a mean."""
         sbar = adj.group[st.symbol]
         for v in sorted(hidden.free_symbols & self.group_diff, key=sympy.default_sort_key):
@@ -577,17 +595,17 @@ class _Deriver:
                 adj.group[v] = adj.group[v] + sbar * d
                 adj.partials.append(Partial(st, v, "group", d))
 
-    def _through_mean(self, st: Statistic, coef: sympy.Expr, atom: Mean, adj: _Adjoints):
+    def _through_mean(self, st: Statistic, coef: sympy.Expr, atom: Mean, adj: _Adjoints) -> None:
         """s̄·∂s/∂⟨r⟩ through one mean ⟨r⟩ of s: (1/N)·∂r/∂x_i to the elements, ⟨∂r/∂v⟩ to
         the group values inside r -- zero by the definitions of the statistics, or kept."""
         abar = adj.group[st.symbol] * coef
         rarg = atom.args[0]
-        for e in self.element_diff:
-            de = sympy.diff(rarg, e)
+        for elem in self.element_diff:
+            de = sympy.diff(rarg, elem)
             check_derivatives(self.spec, f"statistics.{st.name}", de)
             if de != 0:
-                adj.terms[e].append(abar / N * de)
-                adj.partials.append(Partial(st, e, "element", sympy.factor_terms(coef / N * de), atom=atom))
+                adj.terms[elem].append(abar / N * de)
+                adj.partials.append(Partial(st, elem, "element", sympy.factor_terms(coef / N * de), atom=atom))
         for v in sorted(rarg.free_symbols & self.group_diff, key=sympy.default_sort_key):
             raw = Mean(sympy.diff(rarg, v))
             val = self.alg.canon(raw)
@@ -606,14 +624,14 @@ class _Deriver:
                 )
                 adj.group[v] = adj.group[v] + abar * val
 
-    def _forward_mean(self, raw: Mean, st: Statistic, adj: dict) -> sympy.Expr:
+    def _forward_mean(self, raw: Mean, st: Statistic, group_adj: dict[sympy.Symbol, sympy.Expr]) -> sympy.Expr:
         """A mean of x alone that no statistic determines (⟨(x - μ)³⟩ from differentiating a
         fourth moment through μ, ⟨sign(x - μ)⟩ from a mean absolute deviation): an auxiliary
         the forward computes as written, two-pass, rather than a reduction of the backward or
         an expansion in raw moments of x."""
         _, vary = self.alg.split(sympy.factor_terms(raw.args[0]))
-        sym = self.program._aux(Mean(vary), st, "a mean the backward needs")
-        adj.setdefault(sym, sympy.S.Zero)
+        sym = self.program.auxiliary(Mean(vary), st, "a mean the backward needs")
+        group_adj.setdefault(sym, sympy.S.Zero)
         return self.alg.canon(raw)
 
     # ---- 2. closed forms ---------------------------------------------------
@@ -621,7 +639,9 @@ class _Deriver:
         """In x̂, reduced by the algebra (linearity, known statistics), tidied."""
         return closed_form(expr, self.alg, self.to_xhat, self.element)
 
-    def _closed_forms(self, adj: _Adjoints):
+    def _closed_forms(
+        self, adj: _Adjoints
+    ) -> tuple[sympy.Expr, dict[str, ParamGrad], dict[str, sympy.Expr], dict[sympy.Symbol, sympy.Expr]]:
         """dx, the parameter and input gradients and the statistics' adjoints in closed form."""
         spec, finish = self.spec, self.finish
         if self.to_xhat is not None:
