@@ -27,6 +27,7 @@ per group. No ``sympy.simplify``.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import sympy
@@ -93,14 +94,17 @@ class SecondOrder:
 
 
 def _named(name: str, latex: str, text: str) -> Named:
+    """A new real element or group symbol with its display forms."""
     return Named(name, sympy.Symbol(name, real=True), latex, text)
 
 
-def _cotangent(item) -> Named:
+def _cotangent(item: Named) -> Named:
+    """δp: the cotangent of ``item``'s gradient (named ``p_Dd``)."""
     return _named(derived(item.name, "Dd"), rf"\delta {item.latex}", f"δ{item.text}")
 
 
-def _tangent(item) -> Named:
+def _tangent(item: Named) -> Named:
+    """ṗ: the tangent of ``item`` (named ``p_T``)."""
     return _named(derived(item.name, "T"), rf"\dot{{{item.latex}}}", f"{item.text}\u0307")
 
 
@@ -117,11 +121,13 @@ def almost_everywhere(e: sympy.Expr) -> sympy.Expr:
     return e
 
 
-def _d(expr: sympy.Expr, u: sympy.Symbol) -> sympy.Expr:
+def _diff(expr: sympy.Expr, u: sympy.Symbol) -> sympy.Expr:
+    """∂expr/∂u almost everywhere (see :func:`almost_everywhere`)."""
     return almost_everywhere(sympy.diff(expr, u))
 
 
-def _sorted(symbols) -> list[sympy.Symbol]:
+def _sorted(symbols: Iterable[sympy.Symbol]) -> list[sympy.Symbol]:
+    """``symbols`` in SymPy's canonical order (a deterministic derivation)."""
     return sorted(symbols, key=sympy.default_sort_key)
 
 
@@ -172,13 +178,13 @@ class _Closer:
     """Brings second-order expressions to closed form in the first order's coordinate, with a
     working algebra of its own built from the first order's facts."""
 
-    def __init__(self, first: ModeDerivation, seeds: frozenset[sympy.Symbol]):
+    def __init__(self, first: ModeDerivation, seeds: frozenset[sympy.Symbol]) -> None:
         self.alg: ReductionAlgebra = first.mean_facts.algebra(seeds)
         self.x_in_coordinate = first.x_in_coordinate
         self.element = first.element | seeds
         self.unlower = {r.symbol: Mean(r.arg) for r in first.reductions}
 
-    def __call__(self, e) -> sympy.Expr:
+    def __call__(self, e: sympy.Expr | int) -> sympy.Expr:
         """A closed form: the first order's reductions as means again, |u|'s second
         derivative dropped where it is defined, reduced and tidied like the first order."""
         return closed_form(
@@ -190,7 +196,7 @@ class _ReversePass:
     """Reverse mode through the backward program: the adjoints of its element values
     (``element_adj``) and of its group values (``group_adj``), seeded with the cotangents."""
 
-    def __init__(self, first: ModeDerivation, seeds: frozenset[sympy.Symbol]):
+    def __init__(self, first: ModeDerivation, seeds: frozenset[sympy.Symbol]) -> None:
         spec = self.spec = first.spec
         self.rules = first.self_rules
         channel = {p.symbol for p in spec.params if not p.scalar}
@@ -205,37 +211,37 @@ class _ReversePass:
         self.element_adj: dict[sympy.Symbol, sympy.Expr] = {}
         self.group_adj: dict[sympy.Symbol, sympy.Expr] = {}
 
-    def through(self, expr: sympy.Expr, w: sympy.Expr, where: str):
+    def through(self, expr: sympy.Expr, w: sympy.Expr, where: str) -> None:
         """An element value ``expr`` whose adjoint is ``w`` (element-level): to its inputs --
         element values directly, group values as N·mean(w·∂expr/∂v)."""
         if w == 0:
             return
         for u in _sorted(expr.free_symbols & self.element):
-            d = _d(expr, u)
+            d = _diff(expr, u)
             check_derivatives(self.spec, where, d)
             if d != 0:
                 self.element_adj[u] = self.element_adj.get(u, 0) + w * d
         for a in _sorted(expr.free_symbols & self.group_diff):
-            d = _d(expr, a)
+            d = _diff(expr, a)
             check_derivatives(self.spec, where, d)
             if d != 0:
                 self.group_adj[a] = self.group_adj.get(a, 0) + N * Mean(w * d)
 
-    def group_through(self, expr: sympy.Expr, w: sympy.Expr):
+    def group_through(self, expr: sympy.Expr, w: sympy.Expr) -> None:
         """A group value ``expr`` whose adjoint is ``w``: to the group values it is made of."""
         for a in _sorted(expr.free_symbols & self.group_diff):
-            d = _d(expr, a)
+            d = _diff(expr, a)
             if d != 0:
                 self.group_adj[a] = self.group_adj.get(a, 0) + w * d
 
-    def element_definition(self, sym: sympy.Symbol, definition: sympy.Expr):
+    def element_definition(self, sym: sympy.Symbol, definition: sympy.Expr) -> None:
         """An element value of the backward (g, the coordinate) to what defines it; from
         then on it is no longer an input of the program."""
         w = self.element_adj.pop(sym, 0)
         self.element.discard(sym)
         self.through(definition, w, "the backward's element values")
 
-    def statistic(self, st: Statistic):
+    def statistic(self, st: Statistic) -> None:
         """A statistic to the group values and the means its definition is made of."""
         w = self.group_adj.pop(st.symbol, 0)
         if w == 0:
@@ -276,7 +282,9 @@ def _double_backward_adjoints(first: ModeDerivation, seeds: _Seeds) -> _ReverseP
     return rev
 
 
-def _double_backward(first: ModeDerivation, seeds: _Seeds, close: _Closer):
+def _double_backward(
+    first: ModeDerivation, seeds: _Seeds, close: _Closer
+) -> tuple[sympy.Expr, sympy.Expr, dict[str, ParamGrad], dict[str, sympy.Expr]]:
     """(∂L₂/∂x, ∂L₂/∂(∂L/∂y), ∂L₂/∂p, ∂L₂/∂i) as closed forms."""
     spec = first.spec
     rev = _double_backward_adjoints(first, seeds)
@@ -304,7 +312,7 @@ class _ForwardPass:
     """Forward mode through the forward program: the tangent of every value from the
     tangents of x, the parameters and the inputs."""
 
-    def __init__(self, first: ModeDerivation, seeds: _Seeds):
+    def __init__(self, first: ModeDerivation, seeds: _Seeds) -> None:
         spec = self.spec = first.spec
         self.rules = first.self_rules
         self.tan: dict[sympy.Symbol, sympy.Expr] = {X: seeds.tan_x.symbol}
@@ -318,12 +326,12 @@ class _ForwardPass:
         """Σ ∂expr/∂u·u̇ over the values u with a tangent."""
         out = sympy.S.Zero
         for u in _sorted(expr.free_symbols & set(self.tan)):
-            d = _d(expr, u)
+            d = _diff(expr, u)
             check_derivatives(self.spec, where, d)
             out += d * self.tan[u]
         return out
 
-    def statistic(self, st: Statistic):
+    def statistic(self, st: Statistic) -> None:
         """The tangent of one statistic, through its group values and its means."""
         hidden, table = hide_means(st.expr, prefix=f"{st.name}_Q")
         ts = sympy.S.Zero
@@ -349,7 +357,7 @@ def _jvp(first: ModeDerivation, seeds: _Seeds, close: _Closer) -> sympy.Expr:
     if xhat is not None:
         y = first.output_in_normalized
         txhat = fwd.tangent(first.normalized_expr, "normalized")
-        ty = _d(y, xhat) * txhat + fwd.tangent(y, "output")
+        ty = _diff(y, xhat) * txhat + fwd.tangent(y, "output")
     else:
         ty = fwd.tangent(first.output, "output")
     ty = close(ty)
