@@ -21,15 +21,16 @@ from dataclasses import dataclass
 import sympy
 from sympy import Add, Mul
 
+from derivgen.spec.model import Named, Spec, Statistic, X
 from derivgen.symbolic import domain
 from derivgen.symbolic.reduce import Mean, ReductionAlgebra, means
-from derivgen.spec.model import X, Named, Spec, Statistic
 
 
 @dataclass(frozen=True)
 class ImplicitCoordinate:
     """The coordinate u = ``definition`` the output normalizes x by without [normalized]
     (named ``named`` by the engine), and y written in it (``output``)."""
+
     named: Named
     definition: sympy.Expr
     output: sympy.Expr
@@ -47,7 +48,7 @@ def x_dependent(stats: tuple[Statistic, ...] | list[Statistic]) -> frozenset[sym
 class _Search:
     """The affine-in-x subexpressions of one output, read against one reduction algebra."""
 
-    def __init__(self, y_full: sympy.Expr, alg: ReductionAlgebra, xdep: frozenset[sympy.Symbol]):
+    def __init__(self, y_full: sympy.Expr, alg: ReductionAlgebra, xdep: frozenset[sympy.Symbol]) -> None:
         self.y_full, self.alg, self.xdep = y_full, alg, xdep
 
     def group_level(self, e: sympy.Expr) -> bool:
@@ -71,9 +72,9 @@ class _Search:
             if node.is_Mul:
                 found += self._split_powers(Mul.make_args(node))
         out = []
-        for c in found:
-            if (c.free_symbols & self.xdep) and c not in out:
-                out.append(c)
+        for candidate in found:
+            if (candidate.free_symbols & self.xdep) and candidate not in out:
+                out.append(candidate)
         return out
 
     def _split_powers(self, factors: tuple[sympy.Expr, ...]) -> list[sympy.Expr]:
@@ -92,12 +93,12 @@ class _Search:
                 found.append(base * Mul(*scale))
         return found
 
-    def rewrite_in(self, c: sympy.Expr, u: sympy.Symbol) -> tuple[sympy.Expr, int]:
-        """y with every additive term that depends on x only through c written in u (the
-        others keep x: a direct path such as t·x); and how many terms that is."""
-        slope = sympy.diff(c, X)
-        x_of_u = sympy.expand((u - c.subs(X, 0)) / slope)
-        through = c.free_symbols & self.xdep
+    def rewrite_in(self, candidate: sympy.Expr, u: sympy.Symbol) -> tuple[sympy.Expr, int]:
+        """y with every additive term that depends on x only through ``candidate`` written in
+        u (the others keep x: a direct path such as t·x); and how many terms that is."""
+        slope = sympy.diff(candidate, X)
+        x_of_u = sympy.expand((u - candidate.subs(X, 0)) / slope)
+        through = candidate.free_symbols & self.xdep
         terms, clean = [], 0
         for t in Add.make_args(self.y_full):
             t2 = t.xreplace({X: x_of_u})
@@ -108,15 +109,20 @@ class _Search:
                 terms.append(t)
         return Add(*terms), clean
 
-    def score(self, c: sympy.Expr, clean: int) -> tuple:
-        """The most terms of y through c, then the most statistics, the fewest other group
-        values, the smallest expression."""
-        return (clean, len(c.free_symbols & self.xdep), -len(c.free_symbols - self.xdep - {X}),
-                -sympy.count_ops(c))
+    def score(self, candidate: sympy.Expr, clean: int) -> tuple:
+        """The most terms of y through ``candidate``, then the most statistics, the fewest
+        other group values, the smallest expression."""
+        return (
+            clean,
+            len(candidate.free_symbols & self.xdep),
+            -len(candidate.free_symbols - self.xdep - {X}),
+            -sympy.count_ops(candidate),
+        )
 
 
-def find_implicit(spec: Spec, stats: tuple[Statistic, ...] | list[Statistic], y_full: sympy.Expr,
-                  alg: ReductionAlgebra) -> ImplicitCoordinate | None:
+def find_implicit(
+    spec: Spec, stats: tuple[Statistic, ...] | list[Statistic], y_full: sympy.Expr, alg: ReductionAlgebra
+) -> ImplicitCoordinate | None:
     """A spec without [normalized] whose output still normalizes x -- z = (x - μ)·ρ written
     inline, once or several times -- gets the same closed form as one that names z: the
     coordinate u = (x - μ)·ρ, shown as x̂ (or u where the spec uses x̂), and y written in it.
@@ -132,19 +138,19 @@ def find_implicit(spec: Spec, stats: tuple[Statistic, ...] | list[Statistic], y_
     text, latex = ("x̂", r"\hat{x}") if "x̂" not in taken else ("u", "u")
     u = domain.symbol("Xn")
     best = None
-    for c in search.candidates():
-        y_hat, clean = search.rewrite_in(c, u)
+    for candidate in search.candidates():
+        y_hat, clean = search.rewrite_in(candidate, u)
         if clean == 0:
             continue
-        score = search.score(c, clean)
+        score = search.score(candidate, clean)
         if best is None or score > best[0]:
-            best = (score, c, y_hat)
+            best = (score, candidate, y_hat)
     if best is None:
         return None
-    _, c, y_hat = best
+    _, candidate, y_hat = best
     if sympy.diff(y_hat, u) == 0:
         return None
-    return ImplicitCoordinate(Named("Xn", u, latex, text), c, y_hat)
+    return ImplicitCoordinate(Named("Xn", u, latex, text), candidate, y_hat)
 
 
 def _centre(y_full: sympy.Expr, alg: ReductionAlgebra) -> sympy.Expr:
@@ -155,9 +161,13 @@ def _centre(y_full: sympy.Expr, alg: ReductionAlgebra) -> sympy.Expr:
     return alg.canon(Mean(X))
 
 
-def closed_form_coordinate(spec: Spec, stats: tuple[Statistic, ...] | list[Statistic], y_full: sympy.Expr,
-                           alg: ReductionAlgebra, implicit: ImplicitCoordinate | None
-                           ) -> tuple[Named | None, sympy.Expr | None]:
+def closed_form_coordinate(
+    spec: Spec,
+    stats: tuple[Statistic, ...] | list[Statistic],
+    y_full: sympy.Expr,
+    alg: ReductionAlgebra,
+    implicit: ImplicitCoordinate | None,
+) -> tuple[Named | None, sympy.Expr | None]:
     """The element coordinate of the closed forms and its definition: the spec's x̂, or the
     one its output uses without naming it; without either, x - μ for the group mean μ when a
     statistic gives it, so that polynomials in x are written (and computed) in powers of the

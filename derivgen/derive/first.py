@@ -30,20 +30,18 @@ small per-group coefficients, ``factor_terms``. The result is plain data
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import sympy
 from sympy import Add, Mul
 
-from derivgen.symbolic import domain
-from derivgen.symbolic import functions
 from derivgen.derive.coordinate import ImplicitCoordinate, closed_form_coordinate, find_implicit
+from derivgen.spec.model import DY, Mode, N, Named, Spec, Statistic, X
+from derivgen.symbolic import domain, functions
 from derivgen.symbolic.reduce import Mean, ReductionAlgebra, expand, hide_means, means
-from derivgen.spec.model import DY, N, X, Named, Spec, Statistic
 
 G = sympy.Symbol("g", real=True)
-G_NAMED = Named("g", G, "g", "g")
-DY_NAMED = Named("dy", DY, r"\frac{\partial L}{\partial y}", "∂L/∂y")
 
 
 class DerivationError(ValueError):
@@ -53,6 +51,7 @@ class DerivationError(ValueError):
 @dataclass(frozen=True)
 class Reduction:
     """A per-group reduction the backward computes at run time: name = Mean(arg)."""
+
     name: str
     symbol: sympy.Symbol
     arg: sympy.Expr
@@ -71,19 +70,21 @@ class Partial:
     ∂s/∂p_i through a mean), "zero" (∂s/∂v through a mean that vanishes by the
     definitions of the statistics) or "kept" (one that looks like it might
     vanish but does not)."""
+
     stat: Statistic
     wrt: sympy.Symbol
     kind: str
     value: sympy.Expr
     atom: Mean | None = None
-    raw: sympy.Expr | None = None          # the mean of ∂r/∂v as written (zero / kept)
-    linear: sympy.Expr | None = None       # the same after linearity alone (zero) / canonical (kept)
-    because: tuple[Statistic, ...] = ()    # the statistics whose definitions make it zero
+    raw: sympy.Expr | None = None  # the mean of ∂r/∂v as written (zero / kept)
+    linear: sympy.Expr | None = None  # the same after linearity alone (zero) / canonical (kept)
+    because: tuple[Statistic, ...] = ()  # the statistics whose definitions make it zero
 
 
 @dataclass(frozen=True)
 class ParamGrad:
     """∂L/∂p = (sum of ``element`` over the axes p does not span) + (sum of ``group`` over groups)."""
+
     element: sympy.Expr
     group: sympy.Expr = sympy.S.Zero
 
@@ -94,6 +95,7 @@ class MeanFacts:
     symbols, those whose means are never known (∂L/∂y, g), the element symbols defined
     through x (the coordinate), and every mean the statistics determine. Later stages
     (the second order) build their own working algebra from it (:meth:`algebra`)."""
+
     varying: frozenset[sympy.Symbol]
     active: frozenset[sympy.Symbol]
     derived: tuple[tuple[sympy.Symbol, sympy.Expr], ...]
@@ -102,8 +104,7 @@ class MeanFacts:
     @classmethod
     def of(cls, alg: ReductionAlgebra) -> MeanFacts:
         """A copy of what ``alg`` knows now."""
-        return cls(frozenset(alg.varying), frozenset(alg.active), tuple(alg.derived.items()),
-                   tuple(alg.known.items()))
+        return cls(frozenset(alg.varying), frozenset(alg.active), tuple(alg.derived.items()), tuple(alg.known.items()))
 
     def algebra(self, element: frozenset[sympy.Symbol] = frozenset()) -> ReductionAlgebra:
         """A fresh algebra that knows these facts, with ``element`` as further element
@@ -119,28 +120,29 @@ class ModeDerivation:
     the partial derivatives, the adjoints, the closed forms and their reductions -- and what
     later stages need to go on from them (the coordinate, the algebra's facts, the rules of
     the statistics' elementary functions). Made by :func:`derive_mode`; never changed."""
+
     spec: Spec
     mode: str
-    user_statistics: tuple[Statistic, ...]   # as the spec writes them
-    statistics: tuple[Statistic, ...]        # the program: user statistics and auxiliaries, in order
-    normalized_expr: sympy.Expr | None       # x̂ in terms of x and statistics
-    output: sympy.Expr                       # y in terms of x̂ (or x) and params
-    g: sympy.Expr | None                     # g = dy * ∂y/∂x̂, when used
-    dx: sympy.Expr                           # closed form, Mean atoms over g, x̂, dy
-    grads: dict[str, ParamGrad]              # per parameter
-    dinputs: dict[str, sympy.Expr]           # per-group value
-    reductions: tuple[Reduction, ...]        # run-time reductions of the backward
+    user_statistics: tuple[Statistic, ...]  # as the spec writes them
+    statistics: tuple[Statistic, ...]  # the program: user statistics and auxiliaries, in order
+    normalized_expr: sympy.Expr | None  # x̂ in terms of x and statistics
+    output: sympy.Expr  # y in terms of x̂ (or x) and params
+    g: sympy.Expr | None  # g = dy * ∂y/∂x̂, when used
+    dx: sympy.Expr  # closed form, Mean atoms over g, x̂, dy
+    grads: dict[str, ParamGrad]  # per parameter
+    dinputs: dict[str, sympy.Expr]  # per-group value
+    reductions: tuple[Reduction, ...]  # run-time reductions of the backward
     partials: tuple[Partial, ...] = ()
-    adjoints: dict[sympy.Symbol, sympy.Expr] = field(default_factory=dict)   # ∂L/∂s, closed form
-    sum_xhat_zero: bool = False              # mean(x̂) = 0 exactly (the "negligible" term)
-    coordinate: Named | None = None          # the closed forms' element coordinate: x̂, or the centred x - μ
+    adjoints: dict[sympy.Symbol, sympy.Expr] = field(default_factory=dict)  # ∂L/∂s, closed form
+    sum_xhat_zero: bool = False  # mean(x̂) = 0 exactly (the "negligible" term)
+    coordinate: Named | None = None  # the closed forms' element coordinate: x̂, or the centred x - μ
     coordinate_expr: sympy.Expr | None = None
-    implicit_coordinate: bool = False        # x̂ named by the engine: the output uses it without [normalized]
-    output_in_coordinate: sympy.Expr | None = None   # y written in that x̂ (direct paths keep x)
-    x_in_coordinate: sympy.Expr | None = None        # x written in the coordinate (when it is affine in x)
-    element: frozenset[sympy.Symbol] = frozenset()   # the element symbols of the closed forms
+    implicit_coordinate: bool = False  # x̂ named by the engine: the output uses it without [normalized]
+    output_in_coordinate: sympy.Expr | None = None  # y written in that x̂ (direct paths keep x)
+    x_in_coordinate: sympy.Expr | None = None  # x written in the coordinate (when it is affine in x)
+    element: frozenset[sympy.Symbol] = frozenset()  # the element symbols of the closed forms
     mean_facts: MeanFacts | None = field(default=None, repr=False)
-    self_rules: dict[sympy.Symbol, _SelfRule] = field(default_factory=dict, repr=False)   # s = c·F(u)
+    self_rules: dict[sympy.Symbol, _SelfRule] = field(default_factory=dict, repr=False)  # s = c·F(u)
 
     @property
     def dparams(self) -> dict[str, sympy.Expr]:
@@ -177,20 +179,23 @@ class ModeDerivation:
 
 # ------------------------------------------------------------------ the program
 
+
 @dataclass
 class _SelfRule:
     """s = c·F(u): ∂s/∂u written through s itself."""
+
     func: type
     coef: sympy.Expr
     arg: sympy.Expr
     exp: sympy.Expr | None = None
 
     def du(self, s: sympy.Symbol) -> sympy.Expr:
+        """∂s/∂u, with F(u) written s/c: c·F'(u) rational in s where F is a power."""
         f = s / self.coef
         if self.func is sympy.Pow:
             q = self.exp
             if q.is_Rational and ((q - 1) / q).is_Integer:
-                return self.coef * q * f ** ((q - 1) / q)      # √u: 1/(2√u); u^(-1/2): -u^(-3/2)/2
+                return self.coef * q * f ** ((q - 1) / q)  # √u: 1/(2√u); u^(-1/2): -u^(-3/2)/2
             return self.coef * q * f / self.arg
         return self.coef * functions.of_class(self.func).derivative(f, self.arg)
 
@@ -215,32 +220,39 @@ def _self_rule(expr: sympy.Expr, active: set) -> _SelfRule | None:
 
 
 class Program:
-    """The statistics of one mode with their auxiliaries, and what they tell about means."""
+    """The statistics of one mode with their auxiliaries, and what they tell about means.
 
-    def __init__(self, spec: Spec, stats: tuple[Statistic, ...], alg: ReductionAlgebra,
-                 differentiable: set[sympy.Symbol]):
+    ``stats`` is the program in order (each user statistic preceded by the auxiliaries it
+    needs), ``rules`` the statistics s = c·F(u) differentiated through their own value, and
+    ``alg`` (shared with the caller) learns every statistic's definition."""
+
+    def __init__(
+        self, spec: Spec, stats: tuple[Statistic, ...], alg: ReductionAlgebra, differentiable: set[sympy.Symbol]
+    ) -> None:
         self.spec = spec
         self.alg = alg
-        self.active = set(differentiable)          # group values with adjoints (inputs, scalar params)
+        self.active = set(differentiable)  # group values with adjoints (inputs, scalar params)
         self.stats: list[Statistic] = []
         self.rules: dict[sympy.Symbol, _SelfRule] = {}
         self._by_def: dict[sympy.Expr, sympy.Symbol] = {}
         for st in stats:
             self._add(st)
 
-    def _aux(self, expr: sympy.Expr, origin: Statistic, why: str) -> sympy.Symbol:
-        """The symbol of an auxiliary statistic defined as ``expr`` (one already defined the
-        same way is reused: the same computation)."""
+    def auxiliary(self, expr: sympy.Expr, origin: Statistic, why: str) -> sympy.Symbol:
+        """The symbol of an auxiliary statistic defined as ``expr``, named for ``why`` it is
+        needed in ``origin`` (one already defined the same way is reused: the same computation)."""
         if expr in self._by_def:
             return self._by_def[expr]
         k = sum(1 for s in self.stats if s.aux) + 1
         sym = domain.symbol(f"Aux{k}", domain.sign_level(expr))
-        st = Statistic(sym.name, sym, f"a_{{{k}}}", f"a{_subscript(k)}", expr=expr,
-                       expr_text=f"{why} in {origin.name}", aux=True)
+        st = Statistic(
+            sym.name, sym, f"a_{{{k}}}", f"a{_subscript(k)}", expr=expr, expr_text=f"{why} in {origin.name}", aux=True
+        )
         self._append(st)
         return sym
 
-    def _append(self, st: Statistic):
+    def _append(self, st: Statistic) -> None:
+        """Add ``st`` to the program as it is: its rule if it is c·F(u), what it tells the algebra."""
         self.stats.append(st)
         self.active.add(st.symbol)
         self._by_def.setdefault(st.expr, st.symbol)
@@ -250,20 +262,21 @@ class Program:
         if st.expr.has(Mean):
             self.alg.learn(st.symbol, st.expr)
 
-    def _add(self, st: Statistic):
+    def _add(self, st: Statistic) -> None:
+        """Add a user's statistic, naming first what it needs as auxiliaries (steps 1-3)."""
         expr = st.expr
         # 1. a mean inside another mean's argument is computed first: an auxiliary
         while True:
             nested = [i for m in means(expr) for i in means(m.args[0]) if not means(i.args[0])]
             if not nested:
                 break
-            expr = expr.xreplace({m: self._aux(m, st, "a mean") for m in nested})
+            expr = expr.xreplace({m: self.auxiliary(m, st, "a mean") for m in nested})
         # 2. so are the means a statistic is not linear in (those the engine could not solve for)
         canonical = self.alg.canon(expr)
         if _has_elementary_mean(expr) or (canonical.has(Mean) and not self.alg.solvable(canonical)):
             # every mean of it, as written (two-pass; never rewritten through other means, which
             # could turn ⟨(x - μ)²⟩ into ⟨x²⟩ - μ²)
-            expr = expr.xreplace({atom: self._aux(atom, st, "a mean") for atom in means(expr)})
+            expr = expr.xreplace({atom: self.auxiliary(atom, st, "a mean") for atom in means(expr)})
         elif canonical.has(Mean):
             expr = expr.xreplace({atom: self._by_def[atom] for atom in means(expr) if atom in self._by_def})
         # 3. square roots, powers, exp, log, abs, tanh of group values inside a larger expression
@@ -277,14 +290,18 @@ class Program:
         self._append(Statistic(st.name, st.symbol, st.latex, st.text, expr=expr, expr_text=st.expr_text))
 
     def _name_elementary(self, expr: sympy.Expr, st: Statistic) -> sympy.Expr:
-        def visit(e):
+        """``expr`` with every elementary function of differentiable group values (outside means)
+        replaced by an auxiliary, innermost first."""
+
+        def visit(e: sympy.Expr) -> sympy.Expr:
             if e.is_Atom or isinstance(e, Mean):
                 return e
             args = [visit(a) for a in e.args]
             e2 = e.func(*args) if any(a is not b for a, b in zip(args, e.args)) else e
             if _elementary(e2) and e2.free_symbols & self.active and not e2.has(Mean):
-                return self._aux(e2, st, "a " + _kind(e2))
+                return self.auxiliary(e2, st, "a " + _kind(e2))
             return e2
+
         return visit(expr)
 
     def partial(self, st: Statistic, v: sympy.Symbol, hidden: sympy.Expr) -> sympy.Expr:
@@ -292,8 +309,9 @@ class Program:
         return statistic_partial(self.rules, st, v, hidden)
 
 
-def statistic_partial(rules: dict[sympy.Symbol, _SelfRule], st: Statistic, v: sympy.Symbol,
-                      hidden: sympy.Expr) -> sympy.Expr:
+def statistic_partial(
+    rules: dict[sympy.Symbol, _SelfRule], st: Statistic, v: sympy.Symbol, hidden: sympy.Expr
+) -> sympy.Expr:
     """∂(definition of st)/∂v, with ``hidden`` the definition with its means as symbols; a
     statistic s = c·F(u) with a rule in ``rules`` is differentiated through its own value."""
     rule = rules.get(st.symbol)
@@ -302,27 +320,28 @@ def statistic_partial(rules: dict[sympy.Symbol, _SelfRule], st: Statistic, v: sy
     return sympy.diff(hidden, v)
 
 
-def _depth(e) -> int:
-    return 1 + max((_depth(a) for a in e.args), default=0)
-
-
-def _kind(e) -> str:
+def _kind(e: sympy.Expr) -> str:
+    """What an elementary node is, in words (for an auxiliary's origin: "a square root in s")."""
     if e.is_Pow:
         return functions.half_power().kind if e.exp == sympy.S.Half else "power"
     return functions.of_node(e).kind
 
 
-def _has_elementary_mean(e) -> bool:
+def _has_elementary_mean(e: sympy.Expr) -> bool:
+    """Does ``e`` hold an elementary function of a mean (√⟨x²⟩, log⟨x⟩ ...)?"""
     return any(_elementary(n) and n.has(Mean) for n in sympy.preorder_traversal(e))
 
 
 def _subscript(k: int) -> str:
+    """``k`` in Unicode subscript digits (a₁₂)."""
     return str(k).translate(str.maketrans("0123456789", "₀₁₂₃₄₅₆₇₈₉"))
 
 
 # ------------------------------------------------------------------ tidy closed forms
 
+
 def _flip(f: sympy.Expr) -> sympy.Expr:
+    """-f, expanded: a difference turned round (μ - x̄ -> x̄ - μ)."""
     return sympy.expand(-f)
 
 
@@ -381,15 +400,22 @@ def tidy(e: sympy.Expr, element: set[sympy.Symbol]) -> sympy.Expr:
         for t in by_means[m]:
             el = Mul(*[f for f in Mul.make_args(t) if f.free_symbols & element])
             by_elem.setdefault(el, []).append(t / el)
-        coef = Add(*[el * _nice_group(Add(*gs)) for el, gs in sorted(by_elem.items(),
-                                                                   key=lambda kv: sympy.default_sort_key(kv[0]))])
+        coef = Add(
+            *[
+                el * _nice_group(Add(*gs))
+                for el, gs in sorted(by_elem.items(), key=lambda kv: sympy.default_sort_key(kv[0]))
+            ]
+        )
         out.append(m * (sympy.factor_terms(coef) if len(by_elem) > 1 else coef))
     return _nice_signs(sympy.factor_terms(Add(*out)))
 
 
 # ------------------------------------------------------------------ the derivation
 
+
 def _reduction_name(arg: sympy.Expr, names: dict[sympy.Symbol, str]) -> str:
+    """``Mean_g_xhat2`` for a monomial of named element symbols with positive integer powers,
+    else ""."""
     parts = []
     for f in sorted(Mul.make_args(arg), key=sympy.default_sort_key):
         b, e = f.as_base_exp()
@@ -400,7 +426,12 @@ def _reduction_name(arg: sympy.Expr, names: dict[sympy.Symbol, str]) -> str:
     return "Mean_" + "_".join(parts)
 
 
-def name_reductions(spec: Spec, coordinate: Named | None, exprs, extra: dict | None = None) -> tuple[Reduction, ...]:
+def name_reductions(
+    spec: Spec,
+    coordinate: Named | None,
+    exprs: Iterable[sympy.Expr],
+    extra: dict[sympy.Symbol, str] | None = None,
+) -> tuple[Reduction, ...]:
     """The Mean atoms of ``exprs`` as named reductions (Mean_g_xhat ...), in a fixed order;
     ``extra`` names further element symbols (the second order's cotangents and tangents)."""
     atoms = set()
@@ -419,8 +450,12 @@ def name_reductions(spec: Spec, coordinate: Named | None, exprs, extra: dict | N
     return tuple(out)
 
 
-def closed_form(expr: sympy.Expr, alg: ReductionAlgebra, x_in_coordinate: sympy.Expr | None,
-                element: set[sympy.Symbol] | frozenset[sympy.Symbol]) -> sympy.Expr:
+def closed_form(
+    expr: sympy.Expr,
+    alg: ReductionAlgebra,
+    x_in_coordinate: sympy.Expr | None,
+    element: set[sympy.Symbol] | frozenset[sympy.Symbol],
+) -> sympy.Expr:
     """``expr`` in the coordinate (x replaced by ``x_in_coordinate``), reduced by the algebra
     (linearity, known statistics), tidied over the ``element`` symbols."""
     e = expr
@@ -439,12 +474,14 @@ def _solver(xhat: sympy.Symbol, xhat_def: sympy.Expr) -> sympy.Expr | None:
     return sympy.expand((xhat - intercept) / slope)
 
 
-def check_derivatives(spec: Spec, where: str, e: sympy.Expr):
+def check_derivatives(spec: Spec, where: str, e: sympy.Expr) -> None:
     """Raise :class:`DerivationError` where SymPy could not differentiate (an unevaluated
     Derivative or Subs) or the derivative is undefined (zoo, nan)."""
     if e.has(sympy.Derivative, sympy.Subs) or e.has(sympy.zoo, sympy.nan):
-        raise DerivationError(f"{spec.source}: {where}: cannot differentiate this expression "
-                              f"(it is not differentiable where the layer is defined)")
+        raise DerivationError(
+            f"{spec.source}: {where}: cannot differentiate this expression "
+            f"(it is not differentiable where the layer is defined)"
+        )
 
 
 def derive_mode(spec: Spec, mode_name: str | None = None) -> ModeDerivation:
@@ -454,14 +491,17 @@ def derive_mode(spec: Spec, mode_name: str | None = None) -> ModeDerivation:
     except DerivationError:
         raise
     except (TypeError, ValueError, AttributeError, NotImplementedError, RecursionError) as exc:
-        raise DerivationError(f"{spec.source}: the engine cannot derive this layer ({type(exc).__name__}: "
-                              f"{str(exc).splitlines()[0][:160] if str(exc) else 'no detail'})") from None
+        raise DerivationError(
+            f"{spec.source}: the engine cannot derive this layer ({type(exc).__name__}: "
+            f"{str(exc).splitlines()[0][:160] if str(exc) else 'no detail'})"
+        ) from None
 
 
 @dataclass
 class _Adjoints:
     """The reverse pass's state: ∂L/∂v of every group value, the element-level terms of
     ∂L/∂x and of each per-channel parameter's gradient, and the partials as shown."""
+
     group: dict[sympy.Symbol, sympy.Expr]
     terms: dict[sympy.Symbol, list[sympy.Expr]]
     partials: list[Partial] = field(default_factory=list)
@@ -471,7 +511,7 @@ class _Deriver:
     """One mode's reverse pass and closed forms (see the module docstring); used once, by
     :func:`derive_mode`, which returns its result as a :class:`ModeDerivation`."""
 
-    def __init__(self, spec: Spec, mode):
+    def __init__(self, spec: Spec, mode: Mode) -> None:
         self.spec, self.mode = spec, mode
         self.channel = {p.symbol: p for p in spec.params if not p.scalar}
         self.scalar = {p.symbol: p for p in spec.params if p.scalar}
@@ -480,24 +520,23 @@ class _Deriver:
         self.alg = ReductionAlgebra(varying, active={DY, G})
         inputs = {i.symbol for i in spec.inputs}
         self.program = Program(spec, mode.statistics, self.alg, inputs | set(self.scalar))
-        self.group_diff = set(self.program.active)       # every group value with an adjoint
+        self.group_diff = set(self.program.active)  # every group value with an adjoint
         self.implicit: ImplicitCoordinate | None = None
         if self.xhat is None:
             self._adopt(find_implicit(spec, self.program.stats, self.y_full, self.alg))
-        self._use_coordinate(*closed_form_coordinate(spec, self.program.stats, self.y_full, self.alg,
-                                                     self.implicit))
+        self._use_coordinate(*closed_form_coordinate(spec, self.program.stats, self.y_full, self.alg, self.implicit))
         self.element_diff = [X, *self.channel]
 
-    def _use_normalized(self, xhat: sympy.Symbol | None, xhat_def: sympy.Expr | None):
+    def _use_normalized(self, xhat: sympy.Symbol | None, xhat_def: sympy.Expr | None) -> None:
         """The spec's x̂ (if any): y in full, y in x̂, and g = ∂L/∂y·∂y/∂x̂ where y uses x̂."""
         spec = self.spec
         self.xhat, self.xhat_def = xhat, xhat_def
         self.y_full = spec.output.xreplace({xhat: xhat_def}) if xhat is not None else spec.output
-        self.y_hat = spec.output                 # y with x̂ as a symbol (or y itself)
+        self.y_hat = spec.output  # y with x̂ as a symbol (or y itself)
         dy_dxhat = sympy.diff(spec.output, xhat) if xhat is not None else sympy.S.Zero
         self.g_def = DY * dy_dxhat if dy_dxhat != 0 else None
 
-    def _use_coordinate(self, coord: Named | None, coord_def: sympy.Expr | None):
+    def _use_coordinate(self, coord: Named | None, coord_def: sympy.Expr | None) -> None:
         """The closed forms' element coordinate: an element symbol, x written in it where it is
         affine in x, and the element symbols of the closed forms."""
         self.coord, self.coord_def = coord, coord_def
@@ -507,7 +546,7 @@ class _Deriver:
         self.to_xhat = _solver(xhat, coord_def) if xhat is not None else None
         self.element = {X, DY, G, *self.channel} | ({xhat} if xhat is not None else set())
 
-    def _adopt(self, implicit: ImplicitCoordinate | None):
+    def _adopt(self, implicit: ImplicitCoordinate | None) -> None:
         """Write the backward in the coordinate the output uses without naming it (x̂ = u,
         g = ∂L/∂y·∂y/∂u), as for a spec that names it."""
         if implicit is None:
@@ -529,8 +568,10 @@ class _Deriver:
     # ---- 1. reverse pass through the program -----------------------------
     def reverse(self) -> _Adjoints:
         """∂L/∂s of every statistic, latest first, and the element-level terms of ∂L/∂x, ∂L/∂p."""
-        group = {v: sympy.S.Zero if v in self.scalar else self.alg.canon(N * Mean(self.dL(v)))
-                 for v in sorted(self.group_diff, key=sympy.default_sort_key)}
+        group = {
+            v: sympy.S.Zero if v in self.scalar else self.alg.canon(N * Mean(self.dL(v)))
+            for v in sorted(self.group_diff, key=sympy.default_sort_key)
+        }
         terms = {e: [self.dL(e)] for e in [X, *self.channel]}
         adj = _Adjoints(group, terms)
         for st in reversed(list(self.program.stats)):
@@ -542,7 +583,9 @@ class _Deriver:
                     self._through_mean(st, coef, atom, adj)
         return adj
 
-    def _through_group_values(self, st: Statistic, hidden: sympy.Expr, table: dict, adj: _Adjoints):
+    def _through_group_values(
+        self, st: Statistic, hidden: sympy.Expr, table: dict[sympy.Dummy, Mean], adj: _Adjoints
+    ) -> None:
         """s̄·∂s/∂v to every earlier group value v the definition of s names outside a mean."""
         sbar = adj.group[st.symbol]
         for v in sorted(hidden.free_symbols & self.group_diff, key=sympy.default_sort_key):
@@ -552,17 +595,17 @@ class _Deriver:
                 adj.group[v] = adj.group[v] + sbar * d
                 adj.partials.append(Partial(st, v, "group", d))
 
-    def _through_mean(self, st: Statistic, coef: sympy.Expr, atom: Mean, adj: _Adjoints):
+    def _through_mean(self, st: Statistic, coef: sympy.Expr, atom: Mean, adj: _Adjoints) -> None:
         """s̄·∂s/∂⟨r⟩ through one mean ⟨r⟩ of s: (1/N)·∂r/∂x_i to the elements, ⟨∂r/∂v⟩ to
         the group values inside r -- zero by the definitions of the statistics, or kept."""
         abar = adj.group[st.symbol] * coef
         rarg = atom.args[0]
-        for e in self.element_diff:
-            de = sympy.diff(rarg, e)
+        for elem in self.element_diff:
+            de = sympy.diff(rarg, elem)
             check_derivatives(self.spec, f"statistics.{st.name}", de)
             if de != 0:
-                adj.terms[e].append(abar / N * de)
-                adj.partials.append(Partial(st, e, "element", sympy.factor_terms(coef / N * de), atom=atom))
+                adj.terms[elem].append(abar / N * de)
+                adj.partials.append(Partial(st, elem, "element", sympy.factor_terms(coef / N * de), atom=atom))
         for v in sorted(rarg.free_symbols & self.group_diff, key=sympy.default_sort_key):
             raw = Mean(sympy.diff(rarg, v))
             val = self.alg.canon(raw)
@@ -572,21 +615,23 @@ class _Deriver:
             if val == 0:
                 lin = sympy.factor_terms(ReductionAlgebra(self.alg.varying).canon(raw))
                 used = tuple(t for t in self.program.stats if isinstance(t.expr, Mean) and lin.has(t.symbol))
-                adj.partials.append(Partial(st, v, "zero", sympy.S.Zero, atom=atom, raw=dr, linear=lin,
-                                            because=used))
+                adj.partials.append(Partial(st, v, "zero", sympy.S.Zero, atom=atom, raw=dr, linear=lin, because=used))
             else:
-                adj.partials.append(Partial(st, v, "kept", sympy.factor_terms(coef * val), atom=atom, raw=dr,
-                                            linear=sympy.factor_terms(val)))
+                adj.partials.append(
+                    Partial(
+                        st, v, "kept", sympy.factor_terms(coef * val), atom=atom, raw=dr, linear=sympy.factor_terms(val)
+                    )
+                )
                 adj.group[v] = adj.group[v] + abar * val
 
-    def _forward_mean(self, raw: Mean, st: Statistic, adj: dict) -> sympy.Expr:
+    def _forward_mean(self, raw: Mean, st: Statistic, group_adj: dict[sympy.Symbol, sympy.Expr]) -> sympy.Expr:
         """A mean of x alone that no statistic determines (⟨(x - μ)³⟩ from differentiating a
         fourth moment through μ, ⟨sign(x - μ)⟩ from a mean absolute deviation): an auxiliary
         the forward computes as written, two-pass, rather than a reduction of the backward or
         an expansion in raw moments of x."""
-        const, vary = self.alg.split(sympy.factor_terms(raw.args[0]))
-        sym = self.program._aux(Mean(vary), st, "a mean the backward needs")
-        adj.setdefault(sym, sympy.S.Zero)
+        _, vary = self.alg.split(sympy.factor_terms(raw.args[0]))
+        sym = self.program.auxiliary(Mean(vary), st, "a mean the backward needs")
+        group_adj.setdefault(sym, sympy.S.Zero)
         return self.alg.canon(raw)
 
     # ---- 2. closed forms ---------------------------------------------------
@@ -594,7 +639,9 @@ class _Deriver:
         """In x̂, reduced by the algebra (linearity, known statistics), tidied."""
         return closed_form(expr, self.alg, self.to_xhat, self.element)
 
-    def _closed_forms(self, adj: _Adjoints):
+    def _closed_forms(
+        self, adj: _Adjoints
+    ) -> tuple[sympy.Expr, dict[str, ParamGrad], dict[str, sympy.Expr], dict[sympy.Symbol, sympy.Expr]]:
         """dx, the parameter and input gradients and the statistics' adjoints in closed form."""
         spec, finish = self.spec, self.finish
         if self.to_xhat is not None:
@@ -614,8 +661,7 @@ class _Deriver:
 
     def _sum_xhat_zero(self) -> bool:
         """⟨x̂⟩ = 0 exactly for the spec's x̂."""
-        return self.spec.normalized is not None and self.to_xhat is not None \
-            and self.alg.canon(Mean(self.xhat)) == 0
+        return self.spec.normalized is not None and self.to_xhat is not None and self.alg.canon(Mean(self.xhat)) == 0
 
     def run(self) -> ModeDerivation:
         """The derivation as data."""
@@ -625,16 +671,30 @@ class _Deriver:
         sum_zero = self._sum_xhat_zero()
         results = [dx, *dinputs.values(), *(g.element for g in grads.values()), *(g.group for g in grads.values())]
         uses_g = self.g_def is not None and any(e.has(G) for e in results)
-        return ModeDerivation(spec=spec, mode=self.mode.name, user_statistics=self.mode.statistics,
-                              statistics=tuple(self.program.stats), normalized_expr=self.xhat_def,
-                              output=spec.output, g=self.g_def if uses_g else None, dx=dx, grads=grads,
-                              dinputs=dinputs, reductions=name_reductions(spec, self.coord, results),
-                              partials=tuple(adj.partials), adjoints=adjoints, sum_xhat_zero=sum_zero,
-                              coordinate=self.coord, coordinate_expr=self.coord_def,
-                              implicit_coordinate=self.implicit is not None,
-                              output_in_coordinate=self.y_hat if self.implicit is not None else None,
-                              x_in_coordinate=self.to_xhat, element=frozenset(self.element),
-                              mean_facts=MeanFacts.of(self.alg), self_rules=dict(self.program.rules))
+        return ModeDerivation(
+            spec=spec,
+            mode=self.mode.name,
+            user_statistics=self.mode.statistics,
+            statistics=tuple(self.program.stats),
+            normalized_expr=self.xhat_def,
+            output=spec.output,
+            g=self.g_def if uses_g else None,
+            dx=dx,
+            grads=grads,
+            dinputs=dinputs,
+            reductions=name_reductions(spec, self.coord, results),
+            partials=tuple(adj.partials),
+            adjoints=adjoints,
+            sum_xhat_zero=sum_zero,
+            coordinate=self.coord,
+            coordinate_expr=self.coord_def,
+            implicit_coordinate=self.implicit is not None,
+            output_in_coordinate=self.y_hat if self.implicit is not None else None,
+            x_in_coordinate=self.to_xhat,
+            element=frozenset(self.element),
+            mean_facts=MeanFacts.of(self.alg),
+            self_rules=dict(self.program.rules),
+        )
 
 
 def mode_depends_on_x(mode: ModeDerivation, s: sympy.Symbol) -> bool:

@@ -27,31 +27,41 @@ per group. No ``sympy.simplify``.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import sympy
 
-from derivgen.derive.first import G, ModeDerivation, ParamGrad, Reduction, check_derivatives, closed_form, name_reductions, \
-    statistic_partial
+from derivgen.derive.first import (
+    G,
+    ModeDerivation,
+    ParamGrad,
+    Reduction,
+    check_derivatives,
+    closed_form,
+    name_reductions,
+    statistic_partial,
+)
+from derivgen.spec.model import DY, N, Named, Spec, Statistic, X
 from derivgen.symbolic.naming import derived
 from derivgen.symbolic.reduce import Mean, ReductionAlgebra, hide_means
-from derivgen.spec.model import DY, N, X, Named, Spec, Statistic
 
 
 @dataclass(frozen=True)
 class SecondOrder:
     """The second-order closed forms of one mode (expressions over Mean atoms, like
     :class:`derivgen.derive.first.ModeDerivation`'s; ``lowered`` gives them over the reductions)."""
-    md: ModeDerivation                            # the first order it is derived from
+
+    md: ModeDerivation  # the first order it is derived from
     # the double backward: cotangents of the backward's outputs ...
-    cot_x: Named                                  # δx: of dx (element)
-    cot_params: dict[str, Named]                  # δp: of dp (per channel, or one value for a scalar p)
-    cot_inputs: dict[str, Named]                  # δi: of di (per group)
+    cot_x: Named  # δx: of dx (element)
+    cot_params: dict[str, Named]  # δp: of dp (per channel, or one value for a scalar p)
+    cot_inputs: dict[str, Named]  # δi: of di (per group)
     # ... and the gradients of L₂ = Σ δx·dx + Σ δp·dp + Σ δi·di
-    dx: sympy.Expr                                # ∂L₂/∂x (element)
-    ddy: sympy.Expr                               # ∂L₂/∂(∂L/∂y) (element)
-    grads: dict[str, ParamGrad]                   # ∂L₂/∂p: element part summed like dp, group part per group
-    dinputs: dict[str, sympy.Expr]                # ∂L₂/∂i per group
+    dx: sympy.Expr  # ∂L₂/∂x (element)
+    ddy: sympy.Expr  # ∂L₂/∂(∂L/∂y) (element)
+    grads: dict[str, ParamGrad]  # ∂L₂/∂p: element part summed like dp, group part per group
+    dinputs: dict[str, sympy.Expr]  # ∂L₂/∂i per group
     reductions: tuple[Reduction, ...]
     # the JVP: tangents of the forward's inputs, and ẏ
     tan_x: Named
@@ -59,7 +69,7 @@ class SecondOrder:
     tan_inputs: dict[str, Named]
     ty: sympy.Expr
     jvp_reductions: tuple[Reduction, ...]
-    element: frozenset[sympy.Symbol] = frozenset()   # the element symbols of these closed forms
+    element: frozenset[sympy.Symbol] = frozenset()  # the element symbols of these closed forms
 
     @property
     def spec(self) -> Spec:
@@ -84,14 +94,17 @@ class SecondOrder:
 
 
 def _named(name: str, latex: str, text: str) -> Named:
+    """A new real element or group symbol with its display forms."""
     return Named(name, sympy.Symbol(name, real=True), latex, text)
 
 
-def _cotangent(item) -> Named:
+def _cotangent(item: Named) -> Named:
+    """δp: the cotangent of ``item``'s gradient (named ``p_Dd``)."""
     return _named(derived(item.name, "Dd"), rf"\delta {item.latex}", f"δ{item.text}")
 
 
-def _tangent(item) -> Named:
+def _tangent(item: Named) -> Named:
+    """ṗ: the tangent of ``item`` (named ``p_T``)."""
     return _named(derived(item.name, "T"), rf"\dot{{{item.latex}}}", f"{item.text}\u0307")
 
 
@@ -100,18 +113,21 @@ def almost_everywhere(e: sympy.Expr) -> sympy.Expr:
     as the first order's sign(u) is |u|'s derivative wherever that is defined: DiracDelta
     terms, and derivatives of sign that SymPy leaves unevaluated, are dropped."""
     if e.has(sympy.Derivative):
-        e = e.replace(lambda a: isinstance(a, sympy.Derivative) and isinstance(a.expr, sympy.sign),
-                      lambda a: sympy.S.Zero)
+        e = e.replace(
+            lambda a: isinstance(a, sympy.Derivative) and isinstance(a.expr, sympy.sign), lambda a: sympy.S.Zero
+        )
     if e.has(sympy.DiracDelta):
         e = e.replace(lambda a: isinstance(a, sympy.DiracDelta), lambda a: sympy.S.Zero)
     return e
 
 
-def _d(expr: sympy.Expr, u: sympy.Symbol) -> sympy.Expr:
+def _diff(expr: sympy.Expr, u: sympy.Symbol) -> sympy.Expr:
+    """∂expr/∂u almost everywhere (see :func:`almost_everywhere`)."""
     return almost_everywhere(sympy.diff(expr, u))
 
 
-def _sorted(symbols) -> list[sympy.Symbol]:
+def _sorted(symbols: Iterable[sympy.Symbol]) -> list[sympy.Symbol]:
+    """``symbols`` in SymPy's canonical order (a deterministic derivation)."""
     return sorted(symbols, key=sympy.default_sort_key)
 
 
@@ -119,6 +135,7 @@ def _sorted(symbols) -> list[sympy.Symbol]:
 class _Seeds:
     """The second order's new symbols: cotangents of the backward's outputs (δx, δp, δi)
     and tangents of the forward's inputs (ẋ, ṗ, i̇)."""
+
     cot_x: Named
     tan_x: Named
     cot_params: dict[str, Named]
@@ -129,88 +146,102 @@ class _Seeds:
     @classmethod
     def of(cls, spec: Spec) -> _Seeds:
         """The seeds of one layer, named after its parameters and inputs."""
-        return cls(cot_x=_named("X_Dd", r"\delta x", "δx"), tan_x=_named("X_T", r"\dot{x}", "ẋ"),
-                   cot_params={p.name: _cotangent(p) for p in spec.params},
-                   cot_inputs={i.name: _cotangent(i) for i in spec.inputs},
-                   tan_params={p.name: _tangent(p) for p in spec.params},
-                   tan_inputs={i.name: _tangent(i) for i in spec.inputs})
+        return cls(
+            cot_x=_named("X_Dd", r"\delta x", "δx"),
+            tan_x=_named("X_T", r"\dot{x}", "ẋ"),
+            cot_params={p.name: _cotangent(p) for p in spec.params},
+            cot_inputs={i.name: _cotangent(i) for i in spec.inputs},
+            tan_params={p.name: _tangent(p) for p in spec.params},
+            tan_inputs={i.name: _tangent(i) for i in spec.inputs},
+        )
 
     def element(self, spec: Spec) -> frozenset[sympy.Symbol]:
         """The seeds that are element values: δx, ẋ and those of per-channel parameters."""
         channel = [p.name for p in spec.params if not p.scalar]
-        return frozenset({self.cot_x.symbol, self.tan_x.symbol} | {self.cot_params[p].symbol for p in channel}
-                         | {self.tan_params[p].symbol for p in channel})
+        return frozenset(
+            {self.cot_x.symbol, self.tan_x.symbol}
+            | {self.cot_params[p].symbol for p in channel}
+            | {self.tan_params[p].symbol for p in channel}
+        )
 
     def reduction_names(self, spec: Spec) -> dict[sympy.Symbol, str]:
         """How the reductions' names spell the element seeds (Mean_dx_xhat ...)."""
-        return {self.cot_x.symbol: "dx", self.tan_x.symbol: "tx",
-                **{self.cot_params[p.name].symbol: "d" + p.name for p in spec.params},
-                **{self.tan_params[p.name].symbol: "t" + p.name for p in spec.params}}
+        return {
+            self.cot_x.symbol: "dx",
+            self.tan_x.symbol: "tx",
+            **{self.cot_params[p.name].symbol: "d" + p.name for p in spec.params},
+            **{self.tan_params[p.name].symbol: "t" + p.name for p in spec.params},
+        }
 
 
 class _Closer:
     """Brings second-order expressions to closed form in the first order's coordinate, with a
     working algebra of its own built from the first order's facts."""
 
-    def __init__(self, first: ModeDerivation, seeds: frozenset[sympy.Symbol]):
+    def __init__(self, first: ModeDerivation, seeds: frozenset[sympy.Symbol]) -> None:
         self.alg: ReductionAlgebra = first.mean_facts.algebra(seeds)
         self.x_in_coordinate = first.x_in_coordinate
         self.element = first.element | seeds
         self.unlower = {r.symbol: Mean(r.arg) for r in first.reductions}
 
-    def __call__(self, e) -> sympy.Expr:
+    def __call__(self, e: sympy.Expr | int) -> sympy.Expr:
         """A closed form: the first order's reductions as means again, |u|'s second
         derivative dropped where it is defined, reduced and tidied like the first order."""
-        return closed_form(almost_everywhere(sympy.sympify(e).xreplace(self.unlower)), self.alg,
-                           self.x_in_coordinate, self.element)
+        return closed_form(
+            almost_everywhere(sympy.sympify(e).xreplace(self.unlower)), self.alg, self.x_in_coordinate, self.element
+        )
 
 
 class _ReversePass:
     """Reverse mode through the backward program: the adjoints of its element values
     (``element_adj``) and of its group values (``group_adj``), seeded with the cotangents."""
 
-    def __init__(self, first: ModeDerivation, seeds: frozenset[sympy.Symbol]):
+    def __init__(self, first: ModeDerivation, seeds: frozenset[sympy.Symbol]) -> None:
         spec = self.spec = first.spec
         self.rules = first.self_rules
         channel = {p.symbol for p in spec.params if not p.scalar}
         coord = first.coordinate.symbol if first.coordinate is not None else None
         self.element = {X, DY, G, *channel, *seeds} | ({coord} if coord is not None else set())
-        self.group_diff = set(st.symbol for st in first.statistics) | {r.symbol for r in first.reductions} \
-            | {i.symbol for i in spec.inputs} | {p.symbol for p in spec.params if p.scalar}
+        self.group_diff = (
+            {st.symbol for st in first.statistics}
+            | {r.symbol for r in first.reductions}
+            | {i.symbol for i in spec.inputs}
+            | {p.symbol for p in spec.params if p.scalar}
+        )
         self.element_adj: dict[sympy.Symbol, sympy.Expr] = {}
         self.group_adj: dict[sympy.Symbol, sympy.Expr] = {}
 
-    def through(self, expr: sympy.Expr, w: sympy.Expr, where: str):
+    def through(self, expr: sympy.Expr, w: sympy.Expr, where: str) -> None:
         """An element value ``expr`` whose adjoint is ``w`` (element-level): to its inputs --
         element values directly, group values as N·mean(w·∂expr/∂v)."""
         if w == 0:
             return
         for u in _sorted(expr.free_symbols & self.element):
-            d = _d(expr, u)
+            d = _diff(expr, u)
             check_derivatives(self.spec, where, d)
             if d != 0:
                 self.element_adj[u] = self.element_adj.get(u, 0) + w * d
         for a in _sorted(expr.free_symbols & self.group_diff):
-            d = _d(expr, a)
+            d = _diff(expr, a)
             check_derivatives(self.spec, where, d)
             if d != 0:
                 self.group_adj[a] = self.group_adj.get(a, 0) + N * Mean(w * d)
 
-    def group_through(self, expr: sympy.Expr, w: sympy.Expr):
+    def group_through(self, expr: sympy.Expr, w: sympy.Expr) -> None:
         """A group value ``expr`` whose adjoint is ``w``: to the group values it is made of."""
         for a in _sorted(expr.free_symbols & self.group_diff):
-            d = _d(expr, a)
+            d = _diff(expr, a)
             if d != 0:
                 self.group_adj[a] = self.group_adj.get(a, 0) + w * d
 
-    def element_definition(self, sym: sympy.Symbol, definition: sympy.Expr):
+    def element_definition(self, sym: sympy.Symbol, definition: sympy.Expr) -> None:
         """An element value of the backward (g, the coordinate) to what defines it; from
         then on it is no longer an input of the program."""
         w = self.element_adj.pop(sym, 0)
         self.element.discard(sym)
         self.through(definition, w, "the backward's element values")
 
-    def statistic(self, st: Statistic):
+    def statistic(self, st: Statistic) -> None:
         """A statistic to the group values and the means its definition is made of."""
         w = self.group_adj.pop(st.symbol, 0)
         if w == 0:
@@ -239,7 +270,7 @@ def _double_backward_adjoints(first: ModeDerivation, seeds: _Seeds) -> _ReverseP
         rev.group_through(first.lowered(gr.group), seeds.cot_params[p.name].symbol)
     for i in spec.inputs:
         rev.group_through(first.lowered(first.dinputs[i.name]), seeds.cot_inputs[i.name].symbol)
-    for r in reversed(first.reductions):             # r = mean(arg)
+    for r in reversed(first.reductions):  # r = mean(arg)
         w = rev.group_adj.pop(r.symbol, 0)
         rev.through(r.arg, w / N, f"the backward's {r.name}")
     if first.g is not None:
@@ -251,7 +282,9 @@ def _double_backward_adjoints(first: ModeDerivation, seeds: _Seeds) -> _ReverseP
     return rev
 
 
-def _double_backward(first: ModeDerivation, seeds: _Seeds, close: _Closer):
+def _double_backward(
+    first: ModeDerivation, seeds: _Seeds, close: _Closer
+) -> tuple[sympy.Expr, sympy.Expr, dict[str, ParamGrad], dict[str, sympy.Expr]]:
     """(∂L₂/∂x, ∂L₂/∂(∂L/∂y), ∂L₂/∂p, ∂L₂/∂i) as closed forms."""
     spec = first.spec
     rev = _double_backward_adjoints(first, seeds)
@@ -265,9 +298,12 @@ def _double_backward(first: ModeDerivation, seeds: _Seeds, close: _Closer):
         else:
             grads[p.name] = ParamGrad(close(element_adj.get(p.symbol, 0)))
     dinputs = {i.name: close(group_adj.get(i.symbol, 0)) for i in spec.inputs}
-    for where, e in [("double backward dx", dx), ("double backward ddy", ddy),
-                     *((f"double backward d{k}", v.element + v.group) for k, v in grads.items()),
-                     *((f"double backward d{k}", v) for k, v in dinputs.items())]:
+    for where, e in [
+        ("double backward dx", dx),
+        ("double backward ddy", ddy),
+        *((f"double backward d{k}", v.element + v.group) for k, v in grads.items()),
+        *((f"double backward d{k}", v) for k, v in dinputs.items()),
+    ]:
         check_derivatives(spec, where, e)
     return dx, ddy, grads, dinputs
 
@@ -276,7 +312,7 @@ class _ForwardPass:
     """Forward mode through the forward program: the tangent of every value from the
     tangents of x, the parameters and the inputs."""
 
-    def __init__(self, first: ModeDerivation, seeds: _Seeds):
+    def __init__(self, first: ModeDerivation, seeds: _Seeds) -> None:
         spec = self.spec = first.spec
         self.rules = first.self_rules
         self.tan: dict[sympy.Symbol, sympy.Expr] = {X: seeds.tan_x.symbol}
@@ -290,12 +326,12 @@ class _ForwardPass:
         """Σ ∂expr/∂u·u̇ over the values u with a tangent."""
         out = sympy.S.Zero
         for u in _sorted(expr.free_symbols & set(self.tan)):
-            d = _d(expr, u)
+            d = _diff(expr, u)
             check_derivatives(self.spec, where, d)
             out += d * self.tan[u]
         return out
 
-    def statistic(self, st: Statistic):
+    def statistic(self, st: Statistic) -> None:
         """The tangent of one statistic, through its group values and its means."""
         hidden, table = hide_means(st.expr, prefix=f"{st.name}_Q")
         ts = sympy.S.Zero
@@ -321,7 +357,7 @@ def _jvp(first: ModeDerivation, seeds: _Seeds, close: _Closer) -> sympy.Expr:
     if xhat is not None:
         y = first.output_in_normalized
         txhat = fwd.tangent(first.normalized_expr, "normalized")
-        ty = _d(y, xhat) * txhat + fwd.tangent(y, "output")
+        ty = _diff(y, xhat) * txhat + fwd.tangent(y, "output")
     else:
         ty = fwd.tangent(first.output, "output")
     ty = close(ty)
@@ -339,12 +375,28 @@ def derive_second(first: ModeDerivation) -> SecondOrder:
     close = _Closer(first, seeds.element(spec))
     names = seeds.reduction_names(spec)
     dx, ddy, grads, dinputs = _double_backward(first, seeds, close)
-    reductions = name_reductions(spec, first.coordinate, [dx, ddy, *dinputs.values(),
-                                                          *(g.element for g in grads.values()),
-                                                          *(g.group for g in grads.values())], names)
+    reductions = name_reductions(
+        spec,
+        first.coordinate,
+        [dx, ddy, *dinputs.values(), *(g.element for g in grads.values()), *(g.group for g in grads.values())],
+        names,
+    )
     ty = _jvp(first, seeds, close)
     jvp_reductions = name_reductions(spec, first.coordinate, [ty], names)
-    return SecondOrder(md=first, cot_x=seeds.cot_x, cot_params=seeds.cot_params, cot_inputs=seeds.cot_inputs,
-                       dx=dx, ddy=ddy, grads=grads, dinputs=dinputs, reductions=reductions, tan_x=seeds.tan_x,
-                       tan_params=seeds.tan_params, tan_inputs=seeds.tan_inputs, ty=ty,
-                       jvp_reductions=jvp_reductions, element=close.element)
+    return SecondOrder(
+        md=first,
+        cot_x=seeds.cot_x,
+        cot_params=seeds.cot_params,
+        cot_inputs=seeds.cot_inputs,
+        dx=dx,
+        ddy=ddy,
+        grads=grads,
+        dinputs=dinputs,
+        reductions=reductions,
+        tan_x=seeds.tan_x,
+        tan_params=seeds.tan_params,
+        tan_inputs=seeds.tan_inputs,
+        ty=ty,
+        jvp_reductions=jvp_reductions,
+        element=close.element,
+    )

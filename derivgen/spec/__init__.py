@@ -12,16 +12,29 @@ from derivgen.spec.expr import ExprError, parse_expr
 from derivgen.spec.model import (
     DY,
     N,
-    X,
     Named,
     Spec,
     SpecError,
     Statistic,
+    X,
     catalogue_names,
     load_catalogue,
     load_spec_file,
     parse_spec,
 )
 
-__all__ = ["DY", "N", "X", "ExprError", "Named", "Spec", "SpecError", "Statistic", "catalogue_names",
-           "load_catalogue", "load_spec_file", "parse_expr", "parse_spec"]
+__all__ = [
+    "DY",
+    "ExprError",
+    "N",
+    "Named",
+    "Spec",
+    "SpecError",
+    "Statistic",
+    "X",
+    "catalogue_names",
+    "load_catalogue",
+    "load_spec_file",
+    "parse_expr",
+    "parse_spec",
+]

@@ -20,8 +20,10 @@ with a message naming the offending text.
 from __future__ import annotations
 
 import ast
+import math
+from collections.abc import Mapping
 from fractions import Fraction
-from typing import Mapping
+from typing import NoReturn
 
 import sympy
 
@@ -53,11 +55,12 @@ class ExprError(ValueError):
 def _short(text: str, limit: int = 80) -> str:
     """repr() of text, cut in the middle when long (error messages stay one readable line)."""
     r = repr(text)
-    return r if len(r) <= limit else r[: limit // 2 - 2] + "..." + r[-(limit // 2 - 2):]
+    return r if len(r) <= limit else r[: limit // 2 - 2] + "..." + r[-(limit // 2 - 2) :]
 
 
-def parse_expr(text: str, names: Mapping[str, sympy.Expr], *,
-               group_size: sympy.Expr, allow_reductions: bool = True) -> sympy.Expr:
+def parse_expr(
+    text: str, names: Mapping[str, sympy.Expr], *, group_size: sympy.Expr, allow_reductions: bool = True
+) -> sympy.Expr:
     """Parse ``text`` into a SymPy expression over ``names``.
 
     ``names`` maps every identifier the expression may use to its SymPy object;
@@ -82,74 +85,103 @@ def parse_expr(text: str, names: Mapping[str, sympy.Expr], *,
 
 
 class _Builder:
-    def __init__(self, text, names, group_size, allow_reductions):
+    """The walk from a syntax tree to SymPy, one method per accepted form; anything else
+    fails with a message naming the offending text."""
+
+    def __init__(
+        self, text: str, names: Mapping[str, sympy.Expr], group_size: sympy.Expr, allow_reductions: bool
+    ) -> None:
         self.text = text
         self.names = names
-        self.N = group_size
+        self.group_size = group_size
         self.allow_reductions = allow_reductions
 
     def _snippet(self, node: ast.AST) -> str:
+        """The source text of ``node`` (its node type where Python cannot give it)."""
         seg = ast.get_source_segment(self.text.strip(), node)
         return seg if seg is not None else type(node).__name__
 
-    def fail(self, node: ast.AST, why: str):
+    def fail(self, node: ast.AST, why: str) -> NoReturn:
+        """Reject ``node``: an :class:`ExprError` naming its text and the whole expression."""
         raise ExprError(f"{why}: {_short(self._snippet(node), 60)} in {_short(self.text)}")
 
     def build(self, node: ast.AST, depth: int) -> sympy.Expr:
+        """The SymPy expression of ``node``, ``depth`` levels down the tree."""
         if depth > MAX_DEPTH:
             self.fail(node, f"expression nested deeper than {MAX_DEPTH}")
-        d = depth + 1
+        inner = depth + 1
         if isinstance(node, ast.Constant):
-            v = node.value
-            if isinstance(v, bool) or not isinstance(v, (int, float)):
-                self.fail(node, "only numeric constants are allowed")
-            if isinstance(v, float) and (v != v or v in (float("inf"), float("-inf"))):
-                self.fail(node, "non-finite constant")
-            if isinstance(v, int) and abs(v) > 10**12:
-                self.fail(node, "integer constant too large")
-            # exact: 0.1 -> 1/10 via its shortest decimal repr
-            return sympy.Rational(Fraction(repr(v))) if isinstance(v, float) else sympy.Integer(v)
+            return self.constant(node)
         if isinstance(node, ast.Name):
-            if node.id in functions.language() or node.id in REDUCTIONS and node.id not in self.names:
-                self.fail(node, f"function {node.id!r} used as a value")
-            if node.id not in self.names:
-                known = ", ".join(sorted(self.names)) or "none"
-                self.fail(node, f"unknown name {node.id!r} (known: {known})")
-            return self.names[node.id]
+            return self.name(node)
         if isinstance(node, ast.UnaryOp):
-            operand = self.build(node.operand, d)
-            if isinstance(node.op, ast.USub):
-                return -operand
-            if isinstance(node.op, ast.UAdd):
-                return operand
-            self.fail(node, "unsupported unary operator")
+            return self.unary(node, inner)
         if isinstance(node, ast.BinOp):
-            left = self.build(node.left, d)
-            right = self.build(node.right, d)
-            op = node.op
-            if isinstance(op, ast.Add):
-                return left + right
-            if isinstance(op, ast.Sub):
-                return left - right
-            if isinstance(op, ast.Mult):
-                return left * right
-            if isinstance(op, ast.Div):
-                if right == 0:
-                    self.fail(node, "division by zero")
-                return left / right
-            if isinstance(op, ast.Pow):
-                if right.is_number:
-                    if not right.is_real or abs(right) > MAX_EXPONENT:
-                        self.fail(node, f"constant exponent must be real with magnitude <= {MAX_EXPONENT}")
-                elif not right.free_symbols:
-                    self.fail(node, "unsupported exponent")
-                return sympy.Pow(left, right)
-            self.fail(node, "unsupported operator (allowed: + - * / **)")
+            return self.binary(node, inner)
         if isinstance(node, ast.Call):
-            return self.call(node, d)
+            return self.call(node, inner)
         self.fail(node, f"unsupported syntax ({type(node).__name__})")
 
-    def call(self, node: ast.Call, d: int) -> sympy.Expr:
+    def constant(self, node: ast.Constant) -> sympy.Expr:
+        """A finite int or float, exactly: 0.1 is 1/10 (through its shortest decimal repr)."""
+        v = node.value
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            self.fail(node, "only numeric constants are allowed")
+        if isinstance(v, float) and not math.isfinite(v):
+            self.fail(node, "non-finite constant")
+        if isinstance(v, int) and abs(v) > 10**12:
+            self.fail(node, "integer constant too large")
+        return sympy.Rational(Fraction(repr(v))) if isinstance(v, float) else sympy.Integer(v)
+
+    def name(self, node: ast.Name) -> sympy.Expr:
+        """A declared name (a function's or reduction's name is not a value)."""
+        if node.id in functions.language() or (node.id in REDUCTIONS and node.id not in self.names):
+            self.fail(node, f"function {node.id!r} used as a value")
+        if node.id not in self.names:
+            known = ", ".join(sorted(self.names)) or "none"
+            self.fail(node, f"unknown name {node.id!r} (known: {known})")
+        return self.names[node.id]
+
+    def unary(self, node: ast.UnaryOp, depth: int) -> sympy.Expr:
+        """``-e`` or ``+e``."""
+        operand = self.build(node.operand, depth)
+        if isinstance(node.op, ast.USub):
+            return -operand
+        if isinstance(node.op, ast.UAdd):
+            return operand
+        self.fail(node, "unsupported unary operator")
+
+    def binary(self, node: ast.BinOp, depth: int) -> sympy.Expr:
+        """``a + b``, ``a - b``, ``a * b``, ``a / b`` (not by a literal zero) and ``a ** k``
+        (both operands are built first, left to right)."""
+        left = self.build(node.left, depth)
+        right = self.build(node.right, depth)
+        op = node.op
+        if isinstance(op, ast.Add):
+            return left + right
+        if isinstance(op, ast.Sub):
+            return left - right
+        if isinstance(op, ast.Mult):
+            return left * right
+        if isinstance(op, ast.Div):
+            if right == 0:
+                self.fail(node, "division by zero")
+            return left / right
+        if isinstance(op, ast.Pow):
+            return self.power(node, left, right)
+        self.fail(node, "unsupported operator (allowed: + - * / **)")
+
+    def power(self, node: ast.BinOp, base: sympy.Expr, exponent: sympy.Expr) -> sympy.Expr:
+        """``base ** exponent``: a real constant exponent of magnitude at most
+        :data:`MAX_EXPONENT`, or one over declared names."""
+        if exponent.is_number:
+            if not exponent.is_real or abs(exponent) > MAX_EXPONENT:
+                self.fail(node, f"constant exponent must be real with magnitude <= {MAX_EXPONENT}")
+        elif not exponent.free_symbols:
+            self.fail(node, "unsupported exponent")
+        return sympy.Pow(base, exponent)
+
+    def call(self, node: ast.Call, depth: int) -> sympy.Expr:
         """A call of a table function (derivgen.symbolic.functions) or of a group reduction."""
         if not isinstance(node.func, ast.Name):
             self.fail(node, f"only calls of {_callable_names()} are allowed")
@@ -161,8 +193,8 @@ class _Builder:
         if fname in REDUCTIONS:
             if not self.allow_reductions:
                 self.fail(node, f"{fname}() is a group reduction; define it under [statistics]")
-            arg = self.build(node.args[0], d)
-            return Mean(arg) if fname == "mean" else self.N * Mean(arg)
+            arg = self.build(node.args[0], depth)
+            return Mean(arg) if fname == "mean" else self.group_size * Mean(arg)
         if fn is not None:
-            return fn.build(*(self.build(a, d) for a in node.args))
+            return fn.build(*(self.build(a, depth) for a in node.args))
         self.fail(node, f"unknown function {fname!r} (allowed: {_callable_names()})")

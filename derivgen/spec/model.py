@@ -12,20 +12,22 @@ from __future__ import annotations
 
 import math
 import re
-import tomllib
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import sympy
+import tomllib
 
-from derivgen.symbolic import domain
-from derivgen.symbolic import functions
 from derivgen.spec import reserved
-from derivgen.symbolic.domain import domain_error
 from derivgen.spec.expr import ExprError, parse_expr
+from derivgen.symbolic import domain, functions
+from derivgen.symbolic.domain import domain_error
 from derivgen.symbolic.reduce import hide_means
+
+if TYPE_CHECKING:
+    from importlib.resources.abc import Traversable
 
 # The group size inside expressions.
 N = sympy.Symbol("N", positive=True, integer=True)
@@ -38,6 +40,21 @@ LAYOUTS = {
     "channels": ("batch", "instance", "group"),
 }
 IDENT = re.compile(r"^[a-z][a-z0-9_]{0,30}$")
+TOP_LEVEL_FIELDS = {
+    "name",
+    "title",
+    "summary",
+    "notes",
+    "layout",
+    "params",
+    "options",
+    "inputs",
+    "buffers",
+    "statistics",
+    "normalized",
+    "output",
+    "modes",
+}
 
 # Names a spec may not declare. Everything the generated code names itself
 # (loop variables, accumulators, reductions, coefficients, temporaries) lives
@@ -73,6 +90,7 @@ class SpecError(ValueError):
 @dataclass(frozen=True)
 class Named:
     """A named quantity with its display forms."""
+
     name: str
     symbol: sympy.Symbol
     latex: str
@@ -81,13 +99,18 @@ class Named:
 
 @dataclass(frozen=True)
 class Param(Named):
+    """A learnable parameter: one value per channel / normalized feature, or one ``scalar``."""
+
     init: float = 1.0
-    role: str = "scale"          # "scale" or "shift" (documentation only)
-    scalar: bool = False         # one value for the whole tensor instead of one per channel/feature
+    role: str = "scale"  # "scale" or "shift" (documentation only)
+    scalar: bool = False  # one value for the whole tensor instead of one per channel/feature
 
 
 @dataclass(frozen=True)
 class Option(Named):
+    """A scalar option (ε, momentum ...) with its default and declared bounds; the bounds
+    give its sign (``min > 0``: positive) and the range proofs sample it from."""
+
     default: float | None = None
     min: float | None = None
     max: float | None = None
@@ -101,6 +124,7 @@ class Input(Named):
 @dataclass(frozen=True)
 class Buffer(Named):
     """Per-group state, updated in place in training mode, never differentiated."""
+
     init: float = 0.0
     update: sympy.Expr = sympy.S.Zero
     update_text: str = ""
@@ -108,14 +132,17 @@ class Buffer(Named):
 
 @dataclass(frozen=True)
 class Statistic(Named):
+    """A per-group value defined from the data and earlier statistics: ``symbol`` = ``expr``."""
+
     expr: sympy.Expr = sympy.S.Zero
     expr_text: str = ""
-    aux: bool = False             # named by the engine (a sub-expression of a user's statistic)
+    aux: bool = False  # named by the engine (a sub-expression of a user's statistic)
 
 
 @dataclass(frozen=True)
 class Mode:
     """A forward mode; statistics may be redefined (batch norm eval)."""
+
     name: str
     statistics: tuple[Statistic, ...]
     min_group_size: int
@@ -123,18 +150,20 @@ class Mode:
 
 @dataclass(frozen=True)
 class Spec:
+    """A validated layer: everything :func:`parse_spec` read from one TOML spec, frozen."""
+
     name: str
     title: str
     summary: str
-    source: str                   # where the spec came from (for headers/errors)
+    source: str  # where the spec came from (for headers/errors)
     layout: str
     reduce: str
-    axes: int                     # trailing layout: normalized axes when no parameter spans them
+    axes: int  # trailing layout: normalized axes when no parameter spans them
     params: tuple[Param, ...]
     options: tuple[Option, ...]
     inputs: tuple[Input, ...]
     buffers: tuple[Buffer, ...]
-    modes: tuple[Mode, ...]       # first mode is the training / default mode
+    modes: tuple[Mode, ...]  # first mode is the training / default mode
     normalized: Named | None
     normalized_expr: sympy.Expr | None
     output: sympy.Expr
@@ -143,6 +172,8 @@ class Spec:
 
     @property
     def symbols(self) -> dict[str, Named]:
+        """Every named quantity of the layer, by name: x, N, parameters, options, inputs,
+        buffers, the statistics of every mode and the normalized coordinate."""
         out: dict[str, Named] = {"x": _X_NAMED, "N": _N_NAMED}
         for group in (self.params, self.options, self.inputs, self.buffers):
             for item in group:
@@ -155,6 +186,7 @@ class Spec:
         return out
 
     def mode(self, name: str | None = None) -> Mode:
+        """The mode called ``name`` (the first, training mode for None); KeyError if none is."""
         if name is None:
             return self.modes[0]
         for m in self.modes:
@@ -166,22 +198,35 @@ class Spec:
 _X_NAMED = Named("x", X, "x", "x")
 _N_NAMED = Named("N", N, "N", "N")
 
-_GREEK = {"alpha": ("\\alpha", "α"), "beta": ("\\beta", "β"), "gamma": ("\\gamma", "γ"),
-          "eps": ("\\varepsilon", "ε"), "mu": ("\\mu", "μ"), "sigma": ("\\sigma", "σ"),
-          "momentum": ("m", "m"), "delta": ("\\delta", "δ"), "lambda_": ("\\lambda", "λ"),
-          "tau": ("\\tau", "τ"), "rho": ("\\rho", "ρ"), "mu_t": ("\\mu_t", "μₜ"),
-          "sigma_t": ("\\sigma_t", "σₜ")}
+_GREEK = {
+    "alpha": ("\\alpha", "α"),
+    "beta": ("\\beta", "β"),
+    "gamma": ("\\gamma", "γ"),
+    "eps": ("\\varepsilon", "ε"),
+    "mu": ("\\mu", "μ"),
+    "sigma": ("\\sigma", "σ"),
+    "momentum": ("m", "m"),
+    "delta": ("\\delta", "δ"),
+    "lambda_": ("\\lambda", "λ"),
+    "tau": ("\\tau", "τ"),
+    "rho": ("\\rho", "ρ"),
+    "mu_t": ("\\mu_t", "μₜ"),
+    "sigma_t": ("\\sigma_t", "σₜ"),
+}
 
 
-def catalogue_dir():
+def catalogue_dir() -> Traversable:
+    """The folder of the built-in layers' TOML files (inside the installed package)."""
     return resources.files("derivgen.spec") / "catalogue"
 
 
 def catalogue_names() -> list[str]:
+    """The names of the built-in layers, sorted."""
     return sorted(p.name[:-5] for p in catalogue_dir().iterdir() if p.name.endswith(".toml"))
 
 
 def load_catalogue(name: str) -> Spec:
+    """The built-in layer ``name``, parsed; SpecError for a name that is not one."""
     if not isinstance(name, str) or not IDENT.match(name):
         raise SpecError(f"unknown layer {name!r}; known: {', '.join(catalogue_names())}")
     res = catalogue_dir() / f"{name}.toml"
@@ -191,6 +236,8 @@ def load_catalogue(name: str) -> Spec:
 
 
 def load_spec_file(path: str | Path) -> Spec:
+    """The spec in the TOML file ``path``, parsed; its source is the file's name, made safe
+    to print into generated headers."""
     p = Path(path)
     try:
         text = p.read_text(encoding="utf-8")
@@ -198,19 +245,24 @@ def load_spec_file(path: str | Path) -> Spec:
         raise SpecError(f"{p}: cannot read spec: {exc.strerror}") from None
     except UnicodeDecodeError:
         raise SpecError(f"{p}: spec is not UTF-8 text") from None
-    safe = re.sub(r"[^A-Za-z0-9._-]", "_", p.name)[:80]     # it is printed into generated headers
+    safe = re.sub(r"[^A-Za-z0-9._-]", "_", p.name)[:80]  # it is printed into generated headers
     return parse_spec(text, source=safe)
 
 
 class _Ctx:
-    def __init__(self, source: str, data: dict):
+    """Reading one spec's TOML data: typed field access that raises :class:`SpecError`
+    naming the source and the field."""
+
+    def __init__(self, source: str, data: dict) -> None:
         self.source = source
         self.data = data
 
-    def err(self, where: str, msg: str):
+    def err(self, where: str, msg: str) -> NoReturn:
+        """Reject the field ``where``."""
         raise SpecError(f"{self.source}: {where}: {msg}")
 
     def table(self, key: str, required: bool = False) -> dict:
+        """The top-level table ``key`` (empty when absent and not ``required``)."""
         v = self.data.get(key, None)
         if v is None:
             if required:
@@ -220,14 +272,15 @@ class _Ctx:
             self.err(key, "must be a table")
         return v
 
-    def string(self, where: str, v: Any, *, allow_empty=False) -> str:
+    def string(self, where: str, v: Any, *, allow_empty: bool = False) -> str:
+        """``v`` as a string of at most 2000 characters (non-blank unless ``allow_empty``)."""
         if not isinstance(v, str) or (not allow_empty and not v.strip()):
             self.err(where, "must be a non-empty string")
         if len(v) > 2000:
             self.err(where, "string too long")
         return v
 
-    def prose(self, where: str, v: Any, *, allow_empty=False) -> str:
+    def prose(self, where: str, v: Any, *, allow_empty: bool = False) -> str:
         """One line of text that ends up in generated comments and docstrings: it
         must not be able to close them (no triple quotes, comment delimiters,
         backslashes or control characters)."""
@@ -240,11 +293,13 @@ class _Ctx:
         return t
 
     def number(self, where: str, v: Any) -> float:
+        """``v`` as a finite float (a bool is not a number)."""
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
             self.err(where, f"must be a finite number, got {v!r}")
         return float(v)
 
-    def ident(self, where: str, name: str, taken: dict) -> str:
+    def ident(self, where: str, name: str, taken: dict[str, str]) -> str:
+        """``name`` if a spec may declare it and it is not ``taken`` yet (name -> what it is)."""
         why = reserved_reason(name)
         if why is not None:
             self.err(where, f"invalid or reserved name {name!r}: {why}")
@@ -253,9 +308,12 @@ class _Ctx:
         return name
 
     def display(self, where: str, name: str, entry: dict) -> tuple[str, str]:
+        """(latex, text) of ``name``: the entry's own, else a Greek letter's (``mu``: μ),
+        else the name itself; TeX primitives are rejected."""
         latex, text = _GREEK.get(name, (None, None))
         if latex is None:
-            latex = "\\mathrm{%s}" % name.replace("_", "\\_")
+            escaped = name.replace("_", "\\_")
+            latex = f"\\mathrm{{{escaped}}}"
             text = name
         if "latex" in entry:
             latex = self.string(f"{where}.latex", entry["latex"])
@@ -265,11 +323,11 @@ class _Ctx:
             text = self.string(f"{where}.text", entry["text"])
         return latex, text
 
-    def keys(self, where: str, entry: dict, allowed: set[str]):
+    def keys(self, where: str, entry: dict, allowed: set[str]) -> None:
+        """Reject fields of ``entry`` outside ``allowed``."""
         extra = set(entry) - allowed
         if extra:
-            self.err(where, f"unknown field(s) {', '.join(sorted(extra))} "
-                            f"(allowed: {', '.join(sorted(allowed))})")
+            self.err(where, f"unknown field(s) {', '.join(sorted(extra))} (allowed: {', '.join(sorted(allowed))})")
 
     def entry(self, where: str, v: Any, main: str | None) -> dict:
         """A table entry, or a bare value standing for its ``main`` field."""
@@ -283,19 +341,22 @@ class _Ctx:
 class _Parser:
     """parse_spec's state: the declared names so far and their symbols."""
 
-    def __init__(self, ctx: _Ctx):
+    def __init__(self, ctx: _Ctx) -> None:
         self.ctx = ctx
-        self.taken: dict[str, str] = {}                  # name -> what it is
+        self.taken: dict[str, str] = {}  # name -> what it is
         self.names: dict[str, sympy.Expr] = {"x": X, "N": N}
         self.stat_order: list[str] = []
         self.channel_params: set[sympy.Symbol] = set()
 
-    def declare(self, where: str, name: str, what: str, sym: sympy.Expr):
+    def declare(self, where: str, name: str, what: str, sym: sympy.Expr) -> None:
+        """Declare ``name`` (``what`` it is, for messages) with its symbol."""
         self.ctx.ident(where, name, self.taken)
         self.taken[name] = what
         self.names[name] = sym
 
     def expr(self, where: str, text: Any, scope: dict, reductions: bool = True) -> sympy.Expr:
+        """The expression ``text`` over the names in ``scope`` (means allowed if ``reductions``),
+        defined somewhere; a statistic used before its definition is named as such."""
         ctx = self.ctx
         t = ctx.string(where, text)
         try:
@@ -304,8 +365,10 @@ class _Parser:
             msg = str(exc)
             m = re.match(r"unknown name '([a-z0-9_]+)'", msg)
             if m and m.group(1) in self.stat_order:
-                msg = (f"statistic {m.group(1)!r} is used before it is defined (statistics are evaluated in "
-                       f"order and may refer only to earlier ones; cycles are not allowed): {t!r}")
+                msg = (
+                    f"statistic {m.group(1)!r} is used before it is defined (statistics are evaluated in "
+                    f"order and may refer only to earlier ones; cycles are not allowed): {t!r}"
+                )
             ctx.err(where, msg)
         why = domain_error(e)
         if why is not None:
@@ -314,6 +377,7 @@ class _Parser:
 
     # ---- declarations -------------------------------------------------
     def header(self, data: dict) -> tuple[str, str, str, list[str]]:
+        """(name, title, summary, notes); the prose fields are safe to copy into comments."""
         ctx = self.ctx
         if "name" not in data:
             ctx.err("name", "missing required field")
@@ -328,6 +392,8 @@ class _Parser:
         return name, title, summary, [ctx.prose(f"notes[{i}]", n) for i, n in enumerate(notes)]
 
     def layout(self) -> tuple[str, str, int]:
+        """(kind, reduce, axes) of ``[layout]``: which axes form a group and which the
+        parameters span."""
         ctx = self.ctx
         t = ctx.table("layout", required=True)
         ctx.keys("layout", t, {"kind", "reduce", "axes"})
@@ -345,6 +411,8 @@ class _Parser:
         return kind, reduce_, axes
 
     def params(self) -> list[Param]:
+        """The learnable parameters, declared (per-channel ones remembered: they may appear
+        in a statistic only inside a mean)."""
         ctx, out = self.ctx, []
         for pname, v in ctx.table("params").items():
             where = f"params.{pname}"
@@ -355,18 +423,22 @@ class _Parser:
                 ctx.err(f"{where}.role", "must be 'scale' or 'shift'")
             shape = entry.get("shape", "channel")
             if shape not in ("channel", "scalar"):
-                ctx.err(f"{where}.shape", f"must be 'channel' (one value per channel / normalized feature) or "
-                                          f"'scalar', got {shape!r}")
+                ctx.err(
+                    f"{where}.shape",
+                    f"must be 'channel' (one value per channel / normalized feature) or 'scalar', got {shape!r}",
+                )
             init = ctx.number(f"{where}.init", entry.get("init", 1.0 if role == "scale" else 0.0))
             sym = domain.symbol(pname)
             self.declare(where, pname, "a parameter", sym)
             if shape == "channel":
                 self.channel_params.add(sym)
-            out.append(Param(pname, sym, *ctx.display(where, pname, entry), init=init, role=role,
-                             scalar=shape == "scalar"))
+            out.append(
+                Param(pname, sym, *ctx.display(where, pname, entry), init=init, role=role, scalar=shape == "scalar")
+            )
         return out
 
     def options(self) -> list[Option]:
+        """The scalar options, declared with the sign their ``min`` gives."""
         ctx, out = self.ctx, []
         for oname, v in ctx.table("options").items():
             where = f"options.{oname}"
@@ -379,14 +451,18 @@ class _Parser:
             default = ctx.number(f"{where}.default", entry["default"]) if "default" in entry else None
             if default is not None and ((lo is not None and default < lo) or (hi is not None and default > hi)):
                 ctx.err(f"{where}.default", f"{default} is outside [{lo}, {hi}]")
-            level = domain.REAL if lo is None else (domain.POSITIVE if lo > 0 else
-                                                    domain.NONNEG if lo == 0 else domain.REAL)
+            level = (
+                domain.REAL
+                if lo is None
+                else (domain.POSITIVE if lo > 0 else domain.NONNEG if lo == 0 else domain.REAL)
+            )
             sym = domain.symbol(oname, level)
             self.declare(where, oname, "an option", sym)
             out.append(Option(oname, sym, *ctx.display(where, oname, entry), default=default, min=lo, max=hi))
         return out
 
     def inputs(self) -> list[Input]:
+        """The per-group differentiable inputs, declared."""
         ctx, out = self.ctx, []
         for iname, v in ctx.table("inputs").items():
             where = f"inputs.{iname}"
@@ -398,6 +474,8 @@ class _Parser:
         return out
 
     def buffer_entries(self) -> list[tuple[str, str, dict, sympy.Symbol]]:
+        """The buffers declared, as (name, field, entry, symbol); their updates are read once
+        the statistics are known (:meth:`buffers`)."""
         ctx, out = self.ctx, []
         for bname, v in ctx.table("buffers").items():
             where = f"buffers.{bname}"
@@ -411,8 +489,9 @@ class _Parser:
         return out
 
     # ---- statistics ---------------------------------------------------
-    def statistics(self, where_root: str, table: dict, base: dict[str, Statistic] | None,
-                   bound: dict[str, int]) -> tuple[list[Statistic], dict, dict[str, int]]:
+    def statistics(
+        self, where_root: str, table: dict, base: dict[str, Statistic] | None, bound: dict[str, int]
+    ) -> tuple[list[Statistic], dict, dict[str, int]]:
         """The statistics of one mode, in order; ``base`` is the training mode's (for a
         redefinition); ``bound`` caps the sign each statistic may be declared with (a
         sign must hold in every mode). Returns (statistics, scope, inferred signs)."""
@@ -456,17 +535,24 @@ class _Parser:
             out.append(st)
         return out, scope, inferred
 
-    def check_group_level(self, where: str, expr: sympy.Expr, text: str):
+    def check_group_level(self, where: str, expr: sympy.Expr, text: str) -> None:
         """A statistic is one value per group: x and per-channel parameters only inside mean()/sum()."""
         outside = hide_means(expr)[0].free_symbols
         if X in outside:
             self.ctx.err(where, f"x appears outside mean()/sum(): a statistic is one value per group: {text!r}")
         for p in sorted(outside & self.channel_params, key=str):
-            self.ctx.err(where, f"the per-channel parameter {p} varies within a normalization group; use it "
-                                f"inside mean()/sum(), or declare it shape = 'scalar': {text!r}")
+            self.ctx.err(
+                where,
+                f"the per-channel parameter {p} varies within a normalization group; use it "
+                f"inside mean()/sum(), or declare it shape = 'scalar': {text!r}",
+            )
 
-    def modes(self, stats_t: dict) -> list[Mode]:
+    def modes(self, stats_t: dict) -> tuple[list[Mode], dict[str, sympy.Expr]]:
+        """The modes (training first, then eval if the spec redefines statistics for it) and
+        the scope the later expressions see (every name and the training statistics). A
+        statistic's sign is declared only as strong as it holds in every mode."""
         ctx = self.ctx
+        self.stat_order = list(stats_t)
         modes_t = ctx.table("modes")
         for mname, mt in modes_t.items():
             where = f"modes.{mname}"
@@ -480,6 +566,7 @@ class _Parser:
             ctx.err("modes.eval.statistics", "must be a table")
 
         def min_size(mname: str) -> int:
+            """The mode's ``min_group_size`` (1 by default)."""
             v = ctx.number(f"modes.{mname}.min_group_size", modes_t.get(mname, {}).get("min_group_size", 1))
             if v != int(v) or not 1 <= v <= 1 << 20:
                 ctx.err(f"modes.{mname}.min_group_size", f"must be a positive integer, got {v}")
@@ -491,20 +578,101 @@ class _Parser:
             train, scope, signs = self.statistics("statistics", stats_t, None, bound)
             modes = [Mode("train", tuple(train), min_size("train"))]
             if eval_t is not None:
-                ev, _, ev_signs = self.statistics("modes.eval.statistics", eval_t.get("statistics", {}),
-                                                  {s.name: s for s in train}, bound)
+                ev, _, ev_signs = self.statistics(
+                    "modes.eval.statistics", eval_t.get("statistics", {}), {s.name: s for s in train}, bound
+                )
                 for k, lv in ev_signs.items():
                     signs[k] = min(signs[k], lv)
                 modes.append(Mode("eval", tuple(ev), min_size("eval")))
             new = {k: min(v, bound.get(k, domain.POSITIVE)) for k, v in signs.items()}
-            if all(new[s.name] >= domain.level_of_symbol(s.symbol) for m in modes for s in m.statistics
-                   if s.name in new):
-                self.stat_scope = scope
-                return modes
+            if all(
+                new[s.name] >= domain.level_of_symbol(s.symbol) for m in modes for s in m.statistics if s.name in new
+            ):
+                for st in modes[0].statistics:
+                    self.taken[st.name] = "a statistic"
+                return modes, scope
             bound = new
+
+    # ---- what uses the statistics ---------------------------------------
+    def buffers(self, entries: list[tuple[str, str, dict, sympy.Symbol]], scope: dict) -> list[Buffer]:
+        """The buffers with their update expressions (one value per group, no reductions)."""
+        ctx, out = self.ctx, []
+        for bname, where, entry, sym in entries:
+            upd = self.expr(f"{where}.update", entry["update"], scope, reductions=False)
+            self.check_group_level(f"{where}.update", upd, entry["update"])
+            out.append(
+                Buffer(
+                    bname,
+                    sym,
+                    *ctx.display(where, bname, entry),
+                    init=ctx.number(f"{where}.init", entry.get("init", 0.0)),
+                    update=upd,
+                    update_text=entry["update"],
+                )
+            )
+        return out
+
+    def normalized(self, data: dict, scope: dict) -> tuple[Named | None, sympy.Expr | None, dict]:
+        """The optional normalized coordinate: (Named, expression, the output's scope). Its
+        expression must be affine in x with a slope that is one value per group."""
+        ctx = self.ctx
+        out_scope = dict(scope)
+        norm_t = data.get("normalized")
+        if norm_t is None:
+            return None, None, out_scope
+        if not isinstance(norm_t, dict):
+            ctx.err("normalized", "must be a table")
+        ctx.keys("normalized", norm_t, {"name", "expr", "latex", "text"})
+        for f in ("name", "expr"):
+            if f not in norm_t:
+                ctx.err(f"normalized.{f}", "missing required field")
+        nname = ctx.ident("normalized.name", ctx.string("normalized.name", norm_t["name"]), self.taken)
+        expr = self.expr("normalized.expr", norm_t["expr"], scope, reductions=False)
+        if not expr.has(X):
+            ctx.err("normalized.expr", "must depend on x")
+        slope = sympy.diff(expr, X)
+        if slope.has(X) or (slope.free_symbols | expr.subs(X, 0).free_symbols) & self.channel_params:
+            ctx.err(
+                "normalized.expr",
+                f"must be affine in x with a slope that is one value per group "
+                f"(a*x + b, a and b statistics, options or numbers): {norm_t['expr']!r}",
+            )
+        nsym = domain.symbol(nname)
+        self.taken[nname] = "the normalized coordinate"
+        out_scope[nname] = nsym
+        return Named(nname, nsym, *ctx.display("normalized", nname, norm_t)), expr, out_scope
+
+    def output(
+        self, data: dict, scope: dict, normalized: Named | None, normalized_expr: sympy.Expr | None
+    ) -> tuple[sympy.Expr, str]:
+        """The output y (``output = "..."`` or ``[output] y = "..."``) and its text; it must
+        depend on x, directly or through the normalized coordinate."""
+        ctx = self.ctx
+        out_t = data.get("output")
+        if out_t is None:
+            ctx.err("output", "missing required field")
+        if isinstance(out_t, dict):
+            ctx.keys("output", out_t, {"y"})
+            if "y" not in out_t:
+                ctx.err("output.y", "missing required field")
+            out_t = out_t["y"]
+        output = self.expr("output", out_t, scope, reductions=False)
+        output_full = output.xreplace({normalized.symbol: normalized_expr}) if normalized is not None else output
+        if not output_full.has(X):
+            ctx.err("output", "must depend on x")
+        return output, str(out_t)
+
+    def check_gradient_names(self) -> None:
+        """Gradients are named d<name>: a declared d<name> would collide with one."""
+        declared = list(self.taken)
+        for n in declared:
+            if "d" + n in declared:
+                self.ctx.err(n, f"names {n!r} and {'d' + n!r} collide: the gradient of {n!r} is called {'d' + n!r}")
 
 
 def parse_spec(text: str, source: str = "<spec>") -> Spec:
+    """Parse and validate the TOML text of a spec into a :class:`Spec`; ``source`` names it
+    in error messages and generated headers. Raises :class:`SpecError` naming the field."""
     if len(text) > 200_000:
         raise SpecError(f"{source}: spec file too large")
     try:
@@ -512,79 +680,36 @@ def parse_spec(text: str, source: str = "<spec>") -> Spec:
     except tomllib.TOMLDecodeError as exc:
         raise SpecError(f"{source}: invalid TOML: {exc}") from None
     ctx = _Ctx(source, data)
-    ctx.keys("<top level>", data, {"name", "title", "summary", "notes", "layout", "params",
-                                   "options", "inputs", "buffers", "statistics", "normalized",
-                                   "output", "modes"})
-    P = _Parser(ctx)
-    name, title, summary, notes = P.header(data)
-    kind, reduce_, axes = P.layout()
-    params = P.params()
-    options = P.options()
-    inputs = P.inputs()
-    buffer_entries = P.buffer_entries()
-
-    stats_t = ctx.table("statistics")       # none: an elementwise layer (Dynamic Tanh)
-    P.stat_order = list(stats_t)
-    modes = P.modes(stats_t)
-    scope = P.stat_scope
-    for st in modes[0].statistics:
-        P.taken[st.name] = "a statistic"
-
-    buffers = []
-    for bname, where, entry, sym in buffer_entries:
-        upd = P.expr(f"{where}.update", entry["update"], scope, reductions=False)
-        P.check_group_level(f"{where}.update", upd, entry["update"])
-        buffers.append(Buffer(bname, sym, *ctx.display(where, bname, entry),
-                              init=ctx.number(f"{where}.init", entry.get("init", 0.0)),
-                              update=upd, update_text=entry["update"]))
-
-    normalized, normalized_expr, out_scope = _normalized(ctx, P, data, scope)
-    out_t = data.get("output")
-    if out_t is None:
-        ctx.err("output", "missing required field")
-    if isinstance(out_t, dict):
-        ctx.keys("output", out_t, {"y"})
-        if "y" not in out_t:
-            ctx.err("output.y", "missing required field")
-        out_t = out_t["y"]
-    output = P.expr("output", out_t, out_scope, reductions=False)
-    output_full = output.xreplace({normalized.symbol: normalized_expr}) if normalized is not None else output
-    if not output_full.has(X):
-        ctx.err("output", "must depend on x")
-
-    # gradients are named d<name>: a declared d<name> would collide with one
-    declared = list(P.taken)
-    for n in declared:
-        if "d" + n in declared:
-            ctx.err(n, f"names {n!r} and {'d' + n!r} collide: the gradient of {n!r} is called {'d' + n!r}")
-    return Spec(name=name, title=title, summary=summary, source=source, layout=kind,
-                reduce=reduce_, axes=axes, params=tuple(params), options=tuple(options),
-                inputs=tuple(inputs), buffers=tuple(buffers), modes=tuple(modes),
-                normalized=normalized, normalized_expr=normalized_expr, output=output,
-                output_text=str(out_t), notes=tuple(notes))
-
-
-def _normalized(ctx: _Ctx, P: _Parser, data: dict, scope: dict):
-    """The optional normalized coordinate: (Named, expression, the output's scope)."""
-    out_scope = dict(scope)
-    norm_t = data.get("normalized")
-    if norm_t is None:
-        return None, None, out_scope
-    if not isinstance(norm_t, dict):
-        ctx.err("normalized", "must be a table")
-    ctx.keys("normalized", norm_t, {"name", "expr", "latex", "text"})
-    for f in ("name", "expr"):
-        if f not in norm_t:
-            ctx.err(f"normalized.{f}", "missing required field")
-    nname = ctx.ident("normalized.name", ctx.string("normalized.name", norm_t["name"]), P.taken)
-    expr = P.expr("normalized.expr", norm_t["expr"], scope, reductions=False)
-    if not expr.has(X):
-        ctx.err("normalized.expr", "must depend on x")
-    slope = sympy.diff(expr, X)
-    if slope.has(X) or (slope.free_symbols | expr.subs(X, 0).free_symbols) & P.channel_params:
-        ctx.err("normalized.expr", f"must be affine in x with a slope that is one value per group "
-                                   f"(a*x + b, a and b statistics, options or numbers): {norm_t['expr']!r}")
-    nsym = domain.symbol(nname)
-    P.taken[nname] = "the normalized coordinate"
-    out_scope[nname] = nsym
-    return Named(nname, nsym, *ctx.display("normalized", nname, norm_t)), expr, out_scope
+    ctx.keys("<top level>", data, TOP_LEVEL_FIELDS)
+    parser = _Parser(ctx)
+    name, title, summary, notes = parser.header(data)
+    kind, reduce_, axes = parser.layout()
+    params = parser.params()
+    options = parser.options()
+    inputs = parser.inputs()
+    buffer_entries = parser.buffer_entries()
+    stats_t = ctx.table("statistics")  # none: an elementwise layer (Dynamic Tanh)
+    modes, scope = parser.modes(stats_t)
+    buffers = parser.buffers(buffer_entries, scope)
+    normalized, normalized_expr, out_scope = parser.normalized(data, scope)
+    output, output_text = parser.output(data, out_scope, normalized, normalized_expr)
+    parser.check_gradient_names()
+    return Spec(
+        name=name,
+        title=title,
+        summary=summary,
+        source=source,
+        layout=kind,
+        reduce=reduce_,
+        axes=axes,
+        params=tuple(params),
+        options=tuple(options),
+        inputs=tuple(inputs),
+        buffers=tuple(buffers),
+        modes=tuple(modes),
+        normalized=normalized,
+        normalized_expr=normalized_expr,
+        output=output,
+        output_text=output_text,
+        notes=tuple(notes),
+    )

@@ -15,16 +15,17 @@ import keyword
 
 from derivgen.symbolic import functions
 
-C_KEYWORDS = frozenset("""
+# a block of words, as the language's standard lists them (SIM905 would make it one quoted word a line)
+C_KEYWORDS = frozenset(
+    """
 auto break case char const continue default do double else enum extern float for goto if
 inline int long register restrict return short signed sizeof static struct switch typedef
 union unsigned void volatile while bool complex imaginary
-""".split())
+""".split()  # noqa: SIM905
+)
 
 # the C library functions and types the generated C uses besides the table's functions
-C_LIBRARY_EXTRA = frozenset("""
-pow powf malloc calloc free int64_t uintptr_t size_t main
-""".split())
+C_LIBRARY_EXTRA = frozenset({"pow", "powf", "malloc", "calloc", "free", "int64_t", "uintptr_t", "size_t", "main"})
 
 
 def is_keyword(name: str) -> bool:

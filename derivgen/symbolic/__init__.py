@@ -13,5 +13,4 @@ Nothing here imports another derivgen stage.
 from derivgen.symbolic.functions import TABLE, Elementary, register, unregister
 from derivgen.symbolic.reduce import Mean, ReductionAlgebra, expand, hide_means, means
 
-__all__ = ["TABLE", "Elementary", "Mean", "ReductionAlgebra", "expand", "hide_means", "means", "register",
-           "unregister"]
+__all__ = ["TABLE", "Elementary", "Mean", "ReductionAlgebra", "expand", "hide_means", "means", "register", "unregister"]

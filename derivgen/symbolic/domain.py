@@ -26,7 +26,7 @@ from . import functions
 from .functions import NONNEG, POSITIVE, REAL
 from .reduce import Mean
 
-__all__ = ["REAL", "NONNEG", "POSITIVE", "symbol", "level_of_symbol", "sign_level", "domain_error"]
+__all__ = ["NONNEG", "POSITIVE", "REAL", "domain_error", "level_of_symbol", "sign_level", "symbol"]
 
 
 def symbol(name: str, level: int = REAL) -> sympy.Symbol:
@@ -69,7 +69,7 @@ def sign_level(e: sympy.Expr) -> int:
         if q.is_Integer and q.is_even:
             return POSITIVE if lb == POSITIVE or (q < 0) else NONNEG
         if q.is_negative and lb >= NONNEG:
-            return POSITIVE              # defined only where the base is not zero
+            return POSITIVE  # defined only where the base is not zero
         if q.is_Integer:
             return lb if lb >= NONNEG else REAL
         # a non-integer power: the base must be non-negative, and so is the value

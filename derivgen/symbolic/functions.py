@@ -23,8 +23,9 @@ checks them against SymPy.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any
 
 import sympy
 
@@ -79,26 +80,32 @@ def call(spelling: str, arg: str) -> str:
 
 
 def _nonnegative(level: int) -> int:
+    """Sign rule: non-negative, positive where the argument is."""
     return POSITIVE if level == POSITIVE else NONNEG
 
 
 def _positive(level: int) -> int:
+    """Sign rule: positive whatever the argument."""
     return POSITIVE
 
 
 def _unknown(level: int) -> int:
+    """Sign rule: nothing known."""
     return REAL
 
 
 def _same(level: int) -> int:
+    """Sign rule: what the argument is (an odd, increasing function through 0)."""
     return level
 
 
 def _abs(a: float) -> float:
+    """|a| for a Python number."""
     return -a if a < 0 else a
 
 
 def _sign(a: float) -> int:
+    """sign(a) for a Python number: -1, 0 or 1."""
     return (a > 0) - (a < 0)
 
 
@@ -118,30 +125,115 @@ def unregister(name: str) -> None:
     del TABLE[name]
 
 
-register(Elementary(
-    "sqrt", sympy.sqrt, None, lambda f, u: 1 / (2 * f), "square root", _nonnegative, NONNEG,
-    numpy="sqrt", c_double="sqrt", c_float="sqrtf", torch="sqrt", scalar=math.sqrt,
-    latex=r"\sqrt{{{0}}}", text="sqrt"))
-register(Elementary(
-    "exp", sympy.exp, sympy.exp, lambda f, u: f, "exponential", _positive, REAL,
-    numpy="exp", c_double="exp", c_float="expf", torch="exp", scalar=math.exp,
-    latex="e^{{{0}}}", text="exp"))
-register(Elementary(
-    "log", sympy.log, sympy.log, lambda f, u: 1 / u, "logarithm", _unknown, POSITIVE,
-    numpy="log", c_double="log", c_float="logf", torch="log", scalar=math.log,
-    latex=r"\log{{\left({0} \right)}}", text="log"))
-register(Elementary(
-    "abs", sympy.Abs, sympy.Abs, lambda f, u: sympy.sign(u), "absolute value", _nonnegative, REAL,
-    numpy="abs", c_double="fabs", c_float="fabsf", torch="abs", scalar=_abs,
-    latex=r"\left|{{{0}}}\right|", text="Abs"))
-register(Elementary(
-    "tanh", sympy.tanh, sympy.tanh, lambda f, u: 1 - f ** 2, "tanh", _same, REAL,
-    numpy="tanh", c_double="tanh", c_float="tanhf", torch="tanh", scalar=math.tanh,
-    latex=r"\tanh", text="tanh"))
-register(Elementary(
-    "sign", sympy.sign, sympy.sign, lambda f, u: sympy.S.Zero, "sign", _unknown, REAL,
-    numpy="sign", c_double="((({0}) > 0) - (({0}) < 0))", c_float="((({0}) > 0) - (({0}) < 0))",
-    torch="sign", scalar=_sign, latex=r"\operatorname{sign}", text="sign", in_language=False))
+register(
+    Elementary(
+        "sqrt",
+        sympy.sqrt,
+        None,
+        lambda f, u: 1 / (2 * f),
+        "square root",
+        _nonnegative,
+        NONNEG,
+        numpy="sqrt",
+        c_double="sqrt",
+        c_float="sqrtf",
+        torch="sqrt",
+        scalar=math.sqrt,
+        latex=r"\sqrt{{{0}}}",
+        text="sqrt",
+    )
+)
+register(
+    Elementary(
+        "exp",
+        sympy.exp,
+        sympy.exp,
+        lambda f, u: f,
+        "exponential",
+        _positive,
+        REAL,
+        numpy="exp",
+        c_double="exp",
+        c_float="expf",
+        torch="exp",
+        scalar=math.exp,
+        latex="e^{{{0}}}",
+        text="exp",
+    )
+)
+register(
+    Elementary(
+        "log",
+        sympy.log,
+        sympy.log,
+        lambda f, u: 1 / u,
+        "logarithm",
+        _unknown,
+        POSITIVE,
+        numpy="log",
+        c_double="log",
+        c_float="logf",
+        torch="log",
+        scalar=math.log,
+        latex=r"\log{{\left({0} \right)}}",
+        text="log",
+    )
+)
+register(
+    Elementary(
+        "abs",
+        sympy.Abs,
+        sympy.Abs,
+        lambda f, u: sympy.sign(u),
+        "absolute value",
+        _nonnegative,
+        REAL,
+        numpy="abs",
+        c_double="fabs",
+        c_float="fabsf",
+        torch="abs",
+        scalar=_abs,
+        latex=r"\left|{{{0}}}\right|",
+        text="Abs",
+    )
+)
+register(
+    Elementary(
+        "tanh",
+        sympy.tanh,
+        sympy.tanh,
+        lambda f, u: 1 - f**2,
+        "tanh",
+        _same,
+        REAL,
+        numpy="tanh",
+        c_double="tanh",
+        c_float="tanhf",
+        torch="tanh",
+        scalar=math.tanh,
+        latex=r"\tanh",
+        text="tanh",
+    )
+)
+register(
+    Elementary(
+        "sign",
+        sympy.sign,
+        sympy.sign,
+        lambda f, u: sympy.S.Zero,
+        "sign",
+        _unknown,
+        REAL,
+        numpy="sign",
+        c_double="((({0}) > 0) - (({0}) < 0))",
+        c_float="((({0}) > 0) - (({0}) < 0))",
+        torch="sign",
+        scalar=_sign,
+        latex=r"\operatorname{sign}",
+        text="sign",
+        in_language=False,
+    )
+)
 
 
 def language() -> dict[str, Elementary]:
@@ -178,7 +270,7 @@ class SpellsFunctions:
     ``_print_elementary(fn, expr, **kwargs)``, which spells it from the entry ``fn``
     (instead of SymPy's own printing of that class)."""
 
-    def _print(self, expr, **kwargs):
+    def _print(self, expr: sympy.Basic, **kwargs: Any) -> str:
         fn = of_node(expr) if isinstance(expr, sympy.Function) else None
         if fn is None:
             return super()._print(expr, **kwargs)

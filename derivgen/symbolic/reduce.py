@@ -34,25 +34,27 @@ class Mean(sympy.Function):
     nargs = 1
 
     @classmethod
-    def eval(cls, arg):  # never auto-evaluate: rewriting is explicit
+    def eval(cls, arg: sympy.Expr) -> sympy.Expr | None:
+        """Never evaluated on construction: every rewrite of a mean is explicit
+        (:class:`ReductionAlgebra`)."""
         return None
 
-    def _eval_is_extended_real(self):
+    def _eval_is_extended_real(self) -> bool | None:
         return self.args[0].is_extended_real
 
-    def _eval_is_finite(self):
+    def _eval_is_finite(self) -> bool | None:
         return self.args[0].is_finite
 
-    def _eval_is_extended_nonnegative(self):
+    def _eval_is_extended_nonnegative(self) -> bool | None:
         return self.args[0].is_extended_nonnegative
 
-    def _eval_is_extended_positive(self):
+    def _eval_is_extended_positive(self) -> bool | None:
         return self.args[0].is_extended_positive
 
-    def _eval_is_extended_nonpositive(self):
+    def _eval_is_extended_nonpositive(self) -> bool | None:
         return self.args[0].is_extended_nonpositive
 
-    def _eval_is_extended_negative(self):
+    def _eval_is_extended_negative(self) -> bool | None:
         return self.args[0].is_extended_negative
 
 
@@ -61,7 +63,7 @@ def means(expr: sympy.Basic) -> list[Mean]:
     return sorted(expr.atoms(Mean), key=sympy.default_sort_key)
 
 
-def hide_means(expr: sympy.Expr, prefix: str = "R"):
+def hide_means(expr: sympy.Expr, prefix: str = "R") -> tuple[sympy.Expr, dict[sympy.Dummy, Mean]]:
     """Replace each Mean atom by a fresh real symbol; returns (expr, {symbol: atom})."""
     atoms = means(expr)
     table = {m: sympy.Dummy(f"{prefix}{i}", real=True) for i, m in enumerate(atoms)}
@@ -80,16 +82,17 @@ def expand(e: sympy.Expr) -> sympy.Expr:
     function and every root stays as written (see :func:`_opaque`)."""
     if not isinstance(e, sympy.Basic) or e.is_Atom:
         return e
-    table: dict = {}
+    table: dict[sympy.Expr, sympy.Dummy] = {}
 
-    def hide(node):
+    def hide(node: sympy.Basic) -> sympy.Basic:
+        """``node`` with its opaque nodes and means replaced by dummies (recorded in ``table``)."""
         if node.is_Atom:
             return node
         if _opaque(node):
             if node not in table:
                 table[node] = sympy.Dummy(f"F{len(table)}", **_assumptions(node))
             return table[node]
-        if isinstance(node, Mean):                # its argument expanded the same way, then hidden
+        if isinstance(node, Mean):  # its argument expanded the same way, then hidden
             m = Mean(expand(node.args[0]))
             if m not in table:
                 table[m] = sympy.Dummy(f"M{len(table)}", **_assumptions(m))
@@ -101,7 +104,8 @@ def expand(e: sympy.Expr) -> sympy.Expr:
     return hidden.xreplace({d: n for n, d in table.items()}) if table else hidden
 
 
-def _assumptions(node) -> dict:
+def _assumptions(node: sympy.Expr) -> dict[str, bool]:
+    """The sign assumptions a dummy standing for ``node`` keeps."""
     if node.is_positive:
         return {"positive": True}
     if node.is_nonnegative:
@@ -109,16 +113,23 @@ def _assumptions(node) -> dict:
     return {"real": True} if node.is_real else {}
 
 
-_expand = expand
-
-
 class ReductionAlgebra:
-    def __init__(self, varying: set[sympy.Symbol], derived: dict[sympy.Symbol, sympy.Expr] | None = None,
-                 active: set[sympy.Symbol] = frozenset()):
+    """What is known about group means, and the rules that rewrite them (see the module
+    docstring): ``varying`` are the element symbols (the others are one value per group),
+    ``known`` maps a mean's argument to its value in statistics (filled by :meth:`learn`),
+    ``derived`` defines element symbols through x (x̂ = (x - μ)·ρ), and ``active`` are the
+    element symbols whose means are never known (∂L/∂y, g)."""
+
+    def __init__(
+        self,
+        varying: set[sympy.Symbol] | frozenset[sympy.Symbol],
+        derived: dict[sympy.Symbol, sympy.Expr] | None = None,
+        active: set[sympy.Symbol] | frozenset[sympy.Symbol] = frozenset(),
+    ) -> None:
         self.varying = set(varying)
-        self.known: dict[sympy.Expr, sympy.Expr] = {}     # mean argument -> group-level value
-        self.derived = dict(derived or {})                # element symbol -> its definition (x̂)
-        self.active = set(active)                         # element symbols whose means are never known (dy, g)
+        self.known: dict[sympy.Expr, sympy.Expr] = {}  # mean argument -> group-level value
+        self.derived = dict(derived or {})  # element symbol -> its definition (x̂)
+        self.active = set(active)  # element symbols whose means are never known (dy, g)
 
     def is_varying(self, expr: sympy.Expr) -> bool:
         """Does ``expr`` vary inside a group (ignoring symbols inside Mean)?"""
@@ -139,7 +150,7 @@ class ReductionAlgebra:
         return expr.replace(lambda e: isinstance(e, Mean), self._rewrite)
 
     def _rewrite(self, m: Mean) -> sympy.Expr:
-        arg = _expand(self.canon(m.args[0]))
+        arg = expand(self.canon(m.args[0]))
         total = sympy.S.Zero
         for term in Add.make_args(arg):
             const, vary = self.split(term)
@@ -151,7 +162,7 @@ class ReductionAlgebra:
         if vary in self.known:
             return self.known[vary]
         if self.derived and not (vary.free_symbols & self.active) and vary.free_symbols & set(self.derived):
-            through = self._rewrite(Mean(_expand(vary.xreplace(self.derived))))
+            through = self._rewrite(Mean(expand(vary.xreplace(self.derived))))
             if not through.has(Mean):
                 return through
         return Mean(vary)
@@ -169,10 +180,13 @@ class ReductionAlgebra:
                 return False
         return True
 
-    def _pivot(self, canonical: sympy.Expr):
+    def _pivot(
+        self, canonical: sympy.Expr
+    ) -> tuple[sympy.Expr, dict[sympy.Dummy, Mean], sympy.Dummy, Mean, sympy.Expr]:
         """(hidden, table, pivot symbol, pivot atom, its coefficient) of a canonical definition."""
         hidden, table = hide_means(canonical)
-        r, atom = sorted(table.items(), key=lambda kv: sympy.default_sort_key(kv[1]))[-1]
+        # the largest atom; of equal keys the last, as the last of a stable sort
+        r, atom = max(reversed(table.items()), key=lambda kv: sympy.default_sort_key(kv[1]))
         return hidden, table, r, atom, sympy.diff(hidden, r)
 
     def solvable(self, canonical: sympy.Expr) -> bool:
@@ -190,15 +204,15 @@ class ReductionAlgebra:
         which from then on is known in terms of ``stat`` and the others.
         Returns the canonical definition.
         """
-        c = self.canon(definition)
-        if not self.solvable(c):
-            return c
-        hidden, table, r, atom, coef = self._pivot(c)
-        rest = _expand(hidden.subs(r, 0)).xreplace(table)
-        value = _expand((stat - rest) / coef)
+        canonical = self.canon(definition)
+        if not self.solvable(canonical):
+            return canonical
+        hidden, table, r, atom, coef = self._pivot(canonical)
+        rest = expand(hidden.subs(r, 0)).xreplace(table)
+        value = expand((stat - rest) / coef)
         # keep every known value in terms of unknown atoms only
         for k, v in list(self.known.items()):
             if v.has(atom):
-                self.known[k] = _expand(v.xreplace({atom: value}))
+                self.known[k] = expand(v.xreplace({atom: value}))
         self.known[atom.args[0]] = value
-        return c
+        return canonical
