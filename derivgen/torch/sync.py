@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from .. import runtime as rt
 from ..cbind import input_pairs
-from .ops import threads
+from .plan import threads
 
 _DTYPE_CODES = {torch.float32: 1, torch.float64: 2, torch.bfloat16: 3}
 
