@@ -29,13 +29,20 @@ the backward needs; a loss that uses them gets an error, not a silent zero).
 Running buffers are not touched by the operators: :mod:`derivgen.torch.nn`
 updates them with the spec's update rule (``update_buffers`` of the torch
 target), so the operators stay functional.
+
+This module is the face; the work is done, in the order of a call, by
+:mod:`~derivgen.torch.schema` (the operators' argument lists, as data),
+:mod:`~derivgen.torch.register` (torch.library definitions, CPU and fake kernels),
+:mod:`~derivgen.torch.autograd` (autograd, forward mode, the eager and torch.func paths),
+:mod:`~derivgen.torch.plan` (per-call kernel plans on data pointers),
+:mod:`~derivgen.torch.validate` (the argument contract on tensors),
+:mod:`~derivgen.torch.second_order` (the bb and jvp kernels) and
+:mod:`~derivgen.torch.closed_form` (the generated PyTorch target under torch.func).
 """
 
 from __future__ import annotations
 
 import threading
-
-import torch
 
 from .. import runtime as rt
 from ..api import load, load_spec, materialize

@@ -102,7 +102,6 @@ class _CSplit:
     called with the arguments their signatures (derivgen.abi) lay out."""
 
     KINDS = ("partial", "finish", "apply", "bpartial", "bapply")
-    _inputs = staticmethod(input_pairs)         # per-group inputs as (pointer, stride) pairs
 
     def __init__(self, lay, dtype):
         sfx = {torch.float32: "f32", torch.float64: "f64"}[dtype]
