@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from derivgen import runtime as rt
 from derivgen.runtime.cbind import input_pairs
-from derivgen.torch.ops import threads
+from derivgen.torch.plan import threads
 
 _DTYPE_CODES = {torch.float32: 1, torch.float64: 2, torch.bfloat16: 3}
 
@@ -102,7 +102,6 @@ class _CSplit:
     called with the arguments their signatures (derivgen.runtime.abi) lay out."""
 
     KINDS = ("partial", "finish", "apply", "bpartial", "bapply")
-    _inputs = staticmethod(input_pairs)         # per-group inputs as (pointer, stride) pairs
 
     def __init__(self, lay, dtype):
         sfx = {torch.float32: "f32", torch.float64: "f64"}[dtype]

@@ -1,0 +1,99 @@
+"""Second-order calls: ``backward_backward`` (the gradients of a loss on the backward's
+outputs) and ``jvp`` (forward mode) of the generated NumPy modules and C bindings,
+checked against the forward's cache."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from derivgen.runtime.base import (Cache, _by_name, _check_array, _check_cache, _contig, _grad_shapes, _inputs, _no_overlap,
+                           _out_by_field, check_out)
+from derivgen.runtime.validate import check_float
+
+
+@dataclass
+class SecondCall:
+    """A validated call of ``backward_backward`` or ``jvp``: the seeds (cotangents of the
+    backward's outputs, or tangents of the forward's inputs; zeros where not given) and
+    the outputs."""
+    cache: Cache
+    dy: np.ndarray | None             # backward_backward only
+    seed_x: np.ndarray                # x's shape, C-contiguous
+    seed_params: dict[str, np.ndarray]   # flat, like cache.params
+    seed_inputs: dict[str, np.ndarray]   # flat, 1 or n_groups values
+    outs: dict[str, np.ndarray]
+
+
+def second_fields(meta) -> tuple[str, ...]:
+    """``backward_backward``'s fields: the gradients of L2 = sum(ddx*dx) + sum(dd<p>*d<p>) + ...
+    with respect to x, dy, the parameters and the inputs."""
+    return ("dx", "ddy", *("d" + p for p in meta["params"]), *("d" + i for i in meta["inputs"]))
+
+
+def _like_x(meta: dict, what: str, v, cache: Cache) -> np.ndarray:
+    """An array of x's shape and the forward's dtype, in C order (None: zeros)."""
+    if v is None:
+        return np.zeros(cache.layout.x_shape, dtype=cache.dtype)
+    v = _check_array(what, v)
+    if v.dtype != cache.dtype:
+        raise TypeError(f"{meta['name']}: {what} has dtype {v.dtype} but the forward ran in {cache.dtype}")
+    if tuple(v.shape) != tuple(cache.layout.x_shape):
+        raise ValueError(f"{meta['name']}: {what} must have the shape of x {cache.layout.x_shape}, got {v.shape}")
+    return _contig(v)
+
+
+def _param_seed(meta: dict, label: str, pname: str, v, cache: Cache) -> np.ndarray:
+    """One parameter's seed, flat like ``cache.params`` (None: zeros; a number: a scalar)."""
+    name, ref = meta["name"], cache.params[pname]
+    if v is None:
+        return np.zeros(ref.shape, dtype=cache.dtype)
+    if not isinstance(v, np.ndarray):
+        v = np.asarray(check_float(label, v), dtype=cache.dtype)
+    a = _check_array(label, v)
+    if a.dtype != cache.dtype:
+        raise TypeError(f"{name}: {label} has dtype {a.dtype} but the forward ran in {cache.dtype}")
+    scalar = pname in meta.get("scalar_params", ())
+    shape = () if scalar else cache.layout.param_shape
+    if a.size != ref.size or (a.ndim and tuple(a.shape) != tuple(shape) and not scalar):
+        raise ValueError(f"{name}: {label} must have the shape of {pname} {shape}, got {a.shape}")
+    return _contig(a).reshape(-1)
+
+
+def _seeds(meta: dict, what: str, params, inputs, cache: Cache) -> tuple[dict, dict]:
+    """Seeds of the parameters (dict by name or sequence in spec order; None entries are
+    zeros) and of the per-group inputs (dict by name)."""
+    given = _by_name(meta, what + "params", params, meta["params"])
+    sp = {pn: _param_seed(meta, f"{what}params.{pn}", pn, given.get(pn), cache) for pn in meta["params"]}
+    gi = _by_name(meta, what + "inputs", inputs, meta["inputs"])
+    si = _inputs(meta, {i: (0.0 if gi.get(i) is None else gi[i]) for i in meta["inputs"]}, cache.layout, cache.dtype)
+    return sp, si
+
+
+def prepare_backward_backward(meta: dict, dy, cache, ddx=None, ddparams=None, ddinputs=None,
+                              out=None) -> SecondCall:
+    """Checks for ``backward_backward`` (errors name the argument)."""
+    name = meta["name"]
+    cache = _check_cache(meta, cache)
+    if dy is None:
+        raise TypeError(f"{name}: dy is required")
+    dy = _like_x(meta, "dy", dy, cache)
+    seed_x = _like_x(meta, "ddx", ddx, cache)
+    sp, si = _seeds(meta, "dd", ddparams, ddinputs, cache)
+    fields = second_fields(meta)
+    shapes = _grad_shapes(meta, cache.layout, ("dx", "ddy"))
+    given = _out_by_field(name, out, fields)
+    outs = {f: check_out(f"out.{f}", given.get(f), shapes[f], cache.dtype) for f in fields if f in shapes}
+    _no_overlap(name, outs, {"dy": dy, "x": cache.x, "ddx": seed_x, **cache.params})
+    return SecondCall(cache, dy, seed_x, sp, si, outs)
+
+
+def prepare_jvp(meta: dict, cache, tx=None, tparams=None, tinputs=None, out=None) -> SecondCall:
+    """Checks for ``jvp`` (errors name the argument)."""
+    cache = _check_cache(meta, cache)
+    seed_x = _like_x(meta, "tx", tx, cache)
+    sp, si = _seeds(meta, "t", tparams, tinputs, cache)
+    ty = check_out("out", out, cache.layout.x_shape, cache.dtype)
+    _no_overlap(meta["name"], {"out": ty}, {"x": cache.x, "tx": seed_x, **cache.params})
+    return SecondCall(cache, None, seed_x, sp, si, {"ty": ty})

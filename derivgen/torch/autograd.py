@@ -1,0 +1,215 @@
+"""Autograd and forward-mode glue of the ``derivgen::`` operators.
+
+* the forward operator's ``register_autograd`` calls the backward operator;
+* the backward operator's own is the derived double backward (the ``bb`` operator);
+* the ``bb`` and ``jvp`` operators' are the generated PyTorch closed form differentiated
+  by torch.func (third order; reverse over forward);
+* eager calls on CPU tensors skip the dispatcher (:class:`_Eager`), and calls under
+  torch.func transforms go through :class:`_Functional`: :func:`call_forward` picks.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.autograd.forward_ad as _fwad
+
+from derivgen.torch.schema import OpArg, differentiable
+from derivgen.torch.tensors import as_tuple, check_tensor
+
+
+def _tensor_values(args: tuple[OpArg, ...], values) -> list:
+    return [v for a, v in zip(args, values) if a.type == "Tensor"]
+
+
+def _scalar_values(args: tuple[OpArg, ...], values) -> list:
+    return [v for a, v in zip(args, values) if a.type != "Tensor"]
+
+
+def _saved_by_name(args: tuple[OpArg, ...], ctx) -> dict:
+    """A context's saved tensors and its scalar inputs, by spec name."""
+    a = dict(zip([s.spec for s in args if s.type == "Tensor"], ctx.saved_tensors))
+    a.update({s.spec: v for s, v in zip(args, ctx.inputs) if s.type != "Tensor"})
+    return a
+
+
+def _gradients_for(args: tuple[OpArg, ...], grads: dict) -> tuple:
+    """One gradient per operator argument (None for scalars and what has none)."""
+    return tuple(grads.get(a.spec) if a.type == "Tensor" else None for a in args)
+
+
+def _save_tensor_inputs(args: tuple[OpArg, ...]):
+    """A ``setup_context`` that keeps the inputs and saves the tensor ones."""
+    def setup(ctx, inputs, output):
+        ctx.inputs = inputs
+        ctx.save_for_backward(*_tensor_values(args, inputs))
+    return setup
+
+
+def register_first_order(lay, lib, mode: str, ops) -> None:
+    """The forward operator's autograd (the backward operator) and the backward
+    operator's (the derived double backward, one ``bb`` call)."""
+    s = lay.schemas[mode]
+    fargs, bargs, diff = s.forward, s.backward, differentiable(lay.meta)
+    n_tensors = len(_tensor_values(fargs, fargs))
+
+    def setup_forward(ctx, inputs, output):
+        ctx.inputs = inputs
+        output = as_tuple(output)
+        ctx.save_for_backward(*_tensor_values(fargs, inputs), *output[1:])
+        if len(output) > 1:
+            ctx.mark_non_differentiable(*output[1:])
+
+    def backward_of_forward(ctx, dy, *dstats):
+        saved = ctx.saved_tensors
+        tensors, stats = saved[:n_tensors], saved[n_tensors:]
+        grads = as_tuple(ops.backward(dy.contiguous(), *tensors, *stats, *_scalar_values(fargs, ctx.inputs)))
+        return _gradients_for(fargs, dict(zip(diff, grads)))
+
+    def backward_of_backward(ctx, *cotangents):
+        tensors = ctx.saved_tensors
+        a = dict(zip([t.spec for t in bargs if t.type == "Tensor"], tensors))
+        outs = [a[n] for n in diff]
+        cot = [torch.zeros_like(o) if c is None else c for c, o in zip(cotangents, outs)]
+        got = as_tuple(ops.bb(*tensors, *cot, *_scalar_values(bargs, ctx.inputs)))
+        return _gradients_for(bargs, dict(zip(["x", "dy", *diff[1:]], got)))
+
+    torch.library.register_autograd(ops.forward, backward_of_forward, setup_context=setup_forward, lib=lib)
+    torch.library.register_autograd(ops.backward, backward_of_backward, setup_context=_save_tensor_inputs(bargs),
+                                    lib=lib)
+
+
+def register_second_order(lay, lib, mode: str, ops) -> None:
+    """The ``bb`` and ``jvp`` operators' autograd: the generated PyTorch closed form,
+    differentiated by torch.func (third order; jacrev of jacfwd, a loss on a tangent)."""
+    s = lay.schemas[mode]
+    diff = differentiable(lay.meta)
+
+    def backward_of_bb(ctx, *cots):
+        a = _saved_by_name(s.bb, ctx)
+        wrt = ["dy", *diff, *("c_" + n for n in diff)]
+        outs = lay._generic_bb(mode, a)
+        cot = tuple(torch.zeros_like(o) if c is None else c for c, o in zip(cots, outs))
+        _, vjp = torch.func.vjp(lambda *p: lay._generic_bb(mode, {**a, **dict(zip(wrt, p))}), *(a[w] for w in wrt))
+        return _gradients_for(s.bb, dict(zip(wrt, vjp(cot))))
+
+    def backward_of_jvp(ctx, cot):
+        a = _saved_by_name(s.jvp, ctx)
+        wrt = [*diff, *("t_" + n for n in diff)]
+        _, vjp = torch.func.vjp(lambda *p: lay._generic_jvp(mode, {**a, **dict(zip(wrt, p))}), *(a[w] for w in wrt))
+        return _gradients_for(s.jvp, dict(zip(wrt, vjp(cot))))
+
+    torch.library.register_autograd(ops.bb, backward_of_bb, setup_context=_save_tensor_inputs(s.bb), lib=lib)
+    torch.library.register_autograd(ops.jvp, backward_of_jvp, setup_context=_save_tensor_inputs(s.jvp), lib=lib)
+
+
+class _Eager(torch.autograd.Function):
+    """Eager calls on CPU tensors skip the dispatcher: a validated plan's kernels under a
+    plain autograd.Function (the dispatcher's Python autograd wrapper costs more than
+    the 8x1024 layer norm kernels themselves). The same kernels, the same numbers;
+    torch.compile, torch.func transforms and non-CPU tensors go through the registered
+    operators. The statistics are one (statistics, groups) tensor, kept on the context
+    (not an output: autograd has nothing to track for them) and handed to the caller
+    through ``box``. The backward reuses the forward's plan: autograd hands it a
+    gradient of y's shape and dtype, and the saved tensors are the validated ones
+    (version counters catch in-place changes). A backward that must be differentiable
+    (create_graph=True) calls the backward operator, whose registered autograd
+    differentiates the generated PyTorch target."""
+
+    @staticmethod
+    def forward(ctx, plan, opts, box, *tens):
+        y, st = plan.forward(tens, opts, blob=True)
+        ctx.plan, ctx.opts, ctx.st = plan, opts, st
+        ctx.save_for_backward(*tens)
+        ctx.save_for_forward(*tens)
+        box.append(st)
+        return y
+
+    @staticmethod
+    def jvp(ctx, _plan, _opts, _box, *tangents):
+        """Forward mode (torch.autograd.forward_ad): the derived JVP kernel."""
+        plan, tens = ctx.plan, ctx.saved_tensors
+        t = [torch.zeros_like(v) if d is None else d for d, v in zip(tangents, tens)]
+        n = 1 + len(plan.lay.params) + len(plan.lay.inputs)
+        return plan.lay.modes[plan.mode].jvp(*tens, *ctx.st.unbind(0), *t[:n], *ctx.opts, plan.groups)
+
+    @staticmethod
+    def backward(ctx, dy):
+        plan, st = ctx.plan, ctx.st
+        tens = ctx.saved_tensors
+        if torch.is_grad_enabled():
+            grads = as_tuple(plan.lay.modes[plan.mode].backward(dy.contiguous(), *tens, *st.unbind(0), *ctx.opts,
+                                                                plan.groups))
+        else:
+            base = st.data_ptr()
+            grads = plan.backward(dy, tens, [base + o for o in plan.stat_offsets], ctx.opts)
+        return (None, None, None, *grads, *([None] * (len(tens) - len(grads))))
+
+
+class _Functional(torch.autograd.Function):
+    """The operators under torch.func transforms (``torch.func.jvp``, ``vjp``, ``grad``...):
+    the backward operator for reverse mode (its own autograd is the derived double
+    backward) and the JVP operator for forward mode, both from derivgen.derive.second."""
+
+    @staticmethod
+    def forward(lay, mode, opts, groups, *tens):
+        return as_tuple(lay.modes[mode].forward(*tens, *opts, groups))
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        lay, mode, opts, groups, *tens = inputs
+        ctx.lay, ctx.mode, ctx.opts, ctx.groups, ctx.ntens = lay, mode, opts, groups, len(tens)
+        ctx.save_for_backward(*tens, *output[1:])
+        ctx.save_for_forward(*tens, *output[1:])
+        ctx.mark_non_differentiable(*output[1:])
+
+    @staticmethod
+    def backward(ctx, dy, *dstats):
+        lay, saved = ctx.lay, ctx.saved_tensors
+        tens, st = saved[:ctx.ntens], saved[ctx.ntens:]
+        grads = as_tuple(lay.modes[ctx.mode].backward(dy.contiguous(), *tens, *st, *ctx.opts, ctx.groups))
+        return (None, None, None, None, *grads, *([None] * (ctx.ntens - len(grads))))
+
+    @staticmethod
+    def jvp(ctx, _lay, _mode, _opts, _groups, *tangents):
+        lay, saved = ctx.lay, ctx.saved_tensors
+        tens, st = saved[:ctx.ntens], saved[ctx.ntens:]
+        n = 1 + len(lay.params) + len(lay.inputs)
+        t = [torch.zeros_like(v) if d is None else d for d, v in zip(tangents[:n], tens)]
+        ty = lay.modes[ctx.mode].jvp(*tens, *st, *t, *ctx.opts, ctx.groups)
+        return (ty, *(None for _ in st))
+
+
+# _Eager.apply without torch.autograd.Function.apply's Python wrapper (default-argument
+# binding and the functorch branch), which is not needed here: only reached with no
+# functorch transform active, and _Eager has no setup_context
+_eager_apply = torch._C._FunctionBase.__dict__["apply"].__get__(None, _Eager)
+
+
+def call_forward(lay, mode: str, tens: list, opts: tuple, groups: int, stats: bool = True):
+    """(y, {statistic: tensor}) of a forward call in operator order ((y, None) with
+    ``stats=False`` on the eager path): under torch.func transforms an autograd.Function
+    over the operators; eager CPU calls a plan's kernels (under :class:`_Eager` when
+    autograd or forward AD needs it); anything else (torch.compile, other devices) the
+    registered operators."""
+    x = tens[0]
+    names = lay.meta["stats"][mode]
+    if isinstance(x, torch.Tensor) and x.is_cpu and not torch.compiler.is_compiling():
+        if torch._C._are_functorch_transforms_active():
+            # torch.func (jvp, vjp, grad, ...): vmap, and so jacfwd/jacrev/hessian, is not
+            # supported: the registered operators have no batching rule
+            lay.plans.forward(mode, tens, opts, groups)
+            out = _Functional.apply(lay, mode, opts, groups, *tens)
+            return out[0], dict(zip(names, out[1:]))
+        plan = lay.plans.forward(mode, tens, opts, groups)
+        if (torch.is_grad_enabled() and any([t.requires_grad for t in tens])) or _fwad._current_level >= 0:
+            box = []
+            y = _eager_apply(plan, opts, box, *tens)
+            st = box[0]
+        else:
+            y, st = plan.forward(tens, opts, blob=True)
+        return y, (dict(zip(names, st.unbind(0))) if stats else None)
+    for k, t in zip(differentiable(lay.meta), tens):
+        check_tensor(lay.meta["name"], k, t)      # a CUDA tensor: an error naming it, not a dispatch failure
+    out = as_tuple(lay.modes[mode].forward(*tens, *opts, groups))
+    return out[0], dict(zip(names, out[1:]))
+

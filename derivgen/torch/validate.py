@@ -1,0 +1,74 @@
+"""The argument contract of :mod:`derivgen.runtime.validate` on tensors: the first call with a
+given signature is checked in full, with errors naming the argument (see
+:mod:`derivgen.torch.plan`). float32/float64 tensors go through the NumPy runtime's checks
+(``derivgen.runtime.prepare_forward``, on the tensors' memory); bfloat16 and the
+channels-last view, which NumPy lacks, through the same checks on shapes and dtypes."""
+
+from __future__ import annotations
+
+import torch
+
+from derivgen import runtime as rt
+from derivgen.runtime.validate import (check_buffer_shape, check_group_size, check_input_shape, check_not_empty, check_options,
+                        check_param_shapes, check_same_dtype)
+from derivgen.torch.tensors import check_tensor, layout, numpy_view
+
+
+def _tensor_names(meta: dict, mode: str) -> list[str]:
+    """The spec names of a forward call's tensors (buffers in eval mode only)."""
+    return ["x", *meta["params"], *meta["inputs"], *(meta["buffers"] if mode == "eval" else ())]
+
+
+def check_on_tensors(meta: dict, mode: str, a: dict) -> rt.Layout:
+    """The forward's argument contract checked on tensors by spec name; their layout."""
+    x = a["x"]
+    for k in _tensor_names(meta, mode):
+        check_tensor(meta["name"], k, a[k])
+        check_same_dtype(meta, k, a[k].dtype, x.dtype, "; use one dtype for all")
+    check_not_empty(meta, tuple(x.shape))
+    L = layout(meta, tuple(x.shape), {p: tuple(a[p].shape) for p in meta["params"]}, a["num_groups"])
+    check_param_shapes(meta, {p: a[p].shape for p in meta["params"]}, L)
+    check_group_size(meta, mode, L)
+    check_options(meta, {o: a[o] for o in meta["options"]})
+    for i in meta["inputs"]:
+        check_input_shape(meta, i, tuple(a[i].shape), L)
+    for b in (meta["buffers"] if mode == "eval" else ()):
+        check_buffer_shape(meta, b, tuple(a[b].shape), L)
+    return L
+
+
+def check_through_numpy(meta: dict, mode: str, a: dict) -> rt.Layout:
+    """The forward's argument contract checked by the NumPy runtime on the tensors' memory
+    (float32/float64, NCHW); their layout."""
+    for k in _tensor_names(meta, mode):
+        check_tensor(meta["name"], k, a[k])
+    call = rt.prepare_forward(
+        meta, numpy_view(a["x"]), {p: numpy_view(a[p]) for p in meta["params"]}, {o: a[o] for o in meta["options"]},
+        {i: numpy_view(a[i]) for i in meta["inputs"]},
+        {b: (numpy_view(a[b]) if mode == "eval" else None) for b in meta["buffers"]},
+        training=mode == "train", num_groups=a["num_groups"] if meta["reduce"] == "group" else None)
+    return call.layout
+
+
+def check_forward(meta: dict, mode: str, a: dict, nhwc: bool) -> rt.Layout:
+    """The forward's argument contract, through NumPy where it can be (the same messages
+    as NumPy callers get); the layout of x."""
+    x = a["x"]
+    if nhwc or (isinstance(x, torch.Tensor) and x.dtype == torch.bfloat16):
+        return check_on_tensors(meta, mode, a)
+    return check_through_numpy(meta, mode, a)
+
+
+def check_backward_extras(meta: dict, mode: str, a: dict, n_groups: int) -> None:
+    """What the backward takes beyond the forward's arguments: dy like x, and the
+    statistics as the forward returns them."""
+    name = meta["name"]
+    check_tensor(name, "dy", a["dy"])
+    if a["dy"].dtype != a["x"].dtype or tuple(a["dy"].shape) != tuple(a["x"].shape):
+        raise ValueError(f"{name}: dy must have the shape and dtype of x {tuple(a['x'].shape)} "
+                         f"{a['x'].dtype}, got {tuple(a['dy'].shape)} {a['dy'].dtype}")
+    for s in meta["stats"][mode]:
+        t = a[s]
+        if t.dtype != torch.float64 or t.numel() != n_groups:
+            raise ValueError(f"{name}: statistic {s} must be float64 with one value per group "
+                             f"({n_groups}), as the forward returns them; got {t.dtype} {tuple(t.shape)}")
