@@ -26,45 +26,48 @@ import sympy
 from sympy import Add, Mul
 
 from derivgen.derive.first import G, ModeDerivation
+from derivgen.spec.model import DY, N, Spec, X
 from derivgen.symbolic.naming import code_text, derived
 from derivgen.symbolic.reduce import Mean, means
-from derivgen.spec.model import DY, N, X, Spec
 
 
 @dataclass
 class Loop:
     """One sweep of the forward program: accumulators summed over the group."""
-    accs: list[tuple[str, sympy.Expr]]      # acc name, element expression summed over the group
+
+    accs: list[tuple[str, sympy.Expr]]  # acc name, element expression summed over the group
 
 
 @dataclass
 class Assign:
     """A per-group value of a program (group-level expression)."""
+
     name: str
-    expr: sympy.Expr                         # group-level
+    expr: sympy.Expr  # group-level
     comment: str = ""
 
 
 @dataclass
 class ModeIR:
     """One mode's forward and backward as the templates lay them out."""
+
     mode: str
-    stats: list[str]                         # the program's statistics: the spec's and the auxiliaries
-    forward: list                            # Loop | Assign
-    levels: list[tuple[list, list]]          # the forward program as split-reduction levels (split_levels)
+    stats: list[str]  # the program's statistics: the spec's and the auxiliaries
+    forward: list  # Loop | Assign
+    levels: list[tuple[list, list]]  # the forward program as split-reduction levels (split_levels)
     buffer_updates: list[tuple[str, sympy.Expr]]
-    fwd_elem: list[tuple[str, sympy.Expr]]   # (name, element expr); the last is y
-    bwd_elem: list[tuple[str, sympy.Expr]]   # element temporaries for the backward (x̂, g)
-    bwd_loop: list[tuple[str, sympy.Expr]]   # reduction accumulators
-    bwd_group: list[Assign]                  # per-group: reductions, coefficients, input grads
-    dx_terms: list[tuple[str, sympy.Expr]]   # (coefficient name, element monomial)
-    dx_closed: sympy.Expr                    # the closed form (for comments and NumPy)
-    dparams: list[tuple[str, sympy.Expr]]    # element-level parameter-gradient contributions
-    dparam_groups: list[tuple[int, str]]     # (parameter slot, group variable): scalar parameters in statistics
+    fwd_elem: list[tuple[str, sympy.Expr]]  # (name, element expr); the last is y
+    bwd_elem: list[tuple[str, sympy.Expr]]  # element temporaries for the backward (x̂, g)
+    bwd_loop: list[tuple[str, sympy.Expr]]  # reduction accumulators
+    bwd_group: list[Assign]  # per-group: reductions, coefficients, input grads
+    dx_terms: list[tuple[str, sympy.Expr]]  # (coefficient name, element monomial)
+    dx_closed: sympy.Expr  # the closed form (for comments and NumPy)
+    dparams: list[tuple[str, sympy.Expr]]  # element-level parameter-gradient contributions
+    dparam_groups: list[tuple[int, str]]  # (parameter slot, group variable): scalar parameters in statistics
     dparam_group_exprs: dict[str, sympy.Expr]  # the same, by parameter name, as expressions
-    dinputs: list[tuple[str, str]]           # (input, group variable holding its gradient)
+    dinputs: list[tuple[str, str]]  # (input, group variable holding its gradient)
     element_symbols: list[str]
-    stat_exprs: list[tuple[str, sympy.Expr, str]]   # (name, expression as computed, source text)
+    stat_exprs: list[tuple[str, sympy.Expr, str]]  # (name, expression as computed, source text)
 
 
 def _unique(name: str, used: set[str]) -> str:
@@ -75,8 +78,9 @@ def _unique(name: str, used: set[str]) -> str:
     return name
 
 
-def needed_temps(exprs: Iterable[sympy.Expr], temps: list[tuple[str, sympy.Expr]]
-                 ) -> tuple[list[tuple[str, sympy.Expr]], set[str]]:
+def needed_temps(
+    exprs: Iterable[sympy.Expr], temps: list[tuple[str, sympy.Expr]]
+) -> tuple[list[tuple[str, sympy.Expr]], set[str]]:
     """The element temporaries ``(name, definition)`` that ``exprs`` use, directly or
     through a later temporary, in definition order; and every symbol name used."""
     needed: list[tuple[str, sympy.Expr]] = []
@@ -88,9 +92,16 @@ def needed_temps(exprs: Iterable[sympy.Expr], temps: list[tuple[str, sympy.Expr]
     return needed, names
 
 
-def by_monomial(expr: sympy.Expr, is_elem: Callable[[sympy.Expr], bool], prefix: str, used: set[str],
-                spec: Spec, *, of: str = "", drop_zero: bool = True
-                ) -> tuple[list[Assign], list[tuple[str, sympy.Expr]]]:
+def by_monomial(
+    expr: sympy.Expr,
+    is_elem: Callable[[sympy.Expr], bool],
+    prefix: str,
+    used: set[str],
+    spec: Spec,
+    *,
+    of: str = "",
+    drop_zero: bool = True,
+) -> tuple[list[Assign], list[tuple[str, sympy.Expr]]]:
     """``expr = Σ_k coefficient_k(group) · monomial_k(element)``: the coefficients as group
     assignments named ``prefix`` + the monomial (fewest flops per element), and the
     ``(coefficient name, monomial)`` terms. ``of`` ends each assignment's comment;
@@ -136,7 +147,7 @@ def forward_program(md: ModeDerivation) -> list:
                 accs.append((nm, a.args[0]))
                 sub[a] = sympy.Symbol(nm) / N
             last = max((i for i, s in enumerate(forward) if isinstance(s, Loop)), default=None)
-            since = {s.name for s in forward[last + 1:]} if last is not None else set()
+            since = {s.name for s in forward[last + 1 :]} if last is not None else set()
             uses = {str(v) for _, e in accs for v in e.free_symbols}
             if last is not None and not (uses & since):
                 forward[last].accs.extend(accs)
@@ -170,7 +181,7 @@ def build_mode_ir(md: ModeDerivation) -> ModeIR:
     xhat = spec.normalized.symbol if spec.normalized else None
     if xhat is not None:
         element.add(xhat)
-    coord = md.coordinate                    # the backward's coordinate: x̂, or the centred x - μ
+    coord = md.coordinate  # the backward's coordinate: x̂, or the centred x - μ
     if coord is not None:
         element.add(coord.symbol)
 
@@ -188,9 +199,11 @@ def build_mode_ir(md: ModeDerivation) -> ModeIR:
         bwd_elem.append((coord.name, md.coordinate_expr))
     if md.g is not None:
         bwd_elem.append(("g", md.g))
-    bwd_loop = [("Sum_" + r.name[len("Mean_"):], r.arg) for r in md.reductions]
-    bwd_group = [Assign(r.name, sympy.Symbol(acc) / N, comment=f"{r.name} = mean({code_text(r.arg, spec)})")
-                 for r, (acc, _) in zip(md.reductions, bwd_loop)]
+    bwd_loop = [("Sum_" + r.name[len("Mean_") :], r.arg) for r in md.reductions]
+    bwd_group = [
+        Assign(r.name, sympy.Symbol(acc) / N, comment=f"{r.name} = mean({code_text(r.arg, spec)})")
+        for r, (acc, _) in zip(md.reductions, bwd_loop)
+    ]
     # dx = Σ_k coefficient_k(group) · monomial_k(element)
     coefficients, dx_terms = by_monomial(md.dx_lowered, is_elem, "K_", set(), spec, of=" in dx", drop_zero=False)
     bwd_group += coefficients
@@ -203,37 +216,56 @@ def build_mode_ir(md: ModeDerivation) -> ModeIR:
     for k, p in enumerate(spec.params):
         if md.grads[p.name].group != 0:
             nm = derived(p.name, "Grad")
-            bwd_group.append(Assign(nm, md.lowered(md.grads[p.name].group),
-                                    comment=f"dL/d{p.name} through the statistics, this group"))
+            bwd_group.append(
+                Assign(
+                    nm, md.lowered(md.grads[p.name].group), comment=f"dL/d{p.name} through the statistics, this group"
+                )
+            )
             dparam_groups.append((k, nm))
     dparams = [(p.name, md.lowered(md.grads[p.name].element)) for p in spec.params]
     forward = forward_program(md)
-    return ModeIR(mode=md.mode, stats=[s.name for s in md.statistics], forward=forward, levels=split_levels(forward),
-                  buffer_updates=buffer_updates, fwd_elem=fwd_elem, bwd_elem=bwd_elem, bwd_loop=bwd_loop,
-                  bwd_group=bwd_group, dx_terms=dx_terms, dx_closed=md.dx_lowered, dparams=dparams,
-                  dparam_groups=dparam_groups, dinputs=dinputs,
-                  dparam_group_exprs={p.name: md.lowered(md.grads[p.name].group) for p in spec.params
-                                      if md.grads[p.name].group != 0}, element_symbols=sorted(str(s) for s in element),
-                  stat_exprs=[(st.name, st.expr, st.expr_text) for st in md.statistics])
+    return ModeIR(
+        mode=md.mode,
+        stats=[s.name for s in md.statistics],
+        forward=forward,
+        levels=split_levels(forward),
+        buffer_updates=buffer_updates,
+        fwd_elem=fwd_elem,
+        bwd_elem=bwd_elem,
+        bwd_loop=bwd_loop,
+        bwd_group=bwd_group,
+        dx_terms=dx_terms,
+        dx_closed=md.dx_lowered,
+        dparams=dparams,
+        dparam_groups=dparam_groups,
+        dinputs=dinputs,
+        dparam_group_exprs={
+            p.name: md.lowered(md.grads[p.name].group) for p in spec.params if md.grads[p.name].group != 0
+        },
+        element_symbols=sorted(str(s) for s in element),
+        stat_exprs=[(st.name, st.expr, st.expr_text) for st in md.statistics],
+    )
 
 
 # ------------------------------------------------------------------- second order
+
 
 @dataclass
 class SecondIR:
     """A second-order kernel (``bb``: the double backward; ``jvp``) as one reduction sweep
     and one output sweep per group, like the first-order backward."""
+
     kind: str
-    temps: list[tuple[str, sympy.Expr]]           # element temporaries (x̂, g), in order
-    loop: list[tuple[str, sympy.Expr]]            # (accumulator, element expression summed)
-    means: list[Assign]                           # Mean_... = Sum_.../N
-    group: list[Assign]                           # coefficients and per-group outputs
-    outputs: list[tuple[str, list[tuple[str, sympy.Expr]], sympy.Expr]]   # (array, Σ coef·monomial, closed)
-    param_elem: list[tuple[str, sympy.Expr]]      # (parameter, element contribution summed like dp)
-    param_group: list[tuple[str, str]]            # (parameter, group variable): scalar parameters
-    input_out: list[tuple[str, str]]              # (input, group variable)
-    seed_x: str                                   # the seed symbol of x (X_Dd, X_T)
-    seed_params: dict[str, str]                   # parameter -> seed symbol
+    temps: list[tuple[str, sympy.Expr]]  # element temporaries (x̂, g), in order
+    loop: list[tuple[str, sympy.Expr]]  # (accumulator, element expression summed)
+    means: list[Assign]  # Mean_... = Sum_.../N
+    group: list[Assign]  # coefficients and per-group outputs
+    outputs: list[tuple[str, list[tuple[str, sympy.Expr]], sympy.Expr]]  # (array, Σ coef·monomial, closed)
+    param_elem: list[tuple[str, sympy.Expr]]  # (parameter, element contribution summed like dp)
+    param_group: list[tuple[str, str]]  # (parameter, group variable): scalar parameters
+    input_out: list[tuple[str, str]]  # (input, group variable)
+    seed_x: str  # the seed symbol of x (X_Dd, X_T)
+    seed_params: dict[str, str]  # parameter -> seed symbol
     seed_inputs: dict[str, str]
 
 
@@ -244,6 +276,7 @@ def build_second_ir(so, kind: str) -> SecondIR:
 
     def is_elem(f):
         return bool({str(v) for v in f.free_symbols} & element) and not isinstance(f, Mean)
+
     temps = []
     if md.coordinate is not None:
         temps.append((md.coordinate.name, md.coordinate_expr))
@@ -251,9 +284,11 @@ def build_second_ir(so, kind: str) -> SecondIR:
         temps.append(("g", md.g))
     reds = so.reductions if kind == "bb" else so.jvp_reductions
     low = so.lowered if kind == "bb" else so.jvp_lowered
-    loop = [("Sum_" + r.name[len("Mean_"):], r.arg) for r in reds]
-    means_ = [Assign(r.name, sympy.Symbol(acc) / N, comment=f"{r.name} = mean({code_text(r.arg, spec)})")
-              for r, (acc, _) in zip(reds, loop)]
+    loop = [("Sum_" + r.name[len("Mean_") :], r.arg) for r in reds]
+    means_ = [
+        Assign(r.name, sympy.Symbol(acc) / N, comment=f"{r.name} = mean({code_text(r.arg, spec)})")
+        for r, (acc, _) in zip(reds, loop)
+    ]
     used: set[str] = set()
     group, outputs, param_elem, param_group, input_out = [], [], [], [], []
     if kind == "bb":
@@ -281,7 +316,17 @@ def build_second_ir(so, kind: str) -> SecondIR:
         seeds = (so.tan_x, so.tan_params, so.tan_inputs)
     # only the temporaries something uses
     kept, _ = needed_temps([*(e for _, e in loop), *(e for _, _, e in outputs), *(e for _, e in param_elem)], temps)
-    return SecondIR(kind=kind, temps=kept, loop=loop, means=means_, group=group, outputs=outputs,
-                    param_elem=param_elem, param_group=param_group, input_out=input_out,
-                    seed_x=seeds[0].name, seed_params={k: v.name for k, v in seeds[1].items()},
-                    seed_inputs={k: v.name for k, v in seeds[2].items()})
+    return SecondIR(
+        kind=kind,
+        temps=kept,
+        loop=loop,
+        means=means_,
+        group=group,
+        outputs=outputs,
+        param_elem=param_elem,
+        param_group=param_group,
+        input_out=input_out,
+        seed_x=seeds[0].name,
+        seed_params={k: v.name for k, v in seeds[1].items()},
+        seed_inputs={k: v.name for k, v in seeds[2].items()},
+    )

@@ -18,10 +18,11 @@ from sympy.codegen.ast import float32, float64, real
 from sympy.printing.c import C99CodePrinter
 from sympy.printing.numpy import NumPyPrinter
 
+from derivgen.spec.model import Spec
 from derivgen.symbolic import functions
 from derivgen.symbolic.functions import SpellsFunctions, call
 from derivgen.symbolic.naming import _Ordered, code_text, ordered_names
-from derivgen.spec.model import Spec
+
 
 class _NumPy(SpellsFunctions, _Ordered, NumPyPrinter):
     def __init__(self, names):
@@ -30,9 +31,9 @@ class _NumPy(SpellsFunctions, _Ordered, NumPyPrinter):
 
     def _print_Mean(self, expr):
         a = expr.args[0]
-        if a.is_Pow and a.exp == 2:                       # mean(e**2): one pass over e
+        if a.is_Pow and a.exp == 2:  # mean(e**2): one pass over e
             return "_mean_sq(%s)" % self._print(a.base)
-        if _plain_pair(a, sympy.Mul):                     # mean(a*b): no temporary product
+        if _plain_pair(a, sympy.Mul):  # mean(a*b): no temporary product
             return "_mean_prod(%s, %s)" % tuple(self._print(f) for f in a.args)
         return "_mean(%s)" % self._print(a)
 
@@ -68,8 +69,11 @@ def _plain_pair(e: sympy.Expr, kind) -> bool:
     """``e`` is a sum or product (``kind``) of exactly two operands that print as
     themselves: no number, and no reciprocal (a/b prints as a division, which
     splitting would turn into a reciprocal and a product, rounding twice)."""
-    return (isinstance(e, kind) and len(e.args) == 2
-            and not any(f.is_Number or (f.is_Pow and f.exp.is_negative) for f in e.args))
+    return (
+        isinstance(e, kind)
+        and len(e.args) == 2
+        and not any(f.is_Number or (f.is_Pow and f.exp.is_negative) for f in e.args)
+    )
 
 
 def np_store(target: str, e: sympy.Expr, spec: Spec | None = None) -> str:
@@ -98,11 +102,11 @@ def np_sum(e: sympy.Expr, axes: str, spec: Spec | None = None) -> str:
 class _C(SpellsFunctions, _Ordered, C99CodePrinter):
     def __init__(self, ctype: str, rename: dict[str, str], names):
         alias = float32 if ctype == "float" else float64
-        super().__init__({"type_aliases": {real: alias}, "math_macros": {}})   # no M_SQRT2: strict C99
+        super().__init__({"type_aliases": {real: alias}, "math_macros": {}})  # no M_SQRT2: strict C99
         self.ctype = ctype
         self.rename = rename
         self.names = names
-        self.printed: set[str] = set()     # what the symbols printed as, for the planner
+        self.printed: set[str] = set()  # what the symbols printed as, for the planner
 
     def _print_elementary(self, fn: functions.Elementary, expr: sympy.Expr) -> str:
         return self._spell(fn, expr.args)
@@ -136,7 +140,7 @@ class _CFloatElem(_C):
 
     def __init__(self, rename, names, hoisted):
         super().__init__("float", rename, names)
-        self.hoisted = hoisted          # Add node -> (element part, hoisted name)
+        self.hoisted = hoisted  # Add node -> (element part, hoisted name)
 
     def _print_Add(self, expr, order=None):
         if expr in self.hoisted:

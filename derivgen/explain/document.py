@@ -13,13 +13,14 @@ from dataclasses import dataclass
 from sympy.printing.latex import LatexPrinter
 from sympy.printing.str import StrPrinter
 
-from derivgen.symbolic import functions
 from derivgen.derive.first import ModeDerivation
+from derivgen.derive.second import SecondOrder
+from derivgen.prove.proof import ModeProof
+from derivgen.symbolic import functions
 from derivgen.symbolic.functions import SpellsFunctions, call
 from derivgen.symbolic.naming import DisplayNames, TextSpelling, _Ordered
-from derivgen.prove.proof import ModeProof
 from derivgen.symbolic.reduce import Mean
-from derivgen.derive.second import SecondOrder
+
 
 class DerivLatexPrinter(SpellsFunctions, _Ordered, LatexPrinter):
     def __init__(self, names: DisplayNames, subscript: bool = True):
@@ -97,19 +98,56 @@ PREAMBLE = r"""\documentclass[11pt]{article}
 
 
 def _tex_escape(s: str) -> str:
-    repl = {"\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "$": r"\$", "#": r"\#",
-            "_": r"\_", "{": r"\{", "}": r"\}", "~": r"\textasciitilde{}", "^": r"\^{}"}
+    repl = {
+        "\\": r"\textbackslash{}",
+        "&": r"\&",
+        "%": r"\%",
+        "$": r"\$",
+        "#": r"\#",
+        "_": r"\_",
+        "{": r"\{",
+        "}": r"\}",
+        "~": r"\textasciitilde{}",
+        "^": r"\^{}",
+    }
     # x_i, e_j, y_i, Σ_j: subscripted names become math first
     s = re.sub(r"(?<![A-Za-z])([A-Za-zΣ])_([a-z])(?![A-Za-z_])", "\x00\\1_\\2\x01", s)
     out = "".join(repl.get(ch, ch) for ch in s)
-    out = re.sub("\x00(.)\\\\_(.)\x01",
-                 lambda m: "\x02%s_%s\x02" % ("\\Sigma" if m.group(1) == "Σ" else m.group(1), m.group(2)), out)
+    out = re.sub(
+        "\x00(.)\\\\_(.)\x01",
+        lambda m: "\x02%s_%s\x02" % ("\\Sigma" if m.group(1) == "Σ" else m.group(1), m.group(2)),
+        out,
+    )
     # unicode used in our prose -> math
-    uni = {"μ": r"$\mu$", "σ": r"$\sigma$", "²": r"$^2$", "∂": r"$\partial$", "⟨": r"$\langle$",
-           "⟩": r"$\rangle$", "Σ": r"$\Sigma$", "x̂": r"$\hat{x}$", "γ": r"$\gamma$", "β": r"$\beta$",
-           "ε": r"$\varepsilon$", "ρ": r"$\rho$", "α": r"$\alpha$", "·": r"$\cdot$", "≡": r"$\equiv$",
-           "—": "---", "“": "``", "”": "''", "ₜ": r"$_t$", "₋": "-", "₁": "1", "←": r"$\leftarrow$",
-           "√": r"$\sqrt{}$", "−": "-", "≠": r"$\neq$", "x̄": r"$\bar{x}$", "̂": ""}
+    uni = {
+        "μ": r"$\mu$",
+        "σ": r"$\sigma$",
+        "²": r"$^2$",
+        "∂": r"$\partial$",
+        "⟨": r"$\langle$",
+        "⟩": r"$\rangle$",
+        "Σ": r"$\Sigma$",
+        "x̂": r"$\hat{x}$",
+        "γ": r"$\gamma$",
+        "β": r"$\beta$",
+        "ε": r"$\varepsilon$",
+        "ρ": r"$\rho$",
+        "α": r"$\alpha$",
+        "·": r"$\cdot$",
+        "≡": r"$\equiv$",
+        "—": "---",
+        "“": "``",
+        "”": "''",
+        "ₜ": r"$_t$",
+        "₋": "-",
+        "₁": "1",
+        "←": r"$\leftarrow$",
+        "√": r"$\sqrt{}$",
+        "−": "-",
+        "≠": r"$\neq$",
+        "x̄": r"$\bar{x}$",
+        "̂": "",
+    }
     for k in sorted(uni, key=len, reverse=True):
         out = out.replace(k, uni[k])
     return out.replace("\x02", "$")
@@ -129,6 +167,7 @@ class ModeDocument:
     """What a document shows of one mode, all computed before rendering: the derivation, its
     steps (:func:`derivgen.explain.steps.build_steps`), its proof (None: not checked) and, for
     the second-order section, the second order and its proof."""
+
     derivation: ModeDerivation
     steps: tuple
     proof: ModeProof | None = None
@@ -150,9 +189,10 @@ def render(spec, modes: list[ModeDocument], fmt: str = "latex", standalone: bool
     if fmt == "latex":
         body = _render_latex(spec, modes) + second
         if standalone:
-            return (PREAMBLE + "\\title{%s: the backward pass, derived}\n\\author{derivgen}\n\\date{}\n"
-                    "\\begin{document}\n\\maketitle\n%s\\end{document}\n"
-                    % (_tex_escape(spec.title), body))
+            return (
+                PREAMBLE + "\\title{%s: the backward pass, derived}\n\\author{derivgen}\n\\date{}\n"
+                "\\begin{document}\n\\maketitle\n%s\\end{document}\n" % (_tex_escape(spec.title), body)
+            )
         return body
     if fmt == "markdown":
         return _render_markdown(spec, modes) + second
@@ -228,12 +268,18 @@ def _proof_lines(proof: ModeProof | None) -> list[str]:
 
 def _proof_latex(proof: ModeProof | None) -> str:
     items = "\n".join(r"\item " + _tex_escape(line) for line in _proof_lines(proof))
-    return (r"\section*{Proof against brute force}" "\n"
-            "For each N the layer is built from N explicit scalar symbols, differentiated with "
-            "sympy.diff, and the difference from the closed form above is reduced to zero with "
-            "cancel/together (``proven''); where that cannot be finished it is evaluated in 80-digit arithmetic at "
-            "random rational points (``checked numerically'').\n"
-            r"\begin{itemize}" "\n" + items + "\n" r"\end{itemize}" "\n")
+    return (
+        r"\section*{Proof against brute force}"
+        "\n"
+        "For each N the layer is built from N explicit scalar symbols, differentiated with "
+        "sympy.diff, and the difference from the closed form above is reduced to zero with "
+        "cancel/together (``proven''); where that cannot be finished it is evaluated in 80-digit arithmetic at "
+        "random rational points (``checked numerically'').\n"
+        r"\begin{itemize}"
+        "\n" + items + "\n"
+        r"\end{itemize}"
+        "\n"
+    )
 
 
 def _render_markdown(spec, modes: list[ModeDocument]) -> str:
@@ -292,23 +338,38 @@ def _render_text(spec, modes: list[ModeDocument]) -> str:
 
 # ---------------------------------------------------------------- second order
 
+
 def _second_prose(second: SecondOrder) -> str:
     spec = second.spec
-    cots = ", ".join([second.cot_x.text, *(second.cot_params[p.name].text for p in spec.params),
-                      *(second.cot_inputs[i.name].text for i in spec.inputs)])
-    tans = ", ".join([second.tan_x.text, *(second.tan_params[p.name].text for p in spec.params),
-                      *(second.tan_inputs[i.name].text for i in spec.inputs)])
-    prose = (f"The double backward is the vector-Jacobian product of the backward above: with the cotangents "
-             f"{cots} of the backward's outputs it differentiates L₂ = Σ δx·∂L/∂x + Σ δp·∂L/∂p + ... once more, "
-             f"by reverse mode through the backward's own program (statistics, x̂, g, its reductions), and the "
-             f"nested means collapse by linearity and the known statistics to means of element monomials: "
-             f"{len(second.reductions)} reductions per group, one sweep for them and one for the outputs. "
-             f"The JVP is forward mode through the forward program with the tangents {tans}: "
-             f"{len(second.jvp_reductions)} reductions. Terms from |u| (a DiracDelta) are dropped: zero wherever the "
-             f"first derivative exists.")
+    cots = ", ".join(
+        [
+            second.cot_x.text,
+            *(second.cot_params[p.name].text for p in spec.params),
+            *(second.cot_inputs[i.name].text for i in spec.inputs),
+        ]
+    )
+    tans = ", ".join(
+        [
+            second.tan_x.text,
+            *(second.tan_params[p.name].text for p in spec.params),
+            *(second.tan_inputs[i.name].text for i in spec.inputs),
+        ]
+    )
+    prose = (
+        f"The double backward is the vector-Jacobian product of the backward above: with the cotangents "
+        f"{cots} of the backward's outputs it differentiates L₂ = Σ δx·∂L/∂x + Σ δp·∂L/∂p + ... once more, "
+        f"by reverse mode through the backward's own program (statistics, x̂, g, its reductions), and the "
+        f"nested means collapse by linearity and the known statistics to means of element monomials: "
+        f"{len(second.reductions)} reductions per group, one sweep for them and one for the outputs. "
+        f"The JVP is forward mode through the forward program with the tangents {tans}: "
+        f"{len(second.jvp_reductions)} reductions. Terms from |u| (a DiracDelta) are dropped: zero wherever the "
+        f"first derivative exists."
+    )
     if spec.name == "layernorm":
-        prose += (" For comparison, PyTorch's hand-written layer_norm_double_backward "
-                  "(torch/csrc/autograd/FunctionsManual.cpp) is about 140 lines of tensor operations written by hand over the same 7 row reductions (two of them computed twice); a layer PyTorch does not ship has no such formula.")
+        prose += (
+            " For comparison, PyTorch's hand-written layer_norm_double_backward "
+            "(torch/csrc/autograd/FunctionsManual.cpp) is about 140 lines of tensor operations written by hand over the same 7 row reductions (two of them computed twice); a layer PyTorch does not ship has no such formula."
+        )
     return prose
 
 
@@ -348,11 +409,19 @@ def render_second(spec, modes: list[ModeDocument], fmt: str) -> str:
         mt = _mode_title(mode, len(modes))
         title = "Second order" + (f" ({mt.lower()})" if mt else "")
         if fmt == "latex":
-            out += [r"\section*{%s}" % title, _tex_escape(prose), r"\begin{align*}",
-                    " \\\\\n".join(f"{lhs} &= {latex_expr(e, spec, extra=extra)}" for lhs, _, e in eqs),
-                    r"\end{align*}", r"\paragraph{Proof against brute force.} Second derivatives of the "
-                    r"explicit layer at small N (sympy.diff twice) against the closed forms:",
-                    r"\begin{itemize}", *(r"\item " + _tex_escape(x) for x in lines), r"\end{itemize}", ""]
+            out += [
+                r"\section*{%s}" % title,
+                _tex_escape(prose),
+                r"\begin{align*}",
+                " \\\\\n".join(f"{lhs} &= {latex_expr(e, spec, extra=extra)}" for lhs, _, e in eqs),
+                r"\end{align*}",
+                r"\paragraph{Proof against brute force.} Second derivatives of the "
+                r"explicit layer at small N (sympy.diff twice) against the closed forms:",
+                r"\begin{itemize}",
+                *(r"\item " + _tex_escape(x) for x in lines),
+                r"\end{itemize}",
+                "",
+            ]
         elif fmt == "markdown":
             out += [f"## {title}", "", prose, ""]
             out += [f"$$ {lhs} = {latex_expr(e, spec, extra=extra)} $$\n" for lhs, _, e in eqs]

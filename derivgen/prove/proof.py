@@ -25,17 +25,17 @@ from dataclasses import dataclass, field
 
 import sympy
 
-from derivgen.symbolic import domain
 from derivgen.derive.first import G, ModeDerivation
-from derivgen.symbolic.reduce import Mean
 from derivgen.derive.second import SecondOrder, almost_everywhere
 from derivgen.spec.model import DY, N, X
+from derivgen.symbolic import domain
+from derivgen.symbolic.reduce import Mean
 
 
 @dataclass
 class ProofResult:
     n: int
-    status: str          # "proven", "checked numerically", "FAILED"
+    status: str  # "proven", "checked numerically", "FAILED"
     method: str
     seconds: float
     detail: str = ""
@@ -78,7 +78,7 @@ class _Explicit:
         self.n = n
         self.elem: dict[sympy.Symbol, list[sympy.Symbol]] = {X: _elements("x", n), DY: _elements("dy", n)}
         for p in spec.params:
-            if not p.scalar:              # a scalar parameter is one symbol for the whole group
+            if not p.scalar:  # a scalar parameter is one symbol for the whole group
                 self.elem[p.symbol] = _elements(p.name, n)
         self.group: dict[sympy.Symbol, sympy.Expr] = {N: sympy.Integer(n)}
         for st in md.statistics:
@@ -93,11 +93,13 @@ class _Explicit:
 
     def at(self, expr: sympy.Expr, i: int | None) -> sympy.Expr:
         """expr evaluated at element i (None: a group-level expression)."""
+
         def mean(m):
             return sympy.Add(*[self.at(m.args[0], j) for j in range(self.n)]) / self.n
+
         e = expr.replace(lambda a: isinstance(a, Mean), mean)
         sub = dict(getattr(self, "derived", {}))
-        while sub and e.free_symbols & set(sub):        # g may be written in x̂
+        while sub and e.free_symbols & set(sub):  # g may be written in x̂
             e = e.xreplace(sub)
         table = dict(self.group)
         if i is not None:
@@ -109,6 +111,7 @@ def _strip_positive(e: sympy.Expr) -> sympy.Expr:
     """|a·p| = |a|·p and sign(a·p) = sign(a) for a factor p positive on the layer's domain
     (a root of a non-negative value, a negative power, eps): the case split then sees one
     argument, x₀, where SymPy wrote sign(x₀/(ε + √(x₀⁴/2 + x₁⁴/2))^(1/3)) and |x₀|."""
+
     def split(u, nonzero=False):
         """u = keep·pos with pos positive (a denominator is not zero: non-negative is positive)."""
         keep, pos = [], []
@@ -122,7 +125,7 @@ def _strip_positive(e: sympy.Expr) -> sympy.Expr:
         one that sorts first), so equal arguments written differently compare equal."""
         c, k = sympy.factor_terms(sympy.expand(p)).as_coeff_Mul()
         k = sympy.expand(k)
-        if k.could_extract_minus_sign():          # SymPy's own convention for |k| and sign(k)
+        if k.could_extract_minus_sign():  # SymPy's own convention for |k| and sign(k)
             c, k = -c, sympy.expand(-k)
         return c, k
 
@@ -142,6 +145,7 @@ def _strip_positive(e: sympy.Expr) -> sympy.Expr:
     def sign_(a):
         c, s, k1, k2 = canonical(a.args[0])
         return sympy.sign(c) * sympy.sign(k1) * sympy.sign(k2)
+
     e = e.replace(lambda a: isinstance(a, sympy.Abs), abs_)
     return e.replace(lambda a: isinstance(a, sympy.sign), sign_)
 
@@ -172,6 +176,7 @@ def _zero_symbolic(diff: sympy.Expr) -> bool:
             if not split(sub, case):
                 return False
         return True
+
     return split(diff, [])
 
 
@@ -234,21 +239,30 @@ def _reduces_to_zero(diff: sympy.Expr) -> bool:
         base = min((q.base for q in inner), key=sympy.default_sort_key)
         den = math.lcm(*[int(q.exp.q) for q in inner if q.base == base])
         t = sympy.Dummy(f"t{k}", positive=True)
-        e = e.replace(lambda q, b=base: q.is_Pow and q.base == b and q.exp.is_Rational and not q.exp.is_Integer,
-                      lambda q, t=t, d=den: t ** int(d * q.exp))
+        e = e.replace(
+            lambda q, b=base: q.is_Pow and q.base == b and q.exp.is_Rational and not q.exp.is_Integer,
+            lambda q, t=t, d=den: t ** int(d * q.exp),
+        )
         rels.append((t, den, base))
     if _roots(e):
         return False
     # functions of the generators (exp(-t²)) are generators of their own
-    opaque = {f: sympy.Dummy(f"u{k}") for k, f in enumerate(sorted(
-        (f for f in e.atoms(sympy.Function) if f.free_symbols & {t for t, _, _ in rels}), key=sympy.default_sort_key))}
+    opaque = {
+        f: sympy.Dummy(f"u{k}")
+        for k, f in enumerate(
+            sorted(
+                (f for f in e.atoms(sympy.Function) if f.free_symbols & {t for t, _, _ in rels}),
+                key=sympy.default_sort_key,
+            )
+        )
+    }
     e = e.xreplace(opaque)
     num = sympy.expand(sympy.numer(sympy.together(e)))
     try:
         for t, den, base in reversed(rels):
             if num.has(t):
                 bn, bd = sympy.fraction(sympy.together(base.xreplace(opaque)))
-                num = sympy.expand(sympy.prem(num, sympy.expand(bd * t ** den - bn), t))
+                num = sympy.expand(sympy.prem(num, sympy.expand(bd * t**den - bn), t))
     except sympy.PolynomialError:
         return False
     return num == 0
@@ -265,7 +279,7 @@ class _Sampler:
 
     def __init__(self, rng: random.Random, bounds: dict[str, tuple] | None = None):
         self.rng = rng
-        self.bounds = bounds or {}      # symbol name -> (min, max), either None
+        self.bounds = bounds or {}  # symbol name -> (min, max), either None
 
     @classmethod
     def for_spec(cls, spec, seed: int) -> _Sampler:
@@ -304,8 +318,9 @@ def _zero_numeric(diff: sympy.Expr, points: _Sampler, trials: int = 3) -> bool:
         tries += 1
         if tries > 4 * trials:
             return False
-        vals = {s: sympy.Float(points.value(s), NUMERIC_DIGITS)
-                for s in sorted(diff.free_symbols, key=lambda s: s.name)}
+        vals = {
+            s: sympy.Float(points.value(s), NUMERIC_DIGITS) for s in sorted(diff.free_symbols, key=lambda s: s.name)
+        }
         v = diff.xreplace(vals).evalf(NUMERIC_DIGITS)
         if v.has(sympy.nan, sympy.zoo, sympy.oo, -sympy.oo):
             continue
@@ -315,7 +330,7 @@ def _zero_numeric(diff: sympy.Expr, points: _Sampler, trials: int = 3) -> bool:
     return True
 
 
-SYMBOLIC_SECONDS = 30.0   # per size: symbolic reduction beyond this falls back to 80-digit numbers
+SYMBOLIC_SECONDS = 30.0  # per size: symbolic reduction beyond this falls back to 80-digit numbers
 
 
 class _OutOfTime(Exception):
@@ -331,12 +346,13 @@ def _budget(seconds: float):
         return
     outer_left, _ = signal.getitimer(signal.ITIMER_REAL)
     if outer_left and outer_left <= seconds:
-        yield                                   # the outer alarm comes first anyway
+        yield  # the outer alarm comes first anyway
         return
     t0 = time.monotonic()
 
     def fire(signum, frame):
         raise _OutOfTime()
+
     old = signal.signal(signal.SIGALRM, fire)
     signal.setitimer(signal.ITIMER_REAL, seconds)
     try:
@@ -351,8 +367,9 @@ def _budget(seconds: float):
 def _proven(d: sympy.Expr, lin: list[sympy.Symbol]) -> bool:
     """Symbolically zero: both sides are linear in the symbols ``lin`` (∂L/∂y; the second
     order's cotangents or tangents), so each coefficient vanishes on its own."""
-    return all(_zero_symbolic(sympy.diff(d, s)) for s in lin if d.has(s)) and \
-        _zero_symbolic(d.xreplace({s: 0 for s in lin}))
+    return all(_zero_symbolic(sympy.diff(d, s)) for s in lin if d.has(s)) and _zero_symbolic(
+        d.xreplace({s: 0 for s in lin})
+    )
 
 
 def prove_mode(md: ModeDerivation, sizes=(2, 3, 4, 5, 6)) -> ModeProof:
@@ -373,8 +390,9 @@ def prove_mode(md: ModeDerivation, sizes=(2, 3, 4, 5, 6)) -> ModeProof:
         checks.append(("dx_0", sympy.diff(loss, ex.elem[X][0]) - ex.at(md.dx, 0)))
         for p in spec.params:
             if not p.scalar:
-                checks.append((f"d{p.name}_0", sympy.diff(loss, ex.elem[p.symbol][0])
-                               - ex.at(md.grads[p.name].element, 0)))
+                checks.append(
+                    (f"d{p.name}_0", sympy.diff(loss, ex.elem[p.symbol][0]) - ex.at(md.grads[p.name].element, 0))
+                )
         for p in spec.params:
             if p.scalar:
                 gr = md.grads[p.name]
@@ -399,7 +417,7 @@ def _settle(n: int, checks, t0: float, rng: _Sampler, seconds: float) -> ProofRe
                     if _proven(d, lin):
                         continue
             except _OutOfTime:
-                symbolic = False            # out of time: 80-digit numbers for the rest
+                symbolic = False  # out of time: 80-digit numbers for the rest
         if _zero_numeric(d, rng):
             method, status = "80-digit arithmetic at random rational points", "checked numerically"
             continue
@@ -428,8 +446,12 @@ def prove_second_mode(second: SecondOrder, sizes=(2, 3, 4, 5), symbolic_seconds:
     for n in sizes:
         t0 = time.perf_counter()
         ex = _Explicit(first, n)
-        for named in [second.cot_x, second.tan_x, *(second.cot_params[p.name] for p in spec.params if not p.scalar),
-                      *(second.tan_params[p.name] for p in spec.params if not p.scalar)]:
+        for named in [
+            second.cot_x,
+            second.tan_x,
+            *(second.cot_params[p.name] for p in spec.params if not p.scalar),
+            *(second.tan_params[p.name] for p in spec.params if not p.scalar),
+        ]:
             ex.elem[named.symbol] = _elements(named.name, n)
         xhat = spec.normalized.symbol if spec.normalized else None
         y_full = spec.output.xreplace({xhat: first.normalized_expr}) if xhat is not None else spec.output
@@ -460,11 +482,17 @@ def prove_second_mode(second: SecondOrder, sizes=(2, 3, 4, 5), symbolic_seconds:
                 total = sympy.Add(*[ex.at(gr.element, i) for i in range(n)]) + ex.at(gr.group, None)
                 checks.append((f"double backward d{p.name}", sympy.diff(l2, p.symbol) - total, seeds))
             else:
-                checks.append((f"double backward d{p.name}_0", sympy.diff(l2, ex.elem[p.symbol][0])
-                               - ex.at(gr.element, 0), seeds))
+                checks.append(
+                    (f"double backward d{p.name}_0", sympy.diff(l2, ex.elem[p.symbol][0]) - ex.at(gr.element, 0), seeds)
+                )
         for inp in spec.inputs:
-            checks.append((f"double backward d{inp.name}", sympy.diff(l2, inp.symbol)
-                           - ex.at(second.dinputs[inp.name], None), seeds))
+            checks.append(
+                (
+                    f"double backward d{inp.name}",
+                    sympy.diff(l2, inp.symbol) - ex.at(second.dinputs[inp.name], None),
+                    seeds,
+                )
+            )
         # the directional derivative of y_0
         tx = ex.elem[second.tan_x.symbol]
         ty0 = sympy.Add(*[sympy.diff(ys[0], ex.elem[X][j]) * tx[j] for j in range(n)])
@@ -482,6 +510,6 @@ def prove_second_mode(second: SecondOrder, sizes=(2, 3, 4, 5), symbolic_seconds:
             ty0 += sympy.diff(ys[0], inp.symbol) * t
             tseeds.append(t)
         checks.append(("JVP y_0", ty0 - ex.at(second.ty, 0), tseeds))
-        checks = [(w, almost_everywhere(d), lin) for w, d, lin in checks]   # where |u| is differentiable
+        checks = [(w, almost_everywhere(d), lin) for w, d, lin in checks]  # where |u| is differentiable
         out.results.append(_settle(n, checks, t0, rng, symbolic_seconds))
     return out
