@@ -191,32 +191,31 @@ def emit(d: LayerDerivation, targets=("numpy", "c")) -> Emitted:
     printer = SpecPrinter(spec)
     env = _env()
     irs = {m: build_mode_ir(md) for m, md in d.modes.items()}
-    irs2 = {
-        m: {"bb": build_second_ir(d.second(m), "bb"), "jvp": build_second_ir(d.second(m), "jvp")}
-        for m, md in d.modes.items()
+    second_irs = {
+        m: {"bb": build_second_ir(d.second(m), "bb"), "jvp": build_second_ir(d.second(m), "jvp")} for m in d.modes
     }
     kernels = (
-        {(m, sfx): plan_kernel(printer, ir, irs2[m], ct) for m, ir in irs.items() for sfx, ct in CTYPES.items()}
+        {(m, sfx): plan_kernel(printer, ir, second_irs[m], ct) for m, ir in irs.items() for sfx, ct in CTYPES.items()}
         if "c" in targets
         else {}
     )
     meta = layer_meta(spec, irs)
-    ctx = dict(
-        printer=printer,
-        spec=spec,
-        meta=meta,
-        irs=irs,
-        irs2=irs2,
-        modes=list(irs),
-        formulas=_formulas(d, printer),
-        source=spec.source,
-        kernels=kernels,
-        grad_fields=_grad_fields(spec),
-        ctypes=CTYPES,
-        atypes=ATYPES,
-        per_sample=spec.reduce != "batch",
-        trailing=spec.layout == "trailing",
-    )
+    ctx = {
+        "printer": printer,
+        "spec": spec,
+        "meta": meta,
+        "irs": irs,
+        "irs2": second_irs,
+        "modes": list(irs),
+        "formulas": _formulas(d, printer),
+        "source": spec.source,
+        "kernels": kernels,
+        "grad_fields": _grad_fields(spec),
+        "ctypes": CTYPES,
+        "atypes": ATYPES,
+        "per_sample": spec.reduce != "batch",
+        "trailing": spec.layout == "trailing",
+    }
     out = Emitted(spec.name, meta=meta)
     if "numpy" in targets:
         ctx_np = dict(ctx, template=TEMPLATE_FILES["numpy"])

@@ -32,10 +32,11 @@ class _NumPy(SpellsFunctions, _Ordered, NumPyPrinter):
     def _print_Mean(self, expr):
         a = expr.args[0]
         if a.is_Pow and a.exp == 2:  # mean(e**2): one pass over e
-            return "_mean_sq(%s)" % self._print(a.base)
+            return f"_mean_sq({self._print(a.base)})"
         if _plain_pair(a, sympy.Mul):  # mean(a*b): no temporary product
-            return "_mean_prod(%s, %s)" % tuple(self._print(f) for f in a.args)
-        return "_mean(%s)" % self._print(a)
+            left, right = (self._print(f) for f in a.args)
+            return f"_mean_prod({left}, {right})"
+        return f"_mean({self._print(a)})"
 
     def _print_Symbol(self, expr):
         return expr.name
@@ -45,14 +46,15 @@ class _NumPy(SpellsFunctions, _Ordered, NumPyPrinter):
 
     def _spell(self, fn: functions.Elementary, args: tuple) -> str:
         """``numpy.<fn.numpy>(args)`` (derivgen.torch._target has the same names)."""
-        return "%s(%s)" % (self._module_format("numpy." + fn.numpy), self.stringify(args, ", "))
+        name = self._module_format("numpy." + fn.numpy)
+        return f"{name}({self.stringify(args, ', ')})"
 
     def _print_Pow(self, expr, rational=False):
         root = functions.half_power_sign(expr)
         if rational or not root:
             return super()._print_Pow(expr, rational)
         text = self._spell(functions.half_power(), (expr.base,))
-        return text if root > 0 else "%s/%s" % (self._print(sympy.S.One), text)
+        return text if root > 0 else f"{self._print(sympy.S.One)}/{text}"
 
 
 def np_expr(e: sympy.Expr, spec: Spec | None = None) -> str:
@@ -129,7 +131,7 @@ class _C(SpellsFunctions, _Ordered, C99CodePrinter):
         root = functions.half_power_sign(expr)
         if root:
             text = self._spell(functions.half_power(), (expr.base,))
-            return text if root > 0 else "%s/%s" % (self._print(sympy.S.One), text)
+            return text if root > 0 else f"{self._print(sympy.S.One)}/{text}"
         return super()._print_Pow(expr)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+import sympy
 from sympy.printing.latex import LatexPrinter
 from sympy.printing.str import StrPrinter
 
@@ -37,7 +38,7 @@ class DerivLatexPrinter(SpellsFunctions, _Ordered, LatexPrinter):
         if n in self.names.element and self.subscript and self._depth == 0:
             if n == "dy":
                 return r"\frac{\partial L}{\partial y_i}"
-            return "{%s}_i" % base if not base.endswith("}") or "\\" in base else base + "_i"
+            return f"{{{base}}}_i" if not base.endswith("}") or "\\" in base else base + "_i"
         return base
 
     def _print_Mean(self, expr):
@@ -46,23 +47,23 @@ class DerivLatexPrinter(SpellsFunctions, _Ordered, LatexPrinter):
             inner = self._print(expr.args[0])
         finally:
             self._depth -= 1
-        return r"\left\langle %s \right\rangle" % inner
+        return rf"\left\langle {inner} \right\rangle"
 
     def _print_elementary(self, fn: functions.Elementary, expr: sympy.Expr, exp: str | None = None) -> str:
         """The entry's LaTeX: ``\\op^{exp}{\\left(u \\right)}``, or its template (then ``^{exp}``)."""
         arg = ",".join(self._print(a) for a in expr.args)
         if "{0}" in fn.latex:
             tex = fn.latex.format(arg)
-            return tex if exp is None else r"%s^{%s}" % (tex, exp)
-        power = "" if exp is None else "^{%s}" % exp
-        return r"%s%s{\left(%s \right)}" % (fn.latex, power, arg)
+            return tex if exp is None else rf"{tex}^{{{exp}}}"
+        power = "" if exp is None else f"^{{{exp}}}"
+        return rf"{fn.latex}{power}{{\left({arg} \right)}}"
 
     def _print_Pow(self, expr):
         root = functions.half_power_sign(expr)
         if not root:
             return super()._print_Pow(expr)
         tex = call(functions.half_power().latex, self._print(expr.base))
-        return tex if root > 0 else r"\frac{1}{%s}" % tex
+        return tex if root > 0 else rf"\frac{{1}}{{{tex}}}"
 
 
 class DerivTextPrinter(TextSpelling, _Ordered, StrPrinter):
@@ -74,7 +75,7 @@ class DerivTextPrinter(TextSpelling, _Ordered, StrPrinter):
         return self.names.text.get(expr.name, expr.name)
 
     def _print_Mean(self, expr):
-        return "mean(%s)" % self._print(expr.args[0])
+        return f"mean({self._print(expr.args[0])})"
 
 
 def latex_expr(expr, spec=None, subscript: bool = True, extra=None) -> str:
@@ -97,7 +98,15 @@ PREAMBLE = r"""\documentclass[11pt]{article}
 """
 
 
+def _subscript_math(m: re.Match) -> str:
+    """A marked subscripted name (``x``, ``i``) as math between \\x02 marks; Σ as ``\\Sigma``."""
+    base = "\\Sigma" if m.group(1) == "Σ" else m.group(1)
+    return f"\x02{base}_{m.group(2)}\x02"
+
+
 def _tex_escape(s: str) -> str:
+    """Prose as LaTeX text: special characters escaped, subscripted names (x_i) and the Greek
+    letters and symbols the prose uses set as math."""
     repl = {
         "\\": r"\textbackslash{}",
         "&": r"\&",
@@ -113,11 +122,7 @@ def _tex_escape(s: str) -> str:
     # x_i, e_j, y_i, Σ_j: subscripted names become math first
     s = re.sub(r"(?<![A-Za-z])([A-Za-zΣ])_([a-z])(?![A-Za-z_])", "\x00\\1_\\2\x01", s)
     out = "".join(repl.get(ch, ch) for ch in s)
-    out = re.sub(
-        "\x00(.)\\\\_(.)\x01",
-        lambda m: "\x02%s_%s\x02" % ("\\Sigma" if m.group(1) == "Σ" else m.group(1), m.group(2)),
-        out,
-    )
+    out = re.sub("\x00(.)\\\\_(.)\x01", _subscript_math, out)
     # unicode used in our prose -> math
     uni = {
         "μ": r"$\mu$",
@@ -190,8 +195,9 @@ def render(spec, modes: list[ModeDocument], fmt: str = "latex", standalone: bool
         body = _render_latex(spec, modes) + second
         if standalone:
             return (
-                PREAMBLE + "\\title{%s: the backward pass, derived}\n\\author{derivgen}\n\\date{}\n"
-                "\\begin{document}\n\\maketitle\n%s\\end{document}\n" % (_tex_escape(spec.title), body)
+                PREAMBLE
+                + f"\\title{{{_tex_escape(spec.title)}: the backward pass, derived}}\n\\author{{derivgen}}\n\\date{{}}\n"
+                f"\\begin{{document}}\n\\maketitle\n{body}\\end{{document}}\n"
             )
         return body
     if fmt == "markdown":
@@ -221,13 +227,13 @@ def _latex_notes(step) -> list[str]:
     for eq in step.equations:
         if eq.note:
             note = _tex_mixed(eq.note_latex) if eq.note_latex else _tex_escape(eq.note)
-            out.append(r"\item $%s$: %s" % (eq.lhs_latex, note))
+            out.append(rf"\item ${eq.lhs_latex}$: {note}")
     out.append(r"\end{itemize}")
     return out
 
 
 def _latex_step(step, spec, mode: ModeDerivation, heading: str) -> list[str]:
-    out = [heading % _tex_escape(step.title)]
+    out = [f"{heading}{{{_tex_escape(step.title)}}}"]
     if step.prose:
         out.append(_tex_escape(step.prose))
     if step.equations:
@@ -253,9 +259,9 @@ def _render_latex(spec, modes: list[ModeDocument]) -> str:
         mode = doc.derivation
         mt = _mode_title(mode, len(modes))
         if mt:
-            out.append(r"\section{%s}" % mt)
+            out.append(rf"\section{{{mt}}}")
         for step in doc.steps:
-            out += _latex_step(step, spec, mode, r"\subsection*{%s}" if mt else r"\section*{%s}")
+            out += _latex_step(step, spec, mode, r"\subsection*" if mt else r"\section*")
         out.append(_proof_latex(doc.proof))
     return "\n".join(out) + "\n"
 
@@ -385,9 +391,9 @@ def _second_equations(second: SecondOrder) -> list[tuple[str, str, object]]:
     for p in spec.params:
         gr = second.grads[p.name]
         e = gr.element if gr.group == 0 else gr.element + gr.group
-        eqs.append((r"\frac{\partial L_2}{\partial %s}" % p.latex, f"∂L₂/∂{p.text}", e))
+        eqs.append((rf"\frac{{\partial L_2}}{{\partial {p.latex}}}", f"∂L₂/∂{p.text}", e))
     for i in spec.inputs:
-        eqs.append((r"\frac{\partial L_2}{\partial %s}" % i.latex, f"∂L₂/∂{i.text}", second.dinputs[i.name]))
+        eqs.append((rf"\frac{{\partial L_2}}{{\partial {i.latex}}}", f"∂L₂/∂{i.text}", second.dinputs[i.name]))
     eqs.append((r"\dot{y}", "ẏ", second.ty))
     return eqs
 
@@ -410,13 +416,15 @@ def render_second(spec, modes: list[ModeDocument], fmt: str) -> str:
         title = "Second order" + (f" ({mt.lower()})" if mt else "")
         if fmt == "latex":
             out += [
-                r"\section*{%s}" % title,
+                rf"\section*{{{title}}}",
                 _tex_escape(prose),
                 r"\begin{align*}",
                 " \\\\\n".join(f"{lhs} &= {latex_expr(e, spec, extra=extra)}" for lhs, _, e in eqs),
                 r"\end{align*}",
-                r"\paragraph{Proof against brute force.} Second derivatives of the "
-                r"explicit layer at small N (sympy.diff twice) against the closed forms:",
+                (
+                    r"\paragraph{Proof against brute force.} Second derivatives of the "
+                    r"explicit layer at small N (sympy.diff twice) against the closed forms:"
+                ),
                 r"\begin{itemize}",
                 *(r"\item " + _tex_escape(x) for x in lines),
                 r"\end{itemize}",

@@ -43,7 +43,7 @@ class Step:
 
 def partial_latex(num: str, den: str) -> str:
     """∂num/∂den in LaTeX."""
-    return r"\frac{\partial %s}{\partial %s}" % (num, den)
+    return rf"\frac{{\partial {num}}}{{\partial {den}}}"
 
 
 def partial_text(num: str, den: str) -> str:

@@ -143,7 +143,7 @@ def _strip_positive(e: sympy.Expr) -> sympy.Expr:
         return abs(c) * s * sympy.Abs(k1) / sympy.Abs(k2)
 
     def sign_(a):
-        c, s, k1, k2 = canonical(a.args[0])
+        c, _, k1, k2 = canonical(a.args[0])
         return sympy.sign(c) * sympy.sign(k1) * sympy.sign(k2)
 
     e = e.replace(lambda a: isinstance(a, sympy.Abs), abs_)
@@ -171,13 +171,17 @@ def _zero_symbolic(diff: sympy.Expr) -> bool:
             budget[0] -= 1
             if budget[0] < 0:
                 return False
-            sub = e.replace(lambda a: isinstance(a, sympy.Abs) and a.args[0] == t, lambda a: sgn * t)
-            sub = sub.replace(lambda a: isinstance(a, sympy.sign) and a.args[0] == t, lambda a: sympy.Integer(sgn))
-            if not split(sub, case):
+            if not split(_with_sign(e, t, sgn), case):
                 return False
         return True
 
     return split(diff, [])
+
+
+def _with_sign(e: sympy.Expr, t: sympy.Expr, sgn: int) -> sympy.Expr:
+    """``e`` in the case ``sgn``·t > 0: |t| = sgn·t and sign(t) = sgn."""
+    e = e.replace(lambda a: isinstance(a, sympy.Abs) and a.args[0] == t, lambda a: sgn * t)
+    return e.replace(lambda a: isinstance(a, sympy.sign) and a.args[0] == t, lambda a: sympy.Integer(sgn))
 
 
 def _infeasible(case: list[tuple[sympy.Expr, int]]) -> bool:
@@ -217,6 +221,11 @@ def _primitive_root(q: sympy.Pow) -> sympy.Expr:
     return sympy.Pow(c, q.exp) * sympy.Pow(k, q.exp)
 
 
+def _primitive_roots(e: sympy.Expr, roots: list[sympy.Pow]) -> sympy.Expr:
+    """``e`` with each of ``roots`` whose base is not a number written by :func:`_primitive_root`."""
+    return e.replace(lambda q: q in roots and not q.base.is_Number, _primitive_root)
+
+
 def _reduces_to_zero(diff: sympy.Expr) -> bool:
     """Zero as a rational function once every root b^(1/q) is a generator t with t^q = b.
 
@@ -234,7 +243,7 @@ def _reduces_to_zero(diff: sympy.Expr) -> bool:
         if not inner:
             break
         if k == 0:
-            e = e.replace(lambda q: q in inner and not q.base.is_Number, _primitive_root)
+            e = _primitive_roots(e, inner)
             continue
         base = min((q.base for q in inner), key=sympy.default_sort_key)
         den = math.lcm(*[int(q.exp.q) for q in inner if q.base == base])
