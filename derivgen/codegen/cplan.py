@@ -17,6 +17,7 @@ subexpressions ``Cse0``.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -95,15 +96,18 @@ class CLoop:
         return len(self.outputs) == 1 and not self.group_sums and not (channel_lanes and self.param_sums)
 
     @property
-    def direct_run(self) -> bool:  # along the channel axis (S == 1), or with no parameters
+    def direct_run(self) -> bool:
+        """Written in place along the channel axis (S == 1), or with no parameters."""
         return self._direct(False)
 
     @property
-    def direct_nchw(self) -> bool:  # runs of S values of one channel
+    def direct_nchw(self) -> bool:
+        """Written in place in runs of S values of one channel (NCHW)."""
         return self._direct(True)
 
     @property
-    def needs_tile(self) -> bool:  # some run of this sweep streams through a tile
+    def needs_tile(self) -> bool:
+        """Some run of this sweep computes into a tile that is streamed out afterwards."""
         if not self.outputs:
             return False
         return not (self.direct_run and self.direct_nchw) if self.uses_params else not self.direct_run
@@ -306,11 +310,11 @@ class CPlanner:
         exprs: list[sympy.Expr],
         temps: list[tuple[str, sympy.Expr]],
         *,
-        stores=(),
-        group_sums=(),
-        param_sums=(),
+        stores: Iterable[tuple[str, sympy.Expr]] = (),
+        group_sums: Iterable[tuple[str, sympy.Expr]] = (),
+        param_sums: Sequence[tuple[int, sympy.Expr]] = (),
         arith: str = "double",
-        outputs=(),
+        outputs: Iterable[str] = (),
         first: bool = False,
     ) -> CLoop:
         """Element sweep computing ``exprs``; ``temps`` are element temporaries available;
@@ -327,21 +331,21 @@ class CPlanner:
         or overflowing (|x| ~ 1e30). ``arith="float"`` (output sweeps of float
         kernels) computes in float, adding group-level terms as hi + lo pairs.
         """
-        A, T = arith, self.ctype
+        ctype = self.ctype
         needed, names = needed_temps(exprs, temps)
         chan = [p for p in self.params if p not in self.scalar]
         elem = {"x", "dy", *chan} | {nm for nm, _ in needed}
         enames = dict(self.group_names)
         enames.update(self.elem_names)
         prelude, hoisted = ([], {})
-        if A == "float":
+        if arith == "float":
             prelude, hoisted = self._float_prelude([te for _, te in needed] + list(exprs), elem, enames)
         body_reads: set[str] = set()
         pend_reads: set[str] = set()
 
         def element(e: sympy.Expr, into: set[str]) -> str:
             """Element arithmetic (temporaries, stored outputs) in the sweep's type."""
-            if A == "float":
+            if arith == "float":
                 text, reads = self.printer.c_float_reads(e, enames, hoisted)
             else:
                 text, reads = self.printer.c_reads(e, "double", enames)
@@ -350,18 +354,18 @@ class CPlanner:
 
         elem_loads = []
         if "x" in names:
-            elem_loads.append(f"const {A} Xv = {c_load('x[Idx]', T, A)};")
+            elem_loads.append(f"const {arith} Xv = {c_load('x[Idx]', ctype, arith)};")
         if "dy" in names:
-            elem_loads.append(f"const {A} Dyv = {c_load('dy[Idx]', T, A)};")
+            elem_loads.append(f"const {arith} Dyv = {c_load('dy[Idx]', ctype, arith)};")
         for nm, te in needed:
-            elem_loads.append(f"const {A} {nm} = {element(te, body_reads)};")
+            elem_loads.append(f"const {arith} {nm} = {element(te, body_reads)};")
             enames[nm] = nm
         # summands are double: float element values are widened before any arithmetic, so the
         # temporaries (x-hat, g) are the same values in every sweep and products do not overflow
         dnames = dict(self.group_names)
         dnames.update(self.elem_names)
         dnames.update({nm: nm for nm, _ in needed})
-        if A != "double":
+        if arith != "double":
             dnames.update({k: f"((double){v})" for k, v in dnames.items() if k in elem})
 
         def summand(e: sympy.Expr) -> str:
@@ -369,11 +373,13 @@ class CPlanner:
             body_reads.update(reads)
             return text
 
-        param_loads = [f"const {A} {derived(p, 'V')} = {c_load(p + '[Ch]', T, A)};" for p in chan if p in names]
+        param_loads = [
+            f"const {arith} {derived(p, 'V')} = {c_load(p + '[Ch]', ctype, arith)};" for p in chan if p in names
+        ]
         chan_sums = [(k, e) for k, e in param_sums if self.params[k] not in self.scalar]
         scal_sums = [(k, e) for k, e in param_sums if self.params[k] in self.scalar]
         all_sums = list(group_sums) + [(f"Psum_{k}", e) for k, e in scal_sums]
-        stored = tuple((o, c_store(element(e, body_reads), T)) for o, e in stores)
+        stored = tuple((o, c_store(element(e, body_reads), ctype)) for o, e in stores)
         sums = tuple((a, summand(e)) for a, e in all_sums)
         chan_summands = tuple((k, summand(e)) for k, e in chan_sums)
         pend = tuple((k, element(e, pend_reads)) for k, e in chan_sums)

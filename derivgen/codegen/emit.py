@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 import pprint
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -154,43 +154,45 @@ def _formulas(d: LayerDerivation, printer: SpecPrinter) -> dict[str, list[str]]:
     """Human-readable formulas for headers, per mode."""
     spec = d.spec
     out = {}
-    T = printer.code
-    for mname, md in d.modes.items():
+    code = printer.code
+    for mname, first in d.modes.items():
         lines = ["forward:"] + [
-            f"  {st.name} = {T(st.expr)}" + ("  (named by derivgen)" if st.aux else "") for st in md.statistics
+            f"  {st.name} = {code(st.expr)}" + ("  (named by derivgen)" if st.aux else "") for st in first.statistics
         ]
         if spec.normalized is not None:
-            lines.append(f"  {spec.normalized.name} = {T(md.normalized_expr)}")
-        lines.append(f"  y = {T(spec.output)}")
-        if md.coordinate is not None and md.coordinate.name != getattr(spec.normalized, "name", None):
-            lines.append(f"  ({md.coordinate.name} = {T(md.coordinate_expr)}: the centred coordinate of the backward)")
+            lines.append(f"  {spec.normalized.name} = {code(first.normalized_expr)}")
+        lines.append(f"  y = {code(spec.output)}")
+        if first.coordinate is not None and first.coordinate.name != getattr(spec.normalized, "name", None):
+            lines.append(
+                f"  ({first.coordinate.name} = {code(first.coordinate_expr)}: the centred coordinate of the backward)"
+            )
         for b in spec.buffers if mname == "train" else ():
-            lines.append(f"  {b.name} <- {T(b.update)}  (in place, not differentiated)")
+            lines.append(f"  {b.name} <- {code(b.update)}  (in place, not differentiated)")
         lines.append("backward (closed form, derived by derivgen):")
-        if md.g is not None:
-            lines.append(f"  g = {T(md.g)}")
-        for r in md.reductions:
-            lines.append(f"  {r.name} = mean({T(r.arg)})")
-        lines.append(f"  dx = {T(md.dx_lowered)}")
+        if first.g is not None:
+            lines.append(f"  g = {code(first.g)}")
+        for r in first.reductions:
+            lines.append(f"  {r.name} = mean({code(r.arg)})")
+        lines.append(f"  dx = {code(first.dx_lowered)}")
         for p in spec.params:
             where = "all elements" if p.scalar else f"the axes {p.name} does not span"
-            lines.append(f"  d{p.name} = sum of {T(md.lowered(md.grads[p.name].element))} over {where}")
-            if md.grads[p.name].group != 0:
-                lines.append(f"      + sum over groups of {T(md.lowered(md.grads[p.name].group))}")
-        for i, e in md.dinputs.items():
-            lines.append(f"  d{i} = {T(md.lowered(e))}  (per group; summed for a scalar input)")
+            lines.append(f"  d{p.name} = sum of {code(first.lowered(first.grads[p.name].element))} over {where}")
+            if first.grads[p.name].group != 0:
+                lines.append(f"      + sum over groups of {code(first.lowered(first.grads[p.name].group))}")
+        for i, e in first.dinputs.items():
+            lines.append(f"  d{i} = {code(first.lowered(e))}  (per group; summed for a scalar input)")
         out[mname] = lines
     return out
 
 
-def emit(d: LayerDerivation, targets=("numpy", "c")) -> Emitted:
+def emit(d: LayerDerivation, targets: Collection[str] = ("numpy", "c")) -> Emitted:
     """Render a layer's derivation ``d`` (``derivgen.derive``'s result) for ``targets``
     ("numpy", "c", "torch"): the IR and every C kernel's plan are computed here, once;
     the templates lay them out."""
     spec = d.spec
     printer = SpecPrinter(spec)
     env = _env()
-    irs = {m: build_mode_ir(md) for m, md in d.modes.items()}
+    irs = {m: build_mode_ir(first) for m, first in d.modes.items()}
     second_irs = {
         m: {"bb": build_second_ir(d.second(m), "bb"), "jvp": build_second_ir(d.second(m), "jvp")} for m in d.modes
     }

@@ -26,6 +26,7 @@ import sympy
 from sympy import Add, Mul
 
 from derivgen.derive.first import G, ModeDerivation
+from derivgen.derive.second import SecondOrder
 from derivgen.spec.model import DY, N, Spec, X
 from derivgen.symbolic.naming import code_text, derived
 from derivgen.symbolic.reduce import Mean, means
@@ -133,11 +134,11 @@ def _mono_name(f: sympy.Expr) -> str:
     return str(b) if e == 1 else f"{b}{e}"
 
 
-def forward_program(md: ModeDerivation) -> list:
+def forward_program(first: ModeDerivation) -> list:
     """Loop/Assign steps computing the statistics as written (two passes for a variance).
     A sweep whose sums use no value assigned since an earlier sweep joins that sweep."""
     forward: list = []
-    for st in md.statistics:
+    for st in first.statistics:
         atoms = means(st.expr)
         sub = {}
         if atoms:
@@ -174,59 +175,61 @@ def split_levels(forward: list) -> list[tuple[list, list]]:
     return levels
 
 
-def build_mode_ir(md: ModeDerivation) -> ModeIR:
+def build_mode_ir(first: ModeDerivation) -> ModeIR:
     """The IR of one mode's derivation (first order)."""
-    spec = md.spec
+    spec = first.spec
     element = {X, DY, G, *(p.symbol for p in spec.params if not p.scalar)}
     xhat = spec.normalized.symbol if spec.normalized else None
     if xhat is not None:
         element.add(xhat)
-    coord = md.coordinate  # the backward's coordinate: x̂, or the centred x - μ
+    coord = first.coordinate  # the backward's coordinate: x̂, or the centred x - μ
     if coord is not None:
         element.add(coord.symbol)
 
     def is_elem(e):
         return bool(e.free_symbols & element) and not isinstance(e, Mean)
 
-    buffer_updates = [(b.name, b.update) for b in spec.buffers] if md.mode == "train" else []
+    buffer_updates = [(b.name, b.update) for b in spec.buffers] if first.mode == "train" else []
     fwd_elem = []
     if xhat is not None:
-        fwd_elem.append((spec.normalized.name, md.normalized_expr))
+        fwd_elem.append((spec.normalized.name, first.normalized_expr))
     fwd_elem.append(("y", spec.output))
 
     bwd_elem = []
     if coord is not None:
-        bwd_elem.append((coord.name, md.coordinate_expr))
-    if md.g is not None:
-        bwd_elem.append(("g", md.g))
-    bwd_loop = [("Sum_" + r.name[len("Mean_") :], r.arg) for r in md.reductions]
+        bwd_elem.append((coord.name, first.coordinate_expr))
+    if first.g is not None:
+        bwd_elem.append(("g", first.g))
+    bwd_loop = [("Sum_" + r.name[len("Mean_") :], r.arg) for r in first.reductions]
     bwd_group = [
         Assign(r.name, sympy.Symbol(acc) / N, comment=f"{r.name} = mean({code_text(r.arg, spec)})")
-        for r, (acc, _) in zip(md.reductions, bwd_loop)
+        for r, (acc, _) in zip(first.reductions, bwd_loop)
     ]
     # dx = Σ_k coefficient_k(group) · monomial_k(element)
-    coefficients, dx_terms = by_monomial(md.dx_lowered, is_elem, "K_", set(), spec, of=" in dx", drop_zero=False)
+    coefficients, dx_terms = by_monomial(first.dx_lowered, is_elem, "K_", set(), spec, of=" in dx", drop_zero=False)
     bwd_group += coefficients
     dinputs = []
     for i in spec.inputs:
         nm = derived(i.name, "Grad")
-        bwd_group.append(Assign(nm, md.lowered(md.dinputs[i.name]), comment=f"dL/d{i.name} for this group"))
+        bwd_group.append(Assign(nm, first.lowered(first.dinputs[i.name]), comment=f"dL/d{i.name} for this group"))
         dinputs.append((i.name, nm))
     dparam_groups = []
     for k, p in enumerate(spec.params):
-        if md.grads[p.name].group != 0:
+        if first.grads[p.name].group != 0:
             nm = derived(p.name, "Grad")
             bwd_group.append(
                 Assign(
-                    nm, md.lowered(md.grads[p.name].group), comment=f"dL/d{p.name} through the statistics, this group"
+                    nm,
+                    first.lowered(first.grads[p.name].group),
+                    comment=f"dL/d{p.name} through the statistics, this group",
                 )
             )
             dparam_groups.append((k, nm))
-    dparams = [(p.name, md.lowered(md.grads[p.name].element)) for p in spec.params]
-    forward = forward_program(md)
+    dparams = [(p.name, first.lowered(first.grads[p.name].element)) for p in spec.params]
+    forward = forward_program(first)
     return ModeIR(
-        mode=md.mode,
-        stats=[s.name for s in md.statistics],
+        mode=first.mode,
+        stats=[s.name for s in first.statistics],
         forward=forward,
         levels=split_levels(forward),
         buffer_updates=buffer_updates,
@@ -235,15 +238,15 @@ def build_mode_ir(md: ModeDerivation) -> ModeIR:
         bwd_loop=bwd_loop,
         bwd_group=bwd_group,
         dx_terms=dx_terms,
-        dx_closed=md.dx_lowered,
+        dx_closed=first.dx_lowered,
         dparams=dparams,
         dparam_groups=dparam_groups,
         dinputs=dinputs,
         dparam_group_exprs={
-            p.name: md.lowered(md.grads[p.name].group) for p in spec.params if md.grads[p.name].group != 0
+            p.name: first.lowered(first.grads[p.name].group) for p in spec.params if first.grads[p.name].group != 0
         },
         element_symbols=sorted(str(s) for s in element),
-        stat_exprs=[(st.name, st.expr, st.expr_text) for st in md.statistics],
+        stat_exprs=[(st.name, st.expr, st.expr_text) for st in first.statistics],
     )
 
 
@@ -269,21 +272,21 @@ class SecondIR:
     seed_inputs: dict[str, str]
 
 
-def build_second_ir(so, kind: str) -> SecondIR:
-    """The IR of one second-order kernel (``kind`` "bb" or "jvp") of a mode's second order ``so``."""
-    md, spec = so.md, so.spec
-    element = {str(s) for s in so.element} | {"x", "dy"}
+def build_second_ir(second: SecondOrder, kind: str) -> SecondIR:
+    """The IR of one second-order kernel (``kind`` "bb" or "jvp") of a mode's second order ``second``."""
+    first, spec = second.md, second.spec
+    element = {str(s) for s in second.element} | {"x", "dy"}
 
     def is_elem(f):
         return bool({str(v) for v in f.free_symbols} & element) and not isinstance(f, Mean)
 
     temps = []
-    if md.coordinate is not None:
-        temps.append((md.coordinate.name, md.coordinate_expr))
-    if md.g is not None and kind == "bb":
-        temps.append(("g", md.g))
-    reds = so.reductions if kind == "bb" else so.jvp_reductions
-    low = so.lowered if kind == "bb" else so.jvp_lowered
+    if first.coordinate is not None:
+        temps.append((first.coordinate.name, first.coordinate_expr))
+    if first.g is not None and kind == "bb":
+        temps.append(("g", first.g))
+    reds = second.reductions if kind == "bb" else second.jvp_reductions
+    low = second.lowered if kind == "bb" else second.jvp_lowered
     loop = [("Sum_" + r.name[len("Mean_") :], r.arg) for r in reds]
     means_ = [
         Assign(r.name, sympy.Symbol(acc) / N, comment=f"{r.name} = mean({code_text(r.arg, spec)})")
@@ -292,16 +295,16 @@ def build_second_ir(so, kind: str) -> SecondIR:
     used: set[str] = set()
     group, outputs, param_elem, param_group, input_out = [], [], [], [], []
     if kind == "bb":
-        outs = [("dx", so.dx), ("ddy", so.ddy)]
+        outs = [("dx", second.dx), ("ddy", second.ddy)]
     else:
-        outs = [("ty", so.ty)]
+        outs = [("ty", second.ty)]
     for name, e in outs:
         assigns, terms = by_monomial(low(e), is_elem, f"K{name.upper()}_", used, spec)
         group += assigns
         outputs.append((name, terms, low(e)))
     if kind == "bb":
         for p in spec.params:
-            gr = so.grads[p.name]
+            gr = second.grads[p.name]
             param_elem.append((p.name, low(gr.element)))
             if gr.group != 0:
                 nm = _unique(derived(p.name, "Grad2"), used)
@@ -309,11 +312,11 @@ def build_second_ir(so, kind: str) -> SecondIR:
                 param_group.append((p.name, nm))
         for i in spec.inputs:
             nm = _unique(derived(i.name, "Grad2"), used)
-            group.append(Assign(nm, low(so.dinputs[i.name]), comment=f"d{i.name} for this group"))
+            group.append(Assign(nm, low(second.dinputs[i.name]), comment=f"d{i.name} for this group"))
             input_out.append((i.name, nm))
-        seeds = (so.cot_x, so.cot_params, so.cot_inputs)
+        seeds = (second.cot_x, second.cot_params, second.cot_inputs)
     else:
-        seeds = (so.tan_x, so.tan_params, so.tan_inputs)
+        seeds = (second.tan_x, second.tan_params, second.tan_inputs)
     # only the temporaries something uses
     kept, _ = needed_temps([*(e for _, e in loop), *(e for _, _, e in outputs), *(e for _, e in param_elem)], temps)
     return SecondIR(

@@ -58,6 +58,8 @@ class _NumPy(SpellsFunctions, _Ordered, NumPyPrinter):
 
 
 def np_expr(e: sympy.Expr, spec: Spec | None = None) -> str:
+    """NumPy text for ``e``: ``_np.<function>`` calls, ``_mean``/``_mean_sq``/``_mean_prod`` for
+    group means, spec names as they are."""
     return _NumPy(ordered_names(spec)).doprint(e).replace("numpy.", "_np.")
 
 

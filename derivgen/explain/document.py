@@ -8,6 +8,7 @@ a group mean, and ``Mean(e)`` prints as ⟨e⟩ (LaTeX) or mean(e) (text).
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import sympy
@@ -17,6 +18,7 @@ from sympy.printing.str import StrPrinter
 from derivgen.derive.first import ModeDerivation
 from derivgen.derive.second import SecondOrder
 from derivgen.prove.proof import ModeProof
+from derivgen.spec.model import Named, Spec
 from derivgen.symbolic import functions
 from derivgen.symbolic.functions import SpellsFunctions, call
 from derivgen.symbolic.naming import DisplayNames, TextSpelling, _Ordered
@@ -24,6 +26,10 @@ from derivgen.symbolic.reduce import Mean
 
 
 class DerivLatexPrinter(SpellsFunctions, _Ordered, LatexPrinter):
+    """SymPy's LaTeX printer with the layer's display names: an element-level symbol carries
+    the subscript i outside a group mean (``subscript``), ∂L/∂y prints as a fraction, and
+    ``Mean(e)`` as ⟨e⟩."""
+
     def __init__(self, names: DisplayNames, subscript: bool = True):
         super().__init__({"mul_symbol": None, "fold_short_frac": False})
         self.names = names
@@ -67,6 +73,9 @@ class DerivLatexPrinter(SpellsFunctions, _Ordered, LatexPrinter):
 
 
 class DerivTextPrinter(TextSpelling, _Ordered, StrPrinter):
+    """SymPy's text printer with the layer's display names (μ, σ², x̂ ...); ``Mean(e)`` prints
+    as mean(e)."""
+
     def __init__(self, names: DisplayNames):
         super().__init__({"order": None})
         self.names = names
@@ -78,11 +87,16 @@ class DerivTextPrinter(TextSpelling, _Ordered, StrPrinter):
         return f"mean({self._print(expr.args[0])})"
 
 
-def latex_expr(expr, spec=None, subscript: bool = True, extra=None) -> str:
+def latex_expr(
+    expr: sympy.Expr, spec: Spec | None = None, subscript: bool = True, extra: Mapping[str, Named] | None = None
+) -> str:
+    """``expr`` in LaTeX with the display names of ``spec`` and of ``extra`` (auxiliaries,
+    the coordinate); element-level symbols subscripted with i unless ``subscript`` is False."""
     return DerivLatexPrinter(DisplayNames(spec, extra), subscript).doprint(expr)
 
 
-def text_expr(expr, spec=None, extra=None) -> str:
+def text_expr(expr: sympy.Expr, spec: Spec | None = None, extra: Mapping[str, Named] | None = None) -> str:
+    """``expr`` in text with the display names of ``spec`` and ``extra``: ^ for powers, · for products."""
     s = DerivTextPrinter(DisplayNames(spec, extra)).doprint(expr)
     return s.replace("**", "^").replace("*", "·")
 
@@ -99,7 +113,8 @@ PREAMBLE = r"""\documentclass[11pt]{article}
 
 
 def _subscript_math(m: re.Match) -> str:
-    """A marked subscripted name (``x``, ``i``) as math between \\x02 marks; Σ as ``\\Sigma``."""
+    """A subscripted name marked by :func:`_tex_escape` (x, then the escaped _i) as the math
+    x_i between \\x02 marks (dollar signs at the end); Σ as ``\\Sigma``."""
     base = "\\Sigma" if m.group(1) == "Σ" else m.group(1)
     return f"\x02{base}_{m.group(2)}\x02"
 
@@ -180,13 +195,13 @@ class ModeDocument:
     second_proof: ModeProof | None = None
 
 
-def check_format(fmt: str):
+def check_format(fmt: str) -> None:
     """Raise ValueError unless ``fmt`` is one of :data:`FORMATS`."""
     if fmt not in FORMATS:
         raise ValueError(f"format must be latex, markdown or text, got {fmt!r}")
 
 
-def render(spec, modes: list[ModeDocument], fmt: str = "latex", standalone: bool = False) -> str:
+def render(spec: Spec, modes: list[ModeDocument], fmt: str = "latex", standalone: bool = False) -> str:
     """The derivation document of a layer in LaTeX, Markdown or text, from data computed
     beforehand; a "Second order" section follows when the modes carry their second order."""
     check_format(fmt)
@@ -232,7 +247,8 @@ def _latex_notes(step) -> list[str]:
     return out
 
 
-def _latex_step(step, spec, mode: ModeDerivation, heading: str) -> list[str]:
+def _latex_step(step, spec: Spec, mode: ModeDerivation, heading: str) -> list[str]:
+    """One step in LaTeX under ``heading`` (a sectioning command): prose, an align* block, the notes."""
     out = [f"{heading}{{{_tex_escape(step.title)}}}"]
     if step.prose:
         out.append(_tex_escape(step.prose))
@@ -249,7 +265,7 @@ def _latex_step(step, spec, mode: ModeDerivation, heading: str) -> list[str]:
     return out
 
 
-def _render_latex(spec, modes: list[ModeDocument]) -> str:
+def _render_latex(spec: Spec, modes: list[ModeDocument]) -> str:
     out = []
     if spec.summary:
         out.append(_tex_escape(spec.summary) + "\n")
@@ -288,7 +304,7 @@ def _proof_latex(proof: ModeProof | None) -> str:
     )
 
 
-def _render_markdown(spec, modes: list[ModeDocument]) -> str:
+def _render_markdown(spec: Spec, modes: list[ModeDocument]) -> str:
     out = [f"# {spec.title}: the backward pass, derived", ""]
     if spec.summary:
         out += [spec.summary, ""]
@@ -317,7 +333,7 @@ def _render_markdown(spec, modes: list[ModeDocument]) -> str:
     return "\n".join(out)
 
 
-def _render_text(spec, modes: list[ModeDocument]) -> str:
+def _render_text(spec: Spec, modes: list[ModeDocument]) -> str:
     out = [f"{spec.title}: the backward pass, derived", "=" * (len(spec.title) + 30)]
     if spec.summary:
         out += [spec.summary]
@@ -404,7 +420,7 @@ def _second_proof_lines(proof: ModeProof | None) -> list[str]:
     return [f"N = {r.n}: {r.status} ({r.method}, {r.seconds:.2f} s)" for r in proof.results]
 
 
-def render_second(spec, modes: list[ModeDocument], fmt: str) -> str:
+def render_second(spec: Spec, modes: list[ModeDocument], fmt: str) -> str:
     """The "Second order" section of a derivation document (``derivgen derive --order 2``),
     from each mode's second order and its proof (None: not checked)."""
     out = []

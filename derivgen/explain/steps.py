@@ -11,13 +11,14 @@ LaTeX, Markdown or text.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import sympy
 
 from derivgen.derive.first import ModeDerivation, Partial, mode_depends_on_x
 from derivgen.explain.document import latex_expr, text_expr
-from derivgen.spec.model import DY, X
+from derivgen.spec.model import DY, Named, Spec, Statistic, X
 from derivgen.symbolic.reduce import Mean, ReductionAlgebra
 
 
@@ -60,33 +61,34 @@ _NEGLIGIBLE = (
 class _Names:
     """Display names of the symbols of one derivation (spec names and auxiliaries)."""
 
-    def __init__(self, spec, statistics, coordinate=None):
+    def __init__(self, spec: Spec, statistics: Iterable[Statistic], coordinate: Named | None = None):
         self.spec = spec
         self.named = {n.symbol.name: n for n in spec.symbols.values()}
         self.named.update({s.symbol.name: s for s in statistics})
         if coordinate is not None:
             self.named[coordinate.symbol.name] = coordinate
 
-    def latex(self, sym) -> str:
+    def latex(self, sym: sympy.Basic) -> str:
         """A symbol's name in LaTeX."""
         n = self.named.get(getattr(sym, "name", None))
         return n.latex if n is not None else sympy.latex(sym)
 
-    def text(self, sym) -> str:
+    def text(self, sym: sympy.Basic) -> str:
         """A symbol's name in text."""
         n = self.named.get(getattr(sym, "name", None))
         return n.text if n is not None else str(sym)
 
-    def expr_text(self, e) -> str:
+    def expr_text(self, e: sympy.Expr) -> str:
         """An expression in text."""
         return text_expr(e, self.spec, extra=self.named)
 
-    def expr_latex(self, e) -> str:
+    def expr_latex(self, e: sympy.Expr) -> str:
         """An expression in LaTeX (no element subscripts)."""
         return latex_expr(e, self.spec, subscript=False, extra=self.named)
 
 
-def _why_zero(stats, show) -> str:
+def _why_zero(stats: Iterable[Statistic], show: Callable[[sympy.Expr], str]) -> str:
+    """Why a term vanishes: the definitions of the statistics it uses, or that its terms cancel."""
     defs = [f"{s.text} = {show(s.expr)}" for s in stats]
     return " and ".join(defs) if defs else "its terms cancel"
 
@@ -124,7 +126,8 @@ def facts(mode: ModeDerivation) -> tuple[list[tuple[str, str]], list[tuple[str, 
     return vanishing, kept
 
 
-def _linear_mean(spec, xhat_def):
+def _linear_mean(spec: Spec, xhat_def: sympy.Expr) -> sympy.Expr:
+    """⟨x̂⟩ by linearity of the mean, in the spec's statistics (zero for a centred x̂)."""
     varying = {X, DY} | {p.symbol for p in spec.params if not p.scalar}
     return sympy.factor_terms(ReductionAlgebra(varying).canon(Mean(xhat_def)))
 
