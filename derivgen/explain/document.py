@@ -361,7 +361,21 @@ def _render_text(spec: Spec, modes: list[ModeDocument]) -> str:
 # ---------------------------------------------------------------- second order
 
 
+def _backward_program(second: SecondOrder) -> str:
+    """What the backward's own program holds, as the prose names it: " (statistics, x̂, g, its
+    reductions)", each part only where the mode has it; empty when it has none."""
+    first = second.md
+    parts = [
+        *(["statistics"] if first.statistics else []),
+        *([first.coordinate.text] if first.coordinate is not None else []),
+        *(["g"] if first.g is not None else []),
+        *(["its reductions"] if first.reductions else []),
+    ]
+    return f" ({', '.join(parts)})" if parts else ""
+
+
 def _second_prose(second: SecondOrder) -> str:
+    """How the double backward and the JVP are derived, with their seeds and reduction counts."""
     spec = second.spec
     cots = ", ".join(
         [
@@ -377,22 +391,16 @@ def _second_prose(second: SecondOrder) -> str:
             *(second.tan_inputs[i.name].text for i in spec.inputs),
         ]
     )
-    prose = (
+    return (
         f"The double backward is the vector-Jacobian product of the backward above: with the cotangents "
         f"{cots} of the backward's outputs it differentiates L₂ = Σ δx·∂L/∂x + Σ δp·∂L/∂p + ... once more, "
-        f"by reverse mode through the backward's own program (statistics, x̂, g, its reductions), and the "
+        f"by reverse mode through the backward's own program{_backward_program(second)}, and the "
         f"nested means collapse by linearity and the known statistics to means of element monomials: "
         f"{len(second.reductions)} reductions per group, one sweep for them and one for the outputs. "
         f"The JVP is forward mode through the forward program with the tangents {tans}: "
         f"{len(second.jvp_reductions)} reductions. Terms from |u| (a DiracDelta) are dropped: zero wherever the "
         f"first derivative exists."
     )
-    if spec.name == "layernorm":
-        prose += (
-            " For comparison, PyTorch's hand-written layer_norm_double_backward "
-            "(torch/csrc/autograd/FunctionsManual.cpp) is about 140 lines of tensor operations written by hand over the same 7 row reductions (two of them computed twice); a layer PyTorch does not ship has no such formula."
-        )
-    return prose
 
 
 def _second_equations(second: SecondOrder) -> list[tuple[str, str, object]]:
