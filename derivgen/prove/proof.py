@@ -409,19 +409,21 @@ def _explicit_loss(ex: _Explicit) -> tuple[list[sympy.Expr], sympy.Expr]:
     return ys, sympy.Add(*[ex.elem[DY][i] * ys[i] for i in range(ex.n)])
 
 
-def _param_check(what: str, loss: sympy.Expr, p: Param, grad: ParamGrad, ex: _Explicit) -> tuple[str, sympy.Expr]:
-    """(what, difference) for parameter ``p``'s closed-form gradient ``grad`` of ``loss``: at
+def _param_check(prefix: str, loss: sympy.Expr, p: Param, grad: ParamGrad, ex: _Explicit) -> tuple[str, sympy.Expr]:
+    """(``prefix`` d<name>, difference) for parameter ``p``'s closed-form gradient ``grad`` of ``loss``: at
     element 0 for a per-element parameter, summed over the group (element part over every
     element plus the group part) for a scalar one."""
     if p.scalar:
         total = sympy.Add(*[ex.at(grad.element, i) for i in range(ex.n)]) + ex.at(grad.group, None)
-        return f"{what}d{p.name}", sympy.diff(loss, p.symbol) - total
-    return f"{what}d{p.name}_0", sympy.diff(loss, ex.elem[p.symbol][0]) - ex.at(grad.element, 0)
+        return f"{prefix}d{p.name}", sympy.diff(loss, p.symbol) - total
+    return f"{prefix}d{p.name}_0", sympy.diff(loss, ex.elem[p.symbol][0]) - ex.at(grad.element, 0)
 
 
-def _input_check(what: str, loss: sympy.Expr, inp: Input, closed: sympy.Expr, ex: _Explicit) -> tuple[str, sympy.Expr]:
-    """(what, difference) for a per-group input's closed-form gradient ``closed`` of ``loss``."""
-    return f"{what}d{inp.name}", sympy.diff(loss, inp.symbol) - ex.at(closed, None)
+def _input_check(
+    prefix: str, loss: sympy.Expr, inp: Input, closed: sympy.Expr, ex: _Explicit
+) -> tuple[str, sympy.Expr]:
+    """(``prefix`` d<name>, difference) for a per-group input's closed-form gradient ``closed`` of ``loss``."""
+    return f"{prefix}d{inp.name}", sympy.diff(loss, inp.symbol) - ex.at(closed, None)
 
 
 # ---- first order
