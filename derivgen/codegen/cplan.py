@@ -17,6 +17,7 @@ subexpressions ``Cse0``.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -24,8 +25,8 @@ import sympy
 from sympy import Add
 
 from derivgen.codegen.ir import Assign, Loop, ModeIR, SecondIR, needed_temps
-from derivgen.symbolic.naming import derived
 from derivgen.codegen.printers import SpecPrinter
+from derivgen.symbolic.naming import derived
 
 CTYPES = {"f32": "float", "f64": "double", "bf16": "dg_bf16"}
 # the arithmetic type of each storage type: bfloat16 is read and written as bfloat16 and
@@ -51,10 +52,11 @@ def c_store(text: str, T: str) -> str:
 @dataclass(frozen=True)
 class CDecl:
     """A per-group declaration before a sweep: ``const ctype name = expr;``."""
+
     ctype: str
     name: str
     expr: str
-    reads: frozenset[str]                  # the names the expression reads
+    reads: frozenset[str]  # the names the expression reads
 
     @property
     def line(self) -> str:
@@ -71,18 +73,19 @@ class CLoop:
     summation order is fixed), and loads each parameter once per channel in
     NCHW layouts.
     """
+
     uses_params: bool
-    prelude: tuple[CDecl, ...]             # per-group declarations before the sweep (float copies, hi/lo)
-    param_loads: tuple[str, ...]           # const double gamma_V = (double)gamma[Ch];
-    elem_loads: tuple[str, ...]            # x, dy, then element temporaries, in order
-    stores: tuple[tuple[str, str], ...]    # (output array, value): dx, (float)(...)
-    group_sums: tuple[tuple[str, str], ...]   # (accumulator, expression) summed over the group
-    param_sums: tuple[tuple[int, str], ...]   # (parameter slot, expression) summed per channel
-    scalar_param_sums: tuple[tuple[int, str], ...]   # (slot, accumulator): scalar params
-    param_pend: tuple[tuple[int, str], ...]   # param_sums in element arithmetic
-    outputs: tuple[str, ...]               # full-size arrays written (y, dx)
-    prefetch: tuple[str, ...]              # full-size arrays read ahead (first sweep only)
-    reads: frozenset[str]                  # the names the element code (all but param_pend) reads
+    prelude: tuple[CDecl, ...]  # per-group declarations before the sweep (float copies, hi/lo)
+    param_loads: tuple[str, ...]  # const double gamma_V = (double)gamma[Ch];
+    elem_loads: tuple[str, ...]  # x, dy, then element temporaries, in order
+    stores: tuple[tuple[str, str], ...]  # (output array, value): dx, (float)(...)
+    group_sums: tuple[tuple[str, str], ...]  # (accumulator, expression) summed over the group
+    param_sums: tuple[tuple[int, str], ...]  # (parameter slot, expression) summed per channel
+    scalar_param_sums: tuple[tuple[int, str], ...]  # (slot, accumulator): scalar params
+    param_pend: tuple[tuple[int, str], ...]  # param_sums in element arithmetic
+    outputs: tuple[str, ...]  # full-size arrays written (y, dx)
+    prefetch: tuple[str, ...]  # full-size arrays read ahead (first sweep only)
+    reads: frozenset[str]  # the names the element code (all but param_pend) reads
 
     # Runs whose iterations carry no lane sums may start their lane blocks anywhere, so a
     # long streaming run peels a scalar head up to a 64-byte boundary of its single output
@@ -93,15 +96,18 @@ class CLoop:
         return len(self.outputs) == 1 and not self.group_sums and not (channel_lanes and self.param_sums)
 
     @property
-    def direct_run(self) -> bool:             # along the channel axis (S == 1), or with no parameters
+    def direct_run(self) -> bool:
+        """Written in place along the channel axis (S == 1), or with no parameters."""
         return self._direct(False)
 
     @property
-    def direct_nchw(self) -> bool:            # runs of S values of one channel
+    def direct_nchw(self) -> bool:
+        """Written in place in runs of S values of one channel (NCHW)."""
         return self._direct(True)
 
     @property
-    def needs_tile(self) -> bool:             # some run of this sweep streams through a tile
+    def needs_tile(self) -> bool:
+        """Some run of this sweep computes into a tile that is streamed out afterwards."""
         if not self.outputs:
             return False
         return not (self.direct_run and self.direct_nchw) if self.uses_params else not self.direct_run
@@ -129,12 +135,14 @@ def _live(prelude: list[CDecl], reads: frozenset[str]) -> tuple[CDecl, ...]:
 # and outputs are the NCHW kernels' bits. Group-level values live in arrays
 # ``Gv_<name>[Gi]``; the innermost loop declares the ones its code uses.
 
+
 @dataclass(frozen=True)
 class NhwcSweep:
     """A sweep's group-level needs in the NHWC kernels."""
-    prelude_inputs: tuple[str, ...]            # group values the prelude reads
-    inner_group: tuple[str, ...]               # group values the element code reads
-    inner_prelude: tuple[tuple[str, str], ...]   # (type, name) of prelude values the element code reads
+
+    prelude_inputs: tuple[str, ...]  # group values the prelude reads
+    inner_group: tuple[str, ...]  # group values the element code reads
+    inner_prelude: tuple[tuple[str, str], ...]  # (type, name) of prelude values the element code reads
 
 
 def nhwc_sweep(lp: CLoop, group_names: list[str]) -> NhwcSweep:
@@ -144,14 +152,17 @@ def nhwc_sweep(lp: CLoop, group_names: list[str]) -> NhwcSweep:
     return NhwcSweep(
         prelude_inputs=tuple(n for n in group_names if n not in pnames and n in prelude_reads),
         inner_group=tuple(n for n in group_names if n not in pnames and n in lp.reads),
-        inner_prelude=tuple((d.ctype, d.name) for d in lp.prelude if d.name in lp.reads))
+        inner_prelude=tuple((d.ctype, d.name) for d in lp.prelude if d.name in lp.reads),
+    )
 
 
 # ---- a kernel's plan -------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class Sweep:
     """A sweep of a kernel: its loop, the accumulators it leaves, and its NHWC needs."""
+
     kind: ClassVar[str] = "sweep"
     loop: CLoop
     accs: tuple[str, ...]
@@ -161,17 +172,19 @@ class Sweep:
 @dataclass(frozen=True)
 class GroupValue:
     """A per-group value between sweeps: ``const double name = expr;``."""
+
     kind: ClassVar[str] = "assign"
     name: str
     expr: str
     comment: str
-    reads: tuple[str, ...]                 # the group values defined before it that it reads, in order
+    reads: tuple[str, ...]  # the group values defined before it that it reads, in order
 
 
 @dataclass(frozen=True)
 class SplitLevel:
     """A level of the split reduction: its sweep (None: no sums), the statistics it
     assigns, and the statistics of the earlier levels."""
+
     sweep: Sweep | None
     assigns: tuple[GroupValue, ...]
     known: tuple[str, ...]
@@ -180,16 +193,18 @@ class SplitLevel:
 @dataclass(frozen=True)
 class ForwardPlan:
     """The forward kernel: sweeps and statistics in order, the buffer updates, the output sweep."""
+
     steps: tuple[Sweep | GroupValue, ...]
     final: Sweep
-    updates: tuple[tuple[str, str], ...]   # (buffer, C expression)
-    update_reads: tuple[str, ...]          # the group values the updates read
+    updates: tuple[tuple[str, str], ...]  # (buffer, C expression)
+    update_reads: tuple[str, ...]  # the group values the updates read
     levels: tuple[SplitLevel, ...]
 
 
 @dataclass(frozen=True)
 class BackwardPlan:
     """The backward kernel: the reduction sweep (None: no reductions), the group values, the output sweep."""
+
     reduction: Sweep | None
     group: tuple[GroupValue, ...]
     final: Sweep
@@ -200,27 +215,29 @@ class SecondPlan:
     """A second-order kernel (derivgen.derive.second): one reduction sweep, one output sweep per
     group, all arithmetic in double (float and bfloat16 values are widened on load), sums
     in DG_LANES lanes; the template (kernel.c.j2, second_kernel) lays out the loops."""
-    elem1: tuple[str, ...]                 # sweep 1: element loads and temporaries
-    chan1: tuple[str, ...]                 # sweep 1: per-channel loads
-    sums: tuple[tuple[str, str], ...]      # (accumulator, C expression)
-    group: tuple[tuple[str, str, str], ...]   # (name, C expression, comment) per group between the sweeps
+
+    elem1: tuple[str, ...]  # sweep 1: element loads and temporaries
+    chan1: tuple[str, ...]  # sweep 1: per-channel loads
+    sums: tuple[tuple[str, str], ...]  # (accumulator, C expression)
+    group: tuple[tuple[str, str, str], ...]  # (name, C expression, comment) per group between the sweeps
     elem2: tuple[str, ...]
     chan2: tuple[str, ...]
-    stores: tuple[tuple[str, str], ...]    # (output array, C expression in double)
-    param_sums: tuple[tuple[int, str], ...]   # (parameter slot, C expression)
-    inputs: tuple[tuple[str, str], ...]    # (input, group variable)
-    param_groups: tuple[tuple[int, str], ...]   # (parameter slot, group variable)
-    seed_group: tuple[tuple[str, str], ...]   # (name, declaration): per-group loads of input seeds, scalar seeds
+    stores: tuple[tuple[str, str], ...]  # (output array, C expression in double)
+    param_sums: tuple[tuple[int, str], ...]  # (parameter slot, C expression)
+    inputs: tuple[tuple[str, str], ...]  # (input, group variable)
+    param_groups: tuple[tuple[int, str], ...]  # (parameter slot, group variable)
+    seed_group: tuple[tuple[str, str], ...]  # (name, declaration): per-group loads of input seeds, scalar seeds
 
 
 @dataclass(frozen=True)
 class KernelPlan:
     """Every C kernel of one mode for one element type, planned once before rendering."""
+
     mode: str
     ctype: str
     forward: ForwardPlan
     backward: BackwardPlan
-    second: dict[str, SecondPlan] | None   # "bb", "jvp"; None for bfloat16 (no second-order kernels)
+    second: dict[str, SecondPlan] | None  # "bb", "jvp"; None for bfloat16 (no second-order kernels)
 
 
 class CPlanner:
@@ -235,10 +252,13 @@ class CPlanner:
         self.group_names: dict[str, str] = {"N": "N"}
         for b in spec.buffers:
             self.group_names[b.name] = derived(b.name, "G")
-        for p in self.scalar:                    # one value for the whole tensor: a group value
+        for p in self.scalar:  # one value for the whole tensor: a group value
             self.group_names[p] = derived(p, "G")
-        self.elem_names: dict[str, str] = {"x": "Xv", "dy": "Dyv",
-                                           **{p: derived(p, "V") for p in self.params if p not in self.scalar}}
+        self.elem_names: dict[str, str] = {
+            "x": "Xv",
+            "dy": "Dyv",
+            **{p: derived(p, "V") for p in self.params if p not in self.scalar},
+        }
 
     def g(self, e: sympy.Expr) -> tuple[str, frozenset[str]]:
         """A group-level expression (double), and the names it reads."""
@@ -261,12 +281,13 @@ class CPlanner:
                         hoisted[node] = (Add(*ee), h)
                         prelude.append(CDecl("double", h, *self.g(Add(*ge))))
                         prelude.append(CDecl("float", f"{h}_hi", f"(float){h}", frozenset({h})))
-                        prelude.append(CDecl("float", f"{h}_lo", f"(float)({h} - (double){h}_hi)",
-                                             frozenset({h, f"{h}_hi"})))
+                        prelude.append(
+                            CDecl("float", f"{h}_lo", f"(float)({h} - (double){h}_hi)", frozenset({h, f"{h}_hi"}))
+                        )
         used: set[str] = set()
 
         def collect(node):
-            if node in hoisted:              # only its element part is printed in float
+            if node in hoisted:  # only its element part is printed in float
                 collect(hoisted[node][0])
             elif node.is_Symbol:
                 if str(node) not in elem:
@@ -274,17 +295,28 @@ class CPlanner:
             else:
                 for a in node.args:
                     collect(a)
+
         for e in every:
             collect(e)
         for gname in sorted(used):
             src = self.group_names.get(gname, gname)
-            f = src + "_F"                  # rstd_F, Mean_g_F: an upper-case tag, derivgen's namespace
+            f = src + "_F"  # rstd_F, Mean_g_F: an upper-case tag, derivgen's namespace
             prelude.append(CDecl("float", f, f"(float){src}", frozenset({src})))
             enames[gname] = f
         return prelude, hoisted
 
-    def loop(self, exprs: list[sympy.Expr], temps: list[tuple[str, sympy.Expr]], *, stores=(), group_sums=(),
-             param_sums=(), arith: str = "double", outputs=(), first: bool = False) -> CLoop:
+    def loop(
+        self,
+        exprs: list[sympy.Expr],
+        temps: list[tuple[str, sympy.Expr]],
+        *,
+        stores: Iterable[tuple[str, sympy.Expr]] = (),
+        group_sums: Iterable[tuple[str, sympy.Expr]] = (),
+        param_sums: Sequence[tuple[int, sympy.Expr]] = (),
+        arith: str = "double",
+        outputs: Iterable[str] = (),
+        first: bool = False,
+    ) -> CLoop:
         """Element sweep computing ``exprs``; ``temps`` are element temporaries available;
         ``stores`` are (output array, element expression) pairs.
 
@@ -299,61 +331,72 @@ class CPlanner:
         or overflowing (|x| ~ 1e30). ``arith="float"`` (output sweeps of float
         kernels) computes in float, adding group-level terms as hi + lo pairs.
         """
-        A, T = arith, self.ctype
+        ctype = self.ctype
         needed, names = needed_temps(exprs, temps)
         chan = [p for p in self.params if p not in self.scalar]
         elem = {"x", "dy", *chan} | {nm for nm, _ in needed}
         enames = dict(self.group_names)
         enames.update(self.elem_names)
         prelude, hoisted = ([], {})
-        if A == "float":
+        if arith == "float":
             prelude, hoisted = self._float_prelude([te for _, te in needed] + list(exprs), elem, enames)
         body_reads: set[str] = set()
         pend_reads: set[str] = set()
 
         def element(e: sympy.Expr, into: set[str]) -> str:
             """Element arithmetic (temporaries, stored outputs) in the sweep's type."""
-            if A == "float":
+            if arith == "float":
                 text, reads = self.printer.c_float_reads(e, enames, hoisted)
             else:
                 text, reads = self.printer.c_reads(e, "double", enames)
             into |= reads
             return text
+
         elem_loads = []
         if "x" in names:
-            elem_loads.append(f"const {A} Xv = {c_load('x[Idx]', T, A)};")
+            elem_loads.append(f"const {arith} Xv = {c_load('x[Idx]', ctype, arith)};")
         if "dy" in names:
-            elem_loads.append(f"const {A} Dyv = {c_load('dy[Idx]', T, A)};")
+            elem_loads.append(f"const {arith} Dyv = {c_load('dy[Idx]', ctype, arith)};")
         for nm, te in needed:
-            elem_loads.append(f"const {A} {nm} = {element(te, body_reads)};")
+            elem_loads.append(f"const {arith} {nm} = {element(te, body_reads)};")
             enames[nm] = nm
         # summands are double: float element values are widened before any arithmetic, so the
         # temporaries (x-hat, g) are the same values in every sweep and products do not overflow
         dnames = dict(self.group_names)
         dnames.update(self.elem_names)
         dnames.update({nm: nm for nm, _ in needed})
-        if A != "double":
+        if arith != "double":
             dnames.update({k: f"((double){v})" for k, v in dnames.items() if k in elem})
 
         def summand(e: sympy.Expr) -> str:
             text, reads = self.printer.c_reads(e, "double", dnames)
             body_reads.update(reads)
             return text
-        param_loads = [f"const {A} {derived(p, 'V')} = {c_load(p + '[Ch]', T, A)};" for p in chan if p in names]
+
+        param_loads = [
+            f"const {arith} {derived(p, 'V')} = {c_load(p + '[Ch]', ctype, arith)};" for p in chan if p in names
+        ]
         chan_sums = [(k, e) for k, e in param_sums if self.params[k] not in self.scalar]
         scal_sums = [(k, e) for k, e in param_sums if self.params[k] in self.scalar]
         all_sums = list(group_sums) + [(f"Psum_{k}", e) for k, e in scal_sums]
-        stored = tuple((o, c_store(element(e, body_reads), T)) for o, e in stores)
+        stored = tuple((o, c_store(element(e, body_reads), ctype)) for o, e in stores)
         sums = tuple((a, summand(e)) for a, e in all_sums)
         chan_summands = tuple((k, summand(e)) for k, e in chan_sums)
         pend = tuple((k, element(e, pend_reads)) for k, e in chan_sums)
-        return CLoop(uses_params=bool(param_loads) or bool(chan_sums),
-                     prelude=_live(prelude, frozenset(body_reads | pend_reads)),
-                     param_loads=tuple(param_loads), elem_loads=tuple(elem_loads), stores=stored,
-                     group_sums=sums, param_sums=chan_summands,
-                     scalar_param_sums=tuple((k, f"Psum_{k}") for k, _ in scal_sums), param_pend=pend,
-                     outputs=tuple(outputs), prefetch=tuple(a for a in ("x", "dy") if a in names) if first else (),
-                     reads=frozenset(body_reads))
+        return CLoop(
+            uses_params=bool(param_loads) or bool(chan_sums),
+            prelude=_live(prelude, frozenset(body_reads | pend_reads)),
+            param_loads=tuple(param_loads),
+            elem_loads=tuple(elem_loads),
+            stores=stored,
+            group_sums=sums,
+            param_sums=chan_summands,
+            scalar_param_sums=tuple((k, f"Psum_{k}") for k, _ in scal_sums),
+            param_pend=pend,
+            outputs=tuple(outputs),
+            prefetch=tuple(a for a in ("x", "dy") if a in names) if first else (),
+            reads=frozenset(body_reads),
+        )
 
     def _sweep(self, lp: CLoop, accs, names: list[str]) -> Sweep:
         """A sweep with its accumulators, given the group values defined before it."""
@@ -385,9 +428,13 @@ class CPlanner:
         final = self.loop([out_expr], temps, stores=[("y", out_expr)], arith=self.atype, outputs=["y"], first=first)
         updates = [(b, *self.g(e)) for b, e in self.ir.buffer_updates]
         update_reads = frozenset().union(*(r for _, _, r in updates))
-        return ForwardPlan(steps=tuple(steps), final=self._sweep(final, (), names),
-                           updates=tuple((b, text) for b, text, _ in updates),
-                           update_reads=tuple(n for n in names if n in update_reads), levels=_levels(steps))
+        return ForwardPlan(
+            steps=tuple(steps),
+            final=self._sweep(final, (), names),
+            updates=tuple((b, text) for b, text, _ in updates),
+            update_reads=tuple(n for n in names if n in update_reads),
+            levels=_levels(steps),
+        )
 
     def _group_values(self, names: list[str]) -> list[GroupValue]:
         """The per-group values between the reduction sweep and the final one: the means
@@ -415,8 +462,9 @@ class CPlanner:
         temps = list(self.ir.bwd_elem)
         red = None
         if self.ir.bwd_loop:
-            lp = self.loop([e for _, e in self.ir.bwd_loop], temps, group_sums=self.ir.bwd_loop, arith=self.atype,
-                           first=True)
+            lp = self.loop(
+                [e for _, e in self.ir.bwd_loop], temps, group_sums=self.ir.bwd_loop, arith=self.atype, first=True
+            )
             red = self._sweep(lp, [a for a, _ in self.ir.bwd_loop], names)
             names += [a for a, _ in self.ir.bwd_loop]
         group = self._group_values(names)
@@ -427,8 +475,15 @@ class CPlanner:
         else:
             dx_expr = self.ir.dx_closed
         pexprs = [e for _, e in self.ir.dparams]
-        final = self.loop([dx_expr, *pexprs], temps, stores=[("dx", dx_expr)],
-                          param_sums=list(enumerate(pexprs)), arith=self.atype, outputs=["dx"], first=red is None)
+        final = self.loop(
+            [dx_expr, *pexprs],
+            temps,
+            stores=[("dx", dx_expr)],
+            param_sums=list(enumerate(pexprs)),
+            arith=self.atype,
+            outputs=["dx"],
+            first=red is None,
+        )
         return BackwardPlan(reduction=red, group=tuple(group), final=self._sweep(final, (), names))
 
 
@@ -449,6 +504,7 @@ def _levels(steps: list[Sweep | GroupValue]) -> tuple[SplitLevel, ...]:
 
 # ---- second order (derivgen.derive.second): the double backward and the JVP -------------
 
+
 def second_plan(printer: SpecPrinter, ir: SecondIR, ctype: str) -> SecondPlan:
     """The C plan of one second-order kernel for the element type ``ctype``."""
     spec = printer.spec
@@ -460,6 +516,7 @@ def second_plan(printer: SpecPrinter, ir: SecondIR, ctype: str) -> SecondPlan:
 
     def C(e):
         return printer.c(e, "double", rename)
+
     seed_chan = {ir.seed_params[p]: p for p in params if p not in scalar}
 
     def needed(exprs):
@@ -471,10 +528,14 @@ def second_plan(printer: SpecPrinter, ir: SecondIR, ctype: str) -> SecondPlan:
             loads.append(f"const double Dyv = {c_load('dy[Idx]', ctype)};")
         if ir.seed_x in names:
             loads.append(f"const double {ir.seed_x} = {c_load('Seed_x[Idx]', ctype)};")
-        chan = [f"const double {derived(p, 'V')} = {c_load(p + '[Ch]', ctype)};" for p in params
-                if p not in scalar and p in names]
+        chan = [
+            f"const double {derived(p, 'V')} = {c_load(p + '[Ch]', ctype)};"
+            for p in params
+            if p not in scalar and p in names
+        ]
         chan += [f"const double {s} = {c_load(p + '_Seed[Ch]', ctype)};" for s, p in seed_chan.items() if s in names]
         return tuple(loads + [f"const double {nm} = {C(te)};" for nm, te in temps]), tuple(chan)
+
     elem1, chan1 = needed([e for _, e in ir.loop])
     outs2 = []
     for name, terms, closed in ir.outputs:
@@ -490,17 +551,32 @@ def second_plan(printer: SpecPrinter, ir: SecondIR, ctype: str) -> SecondPlan:
         seed_group.append((s, f"const double {s} = {c_load(i + '_Seed_In[Grp * ' + i + '_Seed_Stride]', ctype)};"))
     for p in params:
         if p in scalar:
-            seed_group.append((ir.seed_params[p], f"const double {ir.seed_params[p]} = {c_load(p + '_Seed[0]', ctype)};"))
-    return SecondPlan(elem1=elem1, chan1=chan1, sums=tuple((a, C(e)) for a, e in ir.loop), group=tuple(group),
-                      elem2=elem2, chan2=chan2, stores=tuple((n, C(e)) for n, e in outs2),
-                      param_sums=tuple((k, C(e)) for k, e in pexprs), inputs=tuple(ir.input_out),
-                      param_groups=tuple((params.index(p), v) for p, v in ir.param_group), seed_group=tuple(seed_group))
+            seed_group.append(
+                (ir.seed_params[p], f"const double {ir.seed_params[p]} = {c_load(p + '_Seed[0]', ctype)};")
+            )
+    return SecondPlan(
+        elem1=elem1,
+        chan1=chan1,
+        sums=tuple((a, C(e)) for a, e in ir.loop),
+        group=tuple(group),
+        elem2=elem2,
+        chan2=chan2,
+        stores=tuple((n, C(e)) for n, e in outs2),
+        param_sums=tuple((k, C(e)) for k, e in pexprs),
+        inputs=tuple(ir.input_out),
+        param_groups=tuple((params.index(p), v) for p, v in ir.param_group),
+        seed_group=tuple(seed_group),
+    )
 
 
 def plan_kernel(printer: SpecPrinter, ir: ModeIR, second: dict[str, SecondIR], ctype: str) -> KernelPlan:
     """Every C kernel of one mode (its first-order ``ir``, its ``second``-order IRs by kind)
     for the element type ``ctype``; bfloat16 has no second-order kernels."""
     planner = CPlanner(printer, ir, ctype)
-    return KernelPlan(mode=ir.mode, ctype=ctype, forward=planner.forward(), backward=planner.backward(),
-                      second=None if ctype == "dg_bf16" else {k: second_plan(printer, s, ctype)
-                                                              for k, s in second.items()})
+    return KernelPlan(
+        mode=ir.mode,
+        ctype=ctype,
+        forward=planner.forward(),
+        backward=planner.backward(),
+        second=None if ctype == "dg_bf16" else {k: second_plan(printer, s, ctype) for k, s in second.items()},
+    )

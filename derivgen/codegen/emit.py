@@ -12,48 +12,57 @@ from __future__ import annotations
 
 import functools
 import pprint
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
 import jinja2
 
-from derivgen.runtime.abi import kernel_signature
 from derivgen.codegen.cplan import ATYPES, CTYPES, c_load, c_store, plan_kernel
-from derivgen.derive.first import ModeDerivation
 from derivgen.codegen.ir import ModeIR, build_mode_ir, build_second_ir
 from derivgen.codegen.printers import SpecPrinter
-from derivgen.symbolic.reduce import Mean
+from derivgen.derive.first import ModeDerivation
+from derivgen.runtime.abi import kernel_signature
 from derivgen.spec.model import Spec
+from derivgen.symbolic.reduce import Mean
 
-TEMPLATE_FILES = {"numpy": "numpy.py.j2", "torch": "torch.py.j2", "c": "kernel.c.j2", "h": "kernel.h.j2", "cbind": "cbinding.py.j2",
-                  "kernels": "derivgen-kernels.h.j2"}
-SHARED_HEADER = "derivgen-kernels.h"     # no spec name has a hyphen: it cannot collide with a layer
+TEMPLATE_FILES = {
+    "numpy": "numpy.py.j2",
+    "torch": "torch.py.j2",
+    "c": "kernel.c.j2",
+    "h": "kernel.h.j2",
+    "cbind": "cbinding.py.j2",
+    "kernels": "derivgen-kernels.h.j2",
+}
+SHARED_HEADER = "derivgen-kernels.h"  # no spec name has a hyphen: it cannot collide with a layer
 
 
 class LayerDerivation(Protocol):
     """What code generation reads of a layer's derivation (``derivgen.derive``'s result)."""
+
     spec: Spec
     modes: Mapping[str, ModeDerivation]
 
 
 def template_dir() -> Path:
     """The directory of the Jinja templates (the source tree's, else the installed copy)."""
-    src = Path(__file__).resolve().parents[2] / "templates"   # a source checkout
+    src = Path(__file__).resolve().parents[2] / "templates"  # a source checkout
     if (src / "numpy.py.j2").is_file():
         return src
-    return Path(__file__).resolve().parents[1] / "templates"     # installed: derivgen/templates
+    return Path(__file__).resolve().parents[1] / "templates"  # installed: derivgen/templates
 
 
 # ------------------------------------------------------------------- rendering
 
+
 @dataclass
 class Emitted:
     """One layer's generated files."""
+
     name: str
-    files: dict[str, str] = field(default_factory=dict)   # relative path -> text
-    meta: dict = field(default_factory=dict)              # the calling contract (layer_meta)
+    files: dict[str, str] = field(default_factory=dict)  # relative path -> text
+    meta: dict = field(default_factory=dict)  # the calling contract (layer_meta)
 
 
 def _grad_fields(spec: Spec) -> list[str]:
@@ -119,9 +128,14 @@ def _np_store(ctx, target: str, e) -> str:
 def _env() -> jinja2.Environment:
     """The Jinja environment (its compiled templates are kept for every layer): the
     printing filters print with the layer's printer, the render context's ``printer``."""
-    env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(template_dir())),
-                             undefined=jinja2.StrictUndefined, keep_trailing_newline=True,
-                             trim_blocks=True, lstrip_blocks=True, autoescape=False)
+    env = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str(template_dir())),
+        undefined=jinja2.StrictUndefined,
+        keep_trailing_newline=True,
+        trim_blocks=True,
+        lstrip_blocks=True,
+        autoescape=False,
+    )
     env.filters["pyrepr"] = repr
     env.filters["pformat"] = lambda v: pprint.pformat(v, width=96, sort_dicts=False)
     env.filters["np"] = _np
@@ -140,50 +154,70 @@ def _formulas(d: LayerDerivation, printer: SpecPrinter) -> dict[str, list[str]]:
     """Human-readable formulas for headers, per mode."""
     spec = d.spec
     out = {}
-    T = printer.code
-    for mname, md in d.modes.items():
-        lines = ["forward:"] + [f"  {st.name} = {T(st.expr)}" + ("  (named by derivgen)" if st.aux else "")
-                                for st in md.statistics]
+    code = printer.code
+    for mname, first in d.modes.items():
+        lines = ["forward:"] + [
+            f"  {st.name} = {code(st.expr)}" + ("  (named by derivgen)" if st.aux else "") for st in first.statistics
+        ]
         if spec.normalized is not None:
-            lines.append(f"  {spec.normalized.name} = {T(md.normalized_expr)}")
-        lines.append(f"  y = {T(spec.output)}")
-        if md.coordinate is not None and md.coordinate.name != getattr(spec.normalized, "name", None):
-            lines.append(f"  ({md.coordinate.name} = {T(md.coordinate_expr)}: the centred coordinate of the backward)")
-        for b in (spec.buffers if mname == "train" else ()):
-            lines.append(f"  {b.name} <- {T(b.update)}  (in place, not differentiated)")
+            lines.append(f"  {spec.normalized.name} = {code(first.normalized_expr)}")
+        lines.append(f"  y = {code(spec.output)}")
+        if first.coordinate is not None and first.coordinate.name != getattr(spec.normalized, "name", None):
+            lines.append(
+                f"  ({first.coordinate.name} = {code(first.coordinate_expr)}: the centred coordinate of the backward)"
+            )
+        for b in spec.buffers if mname == "train" else ():
+            lines.append(f"  {b.name} <- {code(b.update)}  (in place, not differentiated)")
         lines.append("backward (closed form, derived by derivgen):")
-        if md.g is not None:
-            lines.append(f"  g = {T(md.g)}")
-        for r in md.reductions:
-            lines.append(f"  {r.name} = mean({T(r.arg)})")
-        lines.append(f"  dx = {T(md.dx_lowered)}")
+        if first.g is not None:
+            lines.append(f"  g = {code(first.g)}")
+        for r in first.reductions:
+            lines.append(f"  {r.name} = mean({code(r.arg)})")
+        lines.append(f"  dx = {code(first.dx_lowered)}")
         for p in spec.params:
             where = "all elements" if p.scalar else f"the axes {p.name} does not span"
-            lines.append(f"  d{p.name} = sum of {T(md.lowered(md.grads[p.name].element))} over {where}")
-            if md.grads[p.name].group != 0:
-                lines.append(f"      + sum over groups of {T(md.lowered(md.grads[p.name].group))}")
-        for i, e in md.dinputs.items():
-            lines.append(f"  d{i} = {T(md.lowered(e))}  (per group; summed for a scalar input)")
+            lines.append(f"  d{p.name} = sum of {code(first.lowered(first.grads[p.name].element))} over {where}")
+            if first.grads[p.name].group != 0:
+                lines.append(f"      + sum over groups of {code(first.lowered(first.grads[p.name].group))}")
+        for i, e in first.dinputs.items():
+            lines.append(f"  d{i} = {code(first.lowered(e))}  (per group; summed for a scalar input)")
         out[mname] = lines
     return out
 
 
-def emit(d: LayerDerivation, targets=("numpy", "c")) -> Emitted:
+def emit(d: LayerDerivation, targets: Collection[str] = ("numpy", "c")) -> Emitted:
     """Render a layer's derivation ``d`` (``derivgen.derive``'s result) for ``targets``
     ("numpy", "c", "torch"): the IR and every C kernel's plan are computed here, once;
     the templates lay them out."""
     spec = d.spec
     printer = SpecPrinter(spec)
     env = _env()
-    irs = {m: build_mode_ir(md) for m, md in d.modes.items()}
-    irs2 = {m: {"bb": build_second_ir(d.second(m), "bb"), "jvp": build_second_ir(d.second(m), "jvp")}
-            for m, md in d.modes.items()}
-    kernels = {(m, sfx): plan_kernel(printer, ir, irs2[m], ct) for m, ir in irs.items() for sfx, ct in CTYPES.items()
-               } if "c" in targets else {}
+    irs = {m: build_mode_ir(first) for m, first in d.modes.items()}
+    second_irs = {
+        m: {"bb": build_second_ir(d.second(m), "bb"), "jvp": build_second_ir(d.second(m), "jvp")} for m in d.modes
+    }
+    kernels = (
+        {(m, sfx): plan_kernel(printer, ir, second_irs[m], ct) for m, ir in irs.items() for sfx, ct in CTYPES.items()}
+        if "c" in targets
+        else {}
+    )
     meta = layer_meta(spec, irs)
-    ctx = dict(printer=printer, spec=spec, meta=meta, irs=irs, irs2=irs2, modes=list(irs),
-               formulas=_formulas(d, printer), source=spec.source, kernels=kernels, grad_fields=_grad_fields(spec),
-               ctypes=CTYPES, atypes=ATYPES, per_sample=spec.reduce != "batch", trailing=spec.layout == "trailing")
+    ctx = {
+        "printer": printer,
+        "spec": spec,
+        "meta": meta,
+        "irs": irs,
+        "irs2": second_irs,
+        "modes": list(irs),
+        "formulas": _formulas(d, printer),
+        "source": spec.source,
+        "kernels": kernels,
+        "grad_fields": _grad_fields(spec),
+        "ctypes": CTYPES,
+        "atypes": ATYPES,
+        "per_sample": spec.reduce != "batch",
+        "trailing": spec.layout == "trailing",
+    }
     out = Emitted(spec.name, meta=meta)
     if "numpy" in targets:
         ctx_np = dict(ctx, template=TEMPLATE_FILES["numpy"])
@@ -192,7 +226,11 @@ def emit(d: LayerDerivation, targets=("numpy", "c")) -> Emitted:
         ctx_t = dict(ctx, template=TEMPLATE_FILES["torch"])
         out.files[f"torch/{spec.name}.py"] = env.get_template(TEMPLATE_FILES["torch"]).render(**ctx_t)
     if "c" in targets:
-        for key, path in (("h", f"c/{spec.name}.h"), ("c", f"c/{spec.name}.c"), ("cbind", f"c/{spec.name}.py"),
-                          ("kernels", f"c/{SHARED_HEADER}")):
+        for key, path in (
+            ("h", f"c/{spec.name}.h"),
+            ("c", f"c/{spec.name}.c"),
+            ("cbind", f"c/{spec.name}.py"),
+            ("kernels", f"c/{SHARED_HEADER}"),
+        ):
             out.files[path] = env.get_template(TEMPLATE_FILES[key]).render(**dict(ctx, template=TEMPLATE_FILES[key]))
     return out

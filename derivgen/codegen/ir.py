@@ -26,45 +26,49 @@ import sympy
 from sympy import Add, Mul
 
 from derivgen.derive.first import G, ModeDerivation
+from derivgen.derive.second import SecondOrder
+from derivgen.spec.model import DY, N, Spec, X
 from derivgen.symbolic.naming import code_text, derived
 from derivgen.symbolic.reduce import Mean, means
-from derivgen.spec.model import DY, N, X, Spec
 
 
 @dataclass
 class Loop:
     """One sweep of the forward program: accumulators summed over the group."""
-    accs: list[tuple[str, sympy.Expr]]      # acc name, element expression summed over the group
+
+    accs: list[tuple[str, sympy.Expr]]  # acc name, element expression summed over the group
 
 
 @dataclass
 class Assign:
     """A per-group value of a program (group-level expression)."""
+
     name: str
-    expr: sympy.Expr                         # group-level
+    expr: sympy.Expr  # group-level
     comment: str = ""
 
 
 @dataclass
 class ModeIR:
     """One mode's forward and backward as the templates lay them out."""
+
     mode: str
-    stats: list[str]                         # the program's statistics: the spec's and the auxiliaries
-    forward: list                            # Loop | Assign
-    levels: list[tuple[list, list]]          # the forward program as split-reduction levels (split_levels)
+    stats: list[str]  # the program's statistics: the spec's and the auxiliaries
+    forward: list  # Loop | Assign
+    levels: list[tuple[list, list]]  # the forward program as split-reduction levels (split_levels)
     buffer_updates: list[tuple[str, sympy.Expr]]
-    fwd_elem: list[tuple[str, sympy.Expr]]   # (name, element expr); the last is y
-    bwd_elem: list[tuple[str, sympy.Expr]]   # element temporaries for the backward (x̂, g)
-    bwd_loop: list[tuple[str, sympy.Expr]]   # reduction accumulators
-    bwd_group: list[Assign]                  # per-group: reductions, coefficients, input grads
-    dx_terms: list[tuple[str, sympy.Expr]]   # (coefficient name, element monomial)
-    dx_closed: sympy.Expr                    # the closed form (for comments and NumPy)
-    dparams: list[tuple[str, sympy.Expr]]    # element-level parameter-gradient contributions
-    dparam_groups: list[tuple[int, str]]     # (parameter slot, group variable): scalar parameters in statistics
+    fwd_elem: list[tuple[str, sympy.Expr]]  # (name, element expr); the last is y
+    bwd_elem: list[tuple[str, sympy.Expr]]  # element temporaries for the backward (x̂, g)
+    bwd_loop: list[tuple[str, sympy.Expr]]  # reduction accumulators
+    bwd_group: list[Assign]  # per-group: reductions, coefficients, input grads
+    dx_terms: list[tuple[str, sympy.Expr]]  # (coefficient name, element monomial)
+    dx_closed: sympy.Expr  # the closed form (for comments and NumPy)
+    dparams: list[tuple[str, sympy.Expr]]  # element-level parameter-gradient contributions
+    dparam_groups: list[tuple[int, str]]  # (parameter slot, group variable): scalar parameters in statistics
     dparam_group_exprs: dict[str, sympy.Expr]  # the same, by parameter name, as expressions
-    dinputs: list[tuple[str, str]]           # (input, group variable holding its gradient)
+    dinputs: list[tuple[str, str]]  # (input, group variable holding its gradient)
     element_symbols: list[str]
-    stat_exprs: list[tuple[str, sympy.Expr, str]]   # (name, expression as computed, source text)
+    stat_exprs: list[tuple[str, sympy.Expr, str]]  # (name, expression as computed, source text)
 
 
 def _unique(name: str, used: set[str]) -> str:
@@ -75,8 +79,9 @@ def _unique(name: str, used: set[str]) -> str:
     return name
 
 
-def needed_temps(exprs: Iterable[sympy.Expr], temps: list[tuple[str, sympy.Expr]]
-                 ) -> tuple[list[tuple[str, sympy.Expr]], set[str]]:
+def needed_temps(
+    exprs: Iterable[sympy.Expr], temps: list[tuple[str, sympy.Expr]]
+) -> tuple[list[tuple[str, sympy.Expr]], set[str]]:
     """The element temporaries ``(name, definition)`` that ``exprs`` use, directly or
     through a later temporary, in definition order; and every symbol name used."""
     needed: list[tuple[str, sympy.Expr]] = []
@@ -88,9 +93,16 @@ def needed_temps(exprs: Iterable[sympy.Expr], temps: list[tuple[str, sympy.Expr]
     return needed, names
 
 
-def by_monomial(expr: sympy.Expr, is_elem: Callable[[sympy.Expr], bool], prefix: str, used: set[str],
-                spec: Spec, *, of: str = "", drop_zero: bool = True
-                ) -> tuple[list[Assign], list[tuple[str, sympy.Expr]]]:
+def by_monomial(
+    expr: sympy.Expr,
+    is_elem: Callable[[sympy.Expr], bool],
+    prefix: str,
+    used: set[str],
+    spec: Spec,
+    *,
+    of: str = "",
+    drop_zero: bool = True,
+) -> tuple[list[Assign], list[tuple[str, sympy.Expr]]]:
     """``expr = Σ_k coefficient_k(group) · monomial_k(element)``: the coefficients as group
     assignments named ``prefix`` + the monomial (fewest flops per element), and the
     ``(coefficient name, monomial)`` terms. ``of`` ends each assignment's comment;
@@ -122,11 +134,11 @@ def _mono_name(f: sympy.Expr) -> str:
     return str(b) if e == 1 else f"{b}{e}"
 
 
-def forward_program(md: ModeDerivation) -> list:
+def forward_program(first: ModeDerivation) -> list:
     """Loop/Assign steps computing the statistics as written (two passes for a variance).
     A sweep whose sums use no value assigned since an earlier sweep joins that sweep."""
     forward: list = []
-    for st in md.statistics:
+    for st in first.statistics:
         atoms = means(st.expr)
         sub = {}
         if atoms:
@@ -136,7 +148,7 @@ def forward_program(md: ModeDerivation) -> list:
                 accs.append((nm, a.args[0]))
                 sub[a] = sympy.Symbol(nm) / N
             last = max((i for i, s in enumerate(forward) if isinstance(s, Loop)), default=None)
-            since = {s.name for s in forward[last + 1:]} if last is not None else set()
+            since = {s.name for s in forward[last + 1 :]} if last is not None else set()
             uses = {str(v) for _, e in accs for v in e.free_symbols}
             if last is not None and not (uses & since):
                 forward[last].accs.extend(accs)
@@ -163,110 +175,136 @@ def split_levels(forward: list) -> list[tuple[list, list]]:
     return levels
 
 
-def build_mode_ir(md: ModeDerivation) -> ModeIR:
+def build_mode_ir(first: ModeDerivation) -> ModeIR:
     """The IR of one mode's derivation (first order)."""
-    spec = md.spec
+    spec = first.spec
     element = {X, DY, G, *(p.symbol for p in spec.params if not p.scalar)}
     xhat = spec.normalized.symbol if spec.normalized else None
     if xhat is not None:
         element.add(xhat)
-    coord = md.coordinate                    # the backward's coordinate: x̂, or the centred x - μ
+    coord = first.coordinate  # the backward's coordinate: x̂, or the centred x - μ
     if coord is not None:
         element.add(coord.symbol)
 
     def is_elem(e):
         return bool(e.free_symbols & element) and not isinstance(e, Mean)
 
-    buffer_updates = [(b.name, b.update) for b in spec.buffers] if md.mode == "train" else []
+    buffer_updates = [(b.name, b.update) for b in spec.buffers] if first.mode == "train" else []
     fwd_elem = []
     if xhat is not None:
-        fwd_elem.append((spec.normalized.name, md.normalized_expr))
+        fwd_elem.append((spec.normalized.name, first.normalized_expr))
     fwd_elem.append(("y", spec.output))
 
     bwd_elem = []
     if coord is not None:
-        bwd_elem.append((coord.name, md.coordinate_expr))
-    if md.g is not None:
-        bwd_elem.append(("g", md.g))
-    bwd_loop = [("Sum_" + r.name[len("Mean_"):], r.arg) for r in md.reductions]
-    bwd_group = [Assign(r.name, sympy.Symbol(acc) / N, comment=f"{r.name} = mean({code_text(r.arg, spec)})")
-                 for r, (acc, _) in zip(md.reductions, bwd_loop)]
+        bwd_elem.append((coord.name, first.coordinate_expr))
+    if first.g is not None:
+        bwd_elem.append(("g", first.g))
+    bwd_loop = [("Sum_" + r.name[len("Mean_") :], r.arg) for r in first.reductions]
+    bwd_group = [
+        Assign(r.name, sympy.Symbol(acc) / N, comment=f"{r.name} = mean({code_text(r.arg, spec)})")
+        for r, (acc, _) in zip(first.reductions, bwd_loop)
+    ]
     # dx = Σ_k coefficient_k(group) · monomial_k(element)
-    coefficients, dx_terms = by_monomial(md.dx_lowered, is_elem, "K_", set(), spec, of=" in dx", drop_zero=False)
+    coefficients, dx_terms = by_monomial(first.dx_lowered, is_elem, "K_", set(), spec, of=" in dx", drop_zero=False)
     bwd_group += coefficients
     dinputs = []
     for i in spec.inputs:
         nm = derived(i.name, "Grad")
-        bwd_group.append(Assign(nm, md.lowered(md.dinputs[i.name]), comment=f"dL/d{i.name} for this group"))
+        bwd_group.append(Assign(nm, first.lowered(first.dinputs[i.name]), comment=f"dL/d{i.name} for this group"))
         dinputs.append((i.name, nm))
     dparam_groups = []
     for k, p in enumerate(spec.params):
-        if md.grads[p.name].group != 0:
+        if first.grads[p.name].group != 0:
             nm = derived(p.name, "Grad")
-            bwd_group.append(Assign(nm, md.lowered(md.grads[p.name].group),
-                                    comment=f"dL/d{p.name} through the statistics, this group"))
+            bwd_group.append(
+                Assign(
+                    nm,
+                    first.lowered(first.grads[p.name].group),
+                    comment=f"dL/d{p.name} through the statistics, this group",
+                )
+            )
             dparam_groups.append((k, nm))
-    dparams = [(p.name, md.lowered(md.grads[p.name].element)) for p in spec.params]
-    forward = forward_program(md)
-    return ModeIR(mode=md.mode, stats=[s.name for s in md.statistics], forward=forward, levels=split_levels(forward),
-                  buffer_updates=buffer_updates, fwd_elem=fwd_elem, bwd_elem=bwd_elem, bwd_loop=bwd_loop,
-                  bwd_group=bwd_group, dx_terms=dx_terms, dx_closed=md.dx_lowered, dparams=dparams,
-                  dparam_groups=dparam_groups, dinputs=dinputs,
-                  dparam_group_exprs={p.name: md.lowered(md.grads[p.name].group) for p in spec.params
-                                      if md.grads[p.name].group != 0}, element_symbols=sorted(str(s) for s in element),
-                  stat_exprs=[(st.name, st.expr, st.expr_text) for st in md.statistics])
+    dparams = [(p.name, first.lowered(first.grads[p.name].element)) for p in spec.params]
+    forward = forward_program(first)
+    return ModeIR(
+        mode=first.mode,
+        stats=[s.name for s in first.statistics],
+        forward=forward,
+        levels=split_levels(forward),
+        buffer_updates=buffer_updates,
+        fwd_elem=fwd_elem,
+        bwd_elem=bwd_elem,
+        bwd_loop=bwd_loop,
+        bwd_group=bwd_group,
+        dx_terms=dx_terms,
+        dx_closed=first.dx_lowered,
+        dparams=dparams,
+        dparam_groups=dparam_groups,
+        dinputs=dinputs,
+        dparam_group_exprs={
+            p.name: first.lowered(first.grads[p.name].group) for p in spec.params if first.grads[p.name].group != 0
+        },
+        element_symbols=sorted(str(s) for s in element),
+        stat_exprs=[(st.name, st.expr, st.expr_text) for st in first.statistics],
+    )
 
 
 # ------------------------------------------------------------------- second order
+
 
 @dataclass
 class SecondIR:
     """A second-order kernel (``bb``: the double backward; ``jvp``) as one reduction sweep
     and one output sweep per group, like the first-order backward."""
+
     kind: str
-    temps: list[tuple[str, sympy.Expr]]           # element temporaries (x̂, g), in order
-    loop: list[tuple[str, sympy.Expr]]            # (accumulator, element expression summed)
-    means: list[Assign]                           # Mean_... = Sum_.../N
-    group: list[Assign]                           # coefficients and per-group outputs
-    outputs: list[tuple[str, list[tuple[str, sympy.Expr]], sympy.Expr]]   # (array, Σ coef·monomial, closed)
-    param_elem: list[tuple[str, sympy.Expr]]      # (parameter, element contribution summed like dp)
-    param_group: list[tuple[str, str]]            # (parameter, group variable): scalar parameters
-    input_out: list[tuple[str, str]]              # (input, group variable)
-    seed_x: str                                   # the seed symbol of x (X_Dd, X_T)
-    seed_params: dict[str, str]                   # parameter -> seed symbol
+    temps: list[tuple[str, sympy.Expr]]  # element temporaries (x̂, g), in order
+    loop: list[tuple[str, sympy.Expr]]  # (accumulator, element expression summed)
+    means: list[Assign]  # Mean_... = Sum_.../N
+    group: list[Assign]  # coefficients and per-group outputs
+    outputs: list[tuple[str, list[tuple[str, sympy.Expr]], sympy.Expr]]  # (array, Σ coef·monomial, closed)
+    param_elem: list[tuple[str, sympy.Expr]]  # (parameter, element contribution summed like dp)
+    param_group: list[tuple[str, str]]  # (parameter, group variable): scalar parameters
+    input_out: list[tuple[str, str]]  # (input, group variable)
+    seed_x: str  # the seed symbol of x (X_Dd, X_T)
+    seed_params: dict[str, str]  # parameter -> seed symbol
     seed_inputs: dict[str, str]
 
 
-def build_second_ir(so, kind: str) -> SecondIR:
-    """The IR of one second-order kernel (``kind`` "bb" or "jvp") of a mode's second order ``so``."""
-    md, spec = so.md, so.spec
-    element = {str(s) for s in so.element} | {"x", "dy"}
+def build_second_ir(second: SecondOrder, kind: str) -> SecondIR:
+    """The IR of one second-order kernel (``kind`` "bb" or "jvp") of a mode's second order ``second``."""
+    first, spec = second.md, second.spec
+    element = {str(s) for s in second.element} | {"x", "dy"}
 
     def is_elem(f):
         return bool({str(v) for v in f.free_symbols} & element) and not isinstance(f, Mean)
+
     temps = []
-    if md.coordinate is not None:
-        temps.append((md.coordinate.name, md.coordinate_expr))
-    if md.g is not None and kind == "bb":
-        temps.append(("g", md.g))
-    reds = so.reductions if kind == "bb" else so.jvp_reductions
-    low = so.lowered if kind == "bb" else so.jvp_lowered
-    loop = [("Sum_" + r.name[len("Mean_"):], r.arg) for r in reds]
-    means_ = [Assign(r.name, sympy.Symbol(acc) / N, comment=f"{r.name} = mean({code_text(r.arg, spec)})")
-              for r, (acc, _) in zip(reds, loop)]
+    if first.coordinate is not None:
+        temps.append((first.coordinate.name, first.coordinate_expr))
+    if first.g is not None and kind == "bb":
+        temps.append(("g", first.g))
+    reds = second.reductions if kind == "bb" else second.jvp_reductions
+    low = second.lowered if kind == "bb" else second.jvp_lowered
+    loop = [("Sum_" + r.name[len("Mean_") :], r.arg) for r in reds]
+    means_ = [
+        Assign(r.name, sympy.Symbol(acc) / N, comment=f"{r.name} = mean({code_text(r.arg, spec)})")
+        for r, (acc, _) in zip(reds, loop)
+    ]
     used: set[str] = set()
     group, outputs, param_elem, param_group, input_out = [], [], [], [], []
     if kind == "bb":
-        outs = [("dx", so.dx), ("ddy", so.ddy)]
+        outs = [("dx", second.dx), ("ddy", second.ddy)]
     else:
-        outs = [("ty", so.ty)]
+        outs = [("ty", second.ty)]
     for name, e in outs:
         assigns, terms = by_monomial(low(e), is_elem, f"K{name.upper()}_", used, spec)
         group += assigns
         outputs.append((name, terms, low(e)))
     if kind == "bb":
         for p in spec.params:
-            gr = so.grads[p.name]
+            gr = second.grads[p.name]
             param_elem.append((p.name, low(gr.element)))
             if gr.group != 0:
                 nm = _unique(derived(p.name, "Grad2"), used)
@@ -274,14 +312,24 @@ def build_second_ir(so, kind: str) -> SecondIR:
                 param_group.append((p.name, nm))
         for i in spec.inputs:
             nm = _unique(derived(i.name, "Grad2"), used)
-            group.append(Assign(nm, low(so.dinputs[i.name]), comment=f"d{i.name} for this group"))
+            group.append(Assign(nm, low(second.dinputs[i.name]), comment=f"d{i.name} for this group"))
             input_out.append((i.name, nm))
-        seeds = (so.cot_x, so.cot_params, so.cot_inputs)
+        seeds = (second.cot_x, second.cot_params, second.cot_inputs)
     else:
-        seeds = (so.tan_x, so.tan_params, so.tan_inputs)
+        seeds = (second.tan_x, second.tan_params, second.tan_inputs)
     # only the temporaries something uses
     kept, _ = needed_temps([*(e for _, e in loop), *(e for _, _, e in outputs), *(e for _, e in param_elem)], temps)
-    return SecondIR(kind=kind, temps=kept, loop=loop, means=means_, group=group, outputs=outputs,
-                    param_elem=param_elem, param_group=param_group, input_out=input_out,
-                    seed_x=seeds[0].name, seed_params={k: v.name for k, v in seeds[1].items()},
-                    seed_inputs={k: v.name for k, v in seeds[2].items()})
+    return SecondIR(
+        kind=kind,
+        temps=kept,
+        loop=loop,
+        means=means_,
+        group=group,
+        outputs=outputs,
+        param_elem=param_elem,
+        param_group=param_group,
+        input_out=input_out,
+        seed_x=seeds[0].name,
+        seed_params={k: v.name for k, v in seeds[1].items()},
+        seed_inputs={k: v.name for k, v in seeds[2].items()},
+    )

@@ -18,10 +18,11 @@ from sympy.codegen.ast import float32, float64, real
 from sympy.printing.c import C99CodePrinter
 from sympy.printing.numpy import NumPyPrinter
 
+from derivgen.spec.model import Spec
 from derivgen.symbolic import functions
 from derivgen.symbolic.functions import SpellsFunctions, call
 from derivgen.symbolic.naming import _Ordered, code_text, ordered_names
-from derivgen.spec.model import Spec
+
 
 class _NumPy(SpellsFunctions, _Ordered, NumPyPrinter):
     def __init__(self, names):
@@ -30,11 +31,12 @@ class _NumPy(SpellsFunctions, _Ordered, NumPyPrinter):
 
     def _print_Mean(self, expr):
         a = expr.args[0]
-        if a.is_Pow and a.exp == 2:                       # mean(e**2): one pass over e
-            return "_mean_sq(%s)" % self._print(a.base)
-        if _plain_pair(a, sympy.Mul):                     # mean(a*b): no temporary product
-            return "_mean_prod(%s, %s)" % tuple(self._print(f) for f in a.args)
-        return "_mean(%s)" % self._print(a)
+        if a.is_Pow and a.exp == 2:  # mean(e**2): one pass over e
+            return f"_mean_sq({self._print(a.base)})"
+        if _plain_pair(a, sympy.Mul):  # mean(a*b): no temporary product
+            left, right = (self._print(f) for f in a.args)
+            return f"_mean_prod({left}, {right})"
+        return f"_mean({self._print(a)})"
 
     def _print_Symbol(self, expr):
         return expr.name
@@ -44,17 +46,20 @@ class _NumPy(SpellsFunctions, _Ordered, NumPyPrinter):
 
     def _spell(self, fn: functions.Elementary, args: tuple) -> str:
         """``numpy.<fn.numpy>(args)`` (derivgen.torch._target has the same names)."""
-        return "%s(%s)" % (self._module_format("numpy." + fn.numpy), self.stringify(args, ", "))
+        name = self._module_format("numpy." + fn.numpy)
+        return f"{name}({self.stringify(args, ', ')})"
 
     def _print_Pow(self, expr, rational=False):
         root = functions.half_power_sign(expr)
         if rational or not root:
             return super()._print_Pow(expr, rational)
         text = self._spell(functions.half_power(), (expr.base,))
-        return text if root > 0 else "%s/%s" % (self._print(sympy.S.One), text)
+        return text if root > 0 else f"{self._print(sympy.S.One)}/{text}"
 
 
 def np_expr(e: sympy.Expr, spec: Spec | None = None) -> str:
+    """NumPy text for ``e``: ``_np.<function>`` calls, ``_mean``/``_mean_sq``/``_mean_prod`` for
+    group means, spec names as they are."""
     return _NumPy(ordered_names(spec)).doprint(e).replace("numpy.", "_np.")
 
 
@@ -68,8 +73,11 @@ def _plain_pair(e: sympy.Expr, kind) -> bool:
     """``e`` is a sum or product (``kind``) of exactly two operands that print as
     themselves: no number, and no reciprocal (a/b prints as a division, which
     splitting would turn into a reciprocal and a product, rounding twice)."""
-    return (isinstance(e, kind) and len(e.args) == 2
-            and not any(f.is_Number or (f.is_Pow and f.exp.is_negative) for f in e.args))
+    return (
+        isinstance(e, kind)
+        and len(e.args) == 2
+        and not any(f.is_Number or (f.is_Pow and f.exp.is_negative) for f in e.args)
+    )
 
 
 def np_store(target: str, e: sympy.Expr, spec: Spec | None = None) -> str:
@@ -98,11 +106,11 @@ def np_sum(e: sympy.Expr, axes: str, spec: Spec | None = None) -> str:
 class _C(SpellsFunctions, _Ordered, C99CodePrinter):
     def __init__(self, ctype: str, rename: dict[str, str], names):
         alias = float32 if ctype == "float" else float64
-        super().__init__({"type_aliases": {real: alias}, "math_macros": {}})   # no M_SQRT2: strict C99
+        super().__init__({"type_aliases": {real: alias}, "math_macros": {}})  # no M_SQRT2: strict C99
         self.ctype = ctype
         self.rename = rename
         self.names = names
-        self.printed: set[str] = set()     # what the symbols printed as, for the planner
+        self.printed: set[str] = set()  # what the symbols printed as, for the planner
 
     def _print_elementary(self, fn: functions.Elementary, expr: sympy.Expr) -> str:
         return self._spell(fn, expr.args)
@@ -125,7 +133,7 @@ class _C(SpellsFunctions, _Ordered, C99CodePrinter):
         root = functions.half_power_sign(expr)
         if root:
             text = self._spell(functions.half_power(), (expr.base,))
-            return text if root > 0 else "%s/%s" % (self._print(sympy.S.One), text)
+            return text if root > 0 else f"{self._print(sympy.S.One)}/{text}"
         return super()._print_Pow(expr)
 
 
@@ -136,7 +144,7 @@ class _CFloatElem(_C):
 
     def __init__(self, rename, names, hoisted):
         super().__init__("float", rename, names)
-        self.hoisted = hoisted          # Add node -> (element part, hoisted name)
+        self.hoisted = hoisted  # Add node -> (element part, hoisted name)
 
     def _print_Add(self, expr, order=None):
         if expr in self.hoisted:

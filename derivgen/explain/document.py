@@ -8,20 +8,28 @@ a group mean, and ``Mean(e)`` prints as ⟨e⟩ (LaTeX) or mean(e) (text).
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 
+import sympy
 from sympy.printing.latex import LatexPrinter
 from sympy.printing.str import StrPrinter
 
-from derivgen.symbolic import functions
 from derivgen.derive.first import ModeDerivation
+from derivgen.derive.second import SecondOrder
+from derivgen.prove.proof import ModeProof
+from derivgen.spec.model import Named, Spec
+from derivgen.symbolic import functions
 from derivgen.symbolic.functions import SpellsFunctions, call
 from derivgen.symbolic.naming import DisplayNames, TextSpelling, _Ordered
-from derivgen.prove.proof import ModeProof
 from derivgen.symbolic.reduce import Mean
-from derivgen.derive.second import SecondOrder
+
 
 class DerivLatexPrinter(SpellsFunctions, _Ordered, LatexPrinter):
+    """SymPy's LaTeX printer with the layer's display names: an element-level symbol carries
+    the subscript i outside a group mean (``subscript``), ∂L/∂y prints as a fraction, and
+    ``Mean(e)`` as ⟨e⟩."""
+
     def __init__(self, names: DisplayNames, subscript: bool = True):
         super().__init__({"mul_symbol": None, "fold_short_frac": False})
         self.names = names
@@ -36,7 +44,7 @@ class DerivLatexPrinter(SpellsFunctions, _Ordered, LatexPrinter):
         if n in self.names.element and self.subscript and self._depth == 0:
             if n == "dy":
                 return r"\frac{\partial L}{\partial y_i}"
-            return "{%s}_i" % base if not base.endswith("}") or "\\" in base else base + "_i"
+            return f"{{{base}}}_i" if not base.endswith("}") or "\\" in base else base + "_i"
         return base
 
     def _print_Mean(self, expr):
@@ -45,26 +53,29 @@ class DerivLatexPrinter(SpellsFunctions, _Ordered, LatexPrinter):
             inner = self._print(expr.args[0])
         finally:
             self._depth -= 1
-        return r"\left\langle %s \right\rangle" % inner
+        return rf"\left\langle {inner} \right\rangle"
 
     def _print_elementary(self, fn: functions.Elementary, expr: sympy.Expr, exp: str | None = None) -> str:
         """The entry's LaTeX: ``\\op^{exp}{\\left(u \\right)}``, or its template (then ``^{exp}``)."""
         arg = ",".join(self._print(a) for a in expr.args)
         if "{0}" in fn.latex:
             tex = fn.latex.format(arg)
-            return tex if exp is None else r"%s^{%s}" % (tex, exp)
-        power = "" if exp is None else "^{%s}" % exp
-        return r"%s%s{\left(%s \right)}" % (fn.latex, power, arg)
+            return tex if exp is None else rf"{tex}^{{{exp}}}"
+        power = "" if exp is None else f"^{{{exp}}}"
+        return rf"{fn.latex}{power}{{\left({arg} \right)}}"
 
     def _print_Pow(self, expr):
         root = functions.half_power_sign(expr)
         if not root:
             return super()._print_Pow(expr)
         tex = call(functions.half_power().latex, self._print(expr.base))
-        return tex if root > 0 else r"\frac{1}{%s}" % tex
+        return tex if root > 0 else rf"\frac{{1}}{{{tex}}}"
 
 
 class DerivTextPrinter(TextSpelling, _Ordered, StrPrinter):
+    """SymPy's text printer with the layer's display names (μ, σ², x̂ ...); ``Mean(e)`` prints
+    as mean(e)."""
+
     def __init__(self, names: DisplayNames):
         super().__init__({"order": None})
         self.names = names
@@ -73,14 +84,19 @@ class DerivTextPrinter(TextSpelling, _Ordered, StrPrinter):
         return self.names.text.get(expr.name, expr.name)
 
     def _print_Mean(self, expr):
-        return "mean(%s)" % self._print(expr.args[0])
+        return f"mean({self._print(expr.args[0])})"
 
 
-def latex_expr(expr, spec=None, subscript: bool = True, extra=None) -> str:
+def latex_expr(
+    expr: sympy.Expr, spec: Spec | None = None, subscript: bool = True, extra: Mapping[str, Named] | None = None
+) -> str:
+    """``expr`` in LaTeX with the display names of ``spec`` and of ``extra`` (auxiliaries,
+    the coordinate); element-level symbols subscripted with i unless ``subscript`` is False."""
     return DerivLatexPrinter(DisplayNames(spec, extra), subscript).doprint(expr)
 
 
-def text_expr(expr, spec=None, extra=None) -> str:
+def text_expr(expr: sympy.Expr, spec: Spec | None = None, extra: Mapping[str, Named] | None = None) -> str:
+    """``expr`` in text with the display names of ``spec`` and ``extra``: ^ for powers, · for products."""
     s = DerivTextPrinter(DisplayNames(spec, extra)).doprint(expr)
     return s.replace("**", "^").replace("*", "·")
 
@@ -96,20 +112,62 @@ PREAMBLE = r"""\documentclass[11pt]{article}
 """
 
 
+def _subscript_math(m: re.Match) -> str:
+    """A subscripted name marked by :func:`_tex_escape` (x, then the escaped _i) as the math
+    x_i between \\x02 marks (dollar signs at the end); Σ as ``\\Sigma``."""
+    base = "\\Sigma" if m.group(1) == "Σ" else m.group(1)
+    return f"\x02{base}_{m.group(2)}\x02"
+
+
 def _tex_escape(s: str) -> str:
-    repl = {"\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "$": r"\$", "#": r"\#",
-            "_": r"\_", "{": r"\{", "}": r"\}", "~": r"\textasciitilde{}", "^": r"\^{}"}
+    """Prose as LaTeX text: special characters escaped, subscripted names (x_i) and the Greek
+    letters and symbols the prose uses set as math."""
+    repl = {
+        "\\": r"\textbackslash{}",
+        "&": r"\&",
+        "%": r"\%",
+        "$": r"\$",
+        "#": r"\#",
+        "_": r"\_",
+        "{": r"\{",
+        "}": r"\}",
+        "~": r"\textasciitilde{}",
+        "^": r"\^{}",
+    }
     # x_i, e_j, y_i, Σ_j: subscripted names become math first
     s = re.sub(r"(?<![A-Za-z])([A-Za-zΣ])_([a-z])(?![A-Za-z_])", "\x00\\1_\\2\x01", s)
     out = "".join(repl.get(ch, ch) for ch in s)
-    out = re.sub("\x00(.)\\\\_(.)\x01",
-                 lambda m: "\x02%s_%s\x02" % ("\\Sigma" if m.group(1) == "Σ" else m.group(1), m.group(2)), out)
+    out = re.sub("\x00(.)\\\\_(.)\x01", _subscript_math, out)
     # unicode used in our prose -> math
-    uni = {"μ": r"$\mu$", "σ": r"$\sigma$", "²": r"$^2$", "∂": r"$\partial$", "⟨": r"$\langle$",
-           "⟩": r"$\rangle$", "Σ": r"$\Sigma$", "x̂": r"$\hat{x}$", "γ": r"$\gamma$", "β": r"$\beta$",
-           "ε": r"$\varepsilon$", "ρ": r"$\rho$", "α": r"$\alpha$", "·": r"$\cdot$", "≡": r"$\equiv$",
-           "—": "---", "“": "``", "”": "''", "ₜ": r"$_t$", "₋": "-", "₁": "1", "←": r"$\leftarrow$",
-           "√": r"$\sqrt{}$", "−": "-", "≠": r"$\neq$", "x̄": r"$\bar{x}$", "̂": ""}
+    uni = {
+        "μ": r"$\mu$",
+        "σ": r"$\sigma$",
+        "²": r"$^2$",
+        "∂": r"$\partial$",
+        "⟨": r"$\langle$",
+        "⟩": r"$\rangle$",
+        "Σ": r"$\Sigma$",
+        "x̂": r"$\hat{x}$",
+        "γ": r"$\gamma$",
+        "β": r"$\beta$",
+        "ε": r"$\varepsilon$",
+        "ρ": r"$\rho$",
+        "α": r"$\alpha$",
+        "·": r"$\cdot$",
+        "≡": r"$\equiv$",
+        "—": "---",
+        "“": "``",
+        "”": "''",
+        "ₜ": r"$_t$",
+        "₋": "-",
+        "₁": "1",
+        "←": r"$\leftarrow$",
+        "√": r"$\sqrt{}$",
+        "−": "-",
+        "≠": r"$\neq$",
+        "x̄": r"$\bar{x}$",
+        "̂": "",
+    }
     for k in sorted(uni, key=len, reverse=True):
         out = out.replace(k, uni[k])
     return out.replace("\x02", "$")
@@ -129,6 +187,7 @@ class ModeDocument:
     """What a document shows of one mode, all computed before rendering: the derivation, its
     steps (:func:`derivgen.explain.steps.build_steps`), its proof (None: not checked) and, for
     the second-order section, the second order and its proof."""
+
     derivation: ModeDerivation
     steps: tuple
     proof: ModeProof | None = None
@@ -136,13 +195,13 @@ class ModeDocument:
     second_proof: ModeProof | None = None
 
 
-def check_format(fmt: str):
+def check_format(fmt: str) -> None:
     """Raise ValueError unless ``fmt`` is one of :data:`FORMATS`."""
     if fmt not in FORMATS:
         raise ValueError(f"format must be latex, markdown or text, got {fmt!r}")
 
 
-def render(spec, modes: list[ModeDocument], fmt: str = "latex", standalone: bool = False) -> str:
+def render(spec: Spec, modes: list[ModeDocument], fmt: str = "latex", standalone: bool = False) -> str:
     """The derivation document of a layer in LaTeX, Markdown or text, from data computed
     beforehand; a "Second order" section follows when the modes carry their second order."""
     check_format(fmt)
@@ -150,9 +209,11 @@ def render(spec, modes: list[ModeDocument], fmt: str = "latex", standalone: bool
     if fmt == "latex":
         body = _render_latex(spec, modes) + second
         if standalone:
-            return (PREAMBLE + "\\title{%s: the backward pass, derived}\n\\author{derivgen}\n\\date{}\n"
-                    "\\begin{document}\n\\maketitle\n%s\\end{document}\n"
-                    % (_tex_escape(spec.title), body))
+            return (
+                PREAMBLE
+                + f"\\title{{{_tex_escape(spec.title)}: the backward pass, derived}}\n\\author{{derivgen}}\n\\date{{}}\n"
+                f"\\begin{{document}}\n\\maketitle\n{body}\\end{{document}}\n"
+            )
         return body
     if fmt == "markdown":
         return _render_markdown(spec, modes) + second
@@ -181,13 +242,14 @@ def _latex_notes(step) -> list[str]:
     for eq in step.equations:
         if eq.note:
             note = _tex_mixed(eq.note_latex) if eq.note_latex else _tex_escape(eq.note)
-            out.append(r"\item $%s$: %s" % (eq.lhs_latex, note))
+            out.append(rf"\item ${eq.lhs_latex}$: {note}")
     out.append(r"\end{itemize}")
     return out
 
 
-def _latex_step(step, spec, mode: ModeDerivation, heading: str) -> list[str]:
-    out = [heading % _tex_escape(step.title)]
+def _latex_step(step, spec: Spec, mode: ModeDerivation, heading: str) -> list[str]:
+    """One step in LaTeX under ``heading`` (a sectioning command): prose, an align* block, the notes."""
+    out = [f"{heading}{{{_tex_escape(step.title)}}}"]
     if step.prose:
         out.append(_tex_escape(step.prose))
     if step.equations:
@@ -203,7 +265,7 @@ def _latex_step(step, spec, mode: ModeDerivation, heading: str) -> list[str]:
     return out
 
 
-def _render_latex(spec, modes: list[ModeDocument]) -> str:
+def _render_latex(spec: Spec, modes: list[ModeDocument]) -> str:
     out = []
     if spec.summary:
         out.append(_tex_escape(spec.summary) + "\n")
@@ -213,9 +275,9 @@ def _render_latex(spec, modes: list[ModeDocument]) -> str:
         mode = doc.derivation
         mt = _mode_title(mode, len(modes))
         if mt:
-            out.append(r"\section{%s}" % mt)
+            out.append(rf"\section{{{mt}}}")
         for step in doc.steps:
-            out += _latex_step(step, spec, mode, r"\subsection*{%s}" if mt else r"\section*{%s}")
+            out += _latex_step(step, spec, mode, r"\subsection*" if mt else r"\section*")
         out.append(_proof_latex(doc.proof))
     return "\n".join(out) + "\n"
 
@@ -228,15 +290,21 @@ def _proof_lines(proof: ModeProof | None) -> list[str]:
 
 def _proof_latex(proof: ModeProof | None) -> str:
     items = "\n".join(r"\item " + _tex_escape(line) for line in _proof_lines(proof))
-    return (r"\section*{Proof against brute force}" "\n"
-            "For each N the layer is built from N explicit scalar symbols, differentiated with "
-            "sympy.diff, and the difference from the closed form above is reduced to zero with "
-            "cancel/together (``proven''); where that cannot be finished it is evaluated in 80-digit arithmetic at "
-            "random rational points (``checked numerically'').\n"
-            r"\begin{itemize}" "\n" + items + "\n" r"\end{itemize}" "\n")
+    return (
+        r"\section*{Proof against brute force}"
+        "\n"
+        "For each N the layer is built from N explicit scalar symbols, differentiated with "
+        "sympy.diff, and the difference from the closed form above is reduced to zero with "
+        "cancel/together (``proven''); where that cannot be finished it is evaluated in 80-digit arithmetic at "
+        "random rational points (``checked numerically'').\n"
+        r"\begin{itemize}"
+        "\n" + items + "\n"
+        r"\end{itemize}"
+        "\n"
+    )
 
 
-def _render_markdown(spec, modes: list[ModeDocument]) -> str:
+def _render_markdown(spec: Spec, modes: list[ModeDocument]) -> str:
     out = [f"# {spec.title}: the backward pass, derived", ""]
     if spec.summary:
         out += [spec.summary, ""]
@@ -265,7 +333,7 @@ def _render_markdown(spec, modes: list[ModeDocument]) -> str:
     return "\n".join(out)
 
 
-def _render_text(spec, modes: list[ModeDocument]) -> str:
+def _render_text(spec: Spec, modes: list[ModeDocument]) -> str:
     out = [f"{spec.title}: the backward pass, derived", "=" * (len(spec.title) + 30)]
     if spec.summary:
         out += [spec.summary]
@@ -292,24 +360,47 @@ def _render_text(spec, modes: list[ModeDocument]) -> str:
 
 # ---------------------------------------------------------------- second order
 
+
+def _backward_program(second: SecondOrder) -> str:
+    """What the backward's own program holds, as the prose names it: " (statistics, x̂, g, its
+    reductions)", each part only where the mode has it; empty when it has none."""
+    first = second.md
+    parts = [
+        *(["statistics"] if first.statistics else []),
+        *([first.coordinate.text] if first.coordinate is not None else []),
+        *(["g"] if first.g is not None else []),
+        *(["its reductions"] if first.reductions else []),
+    ]
+    return f" ({', '.join(parts)})" if parts else ""
+
+
 def _second_prose(second: SecondOrder) -> str:
+    """How the double backward and the JVP are derived, with their seeds and reduction counts."""
     spec = second.spec
-    cots = ", ".join([second.cot_x.text, *(second.cot_params[p.name].text for p in spec.params),
-                      *(second.cot_inputs[i.name].text for i in spec.inputs)])
-    tans = ", ".join([second.tan_x.text, *(second.tan_params[p.name].text for p in spec.params),
-                      *(second.tan_inputs[i.name].text for i in spec.inputs)])
-    prose = (f"The double backward is the vector-Jacobian product of the backward above: with the cotangents "
-             f"{cots} of the backward's outputs it differentiates L₂ = Σ δx·∂L/∂x + Σ δp·∂L/∂p + ... once more, "
-             f"by reverse mode through the backward's own program (statistics, x̂, g, its reductions), and the "
-             f"nested means collapse by linearity and the known statistics to means of element monomials: "
-             f"{len(second.reductions)} reductions per group, one sweep for them and one for the outputs. "
-             f"The JVP is forward mode through the forward program with the tangents {tans}: "
-             f"{len(second.jvp_reductions)} reductions. Terms from |u| (a DiracDelta) are dropped: zero wherever the "
-             f"first derivative exists.")
-    if spec.name == "layernorm":
-        prose += (" For comparison, PyTorch's hand-written layer_norm_double_backward "
-                  "(torch/csrc/autograd/FunctionsManual.cpp) is about 140 lines of tensor operations written by hand over the same 7 row reductions (two of them computed twice); a layer PyTorch does not ship has no such formula.")
-    return prose
+    cots = ", ".join(
+        [
+            second.cot_x.text,
+            *(second.cot_params[p.name].text for p in spec.params),
+            *(second.cot_inputs[i.name].text for i in spec.inputs),
+        ]
+    )
+    tans = ", ".join(
+        [
+            second.tan_x.text,
+            *(second.tan_params[p.name].text for p in spec.params),
+            *(second.tan_inputs[i.name].text for i in spec.inputs),
+        ]
+    )
+    return (
+        f"The double backward is the vector-Jacobian product of the backward above: with the cotangents "
+        f"{cots} of the backward's outputs it differentiates L₂ = Σ δx·∂L/∂x + Σ δp·∂L/∂p + ... once more, "
+        f"by reverse mode through the backward's own program{_backward_program(second)}, and the "
+        f"nested means collapse by linearity and the known statistics to means of element monomials: "
+        f"{len(second.reductions)} reductions per group, one sweep for them and one for the outputs. "
+        f"The JVP is forward mode through the forward program with the tangents {tans}: "
+        f"{len(second.jvp_reductions)} reductions. Terms from |u| (a DiracDelta) are dropped: zero wherever the "
+        f"first derivative exists."
+    )
 
 
 def _second_equations(second: SecondOrder) -> list[tuple[str, str, object]]:
@@ -324,9 +415,9 @@ def _second_equations(second: SecondOrder) -> list[tuple[str, str, object]]:
     for p in spec.params:
         gr = second.grads[p.name]
         e = gr.element if gr.group == 0 else gr.element + gr.group
-        eqs.append((r"\frac{\partial L_2}{\partial %s}" % p.latex, f"∂L₂/∂{p.text}", e))
+        eqs.append((rf"\frac{{\partial L_2}}{{\partial {p.latex}}}", f"∂L₂/∂{p.text}", e))
     for i in spec.inputs:
-        eqs.append((r"\frac{\partial L_2}{\partial %s}" % i.latex, f"∂L₂/∂{i.text}", second.dinputs[i.name]))
+        eqs.append((rf"\frac{{\partial L_2}}{{\partial {i.latex}}}", f"∂L₂/∂{i.text}", second.dinputs[i.name]))
     eqs.append((r"\dot{y}", "ẏ", second.ty))
     return eqs
 
@@ -337,7 +428,7 @@ def _second_proof_lines(proof: ModeProof | None) -> list[str]:
     return [f"N = {r.n}: {r.status} ({r.method}, {r.seconds:.2f} s)" for r in proof.results]
 
 
-def render_second(spec, modes: list[ModeDocument], fmt: str) -> str:
+def render_second(spec: Spec, modes: list[ModeDocument], fmt: str) -> str:
     """The "Second order" section of a derivation document (``derivgen derive --order 2``),
     from each mode's second order and its proof (None: not checked)."""
     out = []
@@ -348,11 +439,21 @@ def render_second(spec, modes: list[ModeDocument], fmt: str) -> str:
         mt = _mode_title(mode, len(modes))
         title = "Second order" + (f" ({mt.lower()})" if mt else "")
         if fmt == "latex":
-            out += [r"\section*{%s}" % title, _tex_escape(prose), r"\begin{align*}",
-                    " \\\\\n".join(f"{lhs} &= {latex_expr(e, spec, extra=extra)}" for lhs, _, e in eqs),
-                    r"\end{align*}", r"\paragraph{Proof against brute force.} Second derivatives of the "
-                    r"explicit layer at small N (sympy.diff twice) against the closed forms:",
-                    r"\begin{itemize}", *(r"\item " + _tex_escape(x) for x in lines), r"\end{itemize}", ""]
+            out += [
+                rf"\section*{{{title}}}",
+                _tex_escape(prose),
+                r"\begin{align*}",
+                " \\\\\n".join(f"{lhs} &= {latex_expr(e, spec, extra=extra)}" for lhs, _, e in eqs),
+                r"\end{align*}",
+                (
+                    r"\paragraph{Proof against brute force.} Second derivatives of the "
+                    r"explicit layer at small N (sympy.diff twice) against the closed forms:"
+                ),
+                r"\begin{itemize}",
+                *(r"\item " + _tex_escape(x) for x in lines),
+                r"\end{itemize}",
+                "",
+            ]
         elif fmt == "markdown":
             out += [f"## {title}", "", prose, ""]
             out += [f"$$ {lhs} = {latex_expr(e, spec, extra=extra)} $$\n" for lhs, _, e in eqs]

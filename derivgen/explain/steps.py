@@ -11,29 +11,32 @@ LaTeX, Markdown or text.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import sympy
 
-from derivgen.explain.document import latex_expr, text_expr
 from derivgen.derive.first import ModeDerivation, Partial, mode_depends_on_x
+from derivgen.explain.document import latex_expr, text_expr
+from derivgen.spec.model import DY, Named, Spec, Statistic, X
 from derivgen.symbolic.reduce import Mean, ReductionAlgebra
-from derivgen.spec.model import DY, X
 
 
 @dataclass(frozen=True)
 class Equation:
     """One displayed equation: ``lhs = rhs`` (rhs a SymPy expression or None)."""
+
     lhs_latex: str
     lhs_text: str
     rhs: sympy.Expr | None = None
     note: str = ""
-    note_latex: str = ""      # the note with its mathematics in LaTeX (optional)
+    note_latex: str = ""  # the note with its mathematics in LaTeX (optional)
 
 
 @dataclass(frozen=True)
 class Step:
     """One step of a derivation: a title, its prose and its equations."""
+
     title: str
     prose: str
     equations: tuple[Equation, ...] = ()
@@ -41,7 +44,7 @@ class Step:
 
 def partial_latex(num: str, den: str) -> str:
     """∂num/∂den in LaTeX."""
-    return r"\frac{\partial %s}{\partial %s}" % (num, den)
+    return rf"\frac{{\partial {num}}}{{\partial {den}}}"
 
 
 def partial_text(num: str, den: str) -> str:
@@ -49,47 +52,51 @@ def partial_text(num: str, den: str) -> str:
     return f"∂{num}/∂{den}"
 
 
-_NEGLIGIBLE = ("exactly, so any term proportional to it — the “1/N²” term that hand derivations "
-               "drop as negligible — is not small but exactly zero")
+_NEGLIGIBLE = (
+    "exactly, so any term proportional to it — the “1/N²” term that hand derivations "
+    "drop as negligible — is not small but exactly zero"
+)
 
 
 class _Names:
     """Display names of the symbols of one derivation (spec names and auxiliaries)."""
 
-    def __init__(self, spec, statistics, coordinate=None):
+    def __init__(self, spec: Spec, statistics: Iterable[Statistic], coordinate: Named | None = None):
         self.spec = spec
         self.named = {n.symbol.name: n for n in spec.symbols.values()}
         self.named.update({s.symbol.name: s for s in statistics})
         if coordinate is not None:
             self.named[coordinate.symbol.name] = coordinate
 
-    def latex(self, sym) -> str:
+    def latex(self, sym: sympy.Basic) -> str:
         """A symbol's name in LaTeX."""
         n = self.named.get(getattr(sym, "name", None))
         return n.latex if n is not None else sympy.latex(sym)
 
-    def text(self, sym) -> str:
+    def text(self, sym: sympy.Basic) -> str:
         """A symbol's name in text."""
         n = self.named.get(getattr(sym, "name", None))
         return n.text if n is not None else str(sym)
 
-    def expr_text(self, e) -> str:
+    def expr_text(self, e: sympy.Expr) -> str:
         """An expression in text."""
         return text_expr(e, self.spec, extra=self.named)
 
-    def expr_latex(self, e) -> str:
+    def expr_latex(self, e: sympy.Expr) -> str:
         """An expression in LaTeX (no element subscripts)."""
         return latex_expr(e, self.spec, subscript=False, extra=self.named)
 
 
-def _why_zero(stats, show) -> str:
+def _why_zero(stats: Iterable[Statistic], show: Callable[[sympy.Expr], str]) -> str:
+    """Why a term vanishes: the definitions of the statistics it uses, or that its terms cancel."""
     defs = [f"{s.text} = {show(s.expr)}" for s in stats]
     return " and ".join(defs) if defs else "its terms cancel"
 
 
 def _why_zero_text(p: Partial, names: _Names) -> str:
-    return f"{names.expr_text(p.raw)} = {names.expr_text(p.linear)} = 0 because " + _why_zero(p.because,
-                                                                                              names.expr_text)
+    return f"{names.expr_text(p.raw)} = {names.expr_text(p.linear)} = 0 because " + _why_zero(
+        p.because, names.expr_text
+    )
 
 
 def _why_kept_text(p: Partial, names: _Names) -> str:
@@ -113,17 +120,20 @@ def facts(mode: ModeDerivation) -> tuple[list[tuple[str, str]], list[tuple[str, 
             kept.append((_through_mean_text(p, names), _why_kept_text(p, names)))
     if mode.sum_xhat_zero:
         lin = _linear_mean(spec, mode.normalized_expr)
-        vanishing.append(("Σ_j x̂_j", f"{names.expr_text(Mean(spec.normalized.symbol))} = "
-                                     f"{names.expr_text(lin)} = 0 {_NEGLIGIBLE}."))
+        vanishing.append(
+            ("Σ_j x̂_j", f"{names.expr_text(Mean(spec.normalized.symbol))} = {names.expr_text(lin)} = 0 {_NEGLIGIBLE}.")
+        )
     return vanishing, kept
 
 
-def _linear_mean(spec, xhat_def):
+def _linear_mean(spec: Spec, xhat_def: sympy.Expr) -> sympy.Expr:
+    """⟨x̂⟩ by linearity of the mean, in the spec's statistics (zero for a centred x̂)."""
     varying = {X, DY} | {p.symbol for p in spec.params if not p.scalar}
     return sympy.factor_terms(ReductionAlgebra(varying).canon(Mean(xhat_def)))
 
 
 # ---------------------------------------------------------------- the steps
+
 
 def _definitions(mode: ModeDerivation) -> Step:
     spec = mode.spec
@@ -131,27 +141,39 @@ def _definitions(mode: ModeDerivation) -> Step:
     if spec.normalized is not None:
         eqs.append(Equation(spec.normalized.latex + "_i", spec.normalized.text, mode.normalized_expr))
     eqs.append(Equation("y_i", "y", spec.output))
-    return Step("Definitions",
-                "One normalization group holds N elements x_i. Angle brackets are the mean over "
-                "the group, ⟨e⟩ = (1/N) Σ_j e_j. The statistics, in order:", tuple(eqs))
+    return Step(
+        "Definitions",
+        "One normalization group holds N elements x_i. Angle brackets are the mean over "
+        "the group, ⟨e⟩ = (1/N) Σ_j e_j. The statistics, in order:",
+        tuple(eqs),
+    )
 
 
 def _auxiliaries(mode: ModeDerivation) -> Step:
-    eqs = [Equation(st.latex, st.text, st.expr, note=f"named by derivgen: {st.expr_text}" if st.aux else "")
-           for st in mode.statistics]
-    return Step("Auxiliary statistics",
-                "derivgen names the group means the statistics are not linear in, and the square roots, "
-                "powers and other functions of group values inside them, so that every mean the backward "
-                "meets is known and every derivative is rational in named values. As computed:", tuple(eqs))
+    eqs = [
+        Equation(st.latex, st.text, st.expr, note=f"named by derivgen: {st.expr_text}" if st.aux else "")
+        for st in mode.statistics
+    ]
+    return Step(
+        "Auxiliary statistics",
+        "derivgen names the group means the statistics are not linear in, and the square roots, "
+        "powers and other functions of group values inside them, so that every mean the backward "
+        "meets is known and every derivative is rational in named values. As computed:",
+        tuple(eqs),
+    )
 
 
 def _chain_rule(mode: ModeDerivation, names: _Names) -> Equation:
     """∂L/∂x_i through y and every statistic that depends on x."""
     through = [s.symbol for s in mode.statistics if mode_depends_on_x(mode, s.symbol)]
-    chain_l = partial_latex("L", "x_i") + " = " + partial_latex("L", "y_i") + partial_latex("y_i", "x_i") + \
-        "".join(" + " + partial_latex("L", names.latex(s)) + partial_latex(names.latex(s), "x_i") for s in through)
-    chain_t = "∂L/∂x_i = ∂L/∂y_i·∂y_i/∂x_i" + "".join(f" + ∂L/∂{names.text(s)}·∂{names.text(s)}/∂x_i"
-                                                       for s in through)
+    chain_l = (
+        partial_latex("L", "x_i")
+        + " = "
+        + partial_latex("L", "y_i")
+        + partial_latex("y_i", "x_i")
+        + "".join(" + " + partial_latex("L", names.latex(s)) + partial_latex(names.latex(s), "x_i") for s in through)
+    )
+    chain_t = "∂L/∂x_i = ∂L/∂y_i·∂y_i/∂x_i" + "".join(f" + ∂L/∂{names.text(s)}·∂{names.text(s)}/∂x_i" for s in through)
     return Equation(chain_l, chain_t, None)
 
 
@@ -160,29 +182,38 @@ def _local_partials(mode: ModeDerivation, names: _Names) -> Step:
     eqs = [_chain_rule(mode, names)]
     if spec.normalized is not None:
         xhat = spec.normalized
-        eqs.append(Equation(partial_latex("y", xhat.latex), partial_text("y", xhat.text),
-                            sympy.diff(spec.output, xhat.symbol)))
-        eqs.append(Equation(partial_latex(xhat.latex, "x"), partial_text(xhat.text, "x"),
-                            sympy.diff(mode.normalized_expr, X)))
+        eqs.append(
+            Equation(partial_latex("y", xhat.latex), partial_text("y", xhat.text), sympy.diff(spec.output, xhat.symbol))
+        )
+        eqs.append(
+            Equation(partial_latex(xhat.latex, "x"), partial_text(xhat.text, "x"), sympy.diff(mode.normalized_expr, X))
+        )
         for st in mode.statistics:
             d = sympy.diff(mode.normalized_expr, st.symbol)
             if d != 0:
-                eqs.append(Equation(partial_latex(xhat.latex, names.latex(st.symbol)),
-                                    partial_text(xhat.text, names.text(st.symbol)), d))
+                eqs.append(
+                    Equation(
+                        partial_latex(xhat.latex, names.latex(st.symbol)),
+                        partial_text(xhat.text, names.text(st.symbol)),
+                        d,
+                    )
+                )
     else:
         eqs.append(Equation(partial_latex("y", "x"), "∂y/∂x", sympy.diff(spec.output, X)))
-    return Step("Local partial derivatives",
-                "y_i depends on x_i directly and on every statistic; each statistic depends "
-                "on all x_j of the group. With L the loss and ∂L/∂y_i given, the chain rule "
-                "runs through the statistics latest first:", tuple(eqs))
+    return Step(
+        "Local partial derivatives",
+        "y_i depends on x_i directly and on every statistic; each statistic depends "
+        "on all x_j of the group. With L the loss and ∂L/∂y_i given, the chain rule "
+        "runs through the statistics latest first:",
+        tuple(eqs),
+    )
 
 
 def _partial_equation(p: Partial, names: _Names) -> Equation:
     """One partial derivative of a statistic; through a mean, with why it vanishes or is kept."""
     st = p.stat
     if p.kind == "group":
-        return Equation(partial_latex(st.latex, names.latex(p.wrt)), partial_text(st.text, names.text(p.wrt)),
-                        p.value)
+        return Equation(partial_latex(st.latex, names.latex(p.wrt)), partial_text(st.text, names.text(p.wrt)), p.value)
     if p.kind == "element":
         sub = "x_i" if p.wrt == X else names.latex(p.wrt) + "_i"
         subt = "x_i" if p.wrt == X else names.text(p.wrt) + "_i"
@@ -190,26 +221,33 @@ def _partial_equation(p: Partial, names: _Names) -> Equation:
     lhs_l = partial_latex(st.latex, names.latex(p.wrt)) + r"\ \text{via}\ " + names.expr_latex(p.atom)
     lhs_t = partial_text(st.text, names.text(p.wrt)) + " via " + names.expr_text(p.atom)
     if p.kind == "zero":
-        why_l = (f"${names.expr_latex(p.raw)} = {names.expr_latex(p.linear)} = 0$ because "
-                 + _why_zero(p.because, lambda e: "$" + names.expr_latex(e) + "$"))
+        why_l = f"${names.expr_latex(p.raw)} = {names.expr_latex(p.linear)} = 0$ because " + _why_zero(
+            p.because, lambda e: "$" + names.expr_latex(e) + "$"
+        )
         return Equation(lhs_l, lhs_t, sympy.S.Zero, note=_why_zero_text(p, names), note_latex=why_l)
     why_l = f"${names.expr_latex(p.raw)} = {names.expr_latex(p.linear)}$, which is not zero in general: kept"
     return Equation(lhs_l, lhs_t, p.value, note=_why_kept_text(p, names), note_latex=why_l)
 
 
 def _statistic_partials(mode: ModeDerivation, names: _Names) -> Step:
-    return Step("Partial derivatives of the statistics",
-                "Each statistic is a function of group means; a mean ⟨r⟩ contributes "
-                "(1/N)·∂r/∂x_i to ∂s/∂x_i and ⟨∂r/∂s'⟩ to ∂s/∂s' for an earlier statistic s'. "
-                "These last terms are where hand derivations go wrong:",
-                tuple(_partial_equation(p, names) for p in mode.partials))
+    return Step(
+        "Partial derivatives of the statistics",
+        "Each statistic is a function of group means; a mean ⟨r⟩ contributes "
+        "(1/N)·∂r/∂x_i to ∂s/∂x_i and ⟨∂r/∂s'⟩ to ∂s/∂s' for an earlier statistic s'. "
+        "These last terms are where hand derivations go wrong:",
+        tuple(_partial_equation(p, names) for p in mode.partials),
+    )
 
 
 def _statistic_adjoints(mode: ModeDerivation) -> Step:
-    return Step("Gradients with respect to the statistics",
-                "Latest statistic first; each collects ∂L/∂y through y and through every later statistic:",
-                tuple(Equation(partial_latex("L", st.latex), partial_text("L", st.text), mode.adjoints[st.symbol])
-                      for st in reversed(mode.statistics)))
+    return Step(
+        "Gradients with respect to the statistics",
+        "Latest statistic first; each collects ∂L/∂y through y and through every later statistic:",
+        tuple(
+            Equation(partial_latex("L", st.latex), partial_text("L", st.text), mode.adjoints[st.symbol])
+            for st in reversed(mode.statistics)
+        ),
+    )
 
 
 def _closed_form_how(mode: ModeDerivation, names: _Names) -> str:
@@ -219,13 +257,17 @@ def _closed_form_how(mode: ModeDerivation, names: _Names) -> str:
     if spec.normalized is not None:
         return f"Substituting x = x({spec.normalized.text}) and " + with_g
     if mode.implicit_coordinate:
-        return (f"The output normalizes x without naming it: with {mode.coordinate.text} = "
-                f"{names.expr_text(mode.coordinate_expr)} (named here) y = "
-                f"{names.expr_text(mode.output_in_coordinate)}. "
-                f"Substituting x = x({mode.coordinate.text}) and " + with_g)
+        return (
+            f"The output normalizes x without naming it: with {mode.coordinate.text} = "
+            f"{names.expr_text(mode.coordinate_expr)} (named here) y = "
+            f"{names.expr_text(mode.output_in_coordinate)}. "
+            f"Substituting x = x({mode.coordinate.text}) and " + with_g
+        )
     if mode.coordinate is not None:
-        return (f"Writing x through the centred coordinate {mode.coordinate.text} (polynomials in x are never "
-                "expanded into raw powers of x, which would cancel catastrophically), ")
+        return (
+            f"Writing x through the centred coordinate {mode.coordinate.text} (polynomials in x are never "
+            "expanded into raw powers of x, which would cancel catastrophically), "
+        )
     return ""
 
 
@@ -233,8 +275,11 @@ def _closed_form(mode: ModeDerivation, names: _Names) -> Step:
     spec = mode.spec
     how = _closed_form_how(mode, names)
     prose = how + ("applying" if how else "Applying") + " linearity of ⟨·⟩ and the definitions of the statistics:"
-    prose += f" the backward needs {len(mode.reductions)} reduction(s) per group: " + \
-        ", ".join(names.expr_text(r.atom) for r in mode.reductions) + "."
+    prose += (
+        f" the backward needs {len(mode.reductions)} reduction(s) per group: "
+        + ", ".join(names.expr_text(r.atom) for r in mode.reductions)
+        + "."
+    )
     eqs = []
     if mode.g is not None:
         eqs.append(Equation("g_i", "g", mode.g))
@@ -250,36 +295,60 @@ def _closed_form(mode: ModeDerivation, names: _Names) -> Step:
 
 def _parameter_gradients(mode: ModeDerivation) -> Step:
     spec = mode.spec
-    through_stats = [p for p in spec.params if mode.grads[p.name].group != 0 or
-                     any(q.wrt == p.symbol for q in mode.partials)]
+    through_stats = [
+        p for p in spec.params if mode.grads[p.name].group != 0 or any(q.wrt == p.symbol for q in mode.partials)
+    ]
     if through_stats:
-        prose = ("Parameters that enter the statistics collect their gradient through them too: the "
-                 "element-level part is summed over the axes the parameter does not span, the per-group "
-                 "part (a scalar parameter inside a statistic) over the groups:")
+        prose = (
+            "Parameters that enter the statistics collect their gradient through them too: the "
+            "element-level part is summed over the axes the parameter does not span, the per-group "
+            "part (a scalar parameter inside a statistic) over the groups:"
+        )
     else:
-        prose = ("Parameters do not enter the statistics, so their gradients are plain sums of "
-                 "∂L/∂y·∂y/∂p over the axes the parameter does not span:")
+        prose = (
+            "Parameters do not enter the statistics, so their gradients are plain sums of "
+            "∂L/∂y·∂y/∂p over the axes the parameter does not span:"
+        )
     eqs = []
     for p in spec.params:
         gr = mode.grads[p.name]
-        eqs.append(Equation(partial_latex("L", p.latex), partial_text("L", p.text), gr.element,
-                            note="summed over all elements" if p.scalar else "summed over the non-parameter axes"))
+        eqs.append(
+            Equation(
+                partial_latex("L", p.latex),
+                partial_text("L", p.text),
+                gr.element,
+                note="summed over all elements" if p.scalar else "summed over the non-parameter axes",
+            )
+        )
         if gr.group != 0:
-            eqs.append(Equation(partial_latex("L", p.latex) + r"\ \text{(statistics)}",
-                                partial_text("L", p.text) + " (statistics)", gr.group,
-                                note="per group, summed over the groups"))
+            eqs.append(
+                Equation(
+                    partial_latex("L", p.latex) + r"\ \text{(statistics)}",
+                    partial_text("L", p.text) + " (statistics)",
+                    gr.group,
+                    note="per group, summed over the groups",
+                )
+            )
     return Step("Parameter gradients", prose, tuple(eqs))
 
 
 def _input_gradients(mode: ModeDerivation) -> Step:
-    return Step("Gradients of the per-group inputs", "Summed over groups when the input is a single scalar:",
-                tuple(Equation(partial_latex("L", i.latex), partial_text("L", i.text), mode.dinputs[i.name])
-                      for i in mode.spec.inputs))
+    return Step(
+        "Gradients of the per-group inputs",
+        "Summed over groups when the input is a single scalar:",
+        tuple(
+            Equation(partial_latex("L", i.latex), partial_text("L", i.text), mode.dinputs[i.name])
+            for i in mode.spec.inputs
+        ),
+    )
 
 
 def _running_buffers(mode: ModeDerivation) -> Step:
-    return Step("Running buffers (not differentiated)", "Updated in place in training mode:",
-                tuple(Equation(b.latex + r" \leftarrow", b.text + " ←", b.update) for b in mode.spec.buffers))
+    return Step(
+        "Running buffers (not differentiated)",
+        "Updated in place in training mode:",
+        tuple(Equation(b.latex + r" \leftarrow", b.text + " ←", b.update) for b in mode.spec.buffers),
+    )
 
 
 def build_steps(mode: ModeDerivation) -> tuple[Step, ...]:
@@ -291,8 +360,12 @@ def build_steps(mode: ModeDerivation) -> tuple[Step, ...]:
     steps = [_definitions(mode)]
     if mode.aux:
         steps.append(_auxiliaries(mode))
-    steps += [_local_partials(mode, names), _statistic_partials(mode, names), _statistic_adjoints(mode),
-              _closed_form(mode, names)]
+    steps += [
+        _local_partials(mode, names),
+        _statistic_partials(mode, names),
+        _statistic_adjoints(mode),
+        _closed_form(mode, names),
+    ]
     if spec.params:
         steps.append(_parameter_gradients(mode))
     if spec.inputs:

@@ -20,42 +20,53 @@ import random
 import signal
 import threading
 import time
+from collections.abc import Iterable, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import sympy
 
-from derivgen.symbolic import domain
-from derivgen.derive.first import G, ModeDerivation
-from derivgen.symbolic.reduce import Mean
+from derivgen.derive.first import G, ModeDerivation, ParamGrad
 from derivgen.derive.second import SecondOrder, almost_everywhere
-from derivgen.spec.model import DY, N, X
+from derivgen.spec.model import DY, Input, N, Param, Spec, X
+from derivgen.symbolic import domain
+from derivgen.symbolic.reduce import Mean
 
 
 @dataclass
 class ProofResult:
+    """One size's verdict: at N = ``n`` the closed forms were proven, checked numerically or
+    FAILED (``detail`` says which check), by ``method``, in ``seconds``."""
+
     n: int
-    status: str          # "proven", "checked numerically", "FAILED"
+    status: str  # "proven", "checked numerically", "FAILED"
     method: str
     seconds: float
     detail: str = ""
 
     @property
     def ok(self) -> bool:
+        """Proven or checked numerically: not failed."""
         return self.status in ("proven", "checked numerically")
 
 
 @dataclass
 class ModeProof:
+    """One mode's proof: a :class:`ProofResult` per size."""
+
     mode: str
     results: list[ProofResult] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
+        """No size failed."""
         return all(r.ok for r in self.results)
 
     @property
     def status(self) -> str:
+        """The weakest result over the sizes: "FAILED", "checked numerically", "proven", or
+        "not checked" when there are none."""
         if not self.results:
             return "not checked"
         if not self.ok:
@@ -71,33 +82,38 @@ def _elements(name: str, n: int) -> list[sympy.Symbol]:
 
 
 class _Explicit:
-    """Writes element-level expressions out at N = n explicit elements."""
+    """Writes a mode's element-level expressions out at N = n explicit elements: ``elem``
+    maps each per-element symbol to its n elements, ``group`` each statistic to its
+    explicit sum, ``derived`` x̂, the coordinate and g to their definitions."""
 
-    def __init__(self, md: ModeDerivation, n: int):
-        spec = md.spec
+    def __init__(self, first: ModeDerivation, n: int):
+        spec = first.spec
+        self.first = first
         self.n = n
         self.elem: dict[sympy.Symbol, list[sympy.Symbol]] = {X: _elements("x", n), DY: _elements("dy", n)}
         for p in spec.params:
-            if not p.scalar:              # a scalar parameter is one symbol for the whole group
+            if not p.scalar:  # a scalar parameter is one symbol for the whole group
                 self.elem[p.symbol] = _elements(p.name, n)
         self.group: dict[sympy.Symbol, sympy.Expr] = {N: sympy.Integer(n)}
-        for st in md.statistics:
+        for st in first.statistics:
             self.group[st.symbol] = self.at(st.expr, None)
         self.derived: dict[sympy.Symbol, sympy.Expr] = {}
         if spec.normalized is not None:
-            self.derived[spec.normalized.symbol] = md.normalized_expr
-        if md.coordinate is not None:
-            self.derived[md.coordinate.symbol] = md.coordinate_expr
-        if md.g is not None:
-            self.derived[G] = md.g
+            self.derived[spec.normalized.symbol] = first.normalized_expr
+        if first.coordinate is not None:
+            self.derived[first.coordinate.symbol] = first.coordinate_expr
+        if first.g is not None:
+            self.derived[G] = first.g
 
     def at(self, expr: sympy.Expr, i: int | None) -> sympy.Expr:
         """expr evaluated at element i (None: a group-level expression)."""
+
         def mean(m):
             return sympy.Add(*[self.at(m.args[0], j) for j in range(self.n)]) / self.n
+
         e = expr.replace(lambda a: isinstance(a, Mean), mean)
         sub = dict(getattr(self, "derived", {}))
-        while sub and e.free_symbols & set(sub):        # g may be written in x̂
+        while sub and e.free_symbols & set(sub):  # g may be written in x̂
             e = e.xreplace(sub)
         table = dict(self.group)
         if i is not None:
@@ -109,6 +125,7 @@ def _strip_positive(e: sympy.Expr) -> sympy.Expr:
     """|a·p| = |a|·p and sign(a·p) = sign(a) for a factor p positive on the layer's domain
     (a root of a non-negative value, a negative power, eps): the case split then sees one
     argument, x₀, where SymPy wrote sign(x₀/(ε + √(x₀⁴/2 + x₁⁴/2))^(1/3)) and |x₀|."""
+
     def split(u, nonzero=False):
         """u = keep·pos with pos positive (a denominator is not zero: non-negative is positive)."""
         keep, pos = [], []
@@ -122,7 +139,7 @@ def _strip_positive(e: sympy.Expr) -> sympy.Expr:
         one that sorts first), so equal arguments written differently compare equal."""
         c, k = sympy.factor_terms(sympy.expand(p)).as_coeff_Mul()
         k = sympy.expand(k)
-        if k.could_extract_minus_sign():          # SymPy's own convention for |k| and sign(k)
+        if k.could_extract_minus_sign():  # SymPy's own convention for |k| and sign(k)
             c, k = -c, sympy.expand(-k)
         return c, k
 
@@ -140,8 +157,9 @@ def _strip_positive(e: sympy.Expr) -> sympy.Expr:
         return abs(c) * s * sympy.Abs(k1) / sympy.Abs(k2)
 
     def sign_(a):
-        c, s, k1, k2 = canonical(a.args[0])
+        c, _, k1, k2 = canonical(a.args[0])
         return sympy.sign(c) * sympy.sign(k1) * sympy.sign(k2)
+
     e = e.replace(lambda a: isinstance(a, sympy.Abs), abs_)
     return e.replace(lambda a: isinstance(a, sympy.sign), sign_)
 
@@ -167,12 +185,17 @@ def _zero_symbolic(diff: sympy.Expr) -> bool:
             budget[0] -= 1
             if budget[0] < 0:
                 return False
-            sub = e.replace(lambda a: isinstance(a, sympy.Abs) and a.args[0] == t, lambda a: sgn * t)
-            sub = sub.replace(lambda a: isinstance(a, sympy.sign) and a.args[0] == t, lambda a: sympy.Integer(sgn))
-            if not split(sub, case):
+            if not split(_with_sign(e, t, sgn), case):
                 return False
         return True
+
     return split(diff, [])
+
+
+def _with_sign(e: sympy.Expr, t: sympy.Expr, sgn: int) -> sympy.Expr:
+    """``e`` in the case ``sgn``·t > 0: |t| = sgn·t and sign(t) = sgn."""
+    e = e.replace(lambda a: isinstance(a, sympy.Abs) and a.args[0] == t, lambda a: sgn * t)
+    return e.replace(lambda a: isinstance(a, sympy.sign) and a.args[0] == t, lambda a: sympy.Integer(sgn))
 
 
 def _infeasible(case: list[tuple[sympy.Expr, int]]) -> bool:
@@ -212,6 +235,11 @@ def _primitive_root(q: sympy.Pow) -> sympy.Expr:
     return sympy.Pow(c, q.exp) * sympy.Pow(k, q.exp)
 
 
+def _primitive_roots(e: sympy.Expr, roots: list[sympy.Pow]) -> sympy.Expr:
+    """``e`` with each of ``roots`` whose base is not a number written by :func:`_primitive_root`."""
+    return e.replace(lambda q: q in roots and not q.base.is_Number, _primitive_root)
+
+
 def _reduces_to_zero(diff: sympy.Expr) -> bool:
     """Zero as a rational function once every root b^(1/q) is a generator t with t^q = b.
 
@@ -229,26 +257,35 @@ def _reduces_to_zero(diff: sympy.Expr) -> bool:
         if not inner:
             break
         if k == 0:
-            e = e.replace(lambda q: q in inner and not q.base.is_Number, _primitive_root)
+            e = _primitive_roots(e, inner)
             continue
         base = min((q.base for q in inner), key=sympy.default_sort_key)
         den = math.lcm(*[int(q.exp.q) for q in inner if q.base == base])
         t = sympy.Dummy(f"t{k}", positive=True)
-        e = e.replace(lambda q, b=base: q.is_Pow and q.base == b and q.exp.is_Rational and not q.exp.is_Integer,
-                      lambda q, t=t, d=den: t ** int(d * q.exp))
+        e = e.replace(
+            lambda q, b=base: q.is_Pow and q.base == b and q.exp.is_Rational and not q.exp.is_Integer,
+            lambda q, t=t, d=den: t ** int(d * q.exp),
+        )
         rels.append((t, den, base))
     if _roots(e):
         return False
     # functions of the generators (exp(-t²)) are generators of their own
-    opaque = {f: sympy.Dummy(f"u{k}") for k, f in enumerate(sorted(
-        (f for f in e.atoms(sympy.Function) if f.free_symbols & {t for t, _, _ in rels}), key=sympy.default_sort_key))}
+    opaque = {
+        f: sympy.Dummy(f"u{k}")
+        for k, f in enumerate(
+            sorted(
+                (f for f in e.atoms(sympy.Function) if f.free_symbols & {t for t, _, _ in rels}),
+                key=sympy.default_sort_key,
+            )
+        )
+    }
     e = e.xreplace(opaque)
     num = sympy.expand(sympy.numer(sympy.together(e)))
     try:
         for t, den, base in reversed(rels):
             if num.has(t):
                 bn, bd = sympy.fraction(sympy.together(base.xreplace(opaque)))
-                num = sympy.expand(sympy.prem(num, sympy.expand(bd * t ** den - bn), t))
+                num = sympy.expand(sympy.prem(num, sympy.expand(bd * t**den - bn), t))
     except sympy.PolynomialError:
         return False
     return num == 0
@@ -265,10 +302,10 @@ class _Sampler:
 
     def __init__(self, rng: random.Random, bounds: dict[str, tuple] | None = None):
         self.rng = rng
-        self.bounds = bounds or {}      # symbol name -> (min, max), either None
+        self.bounds = bounds or {}  # symbol name -> (min, max), either None
 
     @classmethod
-    def for_spec(cls, spec, seed: int) -> _Sampler:
+    def for_spec(cls, spec: Spec, seed: int) -> _Sampler:
         """Points within the declared bounds of ``spec``'s options, seeded with ``seed``."""
         return cls(random.Random(seed), {o.name: (_exact(o.min), _exact(o.max)) for o in spec.options})
 
@@ -304,8 +341,9 @@ def _zero_numeric(diff: sympy.Expr, points: _Sampler, trials: int = 3) -> bool:
         tries += 1
         if tries > 4 * trials:
             return False
-        vals = {s: sympy.Float(points.value(s), NUMERIC_DIGITS)
-                for s in sorted(diff.free_symbols, key=lambda s: s.name)}
+        vals = {
+            s: sympy.Float(points.value(s), NUMERIC_DIGITS) for s in sorted(diff.free_symbols, key=lambda s: s.name)
+        }
         v = diff.xreplace(vals).evalf(NUMERIC_DIGITS)
         if v.has(sympy.nan, sympy.zoo, sympy.oo, -sympy.oo):
             continue
@@ -315,7 +353,7 @@ def _zero_numeric(diff: sympy.Expr, points: _Sampler, trials: int = 3) -> bool:
     return True
 
 
-SYMBOLIC_SECONDS = 30.0   # per size: symbolic reduction beyond this falls back to 80-digit numbers
+SYMBOLIC_SECONDS = 30.0  # per size: symbolic reduction beyond this falls back to 80-digit numbers
 
 
 class _OutOfTime(Exception):
@@ -331,12 +369,13 @@ def _budget(seconds: float):
         return
     outer_left, _ = signal.getitimer(signal.ITIMER_REAL)
     if outer_left and outer_left <= seconds:
-        yield                                   # the outer alarm comes first anyway
+        yield  # the outer alarm comes first anyway
         return
     t0 = time.monotonic()
 
     def fire(signum, frame):
         raise _OutOfTime()
+
     old = signal.signal(signal.SIGALRM, fire)
     signal.setitimer(signal.ITIMER_REAL, seconds)
     try:
@@ -351,42 +390,73 @@ def _budget(seconds: float):
 def _proven(d: sympy.Expr, lin: list[sympy.Symbol]) -> bool:
     """Symbolically zero: both sides are linear in the symbols ``lin`` (∂L/∂y; the second
     order's cotangents or tangents), so each coefficient vanishes on its own."""
-    return all(_zero_symbolic(sympy.diff(d, s)) for s in lin if d.has(s)) and \
-        _zero_symbolic(d.xreplace({s: 0 for s in lin}))
+    rest = d.xreplace({s: 0 for s in lin})
+    return all(_zero_symbolic(sympy.diff(d, s)) for s in lin if d.has(s)) and _zero_symbolic(rest)
 
 
-def prove_mode(md: ModeDerivation, sizes=(2, 3, 4, 5, 6)) -> ModeProof:
-    """One mode's first-order closed forms against brute-force differentiation at each size."""
-    spec = md.spec
-    out = ModeProof(md.mode)
-    rng = _Sampler.for_spec(spec, 1234)
+# ---- the brute-force side, shared by both orders
+
+_Check = tuple[str, sympy.Expr, list[sympy.Symbol]]  # (what, difference, symbols it is linear in)
+
+
+def _explicit_loss(ex: _Explicit) -> tuple[list[sympy.Expr], sympy.Expr]:
+    """The explicit outputs y_0 .. y_{n-1} (x̂ written out) and L = Σ_j ∂L/∂y_j · y_j."""
+    first = ex.first
+    spec = first.spec
+    xhat = spec.normalized.symbol if spec.normalized else None
+    y_full = spec.output.xreplace({xhat: first.normalized_expr}) if xhat is not None else spec.output
+    ys = [ex.at(y_full, i) for i in range(ex.n)]
+    return ys, sympy.Add(*[ex.elem[DY][i] * ys[i] for i in range(ex.n)])
+
+
+def _param_check(prefix: str, loss: sympy.Expr, p: Param, grad: ParamGrad, ex: _Explicit) -> tuple[str, sympy.Expr]:
+    """(``prefix`` d<name>, difference) for parameter ``p``'s closed-form gradient ``grad`` of ``loss``: at
+    element 0 for a per-element parameter, summed over the group (element part over every
+    element plus the group part) for a scalar one."""
+    if p.scalar:
+        total = sympy.Add(*[ex.at(grad.element, i) for i in range(ex.n)]) + ex.at(grad.group, None)
+        return f"{prefix}d{p.name}", sympy.diff(loss, p.symbol) - total
+    return f"{prefix}d{p.name}_0", sympy.diff(loss, ex.elem[p.symbol][0]) - ex.at(grad.element, 0)
+
+
+def _input_check(
+    prefix: str, loss: sympy.Expr, inp: Input, closed: sympy.Expr, ex: _Explicit
+) -> tuple[str, sympy.Expr]:
+    """(``prefix`` d<name>, difference) for a per-group input's closed-form gradient ``closed`` of ``loss``."""
+    return f"{prefix}d{inp.name}", sympy.diff(loss, inp.symbol) - ex.at(closed, None)
+
+
+# ---- first order
+
+
+def _first_checks(first: ModeDerivation, ex: _Explicit) -> list[tuple[str, sympy.Expr]]:
+    """(what, difference) for dx, the parameter and the input gradients at one size.
+
+    Element 0 stands for every element: the explicit layer is symmetric under any joint
+    permutation of (x_j, dy_j, p_j), and the closed form is the same formula at every j."""
+    spec = first.spec
+    _, loss = _explicit_loss(ex)
+    checks = [("dx_0", sympy.diff(loss, ex.elem[X][0]) - ex.at(first.dx, 0))]
+    checks += [_param_check("", loss, p, first.grads[p.name], ex) for p in spec.params if not p.scalar]
+    checks += [_param_check("", loss, p, first.grads[p.name], ex) for p in spec.params if p.scalar]
+    checks += [_input_check("", loss, inp, first.dinputs[inp.name], ex) for inp in spec.inputs]
+    return checks
+
+
+def prove_mode(first: ModeDerivation, sizes: Iterable[int] = (2, 3, 4, 5, 6)) -> ModeProof:
+    """One mode's first-order closed forms against brute-force differentiation at each size
+    (symbolic within :data:`SYMBOLIC_SECONDS` per size, then 80-digit numbers)."""
+    out = ModeProof(first.mode)
+    points = _Sampler.for_spec(first.spec, 1234)
     for n in sizes:
         t0 = time.perf_counter()
-        ex = _Explicit(md, n)
-        xhat = spec.normalized.symbol if spec.normalized else None
-        y_full = spec.output.xreplace({xhat: md.normalized_expr}) if xhat is not None else spec.output
-        ys = [ex.at(y_full, i) for i in range(n)]
-        loss = sympy.Add(*[ex.elem[DY][i] * ys[i] for i in range(n)])
-        checks: list[tuple[str, sympy.Expr]] = []
-        # element 0 stands for every element: the explicit layer is symmetric under any joint
-        # permutation of (x_j, dy_j, p_j), and the closed form is the same formula at every j
-        checks.append(("dx_0", sympy.diff(loss, ex.elem[X][0]) - ex.at(md.dx, 0)))
-        for p in spec.params:
-            if not p.scalar:
-                checks.append((f"d{p.name}_0", sympy.diff(loss, ex.elem[p.symbol][0])
-                               - ex.at(md.grads[p.name].element, 0)))
-        for p in spec.params:
-            if p.scalar:
-                gr = md.grads[p.name]
-                total = sympy.Add(*[ex.at(gr.element, i) for i in range(n)]) + ex.at(gr.group, None)
-                checks.append((f"d{p.name}", sympy.diff(loss, p.symbol) - total))
-        for inp in spec.inputs:
-            checks.append((f"d{inp.name}", sympy.diff(loss, inp.symbol) - ex.at(md.dinputs[inp.name], None)))
-        out.results.append(_settle(n, [(w, d, ex.elem[DY]) for w, d in checks], t0, rng, SYMBOLIC_SECONDS))
+        ex = _Explicit(first, n)
+        checks = [(what, d, ex.elem[DY]) for what, d in _first_checks(first, ex)]
+        out.results.append(_settle(n, checks, t0, points, SYMBOLIC_SECONDS))
     return out
 
 
-def _settle(n: int, checks, t0: float, rng: _Sampler, seconds: float) -> ProofResult:
+def _settle(n: int, checks: list[_Check], t0: float, points: _Sampler, seconds: float) -> ProofResult:
     """One size's result: each (what, difference, symbols it is linear in) reduced to zero
     symbolically (one coefficient of those symbols at a time) until ``seconds`` since t0
     have passed, then in 80-digit arithmetic at random rational points; the first that is not zero fails."""
@@ -399,8 +469,8 @@ def _settle(n: int, checks, t0: float, rng: _Sampler, seconds: float) -> ProofRe
                     if _proven(d, lin):
                         continue
             except _OutOfTime:
-                symbolic = False            # out of time: 80-digit numbers for the rest
-        if _zero_numeric(d, rng):
+                symbolic = False  # out of time: 80-digit numbers for the rest
+        if _zero_numeric(d, points):
             method, status = "80-digit arithmetic at random rational points", "checked numerically"
             continue
         status, detail = "FAILED", f"{what} differs from brute force"
@@ -408,12 +478,108 @@ def _settle(n: int, checks, t0: float, rng: _Sampler, seconds: float) -> ProofRe
     return ProofResult(n, status, method, time.perf_counter() - t0, detail)
 
 
-def prove_derivation(d, sizes=(2, 3, 4, 5, 6)) -> dict[str, ModeProof]:
+class _Derived(Protocol):
+    """What :func:`prove_derivation` reads of a derivation: its modes."""
+
+    modes: Mapping[str, ModeDerivation]
+
+
+def prove_derivation(derivation: _Derived, sizes: Iterable[int] = (2, 3, 4, 5, 6)) -> dict[str, ModeProof]:
     """Every mode of a derivation (anything with ``modes``) proven: mode name -> proof."""
-    return {name: prove_mode(md, sizes) for name, md in d.modes.items()}
+    return {name: prove_mode(first, sizes) for name, first in derivation.modes.items()}
 
 
-def prove_second_mode(second: SecondOrder, sizes=(2, 3, 4, 5), symbolic_seconds: float = SYMBOLIC_SECONDS) -> ModeProof:
+# ---- second order
+
+
+def _explicit_seeds(second: SecondOrder, ex: _Explicit) -> None:
+    """Give the per-element cotangents and tangents (δx, ẋ, δp, ṗ of per-element parameters)
+    explicit elements in ``ex``."""
+    spec = second.spec
+    for named in [
+        second.cot_x,
+        second.tan_x,
+        *(second.cot_params[p.name] for p in spec.params if not p.scalar),
+        *(second.tan_params[p.name] for p in spec.params if not p.scalar),
+    ]:
+        ex.elem[named.symbol] = _elements(named.name, ex.n)
+
+
+def _double_backward_loss(second: SecondOrder, ex: _Explicit, loss: sympy.Expr) -> sympy.Expr:
+    """L₂ = Σ δx·∂L/∂x + Σ δp·∂L/∂p + δi·∂L/∂i: the VJP of the brute-force backward."""
+    spec = second.spec
+    n = ex.n
+    l2 = sympy.Add(*[ex.elem[second.cot_x.symbol][i] * sympy.diff(loss, ex.elem[X][i]) for i in range(n)])
+    for p in spec.params:
+        c = second.cot_params[p.name].symbol
+        if p.scalar:
+            l2 += c * sympy.diff(loss, p.symbol)
+        else:
+            l2 += sympy.Add(*[ex.elem[c][i] * sympy.diff(loss, ex.elem[p.symbol][i]) for i in range(n)])
+    for inp in spec.inputs:
+        l2 += second.cot_inputs[inp.name].symbol * sympy.diff(loss, inp.symbol)
+    return l2
+
+
+def _cotangent_seeds(second: SecondOrder, ex: _Explicit) -> list[sympy.Symbol]:
+    """The cotangent symbols L₂ is linear in, explicit elements for per-element ones."""
+    seeds = [*ex.elem[second.cot_x.symbol]]
+    for p in second.spec.params:
+        c = second.cot_params[p.name].symbol
+        seeds += [c] if p.scalar else ex.elem[c]
+    return seeds + [second.cot_inputs[i.name].symbol for i in second.spec.inputs]
+
+
+def _double_backward_checks(second: SecondOrder, ex: _Explicit, loss: sympy.Expr) -> list[_Check]:
+    """(what, difference, cotangents) for the double backward's dx, d(∂L/∂y), parameter and
+    input gradients: brute-force derivatives of L₂ against the closed forms at element 0."""
+    spec = second.spec
+    l2 = _double_backward_loss(second, ex, loss)
+    seeds = _cotangent_seeds(second, ex)
+    checks = [
+        ("double backward dx_0", sympy.diff(l2, ex.elem[X][0]) - ex.at(second.dx, 0)),
+        ("double backward ddy_0", sympy.diff(l2, ex.elem[DY][0]) - ex.at(second.ddy, 0)),
+    ]
+    checks += [_param_check("double backward ", l2, p, second.grads[p.name], ex) for p in spec.params]
+    checks += [_input_check("double backward ", l2, inp, second.dinputs[inp.name], ex) for inp in spec.inputs]
+    return [(what, d, seeds) for what, d in checks]
+
+
+def _jvp_check(second: SecondOrder, ex: _Explicit, y0: sympy.Expr) -> _Check:
+    """("JVP y_0", difference, tangents): the directional derivative of the explicit y_0 along
+    (ẋ, ṗ, i̇) against the closed-form ẏ at element 0."""
+    spec = second.spec
+    tx = ex.elem[second.tan_x.symbol]
+    ty0 = sympy.Add(*[sympy.diff(y0, ex.elem[X][j]) * tx[j] for j in range(ex.n)])
+    tseeds = list(tx)
+    for p in spec.params:
+        t = second.tan_params[p.name].symbol
+        if p.scalar:
+            ty0 += sympy.diff(y0, p.symbol) * t
+            tseeds.append(t)
+        else:
+            ty0 += sympy.Add(*[sympy.diff(y0, ex.elem[p.symbol][j]) * ex.elem[t][j] for j in range(ex.n)])
+            tseeds += ex.elem[t]
+    for inp in spec.inputs:
+        t = second.tan_inputs[inp.name].symbol
+        ty0 += sympy.diff(y0, inp.symbol) * t
+        tseeds.append(t)
+    return ("JVP y_0", ty0 - ex.at(second.ty, 0), tseeds)
+
+
+def _second_checks(second: SecondOrder, n: int) -> list[_Check]:
+    """(what, difference, symbols it is linear in) for the double backward and the JVP at
+    size n, where |u| is differentiable (:func:`~derivgen.derive.second.almost_everywhere`)."""
+    ex = _Explicit(second.md, n)
+    _explicit_seeds(second, ex)
+    ys, loss = _explicit_loss(ex)
+    checks = [*_double_backward_checks(second, ex, loss), _jvp_check(second, ex, ys[0])]
+    return [(what, almost_everywhere(d), lin) for what, d, lin in checks]
+
+
+def prove_second_mode(
+    second: SecondOrder, sizes: Iterable[int] = (2, 3, 4, 5), symbolic_seconds: float = SYMBOLIC_SECONDS
+) -> ModeProof:
     """The second-order closed forms (:mod:`derivgen.derive.second`) against brute force at small N:
     the first-order gradients of the explicit layer by ``sympy.diff``, their VJP with the
     cotangents (δx, δp, δi) differentiated again, and the directional derivative of the
@@ -421,67 +587,9 @@ def prove_second_mode(second: SecondOrder, sizes=(2, 3, 4, 5), symbolic_seconds:
     coefficient of each cotangent or tangent at a time (both sides are linear in them).
     Falls back to 80-digit evaluation at random rational points when the symbolic budget
     runs out (reported as "checked numerically")."""
-    first = second.md
-    spec = first.spec
-    out = ModeProof(first.mode)
-    rng = _Sampler.for_spec(spec, 4321)
+    out = ModeProof(second.md.mode)
+    points = _Sampler.for_spec(second.spec, 4321)
     for n in sizes:
         t0 = time.perf_counter()
-        ex = _Explicit(first, n)
-        for named in [second.cot_x, second.tan_x, *(second.cot_params[p.name] for p in spec.params if not p.scalar),
-                      *(second.tan_params[p.name] for p in spec.params if not p.scalar)]:
-            ex.elem[named.symbol] = _elements(named.name, n)
-        xhat = spec.normalized.symbol if spec.normalized else None
-        y_full = spec.output.xreplace({xhat: first.normalized_expr}) if xhat is not None else spec.output
-        ys = [ex.at(y_full, i) for i in range(n)]
-        dys = ex.elem[DY]
-        loss = sympy.Add(*[dys[i] * ys[i] for i in range(n)])
-        # the VJP of the brute-force backward
-        l2 = sympy.Add(*[ex.elem[second.cot_x.symbol][i] * sympy.diff(loss, ex.elem[X][i]) for i in range(n)])
-        for p in spec.params:
-            c = second.cot_params[p.name].symbol
-            if p.scalar:
-                l2 += c * sympy.diff(loss, p.symbol)
-            else:
-                l2 += sympy.Add(*[ex.elem[c][i] * sympy.diff(loss, ex.elem[p.symbol][i]) for i in range(n)])
-        for inp in spec.inputs:
-            l2 += second.cot_inputs[inp.name].symbol * sympy.diff(loss, inp.symbol)
-        checks: list[tuple[str, sympy.Expr, list]] = []
-        seeds = [*ex.elem[second.cot_x.symbol]]
-        for p in spec.params:
-            c = second.cot_params[p.name].symbol
-            seeds += [c] if p.scalar else ex.elem[c]
-        seeds += [second.cot_inputs[i.name].symbol for i in spec.inputs]
-        checks.append(("double backward dx_0", sympy.diff(l2, ex.elem[X][0]) - ex.at(second.dx, 0), seeds))
-        checks.append(("double backward ddy_0", sympy.diff(l2, dys[0]) - ex.at(second.ddy, 0), seeds))
-        for p in spec.params:
-            gr = second.grads[p.name]
-            if p.scalar:
-                total = sympy.Add(*[ex.at(gr.element, i) for i in range(n)]) + ex.at(gr.group, None)
-                checks.append((f"double backward d{p.name}", sympy.diff(l2, p.symbol) - total, seeds))
-            else:
-                checks.append((f"double backward d{p.name}_0", sympy.diff(l2, ex.elem[p.symbol][0])
-                               - ex.at(gr.element, 0), seeds))
-        for inp in spec.inputs:
-            checks.append((f"double backward d{inp.name}", sympy.diff(l2, inp.symbol)
-                           - ex.at(second.dinputs[inp.name], None), seeds))
-        # the directional derivative of y_0
-        tx = ex.elem[second.tan_x.symbol]
-        ty0 = sympy.Add(*[sympy.diff(ys[0], ex.elem[X][j]) * tx[j] for j in range(n)])
-        tseeds = list(tx)
-        for p in spec.params:
-            t = second.tan_params[p.name].symbol
-            if p.scalar:
-                ty0 += sympy.diff(ys[0], p.symbol) * t
-                tseeds.append(t)
-            else:
-                ty0 += sympy.Add(*[sympy.diff(ys[0], ex.elem[p.symbol][j]) * ex.elem[t][j] for j in range(n)])
-                tseeds += ex.elem[t]
-        for inp in spec.inputs:
-            t = second.tan_inputs[inp.name].symbol
-            ty0 += sympy.diff(ys[0], inp.symbol) * t
-            tseeds.append(t)
-        checks.append(("JVP y_0", ty0 - ex.at(second.ty, 0), tseeds))
-        checks = [(w, almost_everywhere(d), lin) for w, d, lin in checks]   # where |u| is differentiable
-        out.results.append(_settle(n, checks, t0, rng, symbolic_seconds))
+        out.results.append(_settle(n, _second_checks(second, n), t0, points, symbolic_seconds))
     return out
