@@ -157,7 +157,7 @@ def test_import_without_torch_names_the_extra():
 
 def test_user_spec_operators_do_not_collide_with_the_catalogue(tmp_path):
     """A spec file named like a catalogue layer but different gets operators of its own."""
-    text = (ROOT / "derivgen" / "catalogue" / "layernorm.toml").read_text().replace(
+    text = (ROOT / "derivgen" / "spec" / "catalogue" / "layernorm.toml").read_text().replace(
         'y = "gamma*xhat + beta"', 'y = "gamma*xhat + 2*beta"')
     p = tmp_path / "layernorm.toml"
     p.write_text(text)
