@@ -274,7 +274,7 @@ class SecondIR:
 
 def build_second_ir(second: SecondOrder, kind: str) -> SecondIR:
     """The IR of one second-order kernel (``kind`` "bb" or "jvp") of a mode's second order ``second``."""
-    first, spec = second.md, second.spec
+    first, spec = second.first, second.spec
     element = {str(s) for s in second.element} | {"x", "dy"}
 
     def is_elem(f):

@@ -52,7 +52,7 @@ class SecondOrder:
     """The second-order closed forms of one mode (expressions over Mean atoms, like
     :class:`derivgen.derive.first.ModeDerivation`'s; ``lowered`` gives them over the reductions)."""
 
-    md: ModeDerivation  # the first order it is derived from
+    first: ModeDerivation  # the first order it is derived from
     # the double backward: cotangents of the backward's outputs ...
     cot_x: Named  # δx: of dx (element)
     cot_params: dict[str, Named]  # δp: of dp (per channel, or one value for a scalar p)
@@ -74,7 +74,7 @@ class SecondOrder:
     @property
     def spec(self) -> Spec:
         """The layer's spec."""
-        return self.md.spec
+        return self.first.spec
 
     def lowered(self, expr: sympy.Expr) -> sympy.Expr:
         """Replace the double backward's Mean atoms by its reduction symbols."""
@@ -384,7 +384,7 @@ def derive_second(first: ModeDerivation) -> SecondOrder:
     ty = _jvp(first, seeds, close)
     jvp_reductions = name_reductions(spec, first.coordinate, [ty], names)
     return SecondOrder(
-        md=first,
+        first=first,
         cot_x=seeds.cot_x,
         cot_params=seeds.cot_params,
         cot_inputs=seeds.cot_inputs,

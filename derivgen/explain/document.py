@@ -364,7 +364,7 @@ def _render_text(spec: Spec, modes: list[ModeDocument]) -> str:
 def _backward_program(second: SecondOrder) -> str:
     """What the backward's own program holds, as the prose names it: " (statistics, x̂, g, its
     reductions)", each part only where the mode has it; empty when it has none."""
-    first = second.md
+    first = second.first
     parts = [
         *(["statistics"] if first.statistics else []),
         *([first.coordinate.text] if first.coordinate is not None else []),

@@ -570,7 +570,7 @@ def _jvp_check(second: SecondOrder, ex: _Explicit, y0: sympy.Expr) -> _Check:
 def _second_checks(second: SecondOrder, n: int) -> list[_Check]:
     """(what, difference, symbols it is linear in) for the double backward and the JVP at
     size n, where |u| is differentiable (:func:`~derivgen.derive.second.almost_everywhere`)."""
-    ex = _Explicit(second.md, n)
+    ex = _Explicit(second.first, n)
     _explicit_seeds(second, ex)
     ys, loss = _explicit_loss(ex)
     checks = [*_double_backward_checks(second, ex, loss), _jvp_check(second, ex, ys[0])]
@@ -587,7 +587,7 @@ def prove_second_mode(
     coefficient of each cotangent or tangent at a time (both sides are linear in them).
     Falls back to 80-digit evaluation at random rational points when the symbolic budget
     runs out (reported as "checked numerically")."""
-    out = ModeProof(second.md.mode)
+    out = ModeProof(second.first.mode)
     points = _Sampler.for_spec(second.spec, 4321)
     for n in sizes:
         t0 = time.perf_counter()

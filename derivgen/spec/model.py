@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import math
 import re
+import tomllib
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import sympy
-import tomllib
 
 from derivgen.spec import reserved
 from derivgen.spec.expr import ExprError, parse_expr
