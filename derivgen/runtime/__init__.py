@@ -41,22 +41,116 @@ from __future__ import annotations
 
 from collections import namedtuple
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import cache
 
 import numpy as np
 
-# re-exported: the generated modules call them as derivgen.runtime.<name>
-from derivgen.runtime.executor import (CHUNK_BYTES, chunks, f64, for_chunks, group_mean, group_mean_prod, group_total,  # noqa: F401
-                       new_stats, num_threads, set_num_threads, store, sum_prod)
-from derivgen.runtime.base import (DTYPES, Cache, _check_array, _check_cache, _contig, _grad_shapes, _inputs,  # noqa: F401
-                           _no_overlap, _out_by_field, _param_dtypes, _param_shapes, check_out)
-from derivgen.runtime.second import SecondCall, prepare_backward_backward, prepare_jvp, second_fields  # noqa: F401
-from derivgen.runtime.split import (SplitCall, check_dy, check_sums, finish_part, need_stats, part_input_grad,  # noqa: F401
-                            part_param_grad, part_sum, prepare_split, split_layout, split_level, stats_array,
-                            sums_array)
-from derivgen.runtime.validate import (Layout, check_buffer_shape, check_group_size, check_not_empty, check_options,  # noqa: F401
-                       check_same_dtype, layout_from_shapes)
+from derivgen.runtime.base import (
+    DTYPES,
+    Cache,
+    _check_array,
+    _check_cache,
+    _contig,
+    _grad_shapes,
+    _inputs,
+    _no_overlap,
+    _out_by_field,
+    _param_dtypes,
+    _param_shapes,
+    check_out,
+)
+from derivgen.runtime.executor import (
+    CHUNK_BYTES,
+    chunks,
+    f64,
+    for_chunks,
+    group_mean,
+    group_mean_prod,
+    group_total,
+    new_stats,
+    num_threads,
+    set_num_threads,
+    store,
+    sum_prod,
+)
+from derivgen.runtime.second import SecondCall, prepare_backward_backward, prepare_jvp, second_fields
+from derivgen.runtime.split import (
+    SplitCall,
+    check_dy,
+    check_sums,
+    finish_part,
+    need_stats,
+    part_input_grad,
+    part_param_grad,
+    part_sum,
+    prepare_split,
+    split_layout,
+    split_level,
+    stats_array,
+    sums_array,
+)
+from derivgen.runtime.validate import (
+    Layout,
+    check_buffer_shape,
+    check_group_size,
+    check_not_empty,
+    check_options,
+    check_same_dtype,
+    layout_from_shapes,
+)
 
+# The face: what the generated modules call as ``_rt.<name>``, what the PyTorch
+# operators and tools use, and the calls defined below.
+__all__ = [
+    "CHUNK_BYTES",
+    "DTYPES",
+    "BackwardCall",
+    "Cache",
+    "ForwardCall",
+    "Layout",
+    "SecondCall",
+    "SplitCall",
+    "check_buffer_shape",
+    "check_dy",
+    "check_group_size",
+    "check_not_empty",
+    "check_options",
+    "check_out",
+    "check_same_dtype",
+    "check_sums",
+    "chunks",
+    "f64",
+    "finish_input_grad",
+    "finish_part",
+    "for_chunks",
+    "grad_fields",
+    "grads_type",
+    "group_mean",
+    "group_mean_prod",
+    "group_total",
+    "group_view",
+    "layout_from_shapes",
+    "need_stats",
+    "new_stats",
+    "num_threads",
+    "part_input_grad",
+    "part_param_grad",
+    "part_sum",
+    "prepare_backward",
+    "prepare_backward_backward",
+    "prepare_forward",
+    "prepare_jvp",
+    "prepare_split",
+    "resolve_layout",
+    "second_fields",
+    "set_num_threads",
+    "split_layout",
+    "split_level",
+    "stats_array",
+    "store",
+    "sum_prod",
+    "sums_array",
+]
 
 def resolve_layout(meta: dict, x: np.ndarray, params: dict, num_groups) -> Layout:
     """The layout of a non-empty x (errors name the argument)."""
@@ -64,7 +158,7 @@ def resolve_layout(meta: dict, x: np.ndarray, params: dict, num_groups) -> Layou
     return layout_from_shapes(meta, x.shape, {p: a.shape for p, a in params.items()}, num_groups)
 
 
-@lru_cache(maxsize=None)
+@cache
 def grads_type(name: str, fields: tuple[str, ...]):
     """The named tuple a layer's backward returns (``LayernormGrads(dx, dgamma, ...)``)."""
     return namedtuple(f"{name.title().replace('_', '')}Grads", fields)

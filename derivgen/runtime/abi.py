@@ -24,9 +24,10 @@ derivgen.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import chain
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 ELEM = "ELEM"                  # the kernel's element type: float, double or dg_bf16
 KINDS = ("forward", "backward", "bb", "jvp")

@@ -8,11 +8,19 @@ module imports none of them.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
-from derivgen.runtime.validate import Layout, check_float, check_input_shape, check_param_shapes, check_same_dtype, is_scalar_shape
+from derivgen.runtime.validate import (
+    Layout,
+    check_float,
+    check_input_shape,
+    check_param_shapes,
+    check_same_dtype,
+    is_scalar_shape,
+)
 
 DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 

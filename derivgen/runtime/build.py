@@ -87,16 +87,16 @@ def march_cflags(march: str, base: list[str] | None = None) -> list[str]:
     return [f for f in base if not f.startswith(("-march=", "-mtune="))] + [f"-march={march}"]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _compiler_id(cc: tuple[str, ...]) -> str:
     try:
-        r = subprocess.run([*cc, "--version"], capture_output=True, text=True, timeout=60)
+        r = subprocess.run([*cc, "--version"], capture_output=True, text=True, timeout=60, check=False)
         return r.stdout.splitlines()[0] if r.stdout else cc[0]
     except (OSError, subprocess.SubprocessError):
         return cc[0]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def openmp_flags(cc: tuple[str, ...]) -> tuple[str, ...]:
     """``-fopenmp`` when the compiler and its runtime support it, else nothing."""
     src = "#include <omp.h>\nint main(void){return omp_get_max_threads() > 0 ? 0 : 1;}\n"
@@ -105,7 +105,7 @@ def openmp_flags(cc: tuple[str, ...]) -> tuple[str, ...]:
         c.write_text(src)
         try:
             r = subprocess.run([*cc, "-fopenmp", str(c), "-o", str(Path(tmp) / "t")],
-                               capture_output=True, timeout=120)
+                               capture_output=True, timeout=120, check=False)
         except (OSError, subprocess.SubprocessError):
             return ()
         return ("-fopenmp",) if r.returncode == 0 else ()
@@ -169,7 +169,7 @@ def _compile(source: Path, lib: Path, root: Path, key: str, openmp, extra, cflag
             os.close(fd)
             argv = build_argv([source], Path(tmp), openmp=openmp, extra=extra, cflags=cflags)
             try:
-                r = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+                r = subprocess.run(argv, capture_output=True, text=True, timeout=600, check=False)
                 if r.returncode != 0:
                     raise BuildError(f"compiling {source.name} failed (exit {r.returncode}): {shlex.join(argv)}",
                                      r.stderr, argv)

@@ -212,10 +212,10 @@ class CKernel:
                             f"stats= (from split_finish)")
         stats = call.stats if call.stats is not None else np.zeros((len(m["stats"]["train"]), L.n_groups))
         sums = np.zeros((levels[level], L.n_groups))
-        if L.O and levels[level]:
-            if self._run_split("partial", call, {"x": (_ptr(call.x),), "level": (level,), "stats": (_ptr(stats),),
-                                                 "count": (call.count or 0.0,), "sums": (_ptr(sums),)}) != 0:
-                raise ValueError(f"{m['name']}: split partial kernel refused level {level}")
+        if L.O and levels[level] and self._run_split("partial", call, {
+                "x": (_ptr(call.x),), "level": (level,), "stats": (_ptr(stats),), "count": (call.count or 0.0,),
+                "sums": (_ptr(sums),)}) != 0:
+            raise ValueError(f"{m['name']}: split partial kernel refused level {level}")
         return sums
 
     def split_finish(self, call: rt.SplitCall, level: int, sums) -> np.ndarray:
@@ -234,10 +234,9 @@ class CKernel:
         """This part's y from the statistics of the whole batch."""
         L = call.layout
         y = rt.check_out("out", out, call.x.shape, call.dtype)
-        if L.O:
-            if self._run_split("apply", call, {"x": (_ptr(call.x),), "stats": (_ptr(call.stats),),
-                                               "count": (call.count,), "y": (_ptr(y),)}) != 0:
-                raise MemoryError(f"{self.meta['name']}: split apply kernel could not allocate its work buffer")
+        if L.O and self._run_split("apply", call, {"x": (_ptr(call.x),), "stats": (_ptr(call.stats),),
+                                           "count": (call.count,), "y": (_ptr(y),)}) != 0:
+            raise MemoryError(f"{self.meta['name']}: split apply kernel could not allocate its work buffer")
         return y
 
     def split_backward_partial(self, call: rt.SplitCall, dy) -> np.ndarray:
@@ -245,11 +244,10 @@ class CKernel:
         m, L = self.meta, call.layout
         dy = rt.check_dy(m, dy, call)
         sums = np.zeros((m["split"]["backward"], L.n_groups))
-        if L.O and len(sums):
-            if self._run_split("bpartial", call, {"x": (_ptr(call.x),), "dy": (_ptr(dy),),
-                                                  "stats": (_ptr(call.stats),), "count": (call.count,),
-                                                  "sums": (_ptr(sums),)}) != 0:
-                raise RuntimeError(f"{m['name']}: split backward partial kernel failed")
+        if L.O and len(sums) and self._run_split("bpartial", call, {"x": (_ptr(call.x),), "dy": (_ptr(dy),),
+                                              "stats": (_ptr(call.stats),), "count": (call.count,),
+                                              "sums": (_ptr(sums),)}) != 0:
+            raise RuntimeError(f"{m['name']}: split backward partial kernel failed")
         return sums
 
     def split_backward_apply(self, call: rt.SplitCall, dy, sums, group_terms: bool, grads_type):
@@ -260,13 +258,12 @@ class CKernel:
         dx = np.empty(call.x.shape, dtype=call.dtype)
         dparams = {p: np.zeros(call.params[p].shape, dtype=call.dtype) for p in m["params"]}
         dinputs = {i: np.zeros(L.n_groups, dtype=call.dtype) for i in m["inputs"]}
-        if L.O:
-            if self._run_split("bapply", call, {
-                    "x": (_ptr(call.x),), "dy": (_ptr(dy),), "stats": (_ptr(call.stats),), "sums": (_ptr(sums),),
-                    "count": (call.count,), "group_terms": (int(bool(group_terms)),), "dx": (_ptr(dx),),
-                    "dparams": [_ptr(dparams[p]) for p in m["params"]],
-                    "dinputs": [_ptr(dinputs[i]) for i in m["inputs"]]}) != 0:
-                raise MemoryError(f"{m['name']}: split backward apply kernel could not allocate its work buffer")
+        if L.O and self._run_split("bapply", call, {
+                "x": (_ptr(call.x),), "dy": (_ptr(dy),), "stats": (_ptr(call.stats),), "sums": (_ptr(sums),),
+                "count": (call.count,), "group_terms": (int(bool(group_terms)),), "dx": (_ptr(dx),),
+                "dparams": [_ptr(dparams[p]) for p in m["params"]],
+                "dinputs": [_ptr(dinputs[i]) for i in m["inputs"]]}) != 0:
+            raise MemoryError(f"{m['name']}: split backward apply kernel could not allocate its work buffer")
         values = {"dx": dx, **{"d" + p: v for p, v in dparams.items()}}
         for i in m["inputs"]:
             v = dinputs[i]

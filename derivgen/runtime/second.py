@@ -8,8 +8,18 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from derivgen.runtime.base import (Cache, _by_name, _check_array, _check_cache, _contig, _grad_shapes, _inputs, _no_overlap,
-                           _out_by_field, check_out)
+from derivgen.runtime.base import (
+    Cache,
+    _by_name,
+    _check_array,
+    _check_cache,
+    _contig,
+    _grad_shapes,
+    _inputs,
+    _no_overlap,
+    _out_by_field,
+    check_out,
+)
 from derivgen.runtime.validate import check_float
 
 

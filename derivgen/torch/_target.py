@@ -9,8 +9,7 @@ plain numbers alike (a group size N is a Python int, a statistic a tensor). The 
 from __future__ import annotations
 
 import math
-
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

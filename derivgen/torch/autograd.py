@@ -201,7 +201,8 @@ def call_forward(lay, mode: str, tens: list, opts: tuple, groups: int, stats: bo
             out = _Functional.apply(lay, mode, opts, groups, *tens)
             return out[0], dict(zip(names, out[1:]))
         plan = lay.plans.forward(mode, tens, opts, groups)
-        if (torch.is_grad_enabled() and any([t.requires_grad for t in tens])) or _fwad._current_level >= 0:
+        # a list, not a generator: faster for a few tensors on this per-call path
+        if (torch.is_grad_enabled() and any([t.requires_grad for t in tens])) or _fwad._current_level >= 0:  # noqa: C419
             box = []
             y = _eager_apply(plan, opts, box, *tens)
             st = box[0]

@@ -14,8 +14,8 @@ import copy
 import torch
 from torch import nn
 
-from derivgen.tools.bench import round_robin
 from derivgen.runtime.machine import machine
+from derivgen.tools.bench import round_robin
 from derivgen.torch import nn as dnn
 
 # (label, torch.nn module factory, input shape, memory format, target derivgen/torch or None)
@@ -217,12 +217,12 @@ def _t(ms: float) -> str:
 
 def format_torch_report(rep: dict) -> str:
     m = rep["machine"]
-    lines = [f"derivgen.torch vs torch.nn, through autograd: {rep['dtype']}, {rep['threads']} threads, "
-             f"median of {rep['repeat']} (round-robin), torch {m['torch']}",
+    lines = [(f"derivgen.torch vs torch.nn, through autograd: {rep['dtype']}, {rep['threads']} threads, "
+             f"median of {rep['repeat']} (round-robin), torch {m['torch']}"),
              f"machine: {m['cpu']}, {m['cores']} cores",
              "",
-             f"{'case':28s} {'shape':>16s} {'torch fwd+bwd':>13s} {'derivgen':>9s} {'ratio':>6s} "
-             f"{'fwd ratio':>9s} {'target':>7s}"]
+             (f"{'case':28s} {'shape':>16s} {'torch fwd+bwd':>13s} {'derivgen':>9s} {'ratio':>6s} "
+             f"{'fwd ratio':>9s} {'target':>7s}")]
     for r in rep["cases"]:
         shape = "x".join(map(str, r["shape"]))
         tgt = f"<= {r['target']}" if r["target"] is not None else ""
@@ -243,8 +243,8 @@ def format_torch_report(rep: dict) -> str:
     if b is None:
         return "\n".join(lines)
     lines += ["",
-              f"transformer block training step ({'x'.join(map(str, b['shape']))}, LayerNorm + RMSNorm, SGD): "
+              (f"transformer block training step ({'x'.join(map(str, b['shape']))}, LayerNorm + RMSNorm, SGD): "
               f"torch.nn {b['torch_step']:.1f} ms, derivgen {b['derivgen_step']:.1f} ms (ratio {b['ratio']:.2f}); "
               f"norms' share of the step: torch.nn {100 * b['torch_norm_share']:.1f}%, "
-              f"derivgen {100 * b['derivgen_norm_share']:.1f}%"]
+              f"derivgen {100 * b['derivgen_norm_share']:.1f}%")]
     return "\n".join(lines)

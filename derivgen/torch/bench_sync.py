@@ -94,8 +94,8 @@ def _rank(rank, world, port, repeat, out, shape=SHAPE):
 
 
 def run_sync_bench(world: int = 2, repeat: int = 10, timeout: float = 600) -> dict:
-    from derivgen.tools.bench import Bandwidth
     from derivgen.runtime.machine import machine
+    from derivgen.tools.bench import Bandwidth
     from derivgen.torch.nn import BatchNorm2d
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -182,14 +182,14 @@ def format_sync_report(r: dict) -> str:
     step = max(r["sync_step_ms"])
     coll = max(r["sync_collective_ms"])
     return "\n".join([
-        f"SyncBatchNorm over {r['world']} gloo processes on this machine, {'x'.join(map(str, r['shape']))} "
-        f"float32, each process 1/{r['world']} of the batch, median of {r['repeat']}",
-        f"  step (forward + backward), slowest process: {step:.2f} ms, of which collectives {coll:.2f} ms "
-        f"({100 * coll / step:.0f}%)",
-        f"  one process on the whole batch (C kernels, all cores): {r['one_process_ms']:.2f} ms "
-        f"(split / one: {step / r['one_process_ms']:.2f})",
-        f"  bandwidth bound of the split's passes (9 tensor sweeps at {r['copy_gbps']:.1f} GB/s copy): "
-        f"{r['bound_ms']:.2f} ms (split / bound: {step / r['bound_ms']:.2f})",
+        (f"SyncBatchNorm over {r['world']} gloo processes on this machine, {'x'.join(map(str, r['shape']))} "
+        f"float32, each process 1/{r['world']} of the batch, median of {r['repeat']}"),
+        (f"  step (forward + backward), slowest process: {step:.2f} ms, of which collectives {coll:.2f} ms "
+        f"({100 * coll / step:.0f}%)"),
+        (f"  one process on the whole batch (C kernels, all cores): {r['one_process_ms']:.2f} ms "
+        f"(split / one: {step / r['one_process_ms']:.2f})"),
+        (f"  bandwidth bound of the split's passes (9 tensor sweeps at {r['copy_gbps']:.1f} GB/s copy): "
+        f"{r['bound_ms']:.2f} ms (split / bound: {step / r['bound_ms']:.2f})"),
         "  the C split kernels alone, one process, whole batch (tensors read + written; time / bandwidth bound):",
         *[f"    {name:36s} {ms:7.2f} ms  {k} tensor(s)  {ms / bound:5.2f}x" for name, ms, k, bound in r["kernels"]],
     ])

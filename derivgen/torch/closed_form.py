@@ -9,7 +9,7 @@ them (the seeds of the second order as ``c_<name>`` and tangents as ``t_<name>``
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

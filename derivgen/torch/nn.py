@@ -20,8 +20,22 @@ from torch import nn
 from derivgen.torch import sync
 from derivgen.torch.ops import layer
 
-__all__ = ["LayerNorm", "RMSNorm", "BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "SyncBatchNorm", "InstanceNorm1d",
-           "InstanceNorm2d", "InstanceNorm3d", "GroupNorm", "OnlineLayerNorm", "Module", "convert", "function"]
+__all__ = [
+    "BatchNorm1d",
+    "BatchNorm2d",
+    "BatchNorm3d",
+    "GroupNorm",
+    "InstanceNorm1d",
+    "InstanceNorm2d",
+    "InstanceNorm3d",
+    "LayerNorm",
+    "Module",
+    "OnlineLayerNorm",
+    "RMSNorm",
+    "SyncBatchNorm",
+    "convert",
+    "function",
+]
 
 
 def _param(p, like, shape, fill):
@@ -262,9 +276,8 @@ class Module(nn.Module):
             if v is None:
                 raise TypeError(f"{self.layer_name}: option {o} is required (it has no default)")
             setattr(self, o, float(v))
-        if meta["reduce"] == "group":
-            if not isinstance(num_groups, int) or num_groups <= 0:
-                raise TypeError(f"{self.layer_name}: num_groups must be a positive int, got {num_groups!r}")
+        if meta["reduce"] == "group" and (not isinstance(num_groups, int) or num_groups <= 0):
+            raise TypeError(f"{self.layer_name}: num_groups must be a positive int, got {num_groups!r}")
         self.num_groups = num_groups or 0
         if isinstance(size, int):
             size = (size,)

@@ -57,9 +57,29 @@ class KernelPlan:
     the layout and everything else fixed by the shapes, so that a call only allocates
     its outputs and passes data pointers."""
 
-    __slots__ = ("lay", "mode", "groups", "ffn", "bfn", "fsig", "bsig", "fpack", "bpack", "dims", "kernel",
-                 "n_groups", "nhwc", "npar", "nin", "copy", "null_bufs", "stat_offsets", "stats_like", "name",
-                 "simple")
+    __slots__ = (
+        "bfn",
+        "bpack",
+        "bsig",
+        "copy",
+        "dims",
+        "ffn",
+        "fpack",
+        "fsig",
+        "groups",
+        "kernel",
+        "lay",
+        "mode",
+        "n_groups",
+        "name",
+        "nhwc",
+        "nin",
+        "npar",
+        "null_bufs",
+        "simple",
+        "stat_offsets",
+        "stats_like",
+    )
 
     def __init__(self, lay, mode: str, L: rt.Layout, tens: list, nhwc: bool, groups: int):
         x = tens[0]

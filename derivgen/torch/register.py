@@ -7,8 +7,8 @@ through the operators without graph breaks, and autograd (:mod:`derivgen.torch.a
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 

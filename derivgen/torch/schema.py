@@ -18,8 +18,9 @@ spec gives it (``gamma``, ``eps``, ``num_groups``; the seeds ``c_<name>`` and ``
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, NamedTuple, Sequence
+from typing import NamedTuple
 
 
 class OpArg(NamedTuple):

@@ -6,7 +6,7 @@ PyTorch closed form through torch.func (the same derivatives; the layer's
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

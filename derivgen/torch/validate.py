@@ -9,8 +9,15 @@ from __future__ import annotations
 import torch
 
 from derivgen import runtime as rt
-from derivgen.runtime.validate import (check_buffer_shape, check_group_size, check_input_shape, check_not_empty, check_options,
-                        check_param_shapes, check_same_dtype)
+from derivgen.runtime.validate import (
+    check_buffer_shape,
+    check_group_size,
+    check_input_shape,
+    check_not_empty,
+    check_options,
+    check_param_shapes,
+    check_same_dtype,
+)
 from derivgen.torch.tensors import check_tensor, layout, numpy_view
 
 
