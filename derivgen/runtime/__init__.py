@@ -152,6 +152,7 @@ __all__ = [
     "sums_array",
 ]
 
+
 def resolve_layout(meta: dict, x: np.ndarray, params: dict, num_groups) -> Layout:
     """The layout of a non-empty x (errors name the argument)."""
     check_not_empty(meta, x.shape)
@@ -172,14 +173,15 @@ def grad_fields(meta) -> tuple[str, ...]:
 @dataclass
 class ForwardCall:
     """A validated forward call: the layout, C-ordered arrays, checked options and inputs."""
+
     meta: dict
     mode: str
     layout: Layout
     dtype: np.dtype
-    x: np.ndarray                     # C-contiguous, original shape
-    params: dict[str, np.ndarray]     # C-contiguous, flat (C,)
+    x: np.ndarray  # C-contiguous, original shape
+    params: dict[str, np.ndarray]  # C-contiguous, flat (C,)
     options: dict[str, float]
-    inputs: dict[str, np.ndarray]     # flat, n_groups or 1 values
+    inputs: dict[str, np.ndarray]  # flat, n_groups or 1 values
     buffers: dict[str, np.ndarray | None]
     out: np.ndarray
     extra: dict = field(default_factory=dict)
@@ -207,8 +209,9 @@ def _buffers(meta: dict, buffers: dict, layout: Layout, dtype, mode: str) -> dic
     return bufs
 
 
-def prepare_forward(meta: dict, x, params: dict, options: dict, inputs: dict, buffers: dict,
-                    training: bool, num_groups=None, out=None) -> ForwardCall:
+def prepare_forward(
+    meta: dict, x, params: dict, options: dict, inputs: dict, buffers: dict, training: bool, num_groups=None, out=None
+) -> ForwardCall:
     """Checks for a forward call (errors name the argument), and its layout."""
     name = meta["name"]
     x = _check_array("x", x)
@@ -225,17 +228,27 @@ def prepare_forward(meta: dict, x, params: dict, options: dict, inputs: dict, bu
     bufs = _buffers(meta, buffers, layout, dtype, mode)
     out = check_out("out", out, x.shape, dtype)
     _no_overlap(name, {"out": out}, {"x": x, **params, **{k: v for k, v in bufs.items() if v is not None}})
-    return ForwardCall(meta, mode, layout, dtype, _contig(x),
-                       {p: _contig(params[p]).reshape(-1) for p in meta["params"]},
-                       opts, ins, bufs, out)
+    return ForwardCall(
+        meta,
+        mode,
+        layout,
+        dtype,
+        _contig(x),
+        {p: _contig(params[p]).reshape(-1) for p in meta["params"]},
+        opts,
+        ins,
+        bufs,
+        out,
+    )
 
 
 @dataclass
 class BackwardCall:
     """A validated backward call: the forward's cache, dy in C order, the outputs."""
+
     cache: Cache
     dy: np.ndarray
-    outs: dict[str, np.ndarray]       # dx (x shape), d<param> (param shape), d<input> (n_groups)
+    outs: dict[str, np.ndarray]  # dx (x shape), d<param> (param shape), d<input> (n_groups)
 
 
 def prepare_backward(meta: dict, dy, cache, out=None) -> BackwardCall:

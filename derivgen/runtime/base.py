@@ -67,8 +67,10 @@ class Cache:
         raise AttributeError(item)
 
     def __repr__(self):
-        return (f"<{self.meta['name']} cache mode={self.mode} x{tuple(self.x.shape)} {self.x.dtype} "
-                f"stats={list(self.stats)}>")
+        return (
+            f"<{self.meta['name']} cache mode={self.mode} x{tuple(self.x.shape)} {self.x.dtype} "
+            f"stats={list(self.stats)}>"
+        )
 
 
 def _check_cache(meta: dict, cache: Any) -> Cache:
@@ -96,7 +98,9 @@ def _inputs(meta: dict, inputs: dict, layout: Layout, dtype) -> dict:
     for iname in meta["inputs"]:
         v = inputs.get(iname)
         if v is None:
-            raise TypeError(f"{name}: {iname} is required (a scalar or one value per group, shape {layout.group_shape})")
+            raise TypeError(
+                f"{name}: {iname} is required (a scalar or one value per group, shape {layout.group_shape})"
+            )
         if isinstance(v, np.ndarray):
             _check_array(iname, v)
             check_same_dtype(meta, iname, v.dtype, dtype)
@@ -114,8 +118,10 @@ def _by_name(meta: dict, what: str, given, names: list, defaults: dict | None = 
         given = {}
     if isinstance(given, (list, tuple)):
         if len(given) != len(names):
-            raise TypeError(f"{name}: {what} must be a dict by name or a sequence of {len(names)} "
-                            f"({names}), got {len(given)} values")
+            raise TypeError(
+                f"{name}: {what} must be a dict by name or a sequence of {len(names)} "
+                f"({names}), got {len(given)} values"
+            )
         given = dict(zip(names, given))
     if not isinstance(given, dict):
         raise TypeError(f"{name}: {what} must be a dict by name or a sequence, got {type(given).__name__}")
@@ -156,7 +162,7 @@ def _no_overlap(name: str, outputs: dict, inputs: dict) -> None:
                 raise ValueError(f"{name}: output {on} overlaps input {iname}; pass a separate array")
     outs = list(outputs.items())
     for k, (an, a) in enumerate(outs):
-        for bn, b in outs[k + 1:]:
+        for bn, b in outs[k + 1 :]:
             if np.shares_memory(a, b):
                 raise ValueError(f"{name}: outputs {an} and {bn} overlap")
 

@@ -22,8 +22,8 @@ import numpy as np
 
 from derivgen.runtime.validate import Layout
 
-CHUNK_BYTES = 1 << 20   # float64 bytes of x per chunk: a chunk and its temporaries stay in L2/L3
-NUM_THREADS = 0         # 0: OMP_NUM_THREADS if set (as the C kernels), else the CPUs available
+CHUNK_BYTES = 1 << 20  # float64 bytes of x per chunk: a chunk and its temporaries stay in L2/L3
+NUM_THREADS = 0  # 0: OMP_NUM_THREADS if set (as the C kernels), else the CPUs available
 
 
 def set_num_threads(n: int) -> None:
@@ -102,7 +102,7 @@ class _Scratch:
             self.bufs.append(np.empty(0))
         if self.bufs[k].size < a.size:
             self.bufs[k] = np.empty(a.size)
-        out = self.bufs[k][:a.size].reshape(a.shape)
+        out = self.bufs[k][: a.size].reshape(a.shape)
         np.copyto(out, a)
         return out
 
@@ -143,7 +143,7 @@ def for_chunks(layout: Layout, body) -> list:
         work()
     finally:
         for h in helpers:
-            if not h.cancel():      # a helper that never started has nothing left to do
+            if not h.cancel():  # a helper that never started has nothing left to do
                 h.result()
     return results
 
@@ -179,6 +179,7 @@ def group_mean(layout: Layout):
         m = np.add.reduce(a, axis=axes, keepdims=True)
         np.true_divide(m, a.size // m.size, out=m)
         return m
+
     return mean
 
 
@@ -207,6 +208,7 @@ def group_mean_prod(layout: Layout):
         m = sum_prod(a, b, axes)
         n = int(np.prod(np.broadcast_shapes(np.shape(a), np.shape(b)))) // m.size
         return np.true_divide(m, n, out=m)
+
     return mean_prod
 
 

@@ -31,8 +31,8 @@ ISA_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx2", "fma", "avx", "sse4_2", 
 class Machine:
     cpu: str
     cores: int
-    caches: dict = field(default_factory=dict)      # level -> bytes (data or unified caches)
-    flags: tuple = ()                               # ISA_FLAGS this CPU has
+    caches: dict = field(default_factory=dict)  # level -> bytes (data or unified caches)
+    flags: tuple = ()  # ISA_FLAGS this CPU has
 
     @property
     def last_level(self) -> int:
@@ -53,8 +53,14 @@ class Machine:
         return f"{self.cpu}; {self.cores} cores; {sizes}; {' '.join(self.flags) or 'no SIMD flags read'}"
 
     def as_dict(self) -> dict:
-        return {"cpu": self.cpu, "cores": self.cores, "caches": {f"L{k}": v for k, v in sorted(self.caches.items())},
-                "flags": list(self.flags), "stream_bytes": self.stream_bytes, "tile_bytes": self.tile_bytes}
+        return {
+            "cpu": self.cpu,
+            "cores": self.cores,
+            "caches": {f"L{k}": v for k, v in sorted(self.caches.items())},
+            "flags": list(self.flags),
+            "stream_bytes": self.stream_bytes,
+            "tile_bytes": self.tile_bytes,
+        }
 
 
 def _size(n: int) -> str:
@@ -117,5 +123,6 @@ def _cpuinfo() -> tuple[str, set[str]]:
 @functools.lru_cache(maxsize=1)
 def machine() -> Machine:
     cpu, flags = _cpuinfo()
-    return Machine(cpu=cpu, cores=os.cpu_count() or 1, caches=read_caches(),
-                   flags=tuple(f for f in ISA_FLAGS if f in flags))
+    return Machine(
+        cpu=cpu, cores=os.cpu_count() or 1, caches=read_caches(), flags=tuple(f for f in ISA_FLAGS if f in flags)
+    )

@@ -28,11 +28,12 @@ class SecondCall:
     """A validated call of ``backward_backward`` or ``jvp``: the seeds (cotangents of the
     backward's outputs, or tangents of the forward's inputs; zeros where not given) and
     the outputs."""
+
     cache: Cache
-    dy: np.ndarray | None             # backward_backward only
-    seed_x: np.ndarray                # x's shape, C-contiguous
-    seed_params: dict[str, np.ndarray]   # flat, like cache.params
-    seed_inputs: dict[str, np.ndarray]   # flat, 1 or n_groups values
+    dy: np.ndarray | None  # backward_backward only
+    seed_x: np.ndarray  # x's shape, C-contiguous
+    seed_params: dict[str, np.ndarray]  # flat, like cache.params
+    seed_inputs: dict[str, np.ndarray]  # flat, 1 or n_groups values
     outs: dict[str, np.ndarray]
 
 
@@ -81,8 +82,7 @@ def _seeds(meta: dict, what: str, params, inputs, cache: Cache) -> tuple[dict, d
     return sp, si
 
 
-def prepare_backward_backward(meta: dict, dy, cache, ddx=None, ddparams=None, ddinputs=None,
-                              out=None) -> SecondCall:
+def prepare_backward_backward(meta: dict, dy, cache, ddx=None, ddparams=None, ddinputs=None, out=None) -> SecondCall:
     """Checks for ``backward_backward`` (errors name the argument)."""
     name = meta["name"]
     cache = _check_cache(meta, cache)

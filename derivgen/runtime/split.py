@@ -16,15 +16,16 @@ from derivgen.runtime.validate import Layout, check_float, check_options, layout
 @dataclass
 class SplitCall:
     """A validated call of a split-reduction function on one part of a batch."""
+
     meta: dict
-    layout: Layout              # O: this part's samples (0 for an empty part)
+    layout: Layout  # O: this part's samples (0 for an empty part)
     dtype: np.dtype
-    x: np.ndarray               # C-contiguous, the part's own shape
+    x: np.ndarray  # C-contiguous, the part's own shape
     params: dict[str, np.ndarray]
     options: dict[str, float]
     inputs: dict[str, np.ndarray]
-    stats: np.ndarray | None    # (statistics, groups) float64, in meta["stats"]["train"] order
-    count: float | None         # values per group over all parts
+    stats: np.ndarray | None  # (statistics, groups) float64, in meta["stats"]["train"] order
+    count: float | None  # values per group over all parts
 
 
 def split_layout(meta: dict, x_shape, param_shapes: dict) -> Layout:
@@ -32,27 +33,51 @@ def split_layout(meta: dict, x_shape, param_shapes: dict) -> Layout:
     x_shape = tuple(x_shape)
     if len(x_shape) >= 2 and x_shape[0] == 0:
         L = layout_from_shapes(meta, (1, *x_shape[1:]), param_shapes, None)
-        return Layout(O=0, G=L.G, Cg=L.Cg, S=L.S, per_sample=L.per_sample, x_shape=x_shape,
-                      param_shape=L.param_shape, group_shape=L.group_shape)
+        return Layout(
+            O=0,
+            G=L.G,
+            Cg=L.Cg,
+            S=L.S,
+            per_sample=L.per_sample,
+            x_shape=x_shape,
+            param_shape=L.param_shape,
+            group_shape=L.group_shape,
+        )
     return layout_from_shapes(meta, x_shape, param_shapes, None)
 
 
-def prepare_split(meta: dict, x, params, options=None, inputs=None, stats=None, count=None,
-                  need_stats: bool = False, need_count: bool = False) -> SplitCall:
+def prepare_split(
+    meta: dict,
+    x,
+    params,
+    options=None,
+    inputs=None,
+    stats=None,
+    count=None,
+    need_stats: bool = False,
+    need_count: bool = False,
+) -> SplitCall:
     """Checks for the split-reduction functions (errors name the argument). Parameters are
     a dict by name or a sequence in spec order; options and per-group inputs dicts by name
     (options default as in the spec). A part may be empty; the minimum group size applies
     to ``count``, the size over all parts."""
     name = meta["name"]
     if meta.get("split") is None:
-        raise ValueError(f"{name}: the split reduction is for layers whose groups span the batch "
-                         f"(layout channels, reduce batch); this one is {meta['layout']}/{meta['reduce']}")
+        raise ValueError(
+            f"{name}: the split reduction is for layers whose groups span the batch "
+            f"(layout channels, reduce batch); this one is {meta['layout']}/{meta['reduce']}"
+        )
     params = _by_name(meta, "params", params, list(meta["params"]))
     missing = [p for p in meta["params"] if p not in params]
     if missing:
         raise TypeError(f"{name}: params {missing} are required")
-    options = _by_name(meta, "options", options, list(meta["options"]),
-                       {o: d for o, (d, _, _) in meta["options"].items() if d is not None})
+    options = _by_name(
+        meta,
+        "options",
+        options,
+        list(meta["options"]),
+        {o: d for o, (d, _, _) in meta["options"].items() if d is not None},
+    )
     inputs = _by_name(meta, "inputs", inputs, list(meta["inputs"]))
     x = _check_array("x", x)
     dtype = x.dtype
@@ -64,8 +89,10 @@ def prepare_split(meta: dict, x, params, options=None, inputs=None, stats=None, 
     if stats is not None:
         stats = _check_array("stats", stats)
         if stats.dtype != np.float64 or stats.shape != (nst, layout.n_groups):
-            raise ValueError(f"{name}: stats must be float64 of shape ({nst}, {layout.n_groups}) (statistics "
-                             f"{meta['stats']['train']}, one row each), got {stats.dtype} {stats.shape}")
+            raise ValueError(
+                f"{name}: stats must be float64 of shape ({nst}, {layout.n_groups}) (statistics "
+                f"{meta['stats']['train']}, one row each), got {stats.dtype} {stats.shape}"
+            )
     elif need_stats:
         raise TypeError(f"{name}: stats is required (from split_finish)")
     if count is not None:
@@ -76,8 +103,17 @@ def prepare_split(meta: dict, x, params, options=None, inputs=None, stats=None, 
         count = n
     elif need_count:
         raise TypeError(f"{name}: count is required (values per group over all parts)")
-    return SplitCall(meta, layout, dtype, _contig(x), {p: _contig(params[p]) for p in meta["params"]}, opts,
-                     _inputs(meta, inputs, layout, dtype), stats, count)
+    return SplitCall(
+        meta,
+        layout,
+        dtype,
+        _contig(x),
+        {p: _contig(params[p]) for p in meta["params"]},
+        opts,
+        _inputs(meta, inputs, layout, dtype),
+        stats,
+        count,
+    )
 
 
 def part_sum(layout: Layout, x: np.ndarray):
@@ -87,6 +123,7 @@ def part_sum(layout: Layout, x: np.ndarray):
 
     def total(a):
         return np.add.reduce(np.broadcast_to(a, x.shape), axis=axes, keepdims=True, dtype=np.float64)
+
     return total
 
 
@@ -109,8 +146,9 @@ def split_level(meta: dict, level) -> int:
 def need_stats(meta: dict, call: SplitCall, level: int) -> None:
     """A level after the first needs the statistics of the earlier ones."""
     if level > 0 and call.stats is None:
-        raise TypeError(f"{meta['name']}: level {level} needs the statistics of the earlier levels: "
-                        f"stats= (from split_finish)")
+        raise TypeError(
+            f"{meta['name']}: level {level} needs the statistics of the earlier levels: stats= (from split_finish)"
+        )
 
 
 def finish_part(sums, meta: dict, params) -> np.ndarray:
@@ -134,8 +172,10 @@ def check_dy(meta: dict, dy, call: SplitCall) -> np.ndarray:
     """dy of a part, with the part's shape and dtype, in C order."""
     dy = _check_array("dy", dy)
     if dy.dtype != call.dtype or dy.shape != call.x.shape:
-        raise ValueError(f"{meta['name']}: dy must have the shape and dtype of x {call.x.shape} {call.dtype}, "
-                         f"got {dy.shape} {dy.dtype}")
+        raise ValueError(
+            f"{meta['name']}: dy must have the shape and dtype of x {call.x.shape} {call.dtype}, "
+            f"got {dy.shape} {dy.dtype}"
+        )
     return _contig(dy)
 
 
@@ -160,6 +200,7 @@ def check_sums(meta: dict, sums, rows: int, layout: Layout) -> np.ndarray:
     name = meta["name"]
     sums = _check_array("sums", sums)
     if sums.dtype != np.float64 or sums.shape != (rows, layout.n_groups):
-        raise ValueError(f"{name}: sums must be float64 of shape ({rows}, {layout.n_groups}), "
-                         f"got {sums.dtype} {sums.shape}")
+        raise ValueError(
+            f"{name}: sums must be float64 of shape ({rows}, {layout.n_groups}), got {sums.dtype} {sums.shape}"
+        )
     return _contig(sums)

@@ -26,7 +26,7 @@ class Layout:
     per_sample: bool
     x_shape: tuple
     param_shape: tuple
-    group_shape: tuple          # shape users see for per-group values (stats, inputs, buffers)
+    group_shape: tuple  # shape users see for per-group values (stats, inputs, buffers)
 
     @property
     def n_groups(self) -> int:
@@ -85,22 +85,33 @@ def layout_from_shapes(meta: dict, x_shape, param_shapes: dict, num_groups) -> L
             k = len(first)
             if k == 0:
                 raise ValueError(f"{name}: {p0} must have at least one dimension (it defines the normalized axes)")
-            if nd < k or x_shape[nd - k:] != first:
-                raise ValueError(f"{name}: {p0} has shape {first}, which must equal the trailing "
-                                 f"axes of x (shape {x_shape})")
+            if nd < k or x_shape[nd - k :] != first:
+                raise ValueError(
+                    f"{name}: {p0} has shape {first}, which must equal the trailing axes of x (shape {x_shape})"
+                )
         else:
             k = meta.get("axes", 1)
             if nd < k:
                 raise ValueError(f"{name}: x must have at least {k} dimension(s), got shape {x_shape}")
-        lead = x_shape[:nd - k]
-        norm = x_shape[nd - k:]
-        return Layout(O=math.prod(lead), G=1, Cg=math.prod(norm), S=1, per_sample=True,
-                      x_shape=x_shape, param_shape=norm, group_shape=lead)
+        lead = x_shape[: nd - k]
+        norm = x_shape[nd - k :]
+        return Layout(
+            O=math.prod(lead),
+            G=1,
+            Cg=math.prod(norm),
+            S=1,
+            per_sample=True,
+            x_shape=x_shape,
+            param_shape=norm,
+            group_shape=lead,
+        )
     # channel layouts: x is (N, C, *spatial)
     min_nd = 3 if red == "instance" else 2
     if nd < min_nd:
-        raise ValueError(f"{name}: x must have shape (N, C{', *spatial' if min_nd == 2 else ', L, ...'}) "
-                         f"with at least {min_nd} dimensions, got {x_shape}")
+        raise ValueError(
+            f"{name}: x must have shape (N, C{', *spatial' if min_nd == 2 else ', L, ...'}) "
+            f"with at least {min_nd} dimensions, got {x_shape}"
+        )
     n, c = x_shape[0], x_shape[1]
     S = math.prod(x_shape[2:])
     if red == "batch":
@@ -142,8 +153,10 @@ def check_group_size(meta: dict, mode: str, layout: Layout) -> None:
     """Each normalization group holds at least the mode's minimum number of values."""
     need = meta["min_group_size"][mode]
     if layout.group_size < need:
-        raise ValueError(f"{meta['name']}: {mode} mode needs at least {need} values per normalization group, "
-                         f"got {layout.group_size} (x shape {tuple(layout.x_shape)})")
+        raise ValueError(
+            f"{meta['name']}: {mode} mode needs at least {need} values per normalization group, "
+            f"got {layout.group_size} (x shape {tuple(layout.x_shape)})"
+        )
 
 
 def check_options(meta: dict, options: dict) -> dict[str, float]:
@@ -165,8 +178,9 @@ def is_scalar_shape(shape) -> bool:
 def check_input_shape(meta: dict, iname: str, shape, layout: Layout) -> None:
     """A per-group input is a scalar or has one value per group."""
     if not is_scalar_shape(shape) and tuple(shape) != tuple(layout.group_shape):
-        raise ValueError(f"{meta['name']}: {iname} must be a scalar or have shape {tuple(layout.group_shape)}, "
-                         f"got {tuple(shape)}")
+        raise ValueError(
+            f"{meta['name']}: {iname} must be a scalar or have shape {tuple(layout.group_shape)}, got {tuple(shape)}"
+        )
 
 
 def check_buffer_shape(meta: dict, bname: str, shape, layout: Layout) -> None:

@@ -12,9 +12,11 @@ the CPU wheel). See :mod:`derivgen.torch.ops` for the operators and
 
 try:
     import torch as _torch  # noqa: F401
-except ImportError as e:      # pragma: no cover - exercised by a subprocess test
-    raise ImportError("derivgen.torch needs PyTorch, an optional dependency: "
-                      "pip install 'derivgen[torch]' (torch==2.13.0, the CPU wheel)") from e
+except ImportError as e:  # pragma: no cover - exercised by a subprocess test
+    raise ImportError(
+        "derivgen.torch needs PyTorch, an optional dependency: "
+        "pip install 'derivgen[torch]' (torch==2.13.0, the CPU wheel)"
+    ) from e
 
 from derivgen.torch.nn import (
     BatchNorm1d,

@@ -24,6 +24,7 @@ def _unary(fn: functions.Elementary) -> Callable:
 
     def f(a):
         return tfn(a) if isinstance(a, torch.Tensor) else fn.scalar(a)
+
     f.__name__ = tfn.__name__
     return f
 
@@ -48,6 +49,7 @@ def group_mean(L):
 
     def mean(a):
         return a.mean(dim=dims, keepdim=True)
+
     return mean
 
 
@@ -58,6 +60,7 @@ def group_sum(L, x):
 
     def total(a):
         return _full(a, x).sum(dim=dims, keepdim=True)
+
     return total
 
 
@@ -67,6 +70,7 @@ def group_mean_prod(L):
 
     def mean_prod(a, b=None):
         return mean(a * (a if b is None else b))
+
     return mean_prod
 
 

@@ -39,9 +39,11 @@ def _gradients_for(args: tuple[OpArg, ...], grads: dict) -> tuple:
 
 def _save_tensor_inputs(args: tuple[OpArg, ...]):
     """A ``setup_context`` that keeps the inputs and saves the tensor ones."""
+
     def setup(ctx, inputs, output):
         ctx.inputs = inputs
         ctx.save_for_backward(*_tensor_values(args, inputs))
+
     return setup
 
 
@@ -74,8 +76,9 @@ def register_first_order(lay, lib, mode: str, ops) -> None:
         return _gradients_for(bargs, dict(zip(["x", "dy", *diff[1:]], got)))
 
     torch.library.register_autograd(ops.forward, backward_of_forward, setup_context=setup_forward, lib=lib)
-    torch.library.register_autograd(ops.backward, backward_of_backward, setup_context=_save_tensor_inputs(bargs),
-                                    lib=lib)
+    torch.library.register_autograd(
+        ops.backward, backward_of_backward, setup_context=_save_tensor_inputs(bargs), lib=lib
+    )
 
 
 def register_second_order(lay, lib, mode: str, ops) -> None:
@@ -137,8 +140,9 @@ class _Eager(torch.autograd.Function):
         plan, st = ctx.plan, ctx.st
         tens = ctx.saved_tensors
         if torch.is_grad_enabled():
-            grads = as_tuple(plan.lay.modes[plan.mode].backward(dy.contiguous(), *tens, *st.unbind(0), *ctx.opts,
-                                                                plan.groups))
+            grads = as_tuple(
+                plan.lay.modes[plan.mode].backward(dy.contiguous(), *tens, *st.unbind(0), *ctx.opts, plan.groups)
+            )
         else:
             base = st.data_ptr()
             grads = plan.backward(dy, tens, [base + o for o in plan.stat_offsets], ctx.opts)
@@ -165,14 +169,14 @@ class _Functional(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy, *dstats):
         lay, saved = ctx.lay, ctx.saved_tensors
-        tens, st = saved[:ctx.ntens], saved[ctx.ntens:]
+        tens, st = saved[: ctx.ntens], saved[ctx.ntens :]
         grads = as_tuple(lay.modes[ctx.mode].backward(dy.contiguous(), *tens, *st, *ctx.opts, ctx.groups))
         return (None, None, None, None, *grads, *([None] * (ctx.ntens - len(grads))))
 
     @staticmethod
     def jvp(ctx, _lay, _mode, _opts, _groups, *tangents):
         lay, saved = ctx.lay, ctx.saved_tensors
-        tens, st = saved[:ctx.ntens], saved[ctx.ntens:]
+        tens, st = saved[: ctx.ntens], saved[ctx.ntens :]
         n = 1 + len(lay.params) + len(lay.inputs)
         t = [torch.zeros_like(v) if d is None else d for d, v in zip(tangents[:n], tens)]
         ty = lay.modes[ctx.mode].jvp(*tens, *st, *t, *ctx.opts, ctx.groups)
@@ -210,7 +214,6 @@ def call_forward(lay, mode: str, tens: list, opts: tuple, groups: int, stats: bo
             y, st = plan.forward(tens, opts, blob=True)
         return y, (dict(zip(names, st.unbind(0))) if stats else None)
     for k, t in zip(differentiable(lay.meta), tens):
-        check_tensor(lay.meta["name"], k, t)      # a CUDA tensor: an error naming it, not a dispatch failure
+        check_tensor(lay.meta["name"], k, t)  # a CUDA tensor: an error naming it, not a dispatch failure
     out = as_tuple(lay.modes[mode].forward(*tens, *opts, groups))
     return out[0], dict(zip(names, out[1:]))
-

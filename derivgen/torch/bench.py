@@ -46,6 +46,7 @@ def _step(m, x, dy):
             for p in params:
                 p.grad = None
             m(x).backward(dy)
+
     return call
 
 
@@ -56,6 +57,7 @@ def _fwd(m, x):
         with torch.no_grad():
             for _ in range(k):
                 m(x)
+
     return call
 
 
@@ -74,8 +76,9 @@ class Block(nn.Module):
         return x + self.mlp(self.ln2(x))
 
 
-def run_torch_bench(threads: int | None = None, repeat: int = 15, dtype: str = "float32", progress=None,
-                    cases=None) -> dict:
+def run_torch_bench(
+    threads: int | None = None, repeat: int = 15, dtype: str = "float32", progress=None, cases=None
+) -> dict:
     """The table of CASES (or those whose labels are in ``cases``) and the transformer
     block (unless ``cases`` leaves it out: include "block")."""
     threads = threads or machine().cores
@@ -103,8 +106,12 @@ def _run(threads, repeat, dtype, progress, cases) -> dict:
         dy = torch.randn(shape, generator=gen, dtype=tdt)
         if fmt is not None:
             dy = dy.contiguous(memory_format=fmt)
-        row = {"case": label, "shape": list(shape), "target": target,
-               "memory_format": "channels_last" if fmt is not None else "contiguous"}
+        row = {
+            "case": label,
+            "shape": list(shape),
+            "target": target,
+            "memory_format": "channels_last" if fmt is not None else "contiguous",
+        }
         try:
             ours(x).backward(dy)
         except (TypeError, ValueError, NotImplementedError) as e:
@@ -113,8 +120,15 @@ def _run(threads, repeat, dtype, progress, cases) -> dict:
             if progress:
                 progress(label)
             continue
-        ms = round_robin({"torch_step": _step(ref, x, dy), "derivgen_step": _step(ours, x, dy),
-                          "torch_fwd": _fwd(ref, x), "derivgen_fwd": _fwd(ours, x)}, repeat)
+        ms = round_robin(
+            {
+                "torch_step": _step(ref, x, dy),
+                "derivgen_step": _step(ours, x, dy),
+                "torch_fwd": _fwd(ref, x),
+                "derivgen_fwd": _fwd(ours, x),
+            },
+            repeat,
+        )
         row.update({k: v / _inner(x) for k, v in ms.items()})
         ms = row
         row["ratio"] = ms["derivgen_step"] / ms["torch_step"]
@@ -123,9 +137,19 @@ def _run(threads, repeat, dtype, progress, cases) -> dict:
         if progress:
             progress(label)
     m = machine()
-    rep = {"machine": {"cpu": m.cpu, "cores": m.cores, "torch": torch.__version__,
-                       "torch_threads": torch.get_num_threads()},
-           "dtype": dtype, "repeat": repeat, "threads": threads, "cases": rows, "block": None}
+    rep = {
+        "machine": {
+            "cpu": m.cpu,
+            "cores": m.cores,
+            "torch": torch.__version__,
+            "torch_threads": torch.get_num_threads(),
+        },
+        "dtype": dtype,
+        "repeat": repeat,
+        "threads": threads,
+        "cases": rows,
+        "block": None,
+    }
     if cases is None or "second" in cases:
         rep["second"] = _second_rows(tdt, gen, repeat)
         if progress:
@@ -147,6 +171,7 @@ def _run(threads, repeat, dtype, progress, cases) -> dict:
             opt.zero_grad()
             m(x).backward(dy)
             opt.step()
+
         return call
 
     def norms_only(m):
@@ -158,13 +183,25 @@ def _run(threads, repeat, dtype, progress, cases) -> dict:
                 for p in mod.parameters():
                     p.grad = None
                 mod(norms_x).backward(dy)
+
         return call
 
-    ms = round_robin({"torch_step": train_step(ref), "derivgen_step": train_step(ours),
-                      "torch_norms": norms_only(ref), "derivgen_norms": norms_only(ours)}, repeat)
-    block = dict(ms, shape=[16, 128, 512], ratio=ms["derivgen_step"] / ms["torch_step"],
-                 torch_norm_share=ms["torch_norms"] / ms["torch_step"],
-                 derivgen_norm_share=ms["derivgen_norms"] / ms["derivgen_step"])
+    ms = round_robin(
+        {
+            "torch_step": train_step(ref),
+            "derivgen_step": train_step(ours),
+            "torch_norms": norms_only(ref),
+            "derivgen_norms": norms_only(ours),
+        },
+        repeat,
+    )
+    block = dict(
+        ms,
+        shape=[16, 128, 512],
+        ratio=ms["derivgen_step"] / ms["torch_step"],
+        torch_norm_share=ms["torch_norms"] / ms["torch_step"],
+        derivgen_norm_share=ms["derivgen_norms"] / ms["derivgen_step"],
+    )
     if progress:
         progress("transformer block")
     rep["block"] = block
@@ -194,6 +231,7 @@ def _second_rows(tdt, gen, repeat, shape=SECOND_SHAPE) -> list[dict]:
             g = torch.autograd.grad(m(x), wrt, dy, create_graph=True)
             loss = (g[0] * v).sum() + (g[1] * g[1]).sum()
             torch.autograd.grad(loss, wrt, allow_unused=True)
+
         return call
 
     def jvp(m):
@@ -201,14 +239,36 @@ def _second_rows(tdt, gen, repeat, shape=SECOND_SHAPE) -> list[dict]:
 
         def call():
             torch.func.jvp(m, (xd,), (t,))
+
         return call
-    ms = round_robin({"torch_bb": double_backward(ref), "derivgen_bb": double_backward(ours),
-                      "torch_jvp": jvp(ref), "derivgen_jvp": jvp(ours)}, repeat)
-    return [{"case": "LayerNorm double backward", "shape": list(shape), "target": 0.5,
-             "torch": ms["torch_bb"], "derivgen": ms["derivgen_bb"], "ratio": ms["derivgen_bb"] / ms["torch_bb"]},
-            {"case": "LayerNorm JVP (torch.func.jvp)", "shape": list(shape), "target": 0.5,
-             "torch": ms["torch_jvp"], "derivgen": ms["derivgen_jvp"],
-             "ratio": ms["derivgen_jvp"] / ms["torch_jvp"]}]
+
+    ms = round_robin(
+        {
+            "torch_bb": double_backward(ref),
+            "derivgen_bb": double_backward(ours),
+            "torch_jvp": jvp(ref),
+            "derivgen_jvp": jvp(ours),
+        },
+        repeat,
+    )
+    return [
+        {
+            "case": "LayerNorm double backward",
+            "shape": list(shape),
+            "target": 0.5,
+            "torch": ms["torch_bb"],
+            "derivgen": ms["derivgen_bb"],
+            "ratio": ms["derivgen_bb"] / ms["torch_bb"],
+        },
+        {
+            "case": "LayerNorm JVP (torch.func.jvp)",
+            "shape": list(shape),
+            "target": 0.5,
+            "torch": ms["torch_jvp"],
+            "derivgen": ms["derivgen_jvp"],
+            "ratio": ms["derivgen_jvp"] / ms["torch_jvp"],
+        },
+    ]
 
 
 def _t(ms: float) -> str:
@@ -217,12 +277,18 @@ def _t(ms: float) -> str:
 
 def format_torch_report(rep: dict) -> str:
     m = rep["machine"]
-    lines = [(f"derivgen.torch vs torch.nn, through autograd: {rep['dtype']}, {rep['threads']} threads, "
-             f"median of {rep['repeat']} (round-robin), torch {m['torch']}"),
-             f"machine: {m['cpu']}, {m['cores']} cores",
-             "",
-             (f"{'case':28s} {'shape':>16s} {'torch fwd+bwd':>13s} {'derivgen':>9s} {'ratio':>6s} "
-             f"{'fwd ratio':>9s} {'target':>7s}")]
+    lines = [
+        (
+            f"derivgen.torch vs torch.nn, through autograd: {rep['dtype']}, {rep['threads']} threads, "
+            f"median of {rep['repeat']} (round-robin), torch {m['torch']}"
+        ),
+        f"machine: {m['cpu']}, {m['cores']} cores",
+        "",
+        (
+            f"{'case':28s} {'shape':>16s} {'torch fwd+bwd':>13s} {'derivgen':>9s} {'ratio':>6s} "
+            f"{'fwd ratio':>9s} {'target':>7s}"
+        ),
+    ]
     for r in rep["cases"]:
         shape = "x".join(map(str, r["shape"]))
         tgt = f"<= {r['target']}" if r["target"] is not None else ""
@@ -230,21 +296,32 @@ def format_torch_report(rep: dict) -> str:
             lines.append(f"{r['case']:28s} {shape:>16s}   not supported: {r['error']}")
             continue
         ok = "" if r["target"] is None else ("  met" if r["ratio"] <= r["target"] else "  MISSED")
-        lines.append(f"{r['case']:28s} {shape:>16s} {_t(r['torch_step']):>13s} {_t(r['derivgen_step']):>9s} "
-                     f"{r['ratio']:6.2f} {r['fwd_ratio']:9.2f} {tgt:>7s}{ok}")
+        lines.append(
+            f"{r['case']:28s} {shape:>16s} {_t(r['torch_step']):>13s} {_t(r['derivgen_step']):>9s} "
+            f"{r['ratio']:6.2f} {r['fwd_ratio']:9.2f} {tgt:>7s}{ok}"
+        )
     if rep.get("second"):
-        lines += ["", "second order, derived (derivgen.derive.second) vs PyTorch's hand-written formulas:",
-                  f"{'case':32s} {'shape':>12s} {'torch':>10s} {'derivgen':>10s} {'ratio':>6s} {'target':>7s}"]
+        lines += [
+            "",
+            "second order, derived (derivgen.derive.second) vs PyTorch's hand-written formulas:",
+            f"{'case':32s} {'shape':>12s} {'torch':>10s} {'derivgen':>10s} {'ratio':>6s} {'target':>7s}",
+        ]
         for r in rep["second"]:
             ok = "  met" if r["ratio"] <= r["target"] else "  MISSED"
-            lines.append(f"{r['case']:32s} {'x'.join(map(str, r['shape'])):>12s} {_t(r['torch']):>10s} "
-                         f"{_t(r['derivgen']):>10s} {r['ratio']:6.2f} {'<= ' + str(r['target']):>7s}{ok}")
+            lines.append(
+                f"{r['case']:32s} {'x'.join(map(str, r['shape'])):>12s} {_t(r['torch']):>10s} "
+                f"{_t(r['derivgen']):>10s} {r['ratio']:6.2f} {'<= ' + str(r['target']):>7s}{ok}"
+            )
     b = rep["block"]
     if b is None:
         return "\n".join(lines)
-    lines += ["",
-              (f"transformer block training step ({'x'.join(map(str, b['shape']))}, LayerNorm + RMSNorm, SGD): "
-              f"torch.nn {b['torch_step']:.1f} ms, derivgen {b['derivgen_step']:.1f} ms (ratio {b['ratio']:.2f}); "
-              f"norms' share of the step: torch.nn {100 * b['torch_norm_share']:.1f}%, "
-              f"derivgen {100 * b['derivgen_norm_share']:.1f}%")]
+    lines += [
+        "",
+        (
+            f"transformer block training step ({'x'.join(map(str, b['shape']))}, LayerNorm + RMSNorm, SGD): "
+            f"torch.nn {b['torch_step']:.1f} ms, derivgen {b['derivgen_step']:.1f} ms (ratio {b['ratio']:.2f}); "
+            f"norms' share of the step: torch.nn {100 * b['torch_norm_share']:.1f}%, "
+            f"derivgen {100 * b['derivgen_norm_share']:.1f}%"
+        ),
+    ]
     return "\n".join(lines)

@@ -54,10 +54,12 @@ def target_backward(lay, mode: str, a: dict) -> tuple:
 def with_primals(fn: Callable[[dict], object], a: dict, names: list[str]) -> Callable:
     """``fn`` of the arguments ``a`` as a function of the entries ``names`` (positionally),
     for torch.func."""
+
     def of_primals(*primals):
         b = dict(a)
         b.update(zip(names, primals))
         return fn(b)
+
     return of_primals
 
 

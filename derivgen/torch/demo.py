@@ -18,10 +18,19 @@ class CNN(nn.Module):
     def __init__(self):
         super().__init__()
         self.net = nn.Sequential(
-            nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
-            nn.Conv2d(16, 16, 3, padding=1), nn.GroupNorm(4, 16), nn.ReLU(),
-            nn.Conv2d(16, 8, 3, padding=1), nn.InstanceNorm2d(8, affine=True), nn.ReLU(),
-            nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 10))
+            nn.Conv2d(3, 16, 3, padding=1),
+            nn.BatchNorm2d(16),
+            nn.ReLU(),
+            nn.Conv2d(16, 16, 3, padding=1),
+            nn.GroupNorm(4, 16),
+            nn.ReLU(),
+            nn.Conv2d(16, 8, 3, padding=1),
+            nn.InstanceNorm2d(8, affine=True),
+            nn.ReLU(),
+            nn.AdaptiveAvgPool2d(1),
+            nn.Flatten(),
+            nn.Linear(8, 10),
+        )
 
     def forward(self, x):
         return self.net(x)
@@ -57,8 +66,11 @@ def train(model, xs, ts, steps):
 
 
 def _worst(a_model, b_model) -> float:
-    return max(((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
-               for a, b in zip(a_model.state_dict().values(), b_model.state_dict().values()) if a.is_floating_point())
+    return max(
+        ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+        for a, b in zip(a_model.state_dict().values(), b_model.state_dict().values())
+        if a.is_floating_point()
+    )
 
 
 def run(name, make, shape, steps=20):
@@ -77,8 +89,10 @@ def run(name, make, shape, steps=20):
     for k in range(0, steps, 4):
         print(f"  {k + 1:4d}   {l_ref[k]:13.7f}   {l_ours[k]:13.7f}")
     print(f"  {steps:4d}   {l_ref[-1]:13.7f}   {l_ours[-1]:13.7f}")
-    print(f"  final parameters and buffers, largest difference relative to each tensor's largest value: "
-          f"{_worst(ours, ref):.1e} (float32 rounding, grown by 20 steps of training)")
+    print(
+        f"  final parameters and buffers, largest difference relative to each tensor's largest value: "
+        f"{_worst(ours, ref):.1e} (float32 rounding, grown by 20 steps of training)"
+    )
     train(ref64, [x.double() for x in xs], ts, steps)
     train(ours64, [x.double() for x in xs], ts, steps)
     worst = _worst(ours64, ref64)

@@ -94,7 +94,7 @@ class TorchLayer:
         self.schemas = {mode: mode_schemas(m, mode) for mode in m["modes"]}
         self.libraries = KernelLibraries(self.ckernel._kernel)
         self.plans = PlanCache(self)
-        self._csplit: dict = {}         # dtype -> derivgen.torch.sync._CSplit
+        self._csplit: dict = {}  # dtype -> derivgen.torch.sync._CSplit
         self.modes = {mode: register_mode(self, mode) for mode in m["modes"]}
 
     # one object per spec and process: copies of a module share it, a pickle names the spec
@@ -107,16 +107,27 @@ class TorchLayer:
     def __reduce__(self):
         return (layer, (self.spec,))
 
-    def forward(self, x, params: dict, inputs: dict, options: dict, *, training: bool = True,
-                buffers: dict | None = None, num_groups: int = 0, stats: bool = True):
+    def forward(
+        self,
+        x,
+        params: dict,
+        inputs: dict,
+        options: dict,
+        *,
+        training: bool = True,
+        buffers: dict | None = None,
+        num_groups: int = 0,
+        stats: bool = True,
+    ):
         """(y, {statistic: float64 per-group tensor}) through the operators (autograd-aware);
         (y, None) with ``stats=False``."""
         mode = "train" if training or "eval" not in self.modes else "eval"
         tens = [x, *[params[p] for p in self.params], *[inputs[i] for i in self.inputs]]
         if mode == "eval":
             tens += [buffers[b] for b in self.buffers]
-        return call_forward(self, mode, tens, tuple([float(options[o]) for o in self.options]),
-                            int(num_groups or 0), stats)
+        return call_forward(
+            self, mode, tens, tuple([float(options[o]) for o in self.options]), int(num_groups or 0), stats
+        )
 
     def call(self, mode: str, tens: list, opts: tuple, groups: int, stats: bool = True):
         """:meth:`forward` with the arguments in operator order: tensors (x, parameters,

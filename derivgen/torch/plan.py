@@ -92,10 +92,14 @@ class KernelPlan:
         # the common case's packers (no per-group inputs): x with the parameters, x with dy
         self.fpack = self.bpack = None
         if not lay.inputs:
-            self.fpack = self.fsig.packer(("dims", "x_params", "options", "buffers", "y", "stats", "nthreads"),
-                                          merged={"x_params": ("x", "params")})
-            self.bpack = self.bsig.packer(("dims", "x_dy", "params", "options", "stats", "dx", "dparams",
-                                           "nthreads"), merged={"x_dy": ("x", "dy")})
+            self.fpack = self.fsig.packer(
+                ("dims", "x_params", "options", "buffers", "y", "stats", "nthreads"),
+                merged={"x_params": ("x", "params")},
+            )
+            self.bpack = self.bsig.packer(
+                ("dims", "x_dy", "params", "options", "stats", "dx", "dparams", "nthreads"),
+                merged={"x_dy": ("x", "dy")},
+            )
         self.dims, self.n_groups, self.nhwc = (L.O, L.G, L.Cg, L.S), L.n_groups, nhwc
         self.npar, self.nin = len(lay.params), len(lay.inputs)
         # a strided tensor (or a channels-last one where this layer has no such kernel) is copied
@@ -113,11 +117,23 @@ class KernelPlan:
         tensor (one allocation: the eager path keeps them together)."""
         if not (self.simple and blob):
             return _forward_general(self, tens, opts, blob)
-        y = torch.empty_like(tens[0])           # the common case, with the least Python
+        y = torch.empty_like(tens[0])  # the common case, with the least Python
         st = torch.empty_like(self.stats_like)
         p = st.data_ptr()
-        if self.ffn(*self.fpack(self.dims, [t.data_ptr() for t in tens], opts, self.null_bufs, (y.data_ptr(),),
-                                [p + o for o in self.stat_offsets], (threads(self.kernel),))) != 0:
+        if (
+            self.ffn(
+                *self.fpack(
+                    self.dims,
+                    [t.data_ptr() for t in tens],
+                    opts,
+                    self.null_bufs,
+                    (y.data_ptr(),),
+                    [p + o for o in self.stat_offsets],
+                    (threads(self.kernel),),
+                )
+            )
+            != 0
+        ):
             raise MemoryError(f"{self.name}: forward kernel could not allocate its work buffer")
         return y, st
 
@@ -126,13 +142,25 @@ class KernelPlan:
         tensors (x, params, inputs[, buffers]); dy has x's shape and dtype."""
         if not self.simple or self.nhwc:
             return _backward_general(self, dy, tens, stat_ptrs, opts)
-        x = tens[0]                             # the common case, with the least Python
+        x = tens[0]  # the common case, with the least Python
         dy = dy.contiguous()
         dx = torch.empty_like(x)
         dps = [torch.empty_like(p) for p in tens[1:]]
-        if self.bfn(*self.bpack(self.dims, (x.data_ptr(), dy.data_ptr()), [p.data_ptr() for p in tens[1:]], opts,
-                                stat_ptrs, (dx.data_ptr(),), [t.data_ptr() for t in dps],
-                                (threads(self.kernel),))) != 0:
+        if (
+            self.bfn(
+                *self.bpack(
+                    self.dims,
+                    (x.data_ptr(), dy.data_ptr()),
+                    [p.data_ptr() for p in tens[1:]],
+                    opts,
+                    stat_ptrs,
+                    (dx.data_ptr(),),
+                    [t.data_ptr() for t in dps],
+                    (threads(self.kernel),),
+                )
+            )
+            != 0
+        ):
             raise MemoryError(f"{self.name}: backward kernel could not allocate its work buffer")
         return (dx, *dps)
 
@@ -148,7 +176,7 @@ def _forward_general(plan: KernelPlan, tens, opts, blob: bool):
     if plan.copy:
         tens = _contiguous_operands(plan, tens)
     x = tens[0]
-    y = torch.empty_like(x)                     # x's layout: contiguous or channels last
+    y = torch.empty_like(x)  # x's layout: contiguous or channels last
     if blob:
         st = torch.empty_like(plan.stats_like)
         sp = [st.data_ptr() + o for o in plan.stat_offsets]
@@ -157,10 +185,24 @@ def _forward_general(plan: KernelPlan, tens, opts, blob: bool):
         sp = [t.data_ptr() for t in st]
     k = 1 + plan.npar
     ptrs = [t.data_ptr() for t in tens]
-    if plan.ffn(*plan.fsig.pack({
-            "dims": plan.dims, "x": ptrs[:1], "params": ptrs[1:k], "options": opts,
-            "inputs": input_pairs(tens[k:k + plan.nin]), "buffers": ptrs[k + plan.nin:] or plan.null_bufs,
-            "y": (y.data_ptr(),), "stats": sp, "nthreads": (threads(plan.kernel),)})) != 0:
+    if (
+        plan.ffn(
+            *plan.fsig.pack(
+                {
+                    "dims": plan.dims,
+                    "x": ptrs[:1],
+                    "params": ptrs[1:k],
+                    "options": opts,
+                    "inputs": input_pairs(tens[k : k + plan.nin]),
+                    "buffers": ptrs[k + plan.nin :] or plan.null_bufs,
+                    "y": (y.data_ptr(),),
+                    "stats": sp,
+                    "nthreads": (threads(plan.kernel),),
+                }
+            )
+        )
+        != 0
+    ):
         raise MemoryError(f"{plan.name}: forward kernel could not allocate its work buffer")
     return y, st
 
@@ -171,15 +213,30 @@ def _backward_general(plan: KernelPlan, dy, tens, stat_ptrs, opts) -> tuple:
         tens = _contiguous_operands(plan, tens)
     x, k = tens[0], 1 + plan.npar
     dy = dy.contiguous(memory_format=channels_last_format(x)) if plan.nhwc else dy.contiguous()
-    params, ins = tens[1:k], tens[k:k + plan.nin]
+    params, ins = tens[1:k], tens[k : k + plan.nin]
     dx = torch.empty_like(x)
     dps = [torch.empty_like(p) for p in params]
     dis = [torch.empty(plan.n_groups, dtype=x.dtype) for _ in ins]
-    if plan.bfn(*plan.bsig.pack({
-            "dims": plan.dims, "x": (x.data_ptr(),), "dy": (dy.data_ptr(),),
-            "params": [p.data_ptr() for p in params], "options": opts, "inputs": input_pairs(ins),
-            "stats": stat_ptrs, "dx": (dx.data_ptr(),), "dparams": [t.data_ptr() for t in dps],
-            "dinputs": [t.data_ptr() for t in dis], "nthreads": (threads(plan.kernel),)})) != 0:
+    if (
+        plan.bfn(
+            *plan.bsig.pack(
+                {
+                    "dims": plan.dims,
+                    "x": (x.data_ptr(),),
+                    "dy": (dy.data_ptr(),),
+                    "params": [p.data_ptr() for p in params],
+                    "options": opts,
+                    "inputs": input_pairs(ins),
+                    "stats": stat_ptrs,
+                    "dx": (dx.data_ptr(),),
+                    "dparams": [t.data_ptr() for t in dps],
+                    "dinputs": [t.data_ptr() for t in dis],
+                    "nthreads": (threads(plan.kernel),),
+                }
+            )
+        )
+        != 0
+    ):
         raise MemoryError(f"{plan.name}: backward kernel could not allocate its work buffer")
     return (dx, *dps, *(per_group_input_grad(d, t, x.dtype) for t, d in zip(ins, dis)))
 
@@ -187,8 +244,11 @@ def _backward_general(plan: KernelPlan, dy, tens, stat_ptrs, opts) -> tuple:
 def options_in_range(opts, ranges) -> bool:
     """Every option a finite float within its declared range (``ranges``: (default, lo, hi))."""
     for v, (_, lo, hi) in zip(opts, ranges):
-        if not (isinstance(v, float) and math.isfinite(v)) or (lo is not None and v < lo) \
-                or (hi is not None and v > hi):
+        if (
+            not (isinstance(v, float) and math.isfinite(v))
+            or (lo is not None and v < lo)
+            or (hi is not None and v > hi)
+        ):
             return False
     return True
 
@@ -214,7 +274,7 @@ class PlanCache:
         try:
             key, nhwc = call_key(tens, 0, groups, self.channel_layout)
             plan = self._plans.get((mode, key))
-        except AttributeError:          # not a tensor: the validation names it
+        except AttributeError:  # not a tensor: the validation names it
             key = nhwc = plan = None
         if plan is None or not options_in_range(opts, self.ranges):
             plan = self.validated(mode, [*tens, *opts, groups], key, nhwc)

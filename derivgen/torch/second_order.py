@@ -36,13 +36,18 @@ def _leading_sections(lay, mode: str, kind: str, c: dict, x: torch.Tensor, L) ->
     """The kernel's sections up to its outputs: dims, x, parameters, options, inputs,
     statistics and the seeds."""
     pre = "c_" if kind == "bb" else "t_"
-    return {"dims": (L.O, L.G, L.Cg, L.S), "x": (x.data_ptr(),),
-            "params": [c[p].data_ptr() for p in lay.params], "options": [c[o] for o in lay.options],
-            "inputs": input_pairs([c[i] for i in lay.inputs]),
-            "stats": [c[s].data_ptr() for s in lay.meta["stats"][mode]], "seed_x": (c[pre + "x"].data_ptr(),),
-            "seed_params": [c[pre + p].data_ptr() for p in lay.params],
-            "seed_inputs": input_pairs([c[pre + i] for i in lay.inputs]),
-            "nthreads": (threads(lay.ckernel._kernel),)}
+    return {
+        "dims": (L.O, L.G, L.Cg, L.S),
+        "x": (x.data_ptr(),),
+        "params": [c[p].data_ptr() for p in lay.params],
+        "options": [c[o] for o in lay.options],
+        "inputs": input_pairs([c[i] for i in lay.inputs]),
+        "stats": [c[s].data_ptr() for s in lay.meta["stats"][mode]],
+        "seed_x": (c[pre + "x"].data_ptr(),),
+        "seed_params": [c[pre + p].data_ptr() for p in lay.params],
+        "seed_inputs": input_pairs([c[pre + i] for i in lay.inputs]),
+        "nthreads": (threads(lay.ckernel._kernel),),
+    }
 
 
 def c_second(lay, mode: str, kind: str, a: dict):
@@ -56,9 +61,15 @@ def c_second(lay, mode: str, kind: str, a: dict):
     if kind == "bb":
         outs = [torch.empty_like(x), torch.empty_like(x), *(torch.empty_like(c[p]) for p in lay.params)]
         dis = [torch.empty(L.n_groups, dtype=x.dtype) for _ in lay.inputs]
-        sections.update({"dy": (c["dy"].data_ptr(),), "out_dx": (outs[0].data_ptr(),),
-                         "out_ddy": (outs[1].data_ptr(),), "out_params": [t.data_ptr() for t in outs[2:]],
-                         "out_inputs": [t.data_ptr() for t in dis]})
+        sections.update(
+            {
+                "dy": (c["dy"].data_ptr(),),
+                "out_dx": (outs[0].data_ptr(),),
+                "out_ddy": (outs[1].data_ptr(),),
+                "out_params": [t.data_ptr() for t in outs[2:]],
+                "out_inputs": [t.data_ptr() for t in dis],
+            }
+        )
     else:
         outs, dis = [torch.empty_like(x)], []
         sections["out_ty"] = (outs[0].data_ptr(),)
@@ -72,9 +83,11 @@ def c_second(lay, mode: str, kind: str, a: dict):
 
 def second_impl(lay, mode: str, kind: str, args: tuple[OpArg, ...]) -> Callable:
     """The CPU implementation of the ``bb`` or ``jvp`` operator of a mode."""
+
     def impl(*values):
         a = by_spec_name(args, values)
         if runs_in_c(lay, a):
             return c_second(lay, mode, kind, a)
         return lay._generic_bb(mode, a) if kind == "bb" else lay._generic_jvp(mode, a)
+
     return impl

@@ -10,7 +10,7 @@ import torch
 from derivgen import runtime as rt
 
 DTYPES = (torch.float32, torch.float64, torch.bfloat16)
-SUFFIX = {torch.float32: "f32", torch.float64: "f64", torch.bfloat16: "bf16"}     # the C kernels' names
+SUFFIX = {torch.float32: "f32", torch.float64: "f64", torch.bfloat16: "bf16"}  # the C kernels' names
 
 
 def check_tensor(name: str, what: str, t) -> None:
