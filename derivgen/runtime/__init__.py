@@ -40,8 +40,10 @@ time. This face is the module the generated NumPy and C bindings import
 from __future__ import annotations
 
 from collections import namedtuple
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cache
+from typing import Any
 
 import numpy as np
 
@@ -153,19 +155,19 @@ __all__ = [
 ]
 
 
-def resolve_layout(meta: dict, x: np.ndarray, params: dict, num_groups) -> Layout:
+def resolve_layout(meta: dict, x: np.ndarray, params: dict[str, np.ndarray], num_groups: int | None) -> Layout:
     """The layout of a non-empty x (errors name the argument)."""
     check_not_empty(meta, x.shape)
     return layout_from_shapes(meta, x.shape, {p: a.shape for p, a in params.items()}, num_groups)
 
 
 @cache
-def grads_type(name: str, fields: tuple[str, ...]):
+def grads_type(name: str, fields: tuple[str, ...]) -> type[tuple]:
     """The named tuple a layer's backward returns (``LayernormGrads(dx, dgamma, ...)``)."""
     return namedtuple(f"{name.title().replace('_', '')}Grads", fields)
 
 
-def grad_fields(meta) -> tuple[str, ...]:
+def grad_fields(meta: dict) -> tuple[str, ...]:
     """The backward's fields: dx, then d<param> and d<input> in spec order."""
     return ("dx", *("d" + p for p in meta["params"]), *("d" + i for i in meta["inputs"]))
 
@@ -191,7 +193,7 @@ class ForwardCall:
         return Cache(self.meta, self.mode, self.layout, self.x, self.params, stats, self.options, self.inputs)
 
 
-def _buffers(meta: dict, buffers: dict, layout: Layout, dtype, mode: str) -> dict:
+def _buffers(meta: dict, buffers: dict, layout: Layout, dtype: np.dtype, mode: str) -> dict:
     """The running buffers by name (None where not given; eval mode needs them all)."""
     name = meta["name"]
     bufs = {}
@@ -210,7 +212,15 @@ def _buffers(meta: dict, buffers: dict, layout: Layout, dtype, mode: str) -> dic
 
 
 def prepare_forward(
-    meta: dict, x, params: dict, options: dict, inputs: dict, buffers: dict, training: bool, num_groups=None, out=None
+    meta: dict,
+    x: np.ndarray,
+    params: dict[str, np.ndarray],
+    options: dict[str, float],
+    inputs: dict[str, Any],
+    buffers: dict[str, np.ndarray | None],
+    training: bool,
+    num_groups: int | None = None,
+    out: np.ndarray | None = None,
 ) -> ForwardCall:
     """Checks for a forward call (errors name the argument), and its layout."""
     name = meta["name"]
@@ -251,7 +261,12 @@ class BackwardCall:
     outs: dict[str, np.ndarray]  # dx (x shape), d<param> (param shape), d<input> (n_groups)
 
 
-def prepare_backward(meta: dict, dy, cache, out=None) -> BackwardCall:
+def prepare_backward(
+    meta: dict,
+    dy: np.ndarray,
+    cache: Cache,
+    out: Mapping[str, np.ndarray] | Sequence[np.ndarray] | None = None,
+) -> BackwardCall:
     """Checks for a backward call against the forward's cache (errors name the argument)."""
     name = meta["name"]
     cache = _check_cache(meta, cache)

@@ -51,22 +51,33 @@ class Cache:
     for batch norm) and dtype.
     """
 
-    def __init__(self, meta, mode, layout, x, params, stats, options, inputs):
+    def __init__(
+        self,
+        meta: dict,
+        mode: str,
+        layout: Layout,
+        x: np.ndarray,
+        params: dict[str, np.ndarray],
+        stats: dict[str, np.ndarray],
+        options: dict[str, float],
+        inputs: dict[str, np.ndarray],
+    ) -> None:
         self.meta, self.mode, self.layout = meta, mode, layout
         self.x, self.params, self.stats = x, params, stats
         self.options, self.inputs = options, inputs
 
     @property
-    def dtype(self):
+    def dtype(self) -> np.dtype:
+        """The forward's dtype (x's)."""
         return self.x.dtype
 
-    def __getattr__(self, item):
+    def __getattr__(self, item: str) -> np.ndarray:
         stats = self.__dict__.get("stats", {})
         if item in stats:
             return stats[item].reshape(self.layout.group_shape).astype(self.x.dtype)
         raise AttributeError(item)
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return (
             f"<{self.meta['name']} cache mode={self.mode} x{tuple(self.x.shape)} {self.x.dtype} "
             f"stats={list(self.stats)}>"
@@ -80,7 +91,7 @@ def _check_cache(meta: dict, cache: Any) -> Cache:
     return cache
 
 
-def _param_dtypes(meta: dict, params: dict, dtype) -> None:
+def _param_dtypes(meta: dict, params: dict, dtype: np.dtype) -> None:
     """Every parameter is a float array of x's dtype."""
     for pname in meta["params"]:
         check_same_dtype(meta, pname, _check_array(pname, params[pname]).dtype, dtype, "; use one dtype for all arrays")
@@ -91,7 +102,7 @@ def _param_shapes(meta: dict, params: dict, layout: Layout) -> None:
     check_param_shapes(meta, {p: params[p].shape for p in meta["params"]}, layout)
 
 
-def _inputs(meta: dict, inputs: dict, layout: Layout, dtype) -> dict:
+def _inputs(meta: dict, inputs: dict, layout: Layout, dtype: np.dtype) -> dict:
     """Per-group inputs as flat arrays of x's dtype: one value (a scalar) or one per group."""
     name = meta["name"]
     ins = {}
@@ -111,7 +122,7 @@ def _inputs(meta: dict, inputs: dict, layout: Layout, dtype) -> dict:
     return ins
 
 
-def _by_name(meta: dict, what: str, given, names: list, defaults: dict | None = None) -> dict:
+def _by_name(meta: dict, what: str, given: Any, names: list, defaults: dict | None = None) -> dict:
     """A dict by name from a dict or a sequence in spec order (None: empty), with defaults."""
     name = meta["name"]
     if given is None:
@@ -133,7 +144,7 @@ def _by_name(meta: dict, what: str, given, names: list, defaults: dict | None = 
     return out
 
 
-def _out_by_field(name: str, out, fields: Sequence[str]) -> dict:
+def _out_by_field(name: str, out: Any, fields: Sequence[str]) -> dict:
     """The caller's output arrays by field, from a dict or a sequence in field order
     (None: no arrays given); unknown fields are a ValueError."""
     if out is None:
@@ -167,7 +178,7 @@ def _no_overlap(name: str, outputs: dict, inputs: dict) -> None:
                 raise ValueError(f"{name}: outputs {an} and {bn} overlap")
 
 
-def check_out(name: str, out, shape, dtype) -> np.ndarray:
+def check_out(name: str, out: np.ndarray | None, shape: Sequence[int], dtype: np.dtype) -> np.ndarray:
     """A fresh output array (``out`` None), or ``out`` checked: shape, dtype, writeable, C order."""
     if out is None:
         return np.empty(shape, dtype=dtype)

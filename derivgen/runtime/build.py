@@ -51,13 +51,14 @@ def strict() -> bool:
 class BuildError(RuntimeError):
     """The C compiler failed; ``stderr`` holds its diagnostics."""
 
-    def __init__(self, message: str, stderr: str = "", argv: list[str] | None = None):
+    def __init__(self, message: str, stderr: str = "", argv: list[str] | None = None) -> None:
         super().__init__(message + (f"\n{stderr.strip()}" if stderr.strip() else ""))
         self.stderr = stderr
         self.argv = argv or []
 
 
 def cache_dir() -> Path:
+    """Where built libraries are cached: $DERIVGEN_CACHE, else $XDG_CACHE_HOME/derivgen, else ~/.cache/derivgen."""
     env = os.environ.get("DERIVGEN_CACHE")
     if env:
         return Path(env)
@@ -67,6 +68,7 @@ def cache_dir() -> Path:
 
 
 def compiler() -> list[str]:
+    """The C compiler's command ($CC, else ``cc``), split into words; a BuildError when it is not found."""
     cc = shlex.split(os.environ.get("CC", "") or "cc")
     if shutil.which(cc[0]) is None:
         raise BuildError(f"C compiler {cc[0]!r} not found (set CC, or install gcc: apt-get install -y gcc)")
@@ -74,6 +76,7 @@ def compiler() -> list[str]:
 
 
 def user_cflags() -> list[str]:
+    """The optimization flags: $CFLAGS when set (even empty), else :data:`DEFAULT_CFLAGS`."""
     env = os.environ.get("CFLAGS")
     return shlex.split(env) if env is not None else list(DEFAULT_CFLAGS)
 
@@ -89,6 +92,7 @@ def march_cflags(march: str, base: list[str] | None = None) -> list[str]:
 
 @functools.cache
 def _compiler_id(cc: tuple[str, ...]) -> str:
+    """The first line of ``cc --version`` (part of a library's cache key), else the command's name."""
     try:
         r = subprocess.run([*cc, "--version"], capture_output=True, text=True, timeout=60, check=False)
         return r.stdout.splitlines()[0] if r.stdout else cc[0]
@@ -179,7 +183,15 @@ def library_path(
     return cache_dir() / f"{source.stem}-{key}.so"
 
 
-def _compile(source: Path, lib: Path, root: Path, key: str, openmp, extra, cflags) -> Path:
+def _compile(
+    source: Path,
+    lib: Path,
+    root: Path,
+    key: str,
+    openmp: bool,
+    extra: list[str] | None,
+    cflags: list[str] | None,
+) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     with open(root / f"{source.stem}-{key}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -208,7 +220,8 @@ def _compile(source: Path, lib: Path, root: Path, key: str, openmp, extra, cflag
     return lib
 
 
-def main(argv=None) -> int:  # pragma: no cover - debugging helper
+def main(argv: list[str] | None = None) -> int:  # pragma: no cover - debugging helper
+    """Build each C source named on the command line and print its library's path."""
     for src in argv or sys.argv[1:]:
         print(build_shared(Path(src)))
     return 0

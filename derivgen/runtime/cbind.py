@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import ctypes
 import threading
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from derivgen import runtime as rt
 from derivgen.runtime.abi import KernelSignature, kernel_signatures
 from derivgen.runtime.build import build_shared
+from derivgen.runtime.machine import machine
 
 _SFX = {np.dtype(np.float32): "f32", np.dtype(np.float64): "f64"}
 
@@ -28,7 +31,7 @@ def argtypes(sig: KernelSignature) -> list:
     return [ctypes.c_void_p if a.pointer else _SCALARS[a.ctype] for a in sig.args]
 
 
-def input_pairs(values) -> list:
+def input_pairs(values: Iterable[Any]) -> list[int]:
     """Per-group inputs (arrays or tensors) as the kernels take them: pointer, then stride
     (0 for a scalar, 1 for one value per group)."""
     pairs = []
@@ -37,11 +40,13 @@ def input_pairs(values) -> list:
     return pairs
 
 
-def _address(v) -> int:
+def _address(v: Any) -> int:
+    """The data address of an array or a tensor."""
     return v.ctypes.data if isinstance(v, np.ndarray) else v.data_ptr()
 
 
-def _size(v) -> int:
+def _size(v: Any) -> int:
+    """The number of elements of an array or a tensor."""
     return v.size if isinstance(v, np.ndarray) else v.numel()
 
 
@@ -55,7 +60,7 @@ class CKernel:
         threads: int = 0,
         cflags: list[str] | None = None,
         extra: list[str] | None = None,
-    ):
+    ) -> None:
         self.meta = meta
         self.source = Path(source)
         self.threads = threads
@@ -67,7 +72,8 @@ class CKernel:
         self._lock = threading.Lock()
 
     @property
-    def lib(self):
+    def lib(self) -> ctypes.CDLL:
+        """The shared library, compiled (or found in the build cache) and loaded on first use."""
         if self._lib is None:
             with self._lock:
                 if self._lib is None:
@@ -76,11 +82,9 @@ class CKernel:
                     self._lib = lib
         return self._lib
 
-    def _configure(self, lib):
+    def _configure(self, lib: ctypes.CDLL) -> None:
         """Tell the kernels this machine's cache sizes (see derivgen.runtime.machine); a build
         that fixed them with -DDG_STREAM_BYTES / -DDG_TILE_BYTES keeps its own."""
-        from derivgen.runtime.machine import machine
-
         m = machine()
         fn = lib[f"{self.meta['name']}_configure"]
         fn.restype = None
@@ -118,7 +122,7 @@ class CKernel:
         sig = self.signatures[(mode, kind)]
         return self._declared(self.lib[sig.symbol(sfx)], sig)
 
-    def _run(self, mode: str, kind: str, dtype, sections: dict) -> int:
+    def _run(self, mode: str, kind: str, dtype: np.dtype, sections: dict) -> int:
         """Call one kernel of a NumPy call (float32/float64) with its arguments by section
         (the thread count added where the kernel takes one); returns the kernel's status."""
         key = (mode, kind, _SFX[np.dtype(dtype)])
@@ -130,7 +134,7 @@ class CKernel:
             sections = {**sections, "nthreads": (self.threads,)}
         return fn(*sig.pack(sections))
 
-    def _leading(self, L, params, options, inputs) -> dict:
+    def _leading(self, L: rt.Layout, params: dict, options: dict, inputs: dict) -> dict:
         """The sections every kernel starts with: dims, parameters, options, per-group
         inputs (pointer and stride: 0 for a scalar, 1 for one value per group)."""
         m = self.meta
@@ -141,7 +145,7 @@ class CKernel:
             "inputs": input_pairs([inputs[i] for i in m["inputs"]]),
         }
 
-    def forward(self, call: rt.ForwardCall):
+    def forward(self, call: rt.ForwardCall) -> tuple[np.ndarray, rt.Cache]:
         """y and the cache of a validated forward call (buffers updated in place in train mode)."""
         L, m = call.layout, self.meta
         stats = {s: np.empty(L.n_groups, dtype=np.float64) for s in m["stats"][call.mode]}
@@ -168,7 +172,7 @@ class CKernel:
                 call.buffers[b][...] = buf
         return call.out, call.cache(stats)
 
-    def backward(self, call: rt.BackwardCall, grads_type):
+    def backward(self, call: rt.BackwardCall, grads_type: Callable[..., tuple]) -> tuple:
         """``grads_type(dx, d<param>..., d<input>...)`` of a validated backward call."""
         c, m = call.cache, self.meta
         L = c.layout
@@ -196,7 +200,9 @@ class CKernel:
 
     # ------------------------------------------------------------------ second order
 
-    def second(self, call: rt.SecondCall, kind: str, grads_type=None):
+    def second(
+        self, call: rt.SecondCall, kind: str, grads_type: Callable[..., tuple] | None = None
+    ) -> np.ndarray | tuple:
         """``backward_backward`` (kind "bb", returns grads_type) or ``jvp`` (returns y's tangent)."""
         c, m = call.cache, self.meta
         L = c.layout
@@ -253,10 +259,8 @@ class CKernel:
             )
         stats = call.stats if call.stats is not None else np.zeros((len(m["stats"]["train"]), L.n_groups))
         sums = np.zeros((levels[level], L.n_groups))
-        if (
-            L.O
-            and levels[level]
-            and self._run_split(
+        if L.O and levels[level]:
+            status = self._run_split(
                 "partial",
                 call,
                 {
@@ -267,54 +271,45 @@ class CKernel:
                     "sums": (_ptr(sums),),
                 },
             )
-            != 0
-        ):
-            raise ValueError(f"{m['name']}: split partial kernel refused level {level}")
+            if status != 0:
+                raise ValueError(f"{m['name']}: split partial kernel refused level {level}")
         return sums
 
-    def split_finish(self, call: rt.SplitCall, level: int, sums) -> np.ndarray:
+    def split_finish(self, call: rt.SplitCall, level: int, sums: np.ndarray) -> np.ndarray:
         """The statistics with level ``level``'s rows filled from its sums over all parts."""
         m, L = self.meta, call.layout
         levels = m["split"]["levels"]
         level = rt.split_level(m, level)
         sums = rt.check_sums(m, sums, levels[level], L)
         out = rt.stats_array(m, call)
-        if (
-            self._run_split(
-                "finish",
-                call,
-                {"level": (level,), "sums": (_ptr(sums),), "count": (call.count,), "stats": (_ptr(out),)},
-            )
-            != 0
-        ):
+        status = self._run_split(
+            "finish", call, {"level": (level,), "sums": (_ptr(sums),), "count": (call.count,), "stats": (_ptr(out),)}
+        )
+        if status != 0:
             raise ValueError(f"{m['name']}: split finish kernel refused level {level}")
         return out
 
-    def split_apply(self, call: rt.SplitCall, out) -> np.ndarray:
+    def split_apply(self, call: rt.SplitCall, out: np.ndarray | None) -> np.ndarray:
         """This part's y from the statistics of the whole batch."""
         L = call.layout
         y = rt.check_out("out", out, call.x.shape, call.dtype)
-        if (
-            L.O
-            and self._run_split(
+        if L.O:
+            status = self._run_split(
                 "apply",
                 call,
                 {"x": (_ptr(call.x),), "stats": (_ptr(call.stats),), "count": (call.count,), "y": (_ptr(y),)},
             )
-            != 0
-        ):
-            raise MemoryError(f"{self.meta['name']}: split apply kernel could not allocate its work buffer")
+            if status != 0:
+                raise MemoryError(f"{self.meta['name']}: split apply kernel could not allocate its work buffer")
         return y
 
-    def split_backward_partial(self, call: rt.SplitCall, dy) -> np.ndarray:
+    def split_backward_partial(self, call: rt.SplitCall, dy: np.ndarray) -> np.ndarray:
         """This part's sums for the backward: float64 (sums, groups)."""
         m, L = self.meta, call.layout
         dy = rt.check_dy(m, dy, call)
         sums = np.zeros((m["split"]["backward"], L.n_groups))
-        if (
-            L.O
-            and len(sums)
-            and self._run_split(
+        if L.O and len(sums):
+            status = self._run_split(
                 "bpartial",
                 call,
                 {
@@ -325,12 +320,18 @@ class CKernel:
                     "sums": (_ptr(sums),),
                 },
             )
-            != 0
-        ):
-            raise RuntimeError(f"{m['name']}: split backward partial kernel failed")
+            if status != 0:
+                raise RuntimeError(f"{m['name']}: split backward partial kernel failed")
         return sums
 
-    def split_backward_apply(self, call: rt.SplitCall, dy, sums, group_terms: bool, grads_type):
+    def split_backward_apply(
+        self,
+        call: rt.SplitCall,
+        dy: np.ndarray,
+        sums: np.ndarray,
+        group_terms: bool,
+        grads_type: Callable[..., tuple],
+    ) -> tuple:
         """This part's ``grads_type``: dx and the parameters' and inputs' gradients over this part."""
         m, L = self.meta, call.layout
         dy = rt.check_dy(m, dy, call)
@@ -338,9 +339,8 @@ class CKernel:
         dx = np.empty(call.x.shape, dtype=call.dtype)
         dparams = {p: np.zeros(call.params[p].shape, dtype=call.dtype) for p in m["params"]}
         dinputs = {i: np.zeros(L.n_groups, dtype=call.dtype) for i in m["inputs"]}
-        if (
-            L.O
-            and self._run_split(
+        if L.O:
+            status = self._run_split(
                 "bapply",
                 call,
                 {
@@ -355,9 +355,8 @@ class CKernel:
                     "dinputs": [_ptr(dinputs[i]) for i in m["inputs"]],
                 },
             )
-            != 0
-        ):
-            raise MemoryError(f"{m['name']}: split backward apply kernel could not allocate its work buffer")
+            if status != 0:
+                raise MemoryError(f"{m['name']}: split backward apply kernel could not allocate its work buffer")
         values = {"dx": dx, **{"d" + p: v for p, v in dparams.items()}}
         for i in m["inputs"]:
             v = dinputs[i]

@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import os as _os
 import threading as _threading
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager as _contextmanager
+from typing import Any
 
 import numpy as np
 
@@ -45,7 +47,7 @@ def num_threads() -> int:
         return _os.cpu_count() or 1
 
 
-def chunks(layout: Layout, itemsize: int = 8):
+def chunks(layout: Layout, itemsize: int = 8) -> Iterator[tuple[tuple, tuple]]:
     """Index tuples (into the 4-D x view, into the 4-D parameter view) covering
     whole normalization groups, each chunk about CHUNK_BYTES of float64 data."""
     L = layout
@@ -74,7 +76,7 @@ def _ufunc_bufsize(layout: Layout, default: int) -> int:
 
 
 @_contextmanager
-def _numpy_state(bufsize: int, err: dict, errcall):
+def _numpy_state(bufsize: int, err: dict, errcall: Any) -> Iterator[None]:
     """The caller's floating-point error handling and our ufunc buffer size, for
     this thread only; restored on exit."""
     with np.errstate(call=errcall, **err):
@@ -89,7 +91,7 @@ def _numpy_state(bufsize: int, err: dict, errcall):
 class _Scratch:
     """float64 copies of the chunks, in buffers one worker reuses chunk after chunk."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.bufs: list[np.ndarray] = []
         self.k = 0
 
@@ -107,7 +109,7 @@ class _Scratch:
         return out
 
 
-def for_chunks(layout: Layout, body) -> list:
+def for_chunks(layout: Layout, body: Callable[[tuple, tuple, _Scratch], Any]) -> list:
     """Run ``body(s, sp, tmp)`` on every chunk of whole groups (see :func:`chunks`)
     on up to :func:`num_threads` threads; ``tmp.f64(a)`` is ``a`` in float64, in
     a buffer the thread reuses. Returns ``[(s, sp, result), ...]`` in chunk order."""
@@ -119,7 +121,7 @@ def for_chunks(layout: Layout, body) -> list:
     nxt = iter(range(len(todo)))
     failed = []
 
-    def work():
+    def work() -> None:
         scratch = _Scratch()
         with _numpy_state(*state):
             while not failed:
@@ -152,7 +154,8 @@ _POOL = None
 _POOL_LOCK = _threading.Lock()
 
 
-def _pool():
+def _pool() -> ThreadPoolExecutor:
+    """The shared worker pool, grown when more threads are wanted than it has."""
     global _POOL
     with _POOL_LOCK:
         if _POOL is None or _POOL._max_workers < num_threads() - 1:
@@ -160,7 +163,7 @@ def _pool():
         return _POOL
 
 
-def _forget_pool():
+def _forget_pool() -> None:
     """A forked child has none of the parent's threads: start a new pool there."""
     global _POOL, _POOL_LOCK
     _POOL, _POOL_LOCK = None, _threading.Lock()
@@ -170,12 +173,12 @@ if hasattr(_os, "register_at_fork"):
     _os.register_at_fork(after_in_child=_forget_pool)
 
 
-def group_mean(layout: Layout):
+def group_mean(layout: Layout) -> Callable[[np.ndarray], np.ndarray]:
     """``_mean``: the mean over each normalization group of a chunk (np.mean's
     sum and division, without its per-call overhead)."""
     axes = layout.reduce_axes
 
-    def mean(a):
+    def mean(a: np.ndarray) -> np.ndarray:
         m = np.add.reduce(a, axis=axes, keepdims=True)
         np.true_divide(m, a.size // m.size, out=m)
         return m
@@ -183,7 +186,7 @@ def group_mean(layout: Layout):
     return mean
 
 
-def sum_prod(a, b, axes):
+def sum_prod(a: np.ndarray, b: np.ndarray, axes: int | tuple[int, ...] | None) -> np.ndarray:
     """``sum(a*b)`` over ``axes`` (all axes for None) of the 4-D chunk arrays,
     keeping dimensions: one pass and no temporary (``np.einsum``) when a and b
     have the same shape, else the plain product and sum."""
@@ -197,13 +200,13 @@ def sum_prod(a, b, axes):
     return np.reshape(out, [a.shape[i] if i in keep else 1 for i in range(4)])
 
 
-def group_mean_prod(layout: Layout):
+def group_mean_prod(layout: Layout) -> Callable[..., np.ndarray]:
     """``_mean_prod(a, b)``: the group mean of a*b; ``_mean_sq(a)``, the same
     function with one argument: of a*a. Without the temporary product (see
     :func:`sum_prod`)."""
     axes = layout.reduce_axes
 
-    def mean_prod(a, b=None):
+    def mean_prod(a: np.ndarray, b: np.ndarray | None = None) -> np.ndarray:
         b = a if b is None else b
         m = sum_prod(a, b, axes)
         n = int(np.prod(np.broadcast_shapes(np.shape(a), np.shape(b)))) // m.size
@@ -212,18 +215,18 @@ def group_mean_prod(layout: Layout):
     return mean_prod
 
 
-def group_total(value, like) -> float:
+def group_total(value: np.ndarray | float, like: np.ndarray) -> float:
     """The sum over the groups of a chunk of a per-group value (``like`` is a per-group
     array of the chunk: a constant value counts once per group)."""
     return float(np.sum(np.broadcast_to(value, np.shape(like))))
 
 
-def new_stats(layout: Layout, names) -> dict[str, np.ndarray]:
+def new_stats(layout: Layout, names: Iterable[str]) -> dict[str, np.ndarray]:
     """Uninitialized float64 per-group statistics, 4-D."""
     return {n: np.empty(layout.stat4, dtype=np.float64) for n in names}
 
 
-def f64(a):
+def f64(a: Any) -> np.ndarray:
     """``a`` as a float64 array."""
     return np.asarray(a, dtype=np.float64)
 

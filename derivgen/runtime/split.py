@@ -5,7 +5,9 @@ bindings call these checks and helpers)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -28,7 +30,7 @@ class SplitCall:
     count: float | None  # values per group over all parts
 
 
-def split_layout(meta: dict, x_shape, param_shapes: dict) -> Layout:
+def split_layout(meta: dict, x_shape: Sequence[int], param_shapes: dict[str, Sequence[int]]) -> Layout:
     """The layout of one part of a batch (it may hold no samples)."""
     x_shape = tuple(x_shape)
     if len(x_shape) >= 2 and x_shape[0] == 0:
@@ -48,12 +50,12 @@ def split_layout(meta: dict, x_shape, param_shapes: dict) -> Layout:
 
 def prepare_split(
     meta: dict,
-    x,
-    params,
-    options=None,
-    inputs=None,
-    stats=None,
-    count=None,
+    x: np.ndarray,
+    params: Mapping[str, np.ndarray] | Sequence[np.ndarray],
+    options: Mapping[str, float] | Sequence[float] | None = None,
+    inputs: Mapping[str, Any] | Sequence[Any] | None = None,
+    stats: np.ndarray | None = None,
+    count: float | None = None,
     need_stats: bool = False,
     need_count: bool = False,
 ) -> SplitCall:
@@ -116,12 +118,12 @@ def prepare_split(
     )
 
 
-def part_sum(layout: Layout, x: np.ndarray):
+def part_sum(layout: Layout, x: np.ndarray) -> Callable[[np.ndarray], np.ndarray]:
     """``_sum``: a part's sum over each group's elements (4-D, keepdims); an operand
     constant along reduced axes (a parameter) counts once per element of the part."""
     axes = layout.reduce_axes
 
-    def total(a):
+    def total(a: np.ndarray) -> np.ndarray:
         return np.add.reduce(np.broadcast_to(a, x.shape), axis=axes, keepdims=True, dtype=np.float64)
 
     return total
@@ -135,7 +137,7 @@ def sums_array(layout: Layout, sums: list) -> np.ndarray:
     return out
 
 
-def split_level(meta: dict, level) -> int:
+def split_level(meta: dict, level: int) -> int:
     """``level`` as an int, checked against the layer's statistics levels."""
     n = len(meta["split"]["levels"])
     if isinstance(level, (bool, np.bool_)) or not isinstance(level, (int, np.integer)) or not 0 <= level < n:
@@ -151,7 +153,7 @@ def need_stats(meta: dict, call: SplitCall, level: int) -> None:
         )
 
 
-def finish_part(sums, meta: dict, params) -> np.ndarray:
+def finish_part(sums: Any, meta: dict, params: Mapping[str, Any] | Sequence[Any] | None) -> np.ndarray:
     """An empty part with the groups of ``sums`` (split_finish reads no x): its layout
     and dtype (the parameters', float64 without any)."""
     params = list(params.values()) if isinstance(params, dict) else list(params or [])
@@ -168,7 +170,7 @@ def stats_array(meta: dict, call: SplitCall) -> np.ndarray:
     return np.zeros((nst, call.layout.n_groups)) if call.stats is None else call.stats.copy()
 
 
-def check_dy(meta: dict, dy, call: SplitCall) -> np.ndarray:
+def check_dy(meta: dict, dy: np.ndarray, call: SplitCall) -> np.ndarray:
     """dy of a part, with the part's shape and dtype, in C order."""
     dy = _check_array("dy", dy)
     if dy.dtype != call.dtype or dy.shape != call.x.shape:
@@ -179,7 +181,7 @@ def check_dy(meta: dict, dy, call: SplitCall) -> np.ndarray:
     return _contig(dy)
 
 
-def part_param_grad(value, param: np.ndarray) -> np.ndarray:
+def part_param_grad(value: np.ndarray | float, param: np.ndarray) -> np.ndarray:
     """A parameter's gradient over a part, in its shape and dtype (a constant: every entry)."""
     v = np.asarray(value, dtype=np.float64)
     if v.size == 1 and param.size != 1:
@@ -187,7 +189,7 @@ def part_param_grad(value, param: np.ndarray) -> np.ndarray:
     return v.astype(param.dtype).reshape(param.shape)
 
 
-def part_input_grad(call: SplitCall, iname: str, per_group) -> np.ndarray:
+def part_input_grad(call: SplitCall, iname: str, per_group: np.ndarray | float) -> np.ndarray:
     """A per-group input's gradient over a part: summed for a scalar input, else one per group."""
     v = np.broadcast_to(per_group, call.layout.stat4).reshape(-1)
     if call.inputs[iname].size == 1:
@@ -195,7 +197,7 @@ def part_input_grad(call: SplitCall, iname: str, per_group) -> np.ndarray:
     return v.astype(call.dtype).reshape(call.layout.group_shape)
 
 
-def check_sums(meta: dict, sums, rows: int, layout: Layout) -> np.ndarray:
+def check_sums(meta: dict, sums: np.ndarray, rows: int, layout: Layout) -> np.ndarray:
     """Sums over whole groups: float64 of shape (rows, groups), in C order."""
     name = meta["name"]
     sums = _check_array("sums", sums)
