@@ -10,9 +10,12 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.autograd.forward_ad as _fwad
 
+from derivgen.torch.protocol import Layer
 from derivgen.torch.schema import OpArg, differentiable
 from derivgen.torch.tensors import as_tuple, check_tensor
 
@@ -47,9 +50,10 @@ def _save_tensor_inputs(args: tuple[OpArg, ...]):
     return setup
 
 
-def register_first_order(lay, lib, mode: str, ops) -> None:
+def register_first_order(lay: Layer, lib: torch.library.Library, mode: str, ops: Any) -> None:
     """The forward operator's autograd (the backward operator) and the backward
-    operator's (the derived double backward, one ``bb`` call)."""
+    operator's (the derived double backward, one ``bb`` call); ``ops`` is the mode's
+    :class:`~derivgen.torch.register.ModeOps`."""
     s = lay.schemas[mode]
     fargs, bargs, diff = s.forward, s.backward, differentiable(lay.meta)
     n_tensors = len(_tensor_values(fargs, fargs))
@@ -81,7 +85,7 @@ def register_first_order(lay, lib, mode: str, ops) -> None:
     )
 
 
-def register_second_order(lay, lib, mode: str, ops) -> None:
+def register_second_order(lay: Layer, lib: torch.library.Library, mode: str, ops: Any) -> None:
     """The ``bb`` and ``jvp`` operators' autograd: the generated PyTorch closed form,
     differentiated by torch.func (third order; jacrev of jacfwd, a loss on a tangent)."""
     s = lay.schemas[mode]
@@ -155,7 +159,7 @@ class _Functional(torch.autograd.Function):
     backward) and the JVP operator for forward mode, both from derivgen.derive.second."""
 
     @staticmethod
-    def forward(lay, mode, opts, groups, *tens):
+    def forward(lay: Layer, mode, opts, groups, *tens):
         return as_tuple(lay.modes[mode].forward(*tens, *opts, groups))
 
     @staticmethod
@@ -189,7 +193,9 @@ class _Functional(torch.autograd.Function):
 _eager_apply = torch._C._FunctionBase.__dict__["apply"].__get__(None, _Eager)
 
 
-def call_forward(lay, mode: str, tens: list, opts: tuple, groups: int, stats: bool = True):
+def call_forward(
+    lay: Layer, mode: str, tens: list, opts: tuple, groups: int, stats: bool = True
+) -> tuple[torch.Tensor, dict[str, torch.Tensor] | None]:
     """(y, {statistic: tensor}) of a forward call in operator order ((y, None) with
     ``stats=False`` on the eager path): under torch.func transforms an autograd.Function
     over the operators; eager CPU calls a plan's kernels (under :class:`_Eager` when

@@ -13,11 +13,14 @@ from __future__ import annotations
 
 import ctypes
 import math
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
 from derivgen import runtime as rt
 from derivgen.runtime.cbind import CKernel, input_pairs
+from derivgen.torch.protocol import Layer
 from derivgen.torch.schema import by_spec_name
 from derivgen.torch.tensors import SUFFIX, channels_last_format, is_channels_last, per_group_input_grad
 from derivgen.torch.validate import check_forward
@@ -34,7 +37,7 @@ class KernelLibraries:
     bfloat16 and channels-last ones in a second build of the same source
     (-DDG_EXTRAS_ONLY), compiled on first use."""
 
-    def __init__(self, main: CKernel):
+    def __init__(self, main: CKernel) -> None:
         self.main = main
         self._extras: CKernel | None = None
 
@@ -81,7 +84,7 @@ class KernelPlan:
         "stats_like",
     )
 
-    def __init__(self, lay, mode: str, L: rt.Layout, tens: list, nhwc: bool, groups: int):
+    def __init__(self, lay: Layer, mode: str, L: rt.Layout, tens: list, nhwc: bool, groups: int) -> None:
         x = tens[0]
         self.lay, self.mode, self.groups, self.name = lay, mode, groups, lay.meta["name"]
         self.ffn = lay.libraries.cfunc(mode, "forward", x.dtype, nhwc)
@@ -111,7 +114,9 @@ class KernelPlan:
         # contiguous tensors, no per-group inputs, no buffers passed (train mode)
         self.simple = not self.copy and not self.nin and (mode == "train" or not lay.buffers)
 
-    def forward(self, tens, opts, blob: bool):
+    def forward(
+        self, tens: list[torch.Tensor], opts: tuple[float, ...], blob: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | list[torch.Tensor]]:
         """y and the statistics by the forward kernel on validated tensors. The statistics
         are one float64 tensor per statistic, or with ``blob`` one (statistics, groups)
         tensor (one allocation: the eager path keeps them together)."""
@@ -137,7 +142,9 @@ class KernelPlan:
             raise MemoryError(f"{self.name}: forward kernel could not allocate its work buffer")
         return y, st
 
-    def backward(self, dy, tens, stat_ptrs, opts) -> tuple:
+    def backward(
+        self, dy: torch.Tensor, tens: list[torch.Tensor], stat_ptrs: list[int], opts: tuple[float, ...]
+    ) -> tuple:
         """(dx, dparams..., dinputs...) by the backward kernel. ``tens`` are the forward's
         tensors (x, params, inputs[, buffers]); dy has x's shape and dtype."""
         if not self.simple or self.nhwc:
@@ -165,13 +172,13 @@ class KernelPlan:
         return (dx, *dps)
 
 
-def _contiguous_operands(plan: KernelPlan, tens) -> list:
+def _contiguous_operands(plan: KernelPlan, tens: list[torch.Tensor]) -> list[torch.Tensor]:
     """The tensors, copied where strided (x keeps its channels-last layout where the
     plan has channels-last kernels)."""
     return [tens[0] if plan.nhwc else tens[0].contiguous()] + [t.contiguous() for t in tens[1:]]
 
 
-def _forward_general(plan: KernelPlan, tens, opts, blob: bool):
+def _forward_general(plan: KernelPlan, tens: list[torch.Tensor], opts: tuple[float, ...], blob: bool) -> tuple:
     """:meth:`KernelPlan.forward` with per-group inputs, buffers or tensors to copy."""
     if plan.copy:
         tens = _contiguous_operands(plan, tens)
@@ -207,7 +214,9 @@ def _forward_general(plan: KernelPlan, tens, opts, blob: bool):
     return y, st
 
 
-def _backward_general(plan: KernelPlan, dy, tens, stat_ptrs, opts) -> tuple:
+def _backward_general(
+    plan: KernelPlan, dy: torch.Tensor, tens: list[torch.Tensor], stat_ptrs: list[int], opts: tuple[float, ...]
+) -> tuple:
     """:meth:`KernelPlan.backward` with per-group inputs, buffers, channels last or tensors to copy."""
     if plan.copy:
         tens = _contiguous_operands(plan, tens)
@@ -241,7 +250,7 @@ def _backward_general(plan: KernelPlan, dy, tens, stat_ptrs, opts) -> tuple:
     return (dx, *dps, *(per_group_input_grad(d, t, x.dtype) for t, d in zip(ins, dis)))
 
 
-def options_in_range(opts, ranges) -> bool:
+def options_in_range(opts: Sequence[Any], ranges: Sequence[tuple]) -> bool:
     """Every option a finite float within its declared range (``ranges``: (default, lo, hi))."""
     for v, (_, lo, hi) in zip(opts, ranges):
         if (
@@ -253,7 +262,7 @@ def options_in_range(opts, ranges) -> bool:
     return True
 
 
-def call_key(tens, xi: int, groups, channel_layout: bool):
+def call_key(tens: Sequence[torch.Tensor], xi: int, groups: int, channel_layout: bool) -> tuple[tuple, bool]:
     """A call's signature, and whether x (``tens[xi]``) is channels last."""
     nhwc = channel_layout and is_channels_last(tens[xi])
     return tuple([(t.shape, t.dtype, t.is_cpu, t.is_contiguous()) for t in tens]) + (groups, nhwc), nhwc
@@ -263,13 +272,13 @@ class PlanCache:
     """A layer's plans by mode and call signature: validated on first use, and again
     whenever the options are out of range (so that the error names them)."""
 
-    def __init__(self, lay):
+    def __init__(self, lay: Layer) -> None:
         self.lay = lay
         self.ranges = [lay.meta["options"][o] for o in lay.options]
         self.channel_layout = lay.meta["layout"] == "channels"
         self._plans: dict = {}
 
-    def forward(self, mode: str, tens, opts, groups) -> KernelPlan:
+    def forward(self, mode: str, tens: list[torch.Tensor], opts: tuple[float, ...], groups: int) -> KernelPlan:
         """The plan of a forward call (tensors, options and groups in operator order)."""
         try:
             key, nhwc = call_key(tens, 0, groups, self.channel_layout)
@@ -280,11 +289,11 @@ class PlanCache:
             plan = self.validated(mode, [*tens, *opts, groups], key, nhwc)
         return plan
 
-    def options_ok(self, opts) -> bool:
+    def options_ok(self, opts: Sequence[Any]) -> bool:
         """Every option of a call (in spec order) within its declared range."""
         return options_in_range(opts, self.ranges)
 
-    def validated(self, mode: str, args, key, nhwc: bool) -> KernelPlan:
+    def validated(self, mode: str, args: list, key: tuple | None, nhwc: bool) -> KernelPlan:
         """Validate a forward call's arguments (raising on bad input) and remember its plan."""
         fargs = self.lay.schemas[mode].forward
         a = by_spec_name(fargs, args)

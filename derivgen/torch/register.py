@@ -14,6 +14,7 @@ import torch
 
 from derivgen.torch.autograd import register_first_order, register_second_order
 from derivgen.torch.plan import call_key
+from derivgen.torch.protocol import Layer
 from derivgen.torch.schema import by_spec_name, tensor_count
 from derivgen.torch.second_order import second_impl
 from derivgen.torch.tensors import is_channels_last, layout, op_result
@@ -33,7 +34,7 @@ class ModeOps:
     jvp: object = None  # the forward-mode derivative (derived kernels)
 
 
-def forward_impl(lay, mode: str) -> Callable:
+def forward_impl(lay: Layer, mode: str) -> Callable:
     """The forward operator's CPU implementation: the plan of the call's signature."""
     fargs = lay.schemas[mode].forward
     ntens, nopt = tensor_count(fargs), len(lay.options)
@@ -46,7 +47,7 @@ def forward_impl(lay, mode: str) -> Callable:
     return impl
 
 
-def backward_impl(lay, mode: str) -> Callable:
+def backward_impl(lay: Layer, mode: str) -> Callable:
     """The backward operator's CPU implementation: the plan of the forward's signature,
     validated with dy and the statistics on a signature's first call."""
     bargs = lay.schemas[mode].backward
@@ -71,12 +72,12 @@ def backward_impl(lay, mode: str) -> Callable:
     return impl
 
 
-def _like_x(lay, x: torch.Tensor) -> torch.Tensor:
+def _like_x(lay: Layer, x: torch.Tensor) -> torch.Tensor:
     """A fake output of x's shape (channels last where x is)."""
     return torch.empty_like(x) if lay.plans.channel_layout and is_channels_last(x) else x.new_empty(x.shape)
 
 
-def register_fakes(lay, mode: str, ops: ModeOps) -> None:
+def register_fakes(lay: Layer, mode: str, ops: ModeOps) -> None:
     """The four operators' fake kernels: outputs' shapes and dtypes."""
     s, stats = lay.schemas[mode], lay.meta["stats"][mode]
 
@@ -119,7 +120,7 @@ def register_fakes(lay, mode: str, ops: ModeOps) -> None:
         torch.library.register_fake(op, fake, lib=LIBRARY)
 
 
-def register_mode(lay, mode: str) -> ModeOps:
+def register_mode(lay: Layer, mode: str) -> ModeOps:
     """Define and implement one mode's four operators, with fake kernels and autograd."""
     s = lay.schemas[mode]
     names = {kind: f"{lay.base}_{mode}_{kind}" for kind in ("forward", "backward", "bb", "jvp")}

@@ -10,19 +10,21 @@ from collections.abc import Callable
 
 import torch
 
+from derivgen import runtime as rt
 from derivgen.runtime.cbind import input_pairs
 from derivgen.torch.plan import threads
+from derivgen.torch.protocol import Layer
 from derivgen.torch.schema import OpArg, by_spec_name, differentiable
 from derivgen.torch.tensors import SUFFIX, is_channels_last, layout, per_group_input_grad
 
 
-def runs_in_c(lay, a: dict) -> bool:
+def runs_in_c(lay: Layer, a: dict) -> bool:
     """Whether the derived C kernels take the call: float32/float64, not channels last."""
     x = a["x"]
     return x.dtype in (torch.float32, torch.float64) and not (lay.meta["layout"] == "channels" and is_channels_last(x))
 
 
-def _operands(lay, kind: str, a: dict, dtype: torch.dtype) -> dict:
+def _operands(lay: Layer, kind: str, a: dict, dtype: torch.dtype) -> dict:
     """The call's values in C order, the seeds in x's dtype."""
     c = {k: (v.contiguous() if isinstance(v, torch.Tensor) else v) for k, v in a.items()}
     pre = "c_" if kind == "bb" else "t_"
@@ -32,7 +34,7 @@ def _operands(lay, kind: str, a: dict, dtype: torch.dtype) -> dict:
     return c
 
 
-def _leading_sections(lay, mode: str, kind: str, c: dict, x: torch.Tensor, L) -> dict:
+def _leading_sections(lay: Layer, mode: str, kind: str, c: dict, x: torch.Tensor, L: rt.Layout) -> dict:
     """The kernel's sections up to its outputs: dims, x, parameters, options, inputs,
     statistics and the seeds."""
     pre = "c_" if kind == "bb" else "t_"
@@ -50,7 +52,7 @@ def _leading_sections(lay, mode: str, kind: str, c: dict, x: torch.Tensor, L) ->
     }
 
 
-def c_second(lay, mode: str, kind: str, a: dict):
+def c_second(lay: Layer, mode: str, kind: str, a: dict) -> torch.Tensor | tuple:
     """The derived C kernel (``kind`` bb or jvp) on contiguous float32/float64 tensors:
     (dx, ddy, dparams..., dinputs...) or y's tangent."""
     x = a["x"].contiguous()
@@ -81,7 +83,7 @@ def c_second(lay, mode: str, kind: str, a: dict):
     return (*outs, *(per_group_input_grad(d, a[i], x.dtype) for i, d in zip(lay.inputs, dis)))
 
 
-def second_impl(lay, mode: str, kind: str, args: tuple[OpArg, ...]) -> Callable:
+def second_impl(lay: Layer, mode: str, kind: str, args: tuple[OpArg, ...]) -> Callable:
     """The CPU implementation of the ``bb`` or ``jvp`` operator of a mode."""
 
     def impl(*values):

@@ -21,6 +21,7 @@ so that a bad input on one process is an error on every process instead of a han
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -28,6 +29,7 @@ import torch.distributed as dist
 from derivgen import runtime as rt
 from derivgen.runtime.cbind import input_pairs
 from derivgen.torch.plan import threads
+from derivgen.torch.protocol import Layer
 
 _DTYPE_CODES = {torch.float32: 1, torch.float64: 2, torch.bfloat16: 3}
 
@@ -36,7 +38,7 @@ class SyncError(ValueError):
     """Raised on every process when the processes' inputs do not fit together."""
 
 
-def _check_part(lay, x, params: dict, channels: int) -> str | None:
+def _check_part(lay: Layer, x: torch.Tensor, params: dict, channels: int) -> str | None:
     """This process's input problems (None when it is fine)."""
     name = lay.meta["name"]
     if not isinstance(x, torch.Tensor):
@@ -53,7 +55,7 @@ def _check_part(lay, x, params: dict, channels: int) -> str | None:
     return None
 
 
-def exchange(lay, pg, x, problem: str | None, channels: int) -> int:
+def exchange(lay: Layer, pg: dist.ProcessGroup, x: torch.Tensor, problem: str | None, channels: int) -> int:
     """The header collective: every process's count of values per group, channels, dtype
     and status. Raises SyncError on every process if any process failed its checks or
     the parts disagree; returns the global group size."""
@@ -106,7 +108,7 @@ class _CSplit:
 
     KINDS = ("partial", "finish", "apply", "bpartial", "bapply")
 
-    def __init__(self, lay, dtype):
+    def __init__(self, lay: Layer, dtype: torch.dtype) -> None:
         sfx = {torch.float32: "f32", torch.float64: "f64"}[dtype]
         k = lay.ckernel._kernel
         self.fn = {kind: k.split_cfunc(kind, sfx) for kind in self.KINDS}
@@ -287,7 +289,7 @@ class _SyncFunction(torch.autograd.Function):
         return (None, None, None, None, None, dx.reshape(x.shape).to(x.dtype), *grads)
 
 
-def sync_group(process_group, training: bool):
+def sync_group(process_group: dist.ProcessGroup | None, training: bool) -> dist.ProcessGroup | None:
     """The process group a split reduction runs over, or None when there is nothing to
     split (not training, torch.distributed not initialized, or one process)."""
     if not (training and dist.is_available() and dist.is_initialized()):
@@ -296,7 +298,14 @@ def sync_group(process_group, training: bool):
     return pg if dist.get_world_size(pg) > 1 else None
 
 
-def sync_forward(lay, pg, x, params: dict, options: dict, inputs: dict | None = None):
+def sync_forward(
+    lay: Layer,
+    pg: dist.ProcessGroup | None,
+    x: torch.Tensor,
+    params: dict,
+    options: dict,
+    inputs: dict | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor], int]:
     """(y, {statistic: per-group float64 tensor}, N) of a batch-reduced layer in
     training mode over the batch the processes of ``pg`` hold together (``pg`` None:
     the default group). Autograd-aware; the parameters' gradients are this process's
@@ -320,7 +329,12 @@ def sync_forward(lay, pg, x, params: dict, options: dict, inputs: dict | None = 
     return y, dict(zip(meta["stats"]["train"], st)), n
 
 
-def statistics_over(lay, parts, params: dict, options: dict) -> tuple[dict, int]:
+def statistics_over(
+    lay: Layer,
+    parts: Sequence[torch.Tensor] | Callable[[], Iterable[torch.Tensor]],
+    params: dict,
+    options: dict,
+) -> tuple[dict, int]:
     """The training statistics of a batch-reduced layer over a batch held in parts (a
     sequence of tensors (n_k, C, ...), or a callable returning a fresh iterable of them:
     the parts are read once per statistics level), one part in memory at a time. Returns
@@ -349,14 +363,15 @@ def statistics_over(lay, parts, params: dict, options: dict) -> tuple[dict, int]
     return stats, n
 
 
-def apply_statistics(lay, x, stats: dict, params: dict, options: dict):
+def apply_statistics(lay: Layer, x: torch.Tensor, stats: dict, params: dict, options: dict) -> torch.Tensor:
     """y of one part, normalized with statistics from :func:`statistics_over`."""
     L = rt.split_layout(lay.meta, tuple(x.shape), {p: tuple(t.shape) for p, t in params.items()})
     y = lay.target.apply_train(x.detach().double().reshape(L.view4), **_kw(lay, x, L, params, options), _stats=stats)
     return y.reshape(x.shape).to(x.dtype)
 
 
-def _kw(lay, x, L, params, options, inputs=None):
+def _kw(lay: Layer, x: torch.Tensor, L: rt.Layout, params: dict, options: dict, inputs: dict | None = None) -> dict:
+    """The generated PyTorch module's keyword arguments for a part, in float64 (no ``_L``)."""
     a = {"x": x, **{p: t.detach().double() for p, t in params.items()}, **options}
     a.update({i: v.detach().double() for i, v in (inputs or {}).items()})
     kw = lay.views(a, L, "train")
