@@ -10,6 +10,7 @@ with torch.nn norms and once converted, with the share of the step the norms tak
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable, Collection
 
 import torch
 from torch import nn
@@ -64,20 +65,25 @@ def _fwd(m, x):
 class Block(nn.Module):
     """A pre-norm transformer block (LayerNorm, attention, RMSNorm, MLP)."""
 
-    def __init__(self, d=512, heads=8):
+    def __init__(self, d: int = 512, heads: int = 8) -> None:
         super().__init__()
         self.ln1, self.ln2 = nn.LayerNorm(d), nn.RMSNorm(d)
         self.attn = nn.MultiheadAttention(d, heads, batch_first=True)
         self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x + attention(LayerNorm(x)), then + MLP(RMSNorm(.))."""
         h = self.ln1(x)
         x = x + self.attn(h, h, h, need_weights=False)[0]
         return x + self.mlp(self.ln2(x))
 
 
 def run_torch_bench(
-    threads: int | None = None, repeat: int = 15, dtype: str = "float32", progress=None, cases=None
+    threads: int | None = None,
+    repeat: int = 15,
+    dtype: str = "float32",
+    progress: Callable[[str], None] | None = None,
+    cases: Collection[str] | None = None,
 ) -> dict:
     """The table of CASES (or those whose labels are in ``cases``) and the transformer
     block (unless ``cases`` leaves it out: include "block")."""
@@ -90,50 +96,18 @@ def run_torch_bench(
         torch.set_num_threads(before)
 
 
-def _run(threads, repeat, dtype, progress, cases) -> dict:
+def _run(
+    threads: int, repeat: int, dtype: str, progress: Callable[[str], None] | None, cases: Collection[str] | None
+) -> dict:
+    """The report: the cases' rows, then the second order and the transformer block where
+    ``cases`` asks for them (one random generator, drawn from in that order)."""
     tdt = getattr(torch, dtype)
     gen = torch.Generator().manual_seed(0)
     rows = []
     for label, make, shape, fmt, target in CASES:
         if cases is not None and label not in cases:
             continue
-        ref = make().to(tdt)
-        ours = dnn.convert(copy.deepcopy(ref))
-        x = torch.randn(shape, generator=gen, dtype=tdt)
-        if fmt is not None:
-            x = x.contiguous(memory_format=fmt)
-        x.requires_grad_(True)
-        dy = torch.randn(shape, generator=gen, dtype=tdt)
-        if fmt is not None:
-            dy = dy.contiguous(memory_format=fmt)
-        row = {
-            "case": label,
-            "shape": list(shape),
-            "target": target,
-            "memory_format": "channels_last" if fmt is not None else "contiguous",
-        }
-        try:
-            ours(x).backward(dy)
-        except (TypeError, ValueError, NotImplementedError) as e:
-            row["error"] = str(e).splitlines()[0]
-            rows.append(row)
-            if progress:
-                progress(label)
-            continue
-        ms = round_robin(
-            {
-                "torch_step": _step(ref, x, dy),
-                "derivgen_step": _step(ours, x, dy),
-                "torch_fwd": _fwd(ref, x),
-                "derivgen_fwd": _fwd(ours, x),
-            },
-            repeat,
-        )
-        row.update({k: v / _inner(x) for k, v in ms.items()})
-        ms = row
-        row["ratio"] = ms["derivgen_step"] / ms["torch_step"]
-        row["fwd_ratio"] = ms["derivgen_fwd"] / ms["torch_fwd"]
-        rows.append(row)
+        rows.append(_case_row(label, make, shape, fmt, target, tdt, gen, repeat))
         if progress:
             progress(label)
     m = machine()
@@ -156,7 +130,62 @@ def _run(threads, repeat, dtype, progress, cases) -> dict:
             progress("second order")
     if cases is not None and "block" not in cases:
         return rep
-    # a transformer block's training step
+    rep["block"] = _block_row(tdt, gen, repeat)
+    if progress:
+        progress("transformer block")
+    return rep
+
+
+def _case_row(
+    label: str,
+    make: Callable[[], nn.Module],
+    shape: tuple[int, ...],
+    fmt: torch.memory_format | None,
+    target: float | None,
+    tdt: torch.dtype,
+    gen: torch.Generator,
+    repeat: int,
+) -> dict:
+    """One case's row: torch.nn and its derivgen twin, a training step (forward and
+    backward) and a forward each, in ms per call; an ``error`` where derivgen refuses it."""
+    ref = make().to(tdt)
+    ours = dnn.convert(copy.deepcopy(ref))
+    x = torch.randn(shape, generator=gen, dtype=tdt)
+    if fmt is not None:
+        x = x.contiguous(memory_format=fmt)
+    x.requires_grad_(True)
+    dy = torch.randn(shape, generator=gen, dtype=tdt)
+    if fmt is not None:
+        dy = dy.contiguous(memory_format=fmt)
+    row = {
+        "case": label,
+        "shape": list(shape),
+        "target": target,
+        "memory_format": "channels_last" if fmt is not None else "contiguous",
+    }
+    try:
+        ours(x).backward(dy)
+    except (TypeError, ValueError, NotImplementedError) as e:
+        row["error"] = str(e).splitlines()[0]
+        return row
+    ms = round_robin(
+        {
+            "torch_step": _step(ref, x, dy),
+            "derivgen_step": _step(ours, x, dy),
+            "torch_fwd": _fwd(ref, x),
+            "derivgen_fwd": _fwd(ours, x),
+        },
+        repeat,
+    )
+    row.update({k: v / _inner(x) for k, v in ms.items()})
+    row["ratio"] = row["derivgen_step"] / row["torch_step"]
+    row["fwd_ratio"] = row["derivgen_fwd"] / row["torch_fwd"]
+    return row
+
+
+def _block_row(tdt: torch.dtype, gen: torch.Generator, repeat: int) -> dict:
+    """A transformer block's training step (SGD), torch.nn against derivgen, and the
+    share of it the two norms take."""
     torch.manual_seed(0)
     ref = Block().to(tdt)
     ours = dnn.convert(copy.deepcopy(ref))
@@ -195,17 +224,13 @@ def _run(threads, repeat, dtype, progress, cases) -> dict:
         },
         repeat,
     )
-    block = dict(
+    return dict(
         ms,
         shape=[16, 128, 512],
         ratio=ms["derivgen_step"] / ms["torch_step"],
         torch_norm_share=ms["torch_norms"] / ms["torch_step"],
         derivgen_norm_share=ms["derivgen_norms"] / ms["derivgen_step"],
     )
-    if progress:
-        progress("transformer block")
-    rep["block"] = block
-    return rep
 
 
 SECOND_SHAPE = (8192, 1024)
@@ -272,10 +297,12 @@ def _second_rows(tdt, gen, repeat, shape=SECOND_SHAPE) -> list[dict]:
 
 
 def _t(ms: float) -> str:
+    """A time for the table: ms from 1 ms up, else us."""
     return f"{ms:.2f} ms" if ms >= 1 else f"{1e3 * ms:.1f} us"
 
 
 def format_torch_report(rep: dict) -> str:
+    """The report of :func:`run_torch_bench` as a text table."""
     m = rep["machine"]
     lines = [
         (

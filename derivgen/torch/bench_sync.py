@@ -97,6 +97,8 @@ def _rank(rank, world, port, repeat, out, shape=SHAPE):
 
 
 def run_sync_bench(world: int = 2, repeat: int = 10, timeout: float = 600) -> dict:
+    """SyncBatchNorm over ``world`` gloo processes on this machine against one process on
+    the whole batch and the bandwidth bound of the split's passes; the times in ms."""
     from derivgen.runtime.machine import machine
     from derivgen.tools.bench import Bandwidth
     from derivgen.torch.nn import BatchNorm2d
@@ -216,6 +218,7 @@ def _kernel_times(x, dy, repeat, bw) -> list:
 
 
 def format_sync_report(r: dict) -> str:
+    """The report of :func:`run_sync_bench` as text."""
     step = max(r["sync_step_ms"])
     coll = max(r["sync_collective_ms"])
     return "\n".join(

@@ -14,9 +14,14 @@ twin, keeping parameters, buffers, device, dtype and training mode.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from pathlib import Path
+
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from derivgen.spec.model import Spec
 from derivgen.torch import sync
 from derivgen.torch.ops import layer
 
@@ -66,7 +71,8 @@ class LayerNorm(_Twin, nn.LayerNorm):
 
     _DG_LAYERS = ("layernorm",)
 
-    def forward(self, input):
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        """y = (x - mean) * rstd * weight + bias over the trailing ``normalized_shape`` axes."""
         w, b = self.weight, self.bias
         if w is None or b is None:
             shape = self.normalized_shape
@@ -80,7 +86,8 @@ class RMSNorm(_Twin, nn.RMSNorm):
 
     _DG_LAYERS = ("rmsnorm",)
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """y = x / sqrt(mean(x**2) + eps) * weight over the trailing ``normalized_shape`` axes."""
         eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
         return self._dg["rmsnorm"].call(
             "train", [x, _param(self.weight, x, self.normalized_shape, 1.0)], (float(eps),), 0, stats=False
@@ -164,10 +171,10 @@ class SyncBatchNorm(_BatchNormMixin, nn.modules.batchnorm._BatchNorm):
         momentum: float | None = 0.1,
         affine: bool = True,
         track_running_stats: bool = True,
-        process_group=None,
-        device=None,
-        dtype=None,
-    ):
+        process_group: dist.ProcessGroup | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
         super().__init__(num_features, eps, momentum, affine, track_running_stats, device=device, dtype=dtype)
         self.process_group = process_group
 
@@ -184,7 +191,7 @@ class SyncBatchNorm(_BatchNormMixin, nn.modules.batchnorm._BatchNorm):
             raise ValueError("SyncBatchNorm number of input channels should be non-zero")
 
     @classmethod
-    def convert_sync_batchnorm(cls, module, process_group=None):
+    def convert_sync_batchnorm(cls, module: nn.Module, process_group: dist.ProcessGroup | None = None) -> nn.Module:
         """Every torch.nn BatchNorm1d/2d/3d (and derivgen's) in ``module`` replaced by a
         derivgen SyncBatchNorm sharing its parameters and buffers, as
         torch.nn.SyncBatchNorm.convert_sync_batchnorm does; returns the module."""
@@ -265,7 +272,8 @@ class GroupNorm(_Twin, nn.GroupNorm):
 
     _DG_LAYERS = ("groupnorm",)
 
-    def forward(self, input):
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        """y = (x - mean) * rstd * weight + bias, statistics over each (sample, group of channels)."""
         c = input.shape[1]
         y, _ = self._dg["groupnorm"].forward(
             input,
@@ -298,16 +306,16 @@ class Module(nn.Module):
 
     def __init__(
         self,
-        spec,
-        size,
+        spec: Spec | str | Path,
+        size: int | Sequence[int],
         *,
         num_groups: int | None = None,
-        device=None,
-        dtype=None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
         sync: bool = False,
-        process_group=None,
-        **options,
-    ):
+        process_group: dist.ProcessGroup | None = None,
+        **options: float,
+    ) -> None:
         super().__init__()
         self._layer = layer(spec)
         meta = self._layer.meta
@@ -346,10 +354,13 @@ class Module(nn.Module):
                 self.register_buffer(b, torch.full(self.size, float(meta["buffer_init"][b]), **kw))
 
     def extra_repr(self) -> str:
+        """The layer's name, size and options, for ``repr``."""
         opts = ", ".join(f"{o}={getattr(self, o)}" for o in self._layer.meta["options"])
         return f"{self.layer_name}, {self.size}" + (f", {opts}" if opts else "")
 
-    def forward(self, x, **inputs):
+    def forward(self, x: torch.Tensor, **inputs: torch.Tensor | float) -> torch.Tensor:
+        """y of the spec's layer; its per-group inputs as keywords (tensors or numbers). In
+        training mode the running buffers are updated in place."""
         lay, meta = self._layer, self._layer.meta
         missing = [i for i in meta["inputs"] if i not in inputs]
         extra = set(inputs) - set(meta["inputs"])
@@ -435,7 +446,7 @@ class _Function:
         )
 
 
-def function(spec):
+def function(spec: Spec | str | Path) -> _Function:
     """A layer as an autograd-aware function: ``f = function("layernorm")``, then
     ``f(x, weight, bias, eps=1e-5)``. Parameters come positionally in the spec's
     order (or as keywords by name), per-group inputs and options as keywords
@@ -449,10 +460,19 @@ class OnlineLayerNorm(Module):
     ``OnlineLayerNorm(normalized_shape, alpha, eps=0.0)``; ``forward(x, prev_mean, prev_std)``
     takes the running moments (one value per row, or scalars), and gradients flow into them."""
 
-    def __init__(self, normalized_shape, alpha: float, eps: float = 0.0, *, device=None, dtype=None):
+    def __init__(
+        self,
+        normalized_shape: int | Sequence[int],
+        alpha: float,
+        eps: float = 0.0,
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
         super().__init__("online_layernorm", normalized_shape, alpha=alpha, eps=eps, device=device, dtype=dtype)
 
-    def forward(self, x, prev_mean, prev_std):
+    def forward(self, x: torch.Tensor, prev_mean: torch.Tensor | float, prev_std: torch.Tensor | float) -> torch.Tensor:
+        """y of the online layer norm, given the running moments of the rows."""
         return super().forward(x, prev_mean=prev_mean, prev_std=prev_std)
 
 

@@ -116,7 +116,7 @@ class TorchLayer:
 
     def forward(
         self,
-        x,
+        x: torch.Tensor,
         params: dict,
         inputs: dict,
         options: dict,
@@ -125,7 +125,7 @@ class TorchLayer:
         buffers: dict | None = None,
         num_groups: int = 0,
         stats: bool = True,
-    ):
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor] | None]:
         """(y, {statistic: float64 per-group tensor}) through the operators (autograd-aware);
         (y, None) with ``stats=False``."""
         mode = "train" if training or "eval" not in self.modes else "eval"
