@@ -40,37 +40,134 @@ time. This face is the module the generated NumPy and C bindings import
 from __future__ import annotations
 
 from collections import namedtuple
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import cache
+from typing import Any
 
 import numpy as np
 
-# re-exported: the generated modules call them as derivgen.runtime.<name>
-from derivgen.runtime.executor import (CHUNK_BYTES, chunks, f64, for_chunks, group_mean, group_mean_prod, group_total,  # noqa: F401
-                       new_stats, num_threads, set_num_threads, store, sum_prod)
-from derivgen.runtime.base import (DTYPES, Cache, _check_array, _check_cache, _contig, _grad_shapes, _inputs,  # noqa: F401
-                           _no_overlap, _out_by_field, _param_dtypes, _param_shapes, check_out)
-from derivgen.runtime.second import SecondCall, prepare_backward_backward, prepare_jvp, second_fields  # noqa: F401
-from derivgen.runtime.split import (SplitCall, check_dy, check_sums, finish_part, need_stats, part_input_grad,  # noqa: F401
-                            part_param_grad, part_sum, prepare_split, split_layout, split_level, stats_array,
-                            sums_array)
-from derivgen.runtime.validate import (Layout, check_buffer_shape, check_group_size, check_not_empty, check_options,  # noqa: F401
-                       check_same_dtype, layout_from_shapes)
+from derivgen.runtime.base import (
+    DTYPES,
+    Cache,
+    _check_array,
+    _check_cache,
+    _contig,
+    _grad_shapes,
+    _inputs,
+    _no_overlap,
+    _out_by_field,
+    _param_dtypes,
+    _param_shapes,
+    check_out,
+)
+from derivgen.runtime.executor import (
+    CHUNK_BYTES,
+    chunks,
+    f64,
+    for_chunks,
+    group_mean,
+    group_mean_prod,
+    group_total,
+    new_stats,
+    num_threads,
+    set_num_threads,
+    store,
+    sum_prod,
+)
+from derivgen.runtime.second import SecondCall, prepare_backward_backward, prepare_jvp, second_fields
+from derivgen.runtime.split import (
+    SplitCall,
+    check_dy,
+    check_sums,
+    finish_part,
+    need_stats,
+    part_input_grad,
+    part_param_grad,
+    part_sum,
+    prepare_split,
+    split_layout,
+    split_level,
+    stats_array,
+    sums_array,
+)
+from derivgen.runtime.validate import (
+    Layout,
+    check_buffer_shape,
+    check_group_size,
+    check_not_empty,
+    check_options,
+    check_same_dtype,
+    layout_from_shapes,
+)
+
+# The face: what the generated modules call as ``_rt.<name>``, what the PyTorch
+# operators and tools use, and the calls defined below.
+__all__ = [
+    "CHUNK_BYTES",
+    "DTYPES",
+    "BackwardCall",
+    "Cache",
+    "ForwardCall",
+    "Layout",
+    "SecondCall",
+    "SplitCall",
+    "check_buffer_shape",
+    "check_dy",
+    "check_group_size",
+    "check_not_empty",
+    "check_options",
+    "check_out",
+    "check_same_dtype",
+    "check_sums",
+    "chunks",
+    "f64",
+    "finish_input_grad",
+    "finish_part",
+    "for_chunks",
+    "grad_fields",
+    "grads_type",
+    "group_mean",
+    "group_mean_prod",
+    "group_total",
+    "group_view",
+    "layout_from_shapes",
+    "need_stats",
+    "new_stats",
+    "num_threads",
+    "part_input_grad",
+    "part_param_grad",
+    "part_sum",
+    "prepare_backward",
+    "prepare_backward_backward",
+    "prepare_forward",
+    "prepare_jvp",
+    "prepare_split",
+    "resolve_layout",
+    "second_fields",
+    "set_num_threads",
+    "split_layout",
+    "split_level",
+    "stats_array",
+    "store",
+    "sum_prod",
+    "sums_array",
+]
 
 
-def resolve_layout(meta: dict, x: np.ndarray, params: dict, num_groups) -> Layout:
+def resolve_layout(meta: dict, x: np.ndarray, params: dict[str, np.ndarray], num_groups: int | None) -> Layout:
     """The layout of a non-empty x (errors name the argument)."""
     check_not_empty(meta, x.shape)
     return layout_from_shapes(meta, x.shape, {p: a.shape for p, a in params.items()}, num_groups)
 
 
-@lru_cache(maxsize=None)
-def grads_type(name: str, fields: tuple[str, ...]):
+@cache
+def grads_type(name: str, fields: tuple[str, ...]) -> type[tuple]:
     """The named tuple a layer's backward returns (``LayernormGrads(dx, dgamma, ...)``)."""
     return namedtuple(f"{name.title().replace('_', '')}Grads", fields)
 
 
-def grad_fields(meta) -> tuple[str, ...]:
+def grad_fields(meta: dict) -> tuple[str, ...]:
     """The backward's fields: dx, then d<param> and d<input> in spec order."""
     return ("dx", *("d" + p for p in meta["params"]), *("d" + i for i in meta["inputs"]))
 
@@ -78,14 +175,15 @@ def grad_fields(meta) -> tuple[str, ...]:
 @dataclass
 class ForwardCall:
     """A validated forward call: the layout, C-ordered arrays, checked options and inputs."""
+
     meta: dict
     mode: str
     layout: Layout
     dtype: np.dtype
-    x: np.ndarray                     # C-contiguous, original shape
-    params: dict[str, np.ndarray]     # C-contiguous, flat (C,)
+    x: np.ndarray  # C-contiguous, original shape
+    params: dict[str, np.ndarray]  # C-contiguous, flat (C,)
     options: dict[str, float]
-    inputs: dict[str, np.ndarray]     # flat, n_groups or 1 values
+    inputs: dict[str, np.ndarray]  # flat, n_groups or 1 values
     buffers: dict[str, np.ndarray | None]
     out: np.ndarray
     extra: dict = field(default_factory=dict)
@@ -95,7 +193,7 @@ class ForwardCall:
         return Cache(self.meta, self.mode, self.layout, self.x, self.params, stats, self.options, self.inputs)
 
 
-def _buffers(meta: dict, buffers: dict, layout: Layout, dtype, mode: str) -> dict:
+def _buffers(meta: dict, buffers: dict, layout: Layout, dtype: np.dtype, mode: str) -> dict:
     """The running buffers by name (None where not given; eval mode needs them all)."""
     name = meta["name"]
     bufs = {}
@@ -113,8 +211,17 @@ def _buffers(meta: dict, buffers: dict, layout: Layout, dtype, mode: str) -> dic
     return bufs
 
 
-def prepare_forward(meta: dict, x, params: dict, options: dict, inputs: dict, buffers: dict,
-                    training: bool, num_groups=None, out=None) -> ForwardCall:
+def prepare_forward(
+    meta: dict,
+    x: np.ndarray,
+    params: dict[str, np.ndarray],
+    options: dict[str, float],
+    inputs: dict[str, Any],
+    buffers: dict[str, np.ndarray | None],
+    training: bool,
+    num_groups: int | None = None,
+    out: np.ndarray | None = None,
+) -> ForwardCall:
     """Checks for a forward call (errors name the argument), and its layout."""
     name = meta["name"]
     x = _check_array("x", x)
@@ -131,20 +238,35 @@ def prepare_forward(meta: dict, x, params: dict, options: dict, inputs: dict, bu
     bufs = _buffers(meta, buffers, layout, dtype, mode)
     out = check_out("out", out, x.shape, dtype)
     _no_overlap(name, {"out": out}, {"x": x, **params, **{k: v for k, v in bufs.items() if v is not None}})
-    return ForwardCall(meta, mode, layout, dtype, _contig(x),
-                       {p: _contig(params[p]).reshape(-1) for p in meta["params"]},
-                       opts, ins, bufs, out)
+    return ForwardCall(
+        meta,
+        mode,
+        layout,
+        dtype,
+        _contig(x),
+        {p: _contig(params[p]).reshape(-1) for p in meta["params"]},
+        opts,
+        ins,
+        bufs,
+        out,
+    )
 
 
 @dataclass
 class BackwardCall:
     """A validated backward call: the forward's cache, dy in C order, the outputs."""
+
     cache: Cache
     dy: np.ndarray
-    outs: dict[str, np.ndarray]       # dx (x shape), d<param> (param shape), d<input> (n_groups)
+    outs: dict[str, np.ndarray]  # dx (x shape), d<param> (param shape), d<input> (n_groups)
 
 
-def prepare_backward(meta: dict, dy, cache, out=None) -> BackwardCall:
+def prepare_backward(
+    meta: dict,
+    dy: np.ndarray,
+    cache: Cache,
+    out: Mapping[str, np.ndarray] | Sequence[np.ndarray] | None = None,
+) -> BackwardCall:
     """Checks for a backward call against the forward's cache (errors name the argument)."""
     name = meta["name"]
     cache = _check_cache(meta, cache)

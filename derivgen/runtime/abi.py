@@ -24,11 +24,12 @@ derivgen.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import chain
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any
 
-ELEM = "ELEM"                  # the kernel's element type: float, double or dg_bf16
+ELEM = "ELEM"  # the kernel's element type: float, double or dg_bf16
 KINDS = ("forward", "backward", "bb", "jvp")
 SPLIT_KINDS = ("split_partial", "split_finish", "split_apply", "split_bpartial", "split_bapply")
 
@@ -67,7 +68,7 @@ class KernelSignature:
     kind: str
     args: tuple[Arg, ...]
     sections: tuple[str, ...]
-    sizes: tuple[int, ...] = ()       # arguments per section (derived)
+    sizes: tuple[int, ...] = ()  # arguments per section (derived)
 
     def __post_init__(self):
         object.__setattr__(self, "sizes", tuple(sum(1 for a in self.args if a.section == s) for s in self.sections))
@@ -119,8 +120,7 @@ class KernelSignature:
             raise ValueError(f"{self.symbol('*')}: no section(s) {unknown}; sections are {self.sections}")
         return out
 
-    def packer(self, names: Sequence[str], merged: Mapping[str, Sequence[str]] | None = None
-               ) -> Callable[..., list]:
+    def packer(self, names: Sequence[str], merged: Mapping[str, Sequence[str]] | None = None) -> Callable[..., list]:
         """A fast :meth:`pack` for a hot call site: ``packer(names)(*seqs)`` concatenates one
         sequence per name. ``names`` are sections in the signature's order (the sections
         without arguments may be left out); ``merged`` lets one name stand for consecutive
@@ -130,8 +130,7 @@ class KernelSignature:
         expanded = [s for n in names for s in merged.get(n, (n,))]
         wanted = [s for s, n in zip(self.sections, self.sizes) if n or s in expanded]
         if expanded != wanted:
-            raise ValueError(f"{self.symbol('*')}: sections {expanded} do not follow the signature's "
-                             f"{wanted}")
+            raise ValueError(f"{self.symbol('*')}: sections {expanded} do not follow the signature's {wanted}")
         total, where, join = len(self.args), self.symbol("*"), chain.from_iterable
 
         def pack(*seqs) -> list:
@@ -139,6 +138,7 @@ class KernelSignature:
             if len(out) != total:
                 raise ValueError(f"{where}: {total} arguments expected, got {len(out)}")
             return out
+
         return pack
 
 
@@ -173,8 +173,10 @@ def _pairs(section: str, names: Iterable[str], pointer_sfx: str, stride_sfx: str
     """Per-group inputs: a pointer and a stride (0: a scalar, 1: one value per group) each."""
     out = []
     for n in names:
-        out += [Arg(n + pointer_sfx, section, ELEM, pointer=True, const=True),
-                Arg(n + stride_sfx, section, "int64_t", same_line=True)]
+        out += [
+            Arg(n + pointer_sfx, section, ELEM, pointer=True, const=True),
+            Arg(n + stride_sfx, section, "int64_t", same_line=True),
+        ]
     return out
 
 
@@ -188,70 +190,105 @@ def _leading(meta: dict, data: Sequence[str]) -> _Builder:
     b = _Builder().add("dims", _dims())
     for d in data:
         b.add(d, _elems(d, [d], True))
-    return (b.add("params", _elems("params", meta["params"], True))
-            .add("options", [Arg(o, "options", "double") for o in meta["options"]])
-            .add("inputs", _pairs("inputs", meta["inputs"], "_In", "_Stride")))
+    return (
+        b.add("params", _elems("params", meta["params"], True))
+        .add("options", [Arg(o, "options", "double") for o in meta["options"]])
+        .add("inputs", _pairs("inputs", meta["inputs"], "_In", "_Stride"))
+    )
 
 
 def _forward(meta: dict, mode: str) -> _Builder:
-    return (_leading(meta, ["x"])
-            .add("buffers", _elems("buffers", meta["buffers"], mode == "eval"))
-            .add("y", _elems("y", ["y"], False))
-            .add("stats", _doubles("stats", [s + "_Out" for s in meta["stats"][mode]], False))
-            .add("nthreads", _one("nthreads", "Nthreads", "int")))
+    return (
+        _leading(meta, ["x"])
+        .add("buffers", _elems("buffers", meta["buffers"], mode == "eval"))
+        .add("y", _elems("y", ["y"], False))
+        .add("stats", _doubles("stats", [s + "_Out" for s in meta["stats"][mode]], False))
+        .add("nthreads", _one("nthreads", "Nthreads", "int"))
+    )
 
 
 def _backward(meta: dict, mode: str) -> _Builder:
-    return (_leading(meta, ["x", "dy"])
-            .add("stats", _doubles("stats", [s + "_In" for s in meta["stats"][mode]], True))
-            .add("dx", _elems("dx", ["dx"], False))
-            .add("dparams", _elems("dparams", ["d" + p for p in meta["params"]], False))
-            .add("dinputs", _elems("dinputs", ["d" + i for i in meta["inputs"]], False))
-            .add("nthreads", _one("nthreads", "Nthreads", "int")))
+    return (
+        _leading(meta, ["x", "dy"])
+        .add("stats", _doubles("stats", [s + "_In" for s in meta["stats"][mode]], True))
+        .add("dx", _elems("dx", ["dx"], False))
+        .add("dparams", _elems("dparams", ["d" + p for p in meta["params"]], False))
+        .add("dinputs", _elems("dinputs", ["d" + i for i in meta["inputs"]], False))
+        .add("nthreads", _one("nthreads", "Nthreads", "int"))
+    )
 
 
 def _second(meta: dict, mode: str, kind: str) -> _Builder:
-    b = (_leading(meta, ["x", "dy"] if kind == "bb" else ["x"])
-         .add("stats", _doubles("stats", [s + "_In" for s in meta["stats"][mode]], True))
-         .add("seed_x", _elems("seed_x", ["Seed_x"], True))
-         .add("seed_params", _elems("seed_params", [p + "_Seed" for p in meta["params"]], True))
-         .add("seed_inputs", _pairs("seed_inputs", meta["inputs"], "_Seed_In", "_Seed_Stride")))
+    b = (
+        _leading(meta, ["x", "dy"] if kind == "bb" else ["x"])
+        .add("stats", _doubles("stats", [s + "_In" for s in meta["stats"][mode]], True))
+        .add("seed_x", _elems("seed_x", ["Seed_x"], True))
+        .add("seed_params", _elems("seed_params", [p + "_Seed" for p in meta["params"]], True))
+        .add("seed_inputs", _pairs("seed_inputs", meta["inputs"], "_Seed_In", "_Seed_Stride"))
+    )
     if kind == "bb":
-        b = (b.add("out_dx", _elems("out_dx", ["Out_dx"], False))
-             .add("out_ddy", _elems("out_ddy", ["Out_ddy"], False))
-             .add("out_params", _elems("out_params", [p + "_Out" for p in meta["params"]], False))
-             .add("out_inputs", _elems("out_inputs", [i + "_Out" for i in meta["inputs"]], False)))
+        b = (
+            b.add("out_dx", _elems("out_dx", ["Out_dx"], False))
+            .add("out_ddy", _elems("out_ddy", ["Out_ddy"], False))
+            .add("out_params", _elems("out_params", [p + "_Out" for p in meta["params"]], False))
+            .add("out_inputs", _elems("out_inputs", [i + "_Out" for i in meta["inputs"]], False))
+        )
     else:
         b = b.add("out_ty", _elems("out_ty", ["Out_ty"], False))
     return b.add("nthreads", _one("nthreads", "Nthreads", "int"))
 
 
 def _split(meta: dict, kind: str) -> _Builder:
-    data = {"split_partial": ["x"], "split_finish": [], "split_apply": ["x"],
-            "split_bpartial": ["x", "dy"], "split_bapply": ["x", "dy"]}[kind]
+    data = {
+        "split_partial": ["x"],
+        "split_finish": [],
+        "split_apply": ["x"],
+        "split_bpartial": ["x", "dy"],
+        "split_bapply": ["x", "dy"],
+    }[kind]
     b = _leading(meta, data)
     level = _one("level", "Level", "int")
     count = _one("count", "N_total", "double")
     nthreads = _one("nthreads", "Nthreads", "int")
     if kind == "split_partial":
-        return (b.add("level", level).add("stats", _one("stats", "Stats", "double", True, True)).add("count", count)
-                .add("sums", _one("sums", "Sums", "double", True)).add("nthreads", nthreads))
+        return (
+            b.add("level", level)
+            .add("stats", _one("stats", "Stats", "double", True, True))
+            .add("count", count)
+            .add("sums", _one("sums", "Sums", "double", True))
+            .add("nthreads", nthreads)
+        )
     if kind == "split_finish":
-        return (b.add("level", level).add("sums", _one("sums", "Sums", "double", True, True)).add("count", count)
-                .add("stats", _one("stats", "Stats", "double", True)))
+        return (
+            b.add("level", level)
+            .add("sums", _one("sums", "Sums", "double", True, True))
+            .add("count", count)
+            .add("stats", _one("stats", "Stats", "double", True))
+        )
     if kind == "split_apply":
-        return (b.add("stats", _one("stats", "Stats", "double", True, True)).add("count", count)
-                .add("y", _elems("y", ["y"], False)).add("nthreads", nthreads))
+        return (
+            b.add("stats", _one("stats", "Stats", "double", True, True))
+            .add("count", count)
+            .add("y", _elems("y", ["y"], False))
+            .add("nthreads", nthreads)
+        )
     if kind == "split_bpartial":
-        return (b.add("stats", _one("stats", "Stats", "double", True, True)).add("count", count)
-                .add("sums", _one("sums", "Sums", "double", True)).add("nthreads", nthreads))
-    return (b.add("stats", _one("stats", "Stats", "double", True, True))
-            .add("sums", _one("sums", "Sums", "double", True, True)).add("count", count)
-            .add("group_terms", _one("group_terms", "Group_terms", "int"))
-            .add("dx", _elems("dx", ["dx"], False))
-            .add("dparams", _elems("dparams", ["d" + p for p in meta["params"]], False))
-            .add("dinputs", _elems("dinputs", ["d" + i for i in meta["inputs"]], False))
-            .add("nthreads", nthreads))
+        return (
+            b.add("stats", _one("stats", "Stats", "double", True, True))
+            .add("count", count)
+            .add("sums", _one("sums", "Sums", "double", True))
+            .add("nthreads", nthreads)
+        )
+    return (
+        b.add("stats", _one("stats", "Stats", "double", True, True))
+        .add("sums", _one("sums", "Sums", "double", True, True))
+        .add("count", count)
+        .add("group_terms", _one("group_terms", "Group_terms", "int"))
+        .add("dx", _elems("dx", ["dx"], False))
+        .add("dparams", _elems("dparams", ["d" + p for p in meta["params"]], False))
+        .add("dinputs", _elems("dinputs", ["d" + i for i in meta["inputs"]], False))
+        .add("nthreads", nthreads)
+    )
 
 
 def kernel_signature(meta: dict, mode: str, kind: str) -> KernelSignature:

@@ -8,11 +8,19 @@ module imports none of them.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
-from derivgen.runtime.validate import Layout, check_float, check_input_shape, check_param_shapes, check_same_dtype, is_scalar_shape
+from derivgen.runtime.validate import (
+    Layout,
+    check_float,
+    check_input_shape,
+    check_param_shapes,
+    check_same_dtype,
+    is_scalar_shape,
+)
 
 DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 
@@ -43,24 +51,37 @@ class Cache:
     for batch norm) and dtype.
     """
 
-    def __init__(self, meta, mode, layout, x, params, stats, options, inputs):
+    def __init__(
+        self,
+        meta: dict,
+        mode: str,
+        layout: Layout,
+        x: np.ndarray,
+        params: dict[str, np.ndarray],
+        stats: dict[str, np.ndarray],
+        options: dict[str, float],
+        inputs: dict[str, np.ndarray],
+    ) -> None:
         self.meta, self.mode, self.layout = meta, mode, layout
         self.x, self.params, self.stats = x, params, stats
         self.options, self.inputs = options, inputs
 
     @property
-    def dtype(self):
+    def dtype(self) -> np.dtype:
+        """The forward's dtype (x's)."""
         return self.x.dtype
 
-    def __getattr__(self, item):
+    def __getattr__(self, item: str) -> np.ndarray:
         stats = self.__dict__.get("stats", {})
         if item in stats:
             return stats[item].reshape(self.layout.group_shape).astype(self.x.dtype)
         raise AttributeError(item)
 
-    def __repr__(self):
-        return (f"<{self.meta['name']} cache mode={self.mode} x{tuple(self.x.shape)} {self.x.dtype} "
-                f"stats={list(self.stats)}>")
+    def __repr__(self) -> str:
+        return (
+            f"<{self.meta['name']} cache mode={self.mode} x{tuple(self.x.shape)} {self.x.dtype} "
+            f"stats={list(self.stats)}>"
+        )
 
 
 def _check_cache(meta: dict, cache: Any) -> Cache:
@@ -70,7 +91,7 @@ def _check_cache(meta: dict, cache: Any) -> Cache:
     return cache
 
 
-def _param_dtypes(meta: dict, params: dict, dtype) -> None:
+def _param_dtypes(meta: dict, params: dict, dtype: np.dtype) -> None:
     """Every parameter is a float array of x's dtype."""
     for pname in meta["params"]:
         check_same_dtype(meta, pname, _check_array(pname, params[pname]).dtype, dtype, "; use one dtype for all arrays")
@@ -81,14 +102,16 @@ def _param_shapes(meta: dict, params: dict, layout: Layout) -> None:
     check_param_shapes(meta, {p: params[p].shape for p in meta["params"]}, layout)
 
 
-def _inputs(meta: dict, inputs: dict, layout: Layout, dtype) -> dict:
+def _inputs(meta: dict, inputs: dict, layout: Layout, dtype: np.dtype) -> dict:
     """Per-group inputs as flat arrays of x's dtype: one value (a scalar) or one per group."""
     name = meta["name"]
     ins = {}
     for iname in meta["inputs"]:
         v = inputs.get(iname)
         if v is None:
-            raise TypeError(f"{name}: {iname} is required (a scalar or one value per group, shape {layout.group_shape})")
+            raise TypeError(
+                f"{name}: {iname} is required (a scalar or one value per group, shape {layout.group_shape})"
+            )
         if isinstance(v, np.ndarray):
             _check_array(iname, v)
             check_same_dtype(meta, iname, v.dtype, dtype)
@@ -99,15 +122,17 @@ def _inputs(meta: dict, inputs: dict, layout: Layout, dtype) -> dict:
     return ins
 
 
-def _by_name(meta: dict, what: str, given, names: list, defaults: dict | None = None) -> dict:
+def _by_name(meta: dict, what: str, given: Any, names: list, defaults: dict | None = None) -> dict:
     """A dict by name from a dict or a sequence in spec order (None: empty), with defaults."""
     name = meta["name"]
     if given is None:
         given = {}
     if isinstance(given, (list, tuple)):
         if len(given) != len(names):
-            raise TypeError(f"{name}: {what} must be a dict by name or a sequence of {len(names)} "
-                            f"({names}), got {len(given)} values")
+            raise TypeError(
+                f"{name}: {what} must be a dict by name or a sequence of {len(names)} "
+                f"({names}), got {len(given)} values"
+            )
         given = dict(zip(names, given))
     if not isinstance(given, dict):
         raise TypeError(f"{name}: {what} must be a dict by name or a sequence, got {type(given).__name__}")
@@ -119,7 +144,7 @@ def _by_name(meta: dict, what: str, given, names: list, defaults: dict | None = 
     return out
 
 
-def _out_by_field(name: str, out, fields: Sequence[str]) -> dict:
+def _out_by_field(name: str, out: Any, fields: Sequence[str]) -> dict:
     """The caller's output arrays by field, from a dict or a sequence in field order
     (None: no arrays given); unknown fields are a ValueError."""
     if out is None:
@@ -148,12 +173,12 @@ def _no_overlap(name: str, outputs: dict, inputs: dict) -> None:
                 raise ValueError(f"{name}: output {on} overlaps input {iname}; pass a separate array")
     outs = list(outputs.items())
     for k, (an, a) in enumerate(outs):
-        for bn, b in outs[k + 1:]:
+        for bn, b in outs[k + 1 :]:
             if np.shares_memory(a, b):
                 raise ValueError(f"{name}: outputs {an} and {bn} overlap")
 
 
-def check_out(name: str, out, shape, dtype) -> np.ndarray:
+def check_out(name: str, out: np.ndarray | None, shape: Sequence[int], dtype: np.dtype) -> np.ndarray:
     """A fresh output array (``out`` None), or ``out`` checked: shape, dtype, writeable, C order."""
     if out is None:
         return np.empty(shape, dtype=dtype)

@@ -28,7 +28,7 @@ from pathlib import Path
 
 REQUIRED_FLAGS = ["-std=c99", "-fPIC", "-shared"]
 WARN_FLAGS = ["-Wall", "-Wextra", "-pedantic"]
-STRICT_FLAGS = ["-Werror"]           # with DERIVGEN_WERROR=1 (the test suite, CI)
+STRICT_FLAGS = ["-Werror"]  # with DERIVGEN_WERROR=1 (the test suite, CI)
 # -ffp-contract=off: every a*b + c rounds twice, as written. Fused multiply-adds made
 # the bits depend on which code path the compiler contracted how: a float64 channels-last
 # kernel (vectorized across groups) and the NCHW one (vectorized along a run, scalar at
@@ -51,13 +51,14 @@ def strict() -> bool:
 class BuildError(RuntimeError):
     """The C compiler failed; ``stderr`` holds its diagnostics."""
 
-    def __init__(self, message: str, stderr: str = "", argv: list[str] | None = None):
+    def __init__(self, message: str, stderr: str = "", argv: list[str] | None = None) -> None:
         super().__init__(message + (f"\n{stderr.strip()}" if stderr.strip() else ""))
         self.stderr = stderr
         self.argv = argv or []
 
 
 def cache_dir() -> Path:
+    """Where built libraries are cached: $DERIVGEN_CACHE, else $XDG_CACHE_HOME/derivgen, else ~/.cache/derivgen."""
     env = os.environ.get("DERIVGEN_CACHE")
     if env:
         return Path(env)
@@ -67,6 +68,7 @@ def cache_dir() -> Path:
 
 
 def compiler() -> list[str]:
+    """The C compiler's command ($CC, else ``cc``), split into words; a BuildError when it is not found."""
     cc = shlex.split(os.environ.get("CC", "") or "cc")
     if shutil.which(cc[0]) is None:
         raise BuildError(f"C compiler {cc[0]!r} not found (set CC, or install gcc: apt-get install -y gcc)")
@@ -74,6 +76,7 @@ def compiler() -> list[str]:
 
 
 def user_cflags() -> list[str]:
+    """The optimization flags: $CFLAGS when set (even empty), else :data:`DEFAULT_CFLAGS`."""
     env = os.environ.get("CFLAGS")
     return shlex.split(env) if env is not None else list(DEFAULT_CFLAGS)
 
@@ -87,16 +90,17 @@ def march_cflags(march: str, base: list[str] | None = None) -> list[str]:
     return [f for f in base if not f.startswith(("-march=", "-mtune="))] + [f"-march={march}"]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _compiler_id(cc: tuple[str, ...]) -> str:
+    """The first line of ``cc --version`` (part of a library's cache key), else the command's name."""
     try:
-        r = subprocess.run([*cc, "--version"], capture_output=True, text=True, timeout=60)
+        r = subprocess.run([*cc, "--version"], capture_output=True, text=True, timeout=60, check=False)
         return r.stdout.splitlines()[0] if r.stdout else cc[0]
     except (OSError, subprocess.SubprocessError):
         return cc[0]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def openmp_flags(cc: tuple[str, ...]) -> tuple[str, ...]:
     """``-fopenmp`` when the compiler and its runtime support it, else nothing."""
     src = "#include <omp.h>\nint main(void){return omp_get_max_threads() > 0 ? 0 : 1;}\n"
@@ -104,27 +108,47 @@ def openmp_flags(cc: tuple[str, ...]) -> tuple[str, ...]:
         c = Path(tmp) / "t.c"
         c.write_text(src)
         try:
-            r = subprocess.run([*cc, "-fopenmp", str(c), "-o", str(Path(tmp) / "t")],
-                               capture_output=True, timeout=120)
+            r = subprocess.run(
+                [*cc, "-fopenmp", str(c), "-o", str(Path(tmp) / "t")], capture_output=True, timeout=120, check=False
+            )
         except (OSError, subprocess.SubprocessError):
             return ()
         return ("-fopenmp",) if r.returncode == 0 else ()
 
 
-def build_argv(sources: list[Path], output: Path, *, openmp: bool = True, extra: list[str] | None = None,
-               warnings: bool = True, cflags: list[str] | None = None) -> list[str]:
+def build_argv(
+    sources: list[Path],
+    output: Path,
+    *,
+    openmp: bool = True,
+    extra: list[str] | None = None,
+    warnings: bool = True,
+    cflags: list[str] | None = None,
+) -> list[str]:
     """The compiler's argument list; ``cflags`` replaces the user's CFLAGS (or the defaults)."""
     cc = compiler()
     omp = list(openmp_flags(tuple(cc))) if openmp else []
     inc = sorted({f"-I{p.parent}" for p in sources})
     warn = (WARN_FLAGS + (STRICT_FLAGS if strict() else [])) if warnings else []
     flags = user_cflags() if cflags is None else list(cflags)
-    return [*cc, *REQUIRED_FLAGS, *warn, *flags, *omp, *(extra or []),
-            *inc, *[str(s) for s in sources], "-o", str(output), "-lm"]
+    return [
+        *cc,
+        *REQUIRED_FLAGS,
+        *warn,
+        *flags,
+        *omp,
+        *(extra or []),
+        *inc,
+        *[str(s) for s in sources],
+        "-o",
+        str(output),
+        "-lm",
+    ]
 
 
-def build_shared(source: Path, *, openmp: bool = True, extra: list[str] | None = None,
-                 cflags: list[str] | None = None) -> Path:
+def build_shared(
+    source: Path, *, openmp: bool = True, extra: list[str] | None = None, cflags: list[str] | None = None
+) -> Path:
     """Compile ``source`` (and the headers beside it) into a cached shared library;
     ``cflags`` replaces $CFLAGS (e.g. :func:`march_cflags` for another instruction set)."""
     source = Path(source).resolve()
@@ -132,12 +156,13 @@ def build_shared(source: Path, *, openmp: bool = True, extra: list[str] | None =
     if lib.is_file():
         return lib
     root = lib.parent
-    key = lib.stem[len(source.stem) + 1:]
+    key = lib.stem[len(source.stem) + 1 :]
     return _compile(source, lib, root, key, openmp, extra, cflags)
 
 
-def library_path(source: Path, *, openmp: bool = True, extra: list[str] | None = None,
-                 cflags: list[str] | None = None) -> Path:
+def library_path(
+    source: Path, *, openmp: bool = True, extra: list[str] | None = None, cflags: list[str] | None = None
+) -> Path:
     """Where :func:`build_shared` keeps (or will put) the library of ``source`` built with
     these flags: the cache key is the sources, the compiler's identity and its arguments."""
     source = Path(source).resolve()
@@ -145,7 +170,7 @@ def library_path(source: Path, *, openmp: bool = True, extra: list[str] | None =
         raise BuildError(f"C source {source} not found")
     header = source.with_suffix(".h")
     h = hashlib.sha256()
-    for f in (source, header, source.with_name("derivgen-kernels.h")):     # what the source includes
+    for f in (source, header, source.with_name("derivgen-kernels.h")):  # what the source includes
         if f.is_file():
             h.update(f.name.encode())
             h.update(f.read_bytes())
@@ -158,24 +183,34 @@ def library_path(source: Path, *, openmp: bool = True, extra: list[str] | None =
     return cache_dir() / f"{source.stem}-{key}.so"
 
 
-def _compile(source: Path, lib: Path, root: Path, key: str, openmp, extra, cflags) -> Path:
+def _compile(
+    source: Path,
+    lib: Path,
+    root: Path,
+    key: str,
+    openmp: bool,
+    extra: list[str] | None,
+    cflags: list[str] | None,
+) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     with open(root / f"{source.stem}-{key}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
-            if lib.is_file():          # another process built it while we waited
+            if lib.is_file():  # another process built it while we waited
                 return lib
             fd, tmp = tempfile.mkstemp(prefix=f".{lib.name}.", suffix=".tmp", dir=root)
             os.close(fd)
             argv = build_argv([source], Path(tmp), openmp=openmp, extra=extra, cflags=cflags)
             try:
-                r = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+                r = subprocess.run(argv, capture_output=True, text=True, timeout=600, check=False)
                 if r.returncode != 0:
-                    raise BuildError(f"compiling {source.name} failed (exit {r.returncode}): {shlex.join(argv)}",
-                                     r.stderr, argv)
+                    raise BuildError(
+                        f"compiling {source.name} failed (exit {r.returncode}): {shlex.join(argv)}", r.stderr, argv
+                    )
                 if r.stderr.strip():
-                    warnings.warn(BuildWarning(f"{source.name}: the C compiler warned:\n{r.stderr.strip()}"),
-                                  stacklevel=2)
+                    warnings.warn(
+                        BuildWarning(f"{source.name}: the C compiler warned:\n{r.stderr.strip()}"), stacklevel=2
+                    )
                 os.replace(tmp, lib)
             finally:
                 if os.path.exists(tmp):
@@ -185,7 +220,8 @@ def _compile(source: Path, lib: Path, root: Path, key: str, openmp, extra, cflag
     return lib
 
 
-def main(argv=None) -> int:  # pragma: no cover - debugging helper
+def main(argv: list[str] | None = None) -> int:  # pragma: no cover - debugging helper
+    """Build each C source named on the command line and print its library's path."""
     for src in argv or sys.argv[1:]:
         print(build_shared(Path(src)))
     return 0

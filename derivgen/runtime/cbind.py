@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import ctypes
 import threading
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from derivgen import runtime as rt
 from derivgen.runtime.abi import KernelSignature, kernel_signatures
 from derivgen.runtime.build import build_shared
+from derivgen.runtime.machine import machine
 
 _SFX = {np.dtype(np.float32): "f32", np.dtype(np.float64): "f64"}
 
@@ -28,7 +31,7 @@ def argtypes(sig: KernelSignature) -> list:
     return [ctypes.c_void_p if a.pointer else _SCALARS[a.ctype] for a in sig.args]
 
 
-def input_pairs(values) -> list:
+def input_pairs(values: Iterable[Any]) -> list[int]:
     """Per-group inputs (arrays or tensors) as the kernels take them: pointer, then stride
     (0 for a scalar, 1 for one value per group)."""
     pairs = []
@@ -37,31 +40,40 @@ def input_pairs(values) -> list:
     return pairs
 
 
-def _address(v) -> int:
+def _address(v: Any) -> int:
+    """The data address of an array or a tensor."""
     return v.ctypes.data if isinstance(v, np.ndarray) else v.data_ptr()
 
 
-def _size(v) -> int:
+def _size(v: Any) -> int:
+    """The number of elements of an array or a tensor."""
     return v.size if isinstance(v, np.ndarray) else v.numel()
 
 
 class CKernel:
     """Loads ``<name>.c`` (compiled on first use) and calls its kernels."""
 
-    def __init__(self, meta: dict, source: Path, threads: int = 0, cflags: list[str] | None = None,
-                 extra: list[str] | None = None):
+    def __init__(
+        self,
+        meta: dict,
+        source: Path,
+        threads: int = 0,
+        cflags: list[str] | None = None,
+        extra: list[str] | None = None,
+    ) -> None:
         self.meta = meta
         self.source = Path(source)
         self.threads = threads
-        self.cflags = cflags          # None: $CFLAGS or the defaults (see derivgen.runtime.build)
-        self.extra = extra            # added to the flags: -DDG_EXTRAS_ONLY for the bfloat16 and channels-last library
+        self.cflags = cflags  # None: $CFLAGS or the defaults (see derivgen.runtime.build)
+        self.extra = extra  # added to the flags: -DDG_EXTRAS_ONLY for the bfloat16 and channels-last library
         self.signatures = kernel_signatures(meta)
-        self._fns: dict = {}           # (mode, kind, sfx) -> ctypes function of the NumPy calls
+        self._fns: dict = {}  # (mode, kind, sfx) -> ctypes function of the NumPy calls
         self._lib = None
         self._lock = threading.Lock()
 
     @property
-    def lib(self):
+    def lib(self) -> ctypes.CDLL:
+        """The shared library, compiled (or found in the build cache) and loaded on first use."""
         if self._lib is None:
             with self._lock:
                 if self._lib is None:
@@ -70,10 +82,9 @@ class CKernel:
                     self._lib = lib
         return self._lib
 
-    def _configure(self, lib):
+    def _configure(self, lib: ctypes.CDLL) -> None:
         """Tell the kernels this machine's cache sizes (see derivgen.runtime.machine); a build
         that fixed them with -DDG_STREAM_BYTES / -DDG_TILE_BYTES keeps its own."""
-        from derivgen.runtime.machine import machine
         m = machine()
         fn = lib[f"{self.meta['name']}_configure"]
         fn.restype = None
@@ -98,7 +109,7 @@ class CKernel:
         ``sfx``: f32, f64, bf16, nhwc_f32 ...) with its argument types declared, so pointers
         may be passed as plain ints (derivgen.torch calls it on tensors' data pointers)."""
         sig = self.signatures[(mode, direction)]
-        return self._declared(self.lib[sig.symbol(sfx)], sig)     # lib[...] makes a new object
+        return self._declared(self.lib[sig.symbol(sfx)], sig)  # lib[...] makes a new object
 
     def split_cfunc(self, kind: str, sfx: str) -> ctypes._CFuncPtr:
         """A split-reduction kernel of a batch layout's training mode (``kind``: partial,
@@ -111,7 +122,7 @@ class CKernel:
         sig = self.signatures[(mode, kind)]
         return self._declared(self.lib[sig.symbol(sfx)], sig)
 
-    def _run(self, mode: str, kind: str, dtype, sections: dict) -> int:
+    def _run(self, mode: str, kind: str, dtype: np.dtype, sections: dict) -> int:
         """Call one kernel of a NumPy call (float32/float64) with its arguments by section
         (the thread count added where the kernel takes one); returns the kernel's status."""
         key = (mode, kind, _SFX[np.dtype(dtype)])
@@ -123,15 +134,18 @@ class CKernel:
             sections = {**sections, "nthreads": (self.threads,)}
         return fn(*sig.pack(sections))
 
-    def _leading(self, L, params, options, inputs) -> dict:
+    def _leading(self, L: rt.Layout, params: dict, options: dict, inputs: dict) -> dict:
         """The sections every kernel starts with: dims, parameters, options, per-group
         inputs (pointer and stride: 0 for a scalar, 1 for one value per group)."""
         m = self.meta
-        return {"dims": (L.O, L.G, L.Cg, L.S), "params": [_ptr(params[p]) for p in m["params"]],
-                "options": [options[o] for o in m["options"]],
-                "inputs": input_pairs([inputs[i] for i in m["inputs"]])}
+        return {
+            "dims": (L.O, L.G, L.Cg, L.S),
+            "params": [_ptr(params[p]) for p in m["params"]],
+            "options": [options[o] for o in m["options"]],
+            "inputs": input_pairs([inputs[i] for i in m["inputs"]]),
+        }
 
-    def forward(self, call: rt.ForwardCall):
+    def forward(self, call: rt.ForwardCall) -> tuple[np.ndarray, rt.Cache]:
         """y and the cache of a validated forward call (buffers updated in place in train mode)."""
         L, m = call.layout, self.meta
         stats = {s: np.empty(L.n_groups, dtype=np.float64) for s in m["stats"][call.mode]}
@@ -139,10 +153,18 @@ class CKernel:
         for b in m["buffers"]:
             buf = call.buffers[b]
             bufs[b] = np.ascontiguousarray(buf) if buf is not None and not buf.flags.c_contiguous else buf
-        status = self._run(call.mode, "forward", call.dtype, {
-            **self._leading(L, call.params, call.options, call.inputs), "x": (_ptr(call.x),),
-            "buffers": [_ptr(bufs[b]) for b in m["buffers"]], "y": (_ptr(call.out),),
-            "stats": [_ptr(stats[s]) for s in m["stats"][call.mode]]})
+        status = self._run(
+            call.mode,
+            "forward",
+            call.dtype,
+            {
+                **self._leading(L, call.params, call.options, call.inputs),
+                "x": (_ptr(call.x),),
+                "buffers": [_ptr(bufs[b]) for b in m["buffers"]],
+                "y": (_ptr(call.out),),
+                "stats": [_ptr(stats[s]) for s in m["stats"][call.mode]],
+            },
+        )
         if status != 0:
             raise MemoryError(f"{m['name']}: forward kernel could not allocate its work buffer")
         for b, buf in bufs.items():
@@ -150,16 +172,25 @@ class CKernel:
                 call.buffers[b][...] = buf
         return call.out, call.cache(stats)
 
-    def backward(self, call: rt.BackwardCall, grads_type):
+    def backward(self, call: rt.BackwardCall, grads_type: Callable[..., tuple]) -> tuple:
         """``grads_type(dx, d<param>..., d<input>...)`` of a validated backward call."""
         c, m = call.cache, self.meta
         L = c.layout
         dinputs = {i: np.empty(L.n_groups, dtype=c.dtype) for i in m["inputs"]}
-        status = self._run(c.mode, "backward", c.dtype, {
-            **self._leading(L, c.params, c.options, c.inputs), "x": (_ptr(c.x),), "dy": (_ptr(call.dy),),
-            "stats": [_ptr(c.stats[s]) for s in m["stats"][c.mode]], "dx": (_ptr(call.outs["dx"]),),
-            "dparams": [_ptr(call.outs["d" + p]) for p in m["params"]],
-            "dinputs": [_ptr(dinputs[i]) for i in m["inputs"]]})
+        status = self._run(
+            c.mode,
+            "backward",
+            c.dtype,
+            {
+                **self._leading(L, c.params, c.options, c.inputs),
+                "x": (_ptr(c.x),),
+                "dy": (_ptr(call.dy),),
+                "stats": [_ptr(c.stats[s]) for s in m["stats"][c.mode]],
+                "dx": (_ptr(call.outs["dx"]),),
+                "dparams": [_ptr(call.outs["d" + p]) for p in m["params"]],
+                "dinputs": [_ptr(dinputs[i]) for i in m["inputs"]],
+            },
+        )
         if status != 0:
             raise MemoryError(f"{m['name']}: backward kernel could not allocate its work buffer")
         values = {"dx": call.outs["dx"], **{"d" + p: call.outs["d" + p] for p in m["params"]}}
@@ -169,20 +200,31 @@ class CKernel:
 
     # ------------------------------------------------------------------ second order
 
-    def second(self, call: rt.SecondCall, kind: str, grads_type=None):
+    def second(
+        self, call: rt.SecondCall, kind: str, grads_type: Callable[..., tuple] | None = None
+    ) -> np.ndarray | tuple:
         """``backward_backward`` (kind "bb", returns grads_type) or ``jvp`` (returns y's tangent)."""
         c, m = call.cache, self.meta
         L = c.layout
-        sections = {**self._leading(L, c.params, c.options, c.inputs), "x": (_ptr(c.x),),
-                    "stats": [_ptr(c.stats[s]) for s in m["stats"][c.mode]], "seed_x": (_ptr(call.seed_x),),
-                    "seed_params": [_ptr(call.seed_params[p]) for p in m["params"]],
-                    "seed_inputs": input_pairs([call.seed_inputs[i] for i in m["inputs"]])}
+        sections = {
+            **self._leading(L, c.params, c.options, c.inputs),
+            "x": (_ptr(c.x),),
+            "stats": [_ptr(c.stats[s]) for s in m["stats"][c.mode]],
+            "seed_x": (_ptr(call.seed_x),),
+            "seed_params": [_ptr(call.seed_params[p]) for p in m["params"]],
+            "seed_inputs": input_pairs([call.seed_inputs[i] for i in m["inputs"]]),
+        }
         dinputs = {i: np.empty(L.n_groups, dtype=c.dtype) for i in m["inputs"]}
         if kind == "bb":
-            sections.update({"dy": (_ptr(call.dy),), "out_dx": (_ptr(call.outs["dx"]),),
-                             "out_ddy": (_ptr(call.outs["ddy"]),),
-                             "out_params": [_ptr(call.outs["d" + p]) for p in m["params"]],
-                             "out_inputs": [_ptr(dinputs[i]) for i in m["inputs"]]})
+            sections.update(
+                {
+                    "dy": (_ptr(call.dy),),
+                    "out_dx": (_ptr(call.outs["dx"]),),
+                    "out_ddy": (_ptr(call.outs["ddy"]),),
+                    "out_params": [_ptr(call.outs["d" + p]) for p in m["params"]],
+                    "out_inputs": [_ptr(dinputs[i]) for i in m["inputs"]],
+                }
+            )
         else:
             sections["out_ty"] = (_ptr(call.outs["ty"]),)
         if self._run(c.mode, kind, c.dtype, sections) != 0:
@@ -199,8 +241,12 @@ class CKernel:
 
     def _run_split(self, kind: str, call: rt.SplitCall, sections: dict) -> int:
         """Call a split kernel: ``sections`` after the leading ones of ``call``."""
-        return self._run("train", "split_" + kind, call.dtype,
-                         {**self._leading(call.layout, call.params, call.options, call.inputs), **sections})
+        return self._run(
+            "train",
+            "split_" + kind,
+            call.dtype,
+            {**self._leading(call.layout, call.params, call.options, call.inputs), **sections},
+        )
 
     def split_partial(self, call: rt.SplitCall, level: int) -> np.ndarray:
         """This part's sums of statistics level ``level``: float64 (sums, groups)."""
@@ -208,51 +254,84 @@ class CKernel:
         levels = m["split"]["levels"]
         level = rt.split_level(m, level)
         if level > 0 and call.stats is None:
-            raise TypeError(f"{m['name']}: level {level} needs the statistics of the earlier levels: "
-                            f"stats= (from split_finish)")
+            raise TypeError(
+                f"{m['name']}: level {level} needs the statistics of the earlier levels: stats= (from split_finish)"
+            )
         stats = call.stats if call.stats is not None else np.zeros((len(m["stats"]["train"]), L.n_groups))
         sums = np.zeros((levels[level], L.n_groups))
         if L.O and levels[level]:
-            if self._run_split("partial", call, {"x": (_ptr(call.x),), "level": (level,), "stats": (_ptr(stats),),
-                                                 "count": (call.count or 0.0,), "sums": (_ptr(sums),)}) != 0:
+            status = self._run_split(
+                "partial",
+                call,
+                {
+                    "x": (_ptr(call.x),),
+                    "level": (level,),
+                    "stats": (_ptr(stats),),
+                    "count": (call.count or 0.0,),
+                    "sums": (_ptr(sums),),
+                },
+            )
+            if status != 0:
                 raise ValueError(f"{m['name']}: split partial kernel refused level {level}")
         return sums
 
-    def split_finish(self, call: rt.SplitCall, level: int, sums) -> np.ndarray:
+    def split_finish(self, call: rt.SplitCall, level: int, sums: np.ndarray) -> np.ndarray:
         """The statistics with level ``level``'s rows filled from its sums over all parts."""
         m, L = self.meta, call.layout
         levels = m["split"]["levels"]
         level = rt.split_level(m, level)
         sums = rt.check_sums(m, sums, levels[level], L)
         out = rt.stats_array(m, call)
-        if self._run_split("finish", call, {"level": (level,), "sums": (_ptr(sums),), "count": (call.count,),
-                                            "stats": (_ptr(out),)}) != 0:
+        status = self._run_split(
+            "finish", call, {"level": (level,), "sums": (_ptr(sums),), "count": (call.count,), "stats": (_ptr(out),)}
+        )
+        if status != 0:
             raise ValueError(f"{m['name']}: split finish kernel refused level {level}")
         return out
 
-    def split_apply(self, call: rt.SplitCall, out) -> np.ndarray:
+    def split_apply(self, call: rt.SplitCall, out: np.ndarray | None) -> np.ndarray:
         """This part's y from the statistics of the whole batch."""
         L = call.layout
         y = rt.check_out("out", out, call.x.shape, call.dtype)
         if L.O:
-            if self._run_split("apply", call, {"x": (_ptr(call.x),), "stats": (_ptr(call.stats),),
-                                               "count": (call.count,), "y": (_ptr(y),)}) != 0:
+            status = self._run_split(
+                "apply",
+                call,
+                {"x": (_ptr(call.x),), "stats": (_ptr(call.stats),), "count": (call.count,), "y": (_ptr(y),)},
+            )
+            if status != 0:
                 raise MemoryError(f"{self.meta['name']}: split apply kernel could not allocate its work buffer")
         return y
 
-    def split_backward_partial(self, call: rt.SplitCall, dy) -> np.ndarray:
+    def split_backward_partial(self, call: rt.SplitCall, dy: np.ndarray) -> np.ndarray:
         """This part's sums for the backward: float64 (sums, groups)."""
         m, L = self.meta, call.layout
         dy = rt.check_dy(m, dy, call)
         sums = np.zeros((m["split"]["backward"], L.n_groups))
         if L.O and len(sums):
-            if self._run_split("bpartial", call, {"x": (_ptr(call.x),), "dy": (_ptr(dy),),
-                                                  "stats": (_ptr(call.stats),), "count": (call.count,),
-                                                  "sums": (_ptr(sums),)}) != 0:
+            status = self._run_split(
+                "bpartial",
+                call,
+                {
+                    "x": (_ptr(call.x),),
+                    "dy": (_ptr(dy),),
+                    "stats": (_ptr(call.stats),),
+                    "count": (call.count,),
+                    "sums": (_ptr(sums),),
+                },
+            )
+            if status != 0:
                 raise RuntimeError(f"{m['name']}: split backward partial kernel failed")
         return sums
 
-    def split_backward_apply(self, call: rt.SplitCall, dy, sums, group_terms: bool, grads_type):
+    def split_backward_apply(
+        self,
+        call: rt.SplitCall,
+        dy: np.ndarray,
+        sums: np.ndarray,
+        group_terms: bool,
+        grads_type: Callable[..., tuple],
+    ) -> tuple:
         """This part's ``grads_type``: dx and the parameters' and inputs' gradients over this part."""
         m, L = self.meta, call.layout
         dy = rt.check_dy(m, dy, call)
@@ -261,15 +340,29 @@ class CKernel:
         dparams = {p: np.zeros(call.params[p].shape, dtype=call.dtype) for p in m["params"]}
         dinputs = {i: np.zeros(L.n_groups, dtype=call.dtype) for i in m["inputs"]}
         if L.O:
-            if self._run_split("bapply", call, {
-                    "x": (_ptr(call.x),), "dy": (_ptr(dy),), "stats": (_ptr(call.stats),), "sums": (_ptr(sums),),
-                    "count": (call.count,), "group_terms": (int(bool(group_terms)),), "dx": (_ptr(dx),),
+            status = self._run_split(
+                "bapply",
+                call,
+                {
+                    "x": (_ptr(call.x),),
+                    "dy": (_ptr(dy),),
+                    "stats": (_ptr(call.stats),),
+                    "sums": (_ptr(sums),),
+                    "count": (call.count,),
+                    "group_terms": (int(bool(group_terms)),),
+                    "dx": (_ptr(dx),),
                     "dparams": [_ptr(dparams[p]) for p in m["params"]],
-                    "dinputs": [_ptr(dinputs[i]) for i in m["inputs"]]}) != 0:
+                    "dinputs": [_ptr(dinputs[i]) for i in m["inputs"]],
+                },
+            )
+            if status != 0:
                 raise MemoryError(f"{m['name']}: split backward apply kernel could not allocate its work buffer")
         values = {"dx": dx, **{"d" + p: v for p, v in dparams.items()}}
         for i in m["inputs"]:
             v = dinputs[i]
-            values["d" + i] = (np.asarray(v.sum(dtype=np.float64), dtype=call.dtype) if call.inputs[i].size == 1
-                               else v.reshape(L.group_shape))
+            values["d" + i] = (
+                np.asarray(v.sum(dtype=np.float64), dtype=call.dtype)
+                if call.inputs[i].size == 1
+                else v.reshape(L.group_shape)
+            )
         return grads_type(**values)

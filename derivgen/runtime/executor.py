@@ -15,15 +15,17 @@ from __future__ import annotations
 
 import os as _os
 import threading as _threading
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager as _contextmanager
+from typing import Any
 
 import numpy as np
 
 from derivgen.runtime.validate import Layout
 
-CHUNK_BYTES = 1 << 20   # float64 bytes of x per chunk: a chunk and its temporaries stay in L2/L3
-NUM_THREADS = 0         # 0: OMP_NUM_THREADS if set (as the C kernels), else the CPUs available
+CHUNK_BYTES = 1 << 20  # float64 bytes of x per chunk: a chunk and its temporaries stay in L2/L3
+NUM_THREADS = 0  # 0: OMP_NUM_THREADS if set (as the C kernels), else the CPUs available
 
 
 def set_num_threads(n: int) -> None:
@@ -45,7 +47,7 @@ def num_threads() -> int:
         return _os.cpu_count() or 1
 
 
-def chunks(layout: Layout, itemsize: int = 8):
+def chunks(layout: Layout, itemsize: int = 8) -> Iterator[tuple[tuple, tuple]]:
     """Index tuples (into the 4-D x view, into the 4-D parameter view) covering
     whole normalization groups, each chunk about CHUNK_BYTES of float64 data."""
     L = layout
@@ -74,7 +76,7 @@ def _ufunc_bufsize(layout: Layout, default: int) -> int:
 
 
 @_contextmanager
-def _numpy_state(bufsize: int, err: dict, errcall):
+def _numpy_state(bufsize: int, err: dict, errcall: Any) -> Iterator[None]:
     """The caller's floating-point error handling and our ufunc buffer size, for
     this thread only; restored on exit."""
     with np.errstate(call=errcall, **err):
@@ -89,7 +91,7 @@ def _numpy_state(bufsize: int, err: dict, errcall):
 class _Scratch:
     """float64 copies of the chunks, in buffers one worker reuses chunk after chunk."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.bufs: list[np.ndarray] = []
         self.k = 0
 
@@ -102,12 +104,12 @@ class _Scratch:
             self.bufs.append(np.empty(0))
         if self.bufs[k].size < a.size:
             self.bufs[k] = np.empty(a.size)
-        out = self.bufs[k][:a.size].reshape(a.shape)
+        out = self.bufs[k][: a.size].reshape(a.shape)
         np.copyto(out, a)
         return out
 
 
-def for_chunks(layout: Layout, body) -> list:
+def for_chunks(layout: Layout, body: Callable[[tuple, tuple, _Scratch], Any]) -> list:
     """Run ``body(s, sp, tmp)`` on every chunk of whole groups (see :func:`chunks`)
     on up to :func:`num_threads` threads; ``tmp.f64(a)`` is ``a`` in float64, in
     a buffer the thread reuses. Returns ``[(s, sp, result), ...]`` in chunk order."""
@@ -119,7 +121,7 @@ def for_chunks(layout: Layout, body) -> list:
     nxt = iter(range(len(todo)))
     failed = []
 
-    def work():
+    def work() -> None:
         scratch = _Scratch()
         with _numpy_state(*state):
             while not failed:
@@ -143,7 +145,7 @@ def for_chunks(layout: Layout, body) -> list:
         work()
     finally:
         for h in helpers:
-            if not h.cancel():      # a helper that never started has nothing left to do
+            if not h.cancel():  # a helper that never started has nothing left to do
                 h.result()
     return results
 
@@ -152,7 +154,8 @@ _POOL = None
 _POOL_LOCK = _threading.Lock()
 
 
-def _pool():
+def _pool() -> ThreadPoolExecutor:
+    """The shared worker pool, grown when more threads are wanted than it has."""
     global _POOL
     with _POOL_LOCK:
         if _POOL is None or _POOL._max_workers < num_threads() - 1:
@@ -160,7 +163,7 @@ def _pool():
         return _POOL
 
 
-def _forget_pool():
+def _forget_pool() -> None:
     """A forked child has none of the parent's threads: start a new pool there."""
     global _POOL, _POOL_LOCK
     _POOL, _POOL_LOCK = None, _threading.Lock()
@@ -170,19 +173,20 @@ if hasattr(_os, "register_at_fork"):
     _os.register_at_fork(after_in_child=_forget_pool)
 
 
-def group_mean(layout: Layout):
+def group_mean(layout: Layout) -> Callable[[np.ndarray], np.ndarray]:
     """``_mean``: the mean over each normalization group of a chunk (np.mean's
     sum and division, without its per-call overhead)."""
     axes = layout.reduce_axes
 
-    def mean(a):
+    def mean(a: np.ndarray) -> np.ndarray:
         m = np.add.reduce(a, axis=axes, keepdims=True)
         np.true_divide(m, a.size // m.size, out=m)
         return m
+
     return mean
 
 
-def sum_prod(a, b, axes):
+def sum_prod(a: np.ndarray, b: np.ndarray, axes: int | tuple[int, ...] | None) -> np.ndarray:
     """``sum(a*b)`` over ``axes`` (all axes for None) of the 4-D chunk arrays,
     keeping dimensions: one pass and no temporary (``np.einsum``) when a and b
     have the same shape, else the plain product and sum."""
@@ -196,32 +200,33 @@ def sum_prod(a, b, axes):
     return np.reshape(out, [a.shape[i] if i in keep else 1 for i in range(4)])
 
 
-def group_mean_prod(layout: Layout):
+def group_mean_prod(layout: Layout) -> Callable[..., np.ndarray]:
     """``_mean_prod(a, b)``: the group mean of a*b; ``_mean_sq(a)``, the same
     function with one argument: of a*a. Without the temporary product (see
     :func:`sum_prod`)."""
     axes = layout.reduce_axes
 
-    def mean_prod(a, b=None):
+    def mean_prod(a: np.ndarray, b: np.ndarray | None = None) -> np.ndarray:
         b = a if b is None else b
         m = sum_prod(a, b, axes)
         n = int(np.prod(np.broadcast_shapes(np.shape(a), np.shape(b)))) // m.size
         return np.true_divide(m, n, out=m)
+
     return mean_prod
 
 
-def group_total(value, like) -> float:
+def group_total(value: np.ndarray | float, like: np.ndarray) -> float:
     """The sum over the groups of a chunk of a per-group value (``like`` is a per-group
     array of the chunk: a constant value counts once per group)."""
     return float(np.sum(np.broadcast_to(value, np.shape(like))))
 
 
-def new_stats(layout: Layout, names) -> dict[str, np.ndarray]:
+def new_stats(layout: Layout, names: Iterable[str]) -> dict[str, np.ndarray]:
     """Uninitialized float64 per-group statistics, 4-D."""
     return {n: np.empty(layout.stat4, dtype=np.float64) for n in names}
 
 
-def f64(a):
+def f64(a: Any) -> np.ndarray:
     """``a`` as a float64 array."""
     return np.asarray(a, dtype=np.float64)
 

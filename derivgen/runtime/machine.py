@@ -29,13 +29,16 @@ ISA_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx2", "fma", "avx", "sse4_2", 
 
 @dataclass(frozen=True)
 class Machine:
+    """This CPU: model name, core count, cache sizes by level (bytes) and the ISA flags it has."""
+
     cpu: str
     cores: int
-    caches: dict = field(default_factory=dict)      # level -> bytes (data or unified caches)
-    flags: tuple = ()                               # ISA_FLAGS this CPU has
+    caches: dict = field(default_factory=dict)  # level -> bytes (data or unified caches)
+    flags: tuple = ()  # ISA_FLAGS this CPU has
 
     @property
     def last_level(self) -> int:
+        """The size of the last-level cache in bytes (0: unknown)."""
         return self.caches[max(self.caches)] if self.caches else 0
 
     @property
@@ -49,15 +52,24 @@ class Machine:
         return self.caches.get(2, 0) // 4
 
     def describe(self) -> str:
+        """One line for a report: model; cores; cache sizes; ISA flags."""
         sizes = ", ".join(f"L{k} {_size(v)}" for k, v in sorted(self.caches.items())) or "caches unknown"
         return f"{self.cpu}; {self.cores} cores; {sizes}; {' '.join(self.flags) or 'no SIMD flags read'}"
 
     def as_dict(self) -> dict:
-        return {"cpu": self.cpu, "cores": self.cores, "caches": {f"L{k}": v for k, v in sorted(self.caches.items())},
-                "flags": list(self.flags), "stream_bytes": self.stream_bytes, "tile_bytes": self.tile_bytes}
+        """The record as plain JSON-ready data, with the two sizes the kernels are told."""
+        return {
+            "cpu": self.cpu,
+            "cores": self.cores,
+            "caches": {f"L{k}": v for k, v in sorted(self.caches.items())},
+            "flags": list(self.flags),
+            "stream_bytes": self.stream_bytes,
+            "tile_bytes": self.tile_bytes,
+        }
 
 
 def _size(n: int) -> str:
+    """A byte count for people: whole MiB or KiB where exact, else bytes."""
     for unit, k in (("MiB", 20), ("KiB", 10)):
         if n >= 1 << k and n % (1 << k) == 0:
             return f"{n >> k} {unit}"
@@ -116,6 +128,8 @@ def _cpuinfo() -> tuple[str, set[str]]:
 
 @functools.lru_cache(maxsize=1)
 def machine() -> Machine:
+    """This machine, read once per process."""
     cpu, flags = _cpuinfo()
-    return Machine(cpu=cpu, cores=os.cpu_count() or 1, caches=read_caches(),
-                   flags=tuple(f for f in ISA_FLAGS if f in flags))
+    return Machine(
+        cpu=cpu, cores=os.cpu_count() or 1, caches=read_caches(), flags=tuple(f for f in ISA_FLAGS if f in flags)
+    )

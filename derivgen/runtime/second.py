@@ -4,12 +4,24 @@ checked against the forward's cache."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
-from derivgen.runtime.base import (Cache, _by_name, _check_array, _check_cache, _contig, _grad_shapes, _inputs, _no_overlap,
-                           _out_by_field, check_out)
+from derivgen.runtime.base import (
+    Cache,
+    _by_name,
+    _check_array,
+    _check_cache,
+    _contig,
+    _grad_shapes,
+    _inputs,
+    _no_overlap,
+    _out_by_field,
+    check_out,
+)
 from derivgen.runtime.validate import check_float
 
 
@@ -18,21 +30,22 @@ class SecondCall:
     """A validated call of ``backward_backward`` or ``jvp``: the seeds (cotangents of the
     backward's outputs, or tangents of the forward's inputs; zeros where not given) and
     the outputs."""
+
     cache: Cache
-    dy: np.ndarray | None             # backward_backward only
-    seed_x: np.ndarray                # x's shape, C-contiguous
-    seed_params: dict[str, np.ndarray]   # flat, like cache.params
-    seed_inputs: dict[str, np.ndarray]   # flat, 1 or n_groups values
+    dy: np.ndarray | None  # backward_backward only
+    seed_x: np.ndarray  # x's shape, C-contiguous
+    seed_params: dict[str, np.ndarray]  # flat, like cache.params
+    seed_inputs: dict[str, np.ndarray]  # flat, 1 or n_groups values
     outs: dict[str, np.ndarray]
 
 
-def second_fields(meta) -> tuple[str, ...]:
+def second_fields(meta: dict) -> tuple[str, ...]:
     """``backward_backward``'s fields: the gradients of L2 = sum(ddx*dx) + sum(dd<p>*d<p>) + ...
     with respect to x, dy, the parameters and the inputs."""
     return ("dx", "ddy", *("d" + p for p in meta["params"]), *("d" + i for i in meta["inputs"]))
 
 
-def _like_x(meta: dict, what: str, v, cache: Cache) -> np.ndarray:
+def _like_x(meta: dict, what: str, v: np.ndarray | None, cache: Cache) -> np.ndarray:
     """An array of x's shape and the forward's dtype, in C order (None: zeros)."""
     if v is None:
         return np.zeros(cache.layout.x_shape, dtype=cache.dtype)
@@ -44,7 +57,7 @@ def _like_x(meta: dict, what: str, v, cache: Cache) -> np.ndarray:
     return _contig(v)
 
 
-def _param_seed(meta: dict, label: str, pname: str, v, cache: Cache) -> np.ndarray:
+def _param_seed(meta: dict, label: str, pname: str, v: Any, cache: Cache) -> np.ndarray:
     """One parameter's seed, flat like ``cache.params`` (None: zeros; a number: a scalar)."""
     name, ref = meta["name"], cache.params[pname]
     if v is None:
@@ -61,7 +74,7 @@ def _param_seed(meta: dict, label: str, pname: str, v, cache: Cache) -> np.ndarr
     return _contig(a).reshape(-1)
 
 
-def _seeds(meta: dict, what: str, params, inputs, cache: Cache) -> tuple[dict, dict]:
+def _seeds(meta: dict, what: str, params: Any, inputs: Any, cache: Cache) -> tuple[dict, dict]:
     """Seeds of the parameters (dict by name or sequence in spec order; None entries are
     zeros) and of the per-group inputs (dict by name)."""
     given = _by_name(meta, what + "params", params, meta["params"])
@@ -71,8 +84,15 @@ def _seeds(meta: dict, what: str, params, inputs, cache: Cache) -> tuple[dict, d
     return sp, si
 
 
-def prepare_backward_backward(meta: dict, dy, cache, ddx=None, ddparams=None, ddinputs=None,
-                              out=None) -> SecondCall:
+def prepare_backward_backward(
+    meta: dict,
+    dy: np.ndarray,
+    cache: Cache,
+    ddx: np.ndarray | None = None,
+    ddparams: Mapping[str, Any] | Sequence[Any] | None = None,
+    ddinputs: Mapping[str, Any] | None = None,
+    out: Mapping[str, np.ndarray] | Sequence[np.ndarray] | None = None,
+) -> SecondCall:
     """Checks for ``backward_backward`` (errors name the argument)."""
     name = meta["name"]
     cache = _check_cache(meta, cache)
@@ -89,7 +109,14 @@ def prepare_backward_backward(meta: dict, dy, cache, ddx=None, ddparams=None, dd
     return SecondCall(cache, dy, seed_x, sp, si, outs)
 
 
-def prepare_jvp(meta: dict, cache, tx=None, tparams=None, tinputs=None, out=None) -> SecondCall:
+def prepare_jvp(
+    meta: dict,
+    cache: Cache,
+    tx: np.ndarray | None = None,
+    tparams: Mapping[str, Any] | Sequence[Any] | None = None,
+    tinputs: Mapping[str, Any] | None = None,
+    out: np.ndarray | None = None,
+) -> SecondCall:
     """Checks for ``jvp`` (errors name the argument)."""
     cache = _check_cache(meta, cache)
     seed_x = _like_x(meta, "tx", tx, cache)

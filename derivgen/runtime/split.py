@@ -5,7 +5,9 @@ bindings call these checks and helpers)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -16,43 +18,68 @@ from derivgen.runtime.validate import Layout, check_float, check_options, layout
 @dataclass
 class SplitCall:
     """A validated call of a split-reduction function on one part of a batch."""
+
     meta: dict
-    layout: Layout              # O: this part's samples (0 for an empty part)
+    layout: Layout  # O: this part's samples (0 for an empty part)
     dtype: np.dtype
-    x: np.ndarray               # C-contiguous, the part's own shape
+    x: np.ndarray  # C-contiguous, the part's own shape
     params: dict[str, np.ndarray]
     options: dict[str, float]
     inputs: dict[str, np.ndarray]
-    stats: np.ndarray | None    # (statistics, groups) float64, in meta["stats"]["train"] order
-    count: float | None         # values per group over all parts
+    stats: np.ndarray | None  # (statistics, groups) float64, in meta["stats"]["train"] order
+    count: float | None  # values per group over all parts
 
 
-def split_layout(meta: dict, x_shape, param_shapes: dict) -> Layout:
+def split_layout(meta: dict, x_shape: Sequence[int], param_shapes: dict[str, Sequence[int]]) -> Layout:
     """The layout of one part of a batch (it may hold no samples)."""
     x_shape = tuple(x_shape)
     if len(x_shape) >= 2 and x_shape[0] == 0:
         L = layout_from_shapes(meta, (1, *x_shape[1:]), param_shapes, None)
-        return Layout(O=0, G=L.G, Cg=L.Cg, S=L.S, per_sample=L.per_sample, x_shape=x_shape,
-                      param_shape=L.param_shape, group_shape=L.group_shape)
+        return Layout(
+            O=0,
+            G=L.G,
+            Cg=L.Cg,
+            S=L.S,
+            per_sample=L.per_sample,
+            x_shape=x_shape,
+            param_shape=L.param_shape,
+            group_shape=L.group_shape,
+        )
     return layout_from_shapes(meta, x_shape, param_shapes, None)
 
 
-def prepare_split(meta: dict, x, params, options=None, inputs=None, stats=None, count=None,
-                  need_stats: bool = False, need_count: bool = False) -> SplitCall:
+def prepare_split(
+    meta: dict,
+    x: np.ndarray,
+    params: Mapping[str, np.ndarray] | Sequence[np.ndarray],
+    options: Mapping[str, float] | Sequence[float] | None = None,
+    inputs: Mapping[str, Any] | Sequence[Any] | None = None,
+    stats: np.ndarray | None = None,
+    count: float | None = None,
+    need_stats: bool = False,
+    need_count: bool = False,
+) -> SplitCall:
     """Checks for the split-reduction functions (errors name the argument). Parameters are
     a dict by name or a sequence in spec order; options and per-group inputs dicts by name
     (options default as in the spec). A part may be empty; the minimum group size applies
     to ``count``, the size over all parts."""
     name = meta["name"]
     if meta.get("split") is None:
-        raise ValueError(f"{name}: the split reduction is for layers whose groups span the batch "
-                         f"(layout channels, reduce batch); this one is {meta['layout']}/{meta['reduce']}")
+        raise ValueError(
+            f"{name}: the split reduction is for layers whose groups span the batch "
+            f"(layout channels, reduce batch); this one is {meta['layout']}/{meta['reduce']}"
+        )
     params = _by_name(meta, "params", params, list(meta["params"]))
     missing = [p for p in meta["params"] if p not in params]
     if missing:
         raise TypeError(f"{name}: params {missing} are required")
-    options = _by_name(meta, "options", options, list(meta["options"]),
-                       {o: d for o, (d, _, _) in meta["options"].items() if d is not None})
+    options = _by_name(
+        meta,
+        "options",
+        options,
+        list(meta["options"]),
+        {o: d for o, (d, _, _) in meta["options"].items() if d is not None},
+    )
     inputs = _by_name(meta, "inputs", inputs, list(meta["inputs"]))
     x = _check_array("x", x)
     dtype = x.dtype
@@ -64,8 +91,10 @@ def prepare_split(meta: dict, x, params, options=None, inputs=None, stats=None, 
     if stats is not None:
         stats = _check_array("stats", stats)
         if stats.dtype != np.float64 or stats.shape != (nst, layout.n_groups):
-            raise ValueError(f"{name}: stats must be float64 of shape ({nst}, {layout.n_groups}) (statistics "
-                             f"{meta['stats']['train']}, one row each), got {stats.dtype} {stats.shape}")
+            raise ValueError(
+                f"{name}: stats must be float64 of shape ({nst}, {layout.n_groups}) (statistics "
+                f"{meta['stats']['train']}, one row each), got {stats.dtype} {stats.shape}"
+            )
     elif need_stats:
         raise TypeError(f"{name}: stats is required (from split_finish)")
     if count is not None:
@@ -76,17 +105,27 @@ def prepare_split(meta: dict, x, params, options=None, inputs=None, stats=None, 
         count = n
     elif need_count:
         raise TypeError(f"{name}: count is required (values per group over all parts)")
-    return SplitCall(meta, layout, dtype, _contig(x), {p: _contig(params[p]) for p in meta["params"]}, opts,
-                     _inputs(meta, inputs, layout, dtype), stats, count)
+    return SplitCall(
+        meta,
+        layout,
+        dtype,
+        _contig(x),
+        {p: _contig(params[p]) for p in meta["params"]},
+        opts,
+        _inputs(meta, inputs, layout, dtype),
+        stats,
+        count,
+    )
 
 
-def part_sum(layout: Layout, x: np.ndarray):
+def part_sum(layout: Layout, x: np.ndarray) -> Callable[[np.ndarray], np.ndarray]:
     """``_sum``: a part's sum over each group's elements (4-D, keepdims); an operand
     constant along reduced axes (a parameter) counts once per element of the part."""
     axes = layout.reduce_axes
 
-    def total(a):
+    def total(a: np.ndarray) -> np.ndarray:
         return np.add.reduce(np.broadcast_to(a, x.shape), axis=axes, keepdims=True, dtype=np.float64)
+
     return total
 
 
@@ -98,7 +137,7 @@ def sums_array(layout: Layout, sums: list) -> np.ndarray:
     return out
 
 
-def split_level(meta: dict, level) -> int:
+def split_level(meta: dict, level: int) -> int:
     """``level`` as an int, checked against the layer's statistics levels."""
     n = len(meta["split"]["levels"])
     if isinstance(level, (bool, np.bool_)) or not isinstance(level, (int, np.integer)) or not 0 <= level < n:
@@ -109,11 +148,12 @@ def split_level(meta: dict, level) -> int:
 def need_stats(meta: dict, call: SplitCall, level: int) -> None:
     """A level after the first needs the statistics of the earlier ones."""
     if level > 0 and call.stats is None:
-        raise TypeError(f"{meta['name']}: level {level} needs the statistics of the earlier levels: "
-                        f"stats= (from split_finish)")
+        raise TypeError(
+            f"{meta['name']}: level {level} needs the statistics of the earlier levels: stats= (from split_finish)"
+        )
 
 
-def finish_part(sums, meta: dict, params) -> np.ndarray:
+def finish_part(sums: Any, meta: dict, params: Mapping[str, Any] | Sequence[Any] | None) -> np.ndarray:
     """An empty part with the groups of ``sums`` (split_finish reads no x): its layout
     and dtype (the parameters', float64 without any)."""
     params = list(params.values()) if isinstance(params, dict) else list(params or [])
@@ -130,16 +170,18 @@ def stats_array(meta: dict, call: SplitCall) -> np.ndarray:
     return np.zeros((nst, call.layout.n_groups)) if call.stats is None else call.stats.copy()
 
 
-def check_dy(meta: dict, dy, call: SplitCall) -> np.ndarray:
+def check_dy(meta: dict, dy: np.ndarray, call: SplitCall) -> np.ndarray:
     """dy of a part, with the part's shape and dtype, in C order."""
     dy = _check_array("dy", dy)
     if dy.dtype != call.dtype or dy.shape != call.x.shape:
-        raise ValueError(f"{meta['name']}: dy must have the shape and dtype of x {call.x.shape} {call.dtype}, "
-                         f"got {dy.shape} {dy.dtype}")
+        raise ValueError(
+            f"{meta['name']}: dy must have the shape and dtype of x {call.x.shape} {call.dtype}, "
+            f"got {dy.shape} {dy.dtype}"
+        )
     return _contig(dy)
 
 
-def part_param_grad(value, param: np.ndarray) -> np.ndarray:
+def part_param_grad(value: np.ndarray | float, param: np.ndarray) -> np.ndarray:
     """A parameter's gradient over a part, in its shape and dtype (a constant: every entry)."""
     v = np.asarray(value, dtype=np.float64)
     if v.size == 1 and param.size != 1:
@@ -147,7 +189,7 @@ def part_param_grad(value, param: np.ndarray) -> np.ndarray:
     return v.astype(param.dtype).reshape(param.shape)
 
 
-def part_input_grad(call: SplitCall, iname: str, per_group) -> np.ndarray:
+def part_input_grad(call: SplitCall, iname: str, per_group: np.ndarray | float) -> np.ndarray:
     """A per-group input's gradient over a part: summed for a scalar input, else one per group."""
     v = np.broadcast_to(per_group, call.layout.stat4).reshape(-1)
     if call.inputs[iname].size == 1:
@@ -155,11 +197,12 @@ def part_input_grad(call: SplitCall, iname: str, per_group) -> np.ndarray:
     return v.astype(call.dtype).reshape(call.layout.group_shape)
 
 
-def check_sums(meta: dict, sums, rows: int, layout: Layout) -> np.ndarray:
+def check_sums(meta: dict, sums: np.ndarray, rows: int, layout: Layout) -> np.ndarray:
     """Sums over whole groups: float64 of shape (rows, groups), in C order."""
     name = meta["name"]
     sums = _check_array("sums", sums)
     if sums.dtype != np.float64 or sums.shape != (rows, layout.n_groups):
-        raise ValueError(f"{name}: sums must be float64 of shape ({rows}, {layout.n_groups}), "
-                         f"got {sums.dtype} {sums.shape}")
+        raise ValueError(
+            f"{name}: sums must be float64 of shape ({rows}, {layout.n_groups}), got {sums.dtype} {sums.shape}"
+        )
     return _contig(sums)

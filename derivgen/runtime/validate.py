@@ -9,6 +9,7 @@ backends add what only they have (array types, devices, memory overlap).
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,7 +18,11 @@ import numpy as np
 
 @dataclass
 class Layout:
-    """x as a 4-D view (O, G, Cg, S) and the shapes users see (see derivgen.runtime)."""
+    """x as a 4-D view (O, G, Cg, S) and the shapes users see (see derivgen.runtime).
+
+    O outer (samples or rows), G groups of channels, Cg channels per group, S inner
+    (spatial); ``per_sample`` is false only for batch statistics (a group spans the samples).
+    """
 
     O: int
     G: int
@@ -26,30 +31,36 @@ class Layout:
     per_sample: bool
     x_shape: tuple
     param_shape: tuple
-    group_shape: tuple          # shape users see for per-group values (stats, inputs, buffers)
+    group_shape: tuple  # shape users see for per-group values (stats, inputs, buffers)
 
     @property
     def n_groups(self) -> int:
+        """How many normalization groups: O*G per sample, else G."""
         return self.O * self.G if self.per_sample else self.G
 
     @property
     def group_size(self) -> int:
+        """Values in one group: Cg*S per sample, else O*Cg*S."""
         return self.Cg * self.S * (1 if self.per_sample else self.O)
 
     @property
     def view4(self) -> tuple:
+        """The 4-D view of x, ``(O, G, Cg, S)``."""
         return (self.O, self.G, self.Cg, self.S)
 
     @property
     def stat4(self) -> tuple:
+        """A per-group value's broadcastable 4-D shape: ``(O, G, 1, 1)`` per sample, else ``(1, G, 1, 1)``."""
         return (self.O, self.G, 1, 1) if self.per_sample else (1, self.G, 1, 1)
 
     @property
     def param4(self) -> tuple:
+        """A parameter's broadcastable 4-D shape, ``(1, G, Cg, 1)``."""
         return (1, self.G, self.Cg, 1)
 
     @property
     def reduce_axes(self) -> tuple:
+        """Axes of the 4-D view a statistic reduces over: (Cg, S), and O too when not per sample."""
         return (2, 3) if self.per_sample else (0, 2, 3)
 
     @property
@@ -58,7 +69,7 @@ class Layout:
         return (0, 3)
 
 
-def check_float(name: str, v: Any, lo=None, hi=None) -> float:
+def check_float(name: str, v: Any, lo: float | None = None, hi: float | None = None) -> float:
     """A real number as a float, finite and within [lo, hi] (None: unbounded)."""
     if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, float, np.integer, np.floating)):
         raise TypeError(f"{name} must be a real number, got {type(v).__name__}")
@@ -71,7 +82,9 @@ def check_float(name: str, v: Any, lo=None, hi=None) -> float:
     return f
 
 
-def layout_from_shapes(meta: dict, x_shape, param_shapes: dict, num_groups) -> Layout:
+def layout_from_shapes(
+    meta: dict, x_shape: Sequence[int], param_shapes: dict[str, Sequence[int]], num_groups: int | None
+) -> Layout:
     """The 4-D view of x from shapes alone (derivgen.torch calls it on fake and symbolic
     shapes too), with errors naming the argument."""
     kind, red = meta["layout"], meta["reduce"]
@@ -85,22 +98,33 @@ def layout_from_shapes(meta: dict, x_shape, param_shapes: dict, num_groups) -> L
             k = len(first)
             if k == 0:
                 raise ValueError(f"{name}: {p0} must have at least one dimension (it defines the normalized axes)")
-            if nd < k or x_shape[nd - k:] != first:
-                raise ValueError(f"{name}: {p0} has shape {first}, which must equal the trailing "
-                                 f"axes of x (shape {x_shape})")
+            if nd < k or x_shape[nd - k :] != first:
+                raise ValueError(
+                    f"{name}: {p0} has shape {first}, which must equal the trailing axes of x (shape {x_shape})"
+                )
         else:
             k = meta.get("axes", 1)
             if nd < k:
                 raise ValueError(f"{name}: x must have at least {k} dimension(s), got shape {x_shape}")
-        lead = x_shape[:nd - k]
-        norm = x_shape[nd - k:]
-        return Layout(O=math.prod(lead), G=1, Cg=math.prod(norm), S=1, per_sample=True,
-                      x_shape=x_shape, param_shape=norm, group_shape=lead)
+        lead = x_shape[: nd - k]
+        norm = x_shape[nd - k :]
+        return Layout(
+            O=math.prod(lead),
+            G=1,
+            Cg=math.prod(norm),
+            S=1,
+            per_sample=True,
+            x_shape=x_shape,
+            param_shape=norm,
+            group_shape=lead,
+        )
     # channel layouts: x is (N, C, *spatial)
     min_nd = 3 if red == "instance" else 2
     if nd < min_nd:
-        raise ValueError(f"{name}: x must have shape (N, C{', *spatial' if min_nd == 2 else ', L, ...'}) "
-                         f"with at least {min_nd} dimensions, got {x_shape}")
+        raise ValueError(
+            f"{name}: x must have shape (N, C{', *spatial' if min_nd == 2 else ', L, ...'}) "
+            f"with at least {min_nd} dimensions, got {x_shape}"
+        )
     n, c = x_shape[0], x_shape[1]
     S = math.prod(x_shape[2:])
     if red == "batch":
@@ -115,13 +139,13 @@ def layout_from_shapes(meta: dict, x_shape, param_shapes: dict, num_groups) -> L
     return Layout(O=n, G=G, Cg=c // G, S=S, per_sample=True, x_shape=x_shape, param_shape=(c,), group_shape=(n, G))
 
 
-def check_not_empty(meta: dict, x_shape) -> None:
+def check_not_empty(meta: dict, x_shape: Sequence[int]) -> None:
     """x holds at least one value."""
     if math.prod(x_shape) == 0:
         raise ValueError(f"{meta['name']}: x is empty (shape {tuple(x_shape)})")
 
 
-def check_same_dtype(meta: dict, what: str, dtype, x_dtype, hint: str = "") -> None:
+def check_same_dtype(meta: dict, what: str, dtype: Any, x_dtype: Any, hint: str = "") -> None:
     """An argument has x's dtype (``hint`` ends the message)."""
     if dtype != x_dtype:
         raise TypeError(f"{meta['name']}: {what} has dtype {dtype} but x has {x_dtype}{hint}")
@@ -142,8 +166,10 @@ def check_group_size(meta: dict, mode: str, layout: Layout) -> None:
     """Each normalization group holds at least the mode's minimum number of values."""
     need = meta["min_group_size"][mode]
     if layout.group_size < need:
-        raise ValueError(f"{meta['name']}: {mode} mode needs at least {need} values per normalization group, "
-                         f"got {layout.group_size} (x shape {tuple(layout.x_shape)})")
+        raise ValueError(
+            f"{meta['name']}: {mode} mode needs at least {need} values per normalization group, "
+            f"got {layout.group_size} (x shape {tuple(layout.x_shape)})"
+        )
 
 
 def check_options(meta: dict, options: dict) -> dict[str, float]:
@@ -157,19 +183,20 @@ def check_options(meta: dict, options: dict) -> dict[str, float]:
     return opts
 
 
-def is_scalar_shape(shape) -> bool:
+def is_scalar_shape(shape: Sequence[int]) -> bool:
     """A per-group input given as one value: shape () or (1,)."""
     return math.prod(shape) == 1 and len(shape) <= 1
 
 
-def check_input_shape(meta: dict, iname: str, shape, layout: Layout) -> None:
+def check_input_shape(meta: dict, iname: str, shape: Sequence[int], layout: Layout) -> None:
     """A per-group input is a scalar or has one value per group."""
     if not is_scalar_shape(shape) and tuple(shape) != tuple(layout.group_shape):
-        raise ValueError(f"{meta['name']}: {iname} must be a scalar or have shape {tuple(layout.group_shape)}, "
-                         f"got {tuple(shape)}")
+        raise ValueError(
+            f"{meta['name']}: {iname} must be a scalar or have shape {tuple(layout.group_shape)}, got {tuple(shape)}"
+        )
 
 
-def check_buffer_shape(meta: dict, bname: str, shape, layout: Layout) -> None:
+def check_buffer_shape(meta: dict, bname: str, shape: Sequence[int], layout: Layout) -> None:
     """A running buffer has one value per group."""
     if tuple(shape) != tuple(layout.group_shape):
         raise ValueError(f"{meta['name']}: {bname} must have shape {tuple(layout.group_shape)}, got {tuple(shape)}")

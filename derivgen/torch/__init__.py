@@ -12,13 +12,44 @@ the CPU wheel). See :mod:`derivgen.torch.ops` for the operators and
 
 try:
     import torch as _torch  # noqa: F401
-except ImportError as e:      # pragma: no cover - exercised by a subprocess test
-    raise ImportError("derivgen.torch needs PyTorch, an optional dependency: "
-                      "pip install 'derivgen[torch]' (torch==2.13.0, the CPU wheel)") from e
+except ImportError as e:  # pragma: no cover - exercised by a subprocess test
+    raise ImportError(
+        "derivgen.torch needs PyTorch, an optional dependency: "
+        "pip install 'derivgen[torch]' (torch==2.13.0, the CPU wheel)"
+    ) from e
 
-from derivgen.torch.nn import (BatchNorm1d, BatchNorm2d, BatchNorm3d, GroupNorm, InstanceNorm1d, InstanceNorm2d,  # noqa: E402
-                 InstanceNorm3d, LayerNorm, Module, OnlineLayerNorm, RMSNorm, SyncBatchNorm, convert, function)
-from derivgen.torch.ops import layer  # noqa: E402
+from derivgen.torch.nn import (
+    BatchNorm1d,
+    BatchNorm2d,
+    BatchNorm3d,
+    GroupNorm,
+    InstanceNorm1d,
+    InstanceNorm2d,
+    InstanceNorm3d,
+    LayerNorm,
+    Module,
+    OnlineLayerNorm,
+    RMSNorm,
+    SyncBatchNorm,
+    convert,
+    function,
+)
+from derivgen.torch.ops import layer
 
-__all__ = ["LayerNorm", "RMSNorm", "BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "SyncBatchNorm", "InstanceNorm1d",
-           "InstanceNorm2d", "InstanceNorm3d", "GroupNorm", "OnlineLayerNorm", "Module", "convert", "function", "layer"]
+__all__ = [
+    "BatchNorm1d",
+    "BatchNorm2d",
+    "BatchNorm3d",
+    "GroupNorm",
+    "InstanceNorm1d",
+    "InstanceNorm2d",
+    "InstanceNorm3d",
+    "LayerNorm",
+    "Module",
+    "OnlineLayerNorm",
+    "RMSNorm",
+    "SyncBatchNorm",
+    "convert",
+    "function",
+    "layer",
+]

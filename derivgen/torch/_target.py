@@ -9,11 +9,11 @@ plain numbers alike (a group size N is a Python int, a statistic a tensor). The 
 from __future__ import annotations
 
 import math
-
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
+from derivgen.runtime.validate import Layout
 from derivgen.symbolic import functions
 
 pi = math.pi
@@ -23,8 +23,9 @@ def _unary(fn: functions.Elementary) -> Callable:
     """The table function ``fn`` for a tensor (torch.<fn.torch>) or a plain number (fn.scalar)."""
     tfn = getattr(torch, fn.torch)
 
-    def f(a):
+    def f(a: torch.Tensor | float) -> torch.Tensor | float:
         return tfn(a) if isinstance(a, torch.Tensor) else fn.scalar(a)
+
     f.__name__ = tfn.__name__
     return f
 
@@ -41,59 +42,63 @@ def __getattr__(name: str) -> Callable:
     return _unary(fn)
 
 
-def group_mean(L):
+def group_mean(L: Layout) -> Callable[[torch.Tensor], torch.Tensor]:
     """``_mean``: the mean over each normalization group, keeping the 4 dimensions.
     An operand constant along some reduced axes (a parameter) has the same mean
     as its broadcast, so it is not expanded."""
     dims = L.reduce_axes
 
-    def mean(a):
+    def mean(a: torch.Tensor) -> torch.Tensor:
         return a.mean(dim=dims, keepdim=True)
+
     return mean
 
 
-def group_sum(L, x):
+def group_sum(L: Layout, x: torch.Tensor) -> Callable[[torch.Tensor | float], torch.Tensor]:
     """``_sum``: the sum over each group's elements held here (keeping the 4 dimensions);
     an operand constant along reduced axes (a parameter) counts once per element."""
     dims = L.reduce_axes
 
-    def total(a):
+    def total(a: torch.Tensor | float) -> torch.Tensor:
         return _full(a, x).sum(dim=dims, keepdim=True)
+
     return total
 
 
-def group_mean_prod(L):
+def group_mean_prod(L: Layout) -> Callable[..., torch.Tensor]:
     """``_mean_prod(a, b)`` and ``_mean_sq(a)`` (one argument): the group mean of a*b."""
     mean = group_mean(L)
 
-    def mean_prod(a, b=None):
+    def mean_prod(a: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
         return mean(a * (a if b is None else b))
+
     return mean_prod
 
 
-def _full(a, x):
+def _full(a: torch.Tensor | float, x: torch.Tensor) -> torch.Tensor:
+    """``a`` as a tensor of x's shape (a broadcast view, not a copy)."""
     a = a if isinstance(a, torch.Tensor) else torch.as_tensor(a, dtype=x.dtype, device=x.device)
     return a.expand(x.shape) if tuple(a.shape) != tuple(x.shape) else a
 
 
-def elementwise(a, x):
+def elementwise(a: torch.Tensor | float, x: torch.Tensor) -> torch.Tensor:
     """An element-level result (y, dx) with the shape of the 4-D x."""
     return _full(a, x)
 
 
-def per_group(a, x, L):
+def per_group(a: torch.Tensor | float, x: torch.Tensor, L: Layout) -> torch.Tensor:
     """A group-level value as a (O, G, 1, 1) or (1, G, 1, 1) tensor."""
     a = a if isinstance(a, torch.Tensor) else torch.as_tensor(a, dtype=x.dtype, device=x.device)
     return a.expand(L.stat4)
 
 
-def param_sum(a, x, L, scalar: bool):
+def param_sum(a: torch.Tensor | float, x: torch.Tensor, L: Layout, scalar: bool) -> torch.Tensor:
     """A parameter gradient: the element contributions summed over the axes the
     parameter does not span ((0, 3) of the view), or over everything for a scalar."""
     full = _full(a, x)
     return full.sum() if scalar else full.sum(dim=L.param_axes, keepdim=True)
 
 
-def group_total(a, x, L):
+def group_total(a: torch.Tensor | float, x: torch.Tensor, L: Layout) -> torch.Tensor:
     """The sum over all groups of a group-level value (a scalar parameter in the statistics)."""
     return per_group(a, x, L).sum()

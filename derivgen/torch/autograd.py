@@ -10,9 +10,12 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.autograd.forward_ad as _fwad
 
+from derivgen.torch.protocol import Layer
 from derivgen.torch.schema import OpArg, differentiable
 from derivgen.torch.tensors import as_tuple, check_tensor
 
@@ -39,15 +42,18 @@ def _gradients_for(args: tuple[OpArg, ...], grads: dict) -> tuple:
 
 def _save_tensor_inputs(args: tuple[OpArg, ...]):
     """A ``setup_context`` that keeps the inputs and saves the tensor ones."""
+
     def setup(ctx, inputs, output):
         ctx.inputs = inputs
         ctx.save_for_backward(*_tensor_values(args, inputs))
+
     return setup
 
 
-def register_first_order(lay, lib, mode: str, ops) -> None:
+def register_first_order(lay: Layer, lib: torch.library.Library, mode: str, ops: Any) -> None:
     """The forward operator's autograd (the backward operator) and the backward
-    operator's (the derived double backward, one ``bb`` call)."""
+    operator's (the derived double backward, one ``bb`` call); ``ops`` is the mode's
+    :class:`~derivgen.torch.register.ModeOps`."""
     s = lay.schemas[mode]
     fargs, bargs, diff = s.forward, s.backward, differentiable(lay.meta)
     n_tensors = len(_tensor_values(fargs, fargs))
@@ -74,11 +80,12 @@ def register_first_order(lay, lib, mode: str, ops) -> None:
         return _gradients_for(bargs, dict(zip(["x", "dy", *diff[1:]], got)))
 
     torch.library.register_autograd(ops.forward, backward_of_forward, setup_context=setup_forward, lib=lib)
-    torch.library.register_autograd(ops.backward, backward_of_backward, setup_context=_save_tensor_inputs(bargs),
-                                    lib=lib)
+    torch.library.register_autograd(
+        ops.backward, backward_of_backward, setup_context=_save_tensor_inputs(bargs), lib=lib
+    )
 
 
-def register_second_order(lay, lib, mode: str, ops) -> None:
+def register_second_order(lay: Layer, lib: torch.library.Library, mode: str, ops: Any) -> None:
     """The ``bb`` and ``jvp`` operators' autograd: the generated PyTorch closed form,
     differentiated by torch.func (third order; jacrev of jacfwd, a loss on a tangent)."""
     s = lay.schemas[mode]
@@ -137,8 +144,9 @@ class _Eager(torch.autograd.Function):
         plan, st = ctx.plan, ctx.st
         tens = ctx.saved_tensors
         if torch.is_grad_enabled():
-            grads = as_tuple(plan.lay.modes[plan.mode].backward(dy.contiguous(), *tens, *st.unbind(0), *ctx.opts,
-                                                                plan.groups))
+            grads = as_tuple(
+                plan.lay.modes[plan.mode].backward(dy.contiguous(), *tens, *st.unbind(0), *ctx.opts, plan.groups)
+            )
         else:
             base = st.data_ptr()
             grads = plan.backward(dy, tens, [base + o for o in plan.stat_offsets], ctx.opts)
@@ -151,7 +159,7 @@ class _Functional(torch.autograd.Function):
     backward) and the JVP operator for forward mode, both from derivgen.derive.second."""
 
     @staticmethod
-    def forward(lay, mode, opts, groups, *tens):
+    def forward(lay: Layer, mode, opts, groups, *tens):
         return as_tuple(lay.modes[mode].forward(*tens, *opts, groups))
 
     @staticmethod
@@ -165,14 +173,14 @@ class _Functional(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy, *dstats):
         lay, saved = ctx.lay, ctx.saved_tensors
-        tens, st = saved[:ctx.ntens], saved[ctx.ntens:]
+        tens, st = saved[: ctx.ntens], saved[ctx.ntens :]
         grads = as_tuple(lay.modes[ctx.mode].backward(dy.contiguous(), *tens, *st, *ctx.opts, ctx.groups))
         return (None, None, None, None, *grads, *([None] * (ctx.ntens - len(grads))))
 
     @staticmethod
     def jvp(ctx, _lay, _mode, _opts, _groups, *tangents):
         lay, saved = ctx.lay, ctx.saved_tensors
-        tens, st = saved[:ctx.ntens], saved[ctx.ntens:]
+        tens, st = saved[: ctx.ntens], saved[ctx.ntens :]
         n = 1 + len(lay.params) + len(lay.inputs)
         t = [torch.zeros_like(v) if d is None else d for d, v in zip(tangents[:n], tens)]
         ty = lay.modes[ctx.mode].jvp(*tens, *st, *t, *ctx.opts, ctx.groups)
@@ -185,7 +193,9 @@ class _Functional(torch.autograd.Function):
 _eager_apply = torch._C._FunctionBase.__dict__["apply"].__get__(None, _Eager)
 
 
-def call_forward(lay, mode: str, tens: list, opts: tuple, groups: int, stats: bool = True):
+def call_forward(
+    lay: Layer, mode: str, tens: list, opts: tuple, groups: int, stats: bool = True
+) -> tuple[torch.Tensor, dict[str, torch.Tensor] | None]:
     """(y, {statistic: tensor}) of a forward call in operator order ((y, None) with
     ``stats=False`` on the eager path): under torch.func transforms an autograd.Function
     over the operators; eager CPU calls a plan's kernels (under :class:`_Eager` when
@@ -201,7 +211,8 @@ def call_forward(lay, mode: str, tens: list, opts: tuple, groups: int, stats: bo
             out = _Functional.apply(lay, mode, opts, groups, *tens)
             return out[0], dict(zip(names, out[1:]))
         plan = lay.plans.forward(mode, tens, opts, groups)
-        if (torch.is_grad_enabled() and any([t.requires_grad for t in tens])) or _fwad._current_level >= 0:
+        # a list, not a generator: faster for a few tensors on this per-call path
+        if (torch.is_grad_enabled() and any([t.requires_grad for t in tens])) or _fwad._current_level >= 0:  # noqa: C419
             box = []
             y = _eager_apply(plan, opts, box, *tens)
             st = box[0]
@@ -209,7 +220,6 @@ def call_forward(lay, mode: str, tens: list, opts: tuple, groups: int, stats: bo
             y, st = plan.forward(tens, opts, blob=True)
         return y, (dict(zip(names, st.unbind(0))) if stats else None)
     for k, t in zip(differentiable(lay.meta), tens):
-        check_tensor(lay.meta["name"], k, t)      # a CUDA tensor: an error naming it, not a dispatch failure
+        check_tensor(lay.meta["name"], k, t)  # a CUDA tensor: an error naming it, not a dispatch failure
     out = as_tuple(lay.modes[mode].forward(*tens, *opts, groups))
     return out[0], dict(zip(names, out[1:]))
-

@@ -10,12 +10,13 @@ with torch.nn norms and once converted, with the share of the step the norms tak
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable, Collection
 
 import torch
 from torch import nn
 
-from derivgen.tools.bench import round_robin
 from derivgen.runtime.machine import machine
+from derivgen.tools.bench import round_robin
 from derivgen.torch import nn as dnn
 
 # (label, torch.nn module factory, input shape, memory format, target derivgen/torch or None)
@@ -46,6 +47,7 @@ def _step(m, x, dy):
             for p in params:
                 p.grad = None
             m(x).backward(dy)
+
     return call
 
 
@@ -56,26 +58,33 @@ def _fwd(m, x):
         with torch.no_grad():
             for _ in range(k):
                 m(x)
+
     return call
 
 
 class Block(nn.Module):
     """A pre-norm transformer block (LayerNorm, attention, RMSNorm, MLP)."""
 
-    def __init__(self, d=512, heads=8):
+    def __init__(self, d: int = 512, heads: int = 8) -> None:
         super().__init__()
         self.ln1, self.ln2 = nn.LayerNorm(d), nn.RMSNorm(d)
         self.attn = nn.MultiheadAttention(d, heads, batch_first=True)
         self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x + attention(LayerNorm(x)), then + MLP(RMSNorm(.))."""
         h = self.ln1(x)
         x = x + self.attn(h, h, h, need_weights=False)[0]
         return x + self.mlp(self.ln2(x))
 
 
-def run_torch_bench(threads: int | None = None, repeat: int = 15, dtype: str = "float32", progress=None,
-                    cases=None) -> dict:
+def run_torch_bench(
+    threads: int | None = None,
+    repeat: int = 15,
+    dtype: str = "float32",
+    progress: Callable[[str], None] | None = None,
+    cases: Collection[str] | None = None,
+) -> dict:
     """The table of CASES (or those whose labels are in ``cases``) and the transformer
     block (unless ``cases`` leaves it out: include "block")."""
     threads = threads or machine().cores
@@ -87,52 +96,96 @@ def run_torch_bench(threads: int | None = None, repeat: int = 15, dtype: str = "
         torch.set_num_threads(before)
 
 
-def _run(threads, repeat, dtype, progress, cases) -> dict:
+def _run(
+    threads: int, repeat: int, dtype: str, progress: Callable[[str], None] | None, cases: Collection[str] | None
+) -> dict:
+    """The report: the cases' rows, then the second order and the transformer block where
+    ``cases`` asks for them (one random generator, drawn from in that order)."""
     tdt = getattr(torch, dtype)
     gen = torch.Generator().manual_seed(0)
     rows = []
     for label, make, shape, fmt, target in CASES:
         if cases is not None and label not in cases:
             continue
-        ref = make().to(tdt)
-        ours = dnn.convert(copy.deepcopy(ref))
-        x = torch.randn(shape, generator=gen, dtype=tdt)
-        if fmt is not None:
-            x = x.contiguous(memory_format=fmt)
-        x.requires_grad_(True)
-        dy = torch.randn(shape, generator=gen, dtype=tdt)
-        if fmt is not None:
-            dy = dy.contiguous(memory_format=fmt)
-        row = {"case": label, "shape": list(shape), "target": target,
-               "memory_format": "channels_last" if fmt is not None else "contiguous"}
-        try:
-            ours(x).backward(dy)
-        except (TypeError, ValueError, NotImplementedError) as e:
-            row["error"] = str(e).splitlines()[0]
-            rows.append(row)
-            if progress:
-                progress(label)
-            continue
-        ms = round_robin({"torch_step": _step(ref, x, dy), "derivgen_step": _step(ours, x, dy),
-                          "torch_fwd": _fwd(ref, x), "derivgen_fwd": _fwd(ours, x)}, repeat)
-        row.update({k: v / _inner(x) for k, v in ms.items()})
-        ms = row
-        row["ratio"] = ms["derivgen_step"] / ms["torch_step"]
-        row["fwd_ratio"] = ms["derivgen_fwd"] / ms["torch_fwd"]
-        rows.append(row)
+        rows.append(_case_row(label, make, shape, fmt, target, tdt, gen, repeat))
         if progress:
             progress(label)
     m = machine()
-    rep = {"machine": {"cpu": m.cpu, "cores": m.cores, "torch": torch.__version__,
-                       "torch_threads": torch.get_num_threads()},
-           "dtype": dtype, "repeat": repeat, "threads": threads, "cases": rows, "block": None}
+    rep = {
+        "machine": {
+            "cpu": m.cpu,
+            "cores": m.cores,
+            "torch": torch.__version__,
+            "torch_threads": torch.get_num_threads(),
+        },
+        "dtype": dtype,
+        "repeat": repeat,
+        "threads": threads,
+        "cases": rows,
+        "block": None,
+    }
     if cases is None or "second" in cases:
         rep["second"] = _second_rows(tdt, gen, repeat)
         if progress:
             progress("second order")
     if cases is not None and "block" not in cases:
         return rep
-    # a transformer block's training step
+    rep["block"] = _block_row(tdt, gen, repeat)
+    if progress:
+        progress("transformer block")
+    return rep
+
+
+def _case_row(
+    label: str,
+    make: Callable[[], nn.Module],
+    shape: tuple[int, ...],
+    fmt: torch.memory_format | None,
+    target: float | None,
+    tdt: torch.dtype,
+    gen: torch.Generator,
+    repeat: int,
+) -> dict:
+    """One case's row: torch.nn and its derivgen twin, a training step (forward and
+    backward) and a forward each, in ms per call; an ``error`` where derivgen refuses it."""
+    ref = make().to(tdt)
+    ours = dnn.convert(copy.deepcopy(ref))
+    x = torch.randn(shape, generator=gen, dtype=tdt)
+    if fmt is not None:
+        x = x.contiguous(memory_format=fmt)
+    x.requires_grad_(True)
+    dy = torch.randn(shape, generator=gen, dtype=tdt)
+    if fmt is not None:
+        dy = dy.contiguous(memory_format=fmt)
+    row = {
+        "case": label,
+        "shape": list(shape),
+        "target": target,
+        "memory_format": "channels_last" if fmt is not None else "contiguous",
+    }
+    try:
+        ours(x).backward(dy)
+    except (TypeError, ValueError, NotImplementedError) as e:
+        row["error"] = str(e).splitlines()[0]
+        return row
+    ms = round_robin(
+        {
+            "torch_step": _step(ref, x, dy),
+            "derivgen_step": _step(ours, x, dy),
+            "torch_fwd": _fwd(ref, x),
+            "derivgen_fwd": _fwd(ours, x),
+        },
+        repeat,
+    )
+    row.update({k: v / _inner(x) for k, v in ms.items()})
+    row["ratio"] = row["derivgen_step"] / row["torch_step"]
+    row["fwd_ratio"] = row["derivgen_fwd"] / row["torch_fwd"]
+    return row
+
+
+def _block_row(tdt: torch.dtype, gen: torch.Generator, repeat: int) -> dict:
+    """A transformer block's training step (SGD), torch.nn against derivgen, and the
+    share of it the two norms take."""
     torch.manual_seed(0)
     ref = Block().to(tdt)
     ours = dnn.convert(copy.deepcopy(ref))
@@ -147,6 +200,7 @@ def _run(threads, repeat, dtype, progress, cases) -> dict:
             opt.zero_grad()
             m(x).backward(dy)
             opt.step()
+
         return call
 
     def norms_only(m):
@@ -158,17 +212,25 @@ def _run(threads, repeat, dtype, progress, cases) -> dict:
                 for p in mod.parameters():
                     p.grad = None
                 mod(norms_x).backward(dy)
+
         return call
 
-    ms = round_robin({"torch_step": train_step(ref), "derivgen_step": train_step(ours),
-                      "torch_norms": norms_only(ref), "derivgen_norms": norms_only(ours)}, repeat)
-    block = dict(ms, shape=[16, 128, 512], ratio=ms["derivgen_step"] / ms["torch_step"],
-                 torch_norm_share=ms["torch_norms"] / ms["torch_step"],
-                 derivgen_norm_share=ms["derivgen_norms"] / ms["derivgen_step"])
-    if progress:
-        progress("transformer block")
-    rep["block"] = block
-    return rep
+    ms = round_robin(
+        {
+            "torch_step": train_step(ref),
+            "derivgen_step": train_step(ours),
+            "torch_norms": norms_only(ref),
+            "derivgen_norms": norms_only(ours),
+        },
+        repeat,
+    )
+    return dict(
+        ms,
+        shape=[16, 128, 512],
+        ratio=ms["derivgen_step"] / ms["torch_step"],
+        torch_norm_share=ms["torch_norms"] / ms["torch_step"],
+        derivgen_norm_share=ms["derivgen_norms"] / ms["derivgen_step"],
+    )
 
 
 SECOND_SHAPE = (8192, 1024)
@@ -194,6 +256,7 @@ def _second_rows(tdt, gen, repeat, shape=SECOND_SHAPE) -> list[dict]:
             g = torch.autograd.grad(m(x), wrt, dy, create_graph=True)
             loss = (g[0] * v).sum() + (g[1] * g[1]).sum()
             torch.autograd.grad(loss, wrt, allow_unused=True)
+
         return call
 
     def jvp(m):
@@ -201,28 +264,58 @@ def _second_rows(tdt, gen, repeat, shape=SECOND_SHAPE) -> list[dict]:
 
         def call():
             torch.func.jvp(m, (xd,), (t,))
+
         return call
-    ms = round_robin({"torch_bb": double_backward(ref), "derivgen_bb": double_backward(ours),
-                      "torch_jvp": jvp(ref), "derivgen_jvp": jvp(ours)}, repeat)
-    return [{"case": "LayerNorm double backward", "shape": list(shape), "target": 0.5,
-             "torch": ms["torch_bb"], "derivgen": ms["derivgen_bb"], "ratio": ms["derivgen_bb"] / ms["torch_bb"]},
-            {"case": "LayerNorm JVP (torch.func.jvp)", "shape": list(shape), "target": 0.5,
-             "torch": ms["torch_jvp"], "derivgen": ms["derivgen_jvp"],
-             "ratio": ms["derivgen_jvp"] / ms["torch_jvp"]}]
+
+    ms = round_robin(
+        {
+            "torch_bb": double_backward(ref),
+            "derivgen_bb": double_backward(ours),
+            "torch_jvp": jvp(ref),
+            "derivgen_jvp": jvp(ours),
+        },
+        repeat,
+    )
+    return [
+        {
+            "case": "LayerNorm double backward",
+            "shape": list(shape),
+            "target": 0.5,
+            "torch": ms["torch_bb"],
+            "derivgen": ms["derivgen_bb"],
+            "ratio": ms["derivgen_bb"] / ms["torch_bb"],
+        },
+        {
+            "case": "LayerNorm JVP (torch.func.jvp)",
+            "shape": list(shape),
+            "target": 0.5,
+            "torch": ms["torch_jvp"],
+            "derivgen": ms["derivgen_jvp"],
+            "ratio": ms["derivgen_jvp"] / ms["torch_jvp"],
+        },
+    ]
 
 
 def _t(ms: float) -> str:
+    """A time for the table: ms from 1 ms up, else us."""
     return f"{ms:.2f} ms" if ms >= 1 else f"{1e3 * ms:.1f} us"
 
 
 def format_torch_report(rep: dict) -> str:
+    """The report of :func:`run_torch_bench` as a text table."""
     m = rep["machine"]
-    lines = [f"derivgen.torch vs torch.nn, through autograd: {rep['dtype']}, {rep['threads']} threads, "
-             f"median of {rep['repeat']} (round-robin), torch {m['torch']}",
-             f"machine: {m['cpu']}, {m['cores']} cores",
-             "",
-             f"{'case':28s} {'shape':>16s} {'torch fwd+bwd':>13s} {'derivgen':>9s} {'ratio':>6s} "
-             f"{'fwd ratio':>9s} {'target':>7s}"]
+    lines = [
+        (
+            f"derivgen.torch vs torch.nn, through autograd: {rep['dtype']}, {rep['threads']} threads, "
+            f"median of {rep['repeat']} (round-robin), torch {m['torch']}"
+        ),
+        f"machine: {m['cpu']}, {m['cores']} cores",
+        "",
+        (
+            f"{'case':28s} {'shape':>16s} {'torch fwd+bwd':>13s} {'derivgen':>9s} {'ratio':>6s} "
+            f"{'fwd ratio':>9s} {'target':>7s}"
+        ),
+    ]
     for r in rep["cases"]:
         shape = "x".join(map(str, r["shape"]))
         tgt = f"<= {r['target']}" if r["target"] is not None else ""
@@ -230,21 +323,32 @@ def format_torch_report(rep: dict) -> str:
             lines.append(f"{r['case']:28s} {shape:>16s}   not supported: {r['error']}")
             continue
         ok = "" if r["target"] is None else ("  met" if r["ratio"] <= r["target"] else "  MISSED")
-        lines.append(f"{r['case']:28s} {shape:>16s} {_t(r['torch_step']):>13s} {_t(r['derivgen_step']):>9s} "
-                     f"{r['ratio']:6.2f} {r['fwd_ratio']:9.2f} {tgt:>7s}{ok}")
+        lines.append(
+            f"{r['case']:28s} {shape:>16s} {_t(r['torch_step']):>13s} {_t(r['derivgen_step']):>9s} "
+            f"{r['ratio']:6.2f} {r['fwd_ratio']:9.2f} {tgt:>7s}{ok}"
+        )
     if rep.get("second"):
-        lines += ["", "second order, derived (derivgen.derive.second) vs PyTorch's hand-written formulas:",
-                  f"{'case':32s} {'shape':>12s} {'torch':>10s} {'derivgen':>10s} {'ratio':>6s} {'target':>7s}"]
+        lines += [
+            "",
+            "second order, derived (derivgen.derive.second) vs PyTorch's hand-written formulas:",
+            f"{'case':32s} {'shape':>12s} {'torch':>10s} {'derivgen':>10s} {'ratio':>6s} {'target':>7s}",
+        ]
         for r in rep["second"]:
             ok = "  met" if r["ratio"] <= r["target"] else "  MISSED"
-            lines.append(f"{r['case']:32s} {'x'.join(map(str, r['shape'])):>12s} {_t(r['torch']):>10s} "
-                         f"{_t(r['derivgen']):>10s} {r['ratio']:6.2f} {'<= ' + str(r['target']):>7s}{ok}")
+            lines.append(
+                f"{r['case']:32s} {'x'.join(map(str, r['shape'])):>12s} {_t(r['torch']):>10s} "
+                f"{_t(r['derivgen']):>10s} {r['ratio']:6.2f} {'<= ' + str(r['target']):>7s}{ok}"
+            )
     b = rep["block"]
     if b is None:
         return "\n".join(lines)
-    lines += ["",
-              f"transformer block training step ({'x'.join(map(str, b['shape']))}, LayerNorm + RMSNorm, SGD): "
-              f"torch.nn {b['torch_step']:.1f} ms, derivgen {b['derivgen_step']:.1f} ms (ratio {b['ratio']:.2f}); "
-              f"norms' share of the step: torch.nn {100 * b['torch_norm_share']:.1f}%, "
-              f"derivgen {100 * b['derivgen_norm_share']:.1f}%"]
+    lines += [
+        "",
+        (
+            f"transformer block training step ({'x'.join(map(str, b['shape']))}, LayerNorm + RMSNorm, SGD): "
+            f"torch.nn {b['torch_step']:.1f} ms, derivgen {b['derivgen_step']:.1f} ms (ratio {b['ratio']:.2f}); "
+            f"norms' share of the step: torch.nn {100 * b['torch_norm_share']:.1f}%, "
+            f"derivgen {100 * b['derivgen_norm_share']:.1f}%"
+        ),
+    ]
     return "\n".join(lines)

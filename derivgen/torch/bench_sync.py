@@ -38,7 +38,9 @@ def _timed_collectives():
                 return fn(*a, **k)
             finally:
                 spent.append(time.perf_counter() - t0)
+
         return timed
+
     dist.all_reduce, dist.all_gather = wrap(orig[0]), wrap(orig[1])
     return spent, orig
 
@@ -60,6 +62,7 @@ def _rank(rank, world, port, repeat, out, shape=SHAPE):
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     from derivgen.torch import SyncBatchNorm
+
     g = torch.Generator().manual_seed(rank)
     n = shape[0] // world
     x = torch.randn((n, *shape[1:]), generator=g).requires_grad_(True)
@@ -94,17 +97,21 @@ def _rank(rank, world, port, repeat, out, shape=SHAPE):
 
 
 def run_sync_bench(world: int = 2, repeat: int = 10, timeout: float = 600) -> dict:
-    from derivgen.tools.bench import Bandwidth
+    """SyncBatchNorm over ``world`` gloo processes on this machine against one process on
+    the whole batch and the bandwidth bound of the split's passes; the times in ms."""
     from derivgen.runtime.machine import machine
+    from derivgen.tools.bench import Bandwidth
     from derivgen.torch.nn import BatchNorm2d
+
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "res.pt")
         # spawn, not fork: a process that has run OpenMP kernels (derivgen's, torch's) cannot fork safely
-        ctx = mp.start_processes(_rank, args=(world, port, repeat, out, SHAPE), nprocs=world, join=False,
-                                 start_method="spawn")
+        ctx = mp.start_processes(
+            _rank, args=(world, port, repeat, out, SHAPE), nprocs=world, join=False, start_method="spawn"
+        )
         if not _join(ctx, timeout=timeout):
             raise RuntimeError(f"the {world} benchmark processes did not finish in {timeout:g} s")
         per_rank = torch.load(out)
@@ -121,6 +128,7 @@ def run_sync_bench(world: int = 2, repeat: int = 10, timeout: float = 600) -> di
         if i >= 2:
             one.append(time.perf_counter() - t0)
     from derivgen.tools.bench import round_robin
+
     probe = Bandwidth(machine().cores)
     bw = probe.rates(round_robin({"copy": probe.copy, "stream_copy": probe.stream_copy}, 5))["copy_GBps"]
     del probe
@@ -129,11 +137,17 @@ def run_sync_bench(world: int = 2, repeat: int = 10, timeout: float = 600) -> di
     # the split passes in float32 terms: forward reads x per level (2) and once to apply
     # (writes y); backward reads x and dy for its sums and again to apply (writes dx)
     passes = 2 + 2 + 2 + 3
-    return {"world": world, "shape": list(SHAPE), "repeat": repeat,
-            "sync_step_ms": [1e3 * float(v) for v in per_rank[:, 0]],
-            "sync_collective_ms": [1e3 * float(v) for v in per_rank[:, 1]],
-            "one_process_ms": 1e3 * statistics.median(one), "copy_gbps": bw,
-            "bound_ms": 1e3 * passes * nbytes / (bw * 1e9), "kernels": kernels}
+    return {
+        "world": world,
+        "shape": list(SHAPE),
+        "repeat": repeat,
+        "sync_step_ms": [1e3 * float(v) for v in per_rank[:, 0]],
+        "sync_collective_ms": [1e3 * float(v) for v in per_rank[:, 1]],
+        "one_process_ms": 1e3 * statistics.median(one),
+        "copy_gbps": bw,
+        "bound_ms": 1e3 * passes * nbytes / (bw * 1e9),
+        "kernels": kernels,
+    }
 
 
 def _kernel_times(x, dy, repeat, bw) -> list:
@@ -142,9 +156,11 @@ def _kernel_times(x, dy, repeat, bw) -> list:
     from derivgen.tools.bench import round_robin
     from derivgen.torch.ops import layer
     from derivgen.torch.sync import _CSplit
+
     lay = layer("batchnorm")
     c = _CSplit(lay, torch.float32)
     from derivgen import runtime as rt
+
     Lx = rt.layout_from_shapes(lay.meta, tuple(x.shape), {"gamma": (x.shape[1],), "beta": (x.shape[1],)}, None)
     g, b = torch.ones(x.shape[1]), torch.zeros(x.shape[1])
     dims = (Lx.O, Lx.G, Lx.Cg, Lx.S)
@@ -156,22 +172,45 @@ def _kernel_times(x, dy, repeat, bw) -> list:
     y, dx = torch.empty_like(x), torch.empty_like(x)
     dg, db = torch.empty_like(g), torch.empty_like(b)
     from derivgen.torch.ops import threads
+
     f, th = c.fn, threads(c.kernel)
-    for level in range(2):                       # real statistics for the later kernels
+    for level in range(2):  # real statistics for the later kernels
         f["partial"](*dims, x.data_ptr(), *pp, *opts, level, stats.data_ptr(), n, sums.data_ptr(), th)
         f["finish"](*dims, *pp, *opts, level, sums.data_ptr(), n, stats.data_ptr())
     calls = {
-        "partial, level 0 (sum x)": (lambda: f["partial"](*dims, x.data_ptr(), *pp, *opts, 0, stats.data_ptr(), n,
-                                                          sums.data_ptr(), th), 1),
-        "partial, level 1 (sum (x-mean)^2)": (lambda: f["partial"](*dims, x.data_ptr(), *pp, *opts, 1,
-                                                                   stats.data_ptr(), n, sums.data_ptr(), th), 1),
+        "partial, level 0 (sum x)": (
+            lambda: f["partial"](*dims, x.data_ptr(), *pp, *opts, 0, stats.data_ptr(), n, sums.data_ptr(), th),
+            1,
+        ),
+        "partial, level 1 (sum (x-mean)^2)": (
+            lambda: f["partial"](*dims, x.data_ptr(), *pp, *opts, 1, stats.data_ptr(), n, sums.data_ptr(), th),
+            1,
+        ),
         "apply (y)": (lambda: f["apply"](*dims, x.data_ptr(), *pp, *opts, stats.data_ptr(), n, y.data_ptr(), th), 2),
-        "backward partial (sum g, g*xhat)": (lambda: f["bpartial"](*dims, x.data_ptr(), dy.data_ptr(), *pp, *opts,
-                                                                   stats.data_ptr(), n, sums.data_ptr(), th), 2),
-        "backward apply (dx, dgamma, dbeta)": (lambda: f["bapply"](*dims, x.data_ptr(), dy.data_ptr(), *pp, *opts,
-                                                                   stats.data_ptr(), sums.data_ptr(), n, 1,
-                                                                   dx.data_ptr(), dg.data_ptr(), db.data_ptr(), th),
-                                               3),
+        "backward partial (sum g, g*xhat)": (
+            lambda: f["bpartial"](
+                *dims, x.data_ptr(), dy.data_ptr(), *pp, *opts, stats.data_ptr(), n, sums.data_ptr(), th
+            ),
+            2,
+        ),
+        "backward apply (dx, dgamma, dbeta)": (
+            lambda: f["bapply"](
+                *dims,
+                x.data_ptr(),
+                dy.data_ptr(),
+                *pp,
+                *opts,
+                stats.data_ptr(),
+                sums.data_ptr(),
+                n,
+                1,
+                dx.data_ptr(),
+                dg.data_ptr(),
+                db.data_ptr(),
+                th,
+            ),
+            3,
+        ),
     }
     ms = round_robin({k: v[0] for k, v in calls.items()}, repeat)
     nbytes = x.numel() * 4
@@ -179,17 +218,28 @@ def _kernel_times(x, dy, repeat, bw) -> list:
 
 
 def format_sync_report(r: dict) -> str:
+    """The report of :func:`run_sync_bench` as text."""
     step = max(r["sync_step_ms"])
     coll = max(r["sync_collective_ms"])
-    return "\n".join([
-        f"SyncBatchNorm over {r['world']} gloo processes on this machine, {'x'.join(map(str, r['shape']))} "
-        f"float32, each process 1/{r['world']} of the batch, median of {r['repeat']}",
-        f"  step (forward + backward), slowest process: {step:.2f} ms, of which collectives {coll:.2f} ms "
-        f"({100 * coll / step:.0f}%)",
-        f"  one process on the whole batch (C kernels, all cores): {r['one_process_ms']:.2f} ms "
-        f"(split / one: {step / r['one_process_ms']:.2f})",
-        f"  bandwidth bound of the split's passes (9 tensor sweeps at {r['copy_gbps']:.1f} GB/s copy): "
-        f"{r['bound_ms']:.2f} ms (split / bound: {step / r['bound_ms']:.2f})",
-        "  the C split kernels alone, one process, whole batch (tensors read + written; time / bandwidth bound):",
-        *[f"    {name:36s} {ms:7.2f} ms  {k} tensor(s)  {ms / bound:5.2f}x" for name, ms, k, bound in r["kernels"]],
-    ])
+    return "\n".join(
+        [
+            (
+                f"SyncBatchNorm over {r['world']} gloo processes on this machine, {'x'.join(map(str, r['shape']))} "
+                f"float32, each process 1/{r['world']} of the batch, median of {r['repeat']}"
+            ),
+            (
+                f"  step (forward + backward), slowest process: {step:.2f} ms, of which collectives {coll:.2f} ms "
+                f"({100 * coll / step:.0f}%)"
+            ),
+            (
+                f"  one process on the whole batch (C kernels, all cores): {r['one_process_ms']:.2f} ms "
+                f"(split / one: {step / r['one_process_ms']:.2f})"
+            ),
+            (
+                f"  bandwidth bound of the split's passes (9 tensor sweeps at {r['copy_gbps']:.1f} GB/s copy): "
+                f"{r['bound_ms']:.2f} ms (split / bound: {step / r['bound_ms']:.2f})"
+            ),
+            "  the C split kernels alone, one process, whole batch (tensors read + written; time / bandwidth bound):",
+            *[f"    {name:36s} {ms:7.2f} ms  {k} tensor(s)  {ms / bound:5.2f}x" for name, ms, k, bound in r["kernels"]],
+        ]
+    )

@@ -9,16 +9,17 @@ them (the seeds of the second order as ``c_<name>`` and tangents as ``t_<name>``
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
 from derivgen import runtime as rt
+from derivgen.torch.protocol import Layer
 from derivgen.torch.schema import differentiable
 from derivgen.torch.tensors import layout
 
 
-def views(lay, a: dict, L: rt.Layout, mode: str) -> dict:
+def views(lay: Layer, a: dict, L: rt.Layout, mode: str) -> dict:
     """Keyword arguments of the generated PyTorch functions: 4-D views."""
     kw = {"_L": L}
     for p in lay.params:
@@ -33,11 +34,12 @@ def views(lay, a: dict, L: rt.Layout, mode: str) -> dict:
     return kw
 
 
-def _layout_of(lay, a: dict) -> rt.Layout:
+def _layout_of(lay: Layer, a: dict) -> rt.Layout:
+    """The layout of a call's arguments by spec name."""
     return layout(lay.meta, a["x"].shape, {p: a[p].shape for p in lay.params}, a["num_groups"])
 
 
-def target_backward(lay, mode: str, a: dict) -> tuple:
+def target_backward(lay: Layer, mode: str, a: dict) -> tuple:
     """(dx, dparams..., dinputs...) by the generated PyTorch closed form, shaped as
     the backward operator returns them."""
     x = a["x"]
@@ -54,14 +56,16 @@ def target_backward(lay, mode: str, a: dict) -> tuple:
 def with_primals(fn: Callable[[dict], object], a: dict, names: list[str]) -> Callable:
     """``fn`` of the arguments ``a`` as a function of the entries ``names`` (positionally),
     for torch.func."""
+
     def of_primals(*primals):
         b = dict(a)
         b.update(zip(names, primals))
         return fn(b)
+
     return of_primals
 
 
-def generic_bb(lay, mode: str, a: dict) -> tuple:
+def generic_bb(lay: Layer, mode: str, a: dict) -> tuple:
     """The double backward as torch.func's VJP of the generated PyTorch backward
     (bfloat16, channels last, third order): (dx, ddy, dparams..., dinputs...)."""
     diff = differentiable(lay.meta)
@@ -72,20 +76,22 @@ def generic_bb(lay, mode: str, a: dict) -> tuple:
     return (by["x"], by["dy"], *(by[p] for p in lay.params), *(by[i] for i in lay.inputs))
 
 
-def _target_forward(lay, mode: str, b: dict) -> torch.Tensor:
+def _target_forward(lay: Layer, mode: str, b: dict) -> torch.Tensor:
     """y by the generated PyTorch forward, in x's shape."""
     L = _layout_of(lay, b)
     return lay.target.FORWARD[mode](b["x"].reshape(L.view4), **views(lay, b, L, mode))[0].reshape(b["x"].shape)
 
 
-def generic_jvp(lay, mode: str, a: dict) -> torch.Tensor:
+def generic_jvp(lay: Layer, mode: str, a: dict) -> torch.Tensor:
     """y's tangent as torch.func's JVP of the generated PyTorch forward."""
     diff = differentiable(lay.meta)
     f = with_primals(lambda b: _target_forward(lay, mode, b), a, diff)
     return torch.func.jvp(f, tuple(a[n] for n in diff), tuple(a["t_" + n] for n in diff))[1]
 
 
-def update_buffers(lay, stats: dict, buffers: dict, options: dict, group_size, reduce_dims=()) -> None:
+def update_buffers(
+    lay: Layer, stats: dict, buffers: dict, options: dict, group_size: int, reduce_dims: tuple[int, ...] = ()
+) -> None:
     """Apply the spec's running-buffer updates in place (no autograd). Statistics are
     per-group float64 tensors shaped like the buffers, or with extra leading
     ``reduce_dims`` to average over (instance norm's per-sample statistics)."""

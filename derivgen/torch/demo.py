@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import time
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -15,34 +16,50 @@ import derivgen.torch as dt
 
 
 class CNN(nn.Module):
-    def __init__(self):
+    """A small image classifier with a BatchNorm2d, a GroupNorm and an InstanceNorm2d."""
+
+    def __init__(self) -> None:
         super().__init__()
         self.net = nn.Sequential(
-            nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
-            nn.Conv2d(16, 16, 3, padding=1), nn.GroupNorm(4, 16), nn.ReLU(),
-            nn.Conv2d(16, 8, 3, padding=1), nn.InstanceNorm2d(8, affine=True), nn.ReLU(),
-            nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 10))
+            nn.Conv2d(3, 16, 3, padding=1),
+            nn.BatchNorm2d(16),
+            nn.ReLU(),
+            nn.Conv2d(16, 16, 3, padding=1),
+            nn.GroupNorm(4, 16),
+            nn.ReLU(),
+            nn.Conv2d(16, 8, 3, padding=1),
+            nn.InstanceNorm2d(8, affine=True),
+            nn.ReLU(),
+            nn.AdaptiveAvgPool2d(1),
+            nn.Flatten(),
+            nn.Linear(8, 10),
+        )
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Class scores of a batch of 3-channel images."""
         return self.net(x)
 
 
 class Block(nn.Module):
-    def __init__(self, d=64, heads=4):
+    """A pre-norm transformer block (LayerNorm, attention, RMSNorm, MLP) and a classifier head."""
+
+    def __init__(self, d: int = 64, heads: int = 4) -> None:
         super().__init__()
         self.ln1, self.ln2 = nn.LayerNorm(d), nn.RMSNorm(d)
         self.attn = nn.MultiheadAttention(d, heads, batch_first=True)
         self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
         self.head = nn.Linear(d, 10)
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Class scores of a batch of sequences (mean over the sequence, then the head)."""
         h = self.ln1(x)
         x = x + self.attn(h, h, h, need_weights=False)[0]
         x = x + self.mlp(self.ln2(x))
         return self.head(x.mean(1))
 
 
-def train(model, xs, ts, steps):
+def train(model: nn.Module, xs: list[torch.Tensor], ts: list[torch.Tensor], steps: int) -> tuple[list[float], float]:
+    """``steps`` SGD steps of cross entropy over the batches in turn: the losses and the seconds taken."""
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     losses = []
     t0 = time.perf_counter()
@@ -56,12 +73,18 @@ def train(model, xs, ts, steps):
     return losses, time.perf_counter() - t0
 
 
-def _worst(a_model, b_model) -> float:
-    return max(((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
-               for a, b in zip(a_model.state_dict().values(), b_model.state_dict().values()) if a.is_floating_point())
+def _worst(a_model: nn.Module, b_model: nn.Module) -> float:
+    """The largest difference of two models' floating-point state, relative to each tensor's largest value."""
+    return max(
+        ((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item()
+        for a, b in zip(a_model.state_dict().values(), b_model.state_dict().values())
+        if a.is_floating_point()
+    )
 
 
-def run(name, make, shape, steps=20):
+def run(name: str, make: Callable[[], nn.Module], shape: tuple[int, ...], steps: int = 20) -> float:
+    """Train a model with torch.nn's norms and its converted twin side by side and print the
+    comparison; returns the largest relative difference of the two after training in float64."""
     torch.manual_seed(0)
     ref = make()
     ours = dt.convert(copy.deepcopy(ref))
@@ -77,8 +100,10 @@ def run(name, make, shape, steps=20):
     for k in range(0, steps, 4):
         print(f"  {k + 1:4d}   {l_ref[k]:13.7f}   {l_ours[k]:13.7f}")
     print(f"  {steps:4d}   {l_ref[-1]:13.7f}   {l_ours[-1]:13.7f}")
-    print(f"  final parameters and buffers, largest difference relative to each tensor's largest value: "
-          f"{_worst(ours, ref):.1e} (float32 rounding, grown by 20 steps of training)")
+    print(
+        f"  final parameters and buffers, largest difference relative to each tensor's largest value: "
+        f"{_worst(ours, ref):.1e} (float32 rounding, grown by 20 steps of training)"
+    )
     train(ref64, [x.double() for x in xs], ts, steps)
     train(ours64, [x.double() for x in xs], ts, steps)
     worst = _worst(ours64, ref64)
@@ -87,7 +112,8 @@ def run(name, make, shape, steps=20):
     return worst
 
 
-def main():
+def main() -> None:
+    """Run the demo on both models; exit with an error if the float64 runs drifted apart."""
     worst = max(run("small CNN", CNN, (16, 3, 16, 16)), run("transformer block", Block, (8, 12, 64)))
     if worst > 1e-10:
         raise SystemExit(f"the converted model drifted from torch.nn's in float64: {worst:.2e}")

@@ -14,14 +14,33 @@ twin, keeping parameters, buffers, device, dtype and training mode.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from pathlib import Path
+
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from derivgen.spec.model import Spec
 from derivgen.torch import sync
 from derivgen.torch.ops import layer
 
-__all__ = ["LayerNorm", "RMSNorm", "BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "SyncBatchNorm", "InstanceNorm1d",
-           "InstanceNorm2d", "InstanceNorm3d", "GroupNorm", "OnlineLayerNorm", "Module", "convert", "function"]
+__all__ = [
+    "BatchNorm1d",
+    "BatchNorm2d",
+    "BatchNorm3d",
+    "GroupNorm",
+    "InstanceNorm1d",
+    "InstanceNorm2d",
+    "InstanceNorm3d",
+    "LayerNorm",
+    "Module",
+    "OnlineLayerNorm",
+    "RMSNorm",
+    "SyncBatchNorm",
+    "convert",
+    "function",
+]
 
 
 def _param(p, like, shape, fill):
@@ -52,7 +71,8 @@ class LayerNorm(_Twin, nn.LayerNorm):
 
     _DG_LAYERS = ("layernorm",)
 
-    def forward(self, input):
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        """y = (x - mean) * rstd * weight + bias over the trailing ``normalized_shape`` axes."""
         w, b = self.weight, self.bias
         if w is None or b is None:
             shape = self.normalized_shape
@@ -66,10 +86,12 @@ class RMSNorm(_Twin, nn.RMSNorm):
 
     _DG_LAYERS = ("rmsnorm",)
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """y = x / sqrt(mean(x**2) + eps) * weight over the trailing ``normalized_shape`` axes."""
         eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
-        return self._dg["rmsnorm"].call("train", [x, _param(self.weight, x, self.normalized_shape, 1.0)],
-                                        (float(eps),), 0, stats=False)[0]
+        return self._dg["rmsnorm"].call(
+            "train", [x, _param(self.weight, x, self.normalized_shape, 1.0)], (float(eps),), 0, stats=False
+        )[0]
 
 
 class _BatchNormMixin(_Twin):
@@ -83,7 +105,7 @@ class _BatchNormMixin(_Twin):
         momentum = self.momentum if self.momentum is not None else 0.0
         if self.training and self.track_running_stats and self.num_batches_tracked is not None:
             self.num_batches_tracked.add_(1)
-            if self.momentum is None:        # cumulative moving average, as a tensor (no graph break)
+            if self.momentum is None:  # cumulative moving average, as a tensor (no graph break)
                 momentum = self.num_batches_tracked.to(torch.float64).reciprocal()
         use_batch = self.training or (self.running_mean is None and self.running_var is None)
         c = input.shape[1]
@@ -92,15 +114,25 @@ class _BatchNormMixin(_Twin):
         if use_batch:
             y, stats, n = self._batch_forward(lay, input, params, options)
             if self.training and self.track_running_stats:
-                lay.update_buffers(stats, {"running_mean": self.running_mean, "running_var": self.running_var},
-                                   {"eps": self.eps, "momentum": momentum}, n)
+                lay.update_buffers(
+                    stats,
+                    {"running_mean": self.running_mean, "running_var": self.running_var},
+                    {"eps": self.eps, "momentum": momentum},
+                    n,
+                )
             return y
-        if input.numel() == 0:              # an empty batch normalizes to an empty output, as in torch.nn
+        if input.numel() == 0:  # an empty batch normalizes to an empty output, as in torch.nn
             return torch.empty_like(input)
-        y, _ = lay.forward(input, params, {}, options, training=False, stats=False,
-                           buffers={"running_mean": self.running_mean, "running_var": self.running_var})
+        y, _ = lay.forward(
+            input,
+            params,
+            {},
+            options,
+            training=False,
+            stats=False,
+            buffers={"running_mean": self.running_mean, "running_var": self.running_var},
+        )
         return y
-
 
     def _batch_forward(self, lay, input, params, options):
         """y, the batch statistics and the number of values per channel they are over."""
@@ -132,8 +164,17 @@ class SyncBatchNorm(_BatchNormMixin, nn.modules.batchnorm._BatchNorm):
     ``convert_sync_batchnorm``; deliberately not a subclass of it, because
     DistributedDataParallel refuses torch.nn.SyncBatchNorm layers on the CPU."""
 
-    def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1, affine: bool = True,
-                 track_running_stats: bool = True, process_group=None, device=None, dtype=None):
+    def __init__(
+        self,
+        num_features: int,
+        eps: float = 1e-5,
+        momentum: float | None = 0.1,
+        affine: bool = True,
+        track_running_stats: bool = True,
+        process_group: dist.ProcessGroup | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
         super().__init__(num_features, eps, momentum, affine, track_running_stats, device=device, dtype=dtype)
         self.process_group = process_group
 
@@ -146,18 +187,24 @@ class SyncBatchNorm(_BatchNormMixin, nn.modules.batchnorm._BatchNorm):
     def _check_input_dim(self, input):
         if input.dim() < 2:
             raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
-        if input.size(1) == 0:                  # torch.nn.SyncBatchNorm's own checks and messages
+        if input.size(1) == 0:  # torch.nn.SyncBatchNorm's own checks and messages
             raise ValueError("SyncBatchNorm number of input channels should be non-zero")
 
     @classmethod
-    def convert_sync_batchnorm(cls, module, process_group=None):
+    def convert_sync_batchnorm(cls, module: nn.Module, process_group: dist.ProcessGroup | None = None) -> nn.Module:
         """Every torch.nn BatchNorm1d/2d/3d (and derivgen's) in ``module`` replaced by a
         derivgen SyncBatchNorm sharing its parameters and buffers, as
         torch.nn.SyncBatchNorm.convert_sync_batchnorm does; returns the module."""
         out = module
         if isinstance(module, nn.modules.batchnorm._BatchNorm) and not isinstance(module, (nn.SyncBatchNorm, cls)):
-            out = cls(module.num_features, module.eps, module.momentum, module.affine,
-                      module.track_running_stats, process_group)
+            out = cls(
+                module.num_features,
+                module.eps,
+                module.momentum,
+                module.affine,
+                module.track_running_stats,
+                process_group,
+            )
             if module.affine:
                 with torch.no_grad():
                     out.weight = module.weight
@@ -192,12 +239,19 @@ class _InstanceNormMixin(_Twin):
                 self._dg["batchnorm"].update_buffers(
                     {k: stats[k] for k in ("mean", "var", "rstd")},
                     {"running_mean": self.running_mean, "running_var": self.running_var},
-                    {"eps": self.eps, "momentum": self.momentum if self.momentum is not None else 0.0}, S,
-                    reduce_dims=(input.shape[0],))
+                    {"eps": self.eps, "momentum": self.momentum if self.momentum is not None else 0.0},
+                    S,
+                    reduce_dims=(input.shape[0],),
+                )
             return y
-        y, _ = self._dg["batchnorm"].forward(input, params, {}, {"eps": self.eps, "momentum": 0.0}, training=False,
-                                          buffers={"running_mean": self.running_mean,
-                                                   "running_var": self.running_var})
+        y, _ = self._dg["batchnorm"].forward(
+            input,
+            params,
+            {},
+            {"eps": self.eps, "momentum": 0.0},
+            training=False,
+            buffers={"running_mean": self.running_mean, "running_var": self.running_var},
+        )
         return y
 
 
@@ -218,15 +272,22 @@ class GroupNorm(_Twin, nn.GroupNorm):
 
     _DG_LAYERS = ("groupnorm",)
 
-    def forward(self, input):
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        """y = (x - mean) * rstd * weight + bias, statistics over each (sample, group of channels)."""
         c = input.shape[1]
         y, _ = self._dg["groupnorm"].forward(
-            input, {"gamma": _param(self.weight, input, (c,), 1.0), "beta": _param(self.bias, input, (c,), 0.0)},
-            {}, {"eps": self.eps}, num_groups=self.num_groups, stats=False)
+            input,
+            {"gamma": _param(self.weight, input, (c,), 1.0), "beta": _param(self.bias, input, (c,), 0.0)},
+            {},
+            {"eps": self.eps},
+            num_groups=self.num_groups,
+            stats=False,
+        )
         return y
 
 
 # ------------------------------------------------------------------ any spec
+
 
 class Module(nn.Module):
     """Any derivgen layer as a module: ``Module(spec, size, num_groups=..., **options)``.
@@ -243,8 +304,18 @@ class Module(nn.Module):
     :class:`SyncBatchNorm` (the default group when ``process_group`` is None).
     """
 
-    def __init__(self, spec, size, *, num_groups: int | None = None, device=None, dtype=None,
-                 sync: bool = False, process_group=None, **options):
+    def __init__(
+        self,
+        spec: Spec | str | Path,
+        size: int | Sequence[int],
+        *,
+        num_groups: int | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        sync: bool = False,
+        process_group: dist.ProcessGroup | None = None,
+        **options: float,
+    ) -> None:
         super().__init__()
         self._layer = layer(spec)
         meta = self._layer.meta
@@ -252,19 +323,22 @@ class Module(nn.Module):
         self.sync = bool(sync or process_group is not None)
         self.process_group = process_group
         if self.sync and (meta["layout"] != "channels" or meta["reduce"] != "batch"):
-            raise ValueError(f"{self.layer_name}: sync/process_group need a layer whose groups span the batch "
-                             f"(layout channels, reduce batch); this one is {meta['layout']}/{meta['reduce']}")
+            raise ValueError(
+                f"{self.layer_name}: sync/process_group need a layer whose groups span the batch "
+                f"(layout channels, reduce batch); this one is {meta['layout']}/{meta['reduce']}"
+            )
         unknown = set(options) - set(meta["options"])
         if unknown:
-            raise TypeError(f"{self.layer_name}: unknown option(s) {sorted(unknown)}; options are {list(meta['options'])}")
+            raise TypeError(
+                f"{self.layer_name}: unknown option(s) {sorted(unknown)}; options are {list(meta['options'])}"
+            )
         for o, (default, lo, hi) in meta["options"].items():
             v = options.get(o, default)
             if v is None:
                 raise TypeError(f"{self.layer_name}: option {o} is required (it has no default)")
             setattr(self, o, float(v))
-        if meta["reduce"] == "group":
-            if not isinstance(num_groups, int) or num_groups <= 0:
-                raise TypeError(f"{self.layer_name}: num_groups must be a positive int, got {num_groups!r}")
+        if meta["reduce"] == "group" and (not isinstance(num_groups, int) or num_groups <= 0):
+            raise TypeError(f"{self.layer_name}: num_groups must be a positive int, got {num_groups!r}")
         self.num_groups = num_groups or 0
         if isinstance(size, int):
             size = (size,)
@@ -280,23 +354,31 @@ class Module(nn.Module):
                 self.register_buffer(b, torch.full(self.size, float(meta["buffer_init"][b]), **kw))
 
     def extra_repr(self) -> str:
+        """The layer's name, size and options, for ``repr``."""
         opts = ", ".join(f"{o}={getattr(self, o)}" for o in self._layer.meta["options"])
         return f"{self.layer_name}, {self.size}" + (f", {opts}" if opts else "")
 
-    def forward(self, x, **inputs):
+    def forward(self, x: torch.Tensor, **inputs: torch.Tensor | float) -> torch.Tensor:
+        """y of the spec's layer; its per-group inputs as keywords (tensors or numbers). In
+        training mode the running buffers are updated in place."""
         lay, meta = self._layer, self._layer.meta
         missing = [i for i in meta["inputs"] if i not in inputs]
         extra = set(inputs) - set(meta["inputs"])
         if missing or extra:
-            raise TypeError(f"{self.layer_name}: forward takes the per-group inputs {meta['inputs']} as keywords"
-                            + (f"; missing {missing}" if missing else "") + (f"; unknown {sorted(extra)}" if extra else ""))
+            raise TypeError(
+                f"{self.layer_name}: forward takes the per-group inputs {meta['inputs']} as keywords"
+                + (f"; missing {missing}" if missing else "")
+                + (f"; unknown {sorted(extra)}" if extra else "")
+            )
         params = {p: getattr(self, p) for p in meta["params"]}
         options = {o: getattr(self, o) for o in meta["options"]}
         bufs = {b: getattr(self, b) for b in meta["buffers"]}
         pg = sync.sync_group(self.process_group, self.training) if self.sync else None
         if pg is not None:
-            ins = {i: (v if isinstance(v, torch.Tensor) else torch.tensor(float(v), dtype=x.dtype))
-                   for i, v in inputs.items()}
+            ins = {
+                i: (v if isinstance(v, torch.Tensor) else torch.tensor(float(v), dtype=x.dtype))
+                for i, v in inputs.items()
+            }
             y, stats, n = sync.sync_forward(lay, pg, x, params, options, ins)
             if bufs:
                 lay.update_buffers(stats, bufs, options, n)
@@ -307,8 +389,7 @@ class Module(nn.Module):
 def _run(lay, x, params: dict, inputs: dict, options: dict, training: bool, bufs: dict, num_groups):
     """y of a spec's layer; per-group inputs may be numbers; running buffers, when all are
     given, are updated in training mode (batch-reduced layers: N values per channel)."""
-    ins = {i: (v if isinstance(v, torch.Tensor) else torch.tensor(float(v), dtype=x.dtype))
-           for i, v in inputs.items()}
+    ins = {i: (v if isinstance(v, torch.Tensor) else torch.tensor(float(v), dtype=x.dtype)) for i, v in inputs.items()}
     y, stats = lay.forward(x, params, ins, options, training=training, buffers=bufs, num_groups=num_groups)
     if training and bufs and all(v is not None for v in bufs.values()):
         lay.update_buffers(stats, bufs, options, x.numel() // x.shape[1])
@@ -326,8 +407,10 @@ class _Function:
         meta = self._layer.meta
         name = meta["name"]
         if len(params) > len(meta["params"]):
-            raise TypeError(f"{name}: takes x and {len(meta['params'])} parameter(s) {meta['params']} "
-                            f"positionally, got {len(params)}")
+            raise TypeError(
+                f"{name}: takes x and {len(meta['params'])} parameter(s) {meta['params']} "
+                f"positionally, got {len(params)}"
+            )
         given = dict(zip(meta["params"], params))
         twice = set(given) & set(kw)
         if twice:
@@ -351,11 +434,19 @@ class _Function:
         bufs = {b: kw.get(b) for b in meta["buffers"]}
         if not training and any(v is None for v in bufs.values()):
             raise ValueError(f"{name}: training=False normalizes with the buffers {meta['buffers']}; pass them")
-        return _run(self._layer, x, {p: kw[p] for p in meta["params"]}, {i: kw[i] for i in meta["inputs"]},
-                    options, training, bufs, num_groups)
+        return _run(
+            self._layer,
+            x,
+            {p: kw[p] for p in meta["params"]},
+            {i: kw[i] for i in meta["inputs"]},
+            options,
+            training,
+            bufs,
+            num_groups,
+        )
 
 
-def function(spec):
+def function(spec: Spec | str | Path) -> _Function:
     """A layer as an autograd-aware function: ``f = function("layernorm")``, then
     ``f(x, weight, bias, eps=1e-5)``. Parameters come positionally in the spec's
     order (or as keywords by name), per-group inputs and options as keywords
@@ -369,19 +460,33 @@ class OnlineLayerNorm(Module):
     ``OnlineLayerNorm(normalized_shape, alpha, eps=0.0)``; ``forward(x, prev_mean, prev_std)``
     takes the running moments (one value per row, or scalars), and gradients flow into them."""
 
-    def __init__(self, normalized_shape, alpha: float, eps: float = 0.0, *, device=None, dtype=None):
+    def __init__(
+        self,
+        normalized_shape: int | Sequence[int],
+        alpha: float,
+        eps: float = 0.0,
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
         super().__init__("online_layernorm", normalized_shape, alpha=alpha, eps=eps, device=device, dtype=dtype)
 
-    def forward(self, x, prev_mean, prev_std):
+    def forward(self, x: torch.Tensor, prev_mean: torch.Tensor | float, prev_std: torch.Tensor | float) -> torch.Tensor:
+        """y of the online layer norm, given the running moments of the rows."""
         return super().forward(x, prev_mean=prev_mean, prev_std=prev_std)
 
 
 # ------------------------------------------------------------------ convert
 
 _TWINS = {
-    nn.LayerNorm: LayerNorm, nn.RMSNorm: RMSNorm,
-    nn.BatchNorm1d: BatchNorm1d, nn.BatchNorm2d: BatchNorm2d, nn.BatchNorm3d: BatchNorm3d,
-    nn.InstanceNorm1d: InstanceNorm1d, nn.InstanceNorm2d: InstanceNorm2d, nn.InstanceNorm3d: InstanceNorm3d,
+    nn.LayerNorm: LayerNorm,
+    nn.RMSNorm: RMSNorm,
+    nn.BatchNorm1d: BatchNorm1d,
+    nn.BatchNorm2d: BatchNorm2d,
+    nn.BatchNorm3d: BatchNorm3d,
+    nn.InstanceNorm1d: InstanceNorm1d,
+    nn.InstanceNorm2d: InstanceNorm2d,
+    nn.InstanceNorm3d: InstanceNorm3d,
     nn.GroupNorm: GroupNorm,
 }
 
@@ -391,7 +496,7 @@ def _twin_of(m: nn.Module) -> nn.Module | None:
     if cls is None:
         return None
     new = cls.__new__(cls)
-    new.__dict__.update(m.__dict__)        # the same parameters, buffers, hooks, attributes and mode
+    new.__dict__.update(m.__dict__)  # the same parameters, buffers, hooks, attributes and mode
     new.__dict__["_parameters"] = dict(m._parameters)
     new.__dict__["_buffers"] = dict(m._buffers)
     new.__dict__["_modules"] = dict(m._modules)

@@ -43,23 +43,30 @@ This module is the face; the work is done, in the order of a call, by
 from __future__ import annotations
 
 import threading
+from pathlib import Path
+
+import torch
 
 from derivgen import runtime as rt
 from derivgen.api import load, load_spec, materialize
-from derivgen.runtime.cbind import input_pairs  # noqa: F401  (re-exported: the operators' per-group input convention)
+from derivgen.runtime.cbind import input_pairs
 from derivgen.spec.model import Spec, catalogue_names, load_catalogue
 from derivgen.torch import closed_form
 from derivgen.torch.autograd import call_forward
-from derivgen.torch.plan import KernelLibraries, PlanCache, threads  # noqa: F401  (threads: re-exported)
-from derivgen.torch.register import LIBRARY, ModeOps, register_mode  # noqa: F401
+from derivgen.torch.plan import KernelLibraries, PlanCache, threads
+from derivgen.torch.register import LIBRARY, ModeOps, register_mode
 from derivgen.torch.schema import mode_schemas
-from derivgen.torch.tensors import layout  # noqa: F401  (re-exported)
+from derivgen.torch.tensors import layout
+
+# re-exported beside this module's own names: the operators' per-group input convention
+# (input_pairs), their thread count (threads), the registered library and mode record, the layout
+__all__ = ["LIBRARY", "ModeOps", "TorchLayer", "input_pairs", "layer", "layout", "op_base", "threads"]
 
 _LOCK = threading.RLock()
 _LAYERS: dict[str, TorchLayer] = {}
 
 
-def layer(spec_or_name) -> TorchLayer:
+def layer(spec_or_name: Spec | str | Path) -> TorchLayer:
     """The operators of a catalogue layer (by name), a spec file or a Spec,
     registered on first use."""
     spec = spec_or_name if isinstance(spec_or_name, Spec) else load_spec(spec_or_name)
@@ -83,7 +90,7 @@ class TorchLayer:
     PyTorch modules behind them, and what the operator modules share: the operator
     schemas, the C libraries and the per-call plans."""
 
-    def __init__(self, spec: Spec, base: str):
+    def __init__(self, spec: Spec, base: str) -> None:
         self.spec, self.base = spec, base
         self.ckernel = load(spec, "c")
         self.target = load(spec, "torch")
@@ -94,36 +101,51 @@ class TorchLayer:
         self.schemas = {mode: mode_schemas(m, mode) for mode in m["modes"]}
         self.libraries = KernelLibraries(self.ckernel._kernel)
         self.plans = PlanCache(self)
-        self._csplit: dict = {}         # dtype -> derivgen.torch.sync._CSplit
+        self._csplit: dict = {}  # dtype -> derivgen.torch.sync._CSplit
         self.modes = {mode: register_mode(self, mode) for mode in m["modes"]}
 
     # one object per spec and process: copies of a module share it, a pickle names the spec
-    def __copy__(self):
+    def __copy__(self) -> TorchLayer:
         return self
 
-    def __deepcopy__(self, memo):
+    def __deepcopy__(self, memo: dict) -> TorchLayer:
         return self
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple:
         return (layer, (self.spec,))
 
-    def forward(self, x, params: dict, inputs: dict, options: dict, *, training: bool = True,
-                buffers: dict | None = None, num_groups: int = 0, stats: bool = True):
+    def forward(
+        self,
+        x: torch.Tensor,
+        params: dict,
+        inputs: dict,
+        options: dict,
+        *,
+        training: bool = True,
+        buffers: dict | None = None,
+        num_groups: int = 0,
+        stats: bool = True,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor] | None]:
         """(y, {statistic: float64 per-group tensor}) through the operators (autograd-aware);
         (y, None) with ``stats=False``."""
         mode = "train" if training or "eval" not in self.modes else "eval"
         tens = [x, *[params[p] for p in self.params], *[inputs[i] for i in self.inputs]]
         if mode == "eval":
             tens += [buffers[b] for b in self.buffers]
-        return call_forward(self, mode, tens, tuple([float(options[o]) for o in self.options]),
-                            int(num_groups or 0), stats)
+        return call_forward(
+            self, mode, tens, tuple([float(options[o]) for o in self.options]), int(num_groups or 0), stats
+        )
 
-    def call(self, mode: str, tens: list, opts: tuple, groups: int, stats: bool = True):
+    def call(
+        self, mode: str, tens: list, opts: tuple, groups: int, stats: bool = True
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor] | None]:
         """:meth:`forward` with the arguments in operator order: tensors (x, parameters,
         inputs, and in eval mode buffers), options (floats), groups (0 without groups)."""
         return call_forward(self, mode, tens, opts, groups, stats)
 
-    def update_buffers(self, stats: dict, buffers: dict, options: dict, group_size, reduce_dims=()) -> None:
+    def update_buffers(
+        self, stats: dict, buffers: dict, options: dict, group_size: int, reduce_dims: tuple[int, ...] = ()
+    ) -> None:
         """Apply the spec's running-buffer updates in place (see :func:`closed_form.update_buffers`)."""
         closed_form.update_buffers(self, stats, buffers, options, group_size, reduce_dims)
 
@@ -140,5 +162,5 @@ class TorchLayer:
     def _generic_bb(self, mode: str, a: dict) -> tuple:
         return closed_form.generic_bb(self, mode, a)
 
-    def _generic_jvp(self, mode: str, a: dict):
+    def _generic_jvp(self, mode: str, a: dict) -> torch.Tensor:
         return closed_form.generic_jvp(self, mode, a)

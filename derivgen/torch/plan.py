@@ -13,11 +13,14 @@ from __future__ import annotations
 
 import ctypes
 import math
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
 from derivgen import runtime as rt
 from derivgen.runtime.cbind import CKernel, input_pairs
+from derivgen.torch.protocol import Layer
 from derivgen.torch.schema import by_spec_name
 from derivgen.torch.tensors import SUFFIX, channels_last_format, is_channels_last, per_group_input_grad
 from derivgen.torch.validate import check_forward
@@ -34,7 +37,7 @@ class KernelLibraries:
     bfloat16 and channels-last ones in a second build of the same source
     (-DDG_EXTRAS_ONLY), compiled on first use."""
 
-    def __init__(self, main: CKernel):
+    def __init__(self, main: CKernel) -> None:
         self.main = main
         self._extras: CKernel | None = None
 
@@ -57,11 +60,31 @@ class KernelPlan:
     the layout and everything else fixed by the shapes, so that a call only allocates
     its outputs and passes data pointers."""
 
-    __slots__ = ("lay", "mode", "groups", "ffn", "bfn", "fsig", "bsig", "fpack", "bpack", "dims", "kernel",
-                 "n_groups", "nhwc", "npar", "nin", "copy", "null_bufs", "stat_offsets", "stats_like", "name",
-                 "simple")
+    __slots__ = (
+        "bfn",
+        "bpack",
+        "bsig",
+        "copy",
+        "dims",
+        "ffn",
+        "fpack",
+        "fsig",
+        "groups",
+        "kernel",
+        "lay",
+        "mode",
+        "n_groups",
+        "name",
+        "nhwc",
+        "nin",
+        "npar",
+        "null_bufs",
+        "simple",
+        "stat_offsets",
+        "stats_like",
+    )
 
-    def __init__(self, lay, mode: str, L: rt.Layout, tens: list, nhwc: bool, groups: int):
+    def __init__(self, lay: Layer, mode: str, L: rt.Layout, tens: list, nhwc: bool, groups: int) -> None:
         x = tens[0]
         self.lay, self.mode, self.groups, self.name = lay, mode, groups, lay.meta["name"]
         self.ffn = lay.libraries.cfunc(mode, "forward", x.dtype, nhwc)
@@ -72,10 +95,14 @@ class KernelPlan:
         # the common case's packers (no per-group inputs): x with the parameters, x with dy
         self.fpack = self.bpack = None
         if not lay.inputs:
-            self.fpack = self.fsig.packer(("dims", "x_params", "options", "buffers", "y", "stats", "nthreads"),
-                                          merged={"x_params": ("x", "params")})
-            self.bpack = self.bsig.packer(("dims", "x_dy", "params", "options", "stats", "dx", "dparams",
-                                           "nthreads"), merged={"x_dy": ("x", "dy")})
+            self.fpack = self.fsig.packer(
+                ("dims", "x_params", "options", "buffers", "y", "stats", "nthreads"),
+                merged={"x_params": ("x", "params")},
+            )
+            self.bpack = self.bsig.packer(
+                ("dims", "x_dy", "params", "options", "stats", "dx", "dparams", "nthreads"),
+                merged={"x_dy": ("x", "dy")},
+            )
         self.dims, self.n_groups, self.nhwc = (L.O, L.G, L.Cg, L.S), L.n_groups, nhwc
         self.npar, self.nin = len(lay.params), len(lay.inputs)
         # a strided tensor (or a channels-last one where this layer has no such kernel) is copied
@@ -87,48 +114,76 @@ class KernelPlan:
         # contiguous tensors, no per-group inputs, no buffers passed (train mode)
         self.simple = not self.copy and not self.nin and (mode == "train" or not lay.buffers)
 
-    def forward(self, tens, opts, blob: bool):
+    def forward(
+        self, tens: list[torch.Tensor], opts: tuple[float, ...], blob: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | list[torch.Tensor]]:
         """y and the statistics by the forward kernel on validated tensors. The statistics
         are one float64 tensor per statistic, or with ``blob`` one (statistics, groups)
         tensor (one allocation: the eager path keeps them together)."""
         if not (self.simple and blob):
             return _forward_general(self, tens, opts, blob)
-        y = torch.empty_like(tens[0])           # the common case, with the least Python
+        y = torch.empty_like(tens[0])  # the common case, with the least Python
         st = torch.empty_like(self.stats_like)
         p = st.data_ptr()
-        if self.ffn(*self.fpack(self.dims, [t.data_ptr() for t in tens], opts, self.null_bufs, (y.data_ptr(),),
-                                [p + o for o in self.stat_offsets], (threads(self.kernel),))) != 0:
+        if (
+            self.ffn(
+                *self.fpack(
+                    self.dims,
+                    [t.data_ptr() for t in tens],
+                    opts,
+                    self.null_bufs,
+                    (y.data_ptr(),),
+                    [p + o for o in self.stat_offsets],
+                    (threads(self.kernel),),
+                )
+            )
+            != 0
+        ):
             raise MemoryError(f"{self.name}: forward kernel could not allocate its work buffer")
         return y, st
 
-    def backward(self, dy, tens, stat_ptrs, opts) -> tuple:
+    def backward(
+        self, dy: torch.Tensor, tens: list[torch.Tensor], stat_ptrs: list[int], opts: tuple[float, ...]
+    ) -> tuple:
         """(dx, dparams..., dinputs...) by the backward kernel. ``tens`` are the forward's
         tensors (x, params, inputs[, buffers]); dy has x's shape and dtype."""
         if not self.simple or self.nhwc:
             return _backward_general(self, dy, tens, stat_ptrs, opts)
-        x = tens[0]                             # the common case, with the least Python
+        x = tens[0]  # the common case, with the least Python
         dy = dy.contiguous()
         dx = torch.empty_like(x)
         dps = [torch.empty_like(p) for p in tens[1:]]
-        if self.bfn(*self.bpack(self.dims, (x.data_ptr(), dy.data_ptr()), [p.data_ptr() for p in tens[1:]], opts,
-                                stat_ptrs, (dx.data_ptr(),), [t.data_ptr() for t in dps],
-                                (threads(self.kernel),))) != 0:
+        if (
+            self.bfn(
+                *self.bpack(
+                    self.dims,
+                    (x.data_ptr(), dy.data_ptr()),
+                    [p.data_ptr() for p in tens[1:]],
+                    opts,
+                    stat_ptrs,
+                    (dx.data_ptr(),),
+                    [t.data_ptr() for t in dps],
+                    (threads(self.kernel),),
+                )
+            )
+            != 0
+        ):
             raise MemoryError(f"{self.name}: backward kernel could not allocate its work buffer")
         return (dx, *dps)
 
 
-def _contiguous_operands(plan: KernelPlan, tens) -> list:
+def _contiguous_operands(plan: KernelPlan, tens: list[torch.Tensor]) -> list[torch.Tensor]:
     """The tensors, copied where strided (x keeps its channels-last layout where the
     plan has channels-last kernels)."""
     return [tens[0] if plan.nhwc else tens[0].contiguous()] + [t.contiguous() for t in tens[1:]]
 
 
-def _forward_general(plan: KernelPlan, tens, opts, blob: bool):
+def _forward_general(plan: KernelPlan, tens: list[torch.Tensor], opts: tuple[float, ...], blob: bool) -> tuple:
     """:meth:`KernelPlan.forward` with per-group inputs, buffers or tensors to copy."""
     if plan.copy:
         tens = _contiguous_operands(plan, tens)
     x = tens[0]
-    y = torch.empty_like(x)                     # x's layout: contiguous or channels last
+    y = torch.empty_like(x)  # x's layout: contiguous or channels last
     if blob:
         st = torch.empty_like(plan.stats_like)
         sp = [st.data_ptr() + o for o in plan.stat_offsets]
@@ -137,43 +192,77 @@ def _forward_general(plan: KernelPlan, tens, opts, blob: bool):
         sp = [t.data_ptr() for t in st]
     k = 1 + plan.npar
     ptrs = [t.data_ptr() for t in tens]
-    if plan.ffn(*plan.fsig.pack({
-            "dims": plan.dims, "x": ptrs[:1], "params": ptrs[1:k], "options": opts,
-            "inputs": input_pairs(tens[k:k + plan.nin]), "buffers": ptrs[k + plan.nin:] or plan.null_bufs,
-            "y": (y.data_ptr(),), "stats": sp, "nthreads": (threads(plan.kernel),)})) != 0:
+    if (
+        plan.ffn(
+            *plan.fsig.pack(
+                {
+                    "dims": plan.dims,
+                    "x": ptrs[:1],
+                    "params": ptrs[1:k],
+                    "options": opts,
+                    "inputs": input_pairs(tens[k : k + plan.nin]),
+                    "buffers": ptrs[k + plan.nin :] or plan.null_bufs,
+                    "y": (y.data_ptr(),),
+                    "stats": sp,
+                    "nthreads": (threads(plan.kernel),),
+                }
+            )
+        )
+        != 0
+    ):
         raise MemoryError(f"{plan.name}: forward kernel could not allocate its work buffer")
     return y, st
 
 
-def _backward_general(plan: KernelPlan, dy, tens, stat_ptrs, opts) -> tuple:
+def _backward_general(
+    plan: KernelPlan, dy: torch.Tensor, tens: list[torch.Tensor], stat_ptrs: list[int], opts: tuple[float, ...]
+) -> tuple:
     """:meth:`KernelPlan.backward` with per-group inputs, buffers, channels last or tensors to copy."""
     if plan.copy:
         tens = _contiguous_operands(plan, tens)
     x, k = tens[0], 1 + plan.npar
     dy = dy.contiguous(memory_format=channels_last_format(x)) if plan.nhwc else dy.contiguous()
-    params, ins = tens[1:k], tens[k:k + plan.nin]
+    params, ins = tens[1:k], tens[k : k + plan.nin]
     dx = torch.empty_like(x)
     dps = [torch.empty_like(p) for p in params]
     dis = [torch.empty(plan.n_groups, dtype=x.dtype) for _ in ins]
-    if plan.bfn(*plan.bsig.pack({
-            "dims": plan.dims, "x": (x.data_ptr(),), "dy": (dy.data_ptr(),),
-            "params": [p.data_ptr() for p in params], "options": opts, "inputs": input_pairs(ins),
-            "stats": stat_ptrs, "dx": (dx.data_ptr(),), "dparams": [t.data_ptr() for t in dps],
-            "dinputs": [t.data_ptr() for t in dis], "nthreads": (threads(plan.kernel),)})) != 0:
+    if (
+        plan.bfn(
+            *plan.bsig.pack(
+                {
+                    "dims": plan.dims,
+                    "x": (x.data_ptr(),),
+                    "dy": (dy.data_ptr(),),
+                    "params": [p.data_ptr() for p in params],
+                    "options": opts,
+                    "inputs": input_pairs(ins),
+                    "stats": stat_ptrs,
+                    "dx": (dx.data_ptr(),),
+                    "dparams": [t.data_ptr() for t in dps],
+                    "dinputs": [t.data_ptr() for t in dis],
+                    "nthreads": (threads(plan.kernel),),
+                }
+            )
+        )
+        != 0
+    ):
         raise MemoryError(f"{plan.name}: backward kernel could not allocate its work buffer")
     return (dx, *dps, *(per_group_input_grad(d, t, x.dtype) for t, d in zip(ins, dis)))
 
 
-def options_in_range(opts, ranges) -> bool:
+def options_in_range(opts: Sequence[Any], ranges: Sequence[tuple]) -> bool:
     """Every option a finite float within its declared range (``ranges``: (default, lo, hi))."""
     for v, (_, lo, hi) in zip(opts, ranges):
-        if not (isinstance(v, float) and math.isfinite(v)) or (lo is not None and v < lo) \
-                or (hi is not None and v > hi):
+        if (
+            not (isinstance(v, float) and math.isfinite(v))
+            or (lo is not None and v < lo)
+            or (hi is not None and v > hi)
+        ):
             return False
     return True
 
 
-def call_key(tens, xi: int, groups, channel_layout: bool):
+def call_key(tens: Sequence[torch.Tensor], xi: int, groups: int, channel_layout: bool) -> tuple[tuple, bool]:
     """A call's signature, and whether x (``tens[xi]``) is channels last."""
     nhwc = channel_layout and is_channels_last(tens[xi])
     return tuple([(t.shape, t.dtype, t.is_cpu, t.is_contiguous()) for t in tens]) + (groups, nhwc), nhwc
@@ -183,28 +272,28 @@ class PlanCache:
     """A layer's plans by mode and call signature: validated on first use, and again
     whenever the options are out of range (so that the error names them)."""
 
-    def __init__(self, lay):
+    def __init__(self, lay: Layer) -> None:
         self.lay = lay
         self.ranges = [lay.meta["options"][o] for o in lay.options]
         self.channel_layout = lay.meta["layout"] == "channels"
         self._plans: dict = {}
 
-    def forward(self, mode: str, tens, opts, groups) -> KernelPlan:
+    def forward(self, mode: str, tens: list[torch.Tensor], opts: tuple[float, ...], groups: int) -> KernelPlan:
         """The plan of a forward call (tensors, options and groups in operator order)."""
         try:
             key, nhwc = call_key(tens, 0, groups, self.channel_layout)
             plan = self._plans.get((mode, key))
-        except AttributeError:          # not a tensor: the validation names it
+        except AttributeError:  # not a tensor: the validation names it
             key = nhwc = plan = None
         if plan is None or not options_in_range(opts, self.ranges):
             plan = self.validated(mode, [*tens, *opts, groups], key, nhwc)
         return plan
 
-    def options_ok(self, opts) -> bool:
+    def options_ok(self, opts: Sequence[Any]) -> bool:
         """Every option of a call (in spec order) within its declared range."""
         return options_in_range(opts, self.ranges)
 
-    def validated(self, mode: str, args, key, nhwc: bool) -> KernelPlan:
+    def validated(self, mode: str, args: list, key: tuple | None, nhwc: bool) -> KernelPlan:
         """Validate a forward call's arguments (raising on bad input) and remember its plan."""
         fargs = self.lay.schemas[mode].forward
         a = by_spec_name(fargs, args)

@@ -7,13 +7,14 @@ through the operators without graph breaks, and autograd (:mod:`derivgen.torch.a
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
 from derivgen.torch.autograd import register_first_order, register_second_order
 from derivgen.torch.plan import call_key
+from derivgen.torch.protocol import Layer
 from derivgen.torch.schema import by_spec_name, tensor_count
 from derivgen.torch.second_order import second_impl
 from derivgen.torch.tensors import is_channels_last, layout, op_result
@@ -29,23 +30,24 @@ class ModeOps:
     mode: str
     forward: object
     backward: object
-    bb: object = None      # the double backward (derived kernels)
-    jvp: object = None     # the forward-mode derivative (derived kernels)
+    bb: object = None  # the double backward (derived kernels)
+    jvp: object = None  # the forward-mode derivative (derived kernels)
 
 
-def forward_impl(lay, mode: str) -> Callable:
+def forward_impl(lay: Layer, mode: str) -> Callable:
     """The forward operator's CPU implementation: the plan of the call's signature."""
     fargs = lay.schemas[mode].forward
     ntens, nopt = tensor_count(fargs), len(lay.options)
 
     def impl(*args):
-        tens, opts = args[:ntens], args[ntens:ntens + nopt]
+        tens, opts = args[:ntens], args[ntens : ntens + nopt]
         y, st = lay.plans.forward(mode, tens, opts, args[-1]).forward(tens, opts, blob=False)
         return op_result((y, *st))
+
     return impl
 
 
-def backward_impl(lay, mode: str) -> Callable:
+def backward_impl(lay: Layer, mode: str) -> Callable:
     """The backward operator's CPU implementation: the plan of the forward's signature,
     validated with dy and the statistics on a signature's first call."""
     bargs = lay.schemas[mode].backward
@@ -54,27 +56,28 @@ def backward_impl(lay, mode: str) -> Callable:
     plans: dict = {}
 
     def impl(*args):
-        tens, opts = args[:ntens], args[ntens:ntens + nopt]
+        tens, opts = args[:ntens], args[ntens : ntens + nopt]
         key, nhwc = call_key(tens, 1, args[-1], lay.plans.channel_layout)
         plan = plans.get(key)
         if plan is None or not lay.plans.options_ok(opts):
             a = by_spec_name(bargs, args)
             fvalues = [v for arg, v in zip(bargs, args) if arg.spec != "dy" and arg.spec not in stats]
-            fkey = call_key(fvalues[:ntens - 1 - nstat], 0, args[-1], lay.plans.channel_layout)[0]
+            fkey = call_key(fvalues[: ntens - 1 - nstat], 0, args[-1], lay.plans.channel_layout)[0]
             plan = lay.plans.validated(mode, fvalues, fkey, nhwc)
             check_backward_extras(lay.meta, mode, a, plan.n_groups)
             plans[key] = plan
-        st = [t.contiguous() for t in tens[ntens - nstat:]]
-        return op_result(plan.backward(tens[0], tens[1:ntens - nstat], [t.data_ptr() for t in st], opts))
+        st = [t.contiguous() for t in tens[ntens - nstat :]]
+        return op_result(plan.backward(tens[0], tens[1 : ntens - nstat], [t.data_ptr() for t in st], opts))
+
     return impl
 
 
-def _like_x(lay, x: torch.Tensor) -> torch.Tensor:
+def _like_x(lay: Layer, x: torch.Tensor) -> torch.Tensor:
     """A fake output of x's shape (channels last where x is)."""
     return torch.empty_like(x) if lay.plans.channel_layout and is_channels_last(x) else x.new_empty(x.shape)
 
 
-def register_fakes(lay, mode: str, ops: ModeOps) -> None:
+def register_fakes(lay: Layer, mode: str, ops: ModeOps) -> None:
     """The four operators' fake kernels: outputs' shapes and dtypes."""
     s, stats = lay.schemas[mode], lay.meta["stats"][mode]
 
@@ -87,36 +90,58 @@ def register_fakes(lay, mode: str, ops: ModeOps) -> None:
     def backward_fake(*args):
         a = by_spec_name(s.backward, args)
         x = a["x"]
-        return op_result((_like_x(lay, x), *(x.new_empty(a[p].shape) for p in lay.params),
-                          *(x.new_empty(a[i].shape) for i in lay.inputs)))
+        return op_result(
+            (
+                _like_x(lay, x),
+                *(x.new_empty(a[p].shape) for p in lay.params),
+                *(x.new_empty(a[i].shape) for i in lay.inputs),
+            )
+        )
 
     def bb_fake(*args):
         a = by_spec_name(s.bb, args)
         x = a["x"]
-        return (torch.empty_like(x), torch.empty_like(x), *(torch.empty_like(a[p]) for p in lay.params),
-                *(torch.empty_like(a[i]) for i in lay.inputs))
+        return (
+            torch.empty_like(x),
+            torch.empty_like(x),
+            *(torch.empty_like(a[p]) for p in lay.params),
+            *(torch.empty_like(a[i]) for i in lay.inputs),
+        )
 
     def jvp_fake(*args):
         return torch.empty_like(by_spec_name(s.jvp, args)["x"])
 
-    for op, fake in ((ops.forward, forward_fake), (ops.backward, backward_fake), (ops.bb, bb_fake),
-                     (ops.jvp, jvp_fake)):
+    for op, fake in (
+        (ops.forward, forward_fake),
+        (ops.backward, backward_fake),
+        (ops.bb, bb_fake),
+        (ops.jvp, jvp_fake),
+    ):
         torch.library.register_fake(op, fake, lib=LIBRARY)
 
 
-def register_mode(lay, mode: str) -> ModeOps:
+def register_mode(lay: Layer, mode: str) -> ModeOps:
     """Define and implement one mode's four operators, with fake kernels and autograd."""
     s = lay.schemas[mode]
     names = {kind: f"{lay.base}_{mode}_{kind}" for kind in ("forward", "backward", "bb", "jvp")}
-    for kind, text in (("forward", s.forward_text()), ("backward", s.backward_text()), ("bb", s.bb_text()),
-                       ("jvp", s.jvp_text())):
+    for kind, text in (
+        ("forward", s.forward_text()),
+        ("backward", s.backward_text()),
+        ("bb", s.bb_text()),
+        ("jvp", s.jvp_text()),
+    ):
         LIBRARY.define(names[kind] + text)
-    impls = {"forward": forward_impl(lay, mode), "backward": backward_impl(lay, mode),
-             "bb": second_impl(lay, mode, "bb", s.bb), "jvp": second_impl(lay, mode, "jvp", s.jvp)}
+    impls = {
+        "forward": forward_impl(lay, mode),
+        "backward": backward_impl(lay, mode),
+        "bb": second_impl(lay, mode, "bb", s.bb),
+        "jvp": second_impl(lay, mode, "jvp", s.jvp),
+    }
     for kind, impl in impls.items():
         LIBRARY.impl(names[kind], impl, "CPU")
-    ops = ModeOps(mode, *(getattr(torch.ops.derivgen, names[kind]).default for kind in ("forward", "backward",
-                                                                                        "bb", "jvp")))
+    ops = ModeOps(
+        mode, *(getattr(torch.ops.derivgen, names[kind]).default for kind in ("forward", "backward", "bb", "jvp"))
+    )
     register_fakes(lay, mode, ops)
     register_second_order(lay, LIBRARY, mode, ops)
     register_first_order(lay, LIBRARY, mode, ops)

@@ -18,8 +18,9 @@ spec gives it (``gamma``, ``eps``, ``num_groups``; the seeds ``c_<name>`` and ``
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, NamedTuple, Sequence
+from typing import NamedTuple
 
 
 class OpArg(NamedTuple):
@@ -39,8 +40,8 @@ class ModeSchemas:
     backward: tuple[OpArg, ...]
     bb: tuple[OpArg, ...]
     jvp: tuple[OpArg, ...]
-    forward_outputs: int          # y and the statistics
-    backward_outputs: int         # dx, the parameters' and the inputs' gradients
+    forward_outputs: int  # y and the statistics
+    backward_outputs: int  # dx, the parameters' and the inputs' gradients
 
     def forward_text(self) -> str:
         """The forward operator's schema (after its name)."""
@@ -88,11 +89,22 @@ def mode_schemas(meta: dict, mode: str) -> ModeSchemas:
     scalars = [a for a in fargs if a.type != "Tensor"]
     stats = [OpArg("Tensor", f"s{k}", s) for k, s in enumerate(meta["stats"][mode])]
     diff = differentiable(meta)
-    bb = [OpArg("Tensor", "dy", "dy"), *tensors, *stats, *(OpArg("Tensor", f"c{k}", "c_" + n)
-                                                           for k, n in enumerate(diff))]
+    bb = [
+        OpArg("Tensor", "dy", "dy"),
+        *tensors,
+        *stats,
+        *(OpArg("Tensor", f"c{k}", "c_" + n) for k, n in enumerate(diff)),
+    ]
     jvp = [*tensors, *stats, *(OpArg("Tensor", f"t{k}", "t_" + n) for k, n in enumerate(diff))]
-    return ModeSchemas(mode, fargs, (OpArg("Tensor", "dy", "dy"), *tensors, *stats, *scalars),
-                       (*bb, *scalars), (*jvp, *scalars), 1 + len(stats), len(diff))
+    return ModeSchemas(
+        mode,
+        fargs,
+        (OpArg("Tensor", "dy", "dy"), *tensors, *stats, *scalars),
+        (*bb, *scalars),
+        (*jvp, *scalars),
+        1 + len(stats),
+        len(diff),
+    )
 
 
 def by_spec_name(args: Sequence[OpArg], values: Sequence) -> dict:

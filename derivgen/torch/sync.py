@@ -21,6 +21,7 @@ so that a bad input on one process is an error on every process instead of a han
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -28,6 +29,7 @@ import torch.distributed as dist
 from derivgen import runtime as rt
 from derivgen.runtime.cbind import input_pairs
 from derivgen.torch.plan import threads
+from derivgen.torch.protocol import Layer
 
 _DTYPE_CODES = {torch.float32: 1, torch.float64: 2, torch.bfloat16: 3}
 
@@ -36,7 +38,7 @@ class SyncError(ValueError):
     """Raised on every process when the processes' inputs do not fit together."""
 
 
-def _check_part(lay, x, params: dict, channels: int) -> str | None:
+def _check_part(lay: Layer, x: torch.Tensor, params: dict, channels: int) -> str | None:
     """This process's input problems (None when it is fine)."""
     name = lay.meta["name"]
     if not isinstance(x, torch.Tensor):
@@ -53,7 +55,7 @@ def _check_part(lay, x, params: dict, channels: int) -> str | None:
     return None
 
 
-def exchange(lay, pg, x, problem: str | None, channels: int) -> int:
+def exchange(lay: Layer, pg: dist.ProcessGroup, x: torch.Tensor, problem: str | None, channels: int) -> int:
     """The header collective: every process's count of values per group, channels, dtype
     and status. Raises SyncError on every process if any process failed its checks or
     the parts disagree; returns the global group size."""
@@ -71,16 +73,19 @@ def exchange(lay, pg, x, problem: str | None, channels: int) -> int:
     if bad:
         raise SyncError(f"{name}: process(es) {bad} of the group failed their input checks (see their error)")
     if len({row[2] for row in rows}) > 1:
-        raise SyncError(f"{name}: the processes' inputs have different channel counts: "
-                        f"{[row[2] for row in rows]} (by rank in the group)")
+        raise SyncError(
+            f"{name}: the processes' inputs have different channel counts: "
+            f"{[row[2] for row in rows]} (by rank in the group)"
+        )
     if len({row[3] for row in rows}) > 1:
         names = {v: k for k, v in _DTYPE_CODES.items()}
         raise SyncError(f"{name}: the processes' inputs have different dtypes: {[names[row[3]] for row in rows]}")
     n = sum(row[1] for row in rows)
     need = lay.meta["min_group_size"]["train"]
     if n < need:
-        raise SyncError(f"{name}: the group's processes hold {n} values per channel together; training "
-                        f"mode needs at least {need}")
+        raise SyncError(
+            f"{name}: the group's processes hold {n} values per channel together; training mode needs at least {need}"
+        )
     return n
 
 
@@ -92,7 +97,7 @@ def _all_reduce(parts: tuple, pg) -> tuple:
     dist.all_reduce(flat, group=pg)
     out, at = [], 0
     for p in parts:
-        out.append(flat[at:at + p.numel()].reshape(p.shape))
+        out.append(flat[at : at + p.numel()].reshape(p.shape))
         at += p.numel()
     return tuple(out)
 
@@ -103,7 +108,7 @@ class _CSplit:
 
     KINDS = ("partial", "finish", "apply", "bpartial", "bapply")
 
-    def __init__(self, lay, dtype):
+    def __init__(self, lay: Layer, dtype: torch.dtype) -> None:
         sfx = {torch.float32: "f32", torch.float64: "f64"}[dtype]
         k = lay.ckernel._kernel
         self.fn = {kind: k.split_cfunc(kind, sfx) for kind in self.KINDS}
@@ -118,8 +123,12 @@ class _CSplit:
 
     @staticmethod
     def _leading(L, params, opts, ins) -> dict:
-        return {"dims": (L.O, L.G, L.Cg, L.S), "params": [p.data_ptr() for p in params], "options": opts,
-                "inputs": input_pairs(ins)}
+        return {
+            "dims": (L.O, L.G, L.Cg, L.S),
+            "params": [p.data_ptr() for p in params],
+            "options": opts,
+            "inputs": input_pairs(ins),
+        }
 
     def forward(self, L, x, params, opts, ins, n, pg):
         """y and the (statistics, groups) float64 statistics of the whole batch, one
@@ -130,16 +139,48 @@ class _CSplit:
         for level, nsums in enumerate(self.split["levels"]):
             sums = torch.zeros((nsums, L.n_groups), dtype=torch.float64)
             if nsums:
-                if L.O and self._call("partial", lead, x=(x.data_ptr(),), level=(level,), stats=(stats.data_ptr(),),
-                                      count=(float(n),), sums=(sums.data_ptr(),), nthreads=nth) != 0:
+                if (
+                    L.O
+                    and self._call(
+                        "partial",
+                        lead,
+                        x=(x.data_ptr(),),
+                        level=(level,),
+                        stats=(stats.data_ptr(),),
+                        count=(float(n),),
+                        sums=(sums.data_ptr(),),
+                        nthreads=nth,
+                    )
+                    != 0
+                ):
                     raise RuntimeError("split partial kernel failed")
                 dist.all_reduce(sums, group=pg)
-            if self._call("finish", lead, level=(level,), sums=(sums.data_ptr(),), count=(float(n),),
-                          stats=(stats.data_ptr(),)) != 0:
+            if (
+                self._call(
+                    "finish",
+                    lead,
+                    level=(level,),
+                    sums=(sums.data_ptr(),),
+                    count=(float(n),),
+                    stats=(stats.data_ptr(),),
+                )
+                != 0
+            ):
                 raise RuntimeError("split finish kernel failed")
         y = torch.empty_like(x)
-        if L.O and self._call("apply", lead, x=(x.data_ptr(),), stats=(stats.data_ptr(),), count=(float(n),),
-                              y=(y.data_ptr(),), nthreads=nth) != 0:
+        if (
+            L.O
+            and self._call(
+                "apply",
+                lead,
+                x=(x.data_ptr(),),
+                stats=(stats.data_ptr(),),
+                count=(float(n),),
+                y=(y.data_ptr(),),
+                nthreads=nth,
+            )
+            != 0
+        ):
             raise MemoryError("split apply kernel could not allocate its work buffer")
         return y, stats
 
@@ -149,9 +190,20 @@ class _CSplit:
         nth = (threads(self.kernel),)
         sums = torch.zeros((self.split["backward"], L.n_groups), dtype=torch.float64)
         if self.split["backward"]:
-            if L.O and self._call("bpartial", lead, x=(x.data_ptr(),), dy=(dy.data_ptr(),),
-                                  stats=(stats.data_ptr(),), count=(float(n),), sums=(sums.data_ptr(),),
-                                  nthreads=nth) != 0:
+            if (
+                L.O
+                and self._call(
+                    "bpartial",
+                    lead,
+                    x=(x.data_ptr(),),
+                    dy=(dy.data_ptr(),),
+                    stats=(stats.data_ptr(),),
+                    count=(float(n),),
+                    sums=(sums.data_ptr(),),
+                    nthreads=nth,
+                )
+                != 0
+            ):
                 raise RuntimeError("split bpartial kernel failed")
             dist.all_reduce(sums, group=pg)
         dx = torch.empty_like(x)
@@ -159,10 +211,23 @@ class _CSplit:
         dinputs = [torch.empty(L.n_groups, dtype=x.dtype) for _ in ins]
         if L.O == 0:
             return dx, [d.zero_() for d in dparams]
-        if self._call("bapply", lead, x=(x.data_ptr(),), dy=(dy.data_ptr(),), stats=(stats.data_ptr(),),
-                      sums=(sums.data_ptr(),), count=(float(n),), group_terms=(int(group_terms),),
-                      dx=(dx.data_ptr(),), dparams=[d.data_ptr() for d in dparams],
-                      dinputs=[d.data_ptr() for d in dinputs], nthreads=nth) != 0:
+        if (
+            self._call(
+                "bapply",
+                lead,
+                x=(x.data_ptr(),),
+                dy=(dy.data_ptr(),),
+                stats=(stats.data_ptr(),),
+                sums=(sums.data_ptr(),),
+                count=(float(n),),
+                group_terms=(int(group_terms),),
+                dx=(dx.data_ptr(),),
+                dparams=[d.data_ptr() for d in dparams],
+                dinputs=[d.data_ptr() for d in dinputs],
+                nthreads=nth,
+            )
+            != 0
+        ):
             raise MemoryError("split bapply kernel could not allocate its work buffer")
         return dx, dparams
 
@@ -217,13 +282,14 @@ class _SyncFunction(torch.autograd.Function):
         x4 = x.double().reshape(L.view4)
         dy4 = dy.double().reshape(L.view4)
         sums = _all_reduce(target.backward_partial_train(dy4, x4, **ctx.kw, _L=L, _stats=ctx.stats, N=n), pg)
-        dx, dparams, _ = target.backward_apply_train(dy4, x4, **ctx.kw, _L=L, _stats=ctx.stats, _sums=sums, N=n,
-                                                     _group_terms=first)
+        dx, dparams, _ = target.backward_apply_train(
+            dy4, x4, **ctx.kw, _L=L, _stats=ctx.stats, _sums=sums, N=n, _group_terms=first
+        )
         grads = [dparams[p].reshape(t.shape).to(t.dtype) for p, t in zip(lay.params, params)]
         return (None, None, None, None, None, dx.reshape(x.shape).to(x.dtype), *grads)
 
 
-def sync_group(process_group, training: bool):
+def sync_group(process_group: dist.ProcessGroup | None, training: bool) -> dist.ProcessGroup | None:
     """The process group a split reduction runs over, or None when there is nothing to
     split (not training, torch.distributed not initialized, or one process)."""
     if not (training and dist.is_available() and dist.is_initialized()):
@@ -232,15 +298,24 @@ def sync_group(process_group, training: bool):
     return pg if dist.get_world_size(pg) > 1 else None
 
 
-def sync_forward(lay, pg, x, params: dict, options: dict, inputs: dict | None = None):
+def sync_forward(
+    lay: Layer,
+    pg: dist.ProcessGroup | None,
+    x: torch.Tensor,
+    params: dict,
+    options: dict,
+    inputs: dict | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor], int]:
     """(y, {statistic: per-group float64 tensor}, N) of a batch-reduced layer in
     training mode over the batch the processes of ``pg`` hold together (``pg`` None:
     the default group). Autograd-aware; the parameters' gradients are this process's
     part (DistributedDataParallel adds them up)."""
     meta = lay.meta
     if meta["layout"] != "channels" or meta["reduce"] != "batch":
-        raise ValueError(f"{meta['name']}: a split reduction across processes needs a layer whose groups span "
-                         f"the batch (layout channels, reduce batch); this one is {meta['layout']}/{meta['reduce']}")
+        raise ValueError(
+            f"{meta['name']}: a split reduction across processes needs a layer whose groups span "
+            f"the batch (layout channels, reduce batch); this one is {meta['layout']}/{meta['reduce']}"
+        )
     pg = pg if pg is not None else dist.group.WORLD
     channels = next((t.shape[0] for p, t in params.items() if p not in meta["scalar_params"]), x.shape[1])
     problem = _check_part(lay, x, params, channels)
@@ -254,7 +329,12 @@ def sync_forward(lay, pg, x, params: dict, options: dict, inputs: dict | None = 
     return y, dict(zip(meta["stats"]["train"], st)), n
 
 
-def statistics_over(lay, parts, params: dict, options: dict) -> tuple[dict, int]:
+def statistics_over(
+    lay: Layer,
+    parts: Sequence[torch.Tensor] | Callable[[], Iterable[torch.Tensor]],
+    params: dict,
+    options: dict,
+) -> tuple[dict, int]:
     """The training statistics of a batch-reduced layer over a batch held in parts (a
     sequence of tensors (n_k, C, ...), or a callable returning a fresh iterable of them:
     the parts are read once per statistics level), one part in memory at a time. Returns
@@ -283,15 +363,15 @@ def statistics_over(lay, parts, params: dict, options: dict) -> tuple[dict, int]
     return stats, n
 
 
-def apply_statistics(lay, x, stats: dict, params: dict, options: dict):
+def apply_statistics(lay: Layer, x: torch.Tensor, stats: dict, params: dict, options: dict) -> torch.Tensor:
     """y of one part, normalized with statistics from :func:`statistics_over`."""
     L = rt.split_layout(lay.meta, tuple(x.shape), {p: tuple(t.shape) for p, t in params.items()})
-    y = lay.target.apply_train(x.detach().double().reshape(L.view4), **_kw(lay, x, L, params, options),
-                               _stats=stats)
+    y = lay.target.apply_train(x.detach().double().reshape(L.view4), **_kw(lay, x, L, params, options), _stats=stats)
     return y.reshape(x.shape).to(x.dtype)
 
 
-def _kw(lay, x, L, params, options, inputs=None):
+def _kw(lay: Layer, x: torch.Tensor, L: rt.Layout, params: dict, options: dict, inputs: dict | None = None) -> dict:
+    """The generated PyTorch module's keyword arguments for a part, in float64 (no ``_L``)."""
     a = {"x": x, **{p: t.detach().double() for p, t in params.items()}, **options}
     a.update({i: v.detach().double() for i, v in (inputs or {}).items()})
     kw = lay.views(a, L, "train")

@@ -4,16 +4,19 @@ the shape of an operator's result."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import numpy as np
 import torch
 
 from derivgen import runtime as rt
 
 DTYPES = (torch.float32, torch.float64, torch.bfloat16)
-SUFFIX = {torch.float32: "f32", torch.float64: "f64", torch.bfloat16: "bf16"}     # the C kernels' names
+SUFFIX = {torch.float32: "f32", torch.float64: "f64", torch.bfloat16: "bf16"}  # the C kernels' names
 
 
-def check_tensor(name: str, what: str, t) -> None:
+def check_tensor(name: str, what: str, t: Any) -> None:
     """``t`` is a CPU (or meta) tensor of a supported dtype; else an error naming ``what``."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name}: {what} must be a torch.Tensor, got {type(t).__name__}")
@@ -23,7 +26,7 @@ def check_tensor(name: str, what: str, t) -> None:
         raise TypeError(f"{name}: {what} has dtype {t.dtype}; derivgen.torch supports float32, float64 and bfloat16")
 
 
-def layout(meta: dict, x_shape, param_shapes: dict, groups: int) -> rt.Layout:
+def layout(meta: dict, x_shape: Sequence[int], param_shapes: dict, groups: int) -> rt.Layout:
     """The runtime's 4-D view of x, from shapes (``groups`` 0 for layers without groups)."""
     return rt.layout_from_shapes(meta, x_shape, param_shapes, groups if meta["reduce"] == "group" else None)
 
@@ -44,12 +47,12 @@ def numpy_view(t: torch.Tensor) -> np.ndarray:
     return t.detach().numpy()
 
 
-def op_result(values: tuple):
+def op_result(values: tuple) -> torch.Tensor | tuple:
     """An operator with one output returns a Tensor, not a 1-tuple (its schema says ``-> Tensor``)."""
     return values[0] if len(values) == 1 else values
 
 
-def as_tuple(out) -> tuple:
+def as_tuple(out: torch.Tensor | Sequence[torch.Tensor]) -> tuple:
     """An operator's result as a tuple (one Tensor: a 1-tuple)."""
     return (out,) if isinstance(out, torch.Tensor) else tuple(out)
 

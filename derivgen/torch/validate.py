@@ -9,8 +9,15 @@ from __future__ import annotations
 import torch
 
 from derivgen import runtime as rt
-from derivgen.runtime.validate import (check_buffer_shape, check_group_size, check_input_shape, check_not_empty, check_options,
-                        check_param_shapes, check_same_dtype)
+from derivgen.runtime.validate import (
+    check_buffer_shape,
+    check_group_size,
+    check_input_shape,
+    check_not_empty,
+    check_options,
+    check_param_shapes,
+    check_same_dtype,
+)
 from derivgen.torch.tensors import check_tensor, layout, numpy_view
 
 
@@ -32,7 +39,7 @@ def check_on_tensors(meta: dict, mode: str, a: dict) -> rt.Layout:
     check_options(meta, {o: a[o] for o in meta["options"]})
     for i in meta["inputs"]:
         check_input_shape(meta, i, tuple(a[i].shape), L)
-    for b in (meta["buffers"] if mode == "eval" else ()):
+    for b in meta["buffers"] if mode == "eval" else ():
         check_buffer_shape(meta, b, tuple(a[b].shape), L)
     return L
 
@@ -43,10 +50,15 @@ def check_through_numpy(meta: dict, mode: str, a: dict) -> rt.Layout:
     for k in _tensor_names(meta, mode):
         check_tensor(meta["name"], k, a[k])
     call = rt.prepare_forward(
-        meta, numpy_view(a["x"]), {p: numpy_view(a[p]) for p in meta["params"]}, {o: a[o] for o in meta["options"]},
+        meta,
+        numpy_view(a["x"]),
+        {p: numpy_view(a[p]) for p in meta["params"]},
+        {o: a[o] for o in meta["options"]},
         {i: numpy_view(a[i]) for i in meta["inputs"]},
         {b: (numpy_view(a[b]) if mode == "eval" else None) for b in meta["buffers"]},
-        training=mode == "train", num_groups=a["num_groups"] if meta["reduce"] == "group" else None)
+        training=mode == "train",
+        num_groups=a["num_groups"] if meta["reduce"] == "group" else None,
+    )
     return call.layout
 
 
@@ -65,10 +77,14 @@ def check_backward_extras(meta: dict, mode: str, a: dict, n_groups: int) -> None
     name = meta["name"]
     check_tensor(name, "dy", a["dy"])
     if a["dy"].dtype != a["x"].dtype or tuple(a["dy"].shape) != tuple(a["x"].shape):
-        raise ValueError(f"{name}: dy must have the shape and dtype of x {tuple(a['x'].shape)} "
-                         f"{a['x'].dtype}, got {tuple(a['dy'].shape)} {a['dy'].dtype}")
+        raise ValueError(
+            f"{name}: dy must have the shape and dtype of x {tuple(a['x'].shape)} "
+            f"{a['x'].dtype}, got {tuple(a['dy'].shape)} {a['dy'].dtype}"
+        )
     for s in meta["stats"][mode]:
         t = a[s]
         if t.dtype != torch.float64 or t.numel() != n_groups:
-            raise ValueError(f"{name}: statistic {s} must be float64 with one value per group "
-                             f"({n_groups}), as the forward returns them; got {t.dtype} {tuple(t.shape)}")
+            raise ValueError(
+                f"{name}: statistic {s} must be float64 with one value per group "
+                f"({n_groups}), as the forward returns them; got {t.dtype} {tuple(t.shape)}"
+            )
