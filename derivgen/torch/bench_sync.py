@@ -23,6 +23,14 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from derivgen import runtime as rt
+from derivgen.runtime.machine import machine
+from derivgen.tools.bench import Bandwidth, round_robin
+from derivgen.torch import SyncBatchNorm
+from derivgen.torch.nn import BatchNorm2d
+from derivgen.torch.ops import layer, threads
+from derivgen.torch.sync import _CSplit
+
 SHAPE = (32, 64, 56, 56)
 
 
@@ -61,7 +69,6 @@ def _rank(rank, world, port, repeat, out, shape=SHAPE):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    from derivgen.torch import SyncBatchNorm
 
     g = torch.Generator().manual_seed(rank)
     n = shape[0] // world
@@ -99,9 +106,6 @@ def _rank(rank, world, port, repeat, out, shape=SHAPE):
 def run_sync_bench(world: int = 2, repeat: int = 10, timeout: float = 600) -> dict:
     """SyncBatchNorm over ``world`` gloo processes on this machine against one process on
     the whole batch and the bandwidth bound of the split's passes; the times in ms."""
-    from derivgen.runtime.machine import machine
-    from derivgen.tools.bench import Bandwidth
-    from derivgen.torch.nn import BatchNorm2d
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -127,7 +131,6 @@ def run_sync_bench(world: int = 2, repeat: int = 10, timeout: float = 600) -> di
         m(x).backward(dy)
         if i >= 2:
             one.append(time.perf_counter() - t0)
-    from derivgen.tools.bench import round_robin
 
     probe = Bandwidth(machine().cores)
     bw = probe.rates(round_robin({"copy": probe.copy, "stream_copy": probe.stream_copy}, 5))["copy_GBps"]
@@ -153,13 +156,9 @@ def run_sync_bench(world: int = 2, repeat: int = 10, timeout: float = 600) -> di
 def _kernel_times(x, dy, repeat, bw) -> list:
     """The C split kernels alone on the whole batch in this process (all cores):
     (name, ms, tensors read + written, ms at the copy bandwidth)."""
-    from derivgen.tools.bench import round_robin
-    from derivgen.torch.ops import layer
-    from derivgen.torch.sync import _CSplit
 
     lay = layer("batchnorm")
     c = _CSplit(lay, torch.float32)
-    from derivgen import runtime as rt
 
     Lx = rt.layout_from_shapes(lay.meta, tuple(x.shape), {"gamma": (x.shape[1],), "beta": (x.shape[1],)}, None)
     g, b = torch.ones(x.shape[1]), torch.zeros(x.shape[1])
@@ -171,7 +170,6 @@ def _kernel_times(x, dy, repeat, bw) -> list:
     sums = torch.zeros((2, Lx.n_groups), dtype=torch.float64)
     y, dx = torch.empty_like(x), torch.empty_like(x)
     dg, db = torch.empty_like(g), torch.empty_like(b)
-    from derivgen.torch.ops import threads
 
     f, th = c.fn, threads(c.kernel)
     for level in range(2):  # real statistics for the later kernels
