@@ -6,7 +6,14 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+TESTS = Path(__file__).resolve().parent
+ROOT = TESTS.parent
+
+# The tests live in one folder per stage (tests/spec, tests/derive, ...); the helpers they share
+# (this module, oracle, torch_cases, specfuzz, the *_driver.py scripts, c/, regressions/) stay here,
+# importable by plain name from every folder.
+if str(TESTS) not in sys.path:
+    sys.path.insert(0, str(TESTS))
 
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 

@@ -1,4 +1,4 @@
-"""Run by tests/test_torch_ddp.py in a subprocess of its own: a model with derivgen norms
+"""Run by tests/torch/test_torch_ddp.py in a subprocess of its own: a model with derivgen norms
 (LayerNorm, RMSNorm, GroupNorm: no batch statistics) trained under DistributedDataParallel
 with the gloo backend on WORLD processes, each on its share of the batch, against the same
 model trained in one process on the whole batch. Prints the largest relative difference

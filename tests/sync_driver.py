@@ -1,4 +1,4 @@
-"""Run by tests/test_torch_sync.py in a subprocess of its own: WORLD gloo processes on
+"""Run by tests/torch/test_torch_sync.py in a subprocess of its own: WORLD gloo processes on
 localhost, each with its part of a batch (parts of unequal sizes, one of them empty),
 against one process on the concatenated batch. Exits non-zero on any failure and prints
 one line per check. Usage: sync_driver.py CASE WORLD, CASE one of

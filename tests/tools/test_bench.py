@@ -7,6 +7,8 @@ import sys
 
 import pytest
 
+from conftest import ROOT
+
 
 def test_bench_runs_and_reports_finite_numbers(tmp_path):
     out = tmp_path / "bench.json"
@@ -71,10 +73,9 @@ def test_plot_without_matplotlib_is_one_line(tmp_path):
 def test_bench_isa_builds_side_by_side_and_a_user_spec(tmp_path):
     """--isa times one C build per instruction set in the same rounds; --spec benches a user's
     layer against plain NumPy written from its formulas (no torch row: not a catalogue layer)."""
-    from pathlib import Path
     from derivgen.runtime.machine import machine
     out = tmp_path / "bench.json"
-    spec = Path(__file__).resolve().parent.parent / "examples" / "dynamic_tanh.toml"
+    spec = ROOT / "examples" / "dynamic_tanh.toml"
     r = subprocess.run([sys.executable, "-m", "derivgen", "bench", "rmsnorm", "--spec", str(spec), "--shape", "16x32",
                         "--threads", "1", "--repeat", "3", "--isa", "x86-64,x86-64-v3,x86-64-v4", "--json", str(out)],
                        capture_output=True, text=True, timeout=900)

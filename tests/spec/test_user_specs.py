@@ -12,8 +12,8 @@ import pytest
 import derivgen
 from derivgen.tools.check import check_layer
 from derivgen.spec.model import SpecError, parse_spec
+from conftest import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = sorted((ROOT / "examples").glob("*.toml"))
 
 

@@ -10,8 +10,8 @@ import pytest
 import derivgen
 from derivgen.tools.check import check_layer
 from derivgen.spec.model import SpecError, parse_spec
+from conftest import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 REGRESSIONS = sorted((ROOT / "tests" / "regressions").glob("*.toml"))
 
 

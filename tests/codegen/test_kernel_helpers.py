@@ -8,10 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import require_tool
+from conftest import require_tool, ROOT
 from derivgen.runtime.machine import machine
 
-ROOT = Path(__file__).resolve().parent.parent
 PROBE = r"""
 #include "derivgen-kernels.h"
 double probe_lanes(const double *lane) { return Dg_lanes(lane); }

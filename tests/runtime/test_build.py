@@ -7,10 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import require_tool
+from conftest import require_tool, ROOT
 from derivgen.runtime import build
 
-ROOT = Path(__file__).resolve().parent.parent
 GEN_C = sorted((ROOT / "generated" / "c").glob("*.c"))
 
 

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 import derivgen
+from conftest import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def _run_split(mod, parts, dys, params, kw):

@@ -78,10 +78,9 @@ def test_kernels_are_configured_from_the_machine_on_load(tmp_path, monkeypatch):
 def test_configure_is_ignored_where_the_build_fixed_the_sizes(tmp_path):
     """-DDG_STREAM_BYTES / -DDG_TILE_BYTES win over what the machine says."""
     import subprocess
-    from pathlib import Path
-    from conftest import require_tool
+    from conftest import ROOT, require_tool
     cc = require_tool("gcc")
-    root = Path(__file__).resolve().parent.parent / "generated" / "c"
+    root = ROOT / "generated" / "c"
     probe = tmp_path / "probe.c"
     probe.write_text('#include "derivgen-kernels.h"\n'
                      "long long probe(long long s, long long t)"

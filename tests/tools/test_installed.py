@@ -7,8 +7,8 @@ import venv
 from pathlib import Path
 
 import pytest
+from conftest import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.slow

@@ -12,8 +12,8 @@ from derivgen.runtime.abi import KINDS, SPLIT_KINDS, KernelSignature, kernel_sig
 from derivgen.api import derive, load_spec
 from derivgen.codegen.emit import emit
 from derivgen.spec.model import catalogue_names
+from conftest import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 
 ELEM = {"f32": "float", "f64": "double", "bf16": "dg_bf16"}
 PROTO = re.compile(r"^int (\w+)\(\n(.*?)\)(?:;|\n\{)", re.S | re.M)

@@ -9,8 +9,8 @@ import pytest
 
 import derivgen
 from derivgen.tools import generate as gen
+from conftest import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_committed_generated_code_is_fresh():
