@@ -77,11 +77,12 @@ for name, shapes in SHAPES.items():
 # the channel layouts), called as derivgen.torch calls them, without torch: NHWC arrays are
 # NumPy arrays laid out (N, *spatial, C), bfloat16 ones uint16. The channels-last results
 # must be the NCHW kernels' bits.
-import os  # noqa: E402
+import os
 
-from derivgen.runtime.build import user_cflags  # noqa: E402
-from derivgen.runtime.cbind import CKernel  # noqa: E402
-from derivgen.runtime import resolve_layout  # noqa: E402
+from derivgen.runtime import resolve_layout
+from derivgen.runtime.build import user_cflags
+from derivgen.runtime.cbind import CKernel
+
 
 def ptr(a):
     return None if a is None else a.ctypes.data
@@ -134,7 +135,7 @@ for name, shapes in SHAPES.items():
                     params = [rng.normal(size=ps).astype(dtype) for _ in meta["params"]]
                     bd = {kk: v.astype(dtype) for kk, v in bufs.items()}
                     ref = run_pair(k._kernel, meta, mode, sfx, L, x, dy, params, opts, bd, threads)
-                    nhwc = lambda a: np.ascontiguousarray(np.moveaxis(a, 1, -1))      # noqa: E731
+                    nhwc = lambda a: np.ascontiguousarray(np.moveaxis(a, 1, -1))
                     got = run_pair(ext, meta, mode, "nhwc_" + sfx, L, nhwc(x), nhwc(dy), params, opts, bd, threads)
                     assert np.array_equal(np.moveaxis(got[0], -1, 1), ref[0], equal_nan=True), (name, xs, sfx)
                     assert all(np.array_equal(a, b, equal_nan=True) for a, b in zip(got[1], ref[1]))
@@ -194,7 +195,7 @@ for xs, ps in SHAPES["batchnorm"]:
                                         ptr(stats), ptr(bsum), n, int(j == 0), ptr(dx), *map(ptr, d), threads) == 0
                     dps += np.array(d, dtype=np.float64)
                 dxs.append(dx)
-            tol = dict(rtol=1e-4, atol=1e-5) if dtype == np.float32 else dict(rtol=1e-10, atol=1e-12)
+            tol = {"rtol": 1e-4, "atol": 1e-5} if dtype == np.float32 else {"rtol": 1e-10, "atol": 1e-12}
             assert np.allclose(np.concatenate(ys), ref[0], **tol), (xs, sfx)
             assert np.allclose(np.concatenate(dxs), ref[2], **tol), (xs, sfx)
             assert all(np.allclose(a, b, **tol) for a, b in zip(dps, ref[3])), (xs, sfx)

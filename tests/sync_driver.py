@@ -219,7 +219,7 @@ def case_raise(rank, world):
         os._exit(3)                                # a crash mid-step: no more collectives from here
     try:
         m(part(x, rank, world))
-    except Exception as e:                         # gloo: the peer closed the connection, or the timeout
+    except Exception as e:  # noqa: BLE001 - gloo: the peer closed the connection, or the timeout
         print(f"rank {rank} got {type(e).__name__}: {str(e).splitlines()[0][:120]}", flush=True)
         os._exit(0)
     raise AssertionError(f"rank {rank}: no error")

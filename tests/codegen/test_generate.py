@@ -6,11 +6,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import ROOT
 
 import derivgen
 from derivgen.tools import generate as gen
-from conftest import ROOT
-
 
 
 def test_committed_generated_code_is_fresh():

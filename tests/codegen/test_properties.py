@@ -3,11 +3,11 @@ every catalogue layer and both backends, against PyTorch autograd."""
 
 import numpy as np
 import pytest
+from conftest import require_module
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import derivgen
-from conftest import require_module
 from derivgen.tools.torch_ref import torch_reference
 
 SETTINGS = settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow],

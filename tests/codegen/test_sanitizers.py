@@ -6,7 +6,6 @@ import os
 import subprocess
 
 import pytest
-
 from conftest import ROOT, require_tool, run_driver
 
 SAN = "-O1 -g -fno-omit-frame-pointer -fsanitize=address,undefined -fno-sanitize-recover=all"
@@ -17,8 +16,8 @@ def _sanitized(tmp_path, *args, extra: str = ""):
     libasan = subprocess.run([gcc, "-print-file-name=libasan.so"], capture_output=True, text=True).stdout.strip()
     if not os.path.isabs(libasan):
         pytest.fail("gcc has no libasan.so (install libasan8 / gcc)")
-    env = dict(LD_PRELOAD=libasan, ASAN_OPTIONS="detect_leaks=0:abort_on_error=1",
-               UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1")
+    env = {"LD_PRELOAD": libasan, "ASAN_OPTIONS": "detect_leaks=0:abort_on_error=1",
+               "UBSAN_OPTIONS": "halt_on_error=1:print_stacktrace=1"}
     return run_driver("sanitize_driver.py", tmp_path, f"{SAN} {extra}", *args, env=env)
 
 

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from conftest import require_tool, run_driver
 
 BASE = "-O2 -fno-math-errno"

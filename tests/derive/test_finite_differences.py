@@ -37,7 +37,7 @@ def test_closed_form_matches_central_differences(name, mode):
     def loss(x_, params_=params, sc_=sc):
         return float(np.dot(dy, ev.forward(x_, params_, sc_)[0]))
 
-    y, env = ev.forward(x, params, sc)
+    _, env = ev.forward(x, params, sc)
     dx, dparams, dinputs = ev.backward(dy, env)
     h = 1e-6
     eye = np.eye(n)

@@ -2,15 +2,14 @@
 each derives, proves symbolically, generates, compiles without a warning and checks both
 backends in float32 and float64 against finite differences and each other."""
 
-from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import ROOT
 
 import derivgen
-from derivgen.tools.check import check_layer
 from derivgen.spec.model import SpecError, parse_spec
-from conftest import ROOT
+from derivgen.tools.check import check_layer
 
 REGRESSIONS = sorted((ROOT / "tests" / "regressions").glob("*.toml"))
 
@@ -34,6 +33,7 @@ def test_numeric_check_redraws_points_where_the_layer_is_undefined():
     import random
 
     import sympy
+
     from derivgen.prove.proof import _Sampler, _zero_numeric
     a, b = sympy.symbols("a b", real=True)
 

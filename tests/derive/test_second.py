@@ -7,15 +7,14 @@ import dataclasses
 import numpy as np
 import pytest
 import sympy
+from conftest import ROOT
 
 import derivgen
-from derivgen.tools.check import check_layer
-from derivgen.symbolic.naming import code_text
-from derivgen.prove.proof import prove_second_mode
-from derivgen.symbolic.reduce import Mean
 from derivgen.derive.second import derive_second
-
-from conftest import ROOT
+from derivgen.prove.proof import prove_second_mode
+from derivgen.symbolic.naming import code_text
+from derivgen.symbolic.reduce import Mean
+from derivgen.tools.check import check_layer
 
 EXAMPLES = sorted((ROOT / "examples").glob("*.toml"))
 LAYERS = [(n, m) for n in derivgen.names() for m in derivgen.derive(n).modes]
@@ -79,7 +78,7 @@ def test_calling_conventions_and_bad_input(backend):
     rng = np.random.default_rng(0)
     x = rng.normal(size=(4, 8)).astype(np.float32)
     g, b = np.ones(8, np.float32), np.zeros(8, np.float32)
-    y, cache = k.forward(x, g, b)
+    _, cache = k.forward(x, g, b)
     dy = rng.normal(size=x.shape).astype(np.float32)
     full = k.backward_backward(dy, cache, dy, {"gamma": g, "beta": b})
     seq = k.backward_backward(dy, cache, dy, [g, b])
@@ -114,7 +113,7 @@ def test_inputs_and_scalar_seeds_reach_the_kernels():
     rng = np.random.default_rng(3)
     x = rng.normal(size=(3, 6))
     g, b = rng.normal(size=6), rng.normal(size=6)
-    kw = dict(alpha=0.7, prev_mean=rng.normal(size=3), prev_std=rng.uniform(0.5, 1.5, 3))
+    kw = {"alpha": 0.7, "prev_mean": rng.normal(size=3), "prev_std": rng.uniform(0.5, 1.5, 3)}
     res = {}
     for backend in ("numpy", "c"):
         k = derivgen.load("online_layernorm", backend)

@@ -3,9 +3,9 @@
 import subprocess
 
 import pytest
+from conftest import require_tool
 
 import derivgen
-from conftest import require_tool
 
 
 @pytest.mark.parametrize("fmt", ["latex", "markdown", "text"])

@@ -4,19 +4,17 @@ bindings pack."""
 
 import importlib
 import re
-from pathlib import Path
 
 import pytest
-
-from derivgen.runtime.abi import KINDS, SPLIT_KINDS, KernelSignature, kernel_signature, kernel_signatures
-from derivgen.api import derive, load_spec
-from derivgen.codegen.emit import emit
-from derivgen.spec.model import catalogue_names
 from conftest import ROOT
 
+from derivgen.api import derive, load_spec
+from derivgen.codegen.emit import emit
+from derivgen.runtime.abi import KINDS, SPLIT_KINDS, KernelSignature, kernel_signature, kernel_signatures
+from derivgen.spec.model import catalogue_names
 
 ELEM = {"f32": "float", "f64": "double", "bf16": "dg_bf16"}
-PROTO = re.compile(r"^int (\w+)\(\n(.*?)\)(?:;|\n\{)", re.S | re.M)
+PROTO = re.compile(r"^int (\w+)\(\n(.*?)\)(?:;|\n\{)", re.DOTALL | re.MULTILINE)
 
 
 def _prototypes(text: str) -> dict[str, str]:

@@ -6,8 +6,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import ROOT, require_tool
 
-from conftest import require_tool, ROOT
 from derivgen.runtime import build
 
 GEN_C = sorted((ROOT / "generated" / "c").glob("*.c"))

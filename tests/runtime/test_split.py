@@ -3,14 +3,14 @@ parts (micro-batches, one of them empty) gives the statistics, outputs and gradi
 one-piece forward and backward, for the catalogue's batch norm, the regression specs with a
 batch reduction and fuzzed batch specs; and bad calls are errors naming the argument."""
 
-from pathlib import Path
+
+import itertools
 
 import numpy as np
 import pytest
-
-import derivgen
 from conftest import ROOT
 
+import derivgen
 
 
 def _run_split(mod, parts, dys, params, kw):
@@ -46,10 +46,10 @@ def _check(spec, backend, dtype, seed=0):
     y_ref, cache = mod.forward(x, *params, **kw)
     g_ref = mod.backward(dy, cache)
     cuts = [0, 2, 2, 6]                        # parts of 2, 0 and 4 samples
-    parts = [x[a:b] for a, b in zip(cuts, cuts[1:])]
-    dys = [dy[a:b] for a, b in zip(cuts, cuts[1:])]
+    parts = [x[a:b] for a, b in itertools.pairwise(cuts)]
+    dys = [dy[a:b] for a, b in itertools.pairwise(cuts)]
     stats, ys, grads = _run_split(mod, parts, dys, params, kw)
-    tol = dict(rtol=1e-10, atol=1e-12) if dtype == np.float64 else dict(rtol=2e-4, atol=2e-5)
+    tol = {"rtol": 1e-10, "atol": 1e-12} if dtype == np.float64 else {"rtol": 2e-4, "atol": 2e-5}
     for k, s in enumerate(meta["stats"]["train"]):
         np.testing.assert_allclose(stats[k], cache.stats[s], rtol=1e-9 if dtype == np.float32 else 1e-12,
                                    atol=1e-12, err_msg=s)

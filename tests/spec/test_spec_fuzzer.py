@@ -10,8 +10,8 @@ import sys
 import time
 
 import pytest
-
 import specfuzz
+
 from derivgen.spec.model import parse_spec, reserved_reason
 
 CI_SEEDS = range(200)

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import ROOT
 
 import derivgen
-from derivgen.tools.check import check_layer
 from derivgen.spec.model import SpecError, parse_spec
-from conftest import ROOT
+from derivgen.tools.check import check_layer
 
 EXAMPLES = sorted((ROOT / "examples").glob("*.toml"))
 

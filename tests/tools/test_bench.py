@@ -6,7 +6,6 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import ROOT
 
 
@@ -39,6 +38,7 @@ def test_bench_runs_and_reports_finite_numbers(tmp_path):
 def test_plain_numpy_baseline_is_correct():
     """The baseline is a fair one: it computes the same gradients."""
     import numpy as np
+
     import derivgen
     from derivgen.tools.bench import plain_numpy
     rng = np.random.default_rng(0)
@@ -117,9 +117,10 @@ def test_bench_sync_needs_torch_flag():
 def test_spec_baseline_matches_the_generated_code():
     """The plain NumPy written from a spec's formulas (bench --spec) computes the same values."""
     import numpy as np
+
     import derivgen
-    from derivgen.tools.baseline import PlainNumPy
     from derivgen.runtime import resolve_layout
+    from derivgen.tools.baseline import PlainNumPy
     rng = np.random.default_rng(1)
     for name, shape, kw in [("layernorm", (6, 10), {}), ("groupnorm", (2, 6, 5), {"num_groups": 3}),
                             ("batchnorm", (4, 3, 5), {}), ("rmsnorm", (4, 9), {}),

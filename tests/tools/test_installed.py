@@ -4,11 +4,9 @@ import os
 import subprocess
 import sys
 import venv
-from pathlib import Path
 
 import pytest
 from conftest import ROOT
-
 
 
 @pytest.mark.slow

@@ -6,15 +6,14 @@ from __future__ import annotations
 import copy
 
 import pytest
-
 from conftest import require_module
 
 torch = require_module("torch")
-from torch import nn  # noqa: E402
+from torch import nn
 
-import derivgen.torch as dt  # noqa: E402
+import derivgen.torch as dt
 
-TOL = {torch.float32: dict(rtol=1e-5, atol=1e-6), torch.float64: dict(rtol=1e-10, atol=1e-12)}
+TOL = {torch.float32: {"rtol": 1e-5, "atol": 1e-6}, torch.float64: {"rtol": 1e-10, "atol": 1e-12}}
 
 VARIANTS = [
     ("LayerNorm", lambda: nn.LayerNorm(12), (5, 12)),
@@ -210,7 +209,7 @@ def test_training_parity(kind, dtype, compile_):
         torch._dynamo.reset()
     l_ref, e_ref = _train(ref, data, compile_=compile_)
     l_ours, e_ours = _train(ours, data, compile_=compile_)
-    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-10, atol=1e-12)
+    tol = {"rtol": 1e-5, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 1e-10, "atol": 1e-12}
     torch.testing.assert_close(l_ours, l_ref, **tol)
     torch.testing.assert_close(e_ours, e_ref, **tol)
     for (k, a), (k2, b) in zip(ours.state_dict().items(), ref.state_dict().items()):

@@ -8,14 +8,14 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import ROOT, require_module
 
 torch = require_module("torch")
-import derivgen  # noqa: E402
-import derivgen.torch as dt  # noqa: E402
-from derivgen.torch.ops import layer  # noqa: E402
-from torch_cases import arguments  # noqa: E402
+from torch_cases import arguments
+
+import derivgen
+import derivgen.torch as dt
+from derivgen.torch.ops import layer
 
 EXAMPLES = sorted(str(p) for p in (ROOT / "examples").glob("*.toml"))
 LAYERS = derivgen.names() + EXAMPLES
@@ -80,7 +80,7 @@ def test_statistics_are_not_differentiable():
     """A loss that uses a statistic output gets an error, never a silent zero gradient."""
     lay = layer("layernorm")
     x, params, inputs, options, _, _ = arguments(lay, "train")
-    y, stats = lay.forward(x, params, inputs, options)
+    _, stats = lay.forward(x, params, inputs, options)
     assert not stats["rstd"].requires_grad
     with pytest.raises(RuntimeError):
         stats["rstd"].sum().backward()
@@ -96,7 +96,6 @@ def test_float32_matches_float64_and_torch():
 
 
 def test_noncontiguous_input_and_dy():
-    lay = layer("layernorm")
     x = torch.randn(8, 32, dtype=torch.float64).t().contiguous().t()   # strided view (column-major)
     assert not x.is_contiguous()
     x.requires_grad_(True)
@@ -149,8 +148,8 @@ def test_import_without_torch_names_the_extra():
             "try:\n    import derivgen.torch\nexcept ImportError as e:\n    print(e)\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert "pip install 'derivgen[torch]'" in r.stdout, r.stdout + r.stderr
-    r = subprocess.run([sys.executable, "-c", "import sys; sys.modules['torch'] = None; import derivgen; "
-                        "print(derivgen.load('layernorm', 'c').forward)"],
+    r = subprocess.run([sys.executable, "-c", ("import sys; sys.modules['torch'] = None; import derivgen; "
+                                               "print(derivgen.load('layernorm', 'c').forward)")],
                        capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert r.returncode == 0, r.stderr    # the rest of derivgen does not need torch
 

@@ -10,13 +10,12 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import ROOT, require_module
 
 torch = require_module("torch")
-import derivgen.torch as dt  # noqa: E402
-from derivgen.torch import sync  # noqa: E402
-from derivgen.torch.ops import layer  # noqa: E402
+import derivgen.torch as dt
+from derivgen.torch import sync
+from derivgen.torch.ops import layer
 
 
 def run(case: str, world: int, timeout: int = 240) -> str:
@@ -105,9 +104,10 @@ def _split_matches_closed_forms(spec):
     """The generated split functions (partial/finish/apply, backward_partial/apply) of a
     spec's train mode against its one-piece forward and backward: on the whole x, and
     for a layer whose groups span the batch, on x in two parts whose sums are added."""
+    from torch_cases import arguments
+
     import derivgen
     from derivgen import runtime as rt
-    from torch_cases import arguments
 
     target = derivgen.load(spec, "torch")
     meta = target.META
@@ -174,7 +174,7 @@ def _split_matches_closed_forms(spec):
     pp = [params[p].contiguous() for p in meta["params"]]
     ins = [inputs[i].contiguous() for i in meta["inputs"]]
     opts = [float(options[o]) for o in meta["options"]]
-    st_c, y_c, dx_c, dp_c = None, [], [], [torch.zeros_like(t) for t in pp]
+    y_c, dx_c, dp_c = [], [], [torch.zeros_like(t) for t in pp]
     # forward: the C kernels' partial sums of each part, added here (what all_reduce does)
     import derivgen.torch.sync as S
     orig = S.dist.all_reduce
