@@ -45,5 +45,11 @@ def run_driver(script: str, tmp_path, cflags: str, *args, env=None, timeout: int
     """Run ``tests/<script>`` in a subprocess whose C kernels are built with
     ``cflags`` into a cache of its own under ``tmp_path``."""
     full = dict(os.environ, CFLAGS=cflags, DERIVGEN_CACHE=str(tmp_path / "cache"), PYTHONPATH=str(ROOT), **(env or {}))
-    return subprocess.run([sys.executable, str(ROOT / "tests" / script), *map(str, args)], env=full,
-                          capture_output=True, text=True, timeout=timeout, cwd=tmp_path)
+    return subprocess.run(
+        [sys.executable, str(ROOT / "tests" / script), *map(str, args)],
+        env=full,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=tmp_path,
+    )

@@ -7,7 +7,7 @@ from oracle import CASES, make_inputs, torch_reference
 
 import derivgen
 
-TOL = {np.float64: 1e-10, np.float32: 2e-5}   # relative to the largest reference value
+TOL = {np.float64: 1e-10, np.float32: 2e-5}  # relative to the largest reference value
 
 
 def _close(name, got, ref, dtype):
@@ -28,10 +28,13 @@ def test_matches_torch(case, dtype, backend):
     mod = derivgen.load(name, backend=backend)
     x, params, kw, dy = make_inputs(case, dtype)
     ref_kw = {k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in kw.items()}
-    y_ref, g_ref, buf_ref = torch_reference(name, x.astype(np.float64),
-                                            {k: v.astype(np.float64) for k, v in params.items()},
-                                            {k: (v.astype(np.float64) if isinstance(v, np.ndarray) else v)
-                                             for k, v in ref_kw.items()}, dy.astype(np.float64))
+    y_ref, g_ref, buf_ref = torch_reference(
+        name,
+        x.astype(np.float64),
+        {k: v.astype(np.float64) for k, v in params.items()},
+        {k: (v.astype(np.float64) if isinstance(v, np.ndarray) else v) for k, v in ref_kw.items()},
+        dy.astype(np.float64),
+    )
     y, cache = mod.forward(x, *params.values(), **kw)
     assert y.dtype == dtype
     _close("y", y, y_ref, dtype)

@@ -13,30 +13,42 @@ from derivgen.tools import generate as gen
 
 
 def test_committed_generated_code_is_fresh():
-    r = subprocess.run([sys.executable, "-m", "derivgen", "generate", "--check"], cwd=ROOT,
-                       capture_output=True, text=True)
+    r = subprocess.run(
+        [sys.executable, "-m", "derivgen", "generate", "--check"], cwd=ROOT, capture_output=True, text=True
+    )
     assert r.returncode == 0, r.stderr
 
 
 def test_check_lists_stale_files(tmp_path):
     out = tmp_path / "gen"
     gen.write(gen.render_all([derivgen.load_spec("rmsnorm")]), out)
-    r = subprocess.run([sys.executable, "-m", "derivgen", "generate", "rmsnorm", "--out", str(out), "--check"],
-                       capture_output=True, text=True)
+    r = subprocess.run(
+        [sys.executable, "-m", "derivgen", "generate", "rmsnorm", "--out", str(out), "--check"],
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 0, r.stderr
     (out / "c" / "rmsnorm.c").write_text("/* edited */\n")
     (out / "numpy" / "rmsnorm.py").unlink()
-    r = subprocess.run([sys.executable, "-m", "derivgen", "generate", "rmsnorm", "--out", str(out), "--check"],
-                       capture_output=True, text=True)
+    r = subprocess.run(
+        [sys.executable, "-m", "derivgen", "generate", "rmsnorm", "--out", str(out), "--check"],
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 1
     assert "c/rmsnorm.c" in r.stderr and "numpy/rmsnorm.py" in r.stderr
-    assert (out / "c" / "rmsnorm.c").read_text() == "/* edited */\n"   # --check writes nothing
+    assert (out / "c" / "rmsnorm.c").read_text() == "/* edited */\n"  # --check writes nothing
 
 
 def _render(seed: str, out: Path):
     env = dict(os.environ, PYTHONHASHSEED=seed)
-    r = subprocess.run([sys.executable, "-m", "derivgen", "generate", "--out", str(out)], env=env,
-                       capture_output=True, text=True, cwd=out.parent)
+    r = subprocess.run(
+        [sys.executable, "-m", "derivgen", "generate", "--out", str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        cwd=out.parent,
+    )
     assert r.returncode == 0, r.stderr
 
 
@@ -52,8 +64,9 @@ def test_output_is_byte_identical_across_hash_seeds(tmp_path):
         assert (a / rel).read_bytes() == (b / rel).read_bytes(), rel
 
 
-@pytest.mark.parametrize("rel", ["numpy/layernorm.py", "c/batchnorm.c", "c/batchnorm.h", "c/online_layernorm.py",
-                                 "torch/batchnorm.py"])
+@pytest.mark.parametrize(
+    "rel", ["numpy/layernorm.py", "c/batchnorm.c", "c/batchnorm.h", "c/online_layernorm.py", "torch/batchnorm.py"]
+)
 def test_headers_and_formulas(rel):
     text = (ROOT / "generated" / rel).read_text(encoding="utf-8")
     head = "\n".join(text.splitlines()[:3])
@@ -61,22 +74,29 @@ def test_headers_and_formulas(rel):
     assert "templates/" in head
     if not rel.endswith(".h"):
         assert "backward (closed form" in text
-    assert "/work/" not in text and "/home/" not in text     # no machine paths
+    assert "/work/" not in text and "/home/" not in text  # no machine paths
     assert "sympy" not in text.lower() or rel.endswith(".py")
 
 
 def test_generated_modules_import_directly():
-    code = ("from generated.numpy import layernorm as a; from generated.c import layernorm as b; "
-            "import numpy as np; x=np.arange(12.).reshape(3,4); g=np.ones(4); z=np.zeros(4); "
-            "ya,_=a.forward(x,g,z); yb,_=b.forward(x,g,z); assert np.allclose(ya,yb); print('ok')")
+    code = (
+        "from generated.numpy import layernorm as a; from generated.c import layernorm as b; "
+        "import numpy as np; x=np.arange(12.).reshape(3,4); g=np.ones(4); z=np.zeros(4); "
+        "ya,_=a.forward(x,g,z); yb,_=b.forward(x,g,z); assert np.allclose(ya,yb); print('ok')"
+    )
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert r.stdout.strip() == "ok", r.stderr
 
 
 def test_numpy_module_reads_like_the_math():
     text = (ROOT / "generated" / "numpy" / "layernorm.py").read_text()
-    for line in ["mean = _stats['mean'][_s] = _mean(x)", "var = _stats['var'][_s] = _mean_sq(x - mean)",
-                 "xhat = rstd*(x - mean)", "Mean_g_xhat = _mean_prod(g, xhat)",
-                 "_np.multiply(rstd, g - Mean_g - Mean_g_xhat*xhat, out=DX[_s])",
-                 "_np.add(gamma*xhat, beta, out=Y[_s])", "_rt.sum_prod(dy, xhat, L.param_axes)"]:
+    for line in [
+        "mean = _stats['mean'][_s] = _mean(x)",
+        "var = _stats['var'][_s] = _mean_sq(x - mean)",
+        "xhat = rstd*(x - mean)",
+        "Mean_g_xhat = _mean_prod(g, xhat)",
+        "_np.multiply(rstd, g - Mean_g - Mean_g_xhat*xhat, out=DX[_s])",
+        "_np.add(gamma*xhat, beta, out=Y[_s])",
+        "_rt.sum_prod(dy, xhat, L.param_axes)",
+    ]:
         assert line in text, line

@@ -23,8 +23,12 @@ double probe_reference(const double *lane)
     return Th[0];
 }
 """
-NEEDS = {"x86-64": (), "x86-64-v2": ("sse4_2",), "x86-64-v3": ("avx2", "fma"),
-         "x86-64-v4": ("avx512f", "avx512bw", "avx512vl")}
+NEEDS = {
+    "x86-64": (),
+    "x86-64-v2": ("sse4_2",),
+    "x86-64-v3": ("avx2", "fma"),
+    "x86-64-v4": ("avx512f", "avx512bw", "avx512vl"),
+}
 
 
 @pytest.mark.parametrize("march", list(NEEDS))
@@ -34,10 +38,28 @@ def test_vector_lane_sum_is_the_reference_order(march, tmp_path):
         pytest.skip(f"this CPU cannot run -march={march}")
     (tmp_path / "probe.c").write_text(PROBE)
     lib = tmp_path / "probe.so"
-    r = subprocess.run([cc, "-std=c99", "-Wall", "-Wextra", "-pedantic", "-Werror", "-Wno-unused-function",
-                        "-O2", f"-march={march}", "-ffp-contract=fast", "-shared", "-fPIC",
-                        f"-I{ROOT / 'generated' / 'c'}", str(tmp_path / "probe.c"), "-o", str(lib)],
-                       capture_output=True, text=True)
+    r = subprocess.run(
+        [
+            cc,
+            "-std=c99",
+            "-Wall",
+            "-Wextra",
+            "-pedantic",
+            "-Werror",
+            "-Wno-unused-function",
+            "-O2",
+            f"-march={march}",
+            "-ffp-contract=fast",
+            "-shared",
+            "-fPIC",
+            f"-I{ROOT / 'generated' / 'c'}",
+            str(tmp_path / "probe.c"),
+            "-o",
+            str(lib),
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 0, r.stderr
     so = ctypes.CDLL(str(lib))
     for f in (so.probe_lanes, so.probe_reference):

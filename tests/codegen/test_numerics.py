@@ -28,29 +28,38 @@ def _err(a, b):
     return float(np.abs(a - b).max() / max(1.0, np.abs(b).max()))
 
 
-LAYERS = [("layernorm", (64, 96), (96,), {}), ("rmsnorm", (64, 96), (96,), {}),
-          ("batchnorm", (16, 8, 24), (8,), {}), ("groupnorm", (4, 8, 40), (8,), {"num_groups": 2}),
-          ("instancenorm", (4, 8, 40), (8,), {})]
+LAYERS = [
+    ("layernorm", (64, 96), (96,), {}),
+    ("rmsnorm", (64, 96), (96,), {}),
+    ("batchnorm", (16, 8, 24), (8,), {}),
+    ("groupnorm", (4, 8, 40), (8,), {"num_groups": 2}),
+    ("instancenorm", (4, 8, 40), (8,), {}),
+]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("layer", LAYERS, ids=[l[0] for l in LAYERS])
-@pytest.mark.parametrize("offset, scale, tol", [
-    (1e4, 1.0, 1e-6),     # mean offset 1e4, unit std: no catastrophic cancellation
-    (0.0, 1e-3, 1e-6),    # tiny scale (eps matters, still accurate)
-    (0.0, 1e3, 1e-6),     # large scale
-])
+@pytest.mark.parametrize(
+    "offset, scale, tol",
+    [
+        (1e4, 1.0, 1e-6),  # mean offset 1e4, unit std: no catastrophic cancellation
+        (0.0, 1e-3, 1e-6),  # tiny scale (eps matters, still accurate)
+        (0.0, 1e3, 1e-6),  # large scale
+    ],
+)
 def test_float32_offset_and_scale(backend, layer, offset, scale, tol):
     name, xs, ps, kw = layer
     rng = np.random.default_rng(0)
     x = (offset + scale * rng.normal(size=xs)).astype(np.float32)
-    params = [rng.normal(1, 0.2, ps).astype(np.float32)] + ([] if name == "rmsnorm" else [rng.normal(size=ps).astype(np.float32)])
+    params = [rng.normal(1, 0.2, ps).astype(np.float32)] + (
+        [] if name == "rmsnorm" else [rng.normal(size=ps).astype(np.float32)]
+    )
     dy = rng.normal(size=xs).astype(np.float32)
     y, g = _run(backend, name, x, params, dy, **kw)
     y64, g64 = _ref(name, x, params, dy, **kw)
     assert _err(y, y64) < tol
     for a, b in zip(g, g64):
-        assert _err(a, b) < tol * 10   # gradients: sums of N products, one more rounding each
+        assert _err(a, b) < tol * 10  # gradients: sums of N products, one more rounding each
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -82,7 +91,7 @@ def test_huge_values_do_not_overflow_the_statistics(backend):
     g, b = np.ones(16, np.float32), np.zeros(16, np.float32)
     y, c = k.forward(x, g, b)
     assert np.isfinite(y).all()
-    assert np.isfinite(c.stats["var"]).all()      # kept in double: 1e60 is not a float32
+    assert np.isfinite(c.stats["var"]).all()  # kept in double: 1e60 is not a float32
     x64 = x.astype(np.float64)
     yref = (x64 - x64.mean(1, keepdims=True)) / np.sqrt(x64.var(1, keepdims=True) + 1e-5)
     assert _err(y, yref) < 1e-6

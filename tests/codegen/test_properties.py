@@ -10,8 +10,7 @@ from hypothesis import strategies as st
 import derivgen
 from derivgen.tools.torch_ref import torch_reference
 
-SETTINGS = settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow],
-                    derandomize=True)
+SETTINGS = settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)
 dims = st.integers(min_value=1, max_value=6)
 
 
@@ -60,8 +59,13 @@ def _check(name, backend, problem):
     if name == "batchnorm":
         kw = dict(kw, running_mean=np.zeros(ps, dtype), running_var=np.ones(ps, dtype))
     ref_kw = {k: (v.astype(np.float64) if isinstance(v, np.ndarray) else v) for k, v in kw.items()}
-    y_ref, g_ref, b_ref = torch_reference(name, x.astype(np.float64), {n: p.astype(np.float64) for n, p in zip(names, params)},
-                                          ref_kw, dy.astype(np.float64))
+    y_ref, g_ref, b_ref = torch_reference(
+        name,
+        x.astype(np.float64),
+        {n: p.astype(np.float64) for n, p in zip(names, params)},
+        ref_kw,
+        dy.astype(np.float64),
+    )
     k = derivgen.load(name, backend=backend)
     y, cache = k.forward(x, *params, **kw)
     g = k.backward(dy, cache)
@@ -82,4 +86,5 @@ def test_layer_matches_torch_on_random_problems(name, backend):
     @given(problems(name))
     def run(problem):
         _check(name, backend, problem)
+
     run()

@@ -36,16 +36,20 @@ def _run(tmp_path, tag: str, cflags: str) -> dict:
 # streamed builds: every run without lane sums streamed from registers (DG_DIRECT_MIN=0), only
 # runs of 512+ elements (the default; shorter ones written in place), or no tile at all for the
 # runs with lane sums (DG_TILE_BYTES=0: what runs longer than the tile get: in place)
-ISAS = [("sse2", "", "-DDG_DIRECT_MIN=0"), ("avx2", "-mavx2 -mfma", ""),
-        ("avx512", "-mavx512f", "-DDG_DIRECT_MIN=0"), ("avx512-tiles", "-mavx512f", ""),
-        ("avx512-no-tile", "-mavx512f", "-DDG_TILE_BYTES=0")]
+ISAS = [
+    ("sse2", "", "-DDG_DIRECT_MIN=0"),
+    ("avx2", "-mavx2 -mfma", ""),
+    ("avx512", "-mavx512f", "-DDG_DIRECT_MIN=0"),
+    ("avx512-tiles", "-mavx512f", ""),
+    ("avx512-no-tile", "-mavx512f", "-DDG_TILE_BYTES=0"),
+]
 
 
 @pytest.mark.parametrize("isa,flags,on", ISAS, ids=[i for i, _, _ in ISAS])
 def test_streaming_and_prefetch_change_no_bits(tmp_path, isa, flags, on):
     needs = {"sse2": "sse2", "avx2": "avx2"}.get(isa, "avx512f")
     if f" {needs}" not in _cpu_flags():
-        if os.environ.get("CI") == "true":            # the CI machines are AVX-512 x86-64
+        if os.environ.get("CI") == "true":  # the CI machines are AVX-512 x86-64
             pytest.fail(f"this machine's CPU lacks {needs}")
         pytest.skip(f"CPU lacks {needs}")
     plain = _run(tmp_path, "plain", f"{BASE} {flags} {OFF}")

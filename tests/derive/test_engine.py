@@ -81,9 +81,15 @@ def test_online_with_alpha_one_is_layernorm_with_unbiased_std():
 def test_derivation_has_the_steps_people_expect():
     d = derivgen.derive("batchnorm")
     titles = [s.title for s in d.steps]
-    for t in ["Definitions", "Local partial derivatives", "Partial derivatives of the statistics",
-              "Gradients with respect to the statistics", "Closed form", "Parameter gradients",
-              "Running buffers (not differentiated)"]:
+    for t in [
+        "Definitions",
+        "Local partial derivatives",
+        "Partial derivatives of the statistics",
+        "Gradients with respect to the statistics",
+        "Closed form",
+        "Parameter gradients",
+        "Running buffers (not differentiated)",
+    ]:
         assert t in titles
     assert set(d.modes) == {"train", "eval"}
 
@@ -91,8 +97,10 @@ def test_derivation_has_the_steps_people_expect():
 def test_no_simplify_in_the_main_path(monkeypatch):
     def boom(*a, **k):
         raise AssertionError("sympy.simplify called")
+
     monkeypatch.setattr(sympy, "simplify", boom)
     from derivgen.api import _derive_spec
+
     _derive_spec.cache_clear()
     for n in derivgen.names():
         derivgen.derive(n)

@@ -45,9 +45,19 @@ def test_closed_form_matches_central_differences(name, mode):
     scale = np.abs(fd).max() + 1e-12
     assert np.abs(fd - dx).max() / scale < 1e-6
     for p in spec.params:
-        fdp = np.array([(loss(x, {**params, p.name: params[p.name] + h * e})
-                         - loss(x, {**params, p.name: params[p.name] - h * e})) / (2 * h) for e in eye])
+        fdp = np.array(
+            [
+                (
+                    loss(x, {**params, p.name: params[p.name] + h * e})
+                    - loss(x, {**params, p.name: params[p.name] - h * e})
+                )
+                / (2 * h)
+                for e in eye
+            ]
+        )
         assert np.abs(fdp - dparams[p.name]).max() / (np.abs(fdp).max() + 1e-12) < 1e-6
     for i in spec.inputs:
-        fdi = (loss(x, params, {**sc, i.name: sc[i.name] + h}) - loss(x, params, {**sc, i.name: sc[i.name] - h})) / (2 * h)
+        fdi = (loss(x, params, {**sc, i.name: sc[i.name] + h}) - loss(x, params, {**sc, i.name: sc[i.name] - h})) / (
+            2 * h
+        )
         assert abs(fdi - dinputs[i.name]) <= 1e-6 * max(1.0, abs(fdi))

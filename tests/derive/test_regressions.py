@@ -2,7 +2,6 @@
 each derives, proves symbolically, generates, compiles without a warning and checks both
 backends in float32 and float64 against finite differences and each other."""
 
-
 import numpy as np
 import pytest
 from conftest import ROOT
@@ -21,8 +20,9 @@ def test_regression_spec_goes_through_the_pipeline(path):
     bad = [(r.mode, r.check, r.backend, r.dtype, r.status, r.errors) for r in rows if r.failed]
     assert not bad, bad
     proofs = [r for r in rows if r.check.startswith("proof")]
-    assert proofs and all(r.status == "ok" for r in proofs), [r.status for r in proofs]   # symbolic
+    assert proofs and all(r.status == "ok" for r in proofs), [r.status for r in proofs]  # symbolic
     from derivgen.prove.proof import prove_second_mode
+
     d = derivgen.derive(spec)
     for mode in d.modes:
         second = prove_second_mode(d.second(mode), (2,), symbolic_seconds=5.0)
@@ -35,19 +35,22 @@ def test_numeric_check_redraws_points_where_the_layer_is_undefined():
     import sympy
 
     from derivgen.prove.proof import _Sampler, _zero_numeric
+
     a, b = sympy.symbols("a b", real=True)
 
     class Scripted(random.Random):
         """Draws a = b first (where the expression is 0/0), then distinct values."""
+
         def __init__(self):
             super().__init__(0)
             self.script = [5, 5, 1, 2, 3, 7, 11, 13]
 
         def randint(self, lo, hi):
             return self.script.pop(0) if self.script else super().randint(lo, hi)
+
     diff = sympy.Mul(a - b, sympy.Pow(a - b, -1, evaluate=False), evaluate=False) - 1
-    assert _zero_numeric(diff, _Sampler(Scripted()))       # zero wherever defined: a = b is drawn again
-    assert not _zero_numeric(sympy.nan * a, _Sampler(random.Random(0)))   # undefined everywhere is not zero
+    assert _zero_numeric(diff, _Sampler(Scripted()))  # zero wherever defined: a = b is drawn again
+    assert not _zero_numeric(sympy.nan * a, _Sampler(random.Random(0)))  # undefined everywhere is not zero
     assert not _zero_numeric(a - b, _Sampler(random.Random(0)))
 
 
@@ -86,16 +89,21 @@ def test_mixing_coefficient_that_may_be_zero_is_not_divided_by():
     md = derivgen.derive(ROOT / "tests" / "regressions" / "mixing_coefficient_may_be_zero.toml").train
     alpha = next(o.symbol for o in md.spec.options if o.name == "alpha")
     for e in [md.dx, *md.dinputs.values(), *(s.expr for s in md.statistics)]:
-        assert not any(p.base == alpha and p.exp.is_negative for p in e.atoms(type(alpha ** -1))), e
+        assert not any(p.base == alpha and p.exp.is_negative for p in e.atoms(type(alpha**-1))), e
 
 
 def test_one_statistic_or_three_reach_the_same_compact_form():
     """Issue 10: sd = sqrt(sum((x - mean)^2)/(N - 1)) + eps written in one statistic derives
     the same closed form, with the same two reductions, as var, s = sqrt(var), sd = s + eps."""
     one = derivgen.derive(ROOT / "tests" / "regressions" / "unbiased_sd_eps_outside.toml").train
-    text = (ROOT / "tests" / "regressions" / "unbiased_sd_eps_outside.toml").read_text().replace(
-        'sd = "sqrt(sum((x - mean)**2)/(N - 1)) + eps"',
-        'var = "sum((x - mean)**2)/(N - 1)"\ns = "sqrt(var)"\nsd = "s + eps"')
+    text = (
+        (ROOT / "tests" / "regressions" / "unbiased_sd_eps_outside.toml")
+        .read_text()
+        .replace(
+            'sd = "sqrt(sum((x - mean)**2)/(N - 1)) + eps"',
+            'var = "sum((x - mean)**2)/(N - 1)"\ns = "sqrt(var)"\nsd = "s + eps"',
+        )
+    )
     three = derivgen.derive(parse_spec(text, source="three.toml")).train
     for md in (one, three):
         assert sorted(r.name for r in md.reductions) == ["Mean_g", "Mean_g_xhat"]
@@ -103,6 +111,7 @@ def test_one_statistic_or_three_reach_the_same_compact_form():
     # the same formula once the one-statistic version's auxiliary sqrt(mean((x - mean)^2)) is
     # written as s*sqrt((N - 1)/N)
     import sympy
+
     N = next(iter(s for s in one.dx.free_symbols if s.name == "N"))
     aux = one.aux[-1].symbol
     s = sympy.Symbol("s", positive=True)
@@ -116,6 +125,7 @@ def test_one_statistic_or_three_reach_the_same_compact_form():
 def test_abs_differentiates_to_sign():
     md = derivgen.derive(ROOT / "tests" / "regressions" / "abs_in_statistic.toml").train
     import sympy
+
     assert not md.dx.has(sympy.re, sympy.im, sympy.Subs, sympy.Derivative)
     assert md.dx.has(sympy.sign) and len(md.reductions) == 1
 

@@ -24,8 +24,9 @@ def test_layernorm_double_backward_is_the_compact_closed_form():
     so = derivgen.derive("layernorm").second("train")
     text = code_text(so.ddy, so.spec)
     # d(dx)/d(dy) seen through dx's cotangent: gamma*rstd*(δx - mean(δx) - x̂·mean(δx·x̂)) + δγ·x̂ + δβ
-    assert text == ("gamma_Dd*xhat + X_Dd*gamma*rstd + beta_Dd - gamma*rstd*mean(X_Dd) "
-                    "- gamma*rstd*xhat*mean(X_Dd*xhat)")
+    assert text == (
+        "gamma_Dd*xhat + X_Dd*gamma*rstd + beta_Dd - gamma*rstd*mean(X_Dd) - gamma*rstd*xhat*mean(X_Dd*xhat)"
+    )
     assert len(so.reductions) == 7 and len(so.jvp_reductions) == 2
     # only means of element monomials: one reduction sweep, no mean inside a mean
     for r in so.reductions + so.jvp_reductions:
@@ -59,8 +60,7 @@ def test_proof_catches_a_wrong_double_backward():
     assert not prove_second_mode(so_bad, (2,)).ok
 
 
-@pytest.mark.parametrize("name", ["layernorm", "batchnorm", "groupnorm", "online_layernorm", "rmsnorm",
-                                  "instancenorm"])
+@pytest.mark.parametrize("name", ["layernorm", "batchnorm", "groupnorm", "online_layernorm", "rmsnorm", "instancenorm"])
 def test_check_rows_second_order(name):
     rows = check_layer(derivgen.load_spec(name), prove_sizes=(2,))
     second = [r for r in rows if "second" in r.check or any(k.startswith(("bb.", "jvp.")) for k in r.errors)]
@@ -152,6 +152,7 @@ def test_torch_second_order_through_derived_kernels(label, make, shape, monkeypa
 
     def refuse(*a, **k):
         raise AssertionError("the generic second-order path ran")
+
     monkeypatch.setattr(TorchLayer, "_generic_bb", refuse)
     monkeypatch.setattr(TorchLayer, "_generic_jvp", refuse)
     torch.manual_seed(0)
@@ -171,8 +172,12 @@ def test_torch_second_order_through_derived_kernels(label, make, shape, monkeypa
         g = torch.autograd.grad(mod(x), [x, *mod.parameters()], dy, create_graph=True)
         loss = (g[0] * v).sum() + sum((t * t).sum() for t in g[1:])
         wrt = [x, *mod.parameters()]
-        out.append([torch.zeros_like(w) if d is None else d
-                    for d, w in zip(torch.autograd.grad(loss, wrt, allow_unused=True), wrt)])
+        out.append(
+            [
+                torch.zeros_like(w) if d is None else d
+                for d, w in zip(torch.autograd.grad(loss, wrt, allow_unused=True), wrt)
+            ]
+        )
     for a, b in zip(*out):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
     tx = torch.randn_like(x)
@@ -187,14 +192,15 @@ def test_torch_second_order_through_derived_kernels(label, make, shape, monkeypa
 def test_torch_float32_double_backward_matches_float64():
     torch = __import__("conftest").require_module("torch")
     import derivgen.torch as dt
+
     torch.manual_seed(1)
     x64 = torch.randn(16, 32, dtype=torch.float64, requires_grad=True)
     res = []
     for dtype in (torch.float64, torch.float32):
         m = dt.LayerNorm(32).to(dtype)
         x = x64.detach().to(dtype).requires_grad_(True)
-        g, = torch.autograd.grad(m(x), x, torch.ones_like(x) * 0.5 + x.detach(), create_graph=True)
-        h, = torch.autograd.grad((g * g).sum(), x)
+        (g,) = torch.autograd.grad(m(x), x, torch.ones_like(x) * 0.5 + x.detach(), create_graph=True)
+        (h,) = torch.autograd.grad((g * g).sum(), x)
         res.append(h.double())
     torch.testing.assert_close(res[1], res[0], rtol=2e-4, atol=2e-4)
 
@@ -203,23 +209,56 @@ def test_second_order_bench_machinery():
     """``derivgen bench --torch``'s second-order rows (timings are not asserted)."""
     torch = __import__("conftest").require_module("torch")
     from derivgen.torch.bench import _second_rows, format_torch_report
+
     rows = _second_rows(torch.float32, torch.Generator().manual_seed(0), 3, (16, 32))
     assert [r["case"] for r in rows] == ["LayerNorm double backward", "LayerNorm JVP (torch.func.jvp)"]
     assert all(r["torch"] > 0 and r["derivgen"] > 0 and r["ratio"] > 0 for r in rows)
-    text = format_torch_report({"machine": {"cpu": "cpu", "cores": 1, "torch": torch.__version__}, "dtype": "float32",
-                                "repeat": 3, "threads": 1, "cases": [], "second": rows, "block": None})
+    text = format_torch_report(
+        {
+            "machine": {"cpu": "cpu", "cores": 1, "torch": torch.__version__},
+            "dtype": "float32",
+            "repeat": 3,
+            "threads": 1,
+            "cases": [],
+            "second": rows,
+            "block": None,
+        }
+    )
     assert "LayerNorm double backward" in text and "<= 0.5" in text
 
 
 def test_cli_derive_order_2(tmp_path):
     import subprocess
     import sys
-    r = subprocess.run([sys.executable, "-m", "derivgen", "derive", "rmsnorm", "--format", "markdown", "--order", "2",
-                        "--prove-sizes", "2-3"], capture_output=True, text=True, cwd=ROOT, timeout=300)
+
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "derivgen",
+            "derive",
+            "rmsnorm",
+            "--format",
+            "markdown",
+            "--order",
+            "2",
+            "--prove-sizes",
+            "2-3",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr
     assert "## Second order" in r.stdout and "N = 3: proven" in r.stdout
-    r = subprocess.run([sys.executable, "-m", "derivgen", "derive", "rmsnorm", "--order", "3"],
-                       capture_output=True, text=True, cwd=ROOT, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-m", "derivgen", "derive", "rmsnorm", "--order", "3"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
     assert r.returncode == 2 and "--order" in r.stderr and "Traceback" not in r.stderr
 
 
@@ -228,14 +267,15 @@ def test_torch_second_order_channels_last_and_bfloat16():
     second derivatives from the generated PyTorch closed form."""
     torch = __import__("conftest").require_module("torch")
     import derivgen.torch as dt
+
     torch.manual_seed(2)
     m = dt.BatchNorm2d(3, track_running_stats=False).double()
     x = torch.randn(2, 3, 4, 4, dtype=torch.float64)
     res = []
     for fmt in (torch.contiguous_format, torch.channels_last):
         xi = x.contiguous(memory_format=fmt).requires_grad_(True)
-        g, = torch.autograd.grad(m(xi), xi, torch.ones_like(xi) + xi.detach(), create_graph=True)
-        h, = torch.autograd.grad((g * g).sum(), xi)
+        (g,) = torch.autograd.grad(m(xi), xi, torch.ones_like(xi) + xi.detach(), create_graph=True)
+        (h,) = torch.autograd.grad((g * g).sum(), xi)
         _, t = torch.func.jvp(m, (xi.detach(),), (torch.ones_like(xi) * 0.5 + xi.detach() ** 2,))
         res.append((h, t))
     torch.testing.assert_close(res[1][0], res[0][0], rtol=1e-10, atol=1e-12)
@@ -246,8 +286,8 @@ def test_torch_second_order_channels_last_and_bfloat16():
     for dtype in (torch.float32, torch.bfloat16):
         mm = ln.to(dtype)
         xi = xb.to(dtype).requires_grad_(True)
-        g, = torch.autograd.grad(mm(xi), xi, torch.ones_like(xi) + xi.detach(), create_graph=True)
-        h, = torch.autograd.grad((g.float() ** 2).sum(), xi)
+        (g,) = torch.autograd.grad(mm(xi), xi, torch.ones_like(xi) + xi.detach(), create_graph=True)
+        (h,) = torch.autograd.grad((g.float() ** 2).sum(), xi)
         out.append(h.float())
     torch.testing.assert_close(out[1], out[0], rtol=0.1, atol=0.15)
 
@@ -260,6 +300,7 @@ def test_torch_third_order_matches_finite_differences():
     saved mean and rstd as constants.)"""
     torch = __import__("conftest").require_module("torch")
     import derivgen.torch as dt
+
     torch.manual_seed(0)
     m = dt.LayerNorm(5).double()
     with torch.no_grad():
@@ -269,10 +310,11 @@ def test_torch_third_order_matches_finite_differences():
     w, v = torch.randn_like(x), torch.randn_like(x)
 
     def second(z, create_graph):
-        g, = torch.autograd.grad((m(z) * w).sum(), z, create_graph=True)
-        h, = torch.autograd.grad((g * v).sum(), z, create_graph=create_graph)
+        (g,) = torch.autograd.grad((m(z) * w).sum(), z, create_graph=True)
+        (h,) = torch.autograd.grad((g * v).sum(), z, create_graph=create_graph)
         return h
-    k, = torch.autograd.grad((second(x, True) ** 2).sum(), x)
+
+    (k,) = torch.autograd.grad((second(x, True) ** 2).sum(), x)
     fd = torch.zeros_like(x)
     for i in range(x.numel()):
         e = torch.zeros_like(x).view(-1)
@@ -280,5 +322,5 @@ def test_torch_third_order_matches_finite_differences():
         e = e.view_as(x)
         hp = second((x + e).detach().requires_grad_(True), False)
         hm = second((x - e).detach().requires_grad_(True), False)
-        fd.view(-1)[i] = ((hp ** 2).sum() - (hm ** 2).sum()) / 2e-6
+        fd.view(-1)[i] = ((hp**2).sum() - (hm**2).sum()) / 2e-6
     torch.testing.assert_close(k, fd, rtol=1e-6, atol=1e-6)

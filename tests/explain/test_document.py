@@ -26,7 +26,12 @@ def test_standalone_latex_compiles(name, tmp_path):
     exe = require_tool("pdflatex")
     tex = derivgen.derive(name, prove=(2, 3)).render("latex", standalone=True)
     (tmp_path / "d.tex").write_text(tex, encoding="utf-8")
-    r = subprocess.run([exe, "-interaction=nonstopmode", "-halt-on-error", "d.tex"],
-                       cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [exe, "-interaction=nonstopmode", "-halt-on-error", "d.tex"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stdout[-2000:]
     assert (tmp_path / "d.pdf").stat().st_size > 10_000

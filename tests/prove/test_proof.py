@@ -35,14 +35,15 @@ def test_the_materials_negligible_term_is_zero_not_small():
     md = derivgen.derive("layernorm").train
     xhat, rstd = sympy.Symbol("xhat", real=True), sympy.Symbol("rstd", positive=True)
     N = sympy.Symbol("N", positive=True, integer=True)
-    extra = rstd / N ** 2 * (N * Mean(G * xhat)) * (N * Mean(xhat))
+    extra = rstd / N**2 * (N * Mean(G * xhat)) * (N * Mean(xhat))
     assert prove_mode(dataclasses.replace(md, dx=md.dx + extra), sizes=(3,)).status == "proven"
 
 
 def test_a_wrong_parameter_gradient_fails():
     md = derivgen.derive("rmsnorm").train
-    wrong = dataclasses.replace(md, grads={"gamma": dataclasses.replace(md.grads["gamma"],
-                                                                        element=md.grads["gamma"].element * 2)})
+    wrong = dataclasses.replace(
+        md, grads={"gamma": dataclasses.replace(md.grads["gamma"], element=md.grads["gamma"].element * 2)}
+    )
     assert prove_mode(wrong, sizes=(2,)).status == "FAILED"
 
 
@@ -50,9 +51,14 @@ def test_numeric_points_lie_within_each_options_declared_bounds():
     from types import SimpleNamespace
 
     from derivgen.prove.proof import _Sampler
-    spec = SimpleNamespace(options=[SimpleNamespace(name="zeta", min=-2.0, max=-1.0),
-                                    SimpleNamespace(name="tiny", min=1e-05, max=None),
-                                    SimpleNamespace(name="cap", min=None, max=3.0)])
+
+    spec = SimpleNamespace(
+        options=[
+            SimpleNamespace(name="zeta", min=-2.0, max=-1.0),
+            SimpleNamespace(name="tiny", min=1e-05, max=None),
+            SimpleNamespace(name="cap", min=None, max=3.0),
+        ]
+    )
     points = _Sampler.for_spec(spec, 0)
     zeta, tiny, cap = sympy.symbols("zeta tiny cap", real=True)
     for _ in range(50):

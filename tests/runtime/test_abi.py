@@ -73,10 +73,17 @@ def test_pack_checks_sections():
     sig = kernel_signature(meta, "train", "forward")
     assert isinstance(sig, KernelSignature)
     assert sig.section_size("inputs") == 2 * len(meta["inputs"])
-    values = {"dims": (1, 1, 4, 1), "x": (10,), "params": [11] * len(meta["params"]),
-              "options": [0.5] * len(meta["options"]), "inputs": [12, 0] * len(meta["inputs"]),
-              "buffers": [None] * len(meta["buffers"]), "y": (13,),
-              "stats": [14] * len(meta["stats"]["train"]), "nthreads": (0,)}
+    values = {
+        "dims": (1, 1, 4, 1),
+        "x": (10,),
+        "params": [11] * len(meta["params"]),
+        "options": [0.5] * len(meta["options"]),
+        "inputs": [12, 0] * len(meta["inputs"]),
+        "buffers": [None] * len(meta["buffers"]),
+        "y": (13,),
+        "stats": [14] * len(meta["stats"]["train"]),
+        "nthreads": (0,),
+    }
     args = sig.pack(values)
     assert len(args) == len(sig.args) and args[:5] == [1, 1, 4, 1, 10]
     with pytest.raises(ValueError, match="section params"):
@@ -85,8 +92,10 @@ def test_pack_checks_sections():
         sig.pack({**values, "bogus": ()})
     with pytest.raises(ValueError, match="do not follow"):
         sig.packer(("x", "dims"))
-    fast = sig.packer(("dims", "x_params", "options", "inputs", "buffers", "y", "stats", "nthreads"),
-                      merged={"x_params": ("x", "params")})
+    fast = sig.packer(
+        ("dims", "x_params", "options", "inputs", "buffers", "y", "stats", "nthreads"),
+        merged={"x_params": ("x", "params")},
+    )
     assert fast(values["dims"], [10, *values["params"]], *(values[s] for s in sig.sections[3:])) == args
     with pytest.raises(ValueError, match="arguments expected"):
         fast((), (), (), (), (), (), (), ())

@@ -24,18 +24,21 @@ def _ln_args(shape=(4, 6), dtype=F):
     return rng.normal(size=shape).astype(dtype), np.ones(shape[-1], dtype), np.zeros(shape[-1], dtype)
 
 
-@pytest.mark.parametrize("mutate, exc, needle", [
-    (lambda x, g, b: (x, np.ones(5), b), ValueError, "gamma has shape (5,)"),
-    (lambda x, g, b: (x, g, np.zeros((2, 6))), ValueError, "beta must have shape (6,)"),
-    (lambda x, g, b: (x.astype(np.int64), g, b), TypeError, "x must have dtype float32 or float64"),
-    (lambda x, g, b: (x.astype(np.float16), g, b), TypeError, "float16"),
-    (lambda x, g, b: (x.astype(np.complex128), g, b), TypeError, "complex128"),
-    (lambda x, g, b: (x.astype(object), g, b), TypeError, "object"),
-    (lambda x, g, b: (x, g.astype(np.float32), b), TypeError, "gamma has dtype float32 but x has float64"),
-    (lambda x, g, b: (x.tolist(), g, b), TypeError, "x must be a numpy.ndarray"),
-    (lambda x, g, b: (np.empty((0, 6)), g, b), ValueError, "x is empty"),
-    (lambda x, g, b: (x, np.array(1.0), b), ValueError, "at least one dimension"),
-])
+@pytest.mark.parametrize(
+    "mutate, exc, needle",
+    [
+        (lambda x, g, b: (x, np.ones(5), b), ValueError, "gamma has shape (5,)"),
+        (lambda x, g, b: (x, g, np.zeros((2, 6))), ValueError, "beta must have shape (6,)"),
+        (lambda x, g, b: (x.astype(np.int64), g, b), TypeError, "x must have dtype float32 or float64"),
+        (lambda x, g, b: (x.astype(np.float16), g, b), TypeError, "float16"),
+        (lambda x, g, b: (x.astype(np.complex128), g, b), TypeError, "complex128"),
+        (lambda x, g, b: (x.astype(object), g, b), TypeError, "object"),
+        (lambda x, g, b: (x, g.astype(np.float32), b), TypeError, "gamma has dtype float32 but x has float64"),
+        (lambda x, g, b: (x.tolist(), g, b), TypeError, "x must be a numpy.ndarray"),
+        (lambda x, g, b: (np.empty((0, 6)), g, b), ValueError, "x is empty"),
+        (lambda x, g, b: (x, np.array(1.0), b), ValueError, "at least one dimension"),
+    ],
+)
 def test_layernorm_forward_rejects(backend, mutate, exc, needle):
     x, g, b = mutate(*_ln_args())
     with pytest.raises(exc) as info:
@@ -43,9 +46,14 @@ def test_layernorm_forward_rejects(backend, mutate, exc, needle):
     assert needle in str(info.value)
 
 
-@pytest.mark.parametrize("eps, exc, needle", [(-1.0, ValueError, "eps must lie in [0.0, inf]"),
-                                              (float("nan"), ValueError, "eps must be finite"),
-                                              ("1e-5", TypeError, "eps must be a real number")])
+@pytest.mark.parametrize(
+    "eps, exc, needle",
+    [
+        (-1.0, ValueError, "eps must lie in [0.0, inf]"),
+        (float("nan"), ValueError, "eps must be finite"),
+        ("1e-5", TypeError, "eps must be a real number"),
+    ],
+)
 def test_bad_options(backend, eps, exc, needle):
     with pytest.raises(exc) as info:
         ln(backend).forward(*_ln_args(), eps=eps)
@@ -81,11 +89,14 @@ def test_outputs_may_not_alias_inputs(backend):
         k.forward(x, g, b, out=np.empty((6, 4)).T)
 
 
-@pytest.mark.parametrize("make", [
-    lambda a: a[:, ::2],                   # strided
-    lambda a: a[::-1],                     # negative stride
-    lambda a: np.asfortranarray(a),        # Fortran order
-])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda a: a[:, ::2],  # strided
+        lambda a: a[::-1],  # negative stride
+        lambda a: np.asfortranarray(a),  # Fortran order
+    ],
+)
 def test_non_contiguous_inputs_give_the_right_answer(backend, make):
     k = ln(backend)
     rng = np.random.default_rng(1)

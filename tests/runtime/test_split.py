@@ -3,7 +3,6 @@ parts (micro-batches, one of them empty) gives the statistics, outputs and gradi
 one-piece forward and backward, for the catalogue's batch norm, the regression specs with a
 batch reduction and fuzzed batch specs; and bad calls are errors naming the argument."""
 
-
 import itertools
 
 import numpy as np
@@ -24,8 +23,10 @@ def _run_split(mod, parts, dys, params, kw):
         stats = mod.split_finish(level, sums, count, params, options, inputs, stats=stats)
     ys = [mod.split_apply(p, params, stats, count, options, inputs) for p in parts]
     bsums = sum(mod.split_backward_partial(d, p, params, stats, count, options, inputs) for p, d in zip(parts, dys))
-    grads = [mod.split_backward_apply(d, p, params, stats, bsums, count, options, inputs, group_terms=j == 0)
-             for j, (p, d) in enumerate(zip(parts, dys))]
+    grads = [
+        mod.split_backward_apply(d, p, params, stats, bsums, count, options, inputs, group_terms=j == 0)
+        for j, (p, d) in enumerate(zip(parts, dys))
+    ]
     return stats, ys, grads
 
 
@@ -36,8 +37,9 @@ def _check(spec, backend, dtype, seed=0):
     c = 3
     x = (rng.normal(size=(6, c, 5)) * 1.3 + 0.3).astype(dtype)
     dy = rng.normal(size=x.shape).astype(dtype)
-    params = [np.asarray(rng.random(() if p in meta["scalar_params"] else (c,)) + 0.5, dtype=dtype)
-              for p in meta["params"]]
+    params = [
+        np.asarray(rng.random(() if p in meta["scalar_params"] else (c,)) + 0.5, dtype=dtype) for p in meta["params"]
+    ]
     kw = {}
     for o, (default, lo, hi) in meta["options"].items():
         kw[o] = 1e-3 if o == "eps" else (default if default is not None else (lo if lo is not None else 0.5))
@@ -45,14 +47,15 @@ def _check(spec, backend, dtype, seed=0):
         kw[i] = (rng.random(c) + 0.5).astype(dtype)
     y_ref, cache = mod.forward(x, *params, **kw)
     g_ref = mod.backward(dy, cache)
-    cuts = [0, 2, 2, 6]                        # parts of 2, 0 and 4 samples
+    cuts = [0, 2, 2, 6]  # parts of 2, 0 and 4 samples
     parts = [x[a:b] for a, b in itertools.pairwise(cuts)]
     dys = [dy[a:b] for a, b in itertools.pairwise(cuts)]
     stats, ys, grads = _run_split(mod, parts, dys, params, kw)
     tol = {"rtol": 1e-10, "atol": 1e-12} if dtype == np.float64 else {"rtol": 2e-4, "atol": 2e-5}
     for k, s in enumerate(meta["stats"]["train"]):
-        np.testing.assert_allclose(stats[k], cache.stats[s], rtol=1e-9 if dtype == np.float32 else 1e-12,
-                                   atol=1e-12, err_msg=s)
+        np.testing.assert_allclose(
+            stats[k], cache.stats[s], rtol=1e-9 if dtype == np.float32 else 1e-12, atol=1e-12, err_msg=s
+        )
     np.testing.assert_allclose(np.concatenate(ys), y_ref, **tol)
     np.testing.assert_allclose(np.concatenate([g.dx for g in grads]), g_ref.dx, **tol)
     for p in meta["params"]:
@@ -63,8 +66,9 @@ def _check(spec, backend, dtype, seed=0):
         np.testing.assert_allclose(total, getattr(g_ref, "d" + i), **tol, err_msg=i)
 
 
-BATCH_REGRESSIONS = [str(p) for p in sorted((ROOT / "tests" / "regressions").glob("*.toml"))
-                     if 'reduce = "batch"' in p.read_text()]
+BATCH_REGRESSIONS = [
+    str(p) for p in sorted((ROOT / "tests" / "regressions").glob("*.toml")) if 'reduce = "batch"' in p.read_text()
+]
 
 
 @pytest.mark.parametrize("backend", ["numpy", "c"])
@@ -76,6 +80,7 @@ def test_split_equals_one_piece(spec, backend, dtype):
 
 def _fuzz_batch_seeds(n=6, limit=200):
     import specfuzz
+
     out = []
     for s in range(limit):
         if 'reduce = "batch"' in specfuzz.generate(s):
@@ -89,6 +94,7 @@ def _fuzz_batch_seeds(n=6, limit=200):
 @pytest.mark.parametrize("backend", ["numpy", "c"])
 def test_split_fuzzed_batch_specs(seed, backend, tmp_path):
     import specfuzz
+
     p = tmp_path / f"fuzz{seed}.toml"
     p.write_text(specfuzz.generate(seed))
     _check(str(p), backend, np.float64, seed)

@@ -18,8 +18,9 @@ EXAMPLES = sorted((ROOT / "examples").glob("*.toml"))
 
 
 def cli(*args, cwd=None):
-    return subprocess.run([sys.executable, "-m", "derivgen", *args], capture_output=True, text=True,
-                          timeout=600, cwd=cwd)
+    return subprocess.run(
+        [sys.executable, "-m", "derivgen", *args], capture_output=True, text=True, timeout=600, cwd=cwd
+    )
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=[p.stem for p in EXAMPLES])
@@ -44,7 +45,7 @@ def test_load_by_path(backend):
     k = derivgen.load(str(ROOT / "examples" / "scalenorm.toml"), backend=backend)
     x = np.random.default_rng(0).normal(size=(3, 7))
     y, c = k.forward(x, np.array(2.0))
-    np.testing.assert_allclose(y, 2 * x / np.sqrt((x ** 2).sum(-1, keepdims=True) + 1e-5))
+    np.testing.assert_allclose(y, 2 * x / np.sqrt((x**2).sum(-1, keepdims=True) + 1e-5))
     g = k.backward(np.ones_like(x), c)
     assert g.dscale.shape == () and g.dx.shape == x.shape
     np.testing.assert_allclose(g.dscale, (y / 2).sum())
@@ -72,7 +73,7 @@ y = "gamma*(x - mean)"
 """
 
 BAD = [
-    ("eval-call", BASE.replace('"mean(x)"', '"__import__(\'os\').system(\'touch PWNED\')"'), "only calls"),
+    ("eval-call", BASE.replace('"mean(x)"', "\"__import__('os').system('touch PWNED')\""), "only calls"),
     ("attribute", BASE.replace('"gamma*(x - mean)"', '"x.__class__.__bases__"'), "Attribute"),
     ("lambda", BASE.replace('"mean(x)"', '"(lambda: 1)()"'), "only calls"),
     ("comprehension", BASE.replace('"mean(x)"', '"sum([x for x in x])"'), "ListComp"),
@@ -87,7 +88,7 @@ BAD = [
     ("unknown-func", BASE.replace('"mean(x)"', '"open(x)"'), "unknown function"),
     ("subscript", BASE.replace('"mean(x)"', '"x[0]"'), "Subscript"),
     ("walrus", BASE.replace('"mean(x)"', '"(y := 1)"'), "NamedExpr"),
-    ("fstring", BASE.replace('"mean(x)"', '"f\'{x}\'"'), "JoinedStr|numeric"),
+    ("fstring", BASE.replace('"mean(x)"', "\"f'{x}'\""), "JoinedStr|numeric"),
     ("bad-ident", BASE.replace("gamma = {}", '"gamma; system(1)" = {}'), "invalid or reserved name"),
     ("dunder", BASE.replace("gamma = {}", "__class__ = {}"), "invalid or reserved name"),
     ("keyword", BASE.replace("gamma = {}", "for = {}"), "invalid or reserved name"),
@@ -97,16 +98,28 @@ BAD = [
     ("comment-escape", BASE.replace('name = "t"', 'name = "t"\nsummary = "x */ int evil; /*"'), "must not contain"),
     ("newline", BASE.replace('name = "t"', 'name = "t"\nsummary = "a\\nimport os"'), "control character"),
     ("tex", BASE.replace("gamma = {}", 'gamma = { latex = "\\\\input{/etc/passwd}" }'), "TeX primitives"),
-    ("cycle", BASE.replace('mean = "mean(x)"', 'a = "mean(x) + b"\nb = "mean(x) + a"\nmean = "mean(x)"'),
-     "used before it is defined"),
+    (
+        "cycle",
+        BASE.replace('mean = "mean(x)"', 'a = "mean(x) + b"\nb = "mean(x) + a"\nmean = "mean(x)"'),
+        "used before it is defined",
+    ),
     ("undefined", BASE.replace('"gamma*(x - mean)"', '"gamma*(x - mu)"'), "unknown name 'mu'"),
     ("missing-output", BASE.replace('[output]\ny = "gamma*(x - mean)"', ""), "output: missing"),
-    ("stats-not-a-table", BASE.replace('[statistics]\nmean = "mean(x)"', "").replace("- mean", "- 1")
-     .replace('name = "t"', 'name = "t"\nstatistics = 3'), "statistics: must be a table"),
+    (
+        "stats-not-a-table",
+        BASE.replace('[statistics]\nmean = "mean(x)"', "")
+        .replace("- mean", "- 1")
+        .replace('name = "t"', 'name = "t"\nstatistics = 3'),
+        "statistics: must be a table",
+    ),
     ("x-outside-mean", BASE.replace('"mean(x)"', '"x + 1"'), "x appears outside mean"),
     ("channel-param-outside-mean", BASE.replace('"mean(x)"', '"mean(x) + gamma"'), "per-channel parameter gamma"),
     ("sqrt-of-negative", BASE.replace('"mean(x)"', '"sqrt(-mean(x**2) - 1)"'), "non-integer power of a negative"),
-    ("log-of-nonpositive", BASE.replace('"mean(x)"', '"log(-mean(x**2))"'), "logarithm of a value that is never positive"),
+    (
+        "log-of-nonpositive",
+        BASE.replace('"mean(x)"', '"log(-mean(x**2))"'),
+        "logarithm of a value that is never positive",
+    ),
     ("normalized-not-affine", BASE + '[normalized]\nname = "z"\nexpr = "x**2"\n', "affine in x"),
     ("unknown-field", BASE + "\nextra = 1\n", "unknown field"),
     ("bad-layout", BASE.replace('kind = "trailing"', 'kind = "diagonal"'), "layout.kind"),
@@ -120,6 +133,7 @@ BAD = [
 @pytest.mark.parametrize("label, text, needle", BAD, ids=[b[0] for b in BAD])
 def test_malformed_and_malicious_specs_are_rejected(label, text, needle, tmp_path):
     import re
+
     t0 = time.perf_counter()
     with pytest.raises(SpecError) as info:
         parse_spec(text, source="bad.toml")
@@ -129,15 +143,20 @@ def test_malformed_and_malicious_specs_are_rejected(label, text, needle, tmp_pat
     assert re.search(needle, msg), msg
 
 
-@pytest.mark.parametrize("label, text, needle", [b for b in BAD if b[0] in
-                                                 ("eval-call", "attribute", "docstring-escape", "cycle", "huge-exponent")],
-                         ids=lambda v: v if isinstance(v, str) and len(v) < 20 else "")
+@pytest.mark.parametrize(
+    "label, text, needle",
+    [b for b in BAD if b[0] in ("eval-call", "attribute", "docstring-escape", "cycle", "huge-exponent")],
+    ids=lambda v: v if isinstance(v, str) and len(v) < 20 else "",
+)
 def test_cli_rejects_with_exit_2_and_writes_nothing(label, text, needle, tmp_path):
     spec = tmp_path / "evil.toml"
     spec.write_text(text)
     out = tmp_path / "out"
-    for args in (["generate", "--spec", str(spec), "--out", str(out)], ["derive", "--spec", str(spec)],
-                 ["check", "--spec", str(spec)]):
+    for args in (
+        ["generate", "--spec", str(spec), "--out", str(out)],
+        ["derive", "--spec", str(spec)],
+        ["check", "--spec", str(spec)],
+    ):
         r = cli(*args, cwd=tmp_path)
         assert r.returncode == 2, (args, r.stderr)
         assert "evil.toml" in r.stderr and len(r.stderr.strip().splitlines()) == 1
@@ -151,23 +170,30 @@ def test_prose_with_code_delimiters_is_rejected_but_safe_prose_is_kept():
     """Titles and summaries reach generated comments; text that could close a comment or
     docstring is refused, and ordinary prose is copied as written into valid files."""
     from derivgen.codegen.emit import emit
+
     ok = BASE.replace('name = "t"', 'name = "t"\ntitle = "A (weird) title: 50% <ok> & \'quoted\'"')
     out = emit(derivgen.derive(parse_spec(ok, source="ok.toml"))).files
     for rel, body in out.items():
         if rel.endswith(".py"):
-            compile(body, rel, "exec")       # still valid Python
+            compile(body, rel, "exec")  # still valid Python
     assert "A (weird) title: 50% <ok> & 'quoted'" in out["c/t.c"]
 
 
 # the fewest run-time reductions each example's backward can have (layer-norm-like 2,
 # RMS-like 1, no statistics 0)
-MIN_REDUCTIONS = {"scalenorm": 1, "layernorm_nobias": 2, "material_sigma": 2, "dynamic_tanh": 0,
-                  "online_layernorm_notation": 2}
+MIN_REDUCTIONS = {
+    "scalenorm": 1,
+    "layernorm_nobias": 2,
+    "material_sigma": 2,
+    "dynamic_tanh": 0,
+    "online_layernorm_notation": 2,
+}
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=[p.stem for p in EXAMPLES])
 def test_example_is_minimal_and_proven_symbolically(path):
     from derivgen.prove.proof import prove_mode
+
     d = derivgen.derive(path)
     assert d.spec.name in MIN_REDUCTIONS, "add the new example to MIN_REDUCTIONS"
     for md in d.modes.values():

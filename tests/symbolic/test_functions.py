@@ -28,9 +28,21 @@ POINTS = {REAL: (-1.3, -0.4, 0.0, 0.3, 1.9), NONNEG: (0.0, 0.3, 0.7, 1.9), POSIT
 
 # a function the shipped table does not have: arctangent
 ATAN = Elementary(
-    "atan", sympy.atan, sympy.atan, lambda f, u: 1 / (1 + u ** 2), "arctangent", lambda level: level, REAL,
-    numpy="arctan", c_double="atan", c_float="atanf", torch="atan", scalar=math.atan,
-    latex=r"\operatorname{atan}", text="atan")
+    "atan",
+    sympy.atan,
+    sympy.atan,
+    lambda f, u: 1 / (1 + u**2),
+    "arctangent",
+    lambda level: level,
+    REAL,
+    numpy="arctan",
+    c_double="atan",
+    c_float="atanf",
+    torch="atan",
+    scalar=math.atan,
+    latex=r"\operatorname{atan}",
+    text="atan",
+)
 
 
 def c_expr(e: sympy.Expr, ctype: str) -> str:
@@ -61,7 +73,7 @@ def check_entry(fn: Elementary, c_values: dict | None = None):
     """The checks every entry passes, shipped or registered."""
     built = fn.build(U)
     assert fn.node is None or isinstance(built, fn.node)
-    assert fn.node is not None or functions.half_power_sign(built) == 1    # sqrt is a power
+    assert fn.node is not None or functions.half_power_sign(built) == 1  # sqrt is a power
     # the parser accepts the functions of the language, and they are reserved names
     if fn.in_language:
         assert parse_expr(f"{fn.name}(u)", {"u": U}, group_size=N) == built
@@ -115,7 +127,7 @@ def check_spellings(fn: Elementary):
         assert latex_expr(e) == fn.latex.format("a")
     else:
         assert latex_expr(e) == fn.latex + r"{\left(a \right)}"
-        assert latex_expr(e ** 2) == fn.latex + r"^{2}{\left(a \right)}"
+        assert latex_expr(e**2) == fn.latex + r"^{2}{\left(a \right)}"
 
 
 def compiled(entries, tmp_path) -> dict:
@@ -194,7 +206,8 @@ def test_registered_function_flows_to_numpy(atan, tmp_path):
 
     def forward(x):
         c = x - x.mean(-1, keepdims=True)
-        return gamma * c / (1 + np.arctan((c ** 2).mean(-1, keepdims=True) + 1e-5))
+        return gamma * c / (1 + np.arctan((c**2).mean(-1, keepdims=True) + 1e-5))
+
     y, cache = k.forward(x, gamma)
     np.testing.assert_allclose(y, forward(x), rtol=1e-12)
     dx = k.backward(dy, cache).dx

@@ -11,9 +11,27 @@ from conftest import ROOT
 
 def test_bench_runs_and_reports_finite_numbers(tmp_path):
     out = tmp_path / "bench.json"
-    r = subprocess.run([sys.executable, "-m", "derivgen", "bench", "layernorm", "batchnorm", "--shape", "16x8x4",
-                        "--threads", "1", "--repeat", "3", "--json", str(out)], capture_output=True, text=True,
-                       timeout=600)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "derivgen",
+            "bench",
+            "layernorm",
+            "batchnorm",
+            "--shape",
+            "16x8x4",
+            "--threads",
+            "1",
+            "--repeat",
+            "3",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr
     assert "bandwidth probe" in r.stdout and "targets" in r.stdout and r.stdout.startswith("machine: ")
     data = json.loads(out.read_text())
@@ -41,10 +59,15 @@ def test_plain_numpy_baseline_is_correct():
 
     import derivgen
     from derivgen.tools.bench import plain_numpy
+
     rng = np.random.default_rng(0)
-    for name, shape, kw in [("layernorm", (6, 10), {}), ("rmsnorm", (6, 10), {}),
-                            ("batchnorm", (4, 3, 5), {}), ("groupnorm", (2, 6, 5), {"num_groups": 3}),
-                            ("online_layernorm", (5, 7), {"alpha": 0.3, "prev_mean": 0.1, "prev_std": 1.2})]:
+    for name, shape, kw in [
+        ("layernorm", (6, 10), {}),
+        ("rmsnorm", (6, 10), {}),
+        ("batchnorm", (4, 3, 5), {}),
+        ("groupnorm", (2, 6, 5), {"num_groups": 3}),
+        ("online_layernorm", (5, 7), {"alpha": 0.3, "prev_mean": 0.1, "prev_std": 1.2}),
+    ]:
         x, dy = rng.normal(size=shape), rng.normal(size=shape)
         spec = derivgen.load_spec(name)
         p = [rng.normal(size=shape[-1] if spec.layout == "trailing" else shape[1]) for _ in spec.params]
@@ -61,12 +84,30 @@ def test_plain_numpy_baseline_is_correct():
 def test_plot_without_matplotlib_is_one_line(tmp_path):
     try:
         import matplotlib  # noqa: F401
+
         pytest.skip("matplotlib is installed")
     except ImportError:
         pass
-    r = subprocess.run([sys.executable, "-m", "derivgen", "bench", "rmsnorm", "--shape", "8x8", "--repeat", "3",
-                        "--threads", "1", "--plot", str(tmp_path / "c.png")], capture_output=True, text=True,
-                       timeout=600)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "derivgen",
+            "bench",
+            "rmsnorm",
+            "--shape",
+            "8x8",
+            "--repeat",
+            "3",
+            "--threads",
+            "1",
+            "--plot",
+            str(tmp_path / "c.png"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 1 and "matplotlib" in r.stderr and "Traceback" not in r.stderr
 
 
@@ -74,11 +115,33 @@ def test_bench_isa_builds_side_by_side_and_a_user_spec(tmp_path):
     """--isa times one C build per instruction set in the same rounds; --spec benches a user's
     layer against plain NumPy written from its formulas (no torch row: not a catalogue layer)."""
     from derivgen.runtime.machine import machine
+
     out = tmp_path / "bench.json"
     spec = ROOT / "examples" / "dynamic_tanh.toml"
-    r = subprocess.run([sys.executable, "-m", "derivgen", "bench", "rmsnorm", "--spec", str(spec), "--shape", "16x32",
-                        "--threads", "1", "--repeat", "3", "--isa", "x86-64,x86-64-v3,x86-64-v4", "--json", str(out)],
-                       capture_output=True, text=True, timeout=900)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "derivgen",
+            "bench",
+            "rmsnorm",
+            "--spec",
+            str(spec),
+            "--shape",
+            "16x32",
+            "--threads",
+            "1",
+            "--repeat",
+            "3",
+            "--isa",
+            "x86-64,x86-64-v3,x86-64-v4",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert r.returncode == 0, r.stderr
     data = json.loads(out.read_text())
     builds = {b["label"]: b for b in data["builds"]}
@@ -103,14 +166,19 @@ def test_bench_isa_builds_side_by_side_and_a_user_spec(tmp_path):
 
 
 def test_bench_rejects_a_bad_isa_list():
-    r = subprocess.run([sys.executable, "-m", "derivgen", "bench", "rmsnorm", "--isa", "native,,native"],
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "derivgen", "bench", "rmsnorm", "--isa", "native,,native"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 2 and "--isa" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_bench_sync_needs_torch_flag():
-    r = subprocess.run([sys.executable, "-m", "derivgen", "bench", "--sync", "2"],
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "derivgen", "bench", "--sync", "2"], capture_output=True, text=True, timeout=120
+    )
     assert r.returncode == 2 and "--sync" in r.stderr and "Traceback" not in r.stderr
 
 
@@ -121,11 +189,15 @@ def test_spec_baseline_matches_the_generated_code():
     import derivgen
     from derivgen.runtime import resolve_layout
     from derivgen.tools.baseline import PlainNumPy
+
     rng = np.random.default_rng(1)
-    for name, shape, kw in [("layernorm", (6, 10), {}), ("groupnorm", (2, 6, 5), {"num_groups": 3}),
-                            ("batchnorm", (4, 3, 5), {}), ("rmsnorm", (4, 9), {}),
-                            ("online_layernorm", (3, 7), {"alpha": 0.3, "prev_mean": np.full(3, 0.1),
-                                                          "prev_std": np.full(3, 1.2)})]:
+    for name, shape, kw in [
+        ("layernorm", (6, 10), {}),
+        ("groupnorm", (2, 6, 5), {"num_groups": 3}),
+        ("batchnorm", (4, 3, 5), {}),
+        ("rmsnorm", (4, 9), {}),
+        ("online_layernorm", (3, 7), {"alpha": 0.3, "prev_mean": np.full(3, 0.1), "prev_std": np.full(3, 1.2)}),
+    ]:
         d = derivgen.derive(name)
         spec = d.spec
         x, dy = rng.normal(size=shape), rng.normal(size=shape)

@@ -12,8 +12,9 @@ from derivgen.tools import check as chk
 
 
 def run(*args, env=None):
-    return subprocess.run([sys.executable, "-m", "derivgen", "check", *args], capture_output=True, text=True,
-                          timeout=600, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "derivgen", "check", *args], capture_output=True, text=True, timeout=600, env=env
+    )
 
 
 def test_check_json_covers_every_check():
@@ -39,12 +40,13 @@ def test_check_table_and_progress():
     assert "eval" in r.stdout and "train" in r.stdout
     assert "max relative error per output" in r.stdout
     assert r.stdout.strip().splitlines()[-1].endswith("0 failed")
-    assert "batchnorm" in r.stderr          # progress is shown while it runs
+    assert "batchnorm" in r.stderr  # progress is shown while it runs
 
 
-@pytest.mark.parametrize("args, needle", [(["--backend", "fortran"], "--backend"),
-                                          (["--dtype", "float16"], "--dtype"),
-                                          (["nosuch"], "unknown layer")])
+@pytest.mark.parametrize(
+    "args, needle",
+    [(["--backend", "fortran"], "--backend"), (["--dtype", "float16"], "--dtype"), (["nosuch"], "unknown layer")],
+)
 def test_check_bad_options(args, needle):
     r = run(*args)
     assert r.returncode == 2 and needle in r.stderr and len(r.stderr.strip().splitlines()) == 1
@@ -52,6 +54,7 @@ def test_check_bad_options(args, needle):
 
 def test_torch_missing_is_a_skip_locally_and_a_failure_in_ci(monkeypatch):
     import derivgen.tools.torch_ref as tr
+
     monkeypatch.setattr(tr, "torch_available", lambda: False)
     spec = derivgen.load_spec("rmsnorm")
     local = chk.check_layer(spec, ("numpy",), ("float64",), prove_sizes=(2,), in_ci=False)
@@ -67,8 +70,9 @@ def test_a_broken_backend_is_reported(monkeypatch):
     def broken(mod, spec_, x, dy, params, kw, seeds=None):
         out = real(mod, spec_, x, dy, params, kw, seeds)
         out["dx"] = out["dx"] * 1.001
-        out["bb.ddy"] = out["bb.ddy"] * 1.001          # the second-order rows catch their own outputs
+        out["bb.ddy"] = out["bb.ddy"] * 1.001  # the second-order rows catch their own outputs
         return out
+
     monkeypatch.setattr(chk, "_run", broken)
     rows = chk.check_layer(spec, ("numpy",), ("float64",), prove_sizes=(2,), in_ci=False)
     bad = {r.check for r in rows if r.failed}

@@ -9,8 +9,9 @@ import derivgen
 
 
 def run(*args, cwd=None):
-    return subprocess.run([sys.executable, "-m", "derivgen", *args], capture_output=True,
-                          text=True, cwd=cwd, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "derivgen", *args], capture_output=True, text=True, cwd=cwd, timeout=300
+    )
 
 
 def test_list():
@@ -27,14 +28,17 @@ def test_derive_text_to_file(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["ln.txt"]
 
 
-@pytest.mark.parametrize("args, needle", [
-    (["derive", "nosuchlayer"], "unknown layer 'nosuchlayer'"),
-    (["derive", "layernorm", "--format", "docx"], "--format"),
-    (["derive", "layernorm", "--prove-sizes", "1-99"], "--prove-sizes"),
-    (["derive"], "NAME or --spec"),
-    (["derive", "--spec", "/nonexistent/spec.toml"], "cannot read spec"),
-    (["frobnicate"], "No such command"),
-])
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["derive", "nosuchlayer"], "unknown layer 'nosuchlayer'"),
+        (["derive", "layernorm", "--format", "docx"], "--format"),
+        (["derive", "layernorm", "--prove-sizes", "1-99"], "--prove-sizes"),
+        (["derive"], "NAME or --spec"),
+        (["derive", "--spec", "/nonexistent/spec.toml"], "cannot read spec"),
+        (["frobnicate"], "No such command"),
+    ],
+)
 def test_bad_input_is_one_line_exit_2(args, needle, tmp_path):
     r = run(*args, cwd=tmp_path)
     assert r.returncode == 2
@@ -46,9 +50,22 @@ def test_bad_input_is_one_line_exit_2(args, needle, tmp_path):
 
 def test_pdf_missing_tool_message(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", "/nonexistent")
-    r = subprocess.run([sys.executable, "-m", "derivgen", "derive", "rmsnorm", "--no-prove",
-                        "--pdf", str(tmp_path / "x.pdf"), "-o", str(tmp_path / "x.tex")],
-                       capture_output=True, text=True)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "derivgen",
+            "derive",
+            "rmsnorm",
+            "--no-prove",
+            "--pdf",
+            str(tmp_path / "x.pdf"),
+            "-o",
+            str(tmp_path / "x.tex"),
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode != 0
     assert "texlive-latex-base" in r.stderr
     assert not (tmp_path / "x.pdf").exists()

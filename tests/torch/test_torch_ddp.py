@@ -14,8 +14,15 @@ require_module("torch")
 
 def test_ddp_two_processes_match_one_process():
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    p = subprocess.Popen([sys.executable, str(ROOT / "tests" / "ddp_driver.py"), "2"], cwd=ROOT, env=env,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    p = subprocess.Popen(
+        [sys.executable, str(ROOT / "tests" / "ddp_driver.py"), "2"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         out, err = p.communicate(timeout=300)
     except subprocess.TimeoutExpired:

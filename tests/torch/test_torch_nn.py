@@ -82,15 +82,33 @@ def test_twin_matches_torch_nn(name, make, shape, dtype):
 
 
 def test_constructor_attributes_and_state_dict_keys_are_torch_nn():
-    for cls_name in ("LayerNorm", "RMSNorm", "BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "InstanceNorm1d",
-                     "InstanceNorm2d", "InstanceNorm3d", "GroupNorm"):
+    for cls_name in (
+        "LayerNorm",
+        "RMSNorm",
+        "BatchNorm1d",
+        "BatchNorm2d",
+        "BatchNorm3d",
+        "InstanceNorm1d",
+        "InstanceNorm2d",
+        "InstanceNorm3d",
+        "GroupNorm",
+    ):
         ours, theirs = getattr(dt, cls_name), getattr(nn, cls_name)
         args = (2, 4) if cls_name == "GroupNorm" else (4,)
         a, b = ours(*args), theirs(*args)
         assert list(a.state_dict()) == list(b.state_dict()), cls_name
         assert repr(a) == repr(b), cls_name
-        for attr in ("eps", "momentum", "affine", "track_running_stats", "normalized_shape", "elementwise_affine",
-                     "num_groups", "num_channels", "num_features"):
+        for attr in (
+            "eps",
+            "momentum",
+            "affine",
+            "track_running_stats",
+            "normalized_shape",
+            "elementwise_affine",
+            "num_groups",
+            "num_channels",
+            "num_features",
+        ):
             assert getattr(a, attr, None) == getattr(b, attr, None), (cls_name, attr)
     a = dt.BatchNorm2d(3, affine=False, track_running_stats=False)
     assert a.weight is None and a.running_mean is None and list(a.state_dict()) == []
@@ -114,13 +132,21 @@ def test_state_dict_round_trips_both_ways():
 
 
 def test_convert_every_supported_norm_shares_tensors():
-    model = nn.ModuleDict({
-        "ln": nn.LayerNorm(4), "rms": nn.RMSNorm(4), "bn1": nn.BatchNorm1d(4), "bn2": nn.BatchNorm2d(4),
-        "bn3": nn.BatchNorm3d(4), "in1": nn.InstanceNorm1d(4), "in2": nn.InstanceNorm2d(4),
-        "in3": nn.InstanceNorm3d(4), "gn": nn.GroupNorm(2, 4),
-        "nested": nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4)),
-        "sync": nn.SyncBatchNorm(4),        # not a supported norm: left alone
-    })
+    model = nn.ModuleDict(
+        {
+            "ln": nn.LayerNorm(4),
+            "rms": nn.RMSNorm(4),
+            "bn1": nn.BatchNorm1d(4),
+            "bn2": nn.BatchNorm2d(4),
+            "bn3": nn.BatchNorm3d(4),
+            "in1": nn.InstanceNorm1d(4),
+            "in2": nn.InstanceNorm2d(4),
+            "in3": nn.InstanceNorm3d(4),
+            "gn": nn.GroupNorm(2, 4),
+            "nested": nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4)),
+            "sync": nn.SyncBatchNorm(4),  # not a supported norm: left alone
+        }
+    )
     model.eval()
     weight = model["ln"].weight
     dt.convert(model)
@@ -129,13 +155,14 @@ def test_convert_every_supported_norm_shares_tensors():
         assert not model[k].training
     assert type(model["nested"][1]) is dt.LayerNorm
     assert type(model["sync"]) is nn.SyncBatchNorm
-    assert model["ln"].weight is weight                   # an optimizer built before keeps working
+    assert model["ln"].weight is weight  # an optimizer built before keeps working
     assert type(dt.convert(nn.LayerNorm(3))) is dt.LayerNorm
     with pytest.raises(TypeError, match="convert: model must be a torch.nn.Module"):
         dt.convert("model")
 
 
 # ------------------------------------------------------------------ training parity
+
 
 class Block(nn.Module):
     """A small pre-norm transformer block: LayerNorm, attention, RMSNorm, MLP."""
@@ -161,10 +188,19 @@ class CNN(nn.Module):
     def __init__(self):
         super().__init__()
         self.net = nn.Sequential(
-            nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
-            nn.Conv2d(8, 8, 3, padding=1), nn.GroupNorm(4, 8), nn.ReLU(),
-            nn.Conv2d(8, 6, 3, padding=1), nn.InstanceNorm2d(6, affine=True, track_running_stats=True), nn.ReLU(),
-            nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(6, 1))
+            nn.Conv2d(3, 8, 3, padding=1),
+            nn.BatchNorm2d(8),
+            nn.ReLU(),
+            nn.Conv2d(8, 8, 3, padding=1),
+            nn.GroupNorm(4, 8),
+            nn.ReLU(),
+            nn.Conv2d(8, 6, 3, padding=1),
+            nn.InstanceNorm2d(6, affine=True, track_running_stats=True),
+            nn.ReLU(),
+            nn.AdaptiveAvgPool2d(1),
+            nn.Flatten(),
+            nn.Linear(6, 1),
+        )
 
     def forward(self, x):
         return self.net(x).squeeze(1)
@@ -173,8 +209,10 @@ class CNN(nn.Module):
 def _data(kind, dtype):
     g = torch.Generator().manual_seed(7)
     shape = (4, 6, 16) if kind == "block" else (6, 3, 8, 8)
-    return [(torch.randn(shape, generator=g, dtype=dtype), torch.randn(shape[0], generator=g, dtype=dtype))
-            for _ in range(4)]
+    return [
+        (torch.randn(shape, generator=g, dtype=dtype), torch.randn(shape[0], generator=g, dtype=dtype))
+        for _ in range(4)
+    ]
 
 
 def _train(model, data, steps=20, compile_=False):
@@ -222,6 +260,7 @@ def test_generic_module_for_any_spec(tmp_path):
     with its per-group inputs as keywords; its gradients match autograd through the
     generated PyTorch target."""
     from conftest import ROOT
+
     spec = str(ROOT / "examples" / "online_layernorm_notation.toml")
     m = dt.Module(spec, 8, alpha=0.25).double()
     names = [n for n, _ in m.named_parameters()]
@@ -278,8 +317,10 @@ def test_demo_runs_and_float64_training_agrees():
     import sys
 
     from conftest import ROOT
-    r = subprocess.run([sys.executable, "-m", "derivgen.torch.demo"], cwd=ROOT, capture_output=True, text=True,
-                       timeout=600)
+
+    r = subprocess.run(
+        [sys.executable, "-m", "derivgen.torch.demo"], cwd=ROOT, capture_output=True, text=True, timeout=600
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.count("the same in float64") == 2
 
@@ -321,14 +362,20 @@ def test_bfloat16_matches_torch_within_bf16_rounding(name, make, shape):
             a, b, e = a.detach(), b.detach(), e.detach()
             err_ours = float((b.double() - e).abs().max() / e.abs().max())
             err_torch = float((a.double() - e).abs().max() / e.abs().max())
-            assert err_ours <= max(1.25 * err_torch, 2 ** -8), (k, err_ours, err_torch)
+            assert err_ours <= max(1.25 * err_torch, 2**-8), (k, err_ours, err_torch)
     for (k, a), (_, b) in zip(ours.state_dict().items(), ref.state_dict().items()):
         torch.testing.assert_close(a, b, rtol=1.6e-2, atol=1e-2, msg=lambda m, k=k: f"{k}: {m}")
 
 
-@pytest.mark.parametrize("name,make,shape", [v for v in VARIANTS if v[0] in (
-    "LayerNorm", "RMSNorm", "BatchNorm2d", "BatchNorm1d-NC", "InstanceNorm2d-affine", "GroupNorm")],
-    ids=lambda v: v if isinstance(v, str) else "")
+@pytest.mark.parametrize(
+    "name,make,shape",
+    [
+        v
+        for v in VARIANTS
+        if v[0] in ("LayerNorm", "RMSNorm", "BatchNorm2d", "BatchNorm1d-NC", "InstanceNorm2d-affine", "GroupNorm")
+    ],
+    ids=lambda v: v if isinstance(v, str) else "",
+)
 def test_modules_gradgradcheck(name, make, shape):
     """Every module's backward is differentiable (float64): gradgradcheck through the module."""
     m = dt.convert(make()).double()
@@ -338,6 +385,7 @@ def test_modules_gradgradcheck(name, make, shape):
 
     def f(x, *ps):
         return torch.func.functional_call(m, dict(zip([n for n, _ in m.named_parameters()], ps)), (x,))
+
     assert torch.autograd.gradcheck(f, (x, *params))
     assert torch.autograd.gradgradcheck(f, (x, *params))
 
@@ -346,6 +394,7 @@ def test_whole_model_pickles_and_deep_copies():
     """torch.save(model) / torch.load and copy.deepcopy of converted models (EMA copies,
     checkpoints of whole modules): the layer bindings are looked up again, not pickled."""
     import io
+
     m = dt.convert(nn.Sequential(nn.LayerNorm(8), nn.BatchNorm1d(8), nn.GroupNorm(2, 8)))
     buf = io.BytesIO()
     torch.save(m, buf)
@@ -358,10 +407,15 @@ def test_whole_model_pickles_and_deep_copies():
     assert type(m2[0]) is dt.LayerNorm
 
 
-CL_MODULES = [("bn", lambda: nn.BatchNorm2d(6)), ("bn-eval", lambda: nn.BatchNorm2d(6).eval()),
-              ("bn3d", lambda: nn.BatchNorm3d(6)), ("gn", lambda: nn.GroupNorm(3, 6)),
-              ("gn-2", lambda: nn.GroupNorm(2, 6)), ("in", lambda: nn.InstanceNorm2d(6, affine=True)),
-              ("in-tracked", lambda: nn.InstanceNorm2d(6, affine=True, track_running_stats=True))]
+CL_MODULES = [
+    ("bn", lambda: nn.BatchNorm2d(6)),
+    ("bn-eval", lambda: nn.BatchNorm2d(6).eval()),
+    ("bn3d", lambda: nn.BatchNorm3d(6)),
+    ("gn", lambda: nn.GroupNorm(3, 6)),
+    ("gn-2", lambda: nn.GroupNorm(2, 6)),
+    ("in", lambda: nn.InstanceNorm2d(6, affine=True)),
+    ("in-tracked", lambda: nn.InstanceNorm2d(6, affine=True, track_running_stats=True)),
+]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=["f32", "f64", "bf16"])
@@ -396,6 +450,7 @@ def test_channels_last_is_bit_for_bit_the_contiguous_result(name, make, dtype):
 def test_channels_last_operators_opcheck():
     """The operators on channels_last tensors: fake kernels give the real strides."""
     from derivgen.torch.ops import layer
+
     for name, groups in (("batchnorm", 0), ("groupnorm", 3), ("instancenorm", 0)):
         lay = layer(name)
         x = torch.randn(2, 6, 5, 3, dtype=torch.float64).contiguous(memory_format=torch.channels_last)
@@ -410,8 +465,11 @@ def test_channels_last_operators_opcheck():
         assert all(v == "SUCCESS" for v in res.values()), res
 
 
-@pytest.mark.parametrize("make", [lambda: nn.BatchNorm2d(6), lambda: nn.GroupNorm(3, 6),
-                                  lambda: nn.InstanceNorm2d(6, affine=True)], ids=["bn", "gn", "in"])
+@pytest.mark.parametrize(
+    "make",
+    [lambda: nn.BatchNorm2d(6), lambda: nn.GroupNorm(3, 6), lambda: nn.InstanceNorm2d(6, affine=True)],
+    ids=["bn", "gn", "in"],
+)
 def test_channels_last_input_keeps_its_format_and_values(make):
     """A channels_last input gives a channels_last output (so the convolutions after it stay in
     that format), with the contiguous input's values; gradients too. (The kernels compute in

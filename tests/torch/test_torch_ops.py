@@ -31,10 +31,11 @@ def _fn(lay, mode, params, inputs, options, buffers, groups):
     pnames, inames = list(params), list(inputs)
 
     def f(x, *rest):
-        ps = dict(zip(pnames, rest[:len(pnames)]))
-        ins = dict(zip(inames, rest[len(pnames):]))
+        ps = dict(zip(pnames, rest[: len(pnames)]))
+        ins = dict(zip(inames, rest[len(pnames) :]))
         y, _ = lay.forward(x, ps, ins, options, training=mode == "train", buffers=buffers, num_groups=groups)
         return y
+
     return f
 
 
@@ -88,7 +89,7 @@ def test_statistics_are_not_differentiable():
 
 def test_float32_matches_float64_and_torch():
     lay = layer("layernorm")
-    x = torch.randn(64, 256) * 3 + 1e3            # a large offset: the kernels centre exactly
+    x = torch.randn(64, 256) * 3 + 1e3  # a large offset: the kernels centre exactly
     w, b = torch.rand(256) + 0.5, torch.randn(256)
     y, _ = lay.forward(x, {"gamma": w, "beta": b}, {}, {"eps": 1e-5})
     ref = torch.nn.functional.layer_norm(x.double(), (256,), w.double(), b.double(), 1e-5)
@@ -96,7 +97,7 @@ def test_float32_matches_float64_and_torch():
 
 
 def test_noncontiguous_input_and_dy():
-    x = torch.randn(8, 32, dtype=torch.float64).t().contiguous().t()   # strided view (column-major)
+    x = torch.randn(8, 32, dtype=torch.float64).t().contiguous().t()  # strided view (column-major)
     assert not x.is_contiguous()
     x.requires_grad_(True)
     w, b = torch.rand(32, dtype=torch.float64, requires_grad=True), torch.randn(32, dtype=torch.float64)
@@ -112,18 +113,25 @@ def test_noncontiguous_input_and_dy():
     torch.testing.assert_close(gw, rw, rtol=1e-10, atol=1e-12)
 
 
-@pytest.mark.parametrize("bad,err,match", [
-    (lambda x, w, b: (x.to(torch.float16), w, b), TypeError, "x has dtype torch.float16; derivgen.torch supports"),
-    (lambda x, w, b: (x.to(torch.bfloat16), w, b), TypeError, "gamma has dtype torch.float64 but x has torch.bfl"),
-    (lambda x, w, b: (x.to(torch.complex128), w, b), TypeError, "x has dtype torch.complex128"),
-    (lambda x, w, b: (x.to(torch.int32), w, b), TypeError, "x has dtype torch.int32"),
-    (lambda x, w, b: (x, w.float(), b), TypeError, "gamma has dtype float32 but x has float64"),
-    (lambda x, w, b: (x, w[:3], b), ValueError, "gamma"),
-    (lambda x, w, b: (x[:, :3], w, b), ValueError, "trailing axes of x"),
-])
+@pytest.mark.parametrize(
+    "bad,err,match",
+    [
+        (lambda x, w, b: (x.to(torch.float16), w, b), TypeError, "x has dtype torch.float16; derivgen.torch supports"),
+        (lambda x, w, b: (x.to(torch.bfloat16), w, b), TypeError, "gamma has dtype torch.float64 but x has torch.bfl"),
+        (lambda x, w, b: (x.to(torch.complex128), w, b), TypeError, "x has dtype torch.complex128"),
+        (lambda x, w, b: (x.to(torch.int32), w, b), TypeError, "x has dtype torch.int32"),
+        (lambda x, w, b: (x, w.float(), b), TypeError, "gamma has dtype float32 but x has float64"),
+        (lambda x, w, b: (x, w[:3], b), ValueError, "gamma"),
+        (lambda x, w, b: (x[:, :3], w, b), ValueError, "trailing axes of x"),
+    ],
+)
 def test_bad_input_names_the_argument(bad, err, match):
     f = dt.function("layernorm")
-    x, w, b = torch.randn(4, 6, dtype=torch.float64), torch.ones(6, dtype=torch.float64), torch.zeros(6, dtype=torch.float64)
+    x, w, b = (
+        torch.randn(4, 6, dtype=torch.float64),
+        torch.ones(6, dtype=torch.float64),
+        torch.zeros(6, dtype=torch.float64),
+    )
     x, w, b = bad(x, w, b)
     with pytest.raises(err, match=match):
         f(x, gamma=w, beta=b)
@@ -144,20 +152,36 @@ def test_function_argument_errors():
 
 
 def test_import_without_torch_names_the_extra():
-    code = ("import sys; sys.modules['torch'] = None\n"
-            "try:\n    import derivgen.torch\nexcept ImportError as e:\n    print(e)\n")
+    code = (
+        "import sys; sys.modules['torch'] = None\n"
+        "try:\n    import derivgen.torch\nexcept ImportError as e:\n    print(e)\n"
+    )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert "pip install 'derivgen[torch]'" in r.stdout, r.stdout + r.stderr
-    r = subprocess.run([sys.executable, "-c", ("import sys; sys.modules['torch'] = None; import derivgen; "
-                                               "print(derivgen.load('layernorm', 'c').forward)")],
-                       capture_output=True, text=True, cwd=ROOT, timeout=120)
-    assert r.returncode == 0, r.stderr    # the rest of derivgen does not need torch
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            (
+                "import sys; sys.modules['torch'] = None; import derivgen; "
+                "print(derivgen.load('layernorm', 'c').forward)"
+            ),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stderr  # the rest of derivgen does not need torch
 
 
 def test_user_spec_operators_do_not_collide_with_the_catalogue(tmp_path):
     """A spec file named like a catalogue layer but different gets operators of its own."""
-    text = (ROOT / "derivgen" / "spec" / "catalogue" / "layernorm.toml").read_text().replace(
-        'y = "gamma*xhat + beta"', 'y = "gamma*xhat + 2*beta"')
+    text = (
+        (ROOT / "derivgen" / "spec" / "catalogue" / "layernorm.toml")
+        .read_text()
+        .replace('y = "gamma*xhat + beta"', 'y = "gamma*xhat + 2*beta"')
+    )
     p = tmp_path / "layernorm.toml"
     p.write_text(text)
     mine, cat = layer(str(p)), layer("layernorm")
@@ -207,7 +231,7 @@ def test_eager_path_detects_in_place_changes_and_keeps_statistics():
         w.mul_(2.0)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         y.sum().backward()
-    for n in (2, 7, 2):                     # another shape, then the first again
+    for n in (2, 7, 2):  # another shape, then the first again
         xn = torch.randn(n, 3, 5, dtype=torch.float64, requires_grad=True)
         wn = torch.rand(3, dtype=torch.float64, requires_grad=True)
         yn, _ = lay.forward(xn, {"gamma": wn, "beta": b}, {}, opts)
@@ -224,6 +248,7 @@ def test_torch_bench_report_runs():
     """``derivgen bench --torch``'s machinery on its per-call case (timings are not asserted:
     a report with both sides and a ratio)."""
     from derivgen.torch.bench import format_torch_report, run_torch_bench
+
     rep = run_torch_bench(threads=1, repeat=2, cases=["LayerNorm per call"])
     (row,) = rep["cases"]
     assert row["torch_step"] > 0 and row["derivgen_step"] > 0 and row["ratio"] > 0
@@ -239,6 +264,7 @@ def test_fuzzed_specs_as_torch_operators(seed, tmp_path):
     """Any spec a user could write (the spec fuzzer's), as operators: opcheck, gradcheck and
     gradgradcheck in float64 for each of its modes."""
     import specfuzz
+
     p = tmp_path / f"fuzz{seed}.toml"
     p.write_text(specfuzz.generate(seed))
     lay = layer(str(p))
@@ -249,24 +275,31 @@ def test_fuzzed_specs_as_torch_operators(seed, tmp_path):
         assert torch.autograd.gradcheck(f, args, eps=1e-6, atol=1e-5, rtol=1e-4)
         assert torch.autograd.gradgradcheck(f, args, eps=1e-6, atol=1e-4, rtol=1e-3)
         fargs = [x, *params.values(), *inputs.values(), *(buffers.values() if mode == "eval" else ())]
-        res = torch.library.opcheck(lay.modes[mode].forward,
-                                    (*fargs, *[float(options[o]) for o in lay.meta["options"]], groups))
+        res = torch.library.opcheck(
+            lay.modes[mode].forward, (*fargs, *[float(options[o]) for o in lay.meta["options"]], groups)
+        )
         assert all(v == "SUCCESS" for v in res.values()), res
         # the bfloat16 kernels of the spec: compiled under -Werror (the tests' build) and run
         b = {k: v.detach().to(torch.bfloat16) for k, v in {"x": x, **params, **inputs, **buffers}.items()}
-        yb, _ = lay.forward(b["x"], {k: b[k] for k in params}, {k: b[k] for k in inputs}, options,
-                            training=mode == "train", buffers={k: b[k] for k in buffers}, num_groups=groups)
+        yb, _ = lay.forward(
+            b["x"],
+            {k: b[k] for k in params},
+            {k: b[k] for k in inputs},
+            options,
+            training=mode == "train",
+            buffers={k: b[k] for k in buffers},
+            num_groups=groups,
+        )
         y64 = f(b["x"].double(), *(b[k].double() for k in params), *(b[k].double() for k in inputs)).detach()
         assert yb.dtype == torch.bfloat16
-        assert float((yb.double() - y64).abs().max()) <= 2 ** -6 * (float(y64.abs().max()) or 1.0)
-        if lay.meta["layout"] == "channels":     # channels last: the NCHW kernels' bits
+        assert float((yb.double() - y64).abs().max()) <= 2**-6 * (float(y64.abs().max()) or 1.0)
+        if lay.meta["layout"] == "channels":  # channels last: the NCHW kernels' bits
             x4 = x.detach().reshape(*x.shape, 1)
             outs = []
             for xx in (x4.contiguous(memory_format=torch.channels_last), x4.clone()):
                 xx.requires_grad_(True)
                 y = f(xx, *params.values(), *inputs.values())
-                outs.append([y, *torch.autograd.grad(y, [xx, *params.values(), *inputs.values()],
-                                                     torch.ones_like(y))])
+                outs.append([y, *torch.autograd.grad(y, [xx, *params.values(), *inputs.values()], torch.ones_like(y))])
             assert outs[0][0].is_contiguous(memory_format=torch.channels_last)
             for a, b in zip(*outs):
                 assert torch.equal(a, b)
@@ -284,16 +317,24 @@ def test_bfloat16_kernels_every_layer(name, mode):
     outs = {}
     for dtype in (torch.bfloat16, torch.float64):
         t = {k: v.to(dtype).requires_grad_(k not in buffers) for k, v in rnd.items()}
-        y, _ = lay.forward(t["x"], {p: t[p] for p in params}, {i: t[i] for i in inputs}, options,
-                           training=mode == "train", buffers={b: t[b] for b in buffers}, num_groups=groups)
+        y, _ = lay.forward(
+            t["x"],
+            {p: t[p] for p in params},
+            {i: t[i] for i in inputs},
+            options,
+            training=mode == "train",
+            buffers={b: t[b] for b in buffers},
+            num_groups=groups,
+        )
         wrt = [t["x"], *(t[p] for p in params), *(t[i] for i in inputs)]
         outs[dtype] = [y, *torch.autograd.grad(y, wrt, dy.to(dtype))]
     for a, e in zip(outs[torch.bfloat16], outs[torch.float64]):
         a, e = a.detach(), e.detach()
         assert a.dtype == torch.bfloat16
         scale = float(e.abs().max()) or 1.0
-        assert float((a.double() - e).abs().max()) <= 2 ** -6 * scale
+        assert float((a.double() - e).abs().max()) <= 2**-6 * scale
     fargs = [rnd["x"], *(rnd[p] for p in params), *(rnd[i] for i in inputs), *(rnd[b] for b in buffers)]
-    res = torch.library.opcheck(lay.modes[mode].forward,
-                                (*fargs, *[float(options[o]) for o in lay.meta["options"]], groups))
+    res = torch.library.opcheck(
+        lay.modes[mode].forward, (*fargs, *[float(options[o]) for o in lay.meta["options"]], groups)
+    )
     assert all(v == "SUCCESS" for v in res.values()), res

@@ -20,8 +20,15 @@ from derivgen.torch.ops import layer
 
 def run(case: str, world: int, timeout: int = 240) -> str:
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    p = subprocess.Popen([sys.executable, str(ROOT / "tests" / "sync_driver.py"), case, str(world)], cwd=ROOT,
-                         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    p = subprocess.Popen(
+        [sys.executable, str(ROOT / "tests" / "sync_driver.py"), case, str(world)],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         out, err = p.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -68,8 +75,10 @@ def test_statistics_over_micro_batches_equal_the_whole_batch():
     lay = layer("batchnorm")
     g = torch.Generator().manual_seed(5)
     x = torch.randn(11, 4, 3, 5, generator=g, dtype=torch.float64) * 3 + 2
-    params = {"gamma": torch.rand(4, generator=g, dtype=torch.float64) + 0.5,
-              "beta": torch.randn(4, generator=g, dtype=torch.float64)}
+    params = {
+        "gamma": torch.rand(4, generator=g, dtype=torch.float64) + 0.5,
+        "beta": torch.randn(4, generator=g, dtype=torch.float64),
+    }
     options = {"eps": 1e-5, "momentum": 0.1}
     parts = [x[:4], x[4:4], x[4:9], x[9:]]
     stats, n = sync.statistics_over(lay, parts, params, options)
@@ -112,8 +121,9 @@ def _split_matches_closed_forms(spec):
     target = derivgen.load(spec, "torch")
     meta = target.META
 
-    class _Lay:                              # what torch_cases.arguments reads
+    class _Lay:  # what torch_cases.arguments reads
         pass
+
     lay = _Lay()
     lay.meta = meta
     x, params, inputs, options, _, groups = arguments(lay, "train", requires_grad=False)
@@ -121,8 +131,12 @@ def _split_matches_closed_forms(spec):
     inputs = {k: v.detach() for k, v in inputs.items()}
 
     def layout(xx):
-        return rt.layout_from_shapes(meta, tuple(xx.shape), {p: tuple(t.shape) for p, t in params.items()},
-                                     groups if meta["reduce"] == "group" else None)
+        return rt.layout_from_shapes(
+            meta,
+            tuple(xx.shape),
+            {p: tuple(t.shape) for p, t in params.items()},
+            groups if meta["reduce"] == "group" else None,
+        )
 
     def kw(L):
         k = {p: t.reshape((1, 1, 1, 1) if p in meta["scalar_params"] else L.param4) for p, t in params.items()}
@@ -139,8 +153,21 @@ def _split_matches_closed_forms(spec):
     batch = meta["layout"] == "channels" and meta["reduce"] == "batch" and x.shape[0] > 1
     cuts = [(0, 1), (1, x.shape[0])] if batch else [(0, x.shape[0])]
     parts = [(x4[a:b], dy[a:b]) for a, b in cuts]
-    Ls = [L if not batch else rt.Layout(O=b - a, G=L.G, Cg=L.Cg, S=L.S, per_sample=False, x_shape=None,
-                                        param_shape=L.param_shape, group_shape=L.group_shape) for a, b in cuts]
+    Ls = [
+        L
+        if not batch
+        else rt.Layout(
+            O=b - a,
+            G=L.G,
+            Cg=L.Cg,
+            S=L.S,
+            per_sample=False,
+            x_shape=None,
+            param_shape=L.param_shape,
+            group_shape=L.group_shape,
+        )
+        for a, b in cuts
+    ]
     k = kw(L)
     stats = {}
     for level in range(target.SPLIT_LEVELS_TRAIN):
@@ -157,8 +184,10 @@ def _split_matches_closed_forms(spec):
     for (xp, dp), Lp in zip(parts, Ls):
         s = target.backward_partial_train(dp, xp, **k, _L=Lp, _stats=stats, N=L.group_size)
         bsums = s if bsums is None else tuple(u + v for u, v in zip(bsums, s))
-    outs = [target.backward_apply_train(dp, xp, **k, _L=Lp, _stats=stats, _sums=bsums, N=L.group_size,
-                                        _group_terms=j == 0) for j, ((xp, dp), Lp) in enumerate(zip(parts, Ls))]
+    outs = [
+        target.backward_apply_train(dp, xp, **k, _L=Lp, _stats=stats, _sums=bsums, N=L.group_size, _group_terms=j == 0)
+        for j, ((xp, dp), Lp) in enumerate(zip(parts, Ls))
+    ]
     torch.testing.assert_close(torch.cat([o[0] for o in outs]), dx_ref, rtol=1e-10, atol=1e-12)
     for p in params:
         torch.testing.assert_close(sum(o[1][p] for o in outs), dp_ref[p], rtol=1e-10, atol=1e-12)
@@ -169,6 +198,7 @@ def _split_matches_closed_forms(spec):
 
     class _Pg:
         pass
+
     lay_c = layer(spec)
     c = _CSplit(lay_c, torch.float64)
     pp = [params[p].contiguous() for p in meta["params"]]
@@ -177,14 +207,16 @@ def _split_matches_closed_forms(spec):
     y_c, dx_c, dp_c = [], [], [torch.zeros_like(t) for t in pp]
     # forward: the C kernels' partial sums of each part, added here (what all_reduce does)
     import derivgen.torch.sync as S
+
     orig = S.dist.all_reduce
     parts_x = [x[a:b].contiguous() for a, b in cuts]
     parts_dy = [dy[a:b].reshape(x[a:b].shape).contiguous() for a, b in cuts]
     try:
         sums_by_call = []
 
-        def fake_all_reduce(t, group=None):        # each part's sums, added over the parts
+        def fake_all_reduce(t, group=None):  # each part's sums, added over the parts
             sums_by_call.append(t)
+
         S.dist.all_reduce = fake_all_reduce
         # run the parts level by level in lockstep: a level's sums of every part, then finish
         stats_c = torch.zeros((len(meta["stats"]["train"]), L.n_groups), dtype=torch.float64)
@@ -194,34 +226,98 @@ def _split_matches_closed_forms(spec):
             for xp, d in zip(parts_x, dims):
                 sums = torch.zeros_like(total)
                 if nsums:
-                    assert c.fn["partial"](*d, xp.data_ptr(), *[t.data_ptr() for t in pp], *opts,
-                                           *c._inputs(ins), level, stats_c.data_ptr(), float(L.group_size),
-                                           sums.data_ptr(), 1) == 0
+                    assert (
+                        c.fn["partial"](
+                            *d,
+                            xp.data_ptr(),
+                            *[t.data_ptr() for t in pp],
+                            *opts,
+                            *c._inputs(ins),
+                            level,
+                            stats_c.data_ptr(),
+                            float(L.group_size),
+                            sums.data_ptr(),
+                            1,
+                        )
+                        == 0
+                    )
                 total += sums
-            assert c.fn["finish"](*dims[0], *[t.data_ptr() for t in pp], *opts, *c._inputs(ins), level,
-                                  total.data_ptr(), float(L.group_size), stats_c.data_ptr()) == 0
+            assert (
+                c.fn["finish"](
+                    *dims[0],
+                    *[t.data_ptr() for t in pp],
+                    *opts,
+                    *c._inputs(ins),
+                    level,
+                    total.data_ptr(),
+                    float(L.group_size),
+                    stats_c.data_ptr(),
+                )
+                == 0
+            )
         for i, name in enumerate(meta["stats"]["train"]):
-            torch.testing.assert_close(stats_c[i].reshape(st_ref[name].shape[1]), st_ref[name].reshape(-1),
-                                       rtol=1e-12, atol=1e-12)
+            torch.testing.assert_close(
+                stats_c[i].reshape(st_ref[name].shape[1]), st_ref[name].reshape(-1), rtol=1e-12, atol=1e-12
+            )
         bt = torch.zeros((meta["split"]["backward"], L.n_groups), dtype=torch.float64)
         for xp, dp, d in zip(parts_x, parts_dy, dims):
             y = torch.empty_like(xp)
-            assert c.fn["apply"](*d, xp.data_ptr(), *[t.data_ptr() for t in pp], *opts, *c._inputs(ins),
-                                 stats_c.data_ptr(), float(L.group_size), y.data_ptr(), 1) == 0
+            assert (
+                c.fn["apply"](
+                    *d,
+                    xp.data_ptr(),
+                    *[t.data_ptr() for t in pp],
+                    *opts,
+                    *c._inputs(ins),
+                    stats_c.data_ptr(),
+                    float(L.group_size),
+                    y.data_ptr(),
+                    1,
+                )
+                == 0
+            )
             y_c.append(y)
             sums = torch.zeros_like(bt)
             if meta["split"]["backward"]:
-                assert c.fn["bpartial"](*d, xp.data_ptr(), dp.data_ptr(), *[t.data_ptr() for t in pp], *opts,
-                                        *c._inputs(ins), stats_c.data_ptr(), float(L.group_size),
-                                        sums.data_ptr(), 1) == 0
+                assert (
+                    c.fn["bpartial"](
+                        *d,
+                        xp.data_ptr(),
+                        dp.data_ptr(),
+                        *[t.data_ptr() for t in pp],
+                        *opts,
+                        *c._inputs(ins),
+                        stats_c.data_ptr(),
+                        float(L.group_size),
+                        sums.data_ptr(),
+                        1,
+                    )
+                    == 0
+                )
             bt += sums
         for j, (xp, dp, d) in enumerate(zip(parts_x, parts_dy, dims)):
             dx = torch.empty_like(xp)
             dps = [torch.empty_like(t) for t in pp]
             dis = [torch.empty(L.n_groups, dtype=torch.float64) for _ in ins]
-            assert c.fn["bapply"](*d, xp.data_ptr(), dp.data_ptr(), *[t.data_ptr() for t in pp], *opts,
-                                  *c._inputs(ins), stats_c.data_ptr(), bt.data_ptr(), float(L.group_size), int(j == 0),
-                                  dx.data_ptr(), *[t.data_ptr() for t in dps], *[t.data_ptr() for t in dis], 1) == 0
+            assert (
+                c.fn["bapply"](
+                    *d,
+                    xp.data_ptr(),
+                    dp.data_ptr(),
+                    *[t.data_ptr() for t in pp],
+                    *opts,
+                    *c._inputs(ins),
+                    stats_c.data_ptr(),
+                    bt.data_ptr(),
+                    float(L.group_size),
+                    int(j == 0),
+                    dx.data_ptr(),
+                    *[t.data_ptr() for t in dps],
+                    *[t.data_ptr() for t in dis],
+                    1,
+                )
+                == 0
+            )
             dx_c.append(dx)
             for acc, t in zip(dp_c, dps):
                 acc += t
@@ -233,8 +329,9 @@ def _split_matches_closed_forms(spec):
         torch.testing.assert_close(t, dp_ref[p].reshape(t.shape), rtol=1e-10, atol=1e-12)
 
 
-@pytest.mark.parametrize("name", sorted(__import__("derivgen").names())
-                         + sorted(str(p) for p in (ROOT / "examples").glob("*.toml")))
+@pytest.mark.parametrize(
+    "name", sorted(__import__("derivgen").names()) + sorted(str(p) for p in (ROOT / "examples").glob("*.toml"))
+)
 def test_split_functions_every_layer(name):
     _split_matches_closed_forms(name)
 
@@ -242,6 +339,7 @@ def test_split_functions_every_layer(name):
 @pytest.mark.parametrize("seed", range(40))
 def test_split_functions_fuzzed_specs(seed, tmp_path):
     import specfuzz
+
     p = tmp_path / f"fuzz{seed}.toml"
     p.write_text(specfuzz.generate(seed))
     _split_matches_closed_forms(str(p))
@@ -250,6 +348,7 @@ def test_split_functions_fuzzed_specs(seed, tmp_path):
 def test_sync_bench_reports_both_sides():
     """``derivgen bench --torch --sync 2``'s machinery (timings are not asserted)."""
     from derivgen.torch import bench_sync
+
     old = bench_sync.SHAPE
     bench_sync.SHAPE = (4, 3, 8, 8)
     try:
