@@ -14,6 +14,7 @@ from conftest import ROOT, require_module
 
 torch = require_module("torch")
 import derivgen.torch as dt
+from derivgen.runtime.cbind import input_pairs
 from derivgen.torch import sync
 from derivgen.torch.ops import layer
 
@@ -232,7 +233,7 @@ def _split_matches_closed_forms(spec):
                             xp.data_ptr(),
                             *[t.data_ptr() for t in pp],
                             *opts,
-                            *c._inputs(ins),
+                            *input_pairs(ins),
                             level,
                             stats_c.data_ptr(),
                             float(L.group_size),
@@ -247,7 +248,7 @@ def _split_matches_closed_forms(spec):
                     *dims[0],
                     *[t.data_ptr() for t in pp],
                     *opts,
-                    *c._inputs(ins),
+                    *input_pairs(ins),
                     level,
                     total.data_ptr(),
                     float(L.group_size),
@@ -268,7 +269,7 @@ def _split_matches_closed_forms(spec):
                     xp.data_ptr(),
                     *[t.data_ptr() for t in pp],
                     *opts,
-                    *c._inputs(ins),
+                    *input_pairs(ins),
                     stats_c.data_ptr(),
                     float(L.group_size),
                     y.data_ptr(),
@@ -286,7 +287,7 @@ def _split_matches_closed_forms(spec):
                         dp.data_ptr(),
                         *[t.data_ptr() for t in pp],
                         *opts,
-                        *c._inputs(ins),
+                        *input_pairs(ins),
                         stats_c.data_ptr(),
                         float(L.group_size),
                         sums.data_ptr(),
@@ -306,7 +307,7 @@ def _split_matches_closed_forms(spec):
                     dp.data_ptr(),
                     *[t.data_ptr() for t in pp],
                     *opts,
-                    *c._inputs(ins),
+                    *input_pairs(ins),
                     stats_c.data_ptr(),
                     bt.data_ptr(),
                     float(L.group_size),
