@@ -6,7 +6,14 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+TESTS = Path(__file__).resolve().parent
+ROOT = TESTS.parent
+
+# The tests live in one folder per stage (tests/spec, tests/derive, ...); the helpers they share
+# (this module, oracle, torch_cases, specfuzz, the *_driver.py scripts, c/, regressions/) stay here,
+# importable by plain name from every folder.
+if str(TESTS) not in sys.path:
+    sys.path.insert(0, str(TESTS))
 
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
@@ -38,5 +45,11 @@ def run_driver(script: str, tmp_path, cflags: str, *args, env=None, timeout: int
     """Run ``tests/<script>`` in a subprocess whose C kernels are built with
     ``cflags`` into a cache of its own under ``tmp_path``."""
     full = dict(os.environ, CFLAGS=cflags, DERIVGEN_CACHE=str(tmp_path / "cache"), PYTHONPATH=str(ROOT), **(env or {}))
-    return subprocess.run([sys.executable, str(ROOT / "tests" / script), *map(str, args)], env=full,
-                          capture_output=True, text=True, timeout=timeout, cwd=tmp_path)
+    return subprocess.run(
+        [sys.executable, str(ROOT / "tests" / script), *map(str, args)],
+        env=full,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=tmp_path,
+    )

@@ -1,4 +1,4 @@
-"""Run by tests/test_torch_ddp.py in a subprocess of its own: a model with derivgen norms
+"""Run by tests/torch/test_torch_ddp.py in a subprocess of its own: a model with derivgen norms
 (LayerNorm, RMSNorm, GroupNorm: no batch statistics) trained under DistributedDataParallel
 with the gloo backend on WORLD processes, each on its share of the batch, against the same
 model trained in one process on the whole batch. Prints the largest relative difference
@@ -22,15 +22,25 @@ STEPS = 8
 
 def model():
     torch.manual_seed(0)
-    m = nn.Sequential(nn.Linear(6, 8), nn.LayerNorm(8), nn.GELU(), nn.Linear(8, 12), nn.RMSNorm(12),
-                      nn.Unflatten(1, (4, 3)), nn.GroupNorm(2, 4), nn.Flatten(), nn.Linear(12, 1)).double()
+    m = nn.Sequential(
+        nn.Linear(6, 8),
+        nn.LayerNorm(8),
+        nn.GELU(),
+        nn.Linear(8, 12),
+        nn.RMSNorm(12),
+        nn.Unflatten(1, (4, 3)),
+        nn.GroupNorm(2, 4),
+        nn.Flatten(),
+        nn.Linear(12, 1),
+    ).double()
     return dt.convert(m)
 
 
 def data():
     g = torch.Generator().manual_seed(1)
-    return torch.randn(STEPS, 8, 6, generator=g, dtype=torch.float64), torch.randn(STEPS, 8, 1, generator=g,
-                                                                                   dtype=torch.float64)
+    return torch.randn(STEPS, 8, 6, generator=g, dtype=torch.float64), torch.randn(
+        STEPS, 8, 1, generator=g, dtype=torch.float64
+    )
 
 
 def train(m, xs, ts):
@@ -47,7 +57,7 @@ def rank_main(rank, world, port, out):
     m = nn.parallel.DistributedDataParallel(model())
     xs, ts = data()
     per = xs.shape[1] // world
-    train(m, xs[:, rank * per:(rank + 1) * per], ts[:, rank * per:(rank + 1) * per])
+    train(m, xs[:, rank * per : (rank + 1) * per], ts[:, rank * per : (rank + 1) * per])
     if rank == 0:
         torch.save(m.module.state_dict(), out)
     dist.barrier()

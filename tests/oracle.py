@@ -6,7 +6,6 @@ import numpy as np
 
 from derivgen.tools.torch_ref import torch_reference  # noqa: F401  (re-exported for the tests)
 
-
 # (layer, x shape, param shape, keyword options)
 CASES = [
     ("layernorm", (4, 7), (7,), {}),

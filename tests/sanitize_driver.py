@@ -14,6 +14,7 @@ count = 0
 if "--out-of-bounds" in sys.argv:
     # negative control: claim 4 rows where x has 3; the sanitizer must abort
     import ctypes
+
     k = derivgen.load("rmsnorm", backend="c")
     lib = k._kernel.lib
     x = np.ones((3, 8), np.float32)
@@ -21,8 +22,19 @@ if "--out-of-bounds" in sys.argv:
     g = np.ones(8, np.float32)
     st = [np.empty(4) for _ in range(2)]
     p = [ctypes.c_void_p(a.ctypes.data) for a in (x, g, y, *st)]
-    lib.rmsnorm_train_forward_f32(ctypes.c_int64(4), ctypes.c_int64(1), ctypes.c_int64(8), ctypes.c_int64(1),
-                                  p[0], p[1], ctypes.c_double(1e-6), p[2], p[3], p[4], ctypes.c_int(1))
+    lib.rmsnorm_train_forward_f32(
+        ctypes.c_int64(4),
+        ctypes.c_int64(1),
+        ctypes.c_int64(8),
+        ctypes.c_int64(1),
+        p[0],
+        p[1],
+        ctypes.c_double(1e-6),
+        p[2],
+        p[3],
+        p[4],
+        ctypes.c_int(1),
+    )
     print("no fault detected")
     sys.exit(0)
 
@@ -53,15 +65,20 @@ for name, shapes in SHAPES.items():
                         kw["num_groups"] = 2 if xs[1] % 2 == 0 else 1
                     if name == "online_layernorm":
                         lead = xs[:-1]
-                        kw.update(alpha=0.4, prev_mean=rng.normal(size=lead).astype(dtype),
-                                  prev_std=np.abs(rng.normal(size=lead)).astype(dtype) + 1)
+                        kw.update(
+                            alpha=0.4,
+                            prev_mean=rng.normal(size=lead).astype(dtype),
+                            prev_std=np.abs(rng.normal(size=lead)).astype(dtype) + 1,
+                        )
                     if variant == "eps0" and name != "online_layernorm":
                         kw["eps"] = 0.0
                     modes = [True, False] if name == "batchnorm" else [None]
                     for training in modes:
                         kk = dict(kw)
                         if training is not None:
-                            kk.update(training=training, running_mean=np.zeros(ps, dtype), running_var=np.ones(ps, dtype))
+                            kk.update(
+                                training=training, running_mean=np.zeros(ps, dtype), running_var=np.ones(ps, dtype)
+                            )
                         y, c = k.forward(x, *params, **kk)
                         dy = rng.normal(size=xs).astype(dtype)
                         g = k.backward(dy, c)
@@ -69,19 +86,24 @@ for name, shapes in SHAPES.items():
                         seeds = {"ddinputs": {i: np.ones_like(kk[i]) for i in ("prev_mean", "prev_std") if i in kk}}
                         k.backward_backward(dy, c, dy, [np.ones_like(p) for p in params], **seeds)
                         k.backward_backward(dy, c)
-                        k.jvp(c, dy, [np.ones_like(p) for p in params],
-                              tinputs={i: np.ones_like(kk[i]) for i in ("prev_mean", "prev_std") if i in kk})
+                        k.jvp(
+                            c,
+                            dy,
+                            [np.ones_like(p) for p in params],
+                            tinputs={i: np.ones_like(kk[i]) for i in ("prev_mean", "prev_std") if i in kk},
+                        )
                         count += 1
 
 # The extras library (-DDG_EXTRAS_ONLY: bfloat16 kernels, and the channels-last kernels of
 # the channel layouts), called as derivgen.torch calls them, without torch: NHWC arrays are
 # NumPy arrays laid out (N, *spatial, C), bfloat16 ones uint16. The channels-last results
 # must be the NCHW kernels' bits.
-import os  # noqa: E402
+import os
 
-from derivgen.runtime.build import user_cflags  # noqa: E402
-from derivgen.runtime.cbind import CKernel  # noqa: E402
-from derivgen.runtime import resolve_layout  # noqa: E402
+from derivgen.runtime import resolve_layout
+from derivgen.runtime.build import user_cflags
+from derivgen.runtime.cbind import CKernel
+
 
 def ptr(a):
     return None if a is None else a.ctypes.data
@@ -93,12 +115,31 @@ def run_pair(kern, meta, mode, sfx, L, x, dy, params, opts, bufs, threads):
     st = [np.empty(L.n_groups) for _ in range(n_st)]
     y = np.empty_like(x)
     b = [bufs.get(k) for k in meta["buffers"]]
-    assert kern.cfunc(mode, "forward", sfx)(L.O, L.G, L.Cg, L.S, ptr(x), *map(ptr, params), *opts,
-                                                *map(ptr, b), ptr(y), *map(ptr, st), threads) == 0
+    assert (
+        kern.cfunc(mode, "forward", sfx)(
+            L.O, L.G, L.Cg, L.S, ptr(x), *map(ptr, params), *opts, *map(ptr, b), ptr(y), *map(ptr, st), threads
+        )
+        == 0
+    )
     dx = np.empty_like(x)
     dps = [np.empty_like(p) for p in params]
-    assert kern.cfunc(mode, "backward", sfx)(L.O, L.G, L.Cg, L.S, ptr(x), ptr(dy), *map(ptr, params), *opts,
-                                                 *map(ptr, st), ptr(dx), *map(ptr, dps), threads) == 0
+    assert (
+        kern.cfunc(mode, "backward", sfx)(
+            L.O,
+            L.G,
+            L.Cg,
+            L.S,
+            ptr(x),
+            ptr(dy),
+            *map(ptr, params),
+            *opts,
+            *map(ptr, st),
+            ptr(dx),
+            *map(ptr, dps),
+            threads,
+        )
+        == 0
+    )
     return y, st, dx, dps
 
 
@@ -107,10 +148,9 @@ for name, shapes in SHAPES.items():
     k = derivgen.load(name, backend="c")
     meta = k._META
     if meta["inputs"]:
-        continue                                  # online layer norm: bfloat16 covered by the torch tests
+        continue  # online layer norm: bfloat16 covered by the torch tests
     flags = os.environ.get("CFLAGS")
-    ext = CKernel(meta, k._kernel.source, cflags=None if flags is None else user_cflags(),
-                  extra=["-DDG_EXTRAS_ONLY"])
+    ext = CKernel(meta, k._kernel.source, cflags=None if flags is None else user_cflags(), extra=["-DDG_EXTRAS_ONLY"])
     for xs, ps in shapes:
         groups = (2 if xs[1] % 2 == 0 else 1) if name == "groupnorm" else None
         x64 = rng.normal(size=xs)
@@ -121,12 +161,14 @@ for name, shapes in SHAPES.items():
             for threads in (1, 2):
                 # bfloat16, NCHW
                 xb = (x64.astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
-                pb = [(rng.normal(size=ps).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
-                      for _ in meta["params"]]
+                pb = [
+                    (rng.normal(size=ps).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+                    for _ in meta["params"]
+                ]
                 bb = {kk: (v.astype(np.float32).view(np.uint32) >> 16).astype(np.uint16) for kk, v in bufs.items()}
                 run_pair(ext, meta, mode, "bf16", L, xb, xb.copy(), pb, opts, bb, threads)
                 extras += 1
-                if meta["layout"] != "channels" or L.S == 1:     # S == 1: the layouts coincide (NCHW kernels)
+                if meta["layout"] != "channels" or L.S == 1:  # S == 1: the layouts coincide (NCHW kernels)
                     continue
                 for dtype, sfx in ((np.float32, "f32"), (np.float64, "f64")):
                     x = x64.astype(dtype)
@@ -134,7 +176,7 @@ for name, shapes in SHAPES.items():
                     params = [rng.normal(size=ps).astype(dtype) for _ in meta["params"]]
                     bd = {kk: v.astype(dtype) for kk, v in bufs.items()}
                     ref = run_pair(k._kernel, meta, mode, sfx, L, x, dy, params, opts, bd, threads)
-                    nhwc = lambda a: np.ascontiguousarray(np.moveaxis(a, 1, -1))      # noqa: E731
+                    nhwc = lambda a: np.ascontiguousarray(np.moveaxis(a, 1, -1))
                     got = run_pair(ext, meta, mode, "nhwc_" + sfx, L, nhwc(x), nhwc(dy), params, opts, bd, threads)
                     assert np.array_equal(np.moveaxis(got[0], -1, 1), ref[0], equal_nan=True), (name, xs, sfx)
                     assert all(np.array_equal(a, b, equal_nan=True) for a, b in zip(got[1], ref[1]))
@@ -157,48 +199,115 @@ for xs, ps in SHAPES["batchnorm"]:
             ref = run_pair(k._kernel, meta, "train", sfx, L, x, dy, params, opts, {}, threads)
             cut = xs[0] // 2
             parts = [(x[:cut], dy[:cut]), (x[cut:], dy[cut:])]
-            Ls = [L.__class__(O=p[0].shape[0], G=L.G, Cg=L.Cg, S=L.S, per_sample=False, x_shape=p[0].shape,
-                              param_shape=L.param_shape, group_shape=L.group_shape) for p in parts]
-            fn = {kind: k._kernel.split_cfunc(kind, sfx) for kind in ("partial", "finish", "apply", "bpartial",
-                                                                       "bapply")}
+            Ls = [
+                L.__class__(
+                    O=p[0].shape[0],
+                    G=L.G,
+                    Cg=L.Cg,
+                    S=L.S,
+                    per_sample=False,
+                    x_shape=p[0].shape,
+                    param_shape=L.param_shape,
+                    group_shape=L.group_shape,
+                )
+                for p in parts
+            ]
+            fn = {
+                kind: k._kernel.split_cfunc(kind, sfx) for kind in ("partial", "finish", "apply", "bpartial", "bapply")
+            }
             n = float(L.group_size)
             stats = np.zeros((len(meta["stats"]["train"]), L.n_groups))
             for level, nsums in enumerate(meta["split"]["levels"]):
                 total = np.zeros((nsums, L.n_groups))
                 for (xp, _), Lp in zip(parts, Ls):
                     sums = np.zeros((nsums, L.n_groups))
-                    assert fn["partial"](Lp.O, Lp.G, Lp.Cg, Lp.S, ptr(np.ascontiguousarray(xp)), *map(ptr, params),
-                                         *opts, level, ptr(stats), n, ptr(sums), threads) == 0
+                    assert (
+                        fn["partial"](
+                            Lp.O,
+                            Lp.G,
+                            Lp.Cg,
+                            Lp.S,
+                            ptr(np.ascontiguousarray(xp)),
+                            *map(ptr, params),
+                            *opts,
+                            level,
+                            ptr(stats),
+                            n,
+                            ptr(sums),
+                            threads,
+                        )
+                        == 0
+                    )
                     total += sums
-                assert fn["finish"](L.O, L.G, L.Cg, L.S, *map(ptr, params), *opts, level, ptr(total), n,
-                                    ptr(stats)) == 0
+                assert (
+                    fn["finish"](L.O, L.G, L.Cg, L.S, *map(ptr, params), *opts, level, ptr(total), n, ptr(stats)) == 0
+                )
             assert all(np.allclose(stats[i], ref[1][i], rtol=1e-12, atol=1e-12) for i in range(len(ref[1])))
             bsum = np.zeros((meta["split"]["backward"], L.n_groups))
             ys, dxs, dps = [], [], np.zeros((len(params), *ps))
             for j, ((xp, dp), Lp) in enumerate(zip(parts, Ls)):
                 xp, dp = np.ascontiguousarray(xp), np.ascontiguousarray(dp)
                 y = np.empty_like(xp)
-                assert fn["apply"](Lp.O, Lp.G, Lp.Cg, Lp.S, ptr(xp), *map(ptr, params), *opts, ptr(stats), n,
-                                   ptr(y), threads) == 0
+                assert (
+                    fn["apply"](
+                        Lp.O, Lp.G, Lp.Cg, Lp.S, ptr(xp), *map(ptr, params), *opts, ptr(stats), n, ptr(y), threads
+                    )
+                    == 0
+                )
                 ys.append(y)
                 sums = np.zeros_like(bsum)
-                assert fn["bpartial"](Lp.O, Lp.G, Lp.Cg, Lp.S, ptr(xp), ptr(dp), *map(ptr, params), *opts,
-                                      ptr(stats), n, ptr(sums), threads) == 0
+                assert (
+                    fn["bpartial"](
+                        Lp.O,
+                        Lp.G,
+                        Lp.Cg,
+                        Lp.S,
+                        ptr(xp),
+                        ptr(dp),
+                        *map(ptr, params),
+                        *opts,
+                        ptr(stats),
+                        n,
+                        ptr(sums),
+                        threads,
+                    )
+                    == 0
+                )
                 bsum += sums
             for j, ((xp, dp), Lp) in enumerate(zip(parts, Ls)):
                 xp, dp = np.ascontiguousarray(xp), np.ascontiguousarray(dp)
                 dx = np.empty_like(xp)
                 d = [np.empty_like(p) for p in params]
                 if Lp.O:
-                    assert fn["bapply"](Lp.O, Lp.G, Lp.Cg, Lp.S, ptr(xp), ptr(dp), *map(ptr, params), *opts,
-                                        ptr(stats), ptr(bsum), n, int(j == 0), ptr(dx), *map(ptr, d), threads) == 0
+                    assert (
+                        fn["bapply"](
+                            Lp.O,
+                            Lp.G,
+                            Lp.Cg,
+                            Lp.S,
+                            ptr(xp),
+                            ptr(dp),
+                            *map(ptr, params),
+                            *opts,
+                            ptr(stats),
+                            ptr(bsum),
+                            n,
+                            int(j == 0),
+                            ptr(dx),
+                            *map(ptr, d),
+                            threads,
+                        )
+                        == 0
+                    )
                     dps += np.array(d, dtype=np.float64)
                 dxs.append(dx)
-            tol = dict(rtol=1e-4, atol=1e-5) if dtype == np.float32 else dict(rtol=1e-10, atol=1e-12)
+            tol = {"rtol": 1e-4, "atol": 1e-5} if dtype == np.float32 else {"rtol": 1e-10, "atol": 1e-12}
             assert np.allclose(np.concatenate(ys), ref[0], **tol), (xs, sfx)
             assert np.allclose(np.concatenate(dxs), ref[2], **tol), (xs, sfx)
             assert all(np.allclose(a, b, **tol) for a, b in zip(dps, ref[3])), (xs, sfx)
             splits += 1
-print(f"ran {count} forward/backward pairs, {extras} of the extras (bfloat16, channels-last), "
-      f"{splits} split reductions", flush=True)
+print(
+    f"ran {count} forward/backward pairs, {extras} of the extras (bfloat16, channels-last), {splits} split reductions",
+    flush=True,
+)
 sys.exit(0)

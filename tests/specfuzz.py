@@ -35,7 +35,7 @@ import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent      # the repository (for worker processes)
+ROOT = Path(__file__).resolve().parent.parent  # the repository (for worker processes)
 
 # identifiers users write, and the ones derivgen's generated code uses for itself
 TRICKY = """
@@ -45,7 +45,7 @@ mean_g mean_g_xhat sum_mean k_xhat k_1 cse0 h0 h0_hi gamma_v xv dyv nthreads nth
 mean_out mean_in prev_in prev_stride alpha beta gamma eps delta tau rho forward backward grads none
 true false lanes block_stride n_groups t_y y_r dg_lanes aux1 g_t y_t dx_t mu sigma theta ms rms scale
 shift weight bias momentum running_mean stat1 stat_2 a_b a_b_c
-""".split()
+""".split()  # noqa: SIM905 - a word list, kept as text to read and edit
 
 
 class Names:
@@ -53,11 +53,16 @@ class Names:
 
     def __init__(self, rng: random.Random):
         from derivgen.spec.model import reserved_reason
+
         self.rng, self.taken, self._bad = rng, set(), reserved_reason
 
     def ok(self, n: str) -> bool:
-        return (self._bad(n) is None and n not in self.taken and "d" + n not in self.taken
-                and not (n.startswith("d") and n[1:] in self.taken))
+        return (
+            self._bad(n) is None
+            and n not in self.taken
+            and "d" + n not in self.taken
+            and not (n.startswith("d") and n[1:] in self.taken)
+        )
 
     def new(self, *prefer: str) -> str:
         pool = [p for p in prefer if self.ok(p)]
@@ -67,7 +72,8 @@ class Names:
             name = self.rng.choice(TRICKY)
         else:
             name = self.rng.choice("abcdefghijklmnopqrstuvwxyz") + "".join(
-                self.rng.choice("abcdefghijklmnopqrstuvwxyz0123456789_") for _ in range(self.rng.randint(0, 8)))
+                self.rng.choice("abcdefghijklmnopqrstuvwxyz0123456789_") for _ in range(self.rng.randint(0, 8))
+            )
         if not self.ok(name):
             return self.new(*prefer)
         self.taken.add(name)
@@ -79,11 +85,11 @@ class _Spec:
     rng: random.Random
     names: Names
     layout: dict = field(default_factory=dict)
-    params: list = field(default_factory=list)      # (name, fields)
+    params: list = field(default_factory=list)  # (name, fields)
     options: list = field(default_factory=list)
     inputs: list = field(default_factory=list)
     buffers: list = field(default_factory=list)
-    stats: list = field(default_factory=list)       # (name, expr)
+    stats: list = field(default_factory=list)  # (name, expr)
     eval_stats: list = field(default_factory=list)
     normalized: tuple | None = None
     output: str = ""
@@ -92,9 +98,14 @@ class _Spec:
     def toml(self, name: str) -> str:
         def tbl(items):
             return "\n".join(f"{k} = {v}" for k, v in items)
+
         out = [f'name = "{name}"', 'title = "Fuzzed layer"', "[layout]", tbl(self.layout.items())]
-        for head, items in (("params", self.params), ("options", self.options), ("inputs", self.inputs),
-                            ("buffers", self.buffers)):
+        for head, items in (
+            ("params", self.params),
+            ("options", self.options),
+            ("inputs", self.inputs),
+            ("buffers", self.buffers),
+        ):
             if items:
                 out += [f"[{head}]", tbl(items)]
         if self.stats:
@@ -123,7 +134,7 @@ def generate(seed: int, name_coordinate: bool | None = None) -> str:
         s.layout = {"kind": '"trailing"'}
     else:
         s.layout = {"kind": '"channels"', "reduce": f'"{kind}"'}
-    channel_ok = kind != "trailing2"      # a trailing layout over 2 axes: no per-feature parameter
+    channel_ok = kind != "trailing2"  # a trailing layout over 2 axes: no per-feature parameter
 
     # options
     eps = names.new("eps", "delta", "e")
@@ -138,24 +149,34 @@ def generate(seed: int, name_coordinate: bool | None = None) -> str:
     gamma = beta = t = None
     if rng.random() < 0.85:
         gamma = names.new("gamma", "weight", "scale", "g_t")
-        s.params.append((gamma, '{ shape = "scalar", init = 1.0 }' if not channel_ok or rng.random() < 0.2
-                         else "{ role = \"scale\" }"))
+        s.params.append(
+            (
+                gamma,
+                '{ shape = "scalar", init = 1.0 }' if not channel_ok or rng.random() < 0.2 else '{ role = "scale" }',
+            )
+        )
     if rng.random() < 0.6:
         beta = names.new("beta", "bias", "shift")
-        s.params.append((beta, '{ role = "shift", shape = "scalar" }' if not channel_ok or rng.random() < 0.2
-                         else '{ role = "shift" }'))
+        s.params.append(
+            (
+                beta,
+                '{ role = "shift", shape = "scalar" }'
+                if not channel_ok or rng.random() < 0.2
+                else '{ role = "shift" }',
+            )
+        )
     if rng.random() < 0.35:
         t = names.new("t", "theta", "s")
         s.params.append((t, f'{{ shape = "scalar", init = {rng.choice(["0.5", "1.0", "0.1"])} }}'))
-    w = None                                    # a per-channel weight inside a mean
+    w = None  # a per-channel weight inside a mean
     if channel_ok and rng.random() < 0.15:
         w = names.new("w", "weight")
         s.params.append((w, "{ init = 1.0 }"))
-    ep = None                                   # a learnable eps (scalar, enters as ep**2)
+    ep = None  # a learnable eps (scalar, enters as ep**2)
     if rng.random() < 0.12:
         ep = names.new("ep", "eps_p", "e")
         s.params.append((ep, '{ shape = "scalar", init = 0.1 }'))
-    lmix = None                                 # a learnable mixing coefficient
+    lmix = None  # a learnable mixing coefficient
     if rng.random() < 0.08:
         lmix = names.new("lam", "alpha_p")
         s.params.append((lmix, '{ shape = "scalar", init = 0.5 }'))
@@ -229,9 +250,13 @@ def generate(seed: int, name_coordinate: bool | None = None) -> str:
         own = stat(r, "sample_std", "s", "sd")
         r = f"{a}*{own} + (1 - {a})*{prev_s}"
     rname = stat(r, "rstd", "sigma_t", "sd", "r", "sigma")
-    if rng.random() < 0.15:                     # an extra statistic the output uses
-        extra = stat(rng.choice([f"exp(-{rname}**2)", f"tanh({rname})", f"abs(mean(x)) + 1",
-                                 f"log(1 + mean(x**2))"]), "k", "aux1", "z")
+    if rng.random() < 0.15:  # an extra statistic the output uses
+        extra = stat(
+            rng.choice([f"exp(-{rname}**2)", f"tanh({rname})", "abs(mean(x)) + 1", "log(1 + mean(x**2))"]),
+            "k",
+            "aux1",
+            "z",
+        )
     else:
         extra = None
     xh = f"{dev}/{rname}" if divide else f"{dev}*{rname}"
@@ -249,7 +274,7 @@ def generate(seed: int, name_coordinate: bool | None = None) -> str:
     named = rng.random() < 0.75
     if named:
         nname = names.new("xhat", "z", "n", "u")
-    elif name_coordinate:               # a name without a random draw: the rest stays the same
+    elif name_coordinate:  # a name without a random draw: the rest stays the same
         nname = next(n for n in ("xhat", "z", "n", "u", "xhat_0", "xhat_1") if names.ok(n))
         names.taken.add(nname)
     if name_coordinate is not None:
@@ -260,8 +285,19 @@ def generate(seed: int, name_coordinate: bool | None = None) -> str:
     else:
         z = f"({xh})"
     g = gamma or "1"
-    terms = [rng.choice([f"{g}*{z}", f"{g}*tanh({z})", f"{z}*{g}", f"{g}*{z}**2 + {z}",
-                         f"{g}*sqrt({z}**2 + 1)", f"{g}*abs({z})", f"{g}*{z}*exp(-{z}**2/4)"])]
+    terms = [
+        rng.choice(
+            [
+                f"{g}*{z}",
+                f"{g}*tanh({z})",
+                f"{z}*{g}",
+                f"{g}*{z}**2 + {z}",
+                f"{g}*sqrt({z}**2 + 1)",
+                f"{g}*abs({z})",
+                f"{g}*{z}*exp(-{z}**2/4)",
+            ]
+        )
+    ]
     if beta:
         terms.append(beta)
     if t:
@@ -276,11 +312,12 @@ def generate(seed: int, name_coordinate: bool | None = None) -> str:
 
 # ------------------------------------------------------------------ the pipeline
 
+
 @dataclass
 class Result:
     seed: int
     ok: bool
-    proof: str = ""             # "proven" / "checked numerically" / "FAILED"
+    proof: str = ""  # "proven" / "checked numerically" / "FAILED"
     reductions: int = 0
     seconds: float = 0.0
     failure: str = ""
@@ -288,36 +325,56 @@ class Result:
 
 def run(text: str, seed: int = -1, prove_sizes=(2, 3)) -> Result:
     """Parse, derive, prove, generate, compile, check. Never raises: failures are results."""
-    from derivgen.tools.check import check_layer
     from derivgen.spec.model import parse_spec
+    from derivgen.tools.check import check_layer
+
     t0 = time.perf_counter()
     try:
         spec = parse_spec(text, source=f"fuzz{seed}.toml")
         rows = check_layer(spec, prove_sizes=prove_sizes)
         import derivgen
+
         d = derivgen.derive(spec, prove=tuple(prove_sizes))
         from derivgen.prove.proof import prove_second_mode
+
         every, sizes2 = SECOND_ORDER
-        second = {m: prove_second_mode(d.second(m), sizes2, symbolic_seconds=5.0)
-                  for m in d.modes} if seed < 0 or seed % every == 0 else {}
-        bad2 = [f"{m} second order: {r.detail or r.status}" for m, pr in second.items() for r in pr.results
-                if not r.ok]
+        second = (
+            {m: prove_second_mode(d.second(m), sizes2, symbolic_seconds=5.0) for m in d.modes}
+            if seed < 0 or seed % every == 0
+            else {}
+        )
+        bad2 = [f"{m} second order: {r.detail or r.status}" for m, pr in second.items() for r in pr.results if not r.ok]
         statuses = {p.status for p in d.proofs.values()}
-        proof = "FAILED" if "FAILED" in statuses else (
-            "checked numerically" if "checked numerically" in statuses else "proven")
+        proof = (
+            "FAILED"
+            if "FAILED" in statuses
+            else ("checked numerically" if "checked numerically" in statuses else "proven")
+        )
         bad = [r for r in rows if r.failed]
-        fail = "; ".join([f"{r.mode} {r.backend} {r.dtype} {r.check}: {r.status} "
-                          + " ".join(f"{k}={v:.1e}" for k, v in r.errors.items()) for r in bad] + bad2)
-        return Result(seed, not bad and not bad2, proof, max(len(m.reductions) for m in d.modes.values()),
-                      time.perf_counter() - t0, fail)
-    except BaseException as exc:            # noqa: BLE001 - every failure is a finding
+        fail = "; ".join(
+            [
+                f"{r.mode} {r.backend} {r.dtype} {r.check}: {r.status} "
+                + " ".join(f"{k}={v:.1e}" for k, v in r.errors.items())
+                for r in bad
+            ]
+            + bad2
+        )
+        return Result(
+            seed,
+            not bad and not bad2,
+            proof,
+            max(len(m.reductions) for m in d.modes.values()),
+            time.perf_counter() - t0,
+            fail,
+        )
+    except BaseException as exc:  # every failure is a finding
         if isinstance(exc, KeyboardInterrupt):
             raise
         tb = traceback.format_exception_only(type(exc), exc)[-1].strip()
         return Result(seed, False, "", 0, time.perf_counter() - t0, tb[:2000])
 
 
-SECONDS = 120          # one spec's whole pipeline; longer is a finding too
+SECONDS = 120  # one spec's whole pipeline; longer is a finding too
 # the second order's brute-force proof: every k-th seed, at these sizes (its checks against
 # finite differences and the other backend run for every seed, in check_layer)
 SECOND_ORDER = (1, (2, 3))
@@ -338,6 +395,7 @@ def _run_seed(seed: int) -> Result:
     stuck corpus."""
     import faulthandler
     import signal
+
     old = signal.signal(signal.SIGALRM, _alarm)
     signal.alarm(SECONDS)
     faulthandler.dump_traceback_later(SECONDS + 30, exit=True)
@@ -351,6 +409,7 @@ def _run_seed(seed: int) -> Result:
 
 def _init_worker(proof_seconds: float, second_order=None):
     import derivgen.prove.proof
+
     derivgen.prove.proof.SYMBOLIC_SECONDS = proof_seconds
     if second_order is not None:
         global SECOND_ORDER
@@ -363,6 +422,7 @@ def _die_with_parent():
     Ctrl-C or kill leaves no spawned workers behind."""
     import ctypes
     import signal
+
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         PR_SET_PDEATHSIG = 1
@@ -371,8 +431,9 @@ def _die_with_parent():
         pass
 
 
-def run_corpus(seeds, jobs: int = 2, proof_seconds: float = 10.0, on_result=None,
-               deadline: float | None = None, second_order=None) -> list[Result]:
+def run_corpus(
+    seeds, jobs: int = 2, proof_seconds: float = 10.0, on_result=None, deadline: float | None = None, second_order=None
+) -> list[Result]:
     """Every seed through the pipeline on ``jobs`` worker processes (each spec bounded by
     SECONDS, each proof size by ``proof_seconds`` of symbolic reduction); results in seed
     order. Seeds not started within ``deadline`` seconds are failures ("not run").
@@ -407,8 +468,9 @@ def run_corpus(seeds, jobs: int = 2, proof_seconds: float = 10.0, on_result=None
     ctx = multiprocessing.get_context("spawn")
     todo = list(reversed(seeds))
     while todo:
-        pool = ProcessPoolExecutor(jobs, mp_context=ctx, initializer=_init_worker,
-                                   initargs=(proof_seconds, second_order))
+        pool = ProcessPoolExecutor(
+            jobs, mp_context=ctx, initializer=_init_worker, initargs=(proof_seconds, second_order)
+        )
         running: dict = {}
         try:
             while todo or running:
@@ -427,16 +489,22 @@ def run_corpus(seeds, jobs: int = 2, proof_seconds: float = 10.0, on_result=None
                     try:
                         r = fut.result()
                     except BrokenProcessPool:
-                        raise                         # the seed stays in `running`: failed below
-                    except Exception as exc:          # noqa: BLE001 - a result that could not come back
+                        raise  # the seed stays in `running`: failed below
+                    except Exception as exc:  # noqa: BLE001 - a result that could not come back
                         r = Result(running[fut], False, failure=f"worker error: {type(exc).__name__}: {exc}"[:2000])
                     del running[fut]
                     record(r)
         except BrokenProcessPool:
             # the pool is gone: every seed it held failed (the one that killed it among them)
             for fut, sd in running.items():
-                record(Result(sd, False, failure="worker process died (a hang in C past the watchdog, "
-                                                 "or a crash); run this seed alone to see it"))
+                record(
+                    Result(
+                        sd,
+                        False,
+                        failure="worker process died (a hang in C past the watchdog, "
+                        "or a crash); run this seed alone to see it",
+                    )
+                )
         finally:
             pool.shutdown(wait=False, cancel_futures=True)
     return [done[sd] for sd in seeds]
@@ -446,8 +514,10 @@ def summary(results: list[Result], seconds: float) -> str:
     ok = sum(1 for r in results if r.ok)
     sym = sum(1 for r in results if r.proof == "proven")
     num = sum(1 for r in results if r.proof == "checked numerically")
-    return (f"{len(results)} specs in {seconds:.0f} s: {ok} passed, {len(results) - ok} failed; "
-            f"proofs: {sym} symbolic, {num} numeric fallback ({100.0 * sym / max(1, sym + num):.1f}% symbolic)")
+    return (
+        f"{len(results)} specs in {seconds:.0f} s: {ok} passed, {len(results) - ok} failed; "
+        f"proofs: {sym} symbolic, {num} numeric fallback ({100.0 * sym / max(1, sym + num):.1f}% symbolic)"
+    )
 
 
 def main(argv=None) -> int:
@@ -457,8 +527,12 @@ def main(argv=None) -> int:
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--show", action="store_true", help="print the spec(s)")
     ap.add_argument("--progress", action="store_true", help="a line per spec (seed, result, proof, seconds)")
-    ap.add_argument("--proof-seconds", type=float, default=10.0,
-                    help="symbolic reduction per proof size before exact numbers take over")
+    ap.add_argument(
+        "--proof-seconds",
+        type=float,
+        default=10.0,
+        help="symbolic reduction per proof size before exact numbers take over",
+    )
     args = ap.parse_args(argv)
     if args.seed is not None:
         seeds = [args.seed]
@@ -482,8 +556,12 @@ def main(argv=None) -> int:
         if not r.ok:
             print(f"FAIL seed {r.seed}: {r.failure}", flush=True)
         elif args.progress:
-            print(f"[{count[0]}/{len(seeds)} {time.perf_counter() - t0:.0f}s] seed {r.seed}: ok, {r.proof}, "
-                  f"{r.reductions} reduction(s), {r.seconds:.1f}s", flush=True)
+            print(
+                f"[{count[0]}/{len(seeds)} {time.perf_counter() - t0:.0f}s] seed {r.seed}: ok, {r.proof}, "
+                f"{r.reductions} reduction(s), {r.seconds:.1f}s",
+                flush=True,
+            )
+
     results = run_corpus(seeds, args.jobs, args.proof_seconds, report)
     print(summary(results, time.perf_counter() - t0))
     return 0 if all(r.ok for r in results) else 1

@@ -23,7 +23,7 @@ def misaligned(a):
     """A C-contiguous copy of ``a`` that starts one element past a 64-byte boundary."""
     buf = np.empty(a.size + 16, a.dtype)
     start = (-buf.ctypes.data % 64) // a.itemsize + 1
-    out = buf[start:start + a.size].reshape(a.shape)
+    out = buf[start : start + a.size].reshape(a.shape)
     out[...] = a
     return out
 
@@ -45,8 +45,11 @@ for name, cases in CASES.items():
                 if name == "groupnorm":
                     kw["num_groups"] = 2
                 if name == "online_layernorm":
-                    kw.update(alpha=0.3, prev_mean=r.normal(size=xs[:-1]).astype(dtype),
-                              prev_std=np.abs(r.normal(size=xs[:-1])).astype(dtype) + 1)
+                    kw.update(
+                        alpha=0.3,
+                        prev_mean=r.normal(size=xs[:-1]).astype(dtype),
+                        prev_std=np.abs(r.normal(size=xs[:-1])).astype(dtype) + 1,
+                    )
                 modes = [True, False] if name == "batchnorm" else [None]
                 for training in modes:
                     kk = dict(kw)

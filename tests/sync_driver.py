@@ -1,4 +1,4 @@
-"""Run by tests/test_torch_sync.py in a subprocess of its own: WORLD gloo processes on
+"""Run by tests/torch/test_torch_sync.py in a subprocess of its own: WORLD gloo processes on
 localhost, each with its part of a batch (parts of unequal sizes, one of them empty),
 against one process on the concatenated batch. Exits non-zero on any failure and prints
 one line per check. Usage: sync_driver.py CASE WORLD, CASE one of
@@ -79,7 +79,7 @@ def batch(dtype, world, c=3):
 def part(t, rank, world):
     s = sizes(world)
     lo = sum(s[:rank])
-    return t[lo:lo + s[rank]]
+    return t[lo : lo + s[rank]]
 
 
 def gather_sum(t):
@@ -92,7 +92,7 @@ def gather_cat(t, world):
     """The processes' parts concatenated in rank order (all_gather of padded parts)."""
     s = sizes(world)
     full = torch.zeros((max(s), *t.shape[1:]), dtype=t.dtype)
-    full[:t.shape[0]] = t
+    full[: t.shape[0]] = t
     every = [torch.empty_like(full) for _ in range(world)]
     dist.all_gather(every, full)
     return torch.cat([e[:n] for e, n in zip(every, s)])
@@ -109,9 +109,12 @@ def close(name, a, b, rtol):
 
 def case_batchnorm(rank, world):
     # float32/float64 parts run the C split kernels; a channels-last part the PyTorch target
-    for dtype, rtol, fmt in ((torch.float64, 1e-12, None), (torch.float32, 2e-6, None),
-                             (torch.float64, 1e-12, torch.channels_last)):
-        x, dy = batch(dtype, world)             # the reference: float64 on the same (rounded) values
+    for dtype, rtol, fmt in (
+        (torch.float64, 1e-12, None),
+        (torch.float32, 2e-6, None),
+        (torch.float64, 1e-12, torch.channels_last),
+    ):
+        x, dy = batch(dtype, world)  # the reference: float64 on the same (rounded) values
         ref = nn.BatchNorm2d(3, momentum=0.3).double()
         with torch.no_grad():
             ref.weight.copy_(torch.tensor([1.5, 0.5, -1.0]))
@@ -119,7 +122,7 @@ def case_batchnorm(rank, world):
         ours = dt.SyncBatchNorm.convert_sync_batchnorm(nn.Sequential(nn.BatchNorm2d(3, momentum=0.3)))[0].to(dtype)
         ours.load_state_dict({k: v.to(dtype) if v.is_floating_point() else v for k, v in ref.state_dict().items()})
         assert type(ours) is dt.SyncBatchNorm
-        for step in range(2):                          # buffers after two updates
+        for step in range(2):  # buffers after two updates
             xr = x.double().clone().requires_grad_(True)
             yr = ref(xr)
             yr.backward(dy.double())
@@ -168,9 +171,17 @@ def case_spec(rank, world):
 
 def cnn():
     torch.manual_seed(0)
-    return nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(), nn.Conv2d(4, 4, 3, padding=1),
-                         nn.BatchNorm2d(4, momentum=None), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
-                         nn.Linear(4, 1)).double()
+    return nn.Sequential(
+        nn.Conv2d(2, 4, 3, padding=1),
+        nn.BatchNorm2d(4),
+        nn.ReLU(),
+        nn.Conv2d(4, 4, 3, padding=1),
+        nn.BatchNorm2d(4, momentum=None),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(4, 1),
+    ).double()
 
 
 def train(m, xs, ts):
@@ -188,7 +199,7 @@ def case_train(rank, world):
     ref = cnn()
     train(ref, xs, ts)
     ours = nn.parallel.DistributedDataParallel(dt.SyncBatchNorm.convert_sync_batchnorm(cnn()))
-    train(ours, xs[:, 4 * rank:4 * rank + 4], ts[:, 4 * rank:4 * rank + 4])
+    train(ours, xs[:, 4 * rank : 4 * rank + 4], ts[:, 4 * rank : 4 * rank + 4])
     mine = ours.module.state_dict()
     for k, v in ref.state_dict().items():
         if v.is_floating_point():
@@ -216,10 +227,10 @@ def case_raise(rank, world):
     m = dt.SyncBatchNorm(3).double()
     if rank == 1:
         print("rank 1 raising before the layer", flush=True)
-        os._exit(3)                                # a crash mid-step: no more collectives from here
+        os._exit(3)  # a crash mid-step: no more collectives from here
     try:
         m(part(x, rank, world))
-    except Exception as e:                         # gloo: the peer closed the connection, or the timeout
+    except Exception as e:  # noqa: BLE001 - gloo: the peer closed the connection, or the timeout
         print(f"rank {rank} got {type(e).__name__}: {str(e).splitlines()[0][:120]}", flush=True)
         os._exit(0)
     raise AssertionError(f"rank {rank}: no error")
@@ -227,8 +238,9 @@ def case_raise(rank, world):
 
 def rank_main(rank, world, port, case):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=20 if case == "raise" else 60))
+    dist.init_process_group(
+        "gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=20 if case == "raise" else 60)
+    )
     torch.set_num_threads(1)
     if case == "raise":
         case_raise(rank, world)
@@ -241,8 +253,8 @@ def rank_main(rank, world, port, case):
     finally:
         gc.collect()
         dist.destroy_process_group()
-    sys.stdout.flush()                             # no interpreter teardown with gloo's threads about
-    sys.stderr.flush()                             # (it can abort: see ddp_driver.py)
+    sys.stdout.flush()  # no interpreter teardown with gloo's threads about
+    sys.stderr.flush()  # (it can abort: see ddp_driver.py)
     os._exit(0)
 
 
@@ -251,7 +263,7 @@ def main():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    if case == "raise":                            # rank 1 exits with 3 on purpose; every other rank with 0
+    if case == "raise":  # rank 1 exits with 3 on purpose; every other rank with 0
         ctx = mp.start_processes(rank_main, args=(world, port, case), nprocs=world, join=False, start_method="fork")
         for p in ctx.processes:
             p.join(120)

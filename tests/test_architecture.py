@@ -30,12 +30,12 @@ BELOW: dict[str, set[str]] = {
 
 # modules whose stage is not their folder's
 STAGE_OF_MODULE = {
-    "derivgen": "api",                    # the package face re-exports the API
+    "derivgen": "api",  # the package face re-exports the API
     "derivgen.api": "api",
-    "derivgen.cbind": "runtime",          # the import path the generated bindings use
+    "derivgen.cbind": "runtime",  # the import path the generated bindings use
     "derivgen.cli": "cli",
     "derivgen.__main__": "cli",
-    "derivgen.torch.bench": "tools",      # benchmarks and demos use the modules, they are not part of them
+    "derivgen.torch.bench": "tools",  # benchmarks and demos use the modules, they are not part of them
     "derivgen.torch.bench_sync": "tools",
     "derivgen.torch.demo": "tools",
 }
@@ -73,7 +73,7 @@ def imports(path: Path) -> list[tuple[str, int]]:
                 target = node.module or ""
             if target.split(".")[0] != "derivgen":
                 continue
-            for a in node.names:     # `from derivgen.x import y`: y may be a module itself
+            for a in node.names:  # `from derivgen.x import y`: y may be a module itself
                 sub = f"{target}.{a.name}"
                 found.append((sub if _is_module(sub) else target, node.lineno))
     return found
@@ -150,8 +150,19 @@ def test_no_import_circles():
     assert not cycles, f"import circles: {cycles}"
 
 
-@pytest.mark.parametrize("name", ["derivgen.spec", "derivgen.derive", "derivgen.prove", "derivgen.explain",
-                                  "derivgen.codegen", "derivgen.runtime", "derivgen.symbolic", "derivgen.tools"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "derivgen.spec",
+        "derivgen.derive",
+        "derivgen.prove",
+        "derivgen.explain",
+        "derivgen.codegen",
+        "derivgen.runtime",
+        "derivgen.symbolic",
+        "derivgen.tools",
+    ],
+)
 def test_each_stage_has_a_documented_face(name):
     path = ROOT / Path(*name.split(".")) / "__init__.py"
     tree = ast.parse(path.read_text(encoding="utf-8"))

@@ -9,7 +9,7 @@ import torch
 def x_shape(meta: dict) -> tuple:
     if meta["layout"] == "trailing":
         spanning = [p for p in meta["params"] if p not in meta["scalar_params"]]
-        return (3, 5) if spanning else (3, 2, 5)[-(meta["axes"] + 1):]
+        return (3, 5) if spanning else (3, 2, 5)[-(meta["axes"] + 1) :]
     return {"batch": (4, 4, 3), "instance": (2, 4, 3), "group": (2, 4, 3)}[meta["reduce"]]
 
 
@@ -23,11 +23,11 @@ def arguments(lay, mode: str, dtype=torch.float64, seed: int = 0, requires_grad:
     params = {}
     for p in meta["params"]:
         ps = () if p in meta["scalar_params"] else size
-        params[p] = (torch.rand(ps, generator=g, dtype=dtype) + 0.5)
+        params[p] = torch.rand(ps, generator=g, dtype=dtype) + 0.5
     groups = 2 if meta["reduce"] == "group" else 0
     if meta["layout"] == "trailing":
         spanning = [p for p in meta["params"] if p not in meta["scalar_params"]]
-        gshape = shape[:-1] if spanning else shape[:len(shape) - meta["axes"]]
+        gshape = shape[:-1] if spanning else shape[: len(shape) - meta["axes"]]
     else:
         gshape = {"batch": (shape[1],), "instance": shape[:2], "group": (shape[0], groups)}[meta["reduce"]]
     inputs = {i: torch.rand(gshape, generator=g, dtype=dtype) + 0.5 for i in meta["inputs"]}

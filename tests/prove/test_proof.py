@@ -1,0 +1,67 @@
+"""Every catalogue layer's closed form equals brute-force differentiation at
+N = 2..6, and the proof really can fail."""
+
+import dataclasses
+
+import pytest
+import sympy
+
+import derivgen
+from derivgen.derive.first import G
+from derivgen.prove.proof import prove_mode
+from derivgen.symbolic.reduce import Mean
+
+
+@pytest.mark.parametrize("name", derivgen.names())
+def test_catalogue_is_proven(name):
+    d = derivgen.derive(name)
+    for mode, md in d.modes.items():
+        proof = prove_mode(md, sizes=range(2, 7))
+        assert [r.n for r in proof.results] == [2, 3, 4, 5, 6]
+        assert proof.status == "proven", (mode, [(r.n, r.status, r.detail) for r in proof.results])
+
+
+def test_a_wrong_closed_form_fails():
+    md = derivgen.derive("layernorm").train
+    # drop the mean(g) term: the classic "forgot the mean path" bug
+    wrong = dataclasses.replace(md, dx=md.dx.xreplace({Mean(G): 0}))
+    proof = prove_mode(wrong, sizes=(2, 3))
+    assert proof.status == "FAILED"
+    assert "dx_0" in proof.results[0].detail
+
+
+def test_the_materials_negligible_term_is_zero_not_small():
+    """The hand derivation keeps + (rstd/N²)(Σ g x̂)(Σ x̂); adding it changes nothing."""
+    md = derivgen.derive("layernorm").train
+    xhat, rstd = sympy.Symbol("xhat", real=True), sympy.Symbol("rstd", positive=True)
+    N = sympy.Symbol("N", positive=True, integer=True)
+    extra = rstd / N**2 * (N * Mean(G * xhat)) * (N * Mean(xhat))
+    assert prove_mode(dataclasses.replace(md, dx=md.dx + extra), sizes=(3,)).status == "proven"
+
+
+def test_a_wrong_parameter_gradient_fails():
+    md = derivgen.derive("rmsnorm").train
+    wrong = dataclasses.replace(
+        md, grads={"gamma": dataclasses.replace(md.grads["gamma"], element=md.grads["gamma"].element * 2)}
+    )
+    assert prove_mode(wrong, sizes=(2,)).status == "FAILED"
+
+
+def test_numeric_points_lie_within_each_options_declared_bounds():
+    from types import SimpleNamespace
+
+    from derivgen.prove.proof import _Sampler
+
+    spec = SimpleNamespace(
+        options=[
+            SimpleNamespace(name="zeta", min=-2.0, max=-1.0),
+            SimpleNamespace(name="tiny", min=1e-05, max=None),
+            SimpleNamespace(name="cap", min=None, max=3.0),
+        ]
+    )
+    points = _Sampler.for_spec(spec, 0)
+    zeta, tiny, cap = sympy.symbols("zeta tiny cap", real=True)
+    for _ in range(50):
+        assert -2 < points.value(zeta) < -1
+        assert sympy.Rational(1, 100000) < points.value(tiny) <= sympy.Rational(1, 100000) + sympy.Rational(1, 10)
+        assert 3 - sympy.Rational(1, 10) <= points.value(cap) < 3

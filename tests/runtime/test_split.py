@@ -1,0 +1,131 @@
+"""The split reduction in the generated NumPy and C modules (batch layouts): a batch held in
+parts (micro-batches, one of them empty) gives the statistics, outputs and gradients of the
+one-piece forward and backward, for the catalogue's batch norm, the regression specs with a
+batch reduction and fuzzed batch specs; and bad calls are errors naming the argument."""
+
+import itertools
+
+import numpy as np
+import pytest
+from conftest import ROOT
+
+import derivgen
+
+
+def _run_split(mod, parts, dys, params, kw):
+    meta = mod._META
+    options = {o: kw[o] for o in meta["options"] if o in kw}
+    inputs = {i: kw[i] for i in meta["inputs"]}
+    count = sum(p.size // p.shape[1] for p in parts)
+    stats = None
+    for level, nsums in enumerate(meta["split"]["levels"]):
+        sums = sum(mod.split_partial(level, p, params, options, inputs, stats=stats) for p in parts)
+        stats = mod.split_finish(level, sums, count, params, options, inputs, stats=stats)
+    ys = [mod.split_apply(p, params, stats, count, options, inputs) for p in parts]
+    bsums = sum(mod.split_backward_partial(d, p, params, stats, count, options, inputs) for p, d in zip(parts, dys))
+    grads = [
+        mod.split_backward_apply(d, p, params, stats, bsums, count, options, inputs, group_terms=j == 0)
+        for j, (p, d) in enumerate(zip(parts, dys))
+    ]
+    return stats, ys, grads
+
+
+def _check(spec, backend, dtype, seed=0):
+    mod = derivgen.load(spec, backend)
+    meta = mod._META
+    rng = np.random.default_rng(seed)
+    c = 3
+    x = (rng.normal(size=(6, c, 5)) * 1.3 + 0.3).astype(dtype)
+    dy = rng.normal(size=x.shape).astype(dtype)
+    params = [
+        np.asarray(rng.random(() if p in meta["scalar_params"] else (c,)) + 0.5, dtype=dtype) for p in meta["params"]
+    ]
+    kw = {}
+    for o, (default, lo, hi) in meta["options"].items():
+        kw[o] = 1e-3 if o == "eps" else (default if default is not None else (lo if lo is not None else 0.5))
+    for i in meta["inputs"]:
+        kw[i] = (rng.random(c) + 0.5).astype(dtype)
+    y_ref, cache = mod.forward(x, *params, **kw)
+    g_ref = mod.backward(dy, cache)
+    cuts = [0, 2, 2, 6]  # parts of 2, 0 and 4 samples
+    parts = [x[a:b] for a, b in itertools.pairwise(cuts)]
+    dys = [dy[a:b] for a, b in itertools.pairwise(cuts)]
+    stats, ys, grads = _run_split(mod, parts, dys, params, kw)
+    tol = {"rtol": 1e-10, "atol": 1e-12} if dtype == np.float64 else {"rtol": 2e-4, "atol": 2e-5}
+    for k, s in enumerate(meta["stats"]["train"]):
+        np.testing.assert_allclose(
+            stats[k], cache.stats[s], rtol=1e-9 if dtype == np.float32 else 1e-12, atol=1e-12, err_msg=s
+        )
+    np.testing.assert_allclose(np.concatenate(ys), y_ref, **tol)
+    np.testing.assert_allclose(np.concatenate([g.dx for g in grads]), g_ref.dx, **tol)
+    for p in meta["params"]:
+        total = sum(np.asarray(getattr(g, "d" + p), dtype=np.float64) for g in grads)
+        np.testing.assert_allclose(total, getattr(g_ref, "d" + p), **tol, err_msg=p)
+    for i in meta["inputs"]:
+        total = sum(np.asarray(getattr(g, "d" + i), dtype=np.float64) for g in grads)
+        np.testing.assert_allclose(total, getattr(g_ref, "d" + i), **tol, err_msg=i)
+
+
+BATCH_REGRESSIONS = [
+    str(p) for p in sorted((ROOT / "tests" / "regressions").glob("*.toml")) if 'reduce = "batch"' in p.read_text()
+]
+
+
+@pytest.mark.parametrize("backend", ["numpy", "c"])
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+@pytest.mark.parametrize("spec", ["batchnorm"] + BATCH_REGRESSIONS)
+def test_split_equals_one_piece(spec, backend, dtype):
+    _check(spec, backend, dtype)
+
+
+def _fuzz_batch_seeds(n=6, limit=200):
+    import specfuzz
+
+    out = []
+    for s in range(limit):
+        if 'reduce = "batch"' in specfuzz.generate(s):
+            out.append(s)
+        if len(out) == n:
+            break
+    return out
+
+
+@pytest.mark.parametrize("seed", _fuzz_batch_seeds())
+@pytest.mark.parametrize("backend", ["numpy", "c"])
+def test_split_fuzzed_batch_specs(seed, backend, tmp_path):
+    import specfuzz
+
+    p = tmp_path / f"fuzz{seed}.toml"
+    p.write_text(specfuzz.generate(seed))
+    _check(str(p), backend, np.float64, seed)
+
+
+@pytest.mark.parametrize("backend", ["numpy", "c"])
+def test_split_bad_calls_name_the_argument(backend):
+    mod = derivgen.load("batchnorm", backend)
+    x = np.ones((2, 3, 4))
+    g, b = np.ones(3), np.zeros(3)
+    with pytest.raises(ValueError, match="level must be an int from 0 to 1, got 2"):
+        mod.split_partial(2, x, [g, b])
+    with pytest.raises(TypeError, match="level 1 needs the statistics"):
+        mod.split_partial(1, x, [g, b])
+    with pytest.raises(TypeError, match=r"unknown options \['epsilon'\]"):
+        mod.split_partial(0, x, [g, b], {"epsilon": 1e-3})
+    with pytest.raises(TypeError, match=r"params \['beta'\] are required"):
+        mod.split_partial(0, x, {"gamma": g})
+    s0 = mod.split_partial(0, x, {"gamma": g, "beta": b})
+    with pytest.raises(ValueError, match=r"sums must be float64 of shape \(1, 3\)"):
+        mod.split_finish(0, s0[:, :2], 8, [g, b])
+    with pytest.raises(ValueError, match="count=1 values per group"):
+        mod.split_finish(0, s0, 1, [g, b])
+    st = mod.split_finish(0, s0, 8, [g, b])
+    with pytest.raises(ValueError, match=r"stats must be float64 of shape \(3, 3\)"):
+        mod.split_apply(x, [g, b], st[:2], 8)
+    with pytest.raises(ValueError, match="dy must have the shape and dtype of x"):
+        mod.split_backward_partial(np.ones((2, 3, 5)), x, [g, b], st, 8)
+    with pytest.raises(ValueError, match="gamma must have shape"):
+        mod.split_partial(0, x, [np.ones(4), b])
+    with pytest.raises(TypeError, match="gamma has dtype float32 but x has float64"):
+        mod.split_partial(0, x, [g.astype(np.float32), b])
+    ln = derivgen.load("layernorm", backend)
+    assert not hasattr(ln, "split_partial")

@@ -1,0 +1,220 @@
+"""The table of elementary functions (derivgen.symbolic.functions): every entry is consistent
+with SymPy and with itself across the parser, the derivative rule, the sign and
+domain rules and the NumPy / C / PyTorch / LaTeX / text spellings; and a function
+added to the table only (a test-local entry) flows through parse -> derive -> prove
+-> generated NumPy."""
+
+import ctypes
+import math
+
+import numpy as np
+import pytest
+import sympy
+import torch
+
+import derivgen
+from derivgen.codegen.printers import SpecPrinter, np_expr, torch_expr
+from derivgen.explain.document import latex_expr, text_expr
+from derivgen.runtime.build import build_shared
+from derivgen.spec.expr import ExprError, parse_expr
+from derivgen.spec.model import N, parse_spec, reserved_reason
+from derivgen.symbolic import domain, functions
+from derivgen.symbolic.functions import NONNEG, POSITIVE, REAL, Elementary
+from derivgen.symbolic.naming import code_text
+from derivgen.torch import _target
+
+U = sympy.Symbol("u", real=True)
+POINTS = {REAL: (-1.3, -0.4, 0.0, 0.3, 1.9), NONNEG: (0.0, 0.3, 0.7, 1.9), POSITIVE: (0.3, 0.7, 1.9)}
+
+# a function the shipped table does not have: arctangent
+ATAN = Elementary(
+    "atan",
+    sympy.atan,
+    sympy.atan,
+    lambda f, u: 1 / (1 + u**2),
+    "arctangent",
+    lambda level: level,
+    REAL,
+    numpy="arctan",
+    c_double="atan",
+    c_float="atanf",
+    torch="atan",
+    scalar=math.atan,
+    latex=r"\operatorname{atan}",
+    text="atan",
+)
+
+
+def c_expr(e: sympy.Expr, ctype: str) -> str:
+    """The C printer's text for e (the printer of a catalogue spec; no spec names in e)."""
+    return SpecPrinter(derivgen.load_spec("layernorm")).c(e, ctype)
+
+
+@pytest.fixture
+def atan():
+    functions.register(ATAN)
+    try:
+        yield ATAN
+    finally:
+        functions.unregister(ATAN.name)
+
+
+def defined_points(fn: Elementary) -> tuple[float, ...]:
+    """Points where ``fn`` is defined: those its ``requires`` allows, zero left out
+    where the derivative has no value there (sqrt, abs, sign)."""
+    return tuple(p for p in POINTS[fn.requires] if p != 0.0)
+
+
+def sympy_value(e: sympy.Expr, u: float) -> float:
+    return float(e.subs(U, sympy.Float(u, 30)).evalf(30))
+
+
+def check_entry(fn: Elementary, c_values: dict | None = None):
+    """The checks every entry passes, shipped or registered."""
+    built = fn.build(U)
+    assert fn.node is None or isinstance(built, fn.node)
+    assert fn.node is not None or functions.half_power_sign(built) == 1  # sqrt is a power
+    # the parser accepts the functions of the language, and they are reserved names
+    if fn.in_language:
+        assert parse_expr(f"{fn.name}(u)", {"u": U}, group_size=N) == built
+        assert reserved_reason(fn.name) is not None
+    else:
+        with pytest.raises(ExprError, match="unknown function"):
+            parse_expr(f"{fn.name}(u)", {"u": U}, group_size=N)
+    exact = sympy.diff(built, U)
+    rule = fn.derivative(built, U)
+    for u in defined_points(fn):
+        want = sympy_value(built, u)
+        # the derivative rule is SymPy's derivative
+        assert sympy_value(rule, u) == pytest.approx(sympy_value(exact, u), rel=1e-12, abs=1e-14)
+        # NumPy, PyTorch (tensor and plain number) and C agree with SymPy
+        assert getattr(np, fn.numpy)(u) == pytest.approx(want, rel=1e-14, abs=1e-15)
+        t = getattr(_target, fn.numpy)
+        assert t(torch.tensor(u, dtype=torch.float64)).item() == pytest.approx(want, rel=1e-14, abs=1e-15)
+        assert float(t(u)) == pytest.approx(want, rel=1e-14, abs=1e-15)
+        if c_values is not None:
+            assert c_values[fn.name, "double"](u) == pytest.approx(want, rel=1e-14, abs=1e-15)
+            assert c_values[fn.name, "float"](u) == pytest.approx(want, rel=1e-6, abs=1e-7)
+    # the sign rule holds at points of each sign the argument may have
+    for level, points in POINTS.items():
+        out = fn.sign(level)
+        for u in points:
+            if u in defined_points(fn) or (u == 0.0 and fn.requires != POSITIVE):
+                v = sympy_value(built, u)
+                assert v >= 0 if out >= NONNEG else True
+                assert v > 0 if out == POSITIVE else True
+    # the domain rule: an argument known never to be what the function requires is rejected
+    if fn.requires != REAL:
+        p = sympy.Symbol("p", positive=True)
+        assert domain.domain_error(fn.build(-p)) is not None
+    # derivgen.symbolic.domain applies the rule (where SymPy keeps F(p) as it is: sign(p) is 1)
+    at_positive = fn.build(sympy.Symbol("p", positive=True))
+    if fn.node is None or isinstance(at_positive, fn.node):
+        assert domain.sign_level(at_positive) == fn.sign(POSITIVE)
+    check_spellings(fn)
+
+
+def check_spellings(fn: Elementary):
+    """The printers spell the entry as it says."""
+    a = sympy.Symbol("a", real=True)
+    e = fn.build(a)
+    assert np_expr(e) == f"_np.{fn.numpy}(a)"
+    assert torch_expr(e) == f"_t.{fn.numpy}(a)"
+    for ctype in ("float", "double"):
+        assert c_expr(e, ctype) == functions.call(fn.c(ctype), "a")
+    assert text_expr(e) == code_text(e) == f"{fn.text}(a)"
+    if "{0}" in fn.latex:
+        assert latex_expr(e) == fn.latex.format("a")
+    else:
+        assert latex_expr(e) == fn.latex + r"{\left(a \right)}"
+        assert latex_expr(e**2) == fn.latex + r"^{2}{\left(a \right)}"
+
+
+def compiled(entries, tmp_path) -> dict:
+    """Each entry's C spellings (as the C printer prints them) compiled and callable."""
+    lines = ["#include <math.h>"]
+    for fn in entries:
+        for ctype in ("float", "double"):
+            body = c_expr(fn.build(sympy.Symbol("a", real=True)), ctype)
+            lines.append(f"{ctype} f_{fn.name}_{ctype}({ctype} a) {{ return ({ctype})({body}); }}")
+    src = tmp_path / "table_functions.c"
+    src.write_text("\n".join(lines) + "\n")
+    lib = ctypes.CDLL(str(build_shared(src, openmp=False)))
+    out = {}
+    for fn in entries:
+        for ctype, ct in (("float", ctypes.c_float), ("double", ctypes.c_double)):
+            f = getattr(lib, f"f_{fn.name}_{ctype}")
+            f.restype, f.argtypes = ct, [ct]
+            out[fn.name, ctype] = f
+    return out
+
+
+def test_every_entry_is_consistent(tmp_path):
+    c_values = compiled(functions.TABLE.values(), tmp_path)
+    assert {"sqrt", "exp", "log", "abs", "tanh"} <= set(functions.language())
+    for fn in functions.TABLE.values():
+        check_entry(fn, c_values)
+
+
+def test_registered_entry_is_consistent(atan, tmp_path):
+    check_entry(atan, compiled([atan], tmp_path))
+    assert reserved_reason("atanf") == "a C library name the generated code uses"
+
+
+def test_register_refuses_a_second_entry_of_a_name():
+    with pytest.raises(ValueError, match="already"):
+        functions.register(functions.TABLE["exp"])
+
+
+ATAN_SPEC = """
+name = "atannorm"
+title = "arctangent norm"
+summary = "test: a layer whose statistic uses a function registered in the table only"
+
+[layout]
+kind = "trailing"
+
+[params]
+gamma = { role = "scale" }
+
+[options]
+eps = { default = 1e-5, min = 0 }
+
+[statistics]
+mean = { expr = "mean(x)" }
+var = { expr = "mean((x - mean)**2)" }
+scale = { expr = "1/(1 + atan(var + eps))" }
+
+[normalized]
+name = "xhat"
+expr = "(x - mean)*scale"
+
+[output]
+y = "gamma*xhat"
+"""
+
+
+def test_registered_function_flows_to_numpy(atan, tmp_path):
+    spec = parse_spec(ATAN_SPEC, source="test")
+    d = derivgen.derive(spec, prove=(2, 3))
+    assert d.proofs and all(r.ok for mp in d.proofs.values() for r in mp.results)
+    path = tmp_path / "atannorm.toml"
+    path.write_text(ATAN_SPEC)
+    k = derivgen.load(str(path), backend="numpy")
+    rng = np.random.default_rng(0)
+    x, gamma, dy = rng.normal(size=(3, 5)), rng.normal(size=5), rng.normal(size=(3, 5))
+
+    def forward(x):
+        c = x - x.mean(-1, keepdims=True)
+        return gamma * c / (1 + np.arctan((c**2).mean(-1, keepdims=True) + 1e-5))
+
+    y, cache = k.forward(x, gamma)
+    np.testing.assert_allclose(y, forward(x), rtol=1e-12)
+    dx = k.backward(dy, cache).dx
+    h = 1e-6
+    fd = np.zeros_like(x)
+    for i in np.ndindex(x.shape):
+        e = np.zeros_like(x)
+        e[i] = h
+        fd[i] = ((forward(x + e) - forward(x - e)) * dy).sum() / (2 * h)
+    np.testing.assert_allclose(dx, fd, rtol=1e-6, atol=1e-8)

@@ -1,0 +1,215 @@
+"""`derivgen bench` runs and reports finite numbers (timings are never asserted)."""
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+from conftest import ROOT
+
+
+def test_bench_runs_and_reports_finite_numbers(tmp_path):
+    out = tmp_path / "bench.json"
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "derivgen",
+            "bench",
+            "layernorm",
+            "batchnorm",
+            "--shape",
+            "16x8x4",
+            "--threads",
+            "1",
+            "--repeat",
+            "3",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert r.returncode == 0, r.stderr
+    assert "bandwidth probe" in r.stdout and "targets" in r.stdout and r.stdout.startswith("machine: ")
+    data = json.loads(out.read_text())
+    m = data["machine"]
+    assert m["cores"] >= 1 and m["cpu"] and isinstance(m["flags"], list)
+    (build,) = data["builds"]
+    assert build["label"] == "generated c" and build["isa"] and not build["skipped"]
+    bw = data["bandwidth"]
+    assert bw["copy_GBps"] > 0 and math.isfinite(bw["stream_copy_GBps"]) and bw["stream_copy_GBps"] > 0
+    assert bw["cases"] == 2 and bw["copy_GBps_range"][0] <= bw["copy_GBps"] <= bw["copy_GBps_range"][1]
+    impls = {(row["layer"], row["impl"]) for row in data["results"]}
+    for layer in ("layernorm", "batchnorm"):
+        for impl in ("generated c", "generated numpy", "plain numpy"):
+            assert (layer, impl) in impls
+    for row in data["results"]:
+        for key in ("fwd_ms", "bwd_ms", "step_ms", "step_alloc_ms"):
+            v = row[key]
+            assert v is None or (math.isfinite(v) and v > 0), (row, key)
+        assert all(math.isfinite(v) and v > 0 for v in row["ratios"].values())
+
+
+def test_plain_numpy_baseline_is_correct():
+    """The baseline is a fair one: it computes the same gradients."""
+    import numpy as np
+
+    import derivgen
+    from derivgen.tools.bench import plain_numpy
+
+    rng = np.random.default_rng(0)
+    for name, shape, kw in [
+        ("layernorm", (6, 10), {}),
+        ("rmsnorm", (6, 10), {}),
+        ("batchnorm", (4, 3, 5), {}),
+        ("groupnorm", (2, 6, 5), {"num_groups": 3}),
+        ("online_layernorm", (5, 7), {"alpha": 0.3, "prev_mean": 0.1, "prev_std": 1.2}),
+    ]:
+        x, dy = rng.normal(size=shape), rng.normal(size=shape)
+        spec = derivgen.load_spec(name)
+        p = [rng.normal(size=shape[-1] if spec.layout == "trailing" else shape[1]) for _ in spec.params]
+        y, grads = plain_numpy(name, x, p, dy, kw)
+        k = derivgen.load(name)
+        y2, c = k.forward(x, *p, **kw)
+        g2 = k.backward(dy, c)
+        np.testing.assert_allclose(np.asarray(y).reshape(x.shape), y2, atol=1e-10)
+        np.testing.assert_allclose(np.asarray(grads[0]).reshape(x.shape), g2.dx, atol=1e-9)
+        for a, b in zip(grads[1:], list(g2)[1:]):
+            np.testing.assert_allclose(np.asarray(a).reshape(-1), np.asarray(b).reshape(-1), atol=1e-9)
+
+
+def test_plot_without_matplotlib_is_one_line(tmp_path):
+    try:
+        import matplotlib  # noqa: F401
+
+        pytest.skip("matplotlib is installed")
+    except ImportError:
+        pass
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "derivgen",
+            "bench",
+            "rmsnorm",
+            "--shape",
+            "8x8",
+            "--repeat",
+            "3",
+            "--threads",
+            "1",
+            "--plot",
+            str(tmp_path / "c.png"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert r.returncode == 1 and "matplotlib" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_bench_isa_builds_side_by_side_and_a_user_spec(tmp_path):
+    """--isa times one C build per instruction set in the same rounds; --spec benches a user's
+    layer against plain NumPy written from its formulas (no torch row: not a catalogue layer)."""
+    from derivgen.runtime.machine import machine
+
+    out = tmp_path / "bench.json"
+    spec = ROOT / "examples" / "dynamic_tanh.toml"
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "derivgen",
+            "bench",
+            "rmsnorm",
+            "--spec",
+            str(spec),
+            "--shape",
+            "16x32",
+            "--threads",
+            "1",
+            "--repeat",
+            "3",
+            "--isa",
+            "x86-64,x86-64-v3,x86-64-v4",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert r.returncode == 0, r.stderr
+    data = json.loads(out.read_text())
+    builds = {b["label"]: b for b in data["builds"]}
+    assert set(builds) == {"generated c [x86-64]", "generated c [x86-64-v3]", "generated c [x86-64-v4]"}
+    assert builds["generated c [x86-64]"]["isa"] == "sse2"
+    assert "-march=x86-64-v3" in builds["generated c [x86-64-v3]"]["cflags"]
+    flags = set(machine().flags)
+    v4 = builds["generated c [x86-64-v4]"]
+    assert bool(v4["skipped"]) == ("avx512f" not in flags)
+    if not v4["skipped"]:
+        assert v4["isa"].startswith("avx512f")
+    if "avx2" in flags:
+        assert builds["generated c [x86-64-v3]"]["isa"] == "avx2 fma sse2"
+    impls = {(row["layer"], row["impl"]) for row in data["results"]}
+    ran = [b for b in builds.values() if not b["skipped"]]
+    for layer in ("rmsnorm", "dynamic_tanh"):
+        assert all((layer, b["label"]) in impls for b in ran)
+        assert (layer, "plain numpy") in impls
+    assert ("dynamic_tanh", "torch") not in impls
+    for label, b in builds.items():
+        assert (label in r.stdout) and (("skipped" in r.stdout) or not b["skipped"])
+
+
+def test_bench_rejects_a_bad_isa_list():
+    r = subprocess.run(
+        [sys.executable, "-m", "derivgen", "bench", "rmsnorm", "--isa", "native,,native"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 2 and "--isa" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_bench_sync_needs_torch_flag():
+    r = subprocess.run(
+        [sys.executable, "-m", "derivgen", "bench", "--sync", "2"], capture_output=True, text=True, timeout=120
+    )
+    assert r.returncode == 2 and "--sync" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_spec_baseline_matches_the_generated_code():
+    """The plain NumPy written from a spec's formulas (bench --spec) computes the same values."""
+    import numpy as np
+
+    import derivgen
+    from derivgen.runtime import resolve_layout
+    from derivgen.tools.baseline import PlainNumPy
+
+    rng = np.random.default_rng(1)
+    for name, shape, kw in [
+        ("layernorm", (6, 10), {}),
+        ("groupnorm", (2, 6, 5), {"num_groups": 3}),
+        ("batchnorm", (4, 3, 5), {}),
+        ("rmsnorm", (4, 9), {}),
+        ("online_layernorm", (3, 7), {"alpha": 0.3, "prev_mean": np.full(3, 0.1), "prev_std": np.full(3, 1.2)}),
+    ]:
+        d = derivgen.derive(name)
+        spec = d.spec
+        x, dy = rng.normal(size=shape), rng.normal(size=shape)
+        ps = (shape[-1],) if spec.layout == "trailing" else (shape[1],)
+        params = [rng.normal(1, 0.3, ps) for _ in spec.params]
+        meta = {"name": name, "layout": spec.layout, "reduce": spec.reduce, "params": ["p"]}
+        L = resolve_layout(meta, x, {"p": params[0]}, kw.get("num_groups"))
+        opts = {k: v for k, v in kw.items() if k != "num_groups"}
+        y, grads = PlainNumPy(d.train, L).step(x, params, dy, opts)
+        mod = derivgen.load(name)
+        y2, cache = mod.forward(x, *params, **kw)
+        g2 = mod.backward(dy, cache)
+        np.testing.assert_allclose(y, y2, atol=1e-12)
+        for a, b in zip(grads, g2):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-10)

@@ -1,0 +1,80 @@
+"""`derivgen check`: table, JSON, failures, and the torch-missing rule."""
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import derivgen
+from derivgen.tools import check as chk
+
+
+def run(*args, env=None):
+    return subprocess.run(
+        [sys.executable, "-m", "derivgen", "check", *args], capture_output=True, text=True, timeout=600, env=env
+    )
+
+
+def test_check_json_covers_every_check():
+    r = run("rmsnorm", "--json", "--prove-sizes", "2-3")
+    assert r.returncode == 0, r.stderr
+    data = json.loads(r.stdout)
+    assert data["failed"] == 0
+    checks = {(row["backend"], row["dtype"], row["check"]) for row in data["rows"]}
+    for b in ("numpy", "c"):
+        for d in ("float32", "float64"):
+            assert (b, d, "spec + finite differences") in checks
+            assert (b, d, "torch") in checks
+        assert ("c~numpy", "float32", "other backend") in checks
+    assert any(row["check"].startswith("proof") and row["status"] == "ok" for row in data["rows"])
+    for row in data["rows"]:
+        for v in row["errors"].values():
+            assert np.isfinite(v)
+
+
+def test_check_table_and_progress():
+    r = run("batchnorm", "--backend", "c", "--dtype", "float64", "--prove-sizes", "2")
+    assert r.returncode == 0, r.stderr
+    assert "eval" in r.stdout and "train" in r.stdout
+    assert "max relative error per output" in r.stdout
+    assert r.stdout.strip().splitlines()[-1].endswith("0 failed")
+    assert "batchnorm" in r.stderr  # progress is shown while it runs
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [(["--backend", "fortran"], "--backend"), (["--dtype", "float16"], "--dtype"), (["nosuch"], "unknown layer")],
+)
+def test_check_bad_options(args, needle):
+    r = run(*args)
+    assert r.returncode == 2 and needle in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_torch_missing_is_a_skip_locally_and_a_failure_in_ci(monkeypatch):
+    import derivgen.tools.torch_ref as tr
+
+    monkeypatch.setattr(tr, "torch_available", lambda: False)
+    spec = derivgen.load_spec("rmsnorm")
+    local = chk.check_layer(spec, ("numpy",), ("float64",), prove_sizes=(2,), in_ci=False)
+    ci = chk.check_layer(spec, ("numpy",), ("float64",), prove_sizes=(2,), in_ci=True)
+    assert [r.status for r in local if r.check == "torch"] == ["skipped: torch not installed"]
+    assert [r.failed for r in ci if r.check == "torch"] == [True]
+
+
+def test_a_broken_backend_is_reported(monkeypatch):
+    spec = derivgen.load_spec("layernorm")
+    real = chk._run
+
+    def broken(mod, spec_, x, dy, params, kw, seeds=None):
+        out = real(mod, spec_, x, dy, params, kw, seeds)
+        out["dx"] = out["dx"] * 1.001
+        out["bb.ddy"] = out["bb.ddy"] * 1.001  # the second-order rows catch their own outputs
+        return out
+
+    monkeypatch.setattr(chk, "_run", broken)
+    rows = chk.check_layer(spec, ("numpy",), ("float64",), prove_sizes=(2,), in_ci=False)
+    bad = {r.check for r in rows if r.failed}
+    assert "spec + finite differences" in bad and "torch" in bad
+    assert "second order: finite differences" in bad and "torch second order" in bad
