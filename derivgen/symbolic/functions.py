@@ -8,7 +8,7 @@ each target spells it. The parser (:mod:`derivgen.spec.expr`), the engine's
 derivative rules, :mod:`derivgen.symbolic.domain`, :mod:`derivgen.tools.evaluate`, the code
 printers, the PyTorch target (:mod:`derivgen.torch._target`), the document
 printers and the names a spec may not declare all read this table, so adding
-a function is one entry here and a test (``tests/test_functions.py``).
+a function is one entry here and a test (``tests/symbolic/test_functions.py``).
 
 This is a bottom-layer module: it imports SymPy and the standard library only.
 
