@@ -54,8 +54,11 @@ format: $(STAMP)
 	$(BIN)/ruff check --fix derivgen tests
 	$(BIN)/ruff format derivgen tests
 
-test: $(STAMP) pdflatex
-	$(BIN)/python -m pytest -q
+# two pytest workers: most tests are one single-threaded process (SymPy, compiles), so two
+# fill a 2-core machine; the spec fuzzer's corpus runs its own two workers inside one of them
+TEST_WORKERS ?= 2
+test: $(STAMP) pdflatex lint
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS)
 
 # the spec fuzzer's larger corpus (the test suite runs seeds 0-199); SEEDS=a-b, JOBS=n,
 # PROOF_SECONDS per proof size (the test suite's 10) before exact numbers take over
