@@ -150,6 +150,7 @@ class _Builder:
         self.sections: list[str] = []
 
     def add(self, section: str, args: Iterable[Arg]) -> _Builder:
+        """Append arguments to the signature being built."""
         if section in self.sections:
             raise ValueError(f"section {section} twice")
         self.sections.append(section)

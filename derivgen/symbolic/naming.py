@@ -43,7 +43,8 @@ class _Layer(Protocol):
     normalized: Any
 
     @property
-    def symbols(self) -> Mapping[str, _Shown]: ...
+    def symbols(self) -> Mapping[str, _Shown]:
+        """The spec's names and their symbols."""
 
 
 class DisplayNames:

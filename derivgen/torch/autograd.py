@@ -124,6 +124,7 @@ class _Eager(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, plan, opts, box, *tens):
+        """Run the forward kernels; keep the statistics and inputs for backward and jvp."""
         y, st = plan.forward(tens, opts, blob=True)
         ctx.plan, ctx.opts, ctx.st = plan, opts, st
         ctx.save_for_backward(*tens)
@@ -141,6 +142,8 @@ class _Eager(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
+        """dx and the parameter/input gradients: the backward kernel, or the backward operator
+        when the graph must be differentiable."""
         plan, st = ctx.plan, ctx.st
         tens = ctx.saved_tensors
         if torch.is_grad_enabled():
@@ -160,10 +163,12 @@ class _Functional(torch.autograd.Function):
 
     @staticmethod
     def forward(lay: Layer, mode, opts, groups, *tens):
+        """The forward operator (y and the statistics)."""
         return as_tuple(lay.modes[mode].forward(*tens, *opts, groups))
 
     @staticmethod
     def setup_context(ctx, inputs, output):
+        """Save the inputs and statistics; the statistics are not differentiable."""
         lay, mode, opts, groups, *tens = inputs
         ctx.lay, ctx.mode, ctx.opts, ctx.groups, ctx.ntens = lay, mode, opts, groups, len(tens)
         ctx.save_for_backward(*tens, *output[1:])
@@ -172,6 +177,7 @@ class _Functional(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy, *dstats):
+        """Reverse mode through the backward operator (whose autograd is the double backward)."""
         lay, saved = ctx.lay, ctx.saved_tensors
         tens, st = saved[: ctx.ntens], saved[ctx.ntens :]
         grads = as_tuple(lay.modes[ctx.mode].backward(dy.contiguous(), *tens, *st, *ctx.opts, ctx.groups))
@@ -179,6 +185,7 @@ class _Functional(torch.autograd.Function):
 
     @staticmethod
     def jvp(ctx, _lay, _mode, _opts, _groups, *tangents):
+        """Forward mode through the JVP operator."""
         lay, saved = ctx.lay, ctx.saved_tensors
         tens, st = saved[: ctx.ntens], saved[ctx.ntens :]
         n = 1 + len(lay.params) + len(lay.inputs)

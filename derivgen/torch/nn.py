@@ -100,6 +100,7 @@ class _BatchNormMixin(_Twin):
     _DG_LAYERS = ("batchnorm",)
 
     def forward(self, input):
+        """Normalize ``input`` as the torch.nn module does (batch or running statistics)."""
         self._check_input_dim(input)
         lay = self._dg["batchnorm"]
         momentum = self.momentum if self.momentum is not None else 0.0

@@ -240,6 +240,7 @@ class _SyncFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, lay, pg, n, options, kw_inputs, x, *params):
+        """y of this process's part, with statistics reduced over every process's part."""
         L = rt.split_layout(lay.meta, tuple(x.shape), {p: tuple(t.shape) for p, t in zip(lay.params, params)})
         ctx.lay, ctx.pg, ctx.n, ctx.L = lay, pg, n, L
         names = lay.meta["stats"]["train"]
@@ -272,6 +273,7 @@ class _SyncFunction(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dy, *dstats):
+        """The gradients of this part, with the backward's reductions summed over every process."""
         lay, pg, n, L = ctx.lay, ctx.pg, ctx.n, ctx.L
         x, *params = ctx.saved_tensors
         first = dist.get_rank(pg) == 0
