@@ -207,7 +207,7 @@ def emit(d: LayerDerivation, targets: Collection[str] = ("numpy", "c")) -> Emitt
         "spec": spec,
         "meta": meta,
         "irs": irs,
-        "irs2": second_irs,
+        "second_irs": second_irs,
         "modes": list(irs),
         "formulas": _formulas(d, printer),
         "source": spec.source,
