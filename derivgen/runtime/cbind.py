@@ -67,7 +67,7 @@ class CKernel:
         self.cflags = cflags  # None: $CFLAGS or the defaults (see derivgen.runtime.build)
         self.extra = extra  # added to the flags: -DDG_EXTRAS_ONLY for the bfloat16 and channels-last library
         self.signatures = kernel_signatures(meta)
-        self._fns: dict = {}  # (mode, kind, sfx) -> ctypes function of the NumPy calls
+        self._fns: dict = {}  # (mode, kind, dtype) -> (ctypes function, signature, takes nthreads)
         self._lib = None
         self._lock = threading.Lock()
 
@@ -124,14 +124,16 @@ class CKernel:
 
     def _run(self, mode: str, kind: str, dtype: np.dtype, sections: dict) -> int:
         """Call one kernel of a NumPy call (float32/float64) with its arguments by section
-        (the thread count added where the kernel takes one); returns the kernel's status."""
-        key = (mode, kind, _SFX[np.dtype(dtype)])
-        fn = self._fns.get(key)
-        sig = self.signatures[(mode, kind)]
-        if fn is None:
-            fn = self._fns[key] = self._declared(self.lib[sig.symbol(key[2])], sig)
-        if "nthreads" in sig.sections:
-            sections = {**sections, "nthreads": (self.threads,)}
+        (the thread count added where the kernel takes one); returns the kernel's status.
+        ``sections`` is the caller's fresh dict: the thread count is added to it."""
+        entry = self._fns.get((mode, kind, dtype))
+        if entry is None:
+            sig = self.signatures[(mode, kind)]
+            fn = self._declared(self.lib[sig.symbol(_SFX[np.dtype(dtype)])], sig)
+            entry = self._fns[(mode, kind, dtype)] = (fn, sig, "nthreads" in sig.sections)
+        fn, sig, threaded = entry
+        if threaded:
+            sections["nthreads"] = (self.threads,)
         return fn(*sig.pack(sections))
 
     def _leading(self, L: rt.Layout, params: dict, options: dict, inputs: dict) -> dict:
