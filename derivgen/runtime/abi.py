@@ -72,6 +72,7 @@ class KernelSignature:
 
     def __post_init__(self):
         object.__setattr__(self, "sizes", tuple(sum(1 for a in self.args if a.section == s) for s in self.sections))
+        object.__setattr__(self, "_section_set", frozenset(self.sections))
 
     def symbol(self, sfx: str) -> str:
         """The C function's name for a suffix (``f32``, ``f64``, ``bf16``, ``nhwc_f32`` ...)."""
@@ -102,23 +103,28 @@ class KernelSignature:
     def pack(self, values: Mapping[str, Sequence[Any]]) -> list:
         """The argument list of a call from each section's values (a sequence per section,
         in the section's order; sections without arguments may be left out). Raises
-        ValueError when a section's count does not match the signature or a section is
-        unknown."""
+        ValueError when the number of values does not match the signature (naming the first
+        section whose count is off) or a section is unknown. Like :meth:`packer`, each call
+        checks the total and the section names; the per-section counts are looked at only to
+        explain a mismatch."""
         out: list = []
-        used = 0
-        for s, n in zip(self.sections, self.sizes):
+        for s in self.sections:
             v = values.get(s)
-            if v is None:
-                v = ()
-            else:
-                used += 1
-            if len(v) != n:
-                raise ValueError(f"{self.symbol('*')}: section {s} takes {n} values, got {len(v)}")
-            out += v
-        if used != len(values):
-            unknown = sorted(set(values) - set(self.sections))
-            raise ValueError(f"{self.symbol('*')}: no section(s) {unknown}; sections are {self.sections}")
+            if v:
+                out += v
+        if len(out) != len(self.args) or not values.keys() <= self._section_set:
+            self._explain_mismatch(values)
         return out
+
+    def _explain_mismatch(self, values: Mapping[str, Sequence[Any]]) -> None:
+        """Raise the ValueError that says which section of ``values`` does not fit."""
+        unknown = sorted(set(values) - set(self.sections))
+        if unknown:
+            raise ValueError(f"{self.symbol('*')}: no section(s) {unknown}; sections are {self.sections}")
+        for s, n in zip(self.sections, self.sizes):
+            got = len(values.get(s) or ())
+            if got != n:
+                raise ValueError(f"{self.symbol('*')}: section {s} takes {n} values, got {got}")
 
     def packer(self, names: Sequence[str], merged: Mapping[str, Sequence[str]] | None = None) -> Callable[..., list]:
         """A fast :meth:`pack` for a hot call site: ``packer(names)(*seqs)`` concatenates one
