@@ -399,7 +399,7 @@ def _second_prose(second: SecondOrder) -> str:
         f"{len(second.reductions)} reductions per group, one sweep for them and one for the outputs. "
         f"The JVP is forward mode through the forward program with the tangents {tans}: "
         f"{len(second.jvp_reductions)} reductions. Terms from |u| (a DiracDelta) are dropped: zero wherever the "
-        f"first derivative exists."
+        f"first derivative exists." + "".join(" " + note for note in spec.second_order_notes)
     )
 
 

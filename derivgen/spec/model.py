@@ -45,6 +45,7 @@ TOP_LEVEL_FIELDS = {
     "title",
     "summary",
     "notes",
+    "second_order_notes",
     "layout",
     "params",
     "options",
@@ -169,6 +170,7 @@ class Spec:
     output: sympy.Expr
     output_text: str
     notes: tuple[str, ...] = field(default=())
+    second_order_notes: tuple[str, ...] = field(default=())  # prose for the second-order section
 
     @property
     def symbols(self) -> dict[str, Named]:
@@ -386,10 +388,14 @@ class _Parser:
             ctx.err("name", f"must be a lower-case identifier, got {name!r}")
         title = ctx.prose("title", data.get("title", name))
         summary = ctx.prose("summary", data.get("summary", ""), allow_empty=True)
-        notes = data.get("notes", [])
-        if not isinstance(notes, list) or not all(isinstance(n, str) for n in notes):
-            ctx.err("notes", "must be a list of strings")
-        return name, title, summary, [ctx.prose(f"notes[{i}]", n) for i, n in enumerate(notes)]
+        return name, title, summary, self.prose_list(data, "notes")
+
+    def prose_list(self, data: dict, key: str) -> list[str]:
+        """An optional list of prose strings (``notes``, ``second_order_notes``)."""
+        items = data.get(key, [])
+        if not isinstance(items, list) or not all(isinstance(n, str) for n in items):
+            self.ctx.err(key, "must be a list of strings")
+        return [self.ctx.prose(f"{key}[{i}]", n) for i, n in enumerate(items)]
 
     def layout(self) -> tuple[str, str, int]:
         """(kind, reduce, axes) of ``[layout]``: which axes form a group and which the
@@ -712,4 +718,5 @@ def parse_spec(text: str, source: str = "<spec>") -> Spec:
         output=output,
         output_text=output_text,
         notes=tuple(notes),
+        second_order_notes=tuple(parser.prose_list(data, "second_order_notes")),
     )
