@@ -203,7 +203,10 @@ class _SelfRule:
 def _elementary(e: sympy.Expr) -> bool:
     """A non-integer power or a function of derivgen.symbolic.functions' table: a group-level
     function whose derivative the engine writes through its own value."""
-    return (e.is_Pow and not e.exp.is_Integer) or functions.of_node(e) is not None
+    if e.is_Pow:
+        return not e.exp.is_Integer
+    fn = functions.of_node(e)
+    return fn is not None and fn.derivative is not None  # the selections: SymPy's fdiff
 
 
 def _self_rule(expr: sympy.Expr, active: set) -> _SelfRule | None:
