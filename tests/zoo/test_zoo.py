@@ -394,3 +394,41 @@ def test_zoo_layer_is_proven(name):
     d = derivgen.derive(name, prove=(2, 3))
     for mode, proof in d.proofs.items():
         assert proof.ok, f"{name} {mode}: {[r.detail for r in proof.results]}"
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_zoo_layer_as_a_torch_module(name):
+    """derivgen.torch.Module(NAME) against the paper's forward: y, the gradients of x, the
+    parameters and the inputs, and the running buffers, float64, in every mode."""
+    import derivgen.torch as dt
+
+    prob = Problem(name, seed=3)
+    spec = prob.spec
+    features = prob.x.shape[1] if spec.layout == "channels" else prob.x.shape[-1]
+    module = dt.Module(name, features, **prob.layout_options).double()
+    with torch.no_grad():
+        for pname, v in prob.params.items():
+            getattr(module, pname).copy_(torch.as_tensor(v))
+        for bname, v in prob.buffers.items():
+            getattr(module, bname).copy_(torch.as_tensor(v))
+    for training in _modes(spec):
+        module.train(training)
+        x = torch.tensor(prob.x, requires_grad=True)
+        inputs = _tensors(prob.inputs)
+        ref_x = torch.tensor(prob.x, requires_grad=True)
+        ref_params, ref_inputs = _tensors(prob.params), _tensors(prob.inputs)
+        ref_buffers = {b: getattr(module, b).detach().clone() for b in prob.buffers}
+        want = prob.torch_forward(ref_x, ref_params, ref_inputs, training, ref_buffers)
+        got = module(x, **inputs)
+        assert _rel(got.detach().numpy(), want) < F64, f"{name} y"
+        dy = torch.tensor(prob.dy)
+        (want * dy).sum().backward()
+        module.zero_grad()
+        (got * dy).sum().backward()
+        assert _rel(x.grad.numpy(), ref_x.grad) < F64, f"{name} dx"
+        for pname, ref in ref_params.items():
+            assert _rel(getattr(module, pname).grad.numpy(), ref.grad) < F64, f"{name} d{pname}"
+        for iname, ref in ref_inputs.items():
+            assert _rel(inputs[iname].grad.numpy(), ref.grad) < F64, f"{name} d{iname}"
+        for bname, ref in ref_buffers.items():
+            assert _rel(getattr(module, bname).numpy(), ref) < F64, f"{name} {bname}"
