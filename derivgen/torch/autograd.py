@@ -5,7 +5,8 @@
 * the ``bb`` and ``jvp`` operators' are the generated PyTorch closed form differentiated
   by torch.func (third order; reverse over forward);
 * eager calls on CPU tensors skip the dispatcher (:class:`_Eager`), and calls under
-  torch.func transforms go through :class:`_Functional`: :func:`call_forward` picks.
+  torch.func transforms run the generated PyTorch forward (:mod:`derivgen.torch.generic`):
+  :func:`call_forward` picks.
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ from typing import Any
 import torch
 import torch.autograd.forward_ad as _fwad
 
+from derivgen.torch import generic
 from derivgen.torch.protocol import Layer
-from derivgen.torch.schema import OpArg, differentiable
+from derivgen.torch.schema import OpArg, by_spec_name, differentiable
 from derivgen.torch.tensors import as_tuple, check_tensor
 
 
@@ -113,8 +115,8 @@ class _Eager(torch.autograd.Function):
     """Eager calls on CPU tensors skip the dispatcher: a validated plan's kernels under a
     plain autograd.Function (the dispatcher's Python autograd wrapper costs more than
     the 8x1024 layer norm kernels themselves). The same kernels, the same numbers;
-    torch.compile, torch.func transforms and non-CPU tensors go through the registered
-    operators. The statistics are one (statistics, groups) tensor, kept on the context
+    torch.compile and non-CPU tensors go through the registered operators, torch.func
+    transforms through the generated PyTorch forward. The statistics are one (statistics, groups) tensor, kept on the context
     (not an output: autograd has nothing to track for them) and handed to the caller
     through ``box``. The backward reuses the forward's plan: autograd hands it a
     gradient of y's shape and dtype, and the saved tensors are the validated ones
@@ -156,47 +158,9 @@ class _Eager(torch.autograd.Function):
         return (None, None, None, *grads, *([None] * (len(tens) - len(grads))))
 
 
-class _Functional(torch.autograd.Function):
-    """The operators under torch.func transforms (``torch.func.jvp``, ``vjp``, ``grad``...):
-    the backward operator for reverse mode (its own autograd is the derived double
-    backward) and the JVP operator for forward mode, both from derivgen.derive.second."""
-
-    @staticmethod
-    def forward(lay: Layer, mode, opts, groups, *tens):
-        """The forward operator (y and the statistics)."""
-        return as_tuple(lay.modes[mode].forward(*tens, *opts, groups))
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        """Save the inputs and statistics; the statistics are not differentiable."""
-        lay, mode, opts, groups, *tens = inputs
-        ctx.lay, ctx.mode, ctx.opts, ctx.groups, ctx.ntens = lay, mode, opts, groups, len(tens)
-        ctx.save_for_backward(*tens, *output[1:])
-        ctx.save_for_forward(*tens, *output[1:])
-        ctx.mark_non_differentiable(*output[1:])
-
-    @staticmethod
-    def backward(ctx, dy, *dstats):
-        """Reverse mode through the backward operator (whose autograd is the double backward)."""
-        lay, saved = ctx.lay, ctx.saved_tensors
-        tens, st = saved[: ctx.ntens], saved[ctx.ntens :]
-        grads = as_tuple(lay.modes[ctx.mode].backward(dy.contiguous(), *tens, *st, *ctx.opts, ctx.groups))
-        return (None, None, None, None, *grads, *([None] * (ctx.ntens - len(grads))))
-
-    @staticmethod
-    def jvp(ctx, _lay, _mode, _opts, _groups, *tangents):
-        """Forward mode through the JVP operator."""
-        lay, saved = ctx.lay, ctx.saved_tensors
-        tens, st = saved[: ctx.ntens], saved[ctx.ntens :]
-        n = 1 + len(lay.params) + len(lay.inputs)
-        t = [torch.zeros_like(v) if d is None else d for d, v in zip(tangents[:n], tens)]
-        ty = lay.modes[ctx.mode].jvp(*tens, *st, *t, *ctx.opts, ctx.groups)
-        return (ty, *(None for _ in st))
-
-
 # _Eager.apply without torch.autograd.Function.apply's Python wrapper (default-argument
 # binding and the functorch branch), which is not needed here: only reached with no
-# functorch transform active, and _Eager has no setup_context
+# functorch transform active (call_forward sends those to the generated PyTorch forward)
 _eager_apply = torch._C._FunctionBase.__dict__["apply"].__get__(None, _Eager)
 
 
@@ -204,18 +168,19 @@ def call_forward(
     lay: Layer, mode: str, tens: list, opts: tuple, groups: int, stats: bool = True
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor] | None]:
     """(y, {statistic: tensor}) of a forward call in operator order ((y, None) with
-    ``stats=False`` on the eager path): under torch.func transforms an autograd.Function
-    over the operators; eager CPU calls a plan's kernels (under :class:`_Eager` when
-    autograd or forward AD needs it); anything else (torch.compile, other devices) the
-    registered operators."""
+    ``stats=False`` on the eager path): under torch.func transforms the generated PyTorch
+    forward (:mod:`derivgen.torch.generic`: every transform differentiates and batches
+    it); eager CPU calls a plan's kernels (under :class:`_Eager` when autograd or forward
+    AD needs it), or within :func:`derivgen.torch.portable` the device-agnostic path;
+    anything else (torch.compile, other devices) the registered operators."""
     x = tens[0]
     names = lay.meta["stats"][mode]
+    if torch._C._are_functorch_transforms_active():
+        y, st = generic.forward_values(lay, mode, by_spec_name(lay.schemas[mode].forward, [*tens, *opts, groups]))
+        return y, dict(zip(names, st))
     if isinstance(x, torch.Tensor) and x.is_cpu and not torch.compiler.is_compiling():
-        if torch._C._are_functorch_transforms_active():
-            # torch.func (jvp, vjp, grad, ...): vmap, and so jacfwd/jacrev/hessian, is not
-            # supported: the registered operators have no batching rule
-            lay.plans.forward(mode, tens, opts, groups)
-            out = _Functional.apply(lay, mode, opts, groups, *tens)
+        if generic.forced():
+            out = generic.Portable.apply(lay, mode, opts, groups, *tens)
             return out[0], dict(zip(names, out[1:]))
         plan = lay.plans.forward(mode, tens, opts, groups)
         # a list, not a generator: faster for a few tensors on this per-call path
@@ -227,6 +192,6 @@ def call_forward(
             y, st = plan.forward(tens, opts, blob=True)
         return y, (dict(zip(names, st.unbind(0))) if stats else None)
     for k, t in zip(differentiable(lay.meta), tens):
-        check_tensor(lay.meta["name"], k, t)  # a CUDA tensor: an error naming it, not a dispatch failure
+        check_tensor(lay.meta["name"], k, t, any_device=True)  # a wrong dtype: an error naming it
     out = as_tuple(lay.modes[mode].forward(*tens, *opts, groups))
     return out[0], dict(zip(names, out[1:]))

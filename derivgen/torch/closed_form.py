@@ -94,7 +94,10 @@ def update_buffers(
 ) -> None:
     """Apply the spec's running-buffer updates in place (no autograd). Statistics are
     per-group float64 tensors shaped like the buffers, or with extra leading
-    ``reduce_dims`` to average over (instance norm's per-sample statistics)."""
+    ``reduce_dims`` to average over (instance norm's per-sample statistics). An empty
+    batch (``group_size`` 0, or a 0 in ``reduce_dims``) leaves them as they are, as torch.nn does."""
+    if group_size == 0 or 0 in reduce_dims:
+        return
     with torch.no_grad():
         shape = next(iter(buffers.values())).shape
         vals = {s: t.reshape(*reduce_dims, *shape) for s, t in stats.items()}

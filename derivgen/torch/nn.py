@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from derivgen.runtime.validate import check_float
 from derivgen.spec.model import Spec
 from derivgen.torch import sync
 from derivgen.torch.ops import layer
@@ -122,8 +123,6 @@ class _BatchNormMixin(_Twin):
                     n,
                 )
             return y
-        if input.numel() == 0:  # an empty batch normalizes to an empty output, as in torch.nn
-            return torch.empty_like(input)
         y, _ = lay.forward(
             input,
             params,
@@ -337,7 +336,11 @@ class Module(nn.Module):
             v = options.get(o, default)
             if v is None:
                 raise TypeError(f"{self.layer_name}: option {o} is required (it has no default)")
-            setattr(self, o, float(v))
+            try:  # at construction, as torch.nn checks its arguments: not at the first call
+                v = check_float(o, v, lo, hi)
+            except (TypeError, ValueError) as e:
+                raise type(e)(f"{self.layer_name}: option {e}") from None
+            setattr(self, o, v)
         if meta["reduce"] == "group" and (not isinstance(num_groups, int) or num_groups <= 0):
             raise TypeError(f"{self.layer_name}: num_groups must be a positive int, got {num_groups!r}")
         self.num_groups = num_groups or 0
