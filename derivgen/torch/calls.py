@@ -158,7 +158,9 @@ def _backward_of(meta: dict, functions: dict[str, Callable], cache: Cache) -> Ca
     def f(dy, *vals):
         a = {**a0, **dict(zip(diff, vals))}
         x = a["x"]
-        dx, dp, di = functions[mode](_compute(dy).reshape(L.view4), _compute(x).reshape(L.view4), **_views(meta, a, L, mode))
+        dx, dp, di = functions[mode](
+            _compute(dy).reshape(L.view4), _compute(x).reshape(L.view4), **_views(meta, a, L, mode)
+        )
         res = [dx.reshape(x.shape).to(x.dtype)]
         res += [dp[p].reshape(a[p].shape).to(x.dtype) for p in meta["params"]]
         for i in meta["inputs"]:
