@@ -14,6 +14,7 @@ twin, keeping parameters, buffers, device, dtype and training mode.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -235,7 +236,7 @@ class _InstanceNormMixin(_Twin):
         if self.training or not self.track_running_stats:
             y, stats = self._dg["instancenorm"].forward(input, params, {}, {"eps": self.eps})
             if self.training and self.running_mean is not None:
-                S = input.numel() // (input.shape[0] * c)
+                S = math.prod(input.shape[2:])
                 self._dg["batchnorm"].update_buffers(
                     {k: stats[k] for k in ("mean", "var", "rstd")},
                     {"running_mean": self.running_mean, "running_var": self.running_var},
