@@ -22,6 +22,7 @@ except ImportError as e:  # pragma: no cover - exercised by a subprocess test
         "pip install 'derivgen[torch]' (torch==2.13.0, the CPU wheel)"
     ) from e
 
+from derivgen.torch.generic import portable
 from derivgen.torch.nn import (
     BatchNorm1d,
     BatchNorm2d,
@@ -38,7 +39,6 @@ from derivgen.torch.nn import (
     convert,
     function,
 )
-from derivgen.torch.generic import portable
 from derivgen.torch.ops import layer
 
 __all__ = [

@@ -143,8 +143,8 @@ def test_empty_in_numpy_and_c_modules(backend):
                 assert y.shape == shape and g.dx.shape == shape and s.dx.shape == shape and t.shape == shape
                 for f in g._fields[1:]:
                     assert not np.any(getattr(g, f)), (name, shape, f)
-                for b in bufs:
-                    assert np.array_equal(bufs[b], before[b]), (name, shape, b)
+                for b, v in bufs.items():
+                    assert np.array_equal(v, before[b]), (name, shape, b)
 
 
 def test_module_options_checked_at_construction():
