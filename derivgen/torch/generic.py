@@ -18,7 +18,6 @@ output is cast back to the input's dtype.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -32,25 +31,26 @@ from derivgen.torch.validate import check_on_tensors
 
 LOW = (torch.float16, torch.bfloat16)
 
-_STATE = threading.local()
+ON = False  # within portable(): read on every eager call, so a plain module global
 
 
 @contextmanager
 def portable(enabled: bool = True) -> Iterator[None]:
-    """Within the block (this thread), derivgen.torch's layers run the device-agnostic
-    path on CPU tensors too: the generated PyTorch closed forms instead of the C kernels
-    (the path every device without compiled kernels takes)."""
-    old = getattr(_STATE, "on", False)
-    _STATE.on = bool(enabled)
+    """Within the block, derivgen.torch's layers run the device-agnostic path on CPU
+    tensors too: the generated PyTorch closed forms instead of the C kernels (the path
+    every device without compiled kernels takes). The setting is the process's (every
+    thread's), restored on leaving the block."""
+    global ON
+    old, ON = ON, bool(enabled)
     try:
         yield
     finally:
-        _STATE.on = old
+        ON = old
 
 
 def forced() -> bool:
-    """Whether :func:`portable` is in effect in this thread."""
-    return getattr(_STATE, "on", False)
+    """Whether :func:`portable` is in effect."""
+    return ON
 
 
 def _upcast(a: dict) -> dict:

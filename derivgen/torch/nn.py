@@ -53,6 +53,15 @@ def _param(p, like, shape, fill):
     return like.new_full(tuple(shape), fill)
 
 
+def _own(m: nn.Module, name: str):
+    """``m.<name>``: from the module's parameter dict without Module.__getattr__ (the
+    per-call path), else by attribute (a parametrized weight lives elsewhere)."""
+    try:
+        return m._parameters[name]
+    except KeyError:
+        return getattr(m, name)
+
+
 class _Twin:
     """Binds the derivgen layers a twin uses when it is made (by its constructor or by
     :func:`convert`), so that the forward is plain attribute access: nothing for
@@ -75,7 +84,7 @@ class LayerNorm(_Twin, nn.LayerNorm):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         """y = (x - mean) * rstd * weight + bias over the trailing ``normalized_shape`` axes."""
-        w, b = self.weight, self.bias
+        w, b = _own(self, "weight"), _own(self, "bias")
         if w is None or b is None:
             shape = self.normalized_shape
             w, b = _param(w, input, shape, 1.0), _param(b, input, shape, 0.0)
@@ -91,8 +100,9 @@ class RMSNorm(_Twin, nn.RMSNorm):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """y = x / sqrt(mean(x**2) + eps) * weight over the trailing ``normalized_shape`` axes."""
         eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
+        w = _own(self, "weight")
         return self._dg["rmsnorm"].call(
-            "train", [x, _param(self.weight, x, self.normalized_shape, 1.0)], (float(eps),), 0, stats=False
+            "train", [x, _param(w, x, self.normalized_shape, 1.0)], (float(eps),), 0, stats=False
         )[0]
 
 

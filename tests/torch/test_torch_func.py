@@ -170,3 +170,20 @@ def test_per_sample_gradients_equal_torch_nn():
     ((ref(x) - target) ** 2).sum().backward()
     for k, p in ref.named_parameters():
         torch.testing.assert_close(got[k].sum(0), p.grad, **TOL)
+
+
+def test_parametrized_weight_is_used():
+    """The per-call path reads parameters from the module's own dict; a parametrized weight
+    (torch.nn.utils.parametrize) lives elsewhere and must still be the one used."""
+    from torch.nn.utils import parametrize
+
+    class Double(nn.Module):
+        def forward(self, w):
+            return 2 * w + 1
+
+    x = torch.randn(3, 4, dtype=torch.float64)
+    for ours, ref in ((dt.LayerNorm(4), nn.LayerNorm(4)), (dt.RMSNorm(4), nn.RMSNorm(4))):
+        ours, ref = ours.double(), ref.double()
+        parametrize.register_parametrization(ours, "weight", Double())
+        parametrize.register_parametrization(ref, "weight", Double())
+        torch.testing.assert_close(ours(x), ref(x), **TOL)
