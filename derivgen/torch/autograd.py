@@ -234,7 +234,7 @@ def call_forward(
         y, st = generic.forward_values(lay, mode, by_spec_name(lay.schemas[mode].forward, [*tens, *opts, groups]))
         return y, dict(zip(names, st))
     if isinstance(x, torch.Tensor) and x.is_cpu and not torch.compiler.is_compiling():
-        if generic.ON:
+        if generic.ON or x.dtype == torch.float16:  # float16: no C kernels, the closed forms
             out = generic.Portable.apply(lay, mode, opts, groups, *tens)
             return out[0], dict(zip(names, out[1:]))
         plan = lay.plans.forward(mode, tens, opts, groups)

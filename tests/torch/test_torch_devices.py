@@ -233,3 +233,23 @@ def test_cuda_when_expected():
     yb.sum().backward()
     for (k, p), (_, q) in zip(ours.named_parameters(), ref.named_parameters()):
         torch.testing.assert_close(p.grad, q.grad, atol=1e-3, rtol=1e-3, msg=k)
+
+
+def test_float16_on_cpu_runs_the_closed_forms():
+    """float16 has no C kernels: CPU tensors take the device-agnostic path (computed in
+    float32, returned in float16), close to torch.nn's float16 results."""
+    torch.manual_seed(8)
+    for ref, shape in ((nn.LayerNorm(16), (4, 16)), (nn.BatchNorm2d(3), (4, 3, 2, 2)), (nn.GroupNorm(2, 4), (2, 4, 3))):
+        ref = ref.half()
+        ours = dt.convert(copy.deepcopy(ref))
+        x = torch.randn(shape, dtype=torch.float16)
+        x1, x2 = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+        y1, y2 = ours(x1), ref(x2)
+        assert y1.dtype == torch.float16
+        torch.testing.assert_close(y1, y2, atol=2e-3, rtol=2e-3)
+        y1.float().pow(2).sum().backward()
+        y2.float().pow(2).sum().backward()
+        torch.testing.assert_close(x1.grad, x2.grad, atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(ours.weight.grad, ref.weight.grad, atol=5e-2, rtol=2e-2)
+        for b1, b2 in zip(ours.buffers(), ref.buffers()):
+            torch.testing.assert_close(b1, b2, atol=2e-3, rtol=2e-3)
