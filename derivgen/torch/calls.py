@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from derivgen import runtime as rt
-from derivgen.torch.tensors import channels_last_format, is_channels_last
+from derivgen.torch.tensors import channels_last_format, is_channels_last, wide
 from derivgen.torch.validate import check_on_tensors
 
 LOW = (torch.float16, torch.bfloat16)
@@ -82,11 +82,6 @@ def _store(out: torch.Tensor | None, v: torch.Tensor, what: str) -> torch.Tensor
     return out.copy_(v)
 
 
-def _stat_dtype(x: torch.Tensor) -> torch.dtype:
-    """float64 statistics where the device has float64 (MPS does not)."""
-    return torch.float32 if x.device.type == "mps" else torch.float64
-
-
 def forward(
     meta: dict,
     functions: dict[str, Callable],
@@ -122,7 +117,7 @@ def forward(
     y = y4.reshape(x.shape).to(x.dtype)
     if meta["layout"] == "channels" and is_channels_last(x):
         y = y.contiguous(memory_format=channels_last_format(x))
-    sd = _stat_dtype(x)
+    sd = wide(x.device)
     stats = {s: st[s].reshape(L.n_groups).to(sd) for s in meta["stats"][mode]}
     if mode == "train" and update is not None and x.numel():
         bufs = {b: buffers.get(b) for b in meta["buffers"]}

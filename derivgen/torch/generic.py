@@ -26,7 +26,7 @@ import torch
 from derivgen.torch import closed_form
 from derivgen.torch.protocol import Layer
 from derivgen.torch.schema import by_spec_name, differentiable
-from derivgen.torch.tensors import channels_last_format, is_channels_last
+from derivgen.torch.tensors import channels_last_format, is_channels_last, wide
 from derivgen.torch.validate import check_on_tensors
 
 LOW = (torch.float16, torch.bfloat16)
@@ -74,12 +74,13 @@ def forward_values(lay: Layer, mode: str, a: dict) -> tuple[torch.Tensor, list[t
 
 
 def forward_impl(lay: Layer, mode: str):
-    """The forward operator's device-agnostic kernel: (y, float64 statistics...)."""
+    """The forward operator's device-agnostic kernel: (y, statistics...), the statistics
+    float64 (float32 on MPS, which has no float64)."""
     fargs = lay.schemas[mode].forward
 
     def impl(*args):
         y, st = forward_values(lay, mode, by_spec_name(fargs, args))
-        return (y, *(s.to(torch.float64) for s in st)) if st else y
+        return (y, *(s.to(wide(y.device)) for s in st)) if st else y
 
     return impl
 

@@ -26,6 +26,7 @@ from derivgen.runtime.validate import check_float
 from derivgen.spec.model import Spec
 from derivgen.torch import sync
 from derivgen.torch.ops import layer
+from derivgen.torch.tensors import wide
 
 __all__ = [
     "BatchNorm1d",
@@ -119,7 +120,7 @@ class _BatchNormMixin(_Twin):
         if self.training and self.track_running_stats and self.num_batches_tracked is not None:
             self.num_batches_tracked.add_(1)
             if self.momentum is None:  # cumulative moving average, as a tensor (no graph break)
-                momentum = self.num_batches_tracked.to(torch.float64).reciprocal()
+                momentum = self.num_batches_tracked.to(wide(input.device)).reciprocal()
         use_batch = self.training or (self.running_mean is None and self.running_var is None)
         c = input.shape[1]
         params = {"gamma": _param(self.weight, input, (c,), 1.0), "beta": _param(self.bias, input, (c,), 0.0)}

@@ -35,6 +35,12 @@ def check_tensor(name: str, what: str, t: Any, any_device: bool = False) -> None
         raise TypeError(f"{name}: {what} has dtype {t.dtype}; derivgen.torch supports float32, float64 and bfloat16")
 
 
+def wide(device: torch.device) -> torch.dtype:
+    """The dtype of statistics and buffer updates on a device: float64, or float32 where the
+    device has no float64 (MPS)."""
+    return torch.float32 if device.type == "mps" else torch.float64
+
+
 def layout(meta: dict, x_shape: Sequence[int], param_shapes: dict, groups: int) -> rt.Layout:
     """The runtime's 4-D view of x, from shapes (``groups`` 0 for layers without groups)."""
     return rt.layout_from_shapes(meta, x_shape, param_shapes, groups if meta["reduce"] == "group" else None)
