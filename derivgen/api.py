@@ -148,7 +148,8 @@ _LOADED: dict[tuple, ModuleType] = {}  # (backend, digest, cflags) and (spec, ba
 
 def load(name_or_spec: str | Path | Spec, backend: str = "numpy", *, cflags: list[str] | None = None) -> ModuleType:
     """Import a layer's generated module: ``forward``/``backward`` over NumPy or C
-    (or, ``backend="torch"``, the closed forms as PyTorch operations; see derivgen.torch).
+    (or, ``backend="torch"``, the same functions on torch tensors on any device, as the
+    closed forms in PyTorch operations; see docs/devices.md).
 
     The code is generated from the spec into the derivgen cache directory (so
     it works from an installed package too) and imported from there; the C

@@ -167,8 +167,8 @@ __all__ = [
 
 
 def resolve_layout(meta: dict, x: np.ndarray, params: dict[str, np.ndarray], num_groups: int | None) -> Layout:
-    """The layout of a non-empty x (errors name the argument)."""
-    check_not_empty(meta, x.shape)
+    """The layout of x (errors name the argument); an empty x has one too (no groups,
+    or groups of no values), as torch.nn accepts empty batches."""
     return layout_from_shapes(meta, x.shape, {p: a.shape for p, a in params.items()}, num_groups)
 
 
@@ -243,10 +243,14 @@ def prepare_forward(
     if not isinstance(training, (bool, np.bool_)):
         raise TypeError(f"{name}: training must be a bool, got {type(training).__name__}")
     mode = "train" if training or "eval" not in meta["modes"] else "eval"
-    check_group_size(meta, mode, layout)
+    empty = x.size == 0
+    if not empty:  # an empty x normalizes to an empty y, as in torch.nn
+        check_group_size(meta, mode, layout)
     opts = check_options(meta, options)
     ins = _inputs(meta, inputs, layout, dtype)
     bufs = _buffers(meta, buffers, layout, dtype, mode)
+    if empty and mode == "train":  # no values: the running buffers stay as they are (as torch.nn leaves them)
+        bufs = dict.fromkeys(bufs)
     out = check_out("out", out, x.shape, dtype)
     _no_overlap(name, {"out": out}, {"x": x, **params, **{k: v for k, v in bufs.items() if v is not None}})
     return ForwardCall(

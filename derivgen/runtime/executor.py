@@ -115,7 +115,10 @@ def for_chunks(layout: Layout, body: Callable[[tuple, tuple, _Scratch], Any]) ->
     a buffer the thread reuses. Returns ``[(s, sp, result), ...]`` in chunk order."""
     todo = list(chunks(layout))
     results = [None] * len(todo)
-    state = (_ufunc_bufsize(layout, np.getbufsize()), np.geterr(), np.geterrcall())
+    err = np.geterr()
+    if layout.group_size == 0:  # an empty x's groups of no values: 0/0 statistics that nothing reads
+        err = {**err, "divide": "ignore", "invalid": "ignore"}
+    state = (_ufunc_bufsize(layout, np.getbufsize()), err, np.geterrcall())
     nth = min(num_threads(), len(todo))
     lock = _threading.Lock()
     nxt = iter(range(len(todo)))

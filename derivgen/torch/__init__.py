@@ -5,6 +5,10 @@
     norm = dt.LayerNorm(1024)                 # the torch.nn.LayerNorm constructor
     mine = dt.Module("my_norm.toml", 256)     # any spec, as a module
 
+On the CPU the layers run derivgen's compiled C kernels; on any other device (CUDA,
+MPS, XPU), under torch.func transforms, and within ``with dt.portable():``, the
+generated PyTorch closed forms (:mod:`derivgen.torch.generic`).
+
 torch is an optional dependency (``pip install 'derivgen[torch]'``, which pins
 the CPU wheel). See :mod:`derivgen.torch.ops` for the operators and
 :mod:`derivgen.torch.nn` for the modules.
@@ -18,6 +22,7 @@ except ImportError as e:  # pragma: no cover - exercised by a subprocess test
         "pip install 'derivgen[torch]' (torch==2.13.0, the CPU wheel)"
     ) from e
 
+from derivgen.torch.generic import portable
 from derivgen.torch.nn import (
     BatchNorm1d,
     BatchNorm2d,
@@ -52,4 +57,5 @@ __all__ = [
     "convert",
     "function",
     "layer",
+    "portable",
 ]

@@ -4,8 +4,10 @@
 * the backward operator's own is the derived double backward (the ``bb`` operator);
 * the ``bb`` and ``jvp`` operators' are the generated PyTorch closed form differentiated
   by torch.func (third order; reverse over forward);
-* eager calls on CPU tensors skip the dispatcher (:class:`_Eager`), and calls under
-  torch.func transforms go through :class:`_Functional`: :func:`call_forward` picks.
+* eager calls on CPU tensors skip the dispatcher (:class:`_Eager`); calls under a single
+  torch.func jvp level go through :class:`_Functional` (the operators), and under
+  grad, vjp, vmap or nested transforms run the generated PyTorch forward
+  (:mod:`derivgen.torch.generic`): :func:`call_forward` picks.
 """
 
 from __future__ import annotations
@@ -14,9 +16,12 @@ from typing import Any
 
 import torch
 import torch.autograd.forward_ad as _fwad
+from torch._C._functorch import TransformType
+from torch._functorch.pyfunctorch import retrieve_all_functorch_interpreters
 
+from derivgen.torch import generic
 from derivgen.torch.protocol import Layer
-from derivgen.torch.schema import OpArg, differentiable
+from derivgen.torch.schema import OpArg, by_spec_name, differentiable
 from derivgen.torch.tensors import as_tuple, check_tensor
 
 
@@ -113,8 +118,8 @@ class _Eager(torch.autograd.Function):
     """Eager calls on CPU tensors skip the dispatcher: a validated plan's kernels under a
     plain autograd.Function (the dispatcher's Python autograd wrapper costs more than
     the 8x1024 layer norm kernels themselves). The same kernels, the same numbers;
-    torch.compile, torch.func transforms and non-CPU tensors go through the registered
-    operators. The statistics are one (statistics, groups) tensor, kept on the context
+    torch.compile, non-CPU tensors and a single torch.func jvp level go through the
+    registered operators, other torch.func transforms through the generated PyTorch forward. The statistics are one (statistics, groups) tensor, kept on the context
     (not an output: autograd has nothing to track for them) and handed to the caller
     through ``box``. The backward reuses the forward's plan: autograd hands it a
     gradient of y's shape and dtype, and the saved tensors are the validated ones
@@ -157,9 +162,10 @@ class _Eager(torch.autograd.Function):
 
 
 class _Functional(torch.autograd.Function):
-    """The operators under torch.func transforms (``torch.func.jvp``, ``vjp``, ``grad``...):
-    the backward operator for reverse mode (its own autograd is the derived double
-    backward) and the JVP operator for forward mode, both from derivgen.derive.second."""
+    """The operators under a single ``torch.func.jvp`` level: the JVP operator (the derived
+    JVP kernel, derivgen.derive.second) for forward mode, and the backward operator for
+    reverse mode outside it. torch.func runs the forward on the unwrapped tensors, so the
+    operators' CPU kernels validate and compute as in eager mode."""
 
     @staticmethod
     def forward(lay: Layer, mode, opts, groups, *tens):
@@ -177,7 +183,7 @@ class _Functional(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy, *dstats):
-        """Reverse mode through the backward operator (whose autograd is the double backward)."""
+        """Reverse mode through the backward operator (autograd outside the jvp level)."""
         lay, saved = ctx.lay, ctx.saved_tensors
         tens, st = saved[: ctx.ntens], saved[ctx.ntens :]
         grads = as_tuple(lay.modes[ctx.mode].backward(dy.contiguous(), *tens, *st, *ctx.opts, ctx.groups))
@@ -194,9 +200,18 @@ class _Functional(torch.autograd.Function):
         return (ty, *(None for _ in st))
 
 
+def _one_jvp_level() -> bool:
+    """Whether the active torch.func transforms are a single ``jvp`` level: the operators
+    (the derived JVP kernel) take it. grad/vjp levels cannot (the operators' registered
+    autograd has no setup_context, which torch.func requires), nor can vmap (no batching
+    rule): those, and nested levels, take the generated PyTorch forward."""
+    levels = retrieve_all_functorch_interpreters()
+    return len(levels) == 1 and levels[0].key() == TransformType.Jvp
+
+
 # _Eager.apply without torch.autograd.Function.apply's Python wrapper (default-argument
 # binding and the functorch branch), which is not needed here: only reached with no
-# functorch transform active, and _Eager has no setup_context
+# functorch transform active (call_forward sends those to the generated PyTorch forward)
 _eager_apply = torch._C._FunctionBase.__dict__["apply"].__get__(None, _Eager)
 
 
@@ -204,18 +219,23 @@ def call_forward(
     lay: Layer, mode: str, tens: list, opts: tuple, groups: int, stats: bool = True
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor] | None]:
     """(y, {statistic: tensor}) of a forward call in operator order ((y, None) with
-    ``stats=False`` on the eager path): under torch.func transforms an autograd.Function
-    over the operators; eager CPU calls a plan's kernels (under :class:`_Eager` when
-    autograd or forward AD needs it); anything else (torch.compile, other devices) the
-    registered operators."""
+    ``stats=False`` on the eager path): under a single torch.func ``jvp`` level the
+    operators (:class:`_Functional`), under any other torch.func transforms (grad, vjp,
+    vmap, nested levels) the generated PyTorch forward (:mod:`derivgen.torch.generic`: every
+    transform differentiates and batches it); eager CPU calls a plan's kernels (under :class:`_Eager` when autograd or forward
+    AD needs it), or within :func:`derivgen.torch.portable` the device-agnostic path;
+    anything else (torch.compile, other devices) the registered operators."""
     x = tens[0]
     names = lay.meta["stats"][mode]
-    if isinstance(x, torch.Tensor) and x.is_cpu and not torch.compiler.is_compiling():
-        if torch._C._are_functorch_transforms_active():
-            # torch.func (jvp, vjp, grad, ...): vmap, and so jacfwd/jacrev/hessian, is not
-            # supported: the registered operators have no batching rule
-            lay.plans.forward(mode, tens, opts, groups)
+    if torch._C._are_functorch_transforms_active():
+        if x.is_cpu and not generic.ON and not torch.compiler.is_compiling() and _one_jvp_level():
             out = _Functional.apply(lay, mode, opts, groups, *tens)
+            return out[0], dict(zip(names, out[1:]))
+        y, st = generic.forward_values(lay, mode, by_spec_name(lay.schemas[mode].forward, [*tens, *opts, groups]))
+        return y, dict(zip(names, st))
+    if isinstance(x, torch.Tensor) and x.is_cpu and not torch.compiler.is_compiling():
+        if generic.ON or x.dtype == torch.float16:  # float16: no C kernels, the closed forms
+            out = generic.Portable.apply(lay, mode, opts, groups, *tens)
             return out[0], dict(zip(names, out[1:]))
         plan = lay.plans.forward(mode, tens, opts, groups)
         # a list, not a generator: faster for a few tensors on this per-call path
@@ -227,6 +247,6 @@ def call_forward(
             y, st = plan.forward(tens, opts, blob=True)
         return y, (dict(zip(names, st.unbind(0))) if stats else None)
     for k, t in zip(differentiable(lay.meta), tens):
-        check_tensor(lay.meta["name"], k, t)  # a CUDA tensor: an error naming it, not a dispatch failure
+        check_tensor(lay.meta["name"], k, t, any_device=True)  # a wrong dtype: an error naming it
     out = as_tuple(lay.modes[mode].forward(*tens, *opts, groups))
     return out[0], dict(zip(names, out[1:]))

@@ -16,7 +16,7 @@ import torch
 from derivgen import runtime as rt
 from derivgen.torch.protocol import Layer
 from derivgen.torch.schema import differentiable
-from derivgen.torch.tensors import layout
+from derivgen.torch.tensors import layout, wide
 
 
 def views(lay: Layer, a: dict, L: rt.Layout, mode: str) -> dict:
@@ -94,12 +94,17 @@ def update_buffers(
 ) -> None:
     """Apply the spec's running-buffer updates in place (no autograd). Statistics are
     per-group float64 tensors shaped like the buffers, or with extra leading
-    ``reduce_dims`` to average over (instance norm's per-sample statistics)."""
+    ``reduce_dims`` to average over (instance norm's per-sample statistics). An empty
+    batch (``group_size`` 0, or a 0 in ``reduce_dims``) leaves them as they are, as torch.nn does."""
+    if group_size == 0 or 0 in reduce_dims:
+        return
     with torch.no_grad():
         shape = next(iter(buffers.values())).shape
         vals = {s: t.reshape(*reduce_dims, *shape) for s, t in stats.items()}
-        bufs64 = {b: v.to(torch.float64) for b, v in buffers.items()}
-        opts = {o: (v.to(torch.float64) if isinstance(v, torch.Tensor) else v) for o, v in options.items()}
+        dt = wide(next(iter(buffers.values())).device)  # float64 (float32 on MPS)
+        bufs64 = {b: v.to(dt) for b, v in buffers.items()}
+        vals = {s: t.to(dt) for s, t in vals.items()}
+        opts = {o: (v.to(dt) if isinstance(v, torch.Tensor) else v) for o, v in options.items()}
         new = lay.target.update_buffers(**vals, **bufs64, **opts, N=group_size)
         for b, v in new.items():
             if reduce_dims:

@@ -14,6 +14,7 @@ twin, keeping parameters, buffers, device, dtype and training mode.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -21,9 +22,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from derivgen.runtime.validate import check_float
 from derivgen.spec.model import Spec
 from derivgen.torch import sync
 from derivgen.torch.ops import layer
+from derivgen.torch.tensors import wide
 
 __all__ = [
     "BatchNorm1d",
@@ -51,6 +54,15 @@ def _param(p, like, shape, fill):
     return like.new_full(tuple(shape), fill)
 
 
+def _own(m: nn.Module, name: str):
+    """``m.<name>``: from the module's parameter dict without Module.__getattr__ (the
+    per-call path), else by attribute (a parametrized weight lives elsewhere)."""
+    try:
+        return m._parameters[name]
+    except KeyError:
+        return getattr(m, name)
+
+
 class _Twin:
     """Binds the derivgen layers a twin uses when it is made (by its constructor or by
     :func:`convert`), so that the forward is plain attribute access: nothing for
@@ -73,7 +85,7 @@ class LayerNorm(_Twin, nn.LayerNorm):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         """y = (x - mean) * rstd * weight + bias over the trailing ``normalized_shape`` axes."""
-        w, b = self.weight, self.bias
+        w, b = _own(self, "weight"), _own(self, "bias")
         if w is None or b is None:
             shape = self.normalized_shape
             w, b = _param(w, input, shape, 1.0), _param(b, input, shape, 0.0)
@@ -89,8 +101,9 @@ class RMSNorm(_Twin, nn.RMSNorm):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """y = x / sqrt(mean(x**2) + eps) * weight over the trailing ``normalized_shape`` axes."""
         eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
+        w = _own(self, "weight")
         return self._dg["rmsnorm"].call(
-            "train", [x, _param(self.weight, x, self.normalized_shape, 1.0)], (float(eps),), 0, stats=False
+            "train", [x, _param(w, x, self.normalized_shape, 1.0)], (float(eps),), 0, stats=False
         )[0]
 
 
@@ -107,7 +120,7 @@ class _BatchNormMixin(_Twin):
         if self.training and self.track_running_stats and self.num_batches_tracked is not None:
             self.num_batches_tracked.add_(1)
             if self.momentum is None:  # cumulative moving average, as a tensor (no graph break)
-                momentum = self.num_batches_tracked.to(torch.float64).reciprocal()
+                momentum = self.num_batches_tracked.to(wide(input.device)).reciprocal()
         use_batch = self.training or (self.running_mean is None and self.running_var is None)
         c = input.shape[1]
         params = {"gamma": _param(self.weight, input, (c,), 1.0), "beta": _param(self.bias, input, (c,), 0.0)}
@@ -122,8 +135,6 @@ class _BatchNormMixin(_Twin):
                     n,
                 )
             return y
-        if input.numel() == 0:  # an empty batch normalizes to an empty output, as in torch.nn
-            return torch.empty_like(input)
         y, _ = lay.forward(
             input,
             params,
@@ -236,7 +247,7 @@ class _InstanceNormMixin(_Twin):
         if self.training or not self.track_running_stats:
             y, stats = self._dg["instancenorm"].forward(input, params, {}, {"eps": self.eps})
             if self.training and self.running_mean is not None:
-                S = input.numel() // (input.shape[0] * c)
+                S = math.prod(input.shape[2:])
                 self._dg["batchnorm"].update_buffers(
                     {k: stats[k] for k in ("mean", "var", "rstd")},
                     {"running_mean": self.running_mean, "running_var": self.running_var},
@@ -337,7 +348,11 @@ class Module(nn.Module):
             v = options.get(o, default)
             if v is None:
                 raise TypeError(f"{self.layer_name}: option {o} is required (it has no default)")
-            setattr(self, o, float(v))
+            try:  # at construction, as torch.nn checks its arguments: not at the first call
+                v = check_float(o, v, lo, hi)
+            except (TypeError, ValueError) as e:
+                raise type(e)(f"{self.layer_name}: option {e}") from None
+            setattr(self, o, v)
         if meta["reduce"] == "group" and (not isinstance(num_groups, int) or num_groups <= 0):
             raise TypeError(f"{self.layer_name}: num_groups must be a positive int, got {num_groups!r}")
         self.num_groups = num_groups or 0

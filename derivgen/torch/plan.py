@@ -25,11 +25,20 @@ from derivgen.torch.schema import by_spec_name
 from derivgen.torch.tensors import SUFFIX, channels_last_format, is_channels_last, per_group_input_grad
 from derivgen.torch.validate import check_forward
 
+# x with fewer values runs on one thread: a fork and join of the kernel's threads costs more
+# than splitting a few microseconds of work saves (torch's at::internal::GRAIN_SIZE)
+SERIAL_BELOW = 32768
+
 
 def threads(kernel: CKernel) -> int:
     """The threads a kernel call uses: the layer's own setting (``set_num_threads`` of its
     C module), else torch's (``torch.set_num_threads``), so one setting governs both."""
     return kernel.threads or torch.get_num_threads()
+
+
+def plan_threads(plan: KernelPlan) -> int:
+    """The threads a plan's call uses: :func:`threads`, or one for a small x."""
+    return 1 if plan.serial else threads(plan.kernel)
 
 
 class KernelLibraries:
@@ -79,6 +88,7 @@ class KernelPlan:
         "nin",
         "npar",
         "null_bufs",
+        "serial",
         "simple",
         "stat_offsets",
         "stats_like",
@@ -104,6 +114,7 @@ class KernelPlan:
                 merged={"x_dy": ("x", "dy")},
             )
         self.dims, self.n_groups, self.nhwc = (L.O, L.G, L.Cg, L.S), L.n_groups, nhwc
+        self.serial = L.O * L.G * L.Cg * L.S < SERIAL_BELOW
         self.npar, self.nin = len(lay.params), len(lay.inputs)
         # a strided tensor (or a channels-last one where this layer has no such kernel) is copied
         self.copy = not all(t.is_contiguous() for t in (tens[1:] if nhwc else tens))
@@ -134,7 +145,7 @@ class KernelPlan:
                     self.null_bufs,
                     (y.data_ptr(),),
                     [p + o for o in self.stat_offsets],
-                    (threads(self.kernel),),
+                    (plan_threads(self),),
                 )
             )
             != 0
@@ -163,7 +174,7 @@ class KernelPlan:
                     stat_ptrs,
                     (dx.data_ptr(),),
                     [t.data_ptr() for t in dps],
-                    (threads(self.kernel),),
+                    (plan_threads(self),),
                 )
             )
             != 0
@@ -204,7 +215,7 @@ def _forward_general(plan: KernelPlan, tens: list[torch.Tensor], opts: tuple[flo
                     "buffers": ptrs[k + plan.nin :] or plan.null_bufs,
                     "y": (y.data_ptr(),),
                     "stats": sp,
-                    "nthreads": (threads(plan.kernel),),
+                    "nthreads": (plan_threads(plan),),
                 }
             )
         )
@@ -240,7 +251,7 @@ def _backward_general(
                     "dx": (dx.data_ptr(),),
                     "dparams": [t.data_ptr() for t in dps],
                     "dinputs": [t.data_ptr() for t in dis],
-                    "nthreads": (threads(plan.kernel),),
+                    "nthreads": (plan_threads(plan),),
                 }
             )
         )

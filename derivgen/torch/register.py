@@ -1,6 +1,8 @@
 """torch.library registration of a layer's ``derivgen::`` operators: their schemas
 (:mod:`derivgen.torch.schema`), CPU implementations (the plans of
-:mod:`derivgen.torch.plan`, the second order of :mod:`derivgen.torch.second_order`), fake
+:mod:`derivgen.torch.plan`, the second order of :mod:`derivgen.torch.second_order`),
+implementations for every other device (``CompositeExplicitAutograd``: the generated
+PyTorch closed forms, :mod:`derivgen.torch.generic`), fake
 (meta) kernels giving shapes and dtypes, so that ``torch.compile`` traces a model
 through the operators without graph breaks, and autograd (:mod:`derivgen.torch.autograd`).
 """
@@ -12,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from derivgen.torch import generic
 from derivgen.torch.autograd import register_first_order, register_second_order
 from derivgen.torch.plan import call_key
 from derivgen.torch.protocol import Layer
@@ -139,6 +142,15 @@ def register_mode(lay: Layer, mode: str) -> ModeOps:
     }
     for kind, impl in impls.items():
         LIBRARY.impl(names[kind], impl, "CPU")
+    # every other device: the generated PyTorch closed forms (derivgen.torch.generic)
+    portable = {
+        "forward": generic.forward_impl(lay, mode),
+        "backward": generic.backward_impl(lay, mode),
+        "bb": generic.second_impl(lay, mode, "bb"),
+        "jvp": generic.second_impl(lay, mode, "jvp"),
+    }
+    for kind, impl in portable.items():
+        LIBRARY.impl(names[kind], impl, "CompositeExplicitAutograd")
     ops = ModeOps(
         mode, *(getattr(torch.ops.derivgen, names[kind]).default for kind in ("forward", "backward", "bb", "jvp"))
     )

@@ -13,17 +13,32 @@ import torch
 from derivgen import runtime as rt
 
 DTYPES = (torch.float32, torch.float64, torch.bfloat16)
+GENERIC_DTYPES = (*DTYPES, torch.float16)  # the device-agnostic path's
 SUFFIX = {torch.float32: "f32", torch.float64: "f64", torch.bfloat16: "bf16"}  # the C kernels' names
 
 
-def check_tensor(name: str, what: str, t: Any) -> None:
-    """``t`` is a CPU (or meta) tensor of a supported dtype; else an error naming ``what``."""
+def check_tensor(name: str, what: str, t: Any, any_device: bool = False) -> None:
+    """``t`` is a tensor of a supported dtype: float32, float64 or bfloat16 on the CPU (the C
+    kernels) or the meta device; with ``any_device`` (the device-agnostic path) float16 too,
+    on any device. Else an error naming ``what``."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name}: {what} must be a torch.Tensor, got {type(t).__name__}")
+    if any_device:
+        if t.dtype not in GENERIC_DTYPES:
+            raise TypeError(
+                f"{name}: {what} has dtype {t.dtype}; derivgen.torch supports float16, bfloat16, float32 and float64"
+            )
+        return
     if t.device.type not in ("cpu", "meta"):
-        raise ValueError(f"{name}: {what} is on {t.device}; derivgen's kernels run on the CPU")
+        raise ValueError(f"{name}: {what} is on {t.device}; derivgen's C kernels run on the CPU")
     if t.dtype not in DTYPES:
         raise TypeError(f"{name}: {what} has dtype {t.dtype}; derivgen.torch supports float32, float64 and bfloat16")
+
+
+def wide(device: torch.device) -> torch.dtype:
+    """The dtype of statistics and buffer updates on a device: float64, or float32 where the
+    device has no float64 (MPS)."""
+    return torch.float32 if device.type == "mps" else torch.float64
 
 
 def layout(meta: dict, x_shape: Sequence[int], param_shapes: dict, groups: int) -> rt.Layout:

@@ -13,7 +13,6 @@ from derivgen.runtime.validate import (
     check_buffer_shape,
     check_group_size,
     check_input_shape,
-    check_not_empty,
     check_options,
     check_param_shapes,
     check_same_dtype,
@@ -26,16 +25,20 @@ def _tensor_names(meta: dict, mode: str) -> list[str]:
     return ["x", *meta["params"], *meta["inputs"], *(meta["buffers"] if mode == "eval" else ())]
 
 
-def check_on_tensors(meta: dict, mode: str, a: dict) -> rt.Layout:
-    """The forward's argument contract checked on tensors by spec name; their layout."""
+def check_on_tensors(meta: dict, mode: str, a: dict, any_device: bool = False) -> rt.Layout:
+    """The forward's argument contract checked on tensors by spec name (shapes and dtypes
+    only: it holds for tensors under torch.func transforms and on any device); their
+    layout. ``any_device``: the device-agnostic path's dtypes and devices (one device for all)."""
     x = a["x"]
     for k in _tensor_names(meta, mode):
-        check_tensor(meta["name"], k, a[k])
+        check_tensor(meta["name"], k, a[k], any_device)
         check_same_dtype(meta, k, a[k].dtype, x.dtype, "; use one dtype for all")
-    check_not_empty(meta, tuple(x.shape))
+        if any_device and a[k].device != x.device:
+            raise ValueError(f"{meta['name']}: {k} is on {a[k].device} but x is on {x.device}")
     L = layout(meta, tuple(x.shape), {p: tuple(a[p].shape) for p in meta["params"]}, a["num_groups"])
     check_param_shapes(meta, {p: a[p].shape for p in meta["params"]}, L)
-    check_group_size(meta, mode, L)
+    if x.numel():  # an empty x normalizes to an empty y, as in torch.nn
+        check_group_size(meta, mode, L)
     check_options(meta, {o: a[o] for o in meta["options"]})
     for i in meta["inputs"]:
         check_input_shape(meta, i, tuple(a[i].shape), L)

@@ -20,10 +20,12 @@ x of shape (N, C, *spatial); statistics per (sample, channel) over the spatial a
 
 mean(.) is the mean over one normalization group of N elements.
 The same closed forms as the NumPy and C targets, as PyTorch operations that
-autograd differentiates to any order. derivgen.torch runs the C kernels for
-the forward and the backward, and these functions when the backward itself is
-differentiated (``create_graph=True``, ``gradgradcheck``): the backward below
-computes the statistics from x again, so its derivatives include theirs.
+autograd differentiates to any order, on any device. ``forward``, ``backward``,
+``backward_backward`` and ``jvp`` take and return torch tensors with the NumPy and
+C modules' calling convention. derivgen.torch runs the C kernels on the CPU and
+these functions on every other device, under torch.func transforms, and when the
+backward itself is differentiated (``create_graph=True``, ``gradgradcheck``): the
+backward below computes the statistics from x again, so its derivatives include theirs.
 
 Every function takes 4-D views (O, G, Cg, S) of x and dy (see
 derivgen.runtime.Layout, passed as ``_L``), parameters as (1, G, Cg, 1)
@@ -33,7 +35,9 @@ derivgen.runtime.Layout, passed as ``_L``), parameters as (1, G, Cg, 1)
 
 import torch as _torch
 
+from derivgen import runtime as _rt
 from derivgen.torch import _target as _t
+from derivgen.torch import calls as _calls
 
 META = {'name': 'instancenorm',
         'layout': 'channels',
@@ -178,3 +182,57 @@ def backward_apply_train(dy, x, *, gamma, beta, eps, _L, _stats, _sums, N, _grou
 
 FORWARD = {'train': forward_train}
 BACKWARD = {'train': backward_train}
+Grads = _rt.grads_type('instancenorm', _rt.grad_fields(META))
+SecondGrads = _rt.grads_type('instancenorm_second', _rt.second_fields(META))
+
+
+# ---- the NumPy and C modules' calling convention on torch tensors, on any device
+# (derivgen.load(spec, backend="torch")); see derivgen.torch.calls.
+
+
+def forward(x, gamma, beta, *, eps=1e-05, out=None):
+    """Forward pass on torch tensors (any device; float16, bfloat16, float32, float64).
+    Returns ``(y, cache)``; pass ``cache`` to :func:`backward`. Recorded by autograd.
+
+    x, parameters and options as in the NumPy module's ``forward``.
+    """
+    return _calls.forward(
+        META, FORWARD, None, x,
+        {'gamma': gamma, 'beta': beta},
+        {'eps': eps},
+        {},
+        {},
+        training=True,
+        num_groups=None,
+        out=out,
+    )
+
+
+def backward(dy, cache, *, out=None):
+    """Backward pass by the closed form: ``Grads(dx, dgamma, dbeta)``.
+
+    out: optional preallocated tensors, a Grads-like tuple or a dict by field name.
+    """
+    return _calls.backward(META, BACKWARD, Grads, dy, cache, out)
+
+
+def backward_backward(dy, cache, ddx=None, ddparams=None, *, ddinputs=None, out=None):
+    """Double backward: the vector-Jacobian product of ``backward``, derived by derivgen.
+
+    With the cotangents ddx (of dx), ddparams (of the parameter gradients: a dict by
+    name or a sequence in order; missing ones are zero) and ddinputs (of the input
+    gradients), returns the gradients of
+    L2 = sum(ddx*dx) + sum(dd<p>*d<p>) + sum(dd<input>*d<input>) with respect to x, dy,
+    the parameters and the inputs: ``SecondGrads(dx, ddy, dgamma, dbeta)``.
+    out: optional preallocated arrays, a SecondGrads-like tuple or a dict by field name.
+    """
+    return _calls.backward_backward(META, BACKWARD, SecondGrads, dy, cache, ddx, ddparams, ddinputs, out)
+
+
+def jvp(cache, tx=None, tparams=None, *, tinputs=None, out=None):
+    """Forward-mode derivative (JVP) of ``forward``, derived by derivgen: the tangent of y
+    along the tangents tx (of x), tparams (of the parameters: a dict by name or a
+    sequence; missing ones are zero) and tinputs (of the inputs), at the point the
+    forward that returned ``cache`` was evaluated. out: an optional preallocated array.
+    """
+    return _calls.jvp(META, FORWARD, cache, tx, tparams, tinputs, out)

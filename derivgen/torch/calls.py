@@ -1,0 +1,274 @@
+"""The NumPy and C modules' calling convention on torch tensors: what the public
+functions of the generated PyTorch modules (``derivgen.load(spec, backend="torch")``)
+call. ``forward(x, params..., *, options..., out=None) -> (y, cache)``,
+``backward(dy, cache) -> Grads``, ``backward_backward(dy, cache, ddx, ddparams, ddinputs=)
+-> SecondGrads`` and ``jvp(cache, tx, tparams, tinputs=) -> ty``, on any device, with
+autograd recording them (so they can be differentiated further, and torch.compile can
+fuse them). float16 and bfloat16 inputs are computed in float32; results have x's dtype.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from derivgen import runtime as rt
+from derivgen.torch.tensors import channels_last_format, is_channels_last, wide
+from derivgen.torch.validate import check_on_tensors
+
+LOW = (torch.float16, torch.bfloat16)
+
+
+class Cache:
+    """What the forward keeps for the backward (the NumPy modules' ``Cache`` on tensors):
+    the mode, layout, x, parameters, options, per-group inputs and the statistics (one
+    float64 value per group, or float32 on a device without float64 support); as attributes
+    (``cache.mean``, ``cache.rstd``) the statistics in the layer's group shape and x's dtype."""
+
+    def __init__(self, meta, mode, layout, x, params, stats, options, inputs, num_groups) -> None:
+        self.meta, self.mode, self.layout = meta, mode, layout
+        self.x, self.params, self.stats = x, params, stats
+        self.options, self.inputs, self.num_groups = options, inputs, num_groups
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The forward's dtype (x's)."""
+        return self.x.dtype
+
+    def __getattr__(self, item: str) -> torch.Tensor:
+        stats = self.__dict__.get("stats", {})
+        if item in stats:
+            return stats[item].reshape(self.layout.group_shape).to(self.x.dtype)
+        raise AttributeError(item)
+
+    def __repr__(self) -> str:
+        return f"Cache({self.meta['name']}, {self.mode}, x {tuple(self.x.shape)} {self.x.dtype})"
+
+
+def _tensor(v: Any, x: torch.Tensor) -> torch.Tensor:
+    """A per-group input given as a number: a tensor of x's dtype on x's device."""
+    return v if isinstance(v, torch.Tensor) else torch.as_tensor(float(v), dtype=x.dtype, device=x.device)
+
+
+def _compute(v: Any) -> Any:
+    """A float16/bfloat16 tensor as float32 (the computation's dtype)."""
+    return v.float() if isinstance(v, torch.Tensor) and v.dtype in LOW else v
+
+
+def _views(meta: dict, a: dict, L: rt.Layout, mode: str) -> dict:
+    """Keyword arguments of the generated functions: 4-D views, in the computation's dtype."""
+    kw: dict = {"_L": L}
+    for p in meta["params"]:
+        kw[p] = _compute(a[p]).reshape((1, 1, 1, 1) if p in meta["scalar_params"] else L.param4)
+    for i in meta["inputs"]:
+        v = _compute(a[i])
+        kw[i] = v.reshape((1, 1, 1, 1) if v.numel() == 1 else L.stat4)
+    for b in meta["buffers"]:
+        v = a.get(b) if mode == "eval" else None
+        kw[b] = None if v is None else _compute(v).reshape(L.stat4)
+    for o in meta["options"]:
+        kw[o] = a[o]
+    return kw
+
+
+def _store(out: torch.Tensor | None, v: torch.Tensor, what: str) -> torch.Tensor:
+    """``v`` written into ``out`` when one is given (same shape and dtype), else ``v``."""
+    if out is None:
+        return v
+    if not isinstance(out, torch.Tensor) or out.shape != v.shape or out.dtype != v.dtype:
+        raise ValueError(f"{what} must be a tensor of shape {tuple(v.shape)} and dtype {v.dtype}")
+    return out.copy_(v)
+
+
+def forward(
+    meta: dict,
+    functions: dict[str, Callable],
+    update: Callable | None,
+    x: torch.Tensor,
+    params: dict,
+    options: dict,
+    inputs: dict,
+    buffers: dict,
+    training: bool = True,
+    num_groups: int | None = None,
+    out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, Cache]:
+    """``(y, cache)`` by the generated forward; running buffers given in training mode
+    are updated in place (not differentiated)."""
+    name = meta["name"]
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name}: x must be a torch.Tensor, got {type(x).__name__}")
+    if not isinstance(training, bool):
+        raise TypeError(f"{name}: training must be a bool, got {type(training).__name__}")
+    mode = "train" if training or "eval" not in meta["modes"] else "eval"
+    ins = {i: _tensor(v, x) for i, v in inputs.items()}
+    a = {"x": x, **params, **ins, **options, "num_groups": num_groups or 0}
+    if mode == "eval":
+        missing = [b for b in meta["buffers"] if buffers.get(b) is None]
+        if missing:
+            raise ValueError(f"{name}: eval mode (training=False) needs {missing[0]}")
+        a.update(buffers)
+    L = check_on_tensors(meta, mode, a, any_device=True)
+    opts = {o: float(options[o]) for o in meta["options"]}
+    a.update(opts)
+    y4, st = functions[mode](_compute(x).reshape(L.view4), **_views(meta, a, L, mode))
+    y = y4.reshape(x.shape).to(x.dtype)
+    if meta["layout"] == "channels" and is_channels_last(x):
+        y = y.contiguous(memory_format=channels_last_format(x))
+    sd = wide(x.device)
+    stats = {s: st[s].reshape(L.n_groups).to(sd) for s in meta["stats"][mode]}
+    if mode == "train" and update is not None and x.numel():
+        bufs = {b: buffers.get(b) for b in meta["buffers"]}
+        if any(v is not None for v in bufs.values()):
+            with torch.no_grad():
+                shape = L.group_shape
+                vals = {s: t.detach().reshape(shape) for s, t in stats.items()}
+                given = {b: (v.to(sd) if v is not None else torch.zeros(shape, dtype=sd)) for b, v in bufs.items()}
+                new = update(**vals, **given, **opts, N=L.group_size)
+                for b, v in new.items():
+                    if bufs[b] is not None:
+                        bufs[b].copy_(v.reshape(bufs[b].shape))
+    y = _store(out, y, "out")
+    cache = Cache(meta, mode, L, x, {p: params[p] for p in meta["params"]}, stats, opts, ins, num_groups)
+    if mode == "eval":
+        cache.buffers = {b: buffers[b] for b in meta["buffers"]}
+    return y, cache
+
+
+def _call_args(cache: Cache) -> dict:
+    """A cache's arguments by spec name."""
+    a = {"x": cache.x, **cache.params, **cache.inputs, **cache.options, "num_groups": cache.num_groups or 0}
+    if cache.mode == "eval":
+        a.update(cache.__dict__.get("buffers", {}))
+    return a
+
+
+def _backward_of(meta: dict, functions: dict[str, Callable], cache: Cache) -> Callable:
+    """(dy, x, params..., inputs...) -> (dx, dparams..., dinputs...) of the cache's call."""
+    a0, L, mode = _call_args(cache), cache.layout, cache.mode
+    diff = ["x", *meta["params"], *meta["inputs"]]
+
+    def f(dy, *vals):
+        a = {**a0, **dict(zip(diff, vals))}
+        x = a["x"]
+        dx, dp, di = functions[mode](
+            _compute(dy).reshape(L.view4), _compute(x).reshape(L.view4), **_views(meta, a, L, mode)
+        )
+        res = [dx.reshape(x.shape).to(x.dtype)]
+        res += [dp[p].reshape(a[p].shape).to(x.dtype) for p in meta["params"]]
+        for i in meta["inputs"]:
+            v = di[i]
+            res.append((v.sum() if a[i].numel() == 1 else v).reshape(a[i].shape).to(x.dtype))
+        return tuple(res)
+
+    return f
+
+
+def _check_like_x(name: str, what: str, v: Any, cache: Cache) -> torch.Tensor:
+    """A tensor of x's shape and dtype (None: zeros)."""
+    x = cache.x
+    if v is None:
+        return torch.zeros_like(x)
+    if not isinstance(v, torch.Tensor) or tuple(v.shape) != tuple(x.shape) or v.dtype != x.dtype:
+        got = f"{tuple(v.shape)} {v.dtype}" if isinstance(v, torch.Tensor) else type(v).__name__
+        raise ValueError(f"{name}: {what} must have the shape and dtype of x {tuple(x.shape)} {x.dtype}, got {got}")
+    return v
+
+
+def _by_name(names: Sequence[str], v: Any, what: str, meta: dict) -> dict:
+    """Seeds given as a dict by name or a sequence in spec order (None: none)."""
+    if v is None:
+        return {}
+    if isinstance(v, dict):
+        unknown = set(v) - set(names)
+        if unknown:
+            raise ValueError(f"{meta['name']}: unknown {what} {sorted(unknown)}; names are {list(names)}")
+        return dict(v)
+    v = list(v)
+    if len(v) > len(names):
+        raise ValueError(f"{meta['name']}: {what}: at most {len(names)} values, got {len(v)}")
+    return dict(zip(names, v))
+
+
+def _seeds(meta: dict, cache: Cache, vx: Any, vparams: Any, vinputs: Any, what: str) -> list[torch.Tensor]:
+    """One seed per differentiable argument (x, parameters, inputs), zeros where missing."""
+    name = meta["name"]
+    ps = _by_name(meta["params"], vparams, what + " (parameters)", meta)
+    ins = _by_name(meta["inputs"], vinputs, what + " (inputs)", meta)
+    seeds = [_check_like_x(name, what + " of x", vx, cache)]
+    for p in meta["params"]:
+        ref = cache.params[p]
+        seeds.append(torch.zeros_like(ref) if ps.get(p) is None else _tensor(ps[p], ref).reshape(ref.shape))
+    for i in meta["inputs"]:
+        ref = cache.inputs[i]
+        seeds.append(torch.zeros_like(ref) if ins.get(i) is None else _tensor(ins[i], ref).reshape(ref.shape))
+    return seeds
+
+
+def backward(
+    meta: dict, functions: dict[str, Callable], grads_type: type, dy: torch.Tensor, cache: Cache, out: Any = None
+) -> tuple:
+    """``Grads(dx, d<param>..., d<input>...)`` by the generated closed form."""
+    if not isinstance(cache, Cache):
+        raise TypeError(f"{meta['name']}: cache must be what this module's forward returned")
+    dy = _check_like_x(meta["name"], "dy", dy, cache)
+    a = _call_args(cache)
+    diff = ["x", *meta["params"], *meta["inputs"]]
+    got = _backward_of(meta, functions, cache)(dy, *(a[n] for n in diff))
+    if out is not None:
+        outs = out if not isinstance(out, dict) else [out.get(f) for f in grads_type._fields]
+        got = tuple(_store(o, g, f) for o, g, f in zip(outs, got, grads_type._fields))
+    return grads_type(*got)
+
+
+def backward_backward(
+    meta: dict,
+    functions: dict[str, Callable],
+    second_type: type,
+    dy: torch.Tensor,
+    cache: Cache,
+    ddx: Any = None,
+    ddparams: Any = None,
+    ddinputs: Any = None,
+    out: Any = None,
+) -> tuple:
+    """``SecondGrads(dx, ddy, d<param>..., d<input>...)``: the VJP of the backward with the
+    cotangents of dx, the parameter and the input gradients (torch.func over the closed form)."""
+    dy = _check_like_x(meta["name"], "dy", dy, cache)
+    a = _call_args(cache)
+    diff = ["x", *meta["params"], *meta["inputs"]]
+    cot = _seeds(meta, cache, ddx, ddparams, ddinputs, "the cotangent")
+    f = _backward_of(meta, functions, cache)
+    _, vjp = torch.func.vjp(f, dy, *(a[n] for n in diff))
+    g = vjp(tuple(cot))
+    got = (g[1], g[0], *g[2:])
+    if out is not None:
+        outs = out if not isinstance(out, dict) else [out.get(fl) for fl in second_type._fields]
+        got = tuple(_store(o, v, fl) for o, v, fl in zip(outs, got, second_type._fields))
+    return second_type(*got)
+
+
+def jvp(
+    meta: dict,
+    functions: dict[str, Callable],
+    cache: Cache,
+    tx: Any = None,
+    tparams: Any = None,
+    tinputs: Any = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """y's tangent along the tangents of x, the parameters and the inputs (torch.func's JVP
+    of the generated forward) at the cache's point."""
+    a0, L, mode = _call_args(cache), cache.layout, cache.mode
+    diff = ["x", *meta["params"], *meta["inputs"]]
+    tangents = _seeds(meta, cache, tx, tparams, tinputs, "the tangent")
+
+    def f(*vals):
+        a = {**a0, **dict(zip(diff, vals))}
+        x = a["x"]
+        return functions[mode](_compute(x).reshape(L.view4), **_views(meta, a, L, mode))[0].reshape(x.shape)
+
+    ty = torch.func.jvp(f, tuple(a0[n] for n in diff), tuple(tangents))[1].to(cache.x.dtype)
+    return _store(out, ty, "out")
