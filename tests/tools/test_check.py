@@ -6,6 +6,7 @@ import sys
 
 import numpy as np
 import pytest
+from conftest import ROOT
 
 import derivgen
 from derivgen.tools import check as chk
@@ -38,9 +39,46 @@ def test_check_table_and_progress():
     r = run("batchnorm", "--backend", "c", "--dtype", "float64", "--prove-sizes", "2")
     assert r.returncode == 0, r.stderr
     assert "eval" in r.stdout and "train" in r.stdout
-    assert "max relative error per output" in r.stdout
+    assert "worst rel. error" in r.stdout
     assert r.stdout.strip().splitlines()[-1].endswith("0 failed")
-    assert "batchnorm" in r.stderr  # progress is shown while it runs
+    assert max(len(line) for line in r.stdout.splitlines()) <= 100
+    assert r.stderr == ""  # progress only on a terminal
+
+
+def test_progress_on_a_terminal_only(monkeypatch, capsys):
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: False)
+    step = chk.stderr_progress(2)
+    step("one")
+    step.done()
+    assert capsys.readouterr().err == ""
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    step = chk.stderr_progress(2)
+    step("one")
+    step.done()
+    assert "1/2 one" in capsys.readouterr().err
+
+
+def test_a_spec_file_is_checked_against_torch_autograd_of_its_forward():
+    spec = derivgen.load_spec(ROOT / "examples" / "dynamic_tanh.toml")
+    rows = chk.check_layer(spec, ("numpy",), ("float64",), prove_sizes=(2,), in_ci=False)
+    torch_rows = [r for r in rows if r.check.startswith("torch")]
+    assert [r.check for r in torch_rows] == ["torch", "torch second order"]
+    assert all(r.status == "ok" and r.errors for r in torch_rows), torch_rows
+    assert set(torch_rows[0].errors) == {"y", "dx", "dalpha", "dgamma", "dbeta"}
+
+
+def test_the_spec_forward_in_torch_catches_a_wrong_closed_form(monkeypatch):
+    spec = derivgen.load_spec(ROOT / "examples" / "scalenorm.toml")
+    real = chk._run
+
+    def broken(mod, spec_, x, dy, params, kw, seeds=None):
+        out = real(mod, spec_, x, dy, params, kw, seeds)
+        out["dx"] = out["dx"] * 1.001
+        return out
+
+    monkeypatch.setattr(chk, "_run", broken)
+    rows = chk.check_layer(spec, ("numpy",), ("float64",), prove_sizes=(2,), in_ci=False)
+    assert [r.failed for r in rows if r.check == "torch"] == [True]
 
 
 @pytest.mark.parametrize(
