@@ -140,7 +140,8 @@ def list_cmd() -> None:
     for name in api.names():
         spec = api.load_spec(name)
         modes = "/".join(m.name for m in spec.modes)
-        click.echo(f"{name:<18} {spec.title} [{modes}] — {spec.summary.split(';')[0]}")
+        line = f"{name:<18} {spec.title} [{modes}] — {spec.summary.split(';')[0]}"
+        click.echo(line if len(line) <= 100 else line[:99] + "…")
 
 
 @cli.command("derive")
