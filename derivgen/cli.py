@@ -134,7 +134,7 @@ def cli() -> None:
     Each command's --help shows its defaults; docs/cli.md describes them all."""
 
 
-@cli.command("list")
+@cli.command("list", short_help="The built-in catalogue, one line each.")
 def list_cmd() -> None:
     """The built-in catalogue, one line each."""
     for name in api.names():
@@ -144,7 +144,7 @@ def list_cmd() -> None:
         click.echo(line if len(line) <= 100 else line[:99] + "…")
 
 
-@cli.command("derive")
+@cli.command("derive", short_help="Print a layer's backward pass derived step by step.")
 @click.argument("name", required=False)
 @click.option("--spec", "spec_file", type=click.Path(dir_okay=False), help="A spec file instead of a catalogue NAME.")
 @click.option(
@@ -197,7 +197,7 @@ def derive_cmd(
         )
 
 
-@cli.command("prove")
+@cli.command("prove", short_help="Derive and prove layers; print a summary table.")
 @click.argument("names", nargs=-1)
 @click.option("--spec", "spec_files", multiple=True, type=click.Path(dir_okay=False), help="Spec file(s) to prove too.")
 @click.option("--prove-sizes", default="2-6", show_default=True, help="Brute-force sizes (e.g. 2-6).")
@@ -251,7 +251,7 @@ def prove_cmd(names: tuple[str, ...], spec_files: tuple[str, ...], prove_sizes: 
         raise click.ClickException(f"proof FAILED for {', '.join(failed)}")
 
 
-@cli.command("generate")
+@cli.command("generate", short_help="Write the NumPy, C and PyTorch code of layers.")
 @click.argument("names", nargs=-1)
 @click.option("--spec", "spec_files", multiple=True, type=click.Path(dir_okay=False), help="Spec file(s) to generate.")
 @click.option(
@@ -328,7 +328,7 @@ def _not_over_catalogue(specs: list[Spec], out: Path, targets: tuple[str, ...]) 
         )
 
 
-@cli.command("check")
+@cli.command("check", short_help="Cross-check the generated code of layers.")
 @click.argument("names", nargs=-1)
 @click.option("--spec", "spec_files", multiple=True, type=click.Path(dir_okay=False), help="Spec file(s) to check.")
 @click.option("--backend", "backends", default="numpy,c", show_default=True, help="Comma-separated: numpy,c.")
@@ -340,7 +340,11 @@ def _not_over_catalogue(specs: list[Spec], out: Path, targets: tuple[str, ...]) 
 def check_cmd(
     names: tuple[str, ...], spec_files: tuple[str, ...], backends: str, dtypes: str, prove_sizes: str, as_json: bool
 ) -> None:
-    """Cross-check every layer x backend x dtype: spec + finite differences, the other backend, PyTorch, proof."""
+    """Cross-check every layer x backend x dtype (default: the whole catalogue).
+
+    Against the spec and finite differences, the other backend, PyTorch autograd (torch's own
+    layer for the catalogue, the spec's forward in torch operations for a spec file) and the
+    brute-force proof; first and second order. Exit 1 if any check fails."""
     backend_list = tuple(b.strip() for b in backends.split(",") if b.strip())
     dtype_list = tuple(d.strip() for d in dtypes.split(",") if d.strip())
     if (
@@ -379,7 +383,7 @@ def check_cmd(
         raise click.ClickException(f"{len(failed)} check(s) failed")
 
 
-@cli.command("build")
+@cli.command("build", short_help="Compile the C kernels into the build cache.")
 @click.argument("names", nargs=-1)
 @click.option("--spec", "spec_files", multiple=True, type=click.Path(dir_okay=False), help="Spec file(s) to build.")
 def build_cmd(names: tuple[str, ...], spec_files: tuple[str, ...]) -> None:
@@ -415,7 +419,7 @@ def _shape(text: str) -> tuple[int, ...]:
     return dims
 
 
-@cli.command("bench")
+@cli.command("bench", short_help="Time the generated code against NumPy, PyTorch and bandwidth.")
 @click.argument("names", nargs=-1)
 @click.option(
     "--spec",
