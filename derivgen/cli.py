@@ -367,7 +367,8 @@ def check_cmd(
     progress = stderr_progress(total)
     rows = []
     for spec in specs:
-        rows += check_layer(spec, backend_list, dtype_list, prove_sizes=sizes, progress=progress)
+        with _status(f"{spec.name}: deriving, proving and compiling"):  # the bar takes over per case
+            rows += check_layer(spec, backend_list, dtype_list, prove_sizes=sizes, progress=progress)
     progress.done()
     failed = [r for r in rows if r.failed]
     if as_json:
@@ -397,7 +398,8 @@ def build_cmd(names: tuple[str, ...], spec_files: tuple[str, ...]) -> None:
             try:
                 cached = library_path(source).is_file()
                 t0 = time.perf_counter()
-                lib = build_shared(source)
+                with _status("" if cached else f"compiling {spec.name}"):
+                    lib = build_shared(source)
                 took = time.perf_counter() - t0
             except BuildError as exc:
                 raise click.ClickException(f"{spec.name}: {exc}") from None

@@ -241,6 +241,8 @@ def _partial_equation(p: Partial, names: _Names) -> Equation:
 
 
 def _statistic_partials(mode: ModeDerivation, names: _Names) -> Step:
+    if not mode.partials:  # no statistic depends on x (an eval mode's come from buffers)
+        return Step("Partial derivatives of the statistics", "No statistic depends on x: there are none.")
     return Step(
         "Partial derivatives of the statistics",
         "Each statistic is a function of group means; a mean ⟨r⟩ contributes "
