@@ -484,7 +484,7 @@ def bench_cmd(
     if sync_world:
         raise UserError("--sync benches derivgen.torch's SyncBatchNorm: use it with --torch")
     if plot_file and importlib.util.find_spec("matplotlib") is None:
-        raise UserError("--plot needs matplotlib: pip install matplotlib (or the plot extra, derivgen[plot])")
+        raise UserError("--plot needs matplotlib: pip install matplotlib")
     _out_file(json_file, "--json")
     _out_file(plot_file, "--plot")
     names = list(names) or ([] if spec_files else list(DEFAULT_SHAPES))

@@ -650,7 +650,7 @@ def plot(report: dict, path: str) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise RuntimeError("--plot needs matplotlib: pip install 'derivgen[plot]'") from None
+        raise RuntimeError("--plot needs matplotlib: pip install matplotlib") from None
     res = report["results"]
     cases = []
     for r in res:
