@@ -93,25 +93,72 @@ class DerivTextPrinter(TextSpelling, _Ordered, StrPrinter):
         return super()._print_elementary(fn, expr)
 
 
+class _Written(sympy.Symbol):
+    """A constant as the spec wrote it (``1.2533141373155003``, ``sqrt(1.5707963267948966)``),
+    standing in for its exact value when an expression is printed."""
+
+    @classmethod
+    def class_key(cls) -> tuple:
+        return (1, 0, "Number")  # ordered as a number: first in a product
+
+    def _sympystr(self, printer: object) -> str:
+        return self.name
+
+    def _latex(self, printer: object) -> str:
+        if self.name.startswith("sqrt("):
+            return rf"\sqrt{{{self.name[5:-1]}}}"
+        return self.name
+
+
+def _terminating(r: sympy.Rational) -> bool:
+    """Whether ``r`` is a terminating decimal (its denominator has no prime but 2 and 5)."""
+    q = r.q
+    for f in (2, 5):
+        while q % f == 0:
+            q //= f
+    return q == 1
+
+
+def _long(r: sympy.Rational) -> bool:
+    """A terminating decimal of seven or more significant digits: one a person wrote as a decimal."""
+    return not r.is_Integer and _terminating(r) and len(_decimal_text(abs(r)).replace(".", "").strip("0")) >= 7
+
+
 def _decimals(expr: sympy.Expr) -> sympy.Expr:
-    """``expr`` with its long decimal constants (a spec's 1.2533141373155003, held exactly as
-    12533141373155003/10**16) as symbols named by their decimal digits, so that they print as
-    written rather than as a ratio of huge integers. Only for printing: the value is exact."""
+    """``expr`` with its long decimal constants as the spec wrote them: 1.2533141373155003,
+    held exactly as 12533141373155003/10**16, and sqrt(1.5707963267948966), which SymPy holds
+    as 7·sqrt(320570678937734)/10**8, print as written rather than as ratios of huge
+    integers. Only for printing: the values are exact."""
     if not isinstance(expr, sympy.Basic):
         return expr
+    reps: dict = {}
+    for m in expr.atoms(sympy.Mul):  # c·sqrt(k) = ±sqrt(c²·k)
+        c, rest = m.as_coeff_Mul()
+        roots = [
+            f
+            for f in sympy.Mul.make_args(rest)
+            if f.is_Pow and f.base.is_Integer and f.exp == sympy.S.Half and f.base > 10**6
+        ]
+        if len(roots) != 1 or not c.is_Rational:
+            continue
+        square = c**2 * roots[0].base
+        others = [f for f in sympy.Mul.make_args(rest) if f is not roots[0]]
+        sign = -1 if c < 0 else 1
+        if _long(square):
+            reps[m] = sympy.Mul(sign, _Written(f"sqrt({_decimal_text(square)})", positive=True), *others)
+        elif _long(1 / square):  # c·sqrt(k) = 1/sqrt(1/(c²·k))
+            root = _Written(f"sqrt({_decimal_text(1 / square)})", positive=True)
+            reps[m] = sympy.Mul(sign, sympy.Pow(root, -1), *others)
+    out = expr.xreplace(reps) if reps else expr
     reps = {}
-    for r in expr.atoms(sympy.Rational):
-        if r.is_Integer or max(abs(r.p), r.q) < 10**6:
-            continue
-        q = r.q
-        for f in (2, 5):
-            while q % f == 0:
-                q //= f
-        if q != 1:  # not a terminating decimal
-            continue
-        sym = sympy.Symbol(_decimal_text(abs(r)), positive=True)
-        reps[r] = sym if r > 0 else -sym
-    return expr.xreplace(reps) if reps else expr
+    for r in out.atoms(sympy.Rational):
+        if _long(r):
+            sym = _Written(_decimal_text(abs(r)), positive=True)
+            reps[r] = sym if r > 0 else -sym
+        elif r != 0 and _long(1 / r):  # a division by a decimal: 1/1.2533141373155003
+            sym = sympy.Pow(_Written(_decimal_text(abs(1 / r)), positive=True), -1)
+            reps[r] = sym if r > 0 else -sym
+    return out.xreplace(reps) if reps else out
 
 
 def _decimal_text(r: sympy.Rational) -> str:

@@ -122,3 +122,25 @@ def test_articles():
 
     assert _articles("a absolute value in s") == "an absolute value in s"
     assert _articles("a square root in a exp") == "a square root in an exp"
+
+
+@pytest.mark.parametrize(
+    "written, text, latex",
+    [
+        ("sqrt(1.5707963267948966)*x", "sqrt(1.5707963267948966)·x", r"\sqrt{1.5707963267948966} {x}_i"),
+        ("x/sqrt(1.5707963267948966)", "x/sqrt(1.5707963267948966)", r"\frac{{x}_i}{\sqrt{1.5707963267948966}}"),
+        ("x/1.2533141373155003", "x/1.2533141373155003", r"\frac{{x}_i}{1.2533141373155003}"),
+        ("-1.2533141373155003*x + 1", "1 - 1.2533141373155003·x", r"1 - 1.2533141373155003 {x}_i"),
+        ("0.5*x", "x/2", r"\frac{{x}_i}{2}"),
+    ],
+)
+def test_constants_print_as_written(written, text, latex):
+    import sympy
+
+    from derivgen.explain.document import latex_expr, text_expr
+    from derivgen.spec.expr import parse_expr
+
+    x = sympy.Symbol("x")
+    e = parse_expr(written, {"x": x}, group_size=sympy.Symbol("N"))
+    assert text_expr(e) == text
+    assert latex_expr(e) == latex
