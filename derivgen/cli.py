@@ -285,6 +285,10 @@ def generate_cmd(
     if not check:
         _out_dir(out, "--out")
     own = [s for s in specs if not s.source.startswith("catalogue/")]
+    if own and not out_dir and _holds_catalogue(out):
+        raise UserError(
+            f"{out}/ holds the catalogue's generated code; write a spec file's code elsewhere with --out DIR"
+        )
     if own:
         _not_over_catalogue(own, out, targets)
     with _status(f"deriving and rendering {len(specs) or len(catalogue_names())} layer(s)"):
@@ -304,6 +308,20 @@ def generate_cmd(
     for path in written:
         click.echo(f"wrote {path}")
     click.echo(f"{len(files)} file(s) in {out}/, {len(written)} changed")
+
+
+def _holds_catalogue(out: Path) -> bool:
+    """Whether directory ``out`` holds code generated from the catalogue (a header says so)."""
+    for target in gen.TARGETS:
+        folder = out / target
+        if folder.is_dir():
+            for path in sorted(folder.glob("*.py")):
+                try:
+                    if "from catalogue/" in path.read_text(encoding="utf-8", errors="replace")[:300]:
+                        return True
+                except OSError:
+                    continue
+    return False
 
 
 def _not_over_catalogue(specs: list[Spec], out: Path, targets: tuple[str, ...]) -> None:

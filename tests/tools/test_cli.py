@@ -132,6 +132,15 @@ def test_generate_spec_writes_beside_it_and_never_over_the_catalogue(tmp_path):
     assert r.returncode == 2 and "catalogue's generated code" in r.stderr, r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
     assert (tmp_path / "generated" / "numpy" / "layernorm.py").read_text() == committed
+    # named explicitly, that folder still refuses a file over the catalogue's own
+    r = run("generate", "--spec", str(clash), "--target", "numpy", "--out", "generated", cwd=tmp_path)
+    assert r.returncode == 2 and "would replace" in r.stderr, r.stderr
+    assert (tmp_path / "generated" / "numpy" / "layernorm.py").read_text() == committed
+    # a spec file beside the catalogue's code, by default: refused (give --out)
+    (tmp_path / "other.toml").write_text(mine.read_text())
+    r = run("generate", "--spec", "other.toml", "--target", "numpy", cwd=tmp_path)
+    assert r.returncode == 2 and "--out DIR" in r.stderr, r.stderr
+    assert not (tmp_path / "generated" / "numpy" / "scalenorm.py").exists()
     r = run("generate", "--spec", str(clash), "--target", "numpy", "--out", str(tmp_path / "mine"), cwd=tmp_path)
     assert r.returncode == 0, r.stderr
 
