@@ -29,6 +29,10 @@ from derivgen.tools import generate as gen
 from derivgen.tools.bench import DEFAULT_SHAPES, default_shapes, format_report, plot, run_bench, tune_malloc
 from derivgen.tools.check import check_layer, format_table, rows_json, stderr_progress
 
+PDFLATEX_MISSING = (
+    "--pdf needs pdflatex: install the Debian package texlive-latex-base (apt-get install -y texlive-latex-base)"
+)
+
 
 class UserError(click.ClickException):
     """Bad input: one line on stderr, exit code 2."""
@@ -179,6 +183,8 @@ def derive_cmd(
     sizes = () if no_prove else _sizes(prove_sizes)
     _out_file(output, "-o/--output")
     _out_file(pdf, "--pdf")
+    if pdf and shutil.which("pdflatex") is None:  # before the work, like every other check
+        raise UserError(PDFLATEX_MISSING)
     with _status(f"deriving and proving {spec.name} (N = {', '.join(map(str, sizes))})" if sizes else ""):
         derivation = api.derive(spec, prove=sizes)
     failed = [mode for mode, proof in derivation.proofs.items() if not proof.ok]
@@ -561,9 +567,7 @@ def _pdflatex(tex: str, pdf: Path) -> None:
     """Compile standalone LaTeX to ``pdf`` with pdflatex (run twice, for references)."""
     exe = shutil.which("pdflatex")
     if exe is None:
-        raise click.ClickException(
-            "pdflatex not found: install the Debian package texlive-latex-base (apt-get install -y texlive-latex-base)"
-        )
+        raise UserError(PDFLATEX_MISSING)
     with tempfile.TemporaryDirectory(prefix="derivgen-tex-") as tmp:
         (Path(tmp) / "doc.tex").write_text(tex, encoding="utf-8")
         for _ in range(2):

@@ -66,9 +66,9 @@ def test_pdf_missing_tool_message(tmp_path, monkeypatch):
         capture_output=True,
         text=True,
     )
-    assert r.returncode != 0
-    assert "texlive-latex-base" in r.stderr
-    assert not (tmp_path / "x.pdf").exists()
+    assert r.returncode == 2  # checked before the derivation: nothing is written
+    assert "texlive-latex-base" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "x.pdf").exists() and not (tmp_path / "x.tex").exists()
 
 
 @pytest.mark.parametrize(
