@@ -138,14 +138,17 @@ def cli() -> None:
     Each command's --help shows its defaults; docs/cli.md describes them all."""
 
 
-@cli.command("list", short_help="The built-in catalogue, one line each.")
+@cli.command("list", short_help="The catalogue and the zoo, one line each.")
 def list_cmd() -> None:
-    """The built-in catalogue, one line each."""
-    for name in api.names():
-        spec = api.load_spec(name)
-        modes = "/".join(m.name for m in spec.modes)
-        line = f"{name:<18} {spec.title} [{modes}] — {spec.summary.split(';')[0]}"
-        click.echo(line if len(line) <= 100 else line[:99] + "…")
+    """The built-in catalogue, then the zoo of published layers, one line each."""
+    for heading, names in (("", api.names()), ("the zoo (published layers, generated on demand):", api.zoo())):
+        if heading:
+            click.echo(f"\n{heading}")
+        for name in names:
+            spec = api.load_spec(name)
+            modes = "/".join(m.name for m in spec.modes)
+            line = f"{name:<22} {spec.title} [{modes}]"
+            click.echo(line if len(line) <= 100 else line[:99] + "…")
 
 
 @cli.command("derive", short_help="Print a layer's backward pass derived step by step.")

@@ -92,8 +92,13 @@ def layer_meta(spec: Spec, irs: Mapping[str, ModeIR]) -> dict:
 
 def _split_meta(spec: Spec, irs: Mapping[str, ModeIR]) -> dict | None:
     """The split reduction's shape (batch layouts, training mode): sums per level of the
-    forward and sums of the backward, per group."""
+    forward and sums of the backward, per group. None where there is no split reduction:
+    other layouts, and training statistics that read running buffers (batch
+    renormalization's r and d), which the split kernels do not take."""
     if spec.layout != "channels" or spec.reduce != "batch" or "train" not in irs:
+        return None
+    buffers = {b.symbol for b in spec.buffers}
+    if any(st.expr.free_symbols & buffers for st in spec.modes[0].statistics):
         return None
     ir = irs["train"]
     return {"levels": [len(sums) for sums, _ in ir.levels], "backward": len(ir.bwd_loop)}

@@ -203,7 +203,10 @@ class _SelfRule:
 def _elementary(e: sympy.Expr) -> bool:
     """A non-integer power or a function of derivgen.symbolic.functions' table: a group-level
     function whose derivative the engine writes through its own value."""
-    return (e.is_Pow and not e.exp.is_Integer) or functions.of_node(e) is not None
+    if e.is_Pow:
+        return not e.exp.is_Integer
+    fn = functions.of_node(e)
+    return fn is not None and fn.derivative is not None  # the selections: SymPy's fdiff
 
 
 def _self_rule(expr: sympy.Expr, active: set) -> _SelfRule | None:
@@ -534,7 +537,24 @@ class _Deriver:
         self.y_full = spec.output.xreplace({xhat: xhat_def}) if xhat is not None else spec.output
         self.y_hat = spec.output  # y with x̂ as a symbol (or y itself)
         dy_dxhat = sympy.diff(spec.output, xhat) if xhat is not None else sympy.S.Zero
-        self.g_def = DY * dy_dxhat if dy_dxhat != 0 else None
+        self._set_g(dy_dxhat, xhat)
+
+    def _set_g(self, dy_dxhat: sympy.Expr, xhat: sympy.Symbol | None) -> None:
+        """The adjoint of x̂, ∂L/∂y·∂y/∂x̂ = c·g, with c the factors of ∂y/∂x̂ that are one value
+        per group (an input, a scalar, N) kept out of g, so that they come out of the group
+        means: g = ∂L/∂y·(the factors that vary within a group), or ∂L/∂y itself (no g)."""
+        if dy_dxhat == 0:
+            self.g_def, self.xhat_adjoint = None, sympy.S.Zero
+            return
+        varying = {X, DY, *self.channel} | ({xhat} if xhat is not None else set())
+        per_group, per_element = [], []
+        for f in Mul.make_args(dy_dxhat):
+            (per_element if f.free_symbols & varying else per_group).append(f)
+        scale, h = Mul(*per_group), Mul(*per_element)
+        if h == 1:
+            self.g_def, self.xhat_adjoint = None, scale * DY
+        else:
+            self.g_def, self.xhat_adjoint = DY * h, scale * G
 
     def _use_coordinate(self, coord: Named | None, coord_def: sympy.Expr | None) -> None:
         """The closed forms' element coordinate: an element symbol, x written in it where it is
@@ -554,16 +574,16 @@ class _Deriver:
         u = implicit.named.symbol
         self.implicit = implicit
         self.xhat, self.xhat_def, self.y_hat = u, implicit.definition, implicit.output
-        self.g_def = DY * sympy.diff(implicit.output, u)
+        self._set_g(sympy.diff(implicit.output, u), u)
         self.alg.varying.add(u)
 
     def dL(self, v: sympy.Symbol) -> sympy.Expr:
         """∂L/∂y·∂y/∂v for one element, with the path through x̂ written in g = ∂L/∂y·∂y/∂x̂
         (the adjoint of x̂) and the direct paths in ∂L/∂y: γ·x̂ + β + t·x gives g·∂x̂/∂x + ∂L/∂y·t."""
         direct = DY * sympy.diff(self.y_hat, v)
-        if self.g_def is None:
+        if self.xhat_def is None or self.xhat_adjoint == 0:
             return direct
-        return G * sympy.diff(self.xhat_def, v) + direct
+        return self.xhat_adjoint * sympy.diff(self.xhat_def, v) + direct
 
     # ---- 1. reverse pass through the program -----------------------------
     def reverse(self) -> _Adjoints:
@@ -642,10 +662,32 @@ class _Deriver:
     def _closed_forms(
         self, adj: _Adjoints
     ) -> tuple[sympy.Expr, dict[str, ParamGrad], dict[str, sympy.Expr], dict[sympy.Symbol, sympy.Expr]]:
-        """dx, the parameter and input gradients and the statistics' adjoints in closed form."""
-        spec, finish = self.spec, self.finish
+        """dx, the parameter and input gradients and the statistics' adjoints in closed form.
+
+        Where the output uses x itself beside the coordinate (x·sigmoid(v·x)/σ), writing x as
+        (x - μ) + μ would split one mean into two and print (x - μ) + μ inside functions: the
+        closed forms are then also written in x as it is, and that version is kept when it
+        needs fewer run-time means (with as many, the coordinate keeps differences centred)."""
         if self.to_xhat is not None:
             self.alg.derived = {self.coord.symbol: self.coord_def}
+        written = self._closed_forms_in(adj)
+        if self.to_xhat is None or not self.y_hat.has(X):
+            return written
+        to_xhat = self.to_xhat
+        self.to_xhat = None
+        plain = self._closed_forms_in(adj)
+        if _mean_count(plain) < _mean_count(written):
+            if self.implicit is None and self.spec.normalized is None:
+                self.coord = self.coord_def = None  # the centred coordinate is not used
+            return plain
+        self.to_xhat = to_xhat
+        return written
+
+    def _closed_forms_in(
+        self, adj: _Adjoints
+    ) -> tuple[sympy.Expr, dict[str, ParamGrad], dict[str, sympy.Expr], dict[sympy.Symbol, sympy.Expr]]:
+        """The closed forms with x written as :attr:`to_xhat` says (or as itself)."""
+        spec, finish = self.spec, self.finish
         dx = finish(Add(*adj.terms[X]))
         grads = {}
         for p in spec.params:
@@ -695,6 +737,13 @@ class _Deriver:
             mean_facts=MeanFacts.of(self.alg),
             self_rules=dict(self.program.rules),
         )
+
+
+def _mean_count(forms: tuple) -> int:
+    """How many distinct group means the closed forms (dx, grads, dinputs, adjoints) read."""
+    dx, grads, dinputs, _ = forms
+    exprs = [dx, *dinputs.values(), *(g.element + g.group for g in grads.values())]
+    return len({m for e in exprs for m in means(e)})
 
 
 def mode_depends_on_x(mode: ModeDerivation, s: sympy.Symbol) -> bool:

@@ -30,7 +30,7 @@ import sympy
 from derivgen.derive.first import G, ModeDerivation, ParamGrad
 from derivgen.derive.second import SecondOrder, almost_everywhere
 from derivgen.spec.model import DY, Input, N, Param, Spec, X
-from derivgen.symbolic import domain
+from derivgen.symbolic import domain, functions
 from derivgen.symbolic.reduce import Mean
 
 
@@ -389,9 +389,21 @@ def _budget(seconds: float):
 
 def _proven(d: sympy.Expr, lin: list[sympy.Symbol]) -> bool:
     """Symbolically zero: both sides are linear in the symbols ``lin`` (∂L/∂y; the second
-    order's cotangents or tangents), so each coefficient vanishes on its own."""
-    rest = d.xreplace({s: 0 for s in lin})
-    return all(_zero_symbolic(sympy.diff(d, s)) for s in lin if d.has(s)) and _zero_symbolic(rest)
+    order's cotangents or tangents), so each coefficient vanishes on its own.
+
+    Selections (maximum, clip, their masks step and indicator) and stop-gradients are first
+    taken as they are -- opaque values, equal where both sides select alike; where that does
+    not reach zero, they are written through |.| and sign (:func:`functions.unfold`, valid off
+    the kinks) and each region is reduced on its own by the case split."""
+
+    def zero(e: sympy.Expr) -> bool:
+        rest = e.xreplace({s: 0 for s in lin})
+        return all(_zero_symbolic(sympy.diff(e, s)) for s in lin if e.has(s)) and _zero_symbolic(rest)
+
+    if zero(d):
+        return True
+    unfolded = functions.unfold(d)
+    return unfolded != d and zero(unfolded)
 
 
 # ---- the brute-force side, shared by both orders

@@ -5,11 +5,13 @@ then *walked* by hand into SymPy objects.  Nothing is ever evaluated as code:
 no ``eval``, no ``sympy.sympify``/``parse_expr`` (both call ``eval``).  Only
 these forms are accepted:
 
-* numbers (``2``, ``0.5``, ``1e-5``; converted exactly to rationals),
+* numbers (``2``, ``0.5``, ``1e-5``; converted exactly to rationals) and the
+  constant ``pi``,
 * declared names,
 * ``+ - * / **`` and unary ``+``/``-``,
-* the elementary functions of :mod:`derivgen.symbolic.functions` (``sqrt(e)``, ``exp(e)``,
-  ``log(e)``, ``abs(e)``, ``tanh(e)``),
+* the functions of :mod:`derivgen.symbolic.functions` (``sqrt(e)``, ``exp(e)``,
+  ``log(e)``, ``abs(e)``, ``tanh(e)``, ``sigmoid(e)``, ``erf(e)``, ``stop_gradient(e)``,
+  ``maximum(a, b)``, ``minimum(a, b)``, ``clip(e, lo, hi)``),
 * the group reductions ``mean(e)`` and ``sum(e)`` (``sum(e)`` is ``N*mean(e)``).
 
 Everything else -- attribute access, subscripts, lambdas, comprehensions,
@@ -137,6 +139,8 @@ class _Builder:
         """A declared name (a function's or reduction's name is not a value)."""
         if node.id in functions.language() or (node.id in REDUCTIONS and node.id not in self.names):
             self.fail(node, f"function {node.id!r} used as a value")
+        if node.id not in self.names and node.id in functions.CONSTANTS:
+            return functions.CONSTANTS[node.id]
         if node.id not in self.names:
             known = ", ".join(sorted(self.names)) or "none"
             self.fail(node, f"unknown name {node.id!r} (known: {known})")

@@ -76,7 +76,7 @@ def reserved_reason(name: str) -> str | None:
     why = reserved.collision(name)
     if why is not None:
         return why
-    if name in FORMAT_NAMES or name in functions.language():
+    if name in FORMAT_NAMES or name in functions.language() or name in functions.CONSTANTS:
         return "a name the spec format defines itself"
     grad = "d" + name
     if reserved.is_keyword(grad):
@@ -227,14 +227,33 @@ def catalogue_names() -> list[str]:
     return sorted(p.name[:-5] for p in catalogue_dir().iterdir() if p.name.endswith(".toml"))
 
 
+def zoo_dir() -> Traversable:
+    """The folder of the zoo: published layers written as specs, shipped with the package."""
+    return resources.files("derivgen.spec") / "zoo"
+
+
+def zoo_names() -> list[str]:
+    """The names of the zoo's layers, sorted (none is also a catalogue name)."""
+    return sorted(p.name[:-5] for p in zoo_dir().iterdir() if p.name.endswith(".toml"))
+
+
 def load_catalogue(name: str) -> Spec:
-    """The built-in layer ``name``, parsed; SpecError for a name that is not one."""
+    """The built-in layer ``name`` -- of the catalogue, else of the zoo -- parsed; SpecError
+    for a name that is neither."""
+
+    def unknown() -> SpecError:
+        return SpecError(
+            f"unknown layer {name!r}; the catalogue has {', '.join(catalogue_names())} "
+            f"(and the zoo {len(zoo_names())} more: `derivgen list`)"
+        )
+
     if not isinstance(name, str) or not IDENT.match(name):
-        raise SpecError(f"unknown layer {name!r}; known: {', '.join(catalogue_names())}")
-    res = catalogue_dir() / f"{name}.toml"
-    if not res.is_file():
-        raise SpecError(f"unknown layer {name!r}; known: {', '.join(catalogue_names())}")
-    return parse_spec(res.read_text(encoding="utf-8"), source=f"catalogue/{name}.toml")
+        raise unknown()
+    for kind, folder in (("catalogue", catalogue_dir()), ("zoo", zoo_dir())):
+        res = folder / f"{name}.toml"
+        if res.is_file():
+            return parse_spec(res.read_text(encoding="utf-8"), source=f"{kind}/{name}.toml")
+    raise unknown()
 
 
 def load_spec_file(path: str | Path) -> Spec:

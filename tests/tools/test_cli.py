@@ -17,7 +17,10 @@ def run(*args, cwd=None):
 def test_list():
     r = run("list")
     assert r.returncode == 0
-    assert [l.split()[0] for l in r.stdout.splitlines()] == derivgen.names()
+    catalogue, _, zoo = r.stdout.partition("\n\nthe zoo")
+    assert [l.split()[0] for l in catalogue.splitlines()] == derivgen.names()
+    assert [l.split()[0] for l in zoo.splitlines()[1:]] == derivgen.zoo()
+    assert max(len(l) for l in r.stdout.splitlines()) <= 100
 
 
 def test_derive_text_to_file(tmp_path):
