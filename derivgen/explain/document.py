@@ -88,6 +88,9 @@ class DerivTextPrinter(TextSpelling, _Ordered, StrPrinter):
     def _print_Mean(self, expr):
         return f"mean({self._print(expr.args[0])})"
 
+    def _print_Pi(self, expr):
+        return "π"
+
     def _print_elementary(self, fn: functions.Elementary, expr: sympy.Expr) -> str:
         if fn.name == "abs":  # |u|, as people write it
             return f"|{self._print(expr.args[0])}|"

@@ -144,3 +144,14 @@ def test_constants_print_as_written(written, text, latex):
     e = parse_expr(written, {"x": x}, group_size=sympy.Symbol("N"))
     assert text_expr(e) == text
     assert latex_expr(e) == latex
+
+
+def test_pi_prints_as_pi():
+    import sympy
+
+    from derivgen.explain.document import latex_expr, text_expr
+    from derivgen.spec.expr import parse_expr
+
+    x = sympy.Symbol("x")
+    e = parse_expr("x*pi", {"x": x}, group_size=sympy.Symbol("N"))
+    assert text_expr(e) == "π·x" and latex_expr(e) == r"\pi {x}_i"
