@@ -403,9 +403,11 @@ def check_cmd(
     else:
         click.echo(format_table(rows))
         skipped = sum(1 for r in rows if r.status.startswith("skipped"))
+        na = sum(1 for r in rows if r.status.startswith("n/a"))
         click.echo(
-            f"\n{len(rows) - len(failed) - skipped} passed, {len(failed)} failed"
+            f"\n{len(rows) - len(failed) - skipped - na} passed, {len(failed)} failed"
             + (f", {skipped} skipped" if skipped else "")
+            + (f", {na} not applicable" if na else "")
         )
     if failed:
         raise click.ClickException(f"{len(failed)} check(s) failed")

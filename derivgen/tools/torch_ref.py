@@ -96,7 +96,13 @@ def torch_second_reference(
     ins = {k: torch.tensor(np.asarray(kw[k], dtype=np.float64), requires_grad=True) for k in inputs}
     tdy = torch.tensor(dy, dtype=f64, requires_grad=True)
     # without the running buffers in training: their update is no part of the second order
-    kw_nb = {k: v for k, v in kw.items() if k not in ("running_mean", "running_var") or not kw.get("training", True)}
+    # (a spec's own forward updates nothing, and may read the buffers in training too)
+    if forward is not None:
+        kw_nb = kw
+    else:
+        kw_nb = {
+            k: v for k, v in kw.items() if k not in ("running_mean", "running_var") or not kw.get("training", True)
+        }
     y, _ = run(tx, tparams, ins, kw_nb)
     wrt = [tx, *tparams.values(), *ins.values()]
     first = torch.autograd.grad(y, wrt, tdy, create_graph=True, allow_unused=True)
@@ -227,7 +233,7 @@ class SpecForward:
 
         if expr.is_Symbol:
             return env[expr]
-        if expr.is_Number:
+        if expr.is_Number or expr.is_NumberSymbol:  # 0.5, pi
             return float(expr)
         if isinstance(expr, Mean):
             arg = self._eval(expr.args[0], env) * torch.ones(self.layout.view4, dtype=torch.float64)

@@ -116,3 +116,26 @@ def test_a_broken_backend_is_reported(monkeypatch):
     bad = {r.check for r in rows if r.failed}
     assert "spec + finite differences" in bad and "torch" in bad
     assert "second order: finite differences" in bad and "torch second order" in bad
+
+
+def test_stop_gradient_leaves_finite_differences_to_y_and_torch_judges_the_gradient():
+    spec = derivgen.load_spec("batch_renorm")
+    rows = chk.check_layer(spec, ("numpy",), ("float64",), prove_sizes=(2,), in_ci=False)
+    assert not [r for r in rows if r.failed], rows
+    fd = [r for r in rows if r.check == "spec + finite differences"]
+    assert fd and all(set(r.errors) == {"y"} and r.status == "ok (y only: stop_gradient)" for r in fd)
+    assert all(r.status.startswith("n/a") for r in rows if r.check == "second order: finite differences")
+    torch_rows = [r for r in rows if r.check == "torch"]
+    assert torch_rows and all(r.status == "ok" and "dx" in r.errors for r in torch_rows)
+
+
+def test_the_table_fits_100_columns_with_long_names():
+    rows = [
+        chk.Row(
+            "weight_standardization", "train", "c~numpy", "float32", "torch second order", {"bb.dweight_x": 1e-7}, 2e-5
+        ),
+        chk.Row("batch_renorm", "train", "numpy", "float64", "second order: finite differences", status=chk.NO_FD),
+    ]
+    table = chk.format_table(rows)
+    assert max(len(line) for line in table.splitlines()) <= 100
+    assert "n/a: stop_gradient" in table
