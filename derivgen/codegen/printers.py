@@ -42,6 +42,12 @@ class _NumPy(SpellsFunctions, _Ordered, NumPyPrinter):
     def _print_Symbol(self, expr):
         return expr.name
 
+    def _print_GroupMax(self, expr):
+        return f"_max({self._print(expr.args[0])})"
+
+    def _print_GroupMin(self, expr):
+        return f"_min({self._print(expr.args[0])})"
+
     def _print_elementary(self, fn: functions.Elementary, expr: sympy.Expr) -> str:
         return self._spell(fn, expr.args)
 

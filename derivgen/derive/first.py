@@ -39,7 +39,7 @@ from sympy import Add, Mul
 from derivgen.derive.coordinate import ImplicitCoordinate, closed_form_coordinate, find_implicit
 from derivgen.spec.model import DY, Mode, N, Named, Spec, Statistic, X
 from derivgen.symbolic import domain, functions
-from derivgen.symbolic.reduce import Mean, ReductionAlgebra, expand, hide_means, means
+from derivgen.symbolic.reduce import SELECTIONS, GroupMax, Mean, ReductionAlgebra, expand, hide_means, means, selections
 
 G = sympy.Symbol("g", real=True)
 
@@ -259,6 +259,8 @@ class Program:
         self.stats.append(st)
         self.active.add(st.symbol)
         self._by_def.setdefault(st.expr, st.symbol)
+        if isinstance(st.expr, SELECTIONS):
+            return  # differentiated through the elements it selects (_Deriver._through_selection)
         rule = _self_rule(st.expr, self.active - {st.symbol}) if not st.expr.has(Mean) else None
         if rule is not None:
             self.rules[st.symbol] = rule
@@ -268,6 +270,13 @@ class Program:
     def _add(self, st: Statistic) -> None:
         """Add a user's statistic, naming first what it needs as auxiliaries (steps 1-3)."""
         expr = st.expr
+        # 0. a group maximum or minimum is a statistic of its own, computed as written
+        if isinstance(expr, SELECTIONS):
+            self._append(st)
+            return
+        inner = [a for a in selections(expr) if a != expr]
+        if inner:
+            expr = expr.xreplace({a: self.auxiliary(a, st, "a group " + _selection_kind(a)) for a in inner})
         # 1. a mean inside another mean's argument is computed first: an auxiliary
         while True:
             nested = [i for m in means(expr) for i in means(m.args[0]) if not means(i.args[0])]
@@ -321,6 +330,25 @@ def statistic_partial(
     if rule is not None:
         return rule.du(st.symbol) * sympy.diff(rule.arg, v)
     return sympy.diff(hidden, v)
+
+
+def selection_tie(st: Statistic) -> sympy.Expr:
+    """For s = max(r) (or min): 1 where r_i = s, else 0 -- the elements that share s̄."""
+    r = st.expr.args[0]
+    return functions.Indicator(r - st.symbol) * functions.Indicator(st.symbol - r)
+
+
+def selection_count(statistics: Iterable[Statistic], st: Statistic) -> sympy.Symbol | None:
+    """The auxiliary statistic mean(tie) of the selection ``st`` (how much of the group attains
+    it), or None: the first order found s̄ = 0 identically (y does not depend on s), so no
+    derivative of any order flows through s."""
+    want = Mean(selection_tie(st))
+    return next((t.symbol for t in statistics if t.expr == want), None)
+
+
+def _selection_kind(e: sympy.Expr) -> str:
+    """ "maximum" or "minimum"."""
+    return "maximum" if type(e) is GroupMax else "minimum"
 
 
 def _kind(e: sympy.Expr) -> str:
@@ -595,6 +623,9 @@ class _Deriver:
         terms = {e: [self.dL(e)] for e in [X, *self.channel]}
         adj = _Adjoints(group, terms)
         for st in reversed(list(self.program.stats)):
+            if isinstance(st.expr, SELECTIONS):
+                self._through_selection(st, adj)
+                continue
             hidden, table = hide_means(st.expr, prefix=f"{st.name}_R")
             self._through_group_values(st, hidden, table, adj)
             for r, atom in table.items():
@@ -643,6 +674,38 @@ class _Deriver:
                     )
                 )
                 adj.group[v] = adj.group[v] + abar * val
+
+    def _through_selection(self, st: Statistic, adj: _Adjoints) -> None:
+        """s = max(r) (or min) over the group: s̄ goes to the elements where r_i = s, split
+        evenly among them (PyTorch's amax), through ∂r_i/∂x_i -- unless s̄ is exactly zero by
+        the algebra (a softmax's maximum: y does not change when s shifts), which is
+        recorded as a vanishing term and costs the backward nothing."""
+        r = st.expr.args[0]
+        written = adj.group[st.symbol]
+        if self.g_def is not None:  # g is a name for ∂L/∂y·h: the means of both must meet
+            written = written.xreplace({G: self.g_def})
+        sbar = self.alg.canon(expand(self.alg.canon(written)))
+        if sbar == 0:
+            adj.partials.append(Partial(st, X, "selection", sympy.S.Zero, atom=st.expr, raw=adj.group[st.symbol]))
+            return
+        tie = selection_tie(st)
+        count = self.program.auxiliary(
+            Mean(tie), st, "the share of the group that attains the " + _selection_kind(st.expr)
+        )
+        self.group_diff.add(count)
+        adj.group.setdefault(count, sympy.S.Zero)
+        share = tie / (N * count)
+        for elem in self.element_diff:
+            de = sympy.diff(r, elem)
+            check_derivatives(self.spec, f"statistics.{st.name}", de)
+            if de != 0:
+                adj.terms[elem].append(adj.group[st.symbol] * share * de)
+                adj.partials.append(Partial(st, elem, "selection", share * de, atom=st.expr))
+        for v in sorted(r.free_symbols & self.group_diff, key=sympy.default_sort_key):
+            d = self.alg.canon(Mean(tie * sympy.diff(r, v))) / count
+            if d != 0:
+                adj.group[v] = adj.group[v] + adj.group[st.symbol] * d
+                adj.partials.append(Partial(st, v, "group", d))
 
     def _forward_mean(self, raw: Mean, st: Statistic, group_adj: dict[sympy.Symbol, sympy.Expr]) -> sympy.Expr:
         """A mean of x alone that no statistic determines (⟨(x - μ)³⟩ from differentiating a
@@ -750,4 +813,4 @@ def mode_depends_on_x(mode: ModeDerivation, s: sympy.Symbol) -> bool:
     """Does the statistic ``s`` of ``mode`` depend on x (through a mean, or another statistic)?"""
     defs = {st.symbol: st.expr for st in mode.statistics}
     e = defs[s]
-    return bool(e.has(Mean)) or any(mode_depends_on_x(mode, t) for t in e.free_symbols if t in defs)
+    return bool(e.has(Mean, *SELECTIONS)) or any(mode_depends_on_x(mode, t) for t in e.free_symbols if t in defs)

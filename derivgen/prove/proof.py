@@ -14,6 +14,7 @@ and the result is reported as "checked numerically" -- never as "proven".
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import random
@@ -31,7 +32,7 @@ from derivgen.derive.first import G, ModeDerivation, ParamGrad
 from derivgen.derive.second import SecondOrder, almost_everywhere
 from derivgen.spec.model import DY, Input, N, Param, Spec, X
 from derivgen.symbolic import domain, functions
-from derivgen.symbolic.reduce import Mean
+from derivgen.symbolic.reduce import SELECTIONS, GroupMax, Mean
 
 
 @dataclass
@@ -111,7 +112,14 @@ class _Explicit:
         def mean(m):
             return sympy.Add(*[self.at(m.args[0], j) for j in range(self.n)]) / self.n
 
+        def select(m):
+            """max(r) / min(r) over the n explicit elements, as nested maximum / minimum (equal
+            to PyTorch's amax, and to its gradient, wherever no two elements tie)."""
+            pick = functions.Maximum if type(m) is GroupMax else functions.Minimum
+            return functools.reduce(pick, [self.at(m.args[0], j) for j in range(self.n)])
+
         e = expr.replace(lambda a: isinstance(a, Mean), mean)
+        e = e.replace(lambda a: isinstance(a, SELECTIONS), select)
         sub = dict(getattr(self, "derived", {}))
         while sub and e.free_symbols & set(sub):  # g may be written in x̂
             e = e.xreplace(sub)

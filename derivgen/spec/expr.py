@@ -12,7 +12,8 @@ these forms are accepted:
 * the functions of :mod:`derivgen.symbolic.functions` (``sqrt(e)``, ``exp(e)``,
   ``log(e)``, ``abs(e)``, ``tanh(e)``, ``sigmoid(e)``, ``erf(e)``, ``stop_gradient(e)``,
   ``maximum(a, b)``, ``minimum(a, b)``, ``clip(e, lo, hi)``),
-* the group reductions ``mean(e)`` and ``sum(e)`` (``sum(e)`` is ``N*mean(e)``).
+* the group reductions ``mean(e)``, ``sum(e)`` (``sum(e)`` is ``N*mean(e)``), ``max(e)`` and
+  ``min(e)``.
 
 Everything else -- attribute access, subscripts, lambdas, comprehensions,
 keyword arguments, strings, comparisons, calls to anything else -- is rejected
@@ -30,14 +31,14 @@ from typing import NoReturn
 import sympy
 
 from derivgen.symbolic import functions
-from derivgen.symbolic.reduce import Mean
+from derivgen.symbolic.reduce import GroupMax, GroupMin, Mean
 
 MAX_EXPR_CHARS = 2000
 MAX_DEPTH = 40
 MAX_NODES = 400
 MAX_EXPONENT = 16  # |constant exponent| allowed in ``a ** k``
 
-REDUCTIONS = ("mean", "sum")
+REDUCTIONS = ("mean", "sum", "max", "min")
 
 
 def _callable_names() -> str:
@@ -198,6 +199,10 @@ class _Builder:
             if not self.allow_reductions:
                 self.fail(node, f"{fname}() is a group reduction; define it under [statistics]")
             arg = self.build(node.args[0], depth)
+            if fname == "max":
+                return GroupMax(arg)
+            if fname == "min":
+                return GroupMin(arg)
             return Mean(arg) if fname == "mean" else self.group_size * Mean(arg)
         if fn is not None:
             return fn.build(*(self.build(a, depth) for a in node.args))

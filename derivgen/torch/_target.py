@@ -61,6 +61,19 @@ def group_mean(L: Layout) -> Callable[[torch.Tensor], torch.Tensor]:
     return mean
 
 
+def group_max(L: Layout) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``_max``: the maximum over each normalization group, keeping the 4 dimensions
+    (autograd splits its gradient evenly among ties, as the derivation does)."""
+    dims = L.reduce_axes
+    return lambda a: a.amax(dim=dims, keepdim=True)
+
+
+def group_min(L: Layout) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``_min``: the minimum over each normalization group, keeping the 4 dimensions."""
+    dims = L.reduce_axes
+    return lambda a: a.amin(dim=dims, keepdim=True)
+
+
 def group_sum(L: Layout, x: torch.Tensor) -> Callable[[torch.Tensor | float], torch.Tensor]:
     """``_sum``: the sum over each group's elements held here (keeping the 4 dimensions);
     an operand constant along reduced axes (a parameter) counts once per element."""

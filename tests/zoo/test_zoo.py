@@ -170,6 +170,22 @@ def adain(x, p, i, o, b, training):
     return (x - mean) / std * i["style_std"].view(n, c, 1, 1) + i["style_mean"].view(n, c, 1, 1)
 
 
+def softmax(x, p, i, o, b, training):
+    return torch.softmax(x, dim=-1)
+
+
+def log_softmax(x, p, i, o, b, training):
+    return torch.log_softmax(x, dim=-1)
+
+
+def absmax_scale(x, p, i, o, b, training):
+    return x * o["q"] / x.abs().amax(dim=-1, keepdim=True)
+
+
+def softmax_temperature(x, p, i, o, b, training):
+    return torch.softmax(x / p["t"], dim=-1)
+
+
 def edm2_normalize(x, p, i, o, b, training):
     norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
     norm = torch.add(o["eps"], norm, alpha=math.sqrt(norm.numel() / x.numel()))
@@ -232,12 +248,16 @@ CASES: dict[str, Case] = {
         },
     ),
     "edm2_normalize": Case(edm2_normalize, (4, 9)),
+    "softmax": Case(softmax, (4, 9), scale=3.0),
+    "log_softmax": Case(log_softmax, (4, 9), scale=3.0),
+    "absmax_scale": Case(absmax_scale, (4, 9)),
+    "softmax_temperature": Case(softmax_temperature, (4, 9), scale=3.0),
 }
 
 
 def test_every_zoo_layer_has_a_reference_case():
     assert sorted(CASES) == derivgen.zoo()
-    assert len(derivgen.zoo()) >= 20
+    assert len(derivgen.zoo()) >= 25
     assert not set(derivgen.zoo()) & set(derivgen.names())
 
 
