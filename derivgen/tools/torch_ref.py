@@ -20,7 +20,7 @@ import sympy
 from derivgen.runtime import Layout
 from derivgen.spec.model import N, Spec, X
 from derivgen.symbolic import functions
-from derivgen.symbolic.reduce import Mean
+from derivgen.symbolic.reduce import GroupMax, GroupMin, Mean
 
 if TYPE_CHECKING:  # for the annotations only; at run time torch is imported where it is used
     import torch
@@ -238,6 +238,10 @@ class SpecForward:
         if isinstance(expr, Mean):
             arg = self._eval(expr.args[0], env) * torch.ones(self.layout.view4, dtype=torch.float64)
             return arg.mean(dim=self.layout.reduce_axes, keepdim=True)
+        if isinstance(expr, GroupMax):  # and GroupMin: torch.amax/amin split a tie's gradient evenly
+            arg = self._eval(expr.args[0], env) * torch.ones(self.layout.view4, dtype=torch.float64)
+            pick = torch.amin if isinstance(expr, GroupMin) else torch.amax
+            return pick(arg, dim=self.layout.reduce_axes, keepdim=True)
         args = [self._eval(a, env) for a in expr.args]
         if expr.is_Add:
             return functools.reduce(operator.add, args)

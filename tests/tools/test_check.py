@@ -139,3 +139,9 @@ def test_the_table_fits_100_columns_with_long_names():
     table = chk.format_table(rows)
     assert max(len(line) for line in table.splitlines()) <= 100
     assert "n/a: stop_gradient" in table
+
+
+def test_group_max_layers_are_checked_against_the_spec_and_torch():
+    rows = chk.check_layer(derivgen.load_spec("softmax"), ("numpy",), ("float64",), prove_sizes=(2,), in_ci=False)
+    assert not [r for r in rows if r.failed], rows
+    assert any(r.check == "torch" and r.status == "ok" and "dx" in r.errors for r in rows)
