@@ -115,9 +115,11 @@ def _selection_zero(p: Partial, names: _Names) -> tuple[str, str]:
     st = p.stat
     return (
         f"∂L/∂{st.text} through the group {names.expr_text(p.atom)}",
-        f"∂L/∂{st.text} = {names.expr_text(p.raw)} = 0 for every ∂L/∂y: y does not change when "
-        f"{st.text} shifts (it only keeps the arithmetic in range), so no gradient flows through "
-        f"{st.text} and the backward needs no mask of the elements that attain it",
+        (
+            f"∂L/∂{st.text} = {names.expr_text(p.raw)} = 0 for every ∂L/∂y: y does not change when "
+            f"{st.text} shifts (it only keeps the arithmetic in range), so no gradient flows through "
+            f"{st.text} and the backward needs no mask of the elements that attain it"
+        ),
     )
 
 
