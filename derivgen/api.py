@@ -106,6 +106,16 @@ class Derivation:
         ]
         return document.render(self.spec, modes, fmt, standalone)
 
+    def _repr_markdown_(self) -> str:
+        """The derivation in Markdown, for a notebook (Jupyter shows it with its mathematics)."""
+        return self.render("markdown")
+
+    def _repr_latex_(self) -> str:
+        """Each mode's closed forms as one display-math block, for a notebook."""
+        return (
+            "$$" + document.closed_forms_latex(self.spec, {m: self.steps_of(m) for m in self.modes}, self.modes) + "$$"
+        )
+
 
 def names() -> list[str]:
     """The built-in catalogue, sorted."""

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
 import json
+import os
 import re
 import shutil
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import click
@@ -19,16 +24,80 @@ from derivgen.explain.document import text_expr
 from derivgen.prove.proof import prove_derivation
 from derivgen.runtime.build import BuildError, BuildWarning, build_shared, library_path
 from derivgen.runtime.fsutil import atomic_write
-from derivgen.spec.model import Spec, SpecError
+from derivgen.spec.model import Spec, SpecError, catalogue_names
 from derivgen.tools import generate as gen
 from derivgen.tools.bench import DEFAULT_SHAPES, default_shapes, format_report, plot, run_bench, tune_malloc
 from derivgen.tools.check import check_layer, format_table, rows_json, stderr_progress
+
+PDFLATEX_MISSING = (
+    "--pdf needs pdflatex: install the Debian package texlive-latex-base (apt-get install -y texlive-latex-base)"
+)
 
 
 class UserError(click.ClickException):
     """Bad input: one line on stderr, exit code 2."""
 
     exit_code = 2
+
+
+def _out_file(path: str | None, option: str) -> None:
+    """Check before any work that ``path`` (an --output / --json / --plot / --pdf FILE) can be
+    written: a UserError naming the option otherwise."""
+    if path is None:
+        return
+    p = Path(path)
+    if p.is_dir():
+        raise UserError(f"{option} {path}: is a directory")
+    _writable_dir(p.parent, f"{option} {path}")
+
+
+def _out_dir(path: Path, option: str) -> None:
+    """Check before any work that directory ``path`` exists or can be made, and can be written."""
+    if path.exists() and not path.is_dir():
+        raise UserError(f"{option} {path}: not a directory")
+    _writable_dir(path, f"{option} {path}")
+
+
+def _writable_dir(folder: Path, what: str) -> None:
+    """UserError unless a file can be created in ``folder`` (or in the deepest part of it that
+    exists, where the rest can be made): probed with a temporary file, removed at once."""
+    probe = folder if str(folder) else Path(".")
+    while not probe.exists():
+        if probe.parent == probe:
+            break
+        probe = probe.parent
+    if not probe.is_dir():
+        raise UserError(f"{what}: {probe} is not a directory")
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=".derivgen-probe-", dir=probe)
+    except OSError as exc:
+        raise UserError(f"{what}: cannot write in {probe} ({exc.strerror or exc})") from None
+    os.close(fd)
+    os.unlink(tmp)
+
+
+def _write(path: str | Path, data: str | bytes, option: str) -> None:
+    """atomic_write, with a failure as a one-line UserError naming the option."""
+    try:
+        atomic_write(path, data)
+    except OSError as exc:
+        raise UserError(f"{option} {path}: cannot write ({exc.strerror or exc})") from None
+
+
+@contextlib.contextmanager
+def _status(message: str) -> Iterator[None]:
+    """``message`` on stderr while the block runs, cleared after: on a terminal only (and not
+    for an empty message), so that pipes and logs see nothing."""
+    show = bool(message) and sys.stderr.isatty()
+    if show:
+        sys.stderr.write(f"\r\033[K{message} ...")
+        sys.stderr.flush()
+    try:
+        yield
+    finally:
+        if show:
+            sys.stderr.write("\r\033[K")
+            sys.stderr.flush()
 
 
 def _spec_or_name(name: str | None, spec: str | None) -> Spec:
@@ -61,13 +130,15 @@ def _sizes(text: str) -> tuple[int, ...]:
     return sizes
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
 @click.version_option(package_name="derivgen")
 def cli() -> None:
-    """Derive, prove and generate backward passes of normalization layers."""
+    """Derive, prove and generate backward passes of normalization layers.
+
+    Each command's --help shows its defaults; docs/cli.md describes them all."""
 
 
-@cli.command("list")
+@cli.command("list", short_help="The catalogue and the zoo, one line each.")
 def list_cmd() -> None:
     """The built-in catalogue, then the zoo of published layers, one line each."""
     for heading, names in (("", api.names()), ("the zoo (published layers, generated on demand):", api.zoo())):
@@ -76,13 +147,16 @@ def list_cmd() -> None:
         for name in names:
             spec = api.load_spec(name)
             modes = "/".join(m.name for m in spec.modes)
-            click.echo(f"{name:<22} {spec.title} [{modes}]")
+            line = f"{name:<22} {spec.title} [{modes}]"
+            click.echo(line if len(line) <= 100 else line[:99] + "…")
 
 
-@cli.command("derive")
+@cli.command("derive", short_help="Print a layer's backward pass derived step by step.")
 @click.argument("name", required=False)
 @click.option("--spec", "spec_file", type=click.Path(dir_okay=False), help="A spec file instead of a catalogue NAME.")
-@click.option("--format", "fmt", type=click.Choice(["latex", "markdown", "text"]), default="latex", show_default=True)
+@click.option(
+    "--format", "fmt", type=click.Choice(["latex", "markdown", "text"]), default="latex", help="Output format."
+)
 @click.option("--standalone", is_flag=True, help="A complete LaTeX document that compiles with pdflatex.")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), help="Write to FILE instead of stdout.")
 @click.option("--pdf", type=click.Path(dir_okay=False), help="Also compile the standalone LaTeX to this PDF.")
@@ -106,15 +180,22 @@ def derive_cmd(
     no_prove: bool,
     order: int,
 ) -> None:
-    """Print the step-by-step derivation of a layer's backward pass."""
+    """Print the step-by-step derivation of a layer's backward pass: LaTeX by default
+    (--format text reads best in a terminal), proven at N = 2..6 unless --no-prove."""
     spec = _spec_or_name(name, spec_file)
     sizes = () if no_prove else _sizes(prove_sizes)
-    derivation = api.derive(spec, prove=sizes)
+    _out_file(output, "-o/--output")
+    _out_file(pdf, "--pdf")
+    if pdf and shutil.which("pdflatex") is None:  # before the work, like every other check
+        raise UserError(PDFLATEX_MISSING)
+    with _status(f"deriving and proving {spec.name} (N = {', '.join(map(str, sizes))})" if sizes else ""):
+        derivation = api.derive(spec, prove=sizes)
     failed = [mode for mode, proof in derivation.proofs.items() if not proof.ok]
     second_sizes = tuple(n for n in sizes if n <= 5)
-    text = derivation.render(fmt, standalone=standalone, order=order, second_sizes=second_sizes)
+    with _status(f"deriving and proving the second order of {spec.name}" if order == 2 else ""):
+        text = derivation.render(fmt, standalone=standalone, order=order, second_sizes=second_sizes)
     if output:
-        atomic_write(output, text)
+        _write(output, text, "-o/--output")
     else:
         click.echo(text, nl=False)
     if pdf:
@@ -125,7 +206,7 @@ def derive_cmd(
         )
 
 
-@cli.command("prove")
+@cli.command("prove", short_help="Derive and prove layers; print a summary table.")
 @click.argument("names", nargs=-1)
 @click.option("--spec", "spec_files", multiple=True, type=click.Path(dir_okay=False), help="Spec file(s) to prove too.")
 @click.option("--prove-sizes", default="2-6", show_default=True, help="Brute-force sizes (e.g. 2-6).")
@@ -139,7 +220,9 @@ def prove_cmd(names: tuple[str, ...], spec_files: tuple[str, ...], prove_sizes: 
     t_derive = t_prove = 0.0
     failed = []
     rows = []
+    progress = stderr_progress(len(specs))
     for spec in specs:
+        progress(f"deriving and proving {spec.name}")
         t0 = time.perf_counter()
         derivation = api.derive(spec)
         t1 = time.perf_counter()
@@ -161,12 +244,14 @@ def prove_cmd(names: tuple[str, ...], spec_files: tuple[str, ...], prove_sizes: 
                     "∂L/∂x = " + text_expr(mode.dx, spec),
                 )
             )
+    progress.done()
     widths = [max(len(r[i]) for r in rows + [("layer", "mode", "red.", "proof", "time", "")]) for i in range(5)]
     head = ("layer", "mode", "red.", f"proof N={sizes[0]}..{sizes[-1]}", "time")
     widths[3] = max(widths[3], len(head[3]))
-    click.echo("  ".join(h.ljust(w) for h, w in zip(head, widths)) + "  closed form")
-    for r in rows:
-        click.echo("  ".join(c.ljust(w) for c, w in zip(r[:5], widths)) + "  " + r[5])
+    click.echo("  ".join(h.ljust(w) for h, w in zip(head, widths)).rstrip())
+    for r in rows:  # the closed form on lines of its own, wrapped to fit 100 columns
+        click.echo("  ".join(c.ljust(w) for c, w in zip(r[:5], widths)).rstrip())
+        click.echo(textwrap.fill(r[5], 100, initial_indent="    ", subsequent_indent="        "))
     click.echo(
         f"\n{len(specs)} layer(s): derived in {t_derive:.2f} s, proven in {t_prove:.1f} s "
         f"(total {time.perf_counter() - t_all:.1f} s)"
@@ -175,7 +260,7 @@ def prove_cmd(names: tuple[str, ...], spec_files: tuple[str, ...], prove_sizes: 
         raise click.ClickException(f"proof FAILED for {', '.join(failed)}")
 
 
-@cli.command("generate")
+@cli.command("generate", short_help="Write the NumPy, C and PyTorch code of layers.")
 @click.argument("names", nargs=-1)
 @click.option("--spec", "spec_files", multiple=True, type=click.Path(dir_okay=False), help="Spec file(s) to generate.")
 @click.option(
@@ -186,18 +271,37 @@ def prove_cmd(names: tuple[str, ...], spec_files: tuple[str, ...], prove_sizes: 
     "out_dir",
     type=click.Path(file_okay=False),
     default=None,
-    help="Output directory (default: generated/ in the current directory).",
+    help="Output directory [default: ./generated for catalogue layers; for --spec files, "
+    "generated/ in the first spec's folder].",
 )
 @click.option("--check", is_flag=True, help="Write nothing; exit 1 listing files that are stale.")
 def generate_cmd(
     names: tuple[str, ...], spec_files: tuple[str, ...], target: tuple[str, ...], out_dir: str | None, check: bool
 ) -> None:
-    """Regenerate NumPy, C and PyTorch code (default: the whole catalogue into ./generated)."""
+    """Regenerate NumPy, C and PyTorch code (default: the whole catalogue into ./generated).
+
+    A --spec layer is written beside its spec (SPEC_FOLDER/generated/) or into --out, never over
+    the catalogue's own generated files."""
     targets = tuple(target) or gen.TARGETS
     specs = _specs(names, spec_files)
     whole = not specs
-    files = gen.render_all(specs or None, targets)
-    out = Path(out_dir) if out_dir else Path("generated")
+    if out_dir:
+        out = Path(out_dir)
+    elif spec_files:
+        out = Path(spec_files[0]).parent / "generated"
+    else:
+        out = Path("generated")
+    if not check:
+        _out_dir(out, "--out")
+    own = [s for s in specs if not s.source.startswith("catalogue/")]
+    if own and not out_dir and _holds_catalogue(out):
+        raise UserError(
+            f"{out}/ holds the catalogue's generated code; write a spec file's code elsewhere with --out DIR"
+        )
+    if own:
+        _not_over_catalogue(own, out, targets)
+    with _status(f"deriving and rendering {len(specs) or len(catalogue_names())} layer(s)"):
+        files = gen.render_all(specs or None, targets)
     if check:
         bad = gen.stale(files, out) + (gen.orphans(files, out, targets) if whole else [])
         if bad:
@@ -206,13 +310,52 @@ def generate_cmd(
             )
         click.echo(f"{len(files)} generated file(s) in {out}/ are up to date")
         return
-    written = gen.write(files, out)
+    try:
+        written = gen.write(files, out)
+    except OSError as exc:
+        raise UserError(f"--out {out}: cannot write ({exc.strerror or exc})") from None
     for path in written:
         click.echo(f"wrote {path}")
     click.echo(f"{len(files)} file(s) in {out}/, {len(written)} changed")
 
 
-@cli.command("check")
+def _holds_catalogue(out: Path) -> bool:
+    """Whether directory ``out`` holds code generated from the catalogue (a header says so)."""
+    for target in gen.TARGETS:
+        folder = out / target
+        if folder.is_dir():
+            for path in sorted(folder.glob("*.py")):
+                try:
+                    if "from catalogue/" in path.read_text(encoding="utf-8", errors="replace")[:300]:
+                        return True
+                except OSError:
+                    continue
+    return False
+
+
+def _not_over_catalogue(specs: list[Spec], out: Path, targets: tuple[str, ...]) -> None:
+    """UserError if writing ``specs`` (spec files, not the catalogue) into ``out`` would replace a
+    file generated from the catalogue (its header says ``from catalogue/``)."""
+    clash = []
+    for spec in specs:
+        for target in targets:
+            for suffix in (".py", ".c", ".h"):
+                path = out / target / f"{spec.name}{suffix}"
+                try:
+                    head = path.read_text(encoding="utf-8", errors="replace")[:300] if path.is_file() else ""
+                except OSError:
+                    head = ""
+                if "from catalogue/" in head:
+                    clash.append(str(path))
+    if clash:
+        raise UserError(
+            f"{clash[0]}{f' (and {len(clash) - 1} more)' if len(clash) > 1 else ''} is the catalogue's generated "
+            f"code, which layer {specs[0].name!r} from a spec file would replace: write it elsewhere with --out DIR "
+            "or rename the layer"
+        )
+
+
+@cli.command("check", short_help="Cross-check the generated code of layers.")
 @click.argument("names", nargs=-1)
 @click.option("--spec", "spec_files", multiple=True, type=click.Path(dir_okay=False), help="Spec file(s) to check.")
 @click.option("--backend", "backends", default="numpy,c", show_default=True, help="Comma-separated: numpy,c.")
@@ -224,7 +367,11 @@ def generate_cmd(
 def check_cmd(
     names: tuple[str, ...], spec_files: tuple[str, ...], backends: str, dtypes: str, prove_sizes: str, as_json: bool
 ) -> None:
-    """Cross-check every layer x backend x dtype: spec + finite differences, the other backend, PyTorch, proof."""
+    """Cross-check every layer x backend x dtype (default: the whole catalogue).
+
+    Against the spec and finite differences, the other backend, PyTorch autograd (torch's own
+    layer for the catalogue, the spec's forward in torch operations for a spec file) and the
+    brute-force proof; first and second order. Exit 1 if any check fails."""
     backend_list = tuple(b.strip() for b in backends.split(",") if b.strip())
     dtype_list = tuple(d.strip() for d in dtypes.split(",") if d.strip())
     if (
@@ -247,7 +394,8 @@ def check_cmd(
     progress = stderr_progress(total)
     rows = []
     for spec in specs:
-        rows += check_layer(spec, backend_list, dtype_list, prove_sizes=sizes, progress=progress)
+        with _status(f"{spec.name}: deriving, proving and compiling"):  # the bar takes over per case
+            rows += check_layer(spec, backend_list, dtype_list, prove_sizes=sizes, progress=progress)
     progress.done()
     failed = [r for r in rows if r.failed]
     if as_json:
@@ -255,15 +403,17 @@ def check_cmd(
     else:
         click.echo(format_table(rows))
         skipped = sum(1 for r in rows if r.status.startswith("skipped"))
+        na = sum(1 for r in rows if r.status.startswith("n/a"))
         click.echo(
-            f"\n{len(rows) - len(failed) - skipped} passed, {len(failed)} failed"
+            f"\n{len(rows) - len(failed) - skipped - na} passed, {len(failed)} failed"
             + (f", {skipped} skipped" if skipped else "")
+            + (f", {na} not applicable" if na else "")
         )
     if failed:
         raise click.ClickException(f"{len(failed)} check(s) failed")
 
 
-@cli.command("build")
+@cli.command("build", short_help="Compile the C kernels into the build cache.")
 @click.argument("names", nargs=-1)
 @click.option("--spec", "spec_files", multiple=True, type=click.Path(dir_okay=False), help="Spec file(s) to build.")
 def build_cmd(names: tuple[str, ...], spec_files: tuple[str, ...]) -> None:
@@ -277,7 +427,8 @@ def build_cmd(names: tuple[str, ...], spec_files: tuple[str, ...]) -> None:
             try:
                 cached = library_path(source).is_file()
                 t0 = time.perf_counter()
-                lib = build_shared(source)
+                with _status("" if cached else f"compiling {spec.name}"):
+                    lib = build_shared(source)
                 took = time.perf_counter() - t0
             except BuildError as exc:
                 raise click.ClickException(f"{spec.name}: {exc}") from None
@@ -290,16 +441,16 @@ def build_cmd(names: tuple[str, ...], spec_files: tuple[str, ...]) -> None:
 
 def _shape(text: str) -> tuple[int, ...]:
     """A ``--shape`` like ``8192x1024`` (or ``8192,1024``) as a tuple of positive sizes."""
-    try:
-        dims = tuple(int(t) for t in text.lower().replace(",", "x").split("x") if t.strip())
-    except ValueError:
-        dims = ()
-    if not dims or min(dims) < 1:
-        raise UserError(f"--shape: expected sizes like 8192x1024, got {text!r}")
+    t = text.strip().lower()
+    if not re.fullmatch(r"[0-9]+(?:[x,][0-9]+)*", t):
+        raise UserError(f"--shape: expected positive sizes like 8192x1024, got {text!r}")
+    dims = tuple(int(d) for d in re.split(r"[x,]", t))
+    if min(dims) < 1:
+        raise UserError(f"--shape: expected positive sizes like 8192x1024, got {text!r}")
     return dims
 
 
-@cli.command("bench")
+@cli.command("bench", short_help="Time the generated code against NumPy, PyTorch and bandwidth.")
 @click.argument("names", nargs=-1)
 @click.option(
     "--spec",
@@ -334,7 +485,7 @@ def _shape(text: str) -> tuple[int, ...]:
     "sync_world",
     type=click.IntRange(2, 64),
     default=None,
-    help="With --torch: SyncBatchNorm split over this many gloo processes against one process.",
+    help="With --torch: SyncBatchNorm split over this many gloo processes against one process (default: off).",
 )
 def bench_cmd(
     names: tuple[str, ...],
@@ -356,10 +507,15 @@ def bench_cmd(
             raise UserError(
                 "--torch benches its own fixed cases; it takes --threads, --dtype, --repeat and --json only"
             )
+        _out_file(json_file, "--json")
         _bench_torch(threads, dtype, repeat, json_file, default_malloc, sync_world)
         return
     if sync_world:
         raise UserError("--sync benches derivgen.torch's SyncBatchNorm: use it with --torch")
+    if plot_file and importlib.util.find_spec("matplotlib") is None:
+        raise UserError("--plot needs matplotlib: pip install matplotlib")
+    _out_file(json_file, "--json")
+    _out_file(plot_file, "--plot")
     names = list(names) or ([] if spec_files else list(DEFAULT_SHAPES))
     specs = _specs(names, spec_files)
     marches = [m.strip() for m in isas.split(",") if m.strip()]
@@ -376,7 +532,7 @@ def bench_cmd(
     progress.done()
     click.echo(format_report(report))
     if json_file:
-        atomic_write(json_file, json.dumps(report, indent=1))
+        _write(json_file, json.dumps(report, indent=1), "--json")
     if plot_file:
         try:
             plot(report, plot_file)
@@ -400,7 +556,7 @@ def _bench_torch(
         report = run_sync_bench(sync_world, repeat)
         click.echo(format_sync_report(report))
         if json_file:
-            atomic_write(json_file, json.dumps(report, indent=1))
+            _write(json_file, json.dumps(report, indent=1), "--json")
         return
     if not default_malloc:
         tune_malloc()
@@ -409,16 +565,14 @@ def _bench_torch(
     progress.done()
     click.echo(format_torch_report(report))
     if json_file:
-        atomic_write(json_file, json.dumps(report, indent=1))
+        _write(json_file, json.dumps(report, indent=1), "--json")
 
 
 def _pdflatex(tex: str, pdf: Path) -> None:
     """Compile standalone LaTeX to ``pdf`` with pdflatex (run twice, for references)."""
     exe = shutil.which("pdflatex")
     if exe is None:
-        raise click.ClickException(
-            "pdflatex not found: install the Debian package texlive-latex-base (apt-get install -y texlive-latex-base)"
-        )
+        raise UserError(PDFLATEX_MISSING)
     with tempfile.TemporaryDirectory(prefix="derivgen-tex-") as tmp:
         (Path(tmp) / "doc.tex").write_text(tex, encoding="utf-8")
         for _ in range(2):
@@ -433,7 +587,7 @@ def _pdflatex(tex: str, pdf: Path) -> None:
             if run.returncode != 0:  # its log's "!" lines say why
                 lines = [line for line in run.stdout.splitlines() if line.startswith("!")]
                 raise click.ClickException(f"pdflatex failed: {lines[0] if lines else 'see log'}")
-        atomic_write(pdf, (Path(tmp) / "doc.pdf").read_bytes())
+        _write(pdf, (Path(tmp) / "doc.pdf").read_bytes(), "--pdf")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -455,6 +609,12 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except (SpecError, ValueError) as exc:
         click.echo(f"derivgen: error: {exc}", err=True)
+        return 2
+    except OSError as exc:  # a file or directory that could not be read or written
+        if isinstance(exc, BrokenPipeError):
+            return 1
+        where = f" {exc.filename}" if exc.filename else ""
+        click.echo(f"derivgen: error:{where} {exc.strerror or exc}", err=True)
         return 2
     except BrokenPipeError:
         return 1

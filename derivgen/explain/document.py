@@ -30,10 +30,11 @@ class DerivLatexPrinter(SpellsFunctions, _Ordered, LatexPrinter):
     the subscript i outside a group mean (``subscript``), ∂L/∂y prints as a fraction, and
     ``Mean(e)`` as ⟨e⟩."""
 
-    def __init__(self, names: DisplayNames, subscript: bool = True):
+    def __init__(self, names: DisplayNames, subscript: bool = True, scalars: frozenset[str] = frozenset()):
         super().__init__({"mul_symbol": None, "fold_short_frac": False})
         self.names = names
         self.subscript = subscript
+        self.scalars = scalars  # scalar parameters: one value, no element subscript
         self._depth = 0
 
     def _print_Symbol(self, expr, style="plain"):
@@ -41,7 +42,7 @@ class DerivLatexPrinter(SpellsFunctions, _Ordered, LatexPrinter):
         base = self.names.latex.get(n)
         if base is None:
             return super()._print_Symbol(expr)
-        if n in self.names.element and self.subscript and self._depth == 0:
+        if n in self.names.element and n not in self.scalars and self.subscript and self._depth == 0:
             if n == "dy":
                 return r"\frac{\partial L}{\partial y_i}"
             return f"{{{base}}}_i" if not base.endswith("}") or "\\" in base else base + "_i"
@@ -103,18 +104,108 @@ class DerivTextPrinter(TextSpelling, _Ordered, StrPrinter):
     def _print_Mean(self, expr):
         return f"mean({self._print(expr.args[0])})"
 
+    def _print_Pi(self, expr):
+        return "π"
+
+    def _print_elementary(self, fn: functions.Elementary, expr: sympy.Expr) -> str:
+        if fn.name == "abs":  # |u|, as people write it
+            return f"|{self._print(expr.args[0])}|"
+        return super()._print_elementary(fn, expr)
+
+
+class _Written(sympy.Symbol):
+    """A constant as the spec wrote it (``1.2533141373155003``, ``sqrt(1.5707963267948966)``),
+    standing in for its exact value when an expression is printed."""
+
+    @classmethod
+    def class_key(cls) -> tuple:
+        return (1, 0, "Number")  # ordered as a number: first in a product
+
+    def _sympystr(self, printer: object) -> str:
+        return self.name
+
+    def _latex(self, printer: object) -> str:
+        if self.name.startswith("sqrt("):
+            return rf"\sqrt{{{self.name[5:-1]}}}"
+        return self.name
+
+
+def _terminating(r: sympy.Rational) -> bool:
+    """Whether ``r`` is a terminating decimal (its denominator has no prime but 2 and 5)."""
+    q = r.q
+    for f in (2, 5):
+        while q % f == 0:
+            q //= f
+    return q == 1
+
+
+def _long(r: sympy.Rational) -> bool:
+    """A terminating decimal of seven or more significant digits: one a person wrote as a decimal."""
+    return not r.is_Integer and _terminating(r) and len(_decimal_text(abs(r)).replace(".", "").strip("0")) >= 7
+
+
+def _decimals(expr: sympy.Expr) -> sympy.Expr:
+    """``expr`` with its long decimal constants as the spec wrote them: 1.2533141373155003,
+    held exactly as 12533141373155003/10**16, and sqrt(1.5707963267948966), which SymPy holds
+    as 7·sqrt(320570678937734)/10**8, print as written rather than as ratios of huge
+    integers. Only for printing: the values are exact."""
+    if not isinstance(expr, sympy.Basic):
+        return expr
+    reps: dict = {}
+    for m in expr.atoms(sympy.Mul):  # c·sqrt(k) = ±sqrt(c²·k)
+        c, rest = m.as_coeff_Mul()
+        roots = [
+            f
+            for f in sympy.Mul.make_args(rest)
+            if f.is_Pow and f.base.is_Integer and f.exp == sympy.S.Half and f.base > 10**6
+        ]
+        if len(roots) != 1 or not c.is_Rational:
+            continue
+        square = c**2 * roots[0].base
+        others = [f for f in sympy.Mul.make_args(rest) if f is not roots[0]]
+        sign = -1 if c < 0 else 1
+        if _long(square):
+            reps[m] = sympy.Mul(sign, _Written(f"sqrt({_decimal_text(square)})", positive=True), *others)
+        elif _long(1 / square):  # c·sqrt(k) = 1/sqrt(1/(c²·k))
+            root = _Written(f"sqrt({_decimal_text(1 / square)})", positive=True)
+            reps[m] = sympy.Mul(sign, sympy.Pow(root, -1), *others)
+    out = expr.xreplace(reps) if reps else expr
+    reps = {}
+    for r in out.atoms(sympy.Rational):
+        if _long(r):
+            sym = _Written(_decimal_text(abs(r)), positive=True)
+            reps[r] = sym if r > 0 else -sym
+        elif r != 0 and _long(1 / r):  # a division by a decimal: 1/1.2533141373155003
+            sym = sympy.Pow(_Written(_decimal_text(abs(1 / r)), positive=True), -1)
+            reps[r] = sym if r > 0 else -sym
+    return out.xreplace(reps) if reps else out
+
+
+def _decimal_text(r: sympy.Rational) -> str:
+    """A positive terminating decimal's digits: the shortest float spelling where it is exact,
+    otherwise every digit."""
+    short = repr(float(r))
+    if "e" not in short and sympy.Rational(short) == r:
+        return short
+    digits = 0
+    while (r * 10**digits).q != 1:
+        digits += 1
+    whole, frac = divmod(int(r * 10**digits), 10**digits)
+    return f"{whole}.{frac:0{digits}d}"
+
 
 def latex_expr(
     expr: sympy.Expr, spec: Spec | None = None, subscript: bool = True, extra: Mapping[str, Named] | None = None
 ) -> str:
     """``expr`` in LaTeX with the display names of ``spec`` and of ``extra`` (auxiliaries,
     the coordinate); element-level symbols subscripted with i unless ``subscript`` is False."""
-    return DerivLatexPrinter(DisplayNames(spec, extra), subscript).doprint(expr)
+    scalars = frozenset(p.name for p in spec.params if p.scalar) if spec is not None else frozenset()
+    return DerivLatexPrinter(DisplayNames(spec, extra), subscript, scalars).doprint(_decimals(expr))
 
 
 def text_expr(expr: sympy.Expr, spec: Spec | None = None, extra: Mapping[str, Named] | None = None) -> str:
     """``expr`` in text with the display names of ``spec`` and ``extra``: ^ for powers, · for products."""
-    s = DerivTextPrinter(DisplayNames(spec, extra)).doprint(expr)
+    s = DerivTextPrinter(DisplayNames(spec, extra)).doprint(_decimals(expr))
     return s.replace("**", "^").replace("*", "·")
 
 
@@ -245,6 +336,22 @@ def _extra(mode: ModeDerivation) -> dict:
     return out
 
 
+def closed_forms_latex(spec: Spec, steps: Mapping[str, tuple], modes: Mapping[str, ModeDerivation]) -> str:
+    """The closed forms of each mode (g, ∂L/∂x, the parameters' and the inputs' gradients, from
+    its ``steps``) as one LaTeX ``aligned`` block: what a notebook shows for a derivation."""
+    lines = []
+    for name, mode_steps in steps.items():
+        if len(steps) > 1:
+            lines.append(rf"&\text{{{_mode_title(modes[name], len(steps))}}}")
+        for step in mode_steps:
+            if step.title not in ("Closed form", "Parameter gradients", "Gradients of the per-group inputs"):
+                continue
+            for eq in step.equations:
+                if eq.rhs is not None and not eq.lhs_latex.startswith(r"\sum"):
+                    lines.append(f"{eq.lhs_latex} &= {latex_expr(eq.rhs, spec, extra=_extra(modes[name]))}")
+    return r"\begin{aligned}" + " \\\\ ".join(lines) + r"\end{aligned}"
+
+
 def _mode_title(mode: ModeDerivation, n_modes: int) -> str:
     if n_modes == 1:
         return ""
@@ -275,7 +382,7 @@ def _latex_step(step, spec: Spec, mode: ModeDerivation, heading: str) -> list[st
             if eq.rhs is None:
                 lines.append(eq.lhs_latex.replace(" = ", " &= ", 1))
             else:
-                lines.append(eq.lhs_latex + " &= " + latex_expr(eq.rhs, spec, extra=_extra(mode)))
+                lines.append(f"{eq.lhs_latex} &{_rel(eq, 'latex')} " + latex_expr(eq.rhs, spec, extra=_extra(mode)))
         out += [r"\begin{align*}", " \\\\\n".join(lines), r"\end{align*}"]
         out += _latex_notes(step)
     out.append("")
@@ -297,6 +404,11 @@ def _render_latex(spec: Spec, modes: list[ModeDocument]) -> str:
             out += _latex_step(step, spec, mode, r"\subsection*" if mt else r"\section*")
         out.append(_proof_latex(doc.proof))
     return "\n".join(out) + "\n"
+
+
+def _rel(eq: object, kind: str) -> str:
+    """An equation's relation ("=" unless the step says otherwise, as a buffer update's ←)."""
+    return getattr(eq, f"rel_{kind}", "=")
 
 
 def _proof_lines(proof: ModeProof | None) -> list[str]:
@@ -341,7 +453,8 @@ def _render_markdown(spec: Spec, modes: list[ModeDocument]) -> str:
                 if eq.rhs is None:
                     out.append(f"$$ {eq.lhs_latex} $$")
                 else:
-                    out.append(f"$$ {eq.lhs_latex} = {latex_expr(eq.rhs, spec, extra=_extra(mode))} $$")
+                    rhs = latex_expr(eq.rhs, spec, extra=_extra(mode))
+                    out.append(f"$$ {eq.lhs_latex} {_rel(eq, 'latex')} {rhs} $$")
                 if eq.note:
                     out.append(f"*{eq.note}*")
                 out.append("")
@@ -366,7 +479,7 @@ def _render_text(spec: Spec, modes: list[ModeDocument]) -> str:
             if step.prose:
                 out += [step.prose]
             for eq in step.equations:
-                rhs = "" if eq.rhs is None else " = " + text_expr(eq.rhs, spec, extra=_extra(mode))
+                rhs = "" if eq.rhs is None else f" {_rel(eq, 'text')} " + text_expr(eq.rhs, spec, extra=_extra(mode))
                 out.append("  " + eq.lhs_text + rhs)
                 if eq.note:
                     out.append(f"      ({eq.note})")

@@ -11,6 +11,7 @@ LaTeX, Markdown or text.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -31,6 +32,8 @@ class Equation:
     rhs: sympy.Expr | None = None
     note: str = ""
     note_latex: str = ""  # the note with its mathematics in LaTeX (optional)
+    rel_latex: str = "="  # the relation between the sides: "=", or "\\leftarrow" for an update
+    rel_text: str = "="
 
 
 @dataclass(frozen=True)
@@ -112,9 +115,11 @@ def _selection_zero(p: Partial, names: _Names) -> tuple[str, str]:
     st = p.stat
     return (
         f"∂L/∂{st.text} through the group {names.expr_text(p.atom)}",
-        f"∂L/∂{st.text} = {names.expr_text(p.raw)} = 0 for every ∂L/∂y: y does not change when "
-        f"{st.text} shifts (it only keeps the arithmetic in range), so no gradient flows through "
-        f"{st.text} and the backward needs no mask of the elements that attain it",
+        (
+            f"∂L/∂{st.text} = {names.expr_text(p.raw)} = 0 for every ∂L/∂y: y does not change when "
+            f"{st.text} shifts (it only keeps the arithmetic in range), so no gradient flows through "
+            f"{st.text} and the backward needs no mask of the elements that attain it"
+        ),
     )
 
 
@@ -134,7 +139,10 @@ def facts(mode: ModeDerivation) -> tuple[list[tuple[str, str]], list[tuple[str, 
     if mode.sum_xhat_zero:
         lin = _linear_mean(spec, mode.normalized_expr)
         vanishing.append(
-            ("Σ_j x̂_j", f"{names.expr_text(Mean(spec.normalized.symbol))} = {names.expr_text(lin)} = 0 {_NEGLIGIBLE}.")
+            (
+                f"Σ_j {spec.normalized.text}_j",
+                f"{names.expr_text(Mean(spec.normalized.symbol))} = {names.expr_text(lin)} = 0 {_NEGLIGIBLE}.",
+            )
         )
     return vanishing, kept
 
@@ -164,7 +172,7 @@ def _definitions(mode: ModeDerivation) -> Step:
 
 def _auxiliaries(mode: ModeDerivation) -> Step:
     eqs = [
-        Equation(st.latex, st.text, st.expr, note=f"named by derivgen: {st.expr_text}" if st.aux else "")
+        Equation(st.latex, st.text, st.expr, note=f"named by derivgen: {_articles(st.expr_text)}" if st.aux else "")
         for st in mode.statistics
     ]
     return Step(
@@ -174,6 +182,11 @@ def _auxiliaries(mode: ModeDerivation) -> Step:
         "meets is known and every derivative is rational in named values. As computed:",
         tuple(eqs),
     )
+
+
+def _articles(text: str) -> str:
+    """``text`` with "a" before a vowel as "an" ("an absolute value")."""
+    return re.sub(r"\b([Aa]) (?=[aeiou])", r"\1n ", text)
 
 
 def _chain_rule(mode: ModeDerivation, names: _Names) -> Equation:
@@ -254,6 +267,8 @@ def _partial_equation(p: Partial, names: _Names) -> Equation:
 
 
 def _statistic_partials(mode: ModeDerivation, names: _Names) -> Step:
+    if not mode.partials:  # no statistic depends on x (an eval mode's come from buffers)
+        return Step("Partial derivatives of the statistics", "No statistic depends on x: there are none.")
     return Step(
         "Partial derivatives of the statistics",
         "Each statistic is a function of group means; a mean ⟨r⟩ contributes "
@@ -299,11 +314,15 @@ def _closed_form(mode: ModeDerivation, names: _Names) -> Step:
     spec = mode.spec
     how = _closed_form_how(mode, names)
     prose = how + ("applying" if how else "Applying") + " linearity of ⟨·⟩ and the definitions of the statistics:"
-    prose += (
-        f" the backward needs {len(mode.reductions)} reduction(s) per group: "
-        + ", ".join(names.expr_text(r.atom) for r in mode.reductions)
-        + "."
-    )
+    n = len(mode.reductions)
+    if n == 0:
+        prose += " the backward needs no reduction over the group."
+    else:
+        prose += (
+            f" the backward needs {n} reduction{'s' if n > 1 else ''} per group: "
+            + ", ".join(names.expr_text(r.atom) for r in mode.reductions)
+            + "."
+        )
     eqs = []
     if mode.g is not None:
         eqs.append(Equation("g_i", "g", mode.g))
@@ -313,7 +332,9 @@ def _closed_form(mode: ModeDerivation, names: _Names) -> Step:
         lin = _linear_mean(spec, mode.normalized_expr)
         note = f"{names.expr_text(Mean(xhat.symbol))} = {names.expr_text(lin)} = 0 {_NEGLIGIBLE}."
         note_l = f"$\\langle {xhat.latex} \\rangle = 0$ {_NEGLIGIBLE}."
-        eqs.append(Equation(r"\sum_j " + xhat.latex + "_j", "Σ x̂", sympy.S.Zero, note=note, note_latex=note_l))
+        eqs.append(
+            Equation(r"\sum_j " + xhat.latex + "_j", "Σ " + xhat.text, sympy.S.Zero, note=note, note_latex=note_l)
+        )
     return Step("Closed form", prose, tuple(eqs))
 
 
@@ -371,7 +392,7 @@ def _running_buffers(mode: ModeDerivation) -> Step:
     return Step(
         "Running buffers (not differentiated)",
         "Updated in place in training mode:",
-        tuple(Equation(b.latex + r" \leftarrow", b.text + " ←", b.update) for b in mode.spec.buffers),
+        tuple(Equation(b.latex, b.text, b.update, rel_latex=r"\leftarrow", rel_text="←") for b in mode.spec.buffers),
     )
 
 

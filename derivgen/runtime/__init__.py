@@ -103,6 +103,7 @@ from derivgen.runtime.validate import (
     check_options,
     check_same_dtype,
     layout_from_shapes,
+    scalar_params,
 )
 
 # The face: what the generated modules call as ``_rt.<name>``, what the PyTorch
@@ -237,6 +238,7 @@ def prepare_forward(
     name = meta["name"]
     x = _check_array("x", x)
     dtype = x.dtype
+    params = scalar_params(meta, params, dtype)
     _param_dtypes(meta, params, dtype)
     layout = resolve_layout(meta, x, params, num_groups)
     _param_shapes(meta, params, layout)

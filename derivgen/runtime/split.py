@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from derivgen.runtime.base import _by_name, _check_array, _contig, _inputs, _param_dtypes, _param_shapes
-from derivgen.runtime.validate import Layout, check_float, check_options, layout_from_shapes
+from derivgen.runtime.validate import Layout, check_float, check_options, layout_from_shapes, scalar_params
 
 
 @dataclass
@@ -83,6 +83,7 @@ def prepare_split(
     inputs = _by_name(meta, "inputs", inputs, list(meta["inputs"]))
     x = _check_array("x", x)
     dtype = x.dtype
+    params = scalar_params(meta, params, dtype)
     _param_dtypes(meta, params, dtype)
     layout = split_layout(meta, x.shape, {p: params[p].shape for p in meta["params"]})
     _param_shapes(meta, params, layout)

@@ -82,6 +82,18 @@ def check_float(name: str, v: Any, lo: float | None = None, hi: float | None = N
     return f
 
 
+def scalar_params(meta: dict, params: dict, dtype: Any) -> dict:
+    """``params`` with every scalar parameter given as a Python or NumPy number (``0.7``,
+    ``np.float32(0.7)``) as a 0-d array of ``dtype`` (x's); anything else is left for the
+    array checks."""
+    out = dict(params)
+    for pname in meta.get("scalar_params", ()):
+        v = out.get(pname)
+        if isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, (bool, np.bool_)):
+            out[pname] = np.asarray(check_float(f"{meta['name']}: {pname}", v), dtype=dtype)
+    return out
+
+
 def layout_from_shapes(
     meta: dict, x_shape: Sequence[int], param_shapes: dict[str, Sequence[int]], num_groups: int | None
 ) -> Layout:

@@ -29,6 +29,12 @@ class PlainNumPy:
         layout = self.layout
         return np.mean(np.broadcast_to(a, layout.view4), axis=layout.reduce_axes, keepdims=True)
 
+    def _extreme(self, a: np.ndarray, kind: str) -> np.ndarray:
+        """The group max() or min() over each group's axes, kept as size-1 axes."""
+        layout = self.layout
+        pick = np.min if kind == "min" else np.max
+        return pick(np.broadcast_to(a, layout.view4), axis=layout.reduce_axes, keepdims=True)
+
     def _group(self, v: object) -> float | np.ndarray:
         """A per-group value (input, buffer) as a scalar or in the statistics' shape."""
         v = np.asarray(v)
@@ -47,12 +53,12 @@ class PlainNumPy:
             if kw.get(item.name) is not None:
                 env[item.symbol] = self._group(kw[item.name])
         for st in mode.statistics:
-            env[st.symbol] = evaluate(st.expr, env, self._mean)
+            env[st.symbol] = evaluate(st.expr, env, self._mean, self._extreme)
         if spec.normalized is not None:
-            env[spec.normalized.symbol] = evaluate(mode.normalized_expr, env, self._mean)
+            env[spec.normalized.symbol] = evaluate(mode.normalized_expr, env, self._mean, self._extreme)
         if mode.coordinate is not None:
-            env[mode.coordinate.symbol] = evaluate(mode.coordinate_expr, env, self._mean)
-        y = evaluate(spec.output, env, self._mean)
+            env[mode.coordinate.symbol] = evaluate(mode.coordinate_expr, env, self._mean, self._extreme)
+        y = evaluate(spec.output, env, self._mean, self._extreme)
         return np.broadcast_to(y, layout.view4).reshape(layout.x_shape), env
 
     def backward(self, dy: np.ndarray, env: dict) -> list:
@@ -62,19 +68,19 @@ class PlainNumPy:
         env = dict(env)
         env[DY] = dy.reshape(layout.view4)
         if mode.g is not None:
-            env[G] = evaluate(mode.g, env, self._mean)
-        dx = np.broadcast_to(evaluate(mode.dx, env, self._mean), layout.view4).reshape(layout.x_shape)
+            env[G] = evaluate(mode.g, env, self._mean, self._extreme)
+        dx = np.broadcast_to(evaluate(mode.dx, env, self._mean, self._extreme), layout.view4).reshape(layout.x_shape)
         grads = [dx]
         for p in spec.params:
             grad = mode.grads[p.name]
-            elem = np.broadcast_to(evaluate(grad.element, env, self._mean), layout.view4)
-            group = np.sum(np.broadcast_to(evaluate(grad.group, env, self._mean), layout.stat4))
+            elem = np.broadcast_to(evaluate(grad.element, env, self._mean, self._extreme), layout.view4)
+            group = np.sum(np.broadcast_to(evaluate(grad.group, env, self._mean, self._extreme), layout.stat4))
             if p.scalar:
                 grads.append(np.sum(elem) + group)
             else:
                 grads.append(np.sum(elem, axis=layout.param_axes).reshape(layout.param_shape))
         for i in spec.inputs:  # in the input's shape: one value, or one per group
-            gi = np.broadcast_to(evaluate(mode.dinputs[i.name], env, self._mean), layout.stat4)
+            gi = np.broadcast_to(evaluate(mode.dinputs[i.name], env, self._mean, self._extreme), layout.stat4)
             scalar = not isinstance(env.get(i.symbol), np.ndarray)
             grads.append(np.sum(gi) if scalar else gi.reshape(layout.group_shape))
         return grads

@@ -15,6 +15,7 @@ import io
 import math
 import os
 import statistics
+import textwrap
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -563,54 +564,62 @@ def header_lines(report: dict) -> list[str]:
 
 
 def format_report(report: dict) -> str:
-    """The report as text: the preamble, a table of every row, and the targets."""
-    lines = header_lines(report) + [""]
-    head = (
-        "layer",
-        "shape",
-        "impl",
-        "fwd ms",
-        "bwd ms",
-        "fwd+bwd ms",
-        "alloc ms",
-        "x torch",
-        "x bound",
-        "fwd x bnd",
-        "bwd x bnd",
-        "fwd x nt",
-        "bwd x nt",
-    )
-    rows = []
+    """The report as text that fits 100 columns: the preamble, the timings, the ratios to the
+    bandwidth bounds, and the targets."""
+    lines = [_wrap(line) for line in header_lines(report)] + [""]
 
     def f(v: float | None, fmt: str = "{:.2f}") -> str:
         """A cell: the value formatted, or '-'."""
         return "-" if v is None else fmt.format(v)
 
-    for r in report["results"]:
-        ra = r["ratios"]
-        rows.append(
+    def key(r: dict) -> tuple:
+        return (r["layer"], "x".join(map(str, r["shape"])), r["impl"])
+
+    res = report["results"]
+    times = [
+        ("layer", "shape", "impl", "fwd ms", "bwd ms", "fwd+bwd ms", "alloc ms", "x torch"),
+        *(
             (
-                r["layer"],
-                "x".join(map(str, r["shape"])),
-                r["impl"],
+                *key(r),
                 f(r["fwd_ms"]),
                 f(r["bwd_ms"]),
                 f(r["step_ms"]),
                 f(r["step_alloc_ms"]),
-                f(ra.get("step_vs_torch")),
-                f(ra.get("step_vs_bound")),
-                f(ra.get("fwd_vs_bound")),
-                f(ra.get("bwd_vs_bound")),
-                f(ra.get("fwd_vs_stream_bound")),
-                f(ra.get("bwd_vs_stream_bound")),
+                f(r["ratios"].get("step_vs_torch")),
             )
-        )
-    widths = [max(len(str(x[i])) for x in [head, *rows]) for i in range(len(head))]
-    lines.append("  ".join(h.ljust(w) for h, w in zip(head, widths)).rstrip())
-    lines += ["  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
-    lines.append("")
-    lines += target_lines(report)
+            for r in res
+        ),
+    ]
+    bounds = [
+        ("layer", "shape", "impl", "x bound", "fwd x bnd", "bwd x bnd", "fwd x nt", "bwd x nt"),
+        *(
+            (
+                *key(r),
+                *(
+                    f(r["ratios"].get(k))
+                    for k in (
+                        "step_vs_bound",
+                        "fwd_vs_bound",
+                        "bwd_vs_bound",
+                        "fwd_vs_stream_bound",
+                        "bwd_vs_stream_bound",
+                    )
+                ),
+            )
+            for r in res
+        ),
+    ]
+    for table in (times, bounds):
+        widths = [max(len(str(x[i])) for x in table) for i in range(len(table[0]))]
+        lines += ["  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip() for row in table]
+        lines.append("")
+    lines += [_wrap(line) for line in target_lines(report)]
     return "\n".join(lines)
+
+
+def _wrap(line: str) -> str:
+    """A line of prose folded to 100 columns (continuations indented)."""
+    return textwrap.fill(line, 100, subsequent_indent="    ", break_on_hyphens=False) if len(line) > 100 else line
 
 
 def target_lines(report: dict) -> list[str]:
@@ -641,7 +650,7 @@ def plot(report: dict, path: str) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise RuntimeError("--plot needs matplotlib: pip install 'derivgen[plot]'") from None
+        raise RuntimeError("--plot needs matplotlib: pip install matplotlib") from None
     res = report["results"]
     cases = []
     for r in res:

@@ -18,12 +18,15 @@ from derivgen.derive.first import G, ModeDerivation
 from derivgen.runtime.elementwise import numpy_function
 from derivgen.spec.model import DY, N, X
 from derivgen.symbolic import functions
-from derivgen.symbolic.reduce import Mean
+from derivgen.symbolic.reduce import GroupMax, GroupMin, Mean
 
 
-def evaluate(expr: sympy.Expr, env: dict[sympy.Symbol, object], mean: Callable = np.mean) -> object:
+def evaluate(
+    expr: sympy.Expr, env: dict[sympy.Symbol, object], mean: Callable = np.mean, extreme: Callable | None = None
+) -> object:
     """``expr`` over the values in ``env``; ``mean`` reduces a Mean's argument (default: the
-    whole array, one group; derivgen.tools.baseline passes a mean over the group axes)."""
+    whole array, one group; derivgen.tools.baseline passes a mean over the group axes), and
+    ``extreme(values, "max" | "min")`` a group max()/min() (default: over the whole array)."""
     if expr.is_Symbol:
         try:
             return env[expr]
@@ -32,16 +35,22 @@ def evaluate(expr: sympy.Expr, env: dict[sympy.Symbol, object], mean: Callable =
     if expr.is_number:  # 2, 1/2, pi, sqrt(pi)
         return float(expr)
     if isinstance(expr, Mean):
-        return mean(evaluate(expr.args[0], env, mean))
+        return mean(evaluate(expr.args[0], env, mean, extreme))
+    if isinstance(expr, GroupMax):  # GroupMin is one too
+        values = evaluate(expr.args[0], env, mean, extreme)
+        kind = "min" if isinstance(expr, GroupMin) else "max"
+        if extreme is not None:
+            return extreme(values, kind)
+        return np.min(values) if kind == "min" else np.max(values)
     if expr.is_Add:
-        return sum(evaluate(a, env, mean) for a in expr.args)
+        return sum(evaluate(a, env, mean, extreme) for a in expr.args)
     if expr.is_Mul:
         out = 1.0
         for a in expr.args:
-            out = out * evaluate(a, env, mean)
+            out = out * evaluate(a, env, mean, extreme)
         return out
     if expr.is_Pow:
-        base = evaluate(expr.base, env, mean)
+        base = evaluate(expr.base, env, mean, extreme)
         exponent = expr.exp
         root = functions.half_power_sign(expr)  # x**(1/2) or x**(-1/2): the table's square root
         if root:
@@ -50,7 +59,7 @@ def evaluate(expr: sympy.Expr, env: dict[sympy.Symbol, object], mean: Callable =
         return np.power(base, float(exponent)) if not exponent.is_Integer else base ** int(exponent)
     fn = functions.of_node(expr)
     if fn is not None:  # the table's NumPy function
-        return numpy_function(fn)(*(evaluate(a, env, mean) for a in expr.args))
+        return numpy_function(fn)(*(evaluate(a, env, mean, extreme) for a in expr.args))
     raise TypeError(f"cannot evaluate {type(expr).__name__}: {expr}")
 
 

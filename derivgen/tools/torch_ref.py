@@ -10,9 +10,17 @@ so this module imports without it.
 
 from __future__ import annotations
 
+import functools
+import operator
 from typing import TYPE_CHECKING
 
 import numpy as np
+import sympy
+
+from derivgen.runtime import Layout
+from derivgen.spec.model import N, Spec, X
+from derivgen.symbolic import functions
+from derivgen.symbolic.reduce import GroupMax, GroupMin, Mean
 
 if TYPE_CHECKING:  # for the annotations only; at run time torch is imported where it is used
     import torch
@@ -31,20 +39,27 @@ def torch_available() -> bool:
 
 
 def torch_reference(
-    name: str, x: np.ndarray, params: dict[str, np.ndarray], kw: dict, dy: np.ndarray
+    name: str,
+    x: np.ndarray,
+    params: dict[str, np.ndarray],
+    kw: dict,
+    dy: np.ndarray,
+    forward: SpecForward | None = None,
 ) -> tuple[np.ndarray, dict[str, np.ndarray], dict[str, np.ndarray | None]]:
     """Layer ``name``'s forward and backward by PyTorch autograd in float64: (y, gradients keyed
-    ``dx``, ``d<param>``, ``d<input>``, the running buffers after the call (None where absent))."""
+    ``dx``, ``d<param>``, ``d<input>``, the running buffers after the call (None where absent)).
+    With ``forward`` (any spec's :class:`SpecForward`), autograd runs through it instead."""
     import torch  # optional dependency
 
     tparams = {k: torch.tensor(v, dtype=torch.float64, requires_grad=True) for k, v in params.items()}
     tx = torch.tensor(x, dtype=torch.float64, requires_grad=True)
-    extra_in = {}
-    if name == "online_layernorm":
-        extra_in = {
-            k: torch.tensor(np.asarray(kw[k], dtype=np.float64), requires_grad=True) for k in ("prev_mean", "prev_std")
-        }
-    y, buffers = _forward(name, tx, tparams, extra_in, kw, x, params)
+    extra_in = {
+        k: torch.tensor(np.asarray(kw[k], dtype=np.float64), requires_grad=True) for k in _input_names(name, forward)
+    }
+    if forward is not None:
+        y, buffers = forward(tx, tparams, extra_in, kw)
+    else:
+        y, buffers = _forward(name, tx, tparams, extra_in, kw, x, params)
     y.backward(torch.tensor(dy, dtype=torch.float64))
     grads = {"dx": tx.grad.numpy()}
     for k, v in tparams.items():
@@ -56,25 +71,39 @@ def torch_reference(
 
 
 def torch_second_reference(
-    name: str, x: np.ndarray, params: dict[str, np.ndarray], kw: dict, dy: np.ndarray, bb_seeds: dict, jvp_seeds: dict
+    name: str,
+    x: np.ndarray,
+    params: dict[str, np.ndarray],
+    kw: dict,
+    dy: np.ndarray,
+    bb_seeds: dict,
+    jvp_seeds: dict,
+    forward: SpecForward | None = None,
 ) -> dict[str, np.ndarray]:
     """PyTorch's own second order, float64: the double backward by
     ``torch.autograd.grad(..., create_graph=True)`` and a second grad (keys ``bb.dx``,
     ``bb.ddy``, ``bb.d<p>``, ``bb.d<input>``), and ``torch.func.jvp`` of the forward
     (``jvp.ty``). Seeds are dicts by the backward's field names (dx, d<p>, d<input>) and
-    by the forward's argument names (x, <p>, <input>)."""
+    by the forward's argument names (x, <p>, <input>). With ``forward``, through it."""
     import torch  # optional dependency
 
     f64 = torch.float64
     names = list(params)
-    inputs = ["prev_mean", "prev_std"] if name == "online_layernorm" else []
+    inputs = list(_input_names(name, forward))
+    run = forward if forward is not None else (lambda tx, tp, ti, k: _forward(name, tx, tp, ti, k, x, params))
     tx = torch.tensor(x, dtype=f64, requires_grad=True)
     tparams = {k: torch.tensor(v, dtype=f64, requires_grad=True) for k, v in params.items()}
     ins = {k: torch.tensor(np.asarray(kw[k], dtype=np.float64), requires_grad=True) for k in inputs}
     tdy = torch.tensor(dy, dtype=f64, requires_grad=True)
     # without the running buffers in training: their update is no part of the second order
-    kw_nb = {k: v for k, v in kw.items() if k not in ("running_mean", "running_var") or not kw.get("training", True)}
-    y, _ = _forward(name, tx, tparams, ins, kw_nb, x, params)
+    # (a spec's own forward updates nothing, and may read the buffers in training too)
+    if forward is not None:
+        kw_nb = kw
+    else:
+        kw_nb = {
+            k: v for k, v in kw.items() if k not in ("running_mean", "running_var") or not kw.get("training", True)
+        }
+    y, _ = run(tx, tparams, ins, kw_nb)
     wrt = [tx, *tparams.values(), *ins.values()]
     first = torch.autograd.grad(y, wrt, tdy, create_graph=True, allow_unused=True)
     fields = ["dx", *("d" + k for k in names), *("d" + k for k in inputs)]
@@ -96,13 +125,20 @@ def torch_second_reference(
         """y as a function of x, the parameters and the inputs (in that order), for torch.func.jvp."""
         pp = dict(zip(names, rest[: len(names)]))
         ii = dict(zip(inputs, rest[len(names) :]))
-        return _forward(name, xx, pp, ii, kw_nb, x, params)[0]
+        return run(xx, pp, ii, kw_nb)[0]
 
     primals = (tx.detach(), *(v.detach() for v in tparams.values()), *(v.detach() for v in ins.values()))
     tangents = tuple(torch.as_tensor(np.asarray(jvp_seeds[k], dtype=np.float64)) for k in ["x", *names, *inputs])
     _, ty = torch.func.jvp(fwd, primals, tangents)
     out["jvp.ty"] = ty.detach().numpy()
     return out
+
+
+def _input_names(name: str, forward: SpecForward | None) -> tuple[str, ...]:
+    """The layer's inputs (per-group values with gradients): the spec's, or online layer norm's."""
+    if forward is not None:
+        return forward.inputs
+    return ("prev_mean", "prev_std") if name == "online_layernorm" else ()
 
 
 def _forward(
@@ -149,3 +185,78 @@ def _forward(
     else:
         raise KeyError(name)
     return y, buffers
+
+
+class SpecForward:
+    """A spec's own forward in torch operations, for any layer: the mode's statistics, the
+    normalized coordinate and the output as the spec writes them, walked as expressions with
+    each mean over the group's axes of ``layout``'s (O, G, Cg, S) view. It reads nothing the
+    engine derived, so autograd through it is a reference independent of the closed forms.
+    Called as ``_forward`` is: (x, parameters, inputs, keyword arguments) -> (y, no buffers)."""
+
+    def __init__(self, spec: Spec, mode: str, layout: Layout):
+        self.spec, self.mode, self.layout = spec, spec.mode(mode), layout
+        self.inputs = tuple(i.name for i in spec.inputs)
+
+    def __call__(self, tx: torch.Tensor, tparams: dict, extra_in: dict, kw: dict) -> tuple:
+        import torch  # optional dependency
+
+        spec, layout = self.spec, self.layout
+
+        def group(v: object) -> torch.Tensor:
+            """A per-group value as a 0-d tensor (one value) or in the statistics' shape."""
+            t = v if isinstance(v, torch.Tensor) else torch.as_tensor(np.asarray(v, dtype=np.float64))
+            return t.reshape(()) if t.numel() == 1 else t.reshape(layout.stat4)
+
+        env: dict = {X: tx.reshape(layout.view4), N: float(layout.group_size)}
+        for p in spec.params:
+            v = tparams[p.name]
+            env[p.symbol] = v.reshape(()) if p.scalar else v.reshape(layout.param4)
+        for o in spec.options:
+            if kw.get(o.name, o.default) is not None:
+                env[o.symbol] = float(kw.get(o.name, o.default))
+        for i in spec.inputs:
+            env[i.symbol] = group(extra_in[i.name])
+        for b in spec.buffers:
+            if kw.get(b.name) is not None:
+                env[b.symbol] = group(kw[b.name])
+        for st in self.mode.statistics:
+            env[st.symbol] = self._eval(st.expr, env)
+        if spec.normalized is not None:
+            env[spec.normalized.symbol] = self._eval(spec.normalized_expr, env)
+        y = self._eval(spec.output, env) * torch.ones(layout.view4, dtype=torch.float64)
+        return y.reshape(layout.x_shape), {}
+
+    def _eval(self, expr: sympy.Expr, env: dict) -> object:
+        """``expr`` in torch operations over ``env``; a Mean over the group's axes, kept."""
+        import torch  # optional dependency
+
+        if expr.is_Symbol:
+            return env[expr]
+        if expr.is_Number or expr.is_NumberSymbol:  # 0.5, pi
+            return float(expr)
+        if isinstance(expr, Mean):
+            arg = self._eval(expr.args[0], env) * torch.ones(self.layout.view4, dtype=torch.float64)
+            return arg.mean(dim=self.layout.reduce_axes, keepdim=True)
+        if isinstance(expr, GroupMax):  # and GroupMin: torch.amax/amin split a tie's gradient evenly
+            arg = self._eval(expr.args[0], env) * torch.ones(self.layout.view4, dtype=torch.float64)
+            pick = torch.amin if isinstance(expr, GroupMin) else torch.amax
+            return pick(arg, dim=self.layout.reduce_axes, keepdim=True)
+        args = [self._eval(a, env) for a in expr.args]
+        if expr.is_Add:
+            return functools.reduce(operator.add, args)
+        if expr.is_Mul:
+            return functools.reduce(operator.mul, args)
+        if expr.is_Pow:
+            base = torch.as_tensor(args[0], dtype=torch.float64)
+            root = functions.half_power_sign(expr)
+            if root:
+                return torch.sqrt(base) if root > 0 else 1.0 / torch.sqrt(base)
+            return base ** (int(expr.exp) if expr.exp.is_Integer else float(expr.exp))
+        fn = functions.of_node(expr)
+        if fn is None:
+            raise TypeError(f"cannot evaluate {type(expr).__name__} in torch: {expr}")
+        target = torch
+        for part in fn.torch.split("."):
+            target = getattr(target, part)
+        return target(*(torch.as_tensor(a, dtype=torch.float64) for a in args))

@@ -35,3 +35,123 @@ def test_standalone_latex_compiles(name, tmp_path):
     )
     assert r.returncode == 0, r.stdout[-2000:]
     assert (tmp_path / "d.pdf").stat().st_size > 10_000
+
+
+def test_scalar_parameters_carry_no_element_subscript():
+    from conftest import ROOT
+
+    tex = derivgen.derive(ROOT / "examples" / "dynamic_tanh.toml").render("latex")
+    assert r"\alpha" in tex and r"{\alpha}_i" not in tex
+    assert r"{\gamma}_i" in tex  # a per-feature parameter keeps it
+
+
+def test_buffer_updates_reductions_and_the_coordinate_read_as_written():
+    text = derivgen.derive("batchnorm").render("text")
+    assert "running_mean ← μ" in text and "← =" not in text
+    assert "needs 2 reductions per group: mean(g), mean(g·x̂)." in text
+    assert "needs no reduction over the group." in text and "0 reduction" not in text
+    tex = derivgen.derive("batchnorm").render("latex")
+    assert r"\hat{\mu} &\leftarrow \mu m" in tex
+
+
+SPEC_WITH_ABS_AND_A_DECIMAL = """
+name = "madnorm"
+title = "Mean absolute deviation norm"
+summary = "test."
+[layout]
+kind = "trailing"
+[params]
+gamma = { role = "scale" }
+[options]
+epsl = { default = 1e-5 }
+[statistics]
+mean = { expr = "mean(x)" }
+mad = { expr = "1.2533141373155003*mean(abs(x - mean)) + abs(epsl)" }
+[normalized]
+name = "xhat"
+expr = "(x - mean)/mad"
+[output]
+y = "gamma*xhat"
+"""
+
+
+def test_absolute_values_decimals_and_articles(tmp_path):
+    path = tmp_path / "madnorm.toml"
+    path.write_text(SPEC_WITH_ABS_AND_A_DECIMAL)
+    d = derivgen.derive(path)
+    text = d.render("text")
+    assert "Abs(" not in text and "|epsl|" in text and "mean(|mean - x|)" in text
+    assert "1.2533141373155003·mean(|mean - x|)" in text
+    assert "12533141373155003" not in text and "10000000000000000" not in text
+    assert "Σ xhat" in text or "x̂" not in text  # the coordinate under the spec's own name only
+    assert "1.2533141373155003" in d.render("latex")
+    assert " a a" not in text and " a e" not in text and " a i" not in text
+
+
+def test_decimal_text_is_exact():
+    import sympy
+
+    from derivgen.explain.document import _decimal_text, _decimals
+
+    assert _decimal_text(sympy.Rational(12533141373155003, 10**16)) == "1.2533141373155003"
+    r = sympy.Rational(12533141373155003, 10**16) ** 2
+    assert sympy.Rational(_decimal_text(r)) == r
+    x = sympy.Symbol("x")
+    assert _decimals(x / 3 + sympy.Rational(1, 10)) == x / 3 + sympy.Rational(1, 10)  # short ones stay
+
+
+def test_the_worked_example_names_do_not_collide_with_g():
+    from conftest import ROOT
+
+    text = derivgen.derive(ROOT / "examples" / "scalenorm.toml").render("text")
+    assert "∂L/∂x = ρ·s·(" in text and "∂L/∂y·g" not in text and "g·g" not in text
+
+
+def test_a_derivation_renders_itself_in_a_notebook():
+    d = derivgen.derive("batchnorm")
+    md = d._repr_markdown_()
+    assert md.startswith("# Batch normalization: the backward pass, derived")
+    tex = d._repr_latex_()
+    assert tex.startswith(r"$$\begin{aligned}") and tex.endswith(r"\end{aligned}$$")
+    assert r"\text{Training mode}" in tex and r"\text{Evaluation mode}" in tex
+    assert r"\frac{\partial L}{\partial x_i} &= \rho" in tex
+
+
+def test_articles():
+    from derivgen.explain.steps import _articles
+
+    assert _articles("a absolute value in s") == "an absolute value in s"
+    assert _articles("a square root in a exp") == "a square root in an exp"
+
+
+@pytest.mark.parametrize(
+    "written, text, latex",
+    [
+        ("sqrt(1.5707963267948966)*x", "sqrt(1.5707963267948966)·x", r"\sqrt{1.5707963267948966} {x}_i"),
+        ("x/sqrt(1.5707963267948966)", "x/sqrt(1.5707963267948966)", r"\frac{{x}_i}{\sqrt{1.5707963267948966}}"),
+        ("x/1.2533141373155003", "x/1.2533141373155003", r"\frac{{x}_i}{1.2533141373155003}"),
+        ("-1.2533141373155003*x + 1", "1 - 1.2533141373155003·x", r"1 - 1.2533141373155003 {x}_i"),
+        ("0.5*x", "x/2", r"\frac{{x}_i}{2}"),
+    ],
+)
+def test_constants_print_as_written(written, text, latex):
+    import sympy
+
+    from derivgen.explain.document import latex_expr, text_expr
+    from derivgen.spec.expr import parse_expr
+
+    x = sympy.Symbol("x")
+    e = parse_expr(written, {"x": x}, group_size=sympy.Symbol("N"))
+    assert text_expr(e) == text
+    assert latex_expr(e) == latex
+
+
+def test_pi_prints_as_pi():
+    import sympy
+
+    from derivgen.explain.document import latex_expr, text_expr
+    from derivgen.spec.expr import parse_expr
+
+    x = sympy.Symbol("x")
+    e = parse_expr("x*pi", {"x": x}, group_size=sympy.Symbol("N"))
+    assert text_expr(e) == "π·x" and latex_expr(e) == r"\pi {x}_i"

@@ -191,3 +191,31 @@ def test_nan_and_inf_propagate(backend, dtype):
     assert np.isnan(y[1]).all() and np.isnan(y[2]).all()
     g = k.backward(np.ones_like(x), c)
     assert np.isfinite(g.dx[0]).all() and np.isnan(g.dx[1]).all()
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("alpha", [0.7, 1, np.float64(0.7), np.float32(0.7), np.int64(1)])
+def test_a_scalar_parameter_takes_python_and_numpy_numbers(backend, dtype, alpha):
+    from conftest import ROOT
+
+    k = derivgen.load(ROOT / "examples" / "dynamic_tanh.toml", backend=backend)
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(3, 5)).astype(dtype)
+    g, b = np.ones(5, dtype), np.zeros(5, dtype)
+    y, cache = k.forward(x, alpha, g, b)
+    y0, cache0 = k.forward(x, np.asarray(alpha, dtype), g, b)
+    np.testing.assert_array_equal(y, y0)
+    dy = np.ones_like(x)
+    np.testing.assert_array_equal(k.backward(dy, cache).dalpha, k.backward(dy, cache0).dalpha)
+
+
+@pytest.mark.parametrize(
+    "alpha, exc, needle", [(True, TypeError, "alpha"), ("0.7", TypeError, "alpha"), (np.inf, ValueError, "finite")]
+)
+def test_a_scalar_parameter_still_rejects_what_is_no_number(backend, alpha, exc, needle):
+    from conftest import ROOT
+
+    k = derivgen.load(ROOT / "examples" / "dynamic_tanh.toml", backend=backend)
+    x = np.ones((3, 5))
+    with pytest.raises(exc, match=needle):
+        k.forward(x, alpha, np.ones(5), np.zeros(5))

@@ -6,6 +6,7 @@ import sys
 
 import numpy as np
 import pytest
+from conftest import ROOT
 
 import derivgen
 from derivgen.tools import check as chk
@@ -38,9 +39,46 @@ def test_check_table_and_progress():
     r = run("batchnorm", "--backend", "c", "--dtype", "float64", "--prove-sizes", "2")
     assert r.returncode == 0, r.stderr
     assert "eval" in r.stdout and "train" in r.stdout
-    assert "max relative error per output" in r.stdout
+    assert "worst rel. error" in r.stdout
     assert r.stdout.strip().splitlines()[-1].endswith("0 failed")
-    assert "batchnorm" in r.stderr  # progress is shown while it runs
+    assert max(len(line) for line in r.stdout.splitlines()) <= 100
+    assert r.stderr == ""  # progress only on a terminal
+
+
+def test_progress_on_a_terminal_only(monkeypatch, capsys):
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: False)
+    step = chk.stderr_progress(2)
+    step("one")
+    step.done()
+    assert capsys.readouterr().err == ""
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    step = chk.stderr_progress(2)
+    step("one")
+    step.done()
+    assert "1/2 one" in capsys.readouterr().err
+
+
+def test_a_spec_file_is_checked_against_torch_autograd_of_its_forward():
+    spec = derivgen.load_spec(ROOT / "examples" / "dynamic_tanh.toml")
+    rows = chk.check_layer(spec, ("numpy",), ("float64",), prove_sizes=(2,), in_ci=False)
+    torch_rows = [r for r in rows if r.check.startswith("torch")]
+    assert [r.check for r in torch_rows] == ["torch", "torch second order"]
+    assert all(r.status == "ok" and r.errors for r in torch_rows), torch_rows
+    assert set(torch_rows[0].errors) == {"y", "dx", "dalpha", "dgamma", "dbeta"}
+
+
+def test_the_spec_forward_in_torch_catches_a_wrong_closed_form(monkeypatch):
+    spec = derivgen.load_spec(ROOT / "examples" / "scalenorm.toml")
+    real = chk._run
+
+    def broken(mod, spec_, x, dy, params, kw, seeds=None):
+        out = real(mod, spec_, x, dy, params, kw, seeds)
+        out["dx"] = out["dx"] * 1.001
+        return out
+
+    monkeypatch.setattr(chk, "_run", broken)
+    rows = chk.check_layer(spec, ("numpy",), ("float64",), prove_sizes=(2,), in_ci=False)
+    assert [r.failed for r in rows if r.check == "torch"] == [True]
 
 
 @pytest.mark.parametrize(
@@ -78,3 +116,32 @@ def test_a_broken_backend_is_reported(monkeypatch):
     bad = {r.check for r in rows if r.failed}
     assert "spec + finite differences" in bad and "torch" in bad
     assert "second order: finite differences" in bad and "torch second order" in bad
+
+
+def test_stop_gradient_leaves_finite_differences_to_y_and_torch_judges_the_gradient():
+    spec = derivgen.load_spec("batch_renorm")
+    rows = chk.check_layer(spec, ("numpy",), ("float64",), prove_sizes=(2,), in_ci=False)
+    assert not [r for r in rows if r.failed], rows
+    fd = [r for r in rows if r.check == "spec + finite differences"]
+    assert fd and all(set(r.errors) == {"y"} and r.status == "ok (y only: stop_gradient)" for r in fd)
+    assert all(r.status.startswith("n/a") for r in rows if r.check == "second order: finite differences")
+    torch_rows = [r for r in rows if r.check == "torch"]
+    assert torch_rows and all(r.status == "ok" and "dx" in r.errors for r in torch_rows)
+
+
+def test_the_table_fits_100_columns_with_long_names():
+    rows = [
+        chk.Row(
+            "weight_standardization", "train", "c~numpy", "float32", "torch second order", {"bb.dweight_x": 1e-7}, 2e-5
+        ),
+        chk.Row("batch_renorm", "train", "numpy", "float64", "second order: finite differences", status=chk.NO_FD),
+    ]
+    table = chk.format_table(rows)
+    assert max(len(line) for line in table.splitlines()) <= 100
+    assert "n/a: stop_gradient" in table
+
+
+def test_group_max_layers_are_checked_against_the_spec_and_torch():
+    rows = chk.check_layer(derivgen.load_spec("softmax"), ("numpy",), ("float64",), prove_sizes=(2,), in_ci=False)
+    assert not [r for r in rows if r.failed], rows
+    assert any(r.check == "torch" and r.status == "ok" and "dx" in r.errors for r in rows)

@@ -17,7 +17,10 @@ def run(*args, cwd=None):
 def test_list():
     r = run("list")
     assert r.returncode == 0
-    assert [l.split()[0] for l in r.stdout.splitlines()] == derivgen.names()
+    catalogue, _, zoo = r.stdout.partition("\n\nthe zoo")
+    assert [l.split()[0] for l in catalogue.splitlines()] == derivgen.names()
+    assert [l.split()[0] for l in zoo.splitlines()[1:]] == derivgen.zoo()
+    assert max(len(l) for l in r.stdout.splitlines()) <= 100
 
 
 def test_derive_text_to_file(tmp_path):
@@ -66,6 +69,100 @@ def test_pdf_missing_tool_message(tmp_path, monkeypatch):
         capture_output=True,
         text=True,
     )
-    assert r.returncode != 0
-    assert "texlive-latex-base" in r.stderr
-    assert not (tmp_path / "x.pdf").exists()
+    assert r.returncode == 2  # checked before the derivation: nothing is written
+    assert "texlive-latex-base" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "x.pdf").exists() and not (tmp_path / "x.tex").exists()
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["derive", "rmsnorm", "--no-prove", "-o", "/proc/x.tex"], "-o/--output /proc/x.tex"),
+        (["derive", "rmsnorm", "--no-prove", "-o", "notes.txt/x.tex"], "notes.txt is not a directory"),
+        (["derive", "rmsnorm", "--no-prove", "--format", "text", "-o", "."], "directory"),
+        (["generate", "rmsnorm", "--out", "/proc/gen"], "--out /proc/gen"),
+        (["generate", "rmsnorm", "--out", "notes.txt"], "notes.txt"),
+        (["generate", "rmsnorm", "--out", "notes.txt/gen"], "notes.txt is not a directory"),
+        (["bench", "rmsnorm", "--shape", "8x"], "--shape"),
+        (["bench", "rmsnorm", "--shape", "8xx2"], "--shape"),
+        (["bench", "rmsnorm", "--shape", "0x4"], "--shape"),
+        (["bench", "rmsnorm", "--json", "notes.txt/r.json"], "--json"),
+    ],
+)
+def test_bad_paths_and_values_are_one_line_exit_2(args, needle, tmp_path):
+    (tmp_path / "notes.txt").write_text("mine\n")
+    r = run(*args, cwd=tmp_path)
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    assert needle in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+    assert (tmp_path / "notes.txt").read_text() == "mine\n"
+
+
+def test_bench_plot_checks_matplotlib_before_any_work(tmp_path, monkeypatch, capsys):
+    import importlib.util
+
+    from derivgen import cli
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "matplotlib" else real(n, *a))
+    monkeypatch.setattr(cli, "run_bench", lambda *a, **k: pytest.fail("the bench ran before the check"))
+    rc = cli.main(["bench", "rmsnorm", "--plot", str(tmp_path / "x.png")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "matplotlib" in err and len(err.strip().splitlines()) == 1
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_generate_spec_writes_beside_it_and_never_over_the_catalogue(tmp_path):
+    from conftest import ROOT
+
+    (tmp_path / "specs").mkdir()
+    mine = tmp_path / "specs" / "scalenorm.toml"
+    mine.write_text((ROOT / "examples" / "scalenorm.toml").read_text())
+    r = run("generate", "--spec", str(mine), "--target", "numpy", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "specs" / "generated" / "numpy" / "scalenorm.py").is_file()
+    assert not (tmp_path / "generated").exists()
+    r = run("generate", "--spec", str(mine), "--target", "numpy", "--check", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    # a spec file named like a catalogue layer, aimed at a copy of the catalogue's generated code
+    clash = tmp_path / "layernorm.toml"
+    clash.write_text((ROOT / "derivgen" / "spec" / "catalogue" / "layernorm.toml").read_text())
+    (tmp_path / "generated" / "numpy").mkdir(parents=True)
+    committed = (ROOT / "generated" / "numpy" / "layernorm.py").read_text()
+    (tmp_path / "generated" / "numpy" / "layernorm.py").write_text(committed)
+    r = run("generate", "--spec", str(clash), "--target", "numpy", cwd=tmp_path)
+    assert r.returncode == 2 and "catalogue's generated code" in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+    assert (tmp_path / "generated" / "numpy" / "layernorm.py").read_text() == committed
+    # named explicitly, that folder still refuses a file over the catalogue's own
+    r = run("generate", "--spec", str(clash), "--target", "numpy", "--out", "generated", cwd=tmp_path)
+    assert r.returncode == 2 and "would replace" in r.stderr, r.stderr
+    assert (tmp_path / "generated" / "numpy" / "layernorm.py").read_text() == committed
+    # a spec file beside the catalogue's code, by default: refused (give --out)
+    (tmp_path / "other.toml").write_text(mine.read_text())
+    r = run("generate", "--spec", "other.toml", "--target", "numpy", cwd=tmp_path)
+    assert r.returncode == 2 and "--out DIR" in r.stderr, r.stderr
+    assert not (tmp_path / "generated" / "numpy" / "scalenorm.py").exists()
+    r = run("generate", "--spec", str(clash), "--target", "numpy", "--out", str(tmp_path / "mine"), cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+
+
+def test_prove_table_fits_100_columns_and_is_quiet_on_a_pipe():
+    r = run("prove", "rmsnorm", "layernorm", "--prove-sizes", "2")
+    assert r.returncode == 0, r.stderr
+    assert r.stderr == ""
+    assert max(len(line) for line in r.stdout.splitlines()) <= 100
+    assert "∂L/∂x = " in r.stdout
+
+
+@pytest.mark.parametrize("command", ["", "derive", "prove", "generate", "check", "build", "bench", "list"])
+def test_every_help_states_its_defaults(command):
+    r = run(*([command] if command else []), "--help")
+    assert r.returncode == 0
+    if command in ("derive", "prove", "check", "bench"):
+        assert "[default: " in r.stdout
+    if command == "derive":
+        assert "LaTeX by default" in " ".join(r.stdout.split())
+    if command == "generate":
+        assert "default: ./generated" in " ".join(r.stdout.split())
