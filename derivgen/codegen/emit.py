@@ -87,7 +87,15 @@ def layer_meta(spec: Spec, irs: Mapping[str, ModeIR]) -> dict:
         "min_group_size": {m.name: m.min_group_size for m in spec.modes},
         "stats": {m: list(ir.stats) for m, ir in irs.items()},
         "split": _split_meta(spec, irs),
+        "buffer_reads": _buffer_reads(spec),
     }
+
+
+def _buffer_reads(spec: Spec) -> list[str]:
+    """The modes whose statistics read the running buffers (batch norm's eval mode; batch
+    renormalization's training mode too): their kernels and operators take the buffers."""
+    buffers = {b.symbol for b in spec.buffers}
+    return [m.name for m in spec.modes if any(st.expr.free_symbols & buffers for st in m.statistics)]
 
 
 def _split_meta(spec: Spec, irs: Mapping[str, ModeIR]) -> dict | None:

@@ -48,6 +48,7 @@ from typing import Any
 
 import numpy as np
 
+from derivgen.runtime.abi import reads_buffers
 from derivgen.runtime.base import (
     DTYPES,
     Cache,
@@ -219,6 +220,8 @@ def _buffers(meta: dict, buffers: dict, layout: Layout, dtype: np.dtype, mode: s
                 raise ValueError(f"{name}: {bname} must be writeable (it is updated in place in training mode)")
         elif mode == "eval":
             raise ValueError(f"{name}: eval mode (training=False) needs {bname}")
+        elif reads_buffers(meta, mode):
+            raise ValueError(f"{name}: training mode needs {bname} (its statistics read it)")
         bufs[bname] = b
     return bufs
 

@@ -204,6 +204,12 @@ def _leading(meta: dict, data: Sequence[str]) -> _Builder:
     )
 
 
+def reads_buffers(meta: dict, mode: str) -> bool:
+    """Do ``mode``'s statistics read the running buffers (so its calls must pass them)?
+    Eval modes do (batch norm); a training mode may (batch renormalization's r and d)."""
+    return bool(meta["buffers"]) and mode in meta.get("buffer_reads", ["eval"])
+
+
 def _forward(meta: dict, mode: str) -> _Builder:
     return (
         _leading(meta, ["x"])

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from derivgen import runtime as rt
+from derivgen.runtime.abi import reads_buffers
 from derivgen.torch.tensors import channels_last_format, is_channels_last, wide
 from derivgen.torch.validate import check_on_tensors
 
@@ -66,7 +67,7 @@ def _views(meta: dict, a: dict, L: rt.Layout, mode: str) -> dict:
         v = _compute(a[i])
         kw[i] = v.reshape((1, 1, 1, 1) if v.numel() == 1 else L.stat4)
     for b in meta["buffers"]:
-        v = a.get(b) if mode == "eval" else None
+        v = a.get(b) if reads_buffers(meta, mode) else None
         kw[b] = None if v is None else _compute(v).reshape(L.stat4)
     for o in meta["options"]:
         kw[o] = a[o]
@@ -105,11 +106,11 @@ def forward(
     mode = "train" if training or "eval" not in meta["modes"] else "eval"
     ins = {i: _tensor(v, x) for i, v in inputs.items()}
     a = {"x": x, **params, **ins, **options, "num_groups": num_groups or 0}
-    if mode == "eval":
+    if reads_buffers(meta, mode):
         missing = [b for b in meta["buffers"] if buffers.get(b) is None]
         if missing:
-            raise ValueError(f"{name}: eval mode (training=False) needs {missing[0]}")
-        a.update(buffers)
+            raise ValueError(f"{name}: {mode} mode needs {missing[0]} (its statistics read it)")
+        a.update({b: buffers[b] for b in meta["buffers"]})
     L = check_on_tensors(meta, mode, a, any_device=True)
     opts = {o: float(options[o]) for o in meta["options"]}
     a.update(opts)
@@ -132,15 +133,15 @@ def forward(
                         bufs[b].copy_(v.reshape(bufs[b].shape))
     y = _store(out, y, "out")
     cache = Cache(meta, mode, L, x, {p: params[p] for p in meta["params"]}, stats, opts, ins, num_groups)
-    if mode == "eval":
-        cache.buffers = {b: buffers[b] for b in meta["buffers"]}
+    if reads_buffers(meta, mode):
+        cache.buffers = {b: buffers[b].detach().clone() for b in meta["buffers"]}
     return y, cache
 
 
 def _call_args(cache: Cache) -> dict:
     """A cache's arguments by spec name."""
     a = {"x": cache.x, **cache.params, **cache.inputs, **cache.options, "num_groups": cache.num_groups or 0}
-    if cache.mode == "eval":
+    if reads_buffers(cache.meta, cache.mode):
         a.update(cache.__dict__.get("buffers", {}))
     return a
 

@@ -14,6 +14,7 @@ from collections.abc import Callable
 import torch
 
 from derivgen import runtime as rt
+from derivgen.runtime.abi import reads_buffers
 from derivgen.torch.protocol import Layer
 from derivgen.torch.schema import differentiable
 from derivgen.torch.tensors import layout, wide
@@ -27,7 +28,7 @@ def views(lay: Layer, a: dict, L: rt.Layout, mode: str) -> dict:
     for i in lay.inputs:
         kw[i] = a[i].reshape((1, 1, 1, 1) if a[i].numel() == 1 else L.stat4)
     for b in lay.buffers:
-        v = a.get(b) if mode == "eval" else None
+        v = a.get(b) if reads_buffers(lay.meta, mode) else None
         kw[b] = None if v is None else v.reshape(L.stat4)
     for o in lay.options:
         kw[o] = a[o]

@@ -49,6 +49,7 @@ import torch
 
 from derivgen import runtime as rt
 from derivgen.api import load, load_spec, materialize
+from derivgen.runtime.abi import reads_buffers
 from derivgen.runtime.cbind import input_pairs
 from derivgen.spec.model import Spec, catalogue_names, load_catalogue
 from derivgen.torch import closed_form
@@ -130,8 +131,8 @@ class TorchLayer:
         (y, None) with ``stats=False``."""
         mode = "train" if training or "eval" not in self.modes else "eval"
         tens = [x, *[params[p] for p in self.params], *[inputs[i] for i in self.inputs]]
-        if mode == "eval":
-            tens += [buffers[b] for b in self.buffers]
+        if reads_buffers(self.meta, mode):  # read, never updated here (a training kernel gets copies)
+            tens += [buffers[b] if mode == "eval" else buffers[b].clone() for b in self.buffers]
         return call_forward(
             self, mode, tens, tuple([float(options[o]) for o in self.options]), int(num_groups or 0), stats
         )

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from derivgen import runtime as rt
+from derivgen.runtime.abi import reads_buffers
 from derivgen.runtime.cbind import CKernel, input_pairs
 from derivgen.torch.protocol import Layer
 from derivgen.torch.schema import by_spec_name
@@ -118,12 +119,13 @@ class KernelPlan:
         self.npar, self.nin = len(lay.params), len(lay.inputs)
         # a strided tensor (or a channels-last one where this layer has no such kernel) is copied
         self.copy = not all(t.is_contiguous() for t in (tens[1:] if nhwc else tens))
-        self.null_bufs = [None] * len(lay.buffers) if mode == "train" else []
+        takes_buffers = reads_buffers(lay.meta, mode)
+        self.null_bufs = [] if takes_buffers else [None] * len(lay.buffers)
         nstat = len(lay.meta["stats"][mode])
         self.stat_offsets = [8 * L.n_groups * k for k in range(nstat)]
         self.stats_like = torch.empty((nstat, L.n_groups), dtype=torch.float64)
-        # contiguous tensors, no per-group inputs, no buffers passed (train mode)
-        self.simple = not self.copy and not self.nin and (mode == "train" or not lay.buffers)
+        # contiguous tensors, no per-group inputs, no buffers passed
+        self.simple = not self.copy and not self.nin and not (takes_buffers and lay.buffers)
 
     def forward(
         self, tens: list[torch.Tensor], opts: tuple[float, ...], blob: bool

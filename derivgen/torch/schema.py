@@ -22,6 +22,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from derivgen.runtime.abi import reads_buffers
+
 
 class OpArg(NamedTuple):
     """One operator argument: schema type (``Tensor``, ``float``, ``int``), schema name, spec name."""
@@ -75,7 +77,7 @@ def forward_args(meta: dict, mode: str) -> tuple[OpArg, ...]:
     a = [OpArg("Tensor", "x", "x")]
     a += [OpArg("Tensor", f"p{k}", p) for k, p in enumerate(meta["params"])]
     a += [OpArg("Tensor", f"i{k}", i) for k, i in enumerate(meta["inputs"])]
-    if mode == "eval":
+    if reads_buffers(meta, mode):
         a += [OpArg("Tensor", f"b{k}", b) for k, b in enumerate(meta["buffers"])]
     a += [OpArg("float", f"o{k}", o) for k, o in enumerate(meta["options"])]
     a.append(OpArg("int", "groups", "num_groups"))

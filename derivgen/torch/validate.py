@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from derivgen import runtime as rt
+from derivgen.runtime.abi import reads_buffers
 from derivgen.runtime.validate import (
     check_buffer_shape,
     check_group_size,
@@ -21,8 +22,8 @@ from derivgen.torch.tensors import check_tensor, layout, numpy_view
 
 
 def _tensor_names(meta: dict, mode: str) -> list[str]:
-    """The spec names of a forward call's tensors (buffers in eval mode only)."""
-    return ["x", *meta["params"], *meta["inputs"], *(meta["buffers"] if mode == "eval" else ())]
+    """The spec names of a forward call's tensors (buffers where the mode's statistics read them)."""
+    return ["x", *meta["params"], *meta["inputs"], *(meta["buffers"] if reads_buffers(meta, mode) else ())]
 
 
 def check_on_tensors(meta: dict, mode: str, a: dict, any_device: bool = False) -> rt.Layout:
@@ -42,7 +43,7 @@ def check_on_tensors(meta: dict, mode: str, a: dict, any_device: bool = False) -
     check_options(meta, {o: a[o] for o in meta["options"]})
     for i in meta["inputs"]:
         check_input_shape(meta, i, tuple(a[i].shape), L)
-    for b in meta["buffers"] if mode == "eval" else ():
+    for b in meta["buffers"] if reads_buffers(meta, mode) else ():
         check_buffer_shape(meta, b, tuple(a[b].shape), L)
     return L
 
@@ -58,7 +59,7 @@ def check_through_numpy(meta: dict, mode: str, a: dict) -> rt.Layout:
         {p: numpy_view(a[p]) for p in meta["params"]},
         {o: a[o] for o in meta["options"]},
         {i: numpy_view(a[i]) for i in meta["inputs"]},
-        {b: (numpy_view(a[b]) if mode == "eval" else None) for b in meta["buffers"]},
+        {b: (numpy_view(a[b]) if reads_buffers(meta, mode) else None) for b in meta["buffers"]},
         training=mode == "train",
         num_groups=a["num_groups"] if meta["reduce"] == "group" else None,
     )

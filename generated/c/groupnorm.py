@@ -42,7 +42,8 @@ _META = {'name': 'groupnorm',
          'modes': ['train'],
          'min_group_size': {'train': 2},
          'stats': {'train': ['mean', 'var', 'rstd']},
-         'split': None}
+         'split': None,
+         'buffer_reads': []}
 Grads = _rt.grads_type('groupnorm', _rt.grad_fields(_META))
 SecondGrads = _rt.grads_type('groupnorm_second', _rt.second_fields(_META))
 _kernel = CKernel(_META, Path(__file__).with_name('groupnorm.c'))

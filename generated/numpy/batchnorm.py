@@ -62,7 +62,8 @@ _META = {'name': 'batchnorm',
          'modes': ['train', 'eval'],
          'min_group_size': {'train': 2, 'eval': 1},
          'stats': {'train': ['mean', 'var', 'rstd'], 'eval': ['mean', 'var', 'rstd']},
-         'split': {'levels': [1, 1], 'backward': 2}}
+         'split': {'levels': [1, 1], 'backward': 2},
+         'buffer_reads': ['eval']}
 Grads = _rt.grads_type('batchnorm', _rt.grad_fields(_META))
 SecondGrads = _rt.grads_type('batchnorm_second', _rt.second_fields(_META))
 

@@ -46,7 +46,8 @@ _META = {'name': 'layernorm',
          'modes': ['train'],
          'min_group_size': {'train': 1},
          'stats': {'train': ['mean', 'var', 'rstd']},
-         'split': None}
+         'split': None,
+         'buffer_reads': []}
 Grads = _rt.grads_type('layernorm', _rt.grad_fields(_META))
 SecondGrads = _rt.grads_type('layernorm_second', _rt.second_fields(_META))
 

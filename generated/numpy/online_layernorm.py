@@ -50,7 +50,8 @@ _META = {'name': 'online_layernorm',
          'modes': ['train'],
          'min_group_size': {'train': 2},
          'stats': {'train': ['row_mean', 'mean', 'Aux1', 'sample_std', 'std']},
-         'split': None}
+         'split': None,
+         'buffer_reads': []}
 Grads = _rt.grads_type('online_layernorm', _rt.grad_fields(_META))
 SecondGrads = _rt.grads_type('online_layernorm_second', _rt.second_fields(_META))
 

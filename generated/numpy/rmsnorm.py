@@ -43,7 +43,8 @@ _META = {'name': 'rmsnorm',
          'modes': ['train'],
          'min_group_size': {'train': 1},
          'stats': {'train': ['ms', 'rstd']},
-         'split': None}
+         'split': None,
+         'buffer_reads': []}
 Grads = _rt.grads_type('rmsnorm', _rt.grad_fields(_META))
 SecondGrads = _rt.grads_type('rmsnorm_second', _rt.second_fields(_META))
 
