@@ -255,6 +255,23 @@ CASES: dict[str, Case] = {
 }
 
 
+def test_the_readme_lists_every_zoo_layer_with_its_reductions():
+    """README's zoo table: one row per zoo layer, its reductions per group as derived."""
+    from conftest import ROOT
+
+    rows = {}
+    for line in (ROOT / "README.md").read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 5 and cells[1].startswith("`") and cells[1].strip("`") in CASES:
+            rows[cells[1].strip("`")] = cells
+    assert sorted(rows) == derivgen.zoo()
+    for name, cells in rows.items():
+        d = derivgen.derive(name)
+        want = "; ".join(f"{mode}: {len(m.reductions)}" for mode, m in d.modes.items())
+        assert cells[3] == want, name
+        assert "proven" in cells[4] or "checked numerically" in cells[4]
+
+
 def test_every_zoo_layer_has_a_reference_case():
     assert sorted(CASES) == derivgen.zoo()
     assert len(derivgen.zoo()) >= 25
