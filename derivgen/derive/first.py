@@ -723,8 +723,25 @@ class _Deriver:
 
     # ---- 2. closed forms ---------------------------------------------------
     def finish(self, expr: sympy.Expr) -> sympy.Expr:
-        """In x̂, reduced by the algebra (linearity, known statistics), tidied."""
-        return closed_form(expr, self.alg, self.to_xhat, self.element)
+        """In x̂, reduced by the algebra (linearity, known statistics), tidied; an auxiliary
+        that a user's statistic is a multiple of written through that statistic."""
+        e = closed_form(expr, self.alg, self.to_xhat, self.element)
+        fold = self._folds()
+        return tidy(e.xreplace(fold), self.element) if fold and e.free_symbols & set(fold) else e
+
+    def _folds(self) -> dict[sympy.Symbol, sympy.Expr]:
+        """a = s/k for an auxiliary a and a user's statistic s = k·a (k free of a, of x and of
+        every auxiliary): ρ = a₁/τ gives a₁ = ρ·τ, so closed forms read ρ, not a₁."""
+        out: dict[sympy.Symbol, sympy.Expr] = {}
+        aux = {st.symbol for st in self.program.stats if st.aux}
+        for st in self.program.stats:
+            if st.aux or st.expr.has(Mean, *SELECTIONS):
+                continue
+            for a in st.expr.free_symbols & aux:
+                k = sympy.cancel(st.expr / a)
+                if a not in out and not k.free_symbols & aux and k != 0:
+                    out[a] = st.symbol / k
+        return out
 
     def _closed_forms(
         self, adj: _Adjoints

@@ -357,14 +357,15 @@ def _parameter_gradients(mode: ModeDerivation) -> Step:
     eqs = []
     for p in spec.params:
         gr = mode.grads[p.name]
-        eqs.append(
-            Equation(
-                partial_latex("L", p.latex),
-                partial_text("L", p.text),
-                gr.element,
-                note="summed over all elements" if p.scalar else "summed over the non-parameter axes",
+        if gr.element != 0 or gr.group == 0:  # no zero printed beside a nonzero part
+            eqs.append(
+                Equation(
+                    partial_latex("L", p.latex),
+                    partial_text("L", p.text),
+                    gr.element,
+                    note="summed over all elements" if p.scalar else "summed over the non-parameter axes",
+                )
             )
-        )
         if gr.group != 0:
             eqs.append(
                 Equation(
