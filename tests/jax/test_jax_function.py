@@ -35,8 +35,9 @@ def _pair(case, dtype=np.float64, rule="jvp"):
     opts = kw
 
     def ours(*a):
-        out = f(a[0], *a[1 : 1 + len(pnames)], **dict(zip(inames, a[1 + len(pnames) :])), **opts, **bufs,
-                training=training)
+        out = f(
+            a[0], *a[1 : 1 + len(pnames)], **dict(zip(inames, a[1 + len(pnames) :])), **opts, **bufs, training=training
+        )
         return out[0] if bufs else out
 
     def ref(*a):
@@ -67,59 +68,66 @@ def _tangents(args, seed=1):
 
 
 IDS = [f"{c[0]}-{'x'.join(map(str, c[1]))}-{k}" for k, c in enumerate(CASES)]
+# every layer and mode (batchnorm eval is case 13), half of the shapes: jit compiles are slow
+SOME = sorted({*range(0, len(CASES), 2), 13})
 
 
-@pytest.mark.parametrize("case", CASES, ids=IDS)
+@pytest.mark.parametrize("case", [CASES[k] for k in SOME], ids=[IDS[k] for k in SOME])
 def test_forward_jvp_vjp_against_autodiff(case):
     """y, the JVP (the derived rule) and the VJP (its transpose) against JAX's autodiff of
-    the hand-written forward, along random tangents and cotangents."""
+    the hand-written forward, along random tangents and cotangents (one jit per case)."""
     ours, ref, args = _pair(case)
-    _close(ours(*args), ref(*args), rtol=1e-12, atol=1e-12)
     t = _tangents(args)
-    _close(jax.jvp(ours, args, t), jax.jvp(ref, args, t))
-    y, back = jax.vjp(ours, *args)
-    ct = jnp.asarray(np.random.default_rng(2).normal(size=y.shape))
-    _close(back(ct), jax.vjp(ref, *args)[1](ct))
+    ct = jnp.asarray(np.random.default_rng(2).normal(size=args[0].shape))
+
+    def both(*a):
+        return [(f(*a), jax.jvp(f, a, t)[1], jax.vjp(f, *a)[1](ct)) for f in (ours, ref)]
+
+    got, want = jax.jit(both)(*args)
+    _close(got[0], want[0], rtol=1e-12, atol=1e-12)
+    _close(got[1:], want[1:])
 
 
-@pytest.mark.parametrize("case", CASES[::3], ids=IDS[::3])
+@pytest.mark.parametrize("case", CASES[::4], ids=IDS[::4])
 def test_derived_vjp_rule_against_autodiff(case):
     """rule="vjp": a custom_vjp over the derived closed-form backward."""
     ours, ref, args = _pair(case, rule="vjp")
-    y, back = jax.vjp(ours, *args)
-    ct = jnp.asarray(np.random.default_rng(3).normal(size=y.shape))
-    _close(back(ct), jax.vjp(ref, *args)[1](ct))
+    ct = jnp.asarray(np.random.default_rng(3).normal(size=args[0].shape))
+    got, want = jax.jit(lambda *a: [jax.vjp(f, *a)[1](ct) for f in (ours, ref)])(*args)
+    _close(got, want)
     with pytest.raises(TypeError, match="custom_vjp"):
         jax.jvp(ours, args, _tangents(args))
 
 
-TRANSFORM_CASES = [CASES[0], CASES[9], CASES[17], CASES[21]]  # layernorm, batchnorm, groupnorm, online
+TRANSFORM_CASES = [CASES[0], CASES[9], CASES[17], CASES[22]]  # layernorm, batchnorm, groupnorm, online
 
 
 @pytest.mark.parametrize("case", TRANSFORM_CASES, ids=lambda c: c[0])
 def test_transformations(case):
-    """jit, vmap, grad, jacfwd, jacrev, hessian and forward-over-reverse agree with the reference."""
+    """grad, jacfwd, jacrev, hessian, forward-over-reverse and vmap (of y and of grad), under
+    jit, agree with the reference."""
     ours, ref, args = _pair(case)
-
-    def loss(f):
-        return lambda *a: jnp.sum(jnp.sin(f(*a)) * jnp.arange(1.0, 1.0 + f(*a).size).reshape(f(*a).shape))
-
     argn = tuple(range(len(args)))
-    _close(jax.jit(ours)(*args), ref(*args), rtol=1e-12, atol=1e-12)
-    _close(jax.grad(loss(ours), argn)(*args), jax.grad(loss(ref), argn)(*args))
-    _close(jax.jacfwd(ours, argn)(*args), jax.jacrev(ref, argn)(*args))
-    _close(jax.jacrev(ours, argn)(*args), jax.jacfwd(ref, argn)(*args))
-    _close(jax.hessian(loss(ours))(*args), jax.hessian(loss(ref))(*args), rtol=1e-9, atol=1e-10)
-    t = _tangents(args)  # forward over reverse: a Hessian-vector product
-    _close(
-        jax.jvp(jax.grad(loss(ours), argn), args, t), jax.jvp(jax.grad(loss(ref), argn), args, t), rtol=1e-9, atol=1e-10
-    )
-    # vmap over a new leading axis of x (the parameters shared), under jit
-    xs = jnp.stack([args[0], 2.0 * args[0] + 1.0, -args[0]])
-    got = jax.jit(jax.vmap(lambda x: ours(x, *args[1:])))(xs)
-    _close(got, jnp.stack([ref(x, *args[1:]) for x in xs]), rtol=1e-12, atol=1e-12)
-    vg = jax.vmap(jax.grad(lambda x: loss(ours)(x, *args[1:])))(xs)
-    _close(vg, jnp.stack([jax.grad(lambda x: loss(ref)(x, *args[1:]))(x) for x in xs]))
+    t = _tangents(args)
+    w = jnp.asarray(np.random.default_rng(4).normal(size=args[0].shape))
+    xs = jnp.stack([args[0], 2.0 * args[0] + 1.0, -args[0]])  # vmap over a new leading axis of x
+
+    def everything(f):
+        def loss(*a):
+            return jnp.sum(jnp.sin(f(*a)) * w)
+
+        return (
+            jax.grad(loss, argn)(*args),
+            jax.jacfwd(f, argn)(*args),
+            jax.jacrev(f, argn)(*args),
+            jax.hessian(loss, argn)(*args),
+            jax.jvp(jax.grad(loss, argn), args, t)[1],
+            jax.vmap(lambda x: f(x, *args[1:]))(xs),
+            jax.vmap(jax.grad(lambda x: loss(x, *args[1:])))(xs),
+        )
+
+    got, want = jax.jit(lambda: (everything(ours), everything(ref)))()
+    _close(got, want, rtol=1e-9, atol=1e-10)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -133,15 +141,20 @@ def test_low_precision_inputs_use_float32_statistics(name, dtype):
     f = dj.function(name)
     x = jnp.asarray(x64).astype(dtype)
     ps = [jnp.asarray(p).astype(dtype) for p in params.values()]
-    y, stats = f(x, *ps, return_stats=True, **kw)
+
+    def run(x, *ps):
+        y, stats = f(x, *ps, return_stats=True, **kw)
+        g = jax.grad(lambda x: jnp.sum(f(x, *ps, **kw).astype(jnp.float32) ** 2))(x)
+        return y, stats, g
+
+    y, stats, g = jax.jit(run)(x, *ps)
     assert y.dtype == jnp.dtype(dtype)
     assert all(s.dtype == jnp.float32 for s in stats.values())
-    y64, stats64 = f(x.astype(jnp.float64), *[p.astype(jnp.float64) for p in ps], return_stats=True, **kw)
+    y64, stats64, _ = jax.jit(run)(x.astype(jnp.float64), *[p.astype(jnp.float64) for p in ps])
     tol = 1e-5 if dtype == "float32" else 1e-2
     for k in stats:
         np.testing.assert_allclose(np.asarray(stats[k]), np.asarray(stats64[k]), rtol=tol, atol=tol)
     np.testing.assert_allclose(np.asarray(y, np.float64), np.asarray(y64), rtol=tol * 2, atol=tol * 4)
-    g = jax.grad(lambda x: jnp.sum(f(x, *ps, **kw).astype(jnp.float32) ** 2))(x)
     assert g.dtype == jnp.dtype(dtype)
     assert bool(jnp.all(jnp.isfinite(g.astype(jnp.float32))))
 
@@ -162,10 +175,11 @@ def test_running_buffers_are_taken_and_returned():
     _close(ye, jax_ref.batchnorm(jnp.asarray(x), g, b, training=False, running_mean=rm, running_var=rv)[0])
     assert same["running_mean"] is rm
     for training in (True, False):
-        d = jax.grad(
-            lambda rm: jnp.sum(f(x, g, b, running_mean=rm, running_var=rv, training=training)[0] ** 2)
-        )(rm)
-        assert not np.any(np.asarray(d))
+
+        def loss(rm, training=training):
+            return jnp.sum(f(x, g, b, running_mean=rm, running_var=rv, training=training)[0] ** 2)
+
+        assert not np.any(np.asarray(jax.grad(loss)(rm)))
     y_nobuf = f(x, g, b, momentum=0.3)
     _close(y_nobuf, y_ref, rtol=1e-12, atol=1e-12)
 
@@ -197,10 +211,17 @@ def test_channels_last_is_the_channels_first_layer_transposed():
     xl = jnp.moveaxis(x, 1, -1)
     for name, kw in (("batchnorm", {}), ("instancenorm", {}), ("groupnorm", {"num_groups": 3})):
         f = dj.function(name)
-        y = f(x, g, b, **kw)
-        _close(f(xl, g, b, channels_last=True, **kw), jnp.moveaxis(y, 1, -1), rtol=1e-12, atol=1e-12)
-        gl = jax.grad(lambda x: jnp.sum(f(x, g, b, channels_last=True, **kw) ** 3))(xl)
-        gf = jax.grad(lambda x: jnp.sum(f(x, g, b, **kw) ** 3))(x)
+
+        def run(x, xl, f=f, kw=kw):
+            return (
+                f(x, g, b, **kw),
+                f(xl, g, b, channels_last=True, **kw),
+                jax.grad(lambda x: jnp.sum(f(x, g, b, **kw) ** 3))(x),
+                jax.grad(lambda x: jnp.sum(f(x, g, b, channels_last=True, **kw) ** 3))(xl),
+            )
+
+        y, yl, gf, gl = jax.jit(run)(x, xl)
+        _close(yl, jnp.moveaxis(y, 1, -1), rtol=1e-12, atol=1e-12)
         _close(gl, jnp.moveaxis(gf, 1, -1))
 
 
