@@ -185,7 +185,7 @@ class Function:
             axis_name=axis_name,
         )
         scalar = set(meta["scalar_params"])
-        p4 = tuple(pv[p].astype(ct).reshape((1, 1, 1, 1) if p in scalar else L.param_view) for p in meta["params"])
+        p4 = tuple(pv[p].astype(ct).reshape(L.scalar_view if p in scalar else L.param_view) for p in meta["params"])
         i4 = tuple(self._per_group(n, iv[n], L, ct) for n in meta["inputs"])
         b4 = tuple(jax.lax.stop_gradient(self._per_group(b, bufs[b], L, ct)) for b in bufs)
         if not bufs:  # the forward programs name the buffers: eval mode has them, train mode ignores them
@@ -218,7 +218,7 @@ class Function:
         """A per-group value (an input or buffer: a scalar, or one value per group) as a view."""
         v = jnp.asarray(v, dtype=ct)
         if v.size == 1:
-            return v.reshape((1, 1, 1, 1))
+            return v.reshape(L.scalar_view)
         if tuple(v.shape) != tuple(L.group_shape):
             raise ValueError(
                 f"{what} must be a scalar or of shape {L.group_shape} (one value per group), got {v.shape}"

@@ -3,7 +3,7 @@
 x is viewed as 4-D: channels first ``(O, G, Cg, S)`` as in :mod:`derivgen.runtime`
 (``(rows, 1, D, 1)`` for trailing layouts), or, for channel layouts with
 ``channels_last`` (Flax's convention, x of shape ``(N, *spatial, C)``),
-``(N, S, G, Cg)``. Parameters are views that broadcast against it, per-group values
+``(N, S, G, Cg)``; then the axes of size 1 are dropped (``(rows, D)``). Parameters are views that broadcast against it, per-group values
 (statistics, inputs, buffers) views of one value per group. A group sum is a sum over
 the reduced axes with kept dimensions, and over the devices of ``axis_name`` when
 it is set (batch layouts only): the statistics are then those of the whole batch.
@@ -35,6 +35,11 @@ class JaxLayout:
     group_shape: tuple  # a per-group value's shape as users see it
     dtype: str  # the arithmetic's dtype (float32 at least)
     axis_name: object = None  # a named axis the groups span (batch layouts), or None
+
+    @property
+    def scalar_view(self) -> tuple:
+        """A scalar's view: ones, one per axis of x's view."""
+        return (1,) * len(self.view)
 
     @property
     def N(self):
@@ -73,12 +78,26 @@ class JaxLayout:
         (everything for a scalar); the part held here under ``axis_name``."""
         full = jnp.broadcast_to(self._array(e), self.view)
         if scalar:
-            return jnp.sum(full).reshape((1, 1, 1, 1))
+            return jnp.sum(full).reshape(self.scalar_view)
         return jnp.sum(full, axis=self.param_axes, keepdims=True)
 
     def group_total(self, v):
         """The sum over the groups of a per-group value (a scalar parameter in the statistics)."""
-        return jnp.sum(self.stat(v)).reshape((1, 1, 1, 1))
+        return jnp.sum(self.stat(v)).reshape(self.scalar_view)
+
+
+def _squeezed(view, reduce_axes, param_view, stat_view, param_axes) -> dict:
+    """The view without its axes of size 1 (XLA's CPU code is several times slower on arrays
+    with trailing unit axes); every other view loses the same axes."""
+    keep = [i for i, n in enumerate(view) if n != 1] or [len(view) - 1]
+    new = {i: k for k, i in enumerate(keep)}
+    return {
+        "view": tuple(view[i] for i in keep),
+        "reduce_axes": tuple(new[i] for i in reduce_axes if i in new),
+        "param_view": tuple(param_view[i] for i in keep),
+        "stat_view": tuple(stat_view[i] for i in keep),
+        "param_axes": tuple(new[i] for i in param_axes if i in new),
+    }
 
 
 def make_layout(
@@ -105,14 +124,15 @@ def make_layout(
         first = (x_shape[0], x_shape[-1], *x_shape[1:-1])  # as channels first, for the shape checks
         L = layout_from_shapes(meta, first, param_shapes, num_groups)
         n, s = x_shape[0], L.S
-        view = (n, s, L.G, L.Cg)
         per_sample = L.per_sample
         return JaxLayout(
-            view=view,
-            reduce_axes=(1, 3) if per_sample else (0, 1, 3),
-            param_view=(1, 1, L.G, L.Cg),
-            stat_view=(n, 1, L.G, 1) if per_sample else (1, 1, L.G, 1),
-            param_axes=(0, 1),
+            **_squeezed(
+                (n, s, L.G, L.Cg),
+                (1, 3) if per_sample else (0, 1, 3),
+                (1, 1, L.G, L.Cg),
+                (n, 1, L.G, 1) if per_sample else (1, 1, L.G, 1),
+                (0, 1),
+            ),
             n_local=L.group_size,
             x_shape=x_shape,
             param_shape=L.param_shape,
@@ -122,11 +142,7 @@ def make_layout(
         )
     L = layout_from_shapes(meta, x_shape, param_shapes, num_groups)
     return JaxLayout(
-        view=L.view4,
-        reduce_axes=L.reduce_axes,
-        param_view=L.param4,
-        stat_view=L.stat4,
-        param_axes=L.param_axes,
+        **_squeezed(L.view4, L.reduce_axes, L.param4, L.stat4, L.param_axes),
         n_local=L.group_size,
         x_shape=x_shape,
         param_shape=L.param_shape,

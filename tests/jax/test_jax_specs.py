@@ -54,10 +54,10 @@ def _check_case(spec, case):
 
     def ref(*a):
         p4 = {
-            p.name: v.reshape((1, 1, 1, 1) if p.scalar else L.param_view) for p, v in zip(spec.params, a[1 : 1 + n_p])
+            p.name: v.reshape(L.scalar_view if p.scalar else L.param_view) for p, v in zip(spec.params, a[1 : 1 + n_p])
         }
         per_group = {
-            k: (v.reshape((1, 1, 1, 1)) if v.size == 1 else v.reshape(L.stat_view))
+            k: (v.reshape(L.scalar_view) if v.size == 1 else v.reshape(L.stat_view))
             for k, v in {**dict(zip(inputs, a[1 + n_p :])), **bufs}.items()
         }
         y = jax_ref.spec_forward(spec, case.mode, a[0].reshape(L.view), p4, {**opts, **per_group}, L.reduce_axes)
