@@ -21,4 +21,13 @@ from derivgen.jax.function import Function, compute_dtype, function
 from derivgen.jax.layout import JaxLayout, make_layout
 from derivgen.jax.load import module
 
-__all__ = ["Function", "JaxLayout", "compute_dtype", "function", "make_layout", "module"]
+__all__ = ["Function", "JaxLayout", "compute_dtype", "function", "make_layout", "module", "nnx"]
+
+
+def __getattr__(name: str):
+    """``derivgen.jax.nnx`` on first use (it needs Flax, an optional dependency)."""
+    if name == "nnx":
+        import importlib
+
+        return importlib.import_module("derivgen.jax.nnx")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
