@@ -25,17 +25,22 @@ CASES = [
 ]
 
 
-def _median_ms(fn: Callable[[], object], repeat: int, warmup: int = 2) -> float:
+def _round_robin_ms(fns: dict[str, Callable[[], object]], repeat: int, warmup: int = 2) -> dict[str, float]:
+    """Median milliseconds of each function, timed in turn (one run of each per round, the order
+    rotating), so that a busy machine's drift reaches every implementation alike."""
     import jax  # optional dependency
 
-    for _ in range(warmup):
-        jax.block_until_ready(fn())
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+    for fn in fns.values():
+        for _ in range(warmup):
+            jax.block_until_ready(fn())
+    names = list(fns)
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for k in range(repeat):
+        for n in names[k % len(names) :] + names[: k % len(names)]:
+            t0 = time.perf_counter()
+            jax.block_until_ready(fns[n]())
+            times[n].append((time.perf_counter() - t0) * 1e3)
+    return {n: statistics.median(t) for n, t in times.items()}
 
 
 def _steps(cls: str, layer: str, shape: tuple, dtype: str) -> tuple[dict, tuple]:
@@ -91,10 +96,9 @@ def run_jax_bench(repeat: int = 15, dtype: str = "float32", progress: Callable[[
     results = []
     for cls, layer, shape in CASES:
         steps, args = _steps(cls, layer, shape, dtype)
-        got = {}
-        for impl, fn in steps.items():
-            got[impl] = _median_ms(lambda fn=fn, args=args: fn(*args), repeat)
-            if progress:
+        got = _round_robin_ms({impl: (lambda fn=fn, args=args: fn(*args)) for impl, fn in steps.items()}, repeat)
+        if progress:
+            for impl in steps:
                 progress(f"{cls} {impl}")
         flax_ms = got["flax.nnx"]
         for impl, ms in got.items():
