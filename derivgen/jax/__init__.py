@@ -17,7 +17,7 @@ try:
 except ImportError as e:  # pragma: no cover - exercised where JAX is missing
     raise ImportError("derivgen.jax needs JAX, an optional dependency: pip install 'derivgen[jax]'") from e
 
-from derivgen.jax.function import Function, compute_dtype, function
+from derivgen.jax.layer import Function, compute_dtype, function
 from derivgen.jax.layout import JaxLayout, make_layout
 from derivgen.jax.load import module
 

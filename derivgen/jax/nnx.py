@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 from flax.nnx.nn import dtypes
 
-from derivgen.jax.function import function
+from derivgen.jax.layer import function
 from derivgen.spec.model import Spec
 
 __all__ = ["BatchNorm", "GroupNorm", "LayerNorm", "Module", "RMSNorm"]

@@ -199,6 +199,8 @@ def test_arguments_are_checked():
         f(x, g, g, axis_name="batch")
     with pytest.raises(TypeError, match="static"):
         jax.jit(lambda e: f(x, g, g, eps=e))(1e-3)
+    with pytest.raises(ValueError, match="at least 2 values per group"):
+        dj.function("batchnorm")(jnp.ones((1, 2)), jnp.ones(2), jnp.ones(2))
     with pytest.raises(ValueError, match="training=False"):
         dj.function("batchnorm")(jnp.ones((3, 2)), jnp.ones(2), jnp.ones(2), training=False)
 

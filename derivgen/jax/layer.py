@@ -184,6 +184,9 @@ class Function:
             channels_last=channels_last,
             axis_name=axis_name,
         )
+        least = meta["min_group_size"][mode]
+        if axis_name is None and L.n_local < least:
+            raise ValueError(f"{name}: {mode} mode needs at least {least} values per group, got {L.n_local}")
         scalar = set(meta["scalar_params"])
         p4 = tuple(pv[p].astype(ct).reshape(L.scalar_view if p in scalar else L.param_view) for p in meta["params"])
         i4 = tuple(self._per_group(n, iv[n], L, ct) for n in meta["inputs"])
