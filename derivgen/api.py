@@ -20,7 +20,7 @@ from derivgen.explain.steps import Step, build_steps, facts
 from derivgen.prove.proof import ModeProof, prove_derivation, prove_second_mode
 from derivgen.runtime.build import cache_dir
 from derivgen.runtime.fsutil import atomic_write
-from derivgen.spec.model import Spec, catalogue_names, load_catalogue, load_spec_file
+from derivgen.spec.model import Spec, catalogue_names, load_catalogue, load_spec_file, zoo_names
 
 _TRAIN_MODE_FIELDS = ("dx", "dparams", "dinputs", "reductions", "g")
 
@@ -112,8 +112,13 @@ def names() -> list[str]:
     return catalogue_names()
 
 
+def zoo() -> list[str]:
+    """The zoo: published layers written as specs, sorted (load any by name)."""
+    return zoo_names()
+
+
 def load_spec(name_or_path: str | Path) -> Spec:
-    """A catalogue name, or a path to a spec file (anything containing '/' or ending in .toml)."""
+    """A catalogue or zoo name, or a path to a spec file (anything containing '/' or ending in .toml)."""
     text = str(name_or_path)
     if isinstance(name_or_path, Path) or text.endswith(".toml") or "/" in text:
         return load_spec_file(text)

@@ -69,11 +69,14 @@ def cli() -> None:
 
 @cli.command("list")
 def list_cmd() -> None:
-    """The built-in catalogue, one line each."""
-    for name in api.names():
-        spec = api.load_spec(name)
-        modes = "/".join(m.name for m in spec.modes)
-        click.echo(f"{name:<18} {spec.title} [{modes}] — {spec.summary.split(';')[0]}")
+    """The built-in catalogue, then the zoo of published layers, one line each."""
+    for heading, names in (("", api.names()), ("the zoo (published layers, generated on demand):", api.zoo())):
+        if heading:
+            click.echo(f"\n{heading}")
+        for name in names:
+            spec = api.load_spec(name)
+            modes = "/".join(m.name for m in spec.modes)
+            click.echo(f"{name:<22} {spec.title} [{modes}]")
 
 
 @cli.command("derive")

@@ -24,7 +24,7 @@ from typing import ClassVar
 import sympy
 from sympy import Add
 
-from derivgen.codegen.ir import Assign, Loop, ModeIR, SecondIR, needed_temps
+from derivgen.codegen.ir import Assign, Loop, ModeIR, SecondIR, Select, needed_temps
 from derivgen.codegen.printers import SpecPrinter
 from derivgen.symbolic.naming import derived
 
@@ -181,6 +181,19 @@ class GroupValue:
 
 
 @dataclass(frozen=True)
+class GroupSelect:
+    """A group maximum or minimum of the forward: ``name = op`` over the elements of the
+    group's run (trailing layouts: one contiguous row), ``expr`` the element value (double)."""
+
+    kind: ClassVar[str] = "select"
+    name: str
+    op: str  # "max" or "min"
+    expr: str
+    comment: str
+    reads: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class SplitLevel:
     """A level of the split reduction: its sweep (None: no sums), the statistics it
     assigns, and the statistics of the earlier levels."""
@@ -194,7 +207,7 @@ class SplitLevel:
 class ForwardPlan:
     """The forward kernel: sweeps and statistics in order, the buffer updates, the output sweep."""
 
-    steps: tuple[Sweep | GroupValue, ...]
+    steps: tuple[Sweep | GroupValue | GroupSelect, ...]
     final: Sweep
     updates: tuple[tuple[str, str], ...]  # (buffer, C expression)
     update_reads: tuple[str, ...]  # the group values the updates read
@@ -419,6 +432,11 @@ class CPlanner:
                 lp = self.loop([e for _, e in st.accs], [], group_sums=st.accs, first=first)
                 steps.append(self._sweep(lp, [a for a, _ in st.accs], names))
                 names += [a for a, _ in st.accs]
+            elif isinstance(st, Select):
+                enames = {**self.group_names, **self.elem_names}
+                text, reads = self.printer.c_reads(st.expr, "double", enames)
+                steps.append(GroupSelect(st.name, st.op, text, st.comment, tuple(n for n in names if n in reads)))
+                names.append(st.name)
             else:
                 steps.append(self._group_value(st.name, st.expr, st.comment, names))
                 names.append(st.name)

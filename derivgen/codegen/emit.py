@@ -26,7 +26,7 @@ from derivgen.codegen.printers import SpecPrinter
 from derivgen.derive.first import ModeDerivation
 from derivgen.runtime.abi import kernel_signature
 from derivgen.spec.model import Spec
-from derivgen.symbolic.reduce import Mean
+from derivgen.symbolic.reduce import SELECTIONS, Mean
 
 TEMPLATE_FILES = {
     "numpy": "numpy.py.j2",
@@ -94,8 +94,13 @@ def layer_meta(spec: Spec, irs: Mapping[str, ModeIR]) -> dict:
 
 def _split_meta(spec: Spec, irs: Mapping[str, ModeIR]) -> dict | None:
     """The split reduction's shape (batch layouts, training mode): sums per level of the
-    forward and sums of the backward, per group."""
+    forward and sums of the backward, per group. None where there is no split reduction:
+    other layouts, and training statistics that read running buffers (batch
+    renormalization's r and d), which the split kernels do not take, or group maxima."""
     if spec.layout != "channels" or spec.reduce != "batch" or "train" not in irs:
+        return None
+    buffers = {b.symbol for b in spec.buffers}
+    if any(st.expr.free_symbols & buffers or st.expr.has(*SELECTIONS) for st in spec.modes[0].statistics):
         return None
     ir = irs["train"]
     return {"levels": [len(sums) for sums, _ in ir.levels], "backward": len(ir.bwd_loop)}
@@ -225,6 +230,7 @@ def emit(d: LayerDerivation, targets: Collection[str] = ("numpy", "c")) -> Emitt
         "atypes": ATYPES,
         "per_sample": spec.reduce != "batch",
         "trailing": spec.layout == "trailing",
+        "selects": any(st.expr.has(*SELECTIONS) for m in d.modes.values() for st in m.statistics),
     }
     out = Emitted(spec.name, meta=meta)
     if "numpy" in targets:

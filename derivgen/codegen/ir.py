@@ -29,7 +29,7 @@ from derivgen.derive.first import G, ModeDerivation
 from derivgen.derive.second import SecondOrder
 from derivgen.spec.model import DY, N, Spec, X
 from derivgen.symbolic.naming import code_text, derived
-from derivgen.symbolic.reduce import Mean, means
+from derivgen.symbolic.reduce import SELECTIONS, GroupMax, Mean, means
 
 
 @dataclass
@@ -37,6 +37,17 @@ class Loop:
     """One sweep of the forward program: accumulators summed over the group."""
 
     accs: list[tuple[str, sympy.Expr]]  # acc name, element expression summed over the group
+
+
+@dataclass
+class Select:
+    """A group maximum or minimum of the forward program: ``name = max(expr)`` (``op`` "max"
+    or "min") over the group's elements, as written."""
+
+    name: str
+    op: str
+    expr: sympy.Expr  # element-level
+    comment: str = ""
 
 
 @dataclass
@@ -139,6 +150,10 @@ def forward_program(first: ModeDerivation) -> list:
     A sweep whose sums use no value assigned since an earlier sweep joins that sweep."""
     forward: list = []
     for st in first.statistics:
+        if isinstance(st.expr, SELECTIONS):
+            op = "max" if type(st.expr) is GroupMax else "min"
+            forward.append(Select(st.name, op, st.expr.args[0], comment=f"{st.name} = {st.expr_text}"))
+            continue
         atoms = means(st.expr)
         sub = {}
         if atoms:
@@ -166,6 +181,8 @@ def split_levels(forward: list) -> list[tuple[list, list]]:
     statistics of earlier levels. Statistics that need no sums come in a level with none."""
     levels: list[tuple[list, list]] = []
     for step in forward:
+        if isinstance(step, Select):
+            continue  # layers with group maxima have no split reduction (codegen.emit)
         if isinstance(step, Loop):
             levels.append((list(step.accs), []))
         else:

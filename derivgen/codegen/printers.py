@@ -25,9 +25,10 @@ from derivgen.symbolic.naming import _Ordered, code_text, ordered_names
 
 
 class _NumPy(SpellsFunctions, _Ordered, NumPyPrinter):
-    def __init__(self, names):
+    def __init__(self, names, torch_module: bool = False):
         super().__init__({"fully_qualified_modules": True, "allow_unknown_functions": False})
         self.names = names
+        self.torch_module = torch_module
 
     def _print_Mean(self, expr):
         a = expr.args[0]
@@ -41,13 +42,23 @@ class _NumPy(SpellsFunctions, _Ordered, NumPyPrinter):
     def _print_Symbol(self, expr):
         return expr.name
 
+    def _print_GroupMax(self, expr):
+        return f"_max({self._print(expr.args[0])})"
+
+    def _print_GroupMin(self, expr):
+        return f"_min({self._print(expr.args[0])})"
+
     def _print_elementary(self, fn: functions.Elementary, expr: sympy.Expr) -> str:
         return self._spell(fn, expr.args)
 
     def _spell(self, fn: functions.Elementary, args: tuple) -> str:
-        """``numpy.<fn.numpy>(args)`` (derivgen.torch._target has the same names)."""
-        name = self._module_format("numpy." + fn.numpy)
-        return f"{name}({self.stringify(args, ', ')})"
+        """``numpy.<fn.numpy>(args)`` or ``runtime.<fn.numpy>(args)``; the PyTorch printing
+        (``torch_module``) names every function ``torch.<fn.name>`` (derivgen.torch._target)."""
+        path = f"torch.{fn.name}" if self.torch_module else functions.numpy_path(fn)
+        return f"{path}({self.stringify(args, ', ')})"
+
+    def _print_Pi(self, expr):
+        return "torch.pi" if self.torch_module else "numpy.pi"
 
     def _print_Pow(self, expr, rational=False):
         root = functions.half_power_sign(expr)
@@ -60,13 +71,13 @@ class _NumPy(SpellsFunctions, _Ordered, NumPyPrinter):
 def np_expr(e: sympy.Expr, spec: Spec | None = None) -> str:
     """NumPy text for ``e``: ``_np.<function>`` calls, ``_mean``/``_mean_sq``/``_mean_prod`` for
     group means, spec names as they are."""
-    return _NumPy(ordered_names(spec)).doprint(e).replace("numpy.", "_np.")
+    return _NumPy(ordered_names(spec)).doprint(e).replace("numpy.", "_np.").replace("runtime.", "_rt.")
 
 
 def torch_expr(e: sympy.Expr, spec: Spec | None = None) -> str:
     """PyTorch text: the NumPy printing with the functions of ``derivgen.torch._target``
     (imported as ``_t``), which take tensors and plain numbers alike."""
-    return _NumPy(ordered_names(spec)).doprint(e).replace("numpy.", "_t.")
+    return _NumPy(ordered_names(spec), torch_module=True).doprint(e).replace("torch.", "_t.").replace("numpy.", "_t.")
 
 
 def _plain_pair(e: sympy.Expr, kind) -> bool:
@@ -117,7 +128,11 @@ class _C(SpellsFunctions, _Ordered, C99CodePrinter):
 
     def _spell(self, fn: functions.Elementary, args: tuple) -> str:
         """The entry's C spelling for this printer's element type."""
-        return call(fn.c(self.ctype), self.stringify(args, ", "))
+        return call(fn.c(self.ctype), *(self._print(a) for a in args))
+
+    def _print_Pi(self, expr):
+        # a literal: M_PI is not strict C99
+        return "3.14159265f" if self.ctype == "float" else "3.1415926535897932"
 
     def _print_Symbol(self, expr):
         text = self.rename.get(expr.name, expr.name)

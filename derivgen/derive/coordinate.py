@@ -23,7 +23,7 @@ from sympy import Add, Mul
 
 from derivgen.spec.model import Named, Spec, Statistic, X
 from derivgen.symbolic import domain
-from derivgen.symbolic.reduce import Mean, ReductionAlgebra, means
+from derivgen.symbolic.reduce import Mean, ReductionAlgebra, means, selections
 
 
 @dataclass(frozen=True)
@@ -40,7 +40,7 @@ def x_dependent(stats: tuple[Statistic, ...] | list[Statistic]) -> frozenset[sym
     """The statistics whose values depend on x (through a mean of x, or another such)."""
     dep: set[sympy.Symbol] = set()
     for st in stats:
-        if any(m.args[0].has(X) for m in means(st.expr)) or st.expr.free_symbols & dep:
+        if any(m.args[0].has(X) for m in [*means(st.expr), *selections(st.expr)]) or st.expr.free_symbols & dep:
             dep.add(st.symbol)
     return frozenset(dep)
 
@@ -183,6 +183,9 @@ def closed_form_coordinate(
     if centre in by_symbol:
         text, latex = f"(x - {by_symbol[centre].text})", f"(x - {by_symbol[centre].latex})"
     else:
-        text, latex = f"(x - {centre})", f"(x - {sympy.latex(centre)})"
+        inner_t, inner_l = str(centre), sympy.latex(centre)
+        if centre.is_Add:  # x - (m + log(s)), not x - m + log(s)
+            inner_t, inner_l = f"({inner_t})", rf"\left({inner_l}\right)"
+        text, latex = f"(x - {inner_t})", f"(x - {inner_l})"
     sym = domain.symbol("Xc")
     return Named("Xc", sym, latex, text), X - centre

@@ -39,7 +39,7 @@ from sympy import Add, Mul
 from derivgen.derive.coordinate import ImplicitCoordinate, closed_form_coordinate, find_implicit
 from derivgen.spec.model import DY, Mode, N, Named, Spec, Statistic, X
 from derivgen.symbolic import domain, functions
-from derivgen.symbolic.reduce import Mean, ReductionAlgebra, expand, hide_means, means
+from derivgen.symbolic.reduce import SELECTIONS, GroupMax, Mean, ReductionAlgebra, expand, hide_means, means, selections
 
 G = sympy.Symbol("g", real=True)
 
@@ -203,7 +203,10 @@ class _SelfRule:
 def _elementary(e: sympy.Expr) -> bool:
     """A non-integer power or a function of derivgen.symbolic.functions' table: a group-level
     function whose derivative the engine writes through its own value."""
-    return (e.is_Pow and not e.exp.is_Integer) or functions.of_node(e) is not None
+    if e.is_Pow:
+        return not e.exp.is_Integer
+    fn = functions.of_node(e)
+    return fn is not None and fn.derivative is not None  # the selections: SymPy's fdiff
 
 
 def _self_rule(expr: sympy.Expr, active: set) -> _SelfRule | None:
@@ -256,6 +259,8 @@ class Program:
         self.stats.append(st)
         self.active.add(st.symbol)
         self._by_def.setdefault(st.expr, st.symbol)
+        if isinstance(st.expr, SELECTIONS):
+            return  # differentiated through the elements it selects (_Deriver._through_selection)
         rule = _self_rule(st.expr, self.active - {st.symbol}) if not st.expr.has(Mean) else None
         if rule is not None:
             self.rules[st.symbol] = rule
@@ -265,6 +270,13 @@ class Program:
     def _add(self, st: Statistic) -> None:
         """Add a user's statistic, naming first what it needs as auxiliaries (steps 1-3)."""
         expr = st.expr
+        # 0. a group maximum or minimum is a statistic of its own, computed as written
+        if isinstance(expr, SELECTIONS):
+            self._append(st)
+            return
+        inner = [a for a in selections(expr) if a != expr]
+        if inner:
+            expr = expr.xreplace({a: self.auxiliary(a, st, "a group " + _selection_kind(a)) for a in inner})
         # 1. a mean inside another mean's argument is computed first: an auxiliary
         while True:
             nested = [i for m in means(expr) for i in means(m.args[0]) if not means(i.args[0])]
@@ -318,6 +330,25 @@ def statistic_partial(
     if rule is not None:
         return rule.du(st.symbol) * sympy.diff(rule.arg, v)
     return sympy.diff(hidden, v)
+
+
+def selection_tie(st: Statistic) -> sympy.Expr:
+    """For s = max(r) (or min): 1 where r_i = s, else 0 -- the elements that share s̄."""
+    r = st.expr.args[0]
+    return functions.Indicator(r - st.symbol) * functions.Indicator(st.symbol - r)
+
+
+def selection_count(statistics: Iterable[Statistic], st: Statistic) -> sympy.Symbol | None:
+    """The auxiliary statistic mean(tie) of the selection ``st`` (how much of the group attains
+    it), or None: the first order found s̄ = 0 identically (y does not depend on s), so no
+    derivative of any order flows through s."""
+    want = Mean(selection_tie(st))
+    return next((t.symbol for t in statistics if t.expr == want), None)
+
+
+def _selection_kind(e: sympy.Expr) -> str:
+    """ "maximum" or "minimum"."""
+    return "maximum" if type(e) is GroupMax else "minimum"
 
 
 def _kind(e: sympy.Expr) -> str:
@@ -534,7 +565,24 @@ class _Deriver:
         self.y_full = spec.output.xreplace({xhat: xhat_def}) if xhat is not None else spec.output
         self.y_hat = spec.output  # y with x̂ as a symbol (or y itself)
         dy_dxhat = sympy.diff(spec.output, xhat) if xhat is not None else sympy.S.Zero
-        self.g_def = DY * dy_dxhat if dy_dxhat != 0 else None
+        self._set_g(dy_dxhat, xhat)
+
+    def _set_g(self, dy_dxhat: sympy.Expr, xhat: sympy.Symbol | None) -> None:
+        """The adjoint of x̂, ∂L/∂y·∂y/∂x̂ = c·g, with c the factors of ∂y/∂x̂ that are one value
+        per group (an input, a scalar, N) kept out of g, so that they come out of the group
+        means: g = ∂L/∂y·(the factors that vary within a group), or ∂L/∂y itself (no g)."""
+        if dy_dxhat == 0:
+            self.g_def, self.xhat_adjoint = None, sympy.S.Zero
+            return
+        varying = {X, DY, *self.channel} | ({xhat} if xhat is not None else set())
+        per_group, per_element = [], []
+        for f in Mul.make_args(dy_dxhat):
+            (per_element if f.free_symbols & varying else per_group).append(f)
+        scale, h = Mul(*per_group), Mul(*per_element)
+        if h == 1:
+            self.g_def, self.xhat_adjoint = None, scale * DY
+        else:
+            self.g_def, self.xhat_adjoint = DY * h, scale * G
 
     def _use_coordinate(self, coord: Named | None, coord_def: sympy.Expr | None) -> None:
         """The closed forms' element coordinate: an element symbol, x written in it where it is
@@ -554,16 +602,16 @@ class _Deriver:
         u = implicit.named.symbol
         self.implicit = implicit
         self.xhat, self.xhat_def, self.y_hat = u, implicit.definition, implicit.output
-        self.g_def = DY * sympy.diff(implicit.output, u)
+        self._set_g(sympy.diff(implicit.output, u), u)
         self.alg.varying.add(u)
 
     def dL(self, v: sympy.Symbol) -> sympy.Expr:
         """∂L/∂y·∂y/∂v for one element, with the path through x̂ written in g = ∂L/∂y·∂y/∂x̂
         (the adjoint of x̂) and the direct paths in ∂L/∂y: γ·x̂ + β + t·x gives g·∂x̂/∂x + ∂L/∂y·t."""
         direct = DY * sympy.diff(self.y_hat, v)
-        if self.g_def is None:
+        if self.xhat_def is None or self.xhat_adjoint == 0:
             return direct
-        return G * sympy.diff(self.xhat_def, v) + direct
+        return self.xhat_adjoint * sympy.diff(self.xhat_def, v) + direct
 
     # ---- 1. reverse pass through the program -----------------------------
     def reverse(self) -> _Adjoints:
@@ -575,6 +623,9 @@ class _Deriver:
         terms = {e: [self.dL(e)] for e in [X, *self.channel]}
         adj = _Adjoints(group, terms)
         for st in reversed(list(self.program.stats)):
+            if isinstance(st.expr, SELECTIONS):
+                self._through_selection(st, adj)
+                continue
             hidden, table = hide_means(st.expr, prefix=f"{st.name}_R")
             self._through_group_values(st, hidden, table, adj)
             for r, atom in table.items():
@@ -624,6 +675,38 @@ class _Deriver:
                 )
                 adj.group[v] = adj.group[v] + abar * val
 
+    def _through_selection(self, st: Statistic, adj: _Adjoints) -> None:
+        """s = max(r) (or min) over the group: s̄ goes to the elements where r_i = s, split
+        evenly among them (PyTorch's amax), through ∂r_i/∂x_i -- unless s̄ is exactly zero by
+        the algebra (a softmax's maximum: y does not change when s shifts), which is
+        recorded as a vanishing term and costs the backward nothing."""
+        r = st.expr.args[0]
+        written = adj.group[st.symbol]
+        if self.g_def is not None:  # g is a name for ∂L/∂y·h: the means of both must meet
+            written = written.xreplace({G: self.g_def})
+        sbar = self.alg.canon(expand(self.alg.canon(written)))
+        if sbar == 0:
+            adj.partials.append(Partial(st, X, "selection", sympy.S.Zero, atom=st.expr, raw=adj.group[st.symbol]))
+            return
+        tie = selection_tie(st)
+        count = self.program.auxiliary(
+            Mean(tie), st, "the share of the group that attains the " + _selection_kind(st.expr)
+        )
+        self.group_diff.add(count)
+        adj.group.setdefault(count, sympy.S.Zero)
+        share = tie / (N * count)
+        for elem in self.element_diff:
+            de = sympy.diff(r, elem)
+            check_derivatives(self.spec, f"statistics.{st.name}", de)
+            if de != 0:
+                adj.terms[elem].append(adj.group[st.symbol] * share * de)
+                adj.partials.append(Partial(st, elem, "selection", share * de, atom=st.expr))
+        for v in sorted(r.free_symbols & self.group_diff, key=sympy.default_sort_key):
+            d = self.alg.canon(Mean(tie * sympy.diff(r, v))) / count
+            if d != 0:
+                adj.group[v] = adj.group[v] + adj.group[st.symbol] * d
+                adj.partials.append(Partial(st, v, "group", d))
+
     def _forward_mean(self, raw: Mean, st: Statistic, group_adj: dict[sympy.Symbol, sympy.Expr]) -> sympy.Expr:
         """A mean of x alone that no statistic determines (⟨(x - μ)³⟩ from differentiating a
         fourth moment through μ, ⟨sign(x - μ)⟩ from a mean absolute deviation): an auxiliary
@@ -642,10 +725,32 @@ class _Deriver:
     def _closed_forms(
         self, adj: _Adjoints
     ) -> tuple[sympy.Expr, dict[str, ParamGrad], dict[str, sympy.Expr], dict[sympy.Symbol, sympy.Expr]]:
-        """dx, the parameter and input gradients and the statistics' adjoints in closed form."""
-        spec, finish = self.spec, self.finish
+        """dx, the parameter and input gradients and the statistics' adjoints in closed form.
+
+        Where the output uses x itself beside the coordinate (x·sigmoid(v·x)/σ), writing x as
+        (x - μ) + μ would split one mean into two and print (x - μ) + μ inside functions: the
+        closed forms are then also written in x as it is, and that version is kept when it
+        needs fewer run-time means (with as many, the coordinate keeps differences centred)."""
         if self.to_xhat is not None:
             self.alg.derived = {self.coord.symbol: self.coord_def}
+        written = self._closed_forms_in(adj)
+        if self.to_xhat is None or not self.y_hat.has(X):
+            return written
+        to_xhat = self.to_xhat
+        self.to_xhat = None
+        plain = self._closed_forms_in(adj)
+        if _mean_count(plain) < _mean_count(written):
+            if self.implicit is None and self.spec.normalized is None:
+                self.coord = self.coord_def = None  # the centred coordinate is not used
+            return plain
+        self.to_xhat = to_xhat
+        return written
+
+    def _closed_forms_in(
+        self, adj: _Adjoints
+    ) -> tuple[sympy.Expr, dict[str, ParamGrad], dict[str, sympy.Expr], dict[sympy.Symbol, sympy.Expr]]:
+        """The closed forms with x written as :attr:`to_xhat` says (or as itself)."""
+        spec, finish = self.spec, self.finish
         dx = finish(Add(*adj.terms[X]))
         grads = {}
         for p in spec.params:
@@ -697,8 +802,15 @@ class _Deriver:
         )
 
 
+def _mean_count(forms: tuple) -> int:
+    """How many distinct group means the closed forms (dx, grads, dinputs, adjoints) read."""
+    dx, grads, dinputs, _ = forms
+    exprs = [dx, *dinputs.values(), *(g.element + g.group for g in grads.values())]
+    return len({m for e in exprs for m in means(e)})
+
+
 def mode_depends_on_x(mode: ModeDerivation, s: sympy.Symbol) -> bool:
     """Does the statistic ``s`` of ``mode`` depend on x (through a mean, or another statistic)?"""
     defs = {st.symbol: st.expr for st in mode.statistics}
     e = defs[s]
-    return bool(e.has(Mean)) or any(mode_depends_on_x(mode, t) for t in e.free_symbols if t in defs)
+    return bool(e.has(Mean, *SELECTIONS)) or any(mode_depends_on_x(mode, t) for t in e.free_symbols if t in defs)

@@ -40,11 +40,13 @@ from derivgen.derive.first import (
     check_derivatives,
     closed_form,
     name_reductions,
+    selection_count,
+    selection_tie,
     statistic_partial,
 )
 from derivgen.spec.model import DY, N, Named, Spec, Statistic, X
 from derivgen.symbolic.naming import derived
-from derivgen.symbolic.reduce import Mean, ReductionAlgebra, hide_means
+from derivgen.symbolic.reduce import SELECTIONS, Mean, ReductionAlgebra, hide_means
 
 
 @dataclass(frozen=True)
@@ -210,6 +212,7 @@ class _ReversePass:
         )
         self.element_adj: dict[sympy.Symbol, sympy.Expr] = {}
         self.group_adj: dict[sympy.Symbol, sympy.Expr] = {}
+        self.statistics = first.statistics
 
     def through(self, expr: sympy.Expr, w: sympy.Expr, where: str) -> None:
         """An element value ``expr`` whose adjoint is ``w`` (element-level): to its inputs --
@@ -242,9 +245,15 @@ class _ReversePass:
         self.through(definition, w, "the backward's element values")
 
     def statistic(self, st: Statistic) -> None:
-        """A statistic to the group values and the means its definition is made of."""
+        """A statistic to the group values and the means its definition is made of; a group
+        maximum (minimum) to the elements that attain it, evenly."""
         w = self.group_adj.pop(st.symbol, 0)
         if w == 0:
+            return
+        if isinstance(st.expr, SELECTIONS):
+            count = selection_count(self.statistics, st)
+            if count is not None:  # else y does not depend on it: nothing flows through it
+                self.through(st.expr.args[0], w * selection_tie(st) / (N * count), f"statistics.{st.name}")
             return
         hidden, table = hide_means(st.expr, prefix=f"{st.name}_Q")
         for v in _sorted(hidden.free_symbols & self.group_diff):
@@ -321,6 +330,7 @@ class _ForwardPass:
         for i in spec.inputs:
             self.tan[i.symbol] = seeds.tan_inputs[i.name].symbol
         self.elem_in = {X} | {p.symbol for p in spec.params if not p.scalar}
+        self.statistics = first.statistics
 
     def tangent(self, expr: sympy.Expr, where: str) -> sympy.Expr:
         """Σ ∂expr/∂u·u̇ over the values u with a tangent."""
@@ -332,7 +342,16 @@ class _ForwardPass:
         return out
 
     def statistic(self, st: Statistic) -> None:
-        """The tangent of one statistic, through its group values and its means."""
+        """The tangent of one statistic, through its group values and its means; of a group
+        maximum (minimum), the mean tangent of the elements that attain it."""
+        if isinstance(st.expr, SELECTIONS):
+            count = selection_count(self.statistics, st)
+            tie = selection_tie(st)
+            r = st.expr.args[0]
+            self.tan[st.symbol] = (
+                sympy.S.Zero if count is None else Mean(tie * self.tangent(r, f"statistics.{st.name}")) / count
+            )
+            return
         hidden, table = hide_means(st.expr, prefix=f"{st.name}_Q")
         ts = sympy.S.Zero
         for v in _sorted(hidden.free_symbols & set(self.tan)):

@@ -57,9 +57,10 @@ class DerivLatexPrinter(SpellsFunctions, _Ordered, LatexPrinter):
 
     def _print_elementary(self, fn: functions.Elementary, expr: sympy.Expr, exp: str | None = None) -> str:
         """The entry's LaTeX: ``\\op^{exp}{\\left(u \\right)}``, or its template (then ``^{exp}``)."""
-        arg = ",".join(self._print(a) for a in expr.args)
+        args = [self._print(a) for a in expr.args]
+        arg = ", ".join(args)
         if "{0}" in fn.latex:
-            tex = fn.latex.format(arg)
+            tex = fn.latex.format(*args)
             return tex if exp is None else rf"{tex}^{{{exp}}}"
         power = "" if exp is None else f"^{{{exp}}}"
         return rf"{fn.latex}{power}{{\left({arg} \right)}}"

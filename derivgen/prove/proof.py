@@ -14,6 +14,7 @@ and the result is reported as "checked numerically" -- never as "proven".
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import random
@@ -30,8 +31,8 @@ import sympy
 from derivgen.derive.first import G, ModeDerivation, ParamGrad
 from derivgen.derive.second import SecondOrder, almost_everywhere
 from derivgen.spec.model import DY, Input, N, Param, Spec, X
-from derivgen.symbolic import domain
-from derivgen.symbolic.reduce import Mean
+from derivgen.symbolic import domain, functions
+from derivgen.symbolic.reduce import SELECTIONS, GroupMax, Mean
 
 
 @dataclass
@@ -111,7 +112,14 @@ class _Explicit:
         def mean(m):
             return sympy.Add(*[self.at(m.args[0], j) for j in range(self.n)]) / self.n
 
+        def select(m):
+            """max(r) / min(r) over the n explicit elements, as nested maximum / minimum (equal
+            to PyTorch's amax, and to its gradient, wherever no two elements tie)."""
+            pick = functions.Maximum if type(m) is GroupMax else functions.Minimum
+            return functools.reduce(pick, [self.at(m.args[0], j) for j in range(self.n)])
+
         e = expr.replace(lambda a: isinstance(a, Mean), mean)
+        e = e.replace(lambda a: isinstance(a, SELECTIONS), select)
         sub = dict(getattr(self, "derived", {}))
         while sub and e.free_symbols & set(sub):  # g may be written in x̂
             e = e.xreplace(sub)
@@ -389,9 +397,21 @@ def _budget(seconds: float):
 
 def _proven(d: sympy.Expr, lin: list[sympy.Symbol]) -> bool:
     """Symbolically zero: both sides are linear in the symbols ``lin`` (∂L/∂y; the second
-    order's cotangents or tangents), so each coefficient vanishes on its own."""
-    rest = d.xreplace({s: 0 for s in lin})
-    return all(_zero_symbolic(sympy.diff(d, s)) for s in lin if d.has(s)) and _zero_symbolic(rest)
+    order's cotangents or tangents), so each coefficient vanishes on its own.
+
+    Selections (maximum, clip, their masks step and indicator) and stop-gradients are first
+    taken as they are -- opaque values, equal where both sides select alike; where that does
+    not reach zero, they are written through |.| and sign (:func:`functions.unfold`, valid off
+    the kinks) and each region is reduced on its own by the case split."""
+
+    def zero(e: sympy.Expr) -> bool:
+        rest = e.xreplace({s: 0 for s in lin})
+        return all(_zero_symbolic(sympy.diff(e, s)) for s in lin if e.has(s)) and _zero_symbolic(rest)
+
+    if zero(d):
+        return True
+    unfolded = functions.unfold(d)
+    return unfolded != d and zero(unfolded)
 
 
 # ---- the brute-force side, shared by both orders

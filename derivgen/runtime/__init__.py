@@ -34,7 +34,8 @@ time. This face is the module the generated NumPy and C bindings import
 * :mod:`~derivgen.runtime.cbind`: the ctypes binding of compiled kernels;
 * :mod:`~derivgen.runtime.build`: compiling generated C into cached shared libraries;
 * :mod:`~derivgen.runtime.machine`: what the CPU is (model, ISA flags, caches);
-* :mod:`~derivgen.runtime.fsutil`: atomic file writes.
+* :mod:`~derivgen.runtime.fsutil`: atomic file writes;
+* :mod:`~derivgen.runtime.elementwise`: NumPy versions of the table functions NumPy lacks.
 """
 
 from __future__ import annotations
@@ -61,13 +62,16 @@ from derivgen.runtime.base import (
     _param_shapes,
     check_out,
 )
+from derivgen.runtime.elementwise import erf, indicator, sigmoid, step, stop_gradient
 from derivgen.runtime.executor import (
     CHUNK_BYTES,
     chunks,
     f64,
     for_chunks,
+    group_max,
     group_mean,
     group_mean_prod,
+    group_min,
     group_total,
     new_stats,
     num_threads,
@@ -121,16 +125,20 @@ __all__ = [
     "check_same_dtype",
     "check_sums",
     "chunks",
+    "erf",
     "f64",
     "finish_input_grad",
     "finish_part",
     "for_chunks",
     "grad_fields",
     "grads_type",
+    "group_max",
     "group_mean",
     "group_mean_prod",
+    "group_min",
     "group_total",
     "group_view",
+    "indicator",
     "layout_from_shapes",
     "need_stats",
     "new_stats",
@@ -146,9 +154,12 @@ __all__ = [
     "resolve_layout",
     "second_fields",
     "set_num_threads",
+    "sigmoid",
     "split_layout",
     "split_level",
     "stats_array",
+    "step",
+    "stop_gradient",
     "store",
     "sum_prod",
     "sums_array",

@@ -186,6 +186,18 @@ def group_mean(layout: Layout) -> Callable[[np.ndarray], np.ndarray]:
     return mean
 
 
+def group_max(layout: Layout) -> Callable[[np.ndarray], np.ndarray]:
+    """``_max``: the maximum over each normalization group of a chunk (a NaN propagates)."""
+    axes = layout.reduce_axes
+    return lambda a: np.maximum.reduce(np.asarray(a), axis=axes, keepdims=True)
+
+
+def group_min(layout: Layout) -> Callable[[np.ndarray], np.ndarray]:
+    """``_min``: the minimum over each normalization group of a chunk (a NaN propagates)."""
+    axes = layout.reduce_axes
+    return lambda a: np.minimum.reduce(np.asarray(a), axis=axes, keepdims=True)
+
+
 def sum_prod(a: np.ndarray, b: np.ndarray, axes: int | tuple[int, ...] | None) -> np.ndarray:
     """``sum(a*b)`` over ``axes`` (all axes for None) of the 4-D chunk arrays,
     keeping dimensions: one pass and no temporary (``np.einsum``) when a and b

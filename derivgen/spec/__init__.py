@@ -5,7 +5,10 @@
 * :mod:`~derivgen.spec.expr`: the restricted expression parser (an ``ast`` walk over
   a whitelist; nothing is evaluated);
 * :mod:`~derivgen.spec.reserved`: the identifiers the targets reserve;
-* ``catalogue/``: the built-in layers, one TOML file each.
+* ``catalogue/``: the built-in layers, one TOML file each (their code is committed in
+  ``generated/``);
+* ``zoo/``: published layers written as specs, loadable by name like the catalogue
+  (generated on demand).
 """
 
 from derivgen.spec.expr import ExprError, parse_expr
@@ -21,6 +24,7 @@ from derivgen.spec.model import (
     load_catalogue,
     load_spec_file,
     parse_spec,
+    zoo_names,
 )
 
 __all__ = [
@@ -37,4 +41,5 @@ __all__ = [
     "load_spec_file",
     "parse_expr",
     "parse_spec",
+    "zoo_names",
 ]

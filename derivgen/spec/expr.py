@@ -5,12 +5,15 @@ then *walked* by hand into SymPy objects.  Nothing is ever evaluated as code:
 no ``eval``, no ``sympy.sympify``/``parse_expr`` (both call ``eval``).  Only
 these forms are accepted:
 
-* numbers (``2``, ``0.5``, ``1e-5``; converted exactly to rationals),
+* numbers (``2``, ``0.5``, ``1e-5``; converted exactly to rationals) and the
+  constant ``pi``,
 * declared names,
 * ``+ - * / **`` and unary ``+``/``-``,
-* the elementary functions of :mod:`derivgen.symbolic.functions` (``sqrt(e)``, ``exp(e)``,
-  ``log(e)``, ``abs(e)``, ``tanh(e)``),
-* the group reductions ``mean(e)`` and ``sum(e)`` (``sum(e)`` is ``N*mean(e)``).
+* the functions of :mod:`derivgen.symbolic.functions` (``sqrt(e)``, ``exp(e)``,
+  ``log(e)``, ``abs(e)``, ``tanh(e)``, ``sigmoid(e)``, ``erf(e)``, ``stop_gradient(e)``,
+  ``maximum(a, b)``, ``minimum(a, b)``, ``clip(e, lo, hi)``),
+* the group reductions ``mean(e)``, ``sum(e)`` (``sum(e)`` is ``N*mean(e)``), ``max(e)`` and
+  ``min(e)``.
 
 Everything else -- attribute access, subscripts, lambdas, comprehensions,
 keyword arguments, strings, comparisons, calls to anything else -- is rejected
@@ -28,14 +31,14 @@ from typing import NoReturn
 import sympy
 
 from derivgen.symbolic import functions
-from derivgen.symbolic.reduce import Mean
+from derivgen.symbolic.reduce import GroupMax, GroupMin, Mean
 
 MAX_EXPR_CHARS = 2000
 MAX_DEPTH = 40
 MAX_NODES = 400
 MAX_EXPONENT = 16  # |constant exponent| allowed in ``a ** k``
 
-REDUCTIONS = ("mean", "sum")
+REDUCTIONS = ("mean", "sum", "max", "min")
 
 
 def _callable_names() -> str:
@@ -137,6 +140,8 @@ class _Builder:
         """A declared name (a function's or reduction's name is not a value)."""
         if node.id in functions.language() or (node.id in REDUCTIONS and node.id not in self.names):
             self.fail(node, f"function {node.id!r} used as a value")
+        if node.id not in self.names and node.id in functions.CONSTANTS:
+            return functions.CONSTANTS[node.id]
         if node.id not in self.names:
             known = ", ".join(sorted(self.names)) or "none"
             self.fail(node, f"unknown name {node.id!r} (known: {known})")
@@ -194,6 +199,10 @@ class _Builder:
             if not self.allow_reductions:
                 self.fail(node, f"{fname}() is a group reduction; define it under [statistics]")
             arg = self.build(node.args[0], depth)
+            if fname == "max":
+                return GroupMax(arg)
+            if fname == "min":
+                return GroupMin(arg)
             return Mean(arg) if fname == "mean" else self.group_size * Mean(arg)
         if fn is not None:
             return fn.build(*(self.build(a, depth) for a in node.args))

@@ -24,7 +24,7 @@ from derivgen.spec import reserved
 from derivgen.spec.expr import ExprError, parse_expr
 from derivgen.symbolic import domain, functions
 from derivgen.symbolic.domain import domain_error
-from derivgen.symbolic.reduce import hide_means
+from derivgen.symbolic.reduce import GroupMax, hide_reductions, selections
 
 if TYPE_CHECKING:
     from importlib.resources.abc import Traversable
@@ -76,7 +76,7 @@ def reserved_reason(name: str) -> str | None:
     why = reserved.collision(name)
     if why is not None:
         return why
-    if name in FORMAT_NAMES or name in functions.language():
+    if name in FORMAT_NAMES or name in functions.language() or name in functions.CONSTANTS:
         return "a name the spec format defines itself"
     grad = "d" + name
     if reserved.is_keyword(grad):
@@ -227,14 +227,33 @@ def catalogue_names() -> list[str]:
     return sorted(p.name[:-5] for p in catalogue_dir().iterdir() if p.name.endswith(".toml"))
 
 
+def zoo_dir() -> Traversable:
+    """The folder of the zoo: published layers written as specs, shipped with the package."""
+    return resources.files("derivgen.spec") / "zoo"
+
+
+def zoo_names() -> list[str]:
+    """The names of the zoo's layers, sorted (none is also a catalogue name)."""
+    return sorted(p.name[:-5] for p in zoo_dir().iterdir() if p.name.endswith(".toml"))
+
+
 def load_catalogue(name: str) -> Spec:
-    """The built-in layer ``name``, parsed; SpecError for a name that is not one."""
+    """The built-in layer ``name`` -- of the catalogue, else of the zoo -- parsed; SpecError
+    for a name that is neither."""
+
+    def unknown() -> SpecError:
+        return SpecError(
+            f"unknown layer {name!r}; the catalogue has {', '.join(catalogue_names())} "
+            f"(and the zoo {len(zoo_names())} more: `derivgen list`)"
+        )
+
     if not isinstance(name, str) or not IDENT.match(name):
-        raise SpecError(f"unknown layer {name!r}; known: {', '.join(catalogue_names())}")
-    res = catalogue_dir() / f"{name}.toml"
-    if not res.is_file():
-        raise SpecError(f"unknown layer {name!r}; known: {', '.join(catalogue_names())}")
-    return parse_spec(res.read_text(encoding="utf-8"), source=f"catalogue/{name}.toml")
+        raise unknown()
+    for kind, folder in (("catalogue", catalogue_dir()), ("zoo", zoo_dir())):
+        res = folder / f"{name}.toml"
+        if res.is_file():
+            return parse_spec(res.read_text(encoding="utf-8"), source=f"{kind}/{name}.toml")
+    raise unknown()
 
 
 def load_spec_file(path: str | Path) -> Spec:
@@ -349,6 +368,7 @@ class _Parser:
         self.names: dict[str, sympy.Expr] = {"x": X, "N": N}
         self.stat_order: list[str] = []
         self.channel_params: set[sympy.Symbol] = set()
+        self.layout_kind = ""  # set by layout()
 
     def declare(self, where: str, name: str, what: str, sym: sympy.Expr) -> None:
         """Declare ``name`` (``what`` it is, for messages) with its symbol."""
@@ -414,6 +434,7 @@ class _Parser:
             ctx.err("layout.axes", f"must be an integer in 1..8, got {axes!r}")
         if "axes" in t and kind != "trailing":
             ctx.err("layout.axes", "only a 'trailing' layout has normalized axes to count")
+        self.layout_kind = kind
         return kind, reduce_, axes
 
     def params(self) -> list[Param]:
@@ -543,9 +564,17 @@ class _Parser:
 
     def check_group_level(self, where: str, expr: sympy.Expr, text: str) -> None:
         """A statistic is one value per group: x and per-channel parameters only inside mean()/sum()."""
-        outside = hide_means(expr)[0].free_symbols
+        for sel in selections(expr):
+            kind = "max" if type(sel) is GroupMax else "min"
+            if self.layout_kind != "trailing":
+                self.ctx.err(where, f"{kind}() is a group reduction of trailing layouts only (layout.kind): {text!r}")
+            if sel.args[0].free_symbols & self.channel_params:
+                self.ctx.err(where, f"{kind}() of a per-channel parameter is not supported; {kind}() of x: {text!r}")
+        outside = hide_reductions(expr).free_symbols
         if X in outside:
-            self.ctx.err(where, f"x appears outside mean()/sum(): a statistic is one value per group: {text!r}")
+            self.ctx.err(
+                where, f"x appears outside mean()/sum()/max()/min(): a statistic is one value per group: {text!r}"
+            )
         for p in sorted(outside & self.channel_params, key=str):
             self.ctx.err(
                 where,

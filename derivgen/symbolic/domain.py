@@ -49,8 +49,8 @@ def level_of_symbol(s: sympy.Symbol) -> int:
 
 def sign_level(e: sympy.Expr) -> int:
     """POSITIVE, NONNEG or REAL: what ``e`` is known to be on the layer's domain."""
-    if e.is_Number:
-        return POSITIVE if e > 0 else (NONNEG if e == 0 else REAL)
+    if e.is_number and e.is_real:  # 2, pi, sqrt(pi)
+        return POSITIVE if e.is_positive else (NONNEG if e.is_zero else REAL)
     if e.is_Symbol:
         return level_of_symbol(e)
     if isinstance(e, Mean):
@@ -76,7 +76,7 @@ def sign_level(e: sympy.Expr) -> int:
         return POSITIVE if q.is_negative or lb == POSITIVE else NONNEG
     fn = functions.of_node(e)
     if fn is not None:
-        return fn.sign(sign_level(e.args[0]))
+        return fn.sign(*(sign_level(a) for a in e.args))
     return REAL
 
 

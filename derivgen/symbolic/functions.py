@@ -1,8 +1,10 @@
 """The elementary functions, as one table.
 
 Every function a spec expression may call (``sqrt``, ``exp``, ``log``, ``abs``,
-``tanh``), and ``sign`` (which only appears as the derivative of ``abs``), is one
-:class:`Elementary` entry of :data:`TABLE`: how the parser builds it, how it is
+``tanh``, ``sigmoid``, ``erf``, ``stop_gradient``, and the selections ``maximum``,
+``minimum``, ``clip``), and the functions that only appear in derivatives
+(``sign`` of ``abs``; the masks ``step`` and ``indicator`` of the selections),
+is one :class:`Elementary` entry of :data:`TABLE`: how the parser builds it, how it is
 differentiated, what is known about its sign and where it is defined, and how
 each target spells it. The parser (:mod:`derivgen.spec.expr`), the engine's
 derivative rules, :mod:`derivgen.symbolic.domain`, :mod:`derivgen.tools.evaluate`, the code
@@ -47,8 +49,16 @@ class Elementary:
     ``\\op{\\left(u \\right)}`` (a power as ``\\op^{k}``), or a template with ``{0}``
     (a power appended as ``^{k}``).
     ``text`` is the name plain text and comments print it as: ``text(u)``.
-    ``arity`` is how many arguments the parser takes; the derivative, sign and
-    domain rules are written for one, as every entry has.
+    ``arity`` is how many arguments the parser takes. A function of one argument
+    has a ``derivative`` rule; one of several (the selections) has none: its SymPy
+    class's ``fdiff`` gives each partial derivative, as masks (``step``,
+    ``indicator``). ``sign(*levels)`` takes one level per argument.
+    ``numpy`` names a NumPy function, or (``numpy_in_runtime``) a function of
+    :mod:`derivgen.runtime` where NumPy has none (``_rt.sigmoid``). ``torch`` names
+    a function of the ``torch`` module, called with the arguments and then the
+    constants ``torch_extra`` (heaviside's value at zero). ``unfold`` writes the function with
+    ``Abs`` and ``sign`` where it holds off its kinks (the proof splits cases on
+    them); ``None`` where the function is smooth.
     """
 
     name: str
@@ -67,16 +77,20 @@ class Elementary:
     text: str
     arity: int = 1
     in_language: bool = True
+    numpy_in_runtime: bool = False
+    torch_extra: tuple[float, ...] = ()
+    unfold: Callable[..., sympy.Expr] | None = None
+    derivative_note: str = ""
 
     def c(self, ctype: str) -> str:
         """The C spelling for element type ``ctype`` ("float" or "double")."""
         return self.c_float if ctype == "float" else self.c_double
 
 
-def call(spelling: str, arg: str) -> str:
-    """A target's text for a function applied to the printed argument ``arg``:
-    ``spelling(arg)``, or ``spelling`` with ``{0}`` replaced where it is a template."""
-    return spelling.format(arg) if "{0}" in spelling else f"{spelling}({arg})"
+def call(spelling: str, *args: str) -> str:
+    """A target's text for a function applied to the printed arguments ``args``:
+    ``spelling(a, b)``, or ``spelling`` with ``{0}``, ``{1}`` ... replaced where it is a template."""
+    return spelling.format(*args) if "{0}" in spelling else f"{spelling}({', '.join(args)})"
 
 
 def _nonnegative(level: int) -> int:
@@ -236,6 +250,424 @@ register(
 )
 
 
+# ------------------------------------------------------------------ selections, sigmoid, erf
+#
+# SymPy has no sigmoid, no stop-gradient and no step with PyTorch's convention at a tie, so
+# these are SymPy functions of our own: each evaluates at numbers, knows its sign, and gives
+# its partial derivatives (fdiff) as PyTorch's autograd defines them -- masks where the
+# function selects, zero for a stop-gradient.
+
+
+def _num(v: sympy.Expr) -> bool:
+    """A real number SymPy can order (an integer, rational, float, pi ...)."""
+    return bool(v.is_number and v.is_real)
+
+
+class Step(sympy.Function):
+    """step(t): 1 where t > 0, 0 where t < 0, 1/2 at t = 0 -- the share of a gradient a
+    selection passes to one side of a tie (``torch.maximum``, ``torch.amax``)."""
+
+    is_real = True
+    is_nonnegative = True
+
+    @classmethod
+    def eval(cls, t):
+        if t.is_positive:
+            return sympy.S.One
+        if t.is_negative:
+            return sympy.S.Zero
+        if t.is_zero:
+            return sympy.S.Half
+        return None
+
+    def fdiff(self, argindex=1):
+        return sympy.S.Zero  # zero off the kink (PyTorch's masks are constants of autograd)
+
+
+class Indicator(sympy.Function):
+    """indicator(t): 1 where t >= 0, else 0 -- the mask of a closed interval (``torch.clamp``)."""
+
+    is_real = True
+    is_nonnegative = True
+
+    @classmethod
+    def eval(cls, t):
+        if t.is_nonnegative:
+            return sympy.S.One
+        if t.is_negative:
+            return sympy.S.Zero
+        return None
+
+    def fdiff(self, argindex=1):
+        return sympy.S.Zero
+
+
+class Maximum(sympy.Function):
+    """maximum(a, b), elementwise: the gradient goes to the larger, split evenly at a tie
+    (``torch.maximum``)."""
+
+    nargs = 2
+    is_real = True
+
+    @classmethod
+    def eval(cls, a, b):
+        if a == b:
+            return a
+        d = a - b
+        if d.is_nonnegative:
+            return a
+        if d.is_nonpositive:
+            return b
+        return None
+
+    def fdiff(self, argindex=1):
+        a, b = self.args
+        return Step(a - b) if argindex == 1 else Step(b - a)
+
+    def _eval_is_nonnegative(self):
+        return True if any(a.is_nonnegative for a in self.args) else None
+
+    def _eval_is_positive(self):
+        return True if any(a.is_positive for a in self.args) else None
+
+
+class Minimum(sympy.Function):
+    """minimum(a, b), elementwise: the gradient goes to the smaller, split evenly at a tie
+    (``torch.minimum``)."""
+
+    nargs = 2
+    is_real = True
+
+    @classmethod
+    def eval(cls, a, b):
+        if a == b:
+            return a
+        d = a - b
+        if d.is_nonpositive:
+            return a
+        if d.is_nonnegative:
+            return b
+        return None
+
+    def fdiff(self, argindex=1):
+        a, b = self.args
+        return Step(b - a) if argindex == 1 else Step(a - b)
+
+    def _eval_is_nonnegative(self):
+        return True if all(a.is_nonnegative for a in self.args) else None
+
+    def _eval_is_positive(self):
+        return True if all(a.is_positive for a in self.args) else None
+
+
+class Clip(sympy.Function):
+    """clip(e, lo, hi) = minimum(maximum(e, lo), hi): the gradient passes to e on the closed
+    interval lo <= e <= hi, to lo below it and to hi above it (``torch.clamp``)."""
+
+    nargs = 3
+    is_real = True
+
+    @classmethod
+    def eval(cls, e, lo, hi):
+        if _num(e) and _num(lo) and _num(hi):
+            return Minimum(Maximum(e, lo), hi)
+        return None
+
+    def fdiff(self, argindex=1):
+        e, lo, hi = self.args
+        if argindex == 1:
+            return Indicator(e - lo) * Indicator(hi - e)
+        if argindex == 2:
+            return 1 - Indicator(e - lo)
+        return 1 - Indicator(hi - e)
+
+    def _eval_is_positive(self):
+        _, lo, hi = self.args
+        return True if (lo.is_positive and hi.is_positive) else None
+
+    def _eval_is_nonnegative(self):
+        _, lo, hi = self.args
+        return True if (lo.is_nonnegative and hi.is_nonnegative) else None
+
+
+class StopGradient(sympy.Function):
+    """stop_gradient(e): the value of e, through which no derivative flows (``.detach()``)."""
+
+    is_real = True
+
+    @classmethod
+    def eval(cls, e):
+        if e.is_number:
+            return e
+        return None
+
+    def fdiff(self, argindex=1):
+        return sympy.S.Zero
+
+    def _eval_is_positive(self):
+        return self.args[0].is_positive
+
+    def _eval_is_nonnegative(self):
+        return self.args[0].is_nonnegative
+
+    def _eval_evalf(self, prec):
+        return self.args[0]._eval_evalf(prec)
+
+
+class Sigmoid(sympy.Function):
+    """sigmoid(u) = 1/(1 + exp(-u)); its derivative is sigmoid·(1 - sigmoid)."""
+
+    is_real = True
+    is_positive = True
+
+    @classmethod
+    def eval(cls, u):
+        if u.is_zero:
+            return sympy.S.Half
+        if u.is_Float:
+            return 1 / (1 + sympy.exp(-u))
+        return None
+
+    def fdiff(self, argindex=1):
+        return self * (1 - self)
+
+    def _eval_rewrite_as_exp(self, u, **kwargs):
+        return 1 / (1 + sympy.exp(-u))
+
+    def _eval_evalf(self, prec):
+        return (1 / (1 + sympy.exp(-self.args[0])))._eval_evalf(prec)
+
+
+def _max_level(*levels: int) -> int:
+    """Sign rule of a maximum: at least what its larger argument is known to be."""
+    return max(levels)
+
+
+def _min_level(*levels: int) -> int:
+    """Sign rule of a minimum: what its smaller argument is known to be."""
+    return min(levels)
+
+
+def _clip_level(e: int, lo: int, hi: int) -> int:
+    """Sign rule of clip(e, lo, hi) = minimum(maximum(e, lo), hi)."""
+    return min(max(e, lo), hi)
+
+
+def _step_value(t: float) -> float:
+    return 1.0 if t > 0 else (0.0 if t < 0 else 0.5)
+
+
+def _sigmoid_value(u: float) -> float:
+    """sigmoid(u) for a Python number, without overflow for large |u|."""
+    if u >= 0:
+        return 1.0 / (1.0 + math.exp(-u))
+    z = math.exp(u)
+    return z / (1.0 + z)
+
+
+def _as_abs(kind: str) -> Callable[..., sympy.Expr]:
+    """The selections written with |.| and sign (valid where no argument is at a kink)."""
+
+    def maximum(a, b):
+        return (a + b + sympy.Abs(a - b)) / 2
+
+    def minimum(a, b):
+        return (a + b - sympy.Abs(a - b)) / 2
+
+    def clip(e, lo, hi):
+        return minimum(maximum(e, lo), hi)
+
+    def step(t):
+        return (1 + sympy.sign(t)) / 2
+
+    return {"maximum": maximum, "minimum": minimum, "clip": clip, "step": step, "indicator": step}[kind]
+
+
+register(
+    Elementary(
+        "sigmoid",
+        Sigmoid,
+        Sigmoid,
+        lambda f, u: f * (1 - f),
+        "sigmoid",
+        _positive,
+        REAL,
+        numpy="sigmoid",
+        numpy_in_runtime=True,
+        c_double="(1.0/(1.0 + exp(-({0}))))",
+        c_float="(1.0f/(1.0f + expf(-({0}))))",
+        torch="sigmoid",
+        scalar=_sigmoid_value,
+        latex=r"\operatorname{sigmoid}",
+        text="sigmoid",
+    )
+)
+register(
+    Elementary(
+        "erf",
+        sympy.erf,
+        sympy.erf,
+        lambda f, u: 2 * sympy.exp(-(u**2)) / sympy.sqrt(sympy.pi),
+        "error function",
+        _same,
+        REAL,
+        numpy="erf",
+        numpy_in_runtime=True,
+        c_double="erf",
+        c_float="erff",
+        torch="erf",
+        scalar=math.erf,
+        latex=r"\operatorname{erf}",
+        text="erf",
+    )
+)
+register(
+    Elementary(
+        "stop_gradient",
+        StopGradient,
+        StopGradient,
+        lambda f, u: sympy.S.Zero,
+        "stop-gradient",
+        _same,
+        REAL,
+        numpy="stop_gradient",
+        numpy_in_runtime=True,
+        c_double="({0})",
+        c_float="({0})",
+        torch="detach",
+        scalar=lambda u: u,
+        latex=r"\operatorname{sg}",
+        text="stop_gradient",
+        unfold=lambda e: e,
+        derivative_note="zero: the value is used, no gradient flows through it (.detach())",
+    )
+)
+register(
+    Elementary(
+        "maximum",
+        Maximum,
+        Maximum,
+        None,
+        "maximum",
+        _max_level,
+        REAL,
+        numpy="maximum",
+        c_double="fmax",
+        c_float="fmaxf",
+        torch="maximum",
+        scalar=max,
+        latex=r"\max",
+        text="maximum",
+        arity=2,
+        unfold=_as_abs("maximum"),
+        derivative_note="step(a - b) to a and step(b - a) to b: the larger gets the gradient, a tie splits it evenly",
+    )
+)
+register(
+    Elementary(
+        "minimum",
+        Minimum,
+        Minimum,
+        None,
+        "minimum",
+        _min_level,
+        REAL,
+        numpy="minimum",
+        c_double="fmin",
+        c_float="fminf",
+        torch="minimum",
+        scalar=min,
+        latex=r"\min",
+        text="minimum",
+        arity=2,
+        unfold=_as_abs("minimum"),
+        derivative_note="step(b - a) to a and step(a - b) to b: the smaller gets the gradient, a tie splits it evenly",
+    )
+)
+register(
+    Elementary(
+        "clip",
+        Clip,
+        Clip,
+        None,
+        "clip",
+        _clip_level,
+        REAL,
+        numpy="clip",
+        c_double="fmin(fmax({0}, {1}), {2})",
+        c_float="fminf(fmaxf({0}, {1}), {2})",
+        torch="clamp",
+        scalar=lambda e, lo, hi: min(max(e, lo), hi),
+        latex=r"\operatorname{clip}",
+        text="clip",
+        arity=3,
+        unfold=_as_abs("clip"),
+        derivative_note=(
+            "indicator(e - lo)·indicator(hi - e) to e (the closed interval), "
+            "1 - indicator(e - lo) to lo, 1 - indicator(hi - e) to hi"
+        ),
+    )
+)
+register(
+    Elementary(
+        "step",
+        Step,
+        Step,
+        lambda f, u: sympy.S.Zero,
+        "step",
+        lambda level: POSITIVE if level == POSITIVE else NONNEG,
+        REAL,
+        numpy="step",
+        numpy_in_runtime=True,
+        c_double="(({0}) > 0 ? 1.0 : (({0}) < 0 ? 0.0 : 0.5))",
+        c_float="(({0}) > 0 ? 1.0f : (({0}) < 0 ? 0.0f : 0.5f))",
+        torch="heaviside",
+        torch_extra=(0.5,),
+        scalar=_step_value,
+        latex=r"\left[{0} > 0\right]",
+        text="step",
+        in_language=False,
+        unfold=_as_abs("step"),
+    )
+)
+register(
+    Elementary(
+        "indicator",
+        Indicator,
+        Indicator,
+        lambda f, u: sympy.S.Zero,
+        "indicator",
+        lambda level: POSITIVE if level >= NONNEG else NONNEG,
+        REAL,
+        numpy="indicator",
+        numpy_in_runtime=True,
+        c_double="(({0}) >= 0 ? 1.0 : 0.0)",
+        c_float="(({0}) >= 0 ? 1.0f : 0.0f)",
+        torch="heaviside",
+        torch_extra=(1.0,),
+        scalar=lambda t: 1.0 if t >= 0 else 0.0,
+        latex=r"\left[{0} \geq 0\right]",
+        text="indicator",
+        in_language=False,
+        unfold=_as_abs("indicator"),
+    )
+)
+
+CONSTANTS: dict[str, sympy.Expr] = {"pi": sympy.pi}
+"""Named constants a spec expression may use (a spec may not declare these names)."""
+
+
+def unfold(e: sympy.Expr) -> sympy.Expr:
+    """``e`` with every table function that has an ``unfold`` written through |.| and sign
+    (the selections and masks), and stop-gradients replaced by their argument: equal to
+    ``e`` wherever no selection is at a kink."""
+    out = e
+    for fn in TABLE.values():
+        if fn.unfold is not None and fn.node is not None and out.has(fn.node):
+            out = out.replace(lambda a, c=fn.node: isinstance(a, c), lambda a, f=fn.unfold: f(*a.args))
+    return out
+
+
 def language() -> dict[str, Elementary]:
     """The functions a spec expression may call, by name, in table order."""
     return {n: fn for n, fn in TABLE.items() if fn.in_language}
@@ -255,9 +687,9 @@ def of_node(e: sympy.Basic) -> Elementary | None:
     return of_class(type(e))
 
 
-def of_numpy_name(name: str) -> Elementary | None:
-    """The entry spelled ``name`` in NumPy (and by the PyTorch target), or None."""
-    return next((fn for fn in TABLE.values() if fn.numpy == name), None)
+def numpy_path(fn: Elementary) -> str:
+    """Where generated NumPy finds the entry: ``numpy.<name>`` or ``derivgen.runtime.<name>``."""
+    return ("runtime." if fn.numpy_in_runtime else "numpy.") + fn.numpy
 
 
 def half_power() -> Elementary:

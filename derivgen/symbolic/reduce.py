@@ -58,6 +58,46 @@ class Mean(sympy.Function):
         return self.args[0].is_extended_negative
 
 
+class GroupMax(sympy.Function):
+    """Maximum over the normalization group of an element-level expression (a statistic
+    of its own: the engine never rewrites it). Its gradient goes to the elements that attain
+    it, split evenly among ties (``torch.amax``)."""
+
+    nargs = 1
+
+    @classmethod
+    def eval(cls, arg: sympy.Expr) -> sympy.Expr | None:
+        return None
+
+    def _eval_is_extended_real(self) -> bool | None:
+        return self.args[0].is_extended_real
+
+    def _eval_is_extended_nonnegative(self) -> bool | None:
+        return self.args[0].is_extended_nonnegative
+
+    def _eval_is_extended_positive(self) -> bool | None:
+        return self.args[0].is_extended_positive
+
+
+class GroupMin(GroupMax):
+    """Minimum over the normalization group (see :class:`GroupMax`)."""
+
+
+SELECTIONS = (GroupMax, GroupMin)
+
+
+def selections(expr: sympy.Basic) -> list[GroupMax]:
+    """The group maxima and minima in ``expr``, in a deterministic order."""
+    return sorted((a for a in expr.atoms(GroupMax)), key=sympy.default_sort_key)
+
+
+def hide_reductions(expr: sympy.Expr) -> sympy.Expr:
+    """``expr`` with every group mean, maximum and minimum replaced by a fresh real symbol
+    (what is left outside the reductions)."""
+    atoms = [*means(expr), *selections(expr)]
+    return expr.xreplace({a: sympy.Dummy(real=True) for a in atoms})
+
+
 def means(expr: sympy.Basic) -> list[Mean]:
     """Mean atoms in ``expr`` in a deterministic order."""
     return sorted(expr.atoms(Mean), key=sympy.default_sort_key)

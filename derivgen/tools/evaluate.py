@@ -15,6 +15,7 @@ import numpy as np
 import sympy
 
 from derivgen.derive.first import G, ModeDerivation
+from derivgen.runtime.elementwise import numpy_function
 from derivgen.spec.model import DY, N, X
 from derivgen.symbolic import functions
 from derivgen.symbolic.reduce import Mean
@@ -28,7 +29,7 @@ def evaluate(expr: sympy.Expr, env: dict[sympy.Symbol, object], mean: Callable =
             return env[expr]
         except KeyError:
             raise KeyError(f"no value for symbol {expr}") from None
-    if expr.is_Number:
+    if expr.is_number:  # 2, 1/2, pi, sqrt(pi)
         return float(expr)
     if isinstance(expr, Mean):
         return mean(evaluate(expr.args[0], env, mean))
@@ -49,7 +50,7 @@ def evaluate(expr: sympy.Expr, env: dict[sympy.Symbol, object], mean: Callable =
         return np.power(base, float(exponent)) if not exponent.is_Integer else base ** int(exponent)
     fn = functions.of_node(expr)
     if fn is not None:  # the table's NumPy function
-        return getattr(np, fn.numpy)(*(evaluate(a, env, mean) for a in expr.args))
+        return numpy_function(fn)(*(evaluate(a, env, mean) for a in expr.args))
     raise TypeError(f"cannot evaluate {type(expr).__name__}: {expr}")
 
 

@@ -1,7 +1,7 @@
 """What the generated PyTorch modules (``generated/torch/<layer>.py``) call.
 
-The printed expressions name their functions ``_t.sqrt``, ``_t.exp`` ... (each
-function's NumPy name in :mod:`derivgen.symbolic.functions`): here they take tensors and
+The printed expressions name their functions ``_t.sqrt``, ``_t.exp``, ``_t.maximum`` ...
+(each function's name in :mod:`derivgen.symbolic.functions`): here they take tensors and
 plain numbers alike (a group size N is a Python int, a statistic a tensor). The reductions are over the 4-D view (O, G, Cg, S) of
 :class:`derivgen.runtime.Layout`, as in the NumPy target.
 """
@@ -20,23 +20,30 @@ pi = math.pi
 
 
 def _unary(fn: functions.Elementary) -> Callable:
-    """The table function ``fn`` for a tensor (torch.<fn.torch>) or a plain number (fn.scalar)."""
+    """The table function ``fn`` for tensors (torch.<fn.torch>, with its extra constants) or
+    plain numbers (fn.scalar); plain numbers beside a tensor become tensors of its dtype."""
     tfn = getattr(torch, fn.torch)
 
-    def f(a: torch.Tensor | float) -> torch.Tensor | float:
-        return tfn(a) if isinstance(a, torch.Tensor) else fn.scalar(a)
+    def f(*args: torch.Tensor | float) -> torch.Tensor | float:
+        like = next((a for a in args if isinstance(a, torch.Tensor)), None)
+        if like is None:
+            return fn.scalar(*args)
+        if len(args) == 1 and not fn.torch_extra:
+            return tfn(args[0])
+        full = [a if isinstance(a, torch.Tensor) else like.new_tensor(a) for a in (*args, *fn.torch_extra)]
+        return tfn(*full)
 
-    f.__name__ = tfn.__name__
+    f.__name__ = fn.name
     return f
 
 
-# sqrt, exp, log, abs, tanh, sign ...: one module attribute per table entry, by its printed name
-globals().update({fn.numpy: _unary(fn) for fn in functions.TABLE.values()})
+# sqrt, exp, log, abs, tanh, sign, maximum ...: one module attribute per table entry, by its name
+globals().update({fn.name: _unary(fn) for fn in functions.TABLE.values()})
 
 
 def __getattr__(name: str) -> Callable:
     """A function registered in derivgen.symbolic.functions after this module was imported."""
-    fn = functions.of_numpy_name(name)
+    fn = functions.TABLE.get(name)
     if fn is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     return _unary(fn)
@@ -52,6 +59,19 @@ def group_mean(L: Layout) -> Callable[[torch.Tensor], torch.Tensor]:
         return a.mean(dim=dims, keepdim=True)
 
     return mean
+
+
+def group_max(L: Layout) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``_max``: the maximum over each normalization group, keeping the 4 dimensions
+    (autograd splits its gradient evenly among ties, as the derivation does)."""
+    dims = L.reduce_axes
+    return lambda a: a.amax(dim=dims, keepdim=True)
+
+
+def group_min(L: Layout) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``_min``: the minimum over each normalization group, keeping the 4 dimensions."""
+    dims = L.reduce_axes
+    return lambda a: a.amin(dim=dims, keepdim=True)
 
 
 def group_sum(L: Layout, x: torch.Tensor) -> Callable[[torch.Tensor | float], torch.Tensor]:

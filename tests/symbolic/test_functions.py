@@ -5,6 +5,7 @@ added to the table only (a test-local entry) flows through parse -> derive -> pr
 -> generated NumPy."""
 
 import ctypes
+import itertools
 import math
 
 import numpy as np
@@ -16,6 +17,7 @@ import derivgen
 from derivgen.codegen.printers import SpecPrinter, np_expr, torch_expr
 from derivgen.explain.document import latex_expr, text_expr
 from derivgen.runtime.build import build_shared
+from derivgen.runtime.elementwise import numpy_function
 from derivgen.spec.expr import ExprError, parse_expr
 from derivgen.spec.model import N, parse_spec, reserved_reason
 from derivgen.symbolic import domain, functions
@@ -61,82 +63,121 @@ def atan():
 
 def defined_points(fn: Elementary) -> tuple[float, ...]:
     """Points where ``fn`` is defined: those its ``requires`` allows, zero left out
-    where the derivative has no value there (sqrt, abs, sign)."""
+    where the derivative has no value there (sqrt, abs, sign, step)."""
     return tuple(p for p in POINTS[fn.requires] if p != 0.0)
 
 
-def sympy_value(e: sympy.Expr, u: float) -> float:
-    return float(e.subs(U, sympy.Float(u, 30)).evalf(30))
+ARGS = [U, sympy.Symbol("v", real=True), sympy.Symbol("w", real=True)]
+
+
+def argument_points(fn: Elementary) -> list[tuple[float, ...]]:
+    """Argument tuples where ``fn`` is defined and differentiable: one argument at its
+    points; several at combinations off the ties (maximum(a, b) with a != b, clip with
+    lo < hi and e inside, below and above)."""
+    if fn.arity == 1:
+        return [(u,) for u in defined_points(fn)]
+    if fn.arity == 2:
+        return [(a, b) for a in (-1.3, 0.3, 1.9) for b in (-0.4, 0.7) if a != b]
+    return [(e, -0.5, 0.8) for e in (-1.3, -0.2, 0.3, 1.9)]
+
+
+def sympy_value(e: sympy.Expr, *u: float) -> float:
+    return float(e.xreplace({a: sympy.Float(v, 30) for a, v in zip(ARGS, u)}).evalf(30))
 
 
 def check_entry(fn: Elementary, c_values: dict | None = None):
     """The checks every entry passes, shipped or registered."""
-    built = fn.build(U)
+    args = ARGS[: fn.arity]
+    built = fn.build(*args)
     assert fn.node is None or isinstance(built, fn.node)
     assert fn.node is not None or functions.half_power_sign(built) == 1  # sqrt is a power
     # the parser accepts the functions of the language, and they are reserved names
+    names = {a.name: a for a in args}
+    call_text = f"{fn.name}({', '.join(names)})"
     if fn.in_language:
-        assert parse_expr(f"{fn.name}(u)", {"u": U}, group_size=N) == built
+        assert parse_expr(call_text, names, group_size=N) == built
         assert reserved_reason(fn.name) is not None
     else:
         with pytest.raises(ExprError, match="unknown function"):
-            parse_expr(f"{fn.name}(u)", {"u": U}, group_size=N)
-    exact = sympy.diff(built, U)
-    rule = fn.derivative(built, U)
-    for u in defined_points(fn):
-        want = sympy_value(built, u)
-        # the derivative rule is SymPy's derivative
-        assert sympy_value(rule, u) == pytest.approx(sympy_value(exact, u), rel=1e-12, abs=1e-14)
+            parse_expr(call_text, names, group_size=N)
+    for point in argument_points(fn):
+        want = sympy_value(built, *point)
+        # the derivative rule is SymPy's derivative (one argument; the selections' fdiff
+        # against a finite difference of the function itself)
+        if fn.derivative is not None:
+            exact = sympy.diff(built, U)
+            rule = fn.derivative(built, U)
+            assert sympy_value(rule, *point) == pytest.approx(sympy_value(exact, *point), rel=1e-12, abs=1e-14)
+        for k, a in enumerate(args):
+            h = 1e-7
+            up = list(point)
+            dn = list(point)
+            up[k] += h
+            dn[k] -= h
+            fd = (fn.scalar(*up) - fn.scalar(*dn)) / (2 * h)
+            if fn.name == "stop_gradient":
+                fd = 0.0  # its value moves, its derivative is zero by definition
+            assert sympy_value(sympy.diff(built, a), *point) == pytest.approx(fd, rel=1e-6, abs=1e-7)
         # NumPy, PyTorch (tensor and plain number) and C agree with SymPy
-        assert getattr(np, fn.numpy)(u) == pytest.approx(want, rel=1e-14, abs=1e-15)
-        t = getattr(_target, fn.numpy)
-        assert t(torch.tensor(u, dtype=torch.float64)).item() == pytest.approx(want, rel=1e-14, abs=1e-15)
-        assert float(t(u)) == pytest.approx(want, rel=1e-14, abs=1e-15)
+        assert float(numpy_function(fn)(*point)) == pytest.approx(want, rel=1e-14, abs=1e-15)
+        t = getattr(_target, fn.name)
+        tensors = [torch.tensor(u, dtype=torch.float64) for u in point]
+        assert t(*tensors).item() == pytest.approx(want, rel=1e-14, abs=1e-15)
+        assert t(tensors[0], *point[1:]).item() == pytest.approx(want, rel=1e-14, abs=1e-15)
+        assert float(t(*point)) == pytest.approx(want, rel=1e-14, abs=1e-15)
         if c_values is not None:
-            assert c_values[fn.name, "double"](u) == pytest.approx(want, rel=1e-14, abs=1e-15)
-            assert c_values[fn.name, "float"](u) == pytest.approx(want, rel=1e-6, abs=1e-7)
-    # the sign rule holds at points of each sign the argument may have
-    for level, points in POINTS.items():
-        out = fn.sign(level)
-        for u in points:
-            if u in defined_points(fn) or (u == 0.0 and fn.requires != POSITIVE):
-                v = sympy_value(built, u)
-                assert v >= 0 if out >= NONNEG else True
-                assert v > 0 if out == POSITIVE else True
+            assert c_values[fn.name, "double"](*point) == pytest.approx(want, rel=1e-14, abs=1e-15)
+            assert c_values[fn.name, "float"](*point) == pytest.approx(want, rel=1e-6, abs=1e-7)
+    # the sign rule holds at points of each sign the arguments may have
+    for levels in itertools.product(POINTS, repeat=fn.arity):
+        out = fn.sign(*levels)
+        for point in itertools.product(*(POINTS[level] for level in levels)):
+            if fn.arity == 1 and not (point[0] in defined_points(fn) or (point[0] == 0.0 and fn.requires != POSITIVE)):
+                continue
+            v = sympy_value(built, *point)
+            assert v >= 0 if out >= NONNEG else True
+            assert v > 0 if out == POSITIVE else True
     # the domain rule: an argument known never to be what the function requires is rejected
     if fn.requires != REAL:
         p = sympy.Symbol("p", positive=True)
         assert domain.domain_error(fn.build(-p)) is not None
     # derivgen.symbolic.domain applies the rule (where SymPy keeps F(p) as it is: sign(p) is 1)
-    at_positive = fn.build(sympy.Symbol("p", positive=True))
+    pos = [sympy.Symbol(f"p{k}", positive=True) for k in range(fn.arity)]
+    at_positive = fn.build(*pos)
     if fn.node is None or isinstance(at_positive, fn.node):
-        assert domain.sign_level(at_positive) == fn.sign(POSITIVE)
+        assert domain.sign_level(at_positive) == fn.sign(*[POSITIVE] * fn.arity)
     check_spellings(fn)
 
 
 def check_spellings(fn: Elementary):
     """The printers spell the entry as it says."""
-    a = sympy.Symbol("a", real=True)
-    e = fn.build(a)
-    assert np_expr(e) == f"_np.{fn.numpy}(a)"
-    assert torch_expr(e) == f"_t.{fn.numpy}(a)"
+    names = ["a", "b", "c"][: fn.arity]
+    e = fn.build(*(sympy.Symbol(n, real=True) for n in names))
+    listed = ", ".join(names)
+    home = "_rt" if fn.numpy_in_runtime else "_np"
+    assert np_expr(e) == f"{home}.{fn.numpy}({listed})"
+    assert torch_expr(e) == f"_t.{fn.name}({listed})"
     for ctype in ("float", "double"):
-        assert c_expr(e, ctype) == functions.call(fn.c(ctype), "a")
-    assert text_expr(e) == code_text(e) == f"{fn.text}(a)"
+        assert c_expr(e, ctype) == functions.call(fn.c(ctype), *names)
+    assert text_expr(e) == code_text(e) == f"{fn.text}({listed})"
     if "{0}" in fn.latex:
-        assert latex_expr(e) == fn.latex.format("a")
-    else:
+        assert latex_expr(e) == fn.latex.format(*names)
+    elif fn.arity == 1:
         assert latex_expr(e) == fn.latex + r"{\left(a \right)}"
         assert latex_expr(e**2) == fn.latex + r"^{2}{\left(a \right)}"
+    else:
+        assert latex_expr(e) == fn.latex + rf"{{\left({listed} \right)}}"
 
 
 def compiled(entries, tmp_path) -> dict:
     """Each entry's C spellings (as the C printer prints them) compiled and callable."""
     lines = ["#include <math.h>"]
     for fn in entries:
+        names = ["a", "b", "c"][: fn.arity]
         for ctype in ("float", "double"):
-            body = c_expr(fn.build(sympy.Symbol("a", real=True)), ctype)
-            lines.append(f"{ctype} f_{fn.name}_{ctype}({ctype} a) {{ return ({ctype})({body}); }}")
+            body = c_expr(fn.build(*(sympy.Symbol(n, real=True) for n in names)), ctype)
+            params = ", ".join(f"{ctype} {n}" for n in names)
+            lines.append(f"{ctype} f_{fn.name}_{ctype}({params}) {{ return ({ctype})({body}); }}")
     src = tmp_path / "table_functions.c"
     src.write_text("\n".join(lines) + "\n")
     lib = ctypes.CDLL(str(build_shared(src, openmp=False)))
@@ -144,14 +185,14 @@ def compiled(entries, tmp_path) -> dict:
     for fn in entries:
         for ctype, ct in (("float", ctypes.c_float), ("double", ctypes.c_double)):
             f = getattr(lib, f"f_{fn.name}_{ctype}")
-            f.restype, f.argtypes = ct, [ct]
+            f.restype, f.argtypes = ct, [ct] * fn.arity
             out[fn.name, ctype] = f
     return out
 
 
 def test_every_entry_is_consistent(tmp_path):
     c_values = compiled(functions.TABLE.values(), tmp_path)
-    assert {"sqrt", "exp", "log", "abs", "tanh"} <= set(functions.language())
+    assert {"sqrt", "exp", "log", "abs", "tanh", "sigmoid", "erf", "maximum", "clip"} <= set(functions.language())
     for fn in functions.TABLE.values():
         check_entry(fn, c_values)
 
