@@ -6,12 +6,30 @@ reference for the derived JVP and VJP."""
 
 from __future__ import annotations
 
+import math
+
+import jax
 import jax.numpy as jnp
+import jax.scipy.special
 import sympy
 
 from derivgen.spec.model import DY, N, X  # noqa: F401  (symbols of the spec language)
 from derivgen.symbolic import functions
 from derivgen.symbolic.reduce import Mean
+
+try:  # group maxima and minima (statistics of their own), where the engine has them
+    from derivgen.symbolic.reduce import GroupMax, GroupMin
+except ImportError:  # pragma: no cover
+    GroupMax = GroupMin = ()
+
+# the elementary functions by name, written out here (not derivgen.jax's lookup of the table)
+FUNCTIONS = {
+    "sigmoid": jax.nn.sigmoid,
+    "erf": jax.scipy.special.erf,
+    "stop_gradient": jax.lax.stop_gradient,
+    "step": lambda t: jnp.heaviside(t, 0.5),
+    "indicator": lambda t: jnp.heaviside(t, 1.0),
+}
 
 
 def _moments(x, axes):
@@ -77,32 +95,36 @@ def online_layernorm(x, gamma, beta, prev_mean, prev_std, alpha, eps=0.0):
 # ------------------------------------------------------------------ any spec
 
 
-def evaluate(expr: sympy.Expr, env: dict, mean):
-    """``expr`` over ``env`` (symbol -> array or number), Mean atoms by ``mean``."""
+def evaluate(expr: sympy.Expr, env: dict, mean, select=None):
+    """``expr`` over ``env`` (symbol -> array or number), Mean atoms by ``mean``, group maxima
+    and minima by ``select(op, value)``."""
     if expr.is_Symbol:
         return env[expr]
-    if expr.is_Number:
-        return float(expr)
+    if expr.is_number:
+        return math.pi if expr == sympy.pi else float(expr)
     if isinstance(expr, Mean):
-        return mean(evaluate(expr.args[0], env, mean))
+        return mean(evaluate(expr.args[0], env, mean, select))
+    if GroupMax and isinstance(expr, (GroupMax, GroupMin)):
+        return select("max" if isinstance(expr, GroupMax) else "min", evaluate(expr.args[0], env, mean, select))
     if expr.is_Add:
         out = 0.0
         for a in expr.args:
-            out = out + evaluate(a, env, mean)
+            out = out + evaluate(a, env, mean, select)
         return out
     if expr.is_Mul:
         out = 1.0
         for a in expr.args:
-            out = out * evaluate(a, env, mean)
+            out = out * evaluate(a, env, mean, select)
         return out
     if expr.is_Pow:
-        base = evaluate(expr.base, env, mean)
+        base = evaluate(expr.base, env, mean, select)
         if expr.exp.is_Integer:
             return base ** int(expr.exp)
         return jnp.power(base, float(expr.exp))
     fn = functions.of_node(expr)
     if fn is not None:
-        return getattr(jnp, fn.numpy)(*(evaluate(a, env, mean) for a in expr.args))
+        f = FUNCTIONS.get(fn.name) or getattr(jnp, fn.name)
+        return f(*(evaluate(a, env, mean, select) for a in expr.args))
     raise TypeError(f"cannot evaluate {type(expr).__name__}: {expr}")
 
 
@@ -112,6 +134,10 @@ def spec_forward(spec, mode: str, x4, params4: dict, values: dict, reduce_axes: 
 
     def mean(e):
         return jnp.mean(jnp.broadcast_to(e, x4.shape), axis=reduce_axes, keepdims=True)
+
+    def select(op, e):
+        f = jnp.max if op == "max" else jnp.min
+        return f(jnp.broadcast_to(e, x4.shape), axis=reduce_axes, keepdims=True)
 
     n = 1
     for a in reduce_axes:
@@ -123,7 +149,7 @@ def spec_forward(spec, mode: str, x4, params4: dict, values: dict, reduce_axes: 
         if item.name in values:
             env[item.symbol] = values[item.name]
     for st in spec.mode(mode).statistics:
-        env[st.symbol] = evaluate(st.expr, env, mean)
+        env[st.symbol] = evaluate(st.expr, env, mean, select)
     if spec.normalized is not None:
-        env[spec.normalized.symbol] = evaluate(spec.normalized_expr, env, mean)
-    return jnp.broadcast_to(evaluate(spec.output, env, mean), x4.shape)
+        env[spec.normalized.symbol] = evaluate(spec.normalized_expr, env, mean, select)
+    return jnp.broadcast_to(evaluate(spec.output, env, mean, select), x4.shape)

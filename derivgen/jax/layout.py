@@ -57,6 +57,16 @@ class JaxLayout:
         s = jnp.sum(jnp.broadcast_to(self._array(e), self.view), axis=self.reduce_axes, keepdims=True)
         return s if self.axis_name is None else jax.lax.psum(s, self.axis_name)
 
+    def max(self, e):
+        """The maximum over each group (over the devices of ``axis_name`` too)."""
+        m = jnp.max(jnp.broadcast_to(self._array(e), self.view), axis=self.reduce_axes, keepdims=True)
+        return m if self.axis_name is None else jax.lax.pmax(m, self.axis_name)
+
+    def min(self, e):
+        """The minimum over each group (over the devices of ``axis_name`` too)."""
+        m = jnp.min(jnp.broadcast_to(self._array(e), self.view), axis=self.reduce_axes, keepdims=True)
+        return m if self.axis_name is None else jax.lax.pmin(m, self.axis_name)
+
     def mean(self, e):
         """The mean over each group."""
         return self.sum(e) / self.N

@@ -36,7 +36,7 @@ eval mode:
 
 mean(.) is the mean over one normalization group of N elements.
 The same closed forms as the NumPy, C and PyTorch targets, in jax.numpy: the
-forward (statistics as the spec writes them, one level of sums at a time), the
+forward (statistics as the spec writes them, one sweep of sums at a time), the
 JVP derived by derivgen (forward mode; derivgen.jax makes it the function's
 jax.custom_jvp rule, and JAX transposes it for reverse mode) and the VJP derived
 by derivgen (the closed-form backward).
@@ -68,14 +68,12 @@ META = {'name': 'batchnorm',
 
 
 def statistics_train(x, *, gamma, beta, running_mean, running_var, eps, momentum, _L):
-    """The statistics of train mode, one value per group: the program as split-reduction
-    levels (each level's sums over whole groups, then the values they give)."""
+    """The statistics of train mode, one value per group: the program as sweeps of group
+    sums (and group maxima or minima), then the values they give."""
     N = _L.N
     _sum = _L.sum
-    # level 0
     Sum_mean = _sum(x)
     mean = Sum_mean/N   # mean = mean(x)
-    # level 1
     Sum_var = _sum((x - mean)**2)
     var = Sum_var/N   # var = mean((x - mean)**2)
     rstd = 1/_j.sqrt(var + eps)   # rstd = 1/sqrt(var + eps)
@@ -84,6 +82,7 @@ def statistics_train(x, *, gamma, beta, running_mean, running_var, eps, momentum
 
 def forward_train(x, *, gamma, beta, running_mean, running_var, eps, momentum, _L):
     """y and the statistics (a dict)."""
+    N = _L.N
     _stats = statistics_train(x, gamma=gamma, beta=beta, running_mean=running_mean, running_var=running_var, eps=eps, momentum=momentum, _L=_L)
     mean = _stats['mean']
     var = _stats['var']
@@ -131,11 +130,10 @@ def backward_train(dy, x, *, gamma, beta, running_mean, running_var, eps, moment
 
 
 def statistics_eval(x, *, gamma, beta, running_mean, running_var, eps, momentum, _L):
-    """The statistics of eval mode, one value per group: the program as split-reduction
-    levels (each level's sums over whole groups, then the values they give)."""
+    """The statistics of eval mode, one value per group: the program as sweeps of group
+    sums (and group maxima or minima), then the values they give."""
     N = _L.N
     _sum = _L.sum
-    # level 0
     mean = running_mean   # mean = running_mean
     var = running_var   # var = running_var
     rstd = 1/_j.sqrt(var + eps)   # rstd = 1/sqrt(var + eps)
@@ -144,6 +142,7 @@ def statistics_eval(x, *, gamma, beta, running_mean, running_var, eps, momentum,
 
 def forward_eval(x, *, gamma, beta, running_mean, running_var, eps, momentum, _L):
     """y and the statistics (a dict)."""
+    N = _L.N
     _stats = statistics_eval(x, gamma=gamma, beta=beta, running_mean=running_mean, running_var=running_var, eps=eps, momentum=momentum, _L=_L)
     mean = _stats['mean']
     var = _stats['var']

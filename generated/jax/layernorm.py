@@ -20,7 +20,7 @@ Statistics per sample over the trailing axes that gamma and beta span (torch.nn.
 
 mean(.) is the mean over one normalization group of N elements.
 The same closed forms as the NumPy, C and PyTorch targets, in jax.numpy: the
-forward (statistics as the spec writes them, one level of sums at a time), the
+forward (statistics as the spec writes them, one sweep of sums at a time), the
 JVP derived by derivgen (forward mode; derivgen.jax makes it the function's
 jax.custom_jvp rule, and JAX transposes it for reverse mode) and the VJP derived
 by derivgen (the closed-form backward).
@@ -52,14 +52,12 @@ META = {'name': 'layernorm',
 
 
 def statistics_train(x, *, gamma, beta, eps, _L):
-    """The statistics of train mode, one value per group: the program as split-reduction
-    levels (each level's sums over whole groups, then the values they give)."""
+    """The statistics of train mode, one value per group: the program as sweeps of group
+    sums (and group maxima or minima), then the values they give."""
     N = _L.N
     _sum = _L.sum
-    # level 0
     Sum_mean = _sum(x)
     mean = Sum_mean/N   # mean = mean(x)
-    # level 1
     Sum_var = _sum((x - mean)**2)
     var = Sum_var/N   # var = mean((x - mean)**2)
     rstd = 1/_j.sqrt(var + eps)   # rstd = 1/sqrt(var + eps)
@@ -68,6 +66,7 @@ def statistics_train(x, *, gamma, beta, eps, _L):
 
 def forward_train(x, *, gamma, beta, eps, _L):
     """y and the statistics (a dict)."""
+    N = _L.N
     _stats = statistics_train(x, gamma=gamma, beta=beta, eps=eps, _L=_L)
     mean = _stats['mean']
     var = _stats['var']

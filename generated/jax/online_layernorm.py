@@ -24,7 +24,7 @@ Layer norm with running, alpha-weighted moments: mu_t and sigma_t mix this row's
 
 mean(.) is the mean over one normalization group of N elements.
 The same closed forms as the NumPy, C and PyTorch targets, in jax.numpy: the
-forward (statistics as the spec writes them, one level of sums at a time), the
+forward (statistics as the spec writes them, one sweep of sums at a time), the
 JVP derived by derivgen (forward mode; derivgen.jax makes it the function's
 jax.custom_jvp rule, and JAX transposes it for reverse mode) and the VJP derived
 by derivgen (the closed-form backward).
@@ -56,15 +56,13 @@ META = {'name': 'online_layernorm',
 
 
 def statistics_train(x, *, gamma, beta, prev_mean, prev_std, alpha, eps, _L):
-    """The statistics of train mode, one value per group: the program as split-reduction
-    levels (each level's sums over whole groups, then the values they give)."""
+    """The statistics of train mode, one value per group: the program as sweeps of group
+    sums (and group maxima or minima), then the values they give."""
     N = _L.N
     _sum = _L.sum
-    # level 0
     Sum_row_mean = _sum(x)
     row_mean = Sum_row_mean/N   # row_mean = mean(x)
     mean = alpha*row_mean + prev_mean*(1 - alpha)   # mean = alpha*row_mean + (1 - alpha)*prev_mean
-    # level 1
     Sum_Aux1 = _sum((x - mean)**2)
     Aux1 = Sum_Aux1/N   # Aux1 = a mean in sample_std
     sample_std = _j.sqrt(eps + Aux1*N/(N - 1))   # sample_std = sqrt(sum((x - mean)**2)/(N - 1) + eps)
@@ -74,6 +72,7 @@ def statistics_train(x, *, gamma, beta, prev_mean, prev_std, alpha, eps, _L):
 
 def forward_train(x, *, gamma, beta, prev_mean, prev_std, alpha, eps, _L):
     """y and the statistics (a dict)."""
+    N = _L.N
     _stats = statistics_train(x, gamma=gamma, beta=beta, prev_mean=prev_mean, prev_std=prev_std, alpha=alpha, eps=eps, _L=_L)
     row_mean = _stats['row_mean']
     mean = _stats['mean']

@@ -17,7 +17,7 @@ Scale by the root mean square over the trailing axes gamma spans; no centering, 
 
 mean(.) is the mean over one normalization group of N elements.
 The same closed forms as the NumPy, C and PyTorch targets, in jax.numpy: the
-forward (statistics as the spec writes them, one level of sums at a time), the
+forward (statistics as the spec writes them, one sweep of sums at a time), the
 JVP derived by derivgen (forward mode; derivgen.jax makes it the function's
 jax.custom_jvp rule, and JAX transposes it for reverse mode) and the VJP derived
 by derivgen (the closed-form backward).
@@ -49,11 +49,10 @@ META = {'name': 'rmsnorm',
 
 
 def statistics_train(x, *, gamma, eps, _L):
-    """The statistics of train mode, one value per group: the program as split-reduction
-    levels (each level's sums over whole groups, then the values they give)."""
+    """The statistics of train mode, one value per group: the program as sweeps of group
+    sums (and group maxima or minima), then the values they give."""
     N = _L.N
     _sum = _L.sum
-    # level 0
     Sum_ms = _sum(x**2)
     ms = Sum_ms/N   # ms = mean(x**2)
     rstd = 1/_j.sqrt(ms + eps)   # rstd = 1/sqrt(ms + eps)
@@ -62,6 +61,7 @@ def statistics_train(x, *, gamma, eps, _L):
 
 def forward_train(x, *, gamma, eps, _L):
     """y and the statistics (a dict)."""
+    N = _L.N
     _stats = statistics_train(x, gamma=gamma, eps=eps, _L=_L)
     ms = _stats['ms']
     rstd = _stats['rstd']

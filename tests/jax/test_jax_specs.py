@@ -1,5 +1,5 @@
-"""derivgen.jax for layers beyond the catalogue: the examples/ specs and a slice of the spec
-fuzzer's, against JAX's autodiff of a tree walk of each spec's own expressions
+"""derivgen.jax for layers beyond the catalogue: the examples/ specs, the zoo and a slice of the
+spec fuzzer's, against JAX's autodiff of a tree walk of each spec's own expressions
 (tests/jax_ref.py), which shares nothing with derivgen's derivation or generated code."""
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from derivgen.spec.model import load_spec_file, parse_spec
 from derivgen.tools.check import _inputs, cases_for
 
 EXAMPLES = sorted((ROOT / "examples").glob("*.toml"))
+ZOO = sorted((ROOT / "derivgen" / "spec" / "zoo").glob("*.toml"))
 FUZZ_SEEDS = range(12)  # every layout kind, scalar parameters, per-group inputs, buffers with eval modes
 
 
@@ -77,6 +78,11 @@ def _check_case(spec, case):
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=[p.stem for p in EXAMPLES])
 def test_examples(path):
+    _check(load_spec_file(str(path)))
+
+
+@pytest.mark.parametrize("path", ZOO, ids=[p.stem for p in ZOO])
+def test_zoo(path):
     _check(load_spec_file(str(path)))
 
 
