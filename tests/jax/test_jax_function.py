@@ -145,17 +145,19 @@ def test_low_precision_inputs_use_float32_statistics(name, dtype):
     def run(x, *ps):
         y, stats = f(x, *ps, return_stats=True, **kw)
         g = jax.grad(lambda x: jnp.sum(f(x, *ps, **kw).astype(jnp.float32) ** 2))(x)
-        return y, stats, g
+        ty = jax.jvp(lambda x: f(x, *ps, **kw), (x,), (jnp.cos(x),))[1]  # not along x: y is nearly scale-invariant
+        return y, stats, g, ty
 
-    y, stats, g = jax.jit(run)(x, *ps)
+    y, stats, g, ty = jax.jit(run)(x, *ps)
     assert y.dtype == jnp.dtype(dtype)
     assert all(s.dtype == jnp.float32 for s in stats.values())
-    y64, stats64, _ = jax.jit(run)(x.astype(jnp.float64), *[p.astype(jnp.float64) for p in ps])
+    y64, stats64, _, ty64 = jax.jit(run)(x.astype(jnp.float64), *[p.astype(jnp.float64) for p in ps])
     tol = 1e-5 if dtype == "float32" else 1e-2
     for k in stats:
         np.testing.assert_allclose(np.asarray(stats[k]), np.asarray(stats64[k]), rtol=tol, atol=tol)
     np.testing.assert_allclose(np.asarray(y, np.float64), np.asarray(y64), rtol=tol * 2, atol=tol * 4)
-    assert g.dtype == jnp.dtype(dtype)
+    assert g.dtype == jnp.dtype(dtype) and ty.dtype == jnp.dtype(dtype)
+    np.testing.assert_allclose(np.asarray(ty, np.float64), np.asarray(ty64), rtol=tol * 4, atol=tol * 8)
     assert bool(jnp.all(jnp.isfinite(g.astype(jnp.float32))))
 
 
