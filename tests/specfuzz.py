@@ -306,8 +306,37 @@ def generate(seed: int, name_coordinate: bool | None = None) -> str:
         terms.append(f"{extra}*{z}")
     if prev_m and rng.random() < 0.3:
         terms.append(f"0.1*{prev_m}*{z}")
+    _selections_and_friends(random.Random(seed * 7919 + 17), s, names, kind, z, terms)
     s.output = " + ".join(terms)
     return s.toml(f"fuzz{seed}")
+
+
+def _selections_and_friends(rng: random.Random, s: _Spec, names: Names, kind: str, z: str, terms: list[str]) -> None:
+    """The language's selections (maximum, minimum, clip, group max/min), sigmoid, erf,
+    stop_gradient and pi, drawn from a generator of their own so that every earlier draw
+    (and so every spec the corpus had before them) stays as it was."""
+    u = rng.random()
+    if u < 0.08:
+        terms[0] = f"maximum({terms[0]}, {rng.choice(['0', '-0.5', z + '/2'])})"
+    elif u < 0.14:
+        terms[0] = f"minimum({terms[0]}, {rng.choice(['1', '0.5', '-' + z])})"
+    elif u < 0.2:
+        terms[0] = f"clip({terms[0]}, -{rng.choice(['1', '2'])}, {rng.choice(['1', '1.5'])})"
+    u = rng.random()
+    if u < 0.08:
+        terms.append(f"{rng.choice(['0.5', '2'])}*sigmoid({z})")
+    elif u < 0.14:
+        terms.append(f"erf({z}/sqrt(2))*{rng.choice(['1', 'sqrt(pi)/2'])}")
+    elif u < 0.2:
+        terms[0] = f"({terms[0]})*(1 - stop_gradient({rng.choice(['0.1', '0.3'])}*{z}))"
+    if kind.startswith("trailing") and rng.random() < 0.12:  # a group maximum (trailing layouts)
+        op = rng.choice(["max", "min"])
+        mx = names.new("mx", "peak", "m_max")
+        if op == "max":
+            s.stats.append((mx, "max(abs(x)) + 1"))
+        else:
+            s.stats.append((mx, "min(x**2) + 1"))
+        terms.append(f"x/{mx}")
 
 
 # ------------------------------------------------------------------ the pipeline

@@ -609,6 +609,10 @@ class _Deriver:
         """∂L/∂y·∂y/∂v for one element, with the path through x̂ written in g = ∂L/∂y·∂y/∂x̂
         (the adjoint of x̂) and the direct paths in ∂L/∂y: γ·x̂ + β + t·x gives g·∂x̂/∂x + ∂L/∂y·t."""
         direct = DY * sympy.diff(self.y_hat, v)
+        if self.g_def is not None and direct != 0:  # ∂L/∂y·exp(x̂)/S² is g/S² for g = ∂L/∂y·exp(x̂)
+            q = sympy.cancel(direct / self.g_def)
+            if not q.free_symbols & (self.element - {G}):
+                direct = q * G
         if self.xhat_def is None or self.xhat_adjoint == 0:
             return direct
         return self.xhat_adjoint * sympy.diff(self.xhat_def, v) + direct
@@ -759,7 +763,14 @@ class _Deriver:
             else:
                 grads[p.name] = ParamGrad(finish(Add(*adj.terms[p.symbol])))
         dinputs = {i.name: finish(adj.group[i.symbol]) for i in spec.inputs}
-        adjoints = {st.symbol: finish(adj.group[st.symbol]) for st in self.program.stats}
+        unname_g = {G: self.g_def} if self.g_def is not None else {}
+        adjoints = {
+            # a selection's adjoint with g written out: its terms meet (softmax's is zero)
+            st.symbol: finish(
+                adj.group[st.symbol].xreplace(unname_g) if isinstance(st.expr, SELECTIONS) else adj.group[st.symbol]
+            )
+            for st in self.program.stats
+        }
         for where, e in [("output", dx), *((f"params.{k}", v.element + v.group) for k, v in grads.items())]:
             check_derivatives(spec, where, e)
         return dx, grads, dinputs, adjoints

@@ -55,6 +55,22 @@ class DerivLatexPrinter(SpellsFunctions, _Ordered, LatexPrinter):
             self._depth -= 1
         return rf"\left\langle {inner} \right\rangle"
 
+    def _print_GroupMax(self, expr):
+        self._depth += 1
+        try:
+            inner = self._print(expr.args[0])
+        finally:
+            self._depth -= 1
+        return rf"\max_{{j}} {inner}"
+
+    def _print_GroupMin(self, expr):
+        self._depth += 1
+        try:
+            inner = self._print(expr.args[0])
+        finally:
+            self._depth -= 1
+        return rf"\min_{{j}} {inner}"
+
     def _print_elementary(self, fn: functions.Elementary, expr: sympy.Expr, exp: str | None = None) -> str:
         """The entry's LaTeX: ``\\op^{exp}{\\left(u \\right)}``, or its template (then ``^{exp}``)."""
         args = [self._print(a) for a in expr.args]

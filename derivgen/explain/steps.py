@@ -107,6 +107,17 @@ def _through_mean_text(p: Partial, names: _Names) -> str:
     return f"∂{p.stat.text}/∂{names.text(p.wrt)} through the mean {names.expr_text(p.atom)}"
 
 
+def _selection_zero(p: Partial, names: _Names) -> tuple[str, str]:
+    """Why a group maximum (minimum) gets no gradient: ∂L/∂s is zero identically."""
+    st = p.stat
+    return (
+        f"∂L/∂{st.text} through the group {names.expr_text(p.atom)}",
+        f"∂L/∂{st.text} = {names.expr_text(p.raw)} = 0 for every ∂L/∂y: y does not change when "
+        f"{st.text} shifts (it only keeps the arithmetic in range), so no gradient flows through "
+        f"{st.text} and the backward needs no mask of the elements that attain it",
+    )
+
+
 def facts(mode: ModeDerivation) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
     """(vanishing, kept): the terms of one mode's derivation that are exactly zero and the
     ones kept, with reasons (text)."""
@@ -114,6 +125,8 @@ def facts(mode: ModeDerivation) -> tuple[list[tuple[str, str]], list[tuple[str, 
     names = _Names(spec, mode.statistics)
     vanishing, kept = [], []
     for p in mode.partials:
+        if p.kind == "selection" and p.value == 0:
+            vanishing.append(_selection_zero(p, names))
         if p.kind == "zero":
             vanishing.append((_through_mean_text(p, names), _why_zero_text(p, names)))
         elif p.kind == "kept":
@@ -218,6 +231,17 @@ def _partial_equation(p: Partial, names: _Names) -> Equation:
         sub = "x_i" if p.wrt == X else names.latex(p.wrt) + "_i"
         subt = "x_i" if p.wrt == X else names.text(p.wrt) + "_i"
         return Equation(partial_latex(st.latex, sub), partial_text(st.text, subt), p.value)
+    if p.kind == "selection":
+        sub = "x_i" if p.wrt == X else names.latex(p.wrt) + "_i"
+        subt = "x_i" if p.wrt == X else names.text(p.wrt) + "_i"
+        if p.value == 0:
+            why = _selection_zero(p, names)[1]
+            return Equation(partial_latex("L", st.latex), partial_text("L", st.text), sympy.S.Zero, note=why)
+        note = (
+            f"{st.text} = {names.expr_text(p.atom)} passes its gradient to the elements that attain it, "
+            "split evenly among ties (as torch.amax)"
+        )
+        return Equation(partial_latex(st.latex, sub), partial_text(st.text, subt), p.value, note=note)
     lhs_l = partial_latex(st.latex, names.latex(p.wrt)) + r"\ \text{via}\ " + names.expr_latex(p.atom)
     lhs_t = partial_text(st.text, names.text(p.wrt)) + " via " + names.expr_text(p.atom)
     if p.kind == "zero":

@@ -9,8 +9,6 @@ from collections.abc import Callable
 
 import numpy as np
 
-from derivgen.symbolic import functions
-
 
 def _float(a) -> np.ndarray:
     """``a`` as a floating array (a Python number as float64)."""
@@ -50,8 +48,9 @@ def indicator(t):
     return np.heaviside(_float(t), 1.0)
 
 
-def numpy_function(fn: functions.Elementary) -> Callable:
-    """The NumPy implementation of a table entry: NumPy's, or this module's."""
+def numpy_function(fn) -> Callable:
+    """The NumPy implementation of an entry of derivgen.symbolic.functions' table (``fn``):
+    NumPy's ``fn.numpy``, or this module's where ``fn.numpy_in_runtime``."""
     if fn.numpy_in_runtime:
         return globals()[fn.numpy]
     return getattr(np, fn.numpy)

@@ -107,6 +107,12 @@ class TextSpelling(functions.SpellsFunctions):
     def _print_elementary(self, fn: functions.Elementary, expr: sympy.Expr) -> str:
         return f"{fn.text}({self.stringify(expr.args, ', ')})"
 
+    def _print_GroupMax(self, expr: sympy.Expr) -> str:
+        return f"max({self._print(expr.args[0])})"
+
+    def _print_GroupMin(self, expr: sympy.Expr) -> str:
+        return f"min({self._print(expr.args[0])})"
+
     def _print_Pow(self, expr: sympy.Pow, rational: bool = False) -> str:
         root = functions.half_power_sign(expr)
         if rational or not root:
