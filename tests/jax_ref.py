@@ -102,10 +102,10 @@ def evaluate(expr: sympy.Expr, env: dict, mean, select=None):
         return env[expr]
     if expr.is_number:
         return math.pi if expr == sympy.pi else float(expr)
+    if GroupMax and isinstance(expr, (GroupMax, GroupMin)):  # GroupMin is a kind of GroupMax
+        return select("min" if isinstance(expr, GroupMin) else "max", evaluate(expr.args[0], env, mean, select))
     if isinstance(expr, Mean):
         return mean(evaluate(expr.args[0], env, mean, select))
-    if GroupMax and isinstance(expr, (GroupMax, GroupMin)):
-        return select("max" if isinstance(expr, GroupMax) else "min", evaluate(expr.args[0], env, mean, select))
     if expr.is_Add:
         out = 0.0
         for a in expr.args:

@@ -24,6 +24,20 @@ pi = math.pi
 SPACES = (jnp, jax.nn, jax.scipy.special, jax.lax)
 
 
+def step_cmp(a, b):
+    """step(a - b) by comparison: 1 where a > b, 1/2 where a == b, 0 where a < b."""
+    a, b = jnp.asarray(a), jnp.asarray(b)
+    dt = jnp.result_type(a, b, jnp.float32)
+    return jnp.where(a > b, 1.0, jnp.where(a == b, 0.5, 0.0)).astype(dt)
+
+
+def indicator_cmp(a, b):
+    """indicator(a - b) by comparison: 1 where a >= b, else 0."""
+    a, b = jnp.asarray(a), jnp.asarray(b)
+    dt = jnp.result_type(a, b, jnp.float32)
+    return jnp.where(a >= b, 1.0, 0.0).astype(dt)
+
+
 def jax_function(fn: functions.Elementary) -> Callable:
     """The JAX function for the table entry ``fn``."""
     extra = tuple(getattr(fn, "torch_extra", ()))
