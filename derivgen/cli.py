@@ -264,7 +264,7 @@ def prove_cmd(names: tuple[str, ...], spec_files: tuple[str, ...], prove_sizes: 
 @click.argument("names", nargs=-1)
 @click.option("--spec", "spec_files", multiple=True, type=click.Path(dir_okay=False), help="Spec file(s) to generate.")
 @click.option(
-    "--target", type=click.Choice(["numpy", "c", "torch"]), multiple=True, help="Targets (default: all three)."
+    "--target", type=click.Choice(["numpy", "c", "torch", "jax"]), multiple=True, help="Targets (default: all four)."
 )
 @click.option(
     "--out",
@@ -481,6 +481,12 @@ def _shape(text: str) -> tuple[int, ...]:
     help="Bench derivgen.torch's modules against torch.nn's instead, through autograd.",
 )
 @click.option(
+    "--jax",
+    "with_jax",
+    is_flag=True,
+    help="Bench derivgen.jax (jitted forward + backward) against Flax's layers on the CPU instead.",
+)
+@click.option(
     "--sync",
     "sync_world",
     type=click.IntRange(2, 64),
@@ -499,9 +505,15 @@ def bench_cmd(
     plot_file: str | None,
     default_malloc: bool,
     with_torch: bool,
+    with_jax: bool,
     sync_world: int | None,
 ) -> None:
     """Time generated C and NumPy against plain NumPy, PyTorch and the memory-bandwidth bound."""
+    if with_jax:
+        if with_torch or sync_world or names or spec_files or shapes or plot_file or isas != "native":
+            raise UserError("--jax benches its own fixed cases; it takes --dtype, --repeat and --json only")
+        _bench_jax(dtype, repeat, json_file)
+        return
     if with_torch:
         if names or spec_files or shapes or plot_file or isas != "native":
             raise UserError(
@@ -566,6 +578,21 @@ def _bench_torch(
     click.echo(format_torch_report(report))
     if json_file:
         _write(json_file, json.dumps(report, indent=1), "--json")
+
+
+def _bench_jax(dtype: str, repeat: int, json_file: str | None) -> None:
+    """``bench --jax``: derivgen.jax against Flax's layers, jitted, on the CPU."""
+    from derivgen.tools.bench import format_jax_report, run_jax_bench
+
+    progress = stderr_progress(6)
+    try:
+        report = run_jax_bench(repeat, dtype, progress)
+    except ImportError as e:
+        raise UserError(f"{e} (bench --jax needs JAX and Flax: pip install 'derivgen[jax]')") from None
+    progress.done()
+    click.echo(format_jax_report(report))
+    if json_file:
+        atomic_write(json_file, json.dumps(report, indent=1))
 
 
 def _pdflatex(tex: str, pdf: Path) -> None:

@@ -24,8 +24,9 @@ BELOW: dict[str, set[str]] = {
     "codegen": {"symbolic", "spec", "derive", "runtime"},
     "api": {"symbolic", "spec", "derive", "prove", "explain", "codegen", "runtime"},
     "torch": {"symbolic", "spec", "derive", "codegen", "runtime", "api"},
-    "tools": {"symbolic", "spec", "derive", "prove", "explain", "codegen", "runtime", "api", "torch"},
-    "cli": {"symbolic", "spec", "derive", "prove", "explain", "codegen", "runtime", "api", "torch", "tools"},
+    "jax": {"symbolic", "spec", "derive", "codegen", "runtime", "api"},
+    "tools": {"symbolic", "spec", "derive", "prove", "explain", "codegen", "runtime", "api", "torch", "jax"},
+    "cli": {"symbolic", "spec", "derive", "prove", "explain", "codegen", "runtime", "api", "torch", "jax", "tools"},
 }
 
 # modules whose stage is not their folder's
@@ -38,6 +39,7 @@ STAGE_OF_MODULE = {
     "derivgen.torch.bench": "tools",  # benchmarks and demos use the modules, they are not part of them
     "derivgen.torch.bench_sync": "tools",
     "derivgen.torch.demo": "tools",
+    "derivgen.jax.bench": "tools",
 }
 
 

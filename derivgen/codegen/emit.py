@@ -21,6 +21,7 @@ import jinja2
 
 from derivgen.codegen.cplan import ATYPES, CTYPES, c_load, c_store, plan_kernel
 from derivgen.codegen.ir import ModeIR, build_mode_ir, build_second_ir
+from derivgen.codegen.jax_printer import jax_expr
 from derivgen.codegen.printers import SpecPrinter
 from derivgen.derive.first import ModeDerivation
 from derivgen.runtime.abi import kernel_signature
@@ -30,6 +31,7 @@ from derivgen.symbolic.reduce import SELECTIONS, Mean
 TEMPLATE_FILES = {
     "numpy": "numpy.py.j2",
     "torch": "torch.py.j2",
+    "jax": "jax.py.j2",
     "c": "kernel.c.j2",
     "h": "kernel.h.j2",
     "cbind": "cbinding.py.j2",
@@ -123,6 +125,11 @@ def _torch(ctx, e) -> str:
 
 
 @jinja2.pass_context
+def _jax(ctx, e) -> str:
+    return jax_expr(e, ctx["printer"].spec)
+
+
+@jinja2.pass_context
 def _npsum(ctx, e, axes: str) -> str:
     return ctx["printer"].np_sum(e, axes)
 
@@ -153,6 +160,7 @@ def _env() -> jinja2.Environment:
     env.filters["pformat"] = lambda v: pprint.pformat(v, width=96, sort_dicts=False)
     env.filters["np"] = _np
     env.filters["torch"] = _torch
+    env.filters["jax"] = _jax
     env.filters["npsum"] = _npsum
     env.filters["code"] = _code
     env.globals["mean_of"] = Mean
@@ -200,7 +208,7 @@ def _formulas(d: LayerDerivation, printer: SpecPrinter) -> dict[str, list[str]]:
 
 def emit(d: LayerDerivation, targets: Collection[str] = ("numpy", "c")) -> Emitted:
     """Render a layer's derivation ``d`` (``derivgen.derive``'s result) for ``targets``
-    ("numpy", "c", "torch"): the IR and every C kernel's plan are computed here, once;
+    ("numpy", "c", "torch", "jax"): the IR and every C kernel's plan are computed here, once;
     the templates lay them out."""
     spec = d.spec
     printer = SpecPrinter(spec)
@@ -239,6 +247,9 @@ def emit(d: LayerDerivation, targets: Collection[str] = ("numpy", "c")) -> Emitt
     if "torch" in targets:
         ctx_t = dict(ctx, template=TEMPLATE_FILES["torch"])
         out.files[f"torch/{spec.name}.py"] = env.get_template(TEMPLATE_FILES["torch"]).render(**ctx_t)
+    if "jax" in targets:
+        ctx_j = dict(ctx, template=TEMPLATE_FILES["jax"])
+        out.files[f"jax/{spec.name}.py"] = env.get_template(TEMPLATE_FILES["jax"]).render(**ctx_j)
     if "c" in targets:
         for key, path in (
             ("h", f"c/{spec.name}.h"),

@@ -678,3 +678,21 @@ def plot(report: dict, path: str) -> None:
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=120)
     atomic_write(path, buf.getvalue())
+
+
+# ------------------------------------------------------------------ JAX
+
+
+def run_jax_bench(repeat: int = 15, dtype: str = "float32", progress: Callable[[str], None] | None = None) -> dict:
+    """``bench --jax``: derivgen.jax's jitted forward + backward against Flax's layers
+    (derivgen.jax.bench; JAX and Flax are optional dependencies, imported only here)."""
+    from derivgen.jax.bench import run_jax_bench as run
+
+    return run(repeat, dtype, progress)
+
+
+def format_jax_report(report: dict) -> str:
+    """``bench --jax``'s report as text."""
+    from derivgen.jax.bench import format_jax_report as fmt
+
+    return fmt(report)

@@ -58,14 +58,22 @@ def test_output_is_byte_identical_across_hash_seeds(tmp_path):
     _render("4242", b)
     files_a = sorted(p.relative_to(a) for p in a.rglob("*") if p.is_file())
     files_b = sorted(p.relative_to(b) for p in b.rglob("*") if p.is_file())
-    # 4 package __init__.py, derivgen-kernels.h, and per layer numpy/, c/ (.c .h .py), torch/
-    assert files_a == files_b and len(files_a) == 5 + 5 * len(derivgen.names())
+    # 5 package __init__.py, derivgen-kernels.h, and per layer numpy/, c/ (.c .h .py), torch/, jax/
+    assert files_a == files_b and len(files_a) == 6 + 6 * len(derivgen.names())
     for rel in files_a:
         assert (a / rel).read_bytes() == (b / rel).read_bytes(), rel
 
 
 @pytest.mark.parametrize(
-    "rel", ["numpy/layernorm.py", "c/batchnorm.c", "c/batchnorm.h", "c/online_layernorm.py", "torch/batchnorm.py"]
+    "rel",
+    [
+        "numpy/layernorm.py",
+        "c/batchnorm.c",
+        "c/batchnorm.h",
+        "c/online_layernorm.py",
+        "torch/batchnorm.py",
+        "jax/batchnorm.py",
+    ],
 )
 def test_headers_and_formulas(rel):
     text = (ROOT / "generated" / rel).read_text(encoding="utf-8")

@@ -1,0 +1,162 @@
+"""The layout of a JAX call: which axes of x's view make one normalization group.
+
+x is viewed as 4-D: channels first ``(O, G, Cg, S)`` as in :mod:`derivgen.runtime`
+(``(rows, 1, D, 1)`` for trailing layouts), or, for channel layouts with
+``channels_last`` (Flax's convention, x of shape ``(N, *spatial, C)``),
+``(N, S, G, Cg)``; then the axes of size 1 are dropped (``(rows, D)``). Parameters are views that broadcast against it, per-group values
+(statistics, inputs, buffers) views of one value per group. A group sum is a sum over
+the reduced axes with kept dimensions, and over the devices of ``axis_name`` when
+it is set (batch layouts only): the statistics are then those of the whole batch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+
+from derivgen.runtime.validate import layout_from_shapes
+
+
+@dataclass(frozen=True)
+class JaxLayout:
+    """x's view and what its groups reduce over (hashable: it keys compiled rules)."""
+
+    view: tuple  # x as 4-D
+    reduce_axes: tuple  # the axes of the view one group spans
+    param_view: tuple  # a (non-scalar) parameter's broadcastable view
+    stat_view: tuple  # a per-group value's broadcastable view
+    param_axes: tuple  # the axes a parameter gradient is summed over
+    n_local: int  # the values of one group held here
+    x_shape: tuple
+    param_shape: tuple  # a parameter's shape as users give it
+    group_shape: tuple  # a per-group value's shape as users see it
+    dtype: str  # the arithmetic's dtype (float32 at least)
+    axis_name: object = None  # a named axis the groups span (batch layouts), or None
+
+    @property
+    def scalar_view(self) -> tuple:
+        """A scalar's view: ones, one per axis of x's view."""
+        return (1,) * len(self.view)
+
+    @property
+    def N(self):
+        """The size of one whole group (over the devices of ``axis_name`` too)."""
+        if self.axis_name is None:
+            return self.n_local
+        return self.n_local * jax.lax.psum(1, self.axis_name)
+
+    def _array(self, a):
+        return jnp.asarray(a, dtype=self.dtype)
+
+    def sum(self, e):
+        """The sum over each group of the element values ``e`` (broadcast to x: a
+        parameter counts once per element), kept as a per-group view."""
+        s = jnp.sum(jnp.broadcast_to(self._array(e), self.view), axis=self.reduce_axes, keepdims=True)
+        return s if self.axis_name is None else jax.lax.psum(s, self.axis_name)
+
+    def max(self, e):
+        """The maximum over each group (over the devices of ``axis_name`` too)."""
+        m = jnp.max(jnp.broadcast_to(self._array(e), self.view), axis=self.reduce_axes, keepdims=True)
+        return m if self.axis_name is None else jax.lax.pmax(m, self.axis_name)
+
+    def min(self, e):
+        """The minimum over each group (over the devices of ``axis_name`` too)."""
+        m = jnp.min(jnp.broadcast_to(self._array(e), self.view), axis=self.reduce_axes, keepdims=True)
+        return m if self.axis_name is None else jax.lax.pmin(m, self.axis_name)
+
+    def mean(self, e):
+        """The mean over each group."""
+        return self.sum(e) / self.N
+
+    def mean_prod(self, a, b=None):
+        """The mean over each group of a*b (of a² with one argument)."""
+        return self.mean(a * (a if b is None else b))
+
+    def stat(self, v):
+        """A per-group value as a view of one value per group."""
+        return jnp.broadcast_to(self._array(v), self.stat_view)
+
+    def full(self, v):
+        """An element value (y, a tangent, dx) with x's view."""
+        return jnp.broadcast_to(self._array(v), self.view)
+
+    def param_sum(self, e, scalar=False):
+        """A parameter gradient: element contributions summed over the axes it does not span
+        (everything for a scalar); the part held here under ``axis_name``."""
+        full = jnp.broadcast_to(self._array(e), self.view)
+        if scalar:
+            return jnp.sum(full).reshape(self.scalar_view)
+        return jnp.sum(full, axis=self.param_axes, keepdims=True)
+
+    def group_total(self, v):
+        """The sum over the groups of a per-group value (a scalar parameter in the statistics)."""
+        return jnp.sum(self.stat(v)).reshape(self.scalar_view)
+
+
+def _squeezed(view, reduce_axes, param_view, stat_view, param_axes) -> dict:
+    """The view without its axes of size 1 (XLA's CPU code is several times slower on arrays
+    with trailing unit axes); every other view loses the same axes."""
+    keep = [i for i, n in enumerate(view) if n != 1] or [len(view) - 1]
+    new = {i: k for k, i in enumerate(keep)}
+    return {
+        "view": tuple(view[i] for i in keep),
+        "reduce_axes": tuple(new[i] for i in reduce_axes if i in new),
+        "param_view": tuple(param_view[i] for i in keep),
+        "stat_view": tuple(stat_view[i] for i in keep),
+        "param_axes": tuple(new[i] for i in param_axes if i in new),
+    }
+
+
+def make_layout(
+    meta: dict,
+    x_shape: tuple,
+    param_shapes: dict,
+    num_groups: int | None,
+    dtype,
+    *,
+    channels_last: bool = False,
+    axis_name=None,
+) -> JaxLayout:
+    """The layout of x (shape ``x_shape``) for the layer ``meta`` (errors name the argument)."""
+    x_shape = tuple(int(d) for d in x_shape)
+    if math.prod(x_shape) == 0:
+        raise ValueError(f"{meta['name']}: x is empty (shape {x_shape})")
+    if axis_name is not None and meta["reduce"] != "batch":
+        raise ValueError(
+            f"{meta['name']}: axis_name makes batch statistics collective; this layer's groups lie within a "
+            "sample, so every device already holds whole groups (run it under pmap/shard_map as it is)"
+        )
+    kind = meta["layout"]
+    if channels_last and kind == "channels":
+        first = (x_shape[0], x_shape[-1], *x_shape[1:-1])  # as channels first, for the shape checks
+        L = layout_from_shapes(meta, first, param_shapes, num_groups)
+        n, s = x_shape[0], L.S
+        per_sample = L.per_sample
+        return JaxLayout(
+            **_squeezed(
+                (n, s, L.G, L.Cg),
+                (1, 3) if per_sample else (0, 1, 3),
+                (1, 1, L.G, L.Cg),
+                (n, 1, L.G, 1) if per_sample else (1, 1, L.G, 1),
+                (0, 1),
+            ),
+            n_local=L.group_size,
+            x_shape=x_shape,
+            param_shape=L.param_shape,
+            group_shape=L.group_shape,
+            dtype=str(jnp.dtype(dtype)),
+            axis_name=axis_name,
+        )
+    L = layout_from_shapes(meta, x_shape, param_shapes, num_groups)
+    return JaxLayout(
+        **_squeezed(L.view4, L.reduce_axes, L.param4, L.stat4, L.param_axes),
+        n_local=L.group_size,
+        x_shape=x_shape,
+        param_shape=L.param_shape,
+        group_shape=L.group_shape,
+        dtype=str(jnp.dtype(dtype)),
+        axis_name=axis_name,
+    )

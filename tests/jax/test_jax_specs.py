@@ -1,0 +1,108 @@
+"""derivgen.jax for layers beyond the catalogue: the examples/ specs, the zoo and a slice of the
+spec fuzzer's, against JAX's autodiff of a tree walk of each spec's own expressions
+(tests/jax_ref.py), which shares nothing with derivgen's derivation or generated code."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import ROOT, require_module
+
+jax = require_module("jax")
+jax.config.update("jax_enable_x64", True)
+import jax.numpy as jnp
+import jax_ref
+import specfuzz
+
+import derivgen.jax as dj
+from derivgen.spec.model import load_spec_file, parse_spec
+from derivgen.tools.check import _inputs, cases_for
+
+EXAMPLES = sorted((ROOT / "examples").glob("*.toml"))
+ZOO = sorted((ROOT / "derivgen" / "spec" / "zoo").glob("*.toml"))
+# every layout kind, scalar parameters, per-group inputs, buffers with eval modes (0-11); maximum,
+# stop_gradient, clip, sigmoid, erf, minimum, a group minimum and a group maximum (12 to 80)
+FUZZ_SEEDS = [*range(12), 13, 15, 27, 38, 67, 70, 80]
+
+
+def _check(spec):
+    for case in cases_for(spec):
+        _check_case(spec, case)
+
+
+def _check_case(spec, case):
+    x, _, params, kw, _ = _inputs(spec, case, np.float64, seed=7)
+    kw = dict(kw)
+    training = kw.pop("training", True)
+    num_groups = kw.pop("num_groups", None)
+    inputs = {i.name: jnp.asarray(kw.pop(i.name)) for i in spec.inputs}
+    bufs = {b.name: jnp.asarray(kw.pop(b.name)) for b in spec.buffers}
+    opts = {o.name: kw.get(o.name, o.default) for o in spec.options}  # the reference needs the defaults
+    pnames = [p.name for p in spec.params]
+    f = dj.function(spec)
+    L = dj.make_layout(f.meta, x.shape, {p: np.shape(v) for p, v in zip(pnames, params)}, num_groups, x.dtype)
+    args = (jnp.asarray(x), *map(jnp.asarray, params), *inputs.values())
+    n_p = len(pnames)
+
+    def ours(*a):
+        out = f(
+            *a[: 1 + n_p],
+            **dict(zip(inputs, a[1 + n_p :])),
+            **opts,
+            **bufs,
+            training=training,
+            num_groups=num_groups,
+        )
+        return out[0] if bufs else out
+
+    def ref(*a):
+        p4 = {
+            p.name: v.reshape(L.scalar_view if p.scalar else L.param_view) for p, v in zip(spec.params, a[1 : 1 + n_p])
+        }
+        per_group = {
+            k: (v.reshape(L.scalar_view) if v.size == 1 else v.reshape(L.stat_view))
+            for k, v in {**dict(zip(inputs, a[1 + n_p :])), **bufs}.items()
+        }
+        y = jax_ref.spec_forward(spec, case.mode, a[0].reshape(L.view), p4, {**opts, **per_group}, L.reduce_axes)
+        return y.reshape(a[0].shape)
+
+    rng = np.random.default_rng(11)
+    t = tuple(jnp.asarray(rng.normal(size=np.shape(a))) for a in args)
+    ct = jnp.asarray(rng.normal(size=x.shape))
+
+    def both(*a):
+        return [(g(*a), jax.jvp(g, a, t)[1], jax.vjp(g, *a)[1](ct)) for g in (ours, ref)]
+
+    got, want = jax.jit(both)(*args)
+    for u, v in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(np.asarray(u), np.asarray(v), rtol=1e-9, atol=1e-10, err_msg=case.mode)
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=[p.stem for p in EXAMPLES])
+def test_examples(path):
+    _check(load_spec_file(str(path)))
+
+
+@pytest.mark.parametrize("path", ZOO, ids=[p.stem for p in ZOO])
+def test_zoo(path):
+    _check(load_spec_file(str(path)))
+
+
+# seed 80: y = ... + x/c with c = max(abs(x)) + 1 and x̂ = x/rstd. The derived JVP tests which
+# elements attain the maximum as indicator(rstd*abs(x̂) - max)*indicator(max - rstd*abs(x̂)): x
+# rewritten through x̂, whose rounding (XLA divides by a broadcast rstd as a multiplication by
+# its reciprocal) can put rstd*|x̂| one ulp away from max|x|, so the maximum's element drops out
+# of the tangent. An engine matter (derivgen.derive: an equality should compare x as the
+# statistic computed it); NumPy's true division happens to keep the equality on this draw.
+FRAGILE = {80}
+
+
+@pytest.mark.parametrize(
+    "seed",
+    [
+        pytest.param(s, marks=pytest.mark.xfail(strict=True, reason="see FRAGILE")) if s in FRAGILE else s
+        for s in FUZZ_SEEDS
+    ],
+)
+def test_fuzzed_specs(seed):
+    _check(parse_spec(specfuzz.generate(seed), source=f"fuzz{seed}.toml"))

@@ -1,0 +1,155 @@
+"""Independent JAX references for the derivgen.jax tests: each catalogue layer's forward
+written by hand in plain jax.numpy, and a tree walk of any spec's own expressions
+(statistics, normalized coordinate, output) with ``Mean`` as a mean over the group's axes.
+Neither uses derivgen's derivation or generated code; JAX's autodiff of them is the
+reference for the derived JVP and VJP."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import jax.scipy.special
+import sympy
+
+from derivgen.spec.model import DY, N, X  # noqa: F401  (symbols of the spec language)
+from derivgen.symbolic import functions
+from derivgen.symbolic.reduce import Mean
+
+try:  # group maxima and minima (statistics of their own), where the engine has them
+    from derivgen.symbolic.reduce import GroupMax, GroupMin
+except ImportError:  # pragma: no cover
+    GroupMax = GroupMin = ()
+
+# the elementary functions by name, written out here (not derivgen.jax's lookup of the table)
+FUNCTIONS = {
+    "sigmoid": jax.nn.sigmoid,
+    "erf": jax.scipy.special.erf,
+    "stop_gradient": jax.lax.stop_gradient,
+    "step": lambda t: jnp.heaviside(t, 0.5),
+    "indicator": lambda t: jnp.heaviside(t, 1.0),
+}
+
+
+def _moments(x, axes):
+    mean = jnp.mean(x, axis=axes, keepdims=True)
+    var = jnp.mean((x - mean) ** 2, axis=axes, keepdims=True)
+    return mean, var
+
+
+def layernorm(x, gamma, beta, eps=1e-5):
+    axes = tuple(range(x.ndim - gamma.ndim, x.ndim))
+    mean, var = _moments(x, axes)
+    return (x - mean) / jnp.sqrt(var + eps) * gamma + beta
+
+
+def rmsnorm(x, gamma, eps=1e-6):
+    axes = tuple(range(x.ndim - gamma.ndim, x.ndim))
+    return x / jnp.sqrt(jnp.mean(x * x, axis=axes, keepdims=True) + eps) * gamma
+
+
+def _channel(p, x):
+    return p.reshape((1, -1) + (1,) * (x.ndim - 2))
+
+
+def batchnorm(x, gamma, beta, eps=1e-5, training=True, running_mean=None, running_var=None, momentum=0.1):
+    """y, and the running buffers' new values (torch's rule: unbiased variance)."""
+    axes = (0, *range(2, x.ndim))
+    if training:
+        mean, var = _moments(x, axes)
+        n = x.size // x.shape[1]
+        new = None
+        if running_mean is not None:
+            new = (
+                (1 - momentum) * running_mean + momentum * mean.reshape(-1),
+                (1 - momentum) * running_var + momentum * var.reshape(-1) * n / (n - 1),
+            )
+    else:
+        mean, var, new = _channel(running_mean, x), _channel(running_var, x), (running_mean, running_var)
+    return (x - mean) / jnp.sqrt(var + eps) * _channel(gamma, x) + _channel(beta, x), new
+
+
+def instancenorm(x, gamma, beta, eps=1e-5):
+    mean, var = _moments(x, tuple(range(2, x.ndim)))
+    return (x - mean) / jnp.sqrt(var + eps) * _channel(gamma, x) + _channel(beta, x)
+
+
+def groupnorm(x, gamma, beta, num_groups, eps=1e-5):
+    g = x.reshape(x.shape[0], num_groups, -1)
+    mean, var = _moments(g, (2,))
+    return ((g - mean) / jnp.sqrt(var + eps)).reshape(x.shape) * _channel(gamma, x) + _channel(beta, x)
+
+
+def online_layernorm(x, gamma, beta, prev_mean, prev_std, alpha, eps=0.0):
+    n = x.shape[-1]
+    row_mean = jnp.mean(x, axis=-1, keepdims=True)
+    pm = jnp.reshape(prev_mean, jnp.shape(prev_mean) + (1,)) if jnp.ndim(prev_mean) else prev_mean
+    ps = jnp.reshape(prev_std, jnp.shape(prev_std) + (1,)) if jnp.ndim(prev_std) else prev_std
+    mean = alpha * row_mean + (1 - alpha) * pm
+    sample_std = jnp.sqrt(jnp.sum((x - mean) ** 2, axis=-1, keepdims=True) / (n - 1) + eps)
+    std = alpha * sample_std + (1 - alpha) * ps
+    return gamma * (x - mean) / std + beta
+
+
+# ------------------------------------------------------------------ any spec
+
+
+def evaluate(expr: sympy.Expr, env: dict, mean, select=None):
+    """``expr`` over ``env`` (symbol -> array or number), Mean atoms by ``mean``, group maxima
+    and minima by ``select(op, value)``."""
+    if expr.is_Symbol:
+        return env[expr]
+    if expr.is_number:
+        return math.pi if expr == sympy.pi else float(expr)
+    if GroupMax and isinstance(expr, (GroupMax, GroupMin)):  # GroupMin is a kind of GroupMax
+        return select("min" if isinstance(expr, GroupMin) else "max", evaluate(expr.args[0], env, mean, select))
+    if isinstance(expr, Mean):
+        return mean(evaluate(expr.args[0], env, mean, select))
+    if expr.is_Add:
+        out = 0.0
+        for a in expr.args:
+            out = out + evaluate(a, env, mean, select)
+        return out
+    if expr.is_Mul:
+        out = 1.0
+        for a in expr.args:
+            out = out * evaluate(a, env, mean, select)
+        return out
+    if expr.is_Pow:
+        base = evaluate(expr.base, env, mean, select)
+        if expr.exp.is_Integer:
+            return base ** int(expr.exp)
+        return jnp.power(base, float(expr.exp))
+    fn = functions.of_node(expr)
+    if fn is not None:
+        f = FUNCTIONS.get(fn.name) or getattr(jnp, fn.name)
+        return f(*(evaluate(a, env, mean, select) for a in expr.args))
+    raise TypeError(f"cannot evaluate {type(expr).__name__}: {expr}")
+
+
+def spec_forward(spec, mode: str, x4, params4: dict, values: dict, reduce_axes: tuple):
+    """y of ``spec``'s mode ``mode`` for x as a 4-D view whose groups span ``reduce_axes``;
+    parameters as broadcastable views, ``values`` the options, inputs and buffers by name."""
+
+    def mean(e):
+        return jnp.mean(jnp.broadcast_to(e, x4.shape), axis=reduce_axes, keepdims=True)
+
+    def select(op, e):
+        f = jnp.max if op == "max" else jnp.min
+        return f(jnp.broadcast_to(e, x4.shape), axis=reduce_axes, keepdims=True)
+
+    n = 1
+    for a in reduce_axes:
+        n *= x4.shape[a]
+    env = {X: x4, N: float(n)}
+    for p in spec.params:
+        env[p.symbol] = params4[p.name]
+    for item in (*spec.options, *spec.inputs, *spec.buffers):
+        if item.name in values:
+            env[item.symbol] = values[item.name]
+    for st in spec.mode(mode).statistics:
+        env[st.symbol] = evaluate(st.expr, env, mean, select)
+    if spec.normalized is not None:
+        env[spec.normalized.symbol] = evaluate(spec.normalized_expr, env, mean, select)
+    return jnp.broadcast_to(evaluate(spec.output, env, mean, select), x4.shape)
