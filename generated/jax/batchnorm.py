@@ -64,7 +64,8 @@ META = {'name': 'batchnorm',
         'modes': ['train', 'eval'],
         'min_group_size': {'train': 2, 'eval': 1},
         'stats': {'train': ['mean', 'var', 'rstd'], 'eval': ['mean', 'var', 'rstd']},
-        'split': {'levels': [1, 1], 'backward': 2}}
+        'split': {'levels': [1, 1], 'backward': 2},
+        'buffer_reads': ['eval']}
 
 
 def statistics_train(x, *, gamma, beta, running_mean, running_var, eps, momentum, _L):

@@ -48,7 +48,8 @@ META = {'name': 'instancenorm',
         'modes': ['train'],
         'min_group_size': {'train': 2},
         'stats': {'train': ['mean', 'var', 'rstd']},
-        'split': None}
+        'split': None,
+        'buffer_reads': []}
 
 
 def statistics_train(x, *, gamma, beta, eps, _L):

@@ -52,7 +52,8 @@ META = {'name': 'online_layernorm',
         'modes': ['train'],
         'min_group_size': {'train': 2},
         'stats': {'train': ['row_mean', 'mean', 'Aux1', 'sample_std', 'std']},
-        'split': None}
+        'split': None,
+        'buffer_reads': []}
 
 
 def statistics_train(x, *, gamma, beta, prev_mean, prev_std, alpha, eps, _L):

@@ -45,7 +45,8 @@ META = {'name': 'rmsnorm',
         'modes': ['train'],
         'min_group_size': {'train': 1},
         'stats': {'train': ['ms', 'rstd']},
-        'split': None}
+        'split': None,
+        'buffer_reads': []}
 
 
 def statistics_train(x, *, gamma, eps, _L):
