@@ -491,7 +491,10 @@ def closed_form(
     (linearity, known statistics), tidied over the ``element`` symbols."""
     e = expr
     if x_in_coordinate is not None:
-        e = e.subs(X, x_in_coordinate)
+        # masks (step, indicator) keep x as the forward wrote it: a group maximum's tie test
+        # must compare the very values the forward compared, not x rewritten through x̂
+        masks = {m: sympy.Dummy(real=True) for m in e.atoms(functions.Step, functions.Indicator) if m.has(X)}
+        e = e.xreplace(masks).subs(X, x_in_coordinate).xreplace({d: m for m, d in masks.items()})
     e = alg.canon(expand(alg.canon(e)))
     return tidy(e, element)
 
