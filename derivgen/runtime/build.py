@@ -157,7 +157,16 @@ def build_shared(
         return lib
     root = lib.parent
     key = lib.stem[len(source.stem) + 1 :]
+    _progress(f"derivgen: compiling {source.name} (first use; cached for later calls) ...")
     return _compile(source, lib, root, key, openmp, extra, cflags)
+
+
+def _progress(line: str) -> None:
+    """A line on stderr when it is a terminal (a first-use compile takes seconds); quiet
+    otherwise (pipes, logs, tests)."""
+    err = sys.stderr
+    if err is not None and hasattr(err, "isatty") and err.isatty():
+        print(line, file=err, flush=True)
 
 
 def library_path(
