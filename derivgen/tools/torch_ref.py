@@ -61,11 +61,16 @@ def torch_reference(
     else:
         y, buffers = _forward(name, tx, tparams, extra_in, kw, x, params)
     y.backward(torch.tensor(dy, dtype=torch.float64))
-    grads = {"dx": tx.grad.numpy()}
+
+    def grad_of(t: torch.Tensor) -> np.ndarray:
+        """t's gradient (zero where y does not use t: autograd leaves it None)."""
+        return t.grad.numpy() if t.grad is not None else np.zeros(tuple(t.shape))
+
+    grads = {"dx": grad_of(tx)}
     for k, v in tparams.items():
-        grads["d" + k] = v.grad.numpy()
+        grads["d" + k] = grad_of(v)
     for k, v in extra_in.items():
-        grads["d" + k] = v.grad.numpy()
+        grads["d" + k] = grad_of(v)
     bufs = {k: (v.numpy() if v is not None else None) for k, v in buffers.items()}
     return y.detach().numpy(), grads, bufs
 

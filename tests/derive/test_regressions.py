@@ -13,6 +13,12 @@ from derivgen.tools.check import check_layer
 REGRESSIONS = sorted((ROOT / "tests" / "regressions").glob("*.toml"))
 
 
+def _has_group_selection(spec) -> bool:
+    from derivgen.symbolic.reduce import SELECTIONS
+
+    return any(st.expr.has(*SELECTIONS) for m in spec.modes for st in m.statistics)
+
+
 @pytest.mark.parametrize("path", REGRESSIONS, ids=[p.stem for p in REGRESSIONS])
 def test_regression_spec_goes_through_the_pipeline(path):
     spec = derivgen.load_spec(path)
@@ -20,7 +26,10 @@ def test_regression_spec_goes_through_the_pipeline(path):
     bad = [(r.mode, r.check, r.backend, r.dtype, r.status, r.errors) for r in rows if r.failed]
     assert not bad, bad
     proofs = [r for r in rows if r.check.startswith("proof")]
-    assert proofs and all(r.status == "ok" for r in proofs), [r.status for r in proofs]  # symbolic
+    # symbolic; a group maximum's brute force is nested maxima whose sign regions can outgrow
+    # the symbolic budget: exact 80-digit evaluation off the kinks then, and said so
+    allowed = {"ok", "ok (checked numerically)"} if _has_group_selection(spec) else {"ok"}
+    assert proofs and all(r.status in allowed for r in proofs), [r.status for r in proofs]
     from derivgen.prove.proof import prove_second_mode
 
     d = derivgen.derive(spec)
@@ -135,3 +144,16 @@ def test_an_inline_coordinate_is_named_by_the_engine():
     assert md.implicit_coordinate and md.coordinate.text == "x̂"
     assert sorted(r.name for r in md.reductions) == ["Mean_Xn_g", "Mean_g"]
     assert md.g is not None and not md.dx.has(derivgen.spec.model.X)
+
+
+def test_group_maximum_tie_mask_compares_x_as_the_forward_did():
+    """The tie mask of max(|x|) reads x itself, never x rewritten through the coordinate x̂
+    (whose rounding can miss the maximum's element), in the first order and the JVP."""
+    from derivgen.symbolic import functions
+
+    d = derivgen.derive(ROOT / "tests" / "regressions" / "group_max_tie_in_x.toml")
+    md = d.modes["train"]
+    coord = md.coordinate.symbol
+    for e in (md.dx, d.second("train").ty):
+        masks = e.atoms(functions.Indicator)
+        assert masks and all(not m.has(coord) and m.has(derivgen.spec.model.X) for m in masks), masks
