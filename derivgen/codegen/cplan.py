@@ -355,11 +355,14 @@ class CPlanner:
             prelude, hoisted = self._float_prelude([te for _, te in needed] + list(exprs), elem, enames)
         body_reads: set[str] = set()
         pend_reads: set[str] = set()
+        # masks compare in double: group values as computed, element values widened
+        mask_names = {**self.group_names, **{k: f"((double){v})" for k, v in self.elem_names.items()}}
+        mask_names.update({nm: f"((double){nm})" for nm, _ in needed})
 
         def element(e: sympy.Expr, into: set[str]) -> str:
             """Element arithmetic (temporaries, stored outputs) in the sweep's type."""
             if arith == "float":
-                text, reads = self.printer.c_float_reads(e, enames, hoisted)
+                text, reads = self.printer.c_float_reads(e, enames, hoisted, mask_names)
             else:
                 text, reads = self.printer.c_reads(e, "double", enames)
             into |= reads

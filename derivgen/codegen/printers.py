@@ -157,9 +157,20 @@ class _CFloatElem(_C):
     ``(elements + h_hi) + h_lo`` with h_hi = (float)h, h_lo = (float)(h - h_hi), so
     x - mean is exact to float precision even when mean is 1e4 and x - mean is 1."""
 
-    def __init__(self, rename, names, hoisted):
+    def __init__(self, rename, names, hoisted, mask_rename=None):
         super().__init__("float", rename, names)
         self.hoisted = hoisted  # Add node -> (element part, hoisted name)
+        self.mask_rename = mask_rename  # the names in double (masks compare as the forward did)
+
+    def _print_elementary(self, fn: functions.Elementary, expr: sympy.Expr) -> str:
+        if self.mask_rename is None or fn.name not in ("step", "indicator"):
+            return super()._print_elementary(fn, expr)
+        # a mask compares in double, from the element values widened and the group values as
+        # the forward computed them: a group maximum's tie test sees the very values it chose
+        printer = _C("double", self.mask_rename, self.names)
+        text = call(fn.c("float"), *(printer.doprint(a) for a in expr.args))
+        self.printed.update(printer.printed)
+        return text
 
     def _print_Add(self, expr, order=None):
         if expr in self.hoisted:
@@ -206,8 +217,11 @@ class SpecPrinter:
         printer = _C(ctype, rename or {}, self.names)
         return printer.doprint(e), frozenset(printer.printed)
 
-    def c_float_reads(self, e: sympy.Expr, rename: dict[str, str], hoisted: dict) -> tuple[str, frozenset[str]]:
+    def c_float_reads(
+        self, e: sympy.Expr, rename: dict[str, str], hoisted: dict, mask_rename: dict[str, str] | None = None
+    ) -> tuple[str, frozenset[str]]:
         """Float element arithmetic (group-level addends of the ``hoisted`` sums as hi + lo
-        pairs; see :class:`_CFloatElem`), and the names it reads."""
-        printer = _CFloatElem(rename, self.names, hoisted)
+        pairs; see :class:`_CFloatElem`), and the names it reads; masks (step, indicator)
+        print in double with ``mask_rename``."""
+        printer = _CFloatElem(rename, self.names, hoisted, mask_rename)
         return printer.doprint(e), frozenset(printer.printed)
