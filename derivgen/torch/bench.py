@@ -305,10 +305,8 @@ def format_torch_report(rep: dict) -> str:
     """The report of :func:`run_torch_bench` as a text table."""
     m = rep["machine"]
     lines = [
-        (
-            f"derivgen.torch vs torch.nn, through autograd: {rep['dtype']}, {rep['threads']} threads, "
-            f"median of {rep['repeat']} (round-robin), torch {m['torch']}"
-        ),
+        f"derivgen.torch vs torch.nn, through autograd: {rep['dtype']}, {rep['threads']} threads,",
+        f"median of {rep['repeat']} (round-robin), torch {m['torch']}",
         f"machine: {m['cpu']}, {m['cores']} cores",
         "",
         (

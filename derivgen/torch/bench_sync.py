@@ -221,10 +221,8 @@ def format_sync_report(r: dict) -> str:
     coll = max(r["sync_collective_ms"])
     return "\n".join(
         [
-            (
-                f"SyncBatchNorm over {r['world']} gloo processes on this machine, {'x'.join(map(str, r['shape']))} "
-                f"float32, each process 1/{r['world']} of the batch, median of {r['repeat']}"
-            ),
+            f"SyncBatchNorm over {r['world']} gloo processes on this machine, {'x'.join(map(str, r['shape']))} float32,",
+            f"  each process 1/{r['world']} of the batch, median of {r['repeat']}",
             (
                 f"  step (forward + backward), slowest process: {step:.2f} ms, of which collectives {coll:.2f} ms "
                 f"({100 * coll / step:.0f}%)"
@@ -233,11 +231,10 @@ def format_sync_report(r: dict) -> str:
                 f"  one process on the whole batch (C kernels, all cores): {r['one_process_ms']:.2f} ms "
                 f"(split / one: {step / r['one_process_ms']:.2f})"
             ),
-            (
-                f"  bandwidth bound of the split's passes (9 tensor sweeps at {r['copy_gbps']:.1f} GB/s copy): "
-                f"{r['bound_ms']:.2f} ms (split / bound: {step / r['bound_ms']:.2f})"
-            ),
-            "  the C split kernels alone, one process, whole batch (tensors read + written; time / bandwidth bound):",
+            f"  bandwidth bound of the split's passes (9 tensor sweeps at {r['copy_gbps']:.1f} GB/s copy):",
+            f"    {r['bound_ms']:.2f} ms (split / bound: {step / r['bound_ms']:.2f})",
+            "  the C split kernels alone, one process, whole batch",
+            "  (tensors read + written; time / bandwidth bound):",
             *[f"    {name:36s} {ms:7.2f} ms  {k} tensor(s)  {ms / bound:5.2f}x" for name, ms, k, bound in r["kernels"]],
         ]
     )

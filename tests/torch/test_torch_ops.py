@@ -258,6 +258,7 @@ def test_torch_bench_report_runs():
     assert row["torch_step"] > 0 and row["derivgen_step"] > 0 and row["ratio"] > 0
     text = format_torch_report(rep)
     assert "LayerNorm per call" in text and " us " in text and rep["block"] is None
+    assert max(map(len, text.splitlines())) <= 100  # fits a 100-column terminal
 
 
 FUZZ_SEEDS = range(16)

@@ -358,4 +358,5 @@ def test_sync_bench_reports_both_sides():
         bench_sync.SHAPE = old
     assert len(rep["sync_step_ms"]) == 2 and rep["one_process_ms"] > 0 and rep["bound_ms"] > 0
     assert len(rep["kernels"]) == 5 and all(ms > 0 for _, ms, _, _ in rep["kernels"])
-    assert "collectives" in bench_sync.format_sync_report(rep)
+    text = bench_sync.format_sync_report(rep)
+    assert "collectives" in text and max(map(len, text.splitlines())) <= 100
