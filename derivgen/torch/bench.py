@@ -310,7 +310,7 @@ def format_torch_report(rep: dict) -> str:
         f"machine: {m['cpu']}, {m['cores']} cores",
         "",
         (
-            f"{'case':28s} {'shape':>16s} {'torch fwd+bwd':>13s} {'derivgen':>9s} {'ratio':>6s} "
+            f"{'case':26s} {'shape':>14s} {'torch fwd+bwd':>13s} {'derivgen':>9s} {'ratio':>6s} "
             f"{'fwd ratio':>9s} {'target':>7s}"
         ),
     ]
@@ -318,11 +318,11 @@ def format_torch_report(rep: dict) -> str:
         shape = "x".join(map(str, r["shape"]))
         tgt = f"<= {r['target']}" if r["target"] is not None else ""
         if "error" in r:
-            lines.append(f"{r['case']:28s} {shape:>16s}   not supported: {r['error']}")
+            lines.append(f"{r['case']:26s} {shape:>14s}   not supported: {r['error']}")
             continue
-        ok = "" if r["target"] is None else ("  met" if r["ratio"] <= r["target"] else "  MISSED")
+        ok = "" if r["target"] is None else (" met" if r["ratio"] <= r["target"] else " MISSED")
         lines.append(
-            f"{r['case']:28s} {shape:>16s} {_t(r['torch_step']):>13s} {_t(r['derivgen_step']):>9s} "
+            f"{r['case']:26s} {shape:>14s} {_t(r['torch_step']):>13s} {_t(r['derivgen_step']):>9s} "
             f"{r['ratio']:6.2f} {r['fwd_ratio']:9.2f} {tgt:>7s}{ok}"
         )
     if rep.get("second"):
