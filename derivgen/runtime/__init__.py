@@ -63,7 +63,7 @@ from derivgen.runtime.base import (
     _param_shapes,
     check_out,
 )
-from derivgen.runtime.elementwise import erf, indicator, sigmoid, step, stop_gradient
+from derivgen.runtime.elementwise import erf, indicator, sigmoid, softplus, step, stop_gradient
 from derivgen.runtime.executor import (
     CHUNK_BYTES,
     chunks,
@@ -157,6 +157,7 @@ __all__ = [
     "second_fields",
     "set_num_threads",
     "sigmoid",
+    "softplus",
     "split_layout",
     "split_level",
     "stats_array",

@@ -23,6 +23,12 @@ def sigmoid(a):
     return np.where(a >= 0, 1 / (1 + z), z / (1 + z)).astype(a.dtype, copy=False)
 
 
+def softplus(a):
+    """log(1 + exp(a)), without overflow: max(a, 0) + log1p(exp(-|a|))."""
+    a = _float(a)
+    return np.logaddexp(a, np.zeros((), a.dtype))
+
+
 _erf = np.frompyfunc(math.erf, 1, 1)
 
 

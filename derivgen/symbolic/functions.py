@@ -1,7 +1,7 @@
 """The elementary functions, as one table.
 
 Every function a spec expression may call (``sqrt``, ``exp``, ``log``, ``abs``,
-``tanh``, ``sigmoid``, ``erf``, ``stop_gradient``, and the selections ``maximum``,
+``tanh``, ``sigmoid``, ``softplus``, ``erf``, ``stop_gradient``, and the selections ``maximum``,
 ``minimum``, ``clip``), and the functions that only appear in derivatives
 (``sign`` of ``abs``; the masks ``step`` and ``indicator`` of the selections),
 is one :class:`Elementary` entry of :data:`TABLE`: how the parser builds it, how it is
@@ -500,6 +500,57 @@ register(
         scalar=_sigmoid_value,
         latex=r"\operatorname{sigmoid}",
         text="sigmoid",
+    )
+)
+
+
+class Softplus(sympy.Function):
+    """softplus(u) = log(1 + exp(u)); its derivative is sigmoid(u)."""
+
+    is_real = True
+    is_positive = True
+
+    @classmethod
+    def eval(cls, u):
+        if u.is_zero:
+            return sympy.log(2)
+        if u.is_Float:
+            return sympy.log(1 + sympy.exp(u))
+        return None
+
+    def fdiff(self, argindex=1):
+        return Sigmoid(self.args[0])
+
+    def _eval_rewrite_as_log(self, u, **kwargs):
+        return sympy.log(1 + sympy.exp(u))
+
+    def _eval_evalf(self, prec):
+        return sympy.log(1 + sympy.exp(self.args[0]))._eval_evalf(prec)
+
+
+def _softplus_value(u: float) -> float:
+    """log(1 + exp(u)) for a Python number, without overflow."""
+    return max(u, 0.0) + math.log1p(math.exp(-abs(u)))
+
+
+register(
+    Elementary(
+        "softplus",
+        Softplus,
+        Softplus,
+        lambda f, u: Sigmoid(u),
+        "softplus",
+        _positive,
+        REAL,
+        numpy="softplus",
+        numpy_in_runtime=True,
+        c_double="(fmax({0}, 0.0) + log1p(exp(-fabs({0}))))",
+        c_float="(fmaxf({0}, 0.0f) + log1pf(expf(-fabsf({0}))))",
+        torch="logaddexp",
+        torch_extra=(0.0,),
+        scalar=_softplus_value,
+        latex=r"\operatorname{softplus}",
+        text="softplus",
     )
 )
 register(

@@ -264,4 +264,4 @@ class SpecForward:
         target = torch
         for part in fn.torch.split("."):
             target = getattr(target, part)
-        return target(*(torch.as_tensor(a, dtype=torch.float64) for a in args))
+        return target(*(torch.as_tensor(a, dtype=torch.float64) for a in (*args, *fn.torch_extra)))

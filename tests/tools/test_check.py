@@ -145,3 +145,34 @@ def test_group_max_layers_are_checked_against_the_spec_and_torch():
     rows = chk.check_layer(derivgen.load_spec("softmax"), ("numpy",), ("float64",), prove_sizes=(2,), in_ci=False)
     assert not [r for r in rows if r.failed], rows
     assert any(r.check == "torch" and r.status == "ok" and "dx" in r.errors for r in rows)
+
+
+SOFTPLUS_SPEC = """
+name = "ln_mish"
+[layout]
+kind = "trailing"
+[params]
+gamma = { role = "scale" }
+[options]
+eps = { default = 1e-5, min = 0 }
+[statistics]
+mean = "mean(x)"
+var = "mean((x - mean)**2)"
+rstd = "1/sqrt(var + eps)"
+[normalized]
+name = "xhat"
+expr = "(x - mean)*rstd"
+[output]
+y = "gamma*xhat*tanh(softplus(xhat))"
+"""
+
+
+def test_a_function_with_extra_torch_arguments_is_checked_against_torch(tmp_path):
+    """softplus is torch.logaddexp(u, 0): the spec's forward in torch passes the table's
+    extra constants, and the layer (layer norm then Mish) passes every check."""
+    from derivgen.spec.model import parse_spec
+
+    spec = parse_spec(SOFTPLUS_SPEC, source="ln_mish.toml")
+    rows = chk.check_layer(spec, prove_sizes=(2,))
+    assert rows and not [r for r in rows if r.failed]
+    assert any(r.check.startswith("torch") and r.status == "ok" for r in rows)
