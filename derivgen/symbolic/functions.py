@@ -302,18 +302,19 @@ class Indicator(sympy.Function):
         return sympy.S.Zero
 
 
-class Maximum(sympy.Function):
-    """maximum(a, b), elementwise: the gradient goes to the larger, split evenly at a tie
-    (``torch.maximum``)."""
+class _Selection(sympy.Function):
+    """maximum(a, b) or minimum(a, b) (``larger``), elementwise: the gradient goes to the
+    selected argument, split evenly at a tie (``torch.maximum``, ``torch.minimum``)."""
 
     nargs = 2
     is_real = True
+    larger = True
 
     @classmethod
     def eval(cls, a, b):
         if a == b:
             return a
-        d = a - b
+        d = a - b if cls.larger else b - a  # a is selected where d > 0
         if d.is_nonnegative:
             return a
         if d.is_nonpositive:
@@ -322,42 +323,28 @@ class Maximum(sympy.Function):
 
     def fdiff(self, argindex=1):
         a, b = self.args
-        return Step(a - b) if argindex == 1 else Step(b - a)
+        d = a - b if self.larger else b - a
+        return Step(d) if argindex == 1 else Step(-d)
 
     def _eval_is_nonnegative(self):
-        return True if any(a.is_nonnegative for a in self.args) else None
+        pick = any if self.larger else all
+        return True if pick(a.is_nonnegative for a in self.args) else None
 
     def _eval_is_positive(self):
-        return True if any(a.is_positive for a in self.args) else None
+        pick = any if self.larger else all
+        return True if pick(a.is_positive for a in self.args) else None
 
 
-class Minimum(sympy.Function):
-    """minimum(a, b), elementwise: the gradient goes to the smaller, split evenly at a tie
-    (``torch.minimum``)."""
+class Maximum(_Selection):
+    """maximum(a, b): the gradient to the larger, split evenly at a tie (``torch.maximum``)."""
 
-    nargs = 2
-    is_real = True
+    larger = True
 
-    @classmethod
-    def eval(cls, a, b):
-        if a == b:
-            return a
-        d = a - b
-        if d.is_nonpositive:
-            return a
-        if d.is_nonnegative:
-            return b
-        return None
 
-    def fdiff(self, argindex=1):
-        a, b = self.args
-        return Step(b - a) if argindex == 1 else Step(a - b)
+class Minimum(_Selection):
+    """minimum(a, b): the gradient to the smaller, split evenly at a tie (``torch.minimum``)."""
 
-    def _eval_is_nonnegative(self):
-        return True if all(a.is_nonnegative for a in self.args) else None
-
-    def _eval_is_positive(self):
-        return True if all(a.is_positive for a in self.args) else None
+    larger = False
 
 
 class Clip(sympy.Function):

@@ -15,6 +15,7 @@ from torch_cases import arguments
 
 import derivgen
 import derivgen.torch as dt
+from derivgen.tools.check import _stops_gradient
 from derivgen.torch.ops import layer
 
 EXAMPLES = sorted(str(p) for p in (ROOT / "examples").glob("*.toml"))
@@ -264,13 +265,6 @@ def test_torch_bench_report_runs():
 FUZZ_SEEDS = range(16)
 
 
-def _stops_gradients(spec) -> bool:
-    from derivgen.symbolic import functions
-
-    exprs = [spec.output, *(st.expr for m in spec.modes for st in m.statistics)]
-    return any(e.has(functions.StopGradient) for e in exprs + ([spec.normalized_expr] if spec.normalized else []))
-
-
 def _against_the_specs_forward(lay, mode, f, args, params, inputs, options, buffers, groups):
     """First and second derivatives of the operators against autograd through the spec's own
     forward in torch operations (stop_gradient as .detach()), float64."""
@@ -319,7 +313,7 @@ def test_fuzzed_specs_as_torch_operators(seed, tmp_path):
         x, params, inputs, options, buffers, groups = arguments(lay, mode, seed=seed)
         f = _fn(lay, mode, params, inputs, options, buffers, groups)
         args = (x, *params.values(), *inputs.values())
-        if _stops_gradients(lay.spec):  # finite differences see through stop_gradient
+        if _stops_gradient(lay.spec):  # finite differences see through stop_gradient
             _against_the_specs_forward(lay, mode, f, args, params, inputs, options, buffers, groups)
         else:
             assert torch.autograd.gradcheck(f, args, eps=1e-6, atol=1e-5, rtol=1e-4)
