@@ -133,7 +133,8 @@ class _Eager(torch.autograd.Function):
         y, st = plan.forward(tens, opts, blob=True)
         ctx.plan, ctx.opts, ctx.st = plan, opts, st
         ctx.save_for_backward(*tens)
-        ctx.save_for_forward(*tens)
+        if _fwad._current_level >= 0:  # jvp() reads them only under forward AD
+            ctx.save_for_forward(*tens)
         box.append(st)
         return y
 

@@ -72,12 +72,10 @@ class KernelPlan:
 
     __slots__ = (
         "bfn",
-        "bpack",
         "bsig",
         "copy",
         "dims",
         "ffn",
-        "fpack",
         "fsig",
         "groups",
         "kernel",
@@ -89,6 +87,9 @@ class KernelPlan:
         "nin",
         "npar",
         "null_bufs",
+        "opts_ok",
+        "run_backward",
+        "run_forward",
         "serial",
         "simple",
         "stat_offsets",
@@ -103,17 +104,6 @@ class KernelPlan:
         self.kernel = lay.ckernel._kernel
         self.fsig = self.kernel.signatures[(mode, "forward")]
         self.bsig = self.kernel.signatures[(mode, "backward")]
-        # the common case's packers (no per-group inputs): x with the parameters, x with dy
-        self.fpack = self.bpack = None
-        if not lay.inputs:
-            self.fpack = self.fsig.packer(
-                ("dims", "x_params", "options", "buffers", "y", "stats", "nthreads"),
-                merged={"x_params": ("x", "params")},
-            )
-            self.bpack = self.bsig.packer(
-                ("dims", "x_dy", "params", "options", "stats", "dx", "dparams", "nthreads"),
-                merged={"x_dy": ("x", "dy")},
-            )
         self.dims, self.n_groups, self.nhwc = (L.O, L.G, L.Cg, L.S), L.n_groups, nhwc
         self.serial = L.O * L.G * L.Cg * L.S < SERIAL_BELOW
         self.npar, self.nin = len(lay.params), len(lay.inputs)
@@ -126,6 +116,10 @@ class KernelPlan:
         self.stats_like = torch.empty((nstat, L.n_groups), dtype=torch.float64)
         # contiguous tensors, no per-group inputs, no buffers passed
         self.simple = not self.copy and not self.nin and not (takes_buffers and lay.buffers)
+        self.opts_ok: tuple = ()  # the options of the last call, known to be in range
+        # the common case's calls, the arguments in the order the signature's packers check
+        self.run_forward = _fast_forward(self) if self.simple else None
+        self.run_backward = _fast_backward(self) if self.simple and not nhwc else None
 
     def forward(
         self, tens: list[torch.Tensor], opts: tuple[float, ...], blob: bool
@@ -133,56 +127,83 @@ class KernelPlan:
         """y and the statistics by the forward kernel on validated tensors. The statistics
         are one float64 tensor per statistic, or with ``blob`` one (statistics, groups)
         tensor (one allocation: the eager path keeps them together)."""
-        if not (self.simple and blob):
-            return _forward_general(self, tens, opts, blob)
-        y = torch.empty_like(tens[0])  # the common case, with the least Python
-        st = torch.empty_like(self.stats_like)
-        p = st.data_ptr()
-        if (
-            self.ffn(
-                *self.fpack(
-                    self.dims,
-                    [t.data_ptr() for t in tens],
-                    opts,
-                    self.null_bufs,
-                    (y.data_ptr(),),
-                    [p + o for o in self.stat_offsets],
-                    (plan_threads(self),),
-                )
-            )
-            != 0
-        ):
-            raise MemoryError(f"{self.name}: forward kernel could not allocate its work buffer")
-        return y, st
+        if self.simple and blob:
+            return self.run_forward(tens, opts)
+        return _forward_general(self, tens, opts, blob)
 
     def backward(
         self, dy: torch.Tensor, tens: list[torch.Tensor], stat_ptrs: list[int], opts: tuple[float, ...]
     ) -> tuple:
         """(dx, dparams..., dinputs...) by the backward kernel. ``tens`` are the forward's
         tensors (x, params, inputs[, buffers]); dy has x's shape and dtype."""
-        if not self.simple or self.nhwc:
-            return _backward_general(self, dy, tens, stat_ptrs, opts)
-        x = tens[0]  # the common case, with the least Python
-        dy = dy.contiguous()
-        dx = torch.empty_like(x)
-        dps = [torch.empty_like(p) for p in tens[1:]]
-        if (
-            self.bfn(
-                *self.bpack(
-                    self.dims,
-                    (x.data_ptr(), dy.data_ptr()),
-                    [p.data_ptr() for p in tens[1:]],
-                    opts,
-                    stat_ptrs,
-                    (dx.data_ptr(),),
-                    [t.data_ptr() for t in dps],
-                    (plan_threads(self),),
-                )
-            )
-            != 0
+        if self.run_backward:
+            return self.run_backward(dy, tens, stat_ptrs, opts)
+        return _backward_general(self, dy, tens, stat_ptrs, opts)
+
+
+def _fast_forward(plan: KernelPlan):
+    """``run(tens, opts) -> (y, statistics)`` for a simple plan: the forward kernel called
+    with its arguments in the order ``fpack`` checked when the plan was made (dims, x and
+    the parameters, options, the buffers it does not read, y, statistics, threads)."""
+    plan.fsig.packer(  # raises unless the signature has its sections in this order
+        ("dims", "x_params", "options", "buffers", "y", "stats", "nthreads"), merged={"x_params": ("x", "params")}
+    )
+    ffn, dims, nulls, offs, like = plan.ffn, plan.dims, plan.null_bufs, plan.stat_offsets, plan.stats_like
+    kernel, serial, name, empty_like = plan.kernel, plan.serial, plan.name, torch.empty_like
+
+    def run(tens: Sequence[torch.Tensor], opts: tuple[float, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        y = empty_like(tens[0])
+        st = empty_like(like)
+        p = st.data_ptr()
+        nth = 1 if serial else threads(kernel)
+        if ffn(*dims, *[t.data_ptr() for t in tens], *opts, *nulls, y.data_ptr(), *[p + o for o in offs], nth):
+            raise MemoryError(f"{name}: forward kernel could not allocate its work buffer")
+        return y, st
+
+    return run
+
+
+def _fast_backward(plan: KernelPlan):
+    """``run(dy, tens, stat_ptrs, opts) -> (dx, dparams...)`` for a simple plan (not
+    channels last): the backward kernel with its arguments in the order its signature's
+    packer checks (dims, x, dy, parameters, options, statistics, dx, parameter gradients,
+    threads)."""
+    plan.bsig.packer(  # raises unless the signature has its sections in this order
+        ("dims", "x_dy", "params", "options", "stats", "dx", "dparams", "nthreads"), merged={"x_dy": ("x", "dy")}
+    )
+    bfn, dims, kernel, serial, name, empty_like = (
+        plan.bfn,
+        plan.dims,
+        plan.kernel,
+        plan.serial,
+        plan.name,
+        torch.empty_like,
+    )
+
+    def run(
+        dy: torch.Tensor, tens: Sequence[torch.Tensor], stat_ptrs: Sequence[int], opts: tuple[float, ...]
+    ) -> tuple[torch.Tensor, ...]:
+        x = tens[0]
+        if not dy.is_contiguous():
+            dy = dy.contiguous()
+        dx = empty_like(x)
+        dps = [empty_like(p) for p in tens[1:]]
+        nth = 1 if serial else threads(kernel)
+        if bfn(
+            *dims,
+            x.data_ptr(),
+            dy.data_ptr(),
+            *[t.data_ptr() for t in tens[1:]],
+            *opts,
+            *stat_ptrs,
+            dx.data_ptr(),
+            *[t.data_ptr() for t in dps],
+            nth,
         ):
-            raise MemoryError(f"{self.name}: backward kernel could not allocate its work buffer")
+            raise MemoryError(f"{name}: backward kernel could not allocate its work buffer")
         return (dx, *dps)
+
+    return run
 
 
 def _contiguous_operands(plan: KernelPlan, tens: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -278,7 +299,7 @@ def options_in_range(opts: Sequence[Any], ranges: Sequence[tuple]) -> bool:
 def call_key(tens: Sequence[torch.Tensor], xi: int, groups: int, channel_layout: bool) -> tuple[tuple, bool]:
     """A call's signature, and whether x (``tens[xi]``) is channels last."""
     nhwc = channel_layout and is_channels_last(tens[xi])
-    return tuple([(t.shape, t.dtype, t.is_cpu, t.is_contiguous()) for t in tens]) + (groups, nhwc), nhwc
+    return (*[(t.shape, t.dtype, t.is_cpu, t.is_contiguous()) for t in tens], groups, nhwc), nhwc
 
 
 class PlanCache:
@@ -298,8 +319,9 @@ class PlanCache:
             plan = self._plans.get((mode, key))
         except AttributeError:  # not a tensor: the validation names it
             key = nhwc = plan = None
-        if plan is None or not options_in_range(opts, self.ranges):
+        if plan is None or (opts != plan.opts_ok and not options_in_range(opts, self.ranges)):
             plan = self.validated(mode, [*tens, *opts, groups], key, nhwc)
+        plan.opts_ok = opts  # in range: the next call with the same options skips the check
         return plan
 
     def options_ok(self, opts: Sequence[Any]) -> bool:
