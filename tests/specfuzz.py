@@ -329,7 +329,7 @@ def _selections_and_friends(rng: random.Random, s: _Spec, names: Names, kind: st
         terms.append(f"erf({z}/sqrt(2))*{rng.choice(['1', 'sqrt(pi)/2'])}")
     elif u < 0.2:
         terms[0] = f"({terms[0]})*(1 - stop_gradient({rng.choice(['0.1', '0.3'])}*{z}))"
-    if kind.startswith("trailing") and rng.random() < 0.12:  # a group maximum (trailing layouts)
+    if rng.random() < 0.12:  # a group maximum or minimum (any layout)
         op = rng.choice(["max", "min"])
         mx = names.new("mx", "peak", "m_max")
         if op == "max":

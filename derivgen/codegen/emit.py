@@ -239,6 +239,8 @@ def emit(d: LayerDerivation, targets: Collection[str] = ("numpy", "c")) -> Emitt
         "per_sample": spec.reduce != "batch",
         "trailing": spec.layout == "trailing",
         "selects": any(st.expr.has(*SELECTIONS) for m in d.modes.values() for st in m.statistics),
+        # the modes a split reduction computes: sums only (a group max()/min() is not a sum)
+        "split_modes": [m for m, dm in d.modes.items() if not any(st.expr.has(*SELECTIONS) for st in dm.statistics)],
     }
     out = Emitted(spec.name, meta=meta)
     if "numpy" in targets:

@@ -368,7 +368,6 @@ class _Parser:
         self.names: dict[str, sympy.Expr] = {"x": X, "N": N}
         self.stat_order: list[str] = []
         self.channel_params: set[sympy.Symbol] = set()
-        self.layout_kind = ""  # set by layout()
 
     def declare(self, where: str, name: str, what: str, sym: sympy.Expr) -> None:
         """Declare ``name`` (``what`` it is, for messages) with its symbol."""
@@ -434,7 +433,6 @@ class _Parser:
             ctx.err("layout.axes", f"must be an integer in 1..8, got {axes!r}")
         if "axes" in t and kind != "trailing":
             ctx.err("layout.axes", "only a 'trailing' layout has normalized axes to count")
-        self.layout_kind = kind
         return kind, reduce_, axes
 
     def params(self) -> list[Param]:
@@ -566,8 +564,6 @@ class _Parser:
         """A statistic is one value per group: x and per-channel parameters only inside mean()/sum()."""
         for sel in selections(expr):
             kind = "max" if type(sel) is GroupMax else "min"
-            if self.layout_kind != "trailing":
-                self.ctx.err(where, f"{kind}() is a group reduction of trailing layouts only (layout.kind): {text!r}")
             if sel.args[0].free_symbols & self.channel_params:
                 self.ctx.err(where, f"{kind}() of a per-channel parameter is not supported; {kind}() of x: {text!r}")
         outside = hide_reductions(expr).free_symbols

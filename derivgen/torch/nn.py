@@ -26,6 +26,7 @@ from derivgen.runtime.validate import check_float
 from derivgen.spec.model import Spec
 from derivgen.torch import sync
 from derivgen.torch.ops import layer
+from derivgen.torch.sync import check_syncable
 from derivgen.torch.tensors import wide
 
 __all__ = [
@@ -334,11 +335,8 @@ class Module(nn.Module):
         self.layer_name = meta["name"]
         self.sync = bool(sync or process_group is not None)
         self.process_group = process_group
-        if self.sync and (meta["layout"] != "channels" or meta["reduce"] != "batch"):
-            raise ValueError(
-                f"{self.layer_name}: sync/process_group need a layer whose groups span the batch "
-                f"(layout channels, reduce batch); this one is {meta['layout']}/{meta['reduce']}"
-            )
+        if self.sync:
+            check_syncable(self._layer)
         unknown = set(options) - set(meta["options"])
         if unknown:
             raise TypeError(

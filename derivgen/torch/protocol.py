@@ -17,6 +17,7 @@ from derivgen.torch.schema import ModeSchemas
 class Layer(Protocol):
     """One spec's operators and what they share (see :class:`derivgen.torch.ops.TorchLayer`)."""
 
+    spec: Any  # the layer's derivgen.spec.model.Spec
     base: str  # the operators' base name (``derivgen::<base>_<mode>_forward`` ...)
     meta: dict  # the layer's metadata (the generated modules' ``_META``)
     params: list[str]

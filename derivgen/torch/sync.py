@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from derivgen import runtime as rt
 from derivgen.runtime.cbind import input_pairs
+from derivgen.symbolic.reduce import SELECTIONS
 from derivgen.torch.plan import threads
 from derivgen.torch.protocol import Layer
 
@@ -291,6 +292,24 @@ class _SyncFunction(torch.autograd.Function):
         return (None, None, None, None, None, dx.reshape(x.shape).to(x.dtype), *grads)
 
 
+def check_syncable(lay: Layer) -> None:
+    """Raise ValueError unless ``lay``'s statistics can be split across processes: groups
+    that span the batch (layout channels, reduce batch), statistics that are means (one
+    all_reduce of sums per level; a group max()/min() would need another reduction)."""
+    meta = lay.meta
+    if meta["layout"] != "channels" or meta["reduce"] != "batch":
+        raise ValueError(
+            f"{meta['name']}: a split reduction across processes needs a layer whose groups span "
+            f"the batch (layout channels, reduce batch); this one is {meta['layout']}/{meta['reduce']}"
+        )
+    selected = [st.name for st in lay.spec.modes[0].statistics if st.expr.has(*SELECTIONS)]
+    if selected:
+        raise ValueError(
+            f"{meta['name']}: a split reduction across processes sums means; the statistic(s) "
+            f"{', '.join(selected)} take a group max()/min(), which it does not reduce"
+        )
+
+
 def sync_group(process_group: dist.ProcessGroup | None, training: bool) -> dist.ProcessGroup | None:
     """The process group a split reduction runs over, or None when there is nothing to
     split (not training, torch.distributed not initialized, or one process)."""
@@ -313,11 +332,7 @@ def sync_forward(
     the default group). Autograd-aware; the parameters' gradients are this process's
     part (DistributedDataParallel adds them up)."""
     meta = lay.meta
-    if meta["layout"] != "channels" or meta["reduce"] != "batch":
-        raise ValueError(
-            f"{meta['name']}: a split reduction across processes needs a layer whose groups span "
-            f"the batch (layout channels, reduce batch); this one is {meta['layout']}/{meta['reduce']}"
-        )
+    check_syncable(lay)
     pg = pg if pg is not None else dist.group.WORLD
     channels = next((t.shape[0] for p, t in params.items() if p not in meta["scalar_params"]), x.shape[1])
     problem = _check_part(lay, x, params, channels)
@@ -344,8 +359,7 @@ def statistics_over(
     ``apply_statistics`` normalizes each part. The arithmetic of one process with the
     whole batch, in float64: the split reduction without torch.distributed."""
     meta = lay.meta
-    if meta["layout"] != "channels" or meta["reduce"] != "batch":
-        raise ValueError(f"{meta['name']}: statistics over parts need a layer whose groups span the batch")
+    check_syncable(lay)
     again = parts if callable(parts) else (lambda: parts)
     target = lay.target
     stats: dict = {}
