@@ -349,7 +349,9 @@ class Minimum(_Selection):
 
 class Clip(sympy.Function):
     """clip(e, lo, hi) = minimum(maximum(e, lo), hi): the gradient passes to e on the closed
-    interval lo <= e <= hi, to lo below it and to hi above it (``torch.clamp``)."""
+    interval lo <= e <= hi, to lo below it and to hi above it; with lo >= hi, where y is hi
+    whatever e is, ``torch.clamp``'s convention: lo gets nothing, hi gets everything when
+    lo > hi and what lies above it when lo = hi (then e gets what lies at lo = hi)."""
 
     nargs = 3
     is_real = True
@@ -365,8 +367,8 @@ class Clip(sympy.Function):
         if argindex == 1:
             return Indicator(e - lo) * Indicator(hi - e)
         if argindex == 2:
-            return 1 - Indicator(e - lo)
-        return 1 - Indicator(hi - e)
+            return (1 - Indicator(e - lo)) * (1 - Indicator(lo - hi))
+        return 1 - Indicator(hi - e) * Indicator(hi - lo)
 
     def _eval_is_positive(self):
         _, lo, hi = self.args

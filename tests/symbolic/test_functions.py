@@ -261,3 +261,27 @@ def test_registered_function_flows_to_numpy(atan, tmp_path):
         e[i] = h
         fd[i] = ((forward(x + e) - forward(x - e)) * dy).sum() / (2 * h)
     np.testing.assert_allclose(dx, fd, rtol=1e-6, atol=1e-8)
+
+
+def test_selection_gradients_follow_torch_at_ties_and_crossed_bounds():
+    """maximum, minimum and clip differentiated by the table's rules equal PyTorch autograd
+    of torch.maximum, torch.minimum and torch.clamp (tensor bounds), at ties, at a bound,
+    with lo = hi and with lo > hi (where clamp gives hi everywhere)."""
+    cases = [
+        ("maximum", torch.maximum, [(0.3, 0.3), (0.3, -0.2), (-1.0, 2.0)]),
+        ("minimum", torch.minimum, [(0.3, 0.3), (0.3, -0.2), (-1.0, 2.0)]),
+        (
+            "clip",
+            torch.clamp,
+            [(e, lo, hi) for lo, hi in ((-0.5, 0.5), (0.3, 0.3), (0.5, -0.5)) for e in (-1.0, lo, 0.3, hi, 0.4, 1.0)],
+        ),
+    ]
+    for name, ref, points in cases:
+        fn = functions.TABLE[name]
+        built = fn.build(*ARGS[: fn.arity])
+        for point in points:
+            ts = [torch.tensor(v, dtype=torch.float64, requires_grad=True) for v in point]
+            ref(*ts).backward()
+            for k, t in enumerate(ts):
+                got = sympy_value(sympy.diff(built, ARGS[k]), *point)
+                assert got == t.grad.item(), (name, point, k, got, t.grad.item())
