@@ -37,6 +37,34 @@ def test_standalone_latex_compiles(name, tmp_path):
     assert (tmp_path / "d.pdf").stat().st_size > 10_000
 
 
+def test_second_order_latex_compiles(tmp_path):
+    """The second-order section's prose (δx, ẋ, γ̇, L₂) and a zoo layer's (τ, ‖x‖, ₛ) set as
+    ASCII LaTeX, and pdflatex takes them."""
+    exe = require_tool("pdflatex")
+    docs = [derivgen.derive("layernorm", prove=()).render("latex", standalone=True, order=2)]
+    docs += [derivgen.derive(n, prove=()).render("latex", standalone=True) for n in ("frn", "weight_norm", "adain")]
+    for k, tex in enumerate(docs):
+        assert tex.isascii(), sorted({c for c in tex if not c.isascii()})
+        (tmp_path / f"d{k}.tex").write_text(tex, encoding="utf-8")
+        r = subprocess.run(
+            [exe, "-interaction=nonstopmode", "-halt-on-error", f"d{k}.tex"],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert r.returncode == 0, r.stdout[-2000:]
+
+
+def test_prose_unicode_becomes_ascii_latex():
+    from derivgen.explain.document import _tex_escape
+
+    assert _tex_escape("σ² of x̂") == r"$\sigma^{2}$ of $\hat{x}$"
+    assert _tex_escape("ẋ, γ̇ and L₂ = Σ δx") == r"$\dot{x}$, $\dot{\gamma}$ and L$_{2}$ = $\Sigma$ $\delta$x"
+    assert _tex_escape("‖x‖ — “π”") == r"$\|$x$\|$ --- ``$\pi$''"
+    assert _tex_escape("a ⊕ b").isascii()  # anything else by its name, never a raw character
+
+
 def test_scalar_parameters_carry_no_element_subscript():
     from conftest import ROOT
 
