@@ -26,6 +26,8 @@ class _Triton(_Jax):
         return f"_tt.{fn.name}({self.stringify(args, ', ')})"
 
     def _print_elementary(self, fn: functions.Elementary, expr: sympy.Expr) -> str:
+        if expr.is_number:  # sqrt(2), exp(1): a constant, not a function of a Python number
+            return _float(expr)
         return super()._print_elementary(fn, expr).replace("numpy.", "_tt.")
 
     def _print_Pi(self, expr):
@@ -36,6 +38,8 @@ class _Triton(_Jax):
 
     def _print_Pow(self, expr, rational=False):
         b, e = expr.base, expr.exp
+        if expr.is_number and not expr.is_Rational:
+            return _float(expr)
         if e.is_Integer and e != 0:
             base = self.parenthesize(b, PRECEDENCE["Mul"])
             prod = "*".join([base] * abs(int(e)))
@@ -45,6 +49,11 @@ class _Triton(_Jax):
             text = self._spell(functions.half_power(), (b,))
             return text if root > 0 else f"(1.0/{text})"
         return f"_tt.pow({self._print(b)}, {self._print(e)})"
+
+
+def _float(e: sympy.Expr) -> str:
+    """A constant as a float literal (Triton's functions take tensors, not Python numbers)."""
+    return repr(float(sympy.N(e, 17)))
 
 
 def triton_expr(e: sympy.Expr, spec: Spec | None = None) -> str:
