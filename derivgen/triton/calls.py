@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from triton.runtime.interpreter import InterpretedFunction
 
 from derivgen import runtime as rt
 from derivgen.api import load
@@ -229,6 +230,15 @@ def _common(meta: dict, a: dict) -> dict:
     return v
 
 
+def _check_runnable(kernel: Any, x: torch.Tensor) -> None:
+    """Kernels compiled for a GPU cannot read CPU tensors: say how to run them interpreted."""
+    if x.device.type != "cuda" and not isinstance(kernel, InterpretedFunction):
+        raise RuntimeError(
+            f"the Triton kernels run on CUDA tensors, or on {x.device} tensors under Triton's interpreter: "
+            "set TRITON_INTERPRET=1 before Triton is first imported"
+        )
+
+
 def run_forward(layer: Layer, mode: str, a: dict, L: rt.Layout, update: bool) -> tuple[torch.Tensor, dict]:
     """y and the statistics (float32, one per group) by the mode's forward kernel; with
     ``update``, the running buffers given in ``a`` are updated in place (training mode)."""
@@ -257,6 +267,7 @@ def run_forward(layer: Layer, mode: str, a: dict, L: rt.Layout, update: bool) ->
     geo = geometry(meta, L, x)
     blk = blocks(geo["A"], geo["B"])
     kernel = layer.kernels[mode][0]
+    _check_runnable(kernel, x)
     args = _kernel_args(layer.args[mode]["forward"], values)
     pchan = geo.pop("PCHAN")
     grid = (programs(L.n_groups, x.device),)
@@ -295,6 +306,7 @@ def run_backward(layer: Layer, mode: str, a: dict, L: rt.Layout) -> tuple[torch.
         blk = blocks(geo["A"], geo["B"])
         pchan = geo.pop("PCHAN")
         args = _kernel_args(layer.args[mode]["backward"], values)
+        _check_runnable(layer.kernels[mode][1], x)
         layer.kernels[mode][1][(nprog,)](*args, *geo.values(), channels, **blk, PCHAN=pchan, **_warps(geo, blk))
     else:
         dx.zero_()
