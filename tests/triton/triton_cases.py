@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 import derivgen
+from derivgen.runtime import resolve_layout
 from derivgen.spec.model import Spec
 
 
@@ -56,17 +57,13 @@ def inputs(spec: Spec, case: Case, seed: int = 7) -> tuple:
     dy = rng.normal(size=case.x_shape)
     params = [rng.normal(1.0, 0.4, () if p.scalar else case.param_shape) for p in spec.params]
     kw = dict(case.kw)
-    groups = (
-        case.x_shape[0]
-        if spec.layout == "trailing"
-        else (case.x_shape[1] if spec.reduce == "batch" else case.x_shape[0] * (kw.get("num_groups") or case.x_shape[1]))
-    )
-    if spec.layout == "trailing" and len(case.x_shape) == 3:
-        groups = case.x_shape[0]
+    ps = {"p": np.empty(case.param_shape)} if case.param_shape else {}
+    meta_like = {"name": spec.name, "layout": spec.layout, "reduce": spec.reduce, "params": list(ps), "axes": spec.axes}
+    groups = resolve_layout(meta_like, x, ps, kw.get("num_groups")).group_shape
     for i in spec.inputs:
-        kw[i.name] = rng.uniform(0.6, 1.4, (groups,))
+        kw[i.name] = rng.uniform(0.6, 1.4, groups)
     for b in spec.buffers:
-        kw[b.name] = rng.uniform(0.6, 1.4, (groups,))
+        kw[b.name] = rng.uniform(0.6, 1.4, groups)
     return x, dy, params, kw
 
 
