@@ -253,7 +253,9 @@ def emit(d: LayerDerivation, targets: Collection[str] = ("numpy", "c")) -> Emitt
         ctx_j = dict(ctx, template=TEMPLATE_FILES["jax"])
         out.files[f"jax/{spec.name}.py"] = env.get_template(TEMPLATE_FILES["jax"]).render(**ctx_j)
     if "triton" in targets:  # the Triton kernels' plans, computed here like the C kernels'
-        ctx_tr = dict(ctx, template=TEMPLATE_FILES["triton"], tplans={m: plan_triton(spec, ir) for m, ir in irs.items()})
+        ctx_tr = dict(
+            ctx, template=TEMPLATE_FILES["triton"], tplans={m: plan_triton(spec, ir) for m, ir in irs.items()}
+        )
         out.files[f"triton/{spec.name}.py"] = env.get_template(TEMPLATE_FILES["triton"]).render(**ctx_tr)
     if "c" in targets:
         for key, path in (

@@ -160,7 +160,7 @@ class TritonPlanner:
     def plan(self) -> TritonPlan:
         """The mode's whole plan."""
         spec, ir = self.spec, self.ir
-        for p, _ in ir.dparam_group_exprs.items():
+        for p in ir.dparam_group_exprs:
             if p not in self.scalar:
                 raise NotImplementedError(
                     f"{spec.name}: the Triton target takes a parameter in the statistics only when it is a scalar ({p})"
@@ -227,4 +227,3 @@ def _buffer_reads(spec: Spec) -> list[str]:
 def plan_triton(spec: Spec, ir: ModeIR) -> TritonPlan:
     """The Triton plan of one mode's IR."""
     return TritonPlanner(spec, ir).plan()
-

@@ -35,8 +35,8 @@ if "TRITON_INTERPRET" not in os.environ and "triton" not in sys.modules:
     if not _torch.cuda.is_available():
         os.environ["TRITON_INTERPRET"] = "1"  # before triton.language decorates its own functions
 
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
+import triton
+import triton.language as tl
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")  # kernels run by Triton's interpreter
 VERSION = triton.__version__

@@ -34,7 +34,7 @@ def log(u):
 
 
 @triton.jit
-def abs(u):  # noqa: A001 - the table's name for it
+def abs(u):
     """|u|."""
     return tl.abs(u)
 
@@ -129,7 +129,7 @@ def indicator_cmp(a, b):
 
 
 @triton.jit
-def pow(b, e):  # noqa: A001 - a power that is no small integer nor a half
+def pow(b, e):
     """b**e for b > 0 (and 0**e = 0 for e > 0), as exp(e log b)."""
     return tl.where(b == 0.0, 0.0, tl.exp(e * tl.log(b)))
 

@@ -69,7 +69,9 @@ def test_operator_implementations(name):
         bwd = ops.backward_impl(spec, case.mode, [arg.spec for arg in s.backward], None)
         got = bwd(*(a[arg.spec] for arg in s.backward))
         ref_kw = {k: v for k, v in kw.items() if k != "training" or "eval" in meta["modes"]}
-        ry, rgrads, _ = tc.reference(spec, x, dy, params, {k: v.copy() if hasattr(v, "copy") else v for k, v in ref_kw.items()})
+        ry, rgrads, _ = tc.reference(
+            spec, x, dy, params, {k: v.copy() if hasattr(v, "copy") else v for k, v in ref_kw.items()}
+        )
         assert tc.relerr(y, ry) < 1e-5
         for g, r in zip(got, rgrads):
             assert tc.relerr(g, r) < 1e-5
