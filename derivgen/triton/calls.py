@@ -426,8 +426,6 @@ def backward(layer: Layer, dy: torch.Tensor, cache: Cache, out: Any = None) -> t
     a = {"dy": dy.detach(), "x": x, **cache.params, **cache.inputs, **cache.buffers, **cache.options, **cache.stats}
     with torch.no_grad():
         dx, dparams, dins = run_backward(layer, cache.mode, a, cache.layout)
-    if cache.user_x.stride() != dx.stride() and cache.user_x.is_contiguous():
-        dx = dx.contiguous()
     got = [dx, *(dparams[p] for p in meta["params"])]
     for i in meta["inputs"]:
         given = cache.inputs[i]

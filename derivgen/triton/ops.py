@@ -53,9 +53,7 @@ def backward_impl(spec: Spec, mode: str, names: Sequence[str], fallback: Callabl
         layer = _layer(spec)
         meta = layer.meta
         L = calls.check_call(meta, mode, a)
-        dx, dparams, dins = calls.run_backward(layer, mode, a, L)
-        if a["x"].stride() != dx.stride():
-            dx = dx.contiguous(memory_format=torch.contiguous_format) if a["x"].is_contiguous() else dx
+        dx, dparams, dins = calls.run_backward(layer, mode, a, L)  # dx: x's memory format
         out = [dx, *(dparams[p] for p in meta["params"])]
         for i in meta["inputs"]:
             d, given = dins[i], a[i]

@@ -75,3 +75,15 @@ def test_operator_implementations(name):
         assert tc.relerr(y, ry) < 1e-5
         for g, r in zip(got, rgrads):
             assert tc.relerr(g, r) < 1e-5
+
+
+def test_operators_have_a_cuda_kernel():
+    """derivgen.torch registers the Triton kernels for the CUDA key of the forward and backward."""
+    from derivgen.torch.ops import layer
+
+    lay = layer(derivgen.load_spec("rmsnorm"))
+    ops_ = lay.modes["train"]
+    for op in (ops_.forward, ops_.backward):
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CUDA")
+    for op in (ops_.bb, ops_.jvp):  # the second order keeps the PyTorch closed forms
+        assert not torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CUDA")
