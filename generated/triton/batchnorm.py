@@ -74,18 +74,7 @@ META = {'name': 'batchnorm',
 
 @triton.jit
 def forward_train_kernel(
-    X_Ptr, 
-Y_Ptr, 
-gamma_Ptr, 
-beta_Ptr, 
-running_mean_Ptr, 
-running_var_Ptr, 
-mean_Ptr, 
-var_Ptr, 
-rstd_Ptr, 
-eps, 
-momentum,
-
+    X_Ptr, Y_Ptr, gamma_Ptr, beta_Ptr, running_mean_Ptr, running_var_Ptr, mean_Ptr, var_Ptr, rstd_Ptr, eps, momentum,
     NGroups, G, Cg, sO, sC, A, B, sA, sB,
     BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, ONE_PASS: tl.constexpr, PCHAN: tl.constexpr,
     UPDATE: tl.constexpr,
@@ -108,7 +97,6 @@ momentum,
             rstd = (1.0/_tt.sqrt(var + eps))  # rstd = 1/sqrt(var + eps)
             xhat = rstd*(x - mean)
             tl.store(Y_Ptr + Offs, tl.where(Mask, gamma*xhat + beta, 0.0).to(Y_Ptr.dtype.element_ty), mask=Mask)
-
         else:  # swept in tiles
             Sum_mean_Acc = tl.zeros([BLOCK_A, BLOCK_B], tl.float32)
             for A0 in range(0, A, BLOCK_A):
@@ -135,7 +123,6 @@ momentum,
                     beta = tl.load(beta_Ptr + Chan, mask=Mask, other=0.0).to(tl.float32)
                     xhat = rstd*(x - mean)
                     tl.store(Y_Ptr + Offs, tl.where(Mask, gamma*xhat + beta, 0.0).to(Y_Ptr.dtype.element_ty), mask=Mask)
-
         tl.store(mean_Ptr + Grp, mean)
         tl.store(var_Ptr + Grp, var)
         tl.store(rstd_Ptr + Grp, rstd)
@@ -150,19 +137,7 @@ momentum,
 
 @triton.jit
 def backward_train_kernel(
-    Dy_Ptr, 
-X_Ptr, 
-Dx_Ptr, 
-gamma_Ptr, 
-beta_Ptr, 
-mean_Ptr, 
-var_Ptr, 
-rstd_Ptr, 
-eps, 
-momentum, 
-gamma_Part, 
-beta_Part,
-
+    Dy_Ptr, X_Ptr, Dx_Ptr, gamma_Ptr, beta_Ptr, mean_Ptr, var_Ptr, rstd_Ptr, eps, momentum, gamma_Part, beta_Part,
     NGroups, G, Cg, sO, sC, A, B, sA, sB, Cp,
     BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, ONE_PASS: tl.constexpr, PCHAN: tl.constexpr,
 ):
@@ -201,7 +176,6 @@ beta_Part,
                 beta_Acc += tl.sum(tl.where(Mask, dy, 0.0), axis=0)
             else:
                 _tt.add_partial(beta_Part, Row, dy, Mask, Chan0, Ia, Ib, A, B, PCHAN)
-
         else:  # swept in tiles
             Sum_g_Acc = tl.zeros([BLOCK_A, BLOCK_B], tl.float32)
             Sum_g_xhat_Acc = tl.zeros([BLOCK_A, BLOCK_B], tl.float32)
@@ -230,7 +204,6 @@ beta_Part,
                     tl.store(Dx_Ptr + Offs, tl.where(Mask, rstd*(g - Mean_g - Mean_g_xhat*xhat), 0.0).to(Dx_Ptr.dtype.element_ty), mask=Mask)
                     _tt.add_partial(gamma_Part, Row, dy*xhat, Mask, Chan0, Ia, Ib, A, B, PCHAN)
                     _tt.add_partial(beta_Part, Row, dy, Mask, Chan0, Ia, Ib, A, B, PCHAN)
-
     if ONE_PASS:
         if PCHAN == 2:
             Cols = tl.arange(0, BLOCK_B)
@@ -240,18 +213,7 @@ beta_Part,
 
 @triton.jit
 def forward_eval_kernel(
-    X_Ptr, 
-Y_Ptr, 
-gamma_Ptr, 
-beta_Ptr, 
-running_mean_Ptr, 
-running_var_Ptr, 
-mean_Ptr, 
-var_Ptr, 
-rstd_Ptr, 
-eps, 
-momentum,
-
+    X_Ptr, Y_Ptr, gamma_Ptr, beta_Ptr, running_mean_Ptr, running_var_Ptr, mean_Ptr, var_Ptr, rstd_Ptr, eps, momentum,
     NGroups, G, Cg, sO, sC, A, B, sA, sB,
     BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, ONE_PASS: tl.constexpr, PCHAN: tl.constexpr,
     UPDATE: tl.constexpr,
@@ -274,7 +236,6 @@ momentum,
             rstd = (1.0/_tt.sqrt(var + eps))  # rstd = 1/sqrt(var + eps)
             xhat = rstd*(x - mean)
             tl.store(Y_Ptr + Offs, tl.where(Mask, gamma*xhat + beta, 0.0).to(Y_Ptr.dtype.element_ty), mask=Mask)
-
         else:  # swept in tiles
             mean = running_mean  # mean = running_mean
             var = running_var  # var = running_var
@@ -287,7 +248,6 @@ momentum,
                     beta = tl.load(beta_Ptr + Chan, mask=Mask, other=0.0).to(tl.float32)
                     xhat = rstd*(x - mean)
                     tl.store(Y_Ptr + Offs, tl.where(Mask, gamma*xhat + beta, 0.0).to(Y_Ptr.dtype.element_ty), mask=Mask)
-
         tl.store(mean_Ptr + Grp, mean)
         tl.store(var_Ptr + Grp, var)
         tl.store(rstd_Ptr + Grp, rstd)
@@ -295,21 +255,7 @@ momentum,
 
 @triton.jit
 def backward_eval_kernel(
-    Dy_Ptr, 
-X_Ptr, 
-Dx_Ptr, 
-gamma_Ptr, 
-beta_Ptr, 
-running_mean_Ptr, 
-running_var_Ptr, 
-mean_Ptr, 
-var_Ptr, 
-rstd_Ptr, 
-eps, 
-momentum, 
-gamma_Part, 
-beta_Part,
-
+    Dy_Ptr, X_Ptr, Dx_Ptr, gamma_Ptr, beta_Ptr, running_mean_Ptr, running_var_Ptr, mean_Ptr, var_Ptr, rstd_Ptr, eps, momentum, gamma_Part, beta_Part,
     NGroups, G, Cg, sO, sC, A, B, sA, sB, Cp,
     BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, ONE_PASS: tl.constexpr, PCHAN: tl.constexpr,
 ):
@@ -346,7 +292,6 @@ beta_Part,
                 beta_Acc += tl.sum(tl.where(Mask, dy, 0.0), axis=0)
             else:
                 _tt.add_partial(beta_Part, Row, dy, Mask, Chan0, Ia, Ib, A, B, PCHAN)
-
         else:  # swept in tiles
             for A0 in range(0, A, BLOCK_A):
                 for B0 in range(0, B, BLOCK_B):
@@ -359,7 +304,6 @@ beta_Part,
                     tl.store(Dx_Ptr + Offs, tl.where(Mask, g*rstd, 0.0).to(Dx_Ptr.dtype.element_ty), mask=Mask)
                     _tt.add_partial(gamma_Part, Row, dy*xhat, Mask, Chan0, Ia, Ib, A, B, PCHAN)
                     _tt.add_partial(beta_Part, Row, dy, Mask, Chan0, Ia, Ib, A, B, PCHAN)
-
     if ONE_PASS:
         if PCHAN == 2:
             Cols = tl.arange(0, BLOCK_B)

@@ -58,15 +58,7 @@ META = {'name': 'groupnorm',
 
 @triton.jit
 def forward_train_kernel(
-    X_Ptr, 
-Y_Ptr, 
-gamma_Ptr, 
-beta_Ptr, 
-mean_Ptr, 
-var_Ptr, 
-rstd_Ptr, 
-eps,
-
+    X_Ptr, Y_Ptr, gamma_Ptr, beta_Ptr, mean_Ptr, var_Ptr, rstd_Ptr, eps,
     NGroups, G, Cg, sO, sC, A, B, sA, sB,
     BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, ONE_PASS: tl.constexpr, PCHAN: tl.constexpr,
     UPDATE: tl.constexpr,
@@ -89,7 +81,6 @@ eps,
             rstd = (1.0/_tt.sqrt(var + eps))  # rstd = 1/sqrt(var + eps)
             xhat = rstd*(x - mean)
             tl.store(Y_Ptr + Offs, tl.where(Mask, gamma*xhat + beta, 0.0).to(Y_Ptr.dtype.element_ty), mask=Mask)
-
         else:  # swept in tiles
             Sum_mean_Acc = tl.zeros([BLOCK_A, BLOCK_B], tl.float32)
             for A0 in range(0, A, BLOCK_A):
@@ -116,7 +107,6 @@ eps,
                     beta = tl.load(beta_Ptr + Chan, mask=Mask, other=0.0).to(tl.float32)
                     xhat = rstd*(x - mean)
                     tl.store(Y_Ptr + Offs, tl.where(Mask, gamma*xhat + beta, 0.0).to(Y_Ptr.dtype.element_ty), mask=Mask)
-
         tl.store(mean_Ptr + Grp, mean)
         tl.store(var_Ptr + Grp, var)
         tl.store(rstd_Ptr + Grp, rstd)
@@ -124,18 +114,7 @@ eps,
 
 @triton.jit
 def backward_train_kernel(
-    Dy_Ptr, 
-X_Ptr, 
-Dx_Ptr, 
-gamma_Ptr, 
-beta_Ptr, 
-mean_Ptr, 
-var_Ptr, 
-rstd_Ptr, 
-eps, 
-gamma_Part, 
-beta_Part,
-
+    Dy_Ptr, X_Ptr, Dx_Ptr, gamma_Ptr, beta_Ptr, mean_Ptr, var_Ptr, rstd_Ptr, eps, gamma_Part, beta_Part,
     NGroups, G, Cg, sO, sC, A, B, sA, sB, Cp,
     BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, ONE_PASS: tl.constexpr, PCHAN: tl.constexpr,
 ):
@@ -174,7 +153,6 @@ beta_Part,
                 beta_Acc += tl.sum(tl.where(Mask, dy, 0.0), axis=0)
             else:
                 _tt.add_partial(beta_Part, Row, dy, Mask, Chan0, Ia, Ib, A, B, PCHAN)
-
         else:  # swept in tiles
             Sum_g_Acc = tl.zeros([BLOCK_A, BLOCK_B], tl.float32)
             Sum_g_xhat_Acc = tl.zeros([BLOCK_A, BLOCK_B], tl.float32)
@@ -203,7 +181,6 @@ beta_Part,
                     tl.store(Dx_Ptr + Offs, tl.where(Mask, rstd*(g - Mean_g - Mean_g_xhat*xhat), 0.0).to(Dx_Ptr.dtype.element_ty), mask=Mask)
                     _tt.add_partial(gamma_Part, Row, dy*xhat, Mask, Chan0, Ia, Ib, A, B, PCHAN)
                     _tt.add_partial(beta_Part, Row, dy, Mask, Chan0, Ia, Ib, A, B, PCHAN)
-
     if ONE_PASS:
         if PCHAN == 2:
             Cols = tl.arange(0, BLOCK_B)

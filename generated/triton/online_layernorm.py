@@ -62,20 +62,7 @@ META = {'name': 'online_layernorm',
 
 @triton.jit
 def forward_train_kernel(
-    X_Ptr, 
-Y_Ptr, 
-gamma_Ptr, 
-beta_Ptr, 
-prev_mean_Ptr, prev_mean_Stride, 
-prev_std_Ptr, prev_std_Stride, 
-row_mean_Ptr, 
-mean_Ptr, 
-Aux1_Ptr, 
-sample_std_Ptr, 
-std_Ptr, 
-alpha, 
-eps,
-
+    X_Ptr, Y_Ptr, gamma_Ptr, beta_Ptr, prev_mean_Ptr, prev_mean_Stride, prev_std_Ptr, prev_std_Stride, row_mean_Ptr, mean_Ptr, Aux1_Ptr, sample_std_Ptr, std_Ptr, alpha, eps,
     NGroups, G, Cg, sO, sC, A, B, sA, sB,
     BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, ONE_PASS: tl.constexpr, PCHAN: tl.constexpr,
     UPDATE: tl.constexpr,
@@ -102,7 +89,6 @@ eps,
             std = alpha*sample_std + prev_std*(1 - alpha)  # std = alpha*sample_std + (1 - alpha)*prev_std
             xhat = (x - mean)/std
             tl.store(Y_Ptr + Offs, tl.where(Mask, gamma*xhat + beta, 0.0).to(Y_Ptr.dtype.element_ty), mask=Mask)
-
         else:  # swept in tiles
             Sum_row_mean_Acc = tl.zeros([BLOCK_A, BLOCK_B], tl.float32)
             for A0 in range(0, A, BLOCK_A):
@@ -131,7 +117,6 @@ eps,
                     beta = tl.load(beta_Ptr + Chan, mask=Mask, other=0.0).to(tl.float32)
                     xhat = (x - mean)/std
                     tl.store(Y_Ptr + Offs, tl.where(Mask, gamma*xhat + beta, 0.0).to(Y_Ptr.dtype.element_ty), mask=Mask)
-
         tl.store(row_mean_Ptr + Grp, row_mean)
         tl.store(mean_Ptr + Grp, mean)
         tl.store(Aux1_Ptr + Grp, Aux1)
@@ -141,25 +126,7 @@ eps,
 
 @triton.jit
 def backward_train_kernel(
-    Dy_Ptr, 
-X_Ptr, 
-Dx_Ptr, 
-gamma_Ptr, 
-beta_Ptr, 
-prev_mean_Ptr, prev_mean_Stride, 
-prev_std_Ptr, prev_std_Stride, 
-row_mean_Ptr, 
-mean_Ptr, 
-Aux1_Ptr, 
-sample_std_Ptr, 
-std_Ptr, 
-alpha, 
-eps, 
-gamma_Part, 
-beta_Part, 
-prev_mean_Din, 
-prev_std_Din,
-
+    Dy_Ptr, X_Ptr, Dx_Ptr, gamma_Ptr, beta_Ptr, prev_mean_Ptr, prev_mean_Stride, prev_std_Ptr, prev_std_Stride, row_mean_Ptr, mean_Ptr, Aux1_Ptr, sample_std_Ptr, std_Ptr, alpha, eps, gamma_Part, beta_Part, prev_mean_Din, prev_std_Din,
     NGroups, G, Cg, sO, sC, A, B, sA, sB, Cp,
     BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, ONE_PASS: tl.constexpr, PCHAN: tl.constexpr,
 ):
@@ -204,7 +171,6 @@ prev_std_Din,
                 beta_Acc += tl.sum(tl.where(Mask, dy, 0.0), axis=0)
             else:
                 _tt.add_partial(beta_Part, Row, dy, Mask, Chan0, Ia, Ib, A, B, PCHAN)
-
         else:  # swept in tiles
             Sum_g_Acc = tl.zeros([BLOCK_A, BLOCK_B], tl.float32)
             Sum_g_xhat_Acc = tl.zeros([BLOCK_A, BLOCK_B], tl.float32)
@@ -235,7 +201,6 @@ prev_std_Din,
                     tl.store(Dx_Ptr + Offs, tl.where(Mask, g/std + Mean_g_xhat*N*alpha*(alpha*(row_mean - mean)/std - xhat)/(sample_std*(N - 1)) - Mean_g*alpha/std, 0.0).to(Dx_Ptr.dtype.element_ty), mask=Mask)
                     _tt.add_partial(gamma_Part, Row, dy*xhat, Mask, Chan0, Ia, Ib, A, B, PCHAN)
                     _tt.add_partial(beta_Part, Row, dy, Mask, Chan0, Ia, Ib, A, B, PCHAN)
-
         tl.store(prev_mean_Din + Grp, prev_mean_Grad)
         tl.store(prev_std_Din + Grp, prev_std_Grad)
     if ONE_PASS:

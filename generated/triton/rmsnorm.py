@@ -55,13 +55,7 @@ META = {'name': 'rmsnorm',
 
 @triton.jit
 def forward_train_kernel(
-    X_Ptr, 
-Y_Ptr, 
-gamma_Ptr, 
-ms_Ptr, 
-rstd_Ptr, 
-eps,
-
+    X_Ptr, Y_Ptr, gamma_Ptr, ms_Ptr, rstd_Ptr, eps,
     NGroups, G, Cg, sO, sC, A, B, sA, sB,
     BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, ONE_PASS: tl.constexpr, PCHAN: tl.constexpr,
     UPDATE: tl.constexpr,
@@ -81,7 +75,6 @@ eps,
             rstd = (1.0/_tt.sqrt(ms + eps))  # rstd = 1/sqrt(ms + eps)
             xhat = rstd*x
             tl.store(Y_Ptr + Offs, tl.where(Mask, gamma*xhat, 0.0).to(Y_Ptr.dtype.element_ty), mask=Mask)
-
         else:  # swept in tiles
             Sum_ms_Acc = tl.zeros([BLOCK_A, BLOCK_B], tl.float32)
             for A0 in range(0, A, BLOCK_A):
@@ -99,22 +92,13 @@ eps,
                     gamma = tl.load(gamma_Ptr + Chan, mask=Mask, other=0.0).to(tl.float32)
                     xhat = rstd*x
                     tl.store(Y_Ptr + Offs, tl.where(Mask, gamma*xhat, 0.0).to(Y_Ptr.dtype.element_ty), mask=Mask)
-
         tl.store(ms_Ptr + Grp, ms)
         tl.store(rstd_Ptr + Grp, rstd)
 
 
 @triton.jit
 def backward_train_kernel(
-    Dy_Ptr, 
-X_Ptr, 
-Dx_Ptr, 
-gamma_Ptr, 
-ms_Ptr, 
-rstd_Ptr, 
-eps, 
-gamma_Part,
-
+    Dy_Ptr, X_Ptr, Dx_Ptr, gamma_Ptr, ms_Ptr, rstd_Ptr, eps, gamma_Part,
     NGroups, G, Cg, sO, sC, A, B, sA, sB, Cp,
     BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, ONE_PASS: tl.constexpr, PCHAN: tl.constexpr,
 ):
@@ -145,7 +129,6 @@ gamma_Part,
                 gamma_Acc += tl.sum(tl.where(Mask, dy*xhat, 0.0), axis=0)
             else:
                 _tt.add_partial(gamma_Part, Row, dy*xhat, Mask, Chan0, Ia, Ib, A, B, PCHAN)
-
         else:  # swept in tiles
             Sum_g_xhat_Acc = tl.zeros([BLOCK_A, BLOCK_B], tl.float32)
             for A0 in range(0, A, BLOCK_A):
@@ -169,7 +152,6 @@ gamma_Part,
                     g = dy*gamma
                     tl.store(Dx_Ptr + Offs, tl.where(Mask, rstd*(g - Mean_g_xhat*xhat), 0.0).to(Dx_Ptr.dtype.element_ty), mask=Mask)
                     _tt.add_partial(gamma_Part, Row, dy*xhat, Mask, Chan0, Ia, Ib, A, B, PCHAN)
-
     if ONE_PASS:
         if PCHAN == 2:
             Cols = tl.arange(0, BLOCK_B)
