@@ -109,13 +109,19 @@ class TritonPlanner:
         """Per-group loads: scalar parameters, inputs, buffers the statistics read, statistics."""
         out = [(p, f"tl.load({derived(p, 'Ptr')}).to(tl.float32)") for p in self.params if p in self.scalar]
         out += [
-            (i.name, f"tl.load({derived(i.name, 'Ptr')} + Grp * {derived(i.name, 'Stride')}).to(tl.float32)")
+            (
+                i.name,
+                f"tl.load({derived(i.name, 'Ptr')} + Grp * {derived(i.name, 'Stride')}, mask=GOk, other=1.0).to(tl.float32)",
+            )
             for i in self.spec.inputs
         ]
         if self.reads:
-            out += [(b.name, f"tl.load({derived(b.name, 'Ptr')} + Grp).to(tl.float32)") for b in self.spec.buffers]
+            out += [
+                (b.name, f"tl.load({derived(b.name, 'Ptr')} + Grp, mask=GOk, other=1.0).to(tl.float32)")
+                for b in self.spec.buffers
+            ]
         if with_stats:
-            out += [(s, f"tl.load({derived(s, 'Ptr')} + Grp)") for s in self.ir.stats]
+            out += [(s, f"tl.load({derived(s, 'Ptr')} + Grp, mask=GOk, other=1.0)") for s in self.ir.stats]
         return out
 
     def forward(self) -> tuple[list, TSweep, tuple]:
@@ -190,7 +196,9 @@ class TritonPlanner:
             forward_final=final,
             stats=tuple(ir.stats),
             buffer_loads=tuple(
-                (b, f"tl.load({derived(b, 'Ptr')} + Grp).to(tl.float32)") for b in bnames if ir.mode == "train"
+                (b, f"tl.load({derived(b, 'Ptr')} + Grp, mask=GOk, other=1.0).to(tl.float32)")
+                for b in bnames
+                if ir.mode == "train"
             ),
             updates=tuple((b, self.text(e)) for b, e in ir.buffer_updates),
             backward_loads=tuple(self.group_loads(True)),

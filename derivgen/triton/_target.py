@@ -5,8 +5,10 @@ The printed expressions name their functions ``_tt.sqrt``, ``_tt.exp``, ``_tt.ma
 function of ``triton.language`` primitives only, so it runs compiled on a GPU and under
 Triton's interpreter (``TRITON_INTERPRET=1``) alike (the interpreter has no ``libdevice``).
 Beside them, the index arithmetic every kernel shares: a normalization group as a matrix
-of A rows and B columns (:func:`group_base`, :func:`tile`), and the per-program partial sums
-of the parameter gradients (:func:`add_partial`) that :func:`sum_rows_kernel` reduces.
+of A rows and B columns, ROWS groups at a time (:func:`group_base`, :func:`tile`, the
+group reductions :func:`gsum`, :func:`gmax`, :func:`gmin`), and the per-program partial sums
+of the parameter gradients (:func:`add_partial`, :func:`col_sums`) that
+:func:`sum_rows_kernel` reduces.
 """
 
 import triton
@@ -139,7 +141,7 @@ def pow(b, e):
 
 @triton.jit
 def group_base(Grp, G, Cg, sO, sC):
-    """The first element's offset (int64) and first channel of group ``Grp``: sample
+    """The first element's offset (int64) and first channel of the groups ``Grp``: sample
     ``Grp // G`` (0 for batch statistics, where there are G groups), group ``Grp % G``."""
     O_i = Grp // G
     G_i = Grp % G
@@ -148,14 +150,14 @@ def group_base(Grp, G, Cg, sO, sC):
 
 
 @triton.jit
-def tile(Base, Chan0, A0, B0, A, B, sA, sB, BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, PCHAN: tl.constexpr):
-    """A [BLOCK_A, BLOCK_B] tile of a group's matrix from row A0 and column B0: the
-    elements' offsets, the mask of those inside the group, the parameters' channel of
-    each (PCHAN 0: the group's; 1: along the rows; 2: along the columns), the row and
-    column indices."""
-    Ia = A0 + tl.arange(0, BLOCK_A)[:, None]
-    Ib = B0 + tl.arange(0, BLOCK_B)[None, :]
-    Mask = (Ia < A) & (Ib < B)
+def tile(Base, Chan0, GOk, A0, B0, A, B, sA, sB, BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, PCHAN: tl.constexpr):
+    """A [ROWS, BLOCK_A, BLOCK_B] tile: from row A0 and column B0 of the matrix of each of
+    ROWS groups (``Base``, ``Chan0``, ``GOk``: [ROWS, 1, 1]), the elements' offsets, the mask
+    of those inside a group that exists, the parameters' channel of each (PCHAN 0: the
+    group's; 1: along the rows; 2: along the columns), the row and column indices."""
+    Ia = A0 + tl.arange(0, BLOCK_A)[None, :, None]
+    Ib = B0 + tl.arange(0, BLOCK_B)[None, None, :]
+    Mask = GOk & (Ia < A) & (Ib < B)
     Offs = Base + tl.cast(Ia, tl.int64) * sA + tl.cast(Ib, tl.int64) * sB
     if PCHAN == 1:
         Chan = Chan0 + Ia + Ib * 0
@@ -167,23 +169,50 @@ def tile(Base, Chan0, A0, B0, A, B, sA, sB, BLOCK_A: tl.constexpr, BLOCK_B: tl.c
 
 
 @triton.jit
+def gsum(V):
+    """The sums over each group of a [ROWS, BLOCK_A, BLOCK_B] tile: [ROWS, 1, 1]."""
+    return tl.sum(tl.sum(V, axis=2, keep_dims=True), axis=1, keep_dims=True)
+
+
+@triton.jit
+def gmax(V):
+    """The maxima over each group of a tile: [ROWS, 1, 1]."""
+    return tl.max(tl.max(V, axis=2, keep_dims=True), axis=1, keep_dims=True)
+
+
+@triton.jit
+def gmin(V):
+    """The minima over each group of a tile: [ROWS, 1, 1]."""
+    return tl.min(tl.min(V, axis=2, keep_dims=True), axis=1, keep_dims=True)
+
+
+@triton.jit
+def col_sums(V, Mask):
+    """A tile's values summed over its groups and rows, per column: [BLOCK_B]."""
+    return tl.sum(tl.sum(tl.where(Mask, V, 0.0), axis=1), axis=0)
+
+
+@triton.jit
 def add_partial(P, Row, V, Mask, Chan0, Ia, Ib, A, B, PCHAN: tl.constexpr):
     """Adds a tile's parameter-gradient contributions ``V`` into this program's row of
     partial sums (``P + Row``, one value per channel), by channel: the program owns the
-    row, so there is no race and the order is fixed."""
+    row, so there is no race and the order is fixed. Tiles of several groups come only
+    where the channel runs along the columns (PCHAN 2: rows of x, whose groups share
+    their channels)."""
     W = tl.where(Mask, V, 0.0)
+    C0 = tl.max(Chan0)
     if PCHAN == 1:
-        Part = tl.sum(W, axis=1)
-        Ch = Chan0 + tl.max(Ia, axis=1)
-        Ok = tl.max(Ia, axis=1) < A
-        tl.store(P + Row + Ch, tl.load(P + Row + Ch, mask=Ok, other=0.0) + Part, mask=Ok)
+        Part = tl.sum(tl.sum(W, axis=2), axis=0)
+        I = tl.max(tl.max(Ia, axis=2), axis=0)
+        Ok = I < A
+        tl.store(P + Row + C0 + I, tl.load(P + Row + C0 + I, mask=Ok, other=0.0) + Part, mask=Ok)
     elif PCHAN == 2:
-        Part = tl.sum(W, axis=0)
-        Ch = Chan0 + tl.max(Ib, axis=0)
-        Ok = tl.max(Ib, axis=0) < B
-        tl.store(P + Row + Ch, tl.load(P + Row + Ch, mask=Ok, other=0.0) + Part, mask=Ok)
+        Part = tl.sum(tl.sum(W, axis=1), axis=0)
+        I = tl.max(tl.max(Ib, axis=1), axis=0)
+        Ok = I < B
+        tl.store(P + Row + C0 + I, tl.load(P + Row + C0 + I, mask=Ok, other=0.0) + Part, mask=Ok)
     else:
-        tl.store(P + Row + Chan0, tl.load(P + Row + Chan0) + tl.sum(W))
+        tl.store(P + Row + C0, tl.load(P + Row + C0) + tl.sum(W))
 
 
 @triton.jit

@@ -176,28 +176,32 @@ def _pow2(n: int) -> int:
     return 1 << max(0, math.ceil(math.log2(max(n, 1))))
 
 
-def blocks(A: int, B: int) -> dict:
-    """Tile sizes: BLOCK_B columns (a power of two up to the tile limit), BLOCK_A rows with
-    them; ONE_PASS when the whole group fits in one tile."""
+def blocks(geo: dict) -> dict:
+    """Tile sizes for a layout's geometry: BLOCK_B columns (a power of two up to the tile
+    limit), BLOCK_A rows with them; ONE_PASS when a whole group fits in one tile, and then
+    ROWS groups per tile where groups share their channels (rows of x: PCHAN 2)."""
     limit = _tile[0]
+    A, B = geo["A"], geo["B"]
     bb = min(_pow2(B), limit)
     ba = min(_pow2(A), max(1, limit // bb))
-    return {"BLOCK_A": ba, "BLOCK_B": bb, "ONE_PASS": A <= ba and B <= bb}
+    one = A <= ba and B <= bb
+    rows = min(_pow2(geo["NGroups"]), max(1, limit // (ba * bb))) if one and geo["PCHAN"] == 2 else 1
+    return {"ROWS": rows, "BLOCK_A": ba, "BLOCK_B": bb, "ONE_PASS": one}
 
 
-def programs(n_groups: int, device: torch.device) -> int:
-    """How many programs (each sweeps groups Pid, Pid + programs, ...): a few per
-    multiprocessor on a GPU; four under the interpreter, which runs them one by one."""
+def programs(n_groups: int, device: torch.device, rows: int = 1) -> int:
+    """How many programs (each sweeps blocks of ``rows`` groups Pid, Pid + programs, ...): a
+    few per multiprocessor on a GPU; four under the interpreter, which runs them one by one."""
     if device.type == "cuda":
         cap = torch.cuda.get_device_properties(device).multi_processor_count * 4
     else:
         cap = 4
-    return max(1, min(n_groups, cap))
+    return max(1, min(-(-n_groups // rows), cap))
 
 
 def _warps(geo: dict, blk: dict) -> dict:
     """Launch options: more warps for larger tiles (the interpreter ignores them)."""
-    n = blk["BLOCK_A"] * blk["BLOCK_B"]
+    n = blk["ROWS"] * blk["BLOCK_A"] * blk["BLOCK_B"]
     return {"num_warps": 8 if n >= 2048 else 4 if n >= 512 else 2}
 
 
@@ -265,12 +269,12 @@ def run_forward(layer: Layer, mode: str, a: dict, L: rt.Layout, update: bool) ->
         values["buffer", b] = copies[b]
     up = bool(update and meta["buffers"] and all(v is not None for v in given.values()))
     geo = geometry(meta, L, x)
-    blk = blocks(geo["A"], geo["B"])
+    blk = blocks(geo)
     kernel = layer.kernels[mode][0]
     _check_runnable(kernel, x)
     args = _kernel_args(layer.args[mode]["forward"], values)
     pchan = geo.pop("PCHAN")
-    grid = (programs(L.n_groups, x.device),)
+    grid = (programs(L.n_groups, x.device, blk["ROWS"]),)
     kernel[grid](*args, *geo.values(), **blk, PCHAN=pchan, UPDATE=up, **_warps(geo, blk))
     for b, c in copies.items():
         if up and c.data_ptr() != given[b].data_ptr():
@@ -288,7 +292,10 @@ def run_backward(layer: Layer, mode: str, a: dict, L: rt.Layout) -> tuple[torch.
     if dy.stride() != x.stride():
         dy = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device).copy_(dy)
     dx = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device)
-    nprog = programs(L.n_groups, x.device)
+    geo = geometry(meta, L, x)
+    blk = blocks(geo)
+    pchan = geo.pop("PCHAN")
+    nprog = programs(L.n_groups, x.device, blk["ROWS"])
     scalar = set(meta["scalar_params"])
     channels = L.G * L.Cg
     parts = {
@@ -302,9 +309,6 @@ def run_backward(layer: Layer, mode: str, a: dict, L: rt.Layout) -> tuple[torch.
         values.update({("stat", s): a[s].reshape(-1).to(torch.float32).contiguous() for s in meta["stats"][mode]})
         values.update({("dparam", p): parts[p] for p in meta["params"]})
         values.update({("dinput", i): dins[i] for i in meta["inputs"]})
-        geo = geometry(meta, L, x)
-        blk = blocks(geo["A"], geo["B"])
-        pchan = geo.pop("PCHAN")
         args = _kernel_args(layer.args[mode]["backward"], values)
         _check_runnable(layer.kernels[mode][1], x)
         layer.kernels[mode][1][(nprog,)](*args, *geo.values(), channels, **blk, PCHAN=pchan, **_warps(geo, blk))

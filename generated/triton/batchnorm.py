@@ -44,7 +44,7 @@ which derivgen.triton._target.sum_rows_kernel reduces). A group is a matrix of A
 and B columns (derivgen.triton.calls.geometry: a row of x; a channel's values over the
 batch and space; a sample's channel or group of channels, channels first or last); each
 program sweeps its groups in tiles, or holds a group in registers when it fits
-(ONE_PASS). ``forward``, ``backward``, ``backward_backward`` and ``jvp`` take and return
+(ONE_PASS), ROWS groups at a time where they share their channels (rows of x). ``forward``, ``backward``, ``backward_backward`` and ``jvp`` take and return
 torch tensors with the NumPy and C modules' calling convention; the second order runs
 the PyTorch closed forms (derivgen.load(spec, backend="torch")).
 """
@@ -76,70 +76,72 @@ META = {'name': 'batchnorm',
 def forward_train_kernel(
     X_Ptr, Y_Ptr, gamma_Ptr, beta_Ptr, running_mean_Ptr, running_var_Ptr, mean_Ptr, var_Ptr, rstd_Ptr, eps, momentum,
     NGroups, G, Cg, sO, sC, A, B, sA, sB,
-    BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, ONE_PASS: tl.constexpr, PCHAN: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, ONE_PASS: tl.constexpr, PCHAN: tl.constexpr,
     UPDATE: tl.constexpr,
 ):
-    """train mode's forward: y, the statistics and the running buffers, groups Pid, Pid + Nprog, ..."""
+    """train mode's forward: y, the statistics and the running buffers, ROWS groups at a time from group ROWS*Pid, every ROWS*Nprog."""
     Pid = tl.program_id(0)
     Nprog = tl.num_programs(0)
     N = A * B * 1.0
-    for Grp in range(Pid, NGroups, Nprog):
+    for G0 in range(Pid * ROWS, NGroups, Nprog * ROWS):  # ROWS groups at a time
+        Grp = G0 + tl.arange(0, ROWS)[:, None, None]
+        GOk = Grp < NGroups
         Base, Chan0 = _tt.group_base(Grp, G, Cg, sO, sC)
         if ONE_PASS:  # the group in registers: loaded once
-            Offs, Mask, Chan, Ia, Ib = _tt.tile(Base, Chan0, 0, 0, A, B, sA, sB, BLOCK_A, BLOCK_B, PCHAN)
+            Offs, Mask, Chan, Ia, Ib = _tt.tile(Base, Chan0, GOk, 0, 0, A, B, sA, sB, BLOCK_A, BLOCK_B, PCHAN)
             x = tl.load(X_Ptr + Offs, mask=Mask, other=0.0).to(tl.float32)
             gamma = tl.load(gamma_Ptr + Chan, mask=Mask, other=0.0).to(tl.float32)
             beta = tl.load(beta_Ptr + Chan, mask=Mask, other=0.0).to(tl.float32)
-            Sum_mean = tl.sum(tl.where(Mask, x, 0.0))
+            Sum_mean = _tt.gsum(tl.where(Mask, x, 0.0))
             mean = Sum_mean/N  # mean = mean(x)
-            Sum_var = tl.sum(tl.where(Mask, ((x - mean)*(x - mean)), 0.0))
+            Sum_var = _tt.gsum(tl.where(Mask, ((x - mean)*(x - mean)), 0.0))
             var = Sum_var/N  # var = mean((x - mean)**2)
             rstd = (1.0/_tt.sqrt(var + eps))  # rstd = 1/sqrt(var + eps)
             xhat = rstd*(x - mean)
             tl.store(Y_Ptr + Offs, tl.where(Mask, gamma*xhat + beta, 0.0).to(Y_Ptr.dtype.element_ty), mask=Mask)
         else:  # swept in tiles
-            Sum_mean_Acc = tl.zeros([BLOCK_A, BLOCK_B], tl.float32)
+            Sum_mean_Acc = tl.zeros([ROWS, BLOCK_A, BLOCK_B], tl.float32)
             for A0 in range(0, A, BLOCK_A):
                 for B0 in range(0, B, BLOCK_B):
-                    Offs, Mask, Chan, Ia, Ib = _tt.tile(Base, Chan0, A0, B0, A, B, sA, sB, BLOCK_A, BLOCK_B, PCHAN)
+                    Offs, Mask, Chan, Ia, Ib = _tt.tile(Base, Chan0, GOk, A0, B0, A, B, sA, sB, BLOCK_A, BLOCK_B, PCHAN)
                     x = tl.load(X_Ptr + Offs, mask=Mask, other=0.0).to(tl.float32)
                     Sum_mean_Acc += tl.where(Mask, x, 0.0)
-            Sum_mean = tl.sum(Sum_mean_Acc)
+            Sum_mean = _tt.gsum(Sum_mean_Acc)
             mean = Sum_mean/N  # mean = mean(x)
-            Sum_var_Acc = tl.zeros([BLOCK_A, BLOCK_B], tl.float32)
+            Sum_var_Acc = tl.zeros([ROWS, BLOCK_A, BLOCK_B], tl.float32)
             for A0 in range(0, A, BLOCK_A):
                 for B0 in range(0, B, BLOCK_B):
-                    Offs, Mask, Chan, Ia, Ib = _tt.tile(Base, Chan0, A0, B0, A, B, sA, sB, BLOCK_A, BLOCK_B, PCHAN)
+                    Offs, Mask, Chan, Ia, Ib = _tt.tile(Base, Chan0, GOk, A0, B0, A, B, sA, sB, BLOCK_A, BLOCK_B, PCHAN)
                     x = tl.load(X_Ptr + Offs, mask=Mask, other=0.0).to(tl.float32)
                     Sum_var_Acc += tl.where(Mask, ((x - mean)*(x - mean)), 0.0)
-            Sum_var = tl.sum(Sum_var_Acc)
+            Sum_var = _tt.gsum(Sum_var_Acc)
             var = Sum_var/N  # var = mean((x - mean)**2)
             rstd = (1.0/_tt.sqrt(var + eps))  # rstd = 1/sqrt(var + eps)
             for A0 in range(0, A, BLOCK_A):
                 for B0 in range(0, B, BLOCK_B):
-                    Offs, Mask, Chan, Ia, Ib = _tt.tile(Base, Chan0, A0, B0, A, B, sA, sB, BLOCK_A, BLOCK_B, PCHAN)
+                    Offs, Mask, Chan, Ia, Ib = _tt.tile(Base, Chan0, GOk, A0, B0, A, B, sA, sB, BLOCK_A, BLOCK_B, PCHAN)
                     x = tl.load(X_Ptr + Offs, mask=Mask, other=0.0).to(tl.float32)
                     gamma = tl.load(gamma_Ptr + Chan, mask=Mask, other=0.0).to(tl.float32)
                     beta = tl.load(beta_Ptr + Chan, mask=Mask, other=0.0).to(tl.float32)
                     xhat = rstd*(x - mean)
                     tl.store(Y_Ptr + Offs, tl.where(Mask, gamma*xhat + beta, 0.0).to(Y_Ptr.dtype.element_ty), mask=Mask)
-        tl.store(mean_Ptr + Grp, mean)
-        tl.store(var_Ptr + Grp, var)
-        tl.store(rstd_Ptr + Grp, rstd)
+        tl.store(mean_Ptr + Grp, mean + tl.zeros([ROWS, 1, 1], tl.float32), mask=GOk)
+        tl.store(var_Ptr + Grp, var + tl.zeros([ROWS, 1, 1], tl.float32), mask=GOk)
+        tl.store(rstd_Ptr + Grp, rstd + tl.zeros([ROWS, 1, 1], tl.float32), mask=GOk)
         if UPDATE:  # the running buffers, in place
-            running_mean = tl.load(running_mean_Ptr + Grp).to(tl.float32)
-            running_var = tl.load(running_var_Ptr + Grp).to(tl.float32)
+            running_mean = tl.load(running_mean_Ptr + Grp, mask=GOk, other=1.0).to(tl.float32)
+            running_var = tl.load(running_var_Ptr + Grp, mask=GOk, other=1.0).to(tl.float32)
             running_mean_New = mean*momentum + running_mean*(1 - momentum)
             running_var_New = running_var*(1 - momentum) + N*momentum*var/(N - 1)
-            tl.store(running_mean_Ptr + Grp, running_mean_New.to(running_mean_Ptr.dtype.element_ty))
-            tl.store(running_var_Ptr + Grp, running_var_New.to(running_var_Ptr.dtype.element_ty))
+            tl.store(running_mean_Ptr + Grp, running_mean_New.to(running_mean_Ptr.dtype.element_ty), mask=GOk)
+            tl.store(running_var_Ptr + Grp, running_var_New.to(running_var_Ptr.dtype.element_ty), mask=GOk)
 
 
 @triton.jit
 def backward_train_kernel(
     Dy_Ptr, X_Ptr, Dx_Ptr, gamma_Ptr, beta_Ptr, mean_Ptr, var_Ptr, rstd_Ptr, eps, momentum, gamma_Part, beta_Part,
     NGroups, G, Cg, sO, sC, A, B, sA, sB, Cp,
-    BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, ONE_PASS: tl.constexpr, PCHAN: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, ONE_PASS: tl.constexpr, PCHAN: tl.constexpr,
 ):
     """train mode's backward: dx, and this program's partial sums of the parameter gradients
     (row Pid of each ``<param>_Part``: one value per channel, or one for a scalar parameter)."""
@@ -151,37 +153,39 @@ def backward_train_kernel(
         if PCHAN == 2:  # a row's channels are its columns: the sums stay in registers
             gamma_Acc = tl.zeros([BLOCK_B], tl.float32)
             beta_Acc = tl.zeros([BLOCK_B], tl.float32)
-    for Grp in range(Pid, NGroups, Nprog):
+    for G0 in range(Pid * ROWS, NGroups, Nprog * ROWS):  # ROWS groups at a time
+        Grp = G0 + tl.arange(0, ROWS)[:, None, None]
+        GOk = Grp < NGroups
         Base, Chan0 = _tt.group_base(Grp, G, Cg, sO, sC)
-        mean = tl.load(mean_Ptr + Grp)
-        var = tl.load(var_Ptr + Grp)
-        rstd = tl.load(rstd_Ptr + Grp)
+        mean = tl.load(mean_Ptr + Grp, mask=GOk, other=1.0)
+        var = tl.load(var_Ptr + Grp, mask=GOk, other=1.0)
+        rstd = tl.load(rstd_Ptr + Grp, mask=GOk, other=1.0)
         if ONE_PASS:  # the group in registers: loaded once
-            Offs, Mask, Chan, Ia, Ib = _tt.tile(Base, Chan0, 0, 0, A, B, sA, sB, BLOCK_A, BLOCK_B, PCHAN)
+            Offs, Mask, Chan, Ia, Ib = _tt.tile(Base, Chan0, GOk, 0, 0, A, B, sA, sB, BLOCK_A, BLOCK_B, PCHAN)
             x = tl.load(X_Ptr + Offs, mask=Mask, other=0.0).to(tl.float32)
             dy = tl.load(Dy_Ptr + Offs, mask=Mask, other=0.0).to(tl.float32)
             gamma = tl.load(gamma_Ptr + Chan, mask=Mask, other=0.0).to(tl.float32)
             xhat = rstd*(x - mean)
             g = dy*gamma
-            Sum_g = tl.sum(tl.where(Mask, g, 0.0))
-            Sum_g_xhat = tl.sum(tl.where(Mask, g*xhat, 0.0))
+            Sum_g = _tt.gsum(tl.where(Mask, g, 0.0))
+            Sum_g_xhat = _tt.gsum(tl.where(Mask, g*xhat, 0.0))
             Mean_g = Sum_g/N  # Mean_g = mean(g)
             Mean_g_xhat = Sum_g_xhat/N  # Mean_g_xhat = mean(g*xhat)
             tl.store(Dx_Ptr + Offs, tl.where(Mask, rstd*(g - Mean_g - Mean_g_xhat*xhat), 0.0).to(Dx_Ptr.dtype.element_ty), mask=Mask)
             if PCHAN == 2:
-                gamma_Acc += tl.sum(tl.where(Mask, dy*xhat, 0.0), axis=0)
+                gamma_Acc += _tt.col_sums(dy*xhat, Mask)
             else:
                 _tt.add_partial(gamma_Part, Row, dy*xhat, Mask, Chan0, Ia, Ib, A, B, PCHAN)
             if PCHAN == 2:
-                beta_Acc += tl.sum(tl.where(Mask, dy, 0.0), axis=0)
+                beta_Acc += _tt.col_sums(dy, Mask)
             else:
                 _tt.add_partial(beta_Part, Row, dy, Mask, Chan0, Ia, Ib, A, B, PCHAN)
         else:  # swept in tiles
-            Sum_g_Acc = tl.zeros([BLOCK_A, BLOCK_B], tl.float32)
-            Sum_g_xhat_Acc = tl.zeros([BLOCK_A, BLOCK_B], tl.float32)
+            Sum_g_Acc = tl.zeros([ROWS, BLOCK_A, BLOCK_B], tl.float32)
+            Sum_g_xhat_Acc = tl.zeros([ROWS, BLOCK_A, BLOCK_B], tl.float32)
             for A0 in range(0, A, BLOCK_A):
                 for B0 in range(0, B, BLOCK_B):
-                    Offs, Mask, Chan, Ia, Ib = _tt.tile(Base, Chan0, A0, B0, A, B, sA, sB, BLOCK_A, BLOCK_B, PCHAN)
+                    Offs, Mask, Chan, Ia, Ib = _tt.tile(Base, Chan0, GOk, A0, B0, A, B, sA, sB, BLOCK_A, BLOCK_B, PCHAN)
                     x = tl.load(X_Ptr + Offs, mask=Mask, other=0.0).to(tl.float32)
                     dy = tl.load(Dy_Ptr + Offs, mask=Mask, other=0.0).to(tl.float32)
                     gamma = tl.load(gamma_Ptr + Chan, mask=Mask, other=0.0).to(tl.float32)
@@ -189,13 +193,13 @@ def backward_train_kernel(
                     g = dy*gamma
                     Sum_g_Acc += tl.where(Mask, g, 0.0)
                     Sum_g_xhat_Acc += tl.where(Mask, g*xhat, 0.0)
-            Sum_g = tl.sum(Sum_g_Acc)
-            Sum_g_xhat = tl.sum(Sum_g_xhat_Acc)
+            Sum_g = _tt.gsum(Sum_g_Acc)
+            Sum_g_xhat = _tt.gsum(Sum_g_xhat_Acc)
             Mean_g = Sum_g/N  # Mean_g = mean(g)
             Mean_g_xhat = Sum_g_xhat/N  # Mean_g_xhat = mean(g*xhat)
             for A0 in range(0, A, BLOCK_A):
                 for B0 in range(0, B, BLOCK_B):
-                    Offs, Mask, Chan, Ia, Ib = _tt.tile(Base, Chan0, A0, B0, A, B, sA, sB, BLOCK_A, BLOCK_B, PCHAN)
+                    Offs, Mask, Chan, Ia, Ib = _tt.tile(Base, Chan0, GOk, A0, B0, A, B, sA, sB, BLOCK_A, BLOCK_B, PCHAN)
                     x = tl.load(X_Ptr + Offs, mask=Mask, other=0.0).to(tl.float32)
                     dy = tl.load(Dy_Ptr + Offs, mask=Mask, other=0.0).to(tl.float32)
                     gamma = tl.load(gamma_Ptr + Chan, mask=Mask, other=0.0).to(tl.float32)
@@ -215,19 +219,21 @@ def backward_train_kernel(
 def forward_eval_kernel(
     X_Ptr, Y_Ptr, gamma_Ptr, beta_Ptr, running_mean_Ptr, running_var_Ptr, mean_Ptr, var_Ptr, rstd_Ptr, eps, momentum,
     NGroups, G, Cg, sO, sC, A, B, sA, sB,
-    BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, ONE_PASS: tl.constexpr, PCHAN: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, ONE_PASS: tl.constexpr, PCHAN: tl.constexpr,
     UPDATE: tl.constexpr,
 ):
-    """eval mode's forward: y, the statistics, groups Pid, Pid + Nprog, ..."""
+    """eval mode's forward: y, the statistics, ROWS groups at a time from group ROWS*Pid, every ROWS*Nprog."""
     Pid = tl.program_id(0)
     Nprog = tl.num_programs(0)
     N = A * B * 1.0
-    for Grp in range(Pid, NGroups, Nprog):
+    for G0 in range(Pid * ROWS, NGroups, Nprog * ROWS):  # ROWS groups at a time
+        Grp = G0 + tl.arange(0, ROWS)[:, None, None]
+        GOk = Grp < NGroups
         Base, Chan0 = _tt.group_base(Grp, G, Cg, sO, sC)
-        running_mean = tl.load(running_mean_Ptr + Grp).to(tl.float32)
-        running_var = tl.load(running_var_Ptr + Grp).to(tl.float32)
+        running_mean = tl.load(running_mean_Ptr + Grp, mask=GOk, other=1.0).to(tl.float32)
+        running_var = tl.load(running_var_Ptr + Grp, mask=GOk, other=1.0).to(tl.float32)
         if ONE_PASS:  # the group in registers: loaded once
-            Offs, Mask, Chan, Ia, Ib = _tt.tile(Base, Chan0, 0, 0, A, B, sA, sB, BLOCK_A, BLOCK_B, PCHAN)
+            Offs, Mask, Chan, Ia, Ib = _tt.tile(Base, Chan0, GOk, 0, 0, A, B, sA, sB, BLOCK_A, BLOCK_B, PCHAN)
             x = tl.load(X_Ptr + Offs, mask=Mask, other=0.0).to(tl.float32)
             gamma = tl.load(gamma_Ptr + Chan, mask=Mask, other=0.0).to(tl.float32)
             beta = tl.load(beta_Ptr + Chan, mask=Mask, other=0.0).to(tl.float32)
@@ -242,22 +248,22 @@ def forward_eval_kernel(
             rstd = (1.0/_tt.sqrt(var + eps))  # rstd = 1/sqrt(var + eps)
             for A0 in range(0, A, BLOCK_A):
                 for B0 in range(0, B, BLOCK_B):
-                    Offs, Mask, Chan, Ia, Ib = _tt.tile(Base, Chan0, A0, B0, A, B, sA, sB, BLOCK_A, BLOCK_B, PCHAN)
+                    Offs, Mask, Chan, Ia, Ib = _tt.tile(Base, Chan0, GOk, A0, B0, A, B, sA, sB, BLOCK_A, BLOCK_B, PCHAN)
                     x = tl.load(X_Ptr + Offs, mask=Mask, other=0.0).to(tl.float32)
                     gamma = tl.load(gamma_Ptr + Chan, mask=Mask, other=0.0).to(tl.float32)
                     beta = tl.load(beta_Ptr + Chan, mask=Mask, other=0.0).to(tl.float32)
                     xhat = rstd*(x - mean)
                     tl.store(Y_Ptr + Offs, tl.where(Mask, gamma*xhat + beta, 0.0).to(Y_Ptr.dtype.element_ty), mask=Mask)
-        tl.store(mean_Ptr + Grp, mean)
-        tl.store(var_Ptr + Grp, var)
-        tl.store(rstd_Ptr + Grp, rstd)
+        tl.store(mean_Ptr + Grp, mean + tl.zeros([ROWS, 1, 1], tl.float32), mask=GOk)
+        tl.store(var_Ptr + Grp, var + tl.zeros([ROWS, 1, 1], tl.float32), mask=GOk)
+        tl.store(rstd_Ptr + Grp, rstd + tl.zeros([ROWS, 1, 1], tl.float32), mask=GOk)
 
 
 @triton.jit
 def backward_eval_kernel(
     Dy_Ptr, X_Ptr, Dx_Ptr, gamma_Ptr, beta_Ptr, running_mean_Ptr, running_var_Ptr, mean_Ptr, var_Ptr, rstd_Ptr, eps, momentum, gamma_Part, beta_Part,
     NGroups, G, Cg, sO, sC, A, B, sA, sB, Cp,
-    BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, ONE_PASS: tl.constexpr, PCHAN: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, ONE_PASS: tl.constexpr, PCHAN: tl.constexpr,
 ):
     """eval mode's backward: dx, and this program's partial sums of the parameter gradients
     (row Pid of each ``<param>_Part``: one value per channel, or one for a scalar parameter)."""
@@ -269,15 +275,17 @@ def backward_eval_kernel(
         if PCHAN == 2:  # a row's channels are its columns: the sums stay in registers
             gamma_Acc = tl.zeros([BLOCK_B], tl.float32)
             beta_Acc = tl.zeros([BLOCK_B], tl.float32)
-    for Grp in range(Pid, NGroups, Nprog):
+    for G0 in range(Pid * ROWS, NGroups, Nprog * ROWS):  # ROWS groups at a time
+        Grp = G0 + tl.arange(0, ROWS)[:, None, None]
+        GOk = Grp < NGroups
         Base, Chan0 = _tt.group_base(Grp, G, Cg, sO, sC)
-        running_mean = tl.load(running_mean_Ptr + Grp).to(tl.float32)
-        running_var = tl.load(running_var_Ptr + Grp).to(tl.float32)
-        mean = tl.load(mean_Ptr + Grp)
-        var = tl.load(var_Ptr + Grp)
-        rstd = tl.load(rstd_Ptr + Grp)
+        running_mean = tl.load(running_mean_Ptr + Grp, mask=GOk, other=1.0).to(tl.float32)
+        running_var = tl.load(running_var_Ptr + Grp, mask=GOk, other=1.0).to(tl.float32)
+        mean = tl.load(mean_Ptr + Grp, mask=GOk, other=1.0)
+        var = tl.load(var_Ptr + Grp, mask=GOk, other=1.0)
+        rstd = tl.load(rstd_Ptr + Grp, mask=GOk, other=1.0)
         if ONE_PASS:  # the group in registers: loaded once
-            Offs, Mask, Chan, Ia, Ib = _tt.tile(Base, Chan0, 0, 0, A, B, sA, sB, BLOCK_A, BLOCK_B, PCHAN)
+            Offs, Mask, Chan, Ia, Ib = _tt.tile(Base, Chan0, GOk, 0, 0, A, B, sA, sB, BLOCK_A, BLOCK_B, PCHAN)
             x = tl.load(X_Ptr + Offs, mask=Mask, other=0.0).to(tl.float32)
             dy = tl.load(Dy_Ptr + Offs, mask=Mask, other=0.0).to(tl.float32)
             gamma = tl.load(gamma_Ptr + Chan, mask=Mask, other=0.0).to(tl.float32)
@@ -285,17 +293,17 @@ def backward_eval_kernel(
             g = dy*gamma
             tl.store(Dx_Ptr + Offs, tl.where(Mask, g*rstd, 0.0).to(Dx_Ptr.dtype.element_ty), mask=Mask)
             if PCHAN == 2:
-                gamma_Acc += tl.sum(tl.where(Mask, dy*xhat, 0.0), axis=0)
+                gamma_Acc += _tt.col_sums(dy*xhat, Mask)
             else:
                 _tt.add_partial(gamma_Part, Row, dy*xhat, Mask, Chan0, Ia, Ib, A, B, PCHAN)
             if PCHAN == 2:
-                beta_Acc += tl.sum(tl.where(Mask, dy, 0.0), axis=0)
+                beta_Acc += _tt.col_sums(dy, Mask)
             else:
                 _tt.add_partial(beta_Part, Row, dy, Mask, Chan0, Ia, Ib, A, B, PCHAN)
         else:  # swept in tiles
             for A0 in range(0, A, BLOCK_A):
                 for B0 in range(0, B, BLOCK_B):
-                    Offs, Mask, Chan, Ia, Ib = _tt.tile(Base, Chan0, A0, B0, A, B, sA, sB, BLOCK_A, BLOCK_B, PCHAN)
+                    Offs, Mask, Chan, Ia, Ib = _tt.tile(Base, Chan0, GOk, A0, B0, A, B, sA, sB, BLOCK_A, BLOCK_B, PCHAN)
                     x = tl.load(X_Ptr + Offs, mask=Mask, other=0.0).to(tl.float32)
                     dy = tl.load(Dy_Ptr + Offs, mask=Mask, other=0.0).to(tl.float32)
                     gamma = tl.load(gamma_Ptr + Chan, mask=Mask, other=0.0).to(tl.float32)

@@ -32,7 +32,7 @@ which derivgen.triton._target.sum_rows_kernel reduces). A group is a matrix of A
 and B columns (derivgen.triton.calls.geometry: a row of x; a channel's values over the
 batch and space; a sample's channel or group of channels, channels first or last); each
 program sweeps its groups in tiles, or holds a group in registers when it fits
-(ONE_PASS). ``forward``, ``backward``, ``backward_backward`` and ``jvp`` take and return
+(ONE_PASS), ROWS groups at a time where they share their channels (rows of x). ``forward``, ``backward``, ``backward_backward`` and ``jvp`` take and return
 torch tensors with the NumPy and C modules' calling convention; the second order runs
 the PyTorch closed forms (derivgen.load(spec, backend="torch")).
 """
@@ -64,71 +64,73 @@ META = {'name': 'online_layernorm',
 def forward_train_kernel(
     X_Ptr, Y_Ptr, gamma_Ptr, beta_Ptr, prev_mean_Ptr, prev_mean_Stride, prev_std_Ptr, prev_std_Stride, row_mean_Ptr, mean_Ptr, Aux1_Ptr, sample_std_Ptr, std_Ptr, alpha, eps,
     NGroups, G, Cg, sO, sC, A, B, sA, sB,
-    BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, ONE_PASS: tl.constexpr, PCHAN: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, ONE_PASS: tl.constexpr, PCHAN: tl.constexpr,
     UPDATE: tl.constexpr,
 ):
-    """train mode's forward: y, the statistics, groups Pid, Pid + Nprog, ..."""
+    """train mode's forward: y, the statistics, ROWS groups at a time from group ROWS*Pid, every ROWS*Nprog."""
     Pid = tl.program_id(0)
     Nprog = tl.num_programs(0)
     N = A * B * 1.0
-    for Grp in range(Pid, NGroups, Nprog):
+    for G0 in range(Pid * ROWS, NGroups, Nprog * ROWS):  # ROWS groups at a time
+        Grp = G0 + tl.arange(0, ROWS)[:, None, None]
+        GOk = Grp < NGroups
         Base, Chan0 = _tt.group_base(Grp, G, Cg, sO, sC)
-        prev_mean = tl.load(prev_mean_Ptr + Grp * prev_mean_Stride).to(tl.float32)
-        prev_std = tl.load(prev_std_Ptr + Grp * prev_std_Stride).to(tl.float32)
+        prev_mean = tl.load(prev_mean_Ptr + Grp * prev_mean_Stride, mask=GOk, other=1.0).to(tl.float32)
+        prev_std = tl.load(prev_std_Ptr + Grp * prev_std_Stride, mask=GOk, other=1.0).to(tl.float32)
         if ONE_PASS:  # the group in registers: loaded once
-            Offs, Mask, Chan, Ia, Ib = _tt.tile(Base, Chan0, 0, 0, A, B, sA, sB, BLOCK_A, BLOCK_B, PCHAN)
+            Offs, Mask, Chan, Ia, Ib = _tt.tile(Base, Chan0, GOk, 0, 0, A, B, sA, sB, BLOCK_A, BLOCK_B, PCHAN)
             x = tl.load(X_Ptr + Offs, mask=Mask, other=0.0).to(tl.float32)
             gamma = tl.load(gamma_Ptr + Chan, mask=Mask, other=0.0).to(tl.float32)
             beta = tl.load(beta_Ptr + Chan, mask=Mask, other=0.0).to(tl.float32)
-            Sum_row_mean = tl.sum(tl.where(Mask, x, 0.0))
+            Sum_row_mean = _tt.gsum(tl.where(Mask, x, 0.0))
             row_mean = Sum_row_mean/N  # row_mean = mean(x)
             mean = alpha*row_mean + prev_mean*(1 - alpha)  # mean = alpha*row_mean + (1 - alpha)*prev_mean
-            Sum_Aux1 = tl.sum(tl.where(Mask, ((x - mean)*(x - mean)), 0.0))
+            Sum_Aux1 = _tt.gsum(tl.where(Mask, ((x - mean)*(x - mean)), 0.0))
             Aux1 = Sum_Aux1/N  # Aux1 = a mean in sample_std
             sample_std = _tt.sqrt(eps + Aux1*N/(N - 1))  # sample_std = sqrt(sum((x - mean)**2)/(N - 1) + eps)
             std = alpha*sample_std + prev_std*(1 - alpha)  # std = alpha*sample_std + (1 - alpha)*prev_std
             xhat = (x - mean)/std
             tl.store(Y_Ptr + Offs, tl.where(Mask, gamma*xhat + beta, 0.0).to(Y_Ptr.dtype.element_ty), mask=Mask)
         else:  # swept in tiles
-            Sum_row_mean_Acc = tl.zeros([BLOCK_A, BLOCK_B], tl.float32)
+            Sum_row_mean_Acc = tl.zeros([ROWS, BLOCK_A, BLOCK_B], tl.float32)
             for A0 in range(0, A, BLOCK_A):
                 for B0 in range(0, B, BLOCK_B):
-                    Offs, Mask, Chan, Ia, Ib = _tt.tile(Base, Chan0, A0, B0, A, B, sA, sB, BLOCK_A, BLOCK_B, PCHAN)
+                    Offs, Mask, Chan, Ia, Ib = _tt.tile(Base, Chan0, GOk, A0, B0, A, B, sA, sB, BLOCK_A, BLOCK_B, PCHAN)
                     x = tl.load(X_Ptr + Offs, mask=Mask, other=0.0).to(tl.float32)
                     Sum_row_mean_Acc += tl.where(Mask, x, 0.0)
-            Sum_row_mean = tl.sum(Sum_row_mean_Acc)
+            Sum_row_mean = _tt.gsum(Sum_row_mean_Acc)
             row_mean = Sum_row_mean/N  # row_mean = mean(x)
             mean = alpha*row_mean + prev_mean*(1 - alpha)  # mean = alpha*row_mean + (1 - alpha)*prev_mean
-            Sum_Aux1_Acc = tl.zeros([BLOCK_A, BLOCK_B], tl.float32)
+            Sum_Aux1_Acc = tl.zeros([ROWS, BLOCK_A, BLOCK_B], tl.float32)
             for A0 in range(0, A, BLOCK_A):
                 for B0 in range(0, B, BLOCK_B):
-                    Offs, Mask, Chan, Ia, Ib = _tt.tile(Base, Chan0, A0, B0, A, B, sA, sB, BLOCK_A, BLOCK_B, PCHAN)
+                    Offs, Mask, Chan, Ia, Ib = _tt.tile(Base, Chan0, GOk, A0, B0, A, B, sA, sB, BLOCK_A, BLOCK_B, PCHAN)
                     x = tl.load(X_Ptr + Offs, mask=Mask, other=0.0).to(tl.float32)
                     Sum_Aux1_Acc += tl.where(Mask, ((x - mean)*(x - mean)), 0.0)
-            Sum_Aux1 = tl.sum(Sum_Aux1_Acc)
+            Sum_Aux1 = _tt.gsum(Sum_Aux1_Acc)
             Aux1 = Sum_Aux1/N  # Aux1 = a mean in sample_std
             sample_std = _tt.sqrt(eps + Aux1*N/(N - 1))  # sample_std = sqrt(sum((x - mean)**2)/(N - 1) + eps)
             std = alpha*sample_std + prev_std*(1 - alpha)  # std = alpha*sample_std + (1 - alpha)*prev_std
             for A0 in range(0, A, BLOCK_A):
                 for B0 in range(0, B, BLOCK_B):
-                    Offs, Mask, Chan, Ia, Ib = _tt.tile(Base, Chan0, A0, B0, A, B, sA, sB, BLOCK_A, BLOCK_B, PCHAN)
+                    Offs, Mask, Chan, Ia, Ib = _tt.tile(Base, Chan0, GOk, A0, B0, A, B, sA, sB, BLOCK_A, BLOCK_B, PCHAN)
                     x = tl.load(X_Ptr + Offs, mask=Mask, other=0.0).to(tl.float32)
                     gamma = tl.load(gamma_Ptr + Chan, mask=Mask, other=0.0).to(tl.float32)
                     beta = tl.load(beta_Ptr + Chan, mask=Mask, other=0.0).to(tl.float32)
                     xhat = (x - mean)/std
                     tl.store(Y_Ptr + Offs, tl.where(Mask, gamma*xhat + beta, 0.0).to(Y_Ptr.dtype.element_ty), mask=Mask)
-        tl.store(row_mean_Ptr + Grp, row_mean)
-        tl.store(mean_Ptr + Grp, mean)
-        tl.store(Aux1_Ptr + Grp, Aux1)
-        tl.store(sample_std_Ptr + Grp, sample_std)
-        tl.store(std_Ptr + Grp, std)
+        tl.store(row_mean_Ptr + Grp, row_mean + tl.zeros([ROWS, 1, 1], tl.float32), mask=GOk)
+        tl.store(mean_Ptr + Grp, mean + tl.zeros([ROWS, 1, 1], tl.float32), mask=GOk)
+        tl.store(Aux1_Ptr + Grp, Aux1 + tl.zeros([ROWS, 1, 1], tl.float32), mask=GOk)
+        tl.store(sample_std_Ptr + Grp, sample_std + tl.zeros([ROWS, 1, 1], tl.float32), mask=GOk)
+        tl.store(std_Ptr + Grp, std + tl.zeros([ROWS, 1, 1], tl.float32), mask=GOk)
 
 
 @triton.jit
 def backward_train_kernel(
     Dy_Ptr, X_Ptr, Dx_Ptr, gamma_Ptr, beta_Ptr, prev_mean_Ptr, prev_mean_Stride, prev_std_Ptr, prev_std_Stride, row_mean_Ptr, mean_Ptr, Aux1_Ptr, sample_std_Ptr, std_Ptr, alpha, eps, gamma_Part, beta_Part, prev_mean_Din, prev_std_Din,
     NGroups, G, Cg, sO, sC, A, B, sA, sB, Cp,
-    BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, ONE_PASS: tl.constexpr, PCHAN: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, ONE_PASS: tl.constexpr, PCHAN: tl.constexpr,
 ):
     """train mode's backward: dx, and this program's partial sums of the parameter gradients
     (row Pid of each ``<param>_Part``: one value per channel, or one for a scalar parameter)    and the inputs' gradients per group."""
@@ -140,43 +142,45 @@ def backward_train_kernel(
         if PCHAN == 2:  # a row's channels are its columns: the sums stay in registers
             gamma_Acc = tl.zeros([BLOCK_B], tl.float32)
             beta_Acc = tl.zeros([BLOCK_B], tl.float32)
-    for Grp in range(Pid, NGroups, Nprog):
+    for G0 in range(Pid * ROWS, NGroups, Nprog * ROWS):  # ROWS groups at a time
+        Grp = G0 + tl.arange(0, ROWS)[:, None, None]
+        GOk = Grp < NGroups
         Base, Chan0 = _tt.group_base(Grp, G, Cg, sO, sC)
-        prev_mean = tl.load(prev_mean_Ptr + Grp * prev_mean_Stride).to(tl.float32)
-        prev_std = tl.load(prev_std_Ptr + Grp * prev_std_Stride).to(tl.float32)
-        row_mean = tl.load(row_mean_Ptr + Grp)
-        mean = tl.load(mean_Ptr + Grp)
-        Aux1 = tl.load(Aux1_Ptr + Grp)
-        sample_std = tl.load(sample_std_Ptr + Grp)
-        std = tl.load(std_Ptr + Grp)
+        prev_mean = tl.load(prev_mean_Ptr + Grp * prev_mean_Stride, mask=GOk, other=1.0).to(tl.float32)
+        prev_std = tl.load(prev_std_Ptr + Grp * prev_std_Stride, mask=GOk, other=1.0).to(tl.float32)
+        row_mean = tl.load(row_mean_Ptr + Grp, mask=GOk, other=1.0)
+        mean = tl.load(mean_Ptr + Grp, mask=GOk, other=1.0)
+        Aux1 = tl.load(Aux1_Ptr + Grp, mask=GOk, other=1.0)
+        sample_std = tl.load(sample_std_Ptr + Grp, mask=GOk, other=1.0)
+        std = tl.load(std_Ptr + Grp, mask=GOk, other=1.0)
         if ONE_PASS:  # the group in registers: loaded once
-            Offs, Mask, Chan, Ia, Ib = _tt.tile(Base, Chan0, 0, 0, A, B, sA, sB, BLOCK_A, BLOCK_B, PCHAN)
+            Offs, Mask, Chan, Ia, Ib = _tt.tile(Base, Chan0, GOk, 0, 0, A, B, sA, sB, BLOCK_A, BLOCK_B, PCHAN)
             x = tl.load(X_Ptr + Offs, mask=Mask, other=0.0).to(tl.float32)
             dy = tl.load(Dy_Ptr + Offs, mask=Mask, other=0.0).to(tl.float32)
             gamma = tl.load(gamma_Ptr + Chan, mask=Mask, other=0.0).to(tl.float32)
             xhat = (x - mean)/std
             g = dy*gamma
-            Sum_g = tl.sum(tl.where(Mask, g, 0.0))
-            Sum_g_xhat = tl.sum(tl.where(Mask, g*xhat, 0.0))
+            Sum_g = _tt.gsum(tl.where(Mask, g, 0.0))
+            Sum_g_xhat = _tt.gsum(tl.where(Mask, g*xhat, 0.0))
             Mean_g = Sum_g/N  # Mean_g = mean(g)
             Mean_g_xhat = Sum_g_xhat/N  # Mean_g_xhat = mean(g*xhat)
             prev_mean_Grad = N*(Mean_g*(alpha - 1) + Mean_g_xhat*N*alpha*(1 - alpha)*(row_mean - mean)/(sample_std*(N - 1)))/std  # dL/dprev_mean for this group
             prev_std_Grad = Mean_g_xhat*N*(alpha - 1)/std  # dL/dprev_std for this group
             tl.store(Dx_Ptr + Offs, tl.where(Mask, g/std + Mean_g_xhat*N*alpha*(alpha*(row_mean - mean)/std - xhat)/(sample_std*(N - 1)) - Mean_g*alpha/std, 0.0).to(Dx_Ptr.dtype.element_ty), mask=Mask)
             if PCHAN == 2:
-                gamma_Acc += tl.sum(tl.where(Mask, dy*xhat, 0.0), axis=0)
+                gamma_Acc += _tt.col_sums(dy*xhat, Mask)
             else:
                 _tt.add_partial(gamma_Part, Row, dy*xhat, Mask, Chan0, Ia, Ib, A, B, PCHAN)
             if PCHAN == 2:
-                beta_Acc += tl.sum(tl.where(Mask, dy, 0.0), axis=0)
+                beta_Acc += _tt.col_sums(dy, Mask)
             else:
                 _tt.add_partial(beta_Part, Row, dy, Mask, Chan0, Ia, Ib, A, B, PCHAN)
         else:  # swept in tiles
-            Sum_g_Acc = tl.zeros([BLOCK_A, BLOCK_B], tl.float32)
-            Sum_g_xhat_Acc = tl.zeros([BLOCK_A, BLOCK_B], tl.float32)
+            Sum_g_Acc = tl.zeros([ROWS, BLOCK_A, BLOCK_B], tl.float32)
+            Sum_g_xhat_Acc = tl.zeros([ROWS, BLOCK_A, BLOCK_B], tl.float32)
             for A0 in range(0, A, BLOCK_A):
                 for B0 in range(0, B, BLOCK_B):
-                    Offs, Mask, Chan, Ia, Ib = _tt.tile(Base, Chan0, A0, B0, A, B, sA, sB, BLOCK_A, BLOCK_B, PCHAN)
+                    Offs, Mask, Chan, Ia, Ib = _tt.tile(Base, Chan0, GOk, A0, B0, A, B, sA, sB, BLOCK_A, BLOCK_B, PCHAN)
                     x = tl.load(X_Ptr + Offs, mask=Mask, other=0.0).to(tl.float32)
                     dy = tl.load(Dy_Ptr + Offs, mask=Mask, other=0.0).to(tl.float32)
                     gamma = tl.load(gamma_Ptr + Chan, mask=Mask, other=0.0).to(tl.float32)
@@ -184,15 +188,15 @@ def backward_train_kernel(
                     g = dy*gamma
                     Sum_g_Acc += tl.where(Mask, g, 0.0)
                     Sum_g_xhat_Acc += tl.where(Mask, g*xhat, 0.0)
-            Sum_g = tl.sum(Sum_g_Acc)
-            Sum_g_xhat = tl.sum(Sum_g_xhat_Acc)
+            Sum_g = _tt.gsum(Sum_g_Acc)
+            Sum_g_xhat = _tt.gsum(Sum_g_xhat_Acc)
             Mean_g = Sum_g/N  # Mean_g = mean(g)
             Mean_g_xhat = Sum_g_xhat/N  # Mean_g_xhat = mean(g*xhat)
             prev_mean_Grad = N*(Mean_g*(alpha - 1) + Mean_g_xhat*N*alpha*(1 - alpha)*(row_mean - mean)/(sample_std*(N - 1)))/std  # dL/dprev_mean for this group
             prev_std_Grad = Mean_g_xhat*N*(alpha - 1)/std  # dL/dprev_std for this group
             for A0 in range(0, A, BLOCK_A):
                 for B0 in range(0, B, BLOCK_B):
-                    Offs, Mask, Chan, Ia, Ib = _tt.tile(Base, Chan0, A0, B0, A, B, sA, sB, BLOCK_A, BLOCK_B, PCHAN)
+                    Offs, Mask, Chan, Ia, Ib = _tt.tile(Base, Chan0, GOk, A0, B0, A, B, sA, sB, BLOCK_A, BLOCK_B, PCHAN)
                     x = tl.load(X_Ptr + Offs, mask=Mask, other=0.0).to(tl.float32)
                     dy = tl.load(Dy_Ptr + Offs, mask=Mask, other=0.0).to(tl.float32)
                     gamma = tl.load(gamma_Ptr + Chan, mask=Mask, other=0.0).to(tl.float32)
@@ -201,8 +205,8 @@ def backward_train_kernel(
                     tl.store(Dx_Ptr + Offs, tl.where(Mask, g/std + Mean_g_xhat*N*alpha*(alpha*(row_mean - mean)/std - xhat)/(sample_std*(N - 1)) - Mean_g*alpha/std, 0.0).to(Dx_Ptr.dtype.element_ty), mask=Mask)
                     _tt.add_partial(gamma_Part, Row, dy*xhat, Mask, Chan0, Ia, Ib, A, B, PCHAN)
                     _tt.add_partial(beta_Part, Row, dy, Mask, Chan0, Ia, Ib, A, B, PCHAN)
-        tl.store(prev_mean_Din + Grp, prev_mean_Grad)
-        tl.store(prev_std_Din + Grp, prev_std_Grad)
+        tl.store(prev_mean_Din + Grp, prev_mean_Grad + tl.zeros([ROWS, 1, 1], tl.float32), mask=GOk)
+        tl.store(prev_std_Din + Grp, prev_std_Grad + tl.zeros([ROWS, 1, 1], tl.float32), mask=GOk)
     if ONE_PASS:
         if PCHAN == 2:
             Cols = tl.arange(0, BLOCK_B)

@@ -25,7 +25,7 @@ which derivgen.triton._target.sum_rows_kernel reduces). A group is a matrix of A
 and B columns (derivgen.triton.calls.geometry: a row of x; a channel's values over the
 batch and space; a sample's channel or group of channels, channels first or last); each
 program sweeps its groups in tiles, or holds a group in registers when it fits
-(ONE_PASS). ``forward``, ``backward``, ``backward_backward`` and ``jvp`` take and return
+(ONE_PASS), ROWS groups at a time where they share their channels (rows of x). ``forward``, ``backward``, ``backward_backward`` and ``jvp`` take and return
 torch tensors with the NumPy and C modules' calling convention; the second order runs
 the PyTorch closed forms (derivgen.load(spec, backend="torch")).
 """
@@ -57,50 +57,52 @@ META = {'name': 'rmsnorm',
 def forward_train_kernel(
     X_Ptr, Y_Ptr, gamma_Ptr, ms_Ptr, rstd_Ptr, eps,
     NGroups, G, Cg, sO, sC, A, B, sA, sB,
-    BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, ONE_PASS: tl.constexpr, PCHAN: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, ONE_PASS: tl.constexpr, PCHAN: tl.constexpr,
     UPDATE: tl.constexpr,
 ):
-    """train mode's forward: y, the statistics, groups Pid, Pid + Nprog, ..."""
+    """train mode's forward: y, the statistics, ROWS groups at a time from group ROWS*Pid, every ROWS*Nprog."""
     Pid = tl.program_id(0)
     Nprog = tl.num_programs(0)
     N = A * B * 1.0
-    for Grp in range(Pid, NGroups, Nprog):
+    for G0 in range(Pid * ROWS, NGroups, Nprog * ROWS):  # ROWS groups at a time
+        Grp = G0 + tl.arange(0, ROWS)[:, None, None]
+        GOk = Grp < NGroups
         Base, Chan0 = _tt.group_base(Grp, G, Cg, sO, sC)
         if ONE_PASS:  # the group in registers: loaded once
-            Offs, Mask, Chan, Ia, Ib = _tt.tile(Base, Chan0, 0, 0, A, B, sA, sB, BLOCK_A, BLOCK_B, PCHAN)
+            Offs, Mask, Chan, Ia, Ib = _tt.tile(Base, Chan0, GOk, 0, 0, A, B, sA, sB, BLOCK_A, BLOCK_B, PCHAN)
             x = tl.load(X_Ptr + Offs, mask=Mask, other=0.0).to(tl.float32)
             gamma = tl.load(gamma_Ptr + Chan, mask=Mask, other=0.0).to(tl.float32)
-            Sum_ms = tl.sum(tl.where(Mask, (x*x), 0.0))
+            Sum_ms = _tt.gsum(tl.where(Mask, (x*x), 0.0))
             ms = Sum_ms/N  # ms = mean(x**2)
             rstd = (1.0/_tt.sqrt(ms + eps))  # rstd = 1/sqrt(ms + eps)
             xhat = rstd*x
             tl.store(Y_Ptr + Offs, tl.where(Mask, gamma*xhat, 0.0).to(Y_Ptr.dtype.element_ty), mask=Mask)
         else:  # swept in tiles
-            Sum_ms_Acc = tl.zeros([BLOCK_A, BLOCK_B], tl.float32)
+            Sum_ms_Acc = tl.zeros([ROWS, BLOCK_A, BLOCK_B], tl.float32)
             for A0 in range(0, A, BLOCK_A):
                 for B0 in range(0, B, BLOCK_B):
-                    Offs, Mask, Chan, Ia, Ib = _tt.tile(Base, Chan0, A0, B0, A, B, sA, sB, BLOCK_A, BLOCK_B, PCHAN)
+                    Offs, Mask, Chan, Ia, Ib = _tt.tile(Base, Chan0, GOk, A0, B0, A, B, sA, sB, BLOCK_A, BLOCK_B, PCHAN)
                     x = tl.load(X_Ptr + Offs, mask=Mask, other=0.0).to(tl.float32)
                     Sum_ms_Acc += tl.where(Mask, (x*x), 0.0)
-            Sum_ms = tl.sum(Sum_ms_Acc)
+            Sum_ms = _tt.gsum(Sum_ms_Acc)
             ms = Sum_ms/N  # ms = mean(x**2)
             rstd = (1.0/_tt.sqrt(ms + eps))  # rstd = 1/sqrt(ms + eps)
             for A0 in range(0, A, BLOCK_A):
                 for B0 in range(0, B, BLOCK_B):
-                    Offs, Mask, Chan, Ia, Ib = _tt.tile(Base, Chan0, A0, B0, A, B, sA, sB, BLOCK_A, BLOCK_B, PCHAN)
+                    Offs, Mask, Chan, Ia, Ib = _tt.tile(Base, Chan0, GOk, A0, B0, A, B, sA, sB, BLOCK_A, BLOCK_B, PCHAN)
                     x = tl.load(X_Ptr + Offs, mask=Mask, other=0.0).to(tl.float32)
                     gamma = tl.load(gamma_Ptr + Chan, mask=Mask, other=0.0).to(tl.float32)
                     xhat = rstd*x
                     tl.store(Y_Ptr + Offs, tl.where(Mask, gamma*xhat, 0.0).to(Y_Ptr.dtype.element_ty), mask=Mask)
-        tl.store(ms_Ptr + Grp, ms)
-        tl.store(rstd_Ptr + Grp, rstd)
+        tl.store(ms_Ptr + Grp, ms + tl.zeros([ROWS, 1, 1], tl.float32), mask=GOk)
+        tl.store(rstd_Ptr + Grp, rstd + tl.zeros([ROWS, 1, 1], tl.float32), mask=GOk)
 
 
 @triton.jit
 def backward_train_kernel(
     Dy_Ptr, X_Ptr, Dx_Ptr, gamma_Ptr, ms_Ptr, rstd_Ptr, eps, gamma_Part,
     NGroups, G, Cg, sO, sC, A, B, sA, sB, Cp,
-    BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, ONE_PASS: tl.constexpr, PCHAN: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, ONE_PASS: tl.constexpr, PCHAN: tl.constexpr,
 ):
     """train mode's backward: dx, and this program's partial sums of the parameter gradients
     (row Pid of each ``<param>_Part``: one value per channel, or one for a scalar parameter)."""
@@ -111,40 +113,42 @@ def backward_train_kernel(
     if ONE_PASS:
         if PCHAN == 2:  # a row's channels are its columns: the sums stay in registers
             gamma_Acc = tl.zeros([BLOCK_B], tl.float32)
-    for Grp in range(Pid, NGroups, Nprog):
+    for G0 in range(Pid * ROWS, NGroups, Nprog * ROWS):  # ROWS groups at a time
+        Grp = G0 + tl.arange(0, ROWS)[:, None, None]
+        GOk = Grp < NGroups
         Base, Chan0 = _tt.group_base(Grp, G, Cg, sO, sC)
-        ms = tl.load(ms_Ptr + Grp)
-        rstd = tl.load(rstd_Ptr + Grp)
+        ms = tl.load(ms_Ptr + Grp, mask=GOk, other=1.0)
+        rstd = tl.load(rstd_Ptr + Grp, mask=GOk, other=1.0)
         if ONE_PASS:  # the group in registers: loaded once
-            Offs, Mask, Chan, Ia, Ib = _tt.tile(Base, Chan0, 0, 0, A, B, sA, sB, BLOCK_A, BLOCK_B, PCHAN)
+            Offs, Mask, Chan, Ia, Ib = _tt.tile(Base, Chan0, GOk, 0, 0, A, B, sA, sB, BLOCK_A, BLOCK_B, PCHAN)
             x = tl.load(X_Ptr + Offs, mask=Mask, other=0.0).to(tl.float32)
             dy = tl.load(Dy_Ptr + Offs, mask=Mask, other=0.0).to(tl.float32)
             gamma = tl.load(gamma_Ptr + Chan, mask=Mask, other=0.0).to(tl.float32)
             xhat = rstd*x
             g = dy*gamma
-            Sum_g_xhat = tl.sum(tl.where(Mask, g*xhat, 0.0))
+            Sum_g_xhat = _tt.gsum(tl.where(Mask, g*xhat, 0.0))
             Mean_g_xhat = Sum_g_xhat/N  # Mean_g_xhat = mean(g*xhat)
             tl.store(Dx_Ptr + Offs, tl.where(Mask, rstd*(g - Mean_g_xhat*xhat), 0.0).to(Dx_Ptr.dtype.element_ty), mask=Mask)
             if PCHAN == 2:
-                gamma_Acc += tl.sum(tl.where(Mask, dy*xhat, 0.0), axis=0)
+                gamma_Acc += _tt.col_sums(dy*xhat, Mask)
             else:
                 _tt.add_partial(gamma_Part, Row, dy*xhat, Mask, Chan0, Ia, Ib, A, B, PCHAN)
         else:  # swept in tiles
-            Sum_g_xhat_Acc = tl.zeros([BLOCK_A, BLOCK_B], tl.float32)
+            Sum_g_xhat_Acc = tl.zeros([ROWS, BLOCK_A, BLOCK_B], tl.float32)
             for A0 in range(0, A, BLOCK_A):
                 for B0 in range(0, B, BLOCK_B):
-                    Offs, Mask, Chan, Ia, Ib = _tt.tile(Base, Chan0, A0, B0, A, B, sA, sB, BLOCK_A, BLOCK_B, PCHAN)
+                    Offs, Mask, Chan, Ia, Ib = _tt.tile(Base, Chan0, GOk, A0, B0, A, B, sA, sB, BLOCK_A, BLOCK_B, PCHAN)
                     x = tl.load(X_Ptr + Offs, mask=Mask, other=0.0).to(tl.float32)
                     dy = tl.load(Dy_Ptr + Offs, mask=Mask, other=0.0).to(tl.float32)
                     gamma = tl.load(gamma_Ptr + Chan, mask=Mask, other=0.0).to(tl.float32)
                     xhat = rstd*x
                     g = dy*gamma
                     Sum_g_xhat_Acc += tl.where(Mask, g*xhat, 0.0)
-            Sum_g_xhat = tl.sum(Sum_g_xhat_Acc)
+            Sum_g_xhat = _tt.gsum(Sum_g_xhat_Acc)
             Mean_g_xhat = Sum_g_xhat/N  # Mean_g_xhat = mean(g*xhat)
             for A0 in range(0, A, BLOCK_A):
                 for B0 in range(0, B, BLOCK_B):
-                    Offs, Mask, Chan, Ia, Ib = _tt.tile(Base, Chan0, A0, B0, A, B, sA, sB, BLOCK_A, BLOCK_B, PCHAN)
+                    Offs, Mask, Chan, Ia, Ib = _tt.tile(Base, Chan0, GOk, A0, B0, A, B, sA, sB, BLOCK_A, BLOCK_B, PCHAN)
                     x = tl.load(X_Ptr + Offs, mask=Mask, other=0.0).to(tl.float32)
                     dy = tl.load(Dy_Ptr + Offs, mask=Mask, other=0.0).to(tl.float32)
                     gamma = tl.load(gamma_Ptr + Chan, mask=Mask, other=0.0).to(tl.float32)
