@@ -159,7 +159,8 @@ _LOADED: dict[tuple, ModuleType] = {}  # (backend, digest, cflags) and (spec, ba
 def load(name_or_spec: str | Path | Spec, backend: str = "numpy", *, cflags: list[str] | None = None) -> ModuleType:
     """Import a layer's generated module: ``forward``/``backward`` over NumPy or C
     (or, ``backend="torch"``, the same functions on torch tensors on any device, as the
-    closed forms in PyTorch operations; see docs/devices.md).
+    closed forms in PyTorch operations; see docs/devices.md; ``backend="triton"``: the
+    generated Triton kernels on torch tensors, see docs/triton.md).
 
     The code is generated from the spec into the derivgen cache directory (so
     it works from an installed package too) and imported from there; the C
@@ -168,8 +169,8 @@ def load(name_or_spec: str | Path | Spec, backend: str = "numpy", *, cflags: lis
     its own, so builds for several instruction sets can run side by side
     (``derivgen.runtime.build.march_cflags("x86-64-v3")``).
     """
-    if backend not in ("numpy", "c", "torch"):
-        raise ValueError(f"backend must be 'numpy', 'c' or 'torch', got {backend!r}")
+    if backend not in ("numpy", "c", "torch", "triton"):
+        raise ValueError(f"backend must be 'numpy', 'c', 'torch' or 'triton', got {backend!r}")
     if cflags is not None and backend != "c":
         raise ValueError("cflags= applies to the C backend only")
     spec = name_or_spec if isinstance(name_or_spec, Spec) else load_spec(name_or_spec)
@@ -187,6 +188,8 @@ def load(name_or_spec: str | Path | Spec, backend: str = "numpy", *, cflags: lis
     module = importlib.util.module_from_spec(module_spec)
     sys.modules[modname] = module
     module_spec.loader.exec_module(module)
+    if backend == "triton":  # its second order runs the spec's PyTorch closed forms
+        module.LAYER.spec = spec
     if flags is not None:
         module._kernel.cflags = list(flags)  # built on first use, so before any call
     _LOADED[key] = _LOADED[(spec, backend, flags)] = module

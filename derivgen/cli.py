@@ -264,7 +264,10 @@ def prove_cmd(names: tuple[str, ...], spec_files: tuple[str, ...], prove_sizes: 
 @click.argument("names", nargs=-1)
 @click.option("--spec", "spec_files", multiple=True, type=click.Path(dir_okay=False), help="Spec file(s) to generate.")
 @click.option(
-    "--target", type=click.Choice(["numpy", "c", "torch", "jax"]), multiple=True, help="Targets (default: all four)."
+    "--target",
+    type=click.Choice(["numpy", "c", "torch", "jax", "triton"]),
+    multiple=True,
+    help="Targets (default: all five).",
 )
 @click.option(
     "--out",

@@ -23,10 +23,14 @@ BELOW: dict[str, set[str]] = {
     "explain": {"symbolic", "spec", "derive", "prove"},
     "codegen": {"symbolic", "spec", "derive", "runtime"},
     "api": {"symbolic", "spec", "derive", "prove", "explain", "codegen", "runtime"},
-    "torch": {"symbolic", "spec", "derive", "codegen", "runtime", "api"},
+    "triton": {"symbolic", "spec", "derive", "codegen", "runtime", "api"},
+    "torch": {"symbolic", "spec", "derive", "codegen", "runtime", "api", "triton"},
     "jax": {"symbolic", "spec", "derive", "codegen", "runtime", "api"},
-    "tools": {"symbolic", "spec", "derive", "prove", "explain", "codegen", "runtime", "api", "torch", "jax"},
-    "cli": {"symbolic", "spec", "derive", "prove", "explain", "codegen", "runtime", "api", "torch", "jax", "tools"},
+    "tools": {"symbolic", "spec", "derive", "prove", "explain", "codegen", "runtime", "api", "triton", "torch", "jax"},
+    "cli": {
+        *("symbolic", "spec", "derive", "prove", "explain", "codegen", "runtime", "api"),
+        *("triton", "torch", "jax", "tools"),
+    },
 }
 
 # modules whose stage is not their folder's

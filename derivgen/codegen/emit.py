@@ -23,6 +23,7 @@ from derivgen.codegen.cplan import ATYPES, CTYPES, c_load, c_store, plan_kernel
 from derivgen.codegen.ir import ModeIR, build_mode_ir, build_second_ir
 from derivgen.codegen.jax_printer import jax_expr
 from derivgen.codegen.printers import SpecPrinter
+from derivgen.codegen.triton_plan import plan_triton
 from derivgen.derive.first import ModeDerivation
 from derivgen.runtime.abi import kernel_signature
 from derivgen.spec.model import Spec
@@ -32,6 +33,7 @@ TEMPLATE_FILES = {
     "numpy": "numpy.py.j2",
     "torch": "torch.py.j2",
     "jax": "jax.py.j2",
+    "triton": "triton.py.j2",
     "c": "kernel.c.j2",
     "h": "kernel.h.j2",
     "cbind": "cbinding.py.j2",
@@ -208,7 +210,7 @@ def _formulas(d: LayerDerivation, printer: SpecPrinter) -> dict[str, list[str]]:
 
 def emit(d: LayerDerivation, targets: Collection[str] = ("numpy", "c")) -> Emitted:
     """Render a layer's derivation ``d`` (``derivgen.derive``'s result) for ``targets``
-    ("numpy", "c", "torch", "jax"): the IR and every C kernel's plan are computed here, once;
+    ("numpy", "c", "torch", "jax", "triton"): the IR and every C kernel's plan are computed here, once;
     the templates lay them out."""
     spec = d.spec
     printer = SpecPrinter(spec)
@@ -252,6 +254,11 @@ def emit(d: LayerDerivation, targets: Collection[str] = ("numpy", "c")) -> Emitt
     if "jax" in targets:
         ctx_j = dict(ctx, template=TEMPLATE_FILES["jax"])
         out.files[f"jax/{spec.name}.py"] = env.get_template(TEMPLATE_FILES["jax"]).render(**ctx_j)
+    if "triton" in targets:  # the Triton kernels' plans, computed here like the C kernels'
+        ctx_tr = dict(
+            ctx, template=TEMPLATE_FILES["triton"], tplans={m: plan_triton(spec, ir) for m, ir in irs.items()}
+        )
+        out.files[f"triton/{spec.name}.py"] = env.get_template(TEMPLATE_FILES["triton"]).render(**ctx_tr)
     if "c" in targets:
         for key, path in (
             ("h", f"c/{spec.name}.h"),

@@ -28,6 +28,12 @@ union unsigned void volatile while bool complex imaginary
 C_LIBRARY_EXTRA = frozenset({"pow", "powf", "malloc", "calloc", "free", "int64_t", "uintptr_t", "size_t", "main"})
 
 
+# the module names the generated Triton kernels use (the Triton target, templates/triton.py.j2):
+# its kernels must name Triton's language module ``tl`` (its interpreter recognizes
+# ``tl.constexpr`` by that spelling)
+TRITON_NAMES = frozenset({"tl", "triton"})
+
+
 def is_keyword(name: str) -> bool:
     """``name`` is a keyword of a target language (Python or C)."""
     return keyword.iskeyword(name) or name in C_KEYWORDS
@@ -48,4 +54,6 @@ def collision(name: str) -> str | None:
         return "a C keyword"
     if name in c_library():
         return "a C library name the generated code uses"
+    if name in TRITON_NAMES:
+        return "a module name the generated Triton code uses"
     return None

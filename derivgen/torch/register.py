@@ -2,13 +2,16 @@
 (:mod:`derivgen.torch.schema`), CPU implementations (the plans of
 :mod:`derivgen.torch.plan`, the second order of :mod:`derivgen.torch.second_order`),
 implementations for every other device (``CompositeExplicitAutograd``: the generated
-PyTorch closed forms, :mod:`derivgen.torch.generic`), fake
+PyTorch closed forms, :mod:`derivgen.torch.generic`), CUDA implementations of the forward
+and backward by the generated Triton kernels where Triton is installed
+(:mod:`derivgen.triton.ops`), fake
 (meta) kernels giving shapes and dtypes, so that ``torch.compile`` traces a model
 through the operators without graph breaks, and autograd (:mod:`derivgen.torch.autograd`).
 """
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -123,6 +126,29 @@ def register_fakes(lay: Layer, mode: str, ops: ModeOps) -> None:
         torch.library.register_fake(op, fake, lib=LIBRARY)
 
 
+def triton_impls(lay: Layer, mode: str, portable: dict[str, Callable]) -> dict[str, Callable]:
+    """The forward and backward operators' CUDA kernels generated for Triton
+    (:mod:`derivgen.triton.ops`), where Triton is installed; the module is imported on the
+    first CUDA call, so registering imports no Triton."""
+    if importlib.util.find_spec("triton") is None:
+        return {}
+    s = lay.schemas[mode]
+
+    def lazy(kind: str, names: list[str]) -> Callable:
+        def impl(*args):
+            from derivgen.triton import ops
+
+            make = ops.forward_impl if kind == "forward" else ops.backward_impl
+            return make(lay.spec, mode, names, portable[kind])(*args)
+
+        return impl
+
+    return {
+        "forward": lazy("forward", [a.spec for a in s.forward]),
+        "backward": lazy("backward", [a.spec for a in s.backward]),
+    }
+
+
 def register_mode(lay: Layer, mode: str) -> ModeOps:
     """Define and implement one mode's four operators, with fake kernels and autograd."""
     s = lay.schemas[mode]
@@ -151,6 +177,8 @@ def register_mode(lay: Layer, mode: str) -> ModeOps:
     }
     for kind, impl in portable.items():
         LIBRARY.impl(names[kind], impl, "CompositeExplicitAutograd")
+    for kind, impl in triton_impls(lay, mode, portable).items():  # CUDA tensors: the Triton kernels
+        LIBRARY.impl(names[kind], impl, "CUDA")
     ops = ModeOps(
         mode, *(getattr(torch.ops.derivgen, names[kind]).default for kind in ("forward", "backward", "bb", "jvp"))
     )

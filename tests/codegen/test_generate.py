@@ -58,8 +58,8 @@ def test_output_is_byte_identical_across_hash_seeds(tmp_path):
     _render("4242", b)
     files_a = sorted(p.relative_to(a) for p in a.rglob("*") if p.is_file())
     files_b = sorted(p.relative_to(b) for p in b.rglob("*") if p.is_file())
-    # 5 package __init__.py, derivgen-kernels.h, and per layer numpy/, c/ (.c .h .py), torch/, jax/
-    assert files_a == files_b and len(files_a) == 6 + 6 * len(derivgen.names())
+    # 6 package __init__.py, derivgen-kernels.h, and per layer numpy/, c/ (.c .h .py), torch/, jax/, triton/
+    assert files_a == files_b and len(files_a) == 7 + 7 * len(derivgen.names())
     for rel in files_a:
         assert (a / rel).read_bytes() == (b / rel).read_bytes(), rel
 
@@ -73,6 +73,7 @@ def test_output_is_byte_identical_across_hash_seeds(tmp_path):
         "c/online_layernorm.py",
         "torch/batchnorm.py",
         "jax/batchnorm.py",
+        "triton/batchnorm.py",
     ],
 )
 def test_headers_and_formulas(rel):

@@ -1,0 +1,237 @@
+"""Plans of the Triton kernels: a mode's IR as the text of ``triton.jit`` kernel statements.
+
+Like the C planner (:mod:`derivgen.codegen.cplan`), this module computes every statement of
+a mode's kernels once, before rendering, as plain data (:class:`TritonPlan`), and the
+template (``templates/triton.py.j2``) only lays it out. The kernels see a normalization
+group as a matrix of A rows and B columns (``derivgen.triton._target.tile``) and sweep it
+in tiles, or hold it in registers when it fits (``ONE_PASS``); the plan says what each
+sweep loads, computes, sums and stores:
+
+* forward: the program's sweeps of sums (``Loop``), group maxima and minima (``Select``)
+  and per-group values (``Assign``), exactly as the IR writes them (two passes for a
+  variance); then y; the statistics stored per group; the running buffers updated;
+* backward: the statistics loaded, the reduction sweep, the per-group values (means,
+  input gradients, parameter terms through the statistics), then dx from the factored
+  closed form and each parameter's contributions, summed per channel into the program's
+  row of partial sums (a second kernel reduces the rows).
+
+Every name a kernel makes carries an upper-case tag (``X_Ptr``, ``gamma_Part``,
+``Sum_mean_Acc``), derivgen's namespace (see :mod:`derivgen.symbolic.naming`); element
+values, statistics and options keep their spec names.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import sympy
+
+from derivgen.codegen.ir import Loop, ModeIR, Select, needed_temps
+from derivgen.codegen.triton_printer import triton_expr
+from derivgen.runtime.abi import reads_buffers
+from derivgen.spec.model import Spec
+from derivgen.symbolic.naming import derived
+
+
+@dataclass(frozen=True)
+class TSweep:
+    """One sweep over a group's elements: the element loads, temporaries, then sums
+    (``accs``: accumulator, summed text), a selection (``select``: name, "max"/"min",
+    text) or stores and parameter contributions (``stores``, ``params``)."""
+
+    loads: tuple[tuple[str, str], ...]  # (value name, pointer name) of element loads
+    temps: tuple[tuple[str, str], ...]  # (name, text)
+    accs: tuple[tuple[str, str], ...] = ()
+    select: tuple[str, str, str] | None = None
+    stores: tuple[tuple[str, str], ...] = ()  # (pointer, text)
+    params: tuple[tuple[str, str, bool], ...] = ()  # (parameter, contribution text, scalar)
+
+
+@dataclass(frozen=True)
+class TValue:
+    """A per-group value: ``name = text``."""
+
+    name: str
+    text: str
+    comment: str
+
+
+@dataclass(frozen=True)
+class TritonPlan:
+    """A mode's two kernels for Triton, as statement text and argument lists."""
+
+    mode: str
+    forward_args: tuple[tuple[str, str], ...]  # (role, spec name) in kernel order
+    backward_args: tuple[tuple[str, str], ...]
+    forward_loads: tuple[tuple[str, str], ...]  # group loads: (name, load text)
+    forward_steps: tuple[TSweep | TValue, ...]
+    forward_final: TSweep
+    stats: tuple[str, ...]
+    buffer_loads: tuple[tuple[str, str], ...]  # buffers the updates read that are not loaded yet
+    updates: tuple[tuple[str, str], ...]  # (buffer, text)
+    backward_loads: tuple[tuple[str, str], ...]
+    reduction: TSweep | None
+    group: tuple[TValue, ...]
+    final: TSweep
+    final_one_pass: TSweep  # the output sweep after the reduction sweep's temporaries, in registers
+    scalar_partials: tuple[str, ...]  # scalar parameters whose programs' sums are stored
+    one_pass_loads: tuple[tuple[str, str], ...]  # forward: every element load, once
+    one_pass_bwd_loads: tuple[tuple[str, str], ...]
+    dinputs: tuple[tuple[str, str], ...]  # (input, group variable)
+    dparam_groups: tuple[tuple[str, str], ...]  # (scalar parameter, group variable)
+
+
+class TritonPlanner:
+    """Turns a ModeIR into Triton statement text."""
+
+    def __init__(self, spec: Spec, ir: ModeIR):
+        self.spec, self.ir = spec, ir
+        self.params = [p.name for p in spec.params]
+        self.scalar = {p.name for p in spec.params if p.scalar}
+        self.chan = [p for p in self.params if p not in self.scalar]
+        self.reads = reads_buffers({"buffers": list(spec.buffers), "buffer_reads": _buffer_reads(spec)}, ir.mode)
+
+    def text(self, e: sympy.Expr) -> str:
+        """Triton text of ``e``."""
+        return triton_expr(e, self.spec)
+
+    def loads(self, names: set[str]) -> tuple[tuple[str, str], ...]:
+        """The element loads that code reading ``names`` needs: x, dy, channel parameters."""
+        out = [(n, ptr) for n, ptr in (("x", "X_Ptr"), ("dy", "Dy_Ptr")) if n in names]
+        return tuple(out + [(p, derived(p, "Ptr")) for p in self.chan if p in names])
+
+    def sweep(self, exprs: list[sympy.Expr], temps: list, **kw) -> TSweep:
+        """A sweep computing ``exprs`` from the element temporaries ``temps`` it needs."""
+        needed, names = needed_temps([sympy.sympify(e) for e in exprs], temps)
+        return TSweep(self.loads(names), tuple((n, self.text(e)) for n, e in needed), **kw)
+
+    def group_loads(self, with_stats: bool) -> list[tuple[str, str]]:
+        """Per-group loads: scalar parameters, inputs, buffers the statistics read, statistics."""
+        out = [(p, f"tl.load({derived(p, 'Ptr')}).to(tl.float32)") for p in self.params if p in self.scalar]
+        out += [
+            (
+                i.name,
+                f"tl.load({derived(i.name, 'Ptr')} + Grp * {derived(i.name, 'Stride')}, mask=GOk, other=1.0).to(tl.float32)",
+            )
+            for i in self.spec.inputs
+        ]
+        if self.reads:
+            out += [
+                (b.name, f"tl.load({derived(b.name, 'Ptr')} + Grp, mask=GOk, other=1.0).to(tl.float32)")
+                for b in self.spec.buffers
+            ]
+        if with_stats:
+            out += [(s, f"tl.load({derived(s, 'Ptr')} + Grp, mask=GOk, other=1.0)") for s in self.ir.stats]
+        return out
+
+    def forward(self) -> tuple[list, TSweep, tuple]:
+        """The forward's steps, its output sweep and every element load of the one-pass kernel."""
+        steps: list[TSweep | TValue] = []
+        names: set[str] = set()
+        for st in self.ir.forward:
+            if isinstance(st, Loop):
+                sw = self.sweep([e for _, e in st.accs], [], accs=tuple((a, self.text(e)) for a, e in st.accs))
+                steps.append(sw)
+            elif isinstance(st, Select):
+                sw = self.sweep([st.expr], [], select=(st.name, st.op, self.text(st.expr)))
+                steps.append(sw)
+            else:
+                steps.append(TValue(st.name, self.text(st.expr), st.comment))
+                continue
+            names |= {n for n, _ in sw.loads}
+        _, y = self.ir.fwd_elem[-1]
+        final = self.sweep([y], list(self.ir.fwd_elem[:-1]), stores=(("Y_Ptr", self.text(y)),))
+        names |= {n for n, _ in final.loads}
+        return steps, final, self.loads(names)
+
+    def backward(self) -> tuple[TSweep | None, list[TValue], TSweep, tuple]:
+        """The backward's reduction sweep, group values, output sweep and one-pass loads."""
+        ir = self.ir
+        temps = list(ir.bwd_elem)
+        red = None
+        if ir.bwd_loop:
+            red = self.sweep([e for _, e in ir.bwd_loop], temps, accs=tuple((a, self.text(e)) for a, e in ir.bwd_loop))
+        coeffs = {k for k, _ in ir.dx_terms}
+        group = [TValue(a.name, self.text(a.expr), a.comment) for a in ir.bwd_group if a.name not in coeffs]
+        contrib = [(p, e) for p, e in ir.dparams]
+        final = self.sweep(
+            [ir.dx_closed, *(e for _, e in contrib)],
+            temps,
+            stores=(("Dx_Ptr", self.text(ir.dx_closed)),),
+            params=tuple((p, self.text(e), p in self.scalar) for p, e in contrib if e != 0),
+        )
+        names = {n for n, _ in final.loads} | ({n for n, _ in red.loads} if red else set())
+        return red, group, final, self.loads(names)
+
+    def plan(self) -> TritonPlan:
+        """The mode's whole plan."""
+        spec, ir = self.spec, self.ir
+        for p in ir.dparam_group_exprs:
+            if p not in self.scalar:
+                raise NotImplementedError(
+                    f"{spec.name}: the Triton target takes a parameter in the statistics only when it is a scalar ({p})"
+                )
+        steps, final, fwd_loads = self.forward()
+        red, group, bfinal, bwd_loads = self.backward()
+        buffers = [b.name for b in spec.buffers]
+        loaded = {n for n, _ in self.group_loads(False)}
+        upd_reads = {str(s) for _, e in ir.buffer_updates for s in e.free_symbols}
+        bnames = [b for b in buffers if b in upd_reads and b not in loaded]
+        fargs = [("x", "x"), ("y", "y"), *(("param", p) for p in self.params)]
+        fargs += [("input", i.name) for i in spec.inputs]
+        if buffers and (self.reads or ir.mode == "train"):
+            fargs += [("buffer", b) for b in buffers]
+        fargs += [("stat", s) for s in ir.stats] + [("option", o.name) for o in spec.options]
+        bargs = [("dy", "dy"), ("x", "x"), ("dx", "dx"), *(("param", p) for p in self.params)]
+        bargs += [("input", i.name) for i in spec.inputs]
+        bargs += [("buffer", b) for b in buffers] if self.reads else []
+        bargs += [("stat", s) for s in ir.stats] + [("option", o.name) for o in spec.options]
+        bargs += [("dparam", p) for p in self.params] + [("dinput", i.name) for i in spec.inputs]
+        return TritonPlan(
+            mode=ir.mode,
+            forward_args=tuple(fargs),
+            backward_args=tuple(bargs),
+            forward_loads=tuple(self.group_loads(False)),
+            forward_steps=tuple(steps),
+            forward_final=final,
+            stats=tuple(ir.stats),
+            buffer_loads=tuple(
+                (b, f"tl.load({derived(b, 'Ptr')} + Grp, mask=GOk, other=1.0).to(tl.float32)")
+                for b in bnames
+                if ir.mode == "train"
+            ),
+            updates=tuple((b, self.text(e)) for b, e in ir.buffer_updates),
+            backward_loads=tuple(self.group_loads(True)),
+            reduction=red,
+            group=tuple(group),
+            final=bfinal,
+            final_one_pass=_after(bfinal, red),
+            scalar_partials=tuple(
+                p
+                for p in self.params
+                if p in self.scalar and (p in {q for q, _, _ in bfinal.params} or p in ir.dparam_group_exprs)
+            ),
+            one_pass_loads=fwd_loads,
+            one_pass_bwd_loads=bwd_loads,
+            dinputs=tuple(ir.dinputs),
+            dparam_groups=tuple((spec.params[k].name, var) for k, var in ir.dparam_groups),
+        )
+
+
+def _after(final: TSweep, red: TSweep | None) -> TSweep:
+    """``final`` without the temporaries ``red`` has computed already (one-pass kernels)."""
+    if red is None:
+        return final
+    done = {n for n, _ in red.temps}
+    return replace(final, temps=tuple((n, t) for n, t in final.temps if n not in done))
+
+
+def _buffer_reads(spec: Spec) -> list[str]:
+    """The modes whose statistics read the running buffers."""
+    buffers = {b.symbol for b in spec.buffers}
+    return [m.name for m in spec.modes if any(st.expr.free_symbols & buffers for st in m.statistics)]
+
+
+def plan_triton(spec: Spec, ir: ModeIR) -> TritonPlan:
+    """The Triton plan of one mode's IR."""
+    return TritonPlanner(spec, ir).plan()
