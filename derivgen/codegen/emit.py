@@ -26,6 +26,7 @@ from derivgen.codegen.printers import SpecPrinter
 from derivgen.codegen.triton_plan import plan_triton
 from derivgen.derive.first import ModeDerivation
 from derivgen.runtime.abi import kernel_signature
+from derivgen.spec.model import N as GROUP_SIZE
 from derivgen.spec.model import Spec
 from derivgen.symbolic.reduce import SELECTIONS, Mean
 
@@ -242,6 +243,8 @@ def emit(d: LayerDerivation, targets: Collection[str] = ("numpy", "c")) -> Emitt
         "trailing": spec.layout == "trailing",
         "selects": any(st.expr.has(*SELECTIONS) for m in d.modes.values() for st in m.statistics),
         # the modes a split reduction computes: sums only (a group max()/min() is not a sum)
+        # the modes whose output uses the group size N (the PyTorch forward then defines it)
+        "forward_uses_n": [m for m, ir in irs.items() if any(e.has(GROUP_SIZE) for _, e in ir.fwd_elem)],
         "split_modes": [m for m, dm in d.modes.items() if not any(st.expr.has(*SELECTIONS) for st in dm.statistics)],
     }
     out = Emitted(spec.name, meta=meta)

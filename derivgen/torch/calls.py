@@ -120,6 +120,8 @@ def forward(
         y = y.contiguous(memory_format=channels_last_format(x))
     sd = wide(x.device)
     stats = {s: st[s].reshape(L.n_groups).to(sd) for s in meta["stats"][mode]}
+    # the buffers the statistics read, as they were before this call updates them
+    read = {b: buffers[b].detach().clone() for b in meta["buffers"]} if reads_buffers(meta, mode) else None
     if mode == "train" and update is not None and x.numel():
         bufs = {b: buffers.get(b) for b in meta["buffers"]}
         if any(v is not None for v in bufs.values()):
@@ -133,8 +135,8 @@ def forward(
                         bufs[b].copy_(v.reshape(bufs[b].shape))
     y = _store(out, y, "out")
     cache = Cache(meta, mode, L, x, {p: params[p] for p in meta["params"]}, stats, opts, ins, num_groups)
-    if reads_buffers(meta, mode):
-        cache.buffers = {b: buffers[b].detach().clone() for b in meta["buffers"]}
+    if read is not None:
+        cache.buffers = read
     return y, cache
 
 

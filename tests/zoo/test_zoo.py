@@ -449,3 +449,33 @@ def test_zoo_layer_as_a_torch_module(name):
             assert _rel(inputs[iname].grad.numpy(), ref.grad) < F64, f"{name} d{iname}"
         for bname, ref in ref_buffers.items():
             assert _rel(getattr(module, bname).numpy(), ref) < F64, f"{name} {bname}"
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_zoo_layer_through_the_pytorch_target(name):
+    """derivgen.load(NAME, backend="torch") -- the generated PyTorch closed forms, which run
+    on every device without C kernels -- against autograd of the paper's forward: y, the
+    running buffers and the first-order gradients, float64, in every mode."""
+    prob = Problem(name, seed=5)
+    k = derivgen.load(name, backend="torch")
+    for training in _modes(prob.spec):
+        x = torch.tensor(prob.x, requires_grad=True)
+        params, inputs = _tensors(prob.params), _tensors(prob.inputs)
+        ref_buffers = {b: torch.tensor(v) for b, v in prob.buffers.items()}
+        y = prob.torch_forward(x, params, inputs, training, ref_buffers)
+        grads = torch.autograd.grad((y * torch.tensor(prob.dy)).sum(), [x, *params.values(), *inputs.values()])
+        kw = {**{n: torch.tensor(v) for n, v in prob.inputs.items()}, **prob.layout_options}
+        bufs = {b: torch.tensor(v) for b, v in prob.buffers.items()}
+        if bufs:
+            kw.update(bufs, training=training)
+        where = f"{name} {'train' if training else 'eval'} torch"
+        yk, cache = k.forward(
+            torch.tensor(prob.x), *(torch.tensor(prob.params[p.name]) for p in prob.spec.params), **kw
+        )
+        assert _rel(yk.numpy(), y) < F64, where + " y"
+        for b, v in bufs.items():
+            assert _rel(v.numpy(), ref_buffers[b]) < F64, f"{where} buffer {b}"
+        g = k.backward(torch.tensor(prob.dy), cache)
+        names = ["dx", *("d" + p for p in params), *("d" + i for i in inputs)]
+        for field_name, ref in zip(names, grads):
+            assert _rel(getattr(g, field_name).numpy(), ref) < F64, f"{where} {field_name}"
