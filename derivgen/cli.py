@@ -111,8 +111,15 @@ def _spec_or_name(name: str | None, spec: str | None) -> Spec:
 
 
 def _specs(names: tuple[str, ...] | list[str], spec_files: tuple[str, ...]) -> list[Spec]:
-    """Catalogue NAMES and --spec FILEs, validated, in the order given."""
-    return [_spec_or_name(n, None) for n in names] + [_spec_or_name(None, f) for f in spec_files]
+    """Catalogue NAMES and --spec FILEs, validated, in the order given; two layers of one
+    name (they would write the same files) are an error naming both sources."""
+    specs = [_spec_or_name(n, None) for n in names] + [_spec_or_name(None, f) for f in spec_files]
+    seen: dict[str, Spec] = {}
+    for spec in specs:
+        if spec.name in seen and seen[spec.name].source != spec.source:
+            raise UserError(f"{spec.source}: layer name {spec.name!r} is also the name of {seen[spec.name].source}")
+        seen.setdefault(spec.name, spec)
+    return specs
 
 
 def _sizes(text: str) -> tuple[int, ...]:
@@ -125,7 +132,9 @@ def _sizes(text: str) -> tuple[int, ...]:
             sizes = tuple(int(t) for t in text.split(",") if t.strip())
     except ValueError:
         raise UserError(f"--prove-sizes: expected a range like 2-6 or a list like 2,3,4, got {text!r}") from None
-    if not sizes or min(sizes) < 2 or max(sizes) > 12:
+    if not sizes:
+        raise UserError(f"--prove-sizes: no size in {text!r} (a range runs low to high, like 2-6)")
+    if min(sizes) < 2 or max(sizes) > 12:
         raise UserError(f"--prove-sizes: sizes must lie in 2..12, got {text!r}")
     return sizes
 

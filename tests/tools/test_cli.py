@@ -37,6 +37,7 @@ def test_derive_text_to_file(tmp_path):
         (["derive", "nosuchlayer"], "unknown layer 'nosuchlayer'"),
         (["derive", "layernorm", "--format", "docx"], "--format"),
         (["derive", "layernorm", "--prove-sizes", "1-99"], "--prove-sizes"),
+        (["prove", "layernorm", "--prove-sizes", "3-2"], "runs low to high"),
         (["derive"], "NAME or --spec"),
         (["derive", "--spec", "/nonexistent/spec.toml"], "cannot read spec"),
         (["frobnicate"], "No such command"),
@@ -166,3 +167,15 @@ def test_every_help_states_its_defaults(command):
         assert "LaTeX by default" in " ".join(r.stdout.split())
     if command == "generate":
         assert "default: ./generated" in " ".join(r.stdout.split())
+
+
+def test_two_spec_files_of_one_layer_name_are_refused(tmp_path):
+    from conftest import ROOT
+
+    text = (ROOT / "examples" / "dynamic_tanh.toml").read_text()
+    (tmp_path / "a.toml").write_text(text)
+    (tmp_path / "b.toml").write_text(text.replace("0.5", "0.25"))
+    r = run("generate", "--spec", "a.toml", "--spec", "b.toml", "--out", "gen", cwd=tmp_path)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "b.toml: layer name 'dynamic_tanh' is also the name of a.toml" in r.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.toml", "b.toml"]
