@@ -60,16 +60,25 @@ class Derivation:
             self._cache[key] = compute()
         return self._cache[key]
 
+    def _mode(self, mode: str) -> ModeDerivation:
+        """One mode's derivation; a ValueError naming the layer's modes for another."""
+        if mode not in self.modes:
+            raise ValueError(f"{self.spec.name}: mode must be one of {list(self.modes)}, got {mode!r}")
+        return self.modes[mode]
+
     def second(self, mode: str = "train") -> SecondOrder:
         """The second order (double backward, JVP) of one mode."""
-        return self._cached(("second", mode), lambda: derive_second(self.modes[mode]))
+        first = self._mode(mode)
+        return self._cached(("second", mode), lambda: derive_second(first))
 
     def steps_of(self, mode: str = "train") -> tuple[Step, ...]:
         """The derivation of one mode as steps for people."""
-        return self._cached(("steps", mode), lambda: build_steps(self.modes[mode]))
+        first = self._mode(mode)
+        return self._cached(("steps", mode), lambda: build_steps(first))
 
     def second_proof(self, mode: str, sizes: tuple[int, ...]) -> ModeProof:
         """The second order of one mode against brute force at the sizes ``sizes``."""
+        sizes = proof_sizes(sizes, "sizes")
         return self._cached(("second proof", mode, sizes), lambda: prove_second_mode(self.second(mode), sizes))
 
     @property
@@ -93,7 +102,9 @@ class Derivation:
         """The derivation for people in LaTeX, Markdown or text; ``order=2`` adds the second
         order, proven at ``second_sizes`` (none: not proven)."""
         document.check_format(fmt)
-        sizes = tuple(second_sizes)
+        if order not in (1, 2):
+            raise ValueError(f"order must be 1 or 2, got {order!r}")
+        sizes = proof_sizes(second_sizes, "second_sizes", allow_none=True)
         modes = [
             document.ModeDocument(
                 self.modes[mode],
@@ -149,8 +160,30 @@ def derive(name_or_spec: str | Path | Spec, *, prove: bool | tuple[int, ...] = F
     differentiation at N = 2..6 (or pass the tuple of sizes).
     """
     spec = name_or_spec if isinstance(name_or_spec, Spec) else load_spec(name_or_spec)
-    sizes = tuple(range(2, 7)) if prove is True else tuple(prove or ())
+    if prove is True:
+        sizes: tuple[int, ...] = tuple(range(2, 7))
+    elif prove is False or prove is None:
+        sizes = ()
+    else:
+        sizes = proof_sizes(prove, "prove", allow_none=True)  # () proves nothing, as False
     return _derive_spec(spec, sizes)
+
+
+MAX_PROOF_SIZE = 12  # the largest group the brute-force proof unrolls
+
+
+def proof_sizes(sizes: object, arg: str, allow_none: bool = False) -> tuple[int, ...]:
+    """``sizes`` as a tuple of proof sizes, each an int in 2..12 (the error names ``arg``);
+    empty only with ``allow_none``."""
+    if isinstance(sizes, (str, bytes)) or not hasattr(sizes, "__iter__"):
+        raise TypeError(f"{arg} must be True, False or a tuple of sizes like (2, 3), got {sizes!r}")
+    out = tuple(sizes)
+    if not out and not allow_none:
+        raise ValueError(f"{arg}: no proof size given (False proves nothing)")
+    bad = [n for n in out if isinstance(n, bool) or not isinstance(n, int) or not 2 <= n <= MAX_PROOF_SIZE]
+    if bad:
+        raise ValueError(f"{arg}: proof sizes must be ints in 2..{MAX_PROOF_SIZE}, got {bad[0]!r}")
+    return out
 
 
 _LOADED: dict[tuple, ModuleType] = {}  # (backend, digest, cflags) and (spec, backend, cflags) -> module

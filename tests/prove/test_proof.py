@@ -65,3 +65,29 @@ def test_numeric_points_lie_within_each_options_declared_bounds():
         assert -2 < points.value(zeta) < -1
         assert sympy.Rational(1, 100000) < points.value(tiny) <= sympy.Rational(1, 100000) + sympy.Rational(1, 10)
         assert 3 - sympy.Rational(1, 10) <= points.value(cap) < 3
+
+
+@pytest.mark.parametrize(
+    "prove, error, needle",
+    [
+        (3, TypeError, "tuple of sizes"),
+        ("2-3", TypeError, "tuple of sizes"),
+        ((0,), ValueError, "ints in 2..12, got 0"),
+        ((13,), ValueError, "got 13"),
+        ((2, 2.5), ValueError, "got 2.5"),
+    ],
+)
+def test_derive_names_a_bad_prove_argument(prove, error, needle):
+    with pytest.raises(error, match=needle):
+        derivgen.derive("rmsnorm", prove=prove)
+
+
+def test_derivation_arguments_are_checked():
+    d = derivgen.derive("rmsnorm", prove=())
+    assert d.proofs == {}  # () proves nothing, as False
+    with pytest.raises(ValueError, match=r"mode must be one of \['train'\], got 'eval'"):
+        d.second("eval")
+    with pytest.raises(ValueError, match="order must be 1 or 2"):
+        d.render("text", order=3)
+    with pytest.raises(ValueError, match="second_sizes"):
+        d.render("text", order=2, second_sizes=(1,))
