@@ -351,12 +351,9 @@ class Module(nn.Module):
             except (TypeError, ValueError) as e:
                 raise type(e)(f"{self.layer_name}: option {e}") from None
             setattr(self, o, v)
-        if meta["reduce"] == "group" and (not isinstance(num_groups, int) or num_groups <= 0):
-            raise TypeError(f"{self.layer_name}: num_groups must be a positive int, got {num_groups!r}")
+        self.size = _module_size(self.layer_name, meta, size)
+        _check_groups(self.layer_name, meta, num_groups, self.size[0])
         self.num_groups = num_groups or 0
-        if isinstance(size, int):
-            size = (size,)
-        self.size = tuple(int(s) for s in size)
         kw = {"device": device, "dtype": dtype}
         for p in meta["params"]:
             shape = () if p in meta["scalar_params"] else self.size
@@ -384,6 +381,11 @@ class Module(nn.Module):
                 + (f"; missing {missing}" if missing else "")
                 + (f"; unknown {sorted(extra)}" if extra else "")
             )
+        if meta["layout"] == "channels" and isinstance(x, torch.Tensor) and x.dim() >= 2 and x.shape[1] != self.size[0]:
+            raise ValueError(
+                f"{self.layer_name}: x has {x.shape[1]} channels (dimension 1 of shape {tuple(x.shape)}); "
+                f"this module was made for {self.size[0]}"
+            )
         params = {p: getattr(self, p) for p in meta["params"]}
         options = {o: getattr(self, o) for o in meta["options"]}
         bufs = {b: getattr(self, b) for b in meta["buffers"]}
@@ -398,6 +400,34 @@ class Module(nn.Module):
                 lay.update_buffers(stats, bufs, options, n)
             return y
         return _run(lay, x, params, inputs, options, self.training, bufs, self.num_groups)
+
+
+def _module_size(name: str, meta: dict, size: object) -> tuple[int, ...]:
+    """A Module's size as a tuple of positive ints: the number of channels C (one int) for a
+    channel layout, the normalized shape for a trailing one (an int or a sequence of them)."""
+    sizes = (size,) if isinstance(size, int) and not isinstance(size, bool) else size
+    try:
+        out = tuple(sizes)  # type: ignore[arg-type]
+    except TypeError:
+        out = ()
+    if not out or any(isinstance(s, bool) or not isinstance(s, int) or s <= 0 for s in out):
+        raise TypeError(f"{name}: size must be a positive int or a sequence of them, got {size!r}")
+    if meta["layout"] == "channels" and len(out) != 1:
+        raise ValueError(f"{name}: a channel layout's size is the number of channels C (one int), got {size!r}")
+    return out
+
+
+def _check_groups(name: str, meta: dict, num_groups: object, channels: int) -> None:
+    """num_groups given exactly for a layout with groups of channels, and dividing C (as
+    torch.nn.GroupNorm checks at construction)."""
+    if meta["reduce"] != "group":
+        if num_groups is not None:
+            raise TypeError(f"{name}: num_groups applies to a layout with reduce = 'group', not {meta['reduce']!r}")
+        return
+    if isinstance(num_groups, bool) or not isinstance(num_groups, int) or num_groups <= 0:
+        raise TypeError(f"{name}: num_groups must be a positive int, got {num_groups!r}")
+    if channels % num_groups:
+        raise ValueError(f"{name}: num_channels ({channels}) must be divisible by num_groups ({num_groups})")
 
 
 def _run(lay, x, params: dict, inputs: dict, options: dict, training: bool, bufs: dict, num_groups):

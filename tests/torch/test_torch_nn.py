@@ -278,6 +278,29 @@ def test_generic_module_for_any_spec(tmp_path):
         dt.Module(spec, 8, alpha=0.2, beta2=3)
 
 
+@pytest.mark.parametrize(
+    "args, kw, error, needle",
+    [
+        (("instancenorm", (3, 4)), {}, ValueError, "number of channels C"),
+        (("instancenorm", 6.0), {}, TypeError, "size must be a positive int"),
+        (("layernorm", -1), {}, TypeError, "size must be a positive int"),
+        (("layernorm", (4, 0)), {}, TypeError, "size must be a positive int"),
+        (("instancenorm", 4), {"num_groups": 2}, TypeError, "num_groups applies to a layout with reduce = 'group'"),
+        (("groupnorm", 4), {"num_groups": 3}, ValueError, "divisible by num_groups"),
+        (("groupnorm", 4), {}, TypeError, "num_groups must be a positive int"),
+    ],
+)
+def test_module_checks_its_size_and_groups_at_construction(args, kw, error, needle):
+    with pytest.raises(error, match=needle):
+        dt.Module(*args, **kw)
+
+
+def test_module_names_x_with_the_wrong_channel_count():
+    m = dt.Module("instancenorm", 3)
+    with pytest.raises(ValueError, match=r"x has 4 channels .* made for 3"):
+        m(torch.randn(2, 4, 5))
+
+
 def test_online_layernorm_module_against_plain_torch_autograd():
     """OnlineLayerNorm's output and gradients (x, gamma, beta and the running moments)
     against the material's definition written in plain torch and differentiated by autograd."""
