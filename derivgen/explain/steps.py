@@ -20,7 +20,7 @@ import sympy
 from derivgen.derive.first import ModeDerivation, Partial, mode_depends_on_x
 from derivgen.explain.document import latex_expr, text_expr
 from derivgen.spec.model import DY, Named, Spec, Statistic, X
-from derivgen.symbolic.reduce import Mean, ReductionAlgebra
+from derivgen.symbolic.reduce import GroupMin, Mean, ReductionAlgebra
 
 
 @dataclass(frozen=True)
@@ -116,7 +116,8 @@ def _selection_zero(p: Partial, names: _Names) -> tuple[str, str]:
     return (
         f"∂L/∂{st.text} through the group {names.expr_text(p.atom)}",
         (
-            f"∂L/∂{st.text} = {names.expr_text(p.raw)} = 0 for every ∂L/∂y: y does not change when "
+            f"∂L/∂{st.text} = {'' if p.raw == 0 else names.expr_text(p.raw) + ' = '}0 for every ∂L/∂y: "
+            "y does not change when "
             f"{st.text} shifts (it only keeps the arithmetic in range), so no gradient flows through "
             f"{st.text} and the backward needs no mask of the elements that attain it"
         ),
@@ -252,7 +253,7 @@ def _partial_equation(p: Partial, names: _Names) -> Equation:
             return Equation(partial_latex("L", st.latex), partial_text("L", st.text), sympy.S.Zero, note=why)
         note = (
             f"{st.text} = {names.expr_text(p.atom)} passes its gradient to the elements that attain it, "
-            "split evenly among ties (as torch.amax)"
+            f"split evenly among ties (as torch.{'amin' if isinstance(p.atom, GroupMin) else 'amax'})"
         )
         return Equation(partial_latex(st.latex, sub), partial_text(st.text, subt), p.value, note=note)
     lhs_l = partial_latex(st.latex, names.latex(p.wrt)) + r"\ \text{via}\ " + names.expr_latex(p.atom)

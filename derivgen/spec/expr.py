@@ -193,7 +193,9 @@ class _Builder:
         fname = node.func.id
         fn = functions.language().get(fname)
         arity = fn.arity if fn is not None else 1
-        if node.keywords or len(node.args) != arity or any(isinstance(a, ast.Starred) for a in node.args):
+        if node.keywords:
+            self.fail(node, f"{fname}() takes no keyword arguments: {_arguments(arity)}")
+        if len(node.args) != arity or any(isinstance(a, ast.Starred) for a in node.args):
             self.fail(node, f"{fname}() takes exactly {_arguments(arity)}")
         if fname in REDUCTIONS:
             if not self.allow_reductions:

@@ -475,7 +475,10 @@ class _Parser:
                 ctx.err(where, f"min {lo} is greater than max {hi}")
             default = ctx.number(f"{where}.default", entry["default"]) if "default" in entry else None
             if default is not None and ((lo is not None and default < lo) or (hi is not None and default > hi)):
-                ctx.err(f"{where}.default", f"{default} is outside [{lo}, {hi}]")
+                ctx.err(
+                    f"{where}.default",
+                    f"{default} is outside [{'-inf' if lo is None else lo}, {'inf' if hi is None else hi}]",
+                )
             level = (
                 domain.REAL
                 if lo is None
