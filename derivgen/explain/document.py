@@ -141,8 +141,11 @@ def _terminating(r: sympy.Rational) -> bool:
 
 
 def _long(r: sympy.Rational) -> bool:
-    """A terminating decimal of seven or more significant digits: one a person wrote as a decimal."""
-    return not r.is_Integer and _terminating(r) and len(_decimal_text(abs(r)).replace(".", "").strip("0")) >= 7
+    """A terminating decimal a person wrote as a decimal: seven or more significant digits, or
+    a denominator of 1000 or more (0.044715 rather than 8943/200000; 0.1 stays 1/10)."""
+    if r.is_Integer or not _terminating(r):
+        return False
+    return r.q >= 1000 or len(_decimal_text(abs(r)).replace(".", "").strip("0")) >= 7
 
 
 def _decimals(expr: sympy.Expr) -> sympy.Expr:
