@@ -31,7 +31,7 @@ from typing import NoReturn
 import sympy
 
 from derivgen.symbolic import functions
-from derivgen.symbolic.reduce import GroupMax, GroupMin, Mean
+from derivgen.symbolic.reduce import GroupMax, GroupMin, Mean, hide_reductions
 
 MAX_EXPR_CHARS = 2000
 MAX_DEPTH = 40
@@ -186,6 +186,16 @@ class _Builder:
             self.fail(node, "unsupported exponent")
         return sympy.Pow(base, exponent)
 
+    def selection(self, kind: type, arg: sympy.Expr) -> sympy.Expr:
+        """``max(e)`` or ``min(e)``; the terms of e that are one value per group (no x outside
+        a reduction: max(x - mean(x)) is max(x) - mean(x)) come out of the selection."""
+        x = self.names.get("x")
+        terms = sympy.Add.make_args(arg)
+        inner = [t for t in terms if x is not None and x in hide_reductions(t).free_symbols]
+        if not inner or len(inner) == len(terms):
+            return kind(arg)
+        return kind(sympy.Add(*inner)) + sympy.Add(*[t for t in terms if t not in inner])
+
     def call(self, node: ast.Call, depth: int) -> sympy.Expr:
         """A call of a table function (derivgen.symbolic.functions) or of a group reduction."""
         if not isinstance(node.func, ast.Name):
@@ -201,10 +211,8 @@ class _Builder:
             if not self.allow_reductions:
                 self.fail(node, f"{fname}() is a group reduction; define it under [statistics]")
             arg = self.build(node.args[0], depth)
-            if fname == "max":
-                return GroupMax(arg)
-            if fname == "min":
-                return GroupMin(arg)
+            if fname in ("max", "min"):
+                return self.selection(GroupMax if fname == "max" else GroupMin, arg)
             return Mean(arg) if fname == "mean" else self.group_size * Mean(arg)
         if fn is not None:
             return fn.build(*(self.build(a, depth) for a in node.args))

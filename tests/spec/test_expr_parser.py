@@ -72,3 +72,12 @@ def test_rejects_huge_input_quickly():
         with pytest.raises(ExprError):
             p(bad)
     assert time.perf_counter() - t0 < 2.0
+
+
+def test_group_values_come_out_of_a_group_maximum():
+    from derivgen.symbolic.reduce import GroupMax, GroupMin, Mean
+
+    assert p("max(x - mean(x))") == GroupMax(x) - Mean(x)
+    assert p("min(x**2 + mu + 1)") == GroupMin(x**2) + mu + 1
+    assert p("max(abs(x) + 1)") == GroupMax(abs(x)) + 1
+    assert p("max(mu*x)") == GroupMax(mu * x)  # a factor stays: its sign would decide max or min
