@@ -20,7 +20,7 @@ from pathlib import Path
 import click
 
 from derivgen import api
-from derivgen.explain.document import text_expr
+from derivgen.explain.document import mode_names, text_expr
 from derivgen.prove.proof import prove_derivation
 from derivgen.runtime.build import BuildError, BuildWarning, build_shared, library_path
 from derivgen.runtime.fsutil import atomic_write
@@ -250,7 +250,7 @@ def prove_cmd(names: tuple[str, ...], spec_files: tuple[str, ...], prove_sizes: 
                     str(len(mode.reductions)),
                     proof.status,
                     f"{sum(r.seconds for r in proof.results):.1f}s",
-                    "∂L/∂x = " + text_expr(mode.dx, spec),
+                    "∂L/∂x = " + text_expr(mode.dx, spec, extra=mode_names(mode)),
                 )
             )
     progress.done()

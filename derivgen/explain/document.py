@@ -392,7 +392,7 @@ def render(spec: Spec, modes: list[ModeDocument], fmt: str = "latex", standalone
     return _render_text(spec, modes) + second
 
 
-def _extra(mode: ModeDerivation) -> dict:
+def mode_names(mode: ModeDerivation) -> dict:
     """Display names beyond the spec's: the auxiliaries and the centred coordinate."""
     out = {s.name: s for s in mode.statistics}
     if mode.coordinate is not None:
@@ -412,7 +412,7 @@ def closed_forms_latex(spec: Spec, steps: Mapping[str, tuple], modes: Mapping[st
                 continue
             for eq in step.equations:
                 if eq.rhs is not None and not eq.lhs_latex.startswith(r"\sum"):
-                    lines.append(f"{eq.lhs_latex} &= {latex_expr(eq.rhs, spec, extra=_extra(modes[name]))}")
+                    lines.append(f"{eq.lhs_latex} &= {latex_expr(eq.rhs, spec, extra=mode_names(modes[name]))}")
     return r"\begin{aligned}" + " \\\\ ".join(lines) + r"\end{aligned}"
 
 
@@ -446,7 +446,7 @@ def _latex_step(step, spec: Spec, mode: ModeDerivation, heading: str) -> list[st
             if eq.rhs is None:
                 lines.append(eq.lhs_latex.replace(" = ", " &= ", 1))
             else:
-                lines.append(f"{eq.lhs_latex} &{_rel(eq, 'latex')} " + latex_expr(eq.rhs, spec, extra=_extra(mode)))
+                lines.append(f"{eq.lhs_latex} &{_rel(eq, 'latex')} " + latex_expr(eq.rhs, spec, extra=mode_names(mode)))
         out += [r"\begin{align*}", " \\\\\n".join(lines), r"\end{align*}"]
         out += _latex_notes(step)
     out.append("")
@@ -517,7 +517,7 @@ def _render_markdown(spec: Spec, modes: list[ModeDocument]) -> str:
                 if eq.rhs is None:
                     out.append(f"$$ {eq.lhs_latex} $$")
                 else:
-                    rhs = latex_expr(eq.rhs, spec, extra=_extra(mode))
+                    rhs = latex_expr(eq.rhs, spec, extra=mode_names(mode))
                     out.append(f"$$ {eq.lhs_latex} {_rel(eq, 'latex')} {rhs} $$")
                 if eq.note:
                     out.append(f"*{eq.note}*")
@@ -543,7 +543,9 @@ def _render_text(spec: Spec, modes: list[ModeDocument]) -> str:
             if step.prose:
                 out += [step.prose]
             for eq in step.equations:
-                rhs = "" if eq.rhs is None else f" {_rel(eq, 'text')} " + text_expr(eq.rhs, spec, extra=_extra(mode))
+                rhs = (
+                    "" if eq.rhs is None else f" {_rel(eq, 'text')} " + text_expr(eq.rhs, spec, extra=mode_names(mode))
+                )
                 out.append("  " + eq.lhs_text + rhs)
                 if eq.note:
                     out.append(f"      ({eq.note})")
@@ -629,7 +631,7 @@ def render_second(spec: Spec, modes: list[ModeDocument], fmt: str) -> str:
     for doc in modes:
         mode, second = doc.derivation, doc.second
         prose, eqs, lines = _second_prose(second), _second_equations(second), _second_proof_lines(doc.second_proof)
-        extra = {**_extra(mode), **second.names}
+        extra = {**mode_names(mode), **second.names}
         mt = _mode_title(mode, len(modes))
         title = "Second order" + (f" ({mt.lower()})" if mt else "")
         if fmt == "latex":
