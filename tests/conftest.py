@@ -19,7 +19,7 @@ IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
 # tests/triton run the generated Triton kernels on CPU tensors under Triton's interpreter; Triton
 # reads this when it is first imported (torch.compile's tests may import it first), so it is set
-# before any test runs (on a GPU machine, TRITON_INTERPRET=0 runs them on CUDA: see docs/triton.md)
+# before any test runs
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # every kernel the tests build must compile without a single warning (users' builds only show them)

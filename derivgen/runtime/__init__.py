@@ -62,6 +62,7 @@ from derivgen.runtime.base import (
     _param_dtypes,
     _param_shapes,
     check_out,
+    named_errors,
 )
 from derivgen.runtime.elementwise import erf, indicator, sigmoid, softplus, step, stop_gradient
 from derivgen.runtime.executor import (
@@ -227,6 +228,7 @@ def _buffers(meta: dict, buffers: dict, layout: Layout, dtype: np.dtype, mode: s
     return bufs
 
 
+@named_errors
 def prepare_forward(
     meta: dict,
     x: np.ndarray,
@@ -282,6 +284,7 @@ class BackwardCall:
     outs: dict[str, np.ndarray]  # dx (x shape), d<param> (param shape), d<input> (n_groups)
 
 
+@named_errors
 def prepare_backward(
     meta: dict,
     dy: np.ndarray,

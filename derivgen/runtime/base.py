@@ -8,7 +8,8 @@ module imports none of them.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -188,3 +189,20 @@ def check_out(name: str, out: np.ndarray | None, shape: Sequence[int], dtype: np
     if not out.flags.c_contiguous or not out.flags.writeable:
         raise ValueError(f"{name} must be a writeable C-contiguous array")
     return out
+
+
+def named_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn(meta, ...)`` whose TypeError and ValueError messages start with the layer's
+    name (``layernorm: eps must lie in ...``), as every error of a call does."""
+
+    @functools.wraps(fn)
+    def checked(meta: dict, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(meta, *args, **kwargs)
+        except (TypeError, ValueError) as exc:
+            prefix = f"{meta['name']}: "
+            if type(exc) not in (TypeError, ValueError) or str(exc).startswith(prefix):
+                raise
+            raise type(exc)(prefix + str(exc)) from None
+
+    return checked

@@ -21,6 +21,7 @@ from derivgen.runtime.base import (
     _no_overlap,
     _out_by_field,
     check_out,
+    named_errors,
 )
 from derivgen.runtime.validate import check_float
 
@@ -84,6 +85,7 @@ def _seeds(meta: dict, what: str, params: Any, inputs: Any, cache: Cache) -> tup
     return sp, si
 
 
+@named_errors
 def prepare_backward_backward(
     meta: dict,
     dy: np.ndarray,
@@ -109,6 +111,7 @@ def prepare_backward_backward(
     return SecondCall(cache, dy, seed_x, sp, si, outs)
 
 
+@named_errors
 def prepare_jvp(
     meta: dict,
     cache: Cache,

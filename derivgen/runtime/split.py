@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from derivgen.runtime.base import _by_name, _check_array, _contig, _inputs, _param_dtypes, _param_shapes
+from derivgen.runtime.base import _by_name, _check_array, _contig, _inputs, _param_dtypes, _param_shapes, named_errors
 from derivgen.runtime.validate import Layout, check_float, check_options, layout_from_shapes, scalar_params
 
 
@@ -48,6 +48,7 @@ def split_layout(meta: dict, x_shape: Sequence[int], param_shapes: dict[str, Seq
     return layout_from_shapes(meta, x_shape, param_shapes, None)
 
 
+@named_errors
 def prepare_split(
     meta: dict,
     x: np.ndarray,
