@@ -314,8 +314,9 @@ static inline int Dg_direct(int stream, int64_t n)
  * (a scalar head to the first 64-byte boundary), and short ones that start on a 64-byte
  * boundary and hold whole lane blocks, so that they need neither head nor tail: rows of
  * 128 or 256 floats in an aligned array. Short rows written in place read every line of
- * the output before overwriting it (measured, layer norm 65536x128 on an AVX-512 Xeon:
- * the forward and backward wrote at copy speed, not at streaming-store speed). */
+ * the output before overwriting it: measured side by side (layer norm, AVX-512 build,
+ * Intel Xeon, one thread, caches flushed before each call), streaming them made
+ * 65536x128 1.2x faster forward and 1.35x backward, 16384x256 1.2x and 1.3x. */
 static inline int Dg_direct_row(int stream, int64_t n, const void *p)
 {
     return stream && (n >= DG_DIRECT_MIN || (((uintptr_t)p & 63u) == 0 && n % DG_LANES == 0));
@@ -325,7 +326,8 @@ static inline int Dg_direct_row(int stream, int64_t n, const void *p)
  * each thread's share rounded up to whole 64-byte lines from a line-aligned base, so
  * that no two threads write into one cache line (they did: with a 128-channel layer
  * norm the two threads' float partials shared a line that both wrote every row, and the
- * backward at 65536x128 took 1.2x as long on two threads as with the padding).
+ * backward at 65536x128 took 1.2x as long on two threads as with the padding, measured
+ * side by side on the Xeon above).
  * Dg_stride: elements of `size` bytes per thread; Dg_line: p rounded up to a line
  * (allocate DG_LINE_SLACK more bytes for it). */
 #define DG_LINE_SLACK 64
