@@ -92,6 +92,14 @@ class CKernel:
         fn(m.stream_bytes, m.tile_bytes)
 
     @property
+    def target(self) -> str:
+        """The -march this library is built for: the x86-64 level the load-time dispatch
+        picked from cpuid ("x86-64-v4", "x86-64-v3", ...), or what $CFLAGS / ``cflags`` name."""
+        from derivgen.runtime.build import build_target
+
+        return build_target(self.cflags)
+
+    @property
     def isa(self) -> str:
         """The instruction sets this build of the kernels targets ("avx2 fma sse2", ...)."""
         fn = self.lib[f"{self.meta['name']}_isa"]

@@ -336,19 +336,24 @@ int batchnorm_train_backward_f32(
     const int64_t P = 2;      /* parameters */
     (void)dy;
     /* per-thread partial sums of the parameter gradients, reduced once at the end;
-     * runs along the channel axis add into float pend, flushed into part every DG_PEND runs */
-    double *Part = (double *)calloc((size_t)(Nth * P * C) + 1, sizeof(double));
-    float *Pend_all = (float *)calloc((size_t)(Nth * P * C) + 1, sizeof(float));
-    if (Part == NULL || Pend_all == NULL) {
-        free(Part);
-        free(Pend_all);
+     * runs along the channel axis add into float pend, flushed into part every DG_PEND runs
+     * (each thread's share in whole cache lines: Dg_stride) */
+    const int64_t Stride = Dg_stride(P * C, (int64_t)sizeof(double));
+    const int64_t Pend_stride = Dg_stride(P * C, (int64_t)sizeof(float));
+    double *Part_mem = (double *)calloc((size_t)(Nth * Stride) + DG_LINE_SLACK, sizeof(double));
+    float *Pend_mem = (float *)calloc((size_t)(Nth * Pend_stride) + DG_LINE_SLACK, sizeof(float));
+    if (Part_mem == NULL || Pend_mem == NULL) {
+        free(Part_mem);
+        free(Pend_mem);
         return -1;
     }
+    double *Part = (double *)Dg_line(Part_mem);
+    float *Pend_all = (float *)Dg_line(Pend_mem);
     DG_PRAGMA(omp parallel num_threads(Nth))
     {
-        double *restrict Mine = Part + (int64_t)Dg_thread_id() * P * C;
+        double *restrict Mine = Part + (int64_t)Dg_thread_id() * Stride;
         (void)Mine;
-        float *restrict Pend = Pend_all + (int64_t)Dg_thread_id() * P * C;
+        float *restrict Pend = Pend_all + (int64_t)Dg_thread_id() * Pend_stride;
         int Pending = 0;                             /* runs added into pend since its last flush */
         int64_t Pend_lo = C, Pend_hi = 0;            /* the channels they touched */
         const int dx_Stream = Dg_stream_on(Total, (int64_t)sizeof(float));
@@ -612,16 +617,16 @@ int batchnorm_train_backward_f32(
     }
     for (int64_t Cc = 0; Cc < C; ++Cc) {       /* dgamma */
         double Acc = 0.0;
-        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * P * C + 0 * C + Cc];
+        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * Stride + 0 * C + Cc];
         dgamma[Cc] = (float)(Acc);
     }
     for (int64_t Cc = 0; Cc < C; ++Cc) {       /* dbeta */
         double Acc = 0.0;
-        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * P * C + 1 * C + Cc];
+        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * Stride + 1 * C + Cc];
         dbeta[Cc] = (float)(Acc);
     }
-    free(Pend_all);
-    free(Part);
+    free(Pend_mem);
+    free(Part_mem);
     return 0;
 }
 
@@ -673,12 +678,14 @@ int batchnorm_train_bb_f32(
     (void)Seed_x;
     (void)gamma_Seed;
     (void)beta_Seed;
-    double *Part = (double *)calloc((size_t)(Nth * P * C) + 1, sizeof(double));
-    if (Part == NULL)
+    const int64_t Stride = Dg_stride(P * C, (int64_t)sizeof(double));   /* whole cache lines per thread */
+    double *Part_mem = (double *)calloc((size_t)(Nth * Stride) + DG_LINE_SLACK, sizeof(double));
+    if (Part_mem == NULL)
         return -1;
+    double *Part = (double *)Dg_line(Part_mem);
     DG_PRAGMA(omp parallel num_threads(Nth))
     {
-        double *restrict Mine = Part + (int64_t)Dg_thread_id() * P * C;
+        double *restrict Mine = Part + (int64_t)Dg_thread_id() * Stride;
         (void)Mine;
         int64_t Lo, Hi;
         Dg_share(N_groups, &Lo, &Hi);              /* this thread's groups (as schedule(static)) */
@@ -931,15 +938,15 @@ int batchnorm_train_bb_f32(
     }
     for (int64_t Cc = 0; Cc < C; ++Cc) {       /* dgamma */
         double Acc = 0.0;
-        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * P * C + 0 * C + Cc];
+        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * Stride + 0 * C + Cc];
         gamma_Out[Cc] = (float)(Acc);
     }
     for (int64_t Cc = 0; Cc < C; ++Cc) {       /* dbeta */
         double Acc = 0.0;
-        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * P * C + 1 * C + Cc];
+        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * Stride + 1 * C + Cc];
         beta_Out[Cc] = (float)(Acc);
     }
-    free(Part);
+    free(Part_mem);
     return 0;
 }
 
@@ -1708,19 +1715,24 @@ int batchnorm_train_split_bapply_f32(
     const int64_t P = 2;      /* parameters */
     (void)dy;
     /* per-thread partial sums of the parameter gradients, reduced once at the end;
-     * runs along the channel axis add into float pend, flushed into part every DG_PEND runs */
-    double *Part = (double *)calloc((size_t)(Nth * P * C) + 1, sizeof(double));
-    float *Pend_all = (float *)calloc((size_t)(Nth * P * C) + 1, sizeof(float));
-    if (Part == NULL || Pend_all == NULL) {
-        free(Part);
-        free(Pend_all);
+     * runs along the channel axis add into float pend, flushed into part every DG_PEND runs
+     * (each thread's share in whole cache lines: Dg_stride) */
+    const int64_t Stride = Dg_stride(P * C, (int64_t)sizeof(double));
+    const int64_t Pend_stride = Dg_stride(P * C, (int64_t)sizeof(float));
+    double *Part_mem = (double *)calloc((size_t)(Nth * Stride) + DG_LINE_SLACK, sizeof(double));
+    float *Pend_mem = (float *)calloc((size_t)(Nth * Pend_stride) + DG_LINE_SLACK, sizeof(float));
+    if (Part_mem == NULL || Pend_mem == NULL) {
+        free(Part_mem);
+        free(Pend_mem);
         return -1;
     }
+    double *Part = (double *)Dg_line(Part_mem);
+    float *Pend_all = (float *)Dg_line(Pend_mem);
     DG_PRAGMA(omp parallel num_threads(Nth))
     {
-        double *restrict Mine = Part + (int64_t)Dg_thread_id() * P * C;
+        double *restrict Mine = Part + (int64_t)Dg_thread_id() * Stride;
         (void)Mine;
-        float *restrict Pend = Pend_all + (int64_t)Dg_thread_id() * P * C;
+        float *restrict Pend = Pend_all + (int64_t)Dg_thread_id() * Pend_stride;
         int Pending = 0;                             /* runs added into pend since its last flush */
         int64_t Pend_lo = C, Pend_hi = 0;            /* the channels they touched */
         const int dx_Stream = Dg_stream_on(Total, (int64_t)sizeof(float));
@@ -1887,16 +1899,16 @@ int batchnorm_train_split_bapply_f32(
     }
     for (int64_t Cc = 0; Cc < C; ++Cc) {       /* dgamma */
         double Acc = 0.0;
-        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * P * C + 0 * C + Cc];
+        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * Stride + 0 * C + Cc];
         dgamma[Cc] = (float)(Acc);
     }
     for (int64_t Cc = 0; Cc < C; ++Cc) {       /* dbeta */
         double Acc = 0.0;
-        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * P * C + 1 * C + Cc];
+        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * Stride + 1 * C + Cc];
         dbeta[Cc] = (float)(Acc);
     }
-    free(Pend_all);
-    free(Part);
+    free(Pend_mem);
+    free(Part_mem);
     return 0;
 }
 #endif /* DG_WANT_FLOAT */
@@ -2224,8 +2236,9 @@ const int64_t Full = S - S % DG_LANES;          /* positions past it go to lane 
         return -1;
     }
     /* per-thread partial sums of scalar parameters' gradients, in the NCHW kernels' order */
-    double *Part = (double *)calloc((size_t)(Nth * P * C) + 1, sizeof(double));
-    if (Part == NULL) {
+    const int64_t Stride = Dg_stride(P * C, (int64_t)sizeof(double));   /* whole cache lines per thread */
+    double *Part_mem = (double *)calloc((size_t)(Nth * Stride) + DG_LINE_SLACK, sizeof(double));
+    if (Part_mem == NULL) {
     free(Gv_mean);
     free(Gv_var);
     free(Gv_rstd);
@@ -2251,6 +2264,7 @@ const int64_t Full = S - S % DG_LANES;          /* positions past it go to lane 
 
         return -1;
     }
+    double *Part = (double *)Dg_line(Part_mem);
     DG_PRAGMA(omp parallel num_threads(Nth))
     {
         DG_PRAGMA(omp for schedule(static))
@@ -2426,15 +2440,15 @@ const int64_t Full = S - S % DG_LANES;          /* positions past it go to lane 
     }
     for (int64_t Cc = 0; Cc < C; ++Cc) {       /* dgamma */
         double Acc = 0.0 + Dp0[Cc];
-        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * P * C + 0 * C + Cc];
+        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * Stride + 0 * C + Cc];
         dgamma[Cc] = (float)(Acc);
     }
     for (int64_t Cc = 0; Cc < C; ++Cc) {       /* dbeta */
         double Acc = 0.0 + Dp1[Cc];
-        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * P * C + 1 * C + Cc];
+        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * Stride + 1 * C + Cc];
         dbeta[Cc] = (float)(Acc);
     }
-    free(Part);
+    free(Part_mem);
     free(Gv_mean);
     free(Gv_var);
     free(Gv_rstd);
@@ -2727,19 +2741,24 @@ int batchnorm_train_backward_f64(
     const int64_t P = 2;      /* parameters */
     (void)dy;
     /* per-thread partial sums of the parameter gradients, reduced once at the end;
-     * runs along the channel axis add into float pend, flushed into part every DG_PEND runs */
-    double *Part = (double *)calloc((size_t)(Nth * P * C) + 1, sizeof(double));
-    double *Pend_all = (double *)calloc((size_t)(Nth * P * C) + 1, sizeof(double));
-    if (Part == NULL || Pend_all == NULL) {
-        free(Part);
-        free(Pend_all);
+     * runs along the channel axis add into float pend, flushed into part every DG_PEND runs
+     * (each thread's share in whole cache lines: Dg_stride) */
+    const int64_t Stride = Dg_stride(P * C, (int64_t)sizeof(double));
+    const int64_t Pend_stride = Dg_stride(P * C, (int64_t)sizeof(double));
+    double *Part_mem = (double *)calloc((size_t)(Nth * Stride) + DG_LINE_SLACK, sizeof(double));
+    double *Pend_mem = (double *)calloc((size_t)(Nth * Pend_stride) + DG_LINE_SLACK, sizeof(double));
+    if (Part_mem == NULL || Pend_mem == NULL) {
+        free(Part_mem);
+        free(Pend_mem);
         return -1;
     }
+    double *Part = (double *)Dg_line(Part_mem);
+    double *Pend_all = (double *)Dg_line(Pend_mem);
     DG_PRAGMA(omp parallel num_threads(Nth))
     {
-        double *restrict Mine = Part + (int64_t)Dg_thread_id() * P * C;
+        double *restrict Mine = Part + (int64_t)Dg_thread_id() * Stride;
         (void)Mine;
-        double *restrict Pend = Pend_all + (int64_t)Dg_thread_id() * P * C;
+        double *restrict Pend = Pend_all + (int64_t)Dg_thread_id() * Pend_stride;
         int Pending = 0;                             /* runs added into pend since its last flush */
         int64_t Pend_lo = C, Pend_hi = 0;            /* the channels they touched */
         const int dx_Stream = Dg_stream_on(Total, (int64_t)sizeof(double));
@@ -2994,16 +3013,16 @@ int batchnorm_train_backward_f64(
     }
     for (int64_t Cc = 0; Cc < C; ++Cc) {       /* dgamma */
         double Acc = 0.0;
-        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * P * C + 0 * C + Cc];
+        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * Stride + 0 * C + Cc];
         dgamma[Cc] = (double)(Acc);
     }
     for (int64_t Cc = 0; Cc < C; ++Cc) {       /* dbeta */
         double Acc = 0.0;
-        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * P * C + 1 * C + Cc];
+        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * Stride + 1 * C + Cc];
         dbeta[Cc] = (double)(Acc);
     }
-    free(Pend_all);
-    free(Part);
+    free(Pend_mem);
+    free(Part_mem);
     return 0;
 }
 
@@ -3055,12 +3074,14 @@ int batchnorm_train_bb_f64(
     (void)Seed_x;
     (void)gamma_Seed;
     (void)beta_Seed;
-    double *Part = (double *)calloc((size_t)(Nth * P * C) + 1, sizeof(double));
-    if (Part == NULL)
+    const int64_t Stride = Dg_stride(P * C, (int64_t)sizeof(double));   /* whole cache lines per thread */
+    double *Part_mem = (double *)calloc((size_t)(Nth * Stride) + DG_LINE_SLACK, sizeof(double));
+    if (Part_mem == NULL)
         return -1;
+    double *Part = (double *)Dg_line(Part_mem);
     DG_PRAGMA(omp parallel num_threads(Nth))
     {
-        double *restrict Mine = Part + (int64_t)Dg_thread_id() * P * C;
+        double *restrict Mine = Part + (int64_t)Dg_thread_id() * Stride;
         (void)Mine;
         int64_t Lo, Hi;
         Dg_share(N_groups, &Lo, &Hi);              /* this thread's groups (as schedule(static)) */
@@ -3313,15 +3334,15 @@ int batchnorm_train_bb_f64(
     }
     for (int64_t Cc = 0; Cc < C; ++Cc) {       /* dgamma */
         double Acc = 0.0;
-        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * P * C + 0 * C + Cc];
+        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * Stride + 0 * C + Cc];
         gamma_Out[Cc] = (double)(Acc);
     }
     for (int64_t Cc = 0; Cc < C; ++Cc) {       /* dbeta */
         double Acc = 0.0;
-        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * P * C + 1 * C + Cc];
+        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * Stride + 1 * C + Cc];
         beta_Out[Cc] = (double)(Acc);
     }
-    free(Part);
+    free(Part_mem);
     return 0;
 }
 
@@ -4082,19 +4103,24 @@ int batchnorm_train_split_bapply_f64(
     const int64_t P = 2;      /* parameters */
     (void)dy;
     /* per-thread partial sums of the parameter gradients, reduced once at the end;
-     * runs along the channel axis add into float pend, flushed into part every DG_PEND runs */
-    double *Part = (double *)calloc((size_t)(Nth * P * C) + 1, sizeof(double));
-    double *Pend_all = (double *)calloc((size_t)(Nth * P * C) + 1, sizeof(double));
-    if (Part == NULL || Pend_all == NULL) {
-        free(Part);
-        free(Pend_all);
+     * runs along the channel axis add into float pend, flushed into part every DG_PEND runs
+     * (each thread's share in whole cache lines: Dg_stride) */
+    const int64_t Stride = Dg_stride(P * C, (int64_t)sizeof(double));
+    const int64_t Pend_stride = Dg_stride(P * C, (int64_t)sizeof(double));
+    double *Part_mem = (double *)calloc((size_t)(Nth * Stride) + DG_LINE_SLACK, sizeof(double));
+    double *Pend_mem = (double *)calloc((size_t)(Nth * Pend_stride) + DG_LINE_SLACK, sizeof(double));
+    if (Part_mem == NULL || Pend_mem == NULL) {
+        free(Part_mem);
+        free(Pend_mem);
         return -1;
     }
+    double *Part = (double *)Dg_line(Part_mem);
+    double *Pend_all = (double *)Dg_line(Pend_mem);
     DG_PRAGMA(omp parallel num_threads(Nth))
     {
-        double *restrict Mine = Part + (int64_t)Dg_thread_id() * P * C;
+        double *restrict Mine = Part + (int64_t)Dg_thread_id() * Stride;
         (void)Mine;
-        double *restrict Pend = Pend_all + (int64_t)Dg_thread_id() * P * C;
+        double *restrict Pend = Pend_all + (int64_t)Dg_thread_id() * Pend_stride;
         int Pending = 0;                             /* runs added into pend since its last flush */
         int64_t Pend_lo = C, Pend_hi = 0;            /* the channels they touched */
         const int dx_Stream = Dg_stream_on(Total, (int64_t)sizeof(double));
@@ -4256,16 +4282,16 @@ int batchnorm_train_split_bapply_f64(
     }
     for (int64_t Cc = 0; Cc < C; ++Cc) {       /* dgamma */
         double Acc = 0.0;
-        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * P * C + 0 * C + Cc];
+        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * Stride + 0 * C + Cc];
         dgamma[Cc] = (double)(Acc);
     }
     for (int64_t Cc = 0; Cc < C; ++Cc) {       /* dbeta */
         double Acc = 0.0;
-        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * P * C + 1 * C + Cc];
+        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * Stride + 1 * C + Cc];
         dbeta[Cc] = (double)(Acc);
     }
-    free(Pend_all);
-    free(Part);
+    free(Pend_mem);
+    free(Part_mem);
     return 0;
 }
 #endif /* DG_WANT_FLOAT */
@@ -4558,8 +4584,9 @@ const int64_t Full = S - S % DG_LANES;          /* positions past it go to lane 
         return -1;
     }
     /* per-thread partial sums of scalar parameters' gradients, in the NCHW kernels' order */
-    double *Part = (double *)calloc((size_t)(Nth * P * C) + 1, sizeof(double));
-    if (Part == NULL) {
+    const int64_t Stride = Dg_stride(P * C, (int64_t)sizeof(double));   /* whole cache lines per thread */
+    double *Part_mem = (double *)calloc((size_t)(Nth * Stride) + DG_LINE_SLACK, sizeof(double));
+    if (Part_mem == NULL) {
     free(Gv_mean);
     free(Gv_var);
     free(Gv_rstd);
@@ -4579,6 +4606,7 @@ const int64_t Full = S - S % DG_LANES;          /* positions past it go to lane 
 
         return -1;
     }
+    double *Part = (double *)Dg_line(Part_mem);
     DG_PRAGMA(omp parallel num_threads(Nth))
     {
         DG_PRAGMA(omp for schedule(static))
@@ -4733,15 +4761,15 @@ const int64_t Full = S - S % DG_LANES;          /* positions past it go to lane 
     }
     for (int64_t Cc = 0; Cc < C; ++Cc) {       /* dgamma */
         double Acc = 0.0 + Dp0[Cc];
-        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * P * C + 0 * C + Cc];
+        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * Stride + 0 * C + Cc];
         dgamma[Cc] = (double)(Acc);
     }
     for (int64_t Cc = 0; Cc < C; ++Cc) {       /* dbeta */
         double Acc = 0.0 + Dp1[Cc];
-        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * P * C + 1 * C + Cc];
+        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * Stride + 1 * C + Cc];
         dbeta[Cc] = (double)(Acc);
     }
-    free(Part);
+    free(Part_mem);
     free(Gv_mean);
     free(Gv_var);
     free(Gv_rstd);
@@ -5032,19 +5060,24 @@ int batchnorm_train_backward_bf16(
     const int64_t P = 2;      /* parameters */
     (void)dy;
     /* per-thread partial sums of the parameter gradients, reduced once at the end;
-     * runs along the channel axis add into float pend, flushed into part every DG_PEND runs */
-    double *Part = (double *)calloc((size_t)(Nth * P * C) + 1, sizeof(double));
-    float *Pend_all = (float *)calloc((size_t)(Nth * P * C) + 1, sizeof(float));
-    if (Part == NULL || Pend_all == NULL) {
-        free(Part);
-        free(Pend_all);
+     * runs along the channel axis add into float pend, flushed into part every DG_PEND runs
+     * (each thread's share in whole cache lines: Dg_stride) */
+    const int64_t Stride = Dg_stride(P * C, (int64_t)sizeof(double));
+    const int64_t Pend_stride = Dg_stride(P * C, (int64_t)sizeof(float));
+    double *Part_mem = (double *)calloc((size_t)(Nth * Stride) + DG_LINE_SLACK, sizeof(double));
+    float *Pend_mem = (float *)calloc((size_t)(Nth * Pend_stride) + DG_LINE_SLACK, sizeof(float));
+    if (Part_mem == NULL || Pend_mem == NULL) {
+        free(Part_mem);
+        free(Pend_mem);
         return -1;
     }
+    double *Part = (double *)Dg_line(Part_mem);
+    float *Pend_all = (float *)Dg_line(Pend_mem);
     DG_PRAGMA(omp parallel num_threads(Nth))
     {
-        double *restrict Mine = Part + (int64_t)Dg_thread_id() * P * C;
+        double *restrict Mine = Part + (int64_t)Dg_thread_id() * Stride;
         (void)Mine;
-        float *restrict Pend = Pend_all + (int64_t)Dg_thread_id() * P * C;
+        float *restrict Pend = Pend_all + (int64_t)Dg_thread_id() * Pend_stride;
         int Pending = 0;                             /* runs added into pend since its last flush */
         int64_t Pend_lo = C, Pend_hi = 0;            /* the channels they touched */
         const int dx_Stream = 0;   /* bfloat16 outputs are written in place */
@@ -5308,16 +5341,16 @@ int batchnorm_train_backward_bf16(
     }
     for (int64_t Cc = 0; Cc < C; ++Cc) {       /* dgamma */
         double Acc = 0.0;
-        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * P * C + 0 * C + Cc];
+        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * Stride + 0 * C + Cc];
         dgamma[Cc] = Dg_to_bf16((float)(Acc));
     }
     for (int64_t Cc = 0; Cc < C; ++Cc) {       /* dbeta */
         double Acc = 0.0;
-        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * P * C + 1 * C + Cc];
+        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * Stride + 1 * C + Cc];
         dbeta[Cc] = Dg_to_bf16((float)(Acc));
     }
-    free(Pend_all);
-    free(Part);
+    free(Pend_mem);
+    free(Part_mem);
     return 0;
 }
 #endif /* DG_WANT_EXTRAS */
@@ -5645,8 +5678,9 @@ const int64_t Full = S - S % DG_LANES;          /* positions past it go to lane 
         return -1;
     }
     /* per-thread partial sums of scalar parameters' gradients, in the NCHW kernels' order */
-    double *Part = (double *)calloc((size_t)(Nth * P * C) + 1, sizeof(double));
-    if (Part == NULL) {
+    const int64_t Stride = Dg_stride(P * C, (int64_t)sizeof(double));   /* whole cache lines per thread */
+    double *Part_mem = (double *)calloc((size_t)(Nth * Stride) + DG_LINE_SLACK, sizeof(double));
+    if (Part_mem == NULL) {
     free(Gv_mean);
     free(Gv_var);
     free(Gv_rstd);
@@ -5672,6 +5706,7 @@ const int64_t Full = S - S % DG_LANES;          /* positions past it go to lane 
 
         return -1;
     }
+    double *Part = (double *)Dg_line(Part_mem);
     DG_PRAGMA(omp parallel num_threads(Nth))
     {
         DG_PRAGMA(omp for schedule(static))
@@ -5847,15 +5882,15 @@ const int64_t Full = S - S % DG_LANES;          /* positions past it go to lane 
     }
     for (int64_t Cc = 0; Cc < C; ++Cc) {       /* dgamma */
         double Acc = 0.0 + Dp0[Cc];
-        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * P * C + 0 * C + Cc];
+        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * Stride + 0 * C + Cc];
         dgamma[Cc] = Dg_to_bf16((float)(Acc));
     }
     for (int64_t Cc = 0; Cc < C; ++Cc) {       /* dbeta */
         double Acc = 0.0 + Dp1[Cc];
-        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * P * C + 1 * C + Cc];
+        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * Stride + 1 * C + Cc];
         dbeta[Cc] = Dg_to_bf16((float)(Acc));
     }
-    free(Part);
+    free(Part_mem);
     free(Gv_mean);
     free(Gv_var);
     free(Gv_rstd);
@@ -6096,19 +6131,24 @@ int batchnorm_eval_backward_f32(
     const int64_t P = 2;      /* parameters */
     (void)dy;
     /* per-thread partial sums of the parameter gradients, reduced once at the end;
-     * runs along the channel axis add into float pend, flushed into part every DG_PEND runs */
-    double *Part = (double *)calloc((size_t)(Nth * P * C) + 1, sizeof(double));
-    float *Pend_all = (float *)calloc((size_t)(Nth * P * C) + 1, sizeof(float));
-    if (Part == NULL || Pend_all == NULL) {
-        free(Part);
-        free(Pend_all);
+     * runs along the channel axis add into float pend, flushed into part every DG_PEND runs
+     * (each thread's share in whole cache lines: Dg_stride) */
+    const int64_t Stride = Dg_stride(P * C, (int64_t)sizeof(double));
+    const int64_t Pend_stride = Dg_stride(P * C, (int64_t)sizeof(float));
+    double *Part_mem = (double *)calloc((size_t)(Nth * Stride) + DG_LINE_SLACK, sizeof(double));
+    float *Pend_mem = (float *)calloc((size_t)(Nth * Pend_stride) + DG_LINE_SLACK, sizeof(float));
+    if (Part_mem == NULL || Pend_mem == NULL) {
+        free(Part_mem);
+        free(Pend_mem);
         return -1;
     }
+    double *Part = (double *)Dg_line(Part_mem);
+    float *Pend_all = (float *)Dg_line(Pend_mem);
     DG_PRAGMA(omp parallel num_threads(Nth))
     {
-        double *restrict Mine = Part + (int64_t)Dg_thread_id() * P * C;
+        double *restrict Mine = Part + (int64_t)Dg_thread_id() * Stride;
         (void)Mine;
-        float *restrict Pend = Pend_all + (int64_t)Dg_thread_id() * P * C;
+        float *restrict Pend = Pend_all + (int64_t)Dg_thread_id() * Pend_stride;
         int Pending = 0;                             /* runs added into pend since its last flush */
         int64_t Pend_lo = C, Pend_hi = 0;            /* the channels they touched */
         const int dx_Stream = Dg_stream_on(Total, (int64_t)sizeof(float));
@@ -6284,16 +6324,16 @@ int batchnorm_eval_backward_f32(
     }
     for (int64_t Cc = 0; Cc < C; ++Cc) {       /* dgamma */
         double Acc = 0.0;
-        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * P * C + 0 * C + Cc];
+        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * Stride + 0 * C + Cc];
         dgamma[Cc] = (float)(Acc);
     }
     for (int64_t Cc = 0; Cc < C; ++Cc) {       /* dbeta */
         double Acc = 0.0;
-        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * P * C + 1 * C + Cc];
+        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * Stride + 1 * C + Cc];
         dbeta[Cc] = (float)(Acc);
     }
-    free(Pend_all);
-    free(Part);
+    free(Pend_mem);
+    free(Part_mem);
     return 0;
 }
 
@@ -6345,12 +6385,14 @@ int batchnorm_eval_bb_f32(
     (void)Seed_x;
     (void)gamma_Seed;
     (void)beta_Seed;
-    double *Part = (double *)calloc((size_t)(Nth * P * C) + 1, sizeof(double));
-    if (Part == NULL)
+    const int64_t Stride = Dg_stride(P * C, (int64_t)sizeof(double));   /* whole cache lines per thread */
+    double *Part_mem = (double *)calloc((size_t)(Nth * Stride) + DG_LINE_SLACK, sizeof(double));
+    if (Part_mem == NULL)
         return -1;
+    double *Part = (double *)Dg_line(Part_mem);
     DG_PRAGMA(omp parallel num_threads(Nth))
     {
-        double *restrict Mine = Part + (int64_t)Dg_thread_id() * P * C;
+        double *restrict Mine = Part + (int64_t)Dg_thread_id() * Stride;
         (void)Mine;
         int64_t Lo, Hi;
         Dg_share(N_groups, &Lo, &Hi);              /* this thread's groups (as schedule(static)) */
@@ -6454,15 +6496,15 @@ int batchnorm_eval_bb_f32(
     }
     for (int64_t Cc = 0; Cc < C; ++Cc) {       /* dgamma */
         double Acc = 0.0;
-        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * P * C + 0 * C + Cc];
+        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * Stride + 0 * C + Cc];
         gamma_Out[Cc] = (float)(Acc);
     }
     for (int64_t Cc = 0; Cc < C; ++Cc) {       /* dbeta */
         double Acc = 0.0;
-        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * P * C + 1 * C + Cc];
+        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * Stride + 1 * C + Cc];
         beta_Out[Cc] = (float)(Acc);
     }
-    free(Part);
+    free(Part_mem);
     return 0;
 }
 
@@ -6803,8 +6845,9 @@ const int64_t Full = S - S % DG_LANES;          /* positions past it go to lane 
         return -1;
     }
     /* per-thread partial sums of scalar parameters' gradients, in the NCHW kernels' order */
-    double *Part = (double *)calloc((size_t)(Nth * P * C) + 1, sizeof(double));
-    if (Part == NULL) {
+    const int64_t Stride = Dg_stride(P * C, (int64_t)sizeof(double));   /* whole cache lines per thread */
+    double *Part_mem = (double *)calloc((size_t)(Nth * Stride) + DG_LINE_SLACK, sizeof(double));
+    if (Part_mem == NULL) {
     free(Gv_mean);
     free(Gv_var);
     free(Gv_rstd);
@@ -6818,6 +6861,7 @@ const int64_t Full = S - S % DG_LANES;          /* positions past it go to lane 
 
         return -1;
     }
+    double *Part = (double *)Dg_line(Part_mem);
     DG_PRAGMA(omp parallel num_threads(Nth))
     {
         DG_PRAGMA(omp for schedule(static))
@@ -6904,15 +6948,15 @@ const int64_t Full = S - S % DG_LANES;          /* positions past it go to lane 
     }
     for (int64_t Cc = 0; Cc < C; ++Cc) {       /* dgamma */
         double Acc = 0.0 + Dp0[Cc];
-        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * P * C + 0 * C + Cc];
+        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * Stride + 0 * C + Cc];
         dgamma[Cc] = (float)(Acc);
     }
     for (int64_t Cc = 0; Cc < C; ++Cc) {       /* dbeta */
         double Acc = 0.0 + Dp1[Cc];
-        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * P * C + 1 * C + Cc];
+        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * Stride + 1 * C + Cc];
         dbeta[Cc] = (float)(Acc);
     }
-    free(Part);
+    free(Part_mem);
     free(Gv_mean);
     free(Gv_var);
     free(Gv_rstd);
@@ -7137,19 +7181,24 @@ int batchnorm_eval_backward_f64(
     const int64_t P = 2;      /* parameters */
     (void)dy;
     /* per-thread partial sums of the parameter gradients, reduced once at the end;
-     * runs along the channel axis add into float pend, flushed into part every DG_PEND runs */
-    double *Part = (double *)calloc((size_t)(Nth * P * C) + 1, sizeof(double));
-    double *Pend_all = (double *)calloc((size_t)(Nth * P * C) + 1, sizeof(double));
-    if (Part == NULL || Pend_all == NULL) {
-        free(Part);
-        free(Pend_all);
+     * runs along the channel axis add into float pend, flushed into part every DG_PEND runs
+     * (each thread's share in whole cache lines: Dg_stride) */
+    const int64_t Stride = Dg_stride(P * C, (int64_t)sizeof(double));
+    const int64_t Pend_stride = Dg_stride(P * C, (int64_t)sizeof(double));
+    double *Part_mem = (double *)calloc((size_t)(Nth * Stride) + DG_LINE_SLACK, sizeof(double));
+    double *Pend_mem = (double *)calloc((size_t)(Nth * Pend_stride) + DG_LINE_SLACK, sizeof(double));
+    if (Part_mem == NULL || Pend_mem == NULL) {
+        free(Part_mem);
+        free(Pend_mem);
         return -1;
     }
+    double *Part = (double *)Dg_line(Part_mem);
+    double *Pend_all = (double *)Dg_line(Pend_mem);
     DG_PRAGMA(omp parallel num_threads(Nth))
     {
-        double *restrict Mine = Part + (int64_t)Dg_thread_id() * P * C;
+        double *restrict Mine = Part + (int64_t)Dg_thread_id() * Stride;
         (void)Mine;
-        double *restrict Pend = Pend_all + (int64_t)Dg_thread_id() * P * C;
+        double *restrict Pend = Pend_all + (int64_t)Dg_thread_id() * Pend_stride;
         int Pending = 0;                             /* runs added into pend since its last flush */
         int64_t Pend_lo = C, Pend_hi = 0;            /* the channels they touched */
         const int dx_Stream = Dg_stream_on(Total, (int64_t)sizeof(double));
@@ -7322,16 +7371,16 @@ int batchnorm_eval_backward_f64(
     }
     for (int64_t Cc = 0; Cc < C; ++Cc) {       /* dgamma */
         double Acc = 0.0;
-        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * P * C + 0 * C + Cc];
+        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * Stride + 0 * C + Cc];
         dgamma[Cc] = (double)(Acc);
     }
     for (int64_t Cc = 0; Cc < C; ++Cc) {       /* dbeta */
         double Acc = 0.0;
-        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * P * C + 1 * C + Cc];
+        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * Stride + 1 * C + Cc];
         dbeta[Cc] = (double)(Acc);
     }
-    free(Pend_all);
-    free(Part);
+    free(Pend_mem);
+    free(Part_mem);
     return 0;
 }
 
@@ -7383,12 +7432,14 @@ int batchnorm_eval_bb_f64(
     (void)Seed_x;
     (void)gamma_Seed;
     (void)beta_Seed;
-    double *Part = (double *)calloc((size_t)(Nth * P * C) + 1, sizeof(double));
-    if (Part == NULL)
+    const int64_t Stride = Dg_stride(P * C, (int64_t)sizeof(double));   /* whole cache lines per thread */
+    double *Part_mem = (double *)calloc((size_t)(Nth * Stride) + DG_LINE_SLACK, sizeof(double));
+    if (Part_mem == NULL)
         return -1;
+    double *Part = (double *)Dg_line(Part_mem);
     DG_PRAGMA(omp parallel num_threads(Nth))
     {
-        double *restrict Mine = Part + (int64_t)Dg_thread_id() * P * C;
+        double *restrict Mine = Part + (int64_t)Dg_thread_id() * Stride;
         (void)Mine;
         int64_t Lo, Hi;
         Dg_share(N_groups, &Lo, &Hi);              /* this thread's groups (as schedule(static)) */
@@ -7492,15 +7543,15 @@ int batchnorm_eval_bb_f64(
     }
     for (int64_t Cc = 0; Cc < C; ++Cc) {       /* dgamma */
         double Acc = 0.0;
-        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * P * C + 0 * C + Cc];
+        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * Stride + 0 * C + Cc];
         gamma_Out[Cc] = (double)(Acc);
     }
     for (int64_t Cc = 0; Cc < C; ++Cc) {       /* dbeta */
         double Acc = 0.0;
-        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * P * C + 1 * C + Cc];
+        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * Stride + 1 * C + Cc];
         beta_Out[Cc] = (double)(Acc);
     }
-    free(Part);
+    free(Part_mem);
     return 0;
 }
 
@@ -7814,8 +7865,9 @@ const int64_t Full = S - S % DG_LANES;          /* positions past it go to lane 
         return -1;
     }
     /* per-thread partial sums of scalar parameters' gradients, in the NCHW kernels' order */
-    double *Part = (double *)calloc((size_t)(Nth * P * C) + 1, sizeof(double));
-    if (Part == NULL) {
+    const int64_t Stride = Dg_stride(P * C, (int64_t)sizeof(double));   /* whole cache lines per thread */
+    double *Part_mem = (double *)calloc((size_t)(Nth * Stride) + DG_LINE_SLACK, sizeof(double));
+    if (Part_mem == NULL) {
     free(Gv_mean);
     free(Gv_var);
     free(Gv_rstd);
@@ -7827,6 +7879,7 @@ const int64_t Full = S - S % DG_LANES;          /* positions past it go to lane 
 
         return -1;
     }
+    double *Part = (double *)Dg_line(Part_mem);
     DG_PRAGMA(omp parallel num_threads(Nth))
     {
         DG_PRAGMA(omp for schedule(static))
@@ -7905,15 +7958,15 @@ const int64_t Full = S - S % DG_LANES;          /* positions past it go to lane 
     }
     for (int64_t Cc = 0; Cc < C; ++Cc) {       /* dgamma */
         double Acc = 0.0 + Dp0[Cc];
-        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * P * C + 0 * C + Cc];
+        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * Stride + 0 * C + Cc];
         dgamma[Cc] = (double)(Acc);
     }
     for (int64_t Cc = 0; Cc < C; ++Cc) {       /* dbeta */
         double Acc = 0.0 + Dp1[Cc];
-        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * P * C + 1 * C + Cc];
+        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * Stride + 1 * C + Cc];
         dbeta[Cc] = (double)(Acc);
     }
-    free(Part);
+    free(Part_mem);
     free(Gv_mean);
     free(Gv_var);
     free(Gv_rstd);
@@ -8140,19 +8193,24 @@ int batchnorm_eval_backward_bf16(
     const int64_t P = 2;      /* parameters */
     (void)dy;
     /* per-thread partial sums of the parameter gradients, reduced once at the end;
-     * runs along the channel axis add into float pend, flushed into part every DG_PEND runs */
-    double *Part = (double *)calloc((size_t)(Nth * P * C) + 1, sizeof(double));
-    float *Pend_all = (float *)calloc((size_t)(Nth * P * C) + 1, sizeof(float));
-    if (Part == NULL || Pend_all == NULL) {
-        free(Part);
-        free(Pend_all);
+     * runs along the channel axis add into float pend, flushed into part every DG_PEND runs
+     * (each thread's share in whole cache lines: Dg_stride) */
+    const int64_t Stride = Dg_stride(P * C, (int64_t)sizeof(double));
+    const int64_t Pend_stride = Dg_stride(P * C, (int64_t)sizeof(float));
+    double *Part_mem = (double *)calloc((size_t)(Nth * Stride) + DG_LINE_SLACK, sizeof(double));
+    float *Pend_mem = (float *)calloc((size_t)(Nth * Pend_stride) + DG_LINE_SLACK, sizeof(float));
+    if (Part_mem == NULL || Pend_mem == NULL) {
+        free(Part_mem);
+        free(Pend_mem);
         return -1;
     }
+    double *Part = (double *)Dg_line(Part_mem);
+    float *Pend_all = (float *)Dg_line(Pend_mem);
     DG_PRAGMA(omp parallel num_threads(Nth))
     {
-        double *restrict Mine = Part + (int64_t)Dg_thread_id() * P * C;
+        double *restrict Mine = Part + (int64_t)Dg_thread_id() * Stride;
         (void)Mine;
-        float *restrict Pend = Pend_all + (int64_t)Dg_thread_id() * P * C;
+        float *restrict Pend = Pend_all + (int64_t)Dg_thread_id() * Pend_stride;
         int Pending = 0;                             /* runs added into pend since its last flush */
         int64_t Pend_lo = C, Pend_hi = 0;            /* the channels they touched */
         const int dx_Stream = 0;   /* bfloat16 outputs are written in place */
@@ -8328,16 +8386,16 @@ int batchnorm_eval_backward_bf16(
     }
     for (int64_t Cc = 0; Cc < C; ++Cc) {       /* dgamma */
         double Acc = 0.0;
-        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * P * C + 0 * C + Cc];
+        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * Stride + 0 * C + Cc];
         dgamma[Cc] = Dg_to_bf16((float)(Acc));
     }
     for (int64_t Cc = 0; Cc < C; ++Cc) {       /* dbeta */
         double Acc = 0.0;
-        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * P * C + 1 * C + Cc];
+        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * Stride + 1 * C + Cc];
         dbeta[Cc] = Dg_to_bf16((float)(Acc));
     }
-    free(Pend_all);
-    free(Part);
+    free(Pend_mem);
+    free(Part_mem);
     return 0;
 }
 #endif /* DG_WANT_EXTRAS */
@@ -8546,8 +8604,9 @@ const int64_t Full = S - S % DG_LANES;          /* positions past it go to lane 
         return -1;
     }
     /* per-thread partial sums of scalar parameters' gradients, in the NCHW kernels' order */
-    double *Part = (double *)calloc((size_t)(Nth * P * C) + 1, sizeof(double));
-    if (Part == NULL) {
+    const int64_t Stride = Dg_stride(P * C, (int64_t)sizeof(double));   /* whole cache lines per thread */
+    double *Part_mem = (double *)calloc((size_t)(Nth * Stride) + DG_LINE_SLACK, sizeof(double));
+    if (Part_mem == NULL) {
     free(Gv_mean);
     free(Gv_var);
     free(Gv_rstd);
@@ -8561,6 +8620,7 @@ const int64_t Full = S - S % DG_LANES;          /* positions past it go to lane 
 
         return -1;
     }
+    double *Part = (double *)Dg_line(Part_mem);
     DG_PRAGMA(omp parallel num_threads(Nth))
     {
         DG_PRAGMA(omp for schedule(static))
@@ -8647,15 +8707,15 @@ const int64_t Full = S - S % DG_LANES;          /* positions past it go to lane 
     }
     for (int64_t Cc = 0; Cc < C; ++Cc) {       /* dgamma */
         double Acc = 0.0 + Dp0[Cc];
-        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * P * C + 0 * C + Cc];
+        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * Stride + 0 * C + Cc];
         dgamma[Cc] = Dg_to_bf16((float)(Acc));
     }
     for (int64_t Cc = 0; Cc < C; ++Cc) {       /* dbeta */
         double Acc = 0.0 + Dp1[Cc];
-        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * P * C + 1 * C + Cc];
+        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * Stride + 1 * C + Cc];
         dbeta[Cc] = Dg_to_bf16((float)(Acc));
     }
-    free(Part);
+    free(Part_mem);
     free(Gv_mean);
     free(Gv_var);
     free(Gv_rstd);

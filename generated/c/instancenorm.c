@@ -306,19 +306,24 @@ int instancenorm_train_backward_f32(
     const int64_t P = 2;      /* parameters */
     (void)dy;
     /* per-thread partial sums of the parameter gradients, reduced once at the end;
-     * runs along the channel axis add into float pend, flushed into part every DG_PEND runs */
-    double *Part = (double *)calloc((size_t)(Nth * P * C) + 1, sizeof(double));
-    float *Pend_all = (float *)calloc((size_t)(Nth * P * C) + 1, sizeof(float));
-    if (Part == NULL || Pend_all == NULL) {
-        free(Part);
-        free(Pend_all);
+     * runs along the channel axis add into float pend, flushed into part every DG_PEND runs
+     * (each thread's share in whole cache lines: Dg_stride) */
+    const int64_t Stride = Dg_stride(P * C, (int64_t)sizeof(double));
+    const int64_t Pend_stride = Dg_stride(P * C, (int64_t)sizeof(float));
+    double *Part_mem = (double *)calloc((size_t)(Nth * Stride) + DG_LINE_SLACK, sizeof(double));
+    float *Pend_mem = (float *)calloc((size_t)(Nth * Pend_stride) + DG_LINE_SLACK, sizeof(float));
+    if (Part_mem == NULL || Pend_mem == NULL) {
+        free(Part_mem);
+        free(Pend_mem);
         return -1;
     }
+    double *Part = (double *)Dg_line(Part_mem);
+    float *Pend_all = (float *)Dg_line(Pend_mem);
     DG_PRAGMA(omp parallel num_threads(Nth))
     {
-        double *restrict Mine = Part + (int64_t)Dg_thread_id() * P * C;
+        double *restrict Mine = Part + (int64_t)Dg_thread_id() * Stride;
         (void)Mine;
-        float *restrict Pend = Pend_all + (int64_t)Dg_thread_id() * P * C;
+        float *restrict Pend = Pend_all + (int64_t)Dg_thread_id() * Pend_stride;
         int Pending = 0;                             /* runs added into pend since its last flush */
         int64_t Pend_lo = C, Pend_hi = 0;            /* the channels they touched */
         const int dx_Stream = Dg_stream_on(Total, (int64_t)sizeof(float));
@@ -582,16 +587,16 @@ int instancenorm_train_backward_f32(
     }
     for (int64_t Cc = 0; Cc < C; ++Cc) {       /* dgamma */
         double Acc = 0.0;
-        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * P * C + 0 * C + Cc];
+        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * Stride + 0 * C + Cc];
         dgamma[Cc] = (float)(Acc);
     }
     for (int64_t Cc = 0; Cc < C; ++Cc) {       /* dbeta */
         double Acc = 0.0;
-        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * P * C + 1 * C + Cc];
+        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * Stride + 1 * C + Cc];
         dbeta[Cc] = (float)(Acc);
     }
-    free(Pend_all);
-    free(Part);
+    free(Pend_mem);
+    free(Part_mem);
     return 0;
 }
 
@@ -641,12 +646,14 @@ int instancenorm_train_bb_f32(
     (void)Seed_x;
     (void)gamma_Seed;
     (void)beta_Seed;
-    double *Part = (double *)calloc((size_t)(Nth * P * C) + 1, sizeof(double));
-    if (Part == NULL)
+    const int64_t Stride = Dg_stride(P * C, (int64_t)sizeof(double));   /* whole cache lines per thread */
+    double *Part_mem = (double *)calloc((size_t)(Nth * Stride) + DG_LINE_SLACK, sizeof(double));
+    if (Part_mem == NULL)
         return -1;
+    double *Part = (double *)Dg_line(Part_mem);
     DG_PRAGMA(omp parallel num_threads(Nth))
     {
-        double *restrict Mine = Part + (int64_t)Dg_thread_id() * P * C;
+        double *restrict Mine = Part + (int64_t)Dg_thread_id() * Stride;
         (void)Mine;
         int64_t Lo, Hi;
         Dg_share(N_groups, &Lo, &Hi);              /* this thread's groups (as schedule(static)) */
@@ -899,15 +906,15 @@ int instancenorm_train_bb_f32(
     }
     for (int64_t Cc = 0; Cc < C; ++Cc) {       /* dgamma */
         double Acc = 0.0;
-        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * P * C + 0 * C + Cc];
+        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * Stride + 0 * C + Cc];
         gamma_Out[Cc] = (float)(Acc);
     }
     for (int64_t Cc = 0; Cc < C; ++Cc) {       /* dbeta */
         double Acc = 0.0;
-        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * P * C + 1 * C + Cc];
+        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * Stride + 1 * C + Cc];
         beta_Out[Cc] = (float)(Acc);
     }
-    free(Part);
+    free(Part_mem);
     return 0;
 }
 
@@ -1327,12 +1334,14 @@ const int64_t C = G * Cg;
     const int64_t P = 2;      /* parameters */
     (void)dy;
     /* per-thread partial sums of the parameter gradients, reduced once at the end */
-    double *Part = (double *)calloc((size_t)(Nth * P * C) + 1, sizeof(double));
-    if (Part == NULL)
+    const int64_t Stride = Dg_stride(P * C, (int64_t)sizeof(double));   /* whole cache lines per thread */
+    double *Part_mem = (double *)calloc((size_t)(Nth * Stride) + DG_LINE_SLACK, sizeof(double));
+    if (Part_mem == NULL)
         return -1;
+    double *Part = (double *)Dg_line(Part_mem);
     DG_PRAGMA(omp parallel num_threads(Nth))
     {
-        double *restrict Mine = Part + (int64_t)Dg_thread_id() * P * C;
+        double *restrict Mine = Part + (int64_t)Dg_thread_id() * Stride;
         (void)Mine;
 int64_t Lo, Hi;
         Dg_share(N_groups, &Lo, &Hi);             /* the NCHW kernels' split of the groups */
@@ -1513,15 +1522,15 @@ int64_t Lo, Hi;
     }
     for (int64_t Cc = 0; Cc < C; ++Cc) {       /* dgamma */
         double Acc = 0.0;
-        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * P * C + 0 * C + Cc];
+        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * Stride + 0 * C + Cc];
         dgamma[Cc] = (float)(Acc);
     }
     for (int64_t Cc = 0; Cc < C; ++Cc) {       /* dbeta */
         double Acc = 0.0;
-        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * P * C + 1 * C + Cc];
+        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * Stride + 1 * C + Cc];
         dbeta[Cc] = (float)(Acc);
     }
-    free(Part);
+    free(Part_mem);
     return 0;
 }
 #endif /* DG_WANT_EXTRAS */
@@ -1777,19 +1786,24 @@ int instancenorm_train_backward_f64(
     const int64_t P = 2;      /* parameters */
     (void)dy;
     /* per-thread partial sums of the parameter gradients, reduced once at the end;
-     * runs along the channel axis add into float pend, flushed into part every DG_PEND runs */
-    double *Part = (double *)calloc((size_t)(Nth * P * C) + 1, sizeof(double));
-    double *Pend_all = (double *)calloc((size_t)(Nth * P * C) + 1, sizeof(double));
-    if (Part == NULL || Pend_all == NULL) {
-        free(Part);
-        free(Pend_all);
+     * runs along the channel axis add into float pend, flushed into part every DG_PEND runs
+     * (each thread's share in whole cache lines: Dg_stride) */
+    const int64_t Stride = Dg_stride(P * C, (int64_t)sizeof(double));
+    const int64_t Pend_stride = Dg_stride(P * C, (int64_t)sizeof(double));
+    double *Part_mem = (double *)calloc((size_t)(Nth * Stride) + DG_LINE_SLACK, sizeof(double));
+    double *Pend_mem = (double *)calloc((size_t)(Nth * Pend_stride) + DG_LINE_SLACK, sizeof(double));
+    if (Part_mem == NULL || Pend_mem == NULL) {
+        free(Part_mem);
+        free(Pend_mem);
         return -1;
     }
+    double *Part = (double *)Dg_line(Part_mem);
+    double *Pend_all = (double *)Dg_line(Pend_mem);
     DG_PRAGMA(omp parallel num_threads(Nth))
     {
-        double *restrict Mine = Part + (int64_t)Dg_thread_id() * P * C;
+        double *restrict Mine = Part + (int64_t)Dg_thread_id() * Stride;
         (void)Mine;
-        double *restrict Pend = Pend_all + (int64_t)Dg_thread_id() * P * C;
+        double *restrict Pend = Pend_all + (int64_t)Dg_thread_id() * Pend_stride;
         int Pending = 0;                             /* runs added into pend since its last flush */
         int64_t Pend_lo = C, Pend_hi = 0;            /* the channels they touched */
         const int dx_Stream = Dg_stream_on(Total, (int64_t)sizeof(double));
@@ -2044,16 +2058,16 @@ int instancenorm_train_backward_f64(
     }
     for (int64_t Cc = 0; Cc < C; ++Cc) {       /* dgamma */
         double Acc = 0.0;
-        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * P * C + 0 * C + Cc];
+        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * Stride + 0 * C + Cc];
         dgamma[Cc] = (double)(Acc);
     }
     for (int64_t Cc = 0; Cc < C; ++Cc) {       /* dbeta */
         double Acc = 0.0;
-        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * P * C + 1 * C + Cc];
+        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * Stride + 1 * C + Cc];
         dbeta[Cc] = (double)(Acc);
     }
-    free(Pend_all);
-    free(Part);
+    free(Pend_mem);
+    free(Part_mem);
     return 0;
 }
 
@@ -2103,12 +2117,14 @@ int instancenorm_train_bb_f64(
     (void)Seed_x;
     (void)gamma_Seed;
     (void)beta_Seed;
-    double *Part = (double *)calloc((size_t)(Nth * P * C) + 1, sizeof(double));
-    if (Part == NULL)
+    const int64_t Stride = Dg_stride(P * C, (int64_t)sizeof(double));   /* whole cache lines per thread */
+    double *Part_mem = (double *)calloc((size_t)(Nth * Stride) + DG_LINE_SLACK, sizeof(double));
+    if (Part_mem == NULL)
         return -1;
+    double *Part = (double *)Dg_line(Part_mem);
     DG_PRAGMA(omp parallel num_threads(Nth))
     {
-        double *restrict Mine = Part + (int64_t)Dg_thread_id() * P * C;
+        double *restrict Mine = Part + (int64_t)Dg_thread_id() * Stride;
         (void)Mine;
         int64_t Lo, Hi;
         Dg_share(N_groups, &Lo, &Hi);              /* this thread's groups (as schedule(static)) */
@@ -2361,15 +2377,15 @@ int instancenorm_train_bb_f64(
     }
     for (int64_t Cc = 0; Cc < C; ++Cc) {       /* dgamma */
         double Acc = 0.0;
-        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * P * C + 0 * C + Cc];
+        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * Stride + 0 * C + Cc];
         gamma_Out[Cc] = (double)(Acc);
     }
     for (int64_t Cc = 0; Cc < C; ++Cc) {       /* dbeta */
         double Acc = 0.0;
-        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * P * C + 1 * C + Cc];
+        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * Stride + 1 * C + Cc];
         beta_Out[Cc] = (double)(Acc);
     }
-    free(Part);
+    free(Part_mem);
     return 0;
 }
 
@@ -2774,12 +2790,14 @@ const int64_t C = G * Cg;
     const int64_t P = 2;      /* parameters */
     (void)dy;
     /* per-thread partial sums of the parameter gradients, reduced once at the end */
-    double *Part = (double *)calloc((size_t)(Nth * P * C) + 1, sizeof(double));
-    if (Part == NULL)
+    const int64_t Stride = Dg_stride(P * C, (int64_t)sizeof(double));   /* whole cache lines per thread */
+    double *Part_mem = (double *)calloc((size_t)(Nth * Stride) + DG_LINE_SLACK, sizeof(double));
+    if (Part_mem == NULL)
         return -1;
+    double *Part = (double *)Dg_line(Part_mem);
     DG_PRAGMA(omp parallel num_threads(Nth))
     {
-        double *restrict Mine = Part + (int64_t)Dg_thread_id() * P * C;
+        double *restrict Mine = Part + (int64_t)Dg_thread_id() * Stride;
         (void)Mine;
 int64_t Lo, Hi;
         Dg_share(N_groups, &Lo, &Hi);             /* the NCHW kernels' split of the groups */
@@ -2938,15 +2956,15 @@ int64_t Lo, Hi;
     }
     for (int64_t Cc = 0; Cc < C; ++Cc) {       /* dgamma */
         double Acc = 0.0;
-        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * P * C + 0 * C + Cc];
+        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * Stride + 0 * C + Cc];
         dgamma[Cc] = (double)(Acc);
     }
     for (int64_t Cc = 0; Cc < C; ++Cc) {       /* dbeta */
         double Acc = 0.0;
-        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * P * C + 1 * C + Cc];
+        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * Stride + 1 * C + Cc];
         dbeta[Cc] = (double)(Acc);
     }
-    free(Part);
+    free(Part_mem);
     return 0;
 }
 #endif /* DG_WANT_EXTRAS */
@@ -3206,19 +3224,24 @@ int instancenorm_train_backward_bf16(
     const int64_t P = 2;      /* parameters */
     (void)dy;
     /* per-thread partial sums of the parameter gradients, reduced once at the end;
-     * runs along the channel axis add into float pend, flushed into part every DG_PEND runs */
-    double *Part = (double *)calloc((size_t)(Nth * P * C) + 1, sizeof(double));
-    float *Pend_all = (float *)calloc((size_t)(Nth * P * C) + 1, sizeof(float));
-    if (Part == NULL || Pend_all == NULL) {
-        free(Part);
-        free(Pend_all);
+     * runs along the channel axis add into float pend, flushed into part every DG_PEND runs
+     * (each thread's share in whole cache lines: Dg_stride) */
+    const int64_t Stride = Dg_stride(P * C, (int64_t)sizeof(double));
+    const int64_t Pend_stride = Dg_stride(P * C, (int64_t)sizeof(float));
+    double *Part_mem = (double *)calloc((size_t)(Nth * Stride) + DG_LINE_SLACK, sizeof(double));
+    float *Pend_mem = (float *)calloc((size_t)(Nth * Pend_stride) + DG_LINE_SLACK, sizeof(float));
+    if (Part_mem == NULL || Pend_mem == NULL) {
+        free(Part_mem);
+        free(Pend_mem);
         return -1;
     }
+    double *Part = (double *)Dg_line(Part_mem);
+    float *Pend_all = (float *)Dg_line(Pend_mem);
     DG_PRAGMA(omp parallel num_threads(Nth))
     {
-        double *restrict Mine = Part + (int64_t)Dg_thread_id() * P * C;
+        double *restrict Mine = Part + (int64_t)Dg_thread_id() * Stride;
         (void)Mine;
-        float *restrict Pend = Pend_all + (int64_t)Dg_thread_id() * P * C;
+        float *restrict Pend = Pend_all + (int64_t)Dg_thread_id() * Pend_stride;
         int Pending = 0;                             /* runs added into pend since its last flush */
         int64_t Pend_lo = C, Pend_hi = 0;            /* the channels they touched */
         const int dx_Stream = 0;   /* bfloat16 outputs are written in place */
@@ -3482,16 +3505,16 @@ int instancenorm_train_backward_bf16(
     }
     for (int64_t Cc = 0; Cc < C; ++Cc) {       /* dgamma */
         double Acc = 0.0;
-        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * P * C + 0 * C + Cc];
+        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * Stride + 0 * C + Cc];
         dgamma[Cc] = Dg_to_bf16((float)(Acc));
     }
     for (int64_t Cc = 0; Cc < C; ++Cc) {       /* dbeta */
         double Acc = 0.0;
-        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * P * C + 1 * C + Cc];
+        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * Stride + 1 * C + Cc];
         dbeta[Cc] = Dg_to_bf16((float)(Acc));
     }
-    free(Pend_all);
-    free(Part);
+    free(Pend_mem);
+    free(Part_mem);
     return 0;
 }
 #endif /* DG_WANT_EXTRAS */
@@ -3709,12 +3732,14 @@ const int64_t C = G * Cg;
     const int64_t P = 2;      /* parameters */
     (void)dy;
     /* per-thread partial sums of the parameter gradients, reduced once at the end */
-    double *Part = (double *)calloc((size_t)(Nth * P * C) + 1, sizeof(double));
-    if (Part == NULL)
+    const int64_t Stride = Dg_stride(P * C, (int64_t)sizeof(double));   /* whole cache lines per thread */
+    double *Part_mem = (double *)calloc((size_t)(Nth * Stride) + DG_LINE_SLACK, sizeof(double));
+    if (Part_mem == NULL)
         return -1;
+    double *Part = (double *)Dg_line(Part_mem);
     DG_PRAGMA(omp parallel num_threads(Nth))
     {
-        double *restrict Mine = Part + (int64_t)Dg_thread_id() * P * C;
+        double *restrict Mine = Part + (int64_t)Dg_thread_id() * Stride;
         (void)Mine;
 int64_t Lo, Hi;
         Dg_share(N_groups, &Lo, &Hi);             /* the NCHW kernels' split of the groups */
@@ -3895,15 +3920,15 @@ int64_t Lo, Hi;
     }
     for (int64_t Cc = 0; Cc < C; ++Cc) {       /* dgamma */
         double Acc = 0.0;
-        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * P * C + 0 * C + Cc];
+        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * Stride + 0 * C + Cc];
         dgamma[Cc] = Dg_to_bf16((float)(Acc));
     }
     for (int64_t Cc = 0; Cc < C; ++Cc) {       /* dbeta */
         double Acc = 0.0;
-        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * P * C + 1 * C + Cc];
+        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * Stride + 1 * C + Cc];
         dbeta[Cc] = Dg_to_bf16((float)(Acc));
     }
-    free(Part);
+    free(Part_mem);
     return 0;
 }
 #endif /* DG_WANT_EXTRAS */

@@ -185,7 +185,7 @@ int online_layernorm_train_forward_f32(
                 const float std_F = (float)std;
                 for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
                     const int64_t Off = Base + Blk * Block_stride;
-                    const int y_Direct = Dg_direct(y_Stream, Cg);   /* stream from registers */
+                    const int y_Direct = Dg_direct_row(y_Stream, Cg, y + Off);   /* stream from registers */
                     (void)y_Direct;
                     {                       /* a trailing layout (S == 1): parameters vary along the run */
                         {
@@ -289,19 +289,24 @@ int online_layernorm_train_backward_f32(
     const int64_t P = 2;      /* parameters */
     (void)dy;
     /* per-thread partial sums of the parameter gradients, reduced once at the end;
-     * runs along the channel axis add into float pend, flushed into part every DG_PEND runs */
-    double *Part = (double *)calloc((size_t)(Nth * P * C) + 1, sizeof(double));
-    float *Pend_all = (float *)calloc((size_t)(Nth * P * C) + 1, sizeof(float));
-    if (Part == NULL || Pend_all == NULL) {
-        free(Part);
-        free(Pend_all);
+     * runs along the channel axis add into float pend, flushed into part every DG_PEND runs
+     * (each thread's share in whole cache lines: Dg_stride) */
+    const int64_t Stride = Dg_stride(P * C, (int64_t)sizeof(double));
+    const int64_t Pend_stride = Dg_stride(P * C, (int64_t)sizeof(float));
+    double *Part_mem = (double *)calloc((size_t)(Nth * Stride) + DG_LINE_SLACK, sizeof(double));
+    float *Pend_mem = (float *)calloc((size_t)(Nth * Pend_stride) + DG_LINE_SLACK, sizeof(float));
+    if (Part_mem == NULL || Pend_mem == NULL) {
+        free(Part_mem);
+        free(Pend_mem);
         return -1;
     }
+    double *Part = (double *)Dg_line(Part_mem);
+    float *Pend_all = (float *)Dg_line(Pend_mem);
     DG_PRAGMA(omp parallel num_threads(Nth))
     {
-        double *restrict Mine = Part + (int64_t)Dg_thread_id() * P * C;
+        double *restrict Mine = Part + (int64_t)Dg_thread_id() * Stride;
         (void)Mine;
-        float *restrict Pend = Pend_all + (int64_t)Dg_thread_id() * P * C;
+        float *restrict Pend = Pend_all + (int64_t)Dg_thread_id() * Pend_stride;
         int Pending = 0;                             /* runs added into pend since its last flush */
         int64_t Pend_lo = C, Pend_hi = 0;            /* the channels they touched */
         const int dx_Stream = Dg_stream_on(Total, (int64_t)sizeof(float));
@@ -416,7 +421,7 @@ int online_layernorm_train_backward_f32(
                 const float std_F = (float)std;
                 for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
                     const int64_t Off = Base + Blk * Block_stride;
-                    const int dx_Direct = Dg_direct(dx_Stream, Cg);   /* stream from registers */
+                    const int dx_Direct = Dg_direct_row(dx_Stream, Cg, dx + Off);   /* stream from registers */
                     (void)dx_Direct;
                     {                       /* a trailing layout (S == 1): parameters vary along the run */
                         {
@@ -495,16 +500,16 @@ int online_layernorm_train_backward_f32(
     }
     for (int64_t Cc = 0; Cc < C; ++Cc) {       /* dgamma */
         double Acc = 0.0;
-        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * P * C + 0 * C + Cc];
+        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * Stride + 0 * C + Cc];
         dgamma[Cc] = (float)(Acc);
     }
     for (int64_t Cc = 0; Cc < C; ++Cc) {       /* dbeta */
         double Acc = 0.0;
-        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * P * C + 1 * C + Cc];
+        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * Stride + 1 * C + Cc];
         dbeta[Cc] = (float)(Acc);
     }
-    free(Pend_all);
-    free(Part);
+    free(Pend_mem);
+    free(Part_mem);
     return 0;
 }
 
@@ -564,12 +569,14 @@ int online_layernorm_train_bb_f32(
     (void)Seed_x;
     (void)gamma_Seed;
     (void)beta_Seed;
-    double *Part = (double *)calloc((size_t)(Nth * P * C) + 1, sizeof(double));
-    if (Part == NULL)
+    const int64_t Stride = Dg_stride(P * C, (int64_t)sizeof(double));   /* whole cache lines per thread */
+    double *Part_mem = (double *)calloc((size_t)(Nth * Stride) + DG_LINE_SLACK, sizeof(double));
+    if (Part_mem == NULL)
         return -1;
+    double *Part = (double *)Dg_line(Part_mem);
     DG_PRAGMA(omp parallel num_threads(Nth))
     {
-        double *restrict Mine = Part + (int64_t)Dg_thread_id() * P * C;
+        double *restrict Mine = Part + (int64_t)Dg_thread_id() * Stride;
         (void)Mine;
         int64_t Lo, Hi;
         Dg_share(N_groups, &Lo, &Hi);              /* this thread's groups (as schedule(static)) */
@@ -1122,15 +1129,15 @@ int online_layernorm_train_bb_f32(
     }
     for (int64_t Cc = 0; Cc < C; ++Cc) {       /* dgamma */
         double Acc = 0.0;
-        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * P * C + 0 * C + Cc];
+        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * Stride + 0 * C + Cc];
         gamma_Out[Cc] = (float)(Acc);
     }
     for (int64_t Cc = 0; Cc < C; ++Cc) {       /* dbeta */
         double Acc = 0.0;
-        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * P * C + 1 * C + Cc];
+        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * Stride + 1 * C + Cc];
         beta_Out[Cc] = (float)(Acc);
     }
-    free(Part);
+    free(Part_mem);
     return 0;
 }
 
@@ -1497,7 +1504,7 @@ int online_layernorm_train_forward_f64(
             {
                 for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
                     const int64_t Off = Base + Blk * Block_stride;
-                    const int y_Direct = Dg_direct(y_Stream, Cg);   /* stream from registers */
+                    const int y_Direct = Dg_direct_row(y_Stream, Cg, y + Off);   /* stream from registers */
                     (void)y_Direct;
                     {                       /* a trailing layout (S == 1): parameters vary along the run */
                         {
@@ -1601,19 +1608,24 @@ int online_layernorm_train_backward_f64(
     const int64_t P = 2;      /* parameters */
     (void)dy;
     /* per-thread partial sums of the parameter gradients, reduced once at the end;
-     * runs along the channel axis add into float pend, flushed into part every DG_PEND runs */
-    double *Part = (double *)calloc((size_t)(Nth * P * C) + 1, sizeof(double));
-    double *Pend_all = (double *)calloc((size_t)(Nth * P * C) + 1, sizeof(double));
-    if (Part == NULL || Pend_all == NULL) {
-        free(Part);
-        free(Pend_all);
+     * runs along the channel axis add into float pend, flushed into part every DG_PEND runs
+     * (each thread's share in whole cache lines: Dg_stride) */
+    const int64_t Stride = Dg_stride(P * C, (int64_t)sizeof(double));
+    const int64_t Pend_stride = Dg_stride(P * C, (int64_t)sizeof(double));
+    double *Part_mem = (double *)calloc((size_t)(Nth * Stride) + DG_LINE_SLACK, sizeof(double));
+    double *Pend_mem = (double *)calloc((size_t)(Nth * Pend_stride) + DG_LINE_SLACK, sizeof(double));
+    if (Part_mem == NULL || Pend_mem == NULL) {
+        free(Part_mem);
+        free(Pend_mem);
         return -1;
     }
+    double *Part = (double *)Dg_line(Part_mem);
+    double *Pend_all = (double *)Dg_line(Pend_mem);
     DG_PRAGMA(omp parallel num_threads(Nth))
     {
-        double *restrict Mine = Part + (int64_t)Dg_thread_id() * P * C;
+        double *restrict Mine = Part + (int64_t)Dg_thread_id() * Stride;
         (void)Mine;
-        double *restrict Pend = Pend_all + (int64_t)Dg_thread_id() * P * C;
+        double *restrict Pend = Pend_all + (int64_t)Dg_thread_id() * Pend_stride;
         int Pending = 0;                             /* runs added into pend since its last flush */
         int64_t Pend_lo = C, Pend_hi = 0;            /* the channels they touched */
         const int dx_Stream = Dg_stream_on(Total, (int64_t)sizeof(double));
@@ -1717,7 +1729,7 @@ int online_layernorm_train_backward_f64(
             {
                 for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
                     const int64_t Off = Base + Blk * Block_stride;
-                    const int dx_Direct = Dg_direct(dx_Stream, Cg);   /* stream from registers */
+                    const int dx_Direct = Dg_direct_row(dx_Stream, Cg, dx + Off);   /* stream from registers */
                     (void)dx_Direct;
                     {                       /* a trailing layout (S == 1): parameters vary along the run */
                         {
@@ -1796,16 +1808,16 @@ int online_layernorm_train_backward_f64(
     }
     for (int64_t Cc = 0; Cc < C; ++Cc) {       /* dgamma */
         double Acc = 0.0;
-        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * P * C + 0 * C + Cc];
+        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * Stride + 0 * C + Cc];
         dgamma[Cc] = (double)(Acc);
     }
     for (int64_t Cc = 0; Cc < C; ++Cc) {       /* dbeta */
         double Acc = 0.0;
-        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * P * C + 1 * C + Cc];
+        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * Stride + 1 * C + Cc];
         dbeta[Cc] = (double)(Acc);
     }
-    free(Pend_all);
-    free(Part);
+    free(Pend_mem);
+    free(Part_mem);
     return 0;
 }
 
@@ -1865,12 +1877,14 @@ int online_layernorm_train_bb_f64(
     (void)Seed_x;
     (void)gamma_Seed;
     (void)beta_Seed;
-    double *Part = (double *)calloc((size_t)(Nth * P * C) + 1, sizeof(double));
-    if (Part == NULL)
+    const int64_t Stride = Dg_stride(P * C, (int64_t)sizeof(double));   /* whole cache lines per thread */
+    double *Part_mem = (double *)calloc((size_t)(Nth * Stride) + DG_LINE_SLACK, sizeof(double));
+    if (Part_mem == NULL)
         return -1;
+    double *Part = (double *)Dg_line(Part_mem);
     DG_PRAGMA(omp parallel num_threads(Nth))
     {
-        double *restrict Mine = Part + (int64_t)Dg_thread_id() * P * C;
+        double *restrict Mine = Part + (int64_t)Dg_thread_id() * Stride;
         (void)Mine;
         int64_t Lo, Hi;
         Dg_share(N_groups, &Lo, &Hi);              /* this thread's groups (as schedule(static)) */
@@ -2423,15 +2437,15 @@ int online_layernorm_train_bb_f64(
     }
     for (int64_t Cc = 0; Cc < C; ++Cc) {       /* dgamma */
         double Acc = 0.0;
-        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * P * C + 0 * C + Cc];
+        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * Stride + 0 * C + Cc];
         gamma_Out[Cc] = (double)(Acc);
     }
     for (int64_t Cc = 0; Cc < C; ++Cc) {       /* dbeta */
         double Acc = 0.0;
-        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * P * C + 1 * C + Cc];
+        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * Stride + 1 * C + Cc];
         beta_Out[Cc] = (double)(Acc);
     }
-    free(Part);
+    free(Part_mem);
     return 0;
 }
 
@@ -2802,7 +2816,7 @@ int online_layernorm_train_forward_bf16(
                 const float std_F = (float)std;
                 for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
                     const int64_t Off = Base + Blk * Block_stride;
-                    const int y_Direct = Dg_direct(y_Stream, Cg);   /* stream from registers */
+                    const int y_Direct = Dg_direct_row(y_Stream, Cg, y + Off);   /* stream from registers */
                     (void)y_Direct;
                     {                       /* a trailing layout (S == 1): parameters vary along the run */
                         {
@@ -2906,19 +2920,24 @@ int online_layernorm_train_backward_bf16(
     const int64_t P = 2;      /* parameters */
     (void)dy;
     /* per-thread partial sums of the parameter gradients, reduced once at the end;
-     * runs along the channel axis add into float pend, flushed into part every DG_PEND runs */
-    double *Part = (double *)calloc((size_t)(Nth * P * C) + 1, sizeof(double));
-    float *Pend_all = (float *)calloc((size_t)(Nth * P * C) + 1, sizeof(float));
-    if (Part == NULL || Pend_all == NULL) {
-        free(Part);
-        free(Pend_all);
+     * runs along the channel axis add into float pend, flushed into part every DG_PEND runs
+     * (each thread's share in whole cache lines: Dg_stride) */
+    const int64_t Stride = Dg_stride(P * C, (int64_t)sizeof(double));
+    const int64_t Pend_stride = Dg_stride(P * C, (int64_t)sizeof(float));
+    double *Part_mem = (double *)calloc((size_t)(Nth * Stride) + DG_LINE_SLACK, sizeof(double));
+    float *Pend_mem = (float *)calloc((size_t)(Nth * Pend_stride) + DG_LINE_SLACK, sizeof(float));
+    if (Part_mem == NULL || Pend_mem == NULL) {
+        free(Part_mem);
+        free(Pend_mem);
         return -1;
     }
+    double *Part = (double *)Dg_line(Part_mem);
+    float *Pend_all = (float *)Dg_line(Pend_mem);
     DG_PRAGMA(omp parallel num_threads(Nth))
     {
-        double *restrict Mine = Part + (int64_t)Dg_thread_id() * P * C;
+        double *restrict Mine = Part + (int64_t)Dg_thread_id() * Stride;
         (void)Mine;
-        float *restrict Pend = Pend_all + (int64_t)Dg_thread_id() * P * C;
+        float *restrict Pend = Pend_all + (int64_t)Dg_thread_id() * Pend_stride;
         int Pending = 0;                             /* runs added into pend since its last flush */
         int64_t Pend_lo = C, Pend_hi = 0;            /* the channels they touched */
         const int dx_Stream = 0;   /* bfloat16 outputs are written in place */
@@ -3033,7 +3052,7 @@ int online_layernorm_train_backward_bf16(
                 const float std_F = (float)std;
                 for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
                     const int64_t Off = Base + Blk * Block_stride;
-                    const int dx_Direct = Dg_direct(dx_Stream, Cg);   /* stream from registers */
+                    const int dx_Direct = Dg_direct_row(dx_Stream, Cg, dx + Off);   /* stream from registers */
                     (void)dx_Direct;
                     {                       /* a trailing layout (S == 1): parameters vary along the run */
                         {
@@ -3112,16 +3131,16 @@ int online_layernorm_train_backward_bf16(
     }
     for (int64_t Cc = 0; Cc < C; ++Cc) {       /* dgamma */
         double Acc = 0.0;
-        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * P * C + 0 * C + Cc];
+        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * Stride + 0 * C + Cc];
         dgamma[Cc] = Dg_to_bf16((float)(Acc));
     }
     for (int64_t Cc = 0; Cc < C; ++Cc) {       /* dbeta */
         double Acc = 0.0;
-        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * P * C + 1 * C + Cc];
+        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * Stride + 1 * C + Cc];
         dbeta[Cc] = Dg_to_bf16((float)(Acc));
     }
-    free(Pend_all);
-    free(Part);
+    free(Pend_mem);
+    free(Part_mem);
     return 0;
 }
 #endif /* DG_WANT_EXTRAS */

@@ -127,3 +127,76 @@ def test_build_command(cache, monkeypatch):
         timeout=600,
     )
     assert r.returncode == 1 and "no-such-flag" in r.stderr and "Traceback" not in r.stderr
+
+
+# ---- the load-time ISA dispatch: the library built for this machine's x86-64 level ----
+
+
+def test_default_flags_target_this_machines_x86_level(monkeypatch):
+    from derivgen.runtime import machine as mach
+
+    monkeypatch.delenv("CFLAGS", raising=False)
+    for level in ("x86-64-v4", "x86-64-v3", "x86-64"):
+        monkeypatch.setattr(mach, "machine", lambda level=level: mach.Machine("cpu", 2, level=level))
+        flags = build.user_cflags()
+        assert f"-march={level}" in flags and "-march=native" not in flags
+        assert build.build_target(flags) == level
+    monkeypatch.setattr(mach, "machine", lambda: mach.Machine("arm", 2, level=""))
+    assert "-march=native" in build.user_cflags()  # off x86-64 native stays
+
+
+def test_x86_levels_from_cpuinfo_flags():
+    from derivgen.runtime.machine import X86_LEVELS, x86_level
+
+    v2 = {f for _, need in X86_LEVELS[2:] for f in need}
+    v3 = v2 | set(X86_LEVELS[1][1])
+    v4 = v3 | set(X86_LEVELS[0][1])
+    assert x86_level(v4, "x86_64") == "x86-64-v4"
+    assert x86_level(v4 - {"avx512vl"}, "x86_64") == "x86-64-v3"
+    assert x86_level(v3, "x86_64") == "x86-64-v3"
+    assert x86_level(v3 - {"fma"}, "x86_64") == "x86-64-v2"
+    assert x86_level({"sse2"}, "x86_64") == "x86-64"
+    assert x86_level(v4, "aarch64") == ""
+
+
+def test_native_builds_are_keyed_by_what_native_means_here(cache, monkeypatch):
+    src = ROOT / "generated" / "c" / "rmsnorm.c"
+    monkeypatch.setattr(build, "native_target", lambda cc: "-march=one-cpu")
+    a = build.library_path(src, cflags=["-O2", "-march=native"])
+    monkeypatch.setattr(build, "native_target", lambda cc: "-march=another-cpu")
+    b = build.library_path(src, cflags=["-O2", "-march=native"])
+    c = build.library_path(src, cflags=["-O2", "-march=x86-64-v3"])
+    monkeypatch.setattr(build, "native_target", lambda cc: "-march=a-third-cpu")
+    assert a != b and build.library_path(src, cflags=["-O2", "-march=x86-64-v3"]) == c
+
+
+def test_every_x86_level_this_cpu_runs_gives_the_same_results(cache):
+    """The variants the dispatch can pick (each level this CPU runs) agree: bit for bit
+    (-ffp-contract=off and the fixed lane count make the summation order the same); the
+    library reports the level it was built for."""
+    import numpy as np
+
+    import derivgen
+    from derivgen.runtime.machine import X86_LEVELS, machine
+
+    level = machine().level
+    if not level:
+        pytest.skip("not an x86-64 machine")
+    names = [n for n, _ in X86_LEVELS] + ["x86-64"]
+    levels = names[names.index(level) :]
+    rng = np.random.default_rng(3)
+    x = (rng.standard_normal((300, 160)) * 3 + 1).astype(np.float32)
+    dy = rng.standard_normal((300, 160)).astype(np.float32)
+    g, b = (1 + 0.1 * rng.standard_normal((2, 160))).astype(np.float32)
+    results = {}
+    for lv in levels:
+        flags = ["-O3", f"-march={lv}", "-fno-math-errno", "-ffp-contract=off"]
+        mod = derivgen.load("layernorm", backend="c", cflags=flags)
+        mod.set_num_threads(2)
+        assert mod._kernel.target == lv
+        y, cache_ = mod.forward(x, g, b)
+        results[lv] = (y, *mod.backward(dy, cache_))
+    ref = results[levels[0]]
+    for lv, got in results.items():
+        for a, r in zip(got, ref):
+            np.testing.assert_array_equal(a, r, err_msg=lv)

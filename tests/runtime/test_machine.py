@@ -45,6 +45,15 @@ def test_caches_from_sys_ignore_instruction_caches(tmp_path):
     assert m.stream_bytes == 8 << 20 and m.tile_bytes == 512 << 10
 
 
+def test_a_guest_counts_on_at_most_16_mib_of_last_level_cache_per_core(tmp_path):
+    # a 2-core VM guest whose /sys shows the host's whole L3: streaming starts at a quarter
+    # of 2 x 16 MiB, not at a quarter of 480 MiB
+    root = _cache_dir(tmp_path, [(1, "Data", "48K"), (2, "Unified", "2048K"), (3, "Unified", "491520K")])
+    m = mach.Machine("guest", 2, mach.read_caches(root))
+    assert m.last_level == 480 << 20 and m.usable_last_level == 32 << 20
+    assert m.stream_bytes == 8 << 20 and m.as_dict()["usable_last_level"] == 32 << 20
+
+
 def test_unreadable_sizes_fall_back_to_sysconf_or_zero(tmp_path, monkeypatch):
     monkeypatch.setattr(mach.os, "sysconf_names", {})
     assert mach.read_caches(tmp_path / "missing") == {}
