@@ -382,6 +382,9 @@ def _budget(seconds: float):
     t0 = time.monotonic()
 
     def fire(signum, frame):
+        # again in 50 ms: an exception raised while a gc callback runs (hypothesis installs
+        # one) is printed and dropped there, and the reduction would run on unbounded
+        signal.setitimer(signal.ITIMER_REAL, 0.05)
         raise _OutOfTime()
 
     old = signal.signal(signal.SIGALRM, fire)

@@ -134,6 +134,7 @@ int batchnorm_train_forward_f32(
                             DG_INDEPENDENT
                             for (int J = 0; J < DG_LANES; ++J) {
                                 const int64_t Idx = Off + Mi + J;
+                                (void)Idx;
                                 const double Xv = (double)x[Idx];
                                 Lane_Sum_mean[J] += Xv;
                             }
@@ -142,6 +143,7 @@ int batchnorm_train_forward_f32(
                             const int J = 0;                /* outside the lane blocks: lane 0 */
                             (void)J;
                             const int64_t Idx = Off + Mi;
+                            (void)Idx;
                             const double Xv = (double)x[Idx];
                             Lane_Sum_mean[J] += Xv;
                         }
@@ -163,6 +165,7 @@ int batchnorm_train_forward_f32(
                             DG_INDEPENDENT
                             for (int J = 0; J < DG_LANES; ++J) {
                                 const int64_t Idx = Off + Mi + J;
+                                (void)Idx;
                                 const double Xv = (double)x[Idx];
                                 Lane_Sum_var[J] += ((Xv - mean)*(Xv - mean));
                             }
@@ -171,6 +174,7 @@ int batchnorm_train_forward_f32(
                             const int J = 0;                /* outside the lane blocks: lane 0 */
                             (void)J;
                             const int64_t Idx = Off + Mi;
+                            (void)Idx;
                             const double Xv = (double)x[Idx];
                             Lane_Sum_var[J] += ((Xv - mean)*(Xv - mean));
                         }
@@ -209,6 +213,7 @@ int batchnorm_train_forward_f32(
                                     const int J = 0;                /* outside the lane blocks: lane 0 */
                                     (void)J;
                                     const int64_t Idx = Off + Mi;
+                                    (void)Idx;
                                     const int64_t Ch = Gi * Cg + Mi;
                                     const float gamma_V = gamma[Ch];
                                     const float beta_V = beta[Ch];
@@ -222,6 +227,7 @@ int batchnorm_train_forward_f32(
                                 DG_INDEPENDENT
                                 for (int J = 0; J < DG_LANES; ++J) {
                                     const int64_t Idx = Off + Mi + J;
+                                    (void)Idx;
                                     const int64_t Ch = Gi * Cg + Mi + J;
                                     const float gamma_V = gamma[Ch];
                                     const float beta_V = beta[Ch];
@@ -235,6 +241,7 @@ int batchnorm_train_forward_f32(
                                 const int J = 0;                /* outside the lane blocks: lane 0 */
                                 (void)J;
                                 const int64_t Idx = Off + Mi;
+                                (void)Idx;
                                 const int64_t Ch = Gi * Cg + Mi;
                                 const float gamma_V = gamma[Ch];
                                 const float beta_V = beta[Ch];
@@ -258,6 +265,7 @@ int batchnorm_train_forward_f32(
                                         const int J = 0;                /* outside the lane blocks: lane 0 */
                                         (void)J;
                                         const int64_t Idx = Off + Ci * S + Si;
+                                        (void)Idx;
                                         const float Xv = x[Idx];
                                         const float xhat = rstd_F*((Xv + H0_hi + H0_lo));
                                         y_R[Idx - (Off + Ci * S)] = (float)(gamma_V*xhat + beta_V);
@@ -268,6 +276,7 @@ int batchnorm_train_forward_f32(
                                     DG_INDEPENDENT
                                     for (int J = 0; J < DG_LANES; ++J) {
                                         const int64_t Idx = Off + Ci * S + Si + J;
+                                        (void)Idx;
                                         const float Xv = x[Idx];
                                         const float xhat = rstd_F*((Xv + H0_hi + H0_lo));
                                         T_y[J] = (float)(gamma_V*xhat + beta_V);
@@ -278,6 +287,7 @@ int batchnorm_train_forward_f32(
                                     const int J = 0;                /* outside the lane blocks: lane 0 */
                                     (void)J;
                                     const int64_t Idx = Off + Ci * S + Si;
+                                    (void)Idx;
                                     const float Xv = x[Idx];
                                     const float xhat = rstd_F*((Xv + H0_hi + H0_lo));
                                     y_R[Idx - (Off + Ci * S)] = (float)(gamma_V*xhat + beta_V);
@@ -407,6 +417,7 @@ int batchnorm_train_backward_f32(
                                 DG_INDEPENDENT
                                 for (int J = 0; J < DG_LANES; ++J) {
                                     const int64_t Idx = Off + Mi + J;
+                                    (void)Idx;
                                     const int64_t Ch = Gi * Cg + Mi + J;
                                     const float gamma_V = gamma[Ch];
                                     const float Xv = x[Idx];
@@ -421,6 +432,7 @@ int batchnorm_train_backward_f32(
                                 const int J = 0;                /* outside the lane blocks: lane 0 */
                                 (void)J;
                                 const int64_t Idx = Off + Mi;
+                                (void)Idx;
                                 const int64_t Ch = Gi * Cg + Mi;
                                 const float gamma_V = gamma[Ch];
                                 const float Xv = x[Idx];
@@ -450,6 +462,7 @@ int batchnorm_train_backward_f32(
                                     DG_INDEPENDENT
                                     for (int J = 0; J < DG_LANES; ++J) {
                                         const int64_t Idx = Off + Ci * S + Si + J;
+                                        (void)Idx;
                                         const float Xv = x[Idx];
                                         const float Dyv = dy[Idx];
                                         const float xhat = rstd_F*((Xv + H0_hi + H0_lo));
@@ -462,6 +475,7 @@ int batchnorm_train_backward_f32(
                                     const int J = 0;                /* outside the lane blocks: lane 0 */
                                     (void)J;
                                     const int64_t Idx = Off + Ci * S + Si;
+                                    (void)Idx;
                                     const float Xv = x[Idx];
                                     const float Dyv = dy[Idx];
                                     const float xhat = rstd_F*((Xv + H0_hi + H0_lo));
@@ -502,6 +516,7 @@ int batchnorm_train_backward_f32(
                                     const int J = 0;                /* outside the lane blocks: lane 0 */
                                     (void)J;
                                     const int64_t Idx = Off + Mi;
+                                    (void)Idx;
                                     const int64_t Ch = Gi * Cg + Mi;
                                     const float gamma_V = gamma[Ch];
                                     const float Xv = x[Idx];
@@ -518,6 +533,7 @@ int batchnorm_train_backward_f32(
                                 DG_INDEPENDENT
                                 for (int J = 0; J < DG_LANES; ++J) {
                                     const int64_t Idx = Off + Mi + J;
+                                    (void)Idx;
                                     const int64_t Ch = Gi * Cg + Mi + J;
                                     const float gamma_V = gamma[Ch];
                                     const float Xv = x[Idx];
@@ -534,6 +550,7 @@ int batchnorm_train_backward_f32(
                                 const int J = 0;                /* outside the lane blocks: lane 0 */
                                 (void)J;
                                 const int64_t Idx = Off + Mi;
+                                (void)Idx;
                                 const int64_t Ch = Gi * Cg + Mi;
                                 const float gamma_V = gamma[Ch];
                                 const float Xv = x[Idx];
@@ -574,6 +591,7 @@ int batchnorm_train_backward_f32(
                                     DG_INDEPENDENT
                                     for (int J = 0; J < DG_LANES; ++J) {
                                         const int64_t Idx = Off + Ci * S + Si + J;
+                                        (void)Idx;
                                         const float Xv = x[Idx];
                                         const float Dyv = dy[Idx];
                                         const float xhat = rstd_F*((Xv + H0_hi + H0_lo));
@@ -587,6 +605,7 @@ int batchnorm_train_backward_f32(
                                     const int J = 0;                /* outside the lane blocks: lane 0 */
                                     (void)J;
                                     const int64_t Idx = Off + Ci * S + Si;
+                                    (void)Idx;
                                     const float Xv = x[Idx];
                                     const float Dyv = dy[Idx];
                                     const float xhat = rstd_F*((Xv + H0_hi + H0_lo));
@@ -722,6 +741,7 @@ int batchnorm_train_bb_f32(
                         for (; Mi + DG_LANES <= Cg; Mi += DG_LANES) {
                             for (int J = 0; J < DG_LANES; ++J) {
                                 const int64_t Idx = Off + Mi + J;
+                                (void)Idx;
                                 const int64_t Ch = Gi * Cg + Mi + J;
                                 (void)Ch;
                                 const double gamma_V = (double)gamma[Ch];
@@ -743,6 +763,7 @@ int batchnorm_train_bb_f32(
                         }
                         for (; Mi < Cg; ++Mi) {
                             const int64_t Idx = Off + Mi;
+                            (void)Idx;
                             const int64_t Ch = Gi * Cg + Mi;
                             (void)Ch;
                             const double gamma_V = (double)gamma[Ch];
@@ -771,6 +792,7 @@ int batchnorm_train_bb_f32(
                             for (; Si + DG_LANES <= S; Si += DG_LANES) {
                                 for (int J = 0; J < DG_LANES; ++J) {
                                     const int64_t Idx = Off + Ci * S + Si + J;
+                                    (void)Idx;
                                     const double Xv = (double)x[Idx];
                                     const double Dyv = (double)dy[Idx];
                                     const double X_Dd = (double)Seed_x[Idx];
@@ -788,6 +810,7 @@ int batchnorm_train_bb_f32(
                             }
                             for (; Si < S; ++Si) {
                                 const int64_t Idx = Off + Ci * S + Si;
+                                (void)Idx;
                                 const double Xv = (double)x[Idx];
                                 const double Dyv = (double)dy[Idx];
                                 const double X_Dd = (double)Seed_x[Idx];
@@ -861,6 +884,7 @@ int batchnorm_train_bb_f32(
                         for (; Mi + DG_LANES <= Cg; Mi += DG_LANES) {
                             for (int J = 0; J < DG_LANES; ++J) {
                                 const int64_t Idx = Off + Mi + J;
+                                (void)Idx;
                                 const int64_t Ch = Gi * Cg + Mi + J;
                                 (void)Ch;
                                 const double gamma_V = (double)gamma[Ch];
@@ -879,6 +903,7 @@ int batchnorm_train_bb_f32(
                         }
                         for (; Mi < Cg; ++Mi) {
                             const int64_t Idx = Off + Mi;
+                            (void)Idx;
                             const int64_t Ch = Gi * Cg + Mi;
                             (void)Ch;
                             const double gamma_V = (double)gamma[Ch];
@@ -906,6 +931,7 @@ int batchnorm_train_bb_f32(
                             for (; Si + DG_LANES <= S; Si += DG_LANES) {
                                 for (int J = 0; J < DG_LANES; ++J) {
                                     const int64_t Idx = Off + Ci * S + Si + J;
+                                    (void)Idx;
                                     const double Xv = (double)x[Idx];
                                     const double Dyv = (double)dy[Idx];
                                     const double X_Dd = (double)Seed_x[Idx];
@@ -919,6 +945,7 @@ int batchnorm_train_bb_f32(
                             }
                             for (; Si < S; ++Si) {
                                 const int64_t Idx = Off + Ci * S + Si;
+                                (void)Idx;
                                 const double Xv = (double)x[Idx];
                                 const double Dyv = (double)dy[Idx];
                                 const double X_Dd = (double)Seed_x[Idx];
@@ -1020,6 +1047,7 @@ int batchnorm_train_jvp_f32(
                         for (; Mi + DG_LANES <= Cg; Mi += DG_LANES) {
                             for (int J = 0; J < DG_LANES; ++J) {
                                 const int64_t Idx = Off + Mi + J;
+                                (void)Idx;
                                 const int64_t Ch = Gi * Cg + Mi + J;
                                 (void)Ch;
                                 const double Xv = (double)x[Idx];
@@ -1032,6 +1060,7 @@ int batchnorm_train_jvp_f32(
                         }
                         for (; Mi < Cg; ++Mi) {
                             const int64_t Idx = Off + Mi;
+                            (void)Idx;
                             const int64_t Ch = Gi * Cg + Mi;
                             (void)Ch;
                             const double Xv = (double)x[Idx];
@@ -1049,6 +1078,7 @@ int batchnorm_train_jvp_f32(
                             for (; Si + DG_LANES <= S; Si += DG_LANES) {
                                 for (int J = 0; J < DG_LANES; ++J) {
                                     const int64_t Idx = Off + Ci * S + Si + J;
+                                    (void)Idx;
                                     const double Xv = (double)x[Idx];
                                     const double X_T = (double)Seed_x[Idx];
                                     const double xhat = rstd*(Xv - mean);
@@ -1059,6 +1089,7 @@ int batchnorm_train_jvp_f32(
                             }
                             for (; Si < S; ++Si) {
                                 const int64_t Idx = Off + Ci * S + Si;
+                                (void)Idx;
                                 const double Xv = (double)x[Idx];
                                 const double X_T = (double)Seed_x[Idx];
                                 const double xhat = rstd*(Xv - mean);
@@ -1094,6 +1125,7 @@ int batchnorm_train_jvp_f32(
                         for (; Mi + DG_LANES <= Cg; Mi += DG_LANES) {
                             for (int J = 0; J < DG_LANES; ++J) {
                                 const int64_t Idx = Off + Mi + J;
+                                (void)Idx;
                                 const int64_t Ch = Gi * Cg + Mi + J;
                                 (void)Ch;
                                 const double gamma_V = (double)gamma[Ch];
@@ -1108,6 +1140,7 @@ int batchnorm_train_jvp_f32(
                         }
                         for (; Mi < Cg; ++Mi) {
                             const int64_t Idx = Off + Mi;
+                            (void)Idx;
                             const int64_t Ch = Gi * Cg + Mi;
                             (void)Ch;
                             const double gamma_V = (double)gamma[Ch];
@@ -1130,6 +1163,7 @@ int batchnorm_train_jvp_f32(
                             for (; Si + DG_LANES <= S; Si += DG_LANES) {
                                 for (int J = 0; J < DG_LANES; ++J) {
                                     const int64_t Idx = Off + Ci * S + Si + J;
+                                    (void)Idx;
                                     const double Xv = (double)x[Idx];
                                     const double X_T = (double)Seed_x[Idx];
                                     const double xhat = rstd*(Xv - mean);
@@ -1139,6 +1173,7 @@ int batchnorm_train_jvp_f32(
                             }
                             for (; Si < S; ++Si) {
                                 const int64_t Idx = Off + Ci * S + Si;
+                                (void)Idx;
                                 const double Xv = (double)x[Idx];
                                 const double X_T = (double)Seed_x[Idx];
                                 const double xhat = rstd*(Xv - mean);
@@ -1221,6 +1256,7 @@ int batchnorm_train_split_partial_f32(
                                 DG_INDEPENDENT
                                 for (int J = 0; J < DG_LANES; ++J) {
                                     const int64_t Idx = Off + Mi + J;
+                                    (void)Idx;
                                     const double Xv = (double)x[Idx];
                                     Lane_Sum_mean[J] += Xv;
                                 }
@@ -1229,6 +1265,7 @@ int batchnorm_train_split_partial_f32(
                                 const int J = 0;                /* outside the lane blocks: lane 0 */
                                 (void)J;
                                 const int64_t Idx = Off + Mi;
+                                (void)Idx;
                                 const double Xv = (double)x[Idx];
                                 Lane_Sum_mean[J] += Xv;
                             }
@@ -1259,6 +1296,7 @@ int batchnorm_train_split_partial_f32(
                                 DG_INDEPENDENT
                                 for (int J = 0; J < DG_LANES; ++J) {
                                     const int64_t Idx = Off + Mi + J;
+                                    (void)Idx;
                                     const double Xv = (double)x[Idx];
                                     Lane_Sum_var[J] += ((Xv - mean)*(Xv - mean));
                                 }
@@ -1267,6 +1305,7 @@ int batchnorm_train_split_partial_f32(
                                 const int J = 0;                /* outside the lane blocks: lane 0 */
                                 (void)J;
                                 const int64_t Idx = Off + Mi;
+                                (void)Idx;
                                 const double Xv = (double)x[Idx];
                                 Lane_Sum_var[J] += ((Xv - mean)*(Xv - mean));
                             }
@@ -1421,6 +1460,7 @@ int batchnorm_train_split_apply_f32(
                                     const int J = 0;                /* outside the lane blocks: lane 0 */
                                     (void)J;
                                     const int64_t Idx = Off + Mi;
+                                    (void)Idx;
                                     const int64_t Ch = Gi * Cg + Mi;
                                     const float gamma_V = gamma[Ch];
                                     const float beta_V = beta[Ch];
@@ -1434,6 +1474,7 @@ int batchnorm_train_split_apply_f32(
                                 DG_INDEPENDENT
                                 for (int J = 0; J < DG_LANES; ++J) {
                                     const int64_t Idx = Off + Mi + J;
+                                    (void)Idx;
                                     const int64_t Ch = Gi * Cg + Mi + J;
                                     const float gamma_V = gamma[Ch];
                                     const float beta_V = beta[Ch];
@@ -1447,6 +1488,7 @@ int batchnorm_train_split_apply_f32(
                                 const int J = 0;                /* outside the lane blocks: lane 0 */
                                 (void)J;
                                 const int64_t Idx = Off + Mi;
+                                (void)Idx;
                                 const int64_t Ch = Gi * Cg + Mi;
                                 const float gamma_V = gamma[Ch];
                                 const float beta_V = beta[Ch];
@@ -1470,6 +1512,7 @@ int batchnorm_train_split_apply_f32(
                                         const int J = 0;                /* outside the lane blocks: lane 0 */
                                         (void)J;
                                         const int64_t Idx = Off + Ci * S + Si;
+                                        (void)Idx;
                                         const float Xv = x[Idx];
                                         const float xhat = rstd_F*((Xv + H0_hi + H0_lo));
                                         y_R[Idx - (Off + Ci * S)] = (float)(gamma_V*xhat + beta_V);
@@ -1480,6 +1523,7 @@ int batchnorm_train_split_apply_f32(
                                     DG_INDEPENDENT
                                     for (int J = 0; J < DG_LANES; ++J) {
                                         const int64_t Idx = Off + Ci * S + Si + J;
+                                        (void)Idx;
                                         const float Xv = x[Idx];
                                         const float xhat = rstd_F*((Xv + H0_hi + H0_lo));
                                         T_y[J] = (float)(gamma_V*xhat + beta_V);
@@ -1490,6 +1534,7 @@ int batchnorm_train_split_apply_f32(
                                     const int J = 0;                /* outside the lane blocks: lane 0 */
                                     (void)J;
                                     const int64_t Idx = Off + Ci * S + Si;
+                                    (void)Idx;
                                     const float Xv = x[Idx];
                                     const float xhat = rstd_F*((Xv + H0_hi + H0_lo));
                                     y_R[Idx - (Off + Ci * S)] = (float)(gamma_V*xhat + beta_V);
@@ -1591,6 +1636,7 @@ int batchnorm_train_split_bpartial_f32(
                                 DG_INDEPENDENT
                                 for (int J = 0; J < DG_LANES; ++J) {
                                     const int64_t Idx = Off + Mi + J;
+                                    (void)Idx;
                                     const int64_t Ch = Gi * Cg + Mi + J;
                                     const float gamma_V = gamma[Ch];
                                     const float Xv = x[Idx];
@@ -1605,6 +1651,7 @@ int batchnorm_train_split_bpartial_f32(
                                 const int J = 0;                /* outside the lane blocks: lane 0 */
                                 (void)J;
                                 const int64_t Idx = Off + Mi;
+                                (void)Idx;
                                 const int64_t Ch = Gi * Cg + Mi;
                                 const float gamma_V = gamma[Ch];
                                 const float Xv = x[Idx];
@@ -1634,6 +1681,7 @@ int batchnorm_train_split_bpartial_f32(
                                     DG_INDEPENDENT
                                     for (int J = 0; J < DG_LANES; ++J) {
                                         const int64_t Idx = Off + Ci * S + Si + J;
+                                        (void)Idx;
                                         const float Xv = x[Idx];
                                         const float Dyv = dy[Idx];
                                         const float xhat = rstd_F*((Xv + H0_hi + H0_lo));
@@ -1646,6 +1694,7 @@ int batchnorm_train_split_bpartial_f32(
                                     const int J = 0;                /* outside the lane blocks: lane 0 */
                                     (void)J;
                                     const int64_t Idx = Off + Ci * S + Si;
+                                    (void)Idx;
                                     const float Xv = x[Idx];
                                     const float Dyv = dy[Idx];
                                     const float xhat = rstd_F*((Xv + H0_hi + H0_lo));
@@ -1784,6 +1833,7 @@ int batchnorm_train_split_bapply_f32(
                                     const int J = 0;                /* outside the lane blocks: lane 0 */
                                     (void)J;
                                     const int64_t Idx = Off + Mi;
+                                    (void)Idx;
                                     const int64_t Ch = Gi * Cg + Mi;
                                     const float gamma_V = gamma[Ch];
                                     const float Xv = x[Idx];
@@ -1800,6 +1850,7 @@ int batchnorm_train_split_bapply_f32(
                                 DG_INDEPENDENT
                                 for (int J = 0; J < DG_LANES; ++J) {
                                     const int64_t Idx = Off + Mi + J;
+                                    (void)Idx;
                                     const int64_t Ch = Gi * Cg + Mi + J;
                                     const float gamma_V = gamma[Ch];
                                     const float Xv = x[Idx];
@@ -1816,6 +1867,7 @@ int batchnorm_train_split_bapply_f32(
                                 const int J = 0;                /* outside the lane blocks: lane 0 */
                                 (void)J;
                                 const int64_t Idx = Off + Mi;
+                                (void)Idx;
                                 const int64_t Ch = Gi * Cg + Mi;
                                 const float gamma_V = gamma[Ch];
                                 const float Xv = x[Idx];
@@ -1856,6 +1908,7 @@ int batchnorm_train_split_bapply_f32(
                                     DG_INDEPENDENT
                                     for (int J = 0; J < DG_LANES; ++J) {
                                         const int64_t Idx = Off + Ci * S + Si + J;
+                                        (void)Idx;
                                         const float Xv = x[Idx];
                                         const float Dyv = dy[Idx];
                                         const float xhat = rstd_F*((Xv + H0_hi + H0_lo));
@@ -1869,6 +1922,7 @@ int batchnorm_train_split_bapply_f32(
                                     const int J = 0;                /* outside the lane blocks: lane 0 */
                                     (void)J;
                                     const int64_t Idx = Off + Ci * S + Si;
+                                    (void)Idx;
                                     const float Xv = x[Idx];
                                     const float Dyv = dy[Idx];
                                     const float xhat = rstd_F*((Xv + H0_hi + H0_lo));
@@ -2543,6 +2597,7 @@ int batchnorm_train_forward_f64(
                             DG_INDEPENDENT
                             for (int J = 0; J < DG_LANES; ++J) {
                                 const int64_t Idx = Off + Mi + J;
+                                (void)Idx;
                                 const double Xv = x[Idx];
                                 Lane_Sum_mean[J] += Xv;
                             }
@@ -2551,6 +2606,7 @@ int batchnorm_train_forward_f64(
                             const int J = 0;                /* outside the lane blocks: lane 0 */
                             (void)J;
                             const int64_t Idx = Off + Mi;
+                            (void)Idx;
                             const double Xv = x[Idx];
                             Lane_Sum_mean[J] += Xv;
                         }
@@ -2572,6 +2628,7 @@ int batchnorm_train_forward_f64(
                             DG_INDEPENDENT
                             for (int J = 0; J < DG_LANES; ++J) {
                                 const int64_t Idx = Off + Mi + J;
+                                (void)Idx;
                                 const double Xv = x[Idx];
                                 Lane_Sum_var[J] += ((Xv - mean)*(Xv - mean));
                             }
@@ -2580,6 +2637,7 @@ int batchnorm_train_forward_f64(
                             const int J = 0;                /* outside the lane blocks: lane 0 */
                             (void)J;
                             const int64_t Idx = Off + Mi;
+                            (void)Idx;
                             const double Xv = x[Idx];
                             Lane_Sum_var[J] += ((Xv - mean)*(Xv - mean));
                         }
@@ -2614,6 +2672,7 @@ int batchnorm_train_forward_f64(
                                     const int J = 0;                /* outside the lane blocks: lane 0 */
                                     (void)J;
                                     const int64_t Idx = Off + Mi;
+                                    (void)Idx;
                                     const int64_t Ch = Gi * Cg + Mi;
                                     const double gamma_V = gamma[Ch];
                                     const double beta_V = beta[Ch];
@@ -2627,6 +2686,7 @@ int batchnorm_train_forward_f64(
                                 DG_INDEPENDENT
                                 for (int J = 0; J < DG_LANES; ++J) {
                                     const int64_t Idx = Off + Mi + J;
+                                    (void)Idx;
                                     const int64_t Ch = Gi * Cg + Mi + J;
                                     const double gamma_V = gamma[Ch];
                                     const double beta_V = beta[Ch];
@@ -2640,6 +2700,7 @@ int batchnorm_train_forward_f64(
                                 const int J = 0;                /* outside the lane blocks: lane 0 */
                                 (void)J;
                                 const int64_t Idx = Off + Mi;
+                                (void)Idx;
                                 const int64_t Ch = Gi * Cg + Mi;
                                 const double gamma_V = gamma[Ch];
                                 const double beta_V = beta[Ch];
@@ -2663,6 +2724,7 @@ int batchnorm_train_forward_f64(
                                         const int J = 0;                /* outside the lane blocks: lane 0 */
                                         (void)J;
                                         const int64_t Idx = Off + Ci * S + Si;
+                                        (void)Idx;
                                         const double Xv = x[Idx];
                                         const double xhat = rstd*(Xv - mean);
                                         y_R[Idx - (Off + Ci * S)] = (double)(gamma_V*xhat + beta_V);
@@ -2673,6 +2735,7 @@ int batchnorm_train_forward_f64(
                                     DG_INDEPENDENT
                                     for (int J = 0; J < DG_LANES; ++J) {
                                         const int64_t Idx = Off + Ci * S + Si + J;
+                                        (void)Idx;
                                         const double Xv = x[Idx];
                                         const double xhat = rstd*(Xv - mean);
                                         T_y[J] = (double)(gamma_V*xhat + beta_V);
@@ -2683,6 +2746,7 @@ int batchnorm_train_forward_f64(
                                     const int J = 0;                /* outside the lane blocks: lane 0 */
                                     (void)J;
                                     const int64_t Idx = Off + Ci * S + Si;
+                                    (void)Idx;
                                     const double Xv = x[Idx];
                                     const double xhat = rstd*(Xv - mean);
                                     y_R[Idx - (Off + Ci * S)] = (double)(gamma_V*xhat + beta_V);
@@ -2808,6 +2872,7 @@ int batchnorm_train_backward_f64(
                                 DG_INDEPENDENT
                                 for (int J = 0; J < DG_LANES; ++J) {
                                     const int64_t Idx = Off + Mi + J;
+                                    (void)Idx;
                                     const int64_t Ch = Gi * Cg + Mi + J;
                                     const double gamma_V = gamma[Ch];
                                     const double Xv = x[Idx];
@@ -2822,6 +2887,7 @@ int batchnorm_train_backward_f64(
                                 const int J = 0;                /* outside the lane blocks: lane 0 */
                                 (void)J;
                                 const int64_t Idx = Off + Mi;
+                                (void)Idx;
                                 const int64_t Ch = Gi * Cg + Mi;
                                 const double gamma_V = gamma[Ch];
                                 const double Xv = x[Idx];
@@ -2851,6 +2917,7 @@ int batchnorm_train_backward_f64(
                                     DG_INDEPENDENT
                                     for (int J = 0; J < DG_LANES; ++J) {
                                         const int64_t Idx = Off + Ci * S + Si + J;
+                                        (void)Idx;
                                         const double Xv = x[Idx];
                                         const double Dyv = dy[Idx];
                                         const double xhat = rstd*(Xv - mean);
@@ -2863,6 +2930,7 @@ int batchnorm_train_backward_f64(
                                     const int J = 0;                /* outside the lane blocks: lane 0 */
                                     (void)J;
                                     const int64_t Idx = Off + Ci * S + Si;
+                                    (void)Idx;
                                     const double Xv = x[Idx];
                                     const double Dyv = dy[Idx];
                                     const double xhat = rstd*(Xv - mean);
@@ -2898,6 +2966,7 @@ int batchnorm_train_backward_f64(
                                     const int J = 0;                /* outside the lane blocks: lane 0 */
                                     (void)J;
                                     const int64_t Idx = Off + Mi;
+                                    (void)Idx;
                                     const int64_t Ch = Gi * Cg + Mi;
                                     const double gamma_V = gamma[Ch];
                                     const double Xv = x[Idx];
@@ -2914,6 +2983,7 @@ int batchnorm_train_backward_f64(
                                 DG_INDEPENDENT
                                 for (int J = 0; J < DG_LANES; ++J) {
                                     const int64_t Idx = Off + Mi + J;
+                                    (void)Idx;
                                     const int64_t Ch = Gi * Cg + Mi + J;
                                     const double gamma_V = gamma[Ch];
                                     const double Xv = x[Idx];
@@ -2930,6 +3000,7 @@ int batchnorm_train_backward_f64(
                                 const int J = 0;                /* outside the lane blocks: lane 0 */
                                 (void)J;
                                 const int64_t Idx = Off + Mi;
+                                (void)Idx;
                                 const int64_t Ch = Gi * Cg + Mi;
                                 const double gamma_V = gamma[Ch];
                                 const double Xv = x[Idx];
@@ -2970,6 +3041,7 @@ int batchnorm_train_backward_f64(
                                     DG_INDEPENDENT
                                     for (int J = 0; J < DG_LANES; ++J) {
                                         const int64_t Idx = Off + Ci * S + Si + J;
+                                        (void)Idx;
                                         const double Xv = x[Idx];
                                         const double Dyv = dy[Idx];
                                         const double xhat = rstd*(Xv - mean);
@@ -2983,6 +3055,7 @@ int batchnorm_train_backward_f64(
                                     const int J = 0;                /* outside the lane blocks: lane 0 */
                                     (void)J;
                                     const int64_t Idx = Off + Ci * S + Si;
+                                    (void)Idx;
                                     const double Xv = x[Idx];
                                     const double Dyv = dy[Idx];
                                     const double xhat = rstd*(Xv - mean);
@@ -3118,6 +3191,7 @@ int batchnorm_train_bb_f64(
                         for (; Mi + DG_LANES <= Cg; Mi += DG_LANES) {
                             for (int J = 0; J < DG_LANES; ++J) {
                                 const int64_t Idx = Off + Mi + J;
+                                (void)Idx;
                                 const int64_t Ch = Gi * Cg + Mi + J;
                                 (void)Ch;
                                 const double gamma_V = gamma[Ch];
@@ -3139,6 +3213,7 @@ int batchnorm_train_bb_f64(
                         }
                         for (; Mi < Cg; ++Mi) {
                             const int64_t Idx = Off + Mi;
+                            (void)Idx;
                             const int64_t Ch = Gi * Cg + Mi;
                             (void)Ch;
                             const double gamma_V = gamma[Ch];
@@ -3167,6 +3242,7 @@ int batchnorm_train_bb_f64(
                             for (; Si + DG_LANES <= S; Si += DG_LANES) {
                                 for (int J = 0; J < DG_LANES; ++J) {
                                     const int64_t Idx = Off + Ci * S + Si + J;
+                                    (void)Idx;
                                     const double Xv = x[Idx];
                                     const double Dyv = dy[Idx];
                                     const double X_Dd = Seed_x[Idx];
@@ -3184,6 +3260,7 @@ int batchnorm_train_bb_f64(
                             }
                             for (; Si < S; ++Si) {
                                 const int64_t Idx = Off + Ci * S + Si;
+                                (void)Idx;
                                 const double Xv = x[Idx];
                                 const double Dyv = dy[Idx];
                                 const double X_Dd = Seed_x[Idx];
@@ -3257,6 +3334,7 @@ int batchnorm_train_bb_f64(
                         for (; Mi + DG_LANES <= Cg; Mi += DG_LANES) {
                             for (int J = 0; J < DG_LANES; ++J) {
                                 const int64_t Idx = Off + Mi + J;
+                                (void)Idx;
                                 const int64_t Ch = Gi * Cg + Mi + J;
                                 (void)Ch;
                                 const double gamma_V = gamma[Ch];
@@ -3275,6 +3353,7 @@ int batchnorm_train_bb_f64(
                         }
                         for (; Mi < Cg; ++Mi) {
                             const int64_t Idx = Off + Mi;
+                            (void)Idx;
                             const int64_t Ch = Gi * Cg + Mi;
                             (void)Ch;
                             const double gamma_V = gamma[Ch];
@@ -3302,6 +3381,7 @@ int batchnorm_train_bb_f64(
                             for (; Si + DG_LANES <= S; Si += DG_LANES) {
                                 for (int J = 0; J < DG_LANES; ++J) {
                                     const int64_t Idx = Off + Ci * S + Si + J;
+                                    (void)Idx;
                                     const double Xv = x[Idx];
                                     const double Dyv = dy[Idx];
                                     const double X_Dd = Seed_x[Idx];
@@ -3315,6 +3395,7 @@ int batchnorm_train_bb_f64(
                             }
                             for (; Si < S; ++Si) {
                                 const int64_t Idx = Off + Ci * S + Si;
+                                (void)Idx;
                                 const double Xv = x[Idx];
                                 const double Dyv = dy[Idx];
                                 const double X_Dd = Seed_x[Idx];
@@ -3416,6 +3497,7 @@ int batchnorm_train_jvp_f64(
                         for (; Mi + DG_LANES <= Cg; Mi += DG_LANES) {
                             for (int J = 0; J < DG_LANES; ++J) {
                                 const int64_t Idx = Off + Mi + J;
+                                (void)Idx;
                                 const int64_t Ch = Gi * Cg + Mi + J;
                                 (void)Ch;
                                 const double Xv = x[Idx];
@@ -3428,6 +3510,7 @@ int batchnorm_train_jvp_f64(
                         }
                         for (; Mi < Cg; ++Mi) {
                             const int64_t Idx = Off + Mi;
+                            (void)Idx;
                             const int64_t Ch = Gi * Cg + Mi;
                             (void)Ch;
                             const double Xv = x[Idx];
@@ -3445,6 +3528,7 @@ int batchnorm_train_jvp_f64(
                             for (; Si + DG_LANES <= S; Si += DG_LANES) {
                                 for (int J = 0; J < DG_LANES; ++J) {
                                     const int64_t Idx = Off + Ci * S + Si + J;
+                                    (void)Idx;
                                     const double Xv = x[Idx];
                                     const double X_T = Seed_x[Idx];
                                     const double xhat = rstd*(Xv - mean);
@@ -3455,6 +3539,7 @@ int batchnorm_train_jvp_f64(
                             }
                             for (; Si < S; ++Si) {
                                 const int64_t Idx = Off + Ci * S + Si;
+                                (void)Idx;
                                 const double Xv = x[Idx];
                                 const double X_T = Seed_x[Idx];
                                 const double xhat = rstd*(Xv - mean);
@@ -3490,6 +3575,7 @@ int batchnorm_train_jvp_f64(
                         for (; Mi + DG_LANES <= Cg; Mi += DG_LANES) {
                             for (int J = 0; J < DG_LANES; ++J) {
                                 const int64_t Idx = Off + Mi + J;
+                                (void)Idx;
                                 const int64_t Ch = Gi * Cg + Mi + J;
                                 (void)Ch;
                                 const double gamma_V = gamma[Ch];
@@ -3504,6 +3590,7 @@ int batchnorm_train_jvp_f64(
                         }
                         for (; Mi < Cg; ++Mi) {
                             const int64_t Idx = Off + Mi;
+                            (void)Idx;
                             const int64_t Ch = Gi * Cg + Mi;
                             (void)Ch;
                             const double gamma_V = gamma[Ch];
@@ -3526,6 +3613,7 @@ int batchnorm_train_jvp_f64(
                             for (; Si + DG_LANES <= S; Si += DG_LANES) {
                                 for (int J = 0; J < DG_LANES; ++J) {
                                     const int64_t Idx = Off + Ci * S + Si + J;
+                                    (void)Idx;
                                     const double Xv = x[Idx];
                                     const double X_T = Seed_x[Idx];
                                     const double xhat = rstd*(Xv - mean);
@@ -3535,6 +3623,7 @@ int batchnorm_train_jvp_f64(
                             }
                             for (; Si < S; ++Si) {
                                 const int64_t Idx = Off + Ci * S + Si;
+                                (void)Idx;
                                 const double Xv = x[Idx];
                                 const double X_T = Seed_x[Idx];
                                 const double xhat = rstd*(Xv - mean);
@@ -3617,6 +3706,7 @@ int batchnorm_train_split_partial_f64(
                                 DG_INDEPENDENT
                                 for (int J = 0; J < DG_LANES; ++J) {
                                     const int64_t Idx = Off + Mi + J;
+                                    (void)Idx;
                                     const double Xv = x[Idx];
                                     Lane_Sum_mean[J] += Xv;
                                 }
@@ -3625,6 +3715,7 @@ int batchnorm_train_split_partial_f64(
                                 const int J = 0;                /* outside the lane blocks: lane 0 */
                                 (void)J;
                                 const int64_t Idx = Off + Mi;
+                                (void)Idx;
                                 const double Xv = x[Idx];
                                 Lane_Sum_mean[J] += Xv;
                             }
@@ -3655,6 +3746,7 @@ int batchnorm_train_split_partial_f64(
                                 DG_INDEPENDENT
                                 for (int J = 0; J < DG_LANES; ++J) {
                                     const int64_t Idx = Off + Mi + J;
+                                    (void)Idx;
                                     const double Xv = x[Idx];
                                     Lane_Sum_var[J] += ((Xv - mean)*(Xv - mean));
                                 }
@@ -3663,6 +3755,7 @@ int batchnorm_train_split_partial_f64(
                                 const int J = 0;                /* outside the lane blocks: lane 0 */
                                 (void)J;
                                 const int64_t Idx = Off + Mi;
+                                (void)Idx;
                                 const double Xv = x[Idx];
                                 Lane_Sum_var[J] += ((Xv - mean)*(Xv - mean));
                             }
@@ -3813,6 +3906,7 @@ int batchnorm_train_split_apply_f64(
                                     const int J = 0;                /* outside the lane blocks: lane 0 */
                                     (void)J;
                                     const int64_t Idx = Off + Mi;
+                                    (void)Idx;
                                     const int64_t Ch = Gi * Cg + Mi;
                                     const double gamma_V = gamma[Ch];
                                     const double beta_V = beta[Ch];
@@ -3826,6 +3920,7 @@ int batchnorm_train_split_apply_f64(
                                 DG_INDEPENDENT
                                 for (int J = 0; J < DG_LANES; ++J) {
                                     const int64_t Idx = Off + Mi + J;
+                                    (void)Idx;
                                     const int64_t Ch = Gi * Cg + Mi + J;
                                     const double gamma_V = gamma[Ch];
                                     const double beta_V = beta[Ch];
@@ -3839,6 +3934,7 @@ int batchnorm_train_split_apply_f64(
                                 const int J = 0;                /* outside the lane blocks: lane 0 */
                                 (void)J;
                                 const int64_t Idx = Off + Mi;
+                                (void)Idx;
                                 const int64_t Ch = Gi * Cg + Mi;
                                 const double gamma_V = gamma[Ch];
                                 const double beta_V = beta[Ch];
@@ -3862,6 +3958,7 @@ int batchnorm_train_split_apply_f64(
                                         const int J = 0;                /* outside the lane blocks: lane 0 */
                                         (void)J;
                                         const int64_t Idx = Off + Ci * S + Si;
+                                        (void)Idx;
                                         const double Xv = x[Idx];
                                         const double xhat = rstd*(Xv - mean);
                                         y_R[Idx - (Off + Ci * S)] = (double)(gamma_V*xhat + beta_V);
@@ -3872,6 +3969,7 @@ int batchnorm_train_split_apply_f64(
                                     DG_INDEPENDENT
                                     for (int J = 0; J < DG_LANES; ++J) {
                                         const int64_t Idx = Off + Ci * S + Si + J;
+                                        (void)Idx;
                                         const double Xv = x[Idx];
                                         const double xhat = rstd*(Xv - mean);
                                         T_y[J] = (double)(gamma_V*xhat + beta_V);
@@ -3882,6 +3980,7 @@ int batchnorm_train_split_apply_f64(
                                     const int J = 0;                /* outside the lane blocks: lane 0 */
                                     (void)J;
                                     const int64_t Idx = Off + Ci * S + Si;
+                                    (void)Idx;
                                     const double Xv = x[Idx];
                                     const double xhat = rstd*(Xv - mean);
                                     y_R[Idx - (Off + Ci * S)] = (double)(gamma_V*xhat + beta_V);
@@ -3979,6 +4078,7 @@ int batchnorm_train_split_bpartial_f64(
                                 DG_INDEPENDENT
                                 for (int J = 0; J < DG_LANES; ++J) {
                                     const int64_t Idx = Off + Mi + J;
+                                    (void)Idx;
                                     const int64_t Ch = Gi * Cg + Mi + J;
                                     const double gamma_V = gamma[Ch];
                                     const double Xv = x[Idx];
@@ -3993,6 +4093,7 @@ int batchnorm_train_split_bpartial_f64(
                                 const int J = 0;                /* outside the lane blocks: lane 0 */
                                 (void)J;
                                 const int64_t Idx = Off + Mi;
+                                (void)Idx;
                                 const int64_t Ch = Gi * Cg + Mi;
                                 const double gamma_V = gamma[Ch];
                                 const double Xv = x[Idx];
@@ -4022,6 +4123,7 @@ int batchnorm_train_split_bpartial_f64(
                                     DG_INDEPENDENT
                                     for (int J = 0; J < DG_LANES; ++J) {
                                         const int64_t Idx = Off + Ci * S + Si + J;
+                                        (void)Idx;
                                         const double Xv = x[Idx];
                                         const double Dyv = dy[Idx];
                                         const double xhat = rstd*(Xv - mean);
@@ -4034,6 +4136,7 @@ int batchnorm_train_split_bpartial_f64(
                                     const int J = 0;                /* outside the lane blocks: lane 0 */
                                     (void)J;
                                     const int64_t Idx = Off + Ci * S + Si;
+                                    (void)Idx;
                                     const double Xv = x[Idx];
                                     const double Dyv = dy[Idx];
                                     const double xhat = rstd*(Xv - mean);
@@ -4167,6 +4270,7 @@ int batchnorm_train_split_bapply_f64(
                                     const int J = 0;                /* outside the lane blocks: lane 0 */
                                     (void)J;
                                     const int64_t Idx = Off + Mi;
+                                    (void)Idx;
                                     const int64_t Ch = Gi * Cg + Mi;
                                     const double gamma_V = gamma[Ch];
                                     const double Xv = x[Idx];
@@ -4183,6 +4287,7 @@ int batchnorm_train_split_bapply_f64(
                                 DG_INDEPENDENT
                                 for (int J = 0; J < DG_LANES; ++J) {
                                     const int64_t Idx = Off + Mi + J;
+                                    (void)Idx;
                                     const int64_t Ch = Gi * Cg + Mi + J;
                                     const double gamma_V = gamma[Ch];
                                     const double Xv = x[Idx];
@@ -4199,6 +4304,7 @@ int batchnorm_train_split_bapply_f64(
                                 const int J = 0;                /* outside the lane blocks: lane 0 */
                                 (void)J;
                                 const int64_t Idx = Off + Mi;
+                                (void)Idx;
                                 const int64_t Ch = Gi * Cg + Mi;
                                 const double gamma_V = gamma[Ch];
                                 const double Xv = x[Idx];
@@ -4239,6 +4345,7 @@ int batchnorm_train_split_bapply_f64(
                                     DG_INDEPENDENT
                                     for (int J = 0; J < DG_LANES; ++J) {
                                         const int64_t Idx = Off + Ci * S + Si + J;
+                                        (void)Idx;
                                         const double Xv = x[Idx];
                                         const double Dyv = dy[Idx];
                                         const double xhat = rstd*(Xv - mean);
@@ -4252,6 +4359,7 @@ int batchnorm_train_split_bapply_f64(
                                     const int J = 0;                /* outside the lane blocks: lane 0 */
                                     (void)J;
                                     const int64_t Idx = Off + Ci * S + Si;
+                                    (void)Idx;
                                     const double Xv = x[Idx];
                                     const double Dyv = dy[Idx];
                                     const double xhat = rstd*(Xv - mean);
@@ -4858,6 +4966,7 @@ int batchnorm_train_forward_bf16(
                             DG_INDEPENDENT
                             for (int J = 0; J < DG_LANES; ++J) {
                                 const int64_t Idx = Off + Mi + J;
+                                (void)Idx;
                                 const double Xv = (double)Dg_from_bf16(x[Idx]);
                                 Lane_Sum_mean[J] += Xv;
                             }
@@ -4866,6 +4975,7 @@ int batchnorm_train_forward_bf16(
                             const int J = 0;                /* outside the lane blocks: lane 0 */
                             (void)J;
                             const int64_t Idx = Off + Mi;
+                            (void)Idx;
                             const double Xv = (double)Dg_from_bf16(x[Idx]);
                             Lane_Sum_mean[J] += Xv;
                         }
@@ -4887,6 +4997,7 @@ int batchnorm_train_forward_bf16(
                             DG_INDEPENDENT
                             for (int J = 0; J < DG_LANES; ++J) {
                                 const int64_t Idx = Off + Mi + J;
+                                (void)Idx;
                                 const double Xv = (double)Dg_from_bf16(x[Idx]);
                                 Lane_Sum_var[J] += ((Xv - mean)*(Xv - mean));
                             }
@@ -4895,6 +5006,7 @@ int batchnorm_train_forward_bf16(
                             const int J = 0;                /* outside the lane blocks: lane 0 */
                             (void)J;
                             const int64_t Idx = Off + Mi;
+                            (void)Idx;
                             const double Xv = (double)Dg_from_bf16(x[Idx]);
                             Lane_Sum_var[J] += ((Xv - mean)*(Xv - mean));
                         }
@@ -4933,6 +5045,7 @@ int batchnorm_train_forward_bf16(
                                     const int J = 0;                /* outside the lane blocks: lane 0 */
                                     (void)J;
                                     const int64_t Idx = Off + Mi;
+                                    (void)Idx;
                                     const int64_t Ch = Gi * Cg + Mi;
                                     const float gamma_V = Dg_from_bf16(gamma[Ch]);
                                     const float beta_V = Dg_from_bf16(beta[Ch]);
@@ -4946,6 +5059,7 @@ int batchnorm_train_forward_bf16(
                                 DG_INDEPENDENT
                                 for (int J = 0; J < DG_LANES; ++J) {
                                     const int64_t Idx = Off + Mi + J;
+                                    (void)Idx;
                                     const int64_t Ch = Gi * Cg + Mi + J;
                                     const float gamma_V = Dg_from_bf16(gamma[Ch]);
                                     const float beta_V = Dg_from_bf16(beta[Ch]);
@@ -4959,6 +5073,7 @@ int batchnorm_train_forward_bf16(
                                 const int J = 0;                /* outside the lane blocks: lane 0 */
                                 (void)J;
                                 const int64_t Idx = Off + Mi;
+                                (void)Idx;
                                 const int64_t Ch = Gi * Cg + Mi;
                                 const float gamma_V = Dg_from_bf16(gamma[Ch]);
                                 const float beta_V = Dg_from_bf16(beta[Ch]);
@@ -4982,6 +5097,7 @@ int batchnorm_train_forward_bf16(
                                         const int J = 0;                /* outside the lane blocks: lane 0 */
                                         (void)J;
                                         const int64_t Idx = Off + Ci * S + Si;
+                                        (void)Idx;
                                         const float Xv = Dg_from_bf16(x[Idx]);
                                         const float xhat = rstd_F*((Xv + H0_hi + H0_lo));
                                         y_R[Idx - (Off + Ci * S)] = Dg_to_bf16((float)(gamma_V*xhat + beta_V));
@@ -4992,6 +5108,7 @@ int batchnorm_train_forward_bf16(
                                     DG_INDEPENDENT
                                     for (int J = 0; J < DG_LANES; ++J) {
                                         const int64_t Idx = Off + Ci * S + Si + J;
+                                        (void)Idx;
                                         const float Xv = Dg_from_bf16(x[Idx]);
                                         const float xhat = rstd_F*((Xv + H0_hi + H0_lo));
                                         T_y[J] = Dg_to_bf16((float)(gamma_V*xhat + beta_V));
@@ -5002,6 +5119,7 @@ int batchnorm_train_forward_bf16(
                                     const int J = 0;                /* outside the lane blocks: lane 0 */
                                     (void)J;
                                     const int64_t Idx = Off + Ci * S + Si;
+                                    (void)Idx;
                                     const float Xv = Dg_from_bf16(x[Idx]);
                                     const float xhat = rstd_F*((Xv + H0_hi + H0_lo));
                                     y_R[Idx - (Off + Ci * S)] = Dg_to_bf16((float)(gamma_V*xhat + beta_V));
@@ -5131,6 +5249,7 @@ int batchnorm_train_backward_bf16(
                                 DG_INDEPENDENT
                                 for (int J = 0; J < DG_LANES; ++J) {
                                     const int64_t Idx = Off + Mi + J;
+                                    (void)Idx;
                                     const int64_t Ch = Gi * Cg + Mi + J;
                                     const float gamma_V = Dg_from_bf16(gamma[Ch]);
                                     const float Xv = Dg_from_bf16(x[Idx]);
@@ -5145,6 +5264,7 @@ int batchnorm_train_backward_bf16(
                                 const int J = 0;                /* outside the lane blocks: lane 0 */
                                 (void)J;
                                 const int64_t Idx = Off + Mi;
+                                (void)Idx;
                                 const int64_t Ch = Gi * Cg + Mi;
                                 const float gamma_V = Dg_from_bf16(gamma[Ch]);
                                 const float Xv = Dg_from_bf16(x[Idx]);
@@ -5174,6 +5294,7 @@ int batchnorm_train_backward_bf16(
                                     DG_INDEPENDENT
                                     for (int J = 0; J < DG_LANES; ++J) {
                                         const int64_t Idx = Off + Ci * S + Si + J;
+                                        (void)Idx;
                                         const float Xv = Dg_from_bf16(x[Idx]);
                                         const float Dyv = Dg_from_bf16(dy[Idx]);
                                         const float xhat = rstd_F*((Xv + H0_hi + H0_lo));
@@ -5186,6 +5307,7 @@ int batchnorm_train_backward_bf16(
                                     const int J = 0;                /* outside the lane blocks: lane 0 */
                                     (void)J;
                                     const int64_t Idx = Off + Ci * S + Si;
+                                    (void)Idx;
                                     const float Xv = Dg_from_bf16(x[Idx]);
                                     const float Dyv = Dg_from_bf16(dy[Idx]);
                                     const float xhat = rstd_F*((Xv + H0_hi + H0_lo));
@@ -5226,6 +5348,7 @@ int batchnorm_train_backward_bf16(
                                     const int J = 0;                /* outside the lane blocks: lane 0 */
                                     (void)J;
                                     const int64_t Idx = Off + Mi;
+                                    (void)Idx;
                                     const int64_t Ch = Gi * Cg + Mi;
                                     const float gamma_V = Dg_from_bf16(gamma[Ch]);
                                     const float Xv = Dg_from_bf16(x[Idx]);
@@ -5242,6 +5365,7 @@ int batchnorm_train_backward_bf16(
                                 DG_INDEPENDENT
                                 for (int J = 0; J < DG_LANES; ++J) {
                                     const int64_t Idx = Off + Mi + J;
+                                    (void)Idx;
                                     const int64_t Ch = Gi * Cg + Mi + J;
                                     const float gamma_V = Dg_from_bf16(gamma[Ch]);
                                     const float Xv = Dg_from_bf16(x[Idx]);
@@ -5258,6 +5382,7 @@ int batchnorm_train_backward_bf16(
                                 const int J = 0;                /* outside the lane blocks: lane 0 */
                                 (void)J;
                                 const int64_t Idx = Off + Mi;
+                                (void)Idx;
                                 const int64_t Ch = Gi * Cg + Mi;
                                 const float gamma_V = Dg_from_bf16(gamma[Ch]);
                                 const float Xv = Dg_from_bf16(x[Idx]);
@@ -5298,6 +5423,7 @@ int batchnorm_train_backward_bf16(
                                     DG_INDEPENDENT
                                     for (int J = 0; J < DG_LANES; ++J) {
                                         const int64_t Idx = Off + Ci * S + Si + J;
+                                        (void)Idx;
                                         const float Xv = Dg_from_bf16(x[Idx]);
                                         const float Dyv = Dg_from_bf16(dy[Idx]);
                                         const float xhat = rstd_F*((Xv + H0_hi + H0_lo));
@@ -5311,6 +5437,7 @@ int batchnorm_train_backward_bf16(
                                     const int J = 0;                /* outside the lane blocks: lane 0 */
                                     (void)J;
                                     const int64_t Idx = Off + Ci * S + Si;
+                                    (void)Idx;
                                     const float Xv = Dg_from_bf16(x[Idx]);
                                     const float Dyv = Dg_from_bf16(dy[Idx]);
                                     const float xhat = rstd_F*((Xv + H0_hi + H0_lo));
@@ -5996,6 +6123,7 @@ int batchnorm_eval_forward_f32(
                                     const int J = 0;                /* outside the lane blocks: lane 0 */
                                     (void)J;
                                     const int64_t Idx = Off + Mi;
+                                    (void)Idx;
                                     const int64_t Ch = Gi * Cg + Mi;
                                     const float gamma_V = gamma[Ch];
                                     const float beta_V = beta[Ch];
@@ -6013,6 +6141,7 @@ int batchnorm_eval_forward_f32(
                                 DG_INDEPENDENT
                                 for (int J = 0; J < DG_LANES; ++J) {
                                     const int64_t Idx = Off + Mi + J;
+                                    (void)Idx;
                                     const int64_t Ch = Gi * Cg + Mi + J;
                                     const float gamma_V = gamma[Ch];
                                     const float beta_V = beta[Ch];
@@ -6026,6 +6155,7 @@ int batchnorm_eval_forward_f32(
                                 const int J = 0;                /* outside the lane blocks: lane 0 */
                                 (void)J;
                                 const int64_t Idx = Off + Mi;
+                                (void)Idx;
                                 const int64_t Ch = Gi * Cg + Mi;
                                 const float gamma_V = gamma[Ch];
                                 const float beta_V = beta[Ch];
@@ -6049,6 +6179,7 @@ int batchnorm_eval_forward_f32(
                                         const int J = 0;                /* outside the lane blocks: lane 0 */
                                         (void)J;
                                         const int64_t Idx = Off + Ci * S + Si;
+                                        (void)Idx;
                                         const float Xv = x[Idx];
                                         const float xhat = rstd_F*((Xv + H0_hi + H0_lo));
                                         y_R[Idx - (Off + Ci * S)] = (float)(gamma_V*xhat + beta_V);
@@ -6063,6 +6194,7 @@ int batchnorm_eval_forward_f32(
                                     DG_INDEPENDENT
                                     for (int J = 0; J < DG_LANES; ++J) {
                                         const int64_t Idx = Off + Ci * S + Si + J;
+                                        (void)Idx;
                                         const float Xv = x[Idx];
                                         const float xhat = rstd_F*((Xv + H0_hi + H0_lo));
                                         T_y[J] = (float)(gamma_V*xhat + beta_V);
@@ -6073,6 +6205,7 @@ int batchnorm_eval_forward_f32(
                                     const int J = 0;                /* outside the lane blocks: lane 0 */
                                     (void)J;
                                     const int64_t Idx = Off + Ci * S + Si;
+                                    (void)Idx;
                                     const float Xv = x[Idx];
                                     const float xhat = rstd_F*((Xv + H0_hi + H0_lo));
                                     y_R[Idx - (Off + Ci * S)] = (float)(gamma_V*xhat + beta_V);
@@ -6193,6 +6326,7 @@ int batchnorm_eval_backward_f32(
                                     const int J = 0;                /* outside the lane blocks: lane 0 */
                                     (void)J;
                                     const int64_t Idx = Off + Mi;
+                                    (void)Idx;
                                     const int64_t Ch = Gi * Cg + Mi;
                                     const float gamma_V = gamma[Ch];
                                     const float Xv = x[Idx];
@@ -6217,6 +6351,7 @@ int batchnorm_eval_backward_f32(
                                 DG_INDEPENDENT
                                 for (int J = 0; J < DG_LANES; ++J) {
                                     const int64_t Idx = Off + Mi + J;
+                                    (void)Idx;
                                     const int64_t Ch = Gi * Cg + Mi + J;
                                     const float gamma_V = gamma[Ch];
                                     const float Xv = x[Idx];
@@ -6233,6 +6368,7 @@ int batchnorm_eval_backward_f32(
                                 const int J = 0;                /* outside the lane blocks: lane 0 */
                                 (void)J;
                                 const int64_t Idx = Off + Mi;
+                                (void)Idx;
                                 const int64_t Ch = Gi * Cg + Mi;
                                 const float gamma_V = gamma[Ch];
                                 const float Xv = x[Idx];
@@ -6281,6 +6417,7 @@ int batchnorm_eval_backward_f32(
                                     DG_INDEPENDENT
                                     for (int J = 0; J < DG_LANES; ++J) {
                                         const int64_t Idx = Off + Ci * S + Si + J;
+                                        (void)Idx;
                                         const float Xv = x[Idx];
                                         const float Dyv = dy[Idx];
                                         const float xhat = rstd_F*((Xv + H0_hi + H0_lo));
@@ -6294,6 +6431,7 @@ int batchnorm_eval_backward_f32(
                                     const int J = 0;                /* outside the lane blocks: lane 0 */
                                     (void)J;
                                     const int64_t Idx = Off + Ci * S + Si;
+                                    (void)Idx;
                                     const float Xv = x[Idx];
                                     const float Dyv = dy[Idx];
                                     const float xhat = rstd_F*((Xv + H0_hi + H0_lo));
@@ -6423,6 +6561,7 @@ int batchnorm_eval_bb_f32(
                         for (; Mi + DG_LANES <= Cg; Mi += DG_LANES) {
                             for (int J = 0; J < DG_LANES; ++J) {
                                 const int64_t Idx = Off + Mi + J;
+                                (void)Idx;
                                 const int64_t Ch = Gi * Cg + Mi + J;
                                 (void)Ch;
                                 const double gamma_V = (double)gamma[Ch];
@@ -6440,6 +6579,7 @@ int batchnorm_eval_bb_f32(
                         }
                         for (; Mi < Cg; ++Mi) {
                             const int64_t Idx = Off + Mi;
+                            (void)Idx;
                             const int64_t Ch = Gi * Cg + Mi;
                             (void)Ch;
                             const double gamma_V = (double)gamma[Ch];
@@ -6466,6 +6606,7 @@ int batchnorm_eval_bb_f32(
                             for (; Si + DG_LANES <= S; Si += DG_LANES) {
                                 for (int J = 0; J < DG_LANES; ++J) {
                                     const int64_t Idx = Off + Ci * S + Si + J;
+                                    (void)Idx;
                                     const double Xv = (double)x[Idx];
                                     const double Dyv = (double)dy[Idx];
                                     const double X_Dd = (double)Seed_x[Idx];
@@ -6478,6 +6619,7 @@ int batchnorm_eval_bb_f32(
                             }
                             for (; Si < S; ++Si) {
                                 const int64_t Idx = Off + Ci * S + Si;
+                                (void)Idx;
                                 const double Xv = (double)x[Idx];
                                 const double Dyv = (double)dy[Idx];
                                 const double X_Dd = (double)Seed_x[Idx];
@@ -6580,6 +6722,7 @@ int batchnorm_eval_jvp_f32(
                         for (; Mi + DG_LANES <= Cg; Mi += DG_LANES) {
                             for (int J = 0; J < DG_LANES; ++J) {
                                 const int64_t Idx = Off + Mi + J;
+                                (void)Idx;
                                 const int64_t Ch = Gi * Cg + Mi + J;
                                 (void)Ch;
                                 const double gamma_V = (double)gamma[Ch];
@@ -6594,6 +6737,7 @@ int batchnorm_eval_jvp_f32(
                         }
                         for (; Mi < Cg; ++Mi) {
                             const int64_t Idx = Off + Mi;
+                            (void)Idx;
                             const int64_t Ch = Gi * Cg + Mi;
                             (void)Ch;
                             const double gamma_V = (double)gamma[Ch];
@@ -6616,6 +6760,7 @@ int batchnorm_eval_jvp_f32(
                             for (; Si + DG_LANES <= S; Si += DG_LANES) {
                                 for (int J = 0; J < DG_LANES; ++J) {
                                     const int64_t Idx = Off + Ci * S + Si + J;
+                                    (void)Idx;
                                     const double Xv = (double)x[Idx];
                                     const double X_T = (double)Seed_x[Idx];
                                     const double xhat = rstd*(Xv - mean);
@@ -6625,6 +6770,7 @@ int batchnorm_eval_jvp_f32(
                             }
                             for (; Si < S; ++Si) {
                                 const int64_t Idx = Off + Ci * S + Si;
+                                (void)Idx;
                                 const double Xv = (double)x[Idx];
                                 const double X_T = (double)Seed_x[Idx];
                                 const double xhat = rstd*(Xv - mean);
@@ -7046,6 +7192,7 @@ int batchnorm_eval_forward_f64(
                                     const int J = 0;                /* outside the lane blocks: lane 0 */
                                     (void)J;
                                     const int64_t Idx = Off + Mi;
+                                    (void)Idx;
                                     const int64_t Ch = Gi * Cg + Mi;
                                     const double gamma_V = gamma[Ch];
                                     const double beta_V = beta[Ch];
@@ -7063,6 +7210,7 @@ int batchnorm_eval_forward_f64(
                                 DG_INDEPENDENT
                                 for (int J = 0; J < DG_LANES; ++J) {
                                     const int64_t Idx = Off + Mi + J;
+                                    (void)Idx;
                                     const int64_t Ch = Gi * Cg + Mi + J;
                                     const double gamma_V = gamma[Ch];
                                     const double beta_V = beta[Ch];
@@ -7076,6 +7224,7 @@ int batchnorm_eval_forward_f64(
                                 const int J = 0;                /* outside the lane blocks: lane 0 */
                                 (void)J;
                                 const int64_t Idx = Off + Mi;
+                                (void)Idx;
                                 const int64_t Ch = Gi * Cg + Mi;
                                 const double gamma_V = gamma[Ch];
                                 const double beta_V = beta[Ch];
@@ -7099,6 +7248,7 @@ int batchnorm_eval_forward_f64(
                                         const int J = 0;                /* outside the lane blocks: lane 0 */
                                         (void)J;
                                         const int64_t Idx = Off + Ci * S + Si;
+                                        (void)Idx;
                                         const double Xv = x[Idx];
                                         const double xhat = rstd*(Xv - mean);
                                         y_R[Idx - (Off + Ci * S)] = (double)(gamma_V*xhat + beta_V);
@@ -7113,6 +7263,7 @@ int batchnorm_eval_forward_f64(
                                     DG_INDEPENDENT
                                     for (int J = 0; J < DG_LANES; ++J) {
                                         const int64_t Idx = Off + Ci * S + Si + J;
+                                        (void)Idx;
                                         const double Xv = x[Idx];
                                         const double xhat = rstd*(Xv - mean);
                                         T_y[J] = (double)(gamma_V*xhat + beta_V);
@@ -7123,6 +7274,7 @@ int batchnorm_eval_forward_f64(
                                     const int J = 0;                /* outside the lane blocks: lane 0 */
                                     (void)J;
                                     const int64_t Idx = Off + Ci * S + Si;
+                                    (void)Idx;
                                     const double Xv = x[Idx];
                                     const double xhat = rstd*(Xv - mean);
                                     y_R[Idx - (Off + Ci * S)] = (double)(gamma_V*xhat + beta_V);
@@ -7240,6 +7392,7 @@ int batchnorm_eval_backward_f64(
                                     const int J = 0;                /* outside the lane blocks: lane 0 */
                                     (void)J;
                                     const int64_t Idx = Off + Mi;
+                                    (void)Idx;
                                     const int64_t Ch = Gi * Cg + Mi;
                                     const double gamma_V = gamma[Ch];
                                     const double Xv = x[Idx];
@@ -7264,6 +7417,7 @@ int batchnorm_eval_backward_f64(
                                 DG_INDEPENDENT
                                 for (int J = 0; J < DG_LANES; ++J) {
                                     const int64_t Idx = Off + Mi + J;
+                                    (void)Idx;
                                     const int64_t Ch = Gi * Cg + Mi + J;
                                     const double gamma_V = gamma[Ch];
                                     const double Xv = x[Idx];
@@ -7280,6 +7434,7 @@ int batchnorm_eval_backward_f64(
                                 const int J = 0;                /* outside the lane blocks: lane 0 */
                                 (void)J;
                                 const int64_t Idx = Off + Mi;
+                                (void)Idx;
                                 const int64_t Ch = Gi * Cg + Mi;
                                 const double gamma_V = gamma[Ch];
                                 const double Xv = x[Idx];
@@ -7328,6 +7483,7 @@ int batchnorm_eval_backward_f64(
                                     DG_INDEPENDENT
                                     for (int J = 0; J < DG_LANES; ++J) {
                                         const int64_t Idx = Off + Ci * S + Si + J;
+                                        (void)Idx;
                                         const double Xv = x[Idx];
                                         const double Dyv = dy[Idx];
                                         const double xhat = rstd*(Xv - mean);
@@ -7341,6 +7497,7 @@ int batchnorm_eval_backward_f64(
                                     const int J = 0;                /* outside the lane blocks: lane 0 */
                                     (void)J;
                                     const int64_t Idx = Off + Ci * S + Si;
+                                    (void)Idx;
                                     const double Xv = x[Idx];
                                     const double Dyv = dy[Idx];
                                     const double xhat = rstd*(Xv - mean);
@@ -7470,6 +7627,7 @@ int batchnorm_eval_bb_f64(
                         for (; Mi + DG_LANES <= Cg; Mi += DG_LANES) {
                             for (int J = 0; J < DG_LANES; ++J) {
                                 const int64_t Idx = Off + Mi + J;
+                                (void)Idx;
                                 const int64_t Ch = Gi * Cg + Mi + J;
                                 (void)Ch;
                                 const double gamma_V = gamma[Ch];
@@ -7487,6 +7645,7 @@ int batchnorm_eval_bb_f64(
                         }
                         for (; Mi < Cg; ++Mi) {
                             const int64_t Idx = Off + Mi;
+                            (void)Idx;
                             const int64_t Ch = Gi * Cg + Mi;
                             (void)Ch;
                             const double gamma_V = gamma[Ch];
@@ -7513,6 +7672,7 @@ int batchnorm_eval_bb_f64(
                             for (; Si + DG_LANES <= S; Si += DG_LANES) {
                                 for (int J = 0; J < DG_LANES; ++J) {
                                     const int64_t Idx = Off + Ci * S + Si + J;
+                                    (void)Idx;
                                     const double Xv = x[Idx];
                                     const double Dyv = dy[Idx];
                                     const double X_Dd = Seed_x[Idx];
@@ -7525,6 +7685,7 @@ int batchnorm_eval_bb_f64(
                             }
                             for (; Si < S; ++Si) {
                                 const int64_t Idx = Off + Ci * S + Si;
+                                (void)Idx;
                                 const double Xv = x[Idx];
                                 const double Dyv = dy[Idx];
                                 const double X_Dd = Seed_x[Idx];
@@ -7627,6 +7788,7 @@ int batchnorm_eval_jvp_f64(
                         for (; Mi + DG_LANES <= Cg; Mi += DG_LANES) {
                             for (int J = 0; J < DG_LANES; ++J) {
                                 const int64_t Idx = Off + Mi + J;
+                                (void)Idx;
                                 const int64_t Ch = Gi * Cg + Mi + J;
                                 (void)Ch;
                                 const double gamma_V = gamma[Ch];
@@ -7641,6 +7803,7 @@ int batchnorm_eval_jvp_f64(
                         }
                         for (; Mi < Cg; ++Mi) {
                             const int64_t Idx = Off + Mi;
+                            (void)Idx;
                             const int64_t Ch = Gi * Cg + Mi;
                             (void)Ch;
                             const double gamma_V = gamma[Ch];
@@ -7663,6 +7826,7 @@ int batchnorm_eval_jvp_f64(
                             for (; Si + DG_LANES <= S; Si += DG_LANES) {
                                 for (int J = 0; J < DG_LANES; ++J) {
                                     const int64_t Idx = Off + Ci * S + Si + J;
+                                    (void)Idx;
                                     const double Xv = x[Idx];
                                     const double X_T = Seed_x[Idx];
                                     const double xhat = rstd*(Xv - mean);
@@ -7672,6 +7836,7 @@ int batchnorm_eval_jvp_f64(
                             }
                             for (; Si < S; ++Si) {
                                 const int64_t Idx = Off + Ci * S + Si;
+                                (void)Idx;
                                 const double Xv = x[Idx];
                                 const double X_T = Seed_x[Idx];
                                 const double xhat = rstd*(Xv - mean);
@@ -8058,6 +8223,7 @@ int batchnorm_eval_forward_bf16(
                                     const int J = 0;                /* outside the lane blocks: lane 0 */
                                     (void)J;
                                     const int64_t Idx = Off + Mi;
+                                    (void)Idx;
                                     const int64_t Ch = Gi * Cg + Mi;
                                     const float gamma_V = Dg_from_bf16(gamma[Ch]);
                                     const float beta_V = Dg_from_bf16(beta[Ch]);
@@ -8075,6 +8241,7 @@ int batchnorm_eval_forward_bf16(
                                 DG_INDEPENDENT
                                 for (int J = 0; J < DG_LANES; ++J) {
                                     const int64_t Idx = Off + Mi + J;
+                                    (void)Idx;
                                     const int64_t Ch = Gi * Cg + Mi + J;
                                     const float gamma_V = Dg_from_bf16(gamma[Ch]);
                                     const float beta_V = Dg_from_bf16(beta[Ch]);
@@ -8088,6 +8255,7 @@ int batchnorm_eval_forward_bf16(
                                 const int J = 0;                /* outside the lane blocks: lane 0 */
                                 (void)J;
                                 const int64_t Idx = Off + Mi;
+                                (void)Idx;
                                 const int64_t Ch = Gi * Cg + Mi;
                                 const float gamma_V = Dg_from_bf16(gamma[Ch]);
                                 const float beta_V = Dg_from_bf16(beta[Ch]);
@@ -8111,6 +8279,7 @@ int batchnorm_eval_forward_bf16(
                                         const int J = 0;                /* outside the lane blocks: lane 0 */
                                         (void)J;
                                         const int64_t Idx = Off + Ci * S + Si;
+                                        (void)Idx;
                                         const float Xv = Dg_from_bf16(x[Idx]);
                                         const float xhat = rstd_F*((Xv + H0_hi + H0_lo));
                                         y_R[Idx - (Off + Ci * S)] = Dg_to_bf16((float)(gamma_V*xhat + beta_V));
@@ -8125,6 +8294,7 @@ int batchnorm_eval_forward_bf16(
                                     DG_INDEPENDENT
                                     for (int J = 0; J < DG_LANES; ++J) {
                                         const int64_t Idx = Off + Ci * S + Si + J;
+                                        (void)Idx;
                                         const float Xv = Dg_from_bf16(x[Idx]);
                                         const float xhat = rstd_F*((Xv + H0_hi + H0_lo));
                                         T_y[J] = Dg_to_bf16((float)(gamma_V*xhat + beta_V));
@@ -8135,6 +8305,7 @@ int batchnorm_eval_forward_bf16(
                                     const int J = 0;                /* outside the lane blocks: lane 0 */
                                     (void)J;
                                     const int64_t Idx = Off + Ci * S + Si;
+                                    (void)Idx;
                                     const float Xv = Dg_from_bf16(x[Idx]);
                                     const float xhat = rstd_F*((Xv + H0_hi + H0_lo));
                                     y_R[Idx - (Off + Ci * S)] = Dg_to_bf16((float)(gamma_V*xhat + beta_V));
@@ -8255,6 +8426,7 @@ int batchnorm_eval_backward_bf16(
                                     const int J = 0;                /* outside the lane blocks: lane 0 */
                                     (void)J;
                                     const int64_t Idx = Off + Mi;
+                                    (void)Idx;
                                     const int64_t Ch = Gi * Cg + Mi;
                                     const float gamma_V = Dg_from_bf16(gamma[Ch]);
                                     const float Xv = Dg_from_bf16(x[Idx]);
@@ -8279,6 +8451,7 @@ int batchnorm_eval_backward_bf16(
                                 DG_INDEPENDENT
                                 for (int J = 0; J < DG_LANES; ++J) {
                                     const int64_t Idx = Off + Mi + J;
+                                    (void)Idx;
                                     const int64_t Ch = Gi * Cg + Mi + J;
                                     const float gamma_V = Dg_from_bf16(gamma[Ch]);
                                     const float Xv = Dg_from_bf16(x[Idx]);
@@ -8295,6 +8468,7 @@ int batchnorm_eval_backward_bf16(
                                 const int J = 0;                /* outside the lane blocks: lane 0 */
                                 (void)J;
                                 const int64_t Idx = Off + Mi;
+                                (void)Idx;
                                 const int64_t Ch = Gi * Cg + Mi;
                                 const float gamma_V = Dg_from_bf16(gamma[Ch]);
                                 const float Xv = Dg_from_bf16(x[Idx]);
@@ -8343,6 +8517,7 @@ int batchnorm_eval_backward_bf16(
                                     DG_INDEPENDENT
                                     for (int J = 0; J < DG_LANES; ++J) {
                                         const int64_t Idx = Off + Ci * S + Si + J;
+                                        (void)Idx;
                                         const float Xv = Dg_from_bf16(x[Idx]);
                                         const float Dyv = Dg_from_bf16(dy[Idx]);
                                         const float xhat = rstd_F*((Xv + H0_hi + H0_lo));
@@ -8356,6 +8531,7 @@ int batchnorm_eval_backward_bf16(
                                     const int J = 0;                /* outside the lane blocks: lane 0 */
                                     (void)J;
                                     const int64_t Idx = Off + Ci * S + Si;
+                                    (void)Idx;
                                     const float Xv = Dg_from_bf16(x[Idx]);
                                     const float Dyv = Dg_from_bf16(dy[Idx]);
                                     const float xhat = rstd_F*((Xv + H0_hi + H0_lo));

@@ -112,6 +112,7 @@ int groupnorm_train_forward_f32(
                             DG_INDEPENDENT
                             for (int J = 0; J < DG_LANES; ++J) {
                                 const int64_t Idx = Off + Mi + J;
+                                (void)Idx;
                                 const double Xv = (double)x[Idx];
                                 Lane_Sum_mean[J] += Xv;
                             }
@@ -120,6 +121,7 @@ int groupnorm_train_forward_f32(
                             const int J = 0;                /* outside the lane blocks: lane 0 */
                             (void)J;
                             const int64_t Idx = Off + Mi;
+                            (void)Idx;
                             const double Xv = (double)x[Idx];
                             Lane_Sum_mean[J] += Xv;
                         }
@@ -141,6 +143,7 @@ int groupnorm_train_forward_f32(
                             DG_INDEPENDENT
                             for (int J = 0; J < DG_LANES; ++J) {
                                 const int64_t Idx = Off + Mi + J;
+                                (void)Idx;
                                 const double Xv = (double)x[Idx];
                                 Lane_Sum_var[J] += ((Xv - mean)*(Xv - mean));
                             }
@@ -149,6 +152,7 @@ int groupnorm_train_forward_f32(
                             const int J = 0;                /* outside the lane blocks: lane 0 */
                             (void)J;
                             const int64_t Idx = Off + Mi;
+                            (void)Idx;
                             const double Xv = (double)x[Idx];
                             Lane_Sum_var[J] += ((Xv - mean)*(Xv - mean));
                         }
@@ -181,6 +185,7 @@ int groupnorm_train_forward_f32(
                                     const int J = 0;                /* outside the lane blocks: lane 0 */
                                     (void)J;
                                     const int64_t Idx = Off + Mi;
+                                    (void)Idx;
                                     const int64_t Ch = Gi * Cg + Mi;
                                     const float gamma_V = gamma[Ch];
                                     const float beta_V = beta[Ch];
@@ -194,6 +199,7 @@ int groupnorm_train_forward_f32(
                                 DG_INDEPENDENT
                                 for (int J = 0; J < DG_LANES; ++J) {
                                     const int64_t Idx = Off + Mi + J;
+                                    (void)Idx;
                                     const int64_t Ch = Gi * Cg + Mi + J;
                                     const float gamma_V = gamma[Ch];
                                     const float beta_V = beta[Ch];
@@ -207,6 +213,7 @@ int groupnorm_train_forward_f32(
                                 const int J = 0;                /* outside the lane blocks: lane 0 */
                                 (void)J;
                                 const int64_t Idx = Off + Mi;
+                                (void)Idx;
                                 const int64_t Ch = Gi * Cg + Mi;
                                 const float gamma_V = gamma[Ch];
                                 const float beta_V = beta[Ch];
@@ -230,6 +237,7 @@ int groupnorm_train_forward_f32(
                                         const int J = 0;                /* outside the lane blocks: lane 0 */
                                         (void)J;
                                         const int64_t Idx = Off + Ci * S + Si;
+                                        (void)Idx;
                                         const float Xv = x[Idx];
                                         const float xhat = rstd_F*((Xv + H0_hi + H0_lo));
                                         y_R[Idx - (Off + Ci * S)] = (float)(gamma_V*xhat + beta_V);
@@ -240,6 +248,7 @@ int groupnorm_train_forward_f32(
                                     DG_INDEPENDENT
                                     for (int J = 0; J < DG_LANES; ++J) {
                                         const int64_t Idx = Off + Ci * S + Si + J;
+                                        (void)Idx;
                                         const float Xv = x[Idx];
                                         const float xhat = rstd_F*((Xv + H0_hi + H0_lo));
                                         T_y[J] = (float)(gamma_V*xhat + beta_V);
@@ -250,6 +259,7 @@ int groupnorm_train_forward_f32(
                                     const int J = 0;                /* outside the lane blocks: lane 0 */
                                     (void)J;
                                     const int64_t Idx = Off + Ci * S + Si;
+                                    (void)Idx;
                                     const float Xv = x[Idx];
                                     const float xhat = rstd_F*((Xv + H0_hi + H0_lo));
                                     y_R[Idx - (Off + Ci * S)] = (float)(gamma_V*xhat + beta_V);
@@ -377,6 +387,7 @@ int groupnorm_train_backward_f32(
                                 DG_INDEPENDENT
                                 for (int J = 0; J < DG_LANES; ++J) {
                                     const int64_t Idx = Off + Mi + J;
+                                    (void)Idx;
                                     const int64_t Ch = Gi * Cg + Mi + J;
                                     const float gamma_V = gamma[Ch];
                                     const float Xv = x[Idx];
@@ -391,6 +402,7 @@ int groupnorm_train_backward_f32(
                                 const int J = 0;                /* outside the lane blocks: lane 0 */
                                 (void)J;
                                 const int64_t Idx = Off + Mi;
+                                (void)Idx;
                                 const int64_t Ch = Gi * Cg + Mi;
                                 const float gamma_V = gamma[Ch];
                                 const float Xv = x[Idx];
@@ -420,6 +432,7 @@ int groupnorm_train_backward_f32(
                                     DG_INDEPENDENT
                                     for (int J = 0; J < DG_LANES; ++J) {
                                         const int64_t Idx = Off + Ci * S + Si + J;
+                                        (void)Idx;
                                         const float Xv = x[Idx];
                                         const float Dyv = dy[Idx];
                                         const float xhat = rstd_F*((Xv + H0_hi + H0_lo));
@@ -432,6 +445,7 @@ int groupnorm_train_backward_f32(
                                     const int J = 0;                /* outside the lane blocks: lane 0 */
                                     (void)J;
                                     const int64_t Idx = Off + Ci * S + Si;
+                                    (void)Idx;
                                     const float Xv = x[Idx];
                                     const float Dyv = dy[Idx];
                                     const float xhat = rstd_F*((Xv + H0_hi + H0_lo));
@@ -472,6 +486,7 @@ int groupnorm_train_backward_f32(
                                     const int J = 0;                /* outside the lane blocks: lane 0 */
                                     (void)J;
                                     const int64_t Idx = Off + Mi;
+                                    (void)Idx;
                                     const int64_t Ch = Gi * Cg + Mi;
                                     const float gamma_V = gamma[Ch];
                                     const float Xv = x[Idx];
@@ -488,6 +503,7 @@ int groupnorm_train_backward_f32(
                                 DG_INDEPENDENT
                                 for (int J = 0; J < DG_LANES; ++J) {
                                     const int64_t Idx = Off + Mi + J;
+                                    (void)Idx;
                                     const int64_t Ch = Gi * Cg + Mi + J;
                                     const float gamma_V = gamma[Ch];
                                     const float Xv = x[Idx];
@@ -504,6 +520,7 @@ int groupnorm_train_backward_f32(
                                 const int J = 0;                /* outside the lane blocks: lane 0 */
                                 (void)J;
                                 const int64_t Idx = Off + Mi;
+                                (void)Idx;
                                 const int64_t Ch = Gi * Cg + Mi;
                                 const float gamma_V = gamma[Ch];
                                 const float Xv = x[Idx];
@@ -544,6 +561,7 @@ int groupnorm_train_backward_f32(
                                     DG_INDEPENDENT
                                     for (int J = 0; J < DG_LANES; ++J) {
                                         const int64_t Idx = Off + Ci * S + Si + J;
+                                        (void)Idx;
                                         const float Xv = x[Idx];
                                         const float Dyv = dy[Idx];
                                         const float xhat = rstd_F*((Xv + H0_hi + H0_lo));
@@ -557,6 +575,7 @@ int groupnorm_train_backward_f32(
                                     const int J = 0;                /* outside the lane blocks: lane 0 */
                                     (void)J;
                                     const int64_t Idx = Off + Ci * S + Si;
+                                    (void)Idx;
                                     const float Xv = x[Idx];
                                     const float Dyv = dy[Idx];
                                     const float xhat = rstd_F*((Xv + H0_hi + H0_lo));
@@ -690,6 +709,7 @@ int groupnorm_train_bb_f32(
                         for (; Mi + DG_LANES <= Cg; Mi += DG_LANES) {
                             for (int J = 0; J < DG_LANES; ++J) {
                                 const int64_t Idx = Off + Mi + J;
+                                (void)Idx;
                                 const int64_t Ch = Gi * Cg + Mi + J;
                                 (void)Ch;
                                 const double gamma_V = (double)gamma[Ch];
@@ -711,6 +731,7 @@ int groupnorm_train_bb_f32(
                         }
                         for (; Mi < Cg; ++Mi) {
                             const int64_t Idx = Off + Mi;
+                            (void)Idx;
                             const int64_t Ch = Gi * Cg + Mi;
                             (void)Ch;
                             const double gamma_V = (double)gamma[Ch];
@@ -739,6 +760,7 @@ int groupnorm_train_bb_f32(
                             for (; Si + DG_LANES <= S; Si += DG_LANES) {
                                 for (int J = 0; J < DG_LANES; ++J) {
                                     const int64_t Idx = Off + Ci * S + Si + J;
+                                    (void)Idx;
                                     const double Xv = (double)x[Idx];
                                     const double Dyv = (double)dy[Idx];
                                     const double X_Dd = (double)Seed_x[Idx];
@@ -756,6 +778,7 @@ int groupnorm_train_bb_f32(
                             }
                             for (; Si < S; ++Si) {
                                 const int64_t Idx = Off + Ci * S + Si;
+                                (void)Idx;
                                 const double Xv = (double)x[Idx];
                                 const double Dyv = (double)dy[Idx];
                                 const double X_Dd = (double)Seed_x[Idx];
@@ -829,6 +852,7 @@ int groupnorm_train_bb_f32(
                         for (; Mi + DG_LANES <= Cg; Mi += DG_LANES) {
                             for (int J = 0; J < DG_LANES; ++J) {
                                 const int64_t Idx = Off + Mi + J;
+                                (void)Idx;
                                 const int64_t Ch = Gi * Cg + Mi + J;
                                 (void)Ch;
                                 const double gamma_V = (double)gamma[Ch];
@@ -847,6 +871,7 @@ int groupnorm_train_bb_f32(
                         }
                         for (; Mi < Cg; ++Mi) {
                             const int64_t Idx = Off + Mi;
+                            (void)Idx;
                             const int64_t Ch = Gi * Cg + Mi;
                             (void)Ch;
                             const double gamma_V = (double)gamma[Ch];
@@ -874,6 +899,7 @@ int groupnorm_train_bb_f32(
                             for (; Si + DG_LANES <= S; Si += DG_LANES) {
                                 for (int J = 0; J < DG_LANES; ++J) {
                                     const int64_t Idx = Off + Ci * S + Si + J;
+                                    (void)Idx;
                                     const double Xv = (double)x[Idx];
                                     const double Dyv = (double)dy[Idx];
                                     const double X_Dd = (double)Seed_x[Idx];
@@ -887,6 +913,7 @@ int groupnorm_train_bb_f32(
                             }
                             for (; Si < S; ++Si) {
                                 const int64_t Idx = Off + Ci * S + Si;
+                                (void)Idx;
                                 const double Xv = (double)x[Idx];
                                 const double Dyv = (double)dy[Idx];
                                 const double X_Dd = (double)Seed_x[Idx];
@@ -986,6 +1013,7 @@ int groupnorm_train_jvp_f32(
                         for (; Mi + DG_LANES <= Cg; Mi += DG_LANES) {
                             for (int J = 0; J < DG_LANES; ++J) {
                                 const int64_t Idx = Off + Mi + J;
+                                (void)Idx;
                                 const int64_t Ch = Gi * Cg + Mi + J;
                                 (void)Ch;
                                 const double Xv = (double)x[Idx];
@@ -998,6 +1026,7 @@ int groupnorm_train_jvp_f32(
                         }
                         for (; Mi < Cg; ++Mi) {
                             const int64_t Idx = Off + Mi;
+                            (void)Idx;
                             const int64_t Ch = Gi * Cg + Mi;
                             (void)Ch;
                             const double Xv = (double)x[Idx];
@@ -1015,6 +1044,7 @@ int groupnorm_train_jvp_f32(
                             for (; Si + DG_LANES <= S; Si += DG_LANES) {
                                 for (int J = 0; J < DG_LANES; ++J) {
                                     const int64_t Idx = Off + Ci * S + Si + J;
+                                    (void)Idx;
                                     const double Xv = (double)x[Idx];
                                     const double X_T = (double)Seed_x[Idx];
                                     const double xhat = rstd*(Xv - mean);
@@ -1025,6 +1055,7 @@ int groupnorm_train_jvp_f32(
                             }
                             for (; Si < S; ++Si) {
                                 const int64_t Idx = Off + Ci * S + Si;
+                                (void)Idx;
                                 const double Xv = (double)x[Idx];
                                 const double X_T = (double)Seed_x[Idx];
                                 const double xhat = rstd*(Xv - mean);
@@ -1060,6 +1091,7 @@ int groupnorm_train_jvp_f32(
                         for (; Mi + DG_LANES <= Cg; Mi += DG_LANES) {
                             for (int J = 0; J < DG_LANES; ++J) {
                                 const int64_t Idx = Off + Mi + J;
+                                (void)Idx;
                                 const int64_t Ch = Gi * Cg + Mi + J;
                                 (void)Ch;
                                 const double gamma_V = (double)gamma[Ch];
@@ -1074,6 +1106,7 @@ int groupnorm_train_jvp_f32(
                         }
                         for (; Mi < Cg; ++Mi) {
                             const int64_t Idx = Off + Mi;
+                            (void)Idx;
                             const int64_t Ch = Gi * Cg + Mi;
                             (void)Ch;
                             const double gamma_V = (double)gamma[Ch];
@@ -1096,6 +1129,7 @@ int groupnorm_train_jvp_f32(
                             for (; Si + DG_LANES <= S; Si += DG_LANES) {
                                 for (int J = 0; J < DG_LANES; ++J) {
                                     const int64_t Idx = Off + Ci * S + Si + J;
+                                    (void)Idx;
                                     const double Xv = (double)x[Idx];
                                     const double X_T = (double)Seed_x[Idx];
                                     const double xhat = rstd*(Xv - mean);
@@ -1105,6 +1139,7 @@ int groupnorm_train_jvp_f32(
                             }
                             for (; Si < S; ++Si) {
                                 const int64_t Idx = Off + Ci * S + Si;
+                                (void)Idx;
                                 const double Xv = (double)x[Idx];
                                 const double X_T = (double)Seed_x[Idx];
                                 const double xhat = rstd*(Xv - mean);
@@ -1596,6 +1631,7 @@ int groupnorm_train_forward_f64(
                             DG_INDEPENDENT
                             for (int J = 0; J < DG_LANES; ++J) {
                                 const int64_t Idx = Off + Mi + J;
+                                (void)Idx;
                                 const double Xv = x[Idx];
                                 Lane_Sum_mean[J] += Xv;
                             }
@@ -1604,6 +1640,7 @@ int groupnorm_train_forward_f64(
                             const int J = 0;                /* outside the lane blocks: lane 0 */
                             (void)J;
                             const int64_t Idx = Off + Mi;
+                            (void)Idx;
                             const double Xv = x[Idx];
                             Lane_Sum_mean[J] += Xv;
                         }
@@ -1625,6 +1662,7 @@ int groupnorm_train_forward_f64(
                             DG_INDEPENDENT
                             for (int J = 0; J < DG_LANES; ++J) {
                                 const int64_t Idx = Off + Mi + J;
+                                (void)Idx;
                                 const double Xv = x[Idx];
                                 Lane_Sum_var[J] += ((Xv - mean)*(Xv - mean));
                             }
@@ -1633,6 +1671,7 @@ int groupnorm_train_forward_f64(
                             const int J = 0;                /* outside the lane blocks: lane 0 */
                             (void)J;
                             const int64_t Idx = Off + Mi;
+                            (void)Idx;
                             const double Xv = x[Idx];
                             Lane_Sum_var[J] += ((Xv - mean)*(Xv - mean));
                         }
@@ -1661,6 +1700,7 @@ int groupnorm_train_forward_f64(
                                     const int J = 0;                /* outside the lane blocks: lane 0 */
                                     (void)J;
                                     const int64_t Idx = Off + Mi;
+                                    (void)Idx;
                                     const int64_t Ch = Gi * Cg + Mi;
                                     const double gamma_V = gamma[Ch];
                                     const double beta_V = beta[Ch];
@@ -1674,6 +1714,7 @@ int groupnorm_train_forward_f64(
                                 DG_INDEPENDENT
                                 for (int J = 0; J < DG_LANES; ++J) {
                                     const int64_t Idx = Off + Mi + J;
+                                    (void)Idx;
                                     const int64_t Ch = Gi * Cg + Mi + J;
                                     const double gamma_V = gamma[Ch];
                                     const double beta_V = beta[Ch];
@@ -1687,6 +1728,7 @@ int groupnorm_train_forward_f64(
                                 const int J = 0;                /* outside the lane blocks: lane 0 */
                                 (void)J;
                                 const int64_t Idx = Off + Mi;
+                                (void)Idx;
                                 const int64_t Ch = Gi * Cg + Mi;
                                 const double gamma_V = gamma[Ch];
                                 const double beta_V = beta[Ch];
@@ -1710,6 +1752,7 @@ int groupnorm_train_forward_f64(
                                         const int J = 0;                /* outside the lane blocks: lane 0 */
                                         (void)J;
                                         const int64_t Idx = Off + Ci * S + Si;
+                                        (void)Idx;
                                         const double Xv = x[Idx];
                                         const double xhat = rstd*(Xv - mean);
                                         y_R[Idx - (Off + Ci * S)] = (double)(gamma_V*xhat + beta_V);
@@ -1720,6 +1763,7 @@ int groupnorm_train_forward_f64(
                                     DG_INDEPENDENT
                                     for (int J = 0; J < DG_LANES; ++J) {
                                         const int64_t Idx = Off + Ci * S + Si + J;
+                                        (void)Idx;
                                         const double Xv = x[Idx];
                                         const double xhat = rstd*(Xv - mean);
                                         T_y[J] = (double)(gamma_V*xhat + beta_V);
@@ -1730,6 +1774,7 @@ int groupnorm_train_forward_f64(
                                     const int J = 0;                /* outside the lane blocks: lane 0 */
                                     (void)J;
                                     const int64_t Idx = Off + Ci * S + Si;
+                                    (void)Idx;
                                     const double Xv = x[Idx];
                                     const double xhat = rstd*(Xv - mean);
                                     y_R[Idx - (Off + Ci * S)] = (double)(gamma_V*xhat + beta_V);
@@ -1853,6 +1898,7 @@ int groupnorm_train_backward_f64(
                                 DG_INDEPENDENT
                                 for (int J = 0; J < DG_LANES; ++J) {
                                     const int64_t Idx = Off + Mi + J;
+                                    (void)Idx;
                                     const int64_t Ch = Gi * Cg + Mi + J;
                                     const double gamma_V = gamma[Ch];
                                     const double Xv = x[Idx];
@@ -1867,6 +1913,7 @@ int groupnorm_train_backward_f64(
                                 const int J = 0;                /* outside the lane blocks: lane 0 */
                                 (void)J;
                                 const int64_t Idx = Off + Mi;
+                                (void)Idx;
                                 const int64_t Ch = Gi * Cg + Mi;
                                 const double gamma_V = gamma[Ch];
                                 const double Xv = x[Idx];
@@ -1896,6 +1943,7 @@ int groupnorm_train_backward_f64(
                                     DG_INDEPENDENT
                                     for (int J = 0; J < DG_LANES; ++J) {
                                         const int64_t Idx = Off + Ci * S + Si + J;
+                                        (void)Idx;
                                         const double Xv = x[Idx];
                                         const double Dyv = dy[Idx];
                                         const double xhat = rstd*(Xv - mean);
@@ -1908,6 +1956,7 @@ int groupnorm_train_backward_f64(
                                     const int J = 0;                /* outside the lane blocks: lane 0 */
                                     (void)J;
                                     const int64_t Idx = Off + Ci * S + Si;
+                                    (void)Idx;
                                     const double Xv = x[Idx];
                                     const double Dyv = dy[Idx];
                                     const double xhat = rstd*(Xv - mean);
@@ -1943,6 +1992,7 @@ int groupnorm_train_backward_f64(
                                     const int J = 0;                /* outside the lane blocks: lane 0 */
                                     (void)J;
                                     const int64_t Idx = Off + Mi;
+                                    (void)Idx;
                                     const int64_t Ch = Gi * Cg + Mi;
                                     const double gamma_V = gamma[Ch];
                                     const double Xv = x[Idx];
@@ -1959,6 +2009,7 @@ int groupnorm_train_backward_f64(
                                 DG_INDEPENDENT
                                 for (int J = 0; J < DG_LANES; ++J) {
                                     const int64_t Idx = Off + Mi + J;
+                                    (void)Idx;
                                     const int64_t Ch = Gi * Cg + Mi + J;
                                     const double gamma_V = gamma[Ch];
                                     const double Xv = x[Idx];
@@ -1975,6 +2026,7 @@ int groupnorm_train_backward_f64(
                                 const int J = 0;                /* outside the lane blocks: lane 0 */
                                 (void)J;
                                 const int64_t Idx = Off + Mi;
+                                (void)Idx;
                                 const int64_t Ch = Gi * Cg + Mi;
                                 const double gamma_V = gamma[Ch];
                                 const double Xv = x[Idx];
@@ -2015,6 +2067,7 @@ int groupnorm_train_backward_f64(
                                     DG_INDEPENDENT
                                     for (int J = 0; J < DG_LANES; ++J) {
                                         const int64_t Idx = Off + Ci * S + Si + J;
+                                        (void)Idx;
                                         const double Xv = x[Idx];
                                         const double Dyv = dy[Idx];
                                         const double xhat = rstd*(Xv - mean);
@@ -2028,6 +2081,7 @@ int groupnorm_train_backward_f64(
                                     const int J = 0;                /* outside the lane blocks: lane 0 */
                                     (void)J;
                                     const int64_t Idx = Off + Ci * S + Si;
+                                    (void)Idx;
                                     const double Xv = x[Idx];
                                     const double Dyv = dy[Idx];
                                     const double xhat = rstd*(Xv - mean);
@@ -2161,6 +2215,7 @@ int groupnorm_train_bb_f64(
                         for (; Mi + DG_LANES <= Cg; Mi += DG_LANES) {
                             for (int J = 0; J < DG_LANES; ++J) {
                                 const int64_t Idx = Off + Mi + J;
+                                (void)Idx;
                                 const int64_t Ch = Gi * Cg + Mi + J;
                                 (void)Ch;
                                 const double gamma_V = gamma[Ch];
@@ -2182,6 +2237,7 @@ int groupnorm_train_bb_f64(
                         }
                         for (; Mi < Cg; ++Mi) {
                             const int64_t Idx = Off + Mi;
+                            (void)Idx;
                             const int64_t Ch = Gi * Cg + Mi;
                             (void)Ch;
                             const double gamma_V = gamma[Ch];
@@ -2210,6 +2266,7 @@ int groupnorm_train_bb_f64(
                             for (; Si + DG_LANES <= S; Si += DG_LANES) {
                                 for (int J = 0; J < DG_LANES; ++J) {
                                     const int64_t Idx = Off + Ci * S + Si + J;
+                                    (void)Idx;
                                     const double Xv = x[Idx];
                                     const double Dyv = dy[Idx];
                                     const double X_Dd = Seed_x[Idx];
@@ -2227,6 +2284,7 @@ int groupnorm_train_bb_f64(
                             }
                             for (; Si < S; ++Si) {
                                 const int64_t Idx = Off + Ci * S + Si;
+                                (void)Idx;
                                 const double Xv = x[Idx];
                                 const double Dyv = dy[Idx];
                                 const double X_Dd = Seed_x[Idx];
@@ -2300,6 +2358,7 @@ int groupnorm_train_bb_f64(
                         for (; Mi + DG_LANES <= Cg; Mi += DG_LANES) {
                             for (int J = 0; J < DG_LANES; ++J) {
                                 const int64_t Idx = Off + Mi + J;
+                                (void)Idx;
                                 const int64_t Ch = Gi * Cg + Mi + J;
                                 (void)Ch;
                                 const double gamma_V = gamma[Ch];
@@ -2318,6 +2377,7 @@ int groupnorm_train_bb_f64(
                         }
                         for (; Mi < Cg; ++Mi) {
                             const int64_t Idx = Off + Mi;
+                            (void)Idx;
                             const int64_t Ch = Gi * Cg + Mi;
                             (void)Ch;
                             const double gamma_V = gamma[Ch];
@@ -2345,6 +2405,7 @@ int groupnorm_train_bb_f64(
                             for (; Si + DG_LANES <= S; Si += DG_LANES) {
                                 for (int J = 0; J < DG_LANES; ++J) {
                                     const int64_t Idx = Off + Ci * S + Si + J;
+                                    (void)Idx;
                                     const double Xv = x[Idx];
                                     const double Dyv = dy[Idx];
                                     const double X_Dd = Seed_x[Idx];
@@ -2358,6 +2419,7 @@ int groupnorm_train_bb_f64(
                             }
                             for (; Si < S; ++Si) {
                                 const int64_t Idx = Off + Ci * S + Si;
+                                (void)Idx;
                                 const double Xv = x[Idx];
                                 const double Dyv = dy[Idx];
                                 const double X_Dd = Seed_x[Idx];
@@ -2457,6 +2519,7 @@ int groupnorm_train_jvp_f64(
                         for (; Mi + DG_LANES <= Cg; Mi += DG_LANES) {
                             for (int J = 0; J < DG_LANES; ++J) {
                                 const int64_t Idx = Off + Mi + J;
+                                (void)Idx;
                                 const int64_t Ch = Gi * Cg + Mi + J;
                                 (void)Ch;
                                 const double Xv = x[Idx];
@@ -2469,6 +2532,7 @@ int groupnorm_train_jvp_f64(
                         }
                         for (; Mi < Cg; ++Mi) {
                             const int64_t Idx = Off + Mi;
+                            (void)Idx;
                             const int64_t Ch = Gi * Cg + Mi;
                             (void)Ch;
                             const double Xv = x[Idx];
@@ -2486,6 +2550,7 @@ int groupnorm_train_jvp_f64(
                             for (; Si + DG_LANES <= S; Si += DG_LANES) {
                                 for (int J = 0; J < DG_LANES; ++J) {
                                     const int64_t Idx = Off + Ci * S + Si + J;
+                                    (void)Idx;
                                     const double Xv = x[Idx];
                                     const double X_T = Seed_x[Idx];
                                     const double xhat = rstd*(Xv - mean);
@@ -2496,6 +2561,7 @@ int groupnorm_train_jvp_f64(
                             }
                             for (; Si < S; ++Si) {
                                 const int64_t Idx = Off + Ci * S + Si;
+                                (void)Idx;
                                 const double Xv = x[Idx];
                                 const double X_T = Seed_x[Idx];
                                 const double xhat = rstd*(Xv - mean);
@@ -2531,6 +2597,7 @@ int groupnorm_train_jvp_f64(
                         for (; Mi + DG_LANES <= Cg; Mi += DG_LANES) {
                             for (int J = 0; J < DG_LANES; ++J) {
                                 const int64_t Idx = Off + Mi + J;
+                                (void)Idx;
                                 const int64_t Ch = Gi * Cg + Mi + J;
                                 (void)Ch;
                                 const double gamma_V = gamma[Ch];
@@ -2545,6 +2612,7 @@ int groupnorm_train_jvp_f64(
                         }
                         for (; Mi < Cg; ++Mi) {
                             const int64_t Idx = Off + Mi;
+                            (void)Idx;
                             const int64_t Ch = Gi * Cg + Mi;
                             (void)Ch;
                             const double gamma_V = gamma[Ch];
@@ -2567,6 +2635,7 @@ int groupnorm_train_jvp_f64(
                             for (; Si + DG_LANES <= S; Si += DG_LANES) {
                                 for (int J = 0; J < DG_LANES; ++J) {
                                     const int64_t Idx = Off + Ci * S + Si + J;
+                                    (void)Idx;
                                     const double Xv = x[Idx];
                                     const double X_T = Seed_x[Idx];
                                     const double xhat = rstd*(Xv - mean);
@@ -2576,6 +2645,7 @@ int groupnorm_train_jvp_f64(
                             }
                             for (; Si < S; ++Si) {
                                 const int64_t Idx = Off + Ci * S + Si;
+                                (void)Idx;
                                 const double Xv = x[Idx];
                                 const double X_T = Seed_x[Idx];
                                 const double xhat = rstd*(Xv - mean);
@@ -3030,6 +3100,7 @@ int groupnorm_train_forward_bf16(
                             DG_INDEPENDENT
                             for (int J = 0; J < DG_LANES; ++J) {
                                 const int64_t Idx = Off + Mi + J;
+                                (void)Idx;
                                 const double Xv = (double)Dg_from_bf16(x[Idx]);
                                 Lane_Sum_mean[J] += Xv;
                             }
@@ -3038,6 +3109,7 @@ int groupnorm_train_forward_bf16(
                             const int J = 0;                /* outside the lane blocks: lane 0 */
                             (void)J;
                             const int64_t Idx = Off + Mi;
+                            (void)Idx;
                             const double Xv = (double)Dg_from_bf16(x[Idx]);
                             Lane_Sum_mean[J] += Xv;
                         }
@@ -3059,6 +3131,7 @@ int groupnorm_train_forward_bf16(
                             DG_INDEPENDENT
                             for (int J = 0; J < DG_LANES; ++J) {
                                 const int64_t Idx = Off + Mi + J;
+                                (void)Idx;
                                 const double Xv = (double)Dg_from_bf16(x[Idx]);
                                 Lane_Sum_var[J] += ((Xv - mean)*(Xv - mean));
                             }
@@ -3067,6 +3140,7 @@ int groupnorm_train_forward_bf16(
                             const int J = 0;                /* outside the lane blocks: lane 0 */
                             (void)J;
                             const int64_t Idx = Off + Mi;
+                            (void)Idx;
                             const double Xv = (double)Dg_from_bf16(x[Idx]);
                             Lane_Sum_var[J] += ((Xv - mean)*(Xv - mean));
                         }
@@ -3099,6 +3173,7 @@ int groupnorm_train_forward_bf16(
                                     const int J = 0;                /* outside the lane blocks: lane 0 */
                                     (void)J;
                                     const int64_t Idx = Off + Mi;
+                                    (void)Idx;
                                     const int64_t Ch = Gi * Cg + Mi;
                                     const float gamma_V = Dg_from_bf16(gamma[Ch]);
                                     const float beta_V = Dg_from_bf16(beta[Ch]);
@@ -3112,6 +3187,7 @@ int groupnorm_train_forward_bf16(
                                 DG_INDEPENDENT
                                 for (int J = 0; J < DG_LANES; ++J) {
                                     const int64_t Idx = Off + Mi + J;
+                                    (void)Idx;
                                     const int64_t Ch = Gi * Cg + Mi + J;
                                     const float gamma_V = Dg_from_bf16(gamma[Ch]);
                                     const float beta_V = Dg_from_bf16(beta[Ch]);
@@ -3125,6 +3201,7 @@ int groupnorm_train_forward_bf16(
                                 const int J = 0;                /* outside the lane blocks: lane 0 */
                                 (void)J;
                                 const int64_t Idx = Off + Mi;
+                                (void)Idx;
                                 const int64_t Ch = Gi * Cg + Mi;
                                 const float gamma_V = Dg_from_bf16(gamma[Ch]);
                                 const float beta_V = Dg_from_bf16(beta[Ch]);
@@ -3148,6 +3225,7 @@ int groupnorm_train_forward_bf16(
                                         const int J = 0;                /* outside the lane blocks: lane 0 */
                                         (void)J;
                                         const int64_t Idx = Off + Ci * S + Si;
+                                        (void)Idx;
                                         const float Xv = Dg_from_bf16(x[Idx]);
                                         const float xhat = rstd_F*((Xv + H0_hi + H0_lo));
                                         y_R[Idx - (Off + Ci * S)] = Dg_to_bf16((float)(gamma_V*xhat + beta_V));
@@ -3158,6 +3236,7 @@ int groupnorm_train_forward_bf16(
                                     DG_INDEPENDENT
                                     for (int J = 0; J < DG_LANES; ++J) {
                                         const int64_t Idx = Off + Ci * S + Si + J;
+                                        (void)Idx;
                                         const float Xv = Dg_from_bf16(x[Idx]);
                                         const float xhat = rstd_F*((Xv + H0_hi + H0_lo));
                                         T_y[J] = Dg_to_bf16((float)(gamma_V*xhat + beta_V));
@@ -3168,6 +3247,7 @@ int groupnorm_train_forward_bf16(
                                     const int J = 0;                /* outside the lane blocks: lane 0 */
                                     (void)J;
                                     const int64_t Idx = Off + Ci * S + Si;
+                                    (void)Idx;
                                     const float Xv = Dg_from_bf16(x[Idx]);
                                     const float xhat = rstd_F*((Xv + H0_hi + H0_lo));
                                     y_R[Idx - (Off + Ci * S)] = Dg_to_bf16((float)(gamma_V*xhat + beta_V));
@@ -3295,6 +3375,7 @@ int groupnorm_train_backward_bf16(
                                 DG_INDEPENDENT
                                 for (int J = 0; J < DG_LANES; ++J) {
                                     const int64_t Idx = Off + Mi + J;
+                                    (void)Idx;
                                     const int64_t Ch = Gi * Cg + Mi + J;
                                     const float gamma_V = Dg_from_bf16(gamma[Ch]);
                                     const float Xv = Dg_from_bf16(x[Idx]);
@@ -3309,6 +3390,7 @@ int groupnorm_train_backward_bf16(
                                 const int J = 0;                /* outside the lane blocks: lane 0 */
                                 (void)J;
                                 const int64_t Idx = Off + Mi;
+                                (void)Idx;
                                 const int64_t Ch = Gi * Cg + Mi;
                                 const float gamma_V = Dg_from_bf16(gamma[Ch]);
                                 const float Xv = Dg_from_bf16(x[Idx]);
@@ -3338,6 +3420,7 @@ int groupnorm_train_backward_bf16(
                                     DG_INDEPENDENT
                                     for (int J = 0; J < DG_LANES; ++J) {
                                         const int64_t Idx = Off + Ci * S + Si + J;
+                                        (void)Idx;
                                         const float Xv = Dg_from_bf16(x[Idx]);
                                         const float Dyv = Dg_from_bf16(dy[Idx]);
                                         const float xhat = rstd_F*((Xv + H0_hi + H0_lo));
@@ -3350,6 +3433,7 @@ int groupnorm_train_backward_bf16(
                                     const int J = 0;                /* outside the lane blocks: lane 0 */
                                     (void)J;
                                     const int64_t Idx = Off + Ci * S + Si;
+                                    (void)Idx;
                                     const float Xv = Dg_from_bf16(x[Idx]);
                                     const float Dyv = Dg_from_bf16(dy[Idx]);
                                     const float xhat = rstd_F*((Xv + H0_hi + H0_lo));
@@ -3390,6 +3474,7 @@ int groupnorm_train_backward_bf16(
                                     const int J = 0;                /* outside the lane blocks: lane 0 */
                                     (void)J;
                                     const int64_t Idx = Off + Mi;
+                                    (void)Idx;
                                     const int64_t Ch = Gi * Cg + Mi;
                                     const float gamma_V = Dg_from_bf16(gamma[Ch]);
                                     const float Xv = Dg_from_bf16(x[Idx]);
@@ -3406,6 +3491,7 @@ int groupnorm_train_backward_bf16(
                                 DG_INDEPENDENT
                                 for (int J = 0; J < DG_LANES; ++J) {
                                     const int64_t Idx = Off + Mi + J;
+                                    (void)Idx;
                                     const int64_t Ch = Gi * Cg + Mi + J;
                                     const float gamma_V = Dg_from_bf16(gamma[Ch]);
                                     const float Xv = Dg_from_bf16(x[Idx]);
@@ -3422,6 +3508,7 @@ int groupnorm_train_backward_bf16(
                                 const int J = 0;                /* outside the lane blocks: lane 0 */
                                 (void)J;
                                 const int64_t Idx = Off + Mi;
+                                (void)Idx;
                                 const int64_t Ch = Gi * Cg + Mi;
                                 const float gamma_V = Dg_from_bf16(gamma[Ch]);
                                 const float Xv = Dg_from_bf16(x[Idx]);
@@ -3462,6 +3549,7 @@ int groupnorm_train_backward_bf16(
                                     DG_INDEPENDENT
                                     for (int J = 0; J < DG_LANES; ++J) {
                                         const int64_t Idx = Off + Ci * S + Si + J;
+                                        (void)Idx;
                                         const float Xv = Dg_from_bf16(x[Idx]);
                                         const float Dyv = Dg_from_bf16(dy[Idx]);
                                         const float xhat = rstd_F*((Xv + H0_hi + H0_lo));
@@ -3475,6 +3563,7 @@ int groupnorm_train_backward_bf16(
                                     const int J = 0;                /* outside the lane blocks: lane 0 */
                                     (void)J;
                                     const int64_t Idx = Off + Ci * S + Si;
+                                    (void)Idx;
                                     const float Xv = Dg_from_bf16(x[Idx]);
                                     const float Dyv = Dg_from_bf16(dy[Idx]);
                                     const float xhat = rstd_F*((Xv + H0_hi + H0_lo));

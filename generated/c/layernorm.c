@@ -111,6 +111,7 @@ int layernorm_train_forward_f32(
                             DG_INDEPENDENT
                             for (int J = 0; J < DG_LANES; ++J) {
                                 const int64_t Idx = Off + Mi + J;
+                                (void)Idx;
                                 const double Xv = (double)x[Idx];
                                 Lane_Sum_mean[J] += Xv;
                             }
@@ -119,6 +120,7 @@ int layernorm_train_forward_f32(
                             const int J = 0;                /* outside the lane blocks: lane 0 */
                             (void)J;
                             const int64_t Idx = Off + Mi;
+                            (void)Idx;
                             const double Xv = (double)x[Idx];
                             Lane_Sum_mean[J] += Xv;
                         }
@@ -139,6 +141,7 @@ int layernorm_train_forward_f32(
                             DG_INDEPENDENT
                             for (int J = 0; J < DG_LANES; ++J) {
                                 const int64_t Idx = Off + Mi + J;
+                                (void)Idx;
                                 const double Xv = (double)x[Idx];
                                 Lane_Sum_var[J] += ((Xv - mean)*(Xv - mean));
                             }
@@ -147,6 +150,7 @@ int layernorm_train_forward_f32(
                             const int J = 0;                /* outside the lane blocks: lane 0 */
                             (void)J;
                             const int64_t Idx = Off + Mi;
+                            (void)Idx;
                             const double Xv = (double)x[Idx];
                             Lane_Sum_var[J] += ((Xv - mean)*(Xv - mean));
                         }
@@ -179,6 +183,7 @@ int layernorm_train_forward_f32(
                                     const int J = 0;                /* outside the lane blocks: lane 0 */
                                     (void)J;
                                     const int64_t Idx = Off + Mi;
+                                    (void)Idx;
                                     const int64_t Ch = Gi * Cg + Mi;
                                     const float gamma_V = gamma[Ch];
                                     const float beta_V = beta[Ch];
@@ -192,6 +197,7 @@ int layernorm_train_forward_f32(
                                 DG_INDEPENDENT
                                 for (int J = 0; J < DG_LANES; ++J) {
                                     const int64_t Idx = Off + Mi + J;
+                                    (void)Idx;
                                     const int64_t Ch = Gi * Cg + Mi + J;
                                     const float gamma_V = gamma[Ch];
                                     const float beta_V = beta[Ch];
@@ -205,6 +211,7 @@ int layernorm_train_forward_f32(
                                 const int J = 0;                /* outside the lane blocks: lane 0 */
                                 (void)J;
                                 const int64_t Idx = Off + Mi;
+                                (void)Idx;
                                 const int64_t Ch = Gi * Cg + Mi;
                                 const float gamma_V = gamma[Ch];
                                 const float beta_V = beta[Ch];
@@ -332,6 +339,7 @@ int layernorm_train_backward_f32(
                                 DG_INDEPENDENT
                                 for (int J = 0; J < DG_LANES; ++J) {
                                     const int64_t Idx = Off + Mi + J;
+                                    (void)Idx;
                                     const int64_t Ch = Gi * Cg + Mi + J;
                                     const float gamma_V = gamma[Ch];
                                     const float Xv = x[Idx];
@@ -346,6 +354,7 @@ int layernorm_train_backward_f32(
                                 const int J = 0;                /* outside the lane blocks: lane 0 */
                                 (void)J;
                                 const int64_t Idx = Off + Mi;
+                                (void)Idx;
                                 const int64_t Ch = Gi * Cg + Mi;
                                 const float gamma_V = gamma[Ch];
                                 const float Xv = x[Idx];
@@ -387,6 +396,7 @@ int layernorm_train_backward_f32(
                                     const int J = 0;                /* outside the lane blocks: lane 0 */
                                     (void)J;
                                     const int64_t Idx = Off + Mi;
+                                    (void)Idx;
                                     const int64_t Ch = Gi * Cg + Mi;
                                     const float gamma_V = gamma[Ch];
                                     const float Xv = x[Idx];
@@ -403,6 +413,7 @@ int layernorm_train_backward_f32(
                                 DG_INDEPENDENT
                                 for (int J = 0; J < DG_LANES; ++J) {
                                     const int64_t Idx = Off + Mi + J;
+                                    (void)Idx;
                                     const int64_t Ch = Gi * Cg + Mi + J;
                                     const float gamma_V = gamma[Ch];
                                     const float Xv = x[Idx];
@@ -419,6 +430,7 @@ int layernorm_train_backward_f32(
                                 const int J = 0;                /* outside the lane blocks: lane 0 */
                                 (void)J;
                                 const int64_t Idx = Off + Mi;
+                                (void)Idx;
                                 const int64_t Ch = Gi * Cg + Mi;
                                 const float gamma_V = gamma[Ch];
                                 const float Xv = x[Idx];
@@ -557,6 +569,7 @@ int layernorm_train_bb_f32(
                         for (; Mi + DG_LANES <= Cg; Mi += DG_LANES) {
                             for (int J = 0; J < DG_LANES; ++J) {
                                 const int64_t Idx = Off + Mi + J;
+                                (void)Idx;
                                 const int64_t Ch = Gi * Cg + Mi + J;
                                 (void)Ch;
                                 const double gamma_V = (double)gamma[Ch];
@@ -578,6 +591,7 @@ int layernorm_train_bb_f32(
                         }
                         for (; Mi < Cg; ++Mi) {
                             const int64_t Idx = Off + Mi;
+                            (void)Idx;
                             const int64_t Ch = Gi * Cg + Mi;
                             (void)Ch;
                             const double gamma_V = (double)gamma[Ch];
@@ -606,6 +620,7 @@ int layernorm_train_bb_f32(
                             for (; Si + DG_LANES <= S; Si += DG_LANES) {
                                 for (int J = 0; J < DG_LANES; ++J) {
                                     const int64_t Idx = Off + Ci * S + Si + J;
+                                    (void)Idx;
                                     const double Xv = (double)x[Idx];
                                     const double Dyv = (double)dy[Idx];
                                     const double X_Dd = (double)Seed_x[Idx];
@@ -623,6 +638,7 @@ int layernorm_train_bb_f32(
                             }
                             for (; Si < S; ++Si) {
                                 const int64_t Idx = Off + Ci * S + Si;
+                                (void)Idx;
                                 const double Xv = (double)x[Idx];
                                 const double Dyv = (double)dy[Idx];
                                 const double X_Dd = (double)Seed_x[Idx];
@@ -696,6 +712,7 @@ int layernorm_train_bb_f32(
                         for (; Mi + DG_LANES <= Cg; Mi += DG_LANES) {
                             for (int J = 0; J < DG_LANES; ++J) {
                                 const int64_t Idx = Off + Mi + J;
+                                (void)Idx;
                                 const int64_t Ch = Gi * Cg + Mi + J;
                                 (void)Ch;
                                 const double gamma_V = (double)gamma[Ch];
@@ -714,6 +731,7 @@ int layernorm_train_bb_f32(
                         }
                         for (; Mi < Cg; ++Mi) {
                             const int64_t Idx = Off + Mi;
+                            (void)Idx;
                             const int64_t Ch = Gi * Cg + Mi;
                             (void)Ch;
                             const double gamma_V = (double)gamma[Ch];
@@ -741,6 +759,7 @@ int layernorm_train_bb_f32(
                             for (; Si + DG_LANES <= S; Si += DG_LANES) {
                                 for (int J = 0; J < DG_LANES; ++J) {
                                     const int64_t Idx = Off + Ci * S + Si + J;
+                                    (void)Idx;
                                     const double Xv = (double)x[Idx];
                                     const double Dyv = (double)dy[Idx];
                                     const double X_Dd = (double)Seed_x[Idx];
@@ -754,6 +773,7 @@ int layernorm_train_bb_f32(
                             }
                             for (; Si < S; ++Si) {
                                 const int64_t Idx = Off + Ci * S + Si;
+                                (void)Idx;
                                 const double Xv = (double)x[Idx];
                                 const double Dyv = (double)dy[Idx];
                                 const double X_Dd = (double)Seed_x[Idx];
@@ -853,6 +873,7 @@ int layernorm_train_jvp_f32(
                         for (; Mi + DG_LANES <= Cg; Mi += DG_LANES) {
                             for (int J = 0; J < DG_LANES; ++J) {
                                 const int64_t Idx = Off + Mi + J;
+                                (void)Idx;
                                 const int64_t Ch = Gi * Cg + Mi + J;
                                 (void)Ch;
                                 const double Xv = (double)x[Idx];
@@ -865,6 +886,7 @@ int layernorm_train_jvp_f32(
                         }
                         for (; Mi < Cg; ++Mi) {
                             const int64_t Idx = Off + Mi;
+                            (void)Idx;
                             const int64_t Ch = Gi * Cg + Mi;
                             (void)Ch;
                             const double Xv = (double)x[Idx];
@@ -882,6 +904,7 @@ int layernorm_train_jvp_f32(
                             for (; Si + DG_LANES <= S; Si += DG_LANES) {
                                 for (int J = 0; J < DG_LANES; ++J) {
                                     const int64_t Idx = Off + Ci * S + Si + J;
+                                    (void)Idx;
                                     const double Xv = (double)x[Idx];
                                     const double X_T = (double)Seed_x[Idx];
                                     const double xhat = rstd*(Xv - mean);
@@ -892,6 +915,7 @@ int layernorm_train_jvp_f32(
                             }
                             for (; Si < S; ++Si) {
                                 const int64_t Idx = Off + Ci * S + Si;
+                                (void)Idx;
                                 const double Xv = (double)x[Idx];
                                 const double X_T = (double)Seed_x[Idx];
                                 const double xhat = rstd*(Xv - mean);
@@ -927,6 +951,7 @@ int layernorm_train_jvp_f32(
                         for (; Mi + DG_LANES <= Cg; Mi += DG_LANES) {
                             for (int J = 0; J < DG_LANES; ++J) {
                                 const int64_t Idx = Off + Mi + J;
+                                (void)Idx;
                                 const int64_t Ch = Gi * Cg + Mi + J;
                                 (void)Ch;
                                 const double gamma_V = (double)gamma[Ch];
@@ -941,6 +966,7 @@ int layernorm_train_jvp_f32(
                         }
                         for (; Mi < Cg; ++Mi) {
                             const int64_t Idx = Off + Mi;
+                            (void)Idx;
                             const int64_t Ch = Gi * Cg + Mi;
                             (void)Ch;
                             const double gamma_V = (double)gamma[Ch];
@@ -963,6 +989,7 @@ int layernorm_train_jvp_f32(
                             for (; Si + DG_LANES <= S; Si += DG_LANES) {
                                 for (int J = 0; J < DG_LANES; ++J) {
                                     const int64_t Idx = Off + Ci * S + Si + J;
+                                    (void)Idx;
                                     const double Xv = (double)x[Idx];
                                     const double X_T = (double)Seed_x[Idx];
                                     const double xhat = rstd*(Xv - mean);
@@ -972,6 +999,7 @@ int layernorm_train_jvp_f32(
                             }
                             for (; Si < S; ++Si) {
                                 const int64_t Idx = Off + Ci * S + Si;
+                                (void)Idx;
                                 const double Xv = (double)x[Idx];
                                 const double X_T = (double)Seed_x[Idx];
                                 const double xhat = rstd*(Xv - mean);
@@ -1048,6 +1076,7 @@ int layernorm_train_forward_f64(
                             DG_INDEPENDENT
                             for (int J = 0; J < DG_LANES; ++J) {
                                 const int64_t Idx = Off + Mi + J;
+                                (void)Idx;
                                 const double Xv = x[Idx];
                                 Lane_Sum_mean[J] += Xv;
                             }
@@ -1056,6 +1085,7 @@ int layernorm_train_forward_f64(
                             const int J = 0;                /* outside the lane blocks: lane 0 */
                             (void)J;
                             const int64_t Idx = Off + Mi;
+                            (void)Idx;
                             const double Xv = x[Idx];
                             Lane_Sum_mean[J] += Xv;
                         }
@@ -1076,6 +1106,7 @@ int layernorm_train_forward_f64(
                             DG_INDEPENDENT
                             for (int J = 0; J < DG_LANES; ++J) {
                                 const int64_t Idx = Off + Mi + J;
+                                (void)Idx;
                                 const double Xv = x[Idx];
                                 Lane_Sum_var[J] += ((Xv - mean)*(Xv - mean));
                             }
@@ -1084,6 +1115,7 @@ int layernorm_train_forward_f64(
                             const int J = 0;                /* outside the lane blocks: lane 0 */
                             (void)J;
                             const int64_t Idx = Off + Mi;
+                            (void)Idx;
                             const double Xv = x[Idx];
                             Lane_Sum_var[J] += ((Xv - mean)*(Xv - mean));
                         }
@@ -1112,6 +1144,7 @@ int layernorm_train_forward_f64(
                                     const int J = 0;                /* outside the lane blocks: lane 0 */
                                     (void)J;
                                     const int64_t Idx = Off + Mi;
+                                    (void)Idx;
                                     const int64_t Ch = Gi * Cg + Mi;
                                     const double gamma_V = gamma[Ch];
                                     const double beta_V = beta[Ch];
@@ -1125,6 +1158,7 @@ int layernorm_train_forward_f64(
                                 DG_INDEPENDENT
                                 for (int J = 0; J < DG_LANES; ++J) {
                                     const int64_t Idx = Off + Mi + J;
+                                    (void)Idx;
                                     const int64_t Ch = Gi * Cg + Mi + J;
                                     const double gamma_V = gamma[Ch];
                                     const double beta_V = beta[Ch];
@@ -1138,6 +1172,7 @@ int layernorm_train_forward_f64(
                                 const int J = 0;                /* outside the lane blocks: lane 0 */
                                 (void)J;
                                 const int64_t Idx = Off + Mi;
+                                (void)Idx;
                                 const int64_t Ch = Gi * Cg + Mi;
                                 const double gamma_V = gamma[Ch];
                                 const double beta_V = beta[Ch];
@@ -1261,6 +1296,7 @@ int layernorm_train_backward_f64(
                                 DG_INDEPENDENT
                                 for (int J = 0; J < DG_LANES; ++J) {
                                     const int64_t Idx = Off + Mi + J;
+                                    (void)Idx;
                                     const int64_t Ch = Gi * Cg + Mi + J;
                                     const double gamma_V = gamma[Ch];
                                     const double Xv = x[Idx];
@@ -1275,6 +1311,7 @@ int layernorm_train_backward_f64(
                                 const int J = 0;                /* outside the lane blocks: lane 0 */
                                 (void)J;
                                 const int64_t Idx = Off + Mi;
+                                (void)Idx;
                                 const int64_t Ch = Gi * Cg + Mi;
                                 const double gamma_V = gamma[Ch];
                                 const double Xv = x[Idx];
@@ -1311,6 +1348,7 @@ int layernorm_train_backward_f64(
                                     const int J = 0;                /* outside the lane blocks: lane 0 */
                                     (void)J;
                                     const int64_t Idx = Off + Mi;
+                                    (void)Idx;
                                     const int64_t Ch = Gi * Cg + Mi;
                                     const double gamma_V = gamma[Ch];
                                     const double Xv = x[Idx];
@@ -1327,6 +1365,7 @@ int layernorm_train_backward_f64(
                                 DG_INDEPENDENT
                                 for (int J = 0; J < DG_LANES; ++J) {
                                     const int64_t Idx = Off + Mi + J;
+                                    (void)Idx;
                                     const int64_t Ch = Gi * Cg + Mi + J;
                                     const double gamma_V = gamma[Ch];
                                     const double Xv = x[Idx];
@@ -1343,6 +1382,7 @@ int layernorm_train_backward_f64(
                                 const int J = 0;                /* outside the lane blocks: lane 0 */
                                 (void)J;
                                 const int64_t Idx = Off + Mi;
+                                (void)Idx;
                                 const int64_t Ch = Gi * Cg + Mi;
                                 const double gamma_V = gamma[Ch];
                                 const double Xv = x[Idx];
@@ -1481,6 +1521,7 @@ int layernorm_train_bb_f64(
                         for (; Mi + DG_LANES <= Cg; Mi += DG_LANES) {
                             for (int J = 0; J < DG_LANES; ++J) {
                                 const int64_t Idx = Off + Mi + J;
+                                (void)Idx;
                                 const int64_t Ch = Gi * Cg + Mi + J;
                                 (void)Ch;
                                 const double gamma_V = gamma[Ch];
@@ -1502,6 +1543,7 @@ int layernorm_train_bb_f64(
                         }
                         for (; Mi < Cg; ++Mi) {
                             const int64_t Idx = Off + Mi;
+                            (void)Idx;
                             const int64_t Ch = Gi * Cg + Mi;
                             (void)Ch;
                             const double gamma_V = gamma[Ch];
@@ -1530,6 +1572,7 @@ int layernorm_train_bb_f64(
                             for (; Si + DG_LANES <= S; Si += DG_LANES) {
                                 for (int J = 0; J < DG_LANES; ++J) {
                                     const int64_t Idx = Off + Ci * S + Si + J;
+                                    (void)Idx;
                                     const double Xv = x[Idx];
                                     const double Dyv = dy[Idx];
                                     const double X_Dd = Seed_x[Idx];
@@ -1547,6 +1590,7 @@ int layernorm_train_bb_f64(
                             }
                             for (; Si < S; ++Si) {
                                 const int64_t Idx = Off + Ci * S + Si;
+                                (void)Idx;
                                 const double Xv = x[Idx];
                                 const double Dyv = dy[Idx];
                                 const double X_Dd = Seed_x[Idx];
@@ -1620,6 +1664,7 @@ int layernorm_train_bb_f64(
                         for (; Mi + DG_LANES <= Cg; Mi += DG_LANES) {
                             for (int J = 0; J < DG_LANES; ++J) {
                                 const int64_t Idx = Off + Mi + J;
+                                (void)Idx;
                                 const int64_t Ch = Gi * Cg + Mi + J;
                                 (void)Ch;
                                 const double gamma_V = gamma[Ch];
@@ -1638,6 +1683,7 @@ int layernorm_train_bb_f64(
                         }
                         for (; Mi < Cg; ++Mi) {
                             const int64_t Idx = Off + Mi;
+                            (void)Idx;
                             const int64_t Ch = Gi * Cg + Mi;
                             (void)Ch;
                             const double gamma_V = gamma[Ch];
@@ -1665,6 +1711,7 @@ int layernorm_train_bb_f64(
                             for (; Si + DG_LANES <= S; Si += DG_LANES) {
                                 for (int J = 0; J < DG_LANES; ++J) {
                                     const int64_t Idx = Off + Ci * S + Si + J;
+                                    (void)Idx;
                                     const double Xv = x[Idx];
                                     const double Dyv = dy[Idx];
                                     const double X_Dd = Seed_x[Idx];
@@ -1678,6 +1725,7 @@ int layernorm_train_bb_f64(
                             }
                             for (; Si < S; ++Si) {
                                 const int64_t Idx = Off + Ci * S + Si;
+                                (void)Idx;
                                 const double Xv = x[Idx];
                                 const double Dyv = dy[Idx];
                                 const double X_Dd = Seed_x[Idx];
@@ -1777,6 +1825,7 @@ int layernorm_train_jvp_f64(
                         for (; Mi + DG_LANES <= Cg; Mi += DG_LANES) {
                             for (int J = 0; J < DG_LANES; ++J) {
                                 const int64_t Idx = Off + Mi + J;
+                                (void)Idx;
                                 const int64_t Ch = Gi * Cg + Mi + J;
                                 (void)Ch;
                                 const double Xv = x[Idx];
@@ -1789,6 +1838,7 @@ int layernorm_train_jvp_f64(
                         }
                         for (; Mi < Cg; ++Mi) {
                             const int64_t Idx = Off + Mi;
+                            (void)Idx;
                             const int64_t Ch = Gi * Cg + Mi;
                             (void)Ch;
                             const double Xv = x[Idx];
@@ -1806,6 +1856,7 @@ int layernorm_train_jvp_f64(
                             for (; Si + DG_LANES <= S; Si += DG_LANES) {
                                 for (int J = 0; J < DG_LANES; ++J) {
                                     const int64_t Idx = Off + Ci * S + Si + J;
+                                    (void)Idx;
                                     const double Xv = x[Idx];
                                     const double X_T = Seed_x[Idx];
                                     const double xhat = rstd*(Xv - mean);
@@ -1816,6 +1867,7 @@ int layernorm_train_jvp_f64(
                             }
                             for (; Si < S; ++Si) {
                                 const int64_t Idx = Off + Ci * S + Si;
+                                (void)Idx;
                                 const double Xv = x[Idx];
                                 const double X_T = Seed_x[Idx];
                                 const double xhat = rstd*(Xv - mean);
@@ -1851,6 +1903,7 @@ int layernorm_train_jvp_f64(
                         for (; Mi + DG_LANES <= Cg; Mi += DG_LANES) {
                             for (int J = 0; J < DG_LANES; ++J) {
                                 const int64_t Idx = Off + Mi + J;
+                                (void)Idx;
                                 const int64_t Ch = Gi * Cg + Mi + J;
                                 (void)Ch;
                                 const double gamma_V = gamma[Ch];
@@ -1865,6 +1918,7 @@ int layernorm_train_jvp_f64(
                         }
                         for (; Mi < Cg; ++Mi) {
                             const int64_t Idx = Off + Mi;
+                            (void)Idx;
                             const int64_t Ch = Gi * Cg + Mi;
                             (void)Ch;
                             const double gamma_V = gamma[Ch];
@@ -1887,6 +1941,7 @@ int layernorm_train_jvp_f64(
                             for (; Si + DG_LANES <= S; Si += DG_LANES) {
                                 for (int J = 0; J < DG_LANES; ++J) {
                                     const int64_t Idx = Off + Ci * S + Si + J;
+                                    (void)Idx;
                                     const double Xv = x[Idx];
                                     const double X_T = Seed_x[Idx];
                                     const double xhat = rstd*(Xv - mean);
@@ -1896,6 +1951,7 @@ int layernorm_train_jvp_f64(
                             }
                             for (; Si < S; ++Si) {
                                 const int64_t Idx = Off + Ci * S + Si;
+                                (void)Idx;
                                 const double Xv = x[Idx];
                                 const double X_T = Seed_x[Idx];
                                 const double xhat = rstd*(Xv - mean);
@@ -1972,6 +2028,7 @@ int layernorm_train_forward_bf16(
                             DG_INDEPENDENT
                             for (int J = 0; J < DG_LANES; ++J) {
                                 const int64_t Idx = Off + Mi + J;
+                                (void)Idx;
                                 const double Xv = (double)Dg_from_bf16(x[Idx]);
                                 Lane_Sum_mean[J] += Xv;
                             }
@@ -1980,6 +2037,7 @@ int layernorm_train_forward_bf16(
                             const int J = 0;                /* outside the lane blocks: lane 0 */
                             (void)J;
                             const int64_t Idx = Off + Mi;
+                            (void)Idx;
                             const double Xv = (double)Dg_from_bf16(x[Idx]);
                             Lane_Sum_mean[J] += Xv;
                         }
@@ -2000,6 +2058,7 @@ int layernorm_train_forward_bf16(
                             DG_INDEPENDENT
                             for (int J = 0; J < DG_LANES; ++J) {
                                 const int64_t Idx = Off + Mi + J;
+                                (void)Idx;
                                 const double Xv = (double)Dg_from_bf16(x[Idx]);
                                 Lane_Sum_var[J] += ((Xv - mean)*(Xv - mean));
                             }
@@ -2008,6 +2067,7 @@ int layernorm_train_forward_bf16(
                             const int J = 0;                /* outside the lane blocks: lane 0 */
                             (void)J;
                             const int64_t Idx = Off + Mi;
+                            (void)Idx;
                             const double Xv = (double)Dg_from_bf16(x[Idx]);
                             Lane_Sum_var[J] += ((Xv - mean)*(Xv - mean));
                         }
@@ -2040,6 +2100,7 @@ int layernorm_train_forward_bf16(
                                     const int J = 0;                /* outside the lane blocks: lane 0 */
                                     (void)J;
                                     const int64_t Idx = Off + Mi;
+                                    (void)Idx;
                                     const int64_t Ch = Gi * Cg + Mi;
                                     const float gamma_V = Dg_from_bf16(gamma[Ch]);
                                     const float beta_V = Dg_from_bf16(beta[Ch]);
@@ -2053,6 +2114,7 @@ int layernorm_train_forward_bf16(
                                 DG_INDEPENDENT
                                 for (int J = 0; J < DG_LANES; ++J) {
                                     const int64_t Idx = Off + Mi + J;
+                                    (void)Idx;
                                     const int64_t Ch = Gi * Cg + Mi + J;
                                     const float gamma_V = Dg_from_bf16(gamma[Ch]);
                                     const float beta_V = Dg_from_bf16(beta[Ch]);
@@ -2066,6 +2128,7 @@ int layernorm_train_forward_bf16(
                                 const int J = 0;                /* outside the lane blocks: lane 0 */
                                 (void)J;
                                 const int64_t Idx = Off + Mi;
+                                (void)Idx;
                                 const int64_t Ch = Gi * Cg + Mi;
                                 const float gamma_V = Dg_from_bf16(gamma[Ch]);
                                 const float beta_V = Dg_from_bf16(beta[Ch]);
@@ -2193,6 +2256,7 @@ int layernorm_train_backward_bf16(
                                 DG_INDEPENDENT
                                 for (int J = 0; J < DG_LANES; ++J) {
                                     const int64_t Idx = Off + Mi + J;
+                                    (void)Idx;
                                     const int64_t Ch = Gi * Cg + Mi + J;
                                     const float gamma_V = Dg_from_bf16(gamma[Ch]);
                                     const float Xv = Dg_from_bf16(x[Idx]);
@@ -2207,6 +2271,7 @@ int layernorm_train_backward_bf16(
                                 const int J = 0;                /* outside the lane blocks: lane 0 */
                                 (void)J;
                                 const int64_t Idx = Off + Mi;
+                                (void)Idx;
                                 const int64_t Ch = Gi * Cg + Mi;
                                 const float gamma_V = Dg_from_bf16(gamma[Ch]);
                                 const float Xv = Dg_from_bf16(x[Idx]);
@@ -2248,6 +2313,7 @@ int layernorm_train_backward_bf16(
                                     const int J = 0;                /* outside the lane blocks: lane 0 */
                                     (void)J;
                                     const int64_t Idx = Off + Mi;
+                                    (void)Idx;
                                     const int64_t Ch = Gi * Cg + Mi;
                                     const float gamma_V = Dg_from_bf16(gamma[Ch]);
                                     const float Xv = Dg_from_bf16(x[Idx]);
@@ -2264,6 +2330,7 @@ int layernorm_train_backward_bf16(
                                 DG_INDEPENDENT
                                 for (int J = 0; J < DG_LANES; ++J) {
                                     const int64_t Idx = Off + Mi + J;
+                                    (void)Idx;
                                     const int64_t Ch = Gi * Cg + Mi + J;
                                     const float gamma_V = Dg_from_bf16(gamma[Ch]);
                                     const float Xv = Dg_from_bf16(x[Idx]);
@@ -2280,6 +2347,7 @@ int layernorm_train_backward_bf16(
                                 const int J = 0;                /* outside the lane blocks: lane 0 */
                                 (void)J;
                                 const int64_t Idx = Off + Mi;
+                                (void)Idx;
                                 const int64_t Ch = Gi * Cg + Mi;
                                 const float gamma_V = Dg_from_bf16(gamma[Ch]);
                                 const float Xv = Dg_from_bf16(x[Idx]);

@@ -125,6 +125,7 @@ int online_layernorm_train_forward_f32(
                             DG_INDEPENDENT
                             for (int J = 0; J < DG_LANES; ++J) {
                                 const int64_t Idx = Off + Mi + J;
+                                (void)Idx;
                                 const double Xv = (double)x[Idx];
                                 Lane_Sum_row_mean[J] += Xv;
                             }
@@ -133,6 +134,7 @@ int online_layernorm_train_forward_f32(
                             const int J = 0;                /* outside the lane blocks: lane 0 */
                             (void)J;
                             const int64_t Idx = Off + Mi;
+                            (void)Idx;
                             const double Xv = (double)x[Idx];
                             Lane_Sum_row_mean[J] += Xv;
                         }
@@ -154,6 +156,7 @@ int online_layernorm_train_forward_f32(
                             DG_INDEPENDENT
                             for (int J = 0; J < DG_LANES; ++J) {
                                 const int64_t Idx = Off + Mi + J;
+                                (void)Idx;
                                 const double Xv = (double)x[Idx];
                                 Lane_Sum_Aux1[J] += ((Xv - mean)*(Xv - mean));
                             }
@@ -162,6 +165,7 @@ int online_layernorm_train_forward_f32(
                             const int J = 0;                /* outside the lane blocks: lane 0 */
                             (void)J;
                             const int64_t Idx = Off + Mi;
+                            (void)Idx;
                             const double Xv = (double)x[Idx];
                             Lane_Sum_Aux1[J] += ((Xv - mean)*(Xv - mean));
                         }
@@ -197,6 +201,7 @@ int online_layernorm_train_forward_f32(
                                     const int J = 0;                /* outside the lane blocks: lane 0 */
                                     (void)J;
                                     const int64_t Idx = Off + Mi;
+                                    (void)Idx;
                                     const int64_t Ch = Gi * Cg + Mi;
                                     const float gamma_V = gamma[Ch];
                                     const float beta_V = beta[Ch];
@@ -210,6 +215,7 @@ int online_layernorm_train_forward_f32(
                                 DG_INDEPENDENT
                                 for (int J = 0; J < DG_LANES; ++J) {
                                     const int64_t Idx = Off + Mi + J;
+                                    (void)Idx;
                                     const int64_t Ch = Gi * Cg + Mi + J;
                                     const float gamma_V = gamma[Ch];
                                     const float beta_V = beta[Ch];
@@ -223,6 +229,7 @@ int online_layernorm_train_forward_f32(
                                 const int J = 0;                /* outside the lane blocks: lane 0 */
                                 (void)J;
                                 const int64_t Idx = Off + Mi;
+                                (void)Idx;
                                 const int64_t Ch = Gi * Cg + Mi;
                                 const float gamma_V = gamma[Ch];
                                 const float beta_V = beta[Ch];
@@ -366,6 +373,7 @@ int online_layernorm_train_backward_f32(
                                 DG_INDEPENDENT
                                 for (int J = 0; J < DG_LANES; ++J) {
                                     const int64_t Idx = Off + Mi + J;
+                                    (void)Idx;
                                     const int64_t Ch = Gi * Cg + Mi + J;
                                     const float gamma_V = gamma[Ch];
                                     const float Xv = x[Idx];
@@ -380,6 +388,7 @@ int online_layernorm_train_backward_f32(
                                 const int J = 0;                /* outside the lane blocks: lane 0 */
                                 (void)J;
                                 const int64_t Idx = Off + Mi;
+                                (void)Idx;
                                 const int64_t Ch = Gi * Cg + Mi;
                                 const float gamma_V = gamma[Ch];
                                 const float Xv = x[Idx];
@@ -433,6 +442,7 @@ int online_layernorm_train_backward_f32(
                                     const int J = 0;                /* outside the lane blocks: lane 0 */
                                     (void)J;
                                     const int64_t Idx = Off + Mi;
+                                    (void)Idx;
                                     const int64_t Ch = Gi * Cg + Mi;
                                     const float gamma_V = gamma[Ch];
                                     const float Xv = x[Idx];
@@ -449,6 +459,7 @@ int online_layernorm_train_backward_f32(
                                 DG_INDEPENDENT
                                 for (int J = 0; J < DG_LANES; ++J) {
                                     const int64_t Idx = Off + Mi + J;
+                                    (void)Idx;
                                     const int64_t Ch = Gi * Cg + Mi + J;
                                     const float gamma_V = gamma[Ch];
                                     const float Xv = x[Idx];
@@ -465,6 +476,7 @@ int online_layernorm_train_backward_f32(
                                 const int J = 0;                /* outside the lane blocks: lane 0 */
                                 (void)J;
                                 const int64_t Idx = Off + Mi;
+                                (void)Idx;
                                 const int64_t Ch = Gi * Cg + Mi;
                                 const float gamma_V = gamma[Ch];
                                 const float Xv = x[Idx];
@@ -625,6 +637,7 @@ int online_layernorm_train_bb_f32(
                         for (; Mi + DG_LANES <= Cg; Mi += DG_LANES) {
                             for (int J = 0; J < DG_LANES; ++J) {
                                 const int64_t Idx = Off + Mi + J;
+                                (void)Idx;
                                 const int64_t Ch = Gi * Cg + Mi + J;
                                 (void)Ch;
                                 const double gamma_V = (double)gamma[Ch];
@@ -646,6 +659,7 @@ int online_layernorm_train_bb_f32(
                         }
                         for (; Mi < Cg; ++Mi) {
                             const int64_t Idx = Off + Mi;
+                            (void)Idx;
                             const int64_t Ch = Gi * Cg + Mi;
                             (void)Ch;
                             const double gamma_V = (double)gamma[Ch];
@@ -674,6 +688,7 @@ int online_layernorm_train_bb_f32(
                             for (; Si + DG_LANES <= S; Si += DG_LANES) {
                                 for (int J = 0; J < DG_LANES; ++J) {
                                     const int64_t Idx = Off + Ci * S + Si + J;
+                                    (void)Idx;
                                     const double Xv = (double)x[Idx];
                                     const double Dyv = (double)dy[Idx];
                                     const double X_Dd = (double)Seed_x[Idx];
@@ -691,6 +706,7 @@ int online_layernorm_train_bb_f32(
                             }
                             for (; Si < S; ++Si) {
                                 const int64_t Idx = Off + Ci * S + Si;
+                                (void)Idx;
                                 const double Xv = (double)x[Idx];
                                 const double Dyv = (double)dy[Idx];
                                 const double X_Dd = (double)Seed_x[Idx];
@@ -1052,6 +1068,7 @@ int online_layernorm_train_bb_f32(
                         for (; Mi + DG_LANES <= Cg; Mi += DG_LANES) {
                             for (int J = 0; J < DG_LANES; ++J) {
                                 const int64_t Idx = Off + Mi + J;
+                                (void)Idx;
                                 const int64_t Ch = Gi * Cg + Mi + J;
                                 (void)Ch;
                                 const double gamma_V = (double)gamma[Ch];
@@ -1070,6 +1087,7 @@ int online_layernorm_train_bb_f32(
                         }
                         for (; Mi < Cg; ++Mi) {
                             const int64_t Idx = Off + Mi;
+                            (void)Idx;
                             const int64_t Ch = Gi * Cg + Mi;
                             (void)Ch;
                             const double gamma_V = (double)gamma[Ch];
@@ -1097,6 +1115,7 @@ int online_layernorm_train_bb_f32(
                             for (; Si + DG_LANES <= S; Si += DG_LANES) {
                                 for (int J = 0; J < DG_LANES; ++J) {
                                     const int64_t Idx = Off + Ci * S + Si + J;
+                                    (void)Idx;
                                     const double Xv = (double)x[Idx];
                                     const double Dyv = (double)dy[Idx];
                                     const double X_Dd = (double)Seed_x[Idx];
@@ -1110,6 +1129,7 @@ int online_layernorm_train_bb_f32(
                             }
                             for (; Si < S; ++Si) {
                                 const int64_t Idx = Off + Ci * S + Si;
+                                (void)Idx;
                                 const double Xv = (double)x[Idx];
                                 const double Dyv = (double)dy[Idx];
                                 const double X_Dd = (double)Seed_x[Idx];
@@ -1229,6 +1249,7 @@ int online_layernorm_train_jvp_f32(
                         for (; Mi + DG_LANES <= Cg; Mi += DG_LANES) {
                             for (int J = 0; J < DG_LANES; ++J) {
                                 const int64_t Idx = Off + Mi + J;
+                                (void)Idx;
                                 const int64_t Ch = Gi * Cg + Mi + J;
                                 (void)Ch;
                                 const double Xv = (double)x[Idx];
@@ -1241,6 +1262,7 @@ int online_layernorm_train_jvp_f32(
                         }
                         for (; Mi < Cg; ++Mi) {
                             const int64_t Idx = Off + Mi;
+                            (void)Idx;
                             const int64_t Ch = Gi * Cg + Mi;
                             (void)Ch;
                             const double Xv = (double)x[Idx];
@@ -1258,6 +1280,7 @@ int online_layernorm_train_jvp_f32(
                             for (; Si + DG_LANES <= S; Si += DG_LANES) {
                                 for (int J = 0; J < DG_LANES; ++J) {
                                     const int64_t Idx = Off + Ci * S + Si + J;
+                                    (void)Idx;
                                     const double Xv = (double)x[Idx];
                                     const double X_T = (double)Seed_x[Idx];
                                     const double xhat = (Xv - mean)/std;
@@ -1268,6 +1291,7 @@ int online_layernorm_train_jvp_f32(
                             }
                             for (; Si < S; ++Si) {
                                 const int64_t Idx = Off + Ci * S + Si;
+                                (void)Idx;
                                 const double Xv = (double)x[Idx];
                                 const double X_T = (double)Seed_x[Idx];
                                 const double xhat = (Xv - mean)/std;
@@ -1317,6 +1341,7 @@ int online_layernorm_train_jvp_f32(
                         for (; Mi + DG_LANES <= Cg; Mi += DG_LANES) {
                             for (int J = 0; J < DG_LANES; ++J) {
                                 const int64_t Idx = Off + Mi + J;
+                                (void)Idx;
                                 const int64_t Ch = Gi * Cg + Mi + J;
                                 (void)Ch;
                                 const double gamma_V = (double)gamma[Ch];
@@ -1331,6 +1356,7 @@ int online_layernorm_train_jvp_f32(
                         }
                         for (; Mi < Cg; ++Mi) {
                             const int64_t Idx = Off + Mi;
+                            (void)Idx;
                             const int64_t Ch = Gi * Cg + Mi;
                             (void)Ch;
                             const double gamma_V = (double)gamma[Ch];
@@ -1353,6 +1379,7 @@ int online_layernorm_train_jvp_f32(
                             for (; Si + DG_LANES <= S; Si += DG_LANES) {
                                 for (int J = 0; J < DG_LANES; ++J) {
                                     const int64_t Idx = Off + Ci * S + Si + J;
+                                    (void)Idx;
                                     const double Xv = (double)x[Idx];
                                     const double X_T = (double)Seed_x[Idx];
                                     const double xhat = (Xv - mean)/std;
@@ -1362,6 +1389,7 @@ int online_layernorm_train_jvp_f32(
                             }
                             for (; Si < S; ++Si) {
                                 const int64_t Idx = Off + Ci * S + Si;
+                                (void)Idx;
                                 const double Xv = (double)x[Idx];
                                 const double X_T = (double)Seed_x[Idx];
                                 const double xhat = (Xv - mean)/std;
@@ -1448,6 +1476,7 @@ int online_layernorm_train_forward_f64(
                             DG_INDEPENDENT
                             for (int J = 0; J < DG_LANES; ++J) {
                                 const int64_t Idx = Off + Mi + J;
+                                (void)Idx;
                                 const double Xv = x[Idx];
                                 Lane_Sum_row_mean[J] += Xv;
                             }
@@ -1456,6 +1485,7 @@ int online_layernorm_train_forward_f64(
                             const int J = 0;                /* outside the lane blocks: lane 0 */
                             (void)J;
                             const int64_t Idx = Off + Mi;
+                            (void)Idx;
                             const double Xv = x[Idx];
                             Lane_Sum_row_mean[J] += Xv;
                         }
@@ -1477,6 +1507,7 @@ int online_layernorm_train_forward_f64(
                             DG_INDEPENDENT
                             for (int J = 0; J < DG_LANES; ++J) {
                                 const int64_t Idx = Off + Mi + J;
+                                (void)Idx;
                                 const double Xv = x[Idx];
                                 Lane_Sum_Aux1[J] += ((Xv - mean)*(Xv - mean));
                             }
@@ -1485,6 +1516,7 @@ int online_layernorm_train_forward_f64(
                             const int J = 0;                /* outside the lane blocks: lane 0 */
                             (void)J;
                             const int64_t Idx = Off + Mi;
+                            (void)Idx;
                             const double Xv = x[Idx];
                             Lane_Sum_Aux1[J] += ((Xv - mean)*(Xv - mean));
                         }
@@ -1516,6 +1548,7 @@ int online_layernorm_train_forward_f64(
                                     const int J = 0;                /* outside the lane blocks: lane 0 */
                                     (void)J;
                                     const int64_t Idx = Off + Mi;
+                                    (void)Idx;
                                     const int64_t Ch = Gi * Cg + Mi;
                                     const double gamma_V = gamma[Ch];
                                     const double beta_V = beta[Ch];
@@ -1529,6 +1562,7 @@ int online_layernorm_train_forward_f64(
                                 DG_INDEPENDENT
                                 for (int J = 0; J < DG_LANES; ++J) {
                                     const int64_t Idx = Off + Mi + J;
+                                    (void)Idx;
                                     const int64_t Ch = Gi * Cg + Mi + J;
                                     const double gamma_V = gamma[Ch];
                                     const double beta_V = beta[Ch];
@@ -1542,6 +1576,7 @@ int online_layernorm_train_forward_f64(
                                 const int J = 0;                /* outside the lane blocks: lane 0 */
                                 (void)J;
                                 const int64_t Idx = Off + Mi;
+                                (void)Idx;
                                 const int64_t Ch = Gi * Cg + Mi;
                                 const double gamma_V = gamma[Ch];
                                 const double beta_V = beta[Ch];
@@ -1681,6 +1716,7 @@ int online_layernorm_train_backward_f64(
                                 DG_INDEPENDENT
                                 for (int J = 0; J < DG_LANES; ++J) {
                                     const int64_t Idx = Off + Mi + J;
+                                    (void)Idx;
                                     const int64_t Ch = Gi * Cg + Mi + J;
                                     const double gamma_V = gamma[Ch];
                                     const double Xv = x[Idx];
@@ -1695,6 +1731,7 @@ int online_layernorm_train_backward_f64(
                                 const int J = 0;                /* outside the lane blocks: lane 0 */
                                 (void)J;
                                 const int64_t Idx = Off + Mi;
+                                (void)Idx;
                                 const int64_t Ch = Gi * Cg + Mi;
                                 const double gamma_V = gamma[Ch];
                                 const double Xv = x[Idx];
@@ -1741,6 +1778,7 @@ int online_layernorm_train_backward_f64(
                                     const int J = 0;                /* outside the lane blocks: lane 0 */
                                     (void)J;
                                     const int64_t Idx = Off + Mi;
+                                    (void)Idx;
                                     const int64_t Ch = Gi * Cg + Mi;
                                     const double gamma_V = gamma[Ch];
                                     const double Xv = x[Idx];
@@ -1757,6 +1795,7 @@ int online_layernorm_train_backward_f64(
                                 DG_INDEPENDENT
                                 for (int J = 0; J < DG_LANES; ++J) {
                                     const int64_t Idx = Off + Mi + J;
+                                    (void)Idx;
                                     const int64_t Ch = Gi * Cg + Mi + J;
                                     const double gamma_V = gamma[Ch];
                                     const double Xv = x[Idx];
@@ -1773,6 +1812,7 @@ int online_layernorm_train_backward_f64(
                                 const int J = 0;                /* outside the lane blocks: lane 0 */
                                 (void)J;
                                 const int64_t Idx = Off + Mi;
+                                (void)Idx;
                                 const int64_t Ch = Gi * Cg + Mi;
                                 const double gamma_V = gamma[Ch];
                                 const double Xv = x[Idx];
@@ -1933,6 +1973,7 @@ int online_layernorm_train_bb_f64(
                         for (; Mi + DG_LANES <= Cg; Mi += DG_LANES) {
                             for (int J = 0; J < DG_LANES; ++J) {
                                 const int64_t Idx = Off + Mi + J;
+                                (void)Idx;
                                 const int64_t Ch = Gi * Cg + Mi + J;
                                 (void)Ch;
                                 const double gamma_V = gamma[Ch];
@@ -1954,6 +1995,7 @@ int online_layernorm_train_bb_f64(
                         }
                         for (; Mi < Cg; ++Mi) {
                             const int64_t Idx = Off + Mi;
+                            (void)Idx;
                             const int64_t Ch = Gi * Cg + Mi;
                             (void)Ch;
                             const double gamma_V = gamma[Ch];
@@ -1982,6 +2024,7 @@ int online_layernorm_train_bb_f64(
                             for (; Si + DG_LANES <= S; Si += DG_LANES) {
                                 for (int J = 0; J < DG_LANES; ++J) {
                                     const int64_t Idx = Off + Ci * S + Si + J;
+                                    (void)Idx;
                                     const double Xv = x[Idx];
                                     const double Dyv = dy[Idx];
                                     const double X_Dd = Seed_x[Idx];
@@ -1999,6 +2042,7 @@ int online_layernorm_train_bb_f64(
                             }
                             for (; Si < S; ++Si) {
                                 const int64_t Idx = Off + Ci * S + Si;
+                                (void)Idx;
                                 const double Xv = x[Idx];
                                 const double Dyv = dy[Idx];
                                 const double X_Dd = Seed_x[Idx];
@@ -2360,6 +2404,7 @@ int online_layernorm_train_bb_f64(
                         for (; Mi + DG_LANES <= Cg; Mi += DG_LANES) {
                             for (int J = 0; J < DG_LANES; ++J) {
                                 const int64_t Idx = Off + Mi + J;
+                                (void)Idx;
                                 const int64_t Ch = Gi * Cg + Mi + J;
                                 (void)Ch;
                                 const double gamma_V = gamma[Ch];
@@ -2378,6 +2423,7 @@ int online_layernorm_train_bb_f64(
                         }
                         for (; Mi < Cg; ++Mi) {
                             const int64_t Idx = Off + Mi;
+                            (void)Idx;
                             const int64_t Ch = Gi * Cg + Mi;
                             (void)Ch;
                             const double gamma_V = gamma[Ch];
@@ -2405,6 +2451,7 @@ int online_layernorm_train_bb_f64(
                             for (; Si + DG_LANES <= S; Si += DG_LANES) {
                                 for (int J = 0; J < DG_LANES; ++J) {
                                     const int64_t Idx = Off + Ci * S + Si + J;
+                                    (void)Idx;
                                     const double Xv = x[Idx];
                                     const double Dyv = dy[Idx];
                                     const double X_Dd = Seed_x[Idx];
@@ -2418,6 +2465,7 @@ int online_layernorm_train_bb_f64(
                             }
                             for (; Si < S; ++Si) {
                                 const int64_t Idx = Off + Ci * S + Si;
+                                (void)Idx;
                                 const double Xv = x[Idx];
                                 const double Dyv = dy[Idx];
                                 const double X_Dd = Seed_x[Idx];
@@ -2537,6 +2585,7 @@ int online_layernorm_train_jvp_f64(
                         for (; Mi + DG_LANES <= Cg; Mi += DG_LANES) {
                             for (int J = 0; J < DG_LANES; ++J) {
                                 const int64_t Idx = Off + Mi + J;
+                                (void)Idx;
                                 const int64_t Ch = Gi * Cg + Mi + J;
                                 (void)Ch;
                                 const double Xv = x[Idx];
@@ -2549,6 +2598,7 @@ int online_layernorm_train_jvp_f64(
                         }
                         for (; Mi < Cg; ++Mi) {
                             const int64_t Idx = Off + Mi;
+                            (void)Idx;
                             const int64_t Ch = Gi * Cg + Mi;
                             (void)Ch;
                             const double Xv = x[Idx];
@@ -2566,6 +2616,7 @@ int online_layernorm_train_jvp_f64(
                             for (; Si + DG_LANES <= S; Si += DG_LANES) {
                                 for (int J = 0; J < DG_LANES; ++J) {
                                     const int64_t Idx = Off + Ci * S + Si + J;
+                                    (void)Idx;
                                     const double Xv = x[Idx];
                                     const double X_T = Seed_x[Idx];
                                     const double xhat = (Xv - mean)/std;
@@ -2576,6 +2627,7 @@ int online_layernorm_train_jvp_f64(
                             }
                             for (; Si < S; ++Si) {
                                 const int64_t Idx = Off + Ci * S + Si;
+                                (void)Idx;
                                 const double Xv = x[Idx];
                                 const double X_T = Seed_x[Idx];
                                 const double xhat = (Xv - mean)/std;
@@ -2625,6 +2677,7 @@ int online_layernorm_train_jvp_f64(
                         for (; Mi + DG_LANES <= Cg; Mi += DG_LANES) {
                             for (int J = 0; J < DG_LANES; ++J) {
                                 const int64_t Idx = Off + Mi + J;
+                                (void)Idx;
                                 const int64_t Ch = Gi * Cg + Mi + J;
                                 (void)Ch;
                                 const double gamma_V = gamma[Ch];
@@ -2639,6 +2692,7 @@ int online_layernorm_train_jvp_f64(
                         }
                         for (; Mi < Cg; ++Mi) {
                             const int64_t Idx = Off + Mi;
+                            (void)Idx;
                             const int64_t Ch = Gi * Cg + Mi;
                             (void)Ch;
                             const double gamma_V = gamma[Ch];
@@ -2661,6 +2715,7 @@ int online_layernorm_train_jvp_f64(
                             for (; Si + DG_LANES <= S; Si += DG_LANES) {
                                 for (int J = 0; J < DG_LANES; ++J) {
                                     const int64_t Idx = Off + Ci * S + Si + J;
+                                    (void)Idx;
                                     const double Xv = x[Idx];
                                     const double X_T = Seed_x[Idx];
                                     const double xhat = (Xv - mean)/std;
@@ -2670,6 +2725,7 @@ int online_layernorm_train_jvp_f64(
                             }
                             for (; Si < S; ++Si) {
                                 const int64_t Idx = Off + Ci * S + Si;
+                                (void)Idx;
                                 const double Xv = x[Idx];
                                 const double X_T = Seed_x[Idx];
                                 const double xhat = (Xv - mean)/std;
@@ -2756,6 +2812,7 @@ int online_layernorm_train_forward_bf16(
                             DG_INDEPENDENT
                             for (int J = 0; J < DG_LANES; ++J) {
                                 const int64_t Idx = Off + Mi + J;
+                                (void)Idx;
                                 const double Xv = (double)Dg_from_bf16(x[Idx]);
                                 Lane_Sum_row_mean[J] += Xv;
                             }
@@ -2764,6 +2821,7 @@ int online_layernorm_train_forward_bf16(
                             const int J = 0;                /* outside the lane blocks: lane 0 */
                             (void)J;
                             const int64_t Idx = Off + Mi;
+                            (void)Idx;
                             const double Xv = (double)Dg_from_bf16(x[Idx]);
                             Lane_Sum_row_mean[J] += Xv;
                         }
@@ -2785,6 +2843,7 @@ int online_layernorm_train_forward_bf16(
                             DG_INDEPENDENT
                             for (int J = 0; J < DG_LANES; ++J) {
                                 const int64_t Idx = Off + Mi + J;
+                                (void)Idx;
                                 const double Xv = (double)Dg_from_bf16(x[Idx]);
                                 Lane_Sum_Aux1[J] += ((Xv - mean)*(Xv - mean));
                             }
@@ -2793,6 +2852,7 @@ int online_layernorm_train_forward_bf16(
                             const int J = 0;                /* outside the lane blocks: lane 0 */
                             (void)J;
                             const int64_t Idx = Off + Mi;
+                            (void)Idx;
                             const double Xv = (double)Dg_from_bf16(x[Idx]);
                             Lane_Sum_Aux1[J] += ((Xv - mean)*(Xv - mean));
                         }
@@ -2828,6 +2888,7 @@ int online_layernorm_train_forward_bf16(
                                     const int J = 0;                /* outside the lane blocks: lane 0 */
                                     (void)J;
                                     const int64_t Idx = Off + Mi;
+                                    (void)Idx;
                                     const int64_t Ch = Gi * Cg + Mi;
                                     const float gamma_V = Dg_from_bf16(gamma[Ch]);
                                     const float beta_V = Dg_from_bf16(beta[Ch]);
@@ -2841,6 +2902,7 @@ int online_layernorm_train_forward_bf16(
                                 DG_INDEPENDENT
                                 for (int J = 0; J < DG_LANES; ++J) {
                                     const int64_t Idx = Off + Mi + J;
+                                    (void)Idx;
                                     const int64_t Ch = Gi * Cg + Mi + J;
                                     const float gamma_V = Dg_from_bf16(gamma[Ch]);
                                     const float beta_V = Dg_from_bf16(beta[Ch]);
@@ -2854,6 +2916,7 @@ int online_layernorm_train_forward_bf16(
                                 const int J = 0;                /* outside the lane blocks: lane 0 */
                                 (void)J;
                                 const int64_t Idx = Off + Mi;
+                                (void)Idx;
                                 const int64_t Ch = Gi * Cg + Mi;
                                 const float gamma_V = Dg_from_bf16(gamma[Ch]);
                                 const float beta_V = Dg_from_bf16(beta[Ch]);
@@ -2997,6 +3060,7 @@ int online_layernorm_train_backward_bf16(
                                 DG_INDEPENDENT
                                 for (int J = 0; J < DG_LANES; ++J) {
                                     const int64_t Idx = Off + Mi + J;
+                                    (void)Idx;
                                     const int64_t Ch = Gi * Cg + Mi + J;
                                     const float gamma_V = Dg_from_bf16(gamma[Ch]);
                                     const float Xv = Dg_from_bf16(x[Idx]);
@@ -3011,6 +3075,7 @@ int online_layernorm_train_backward_bf16(
                                 const int J = 0;                /* outside the lane blocks: lane 0 */
                                 (void)J;
                                 const int64_t Idx = Off + Mi;
+                                (void)Idx;
                                 const int64_t Ch = Gi * Cg + Mi;
                                 const float gamma_V = Dg_from_bf16(gamma[Ch]);
                                 const float Xv = Dg_from_bf16(x[Idx]);
@@ -3064,6 +3129,7 @@ int online_layernorm_train_backward_bf16(
                                     const int J = 0;                /* outside the lane blocks: lane 0 */
                                     (void)J;
                                     const int64_t Idx = Off + Mi;
+                                    (void)Idx;
                                     const int64_t Ch = Gi * Cg + Mi;
                                     const float gamma_V = Dg_from_bf16(gamma[Ch]);
                                     const float Xv = Dg_from_bf16(x[Idx]);
@@ -3080,6 +3146,7 @@ int online_layernorm_train_backward_bf16(
                                 DG_INDEPENDENT
                                 for (int J = 0; J < DG_LANES; ++J) {
                                     const int64_t Idx = Off + Mi + J;
+                                    (void)Idx;
                                     const int64_t Ch = Gi * Cg + Mi + J;
                                     const float gamma_V = Dg_from_bf16(gamma[Ch]);
                                     const float Xv = Dg_from_bf16(x[Idx]);
@@ -3096,6 +3163,7 @@ int online_layernorm_train_backward_bf16(
                                 const int J = 0;                /* outside the lane blocks: lane 0 */
                                 (void)J;
                                 const int64_t Idx = Off + Mi;
+                                (void)Idx;
                                 const int64_t Ch = Gi * Cg + Mi;
                                 const float gamma_V = Dg_from_bf16(gamma[Ch]);
                                 const float Xv = Dg_from_bf16(x[Idx]);

@@ -105,6 +105,7 @@ int rmsnorm_train_forward_f32(
                             DG_INDEPENDENT
                             for (int J = 0; J < DG_LANES; ++J) {
                                 const int64_t Idx = Off + Mi + J;
+                                (void)Idx;
                                 const double Xv = (double)x[Idx];
                                 Lane_Sum_ms[J] += (Xv*Xv);
                             }
@@ -113,6 +114,7 @@ int rmsnorm_train_forward_f32(
                             const int J = 0;                /* outside the lane blocks: lane 0 */
                             (void)J;
                             const int64_t Idx = Off + Mi;
+                            (void)Idx;
                             const double Xv = (double)x[Idx];
                             Lane_Sum_ms[J] += (Xv*Xv);
                         }
@@ -141,6 +143,7 @@ int rmsnorm_train_forward_f32(
                                     const int J = 0;                /* outside the lane blocks: lane 0 */
                                     (void)J;
                                     const int64_t Idx = Off + Mi;
+                                    (void)Idx;
                                     const int64_t Ch = Gi * Cg + Mi;
                                     const float gamma_V = gamma[Ch];
                                     const float Xv = x[Idx];
@@ -153,6 +156,7 @@ int rmsnorm_train_forward_f32(
                                 DG_INDEPENDENT
                                 for (int J = 0; J < DG_LANES; ++J) {
                                     const int64_t Idx = Off + Mi + J;
+                                    (void)Idx;
                                     const int64_t Ch = Gi * Cg + Mi + J;
                                     const float gamma_V = gamma[Ch];
                                     const float Xv = x[Idx];
@@ -165,6 +169,7 @@ int rmsnorm_train_forward_f32(
                                 const int J = 0;                /* outside the lane blocks: lane 0 */
                                 (void)J;
                                 const int64_t Idx = Off + Mi;
+                                (void)Idx;
                                 const int64_t Ch = Gi * Cg + Mi;
                                 const float gamma_V = gamma[Ch];
                                 const float Xv = x[Idx];
@@ -280,6 +285,7 @@ int rmsnorm_train_backward_f32(
                                 DG_INDEPENDENT
                                 for (int J = 0; J < DG_LANES; ++J) {
                                     const int64_t Idx = Off + Mi + J;
+                                    (void)Idx;
                                     const int64_t Ch = Gi * Cg + Mi + J;
                                     const float gamma_V = gamma[Ch];
                                     const float Xv = x[Idx];
@@ -293,6 +299,7 @@ int rmsnorm_train_backward_f32(
                                 const int J = 0;                /* outside the lane blocks: lane 0 */
                                 (void)J;
                                 const int64_t Idx = Off + Mi;
+                                (void)Idx;
                                 const int64_t Ch = Gi * Cg + Mi;
                                 const float gamma_V = gamma[Ch];
                                 const float Xv = x[Idx];
@@ -325,6 +332,7 @@ int rmsnorm_train_backward_f32(
                                     const int J = 0;                /* outside the lane blocks: lane 0 */
                                     (void)J;
                                     const int64_t Idx = Off + Mi;
+                                    (void)Idx;
                                     const int64_t Ch = Gi * Cg + Mi;
                                     const float gamma_V = gamma[Ch];
                                     const float Xv = x[Idx];
@@ -340,6 +348,7 @@ int rmsnorm_train_backward_f32(
                                 DG_INDEPENDENT
                                 for (int J = 0; J < DG_LANES; ++J) {
                                     const int64_t Idx = Off + Mi + J;
+                                    (void)Idx;
                                     const int64_t Ch = Gi * Cg + Mi + J;
                                     const float gamma_V = gamma[Ch];
                                     const float Xv = x[Idx];
@@ -355,6 +364,7 @@ int rmsnorm_train_backward_f32(
                                 const int J = 0;                /* outside the lane blocks: lane 0 */
                                 (void)J;
                                 const int64_t Idx = Off + Mi;
+                                (void)Idx;
                                 const int64_t Ch = Gi * Cg + Mi;
                                 const float gamma_V = gamma[Ch];
                                 const float Xv = x[Idx];
@@ -473,6 +483,7 @@ int rmsnorm_train_bb_f32(
                         for (; Mi + DG_LANES <= Cg; Mi += DG_LANES) {
                             for (int J = 0; J < DG_LANES; ++J) {
                                 const int64_t Idx = Off + Mi + J;
+                                (void)Idx;
                                 const int64_t Ch = Gi * Cg + Mi + J;
                                 (void)Ch;
                                 const double gamma_V = (double)gamma[Ch];
@@ -491,6 +502,7 @@ int rmsnorm_train_bb_f32(
                         }
                         for (; Mi < Cg; ++Mi) {
                             const int64_t Idx = Off + Mi;
+                            (void)Idx;
                             const int64_t Ch = Gi * Cg + Mi;
                             (void)Ch;
                             const double gamma_V = (double)gamma[Ch];
@@ -516,6 +528,7 @@ int rmsnorm_train_bb_f32(
                             for (; Si + DG_LANES <= S; Si += DG_LANES) {
                                 for (int J = 0; J < DG_LANES; ++J) {
                                     const int64_t Idx = Off + Ci * S + Si + J;
+                                    (void)Idx;
                                     const double Xv = (double)x[Idx];
                                     const double Dyv = (double)dy[Idx];
                                     const double X_Dd = (double)Seed_x[Idx];
@@ -530,6 +543,7 @@ int rmsnorm_train_bb_f32(
                             }
                             for (; Si < S; ++Si) {
                                 const int64_t Idx = Off + Ci * S + Si;
+                                (void)Idx;
                                 const double Xv = (double)x[Idx];
                                 const double Dyv = (double)dy[Idx];
                                 const double X_Dd = (double)Seed_x[Idx];
@@ -581,6 +595,7 @@ int rmsnorm_train_bb_f32(
                         for (; Mi + DG_LANES <= Cg; Mi += DG_LANES) {
                             for (int J = 0; J < DG_LANES; ++J) {
                                 const int64_t Idx = Off + Mi + J;
+                                (void)Idx;
                                 const int64_t Ch = Gi * Cg + Mi + J;
                                 (void)Ch;
                                 const double gamma_V = (double)gamma[Ch];
@@ -598,6 +613,7 @@ int rmsnorm_train_bb_f32(
                         }
                         for (; Mi < Cg; ++Mi) {
                             const int64_t Idx = Off + Mi;
+                            (void)Idx;
                             const int64_t Ch = Gi * Cg + Mi;
                             (void)Ch;
                             const double gamma_V = (double)gamma[Ch];
@@ -623,6 +639,7 @@ int rmsnorm_train_bb_f32(
                             for (; Si + DG_LANES <= S; Si += DG_LANES) {
                                 for (int J = 0; J < DG_LANES; ++J) {
                                     const int64_t Idx = Off + Ci * S + Si + J;
+                                    (void)Idx;
                                     const double Xv = (double)x[Idx];
                                     const double Dyv = (double)dy[Idx];
                                     const double X_Dd = (double)Seed_x[Idx];
@@ -636,6 +653,7 @@ int rmsnorm_train_bb_f32(
                             }
                             for (; Si < S; ++Si) {
                                 const int64_t Idx = Off + Ci * S + Si;
+                                (void)Idx;
                                 const double Xv = (double)x[Idx];
                                 const double Dyv = (double)dy[Idx];
                                 const double X_Dd = (double)Seed_x[Idx];
@@ -721,6 +739,7 @@ int rmsnorm_train_jvp_f32(
                         for (; Mi + DG_LANES <= Cg; Mi += DG_LANES) {
                             for (int J = 0; J < DG_LANES; ++J) {
                                 const int64_t Idx = Off + Mi + J;
+                                (void)Idx;
                                 const int64_t Ch = Gi * Cg + Mi + J;
                                 (void)Ch;
                                 const double Xv = (double)x[Idx];
@@ -732,6 +751,7 @@ int rmsnorm_train_jvp_f32(
                         }
                         for (; Mi < Cg; ++Mi) {
                             const int64_t Idx = Off + Mi;
+                            (void)Idx;
                             const int64_t Ch = Gi * Cg + Mi;
                             (void)Ch;
                             const double Xv = (double)x[Idx];
@@ -748,6 +768,7 @@ int rmsnorm_train_jvp_f32(
                             for (; Si + DG_LANES <= S; Si += DG_LANES) {
                                 for (int J = 0; J < DG_LANES; ++J) {
                                     const int64_t Idx = Off + Ci * S + Si + J;
+                                    (void)Idx;
                                     const double Xv = (double)x[Idx];
                                     const double X_T = (double)Seed_x[Idx];
                                     const double xhat = rstd*Xv;
@@ -757,6 +778,7 @@ int rmsnorm_train_jvp_f32(
                             }
                             for (; Si < S; ++Si) {
                                 const int64_t Idx = Off + Ci * S + Si;
+                                (void)Idx;
                                 const double Xv = (double)x[Idx];
                                 const double X_T = (double)Seed_x[Idx];
                                 const double xhat = rstd*Xv;
@@ -784,6 +806,7 @@ int rmsnorm_train_jvp_f32(
                         for (; Mi + DG_LANES <= Cg; Mi += DG_LANES) {
                             for (int J = 0; J < DG_LANES; ++J) {
                                 const int64_t Idx = Off + Mi + J;
+                                (void)Idx;
                                 const int64_t Ch = Gi * Cg + Mi + J;
                                 (void)Ch;
                                 const double gamma_V = (double)gamma[Ch];
@@ -797,6 +820,7 @@ int rmsnorm_train_jvp_f32(
                         }
                         for (; Mi < Cg; ++Mi) {
                             const int64_t Idx = Off + Mi;
+                            (void)Idx;
                             const int64_t Ch = Gi * Cg + Mi;
                             (void)Ch;
                             const double gamma_V = (double)gamma[Ch];
@@ -817,6 +841,7 @@ int rmsnorm_train_jvp_f32(
                             for (; Si + DG_LANES <= S; Si += DG_LANES) {
                                 for (int J = 0; J < DG_LANES; ++J) {
                                     const int64_t Idx = Off + Ci * S + Si + J;
+                                    (void)Idx;
                                     const double Xv = (double)x[Idx];
                                     const double X_T = (double)Seed_x[Idx];
                                     const double xhat = rstd*Xv;
@@ -826,6 +851,7 @@ int rmsnorm_train_jvp_f32(
                             }
                             for (; Si < S; ++Si) {
                                 const int64_t Idx = Off + Ci * S + Si;
+                                (void)Idx;
                                 const double Xv = (double)x[Idx];
                                 const double X_T = (double)Seed_x[Idx];
                                 const double xhat = rstd*Xv;
@@ -899,6 +925,7 @@ int rmsnorm_train_forward_f64(
                             DG_INDEPENDENT
                             for (int J = 0; J < DG_LANES; ++J) {
                                 const int64_t Idx = Off + Mi + J;
+                                (void)Idx;
                                 const double Xv = x[Idx];
                                 Lane_Sum_ms[J] += (Xv*Xv);
                             }
@@ -907,6 +934,7 @@ int rmsnorm_train_forward_f64(
                             const int J = 0;                /* outside the lane blocks: lane 0 */
                             (void)J;
                             const int64_t Idx = Off + Mi;
+                            (void)Idx;
                             const double Xv = x[Idx];
                             Lane_Sum_ms[J] += (Xv*Xv);
                         }
@@ -934,6 +962,7 @@ int rmsnorm_train_forward_f64(
                                     const int J = 0;                /* outside the lane blocks: lane 0 */
                                     (void)J;
                                     const int64_t Idx = Off + Mi;
+                                    (void)Idx;
                                     const int64_t Ch = Gi * Cg + Mi;
                                     const double gamma_V = gamma[Ch];
                                     const double Xv = x[Idx];
@@ -946,6 +975,7 @@ int rmsnorm_train_forward_f64(
                                 DG_INDEPENDENT
                                 for (int J = 0; J < DG_LANES; ++J) {
                                     const int64_t Idx = Off + Mi + J;
+                                    (void)Idx;
                                     const int64_t Ch = Gi * Cg + Mi + J;
                                     const double gamma_V = gamma[Ch];
                                     const double Xv = x[Idx];
@@ -958,6 +988,7 @@ int rmsnorm_train_forward_f64(
                                 const int J = 0;                /* outside the lane blocks: lane 0 */
                                 (void)J;
                                 const int64_t Idx = Off + Mi;
+                                (void)Idx;
                                 const int64_t Ch = Gi * Cg + Mi;
                                 const double gamma_V = gamma[Ch];
                                 const double Xv = x[Idx];
@@ -1072,6 +1103,7 @@ int rmsnorm_train_backward_f64(
                                 DG_INDEPENDENT
                                 for (int J = 0; J < DG_LANES; ++J) {
                                     const int64_t Idx = Off + Mi + J;
+                                    (void)Idx;
                                     const int64_t Ch = Gi * Cg + Mi + J;
                                     const double gamma_V = gamma[Ch];
                                     const double Xv = x[Idx];
@@ -1085,6 +1117,7 @@ int rmsnorm_train_backward_f64(
                                 const int J = 0;                /* outside the lane blocks: lane 0 */
                                 (void)J;
                                 const int64_t Idx = Off + Mi;
+                                (void)Idx;
                                 const int64_t Ch = Gi * Cg + Mi;
                                 const double gamma_V = gamma[Ch];
                                 const double Xv = x[Idx];
@@ -1117,6 +1150,7 @@ int rmsnorm_train_backward_f64(
                                     const int J = 0;                /* outside the lane blocks: lane 0 */
                                     (void)J;
                                     const int64_t Idx = Off + Mi;
+                                    (void)Idx;
                                     const int64_t Ch = Gi * Cg + Mi;
                                     const double gamma_V = gamma[Ch];
                                     const double Xv = x[Idx];
@@ -1132,6 +1166,7 @@ int rmsnorm_train_backward_f64(
                                 DG_INDEPENDENT
                                 for (int J = 0; J < DG_LANES; ++J) {
                                     const int64_t Idx = Off + Mi + J;
+                                    (void)Idx;
                                     const int64_t Ch = Gi * Cg + Mi + J;
                                     const double gamma_V = gamma[Ch];
                                     const double Xv = x[Idx];
@@ -1147,6 +1182,7 @@ int rmsnorm_train_backward_f64(
                                 const int J = 0;                /* outside the lane blocks: lane 0 */
                                 (void)J;
                                 const int64_t Idx = Off + Mi;
+                                (void)Idx;
                                 const int64_t Ch = Gi * Cg + Mi;
                                 const double gamma_V = gamma[Ch];
                                 const double Xv = x[Idx];
@@ -1265,6 +1301,7 @@ int rmsnorm_train_bb_f64(
                         for (; Mi + DG_LANES <= Cg; Mi += DG_LANES) {
                             for (int J = 0; J < DG_LANES; ++J) {
                                 const int64_t Idx = Off + Mi + J;
+                                (void)Idx;
                                 const int64_t Ch = Gi * Cg + Mi + J;
                                 (void)Ch;
                                 const double gamma_V = gamma[Ch];
@@ -1283,6 +1320,7 @@ int rmsnorm_train_bb_f64(
                         }
                         for (; Mi < Cg; ++Mi) {
                             const int64_t Idx = Off + Mi;
+                            (void)Idx;
                             const int64_t Ch = Gi * Cg + Mi;
                             (void)Ch;
                             const double gamma_V = gamma[Ch];
@@ -1308,6 +1346,7 @@ int rmsnorm_train_bb_f64(
                             for (; Si + DG_LANES <= S; Si += DG_LANES) {
                                 for (int J = 0; J < DG_LANES; ++J) {
                                     const int64_t Idx = Off + Ci * S + Si + J;
+                                    (void)Idx;
                                     const double Xv = x[Idx];
                                     const double Dyv = dy[Idx];
                                     const double X_Dd = Seed_x[Idx];
@@ -1322,6 +1361,7 @@ int rmsnorm_train_bb_f64(
                             }
                             for (; Si < S; ++Si) {
                                 const int64_t Idx = Off + Ci * S + Si;
+                                (void)Idx;
                                 const double Xv = x[Idx];
                                 const double Dyv = dy[Idx];
                                 const double X_Dd = Seed_x[Idx];
@@ -1373,6 +1413,7 @@ int rmsnorm_train_bb_f64(
                         for (; Mi + DG_LANES <= Cg; Mi += DG_LANES) {
                             for (int J = 0; J < DG_LANES; ++J) {
                                 const int64_t Idx = Off + Mi + J;
+                                (void)Idx;
                                 const int64_t Ch = Gi * Cg + Mi + J;
                                 (void)Ch;
                                 const double gamma_V = gamma[Ch];
@@ -1390,6 +1431,7 @@ int rmsnorm_train_bb_f64(
                         }
                         for (; Mi < Cg; ++Mi) {
                             const int64_t Idx = Off + Mi;
+                            (void)Idx;
                             const int64_t Ch = Gi * Cg + Mi;
                             (void)Ch;
                             const double gamma_V = gamma[Ch];
@@ -1415,6 +1457,7 @@ int rmsnorm_train_bb_f64(
                             for (; Si + DG_LANES <= S; Si += DG_LANES) {
                                 for (int J = 0; J < DG_LANES; ++J) {
                                     const int64_t Idx = Off + Ci * S + Si + J;
+                                    (void)Idx;
                                     const double Xv = x[Idx];
                                     const double Dyv = dy[Idx];
                                     const double X_Dd = Seed_x[Idx];
@@ -1428,6 +1471,7 @@ int rmsnorm_train_bb_f64(
                             }
                             for (; Si < S; ++Si) {
                                 const int64_t Idx = Off + Ci * S + Si;
+                                (void)Idx;
                                 const double Xv = x[Idx];
                                 const double Dyv = dy[Idx];
                                 const double X_Dd = Seed_x[Idx];
@@ -1513,6 +1557,7 @@ int rmsnorm_train_jvp_f64(
                         for (; Mi + DG_LANES <= Cg; Mi += DG_LANES) {
                             for (int J = 0; J < DG_LANES; ++J) {
                                 const int64_t Idx = Off + Mi + J;
+                                (void)Idx;
                                 const int64_t Ch = Gi * Cg + Mi + J;
                                 (void)Ch;
                                 const double Xv = x[Idx];
@@ -1524,6 +1569,7 @@ int rmsnorm_train_jvp_f64(
                         }
                         for (; Mi < Cg; ++Mi) {
                             const int64_t Idx = Off + Mi;
+                            (void)Idx;
                             const int64_t Ch = Gi * Cg + Mi;
                             (void)Ch;
                             const double Xv = x[Idx];
@@ -1540,6 +1586,7 @@ int rmsnorm_train_jvp_f64(
                             for (; Si + DG_LANES <= S; Si += DG_LANES) {
                                 for (int J = 0; J < DG_LANES; ++J) {
                                     const int64_t Idx = Off + Ci * S + Si + J;
+                                    (void)Idx;
                                     const double Xv = x[Idx];
                                     const double X_T = Seed_x[Idx];
                                     const double xhat = rstd*Xv;
@@ -1549,6 +1596,7 @@ int rmsnorm_train_jvp_f64(
                             }
                             for (; Si < S; ++Si) {
                                 const int64_t Idx = Off + Ci * S + Si;
+                                (void)Idx;
                                 const double Xv = x[Idx];
                                 const double X_T = Seed_x[Idx];
                                 const double xhat = rstd*Xv;
@@ -1576,6 +1624,7 @@ int rmsnorm_train_jvp_f64(
                         for (; Mi + DG_LANES <= Cg; Mi += DG_LANES) {
                             for (int J = 0; J < DG_LANES; ++J) {
                                 const int64_t Idx = Off + Mi + J;
+                                (void)Idx;
                                 const int64_t Ch = Gi * Cg + Mi + J;
                                 (void)Ch;
                                 const double gamma_V = gamma[Ch];
@@ -1589,6 +1638,7 @@ int rmsnorm_train_jvp_f64(
                         }
                         for (; Mi < Cg; ++Mi) {
                             const int64_t Idx = Off + Mi;
+                            (void)Idx;
                             const int64_t Ch = Gi * Cg + Mi;
                             (void)Ch;
                             const double gamma_V = gamma[Ch];
@@ -1609,6 +1659,7 @@ int rmsnorm_train_jvp_f64(
                             for (; Si + DG_LANES <= S; Si += DG_LANES) {
                                 for (int J = 0; J < DG_LANES; ++J) {
                                     const int64_t Idx = Off + Ci * S + Si + J;
+                                    (void)Idx;
                                     const double Xv = x[Idx];
                                     const double X_T = Seed_x[Idx];
                                     const double xhat = rstd*Xv;
@@ -1618,6 +1669,7 @@ int rmsnorm_train_jvp_f64(
                             }
                             for (; Si < S; ++Si) {
                                 const int64_t Idx = Off + Ci * S + Si;
+                                (void)Idx;
                                 const double Xv = x[Idx];
                                 const double X_T = Seed_x[Idx];
                                 const double xhat = rstd*Xv;
@@ -1691,6 +1743,7 @@ int rmsnorm_train_forward_bf16(
                             DG_INDEPENDENT
                             for (int J = 0; J < DG_LANES; ++J) {
                                 const int64_t Idx = Off + Mi + J;
+                                (void)Idx;
                                 const double Xv = (double)Dg_from_bf16(x[Idx]);
                                 Lane_Sum_ms[J] += (Xv*Xv);
                             }
@@ -1699,6 +1752,7 @@ int rmsnorm_train_forward_bf16(
                             const int J = 0;                /* outside the lane blocks: lane 0 */
                             (void)J;
                             const int64_t Idx = Off + Mi;
+                            (void)Idx;
                             const double Xv = (double)Dg_from_bf16(x[Idx]);
                             Lane_Sum_ms[J] += (Xv*Xv);
                         }
@@ -1727,6 +1781,7 @@ int rmsnorm_train_forward_bf16(
                                     const int J = 0;                /* outside the lane blocks: lane 0 */
                                     (void)J;
                                     const int64_t Idx = Off + Mi;
+                                    (void)Idx;
                                     const int64_t Ch = Gi * Cg + Mi;
                                     const float gamma_V = Dg_from_bf16(gamma[Ch]);
                                     const float Xv = Dg_from_bf16(x[Idx]);
@@ -1739,6 +1794,7 @@ int rmsnorm_train_forward_bf16(
                                 DG_INDEPENDENT
                                 for (int J = 0; J < DG_LANES; ++J) {
                                     const int64_t Idx = Off + Mi + J;
+                                    (void)Idx;
                                     const int64_t Ch = Gi * Cg + Mi + J;
                                     const float gamma_V = Dg_from_bf16(gamma[Ch]);
                                     const float Xv = Dg_from_bf16(x[Idx]);
@@ -1751,6 +1807,7 @@ int rmsnorm_train_forward_bf16(
                                 const int J = 0;                /* outside the lane blocks: lane 0 */
                                 (void)J;
                                 const int64_t Idx = Off + Mi;
+                                (void)Idx;
                                 const int64_t Ch = Gi * Cg + Mi;
                                 const float gamma_V = Dg_from_bf16(gamma[Ch]);
                                 const float Xv = Dg_from_bf16(x[Idx]);
@@ -1866,6 +1923,7 @@ int rmsnorm_train_backward_bf16(
                                 DG_INDEPENDENT
                                 for (int J = 0; J < DG_LANES; ++J) {
                                     const int64_t Idx = Off + Mi + J;
+                                    (void)Idx;
                                     const int64_t Ch = Gi * Cg + Mi + J;
                                     const float gamma_V = Dg_from_bf16(gamma[Ch]);
                                     const float Xv = Dg_from_bf16(x[Idx]);
@@ -1879,6 +1937,7 @@ int rmsnorm_train_backward_bf16(
                                 const int J = 0;                /* outside the lane blocks: lane 0 */
                                 (void)J;
                                 const int64_t Idx = Off + Mi;
+                                (void)Idx;
                                 const int64_t Ch = Gi * Cg + Mi;
                                 const float gamma_V = Dg_from_bf16(gamma[Ch]);
                                 const float Xv = Dg_from_bf16(x[Idx]);
@@ -1911,6 +1970,7 @@ int rmsnorm_train_backward_bf16(
                                     const int J = 0;                /* outside the lane blocks: lane 0 */
                                     (void)J;
                                     const int64_t Idx = Off + Mi;
+                                    (void)Idx;
                                     const int64_t Ch = Gi * Cg + Mi;
                                     const float gamma_V = Dg_from_bf16(gamma[Ch]);
                                     const float Xv = Dg_from_bf16(x[Idx]);
@@ -1926,6 +1986,7 @@ int rmsnorm_train_backward_bf16(
                                 DG_INDEPENDENT
                                 for (int J = 0; J < DG_LANES; ++J) {
                                     const int64_t Idx = Off + Mi + J;
+                                    (void)Idx;
                                     const int64_t Ch = Gi * Cg + Mi + J;
                                     const float gamma_V = Dg_from_bf16(gamma[Ch]);
                                     const float Xv = Dg_from_bf16(x[Idx]);
@@ -1941,6 +2002,7 @@ int rmsnorm_train_backward_bf16(
                                 const int J = 0;                /* outside the lane blocks: lane 0 */
                                 (void)J;
                                 const int64_t Idx = Off + Mi;
+                                (void)Idx;
                                 const int64_t Ch = Gi * Cg + Mi;
                                 const float gamma_V = Dg_from_bf16(gamma[Ch]);
                                 const float Xv = Dg_from_bf16(x[Idx]);
