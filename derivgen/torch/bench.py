@@ -24,10 +24,10 @@ CASES = [
     ("LayerNorm", lambda: nn.LayerNorm(1024), (8192, 1024), None, 0.85),
     ("BatchNorm2d", lambda: nn.BatchNorm2d(64), (32, 64, 56, 56), None, 0.6),
     ("RMSNorm", lambda: nn.RMSNorm(1024), (8192, 1024), None, 0.3),
-    ("GroupNorm", lambda: nn.GroupNorm(32, 64), (32, 64, 56, 56), None, None),
+    ("GroupNorm", lambda: nn.GroupNorm(32, 64), (32, 64, 56, 56), None, 0.8),
     ("InstanceNorm2d", lambda: nn.InstanceNorm2d(64, affine=True), (32, 64, 56, 56), None, None),
     ("BatchNorm2d channels_last", lambda: nn.BatchNorm2d(64), (32, 64, 56, 56), torch.channels_last, 0.6),
-    ("LayerNorm per call", lambda: nn.LayerNorm(1024), (8, 1024), None, 1.5),
+    ("LayerNorm per call", lambda: nn.LayerNorm(1024), (8, 1024), None, 1.2),
 ]
 
 
