@@ -23,7 +23,8 @@ EXAMPLES = sorted((ROOT / "examples").glob("*.toml"))
 ZOO = sorted((ROOT / "derivgen" / "spec" / "zoo").glob("*.toml"))
 # every layout kind, scalar parameters, per-group inputs, buffers with eval modes; maximum,
 # stop_gradient, clip, sigmoid, erf, minimum, a group minimum and a group maximum
-FUZZ_SEEDS = [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 13, 15, 27, 38, 67, 70, 80]
+# 37 and 58: a group minimum of a channel layout
+FUZZ_SEEDS = [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 13, 15, 27, 37, 38, 58, 67, 70, 80]
 
 
 def _check(spec, tol=1e-5):
