@@ -15,6 +15,8 @@ from typing import Any
 
 import numpy as np
 
+from derivgen.runtime.abi import reads_buffers
+
 
 @dataclass
 class Layout:
@@ -212,3 +214,26 @@ def check_buffer_shape(meta: dict, bname: str, shape: Sequence[int], layout: Lay
     """A running buffer has one value per group."""
     if tuple(shape) != tuple(layout.group_shape):
         raise ValueError(f"{meta['name']}: {bname} must have shape {tuple(layout.group_shape)}, got {tuple(shape)}")
+
+
+def check_call_shapes(meta: dict, mode: str, a: dict, groups: int | None) -> Layout:
+    """The shape part of a forward call's contract on arrays or tensors by spec name (their
+    dtypes and devices checked by the caller): x's layout, the parameters', inputs' and read
+    buffers' shapes, the group size (not for an empty x: it normalizes to an empty y, as in
+    torch.nn) and the options' ranges. Returns the layout."""
+    x = a["x"]
+    L = layout_from_shapes(
+        meta,
+        tuple(x.shape),
+        {p: tuple(a[p].shape) for p in meta["params"]},
+        groups if meta["reduce"] == "group" else None,
+    )
+    check_param_shapes(meta, {p: a[p].shape for p in meta["params"]}, L)
+    if math.prod(x.shape):
+        check_group_size(meta, mode, L)
+    check_options(meta, {o: a[o] for o in meta["options"]})
+    for i in meta["inputs"]:
+        check_input_shape(meta, i, tuple(a[i].shape), L)
+    for b in meta["buffers"] if reads_buffers(meta, mode) else ():
+        check_buffer_shape(meta, b, tuple(a[b].shape), L)
+    return L

@@ -87,17 +87,26 @@ def cases_for(spec: Spec) -> list[Case]:
         else:
             xs, ps = (2, 6, 5), (6,)
             kw["num_groups"] = 3
-        for o in spec.options:
-            if o.default is None:
-                lo = o.min if o.min is not None else 0.0
-                hi = o.max if o.max is not None else lo + 1.0
-                kw[o.name] = lo + 0.37 * (hi - lo)
-            elif o.name == "eps":
-                kw[o.name] = 1e-3
-        if "eval" in [m.name for m in spec.modes]:
-            kw["training"] = mode.name == "train"
+        kw.update(case_options(spec, mode.name))
         out.append(Case(mode.name, xs, ps, kw))
     return out
+
+
+def case_options(spec: Spec, mode: str) -> dict:
+    """The keyword arguments a check passes for ``mode`` besides the shapes: a required
+    option inside its range, eps = 1e-3 (finite differences stay well conditioned), and
+    ``training`` where the layer has an eval mode."""
+    kw: dict = {}
+    for o in spec.options:
+        if o.default is None:
+            lo = o.min if o.min is not None else 0.0
+            hi = o.max if o.max is not None else lo + 1.0
+            kw[o.name] = lo + 0.37 * (hi - lo)
+        elif o.name == "eps":
+            kw[o.name] = 1e-3
+    if "eval" in [m.name for m in spec.modes]:
+        kw["training"] = mode == "train"
+    return kw
 
 
 def _inputs(spec: Spec, case: Case, dtype: type, seed: int) -> tuple:

@@ -11,14 +11,10 @@ import torch
 from derivgen import runtime as rt
 from derivgen.runtime.abi import reads_buffers
 from derivgen.runtime.validate import (
-    check_buffer_shape,
-    check_group_size,
-    check_input_shape,
-    check_options,
-    check_param_shapes,
+    check_call_shapes,
     check_same_dtype,
 )
-from derivgen.torch.tensors import check_tensor, layout, numpy_view
+from derivgen.torch.tensors import check_tensor, numpy_view
 
 
 def _tensor_names(meta: dict, mode: str) -> list[str]:
@@ -36,16 +32,7 @@ def check_on_tensors(meta: dict, mode: str, a: dict, any_device: bool = False) -
         check_same_dtype(meta, k, a[k].dtype, x.dtype, "; use one dtype for all")
         if any_device and a[k].device != x.device:
             raise ValueError(f"{meta['name']}: {k} is on {a[k].device} but x is on {x.device}")
-    L = layout(meta, tuple(x.shape), {p: tuple(a[p].shape) for p in meta["params"]}, a["num_groups"])
-    check_param_shapes(meta, {p: a[p].shape for p in meta["params"]}, L)
-    if x.numel():  # an empty x normalizes to an empty y, as in torch.nn
-        check_group_size(meta, mode, L)
-    check_options(meta, {o: a[o] for o in meta["options"]})
-    for i in meta["inputs"]:
-        check_input_shape(meta, i, tuple(a[i].shape), L)
-    for b in meta["buffers"] if reads_buffers(meta, mode) else ():
-        check_buffer_shape(meta, b, tuple(a[b].shape), L)
-    return L
+    return check_call_shapes(meta, mode, a, a["num_groups"])
 
 
 def check_through_numpy(meta: dict, mode: str, a: dict) -> rt.Layout:

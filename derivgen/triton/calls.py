@@ -32,11 +32,7 @@ from derivgen import runtime as rt
 from derivgen.api import load
 from derivgen.runtime.abi import reads_buffers
 from derivgen.runtime.validate import (
-    check_buffer_shape,
-    check_group_size,
-    check_input_shape,
-    check_options,
-    check_param_shapes,
+    check_call_shapes,
     check_same_dtype,
 )
 from derivgen.triton import _target
@@ -126,17 +122,7 @@ def check_call(meta: dict, mode: str, a: dict) -> rt.Layout:
         check_same_dtype(meta, k, a[k].dtype, x.dtype, "; use one dtype for all")
         if a[k].device != x.device:
             raise ValueError(f"{name}: {k} is on {a[k].device} but x is on {x.device}")
-    groups = a.get("num_groups") if meta["reduce"] == "group" else None
-    L = rt.layout_from_shapes(meta, tuple(x.shape), {p: tuple(a[p].shape) for p in meta["params"]}, groups)
-    check_param_shapes(meta, {p: a[p].shape for p in meta["params"]}, L)
-    if x.numel():
-        check_group_size(meta, mode, L)
-    check_options(meta, {o: a[o] for o in meta["options"]})
-    for i in meta["inputs"]:
-        check_input_shape(meta, i, tuple(a[i].shape), L)
-    for b in meta["buffers"] if reads_buffers(meta, mode) else ():
-        check_buffer_shape(meta, b, tuple(a[b].shape), L)
-    return L
+    return check_call_shapes(meta, mode, a, a.get("num_groups"))
 
 
 # ---- the geometry of the kernels

@@ -11,6 +11,7 @@ import torch
 import derivgen
 from derivgen.runtime import resolve_layout
 from derivgen.spec.model import Spec
+from derivgen.tools.check import case_options
 
 
 @dataclass
@@ -37,15 +38,7 @@ def cases(spec: Spec, channels_last: bool = False) -> list[Case]:
             kw["num_groups"] = 3
         else:
             xs, ps = (3, 4, 5, 7), (4,)
-        for o in spec.options:
-            if o.default is None:
-                lo = o.min if o.min is not None else 0.0
-                hi = o.max if o.max is not None else lo + 1.0
-                kw[o.name] = lo + 0.37 * (hi - lo)
-            elif o.name == "eps":
-                kw[o.name] = 1e-3
-        if "eval" in [m.name for m in spec.modes]:
-            kw["training"] = mode.name == "train"
+        kw.update(case_options(spec, mode.name))
         out.append(Case(mode.name, xs, ps, kw, channels_last and spec.layout == "channels"))
     return out
 
