@@ -148,6 +148,10 @@ def spec_forward(spec, mode: str, x4, params4: dict, values: dict, reduce_axes: 
     for item in (*spec.options, *spec.inputs, *spec.buffers):
         if item.name in values:
             env[item.symbol] = values[item.name]
+    for m in spec.masks:  # leading(p): the first int(p*n) elements of a group, in memory order
+        p = values.get(m.option, spec.symbols[m.option].default)
+        shape = tuple(x4.shape[a] if a in reduce_axes else 1 for a in range(x4.ndim))
+        env[m.symbol] = (jnp.arange(n) < int(p * n)).astype(float).reshape(shape)
     for st in spec.mode(mode).statistics:
         env[st.symbol] = evaluate(st.expr, env, mean, select)
     if spec.normalized is not None:

@@ -41,6 +41,7 @@ if "--out-of-bounds" in sys.argv:
 SHAPES = {
     "layernorm": [((1, 1), (1,)), ((3, 7), (7,)), ((2, 3, 5), (3, 5)), ((17,), (17,)), ((5, 1, 33), (33,))],
     "rmsnorm": [((1, 1), (1,)), ((4, 9), (9,)), ((2, 2, 3), (2, 3))],
+    "prmsnorm": [((1, 1), (1,)), ((4, 9), (9,)), ((3, 40), (40,))],  # leading(p): a position mask
     "online_layernorm": [((1, 2), (2,)), ((4, 9), (9,)), ((2, 3, 5), (5,))],
     "batchnorm": [((2, 1), (1,)), ((3, 4), (4,)), ((2, 3, 5), (3,)), ((1, 2, 3, 3), (2,)), ((5, 3, 1, 1), (3,))],
     "instancenorm": [((1, 1, 2), (1,)), ((2, 3, 5), (3,)), ((2, 2, 3, 3), (2,)), ((3, 4, 2), (4,))],
@@ -59,8 +60,10 @@ for name, shapes in SHAPES.items():
                         x = np.repeat(x, 2, axis=-1)[..., ::2]
                     if variant == "nan":
                         x.flat[0] = np.nan
-                    params = [rng.normal(size=ps).astype(dtype) for _ in range(1 if name == "rmsnorm" else 2)]
-                    kw = {}
+                    params = [
+                        rng.normal(size=ps).astype(dtype) for _ in range(1 if name in ("rmsnorm", "prmsnorm") else 2)
+                    ]
+                    kw = {"p": 0.5} if name == "prmsnorm" else {}
                     if name == "groupnorm":
                         kw["num_groups"] = 2 if xs[1] % 2 == 0 else 1
                     if name == "online_layernorm":

@@ -307,6 +307,7 @@ def generate(seed: int, name_coordinate: bool | None = None) -> str:
     if prev_m and rng.random() < 0.3:
         terms.append(f"0.1*{prev_m}*{z}")
     _selections_and_friends(random.Random(seed * 7919 + 17), s, names, kind, z, terms)
+    _leading_masks(random.Random(seed * 104729 + 31), s, names, kind, z, xh, terms, eps)
     s.output = " + ".join(terms)
     return s.toml(f"fuzz{seed}")
 
@@ -337,6 +338,31 @@ def _selections_and_friends(rng: random.Random, s: _Spec, names: Names, kind: st
         else:
             s.stats.append((mx, "min(x**2) + 1"))
         terms.append(f"x/{mx}")
+
+
+def _leading_masks(
+    rng: random.Random, s: _Spec, names: Names, kind: str, z: str, xh: str, terms: list[str], eps: str
+) -> None:
+    """``leading(q)`` in trailing layouts: a mean over the leading slice (a statistic the
+    output divides by), or the mask as an element value of the output; from a generator of
+    its own (earlier draws stay as they were). ``z`` is the coordinate as the output names
+    it, ``xh`` as a statistic may write it."""
+    if not kind.startswith("trailing") or rng.random() >= 0.12:
+        return
+    q = names.new("q", "frac", "p_lead")
+    s.options.append((q, f"{{ default = {rng.choice(['0.5', '0.25', '0.75'])}, min = 0, max = 1 }}"))
+    u = rng.random()
+    if u < 0.45:
+        e = rng.choice(["x**2", "abs(x)", f"({xh})**2"])
+        ms = names.new("ms_lead", "nu_q", "part")
+        s.stats.append((ms, f"mean(leading({q})*{e})/mean(leading({q}))"))
+        terms.append(f"x/sqrt({ms} + {eps} + 1)")
+    elif u < 0.75:
+        terms[0] = f"({terms[0]})*(1 + leading({q}))"
+    else:
+        ms = names.new("ms_lead", "nu_q", "part")
+        s.stats.append((ms, f"sum(leading({q})*x)/N"))
+        terms.append(f"{ms}*leading({q})*{z}")
 
 
 # ------------------------------------------------------------------ the pipeline

@@ -42,6 +42,12 @@ def c_load(text: str, T: str, to: str = "double") -> str:
     return text if to == T else f"({to}){text}"
 
 
+def mask_load(option: str, to: str = "double") -> str:
+    """C text of ``leading(option)`` at feature ``Ch`` as ``to``: Ch < ⌊option·N⌋, written
+    Ch + 1 <= option·N in double (no cast of a large product to an integer)."""
+    return f"({to})((double)(Ch + 1) <= {option} * (double)N)"
+
+
 def c_store(text: str, T: str) -> str:
     """C text converting the value ``text`` to the stored type T."""
     if T == "dg_bf16":
@@ -267,10 +273,12 @@ class CPlanner:
             self.group_names[b.name] = derived(b.name, "G")
         for p in self.scalar:  # one value for the whole tensor: a group value
             self.group_names[p] = derived(p, "G")
+        self.masks = {m.name: m.option for m in spec.masks}
         self.elem_names: dict[str, str] = {
             "x": "Xv",
             "dy": "Dyv",
             **{p: derived(p, "V") for p in self.params if p not in self.scalar},
+            **{m: derived(m, "V") for m in self.masks},
         }
 
     def g(self, e: sympy.Expr) -> tuple[str, frozenset[str]]:
@@ -347,7 +355,7 @@ class CPlanner:
         ctype = self.ctype
         needed, names = needed_temps(exprs, temps)
         chan = [p for p in self.params if p not in self.scalar]
-        elem = {"x", "dy", *chan} | {nm for nm, _ in needed}
+        elem = {"x", "dy", *chan, *self.masks} | {nm for nm, _ in needed}
         enames = dict(self.group_names)
         enames.update(self.elem_names)
         prelude, hoisted = ([], {})
@@ -391,7 +399,7 @@ class CPlanner:
 
         param_loads = [
             f"const {arith} {derived(p, 'V')} = {c_load(p + '[Ch]', ctype, arith)};" for p in chan if p in names
-        ]
+        ] + [f"const {arith} {derived(m, 'V')} = {mask_load(o, arith)};" for m, o in self.masks.items() if m in names]
         chan_sums = [(k, e) for k, e in param_sums if self.params[k] not in self.scalar]
         scal_sums = [(k, e) for k, e in param_sums if self.params[k] in self.scalar]
         all_sums = list(group_sums) + [(f"Psum_{k}", e) for k, e in scal_sums]
@@ -534,6 +542,8 @@ def second_plan(printer: SpecPrinter, ir: SecondIR, ctype: str) -> SecondPlan:
     rename = {"N": "N", "x": "Xv", "dy": "Dyv"}
     for p in params:
         rename[p] = derived(p, "G") if p in scalar else derived(p, "V")
+    masks = {m.name: m.option for m in spec.masks}
+    rename.update({m: derived(m, "V") for m in masks})
 
     def C(e):
         return printer.c(e, "double", rename)
@@ -555,6 +565,7 @@ def second_plan(printer: SpecPrinter, ir: SecondIR, ctype: str) -> SecondPlan:
             if p not in scalar and p in names
         ]
         chan += [f"const double {s} = {c_load(p + '_Seed[Ch]', ctype)};" for s, p in seed_chan.items() if s in names]
+        chan += [f"const double {derived(m, 'V')} = {mask_load(o)};" for m, o in masks.items() if m in names]
         return tuple(loads + [f"const double {nm} = {C(te)};" for nm, te in temps]), tuple(chan)
 
     elem1, chan1 = needed([e for _, e in ir.loop])

@@ -195,7 +195,7 @@ def split_levels(forward: list) -> list[tuple[list, list]]:
 def build_mode_ir(first: ModeDerivation) -> ModeIR:
     """The IR of one mode's derivation (first order)."""
     spec = first.spec
-    element = {X, DY, G, *(p.symbol for p in spec.params if not p.scalar)}
+    element = {X, DY, G, *(p.symbol for p in spec.params if not p.scalar), *spec.mask_symbols}
     xhat = spec.normalized.symbol if spec.normalized else None
     if xhat is not None:
         element.add(xhat)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import sympy
 
 from derivgen.codegen.printers import _NumPy
+from derivgen.spec.expr import leading_option
 from derivgen.spec.model import Spec
 from derivgen.symbolic import functions
 from derivgen.symbolic.naming import ordered_names
@@ -28,6 +29,12 @@ COMPARED = ("step", "indicator")  # table entries of one argument t, functions o
 
 
 class _Jax(_NumPy):
+    def _print_Symbol(self, expr):
+        opt = leading_option(expr)
+        if opt is not None:  # the JAX target binds no mask arrays: one from the layout
+            return f"numpy.leading_mask(_L, {opt})"
+        return super()._print_Symbol(expr)
+
     def _print_elementary(self, fn: functions.Elementary, expr: sympy.Expr) -> str:
         (arg,) = expr.args if len(expr.args) == 1 else (None,)
         if fn.name in COMPARED and isinstance(arg, sympy.Add):

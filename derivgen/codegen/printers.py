@@ -18,6 +18,7 @@ from sympy.codegen.ast import float32, float64, real
 from sympy.printing.c import C99CodePrinter
 from sympy.printing.numpy import NumPyPrinter
 
+from derivgen.spec.expr import leading_option
 from derivgen.spec.model import Spec
 from derivgen.symbolic import functions
 from derivgen.symbolic.functions import SpellsFunctions, call
@@ -40,6 +41,9 @@ class _NumPy(SpellsFunctions, _Ordered, NumPyPrinter):
         return f"_mean({self._print(a)})"
 
     def _print_Symbol(self, expr):
+        opt = leading_option(expr)
+        if opt is not None and self.torch_module:  # the PyTorch target binds no mask arrays
+            return f"torch.leading_mask(x, {opt})"
         return expr.name
 
     def _print_GroupMax(self, expr):

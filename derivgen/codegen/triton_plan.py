@@ -96,9 +96,17 @@ class TritonPlanner:
         return triton_expr(e, self.spec)
 
     def loads(self, names: set[str]) -> tuple[tuple[str, str], ...]:
-        """The element loads that code reading ``names`` needs: x, dy, channel parameters."""
-        out = [(n, ptr) for n, ptr in (("x", "X_Ptr"), ("dy", "Dy_Ptr")) if n in names]
-        return tuple(out + [(p, derived(p, "Ptr")) for p in self.chan if p in names])
+        """The element loads that code reading ``names`` needs, as (name, value text): x, dy,
+        channel parameters, and the ``leading(p)`` masks (the feature index against the
+        count ⌊p·N⌋ the host passes)."""
+        out = [
+            (n, f"tl.load({ptr} + Offs, mask=Mask, other=0.0).to(tl.float32)")
+            for n, ptr in (("x", "X_Ptr"), ("dy", "Dy_Ptr"))
+            if n in names
+        ]
+        out += [(p, f"tl.load({derived(p, 'Ptr')} + Chan, mask=Mask, other=0.0).to(tl.float32)") for p in self.chan]
+        out += [(m.name, f"(Chan < {derived(m.option, 'Lead')}).to(tl.float32)") for m in self.spec.masks]
+        return tuple((n, t) for n, t in out if n in names)
 
     def sweep(self, exprs: list[sympy.Expr], temps: list, **kw) -> TSweep:
         """A sweep computing ``exprs`` from the element temporaries ``temps`` it needs."""
@@ -182,10 +190,12 @@ class TritonPlanner:
         if buffers and (self.reads or ir.mode == "train"):
             fargs += [("buffer", b) for b in buffers]
         fargs += [("stat", s) for s in ir.stats] + [("option", o.name) for o in spec.options]
+        fargs += [("mask", m.option) for m in spec.masks]
         bargs = [("dy", "dy"), ("x", "x"), ("dx", "dx"), *(("param", p) for p in self.params)]
         bargs += [("input", i.name) for i in spec.inputs]
         bargs += [("buffer", b) for b in buffers] if self.reads else []
         bargs += [("stat", s) for s in ir.stats] + [("option", o.name) for o in spec.options]
+        bargs += [("mask", m.option) for m in spec.masks]
         bargs += [("dparam", p) for p in self.params] + [("dinput", i.name) for i in spec.inputs]
         return TritonPlan(
             mode=ir.mode,

@@ -22,6 +22,9 @@ from derivgen.symbolic.naming import ordered_names
 
 
 class _Triton(_Jax):
+    def _print_Symbol(self, expr):
+        return expr.name  # leading(p) too: the kernels load it (codegen.triton_plan)
+
     def _spell(self, fn: functions.Elementary, args: tuple) -> str:
         return f"_tt.{fn.name}({self.stringify(args, ', ')})"
 

@@ -549,8 +549,9 @@ class _Deriver:
         self.spec, self.mode = spec, mode
         self.channel = {p.symbol: p for p in spec.params if not p.scalar}
         self.scalar = {p.symbol: p for p in spec.params if p.scalar}
+        self.masks = set(spec.mask_symbols)  # element values without a gradient
         self._use_normalized(spec.normalized.symbol if spec.normalized else None, spec.normalized_expr)
-        varying = {X, DY, G, *self.channel} | ({self.xhat} if self.xhat is not None else set())
+        varying = {X, DY, G, *self.channel, *self.masks} | ({self.xhat} if self.xhat is not None else set())
         self.alg = ReductionAlgebra(varying, active={DY, G})
         inputs = {i.symbol for i in spec.inputs}
         self.program = Program(spec, mode.statistics, self.alg, inputs | set(self.scalar))
@@ -577,7 +578,7 @@ class _Deriver:
         if dy_dxhat == 0:
             self.g_def, self.xhat_adjoint = None, sympy.S.Zero
             return
-        varying = {X, DY, *self.channel} | ({xhat} if xhat is not None else set())
+        varying = {X, DY, *self.channel, *self.masks} | ({xhat} if xhat is not None else set())
         per_group, per_element = [], []
         for f in Mul.make_args(dy_dxhat):
             (per_element if f.free_symbols & varying else per_group).append(f)
@@ -595,7 +596,7 @@ class _Deriver:
         if xhat is not None:
             self.alg.varying.add(xhat)
         self.to_xhat = _solver(xhat, coord_def) if xhat is not None else None
-        self.element = {X, DY, G, *self.channel} | ({xhat} if xhat is not None else set())
+        self.element = {X, DY, G, *self.channel, *self.masks} | ({xhat} if xhat is not None else set())
 
     def _adopt(self, implicit: ImplicitCoordinate | None) -> None:
         """Write the backward in the coordinate the output uses without naming it (x̂ = u,

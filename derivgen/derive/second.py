@@ -201,7 +201,7 @@ class _ReversePass:
     def __init__(self, first: ModeDerivation, seeds: frozenset[sympy.Symbol]) -> None:
         spec = self.spec = first.spec
         self.rules = first.self_rules
-        channel = {p.symbol for p in spec.params if not p.scalar}
+        channel = {p.symbol for p in spec.params if not p.scalar} | spec.mask_symbols
         coord = first.coordinate.symbol if first.coordinate is not None else None
         self.element = {X, DY, G, *channel, *seeds} | ({coord} if coord is not None else set())
         self.group_diff = (

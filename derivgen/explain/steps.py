@@ -150,7 +150,7 @@ def facts(mode: ModeDerivation) -> tuple[list[tuple[str, str]], list[tuple[str, 
 
 def _linear_mean(spec: Spec, xhat_def: sympy.Expr) -> sympy.Expr:
     """⟨x̂⟩ by linearity of the mean, in the spec's statistics (zero for a centred x̂)."""
-    varying = {X, DY} | {p.symbol for p in spec.params if not p.scalar}
+    varying = {X, DY} | {p.symbol for p in spec.params if not p.scalar} | spec.mask_symbols
     return sympy.factor_terms(ReductionAlgebra(varying).canon(Mean(xhat_def)))
 
 

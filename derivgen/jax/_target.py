@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import jax.scipy.special
 
+from derivgen.runtime.validate import leading_count
 from derivgen.symbolic import functions
 
 pi = math.pi
@@ -36,6 +37,13 @@ def indicator_cmp(a, b):
     a, b = jnp.asarray(a), jnp.asarray(b)
     dt = jnp.result_type(a, b, jnp.float32)
     return jnp.where(a >= b, 1.0, 0.0).astype(dt)
+
+
+def leading_mask(L, p):
+    """``leading(p)`` in a trailing layout ``L`` (derivgen.jax.layout): 1 on the first
+    ⌊p·N⌋ features, 0 on the rest, in a parameter's view."""
+    n = math.prod(L.param_view)
+    return (jnp.arange(n) < leading_count(float(p), n)).astype(float).reshape(L.param_view)
 
 
 def jax_function(fn: functions.Elementary) -> Callable:

@@ -95,6 +95,8 @@ class _Explicit:
         for p in spec.params:
             if not p.scalar:  # a scalar parameter is one symbol for the whole group
                 self.elem[p.symbol] = _elements(p.name, n)
+        for m in spec.mask_symbols:  # any constant per element: the 0/1 pattern is one case
+            self.elem[m] = [sympy.Symbol(f"{m.name}[{j}]", nonnegative=True) for j in range(n)]
         self.group: dict[sympy.Symbol, sympy.Expr] = {N: sympy.Integer(n)}
         for st in first.statistics:
             self.group[st.symbol] = self.at(st.expr, None)

@@ -105,6 +105,7 @@ from derivgen.runtime.validate import (
     check_options,
     check_same_dtype,
     layout_from_shapes,
+    leading_count,
     scalar_params,
 )
 
@@ -143,6 +144,8 @@ __all__ = [
     "group_view",
     "indicator",
     "layout_from_shapes",
+    "leading_count",
+    "leading_mask",
     "need_stats",
     "new_stats",
     "num_threads",
@@ -312,6 +315,15 @@ def finish_input_grad(cache: Cache, iname: str, per_group: np.ndarray) -> np.nda
     if cache.inputs[iname].size == 1:
         return np.asarray(per_group.sum(dtype=np.float64), dtype=cache.dtype)
     return per_group.astype(cache.dtype, copy=False).reshape(cache.layout.group_shape)
+
+
+def leading_mask(layout: Layout, p: float) -> np.ndarray:
+    """``leading(p)`` as a float64 array of a parameter's 4-D shape: 1 on the first
+    ⌊p·N⌋ normalized features, 0 on the rest."""
+    n = layout.Cg
+    mask = np.zeros(n, dtype=np.float64)
+    mask[: leading_count(p, n)] = 1.0
+    return mask.reshape(layout.param4)
 
 
 def group_view(values: np.ndarray, layout: Layout) -> np.ndarray:

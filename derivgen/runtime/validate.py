@@ -96,6 +96,12 @@ def scalar_params(meta: dict, params: dict, dtype: Any) -> dict:
     return out
 
 
+def leading_count(p: float, n: int) -> int:
+    """How many leading features ``leading(p)`` selects of ``n``: ⌊p·n⌋ (the product in
+    double, truncated as C's cast and Python's ``int`` do), within 0..n."""
+    return min(max(int(p * n), 0), n)
+
+
 def layout_from_shapes(
     meta: dict, x_shape: Sequence[int], param_shapes: dict[str, Sequence[int]], num_groups: int | None
 ) -> Layout:

@@ -13,7 +13,10 @@ these forms are accepted:
   ``log(e)``, ``abs(e)``, ``tanh(e)``, ``sigmoid(e)``, ``erf(e)``, ``stop_gradient(e)``,
   ``maximum(a, b)``, ``minimum(a, b)``, ``clip(e, lo, hi)``),
 * the group reductions ``mean(e)``, ``sum(e)`` (``sum(e)`` is ``N*mean(e)``), ``max(e)`` and
-  ``min(e)``.
+  ``min(e)``,
+* the position mask ``leading(p)`` of an option ``p``: 1 on the first ⌊p·N⌋ elements of
+  the group (in memory order), 0 on the rest -- an element value without a gradient, so
+  ``mean(leading(p)*e)/mean(leading(p))`` is the mean of ``e`` over a leading slice.
 
 Everything else -- attribute access, subscripts, lambdas, comprehensions,
 keyword arguments, strings, comparisons, calls to anything else -- is rejected
@@ -39,11 +42,27 @@ MAX_NODES = 400
 MAX_EXPONENT = 16  # |constant exponent| allowed in ``a ** k``
 
 REDUCTIONS = ("mean", "sum", "max", "min")
+LEADING = "leading"
+
+
+_LEADING_PREFIX = "Lead_"
+
+
+def leading_symbol(option: str) -> sympy.Symbol:
+    """The element symbol of ``leading(option)``: 1 on the first ⌊option·N⌋ elements of a
+    group, 0 on the rest (a name in derivgen's upper-case namespace: no spec name reaches it)."""
+    return sympy.Symbol(_LEADING_PREFIX + option, nonnegative=True)
+
+
+def leading_option(sym: sympy.Basic) -> str | None:
+    """The option of a ``leading(option)`` symbol, or None for any other expression."""
+    name = getattr(sym, "name", "")
+    return name[len(_LEADING_PREFIX) :] if sym.is_Symbol and name.startswith(_LEADING_PREFIX) else None
 
 
 def _callable_names() -> str:
     """The functions a call may name, for messages: the table's, then the reductions."""
-    return ", ".join((*functions.language(), *REDUCTIONS))
+    return ", ".join((*functions.language(), *REDUCTIONS, LEADING))
 
 
 def _arguments(n: int) -> str:
@@ -62,12 +81,18 @@ def _short(text: str, limit: int = 80) -> str:
 
 
 def parse_expr(
-    text: str, names: Mapping[str, sympy.Expr], *, group_size: sympy.Expr, allow_reductions: bool = True
+    text: str,
+    names: Mapping[str, sympy.Expr],
+    *,
+    group_size: sympy.Expr,
+    allow_reductions: bool = True,
+    options: frozenset[str] = frozenset(),
 ) -> sympy.Expr:
     """Parse ``text`` into a SymPy expression over ``names``.
 
     ``names`` maps every identifier the expression may use to its SymPy object;
-    ``group_size`` is the symbol ``sum(e)`` scales ``mean(e)`` by.
+    ``group_size`` is the symbol ``sum(e)`` scales ``mean(e)`` by; ``options`` are the
+    names ``leading()`` may take.
     """
     if not isinstance(text, str):
         raise ExprError(f"expected an expression string, got {type(text).__name__}")
@@ -84,7 +109,7 @@ def parse_expr(
     count = sum(1 for _ in ast.walk(tree))
     if count > MAX_NODES:
         raise ExprError(f"expression has {count} syntax nodes (limit {MAX_NODES})")
-    return _Builder(text, names, group_size, allow_reductions).build(tree.body, 0)
+    return _Builder(text, names, group_size, allow_reductions, options).build(tree.body, 0)
 
 
 class _Builder:
@@ -92,12 +117,18 @@ class _Builder:
     fails with a message naming the offending text."""
 
     def __init__(
-        self, text: str, names: Mapping[str, sympy.Expr], group_size: sympy.Expr, allow_reductions: bool
+        self,
+        text: str,
+        names: Mapping[str, sympy.Expr],
+        group_size: sympy.Expr,
+        allow_reductions: bool,
+        options: frozenset[str] = frozenset(),
     ) -> None:
         self.text = text
         self.names = names
         self.group_size = group_size
         self.allow_reductions = allow_reductions
+        self.options = options
 
     def _snippet(self, node: ast.AST) -> str:
         """The source text of ``node`` (its node type where Python cannot give it)."""
@@ -138,7 +169,7 @@ class _Builder:
 
     def name(self, node: ast.Name) -> sympy.Expr:
         """A declared name (a function's or reduction's name is not a value)."""
-        if node.id in functions.language() or (node.id in REDUCTIONS and node.id not in self.names):
+        if node.id in functions.language() or (node.id in (*REDUCTIONS, LEADING) and node.id not in self.names):
             self.fail(node, f"function {node.id!r} used as a value")
         if node.id not in self.names and node.id in functions.CONSTANTS:
             return functions.CONSTANTS[node.id]
@@ -207,6 +238,12 @@ class _Builder:
             self.fail(node, f"{fname}() takes no keyword arguments: {_arguments(arity)}")
         if len(node.args) != arity or any(isinstance(a, ast.Starred) for a in node.args):
             self.fail(node, f"{fname}() takes exactly {_arguments(arity)}")
+        if fname == LEADING:
+            arg = node.args[0]
+            if not isinstance(arg, ast.Name) or arg.id not in self.options:
+                known = ", ".join(sorted(self.options)) or "none"
+                self.fail(node, f"leading() takes the name of an option (declared: {known})")
+            return leading_symbol(arg.id)
         if fname in REDUCTIONS:
             if not self.allow_reductions:
                 self.fail(node, f"{fname}() is a group reduction; define it under [statistics]")

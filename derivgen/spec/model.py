@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import sympy
 
 from derivgen.spec import reserved
-from derivgen.spec.expr import ExprError, parse_expr
+from derivgen.spec.expr import ExprError, leading_option, leading_symbol, parse_expr
 from derivgen.symbolic import domain, functions
 from derivgen.symbolic.domain import domain_error
 from derivgen.symbolic.reduce import GroupMax, hide_reductions, selections
@@ -66,7 +66,7 @@ TOP_LEVEL_FIELDS = {
 # the data and its gradient, the derivation's g, the keyword arguments every
 # generated forward takes, and the functions of the expression language
 # (derivgen/symbolic/functions.py).
-FORMAT_NAMES = frozenset({"x", "y", "dy", "dx", "g", "out", "training", "num_groups"})
+FORMAT_NAMES = frozenset({"x", "y", "dy", "dx", "g", "out", "training", "num_groups", "leading"})
 
 
 def reserved_reason(name: str) -> str | None:
@@ -132,6 +132,15 @@ class Buffer(Named):
 
 
 @dataclass(frozen=True)
+class Mask(Named):
+    """``leading(option)``: an element value, 1 on the first ⌊option·N⌋ elements of each
+    group (in memory order) and 0 on the rest; it has no gradient. Each target computes it
+    from the option and the element's position (a trailing layout's feature index)."""
+
+    option: str = ""
+
+
+@dataclass(frozen=True)
 class Statistic(Named):
     """A per-group value defined from the data and earlier statistics: ``symbol`` = ``expr``."""
 
@@ -171,13 +180,19 @@ class Spec:
     output_text: str
     notes: tuple[str, ...] = field(default=())
     second_order_notes: tuple[str, ...] = field(default=())  # prose for the second-order section
+    masks: tuple[Mask, ...] = field(default=())  # the leading(option) masks the expressions use
+
+    @property
+    def mask_symbols(self) -> frozenset[sympy.Symbol]:
+        """The element symbols of the masks: element values without a gradient."""
+        return frozenset(m.symbol for m in self.masks)
 
     @property
     def symbols(self) -> dict[str, Named]:
         """Every named quantity of the layer, by name: x, N, parameters, options, inputs,
         buffers, the statistics of every mode and the normalized coordinate."""
         out: dict[str, Named] = {"x": _X_NAMED, "N": _N_NAMED}
-        for group in (self.params, self.options, self.inputs, self.buffers):
+        for group in (self.params, self.options, self.inputs, self.buffers, self.masks):
             for item in group:
                 out[item.name] = item
         for mode in self.modes:
@@ -368,6 +383,8 @@ class _Parser:
         self.names: dict[str, sympy.Expr] = {"x": X, "N": N}
         self.stat_order: list[str] = []
         self.channel_params: set[sympy.Symbol] = set()
+        self.option_names: frozenset[str] = frozenset()
+        self.mask_fields: dict[sympy.Symbol, str] = {}  # mask symbol -> the first field that uses it
 
     def declare(self, where: str, name: str, what: str, sym: sympy.Expr) -> None:
         """Declare ``name`` (``what`` it is, for messages) with its symbol."""
@@ -381,7 +398,7 @@ class _Parser:
         ctx = self.ctx
         t = ctx.string(where, text)
         try:
-            e = parse_expr(t, scope, group_size=N, allow_reductions=reductions)
+            e = parse_expr(t, scope, group_size=N, allow_reductions=reductions, options=self.option_names)
         except ExprError as exc:
             msg = str(exc)
             m = re.match(r"unknown name '([a-z0-9_]+)'", msg)
@@ -394,6 +411,9 @@ class _Parser:
         why = domain_error(e)
         if why is not None:
             ctx.err(where, f"{why} in {t!r}")
+        for m in sorted(e.free_symbols, key=str):
+            if leading_option(m) is not None:
+                self.mask_fields.setdefault(m, where)
         return e
 
     # ---- declarations -------------------------------------------------
@@ -487,6 +507,25 @@ class _Parser:
             sym = domain.symbol(oname, level)
             self.declare(where, oname, "an option", sym)
             out.append(Option(oname, sym, *ctx.display(where, oname, entry), default=default, min=lo, max=hi))
+        self.option_names = frozenset(o.name for o in out)
+        return out
+
+    def masks(self, options: list[Option], layout: str) -> list[Mask]:
+        """The ``leading(option)`` masks the expressions used, in option order; they need a
+        trailing layout (a position among the normalized features)."""
+        out = []
+        for o in options:
+            sym = leading_symbol(o.name)
+            if sym not in self.mask_fields:
+                continue
+            if layout != "trailing":
+                self.ctx.err(
+                    self.mask_fields[sym],
+                    f"leading({o.name}) needs a 'trailing' layout: it selects by position among the "
+                    f"normalized features, and a {layout!r} group has no such order",
+                )
+            text = o.text if o.text != o.name else o.name
+            out.append(Mask(sym.name, sym, f"[i < \\lfloor {o.latex} N \\rfloor]", f"[i<⌊{text}·N⌋]", option=o.name))
         return out
 
     def inputs(self) -> list[Input]:
@@ -564,16 +603,25 @@ class _Parser:
         return out, scope, inferred
 
     def check_group_level(self, where: str, expr: sympy.Expr, text: str) -> None:
-        """A statistic is one value per group: x and per-channel parameters only inside mean()/sum()."""
+        """A statistic is one value per group: x, per-channel parameters and masks only inside
+        mean()/sum()."""
         for sel in selections(expr):
             kind = "max" if type(sel) is GroupMax else "min"
             if sel.args[0].free_symbols & self.channel_params:
                 self.ctx.err(where, f"{kind}() of a per-channel parameter is not supported; {kind}() of x: {text!r}")
+            if any(leading_option(s) is not None for s in sel.args[0].free_symbols):
+                self.ctx.err(where, f"{kind}() of an expression with leading() is not supported: {text!r}")
         outside = hide_reductions(expr).free_symbols
         if X in outside:
             self.ctx.err(
                 where, f"x appears outside mean()/sum()/max()/min(): a statistic is one value per group: {text!r}"
             )
+        for m in sorted(outside, key=str):
+            if leading_option(m) is not None:
+                self.ctx.err(
+                    where,
+                    f"leading({leading_option(m)}) varies within a normalization group; use it inside mean()/sum(): {text!r}",
+                )
         for p in sorted(outside & self.channel_params, key=str):
             self.ctx.err(
                 where,
@@ -665,7 +713,8 @@ class _Parser:
         if not expr.has(X):
             ctx.err("normalized.expr", "must depend on x")
         slope = sympy.diff(expr, X)
-        if slope.has(X) or (slope.free_symbols | expr.subs(X, 0).free_symbols) & self.channel_params:
+        per_element = self.channel_params | set(self.mask_fields)
+        if slope.has(X) or (slope.free_symbols | expr.subs(X, 0).free_symbols) & per_element:
             ctx.err(
                 "normalized.expr",
                 f"must be affine in x with a slope that is one value per group "
@@ -728,6 +777,7 @@ def parse_spec(text: str, source: str = "<spec>") -> Spec:
     normalized, normalized_expr, out_scope = parser.normalized(data, scope)
     output, output_text = parser.output(data, out_scope, normalized, normalized_expr)
     parser.check_gradient_names()
+    masks = parser.masks(options, kind)
     return Spec(
         name=name,
         title=title,
@@ -747,4 +797,5 @@ def parse_spec(text: str, source: str = "<spec>") -> Spec:
         output_text=output_text,
         notes=tuple(notes),
         second_order_notes=tuple(parser.prose_list(data, "second_order_notes")),
+        masks=tuple(masks),
     )

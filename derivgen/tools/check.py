@@ -94,11 +94,15 @@ def cases_for(spec: Spec) -> list[Case]:
 
 def case_options(spec: Spec, mode: str) -> dict:
     """The keyword arguments a check passes for ``mode`` besides the shapes: a required
-    option inside its range, eps = 1e-3 (finite differences stay well conditioned), and
-    ``training`` where the layer has an eval mode."""
+    option inside its range, eps = 1e-3 (finite differences stay well conditioned), p = 0.5
+    for an option p of ``leading(p)`` (half of a small group selected, whatever the
+    default), and ``training`` where the layer has an eval mode."""
     kw: dict = {}
+    masked = {m.option for m in spec.masks}
     for o in spec.options:
-        if o.default is None:
+        if o.name in masked:
+            kw[o.name] = 0.5
+        elif o.default is None:
             lo = o.min if o.min is not None else 0.0
             hi = o.max if o.max is not None else lo + 1.0
             kw[o.name] = lo + 0.37 * (hi - lo)

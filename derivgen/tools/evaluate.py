@@ -16,6 +16,7 @@ import sympy
 
 from derivgen.derive.first import G, ModeDerivation
 from derivgen.runtime.elementwise import numpy_function
+from derivgen.runtime.validate import leading_count
 from derivgen.spec.model import DY, N, X
 from derivgen.symbolic import functions
 from derivgen.symbolic.reduce import GroupMax, GroupMin, Mean
@@ -113,4 +114,7 @@ class GroupEvaluator:
         for item in (*self.spec.options, *self.spec.inputs, *self.spec.buffers):
             if item.name in scalars:
                 env[item.symbol] = float(scalars[item.name])
+        for m in self.spec.masks:
+            p = scalars.get(m.option, self.spec.symbols[m.option].default)
+            env[m.symbol] = (np.arange(len(x)) < leading_count(float(p), len(x))).astype(np.float64)
         return env

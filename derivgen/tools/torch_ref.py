@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import sympy
 
-from derivgen.runtime import Layout
+from derivgen.runtime import Layout, leading_mask
 from derivgen.spec.model import N, Spec, X
 from derivgen.symbolic import functions
 from derivgen.symbolic.reduce import GroupMax, GroupMin, Mean
@@ -220,6 +220,8 @@ class SpecForward:
         for o in spec.options:
             if kw.get(o.name, o.default) is not None:
                 env[o.symbol] = float(kw.get(o.name, o.default))
+        for m in spec.masks:
+            env[m.symbol] = torch.as_tensor(leading_mask(layout, env[spec.symbols[m.option].symbol]))
         for i in spec.inputs:
             env[i.symbol] = group(extra_in[i.name])
         for b in spec.buffers:

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import torch
 
-from derivgen.runtime.validate import Layout
+from derivgen.runtime.validate import Layout, leading_count
 from derivgen.symbolic import functions
 
 pi = math.pi
@@ -99,6 +99,13 @@ def _full(a: torch.Tensor | float, x: torch.Tensor) -> torch.Tensor:
     """``a`` as a tensor of x's shape (a broadcast view, not a copy)."""
     a = a if isinstance(a, torch.Tensor) else torch.as_tensor(a, dtype=x.dtype, device=x.device)
     return a.expand(x.shape) if tuple(a.shape) != tuple(x.shape) else a
+
+
+def leading_mask(x: torch.Tensor, p: float) -> torch.Tensor:
+    """``leading(p)`` for the 4-D view x of a trailing layout: 1 on the first ⌊p·Cg⌋
+    features, 0 on the rest, shaped (1, 1, Cg, 1) in x's dtype and device."""
+    n = x.shape[2]
+    return (torch.arange(n, device=x.device) < leading_count(float(p), n)).to(x.dtype).view(1, 1, n, 1)
 
 
 def elementwise(a: torch.Tensor | float, x: torch.Tensor) -> torch.Tensor:

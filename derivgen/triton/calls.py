@@ -212,11 +212,13 @@ def _kernel_args(roles: list[tuple[str, str]], values: dict) -> list:
     return out
 
 
-def _common(meta: dict, a: dict) -> dict:
-    """Kernel arguments by (role, spec name) that forward and backward share."""
+def _common(meta: dict, a: dict, L: rt.Layout) -> dict:
+    """Kernel arguments by (role, spec name) that forward and backward share; ("mask", o) is
+    the feature count ⌊o·N⌋ of ``leading(o)`` (taken by the kernels of layers that use it)."""
     v: dict = {("param", p): a[p].reshape(-1).contiguous() for p in meta["params"]}
     v.update({("input", i): a[i] for i in meta["inputs"]})
     v.update({("option", o): float(a[o]) for o in meta["options"]})
+    v.update({("mask", o): rt.leading_count(float(a[o]), L.Cg) for o in meta["options"]})
     return v
 
 
@@ -242,7 +244,7 @@ def run_forward(layer: Layer, mode: str, a: dict, L: rt.Layout, update: bool) ->
         for s in stats.values():
             s.fill_(math.nan)
         return y, stats
-    values = {("x", "x"): x, ("y", "y"): y, **_common(meta, a)}
+    values = {("x", "x"): x, ("y", "y"): y, **_common(meta, a, L)}
     values.update({("stat", s): t for s, t in stats.items()})
     given = {b: a.get(b) for b in meta["buffers"]}
     copies = {}
@@ -290,7 +292,7 @@ def run_backward(layer: Layer, mode: str, a: dict, L: rt.Layout) -> tuple[torch.
     }
     dins = {i: torch.zeros(L.n_groups, dtype=torch.float32, device=x.device) for i in meta["inputs"]}
     if x.numel():
-        values = {("x", "x"): x, ("dy", "dy"): dy, ("dx", "dx"): dx, **_common(meta, a)}
+        values = {("x", "x"): x, ("dy", "dy"): dy, ("dx", "dx"): dx, **_common(meta, a, L)}
         values.update({("buffer", b): a[b].reshape(-1).contiguous() for b in meta["buffers"] if b in a})
         values.update({("stat", s): a[s].reshape(-1).to(torch.float32).contiguous() for s in meta["stats"][mode]})
         values.update({("dparam", p): parts[p] for p in meta["params"]})

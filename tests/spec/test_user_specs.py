@@ -127,6 +127,25 @@ BAD = [
     ("collide", BASE.replace("gamma = {}", "gamma = {}\ndgamma = {}"), "collide"),
     ("bad-toml", "name = \n", "invalid TOML"),
     ("name-path", BASE.replace('name = "t"', 'name = "../../etc/x"'), "lower-case identifier"),
+    ("leading-of-a-number", BASE.replace('"mean(x)"', '"mean(leading(0.5)*x)"'), "leading\\(\\) takes the name of an option"),
+    ("leading-of-a-param", BASE.replace('"mean(x)"', '"mean(leading(gamma)*x)"'), "takes the name of an option"),
+    (
+        "leading-outside-mean",
+        BASE.replace('"mean(x)"', '"mean(x) + leading(p)"') + "[options]\np = 0.5\n",
+        "leading\\(p\\) varies within a normalization group",
+    ),
+    (
+        "leading-in-max",
+        BASE.replace('"mean(x)"', '"max(leading(p)*x)"') + "[options]\np = 0.5\n",
+        "max\\(\\) of an expression with leading\\(\\)",
+    ),
+    (
+        "leading-in-channels",
+        BASE.replace('kind = "trailing"', 'kind = "channels"').replace('"mean(x)"', '"mean(leading(p)*x)"')
+        + "[options]\np = 0.5\n",
+        "statistics.mean.expr: leading\\(p\\) needs a 'trailing' layout",
+    ),
+    ("leading-declared", BASE.replace("gamma = {}", "leading = {}"), "invalid or reserved name"),
 ]
 
 

@@ -192,6 +192,15 @@ def edm2_normalize(x, p, i, o, b, training):
     return x / norm
 
 
+def prmsnorm(x, p, i, o, b, training):
+    # bzhangGo/rmsnorm's RMSNorm with 0 <= p <= 1: the norm of the first int(d*p) features
+    d = x.shape[-1]
+    k = int(d * o["p"])
+    partial, _ = torch.split(x, [k, d - k], dim=-1)
+    rms = partial.norm(2, dim=-1, keepdim=True) * k ** (-1.0 / 2)
+    return p["gamma"] * (x / (rms + o["eps"]))
+
+
 @dataclass
 class Case:
     """How to exercise one zoo layer: its reference forward, the shape of x, values of the
@@ -251,6 +260,7 @@ CASES: dict[str, Case] = {
     "softmax": Case(softmax, (4, 9), scale=3.0),
     "log_softmax": Case(log_softmax, (4, 9), scale=3.0),
     "absmax_scale": Case(absmax_scale, (4, 9)),
+    "prmsnorm": Case(prmsnorm, (3, 40)),
     "softmax_temperature": Case(softmax_temperature, (4, 9), scale=3.0),
 }
 
