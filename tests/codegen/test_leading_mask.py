@@ -15,7 +15,6 @@ CASES = [(10, 0.7), (100, 0.29), (10, 0.1), (7, 1.0), (33, 0.5)]
 
 
 def _reference(x, gamma, p, eps=1e-8):
-    import torch
 
     d = x.shape[-1]
     k = int(d * p)

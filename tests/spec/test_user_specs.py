@@ -127,7 +127,11 @@ BAD = [
     ("collide", BASE.replace("gamma = {}", "gamma = {}\ndgamma = {}"), "collide"),
     ("bad-toml", "name = \n", "invalid TOML"),
     ("name-path", BASE.replace('name = "t"', 'name = "../../etc/x"'), "lower-case identifier"),
-    ("leading-of-a-number", BASE.replace('"mean(x)"', '"mean(leading(0.5)*x)"'), "leading\\(\\) takes the name of an option"),
+    (
+        "leading-of-a-number",
+        BASE.replace('"mean(x)"', '"mean(leading(0.5)*x)"'),
+        "leading\\(\\) takes the name of an option",
+    ),
     ("leading-of-a-param", BASE.replace('"mean(x)"', '"mean(leading(gamma)*x)"'), "takes the name of an option"),
     (
         "leading-outside-mean",
