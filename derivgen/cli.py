@@ -473,7 +473,13 @@ def _shape(text: str) -> tuple[int, ...]:
 )
 @click.option("--shape", "shapes", multiple=True, help="Shape(s) like 8192x1024 (default: per-layer defaults).")
 @click.option("--threads", type=click.IntRange(1, 256), default=None, help="Threads (default: all cores).")
-@click.option("--dtype", type=click.Choice(["float32", "float64"]), default="float32", show_default=True)
+@click.option(
+    "--dtype",
+    type=click.Choice(["float32", "float64", "bfloat16"]),
+    default="float32",
+    show_default=True,
+    help="bfloat16: the bfloat16 kernels against the float32 ones per byte, through derivgen.torch's operators.",
+)
 @click.option("--repeat", type=click.IntRange(3, 1000), default=15, show_default=True, help="Timed runs per case.")
 @click.option(
     "--isa",
@@ -536,6 +542,11 @@ def bench_cmd(
         return
     if sync_world:
         raise UserError("--sync benches derivgen.torch's SyncBatchNorm: use it with --torch")
+    if dtype == "bfloat16":
+        if spec_files or plot_file or isas != "native":
+            raise UserError("--dtype bfloat16 takes catalogue NAMES, --shape, --threads, --repeat and --json only")
+        _bench_bf16(names, shapes, threads, repeat, json_file)
+        return
     if plot_file and importlib.util.find_spec("matplotlib") is None:
         raise UserError("--plot needs matplotlib: pip install matplotlib")
     _out_file(json_file, "--json")
@@ -588,6 +599,28 @@ def _bench_torch(
     report = run_torch_bench(threads, repeat, dtype, progress)
     progress.done()
     click.echo(format_torch_report(report))
+    if json_file:
+        _write(json_file, json.dumps(report, indent=1), "--json")
+
+
+def _bench_bf16(
+    names: tuple[str, ...], shapes: tuple[str, ...], threads: int | None, repeat: int, json_file: str | None
+) -> None:
+    """``bench --dtype bfloat16``: the bfloat16 kernels against the float32 ones, per byte."""
+    try:  # PyTorch is an optional dependency; the bench calls derivgen.torch's operators
+        from derivgen.tools.bench_bf16 import LAYERS, format_bf16_report, run_bf16_bench
+    except ImportError as e:
+        raise UserError(str(e)) from None
+    bad = [n for n in names if n not in LAYERS]
+    if bad:
+        raise UserError(f"--dtype bfloat16: no bfloat16 bench for {', '.join(bad)} (one of {', '.join(LAYERS)})")
+    _out_file(json_file, "--json")
+    layers = list(names) or list(LAYERS)
+    shape_list = [_shape(s) for s in shapes] or None
+    progress = stderr_progress(len(layers) * (len(shape_list) if shape_list else 1))
+    report = run_bf16_bench(layers, shape_list, threads, repeat, progress)
+    progress.done()
+    click.echo(format_bf16_report(report))
     if json_file:
         _write(json_file, json.dumps(report, indent=1), "--json")
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import sympy
 
-from derivgen.derive.first import ModeDerivation, Partial, mode_depends_on_x
+from derivgen.derive.first import G, ModeDerivation, Partial, mode_depends_on_x
 from derivgen.explain.document import latex_expr, text_expr
 from derivgen.spec.model import DY, Named, Spec, Statistic, X
 from derivgen.symbolic.reduce import GroupMin, Mean, ReductionAlgebra
@@ -280,14 +280,15 @@ def _statistic_partials(mode: ModeDerivation, names: _Names) -> Step:
 
 
 def _statistic_adjoints(mode: ModeDerivation) -> Step:
-    return Step(
-        "Gradients with respect to the statistics",
-        "Latest statistic first; each collects ∂L/∂y through y and through every later statistic:",
-        tuple(
-            Equation(partial_latex("L", st.latex), partial_text("L", st.text), mode.adjoints[st.symbol])
-            for st in reversed(mode.statistics)
-        ),
-    )
+    prose = "Latest statistic first; each collects ∂L/∂y through y and through every later statistic"
+    eqs = [
+        Equation(partial_latex("L", st.latex), partial_text("L", st.text), mode.adjoints[st.symbol])
+        for st in reversed(mode.statistics)
+    ]
+    if mode.g is not None and any(e.rhs.has(G) for e in eqs):  # g is defined where it is first used
+        prose += ", written in g, the part of ∂L/∂y·∂y/∂x that varies within the group"
+        eqs.insert(0, Equation("g_i", "g", mode.g))
+    return Step("Gradients with respect to the statistics", prose + ":", tuple(eqs))
 
 
 def _closed_form_how(mode: ModeDerivation, names: _Names) -> str:

@@ -215,3 +215,30 @@ def test_spec_baseline_matches_the_generated_code():
         np.testing.assert_allclose(y, y2, atol=1e-12)
         for a, b in zip(grads, g2):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-10)
+
+
+def test_bench_bfloat16_reports_each_pass_per_byte(tmp_path):
+    """``--dtype bfloat16``: derivgen.torch's bfloat16 and float32 operators and torch's layers,
+    each pass over the streaming-store bound and bfloat16 / float32 per byte (never asserted)."""
+    from conftest import require_module
+
+    require_module("torch")
+    out = tmp_path / "bf16.json"
+    r = subprocess.run(
+        [sys.executable, "-m", "derivgen", "bench", "--dtype", "bfloat16", "rmsnorm", "groupnorm"]
+        + ["--shape", "4x8x6x6", "--threads", "1", "--repeat", "3", "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert r.returncode == 0, r.stderr
+    assert "per byte" in r.stdout and "target: bfloat16 per byte" in r.stdout
+    data = json.loads(out.read_text())
+    assert [row["layer"] for row in data["results"]] == ["rmsnorm", "groupnorm"]
+    for row in data["results"]:
+        assert len(row["ms"]) == 8  # derivgen and torch, float32 and bfloat16, fwd and bwd
+        assert all(math.isfinite(v) and v > 0 for v in (*row["ms"].values(), *row["ratios"].values()))
+    bad = subprocess.run(
+        [sys.executable, "-m", "derivgen", "bench", "--dtype", "bfloat16", "frn"], capture_output=True, text=True
+    )
+    assert bad.returncode == 2 and "no bfloat16 bench for frn" in bad.stderr and "Traceback" not in bad.stderr
