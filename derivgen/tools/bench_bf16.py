@@ -160,13 +160,19 @@ def format_bf16_report(report: dict) -> str:
     m = report["machine"]
     lines = [
         f"machine: {m['cpu']}; {m['cores']} core(s); CPU flags: {' '.join(m['flags']) or '-'}",
-        (f"threads {report['threads']}; torch {report['torch']}; malloc {'tuned' if report['tuned_malloc'] else 'default'}; "
-        f"streaming-store copy {report['stream_copy_GBps']:.1f} GB/s (median over the cases)"),
-        ("nt bound = bytes moved (fwd: x, y; bwd: x, dy, dx) at the dtype's size / streaming-store copy bandwidth; "
-        "per byte = (bf16 ms / bf16 bytes) / (f32 ms / f32 bytes)"),
+        (
+            f"threads {report['threads']}; torch {report['torch']}; malloc {'tuned' if report['tuned_malloc'] else 'default'}; "
+            f"streaming-store copy {report['stream_copy_GBps']:.1f} GB/s (median over the cases)"
+        ),
+        (
+            "nt bound = bytes moved (fwd: x, y; bwd: x, dy, dx) at the dtype's size / streaming-store copy bandwidth; "
+            "per byte = (bf16 ms / bf16 bytes) / (f32 ms / f32 bytes)"
+        ),
         "",
-        (f"{'case':<26} {'impl':<9} {'f32 fwd/nt':>10} {'bf16 fwd/nt':>11} {'f32 bwd/nt':>10} {'bf16 bwd/nt':>11} "
-        f"{'fwd per byte':>12} {'bwd per byte':>12}"),
+        (
+            f"{'case':<26} {'impl':<9} {'f32 fwd/nt':>10} {'bf16 fwd/nt':>11} {'f32 bwd/nt':>10} {'bf16 bwd/nt':>11} "
+            f"{'fwd per byte':>12} {'bwd per byte':>12}"
+        ),
     ]
     for r in report["results"]:
         case = f"{r['layer']} {'x'.join(map(str, r['shape']))}"
