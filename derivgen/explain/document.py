@@ -26,6 +26,57 @@ from derivgen.symbolic.naming import DisplayNames, TextSpelling, _Ordered
 from derivgen.symbolic.reduce import Mean
 
 
+class _Equal(sympy.Function):
+    """Display only: indicator(t)·indicator(-t), the mask of t = 0 (the elements that attain a
+    group maximum), printed [u = v] for t = u - v."""
+
+    nargs = 1
+
+
+def _equalities(expr: sympy.Expr) -> sympy.Expr:
+    """``expr`` with every product indicator(t)·indicator(-t) written as :class:`_Equal` (t)."""
+    if not isinstance(expr, sympy.Basic) or not expr.has(functions.Indicator):
+        return expr
+
+    def pair(m: sympy.Mul) -> sympy.Expr:
+        inds = [f for f in m.args if isinstance(f, functions.Indicator)]
+        used: set[int] = set()
+        out = []
+        for i, a in enumerate(inds):
+            if i in used:
+                continue
+            j = next(
+                (
+                    j
+                    for j in range(i + 1, len(inds))
+                    if j not in used and sympy.expand(inds[j].args[0] + a.args[0]) == 0
+                ),
+                None,
+            )
+            if j is not None:
+                used |= {i, j}
+                out.append(_Equal(a.args[0]))
+        if not used:
+            return m
+        rest = [f for f in m.args if not (isinstance(f, functions.Indicator) and inds.index(f) in used)]
+        return sympy.Mul(*rest, *out, evaluate=False) if out else m
+
+    return expr.replace(lambda e: e.is_Mul and e.has(functions.Indicator), pair)
+
+
+def _sides(t: sympy.Expr, element: set[str]) -> tuple[sympy.Expr, sympy.Expr]:
+    """t = u - v: (u, v), the terms of t without and with a minus sign, the side with element
+    values (``element``: their names) first: [|x| = m], not [m = |x|]."""
+    terms = sympy.Add.make_args(t)
+    u = sympy.Add(*[a for a in terms if not a.could_extract_minus_sign()])
+    v = sympy.Add(*[-a for a in terms if a.could_extract_minus_sign()])
+
+    def has_element(e: sympy.Expr) -> bool:
+        return any(s.name in element for s in e.free_symbols)
+
+    return (v, u) if has_element(v) and not has_element(u) else (u, v)
+
+
 class DerivLatexPrinter(SpellsFunctions, _Ordered, LatexPrinter):
     """SymPy's LaTeX printer with the layer's display names: an element-level symbol carries
     the subscript i outside a group mean (``subscript``), ∂L/∂y prints as a fraction, and
@@ -90,6 +141,10 @@ class DerivLatexPrinter(SpellsFunctions, _Ordered, LatexPrinter):
         tex = call(functions.half_power().latex, self._print(expr.base))
         return tex if root > 0 else rf"\frac{{1}}{{{tex}}}"
 
+    def _print__Equal(self, expr):
+        u, v = _sides(expr.args[0], self.names.element)
+        return rf"\left[{self._print(u)} = {self._print(v)}\right]"
+
 
 class DerivTextPrinter(TextSpelling, _Ordered, StrPrinter):
     """SymPy's text printer with the layer's display names (μ, σ², x̂ ...); ``Mean(e)`` prints
@@ -107,6 +162,10 @@ class DerivTextPrinter(TextSpelling, _Ordered, StrPrinter):
 
     def _print_Pi(self, expr):
         return "π"
+
+    def _print__Equal(self, expr):
+        u, v = _sides(expr.args[0], self.names.element)
+        return f"[{self._print(u)} = {self._print(v)}]"
 
     def _print_elementary(self, fn: functions.Elementary, expr: sympy.Expr) -> str:
         if fn.name == "abs":  # |u|, as people write it
@@ -204,12 +263,12 @@ def latex_expr(
     """``expr`` in LaTeX with the display names of ``spec`` and of ``extra`` (auxiliaries,
     the coordinate); element-level symbols subscripted with i unless ``subscript`` is False."""
     scalars = frozenset(p.name for p in spec.params if p.scalar) if spec is not None else frozenset()
-    return DerivLatexPrinter(DisplayNames(spec, extra), subscript, scalars).doprint(_decimals(expr))
+    return DerivLatexPrinter(DisplayNames(spec, extra), subscript, scalars).doprint(_equalities(_decimals(expr)))
 
 
 def text_expr(expr: sympy.Expr, spec: Spec | None = None, extra: Mapping[str, Named] | None = None) -> str:
     """``expr`` in text with the display names of ``spec`` and ``extra``: ^ for powers, · for products."""
-    s = DerivTextPrinter(DisplayNames(spec, extra)).doprint(_decimals(expr))
+    s = DerivTextPrinter(DisplayNames(spec, extra)).doprint(_equalities(_decimals(expr)))
     return s.replace("**", "^").replace("*", "·")
 
 

@@ -183,3 +183,15 @@ def test_pi_prints_as_pi():
     x = sympy.Symbol("x")
     e = parse_expr("x*pi", {"x": x}, group_size=sympy.Symbol("N"))
     assert text_expr(e) == "π·x" and latex_expr(e) == r"\pi {x}_i"
+
+
+def test_an_equality_mask_reads_as_an_equality_and_g_is_defined_before_use():
+    """indicator(|x| - m)·indicator(m - |x|) prints [|x| = m] (text and LaTeX); the statistics'
+    gradients that use g come after g's definition."""
+    d = derivgen.derive("absmax_scale", prove=())
+    text = d.render("text")
+    assert "[|x| = m]" in text and "indicator" not in text
+    assert r"\left[\left|{x}\right| = m\right]" in d.render("latex")
+    frn = derivgen.derive("frn", prove=()).render("text")
+    stats = frn.split("Gradients with respect to the statistics")[1]
+    assert stats.index("g = ∂L/∂y·γ·step(") < stats.index("mean(g·x̂)")
