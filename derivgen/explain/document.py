@@ -94,7 +94,8 @@ class DerivLatexPrinter(SpellsFunctions, _Ordered, LatexPrinter):
         base = self.names.latex.get(n)
         if base is None:
             return super()._print_Symbol(expr)
-        if n in self.names.element and n not in self.scalars and self.subscript and self._depth == 0:
+        indexed = n in self.names.indexed or n in self.scalars
+        if n in self.names.element and not indexed and self.subscript and self._depth == 0:
             if n == "dy":
                 return r"\frac{\partial L}{\partial y_i}"
             return f"{{{base}}}_i" if not base.endswith("}") or "\\" in base else base + "_i"

@@ -58,12 +58,18 @@ class DisplayNames:
         self.text: dict[str, str] = {"dy": "∂L/∂y", "g": "g", "x": "x", "N": "N"}
         self.element = set(_ELEMENT)
         self.options: set[str] = set()
+        self.code: dict[str, str] = {}  # names that comments of generated code spell otherwise
+        self.indexed: set[str] = set()  # element values whose display already shows the index i
         if spec is not None:
             self.options = {o.name for o in spec.options}
             for n, item in spec.symbols.items():
                 self.latex[n] = item.latex
                 self.text[n] = item.text
             self.element |= {p.name for p in spec.params}
+            for m in getattr(spec, "masks", ()):  # leading(p): an element value, written as in the spec
+                self.element.add(m.name)
+                self.indexed.add(m.name)
+                self.code[m.name] = f"leading({m.option})"
             if spec.normalized is not None:
                 self.element.add(spec.normalized.name)
         for n, item in (extra or {}).items():
@@ -130,6 +136,9 @@ class CodeTextPrinter(TextSpelling, _Ordered, StrPrinter):
 
     def _print_Mean(self, expr: Mean) -> str:
         return f"mean({self._print(expr.args[0])})"
+
+    def _print_Symbol(self, expr: sympy.Symbol) -> str:
+        return self.names.code.get(expr.name, expr.name)
 
 
 def code_text(expr: sympy.Expr, spec: _Layer | None = None) -> str:
