@@ -52,6 +52,7 @@ from derivgen.runtime.abi import reads_buffers
 from derivgen.runtime.base import (
     DTYPES,
     Cache,
+    StatisticsView,
     _check_array,
     _check_cache,
     _contig,
@@ -120,6 +121,7 @@ __all__ = [
     "Layout",
     "SecondCall",
     "SplitCall",
+    "StatisticsView",
     "check_buffer_shape",
     "check_dy",
     "check_group_size",

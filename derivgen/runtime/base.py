@@ -42,7 +42,26 @@ def _contig(a: np.ndarray) -> np.ndarray:
     return a if a.flags.c_contiguous else np.ascontiguousarray(a)
 
 
-class Cache:
+class StatisticsView:
+    """What every backend's cache shows of its statistics: the forward's ``dtype`` (x's) and,
+    as attributes (``cache.mean``, ``cache.rstd`` ...), each statistic in the layer's group
+    shape (rows for layer norm, (N, C) for instance norm, (C,) for batch norm) and x's dtype.
+    A cache sets ``x``, ``layout`` and ``stats`` (flat arrays or tensors by name)."""
+
+    @property
+    def dtype(self) -> Any:
+        """The forward's dtype (x's)."""
+        return self.x.dtype
+
+    def __getattr__(self, item: str) -> Any:
+        stats = self.__dict__.get("stats", {})
+        if item in stats:
+            v = stats[item].reshape(self.layout.group_shape)
+            return v.astype(self.x.dtype) if isinstance(v, np.ndarray) else v.to(self.x.dtype)
+        raise AttributeError(item)
+
+
+class Cache(StatisticsView):
     """What the forward saves for the backward.
 
     Statistics are flat float64 arrays of ``n_groups`` values (kept in double
@@ -66,17 +85,6 @@ class Cache:
         self.meta, self.mode, self.layout = meta, mode, layout
         self.x, self.params, self.stats = x, params, stats
         self.options, self.inputs = options, inputs
-
-    @property
-    def dtype(self) -> np.dtype:
-        """The forward's dtype (x's)."""
-        return self.x.dtype
-
-    def __getattr__(self, item: str) -> np.ndarray:
-        stats = self.__dict__.get("stats", {})
-        if item in stats:
-            return stats[item].reshape(self.layout.group_shape).astype(self.x.dtype)
-        raise AttributeError(item)
 
     def __repr__(self) -> str:
         return (

@@ -22,7 +22,7 @@ from derivgen.torch.validate import check_on_tensors
 LOW = (torch.float16, torch.bfloat16)
 
 
-class Cache:
+class Cache(rt.StatisticsView):
     """What the forward keeps for the backward (the NumPy modules' ``Cache`` on tensors):
     the mode, layout, x, parameters, options, per-group inputs and the statistics (one
     float64 value per group, or float32 on a device without float64 support); as attributes
@@ -32,17 +32,6 @@ class Cache:
         self.meta, self.mode, self.layout = meta, mode, layout
         self.x, self.params, self.stats = x, params, stats
         self.options, self.inputs, self.num_groups = options, inputs, num_groups
-
-    @property
-    def dtype(self) -> torch.dtype:
-        """The forward's dtype (x's)."""
-        return self.x.dtype
-
-    def __getattr__(self, item: str) -> torch.Tensor:
-        stats = self.__dict__.get("stats", {})
-        if item in stats:
-            return stats[item].reshape(self.layout.group_shape).to(self.x.dtype)
-        raise AttributeError(item)
 
     def __repr__(self) -> str:
         return f"Cache({self.meta['name']}, {self.mode}, x {tuple(self.x.shape)} {self.x.dtype})"

@@ -67,7 +67,7 @@ class Layer:
     spec: Any = None
 
 
-class Cache:
+class Cache(rt.StatisticsView):
     """What the forward keeps for the backward: the mode, layout, x as the kernels read it,
     parameters, options, per-group inputs, buffers the statistics read (copies), and the
     statistics (float32, one value per group); as attributes (``cache.mean``) the
@@ -82,17 +82,6 @@ class Cache:
         self.buffers: dict = kw["buffers"]
         self.num_groups: int | None = kw["num_groups"]
         self.user_x: torch.Tensor = kw["user_x"]
-
-    @property
-    def dtype(self) -> torch.dtype:
-        """The forward's dtype (x's)."""
-        return self.x.dtype
-
-    def __getattr__(self, item: str) -> torch.Tensor:
-        stats = self.__dict__.get("stats", {})
-        if item in stats:
-            return stats[item].reshape(self.layout.group_shape).to(self.x.dtype)
-        raise AttributeError(item)
 
     def __repr__(self) -> str:
         return f"Cache({self.meta['name']}, {self.mode}, x {tuple(self.x.shape)} {self.x.dtype}, Triton)"
