@@ -20,7 +20,7 @@ import jax.numpy as jnp
 
 from derivgen.jax.layout import JaxLayout, make_layout
 from derivgen.jax.load import module, spec_of
-from derivgen.runtime.validate import check_float
+from derivgen.runtime.validate import bind_arguments, check_float
 from derivgen.spec.model import Spec
 
 RULES = ("jvp", "vjp")
@@ -111,23 +111,7 @@ class Function:
         """(parameters, inputs, options, buffers) by name, checked as derivgen.torch.function does."""
         meta = self.meta
         name = meta["name"]
-        if len(params) > len(meta["params"]):
-            raise TypeError(
-                f"{name}: takes x and {len(meta['params'])} parameter(s) {meta['params']} positionally, "
-                f"got {len(params)}"
-            )
-        given = dict(zip(meta["params"], params))
-        twice = set(given) & set(kw)
-        if twice:
-            raise TypeError(f"{name}: parameter(s) {sorted(twice)} given both by position and by keyword")
-        kw = {**given, **kw}
-        known = {*meta["params"], *meta["inputs"], *meta["options"], *meta["buffers"]}
-        unknown = set(kw) - known
-        if unknown:
-            raise TypeError(f"{name}: unknown argument(s) {sorted(unknown)}; arguments are {sorted(known)}")
-        for p in meta["params"]:
-            if p not in kw:
-                raise TypeError(f"{name}: parameter {p} is required")
+        kw = bind_arguments(meta, params, kw)
         options = {}
         for o, (default, lo, hi) in meta["options"].items():
             v = kw.get(o, default)

@@ -96,6 +96,30 @@ def scalar_params(meta: dict, params: dict, dtype: Any) -> dict:
     return out
 
 
+def bind_arguments(meta: dict, params: Sequence[Any], kw: dict) -> dict:
+    """The arguments of a functional call ``f(x, *params, **kw)`` by name: parameters by
+    position or keyword (not both), every other name one the layer declares, every parameter
+    given; errors name the layer and the argument."""
+    name = meta["name"]
+    if len(params) > len(meta["params"]):
+        raise TypeError(
+            f"{name}: takes x and {len(meta['params'])} parameter(s) {meta['params']} positionally, got {len(params)}"
+        )
+    given = dict(zip(meta["params"], params))
+    twice = set(given) & set(kw)
+    if twice:
+        raise TypeError(f"{name}: parameter(s) {sorted(twice)} given both by position and by keyword")
+    kw = {**given, **kw}
+    known = {*meta["params"], *meta["inputs"], *meta["options"], *meta["buffers"]}
+    unknown = set(kw) - known
+    if unknown:
+        raise TypeError(f"{name}: unknown argument(s) {sorted(unknown)}; arguments are {sorted(known)}")
+    for p in meta["params"]:
+        if p not in kw:
+            raise TypeError(f"{name}: parameter {p} is required")
+    return kw
+
+
 def leading_count(p: float, n: int) -> int:
     """How many leading features ``leading(p)`` selects of ``n``: ⌊p·n⌋ (the product in
     double, truncated as C's cast and Python's ``int`` do), within 0..n."""

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from derivgen.runtime.validate import check_float
+from derivgen.runtime.validate import bind_arguments, check_float
 from derivgen.spec.model import Spec
 from derivgen.torch import sync
 from derivgen.torch.ops import layer
@@ -450,23 +450,7 @@ class _Function:
     def __call__(self, x, *params, training: bool = True, num_groups: int = 0, **kw):
         meta = self._layer.meta
         name = meta["name"]
-        if len(params) > len(meta["params"]):
-            raise TypeError(
-                f"{name}: takes x and {len(meta['params'])} parameter(s) {meta['params']} "
-                f"positionally, got {len(params)}"
-            )
-        given = dict(zip(meta["params"], params))
-        twice = set(given) & set(kw)
-        if twice:
-            raise TypeError(f"{name}: parameter(s) {sorted(twice)} given both by position and by keyword")
-        kw = {**given, **kw}
-        known = {*meta["params"], *meta["inputs"], *meta["options"], *meta["buffers"]}
-        unknown = set(kw) - known
-        if unknown:
-            raise TypeError(f"{name}: unknown argument(s) {sorted(unknown)}; arguments are {sorted(known)}")
-        for p in meta["params"]:
-            if p not in kw:
-                raise TypeError(f"{name}: parameter {p} is required")
+        kw = bind_arguments(meta, params, kw)
         options = {}
         for o, (default, _, _) in meta["options"].items():
             options[o] = kw.get(o, default)
