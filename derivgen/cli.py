@@ -670,8 +670,9 @@ def main(argv: list[str] | None = None) -> int:
         return exc.exit_code
     except click.UsageError as exc:
         msg = exc.format_message().splitlines()[0] if exc.format_message() else "usage error"
-        ctx = f"derivgen {exc.ctx.info_name}: " if exc.ctx and exc.ctx.info_name != "derivgen" else "derivgen: "
-        click.echo(f"{ctx}error: {msg}", err=True)
+        sub = exc.ctx.info_name if exc.ctx and exc.ctx.info_name != "derivgen" else None
+        see = f" (see derivgen {sub} --help)" if sub else " (see derivgen --help)"
+        click.echo(f"derivgen: error: {msg}{see}", err=True)  # the prefix of every error
         return 2
     except click.ClickException as exc:
         click.echo(f"derivgen: error: {exc.format_message()}", err=True)

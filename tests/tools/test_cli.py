@@ -47,6 +47,7 @@ def test_bad_input_is_one_line_exit_2(args, needle, tmp_path):
     r = run(*args, cwd=tmp_path)
     assert r.returncode == 2
     assert needle in r.stderr
+    assert r.stderr.startswith("derivgen: error: "), r.stderr  # usage errors (click's) too
     assert len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert "Traceback" not in r.stderr
     assert list(tmp_path.iterdir()) == []
