@@ -469,6 +469,7 @@ def name_reductions(
     for e in exprs:
         atoms |= set(means(e))
     names = {X: "x", DY: "dy", G: "g", **{p.symbol: p.name for p in spec.params}, **(extra or {})}
+    names.update({m.symbol: m.name for m in spec.masks})  # Mean_Lead_p_dx_x
     if coordinate is not None:
         names[coordinate.symbol] = coordinate.name
     out, used = [], set()

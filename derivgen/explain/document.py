@@ -652,11 +652,16 @@ def _second_prose(second: SecondOrder) -> str:
         f"{cots} of the backward's outputs it differentiates L₂ = Σ δx·∂L/∂x + Σ δp·∂L/∂p + ... once more, "
         f"by reverse mode through the backward's own program{_backward_program(second)}, and the "
         f"nested means collapse by linearity and the known statistics to means of element monomials: "
-        f"{len(second.reductions)} reductions per group, one sweep for them and one for the outputs. "
+        f"{_count(len(second.reductions), 'reduction')} per group, one sweep for them and one for the outputs. "
         f"The JVP is forward mode through the forward program with the tangents {tans}: "
-        f"{len(second.jvp_reductions)} reductions. Terms from |u| (a DiracDelta) are dropped: zero wherever the "
+        f"{_count(len(second.jvp_reductions), 'reduction')}. Terms from |u| (a DiracDelta) are dropped: zero wherever the "
         f"first derivative exists." + "".join(" " + note for note in spec.second_order_notes)
     )
+
+
+def _count(n: int, noun: str) -> str:
+    """``n`` ``noun``s, singular for one."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
 def _second_equations(second: SecondOrder) -> list[tuple[str, str, object]]:
