@@ -148,6 +148,30 @@ class KernelSignature:
         return pack
 
 
+def call_runs(sig: KernelSignature) -> tuple[int, int, int] | None:
+    """A signature as runs of argument classes: ``(lead, doubles, tail)`` when its arguments
+    are ``lead`` 64-bit integers or pointers, then ``doubles`` doubles, then ``tail``
+    pointers, then one ``int`` (the thread count); None for any other shape (per-group
+    inputs' strides among the pointers, a level, a count). A caller that passes pointers
+    as 64-bit integers (the same register or stack slot on 64-bit ABIs) can then call
+    every such kernel through one function type per (lead, doubles, tail):
+    ``derivgen.torch``'s C++ extension does."""
+    args = sig.args
+    if not args or args[-1].pointer or args[-1].ctype != "int":
+        return None
+    body = args[:-1]
+    k = 0
+    while k < len(body) and (body[k].pointer or body[k].ctype == "int64_t"):
+        k += 1
+    lead = k
+    while k < len(body) and not body[k].pointer and body[k].ctype == "double":
+        k += 1
+    doubles = k - lead
+    if not all(a.pointer for a in body[k:]):
+        return None
+    return lead, doubles, len(body) - k
+
+
 class _Builder:
     """Collects the arguments of one signature, section by section."""
 

@@ -4,7 +4,9 @@
 * the backward operator's own is the derived double backward (the ``bb`` operator);
 * the ``bb`` and ``jvp`` operators' are the generated PyTorch closed form differentiated
   by torch.func (third order; reverse over forward);
-* eager calls on CPU tensors skip the dispatcher (:class:`_Eager`); calls under a single
+* eager calls on CPU tensors skip the dispatcher: through the C++ extension
+  (:mod:`derivgen.torch.ext`: the kernels and their autograd node, no Python per call)
+  where a plan allows it and the extension is built, else :class:`_Eager`; calls under a single
   torch.func jvp level go through :class:`_Functional` (the operators), and under
   grad, vjp, vmap or nested transforms run the generated PyTorch forward
   (:mod:`derivgen.torch.generic`): :func:`call_forward` picks.
@@ -220,12 +222,26 @@ def call_forward(
     lay: Layer, mode: str, tens: list, opts: tuple, groups: int, stats: bool = True
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor] | None]:
     """(y, {statistic: tensor}) of a forward call in operator order ((y, None) with
-    ``stats=False`` on the eager path): under a single torch.func ``jvp`` level the
-    operators (:class:`_Functional`), under any other torch.func transforms (grad, vjp,
-    vmap, nested levels) the generated PyTorch forward (:mod:`derivgen.torch.generic`: every
-    transform differentiates and batches it); eager CPU calls a plan's kernels (under :class:`_Eager` when autograd or forward
-    AD needs it), or within :func:`derivgen.torch.portable` the device-agnostic path;
-    anything else (torch.compile, other devices) the registered operators."""
+    ``stats=False`` on the eager path). First the C++ plan of the mode's last eager call
+    (:mod:`derivgen.torch.ext`), which runs the call when its tensors, options and groups
+    fit and no torch.func transform, forward AD or compilation is active. Else: under a
+    single torch.func ``jvp`` level the operators (:class:`_Functional`); under any other
+    torch.func transforms (grad, vjp, vmap, nested levels) the generated PyTorch forward
+    (:mod:`derivgen.torch.generic`: every transform differentiates and batches it); eager
+    CPU calls a plan's kernels (through its C++ extension where it has one, else under
+    :class:`_Eager` when autograd or forward AD needs it), or within
+    :func:`derivgen.torch.portable` the device-agnostic path; anything else
+    (torch.compile, other devices) the registered operators."""
+    if not (
+        torch.compiler.is_compiling()
+        or _fwad._current_level >= 0
+        or generic.ON
+        or torch._C._are_functorch_transforms_active()
+    ):
+        fast = lay.plans.last_ext.get(mode)
+        out = None if fast is None else fast(tens, opts, groups)
+        if out is not None:  # the tensors, options and groups of the last plan's call (the C++ extension)
+            return out[0], (dict(zip(lay.meta["stats"][mode], out[1].unbind(0))) if stats else None)
     x = tens[0]
     names = lay.meta["stats"][mode]
     if torch._C._are_functorch_transforms_active():
@@ -239,6 +255,10 @@ def call_forward(
             out = generic.Portable.apply(lay, mode, opts, groups, *tens)
             return out[0], dict(zip(names, out[1:]))
         plan = lay.plans.forward(mode, tens, opts, groups)
+        out = plan.ext(tens, opts, groups) if plan.ext is not None and _fwad._current_level < 0 else None
+        if out is not None:
+            lay.plans.last_ext[mode] = plan.ext  # the next call with this signature skips the lookup
+            return out[0], (dict(zip(names, out[1].unbind(0))) if stats else None)
         # a list, not a generator: faster for a few tensors on this per-call path
         if (torch.is_grad_enabled() and any([t.requires_grad for t in tens])) or _fwad._current_level >= 0:  # noqa: C419
             box = []

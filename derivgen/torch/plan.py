@@ -6,7 +6,10 @@ signature that passed is a *plan*: the kernels' ctypes functions with their argu
 types declared and the layout, called directly on the tensors' data pointers (a strided
 tensor is copied once first). Per call that leaves allocating the outputs and the
 option range checks (8x1024 layer norm: a few microseconds of Python around each
-kernel).
+kernel). A simple plan (contiguous tensors, no per-group inputs, no buffers passed) has
+a twin in the C++ extension (:mod:`derivgen.torch.ext`) that does the same per call
+without Python, checking first that a call's tensors, options and groups are the
+plan's.
 """
 
 from __future__ import annotations
@@ -19,8 +22,9 @@ from typing import Any
 import torch
 
 from derivgen import runtime as rt
-from derivgen.runtime.abi import reads_buffers
+from derivgen.runtime.abi import call_runs, reads_buffers
 from derivgen.runtime.cbind import CKernel, input_pairs
+from derivgen.torch import ext
 from derivgen.torch.protocol import Layer
 from derivgen.torch.schema import by_spec_name
 from derivgen.torch.tensors import SUFFIX, channels_last_format, is_channels_last, per_group_input_grad
@@ -75,6 +79,7 @@ class KernelPlan:
         "bsig",
         "copy",
         "dims",
+        "ext",
         "ffn",
         "fsig",
         "groups",
@@ -120,6 +125,8 @@ class KernelPlan:
         # the common case's calls, the arguments in the order the signature's packers check
         self.run_forward = _fast_forward(self) if self.simple else None
         self.run_backward = _fast_backward(self) if self.simple and not nhwc else None
+        # the same calls without Python, through the C++ extension (derivgen.torch.ext), where it is built
+        self.ext = _ext_plan(self, tens) if self.run_backward is not None else None
 
     def forward(
         self, tens: list[torch.Tensor], opts: tuple[float, ...], blob: bool
@@ -204,6 +211,55 @@ def _fast_backward(plan: KernelPlan):
         return (dx, *dps)
 
     return run
+
+
+def _ext_plan(plan: KernelPlan, tens: list[torch.Tensor]) -> Any:
+    """The plan in the C++ extension (``ext.Plan``: called with (tensors, options, groups), it
+    returns (y, statistics), or None when they do not fit): for a simple plan whose kernels'
+    arguments come in the runs the extension calls (see
+    :func:`derivgen.runtime.abi.call_runs`), in the sections' order that
+    :func:`_fast_forward` and :func:`_fast_backward` checked. None where the extension is
+    not available."""
+    mod = ext.module()
+    if mod is None:
+        return None
+    npar, nopt, nstat, nnull = plan.npar, len(plan.lay.options), len(plan.stat_offsets), len(plan.null_bufs)
+    fruns, bruns = call_runs(plan.fsig), call_runs(plan.bsig)
+    if (
+        len(tens) != 1 + npar
+        or fruns != (4 + 1 + npar, nopt, nnull + 1 + nstat)
+        or bruns != (4 + 2 + npar, nopt, nstat + 1 + npar)
+        or max(fruns[0], bruns[0]) > mod.MAX_LEAD
+        or nopt > mod.MAX_OPTS
+        or max(fruns[2], bruns[2]) > mod.MAX_TAIL
+    ):
+        return None
+    lay, mode, groups = plan.lay, plan.mode, plan.groups
+
+    def differentiable_backward(dy, *args):
+        """The backward operator (its autograd is the derived double backward): a backward
+        with create_graph=True."""
+        *ts, st, opts = args
+        return lay.modes[mode].backward(dy.contiguous(), *ts, *st.unbind(0), *opts, groups)
+
+    def address(f: ctypes._CFuncPtr) -> int:
+        return ctypes.cast(f, ctypes.c_void_p).value
+
+    return mod.Plan(
+        plan.name,
+        (address(plan.ffn), *fruns),
+        (address(plan.bfn), *bruns),
+        list(plan.dims),
+        [list(t.shape) for t in tens],
+        [t.dtype for t in tens],
+        nnull,
+        nstat,
+        plan.n_groups,
+        groups,
+        plan.serial,
+        plan.kernel,
+        differentiable_backward,
+    )
 
 
 def _contiguous_operands(plan: KernelPlan, tens: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -311,6 +367,7 @@ class PlanCache:
         self.ranges = [lay.meta["options"][o] for o in lay.options]
         self.channel_layout = lay.meta["layout"] == "channels"
         self._plans: dict = {}
+        self.last_ext: dict = {}  # mode -> the C++ plan of the last call through the extension
 
     def forward(self, mode: str, tens: list[torch.Tensor], opts: tuple[float, ...], groups: int) -> KernelPlan:
         """The plan of a forward call (tensors, options and groups in operator order)."""
@@ -321,7 +378,10 @@ class PlanCache:
             key = nhwc = plan = None
         if plan is None or (opts != plan.opts_ok and not options_in_range(opts, self.ranges)):
             plan = self.validated(mode, [*tens, *opts, groups], key, nhwc)
-        plan.opts_ok = opts  # in range: the next call with the same options skips the check
+        if plan.opts_ok != opts:
+            plan.opts_ok = opts  # in range: the next call with the same options skips the check
+            if plan.ext is not None:
+                plan.ext.set_options(opts)
         return plan
 
     def options_ok(self, opts: Sequence[Any]) -> bool:

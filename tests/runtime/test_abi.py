@@ -10,7 +10,7 @@ from conftest import ROOT
 
 from derivgen.api import derive, load_spec
 from derivgen.codegen.emit import emit
-from derivgen.runtime.abi import KINDS, SPLIT_KINDS, KernelSignature, kernel_signature, kernel_signatures
+from derivgen.runtime.abi import KINDS, SPLIT_KINDS, KernelSignature, call_runs, kernel_signature, kernel_signatures
 from derivgen.spec.model import catalogue_names
 
 ELEM = {"f32": "float", "f64": "double", "bf16": "dg_bf16"}
@@ -109,3 +109,23 @@ def test_unknown_kernels_are_refused():
         kernel_signature(meta, "train", "sideways")
     with pytest.raises(ValueError, match="no mode"):
         kernel_signature(meta, "eval", "forward")
+
+
+def test_call_runs_classify_the_arguments():
+    """The runs derivgen.torch's C++ extension calls a kernel by: layer norm's forward is the
+    dims, x and two parameters (7 integers or pointers), one double (eps), y and three
+    statistics (4 pointers), and the thread count; kernels with per-group inputs (a stride
+    among the trailing pointers) or split kernels (an int level) have no such shape."""
+    meta = importlib.import_module("generated.c.layernorm")._META
+    assert call_runs(kernel_signature(meta, "train", "forward")) == (7, 1, 4)
+    assert call_runs(kernel_signature(meta, "train", "backward")) == (8, 1, 6)  # dy; 3 stats, dx, 2 dparams
+    online = importlib.import_module("generated.c.online_layernorm")._META
+    assert call_runs(kernel_signature(online, "train", "forward")) is None
+    bn = importlib.import_module("generated.c.batchnorm")._META
+    assert call_runs(kernel_signature(bn, "train", "forward")) == (7, 2, 6)  # 2 NULL buffers, y, 3 stats
+    assert call_runs(kernel_signature(bn, "train", "split_partial")) is None
+    sig = kernel_signature(meta, "train", "forward")
+    for k in (0, 4, len(sig.args) - 1):  # a double among the integers, an int64 among the pointers, no int last
+        a = list(sig.args)
+        a[k] = type(a[k])(a[k].name, a[k].section, "double" if k < 7 else "int64_t")
+        assert call_runs(KernelSignature(sig.layer, sig.mode, sig.kind, tuple(a), sig.sections)) is None, k
