@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
@@ -218,6 +219,17 @@ def _one_jvp_level() -> bool:
 _eager_apply = torch._C._FunctionBase.__dict__["apply"].__get__(None, _Eager)
 
 
+def _compiled_autograd() -> bool:
+    """Is compiled autograd on (``torch._dynamo.config.compiled_autograd``, or its context)?
+    Its graphs need what a Python ``autograd.Function`` gives a node (``compiled_args``),
+    which the C++ extension's node has not: such a call takes the Python path."""
+    ca = sys.modules.get("torch._dynamo.compiled_autograd")
+    if ca is None:
+        return False
+    cfg = sys.modules.get("torch._dynamo.config")
+    return bool(ca.compiled_autograd_enabled or (cfg is not None and cfg.compiled_autograd))
+
+
 def call_forward(
     lay: Layer, mode: str, tens: list, opts: tuple, groups: int, stats: bool = True
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor] | None]:
@@ -237,6 +249,7 @@ def call_forward(
         or _fwad._current_level >= 0
         or generic.ON
         or torch._C._are_functorch_transforms_active()
+        or _compiled_autograd()
     ):
         fast = lay.plans.last_ext.get(mode)
         out = None if fast is None else fast(tens, opts, groups)
@@ -255,7 +268,8 @@ def call_forward(
             out = generic.Portable.apply(lay, mode, opts, groups, *tens)
             return out[0], dict(zip(names, out[1:]))
         plan = lay.plans.forward(mode, tens, opts, groups)
-        out = plan.ext(tens, opts, groups) if plan.ext is not None and _fwad._current_level < 0 else None
+        use_ext = plan.ext is not None and _fwad._current_level < 0 and not _compiled_autograd()
+        out = plan.ext(tens, opts, groups) if use_ext else None
         if out is not None:
             lay.plans.last_ext[mode] = plan.ext  # the next call with this signature skips the lookup
             return out[0], (dict(zip(names, out[1].unbind(0))) if stats else None)

@@ -243,3 +243,19 @@ def test_turned_off_by_the_environment(monkeypatch):
     assert not ext.enabled() and ext.module() is None
     monkeypatch.setenv("DERIVGEN_TORCH_EXT", "1")
     assert ext.enabled()
+
+
+def test_compiled_autograd_takes_the_python_path():
+    """Under compiled autograd (its context, or torch._dynamo.config.compiled_autograd) a call
+    records a Python autograd node, which compiled autograd can trace; the gradients are the
+    eager ones."""
+    _require_extension()
+    from torch._dynamo import compiled_autograd
+
+    m = dt.LayerNorm(16).double()
+    x = torch.randn(4, 16, dtype=torch.float64, requires_grad=True)
+    (want,) = torch.autograd.grad(m(x).square().sum(), x)  # the C++ path, warm
+    x.grad = None
+    with compiled_autograd._enable(torch.compile(backend="eager")):
+        m(x).square().sum().backward()
+    assert torch.equal(x.grad, want)
