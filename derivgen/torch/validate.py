@@ -30,9 +30,14 @@ def check_on_tensors(meta: dict, mode: str, a: dict, any_device: bool = False) -
     for k in _tensor_names(meta, mode):
         check_tensor(meta["name"], k, a[k], any_device)
         check_same_dtype(meta, k, a[k].dtype, x.dtype, "; use one dtype for all")
-        if any_device and a[k].device != x.device:
-            raise ValueError(f"{meta['name']}: {k} is on {a[k].device} but x is on {x.device}")
+        _check_device(meta, k, a[k], x)
     return check_call_shapes(meta, mode, a, a["num_groups"])
+
+
+def _check_device(meta: dict, k: str, t: torch.Tensor, x: torch.Tensor) -> None:
+    """Every tensor of a call on x's device (a meta-device parameter beside a CPU x, say)."""
+    if t.device != x.device:
+        raise ValueError(f"{meta['name']}: {k} is on {t.device} but x is on {x.device}; use one device for all")
 
 
 def check_through_numpy(meta: dict, mode: str, a: dict) -> rt.Layout:
@@ -40,6 +45,7 @@ def check_through_numpy(meta: dict, mode: str, a: dict) -> rt.Layout:
     (float32/float64, NCHW); their layout."""
     for k in _tensor_names(meta, mode):
         check_tensor(meta["name"], k, a[k])
+        _check_device(meta, k, a[k], a["x"])
     call = rt.prepare_forward(
         meta,
         numpy_view(a["x"]),

@@ -216,6 +216,16 @@ def test_meta_device():
         assert m.weight.grad.device.type == "meta" and m.weight.grad.shape == m.weight.shape
 
 
+def test_a_parameter_on_another_device_is_named():
+    """A CPU x with a meta-device parameter: one error naming the parameter and both devices
+    (not a NumPy TypeError from reading the meta tensor), in float32 and bfloat16."""
+    for dt_ in (torch.float32, torch.bfloat16):
+        x = torch.randn(4, 16, dtype=dt_)
+        gamma, beta = torch.ones(16, device="meta", dtype=dt_), torch.zeros(16, dtype=dt_)
+        with pytest.raises(ValueError, match=r"layernorm: gamma is on meta but x is on cpu; use one device"):
+            dt.function("layernorm")(x, gamma, beta)
+
+
 def test_cuda_when_expected():
     """On a machine with CUDA (required with DERIVGEN_EXPECT_CUDA=1): a converted model
     runs through the device-agnostic operators and matches torch.nn."""
