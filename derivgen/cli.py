@@ -608,7 +608,7 @@ def _bench_bf16(
 ) -> None:
     """``bench --dtype bfloat16``: the bfloat16 kernels against the float32 ones, per byte."""
     try:  # PyTorch is an optional dependency; the bench calls derivgen.torch's operators
-        from derivgen.tools.bench_bf16 import LAYERS, format_bf16_report, run_bf16_bench
+        from derivgen.torch.bench_bf16 import LAYERS, format_bf16_report, run_bf16_bench
     except ImportError as e:
         raise UserError(str(e)) from None
     bad = [n for n in names if n not in LAYERS]

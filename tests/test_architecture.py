@@ -42,6 +42,7 @@ STAGE_OF_MODULE = {
     "derivgen.__main__": "cli",
     "derivgen.torch.bench": "tools",  # benchmarks and demos use the modules, they are not part of them
     "derivgen.torch.bench_sync": "tools",
+    "derivgen.torch.bench_bf16": "tools",
     "derivgen.torch.demo": "tools",
     "derivgen.jax.bench": "tools",
 }

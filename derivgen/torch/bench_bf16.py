@@ -20,10 +20,13 @@ import statistics
 from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
+import torch
+import torch.nn.functional as F
 
 from derivgen.runtime.machine import machine
 from derivgen.spec.model import load_catalogue
 from derivgen.tools.bench import DEFAULT_SHAPES, Bandwidth, _inputs, round_robin, tune_malloc
+from derivgen.torch import ops as dops
 
 LAYERS = ("layernorm", "rmsnorm", "batchnorm", "groupnorm", "instancenorm")
 PER_BYTE_TARGET = 1.2  # bfloat16 time per byte / float32 time per byte
@@ -31,8 +34,6 @@ PER_BYTE_TARGET = 1.2  # bfloat16 time per byte / float32 time per byte
 
 def _torch_layer(name: str, shape: tuple, kw: dict) -> Callable:
     """PyTorch's functional layer of a catalogue layer: (x, params) -> y."""
-    import torch.nn.functional as F
-
     if name == "layernorm":
         return lambda x, p: F.layer_norm(x, shape[-1:], p[0], p[1], 1e-5)
     if name == "rmsnorm":
@@ -49,10 +50,6 @@ def _torch_layer(name: str, shape: tuple, kw: dict) -> Callable:
 def _case(name: str, shape: tuple, repeat: int, probe: Bandwidth, progress) -> dict:
     """One layer at one shape: each pass of derivgen's operators and of torch's layer in
     float32 and bfloat16, with the bandwidth probe, in the same rounds."""
-    import torch
-
-    from derivgen.torch import ops as dops
-
     spec = load_catalogue(name)
     x, dy, params, kw = _inputs(spec, shape, np.dtype(np.float32), True)
     dops.layer(name)  # registers the layer's operators
@@ -129,8 +126,6 @@ def run_bf16_bench(
     progress: Callable[[str], None] | None = None,
 ) -> dict:
     """The bfloat16 kernels of catalogue ``layers`` against their float32 ones and torch's."""
-    import torch
-
     threads = threads or machine().cores
     before = torch.get_num_threads()
     torch.set_num_threads(threads)  # the kernels' threads too (derivgen.torch.plan.threads)
