@@ -117,9 +117,13 @@ class Bandwidth:
         self.copy = lambda: self.lib.dg_copy(pa, pb, N, T)
         self.stream_copy = lambda: self.lib.dg_copy_stream(pa, pb, N, T)
 
+    def rate(self, ms: float) -> float:
+        """GB/s (bytes read + bytes written) of one copy taking ``ms``."""
+        return 2 * self.n * 4 / ms / 1e6
+
     def rates(self, ms: dict[str, float]) -> dict[str, float]:
         """GB/s (bytes read + bytes written) from the median ms of copy and stream_copy."""
-        return {f"{k}_GBps": 2 * self.n * 4 / ms[k] / 1e6 for k in ("copy", "stream_copy")} | {"MiB": self.mib}
+        return {f"{k}_GBps": self.rate(ms[k]) for k in ("copy", "stream_copy")} | {"MiB": self.mib}
 
 
 # ------------------------------------------------------------------ plain NumPy baselines

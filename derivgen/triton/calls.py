@@ -189,25 +189,26 @@ def _group_values(v: torch.Tensor) -> tuple[torch.Tensor, int]:
     return flat, (0 if flat.numel() == 1 else 1)
 
 
-def _kernel_args(roles: list[tuple[str, str]], values: dict) -> list:
+def _kernel_args(roles: list[tuple[str, str]], values: dict, L: rt.Layout) -> list:
     """The kernel's leading arguments in order, from ``values`` by (role, spec name); a
-    per-group input is two arguments, its values and their stride."""
+    per-group input is two arguments, its values and their stride; ("mask", o) is the
+    feature count ⌊o·N⌋ of ``leading(o)``."""
     out: list = []
     for role, n in roles:
         if role == "input":
             out.extend(_group_values(values[role, n]))
+        elif role == "mask":
+            out.append(rt.leading_count(values["option", n], L.Cg))
         else:
             out.append(values[role, n])
     return out
 
 
-def _common(meta: dict, a: dict, L: rt.Layout) -> dict:
-    """Kernel arguments by (role, spec name) that forward and backward share; ("mask", o) is
-    the feature count ⌊o·N⌋ of ``leading(o)`` (taken by the kernels of layers that use it)."""
+def _common(meta: dict, a: dict) -> dict:
+    """Kernel arguments by (role, spec name) that forward and backward share."""
     v: dict = {("param", p): a[p].reshape(-1).contiguous() for p in meta["params"]}
     v.update({("input", i): a[i] for i in meta["inputs"]})
     v.update({("option", o): float(a[o]) for o in meta["options"]})
-    v.update({("mask", o): rt.leading_count(float(a[o]), L.Cg) for o in meta["options"]})
     return v
 
 
@@ -233,7 +234,7 @@ def run_forward(layer: Layer, mode: str, a: dict, L: rt.Layout, update: bool) ->
         for s in stats.values():
             s.fill_(math.nan)
         return y, stats
-    values = {("x", "x"): x, ("y", "y"): y, **_common(meta, a, L)}
+    values = {("x", "x"): x, ("y", "y"): y, **_common(meta, a)}
     values.update({("stat", s): t for s, t in stats.items()})
     given = {b: a.get(b) for b in meta["buffers"]}
     copies = {}
@@ -249,7 +250,7 @@ def run_forward(layer: Layer, mode: str, a: dict, L: rt.Layout, update: bool) ->
     blk = blocks(geo)
     kernel = layer.kernels[mode][0]
     _check_runnable(kernel, x)
-    args = _kernel_args(layer.args[mode]["forward"], values)
+    args = _kernel_args(layer.args[mode]["forward"], values, L)
     pchan = geo.pop("PCHAN")
     grid = (programs(L.n_groups, x.device, blk["ROWS"]),)
     kernel[grid](*args, *geo.values(), **blk, PCHAN=pchan, UPDATE=up, **_warps(geo, blk))
@@ -281,12 +282,12 @@ def run_backward(layer: Layer, mode: str, a: dict, L: rt.Layout) -> tuple[torch.
     }
     dins = {i: torch.zeros(L.n_groups, dtype=torch.float32, device=x.device) for i in meta["inputs"]}
     if x.numel():
-        values = {("x", "x"): x, ("dy", "dy"): dy, ("dx", "dx"): dx, **_common(meta, a, L)}
+        values = {("x", "x"): x, ("dy", "dy"): dy, ("dx", "dx"): dx, **_common(meta, a)}
         values.update({("buffer", b): a[b].reshape(-1).contiguous() for b in meta["buffers"] if b in a})
         values.update({("stat", s): a[s].reshape(-1).to(torch.float32).contiguous() for s in meta["stats"][mode]})
         values.update({("dparam", p): parts[p] for p in meta["params"]})
         values.update({("dinput", i): dins[i] for i in meta["inputs"]})
-        args = _kernel_args(layer.args[mode]["backward"], values)
+        args = _kernel_args(layer.args[mode]["backward"], values, L)
         _check_runnable(layer.kernels[mode][1], x)
         layer.kernels[mode][1][(nprog,)](*args, *geo.values(), channels, **blk, PCHAN=pchan, **_warps(geo, blk))
     else:
