@@ -524,8 +524,7 @@ class _Parser:
                     f"leading({o.name}) needs a 'trailing' layout: it selects by position among the "
                     f"normalized features, and a {layout!r} group has no such order",
                 )
-            text = o.text if o.text != o.name else o.name
-            out.append(Mask(sym.name, sym, f"[i < \\lfloor {o.latex} N \\rfloor]", f"[i<⌊{text}·N⌋]", option=o.name))
+            out.append(Mask(sym.name, sym, f"[i < \\lfloor {o.latex} N \\rfloor]", f"[i<⌊{o.text}·N⌋]", option=o.name))
         return out
 
     def inputs(self) -> list[Input]:
