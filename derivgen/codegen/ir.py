@@ -195,7 +195,7 @@ def split_levels(forward: list) -> list[tuple[list, list]]:
 def build_mode_ir(first: ModeDerivation) -> ModeIR:
     """The IR of one mode's derivation (first order)."""
     spec = first.spec
-    element = {X, DY, G, *(p.symbol for p in spec.params if not p.scalar), *spec.mask_symbols}
+    element = {X, DY, G, *(p.symbol for p in spec.params if not p.scalar), *spec.mask_symbols, *spec.window_symbols}
     xhat = spec.normalized.symbol if spec.normalized else None
     if xhat is not None:
         element.add(xhat)
@@ -207,12 +207,13 @@ def build_mode_ir(first: ModeDerivation) -> ModeIR:
         return bool(e.free_symbols & element) and not isinstance(e, Mean)
 
     buffer_updates = [(b.name, b.update) for b in spec.buffers] if first.mode == "train" else []
-    fwd_elem = []
+    windows = [(w.name, w.expr) for w in spec.windows]  # W = window(e(x), k), before what reads it
+    fwd_elem = list(windows)
     if xhat is not None:
         fwd_elem.append((spec.normalized.name, first.normalized_expr))
     fwd_elem.append(("y", spec.output))
 
-    bwd_elem = []
+    bwd_elem = list(windows)
     if coord is not None:
         bwd_elem.append((coord.name, first.coordinate_expr))
     if first.g is not None:
@@ -297,7 +298,7 @@ def build_second_ir(second: SecondOrder, kind: str) -> SecondIR:
     def is_elem(f):
         return bool({str(v) for v in f.free_symbols} & element) and not isinstance(f, Mean)
 
-    temps = []
+    temps = [(w.name, w.expr) for w in spec.windows]
     if first.coordinate is not None:
         temps.append((first.coordinate.name, first.coordinate_expr))
     if first.g is not None and kind == "bb":

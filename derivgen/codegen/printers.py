@@ -49,6 +49,11 @@ class _NumPy(SpellsFunctions, _Ordered, NumPyPrinter):
     def _print_GroupMax(self, expr):
         return f"_max({self._print(expr.args[0])})"
 
+    def _print_Window(self, expr):
+        """``window_sum(u, k, transposed, x)``: along the group's axis, shaped like x."""
+        fn = "torch.window_sum" if self.torch_module else "runtime.window_sum"
+        return f"{fn}({self._print(expr.body)}, {self._print(expr.size)}, {expr.transposed}, x)"
+
     def _print_GroupMin(self, expr):
         return f"_min({self._print(expr.args[0])})"
 

@@ -40,6 +40,7 @@ from derivgen.derive.coordinate import ImplicitCoordinate, closed_form_coordinat
 from derivgen.spec.model import DY, Mode, N, Named, Spec, Statistic, X
 from derivgen.symbolic import domain, functions
 from derivgen.symbolic.reduce import SELECTIONS, GroupMax, Mean, ReductionAlgebra, expand, hide_means, means, selections
+from derivgen.symbolic.window import Window, pull
 
 G = sympy.Symbol("g", real=True)
 
@@ -497,7 +498,18 @@ def closed_form(
         masks = {m: sympy.Dummy(real=True) for m in e.atoms(functions.Step, functions.Indicator) if m.has(X)}
         e = e.xreplace(masks).subs(X, x_in_coordinate).xreplace({d: m for m, d in masks.items()})
     e = alg.canon(expand(alg.canon(e)))
-    return tidy(e, element)
+    return tidy_windows(tidy(e, element), element)
+
+
+def tidy_windows(e: sympy.Expr, element: set[sympy.Symbol] | frozenset[sympy.Symbol]) -> sympy.Expr:
+    """``e`` with each window's argument tidied and its group-constant factors taken out of
+    it (α·β/n out of windowᵀ(α·β·∂L/∂y·x/(n·D^(β+1))))."""
+    if not e.has(Window):
+        return e
+    e = e.replace(
+        lambda a: isinstance(a, Window), lambda w: Window(sympy.powsimp(sympy.factor_terms(w.body)), w.size, w.args[2])
+    )
+    return tidy(pull(e, element), element)
 
 
 def _solver(xhat: sympy.Symbol, xhat_def: sympy.Expr) -> sympy.Expr | None:
@@ -550,7 +562,9 @@ class _Deriver:
         self.spec, self.mode = spec, mode
         self.channel = {p.symbol: p for p in spec.params if not p.scalar}
         self.scalar = {p.symbol: p for p in spec.params if p.scalar}
-        self.masks = set(spec.mask_symbols)  # element values without a gradient
+        # element values the closed forms read as symbols: the masks (no gradient) and the
+        # output's windows (their gradient reaches x through the transposed window: reverse)
+        self.masks = set(spec.mask_symbols) | set(spec.window_symbols)
         self._use_normalized(spec.normalized.symbol if spec.normalized else None, spec.normalized_expr)
         varying = {X, DY, G, *self.channel, *self.masks} | ({self.xhat} if self.xhat is not None else set())
         self.alg = ReductionAlgebra(varying, active={DY, G})
@@ -630,6 +644,8 @@ class _Deriver:
             for v in sorted(self.group_diff, key=sympy.default_sort_key)
         }
         terms = {e: [self.dL(e)] for e in [X, *self.channel]}
+        for w in self.spec.windows:  # W_i = Σ_d e(x_{i+d}): ∂L/∂x_j = e'(x_j)·Σ_d ∂L/∂W_{j-d}
+            terms[X].append(sympy.diff(w.body, X) * w.expr.transpose(self.dL(w.symbol)))
         adj = _Adjoints(group, terms)
         for st in reversed(list(self.program.stats)):
             if isinstance(st.expr, SELECTIONS):

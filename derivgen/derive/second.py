@@ -47,6 +47,7 @@ from derivgen.derive.first import (
 from derivgen.spec.model import DY, N, Named, Spec, Statistic, X
 from derivgen.symbolic.naming import derived
 from derivgen.symbolic.reduce import SELECTIONS, Mean, ReductionAlgebra, hide_means
+from derivgen.symbolic.window import Window
 
 
 @dataclass(frozen=True)
@@ -201,7 +202,7 @@ class _ReversePass:
     def __init__(self, first: ModeDerivation, seeds: frozenset[sympy.Symbol]) -> None:
         spec = self.spec = first.spec
         self.rules = first.self_rules
-        channel = {p.symbol for p in spec.params if not p.scalar} | spec.mask_symbols
+        channel = {p.symbol for p in spec.params if not p.scalar} | spec.mask_symbols | spec.window_symbols
         coord = first.coordinate.symbol if first.coordinate is not None else None
         self.element = {X, DY, G, *channel, *seeds} | ({coord} if coord is not None else set())
         self.group_diff = (
@@ -219,13 +220,20 @@ class _ReversePass:
         element values directly, group values as N·mean(w·∂expr/∂v)."""
         if w == 0:
             return
+        back: dict[sympy.Symbol, sympy.Expr] = {}
+        if expr.has(Window):  # Σ_i w_i·F(Window(u))_i: u's adjoint is the transposed window of w·∂F/∂Window
+            hidden = {win: sympy.Dummy(f"W{k}", real=True) for k, win in enumerate(_outermost_windows(expr))}
+            back = {z: win for win, z in hidden.items()}
+            expr = expr.xreplace(hidden)
+            for win, z in hidden.items():
+                self.through(win.body, win.transpose(w * _diff(expr, z).xreplace(back)), where)
         for u in _sorted(expr.free_symbols & self.element):
-            d = _diff(expr, u)
+            d = _diff(expr, u).xreplace(back)
             check_derivatives(self.spec, where, d)
             if d != 0:
                 self.element_adj[u] = self.element_adj.get(u, 0) + w * d
         for a in _sorted(expr.free_symbols & self.group_diff):
-            d = _diff(expr, a)
+            d = _diff(expr, a).xreplace(back)
             check_derivatives(self.spec, where, d)
             if d != 0:
                 self.group_adj[a] = self.group_adj.get(a, 0) + N * Mean(w * d)
@@ -243,6 +251,14 @@ class _ReversePass:
         w = self.element_adj.pop(sym, 0)
         self.element.discard(sym)
         self.through(definition, w, "the backward's element values")
+
+    def window_values(self) -> None:
+        """The output's windows W = Window(e(x)) to x: ∂L₂/∂x gets e'(x)·Windowᵀ(∂L₂/∂W)."""
+        for wv in self.spec.windows:
+            w = self.element_adj.pop(wv.symbol, 0)
+            self.element.discard(wv.symbol)
+            if w != 0:
+                self.through(wv.body, wv.expr.transpose(w), "the output's windows")
 
     def statistic(self, st: Statistic) -> None:
         """A statistic to the group values and the means its definition is made of; a group
@@ -286,9 +302,25 @@ def _double_backward_adjoints(first: ModeDerivation, seeds: _Seeds) -> _ReverseP
         rev.element_definition(G, first.g)
     if first.coordinate is not None:
         rev.element_definition(first.coordinate.symbol, first.coordinate_expr)
+    rev.window_values()
     for st in reversed(first.statistics):
         rev.statistic(st)
     return rev
+
+
+def _outermost_windows(e: sympy.Expr) -> list[Window]:
+    """The windows of ``e`` not inside another window, in a fixed order."""
+    found: set[Window] = set()
+
+    def visit(a: sympy.Basic) -> None:
+        if isinstance(a, Window):
+            found.add(a)
+        elif not a.is_Atom:
+            for b in a.args:
+                visit(b)
+
+    visit(e)
+    return _sorted(found)
 
 
 def _double_backward(
@@ -329,7 +361,9 @@ class _ForwardPass:
             self.tan[p.symbol] = seeds.tan_params[p.name].symbol
         for i in spec.inputs:
             self.tan[i.symbol] = seeds.tan_inputs[i.name].symbol
-        self.elem_in = {X} | {p.symbol for p in spec.params if not p.scalar}
+        for w in spec.windows:  # Ẇ = Window(e'(x)·ẋ)
+            self.tan[w.symbol] = Window(_diff(w.body, X) * seeds.tan_x.symbol, w.size, 1)
+        self.elem_in = {X} | {p.symbol for p in spec.params if not p.scalar} | spec.window_symbols
         self.statistics = first.statistics
 
     def tangent(self, expr: sympy.Expr, where: str) -> sympy.Expr:

@@ -33,6 +33,7 @@ from derivgen.derive.second import SecondOrder, almost_everywhere
 from derivgen.spec.model import DY, Input, N, Param, Spec, X
 from derivgen.symbolic import domain, functions
 from derivgen.symbolic.reduce import SELECTIONS, GroupMax, Mean
+from derivgen.symbolic.window import Window, offsets
 
 
 @dataclass
@@ -87,10 +88,12 @@ class _Explicit:
     maps each per-element symbol to its n elements, ``group`` each statistic to its
     explicit sum, ``derived`` x̂, the coordinate and g to their definitions."""
 
-    def __init__(self, first: ModeDerivation, n: int):
+    def __init__(self, first: ModeDerivation, n: int, window: int | None = None):
         spec = first.spec
         self.first = first
         self.n = n
+        self.window = window  # the size every window option takes (windows: one size per check)
+        self.windows = {w.symbol: w.expr for w in spec.windows}
         self.elem: dict[sympy.Symbol, list[sympy.Symbol]] = {X: _elements("x", n), DY: _elements("dy", n)}
         for p in spec.params:
             if not p.scalar:  # a scalar parameter is one symbol for the whole group
@@ -98,6 +101,9 @@ class _Explicit:
         for m in spec.mask_symbols:  # any constant per element: the 0/1 pattern is one case
             self.elem[m] = [sympy.Symbol(f"{m.name}[{j}]", nonnegative=True) for j in range(n)]
         self.group: dict[sympy.Symbol, sympy.Expr] = {N: sympy.Integer(n)}
+        for w in spec.windows:
+            if w.size.is_Symbol:
+                self.group[w.size] = sympy.Integer(window)
         for st in first.statistics:
             self.group[st.symbol] = self.at(st.expr, None)
         self.derived: dict[sympy.Symbol, sympy.Expr] = {}
@@ -108,8 +114,26 @@ class _Explicit:
         if first.g is not None:
             self.derived[G] = first.g
 
+    def _size(self, k: sympy.Expr) -> int:
+        """A window's size: its integer, or the size this check gives its option."""
+        return int(k) if k.is_Integer else self.window
+
+    def _windows(self, e: sympy.Expr, i: int) -> sympy.Expr:
+        """``e`` with every window at element i written out as the sum over its neighbours
+        inside the group (outermost first: a window inside a window is summed at each
+        neighbour of the outer one)."""
+        if isinstance(e, Window) or e in self.windows:
+            w = e if isinstance(e, Window) else self.windows[e]
+            near = [i + d for d in offsets(self._size(w.size), w.transposed)]
+            return sympy.Add(*[self.at(w.body, j) for j in near if 0 <= j < self.n])
+        if e.is_Atom or not (e.has(Window) or e.free_symbols & set(self.windows)):
+            return e
+        return e.func(*[self._windows(a, i) for a in e.args])
+
     def at(self, expr: sympy.Expr, i: int | None) -> sympy.Expr:
         """expr evaluated at element i (None: a group-level expression)."""
+        if i is not None:
+            expr = self._windows(expr, i)
 
         def mean(m):
             return sympy.Add(*[self.at(m.args[0], j) for j in range(self.n)]) / self.n
@@ -434,14 +458,22 @@ def _explicit_loss(ex: _Explicit) -> tuple[list[sympy.Expr], sympy.Expr]:
     return ys, sympy.Add(*[ex.elem[DY][i] * ys[i] for i in range(ex.n)])
 
 
-def _param_check(prefix: str, loss: sympy.Expr, p: Param, grad: ParamGrad, ex: _Explicit) -> tuple[str, sympy.Expr]:
+def _positions(ex: _Explicit) -> range:
+    """The elements a per-element closed form is checked at: element 0 stands for every one
+    where the layer treats its elements alike; a window sees the group's ends, so each."""
+    return range(ex.n) if ex.windows else range(1)
+
+
+def _param_check(
+    prefix: str, loss: sympy.Expr, p: Param, grad: ParamGrad, ex: _Explicit, i: int = 0
+) -> tuple[str, sympy.Expr]:
     """(``prefix`` d<name>, difference) for parameter ``p``'s closed-form gradient ``grad`` of ``loss``: at
-    element 0 for a per-element parameter, summed over the group (element part over every
+    element i for a per-element parameter, summed over the group (element part over every
     element plus the group part) for a scalar one."""
     if p.scalar:
-        total = sympy.Add(*[ex.at(grad.element, i) for i in range(ex.n)]) + ex.at(grad.group, None)
+        total = sympy.Add(*[ex.at(grad.element, j) for j in range(ex.n)]) + ex.at(grad.group, None)
         return f"{prefix}d{p.name}", sympy.diff(loss, p.symbol) - total
-    return f"{prefix}d{p.name}_0", sympy.diff(loss, ex.elem[p.symbol][0]) - ex.at(grad.element, 0)
+    return f"{prefix}d{p.name}_{i}", sympy.diff(loss, ex.elem[p.symbol][i]) - ex.at(grad.element, i)
 
 
 def _input_check(
@@ -461,8 +493,10 @@ def _first_checks(first: ModeDerivation, ex: _Explicit) -> list[tuple[str, sympy
     permutation of (x_j, dy_j, p_j), and the closed form is the same formula at every j."""
     spec = first.spec
     _, loss = _explicit_loss(ex)
-    checks = [("dx_0", sympy.diff(loss, ex.elem[X][0]) - ex.at(first.dx, 0))]
-    checks += [_param_check("", loss, p, first.grads[p.name], ex) for p in spec.params if not p.scalar]
+    checks = [(f"dx_{i}", sympy.diff(loss, ex.elem[X][i]) - ex.at(first.dx, i)) for i in _positions(ex)]
+    checks += [
+        _param_check("", loss, p, first.grads[p.name], ex, i) for p in spec.params if not p.scalar for i in _positions(ex)
+    ]
     checks += [_param_check("", loss, p, first.grads[p.name], ex) for p in spec.params if p.scalar]
     checks += [_input_check("", loss, inp, first.dinputs[inp.name], ex) for inp in spec.inputs]
     return checks
@@ -475,10 +509,30 @@ def prove_mode(first: ModeDerivation, sizes: Iterable[int] = (2, 3, 4, 5, 6)) ->
     points = _Sampler.for_spec(first.spec, 1234)
     for n in sizes:
         t0 = time.perf_counter()
-        ex = _Explicit(first, n)
-        checks = [(what, d, ex.elem[DY]) for what, d in _first_checks(first, ex)]
+        checks = []
+        for k in window_sizes(first.spec):
+            ex = _Explicit(first, n, k)
+            checks += [(_sized(what, k), d, ex.elem[DY]) for what, d in _first_checks(first, ex)]
         out.results.append(_settle(n, checks, t0, points, SYMBOLIC_SECONDS))
     return out
+
+
+def window_sizes(spec: Spec) -> tuple[int | None, ...]:
+    """The sizes a window option takes in the proof: 1, 2 (even: the window and its transpose
+    differ) and 3, and the option's default; (None,) for a spec without window options."""
+    opts = {o.symbol: o for o in spec.options}
+    defaults = {int(opts[w.size].default) for w in spec.windows if w.size in opts and opts[w.size].default}
+    sized = [opts[w.size] for w in spec.windows if w.size in opts]
+    if not sized:
+        return (None,)
+    lo = max(o.min if o.min is not None else 1 for o in sized)
+    hi = min(o.max if o.max is not None else math.inf for o in sized)
+    return tuple(k for k in sorted({1, 2, 3} | defaults) if lo <= k <= hi) or (int(lo),)
+
+
+def _sized(what: str, k: int | None) -> str:
+    """A check's name, with the window size it was made at."""
+    return what if k is None else f"{what} (window {k})"
 
 
 def _settle(n: int, checks: list[_Check], t0: float, points: _Sampler, seconds: float) -> ProofResult:
@@ -561,18 +615,24 @@ def _double_backward_checks(second: SecondOrder, ex: _Explicit, loss: sympy.Expr
     spec = second.spec
     l2 = _double_backward_loss(second, ex, loss)
     seeds = _cotangent_seeds(second, ex)
-    checks = [
-        ("double backward dx_0", sympy.diff(l2, ex.elem[X][0]) - ex.at(second.dx, 0)),
-        ("double backward ddy_0", sympy.diff(l2, ex.elem[DY][0]) - ex.at(second.ddy, 0)),
-    ]
-    checks += [_param_check("double backward ", l2, p, second.grads[p.name], ex) for p in spec.params]
+    checks = []
+    for i in _positions(ex):
+        checks += [
+            (f"double backward dx_{i}", sympy.diff(l2, ex.elem[X][i]) - ex.at(second.dx, i)),
+            (f"double backward ddy_{i}", sympy.diff(l2, ex.elem[DY][i]) - ex.at(second.ddy, i)),
+        ]
+        checks += [
+            _param_check("double backward ", l2, p, second.grads[p.name], ex, i)
+            for p in spec.params
+            if not p.scalar or i == 0
+        ]
     checks += [_input_check("double backward ", l2, inp, second.dinputs[inp.name], ex) for inp in spec.inputs]
     return [(what, d, seeds) for what, d in checks]
 
 
-def _jvp_check(second: SecondOrder, ex: _Explicit, y0: sympy.Expr) -> _Check:
-    """("JVP y_0", difference, tangents): the directional derivative of the explicit y_0 along
-    (ẋ, ṗ, i̇) against the closed-form ẏ at element 0."""
+def _jvp_check(second: SecondOrder, ex: _Explicit, y0: sympy.Expr, i: int = 0) -> _Check:
+    """("JVP y_i", difference, tangents): the directional derivative of the explicit y_i (``y0``)
+    along (ẋ, ṗ, i̇) against the closed-form ẏ at element i."""
     spec = second.spec
     tx = ex.elem[second.tan_x.symbol]
     ty0 = sympy.Add(*[sympy.diff(y0, ex.elem[X][j]) * tx[j] for j in range(ex.n)])
@@ -589,16 +649,19 @@ def _jvp_check(second: SecondOrder, ex: _Explicit, y0: sympy.Expr) -> _Check:
         t = second.tan_inputs[inp.name].symbol
         ty0 += sympy.diff(y0, inp.symbol) * t
         tseeds.append(t)
-    return ("JVP y_0", ty0 - ex.at(second.ty, 0), tseeds)
+    return (f"JVP y_{i}", ty0 - ex.at(second.ty, i), tseeds)
 
 
 def _second_checks(second: SecondOrder, n: int) -> list[_Check]:
     """(what, difference, symbols it is linear in) for the double backward and the JVP at
     size n, where |u| is differentiable (:func:`~derivgen.derive.second.almost_everywhere`)."""
-    ex = _Explicit(second.first, n)
-    _explicit_seeds(second, ex)
-    ys, loss = _explicit_loss(ex)
-    checks = [*_double_backward_checks(second, ex, loss), _jvp_check(second, ex, ys[0])]
+    checks = []
+    for k in window_sizes(second.spec):
+        ex = _Explicit(second.first, n, k)
+        _explicit_seeds(second, ex)
+        ys, loss = _explicit_loss(ex)
+        found = [*_double_backward_checks(second, ex, loss), *(_jvp_check(second, ex, ys[i], i) for i in _positions(ex))]
+        checks += [(_sized(what, k), d, lin) for what, d, lin in found]
     return [(what, almost_everywhere(d), lin) for what, d, lin in checks]
 
 

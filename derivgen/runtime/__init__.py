@@ -172,6 +172,7 @@ __all__ = [
     "store",
     "sum_prod",
     "sums_array",
+    "window_sum",
 ]
 
 
@@ -326,6 +327,25 @@ def leading_mask(layout: Layout, p: float) -> np.ndarray:
     mask = np.zeros(n, dtype=np.float64)
     mask[: leading_count(p, n)] = 1.0
     return mask.reshape(layout.param4)
+
+
+def window_sum(u: np.ndarray | float, k: float, transposed: bool, like: np.ndarray) -> np.ndarray:
+    """``window(u, k)`` over the group's axis (axis 2 of the 4-D view, shaped like ``like``):
+    at each element the sum of u over elements i - ⌊k/2⌋ .. i + ⌊(k-1)/2⌋ inside the group
+    (zero padded); ``transposed``: over i - ⌊(k-1)/2⌋ .. i + ⌊k/2⌋ (see
+    :mod:`derivgen.symbolic.window`). Summed in offset order, the same at every element."""
+    u = np.broadcast_to(np.asarray(u, dtype=np.float64), like.shape)
+    k, n = int(k), like.shape[2]
+    lo, hi = k // 2, (k - 1) // 2
+    if transposed:
+        lo, hi = hi, lo
+    out = np.zeros(like.shape, dtype=np.float64)
+    for d in range(-lo, hi + 1):  # out[i] += u[i + d] where 0 <= i + d < n
+        if d >= 0 and d < n:
+            out[:, :, : n - d] += u[:, :, d:]
+        elif d < 0 and -d < n:
+            out[:, :, -d:] += u[:, :, : n + d]
+    return out
 
 
 def group_view(values: np.ndarray, layout: Layout) -> np.ndarray:

@@ -16,7 +16,10 @@ these forms are accepted:
   ``min(e)``,
 * the position mask ``leading(p)`` of an option ``p``: 1 on the first ⌊p·N⌋ elements of
   the group (in memory order), 0 on the rest -- an element value without a gradient, so
-  ``mean(leading(p)*e)/mean(leading(p))`` is the mean of ``e`` over a leading slice.
+  ``mean(leading(p)*e)/mean(leading(p))`` is the mean of ``e`` over a leading slice,
+* the window ``window(e, k)``: at each element, the sum of ``e`` over the ``k`` neighbouring
+  elements of its group centred on it (zero padded; :mod:`derivgen.symbolic.window`), ``k``
+  a positive integer or the name of an option.
 
 Everything else -- attribute access, subscripts, lambdas, comprehensions,
 keyword arguments, strings, comparisons, calls to anything else -- is rejected
@@ -35,6 +38,7 @@ import sympy
 
 from derivgen.symbolic import functions
 from derivgen.symbolic.reduce import GroupMax, GroupMin, Mean, hide_reductions
+from derivgen.symbolic.window import Window
 
 MAX_EXPR_CHARS = 2000
 MAX_DEPTH = 40
@@ -43,6 +47,7 @@ MAX_EXPONENT = 16  # |constant exponent| allowed in ``a ** k``
 
 REDUCTIONS = ("mean", "sum", "max", "min")
 LEADING = "leading"
+WINDOW = "window"
 
 
 _LEADING_PREFIX = "Lead_"
@@ -62,7 +67,7 @@ def leading_option(sym: sympy.Basic) -> str | None:
 
 def _callable_names() -> str:
     """The functions a call may name, for messages: the table's, then the reductions."""
-    return ", ".join((*functions.language(), *REDUCTIONS, LEADING))
+    return ", ".join((*functions.language(), *REDUCTIONS, LEADING, WINDOW))
 
 
 def _arguments(n: int) -> str:
@@ -169,7 +174,7 @@ class _Builder:
 
     def name(self, node: ast.Name) -> sympy.Expr:
         """A declared name (a function's or reduction's name is not a value)."""
-        if node.id in functions.language() or (node.id in (*REDUCTIONS, LEADING) and node.id not in self.names):
+        if node.id in functions.language() or (node.id in (*REDUCTIONS, LEADING, WINDOW) and node.id not in self.names):
             self.fail(node, f"function {node.id!r} used as a value")
         if node.id not in self.names and node.id in functions.CONSTANTS:
             return functions.CONSTANTS[node.id]
@@ -227,13 +232,31 @@ class _Builder:
             return kind(arg)
         return kind(sympy.Add(*inner)) + sympy.Add(*[t for t in terms if t not in inner])
 
+    def window(self, node: ast.Call, depth: int) -> sympy.Expr:
+        """``window(e, k)``: ``e`` an element expression without reductions, ``k`` a positive
+        integer or the name of an option (the spec checks that it is an integer option)."""
+        body, size = node.args
+        if isinstance(size, ast.Name):
+            if size.id not in self.options:
+                known = ", ".join(sorted(self.options)) or "none"
+                self.fail(node, f"window()'s size must be a positive integer or an option (declared: {known})")
+            k = self.names[size.id]
+        else:
+            k = self.build(size, depth)
+            if not (k.is_Integer and k > 0):
+                self.fail(node, "window()'s size must be a positive integer or an option")
+        e = self.build(body, depth)
+        if e.has(Mean, GroupMax, GroupMin):
+            self.fail(node, "window() sums element values: its argument may not hold a group reduction")
+        return Window(e, k, sympy.S.One)
+
     def call(self, node: ast.Call, depth: int) -> sympy.Expr:
         """A call of a table function (derivgen.symbolic.functions) or of a group reduction."""
         if not isinstance(node.func, ast.Name):
             self.fail(node, f"only calls of {_callable_names()} are allowed")
         fname = node.func.id
         fn = functions.language().get(fname)
-        arity = fn.arity if fn is not None else 1
+        arity = fn.arity if fn is not None else 2 if fname == WINDOW else 1
         if node.keywords:
             self.fail(node, f"{fname}() takes no keyword arguments: {_arguments(arity)}")
         if len(node.args) != arity or any(isinstance(a, ast.Starred) for a in node.args):
@@ -244,6 +267,8 @@ class _Builder:
                 known = ", ".join(sorted(self.options)) or "none"
                 self.fail(node, f"leading() takes the name of an option (declared: {known})")
             return leading_symbol(arg.id)
+        if fname == WINDOW:
+            return self.window(node, depth)
         if fname in REDUCTIONS:
             if not self.allow_reductions:
                 self.fail(node, f"{fname}() is a group reduction; define it under [statistics]")

@@ -25,6 +25,7 @@ from derivgen.spec.expr import ExprError, leading_option, leading_symbol, parse_
 from derivgen.symbolic import domain, functions
 from derivgen.symbolic.domain import domain_error
 from derivgen.symbolic.reduce import GroupMax, hide_reductions, selections
+from derivgen.symbolic.window import Window
 
 if TYPE_CHECKING:
     from importlib.resources.abc import Traversable
@@ -66,7 +67,7 @@ TOP_LEVEL_FIELDS = {
 # the data and its gradient, the derivation's g, the keyword arguments every
 # generated forward takes, and the functions of the expression language
 # (derivgen/symbolic/functions.py).
-FORMAT_NAMES = frozenset({"x", "y", "dy", "dx", "g", "out", "training", "num_groups", "leading"})
+FORMAT_NAMES = frozenset({"x", "y", "dy", "dx", "g", "out", "training", "num_groups", "leading", "window"})
 
 
 def reserved_reason(name: str) -> str | None:
@@ -115,6 +116,7 @@ class Option(Named):
     default: float | None = None
     min: float | None = None
     max: float | None = None
+    integer: bool = False  # only whole numbers (a window's size)
 
 
 @dataclass(frozen=True)
@@ -138,6 +140,25 @@ class Mask(Named):
     from the option and the element's position (a trailing layout's feature index)."""
 
     option: str = ""
+
+
+@dataclass(frozen=True)
+class WindowValue(Named):
+    """``window(e, k)`` in the output: an element value, the sum of e (a function of x) over
+    the k neighbours of the element in its group (:class:`derivgen.symbolic.window.Window`).
+    The closed forms read it as a symbol; its gradient reaches x through the transposed window."""
+
+    expr: Window = None  # type: ignore[assignment]
+
+    @property
+    def body(self) -> sympy.Expr:
+        """e, the element values the window sums."""
+        return self.expr.body
+
+    @property
+    def size(self) -> sympy.Expr:
+        """k, an integer or an integer option's symbol."""
+        return self.expr.size
 
 
 @dataclass(frozen=True)
@@ -181,6 +202,7 @@ class Spec:
     notes: tuple[str, ...] = field(default=())
     second_order_notes: tuple[str, ...] = field(default=())  # prose for the second-order section
     masks: tuple[Mask, ...] = field(default=())  # the leading(option) masks the expressions use
+    windows: tuple[WindowValue, ...] = field(default=())  # the output's window(e, k) values
 
     @property
     def mask_symbols(self) -> frozenset[sympy.Symbol]:
@@ -188,11 +210,16 @@ class Spec:
         return frozenset(m.symbol for m in self.masks)
 
     @property
+    def window_symbols(self) -> frozenset[sympy.Symbol]:
+        """The element symbols of the output's windows."""
+        return frozenset(w.symbol for w in self.windows)
+
+    @property
     def symbols(self) -> dict[str, Named]:
         """Every named quantity of the layer, by name: x, N, parameters, options, inputs,
         buffers, the statistics of every mode and the normalized coordinate."""
         out: dict[str, Named] = {"x": _X_NAMED, "N": _N_NAMED}
-        for group in (self.params, self.options, self.inputs, self.buffers, self.masks):
+        for group in (self.params, self.options, self.inputs, self.buffers, self.masks, self.windows):
             for item in group:
                 out[item.name] = item
         for mode in self.modes:
@@ -385,6 +412,7 @@ class _Parser:
         self.channel_params: set[sympy.Symbol] = set()
         self.option_names: frozenset[str] = frozenset()
         self.mask_fields: dict[sympy.Symbol, str] = {}  # mask symbol -> the first field that uses it
+        self.window_fields: list[tuple[str, Window]] = []  # (field, window) for each window written
 
     def declare(self, where: str, name: str, what: str, sym: sympy.Expr) -> None:
         """Declare ``name`` (``what`` it is, for messages) with its symbol."""
@@ -414,6 +442,8 @@ class _Parser:
         for m in sorted(e.free_symbols, key=str):
             if leading_option(m) is not None:
                 self.mask_fields.setdefault(m, where)
+        for w in sorted(e.atoms(Window), key=sympy.default_sort_key):
+            self.window_fields.append((where, w))
         return e
 
     # ---- declarations -------------------------------------------------
@@ -488,12 +518,17 @@ class _Parser:
         for oname, v in ctx.table("options").items():
             where = f"options.{oname}"
             entry = ctx.entry(where, v, "default")
-            ctx.keys(where, entry, {"default", "min", "max", "latex", "text"})
+            ctx.keys(where, entry, {"default", "min", "max", "integer", "latex", "text"})
+            integer = entry.get("integer", False)
+            if not isinstance(integer, bool):
+                ctx.err(f"{where}.integer", f"must be true or false, got {integer!r}")
             lo = ctx.number(f"{where}.min", entry["min"]) if "min" in entry else None
             hi = ctx.number(f"{where}.max", entry["max"]) if "max" in entry else None
             if lo is not None and hi is not None and lo > hi:
                 ctx.err(where, f"min {lo} is greater than max {hi}")
             default = ctx.number(f"{where}.default", entry["default"]) if "default" in entry else None
+            if integer and default is not None and default != int(default):
+                ctx.err(f"{where}.default", f"must be a whole number (the option is an integer), got {default}")
             if default is not None and ((lo is not None and default < lo) or (hi is not None and default > hi)):
                 ctx.err(
                     f"{where}.default",
@@ -506,7 +541,9 @@ class _Parser:
             )
             sym = domain.symbol(oname, level)
             self.declare(where, oname, "an option", sym)
-            out.append(Option(oname, sym, *ctx.display(where, oname, entry), default=default, min=lo, max=hi))
+            out.append(
+                Option(oname, sym, *ctx.display(where, oname, entry), default=default, min=lo, max=hi, integer=integer)
+            )
         self.option_names = frozenset(o.name for o in out)
         return out
 
@@ -526,6 +563,37 @@ class _Parser:
                 )
             out.append(Mask(sym.name, sym, f"[i < \\lfloor {o.latex} N \\rfloor]", f"[i<⌊{o.text}·N⌋]", option=o.name))
         return out
+
+    def windows(self, options: list[Option], layout: str, output: sympy.Expr) -> tuple[sympy.Expr, list[WindowValue]]:
+        """The output with each distinct ``window(e, k)`` replaced by an element symbol, and the
+        windows in the order written. A window sums a function of x alone (x, options,
+        numbers) along a trailing layout's features; only the output may use one."""
+        ctx, out, seen = self.ctx, [], {}
+        by_symbol = {o.symbol: o for o in options}
+        for where, w in self.window_fields:
+            if where != "output":
+                ctx.err(where, f"window() may appear only in the output (an element value of y): {w}")
+            if layout != "trailing":
+                ctx.err(
+                    where,
+                    f"window() needs a 'trailing' layout: it sums neighbouring features, and a {layout!r} "
+                    "group has no such order",
+                )
+            if w.body.has(Window) or not w.body.has(X) or w.body.free_symbols - {X} - set(by_symbol):
+                ctx.err(where, f"window()'s argument must be a function of x, options and numbers: {w.body}")
+            opt = by_symbol.get(w.size)
+            if opt is not None and not (opt.integer and opt.min is not None and opt.min >= 1):
+                ctx.err(
+                    f"options.{opt.name}",
+                    "is a window size: declare it 'integer = true' with 'min' at least 1",
+                )
+            if w not in seen:
+                k = len(seen) + 1
+                sym = domain.symbol(f"Win{k}", domain.sign_level(w.body))
+                sub = "" if len(self.window_fields) == 1 else f"_{{{k}}}"
+                seen[w] = WindowValue(sym.name, sym, f"W{sub}", "W" + ("" if not sub else str(k)), expr=w)
+        out = list(seen.values())
+        return output.xreplace({w.expr: w.symbol for w in out}), out
 
     def inputs(self) -> list[Input]:
         """The per-group differentiable inputs, declared."""
@@ -777,6 +845,7 @@ def parse_spec(text: str, source: str = "<spec>") -> Spec:
     output, output_text = parser.output(data, out_scope, normalized, normalized_expr)
     parser.check_gradient_names()
     masks = parser.masks(options, kind)
+    output, windows = parser.windows(options, kind, output)
     return Spec(
         name=name,
         title=title,
@@ -797,4 +866,5 @@ def parse_spec(text: str, source: str = "<spec>") -> Spec:
         notes=tuple(notes),
         second_order_notes=tuple(parser.prose_list(data, "second_order_notes")),
         masks=tuple(masks),
+        windows=tuple(windows),
     )
