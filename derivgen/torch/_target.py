@@ -108,6 +108,23 @@ def leading_mask(x: torch.Tensor, p: float) -> torch.Tensor:
     return (torch.arange(n, device=x.device) < leading_count(float(p), n)).to(x.dtype).view(1, 1, n, 1)
 
 
+def window_sum(u: torch.Tensor | float, k: float, transposed: bool, x: torch.Tensor) -> torch.Tensor:
+    """``window(u, k)`` along the group's axis (axis 2 of the 4-D view x): at each element
+    the sum of u over elements i - ⌊k/2⌋ .. i + ⌊(k-1)/2⌋ inside the group, zero padded
+    (``transposed``: i - ⌊(k-1)/2⌋ .. i + ⌊k/2⌋); differentiable, on any device."""
+    u = _full(u, x)
+    k = int(k)
+    lo, hi = k // 2, (k - 1) // 2
+    if transposed:
+        lo, hi = hi, lo
+    n = x.shape[2]
+    padded = torch.nn.functional.pad(u, (0, 0, lo, hi))  # zeros before and after along axis 2
+    out = padded.narrow(2, 0, n)
+    for d in range(1, lo + hi + 1):  # offsets -lo .. hi, summed in that order
+        out = out + padded.narrow(2, d, n)
+    return out
+
+
 def elementwise(a: torch.Tensor | float, x: torch.Tensor) -> torch.Tensor:
     """An element-level result (y, dx) with the shape of the 4-D x."""
     return _full(a, x)
