@@ -1,0 +1,134 @@
+"""``window(e, k)``: a sum over the k neighbouring elements of a group (zero padded, as
+torch.nn.LocalResponseNorm). The spec language's checks, the closed forms (the gradient
+reaches x through the transposed window), the proof at every element and several window
+sizes, and the NumPy target against PyTorch's local_response_norm with autograd, first and
+second order."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import sympy
+from conftest import require_module
+
+import derivgen
+from derivgen.derive.first import derive_mode
+from derivgen.derive.second import derive_second
+from derivgen.prove.proof import prove_mode, prove_second_mode, window_sizes
+from derivgen.spec.model import SpecError, parse_spec
+from derivgen.symbolic.window import Window, offsets
+
+LRN = """
+name = "lrn_features"
+title = "Local response normalization over the features"
+summary = "x of shape (..., d)"
+
+[layout]
+kind = "trailing"
+
+[options]
+size = { default = 5, min = 1, integer = true }
+alpha = { default = 1e-4, min = 0 }
+beta = { default = 0.75, min = 0 }
+k = { default = 1, min = 0 }
+
+[output]
+y = "x/(k + alpha*window(x**2, size)/size)**beta"
+"""
+
+
+def test_offsets_of_a_window_and_its_transpose():
+    assert list(offsets(5, False)) == [-2, -1, 0, 1, 2] == list(offsets(5, True))
+    assert list(offsets(4, False)) == [-2, -1, 0, 1]  # torch pads size//2 before, (size-1)//2 after
+    assert list(offsets(4, True)) == [-1, 0, 1, 2]
+    assert list(offsets(1, False)) == [0]
+
+
+def test_the_output_reads_the_window_as_an_element_symbol():
+    spec = parse_spec(LRN, "lrn.toml")
+    (w,) = spec.windows
+    assert isinstance(w.expr, Window) and w.body == sympy.Symbol("x", real=True) ** 2
+    assert w.symbol in spec.output.free_symbols and not spec.output.has(Window)
+
+
+@pytest.mark.parametrize(
+    "change, field, words",
+    [
+        (("integer = true", "integer = false"), "options.size", "integer = true"),
+        (('kind = "trailing"', 'kind = "channels"\nreduce = "instance"'), "output", "'trailing' layout"),
+        (("window(x**2, size)", "window(x**2, 0)"), "output", "positive integer"),
+        (("window(x**2, size)", "window(x**2, alpha2)"), "output", "an option"),
+        (("window(x**2, size)", "window(mean(x), size)"), "output", "group reduction"),
+        (("window(x**2, size)", "window(alpha, size)"), "output", "function of x"),
+        (("window(x**2, size)", "window(window(x, size), size)"), "output", "function of x"),
+        (("default = 5, min = 1", "default = 2.5, min = 1"), "options.size.default", "whole number"),
+    ],
+)
+def test_bad_windows_are_refused_naming_the_field(change, field, words):
+    text = LRN.replace(*change)
+    assert text != LRN
+    with pytest.raises(SpecError) as err:
+        parse_spec(text, "lrn.toml")
+    assert field in str(err.value) and words in str(err.value)
+
+
+def test_a_window_in_a_statistic_is_refused():
+    text = LRN.replace("[output]", '[statistics]\nm = { expr = "mean(window(x, size))" }\n\n[output]')
+    with pytest.raises(SpecError, match=r"statistics\.m.*output"):
+        parse_spec(text, "lrn.toml")
+
+
+def test_the_closed_form_is_the_hand_derived_one():
+    """dx = dy·D^(-β) - (2αβ/n)·x·windowᵀ(dy·x·D^(-β-1)), D = k + α·W/n: no run-time mean."""
+    spec = parse_spec(LRN, "lrn.toml")
+    first = derive_mode(spec)
+    s = {v.name: v for v in first.dx.free_symbols}
+    x, dy, alpha, beta, k, n, w = (s[c] for c in ("x", "dy", "alpha", "beta", "k", "size", "Win1"))
+    d = k + alpha * w / n
+    want = dy * d**-beta - 2 * alpha * beta / n * x * Window(dy * x * d ** (-beta - 1), n, -1)
+    assert sympy.expand(first.dx - want) == 0
+    assert first.reductions == ()
+
+
+def test_the_proof_checks_every_element_and_tells_a_window_from_its_transpose():
+    spec = parse_spec(LRN, "lrn.toml")
+    assert window_sizes(spec) == (1, 2, 3, 5)
+    first = derive_mode(spec)
+    assert prove_mode(first, sizes=(2, 4)).status == "proven"
+    wrong = first.dx.replace(lambda a: isinstance(a, Window), lambda a: Window(a.body, a.size, 1))
+    proof = prove_mode(dataclasses.replace(first, dx=wrong), sizes=(3,))
+    assert proof.status == "FAILED" and "window 2" in proof.results[0].detail
+
+
+def test_second_order_is_proven():
+    second = derive_second(derive_mode(parse_spec(LRN, "lrn.toml")))
+    assert prove_second_mode(second, sizes=(2,)).ok
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 5, 6])
+@pytest.mark.parametrize("d", [1, 4, 7])
+def test_numpy_matches_local_response_norm(tmp_path, size, d):
+    torch = require_module("torch")
+    path = tmp_path / "lrn.toml"
+    path.write_text(LRN)
+    m = derivgen.load(str(path), backend="numpy")
+    rng = np.random.default_rng(size * 10 + d)
+    x, dy, ddx, tx = (rng.standard_normal((3, d)) for _ in range(4))
+    opts = dict(alpha=0.3, beta=0.75, k=1.5)
+
+    def ref(z):
+        return torch.nn.functional.local_response_norm(z.unsqueeze(-1), size, **opts).squeeze(-1)
+
+    y, cache = m.forward(x, size=size, **opts)
+    grads = m.backward(dy, cache)
+    bb = m.backward_backward(dy, cache, ddx)
+    ty = m.jvp(cache, tx)
+    xt, dyt = torch.tensor(x, requires_grad=True), torch.tensor(dy, requires_grad=True)
+    yt = ref(xt)
+    (gx,) = torch.autograd.grad(yt, xt, dyt, create_graph=True)
+    bx, bdy = torch.autograd.grad(gx, (xt, dyt), torch.tensor(ddx))
+    _, jt = torch.func.jvp(ref, (torch.tensor(x),), (torch.tensor(tx),))
+    for got, want in ((y, yt), (grads.dx, gx), (bb.dx, bx), (bb.ddy, bdy), (ty, jt)):
+        np.testing.assert_allclose(got, want.detach().numpy(), rtol=1e-10, atol=1e-12)
