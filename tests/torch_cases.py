@@ -29,9 +29,12 @@ def arguments(lay, mode: str, dtype=torch.float64, seed: int = 0, requires_grad:
         spanning = [p for p in meta["params"] if p not in meta["scalar_params"]]
         gshape = shape[:-1] if spanning else shape[: len(shape) - meta["axes"]]
     else:
-        gshape = {"batch": (shape[1],), "instance": shape[:2], "group": (shape[0], groups), "position": (shape[0], *shape[2:])}[
-            meta["reduce"]
-        ]
+        gshape = {
+            "batch": (shape[1],),
+            "instance": shape[:2],
+            "group": (shape[0], groups),
+            "position": (shape[0], *shape[2:]),
+        }[meta["reduce"]]
     inputs = {i: torch.rand(gshape, generator=g, dtype=dtype) + 0.5 for i in meta["inputs"]}
     options = {}
     for o, (default, lo, hi) in meta["options"].items():
