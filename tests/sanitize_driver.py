@@ -46,6 +46,8 @@ SHAPES = {
     "batchnorm": [((2, 1), (1,)), ((3, 4), (4,)), ((2, 3, 5), (3,)), ((1, 2, 3, 3), (2,)), ((5, 3, 1, 1), (3,))],
     "instancenorm": [((1, 1, 2), (1,)), ((2, 3, 5), (3,)), ((2, 2, 3, 3), (2,)), ((3, 4, 2), (4,))],
     "groupnorm": [((1, 2, 2), (2,)), ((2, 6, 5), (6,)), ((2, 4, 3, 3), (4,)), ((3, 6), (6,))],
+    # a position layout: blocks of positions shorter than, equal to and longer than the block
+    "layernorm2d": [((1, 1, 1), (1,)), ((2, 3, 5), (3,)), ((2, 5, 3, 3), (5,)), ((3, 4), (4,)), ((2, 3, 70), (3,))],
 }
 
 for name, shapes in SHAPES.items():
@@ -171,7 +173,8 @@ for name, shapes in SHAPES.items():
                 bb = {kk: (v.astype(np.float32).view(np.uint32) >> 16).astype(np.uint16) for kk, v in bufs.items()}
                 run_pair(ext, meta, mode, "bf16", L, xb, xb.copy(), pb, opts, bb, threads)
                 extras += 1
-                if meta["layout"] != "channels" or L.S == 1:  # S == 1: the layouts coincide (NCHW kernels)
+                # S == 1: the layouts coincide (NCHW kernels); a position layout has no channels-last kernels
+                if meta["layout"] != "channels" or meta["reduce"] == "position" or L.S == 1:
                     continue
                 for dtype, sfx in ((np.float32, "f32"), (np.float64, "f64")):
                     x = x64.astype(dtype)

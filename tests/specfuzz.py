@@ -3,7 +3,7 @@ the whole pipeline.
 
 ``generate(seed)`` writes one spec (TOML text) from a seeded generator: every
 layout (trailing over one or two axes; channels over the batch, one instance,
-or a channel group), statistics composed from mean()/sum() of polynomials in x
+a channel group, or the channels at one position), statistics composed from mean()/sum() of polynomials in x
 and earlier statistics (centred or not, biased or unbiased, absolute
 deviations, fourth moments), square roots, fractional powers, abs, exp, log
 and tanh where their domain holds, eps inside or outside a root, statistics
@@ -128,6 +128,8 @@ def generate(seed: int, name_coordinate: bool | None = None) -> str:
     names = Names(rng)
     s = _Spec(rng, names)
     kind = rng.choice(["trailing", "trailing", "trailing2", "batch", "instance", "group"])
+    if kind == "instance" and seed % 2 == 0:  # groups within a sample: a channel, or a position's channels
+        kind = "position"  # (chosen by the seed alone, so every other draw is as it was)
     if kind == "trailing2":
         s.layout = {"kind": '"trailing"', "axes": "2"}
     elif kind == "trailing":

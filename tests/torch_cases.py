@@ -10,7 +10,7 @@ def x_shape(meta: dict) -> tuple:
     if meta["layout"] == "trailing":
         spanning = [p for p in meta["params"] if p not in meta["scalar_params"]]
         return (3, 5) if spanning else (3, 2, 5)[-(meta["axes"] + 1) :]
-    return {"batch": (4, 4, 3), "instance": (2, 4, 3), "group": (2, 4, 3)}[meta["reduce"]]
+    return {"batch": (4, 4, 3), "instance": (2, 4, 3), "group": (2, 4, 3), "position": (2, 4, 3)}[meta["reduce"]]
 
 
 def arguments(lay, mode: str, dtype=torch.float64, seed: int = 0, requires_grad: bool = True):
@@ -29,7 +29,12 @@ def arguments(lay, mode: str, dtype=torch.float64, seed: int = 0, requires_grad:
         spanning = [p for p in meta["params"] if p not in meta["scalar_params"]]
         gshape = shape[:-1] if spanning else shape[: len(shape) - meta["axes"]]
     else:
-        gshape = {"batch": (shape[1],), "instance": shape[:2], "group": (shape[0], groups)}[meta["reduce"]]
+        gshape = {
+            "batch": (shape[1],),
+            "instance": shape[:2],
+            "group": (shape[0], groups),
+            "position": (shape[0], *shape[2:]),
+        }[meta["reduce"]]
     inputs = {i: torch.rand(gshape, generator=g, dtype=dtype) + 0.5 for i in meta["inputs"]}
     options = {}
     for o, (default, lo, hi) in meta["options"].items():

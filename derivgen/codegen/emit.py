@@ -241,6 +241,7 @@ def emit(d: LayerDerivation, targets: Collection[str] = ("numpy", "c")) -> Emitt
         "atypes": ATYPES,
         "per_sample": spec.reduce != "batch",
         "trailing": spec.layout == "trailing",
+        "position": spec.reduce == "position",
         "selects": any(st.expr.has(*SELECTIONS) for m in d.modes.values() for st in m.statistics),
         # the modes a split reduction computes: sums only (a group max()/min() is not a sum)
         # the modes whose output uses the group size N (the PyTorch forward then defines it)

@@ -135,14 +135,13 @@ def make_layout(
         L = layout_from_shapes(meta, first, param_shapes, num_groups)
         n, s = x_shape[0], L.S
         per_sample = L.per_sample
+        if L.per_position:  # a group is one (sample, position): its channels, contiguous here
+            reduce_axes, stat = (2, 3), (n, s, 1, 1)
+        else:
+            reduce_axes = (1, 3) if per_sample else (0, 1, 3)
+            stat = (n, 1, L.G, 1) if per_sample else (1, 1, L.G, 1)
         return JaxLayout(
-            **_squeezed(
-                (n, s, L.G, L.Cg),
-                (1, 3) if per_sample else (0, 1, 3),
-                (1, 1, L.G, L.Cg),
-                (n, 1, L.G, 1) if per_sample else (1, 1, L.G, 1),
-                (0, 1),
-            ),
+            **_squeezed((n, s, L.G, L.Cg), reduce_axes, (1, 1, L.G, L.Cg), stat, (0, 1)),
             n_local=L.group_size,
             x_shape=x_shape,
             param_shape=L.param_shape,

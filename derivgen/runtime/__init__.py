@@ -15,10 +15,12 @@ layernorm-like  (rows, 1, D, 1)               a row (per sample)
 instancenorm    (N, C, 1, spatial)            (sample, channel)
 groupnorm       (N, G, C/G, spatial)          (sample, group)
 batchnorm       (N, C, 1, spatial)            a channel, over samples and space
+layernorm2d     (N, 1, C, spatial)            (sample, position): its C channels
 ==============  ============================  ==================================
 
 Parameters are always ``(1, G, Cg, 1)`` in this view; statistics are one value
-per group, stored as a flat array of ``n_groups`` values.
+per group, stored as a flat array of ``n_groups`` values (a position layout's in
+(sample, position) order, shown with shape ``(N, *spatial)``).
 
 Stage 0 beside :mod:`derivgen.symbolic` (no SymPy here): what generated code calls at run
 time. This face is the module the generated NumPy and C bindings import

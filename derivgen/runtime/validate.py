@@ -23,7 +23,9 @@ class Layout:
     """x as a 4-D view (O, G, Cg, S) and the shapes users see (see derivgen.runtime).
 
     O outer (samples or rows), G groups of channels, Cg channels per group, S inner
-    (spatial); ``per_sample`` is false only for batch statistics (a group spans the samples).
+    (spatial); ``per_sample`` is false only for batch statistics (a group spans the samples);
+    ``per_position``: a group is one (sample, position), its Cg values strided by S
+    (G == 1), and per-group values run over (O, S).
     """
 
     O: int
@@ -34,15 +36,20 @@ class Layout:
     x_shape: tuple
     param_shape: tuple
     group_shape: tuple  # shape users see for per-group values (stats, inputs, buffers)
+    per_position: bool = False
 
     @property
     def n_groups(self) -> int:
-        """How many normalization groups: O*G per sample, else G."""
+        """How many normalization groups: O*G per sample (O*S per position), else G."""
+        if self.per_position:
+            return self.O * self.S
         return self.O * self.G if self.per_sample else self.G
 
     @property
     def group_size(self) -> int:
-        """Values in one group: Cg*S per sample, else O*Cg*S."""
+        """Values in one group: Cg*S per sample (Cg per position), else O*Cg*S."""
+        if self.per_position:
+            return self.Cg
         return self.Cg * self.S * (1 if self.per_sample else self.O)
 
     @property
@@ -52,7 +59,10 @@ class Layout:
 
     @property
     def stat4(self) -> tuple:
-        """A per-group value's broadcastable 4-D shape: ``(O, G, 1, 1)`` per sample, else ``(1, G, 1, 1)``."""
+        """A per-group value's broadcastable 4-D shape: ``(O, G, 1, 1)`` per sample
+        (``(O, 1, 1, S)`` per position), else ``(1, G, 1, 1)``."""
+        if self.per_position:
+            return (self.O, 1, 1, self.S)
         return (self.O, self.G, 1, 1) if self.per_sample else (1, self.G, 1, 1)
 
     @property
@@ -62,7 +72,10 @@ class Layout:
 
     @property
     def reduce_axes(self) -> tuple:
-        """Axes of the 4-D view a statistic reduces over: (Cg, S), and O too when not per sample."""
+        """Axes of the 4-D view a statistic reduces over: (Cg, S), and O too when not per
+        sample; Cg alone per position."""
+        if self.per_position:
+            return (2,)
         return (2, 3) if self.per_sample else (0, 2, 3)
 
     @property
@@ -175,6 +188,18 @@ def layout_from_shapes(
         return Layout(O=n, G=c, Cg=1, S=S, per_sample=False, x_shape=x_shape, param_shape=(c,), group_shape=(c,))
     if red == "instance":
         return Layout(O=n, G=c, Cg=1, S=S, per_sample=True, x_shape=x_shape, param_shape=(c,), group_shape=(n, c))
+    if red == "position":
+        return Layout(
+            O=n,
+            G=1,
+            Cg=c,
+            S=S,
+            per_sample=True,
+            x_shape=x_shape,
+            param_shape=(c,),
+            group_shape=(n, *x_shape[2:]),
+            per_position=True,
+        )
     if isinstance(num_groups, (bool, np.bool_)) or not isinstance(num_groups, (int, np.integer)):
         raise TypeError(f"{name}: num_groups must be an int, got {type(num_groups).__name__}")
     G = int(num_groups)

@@ -38,7 +38,7 @@ DY = sympy.Symbol("dy", real=True)
 LAYOUTS = {
     # kind -> allowed reduce values
     "trailing": ("features",),
-    "channels": ("batch", "instance", "group"),
+    "channels": ("batch", "instance", "group", "position"),
 }
 IDENT = re.compile(r"^[a-z][a-z0-9_]{0,30}$")
 TOP_LEVEL_FIELDS = {

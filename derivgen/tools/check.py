@@ -84,6 +84,8 @@ def cases_for(spec: Spec) -> list[Case]:
             xs, ps = (4, 3, 5), (3,)
         elif spec.reduce == "instance":
             xs, ps = (2, 3, 7), (3,)
+        elif spec.reduce == "position":
+            xs, ps = (2, 5, 3, 7), (5,)
         else:
             xs, ps = (2, 6, 5), (6,)
             kw["num_groups"] = 3
@@ -221,7 +223,10 @@ def _spec_forward(
     }
     y4 = np.empty_like(x4)
     for grp in range(layout.n_groups):
-        if layout.per_sample:
+        if layout.per_position:
+            o, s = divmod(grp, layout.S)  # (sample, position): the channels at it
+            sel = (o, 0, slice(None), s)
+        elif layout.per_sample:
             sel = divmod(grp, layout.G)  # (sample, group)
         else:
             sel = (slice(None), grp)

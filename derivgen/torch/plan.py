@@ -365,7 +365,9 @@ class PlanCache:
     def __init__(self, lay: Layer) -> None:
         self.lay = lay
         self.ranges = [lay.meta["options"][o] for o in lay.options]
-        self.channel_layout = lay.meta["layout"] == "channels"
+        # the layouts with channels-last kernels; a position layout's channels-last x is made
+        # contiguous (its kernels walk channels-first memory)
+        self.channel_layout = lay.meta["layout"] == "channels" and lay.meta["reduce"] != "position"
         self._plans: dict = {}
         self.last_ext: dict = {}  # mode -> the C++ plan of the last call through the extension
 

@@ -140,12 +140,16 @@ def pow(b, e):
 
 
 @triton.jit
-def group_base(Grp, G, Cg, sO, sC):
-    """The first element's offset (int64) and first channel of the groups ``Grp``: sample
-    ``Grp // G`` (0 for batch statistics, where there are G groups), group ``Grp % G``."""
+def group_base(Grp, G, Cg, sO, sC, PCHAN: tl.constexpr):
+    """The first element of each group ``Grp`` and its first parameter channel: sample
+    ``Grp // G`` (0 for batch statistics, where there are G groups), group ``Grp % G``.
+    Where the channel runs along the columns (PCHAN 2: rows of x, and a position's
+    channels, G the positions of a sample and Cg 1), a group's channels are all of them."""
     O_i = Grp // G
     G_i = Grp % G
     Base = tl.cast(O_i, tl.int64) * sO + tl.cast(G_i * Cg, tl.int64) * sC
+    if PCHAN == 2:
+        return Base, G_i * 0
     return Base, G_i * Cg
 
 

@@ -12,8 +12,8 @@ same device (``derivgen.load(spec, backend="torch")``).
 
 A group is a matrix of A rows and B columns of x (:func:`geometry`): a row of x for a
 trailing layout (A = 1); a sample's channel (instance), a sample's group of channels
-(A = the channels of a group) or a channel over the batch (A = the samples) for the
-channel layouts, whose x may be channels first or channels last (its strides are
+(A = the channels of a group), a channel over the batch (A = the samples) or a sample's
+channels at one position (A = 1, B = the channels) for the channel layouts, whose x may be channels first or channels last (its strides are
 passed as they are).
 """
 
@@ -140,6 +140,8 @@ def geometry(meta: dict, L: rt.Layout, x: torch.Tensor) -> dict:
     st = x.stride()
     sN, sCh = st[0], st[1]
     sS = st[-1] if x.dim() > 2 else 1  # channels first: 1; channels last: C (the spatial axes are one run)
+    if L.per_position:  # group s of sample o: its C channels, a 1 x C matrix
+        return {**geo, "G": L.S, "Cg": 1, "sO": sN, "sC": sS, "A": 1, "B": L.Cg, "sA": 0, "sB": sCh, "PCHAN": 2}
     if L.per_sample:
         return {**geo, "sO": sN, "sC": sCh, "A": L.Cg, "B": L.S, "sA": sCh, "sB": sS, "PCHAN": 1 if L.Cg > 1 else 0}
     if L.Cg != 1:

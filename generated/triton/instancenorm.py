@@ -70,7 +70,7 @@ def forward_train_kernel(
     for G0 in range(Pid * ROWS, NGroups, Nprog * ROWS):  # ROWS groups at a time
         Grp = G0 + tl.arange(0, ROWS)[:, None, None]
         GOk = Grp < NGroups
-        Base, Chan0 = _tt.group_base(Grp, G, Cg, sO, sC)
+        Base, Chan0 = _tt.group_base(Grp, G, Cg, sO, sC, PCHAN)
         if ONE_PASS:  # the group in registers: loaded once
             Offs, Mask, Chan, Ia, Ib = _tt.tile(Base, Chan0, GOk, 0, 0, A, B, sA, sB, BLOCK_A, BLOCK_B, PCHAN)
             x = tl.load(X_Ptr + Offs, mask=Mask, other=0.0).to(tl.float32)
@@ -133,7 +133,7 @@ def backward_train_kernel(
     for G0 in range(Pid * ROWS, NGroups, Nprog * ROWS):  # ROWS groups at a time
         Grp = G0 + tl.arange(0, ROWS)[:, None, None]
         GOk = Grp < NGroups
-        Base, Chan0 = _tt.group_base(Grp, G, Cg, sO, sC)
+        Base, Chan0 = _tt.group_base(Grp, G, Cg, sO, sC, PCHAN)
         mean = tl.load(mean_Ptr + Grp, mask=GOk, other=1.0)
         var = tl.load(var_Ptr + Grp, mask=GOk, other=1.0)
         rstd = tl.load(rstd_Ptr + Grp, mask=GOk, other=1.0)

@@ -74,7 +74,7 @@ def forward_train_kernel(
     for G0 in range(Pid * ROWS, NGroups, Nprog * ROWS):  # ROWS groups at a time
         Grp = G0 + tl.arange(0, ROWS)[:, None, None]
         GOk = Grp < NGroups
-        Base, Chan0 = _tt.group_base(Grp, G, Cg, sO, sC)
+        Base, Chan0 = _tt.group_base(Grp, G, Cg, sO, sC, PCHAN)
         prev_mean = tl.load(prev_mean_Ptr + Grp * prev_mean_Stride, mask=GOk, other=1.0).to(tl.float32)
         prev_std = tl.load(prev_std_Ptr + Grp * prev_std_Stride, mask=GOk, other=1.0).to(tl.float32)
         if ONE_PASS:  # the group in registers: loaded once
@@ -145,7 +145,7 @@ def backward_train_kernel(
     for G0 in range(Pid * ROWS, NGroups, Nprog * ROWS):  # ROWS groups at a time
         Grp = G0 + tl.arange(0, ROWS)[:, None, None]
         GOk = Grp < NGroups
-        Base, Chan0 = _tt.group_base(Grp, G, Cg, sO, sC)
+        Base, Chan0 = _tt.group_base(Grp, G, Cg, sO, sC, PCHAN)
         prev_mean = tl.load(prev_mean_Ptr + Grp * prev_mean_Stride, mask=GOk, other=1.0).to(tl.float32)
         prev_std = tl.load(prev_std_Ptr + Grp * prev_std_Stride, mask=GOk, other=1.0).to(tl.float32)
         row_mean = tl.load(row_mean_Ptr + Grp, mask=GOk, other=1.0)

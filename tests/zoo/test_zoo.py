@@ -201,6 +201,13 @@ def prmsnorm(x, p, i, o, b, training):
     return p["gamma"] * (x / (rms + o["eps"]))
 
 
+def layernorm2d(x, p, i, o, b, training):
+    # timm's LayerNorm2d: permute to channels last, F.layer_norm over C, permute back
+    last = x.permute(0, *range(2, x.dim()), 1)
+    y = torch.nn.functional.layer_norm(last, (x.shape[1],), p["gamma"], p["beta"], o["eps"])
+    return y.permute(0, x.dim() - 1, *range(1, x.dim() - 1))
+
+
 @dataclass
 class Case:
     """How to exercise one zoo layer: its reference forward, the shape of x, values of the
@@ -262,6 +269,7 @@ CASES: dict[str, Case] = {
     "absmax_scale": Case(absmax_scale, (4, 9)),
     "prmsnorm": Case(prmsnorm, (3, 40)),
     "softmax_temperature": Case(softmax_temperature, (4, 9), scale=3.0),
+    "layernorm2d": Case(layernorm2d, (2, 5, 3, 7)),
 }
 
 
