@@ -242,13 +242,17 @@ def check_group_size(meta: dict, mode: str, layout: Layout) -> None:
 
 
 def check_options(meta: dict, options: dict) -> dict[str, float]:
-    """Every option given, a finite float within its declared range."""
+    """Every option given, a finite float within its declared range (a whole number for an
+    integer option: a window's size)."""
     opts = {}
+    whole = set(meta.get("integer_options", ()))
     for oname, (_, lo, hi) in meta["options"].items():
         v = options.get(oname)
         if v is None:
             raise TypeError(f"{meta['name']}: option {oname} is required")
         opts[oname] = check_float(oname, v, lo, hi)
+        if oname in whole and opts[oname] != int(opts[oname]):
+            raise ValueError(f"{oname} must be a whole number, got {opts[oname]}")
     return opts
 
 

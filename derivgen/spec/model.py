@@ -564,20 +564,23 @@ class _Parser:
             out.append(Mask(sym.name, sym, f"[i < \\lfloor {o.latex} N \\rfloor]", f"[i<⌊{o.text}·N⌋]", option=o.name))
         return out
 
-    def windows(self, options: list[Option], layout: str, output: sympy.Expr) -> tuple[sympy.Expr, list[WindowValue]]:
+    def windows(
+        self, options: list[Option], layout: str, reduce_: str, output: sympy.Expr
+    ) -> tuple[sympy.Expr, list[WindowValue]]:
         """The output with each distinct ``window(e, k)`` replaced by an element symbol, and the
         windows in the order written. A window sums a function of x alone (x, options,
-        numbers) along a trailing layout's features; only the output may use one."""
+        numbers) along the group's one ordered axis: a trailing layout's features, or the
+        channels at one position (``reduce = "position"``); only the output may use one."""
         ctx, out, seen = self.ctx, [], {}
         by_symbol = {o.symbol: o for o in options}
         for where, w in self.window_fields:
             if where != "output":
                 ctx.err(where, f"window() may appear only in the output (an element value of y): {w}")
-            if layout != "trailing":
+            if layout != "trailing" and reduce_ != "position":
                 ctx.err(
                     where,
-                    f"window() needs a 'trailing' layout: it sums neighbouring features, and a {layout!r} "
-                    "group has no such order",
+                    "window() needs a 'trailing' layout or a 'channels' layout with reduce = 'position': "
+                    f"it sums neighbouring features or channels, and a {reduce_!r} group has no such order",
                 )
             if w.body.has(Window) or not w.body.has(X) or w.body.free_symbols - {X} - set(by_symbol):
                 ctx.err(where, f"window()'s argument must be a function of x, options and numbers: {w.body}")
@@ -845,7 +848,7 @@ def parse_spec(text: str, source: str = "<spec>") -> Spec:
     output, output_text = parser.output(data, out_scope, normalized, normalized_expr)
     parser.check_gradient_names()
     masks = parser.masks(options, kind)
-    output, windows = parser.windows(options, kind, output)
+    output, windows = parser.windows(options, kind, reduce_, output)
     return Spec(
         name=name,
         title=title,

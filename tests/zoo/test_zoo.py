@@ -208,6 +208,15 @@ def layernorm2d(x, p, i, o, b, training):
     return y.permute(0, x.dim() - 1, *range(1, x.dim() - 1))
 
 
+def lrn(x, p, i, o, b, training):
+    # AlexNet's local response normalization, written out: squares zero padded along the
+    # channels (size//2 before, (size-1)//2 after), a sum over size of them, divided by size
+    size = int(o["size"])
+    sq = torch.nn.functional.pad((x * x).unsqueeze(1), (0, 0) * (x.dim() - 2) + (size // 2, (size - 1) // 2))
+    win = sum(sq.narrow(2, d, x.shape[1]) for d in range(size)).squeeze(1)
+    return x / (o["k"] + o["alpha"] * win / size) ** o["beta"]
+
+
 @dataclass
 class Case:
     """How to exercise one zoo layer: its reference forward, the shape of x, values of the
@@ -270,6 +279,8 @@ CASES: dict[str, Case] = {
     "prmsnorm": Case(prmsnorm, (3, 40)),
     "softmax_temperature": Case(softmax_temperature, (4, 9), scale=3.0),
     "layernorm2d": Case(layernorm2d, (2, 5, 3, 7)),
+    # options away from the defaults, where the window's share of the gradient is not small
+    "lrn": Case(lrn, (2, 7, 3, 5), options={"alpha": 0.5, "k": 1.5, "size": 4}),
 }
 
 
