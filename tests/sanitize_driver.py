@@ -48,7 +48,10 @@ SHAPES = {
     "groupnorm": [((1, 2, 2), (2,)), ((2, 6, 5), (6,)), ((2, 4, 3, 3), (4,)), ((3, 6), (6,))],
     # a position layout: blocks of positions shorter than, equal to and longer than the block
     "layernorm2d": [((1, 1, 1), (1,)), ((2, 3, 5), (3,)), ((2, 5, 3, 3), (5,)), ((3, 4), (4,)), ((2, 3, 70), (3,))],
+    # window(x**2, size): neighbours past the group's ends, windows wider than the group
+    "lrn": [((1, 1, 1), ()), ((2, 3, 5), ()), ((2, 7, 3, 3), ()), ((3, 4), ())],
 }
+N_PARAMS = {"rmsnorm": 1, "prmsnorm": 1, "lrn": 0}
 
 for name, shapes in SHAPES.items():
     k = derivgen.load(name, backend="c")
@@ -62,10 +65,8 @@ for name, shapes in SHAPES.items():
                         x = np.repeat(x, 2, axis=-1)[..., ::2]
                     if variant == "nan":
                         x.flat[0] = np.nan
-                    params = [
-                        rng.normal(size=ps).astype(dtype) for _ in range(1 if name in ("rmsnorm", "prmsnorm") else 2)
-                    ]
-                    kw = {"p": 0.5} if name == "prmsnorm" else {}
+                    params = [rng.normal(size=ps).astype(dtype) for _ in range(N_PARAMS.get(name, 2))]
+                    kw = {"p": 0.5} if name == "prmsnorm" else {"size": 4, "alpha": 0.5} if name == "lrn" else {}
                     if name == "groupnorm":
                         kw["num_groups"] = 2 if xs[1] % 2 == 0 else 1
                     if name == "online_layernorm":
@@ -75,7 +76,7 @@ for name, shapes in SHAPES.items():
                             prev_mean=rng.normal(size=lead).astype(dtype),
                             prev_std=np.abs(rng.normal(size=lead)).astype(dtype) + 1,
                         )
-                    if variant == "eps0" and name != "online_layernorm":
+                    if variant == "eps0" and name not in ("online_layernorm", "lrn"):
                         kw["eps"] = 0.0
                     modes = [True, False] if name == "batchnorm" else [None]
                     for training in modes:
@@ -161,7 +162,7 @@ for name, shapes in SHAPES.items():
         x64 = rng.normal(size=xs)
         L = resolve_layout(meta, x64, {p: np.empty(ps) for p in meta["params"]}, groups)
         for mode in meta["modes"]:
-            opts = [0.1 if o == "momentum" else 1e-5 for o in meta["options"]]
+            opts = [4.0 if o == "size" else 0.1 if o == "momentum" else 1e-5 for o in meta["options"]]
             bufs = {"running_mean": rng.normal(size=ps), "running_var": rng.random(ps) + 0.5} if meta["buffers"] else {}
             for threads in (1, 2):
                 # bfloat16, NCHW

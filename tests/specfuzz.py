@@ -310,6 +310,7 @@ def generate(seed: int, name_coordinate: bool | None = None) -> str:
         terms.append(f"0.1*{prev_m}*{z}")
     _selections_and_friends(random.Random(seed * 7919 + 17), s, names, kind, z, terms)
     _leading_masks(random.Random(seed * 104729 + 31), s, names, kind, z, xh, terms, eps)
+    _windows(random.Random(seed * 15485863 + 47), s, names, kind, z, terms)
     s.output = " + ".join(terms)
     return s.toml(f"fuzz{seed}")
 
@@ -365,6 +366,27 @@ def _leading_masks(
         ms = names.new("ms_lead", "nu_q", "part")
         s.stats.append((ms, f"sum(leading({q})*x)/N"))
         terms.append(f"{ms}*leading({q})*{z}")
+
+
+def _windows(rng: random.Random, s: _Spec, names: Names, kind: str, z: str, terms: list[str]) -> None:
+    """``window(e, k)`` along a trailing layout's features or a position's channels: a
+    divisor of the output (local response normalization), or a term of it; k an integer
+    option or a literal, even or odd. From a generator of its own (earlier draws stay)."""
+    if not (kind.startswith("trailing") or kind == "position") or rng.random() >= 0.12:
+        return
+    if rng.random() < 0.6:
+        k = names.new("size", "width", "span")
+        s.options.append((k, f"{{ default = {rng.choice(['2', '3', '5'])}, min = 1, integer = true }}"))
+    else:
+        k = rng.choice(["2", "3", "4"])
+    e = rng.choice(["x**2", "abs(x)", "tanh(x)", "x"])
+    u = rng.random()
+    if u < 0.5:
+        terms[0] = f"({terms[0]})/(1 + {rng.choice(['0.5', '0.1'])}*window({e}, {k})/{k})**{rng.choice(['0.75', '0.5'])}"
+    elif u < 0.8:
+        terms.append(f"0.1*window({e}, {k})")
+    else:
+        terms.append(f"{z}*exp(-window({e}, {k})**2/{k})")
 
 
 # ------------------------------------------------------------------ the pipeline

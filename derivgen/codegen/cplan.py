@@ -27,6 +27,7 @@ from sympy import Add
 from derivgen.codegen.ir import Assign, Loop, ModeIR, SecondIR, Select, needed_temps
 from derivgen.codegen.printers import SpecPrinter
 from derivgen.symbolic.naming import derived
+from derivgen.symbolic.window import Window
 
 CTYPES = {"f32": "float", "f64": "double", "bf16": "dg_bf16"}
 # the arithmetic type of each storage type: bfloat16 is read and written as bfloat16 and
@@ -257,14 +258,139 @@ class KernelPlan:
     forward: ForwardPlan
     backward: BackwardPlan
     second: dict[str, SecondPlan] | None  # "bb", "jvp"; None for bfloat16 (no second-order kernels)
+    windows: tuple[str, ...] = ()  # the static functions the kernels call for window(e, k), in order
+
+
+def hide_windows(e: sympy.Expr) -> sympy.Expr:
+    """``e`` with each window replaced by a symbol of no name a temporary has: what a sweep
+    itself reads (a window's body is read by its function, at the neighbours)."""
+    if not e.has(Window):
+        return e
+    found = sorted(e.atoms(Window), key=sympy.default_sort_key)  # each its own symbol: none cancel
+    return e.xreplace({w: sympy.Symbol(f"Window_call{k}") for k, w in enumerate(found)})
+
+
+@dataclass(frozen=True)
+class _WindowFunction:
+    name: str
+    arrays: tuple[str, ...]  # the arrays it reads, as the kernel names them
+    groups: tuple[str, ...]  # the group values it reads, by their symbol names
+    text: str
+
+
+class WindowFunctions:
+    """The C functions of one mode's kernels for one element type that evaluate windows.
+
+    A window at element ``Ch`` of its group (the channel index: a trailing layout's feature,
+    or the channel at a position; element ``Idx = Base + Ch*S``) sums its body over the
+    neighbours inside the group, in double, in offset order: the function reads x, ∂L/∂y,
+    the parameters and the second order's seeds at each neighbour, recomputes the element
+    temporaries the body needs there (a window inside it is a call of another function), and
+    takes the group values as arguments. Recomputing costs k evaluations of the body per
+    element (k² for a window inside a window) and keeps every kernel one pass per sweep."""
+
+    def __init__(self, printer: SpecPrinter, prefix: str, ctype: str):
+        self.printer, self.prefix, self.ctype = printer, prefix, ctype
+        self.done: dict[tuple[str, Window], _WindowFunction] = {}
+        self.texts: list[str] = []
+
+    def kernel(self, kind: str, temps: list[tuple[str, sympy.Expr]], loads: dict[str, tuple[str, str, str]]):
+        """The printer hook of one kernel (``kind``): its element temporaries ``temps`` and its
+        element ``loads`` (symbol name -> (local name, array, index: "Idx" or "Ch") or, for a
+        mask, (local name, C expression, "")); ``call(w, names)`` prints a window's call with
+        the caller's names of the group values."""
+
+        def call(w: Window, names: dict[str, str]) -> str:
+            fn = self._define(kind, w, temps, loads)
+            args = [*fn.arrays, *(names.get(g, g) for g in fn.groups), "Idx - Ch * S", "S", "Cg", "Ch"]
+            return f"{fn.name}({', '.join(args)})"
+
+        return call
+
+    def _define(
+        self, kind: str, w: Window, temps: list[tuple[str, sympy.Expr]], loads: dict[str, tuple[str, str, str]]
+    ) -> _WindowFunction:
+        key = (kind, w)
+        if key in self.done:
+            return self.done[key]
+        needed, names = needed_temps([hide_windows(w.body), *(w.body.atoms(Window))], temps)
+        temp_names = {nm for nm, _ in needed}
+        inner: list[_WindowFunction] = []
+
+        def nested(v: Window) -> str:
+            fn = self._define(kind, v, temps, loads)
+            inner.append(fn)
+            return f"{fn.name}({', '.join([*fn.arrays, *fn.groups, 'Idx - Ch * S', 'S', 'Cg', 'Ch'])})"
+
+        rename = {n: loads[n][0] for n in loads}
+        rename.update({nm: nm for nm in temp_names})
+        lines, reads = [], set()
+        for nm, te in needed:
+            text, r = self.printer.c_reads(te, "double", rename, nested)
+            lines.append(f"const double {nm} = {text};")
+            reads |= r
+        body, r = self.printer.c_reads(w.body, "double", rename, nested)
+        reads |= r
+        used = {n for n in loads if loads[n][0] in reads}
+        # a load's array (or a mask's option and N), and every other name read: a group value
+        arrays = sorted({loads[n][1] for n in used if loads[n][2]})
+        groups = {str(v) for e in [w.body, *(te for _, te in needed)] for v in hide_windows(e).free_symbols}
+        groups = {g for g in groups - set(loads) - temp_names if not g.startswith("Window_call")}
+        for n in used:
+            if not loads[n][2]:  # a mask: its option and N
+                groups |= {o for o in loads[n][1].replace("(", " ").replace(")", " ").split() if o.isidentifier()}
+        groups -= {"double", "Ch"}
+        size = w.size
+        if size.is_Symbol:
+            groups.add(str(size))
+        for fn in inner:
+            arrays = sorted(set(arrays) | set(fn.arrays))
+            groups |= set(fn.groups)
+        groups_t = tuple(sorted(groups))
+        name = f"{self.prefix}_window{len(self.texts) + 1}"
+        T = self.ctype
+        params = [f"const {T} *restrict {a}" for a in arrays] + [f"double {g}" for g in groups_t]
+        params += ["int64_t Base", "int64_t S", "int64_t Cg", "int64_t Ch0"]
+        k = f"(int64_t){size}" if size.is_Symbol else str(int(size))
+        before, after = ("(K - 1) / 2", "K / 2") if w.transposed else ("K / 2", "(K - 1) / 2")
+        load_lines = []
+        for n in sorted(used):
+            local, src, index = loads[n]
+            load_lines.append(f"const double {local} = {c_load(f'{src}[{index}]', T) if index else src};")
+        text = "\n".join(
+            [
+                f"/* {'the transposed window' if w.transposed else 'window'} of {self.printer.code(w.body)} over "
+                f"{size} neighbours, at element Ch0 of its group */",
+                f"static double {name}({', '.join(params)})",
+                "{",
+                *(f"    (void){a};" for a in [*arrays, *groups_t, "Base", "S", "Cg", "Ch0"]),
+                f"    const int64_t K = {k};",
+                f"    const int64_t Lo = Ch0 - {before} < 0 ? 0 : Ch0 - {before};",
+                f"    const int64_t Hi = Ch0 + {after} > Cg - 1 ? Cg - 1 : Ch0 + {after};",
+                "    double Acc = 0.0;",
+                "    for (int64_t Ch = Lo; Ch <= Hi; ++Ch) {",
+                "        const int64_t Idx = Base + Ch * S;",
+                "        (void)Idx;",
+                *(f"        {line}" for line in load_lines + lines),
+                f"        Acc += {body};",
+                "    }",
+                "    return Acc;",
+                "}",
+            ]
+        )
+        fn = _WindowFunction(name, tuple(arrays), groups_t, text)
+        self.done[key] = fn
+        self.texts.append(text)
+        return fn
 
 
 class CPlanner:
     """Turns a ModeIR into C statement strings for one element type."""
 
-    def __init__(self, printer: SpecPrinter, ir: ModeIR, ctype: str):
+    def __init__(self, printer: SpecPrinter, ir: ModeIR, ctype: str, windows: WindowFunctions | None = None):
         spec = printer.spec
         self.printer, self.spec, self.ir, self.ctype = printer, spec, ir, ctype
+        self.windows = windows or WindowFunctions(printer, f"{spec.name}_{ir.mode}", ctype)
         self.atype = ATYPES[ctype]
         self.params = [p.name for p in spec.params]
         self.scalar = {p.name for p in spec.params if p.scalar}
@@ -353,8 +479,19 @@ class CPlanner:
         kernels) computes in float, adding group-level terms as hi + lo pairs.
         """
         ctype = self.ctype
-        needed, names = needed_temps(exprs, temps)
+        needed, names = needed_temps([hide_windows(e) for e in exprs], temps)
         chan = [p for p in self.params if p not in self.scalar]
+        loads = {"x": ("Xv", "x", "Idx"), "dy": ("Dyv", "dy", "Idx")}
+        loads.update({p: (derived(p, "V"), p, "Ch") for p in chan})
+        loads.update({m: (derived(m, "V"), mask_load(o), "") for m, o in self.masks.items()})
+        call = self.windows.kernel(repr(tuple(temps)), list(temps), loads)
+
+        called: list[Window] = []  # a sweep that calls a window function needs the channel index Ch
+
+        def windows(w: Window) -> str:
+            called.append(w)
+            return call(w, self.group_names)
+
         elem = {"x", "dy", *chan, *self.masks} | {nm for nm, _ in needed}
         enames = dict(self.group_names)
         enames.update(self.elem_names)
@@ -370,9 +507,9 @@ class CPlanner:
         def element(e: sympy.Expr, into: set[str]) -> str:
             """Element arithmetic (temporaries, stored outputs) in the sweep's type."""
             if arith == "float":
-                text, reads = self.printer.c_float_reads(e, enames, hoisted, mask_names)
+                text, reads = self.printer.c_float_reads(e, enames, hoisted, mask_names, windows)
             else:
-                text, reads = self.printer.c_reads(e, "double", enames)
+                text, reads = self.printer.c_reads(e, "double", enames, windows)
             into |= reads
             return text
 
@@ -393,7 +530,7 @@ class CPlanner:
             dnames.update({k: f"((double){v})" for k, v in dnames.items() if k in elem})
 
         def summand(e: sympy.Expr) -> str:
-            text, reads = self.printer.c_reads(e, "double", dnames)
+            text, reads = self.printer.c_reads(e, "double", dnames, windows)
             body_reads.update(reads)
             return text
 
@@ -408,7 +545,7 @@ class CPlanner:
         chan_summands = tuple((k, summand(e)) for k, e in chan_sums)
         pend = tuple((k, element(e, pend_reads)) for k, e in chan_sums)
         return CLoop(
-            uses_params=bool(param_loads) or bool(chan_sums),
+            uses_params=bool(param_loads) or bool(chan_sums) or bool(called),
             prelude=_live(prelude, frozenset(body_reads | pend_reads)),
             param_loads=tuple(param_loads),
             elem_loads=tuple(elem_loads),
@@ -534,8 +671,9 @@ def _levels(steps: list[Sweep | GroupValue]) -> tuple[SplitLevel, ...]:
 # ---- second order (derivgen.derive.second): the double backward and the JVP -------------
 
 
-def second_plan(printer: SpecPrinter, ir: SecondIR, ctype: str) -> SecondPlan:
-    """The C plan of one second-order kernel for the element type ``ctype``."""
+def second_plan(printer: SpecPrinter, ir: SecondIR, ctype: str, windows: WindowFunctions | None = None) -> SecondPlan:
+    """The C plan of one second-order kernel for the element type ``ctype`` (its windows'
+    functions added to ``windows``)."""
     spec = printer.spec
     params = [p.name for p in spec.params]
     scalar = {p.name for p in spec.params if p.scalar}
@@ -545,13 +683,19 @@ def second_plan(printer: SpecPrinter, ir: SecondIR, ctype: str) -> SecondPlan:
     masks = {m.name: m.option for m in spec.masks}
     rename.update({m: derived(m, "V") for m in masks})
 
-    def C(e):
-        return printer.c(e, "double", rename)
-
     seed_chan = {ir.seed_params[p]: p for p in params if p not in scalar}
+    loads = {"x": ("Xv", "x", "Idx"), "dy": ("Dyv", "dy", "Idx"), ir.seed_x: (ir.seed_x, "Seed_x", "Idx")}
+    loads.update({p: (derived(p, "V"), p, "Ch") for p in params if p not in scalar})
+    loads.update({sd: (sd, p + "_Seed", "Ch") for sd, p in seed_chan.items()})
+    loads.update({m: (derived(m, "V"), mask_load(o), "") for m, o in masks.items()})
+    windows = windows or WindowFunctions(printer, f"{spec.name}_{ir.kind}", ctype)
+    call = windows.kernel(ir.kind + repr(tuple(ir.temps)), list(ir.temps), loads)
+
+    def C(e):
+        return printer.c(e, "double", rename, lambda w: call(w, rename))
 
     def needed(exprs):
-        temps, names = needed_temps(exprs, ir.temps)
+        temps, names = needed_temps([hide_windows(e) for e in exprs], ir.temps)
         loads = []
         if "x" in names:
             loads.append(f"const double Xv = {c_load('x[Idx]', ctype)};")
@@ -604,11 +748,16 @@ def second_plan(printer: SpecPrinter, ir: SecondIR, ctype: str) -> SecondPlan:
 def plan_kernel(printer: SpecPrinter, ir: ModeIR, second: dict[str, SecondIR], ctype: str) -> KernelPlan:
     """Every C kernel of one mode (its first-order ``ir``, its ``second``-order IRs by kind)
     for the element type ``ctype``; bfloat16 has no second-order kernels."""
-    planner = CPlanner(printer, ir, ctype)
+    sfx = {v: k for k, v in CTYPES.items()}[ctype]
+    windows = WindowFunctions(printer, f"{printer.spec.name}_{ir.mode}_{sfx}", ctype)
+    planner = CPlanner(printer, ir, ctype, windows)
+    forward, backward = planner.forward(), planner.backward()
+    seconds = None if ctype == "dg_bf16" else {k: second_plan(printer, s, ctype, windows) for k, s in second.items()}
     return KernelPlan(
         mode=ir.mode,
         ctype=ctype,
-        forward=planner.forward(),
-        backward=planner.backward(),
-        second=None if ctype == "dg_bf16" else {k: second_plan(printer, s, ctype) for k, s in second.items()},
+        forward=forward,
+        backward=backward,
+        second=seconds,
+        windows=tuple(windows.texts),
     )

@@ -124,13 +124,22 @@ def np_sum(e: sympy.Expr, axes: str, spec: Spec | None = None) -> str:
 
 
 class _C(SpellsFunctions, _Ordered, C99CodePrinter):
-    def __init__(self, ctype: str, rename: dict[str, str], names):
+    def __init__(self, ctype: str, rename: dict[str, str], names, windows=None):
         alias = float32 if ctype == "float" else float64
         super().__init__({"type_aliases": {real: alias}, "math_macros": {}})  # no M_SQRT2: strict C99
         self.ctype = ctype
         self.rename = rename
         self.names = names
+        self.windows = windows  # Window -> C call text (derivgen.codegen.cplan.WindowFunctions)
         self.printed: set[str] = set()  # what the symbols printed as, for the planner
+
+    def _print_Window(self, expr):
+        """A call of the kernel's function summing the window's body over the neighbours (a
+        double; a float sweep rounds it once)."""
+        if self.windows is None:
+            raise ValueError(f"no C function for {expr}: the planner gives the printer its windows")
+        text = self.windows(expr)
+        return f"(float){text}" if self.ctype == "float" else text
 
     def _print_elementary(self, fn: functions.Elementary, expr: sympy.Expr) -> str:
         return self._spell(fn, expr.args)
@@ -166,8 +175,8 @@ class _CFloatElem(_C):
     ``(elements + h_hi) + h_lo`` with h_hi = (float)h, h_lo = (float)(h - h_hi), so
     x - mean is exact to float precision even when mean is 1e4 and x - mean is 1."""
 
-    def __init__(self, rename, names, hoisted, mask_rename=None):
-        super().__init__("float", rename, names)
+    def __init__(self, rename, names, hoisted, mask_rename=None, windows=None):
+        super().__init__("float", rename, names, windows)
         self.hoisted = hoisted  # Add node -> (element part, hoisted name)
         self.mask_rename = mask_rename  # the names in double (masks compare as the forward did)
 
@@ -217,20 +226,28 @@ class SpecPrinter:
         """Plain text for comments of generated code."""
         return code_text(e, self.spec)
 
-    def c(self, e: sympy.Expr, ctype: str, rename: dict[str, str] | None = None) -> str:
-        """C text in ``ctype`` arithmetic, symbols printed by ``rename`` (or as themselves)."""
-        return self.c_reads(e, ctype, rename)[0]
+    def c(self, e: sympy.Expr, ctype: str, rename: dict[str, str] | None = None, windows=None) -> str:
+        """C text in ``ctype`` arithmetic, symbols printed by ``rename`` (or as themselves),
+        windows as the calls ``windows`` gives."""
+        return self.c_reads(e, ctype, rename, windows)[0]
 
-    def c_reads(self, e: sympy.Expr, ctype: str, rename: dict[str, str] | None = None) -> tuple[str, frozenset[str]]:
+    def c_reads(
+        self, e: sympy.Expr, ctype: str, rename: dict[str, str] | None = None, windows=None
+    ) -> tuple[str, frozenset[str]]:
         """C text as :meth:`c`, and what its symbols printed as (the names it reads)."""
-        printer = _C(ctype, rename or {}, self.names)
+        printer = _C(ctype, rename or {}, self.names, windows)
         return printer.doprint(e), frozenset(printer.printed)
 
     def c_float_reads(
-        self, e: sympy.Expr, rename: dict[str, str], hoisted: dict, mask_rename: dict[str, str] | None = None
+        self,
+        e: sympy.Expr,
+        rename: dict[str, str],
+        hoisted: dict,
+        mask_rename: dict[str, str] | None = None,
+        windows=None,
     ) -> tuple[str, frozenset[str]]:
         """Float element arithmetic (group-level addends of the ``hoisted`` sums as hi + lo
         pairs; see :class:`_CFloatElem`), and the names it reads; masks (step, indicator)
         print in double with ``mask_rename``."""
-        printer = _CFloatElem(rename, self.names, hoisted, mask_rename)
+        printer = _CFloatElem(rename, self.names, hoisted, mask_rename, windows)
         return printer.doprint(e), frozenset(printer.printed)

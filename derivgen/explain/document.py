@@ -146,6 +146,15 @@ class DerivLatexPrinter(SpellsFunctions, _Ordered, LatexPrinter):
         u, v = _sides(expr.args[0], self.names.element)
         return rf"\left[{self._print(u)} = {self._print(v)}\right]"
 
+    def _print_Window(self, expr):
+        self._depth += 1
+        try:
+            inner, k = self._print(expr.body), self._print(expr.size)
+        finally:
+            self._depth -= 1
+        name = r"\operatorname{window}^{\top}" if expr.transposed else r"\operatorname{window}"
+        return rf"{name}_{{{k}}}\left({inner} \right)"
+
 
 class DerivTextPrinter(TextSpelling, _Ordered, StrPrinter):
     """SymPy's text printer with the layer's display names (μ, σ², x̂ ...); ``Mean(e)`` prints
@@ -167,6 +176,10 @@ class DerivTextPrinter(TextSpelling, _Ordered, StrPrinter):
     def _print__Equal(self, expr):
         u, v = _sides(expr.args[0], self.names.element)
         return f"[{self._print(u)} = {self._print(v)}]"
+
+    def _print_Window(self, expr):
+        name = "windowᵀ" if expr.transposed else "window"
+        return f"{name}({self._print(expr.body)}, {self._print(expr.size)})"
 
     def _print_elementary(self, fn: functions.Elementary, expr: sympy.Expr) -> str:
         if fn.name == "abs":  # |u|, as people write it
@@ -335,6 +348,9 @@ _MATH_SYMBOLS = {
     "‖": r"\|",
     "∑": r"\sum",
     "′": "'",
+    "⌊": r"\lfloor",
+    "⌋": r"\rfloor",
+    "ᵀ": r"^{\top}",
 }
 _TEXT_SYMBOLS = {"—": "---", "–": "--", "“": "``", "”": "''", "‘": "`", "’": "'", "−": "-", "…": r"\ldots{}"}
 _ACCENTS = {"\u0302": "hat", "\u0307": "dot", "\u0304": "bar", "\u0308": "ddot", "\u0303": "tilde"}

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import sympy
 
-from derivgen.derive.first import G, ModeDerivation, Partial, mode_depends_on_x
+from derivgen.derive.first import G, ModeDerivation, Partial, mode_depends_on_x, tidy_windows
 from derivgen.explain.document import latex_expr, text_expr
 from derivgen.spec.model import DY, Named, Spec, Statistic, X
 from derivgen.symbolic.reduce import GroupMin, Mean, ReductionAlgebra
@@ -160,6 +160,15 @@ def _linear_mean(spec: Spec, xhat_def: sympy.Expr) -> sympy.Expr:
 def _definitions(mode: ModeDerivation) -> Step:
     spec = mode.spec
     eqs = [Equation(st.latex, st.text, st.expr) for st in mode.user_statistics]
+    eqs += [
+        Equation(
+            w.latex + "_i",
+            w.text,
+            w.expr,
+            note="the sum over the elements i - ⌊k/2⌋ .. i + ⌊(k-1)/2⌋ of the group, none past its ends",
+        )
+        for w in spec.windows
+    ]
     if spec.normalized is not None:
         eqs.append(Equation(spec.normalized.latex + "_i", spec.normalized.text, mode.normalized_expr))
     eqs.append(Equation("y_i", "y", spec.output))
@@ -232,6 +241,39 @@ def _local_partials(mode: ModeDerivation, names: _Names) -> Step:
         "y_i depends on x_i directly and on every statistic; each statistic depends "
         "on all x_j of the group. With L the loss and ∂L/∂y_i given, the chain rule "
         "runs through the statistics latest first:",
+        tuple(eqs),
+    )
+
+
+def _windows(mode: ModeDerivation) -> Step:
+    """How the gradient reaches x through a window: each x_j is in the windows of its
+    neighbours, so their adjoints come back summed over the mirrored window."""
+    spec = mode.spec
+    eqs = []
+    for w in spec.windows:
+        dy_dw = sympy.powsimp(sympy.diff(mode.output, w.symbol))
+        eqs.append(Equation(partial_latex("y", w.latex), partial_text("y", w.text), dy_dw))
+        eqs.append(
+            Equation(
+                partial_latex(w.latex + "_i", "x_j"),
+                f"∂{w.text}_i/∂x_j",
+                sympy.diff(w.body, X).xreplace({X: sympy.Symbol("x_j", real=True)}),
+                note="for every j in the window of i, else 0",
+            )
+        )
+        eqs.append(
+            Equation(
+                partial_latex("L", "x") + r"\big|_{" + w.latex + "}",
+                f"∂L/∂x (through {w.text})",
+                tidy_windows(sympy.diff(w.body, X) * w.expr.transpose(DY * dy_dw), mode.element),
+            )
+        )
+    return Step(
+        "Through the window",
+        "A window's value at i sums over its neighbours, so x_j reaches the windows of every i "
+        "whose window holds j: the elements j - ⌊(k-1)/2⌋ .. j + ⌊k/2⌋. ∂L/∂x_j collects "
+        "∂L/∂y_i·∂y_i/∂W_i over them -- the transposed window windowᵀ, the window mirrored "
+        "(the same for an odd k) -- times ∂W/∂x at j:",
         tuple(eqs),
     )
 
@@ -408,8 +450,10 @@ def build_steps(mode: ModeDerivation) -> tuple[Step, ...]:
     steps = [_definitions(mode)]
     if mode.aux:
         steps.append(_auxiliaries(mode))
+    steps.append(_local_partials(mode, names))
+    if spec.windows:
+        steps.append(_windows(mode))
     steps += [
-        _local_partials(mode, names),
         _statistic_partials(mode, names),
         _statistic_adjoints(mode),
         _closed_form(mode, names),

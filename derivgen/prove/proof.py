@@ -132,8 +132,6 @@ class _Explicit:
 
     def at(self, expr: sympy.Expr, i: int | None) -> sympy.Expr:
         """expr evaluated at element i (None: a group-level expression)."""
-        if i is not None:
-            expr = self._windows(expr, i)
 
         def mean(m):
             return sympy.Add(*[self.at(m.args[0], j) for j in range(self.n)]) / self.n
@@ -149,6 +147,8 @@ class _Explicit:
         sub = dict(getattr(self, "derived", {}))
         while sub and e.free_symbols & set(sub):  # g may be written in x̂
             e = e.xreplace(sub)
+        if i is not None:  # after the means (a window inside a mean is at the mean's elements) and g
+            e = self._windows(e, i)
         table = dict(self.group)
         if i is not None:
             table.update({s: v[i] for s, v in self.elem.items()})

@@ -34,6 +34,25 @@ C_LIBRARY_EXTRA = frozenset({"pow", "powf", "malloc", "calloc", "free", "int64_t
 TRITON_NAMES = frozenset({"tl", "triton"})
 
 
+# derivgen.torch.Module makes a spec's options and parameters its attributes (``m.eps``): they
+# may not take the name of an attribute or method torch.nn.Module has (public names, as of
+# torch 2.13; tests/spec/test_reserved.py checks this list against the installed torch) or of
+# one derivgen.torch.Module keeps itself
+TORCH_MODULE_NAMES = frozenset(
+    """
+T_destination add_module apply bfloat16 buffers call_super_init children compile cpu cuda double
+dump_patches eval extra_repr float forward get_buffer get_extra_state get_parameter get_submodule
+half ipu load_state_dict modules mtia named_buffers named_children named_modules named_parameters
+parameters register_backward_hook register_buffer register_forward_hook register_forward_pre_hook
+register_full_backward_hook register_full_backward_pre_hook register_load_state_dict_post_hook
+register_load_state_dict_pre_hook register_module register_parameter register_state_dict_post_hook
+register_state_dict_pre_hook requires_grad_ set_extra_state set_submodule share_memory state_dict
+to to_empty train type xpu zero_grad
+layer_name sync process_group device dtype
+""".split()  # noqa: SIM905
+)
+
+
 def is_keyword(name: str) -> bool:
     """``name`` is a keyword of a target language (Python or C)."""
     return keyword.iskeyword(name) or name in C_KEYWORDS
@@ -56,4 +75,6 @@ def collision(name: str) -> str | None:
         return "a C library name the generated code uses"
     if name in TRITON_NAMES:
         return "a module name the generated Triton code uses"
+    if name in TORCH_MODULE_NAMES:
+        return "an attribute of derivgen.torch.Module (its options and parameters are attributes)"
     return None

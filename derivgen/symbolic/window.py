@@ -64,10 +64,14 @@ class Window(sympy.Function):
         return self.args[0].is_finite
 
     def _latex(self, printer: sympy.printing.latex.LatexPrinter) -> str:
+        if hasattr(printer, "_print_Window"):  # a printer's own spelling (derivgen.explain)
+            return printer._print_Window(self)
         name = r"\operatorname{window}^{\top}" if self.transposed else r"\operatorname{window}"
         return f"{name}_{{{printer._print(self.size)}}}\\left({printer._print(self.body)}\\right)"
 
     def _sympystr(self, printer: sympy.printing.str.StrPrinter) -> str:
+        if hasattr(printer, "_print_Window"):
+            return printer._print_Window(self)
         name = "windowT" if self.transposed else "window"
         return f"{name}({printer._print(self.body)}, {printer._print(self.size)})"
 

@@ -20,6 +20,7 @@ from derivgen.runtime.validate import leading_count
 from derivgen.spec.model import DY, N, X
 from derivgen.symbolic import functions
 from derivgen.symbolic.reduce import GroupMax, GroupMin, Mean
+from derivgen.symbolic.window import Window, offsets
 
 
 def evaluate(
@@ -37,6 +38,11 @@ def evaluate(
         return float(expr)
     if isinstance(expr, Mean):
         return mean(evaluate(expr.args[0], env, mean, extreme))
+    if isinstance(expr, Window):  # one group: the elements in order, none past the ends
+        n = len(env[X])
+        u = np.broadcast_to(np.asarray(evaluate(expr.body, env, mean, extreme), dtype=np.float64), (n,))
+        near = offsets(int(evaluate(expr.size, env, mean, extreme)), expr.transposed)
+        return np.array([sum(u[i + d] for d in near if 0 <= i + d < n) for i in range(n)], dtype=np.float64)
     if isinstance(expr, GroupMax):  # GroupMin is one too
         values = evaluate(expr.args[0], env, mean, extreme)
         kind = "min" if isinstance(expr, GroupMin) else "max"
@@ -57,7 +63,9 @@ def evaluate(
         if root:
             sqrt = getattr(np, functions.half_power().numpy)(base)
             return sqrt if root > 0 else 1.0 / sqrt
-        return np.power(base, float(exponent)) if not exponent.is_Integer else base ** int(exponent)
+        if exponent.is_Integer:
+            return base ** int(exponent)
+        return np.power(base, float(exponent) if exponent.is_number else evaluate(exponent, env, mean, extreme))
     fn = functions.of_node(expr)
     if fn is not None:  # the table's NumPy function
         return numpy_function(fn)(*(evaluate(a, env, mean, extreme) for a in expr.args))
@@ -81,6 +89,8 @@ class GroupEvaluator:
             env[st.symbol] = evaluate(st.expr, env)
         if spec.normalized is not None:
             env[spec.normalized.symbol] = evaluate(mode.normalized_expr, env) * np.ones_like(x)
+        for w in spec.windows:
+            env[w.symbol] = evaluate(w.expr, env)
         if mode.coordinate is not None:  # the backward's coordinate (x̂, or the centred x - μ)
             env[mode.coordinate.symbol] = evaluate(mode.coordinate_expr, env) * np.ones_like(x)
         y = evaluate(spec.output, env) * np.ones_like(x)

@@ -21,6 +21,7 @@ from derivgen.runtime import Layout, leading_mask
 from derivgen.spec.model import N, Spec, X
 from derivgen.symbolic import functions
 from derivgen.symbolic.reduce import GroupMax, GroupMin, Mean
+from derivgen.symbolic.window import Window
 
 if TYPE_CHECKING:  # for the annotations only; at run time torch is imported where it is used
     import torch
@@ -231,6 +232,8 @@ class SpecForward:
             env[st.symbol] = self._eval(st.expr, env)
         if spec.normalized is not None:
             env[spec.normalized.symbol] = self._eval(spec.normalized_expr, env)
+        for w in spec.windows:
+            env[w.symbol] = self._eval(w.expr, env)
         y = self._eval(spec.output, env) * torch.ones(layout.view4, dtype=torch.float64)
         return y.reshape(layout.x_shape), {}
 
@@ -245,6 +248,19 @@ class SpecForward:
         if isinstance(expr, Mean):
             arg = self._eval(expr.args[0], env) * torch.ones(self.layout.view4, dtype=torch.float64)
             return arg.mean(dim=self.layout.reduce_axes, keepdim=True)
+        if isinstance(expr, Window):  # zero padded along the group's axis (2 of the view), then summed
+            arg = self._eval(expr.body, env) * torch.ones(self.layout.view4, dtype=torch.float64)
+            k, n = int(self._eval(expr.size, env)), self.layout.Cg
+            before, after = ((k - 1) // 2, k // 2) if expr.transposed else (k // 2, (k - 1) // 2)
+            padded = torch.cat(
+                [
+                    arg.new_zeros(arg.shape[:2] + (before, arg.shape[3])),
+                    arg,
+                    arg.new_zeros(arg.shape[:2] + (after, arg.shape[3])),
+                ],
+                dim=2,
+            )
+            return sum(padded[:, :, j : j + n] for j in range(k))
         if isinstance(expr, GroupMax):  # and GroupMin: torch.amax/amin split a tie's gradient evenly
             arg = self._eval(expr.args[0], env) * torch.ones(self.layout.view4, dtype=torch.float64)
             pick = torch.amin if isinstance(expr, GroupMin) else torch.amax
@@ -259,7 +275,9 @@ class SpecForward:
             root = functions.half_power_sign(expr)
             if root:
                 return torch.sqrt(base) if root > 0 else 1.0 / torch.sqrt(base)
-            return base ** (int(expr.exp) if expr.exp.is_Integer else float(expr.exp))
+            if expr.exp.is_Integer:
+                return base ** int(expr.exp)
+            return base ** (float(expr.exp) if expr.exp.is_number else args[1])
         fn = functions.of_node(expr)
         if fn is None:
             raise TypeError(f"cannot evaluate {type(expr).__name__} in torch: {expr}")

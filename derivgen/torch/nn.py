@@ -307,7 +307,8 @@ class Module(nn.Module):
 
     spec: a catalogue name, a spec file path or a Spec. size: the normalized
     shape for a trailing layout (an int or a tuple, as torch.nn.LayerNorm's
-    normalized_shape), the number of channels C for a channel layout.
+    normalized_shape), the number of channels C for a channel layout (both positional:
+    an option may be called ``size``, as LocalResponseNorm's window is).
     Parameters are the spec's, named as in the spec and initialized with its
     ``init`` values; buffers likewise (updated in training mode with the
     spec's rule). Options are attributes (``m.eps``); the spec's per-group
@@ -321,6 +322,7 @@ class Module(nn.Module):
         self,
         spec: Spec | str | Path,
         size: int | Sequence[int],
+        /,
         *,
         num_groups: int | None = None,
         device: torch.device | str | None = None,
@@ -351,23 +353,23 @@ class Module(nn.Module):
             except (TypeError, ValueError) as e:
                 raise type(e)(f"{self.layer_name}: option {e}") from None
             setattr(self, o, v)
-        self.size = _module_size(self.layer_name, meta, size)
-        _check_groups(self.layer_name, meta, num_groups, self.size[0])
+        self._size = _module_size(self.layer_name, meta, size)
+        _check_groups(self.layer_name, meta, num_groups, self._size[0])
         self.num_groups = num_groups or 0
         kw = {"device": device, "dtype": dtype}
         for p in meta["params"]:
-            shape = () if p in meta["scalar_params"] else self.size
+            shape = () if p in meta["scalar_params"] else self._size
             self.register_parameter(p, nn.Parameter(torch.full(shape, float(meta["param_init"][p]), **kw)))
         if meta["buffers"]:
             if meta["layout"] != "channels" or meta["reduce"] != "batch":
                 raise ValueError(f"{self.layer_name}: buffers are supported for a batch-reduced layer only")
             for b in meta["buffers"]:
-                self.register_buffer(b, torch.full(self.size, float(meta["buffer_init"][b]), **kw))
+                self.register_buffer(b, torch.full(self._size, float(meta["buffer_init"][b]), **kw))
 
     def extra_repr(self) -> str:
         """The layer's name, size and options, for ``repr``."""
         opts = ", ".join(f"{o}={getattr(self, o)}" for o in self._layer.meta["options"])
-        return f"{self.layer_name}, {self.size}" + (f", {opts}" if opts else "")
+        return f"{self.layer_name}, {self._size}" + (f", {opts}" if opts else "")
 
     def forward(self, x: torch.Tensor, **inputs: torch.Tensor | float) -> torch.Tensor:
         """y of the spec's layer; its per-group inputs as keywords (tensors or numbers). In
@@ -381,10 +383,10 @@ class Module(nn.Module):
                 + (f"; missing {missing}" if missing else "")
                 + (f"; unknown {sorted(extra)}" if extra else "")
             )
-        if meta["layout"] == "channels" and isinstance(x, torch.Tensor) and x.dim() >= 2 and x.shape[1] != self.size[0]:
+        if meta["layout"] == "channels" and isinstance(x, torch.Tensor) and x.dim() >= 2 and x.shape[1] != self._size[0]:
             raise ValueError(
                 f"{self.layer_name}: x has {x.shape[1]} channels (dimension 1 of shape {tuple(x.shape)}); "
-                f"this module was made for {self.size[0]}"
+                f"this module was made for {self._size[0]}"
             )
         params = {p: getattr(self, p) for p in meta["params"]}
         options = {o: getattr(self, o) for o in meta["options"]}

@@ -269,7 +269,10 @@ def _contiguous_operands(plan: KernelPlan, tens: list[torch.Tensor]) -> list[tor
 
 
 def _forward_general(plan: KernelPlan, tens: list[torch.Tensor], opts: tuple[float, ...], blob: bool) -> tuple:
-    """:meth:`KernelPlan.forward` with per-group inputs, buffers or tensors to copy."""
+    """:meth:`KernelPlan.forward` with per-group inputs, buffers or tensors to copy; a
+    channels-last x of a layout without channels-last kernels (a position's channels) is
+    read contiguous and y given back channels last, as x came."""
+    like = tens[0]
     if plan.copy:
         tens = _contiguous_operands(plan, tens)
     x = tens[0]
@@ -301,13 +304,22 @@ def _forward_general(plan: KernelPlan, tens: list[torch.Tensor], opts: tuple[flo
         != 0
     ):
         raise MemoryError(f"{plan.name}: forward kernel could not allocate its work buffer")
-    return y, st
+    return _as_x_came(y, like, plan), st
+
+
+def _as_x_came(t: torch.Tensor, like: torch.Tensor, plan: KernelPlan) -> torch.Tensor:
+    """An element-level result computed contiguous, in the memory format ``like`` (x as the
+    caller gave it) has when that is channels last and the plan had no kernels for it."""
+    if plan.nhwc or plan.lay.meta["layout"] != "channels" or not is_channels_last(like):
+        return t
+    return t.contiguous(memory_format=channels_last_format(like))
 
 
 def _backward_general(
     plan: KernelPlan, dy: torch.Tensor, tens: list[torch.Tensor], stat_ptrs: list[int], opts: tuple[float, ...]
 ) -> tuple:
     """:meth:`KernelPlan.backward` with per-group inputs, buffers, channels last or tensors to copy."""
+    like = tens[0]
     if plan.copy:
         tens = _contiguous_operands(plan, tens)
     x, k = tens[0], 1 + plan.npar
@@ -337,7 +349,7 @@ def _backward_general(
         != 0
     ):
         raise MemoryError(f"{plan.name}: backward kernel could not allocate its work buffer")
-    return (dx, *dps, *(per_group_input_grad(d, t, x.dtype) for t, d in zip(ins, dis)))
+    return (_as_x_came(dx, like, plan), *dps, *(per_group_input_grad(d, t, x.dtype) for t, d in zip(ins, dis)))
 
 
 def options_in_range(opts: Sequence[Any], ranges: Sequence[tuple]) -> bool:

@@ -24,10 +24,11 @@ def test_generated_specs_are_valid_and_varied():
         text = specfuzz.generate(seed)
         spec = parse_spec(text, source=f"fuzz{seed}.toml")  # valid by construction
         kinds.add((spec.layout, spec.reduce))
-        masks = {m.name for m in spec.masks}  # leading(p): derivgen's own names (Lead_p)
+        # leading(p) and window(e, k): derivgen's own names (Lead_p, Win1)
+        masks = {m.name for m in spec.masks} | {w.name for w in spec.windows}
         names |= {n for n in spec.symbols if n not in ("x", "N") and n not in masks}
         assert all(reserved_reason(n) is None for n in names)
-    assert len(kinds) == 4  # trailing, batch, instance, group
+    assert len(kinds) == 5  # trailing, batch, instance, group, position
     # the names derivgen's generated code once used for itself are ordinary names now
     assert names & {"s", "m", "b", "base", "part", "idx", "grp", "mine", "np", "stats", "call"}
     assert any(n.endswith("_t") for n in names)

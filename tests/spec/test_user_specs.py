@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import ROOT
+from conftest import ROOT, require_module
 
 import derivgen
 from derivgen.spec.model import SpecError, parse_spec
@@ -94,6 +94,7 @@ BAD = [
     ("keyword", BASE.replace("gamma = {}", "for = {}"), "invalid or reserved name"),
     ("c-keyword", BASE.replace("gamma = {}", "double = {}"), "invalid or reserved name"),
     ("libm", BASE.replace("gamma = {}", "sqrt = {}"), "invalid or reserved name"),
+    ("module-attribute", BASE.replace("gamma = {}", "cuda = {}"), "attribute of derivgen.torch.Module"),
     ("docstring-escape", BASE.replace('name = "t"', 'name = "t"\ntitle = \'x """ ; import os\''), "must not contain"),
     ("comment-escape", BASE.replace('name = "t"', 'name = "t"\nsummary = "x */ int evil; /*"'), "must not contain"),
     ("newline", BASE.replace('name = "t"', 'name = "t"\nsummary = "a\\nimport os"'), "control character"),
@@ -240,3 +241,13 @@ def test_online_layernorm_in_the_notes_notation_matches_the_catalogue():
     np.testing.assert_allclose(ga.dx, gb.dx, rtol=1e-10, atol=1e-12)
     np.testing.assert_allclose(ga.dmu_prev, gb.dprev_mean, rtol=1e-10, atol=1e-12)
     np.testing.assert_allclose(ga.dsigma_prev, gb.dprev_std, rtol=1e-10, atol=1e-12)
+
+
+def test_the_module_attribute_names_cover_torch_nn_module():
+    """derivgen.torch.Module makes options and parameters its attributes: every public name of
+    torch.nn.Module is reserved (the list in derivgen/spec/reserved.py is data, checked here)."""
+    torch = require_module("torch")
+    from derivgen.spec.reserved import TORCH_MODULE_NAMES
+
+    public = {n for n in dir(torch.nn.Module) if not n.startswith("_")}
+    assert public <= TORCH_MODULE_NAMES, sorted(public - TORCH_MODULE_NAMES)
