@@ -382,7 +382,9 @@ def _windows(rng: random.Random, s: _Spec, names: Names, kind: str, z: str, term
     e = rng.choice(["x**2", "abs(x)", "tanh(x)", "x"])
     u = rng.random()
     if u < 0.5:
-        terms[0] = f"({terms[0]})/(1 + {rng.choice(['0.5', '0.1'])}*window({e}, {k})/{k})**{rng.choice(['0.75', '0.5'])}"
+        terms[0] = (
+            f"({terms[0]})/(1 + {rng.choice(['0.5', '0.1'])}*window({e}, {k})/{k})**{rng.choice(['0.75', '0.5'])}"
+        )
     elif u < 0.8:
         terms.append(f"0.1*window({e}, {k})")
     else:

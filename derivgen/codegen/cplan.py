@@ -313,7 +313,7 @@ class WindowFunctions:
         key = (kind, w)
         if key in self.done:
             return self.done[key]
-        needed, names = needed_temps([hide_windows(w.body), *(w.body.atoms(Window))], temps)
+        needed, _names = needed_temps([hide_windows(w.body), *(w.body.atoms(Window))], temps)
         temp_names = {nm for nm, _ in needed}
         inner: list[_WindowFunction] = []
 
@@ -359,8 +359,10 @@ class WindowFunctions:
             load_lines.append(f"const double {local} = {c_load(f'{src}[{index}]', T) if index else src};")
         text = "\n".join(
             [
-                f"/* {'the transposed window' if w.transposed else 'window'} of {self.printer.code(w.body)} over "
-                f"{size} neighbours, at element Ch0 of its group */",
+                (
+                    f"/* {'the transposed window' if w.transposed else 'window'} of {self.printer.code(w.body)} over "
+                    f"{size} neighbours, at element Ch0 of its group */"
+                ),
                 f"static double {name}({', '.join(params)})",
                 "{",
                 *(f"    (void){a};" for a in [*arrays, *groups_t, "Base", "S", "Cg", "Ch0"]),

@@ -85,7 +85,11 @@ def layer_meta(spec: Spec, irs: Mapping[str, ModeIR]) -> dict:
         "axes": spec.axes,
         "param_init": {p.name: p.init for p in spec.params},
         "options": {o.name: (o.default, o.min, o.max) for o in spec.options},
-        **({"integer_options": [o.name for o in spec.options if o.integer]} if any(o.integer for o in spec.options) else {}),
+        **(
+            {"integer_options": [o.name for o in spec.options if o.integer]}
+            if any(o.integer for o in spec.options)
+            else {}
+        ),
         "inputs": [i.name for i in spec.inputs],
         "buffers": [b.name for b in spec.buffers],
         "buffer_init": {b.name: b.init for b in spec.buffers},

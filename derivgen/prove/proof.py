@@ -495,7 +495,10 @@ def _first_checks(first: ModeDerivation, ex: _Explicit) -> list[tuple[str, sympy
     _, loss = _explicit_loss(ex)
     checks = [(f"dx_{i}", sympy.diff(loss, ex.elem[X][i]) - ex.at(first.dx, i)) for i in _positions(ex)]
     checks += [
-        _param_check("", loss, p, first.grads[p.name], ex, i) for p in spec.params if not p.scalar for i in _positions(ex)
+        _param_check("", loss, p, first.grads[p.name], ex, i)
+        for p in spec.params
+        if not p.scalar
+        for i in _positions(ex)
     ]
     checks += [_param_check("", loss, p, first.grads[p.name], ex) for p in spec.params if p.scalar]
     checks += [_input_check("", loss, inp, first.dinputs[inp.name], ex) for inp in spec.inputs]
@@ -660,7 +663,10 @@ def _second_checks(second: SecondOrder, n: int) -> list[_Check]:
         ex = _Explicit(second.first, n, k)
         _explicit_seeds(second, ex)
         ys, loss = _explicit_loss(ex)
-        found = [*_double_backward_checks(second, ex, loss), *(_jvp_check(second, ex, ys[i], i) for i in _positions(ex))]
+        found = [
+            *_double_backward_checks(second, ex, loss),
+            *(_jvp_check(second, ex, ys[i], i) for i in _positions(ex)),
+        ]
         checks += [(_sized(what, k), d, lin) for what, d, lin in found]
     return [(what, almost_everywhere(d), lin) for what, d, lin in checks]
 

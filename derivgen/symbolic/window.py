@@ -107,4 +107,3 @@ def pull(e: sympy.Expr, element: set[sympy.Symbol] | frozenset[sympy.Symbol]) ->
     if not e.has(Window):
         return e
     return e.replace(lambda a: isinstance(a, Window), split)
-

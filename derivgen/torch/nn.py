@@ -383,7 +383,12 @@ class Module(nn.Module):
                 + (f"; missing {missing}" if missing else "")
                 + (f"; unknown {sorted(extra)}" if extra else "")
             )
-        if meta["layout"] == "channels" and isinstance(x, torch.Tensor) and x.dim() >= 2 and x.shape[1] != self._size[0]:
+        if (
+            meta["layout"] == "channels"
+            and isinstance(x, torch.Tensor)
+            and x.dim() >= 2
+            and x.shape[1] != self._size[0]
+        ):
             raise ValueError(
                 f"{self.layer_name}: x has {x.shape[1]} channels (dimension 1 of shape {tuple(x.shape)}); "
                 f"this module was made for {self._size[0]}"

@@ -116,7 +116,7 @@ def test_numpy_matches_local_response_norm(tmp_path, size, d):
     m = derivgen.load(str(path), backend="numpy")
     rng = np.random.default_rng(size * 10 + d)
     x, dy, ddx, tx = (rng.standard_normal((3, d)) for _ in range(4))
-    opts = dict(alpha=0.3, beta=0.75, k=1.5)
+    opts = {"alpha": 0.3, "beta": 0.75, "k": 1.5}
 
     def ref(z):
         return torch.nn.functional.local_response_norm(z.unsqueeze(-1), size, **opts).squeeze(-1)
