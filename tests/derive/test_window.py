@@ -1,8 +1,8 @@
 """``window(e, k)``: a sum over the k neighbouring elements of a group (zero padded, as
 torch.nn.LocalResponseNorm). The spec language's checks, the closed forms (the gradient
 reaches x through the transposed window), the proof at every element and several window
-sizes, and the NumPy target against PyTorch's local_response_norm with autograd, first and
-second order."""
+sizes, and the NumPy and C targets against PyTorch's local_response_norm with autograd,
+first and second order (the zoo's lrn checks the channels of a position layout)."""
 
 from __future__ import annotations
 
@@ -107,13 +107,15 @@ def test_second_order_is_proven():
     assert prove_second_mode(second, sizes=(2,)).ok
 
 
+@pytest.mark.parametrize("backend", ["numpy", "c"])
 @pytest.mark.parametrize("size", [1, 2, 3, 5, 6])
 @pytest.mark.parametrize("d", [1, 4, 7])
-def test_numpy_matches_local_response_norm(tmp_path, size, d):
+def test_backends_match_local_response_norm(tmp_path, backend, size, d):
+    """Along a trailing layout's features, sizes odd and even, wider than the group."""
     torch = require_module("torch")
     path = tmp_path / "lrn.toml"
     path.write_text(LRN)
-    m = derivgen.load(str(path), backend="numpy")
+    m = derivgen.load(str(path), backend=backend)
     rng = np.random.default_rng(size * 10 + d)
     x, dy, ddx, tx = (rng.standard_normal((3, d)) for _ in range(4))
     opts = {"alpha": 0.3, "beta": 0.75, "k": 1.5}
@@ -132,3 +134,27 @@ def test_numpy_matches_local_response_norm(tmp_path, size, d):
     _, jt = torch.func.jvp(ref, (torch.tensor(x),), (torch.tensor(tx),))
     for got, want in ((y, yt), (grads.dx, gx), (bb.dx, bx), (bb.ddy, bdy), (ty, jt)):
         np.testing.assert_allclose(got, want.detach().numpy(), rtol=1e-10, atol=1e-12)
+
+
+def test_a_window_size_must_be_a_whole_number_at_call_time(tmp_path):
+    path = tmp_path / "lrn.toml"
+    path.write_text(LRN)
+    m = derivgen.load(str(path), backend="numpy")
+    with pytest.raises(ValueError, match="size must be a whole number"):
+        m.forward(np.ones((2, 3)), size=2.5)
+    with pytest.raises(ValueError, match="size"):
+        m.forward(np.ones((2, 3)), size=0)
+
+
+def test_a_module_takes_an_option_called_size():
+    """derivgen.torch.Module(NAME, C, size=...): the module's own size is positional."""
+    torch = require_module("torch")
+    import derivgen.torch as dt
+
+    m = dt.Module("lrn", 6, size=3, alpha=0.5).double()
+    assert m.size == 3.0
+    x = torch.randn(2, 6, 4, dtype=torch.float64)
+    want = torch.nn.functional.local_response_norm(x, 3, alpha=0.5, beta=0.75, k=1.0)
+    assert torch.allclose(m(x), want, rtol=1e-12, atol=1e-14)
+    xc = torch.randn(2, 6, 3, 5, dtype=torch.float64).contiguous(memory_format=torch.channels_last)
+    assert m(xc).is_contiguous(memory_format=torch.channels_last)
