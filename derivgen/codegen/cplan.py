@@ -294,31 +294,34 @@ class WindowFunctions:
         self.done: dict[tuple[str, Window], _WindowFunction] = {}
         self.texts: list[str] = []
 
-    def kernel(self, kind: str, temps: list[tuple[str, sympy.Expr]], loads: dict[str, tuple[str, str, str]]):
-        """The printer hook of one kernel (``kind``): its element temporaries ``temps`` and its
+    def kernel(self, temps: list[tuple[str, sympy.Expr]], loads: dict[str, tuple[str, str, str]]):
+        """The printer hook of one kernel: its element temporaries ``temps`` and its
         element ``loads`` (symbol name -> (local name, array, index: "Idx" or "Ch") or, for a
         mask, (local name, C expression, "")); ``call(w, names)`` prints a window's call with
         the caller's names of the group values."""
 
         def call(w: Window, names: dict[str, str]) -> str:
-            fn = self._define(kind, w, temps, loads)
+            fn = self._define(w, temps, loads)
             args = [*fn.arrays, *(names.get(g, g) for g in fn.groups), "Idx - Ch * S", "S", "Cg", "Ch"]
             return f"{fn.name}({', '.join(args)})"
 
         return call
 
     def _define(
-        self, kind: str, w: Window, temps: list[tuple[str, sympy.Expr]], loads: dict[str, tuple[str, str, str]]
+        self, w: Window, temps: list[tuple[str, sympy.Expr]], loads: dict[str, tuple[str, str, str]]
     ) -> _WindowFunction:
-        key = (kind, w)
+        # one function per window and what it reads (its temporaries, nested windows' too, and
+        # the loads): the kernels that need the same one share it
+        deps, names = needed_temps([w.body], temps)
+        key = (w, tuple(deps), tuple(sorted((n, loads[n]) for n in names if n in loads)))
         if key in self.done:
             return self.done[key]
-        needed, _names = needed_temps([hide_windows(w.body), *(w.body.atoms(Window))], temps)
+        needed, _ = needed_temps([hide_windows(w.body)], temps)  # what this body itself reads
         temp_names = {nm for nm, _ in needed}
         inner: list[_WindowFunction] = []
 
         def nested(v: Window) -> str:
-            fn = self._define(kind, v, temps, loads)
+            fn = self._define(v, temps, loads)
             inner.append(fn)
             return f"{fn.name}({', '.join([*fn.arrays, *fn.groups, 'Idx - Ch * S', 'S', 'Cg', 'Ch'])})"
 
@@ -486,7 +489,7 @@ class CPlanner:
         loads = {"x": ("Xv", "x", "Idx"), "dy": ("Dyv", "dy", "Idx")}
         loads.update({p: (derived(p, "V"), p, "Ch") for p in chan})
         loads.update({m: (derived(m, "V"), mask_load(o), "") for m, o in self.masks.items()})
-        call = self.windows.kernel(repr(tuple(temps)), list(temps), loads)
+        call = self.windows.kernel(list(temps), loads)
 
         called: list[Window] = []  # a sweep that calls a window function needs the channel index Ch
 
@@ -691,7 +694,7 @@ def second_plan(printer: SpecPrinter, ir: SecondIR, ctype: str, windows: WindowF
     loads.update({sd: (sd, p + "_Seed", "Ch") for sd, p in seed_chan.items()})
     loads.update({m: (derived(m, "V"), mask_load(o), "") for m, o in masks.items()})
     windows = windows or WindowFunctions(printer, f"{spec.name}_{ir.kind}", ctype)
-    call = windows.kernel(ir.kind + repr(tuple(ir.temps)), list(ir.temps), loads)
+    call = windows.kernel(list(ir.temps), loads)
 
     def C(e):
         return printer.c(e, "double", rename, lambda w: call(w, rename))
