@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import require_module
+from conftest import require_module, run_driver
 
 torch = require_module("torch")
 require_module("triton")
@@ -166,3 +166,14 @@ def test_second_order_by_the_closed_forms(layout):
     _, jt = torch.func.jvp(ref, (torch.tensor(x),), (torch.tensor(tx),))
     for name, got, want in (("dx", bb.dx, bx), ("ddy", bb.ddy, bdy), ("jvp", ty, jt)):
         assert tc.relerr(got, want.detach().numpy()) < 1e-4, f"{name} off by {tc.relerr(got, want.detach().numpy())}"
+
+
+def test_the_kernels_compile_for_a_gpu(tmp_path):
+    """The kernels of the lrn layer and of a window beside statistics and a parameter, compiled
+    for sm_90 in a process without Triton's interpreter (no GPU needed): the window functions'
+    loops over a run-time k, masked neighbour loads and nested calls are valid Triton."""
+    spec = tmp_path / "window_mixed.toml"
+    spec.write_text(MIXED)
+    r = run_driver("triton_compile_driver.py", tmp_path, "", "lrn", spec)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.count(": compiled") == 8, r.stdout
