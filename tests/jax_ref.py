@@ -120,12 +120,28 @@ def evaluate(expr: sympy.Expr, env: dict, mean, select=None):
         base = evaluate(expr.base, env, mean, select)
         if expr.exp.is_Integer:
             return base ** int(expr.exp)
-        return jnp.power(base, float(expr.exp))
+        if expr.exp.is_number:
+            return jnp.power(base, float(expr.exp))
+        return jnp.power(base, evaluate(expr.exp, env, mean, select))  # an option's power: x**(-beta)
     fn = functions.of_node(expr)
     if fn is not None:
         f = FUNCTIONS.get(fn.name) or getattr(jnp, fn.name)
         return f(*(evaluate(a, env, mean, select) for a in expr.args))
     raise TypeError(f"cannot evaluate {type(expr).__name__}: {expr}")
+
+
+def window(u, k: int, shape: tuple, reduce_axes: tuple):
+    """``window(u, k)`` over the group's one axis of length > 1 (the whole group when it has
+    one element): out[i] = Σ_j B[i, j] u[j] with B[i, j] = 1 for i - ⌊k/2⌋ <= j <= i + ⌊(k-1)/2⌋
+    (torch.nn.LocalResponseNorm's zero-padded window), as a matrix product."""
+    u = jnp.broadcast_to(u, shape)
+    axes = [a for a in reduce_axes if shape[a] != 1]
+    if not axes:
+        return u
+    (axis,) = axes
+    i = jnp.arange(shape[axis])
+    band = ((i[None, :] >= i[:, None] - k // 2) & (i[None, :] <= i[:, None] + (k - 1) // 2)).astype(u.dtype)
+    return jnp.moveaxis(jnp.tensordot(band, jnp.moveaxis(u, axis, 0), axes=1), 0, axis)
 
 
 def spec_forward(spec, mode: str, x4, params4: dict, values: dict, reduce_axes: tuple):
@@ -152,6 +168,13 @@ def spec_forward(spec, mode: str, x4, params4: dict, values: dict, reduce_axes: 
         p = values.get(m.option, spec.symbols[m.option].default)
         shape = tuple(x4.shape[a] if a in reduce_axes else 1 for a in range(x4.ndim))
         env[m.symbol] = (jnp.arange(n) < int(p * n)).astype(float).reshape(shape)
+    for w in getattr(spec, "windows", ()):  # window(e, k): a banded 0/1 matrix along the group's axis
+        env[w.symbol] = window(
+            evaluate(w.body, env, mean, select),
+            int(values[str(w.size)]) if w.size.is_Symbol else int(w.size),
+            x4.shape,
+            reduce_axes,
+        )
     for st in spec.mode(mode).statistics:
         env[st.symbol] = evaluate(st.expr, env, mean, select)
     if spec.normalized is not None:

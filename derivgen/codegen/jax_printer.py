@@ -13,6 +13,11 @@ the comparison of a with b (``_j.indicator_cmp(a, b)``). XLA's CPU code contract
 of a value and the group maximum it attains is then not exactly zero, and the equality
 ``indicator(x**2 - max)*indicator(max - x**2)`` would lose the element that attains it.
 A comparison is not contracted.
+
+A window, ``window(u, k)`` (:mod:`derivgen.symbolic.window`), prints as the layout's
+window sum along the group's axis, ``_L.window(u, k, transposed)`` (derivgen.jax.layout):
+k is an option, a Python number when the function is traced, so the window's slices are
+static.
 """
 
 from __future__ import annotations
@@ -34,6 +39,10 @@ class _Jax(_NumPy):
         if opt is not None:  # the JAX target binds no mask arrays: one from the layout
             return f"numpy.leading_mask(_L, {opt})"
         return super()._print_Symbol(expr)
+
+    def _print_Window(self, expr):
+        """``_L.window(u, k, transposed)``: the sum over the window along the group's axis."""
+        return f"_L.window({self._print(expr.body)}, {self._print(expr.size)}, {expr.transposed})"
 
     def _print_elementary(self, fn: functions.Elementary, expr: sympy.Expr) -> str:
         (arg,) = expr.args if len(expr.args) == 1 else (None,)

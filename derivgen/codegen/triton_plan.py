@@ -15,6 +15,15 @@ sweep loads, computes, sums and stores:
   closed form and each parameter's contributions, summed per channel into the program's
   row of partial sums (a second kernel reduces the rows).
 
+A window, ``window(u, k)`` (:mod:`derivgen.symbolic.window`: the forward's ``Win1`` and the
+transposed windows of the closed forms), is a ``triton.jit`` function of its own
+(:class:`TWindow`): at each element of a tile it loops over the offsets D of the window,
+a run-time k's, and sums its body at element Ib + D of the group, loading x, dy and the
+parameters there (masked: zero past the group's ends), with the element temporaries the body
+reads computed there too; a window inside the body (a temporary ``Win1`` at the neighbour)
+calls its own function. The group runs along the columns of a 1 x B matrix (trailing and
+``reduce = "position"`` layouts, the only ones with windows), so the neighbour lies D·sB away.
+
 Every name a kernel makes carries an upper-case tag (``X_Ptr``, ``gamma_Part``,
 ``Sum_mean_Acc``), derivgen's namespace (see :mod:`derivgen.symbolic.naming`); element
 values, statistics and options keep their spec names.
@@ -30,7 +39,8 @@ from derivgen.codegen.ir import Loop, ModeIR, Select, needed_temps
 from derivgen.codegen.triton_printer import triton_expr
 from derivgen.runtime.abi import reads_buffers
 from derivgen.spec.model import Spec
-from derivgen.symbolic.naming import derived
+from derivgen.symbolic.naming import code_text, derived
+from derivgen.symbolic.window import Window, offsets
 
 
 @dataclass(frozen=True)
@@ -57,6 +67,30 @@ class TValue:
 
 
 @dataclass(frozen=True)
+class TWindow:
+    """A window's ``triton.jit`` function: called at a tile's elements (``Offs``, ``Mask``,
+    ``Chan``, ``Ib``) with the group's length and stride (``B``, ``sB``), the pointers its
+    loads read and the group values (options, statistics ...) its body reads; returns the
+    sum over the window's offsets of the body at each element's neighbours."""
+
+    name: str
+    comment: str  # the window as text
+    pointers: tuple[str, ...]  # X_Ptr, Dy_Ptr, <param>_Ptr, <option>_Lead (its own loads and its windows')
+    values: tuple[str, ...]  # group values read, by their kernel names
+    offsets: str  # the offsets D of the elements summed, as text
+    width: str  # k as an int32 (an option's value cast, or a literal)
+    transposed: bool
+    loads: tuple[tuple[str, str], ...]  # element loads at the neighbour (Offs_D, Mask_D, Chan_D)
+    temps: tuple[tuple[str, str], ...]  # element temporaries at the neighbour
+    body: str
+
+    def call(self, at: str = "") -> str:
+        """The call at the elements ``Offs<at>``, ``Mask<at>``, ``Chan<at>``, ``Ib<at>``."""
+        args = [f"Offs{at}", f"Mask{at}", f"Chan{at}", f"Ib{at}", "B", "sB", *self.pointers, *self.values]
+        return f"{self.name}({', '.join(args)})"
+
+
+@dataclass(frozen=True)
 class TritonPlan:
     """A mode's two kernels for Triton, as statement text and argument lists."""
 
@@ -79,6 +113,7 @@ class TritonPlan:
     one_pass_bwd_loads: tuple[tuple[str, str], ...]
     dinputs: tuple[tuple[str, str], ...]  # (input, group variable)
     dparam_groups: tuple[tuple[str, str], ...]  # (scalar parameter, group variable)
+    windows: tuple[TWindow, ...] = ()  # the windows' functions, each after those it calls
 
 
 class TritonPlanner:
@@ -90,28 +125,76 @@ class TritonPlanner:
         self.scalar = {p.name for p in spec.params if p.scalar}
         self.chan = [p for p in self.params if p not in self.scalar]
         self.reads = reads_buffers({"buffers": list(spec.buffers), "buffer_reads": _buffer_reads(spec)}, ir.mode)
+        self.windows: dict[tuple, TWindow] = {}  # by (window, the temporaries it reads), in definition order
 
-    def text(self, e: sympy.Expr) -> str:
-        """Triton text of ``e``."""
-        return triton_expr(e, self.spec)
+    def text(self, e: sympy.Expr, temps: list | tuple = (), at: str = "") -> str:
+        """Triton text of ``e`` at the elements ``Offs<at>`` ...: its windows as calls of their
+        functions, which compute the element temporaries ``temps`` their bodies read."""
+        return triton_expr(e, self.spec, lambda w: self.window(w, temps).call(at))
 
-    def loads(self, names: set[str]) -> tuple[tuple[str, str], ...]:
+    def element_pointers(self) -> dict[str, str]:
+        """What each element load reads: x, dy, channel parameters (pointers), the ``leading(p)``
+        masks (the count ⌊p·N⌋ the host passes)."""
+        out = {"x": "X_Ptr", "dy": "Dy_Ptr", **{p: derived(p, "Ptr") for p in self.chan}}
+        out.update({m.name: derived(m.option, "Lead") for m in self.spec.masks})
+        return out
+
+    def loads(self, names: set[str], at: str = "") -> tuple[tuple[str, str], ...]:
         """The element loads that code reading ``names`` needs, as (name, value text): x, dy,
         channel parameters, and the ``leading(p)`` masks (the feature index against the
-        count ⌊p·N⌋ the host passes)."""
+        count ⌊p·N⌋ the host passes); at the elements ``Offs<at>``, ``Mask<at>``, ``Chan<at>``."""
+        offs, mask, chan = f"Offs{at}", f"Mask{at}", f"Chan{at}"
         out = [
-            (n, f"tl.load({ptr} + Offs, mask=Mask, other=0.0).to(tl.float32)")
+            (n, f"tl.load({ptr} + {offs}, mask={mask}, other=0.0).to(tl.float32)")
             for n, ptr in (("x", "X_Ptr"), ("dy", "Dy_Ptr"))
             if n in names
         ]
-        out += [(p, f"tl.load({derived(p, 'Ptr')} + Chan, mask=Mask, other=0.0).to(tl.float32)") for p in self.chan]
-        out += [(m.name, f"(Chan < {derived(m.option, 'Lead')}).to(tl.float32)") for m in self.spec.masks]
+        out += [(p, f"tl.load({derived(p, 'Ptr')} + {chan}, mask={mask}, other=0.0).to(tl.float32)") for p in self.chan]
+        out += [(m.name, f"({chan} < {derived(m.option, 'Lead')}).to(tl.float32)") for m in self.spec.masks]
         return tuple((n, t) for n, t in out if n in names)
 
     def sweep(self, exprs: list[sympy.Expr], temps: list, **kw) -> TSweep:
         """A sweep computing ``exprs`` from the element temporaries ``temps`` it needs."""
         needed, names = needed_temps([sympy.sympify(e) for e in exprs], temps)
-        return TSweep(self.loads(names), tuple((n, self.text(e)) for n, e in needed), **kw)
+        return TSweep(self.loads(names), tuple((n, self.text(e, temps)) for n, e in needed), **kw)
+
+    def window(self, w: Window, temps: list | tuple) -> TWindow:
+        """The function of the window ``w`` (made once), whose body reads the element
+        temporaries ``temps`` it needs (computed at each neighbour)."""
+        needed, names = needed_temps([w.body], list(temps))
+        key = (w, tuple(needed))
+        if key in self.windows:
+            return self.windows[key]
+        inner: list[TWindow] = []
+
+        def text(e: sympy.Expr) -> str:  # at the neighbour, recording the windows it calls
+            return triton_expr(e, self.spec, lambda v: _record(inner, self.window(v, temps)).call("_D"))
+
+        body = text(w.body)
+        temps_text = tuple((n, text(e)) for n, e in needed)
+        loads = self.loads(names, "_D")
+        pointers = {self.element_pointers()[n] for n, _ in loads}
+        values = names - {n for n, _ in loads} - {n for n, _ in needed}
+        if w.size.is_Symbol:
+            values.add(str(w.size))
+        for v in inner:
+            pointers |= set(v.pointers)
+            values |= set(v.values)
+        order = list(self.element_pointers().values())
+        fn = TWindow(
+            name=f"Window_{self.ir.mode}_{len(self.windows) + 1}",
+            comment=code_text(w, self.spec),
+            pointers=tuple(sorted(pointers, key=order.index)),
+            values=tuple(sorted(values)),
+            offsets=_offsets_text(w),
+            width=f"tl.cast({w.size}, tl.int32)" if w.size.is_Symbol else str(int(w.size)),
+            transposed=w.transposed,
+            loads=loads,
+            temps=temps_text,
+            body=body,
+        )
+        self.windows[key] = fn
+        return fn
 
     def group_loads(self, with_stats: bool) -> list[tuple[str, str]]:
         """Per-group loads: scalar parameters, inputs, buffers the statistics read, statistics."""
@@ -148,7 +231,8 @@ class TritonPlanner:
                 continue
             names |= {n for n, _ in sw.loads}
         _, y = self.ir.fwd_elem[-1]
-        final = self.sweep([y], list(self.ir.fwd_elem[:-1]), stores=(("Y_Ptr", self.text(y)),))
+        temps = list(self.ir.fwd_elem[:-1])
+        final = self.sweep([y], temps, stores=(("Y_Ptr", self.text(y, temps)),))
         names |= {n for n, _ in final.loads}
         return steps, final, self.loads(names)
 
@@ -158,15 +242,17 @@ class TritonPlanner:
         temps = list(ir.bwd_elem)
         red = None
         if ir.bwd_loop:
-            red = self.sweep([e for _, e in ir.bwd_loop], temps, accs=tuple((a, self.text(e)) for a, e in ir.bwd_loop))
+            red = self.sweep(
+                [e for _, e in ir.bwd_loop], temps, accs=tuple((a, self.text(e, temps)) for a, e in ir.bwd_loop)
+            )
         coeffs = {k for k, _ in ir.dx_terms}
         group = [TValue(a.name, self.text(a.expr), a.comment) for a in ir.bwd_group if a.name not in coeffs]
         contrib = [(p, e) for p, e in ir.dparams]
         final = self.sweep(
             [ir.dx_closed, *(e for _, e in contrib)],
             temps,
-            stores=(("Dx_Ptr", self.text(ir.dx_closed)),),
-            params=tuple((p, self.text(e), p in self.scalar) for p, e in contrib if e != 0),
+            stores=(("Dx_Ptr", self.text(ir.dx_closed, temps)),),
+            params=tuple((p, self.text(e, temps), p in self.scalar) for p, e in contrib if e != 0),
         )
         names = {n for n, _ in final.loads} | ({n for n, _ in red.loads} if red else set())
         return red, group, final, self.loads(names)
@@ -179,6 +265,12 @@ class TritonPlanner:
                 raise NotImplementedError(
                     f"{spec.name}: the Triton target takes a parameter in the statistics only when it is a scalar ({p})"
                 )
+        windowed = [a.name for a in ir.bwd_group if a.expr.has(Window) and a.name not in {k for k, _ in ir.dx_terms}]
+        if windowed:
+            raise NotImplementedError(
+                f"{spec.name}: a per-group value of the backward holds a window ({windowed[0]}); "
+                "the Triton kernels take windows in element values only"
+            )
         steps, final, fwd_loads = self.forward()
         red, group, bfinal, bwd_loads = self.backward()
         buffers = [b.name for b in spec.buffers]
@@ -225,7 +317,23 @@ class TritonPlanner:
             one_pass_bwd_loads=bwd_loads,
             dinputs=tuple(ir.dinputs),
             dparam_groups=tuple((spec.params[k].name, var) for k, var in ir.dparam_groups),
+            windows=tuple(self.windows.values()),
         )
+
+
+def _offsets_text(w: Window) -> str:
+    """The offsets a window sums, for its function's docstring: numbers for a fixed size."""
+    if not w.size.is_Symbol:
+        d = offsets(int(w.size), w.transposed)
+        return f"{d[0]} .. {d[-1]}"
+    k = w.size
+    return f"-⌊({k}-1)/2⌋ .. ⌊{k}/2⌋" if w.transposed else f"-⌊{k}/2⌋ .. ⌊({k}-1)/2⌋"
+
+
+def _record(calls: list, fn: TWindow) -> TWindow:
+    """``fn``, noted in ``calls`` (the windows a window's body calls)."""
+    calls.append(fn)
+    return fn
 
 
 def _after(final: TSweep, red: TSweep | None) -> TSweep:

@@ -7,10 +7,14 @@ can move), with every function of :mod:`derivgen.symbolic.functions` called as
 ``triton.language`` primitives) and powers spelled for Triton, which has no ``**`` on
 tensors: integer powers as products (negative ones as reciprocals), square roots as
 ``_tt.sqrt``, any other power as ``_tt.pow``. Group means never reach it: the IR has
-written them as sums over N.
+written them as sums over N. A window (:mod:`derivgen.symbolic.window`) prints as a call
+of the ``triton.jit`` function the planner made for it (``window_call``;
+:mod:`derivgen.codegen.triton_plan`), which sums its body over the neighbouring elements.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import sympy
 from sympy.printing.precedence import PRECEDENCE
@@ -19,9 +23,19 @@ from derivgen.codegen.jax_printer import _Jax
 from derivgen.spec.model import Spec
 from derivgen.symbolic import functions
 from derivgen.symbolic.naming import ordered_names
+from derivgen.symbolic.window import Window
 
 
 class _Triton(_Jax):
+    def __init__(self, names, window_call: Callable[[Window], str] | None = None):
+        super().__init__(names)
+        self.window_call = window_call
+
+    def _print_Window(self, expr):
+        if self.window_call is None:
+            raise NotImplementedError(f"a window needs the planner's window functions (codegen.triton_plan): {expr}")
+        return self.window_call(expr)
+
     def _print_Symbol(self, expr):
         return expr.name  # leading(p) too: the kernels load it (codegen.triton_plan)
 
@@ -59,6 +73,7 @@ def _float(e: sympy.Expr) -> str:
     return repr(float(sympy.N(e, 17)))
 
 
-def triton_expr(e: sympy.Expr, spec: Spec | None = None) -> str:
-    """Triton text for ``e``: ``_tt.<function>`` calls, spec names as they are."""
-    return _Triton(ordered_names(spec)).doprint(sympy.sympify(e))
+def triton_expr(e: sympy.Expr, spec: Spec | None = None, window_call: Callable[[Window], str] | None = None) -> str:
+    """Triton text for ``e``: ``_tt.<function>`` calls, spec names as they are, each window
+    as the text ``window_call`` gives it."""
+    return _Triton(ordered_names(spec), window_call).doprint(sympy.sympify(e))

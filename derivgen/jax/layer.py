@@ -113,6 +113,7 @@ class Function:
         name = meta["name"]
         kw = bind_arguments(meta, params, kw)
         options = {}
+        whole = set(meta.get("integer_options", ()))
         for o, (default, lo, hi) in meta["options"].items():
             v = kw.get(o, default)
             if v is None:
@@ -120,6 +121,8 @@ class Function:
             if isinstance(v, jax.core.Tracer):
                 raise TypeError(f"{name}: option {o} must be a Python number (options are static), got a tracer")
             options[o] = check_float(f"{name}: {o}", v, lo, hi)
+            if o in whole and options[o] != int(options[o]):
+                raise ValueError(f"{name}: {o} must be a whole number (a window's size), got {options[o]}")
         for i in meta["inputs"]:
             if i not in kw:
                 raise TypeError(f"{name}: input {i} is required")

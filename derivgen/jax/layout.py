@@ -67,6 +67,30 @@ class JaxLayout:
         m = jnp.min(jnp.broadcast_to(self._array(e), self.view), axis=self.reduce_axes, keepdims=True)
         return m if self.axis_name is None else jax.lax.pmin(m, self.axis_name)
 
+    def window(self, u, k, transposed=False):
+        """``window(u, k)`` (:mod:`derivgen.symbolic.window`) along the group's axis: at each
+        element i the sum of u over elements i - ⌊k/2⌋ .. i + ⌊(k-1)/2⌋ of its group, zero
+        padded past the group's ends (``transposed``: i - ⌊(k-1)/2⌋ .. i + ⌊k/2⌋), summed in
+        offset order. k is an option, a Python number (static under ``jit``): u is padded
+        along the group's one axis and the k shifted slices of it are added."""
+        full = jnp.broadcast_to(self._array(u), self.view)
+        axes = [a for a in self.reduce_axes if self.view[a] != 1]
+        if not axes:  # a group of one element: the window holds it alone
+            return full
+        (axis,) = axes  # windows are only in layouts whose groups lie along one axis
+        n, k = self.view[axis], int(k)
+        lo, hi = k // 2, (k - 1) // 2
+        if transposed:
+            lo, hi = hi, lo
+        lo, hi = min(lo, n - 1), min(hi, n - 1)  # offsets past the group only add padding
+        pad = [(0, 0)] * len(self.view)
+        pad[axis] = (lo, hi)
+        padded = jnp.pad(full, pad)
+        out = jax.lax.slice_in_dim(padded, 0, n, axis=axis)  # offset -lo
+        for d in range(1, lo + hi + 1):  # offsets -lo + 1 .. hi
+            out = out + jax.lax.slice_in_dim(padded, d, d + n, axis=axis)
+        return out
+
     def mean(self, e):
         """The mean over each group."""
         return self.sum(e) / self.N
