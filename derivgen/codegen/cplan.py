@@ -426,8 +426,8 @@ class CPlanner:
         for e in every:
             for node in sympy.preorder_traversal(e):
                 if node.is_Add and node not in hoisted:
-                    ge = [t for t in node.args if not ({str(v) for v in t.free_symbols} & elem)]
-                    ee = [t for t in node.args if {str(v) for v in t.free_symbols} & elem]
+                    ee = [t for t in node.args if {str(v) for v in t.free_symbols} & elem or t.has(Window)]
+                    ge = [t for t in node.args if t not in ee]
                     if ge and ee:
                         h = f"H{len(hoisted)}"
                         hoisted[node] = (Add(*ee), h)

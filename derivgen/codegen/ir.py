@@ -30,6 +30,7 @@ from derivgen.derive.second import SecondOrder
 from derivgen.spec.model import DY, N, Spec, X
 from derivgen.symbolic.naming import code_text, derived
 from derivgen.symbolic.reduce import SELECTIONS, GroupMax, Mean, means
+from derivgen.symbolic.window import Window
 
 
 @dataclass
@@ -203,8 +204,8 @@ def build_mode_ir(first: ModeDerivation) -> ModeIR:
     if coord is not None:
         element.add(coord.symbol)
 
-    def is_elem(e):
-        return bool(e.free_symbols & element) and not isinstance(e, Mean)
+    def is_elem(e):  # a window is an element value whatever it sums
+        return (bool(e.free_symbols & element) or e.has(Window)) and not isinstance(e, Mean)
 
     buffer_updates = [(b.name, b.update) for b in spec.buffers] if first.mode == "train" else []
     windows = [(w.name, w.expr) for w in spec.windows]  # W = window(e(x), k), before what reads it
@@ -296,7 +297,7 @@ def build_second_ir(second: SecondOrder, kind: str) -> SecondIR:
     element = {str(s) for s in second.element} | {"x", "dy"}
 
     def is_elem(f):
-        return bool({str(v) for v in f.free_symbols} & element) and not isinstance(f, Mean)
+        return (bool({str(v) for v in f.free_symbols} & element) or f.has(Window)) and not isinstance(f, Mean)
 
     temps = [(w.name, w.expr) for w in spec.windows]
     if first.coordinate is not None:

@@ -89,20 +89,22 @@ def windows(e: sympy.Expr) -> set[Window]:
 
 def pull(e: sympy.Expr, element: set[sympy.Symbol] | frozenset[sympy.Symbol]) -> sympy.Expr:
     """``e`` with each window's factors that are one value per group taken out of it and its
-    sums split (a window is linear): Window(c·u + v) = c·Window(u) + Window(v) for c free of
-    the ``element`` symbols and of windows."""
+    sums split (a window is linear): Window(c·u + d·v) = c·Window(u) + d·Window(v) for c, d
+    free of the ``element`` symbols and of windows. A body with a term that is one value per
+    group stays one window: Window(c) counts the elements of the window inside the group,
+    which varies near its ends, and is no group value."""
 
     def split(w: Window) -> sympy.Expr:
         body = pull(w.body, element)
-        out = []
+        parts = []
         for term in Add.make_args(sympy.expand(body, deep=False, mul=True, multinomial=False)):
             const, vary = [], []
             for f in Mul.make_args(term):
                 (vary if f.free_symbols & element or f.has(Window) else const).append(f)
-            # a group value c alone: Window(c) = c·Window(1), and Window(1) is an element value
-            # (the number of elements of the window inside the group, smaller near the ends)
-            out.append(Mul(*const) * Window(Mul(*vary), w.size, w.args[2]))
-        return Add(*out)
+            if not vary:
+                return Window(body, w.size, w.args[2])
+            parts.append((Mul(*const), Mul(*vary)))
+        return Add(*[c * Window(v, w.size, w.args[2]) for c, v in parts])
 
     if not e.has(Window):
         return e
