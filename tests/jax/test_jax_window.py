@@ -103,7 +103,7 @@ TOL = {np.float64: (1e-10, 1e-12), np.float32: (2e-5, 2e-6)}
 
 
 @pytest.mark.parametrize("dtype", [np.float64, np.float32], ids=["f64", "f32"])
-@pytest.mark.parametrize("size", [1, 2, 3, 5, 6])
+@pytest.mark.parametrize("size", [1, 2, 5])
 @pytest.mark.parametrize("shape", [(2, 7, 3), (2, 4, 3, 2), (1, 1, 5)])
 def test_lrn_channels_first(shape, size, dtype):
     _compare(dj.function("lrn"), shape, size, {}, _channels_first, dtype, *TOL[dtype])
@@ -118,7 +118,7 @@ def test_lrn_channels_last(shape, size, dtype):
 
 
 @pytest.mark.parametrize("dtype", [np.float64, np.float32], ids=["f64", "f32"])
-@pytest.mark.parametrize("size", [1, 2, 3, 5, 6, 11])
+@pytest.mark.parametrize("size", [2, 5, 11])
 @pytest.mark.parametrize("shape", [(3, 1), (3, 4), (2, 3, 7)])
 def test_window_over_features(shape, size, dtype):
     f = dj.function(parse_spec(FEATURES, "lrn_features.toml"))

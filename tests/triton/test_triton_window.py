@@ -104,7 +104,7 @@ def _check_lrn(spec, shape, size, layout, tol=1e-4):
         assert tc.relerr(dx, gr.numpy()) < tol, f"{where}: dx off by {tc.relerr(dx, gr.numpy())}"
 
 
-@pytest.mark.parametrize("size", [1, 2, 3, 5, 6])
+@pytest.mark.parametrize("size", [1, 2, 5])
 @pytest.mark.parametrize("shape", [(2, 7, 3), (2, 37, 2, 3), (1, 1, 4)])
 def test_lrn_channels_first(shape, size):
     _check_lrn("lrn", shape, size, "first")
@@ -117,7 +117,7 @@ def test_lrn_channels_last(shape, size):
     _check_lrn("lrn", shape, size, "last")
 
 
-@pytest.mark.parametrize("size", [1, 2, 3, 5, 6, 40])
+@pytest.mark.parametrize("size", [1, 2, 9])
 @pytest.mark.parametrize("shape", [(5, 37), (3, 4), (2, 3, 1)])
 def test_window_over_features(shape, size):
     _check_lrn(parse_spec(FEATURES, "lrn_features.toml"), shape, size, "features")
