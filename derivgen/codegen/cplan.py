@@ -307,6 +307,12 @@ class WindowFunctions:
 
         return call
 
+    def groups_of(
+        self, w: Window, temps: list[tuple[str, sympy.Expr]], loads: dict[str, tuple[str, str, str]]
+    ) -> tuple[str, ...]:
+        """The group values the function of ``w`` takes, by their symbol names."""
+        return self._define(w, temps, loads).groups
+
     def _define(
         self, w: Window, temps: list[tuple[str, sympy.Expr]], loads: dict[str, tuple[str, str, str]]
     ) -> _WindowFunction:
@@ -492,10 +498,13 @@ class CPlanner:
         call = self.windows.kernel(list(temps), loads)
 
         called: list[Window] = []  # a sweep that calls a window function needs the channel index Ch
+        window_reads: set[str] = set()  # and the group values the calls pass
 
         def windows(w: Window) -> str:
             called.append(w)
-            return call(w, self.group_names)
+            text = call(w, self.group_names)
+            window_reads.update(self.group_names.get(g, g) for g in self.windows.groups_of(w, list(temps), loads))
+            return text
 
         elem = {"x", "dy", *chan, *self.masks} | {nm for nm, _ in needed}
         enames = dict(self.group_names)
@@ -549,6 +558,7 @@ class CPlanner:
         sums = tuple((a, summand(e)) for a, e in all_sums)
         chan_summands = tuple((k, summand(e)) for k, e in chan_sums)
         pend = tuple((k, element(e, pend_reads)) for k, e in chan_sums)
+        body_reads |= window_reads
         return CLoop(
             uses_params=bool(param_loads) or bool(chan_sums) or bool(called),
             prelude=_live(prelude, frozenset(body_reads | pend_reads)),
