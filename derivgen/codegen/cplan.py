@@ -294,10 +294,10 @@ class WindowFunctions:
         self.done: dict[tuple[str, Window], _WindowFunction] = {}
         self.texts: list[str] = []
 
-    def kernel(self, temps: list[tuple[str, sympy.Expr]], loads: dict[str, tuple[str, str, str]]):
+    def kernel(self, temps: list[tuple[str, sympy.Expr]], loads: dict[str, tuple]):
         """The printer hook of one kernel: its element temporaries ``temps`` and its
         element ``loads`` (symbol name -> (local name, array, index: "Idx" or "Ch") or, for a
-        mask, (local name, C expression, "")); ``call(w, names)`` prints a window's call with
+        mask, (local name, C expression, "", the group values it reads)); ``call(w, names)`` prints a window's call with
         the caller's names of the group values."""
 
         def call(w: Window, names: dict[str, str]) -> str:
@@ -307,15 +307,11 @@ class WindowFunctions:
 
         return call
 
-    def groups_of(
-        self, w: Window, temps: list[tuple[str, sympy.Expr]], loads: dict[str, tuple[str, str, str]]
-    ) -> tuple[str, ...]:
+    def groups_of(self, w: Window, temps: list[tuple[str, sympy.Expr]], loads: dict[str, tuple]) -> tuple[str, ...]:
         """The group values the function of ``w`` takes, by their symbol names."""
         return self._define(w, temps, loads).groups
 
-    def _define(
-        self, w: Window, temps: list[tuple[str, sympy.Expr]], loads: dict[str, tuple[str, str, str]]
-    ) -> _WindowFunction:
+    def _define(self, w: Window, temps: list[tuple[str, sympy.Expr]], loads: dict[str, tuple]) -> _WindowFunction:
         # one function per window and what it reads (its temporaries, nested windows' too, and
         # the loads): the kernels that need the same one share it
         deps, names = needed_temps([w.body], temps)
@@ -346,9 +342,8 @@ class WindowFunctions:
         groups = {str(v) for e in [w.body, *(te for _, te in needed)] for v in hide_windows(e).free_symbols}
         groups = {g for g in groups - set(loads) - temp_names if not g.startswith("Window_call")}
         for n in used:
-            if not loads[n][2]:  # a mask: its option and N
-                groups |= {o for o in loads[n][1].replace("(", " ").replace(")", " ").split() if o.isidentifier()}
-        groups -= {"double", "Ch"}
+            if not loads[n][2]:  # a mask: computed from its option and N
+                groups |= set(loads[n][3])
         size = w.size
         if size.is_Symbol:
             groups.add(str(size))
@@ -364,7 +359,7 @@ class WindowFunctions:
         before, after = ("(K - 1) / 2", "K / 2") if w.transposed else ("K / 2", "(K - 1) / 2")
         load_lines = []
         for n in sorted(used):
-            local, src, index = loads[n]
+            local, src, index = loads[n][:3]
             load_lines.append(f"const double {local} = {c_load(f'{src}[{index}]', T) if index else src};")
         text = "\n".join(
             [
@@ -494,7 +489,7 @@ class CPlanner:
         chan = [p for p in self.params if p not in self.scalar]
         loads = {"x": ("Xv", "x", "Idx"), "dy": ("Dyv", "dy", "Idx")}
         loads.update({p: (derived(p, "V"), p, "Ch") for p in chan})
-        loads.update({m: (derived(m, "V"), mask_load(o), "") for m, o in self.masks.items()})
+        loads.update({m: (derived(m, "V"), mask_load(o), "", (o, "N")) for m, o in self.masks.items()})
         call = self.windows.kernel(list(temps), loads)
 
         called: list[Window] = []  # a sweep that calls a window function needs the channel index Ch
@@ -702,7 +697,7 @@ def second_plan(printer: SpecPrinter, ir: SecondIR, ctype: str, windows: WindowF
     loads = {"x": ("Xv", "x", "Idx"), "dy": ("Dyv", "dy", "Idx"), ir.seed_x: (ir.seed_x, "Seed_x", "Idx")}
     loads.update({p: (derived(p, "V"), p, "Ch") for p in params if p not in scalar})
     loads.update({sd: (sd, p + "_Seed", "Ch") for sd, p in seed_chan.items()})
-    loads.update({m: (derived(m, "V"), mask_load(o), "") for m, o in masks.items()})
+    loads.update({m: (derived(m, "V"), mask_load(o), "", (o, "N")) for m, o in masks.items()})
     windows = windows or WindowFunctions(printer, f"{spec.name}_{ir.kind}", ctype)
     call = windows.kernel(list(ir.temps), loads)
 

@@ -158,3 +158,24 @@ def test_a_module_takes_an_option_called_size():
     assert torch.allclose(m(x), want, rtol=1e-12, atol=1e-14)
     xc = torch.randn(2, 6, 3, 5, dtype=torch.float64).contiguous(memory_format=torch.channels_last)
     assert m(xc).is_contiguous(memory_format=torch.channels_last)
+
+
+def test_a_window_beside_a_leading_mask_goes_through_every_check():
+    """The transposed window's body holds leading(p): its C function computes the mask at each
+    neighbour from the option and N (derivgen check: proof, finite differences, torch, the
+    other backend, first and second order)."""
+    from derivgen.tools.check import check_layer
+
+    text = LRN.replace('[output]\ny = "x/(k + alpha*window(x**2, size)/size)**beta"', "").replace(
+        "[options]", '[params]\ngamma = { role = "scale" }\n\n[options]\np = { default = 0.5, min = 0, max = 1 }'
+    )
+    text += """
+[statistics]
+ms = { expr = "mean(leading(p)*x**2)/mean(leading(p))" }
+rms = { expr = "sqrt(ms + k)" }
+
+[output]
+y = "gamma*x/rms + alpha*window(x**2, size)*leading(p)"
+"""
+    rows = check_layer(parse_spec(text, "lead_win.toml"), prove_sizes=(2, 3))
+    assert rows and not [r for r in rows if r.failed], [(r.check, r.backend, r.status) for r in rows if r.failed]
