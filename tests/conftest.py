@@ -58,3 +58,24 @@ def run_driver(script: str, tmp_path, cflags: str, *args, env=None, timeout: int
         timeout=timeout,
         cwd=tmp_path,
     )
+
+
+# torch.nn.LocalResponseNorm along a trailing layout's features: the window(e, k) spec the
+# window tests of every target share (the zoo's lrn runs along a position's channels)
+LRN_FEATURES = """
+name = "lrn_features"
+title = "Local response normalization over the features"
+summary = "x of shape (..., d)"
+
+[layout]
+kind = "trailing"
+
+[options]
+size = { default = 5, min = 1, integer = true }
+alpha = { default = 1e-4, min = 0 }
+beta = { default = 0.75, min = 0 }
+k = { default = 1, min = 0 }
+
+[output]
+y = "x/(k + alpha*window(x**2, size)/size)**beta"
+"""

@@ -11,7 +11,7 @@ import dataclasses
 import numpy as np
 import pytest
 import sympy
-from conftest import require_module
+from conftest import LRN_FEATURES, require_module
 
 import derivgen
 from derivgen.derive.first import derive_mode
@@ -20,23 +20,7 @@ from derivgen.prove.proof import prove_mode, prove_second_mode, window_sizes
 from derivgen.spec.model import SpecError, parse_spec
 from derivgen.symbolic.window import Window, offsets
 
-LRN = """
-name = "lrn_features"
-title = "Local response normalization over the features"
-summary = "x of shape (..., d)"
-
-[layout]
-kind = "trailing"
-
-[options]
-size = { default = 5, min = 1, integer = true }
-alpha = { default = 1e-4, min = 0 }
-beta = { default = 0.75, min = 0 }
-k = { default = 1, min = 0 }
-
-[output]
-y = "x/(k + alpha*window(x**2, size)/size)**beta"
-"""
+LRN = LRN_FEATURES
 
 
 def test_offsets_of_a_window_and_its_transpose():

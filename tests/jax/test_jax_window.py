@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import require_module
+from conftest import LRN_FEATURES, require_module
 
 jax = require_module("jax")
 jax.config.update("jax_enable_x64", True)
@@ -19,23 +19,7 @@ from derivgen.spec.model import parse_spec
 
 torch = require_module("torch")
 
-FEATURES = """
-name = "lrn_features"
-title = "Local response normalization over the features"
-summary = "x of shape (..., d)"
-
-[layout]
-kind = "trailing"
-
-[options]
-size = { default = 5, min = 1, integer = true }
-alpha = { default = 1e-4, min = 0 }
-beta = { default = 0.75, min = 0 }
-k = { default = 1, min = 0 }
-
-[output]
-y = "x/(k + alpha*window(x**2, size)/size)**beta"
-"""
+FEATURES = LRN_FEATURES
 
 OPTIONS = {"alpha": 0.3, "beta": 0.75, "k": 1.5}
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import require_module, run_driver
+from conftest import LRN_FEATURES, require_module, run_driver
 
 torch = require_module("torch")
 require_module("triton")
@@ -23,23 +23,7 @@ from derivgen.triton.calls import tile_limit
 F = torch.nn.functional
 OPTIONS = {"alpha": 0.3, "beta": 0.75, "k": 1.5}
 
-FEATURES = """
-name = "lrn_features"
-title = "Local response normalization over the features"
-summary = "x of shape (..., d)"
-
-[layout]
-kind = "trailing"
-
-[options]
-size = { default = 5, min = 1, integer = true }
-alpha = { default = 1e-4, min = 0 }
-beta = { default = 0.75, min = 0 }
-k = { default = 1, min = 0 }
-
-[output]
-y = "x/(k + alpha*window(x**2, size)/size)**beta"
-"""
+FEATURES = LRN_FEATURES
 
 # a window beside statistics and a parameter (dx reads gamma and the statistics at the
 # neighbours through the transposed window), and one of a fixed size
