@@ -277,6 +277,11 @@ class _WindowFunction:
     groups: tuple[str, ...]  # the group values it reads, by their symbol names
     text: str
 
+    def call(self, names: dict[str, str]) -> str:
+        """Its call at element (Idx, Ch), the group values by the caller's ``names``."""
+        args = [*self.arrays, *(names.get(g, g) for g in self.groups), "Idx - Ch * S", "S", "Cg", "Ch"]
+        return f"{self.name}({', '.join(args)})"
+
 
 class WindowFunctions:
     """The C functions of one mode's kernels for one element type that evaluate windows.
@@ -291,27 +296,14 @@ class WindowFunctions:
 
     def __init__(self, printer: SpecPrinter, prefix: str, ctype: str):
         self.printer, self.prefix, self.ctype = printer, prefix, ctype
-        self.done: dict[tuple[str, Window], _WindowFunction] = {}
+        self.done: dict[tuple, _WindowFunction] = {}
         self.texts: list[str] = []
 
-    def kernel(self, temps: list[tuple[str, sympy.Expr]], loads: dict[str, tuple]):
-        """The printer hook of one kernel: its element temporaries ``temps`` and its
-        element ``loads`` (symbol name -> (local name, array, index: "Idx" or "Ch") or, for a
-        mask, (local name, C expression, "", the group values it reads)); ``call(w, names)`` prints a window's call with
-        the caller's names of the group values."""
-
-        def call(w: Window, names: dict[str, str]) -> str:
-            fn = self._define(w, temps, loads)
-            args = [*fn.arrays, *(names.get(g, g) for g in fn.groups), "Idx - Ch * S", "S", "Cg", "Ch"]
-            return f"{fn.name}({', '.join(args)})"
-
-        return call
-
-    def groups_of(self, w: Window, temps: list[tuple[str, sympy.Expr]], loads: dict[str, tuple]) -> tuple[str, ...]:
-        """The group values the function of ``w`` takes, by their symbol names."""
-        return self._define(w, temps, loads).groups
-
-    def _define(self, w: Window, temps: list[tuple[str, sympy.Expr]], loads: dict[str, tuple]) -> _WindowFunction:
+    def function(self, w: Window, temps: list[tuple[str, sympy.Expr]], loads: dict[str, tuple]) -> _WindowFunction:
+        """The function of ``w`` in a kernel whose element temporaries are ``temps`` and whose
+        element ``loads`` are ``loads`` (symbol name -> (local name, array, index: "Idx" or
+        "Ch"), or for a mask (local name, C expression, "", the group values it reads)),
+        defined on first use."""
         # one function per window and what it reads (its temporaries, nested windows' too, and
         # the loads): the kernels that need the same one share it
         deps, names = needed_temps([w.body], temps)
@@ -323,9 +315,9 @@ class WindowFunctions:
         inner: list[_WindowFunction] = []
 
         def nested(v: Window) -> str:
-            fn = self._define(v, temps, loads)
+            fn = self.function(v, temps, loads)
             inner.append(fn)
-            return f"{fn.name}({', '.join([*fn.arrays, *fn.groups, 'Idx - Ch * S', 'S', 'Cg', 'Ch'])})"
+            return fn.call({})
 
         rename = {n: loads[n][0] for n in loads}
         rename.update({nm: nm for nm in temp_names})
@@ -490,16 +482,15 @@ class CPlanner:
         loads = {"x": ("Xv", "x", "Idx"), "dy": ("Dyv", "dy", "Idx")}
         loads.update({p: (derived(p, "V"), p, "Ch") for p in chan})
         loads.update({m: (derived(m, "V"), mask_load(o), "", (o, "N")) for m, o in self.masks.items()})
-        call = self.windows.kernel(list(temps), loads)
 
         called: list[Window] = []  # a sweep that calls a window function needs the channel index Ch
         window_reads: set[str] = set()  # and the group values the calls pass
 
         def windows(w: Window) -> str:
             called.append(w)
-            text = call(w, self.group_names)
-            window_reads.update(self.group_names.get(g, g) for g in self.windows.groups_of(w, list(temps), loads))
-            return text
+            fn = self.windows.function(w, list(temps), loads)
+            window_reads.update(self.group_names.get(g, g) for g in fn.groups)
+            return fn.call(self.group_names)
 
         elem = {"x", "dy", *chan, *self.masks} | {nm for nm, _ in needed}
         enames = dict(self.group_names)
@@ -699,10 +690,9 @@ def second_plan(printer: SpecPrinter, ir: SecondIR, ctype: str, windows: WindowF
     loads.update({sd: (sd, p + "_Seed", "Ch") for sd, p in seed_chan.items()})
     loads.update({m: (derived(m, "V"), mask_load(o), "", (o, "N")) for m, o in masks.items()})
     windows = windows or WindowFunctions(printer, f"{spec.name}_{ir.kind}", ctype)
-    call = windows.kernel(list(ir.temps), loads)
 
     def C(e):
-        return printer.c(e, "double", rename, lambda w: call(w, rename))
+        return printer.c(e, "double", rename, lambda w: windows.function(w, list(ir.temps), loads).call(rename))
 
     def needed(exprs):
         temps, names = needed_temps([hide_windows(e) for e in exprs], ir.temps)
