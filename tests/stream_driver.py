@@ -10,8 +10,9 @@ import numpy as np
 import derivgen
 
 CASES = {
-    "layernorm": [((5, 1000), (1000,)), ((3, 37), (37,)), ((2, 3, 40), (3, 40))],
-    "rmsnorm": [((4, 333), (333,)), ((7, 64), (64,))],
+    # rows of 1024 and 128: the backward's rows in lockstep (8 and a remainder) with a head
+    "layernorm": [((5, 1000), (1000,)), ((3, 37), (37,)), ((2, 3, 40), (3, 40)), ((9, 1024), (1024,))],
+    "rmsnorm": [((4, 333), (333,)), ((7, 64), (64,)), ((19, 128), (128,))],
     "online_layernorm": [((4, 300), (300,))],
     "batchnorm": [((3, 5, 7, 9), (5,)), ((9, 4, 33), (4,))],
     "instancenorm": [((2, 3, 50), (3,)), ((2, 4, 7, 9), (4,))],

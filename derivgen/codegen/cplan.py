@@ -18,6 +18,7 @@ subexpressions ``Cse0``.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+import dataclasses
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -93,6 +94,8 @@ class CLoop:
     outputs: tuple[str, ...]  # full-size arrays written (y, dx)
     prefetch: tuple[str, ...]  # full-size arrays read ahead (first sweep only)
     reads: frozenset[str]  # the names the element code (all but param_pend) reads
+    pend_reads: frozenset[str] = frozenset()  # the names param_pend reads
+    calls_windows: bool = False  # the element code calls a window function
 
     # Runs whose iterations carry no lane sums may start their lane blocks anywhere, so a
     # long streaming run peels a scalar head up to a 64-byte boundary of its single output
@@ -163,6 +166,40 @@ def nhwc_sweep(lp: CLoop, group_names: list[str]) -> NhwcSweep:
     )
 
 
+# ---- rows in lockstep (trailing layouts) -----------------------------------
+#
+# A trailing layout's backward adds every element's parameter-gradient terms into per-feature
+# partial sums: done row by row, each element costs a load and a store of each partial
+# (float pend, flushed to double every DG_PEND rows). Its final sweep therefore runs over
+# DG_ROWS rows in lockstep instead: each row's reduction sweep and group values come first,
+# one row after another as before (the same bits for dx), the group values the final sweep
+# reads are kept in arrays ``Rv_<name>[Rr]``, and then, block of DG_LANES features by
+# block, the final sweep computes each row's dx and adds its terms into registers, which
+# go into the thread's double partials once per block of rows.
+
+
+@dataclass(frozen=True)
+class RowSweep:
+    """What a trailing layout's final backward sweep needs to run over rows in lockstep: the
+    group values and prelude declarations its element code reads, as (C type, name)."""
+
+    values: tuple[tuple[str, str], ...]
+
+
+def row_sweep(lp: CLoop, group_names: list[str]) -> RowSweep | None:
+    """The lockstep plan of a trailing layout's final backward sweep, or None where the
+    per-row sweep stays: no per-feature parameter terms, several outputs or group sums in
+    the sweep (no straight streaming), scalar parameter sums, or window calls (they read a
+    row's neighbours through its offset)."""
+    if not lp.param_pend or not lp.direct_run or lp.scalar_param_sums or lp.calls_windows:
+        return None
+    used = lp.reads | lp.pend_reads
+    pnames = {d.name for d in lp.prelude}
+    values = [(d.ctype, d.name) for d in lp.prelude if d.name in used]
+    values += [("double", n) for n in group_names if n in used and n not in pnames]
+    return RowSweep(values=tuple(values))
+
+
 # ---- a kernel's plan -------------------------------------------------------
 
 
@@ -174,6 +211,7 @@ class Sweep:
     loop: CLoop
     accs: tuple[str, ...]
     nhwc: NhwcSweep
+    rows: RowSweep | None = None  # a trailing layout's final backward sweep over rows in lockstep
 
 
 @dataclass(frozen=True)
@@ -558,6 +596,8 @@ class CPlanner:
             outputs=tuple(outputs),
             prefetch=tuple(a for a in ("x", "dy") if a in names) if first else (),
             reads=frozenset(body_reads),
+            pend_reads=frozenset(pend_reads),
+            calls_windows=bool(called),
         )
 
     def _sweep(self, lp: CLoop, accs, names: list[str]) -> Sweep:
@@ -651,7 +691,10 @@ class CPlanner:
             outputs=["dx"],
             first=red is None,
         )
-        return BackwardPlan(reduction=red, group=tuple(group), final=self._sweep(final, (), names))
+        sweep = self._sweep(final, (), names)
+        if self.spec.layout == "trailing":
+            sweep = dataclasses.replace(sweep, rows=row_sweep(final, names))
+        return BackwardPlan(reduction=red, group=tuple(group), final=sweep)
 
 
 def _levels(steps: list[Sweep | GroupValue]) -> tuple[SplitLevel, ...]:

@@ -64,6 +64,7 @@ from derivgen.runtime.base import (
     _out_by_field,
     _param_dtypes,
     _param_shapes,
+    aligned_empty,
     check_out,
     named_errors,
 )
@@ -124,6 +125,7 @@ __all__ = [
     "SecondCall",
     "SplitCall",
     "StatisticsView",
+    "aligned_empty",
     "check_buffer_shape",
     "check_dy",
     "check_group_size",

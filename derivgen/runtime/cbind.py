@@ -12,6 +12,7 @@ import numpy as np
 
 from derivgen import runtime as rt
 from derivgen.runtime.abi import KernelSignature, kernel_signatures
+from derivgen.runtime.base import aligned_empty
 from derivgen.runtime.build import build_shared
 from derivgen.runtime.machine import machine
 
@@ -346,7 +347,7 @@ class CKernel:
         m, L = self.meta, call.layout
         dy = rt.check_dy(m, dy, call)
         sums = rt.check_sums(m, sums, m["split"]["backward"], L)
-        dx = np.empty(call.x.shape, dtype=call.dtype)
+        dx = aligned_empty(call.x.shape, call.dtype)
         dparams = {p: np.zeros(call.params[p].shape, dtype=call.dtype) for p in m["params"]}
         dinputs = {i: np.zeros(L.n_groups, dtype=call.dtype) for i in m["inputs"]}
         if L.O:

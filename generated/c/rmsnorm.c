@@ -254,39 +254,61 @@ int rmsnorm_train_backward_f32(
         (void)Pend_hi;
         int64_t Lo, Hi;
         Dg_share(N_groups, &Lo, &Hi);              /* this thread's groups (as schedule(static)) */
-        for (int64_t Grp = Lo; Grp < Hi; ++Grp) {
-            const int64_t Gi = G == 1 ? 0 : Grp % G;     /* channel group */
-            (void)Gi;
-            const int64_t Base = Grp * M;
-            (void)Base;
-            const double ms = ms_In[Grp];
-            (void)ms;
-            const double rstd = rstd_In[Grp];
-            (void)rstd;
-            double Sum_g_xhat;
-            {
-                const float rstd_F = (float)rstd;
-                double Lane_Sum_g_xhat[DG_LANES] = {0};
-                for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
-                    const int64_t Off = Base + Blk * Block_stride;
-                    const int64_t Nxt = Blk + 1 < Blocks ? Off + Block_stride : Base + M;   /* block read next */
-                    {                       /* a trailing layout (S == 1): parameters vary along the run */
-                        {
-                            int64_t Mi = 0;
-                            for (; Mi + DG_LANES <= Cg; Mi += DG_LANES) {
-                                for (int Q = 0; Q < DG_LANES; Q += 64 / (int)sizeof(*x)) {  /* read ahead, a line at a time */
-                                    const int64_t Pf = Dg_ahead(Off, Mi + Q, M, Nxt, Total, Ahead);
-                                    if (Pf >= 0) DG_PREFETCH(x + Pf);
+        /* rows in lockstep: DG_ROWS rows' dx per sweep, their parameter terms added in
+         * registers (one row at a time where rows differ in alignment or G > 1) */
+        const int Lockstep = G == 1 && (!dx_Stream || (M * (int64_t)sizeof(float)) % 64 == 0);
+        for (int64_t Grp0 = Lo; Grp0 < Hi; Grp0 += Lockstep ? DG_ROWS : 1) {
+            const int Rn = Lockstep && Hi - Grp0 >= DG_ROWS ? DG_ROWS : (Lockstep ? (int)(Hi - Grp0) : 1);
+            float Rv_Mean_g_xhat_F[DG_ROWS];
+            float Rv_rstd_F[DG_ROWS];
+            for (int Rr = 0; Rr < Rn; ++Rr) {
+                const int64_t Grp = Grp0 + Rr;
+                const int64_t Gi = G == 1 ? 0 : Grp % G;     /* channel group */
+                (void)Gi;
+                const int64_t Base = Grp * M;
+                (void)Base;
+                const double ms = ms_In[Grp];
+                (void)ms;
+                const double rstd = rstd_In[Grp];
+                (void)rstd;
+                double Sum_g_xhat;
+                {
+                    const float rstd_F = (float)rstd;
+                    double Lane_Sum_g_xhat[DG_LANES] = {0};
+                    for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
+                        const int64_t Off = Base + Blk * Block_stride;
+                        const int64_t Nxt = Blk + 1 < Blocks ? Off + Block_stride : Base + M;   /* block read next */
+                        {                       /* a trailing layout (S == 1): parameters vary along the run */
+                            {
+                                int64_t Mi = 0;
+                                for (; Mi + DG_LANES <= Cg; Mi += DG_LANES) {
+                                    for (int Q = 0; Q < DG_LANES; Q += 64 / (int)sizeof(*x)) {  /* read ahead, a line at a time */
+                                        const int64_t Pf = Dg_ahead(Off, Mi + Q, M, Nxt, Total, Ahead);
+                                        if (Pf >= 0) DG_PREFETCH(x + Pf);
+                                    }
+                                    for (int Q = 0; Q < DG_LANES; Q += 64 / (int)sizeof(*dy)) {  /* read ahead, a line at a time */
+                                        const int64_t Pf = Dg_ahead(Off, Mi + Q, M, Nxt, Total, Ahead);
+                                        if (Pf >= 0) DG_PREFETCH(dy + Pf);
+                                    }
+                                    DG_INDEPENDENT
+                                    for (int J = 0; J < DG_LANES; ++J) {
+                                        const int64_t Idx = Off + Mi + J;
+                                        (void)Idx;
+                                        const int64_t Ch = Gi * Cg + Mi + J;
+                                        const float gamma_V = gamma[Ch];
+                                        const float Xv = x[Idx];
+                                        const float Dyv = dy[Idx];
+                                        const float xhat = rstd_F*Xv;
+                                        const float g = Dyv*gamma_V;
+                                        Lane_Sum_g_xhat[J] += ((double)g)*((double)xhat);
+                                    }
                                 }
-                                for (int Q = 0; Q < DG_LANES; Q += 64 / (int)sizeof(*dy)) {  /* read ahead, a line at a time */
-                                    const int64_t Pf = Dg_ahead(Off, Mi + Q, M, Nxt, Total, Ahead);
-                                    if (Pf >= 0) DG_PREFETCH(dy + Pf);
-                                }
-                                DG_INDEPENDENT
-                                for (int J = 0; J < DG_LANES; ++J) {
-                                    const int64_t Idx = Off + Mi + J;
+                                for (; Mi < Cg; ++Mi) {
+                                    const int J = 0;                /* outside the lane blocks: lane 0 */
+                                    (void)J;
+                                    const int64_t Idx = Off + Mi;
                                     (void)Idx;
-                                    const int64_t Ch = Gi * Cg + Mi + J;
+                                    const int64_t Ch = Gi * Cg + Mi;
                                     const float gamma_V = gamma[Ch];
                                     const float Xv = x[Idx];
                                     const float Dyv = dy[Idx];
@@ -295,40 +317,65 @@ int rmsnorm_train_backward_f32(
                                     Lane_Sum_g_xhat[J] += ((double)g)*((double)xhat);
                                 }
                             }
-                            for (; Mi < Cg; ++Mi) {
-                                const int J = 0;                /* outside the lane blocks: lane 0 */
-                                (void)J;
-                                const int64_t Idx = Off + Mi;
-                                (void)Idx;
-                                const int64_t Ch = Gi * Cg + Mi;
-                                const float gamma_V = gamma[Ch];
-                                const float Xv = x[Idx];
-                                const float Dyv = dy[Idx];
-                                const float xhat = rstd_F*Xv;
-                                const float g = Dyv*gamma_V;
-                                Lane_Sum_g_xhat[J] += ((double)g)*((double)xhat);
-                            }
-                        }
 
+                        }
                     }
+                    Sum_g_xhat = Dg_lanes(Lane_Sum_g_xhat);
                 }
-                Sum_g_xhat = Dg_lanes(Lane_Sum_g_xhat);
-            }
-            const double Mean_g_xhat = Sum_g_xhat/N;  /* Mean_g_xhat = mean(g*xhat) */
-            {
-                const float Mean_g_xhat_F = (float)Mean_g_xhat;
-                const float rstd_F = (float)rstd;
-                for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
-                    const int64_t Off = Base + Blk * Block_stride;
-                    const int dx_Direct = Dg_direct_row(dx_Stream, Cg, dx + Off);   /* stream from registers */
-                    (void)dx_Direct;
-                    {                       /* a trailing layout (S == 1): parameters vary along the run */
-                        {
-                            float *restrict dx_R = dx + Off;
-                            int64_t Mi = 0;
-                            if (dx_Direct) {          /* scalar head up to a 64-byte boundary of dx */
-                                const int64_t Head = Dg_head(dx + Off, (int64_t)sizeof(float), Cg);
-                                for (; Mi < Head; ++Mi) {
+                const double Mean_g_xhat = Sum_g_xhat/N;  /* Mean_g_xhat = mean(g*xhat) */
+                if (Lockstep) {             /* the values the lockstep sweep reads */
+                    const float Mean_g_xhat_F = (float)Mean_g_xhat;
+                    const float rstd_F = (float)rstd;
+                    Rv_Mean_g_xhat_F[Rr] = Mean_g_xhat_F;
+                    Rv_rstd_F[Rr] = rstd_F;
+                    continue;
+                }
+                {
+                    const float Mean_g_xhat_F = (float)Mean_g_xhat;
+                    const float rstd_F = (float)rstd;
+                    for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
+                        const int64_t Off = Base + Blk * Block_stride;
+                        const int dx_Direct = Dg_direct_row(dx_Stream, Cg, dx + Off);   /* stream from registers */
+                        (void)dx_Direct;
+                        {                       /* a trailing layout (S == 1): parameters vary along the run */
+                            {
+                                float *restrict dx_R = dx + Off;
+                                int64_t Mi = 0;
+                                if (dx_Direct) {          /* scalar head up to a 64-byte boundary of dx */
+                                    const int64_t Head = Dg_head(dx + Off, (int64_t)sizeof(float), Cg);
+                                    for (; Mi < Head; ++Mi) {
+                                        const int J = 0;                /* outside the lane blocks: lane 0 */
+                                        (void)J;
+                                        const int64_t Idx = Off + Mi;
+                                        (void)Idx;
+                                        const int64_t Ch = Gi * Cg + Mi;
+                                        const float gamma_V = gamma[Ch];
+                                        const float Xv = x[Idx];
+                                        const float Dyv = dy[Idx];
+                                        const float xhat = rstd_F*Xv;
+                                        const float g = Dyv*gamma_V;
+                                        dx_R[Idx - (Off)] = (float)(rstd_F*(g - Mean_g_xhat_F*xhat));
+                                        Pend[0 * C + Ch] += Dyv*xhat;
+                                    }
+                                }
+                                for (; Mi + DG_LANES <= Cg; Mi += DG_LANES) {
+                                    float T_dx[DG_LANES];
+                                    DG_INDEPENDENT
+                                    for (int J = 0; J < DG_LANES; ++J) {
+                                        const int64_t Idx = Off + Mi + J;
+                                        (void)Idx;
+                                        const int64_t Ch = Gi * Cg + Mi + J;
+                                        const float gamma_V = gamma[Ch];
+                                        const float Xv = x[Idx];
+                                        const float Dyv = dy[Idx];
+                                        const float xhat = rstd_F*Xv;
+                                        const float g = Dyv*gamma_V;
+                                        T_dx[J] = (float)(rstd_F*(g - Mean_g_xhat_F*xhat));
+                                        Pend[0 * C + Ch] += Dyv*xhat;
+                                    }
+                                    Dg_put_float(dx_R + Mi, T_dx, dx_Direct);
+                                }
+                                for (; Mi < Cg; ++Mi) {
                                     const int J = 0;                /* outside the lane blocks: lane 0 */
                                     (void)J;
                                     const int64_t Idx = Off + Mi;
@@ -343,48 +390,102 @@ int rmsnorm_train_backward_f32(
                                     Pend[0 * C + Ch] += Dyv*xhat;
                                 }
                             }
-                            for (; Mi + DG_LANES <= Cg; Mi += DG_LANES) {
-                                float T_dx[DG_LANES];
-                                DG_INDEPENDENT
-                                for (int J = 0; J < DG_LANES; ++J) {
-                                    const int64_t Idx = Off + Mi + J;
-                                    (void)Idx;
-                                    const int64_t Ch = Gi * Cg + Mi + J;
-                                    const float gamma_V = gamma[Ch];
-                                    const float Xv = x[Idx];
-                                    const float Dyv = dy[Idx];
-                                    const float xhat = rstd_F*Xv;
-                                    const float g = Dyv*gamma_V;
-                                    T_dx[J] = (float)(rstd_F*(g - Mean_g_xhat_F*xhat));
-                                    Pend[0 * C + Ch] += Dyv*xhat;
-                                }
-                                Dg_put_float(dx_R + Mi, T_dx, dx_Direct);
-                            }
-                            for (; Mi < Cg; ++Mi) {
-                                const int J = 0;                /* outside the lane blocks: lane 0 */
-                                (void)J;
-                                const int64_t Idx = Off + Mi;
-                                (void)Idx;
-                                const int64_t Ch = Gi * Cg + Mi;
-                                const float gamma_V = gamma[Ch];
-                                const float Xv = x[Idx];
-                                const float Dyv = dy[Idx];
-                                const float xhat = rstd_F*Xv;
-                                const float g = Dyv*gamma_V;
-                                dx_R[Idx - (Off)] = (float)(rstd_F*(g - Mean_g_xhat_F*xhat));
-                                Pend[0 * C + Ch] += Dyv*xhat;
-                            }
-                        }
 
-                        Pend_lo = Pend_lo < Gi * Cg ? Pend_lo : Gi * Cg;
-                        Pend_hi = Pend_hi > Gi * Cg + Cg ? Pend_hi : Gi * Cg + Cg;
-                        if (++Pending == DG_PEND) {     /* float partials of at most DG_PEND runs */
-                            Dg_flush_float(Mine, Pend, P, C, Pend_lo, Pend_hi);
-                            Pending = 0;
-                            Pend_lo = C;
-                            Pend_hi = 0;
+                            Pend_lo = Pend_lo < Gi * Cg ? Pend_lo : Gi * Cg;
+                            Pend_hi = Pend_hi > Gi * Cg + Cg ? Pend_hi : Gi * Cg + Cg;
+                            if (++Pending == DG_PEND) {     /* float partials of at most DG_PEND runs */
+                                Dg_flush_float(Mine, Pend, P, C, Pend_lo, Pend_hi);
+                                Pending = 0;
+                                Pend_lo = C;
+                                Pend_hi = 0;
+                            }
                         }
                     }
+                }
+            }
+            if (Lockstep) {
+                const int64_t Off0 = Grp0 * M;
+                const int dx_Direct = Dg_direct_row(dx_Stream, Cg, dx + Off0);   /* stream from registers */
+                int64_t Mi = 0;
+                if (dx_Direct) {          /* scalar head up to a 64-byte boundary of dx (the same in every row) */
+                    const int64_t Head = Dg_head(dx + Off0, (int64_t)sizeof(float), Cg);
+                    for (; Mi < Head; ++Mi) {
+                        float Acc_p0[1] = {0};
+                        for (int Rr = 0; Rr < Rn; ++Rr) {
+                            const float Mean_g_xhat_F = Rv_Mean_g_xhat_F[Rr];
+                            (void)Mean_g_xhat_F;
+                            const float rstd_F = Rv_rstd_F[Rr];
+                            (void)rstd_F;
+                            const int64_t Off = Off0 + Rr * M;
+                            float *restrict dx_R = dx + Off;
+                            const int J = 0;                /* outside the lane blocks: lane 0 */
+                            const int64_t Idx = Off + Mi;
+                            (void)Idx;
+                            const int64_t Ch = Mi;
+                            const float gamma_V = gamma[Ch];
+                            const float Xv = x[Idx];
+                            const float Dyv = dy[Idx];
+                            const float xhat = rstd_F*Xv;
+                            const float g = Dyv*gamma_V;
+                            dx_R[Idx - (Off)] = (float)(rstd_F*(g - Mean_g_xhat_F*xhat));
+                            Acc_p0[J] += Dyv*xhat;
+                        }
+                        Mine[0 * C + Mi] += (double)Acc_p0[0];
+
+                    }
+                }
+                for (; Mi + DG_LANES <= Cg; Mi += DG_LANES) {
+                    float Acc_p0[DG_LANES] = {0};
+                    for (int Rr = 0; Rr < Rn; ++Rr) {
+                        const float Mean_g_xhat_F = Rv_Mean_g_xhat_F[Rr];
+                        (void)Mean_g_xhat_F;
+                        const float rstd_F = Rv_rstd_F[Rr];
+                        (void)rstd_F;
+                        const int64_t Off = Off0 + Rr * M;
+                        float T_dx[DG_LANES];
+                        DG_INDEPENDENT
+                        for (int J = 0; J < DG_LANES; ++J) {
+                            const int64_t Idx = Off + Mi + J;
+                            (void)Idx;
+                            const int64_t Ch = Mi + J;
+                            const float gamma_V = gamma[Ch];
+                            const float Xv = x[Idx];
+                            const float Dyv = dy[Idx];
+                            const float xhat = rstd_F*Xv;
+                            const float g = Dyv*gamma_V;
+                            T_dx[J] = (float)(rstd_F*(g - Mean_g_xhat_F*xhat));
+                            Acc_p0[J] += Dyv*xhat;
+                        }
+                        Dg_put_float(dx + Off + Mi, T_dx, dx_Direct);
+                    }
+                    DG_INDEPENDENT
+                    for (int J = 0; J < DG_LANES; ++J) {
+                        Mine[0 * C + Mi + J] += (double)Acc_p0[J];
+                    }
+                }
+                for (; Mi < Cg; ++Mi) {
+                    float Acc_p0[1] = {0};
+                    for (int Rr = 0; Rr < Rn; ++Rr) {
+                        const float Mean_g_xhat_F = Rv_Mean_g_xhat_F[Rr];
+                        (void)Mean_g_xhat_F;
+                        const float rstd_F = Rv_rstd_F[Rr];
+                        (void)rstd_F;
+                        const int64_t Off = Off0 + Rr * M;
+                        float *restrict dx_R = dx + Off;
+                        const int J = 0;                /* outside the lane blocks: lane 0 */
+                        const int64_t Idx = Off + Mi;
+                        (void)Idx;
+                        const int64_t Ch = Mi;
+                        const float gamma_V = gamma[Ch];
+                        const float Xv = x[Idx];
+                        const float Dyv = dy[Idx];
+                        const float xhat = rstd_F*Xv;
+                        const float g = Dyv*gamma_V;
+                        dx_R[Idx - (Off)] = (float)(rstd_F*(g - Mean_g_xhat_F*xhat));
+                        Acc_p0[J] += Dyv*xhat;
+                    }
+                    Mine[0 * C + Mi] += (double)Acc_p0[0];
+
                 }
             }
         }
@@ -1073,38 +1174,61 @@ int rmsnorm_train_backward_f64(
         (void)Pend_hi;
         int64_t Lo, Hi;
         Dg_share(N_groups, &Lo, &Hi);              /* this thread's groups (as schedule(static)) */
-        for (int64_t Grp = Lo; Grp < Hi; ++Grp) {
-            const int64_t Gi = G == 1 ? 0 : Grp % G;     /* channel group */
-            (void)Gi;
-            const int64_t Base = Grp * M;
-            (void)Base;
-            const double ms = ms_In[Grp];
-            (void)ms;
-            const double rstd = rstd_In[Grp];
-            (void)rstd;
-            double Sum_g_xhat;
-            {
-                double Lane_Sum_g_xhat[DG_LANES] = {0};
-                for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
-                    const int64_t Off = Base + Blk * Block_stride;
-                    const int64_t Nxt = Blk + 1 < Blocks ? Off + Block_stride : Base + M;   /* block read next */
-                    {                       /* a trailing layout (S == 1): parameters vary along the run */
-                        {
-                            int64_t Mi = 0;
-                            for (; Mi + DG_LANES <= Cg; Mi += DG_LANES) {
-                                for (int Q = 0; Q < DG_LANES; Q += 64 / (int)sizeof(*x)) {  /* read ahead, a line at a time */
-                                    const int64_t Pf = Dg_ahead(Off, Mi + Q, M, Nxt, Total, Ahead);
-                                    if (Pf >= 0) DG_PREFETCH(x + Pf);
+        /* rows in lockstep: DG_ROWS rows' dx per sweep, their parameter terms added in
+         * registers (one row at a time where rows differ in alignment or G > 1) */
+        const int Lockstep = G == 1 && (!dx_Stream || (M * (int64_t)sizeof(double)) % 64 == 0);
+        for (int64_t Grp0 = Lo; Grp0 < Hi; Grp0 += Lockstep ? DG_ROWS : 1) {
+            const int Rn = Lockstep && Hi - Grp0 >= DG_ROWS ? DG_ROWS : (Lockstep ? (int)(Hi - Grp0) : 1);
+            double Rv_rstd[DG_ROWS];
+            double Rv_K_g[DG_ROWS];
+            double Rv_K_xhat[DG_ROWS];
+            for (int Rr = 0; Rr < Rn; ++Rr) {
+                const int64_t Grp = Grp0 + Rr;
+                const int64_t Gi = G == 1 ? 0 : Grp % G;     /* channel group */
+                (void)Gi;
+                const int64_t Base = Grp * M;
+                (void)Base;
+                const double ms = ms_In[Grp];
+                (void)ms;
+                const double rstd = rstd_In[Grp];
+                (void)rstd;
+                double Sum_g_xhat;
+                {
+                    double Lane_Sum_g_xhat[DG_LANES] = {0};
+                    for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
+                        const int64_t Off = Base + Blk * Block_stride;
+                        const int64_t Nxt = Blk + 1 < Blocks ? Off + Block_stride : Base + M;   /* block read next */
+                        {                       /* a trailing layout (S == 1): parameters vary along the run */
+                            {
+                                int64_t Mi = 0;
+                                for (; Mi + DG_LANES <= Cg; Mi += DG_LANES) {
+                                    for (int Q = 0; Q < DG_LANES; Q += 64 / (int)sizeof(*x)) {  /* read ahead, a line at a time */
+                                        const int64_t Pf = Dg_ahead(Off, Mi + Q, M, Nxt, Total, Ahead);
+                                        if (Pf >= 0) DG_PREFETCH(x + Pf);
+                                    }
+                                    for (int Q = 0; Q < DG_LANES; Q += 64 / (int)sizeof(*dy)) {  /* read ahead, a line at a time */
+                                        const int64_t Pf = Dg_ahead(Off, Mi + Q, M, Nxt, Total, Ahead);
+                                        if (Pf >= 0) DG_PREFETCH(dy + Pf);
+                                    }
+                                    DG_INDEPENDENT
+                                    for (int J = 0; J < DG_LANES; ++J) {
+                                        const int64_t Idx = Off + Mi + J;
+                                        (void)Idx;
+                                        const int64_t Ch = Gi * Cg + Mi + J;
+                                        const double gamma_V = gamma[Ch];
+                                        const double Xv = x[Idx];
+                                        const double Dyv = dy[Idx];
+                                        const double xhat = rstd*Xv;
+                                        const double g = Dyv*gamma_V;
+                                        Lane_Sum_g_xhat[J] += g*xhat;
+                                    }
                                 }
-                                for (int Q = 0; Q < DG_LANES; Q += 64 / (int)sizeof(*dy)) {  /* read ahead, a line at a time */
-                                    const int64_t Pf = Dg_ahead(Off, Mi + Q, M, Nxt, Total, Ahead);
-                                    if (Pf >= 0) DG_PREFETCH(dy + Pf);
-                                }
-                                DG_INDEPENDENT
-                                for (int J = 0; J < DG_LANES; ++J) {
-                                    const int64_t Idx = Off + Mi + J;
+                                for (; Mi < Cg; ++Mi) {
+                                    const int J = 0;                /* outside the lane blocks: lane 0 */
+                                    (void)J;
+                                    const int64_t Idx = Off + Mi;
                                     (void)Idx;
-                                    const int64_t Ch = Gi * Cg + Mi + J;
+                                    const int64_t Ch = Gi * Cg + Mi;
                                     const double gamma_V = gamma[Ch];
                                     const double Xv = x[Idx];
                                     const double Dyv = dy[Idx];
@@ -1113,40 +1237,64 @@ int rmsnorm_train_backward_f64(
                                     Lane_Sum_g_xhat[J] += g*xhat;
                                 }
                             }
-                            for (; Mi < Cg; ++Mi) {
-                                const int J = 0;                /* outside the lane blocks: lane 0 */
-                                (void)J;
-                                const int64_t Idx = Off + Mi;
-                                (void)Idx;
-                                const int64_t Ch = Gi * Cg + Mi;
-                                const double gamma_V = gamma[Ch];
-                                const double Xv = x[Idx];
-                                const double Dyv = dy[Idx];
-                                const double xhat = rstd*Xv;
-                                const double g = Dyv*gamma_V;
-                                Lane_Sum_g_xhat[J] += g*xhat;
-                            }
-                        }
 
+                        }
                     }
+                    Sum_g_xhat = Dg_lanes(Lane_Sum_g_xhat);
                 }
-                Sum_g_xhat = Dg_lanes(Lane_Sum_g_xhat);
-            }
-            const double Mean_g_xhat = Sum_g_xhat/N;  /* Mean_g_xhat = mean(g*xhat) */
-            const double K_g = rstd;  /* coefficient of g in dx */
-            const double K_xhat = -Mean_g_xhat*rstd;  /* coefficient of xhat in dx */
-            {
-                for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
-                    const int64_t Off = Base + Blk * Block_stride;
-                    const int dx_Direct = Dg_direct_row(dx_Stream, Cg, dx + Off);   /* stream from registers */
-                    (void)dx_Direct;
-                    {                       /* a trailing layout (S == 1): parameters vary along the run */
-                        {
-                            double *restrict dx_R = dx + Off;
-                            int64_t Mi = 0;
-                            if (dx_Direct) {          /* scalar head up to a 64-byte boundary of dx */
-                                const int64_t Head = Dg_head(dx + Off, (int64_t)sizeof(double), Cg);
-                                for (; Mi < Head; ++Mi) {
+                const double Mean_g_xhat = Sum_g_xhat/N;  /* Mean_g_xhat = mean(g*xhat) */
+                const double K_g = rstd;  /* coefficient of g in dx */
+                const double K_xhat = -Mean_g_xhat*rstd;  /* coefficient of xhat in dx */
+                if (Lockstep) {             /* the values the lockstep sweep reads */
+                    Rv_rstd[Rr] = rstd;
+                    Rv_K_g[Rr] = K_g;
+                    Rv_K_xhat[Rr] = K_xhat;
+                    continue;
+                }
+                {
+                    for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
+                        const int64_t Off = Base + Blk * Block_stride;
+                        const int dx_Direct = Dg_direct_row(dx_Stream, Cg, dx + Off);   /* stream from registers */
+                        (void)dx_Direct;
+                        {                       /* a trailing layout (S == 1): parameters vary along the run */
+                            {
+                                double *restrict dx_R = dx + Off;
+                                int64_t Mi = 0;
+                                if (dx_Direct) {          /* scalar head up to a 64-byte boundary of dx */
+                                    const int64_t Head = Dg_head(dx + Off, (int64_t)sizeof(double), Cg);
+                                    for (; Mi < Head; ++Mi) {
+                                        const int J = 0;                /* outside the lane blocks: lane 0 */
+                                        (void)J;
+                                        const int64_t Idx = Off + Mi;
+                                        (void)Idx;
+                                        const int64_t Ch = Gi * Cg + Mi;
+                                        const double gamma_V = gamma[Ch];
+                                        const double Xv = x[Idx];
+                                        const double Dyv = dy[Idx];
+                                        const double xhat = rstd*Xv;
+                                        const double g = Dyv*gamma_V;
+                                        dx_R[Idx - (Off)] = (double)(K_g*g + K_xhat*xhat);
+                                        Pend[0 * C + Ch] += Dyv*xhat;
+                                    }
+                                }
+                                for (; Mi + DG_LANES <= Cg; Mi += DG_LANES) {
+                                    double T_dx[DG_LANES];
+                                    DG_INDEPENDENT
+                                    for (int J = 0; J < DG_LANES; ++J) {
+                                        const int64_t Idx = Off + Mi + J;
+                                        (void)Idx;
+                                        const int64_t Ch = Gi * Cg + Mi + J;
+                                        const double gamma_V = gamma[Ch];
+                                        const double Xv = x[Idx];
+                                        const double Dyv = dy[Idx];
+                                        const double xhat = rstd*Xv;
+                                        const double g = Dyv*gamma_V;
+                                        T_dx[J] = (double)(K_g*g + K_xhat*xhat);
+                                        Pend[0 * C + Ch] += Dyv*xhat;
+                                    }
+                                    Dg_put_double(dx_R + Mi, T_dx, dx_Direct);
+                                }
+                                for (; Mi < Cg; ++Mi) {
                                     const int J = 0;                /* outside the lane blocks: lane 0 */
                                     (void)J;
                                     const int64_t Idx = Off + Mi;
@@ -1161,48 +1309,108 @@ int rmsnorm_train_backward_f64(
                                     Pend[0 * C + Ch] += Dyv*xhat;
                                 }
                             }
-                            for (; Mi + DG_LANES <= Cg; Mi += DG_LANES) {
-                                double T_dx[DG_LANES];
-                                DG_INDEPENDENT
-                                for (int J = 0; J < DG_LANES; ++J) {
-                                    const int64_t Idx = Off + Mi + J;
-                                    (void)Idx;
-                                    const int64_t Ch = Gi * Cg + Mi + J;
-                                    const double gamma_V = gamma[Ch];
-                                    const double Xv = x[Idx];
-                                    const double Dyv = dy[Idx];
-                                    const double xhat = rstd*Xv;
-                                    const double g = Dyv*gamma_V;
-                                    T_dx[J] = (double)(K_g*g + K_xhat*xhat);
-                                    Pend[0 * C + Ch] += Dyv*xhat;
-                                }
-                                Dg_put_double(dx_R + Mi, T_dx, dx_Direct);
-                            }
-                            for (; Mi < Cg; ++Mi) {
-                                const int J = 0;                /* outside the lane blocks: lane 0 */
-                                (void)J;
-                                const int64_t Idx = Off + Mi;
-                                (void)Idx;
-                                const int64_t Ch = Gi * Cg + Mi;
-                                const double gamma_V = gamma[Ch];
-                                const double Xv = x[Idx];
-                                const double Dyv = dy[Idx];
-                                const double xhat = rstd*Xv;
-                                const double g = Dyv*gamma_V;
-                                dx_R[Idx - (Off)] = (double)(K_g*g + K_xhat*xhat);
-                                Pend[0 * C + Ch] += Dyv*xhat;
-                            }
-                        }
 
-                        Pend_lo = Pend_lo < Gi * Cg ? Pend_lo : Gi * Cg;
-                        Pend_hi = Pend_hi > Gi * Cg + Cg ? Pend_hi : Gi * Cg + Cg;
-                        if (++Pending == DG_PEND) {     /* float partials of at most DG_PEND runs */
-                            Dg_flush_double(Mine, Pend, P, C, Pend_lo, Pend_hi);
-                            Pending = 0;
-                            Pend_lo = C;
-                            Pend_hi = 0;
+                            Pend_lo = Pend_lo < Gi * Cg ? Pend_lo : Gi * Cg;
+                            Pend_hi = Pend_hi > Gi * Cg + Cg ? Pend_hi : Gi * Cg + Cg;
+                            if (++Pending == DG_PEND) {     /* float partials of at most DG_PEND runs */
+                                Dg_flush_double(Mine, Pend, P, C, Pend_lo, Pend_hi);
+                                Pending = 0;
+                                Pend_lo = C;
+                                Pend_hi = 0;
+                            }
                         }
                     }
+                }
+            }
+            if (Lockstep) {
+                const int64_t Off0 = Grp0 * M;
+                const int dx_Direct = Dg_direct_row(dx_Stream, Cg, dx + Off0);   /* stream from registers */
+                int64_t Mi = 0;
+                if (dx_Direct) {          /* scalar head up to a 64-byte boundary of dx (the same in every row) */
+                    const int64_t Head = Dg_head(dx + Off0, (int64_t)sizeof(double), Cg);
+                    for (; Mi < Head; ++Mi) {
+                        double Acc_p0[1] = {0};
+                        for (int Rr = 0; Rr < Rn; ++Rr) {
+                            const double rstd = Rv_rstd[Rr];
+                            (void)rstd;
+                            const double K_g = Rv_K_g[Rr];
+                            (void)K_g;
+                            const double K_xhat = Rv_K_xhat[Rr];
+                            (void)K_xhat;
+                            const int64_t Off = Off0 + Rr * M;
+                            double *restrict dx_R = dx + Off;
+                            const int J = 0;                /* outside the lane blocks: lane 0 */
+                            const int64_t Idx = Off + Mi;
+                            (void)Idx;
+                            const int64_t Ch = Mi;
+                            const double gamma_V = gamma[Ch];
+                            const double Xv = x[Idx];
+                            const double Dyv = dy[Idx];
+                            const double xhat = rstd*Xv;
+                            const double g = Dyv*gamma_V;
+                            dx_R[Idx - (Off)] = (double)(K_g*g + K_xhat*xhat);
+                            Acc_p0[J] += Dyv*xhat;
+                        }
+                        Mine[0 * C + Mi] += (double)Acc_p0[0];
+
+                    }
+                }
+                for (; Mi + DG_LANES <= Cg; Mi += DG_LANES) {
+                    double Acc_p0[DG_LANES] = {0};
+                    for (int Rr = 0; Rr < Rn; ++Rr) {
+                        const double rstd = Rv_rstd[Rr];
+                        (void)rstd;
+                        const double K_g = Rv_K_g[Rr];
+                        (void)K_g;
+                        const double K_xhat = Rv_K_xhat[Rr];
+                        (void)K_xhat;
+                        const int64_t Off = Off0 + Rr * M;
+                        double T_dx[DG_LANES];
+                        DG_INDEPENDENT
+                        for (int J = 0; J < DG_LANES; ++J) {
+                            const int64_t Idx = Off + Mi + J;
+                            (void)Idx;
+                            const int64_t Ch = Mi + J;
+                            const double gamma_V = gamma[Ch];
+                            const double Xv = x[Idx];
+                            const double Dyv = dy[Idx];
+                            const double xhat = rstd*Xv;
+                            const double g = Dyv*gamma_V;
+                            T_dx[J] = (double)(K_g*g + K_xhat*xhat);
+                            Acc_p0[J] += Dyv*xhat;
+                        }
+                        Dg_put_double(dx + Off + Mi, T_dx, dx_Direct);
+                    }
+                    DG_INDEPENDENT
+                    for (int J = 0; J < DG_LANES; ++J) {
+                        Mine[0 * C + Mi + J] += (double)Acc_p0[J];
+                    }
+                }
+                for (; Mi < Cg; ++Mi) {
+                    double Acc_p0[1] = {0};
+                    for (int Rr = 0; Rr < Rn; ++Rr) {
+                        const double rstd = Rv_rstd[Rr];
+                        (void)rstd;
+                        const double K_g = Rv_K_g[Rr];
+                        (void)K_g;
+                        const double K_xhat = Rv_K_xhat[Rr];
+                        (void)K_xhat;
+                        const int64_t Off = Off0 + Rr * M;
+                        double *restrict dx_R = dx + Off;
+                        const int J = 0;                /* outside the lane blocks: lane 0 */
+                        const int64_t Idx = Off + Mi;
+                        (void)Idx;
+                        const int64_t Ch = Mi;
+                        const double gamma_V = gamma[Ch];
+                        const double Xv = x[Idx];
+                        const double Dyv = dy[Idx];
+                        const double xhat = rstd*Xv;
+                        const double g = Dyv*gamma_V;
+                        dx_R[Idx - (Off)] = (double)(K_g*g + K_xhat*xhat);
+                        Acc_p0[J] += Dyv*xhat;
+                    }
+                    Mine[0 * C + Mi] += (double)Acc_p0[0];
+
                 }
             }
         }
@@ -1892,39 +2100,61 @@ int rmsnorm_train_backward_bf16(
         (void)Pend_hi;
         int64_t Lo, Hi;
         Dg_share(N_groups, &Lo, &Hi);              /* this thread's groups (as schedule(static)) */
-        for (int64_t Grp = Lo; Grp < Hi; ++Grp) {
-            const int64_t Gi = G == 1 ? 0 : Grp % G;     /* channel group */
-            (void)Gi;
-            const int64_t Base = Grp * M;
-            (void)Base;
-            const double ms = ms_In[Grp];
-            (void)ms;
-            const double rstd = rstd_In[Grp];
-            (void)rstd;
-            double Sum_g_xhat;
-            {
-                const float rstd_F = (float)rstd;
-                double Lane_Sum_g_xhat[DG_LANES] = {0};
-                for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
-                    const int64_t Off = Base + Blk * Block_stride;
-                    const int64_t Nxt = Blk + 1 < Blocks ? Off + Block_stride : Base + M;   /* block read next */
-                    {                       /* a trailing layout (S == 1): parameters vary along the run */
-                        {
-                            int64_t Mi = 0;
-                            for (; Mi + DG_LANES <= Cg; Mi += DG_LANES) {
-                                for (int Q = 0; Q < DG_LANES; Q += 64 / (int)sizeof(*x)) {  /* read ahead, a line at a time */
-                                    const int64_t Pf = Dg_ahead(Off, Mi + Q, M, Nxt, Total, Ahead);
-                                    if (Pf >= 0) DG_PREFETCH(x + Pf);
+        /* rows in lockstep: DG_ROWS rows' dx per sweep, their parameter terms added in
+         * registers (one row at a time where rows differ in alignment or G > 1) */
+        const int Lockstep = G == 1 && (!dx_Stream || (M * (int64_t)sizeof(dg_bf16)) % 64 == 0);
+        for (int64_t Grp0 = Lo; Grp0 < Hi; Grp0 += Lockstep ? DG_ROWS : 1) {
+            const int Rn = Lockstep && Hi - Grp0 >= DG_ROWS ? DG_ROWS : (Lockstep ? (int)(Hi - Grp0) : 1);
+            float Rv_Mean_g_xhat_F[DG_ROWS];
+            float Rv_rstd_F[DG_ROWS];
+            for (int Rr = 0; Rr < Rn; ++Rr) {
+                const int64_t Grp = Grp0 + Rr;
+                const int64_t Gi = G == 1 ? 0 : Grp % G;     /* channel group */
+                (void)Gi;
+                const int64_t Base = Grp * M;
+                (void)Base;
+                const double ms = ms_In[Grp];
+                (void)ms;
+                const double rstd = rstd_In[Grp];
+                (void)rstd;
+                double Sum_g_xhat;
+                {
+                    const float rstd_F = (float)rstd;
+                    double Lane_Sum_g_xhat[DG_LANES] = {0};
+                    for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
+                        const int64_t Off = Base + Blk * Block_stride;
+                        const int64_t Nxt = Blk + 1 < Blocks ? Off + Block_stride : Base + M;   /* block read next */
+                        {                       /* a trailing layout (S == 1): parameters vary along the run */
+                            {
+                                int64_t Mi = 0;
+                                for (; Mi + DG_LANES <= Cg; Mi += DG_LANES) {
+                                    for (int Q = 0; Q < DG_LANES; Q += 64 / (int)sizeof(*x)) {  /* read ahead, a line at a time */
+                                        const int64_t Pf = Dg_ahead(Off, Mi + Q, M, Nxt, Total, Ahead);
+                                        if (Pf >= 0) DG_PREFETCH(x + Pf);
+                                    }
+                                    for (int Q = 0; Q < DG_LANES; Q += 64 / (int)sizeof(*dy)) {  /* read ahead, a line at a time */
+                                        const int64_t Pf = Dg_ahead(Off, Mi + Q, M, Nxt, Total, Ahead);
+                                        if (Pf >= 0) DG_PREFETCH(dy + Pf);
+                                    }
+                                    DG_INDEPENDENT
+                                    for (int J = 0; J < DG_LANES; ++J) {
+                                        const int64_t Idx = Off + Mi + J;
+                                        (void)Idx;
+                                        const int64_t Ch = Gi * Cg + Mi + J;
+                                        const float gamma_V = Dg_from_bf16(gamma[Ch]);
+                                        const float Xv = Dg_from_bf16(x[Idx]);
+                                        const float Dyv = Dg_from_bf16(dy[Idx]);
+                                        const float xhat = rstd_F*Xv;
+                                        const float g = Dyv*gamma_V;
+                                        Lane_Sum_g_xhat[J] += ((double)g)*((double)xhat);
+                                    }
                                 }
-                                for (int Q = 0; Q < DG_LANES; Q += 64 / (int)sizeof(*dy)) {  /* read ahead, a line at a time */
-                                    const int64_t Pf = Dg_ahead(Off, Mi + Q, M, Nxt, Total, Ahead);
-                                    if (Pf >= 0) DG_PREFETCH(dy + Pf);
-                                }
-                                DG_INDEPENDENT
-                                for (int J = 0; J < DG_LANES; ++J) {
-                                    const int64_t Idx = Off + Mi + J;
+                                for (; Mi < Cg; ++Mi) {
+                                    const int J = 0;                /* outside the lane blocks: lane 0 */
+                                    (void)J;
+                                    const int64_t Idx = Off + Mi;
                                     (void)Idx;
-                                    const int64_t Ch = Gi * Cg + Mi + J;
+                                    const int64_t Ch = Gi * Cg + Mi;
                                     const float gamma_V = Dg_from_bf16(gamma[Ch]);
                                     const float Xv = Dg_from_bf16(x[Idx]);
                                     const float Dyv = Dg_from_bf16(dy[Idx]);
@@ -1933,40 +2163,65 @@ int rmsnorm_train_backward_bf16(
                                     Lane_Sum_g_xhat[J] += ((double)g)*((double)xhat);
                                 }
                             }
-                            for (; Mi < Cg; ++Mi) {
-                                const int J = 0;                /* outside the lane blocks: lane 0 */
-                                (void)J;
-                                const int64_t Idx = Off + Mi;
-                                (void)Idx;
-                                const int64_t Ch = Gi * Cg + Mi;
-                                const float gamma_V = Dg_from_bf16(gamma[Ch]);
-                                const float Xv = Dg_from_bf16(x[Idx]);
-                                const float Dyv = Dg_from_bf16(dy[Idx]);
-                                const float xhat = rstd_F*Xv;
-                                const float g = Dyv*gamma_V;
-                                Lane_Sum_g_xhat[J] += ((double)g)*((double)xhat);
-                            }
-                        }
 
+                        }
                     }
+                    Sum_g_xhat = Dg_lanes(Lane_Sum_g_xhat);
                 }
-                Sum_g_xhat = Dg_lanes(Lane_Sum_g_xhat);
-            }
-            const double Mean_g_xhat = Sum_g_xhat/N;  /* Mean_g_xhat = mean(g*xhat) */
-            {
-                const float Mean_g_xhat_F = (float)Mean_g_xhat;
-                const float rstd_F = (float)rstd;
-                for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
-                    const int64_t Off = Base + Blk * Block_stride;
-                    const int dx_Direct = Dg_direct_row(dx_Stream, Cg, dx + Off);   /* stream from registers */
-                    (void)dx_Direct;
-                    {                       /* a trailing layout (S == 1): parameters vary along the run */
-                        {
-                            dg_bf16 *restrict dx_R = dx + Off;
-                            int64_t Mi = 0;
-                            if (dx_Direct) {          /* scalar head up to a 64-byte boundary of dx */
-                                const int64_t Head = Dg_head(dx + Off, (int64_t)sizeof(dg_bf16), Cg);
-                                for (; Mi < Head; ++Mi) {
+                const double Mean_g_xhat = Sum_g_xhat/N;  /* Mean_g_xhat = mean(g*xhat) */
+                if (Lockstep) {             /* the values the lockstep sweep reads */
+                    const float Mean_g_xhat_F = (float)Mean_g_xhat;
+                    const float rstd_F = (float)rstd;
+                    Rv_Mean_g_xhat_F[Rr] = Mean_g_xhat_F;
+                    Rv_rstd_F[Rr] = rstd_F;
+                    continue;
+                }
+                {
+                    const float Mean_g_xhat_F = (float)Mean_g_xhat;
+                    const float rstd_F = (float)rstd;
+                    for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
+                        const int64_t Off = Base + Blk * Block_stride;
+                        const int dx_Direct = Dg_direct_row(dx_Stream, Cg, dx + Off);   /* stream from registers */
+                        (void)dx_Direct;
+                        {                       /* a trailing layout (S == 1): parameters vary along the run */
+                            {
+                                dg_bf16 *restrict dx_R = dx + Off;
+                                int64_t Mi = 0;
+                                if (dx_Direct) {          /* scalar head up to a 64-byte boundary of dx */
+                                    const int64_t Head = Dg_head(dx + Off, (int64_t)sizeof(dg_bf16), Cg);
+                                    for (; Mi < Head; ++Mi) {
+                                        const int J = 0;                /* outside the lane blocks: lane 0 */
+                                        (void)J;
+                                        const int64_t Idx = Off + Mi;
+                                        (void)Idx;
+                                        const int64_t Ch = Gi * Cg + Mi;
+                                        const float gamma_V = Dg_from_bf16(gamma[Ch]);
+                                        const float Xv = Dg_from_bf16(x[Idx]);
+                                        const float Dyv = Dg_from_bf16(dy[Idx]);
+                                        const float xhat = rstd_F*Xv;
+                                        const float g = Dyv*gamma_V;
+                                        dx_R[Idx - (Off)] = Dg_to_bf16((float)(rstd_F*(g - Mean_g_xhat_F*xhat)));
+                                        Pend[0 * C + Ch] += Dyv*xhat;
+                                    }
+                                }
+                                for (; Mi + DG_LANES <= Cg; Mi += DG_LANES) {
+                                    dg_bf16 T_dx[DG_LANES];
+                                    DG_INDEPENDENT
+                                    for (int J = 0; J < DG_LANES; ++J) {
+                                        const int64_t Idx = Off + Mi + J;
+                                        (void)Idx;
+                                        const int64_t Ch = Gi * Cg + Mi + J;
+                                        const float gamma_V = Dg_from_bf16(gamma[Ch]);
+                                        const float Xv = Dg_from_bf16(x[Idx]);
+                                        const float Dyv = Dg_from_bf16(dy[Idx]);
+                                        const float xhat = rstd_F*Xv;
+                                        const float g = Dyv*gamma_V;
+                                        T_dx[J] = Dg_to_bf16((float)(rstd_F*(g - Mean_g_xhat_F*xhat)));
+                                        Pend[0 * C + Ch] += Dyv*xhat;
+                                    }
+                                    Dg_put_dg_bf16(dx_R + Mi, T_dx, dx_Direct);
+                                }
+                                for (; Mi < Cg; ++Mi) {
                                     const int J = 0;                /* outside the lane blocks: lane 0 */
                                     (void)J;
                                     const int64_t Idx = Off + Mi;
@@ -1981,48 +2236,102 @@ int rmsnorm_train_backward_bf16(
                                     Pend[0 * C + Ch] += Dyv*xhat;
                                 }
                             }
-                            for (; Mi + DG_LANES <= Cg; Mi += DG_LANES) {
-                                dg_bf16 T_dx[DG_LANES];
-                                DG_INDEPENDENT
-                                for (int J = 0; J < DG_LANES; ++J) {
-                                    const int64_t Idx = Off + Mi + J;
-                                    (void)Idx;
-                                    const int64_t Ch = Gi * Cg + Mi + J;
-                                    const float gamma_V = Dg_from_bf16(gamma[Ch]);
-                                    const float Xv = Dg_from_bf16(x[Idx]);
-                                    const float Dyv = Dg_from_bf16(dy[Idx]);
-                                    const float xhat = rstd_F*Xv;
-                                    const float g = Dyv*gamma_V;
-                                    T_dx[J] = Dg_to_bf16((float)(rstd_F*(g - Mean_g_xhat_F*xhat)));
-                                    Pend[0 * C + Ch] += Dyv*xhat;
-                                }
-                                Dg_put_dg_bf16(dx_R + Mi, T_dx, dx_Direct);
-                            }
-                            for (; Mi < Cg; ++Mi) {
-                                const int J = 0;                /* outside the lane blocks: lane 0 */
-                                (void)J;
-                                const int64_t Idx = Off + Mi;
-                                (void)Idx;
-                                const int64_t Ch = Gi * Cg + Mi;
-                                const float gamma_V = Dg_from_bf16(gamma[Ch]);
-                                const float Xv = Dg_from_bf16(x[Idx]);
-                                const float Dyv = Dg_from_bf16(dy[Idx]);
-                                const float xhat = rstd_F*Xv;
-                                const float g = Dyv*gamma_V;
-                                dx_R[Idx - (Off)] = Dg_to_bf16((float)(rstd_F*(g - Mean_g_xhat_F*xhat)));
-                                Pend[0 * C + Ch] += Dyv*xhat;
-                            }
-                        }
 
-                        Pend_lo = Pend_lo < Gi * Cg ? Pend_lo : Gi * Cg;
-                        Pend_hi = Pend_hi > Gi * Cg + Cg ? Pend_hi : Gi * Cg + Cg;
-                        if (++Pending == DG_PEND) {     /* float partials of at most DG_PEND runs */
-                            Dg_flush_float(Mine, Pend, P, C, Pend_lo, Pend_hi);
-                            Pending = 0;
-                            Pend_lo = C;
-                            Pend_hi = 0;
+                            Pend_lo = Pend_lo < Gi * Cg ? Pend_lo : Gi * Cg;
+                            Pend_hi = Pend_hi > Gi * Cg + Cg ? Pend_hi : Gi * Cg + Cg;
+                            if (++Pending == DG_PEND) {     /* float partials of at most DG_PEND runs */
+                                Dg_flush_float(Mine, Pend, P, C, Pend_lo, Pend_hi);
+                                Pending = 0;
+                                Pend_lo = C;
+                                Pend_hi = 0;
+                            }
                         }
                     }
+                }
+            }
+            if (Lockstep) {
+                const int64_t Off0 = Grp0 * M;
+                const int dx_Direct = Dg_direct_row(dx_Stream, Cg, dx + Off0);   /* stream from registers */
+                int64_t Mi = 0;
+                if (dx_Direct) {          /* scalar head up to a 64-byte boundary of dx (the same in every row) */
+                    const int64_t Head = Dg_head(dx + Off0, (int64_t)sizeof(dg_bf16), Cg);
+                    for (; Mi < Head; ++Mi) {
+                        float Acc_p0[1] = {0};
+                        for (int Rr = 0; Rr < Rn; ++Rr) {
+                            const float Mean_g_xhat_F = Rv_Mean_g_xhat_F[Rr];
+                            (void)Mean_g_xhat_F;
+                            const float rstd_F = Rv_rstd_F[Rr];
+                            (void)rstd_F;
+                            const int64_t Off = Off0 + Rr * M;
+                            dg_bf16 *restrict dx_R = dx + Off;
+                            const int J = 0;                /* outside the lane blocks: lane 0 */
+                            const int64_t Idx = Off + Mi;
+                            (void)Idx;
+                            const int64_t Ch = Mi;
+                            const float gamma_V = Dg_from_bf16(gamma[Ch]);
+                            const float Xv = Dg_from_bf16(x[Idx]);
+                            const float Dyv = Dg_from_bf16(dy[Idx]);
+                            const float xhat = rstd_F*Xv;
+                            const float g = Dyv*gamma_V;
+                            dx_R[Idx - (Off)] = Dg_to_bf16((float)(rstd_F*(g - Mean_g_xhat_F*xhat)));
+                            Acc_p0[J] += Dyv*xhat;
+                        }
+                        Mine[0 * C + Mi] += (double)Acc_p0[0];
+
+                    }
+                }
+                for (; Mi + DG_LANES <= Cg; Mi += DG_LANES) {
+                    float Acc_p0[DG_LANES] = {0};
+                    for (int Rr = 0; Rr < Rn; ++Rr) {
+                        const float Mean_g_xhat_F = Rv_Mean_g_xhat_F[Rr];
+                        (void)Mean_g_xhat_F;
+                        const float rstd_F = Rv_rstd_F[Rr];
+                        (void)rstd_F;
+                        const int64_t Off = Off0 + Rr * M;
+                        dg_bf16 T_dx[DG_LANES];
+                        DG_INDEPENDENT
+                        for (int J = 0; J < DG_LANES; ++J) {
+                            const int64_t Idx = Off + Mi + J;
+                            (void)Idx;
+                            const int64_t Ch = Mi + J;
+                            const float gamma_V = Dg_from_bf16(gamma[Ch]);
+                            const float Xv = Dg_from_bf16(x[Idx]);
+                            const float Dyv = Dg_from_bf16(dy[Idx]);
+                            const float xhat = rstd_F*Xv;
+                            const float g = Dyv*gamma_V;
+                            T_dx[J] = Dg_to_bf16((float)(rstd_F*(g - Mean_g_xhat_F*xhat)));
+                            Acc_p0[J] += Dyv*xhat;
+                        }
+                        Dg_put_dg_bf16(dx + Off + Mi, T_dx, dx_Direct);
+                    }
+                    DG_INDEPENDENT
+                    for (int J = 0; J < DG_LANES; ++J) {
+                        Mine[0 * C + Mi + J] += (double)Acc_p0[J];
+                    }
+                }
+                for (; Mi < Cg; ++Mi) {
+                    float Acc_p0[1] = {0};
+                    for (int Rr = 0; Rr < Rn; ++Rr) {
+                        const float Mean_g_xhat_F = Rv_Mean_g_xhat_F[Rr];
+                        (void)Mean_g_xhat_F;
+                        const float rstd_F = Rv_rstd_F[Rr];
+                        (void)rstd_F;
+                        const int64_t Off = Off0 + Rr * M;
+                        dg_bf16 *restrict dx_R = dx + Off;
+                        const int J = 0;                /* outside the lane blocks: lane 0 */
+                        const int64_t Idx = Off + Mi;
+                        (void)Idx;
+                        const int64_t Ch = Mi;
+                        const float gamma_V = Dg_from_bf16(gamma[Ch]);
+                        const float Xv = Dg_from_bf16(x[Idx]);
+                        const float Dyv = Dg_from_bf16(dy[Idx]);
+                        const float xhat = rstd_F*Xv;
+                        const float g = Dyv*gamma_V;
+                        dx_R[Idx - (Off)] = Dg_to_bf16((float)(rstd_F*(g - Mean_g_xhat_F*xhat)));
+                        Acc_p0[J] += Dyv*xhat;
+                    }
+                    Mine[0 * C + Mi] += (double)Acc_p0[0];
+
                 }
             }
         }
