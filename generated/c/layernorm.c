@@ -495,17 +495,12 @@ int layernorm_train_backward_f32(
                         float Acc_p1[1] = {0};
                         for (int Rr = 0; Rr < Rn; ++Rr) {
                             const float H0_hi = Rv_H0_hi[Rr];
-                            (void)H0_hi;
                             const float H0_lo = Rv_H0_lo[Rr];
-                            (void)H0_lo;
                             const float H1_hi = Rv_H1_hi[Rr];
-                            (void)H1_hi;
                             const float H1_lo = Rv_H1_lo[Rr];
-                            (void)H1_lo;
                             const float Mean_g_xhat_F = Rv_Mean_g_xhat_F[Rr];
-                            (void)Mean_g_xhat_F;
                             const float rstd_F = Rv_rstd_F[Rr];
-                            (void)rstd_F;
+                            (void)H0_hi; (void)H0_lo; (void)H1_hi; (void)H1_lo; (void)Mean_g_xhat_F; (void)rstd_F;
                             const int64_t Off = Off0 + Rr * M;
                             float *restrict dx_R = dx + Off;
                             const int J = 0;                /* outside the lane blocks: lane 0 */
@@ -523,7 +518,6 @@ int layernorm_train_backward_f32(
                         }
                         Mine[0 * C + Mi] += (double)Acc_p0[0];
                         Mine[1 * C + Mi] += (double)Acc_p1[0];
-
                     }
                 }
                 for (; Mi + DG_LANES <= Cg; Mi += DG_LANES) {
@@ -531,17 +525,12 @@ int layernorm_train_backward_f32(
                     float Acc_p1[DG_LANES] = {0};
                     for (int Rr = 0; Rr < Rn; ++Rr) {
                         const float H0_hi = Rv_H0_hi[Rr];
-                        (void)H0_hi;
                         const float H0_lo = Rv_H0_lo[Rr];
-                        (void)H0_lo;
                         const float H1_hi = Rv_H1_hi[Rr];
-                        (void)H1_hi;
                         const float H1_lo = Rv_H1_lo[Rr];
-                        (void)H1_lo;
                         const float Mean_g_xhat_F = Rv_Mean_g_xhat_F[Rr];
-                        (void)Mean_g_xhat_F;
                         const float rstd_F = Rv_rstd_F[Rr];
-                        (void)rstd_F;
+                        (void)H0_hi; (void)H0_lo; (void)H1_hi; (void)H1_lo; (void)Mean_g_xhat_F; (void)rstd_F;
                         const int64_t Off = Off0 + Rr * M;
                         float T_dx[DG_LANES];
                         DG_INDEPENDENT
@@ -571,17 +560,12 @@ int layernorm_train_backward_f32(
                     float Acc_p1[1] = {0};
                     for (int Rr = 0; Rr < Rn; ++Rr) {
                         const float H0_hi = Rv_H0_hi[Rr];
-                        (void)H0_hi;
                         const float H0_lo = Rv_H0_lo[Rr];
-                        (void)H0_lo;
                         const float H1_hi = Rv_H1_hi[Rr];
-                        (void)H1_hi;
                         const float H1_lo = Rv_H1_lo[Rr];
-                        (void)H1_lo;
                         const float Mean_g_xhat_F = Rv_Mean_g_xhat_F[Rr];
-                        (void)Mean_g_xhat_F;
                         const float rstd_F = Rv_rstd_F[Rr];
-                        (void)rstd_F;
+                        (void)H0_hi; (void)H0_lo; (void)H1_hi; (void)H1_lo; (void)Mean_g_xhat_F; (void)rstd_F;
                         const int64_t Off = Off0 + Rr * M;
                         float *restrict dx_R = dx + Off;
                         const int J = 0;                /* outside the lane blocks: lane 0 */
@@ -599,7 +583,6 @@ int layernorm_train_backward_f32(
                     }
                     Mine[0 * C + Mi] += (double)Acc_p0[0];
                     Mine[1 * C + Mi] += (double)Acc_p1[0];
-
                 }
             }
         }
@@ -1585,15 +1568,11 @@ int layernorm_train_backward_f64(
                         double Acc_p1[1] = {0};
                         for (int Rr = 0; Rr < Rn; ++Rr) {
                             const double mean = Rv_mean[Rr];
-                            (void)mean;
                             const double rstd = Rv_rstd[Rr];
-                            (void)rstd;
                             const double K_1 = Rv_K_1[Rr];
-                            (void)K_1;
                             const double K_g = Rv_K_g[Rr];
-                            (void)K_g;
                             const double K_xhat = Rv_K_xhat[Rr];
-                            (void)K_xhat;
+                            (void)mean; (void)rstd; (void)K_1; (void)K_g; (void)K_xhat;
                             const int64_t Off = Off0 + Rr * M;
                             double *restrict dx_R = dx + Off;
                             const int J = 0;                /* outside the lane blocks: lane 0 */
@@ -1611,7 +1590,6 @@ int layernorm_train_backward_f64(
                         }
                         Mine[0 * C + Mi] += (double)Acc_p0[0];
                         Mine[1 * C + Mi] += (double)Acc_p1[0];
-
                     }
                 }
                 for (; Mi + DG_LANES <= Cg; Mi += DG_LANES) {
@@ -1619,15 +1597,11 @@ int layernorm_train_backward_f64(
                     double Acc_p1[DG_LANES] = {0};
                     for (int Rr = 0; Rr < Rn; ++Rr) {
                         const double mean = Rv_mean[Rr];
-                        (void)mean;
                         const double rstd = Rv_rstd[Rr];
-                        (void)rstd;
                         const double K_1 = Rv_K_1[Rr];
-                        (void)K_1;
                         const double K_g = Rv_K_g[Rr];
-                        (void)K_g;
                         const double K_xhat = Rv_K_xhat[Rr];
-                        (void)K_xhat;
+                        (void)mean; (void)rstd; (void)K_1; (void)K_g; (void)K_xhat;
                         const int64_t Off = Off0 + Rr * M;
                         double T_dx[DG_LANES];
                         DG_INDEPENDENT
@@ -1657,15 +1631,11 @@ int layernorm_train_backward_f64(
                     double Acc_p1[1] = {0};
                     for (int Rr = 0; Rr < Rn; ++Rr) {
                         const double mean = Rv_mean[Rr];
-                        (void)mean;
                         const double rstd = Rv_rstd[Rr];
-                        (void)rstd;
                         const double K_1 = Rv_K_1[Rr];
-                        (void)K_1;
                         const double K_g = Rv_K_g[Rr];
-                        (void)K_g;
                         const double K_xhat = Rv_K_xhat[Rr];
-                        (void)K_xhat;
+                        (void)mean; (void)rstd; (void)K_1; (void)K_g; (void)K_xhat;
                         const int64_t Off = Off0 + Rr * M;
                         double *restrict dx_R = dx + Off;
                         const int J = 0;                /* outside the lane blocks: lane 0 */
@@ -1683,7 +1653,6 @@ int layernorm_train_backward_f64(
                     }
                     Mine[0 * C + Mi] += (double)Acc_p0[0];
                     Mine[1 * C + Mi] += (double)Acc_p1[0];
-
                 }
             }
         }
@@ -2692,17 +2661,12 @@ int layernorm_train_backward_bf16(
                         float Acc_p1[1] = {0};
                         for (int Rr = 0; Rr < Rn; ++Rr) {
                             const float H0_hi = Rv_H0_hi[Rr];
-                            (void)H0_hi;
                             const float H0_lo = Rv_H0_lo[Rr];
-                            (void)H0_lo;
                             const float H1_hi = Rv_H1_hi[Rr];
-                            (void)H1_hi;
                             const float H1_lo = Rv_H1_lo[Rr];
-                            (void)H1_lo;
                             const float Mean_g_xhat_F = Rv_Mean_g_xhat_F[Rr];
-                            (void)Mean_g_xhat_F;
                             const float rstd_F = Rv_rstd_F[Rr];
-                            (void)rstd_F;
+                            (void)H0_hi; (void)H0_lo; (void)H1_hi; (void)H1_lo; (void)Mean_g_xhat_F; (void)rstd_F;
                             const int64_t Off = Off0 + Rr * M;
                             dg_bf16 *restrict dx_R = dx + Off;
                             const int J = 0;                /* outside the lane blocks: lane 0 */
@@ -2720,7 +2684,6 @@ int layernorm_train_backward_bf16(
                         }
                         Mine[0 * C + Mi] += (double)Acc_p0[0];
                         Mine[1 * C + Mi] += (double)Acc_p1[0];
-
                     }
                 }
                 for (; Mi + DG_LANES <= Cg; Mi += DG_LANES) {
@@ -2728,17 +2691,12 @@ int layernorm_train_backward_bf16(
                     float Acc_p1[DG_LANES] = {0};
                     for (int Rr = 0; Rr < Rn; ++Rr) {
                         const float H0_hi = Rv_H0_hi[Rr];
-                        (void)H0_hi;
                         const float H0_lo = Rv_H0_lo[Rr];
-                        (void)H0_lo;
                         const float H1_hi = Rv_H1_hi[Rr];
-                        (void)H1_hi;
                         const float H1_lo = Rv_H1_lo[Rr];
-                        (void)H1_lo;
                         const float Mean_g_xhat_F = Rv_Mean_g_xhat_F[Rr];
-                        (void)Mean_g_xhat_F;
                         const float rstd_F = Rv_rstd_F[Rr];
-                        (void)rstd_F;
+                        (void)H0_hi; (void)H0_lo; (void)H1_hi; (void)H1_lo; (void)Mean_g_xhat_F; (void)rstd_F;
                         const int64_t Off = Off0 + Rr * M;
                         dg_bf16 T_dx[DG_LANES];
                         DG_INDEPENDENT
@@ -2768,17 +2726,12 @@ int layernorm_train_backward_bf16(
                     float Acc_p1[1] = {0};
                     for (int Rr = 0; Rr < Rn; ++Rr) {
                         const float H0_hi = Rv_H0_hi[Rr];
-                        (void)H0_hi;
                         const float H0_lo = Rv_H0_lo[Rr];
-                        (void)H0_lo;
                         const float H1_hi = Rv_H1_hi[Rr];
-                        (void)H1_hi;
                         const float H1_lo = Rv_H1_lo[Rr];
-                        (void)H1_lo;
                         const float Mean_g_xhat_F = Rv_Mean_g_xhat_F[Rr];
-                        (void)Mean_g_xhat_F;
                         const float rstd_F = Rv_rstd_F[Rr];
-                        (void)rstd_F;
+                        (void)H0_hi; (void)H0_lo; (void)H1_hi; (void)H1_lo; (void)Mean_g_xhat_F; (void)rstd_F;
                         const int64_t Off = Off0 + Rr * M;
                         dg_bf16 *restrict dx_R = dx + Off;
                         const int J = 0;                /* outside the lane blocks: lane 0 */
@@ -2796,7 +2749,6 @@ int layernorm_train_backward_bf16(
                     }
                     Mine[0 * C + Mi] += (double)Acc_p0[0];
                     Mine[1 * C + Mi] += (double)Acc_p1[0];
-
                 }
             }
         }

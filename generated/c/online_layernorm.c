@@ -557,27 +557,17 @@ int online_layernorm_train_backward_f32(
                         float Acc_p1[1] = {0};
                         for (int Rr = 0; Rr < Rn; ++Rr) {
                             const float H0_hi = Rv_H0_hi[Rr];
-                            (void)H0_hi;
                             const float H0_lo = Rv_H0_lo[Rr];
-                            (void)H0_lo;
                             const float H1_hi = Rv_H1_hi[Rr];
-                            (void)H1_hi;
                             const float H1_lo = Rv_H1_lo[Rr];
-                            (void)H1_lo;
                             const float H2_hi = Rv_H2_hi[Rr];
-                            (void)H2_hi;
                             const float H2_lo = Rv_H2_lo[Rr];
-                            (void)H2_lo;
                             const float Mean_g_xhat_F = Rv_Mean_g_xhat_F[Rr];
-                            (void)Mean_g_xhat_F;
                             const float N_F = Rv_N_F[Rr];
-                            (void)N_F;
                             const float alpha_F = Rv_alpha_F[Rr];
-                            (void)alpha_F;
                             const float sample_std_F = Rv_sample_std_F[Rr];
-                            (void)sample_std_F;
                             const float std_F = Rv_std_F[Rr];
-                            (void)std_F;
+                            (void)H0_hi; (void)H0_lo; (void)H1_hi; (void)H1_lo; (void)H2_hi; (void)H2_lo; (void)Mean_g_xhat_F; (void)N_F; (void)alpha_F; (void)sample_std_F; (void)std_F;
                             const int64_t Off = Off0 + Rr * M;
                             float *restrict dx_R = dx + Off;
                             const int J = 0;                /* outside the lane blocks: lane 0 */
@@ -595,7 +585,6 @@ int online_layernorm_train_backward_f32(
                         }
                         Mine[0 * C + Mi] += (double)Acc_p0[0];
                         Mine[1 * C + Mi] += (double)Acc_p1[0];
-
                     }
                 }
                 for (; Mi + DG_LANES <= Cg; Mi += DG_LANES) {
@@ -603,27 +592,17 @@ int online_layernorm_train_backward_f32(
                     float Acc_p1[DG_LANES] = {0};
                     for (int Rr = 0; Rr < Rn; ++Rr) {
                         const float H0_hi = Rv_H0_hi[Rr];
-                        (void)H0_hi;
                         const float H0_lo = Rv_H0_lo[Rr];
-                        (void)H0_lo;
                         const float H1_hi = Rv_H1_hi[Rr];
-                        (void)H1_hi;
                         const float H1_lo = Rv_H1_lo[Rr];
-                        (void)H1_lo;
                         const float H2_hi = Rv_H2_hi[Rr];
-                        (void)H2_hi;
                         const float H2_lo = Rv_H2_lo[Rr];
-                        (void)H2_lo;
                         const float Mean_g_xhat_F = Rv_Mean_g_xhat_F[Rr];
-                        (void)Mean_g_xhat_F;
                         const float N_F = Rv_N_F[Rr];
-                        (void)N_F;
                         const float alpha_F = Rv_alpha_F[Rr];
-                        (void)alpha_F;
                         const float sample_std_F = Rv_sample_std_F[Rr];
-                        (void)sample_std_F;
                         const float std_F = Rv_std_F[Rr];
-                        (void)std_F;
+                        (void)H0_hi; (void)H0_lo; (void)H1_hi; (void)H1_lo; (void)H2_hi; (void)H2_lo; (void)Mean_g_xhat_F; (void)N_F; (void)alpha_F; (void)sample_std_F; (void)std_F;
                         const int64_t Off = Off0 + Rr * M;
                         float T_dx[DG_LANES];
                         DG_INDEPENDENT
@@ -653,27 +632,17 @@ int online_layernorm_train_backward_f32(
                     float Acc_p1[1] = {0};
                     for (int Rr = 0; Rr < Rn; ++Rr) {
                         const float H0_hi = Rv_H0_hi[Rr];
-                        (void)H0_hi;
                         const float H0_lo = Rv_H0_lo[Rr];
-                        (void)H0_lo;
                         const float H1_hi = Rv_H1_hi[Rr];
-                        (void)H1_hi;
                         const float H1_lo = Rv_H1_lo[Rr];
-                        (void)H1_lo;
                         const float H2_hi = Rv_H2_hi[Rr];
-                        (void)H2_hi;
                         const float H2_lo = Rv_H2_lo[Rr];
-                        (void)H2_lo;
                         const float Mean_g_xhat_F = Rv_Mean_g_xhat_F[Rr];
-                        (void)Mean_g_xhat_F;
                         const float N_F = Rv_N_F[Rr];
-                        (void)N_F;
                         const float alpha_F = Rv_alpha_F[Rr];
-                        (void)alpha_F;
                         const float sample_std_F = Rv_sample_std_F[Rr];
-                        (void)sample_std_F;
                         const float std_F = Rv_std_F[Rr];
-                        (void)std_F;
+                        (void)H0_hi; (void)H0_lo; (void)H1_hi; (void)H1_lo; (void)H2_hi; (void)H2_lo; (void)Mean_g_xhat_F; (void)N_F; (void)alpha_F; (void)sample_std_F; (void)std_F;
                         const int64_t Off = Off0 + Rr * M;
                         float *restrict dx_R = dx + Off;
                         const int J = 0;                /* outside the lane blocks: lane 0 */
@@ -691,7 +660,6 @@ int online_layernorm_train_backward_f32(
                     }
                     Mine[0 * C + Mi] += (double)Acc_p0[0];
                     Mine[1 * C + Mi] += (double)Acc_p1[0];
-
                 }
             }
         }
@@ -2061,15 +2029,11 @@ int online_layernorm_train_backward_f64(
                         double Acc_p1[1] = {0};
                         for (int Rr = 0; Rr < Rn; ++Rr) {
                             const double mean = Rv_mean[Rr];
-                            (void)mean;
                             const double std = Rv_std[Rr];
-                            (void)std;
                             const double K_1 = Rv_K_1[Rr];
-                            (void)K_1;
                             const double K_g = Rv_K_g[Rr];
-                            (void)K_g;
                             const double K_xhat = Rv_K_xhat[Rr];
-                            (void)K_xhat;
+                            (void)mean; (void)std; (void)K_1; (void)K_g; (void)K_xhat;
                             const int64_t Off = Off0 + Rr * M;
                             double *restrict dx_R = dx + Off;
                             const int J = 0;                /* outside the lane blocks: lane 0 */
@@ -2087,7 +2051,6 @@ int online_layernorm_train_backward_f64(
                         }
                         Mine[0 * C + Mi] += (double)Acc_p0[0];
                         Mine[1 * C + Mi] += (double)Acc_p1[0];
-
                     }
                 }
                 for (; Mi + DG_LANES <= Cg; Mi += DG_LANES) {
@@ -2095,15 +2058,11 @@ int online_layernorm_train_backward_f64(
                     double Acc_p1[DG_LANES] = {0};
                     for (int Rr = 0; Rr < Rn; ++Rr) {
                         const double mean = Rv_mean[Rr];
-                        (void)mean;
                         const double std = Rv_std[Rr];
-                        (void)std;
                         const double K_1 = Rv_K_1[Rr];
-                        (void)K_1;
                         const double K_g = Rv_K_g[Rr];
-                        (void)K_g;
                         const double K_xhat = Rv_K_xhat[Rr];
-                        (void)K_xhat;
+                        (void)mean; (void)std; (void)K_1; (void)K_g; (void)K_xhat;
                         const int64_t Off = Off0 + Rr * M;
                         double T_dx[DG_LANES];
                         DG_INDEPENDENT
@@ -2133,15 +2092,11 @@ int online_layernorm_train_backward_f64(
                     double Acc_p1[1] = {0};
                     for (int Rr = 0; Rr < Rn; ++Rr) {
                         const double mean = Rv_mean[Rr];
-                        (void)mean;
                         const double std = Rv_std[Rr];
-                        (void)std;
                         const double K_1 = Rv_K_1[Rr];
-                        (void)K_1;
                         const double K_g = Rv_K_g[Rr];
-                        (void)K_g;
                         const double K_xhat = Rv_K_xhat[Rr];
-                        (void)K_xhat;
+                        (void)mean; (void)std; (void)K_1; (void)K_g; (void)K_xhat;
                         const int64_t Off = Off0 + Rr * M;
                         double *restrict dx_R = dx + Off;
                         const int J = 0;                /* outside the lane blocks: lane 0 */
@@ -2159,7 +2114,6 @@ int online_layernorm_train_backward_f64(
                     }
                     Mine[0 * C + Mi] += (double)Acc_p0[0];
                     Mine[1 * C + Mi] += (double)Acc_p1[0];
-
                 }
             }
         }
@@ -3570,27 +3524,17 @@ int online_layernorm_train_backward_bf16(
                         float Acc_p1[1] = {0};
                         for (int Rr = 0; Rr < Rn; ++Rr) {
                             const float H0_hi = Rv_H0_hi[Rr];
-                            (void)H0_hi;
                             const float H0_lo = Rv_H0_lo[Rr];
-                            (void)H0_lo;
                             const float H1_hi = Rv_H1_hi[Rr];
-                            (void)H1_hi;
                             const float H1_lo = Rv_H1_lo[Rr];
-                            (void)H1_lo;
                             const float H2_hi = Rv_H2_hi[Rr];
-                            (void)H2_hi;
                             const float H2_lo = Rv_H2_lo[Rr];
-                            (void)H2_lo;
                             const float Mean_g_xhat_F = Rv_Mean_g_xhat_F[Rr];
-                            (void)Mean_g_xhat_F;
                             const float N_F = Rv_N_F[Rr];
-                            (void)N_F;
                             const float alpha_F = Rv_alpha_F[Rr];
-                            (void)alpha_F;
                             const float sample_std_F = Rv_sample_std_F[Rr];
-                            (void)sample_std_F;
                             const float std_F = Rv_std_F[Rr];
-                            (void)std_F;
+                            (void)H0_hi; (void)H0_lo; (void)H1_hi; (void)H1_lo; (void)H2_hi; (void)H2_lo; (void)Mean_g_xhat_F; (void)N_F; (void)alpha_F; (void)sample_std_F; (void)std_F;
                             const int64_t Off = Off0 + Rr * M;
                             dg_bf16 *restrict dx_R = dx + Off;
                             const int J = 0;                /* outside the lane blocks: lane 0 */
@@ -3608,7 +3552,6 @@ int online_layernorm_train_backward_bf16(
                         }
                         Mine[0 * C + Mi] += (double)Acc_p0[0];
                         Mine[1 * C + Mi] += (double)Acc_p1[0];
-
                     }
                 }
                 for (; Mi + DG_LANES <= Cg; Mi += DG_LANES) {
@@ -3616,27 +3559,17 @@ int online_layernorm_train_backward_bf16(
                     float Acc_p1[DG_LANES] = {0};
                     for (int Rr = 0; Rr < Rn; ++Rr) {
                         const float H0_hi = Rv_H0_hi[Rr];
-                        (void)H0_hi;
                         const float H0_lo = Rv_H0_lo[Rr];
-                        (void)H0_lo;
                         const float H1_hi = Rv_H1_hi[Rr];
-                        (void)H1_hi;
                         const float H1_lo = Rv_H1_lo[Rr];
-                        (void)H1_lo;
                         const float H2_hi = Rv_H2_hi[Rr];
-                        (void)H2_hi;
                         const float H2_lo = Rv_H2_lo[Rr];
-                        (void)H2_lo;
                         const float Mean_g_xhat_F = Rv_Mean_g_xhat_F[Rr];
-                        (void)Mean_g_xhat_F;
                         const float N_F = Rv_N_F[Rr];
-                        (void)N_F;
                         const float alpha_F = Rv_alpha_F[Rr];
-                        (void)alpha_F;
                         const float sample_std_F = Rv_sample_std_F[Rr];
-                        (void)sample_std_F;
                         const float std_F = Rv_std_F[Rr];
-                        (void)std_F;
+                        (void)H0_hi; (void)H0_lo; (void)H1_hi; (void)H1_lo; (void)H2_hi; (void)H2_lo; (void)Mean_g_xhat_F; (void)N_F; (void)alpha_F; (void)sample_std_F; (void)std_F;
                         const int64_t Off = Off0 + Rr * M;
                         dg_bf16 T_dx[DG_LANES];
                         DG_INDEPENDENT
@@ -3666,27 +3599,17 @@ int online_layernorm_train_backward_bf16(
                     float Acc_p1[1] = {0};
                     for (int Rr = 0; Rr < Rn; ++Rr) {
                         const float H0_hi = Rv_H0_hi[Rr];
-                        (void)H0_hi;
                         const float H0_lo = Rv_H0_lo[Rr];
-                        (void)H0_lo;
                         const float H1_hi = Rv_H1_hi[Rr];
-                        (void)H1_hi;
                         const float H1_lo = Rv_H1_lo[Rr];
-                        (void)H1_lo;
                         const float H2_hi = Rv_H2_hi[Rr];
-                        (void)H2_hi;
                         const float H2_lo = Rv_H2_lo[Rr];
-                        (void)H2_lo;
                         const float Mean_g_xhat_F = Rv_Mean_g_xhat_F[Rr];
-                        (void)Mean_g_xhat_F;
                         const float N_F = Rv_N_F[Rr];
-                        (void)N_F;
                         const float alpha_F = Rv_alpha_F[Rr];
-                        (void)alpha_F;
                         const float sample_std_F = Rv_sample_std_F[Rr];
-                        (void)sample_std_F;
                         const float std_F = Rv_std_F[Rr];
-                        (void)std_F;
+                        (void)H0_hi; (void)H0_lo; (void)H1_hi; (void)H1_lo; (void)H2_hi; (void)H2_lo; (void)Mean_g_xhat_F; (void)N_F; (void)alpha_F; (void)sample_std_F; (void)std_F;
                         const int64_t Off = Off0 + Rr * M;
                         dg_bf16 *restrict dx_R = dx + Off;
                         const int J = 0;                /* outside the lane blocks: lane 0 */
@@ -3704,7 +3627,6 @@ int online_layernorm_train_backward_bf16(
                     }
                     Mine[0 * C + Mi] += (double)Acc_p0[0];
                     Mine[1 * C + Mi] += (double)Acc_p1[0];
-
                 }
             }
         }

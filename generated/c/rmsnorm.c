@@ -413,9 +413,8 @@ int rmsnorm_train_backward_f32(
                         float Acc_p0[1] = {0};
                         for (int Rr = 0; Rr < Rn; ++Rr) {
                             const float Mean_g_xhat_F = Rv_Mean_g_xhat_F[Rr];
-                            (void)Mean_g_xhat_F;
                             const float rstd_F = Rv_rstd_F[Rr];
-                            (void)rstd_F;
+                            (void)Mean_g_xhat_F; (void)rstd_F;
                             const int64_t Off = Off0 + Rr * M;
                             float *restrict dx_R = dx + Off;
                             const int J = 0;                /* outside the lane blocks: lane 0 */
@@ -431,16 +430,14 @@ int rmsnorm_train_backward_f32(
                             Acc_p0[J] += Dyv*xhat;
                         }
                         Mine[0 * C + Mi] += (double)Acc_p0[0];
-
                     }
                 }
                 for (; Mi + DG_LANES <= Cg; Mi += DG_LANES) {
                     float Acc_p0[DG_LANES] = {0};
                     for (int Rr = 0; Rr < Rn; ++Rr) {
                         const float Mean_g_xhat_F = Rv_Mean_g_xhat_F[Rr];
-                        (void)Mean_g_xhat_F;
                         const float rstd_F = Rv_rstd_F[Rr];
-                        (void)rstd_F;
+                        (void)Mean_g_xhat_F; (void)rstd_F;
                         const int64_t Off = Off0 + Rr * M;
                         float T_dx[DG_LANES];
                         DG_INDEPENDENT
@@ -467,9 +464,8 @@ int rmsnorm_train_backward_f32(
                     float Acc_p0[1] = {0};
                     for (int Rr = 0; Rr < Rn; ++Rr) {
                         const float Mean_g_xhat_F = Rv_Mean_g_xhat_F[Rr];
-                        (void)Mean_g_xhat_F;
                         const float rstd_F = Rv_rstd_F[Rr];
-                        (void)rstd_F;
+                        (void)Mean_g_xhat_F; (void)rstd_F;
                         const int64_t Off = Off0 + Rr * M;
                         float *restrict dx_R = dx + Off;
                         const int J = 0;                /* outside the lane blocks: lane 0 */
@@ -485,7 +481,6 @@ int rmsnorm_train_backward_f32(
                         Acc_p0[J] += Dyv*xhat;
                     }
                     Mine[0 * C + Mi] += (double)Acc_p0[0];
-
                 }
             }
         }
@@ -1332,11 +1327,9 @@ int rmsnorm_train_backward_f64(
                         double Acc_p0[1] = {0};
                         for (int Rr = 0; Rr < Rn; ++Rr) {
                             const double rstd = Rv_rstd[Rr];
-                            (void)rstd;
                             const double K_g = Rv_K_g[Rr];
-                            (void)K_g;
                             const double K_xhat = Rv_K_xhat[Rr];
-                            (void)K_xhat;
+                            (void)rstd; (void)K_g; (void)K_xhat;
                             const int64_t Off = Off0 + Rr * M;
                             double *restrict dx_R = dx + Off;
                             const int J = 0;                /* outside the lane blocks: lane 0 */
@@ -1352,18 +1345,15 @@ int rmsnorm_train_backward_f64(
                             Acc_p0[J] += Dyv*xhat;
                         }
                         Mine[0 * C + Mi] += (double)Acc_p0[0];
-
                     }
                 }
                 for (; Mi + DG_LANES <= Cg; Mi += DG_LANES) {
                     double Acc_p0[DG_LANES] = {0};
                     for (int Rr = 0; Rr < Rn; ++Rr) {
                         const double rstd = Rv_rstd[Rr];
-                        (void)rstd;
                         const double K_g = Rv_K_g[Rr];
-                        (void)K_g;
                         const double K_xhat = Rv_K_xhat[Rr];
-                        (void)K_xhat;
+                        (void)rstd; (void)K_g; (void)K_xhat;
                         const int64_t Off = Off0 + Rr * M;
                         double T_dx[DG_LANES];
                         DG_INDEPENDENT
@@ -1390,11 +1380,9 @@ int rmsnorm_train_backward_f64(
                     double Acc_p0[1] = {0};
                     for (int Rr = 0; Rr < Rn; ++Rr) {
                         const double rstd = Rv_rstd[Rr];
-                        (void)rstd;
                         const double K_g = Rv_K_g[Rr];
-                        (void)K_g;
                         const double K_xhat = Rv_K_xhat[Rr];
-                        (void)K_xhat;
+                        (void)rstd; (void)K_g; (void)K_xhat;
                         const int64_t Off = Off0 + Rr * M;
                         double *restrict dx_R = dx + Off;
                         const int J = 0;                /* outside the lane blocks: lane 0 */
@@ -1410,7 +1398,6 @@ int rmsnorm_train_backward_f64(
                         Acc_p0[J] += Dyv*xhat;
                     }
                     Mine[0 * C + Mi] += (double)Acc_p0[0];
-
                 }
             }
         }
@@ -2259,9 +2246,8 @@ int rmsnorm_train_backward_bf16(
                         float Acc_p0[1] = {0};
                         for (int Rr = 0; Rr < Rn; ++Rr) {
                             const float Mean_g_xhat_F = Rv_Mean_g_xhat_F[Rr];
-                            (void)Mean_g_xhat_F;
                             const float rstd_F = Rv_rstd_F[Rr];
-                            (void)rstd_F;
+                            (void)Mean_g_xhat_F; (void)rstd_F;
                             const int64_t Off = Off0 + Rr * M;
                             dg_bf16 *restrict dx_R = dx + Off;
                             const int J = 0;                /* outside the lane blocks: lane 0 */
@@ -2277,16 +2263,14 @@ int rmsnorm_train_backward_bf16(
                             Acc_p0[J] += Dyv*xhat;
                         }
                         Mine[0 * C + Mi] += (double)Acc_p0[0];
-
                     }
                 }
                 for (; Mi + DG_LANES <= Cg; Mi += DG_LANES) {
                     float Acc_p0[DG_LANES] = {0};
                     for (int Rr = 0; Rr < Rn; ++Rr) {
                         const float Mean_g_xhat_F = Rv_Mean_g_xhat_F[Rr];
-                        (void)Mean_g_xhat_F;
                         const float rstd_F = Rv_rstd_F[Rr];
-                        (void)rstd_F;
+                        (void)Mean_g_xhat_F; (void)rstd_F;
                         const int64_t Off = Off0 + Rr * M;
                         dg_bf16 T_dx[DG_LANES];
                         DG_INDEPENDENT
@@ -2313,9 +2297,8 @@ int rmsnorm_train_backward_bf16(
                     float Acc_p0[1] = {0};
                     for (int Rr = 0; Rr < Rn; ++Rr) {
                         const float Mean_g_xhat_F = Rv_Mean_g_xhat_F[Rr];
-                        (void)Mean_g_xhat_F;
                         const float rstd_F = Rv_rstd_F[Rr];
-                        (void)rstd_F;
+                        (void)Mean_g_xhat_F; (void)rstd_F;
                         const int64_t Off = Off0 + Rr * M;
                         dg_bf16 *restrict dx_R = dx + Off;
                         const int J = 0;                /* outside the lane blocks: lane 0 */
@@ -2331,7 +2314,6 @@ int rmsnorm_train_backward_bf16(
                         Acc_p0[J] += Dyv*xhat;
                     }
                     Mine[0 * C + Mi] += (double)Acc_p0[0];
-
                 }
             }
         }
