@@ -63,5 +63,45 @@ for name, cases in CASES.items():
                     results[f"{tag}/y"] = y.copy()
                     for field, value in grads._asdict().items():
                         results[f"{tag}/{field}"] = np.asarray(value).copy()
+
+# the extras library through derivgen.torch: bfloat16 rows (the lockstep backward, streamed
+# from registers as integer vectors) and channels-last batch norm (the NHWC kernels)
+try:
+    import torch
+except ImportError:
+    torch = None
+if torch is not None:
+    import derivgen.torch as dtorch
+
+    TORCH_CASES = [
+        ("layernorm", (19, 256), 256, torch.bfloat16, False),
+        ("layernorm", (9, 1000), 1000, torch.bfloat16, False),
+        ("rmsnorm", (11, 1024), 1024, torch.bfloat16, False),
+        ("batchnorm", (3, 8, 5, 7), 8, torch.bfloat16, False),
+        ("batchnorm", (3, 8, 5, 7), 8, torch.float32, True),
+        ("groupnorm", (2, 8, 9, 5), 8, torch.bfloat16, True),
+    ]
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        for ci, (name, xs, size, dtype, cl) in enumerate(TORCH_CASES):
+            g = torch.Generator().manual_seed(ci)
+            m = dtorch.Module(name, size, **({"num_groups": 2} if name == "groupnorm" else {}))
+            with torch.no_grad():
+                for p in m.parameters():
+                    p.copy_(torch.randn(p.shape, generator=g))
+            m = m.to(dtype)
+            x = (torch.randn(xs, generator=g) * 3 + 1).to(dtype)
+            dy = torch.randn(xs, generator=g).to(dtype)
+            if cl:
+                x = x.contiguous(memory_format=torch.channels_last)
+                dy = dy.contiguous(memory_format=torch.channels_last)
+            x.requires_grad_(True)
+            y = m(x)
+            y.backward(dy)
+            tag = f"torch/{threads}/{ci}"
+            results[f"{tag}/y"] = y.detach().float().numpy().copy()
+            results[f"{tag}/dx"] = x.grad.float().numpy().copy()
+            for pn, p in m.named_parameters():
+                results[f"{tag}/d{pn}"] = p.grad.float().numpy().copy()
 np.savez(sys.argv[1], **results)
 print(f"saved {len(results)} arrays", flush=True)

@@ -106,7 +106,7 @@ int batchnorm_train_forward_f32(
 
     DG_PRAGMA(omp parallel num_threads(Nth))
     {
-        const int y_Stream = Dg_stream_on(Total, (int64_t)sizeof(float));
+const int y_Stream = Dg_stream_on(Total, (int64_t)sizeof(float));
         (void)y_Stream;
         int64_t Lo, Hi;
         Dg_share(N_groups, &Lo, &Hi);              /* this thread's groups (as schedule(static)) */
@@ -366,7 +366,7 @@ int batchnorm_train_backward_f32(
         float *restrict Pend = Pend_all + (int64_t)Dg_thread_id() * Pend_stride;
         int Pending = 0;                             /* runs added into pend since its last flush */
         int64_t Pend_lo = C, Pend_hi = 0;            /* the channels they touched */
-        const int dx_Stream = Dg_stream_on(Total, (int64_t)sizeof(float));
+const int dx_Stream = Dg_stream_on(Total, (int64_t)sizeof(float));
         const int64_t dx_Cap = Dg_tile_len(S == 1 ? M : S, (int64_t)sizeof(float));
         float *dx_Tile = (float *)Dg_tile(dx_Stream, dx_Cap, (int64_t)sizeof(float));   /* NULL: dx in place */
         int64_t dx_At = 0, dx_Fill = 0;           /* the tile holds dx[at, at + fill) */
@@ -1425,7 +1425,7 @@ int batchnorm_train_split_apply_f32(
     (void)Stats;
     DG_PRAGMA(omp parallel num_threads(Nth))
     {
-        const int y_Stream = Dg_stream_on(Total, (int64_t)sizeof(float));
+const int y_Stream = Dg_stream_on(Total, (int64_t)sizeof(float));
         (void)y_Stream;
         int64_t Lo, Hi;
         Dg_share(N_groups, &Lo, &Hi);
@@ -1784,7 +1784,7 @@ int batchnorm_train_split_bapply_f32(
         float *restrict Pend = Pend_all + (int64_t)Dg_thread_id() * Pend_stride;
         int Pending = 0;                             /* runs added into pend since its last flush */
         int64_t Pend_lo = C, Pend_hi = 0;            /* the channels they touched */
-        const int dx_Stream = Dg_stream_on(Total, (int64_t)sizeof(float));
+const int dx_Stream = Dg_stream_on(Total, (int64_t)sizeof(float));
         const int64_t dx_Cap = Dg_tile_len(S == 1 ? M : S, (int64_t)sizeof(float));
         float *dx_Tile = (float *)Dg_tile(dx_Stream, dx_Cap, (int64_t)sizeof(float));   /* NULL: dx in place */
         int64_t dx_At = 0, dx_Fill = 0;           /* the tile holds dx[at, at + fill) */
@@ -2569,7 +2569,7 @@ int batchnorm_train_forward_f64(
 
     DG_PRAGMA(omp parallel num_threads(Nth))
     {
-        const int y_Stream = Dg_stream_on(Total, (int64_t)sizeof(double));
+const int y_Stream = Dg_stream_on(Total, (int64_t)sizeof(double));
         (void)y_Stream;
         int64_t Lo, Hi;
         Dg_share(N_groups, &Lo, &Hi);              /* this thread's groups (as schedule(static)) */
@@ -2825,7 +2825,7 @@ int batchnorm_train_backward_f64(
         double *restrict Pend = Pend_all + (int64_t)Dg_thread_id() * Pend_stride;
         int Pending = 0;                             /* runs added into pend since its last flush */
         int64_t Pend_lo = C, Pend_hi = 0;            /* the channels they touched */
-        const int dx_Stream = Dg_stream_on(Total, (int64_t)sizeof(double));
+const int dx_Stream = Dg_stream_on(Total, (int64_t)sizeof(double));
         const int64_t dx_Cap = Dg_tile_len(S == 1 ? M : S, (int64_t)sizeof(double));
         double *dx_Tile = (double *)Dg_tile(dx_Stream, dx_Cap, (int64_t)sizeof(double));   /* NULL: dx in place */
         int64_t dx_At = 0, dx_Fill = 0;           /* the tile holds dx[at, at + fill) */
@@ -3875,7 +3875,7 @@ int batchnorm_train_split_apply_f64(
     (void)Stats;
     DG_PRAGMA(omp parallel num_threads(Nth))
     {
-        const int y_Stream = Dg_stream_on(Total, (int64_t)sizeof(double));
+const int y_Stream = Dg_stream_on(Total, (int64_t)sizeof(double));
         (void)y_Stream;
         int64_t Lo, Hi;
         Dg_share(N_groups, &Lo, &Hi);
@@ -4226,7 +4226,7 @@ int batchnorm_train_split_bapply_f64(
         double *restrict Pend = Pend_all + (int64_t)Dg_thread_id() * Pend_stride;
         int Pending = 0;                             /* runs added into pend since its last flush */
         int64_t Pend_lo = C, Pend_hi = 0;            /* the channels they touched */
-        const int dx_Stream = Dg_stream_on(Total, (int64_t)sizeof(double));
+const int dx_Stream = Dg_stream_on(Total, (int64_t)sizeof(double));
         const int64_t dx_Cap = Dg_tile_len(S == 1 ? M : S, (int64_t)sizeof(double));
         double *dx_Tile = (double *)Dg_tile(dx_Stream, dx_Cap, (int64_t)sizeof(double));   /* NULL: dx in place */
         int64_t dx_At = 0, dx_Fill = 0;           /* the tile holds dx[at, at + fill) */
@@ -4938,7 +4938,7 @@ int batchnorm_train_forward_bf16(
 
     DG_PRAGMA(omp parallel num_threads(Nth))
     {
-        const int y_Stream = 0;   /* bfloat16 outputs are written in place */
+const int y_Stream = Dg_stream_on(Total, (int64_t)sizeof(dg_bf16));
         (void)y_Stream;
         int64_t Lo, Hi;
         Dg_share(N_groups, &Lo, &Hi);              /* this thread's groups (as schedule(static)) */
@@ -5198,7 +5198,7 @@ int batchnorm_train_backward_bf16(
         float *restrict Pend = Pend_all + (int64_t)Dg_thread_id() * Pend_stride;
         int Pending = 0;                             /* runs added into pend since its last flush */
         int64_t Pend_lo = C, Pend_hi = 0;            /* the channels they touched */
-        const int dx_Stream = 0;   /* bfloat16 outputs are written in place */
+const int dx_Stream = Dg_stream_on(Total, (int64_t)sizeof(dg_bf16));
         const int64_t dx_Cap = Dg_tile_len(S == 1 ? M : S, (int64_t)sizeof(dg_bf16));
         dg_bf16 *dx_Tile = (dg_bf16 *)Dg_tile(dx_Stream, dx_Cap, (int64_t)sizeof(dg_bf16));   /* NULL: dx in place */
         int64_t dx_At = 0, dx_Fill = 0;           /* the tile holds dx[at, at + fill) */
@@ -5514,7 +5514,7 @@ const int64_t C = G * Cg;
     (void)momentum;
 
 const int64_t Full = S - S % DG_LANES;          /* positions past it go to lane 0 */
-    const int Out_Stream = 0;
+    const int Out_Stream = Dg_stream_on(O * S * C, (int64_t)sizeof(dg_bf16));
     (void)Out_Stream;
     double *Gv_running_mean_G = (double *)calloc((size_t)(G) + 1, sizeof(double));
     double *Gv_running_var_G = (double *)calloc((size_t)(G) + 1, sizeof(double));
@@ -5753,7 +5753,7 @@ const int64_t C = G * Cg;
     (void)momentum;
 
 const int64_t Full = S - S % DG_LANES;          /* positions past it go to lane 0 */
-    const int Out_Stream = 0;
+    const int Out_Stream = Dg_stream_on(O * S * C, (int64_t)sizeof(dg_bf16));
     (void)Out_Stream;
     const int64_t P = 2;      /* parameters */
     (void)dy;
@@ -6084,7 +6084,7 @@ int batchnorm_eval_forward_f32(
 
     DG_PRAGMA(omp parallel num_threads(Nth))
     {
-        const int y_Stream = Dg_stream_on(Total, (int64_t)sizeof(float));
+const int y_Stream = Dg_stream_on(Total, (int64_t)sizeof(float));
         (void)y_Stream;
         int64_t Lo, Hi;
         Dg_share(N_groups, &Lo, &Hi);              /* this thread's groups (as schedule(static)) */
@@ -6284,7 +6284,7 @@ int batchnorm_eval_backward_f32(
         float *restrict Pend = Pend_all + (int64_t)Dg_thread_id() * Pend_stride;
         int Pending = 0;                             /* runs added into pend since its last flush */
         int64_t Pend_lo = C, Pend_hi = 0;            /* the channels they touched */
-        const int dx_Stream = Dg_stream_on(Total, (int64_t)sizeof(float));
+const int dx_Stream = Dg_stream_on(Total, (int64_t)sizeof(float));
         const int64_t dx_Cap = Dg_tile_len(S == 1 ? M : S, (int64_t)sizeof(float));
         float *dx_Tile = (float *)Dg_tile(dx_Stream, dx_Cap, (int64_t)sizeof(float));   /* NULL: dx in place */
         int64_t dx_At = 0, dx_Fill = 0;           /* the tile holds dx[at, at + fill) */
@@ -7157,7 +7157,7 @@ int batchnorm_eval_forward_f64(
 
     DG_PRAGMA(omp parallel num_threads(Nth))
     {
-        const int y_Stream = Dg_stream_on(Total, (int64_t)sizeof(double));
+const int y_Stream = Dg_stream_on(Total, (int64_t)sizeof(double));
         (void)y_Stream;
         int64_t Lo, Hi;
         Dg_share(N_groups, &Lo, &Hi);              /* this thread's groups (as schedule(static)) */
@@ -7353,7 +7353,7 @@ int batchnorm_eval_backward_f64(
         double *restrict Pend = Pend_all + (int64_t)Dg_thread_id() * Pend_stride;
         int Pending = 0;                             /* runs added into pend since its last flush */
         int64_t Pend_lo = C, Pend_hi = 0;            /* the channels they touched */
-        const int dx_Stream = Dg_stream_on(Total, (int64_t)sizeof(double));
+const int dx_Stream = Dg_stream_on(Total, (int64_t)sizeof(double));
         const int64_t dx_Cap = Dg_tile_len(S == 1 ? M : S, (int64_t)sizeof(double));
         double *dx_Tile = (double *)Dg_tile(dx_Stream, dx_Cap, (int64_t)sizeof(double));   /* NULL: dx in place */
         int64_t dx_At = 0, dx_Fill = 0;           /* the tile holds dx[at, at + fill) */
@@ -8184,7 +8184,7 @@ int batchnorm_eval_forward_bf16(
 
     DG_PRAGMA(omp parallel num_threads(Nth))
     {
-        const int y_Stream = 0;   /* bfloat16 outputs are written in place */
+const int y_Stream = Dg_stream_on(Total, (int64_t)sizeof(dg_bf16));
         (void)y_Stream;
         int64_t Lo, Hi;
         Dg_share(N_groups, &Lo, &Hi);              /* this thread's groups (as schedule(static)) */
@@ -8384,7 +8384,7 @@ int batchnorm_eval_backward_bf16(
         float *restrict Pend = Pend_all + (int64_t)Dg_thread_id() * Pend_stride;
         int Pending = 0;                             /* runs added into pend since its last flush */
         int64_t Pend_lo = C, Pend_hi = 0;            /* the channels they touched */
-        const int dx_Stream = 0;   /* bfloat16 outputs are written in place */
+const int dx_Stream = Dg_stream_on(Total, (int64_t)sizeof(dg_bf16));
         const int64_t dx_Cap = Dg_tile_len(S == 1 ? M : S, (int64_t)sizeof(dg_bf16));
         dg_bf16 *dx_Tile = (dg_bf16 *)Dg_tile(dx_Stream, dx_Cap, (int64_t)sizeof(dg_bf16));   /* NULL: dx in place */
         int64_t dx_At = 0, dx_Fill = 0;           /* the tile holds dx[at, at + fill) */
@@ -8608,7 +8608,7 @@ const int64_t C = G * Cg;
     (void)momentum;
 
 const int64_t Full = S - S % DG_LANES;          /* positions past it go to lane 0 */
-    const int Out_Stream = 0;
+    const int Out_Stream = Dg_stream_on(O * S * C, (int64_t)sizeof(dg_bf16));
     (void)Out_Stream;
     double *Gv_running_mean_G = (double *)calloc((size_t)(G) + 1, sizeof(double));
     double *Gv_running_var_G = (double *)calloc((size_t)(G) + 1, sizeof(double));
@@ -8752,7 +8752,7 @@ const int64_t C = G * Cg;
     (void)momentum;
 
 const int64_t Full = S - S % DG_LANES;          /* positions past it go to lane 0 */
-    const int Out_Stream = 0;
+    const int Out_Stream = Dg_stream_on(O * S * C, (int64_t)sizeof(dg_bf16));
     (void)Out_Stream;
     const int64_t P = 2;      /* parameters */
     (void)dy;

@@ -70,6 +70,8 @@ static inline dg_bf16 Dg_to_bf16(float f)
 #define DG_STREAM_D(p, Si) _mm512_stream_pd((p), _mm512_loadu_pd(Si))
 #define DG_COPY_F(p, Si) _mm512_storeu_ps((p), _mm512_loadu_ps(Si))
 #define DG_COPY_D(p, Si) _mm512_storeu_pd((p), _mm512_loadu_pd(Si))
+#define DG_STREAM_I(p, Si) _mm512_stream_si512((void *)(p), _mm512_loadu_si512((const void *)(Si)))
+#define DG_COPY_I(p, Si) _mm512_storeu_si512((void *)(p), _mm512_loadu_si512((const void *)(Si)))
 #elif defined(__AVX__)
 #include <immintrin.h>
 #define DG_VEC_BYTES 32
@@ -77,6 +79,8 @@ static inline dg_bf16 Dg_to_bf16(float f)
 #define DG_STREAM_D(p, Si) _mm256_stream_pd((p), _mm256_loadu_pd(Si))
 #define DG_COPY_F(p, Si) _mm256_storeu_ps((p), _mm256_loadu_ps(Si))
 #define DG_COPY_D(p, Si) _mm256_storeu_pd((p), _mm256_loadu_pd(Si))
+#define DG_STREAM_I(p, Si) _mm256_stream_si256((__m256i *)(void *)(p), _mm256_loadu_si256((const __m256i *)(const void *)(Si)))
+#define DG_COPY_I(p, Si) _mm256_storeu_si256((__m256i *)(void *)(p), _mm256_loadu_si256((const __m256i *)(const void *)(Si)))
 #elif defined(__SSE2__)
 #include <immintrin.h>
 #define DG_VEC_BYTES 16
@@ -84,6 +88,8 @@ static inline dg_bf16 Dg_to_bf16(float f)
 #define DG_STREAM_D(p, Si) _mm_stream_pd((p), _mm_loadu_pd(Si))
 #define DG_COPY_F(p, Si) _mm_storeu_ps((p), _mm_loadu_ps(Si))
 #define DG_COPY_D(p, Si) _mm_storeu_pd((p), _mm_loadu_pd(Si))
+#define DG_STREAM_I(p, Si) _mm_stream_si128((__m128i *)(void *)(p), _mm_loadu_si128((const __m128i *)(const void *)(Si)))
+#define DG_COPY_I(p, Si) _mm_storeu_si128((__m128i *)(void *)(p), _mm_loadu_si128((const __m128i *)(const void *)(Si)))
 #endif
 #ifdef DG_VEC_BYTES
 #define DG_HAVE_STREAM 1
@@ -371,15 +377,17 @@ static inline int64_t Dg_head(const void *p, int64_t size, int64_t n)
 static inline void Dg_put_float(float *restrict dst, const float *restrict Th, int stream)
 {
 #if DG_HAVE_STREAM
-    if (stream) {
-        for (int J = 0; J < DG_LANES; J += DG_VEC_BYTES / (int)sizeof(float)) DG_STREAM_F(dst + J, Th + J);
+    if (DG_LANES * (int)sizeof(float) % DG_VEC_BYTES == 0) {     /* whole vectors */
+        if (stream) {
+            for (int J = 0; J < DG_LANES; J += DG_VEC_BYTES / (int)sizeof(float)) DG_STREAM_F(dst + J, Th + J);
+            return;
+        }
+        for (int J = 0; J < DG_LANES; J += DG_VEC_BYTES / (int)sizeof(float)) DG_COPY_F(dst + J, Th + J);
         return;
     }
-    for (int J = 0; J < DG_LANES; J += DG_VEC_BYTES / (int)sizeof(float)) DG_COPY_F(dst + J, Th + J);
-#else
+#endif
     (void)stream;
     for (int J = 0; J < DG_LANES; ++J) dst[J] = Th[J];
-#endif
 }
 
 /* dst[0:n] = src[0:n], with non-temporal stores from the first vector-aligned element */
@@ -414,15 +422,17 @@ static inline void Dg_flush_float(double *restrict Acc, float *restrict Pend, in
 static inline void Dg_put_double(double *restrict dst, const double *restrict Th, int stream)
 {
 #if DG_HAVE_STREAM
-    if (stream) {
-        for (int J = 0; J < DG_LANES; J += DG_VEC_BYTES / (int)sizeof(double)) DG_STREAM_D(dst + J, Th + J);
+    if (DG_LANES * (int)sizeof(double) % DG_VEC_BYTES == 0) {     /* whole vectors */
+        if (stream) {
+            for (int J = 0; J < DG_LANES; J += DG_VEC_BYTES / (int)sizeof(double)) DG_STREAM_D(dst + J, Th + J);
+            return;
+        }
+        for (int J = 0; J < DG_LANES; J += DG_VEC_BYTES / (int)sizeof(double)) DG_COPY_D(dst + J, Th + J);
         return;
     }
-    for (int J = 0; J < DG_LANES; J += DG_VEC_BYTES / (int)sizeof(double)) DG_COPY_D(dst + J, Th + J);
-#else
+#endif
     (void)stream;
     for (int J = 0; J < DG_LANES; ++J) dst[J] = Th[J];
-#endif
 }
 
 /* dst[0:n] = src[0:n], with non-temporal stores from the first vector-aligned element */
@@ -449,16 +459,33 @@ static inline void Dg_flush_double(double *restrict Acc, double *restrict Pend, 
     }
 }
 
-/* bfloat16 outputs are written in place, never streamed (see the kernels' tile setup) */
+/* the same for bfloat16 (DG_LANES of them: 64 bytes, one line, for 32 lanes), moved as
+ * integer vectors */
 static inline void Dg_put_dg_bf16(dg_bf16 *restrict dst, const dg_bf16 *restrict Th, int stream)
 {
+#if DG_HAVE_STREAM
+    if (DG_LANES * (int)sizeof(dg_bf16) % DG_VEC_BYTES == 0) {     /* whole vectors */
+        if (stream) {
+            for (int J = 0; J < DG_LANES; J += DG_VEC_BYTES / (int)sizeof(dg_bf16)) DG_STREAM_I(dst + J, Th + J);
+            return;
+        }
+        for (int J = 0; J < DG_LANES; J += DG_VEC_BYTES / (int)sizeof(dg_bf16)) DG_COPY_I(dst + J, Th + J);
+        return;
+    }
+#endif
     (void)stream;
     for (int J = 0; J < DG_LANES; ++J) dst[J] = Th[J];
 }
 
 static inline void Dg_stream_dg_bf16(dg_bf16 *restrict dst, const dg_bf16 *restrict src, int64_t n)
 {
-    for (int64_t i = 0; i < n; ++i) dst[i] = src[i];
+    int64_t i = 0;
+#if DG_HAVE_STREAM
+    const int64_t w = DG_VEC_BYTES / (int64_t)sizeof(dg_bf16);
+    for (; i < n && ((uintptr_t)(dst + i) & (DG_VEC_BYTES - 1)) != 0; ++i) dst[i] = src[i];
+    for (; i + w <= n; i += w) DG_STREAM_I(dst + i, src + i);
+#endif
+    for (; i < n; ++i) dst[i] = src[i];
 }
 
 /* order the streaming stores before the results are used */
