@@ -95,6 +95,7 @@ class CLoop:
     prefetch: tuple[str, ...]  # full-size arrays read ahead (first sweep only)
     reads: frozenset[str]  # the names the element code (all but param_pend) reads
     pend_reads: frozenset[str] = frozenset()  # the names param_pend reads
+    other_reads: frozenset[str] = frozenset()  # the names the element code reads but for param_sums
     calls_windows: bool = False  # the element code calls a window function
 
     # Runs whose iterations carry no lane sums may start their lane blocks anywhere, so a
@@ -155,14 +156,17 @@ class NhwcSweep:
     inner_prelude: tuple[tuple[str, str], ...]  # (type, name) of prelude values the element code reads
 
 
-def nhwc_sweep(lp: CLoop, group_names: list[str]) -> NhwcSweep:
-    """What a sweep reads of the group values ``group_names`` defined before it."""
+def nhwc_sweep(lp: CLoop, group_names: list[str], float_lanes: bool = False) -> NhwcSweep:
+    """What a sweep reads of the group values ``group_names`` defined before it; with
+    ``float_lanes`` (float and bfloat16 kernels) its parameter terms are added in float
+    lanes, in element arithmetic, so what those read counts too."""
     pnames = {d.name for d in lp.prelude}
     prelude_reads = frozenset().union(*(d.reads for d in lp.prelude))
+    reads = lp.other_reads | lp.pend_reads if float_lanes and lp.param_sums else lp.reads
     return NhwcSweep(
         prelude_inputs=tuple(n for n in group_names if n not in pnames and n in prelude_reads),
-        inner_group=tuple(n for n in group_names if n not in pnames and n in lp.reads),
-        inner_prelude=tuple((d.ctype, d.name) for d in lp.prelude if d.name in lp.reads),
+        inner_group=tuple(n for n in group_names if n not in pnames and n in reads),
+        inner_prelude=tuple((d.ctype, d.name) for d in lp.prelude if d.name in reads),
     )
 
 
@@ -567,9 +571,9 @@ class CPlanner:
         if arith != "double":
             dnames.update({k: f"((double){v})" for k, v in dnames.items() if k in elem})
 
-        def summand(e: sympy.Expr) -> str:
+        def summand(e: sympy.Expr, into: set[str] = body_reads) -> str:
             text, reads = self.printer.c_reads(e, "double", dnames, windows)
-            body_reads.update(reads)
+            into.update(reads)
             return text
 
         param_loads = [
@@ -580,9 +584,12 @@ class CPlanner:
         all_sums = list(group_sums) + [(f"Psum_{k}", e) for k, e in scal_sums]
         stored = tuple((o, c_store(element(e, body_reads), ctype)) for o, e in stores)
         sums = tuple((a, summand(e)) for a, e in all_sums)
-        chan_summands = tuple((k, summand(e)) for k, e in chan_sums)
+        psum_reads: set[str] = set()
+        chan_summands = tuple((k, summand(e, psum_reads)) for k, e in chan_sums)
         pend = tuple((k, element(e, pend_reads)) for k, e in chan_sums)
         body_reads |= window_reads
+        other_reads = frozenset(body_reads)  # what the element code reads besides the parameter sums
+        body_reads |= psum_reads
         return CLoop(
             uses_params=bool(param_loads) or bool(chan_sums) or bool(called),
             prelude=_live(prelude, frozenset(body_reads | pend_reads)),
@@ -597,12 +604,13 @@ class CPlanner:
             prefetch=tuple(a for a in ("x", "dy") if a in names) if first else (),
             reads=frozenset(body_reads),
             pend_reads=frozenset(pend_reads),
+            other_reads=other_reads,
             calls_windows=bool(called),
         )
 
     def _sweep(self, lp: CLoop, accs, names: list[str]) -> Sweep:
         """A sweep with its accumulators, given the group values defined before it."""
-        return Sweep(loop=lp, accs=tuple(accs), nhwc=nhwc_sweep(lp, names))
+        return Sweep(loop=lp, accs=tuple(accs), nhwc=nhwc_sweep(lp, names, self.atype == "float"))
 
     def _group_value(self, name: str, e: sympy.Expr, comment: str, names: list[str]) -> GroupValue:
         """``name = e`` per group, given the group values defined before it."""

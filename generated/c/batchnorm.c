@@ -587,32 +587,47 @@ const int dx_Stream = Dg_stream_on(Total, (int64_t)sizeof(float));
                             {
                                 float *restrict dx_R = dx_Tile != NULL ? dx_Tile + dx_Fill : dx + Off + Ci * S;
                                 int64_t Si = 0;
-                                for (; Si + DG_LANES <= S; Si += DG_LANES) {
-                                    DG_INDEPENDENT
+                                while (Si + DG_LANES <= S) {     /* DG_PEND lane blocks at a time: float lanes, then into double */
+                                    const int64_t Stop = S - Si >= (int64_t)DG_PEND * DG_LANES ? Si + (int64_t)DG_PEND * DG_LANES : S - S % DG_LANES;
+                                    float Lane_f0[DG_LANES] = {0};
+                                    float Lane_f1[DG_LANES] = {0};
+                                    for (; Si < Stop; Si += DG_LANES) {
+                                        DG_INDEPENDENT
+                                        for (int J = 0; J < DG_LANES; ++J) {
+                                            const int64_t Idx = Off + Ci * S + Si + J;
+                                            (void)Idx;
+                                            const float Xv = x[Idx];
+                                            const float Dyv = dy[Idx];
+                                            const float xhat = rstd_F*((Xv + H0_hi + H0_lo));
+                                            const float g = Dyv*gamma_V;
+                                            dx_R[Idx - (Off + Ci * S)] = (float)(rstd_F*((g - Mean_g_xhat_F*xhat + H1_hi + H1_lo)));
+                                            Lane_f0[J] += Dyv*xhat;
+                                            Lane_f1[J] += Dyv;
+                                        }
+                                    }
                                     for (int J = 0; J < DG_LANES; ++J) {
-                                        const int64_t Idx = Off + Ci * S + Si + J;
+                                        Lane_p0[J] += (double)Lane_f0[J];
+                                        Lane_p1[J] += (double)Lane_f1[J];
+                                    }
+                                }
+                                if (Si < S) {        /* the rest, in lane 0 */
+                                    float Lane_f0[1] = {0};
+                                    float Lane_f1[1] = {0};
+                                    for (; Si < S; ++Si) {
+                                        const int J = 0;                /* outside the lane blocks: lane 0 */
+                                        (void)J;
+                                        const int64_t Idx = Off + Ci * S + Si;
                                         (void)Idx;
                                         const float Xv = x[Idx];
                                         const float Dyv = dy[Idx];
                                         const float xhat = rstd_F*((Xv + H0_hi + H0_lo));
                                         const float g = Dyv*gamma_V;
                                         dx_R[Idx - (Off + Ci * S)] = (float)(rstd_F*((g - Mean_g_xhat_F*xhat + H1_hi + H1_lo)));
-                                        Lane_p0[J] += ((double)Dyv)*((double)xhat);
-                                        Lane_p1[J] += ((double)Dyv);
+                                        Lane_f0[J] += Dyv*xhat;
+                                        Lane_f1[J] += Dyv;
                                     }
-                                }
-                                for (; Si < S; ++Si) {
-                                    const int J = 0;                /* outside the lane blocks: lane 0 */
-                                    (void)J;
-                                    const int64_t Idx = Off + Ci * S + Si;
-                                    (void)Idx;
-                                    const float Xv = x[Idx];
-                                    const float Dyv = dy[Idx];
-                                    const float xhat = rstd_F*((Xv + H0_hi + H0_lo));
-                                    const float g = Dyv*gamma_V;
-                                    dx_R[Idx - (Off + Ci * S)] = (float)(rstd_F*((g - Mean_g_xhat_F*xhat + H1_hi + H1_lo)));
-                                    Lane_p0[J] += ((double)Dyv)*((double)xhat);
-                                    Lane_p1[J] += ((double)Dyv);
+                                    Lane_p0[0] += (double)Lane_f0[0];
+                                    Lane_p1[0] += (double)Lane_f1[0];
                                 }
                             }
                             if (dx_Tile != NULL)
@@ -1904,32 +1919,47 @@ const int dx_Stream = Dg_stream_on(Total, (int64_t)sizeof(float));
                             {
                                 float *restrict dx_R = dx_Tile != NULL ? dx_Tile + dx_Fill : dx + Off + Ci * S;
                                 int64_t Si = 0;
-                                for (; Si + DG_LANES <= S; Si += DG_LANES) {
-                                    DG_INDEPENDENT
+                                while (Si + DG_LANES <= S) {     /* DG_PEND lane blocks at a time: float lanes, then into double */
+                                    const int64_t Stop = S - Si >= (int64_t)DG_PEND * DG_LANES ? Si + (int64_t)DG_PEND * DG_LANES : S - S % DG_LANES;
+                                    float Lane_f0[DG_LANES] = {0};
+                                    float Lane_f1[DG_LANES] = {0};
+                                    for (; Si < Stop; Si += DG_LANES) {
+                                        DG_INDEPENDENT
+                                        for (int J = 0; J < DG_LANES; ++J) {
+                                            const int64_t Idx = Off + Ci * S + Si + J;
+                                            (void)Idx;
+                                            const float Xv = x[Idx];
+                                            const float Dyv = dy[Idx];
+                                            const float xhat = rstd_F*((Xv + H0_hi + H0_lo));
+                                            const float g = Dyv*gamma_V;
+                                            dx_R[Idx - (Off + Ci * S)] = (float)(rstd_F*((g - Mean_g_xhat_F*xhat + H1_hi + H1_lo)));
+                                            Lane_f0[J] += Dyv*xhat;
+                                            Lane_f1[J] += Dyv;
+                                        }
+                                    }
                                     for (int J = 0; J < DG_LANES; ++J) {
-                                        const int64_t Idx = Off + Ci * S + Si + J;
+                                        Lane_p0[J] += (double)Lane_f0[J];
+                                        Lane_p1[J] += (double)Lane_f1[J];
+                                    }
+                                }
+                                if (Si < S) {        /* the rest, in lane 0 */
+                                    float Lane_f0[1] = {0};
+                                    float Lane_f1[1] = {0};
+                                    for (; Si < S; ++Si) {
+                                        const int J = 0;                /* outside the lane blocks: lane 0 */
+                                        (void)J;
+                                        const int64_t Idx = Off + Ci * S + Si;
                                         (void)Idx;
                                         const float Xv = x[Idx];
                                         const float Dyv = dy[Idx];
                                         const float xhat = rstd_F*((Xv + H0_hi + H0_lo));
                                         const float g = Dyv*gamma_V;
                                         dx_R[Idx - (Off + Ci * S)] = (float)(rstd_F*((g - Mean_g_xhat_F*xhat + H1_hi + H1_lo)));
-                                        Lane_p0[J] += ((double)Dyv)*((double)xhat);
-                                        Lane_p1[J] += ((double)Dyv);
+                                        Lane_f0[J] += Dyv*xhat;
+                                        Lane_f1[J] += Dyv;
                                     }
-                                }
-                                for (; Si < S; ++Si) {
-                                    const int J = 0;                /* outside the lane blocks: lane 0 */
-                                    (void)J;
-                                    const int64_t Idx = Off + Ci * S + Si;
-                                    (void)Idx;
-                                    const float Xv = x[Idx];
-                                    const float Dyv = dy[Idx];
-                                    const float xhat = rstd_F*((Xv + H0_hi + H0_lo));
-                                    const float g = Dyv*gamma_V;
-                                    dx_R[Idx - (Off + Ci * S)] = (float)(rstd_F*((g - Mean_g_xhat_F*xhat + H1_hi + H1_lo)));
-                                    Lane_p0[J] += ((double)Dyv)*((double)xhat);
-                                    Lane_p1[J] += ((double)Dyv);
+                                    Lane_p0[0] += (double)Lane_f0[0];
+                                    Lane_p1[0] += (double)Lane_f1[0];
                                 }
                             }
                             if (dx_Tile != NULL)
@@ -2438,6 +2468,10 @@ const int64_t Full = S - S % DG_LANES;          /* positions past it go to lane 
                     memset(Lane_p0, 0, (size_t)(DG_LANES * W) * sizeof(double));
                     double Lane_p1[DG_LANES * DG_NHWC_GROUPS];
                     memset(Lane_p1, 0, (size_t)(DG_LANES * W) * sizeof(double));
+                    float Lane_f0[DG_LANES * DG_NHWC_GROUPS];
+                    memset(Lane_f0, 0, (size_t)(DG_LANES * W) * sizeof(float));
+                    float Lane_f1[DG_LANES * DG_NHWC_GROUPS];
+                    memset(Lane_f1, 0, (size_t)(DG_LANES * W) * sizeof(float));
                     for (int64_t Si = 0; Si < S; ++Si) {
                         const int J = Si < Full ? (int)(Si % DG_LANES) : 0;   /* the rest: lane 0 */
                         const int64_t Row = (Ob * S + Si) * C;
@@ -2460,14 +2494,28 @@ const int64_t Full = S - S % DG_LANES;          /* positions past it go to lane 
                             const float xhat = rstd_F*((Xv + H0_hi + H0_lo));
                             const float g = Dyv*gamma_V;
                             St_dx[Gi] = (float)(rstd_F*((g - Mean_g_xhat_F*xhat + H1_hi + H1_lo)));
-                            Lane_p0[J * W + Gi] += ((double)Dyv)*((double)xhat);
-                            Lane_p1[J * W + Gi] += ((double)Dyv);
+                            Lane_f0[J * W + Gi] += Dyv*xhat;
+                            Lane_f1[J * W + Gi] += Dyv;
                         }
                         if (Out_Stream)
                             Dg_stream_float(dx + Row + Gb, St_dx, W);
                         else
                             memcpy(dx + Row + Gb, St_dx, (size_t)W * sizeof(float));
 
+                        if (Si + 1 <= Full && ((Si + 1) % (DG_LANES * DG_PEND) == 0 || Si + 1 == Full)) {
+                            for (int64_t Q = 0; Q < DG_LANES * W; ++Q) {
+                                Lane_p0[Q] += (double)Lane_f0[Q];
+                                Lane_f0[Q] = 0;
+                                Lane_p1[Q] += (double)Lane_f1[Q];
+                                Lane_f1[Q] = 0;
+                            }
+                        }
+                    }
+                    if (S % DG_LANES != 0) {    /* the rest, in lane 0 */
+                        for (int64_t Gi = 0; Gi < W; ++Gi) {
+                            Lane_p0[Gi] += (double)Lane_f0[Gi];
+                            Lane_p1[Gi] += (double)Lane_f1[Gi];
+                        }
                     }
                     for (int64_t Gi = 0; Gi < W; ++Gi) {
                         double Col[DG_LANES];
@@ -5419,32 +5467,47 @@ const int dx_Stream = Dg_stream_on(Total, (int64_t)sizeof(dg_bf16));
                             {
                                 dg_bf16 *restrict dx_R = dx_Tile != NULL ? dx_Tile + dx_Fill : dx + Off + Ci * S;
                                 int64_t Si = 0;
-                                for (; Si + DG_LANES <= S; Si += DG_LANES) {
-                                    DG_INDEPENDENT
+                                while (Si + DG_LANES <= S) {     /* DG_PEND lane blocks at a time: float lanes, then into double */
+                                    const int64_t Stop = S - Si >= (int64_t)DG_PEND * DG_LANES ? Si + (int64_t)DG_PEND * DG_LANES : S - S % DG_LANES;
+                                    float Lane_f0[DG_LANES] = {0};
+                                    float Lane_f1[DG_LANES] = {0};
+                                    for (; Si < Stop; Si += DG_LANES) {
+                                        DG_INDEPENDENT
+                                        for (int J = 0; J < DG_LANES; ++J) {
+                                            const int64_t Idx = Off + Ci * S + Si + J;
+                                            (void)Idx;
+                                            const float Xv = Dg_from_bf16(x[Idx]);
+                                            const float Dyv = Dg_from_bf16(dy[Idx]);
+                                            const float xhat = rstd_F*((Xv + H0_hi + H0_lo));
+                                            const float g = Dyv*gamma_V;
+                                            dx_R[Idx - (Off + Ci * S)] = Dg_to_bf16((float)(rstd_F*((g - Mean_g_xhat_F*xhat + H1_hi + H1_lo))));
+                                            Lane_f0[J] += Dyv*xhat;
+                                            Lane_f1[J] += Dyv;
+                                        }
+                                    }
                                     for (int J = 0; J < DG_LANES; ++J) {
-                                        const int64_t Idx = Off + Ci * S + Si + J;
+                                        Lane_p0[J] += (double)Lane_f0[J];
+                                        Lane_p1[J] += (double)Lane_f1[J];
+                                    }
+                                }
+                                if (Si < S) {        /* the rest, in lane 0 */
+                                    float Lane_f0[1] = {0};
+                                    float Lane_f1[1] = {0};
+                                    for (; Si < S; ++Si) {
+                                        const int J = 0;                /* outside the lane blocks: lane 0 */
+                                        (void)J;
+                                        const int64_t Idx = Off + Ci * S + Si;
                                         (void)Idx;
                                         const float Xv = Dg_from_bf16(x[Idx]);
                                         const float Dyv = Dg_from_bf16(dy[Idx]);
                                         const float xhat = rstd_F*((Xv + H0_hi + H0_lo));
                                         const float g = Dyv*gamma_V;
                                         dx_R[Idx - (Off + Ci * S)] = Dg_to_bf16((float)(rstd_F*((g - Mean_g_xhat_F*xhat + H1_hi + H1_lo))));
-                                        Lane_p0[J] += ((double)Dyv)*((double)xhat);
-                                        Lane_p1[J] += ((double)Dyv);
+                                        Lane_f0[J] += Dyv*xhat;
+                                        Lane_f1[J] += Dyv;
                                     }
-                                }
-                                for (; Si < S; ++Si) {
-                                    const int J = 0;                /* outside the lane blocks: lane 0 */
-                                    (void)J;
-                                    const int64_t Idx = Off + Ci * S + Si;
-                                    (void)Idx;
-                                    const float Xv = Dg_from_bf16(x[Idx]);
-                                    const float Dyv = Dg_from_bf16(dy[Idx]);
-                                    const float xhat = rstd_F*((Xv + H0_hi + H0_lo));
-                                    const float g = Dyv*gamma_V;
-                                    dx_R[Idx - (Off + Ci * S)] = Dg_to_bf16((float)(rstd_F*((g - Mean_g_xhat_F*xhat + H1_hi + H1_lo))));
-                                    Lane_p0[J] += ((double)Dyv)*((double)xhat);
-                                    Lane_p1[J] += ((double)Dyv);
+                                    Lane_p0[0] += (double)Lane_f0[0];
+                                    Lane_p1[0] += (double)Lane_f1[0];
                                 }
                             }
                             if (dx_Tile != NULL)
@@ -5953,6 +6016,10 @@ const int64_t Full = S - S % DG_LANES;          /* positions past it go to lane 
                     memset(Lane_p0, 0, (size_t)(DG_LANES * W) * sizeof(double));
                     double Lane_p1[DG_LANES * DG_NHWC_GROUPS];
                     memset(Lane_p1, 0, (size_t)(DG_LANES * W) * sizeof(double));
+                    float Lane_f0[DG_LANES * DG_NHWC_GROUPS];
+                    memset(Lane_f0, 0, (size_t)(DG_LANES * W) * sizeof(float));
+                    float Lane_f1[DG_LANES * DG_NHWC_GROUPS];
+                    memset(Lane_f1, 0, (size_t)(DG_LANES * W) * sizeof(float));
                     for (int64_t Si = 0; Si < S; ++Si) {
                         const int J = Si < Full ? (int)(Si % DG_LANES) : 0;   /* the rest: lane 0 */
                         const int64_t Row = (Ob * S + Si) * C;
@@ -5975,14 +6042,28 @@ const int64_t Full = S - S % DG_LANES;          /* positions past it go to lane 
                             const float xhat = rstd_F*((Xv + H0_hi + H0_lo));
                             const float g = Dyv*gamma_V;
                             St_dx[Gi] = Dg_to_bf16((float)(rstd_F*((g - Mean_g_xhat_F*xhat + H1_hi + H1_lo))));
-                            Lane_p0[J * W + Gi] += ((double)Dyv)*((double)xhat);
-                            Lane_p1[J * W + Gi] += ((double)Dyv);
+                            Lane_f0[J * W + Gi] += Dyv*xhat;
+                            Lane_f1[J * W + Gi] += Dyv;
                         }
                         if (Out_Stream)
                             Dg_stream_dg_bf16(dx + Row + Gb, St_dx, W);
                         else
                             memcpy(dx + Row + Gb, St_dx, (size_t)W * sizeof(dg_bf16));
 
+                        if (Si + 1 <= Full && ((Si + 1) % (DG_LANES * DG_PEND) == 0 || Si + 1 == Full)) {
+                            for (int64_t Q = 0; Q < DG_LANES * W; ++Q) {
+                                Lane_p0[Q] += (double)Lane_f0[Q];
+                                Lane_f0[Q] = 0;
+                                Lane_p1[Q] += (double)Lane_f1[Q];
+                                Lane_f1[Q] = 0;
+                            }
+                        }
+                    }
+                    if (S % DG_LANES != 0) {    /* the rest, in lane 0 */
+                        for (int64_t Gi = 0; Gi < W; ++Gi) {
+                            Lane_p0[Gi] += (double)Lane_f0[Gi];
+                            Lane_p1[Gi] += (double)Lane_f1[Gi];
+                        }
                     }
                     for (int64_t Gi = 0; Gi < W; ++Gi) {
                         double Col[DG_LANES];
@@ -6405,40 +6486,55 @@ const int dx_Stream = Dg_stream_on(Total, (int64_t)sizeof(float));
                             {
                                 float *restrict dx_R = dx_Tile != NULL ? dx_Tile + dx_Fill : dx + Off + Ci * S;
                                 int64_t Si = 0;
-                                for (; Si + DG_LANES <= S; Si += DG_LANES) {
-                                    for (int Q = 0; Q < DG_LANES; Q += 64 / (int)sizeof(*x)) {  /* read ahead, a line at a time */
-                                        const int64_t Pf = Dg_ahead(Off, Ci * S + Si + Q, M, Nxt, Total, Ahead);
-                                        if (Pf >= 0) DG_PREFETCH(x + Pf);
+                                while (Si + DG_LANES <= S) {     /* DG_PEND lane blocks at a time: float lanes, then into double */
+                                    const int64_t Stop = S - Si >= (int64_t)DG_PEND * DG_LANES ? Si + (int64_t)DG_PEND * DG_LANES : S - S % DG_LANES;
+                                    float Lane_f0[DG_LANES] = {0};
+                                    float Lane_f1[DG_LANES] = {0};
+                                    for (; Si < Stop; Si += DG_LANES) {
+                                        for (int Q = 0; Q < DG_LANES; Q += 64 / (int)sizeof(*x)) {  /* read ahead, a line at a time */
+                                            const int64_t Pf = Dg_ahead(Off, Ci * S + Si + Q, M, Nxt, Total, Ahead);
+                                            if (Pf >= 0) DG_PREFETCH(x + Pf);
+                                        }
+                                        for (int Q = 0; Q < DG_LANES; Q += 64 / (int)sizeof(*dy)) {  /* read ahead, a line at a time */
+                                            const int64_t Pf = Dg_ahead(Off, Ci * S + Si + Q, M, Nxt, Total, Ahead);
+                                            if (Pf >= 0) DG_PREFETCH(dy + Pf);
+                                        }
+                                        DG_INDEPENDENT
+                                        for (int J = 0; J < DG_LANES; ++J) {
+                                            const int64_t Idx = Off + Ci * S + Si + J;
+                                            (void)Idx;
+                                            const float Xv = x[Idx];
+                                            const float Dyv = dy[Idx];
+                                            const float xhat = rstd_F*((Xv + H0_hi + H0_lo));
+                                            const float g = Dyv*gamma_V;
+                                            dx_R[Idx - (Off + Ci * S)] = (float)(g*rstd_F);
+                                            Lane_f0[J] += Dyv*xhat;
+                                            Lane_f1[J] += Dyv;
+                                        }
                                     }
-                                    for (int Q = 0; Q < DG_LANES; Q += 64 / (int)sizeof(*dy)) {  /* read ahead, a line at a time */
-                                        const int64_t Pf = Dg_ahead(Off, Ci * S + Si + Q, M, Nxt, Total, Ahead);
-                                        if (Pf >= 0) DG_PREFETCH(dy + Pf);
-                                    }
-                                    DG_INDEPENDENT
                                     for (int J = 0; J < DG_LANES; ++J) {
-                                        const int64_t Idx = Off + Ci * S + Si + J;
+                                        Lane_p0[J] += (double)Lane_f0[J];
+                                        Lane_p1[J] += (double)Lane_f1[J];
+                                    }
+                                }
+                                if (Si < S) {        /* the rest, in lane 0 */
+                                    float Lane_f0[1] = {0};
+                                    float Lane_f1[1] = {0};
+                                    for (; Si < S; ++Si) {
+                                        const int J = 0;                /* outside the lane blocks: lane 0 */
+                                        (void)J;
+                                        const int64_t Idx = Off + Ci * S + Si;
                                         (void)Idx;
                                         const float Xv = x[Idx];
                                         const float Dyv = dy[Idx];
                                         const float xhat = rstd_F*((Xv + H0_hi + H0_lo));
                                         const float g = Dyv*gamma_V;
                                         dx_R[Idx - (Off + Ci * S)] = (float)(g*rstd_F);
-                                        Lane_p0[J] += ((double)Dyv)*((double)xhat);
-                                        Lane_p1[J] += ((double)Dyv);
+                                        Lane_f0[J] += Dyv*xhat;
+                                        Lane_f1[J] += Dyv;
                                     }
-                                }
-                                for (; Si < S; ++Si) {
-                                    const int J = 0;                /* outside the lane blocks: lane 0 */
-                                    (void)J;
-                                    const int64_t Idx = Off + Ci * S + Si;
-                                    (void)Idx;
-                                    const float Xv = x[Idx];
-                                    const float Dyv = dy[Idx];
-                                    const float xhat = rstd_F*((Xv + H0_hi + H0_lo));
-                                    const float g = Dyv*gamma_V;
-                                    dx_R[Idx - (Off + Ci * S)] = (float)(g*rstd_F);
-                                    Lane_p0[J] += ((double)Dyv)*((double)xhat);
-                                    Lane_p1[J] += ((double)Dyv);
+                                    Lane_p0[0] += (double)Lane_f0[0];
+                                    Lane_p1[0] += (double)Lane_f1[0];
                                 }
                             }
                             if (dx_Tile != NULL)
@@ -7041,6 +7137,10 @@ const int64_t Full = S - S % DG_LANES;          /* positions past it go to lane 
                     memset(Lane_p0, 0, (size_t)(DG_LANES * W) * sizeof(double));
                     double Lane_p1[DG_LANES * DG_NHWC_GROUPS];
                     memset(Lane_p1, 0, (size_t)(DG_LANES * W) * sizeof(double));
+                    float Lane_f0[DG_LANES * DG_NHWC_GROUPS];
+                    memset(Lane_f0, 0, (size_t)(DG_LANES * W) * sizeof(float));
+                    float Lane_f1[DG_LANES * DG_NHWC_GROUPS];
+                    memset(Lane_f1, 0, (size_t)(DG_LANES * W) * sizeof(float));
                     for (int64_t Si = 0; Si < S; ++Si) {
                         const int J = Si < Full ? (int)(Si % DG_LANES) : 0;   /* the rest: lane 0 */
                         const int64_t Row = (Ob * S + Si) * C;
@@ -7060,14 +7160,28 @@ const int64_t Full = S - S % DG_LANES;          /* positions past it go to lane 
                             const float xhat = rstd_F*((Xv + H0_hi + H0_lo));
                             const float g = Dyv*gamma_V;
                             St_dx[Gi] = (float)(g*rstd_F);
-                            Lane_p0[J * W + Gi] += ((double)Dyv)*((double)xhat);
-                            Lane_p1[J * W + Gi] += ((double)Dyv);
+                            Lane_f0[J * W + Gi] += Dyv*xhat;
+                            Lane_f1[J * W + Gi] += Dyv;
                         }
                         if (Out_Stream)
                             Dg_stream_float(dx + Row + Gb, St_dx, W);
                         else
                             memcpy(dx + Row + Gb, St_dx, (size_t)W * sizeof(float));
 
+                        if (Si + 1 <= Full && ((Si + 1) % (DG_LANES * DG_PEND) == 0 || Si + 1 == Full)) {
+                            for (int64_t Q = 0; Q < DG_LANES * W; ++Q) {
+                                Lane_p0[Q] += (double)Lane_f0[Q];
+                                Lane_f0[Q] = 0;
+                                Lane_p1[Q] += (double)Lane_f1[Q];
+                                Lane_f1[Q] = 0;
+                            }
+                        }
+                    }
+                    if (S % DG_LANES != 0) {    /* the rest, in lane 0 */
+                        for (int64_t Gi = 0; Gi < W; ++Gi) {
+                            Lane_p0[Gi] += (double)Lane_f0[Gi];
+                            Lane_p1[Gi] += (double)Lane_f1[Gi];
+                        }
                     }
                     for (int64_t Gi = 0; Gi < W; ++Gi) {
                         double Col[DG_LANES];
@@ -8505,40 +8619,55 @@ const int dx_Stream = Dg_stream_on(Total, (int64_t)sizeof(dg_bf16));
                             {
                                 dg_bf16 *restrict dx_R = dx_Tile != NULL ? dx_Tile + dx_Fill : dx + Off + Ci * S;
                                 int64_t Si = 0;
-                                for (; Si + DG_LANES <= S; Si += DG_LANES) {
-                                    for (int Q = 0; Q < DG_LANES; Q += 64 / (int)sizeof(*x)) {  /* read ahead, a line at a time */
-                                        const int64_t Pf = Dg_ahead(Off, Ci * S + Si + Q, M, Nxt, Total, Ahead);
-                                        if (Pf >= 0) DG_PREFETCH(x + Pf);
+                                while (Si + DG_LANES <= S) {     /* DG_PEND lane blocks at a time: float lanes, then into double */
+                                    const int64_t Stop = S - Si >= (int64_t)DG_PEND * DG_LANES ? Si + (int64_t)DG_PEND * DG_LANES : S - S % DG_LANES;
+                                    float Lane_f0[DG_LANES] = {0};
+                                    float Lane_f1[DG_LANES] = {0};
+                                    for (; Si < Stop; Si += DG_LANES) {
+                                        for (int Q = 0; Q < DG_LANES; Q += 64 / (int)sizeof(*x)) {  /* read ahead, a line at a time */
+                                            const int64_t Pf = Dg_ahead(Off, Ci * S + Si + Q, M, Nxt, Total, Ahead);
+                                            if (Pf >= 0) DG_PREFETCH(x + Pf);
+                                        }
+                                        for (int Q = 0; Q < DG_LANES; Q += 64 / (int)sizeof(*dy)) {  /* read ahead, a line at a time */
+                                            const int64_t Pf = Dg_ahead(Off, Ci * S + Si + Q, M, Nxt, Total, Ahead);
+                                            if (Pf >= 0) DG_PREFETCH(dy + Pf);
+                                        }
+                                        DG_INDEPENDENT
+                                        for (int J = 0; J < DG_LANES; ++J) {
+                                            const int64_t Idx = Off + Ci * S + Si + J;
+                                            (void)Idx;
+                                            const float Xv = Dg_from_bf16(x[Idx]);
+                                            const float Dyv = Dg_from_bf16(dy[Idx]);
+                                            const float xhat = rstd_F*((Xv + H0_hi + H0_lo));
+                                            const float g = Dyv*gamma_V;
+                                            dx_R[Idx - (Off + Ci * S)] = Dg_to_bf16((float)(g*rstd_F));
+                                            Lane_f0[J] += Dyv*xhat;
+                                            Lane_f1[J] += Dyv;
+                                        }
                                     }
-                                    for (int Q = 0; Q < DG_LANES; Q += 64 / (int)sizeof(*dy)) {  /* read ahead, a line at a time */
-                                        const int64_t Pf = Dg_ahead(Off, Ci * S + Si + Q, M, Nxt, Total, Ahead);
-                                        if (Pf >= 0) DG_PREFETCH(dy + Pf);
-                                    }
-                                    DG_INDEPENDENT
                                     for (int J = 0; J < DG_LANES; ++J) {
-                                        const int64_t Idx = Off + Ci * S + Si + J;
+                                        Lane_p0[J] += (double)Lane_f0[J];
+                                        Lane_p1[J] += (double)Lane_f1[J];
+                                    }
+                                }
+                                if (Si < S) {        /* the rest, in lane 0 */
+                                    float Lane_f0[1] = {0};
+                                    float Lane_f1[1] = {0};
+                                    for (; Si < S; ++Si) {
+                                        const int J = 0;                /* outside the lane blocks: lane 0 */
+                                        (void)J;
+                                        const int64_t Idx = Off + Ci * S + Si;
                                         (void)Idx;
                                         const float Xv = Dg_from_bf16(x[Idx]);
                                         const float Dyv = Dg_from_bf16(dy[Idx]);
                                         const float xhat = rstd_F*((Xv + H0_hi + H0_lo));
                                         const float g = Dyv*gamma_V;
                                         dx_R[Idx - (Off + Ci * S)] = Dg_to_bf16((float)(g*rstd_F));
-                                        Lane_p0[J] += ((double)Dyv)*((double)xhat);
-                                        Lane_p1[J] += ((double)Dyv);
+                                        Lane_f0[J] += Dyv*xhat;
+                                        Lane_f1[J] += Dyv;
                                     }
-                                }
-                                for (; Si < S; ++Si) {
-                                    const int J = 0;                /* outside the lane blocks: lane 0 */
-                                    (void)J;
-                                    const int64_t Idx = Off + Ci * S + Si;
-                                    (void)Idx;
-                                    const float Xv = Dg_from_bf16(x[Idx]);
-                                    const float Dyv = Dg_from_bf16(dy[Idx]);
-                                    const float xhat = rstd_F*((Xv + H0_hi + H0_lo));
-                                    const float g = Dyv*gamma_V;
-                                    dx_R[Idx - (Off + Ci * S)] = Dg_to_bf16((float)(g*rstd_F));
-                                    Lane_p0[J] += ((double)Dyv)*((double)xhat);
-                                    Lane_p1[J] += ((double)Dyv);
+                                    Lane_p0[0] += (double)Lane_f0[0];
+                                    Lane_p1[0] += (double)Lane_f1[0];
                                 }
                             }
                             if (dx_Tile != NULL)
@@ -8830,6 +8959,10 @@ const int64_t Full = S - S % DG_LANES;          /* positions past it go to lane 
                     memset(Lane_p0, 0, (size_t)(DG_LANES * W) * sizeof(double));
                     double Lane_p1[DG_LANES * DG_NHWC_GROUPS];
                     memset(Lane_p1, 0, (size_t)(DG_LANES * W) * sizeof(double));
+                    float Lane_f0[DG_LANES * DG_NHWC_GROUPS];
+                    memset(Lane_f0, 0, (size_t)(DG_LANES * W) * sizeof(float));
+                    float Lane_f1[DG_LANES * DG_NHWC_GROUPS];
+                    memset(Lane_f1, 0, (size_t)(DG_LANES * W) * sizeof(float));
                     for (int64_t Si = 0; Si < S; ++Si) {
                         const int J = Si < Full ? (int)(Si % DG_LANES) : 0;   /* the rest: lane 0 */
                         const int64_t Row = (Ob * S + Si) * C;
@@ -8849,14 +8982,28 @@ const int64_t Full = S - S % DG_LANES;          /* positions past it go to lane 
                             const float xhat = rstd_F*((Xv + H0_hi + H0_lo));
                             const float g = Dyv*gamma_V;
                             St_dx[Gi] = Dg_to_bf16((float)(g*rstd_F));
-                            Lane_p0[J * W + Gi] += ((double)Dyv)*((double)xhat);
-                            Lane_p1[J * W + Gi] += ((double)Dyv);
+                            Lane_f0[J * W + Gi] += Dyv*xhat;
+                            Lane_f1[J * W + Gi] += Dyv;
                         }
                         if (Out_Stream)
                             Dg_stream_dg_bf16(dx + Row + Gb, St_dx, W);
                         else
                             memcpy(dx + Row + Gb, St_dx, (size_t)W * sizeof(dg_bf16));
 
+                        if (Si + 1 <= Full && ((Si + 1) % (DG_LANES * DG_PEND) == 0 || Si + 1 == Full)) {
+                            for (int64_t Q = 0; Q < DG_LANES * W; ++Q) {
+                                Lane_p0[Q] += (double)Lane_f0[Q];
+                                Lane_f0[Q] = 0;
+                                Lane_p1[Q] += (double)Lane_f1[Q];
+                                Lane_f1[Q] = 0;
+                            }
+                        }
+                    }
+                    if (S % DG_LANES != 0) {    /* the rest, in lane 0 */
+                        for (int64_t Gi = 0; Gi < W; ++Gi) {
+                            Lane_p0[Gi] += (double)Lane_f0[Gi];
+                            Lane_p1[Gi] += (double)Lane_f1[Gi];
+                        }
                     }
                     for (int64_t Gi = 0; Gi < W; ++Gi) {
                         double Col[DG_LANES];

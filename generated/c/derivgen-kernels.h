@@ -12,8 +12,10 @@
  * reassociation, and per-group results (statistics, y, dx) are the same bits
  * for any thread count; parameter gradients add per-thread partials (float
  * partials of the float kernels flushed to double every DG_PEND runs, or, in a
- * trailing layout's backward, summed over DG_ROWS rows in registers), the
- * same bits for a given thread count. NaN and Inf propagate as IEEE arithmetic
+ * trailing layout's backward, summed over DG_ROWS rows in registers; in a
+ * channel layout's per-channel runs, float lanes of at most DG_PEND lane blocks
+ * added into the run's double lanes, in the same order in both memory formats),
+ * the same bits for a given thread count. NaN and Inf propagate as IEEE arithmetic
  * does.
  *
  * Memory traffic: the first sweep over a block prefetches DG_AHEAD_BYTES ahead,

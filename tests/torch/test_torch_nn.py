@@ -447,8 +447,9 @@ def test_channels_last_is_bit_for_bit_the_contiguous_result(name, make, dtype):
     """A channels_last input runs the channels-last kernels (in its own layout, no transposing
     copy) and gives a channels_last output with the contiguous input's bits: output, every
     gradient and the running buffers, at spatial sizes that are and are not multiples of the
-    kernels' 32 lanes."""
-    for shape in ((3, 6, 5, 4), (2, 6, 8, 8), (2, 6, 7, 9)) if "3d" not in name else ((2, 6, 3, 4, 5),):
+    kernels' 32 lanes, and past the DG_PEND lane blocks a float parameter lane holds (17x19:
+    ten blocks and a rest)."""
+    for shape in ((3, 6, 5, 4), (2, 6, 8, 8), (2, 6, 7, 9), (2, 6, 17, 19)) if "3d" not in name else ((2, 6, 3, 4, 5),):
         m = dt.convert(make()).to(dtype)
         _randomize(m, 11)
         m2 = copy.deepcopy(m)
