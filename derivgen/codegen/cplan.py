@@ -17,8 +17,8 @@ subexpressions ``Cse0``.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
 import dataclasses
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import ClassVar
 
