@@ -610,7 +610,10 @@ class CPlanner:
 
     def _sweep(self, lp: CLoop, accs, names: list[str]) -> Sweep:
         """A sweep with its accumulators, given the group values defined before it."""
-        return Sweep(loop=lp, accs=tuple(accs), nhwc=nhwc_sweep(lp, names, self.atype == "float"))
+        # the channels-last kernels of float types add parameter terms in float lanes; the
+        # position layout's kernels (which read these needs too) keep theirs in double
+        float_lanes = self.atype == "float" and self.spec.reduce != "position"
+        return Sweep(loop=lp, accs=tuple(accs), nhwc=nhwc_sweep(lp, names, float_lanes))
 
     def _group_value(self, name: str, e: sympy.Expr, comment: str, names: list[str]) -> GroupValue:
         """``name = e`` per group, given the group values defined before it."""
