@@ -66,11 +66,15 @@ for name, cases in CASES.items():
 
 # the extras library through derivgen.torch: bfloat16 rows (the lockstep backward, streamed
 # from registers as integer vectors) and channels-last batch norm (the NHWC kernels)
+import os
+
 try:
     import torch
 except ImportError:
     torch = None
-if torch is not None:
+if os.environ.get("STREAM_TORCH") == "1":
+    if torch is None:
+        raise SystemExit("STREAM_TORCH=1 needs torch")
     import derivgen.torch as dtorch
 
     TORCH_CASES = [
