@@ -97,6 +97,10 @@ class CLoop:
     pend_reads: frozenset[str] = frozenset()  # the names param_pend reads
     other_reads: frozenset[str] = frozenset()  # the names the element code reads but for param_sums
     calls_windows: bool = False  # the element code calls a window function
+    # the per-channel parameter sums of a float or bfloat16 kernel's channel runs (NCHW and
+    # channels-last) go into float lanes of DG_PEND lane blocks, in element arithmetic
+    # (param_pend), then into double lanes; the position layout's kernels keep them in double
+    float_lanes: bool = False
 
     # Runs whose iterations carry no lane sums may start their lane blocks anywhere, so a
     # long streaming run peels a scalar head up to a 64-byte boundary of its single output
@@ -156,17 +160,26 @@ class NhwcSweep:
     inner_prelude: tuple[tuple[str, str], ...]  # (type, name) of prelude values the element code reads
 
 
-def nhwc_sweep(lp: CLoop, group_names: list[str], float_lanes: bool = False) -> NhwcSweep:
-    """What a sweep reads of the group values ``group_names`` defined before it; with
-    ``float_lanes`` (float and bfloat16 kernels) its parameter terms are added in float
-    lanes, in element arithmetic, so what those read counts too."""
+def _read_values(lp: CLoop, group_names: list[str], reads: frozenset[str]) -> tuple[tuple, tuple]:
+    """The prelude declarations, as (C type, name), and the other group values of
+    ``group_names`` that code reading ``reads`` uses."""
+    pnames = {d.name for d in lp.prelude}
+    prelude = tuple((d.ctype, d.name) for d in lp.prelude if d.name in reads)
+    return prelude, tuple(n for n in group_names if n not in pnames and n in reads)
+
+
+def nhwc_sweep(lp: CLoop, group_names: list[str]) -> NhwcSweep:
+    """What a sweep reads of the group values ``group_names`` defined before it (with float
+    lanes, what its parameter terms read in element arithmetic instead of the double sums)."""
     pnames = {d.name for d in lp.prelude}
     prelude_reads = frozenset().union(*(d.reads for d in lp.prelude))
-    reads = lp.other_reads | lp.pend_reads if float_lanes and lp.param_sums else lp.reads
+    inner_prelude, inner_group = _read_values(
+        lp, group_names, lp.other_reads | lp.pend_reads if lp.float_lanes else lp.reads
+    )
     return NhwcSweep(
         prelude_inputs=tuple(n for n in group_names if n not in pnames and n in prelude_reads),
-        inner_group=tuple(n for n in group_names if n not in pnames and n in reads),
-        inner_prelude=tuple((d.ctype, d.name) for d in lp.prelude if d.name in reads),
+        inner_group=inner_group,
+        inner_prelude=inner_prelude,
     )
 
 
@@ -197,11 +210,8 @@ def row_sweep(lp: CLoop, group_names: list[str]) -> RowSweep | None:
     row's neighbours through its offset)."""
     if not lp.param_pend or not lp.direct_run or lp.scalar_param_sums or lp.calls_windows:
         return None
-    used = lp.reads | lp.pend_reads
-    pnames = {d.name for d in lp.prelude}
-    values = [(d.ctype, d.name) for d in lp.prelude if d.name in used]
-    values += [("double", n) for n in group_names if n in used and n not in pnames]
-    return RowSweep(values=tuple(values))
+    prelude, group = _read_values(lp, group_names, lp.reads | lp.pend_reads)
+    return RowSweep(values=prelude + tuple(("double", n) for n in group))
 
 
 # ---- a kernel's plan -------------------------------------------------------
@@ -606,14 +616,12 @@ class CPlanner:
             pend_reads=frozenset(pend_reads),
             other_reads=other_reads,
             calls_windows=bool(called),
+            float_lanes=arith == "float" and bool(chan_sums) and self.spec.reduce != "position",
         )
 
     def _sweep(self, lp: CLoop, accs, names: list[str]) -> Sweep:
         """A sweep with its accumulators, given the group values defined before it."""
-        # the channels-last kernels of float types add parameter terms in float lanes; the
-        # position layout's kernels (which read these needs too) keep theirs in double
-        float_lanes = self.atype == "float" and self.spec.reduce != "position"
-        return Sweep(loop=lp, accs=tuple(accs), nhwc=nhwc_sweep(lp, names, float_lanes))
+        return Sweep(loop=lp, accs=tuple(accs), nhwc=nhwc_sweep(lp, names))
 
     def _group_value(self, name: str, e: sympy.Expr, comment: str, names: list[str]) -> GroupValue:
         """``name = e`` per group, given the group values defined before it."""
