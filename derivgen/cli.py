@@ -680,7 +680,7 @@ def main(argv: list[str] | None = None) -> int:
     except click.exceptions.Abort:
         click.echo("derivgen: aborted", err=True)
         return 1
-    except (SpecError, ValueError) as exc:
+    except (SpecError, ValueError, NotImplementedError) as exc:  # NotImplementedError: a target refuses a layer
         click.echo(f"derivgen: error: {exc}", err=True)
         return 2
     except OSError as exc:  # a file or directory that could not be read or written

@@ -79,3 +79,19 @@ k = { default = 1, min = 0 }
 [output]
 y = "x/(k + alpha*window(x**2, size)/size)**beta"
 """
+
+
+def block_layer(spec) -> bool:
+    """Does the layer have block statistics (mean(e, kind))? The C, JAX and Triton targets
+    refuse those layers with a NotImplementedError that says so."""
+    return any(m.blocks for m in spec.modes)
+
+
+def assert_refuses_blocks(spec, backend: str) -> None:
+    """``derivgen.load(spec, backend)`` refuses a layer with block statistics, saying why."""
+    import pytest
+
+    import derivgen
+
+    with pytest.raises(NotImplementedError, match="block statistics"):
+        derivgen.load(spec, backend=backend)

@@ -28,6 +28,7 @@ from derivgen.derive.first import ModeDerivation
 from derivgen.runtime.abi import kernel_signature
 from derivgen.spec.model import N as GROUP_SIZE
 from derivgen.spec.model import Spec
+from derivgen.symbolic.block import blocks
 from derivgen.symbolic.reduce import SELECTIONS, Mean
 
 TEMPLATE_FILES = {
@@ -214,11 +215,21 @@ def _formulas(d: LayerDerivation, printer: SpecPrinter) -> dict[str, list[str]]:
     return out
 
 
+# the targets whose kernels have no per-block sums (block statistics: derivgen.symbolic.block)
+BLOCKLESS = ("c", "jax", "triton")
+
+
 def emit(d: LayerDerivation, targets: Collection[str] = ("numpy", "c")) -> Emitted:
     """Render a layer's derivation ``d`` (``derivgen.derive``'s result) for ``targets``
     ("numpy", "c", "torch", "jax", "triton"): the IR and every C kernel's plan are computed here, once;
     the templates lay them out."""
     spec = d.spec
+    blocked = sorted(t for t in targets if t in BLOCKLESS) if any(m.blocks for m in d.modes.values()) else []
+    if blocked:
+        raise NotImplementedError(
+            f"{spec.name}: block statistics (mean(e, kind)) are generated for the NumPy and PyTorch "
+            f"targets; the {', '.join(blocked)} target{'s do' if len(blocked) > 1 else ' does'} not take them"
+        )
     printer = SpecPrinter(spec)
     env = _env()
     irs = {m: build_mode_ir(first) for m, first in d.modes.items()}
@@ -244,14 +255,20 @@ def emit(d: LayerDerivation, targets: Collection[str] = ("numpy", "c")) -> Emitt
         "grad_fields": _grad_fields(spec),
         "ctypes": CTYPES,
         "atypes": ATYPES,
-        "per_sample": spec.reduce != "batch",
+        "per_sample": spec.reduce not in ("batch", "all"),
         "trailing": spec.layout == "trailing",
         "position": spec.reduce == "position",
         "selects": any(st.expr.has(*SELECTIONS) for m in d.modes.values() for st in m.statistics),
         # the modes a split reduction computes: sums only (a group max()/min() is not a sum)
         # the modes whose output uses the group size N (the PyTorch forward then defines it)
         "forward_uses_n": [m for m, ir in irs.items() if any(e.has(GROUP_SIZE) for _, e in ir.fwd_elem)],
-        "split_modes": [m for m, dm in d.modes.items() if not any(st.expr.has(*SELECTIONS) for st in dm.statistics)],
+        # (and none whose blocks span the samples: a part of the batch holds no whole one)
+        "split_modes": [
+            m
+            for m, dm in d.modes.items()
+            if not any(st.expr.has(*SELECTIONS) for st in dm.statistics)
+            and not any(0 in a.axes for b in dm.blocks for a in blocks(b.expr))
+        ],
     }
     out = Emitted(spec.name, meta=meta)
     if "numpy" in targets:

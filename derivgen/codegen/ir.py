@@ -28,6 +28,7 @@ from sympy import Add, Mul
 from derivgen.derive.first import G, ModeDerivation
 from derivgen.derive.second import SecondOrder
 from derivgen.spec.model import DY, N, Spec, X
+from derivgen.symbolic.block import BlockMean
 from derivgen.symbolic.naming import code_text, derived
 from derivgen.symbolic.reduce import SELECTIONS, GroupMax, Mean, means
 from derivgen.symbolic.window import Window
@@ -196,7 +197,16 @@ def split_levels(forward: list) -> list[tuple[list, list]]:
 def build_mode_ir(first: ModeDerivation) -> ModeIR:
     """The IR of one mode's derivation (first order)."""
     spec = first.spec
-    element = {X, DY, G, *(p.symbol for p in spec.params if not p.scalar), *spec.mask_symbols, *spec.window_symbols}
+    blocks = [(b.name, b.expr) for b in first.blocks]  # one value per block: element values
+    element = {
+        X,
+        DY,
+        G,
+        *(p.symbol for p in spec.params if not p.scalar),
+        *spec.mask_symbols,
+        *spec.window_symbols,
+        *(b.symbol for b in first.blocks),
+    }
     xhat = spec.normalized.symbol if spec.normalized else None
     if xhat is not None:
         element.add(xhat)
@@ -204,17 +214,17 @@ def build_mode_ir(first: ModeDerivation) -> ModeIR:
     if coord is not None:
         element.add(coord.symbol)
 
-    def is_elem(e):  # a window is an element value whatever it sums
-        return (bool(e.free_symbols & element) or e.has(Window)) and not isinstance(e, Mean)
+    def is_elem(e):  # a window or a block mean is an element value whatever it sums
+        return (bool(e.free_symbols & element) or e.has(Window, BlockMean)) and not isinstance(e, Mean)
 
     buffer_updates = [(b.name, b.update) for b in spec.buffers] if first.mode == "train" else []
     windows = [(w.name, w.expr) for w in spec.windows]  # W = window(e(x), k), before what reads it
-    fwd_elem = list(windows)
+    fwd_elem = windows + blocks
     if xhat is not None:
         fwd_elem.append((spec.normalized.name, first.normalized_expr))
     fwd_elem.append(("y", spec.output))
 
-    bwd_elem = list(windows)
+    bwd_elem = windows + blocks
     if coord is not None:
         bwd_elem.append((coord.name, first.coordinate_expr))
     if first.g is not None:
@@ -297,9 +307,11 @@ def build_second_ir(second: SecondOrder, kind: str) -> SecondIR:
     element = {str(s) for s in second.element} | {"x", "dy"}
 
     def is_elem(f):
-        return (bool({str(v) for v in f.free_symbols} & element) or f.has(Window)) and not isinstance(f, Mean)
+        return (bool({str(v) for v in f.free_symbols} & element) or f.has(Window, BlockMean)) and not isinstance(
+            f, Mean
+        )
 
-    temps = [(w.name, w.expr) for w in spec.windows]
+    temps = [(w.name, w.expr) for w in spec.windows] + [(b.name, b.expr) for b in first.blocks]
     if first.coordinate is not None:
         temps.append((first.coordinate.name, first.coordinate_expr))
     if first.g is not None and kind == "bb":

@@ -57,6 +57,12 @@ class _NumPy(SpellsFunctions, _Ordered, NumPyPrinter):
     def _print_GroupMin(self, expr):
         return f"_min({self._print(expr.args[0])})"
 
+    def _print_BlockMean(self, expr):
+        """``block_mean(u, axes, x)``: the mean of u over the axes of the 4-D view one block
+        spans, shaped like x."""
+        fn = "torch.block_mean" if self.torch_module else "runtime.block_mean"
+        return f"{fn}({self._print(expr.body)}, {expr.axes!r}, x)"
+
     def _print_elementary(self, fn: functions.Elementary, expr: sympy.Expr) -> str:
         return self._spell(fn, expr.args)
 

@@ -39,6 +39,7 @@ from sympy import Add, Mul
 from derivgen.derive.coordinate import ImplicitCoordinate, closed_form_coordinate, find_implicit
 from derivgen.spec.model import DY, Mode, N, Named, Spec, Statistic, X
 from derivgen.symbolic import domain, functions
+from derivgen.symbolic.block import BlockFacts, BlockMean, block_mean, outermost
 from derivgen.symbolic.reduce import SELECTIONS, GroupMax, Mean, ReductionAlgebra, expand, hide_means, means, selections
 from derivgen.symbolic.window import Window, pull
 
@@ -144,6 +145,7 @@ class ModeDerivation:
     element: frozenset[sympy.Symbol] = frozenset()  # the element symbols of the closed forms
     mean_facts: MeanFacts | None = field(default=None, repr=False)
     self_rules: dict[sympy.Symbol, _SelfRule] = field(default_factory=dict, repr=False)  # s = c·F(u)
+    blocks: tuple[Statistic, ...] = ()  # the block statistics (element values, one per block), in order
 
     @property
     def dparams(self) -> dict[str, sympy.Expr]:
@@ -531,6 +533,20 @@ def check_derivatives(spec: Spec, where: str, e: sympy.Expr) -> None:
         )
 
 
+def block_facts(
+    blocks: Iterable[Statistic], element: Iterable[sympy.Symbol], channel: Iterable[sympy.Symbol]
+) -> BlockFacts:
+    """What rewrites block means exactly: the block statistics' kinds and the block means
+    they define (B(x) = m), beside the ``element`` symbols and per-channel parameters."""
+    blocks = tuple(blocks)
+    return BlockFacts(
+        set(element),
+        {b.symbol: b.kinds for b in blocks},
+        set(channel),
+        {b.expr: b.symbol for b in blocks if isinstance(b.expr, BlockMean)},
+    )
+
+
 def derive_mode(spec: Spec, mode_name: str | None = None) -> ModeDerivation:
     """The first-order derivation of one mode of ``spec`` (the first mode by default)."""
     try:
@@ -562,9 +578,11 @@ class _Deriver:
         self.spec, self.mode = spec, mode
         self.channel = {p.symbol: p for p in spec.params if not p.scalar}
         self.scalar = {p.symbol: p for p in spec.params if p.scalar}
-        # element values the closed forms read as symbols: the masks (no gradient) and the
-        # output's windows (their gradient reaches x through the transposed window: reverse)
-        self.masks = set(spec.mask_symbols) | set(spec.window_symbols)
+        # element values the closed forms read as symbols: the masks (no gradient), the
+        # output's windows (their gradient reaches x through the transposed window) and the
+        # block statistics (theirs through the same block means: reverse)
+        self.blocks = mode.blocks
+        self.masks = set(spec.mask_symbols) | set(spec.window_symbols) | {b.symbol for b in mode.blocks}
         self._use_normalized(spec.normalized.symbol if spec.normalized else None, spec.normalized_expr)
         varying = {X, DY, G, *self.channel, *self.masks} | ({self.xhat} if self.xhat is not None else set())
         self.alg = ReductionAlgebra(varying, active={DY, G})
@@ -576,6 +594,7 @@ class _Deriver:
             self._adopt(find_implicit(spec, self.program.stats, self.y_full, self.alg))
         self._use_coordinate(*closed_form_coordinate(spec, self.program.stats, self.y_full, self.alg, self.implicit))
         self.element_diff = [X, *self.channel]
+        self.bfacts = block_facts(mode.blocks, self.element, set(self.channel))
 
     def _use_normalized(self, xhat: sympy.Symbol | None, xhat_def: sympy.Expr | None) -> None:
         """The spec's x̂ (if any): y in full, y in x̂, and g = ∂L/∂y·∂y/∂x̂ where y uses x̂."""
@@ -644,9 +663,11 @@ class _Deriver:
             for v in sorted(self.group_diff, key=sympy.default_sort_key)
         }
         terms = {e: [self.dL(e)] for e in [X, *self.channel]}
+        terms.update({p: [] for p in self.scalar})  # element terms beside dL(p): through block statistics
         for w in self.spec.windows:  # W_i = Σ_d e(x_{i+d}): ∂L/∂x_j = e'(x_j)·Σ_d ∂L/∂W_{j-d}
             terms[X].append(sympy.diff(w.body, X) * w.expr.transpose(self.dL(w.symbol)))
         adj = _Adjoints(group, terms)
+        self._through_blocks(adj)
         for st in reversed(list(self.program.stats)):
             if isinstance(st.expr, SELECTIONS):
                 self._through_selection(st, adj)
@@ -658,6 +679,49 @@ class _Deriver:
                 if coef != 0:
                     self._through_mean(st, coef, atom, adj)
         return adj
+
+    def _through_blocks(self, adj: _Adjoints) -> None:
+        """The block statistics, latest first: each one's adjoint is an element value (∂L/∂y·∂y/∂b
+        and what later block statistics pass on); through b = F(x, ..., B(u)) it reaches the
+        variables F names directly by ∂F/∂v, and those inside a block mean B(u) by the same
+        block mean of the adjoint, B(b̄·∂F/∂B)·∂u/∂v (a block mean is its own transpose);
+        group values get N·⟨b̄·∂F/∂s⟩. Block means are rewritten exactly as they are made
+        (B(x - m) = 0 for m = B(x)), so what vanishes costs nothing."""
+        if not self.blocks:
+            return
+        badj = {b.symbol: self.dL(b.symbol) for b in self.blocks}
+        for b in reversed(self.blocks):
+            a = self.bfacts.rewrite(badj[b.symbol])
+            if a != 0:
+                self._spread(a, b.expr, b, adj, badj)
+
+    def _spread(
+        self, a: sympy.Expr, e: sympy.Expr, b: Statistic, adj: _Adjoints, badj: dict[sympy.Symbol, sympy.Expr]
+    ) -> None:
+        """The adjoint ``a`` of the element value ``e`` (part of block statistic ``b``) to what it reads."""
+        atoms = outermost(e)
+        hide = {m: sympy.Dummy(f"B{k}", real=True) for k, m in enumerate(atoms)}
+        hidden = e.xreplace(hide)
+        where = f"statistics.{b.name}"
+        for v in sorted(hidden.free_symbols, key=sympy.default_sort_key):
+            d = sympy.diff(hidden, v)
+            check_derivatives(self.spec, where, d)
+            if d == 0 or v in hide.values():
+                continue
+            if v == X or v in self.channel or v in self.scalar:
+                adj.terms[v].append(a * d.xreplace({h: m for m, h in hide.items()}))
+            elif v in badj:
+                badj[v] = badj[v] + a * d.xreplace({h: m for m, h in hide.items()})
+            elif v in self.group_diff:
+                adj.group[v] = adj.group[v] + self.alg.canon(
+                    N * Mean(expand(a * d.xreplace({h: m for m, h in hide.items()})))
+                )
+        for m, h in hide.items():
+            d = sympy.diff(hidden, h).xreplace({hh: mm for mm, hh in hide.items()})
+            check_derivatives(self.spec, where, d)
+            inner = self.bfacts.rewrite(block_mean(a * d, m.kind))
+            if inner != 0:
+                self._spread(inner, m.body, b, adj, badj)
 
     def _through_group_values(
         self, st: Statistic, hidden: sympy.Expr, table: dict[sympy.Dummy, Mean], adj: _Adjoints
@@ -797,7 +861,9 @@ class _Deriver:
         grads = {}
         for p in spec.params:
             if p.scalar:
-                grads[p.name] = ParamGrad(finish(self.dL(p.symbol)), finish(adj.group[p.symbol]))
+                grads[p.name] = ParamGrad(
+                    finish(self.dL(p.symbol) + Add(*adj.terms[p.symbol])), finish(adj.group[p.symbol])
+                )
             else:
                 grads[p.name] = ParamGrad(finish(Add(*adj.terms[p.symbol])))
         dinputs = {i.name: finish(adj.group[i.symbol]) for i in spec.inputs}
@@ -848,6 +914,7 @@ class _Deriver:
             element=frozenset(self.element),
             mean_facts=MeanFacts.of(self.alg),
             self_rules=dict(self.program.rules),
+            blocks=tuple(self.blocks),
         )
 
 

@@ -37,6 +37,7 @@ from derivgen.derive.first import (
     ModeDerivation,
     ParamGrad,
     Reduction,
+    block_facts,
     check_derivatives,
     closed_form,
     name_reductions,
@@ -45,6 +46,7 @@ from derivgen.derive.first import (
     statistic_partial,
 )
 from derivgen.spec.model import DY, N, Named, Spec, Statistic, X
+from derivgen.symbolic.block import BlockMean, block_mean, outermost
 from derivgen.symbolic.naming import derived
 from derivgen.symbolic.reduce import SELECTIONS, Mean, ReductionAlgebra, hide_means
 from derivgen.symbolic.window import Window
@@ -204,7 +206,10 @@ class _ReversePass:
         self.rules = first.self_rules
         channel = {p.symbol for p in spec.params if not p.scalar} | spec.mask_symbols | spec.window_symbols
         coord = first.coordinate.symbol if first.coordinate is not None else None
+        self.blocks = first.blocks
+        channel |= {b.symbol for b in first.blocks}
         self.element = {X, DY, G, *channel, *seeds} | ({coord} if coord is not None else set())
+        self.bfacts = block_facts(first.blocks, self.element, {p.symbol for p in spec.params if not p.scalar})
         self.group_diff = (
             {st.symbol for st in first.statistics}
             | {r.symbol for r in first.reductions}
@@ -221,6 +226,13 @@ class _ReversePass:
         if w == 0:
             return
         back: dict[sympy.Symbol, sympy.Expr] = {}
+        if expr.has(BlockMean):  # Σ_i w_i·F(B(u))_i: u's adjoint is the block mean of w·∂F/∂B (its own transpose)
+            hidden = {b: sympy.Dummy(f"B{k}", real=True) for k, b in enumerate(outermost(expr))}
+            back = {z: b for b, z in hidden.items()}
+            expr = expr.xreplace(hidden)
+            for b, z in hidden.items():
+                inner = self.bfacts.rewrite(block_mean(w * _diff(expr, z).xreplace(back), b.kind))
+                self.through(b.body, inner, where)
         if expr.has(Window):  # Σ_i w_i·F(Window(u))_i: u's adjoint is the transposed window of w·∂F/∂Window
             hidden = {win: sympy.Dummy(f"W{k}", real=True) for k, win in enumerate(_outermost_windows(expr))}
             back = {z: win for win, z in hidden.items()}
@@ -259,6 +271,14 @@ class _ReversePass:
             self.element.discard(wv.symbol)
             if w != 0:
                 self.through(wv.body, wv.expr.transpose(w), "the output's windows")
+
+    def block_values(self) -> None:
+        """The block statistics, latest first, to what defines them (x through block means)."""
+        for b in reversed(self.blocks):
+            w = self.element_adj.pop(b.symbol, 0)
+            self.element.discard(b.symbol)
+            if w != 0:
+                self.through(b.expr, self.bfacts.rewrite(w), f"statistics.{b.name}")
 
     def statistic(self, st: Statistic) -> None:
         """A statistic to the group values and the means its definition is made of; a group
@@ -303,6 +323,7 @@ def _double_backward_adjoints(first: ModeDerivation, seeds: _Seeds) -> _ReverseP
     if first.coordinate is not None:
         rev.element_definition(first.coordinate.symbol, first.coordinate_expr)
     rev.window_values()
+    rev.block_values()
     for st in reversed(first.statistics):
         rev.statistic(st)
     return rev
@@ -364,11 +385,20 @@ class _ForwardPass:
         for w in spec.windows:  # Ẇ = Window(e'(x)·ẋ)
             self.tan[w.symbol] = Window(_diff(w.body, X) * seeds.tan_x.symbol, w.size, 1)
         self.elem_in = {X} | {p.symbol for p in spec.params if not p.scalar} | spec.window_symbols
+        self.elem_in |= {b.symbol for b in first.blocks}
         self.statistics = first.statistics
 
     def tangent(self, expr: sympy.Expr, where: str) -> sympy.Expr:
-        """Σ ∂expr/∂u·u̇ over the values u with a tangent."""
+        """Σ ∂expr/∂u·u̇ over the values u with a tangent; a block mean's tangent is the block
+        mean of its argument's."""
         out = sympy.S.Zero
+        if expr.has(BlockMean):
+            hidden = {b: sympy.Dummy(f"B{k}", real=True) for k, b in enumerate(outermost(expr))}
+            back = {z: b for b, z in hidden.items()}
+            expr = expr.xreplace(hidden)
+            for b, z in hidden.items():
+                out += _diff(expr, z).xreplace(back) * block_mean(self.tangent(b.body, where), b.kind)
+            return out + self.tangent(expr, where).xreplace(back)
         for u in _sorted(expr.free_symbols & set(self.tan)):
             d = _diff(expr, u)
             check_derivatives(self.spec, where, d)
@@ -406,6 +436,8 @@ def _jvp(first: ModeDerivation, seeds: _Seeds, close: _Closer) -> sympy.Expr:
     fwd = _ForwardPass(first, seeds)
     for st in first.statistics:
         fwd.statistic(st)
+    for b in first.blocks:  # ḃ = F'·(what F reads), a block mean's through the block mean
+        fwd.tan[b.symbol] = fwd.tangent(b.expr, f"statistics.{b.name}")
     xhat = first.normalized_symbol
     if xhat is not None:
         y = first.output_in_normalized

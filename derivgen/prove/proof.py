@@ -32,6 +32,7 @@ from derivgen.derive.first import G, ModeDerivation, ParamGrad
 from derivgen.derive.second import SecondOrder, almost_everywhere
 from derivgen.spec.model import DY, Input, N, Param, Spec, X
 from derivgen.symbolic import domain, functions
+from derivgen.symbolic.block import GROUP_AXES, BlockMean
 from derivgen.symbolic.reduce import SELECTIONS, GroupMax, Mean
 from derivgen.symbolic.window import Window, offsets
 
@@ -91,13 +92,23 @@ class _Explicit:
     def __init__(self, first: ModeDerivation, n: int, window: int | None = None):
         spec = first.spec
         self.first = first
-        self.n = n
         self.window = window  # the size every window option takes (windows: one size per check)
         self.windows = {w.symbol: w.expr for w in spec.windows}
+        self.blocks = {b.symbol: b.expr for b in first.blocks}
+        # with block statistics the group is a grid over the axes it spans (of the (O, G, Cg, S)
+        # view): S has n elements, every other spanned axis 2; a per-channel value is one
+        # symbol per channel. Without, n elements in a row, each with its own parameters.
+        self.coords: list[tuple[int, ...]] | None = None
+        if self.blocks:
+            spans = GROUP_AXES[(spec.layout, spec.reduce)]
+            sizes = [(n if a == 3 else 2) if a in spans and a != 1 else 1 for a in range(4)]
+            self.coords = list(itertools.product(*(range(k) for k in sizes)))
+            n = len(self.coords)
+        self.n = n
         self.elem: dict[sympy.Symbol, list[sympy.Symbol]] = {X: _elements("x", n), DY: _elements("dy", n)}
         for p in spec.params:
             if not p.scalar:  # a scalar parameter is one symbol for the whole group
-                self.elem[p.symbol] = _elements(p.name, n)
+                self.elem[p.symbol] = self.per_channel(p.name)
         for m in spec.mask_symbols:  # any constant per element: the 0/1 pattern is one case
             self.elem[m] = [sympy.Symbol(f"{m.name}[{j}]", nonnegative=True) for j in range(n)]
         self.group: dict[sympy.Symbol, sympy.Expr] = {N: sympy.Integer(n)}
@@ -113,6 +124,34 @@ class _Explicit:
             self.derived[first.coordinate.symbol] = first.coordinate_expr
         if first.g is not None:
             self.derived[G] = first.g
+
+    def per_channel(self, name: str) -> list[sympy.Symbol]:
+        """A per-channel value's symbol at each element: one per element in a row, one per
+        channel on a grid."""
+        if self.coords is None:
+            return _elements(name, self.n)
+        return [sympy.Symbol(f"{name}[{c[1] * 2 + c[2]}]", real=True) for c in self.coords]
+
+    def members(self, sym: sympy.Symbol, values: list[sympy.Symbol]) -> list[int]:
+        """The elements whose entry of ``values`` is ``sym``."""
+        return [j for j, v in enumerate(values) if v == sym]
+
+    def _block(self, b: BlockMean, i: int) -> sympy.Expr:
+        """A block mean at element i: the mean of its argument over the elements of i's block."""
+        keep = [a for a in range(4) if a not in b.axes]
+        mine = [self.coords[i][a] for a in keep]
+        js = [j for j, c in enumerate(self.coords) if [c[a] for a in keep] == mine]
+        return sympy.Add(*[self.at(b.body, j) for j in js]) / len(js)
+
+    def _blocks(self, e: sympy.Expr, i: int) -> sympy.Expr:
+        """``e`` with every block mean and block statistic at element i written out."""
+        if isinstance(e, BlockMean):
+            return self._block(e, i)
+        if e in self.blocks:
+            return self._blocks(self.blocks[e], i)
+        if e.is_Atom or not (e.has(BlockMean) or e.free_symbols & set(self.blocks)):
+            return e
+        return e.func(*[self._blocks(a, i) for a in e.args])
 
     def _size(self, k: sympy.Expr) -> int:
         """A window's size: its integer, or the size this check gives its option."""
@@ -149,6 +188,8 @@ class _Explicit:
             e = e.xreplace(sub)
         if i is not None:  # after the means (a window inside a mean is at the mean's elements) and g
             e = self._windows(e, i)
+            if self.blocks:
+                e = self._blocks(e, i)
         table = dict(self.group)
         if i is not None:
             table.update({s: v[i] for s, v in self.elem.items()})
@@ -473,7 +514,9 @@ def _param_check(
     if p.scalar:
         total = sympy.Add(*[ex.at(grad.element, j) for j in range(ex.n)]) + ex.at(grad.group, None)
         return f"{prefix}d{p.name}", sympy.diff(loss, p.symbol) - total
-    return f"{prefix}d{p.name}_{i}", sympy.diff(loss, ex.elem[p.symbol][i]) - ex.at(grad.element, i)
+    sym = ex.elem[p.symbol][i]  # on a grid, its channel's symbol: the sum over the channel's elements
+    closed = sympy.Add(*[ex.at(grad.element, j) for j in ex.members(sym, ex.elem[p.symbol])])
+    return f"{prefix}d{p.name}_{i}", sympy.diff(loss, sym) - closed
 
 
 def _input_check(
@@ -581,10 +624,12 @@ def _explicit_seeds(second: SecondOrder, ex: _Explicit) -> None:
     for named in [
         second.cot_x,
         second.tan_x,
-        *(second.cot_params[p.name] for p in spec.params if not p.scalar),
-        *(second.tan_params[p.name] for p in spec.params if not p.scalar),
     ]:
         ex.elem[named.symbol] = _elements(named.name, ex.n)
+    for p in spec.params:
+        if not p.scalar:
+            for named in (second.cot_params[p.name], second.tan_params[p.name]):
+                ex.elem[named.symbol] = ex.per_channel(named.name)
 
 
 def _double_backward_loss(second: SecondOrder, ex: _Explicit, loss: sympy.Expr) -> sympy.Expr:
@@ -597,7 +642,8 @@ def _double_backward_loss(second: SecondOrder, ex: _Explicit, loss: sympy.Expr) 
         if p.scalar:
             l2 += c * sympy.diff(loss, p.symbol)
         else:
-            l2 += sympy.Add(*[ex.elem[c][i] * sympy.diff(loss, ex.elem[p.symbol][i]) for i in range(n)])
+            pairs = dict(zip(ex.elem[p.symbol], ex.elem[c]))  # one per channel
+            l2 += sympy.Add(*[cs * sympy.diff(loss, ps) for ps, cs in pairs.items()])
     for inp in spec.inputs:
         l2 += second.cot_inputs[inp.name].symbol * sympy.diff(loss, inp.symbol)
     return l2
@@ -608,7 +654,7 @@ def _cotangent_seeds(second: SecondOrder, ex: _Explicit) -> list[sympy.Symbol]:
     seeds = [*ex.elem[second.cot_x.symbol]]
     for p in second.spec.params:
         c = second.cot_params[p.name].symbol
-        seeds += [c] if p.scalar else ex.elem[c]
+        seeds += [c] if p.scalar else list(dict.fromkeys(ex.elem[c]))
     return seeds + [second.cot_inputs[i.name].symbol for i in second.spec.inputs]
 
 
@@ -646,8 +692,9 @@ def _jvp_check(second: SecondOrder, ex: _Explicit, y0: sympy.Expr, i: int = 0) -
             ty0 += sympy.diff(y0, p.symbol) * t
             tseeds.append(t)
         else:
-            ty0 += sympy.Add(*[sympy.diff(y0, ex.elem[p.symbol][j]) * ex.elem[t][j] for j in range(ex.n)])
-            tseeds += ex.elem[t]
+            pairs = dict(zip(ex.elem[p.symbol], ex.elem[t]))  # one per channel
+            ty0 += sympy.Add(*[sympy.diff(y0, ps) * ts for ps, ts in pairs.items()])
+            tseeds += list(pairs.values())
     for inp in spec.inputs:
         t = second.tan_inputs[inp.name].symbol
         ty0 += sympy.diff(y0, inp.symbol) * t

@@ -126,6 +126,7 @@ __all__ = [
     "SplitCall",
     "StatisticsView",
     "aligned_empty",
+    "block_mean",
     "check_buffer_shape",
     "check_dy",
     "check_group_size",
@@ -350,6 +351,13 @@ def window_sum(u: np.ndarray | float, k: float, transposed: bool, like: np.ndarr
         elif d < 0 and -d < n:
             out[:, :, -d:] += u[:, :, : n + d]
     return out
+
+
+def block_mean(u: np.ndarray | float, axes: tuple[int, ...], like: np.ndarray) -> np.ndarray:
+    """``mean(u, kind)`` (:mod:`derivgen.symbolic.block`): at each element the mean of u over
+    the ``axes`` of the 4-D view one block spans, in float64, shaped like ``like``."""
+    u = np.broadcast_to(np.asarray(u, dtype=np.float64), like.shape)
+    return np.broadcast_to(u.mean(axis=axes, keepdims=True, dtype=np.float64), like.shape)
 
 
 def group_view(values: np.ndarray, layout: Layout) -> np.ndarray:

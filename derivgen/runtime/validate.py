@@ -188,6 +188,8 @@ def layout_from_shapes(
         return Layout(O=n, G=c, Cg=1, S=S, per_sample=False, x_shape=x_shape, param_shape=(c,), group_shape=(c,))
     if red == "instance":
         return Layout(O=n, G=c, Cg=1, S=S, per_sample=True, x_shape=x_shape, param_shape=(c,), group_shape=(n, c))
+    if red == "all":  # one group: the whole tensor, its channels along Cg
+        return Layout(O=n, G=1, Cg=c, S=S, per_sample=False, x_shape=x_shape, param_shape=(c,), group_shape=())
     if red == "position":
         return Layout(
             O=n,

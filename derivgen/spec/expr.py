@@ -14,6 +14,11 @@ these forms are accepted:
   ``maximum(a, b)``, ``minimum(a, b)``, ``clip(e, lo, hi)``),
 * the group reductions ``mean(e)``, ``sum(e)`` (``sum(e)`` is ``N*mean(e)``), ``max(e)`` and
   ``min(e)``,
+* the block mean ``mean(e, "instance")`` (``"sample"``, ``"batch"``): in a channel layout,
+  the mean of ``e`` over the block of the group the element lies in (its positions; its
+  sample's channels and positions; its channel's samples and positions), an element value
+  that is one value per block (:mod:`derivgen.symbolic.block`); a kind that spans the
+  whole group is the group mean,
 * the position mask ``leading(p)`` of an option ``p``: 1 on the first ⌊p·N⌋ elements of
   the group (in memory order), 0 on the rest -- an element value without a gradient, so
   ``mean(leading(p)*e)/mean(leading(p))`` is the mean of ``e`` over a leading slice,
@@ -22,7 +27,7 @@ these forms are accepted:
   a positive integer or the name of an option.
 
 Everything else -- attribute access, subscripts, lambdas, comprehensions,
-keyword arguments, strings, comparisons, calls to anything else -- is rejected
+keyword arguments, strings (but a block mean's kind), comparisons, calls to anything else -- is rejected
 with a message naming the offending text.
 """
 
@@ -37,6 +42,7 @@ from typing import NoReturn
 import sympy
 
 from derivgen.symbolic import functions
+from derivgen.symbolic.block import block_mean
 from derivgen.symbolic.reduce import GroupMax, GroupMin, Mean, hide_reductions
 from derivgen.symbolic.window import Window
 
@@ -92,12 +98,14 @@ def parse_expr(
     group_size: sympy.Expr,
     allow_reductions: bool = True,
     options: frozenset[str] = frozenset(),
+    blocks: Mapping[str, str] | None = None,
 ) -> sympy.Expr:
     """Parse ``text`` into a SymPy expression over ``names``.
 
     ``names`` maps every identifier the expression may use to its SymPy object;
     ``group_size`` is the symbol ``sum(e)`` scales ``mean(e)`` by; ``options`` are the
-    names ``leading()`` may take.
+    names ``leading()`` may take; ``blocks`` the block kinds ``mean(e, kind)`` may name
+    (kind -> "block", or "group" where the kind spans the layout's group).
     """
     if not isinstance(text, str):
         raise ExprError(f"expected an expression string, got {type(text).__name__}")
@@ -114,7 +122,7 @@ def parse_expr(
     count = sum(1 for _ in ast.walk(tree))
     if count > MAX_NODES:
         raise ExprError(f"expression has {count} syntax nodes (limit {MAX_NODES})")
-    return _Builder(text, names, group_size, allow_reductions, options).build(tree.body, 0)
+    return _Builder(text, names, group_size, allow_reductions, options, blocks or {}).build(tree.body, 0)
 
 
 class _Builder:
@@ -128,12 +136,14 @@ class _Builder:
         group_size: sympy.Expr,
         allow_reductions: bool,
         options: frozenset[str] = frozenset(),
+        blocks: Mapping[str, str] | None = None,
     ) -> None:
         self.text = text
         self.names = names
         self.group_size = group_size
         self.allow_reductions = allow_reductions
         self.options = options
+        self.blocks = dict(blocks or {})
 
     def _snippet(self, node: ast.AST) -> str:
         """The source text of ``node`` (its node type where Python cannot give it)."""
@@ -250,11 +260,29 @@ class _Builder:
             self.fail(node, "window() sums element values: its argument may not hold a group reduction")
         return Window(e, k, sympy.S.One)
 
+    def block(self, node: ast.Call, depth: int) -> sympy.Expr:
+        """``mean(e, "kind")``: the block mean of ``e`` (an element expression without group
+        reductions), or the group mean where the kind spans the layout's group."""
+        body, kind = node.args
+        if not (isinstance(kind, ast.Constant) and isinstance(kind.value, str)):
+            self.fail(node, 'mean()\'s second argument is a block kind in quotes, as mean(x, "instance")')
+        if kind.value not in self.blocks:
+            known = ", ".join(repr(k) for k in self.blocks) or "none: the layout's groups hold no smaller blocks"
+            self.fail(node, f"block kind {kind.value!r} is not one of this layout's (allowed: {known})")
+        if not self.allow_reductions:
+            self.fail(node, "mean() is a reduction; define it under [statistics]")
+        e = self.build(body, depth)
+        if e.has(Mean, GroupMax, GroupMin):
+            self.fail(node, "a block mean's argument may not hold a group reduction; name it as a statistic")
+        return Mean(e) if self.blocks[kind.value] == "group" else block_mean(e, kind.value)
+
     def call(self, node: ast.Call, depth: int) -> sympy.Expr:
         """A call of a table function (derivgen.symbolic.functions) or of a group reduction."""
         if not isinstance(node.func, ast.Name):
             self.fail(node, f"only calls of {_callable_names()} are allowed")
         fname = node.func.id
+        if fname == "mean" and len(node.args) == 2 and not node.keywords:
+            return self.block(node, depth)
         fn = functions.language().get(fname)
         arity = fn.arity if fn is not None else 2 if fname == WINDOW else 1
         if node.keywords:

@@ -23,8 +23,9 @@ import sympy
 from derivgen.spec import reserved
 from derivgen.spec.expr import ExprError, leading_option, leading_symbol, parse_expr
 from derivgen.symbolic import domain, functions
+from derivgen.symbolic.block import BlockFacts, BlockMean, block_kinds
 from derivgen.symbolic.domain import domain_error
-from derivgen.symbolic.reduce import GroupMax, hide_reductions, selections
+from derivgen.symbolic.reduce import GroupMax, Mean, hide_reductions, selections
 from derivgen.symbolic.window import Window
 
 if TYPE_CHECKING:
@@ -38,7 +39,7 @@ DY = sympy.Symbol("dy", real=True)
 LAYOUTS = {
     # kind -> allowed reduce values
     "trailing": ("features",),
-    "channels": ("batch", "instance", "group", "position"),
+    "channels": ("batch", "instance", "group", "position", "all"),
 }
 IDENT = re.compile(r"^[a-z][a-z0-9_]{0,30}$")
 TOP_LEVEL_FIELDS = {
@@ -171,12 +172,25 @@ class Statistic(Named):
 
 
 @dataclass(frozen=True)
+class BlockStatistic(Statistic):
+    """A value that is one value per block of a group (:mod:`derivgen.symbolic.block`): its
+    expression reads x only inside block means ``mean(e, kind)``, and earlier statistics;
+    ``kinds`` are the block kinds it is one value on. The closed forms read it as an element
+    symbol; its gradient reaches x through the same block means."""
+
+    kinds: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True)
 class Mode:
-    """A forward mode; statistics may be redefined (batch norm eval)."""
+    """A forward mode; statistics may be redefined (batch norm eval). ``statistics`` are
+    one value per group, ``blocks`` one value per block (after them: no group statistic
+    reads a block statistic)."""
 
     name: str
     statistics: tuple[Statistic, ...]
     min_group_size: int
+    blocks: tuple[BlockStatistic, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -223,7 +237,7 @@ class Spec:
             for item in group:
                 out[item.name] = item
         for mode in self.modes:
-            for st in mode.statistics:
+            for st in (*mode.statistics, *mode.blocks):
                 out[st.name] = st
         if self.normalized is not None:
             out[self.normalized.name] = self.normalized
@@ -413,6 +427,8 @@ class _Parser:
         self.option_names: frozenset[str] = frozenset()
         self.mask_fields: dict[sympy.Symbol, str] = {}  # mask symbol -> the first field that uses it
         self.window_fields: list[tuple[str, Window]] = []  # (field, window) for each window written
+        self.blocks: dict[str, str] = {}  # the block kinds mean(e, kind) may name (symbolic.block)
+        self.block_symbols: set[sympy.Symbol] = set()  # every block statistic's symbol, any mode
 
     def declare(self, where: str, name: str, what: str, sym: sympy.Expr) -> None:
         """Declare ``name`` (``what`` it is, for messages) with its symbol."""
@@ -426,7 +442,9 @@ class _Parser:
         ctx = self.ctx
         t = ctx.string(where, text)
         try:
-            e = parse_expr(t, scope, group_size=N, allow_reductions=reductions, options=self.option_names)
+            e = parse_expr(
+                t, scope, group_size=N, allow_reductions=reductions, options=self.option_names, blocks=self.blocks
+            )
         except ExprError as exc:
             msg = str(exc)
             m = re.match(r"unknown name '([a-z0-9_]+)'", msg)
@@ -637,6 +655,7 @@ class _Parser:
         out: list[Statistic] = []
         taken = dict(self.taken)
         inferred: dict[str, int] = {}
+        block_kinds_of: dict[sympy.Symbol, frozenset[str]] = {}
         if base is not None:
             extra = set(table) - set(base)
             if extra:
@@ -664,13 +683,42 @@ class _Parser:
                 expr = self.expr(f"{where}.expr", expr_text, scope)
                 latex, text = ctx.display(where, sname, entry)
                 taken[sname] = "a statistic"
-            self.check_group_level(f"{where}.expr", expr, expr_text)
+            block = expr.has(BlockMean) or bool(expr.free_symbols & set(block_kinds_of))
             inferred[sname] = domain.sign_level(expr)
             sym = domain.symbol(sname, min(inferred[sname], bound.get(sname, domain.POSITIVE)))
-            st = Statistic(sname, sym, latex, text, expr=expr, expr_text=expr_text)
+            if block:
+                kinds = self.check_block_level(f"{where}.expr", expr, expr_text, block_kinds_of)
+                st = BlockStatistic(sname, sym, latex, text, expr=expr, expr_text=expr_text, kinds=kinds)
+                block_kinds_of[sym] = kinds
+                self.block_symbols.add(sym)
+            else:
+                self.check_group_level(f"{where}.expr", expr, expr_text)
+                st = Statistic(sname, sym, latex, text, expr=expr, expr_text=expr_text)
             scope[sname] = st.symbol
             out.append(st)
         return out, scope, inferred
+
+    def check_block_level(
+        self, where: str, expr: sympy.Expr, text: str, earlier: dict[sympy.Symbol, frozenset[str]]
+    ) -> frozenset[str]:
+        """A block statistic is one value per block of some kind: x and per-channel parameters
+        only inside block means (or per-channel parameters where the block holds one channel),
+        no group reduction written inline. Returns the kinds it is one value on."""
+        if expr.has(Mean, GroupMax):
+            self.ctx.err(
+                where,
+                f"a group reduction of a block mean or of a block statistic is not supported (a statistic "
+                f"that reads one is one value per block): {text!r}",
+            )
+        facts = BlockFacts({X}, earlier, self.channel_params, {})
+        kinds = frozenset(k for k, how in self.blocks.items() if how == "block" and facts.constant(expr, k))
+        if not kinds:
+            self.ctx.err(
+                where,
+                f"a block statistic must be one value per block: x only inside mean(e, kind), and "
+                f"block statistics of kinds whose blocks hold each other: {text!r}",
+            )
+        return kinds
 
     def check_group_level(self, where: str, expr: sympy.Expr, text: str) -> None:
         """A statistic is one value per group: x, per-channel parameters and masks only inside
@@ -682,6 +730,8 @@ class _Parser:
             if any(leading_option(s) is not None for s in sel.args[0].free_symbols):
                 self.ctx.err(where, f"{kind}() of an expression with leading() is not supported: {text!r}")
         outside = hide_reductions(expr).free_symbols
+        for b in sorted(outside & self.block_symbols, key=str):
+            self.ctx.err(where, f"the block statistic {b} varies within a normalization group: {text!r}")
         if X in outside:
             self.ctx.err(
                 where, f"x appears outside mean()/sum()/max()/min(): a statistic is one value per group: {text!r}"
@@ -728,19 +778,22 @@ class _Parser:
         bound: dict[str, int] = {}
         while True:
             train, scope, signs = self.statistics("statistics", stats_t, None, bound)
-            modes = [Mode("train", tuple(train), min_size("train"))]
+            modes = [_mode("train", train, min_size("train"))]
             if eval_t is not None:
                 ev, _, ev_signs = self.statistics(
                     "modes.eval.statistics", eval_t.get("statistics", {}), {s.name: s for s in train}, bound
                 )
                 for k, lv in ev_signs.items():
                     signs[k] = min(signs[k], lv)
-                modes.append(Mode("eval", tuple(ev), min_size("eval")))
+                modes.append(_mode("eval", ev, min_size("eval")))
             new = {k: min(v, bound.get(k, domain.POSITIVE)) for k, v in signs.items()}
             if all(
-                new[s.name] >= domain.level_of_symbol(s.symbol) for m in modes for s in m.statistics if s.name in new
+                new[s.name] >= domain.level_of_symbol(s.symbol)
+                for m in modes
+                for s in (*m.statistics, *m.blocks)
+                if s.name in new
             ):
-                for st in modes[0].statistics:
+                for st in (*modes[0].statistics, *modes[0].blocks):
                     self.taken[st.name] = "a statistic"
                 return modes, scope
             bound = new
@@ -783,7 +836,7 @@ class _Parser:
         if not expr.has(X):
             ctx.err("normalized.expr", "must depend on x")
         slope = sympy.diff(expr, X)
-        per_element = self.channel_params | set(self.mask_fields)
+        per_element = self.channel_params | set(self.mask_fields) | self.block_symbols
         if slope.has(X) or (slope.free_symbols | expr.subs(X, 0).free_symbols) & per_element:
             ctx.err(
                 "normalized.expr",
@@ -823,6 +876,12 @@ class _Parser:
                 self.ctx.err(n, f"names {n!r} and {'d' + n!r} collide: the gradient of {n!r} is called {'d' + n!r}")
 
 
+def _mode(name: str, stats: list[Statistic], min_group_size: int) -> Mode:
+    """A mode from its statistics in order: the group statistics, then the block statistics."""
+    group = tuple(s for s in stats if not isinstance(s, BlockStatistic))
+    return Mode(name, group, min_group_size, tuple(s for s in stats if isinstance(s, BlockStatistic)))
+
+
 def parse_spec(text: str, source: str = "<spec>") -> Spec:
     """Parse and validate the TOML text of a spec into a :class:`Spec`; ``source`` names it
     in error messages and generated headers. Raises :class:`SpecError` naming the field."""
@@ -837,6 +896,7 @@ def parse_spec(text: str, source: str = "<spec>") -> Spec:
     parser = _Parser(ctx)
     name, title, summary, notes = parser.header(data)
     kind, reduce_, axes = parser.layout()
+    parser.blocks = block_kinds(kind, reduce_)
     params = parser.params()
     options = parser.options()
     inputs = parser.inputs()

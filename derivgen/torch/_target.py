@@ -125,6 +125,12 @@ def window_sum(u: torch.Tensor | float, k: float, transposed: bool, x: torch.Ten
     return out
 
 
+def block_mean(u: torch.Tensor | float, axes: tuple[int, ...], x: torch.Tensor) -> torch.Tensor:
+    """``mean(u, kind)`` (derivgen.symbolic.block): at each element the mean of u over the
+    ``axes`` of the 4-D view x one block spans, shaped like x; differentiable, on any device."""
+    return _full(u, x).mean(dim=axes, keepdim=True).expand(x.shape)
+
+
 def elementwise(a: torch.Tensor | float, x: torch.Tensor) -> torch.Tensor:
     """An element-level result (y, dx) with the shape of the 4-D x."""
     return _full(a, x)

@@ -6,7 +6,7 @@ per group, and swept in tiles); and the CUDA implementation of the derivgen:: op
 from __future__ import annotations
 
 import pytest
-from conftest import ROOT, require_module
+from conftest import ROOT, assert_refuses_blocks, block_layer, require_module
 
 torch = require_module("torch")
 require_module("triton")
@@ -41,7 +41,11 @@ def test_examples(path):
 
 @pytest.mark.parametrize("path", ZOO, ids=[p.stem for p in ZOO])
 def test_zoo(path):
-    _check(load_spec_file(path))
+    spec = load_spec_file(path)
+    if block_layer(spec):
+        assert_refuses_blocks(spec, "triton")
+        return
+    _check(spec)
 
 
 @pytest.mark.parametrize("seed", FUZZ_SEEDS)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 import torch
+from conftest import assert_refuses_blocks, block_layer
 
 import derivgen
 
@@ -217,6 +218,41 @@ def lrn(x, p, i, o, b, training):
     return x / (o["k"] + o["alpha"] * win / size) ** o["beta"]
 
 
+def evonorm_b0(x, p, i, o, b, training):
+    # timm's EvoNorm2dB0: the biased batch variance per channel (running_var in eval, updated
+    # with it times n/(n - 1) in training), the instance std per (sample, channel)
+    if training:
+        var = x.var(dim=_batch(x), unbiased=False)
+        n = x.numel() / x.shape[1]
+        with torch.no_grad():
+            b["running_var"].copy_(b["running_var"] * (1 - o["momentum"]) + var * o["momentum"] * (n / (n - 1)))
+    else:
+        var = b["running_var"]
+    left = _c((var + o["eps"]).sqrt(), x).expand_as(x)
+    istd = (x.var(dim=_spatial(x), unbiased=False, keepdim=True) + o["eps"]).sqrt().expand(x.shape)
+    right = x * _c(p["v"], x) + istd
+    return x / left.max(right) * _c(p["gamma"], x) + _c(p["beta"], x)
+
+
+def switchnorm(x, p, i, o, b, training):
+    # the reference SwitchNorm2d's training forward, every variance biased (the paper's)
+    n, c = x.shape[:2]
+    flat = x.reshape(n, c, -1)
+    mean_in = flat.mean(-1, keepdim=True)
+    var_in = flat.var(-1, unbiased=False, keepdim=True)
+    temp = var_in + mean_in**2
+    mean_ln = mean_in.mean(1, keepdim=True)
+    var_ln = temp.mean(1, keepdim=True) - mean_ln**2
+    mean_bn = mean_in.mean(0, keepdim=True)
+    var_bn = temp.mean(0, keepdim=True) - mean_bn**2
+    mw = torch.softmax(torch.stack([p["mw_in"], p["mw_ln"], p["mw_bn"]]), 0)
+    vw = torch.softmax(torch.stack([p["vw_in"], p["vw_ln"], p["vw_bn"]]), 0)
+    mean = mw[0] * mean_in + mw[1] * mean_ln + mw[2] * mean_bn
+    var = vw[0] * var_in + vw[1] * var_ln + vw[2] * var_bn
+    y = ((flat - mean) / (var + o["eps"]).sqrt()).reshape(x.shape)
+    return y * _c(p["gamma"], x) + _c(p["beta"], x)
+
+
 @dataclass
 class Case:
     """How to exercise one zoo layer: its reference forward, the shape of x, values of the
@@ -247,6 +283,8 @@ CASES: dict[str, Case] = {
     "derf": Case(derf, (3, 6)),
     "l2_normalize": Case(l2_normalize, (4, 9)),
     "evonorm_s0": Case(evonorm_s0, (2, 4, 3, 3), options={"num_groups": 2}),
+    # both sides of the maximum taken: channel-wise batch std near v*x + instance std
+    "evonorm_b0": Case(evonorm_b0, (3, 4, 2, 3), buffers=lambda shape: {"running_var": np.array([0.5, 1.0, 2.0, 4.0])}),
     "weight_norm": Case(weight_norm, (5, 6), inputs=_per_row("gain")),
     "polynorm": Case(polynorm, (3, 8)),
     "scalenorm": Case(scalenorm, (4, 9)),
@@ -279,6 +317,7 @@ CASES: dict[str, Case] = {
     "prmsnorm": Case(prmsnorm, (3, 40)),
     "softmax_temperature": Case(softmax_temperature, (4, 9), scale=3.0),
     "layernorm2d": Case(layernorm2d, (2, 5, 3, 7)),
+    "switchnorm": Case(switchnorm, (3, 4, 2, 3)),
     # options away from the defaults, where the window's share of the gradient is not small
     "lrn": Case(lrn, (2, 7, 3, 5), options={"alpha": 0.5, "k": 1.5, "size": 4}),
 }
@@ -397,6 +436,9 @@ def test_zoo_layer_matches_its_paper(name):
 
         n_p = len(params)
         for backend in ("numpy", "c"):
+            if backend == "c" and block_layer(spec):  # no per-block sums in the C kernels
+                assert_refuses_blocks(spec, "c")
+                continue
             k = derivgen.load(name, backend=backend)
             for dt, tol in ((np.float64, F64), (np.float32, F32)):
                 where = f"{name} {'train' if training else 'eval'} {backend} {dt.__name__}"
@@ -451,6 +493,10 @@ def test_zoo_layer_as_a_torch_module(name):
     prob = Problem(name, seed=3)
     spec = prob.spec
     features = prob.x.shape[1] if spec.layout == "channels" else prob.x.shape[-1]
+    if block_layer(spec):  # the modules run the C kernels, which take no block statistics
+        with pytest.raises(NotImplementedError, match="block statistics"):
+            dt.Module(name, features, **prob.layout_options).double()(torch.tensor(prob.x))
+        return
     module = dt.Module(name, features, **prob.layout_options).double()
     with torch.no_grad():
         for pname, v in prob.params.items():

@@ -1,0 +1,76 @@
+"""Block means (``mean(e, kind)``) in the spec language: what a layout admits, what a block
+statistic may read, and the exact rewrites of the engine (derivgen.symbolic.block)."""
+
+from __future__ import annotations
+
+import pytest
+import sympy
+
+from derivgen.spec.model import SpecError, X, parse_spec
+from derivgen.symbolic.block import BlockFacts, block_kinds, block_mean
+
+BASE = """
+name = "blk"
+[layout]
+kind = "channels"
+reduce = "{reduce}"
+[statistics]
+{stats}
+[output]
+y = "{out}"
+"""
+
+
+def spec(stats: str, out: str = "x - m", reduce: str = "batch"):
+    return parse_spec(BASE.format(reduce=reduce, stats=stats, out=out), source="blk.toml")
+
+
+def test_layouts_hold_the_blocks_inside_their_groups():
+    assert block_kinds("channels", "batch") == {"instance": "block", "batch": "group"}
+    assert block_kinds("channels", "group") == {"instance": "block"}
+    assert block_kinds("channels", "all") == {"instance": "block", "sample": "block", "batch": "block"}
+    assert block_kinds("channels", "instance") == {"instance": "group"}
+    assert block_kinds("trailing", "features") == {}
+
+
+def test_a_block_statistic_is_an_element_value_of_its_mode():
+    s = spec("m = { expr = 'mean(x, \"instance\")' }\nv = { expr = 'mean((x - m)**2, \"instance\")' }", "(x - m)/v")
+    mode = s.mode()
+    assert mode.statistics == ()
+    assert [b.name for b in mode.blocks] == ["m", "v"]
+    assert all(b.kinds == {"instance"} for b in mode.blocks)
+
+
+def test_the_kind_that_spans_the_group_is_the_group_mean():
+    s = spec("m = { expr = 'mean(x, \"batch\")' }")
+    assert [st.name for st in s.mode().statistics] == ["m"] and s.mode().blocks == ()
+
+
+@pytest.mark.parametrize(
+    "stats, reduce, message",
+    [
+        ("m = { expr = 'mean(x, \"sample\")' }", "batch", "block kind 'sample' is not one of this layout's"),
+        ("m = { expr = 'mean(x, \"instance\")' }", "position", "none: the layout's groups hold no smaller blocks"),
+        ('m = { expr = "mean(x, 3)" }', "batch", "block kind in quotes"),
+        ("m = { expr = 'x*mean(x, \"instance\")' }", "batch", "must be one value per block"),
+        (
+            'b = { expr = \'mean(x, "instance")\' }\nm = { expr = "mean(b)" }',
+            "batch",
+            "group reduction of a block mean",
+        ),
+        ("m = { expr = 'mean(mean(x), \"instance\")' }", "batch", "may not hold a group reduction"),
+    ],
+)
+def test_bad_block_means_are_refused_naming_the_field(stats, reduce, message):
+    with pytest.raises(SpecError, match="statistics.[mb].expr") as info:
+        spec(stats, reduce=reduce)
+    assert message in str(info.value)
+
+
+def test_block_means_are_rewritten_exactly():
+    m, g, c = sympy.symbols("m g c", real=True)
+    facts = BlockFacts({X, g, m}, {m: frozenset({"instance"})}, set(), {block_mean(X, "instance"): m})
+    assert facts.rewrite(block_mean(c * (X - m), "instance")) == 0  # B(x - B(x)) = 0, c per block
+    assert facts.rewrite(block_mean(m * g, "instance")) == m * block_mean(g, "instance")
+    # an instance statistic is not one value on a sample's blocks: it stays inside
+    assert facts.rewrite(block_mean(m * g, "sample")) == block_mean(m * g, "sample")
