@@ -39,7 +39,7 @@ from sympy import Add, Mul
 from derivgen.derive.coordinate import ImplicitCoordinate, closed_form_coordinate, find_implicit
 from derivgen.spec.model import DY, Mode, N, Named, Spec, Statistic, X
 from derivgen.symbolic import domain, functions
-from derivgen.symbolic.block import BlockFacts, BlockMean, block_mean, outermost
+from derivgen.symbolic.block import BlockFacts, BlockMean, block_mean, hide_blocks
 from derivgen.symbolic.reduce import SELECTIONS, GroupMax, Mean, ReductionAlgebra, expand, hide_means, means, selections
 from derivgen.symbolic.window import Window, pull
 
@@ -699,29 +699,23 @@ class _Deriver:
         self, a: sympy.Expr, e: sympy.Expr, b: Statistic, adj: _Adjoints, badj: dict[sympy.Symbol, sympy.Expr]
     ) -> None:
         """The adjoint ``a`` of the element value ``e`` (part of block statistic ``b``) to what it reads."""
-        atoms = outermost(e)
-        hide = {m: sympy.Dummy(f"B{k}", real=True) for k, m in enumerate(atoms)}
-        hidden = e.xreplace(hide)
+        hidden, back = hide_blocks(e)
         where = f"statistics.{b.name}"
         for v in sorted(hidden.free_symbols, key=sympy.default_sort_key):
-            d = sympy.diff(hidden, v)
+            d = sympy.diff(hidden, v).xreplace(back)
             check_derivatives(self.spec, where, d)
-            if d == 0 or v in hide.values():
+            if d == 0:
                 continue
-            if v == X or v in self.channel or v in self.scalar:
-                adj.terms[v].append(a * d.xreplace({h: m for m, h in hide.items()}))
+            if v in back:  # inside a block mean B(u): B(a·∂e/∂B) to what u reads
+                inner = self.bfacts.rewrite(block_mean(a * d, back[v].kind))
+                if inner != 0:
+                    self._spread(inner, back[v].body, b, adj, badj)
+            elif v == X or v in self.channel or v in self.scalar:
+                adj.terms[v].append(a * d)
             elif v in badj:
-                badj[v] = badj[v] + a * d.xreplace({h: m for m, h in hide.items()})
+                badj[v] = badj[v] + a * d
             elif v in self.group_diff:
-                adj.group[v] = adj.group[v] + self.alg.canon(
-                    N * Mean(expand(a * d.xreplace({h: m for m, h in hide.items()})))
-                )
-        for m, h in hide.items():
-            d = sympy.diff(hidden, h).xreplace({hh: mm for mm, hh in hide.items()})
-            check_derivatives(self.spec, where, d)
-            inner = self.bfacts.rewrite(block_mean(a * d, m.kind))
-            if inner != 0:
-                self._spread(inner, m.body, b, adj, badj)
+                adj.group[v] = adj.group[v] + self.alg.canon(N * Mean(expand(a * d)))
 
     def _through_group_values(
         self, st: Statistic, hidden: sympy.Expr, table: dict[sympy.Dummy, Mean], adj: _Adjoints

@@ -46,7 +46,7 @@ from derivgen.derive.first import (
     statistic_partial,
 )
 from derivgen.spec.model import DY, N, Named, Spec, Statistic, X
-from derivgen.symbolic.block import BlockMean, block_mean, outermost
+from derivgen.symbolic.block import BlockMean, block_mean, hide_blocks, outermost
 from derivgen.symbolic.naming import derived
 from derivgen.symbolic.reduce import SELECTIONS, Mean, ReductionAlgebra, hide_means
 from derivgen.symbolic.window import Window
@@ -227,10 +227,8 @@ class _ReversePass:
             return
         back: dict[sympy.Symbol, sympy.Expr] = {}
         if expr.has(BlockMean):  # Σ_i w_i·F(B(u))_i: u's adjoint is the block mean of w·∂F/∂B (its own transpose)
-            hidden = {b: sympy.Dummy(f"B{k}", real=True) for k, b in enumerate(outermost(expr))}
-            back = {z: b for b, z in hidden.items()}
-            expr = expr.xreplace(hidden)
-            for b, z in hidden.items():
+            expr, back = hide_blocks(expr)
+            for z, b in back.items():
                 inner = self.bfacts.rewrite(block_mean(w * _diff(expr, z).xreplace(back), b.kind))
                 self.through(b.body, inner, where)
         if expr.has(Window):  # Σ_i w_i·F(Window(u))_i: u's adjoint is the transposed window of w·∂F/∂Window
@@ -331,17 +329,7 @@ def _double_backward_adjoints(first: ModeDerivation, seeds: _Seeds) -> _ReverseP
 
 def _outermost_windows(e: sympy.Expr) -> list[Window]:
     """The windows of ``e`` not inside another window, in a fixed order."""
-    found: set[Window] = set()
-
-    def visit(a: sympy.Basic) -> None:
-        if isinstance(a, Window):
-            found.add(a)
-        elif not a.is_Atom:
-            for b in a.args:
-                visit(b)
-
-    visit(e)
-    return _sorted(found)
+    return outermost(e, Window)
 
 
 def _double_backward(
@@ -393,10 +381,8 @@ class _ForwardPass:
         mean of its argument's."""
         out = sympy.S.Zero
         if expr.has(BlockMean):
-            hidden = {b: sympy.Dummy(f"B{k}", real=True) for k, b in enumerate(outermost(expr))}
-            back = {z: b for b, z in hidden.items()}
-            expr = expr.xreplace(hidden)
-            for b, z in hidden.items():
+            expr, back = hide_blocks(expr)
+            for z, b in back.items():
                 out += _diff(expr, z).xreplace(back) * block_mean(self.tangent(b.body, where), b.kind)
             return out + self.tangent(expr, where).xreplace(back)
         for u in _sorted(expr.free_symbols & set(self.tan)):

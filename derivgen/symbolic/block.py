@@ -146,12 +146,14 @@ def blocks(e: sympy.Basic) -> set[BlockMean]:
     return e.atoms(BlockMean)
 
 
-def outermost(e: sympy.Basic) -> list[BlockMean]:
-    """The block means of ``e`` not inside another block mean, in a fixed order."""
-    found: set[BlockMean] = set()
+def outermost(e: sympy.Basic, cls: type | None = None) -> list:
+    """The atoms of class ``cls`` (block means by default; windows too) in ``e`` that are not
+    inside another one, in a fixed order."""
+    cls = cls or BlockMean
+    found: set = set()
 
     def walk(a: sympy.Basic) -> None:
-        if isinstance(a, BlockMean):
+        if isinstance(a, cls):
             found.add(a)
             return
         for arg in a.args:
@@ -159,6 +161,13 @@ def outermost(e: sympy.Basic) -> list[BlockMean]:
 
     walk(e)
     return sorted(found, key=sympy.default_sort_key)
+
+
+def hide_blocks(e: sympy.Expr) -> tuple[sympy.Expr, dict[sympy.Dummy, BlockMean]]:
+    """``e`` with each outermost block mean replaced by a fresh real symbol (what reverse and
+    forward mode differentiate by), and the table back: {symbol: block mean}."""
+    table = {m: sympy.Dummy(f"B{k}", real=True) for k, m in enumerate(outermost(e))}
+    return e.xreplace(table), {d: m for m, d in table.items()}
 
 
 class BlockFacts:
