@@ -15,6 +15,7 @@ import sympy
 
 from derivgen.spec.model import DY, N, X  # noqa: F401  (symbols of the spec language)
 from derivgen.symbolic import functions
+from derivgen.symbolic.block import BlockMean
 from derivgen.symbolic.reduce import Mean
 
 try:  # group maxima and minima (statistics of their own), where the engine has them
@@ -95,38 +96,40 @@ def online_layernorm(x, gamma, beta, prev_mean, prev_std, alpha, eps=0.0):
 # ------------------------------------------------------------------ any spec
 
 
-def evaluate(expr: sympy.Expr, env: dict, mean, select=None):
+def evaluate(expr: sympy.Expr, env: dict, mean, select=None, block=None):
     """``expr`` over ``env`` (symbol -> array or number), Mean atoms by ``mean``, group maxima
-    and minima by ``select(op, value)``."""
+    and minima by ``select(op, value)``, block means by ``block(value, axes of (O, G, Cg, S))``."""
+    if isinstance(expr, BlockMean):
+        return block(evaluate(expr.body, env, mean, select, block), expr.axes)
     if expr.is_Symbol:
         return env[expr]
     if expr.is_number:
         return math.pi if expr == sympy.pi else float(expr)
     if GroupMax and isinstance(expr, (GroupMax, GroupMin)):  # GroupMin is a kind of GroupMax
-        return select("min" if isinstance(expr, GroupMin) else "max", evaluate(expr.args[0], env, mean, select))
+        return select("min" if isinstance(expr, GroupMin) else "max", evaluate(expr.args[0], env, mean, select, block))
     if isinstance(expr, Mean):
-        return mean(evaluate(expr.args[0], env, mean, select))
+        return mean(evaluate(expr.args[0], env, mean, select, block))
     if expr.is_Add:
         out = 0.0
         for a in expr.args:
-            out = out + evaluate(a, env, mean, select)
+            out = out + evaluate(a, env, mean, select, block)
         return out
     if expr.is_Mul:
         out = 1.0
         for a in expr.args:
-            out = out * evaluate(a, env, mean, select)
+            out = out * evaluate(a, env, mean, select, block)
         return out
     if expr.is_Pow:
-        base = evaluate(expr.base, env, mean, select)
+        base = evaluate(expr.base, env, mean, select, block)
         if expr.exp.is_Integer:
             return base ** int(expr.exp)
         if expr.exp.is_number:
             return jnp.power(base, float(expr.exp))
-        return jnp.power(base, evaluate(expr.exp, env, mean, select))  # an option's power: x**(-beta)
+        return jnp.power(base, evaluate(expr.exp, env, mean, select, block))  # an option's power: x**(-beta)
     fn = functions.of_node(expr)
     if fn is not None:
         f = FUNCTIONS.get(fn.name) or getattr(jnp, fn.name)
-        return f(*(evaluate(a, env, mean, select) for a in expr.args))
+        return f(*(evaluate(a, env, mean, select, block) for a in expr.args))
     raise TypeError(f"cannot evaluate {type(expr).__name__}: {expr}")
 
 
@@ -144,9 +147,10 @@ def window(u, k: int, shape: tuple, reduce_axes: tuple):
     return jnp.moveaxis(jnp.tensordot(band, jnp.moveaxis(u, axis, 0), axes=1), 0, axis)
 
 
-def spec_forward(spec, mode: str, x4, params4: dict, values: dict, reduce_axes: tuple):
-    """y of ``spec``'s mode ``mode`` for x as a 4-D view whose groups span ``reduce_axes``;
-    parameters as broadcastable views, ``values`` the options, inputs and buffers by name."""
+def spec_forward(spec, mode: str, x4, params4: dict, values: dict, reduce_axes: tuple, axes4=(0, 1, 2, 3)):
+    """y of ``spec``'s mode ``mode`` for x as a view whose groups span ``reduce_axes``;
+    parameters as broadcastable views, ``values`` the options, inputs and buffers by name;
+    ``axes4`` the view's axis of each axis of (O, G, Cg, S) (-1: a unit axis left out)."""
 
     def mean(e):
         return jnp.mean(jnp.broadcast_to(e, x4.shape), axis=reduce_axes, keepdims=True)
@@ -154,6 +158,10 @@ def spec_forward(spec, mode: str, x4, params4: dict, values: dict, reduce_axes: 
     def select(op, e):
         f = jnp.max if op == "max" else jnp.min
         return f(jnp.broadcast_to(e, x4.shape), axis=reduce_axes, keepdims=True)
+
+    def block(e, axes):  # a block mean: over the block's axes of the 4-D view
+        mine = tuple(axes4[a] for a in axes if axes4[a] >= 0)
+        return jnp.mean(jnp.broadcast_to(e, x4.shape), axis=mine, keepdims=True)
 
     n = 1
     for a in reduce_axes:
@@ -170,13 +178,13 @@ def spec_forward(spec, mode: str, x4, params4: dict, values: dict, reduce_axes: 
         env[m.symbol] = (jnp.arange(n) < int(p * n)).astype(float).reshape(shape)
     for w in getattr(spec, "windows", ()):  # window(e, k): a banded 0/1 matrix along the group's axis
         env[w.symbol] = window(
-            evaluate(w.body, env, mean, select),
+            evaluate(w.body, env, mean, select, block),
             int(values[str(w.size)]) if w.size.is_Symbol else int(w.size),
             x4.shape,
             reduce_axes,
         )
-    for st in spec.mode(mode).statistics:
-        env[st.symbol] = evaluate(st.expr, env, mean, select)
+    for st in (*spec.mode(mode).statistics, *getattr(spec.mode(mode), "blocks", ())):
+        env[st.symbol] = evaluate(st.expr, env, mean, select, block)
     if spec.normalized is not None:
-        env[spec.normalized.symbol] = evaluate(spec.normalized_expr, env, mean, select)
-    return jnp.broadcast_to(evaluate(spec.output, env, mean, select), x4.shape)
+        env[spec.normalized.symbol] = evaluate(spec.normalized_expr, env, mean, select, block)
+    return jnp.broadcast_to(evaluate(spec.output, env, mean, select, block), x4.shape)

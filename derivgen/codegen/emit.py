@@ -216,7 +216,7 @@ def _formulas(d: LayerDerivation, printer: SpecPrinter) -> dict[str, list[str]]:
 
 
 # the targets whose kernels have no per-block sums (block statistics: derivgen.symbolic.block)
-BLOCKLESS = ("c", "jax", "triton")
+BLOCKLESS = ("c", "triton")
 
 
 def emit(d: LayerDerivation, targets: Collection[str] = ("numpy", "c")) -> Emitted:
@@ -227,8 +227,8 @@ def emit(d: LayerDerivation, targets: Collection[str] = ("numpy", "c")) -> Emitt
     blocked = sorted(t for t in targets if t in BLOCKLESS) if any(m.blocks for m in d.modes.values()) else []
     if blocked:
         raise NotImplementedError(
-            f"{spec.name}: block statistics (mean(e, kind)) are generated for the NumPy and PyTorch "
-            f"targets; the {', '.join(blocked)} target{'s do' if len(blocked) > 1 else ' does'} not take them"
+            f"{spec.name}: block statistics (mean(e, kind)) are generated for the NumPy, PyTorch and "
+            f"JAX targets; the {', '.join(blocked)} target{'s do' if len(blocked) > 1 else ' does'} not take them"
         )
     printer = SpecPrinter(spec)
     env = _env()

@@ -44,6 +44,10 @@ class _Jax(_NumPy):
         """``_L.window(u, k, transposed)``: the sum over the window along the group's axis."""
         return f"_L.window({self._print(expr.body)}, {self._print(expr.size)}, {expr.transposed})"
 
+    def _print_BlockMean(self, expr):
+        """``_L.block_mean(u, axes)``: the mean over the element's block (axes of (O, G, Cg, S))."""
+        return f"_L.block_mean({self._print(expr.body)}, {expr.axes!r})"
+
     def _print_elementary(self, fn: functions.Elementary, expr: sympy.Expr) -> str:
         (arg,) = expr.args if len(expr.args) == 1 else (None,)
         if fn.name in COMPARED and isinstance(arg, sympy.Add):

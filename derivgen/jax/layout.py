@@ -35,6 +35,7 @@ class JaxLayout:
     group_shape: tuple  # a per-group value's shape as users see it
     dtype: str  # the arithmetic's dtype (float32 at least)
     axis_name: object = None  # a named axis the groups span (batch layouts), or None
+    axes4: tuple = (0, 1, 2, 3)  # the view's axis of each axis of (O, G, Cg, S); -1 where dropped
 
     @property
     def scalar_view(self) -> tuple:
@@ -91,6 +92,14 @@ class JaxLayout:
             out = out + jax.lax.slice_in_dim(padded, d, d + n, axis=axis)
         return out
 
+    def block_mean(self, u, axes):
+        """``mean(u, kind)`` (:mod:`derivgen.symbolic.block`): at each element the mean of u
+        over its block, the ``axes`` of the (O, G, Cg, S) view one block spans (blocks lie
+        inside a group: on this device, never across ``axis_name``)."""
+        full = jnp.broadcast_to(self._array(u), self.view)
+        mine = tuple(self.axes4[a] for a in axes if self.axes4[a] >= 0)
+        return jnp.broadcast_to(jnp.mean(full, axis=mine, keepdims=True), self.view) if mine else full
+
     def mean(self, e):
         """The mean over each group."""
         return self.sum(e) / self.N
@@ -120,12 +129,14 @@ class JaxLayout:
         return jnp.sum(self.stat(v)).reshape(self.scalar_view)
 
 
-def _squeezed(view, reduce_axes, param_view, stat_view, param_axes) -> dict:
+def _squeezed(view, reduce_axes, param_view, stat_view, param_axes, order=(0, 1, 2, 3)) -> dict:
     """The view without its axes of size 1 (XLA's CPU code is several times slower on arrays
-    with trailing unit axes); every other view loses the same axes."""
+    with trailing unit axes); every other view loses the same axes. ``order`` gives the axis
+    of (O, G, Cg, S) each axis of ``view`` is."""
     keep = [i for i, n in enumerate(view) if n != 1] or [len(view) - 1]
     new = {i: k for k, i in enumerate(keep)}
     return {
+        "axes4": tuple(new.get(order.index(a), -1) for a in range(4)),
         "view": tuple(view[i] for i in keep),
         "reduce_axes": tuple(new[i] for i in reduce_axes if i in new),
         "param_view": tuple(param_view[i] for i in keep),
@@ -165,7 +176,7 @@ def make_layout(
             reduce_axes = (1, 3) if per_sample else (0, 1, 3)
             stat = (n, 1, L.G, 1) if per_sample else (1, 1, L.G, 1)
         return JaxLayout(
-            **_squeezed((n, s, L.G, L.Cg), reduce_axes, (1, 1, L.G, L.Cg), stat, (0, 1)),
+            **_squeezed((n, s, L.G, L.Cg), reduce_axes, (1, 1, L.G, L.Cg), stat, (0, 1), order=(0, 3, 1, 2)),
             n_local=L.group_size,
             x_shape=x_shape,
             param_shape=L.param_shape,

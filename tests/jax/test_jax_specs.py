@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import ROOT, block_layer, require_module
+from conftest import ROOT, require_module
 
 jax = require_module("jax")
 jax.config.update("jax_enable_x64", True)
@@ -63,7 +63,9 @@ def _check_case(spec, case):
             k: (v.reshape(L.scalar_view) if v.size == 1 else v.reshape(L.stat_view))
             for k, v in {**dict(zip(inputs, a[1 + n_p :])), **bufs}.items()
         }
-        y = jax_ref.spec_forward(spec, case.mode, a[0].reshape(L.view), p4, {**opts, **per_group}, L.reduce_axes)
+        y = jax_ref.spec_forward(
+            spec, case.mode, a[0].reshape(L.view), p4, {**opts, **per_group}, L.reduce_axes, L.axes4
+        )
         return y.reshape(a[0].shape)
 
     rng = np.random.default_rng(11)
@@ -86,10 +88,6 @@ def test_examples(path):
 @pytest.mark.parametrize("path", ZOO, ids=[p.stem for p in ZOO])
 def test_zoo(path):
     spec = load_spec_file(str(path))
-    if block_layer(spec):  # the JAX target takes no block statistics: it says so
-        with pytest.raises(NotImplementedError, match="block statistics"):
-            dj.function(spec)
-        return
     _check(spec)
 
 
