@@ -60,13 +60,16 @@ TEST_WORKERS ?= 2
 test: $(STAMP) pdflatex lint
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS)
 
-# the spec fuzzer's larger corpus (the test suite runs seeds 0-159); SEEDS=a-b, JOBS=n,
+# the spec fuzzer's larger corpus (the test suite runs seeds 0-159 and 100000-100002); SEEDS=a-b,
+# BLOCK_SEEDS=a-b (the block family: seeds from 100000 have block statistics), JOBS=n,
 # PROOF_SECONDS per proof size (the test suite's 10) before exact numbers take over
 SEEDS ?= 160-1199
+BLOCK_SEEDS ?= 100003-100199
 JOBS  ?= 2
 PROOF_SECONDS ?= 10
 fuzz: $(STAMP)
 	$(BIN)/python tests/specfuzz.py --seeds $(SEEDS) --jobs $(JOBS) --proof-seconds $(PROOF_SECONDS) --progress
+	$(BIN)/python tests/specfuzz.py --seeds $(BLOCK_SEEDS) --jobs $(JOBS) --proof-seconds $(PROOF_SECONDS) --progress
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -130,6 +130,8 @@ def generate(seed: int, name_coordinate: bool | None = None) -> str:
     kind = rng.choice(["trailing", "trailing", "trailing2", "batch", "instance", "group"])
     if kind == "instance" and seed % 2 == 0:  # groups within a sample: a channel, or a position's channels
         kind = "position"  # (chosen by the seed alone, so every other draw is as it was)
+    if seed >= BLOCK_SEEDS:  # the block family: a layout whose groups hold blocks (seed alone again)
+        kind = ("batch", "group", "all")[seed % 3]
     if kind == "trailing2":
         s.layout = {"kind": '"trailing"', "axes": "2"}
     elif kind == "trailing":
@@ -311,6 +313,8 @@ def generate(seed: int, name_coordinate: bool | None = None) -> str:
     _selections_and_friends(random.Random(seed * 7919 + 17), s, names, kind, z, terms)
     _leading_masks(random.Random(seed * 104729 + 31), s, names, kind, z, xh, terms, eps)
     _windows(random.Random(seed * 15485863 + 47), s, names, kind, z, terms)
+    if seed >= BLOCK_SEEDS:
+        _blocks(random.Random(seed * 32452843 + 59), s, names, kind, terms, eps, c)
     s.output = " + ".join(terms)
     return s.toml(f"fuzz{seed}")
 
@@ -389,6 +393,41 @@ def _windows(rng: random.Random, s: _Spec, names: Names, kind: str, z: str, term
         terms.append(f"0.1*window({e}, {k})")
     else:
         terms.append(f"{z}*exp(-window({e}, {k})**2/{k})")
+
+
+# seeds from here on draw the block family: every spec has block statistics (mean(e, kind))
+BLOCK_SEEDS = 100_000
+
+
+def _blocks(rng: random.Random, s: _Spec, names: Names, kind: str, terms: list[str], eps: str, c: str | None) -> None:
+    """Block statistics (the block family's seeds only): a block's mean and two-pass variance
+    dividing a term, a block mean of a function of x, a block mean of x less a group
+    statistic, or (the ``all`` layout) a mixture of two kinds' means; one or two of them."""
+    kinds = ["instance", "sample", "batch"] if kind == "all" else ["instance"]
+    for _ in range(rng.choice([1, 1, 2])):
+        k = rng.choice(kinds)
+        u = rng.random()
+        bm = names.new("bmean", "m_in", "mu_b")
+        if u < 0.4:
+            s.stats.append((bm, f"mean(x, '{k}')"))
+            bv = names.new("bvar", "v_in", "s2_b")
+            s.stats.append((bv, f"mean((x - {bm})**2, '{k}')"))
+            terms.append(f"{rng.choice(['0.5', '1'])}*(x - {bm})/sqrt({bv} + {eps} + 0.1)")
+        elif u < 0.6:
+            e = rng.choice(["x**2", "abs(x)", "tanh(x)", "exp(-x**2)"])
+            s.stats.append((bm, f"mean({e}, '{k}')"))
+            terms.append(f"x/(1 + {bm})")
+        elif u < 0.8 and c is not None:
+            s.stats.append((bm, f"mean((x - {c})**2, '{k}')"))  # a group statistic inside a block mean
+            terms.append(f"0.3*x*exp(-{bm})")
+        else:
+            k2 = rng.choice(kinds)
+            s.stats.append((bm, f"mean(x, '{k}')"))
+            b2 = names.new("bmean2", "m_ln", "mu_c")
+            s.stats.append((b2, f"mean(x, '{k2}')"))
+            mix = names.new("bmix", "mu_mix", "m_x")
+            s.stats.append((mix, f"0.7*{bm} + 0.3*{b2}"))
+            terms.append(f"maximum(x - {mix}, -0.5)")
 
 
 # ------------------------------------------------------------------ the pipeline

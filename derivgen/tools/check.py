@@ -23,6 +23,7 @@ import numpy as np
 import sympy
 
 from derivgen.api import derive, load
+from derivgen.codegen.emit import BLOCKLESS
 from derivgen.derive.first import ModeDerivation
 from derivgen.runtime import Layout, resolve_layout
 from derivgen.spec.model import Spec
@@ -86,6 +87,8 @@ def cases_for(spec: Spec) -> list[Case]:
             xs, ps = (2, 3, 7), (3,)
         elif spec.reduce == "position":
             xs, ps = (2, 5, 3, 7), (5,)
+        elif spec.reduce == "all":
+            xs, ps = (3, 2, 5), (2,)
         else:
             xs, ps = (2, 6, 5), (6,)
             kw["num_groups"] = 3
@@ -236,7 +239,17 @@ def _spec_forward(
             v = np.asarray(kw[item.name], np.float64).reshape(-1)
             scalars[item.name] = v[0] if v.size == 1 else v[grp]
         xs = x4[sel]
-        y, _ = ev.forward(xs.reshape(-1), {k: v[sel].reshape(-1) for k, v in p4.items()}, scalars)
+        held = [a for a, k in enumerate(sel if isinstance(sel, tuple) else (sel,)) if isinstance(k, slice)]
+        held += list(range(len(sel), 4))  # the axes of the view the group's array keeps, in order
+
+        def block(v, axes, shape=xs.shape, held=held):
+            """A block mean over the group's elements (flat, in the view's order)."""
+            a = np.broadcast_to(np.asarray(v, np.float64).reshape(-1) if np.ndim(v) else v, (math.prod(shape),))
+            a = a.reshape(shape)
+            on = tuple(held.index(k) for k in axes if k in held)
+            return np.broadcast_to(a.mean(axis=on, keepdims=True), shape).reshape(-1)
+
+        y, _ = ev.forward(xs.reshape(-1), {k: v[sel].reshape(-1) for k, v in p4.items()}, scalars, block)
         y4[sel] = y.reshape(xs.shape)
     return y4.reshape(x.shape)
 
@@ -365,6 +378,12 @@ def check_layer(
                 else ("ok (checked numerically)" if proof.ok else "FAIL: " + proof.status),
             )
         )
+    if any(m.blocks for m in spec.modes):  # block statistics: the targets with per-block sums
+        for b in (b for b in backends if b in BLOCKLESS):
+            rows.append(
+                Row(spec.name, "-", b, "-", "generated", status="skipped: the target takes no block statistics")
+            )
+        backends = tuple(b for b in backends if b not in BLOCKLESS)
     mods = {b: load(spec, backend=b) for b in backends}
     have_torch = torch_ref.torch_available()
     for case in cases_for(spec):
@@ -381,7 +400,11 @@ NO_FD = "n/a: finite differences see through stop_gradient"
 def _stops_gradient(spec: Spec) -> bool:
     """Whether the spec calls stop_gradient: finite differences of its forward then differ
     from its gradient by design, and PyTorch autograd and the proof are the gradient's checks."""
-    exprs = [spec.output, *(st.expr for m in spec.modes for st in m.statistics), *(b.update for b in spec.buffers)]
+    exprs = [
+        spec.output,
+        *(st.expr for m in spec.modes for st in (*m.statistics, *m.blocks)),
+        *(b.update for b in spec.buffers),
+    ]
     if spec.normalized_expr is not None:
         exprs.append(spec.normalized_expr)
     for e in exprs:

@@ -19,16 +19,22 @@ from derivgen.runtime.elementwise import numpy_function
 from derivgen.runtime.validate import leading_count
 from derivgen.spec.model import DY, N, X
 from derivgen.symbolic import functions
+from derivgen.symbolic.block import BlockMean
 from derivgen.symbolic.reduce import GroupMax, GroupMin, Mean
 from derivgen.symbolic.window import Window, offsets
 
 
 def evaluate(
-    expr: sympy.Expr, env: dict[sympy.Symbol, object], mean: Callable = np.mean, extreme: Callable | None = None
+    expr: sympy.Expr,
+    env: dict[sympy.Symbol, object],
+    mean: Callable = np.mean,
+    extreme: Callable | None = None,
+    block: Callable | None = None,
 ) -> object:
     """``expr`` over the values in ``env``; ``mean`` reduces a Mean's argument (default: the
-    whole array, one group; derivgen.tools.baseline passes a mean over the group axes), and
-    ``extreme(values, "max" | "min")`` a group max()/min() (default: over the whole array)."""
+    whole array, one group; derivgen.tools.baseline passes a mean over the group axes),
+    ``extreme(values, "max" | "min")`` a group max()/min() (default: over the whole array), and
+    ``block(values, axes)`` a block mean over the axes of (O, G, Cg, S) its blocks span."""
     if expr.is_Symbol:
         try:
             return env[expr]
@@ -36,28 +42,32 @@ def evaluate(
             raise KeyError(f"no value for symbol {expr}") from None
     if expr.is_number:  # 2, 1/2, pi, sqrt(pi)
         return float(expr)
+    if isinstance(expr, BlockMean):
+        if block is None:
+            raise TypeError(f"a block mean needs the group's shape: {expr}")
+        return block(evaluate(expr.body, env, mean, extreme, block), expr.axes)
     if isinstance(expr, Mean):
-        return mean(evaluate(expr.args[0], env, mean, extreme))
+        return mean(evaluate(expr.args[0], env, mean, extreme, block))
     if isinstance(expr, Window):  # one group: the elements in order, none past the ends
         n = len(env[X])
-        u = np.broadcast_to(np.asarray(evaluate(expr.body, env, mean, extreme), dtype=np.float64), (n,))
-        near = offsets(int(evaluate(expr.size, env, mean, extreme)), expr.transposed)
+        u = np.broadcast_to(np.asarray(evaluate(expr.body, env, mean, extreme, block), dtype=np.float64), (n,))
+        near = offsets(int(evaluate(expr.size, env, mean, extreme, block)), expr.transposed)
         return np.array([sum(u[i + d] for d in near if 0 <= i + d < n) for i in range(n)], dtype=np.float64)
     if isinstance(expr, GroupMax):  # GroupMin is one too
-        values = evaluate(expr.args[0], env, mean, extreme)
+        values = evaluate(expr.args[0], env, mean, extreme, block)
         kind = "min" if isinstance(expr, GroupMin) else "max"
         if extreme is not None:
             return extreme(values, kind)
         return np.min(values) if kind == "min" else np.max(values)
     if expr.is_Add:
-        return sum(evaluate(a, env, mean, extreme) for a in expr.args)
+        return sum(evaluate(a, env, mean, extreme, block) for a in expr.args)
     if expr.is_Mul:
         out = 1.0
         for a in expr.args:
-            out = out * evaluate(a, env, mean, extreme)
+            out = out * evaluate(a, env, mean, extreme, block)
         return out
     if expr.is_Pow:
-        base = evaluate(expr.base, env, mean, extreme)
+        base = evaluate(expr.base, env, mean, extreme, block)
         exponent = expr.exp
         root = functions.half_power_sign(expr)  # x**(1/2) or x**(-1/2): the table's square root
         if root:
@@ -65,10 +75,10 @@ def evaluate(
             return sqrt if root > 0 else 1.0 / sqrt
         if exponent.is_Integer:
             return base ** int(exponent)
-        return np.power(base, float(exponent) if exponent.is_number else evaluate(exponent, env, mean, extreme))
+        return np.power(base, float(exponent) if exponent.is_number else evaluate(exponent, env, mean, extreme, block))
     fn = functions.of_node(expr)
     if fn is not None:  # the table's NumPy function
-        return numpy_function(fn)(*(evaluate(a, env, mean, extreme) for a in expr.args))
+        return numpy_function(fn)(*(evaluate(a, env, mean, extreme, block) for a in expr.args))
     raise TypeError(f"cannot evaluate {type(expr).__name__}: {expr}")
 
 
@@ -79,14 +89,19 @@ class GroupEvaluator:
         self.mode = mode
         self.spec = mode.spec
 
-    def forward(self, x: np.ndarray, params: dict, scalars: dict) -> tuple[np.ndarray, dict]:
+    def forward(
+        self, x: np.ndarray, params: dict, scalars: dict, block: Callable | None = None
+    ) -> tuple[np.ndarray, dict]:
         """y over the group's elements ``x``, and the environment (statistics, coordinates) the
         backward reads. ``params`` by name (arrays over the group, or scalars); ``scalars`` the
-        options, inputs and buffers by name (one value each)."""
+        options, inputs and buffers by name (one value each); ``block(values, axes)`` the block
+        means of a layer with block statistics."""
         mode, spec = self.mode, self.spec
         env = self._env(x, params, scalars)
         for st in mode.statistics:  # with the auxiliaries the engine named
             env[st.symbol] = evaluate(st.expr, env)
+        for b in mode.blocks:  # one value per block, held per element
+            env[b.symbol] = evaluate(b.expr, env, block=block) * np.ones_like(x)
         if spec.normalized is not None:
             env[spec.normalized.symbol] = evaluate(mode.normalized_expr, env) * np.ones_like(x)
         for w in spec.windows:

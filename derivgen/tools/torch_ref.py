@@ -20,6 +20,7 @@ import sympy
 from derivgen.runtime import Layout, leading_mask
 from derivgen.spec.model import N, Spec, X
 from derivgen.symbolic import functions
+from derivgen.symbolic.block import BlockMean
 from derivgen.symbolic.reduce import GroupMax, GroupMin, Mean
 from derivgen.symbolic.window import Window
 
@@ -228,7 +229,7 @@ class SpecForward:
         for b in spec.buffers:
             if kw.get(b.name) is not None:
                 env[b.symbol] = group(kw[b.name])
-        for st in self.mode.statistics:
+        for st in (*self.mode.statistics, *self.mode.blocks):  # group values, then block values
             env[st.symbol] = self._eval(st.expr, env)
         if spec.normalized is not None:
             env[spec.normalized.symbol] = self._eval(spec.normalized_expr, env)
@@ -248,6 +249,9 @@ class SpecForward:
         if isinstance(expr, Mean):
             arg = self._eval(expr.args[0], env) * torch.ones(self.layout.view4, dtype=torch.float64)
             return arg.mean(dim=self.layout.reduce_axes, keepdim=True)
+        if isinstance(expr, BlockMean):  # over the axes of the view one block spans
+            arg = self._eval(expr.body, env) * torch.ones(self.layout.view4, dtype=torch.float64)
+            return arg.mean(dim=expr.axes, keepdim=True)
         if isinstance(expr, Window):  # zero padded along the group's axis (2 of the view), then summed
             arg = self._eval(expr.body, env) * torch.ones(self.layout.view4, dtype=torch.float64)
             k, n = int(self._eval(expr.size, env)), self.layout.Cg

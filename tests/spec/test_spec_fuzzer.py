@@ -13,8 +13,9 @@ import pytest
 import specfuzz
 
 from derivgen.spec.model import parse_spec, reserved_reason
+from derivgen.symbolic.block import BlockMean
 
-CI_SEEDS = range(160)
+CI_SEEDS = [*range(160), *range(specfuzz.BLOCK_SEEDS, specfuzz.BLOCK_SEEDS + 3)]  # and three of the block family
 CI_DEADLINE = 900  # seconds; seeds not started by then fail the test ("not run")
 
 
@@ -29,6 +30,15 @@ def test_generated_specs_are_valid_and_varied():
         names |= {n for n in spec.symbols if n not in ("x", "N") and n not in masks}
         assert all(reserved_reason(n) is None for n in names)
     assert len(kinds) == 5  # trailing, batch, instance, group, position
+    # the block family: block statistics in every layout whose groups hold blocks
+    family = [parse_spec(specfuzz.generate(s), source=f"fuzz{s}.toml") for s in range(100_000, 100_030)]
+    assert all(sp.mode().blocks for sp in family)
+    assert {sp.reduce for sp in family} == {"batch", "group", "all"}
+    assert {a.kind for sp in family for b in sp.mode().blocks for a in b.expr.atoms(BlockMean)} == {
+        "instance",
+        "sample",
+        "batch",
+    }
     # the names derivgen's generated code once used for itself are ordinary names now
     assert names & {"s", "m", "b", "base", "part", "idx", "grp", "mine", "np", "stats", "call"}
     assert any(n.endswith("_t") for n in names)
