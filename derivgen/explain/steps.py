@@ -17,9 +17,10 @@ from dataclasses import dataclass
 
 import sympy
 
-from derivgen.derive.first import G, ModeDerivation, Partial, mode_depends_on_x, tidy_windows
+from derivgen.derive.first import G, ModeDerivation, Partial, block_facts, mode_depends_on_x, tidy_windows
 from derivgen.explain.document import latex_expr, text_expr
 from derivgen.spec.model import DY, Named, Spec, Statistic, X
+from derivgen.symbolic.block import BlockMean, block_mean, hide_blocks
 from derivgen.symbolic.reduce import GroupMin, Mean, ReductionAlgebra
 
 
@@ -169,13 +170,90 @@ def _definitions(mode: ModeDerivation) -> Step:
         )
         for w in spec.windows
     ]
+    eqs += [
+        Equation(
+            "{" + b.latex + "}_i", b.text, b.expr, note="one value per " + " and per ".join(sorted(b.kinds)) + " block"
+        )
+        for b in mode.blocks
+    ]
     if spec.normalized is not None:
         eqs.append(Equation(spec.normalized.latex + "_i", spec.normalized.text, mode.normalized_expr))
     eqs.append(Equation("y_i", "y", spec.output))
+    blocks = (
+        " A mean with a kind beside it, ⟨e⟩_instance (sample, batch), is over the block of the group "
+        "that element i lies in: its (sample, channel)'s positions (its sample's channels and "
+        "positions; its channel's samples and positions)."
+        if mode.blocks
+        else ""
+    )
     return Step(
         "Definitions",
         "One normalization group holds N elements x_i. Angle brackets are the mean over "
-        "the group, ⟨e⟩ = (1/N) Σ_j e_j. The statistics, in order:",
+        f"the group, ⟨e⟩ = (1/N) Σ_j e_j.{blocks} The statistics, in order:",
+        tuple(eqs),
+    )
+
+
+def _blocks(mode: ModeDerivation, names: _Names) -> Step:
+    """How the gradient reaches x through the block statistics: a block mean is its own
+    transpose, so an element's adjoint comes back as the block mean of the adjoints."""
+    eqs = []
+    for b in mode.blocks:
+        d = sympy.powsimp(sympy.diff(mode.output, b.symbol))
+        if d != 0:
+            eqs.append(Equation(partial_latex("y_i", "{" + b.latex + "}_i"), partial_text("y_i", b.text + "_i"), d))
+    facts = block_facts(mode.blocks, mode.element, {p.symbol for p in mode.spec.params if not p.scalar})
+    size = sympy.Symbol("N_b", positive=True)
+    for b in mode.blocks:
+        hidden, back = hide_blocks(b.expr)
+        for v in sorted(hidden.free_symbols, key=sympy.default_sort_key):
+            d = sympy.diff(hidden, v).xreplace(back)
+            if d == 0:
+                continue
+            if v not in back:  # read directly: another block statistic, a group value
+                eqs.append(Equation(partial_latex(b.latex, names.latex(v)), partial_text(b.text, names.text(v)), d))
+                continue
+            u = back[v].body
+            eqs.append(
+                Equation(
+                    partial_latex("{" + b.latex + "}_i", "x_j"),
+                    f"∂{b.text}_i/∂x_j",
+                    d * sympy.diff(u, X) / size,
+                    note=f"for x_j in the {back[v].kind} block of i (N_b elements), else 0",
+                )
+            )
+            for m in mode.blocks:  # through a block statistic inside the block mean
+                du = sympy.diff(u, m.symbol)
+                if du == 0:
+                    continue
+                raw = block_mean(du, back[v].kind)
+                val = facts.rewrite(raw)
+                because = val == 0 and isinstance(m.expr, BlockMean)
+                why = f"{names.expr_text(raw)} = {names.expr_text(val)}" + (
+                    f" because {m.text} = {names.expr_text(m.expr)}" if because else ""
+                )
+                why_l = f"${names.expr_latex(raw)} = {names.expr_latex(val)}$" + (
+                    f" because ${m.latex} = {names.expr_latex(m.expr)}$" if because else ""
+                )
+                eqs.append(
+                    Equation(
+                        partial_latex(b.latex, m.latex) + r"\ \text{via}\ " + names.expr_latex(back[v]),
+                        partial_text(b.text, m.text) + " via " + names.expr_text(back[v]),
+                        d * val,
+                        note=why,
+                        note_latex=why_l,
+                    )
+                )
+    return Step(
+        "Through the block statistics",
+        "A block statistic b is one value per block; its adjoint at element i, "
+        "b̄_i = ∂L/∂y_i·∂y_i/∂b_i plus what later block statistics pass on, reaches what its "
+        "definition reads directly by ∂b/∂v, and what a block mean ⟨u⟩ of it reads by the same "
+        "block mean of the adjoint: ∂L/∂x_j gets ⟨b̄·∂b/∂⟨u⟩⟩_j·∂u_j/∂x_j (a block mean is its own "
+        "transpose: Σ_i a_i⟨u⟩_i = Σ_j ⟨a⟩_j u_j). These block means are rewritten exactly as the "
+        "group means are: per-block factors come out, and ⟨x - m⟩ = 0 for m = ⟨x⟩, so a "
+        "variance's adjoint does not reach its own mean. The partial derivatives, then the "
+        "closed form below:",
         tuple(eqs),
     )
 
@@ -453,6 +531,8 @@ def build_steps(mode: ModeDerivation) -> tuple[Step, ...]:
     steps.append(_local_partials(mode, names))
     if spec.windows:
         steps.append(_windows(mode))
+    if mode.blocks:
+        steps.append(_blocks(mode, names))
     steps += [
         _statistic_partials(mode, names),
         _statistic_adjoints(mode),
