@@ -82,8 +82,8 @@ y = "x/(k + alpha*window(x**2, size)/size)**beta"
 
 
 def block_layer(spec) -> bool:
-    """Does the layer have block statistics (mean(e, kind))? The C, JAX and Triton targets
-    refuse those layers with a NotImplementedError that says so."""
+    """Does the layer have block statistics (mean(e, kind))? The Triton target refuses those
+    layers with a NotImplementedError that says so."""
     return any(m.blocks for m in spec.modes)
 
 

@@ -27,6 +27,7 @@ from sympy import Add
 
 from derivgen.codegen.ir import Assign, Loop, ModeIR, SecondIR, Select, needed_temps
 from derivgen.codegen.printers import SpecPrinter
+from derivgen.symbolic.block import BLOCK_AXES, BlockMean, outermost
 from derivgen.symbolic.naming import derived
 from derivgen.symbolic.window import Window
 
@@ -101,6 +102,10 @@ class CLoop:
     # channels-last) go into float lanes of DG_PEND lane blocks, in element arithmetic
     # (param_pend), then into double lanes; the position layout's kernels keep them in double
     float_lanes: bool = False
+    # the block passes (block statistics: BlockPass) the element code reads, dependencies first,
+    # and those of them no earlier sweep of the kernel computed for the group (``fresh``)
+    blocks: tuple[BlockPass, ...] = ()
+    fresh: tuple[BlockPass, ...] = ()
 
     # Runs whose iterations carry no lane sums may start their lane blocks anywhere, so a
     # long streaming run peels a scalar head up to a 64-byte boundary of its single output
@@ -138,6 +143,146 @@ def _live(prelude: list[CDecl], reads: frozenset[str]) -> tuple[CDecl, ...]:
             keep.insert(0, decl)
             used |= decl.reads
     return tuple(keep)
+
+
+# ---- block statistics (derivgen.symbolic.block) ------------------------------
+#
+# A block mean mean(u, kind) is one value per block of its kind inside the group (an
+# instance: a (sample, channel)'s positions; a sample; a channel over the samples). Before
+# a sweep reads one, a block pass walks the group once and leaves the block's mean of u in
+# an array of the thread's scratch, ``Bm<k>_A``, one double per block of the group; the
+# sweep's element code reads it at its block, ``Bm<k>``, as it reads a per-channel
+# parameter (a block spans the positions, so its value is one per (block index, channel)).
+# A block mean inside u is a pass of its own, run first. The passes sum u in double, in
+# DG_LANES lanes per run of S positions, runs added in order: the sums do not depend on the
+# thread count.
+
+
+@dataclass(frozen=True)
+class BlockPass:
+    """One block mean as a pass over the group, for the C template (kernel.c.j2, block_pass)."""
+
+    slot: int  # its array: Bm<slot>_A
+    comment: str
+    count: str  # C: the blocks one group holds
+    size: str  # C: the elements one block holds (a double)
+    index: str  # C: the block of the element (Blk, Ch)
+    chan_loads: tuple[str, ...]  # per channel: parameters, masks, the block values u reads
+    elem_loads: tuple[str, ...]  # per element: x, dy, seeds, temporaries
+    body: str  # u, in double
+    deps: tuple[int, ...]  # the slots u reads, directly or through another pass
+
+
+def block_index(axes: tuple[int, ...]) -> tuple[str, str, str]:
+    """C text of a block kind's (index of the element's block, blocks per group, elements per
+    block) in a channel kernel's loops: sample blocks ``Blk`` (O, when the group spans the
+    samples), channel ``Ch - Gi * Cg`` of the group; ``axes`` those of the (O, G, Cg, S) view
+    one block spans (every kind spans the positions S)."""
+    per_o, per_c = 0 not in axes, 2 not in axes
+    chan = "(Ch - Gi * Cg)"
+    index = {(True, True): f"Blk * Cg + {chan}", (True, False): "Blk", (False, True): chan, (False, False): "0"}
+    count = {(True, True): "Blocks * Cg", (True, False): "Blocks", (False, True): "Cg", (False, False): "1"}
+    size = "*".join(f for f, on in (("Blocks", not per_o), ("Cg", not per_c), ("S", True)) if on)
+    return index[(per_o, per_c)], count[(per_o, per_c)], f"(double)({size})"
+
+
+class BlockSlots:
+    """The block arrays of one mode's kernels for one element type: one slot per distinct
+    block mean (its body, with the block means inside it hidden, and its kind)."""
+
+    def __init__(self) -> None:
+        self.keys: dict[tuple, int] = {}
+
+    def slot(self, body: sympy.Expr, kind: str) -> int:
+        """The slot of mean(body, kind), made on first use."""
+        return self.keys.setdefault((body, kind), len(self.keys))
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+
+def hide_block_means(e: sympy.Expr, make) -> sympy.Expr:
+    """``e`` with each outermost block mean replaced by ``make(body, kind)`` (a symbol), its
+    body's block means replaced first."""
+    if not e.has(BlockMean):
+        return e
+    return e.xreplace({b: make(hide_block_means(b.body, make), b.kind) for b in outermost(e)})
+
+
+def block_slots_read(names: Iterable[str]) -> list[int]:
+    """The block slots among the symbol names ``names`` (Bm<k>)."""
+    return sorted(int(n[2:]) for n in names if n.startswith("Bm") and n[2:].isdigit())
+
+
+def block_load(slot: int, kind_axes: tuple[int, ...], to: str = "double") -> str:
+    """The declaration of block value ``Bm<slot>`` at the element's block."""
+    index, _, _ = block_index(kind_axes)
+    cast = "" if to == "double" else f"({to})"
+    return f"const {to} Bm{slot} = {cast}Bm{slot}_A[{index}];"
+
+
+class BlockPasses:
+    """One planner's block passes: the block means of its expressions hidden as ``Bm<k>``
+    symbols (slots shared by the mode's kernels), each pass planned once by ``plan(slot,
+    body, kind, temps)`` (a BlockPass)."""
+
+    def __init__(self, slots: BlockSlots, plan) -> None:
+        self.slots, self.plan = slots, plan
+        self.passes: dict[int, BlockPass] = {}
+        self.axes: dict[int, tuple[int, ...]] = {}
+
+    def hide(self, e: sympy.Expr, temps: list[tuple[str, sympy.Expr]]) -> sympy.Expr:
+        """``e`` with its block means as Bm symbols, their passes planned with ``temps``."""
+
+        def make(body: sympy.Expr, kind: str) -> sympy.Symbol:
+            slot = self.slots.slot(body, kind)
+            if slot not in self.passes:
+                self.axes[slot] = BLOCK_AXES[kind]
+                self.passes[slot] = self.plan(slot, body, kind, temps)
+            return sympy.Symbol(f"Bm{slot}")
+
+        return hide_block_means(e, make)
+
+    def hide_temps(self, temps: Sequence[tuple[str, sympy.Expr]]) -> list[tuple[str, sympy.Expr]]:
+        """Element temporaries with their block means hidden, each with the temporaries before it."""
+        out: list[tuple[str, sympy.Expr]] = []
+        for nm, te in temps:
+            out.append((nm, self.hide(te, list(out))))
+        return out
+
+    def needed(self, names: Iterable[str]) -> tuple[BlockPass, ...]:
+        """The passes that code reading ``names`` needs, dependencies first."""
+        want: set[int] = set()
+        todo = block_slots_read(names)
+        while todo:
+            k = todo.pop()
+            if k not in want:
+                want.add(k)
+                todo.extend(self.passes[k].deps)
+        return tuple(self.passes[k] for k in sorted(want))
+
+    def loads(self, names: Iterable[str], to: str = "double") -> list[str]:
+        """The declarations of the block values among ``names``."""
+        return [block_load(k, self.axes[k], to) for k in block_slots_read(names)]
+
+
+def block_pass(
+    slot: int, kind: str, comment: str, chan_loads, elem_loads, body: str, names: Iterable[str], passes: BlockPasses
+) -> BlockPass:
+    """A BlockPass of a body planned as ``chan_loads``, ``elem_loads`` and ``body`` reading ``names``."""
+    index, count, size = block_index(BLOCK_AXES[kind])
+    deps = tuple(p.slot for p in passes.needed(names) if p.slot != slot)
+    return BlockPass(
+        slot=slot,
+        comment=comment,
+        count=count,
+        size=size,
+        index=index,
+        chan_loads=tuple(chan_loads),
+        elem_loads=tuple(elem_loads),
+        body=body,
+        deps=deps,
+    )
 
 
 # ---- channels last (NHWC) -------------------------------------------------
@@ -299,6 +444,8 @@ class SecondPlan:
     inputs: tuple[tuple[str, str], ...]  # (input, group variable)
     param_groups: tuple[tuple[int, str], ...]  # (parameter slot, group variable)
     seed_group: tuple[tuple[str, str], ...]  # (name, declaration): per-group loads of input seeds, scalar seeds
+    blocks1: tuple[BlockPass, ...] = ()  # the block passes before the reduction sweep
+    blocks2: tuple[BlockPass, ...] = ()  # and those before the output sweep (the others' arrays kept)
 
 
 @dataclass(frozen=True)
@@ -311,6 +458,7 @@ class KernelPlan:
     backward: BackwardPlan
     second: dict[str, SecondPlan] | None  # "bb", "jvp"; None for bfloat16 (no second-order kernels)
     windows: tuple[str, ...] = ()  # the static functions the kernels call for window(e, k), in order
+    block_slots: int = 0  # the block arrays (Bm<k>_A) a thread of these kernels holds
 
 
 def hide_windows(e: sympy.Expr) -> sympy.Expr:
@@ -437,8 +585,16 @@ class WindowFunctions:
 class CPlanner:
     """Turns a ModeIR into C statement strings for one element type."""
 
-    def __init__(self, printer: SpecPrinter, ir: ModeIR, ctype: str, windows: WindowFunctions | None = None):
+    def __init__(
+        self,
+        printer: SpecPrinter,
+        ir: ModeIR,
+        ctype: str,
+        windows: WindowFunctions | None = None,
+        slots: BlockSlots | None = None,
+    ):
         spec = printer.spec
+        self.blocks = BlockPasses(slots if slots is not None else BlockSlots(), self._block_pass)
         self.printer, self.spec, self.ir, self.ctype = printer, spec, ir, ctype
         self.windows = windows or WindowFunctions(printer, f"{spec.name}_{ir.mode}", ctype)
         self.atype = ATYPES[ctype]
@@ -456,6 +612,13 @@ class CPlanner:
             **{p: derived(p, "V") for p in self.params if p not in self.scalar},
             **{m: derived(m, "V") for m in self.masks},
         }
+
+    def _block_pass(self, slot: int, body: sympy.Expr, kind: str, temps: list) -> BlockPass:
+        """The pass leaving mean(body, kind) per block in Bm<slot>_A (body summed in double)."""
+        lp = self.loop([body], temps, group_sums=[("Acc", body)], arith="double")
+        names = {f"Bm{p.slot}" for p in lp.blocks}
+        comment = f'Bm{slot} = mean({self.printer.code(body)}, "{kind}")'
+        return block_pass(slot, kind, comment, lp.param_loads, lp.elem_loads, lp.group_sums[0][1], names, self.blocks)
 
     def g(self, e: sympy.Expr) -> tuple[str, frozenset[str]]:
         """A group-level expression (double), and the names it reads."""
@@ -529,7 +692,16 @@ class CPlanner:
         kernels) computes in float, adding group-level terms as hi + lo pairs.
         """
         ctype = self.ctype
+        # block means are read as values one per block, left by their passes (BlockPass)
+        temps = self.blocks.hide_temps(temps)
+        exprs = [self.blocks.hide(e, temps) for e in exprs]
+        stores = [(o, self.blocks.hide(e, temps)) for o, e in stores]
+        group_sums = [(a, self.blocks.hide(e, temps)) for a, e in group_sums]
+        param_sums = [(k, self.blocks.hide(e, temps)) for k, e in param_sums]
         needed, names = needed_temps([hide_windows(e) for e in exprs], temps)
+        block_reads = [f"Bm{k}" for k in block_slots_read(names)]
+        if block_reads:  # block values are double: the element code reading them is too
+            arith = "double"
         chan = [p for p in self.params if p not in self.scalar]
         loads = {"x": ("Xv", "x", "Idx"), "dy": ("Dyv", "dy", "Idx")}
         loads.update({p: (derived(p, "V"), p, "Ch") for p in chan})
@@ -544,9 +716,10 @@ class CPlanner:
             window_reads.update(self.group_names.get(g, g) for g in fn.groups)
             return fn.call(self.group_names)
 
-        elem = {"x", "dy", *chan, *self.masks} | {nm for nm, _ in needed}
+        elem = {"x", "dy", *chan, *self.masks, *block_reads} | {nm for nm, _ in needed}
         enames = dict(self.group_names)
         enames.update(self.elem_names)
+        enames.update({b: b for b in block_reads})
         prelude, hoisted = ([], {})
         if arith == "float":
             prelude, hoisted = self._float_prelude([te for _, te in needed] + list(exprs), elem, enames)
@@ -578,6 +751,7 @@ class CPlanner:
         dnames = dict(self.group_names)
         dnames.update(self.elem_names)
         dnames.update({nm: nm for nm, _ in needed})
+        dnames.update({b: b for b in block_reads})
         if arith != "double":
             dnames.update({k: f"((double){v})" for k, v in dnames.items() if k in elem})
 
@@ -589,6 +763,7 @@ class CPlanner:
         param_loads = [
             f"const {arith} {derived(p, 'V')} = {c_load(p + '[Ch]', ctype, arith)};" for p in chan if p in names
         ] + [f"const {arith} {derived(m, 'V')} = {mask_load(o, arith)};" for m, o in self.masks.items() if m in names]
+        param_loads += self.blocks.loads(names)
         chan_sums = [(k, e) for k, e in param_sums if self.params[k] not in self.scalar]
         scal_sums = [(k, e) for k, e in param_sums if self.params[k] in self.scalar]
         all_sums = list(group_sums) + [(f"Psum_{k}", e) for k, e in scal_sums]
@@ -617,6 +792,8 @@ class CPlanner:
             other_reads=other_reads,
             calls_windows=bool(called),
             float_lanes=arith == "float" and bool(chan_sums) and self.spec.reduce != "position",
+            blocks=self.blocks.needed(names),
+            fresh=self.blocks.needed(names),
         )
 
     def _sweep(self, lp: CLoop, accs, names: list[str]) -> Sweep:
@@ -710,6 +887,8 @@ class CPlanner:
             outputs=["dx"],
             first=red is None,
         )
+        if red is not None:  # the block arrays the reduction sweep left are still the group's
+            final = dataclasses.replace(final, fresh=tuple(p for p in final.blocks if p not in red.loop.blocks))
         sweep = self._sweep(final, (), names)
         if self.spec.layout == "trailing":
             sweep = dataclasses.replace(sweep, rows=row_sweep(final, names))
@@ -734,9 +913,15 @@ def _levels(steps: list[Sweep | GroupValue]) -> tuple[SplitLevel, ...]:
 # ---- second order (derivgen.derive.second): the double backward and the JVP -------------
 
 
-def second_plan(printer: SpecPrinter, ir: SecondIR, ctype: str, windows: WindowFunctions | None = None) -> SecondPlan:
+def second_plan(
+    printer: SpecPrinter,
+    ir: SecondIR,
+    ctype: str,
+    windows: WindowFunctions | None = None,
+    slots: BlockSlots | None = None,
+) -> SecondPlan:
     """The C plan of one second-order kernel for the element type ``ctype`` (its windows'
-    functions added to ``windows``)."""
+    functions added to ``windows``, its block means' arrays to ``slots``)."""
     spec = printer.spec
     params = [p.name for p in spec.params]
     scalar = {p.name for p in spec.params if p.scalar}
@@ -756,8 +941,8 @@ def second_plan(printer: SpecPrinter, ir: SecondIR, ctype: str, windows: WindowF
     def C(e):
         return printer.c(e, "double", rename, lambda w: windows.function(w, list(ir.temps), loads).call(rename))
 
-    def needed(exprs):
-        temps, names = needed_temps([hide_windows(e) for e in exprs], ir.temps)
+    def needed(exprs, temps_in=None):
+        temps, names = needed_temps([hide_windows(e) for e in exprs], all_temps if temps_in is None else temps_in)
         loads = []
         if "x" in names:
             loads.append(f"const double Xv = {c_load('x[Idx]', ctype)};")
@@ -772,14 +957,26 @@ def second_plan(printer: SpecPrinter, ir: SecondIR, ctype: str, windows: WindowF
         ]
         chan += [f"const double {s} = {c_load(p + '_Seed[Ch]', ctype)};" for s, p in seed_chan.items() if s in names]
         chan += [f"const double {derived(m, 'V')} = {mask_load(o)};" for m, o in masks.items() if m in names]
+        chan += passes.loads(names)
         return tuple(loads + [f"const double {nm} = {C(te)};" for nm, te in temps]), tuple(chan)
 
-    elem1, chan1 = needed([e for _, e in ir.loop])
+    def plan_pass(slot: int, body: sympy.Expr, kind: str, temps: list) -> BlockPass:
+        elem, chan = needed([body], temps)
+        names = needed_temps([body], temps)[1]
+        comment = f'Bm{slot} = mean({printer.code(body)}, "{kind}")'
+        return block_pass(slot, kind, comment, chan, elem, C(body), names, passes)
+
+    passes = BlockPasses(slots if slots is not None else BlockSlots(), plan_pass)
+    all_temps = passes.hide_temps(ir.temps)  # block means read as Bm<k> (BlockPass)
+    sums = [(a, passes.hide(e, all_temps)) for a, e in ir.loop]
+    elem1, chan1 = needed([e for _, e in sums])
+    blocks1 = passes.needed(needed_temps([e for _, e in sums], all_temps)[1])
     outs2 = []
     for name, terms, closed in ir.outputs:
-        outs2.append((name, Add(*[sympy.Symbol(k) * m for k, m in terms])))
-    pexprs = [(k, e) for k, (p, e) in enumerate(ir.param_elem) if e != 0]
+        outs2.append((name, passes.hide(Add(*[sympy.Symbol(k) * m for k, m in terms]), all_temps)))
+    pexprs = [(k, passes.hide(e, all_temps)) for k, (p, e) in enumerate(ir.param_elem) if e != 0]
     elem2, chan2 = needed([e for _, e in outs2] + [e for _, e in pexprs])
+    blocks2 = passes.needed(needed_temps([e for _, e in outs2] + [e for _, e in pexprs], all_temps)[1])
     group = [(a.name, C(a.expr), a.comment) for a in ir.means]
     repl, reduced = sympy.cse([a.expr for a in ir.group], symbols=sympy.numbered_symbols("Cse"), order="none")
     group += [(str(t), C(e), "common subexpression") for t, e in repl]
@@ -795,7 +992,7 @@ def second_plan(printer: SpecPrinter, ir: SecondIR, ctype: str, windows: WindowF
     return SecondPlan(
         elem1=elem1,
         chan1=chan1,
-        sums=tuple((a, C(e)) for a, e in ir.loop),
+        sums=tuple((a, C(e)) for a, e in sums),
         group=tuple(group),
         elem2=elem2,
         chan2=chan2,
@@ -804,6 +1001,8 @@ def second_plan(printer: SpecPrinter, ir: SecondIR, ctype: str, windows: WindowF
         inputs=tuple(ir.input_out),
         param_groups=tuple((params.index(p), v) for p, v in ir.param_group),
         seed_group=tuple(seed_group),
+        blocks1=blocks1,
+        blocks2=tuple(p for p in blocks2 if p not in blocks1),
     )
 
 
@@ -812,9 +1011,12 @@ def plan_kernel(printer: SpecPrinter, ir: ModeIR, second: dict[str, SecondIR], c
     for the element type ``ctype``; bfloat16 has no second-order kernels."""
     sfx = {v: k for k, v in CTYPES.items()}[ctype]
     windows = WindowFunctions(printer, f"{printer.spec.name}_{ir.mode}_{sfx}", ctype)
-    planner = CPlanner(printer, ir, ctype, windows)
+    slots = BlockSlots()
+    planner = CPlanner(printer, ir, ctype, windows, slots)
     forward, backward = planner.forward(), planner.backward()
-    seconds = None if ctype == "dg_bf16" else {k: second_plan(printer, s, ctype, windows) for k, s in second.items()}
+    seconds = (
+        None if ctype == "dg_bf16" else {k: second_plan(printer, s, ctype, windows, slots) for k, s in second.items()}
+    )
     return KernelPlan(
         mode=ir.mode,
         ctype=ctype,
@@ -822,4 +1024,5 @@ def plan_kernel(printer: SpecPrinter, ir: ModeIR, second: dict[str, SecondIR], c
         backward=backward,
         second=seconds,
         windows=tuple(windows.texts),
+        block_slots=len(slots),
     )

@@ -99,6 +99,8 @@ def layer_meta(spec: Spec, irs: Mapping[str, ModeIR]) -> dict:
         "stats": {m: list(ir.stats) for m, ir in irs.items()},
         "split": _split_meta(spec, irs),
         "buffer_reads": _buffer_reads(spec),
+        # block statistics: the C library has no channels-last kernels (NCHW copies are run)
+        **({"blocks": True} if any(m.blocks for m in spec.modes) else {}),
     }
 
 
@@ -216,7 +218,7 @@ def _formulas(d: LayerDerivation, printer: SpecPrinter) -> dict[str, list[str]]:
 
 
 # the targets whose kernels have no per-block sums (block statistics: derivgen.symbolic.block)
-BLOCKLESS = ("c", "triton")
+BLOCKLESS = ("triton",)
 
 
 def emit(d: LayerDerivation, targets: Collection[str] = ("numpy", "c")) -> Emitted:
@@ -227,9 +229,12 @@ def emit(d: LayerDerivation, targets: Collection[str] = ("numpy", "c")) -> Emitt
     blocked = sorted(t for t in targets if t in BLOCKLESS) if any(m.blocks for m in d.modes.values()) else []
     if blocked:
         raise NotImplementedError(
-            f"{spec.name}: block statistics (mean(e, kind)) are generated for the NumPy, PyTorch and "
+            f"{spec.name}: block statistics (mean(e, kind)) are generated for the NumPy, C, PyTorch and "
             f"JAX targets; the {', '.join(blocked)} target{'s do' if len(blocked) > 1 else ' does'} not take them"
         )
+    has_blocks = any(m.blocks for m in d.modes.values())
+    if has_blocks and spec.windows and "c" in targets:
+        raise NotImplementedError(f"{spec.name}: the C kernels take block statistics or windows, not both in one layer")
     printer = SpecPrinter(spec)
     env = _env()
     irs = {m: build_mode_ir(first) for m, first in d.modes.items()}
@@ -258,6 +263,7 @@ def emit(d: LayerDerivation, targets: Collection[str] = ("numpy", "c")) -> Emitt
         "per_sample": spec.reduce not in ("batch", "all"),
         "trailing": spec.layout == "trailing",
         "position": spec.reduce == "position",
+        "blocks": has_blocks,  # block statistics: no channels-last C kernels
         "selects": any(st.expr.has(*SELECTIONS) for m in d.modes.values() for st in m.statistics),
         # the modes a split reduction computes: sums only (a group max()/min() is not a sum)
         # the modes whose output uses the group size N (the PyTorch forward then defines it)

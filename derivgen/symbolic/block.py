@@ -35,7 +35,7 @@ import sympy
 from sympy import Add, Mul
 from sympy.core.symbol import Str
 
-from derivgen.symbolic.reduce import expand
+from derivgen.symbolic.reduce import SELECTIONS, Mean, expand
 
 # kind -> the axes of the (O, G, Cg, S) view one block spans
 BLOCK_AXES: dict[str, tuple[int, ...]] = {
@@ -200,6 +200,10 @@ class BlockFacts:
             if not inside(kind, b.kind):
                 return False
         outside = e.xreplace({b: sympy.Dummy() for b in atoms}) if atoms else e
+        # a group mean, maximum or minimum is one value per group, so per block
+        groupwise = outside.atoms(Mean, *SELECTIONS)
+        if groupwise:
+            outside = outside.xreplace({a: sympy.Dummy() for a in groupwise})
         for s in outside.free_symbols:
             if s in self.kinds:
                 if kind not in self.kinds[s]:

@@ -379,7 +379,11 @@ class PlanCache:
         self.ranges = [lay.meta["options"][o] for o in lay.options]
         # the layouts with channels-last kernels; a position layout's channels-last x is made
         # contiguous (its kernels walk channels-first memory)
-        self.channel_layout = lay.meta["layout"] == "channels" and lay.meta["reduce"] != "position"
+        # a channel layout's channels-last tensors run the channels-last kernels (a layer with
+        # block statistics has none: its tensors are made NCHW-contiguous)
+        self.channel_layout = (
+            lay.meta["layout"] == "channels" and lay.meta["reduce"] != "position" and not lay.meta.get("blocks")
+        )
         self._plans: dict = {}
         self.last_ext: dict = {}  # mode -> the C++ plan of the last call through the extension
 

@@ -80,7 +80,7 @@ def backward_impl(lay: Layer, mode: str) -> Callable:
 
 def _like_x(lay: Layer, x: torch.Tensor) -> torch.Tensor:
     """A fake output of x's shape (channels last where x is)."""
-    return torch.empty_like(x) if lay.plans.channel_layout and is_channels_last(x) else x.new_empty(x.shape)
+    return torch.empty_like(x) if lay.meta["layout"] == "channels" and is_channels_last(x) else x.new_empty(x.shape)
 
 
 def register_fakes(lay: Layer, mode: str, ops: ModeOps) -> None:

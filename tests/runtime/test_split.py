@@ -1,7 +1,7 @@
 """The split reduction in the generated NumPy and C modules (batch layouts): a batch held in
 parts (micro-batches, one of them empty) gives the statistics, outputs and gradients of the
-one-piece forward and backward, for the catalogue's batch norm, the regression specs with a
-batch reduction and fuzzed batch specs; and bad calls are errors naming the argument."""
+one-piece forward and backward, for the catalogue's batch norm, the zoo's EvoNorm-B0 (block
+statistics), the regression specs with a batch reduction and fuzzed batch specs; and bad calls are errors naming the argument."""
 
 import itertools
 
@@ -91,7 +91,8 @@ def test_a_group_maximum_has_no_split_reduction():
 
 @pytest.mark.parametrize("backend", ["numpy", "c"])
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
-@pytest.mark.parametrize("spec", ["batchnorm"] + BATCH_REGRESSIONS)
+# evonorm_b0: instance statistics inside the batch group (a part holds whole instance blocks)
+@pytest.mark.parametrize("spec", ["batchnorm", "evonorm_b0"] + BATCH_REGRESSIONS)
 def test_split_equals_one_piece(spec, backend, dtype):
     _check(spec, backend, dtype)
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 import torch
-from conftest import assert_refuses_blocks, block_layer
+from conftest import block_layer
 
 import derivgen
 
@@ -436,9 +436,6 @@ def test_zoo_layer_matches_its_paper(name):
 
         n_p = len(params)
         for backend in ("numpy", "c"):
-            if backend == "c" and block_layer(spec):  # no per-block sums in the C kernels
-                assert_refuses_blocks(spec, "c")
-                continue
             k = derivgen.load(name, backend=backend)
             for dt, tol in ((np.float64, F64), (np.float32, F32)):
                 where = f"{name} {'train' if training else 'eval'} {backend} {dt.__name__}"
@@ -496,10 +493,6 @@ def test_zoo_layer_as_a_torch_module(name):
     prob = Problem(name, seed=3)
     spec = prob.spec
     features = prob.x.shape[1] if spec.layout == "channels" else prob.x.shape[-1]
-    if block_layer(spec):  # the modules run the C kernels, which take no block statistics
-        with pytest.raises(NotImplementedError, match="block statistics"):
-            dt.Module(name, features, **prob.layout_options).double()(torch.tensor(prob.x))
-        return
     module = dt.Module(name, features, **prob.layout_options).double()
     with torch.no_grad():
         for pname, v in prob.params.items():
