@@ -3,6 +3,8 @@ subprocess whose C is built with -fsanitize=address,undefined (see
 test_sanitizers.py), so any memory or UB fault aborts that process."""
 
 import sys
+import tempfile
+from pathlib import Path
 
 import numpy as np
 
@@ -11,32 +13,47 @@ import derivgen
 rng = np.random.default_rng(0)
 count = 0
 
-if "--out-of-bounds" in sys.argv:
-    # negative control: claim 4 rows where x has 3; the sanitizer must abort
-    import ctypes
-
-    k = derivgen.load("rmsnorm", backend="c")
-    lib = k._kernel.lib
-    x = np.ones((3, 8), np.float32)
-    y = np.empty((4, 8), np.float32)
-    g = np.ones(8, np.float32)
-    st = [np.empty(4) for _ in range(2)]
-    p = [ctypes.c_void_p(a.ctypes.data) for a in (x, g, y, *st)]
-    lib.rmsnorm_train_forward_f32(
-        ctypes.c_int64(4),
-        ctypes.c_int64(1),
-        ctypes.c_int64(8),
-        ctypes.c_int64(1),
-        p[0],
-        p[1],
-        ctypes.c_double(1e-6),
-        p[2],
-        p[3],
-        p[4],
-        ctypes.c_int(1),
+# Block statistics (block passes into the threads' scratch; with --blocks): instance blocks of
+# a batch group (a channel: G = C groups, whose split kernels run below too), and all three
+# kinds in the whole-tensor group, nested (a sample variance about the instance means)
+BLOCK_SPECS = {
+    "blocks_in_batch": (
+        "batch",
+        ['mu = "mean(x)"', "im = \"mean(x, 'instance')\"", "iv = \"mean((x - im)**2, 'instance')\""],
+        "gamma*x/maximum(sqrt(iv + eps), 0.5) + beta*(x - mu)",
+    ),
+    "blocks_of_all_kinds": (
+        "all",
+        [
+            "a = \"mean(x, 'instance')\"",
+            "b = \"mean(x, 'sample')\"",
+            "c = \"mean(x, 'batch')\"",
+            "v = \"mean((x - a)**2, 'sample')\"",
+        ],
+        "gamma*(x - a)/sqrt(v + eps) + beta*(b - c)",
+    ),
+}
+BLOCK_PATHS = {}
+_blockdir = Path(tempfile.mkdtemp())
+for _name, (_reduce, _stats, _y) in BLOCK_SPECS.items() if "--blocks" in sys.argv else ():
+    BLOCK_PATHS[_name] = _blockdir / f"{_name}.toml"
+    BLOCK_PATHS[_name].write_text(
+        f"""name = "{_name}"
+title = "{_name}"
+[layout]
+kind = "channels"
+reduce = "{_reduce}"
+[params]
+gamma = {{ role = "scale" }}
+beta = {{ role = "shift" }}
+[options]
+eps = {{ default = 1e-5, min = 0 }}
+[statistics]
+{chr(10).join(_stats)}
+[output]
+y = "{_y}"
+"""
     )
-    print("no fault detected")
-    sys.exit(0)
 
 SHAPES = {
     "layernorm": [((1, 1), (1,)), ((3, 7), (7,)), ((2, 3, 5), (3, 5)), ((17,), (17,)), ((5, 1, 33), (33,))],
@@ -51,10 +68,15 @@ SHAPES = {
     # window(x**2, size): neighbours past the group's ends, windows wider than the group
     "lrn": [((1, 1, 1), ()), ((2, 3, 5), ()), ((2, 7, 3, 3), ()), ((3, 4), ())],
 }
+BLOCK_SHAPES = {
+    "blocks_in_batch": [((2, 1), (1,)), ((3, 4), (4,)), ((2, 3, 37), (3,)), ((1, 2, 3, 3), (2,))],
+    "blocks_of_all_kinds": [((1, 1, 1), (1,)), ((2, 3, 5), (3,)), ((2, 3, 2, 2), (3,)), ((3, 4), (4,))],
+}
+SHAPES.update({n: s for n, s in BLOCK_SHAPES.items() if n in BLOCK_PATHS})
 N_PARAMS = {"rmsnorm": 1, "prmsnorm": 1, "lrn": 0}
 
 for name, shapes in SHAPES.items():
-    k = derivgen.load(name, backend="c")
+    k = derivgen.load(BLOCK_PATHS.get(name, name), backend="c")
     for threads in (1, 2):
         k.set_num_threads(threads)
         for xs, ps in shapes:
@@ -67,7 +89,7 @@ for name, shapes in SHAPES.items():
                         x.flat[0] = np.nan
                     params = [rng.normal(size=ps).astype(dtype) for _ in range(N_PARAMS.get(name, 2))]
                     kw = {"p": 0.5} if name == "prmsnorm" else {"size": 4, "alpha": 0.5} if name == "lrn" else {}
-                    if name == "groupnorm":
+                    if k._META["reduce"] == "group":
                         kw["num_groups"] = 2 if xs[1] % 2 == 0 else 1
                     if name == "online_layernorm":
                         lead = xs[:-1]
@@ -151,14 +173,14 @@ def run_pair(kern, meta, mode, sfx, L, x, dy, params, opts, bufs, threads):
 
 extras = 0
 for name, shapes in SHAPES.items():
-    k = derivgen.load(name, backend="c")
+    k = derivgen.load(BLOCK_PATHS.get(name, name), backend="c")
     meta = k._META
     if meta["inputs"]:
         continue  # online layer norm: bfloat16 covered by the torch tests
     flags = os.environ.get("CFLAGS")
     ext = CKernel(meta, k._kernel.source, cflags=None if flags is None else user_cflags(), extra=["-DDG_EXTRAS_ONLY"])
     for xs, ps in shapes:
-        groups = (2 if xs[1] % 2 == 0 else 1) if name == "groupnorm" else None
+        groups = (2 if xs[1] % 2 == 0 else 1) if meta["reduce"] == "group" else None
         x64 = rng.normal(size=xs)
         L = resolve_layout(meta, x64, {p: np.empty(ps) for p in meta["params"]}, groups)
         for mode in meta["modes"]:
@@ -174,8 +196,9 @@ for name, shapes in SHAPES.items():
                 bb = {kk: (v.astype(np.float32).view(np.uint32) >> 16).astype(np.uint16) for kk, v in bufs.items()}
                 run_pair(ext, meta, mode, "bf16", L, xb, xb.copy(), pb, opts, bb, threads)
                 extras += 1
-                # S == 1: the layouts coincide (NCHW kernels); a position layout has no channels-last kernels
-                if meta["layout"] != "channels" or meta["reduce"] == "position" or L.S == 1:
+                # S == 1: the layouts coincide (NCHW kernels); a position layout and block
+                # statistics have no channels-last kernels
+                if meta["layout"] != "channels" or meta["reduce"] == "position" or meta.get("blocks") or L.S == 1:
                     continue
                 for dtype, sfx in ((np.float32, "f32"), (np.float64, "f64")):
                     x = x64.astype(dtype)
@@ -193,14 +216,14 @@ for name, shapes in SHAPES.items():
 # The split-reduction kernels of the batch layout (train mode), over parts of the batch
 # (one of them empty), against the one-piece kernels
 splits = 0
-k = derivgen.load("batchnorm", backend="c")
-meta = k._META
-for xs, ps in SHAPES["batchnorm"]:
+for name, xs, ps in [(n, xs, ps) for n in ("batchnorm", "blocks_in_batch") if n in SHAPES for xs, ps in SHAPES[n]]:
+    k = derivgen.load(BLOCK_PATHS.get(name, name), backend="c")
+    meta = k._META
     for dtype, sfx in ((np.float32, "f32"), (np.float64, "f64")):
         x = rng.normal(size=xs).astype(dtype)
         dy = rng.normal(size=xs).astype(dtype)
         params = [rng.normal(size=ps).astype(dtype) for _ in meta["params"]]
-        opts = [1e-5, 0.1]
+        opts = [1e-5 if o == "eps" else default for o, (default, _, _) in meta["options"].items()]
         L = resolve_layout(meta, x, {p: np.empty(ps) for p in meta["params"]}, None)
         for threads in (1, 2):
             ref = run_pair(k._kernel, meta, "train", sfx, L, x, dy, params, opts, {}, threads)

@@ -30,12 +30,15 @@ def test_the_sanitizer_catches_an_out_of_bounds_read(tmp_path):
     assert "AddressSanitizer" in r.stderr
 
 
-# the plain paths, and the streaming-store tiles and prefetch forced on for every size
+# the plain paths (and layers with block statistics, whose passes stream nothing), and the
+# streaming-store tiles and prefetch forced on for every size
 @pytest.mark.parametrize(
-    "extra", ["", "-march=native -DDG_STREAM_BYTES=0 -DDG_AHEAD_BYTES=64"], ids=["plain", "streamed"]
+    "extra,args",
+    [("", ("--blocks",)), ("-march=native -DDG_STREAM_BYTES=0 -DDG_AHEAD_BYTES=64", ())],
+    ids=["plain", "streamed"],
 )
-def test_kernels_under_asan_and_ubsan(tmp_path, extra):
-    r = _sanitized(tmp_path, extra=extra)
+def test_kernels_under_asan_and_ubsan(tmp_path, extra, args):
+    r = _sanitized(tmp_path, *args, extra=extra)
     assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-6000:])
     assert "ERROR: AddressSanitizer" not in r.stderr and "runtime error" not in r.stderr, r.stderr[-6000:]
     assert "ran " in r.stdout
