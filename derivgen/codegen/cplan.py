@@ -214,11 +214,10 @@ def block_slots_read(names: Iterable[str]) -> list[int]:
     return sorted(int(n[2:]) for n in names if n.startswith("Bm") and n[2:].isdigit())
 
 
-def block_load(slot: int, kind_axes: tuple[int, ...], to: str = "double") -> str:
-    """The declaration of block value ``Bm<slot>`` at the element's block."""
+def block_load(slot: int, kind_axes: tuple[int, ...]) -> str:
+    """The declaration of block value ``Bm<slot>`` (double) at the element's block."""
     index, _, _ = block_index(kind_axes)
-    cast = "" if to == "double" else f"({to})"
-    return f"const {to} Bm{slot} = {cast}Bm{slot}_A[{index}];"
+    return f"const double Bm{slot} = Bm{slot}_A[{index}];"
 
 
 class BlockPasses:
@@ -261,9 +260,9 @@ class BlockPasses:
                 todo.extend(self.passes[k].deps)
         return tuple(self.passes[k] for k in sorted(want))
 
-    def loads(self, names: Iterable[str], to: str = "double") -> list[str]:
+    def loads(self, names: Iterable[str]) -> list[str]:
         """The declarations of the block values among ``names``."""
-        return [block_load(k, self.axes[k], to) for k in block_slots_read(names)]
+        return [block_load(k, self.axes[k]) for k in block_slots_read(names)]
 
 
 def block_pass(

@@ -420,13 +420,14 @@ def _nice_group(e: sympy.Expr) -> sympy.Expr:
 
 
 def tidy(e: sympy.Expr, element: set[sympy.Symbol]) -> sympy.Expr:
-    """Collect by products of means, then by element monomials; factor each per-group coefficient."""
+    """Collect by products of means (group and block means), then by element monomials; factor
+    each per-group coefficient."""
     e = expand(e)
     if e == 0:
         return e
     by_means: dict[sympy.Expr, list] = {}
     for t in Add.make_args(e):
-        m = Mul(*[f for f in Mul.make_args(t) if f.has(Mean)])
+        m = Mul(*[f for f in Mul.make_args(t) if f.has(Mean, BlockMean)])
         by_means.setdefault(m, []).append(t / m)
     out = []
     for m in sorted(by_means, key=sympy.default_sort_key):

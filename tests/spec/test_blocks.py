@@ -74,3 +74,20 @@ def test_block_means_are_rewritten_exactly():
     assert facts.rewrite(block_mean(m * g, "instance")) == m * block_mean(g, "instance")
     # an instance statistic is not one value on a sample's blocks: it stays inside
     assert facts.rewrite(block_mean(m * g, "sample")) == block_mean(m * g, "sample")
+
+
+def test_the_closed_form_collects_each_block_mean_once():
+    """EvoNorm-B0's dx carries its one instance mean once, times (imean - x), as a person
+    writes it, not once per element monomial (x·⟨…⟩ and imean·⟨…⟩ apart)."""
+    import derivgen
+    from derivgen.symbolic.block import blocks
+
+    d = derivgen.derive("evonorm_b0")
+    imean = next(b.symbol for b in d.modes["train"].blocks if b.name == "imean")
+    for mode, m in d.modes.items():
+        terms = sympy.Add.make_args(m.dx_lowered)
+        means = blocks(m.dx_lowered)
+        assert len(means) == 1, (mode, means)
+        with_mean = [t for t in terms if t.has(*means)]
+        assert len(with_mean) == 1, (mode, with_mean)
+        assert with_mean[0].has(imean - X) or with_mean[0].has(X - imean), with_mean[0]
