@@ -416,6 +416,12 @@ class ForwardPlan:
     update_reads: tuple[str, ...]  # the group values the updates read
     levels: tuple[SplitLevel, ...]
 
+    @property
+    def block_slots(self) -> tuple[int, ...]:
+        """The block arrays (Bm<k>_A) the forward's sweeps read."""
+        sweeps = [st.loop for st in self.steps if isinstance(st, Sweep)] + [self.final.loop]
+        return tuple(sorted({p.slot for lp in sweeps for p in lp.blocks}))
+
 
 @dataclass(frozen=True)
 class BackwardPlan:
@@ -424,6 +430,12 @@ class BackwardPlan:
     reduction: Sweep | None
     group: tuple[GroupValue, ...]
     final: Sweep
+
+    @property
+    def block_slots(self) -> tuple[int, ...]:
+        """The block arrays (Bm<k>_A) the backward's sweeps read."""
+        sweeps = ([self.reduction.loop] if self.reduction else []) + [self.final.loop]
+        return tuple(sorted({p.slot for lp in sweeps for p in lp.blocks}))
 
 
 @dataclass(frozen=True)
@@ -446,6 +458,11 @@ class SecondPlan:
     blocks1: tuple[BlockPass, ...] = ()  # the block passes before the reduction sweep
     blocks2: tuple[BlockPass, ...] = ()  # and those before the output sweep (the others' arrays kept)
 
+    @property
+    def block_slots(self) -> tuple[int, ...]:
+        """The block arrays (Bm<k>_A) the kernel's passes fill."""
+        return tuple(sorted({p.slot for p in (*self.blocks1, *self.blocks2)}))
+
 
 @dataclass(frozen=True)
 class KernelPlan:
@@ -457,7 +474,6 @@ class KernelPlan:
     backward: BackwardPlan
     second: dict[str, SecondPlan] | None  # "bb", "jvp"; None for bfloat16 (no second-order kernels)
     windows: tuple[str, ...] = ()  # the static functions the kernels call for window(e, k), in order
-    block_slots: int = 0  # the block arrays (Bm<k>_A) a thread of these kernels holds
 
 
 def hide_windows(e: sympy.Expr) -> sympy.Expr:
@@ -1023,5 +1039,4 @@ def plan_kernel(printer: SpecPrinter, ir: ModeIR, second: dict[str, SecondIR], c
         backward=backward,
         second=seconds,
         windows=tuple(windows.texts),
-        block_slots=len(slots),
     )

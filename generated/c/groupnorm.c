@@ -86,7 +86,7 @@ int groupnorm_train_forward_f32(
 
     DG_PRAGMA(omp parallel num_threads(Nth))
     {
-const int y_Stream = Dg_stream_on(Total, (int64_t)sizeof(float));
+        const int y_Stream = Dg_stream_on(Total, (int64_t)sizeof(float));
         (void)y_Stream;
         int64_t Lo, Hi;
         Dg_share(N_groups, &Lo, &Hi);              /* this thread's groups (as schedule(static)) */
@@ -336,7 +336,7 @@ int groupnorm_train_backward_f32(
         float *restrict Pend = Pend_all + (int64_t)Dg_thread_id() * Pend_stride;
         int Pending = 0;                             /* runs added into pend since its last flush */
         int64_t Pend_lo = C, Pend_hi = 0;            /* the channels they touched */
-const int dx_Stream = Dg_stream_on(Total, (int64_t)sizeof(float));
+        const int dx_Stream = Dg_stream_on(Total, (int64_t)sizeof(float));
         const int64_t dx_Cap = Dg_tile_len(S == 1 ? M : S, (int64_t)sizeof(float));
         float *dx_Tile = (float *)Dg_tile(dx_Stream, dx_Cap, (int64_t)sizeof(float));   /* NULL: dx in place */
         int64_t dx_At = 0, dx_Fill = 0;           /* the tile holds dx[at, at + fill) */
@@ -1638,7 +1638,7 @@ int groupnorm_train_forward_f64(
 
     DG_PRAGMA(omp parallel num_threads(Nth))
     {
-const int y_Stream = Dg_stream_on(Total, (int64_t)sizeof(double));
+        const int y_Stream = Dg_stream_on(Total, (int64_t)sizeof(double));
         (void)y_Stream;
         int64_t Lo, Hi;
         Dg_share(N_groups, &Lo, &Hi);              /* this thread's groups (as schedule(static)) */
@@ -1884,7 +1884,7 @@ int groupnorm_train_backward_f64(
         double *restrict Pend = Pend_all + (int64_t)Dg_thread_id() * Pend_stride;
         int Pending = 0;                             /* runs added into pend since its last flush */
         int64_t Pend_lo = C, Pend_hi = 0;            /* the channels they touched */
-const int dx_Stream = Dg_stream_on(Total, (int64_t)sizeof(double));
+        const int dx_Stream = Dg_stream_on(Total, (int64_t)sizeof(double));
         const int64_t dx_Cap = Dg_tile_len(S == 1 ? M : S, (int64_t)sizeof(double));
         double *dx_Tile = (double *)Dg_tile(dx_Stream, dx_Cap, (int64_t)sizeof(double));   /* NULL: dx in place */
         int64_t dx_At = 0, dx_Fill = 0;           /* the tile holds dx[at, at + fill) */
@@ -3107,7 +3107,7 @@ int groupnorm_train_forward_bf16(
 
     DG_PRAGMA(omp parallel num_threads(Nth))
     {
-const int y_Stream = Dg_stream_on(Total, (int64_t)sizeof(dg_bf16));
+        const int y_Stream = Dg_stream_on(Total, (int64_t)sizeof(dg_bf16));
         (void)y_Stream;
         int64_t Lo, Hi;
         Dg_share(N_groups, &Lo, &Hi);              /* this thread's groups (as schedule(static)) */
@@ -3357,7 +3357,7 @@ int groupnorm_train_backward_bf16(
         float *restrict Pend = Pend_all + (int64_t)Dg_thread_id() * Pend_stride;
         int Pending = 0;                             /* runs added into pend since its last flush */
         int64_t Pend_lo = C, Pend_hi = 0;            /* the channels they touched */
-const int dx_Stream = Dg_stream_on(Total, (int64_t)sizeof(dg_bf16));
+        const int dx_Stream = Dg_stream_on(Total, (int64_t)sizeof(dg_bf16));
         const int64_t dx_Cap = Dg_tile_len(S == 1 ? M : S, (int64_t)sizeof(dg_bf16));
         dg_bf16 *dx_Tile = (dg_bf16 *)Dg_tile(dx_Stream, dx_Cap, (int64_t)sizeof(dg_bf16));   /* NULL: dx in place */
         int64_t dx_At = 0, dx_Fill = 0;           /* the tile holds dx[at, at + fill) */
