@@ -487,7 +487,9 @@ def test_zoo_layer_is_proven(name):
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_zoo_layer_as_a_torch_module(name):
     """derivgen.torch.Module(NAME) against the paper's forward: y, the gradients of x, the
-    parameters and the inputs, and the running buffers, float64, in every mode."""
+    parameters and the inputs, and the running buffers, float64, in every mode; a layer with
+    block statistics (no channels-last kernels) gives a channels-last x the NCHW results'
+    bits, channels last."""
     import derivgen.torch as dt
 
     prob = Problem(name, seed=3)
@@ -520,6 +522,18 @@ def test_zoo_layer_as_a_torch_module(name):
             assert _rel(inputs[iname].grad.numpy(), ref.grad) < F64, f"{name} d{iname}"
         for bname, ref in ref_buffers.items():
             assert _rel(getattr(module, bname).numpy(), ref) < F64, f"{name} {bname}"
+        if block_layer(spec) and x.dim() == 4:  # no channels-last kernels: an NCHW copy is run
+            xl = x.detach().contiguous(memory_format=torch.channels_last).requires_grad_()
+            with torch.no_grad():
+                before = {b: getattr(module, b).clone() for b in prob.buffers}
+            yl = module(xl, **inputs)
+            assert yl.is_contiguous(memory_format=torch.channels_last), f"{name} channels-last y"
+            assert torch.equal(yl, got), f"{name} channels-last y"
+            (yl * dy).sum().backward()
+            assert torch.equal(xl.grad, x.grad), f"{name} channels-last dx"
+            with torch.no_grad():  # the running buffers as the next mode's reference has them
+                for b, v in before.items():
+                    getattr(module, b).copy_(v)
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
