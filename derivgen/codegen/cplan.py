@@ -260,9 +260,14 @@ class BlockPasses:
                 todo.extend(self.passes[k].deps)
         return tuple(self.passes[k] for k in sorted(want))
 
-    def loads(self, names: Iterable[str]) -> list[str]:
-        """The declarations of the block values among ``names``."""
-        return [block_load(k, self.axes[k]) for k in block_slots_read(names)]
+    def loads(self, names: Iterable[str], by_channel: bool | None = None) -> list[str]:
+        """The declarations of the block values among ``names``: all, or (``by_channel``)
+        those whose block index reads the channel ``Ch`` (True) or not (False)."""
+        return [
+            block_load(k, self.axes[k])
+            for k in block_slots_read(names)
+            if by_channel is None or (2 not in self.axes[k]) == by_channel
+        ]
 
 
 def block_pass(
@@ -758,6 +763,9 @@ class CPlanner:
             elem_loads.append(f"const {arith} Xv = {c_load('x[Idx]', ctype, arith)};")
         if "dy" in names:
             elem_loads.append(f"const {arith} Dyv = {c_load('dy[Idx]', ctype, arith)};")
+        # a block value one per sample (index Blk) is read with the element; one per (sample,
+        # channel) or per channel with the parameters, where the sweep knows the channel Ch
+        elem_loads += self.blocks.loads(names, by_channel=False)
         for nm, te in needed:
             elem_loads.append(f"const {arith} {nm} = {element(te, body_reads)};")
             enames[nm] = nm
@@ -778,7 +786,7 @@ class CPlanner:
         param_loads = [
             f"const {arith} {derived(p, 'V')} = {c_load(p + '[Ch]', ctype, arith)};" for p in chan if p in names
         ] + [f"const {arith} {derived(m, 'V')} = {mask_load(o, arith)};" for m, o in self.masks.items() if m in names]
-        param_loads += self.blocks.loads(names)
+        param_loads += self.blocks.loads(names, by_channel=True)
         chan_sums = [(k, e) for k, e in param_sums if self.params[k] not in self.scalar]
         scal_sums = [(k, e) for k, e in param_sums if self.params[k] in self.scalar]
         all_sums = list(group_sums) + [(f"Psum_{k}", e) for k, e in scal_sums]
