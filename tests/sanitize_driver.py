@@ -13,6 +13,33 @@ import derivgen
 rng = np.random.default_rng(0)
 count = 0
 
+if "--out-of-bounds" in sys.argv:
+    # negative control: claim 4 rows where x has 3; the sanitizer must abort
+    import ctypes
+
+    k = derivgen.load("rmsnorm", backend="c")
+    lib = k._kernel.lib
+    x = np.ones((3, 8), np.float32)
+    y = np.empty((4, 8), np.float32)
+    g = np.ones(8, np.float32)
+    st = [np.empty(4) for _ in range(2)]
+    p = [ctypes.c_void_p(a.ctypes.data) for a in (x, g, y, *st)]
+    lib.rmsnorm_train_forward_f32(
+        ctypes.c_int64(4),
+        ctypes.c_int64(1),
+        ctypes.c_int64(8),
+        ctypes.c_int64(1),
+        p[0],
+        p[1],
+        ctypes.c_double(1e-6),
+        p[2],
+        p[3],
+        p[4],
+        ctypes.c_int(1),
+    )
+    print("no fault detected")
+    sys.exit(0)
+
 # Block statistics (block passes into the threads' scratch; with --blocks): instance blocks of
 # a batch group (a channel: G = C groups, whose split kernels run below too), and all three
 # kinds in the whole-tensor group, nested (a sample variance about the instance means)
