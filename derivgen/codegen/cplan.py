@@ -798,6 +798,7 @@ class CPlanner:
         body_reads |= window_reads
         other_reads = frozenset(body_reads)  # what the element code reads besides the parameter sums
         body_reads |= psum_reads
+        passes = self.blocks.needed(names)
         return CLoop(
             uses_params=bool(param_loads) or bool(chan_sums) or bool(called),
             prelude=_live(prelude, frozenset(body_reads | pend_reads)),
@@ -815,8 +816,8 @@ class CPlanner:
             other_reads=other_reads,
             calls_windows=bool(called),
             float_lanes=arith == "float" and bool(chan_sums) and self.spec.reduce != "position",
-            blocks=self.blocks.needed(names),
-            fresh=self.blocks.needed(names),
+            blocks=passes,
+            fresh=passes,
         )
 
     def _sweep(self, lp: CLoop, accs, names: list[str]) -> Sweep:
