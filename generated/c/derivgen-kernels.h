@@ -128,6 +128,20 @@ static inline dg_bf16 Dg_to_bf16(float f)
 #ifndef DG_ROWS
 #define DG_ROWS 8
 #endif
+/* The lockstep sweep's loop over its DG_ROWS rows is unrolled (its trip count is DG_ROWS:
+ * a thread's last rows that do not fill one go row by row), so that the compiler keeps the
+ * rows' parameter sums in registers; rolled, GCC 12 kept them on the stack and loaded and
+ * stored them for every row. Measured side by side (layer norm backward, float, 2 threads,
+ * AMD EPYC Zen 4 guest), 8192x1024 took 3.48 -> 2.72 ms on the AVX-512 build (AVX2: 3.74
+ * -> 2.85) and 16384x256 1.28 -> 1.24 (1.57 -> 1.46), with the same bits. */
+#define DG_PRAGMA_TEXT(x) _Pragma(#x)
+#if defined(__clang__)
+#define DG_UNROLL(n) DG_PRAGMA_TEXT(clang loop unroll_count(n))
+#elif defined(__GNUC__)
+#define DG_UNROLL(n) DG_PRAGMA_TEXT(GCC unroll n)
+#else
+#define DG_UNROLL(n)
+#endif
 #ifndef DG_AHEAD_BYTES
 #define DG_AHEAD_BYTES 4096
 #endif

@@ -328,10 +328,13 @@ int online_layernorm_train_backward_f32(
         int64_t Lo, Hi;
         Dg_share(N_groups, &Lo, &Hi);              /* this thread's groups (as schedule(static)) */
         /* rows in lockstep: DG_ROWS rows' dx per sweep, their parameter terms added in
-         * registers (one row at a time where rows differ in alignment or G > 1) */
+         * registers; one row at a time where rows differ in alignment or G > 1, and for the
+         * last rows of the thread's share that do not fill DG_ROWS (their parameter terms go
+         * into pend, flushed at the end: the same sums in the same order) */
         const int Lockstep = G == 1 && (!dx_Stream || (M * (int64_t)sizeof(float)) % 64 == 0);
-        for (int64_t Grp0 = Lo; Grp0 < Hi; Grp0 += Lockstep ? DG_ROWS : 1) {
-            const int Rn = Lockstep && Hi - Grp0 >= DG_ROWS ? DG_ROWS : (Lockstep ? (int)(Hi - Grp0) : 1);
+        for (int64_t Grp0 = Lo; Grp0 < Hi; Grp0 += Lockstep && Hi - Grp0 >= DG_ROWS ? DG_ROWS : 1) {
+            const int Rows = Lockstep && Hi - Grp0 >= DG_ROWS;   /* DG_ROWS rows in lockstep */
+            const int Rn = Rows ? DG_ROWS : 1;
             float Rv_H0_hi[DG_ROWS];
             float Rv_H0_lo[DG_ROWS];
             float Rv_H1_hi[DG_ROWS];
@@ -430,7 +433,7 @@ int online_layernorm_train_backward_f32(
                 const double prev_std_Grad = Cse0*Cse1*Mean_g_xhat;  /* dL/dprev_std for this group */
                 dprev_mean[Grp] = (float)(prev_mean_Grad);
                 dprev_std[Grp] = (float)(prev_std_Grad);
-                if (Lockstep) {             /* the values the lockstep sweep reads */
+                if (Rows) {                 /* the values the lockstep sweep reads */
                     const double H0 = -mean;
                     const float H0_hi = (float)H0;
                     const float H0_lo = (float)(H0 - (double)H0_hi);
@@ -546,7 +549,7 @@ int online_layernorm_train_backward_f32(
                     }
                 }
             }
-            if (Lockstep) {
+            if (Rows) {
                 const int64_t Off0 = Grp0 * M;
                 const int dx_Direct = Dg_direct_row(dx_Stream, Cg, dx + Off0);   /* stream from registers */
                 int64_t Mi = 0;
@@ -591,7 +594,8 @@ int online_layernorm_train_backward_f32(
                 for (; Mi + DG_LANES <= Cg; Mi += DG_LANES) {
                     float Acc_p0[DG_LANES] = {0};
                     float Acc_p1[DG_LANES] = {0};
-                    for (int Rr = 0; Rr < Rn; ++Rr) {
+                    DG_UNROLL(DG_ROWS)              /* the rows' sums stay in registers */
+                    for (int Rr = 0; Rr < DG_ROWS; ++Rr) {
                         const float H0_hi = Rv_H0_hi[Rr];
                         const float H0_lo = Rv_H0_lo[Rr];
                         const float H1_hi = Rv_H1_hi[Rr];
@@ -1840,10 +1844,13 @@ int online_layernorm_train_backward_f64(
         int64_t Lo, Hi;
         Dg_share(N_groups, &Lo, &Hi);              /* this thread's groups (as schedule(static)) */
         /* rows in lockstep: DG_ROWS rows' dx per sweep, their parameter terms added in
-         * registers (one row at a time where rows differ in alignment or G > 1) */
+         * registers; one row at a time where rows differ in alignment or G > 1, and for the
+         * last rows of the thread's share that do not fill DG_ROWS (their parameter terms go
+         * into pend, flushed at the end: the same sums in the same order) */
         const int Lockstep = G == 1 && (!dx_Stream || (M * (int64_t)sizeof(double)) % 64 == 0);
-        for (int64_t Grp0 = Lo; Grp0 < Hi; Grp0 += Lockstep ? DG_ROWS : 1) {
-            const int Rn = Lockstep && Hi - Grp0 >= DG_ROWS ? DG_ROWS : (Lockstep ? (int)(Hi - Grp0) : 1);
+        for (int64_t Grp0 = Lo; Grp0 < Hi; Grp0 += Lockstep && Hi - Grp0 >= DG_ROWS ? DG_ROWS : 1) {
+            const int Rows = Lockstep && Hi - Grp0 >= DG_ROWS;   /* DG_ROWS rows in lockstep */
+            const int Rn = Rows ? DG_ROWS : 1;
             double Rv_mean[DG_ROWS];
             double Rv_std[DG_ROWS];
             double Rv_K_1[DG_ROWS];
@@ -1939,7 +1946,7 @@ int online_layernorm_train_backward_f64(
                 const double prev_std_Grad = Cse4*Cse5*Mean_g_xhat;  /* dL/dprev_std for this group */
                 dprev_mean[Grp] = (double)(prev_mean_Grad);
                 dprev_std[Grp] = (double)(prev_std_Grad);
-                if (Lockstep) {             /* the values the lockstep sweep reads */
+                if (Rows) {                 /* the values the lockstep sweep reads */
                     Rv_mean[Rr] = mean;
                     Rv_std[Rr] = std;
                     Rv_K_1[Rr] = K_1;
@@ -2021,7 +2028,7 @@ int online_layernorm_train_backward_f64(
                     }
                 }
             }
-            if (Lockstep) {
+            if (Rows) {
                 const int64_t Off0 = Grp0 * M;
                 const int dx_Direct = Dg_direct_row(dx_Stream, Cg, dx + Off0);   /* stream from registers */
                 int64_t Mi = 0;
@@ -2060,7 +2067,8 @@ int online_layernorm_train_backward_f64(
                 for (; Mi + DG_LANES <= Cg; Mi += DG_LANES) {
                     double Acc_p0[DG_LANES] = {0};
                     double Acc_p1[DG_LANES] = {0};
-                    for (int Rr = 0; Rr < Rn; ++Rr) {
+                    DG_UNROLL(DG_ROWS)              /* the rows' sums stay in registers */
+                    for (int Rr = 0; Rr < DG_ROWS; ++Rr) {
                         const double mean = Rv_mean[Rr];
                         const double std = Rv_std[Rr];
                         const double K_1 = Rv_K_1[Rr];
@@ -3301,10 +3309,13 @@ int online_layernorm_train_backward_bf16(
         int64_t Lo, Hi;
         Dg_share(N_groups, &Lo, &Hi);              /* this thread's groups (as schedule(static)) */
         /* rows in lockstep: DG_ROWS rows' dx per sweep, their parameter terms added in
-         * registers (one row at a time where rows differ in alignment or G > 1) */
+         * registers; one row at a time where rows differ in alignment or G > 1, and for the
+         * last rows of the thread's share that do not fill DG_ROWS (their parameter terms go
+         * into pend, flushed at the end: the same sums in the same order) */
         const int Lockstep = G == 1 && (!dx_Stream || (M * (int64_t)sizeof(dg_bf16)) % 64 == 0);
-        for (int64_t Grp0 = Lo; Grp0 < Hi; Grp0 += Lockstep ? DG_ROWS : 1) {
-            const int Rn = Lockstep && Hi - Grp0 >= DG_ROWS ? DG_ROWS : (Lockstep ? (int)(Hi - Grp0) : 1);
+        for (int64_t Grp0 = Lo; Grp0 < Hi; Grp0 += Lockstep && Hi - Grp0 >= DG_ROWS ? DG_ROWS : 1) {
+            const int Rows = Lockstep && Hi - Grp0 >= DG_ROWS;   /* DG_ROWS rows in lockstep */
+            const int Rn = Rows ? DG_ROWS : 1;
             float Rv_H0_hi[DG_ROWS];
             float Rv_H0_lo[DG_ROWS];
             float Rv_H1_hi[DG_ROWS];
@@ -3403,7 +3414,7 @@ int online_layernorm_train_backward_bf16(
                 const double prev_std_Grad = Cse0*Cse1*Mean_g_xhat;  /* dL/dprev_std for this group */
                 dprev_mean[Grp] = Dg_to_bf16((float)(prev_mean_Grad));
                 dprev_std[Grp] = Dg_to_bf16((float)(prev_std_Grad));
-                if (Lockstep) {             /* the values the lockstep sweep reads */
+                if (Rows) {                 /* the values the lockstep sweep reads */
                     const double H0 = -mean;
                     const float H0_hi = (float)H0;
                     const float H0_lo = (float)(H0 - (double)H0_hi);
@@ -3519,7 +3530,7 @@ int online_layernorm_train_backward_bf16(
                     }
                 }
             }
-            if (Lockstep) {
+            if (Rows) {
                 const int64_t Off0 = Grp0 * M;
                 const int dx_Direct = Dg_direct_row(dx_Stream, Cg, dx + Off0);   /* stream from registers */
                 int64_t Mi = 0;
@@ -3564,7 +3575,8 @@ int online_layernorm_train_backward_bf16(
                 for (; Mi + DG_LANES <= Cg; Mi += DG_LANES) {
                     float Acc_p0[DG_LANES] = {0};
                     float Acc_p1[DG_LANES] = {0};
-                    for (int Rr = 0; Rr < Rn; ++Rr) {
+                    DG_UNROLL(DG_ROWS)              /* the rows' sums stay in registers */
+                    for (int Rr = 0; Rr < DG_ROWS; ++Rr) {
                         const float H0_hi = Rv_H0_hi[Rr];
                         const float H0_lo = Rv_H0_lo[Rr];
                         const float H1_hi = Rv_H1_hi[Rr];

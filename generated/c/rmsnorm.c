@@ -255,10 +255,13 @@ int rmsnorm_train_backward_f32(
         int64_t Lo, Hi;
         Dg_share(N_groups, &Lo, &Hi);              /* this thread's groups (as schedule(static)) */
         /* rows in lockstep: DG_ROWS rows' dx per sweep, their parameter terms added in
-         * registers (one row at a time where rows differ in alignment or G > 1) */
+         * registers; one row at a time where rows differ in alignment or G > 1, and for the
+         * last rows of the thread's share that do not fill DG_ROWS (their parameter terms go
+         * into pend, flushed at the end: the same sums in the same order) */
         const int Lockstep = G == 1 && (!dx_Stream || (M * (int64_t)sizeof(float)) % 64 == 0);
-        for (int64_t Grp0 = Lo; Grp0 < Hi; Grp0 += Lockstep ? DG_ROWS : 1) {
-            const int Rn = Lockstep && Hi - Grp0 >= DG_ROWS ? DG_ROWS : (Lockstep ? (int)(Hi - Grp0) : 1);
+        for (int64_t Grp0 = Lo; Grp0 < Hi; Grp0 += Lockstep && Hi - Grp0 >= DG_ROWS ? DG_ROWS : 1) {
+            const int Rows = Lockstep && Hi - Grp0 >= DG_ROWS;   /* DG_ROWS rows in lockstep */
+            const int Rn = Rows ? DG_ROWS : 1;
             float Rv_Mean_g_xhat_F[DG_ROWS];
             float Rv_rstd_F[DG_ROWS];
             for (int Rr = 0; Rr < Rn; ++Rr) {
@@ -323,7 +326,7 @@ int rmsnorm_train_backward_f32(
                     Sum_g_xhat = Dg_lanes(Lane_Sum_g_xhat);
                 }
                 const double Mean_g_xhat = Sum_g_xhat/N;  /* Mean_g_xhat = mean(g*xhat) */
-                if (Lockstep) {             /* the values the lockstep sweep reads */
+                if (Rows) {                 /* the values the lockstep sweep reads */
                     const float Mean_g_xhat_F = (float)Mean_g_xhat;
                     const float rstd_F = (float)rstd;
                     Rv_Mean_g_xhat_F[Rr] = Mean_g_xhat_F;
@@ -403,7 +406,7 @@ int rmsnorm_train_backward_f32(
                     }
                 }
             }
-            if (Lockstep) {
+            if (Rows) {
                 const int64_t Off0 = Grp0 * M;
                 const int dx_Direct = Dg_direct_row(dx_Stream, Cg, dx + Off0);   /* stream from registers */
                 int64_t Mi = 0;
@@ -435,7 +438,8 @@ int rmsnorm_train_backward_f32(
                 }
                 for (; Mi + DG_LANES <= Cg; Mi += DG_LANES) {
                     float Acc_p0[DG_LANES] = {0};
-                    for (int Rr = 0; Rr < Rn; ++Rr) {
+                    DG_UNROLL(DG_ROWS)              /* the rows' sums stay in registers */
+                    for (int Rr = 0; Rr < DG_ROWS; ++Rr) {
                         const float Mean_g_xhat_F = Rv_Mean_g_xhat_F[Rr];
                         const float rstd_F = Rv_rstd_F[Rr];
                         (void)Mean_g_xhat_F; (void)rstd_F;
@@ -1173,10 +1177,13 @@ int rmsnorm_train_backward_f64(
         int64_t Lo, Hi;
         Dg_share(N_groups, &Lo, &Hi);              /* this thread's groups (as schedule(static)) */
         /* rows in lockstep: DG_ROWS rows' dx per sweep, their parameter terms added in
-         * registers (one row at a time where rows differ in alignment or G > 1) */
+         * registers; one row at a time where rows differ in alignment or G > 1, and for the
+         * last rows of the thread's share that do not fill DG_ROWS (their parameter terms go
+         * into pend, flushed at the end: the same sums in the same order) */
         const int Lockstep = G == 1 && (!dx_Stream || (M * (int64_t)sizeof(double)) % 64 == 0);
-        for (int64_t Grp0 = Lo; Grp0 < Hi; Grp0 += Lockstep ? DG_ROWS : 1) {
-            const int Rn = Lockstep && Hi - Grp0 >= DG_ROWS ? DG_ROWS : (Lockstep ? (int)(Hi - Grp0) : 1);
+        for (int64_t Grp0 = Lo; Grp0 < Hi; Grp0 += Lockstep && Hi - Grp0 >= DG_ROWS ? DG_ROWS : 1) {
+            const int Rows = Lockstep && Hi - Grp0 >= DG_ROWS;   /* DG_ROWS rows in lockstep */
+            const int Rn = Rows ? DG_ROWS : 1;
             double Rv_rstd[DG_ROWS];
             double Rv_K_g[DG_ROWS];
             double Rv_K_xhat[DG_ROWS];
@@ -1243,7 +1250,7 @@ int rmsnorm_train_backward_f64(
                 const double Mean_g_xhat = Sum_g_xhat/N;  /* Mean_g_xhat = mean(g*xhat) */
                 const double K_g = rstd;  /* coefficient of g in dx */
                 const double K_xhat = -Mean_g_xhat*rstd;  /* coefficient of xhat in dx */
-                if (Lockstep) {             /* the values the lockstep sweep reads */
+                if (Rows) {                 /* the values the lockstep sweep reads */
                     Rv_rstd[Rr] = rstd;
                     Rv_K_g[Rr] = K_g;
                     Rv_K_xhat[Rr] = K_xhat;
@@ -1320,7 +1327,7 @@ int rmsnorm_train_backward_f64(
                     }
                 }
             }
-            if (Lockstep) {
+            if (Rows) {
                 const int64_t Off0 = Grp0 * M;
                 const int dx_Direct = Dg_direct_row(dx_Stream, Cg, dx + Off0);   /* stream from registers */
                 int64_t Mi = 0;
@@ -1353,7 +1360,8 @@ int rmsnorm_train_backward_f64(
                 }
                 for (; Mi + DG_LANES <= Cg; Mi += DG_LANES) {
                     double Acc_p0[DG_LANES] = {0};
-                    for (int Rr = 0; Rr < Rn; ++Rr) {
+                    DG_UNROLL(DG_ROWS)              /* the rows' sums stay in registers */
+                    for (int Rr = 0; Rr < DG_ROWS; ++Rr) {
                         const double rstd = Rv_rstd[Rr];
                         const double K_g = Rv_K_g[Rr];
                         const double K_xhat = Rv_K_xhat[Rr];
@@ -2094,10 +2102,13 @@ int rmsnorm_train_backward_bf16(
         int64_t Lo, Hi;
         Dg_share(N_groups, &Lo, &Hi);              /* this thread's groups (as schedule(static)) */
         /* rows in lockstep: DG_ROWS rows' dx per sweep, their parameter terms added in
-         * registers (one row at a time where rows differ in alignment or G > 1) */
+         * registers; one row at a time where rows differ in alignment or G > 1, and for the
+         * last rows of the thread's share that do not fill DG_ROWS (their parameter terms go
+         * into pend, flushed at the end: the same sums in the same order) */
         const int Lockstep = G == 1 && (!dx_Stream || (M * (int64_t)sizeof(dg_bf16)) % 64 == 0);
-        for (int64_t Grp0 = Lo; Grp0 < Hi; Grp0 += Lockstep ? DG_ROWS : 1) {
-            const int Rn = Lockstep && Hi - Grp0 >= DG_ROWS ? DG_ROWS : (Lockstep ? (int)(Hi - Grp0) : 1);
+        for (int64_t Grp0 = Lo; Grp0 < Hi; Grp0 += Lockstep && Hi - Grp0 >= DG_ROWS ? DG_ROWS : 1) {
+            const int Rows = Lockstep && Hi - Grp0 >= DG_ROWS;   /* DG_ROWS rows in lockstep */
+            const int Rn = Rows ? DG_ROWS : 1;
             float Rv_Mean_g_xhat_F[DG_ROWS];
             float Rv_rstd_F[DG_ROWS];
             for (int Rr = 0; Rr < Rn; ++Rr) {
@@ -2162,7 +2173,7 @@ int rmsnorm_train_backward_bf16(
                     Sum_g_xhat = Dg_lanes(Lane_Sum_g_xhat);
                 }
                 const double Mean_g_xhat = Sum_g_xhat/N;  /* Mean_g_xhat = mean(g*xhat) */
-                if (Lockstep) {             /* the values the lockstep sweep reads */
+                if (Rows) {                 /* the values the lockstep sweep reads */
                     const float Mean_g_xhat_F = (float)Mean_g_xhat;
                     const float rstd_F = (float)rstd;
                     Rv_Mean_g_xhat_F[Rr] = Mean_g_xhat_F;
@@ -2242,7 +2253,7 @@ int rmsnorm_train_backward_bf16(
                     }
                 }
             }
-            if (Lockstep) {
+            if (Rows) {
                 const int64_t Off0 = Grp0 * M;
                 const int dx_Direct = Dg_direct_row(dx_Stream, Cg, dx + Off0);   /* stream from registers */
                 int64_t Mi = 0;
@@ -2274,7 +2285,8 @@ int rmsnorm_train_backward_bf16(
                 }
                 for (; Mi + DG_LANES <= Cg; Mi += DG_LANES) {
                     float Acc_p0[DG_LANES] = {0};
-                    for (int Rr = 0; Rr < Rn; ++Rr) {
+                    DG_UNROLL(DG_ROWS)              /* the rows' sums stay in registers */
+                    for (int Rr = 0; Rr < DG_ROWS; ++Rr) {
                         const float Mean_g_xhat_F = Rv_Mean_g_xhat_F[Rr];
                         const float rstd_F = Rv_rstd_F[Rr];
                         (void)Mean_g_xhat_F; (void)rstd_F;
