@@ -98,6 +98,9 @@ class CLoop:
     pend_reads: frozenset[str] = frozenset()  # the names param_pend reads
     other_reads: frozenset[str] = frozenset()  # the names the element code reads but for param_sums
     calls_windows: bool = False  # the element code calls a window function
+    # full-size arrays the second sweep over a group reads ahead in the group after it, at the
+    # positions it reads in this one (where a group is longer than the first sweep's read-ahead)
+    ahead_next: tuple[str, ...] = ()
     # the per-channel parameter sums of a float or bfloat16 kernel's channel runs (NCHW and
     # channels-last) go into float lanes of DG_PEND lane blocks, in element arithmetic
     # (param_pend), then into double lanes; the position layout's kernels keep them in double
@@ -696,6 +699,7 @@ class CPlanner:
         arith: str = "double",
         outputs: Iterable[str] = (),
         first: bool = False,
+        second: bool = False,
     ) -> CLoop:
         """Element sweep computing ``exprs``; ``temps`` are element temporaries available;
         ``stores`` are (output array, element expression) pairs.
@@ -703,7 +707,7 @@ class CPlanner:
         ``outputs`` are the full-size arrays the sweep writes (straight, streamed
         from registers, or through a cache-resident tile streamed out after each
         run: see the template); the ``first`` sweep of a function prefetches the
-        arrays it reads.
+        arrays it reads, and the ``second`` reads them ahead in the next group.
 
         Loads and stores use the array type. Sums are always double. With
         ``arith="double"`` all arithmetic is double, so a float32 kernel centres
@@ -811,6 +815,7 @@ class CPlanner:
             param_pend=pend,
             outputs=tuple(outputs),
             prefetch=tuple(a for a in ("x", "dy") if a in names) if first else (),
+            ahead_next=tuple(a for a in ("x", "dy") if a in names) if second else (),
             reads=frozenset(body_reads),
             pend_reads=frozenset(pend_reads),
             other_reads=other_reads,
@@ -837,8 +842,8 @@ class CPlanner:
         steps: list[Sweep | GroupValue] = []
         for st in self.ir.forward:
             if isinstance(st, Loop):
-                first = not any(isinstance(s, Sweep) for s in steps)
-                lp = self.loop([e for _, e in st.accs], [], group_sums=st.accs, first=first)
+                done = sum(isinstance(s, Sweep) for s in steps)
+                lp = self.loop([e for _, e in st.accs], [], group_sums=st.accs, first=done == 0, second=done == 1)
                 steps.append(self._sweep(lp, [a for a, _ in st.accs], names))
                 names += [a for a, _ in st.accs]
             elif isinstance(st, Select):
@@ -851,8 +856,10 @@ class CPlanner:
                 names.append(st.name)
         _, out_expr = self.ir.fwd_elem[-1]
         temps = list(self.ir.fwd_elem[:-1])
-        first = not any(isinstance(s, Sweep) for s in steps)
-        final = self.loop([out_expr], temps, stores=[("y", out_expr)], arith=self.atype, outputs=["y"], first=first)
+        done = sum(isinstance(s, Sweep) for s in steps)
+        final = self.loop(
+            [out_expr], temps, stores=[("y", out_expr)], arith=self.atype, outputs=["y"], first=done == 0, second=done == 1
+        )
         updates = [(b, *self.g(e)) for b, e in self.ir.buffer_updates]
         update_reads = frozenset().union(*(r for _, _, r in updates))
         return ForwardPlan(
@@ -910,6 +917,7 @@ class CPlanner:
             arith=self.atype,
             outputs=["dx"],
             first=red is None,
+            second=red is not None,
         )
         if red is not None:  # the block arrays the reduction sweep left are still the group's
             final = dataclasses.replace(final, fresh=tuple(p for p in final.blocks if p not in red.loop.blocks))

@@ -155,6 +155,8 @@ int batchnorm_train_forward_f32(
             const double mean = Sum_mean/N;  /* mean = mean(x) */
             double Sum_var;
             {
+                /* the next group read ahead while this one is in the cache (derivgen-kernels.h) */
+                const int Ahead_next = Dg_ahead_next(Blocks * M, Ahead, (int64_t)sizeof(*x) * 1);
                 Sum_var = 0.0;         /* the blocks' lane sums, added in block order */
                 for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
                     const int64_t Off = Base + Blk * Block_stride;
@@ -162,6 +164,11 @@ int batchnorm_train_forward_f32(
                     {
                         int64_t Mi = 0;
                         for (; Mi + DG_LANES <= M; Mi += DG_LANES) {
+                            if (Ahead_next)                  /* the same line of the next group */
+                                for (int Q = 0; Q < DG_LANES; Q += 64 / (int)sizeof(*x)) {
+                                    const int64_t Pf = Off + M + Mi + Q;
+                                    if (Pf < Total) DG_PREFETCH(x + Pf);
+                                }
                             DG_INDEPENDENT
                             for (int J = 0; J < DG_LANES; ++J) {
                                 const int64_t Idx = Off + Mi + J;
@@ -502,6 +509,8 @@ int batchnorm_train_backward_f32(
                 const float H1_lo = (float)(H1 - (double)H1_hi);
                 const float Mean_g_xhat_F = (float)Mean_g_xhat;
                 const float rstd_F = (float)rstd;
+                /* the next group read ahead while this one is in the cache (derivgen-kernels.h) */
+                const int Ahead_next = Dg_ahead_next(Blocks * M, Ahead, (int64_t)sizeof(*x) * 2);
                 for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
                     const int64_t Off = Base + Blk * Block_stride;
                     const int dx_Direct = S == 1 ? Dg_direct(dx_Stream, Cg) : 0;   /* stream from registers */
@@ -529,6 +538,16 @@ int batchnorm_train_backward_f32(
                                 }
                             }
                             for (; Mi + DG_LANES <= Cg; Mi += DG_LANES) {
+                                if (Ahead_next)                  /* the same line of the next group */
+                                    for (int Q = 0; Q < DG_LANES; Q += 64 / (int)sizeof(*x)) {
+                                        const int64_t Pf = Off + M + Mi + Q;
+                                        if (Pf < Total) DG_PREFETCH(x + Pf);
+                                    }
+                                if (Ahead_next)                  /* the same line of the next group */
+                                    for (int Q = 0; Q < DG_LANES; Q += 64 / (int)sizeof(*dy)) {
+                                        const int64_t Pf = Off + M + Mi + Q;
+                                        if (Pf < Total) DG_PREFETCH(dy + Pf);
+                                    }
                                 float T_dx[DG_LANES];
                                 DG_INDEPENDENT
                                 for (int J = 0; J < DG_LANES; ++J) {
@@ -592,6 +611,16 @@ int batchnorm_train_backward_f32(
                                     float Lane_f0[DG_LANES] = {0};
                                     float Lane_f1[DG_LANES] = {0};
                                     for (; Si < Stop; Si += DG_LANES) {
+                                        if (Ahead_next)                  /* the same line of the next group */
+                                            for (int Q = 0; Q < DG_LANES; Q += 64 / (int)sizeof(*x)) {
+                                                const int64_t Pf = Off + M + Ci * S + Si + Q;
+                                                if (Pf < Total) DG_PREFETCH(x + Pf);
+                                            }
+                                        if (Ahead_next)                  /* the same line of the next group */
+                                            for (int Q = 0; Q < DG_LANES; Q += 64 / (int)sizeof(*dy)) {
+                                                const int64_t Pf = Off + M + Ci * S + Si + Q;
+                                                if (Pf < Total) DG_PREFETCH(dy + Pf);
+                                            }
                                         DG_INDEPENDENT
                                         for (int J = 0; J < DG_LANES; ++J) {
                                             const int64_t Idx = Off + Ci * S + Si + J;
@@ -1301,6 +1330,8 @@ int batchnorm_train_split_partial_f32(
 
                 double Sum_var;
                 {
+                    /* the next group read ahead while this one is in the cache (derivgen-kernels.h) */
+                    const int Ahead_next = Dg_ahead_next(Blocks * M, Ahead, (int64_t)sizeof(*x) * 1);
                     Sum_var = 0.0;         /* the blocks' lane sums, added in block order */
                     for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
                         const int64_t Off = Base + Blk * Block_stride;
@@ -1308,6 +1339,11 @@ int batchnorm_train_split_partial_f32(
                         {
                             int64_t Mi = 0;
                             for (; Mi + DG_LANES <= M; Mi += DG_LANES) {
+                                if (Ahead_next)                  /* the same line of the next group */
+                                    for (int Q = 0; Q < DG_LANES; Q += 64 / (int)sizeof(*x)) {
+                                        const int64_t Pf = Off + M + Mi + Q;
+                                        if (Pf < Total) DG_PREFETCH(x + Pf);
+                                    }
                                 DG_INDEPENDENT
                                 for (int J = 0; J < DG_LANES; ++J) {
                                     const int64_t Idx = Off + Mi + J;
@@ -1834,6 +1870,8 @@ int batchnorm_train_split_bapply_f32(
                 const float H1_lo = (float)(H1 - (double)H1_hi);
                 const float Mean_g_xhat_F = (float)Mean_g_xhat;
                 const float rstd_F = (float)rstd;
+                /* the next group read ahead while this one is in the cache (derivgen-kernels.h) */
+                const int Ahead_next = Dg_ahead_next(Blocks * M, Ahead, (int64_t)sizeof(*x) * 2);
                 for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
                     const int64_t Off = Base + Blk * Block_stride;
                     const int dx_Direct = S == 1 ? Dg_direct(dx_Stream, Cg) : 0;   /* stream from registers */
@@ -1861,6 +1899,16 @@ int batchnorm_train_split_bapply_f32(
                                 }
                             }
                             for (; Mi + DG_LANES <= Cg; Mi += DG_LANES) {
+                                if (Ahead_next)                  /* the same line of the next group */
+                                    for (int Q = 0; Q < DG_LANES; Q += 64 / (int)sizeof(*x)) {
+                                        const int64_t Pf = Off + M + Mi + Q;
+                                        if (Pf < Total) DG_PREFETCH(x + Pf);
+                                    }
+                                if (Ahead_next)                  /* the same line of the next group */
+                                    for (int Q = 0; Q < DG_LANES; Q += 64 / (int)sizeof(*dy)) {
+                                        const int64_t Pf = Off + M + Mi + Q;
+                                        if (Pf < Total) DG_PREFETCH(dy + Pf);
+                                    }
                                 float T_dx[DG_LANES];
                                 DG_INDEPENDENT
                                 for (int J = 0; J < DG_LANES; ++J) {
@@ -1924,6 +1972,16 @@ int batchnorm_train_split_bapply_f32(
                                     float Lane_f0[DG_LANES] = {0};
                                     float Lane_f1[DG_LANES] = {0};
                                     for (; Si < Stop; Si += DG_LANES) {
+                                        if (Ahead_next)                  /* the same line of the next group */
+                                            for (int Q = 0; Q < DG_LANES; Q += 64 / (int)sizeof(*x)) {
+                                                const int64_t Pf = Off + M + Ci * S + Si + Q;
+                                                if (Pf < Total) DG_PREFETCH(x + Pf);
+                                            }
+                                        if (Ahead_next)                  /* the same line of the next group */
+                                            for (int Q = 0; Q < DG_LANES; Q += 64 / (int)sizeof(*dy)) {
+                                                const int64_t Pf = Off + M + Ci * S + Si + Q;
+                                                if (Pf < Total) DG_PREFETCH(dy + Pf);
+                                            }
                                         DG_INDEPENDENT
                                         for (int J = 0; J < DG_LANES; ++J) {
                                             const int64_t Idx = Off + Ci * S + Si + J;
@@ -2666,6 +2724,8 @@ int batchnorm_train_forward_f64(
             const double mean = Sum_mean/N;  /* mean = mean(x) */
             double Sum_var;
             {
+                /* the next group read ahead while this one is in the cache (derivgen-kernels.h) */
+                const int Ahead_next = Dg_ahead_next(Blocks * M, Ahead, (int64_t)sizeof(*x) * 1);
                 Sum_var = 0.0;         /* the blocks' lane sums, added in block order */
                 for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
                     const int64_t Off = Base + Blk * Block_stride;
@@ -2673,6 +2733,11 @@ int batchnorm_train_forward_f64(
                     {
                         int64_t Mi = 0;
                         for (; Mi + DG_LANES <= M; Mi += DG_LANES) {
+                            if (Ahead_next)                  /* the same line of the next group */
+                                for (int Q = 0; Q < DG_LANES; Q += 64 / (int)sizeof(*x)) {
+                                    const int64_t Pf = Off + M + Mi + Q;
+                                    if (Pf < Total) DG_PREFETCH(x + Pf);
+                                }
                             DG_INDEPENDENT
                             for (int J = 0; J < DG_LANES; ++J) {
                                 const int64_t Idx = Off + Mi + J;
@@ -3000,6 +3065,8 @@ int batchnorm_train_backward_f64(
             const double K_g = rstd;  /* coefficient of g in dx */
             const double K_xhat = -Mean_g_xhat*rstd;  /* coefficient of xhat in dx */
             {
+                /* the next group read ahead while this one is in the cache (derivgen-kernels.h) */
+                const int Ahead_next = Dg_ahead_next(Blocks * M, Ahead, (int64_t)sizeof(*x) * 2);
                 for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
                     const int64_t Off = Base + Blk * Block_stride;
                     const int dx_Direct = S == 1 ? Dg_direct(dx_Stream, Cg) : 0;   /* stream from registers */
@@ -3027,6 +3094,16 @@ int batchnorm_train_backward_f64(
                                 }
                             }
                             for (; Mi + DG_LANES <= Cg; Mi += DG_LANES) {
+                                if (Ahead_next)                  /* the same line of the next group */
+                                    for (int Q = 0; Q < DG_LANES; Q += 64 / (int)sizeof(*x)) {
+                                        const int64_t Pf = Off + M + Mi + Q;
+                                        if (Pf < Total) DG_PREFETCH(x + Pf);
+                                    }
+                                if (Ahead_next)                  /* the same line of the next group */
+                                    for (int Q = 0; Q < DG_LANES; Q += 64 / (int)sizeof(*dy)) {
+                                        const int64_t Pf = Off + M + Mi + Q;
+                                        if (Pf < Total) DG_PREFETCH(dy + Pf);
+                                    }
                                 double T_dx[DG_LANES];
                                 DG_INDEPENDENT
                                 for (int J = 0; J < DG_LANES; ++J) {
@@ -3086,6 +3163,16 @@ int batchnorm_train_backward_f64(
                                 double *restrict dx_R = dx_Tile != NULL ? dx_Tile + dx_Fill : dx + Off + Ci * S;
                                 int64_t Si = 0;
                                 for (; Si + DG_LANES <= S; Si += DG_LANES) {
+                                    if (Ahead_next)                  /* the same line of the next group */
+                                        for (int Q = 0; Q < DG_LANES; Q += 64 / (int)sizeof(*x)) {
+                                            const int64_t Pf = Off + M + Ci * S + Si + Q;
+                                            if (Pf < Total) DG_PREFETCH(x + Pf);
+                                        }
+                                    if (Ahead_next)                  /* the same line of the next group */
+                                        for (int Q = 0; Q < DG_LANES; Q += 64 / (int)sizeof(*dy)) {
+                                            const int64_t Pf = Off + M + Ci * S + Si + Q;
+                                            if (Pf < Total) DG_PREFETCH(dy + Pf);
+                                        }
                                     DG_INDEPENDENT
                                     for (int J = 0; J < DG_LANES; ++J) {
                                         const int64_t Idx = Off + Ci * S + Si + J;
@@ -3784,6 +3871,8 @@ int batchnorm_train_split_partial_f64(
 
                 double Sum_var;
                 {
+                    /* the next group read ahead while this one is in the cache (derivgen-kernels.h) */
+                    const int Ahead_next = Dg_ahead_next(Blocks * M, Ahead, (int64_t)sizeof(*x) * 1);
                     Sum_var = 0.0;         /* the blocks' lane sums, added in block order */
                     for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
                         const int64_t Off = Base + Blk * Block_stride;
@@ -3791,6 +3880,11 @@ int batchnorm_train_split_partial_f64(
                         {
                             int64_t Mi = 0;
                             for (; Mi + DG_LANES <= M; Mi += DG_LANES) {
+                                if (Ahead_next)                  /* the same line of the next group */
+                                    for (int Q = 0; Q < DG_LANES; Q += 64 / (int)sizeof(*x)) {
+                                        const int64_t Pf = Off + M + Mi + Q;
+                                        if (Pf < Total) DG_PREFETCH(x + Pf);
+                                    }
                                 DG_INDEPENDENT
                                 for (int J = 0; J < DG_LANES; ++J) {
                                     const int64_t Idx = Off + Mi + J;
@@ -4304,6 +4398,8 @@ int batchnorm_train_split_bapply_f64(
             const double K_g = rstd;  /* coefficient of g in dx */
             const double K_xhat = -Mean_g_xhat*rstd;  /* coefficient of xhat in dx */
             {
+                /* the next group read ahead while this one is in the cache (derivgen-kernels.h) */
+                const int Ahead_next = Dg_ahead_next(Blocks * M, Ahead, (int64_t)sizeof(*x) * 2);
                 for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
                     const int64_t Off = Base + Blk * Block_stride;
                     const int dx_Direct = S == 1 ? Dg_direct(dx_Stream, Cg) : 0;   /* stream from registers */
@@ -4331,6 +4427,16 @@ int batchnorm_train_split_bapply_f64(
                                 }
                             }
                             for (; Mi + DG_LANES <= Cg; Mi += DG_LANES) {
+                                if (Ahead_next)                  /* the same line of the next group */
+                                    for (int Q = 0; Q < DG_LANES; Q += 64 / (int)sizeof(*x)) {
+                                        const int64_t Pf = Off + M + Mi + Q;
+                                        if (Pf < Total) DG_PREFETCH(x + Pf);
+                                    }
+                                if (Ahead_next)                  /* the same line of the next group */
+                                    for (int Q = 0; Q < DG_LANES; Q += 64 / (int)sizeof(*dy)) {
+                                        const int64_t Pf = Off + M + Mi + Q;
+                                        if (Pf < Total) DG_PREFETCH(dy + Pf);
+                                    }
                                 double T_dx[DG_LANES];
                                 DG_INDEPENDENT
                                 for (int J = 0; J < DG_LANES; ++J) {
@@ -4390,6 +4496,16 @@ int batchnorm_train_split_bapply_f64(
                                 double *restrict dx_R = dx_Tile != NULL ? dx_Tile + dx_Fill : dx + Off + Ci * S;
                                 int64_t Si = 0;
                                 for (; Si + DG_LANES <= S; Si += DG_LANES) {
+                                    if (Ahead_next)                  /* the same line of the next group */
+                                        for (int Q = 0; Q < DG_LANES; Q += 64 / (int)sizeof(*x)) {
+                                            const int64_t Pf = Off + M + Ci * S + Si + Q;
+                                            if (Pf < Total) DG_PREFETCH(x + Pf);
+                                        }
+                                    if (Ahead_next)                  /* the same line of the next group */
+                                        for (int Q = 0; Q < DG_LANES; Q += 64 / (int)sizeof(*dy)) {
+                                            const int64_t Pf = Off + M + Ci * S + Si + Q;
+                                            if (Pf < Total) DG_PREFETCH(dy + Pf);
+                                        }
                                     DG_INDEPENDENT
                                     for (int J = 0; J < DG_LANES; ++J) {
                                         const int64_t Idx = Off + Ci * S + Si + J;
@@ -5035,6 +5151,8 @@ int batchnorm_train_forward_bf16(
             const double mean = Sum_mean/N;  /* mean = mean(x) */
             double Sum_var;
             {
+                /* the next group read ahead while this one is in the cache (derivgen-kernels.h) */
+                const int Ahead_next = Dg_ahead_next(Blocks * M, Ahead, (int64_t)sizeof(*x) * 1);
                 Sum_var = 0.0;         /* the blocks' lane sums, added in block order */
                 for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
                     const int64_t Off = Base + Blk * Block_stride;
@@ -5042,6 +5160,11 @@ int batchnorm_train_forward_bf16(
                     {
                         int64_t Mi = 0;
                         for (; Mi + DG_LANES <= M; Mi += DG_LANES) {
+                            if (Ahead_next)                  /* the same line of the next group */
+                                for (int Q = 0; Q < DG_LANES; Q += 64 / (int)sizeof(*x)) {
+                                    const int64_t Pf = Off + M + Mi + Q;
+                                    if (Pf < Total) DG_PREFETCH(x + Pf);
+                                }
                             DG_INDEPENDENT
                             for (int J = 0; J < DG_LANES; ++J) {
                                 const int64_t Idx = Off + Mi + J;
@@ -5382,6 +5505,8 @@ int batchnorm_train_backward_bf16(
                 const float H1_lo = (float)(H1 - (double)H1_hi);
                 const float Mean_g_xhat_F = (float)Mean_g_xhat;
                 const float rstd_F = (float)rstd;
+                /* the next group read ahead while this one is in the cache (derivgen-kernels.h) */
+                const int Ahead_next = Dg_ahead_next(Blocks * M, Ahead, (int64_t)sizeof(*x) * 2);
                 for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
                     const int64_t Off = Base + Blk * Block_stride;
                     const int dx_Direct = S == 1 ? Dg_direct(dx_Stream, Cg) : 0;   /* stream from registers */
@@ -5409,6 +5534,16 @@ int batchnorm_train_backward_bf16(
                                 }
                             }
                             for (; Mi + DG_LANES <= Cg; Mi += DG_LANES) {
+                                if (Ahead_next)                  /* the same line of the next group */
+                                    for (int Q = 0; Q < DG_LANES; Q += 64 / (int)sizeof(*x)) {
+                                        const int64_t Pf = Off + M + Mi + Q;
+                                        if (Pf < Total) DG_PREFETCH(x + Pf);
+                                    }
+                                if (Ahead_next)                  /* the same line of the next group */
+                                    for (int Q = 0; Q < DG_LANES; Q += 64 / (int)sizeof(*dy)) {
+                                        const int64_t Pf = Off + M + Mi + Q;
+                                        if (Pf < Total) DG_PREFETCH(dy + Pf);
+                                    }
                                 dg_bf16 T_dx[DG_LANES];
                                 DG_INDEPENDENT
                                 for (int J = 0; J < DG_LANES; ++J) {
@@ -5472,6 +5607,16 @@ int batchnorm_train_backward_bf16(
                                     float Lane_f0[DG_LANES] = {0};
                                     float Lane_f1[DG_LANES] = {0};
                                     for (; Si < Stop; Si += DG_LANES) {
+                                        if (Ahead_next)                  /* the same line of the next group */
+                                            for (int Q = 0; Q < DG_LANES; Q += 64 / (int)sizeof(*x)) {
+                                                const int64_t Pf = Off + M + Ci * S + Si + Q;
+                                                if (Pf < Total) DG_PREFETCH(x + Pf);
+                                            }
+                                        if (Ahead_next)                  /* the same line of the next group */
+                                            for (int Q = 0; Q < DG_LANES; Q += 64 / (int)sizeof(*dy)) {
+                                                const int64_t Pf = Off + M + Ci * S + Si + Q;
+                                                if (Pf < Total) DG_PREFETCH(dy + Pf);
+                                            }
                                         DG_INDEPENDENT
                                         for (int J = 0; J < DG_LANES; ++J) {
                                             const int64_t Idx = Off + Ci * S + Si + J;

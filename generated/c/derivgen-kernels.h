@@ -311,6 +311,20 @@ static inline int64_t Dg_ahead(int64_t Off, int64_t p, int64_t M, int64_t Nxt, i
     return i < Total ? i : -1;
 }
 
+/* Whether the second sweep over a group of n elements (`bytes` per element in the arrays
+ * it reads) reads the next group ahead, at the positions it reads in this one: when the
+ * group is longer than the first sweep's read-ahead (a elements), which otherwise leaves
+ * memory idle while the later sweeps work from the cache, and when both groups fit in
+ * half of L2 (two tiles) beside each other. Measured side by side (float, 2 threads, AMD
+ * EPYC Zen 4 guest, AVX-512 build, 32x64x56x56), the forward took 1.91 -> 1.36 ms for
+ * group norm, 1.93 -> 1.51 batch norm and 1.58 -> 1.07 instance norm, RMS norm 512x8192
+ * 0.86 -> 0.72, with the same bits; batch norm's backward, whose group (x and dy, 800 KB)
+ * and the next one do not fit in its 1 MiB L2, took 2.50 -> 2.70 ms reading ahead. */
+static inline int Dg_ahead_next(int64_t n, int64_t a, int64_t bytes)
+{
+    return n > a && n * bytes <= 2 * Dg_tile_bytes;
+}
+
 /* whether an output of `total` elements is written with streaming stores */
 static inline int Dg_stream_on(int64_t Total, int64_t size)
 {

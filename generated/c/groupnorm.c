@@ -133,6 +133,8 @@ int groupnorm_train_forward_f32(
             const double mean = Sum_mean/N;  /* mean = mean(x) */
             double Sum_var;
             {
+                /* the next group read ahead while this one is in the cache (derivgen-kernels.h) */
+                const int Ahead_next = Dg_ahead_next(Blocks * M, Ahead, (int64_t)sizeof(*x) * 1);
                 Sum_var = 0.0;         /* the blocks' lane sums, added in block order */
                 for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
                     const int64_t Off = Base + Blk * Block_stride;
@@ -140,6 +142,11 @@ int groupnorm_train_forward_f32(
                     {
                         int64_t Mi = 0;
                         for (; Mi + DG_LANES <= M; Mi += DG_LANES) {
+                            if (Ahead_next)                  /* the same line of the next group */
+                                for (int Q = 0; Q < DG_LANES; Q += 64 / (int)sizeof(*x)) {
+                                    const int64_t Pf = Off + M + Mi + Q;
+                                    if (Pf < Total) DG_PREFETCH(x + Pf);
+                                }
                             DG_INDEPENDENT
                             for (int J = 0; J < DG_LANES; ++J) {
                                 const int64_t Idx = Off + Mi + J;
@@ -472,6 +479,8 @@ int groupnorm_train_backward_f32(
                 const float H1_lo = (float)(H1 - (double)H1_hi);
                 const float Mean_g_xhat_F = (float)Mean_g_xhat;
                 const float rstd_F = (float)rstd;
+                /* the next group read ahead while this one is in the cache (derivgen-kernels.h) */
+                const int Ahead_next = Dg_ahead_next(Blocks * M, Ahead, (int64_t)sizeof(*x) * 2);
                 for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
                     const int64_t Off = Base + Blk * Block_stride;
                     const int dx_Direct = S == 1 ? Dg_direct(dx_Stream, Cg) : 0;   /* stream from registers */
@@ -499,6 +508,16 @@ int groupnorm_train_backward_f32(
                                 }
                             }
                             for (; Mi + DG_LANES <= Cg; Mi += DG_LANES) {
+                                if (Ahead_next)                  /* the same line of the next group */
+                                    for (int Q = 0; Q < DG_LANES; Q += 64 / (int)sizeof(*x)) {
+                                        const int64_t Pf = Off + M + Mi + Q;
+                                        if (Pf < Total) DG_PREFETCH(x + Pf);
+                                    }
+                                if (Ahead_next)                  /* the same line of the next group */
+                                    for (int Q = 0; Q < DG_LANES; Q += 64 / (int)sizeof(*dy)) {
+                                        const int64_t Pf = Off + M + Mi + Q;
+                                        if (Pf < Total) DG_PREFETCH(dy + Pf);
+                                    }
                                 float T_dx[DG_LANES];
                                 DG_INDEPENDENT
                                 for (int J = 0; J < DG_LANES; ++J) {
@@ -562,6 +581,16 @@ int groupnorm_train_backward_f32(
                                     float Lane_f0[DG_LANES] = {0};
                                     float Lane_f1[DG_LANES] = {0};
                                     for (; Si < Stop; Si += DG_LANES) {
+                                        if (Ahead_next)                  /* the same line of the next group */
+                                            for (int Q = 0; Q < DG_LANES; Q += 64 / (int)sizeof(*x)) {
+                                                const int64_t Pf = Off + M + Ci * S + Si + Q;
+                                                if (Pf < Total) DG_PREFETCH(x + Pf);
+                                            }
+                                        if (Ahead_next)                  /* the same line of the next group */
+                                            for (int Q = 0; Q < DG_LANES; Q += 64 / (int)sizeof(*dy)) {
+                                                const int64_t Pf = Off + M + Ci * S + Si + Q;
+                                                if (Pf < Total) DG_PREFETCH(dy + Pf);
+                                            }
                                         DG_INDEPENDENT
                                         for (int J = 0; J < DG_LANES; ++J) {
                                             const int64_t Idx = Off + Ci * S + Si + J;
@@ -1685,6 +1714,8 @@ int groupnorm_train_forward_f64(
             const double mean = Sum_mean/N;  /* mean = mean(x) */
             double Sum_var;
             {
+                /* the next group read ahead while this one is in the cache (derivgen-kernels.h) */
+                const int Ahead_next = Dg_ahead_next(Blocks * M, Ahead, (int64_t)sizeof(*x) * 1);
                 Sum_var = 0.0;         /* the blocks' lane sums, added in block order */
                 for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
                     const int64_t Off = Base + Blk * Block_stride;
@@ -1692,6 +1723,11 @@ int groupnorm_train_forward_f64(
                     {
                         int64_t Mi = 0;
                         for (; Mi + DG_LANES <= M; Mi += DG_LANES) {
+                            if (Ahead_next)                  /* the same line of the next group */
+                                for (int Q = 0; Q < DG_LANES; Q += 64 / (int)sizeof(*x)) {
+                                    const int64_t Pf = Off + M + Mi + Q;
+                                    if (Pf < Total) DG_PREFETCH(x + Pf);
+                                }
                             DG_INDEPENDENT
                             for (int J = 0; J < DG_LANES; ++J) {
                                 const int64_t Idx = Off + Mi + J;
@@ -2011,6 +2047,8 @@ int groupnorm_train_backward_f64(
             const double K_g = rstd;  /* coefficient of g in dx */
             const double K_xhat = -Mean_g_xhat*rstd;  /* coefficient of xhat in dx */
             {
+                /* the next group read ahead while this one is in the cache (derivgen-kernels.h) */
+                const int Ahead_next = Dg_ahead_next(Blocks * M, Ahead, (int64_t)sizeof(*x) * 2);
                 for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
                     const int64_t Off = Base + Blk * Block_stride;
                     const int dx_Direct = S == 1 ? Dg_direct(dx_Stream, Cg) : 0;   /* stream from registers */
@@ -2038,6 +2076,16 @@ int groupnorm_train_backward_f64(
                                 }
                             }
                             for (; Mi + DG_LANES <= Cg; Mi += DG_LANES) {
+                                if (Ahead_next)                  /* the same line of the next group */
+                                    for (int Q = 0; Q < DG_LANES; Q += 64 / (int)sizeof(*x)) {
+                                        const int64_t Pf = Off + M + Mi + Q;
+                                        if (Pf < Total) DG_PREFETCH(x + Pf);
+                                    }
+                                if (Ahead_next)                  /* the same line of the next group */
+                                    for (int Q = 0; Q < DG_LANES; Q += 64 / (int)sizeof(*dy)) {
+                                        const int64_t Pf = Off + M + Mi + Q;
+                                        if (Pf < Total) DG_PREFETCH(dy + Pf);
+                                    }
                                 double T_dx[DG_LANES];
                                 DG_INDEPENDENT
                                 for (int J = 0; J < DG_LANES; ++J) {
@@ -2097,6 +2145,16 @@ int groupnorm_train_backward_f64(
                                 double *restrict dx_R = dx_Tile != NULL ? dx_Tile + dx_Fill : dx + Off + Ci * S;
                                 int64_t Si = 0;
                                 for (; Si + DG_LANES <= S; Si += DG_LANES) {
+                                    if (Ahead_next)                  /* the same line of the next group */
+                                        for (int Q = 0; Q < DG_LANES; Q += 64 / (int)sizeof(*x)) {
+                                            const int64_t Pf = Off + M + Ci * S + Si + Q;
+                                            if (Pf < Total) DG_PREFETCH(x + Pf);
+                                        }
+                                    if (Ahead_next)                  /* the same line of the next group */
+                                        for (int Q = 0; Q < DG_LANES; Q += 64 / (int)sizeof(*dy)) {
+                                            const int64_t Pf = Off + M + Ci * S + Si + Q;
+                                            if (Pf < Total) DG_PREFETCH(dy + Pf);
+                                        }
                                     DG_INDEPENDENT
                                     for (int J = 0; J < DG_LANES; ++J) {
                                         const int64_t Idx = Off + Ci * S + Si + J;
@@ -3154,6 +3212,8 @@ int groupnorm_train_forward_bf16(
             const double mean = Sum_mean/N;  /* mean = mean(x) */
             double Sum_var;
             {
+                /* the next group read ahead while this one is in the cache (derivgen-kernels.h) */
+                const int Ahead_next = Dg_ahead_next(Blocks * M, Ahead, (int64_t)sizeof(*x) * 1);
                 Sum_var = 0.0;         /* the blocks' lane sums, added in block order */
                 for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
                     const int64_t Off = Base + Blk * Block_stride;
@@ -3161,6 +3221,11 @@ int groupnorm_train_forward_bf16(
                     {
                         int64_t Mi = 0;
                         for (; Mi + DG_LANES <= M; Mi += DG_LANES) {
+                            if (Ahead_next)                  /* the same line of the next group */
+                                for (int Q = 0; Q < DG_LANES; Q += 64 / (int)sizeof(*x)) {
+                                    const int64_t Pf = Off + M + Mi + Q;
+                                    if (Pf < Total) DG_PREFETCH(x + Pf);
+                                }
                             DG_INDEPENDENT
                             for (int J = 0; J < DG_LANES; ++J) {
                                 const int64_t Idx = Off + Mi + J;
@@ -3493,6 +3558,8 @@ int groupnorm_train_backward_bf16(
                 const float H1_lo = (float)(H1 - (double)H1_hi);
                 const float Mean_g_xhat_F = (float)Mean_g_xhat;
                 const float rstd_F = (float)rstd;
+                /* the next group read ahead while this one is in the cache (derivgen-kernels.h) */
+                const int Ahead_next = Dg_ahead_next(Blocks * M, Ahead, (int64_t)sizeof(*x) * 2);
                 for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
                     const int64_t Off = Base + Blk * Block_stride;
                     const int dx_Direct = S == 1 ? Dg_direct(dx_Stream, Cg) : 0;   /* stream from registers */
@@ -3520,6 +3587,16 @@ int groupnorm_train_backward_bf16(
                                 }
                             }
                             for (; Mi + DG_LANES <= Cg; Mi += DG_LANES) {
+                                if (Ahead_next)                  /* the same line of the next group */
+                                    for (int Q = 0; Q < DG_LANES; Q += 64 / (int)sizeof(*x)) {
+                                        const int64_t Pf = Off + M + Mi + Q;
+                                        if (Pf < Total) DG_PREFETCH(x + Pf);
+                                    }
+                                if (Ahead_next)                  /* the same line of the next group */
+                                    for (int Q = 0; Q < DG_LANES; Q += 64 / (int)sizeof(*dy)) {
+                                        const int64_t Pf = Off + M + Mi + Q;
+                                        if (Pf < Total) DG_PREFETCH(dy + Pf);
+                                    }
                                 dg_bf16 T_dx[DG_LANES];
                                 DG_INDEPENDENT
                                 for (int J = 0; J < DG_LANES; ++J) {
@@ -3583,6 +3660,16 @@ int groupnorm_train_backward_bf16(
                                     float Lane_f0[DG_LANES] = {0};
                                     float Lane_f1[DG_LANES] = {0};
                                     for (; Si < Stop; Si += DG_LANES) {
+                                        if (Ahead_next)                  /* the same line of the next group */
+                                            for (int Q = 0; Q < DG_LANES; Q += 64 / (int)sizeof(*x)) {
+                                                const int64_t Pf = Off + M + Ci * S + Si + Q;
+                                                if (Pf < Total) DG_PREFETCH(x + Pf);
+                                            }
+                                        if (Ahead_next)                  /* the same line of the next group */
+                                            for (int Q = 0; Q < DG_LANES; Q += 64 / (int)sizeof(*dy)) {
+                                                const int64_t Pf = Off + M + Ci * S + Si + Q;
+                                                if (Pf < Total) DG_PREFETCH(dy + Pf);
+                                            }
                                         DG_INDEPENDENT
                                         for (int J = 0; J < DG_LANES; ++J) {
                                             const int64_t Idx = Off + Ci * S + Si + J;

@@ -132,12 +132,19 @@ int layernorm_train_forward_f32(
             const double mean = Sum_mean/N;  /* mean = mean(x) */
             double Sum_var;
             {
+                /* the next group read ahead while this one is in the cache (derivgen-kernels.h) */
+                const int Ahead_next = Dg_ahead_next(Blocks * M, Ahead, (int64_t)sizeof(*x) * 1);
                 double Lane_Sum_var[DG_LANES] = {0};
                 for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
                     const int64_t Off = Base + Blk * Block_stride;
                     {
                         int64_t Mi = 0;
                         for (; Mi + DG_LANES <= M; Mi += DG_LANES) {
+                            if (Ahead_next)                  /* the same line of the next group */
+                                for (int Q = 0; Q < DG_LANES; Q += 64 / (int)sizeof(*x)) {
+                                    const int64_t Pf = Off + M + Mi + Q;
+                                    if (Pf < Total) DG_PREFETCH(x + Pf);
+                                }
                             DG_INDEPENDENT
                             for (int J = 0; J < DG_LANES; ++J) {
                                 const int64_t Idx = Off + Mi + J;
@@ -414,6 +421,8 @@ int layernorm_train_backward_f32(
                     const float H1_lo = (float)(H1 - (double)H1_hi);
                     const float Mean_g_xhat_F = (float)Mean_g_xhat;
                     const float rstd_F = (float)rstd;
+                    /* the next group read ahead while this one is in the cache (derivgen-kernels.h) */
+                    const int Ahead_next = Dg_ahead_next(Blocks * M, Ahead, (int64_t)sizeof(*x) * 2);
                     for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
                         const int64_t Off = Base + Blk * Block_stride;
                         const int dx_Direct = Dg_direct_row(dx_Stream, Cg, dx + Off);   /* stream from registers */
@@ -441,6 +450,16 @@ int layernorm_train_backward_f32(
                                     }
                                 }
                                 for (; Mi + DG_LANES <= Cg; Mi += DG_LANES) {
+                                    if (Ahead_next)                  /* the same line of the next group */
+                                        for (int Q = 0; Q < DG_LANES; Q += 64 / (int)sizeof(*x)) {
+                                            const int64_t Pf = Off + M + Mi + Q;
+                                            if (Pf < Total) DG_PREFETCH(x + Pf);
+                                        }
+                                    if (Ahead_next)                  /* the same line of the next group */
+                                        for (int Q = 0; Q < DG_LANES; Q += 64 / (int)sizeof(*dy)) {
+                                            const int64_t Pf = Off + M + Mi + Q;
+                                            if (Pf < Total) DG_PREFETCH(dy + Pf);
+                                        }
                                     float T_dx[DG_LANES];
                                     DG_INDEPENDENT
                                     for (int J = 0; J < DG_LANES; ++J) {
@@ -1235,12 +1254,19 @@ int layernorm_train_forward_f64(
             const double mean = Sum_mean/N;  /* mean = mean(x) */
             double Sum_var;
             {
+                /* the next group read ahead while this one is in the cache (derivgen-kernels.h) */
+                const int Ahead_next = Dg_ahead_next(Blocks * M, Ahead, (int64_t)sizeof(*x) * 1);
                 double Lane_Sum_var[DG_LANES] = {0};
                 for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
                     const int64_t Off = Base + Blk * Block_stride;
                     {
                         int64_t Mi = 0;
                         for (; Mi + DG_LANES <= M; Mi += DG_LANES) {
+                            if (Ahead_next)                  /* the same line of the next group */
+                                for (int Q = 0; Q < DG_LANES; Q += 64 / (int)sizeof(*x)) {
+                                    const int64_t Pf = Off + M + Mi + Q;
+                                    if (Pf < Total) DG_PREFETCH(x + Pf);
+                                }
                             DG_INDEPENDENT
                             for (int J = 0; J < DG_LANES; ++J) {
                                 const int64_t Idx = Off + Mi + J;
@@ -1494,6 +1520,8 @@ int layernorm_train_backward_f64(
                     continue;
                 }
                 {
+                    /* the next group read ahead while this one is in the cache (derivgen-kernels.h) */
+                    const int Ahead_next = Dg_ahead_next(Blocks * M, Ahead, (int64_t)sizeof(*x) * 2);
                     for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
                         const int64_t Off = Base + Blk * Block_stride;
                         const int dx_Direct = Dg_direct_row(dx_Stream, Cg, dx + Off);   /* stream from registers */
@@ -1521,6 +1549,16 @@ int layernorm_train_backward_f64(
                                     }
                                 }
                                 for (; Mi + DG_LANES <= Cg; Mi += DG_LANES) {
+                                    if (Ahead_next)                  /* the same line of the next group */
+                                        for (int Q = 0; Q < DG_LANES; Q += 64 / (int)sizeof(*x)) {
+                                            const int64_t Pf = Off + M + Mi + Q;
+                                            if (Pf < Total) DG_PREFETCH(x + Pf);
+                                        }
+                                    if (Ahead_next)                  /* the same line of the next group */
+                                        for (int Q = 0; Q < DG_LANES; Q += 64 / (int)sizeof(*dy)) {
+                                            const int64_t Pf = Off + M + Mi + Q;
+                                            if (Pf < Total) DG_PREFETCH(dy + Pf);
+                                        }
                                     double T_dx[DG_LANES];
                                     DG_INDEPENDENT
                                     for (int J = 0; J < DG_LANES; ++J) {
@@ -2312,12 +2350,19 @@ int layernorm_train_forward_bf16(
             const double mean = Sum_mean/N;  /* mean = mean(x) */
             double Sum_var;
             {
+                /* the next group read ahead while this one is in the cache (derivgen-kernels.h) */
+                const int Ahead_next = Dg_ahead_next(Blocks * M, Ahead, (int64_t)sizeof(*x) * 1);
                 double Lane_Sum_var[DG_LANES] = {0};
                 for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
                     const int64_t Off = Base + Blk * Block_stride;
                     {
                         int64_t Mi = 0;
                         for (; Mi + DG_LANES <= M; Mi += DG_LANES) {
+                            if (Ahead_next)                  /* the same line of the next group */
+                                for (int Q = 0; Q < DG_LANES; Q += 64 / (int)sizeof(*x)) {
+                                    const int64_t Pf = Off + M + Mi + Q;
+                                    if (Pf < Total) DG_PREFETCH(x + Pf);
+                                }
                             DG_INDEPENDENT
                             for (int J = 0; J < DG_LANES; ++J) {
                                 const int64_t Idx = Off + Mi + J;
@@ -2594,6 +2639,8 @@ int layernorm_train_backward_bf16(
                     const float H1_lo = (float)(H1 - (double)H1_hi);
                     const float Mean_g_xhat_F = (float)Mean_g_xhat;
                     const float rstd_F = (float)rstd;
+                    /* the next group read ahead while this one is in the cache (derivgen-kernels.h) */
+                    const int Ahead_next = Dg_ahead_next(Blocks * M, Ahead, (int64_t)sizeof(*x) * 2);
                     for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
                         const int64_t Off = Base + Blk * Block_stride;
                         const int dx_Direct = Dg_direct_row(dx_Stream, Cg, dx + Off);   /* stream from registers */
@@ -2621,6 +2668,16 @@ int layernorm_train_backward_bf16(
                                     }
                                 }
                                 for (; Mi + DG_LANES <= Cg; Mi += DG_LANES) {
+                                    if (Ahead_next)                  /* the same line of the next group */
+                                        for (int Q = 0; Q < DG_LANES; Q += 64 / (int)sizeof(*x)) {
+                                            const int64_t Pf = Off + M + Mi + Q;
+                                            if (Pf < Total) DG_PREFETCH(x + Pf);
+                                        }
+                                    if (Ahead_next)                  /* the same line of the next group */
+                                        for (int Q = 0; Q < DG_LANES; Q += 64 / (int)sizeof(*dy)) {
+                                            const int64_t Pf = Off + M + Mi + Q;
+                                            if (Pf < Total) DG_PREFETCH(dy + Pf);
+                                        }
                                     dg_bf16 T_dx[DG_LANES];
                                     DG_INDEPENDENT
                                     for (int J = 0; J < DG_LANES; ++J) {

@@ -147,12 +147,19 @@ int online_layernorm_train_forward_f32(
             const double mean = alpha*row_mean + prev_mean*(1 - alpha);  /* mean = alpha*row_mean + (1 - alpha)*prev_mean */
             double Sum_Aux1;
             {
+                /* the next group read ahead while this one is in the cache (derivgen-kernels.h) */
+                const int Ahead_next = Dg_ahead_next(Blocks * M, Ahead, (int64_t)sizeof(*x) * 1);
                 double Lane_Sum_Aux1[DG_LANES] = {0};
                 for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
                     const int64_t Off = Base + Blk * Block_stride;
                     {
                         int64_t Mi = 0;
                         for (; Mi + DG_LANES <= M; Mi += DG_LANES) {
+                            if (Ahead_next)                  /* the same line of the next group */
+                                for (int Q = 0; Q < DG_LANES; Q += 64 / (int)sizeof(*x)) {
+                                    const int64_t Pf = Off + M + Mi + Q;
+                                    if (Pf < Total) DG_PREFETCH(x + Pf);
+                                }
                             DG_INDEPENDENT
                             for (int J = 0; J < DG_LANES; ++J) {
                                 const int64_t Idx = Off + Mi + J;
@@ -476,6 +483,8 @@ int online_layernorm_train_backward_f32(
                     const float alpha_F = (float)alpha;
                     const float sample_std_F = (float)sample_std;
                     const float std_F = (float)std;
+                    /* the next group read ahead while this one is in the cache (derivgen-kernels.h) */
+                    const int Ahead_next = Dg_ahead_next(Blocks * M, Ahead, (int64_t)sizeof(*x) * 2);
                     for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
                         const int64_t Off = Base + Blk * Block_stride;
                         const int dx_Direct = Dg_direct_row(dx_Stream, Cg, dx + Off);   /* stream from registers */
@@ -503,6 +512,16 @@ int online_layernorm_train_backward_f32(
                                     }
                                 }
                                 for (; Mi + DG_LANES <= Cg; Mi += DG_LANES) {
+                                    if (Ahead_next)                  /* the same line of the next group */
+                                        for (int Q = 0; Q < DG_LANES; Q += 64 / (int)sizeof(*x)) {
+                                            const int64_t Pf = Off + M + Mi + Q;
+                                            if (Pf < Total) DG_PREFETCH(x + Pf);
+                                        }
+                                    if (Ahead_next)                  /* the same line of the next group */
+                                        for (int Q = 0; Q < DG_LANES; Q += 64 / (int)sizeof(*dy)) {
+                                            const int64_t Pf = Off + M + Mi + Q;
+                                            if (Pf < Total) DG_PREFETCH(dy + Pf);
+                                        }
                                     float T_dx[DG_LANES];
                                     DG_INDEPENDENT
                                     for (int J = 0; J < DG_LANES; ++J) {
@@ -1667,12 +1686,19 @@ int online_layernorm_train_forward_f64(
             const double mean = alpha*row_mean + prev_mean*(1 - alpha);  /* mean = alpha*row_mean + (1 - alpha)*prev_mean */
             double Sum_Aux1;
             {
+                /* the next group read ahead while this one is in the cache (derivgen-kernels.h) */
+                const int Ahead_next = Dg_ahead_next(Blocks * M, Ahead, (int64_t)sizeof(*x) * 1);
                 double Lane_Sum_Aux1[DG_LANES] = {0};
                 for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
                     const int64_t Off = Base + Blk * Block_stride;
                     {
                         int64_t Mi = 0;
                         for (; Mi + DG_LANES <= M; Mi += DG_LANES) {
+                            if (Ahead_next)                  /* the same line of the next group */
+                                for (int Q = 0; Q < DG_LANES; Q += 64 / (int)sizeof(*x)) {
+                                    const int64_t Pf = Off + M + Mi + Q;
+                                    if (Pf < Total) DG_PREFETCH(x + Pf);
+                                }
                             DG_INDEPENDENT
                             for (int J = 0; J < DG_LANES; ++J) {
                                 const int64_t Idx = Off + Mi + J;
@@ -1955,6 +1981,8 @@ int online_layernorm_train_backward_f64(
                     continue;
                 }
                 {
+                    /* the next group read ahead while this one is in the cache (derivgen-kernels.h) */
+                    const int Ahead_next = Dg_ahead_next(Blocks * M, Ahead, (int64_t)sizeof(*x) * 2);
                     for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
                         const int64_t Off = Base + Blk * Block_stride;
                         const int dx_Direct = Dg_direct_row(dx_Stream, Cg, dx + Off);   /* stream from registers */
@@ -1982,6 +2010,16 @@ int online_layernorm_train_backward_f64(
                                     }
                                 }
                                 for (; Mi + DG_LANES <= Cg; Mi += DG_LANES) {
+                                    if (Ahead_next)                  /* the same line of the next group */
+                                        for (int Q = 0; Q < DG_LANES; Q += 64 / (int)sizeof(*x)) {
+                                            const int64_t Pf = Off + M + Mi + Q;
+                                            if (Pf < Total) DG_PREFETCH(x + Pf);
+                                        }
+                                    if (Ahead_next)                  /* the same line of the next group */
+                                        for (int Q = 0; Q < DG_LANES; Q += 64 / (int)sizeof(*dy)) {
+                                            const int64_t Pf = Off + M + Mi + Q;
+                                            if (Pf < Total) DG_PREFETCH(dy + Pf);
+                                        }
                                     double T_dx[DG_LANES];
                                     DG_INDEPENDENT
                                     for (int J = 0; J < DG_LANES; ++J) {
@@ -3128,12 +3166,19 @@ int online_layernorm_train_forward_bf16(
             const double mean = alpha*row_mean + prev_mean*(1 - alpha);  /* mean = alpha*row_mean + (1 - alpha)*prev_mean */
             double Sum_Aux1;
             {
+                /* the next group read ahead while this one is in the cache (derivgen-kernels.h) */
+                const int Ahead_next = Dg_ahead_next(Blocks * M, Ahead, (int64_t)sizeof(*x) * 1);
                 double Lane_Sum_Aux1[DG_LANES] = {0};
                 for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
                     const int64_t Off = Base + Blk * Block_stride;
                     {
                         int64_t Mi = 0;
                         for (; Mi + DG_LANES <= M; Mi += DG_LANES) {
+                            if (Ahead_next)                  /* the same line of the next group */
+                                for (int Q = 0; Q < DG_LANES; Q += 64 / (int)sizeof(*x)) {
+                                    const int64_t Pf = Off + M + Mi + Q;
+                                    if (Pf < Total) DG_PREFETCH(x + Pf);
+                                }
                             DG_INDEPENDENT
                             for (int J = 0; J < DG_LANES; ++J) {
                                 const int64_t Idx = Off + Mi + J;
@@ -3457,6 +3502,8 @@ int online_layernorm_train_backward_bf16(
                     const float alpha_F = (float)alpha;
                     const float sample_std_F = (float)sample_std;
                     const float std_F = (float)std;
+                    /* the next group read ahead while this one is in the cache (derivgen-kernels.h) */
+                    const int Ahead_next = Dg_ahead_next(Blocks * M, Ahead, (int64_t)sizeof(*x) * 2);
                     for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
                         const int64_t Off = Base + Blk * Block_stride;
                         const int dx_Direct = Dg_direct_row(dx_Stream, Cg, dx + Off);   /* stream from registers */
@@ -3484,6 +3531,16 @@ int online_layernorm_train_backward_bf16(
                                     }
                                 }
                                 for (; Mi + DG_LANES <= Cg; Mi += DG_LANES) {
+                                    if (Ahead_next)                  /* the same line of the next group */
+                                        for (int Q = 0; Q < DG_LANES; Q += 64 / (int)sizeof(*x)) {
+                                            const int64_t Pf = Off + M + Mi + Q;
+                                            if (Pf < Total) DG_PREFETCH(x + Pf);
+                                        }
+                                    if (Ahead_next)                  /* the same line of the next group */
+                                        for (int Q = 0; Q < DG_LANES; Q += 64 / (int)sizeof(*dy)) {
+                                            const int64_t Pf = Off + M + Mi + Q;
+                                            if (Pf < Total) DG_PREFETCH(dy + Pf);
+                                        }
                                     dg_bf16 T_dx[DG_LANES];
                                     DG_INDEPENDENT
                                     for (int J = 0; J < DG_LANES; ++J) {

@@ -129,6 +129,8 @@ int rmsnorm_train_forward_f32(
             rstd_Out[Grp] = rstd;
             {
                 const float rstd_F = (float)rstd;
+                /* the next group read ahead while this one is in the cache (derivgen-kernels.h) */
+                const int Ahead_next = Dg_ahead_next(Blocks * M, Ahead, (int64_t)sizeof(*x) * 1);
                 for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
                     const int64_t Off = Base + Blk * Block_stride;
                     const int y_Direct = Dg_direct_row(y_Stream, Cg, y + Off);   /* stream from registers */
@@ -152,6 +154,11 @@ int rmsnorm_train_forward_f32(
                                 }
                             }
                             for (; Mi + DG_LANES <= Cg; Mi += DG_LANES) {
+                                if (Ahead_next)                  /* the same line of the next group */
+                                    for (int Q = 0; Q < DG_LANES; Q += 64 / (int)sizeof(*x)) {
+                                        const int64_t Pf = Off + M + Mi + Q;
+                                        if (Pf < Total) DG_PREFETCH(x + Pf);
+                                    }
                                 float T_y[DG_LANES];
                                 DG_INDEPENDENT
                                 for (int J = 0; J < DG_LANES; ++J) {
@@ -336,6 +343,8 @@ int rmsnorm_train_backward_f32(
                 {
                     const float Mean_g_xhat_F = (float)Mean_g_xhat;
                     const float rstd_F = (float)rstd;
+                    /* the next group read ahead while this one is in the cache (derivgen-kernels.h) */
+                    const int Ahead_next = Dg_ahead_next(Blocks * M, Ahead, (int64_t)sizeof(*x) * 2);
                     for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
                         const int64_t Off = Base + Blk * Block_stride;
                         const int dx_Direct = Dg_direct_row(dx_Stream, Cg, dx + Off);   /* stream from registers */
@@ -362,6 +371,16 @@ int rmsnorm_train_backward_f32(
                                     }
                                 }
                                 for (; Mi + DG_LANES <= Cg; Mi += DG_LANES) {
+                                    if (Ahead_next)                  /* the same line of the next group */
+                                        for (int Q = 0; Q < DG_LANES; Q += 64 / (int)sizeof(*x)) {
+                                            const int64_t Pf = Off + M + Mi + Q;
+                                            if (Pf < Total) DG_PREFETCH(x + Pf);
+                                        }
+                                    if (Ahead_next)                  /* the same line of the next group */
+                                        for (int Q = 0; Q < DG_LANES; Q += 64 / (int)sizeof(*dy)) {
+                                            const int64_t Pf = Off + M + Mi + Q;
+                                            if (Pf < Total) DG_PREFETCH(dy + Pf);
+                                        }
                                     float T_dx[DG_LANES];
                                     DG_INDEPENDENT
                                     for (int J = 0; J < DG_LANES; ++J) {
@@ -1051,6 +1070,8 @@ int rmsnorm_train_forward_f64(
             ms_Out[Grp] = ms;
             rstd_Out[Grp] = rstd;
             {
+                /* the next group read ahead while this one is in the cache (derivgen-kernels.h) */
+                const int Ahead_next = Dg_ahead_next(Blocks * M, Ahead, (int64_t)sizeof(*x) * 1);
                 for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
                     const int64_t Off = Base + Blk * Block_stride;
                     const int y_Direct = Dg_direct_row(y_Stream, Cg, y + Off);   /* stream from registers */
@@ -1074,6 +1095,11 @@ int rmsnorm_train_forward_f64(
                                 }
                             }
                             for (; Mi + DG_LANES <= Cg; Mi += DG_LANES) {
+                                if (Ahead_next)                  /* the same line of the next group */
+                                    for (int Q = 0; Q < DG_LANES; Q += 64 / (int)sizeof(*x)) {
+                                        const int64_t Pf = Off + M + Mi + Q;
+                                        if (Pf < Total) DG_PREFETCH(x + Pf);
+                                    }
                                 double T_y[DG_LANES];
                                 DG_INDEPENDENT
                                 for (int J = 0; J < DG_LANES; ++J) {
@@ -1257,6 +1283,8 @@ int rmsnorm_train_backward_f64(
                     continue;
                 }
                 {
+                    /* the next group read ahead while this one is in the cache (derivgen-kernels.h) */
+                    const int Ahead_next = Dg_ahead_next(Blocks * M, Ahead, (int64_t)sizeof(*x) * 2);
                     for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
                         const int64_t Off = Base + Blk * Block_stride;
                         const int dx_Direct = Dg_direct_row(dx_Stream, Cg, dx + Off);   /* stream from registers */
@@ -1283,6 +1311,16 @@ int rmsnorm_train_backward_f64(
                                     }
                                 }
                                 for (; Mi + DG_LANES <= Cg; Mi += DG_LANES) {
+                                    if (Ahead_next)                  /* the same line of the next group */
+                                        for (int Q = 0; Q < DG_LANES; Q += 64 / (int)sizeof(*x)) {
+                                            const int64_t Pf = Off + M + Mi + Q;
+                                            if (Pf < Total) DG_PREFETCH(x + Pf);
+                                        }
+                                    if (Ahead_next)                  /* the same line of the next group */
+                                        for (int Q = 0; Q < DG_LANES; Q += 64 / (int)sizeof(*dy)) {
+                                            const int64_t Pf = Off + M + Mi + Q;
+                                            if (Pf < Total) DG_PREFETCH(dy + Pf);
+                                        }
                                     double T_dx[DG_LANES];
                                     DG_INDEPENDENT
                                     for (int J = 0; J < DG_LANES; ++J) {
@@ -1976,6 +2014,8 @@ int rmsnorm_train_forward_bf16(
             rstd_Out[Grp] = rstd;
             {
                 const float rstd_F = (float)rstd;
+                /* the next group read ahead while this one is in the cache (derivgen-kernels.h) */
+                const int Ahead_next = Dg_ahead_next(Blocks * M, Ahead, (int64_t)sizeof(*x) * 1);
                 for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
                     const int64_t Off = Base + Blk * Block_stride;
                     const int y_Direct = Dg_direct_row(y_Stream, Cg, y + Off);   /* stream from registers */
@@ -1999,6 +2039,11 @@ int rmsnorm_train_forward_bf16(
                                 }
                             }
                             for (; Mi + DG_LANES <= Cg; Mi += DG_LANES) {
+                                if (Ahead_next)                  /* the same line of the next group */
+                                    for (int Q = 0; Q < DG_LANES; Q += 64 / (int)sizeof(*x)) {
+                                        const int64_t Pf = Off + M + Mi + Q;
+                                        if (Pf < Total) DG_PREFETCH(x + Pf);
+                                    }
                                 dg_bf16 T_y[DG_LANES];
                                 DG_INDEPENDENT
                                 for (int J = 0; J < DG_LANES; ++J) {
@@ -2183,6 +2228,8 @@ int rmsnorm_train_backward_bf16(
                 {
                     const float Mean_g_xhat_F = (float)Mean_g_xhat;
                     const float rstd_F = (float)rstd;
+                    /* the next group read ahead while this one is in the cache (derivgen-kernels.h) */
+                    const int Ahead_next = Dg_ahead_next(Blocks * M, Ahead, (int64_t)sizeof(*x) * 2);
                     for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
                         const int64_t Off = Base + Blk * Block_stride;
                         const int dx_Direct = Dg_direct_row(dx_Stream, Cg, dx + Off);   /* stream from registers */
@@ -2209,6 +2256,16 @@ int rmsnorm_train_backward_bf16(
                                     }
                                 }
                                 for (; Mi + DG_LANES <= Cg; Mi += DG_LANES) {
+                                    if (Ahead_next)                  /* the same line of the next group */
+                                        for (int Q = 0; Q < DG_LANES; Q += 64 / (int)sizeof(*x)) {
+                                            const int64_t Pf = Off + M + Mi + Q;
+                                            if (Pf < Total) DG_PREFETCH(x + Pf);
+                                        }
+                                    if (Ahead_next)                  /* the same line of the next group */
+                                        for (int Q = 0; Q < DG_LANES; Q += 64 / (int)sizeof(*dy)) {
+                                            const int64_t Pf = Off + M + Mi + Q;
+                                            if (Pf < Total) DG_PREFETCH(dy + Pf);
+                                        }
                                     dg_bf16 T_dx[DG_LANES];
                                     DG_INDEPENDENT
                                     for (int J = 0; J < DG_LANES; ++J) {
