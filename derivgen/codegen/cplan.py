@@ -858,7 +858,13 @@ class CPlanner:
         temps = list(self.ir.fwd_elem[:-1])
         done = sum(isinstance(s, Sweep) for s in steps)
         final = self.loop(
-            [out_expr], temps, stores=[("y", out_expr)], arith=self.atype, outputs=["y"], first=done == 0, second=done == 1
+            [out_expr],
+            temps,
+            stores=[("y", out_expr)],
+            arith=self.atype,
+            outputs=["y"],
+            first=done == 0,
+            second=done == 1,
         )
         updates = [(b, *self.g(e)) for b, e in self.ir.buffer_updates]
         update_reads = frozenset().union(*(r for _, _, r in updates))
