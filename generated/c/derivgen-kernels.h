@@ -131,9 +131,11 @@ static inline dg_bf16 Dg_to_bf16(float f)
 /* The lockstep sweep's loop over its DG_ROWS rows is unrolled (its trip count is DG_ROWS:
  * a thread's last rows that do not fill one go row by row), so that the compiler keeps the
  * rows' parameter sums in registers; rolled, GCC 12 kept them on the stack and loaded and
- * stored them for every row. Measured side by side (layer norm backward, float, 2 threads,
- * AMD EPYC Zen 4 guest), 8192x1024 took 3.48 -> 2.72 ms on the AVX-512 build (AVX2: 3.74
- * -> 2.85) and 16384x256 1.28 -> 1.24 (1.57 -> 1.46), with the same bits. */
+ * stored them for every row. Measured side by side (layer norm backward 8192x1024, float,
+ * 2 threads, AMD EPYC Zen 4 guest, three runs of 41 calls through the generated module),
+ * it took 2.76 against 2.95 ms (medians) on the AVX-512 build, 3.09 against 3.34 on the
+ * AVX2 build (two runs), with the same bits; calling the kernel directly, 2.72 against
+ * 3.48. Shorter rows (16384x256, 65536x128) did not change. */
 #define DG_PRAGMA_TEXT(x) _Pragma(#x)
 #if defined(__clang__)
 #define DG_UNROLL(n) DG_PRAGMA_TEXT(clang loop unroll_count(n))
@@ -316,10 +318,11 @@ static inline int64_t Dg_ahead(int64_t Off, int64_t p, int64_t M, int64_t Nxt, i
  * group is longer than the first sweep's read-ahead (a elements), which otherwise leaves
  * memory idle while the later sweeps work from the cache, and when both groups fit in
  * half of L2 (two tiles) beside each other. Measured side by side (float, 2 threads, AMD
- * EPYC Zen 4 guest, AVX-512 build, 32x64x56x56), the forward took 1.91 -> 1.36 ms for
- * group norm, 1.93 -> 1.51 batch norm and 1.58 -> 1.07 instance norm, RMS norm 512x8192
- * 0.86 -> 0.72, with the same bits; batch norm's backward, whose group (x and dy, 800 KB)
- * and the next one do not fit in its 1 MiB L2, took 2.50 -> 2.70 ms reading ahead. */
+ * EPYC Zen 4 guest, AVX-512 build, medians of two runs through the generated modules), the
+ * forward took 1.85 -> 1.46 ms for group norm 32x64x56x56, 1.99 -> 1.62 batch norm, 1.57
+ * -> 1.14 instance norm, 1.12 -> 0.86 layer norm 512x8192 and 0.92 -> 0.77 RMS norm
+ * 512x8192, with the same bits; batch norm's backward, whose group (x and dy, 800 KB) and
+ * the next one do not fit in its 1 MiB L2, took 2.50 -> 2.70 ms reading ahead. */
 static inline int Dg_ahead_next(int64_t n, int64_t a, int64_t bytes)
 {
     return n > a && n * bytes <= 2 * Dg_tile_bytes;

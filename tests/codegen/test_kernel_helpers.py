@@ -71,3 +71,41 @@ def test_vector_lane_sum_is_the_reference_order(march, tmp_path):
         arr = (ctypes.c_double * 32)(*vals)
         got, ref = so.probe_lanes(arr), so.probe_reference(arr)
         assert got == ref or (math.isnan(got) and math.isnan(ref)), (march, trial, got, ref)
+
+
+NEXT = r"""
+#include "derivgen-kernels.h"
+int probe_next(int64_t n, int64_t a, int64_t bytes, int64_t tile)
+{
+    Dg_configure(0, tile);
+    return Dg_ahead_next(n, a, bytes);
+}
+"""
+
+
+def test_the_next_group_is_read_ahead_where_it_pays(tmp_path):
+    """The second sweep reads the next group ahead only where the group is longer than the first
+    sweep's read-ahead and this group and the next fit in half of L2 (two tiles) together."""
+    cc = require_tool("gcc")
+    (tmp_path / "next.c").write_text(NEXT)
+    lib = tmp_path / "next.so"
+    flags = ["-std=c99", "-Wall", "-Wextra", "-pedantic", "-Werror", "-Wno-unused-function", "-O2"]
+    r = subprocess.run(
+        [cc, *flags, "-shared", "-fPIC", f"-I{ROOT / 'generated' / 'c'}", str(tmp_path / "next.c"), "-o", str(lib)],
+        capture_output=True,
+        text=True,
+    )
+    assert r.returncode == 0, r.stderr
+    so = ctypes.CDLL(str(lib))
+    so.probe_next.restype = ctypes.c_int
+    so.probe_next.argtypes = [ctypes.c_int64] * 4
+    tile, ahead = 256 << 10, 1024  # a 1 MiB L2; 4 KiB of floats read ahead
+    cases = {
+        (1024, 4): 0,  # a layer norm row of 1024 floats: the first sweep's read-ahead reaches the next
+        (8 * 3136, 4): 1,  # group norm's group (8 channels of 56x56): 100 KB
+        (32 * 3136, 4): 1,  # batch norm's forward: x of one channel, 400 KB
+        (32 * 3136, 8): 0,  # its backward, x and dy: 800 KB, with the next over L2
+    }
+    for (n, nbytes), want in cases.items():
+        assert so.probe_next(n, ahead, nbytes, tile) == want, (n, nbytes)
+    assert so.probe_next(32 * 3136, ahead, 8, 2 * tile) == 1  # a 2 MiB L2 holds both
