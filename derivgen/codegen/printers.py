@@ -19,10 +19,12 @@ from sympy.printing.c import C99CodePrinter
 from sympy.printing.numpy import NumPyPrinter
 
 from derivgen.spec.expr import leading_option
-from derivgen.spec.model import Spec
+from derivgen.spec.model import N, Spec
 from derivgen.symbolic import functions
 from derivgen.symbolic.functions import SpellsFunctions, call
 from derivgen.symbolic.naming import _Ordered, code_text, ordered_names
+
+_N_INV = 1 / N  # a mean's divisor, as SymPy writes s/N: s*N**-1
 
 
 class _NumPy(SpellsFunctions, _Ordered, NumPyPrinter):
@@ -162,6 +164,16 @@ class _C(SpellsFunctions, _Ordered, C99CodePrinter):
         text = self.rename.get(expr.name, expr.name)
         self.printed.add(text)
         return text
+
+    def _print_Mul(self, expr):
+        # a sum over the group divided by its size (a mean): Dg_per multiplies by 1/N when N is
+        # a power of two, which gives the quotient's very bits without a division's latency
+        # on the chain from a row's sums to its next sweep (derivgen-kernels.h)
+        if len(expr.args) == 2 and _N_INV in expr.args:
+            (s,) = [a for a in expr.args if a != _N_INV]
+            if s.is_Symbol:
+                return f"Dg_per({self._print(s)}, {self._print(N)}, Inv_N)"
+        return super()._print_Mul(expr)
 
     def _print_Pow(self, expr):
         # small integer powers as products: exact, fast, no pow() call

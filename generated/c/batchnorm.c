@@ -91,6 +91,8 @@ int batchnorm_train_forward_f32(
     const int64_t Block_stride = G * M;
     (void)Block_stride;
     const double N = (double)(Blocks * M);          /* values per group */
+    const double Inv_N = Dg_inv_pow2(N);          /* 1/N when exact (Dg_per) */
+    (void)Inv_N;
     const int64_t Total = N_groups * Blocks * M;    /* values in x */
     const int64_t Ahead = DG_AHEAD_BYTES / (int64_t)sizeof(float);
     const int Nth = Dg_threads(Nthreads);
@@ -152,7 +154,7 @@ int batchnorm_train_forward_f32(
                     Sum_mean += Dg_lanes(Lane_Sum_mean);
                 }
             }
-            const double mean = Sum_mean/N;  /* mean = mean(x) */
+            const double mean = Dg_per(Sum_mean, N, Inv_N);  /* mean = mean(x) */
             double Sum_var;
             {
                 /* the next group read ahead while this one is in the cache (derivgen-kernels.h) */
@@ -190,7 +192,7 @@ int batchnorm_train_forward_f32(
                     Sum_var += Dg_lanes(Lane_Sum_var);
                 }
             }
-            const double var = Sum_var/N;  /* var = mean((x - mean)**2) */
+            const double var = Dg_per(Sum_var, N, Inv_N);  /* var = mean((x - mean)**2) */
             const double rstd = 1/sqrt(var + eps);  /* rstd = 1/sqrt(var + eps) */
             mean_Out[Grp] = mean;
             var_Out[Grp] = var;
@@ -336,6 +338,8 @@ int batchnorm_train_backward_f32(
     const int64_t Block_stride = G * M;
     (void)Block_stride;
     const double N = (double)(Blocks * M);          /* values per group */
+    const double Inv_N = Dg_inv_pow2(N);          /* 1/N when exact (Dg_per) */
+    (void)Inv_N;
     const int64_t Total = N_groups * Blocks * M;    /* values in x */
     const int64_t Ahead = DG_AHEAD_BYTES / (int64_t)sizeof(float);
     const int Nth = Dg_threads(Nthreads);
@@ -720,6 +724,8 @@ int batchnorm_train_bb_f32(
     const int64_t Block_stride = G * M;
     (void)Block_stride;
     const double N = (double)(Blocks * M);          /* values per group */
+    const double Inv_N = Dg_inv_pow2(N);          /* 1/N when exact (Dg_per) */
+    (void)Inv_N;
     const int64_t Total = N_groups * Blocks * M;    /* values in x */
     const int64_t Ahead = DG_AHEAD_BYTES / (int64_t)sizeof(float);
     const int Nth = Dg_threads(Nthreads);
@@ -1044,6 +1050,8 @@ int batchnorm_train_jvp_f32(
     const int64_t Block_stride = G * M;
     (void)Block_stride;
     const double N = (double)(Blocks * M);          /* values per group */
+    const double Inv_N = Dg_inv_pow2(N);          /* 1/N when exact (Dg_per) */
+    (void)Inv_N;
     const int64_t Total = N_groups * Blocks * M;    /* values in x */
     const int64_t Ahead = DG_AHEAD_BYTES / (int64_t)sizeof(float);
     const int Nth = Dg_threads(Nthreads);
@@ -1255,6 +1263,8 @@ int batchnorm_train_split_partial_f32(
     const int64_t Block_stride = G * M;
     (void)Block_stride;
     const double N = N_total;                  /* values per group, over all parts */
+    const double Inv_N = Dg_inv_pow2(N);          /* 1/N when exact (Dg_per) */
+    (void)Inv_N;
     const int64_t Total = N_groups * Blocks * M;    /* values in x */
     const int64_t Ahead = DG_AHEAD_BYTES / (int64_t)sizeof(float);
     const int Nth = Dg_threads(Nthreads);
@@ -1394,6 +1404,8 @@ int batchnorm_train_split_finish_f32(
     const int64_t Block_stride = G * M;
     (void)Block_stride;
     const double N = N_total;                  /* values per group, over all parts */
+    const double Inv_N = Dg_inv_pow2(N);          /* 1/N when exact (Dg_per) */
+    (void)Inv_N;
     const int64_t Total = N_groups * Blocks * M;    /* values in x */
     const int64_t Ahead = DG_AHEAD_BYTES / (int64_t)sizeof(float);
     const int Nth = Dg_threads(Nthreads);
@@ -1419,7 +1431,7 @@ int batchnorm_train_split_finish_f32(
             (void)Base;
 
             const double Sum_mean = Sums[0 * N_groups + Grp];
-            const double mean = Sum_mean/N;  /* mean = mean(x) */
+            const double mean = Dg_per(Sum_mean, N, Inv_N);  /* mean = mean(x) */
             Stats[0 * N_groups + Grp] = mean;
         }
         if (Level == 1) {
@@ -1431,7 +1443,7 @@ int batchnorm_train_split_finish_f32(
             (void)mean;
 
             const double Sum_var = Sums[0 * N_groups + Grp];
-            const double var = Sum_var/N;  /* var = mean((x - mean)**2) */
+            const double var = Dg_per(Sum_var, N, Inv_N);  /* var = mean((x - mean)**2) */
             Stats[1 * N_groups + Grp] = var;
             const double rstd = 1/sqrt(var + eps);  /* rstd = 1/sqrt(var + eps) */
             Stats[2 * N_groups + Grp] = rstd;
@@ -1460,6 +1472,8 @@ int batchnorm_train_split_apply_f32(
     const int64_t Block_stride = G * M;
     (void)Block_stride;
     const double N = N_total;                  /* values per group, over all parts */
+    const double Inv_N = Dg_inv_pow2(N);          /* 1/N when exact (Dg_per) */
+    (void)Inv_N;
     const int64_t Total = N_groups * Blocks * M;    /* values in x */
     const int64_t Ahead = DG_AHEAD_BYTES / (int64_t)sizeof(float);
     const int Nth = Dg_threads(Nthreads);
@@ -1626,6 +1640,8 @@ int batchnorm_train_split_bpartial_f32(
     const int64_t Block_stride = G * M;
     (void)Block_stride;
     const double N = N_total;                  /* values per group, over all parts */
+    const double Inv_N = Dg_inv_pow2(N);          /* 1/N when exact (Dg_per) */
+    (void)Inv_N;
     const int64_t Total = N_groups * Blocks * M;    /* values in x */
     const int64_t Ahead = DG_AHEAD_BYTES / (int64_t)sizeof(float);
     const int Nth = Dg_threads(Nthreads);
@@ -1795,6 +1811,8 @@ int batchnorm_train_split_bapply_f32(
     const int64_t Block_stride = G * M;
     (void)Block_stride;
     const double N = N_total;                  /* values per group, over all parts */
+    const double Inv_N = Dg_inv_pow2(N);          /* 1/N when exact (Dg_per) */
+    (void)Inv_N;
     const int64_t Total = N_groups * Blocks * M;    /* values in x */
     const int64_t Ahead = DG_AHEAD_BYTES / (int64_t)sizeof(float);
     const int Nth = Dg_threads(Nthreads);
@@ -2076,6 +2094,8 @@ const int64_t C = G * Cg;
     const int64_t N_groups = G;
     const int64_t Blocks = O;   /* blocks of a group: samples */
     const double N = (double)(Blocks * Cg * S);               /* values per group */
+    const double Inv_N = Dg_inv_pow2(N);          /* 1/N when exact (Dg_per) */
+    (void)Inv_N;
     const int Nth = Dg_threads(Nthreads);
     (void)N;
     (void)N_groups;
@@ -2164,7 +2184,7 @@ const int64_t Full = S - S % DG_LANES;          /* positions past it go to lane 
         DG_PRAGMA(omp for schedule(static))
         for (int64_t Gq = 0; Gq < G; ++Gq) {
             const double Sum_mean = Gv_Sum_mean[Gq];
-            Gv_mean[Gq] = Sum_mean/N;
+            Gv_mean[Gq] = Dg_per(Sum_mean, N, Inv_N);
         }   /* mean = mean(x) */
         for (int64_t Ck = 0; Ck < O; Ck += DG_NHWC_CHUNK) {
             const int64_t Ck_end = O - Ck < DG_NHWC_CHUNK ? O : Ck + DG_NHWC_CHUNK;
@@ -2207,7 +2227,7 @@ const int64_t Full = S - S % DG_LANES;          /* positions past it go to lane 
         DG_PRAGMA(omp for schedule(static))
         for (int64_t Gq = 0; Gq < G; ++Gq) {
             const double Sum_var = Gv_Sum_var[Gq];
-            Gv_var[Gq] = Sum_var/N;
+            Gv_var[Gq] = Dg_per(Sum_var, N, Inv_N);
         }   /* var = mean((x - mean)**2) */
         DG_PRAGMA(omp for schedule(static))
         for (int64_t Gq = 0; Gq < G; ++Gq) {
@@ -2315,6 +2335,8 @@ const int64_t C = G * Cg;
     const int64_t N_groups = G;
     const int64_t Blocks = O;   /* blocks of a group: samples */
     const double N = (double)(Blocks * Cg * S);               /* values per group */
+    const double Inv_N = Dg_inv_pow2(N);          /* 1/N when exact (Dg_per) */
+    (void)Inv_N;
     const int Nth = Dg_threads(Nthreads);
     (void)N;
     (void)N_groups;
@@ -2660,6 +2682,8 @@ int batchnorm_train_forward_f64(
     const int64_t Block_stride = G * M;
     (void)Block_stride;
     const double N = (double)(Blocks * M);          /* values per group */
+    const double Inv_N = Dg_inv_pow2(N);          /* 1/N when exact (Dg_per) */
+    (void)Inv_N;
     const int64_t Total = N_groups * Blocks * M;    /* values in x */
     const int64_t Ahead = DG_AHEAD_BYTES / (int64_t)sizeof(double);
     const int Nth = Dg_threads(Nthreads);
@@ -2721,7 +2745,7 @@ int batchnorm_train_forward_f64(
                     Sum_mean += Dg_lanes(Lane_Sum_mean);
                 }
             }
-            const double mean = Sum_mean/N;  /* mean = mean(x) */
+            const double mean = Dg_per(Sum_mean, N, Inv_N);  /* mean = mean(x) */
             double Sum_var;
             {
                 /* the next group read ahead while this one is in the cache (derivgen-kernels.h) */
@@ -2759,7 +2783,7 @@ int batchnorm_train_forward_f64(
                     Sum_var += Dg_lanes(Lane_Sum_var);
                 }
             }
-            const double var = Sum_var/N;  /* var = mean((x - mean)**2) */
+            const double var = Dg_per(Sum_var, N, Inv_N);  /* var = mean((x - mean)**2) */
             const double rstd = 1/sqrt(var + eps);  /* rstd = 1/sqrt(var + eps) */
             mean_Out[Grp] = mean;
             var_Out[Grp] = var;
@@ -2901,6 +2925,8 @@ int batchnorm_train_backward_f64(
     const int64_t Block_stride = G * M;
     (void)Block_stride;
     const double N = (double)(Blocks * M);          /* values per group */
+    const double Inv_N = Dg_inv_pow2(N);          /* 1/N when exact (Dg_per) */
+    (void)Inv_N;
     const int64_t Total = N_groups * Blocks * M;    /* values in x */
     const int64_t Ahead = DG_AHEAD_BYTES / (int64_t)sizeof(double);
     const int Nth = Dg_threads(Nthreads);
@@ -3261,6 +3287,8 @@ int batchnorm_train_bb_f64(
     const int64_t Block_stride = G * M;
     (void)Block_stride;
     const double N = (double)(Blocks * M);          /* values per group */
+    const double Inv_N = Dg_inv_pow2(N);          /* 1/N when exact (Dg_per) */
+    (void)Inv_N;
     const int64_t Total = N_groups * Blocks * M;    /* values in x */
     const int64_t Ahead = DG_AHEAD_BYTES / (int64_t)sizeof(double);
     const int Nth = Dg_threads(Nthreads);
@@ -3585,6 +3613,8 @@ int batchnorm_train_jvp_f64(
     const int64_t Block_stride = G * M;
     (void)Block_stride;
     const double N = (double)(Blocks * M);          /* values per group */
+    const double Inv_N = Dg_inv_pow2(N);          /* 1/N when exact (Dg_per) */
+    (void)Inv_N;
     const int64_t Total = N_groups * Blocks * M;    /* values in x */
     const int64_t Ahead = DG_AHEAD_BYTES / (int64_t)sizeof(double);
     const int Nth = Dg_threads(Nthreads);
@@ -3796,6 +3826,8 @@ int batchnorm_train_split_partial_f64(
     const int64_t Block_stride = G * M;
     (void)Block_stride;
     const double N = N_total;                  /* values per group, over all parts */
+    const double Inv_N = Dg_inv_pow2(N);          /* 1/N when exact (Dg_per) */
+    (void)Inv_N;
     const int64_t Total = N_groups * Blocks * M;    /* values in x */
     const int64_t Ahead = DG_AHEAD_BYTES / (int64_t)sizeof(double);
     const int Nth = Dg_threads(Nthreads);
@@ -3935,6 +3967,8 @@ int batchnorm_train_split_finish_f64(
     const int64_t Block_stride = G * M;
     (void)Block_stride;
     const double N = N_total;                  /* values per group, over all parts */
+    const double Inv_N = Dg_inv_pow2(N);          /* 1/N when exact (Dg_per) */
+    (void)Inv_N;
     const int64_t Total = N_groups * Blocks * M;    /* values in x */
     const int64_t Ahead = DG_AHEAD_BYTES / (int64_t)sizeof(double);
     const int Nth = Dg_threads(Nthreads);
@@ -3960,7 +3994,7 @@ int batchnorm_train_split_finish_f64(
             (void)Base;
 
             const double Sum_mean = Sums[0 * N_groups + Grp];
-            const double mean = Sum_mean/N;  /* mean = mean(x) */
+            const double mean = Dg_per(Sum_mean, N, Inv_N);  /* mean = mean(x) */
             Stats[0 * N_groups + Grp] = mean;
         }
         if (Level == 1) {
@@ -3972,7 +4006,7 @@ int batchnorm_train_split_finish_f64(
             (void)mean;
 
             const double Sum_var = Sums[0 * N_groups + Grp];
-            const double var = Sum_var/N;  /* var = mean((x - mean)**2) */
+            const double var = Dg_per(Sum_var, N, Inv_N);  /* var = mean((x - mean)**2) */
             Stats[1 * N_groups + Grp] = var;
             const double rstd = 1/sqrt(var + eps);  /* rstd = 1/sqrt(var + eps) */
             Stats[2 * N_groups + Grp] = rstd;
@@ -4001,6 +4035,8 @@ int batchnorm_train_split_apply_f64(
     const int64_t Block_stride = G * M;
     (void)Block_stride;
     const double N = N_total;                  /* values per group, over all parts */
+    const double Inv_N = Dg_inv_pow2(N);          /* 1/N when exact (Dg_per) */
+    (void)Inv_N;
     const int64_t Total = N_groups * Blocks * M;    /* values in x */
     const int64_t Ahead = DG_AHEAD_BYTES / (int64_t)sizeof(double);
     const int Nth = Dg_threads(Nthreads);
@@ -4163,6 +4199,8 @@ int batchnorm_train_split_bpartial_f64(
     const int64_t Block_stride = G * M;
     (void)Block_stride;
     const double N = N_total;                  /* values per group, over all parts */
+    const double Inv_N = Dg_inv_pow2(N);          /* 1/N when exact (Dg_per) */
+    (void)Inv_N;
     const int64_t Total = N_groups * Blocks * M;    /* values in x */
     const int64_t Ahead = DG_AHEAD_BYTES / (int64_t)sizeof(double);
     const int Nth = Dg_threads(Nthreads);
@@ -4328,6 +4366,8 @@ int batchnorm_train_split_bapply_f64(
     const int64_t Block_stride = G * M;
     (void)Block_stride;
     const double N = N_total;                  /* values per group, over all parts */
+    const double Inv_N = Dg_inv_pow2(N);          /* 1/N when exact (Dg_per) */
+    (void)Inv_N;
     const int64_t Total = N_groups * Blocks * M;    /* values in x */
     const int64_t Ahead = DG_AHEAD_BYTES / (int64_t)sizeof(double);
     const int Nth = Dg_threads(Nthreads);
@@ -4589,6 +4629,8 @@ const int64_t C = G * Cg;
     const int64_t N_groups = G;
     const int64_t Blocks = O;   /* blocks of a group: samples */
     const double N = (double)(Blocks * Cg * S);               /* values per group */
+    const double Inv_N = Dg_inv_pow2(N);          /* 1/N when exact (Dg_per) */
+    (void)Inv_N;
     const int Nth = Dg_threads(Nthreads);
     (void)N;
     (void)N_groups;
@@ -4671,7 +4713,7 @@ const int64_t Full = S - S % DG_LANES;          /* positions past it go to lane 
         DG_PRAGMA(omp for schedule(static))
         for (int64_t Gq = 0; Gq < G; ++Gq) {
             const double Sum_mean = Gv_Sum_mean[Gq];
-            Gv_mean[Gq] = Sum_mean/N;
+            Gv_mean[Gq] = Dg_per(Sum_mean, N, Inv_N);
         }   /* mean = mean(x) */
         for (int64_t Ck = 0; Ck < O; Ck += DG_NHWC_CHUNK) {
             const int64_t Ck_end = O - Ck < DG_NHWC_CHUNK ? O : Ck + DG_NHWC_CHUNK;
@@ -4714,7 +4756,7 @@ const int64_t Full = S - S % DG_LANES;          /* positions past it go to lane 
         DG_PRAGMA(omp for schedule(static))
         for (int64_t Gq = 0; Gq < G; ++Gq) {
             const double Sum_var = Gv_Sum_var[Gq];
-            Gv_var[Gq] = Sum_var/N;
+            Gv_var[Gq] = Dg_per(Sum_var, N, Inv_N);
         }   /* var = mean((x - mean)**2) */
         DG_PRAGMA(omp for schedule(static))
         for (int64_t Gq = 0; Gq < G; ++Gq) {
@@ -4805,6 +4847,8 @@ const int64_t C = G * Cg;
     const int64_t N_groups = G;
     const int64_t Blocks = O;   /* blocks of a group: samples */
     const double N = (double)(Blocks * Cg * S);               /* values per group */
+    const double Inv_N = Dg_inv_pow2(N);          /* 1/N when exact (Dg_per) */
+    (void)Inv_N;
     const int Nth = Dg_threads(Nthreads);
     (void)N;
     (void)N_groups;
@@ -5087,6 +5131,8 @@ int batchnorm_train_forward_bf16(
     const int64_t Block_stride = G * M;
     (void)Block_stride;
     const double N = (double)(Blocks * M);          /* values per group */
+    const double Inv_N = Dg_inv_pow2(N);          /* 1/N when exact (Dg_per) */
+    (void)Inv_N;
     const int64_t Total = N_groups * Blocks * M;    /* values in x */
     const int64_t Ahead = DG_AHEAD_BYTES / (int64_t)sizeof(dg_bf16);
     const int Nth = Dg_threads(Nthreads);
@@ -5148,7 +5194,7 @@ int batchnorm_train_forward_bf16(
                     Sum_mean += Dg_lanes(Lane_Sum_mean);
                 }
             }
-            const double mean = Sum_mean/N;  /* mean = mean(x) */
+            const double mean = Dg_per(Sum_mean, N, Inv_N);  /* mean = mean(x) */
             double Sum_var;
             {
                 /* the next group read ahead while this one is in the cache (derivgen-kernels.h) */
@@ -5186,7 +5232,7 @@ int batchnorm_train_forward_bf16(
                     Sum_var += Dg_lanes(Lane_Sum_var);
                 }
             }
-            const double var = Sum_var/N;  /* var = mean((x - mean)**2) */
+            const double var = Dg_per(Sum_var, N, Inv_N);  /* var = mean((x - mean)**2) */
             const double rstd = 1/sqrt(var + eps);  /* rstd = 1/sqrt(var + eps) */
             mean_Out[Grp] = mean;
             var_Out[Grp] = var;
@@ -5332,6 +5378,8 @@ int batchnorm_train_backward_bf16(
     const int64_t Block_stride = G * M;
     (void)Block_stride;
     const double N = (double)(Blocks * M);          /* values per group */
+    const double Inv_N = Dg_inv_pow2(N);          /* 1/N when exact (Dg_per) */
+    (void)Inv_N;
     const int64_t Total = N_groups * Blocks * M;    /* values in x */
     const int64_t Ahead = DG_AHEAD_BYTES / (int64_t)sizeof(dg_bf16);
     const int Nth = Dg_threads(Nthreads);
@@ -5711,6 +5759,8 @@ const int64_t C = G * Cg;
     const int64_t N_groups = G;
     const int64_t Blocks = O;   /* blocks of a group: samples */
     const double N = (double)(Blocks * Cg * S);               /* values per group */
+    const double Inv_N = Dg_inv_pow2(N);          /* 1/N when exact (Dg_per) */
+    (void)Inv_N;
     const int Nth = Dg_threads(Nthreads);
     (void)N;
     (void)N_groups;
@@ -5799,7 +5849,7 @@ const int64_t Full = S - S % DG_LANES;          /* positions past it go to lane 
         DG_PRAGMA(omp for schedule(static))
         for (int64_t Gq = 0; Gq < G; ++Gq) {
             const double Sum_mean = Gv_Sum_mean[Gq];
-            Gv_mean[Gq] = Sum_mean/N;
+            Gv_mean[Gq] = Dg_per(Sum_mean, N, Inv_N);
         }   /* mean = mean(x) */
         for (int64_t Ck = 0; Ck < O; Ck += DG_NHWC_CHUNK) {
             const int64_t Ck_end = O - Ck < DG_NHWC_CHUNK ? O : Ck + DG_NHWC_CHUNK;
@@ -5842,7 +5892,7 @@ const int64_t Full = S - S % DG_LANES;          /* positions past it go to lane 
         DG_PRAGMA(omp for schedule(static))
         for (int64_t Gq = 0; Gq < G; ++Gq) {
             const double Sum_var = Gv_Sum_var[Gq];
-            Gv_var[Gq] = Sum_var/N;
+            Gv_var[Gq] = Dg_per(Sum_var, N, Inv_N);
         }   /* var = mean((x - mean)**2) */
         DG_PRAGMA(omp for schedule(static))
         for (int64_t Gq = 0; Gq < G; ++Gq) {
@@ -5950,6 +6000,8 @@ const int64_t C = G * Cg;
     const int64_t N_groups = G;
     const int64_t Blocks = O;   /* blocks of a group: samples */
     const double N = (double)(Blocks * Cg * S);               /* values per group */
+    const double Inv_N = Dg_inv_pow2(N);          /* 1/N when exact (Dg_per) */
+    (void)Inv_N;
     const int Nth = Dg_threads(Nthreads);
     (void)N;
     (void)N_groups;
@@ -6295,6 +6347,8 @@ int batchnorm_eval_forward_f32(
     const int64_t Block_stride = G * M;
     (void)Block_stride;
     const double N = (double)(Blocks * M);          /* values per group */
+    const double Inv_N = Dg_inv_pow2(N);          /* 1/N when exact (Dg_per) */
+    (void)Inv_N;
     const int64_t Total = N_groups * Blocks * M;    /* values in x */
     const int64_t Ahead = DG_AHEAD_BYTES / (int64_t)sizeof(float);
     const int Nth = Dg_threads(Nthreads);
@@ -6473,6 +6527,8 @@ int batchnorm_eval_backward_f32(
     const int64_t Block_stride = G * M;
     (void)Block_stride;
     const double N = (double)(Blocks * M);          /* values per group */
+    const double Inv_N = Dg_inv_pow2(N);          /* 1/N when exact (Dg_per) */
+    (void)Inv_N;
     const int64_t Total = N_groups * Blocks * M;    /* values in x */
     const int64_t Ahead = DG_AHEAD_BYTES / (int64_t)sizeof(float);
     const int Nth = Dg_threads(Nthreads);
@@ -6743,6 +6799,8 @@ int batchnorm_eval_bb_f32(
     const int64_t Block_stride = G * M;
     (void)Block_stride;
     const double N = (double)(Blocks * M);          /* values per group */
+    const double Inv_N = Dg_inv_pow2(N);          /* 1/N when exact (Dg_per) */
+    (void)Inv_N;
     const int64_t Total = N_groups * Blocks * M;    /* values in x */
     const int64_t Ahead = DG_AHEAD_BYTES / (int64_t)sizeof(float);
     const int Nth = Dg_threads(Nthreads);
@@ -6914,6 +6972,8 @@ int batchnorm_eval_jvp_f32(
     const int64_t Block_stride = G * M;
     (void)Block_stride;
     const double N = (double)(Blocks * M);          /* values per group */
+    const double Inv_N = Dg_inv_pow2(N);          /* 1/N when exact (Dg_per) */
+    (void)Inv_N;
     const int64_t Total = N_groups * Blocks * M;    /* values in x */
     const int64_t Ahead = DG_AHEAD_BYTES / (int64_t)sizeof(float);
     const int Nth = Dg_threads(Nthreads);
@@ -7049,6 +7109,8 @@ const int64_t C = G * Cg;
     const int64_t N_groups = G;
     const int64_t Blocks = O;   /* blocks of a group: samples */
     const double N = (double)(Blocks * Cg * S);               /* values per group */
+    const double Inv_N = Dg_inv_pow2(N);          /* 1/N when exact (Dg_per) */
+    (void)Inv_N;
     const int Nth = Dg_threads(Nthreads);
     (void)N;
     (void)N_groups;
@@ -7193,6 +7255,8 @@ const int64_t C = G * Cg;
     const int64_t N_groups = G;
     const int64_t Blocks = O;   /* blocks of a group: samples */
     const double N = (double)(Blocks * Cg * S);               /* values per group */
+    const double Inv_N = Dg_inv_pow2(N);          /* 1/N when exact (Dg_per) */
+    (void)Inv_N;
     const int Nth = Dg_threads(Nthreads);
     (void)N;
     (void)N_groups;
@@ -7401,6 +7465,8 @@ int batchnorm_eval_forward_f64(
     const int64_t Block_stride = G * M;
     (void)Block_stride;
     const double N = (double)(Blocks * M);          /* values per group */
+    const double Inv_N = Dg_inv_pow2(N);          /* 1/N when exact (Dg_per) */
+    (void)Inv_N;
     const int64_t Total = N_groups * Blocks * M;    /* values in x */
     const int64_t Ahead = DG_AHEAD_BYTES / (int64_t)sizeof(double);
     const int Nth = Dg_threads(Nthreads);
@@ -7575,6 +7641,8 @@ int batchnorm_eval_backward_f64(
     const int64_t Block_stride = G * M;
     (void)Block_stride;
     const double N = (double)(Blocks * M);          /* values per group */
+    const double Inv_N = Dg_inv_pow2(N);          /* 1/N when exact (Dg_per) */
+    (void)Inv_N;
     const int64_t Total = N_groups * Blocks * M;    /* values in x */
     const int64_t Ahead = DG_AHEAD_BYTES / (int64_t)sizeof(double);
     const int Nth = Dg_threads(Nthreads);
@@ -7827,6 +7895,8 @@ int batchnorm_eval_bb_f64(
     const int64_t Block_stride = G * M;
     (void)Block_stride;
     const double N = (double)(Blocks * M);          /* values per group */
+    const double Inv_N = Dg_inv_pow2(N);          /* 1/N when exact (Dg_per) */
+    (void)Inv_N;
     const int64_t Total = N_groups * Blocks * M;    /* values in x */
     const int64_t Ahead = DG_AHEAD_BYTES / (int64_t)sizeof(double);
     const int Nth = Dg_threads(Nthreads);
@@ -7998,6 +8068,8 @@ int batchnorm_eval_jvp_f64(
     const int64_t Block_stride = G * M;
     (void)Block_stride;
     const double N = (double)(Blocks * M);          /* values per group */
+    const double Inv_N = Dg_inv_pow2(N);          /* 1/N when exact (Dg_per) */
+    (void)Inv_N;
     const int64_t Total = N_groups * Blocks * M;    /* values in x */
     const int64_t Ahead = DG_AHEAD_BYTES / (int64_t)sizeof(double);
     const int Nth = Dg_threads(Nthreads);
@@ -8133,6 +8205,8 @@ const int64_t C = G * Cg;
     const int64_t N_groups = G;
     const int64_t Blocks = O;   /* blocks of a group: samples */
     const double N = (double)(Blocks * Cg * S);               /* values per group */
+    const double Inv_N = Dg_inv_pow2(N);          /* 1/N when exact (Dg_per) */
+    (void)Inv_N;
     const int Nth = Dg_threads(Nthreads);
     (void)N;
     (void)N_groups;
@@ -8254,6 +8328,8 @@ const int64_t C = G * Cg;
     const int64_t N_groups = G;
     const int64_t Blocks = O;   /* blocks of a group: samples */
     const double N = (double)(Blocks * Cg * S);               /* values per group */
+    const double Inv_N = Dg_inv_pow2(N);          /* 1/N when exact (Dg_per) */
+    (void)Inv_N;
     const int Nth = Dg_threads(Nthreads);
     (void)N;
     (void)N_groups;
@@ -8428,6 +8504,8 @@ int batchnorm_eval_forward_bf16(
     const int64_t Block_stride = G * M;
     (void)Block_stride;
     const double N = (double)(Blocks * M);          /* values per group */
+    const double Inv_N = Dg_inv_pow2(N);          /* 1/N when exact (Dg_per) */
+    (void)Inv_N;
     const int64_t Total = N_groups * Blocks * M;    /* values in x */
     const int64_t Ahead = DG_AHEAD_BYTES / (int64_t)sizeof(dg_bf16);
     const int Nth = Dg_threads(Nthreads);
@@ -8606,6 +8684,8 @@ int batchnorm_eval_backward_bf16(
     const int64_t Block_stride = G * M;
     (void)Block_stride;
     const double N = (double)(Blocks * M);          /* values per group */
+    const double Inv_N = Dg_inv_pow2(N);          /* 1/N when exact (Dg_per) */
+    (void)Inv_N;
     const int64_t Total = N_groups * Blocks * M;    /* values in x */
     const int64_t Ahead = DG_AHEAD_BYTES / (int64_t)sizeof(dg_bf16);
     const int Nth = Dg_threads(Nthreads);
@@ -8871,6 +8951,8 @@ const int64_t C = G * Cg;
     const int64_t N_groups = G;
     const int64_t Blocks = O;   /* blocks of a group: samples */
     const double N = (double)(Blocks * Cg * S);               /* values per group */
+    const double Inv_N = Dg_inv_pow2(N);          /* 1/N when exact (Dg_per) */
+    (void)Inv_N;
     const int Nth = Dg_threads(Nthreads);
     (void)N;
     (void)N_groups;
@@ -9015,6 +9097,8 @@ const int64_t C = G * Cg;
     const int64_t N_groups = G;
     const int64_t Blocks = O;   /* blocks of a group: samples */
     const double N = (double)(Blocks * Cg * S);               /* values per group */
+    const double Inv_N = Dg_inv_pow2(N);          /* 1/N when exact (Dg_per) */
+    (void)Inv_N;
     const int Nth = Dg_threads(Nthreads);
     (void)N;
     (void)N_groups;

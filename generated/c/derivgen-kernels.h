@@ -263,6 +263,23 @@ static void Dg_share(int64_t n, int64_t *lo, int64_t *hi)
 #define DG_NHWC_CHUNK 64
 #endif
 
+/* A group's size's reciprocal when the size is a power of two (1/n is then exact), else 0;
+ * Dg_per(s, n, inv) is s/n, computed as s*inv when inv is not 0: the quotient's very bits
+ * (both round the same real number once), without a division (13 cycles or more) on the
+ * chain from a row's sums to its next sweep. Measured side by side (layer norm, rows of
+ * 128 in the cache, one thread, AVX-512 build on an AMD EPYC), the forward took 8% less;
+ * the backward divides as written (derivgen.codegen.ir.N_DIVIDED). */
+static inline double Dg_inv_pow2(double n)
+{
+    int e;
+    return n > 0 && frexp(n, &e) == 0.5 ? 1.0 / n : 0.0;
+}
+
+static inline double Dg_per(double s, double n, double inv)
+{
+    return inv != 0.0 ? s * inv : s / n;
+}
+
 /* pairwise sum of the DG_LANES lanes: for 32, ((l0 + l16) + (l8 + l24)) + ...; the
  * same order for every group and every build. With vector intrinsics for 32 lanes (each
  * halving step is whole vectors until the last two, inside one vector), so the lanes

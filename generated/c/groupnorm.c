@@ -72,6 +72,8 @@ int groupnorm_train_forward_f32(
     const int64_t Block_stride = G * M;
     (void)Block_stride;
     const double N = (double)(Blocks * M);          /* values per group */
+    const double Inv_N = Dg_inv_pow2(N);          /* 1/N when exact (Dg_per) */
+    (void)Inv_N;
     const int64_t Total = N_groups * Blocks * M;    /* values in x */
     const int64_t Ahead = DG_AHEAD_BYTES / (int64_t)sizeof(float);
     const int Nth = Dg_threads(Nthreads);
@@ -130,7 +132,7 @@ int groupnorm_train_forward_f32(
                     Sum_mean += Dg_lanes(Lane_Sum_mean);
                 }
             }
-            const double mean = Sum_mean/N;  /* mean = mean(x) */
+            const double mean = Dg_per(Sum_mean, N, Inv_N);  /* mean = mean(x) */
             double Sum_var;
             {
                 /* the next group read ahead while this one is in the cache (derivgen-kernels.h) */
@@ -168,7 +170,7 @@ int groupnorm_train_forward_f32(
                     Sum_var += Dg_lanes(Lane_Sum_var);
                 }
             }
-            const double var = Sum_var/N;  /* var = mean((x - mean)**2) */
+            const double var = Dg_per(Sum_var, N, Inv_N);  /* var = mean((x - mean)**2) */
             const double rstd = 1/sqrt(var + eps);  /* rstd = 1/sqrt(var + eps) */
             mean_Out[Grp] = mean;
             var_Out[Grp] = var;
@@ -307,6 +309,8 @@ int groupnorm_train_backward_f32(
     const int64_t Block_stride = G * M;
     (void)Block_stride;
     const double N = (double)(Blocks * M);          /* values per group */
+    const double Inv_N = Dg_inv_pow2(N);          /* 1/N when exact (Dg_per) */
+    (void)Inv_N;
     const int64_t Total = N_groups * Blocks * M;    /* values in x */
     const int64_t Ahead = DG_AHEAD_BYTES / (int64_t)sizeof(float);
     const int Nth = Dg_threads(Nthreads);
@@ -689,6 +693,8 @@ int groupnorm_train_bb_f32(
     const int64_t Block_stride = G * M;
     (void)Block_stride;
     const double N = (double)(Blocks * M);          /* values per group */
+    const double Inv_N = Dg_inv_pow2(N);          /* 1/N when exact (Dg_per) */
+    (void)Inv_N;
     const int64_t Total = N_groups * Blocks * M;    /* values in x */
     const int64_t Ahead = DG_AHEAD_BYTES / (int64_t)sizeof(float);
     const int Nth = Dg_threads(Nthreads);
@@ -1011,6 +1017,8 @@ int groupnorm_train_jvp_f32(
     const int64_t Block_stride = G * M;
     (void)Block_stride;
     const double N = (double)(Blocks * M);          /* values per group */
+    const double Inv_N = Dg_inv_pow2(N);          /* 1/N when exact (Dg_per) */
+    (void)Inv_N;
     const int64_t Total = N_groups * Blocks * M;    /* values in x */
     const int64_t Ahead = DG_AHEAD_BYTES / (int64_t)sizeof(float);
     const int Nth = Dg_threads(Nthreads);
@@ -1219,6 +1227,8 @@ const int64_t C = G * Cg;
     const int64_t N_groups = O * G;
     const int64_t Blocks = 1;   /* blocks of a group: samples */
     const double N = (double)(Blocks * Cg * S);               /* values per group */
+    const double Inv_N = Dg_inv_pow2(N);          /* 1/N when exact (Dg_per) */
+    (void)Inv_N;
     const int Nth = Dg_threads(Nthreads);
     (void)N;
     (void)N_groups;
@@ -1276,7 +1286,7 @@ int64_t Lo, Hi;
             double Gv_mean[DG_NHWC_GROUPS];
             for (int64_t Gi = 0; Gi < W; ++Gi) {
                 const double Sum_mean = Gv_Sum_mean[Gi];
-                Gv_mean[Gi] = Sum_mean/N;
+                Gv_mean[Gi] = Dg_per(Sum_mean, N, Inv_N);
             }
             (void)Gv_mean;   /* mean = mean(x) */
             double Gv_Sum_var[DG_NHWC_GROUPS];
@@ -1316,7 +1326,7 @@ int64_t Lo, Hi;
             double Gv_var[DG_NHWC_GROUPS];
             for (int64_t Gi = 0; Gi < W; ++Gi) {
                 const double Sum_var = Gv_Sum_var[Gi];
-                Gv_var[Gi] = Sum_var/N;
+                Gv_var[Gi] = Dg_per(Sum_var, N, Inv_N);
             }
             (void)Gv_var;   /* var = mean((x - mean)**2) */
             double Gv_rstd[DG_NHWC_GROUPS];
@@ -1401,6 +1411,8 @@ const int64_t C = G * Cg;
     const int64_t N_groups = O * G;
     const int64_t Blocks = 1;   /* blocks of a group: samples */
     const double N = (double)(Blocks * Cg * S);               /* values per group */
+    const double Inv_N = Dg_inv_pow2(N);          /* 1/N when exact (Dg_per) */
+    (void)Inv_N;
     const int Nth = Dg_threads(Nthreads);
     (void)N;
     (void)N_groups;
@@ -1653,6 +1665,8 @@ int groupnorm_train_forward_f64(
     const int64_t Block_stride = G * M;
     (void)Block_stride;
     const double N = (double)(Blocks * M);          /* values per group */
+    const double Inv_N = Dg_inv_pow2(N);          /* 1/N when exact (Dg_per) */
+    (void)Inv_N;
     const int64_t Total = N_groups * Blocks * M;    /* values in x */
     const int64_t Ahead = DG_AHEAD_BYTES / (int64_t)sizeof(double);
     const int Nth = Dg_threads(Nthreads);
@@ -1711,7 +1725,7 @@ int groupnorm_train_forward_f64(
                     Sum_mean += Dg_lanes(Lane_Sum_mean);
                 }
             }
-            const double mean = Sum_mean/N;  /* mean = mean(x) */
+            const double mean = Dg_per(Sum_mean, N, Inv_N);  /* mean = mean(x) */
             double Sum_var;
             {
                 /* the next group read ahead while this one is in the cache (derivgen-kernels.h) */
@@ -1749,7 +1763,7 @@ int groupnorm_train_forward_f64(
                     Sum_var += Dg_lanes(Lane_Sum_var);
                 }
             }
-            const double var = Sum_var/N;  /* var = mean((x - mean)**2) */
+            const double var = Dg_per(Sum_var, N, Inv_N);  /* var = mean((x - mean)**2) */
             const double rstd = 1/sqrt(var + eps);  /* rstd = 1/sqrt(var + eps) */
             mean_Out[Grp] = mean;
             var_Out[Grp] = var;
@@ -1884,6 +1898,8 @@ int groupnorm_train_backward_f64(
     const int64_t Block_stride = G * M;
     (void)Block_stride;
     const double N = (double)(Blocks * M);          /* values per group */
+    const double Inv_N = Dg_inv_pow2(N);          /* 1/N when exact (Dg_per) */
+    (void)Inv_N;
     const int64_t Total = N_groups * Blocks * M;    /* values in x */
     const int64_t Ahead = DG_AHEAD_BYTES / (int64_t)sizeof(double);
     const int Nth = Dg_threads(Nthreads);
@@ -2242,6 +2258,8 @@ int groupnorm_train_bb_f64(
     const int64_t Block_stride = G * M;
     (void)Block_stride;
     const double N = (double)(Blocks * M);          /* values per group */
+    const double Inv_N = Dg_inv_pow2(N);          /* 1/N when exact (Dg_per) */
+    (void)Inv_N;
     const int64_t Total = N_groups * Blocks * M;    /* values in x */
     const int64_t Ahead = DG_AHEAD_BYTES / (int64_t)sizeof(double);
     const int Nth = Dg_threads(Nthreads);
@@ -2564,6 +2582,8 @@ int groupnorm_train_jvp_f64(
     const int64_t Block_stride = G * M;
     (void)Block_stride;
     const double N = (double)(Blocks * M);          /* values per group */
+    const double Inv_N = Dg_inv_pow2(N);          /* 1/N when exact (Dg_per) */
+    (void)Inv_N;
     const int64_t Total = N_groups * Blocks * M;    /* values in x */
     const int64_t Ahead = DG_AHEAD_BYTES / (int64_t)sizeof(double);
     const int Nth = Dg_threads(Nthreads);
@@ -2772,6 +2792,8 @@ const int64_t C = G * Cg;
     const int64_t N_groups = O * G;
     const int64_t Blocks = 1;   /* blocks of a group: samples */
     const double N = (double)(Blocks * Cg * S);               /* values per group */
+    const double Inv_N = Dg_inv_pow2(N);          /* 1/N when exact (Dg_per) */
+    (void)Inv_N;
     const int Nth = Dg_threads(Nthreads);
     (void)N;
     (void)N_groups;
@@ -2829,7 +2851,7 @@ int64_t Lo, Hi;
             double Gv_mean[DG_NHWC_GROUPS];
             for (int64_t Gi = 0; Gi < W; ++Gi) {
                 const double Sum_mean = Gv_Sum_mean[Gi];
-                Gv_mean[Gi] = Sum_mean/N;
+                Gv_mean[Gi] = Dg_per(Sum_mean, N, Inv_N);
             }
             (void)Gv_mean;   /* mean = mean(x) */
             double Gv_Sum_var[DG_NHWC_GROUPS];
@@ -2869,7 +2891,7 @@ int64_t Lo, Hi;
             double Gv_var[DG_NHWC_GROUPS];
             for (int64_t Gi = 0; Gi < W; ++Gi) {
                 const double Sum_var = Gv_Sum_var[Gi];
-                Gv_var[Gi] = Sum_var/N;
+                Gv_var[Gi] = Dg_per(Sum_var, N, Inv_N);
             }
             (void)Gv_var;   /* var = mean((x - mean)**2) */
             double Gv_rstd[DG_NHWC_GROUPS];
@@ -2939,6 +2961,8 @@ const int64_t C = G * Cg;
     const int64_t N_groups = O * G;
     const int64_t Blocks = 1;   /* blocks of a group: samples */
     const double N = (double)(Blocks * Cg * S);               /* values per group */
+    const double Inv_N = Dg_inv_pow2(N);          /* 1/N when exact (Dg_per) */
+    (void)Inv_N;
     const int Nth = Dg_threads(Nthreads);
     (void)N;
     (void)N_groups;
@@ -3151,6 +3175,8 @@ int groupnorm_train_forward_bf16(
     const int64_t Block_stride = G * M;
     (void)Block_stride;
     const double N = (double)(Blocks * M);          /* values per group */
+    const double Inv_N = Dg_inv_pow2(N);          /* 1/N when exact (Dg_per) */
+    (void)Inv_N;
     const int64_t Total = N_groups * Blocks * M;    /* values in x */
     const int64_t Ahead = DG_AHEAD_BYTES / (int64_t)sizeof(dg_bf16);
     const int Nth = Dg_threads(Nthreads);
@@ -3209,7 +3235,7 @@ int groupnorm_train_forward_bf16(
                     Sum_mean += Dg_lanes(Lane_Sum_mean);
                 }
             }
-            const double mean = Sum_mean/N;  /* mean = mean(x) */
+            const double mean = Dg_per(Sum_mean, N, Inv_N);  /* mean = mean(x) */
             double Sum_var;
             {
                 /* the next group read ahead while this one is in the cache (derivgen-kernels.h) */
@@ -3247,7 +3273,7 @@ int groupnorm_train_forward_bf16(
                     Sum_var += Dg_lanes(Lane_Sum_var);
                 }
             }
-            const double var = Sum_var/N;  /* var = mean((x - mean)**2) */
+            const double var = Dg_per(Sum_var, N, Inv_N);  /* var = mean((x - mean)**2) */
             const double rstd = 1/sqrt(var + eps);  /* rstd = 1/sqrt(var + eps) */
             mean_Out[Grp] = mean;
             var_Out[Grp] = var;
@@ -3386,6 +3412,8 @@ int groupnorm_train_backward_bf16(
     const int64_t Block_stride = G * M;
     (void)Block_stride;
     const double N = (double)(Blocks * M);          /* values per group */
+    const double Inv_N = Dg_inv_pow2(N);          /* 1/N when exact (Dg_per) */
+    (void)Inv_N;
     const int64_t Total = N_groups * Blocks * M;    /* values in x */
     const int64_t Ahead = DG_AHEAD_BYTES / (int64_t)sizeof(dg_bf16);
     const int Nth = Dg_threads(Nthreads);
@@ -3762,6 +3790,8 @@ const int64_t C = G * Cg;
     const int64_t N_groups = O * G;
     const int64_t Blocks = 1;   /* blocks of a group: samples */
     const double N = (double)(Blocks * Cg * S);               /* values per group */
+    const double Inv_N = Dg_inv_pow2(N);          /* 1/N when exact (Dg_per) */
+    (void)Inv_N;
     const int Nth = Dg_threads(Nthreads);
     (void)N;
     (void)N_groups;
@@ -3819,7 +3849,7 @@ int64_t Lo, Hi;
             double Gv_mean[DG_NHWC_GROUPS];
             for (int64_t Gi = 0; Gi < W; ++Gi) {
                 const double Sum_mean = Gv_Sum_mean[Gi];
-                Gv_mean[Gi] = Sum_mean/N;
+                Gv_mean[Gi] = Dg_per(Sum_mean, N, Inv_N);
             }
             (void)Gv_mean;   /* mean = mean(x) */
             double Gv_Sum_var[DG_NHWC_GROUPS];
@@ -3859,7 +3889,7 @@ int64_t Lo, Hi;
             double Gv_var[DG_NHWC_GROUPS];
             for (int64_t Gi = 0; Gi < W; ++Gi) {
                 const double Sum_var = Gv_Sum_var[Gi];
-                Gv_var[Gi] = Sum_var/N;
+                Gv_var[Gi] = Dg_per(Sum_var, N, Inv_N);
             }
             (void)Gv_var;   /* var = mean((x - mean)**2) */
             double Gv_rstd[DG_NHWC_GROUPS];
@@ -3944,6 +3974,8 @@ const int64_t C = G * Cg;
     const int64_t N_groups = O * G;
     const int64_t Blocks = 1;   /* blocks of a group: samples */
     const double N = (double)(Blocks * Cg * S);               /* values per group */
+    const double Inv_N = Dg_inv_pow2(N);          /* 1/N when exact (Dg_per) */
+    (void)Inv_N;
     const int Nth = Dg_threads(Nthreads);
     (void)N;
     (void)N_groups;

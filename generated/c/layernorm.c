@@ -72,6 +72,8 @@ int layernorm_train_forward_f32(
     const int64_t Block_stride = G * M;
     (void)Block_stride;
     const double N = (double)(Blocks * M);          /* values per group */
+    const double Inv_N = Dg_inv_pow2(N);          /* 1/N when exact (Dg_per) */
+    (void)Inv_N;
     const int64_t Total = N_groups * Blocks * M;    /* values in x */
     const int64_t Ahead = DG_AHEAD_BYTES / (int64_t)sizeof(float);
     const int Nth = Dg_threads(Nthreads);
@@ -129,7 +131,7 @@ int layernorm_train_forward_f32(
                 }
                 Sum_mean = Dg_lanes(Lane_Sum_mean);
             }
-            const double mean = Sum_mean/N;  /* mean = mean(x) */
+            const double mean = Dg_per(Sum_mean, N, Inv_N);  /* mean = mean(x) */
             double Sum_var;
             {
                 /* the next group read ahead while this one is in the cache (derivgen-kernels.h) */
@@ -166,7 +168,7 @@ int layernorm_train_forward_f32(
                 }
                 Sum_var = Dg_lanes(Lane_Sum_var);
             }
-            const double var = Sum_var/N;  /* var = mean((x - mean)**2) */
+            const double var = Dg_per(Sum_var, N, Inv_N);  /* var = mean((x - mean)**2) */
             const double rstd = 1/sqrt(var + eps);  /* rstd = 1/sqrt(var + eps) */
             mean_Out[Grp] = mean;
             var_Out[Grp] = var;
@@ -261,6 +263,8 @@ int layernorm_train_backward_f32(
     const int64_t Block_stride = G * M;
     (void)Block_stride;
     const double N = (double)(Blocks * M);          /* values per group */
+    const double Inv_N = Dg_inv_pow2(N);          /* 1/N when exact (Dg_per) */
+    (void)Inv_N;
     const int64_t Total = N_groups * Blocks * M;    /* values in x */
     const int64_t Ahead = DG_AHEAD_BYTES / (int64_t)sizeof(float);
     const int Nth = Dg_threads(Nthreads);
@@ -662,6 +666,8 @@ int layernorm_train_bb_f32(
     const int64_t Block_stride = G * M;
     (void)Block_stride;
     const double N = (double)(Blocks * M);          /* values per group */
+    const double Inv_N = Dg_inv_pow2(N);          /* 1/N when exact (Dg_per) */
+    (void)Inv_N;
     const int64_t Total = N_groups * Blocks * M;    /* values in x */
     const int64_t Ahead = DG_AHEAD_BYTES / (int64_t)sizeof(float);
     const int Nth = Dg_threads(Nthreads);
@@ -984,6 +990,8 @@ int layernorm_train_jvp_f32(
     const int64_t Block_stride = G * M;
     (void)Block_stride;
     const double N = (double)(Blocks * M);          /* values per group */
+    const double Inv_N = Dg_inv_pow2(N);          /* 1/N when exact (Dg_per) */
+    (void)Inv_N;
     const int64_t Total = N_groups * Blocks * M;    /* values in x */
     const int64_t Ahead = DG_AHEAD_BYTES / (int64_t)sizeof(float);
     const int Nth = Dg_threads(Nthreads);
@@ -1194,6 +1202,8 @@ int layernorm_train_forward_f64(
     const int64_t Block_stride = G * M;
     (void)Block_stride;
     const double N = (double)(Blocks * M);          /* values per group */
+    const double Inv_N = Dg_inv_pow2(N);          /* 1/N when exact (Dg_per) */
+    (void)Inv_N;
     const int64_t Total = N_groups * Blocks * M;    /* values in x */
     const int64_t Ahead = DG_AHEAD_BYTES / (int64_t)sizeof(double);
     const int Nth = Dg_threads(Nthreads);
@@ -1251,7 +1261,7 @@ int layernorm_train_forward_f64(
                 }
                 Sum_mean = Dg_lanes(Lane_Sum_mean);
             }
-            const double mean = Sum_mean/N;  /* mean = mean(x) */
+            const double mean = Dg_per(Sum_mean, N, Inv_N);  /* mean = mean(x) */
             double Sum_var;
             {
                 /* the next group read ahead while this one is in the cache (derivgen-kernels.h) */
@@ -1288,7 +1298,7 @@ int layernorm_train_forward_f64(
                 }
                 Sum_var = Dg_lanes(Lane_Sum_var);
             }
-            const double var = Sum_var/N;  /* var = mean((x - mean)**2) */
+            const double var = Dg_per(Sum_var, N, Inv_N);  /* var = mean((x - mean)**2) */
             const double rstd = 1/sqrt(var + eps);  /* rstd = 1/sqrt(var + eps) */
             mean_Out[Grp] = mean;
             var_Out[Grp] = var;
@@ -1379,6 +1389,8 @@ int layernorm_train_backward_f64(
     const int64_t Block_stride = G * M;
     (void)Block_stride;
     const double N = (double)(Blocks * M);          /* values per group */
+    const double Inv_N = Dg_inv_pow2(N);          /* 1/N when exact (Dg_per) */
+    (void)Inv_N;
     const int64_t Total = N_groups * Blocks * M;    /* values in x */
     const int64_t Ahead = DG_AHEAD_BYTES / (int64_t)sizeof(double);
     const int Nth = Dg_threads(Nthreads);
@@ -1758,6 +1770,8 @@ int layernorm_train_bb_f64(
     const int64_t Block_stride = G * M;
     (void)Block_stride;
     const double N = (double)(Blocks * M);          /* values per group */
+    const double Inv_N = Dg_inv_pow2(N);          /* 1/N when exact (Dg_per) */
+    (void)Inv_N;
     const int64_t Total = N_groups * Blocks * M;    /* values in x */
     const int64_t Ahead = DG_AHEAD_BYTES / (int64_t)sizeof(double);
     const int Nth = Dg_threads(Nthreads);
@@ -2080,6 +2094,8 @@ int layernorm_train_jvp_f64(
     const int64_t Block_stride = G * M;
     (void)Block_stride;
     const double N = (double)(Blocks * M);          /* values per group */
+    const double Inv_N = Dg_inv_pow2(N);          /* 1/N when exact (Dg_per) */
+    (void)Inv_N;
     const int64_t Total = N_groups * Blocks * M;    /* values in x */
     const int64_t Ahead = DG_AHEAD_BYTES / (int64_t)sizeof(double);
     const int Nth = Dg_threads(Nthreads);
@@ -2290,6 +2306,8 @@ int layernorm_train_forward_bf16(
     const int64_t Block_stride = G * M;
     (void)Block_stride;
     const double N = (double)(Blocks * M);          /* values per group */
+    const double Inv_N = Dg_inv_pow2(N);          /* 1/N when exact (Dg_per) */
+    (void)Inv_N;
     const int64_t Total = N_groups * Blocks * M;    /* values in x */
     const int64_t Ahead = DG_AHEAD_BYTES / (int64_t)sizeof(dg_bf16);
     const int Nth = Dg_threads(Nthreads);
@@ -2347,7 +2365,7 @@ int layernorm_train_forward_bf16(
                 }
                 Sum_mean = Dg_lanes(Lane_Sum_mean);
             }
-            const double mean = Sum_mean/N;  /* mean = mean(x) */
+            const double mean = Dg_per(Sum_mean, N, Inv_N);  /* mean = mean(x) */
             double Sum_var;
             {
                 /* the next group read ahead while this one is in the cache (derivgen-kernels.h) */
@@ -2384,7 +2402,7 @@ int layernorm_train_forward_bf16(
                 }
                 Sum_var = Dg_lanes(Lane_Sum_var);
             }
-            const double var = Sum_var/N;  /* var = mean((x - mean)**2) */
+            const double var = Dg_per(Sum_var, N, Inv_N);  /* var = mean((x - mean)**2) */
             const double rstd = 1/sqrt(var + eps);  /* rstd = 1/sqrt(var + eps) */
             mean_Out[Grp] = mean;
             var_Out[Grp] = var;
@@ -2479,6 +2497,8 @@ int layernorm_train_backward_bf16(
     const int64_t Block_stride = G * M;
     (void)Block_stride;
     const double N = (double)(Blocks * M);          /* values per group */
+    const double Inv_N = Dg_inv_pow2(N);          /* 1/N when exact (Dg_per) */
+    (void)Inv_N;
     const int64_t Total = N_groups * Blocks * M;    /* values in x */
     const int64_t Ahead = DG_AHEAD_BYTES / (int64_t)sizeof(dg_bf16);
     const int Nth = Dg_threads(Nthreads);

@@ -81,6 +81,8 @@ int online_layernorm_train_forward_f32(
     const int64_t Block_stride = G * M;
     (void)Block_stride;
     const double N = (double)(Blocks * M);          /* values per group */
+    const double Inv_N = Dg_inv_pow2(N);          /* 1/N when exact (Dg_per) */
+    (void)Inv_N;
     const int64_t Total = N_groups * Blocks * M;    /* values in x */
     const int64_t Ahead = DG_AHEAD_BYTES / (int64_t)sizeof(float);
     const int Nth = Dg_threads(Nthreads);
@@ -143,7 +145,7 @@ int online_layernorm_train_forward_f32(
                 }
                 Sum_row_mean = Dg_lanes(Lane_Sum_row_mean);
             }
-            const double row_mean = Sum_row_mean/N;  /* row_mean = mean(x) */
+            const double row_mean = Dg_per(Sum_row_mean, N, Inv_N);  /* row_mean = mean(x) */
             const double mean = alpha*row_mean + prev_mean*(1 - alpha);  /* mean = alpha*row_mean + (1 - alpha)*prev_mean */
             double Sum_Aux1;
             {
@@ -181,7 +183,7 @@ int online_layernorm_train_forward_f32(
                 }
                 Sum_Aux1 = Dg_lanes(Lane_Sum_Aux1);
             }
-            const double Aux1 = Sum_Aux1/N;  /* Aux1 = a mean in sample_std */
+            const double Aux1 = Dg_per(Sum_Aux1, N, Inv_N);  /* Aux1 = a mean in sample_std */
             const double sample_std = sqrt(eps + Aux1*N/(N - 1));  /* sample_std = sqrt(sum((x - mean)**2)/(N - 1) + eps) */
             const double std = alpha*sample_std + prev_std*(1 - alpha);  /* std = alpha*sample_std + (1 - alpha)*prev_std */
             row_mean_Out[Grp] = row_mean;
@@ -286,6 +288,8 @@ int online_layernorm_train_backward_f32(
     const int64_t Block_stride = G * M;
     (void)Block_stride;
     const double N = (double)(Blocks * M);          /* values per group */
+    const double Inv_N = Dg_inv_pow2(N);          /* 1/N when exact (Dg_per) */
+    (void)Inv_N;
     const int64_t Total = N_groups * Blocks * M;    /* values in x */
     const int64_t Ahead = DG_AHEAD_BYTES / (int64_t)sizeof(float);
     const int Nth = Dg_threads(Nthreads);
@@ -748,6 +752,8 @@ int online_layernorm_train_bb_f32(
     const int64_t Block_stride = G * M;
     (void)Block_stride;
     const double N = (double)(Blocks * M);          /* values per group */
+    const double Inv_N = Dg_inv_pow2(N);          /* 1/N when exact (Dg_per) */
+    (void)Inv_N;
     const int64_t Total = N_groups * Blocks * M;    /* values in x */
     const int64_t Ahead = DG_AHEAD_BYTES / (int64_t)sizeof(float);
     const int Nth = Dg_threads(Nthreads);
@@ -1378,6 +1384,8 @@ int online_layernorm_train_jvp_f32(
     const int64_t Block_stride = G * M;
     (void)Block_stride;
     const double N = (double)(Blocks * M);          /* values per group */
+    const double Inv_N = Dg_inv_pow2(N);          /* 1/N when exact (Dg_per) */
+    (void)Inv_N;
     const int64_t Total = N_groups * Blocks * M;    /* values in x */
     const int64_t Ahead = DG_AHEAD_BYTES / (int64_t)sizeof(float);
     const int Nth = Dg_threads(Nthreads);
@@ -1620,6 +1628,8 @@ int online_layernorm_train_forward_f64(
     const int64_t Block_stride = G * M;
     (void)Block_stride;
     const double N = (double)(Blocks * M);          /* values per group */
+    const double Inv_N = Dg_inv_pow2(N);          /* 1/N when exact (Dg_per) */
+    (void)Inv_N;
     const int64_t Total = N_groups * Blocks * M;    /* values in x */
     const int64_t Ahead = DG_AHEAD_BYTES / (int64_t)sizeof(double);
     const int Nth = Dg_threads(Nthreads);
@@ -1682,7 +1692,7 @@ int online_layernorm_train_forward_f64(
                 }
                 Sum_row_mean = Dg_lanes(Lane_Sum_row_mean);
             }
-            const double row_mean = Sum_row_mean/N;  /* row_mean = mean(x) */
+            const double row_mean = Dg_per(Sum_row_mean, N, Inv_N);  /* row_mean = mean(x) */
             const double mean = alpha*row_mean + prev_mean*(1 - alpha);  /* mean = alpha*row_mean + (1 - alpha)*prev_mean */
             double Sum_Aux1;
             {
@@ -1720,7 +1730,7 @@ int online_layernorm_train_forward_f64(
                 }
                 Sum_Aux1 = Dg_lanes(Lane_Sum_Aux1);
             }
-            const double Aux1 = Sum_Aux1/N;  /* Aux1 = a mean in sample_std */
+            const double Aux1 = Dg_per(Sum_Aux1, N, Inv_N);  /* Aux1 = a mean in sample_std */
             const double sample_std = sqrt(eps + Aux1*N/(N - 1));  /* sample_std = sqrt(sum((x - mean)**2)/(N - 1) + eps) */
             const double std = alpha*sample_std + prev_std*(1 - alpha);  /* std = alpha*sample_std + (1 - alpha)*prev_std */
             row_mean_Out[Grp] = row_mean;
@@ -1821,6 +1831,8 @@ int online_layernorm_train_backward_f64(
     const int64_t Block_stride = G * M;
     (void)Block_stride;
     const double N = (double)(Blocks * M);          /* values per group */
+    const double Inv_N = Dg_inv_pow2(N);          /* 1/N when exact (Dg_per) */
+    (void)Inv_N;
     const int64_t Total = N_groups * Blocks * M;    /* values in x */
     const int64_t Ahead = DG_AHEAD_BYTES / (int64_t)sizeof(double);
     const int Nth = Dg_threads(Nthreads);
@@ -2228,6 +2240,8 @@ int online_layernorm_train_bb_f64(
     const int64_t Block_stride = G * M;
     (void)Block_stride;
     const double N = (double)(Blocks * M);          /* values per group */
+    const double Inv_N = Dg_inv_pow2(N);          /* 1/N when exact (Dg_per) */
+    (void)Inv_N;
     const int64_t Total = N_groups * Blocks * M;    /* values in x */
     const int64_t Ahead = DG_AHEAD_BYTES / (int64_t)sizeof(double);
     const int Nth = Dg_threads(Nthreads);
@@ -2858,6 +2872,8 @@ int online_layernorm_train_jvp_f64(
     const int64_t Block_stride = G * M;
     (void)Block_stride;
     const double N = (double)(Blocks * M);          /* values per group */
+    const double Inv_N = Dg_inv_pow2(N);          /* 1/N when exact (Dg_per) */
+    (void)Inv_N;
     const int64_t Total = N_groups * Blocks * M;    /* values in x */
     const int64_t Ahead = DG_AHEAD_BYTES / (int64_t)sizeof(double);
     const int Nth = Dg_threads(Nthreads);
@@ -3100,6 +3116,8 @@ int online_layernorm_train_forward_bf16(
     const int64_t Block_stride = G * M;
     (void)Block_stride;
     const double N = (double)(Blocks * M);          /* values per group */
+    const double Inv_N = Dg_inv_pow2(N);          /* 1/N when exact (Dg_per) */
+    (void)Inv_N;
     const int64_t Total = N_groups * Blocks * M;    /* values in x */
     const int64_t Ahead = DG_AHEAD_BYTES / (int64_t)sizeof(dg_bf16);
     const int Nth = Dg_threads(Nthreads);
@@ -3162,7 +3180,7 @@ int online_layernorm_train_forward_bf16(
                 }
                 Sum_row_mean = Dg_lanes(Lane_Sum_row_mean);
             }
-            const double row_mean = Sum_row_mean/N;  /* row_mean = mean(x) */
+            const double row_mean = Dg_per(Sum_row_mean, N, Inv_N);  /* row_mean = mean(x) */
             const double mean = alpha*row_mean + prev_mean*(1 - alpha);  /* mean = alpha*row_mean + (1 - alpha)*prev_mean */
             double Sum_Aux1;
             {
@@ -3200,7 +3218,7 @@ int online_layernorm_train_forward_bf16(
                 }
                 Sum_Aux1 = Dg_lanes(Lane_Sum_Aux1);
             }
-            const double Aux1 = Sum_Aux1/N;  /* Aux1 = a mean in sample_std */
+            const double Aux1 = Dg_per(Sum_Aux1, N, Inv_N);  /* Aux1 = a mean in sample_std */
             const double sample_std = sqrt(eps + Aux1*N/(N - 1));  /* sample_std = sqrt(sum((x - mean)**2)/(N - 1) + eps) */
             const double std = alpha*sample_std + prev_std*(1 - alpha);  /* std = alpha*sample_std + (1 - alpha)*prev_std */
             row_mean_Out[Grp] = row_mean;
@@ -3305,6 +3323,8 @@ int online_layernorm_train_backward_bf16(
     const int64_t Block_stride = G * M;
     (void)Block_stride;
     const double N = (double)(Blocks * M);          /* values per group */
+    const double Inv_N = Dg_inv_pow2(N);          /* 1/N when exact (Dg_per) */
+    (void)Inv_N;
     const int64_t Total = N_groups * Blocks * M;    /* values in x */
     const int64_t Ahead = DG_AHEAD_BYTES / (int64_t)sizeof(dg_bf16);
     const int Nth = Dg_threads(Nthreads);

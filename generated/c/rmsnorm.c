@@ -67,6 +67,8 @@ int rmsnorm_train_forward_f32(
     const int64_t Block_stride = G * M;
     (void)Block_stride;
     const double N = (double)(Blocks * M);          /* values per group */
+    const double Inv_N = Dg_inv_pow2(N);          /* 1/N when exact (Dg_per) */
+    (void)Inv_N;
     const int64_t Total = N_groups * Blocks * M;    /* values in x */
     const int64_t Ahead = DG_AHEAD_BYTES / (int64_t)sizeof(float);
     const int Nth = Dg_threads(Nthreads);
@@ -123,7 +125,7 @@ int rmsnorm_train_forward_f32(
                 }
                 Sum_ms = Dg_lanes(Lane_Sum_ms);
             }
-            const double ms = Sum_ms/N;  /* ms = mean(x**2) */
+            const double ms = Dg_per(Sum_ms, N, Inv_N);  /* ms = mean(x**2) */
             const double rstd = 1/sqrt(ms + eps);  /* rstd = 1/sqrt(ms + eps) */
             ms_Out[Grp] = ms;
             rstd_Out[Grp] = rstd;
@@ -215,6 +217,8 @@ int rmsnorm_train_backward_f32(
     const int64_t Block_stride = G * M;
     (void)Block_stride;
     const double N = (double)(Blocks * M);          /* values per group */
+    const double Inv_N = Dg_inv_pow2(N);          /* 1/N when exact (Dg_per) */
+    (void)Inv_N;
     const int64_t Total = N_groups * Blocks * M;    /* values in x */
     const int64_t Ahead = DG_AHEAD_BYTES / (int64_t)sizeof(float);
     const int Nth = Dg_threads(Nthreads);
@@ -551,6 +555,8 @@ int rmsnorm_train_bb_f32(
     const int64_t Block_stride = G * M;
     (void)Block_stride;
     const double N = (double)(Blocks * M);          /* values per group */
+    const double Inv_N = Dg_inv_pow2(N);          /* 1/N when exact (Dg_per) */
+    (void)Inv_N;
     const int64_t Total = N_groups * Blocks * M;    /* values in x */
     const int64_t Ahead = DG_AHEAD_BYTES / (int64_t)sizeof(float);
     const int Nth = Dg_threads(Nthreads);
@@ -821,6 +827,8 @@ int rmsnorm_train_jvp_f32(
     const int64_t Block_stride = G * M;
     (void)Block_stride;
     const double N = (double)(Blocks * M);          /* values per group */
+    const double Inv_N = Dg_inv_pow2(N);          /* 1/N when exact (Dg_per) */
+    (void)Inv_N;
     const int64_t Total = N_groups * Blocks * M;    /* values in x */
     const int64_t Ahead = DG_AHEAD_BYTES / (int64_t)sizeof(float);
     const int Nth = Dg_threads(Nthreads);
@@ -1009,6 +1017,8 @@ int rmsnorm_train_forward_f64(
     const int64_t Block_stride = G * M;
     (void)Block_stride;
     const double N = (double)(Blocks * M);          /* values per group */
+    const double Inv_N = Dg_inv_pow2(N);          /* 1/N when exact (Dg_per) */
+    (void)Inv_N;
     const int64_t Total = N_groups * Blocks * M;    /* values in x */
     const int64_t Ahead = DG_AHEAD_BYTES / (int64_t)sizeof(double);
     const int Nth = Dg_threads(Nthreads);
@@ -1065,7 +1075,7 @@ int rmsnorm_train_forward_f64(
                 }
                 Sum_ms = Dg_lanes(Lane_Sum_ms);
             }
-            const double ms = Sum_ms/N;  /* ms = mean(x**2) */
+            const double ms = Dg_per(Sum_ms, N, Inv_N);  /* ms = mean(x**2) */
             const double rstd = 1/sqrt(ms + eps);  /* rstd = 1/sqrt(ms + eps) */
             ms_Out[Grp] = ms;
             rstd_Out[Grp] = rstd;
@@ -1156,6 +1166,8 @@ int rmsnorm_train_backward_f64(
     const int64_t Block_stride = G * M;
     (void)Block_stride;
     const double N = (double)(Blocks * M);          /* values per group */
+    const double Inv_N = Dg_inv_pow2(N);          /* 1/N when exact (Dg_per) */
+    (void)Inv_N;
     const int64_t Total = N_groups * Blocks * M;    /* values in x */
     const int64_t Ahead = DG_AHEAD_BYTES / (int64_t)sizeof(double);
     const int Nth = Dg_threads(Nthreads);
@@ -1494,6 +1506,8 @@ int rmsnorm_train_bb_f64(
     const int64_t Block_stride = G * M;
     (void)Block_stride;
     const double N = (double)(Blocks * M);          /* values per group */
+    const double Inv_N = Dg_inv_pow2(N);          /* 1/N when exact (Dg_per) */
+    (void)Inv_N;
     const int64_t Total = N_groups * Blocks * M;    /* values in x */
     const int64_t Ahead = DG_AHEAD_BYTES / (int64_t)sizeof(double);
     const int Nth = Dg_threads(Nthreads);
@@ -1764,6 +1778,8 @@ int rmsnorm_train_jvp_f64(
     const int64_t Block_stride = G * M;
     (void)Block_stride;
     const double N = (double)(Blocks * M);          /* values per group */
+    const double Inv_N = Dg_inv_pow2(N);          /* 1/N when exact (Dg_per) */
+    (void)Inv_N;
     const int64_t Total = N_groups * Blocks * M;    /* values in x */
     const int64_t Ahead = DG_AHEAD_BYTES / (int64_t)sizeof(double);
     const int Nth = Dg_threads(Nthreads);
@@ -1952,6 +1968,8 @@ int rmsnorm_train_forward_bf16(
     const int64_t Block_stride = G * M;
     (void)Block_stride;
     const double N = (double)(Blocks * M);          /* values per group */
+    const double Inv_N = Dg_inv_pow2(N);          /* 1/N when exact (Dg_per) */
+    (void)Inv_N;
     const int64_t Total = N_groups * Blocks * M;    /* values in x */
     const int64_t Ahead = DG_AHEAD_BYTES / (int64_t)sizeof(dg_bf16);
     const int Nth = Dg_threads(Nthreads);
@@ -2008,7 +2026,7 @@ int rmsnorm_train_forward_bf16(
                 }
                 Sum_ms = Dg_lanes(Lane_Sum_ms);
             }
-            const double ms = Sum_ms/N;  /* ms = mean(x**2) */
+            const double ms = Dg_per(Sum_ms, N, Inv_N);  /* ms = mean(x**2) */
             const double rstd = 1/sqrt(ms + eps);  /* rstd = 1/sqrt(ms + eps) */
             ms_Out[Grp] = ms;
             rstd_Out[Grp] = rstd;
@@ -2100,6 +2118,8 @@ int rmsnorm_train_backward_bf16(
     const int64_t Block_stride = G * M;
     (void)Block_stride;
     const double N = (double)(Blocks * M);          /* values per group */
+    const double Inv_N = Dg_inv_pow2(N);          /* 1/N when exact (Dg_per) */
+    (void)Inv_N;
     const int64_t Total = N_groups * Blocks * M;    /* values in x */
     const int64_t Ahead = DG_AHEAD_BYTES / (int64_t)sizeof(dg_bf16);
     const int Nth = Dg_threads(Nthreads);

@@ -109,3 +109,43 @@ def test_the_next_group_is_read_ahead_where_it_pays(tmp_path):
     for (n, nbytes), want in cases.items():
         assert so.probe_next(n, ahead, nbytes, tile) == want, (n, nbytes)
     assert so.probe_next(32 * 3136, ahead, 8, 2 * tile) == 1  # a 2 MiB L2 holds both
+
+
+PER = r"""
+#include "derivgen-kernels.h"
+double probe_per(double s, double n) { return Dg_per(s, n, Dg_inv_pow2(n)); }
+double probe_inv(double n) { return Dg_inv_pow2(n); }
+double probe_div(double s, double n) { return s / n; }
+"""
+
+
+def test_a_mean_by_product_has_the_quotients_bits(tmp_path):
+    """Dg_per (the forward statistics' s/N) multiplies by 1/N only where N is a power of two,
+    and gives the quotient's bits for every sum: tiny, huge, negative, infinite, NaN."""
+    cc = require_tool("gcc")
+    (tmp_path / "per.c").write_text(PER)
+    lib = tmp_path / "per.so"
+    flags = ["-std=c99", "-Wall", "-Wextra", "-pedantic", "-Werror", "-Wno-unused-function", "-O2"]
+    r = subprocess.run(
+        [cc, *flags, "-shared", "-fPIC", f"-I{ROOT / 'generated' / 'c'}", str(tmp_path / "per.c"), "-o", str(lib)],
+        capture_output=True,
+        text=True,
+    )
+    assert r.returncode == 0, r.stderr
+    so = ctypes.CDLL(str(lib))
+    for f in (so.probe_per, so.probe_div):
+        f.restype, f.argtypes = ctypes.c_double, [ctypes.c_double, ctypes.c_double]
+    so.probe_inv.restype, so.probe_inv.argtypes = ctypes.c_double, [ctypes.c_double]
+    assert so.probe_inv(1024.0) == 1 / 1024 and so.probe_inv(1.0) == 1.0 and so.probe_inv(2.0**-3) == 8.0
+    assert so.probe_inv(1000.0) == 0.0 and so.probe_inv(3.0) == 0.0 and so.probe_inv(0.0) == 0.0
+    rng = random.Random(11)
+    sums = [0.0, -0.0, 5e-324, -2.2e-308, 1.7e308, math.inf, -math.inf, math.nan]
+    sums += [rng.choice((-1, 1)) * rng.random() * 10.0 ** rng.randint(-320, 308) for _ in range(3000)]
+    for n in (1.0, 2.0, 128.0, 1024.0, 3136.0 * 32, 2.0**40, 3.0, 1000.0, 100352.0):
+        for s in sums:
+            got, want = so.probe_per(s, n), so.probe_div(s, n)
+            assert (
+                got == want
+                and math.copysign(1, got) == math.copysign(1, want)
+                or (math.isnan(got) and math.isnan(want))
+            ), (s, n, got, want)
