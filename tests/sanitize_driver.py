@@ -87,7 +87,15 @@ SHAPES = {
     "rmsnorm": [((1, 1), (1,)), ((4, 9), (9,)), ((2, 2, 3), (2, 3))],
     "prmsnorm": [((1, 1), (1,)), ((4, 9), (9,)), ((3, 40), (40,))],  # leading(p): a position mask
     "online_layernorm": [((1, 2), (2,)), ((4, 9), (9,)), ((2, 3, 5), (5,))],
-    "batchnorm": [((2, 1), (1,)), ((3, 4), (4,)), ((2, 3, 5), (3,)), ((1, 2, 3, 3), (2,)), ((5, 3, 1, 1), (3,))],
+    # (1, 3, 16, 17): 272 positions, a whole chunk of 256 that the channels-last sums take lane by lane
+    "batchnorm": [
+        ((2, 1), (1,)),
+        ((3, 4), (4,)),
+        ((2, 3, 5), (3,)),
+        ((1, 2, 3, 3), (2,)),
+        ((5, 3, 1, 1), (3,)),
+        ((1, 3, 16, 17), (3,)),
+    ],
     "instancenorm": [((1, 1, 2), (1,)), ((2, 3, 5), (3,)), ((2, 2, 3, 3), (2,)), ((3, 4, 2), (4,))],
     "groupnorm": [((1, 2, 2), (2,)), ((2, 6, 5), (6,)), ((2, 4, 3, 3), (4,)), ((3, 6), (6,))],
     # a position layout: blocks of positions shorter than, equal to and longer than the block

@@ -2153,7 +2153,28 @@ const int64_t Full = S - S % DG_LANES;          /* positions past it go to lane 
                     const int64_t W = G - Gb < DG_NHWC_GROUPS ? G - Gb : DG_NHWC_GROUPS;
                     double Lane_Sum_mean[DG_LANES * DG_NHWC_GROUPS];     /* [lane][channel], dense for this W */
                     memset(Lane_Sum_mean, 0, (size_t)(DG_LANES * W) * sizeof(double));
-                    for (int64_t Si = 0; Si < S; ++Si) {
+                    /* whole chunks of DG_LANES * DG_PEND positions lane by lane, the sums in
+                       registers; then the rest row by row, as the NCHW kernels' lanes take them */
+                    int64_t Si0 = 0;
+                    for (; Si0 + DG_LANES * DG_PEND <= Full; Si0 += DG_LANES * DG_PEND) {
+                        for (int J = 0; J < DG_LANES; ++J) {
+                            DG_INDEPENDENT
+                            for (int64_t Gi = 0; Gi < W; ++Gi) {
+                                const int64_t Ch = Gb + Gi;
+                                double A_Sum_mean = Lane_Sum_mean[J * W + Gi];
+                                DG_UNROLL(DG_PEND)
+                                for (int K = 0; K < DG_PEND; ++K) {
+                                    const int64_t Idx = (Ob * S + Si0 + K * DG_LANES + J) * C + Ch;
+                                    (void)Idx;
+                                    const double Xv = (double)x[Idx];
+                                    A_Sum_mean += Xv;
+                                }
+                                Lane_Sum_mean[J * W + Gi] = A_Sum_mean;
+                            }
+
+                        }
+                    }
+                    for (int64_t Si = Si0; Si < S; ++Si) {
                         const int J = Si < Full ? (int)(Si % DG_LANES) : 0;   /* the rest: lane 0 */
                         const int64_t Row = (Ob * S + Si) * C;
                         (void)J;
@@ -2195,7 +2216,29 @@ const int64_t Full = S - S % DG_LANES;          /* positions past it go to lane 
                     const int64_t W = G - Gb < DG_NHWC_GROUPS ? G - Gb : DG_NHWC_GROUPS;
                     double Lane_Sum_var[DG_LANES * DG_NHWC_GROUPS];     /* [lane][channel], dense for this W */
                     memset(Lane_Sum_var, 0, (size_t)(DG_LANES * W) * sizeof(double));
-                    for (int64_t Si = 0; Si < S; ++Si) {
+                    /* whole chunks of DG_LANES * DG_PEND positions lane by lane, the sums in
+                       registers; then the rest row by row, as the NCHW kernels' lanes take them */
+                    int64_t Si0 = 0;
+                    for (; Si0 + DG_LANES * DG_PEND <= Full; Si0 += DG_LANES * DG_PEND) {
+                        for (int J = 0; J < DG_LANES; ++J) {
+                            DG_INDEPENDENT
+                            for (int64_t Gi = 0; Gi < W; ++Gi) {
+                                const int64_t Ch = Gb + Gi;
+                                const double mean = Gv_mean[Ch];
+                                double A_Sum_var = Lane_Sum_var[J * W + Gi];
+                                DG_UNROLL(DG_PEND)
+                                for (int K = 0; K < DG_PEND; ++K) {
+                                    const int64_t Idx = (Ob * S + Si0 + K * DG_LANES + J) * C + Ch;
+                                    (void)Idx;
+                                    const double Xv = (double)x[Idx];
+                                    A_Sum_var += ((Xv - mean)*(Xv - mean));
+                                }
+                                Lane_Sum_var[J * W + Gi] = A_Sum_var;
+                            }
+
+                        }
+                    }
+                    for (int64_t Si = Si0; Si < S; ++Si) {
                         const int J = Si < Full ? (int)(Si % DG_LANES) : 0;   /* the rest: lane 0 */
                         const int64_t Row = (Ob * S + Si) * C;
                         (void)J;
@@ -2462,7 +2505,38 @@ const int64_t Full = S - S % DG_LANES;          /* positions past it go to lane 
                     memset(Lane_Sum_g, 0, (size_t)(DG_LANES * W) * sizeof(double));
                     double Lane_Sum_g_xhat[DG_LANES * DG_NHWC_GROUPS];     /* [lane][channel], dense for this W */
                     memset(Lane_Sum_g_xhat, 0, (size_t)(DG_LANES * W) * sizeof(double));
-                    for (int64_t Si = 0; Si < S; ++Si) {
+                    /* whole chunks of DG_LANES * DG_PEND positions lane by lane, the sums in
+                       registers; then the rest row by row, as the NCHW kernels' lanes take them */
+                    int64_t Si0 = 0;
+                    for (; Si0 + DG_LANES * DG_PEND <= Full; Si0 += DG_LANES * DG_PEND) {
+                        for (int J = 0; J < DG_LANES; ++J) {
+                            DG_INDEPENDENT
+                            for (int64_t Gi = 0; Gi < W; ++Gi) {
+                                const int64_t Ch = Gb + Gi;
+                                const float H0_hi = PvR_H0_hi[Ch];
+                                const float H0_lo = PvR_H0_lo[Ch];
+                                const float rstd_F = PvR_rstd_F[Ch];
+                                const float gamma_V = gamma[Ch];
+                                double A_Sum_g = Lane_Sum_g[J * W + Gi];
+                                double A_Sum_g_xhat = Lane_Sum_g_xhat[J * W + Gi];
+                                DG_UNROLL(DG_PEND)
+                                for (int K = 0; K < DG_PEND; ++K) {
+                                    const int64_t Idx = (Ob * S + Si0 + K * DG_LANES + J) * C + Ch;
+                                    (void)Idx;
+                                    const float Xv = x[Idx];
+                                    const float Dyv = dy[Idx];
+                                    const float xhat = rstd_F*((Xv + H0_hi + H0_lo));
+                                    const float g = Dyv*gamma_V;
+                                    A_Sum_g += ((double)g);
+                                    A_Sum_g_xhat += ((double)g)*((double)xhat);
+                                }
+                                Lane_Sum_g[J * W + Gi] = A_Sum_g;
+                                Lane_Sum_g_xhat[J * W + Gi] = A_Sum_g_xhat;
+                            }
+
+                        }
+                    }
+                    for (int64_t Si = Si0; Si < S; ++Si) {
                         const int J = Si < Full ? (int)(Si % DG_LANES) : 0;   /* the rest: lane 0 */
                         const int64_t Row = (Ob * S + Si) * C;
                         (void)J;
@@ -2552,7 +2626,56 @@ const int64_t Full = S - S % DG_LANES;          /* positions past it go to lane 
                     memset(Lane_f0, 0, (size_t)(DG_LANES * W) * sizeof(float));
                     float Lane_f1[DG_LANES * DG_NHWC_GROUPS];
                     memset(Lane_f1, 0, (size_t)(DG_LANES * W) * sizeof(float));
-                    for (int64_t Si = 0; Si < S; ++Si) {
+                    /* whole chunks of DG_LANES * DG_PEND positions lane by lane, the sums in
+                       registers; then the rest row by row, as the NCHW kernels' lanes take them */
+                    int64_t Si0 = 0;
+                    for (; Si0 + DG_LANES * DG_PEND <= Full; Si0 += DG_LANES * DG_PEND) {
+                        for (int J = 0; J < DG_LANES; ++J) {
+                            float Lt_dx[DG_PEND][DG_NHWC_GROUPS];     /* the lane's rows' outputs, streamed out below */
+                            DG_INDEPENDENT
+                            for (int64_t Gi = 0; Gi < W; ++Gi) {
+                                const int64_t Ch = Gb + Gi;
+                                const float H0_hi = PvF_H0_hi[Ch];
+                                const float H0_lo = PvF_H0_lo[Ch];
+                                const float H1_hi = PvF_H1_hi[Ch];
+                                const float H1_lo = PvF_H1_lo[Ch];
+                                const float Mean_g_xhat_F = PvF_Mean_g_xhat_F[Ch];
+                                const float rstd_F = PvF_rstd_F[Ch];
+                                const float gamma_V = gamma[Ch];
+                                float A_f0 = Lane_f0[J * W + Gi];
+                                float A_f1 = Lane_f1[J * W + Gi];
+                                DG_UNROLL(DG_PEND)
+                                for (int K = 0; K < DG_PEND; ++K) {
+                                    const int64_t Idx = (Ob * S + Si0 + K * DG_LANES + J) * C + Ch;
+                                    (void)Idx;
+                                    const float Xv = x[Idx];
+                                    const float Dyv = dy[Idx];
+                                    const float xhat = rstd_F*((Xv + H0_hi + H0_lo));
+                                    const float g = Dyv*gamma_V;
+                                    Lt_dx[K][Gi] = (float)(rstd_F*((g - Mean_g_xhat_F*xhat + H1_hi + H1_lo)));
+                                    A_f0 += Dyv*xhat;
+                                    A_f1 += Dyv;
+                                }
+                                Lane_f0[J * W + Gi] = A_f0;
+                                Lane_f1[J * W + Gi] = A_f1;
+                            }
+                            for (int K = 0; K < DG_PEND; ++K) {
+                                float *restrict Dst = dx + (Ob * S + Si0 + K * DG_LANES + J) * C + Gb;
+                                if (Out_Stream)
+                                    Dg_stream_float(Dst, Lt_dx[K], W);
+                                else
+                                    memcpy(Dst, Lt_dx[K], (size_t)W * sizeof(float));
+                            }
+
+                        }
+                        for (int64_t Q = 0; Q < DG_LANES * W; ++Q) {
+                            Lane_p0[Q] += (double)Lane_f0[Q];
+                            Lane_f0[Q] = 0;
+                            Lane_p1[Q] += (double)Lane_f1[Q];
+                            Lane_f1[Q] = 0;
+                        }
+                    }
+                    for (int64_t Si = Si0; Si < S; ++Si) {
                         const int J = Si < Full ? (int)(Si % DG_LANES) : 0;   /* the rest: lane 0 */
                         const int64_t Row = (Ob * S + Si) * C;
                         (void)J;
@@ -4682,7 +4805,28 @@ const int64_t Full = S - S % DG_LANES;          /* positions past it go to lane 
                     const int64_t W = G - Gb < DG_NHWC_GROUPS ? G - Gb : DG_NHWC_GROUPS;
                     double Lane_Sum_mean[DG_LANES * DG_NHWC_GROUPS];     /* [lane][channel], dense for this W */
                     memset(Lane_Sum_mean, 0, (size_t)(DG_LANES * W) * sizeof(double));
-                    for (int64_t Si = 0; Si < S; ++Si) {
+                    /* whole chunks of DG_LANES * DG_PEND positions lane by lane, the sums in
+                       registers; then the rest row by row, as the NCHW kernels' lanes take them */
+                    int64_t Si0 = 0;
+                    for (; Si0 + DG_LANES * DG_PEND <= Full; Si0 += DG_LANES * DG_PEND) {
+                        for (int J = 0; J < DG_LANES; ++J) {
+                            DG_INDEPENDENT
+                            for (int64_t Gi = 0; Gi < W; ++Gi) {
+                                const int64_t Ch = Gb + Gi;
+                                double A_Sum_mean = Lane_Sum_mean[J * W + Gi];
+                                DG_UNROLL(DG_PEND)
+                                for (int K = 0; K < DG_PEND; ++K) {
+                                    const int64_t Idx = (Ob * S + Si0 + K * DG_LANES + J) * C + Ch;
+                                    (void)Idx;
+                                    const double Xv = x[Idx];
+                                    A_Sum_mean += Xv;
+                                }
+                                Lane_Sum_mean[J * W + Gi] = A_Sum_mean;
+                            }
+
+                        }
+                    }
+                    for (int64_t Si = Si0; Si < S; ++Si) {
                         const int J = Si < Full ? (int)(Si % DG_LANES) : 0;   /* the rest: lane 0 */
                         const int64_t Row = (Ob * S + Si) * C;
                         (void)J;
@@ -4724,7 +4868,29 @@ const int64_t Full = S - S % DG_LANES;          /* positions past it go to lane 
                     const int64_t W = G - Gb < DG_NHWC_GROUPS ? G - Gb : DG_NHWC_GROUPS;
                     double Lane_Sum_var[DG_LANES * DG_NHWC_GROUPS];     /* [lane][channel], dense for this W */
                     memset(Lane_Sum_var, 0, (size_t)(DG_LANES * W) * sizeof(double));
-                    for (int64_t Si = 0; Si < S; ++Si) {
+                    /* whole chunks of DG_LANES * DG_PEND positions lane by lane, the sums in
+                       registers; then the rest row by row, as the NCHW kernels' lanes take them */
+                    int64_t Si0 = 0;
+                    for (; Si0 + DG_LANES * DG_PEND <= Full; Si0 += DG_LANES * DG_PEND) {
+                        for (int J = 0; J < DG_LANES; ++J) {
+                            DG_INDEPENDENT
+                            for (int64_t Gi = 0; Gi < W; ++Gi) {
+                                const int64_t Ch = Gb + Gi;
+                                const double mean = Gv_mean[Ch];
+                                double A_Sum_var = Lane_Sum_var[J * W + Gi];
+                                DG_UNROLL(DG_PEND)
+                                for (int K = 0; K < DG_PEND; ++K) {
+                                    const int64_t Idx = (Ob * S + Si0 + K * DG_LANES + J) * C + Ch;
+                                    (void)Idx;
+                                    const double Xv = x[Idx];
+                                    A_Sum_var += ((Xv - mean)*(Xv - mean));
+                                }
+                                Lane_Sum_var[J * W + Gi] = A_Sum_var;
+                            }
+
+                        }
+                    }
+                    for (int64_t Si = Si0; Si < S; ++Si) {
                         const int J = Si < Full ? (int)(Si % DG_LANES) : 0;   /* the rest: lane 0 */
                         const int64_t Row = (Ob * S + Si) * C;
                         (void)J;
@@ -4943,7 +5109,37 @@ const int64_t Full = S - S % DG_LANES;          /* positions past it go to lane 
                     memset(Lane_Sum_g, 0, (size_t)(DG_LANES * W) * sizeof(double));
                     double Lane_Sum_g_xhat[DG_LANES * DG_NHWC_GROUPS];     /* [lane][channel], dense for this W */
                     memset(Lane_Sum_g_xhat, 0, (size_t)(DG_LANES * W) * sizeof(double));
-                    for (int64_t Si = 0; Si < S; ++Si) {
+                    /* whole chunks of DG_LANES * DG_PEND positions lane by lane, the sums in
+                       registers; then the rest row by row, as the NCHW kernels' lanes take them */
+                    int64_t Si0 = 0;
+                    for (; Si0 + DG_LANES * DG_PEND <= Full; Si0 += DG_LANES * DG_PEND) {
+                        for (int J = 0; J < DG_LANES; ++J) {
+                            DG_INDEPENDENT
+                            for (int64_t Gi = 0; Gi < W; ++Gi) {
+                                const int64_t Ch = Gb + Gi;
+                                const double mean = Gv_mean[Ch];
+                                const double rstd = Gv_rstd[Ch];
+                                const double gamma_V = gamma[Ch];
+                                double A_Sum_g = Lane_Sum_g[J * W + Gi];
+                                double A_Sum_g_xhat = Lane_Sum_g_xhat[J * W + Gi];
+                                DG_UNROLL(DG_PEND)
+                                for (int K = 0; K < DG_PEND; ++K) {
+                                    const int64_t Idx = (Ob * S + Si0 + K * DG_LANES + J) * C + Ch;
+                                    (void)Idx;
+                                    const double Xv = x[Idx];
+                                    const double Dyv = dy[Idx];
+                                    const double xhat = rstd*(Xv - mean);
+                                    const double g = Dyv*gamma_V;
+                                    A_Sum_g += g;
+                                    A_Sum_g_xhat += g*xhat;
+                                }
+                                Lane_Sum_g[J * W + Gi] = A_Sum_g;
+                                Lane_Sum_g_xhat[J * W + Gi] = A_Sum_g_xhat;
+                            }
+
+                        }
+                    }
+                    for (int64_t Si = Si0; Si < S; ++Si) {
                         const int J = Si < Full ? (int)(Si % DG_LANES) : 0;   /* the rest: lane 0 */
                         const int64_t Row = (Ob * S + Si) * C;
                         (void)J;
@@ -5022,7 +5218,49 @@ const int64_t Full = S - S % DG_LANES;          /* positions past it go to lane 
                     memset(Lane_p0, 0, (size_t)(DG_LANES * W) * sizeof(double));
                     double Lane_p1[DG_LANES * DG_NHWC_GROUPS];
                     memset(Lane_p1, 0, (size_t)(DG_LANES * W) * sizeof(double));
-                    for (int64_t Si = 0; Si < S; ++Si) {
+                    /* whole chunks of DG_LANES * DG_PEND positions lane by lane, the sums in
+                       registers; then the rest row by row, as the NCHW kernels' lanes take them */
+                    int64_t Si0 = 0;
+                    for (; Si0 + DG_LANES * DG_PEND <= Full; Si0 += DG_LANES * DG_PEND) {
+                        for (int J = 0; J < DG_LANES; ++J) {
+                            double Lt_dx[DG_PEND][DG_NHWC_GROUPS];     /* the lane's rows' outputs, streamed out below */
+                            DG_INDEPENDENT
+                            for (int64_t Gi = 0; Gi < W; ++Gi) {
+                                const int64_t Ch = Gb + Gi;
+                                const double mean = Gv_mean[Ch];
+                                const double rstd = Gv_rstd[Ch];
+                                const double K_1 = Gv_K_1[Ch];
+                                const double K_g = Gv_K_g[Ch];
+                                const double K_xhat = Gv_K_xhat[Ch];
+                                const double gamma_V = gamma[Ch];
+                                double A_p0 = Lane_p0[J * W + Gi];
+                                double A_p1 = Lane_p1[J * W + Gi];
+                                DG_UNROLL(DG_PEND)
+                                for (int K = 0; K < DG_PEND; ++K) {
+                                    const int64_t Idx = (Ob * S + Si0 + K * DG_LANES + J) * C + Ch;
+                                    (void)Idx;
+                                    const double Xv = x[Idx];
+                                    const double Dyv = dy[Idx];
+                                    const double xhat = rstd*(Xv - mean);
+                                    const double g = Dyv*gamma_V;
+                                    Lt_dx[K][Gi] = (double)(K_g*g + K_xhat*xhat + K_1);
+                                    A_p0 += Dyv*xhat;
+                                    A_p1 += Dyv;
+                                }
+                                Lane_p0[J * W + Gi] = A_p0;
+                                Lane_p1[J * W + Gi] = A_p1;
+                            }
+                            for (int K = 0; K < DG_PEND; ++K) {
+                                double *restrict Dst = dx + (Ob * S + Si0 + K * DG_LANES + J) * C + Gb;
+                                if (Out_Stream)
+                                    Dg_stream_double(Dst, Lt_dx[K], W);
+                                else
+                                    memcpy(Dst, Lt_dx[K], (size_t)W * sizeof(double));
+                            }
+
+                        }
+                    }
+                    for (int64_t Si = Si0; Si < S; ++Si) {
                         const int J = Si < Full ? (int)(Si % DG_LANES) : 0;   /* the rest: lane 0 */
                         const int64_t Row = (Ob * S + Si) * C;
                         (void)J;
@@ -5818,7 +6056,28 @@ const int64_t Full = S - S % DG_LANES;          /* positions past it go to lane 
                     const int64_t W = G - Gb < DG_NHWC_GROUPS ? G - Gb : DG_NHWC_GROUPS;
                     double Lane_Sum_mean[DG_LANES * DG_NHWC_GROUPS];     /* [lane][channel], dense for this W */
                     memset(Lane_Sum_mean, 0, (size_t)(DG_LANES * W) * sizeof(double));
-                    for (int64_t Si = 0; Si < S; ++Si) {
+                    /* whole chunks of DG_LANES * DG_PEND positions lane by lane, the sums in
+                       registers; then the rest row by row, as the NCHW kernels' lanes take them */
+                    int64_t Si0 = 0;
+                    for (; Si0 + DG_LANES * DG_PEND <= Full; Si0 += DG_LANES * DG_PEND) {
+                        for (int J = 0; J < DG_LANES; ++J) {
+                            DG_INDEPENDENT
+                            for (int64_t Gi = 0; Gi < W; ++Gi) {
+                                const int64_t Ch = Gb + Gi;
+                                double A_Sum_mean = Lane_Sum_mean[J * W + Gi];
+                                DG_UNROLL(DG_PEND)
+                                for (int K = 0; K < DG_PEND; ++K) {
+                                    const int64_t Idx = (Ob * S + Si0 + K * DG_LANES + J) * C + Ch;
+                                    (void)Idx;
+                                    const double Xv = (double)Dg_from_bf16(x[Idx]);
+                                    A_Sum_mean += Xv;
+                                }
+                                Lane_Sum_mean[J * W + Gi] = A_Sum_mean;
+                            }
+
+                        }
+                    }
+                    for (int64_t Si = Si0; Si < S; ++Si) {
                         const int J = Si < Full ? (int)(Si % DG_LANES) : 0;   /* the rest: lane 0 */
                         const int64_t Row = (Ob * S + Si) * C;
                         (void)J;
@@ -5860,7 +6119,29 @@ const int64_t Full = S - S % DG_LANES;          /* positions past it go to lane 
                     const int64_t W = G - Gb < DG_NHWC_GROUPS ? G - Gb : DG_NHWC_GROUPS;
                     double Lane_Sum_var[DG_LANES * DG_NHWC_GROUPS];     /* [lane][channel], dense for this W */
                     memset(Lane_Sum_var, 0, (size_t)(DG_LANES * W) * sizeof(double));
-                    for (int64_t Si = 0; Si < S; ++Si) {
+                    /* whole chunks of DG_LANES * DG_PEND positions lane by lane, the sums in
+                       registers; then the rest row by row, as the NCHW kernels' lanes take them */
+                    int64_t Si0 = 0;
+                    for (; Si0 + DG_LANES * DG_PEND <= Full; Si0 += DG_LANES * DG_PEND) {
+                        for (int J = 0; J < DG_LANES; ++J) {
+                            DG_INDEPENDENT
+                            for (int64_t Gi = 0; Gi < W; ++Gi) {
+                                const int64_t Ch = Gb + Gi;
+                                const double mean = Gv_mean[Ch];
+                                double A_Sum_var = Lane_Sum_var[J * W + Gi];
+                                DG_UNROLL(DG_PEND)
+                                for (int K = 0; K < DG_PEND; ++K) {
+                                    const int64_t Idx = (Ob * S + Si0 + K * DG_LANES + J) * C + Ch;
+                                    (void)Idx;
+                                    const double Xv = (double)Dg_from_bf16(x[Idx]);
+                                    A_Sum_var += ((Xv - mean)*(Xv - mean));
+                                }
+                                Lane_Sum_var[J * W + Gi] = A_Sum_var;
+                            }
+
+                        }
+                    }
+                    for (int64_t Si = Si0; Si < S; ++Si) {
                         const int J = Si < Full ? (int)(Si % DG_LANES) : 0;   /* the rest: lane 0 */
                         const int64_t Row = (Ob * S + Si) * C;
                         (void)J;
@@ -6127,7 +6408,38 @@ const int64_t Full = S - S % DG_LANES;          /* positions past it go to lane 
                     memset(Lane_Sum_g, 0, (size_t)(DG_LANES * W) * sizeof(double));
                     double Lane_Sum_g_xhat[DG_LANES * DG_NHWC_GROUPS];     /* [lane][channel], dense for this W */
                     memset(Lane_Sum_g_xhat, 0, (size_t)(DG_LANES * W) * sizeof(double));
-                    for (int64_t Si = 0; Si < S; ++Si) {
+                    /* whole chunks of DG_LANES * DG_PEND positions lane by lane, the sums in
+                       registers; then the rest row by row, as the NCHW kernels' lanes take them */
+                    int64_t Si0 = 0;
+                    for (; Si0 + DG_LANES * DG_PEND <= Full; Si0 += DG_LANES * DG_PEND) {
+                        for (int J = 0; J < DG_LANES; ++J) {
+                            DG_INDEPENDENT
+                            for (int64_t Gi = 0; Gi < W; ++Gi) {
+                                const int64_t Ch = Gb + Gi;
+                                const float H0_hi = PvR_H0_hi[Ch];
+                                const float H0_lo = PvR_H0_lo[Ch];
+                                const float rstd_F = PvR_rstd_F[Ch];
+                                const float gamma_V = Dg_from_bf16(gamma[Ch]);
+                                double A_Sum_g = Lane_Sum_g[J * W + Gi];
+                                double A_Sum_g_xhat = Lane_Sum_g_xhat[J * W + Gi];
+                                DG_UNROLL(DG_PEND)
+                                for (int K = 0; K < DG_PEND; ++K) {
+                                    const int64_t Idx = (Ob * S + Si0 + K * DG_LANES + J) * C + Ch;
+                                    (void)Idx;
+                                    const float Xv = Dg_from_bf16(x[Idx]);
+                                    const float Dyv = Dg_from_bf16(dy[Idx]);
+                                    const float xhat = rstd_F*((Xv + H0_hi + H0_lo));
+                                    const float g = Dyv*gamma_V;
+                                    A_Sum_g += ((double)g);
+                                    A_Sum_g_xhat += ((double)g)*((double)xhat);
+                                }
+                                Lane_Sum_g[J * W + Gi] = A_Sum_g;
+                                Lane_Sum_g_xhat[J * W + Gi] = A_Sum_g_xhat;
+                            }
+
+                        }
+                    }
+                    for (int64_t Si = Si0; Si < S; ++Si) {
                         const int J = Si < Full ? (int)(Si % DG_LANES) : 0;   /* the rest: lane 0 */
                         const int64_t Row = (Ob * S + Si) * C;
                         (void)J;
@@ -6217,7 +6529,56 @@ const int64_t Full = S - S % DG_LANES;          /* positions past it go to lane 
                     memset(Lane_f0, 0, (size_t)(DG_LANES * W) * sizeof(float));
                     float Lane_f1[DG_LANES * DG_NHWC_GROUPS];
                     memset(Lane_f1, 0, (size_t)(DG_LANES * W) * sizeof(float));
-                    for (int64_t Si = 0; Si < S; ++Si) {
+                    /* whole chunks of DG_LANES * DG_PEND positions lane by lane, the sums in
+                       registers; then the rest row by row, as the NCHW kernels' lanes take them */
+                    int64_t Si0 = 0;
+                    for (; Si0 + DG_LANES * DG_PEND <= Full; Si0 += DG_LANES * DG_PEND) {
+                        for (int J = 0; J < DG_LANES; ++J) {
+                            dg_bf16 Lt_dx[DG_PEND][DG_NHWC_GROUPS];     /* the lane's rows' outputs, streamed out below */
+                            DG_INDEPENDENT
+                            for (int64_t Gi = 0; Gi < W; ++Gi) {
+                                const int64_t Ch = Gb + Gi;
+                                const float H0_hi = PvF_H0_hi[Ch];
+                                const float H0_lo = PvF_H0_lo[Ch];
+                                const float H1_hi = PvF_H1_hi[Ch];
+                                const float H1_lo = PvF_H1_lo[Ch];
+                                const float Mean_g_xhat_F = PvF_Mean_g_xhat_F[Ch];
+                                const float rstd_F = PvF_rstd_F[Ch];
+                                const float gamma_V = Dg_from_bf16(gamma[Ch]);
+                                float A_f0 = Lane_f0[J * W + Gi];
+                                float A_f1 = Lane_f1[J * W + Gi];
+                                DG_UNROLL(DG_PEND)
+                                for (int K = 0; K < DG_PEND; ++K) {
+                                    const int64_t Idx = (Ob * S + Si0 + K * DG_LANES + J) * C + Ch;
+                                    (void)Idx;
+                                    const float Xv = Dg_from_bf16(x[Idx]);
+                                    const float Dyv = Dg_from_bf16(dy[Idx]);
+                                    const float xhat = rstd_F*((Xv + H0_hi + H0_lo));
+                                    const float g = Dyv*gamma_V;
+                                    Lt_dx[K][Gi] = Dg_to_bf16((float)(rstd_F*((g - Mean_g_xhat_F*xhat + H1_hi + H1_lo))));
+                                    A_f0 += Dyv*xhat;
+                                    A_f1 += Dyv;
+                                }
+                                Lane_f0[J * W + Gi] = A_f0;
+                                Lane_f1[J * W + Gi] = A_f1;
+                            }
+                            for (int K = 0; K < DG_PEND; ++K) {
+                                dg_bf16 *restrict Dst = dx + (Ob * S + Si0 + K * DG_LANES + J) * C + Gb;
+                                if (Out_Stream)
+                                    Dg_stream_dg_bf16(Dst, Lt_dx[K], W);
+                                else
+                                    memcpy(Dst, Lt_dx[K], (size_t)W * sizeof(dg_bf16));
+                            }
+
+                        }
+                        for (int64_t Q = 0; Q < DG_LANES * W; ++Q) {
+                            Lane_p0[Q] += (double)Lane_f0[Q];
+                            Lane_f0[Q] = 0;
+                            Lane_p1[Q] += (double)Lane_f1[Q];
+                            Lane_f1[Q] = 0;
+                        }
+                    }
+                    for (int64_t Si = Si0; Si < S; ++Si) {
                         const int J = Si < Full ? (int)(Si % DG_LANES) : 0;   /* the rest: lane 0 */
                         const int64_t Row = (Ob * S + Si) * C;
                         (void)J;
@@ -7350,7 +7711,53 @@ const int64_t Full = S - S % DG_LANES;          /* positions past it go to lane 
                     memset(Lane_f0, 0, (size_t)(DG_LANES * W) * sizeof(float));
                     float Lane_f1[DG_LANES * DG_NHWC_GROUPS];
                     memset(Lane_f1, 0, (size_t)(DG_LANES * W) * sizeof(float));
-                    for (int64_t Si = 0; Si < S; ++Si) {
+                    /* whole chunks of DG_LANES * DG_PEND positions lane by lane, the sums in
+                       registers; then the rest row by row, as the NCHW kernels' lanes take them */
+                    int64_t Si0 = 0;
+                    for (; Si0 + DG_LANES * DG_PEND <= Full; Si0 += DG_LANES * DG_PEND) {
+                        for (int J = 0; J < DG_LANES; ++J) {
+                            float Lt_dx[DG_PEND][DG_NHWC_GROUPS];     /* the lane's rows' outputs, streamed out below */
+                            DG_INDEPENDENT
+                            for (int64_t Gi = 0; Gi < W; ++Gi) {
+                                const int64_t Ch = Gb + Gi;
+                                const float H0_hi = PvF_H0_hi[Ch];
+                                const float H0_lo = PvF_H0_lo[Ch];
+                                const float rstd_F = PvF_rstd_F[Ch];
+                                const float gamma_V = gamma[Ch];
+                                float A_f0 = Lane_f0[J * W + Gi];
+                                float A_f1 = Lane_f1[J * W + Gi];
+                                DG_UNROLL(DG_PEND)
+                                for (int K = 0; K < DG_PEND; ++K) {
+                                    const int64_t Idx = (Ob * S + Si0 + K * DG_LANES + J) * C + Ch;
+                                    (void)Idx;
+                                    const float Xv = x[Idx];
+                                    const float Dyv = dy[Idx];
+                                    const float xhat = rstd_F*((Xv + H0_hi + H0_lo));
+                                    const float g = Dyv*gamma_V;
+                                    Lt_dx[K][Gi] = (float)(g*rstd_F);
+                                    A_f0 += Dyv*xhat;
+                                    A_f1 += Dyv;
+                                }
+                                Lane_f0[J * W + Gi] = A_f0;
+                                Lane_f1[J * W + Gi] = A_f1;
+                            }
+                            for (int K = 0; K < DG_PEND; ++K) {
+                                float *restrict Dst = dx + (Ob * S + Si0 + K * DG_LANES + J) * C + Gb;
+                                if (Out_Stream)
+                                    Dg_stream_float(Dst, Lt_dx[K], W);
+                                else
+                                    memcpy(Dst, Lt_dx[K], (size_t)W * sizeof(float));
+                            }
+
+                        }
+                        for (int64_t Q = 0; Q < DG_LANES * W; ++Q) {
+                            Lane_p0[Q] += (double)Lane_f0[Q];
+                            Lane_f0[Q] = 0;
+                            Lane_p1[Q] += (double)Lane_f1[Q];
+                            Lane_f1[Q] = 0;
+                        }
+                    }
+                    for (int64_t Si = Si0; Si < S; ++Si) {
                         const int J = Si < Full ? (int)(Si % DG_LANES) : 0;   /* the rest: lane 0 */
                         const int64_t Row = (Ob * S + Si) * C;
                         (void)J;
@@ -8405,7 +8812,47 @@ const int64_t Full = S - S % DG_LANES;          /* positions past it go to lane 
                     memset(Lane_p0, 0, (size_t)(DG_LANES * W) * sizeof(double));
                     double Lane_p1[DG_LANES * DG_NHWC_GROUPS];
                     memset(Lane_p1, 0, (size_t)(DG_LANES * W) * sizeof(double));
-                    for (int64_t Si = 0; Si < S; ++Si) {
+                    /* whole chunks of DG_LANES * DG_PEND positions lane by lane, the sums in
+                       registers; then the rest row by row, as the NCHW kernels' lanes take them */
+                    int64_t Si0 = 0;
+                    for (; Si0 + DG_LANES * DG_PEND <= Full; Si0 += DG_LANES * DG_PEND) {
+                        for (int J = 0; J < DG_LANES; ++J) {
+                            double Lt_dx[DG_PEND][DG_NHWC_GROUPS];     /* the lane's rows' outputs, streamed out below */
+                            DG_INDEPENDENT
+                            for (int64_t Gi = 0; Gi < W; ++Gi) {
+                                const int64_t Ch = Gb + Gi;
+                                const double mean = Gv_mean[Ch];
+                                const double rstd = Gv_rstd[Ch];
+                                const double K_g = Gv_K_g[Ch];
+                                const double gamma_V = gamma[Ch];
+                                double A_p0 = Lane_p0[J * W + Gi];
+                                double A_p1 = Lane_p1[J * W + Gi];
+                                DG_UNROLL(DG_PEND)
+                                for (int K = 0; K < DG_PEND; ++K) {
+                                    const int64_t Idx = (Ob * S + Si0 + K * DG_LANES + J) * C + Ch;
+                                    (void)Idx;
+                                    const double Xv = x[Idx];
+                                    const double Dyv = dy[Idx];
+                                    const double xhat = rstd*(Xv - mean);
+                                    const double g = Dyv*gamma_V;
+                                    Lt_dx[K][Gi] = (double)(K_g*g);
+                                    A_p0 += Dyv*xhat;
+                                    A_p1 += Dyv;
+                                }
+                                Lane_p0[J * W + Gi] = A_p0;
+                                Lane_p1[J * W + Gi] = A_p1;
+                            }
+                            for (int K = 0; K < DG_PEND; ++K) {
+                                double *restrict Dst = dx + (Ob * S + Si0 + K * DG_LANES + J) * C + Gb;
+                                if (Out_Stream)
+                                    Dg_stream_double(Dst, Lt_dx[K], W);
+                                else
+                                    memcpy(Dst, Lt_dx[K], (size_t)W * sizeof(double));
+                            }
+
+                        }
+                    }
+                    for (int64_t Si = Si0; Si < S; ++Si) {
                         const int J = Si < Full ? (int)(Si % DG_LANES) : 0;   /* the rest: lane 0 */
                         const int64_t Row = (Ob * S + Si) * C;
                         (void)J;
@@ -9192,7 +9639,53 @@ const int64_t Full = S - S % DG_LANES;          /* positions past it go to lane 
                     memset(Lane_f0, 0, (size_t)(DG_LANES * W) * sizeof(float));
                     float Lane_f1[DG_LANES * DG_NHWC_GROUPS];
                     memset(Lane_f1, 0, (size_t)(DG_LANES * W) * sizeof(float));
-                    for (int64_t Si = 0; Si < S; ++Si) {
+                    /* whole chunks of DG_LANES * DG_PEND positions lane by lane, the sums in
+                       registers; then the rest row by row, as the NCHW kernels' lanes take them */
+                    int64_t Si0 = 0;
+                    for (; Si0 + DG_LANES * DG_PEND <= Full; Si0 += DG_LANES * DG_PEND) {
+                        for (int J = 0; J < DG_LANES; ++J) {
+                            dg_bf16 Lt_dx[DG_PEND][DG_NHWC_GROUPS];     /* the lane's rows' outputs, streamed out below */
+                            DG_INDEPENDENT
+                            for (int64_t Gi = 0; Gi < W; ++Gi) {
+                                const int64_t Ch = Gb + Gi;
+                                const float H0_hi = PvF_H0_hi[Ch];
+                                const float H0_lo = PvF_H0_lo[Ch];
+                                const float rstd_F = PvF_rstd_F[Ch];
+                                const float gamma_V = Dg_from_bf16(gamma[Ch]);
+                                float A_f0 = Lane_f0[J * W + Gi];
+                                float A_f1 = Lane_f1[J * W + Gi];
+                                DG_UNROLL(DG_PEND)
+                                for (int K = 0; K < DG_PEND; ++K) {
+                                    const int64_t Idx = (Ob * S + Si0 + K * DG_LANES + J) * C + Ch;
+                                    (void)Idx;
+                                    const float Xv = Dg_from_bf16(x[Idx]);
+                                    const float Dyv = Dg_from_bf16(dy[Idx]);
+                                    const float xhat = rstd_F*((Xv + H0_hi + H0_lo));
+                                    const float g = Dyv*gamma_V;
+                                    Lt_dx[K][Gi] = Dg_to_bf16((float)(g*rstd_F));
+                                    A_f0 += Dyv*xhat;
+                                    A_f1 += Dyv;
+                                }
+                                Lane_f0[J * W + Gi] = A_f0;
+                                Lane_f1[J * W + Gi] = A_f1;
+                            }
+                            for (int K = 0; K < DG_PEND; ++K) {
+                                dg_bf16 *restrict Dst = dx + (Ob * S + Si0 + K * DG_LANES + J) * C + Gb;
+                                if (Out_Stream)
+                                    Dg_stream_dg_bf16(Dst, Lt_dx[K], W);
+                                else
+                                    memcpy(Dst, Lt_dx[K], (size_t)W * sizeof(dg_bf16));
+                            }
+
+                        }
+                        for (int64_t Q = 0; Q < DG_LANES * W; ++Q) {
+                            Lane_p0[Q] += (double)Lane_f0[Q];
+                            Lane_f0[Q] = 0;
+                            Lane_p1[Q] += (double)Lane_f1[Q];
+                            Lane_f1[Q] = 0;
+                        }
+                    }
+                    for (int64_t Si = Si0; Si < S; ++Si) {
                         const int J = Si < Full ? (int)(Si % DG_LANES) : 0;   /* the rest: lane 0 */
                         const int64_t Row = (Ob * S + Si) * C;
                         (void)J;

@@ -450,25 +450,39 @@ def test_channels_last_is_bit_for_bit_the_contiguous_result(name, make, dtype):
     kernels' 32 lanes, and past the DG_PEND lane blocks a float parameter lane holds (17x19:
     ten blocks and a rest)."""
     for shape in ((3, 6, 5, 4), (2, 6, 8, 8), (2, 6, 7, 9), (2, 6, 17, 19)) if "3d" not in name else ((2, 6, 3, 4, 5),):
-        m = dt.convert(make()).to(dtype)
-        _randomize(m, 11)
-        m2 = copy.deepcopy(m)
-        fmt = torch.channels_last if len(shape) == 4 else torch.channels_last_3d
-        g = torch.Generator().manual_seed(12)
-        x = (torch.randn(shape, generator=g) * 2 + 1).to(dtype)
-        dy = torch.randn(shape, generator=g).to(dtype)
-        xc = x.contiguous(memory_format=fmt).requires_grad_(True)
-        xn = x.clone().requires_grad_(True)
-        yc, yn = m(xc), m2(xn)
-        assert yc.is_contiguous(memory_format=fmt) and not yc.is_contiguous()
-        assert torch.equal(yc, yn)
-        gc = torch.autograd.grad(yc, [xc, *m.parameters()], dy)
-        gn = torch.autograd.grad(yn, [xn, *m2.parameters()], dy)
-        assert gc[0].is_contiguous(memory_format=fmt)
-        for a, b in zip(gc, gn):
-            assert torch.equal(a, b)
-        for a, b in zip(m.buffers(), m2.buffers()):
-            assert torch.equal(a, b)
+        _same_bits_in_both_formats(make, shape, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=["f32", "f64", "bf16"])
+def test_channels_last_batch_norm_lane_by_lane_is_the_contiguous_result(dtype):
+    """Batch norm's channels-last sums take whole chunks of 256 positions lane by lane (the sums
+    in registers) and the rest row by row: with more channels than one block of 64 (70: 64 and
+    6), one and two whole chunks and rests of rows and of positions past the last whole lane
+    block, the bits are the contiguous kernels'."""
+    for shape in ((2, 70, 16, 17), (3, 70, 23, 23), (1, 130, 16, 16)):
+        _same_bits_in_both_formats(lambda c=shape[1]: nn.BatchNorm2d(c), shape, dtype)
+
+
+def _same_bits_in_both_formats(make, shape, dtype):
+    m = dt.convert(make()).to(dtype)
+    _randomize(m, 11)
+    m2 = copy.deepcopy(m)
+    fmt = torch.channels_last if len(shape) == 4 else torch.channels_last_3d
+    g = torch.Generator().manual_seed(12)
+    x = (torch.randn(shape, generator=g) * 2 + 1).to(dtype)
+    dy = torch.randn(shape, generator=g).to(dtype)
+    xc = x.contiguous(memory_format=fmt).requires_grad_(True)
+    xn = x.clone().requires_grad_(True)
+    yc, yn = m(xc), m2(xn)
+    assert yc.is_contiguous(memory_format=fmt) and not yc.is_contiguous()
+    assert torch.equal(yc, yn)
+    gc = torch.autograd.grad(yc, [xc, *m.parameters()], dy)
+    gn = torch.autograd.grad(yn, [xn, *m2.parameters()], dy)
+    assert gc[0].is_contiguous(memory_format=fmt)
+    for a, b in zip(gc, gn):
+        assert torch.equal(a, b)
+    for a, b in zip(m.buffers(), m2.buffers()):
+        assert torch.equal(a, b)
 
 
 def test_channels_last_operators_opcheck():

@@ -7,6 +7,7 @@ float32 to 1e-4, relative to the largest reference value)."""
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -534,6 +535,46 @@ def test_zoo_layer_as_a_torch_module(name):
             with torch.no_grad():  # the running buffers as the next mode's reference has them
                 for b, v in before.items():
                     getattr(module, b).copy_(v)
+
+
+BATCH_NHWC = sorted(
+    n
+    for n in CASES
+    if (sp := derivgen.load_spec(n)).layout == "channels" and sp.reduce == "batch" and not block_layer(sp)
+)
+
+
+@pytest.mark.parametrize("name", BATCH_NHWC)
+def test_zoo_batch_layer_channels_last_is_the_contiguous_result(name):
+    """A batch-reduced zoo layer's channels-last kernels (their sums lane by lane over whole
+    chunks of 256 positions, the rest row by row) give the NCHW kernels' bits, float32, in
+    every mode: 70 channels (a block of 64 and 6), 272 and 529 positions."""
+    import derivgen.torch as dt
+
+    prob = Problem(name, seed=3)
+    assert not prob.inputs  # none of them takes inputs; a layer that does needs them here
+    for shape in ((2, 70, 16, 17), (3, 70, 23, 23)):
+        rng = np.random.default_rng(4)
+        module = dt.Module(name, shape[1], **prob.layout_options)
+        with torch.no_grad():
+            for pname in prob.params:
+                par = getattr(module, pname)
+                par.copy_(torch.as_tensor(rng.normal(size=par.shape) * 0.3 + 1.0))
+        twin = copy.deepcopy(module)
+        x = torch.as_tensor(rng.normal(size=shape) * prob.case.scale + 0.5, dtype=torch.float32)
+        dy = torch.as_tensor(rng.normal(size=shape), dtype=torch.float32)
+        for training in _modes(prob.spec):
+            module.train(training), twin.train(training)
+            xl = x.contiguous(memory_format=torch.channels_last).requires_grad_()
+            xn = x.clone().requires_grad_()
+            yl, yn = module(xl), twin(xn)
+            assert yl.is_contiguous(memory_format=torch.channels_last) and torch.equal(yl, yn), f"{name} y"
+            gl = torch.autograd.grad(yl, [xl, *module.parameters()], dy)
+            gn = torch.autograd.grad(yn, [xn, *twin.parameters()], dy)
+            for a, b in zip(gl, gn):
+                assert torch.equal(a, b), f"{name} gradients"
+            for a, b in zip(module.buffers(), twin.buffers()):
+                assert torch.equal(a, b), f"{name} buffers"
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
