@@ -18,7 +18,8 @@ uses for its locals.
 ``run(text)`` parses, derives, proves at N = 2, 3, generates NumPy and C,
 compiles the C (a compiler warning fails the spec, as ``-Werror`` would), and checks both
 backends in float32 and float64 against float64 finite differences and each
-other (:func:`derivgen.tools.check.check_layer`).
+other (:func:`derivgen.tools.check.check_layer`); a channel layout's channels-last
+kernels must give its NCHW kernels' bits (:func:`channels_last_mismatches`).
 
     python tests/specfuzz.py --seeds 0-1999 --jobs 2      # the larger corpus (make fuzz)
     python tests/specfuzz.py --seed 17 --show             # one spec, printed
@@ -27,6 +28,7 @@ other (:func:`derivgen.tools.check.check_layer`).
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import random
 import sys
@@ -472,6 +474,8 @@ def run(text: str, seed: int = -1, prove_sizes=(2, 3)) -> Result:
             if "FAILED" in statuses
             else ("checked numerically" if "checked numerically" in statuses else "proven")
         )
+        checked = seed < 0 or seed % CHANNELS_LAST_EVERY == 0
+        bad3 = channels_last_mismatches(spec) if checked else []
         bad = [r for r in rows if r.failed]
         fail = "; ".join(
             [
@@ -480,10 +484,11 @@ def run(text: str, seed: int = -1, prove_sizes=(2, 3)) -> Result:
                 for r in bad
             ]
             + bad2
+            + bad3
         )
         return Result(
             seed,
-            not bad and not bad2,
+            not bad and not bad2 and not bad3,
             proof,
             max(len(m.reductions) for m in d.modes.values()),
             time.perf_counter() - t0,
@@ -496,10 +501,62 @@ def run(text: str, seed: int = -1, prove_sizes=(2, 3)) -> Result:
         return Result(seed, False, "", 0, time.perf_counter() - t0, tb[:2000])
 
 
+def channels_last_mismatches(spec) -> list[str]:
+    """Where a channel layout's channels-last kernels (derivgen.torch on a channels_last tensor)
+    and its NCHW kernels (on the contiguous tensor) differ in any bit: y, the gradients of x and
+    the parameters, the running buffers; float32, float64 and bfloat16, every mode, at 70
+    channels (a block of 64 channels and 6) and 272 positions (a whole chunk of 256 that the
+    batch layouts' sums take lane by lane, and a rest). Needs torch: without it the check is
+    left out, except under CI=true, where that is a failure."""
+    import importlib.util
+
+    if spec.layout != "channels" or spec.inputs or (spec.buffers and spec.reduce != "batch"):
+        return []  # no channels-last kernels, or no derivgen.torch module (inputs, such buffers)
+    if importlib.util.find_spec("torch") is None:
+        if os.environ.get("CI") == "true":
+            raise RuntimeError("the channels-last check needs torch (the test extra) under CI=true")
+        return []
+    import torch
+
+    import derivgen.torch as dt
+    from derivgen.tools.check import case_options
+
+    shape = (2, 70, 16, 17)
+    groups = 5 if spec.reduce == "group" else None
+    opts = {k: v for k, v in case_options(spec, spec.modes[0].name).items() if k != "training"}
+    bad = []
+    for dtype in (torch.float32, torch.float64, torch.bfloat16):
+        gen = torch.Generator().manual_seed(3)
+        m = dt.Module(spec, shape[1], num_groups=groups, dtype=dtype, **opts)
+        with torch.no_grad():
+            for par in m.parameters():
+                par.copy_(torch.randn(par.shape, generator=gen) * 0.3 + 1.0)
+        twin = copy.deepcopy(m)
+        x = (torch.randn(shape, generator=gen) * 2 + 0.5).to(dtype)
+        dy = torch.randn(shape, generator=gen).to(dtype)
+        for mode in spec.modes:
+            m.train(mode.name == "train"), twin.train(mode.name == "train")
+            xl = x.contiguous(memory_format=torch.channels_last).requires_grad_()
+            xn = x.clone().requires_grad_()
+            yl, yn = m(xl), twin(xn)
+            gl = torch.autograd.grad(yl, [xl, *m.parameters()], dy, allow_unused=True)
+            gn = torch.autograd.grad(yn, [xn, *twin.parameters()], dy, allow_unused=True)
+            same = [torch.equal(yl, yn)] + [
+                (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
+                for a, b in zip(gl, gn)
+            ]
+            same += [torch.equal(a, b) for a, b in zip(m.buffers(), twin.buffers())]
+            if not all(same):
+                bad.append(f"{mode.name} channels-last {dtype}: not the NCHW bits ({same})")
+    return bad
+
+
 SECONDS = 120  # one spec's whole pipeline; longer is a finding too
 # the second order's brute-force proof: every k-th seed, at these sizes (its checks against
 # finite differences and the other backend run for every seed, in check_layer)
 SECOND_ORDER = (1, (2, 3))
+# the channels-last kernels against the NCHW ones (channels_last_mismatches): every k-th seed
+CHANNELS_LAST_EVERY = 1
 
 
 class _Timeout(Exception):
@@ -529,7 +586,7 @@ def _run_seed(seed: int) -> Result:
         signal.signal(signal.SIGALRM, old)
 
 
-def _init_worker(proof_seconds: float, second_order=None):
+def _init_worker(proof_seconds: float, second_order=None, channels_last_every=None):
     import warnings
 
     import derivgen.prove.proof
@@ -537,9 +594,11 @@ def _init_worker(proof_seconds: float, second_order=None):
 
     warnings.simplefilter("error", BuildWarning)  # a compiler warning is a finding (as -Werror)
     derivgen.prove.proof.SYMBOLIC_SECONDS = proof_seconds
+    global SECOND_ORDER, CHANNELS_LAST_EVERY
     if second_order is not None:
-        global SECOND_ORDER
         SECOND_ORDER = second_order
+    if channels_last_every is not None:
+        CHANNELS_LAST_EVERY = channels_last_every
     _die_with_parent()
 
 
@@ -558,7 +617,13 @@ def _die_with_parent():
 
 
 def run_corpus(
-    seeds, jobs: int = 2, proof_seconds: float = 10.0, on_result=None, deadline: float | None = None, second_order=None
+    seeds,
+    jobs: int = 2,
+    proof_seconds: float = 10.0,
+    on_result=None,
+    deadline: float | None = None,
+    second_order=None,
+    channels_last_every: int | None = None,
 ) -> list[Result]:
     """Every seed through the pipeline on ``jobs`` worker processes (each spec bounded by
     SECONDS, each proof size by ``proof_seconds`` of symbolic reduction); results in seed
@@ -583,7 +648,7 @@ def run_corpus(
             on_result(r)
 
     if jobs <= 1:
-        _init_worker(proof_seconds, second_order)
+        _init_worker(proof_seconds, second_order, channels_last_every)
         for sd in seeds:
             if deadline is not None and time.monotonic() - t0 > deadline:
                 record(Result(sd, False, failure=f"not run: the corpus ran out of its {deadline:.0f} s"))
@@ -595,7 +660,7 @@ def run_corpus(
     todo = list(reversed(seeds))
     while todo:
         pool = ProcessPoolExecutor(
-            jobs, mp_context=ctx, initializer=_init_worker, initargs=(proof_seconds, second_order)
+            jobs, mp_context=ctx, initializer=_init_worker, initargs=(proof_seconds, second_order, channels_last_every)
         )
         running: dict = {}
         try:

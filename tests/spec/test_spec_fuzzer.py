@@ -53,9 +53,15 @@ def test_ci_corpus_passes(tmp_path, monkeypatch):
     monkeypatch.setenv("CFLAGS", "-O1 -march=native -fno-math-errno")  # compile fast; still -Werror
     t0 = time.perf_counter()
     # every seed's second order is checked (finite differences, the other backend); every
-    # fourth is proven by brute force at N = 2 here (all of them, N = 2, 3, in `make fuzz`)
+    # fourth is proven by brute force at N = 2 here, and every fourth channel layout's
+    # channels-last kernels checked against its NCHW ones (all of them, N = 2, 3, in `make fuzz`)
     results = specfuzz.run_corpus(
-        CI_SEEDS, jobs=min(2, os.cpu_count() or 1), proof_seconds=10.0, deadline=CI_DEADLINE, second_order=(4, (2,))
+        CI_SEEDS,
+        jobs=min(2, os.cpu_count() or 1),
+        proof_seconds=10.0,
+        deadline=CI_DEADLINE,
+        second_order=(4, (2,)),
+        channels_last_every=4,
     )
     print("\n" + specfuzz.summary(results, time.perf_counter() - t0))
     failed = [f"seed {r.seed}: {r.failure}" for r in results if not r.ok]
