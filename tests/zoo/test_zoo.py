@@ -548,12 +548,12 @@ BATCH_NHWC = sorted(
 def test_zoo_batch_layer_channels_last_is_the_contiguous_result(name):
     """A batch-reduced zoo layer's channels-last kernels (their sums lane by lane over whole
     chunks of 256 positions, the rest row by row) give the NCHW kernels' bits, float32, in
-    every mode: 70 channels (a block of 64 and 6), 272 and 529 positions."""
+    every mode: 70 channels (a block of 64 and 6), 272 positions (a chunk and a rest)."""
     import derivgen.torch as dt
 
     prob = Problem(name, seed=3)
     assert not prob.inputs  # none of them takes inputs; a layer that does needs them here
-    for shape in ((2, 70, 16, 17), (3, 70, 23, 23)):
+    for shape in ((2, 70, 16, 17),):
         rng = np.random.default_rng(4)
         module = dt.Module(name, shape[1], **prob.layout_options)
         with torch.no_grad():
