@@ -73,6 +73,21 @@ def test_vector_lane_sum_is_the_reference_order(march, tmp_path):
         assert got == ref or (math.isnan(got) and math.isnan(ref)), (march, trial, got, ref)
 
 
+def _probe(tmp_path, name: str, source: str) -> ctypes.CDLL:
+    """``source`` (including derivgen-kernels.h) compiled strictly at -O2 and loaded."""
+    cc = require_tool("gcc")
+    (tmp_path / f"{name}.c").write_text(source)
+    lib = tmp_path / f"{name}.so"
+    flags = ["-std=c99", "-Wall", "-Wextra", "-pedantic", "-Werror", "-Wno-unused-function", "-O2"]
+    r = subprocess.run(
+        [cc, *flags, "-shared", "-fPIC", f"-I{ROOT / 'generated' / 'c'}", str(tmp_path / f"{name}.c"), "-o", str(lib)],
+        capture_output=True,
+        text=True,
+    )
+    assert r.returncode == 0, r.stderr
+    return ctypes.CDLL(str(lib))
+
+
 NEXT = r"""
 #include "derivgen-kernels.h"
 int probe_next(int64_t n, int64_t a, int64_t bytes, int64_t tile)
@@ -86,17 +101,7 @@ int probe_next(int64_t n, int64_t a, int64_t bytes, int64_t tile)
 def test_the_next_group_is_read_ahead_where_it_pays(tmp_path):
     """The second sweep reads the next group ahead only where the group is longer than the first
     sweep's read-ahead and this group and the next fit in half of L2 (two tiles) together."""
-    cc = require_tool("gcc")
-    (tmp_path / "next.c").write_text(NEXT)
-    lib = tmp_path / "next.so"
-    flags = ["-std=c99", "-Wall", "-Wextra", "-pedantic", "-Werror", "-Wno-unused-function", "-O2"]
-    r = subprocess.run(
-        [cc, *flags, "-shared", "-fPIC", f"-I{ROOT / 'generated' / 'c'}", str(tmp_path / "next.c"), "-o", str(lib)],
-        capture_output=True,
-        text=True,
-    )
-    assert r.returncode == 0, r.stderr
-    so = ctypes.CDLL(str(lib))
+    so = _probe(tmp_path, "next", NEXT)
     so.probe_next.restype = ctypes.c_int
     so.probe_next.argtypes = [ctypes.c_int64] * 4
     tile, ahead = 256 << 10, 1024  # a 1 MiB L2; 4 KiB of floats read ahead
@@ -122,17 +127,7 @@ double probe_div(double s, double n) { return s / n; }
 def test_a_mean_by_product_has_the_quotients_bits(tmp_path):
     """Dg_per (the forward statistics' s/N) multiplies by 1/N only where N is a power of two,
     and gives the quotient's bits for every sum: tiny, huge, negative, infinite, NaN."""
-    cc = require_tool("gcc")
-    (tmp_path / "per.c").write_text(PER)
-    lib = tmp_path / "per.so"
-    flags = ["-std=c99", "-Wall", "-Wextra", "-pedantic", "-Werror", "-Wno-unused-function", "-O2"]
-    r = subprocess.run(
-        [cc, *flags, "-shared", "-fPIC", f"-I{ROOT / 'generated' / 'c'}", str(tmp_path / "per.c"), "-o", str(lib)],
-        capture_output=True,
-        text=True,
-    )
-    assert r.returncode == 0, r.stderr
-    so = ctypes.CDLL(str(lib))
+    so = _probe(tmp_path, "per", PER)
     for f in (so.probe_per, so.probe_div):
         f.restype, f.argtypes = ctypes.c_double, [ctypes.c_double, ctypes.c_double]
     so.probe_inv.restype, so.probe_inv.argtypes = ctypes.c_double, [ctypes.c_double]
