@@ -95,3 +95,21 @@ def assert_refuses_blocks(spec, backend: str) -> None:
 
     with pytest.raises(NotImplementedError, match="block statistics"):
         derivgen.load(spec, backend=backend)
+
+
+# Linux with transparent huge pages: where derivgen's fresh large outputs take the advice
+HAS_THP = sys.platform.startswith("linux") and Path("/sys/kernel/mm/transparent_hugepage").is_dir()
+
+
+def huge_page_advised(address: int) -> bool:
+    """Whether the mapping holding ``address`` is advised to take transparent huge pages
+    (the ``hg`` flag of its /proc/self/smaps entry)."""
+    vma = None
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split(maxsplit=1)[0]
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(v, 16) for v in head.split("-"))
+            vma = lo <= address < hi
+        elif vma and head == "VmFlags:":
+            return "hg" in line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")

@@ -21,8 +21,12 @@
 #include <torch/csrc/autograd/saved_variable.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include <sys/mman.h>
+
 #include <array>
+#include <cctype>
 #include <cstdint>
+#include <cstdlib>
 #include <memory>
 #include <string>
 #include <utility>
@@ -96,6 +100,39 @@ struct Kernel {
 
 int64_t address(const at::Tensor& t) { return reinterpret_cast<int64_t>(t.data_ptr()); }
 
+// A fresh output like t, advised to take transparent huge pages when it has HUGE_MIN bytes
+// or more, before anything touches it (the rule and the reasons: derivgen/torch/tensors.py,
+// advise_huge_pages): a page fault per 2 MiB instead of one per 4 KiB page of a large output
+// glibc maps fresh on every call. DERIVGEN_HUGE_PAGES=0 (read once) turns it off; where the
+// kernel has no transparent huge pages the advice fails and changes nothing.
+constexpr int64_t HUGE = int64_t(1) << 21;
+constexpr int64_t HUGE_MIN = int64_t(4) << 20;
+
+bool huge_pages_wanted() {
+  static const bool on = [] {
+    const char* v = std::getenv("DERIVGEN_HUGE_PAGES");
+    if (v == nullptr) return true;
+    std::string s;
+    for (const char* c = v; *c; ++c)
+      if (!std::isspace(static_cast<unsigned char>(*c))) s += static_cast<char>(std::tolower(static_cast<unsigned char>(*c)));
+    return s != "0" && s != "off" && s != "false" && s != "no";
+  }();
+  return on;
+}
+
+at::Tensor fresh_like(const at::Tensor& t) {
+  at::Tensor o = at::empty_like(t);
+#ifdef MADV_HUGEPAGE
+  const int64_t n = static_cast<int64_t>(o.nbytes());
+  if (n >= HUGE_MIN && huge_pages_wanted()) {
+    const int64_t p = address(o);
+    const int64_t lo = (p + HUGE - 1) / HUGE * HUGE, hi = (p + n) / HUGE * HUGE;
+    if (hi > lo) (void)madvise(reinterpret_cast<void*>(lo), static_cast<size_t>(hi - lo), MADV_HUGEPAGE);
+  }
+#endif
+  return o;
+}
+
 // a validated call signature of one layer and mode (contiguous CPU tensors, no per-group
 // inputs, no buffers passed): what a call checks, the two kernels and what they are called with
 struct Plan {
@@ -159,7 +196,7 @@ struct Plan {
   // the caller holds the GIL, released around a kernel that may run threads
   void forward(const std::vector<at::Tensor>& tens, at::Tensor& y, at::Tensor& st) const {
     const int nthreads = threads();
-    y = at::empty_like(tens[0]);
+    y = fresh_like(tens[0]);
     st = at::empty({static_cast<int64_t>(nstat), n_groups}, at::TensorOptions().dtype(at::kDouble));
     std::array<int64_t, MAX_LEAD> lead{};
     std::array<double, MAX_OPTS> o{};
@@ -191,7 +228,7 @@ struct Plan {
     const at::Tensor dy = dy_in.is_contiguous() ? dy_in : dy_in.contiguous();
     variable_list out;
     out.reserve(tens.size());
-    for (const auto& t : tens) out.push_back(at::empty_like(t));
+    for (const auto& t : tens) out.push_back(fresh_like(t));
     std::array<int64_t, MAX_LEAD> lead{};
     std::array<int64_t, MAX_TAIL> tail{};
     size_t i = 0;

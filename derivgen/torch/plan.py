@@ -27,7 +27,7 @@ from derivgen.runtime.cbind import CKernel, input_pairs
 from derivgen.torch import ext
 from derivgen.torch.protocol import Layer
 from derivgen.torch.schema import by_spec_name
-from derivgen.torch.tensors import SUFFIX, channels_last_format, is_channels_last, per_group_input_grad
+from derivgen.torch.tensors import SUFFIX, channels_last_format, fresh_like, is_channels_last, per_group_input_grad
 from derivgen.torch.validate import check_forward
 
 # x with fewer values runs on one thread: a fork and join of the kernel's threads costs more
@@ -159,7 +159,7 @@ def _fast_forward(plan: KernelPlan):
     kernel, serial, name, empty_like = plan.kernel, plan.serial, plan.name, torch.empty_like
 
     def run(tens: Sequence[torch.Tensor], opts: tuple[float, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-        y = empty_like(tens[0])
+        y = fresh_like(tens[0])
         st = empty_like(like)
         p = st.data_ptr()
         nth = 1 if serial else threads(kernel)
@@ -193,7 +193,7 @@ def _fast_backward(plan: KernelPlan):
         x = tens[0]
         if not dy.is_contiguous():
             dy = dy.contiguous()
-        dx = empty_like(x)
+        dx = fresh_like(x)
         dps = [empty_like(p) for p in tens[1:]]
         nth = 1 if serial else threads(kernel)
         if bfn(
@@ -276,7 +276,7 @@ def _forward_general(plan: KernelPlan, tens: list[torch.Tensor], opts: tuple[flo
     if plan.copy:
         tens = _contiguous_operands(plan, tens)
     x = tens[0]
-    y = torch.empty_like(x)  # x's layout: contiguous or channels last
+    y = fresh_like(x)  # x's layout: contiguous or channels last
     if blob:
         st = torch.empty_like(plan.stats_like)
         sp = [st.data_ptr() + o for o in plan.stat_offsets]
@@ -325,7 +325,7 @@ def _backward_general(
     x, k = tens[0], 1 + plan.npar
     dy = dy.contiguous(memory_format=channels_last_format(x)) if plan.nhwc else dy.contiguous()
     params, ins = tens[1:k], tens[k : k + plan.nin]
-    dx = torch.empty_like(x)
+    dx = fresh_like(x)
     dps = [torch.empty_like(p) for p in params]
     dis = [torch.empty(plan.n_groups, dtype=x.dtype) for _ in ins]
     if (

@@ -31,6 +31,7 @@ from derivgen.runtime.cbind import input_pairs
 from derivgen.symbolic.reduce import SELECTIONS
 from derivgen.torch.plan import threads
 from derivgen.torch.protocol import Layer
+from derivgen.torch.tensors import fresh_like
 
 _DTYPE_CODES = {torch.float32: 1, torch.float64: 2, torch.bfloat16: 3}
 
@@ -168,7 +169,7 @@ class _CSplit:
                 != 0
             ):
                 raise RuntimeError("split finish kernel failed")
-        y = torch.empty_like(x)
+        y = fresh_like(x)
         if (
             L.O
             and self._call(
@@ -207,7 +208,7 @@ class _CSplit:
             ):
                 raise RuntimeError("split bpartial kernel failed")
             dist.all_reduce(sums, group=pg)
-        dx = torch.empty_like(x)
+        dx = fresh_like(x)
         dparams = [torch.empty_like(p) for p in params]
         dinputs = [torch.empty(L.n_groups, dtype=x.dtype) for _ in ins]
         if L.O == 0:

@@ -1,10 +1,14 @@
 """Small facts about tensors that the operator modules share: supported dtypes and their
-kernel suffixes, the channels-last test, the runtime's 4-D view of x, NumPy views, and
-the shape of an operator's result."""
+kernel suffixes, the channels-last test, the runtime's 4-D view of x, fresh outputs (large
+ones advised to take huge pages), NumPy views, and the shape of an operator's result."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import ctypes
+import functools
+import os
+import sys
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -54,6 +58,58 @@ def channels_last_format(t: torch.Tensor) -> torch.memory_format:
 def is_channels_last(t: torch.Tensor) -> bool:
     """A channels-last tensor (NHWC / NDHWC) that is not also plain contiguous."""
     return t.dim() in (4, 5) and not t.is_contiguous() and t.is_contiguous(memory_format=channels_last_format(t))
+
+
+HUGE_PAGE = 2 << 20  # bytes: an x86-64 (and 4K-granule arm64) transparent huge page
+HUGE_MIN = 4 << 20  # bytes: the smallest fresh output advised to take huge pages (NumPy's rule)
+_MADV_HUGEPAGE = 14  # <sys/mman.h> on Linux
+
+
+@functools.cache
+def _madvise() -> Callable[[int, int, int], int] | None:
+    """libc's madvise, on Linux; None elsewhere."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes, fn.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+    return fn
+
+
+def huge_pages_wanted() -> bool:
+    """Whether fresh large outputs ask for transparent huge pages (``DERIVGEN_HUGE_PAGES`` is
+    not ``0``)."""
+    return os.environ.get("DERIVGEN_HUGE_PAGES", "1").strip().lower() not in ("0", "off", "false", "no")
+
+
+def advise_huge_pages(address: int, nbytes: int) -> bool:
+    """Ask Linux to back the whole 2 MiB pages inside ``[address, address + nbytes)`` with
+    transparent huge pages, before anything touches them; True when the advice was taken.
+
+    glibc maps an allocation of 32 MiB or more fresh on every call, and the first touch of
+    each 4 KiB page is a page fault: filling a fresh 8192x1024 float32 tensor took 9-12 ms
+    in 4 KiB pages and 2.3 ms advised (AMD EPYC guest, 2 threads), against 0.8 ms to fill it
+    again. NumPy advises its own arrays of 4 MiB or more so; torch only under
+    ``THP_MEM_ALLOC_ENABLE=1``. Regions under :data:`HUGE_MIN` bytes are not advised, nor any
+    with ``DERIVGEN_HUGE_PAGES=0``. The advice belongs to the pages: an mmapped block drops it
+    when freed, heap memory keeps it."""
+    fn = _madvise()
+    if fn is None or nbytes < HUGE_MIN or not huge_pages_wanted():
+        return False
+    lo = -(-address // HUGE_PAGE) * HUGE_PAGE
+    hi = (address + nbytes) // HUGE_PAGE * HUGE_PAGE
+    return hi > lo and fn(lo, hi - lo, _MADV_HUGEPAGE) == 0
+
+
+def fresh_like(t: torch.Tensor) -> torch.Tensor:
+    """``torch.empty_like(t)``, advised to take transparent huge pages when it is a large CPU
+    tensor (:func:`advise_huge_pages`): the outputs the kernels write whole (y, dx)."""
+    out = torch.empty_like(t)
+    if out.device.type == "cpu":
+        advise_huge_pages(out.data_ptr(), out.numel() * out.element_size())
+    return out
 
 
 def numpy_view(t: torch.Tensor) -> np.ndarray:

@@ -1,15 +1,16 @@
 """The per-call path through the C++ extension (derivgen.torch.ext): the same bits as the
 Python path (forward, statistics, backward, double backward), the same errors for bad
-calls and misuse of the graph, saved-tensor hooks and checkpointing, and the fallback
-where the extension cannot be built."""
+calls and misuse of the graph, saved-tensor hooks and checkpointing, large outputs advised
+to take huge pages, and the fallback where the extension cannot be built."""
 
 from __future__ import annotations
 
 import contextlib
 import shutil
+import sys
 
 import pytest
-from conftest import IN_CI, require_module
+from conftest import HAS_THP, IN_CI, huge_page_advised, require_module
 
 torch = require_module("torch")
 from torch import nn
@@ -17,6 +18,7 @@ from torch import nn
 import derivgen.torch as dt
 from derivgen.torch import ext
 from derivgen.torch.ops import layer
+from derivgen.torch.tensors import HUGE_MIN, HUGE_PAGE, advise_huge_pages, fresh_like
 
 
 def _require_extension():
@@ -259,3 +261,35 @@ def test_compiled_autograd_takes_the_python_path():
     with compiled_autograd._enable(torch.compile(backend="eager")):
         m(x).square().sum().backward()
     assert torch.equal(x.grad, want)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/smaps and madvise are Linux's")
+@pytest.mark.parametrize("path", ["extension", "python"])
+def test_large_outputs_are_advised_to_take_huge_pages(path, monkeypatch):
+    """y and dx (32 MiB here) are advised to take transparent huge pages before the kernels
+    touch them, on both per-call paths: glibc maps them fresh on every call, and the first
+    touch of each 4 KiB page is a page fault. Where THP is missing the advice is not taken."""
+    monkeypatch.delenv("DERIVGEN_HUGE_PAGES", raising=False)
+    if path == "extension":
+        _require_extension()
+    m = dt.LayerNorm(4096)
+    x = torch.randn(2048, 4096, requires_grad=True)
+    with python_path("layernorm") if path == "python" else contextlib.nullcontext():
+        for _ in range(2):  # the first call makes the plan; the second takes the extension
+            x.grad = None
+            y = m(x)
+            y.backward(torch.ones_like(y))
+    for t in (y, x.grad):
+        assert huge_page_advised(t.data_ptr() + HUGE_PAGE) == HAS_THP
+    ref = nn.LayerNorm(4096)
+    assert torch.allclose(y, ref(x), atol=1e-5)  # advised memory is ordinary memory
+
+
+def test_huge_page_advice_needs_a_large_region_and_can_be_turned_off(monkeypatch):
+    monkeypatch.delenv("DERIVGEN_HUGE_PAGES", raising=False)
+    t = torch.empty(HUGE_MIN // 4)
+    assert advise_huge_pages(t.data_ptr(), HUGE_MIN - 1) is False
+    assert advise_huge_pages(t.data_ptr(), HUGE_MIN + HUGE_PAGE) == HAS_THP
+    monkeypatch.setenv("DERIVGEN_HUGE_PAGES", "0")
+    assert advise_huge_pages(t.data_ptr(), HUGE_MIN + HUGE_PAGE) is False
+    assert fresh_like(t).shape == t.shape
