@@ -96,7 +96,14 @@ SHAPES = {
         ((5, 3, 1, 1), (3,)),
         ((1, 3, 16, 17), (3,)),
     ],
-    "instancenorm": [((1, 1, 2), (1,)), ((2, 3, 5), (3,)), ((2, 2, 3, 3), (2,)), ((3, 4, 2), (4,))],
+    # (1, 3, 16, 17): a whole chunk of 256 positions that the channels-last sums take lane by lane
+    "instancenorm": [
+        ((1, 1, 2), (1,)),
+        ((2, 3, 5), (3,)),
+        ((2, 2, 3, 3), (2,)),
+        ((3, 4, 2), (4,)),
+        ((1, 3, 16, 17), (3,)),
+    ],
     "groupnorm": [((1, 2, 2), (2,)), ((2, 6, 5), (6,)), ((2, 4, 3, 3), (4,)), ((3, 6), (6,))],
     # a position layout: blocks of positions shorter than, equal to and longer than the block
     "layernorm2d": [((1, 1, 1), (1,)), ((2, 3, 5), (3,)), ((2, 5, 3, 3), (5,)), ((3, 4), (4,)), ((2, 3, 70), (3,))],

@@ -65,7 +65,8 @@ for name, cases in CASES.items():
                         results[f"{tag}/{field}"] = np.asarray(value).copy()
 
 # the extras library through derivgen.torch: bfloat16 rows (the lockstep backward, streamed
-# from registers as integer vectors) and channels-last batch norm (the NHWC kernels)
+# from registers as integer vectors) and channels-last batch, group and instance norm (the
+# NHWC kernels)
 import os
 
 try:
@@ -84,6 +85,10 @@ if os.environ.get("STREAM_TORCH") == "1":
         ("batchnorm", (3, 8, 5, 7), 8, torch.bfloat16, False),
         ("batchnorm", (3, 8, 5, 7), 8, torch.float32, True),
         ("groupnorm", (2, 8, 9, 5), 8, torch.bfloat16, True),
+        # channels last, a channel per group: rows staged and streamed, a whole chunk of 256
+        # positions lane by lane, 70 channels (a block of 64 and 6)
+        ("instancenorm", (2, 70, 16, 17), 70, torch.float32, True),
+        ("instancenorm", (1, 8, 16, 17), 8, torch.bfloat16, True),
     ]
     for threads in (1, 2):
         torch.set_num_threads(threads)

@@ -472,7 +472,11 @@ class _Parser:
             ctx.err("name", "missing required field")
         name = ctx.string("name", data["name"])
         if not IDENT.match(name):
-            ctx.err("name", f"must be a lower-case identifier, got {name!r}")
+            ctx.err(
+                "name",
+                f"must be a lower-case identifier (a letter, then letters, digits and underscores,"
+                f" at most 31), got {name!r}",
+            )
         title = ctx.prose("title", data.get("title", name))
         summary = ctx.prose("summary", data.get("summary", ""), allow_empty=True)
         return name, title, summary, self.prose_list(data, "notes")

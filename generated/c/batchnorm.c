@@ -2090,7 +2090,7 @@ int batchnorm_train_forward_nhwc_f32(
     double *restrict rstd_Out,
     int Nthreads)
 {
-const int64_t C = G * Cg;
+    const int64_t C = G * Cg;
     const int64_t N_groups = G;
     const int64_t Blocks = O;   /* blocks of a group: samples */
     const double N = (double)(Blocks * Cg * S);               /* values per group */
@@ -2106,7 +2106,7 @@ const int64_t C = G * Cg;
     (void)eps;
     (void)momentum;
 
-const int64_t Full = S - S % DG_LANES;          /* positions past it go to lane 0 */
+    const int64_t Full = S - S % DG_LANES;          /* positions past it go to lane 0 */
     const int Out_Stream = Dg_stream_on(O * S * C, (int64_t)sizeof(float));
     (void)Out_Stream;
     double *Gv_running_mean_G = (double *)calloc((size_t)(G) + 1, sizeof(double));
@@ -2374,7 +2374,7 @@ int batchnorm_train_backward_nhwc_f32(
     float *restrict dbeta,
     int Nthreads)
 {
-const int64_t C = G * Cg;
+    const int64_t C = G * Cg;
     const int64_t N_groups = G;
     const int64_t Blocks = O;   /* blocks of a group: samples */
     const double N = (double)(Blocks * Cg * S);               /* values per group */
@@ -2390,7 +2390,7 @@ const int64_t C = G * Cg;
     (void)eps;
     (void)momentum;
 
-const int64_t Full = S - S % DG_LANES;          /* positions past it go to lane 0 */
+    const int64_t Full = S - S % DG_LANES;          /* positions past it go to lane 0 */
     const int Out_Stream = Dg_stream_on(O * S * C, (int64_t)sizeof(float));
     (void)Out_Stream;
     const int64_t P = 2;      /* parameters */
@@ -2446,32 +2446,33 @@ const int64_t Full = S - S % DG_LANES;          /* positions past it go to lane 
     const int64_t Stride = Dg_stride(P * C, (int64_t)sizeof(double));   /* whole cache lines per thread */
     double *Part_mem = (double *)calloc((size_t)(Nth * Stride) + DG_LINE_SLACK, sizeof(double));
     if (Part_mem == NULL) {
-    free(Gv_mean);
-    free(Gv_var);
-    free(Gv_rstd);
-    free(Gv_Sum_g);
-    free(Bs_Sum_g);
-    free(Gv_Sum_g_xhat);
-    free(Bs_Sum_g_xhat);
-    free(PvR_H0_hi);
-    free(PvR_H0_lo);
-    free(PvR_rstd_F);
-    free(Gv_Mean_g);
-    free(Gv_Mean_g_xhat);
-    free(Dp0);
-    free(Bs_p0);
-    free(Dp1);
-    free(Bs_p1);
-    free(PvF_H0_hi);
-    free(PvF_H0_lo);
-    free(PvF_H1_hi);
-    free(PvF_H1_lo);
-    free(PvF_Mean_g_xhat_F);
-    free(PvF_rstd_F);
+        free(Gv_mean);
+        free(Gv_var);
+        free(Gv_rstd);
+        free(Gv_Sum_g);
+        free(Bs_Sum_g);
+        free(Gv_Sum_g_xhat);
+        free(Bs_Sum_g_xhat);
+        free(PvR_H0_hi);
+        free(PvR_H0_lo);
+        free(PvR_rstd_F);
+        free(Gv_Mean_g);
+        free(Gv_Mean_g_xhat);
+        free(Dp0);
+        free(Bs_p0);
+        free(Dp1);
+        free(Bs_p1);
+        free(PvF_H0_hi);
+        free(PvF_H0_lo);
+        free(PvF_H1_hi);
+        free(PvF_H1_lo);
+        free(PvF_Mean_g_xhat_F);
+        free(PvF_rstd_F);
 
         return -1;
     }
     double *Part = (double *)Dg_line(Part_mem);
+    (void)Part;                                  /* unused where no gradient sums per thread */
     DG_PRAGMA(omp parallel num_threads(Nth))
     {
         DG_PRAGMA(omp for schedule(static))
@@ -4748,7 +4749,7 @@ int batchnorm_train_forward_nhwc_f64(
     double *restrict rstd_Out,
     int Nthreads)
 {
-const int64_t C = G * Cg;
+    const int64_t C = G * Cg;
     const int64_t N_groups = G;
     const int64_t Blocks = O;   /* blocks of a group: samples */
     const double N = (double)(Blocks * Cg * S);               /* values per group */
@@ -4764,7 +4765,7 @@ const int64_t C = G * Cg;
     (void)eps;
     (void)momentum;
 
-const int64_t Full = S - S % DG_LANES;          /* positions past it go to lane 0 */
+    const int64_t Full = S - S % DG_LANES;          /* positions past it go to lane 0 */
     const int Out_Stream = Dg_stream_on(O * S * C, (int64_t)sizeof(double));
     (void)Out_Stream;
     double *Gv_running_mean_G = (double *)calloc((size_t)(G) + 1, sizeof(double));
@@ -5009,7 +5010,7 @@ int batchnorm_train_backward_nhwc_f64(
     double *restrict dbeta,
     int Nthreads)
 {
-const int64_t C = G * Cg;
+    const int64_t C = G * Cg;
     const int64_t N_groups = G;
     const int64_t Blocks = O;   /* blocks of a group: samples */
     const double N = (double)(Blocks * Cg * S);               /* values per group */
@@ -5025,7 +5026,7 @@ const int64_t C = G * Cg;
     (void)eps;
     (void)momentum;
 
-const int64_t Full = S - S % DG_LANES;          /* positions past it go to lane 0 */
+    const int64_t Full = S - S % DG_LANES;          /* positions past it go to lane 0 */
     const int Out_Stream = Dg_stream_on(O * S * C, (int64_t)sizeof(double));
     (void)Out_Stream;
     const int64_t P = 2;      /* parameters */
@@ -5069,26 +5070,27 @@ const int64_t Full = S - S % DG_LANES;          /* positions past it go to lane 
     const int64_t Stride = Dg_stride(P * C, (int64_t)sizeof(double));   /* whole cache lines per thread */
     double *Part_mem = (double *)calloc((size_t)(Nth * Stride) + DG_LINE_SLACK, sizeof(double));
     if (Part_mem == NULL) {
-    free(Gv_mean);
-    free(Gv_var);
-    free(Gv_rstd);
-    free(Gv_Sum_g);
-    free(Bs_Sum_g);
-    free(Gv_Sum_g_xhat);
-    free(Bs_Sum_g_xhat);
-    free(Gv_Mean_g);
-    free(Gv_Mean_g_xhat);
-    free(Gv_K_1);
-    free(Gv_K_g);
-    free(Gv_K_xhat);
-    free(Dp0);
-    free(Bs_p0);
-    free(Dp1);
-    free(Bs_p1);
+        free(Gv_mean);
+        free(Gv_var);
+        free(Gv_rstd);
+        free(Gv_Sum_g);
+        free(Bs_Sum_g);
+        free(Gv_Sum_g_xhat);
+        free(Bs_Sum_g_xhat);
+        free(Gv_Mean_g);
+        free(Gv_Mean_g_xhat);
+        free(Gv_K_1);
+        free(Gv_K_g);
+        free(Gv_K_xhat);
+        free(Dp0);
+        free(Bs_p0);
+        free(Dp1);
+        free(Bs_p1);
 
         return -1;
     }
     double *Part = (double *)Dg_line(Part_mem);
+    (void)Part;                                  /* unused where no gradient sums per thread */
     DG_PRAGMA(omp parallel num_threads(Nth))
     {
         DG_PRAGMA(omp for schedule(static))
@@ -5993,7 +5995,7 @@ int batchnorm_train_forward_nhwc_bf16(
     double *restrict rstd_Out,
     int Nthreads)
 {
-const int64_t C = G * Cg;
+    const int64_t C = G * Cg;
     const int64_t N_groups = G;
     const int64_t Blocks = O;   /* blocks of a group: samples */
     const double N = (double)(Blocks * Cg * S);               /* values per group */
@@ -6009,7 +6011,7 @@ const int64_t C = G * Cg;
     (void)eps;
     (void)momentum;
 
-const int64_t Full = S - S % DG_LANES;          /* positions past it go to lane 0 */
+    const int64_t Full = S - S % DG_LANES;          /* positions past it go to lane 0 */
     const int Out_Stream = Dg_stream_on(O * S * C, (int64_t)sizeof(dg_bf16));
     (void)Out_Stream;
     double *Gv_running_mean_G = (double *)calloc((size_t)(G) + 1, sizeof(double));
@@ -6277,7 +6279,7 @@ int batchnorm_train_backward_nhwc_bf16(
     dg_bf16 *restrict dbeta,
     int Nthreads)
 {
-const int64_t C = G * Cg;
+    const int64_t C = G * Cg;
     const int64_t N_groups = G;
     const int64_t Blocks = O;   /* blocks of a group: samples */
     const double N = (double)(Blocks * Cg * S);               /* values per group */
@@ -6293,7 +6295,7 @@ const int64_t C = G * Cg;
     (void)eps;
     (void)momentum;
 
-const int64_t Full = S - S % DG_LANES;          /* positions past it go to lane 0 */
+    const int64_t Full = S - S % DG_LANES;          /* positions past it go to lane 0 */
     const int Out_Stream = Dg_stream_on(O * S * C, (int64_t)sizeof(dg_bf16));
     (void)Out_Stream;
     const int64_t P = 2;      /* parameters */
@@ -6349,32 +6351,33 @@ const int64_t Full = S - S % DG_LANES;          /* positions past it go to lane 
     const int64_t Stride = Dg_stride(P * C, (int64_t)sizeof(double));   /* whole cache lines per thread */
     double *Part_mem = (double *)calloc((size_t)(Nth * Stride) + DG_LINE_SLACK, sizeof(double));
     if (Part_mem == NULL) {
-    free(Gv_mean);
-    free(Gv_var);
-    free(Gv_rstd);
-    free(Gv_Sum_g);
-    free(Bs_Sum_g);
-    free(Gv_Sum_g_xhat);
-    free(Bs_Sum_g_xhat);
-    free(PvR_H0_hi);
-    free(PvR_H0_lo);
-    free(PvR_rstd_F);
-    free(Gv_Mean_g);
-    free(Gv_Mean_g_xhat);
-    free(Dp0);
-    free(Bs_p0);
-    free(Dp1);
-    free(Bs_p1);
-    free(PvF_H0_hi);
-    free(PvF_H0_lo);
-    free(PvF_H1_hi);
-    free(PvF_H1_lo);
-    free(PvF_Mean_g_xhat_F);
-    free(PvF_rstd_F);
+        free(Gv_mean);
+        free(Gv_var);
+        free(Gv_rstd);
+        free(Gv_Sum_g);
+        free(Bs_Sum_g);
+        free(Gv_Sum_g_xhat);
+        free(Bs_Sum_g_xhat);
+        free(PvR_H0_hi);
+        free(PvR_H0_lo);
+        free(PvR_rstd_F);
+        free(Gv_Mean_g);
+        free(Gv_Mean_g_xhat);
+        free(Dp0);
+        free(Bs_p0);
+        free(Dp1);
+        free(Bs_p1);
+        free(PvF_H0_hi);
+        free(PvF_H0_lo);
+        free(PvF_H1_hi);
+        free(PvF_H1_lo);
+        free(PvF_Mean_g_xhat_F);
+        free(PvF_rstd_F);
 
         return -1;
     }
     double *Part = (double *)Dg_line(Part_mem);
+    (void)Part;                                  /* unused where no gradient sums per thread */
     DG_PRAGMA(omp parallel num_threads(Nth))
     {
         DG_PRAGMA(omp for schedule(static))
@@ -7466,7 +7469,7 @@ int batchnorm_eval_forward_nhwc_f32(
     double *restrict rstd_Out,
     int Nthreads)
 {
-const int64_t C = G * Cg;
+    const int64_t C = G * Cg;
     const int64_t N_groups = G;
     const int64_t Blocks = O;   /* blocks of a group: samples */
     const double N = (double)(Blocks * Cg * S);               /* values per group */
@@ -7482,7 +7485,7 @@ const int64_t C = G * Cg;
     (void)eps;
     (void)momentum;
 
-const int64_t Full = S - S % DG_LANES;          /* positions past it go to lane 0 */
+    const int64_t Full = S - S % DG_LANES;          /* positions past it go to lane 0 */
     const int Out_Stream = Dg_stream_on(O * S * C, (int64_t)sizeof(float));
     (void)Out_Stream;
     double *Gv_running_mean_G = (double *)calloc((size_t)(G) + 1, sizeof(double));
@@ -7612,7 +7615,7 @@ int batchnorm_eval_backward_nhwc_f32(
     float *restrict dbeta,
     int Nthreads)
 {
-const int64_t C = G * Cg;
+    const int64_t C = G * Cg;
     const int64_t N_groups = G;
     const int64_t Blocks = O;   /* blocks of a group: samples */
     const double N = (double)(Blocks * Cg * S);               /* values per group */
@@ -7628,7 +7631,7 @@ const int64_t C = G * Cg;
     (void)eps;
     (void)momentum;
 
-const int64_t Full = S - S % DG_LANES;          /* positions past it go to lane 0 */
+    const int64_t Full = S - S % DG_LANES;          /* positions past it go to lane 0 */
     const int Out_Stream = Dg_stream_on(O * S * C, (int64_t)sizeof(float));
     (void)Out_Stream;
     const int64_t P = 2;      /* parameters */
@@ -7660,20 +7663,21 @@ const int64_t Full = S - S % DG_LANES;          /* positions past it go to lane 
     const int64_t Stride = Dg_stride(P * C, (int64_t)sizeof(double));   /* whole cache lines per thread */
     double *Part_mem = (double *)calloc((size_t)(Nth * Stride) + DG_LINE_SLACK, sizeof(double));
     if (Part_mem == NULL) {
-    free(Gv_mean);
-    free(Gv_var);
-    free(Gv_rstd);
-    free(Dp0);
-    free(Bs_p0);
-    free(Dp1);
-    free(Bs_p1);
-    free(PvF_H0_hi);
-    free(PvF_H0_lo);
-    free(PvF_rstd_F);
+        free(Gv_mean);
+        free(Gv_var);
+        free(Gv_rstd);
+        free(Dp0);
+        free(Bs_p0);
+        free(Dp1);
+        free(Bs_p1);
+        free(PvF_H0_hi);
+        free(PvF_H0_lo);
+        free(PvF_rstd_F);
 
         return -1;
     }
     double *Part = (double *)Dg_line(Part_mem);
+    (void)Part;                                  /* unused where no gradient sums per thread */
     DG_PRAGMA(omp parallel num_threads(Nth))
     {
         DG_PRAGMA(omp for schedule(static))
@@ -8608,7 +8612,7 @@ int batchnorm_eval_forward_nhwc_f64(
     double *restrict rstd_Out,
     int Nthreads)
 {
-const int64_t C = G * Cg;
+    const int64_t C = G * Cg;
     const int64_t N_groups = G;
     const int64_t Blocks = O;   /* blocks of a group: samples */
     const double N = (double)(Blocks * Cg * S);               /* values per group */
@@ -8624,7 +8628,7 @@ const int64_t C = G * Cg;
     (void)eps;
     (void)momentum;
 
-const int64_t Full = S - S % DG_LANES;          /* positions past it go to lane 0 */
+    const int64_t Full = S - S % DG_LANES;          /* positions past it go to lane 0 */
     const int Out_Stream = Dg_stream_on(O * S * C, (int64_t)sizeof(double));
     (void)Out_Stream;
     double *Gv_running_mean_G = (double *)calloc((size_t)(G) + 1, sizeof(double));
@@ -8731,7 +8735,7 @@ int batchnorm_eval_backward_nhwc_f64(
     double *restrict dbeta,
     int Nthreads)
 {
-const int64_t C = G * Cg;
+    const int64_t C = G * Cg;
     const int64_t N_groups = G;
     const int64_t Blocks = O;   /* blocks of a group: samples */
     const double N = (double)(Blocks * Cg * S);               /* values per group */
@@ -8747,7 +8751,7 @@ const int64_t C = G * Cg;
     (void)eps;
     (void)momentum;
 
-const int64_t Full = S - S % DG_LANES;          /* positions past it go to lane 0 */
+    const int64_t Full = S - S % DG_LANES;          /* positions past it go to lane 0 */
     const int Out_Stream = Dg_stream_on(O * S * C, (int64_t)sizeof(double));
     (void)Out_Stream;
     const int64_t P = 2;      /* parameters */
@@ -8775,18 +8779,19 @@ const int64_t Full = S - S % DG_LANES;          /* positions past it go to lane 
     const int64_t Stride = Dg_stride(P * C, (int64_t)sizeof(double));   /* whole cache lines per thread */
     double *Part_mem = (double *)calloc((size_t)(Nth * Stride) + DG_LINE_SLACK, sizeof(double));
     if (Part_mem == NULL) {
-    free(Gv_mean);
-    free(Gv_var);
-    free(Gv_rstd);
-    free(Gv_K_g);
-    free(Dp0);
-    free(Bs_p0);
-    free(Dp1);
-    free(Bs_p1);
+        free(Gv_mean);
+        free(Gv_var);
+        free(Gv_rstd);
+        free(Gv_K_g);
+        free(Dp0);
+        free(Bs_p0);
+        free(Dp1);
+        free(Bs_p1);
 
         return -1;
     }
     double *Part = (double *)Dg_line(Part_mem);
+    (void)Part;                                  /* unused where no gradient sums per thread */
     DG_PRAGMA(omp parallel num_threads(Nth))
     {
         DG_PRAGMA(omp for schedule(static))
@@ -9394,7 +9399,7 @@ int batchnorm_eval_forward_nhwc_bf16(
     double *restrict rstd_Out,
     int Nthreads)
 {
-const int64_t C = G * Cg;
+    const int64_t C = G * Cg;
     const int64_t N_groups = G;
     const int64_t Blocks = O;   /* blocks of a group: samples */
     const double N = (double)(Blocks * Cg * S);               /* values per group */
@@ -9410,7 +9415,7 @@ const int64_t C = G * Cg;
     (void)eps;
     (void)momentum;
 
-const int64_t Full = S - S % DG_LANES;          /* positions past it go to lane 0 */
+    const int64_t Full = S - S % DG_LANES;          /* positions past it go to lane 0 */
     const int Out_Stream = Dg_stream_on(O * S * C, (int64_t)sizeof(dg_bf16));
     (void)Out_Stream;
     double *Gv_running_mean_G = (double *)calloc((size_t)(G) + 1, sizeof(double));
@@ -9540,7 +9545,7 @@ int batchnorm_eval_backward_nhwc_bf16(
     dg_bf16 *restrict dbeta,
     int Nthreads)
 {
-const int64_t C = G * Cg;
+    const int64_t C = G * Cg;
     const int64_t N_groups = G;
     const int64_t Blocks = O;   /* blocks of a group: samples */
     const double N = (double)(Blocks * Cg * S);               /* values per group */
@@ -9556,7 +9561,7 @@ const int64_t C = G * Cg;
     (void)eps;
     (void)momentum;
 
-const int64_t Full = S - S % DG_LANES;          /* positions past it go to lane 0 */
+    const int64_t Full = S - S % DG_LANES;          /* positions past it go to lane 0 */
     const int Out_Stream = Dg_stream_on(O * S * C, (int64_t)sizeof(dg_bf16));
     (void)Out_Stream;
     const int64_t P = 2;      /* parameters */
@@ -9588,20 +9593,21 @@ const int64_t Full = S - S % DG_LANES;          /* positions past it go to lane 
     const int64_t Stride = Dg_stride(P * C, (int64_t)sizeof(double));   /* whole cache lines per thread */
     double *Part_mem = (double *)calloc((size_t)(Nth * Stride) + DG_LINE_SLACK, sizeof(double));
     if (Part_mem == NULL) {
-    free(Gv_mean);
-    free(Gv_var);
-    free(Gv_rstd);
-    free(Dp0);
-    free(Bs_p0);
-    free(Dp1);
-    free(Bs_p1);
-    free(PvF_H0_hi);
-    free(PvF_H0_lo);
-    free(PvF_rstd_F);
+        free(Gv_mean);
+        free(Gv_var);
+        free(Gv_rstd);
+        free(Dp0);
+        free(Bs_p0);
+        free(Dp1);
+        free(Bs_p1);
+        free(PvF_H0_hi);
+        free(PvF_H0_lo);
+        free(PvF_rstd_F);
 
         return -1;
     }
     double *Part = (double *)Dg_line(Part_mem);
+    (void)Part;                                  /* unused where no gradient sums per thread */
     DG_PRAGMA(omp parallel num_threads(Nth))
     {
         DG_PRAGMA(omp for schedule(static))

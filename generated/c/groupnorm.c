@@ -1223,7 +1223,7 @@ int groupnorm_train_forward_nhwc_f32(
     double *restrict rstd_Out,
     int Nthreads)
 {
-const int64_t C = G * Cg;
+    const int64_t C = G * Cg;
     const int64_t N_groups = O * G;
     const int64_t Blocks = 1;   /* blocks of a group: samples */
     const double N = (double)(Blocks * Cg * S);               /* values per group */
@@ -1238,6 +1238,8 @@ const int64_t C = G * Cg;
     (void)beta;
     (void)eps;
 
+    const int Out_Stream = 0;
+    (void)Out_Stream;
     DG_PRAGMA(omp parallel num_threads(Nth))
     {
 int64_t Lo, Hi;
@@ -1274,6 +1276,7 @@ int64_t Lo, Hi;
                                 const double Xv = (double)x[Idx];
                                 Lane_Sum_mean[J * W + Gi] += Xv;
                             }
+
                         }
                     }
                 }
@@ -1314,6 +1317,7 @@ int64_t Lo, Hi;
                                 const double Xv = (double)x[Idx];
                                 Lane_Sum_var[J * W + Gi] += ((Xv - mean)*(Xv - mean));
                             }
+
                         }
                     }
                 }
@@ -1381,12 +1385,15 @@ int64_t Lo, Hi;
                                 const float xhat = rstd_F*((Xv + H0_hi + H0_lo));
                                 y[Idx] = (float)(gamma_V*xhat + beta_V);
                             }
+
                         }
                     }
                 }
             }
             B0 += W;
         }
+        if (Out_Stream)
+            Dg_fence();
     }
     return 0;
 }
@@ -1407,7 +1414,7 @@ int groupnorm_train_backward_nhwc_f32(
     float *restrict dbeta,
     int Nthreads)
 {
-const int64_t C = G * Cg;
+    const int64_t C = G * Cg;
     const int64_t N_groups = O * G;
     const int64_t Blocks = 1;   /* blocks of a group: samples */
     const double N = (double)(Blocks * Cg * S);               /* values per group */
@@ -1422,6 +1429,8 @@ const int64_t C = G * Cg;
     (void)beta;
     (void)eps;
 
+    const int Out_Stream = 0;
+    (void)Out_Stream;
     const int64_t P = 2;      /* parameters */
     (void)dy;
     /* per-thread partial sums of the parameter gradients, reduced once at the end */
@@ -1505,6 +1514,7 @@ int64_t Lo, Hi;
                                 Lane_Sum_g[J * W + Gi] += ((double)g);
                                 Lane_Sum_g_xhat[J * W + Gi] += ((double)g)*((double)xhat);
                             }
+
                         }
                     }
                 }
@@ -1598,6 +1608,7 @@ int64_t Lo, Hi;
                                 Lane_f0[J * W + Gi] += Dyv*xhat;
                                 Lane_f1[J * W + Gi] += Dyv;
                             }
+
                             if (Si + 1 <= Full && ((Si + 1) % (DG_LANES * DG_PEND) == 0 || Si + 1 == Full)) {
                                 for (int64_t Q = 0; Q < DG_LANES * W; ++Q) {
                                     Lane_p0[Q] += (double)Lane_f0[Q];
@@ -1628,6 +1639,8 @@ int64_t Lo, Hi;
             }
             B0 += W;
         }
+        if (Out_Stream)
+            Dg_fence();
     }
     for (int64_t Cc = 0; Cc < C; ++Cc) {       /* dgamma */
         double Acc = 0.0;
@@ -2788,7 +2801,7 @@ int groupnorm_train_forward_nhwc_f64(
     double *restrict rstd_Out,
     int Nthreads)
 {
-const int64_t C = G * Cg;
+    const int64_t C = G * Cg;
     const int64_t N_groups = O * G;
     const int64_t Blocks = 1;   /* blocks of a group: samples */
     const double N = (double)(Blocks * Cg * S);               /* values per group */
@@ -2803,6 +2816,8 @@ const int64_t C = G * Cg;
     (void)beta;
     (void)eps;
 
+    const int Out_Stream = 0;
+    (void)Out_Stream;
     DG_PRAGMA(omp parallel num_threads(Nth))
     {
 int64_t Lo, Hi;
@@ -2839,6 +2854,7 @@ int64_t Lo, Hi;
                                 const double Xv = x[Idx];
                                 Lane_Sum_mean[J * W + Gi] += Xv;
                             }
+
                         }
                     }
                 }
@@ -2879,6 +2895,7 @@ int64_t Lo, Hi;
                                 const double Xv = x[Idx];
                                 Lane_Sum_var[J * W + Gi] += ((Xv - mean)*(Xv - mean));
                             }
+
                         }
                     }
                 }
@@ -2931,12 +2948,15 @@ int64_t Lo, Hi;
                                 const double xhat = rstd*(Xv - mean);
                                 y[Idx] = (double)(gamma_V*xhat + beta_V);
                             }
+
                         }
                     }
                 }
             }
             B0 += W;
         }
+        if (Out_Stream)
+            Dg_fence();
     }
     return 0;
 }
@@ -2957,7 +2977,7 @@ int groupnorm_train_backward_nhwc_f64(
     double *restrict dbeta,
     int Nthreads)
 {
-const int64_t C = G * Cg;
+    const int64_t C = G * Cg;
     const int64_t N_groups = O * G;
     const int64_t Blocks = 1;   /* blocks of a group: samples */
     const double N = (double)(Blocks * Cg * S);               /* values per group */
@@ -2972,6 +2992,8 @@ const int64_t C = G * Cg;
     (void)beta;
     (void)eps;
 
+    const int Out_Stream = 0;
+    (void)Out_Stream;
     const int64_t P = 2;      /* parameters */
     (void)dy;
     /* per-thread partial sums of the parameter gradients, reduced once at the end */
@@ -3040,6 +3062,7 @@ int64_t Lo, Hi;
                                 Lane_Sum_g[J * W + Gi] += g;
                                 Lane_Sum_g_xhat[J * W + Gi] += g*xhat;
                             }
+
                         }
                     }
                 }
@@ -3122,6 +3145,7 @@ int64_t Lo, Hi;
                                 Lane_p0[J * W + Gi] += Dyv*xhat;
                                 Lane_p1[J * W + Gi] += Dyv;
                             }
+
                         }
                         for (int64_t Gi = 0; Gi < W; ++Gi) {
                             double Col[DG_LANES];
@@ -3138,6 +3162,8 @@ int64_t Lo, Hi;
             }
             B0 += W;
         }
+        if (Out_Stream)
+            Dg_fence();
     }
     for (int64_t Cc = 0; Cc < C; ++Cc) {       /* dgamma */
         double Acc = 0.0;
@@ -3786,7 +3812,7 @@ int groupnorm_train_forward_nhwc_bf16(
     double *restrict rstd_Out,
     int Nthreads)
 {
-const int64_t C = G * Cg;
+    const int64_t C = G * Cg;
     const int64_t N_groups = O * G;
     const int64_t Blocks = 1;   /* blocks of a group: samples */
     const double N = (double)(Blocks * Cg * S);               /* values per group */
@@ -3801,6 +3827,8 @@ const int64_t C = G * Cg;
     (void)beta;
     (void)eps;
 
+    const int Out_Stream = 0;
+    (void)Out_Stream;
     DG_PRAGMA(omp parallel num_threads(Nth))
     {
 int64_t Lo, Hi;
@@ -3837,6 +3865,7 @@ int64_t Lo, Hi;
                                 const double Xv = (double)Dg_from_bf16(x[Idx]);
                                 Lane_Sum_mean[J * W + Gi] += Xv;
                             }
+
                         }
                     }
                 }
@@ -3877,6 +3906,7 @@ int64_t Lo, Hi;
                                 const double Xv = (double)Dg_from_bf16(x[Idx]);
                                 Lane_Sum_var[J * W + Gi] += ((Xv - mean)*(Xv - mean));
                             }
+
                         }
                     }
                 }
@@ -3944,12 +3974,15 @@ int64_t Lo, Hi;
                                 const float xhat = rstd_F*((Xv + H0_hi + H0_lo));
                                 y[Idx] = Dg_to_bf16((float)(gamma_V*xhat + beta_V));
                             }
+
                         }
                     }
                 }
             }
             B0 += W;
         }
+        if (Out_Stream)
+            Dg_fence();
     }
     return 0;
 }
@@ -3970,7 +4003,7 @@ int groupnorm_train_backward_nhwc_bf16(
     dg_bf16 *restrict dbeta,
     int Nthreads)
 {
-const int64_t C = G * Cg;
+    const int64_t C = G * Cg;
     const int64_t N_groups = O * G;
     const int64_t Blocks = 1;   /* blocks of a group: samples */
     const double N = (double)(Blocks * Cg * S);               /* values per group */
@@ -3985,6 +4018,8 @@ const int64_t C = G * Cg;
     (void)beta;
     (void)eps;
 
+    const int Out_Stream = 0;
+    (void)Out_Stream;
     const int64_t P = 2;      /* parameters */
     (void)dy;
     /* per-thread partial sums of the parameter gradients, reduced once at the end */
@@ -4068,6 +4103,7 @@ int64_t Lo, Hi;
                                 Lane_Sum_g[J * W + Gi] += ((double)g);
                                 Lane_Sum_g_xhat[J * W + Gi] += ((double)g)*((double)xhat);
                             }
+
                         }
                     }
                 }
@@ -4161,6 +4197,7 @@ int64_t Lo, Hi;
                                 Lane_f0[J * W + Gi] += Dyv*xhat;
                                 Lane_f1[J * W + Gi] += Dyv;
                             }
+
                             if (Si + 1 <= Full && ((Si + 1) % (DG_LANES * DG_PEND) == 0 || Si + 1 == Full)) {
                                 for (int64_t Q = 0; Q < DG_LANES * W; ++Q) {
                                     Lane_p0[Q] += (double)Lane_f0[Q];
@@ -4191,6 +4228,8 @@ int64_t Lo, Hi;
             }
             B0 += W;
         }
+        if (Out_Stream)
+            Dg_fence();
     }
     for (int64_t Cc = 0; Cc < C; ++Cc) {       /* dgamma */
         double Acc = 0.0;

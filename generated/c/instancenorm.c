@@ -1223,7 +1223,7 @@ int instancenorm_train_forward_nhwc_f32(
     double *restrict rstd_Out,
     int Nthreads)
 {
-const int64_t C = G * Cg;
+    const int64_t C = G * Cg;
     const int64_t N_groups = O * G;
     const int64_t Blocks = 1;   /* blocks of a group: samples */
     const double N = (double)(Blocks * Cg * S);               /* values per group */
@@ -1238,6 +1238,8 @@ const int64_t C = G * Cg;
     (void)beta;
     (void)eps;
 
+    const int Out_Stream = Dg_stream_on(O * S * G * Cg, (int64_t)sizeof(float));
+    (void)Out_Stream;
     DG_PRAGMA(omp parallel num_threads(Nth))
     {
 int64_t Lo, Hi;
@@ -1260,7 +1262,31 @@ int64_t Lo, Hi;
                 for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
                     const int64_t Ob = Oi;
                     for (int64_t Ci = 0; Ci < Cg; ++Ci) {
-                        for (int64_t Si = 0; Si < S; ++Si) {
+                        /* whole chunks of DG_LANES * DG_PEND positions lane by lane, the sums in
+                           registers; then the rest row by row */
+                        const int64_t Pos0 = Ci * S;    /* the run's position of Si = 0 */
+                        int64_t Si0 = 0;
+                        for (; Si0 + DG_LANES * DG_PEND <= S && Pos0 + Si0 + DG_LANES * DG_PEND <= Full; Si0 += DG_LANES * DG_PEND) {
+                            for (int Q = 0; Q < DG_LANES; ++Q) {
+                                const int J = (int)((Pos0 + Si0 + Q) % DG_LANES);
+                                DG_INDEPENDENT
+                                for (int64_t Gi = 0; Gi < W; ++Gi) {
+                                    const int64_t Ch = Gb + Gi;          /* one channel per group (Cg == 1) */
+                                    (void)Ch;
+                                    double A_Sum_mean = Lane_Sum_mean[J * W + Gi];
+                                    DG_UNROLL(DG_PEND)
+                                    for (int K = 0; K < DG_PEND; ++K) {
+                                        const int64_t Idx = (Ob * S + Si0 + K * DG_LANES + Q) * C + Ch;
+                                        (void)Idx;
+                                        const double Xv = (double)x[Idx];
+                                        A_Sum_mean += Xv;
+                                    }
+                                    Lane_Sum_mean[J * W + Gi] = A_Sum_mean;
+                                }
+
+                            }
+                        }
+                        for (int64_t Si = Si0; Si < S; ++Si) {
                             const int64_t Pos = Ci * S + Si;
                             const int J = Pos < Full ? (int)(Pos % DG_LANES) : 0;
                             const int64_t Row = (Ob * S + Si) * C + Ci;
@@ -1274,6 +1300,7 @@ int64_t Lo, Hi;
                                 const double Xv = (double)x[Idx];
                                 Lane_Sum_mean[J * W + Gi] += Xv;
                             }
+
                         }
                     }
                 }
@@ -1299,7 +1326,32 @@ int64_t Lo, Hi;
                 for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
                     const int64_t Ob = Oi;
                     for (int64_t Ci = 0; Ci < Cg; ++Ci) {
-                        for (int64_t Si = 0; Si < S; ++Si) {
+                        /* whole chunks of DG_LANES * DG_PEND positions lane by lane, the sums in
+                           registers; then the rest row by row */
+                        const int64_t Pos0 = Ci * S;    /* the run's position of Si = 0 */
+                        int64_t Si0 = 0;
+                        for (; Si0 + DG_LANES * DG_PEND <= S && Pos0 + Si0 + DG_LANES * DG_PEND <= Full; Si0 += DG_LANES * DG_PEND) {
+                            for (int Q = 0; Q < DG_LANES; ++Q) {
+                                const int J = (int)((Pos0 + Si0 + Q) % DG_LANES);
+                                DG_INDEPENDENT
+                                for (int64_t Gi = 0; Gi < W; ++Gi) {
+                                    const int64_t Ch = Gb + Gi;          /* one channel per group (Cg == 1) */
+                                    (void)Ch;
+                                    const double mean = Gv_mean[Gi];
+                                    double A_Sum_var = Lane_Sum_var[J * W + Gi];
+                                    DG_UNROLL(DG_PEND)
+                                    for (int K = 0; K < DG_PEND; ++K) {
+                                        const int64_t Idx = (Ob * S + Si0 + K * DG_LANES + Q) * C + Ch;
+                                        (void)Idx;
+                                        const double Xv = (double)x[Idx];
+                                        A_Sum_var += ((Xv - mean)*(Xv - mean));
+                                    }
+                                    Lane_Sum_var[J * W + Gi] = A_Sum_var;
+                                }
+
+                            }
+                        }
+                        for (int64_t Si = Si0; Si < S; ++Si) {
                             const int64_t Pos = Ci * S + Si;
                             const int J = Pos < Full ? (int)(Pos % DG_LANES) : 0;
                             const int64_t Row = (Ob * S + Si) * C + Ci;
@@ -1314,6 +1366,7 @@ int64_t Lo, Hi;
                                 const double Xv = (double)x[Idx];
                                 Lane_Sum_var[J * W + Gi] += ((Xv - mean)*(Xv - mean));
                             }
+
                         }
                     }
                 }
@@ -1366,6 +1419,7 @@ int64_t Lo, Hi;
                             const int J = Pos < Full ? (int)(Pos % DG_LANES) : 0;
                             const int64_t Row = (Ob * S + Si) * C + Ci;
                             (void)J;
+                            float St_y[DG_NHWC_GROUPS];     /* the row's outputs, streamed out below */
                             DG_INDEPENDENT
                             for (int64_t Gi = 0; Gi < W; ++Gi) {
                                 const int64_t Idx = Row + Gb + Gi;     /* one channel per group (Cg == 1): contiguous */
@@ -1379,14 +1433,22 @@ int64_t Lo, Hi;
                                 const float beta_V = beta[Ch];
                                 const float Xv = x[Idx];
                                 const float xhat = rstd_F*((Xv + H0_hi + H0_lo));
-                                y[Idx] = (float)(gamma_V*xhat + beta_V);
+                                if (Out_Stream)                  /* staged for streaming, else in place */
+                                    St_y[Gi] = (float)(gamma_V*xhat + beta_V);
+                                else
+                                    y[Idx] = (float)(gamma_V*xhat + beta_V);
                             }
+                            if (Out_Stream)
+                                Dg_stream_float(y + Row + Gb, St_y, W);
+
                         }
                     }
                 }
             }
             B0 += W;
         }
+        if (Out_Stream)
+            Dg_fence();
     }
     return 0;
 }
@@ -1407,7 +1469,7 @@ int instancenorm_train_backward_nhwc_f32(
     float *restrict dbeta,
     int Nthreads)
 {
-const int64_t C = G * Cg;
+    const int64_t C = G * Cg;
     const int64_t N_groups = O * G;
     const int64_t Blocks = 1;   /* blocks of a group: samples */
     const double N = (double)(Blocks * Cg * S);               /* values per group */
@@ -1422,6 +1484,8 @@ const int64_t C = G * Cg;
     (void)beta;
     (void)eps;
 
+    const int Out_Stream = Dg_stream_on(O * S * G * Cg, (int64_t)sizeof(float));
+    (void)Out_Stream;
     const int64_t P = 2;      /* parameters */
     (void)dy;
     /* per-thread partial sums of the parameter gradients, reduced once at the end */
@@ -1483,7 +1547,41 @@ int64_t Lo, Hi;
                 for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
                     const int64_t Ob = Oi;
                     for (int64_t Ci = 0; Ci < Cg; ++Ci) {
-                        for (int64_t Si = 0; Si < S; ++Si) {
+                        /* whole chunks of DG_LANES * DG_PEND positions lane by lane, the sums in
+                           registers; then the rest row by row */
+                        const int64_t Pos0 = 0;    /* the run's position of Si = 0 */
+                        int64_t Si0 = 0;
+                        for (; Si0 + DG_LANES * DG_PEND <= S && Pos0 + Si0 + DG_LANES * DG_PEND <= Full; Si0 += DG_LANES * DG_PEND) {
+                            for (int Q = 0; Q < DG_LANES; ++Q) {
+                                const int J = (int)((Pos0 + Si0 + Q) % DG_LANES);
+                                DG_INDEPENDENT
+                                for (int64_t Gi = 0; Gi < W; ++Gi) {
+                                    const int64_t Ch = Gb + Gi;          /* one channel per group (Cg == 1) */
+                                    (void)Ch;
+                                    const float H0_hi = Pv_H0_hi[Gi];
+                                    const float H0_lo = Pv_H0_lo[Gi];
+                                    const float rstd_F = Pv_rstd_F[Gi];
+                                    const float gamma_V = gamma[Ch];
+                                    double A_Sum_g = Lane_Sum_g[J * W + Gi];
+                                    double A_Sum_g_xhat = Lane_Sum_g_xhat[J * W + Gi];
+                                    DG_UNROLL(DG_PEND)
+                                    for (int K = 0; K < DG_PEND; ++K) {
+                                        const int64_t Idx = (Ob * S + Si0 + K * DG_LANES + Q) * C + Ch;
+                                        (void)Idx;
+                                        const float Xv = x[Idx];
+                                        const float Dyv = dy[Idx];
+                                        const float xhat = rstd_F*((Xv + H0_hi + H0_lo));
+                                        const float g = Dyv*gamma_V;
+                                        A_Sum_g += ((double)g);
+                                        A_Sum_g_xhat += ((double)g)*((double)xhat);
+                                    }
+                                    Lane_Sum_g[J * W + Gi] = A_Sum_g;
+                                    Lane_Sum_g_xhat[J * W + Gi] = A_Sum_g_xhat;
+                                }
+
+                            }
+                        }
+                        for (int64_t Si = Si0; Si < S; ++Si) {
                             const int64_t Pos = Si;
                             const int J = Pos < Full ? (int)(Pos % DG_LANES) : 0;
                             const int64_t Row = (Ob * S + Si) * C + Ci;
@@ -1505,6 +1603,7 @@ int64_t Lo, Hi;
                                 Lane_Sum_g[J * W + Gi] += ((double)g);
                                 Lane_Sum_g_xhat[J * W + Gi] += ((double)g)*((double)xhat);
                             }
+
                         }
                     }
                 }
@@ -1572,11 +1671,64 @@ int64_t Lo, Hi;
                         memset(Lane_f0, 0, (size_t)(DG_LANES * W) * sizeof(float));
                         float Lane_f1[DG_LANES * DG_NHWC_GROUPS];
                         memset(Lane_f1, 0, (size_t)(DG_LANES * W) * sizeof(float));
-                        for (int64_t Si = 0; Si < S; ++Si) {
+                        /* whole chunks of DG_LANES * DG_PEND positions lane by lane, the sums in
+                           registers; then the rest row by row */
+                        const int64_t Pos0 = 0;    /* the run's position of Si = 0 */
+                        int64_t Si0 = 0;
+                        for (; Si0 + DG_LANES * DG_PEND <= S && Pos0 + Si0 + DG_LANES * DG_PEND <= Full; Si0 += DG_LANES * DG_PEND) {
+                            for (int Q = 0; Q < DG_LANES; ++Q) {
+                                const int J = (int)((Pos0 + Si0 + Q) % DG_LANES);
+                                float Lt_dx[DG_PEND][DG_NHWC_GROUPS];     /* the lane's rows' outputs, streamed out below */
+                                DG_INDEPENDENT
+                                for (int64_t Gi = 0; Gi < W; ++Gi) {
+                                    const int64_t Ch = Gb + Gi;          /* one channel per group (Cg == 1) */
+                                    (void)Ch;
+                                    const float H0_hi = Pv_H0_hi[Gi];
+                                    const float H0_lo = Pv_H0_lo[Gi];
+                                    const float H1_hi = Pv_H1_hi[Gi];
+                                    const float H1_lo = Pv_H1_lo[Gi];
+                                    const float Mean_g_xhat_F = Pv_Mean_g_xhat_F[Gi];
+                                    const float rstd_F = Pv_rstd_F[Gi];
+                                    const float gamma_V = gamma[Ch];
+                                    float A_f0 = Lane_f0[J * W + Gi];
+                                    float A_f1 = Lane_f1[J * W + Gi];
+                                    DG_UNROLL(DG_PEND)
+                                    for (int K = 0; K < DG_PEND; ++K) {
+                                        const int64_t Idx = (Ob * S + Si0 + K * DG_LANES + Q) * C + Ch;
+                                        (void)Idx;
+                                        const float Xv = x[Idx];
+                                        const float Dyv = dy[Idx];
+                                        const float xhat = rstd_F*((Xv + H0_hi + H0_lo));
+                                        const float g = Dyv*gamma_V;
+                                        Lt_dx[K][Gi] = (float)(rstd_F*((g - Mean_g_xhat_F*xhat + H1_hi + H1_lo)));
+                                        A_f0 += Dyv*xhat;
+                                        A_f1 += Dyv;
+                                    }
+                                    Lane_f0[J * W + Gi] = A_f0;
+                                    Lane_f1[J * W + Gi] = A_f1;
+                                }
+                                for (int K = 0; K < DG_PEND; ++K) {
+                                    float *restrict Dst = dx + (Ob * S + Si0 + K * DG_LANES + Q) * C + Gb;
+                                    if (Out_Stream)
+                                        Dg_stream_float(Dst, Lt_dx[K], W);
+                                    else
+                                        memcpy(Dst, Lt_dx[K], (size_t)W * sizeof(float));
+                                }
+
+                            }
+                            for (int64_t Q = 0; Q < DG_LANES * W; ++Q) {     /* as after position Si0 + 255 */
+                                Lane_p0[Q] += (double)Lane_f0[Q];
+                                Lane_f0[Q] = 0;
+                                Lane_p1[Q] += (double)Lane_f1[Q];
+                                Lane_f1[Q] = 0;
+                            }
+                        }
+                        for (int64_t Si = Si0; Si < S; ++Si) {
                             const int64_t Pos = Si;
                             const int J = Pos < Full ? (int)(Pos % DG_LANES) : 0;
                             const int64_t Row = (Ob * S + Si) * C + Ci;
                             (void)J;
+                            float St_dx[DG_NHWC_GROUPS];     /* the row's outputs, streamed out below */
                             DG_INDEPENDENT
                             for (int64_t Gi = 0; Gi < W; ++Gi) {
                                 const int64_t Idx = Row + Gb + Gi;     /* one channel per group (Cg == 1): contiguous */
@@ -1594,10 +1746,16 @@ int64_t Lo, Hi;
                                 const float Dyv = dy[Idx];
                                 const float xhat = rstd_F*((Xv + H0_hi + H0_lo));
                                 const float g = Dyv*gamma_V;
-                                dx[Idx] = (float)(rstd_F*((g - Mean_g_xhat_F*xhat + H1_hi + H1_lo)));
+                                if (Out_Stream)                  /* staged for streaming, else in place */
+                                    St_dx[Gi] = (float)(rstd_F*((g - Mean_g_xhat_F*xhat + H1_hi + H1_lo)));
+                                else
+                                    dx[Idx] = (float)(rstd_F*((g - Mean_g_xhat_F*xhat + H1_hi + H1_lo)));
                                 Lane_f0[J * W + Gi] += Dyv*xhat;
                                 Lane_f1[J * W + Gi] += Dyv;
                             }
+                            if (Out_Stream)
+                                Dg_stream_float(dx + Row + Gb, St_dx, W);
+
                             if (Si + 1 <= Full && ((Si + 1) % (DG_LANES * DG_PEND) == 0 || Si + 1 == Full)) {
                                 for (int64_t Q = 0; Q < DG_LANES * W; ++Q) {
                                     Lane_p0[Q] += (double)Lane_f0[Q];
@@ -1628,6 +1786,8 @@ int64_t Lo, Hi;
             }
             B0 += W;
         }
+        if (Out_Stream)
+            Dg_fence();
     }
     for (int64_t Cc = 0; Cc < C; ++Cc) {       /* dgamma */
         double Acc = 0.0;
@@ -2788,7 +2948,7 @@ int instancenorm_train_forward_nhwc_f64(
     double *restrict rstd_Out,
     int Nthreads)
 {
-const int64_t C = G * Cg;
+    const int64_t C = G * Cg;
     const int64_t N_groups = O * G;
     const int64_t Blocks = 1;   /* blocks of a group: samples */
     const double N = (double)(Blocks * Cg * S);               /* values per group */
@@ -2803,6 +2963,8 @@ const int64_t C = G * Cg;
     (void)beta;
     (void)eps;
 
+    const int Out_Stream = Dg_stream_on(O * S * G * Cg, (int64_t)sizeof(double));
+    (void)Out_Stream;
     DG_PRAGMA(omp parallel num_threads(Nth))
     {
 int64_t Lo, Hi;
@@ -2825,7 +2987,31 @@ int64_t Lo, Hi;
                 for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
                     const int64_t Ob = Oi;
                     for (int64_t Ci = 0; Ci < Cg; ++Ci) {
-                        for (int64_t Si = 0; Si < S; ++Si) {
+                        /* whole chunks of DG_LANES * DG_PEND positions lane by lane, the sums in
+                           registers; then the rest row by row */
+                        const int64_t Pos0 = Ci * S;    /* the run's position of Si = 0 */
+                        int64_t Si0 = 0;
+                        for (; Si0 + DG_LANES * DG_PEND <= S && Pos0 + Si0 + DG_LANES * DG_PEND <= Full; Si0 += DG_LANES * DG_PEND) {
+                            for (int Q = 0; Q < DG_LANES; ++Q) {
+                                const int J = (int)((Pos0 + Si0 + Q) % DG_LANES);
+                                DG_INDEPENDENT
+                                for (int64_t Gi = 0; Gi < W; ++Gi) {
+                                    const int64_t Ch = Gb + Gi;          /* one channel per group (Cg == 1) */
+                                    (void)Ch;
+                                    double A_Sum_mean = Lane_Sum_mean[J * W + Gi];
+                                    DG_UNROLL(DG_PEND)
+                                    for (int K = 0; K < DG_PEND; ++K) {
+                                        const int64_t Idx = (Ob * S + Si0 + K * DG_LANES + Q) * C + Ch;
+                                        (void)Idx;
+                                        const double Xv = x[Idx];
+                                        A_Sum_mean += Xv;
+                                    }
+                                    Lane_Sum_mean[J * W + Gi] = A_Sum_mean;
+                                }
+
+                            }
+                        }
+                        for (int64_t Si = Si0; Si < S; ++Si) {
                             const int64_t Pos = Ci * S + Si;
                             const int J = Pos < Full ? (int)(Pos % DG_LANES) : 0;
                             const int64_t Row = (Ob * S + Si) * C + Ci;
@@ -2839,6 +3025,7 @@ int64_t Lo, Hi;
                                 const double Xv = x[Idx];
                                 Lane_Sum_mean[J * W + Gi] += Xv;
                             }
+
                         }
                     }
                 }
@@ -2864,7 +3051,32 @@ int64_t Lo, Hi;
                 for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
                     const int64_t Ob = Oi;
                     for (int64_t Ci = 0; Ci < Cg; ++Ci) {
-                        for (int64_t Si = 0; Si < S; ++Si) {
+                        /* whole chunks of DG_LANES * DG_PEND positions lane by lane, the sums in
+                           registers; then the rest row by row */
+                        const int64_t Pos0 = Ci * S;    /* the run's position of Si = 0 */
+                        int64_t Si0 = 0;
+                        for (; Si0 + DG_LANES * DG_PEND <= S && Pos0 + Si0 + DG_LANES * DG_PEND <= Full; Si0 += DG_LANES * DG_PEND) {
+                            for (int Q = 0; Q < DG_LANES; ++Q) {
+                                const int J = (int)((Pos0 + Si0 + Q) % DG_LANES);
+                                DG_INDEPENDENT
+                                for (int64_t Gi = 0; Gi < W; ++Gi) {
+                                    const int64_t Ch = Gb + Gi;          /* one channel per group (Cg == 1) */
+                                    (void)Ch;
+                                    const double mean = Gv_mean[Gi];
+                                    double A_Sum_var = Lane_Sum_var[J * W + Gi];
+                                    DG_UNROLL(DG_PEND)
+                                    for (int K = 0; K < DG_PEND; ++K) {
+                                        const int64_t Idx = (Ob * S + Si0 + K * DG_LANES + Q) * C + Ch;
+                                        (void)Idx;
+                                        const double Xv = x[Idx];
+                                        A_Sum_var += ((Xv - mean)*(Xv - mean));
+                                    }
+                                    Lane_Sum_var[J * W + Gi] = A_Sum_var;
+                                }
+
+                            }
+                        }
+                        for (int64_t Si = Si0; Si < S; ++Si) {
                             const int64_t Pos = Ci * S + Si;
                             const int J = Pos < Full ? (int)(Pos % DG_LANES) : 0;
                             const int64_t Row = (Ob * S + Si) * C + Ci;
@@ -2879,6 +3091,7 @@ int64_t Lo, Hi;
                                 const double Xv = x[Idx];
                                 Lane_Sum_var[J * W + Gi] += ((Xv - mean)*(Xv - mean));
                             }
+
                         }
                     }
                 }
@@ -2917,6 +3130,7 @@ int64_t Lo, Hi;
                             const int J = Pos < Full ? (int)(Pos % DG_LANES) : 0;
                             const int64_t Row = (Ob * S + Si) * C + Ci;
                             (void)J;
+                            double St_y[DG_NHWC_GROUPS];     /* the row's outputs, streamed out below */
                             DG_INDEPENDENT
                             for (int64_t Gi = 0; Gi < W; ++Gi) {
                                 const int64_t Idx = Row + Gb + Gi;     /* one channel per group (Cg == 1): contiguous */
@@ -2929,14 +3143,22 @@ int64_t Lo, Hi;
                                 const double beta_V = beta[Ch];
                                 const double Xv = x[Idx];
                                 const double xhat = rstd*(Xv - mean);
-                                y[Idx] = (double)(gamma_V*xhat + beta_V);
+                                if (Out_Stream)                  /* staged for streaming, else in place */
+                                    St_y[Gi] = (double)(gamma_V*xhat + beta_V);
+                                else
+                                    y[Idx] = (double)(gamma_V*xhat + beta_V);
                             }
+                            if (Out_Stream)
+                                Dg_stream_double(y + Row + Gb, St_y, W);
+
                         }
                     }
                 }
             }
             B0 += W;
         }
+        if (Out_Stream)
+            Dg_fence();
     }
     return 0;
 }
@@ -2957,7 +3179,7 @@ int instancenorm_train_backward_nhwc_f64(
     double *restrict dbeta,
     int Nthreads)
 {
-const int64_t C = G * Cg;
+    const int64_t C = G * Cg;
     const int64_t N_groups = O * G;
     const int64_t Blocks = 1;   /* blocks of a group: samples */
     const double N = (double)(Blocks * Cg * S);               /* values per group */
@@ -2972,6 +3194,8 @@ const int64_t C = G * Cg;
     (void)beta;
     (void)eps;
 
+    const int Out_Stream = Dg_stream_on(O * S * G * Cg, (int64_t)sizeof(double));
+    (void)Out_Stream;
     const int64_t P = 2;      /* parameters */
     (void)dy;
     /* per-thread partial sums of the parameter gradients, reduced once at the end */
@@ -3019,7 +3243,40 @@ int64_t Lo, Hi;
                 for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
                     const int64_t Ob = Oi;
                     for (int64_t Ci = 0; Ci < Cg; ++Ci) {
-                        for (int64_t Si = 0; Si < S; ++Si) {
+                        /* whole chunks of DG_LANES * DG_PEND positions lane by lane, the sums in
+                           registers; then the rest row by row */
+                        const int64_t Pos0 = 0;    /* the run's position of Si = 0 */
+                        int64_t Si0 = 0;
+                        for (; Si0 + DG_LANES * DG_PEND <= S && Pos0 + Si0 + DG_LANES * DG_PEND <= Full; Si0 += DG_LANES * DG_PEND) {
+                            for (int Q = 0; Q < DG_LANES; ++Q) {
+                                const int J = (int)((Pos0 + Si0 + Q) % DG_LANES);
+                                DG_INDEPENDENT
+                                for (int64_t Gi = 0; Gi < W; ++Gi) {
+                                    const int64_t Ch = Gb + Gi;          /* one channel per group (Cg == 1) */
+                                    (void)Ch;
+                                    const double mean = Gv_mean[Gi];
+                                    const double rstd = Gv_rstd[Gi];
+                                    const double gamma_V = gamma[Ch];
+                                    double A_Sum_g = Lane_Sum_g[J * W + Gi];
+                                    double A_Sum_g_xhat = Lane_Sum_g_xhat[J * W + Gi];
+                                    DG_UNROLL(DG_PEND)
+                                    for (int K = 0; K < DG_PEND; ++K) {
+                                        const int64_t Idx = (Ob * S + Si0 + K * DG_LANES + Q) * C + Ch;
+                                        (void)Idx;
+                                        const double Xv = x[Idx];
+                                        const double Dyv = dy[Idx];
+                                        const double xhat = rstd*(Xv - mean);
+                                        const double g = Dyv*gamma_V;
+                                        A_Sum_g += g;
+                                        A_Sum_g_xhat += g*xhat;
+                                    }
+                                    Lane_Sum_g[J * W + Gi] = A_Sum_g;
+                                    Lane_Sum_g_xhat[J * W + Gi] = A_Sum_g_xhat;
+                                }
+
+                            }
+                        }
+                        for (int64_t Si = Si0; Si < S; ++Si) {
                             const int64_t Pos = Si;
                             const int J = Pos < Full ? (int)(Pos % DG_LANES) : 0;
                             const int64_t Row = (Ob * S + Si) * C + Ci;
@@ -3040,6 +3297,7 @@ int64_t Lo, Hi;
                                 Lane_Sum_g[J * W + Gi] += g;
                                 Lane_Sum_g_xhat[J * W + Gi] += g*xhat;
                             }
+
                         }
                     }
                 }
@@ -3097,11 +3355,57 @@ int64_t Lo, Hi;
                         memset(Lane_p0, 0, (size_t)(DG_LANES * W) * sizeof(double));
                         double Lane_p1[DG_LANES * DG_NHWC_GROUPS];
                         memset(Lane_p1, 0, (size_t)(DG_LANES * W) * sizeof(double));
-                        for (int64_t Si = 0; Si < S; ++Si) {
+                        /* whole chunks of DG_LANES * DG_PEND positions lane by lane, the sums in
+                           registers; then the rest row by row */
+                        const int64_t Pos0 = 0;    /* the run's position of Si = 0 */
+                        int64_t Si0 = 0;
+                        for (; Si0 + DG_LANES * DG_PEND <= S && Pos0 + Si0 + DG_LANES * DG_PEND <= Full; Si0 += DG_LANES * DG_PEND) {
+                            for (int Q = 0; Q < DG_LANES; ++Q) {
+                                const int J = (int)((Pos0 + Si0 + Q) % DG_LANES);
+                                double Lt_dx[DG_PEND][DG_NHWC_GROUPS];     /* the lane's rows' outputs, streamed out below */
+                                DG_INDEPENDENT
+                                for (int64_t Gi = 0; Gi < W; ++Gi) {
+                                    const int64_t Ch = Gb + Gi;          /* one channel per group (Cg == 1) */
+                                    (void)Ch;
+                                    const double mean = Gv_mean[Gi];
+                                    const double rstd = Gv_rstd[Gi];
+                                    const double K_1 = Gv_K_1[Gi];
+                                    const double K_g = Gv_K_g[Gi];
+                                    const double K_xhat = Gv_K_xhat[Gi];
+                                    const double gamma_V = gamma[Ch];
+                                    double A_p0 = Lane_p0[J * W + Gi];
+                                    double A_p1 = Lane_p1[J * W + Gi];
+                                    DG_UNROLL(DG_PEND)
+                                    for (int K = 0; K < DG_PEND; ++K) {
+                                        const int64_t Idx = (Ob * S + Si0 + K * DG_LANES + Q) * C + Ch;
+                                        (void)Idx;
+                                        const double Xv = x[Idx];
+                                        const double Dyv = dy[Idx];
+                                        const double xhat = rstd*(Xv - mean);
+                                        const double g = Dyv*gamma_V;
+                                        Lt_dx[K][Gi] = (double)(K_g*g + K_xhat*xhat + K_1);
+                                        A_p0 += Dyv*xhat;
+                                        A_p1 += Dyv;
+                                    }
+                                    Lane_p0[J * W + Gi] = A_p0;
+                                    Lane_p1[J * W + Gi] = A_p1;
+                                }
+                                for (int K = 0; K < DG_PEND; ++K) {
+                                    double *restrict Dst = dx + (Ob * S + Si0 + K * DG_LANES + Q) * C + Gb;
+                                    if (Out_Stream)
+                                        Dg_stream_double(Dst, Lt_dx[K], W);
+                                    else
+                                        memcpy(Dst, Lt_dx[K], (size_t)W * sizeof(double));
+                                }
+
+                            }
+                        }
+                        for (int64_t Si = Si0; Si < S; ++Si) {
                             const int64_t Pos = Si;
                             const int J = Pos < Full ? (int)(Pos % DG_LANES) : 0;
                             const int64_t Row = (Ob * S + Si) * C + Ci;
                             (void)J;
+                            double St_dx[DG_NHWC_GROUPS];     /* the row's outputs, streamed out below */
                             DG_INDEPENDENT
                             for (int64_t Gi = 0; Gi < W; ++Gi) {
                                 const int64_t Idx = Row + Gb + Gi;     /* one channel per group (Cg == 1): contiguous */
@@ -3118,10 +3422,16 @@ int64_t Lo, Hi;
                                 const double Dyv = dy[Idx];
                                 const double xhat = rstd*(Xv - mean);
                                 const double g = Dyv*gamma_V;
-                                dx[Idx] = (double)(K_g*g + K_xhat*xhat + K_1);
+                                if (Out_Stream)                  /* staged for streaming, else in place */
+                                    St_dx[Gi] = (double)(K_g*g + K_xhat*xhat + K_1);
+                                else
+                                    dx[Idx] = (double)(K_g*g + K_xhat*xhat + K_1);
                                 Lane_p0[J * W + Gi] += Dyv*xhat;
                                 Lane_p1[J * W + Gi] += Dyv;
                             }
+                            if (Out_Stream)
+                                Dg_stream_double(dx + Row + Gb, St_dx, W);
+
                         }
                         for (int64_t Gi = 0; Gi < W; ++Gi) {
                             double Col[DG_LANES];
@@ -3138,6 +3448,8 @@ int64_t Lo, Hi;
             }
             B0 += W;
         }
+        if (Out_Stream)
+            Dg_fence();
     }
     for (int64_t Cc = 0; Cc < C; ++Cc) {       /* dgamma */
         double Acc = 0.0;
@@ -3786,7 +4098,7 @@ int instancenorm_train_forward_nhwc_bf16(
     double *restrict rstd_Out,
     int Nthreads)
 {
-const int64_t C = G * Cg;
+    const int64_t C = G * Cg;
     const int64_t N_groups = O * G;
     const int64_t Blocks = 1;   /* blocks of a group: samples */
     const double N = (double)(Blocks * Cg * S);               /* values per group */
@@ -3801,6 +4113,8 @@ const int64_t C = G * Cg;
     (void)beta;
     (void)eps;
 
+    const int Out_Stream = Dg_stream_on(O * S * G * Cg, (int64_t)sizeof(dg_bf16));
+    (void)Out_Stream;
     DG_PRAGMA(omp parallel num_threads(Nth))
     {
 int64_t Lo, Hi;
@@ -3823,7 +4137,31 @@ int64_t Lo, Hi;
                 for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
                     const int64_t Ob = Oi;
                     for (int64_t Ci = 0; Ci < Cg; ++Ci) {
-                        for (int64_t Si = 0; Si < S; ++Si) {
+                        /* whole chunks of DG_LANES * DG_PEND positions lane by lane, the sums in
+                           registers; then the rest row by row */
+                        const int64_t Pos0 = Ci * S;    /* the run's position of Si = 0 */
+                        int64_t Si0 = 0;
+                        for (; Si0 + DG_LANES * DG_PEND <= S && Pos0 + Si0 + DG_LANES * DG_PEND <= Full; Si0 += DG_LANES * DG_PEND) {
+                            for (int Q = 0; Q < DG_LANES; ++Q) {
+                                const int J = (int)((Pos0 + Si0 + Q) % DG_LANES);
+                                DG_INDEPENDENT
+                                for (int64_t Gi = 0; Gi < W; ++Gi) {
+                                    const int64_t Ch = Gb + Gi;          /* one channel per group (Cg == 1) */
+                                    (void)Ch;
+                                    double A_Sum_mean = Lane_Sum_mean[J * W + Gi];
+                                    DG_UNROLL(DG_PEND)
+                                    for (int K = 0; K < DG_PEND; ++K) {
+                                        const int64_t Idx = (Ob * S + Si0 + K * DG_LANES + Q) * C + Ch;
+                                        (void)Idx;
+                                        const double Xv = (double)Dg_from_bf16(x[Idx]);
+                                        A_Sum_mean += Xv;
+                                    }
+                                    Lane_Sum_mean[J * W + Gi] = A_Sum_mean;
+                                }
+
+                            }
+                        }
+                        for (int64_t Si = Si0; Si < S; ++Si) {
                             const int64_t Pos = Ci * S + Si;
                             const int J = Pos < Full ? (int)(Pos % DG_LANES) : 0;
                             const int64_t Row = (Ob * S + Si) * C + Ci;
@@ -3837,6 +4175,7 @@ int64_t Lo, Hi;
                                 const double Xv = (double)Dg_from_bf16(x[Idx]);
                                 Lane_Sum_mean[J * W + Gi] += Xv;
                             }
+
                         }
                     }
                 }
@@ -3862,7 +4201,32 @@ int64_t Lo, Hi;
                 for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
                     const int64_t Ob = Oi;
                     for (int64_t Ci = 0; Ci < Cg; ++Ci) {
-                        for (int64_t Si = 0; Si < S; ++Si) {
+                        /* whole chunks of DG_LANES * DG_PEND positions lane by lane, the sums in
+                           registers; then the rest row by row */
+                        const int64_t Pos0 = Ci * S;    /* the run's position of Si = 0 */
+                        int64_t Si0 = 0;
+                        for (; Si0 + DG_LANES * DG_PEND <= S && Pos0 + Si0 + DG_LANES * DG_PEND <= Full; Si0 += DG_LANES * DG_PEND) {
+                            for (int Q = 0; Q < DG_LANES; ++Q) {
+                                const int J = (int)((Pos0 + Si0 + Q) % DG_LANES);
+                                DG_INDEPENDENT
+                                for (int64_t Gi = 0; Gi < W; ++Gi) {
+                                    const int64_t Ch = Gb + Gi;          /* one channel per group (Cg == 1) */
+                                    (void)Ch;
+                                    const double mean = Gv_mean[Gi];
+                                    double A_Sum_var = Lane_Sum_var[J * W + Gi];
+                                    DG_UNROLL(DG_PEND)
+                                    for (int K = 0; K < DG_PEND; ++K) {
+                                        const int64_t Idx = (Ob * S + Si0 + K * DG_LANES + Q) * C + Ch;
+                                        (void)Idx;
+                                        const double Xv = (double)Dg_from_bf16(x[Idx]);
+                                        A_Sum_var += ((Xv - mean)*(Xv - mean));
+                                    }
+                                    Lane_Sum_var[J * W + Gi] = A_Sum_var;
+                                }
+
+                            }
+                        }
+                        for (int64_t Si = Si0; Si < S; ++Si) {
                             const int64_t Pos = Ci * S + Si;
                             const int J = Pos < Full ? (int)(Pos % DG_LANES) : 0;
                             const int64_t Row = (Ob * S + Si) * C + Ci;
@@ -3877,6 +4241,7 @@ int64_t Lo, Hi;
                                 const double Xv = (double)Dg_from_bf16(x[Idx]);
                                 Lane_Sum_var[J * W + Gi] += ((Xv - mean)*(Xv - mean));
                             }
+
                         }
                     }
                 }
@@ -3929,6 +4294,7 @@ int64_t Lo, Hi;
                             const int J = Pos < Full ? (int)(Pos % DG_LANES) : 0;
                             const int64_t Row = (Ob * S + Si) * C + Ci;
                             (void)J;
+                            dg_bf16 St_y[DG_NHWC_GROUPS];     /* the row's outputs, streamed out below */
                             DG_INDEPENDENT
                             for (int64_t Gi = 0; Gi < W; ++Gi) {
                                 const int64_t Idx = Row + Gb + Gi;     /* one channel per group (Cg == 1): contiguous */
@@ -3942,14 +4308,22 @@ int64_t Lo, Hi;
                                 const float beta_V = Dg_from_bf16(beta[Ch]);
                                 const float Xv = Dg_from_bf16(x[Idx]);
                                 const float xhat = rstd_F*((Xv + H0_hi + H0_lo));
-                                y[Idx] = Dg_to_bf16((float)(gamma_V*xhat + beta_V));
+                                if (Out_Stream)                  /* staged for streaming, else in place */
+                                    St_y[Gi] = Dg_to_bf16((float)(gamma_V*xhat + beta_V));
+                                else
+                                    y[Idx] = Dg_to_bf16((float)(gamma_V*xhat + beta_V));
                             }
+                            if (Out_Stream)
+                                Dg_stream_dg_bf16(y + Row + Gb, St_y, W);
+
                         }
                     }
                 }
             }
             B0 += W;
         }
+        if (Out_Stream)
+            Dg_fence();
     }
     return 0;
 }
@@ -3970,7 +4344,7 @@ int instancenorm_train_backward_nhwc_bf16(
     dg_bf16 *restrict dbeta,
     int Nthreads)
 {
-const int64_t C = G * Cg;
+    const int64_t C = G * Cg;
     const int64_t N_groups = O * G;
     const int64_t Blocks = 1;   /* blocks of a group: samples */
     const double N = (double)(Blocks * Cg * S);               /* values per group */
@@ -3985,6 +4359,8 @@ const int64_t C = G * Cg;
     (void)beta;
     (void)eps;
 
+    const int Out_Stream = Dg_stream_on(O * S * G * Cg, (int64_t)sizeof(dg_bf16));
+    (void)Out_Stream;
     const int64_t P = 2;      /* parameters */
     (void)dy;
     /* per-thread partial sums of the parameter gradients, reduced once at the end */
@@ -4046,7 +4422,41 @@ int64_t Lo, Hi;
                 for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
                     const int64_t Ob = Oi;
                     for (int64_t Ci = 0; Ci < Cg; ++Ci) {
-                        for (int64_t Si = 0; Si < S; ++Si) {
+                        /* whole chunks of DG_LANES * DG_PEND positions lane by lane, the sums in
+                           registers; then the rest row by row */
+                        const int64_t Pos0 = 0;    /* the run's position of Si = 0 */
+                        int64_t Si0 = 0;
+                        for (; Si0 + DG_LANES * DG_PEND <= S && Pos0 + Si0 + DG_LANES * DG_PEND <= Full; Si0 += DG_LANES * DG_PEND) {
+                            for (int Q = 0; Q < DG_LANES; ++Q) {
+                                const int J = (int)((Pos0 + Si0 + Q) % DG_LANES);
+                                DG_INDEPENDENT
+                                for (int64_t Gi = 0; Gi < W; ++Gi) {
+                                    const int64_t Ch = Gb + Gi;          /* one channel per group (Cg == 1) */
+                                    (void)Ch;
+                                    const float H0_hi = Pv_H0_hi[Gi];
+                                    const float H0_lo = Pv_H0_lo[Gi];
+                                    const float rstd_F = Pv_rstd_F[Gi];
+                                    const float gamma_V = Dg_from_bf16(gamma[Ch]);
+                                    double A_Sum_g = Lane_Sum_g[J * W + Gi];
+                                    double A_Sum_g_xhat = Lane_Sum_g_xhat[J * W + Gi];
+                                    DG_UNROLL(DG_PEND)
+                                    for (int K = 0; K < DG_PEND; ++K) {
+                                        const int64_t Idx = (Ob * S + Si0 + K * DG_LANES + Q) * C + Ch;
+                                        (void)Idx;
+                                        const float Xv = Dg_from_bf16(x[Idx]);
+                                        const float Dyv = Dg_from_bf16(dy[Idx]);
+                                        const float xhat = rstd_F*((Xv + H0_hi + H0_lo));
+                                        const float g = Dyv*gamma_V;
+                                        A_Sum_g += ((double)g);
+                                        A_Sum_g_xhat += ((double)g)*((double)xhat);
+                                    }
+                                    Lane_Sum_g[J * W + Gi] = A_Sum_g;
+                                    Lane_Sum_g_xhat[J * W + Gi] = A_Sum_g_xhat;
+                                }
+
+                            }
+                        }
+                        for (int64_t Si = Si0; Si < S; ++Si) {
                             const int64_t Pos = Si;
                             const int J = Pos < Full ? (int)(Pos % DG_LANES) : 0;
                             const int64_t Row = (Ob * S + Si) * C + Ci;
@@ -4068,6 +4478,7 @@ int64_t Lo, Hi;
                                 Lane_Sum_g[J * W + Gi] += ((double)g);
                                 Lane_Sum_g_xhat[J * W + Gi] += ((double)g)*((double)xhat);
                             }
+
                         }
                     }
                 }
@@ -4135,11 +4546,64 @@ int64_t Lo, Hi;
                         memset(Lane_f0, 0, (size_t)(DG_LANES * W) * sizeof(float));
                         float Lane_f1[DG_LANES * DG_NHWC_GROUPS];
                         memset(Lane_f1, 0, (size_t)(DG_LANES * W) * sizeof(float));
-                        for (int64_t Si = 0; Si < S; ++Si) {
+                        /* whole chunks of DG_LANES * DG_PEND positions lane by lane, the sums in
+                           registers; then the rest row by row */
+                        const int64_t Pos0 = 0;    /* the run's position of Si = 0 */
+                        int64_t Si0 = 0;
+                        for (; Si0 + DG_LANES * DG_PEND <= S && Pos0 + Si0 + DG_LANES * DG_PEND <= Full; Si0 += DG_LANES * DG_PEND) {
+                            for (int Q = 0; Q < DG_LANES; ++Q) {
+                                const int J = (int)((Pos0 + Si0 + Q) % DG_LANES);
+                                dg_bf16 Lt_dx[DG_PEND][DG_NHWC_GROUPS];     /* the lane's rows' outputs, streamed out below */
+                                DG_INDEPENDENT
+                                for (int64_t Gi = 0; Gi < W; ++Gi) {
+                                    const int64_t Ch = Gb + Gi;          /* one channel per group (Cg == 1) */
+                                    (void)Ch;
+                                    const float H0_hi = Pv_H0_hi[Gi];
+                                    const float H0_lo = Pv_H0_lo[Gi];
+                                    const float H1_hi = Pv_H1_hi[Gi];
+                                    const float H1_lo = Pv_H1_lo[Gi];
+                                    const float Mean_g_xhat_F = Pv_Mean_g_xhat_F[Gi];
+                                    const float rstd_F = Pv_rstd_F[Gi];
+                                    const float gamma_V = Dg_from_bf16(gamma[Ch]);
+                                    float A_f0 = Lane_f0[J * W + Gi];
+                                    float A_f1 = Lane_f1[J * W + Gi];
+                                    DG_UNROLL(DG_PEND)
+                                    for (int K = 0; K < DG_PEND; ++K) {
+                                        const int64_t Idx = (Ob * S + Si0 + K * DG_LANES + Q) * C + Ch;
+                                        (void)Idx;
+                                        const float Xv = Dg_from_bf16(x[Idx]);
+                                        const float Dyv = Dg_from_bf16(dy[Idx]);
+                                        const float xhat = rstd_F*((Xv + H0_hi + H0_lo));
+                                        const float g = Dyv*gamma_V;
+                                        Lt_dx[K][Gi] = Dg_to_bf16((float)(rstd_F*((g - Mean_g_xhat_F*xhat + H1_hi + H1_lo))));
+                                        A_f0 += Dyv*xhat;
+                                        A_f1 += Dyv;
+                                    }
+                                    Lane_f0[J * W + Gi] = A_f0;
+                                    Lane_f1[J * W + Gi] = A_f1;
+                                }
+                                for (int K = 0; K < DG_PEND; ++K) {
+                                    dg_bf16 *restrict Dst = dx + (Ob * S + Si0 + K * DG_LANES + Q) * C + Gb;
+                                    if (Out_Stream)
+                                        Dg_stream_dg_bf16(Dst, Lt_dx[K], W);
+                                    else
+                                        memcpy(Dst, Lt_dx[K], (size_t)W * sizeof(dg_bf16));
+                                }
+
+                            }
+                            for (int64_t Q = 0; Q < DG_LANES * W; ++Q) {     /* as after position Si0 + 255 */
+                                Lane_p0[Q] += (double)Lane_f0[Q];
+                                Lane_f0[Q] = 0;
+                                Lane_p1[Q] += (double)Lane_f1[Q];
+                                Lane_f1[Q] = 0;
+                            }
+                        }
+                        for (int64_t Si = Si0; Si < S; ++Si) {
                             const int64_t Pos = Si;
                             const int J = Pos < Full ? (int)(Pos % DG_LANES) : 0;
                             const int64_t Row = (Ob * S + Si) * C + Ci;
                             (void)J;
+                            dg_bf16 St_dx[DG_NHWC_GROUPS];     /* the row's outputs, streamed out below */
                             DG_INDEPENDENT
                             for (int64_t Gi = 0; Gi < W; ++Gi) {
                                 const int64_t Idx = Row + Gb + Gi;     /* one channel per group (Cg == 1): contiguous */
@@ -4157,10 +4621,16 @@ int64_t Lo, Hi;
                                 const float Dyv = Dg_from_bf16(dy[Idx]);
                                 const float xhat = rstd_F*((Xv + H0_hi + H0_lo));
                                 const float g = Dyv*gamma_V;
-                                dx[Idx] = Dg_to_bf16((float)(rstd_F*((g - Mean_g_xhat_F*xhat + H1_hi + H1_lo))));
+                                if (Out_Stream)                  /* staged for streaming, else in place */
+                                    St_dx[Gi] = Dg_to_bf16((float)(rstd_F*((g - Mean_g_xhat_F*xhat + H1_hi + H1_lo))));
+                                else
+                                    dx[Idx] = Dg_to_bf16((float)(rstd_F*((g - Mean_g_xhat_F*xhat + H1_hi + H1_lo))));
                                 Lane_f0[J * W + Gi] += Dyv*xhat;
                                 Lane_f1[J * W + Gi] += Dyv;
                             }
+                            if (Out_Stream)
+                                Dg_stream_dg_bf16(dx + Row + Gb, St_dx, W);
+
                             if (Si + 1 <= Full && ((Si + 1) % (DG_LANES * DG_PEND) == 0 || Si + 1 == Full)) {
                                 for (int64_t Q = 0; Q < DG_LANES * W; ++Q) {
                                     Lane_p0[Q] += (double)Lane_f0[Q];
@@ -4191,6 +4661,8 @@ int64_t Lo, Hi;
             }
             B0 += W;
         }
+        if (Out_Stream)
+            Dg_fence();
     }
     for (int64_t Cc = 0; Cc < C; ++Cc) {       /* dgamma */
         double Acc = 0.0;

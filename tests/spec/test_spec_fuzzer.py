@@ -11,7 +11,9 @@ import time
 
 import pytest
 import specfuzz
+from conftest import ROOT
 
+import derivgen
 from derivgen.spec.model import parse_spec, reserved_reason
 from derivgen.symbolic.block import BlockMean
 
@@ -130,3 +132,16 @@ def test_naming_the_coordinate_or_not_needs_the_same_reductions():
             if b > a:
                 worse.append(f"seed {seed} {mode}: {b} reductions inline, {a} named")
     assert not worse, "\n".join(worse)
+
+
+# regression specs (tests/regressions/) that the fuzzer's channels-last check found
+CHANNELS_LAST_REGRESSIONS = ["batch_no_gradient_partials"]
+
+
+@pytest.mark.parametrize("name", CHANNELS_LAST_REGRESSIONS)
+def test_channels_last_regression_spec(name, monkeypatch):
+    """The channels-last kernels of a spec the fuzzer's channels-last check failed build
+    without a warning (-Werror) and give the NCHW kernels' bits."""
+    monkeypatch.setenv("CFLAGS", "-O1 -march=native -fno-math-errno")  # compile fast; still -Werror
+    spec = derivgen.load_spec(ROOT / "tests" / "regressions" / f"{name}.toml")
+    assert specfuzz.channels_last_mismatches(spec) == []

@@ -463,6 +463,26 @@ def test_channels_last_batch_norm_lane_by_lane_is_the_contiguous_result(dtype):
         _same_bits_in_both_formats(lambda c=shape[1]: nn.BatchNorm2d(c), shape, dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=["f32", "f64", "bf16"])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: nn.InstanceNorm2d(70, affine=True),
+        lambda: nn.GroupNorm(35, 70),
+        lambda: nn.GroupNorm(10, 70),
+    ],
+    ids=["in-70", "gn-35x2", "gn-10x7"],
+)
+def test_channels_last_group_norm_lane_by_lane_is_the_contiguous_result(make, dtype):
+    """Group and instance norm's channels-last sums take whole chunks of 256 positions of a
+    channel lane by lane and the rest row by row: with more groups than one block of 64
+    (instance norm's 70: 64 and 6), several channels per group (a channel's first position
+    falls mid-lane when S is not a multiple of 32), one and two whole chunks and rests past
+    the last whole lane block, the bits are the contiguous kernels'."""
+    for shape in ((2, 70, 16, 17), (1, 70, 23, 23)):
+        _same_bits_in_both_formats(make, shape, dtype)
+
+
 def _same_bits_in_both_formats(make, shape, dtype):
     m = dt.convert(make()).to(dtype)
     _randomize(m, 11)
