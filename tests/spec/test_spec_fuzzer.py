@@ -79,7 +79,7 @@ mod = derivgen.load("layernorm", backend="c")
 mod.set_num_threads(2)
 x = np.random.default_rng(0).normal(size=(64, 256)).astype(np.float32)
 y, cache = mod.forward(x, np.ones(256, np.float32), np.zeros(256, np.float32))   # libgomp's pool is up
-r = specfuzz.run_corpus([0, 1], jobs=2, proof_seconds=5.0, deadline=120)
+r = specfuzz.run_corpus([0], jobs=2, proof_seconds=5.0, deadline=120)   # one spawned worker suffices
 print([(x.seed, x.ok, x.failure) for x in r])
 sys.exit(0 if all(x.ok for x in r) else 1)
 """
