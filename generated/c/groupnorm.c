@@ -1242,7 +1242,7 @@ int groupnorm_train_forward_nhwc_f32(
     (void)Out_Stream;
     DG_PRAGMA(omp parallel num_threads(Nth))
     {
-int64_t Lo, Hi;
+        int64_t Lo, Hi;
         Dg_share(N_groups, &Lo, &Hi);             /* the NCHW kernels' split of the groups */
         for (int64_t B0 = Lo; B0 < Hi;) {
             const int64_t Oi = B0 / G;   /* the block's sample */
@@ -1443,7 +1443,7 @@ int groupnorm_train_backward_nhwc_f32(
     {
         double *restrict Mine = Part + (int64_t)Dg_thread_id() * Stride;
         (void)Mine;
-int64_t Lo, Hi;
+        int64_t Lo, Hi;
         Dg_share(N_groups, &Lo, &Hi);             /* the NCHW kernels' split of the groups */
         for (int64_t B0 = Lo; B0 < Hi;) {
             const int64_t Oi = B0 / G;   /* the block's sample */
@@ -2820,7 +2820,7 @@ int groupnorm_train_forward_nhwc_f64(
     (void)Out_Stream;
     DG_PRAGMA(omp parallel num_threads(Nth))
     {
-int64_t Lo, Hi;
+        int64_t Lo, Hi;
         Dg_share(N_groups, &Lo, &Hi);             /* the NCHW kernels' split of the groups */
         for (int64_t B0 = Lo; B0 < Hi;) {
             const int64_t Oi = B0 / G;   /* the block's sample */
@@ -3006,7 +3006,7 @@ int groupnorm_train_backward_nhwc_f64(
     {
         double *restrict Mine = Part + (int64_t)Dg_thread_id() * Stride;
         (void)Mine;
-int64_t Lo, Hi;
+        int64_t Lo, Hi;
         Dg_share(N_groups, &Lo, &Hi);             /* the NCHW kernels' split of the groups */
         for (int64_t B0 = Lo; B0 < Hi;) {
             const int64_t Oi = B0 / G;   /* the block's sample */
@@ -3831,7 +3831,7 @@ int groupnorm_train_forward_nhwc_bf16(
     (void)Out_Stream;
     DG_PRAGMA(omp parallel num_threads(Nth))
     {
-int64_t Lo, Hi;
+        int64_t Lo, Hi;
         Dg_share(N_groups, &Lo, &Hi);             /* the NCHW kernels' split of the groups */
         for (int64_t B0 = Lo; B0 < Hi;) {
             const int64_t Oi = B0 / G;   /* the block's sample */
@@ -4032,7 +4032,7 @@ int groupnorm_train_backward_nhwc_bf16(
     {
         double *restrict Mine = Part + (int64_t)Dg_thread_id() * Stride;
         (void)Mine;
-int64_t Lo, Hi;
+        int64_t Lo, Hi;
         Dg_share(N_groups, &Lo, &Hi);             /* the NCHW kernels' split of the groups */
         for (int64_t B0 = Lo; B0 < Hi;) {
             const int64_t Oi = B0 / G;   /* the block's sample */

@@ -1242,7 +1242,7 @@ int instancenorm_train_forward_nhwc_f32(
     (void)Out_Stream;
     DG_PRAGMA(omp parallel num_threads(Nth))
     {
-int64_t Lo, Hi;
+        int64_t Lo, Hi;
         Dg_share(N_groups, &Lo, &Hi);             /* the NCHW kernels' split of the groups */
         for (int64_t B0 = Lo; B0 < Hi;) {
             const int64_t Oi = B0 / G;   /* the block's sample */
@@ -1271,8 +1271,7 @@ int64_t Lo, Hi;
                                 const int J = (int)((Pos0 + Si0 + Q) % DG_LANES);
                                 DG_INDEPENDENT
                                 for (int64_t Gi = 0; Gi < W; ++Gi) {
-                                    const int64_t Ch = Gb + Gi;          /* one channel per group (Cg == 1) */
-                                    (void)Ch;
+                                    const int64_t Ch = Gb + Gi;
                                     double A_Sum_mean = Lane_Sum_mean[J * W + Gi];
                                     DG_UNROLL(DG_PEND)
                                     for (int K = 0; K < DG_PEND; ++K) {
@@ -1335,8 +1334,7 @@ int64_t Lo, Hi;
                                 const int J = (int)((Pos0 + Si0 + Q) % DG_LANES);
                                 DG_INDEPENDENT
                                 for (int64_t Gi = 0; Gi < W; ++Gi) {
-                                    const int64_t Ch = Gb + Gi;          /* one channel per group (Cg == 1) */
-                                    (void)Ch;
+                                    const int64_t Ch = Gb + Gi;
                                     const double mean = Gv_mean[Gi];
                                     double A_Sum_var = Lane_Sum_var[J * W + Gi];
                                     DG_UNROLL(DG_PEND)
@@ -1498,7 +1496,7 @@ int instancenorm_train_backward_nhwc_f32(
     {
         double *restrict Mine = Part + (int64_t)Dg_thread_id() * Stride;
         (void)Mine;
-int64_t Lo, Hi;
+        int64_t Lo, Hi;
         Dg_share(N_groups, &Lo, &Hi);             /* the NCHW kernels' split of the groups */
         for (int64_t B0 = Lo; B0 < Hi;) {
             const int64_t Oi = B0 / G;   /* the block's sample */
@@ -1556,8 +1554,7 @@ int64_t Lo, Hi;
                                 const int J = (int)((Pos0 + Si0 + Q) % DG_LANES);
                                 DG_INDEPENDENT
                                 for (int64_t Gi = 0; Gi < W; ++Gi) {
-                                    const int64_t Ch = Gb + Gi;          /* one channel per group (Cg == 1) */
-                                    (void)Ch;
+                                    const int64_t Ch = Gb + Gi;
                                     const float H0_hi = Pv_H0_hi[Gi];
                                     const float H0_lo = Pv_H0_lo[Gi];
                                     const float rstd_F = Pv_rstd_F[Gi];
@@ -1681,8 +1678,7 @@ int64_t Lo, Hi;
                                 float Lt_dx[DG_PEND][DG_NHWC_GROUPS];     /* the lane's rows' outputs, streamed out below */
                                 DG_INDEPENDENT
                                 for (int64_t Gi = 0; Gi < W; ++Gi) {
-                                    const int64_t Ch = Gb + Gi;          /* one channel per group (Cg == 1) */
-                                    (void)Ch;
+                                    const int64_t Ch = Gb + Gi;
                                     const float H0_hi = Pv_H0_hi[Gi];
                                     const float H0_lo = Pv_H0_lo[Gi];
                                     const float H1_hi = Pv_H1_hi[Gi];
@@ -2967,7 +2963,7 @@ int instancenorm_train_forward_nhwc_f64(
     (void)Out_Stream;
     DG_PRAGMA(omp parallel num_threads(Nth))
     {
-int64_t Lo, Hi;
+        int64_t Lo, Hi;
         Dg_share(N_groups, &Lo, &Hi);             /* the NCHW kernels' split of the groups */
         for (int64_t B0 = Lo; B0 < Hi;) {
             const int64_t Oi = B0 / G;   /* the block's sample */
@@ -2996,8 +2992,7 @@ int64_t Lo, Hi;
                                 const int J = (int)((Pos0 + Si0 + Q) % DG_LANES);
                                 DG_INDEPENDENT
                                 for (int64_t Gi = 0; Gi < W; ++Gi) {
-                                    const int64_t Ch = Gb + Gi;          /* one channel per group (Cg == 1) */
-                                    (void)Ch;
+                                    const int64_t Ch = Gb + Gi;
                                     double A_Sum_mean = Lane_Sum_mean[J * W + Gi];
                                     DG_UNROLL(DG_PEND)
                                     for (int K = 0; K < DG_PEND; ++K) {
@@ -3060,8 +3055,7 @@ int64_t Lo, Hi;
                                 const int J = (int)((Pos0 + Si0 + Q) % DG_LANES);
                                 DG_INDEPENDENT
                                 for (int64_t Gi = 0; Gi < W; ++Gi) {
-                                    const int64_t Ch = Gb + Gi;          /* one channel per group (Cg == 1) */
-                                    (void)Ch;
+                                    const int64_t Ch = Gb + Gi;
                                     const double mean = Gv_mean[Gi];
                                     double A_Sum_var = Lane_Sum_var[J * W + Gi];
                                     DG_UNROLL(DG_PEND)
@@ -3208,7 +3202,7 @@ int instancenorm_train_backward_nhwc_f64(
     {
         double *restrict Mine = Part + (int64_t)Dg_thread_id() * Stride;
         (void)Mine;
-int64_t Lo, Hi;
+        int64_t Lo, Hi;
         Dg_share(N_groups, &Lo, &Hi);             /* the NCHW kernels' split of the groups */
         for (int64_t B0 = Lo; B0 < Hi;) {
             const int64_t Oi = B0 / G;   /* the block's sample */
@@ -3252,8 +3246,7 @@ int64_t Lo, Hi;
                                 const int J = (int)((Pos0 + Si0 + Q) % DG_LANES);
                                 DG_INDEPENDENT
                                 for (int64_t Gi = 0; Gi < W; ++Gi) {
-                                    const int64_t Ch = Gb + Gi;          /* one channel per group (Cg == 1) */
-                                    (void)Ch;
+                                    const int64_t Ch = Gb + Gi;
                                     const double mean = Gv_mean[Gi];
                                     const double rstd = Gv_rstd[Gi];
                                     const double gamma_V = gamma[Ch];
@@ -3365,8 +3358,7 @@ int64_t Lo, Hi;
                                 double Lt_dx[DG_PEND][DG_NHWC_GROUPS];     /* the lane's rows' outputs, streamed out below */
                                 DG_INDEPENDENT
                                 for (int64_t Gi = 0; Gi < W; ++Gi) {
-                                    const int64_t Ch = Gb + Gi;          /* one channel per group (Cg == 1) */
-                                    (void)Ch;
+                                    const int64_t Ch = Gb + Gi;
                                     const double mean = Gv_mean[Gi];
                                     const double rstd = Gv_rstd[Gi];
                                     const double K_1 = Gv_K_1[Gi];
@@ -4117,7 +4109,7 @@ int instancenorm_train_forward_nhwc_bf16(
     (void)Out_Stream;
     DG_PRAGMA(omp parallel num_threads(Nth))
     {
-int64_t Lo, Hi;
+        int64_t Lo, Hi;
         Dg_share(N_groups, &Lo, &Hi);             /* the NCHW kernels' split of the groups */
         for (int64_t B0 = Lo; B0 < Hi;) {
             const int64_t Oi = B0 / G;   /* the block's sample */
@@ -4146,8 +4138,7 @@ int64_t Lo, Hi;
                                 const int J = (int)((Pos0 + Si0 + Q) % DG_LANES);
                                 DG_INDEPENDENT
                                 for (int64_t Gi = 0; Gi < W; ++Gi) {
-                                    const int64_t Ch = Gb + Gi;          /* one channel per group (Cg == 1) */
-                                    (void)Ch;
+                                    const int64_t Ch = Gb + Gi;
                                     double A_Sum_mean = Lane_Sum_mean[J * W + Gi];
                                     DG_UNROLL(DG_PEND)
                                     for (int K = 0; K < DG_PEND; ++K) {
@@ -4210,8 +4201,7 @@ int64_t Lo, Hi;
                                 const int J = (int)((Pos0 + Si0 + Q) % DG_LANES);
                                 DG_INDEPENDENT
                                 for (int64_t Gi = 0; Gi < W; ++Gi) {
-                                    const int64_t Ch = Gb + Gi;          /* one channel per group (Cg == 1) */
-                                    (void)Ch;
+                                    const int64_t Ch = Gb + Gi;
                                     const double mean = Gv_mean[Gi];
                                     double A_Sum_var = Lane_Sum_var[J * W + Gi];
                                     DG_UNROLL(DG_PEND)
@@ -4373,7 +4363,7 @@ int instancenorm_train_backward_nhwc_bf16(
     {
         double *restrict Mine = Part + (int64_t)Dg_thread_id() * Stride;
         (void)Mine;
-int64_t Lo, Hi;
+        int64_t Lo, Hi;
         Dg_share(N_groups, &Lo, &Hi);             /* the NCHW kernels' split of the groups */
         for (int64_t B0 = Lo; B0 < Hi;) {
             const int64_t Oi = B0 / G;   /* the block's sample */
@@ -4431,8 +4421,7 @@ int64_t Lo, Hi;
                                 const int J = (int)((Pos0 + Si0 + Q) % DG_LANES);
                                 DG_INDEPENDENT
                                 for (int64_t Gi = 0; Gi < W; ++Gi) {
-                                    const int64_t Ch = Gb + Gi;          /* one channel per group (Cg == 1) */
-                                    (void)Ch;
+                                    const int64_t Ch = Gb + Gi;
                                     const float H0_hi = Pv_H0_hi[Gi];
                                     const float H0_lo = Pv_H0_lo[Gi];
                                     const float rstd_F = Pv_rstd_F[Gi];
@@ -4556,8 +4545,7 @@ int64_t Lo, Hi;
                                 dg_bf16 Lt_dx[DG_PEND][DG_NHWC_GROUPS];     /* the lane's rows' outputs, streamed out below */
                                 DG_INDEPENDENT
                                 for (int64_t Gi = 0; Gi < W; ++Gi) {
-                                    const int64_t Ch = Gb + Gi;          /* one channel per group (Cg == 1) */
-                                    (void)Ch;
+                                    const int64_t Ch = Gb + Gi;
                                     const float H0_hi = Pv_H0_hi[Gi];
                                     const float H0_lo = Pv_H0_lo[Gi];
                                     const float H1_hi = Pv_H1_hi[Gi];
