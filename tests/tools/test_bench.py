@@ -242,3 +242,27 @@ def test_bench_bfloat16_reports_each_pass_per_byte(tmp_path):
         [sys.executable, "-m", "derivgen", "bench", "--dtype", "bfloat16", "frn"], capture_output=True, text=True
     )
     assert bad.returncode == 2 and "no bfloat16 bench for frn" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_a_target_below_the_memory_floor_says_so():
+    """A C / torch target smaller than the memory floor (the bytes at the faster copy
+    probe, over torch's time) is marked as asking more than the memory gives; one above it
+    is not."""
+    from derivgen.tools.bench import evaluate_targets, target_lines
+
+    c_ratios = {"step_vs_torch": 0.9, "fwd_vs_stream_bound": 1.1, "bwd_vs_stream_bound": 1.0}
+
+    def report(floor: float) -> dict:
+        rows = [
+            {"layer": "layernorm", "shape": [8192, 1024], "impl": "generated c", "ratios": c_ratios},
+            {"layer": "layernorm", "shape": [8192, 1024], "impl": "torch", "ratios": {"floor_vs_torch": floor}},
+        ]
+        return {"results": rows, "dtype": "float32", "threads": 2, "builds": [{"label": "generated c", "skipped": ""}]}
+
+    low, high = report(0.6), report(0.82)
+    t = evaluate_targets(high)[0]
+    assert t["what"].endswith("fwd+bwd / torch") and t["limit"] == 0.75 and not t["met"] and t["floor"] == 0.82
+    text = "\n".join(target_lines(high))
+    assert "below this machine's memory floor, 0.82 of torch" in text and "1 missed below the memory floor" in text
+    text = "\n".join(target_lines(low))
+    assert "MISSED" in text and "memory floor" not in text
