@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import sympy
+from sympy.polys.polyerrors import CoercionFailed
+from sympy.polys.rings import ring as polynomials
 
 from derivgen.derive.first import G, ModeDerivation, ParamGrad
 from derivgen.derive.second import SecondOrder, almost_everywhere
@@ -325,7 +327,7 @@ def _reduces_to_zero(diff: sympy.Expr) -> bool:
     a polynomial in the generators -- is pseudo-reduced modulo den(b)·t^q - num(b),
     outermost first."""
     if not _roots(diff):
-        return sympy.cancel(sympy.together(diff)) == 0
+        return _field_numerator_zero(diff, []) or sympy.cancel(sympy.together(diff)) == 0
     e, rels = diff, []
     for k in range(8):
         inner = [q for q in _roots(e) if not _roots(q.base)]
@@ -355,6 +357,8 @@ def _reduces_to_zero(diff: sympy.Expr) -> bool:
         )
     }
     e = e.xreplace(opaque)
+    if _field_numerator_zero(e, [(t, den, base.xreplace(opaque)) for t, den, base in rels]):
+        return True
     num = sympy.expand(sympy.numer(sympy.together(e)))
     try:
         for t, den, base in reversed(rels):
@@ -362,6 +366,45 @@ def _reduces_to_zero(diff: sympy.Expr) -> bool:
                 bn, bd = sympy.fraction(sympy.together(base.xreplace(opaque)))
                 num = sympy.expand(sympy.prem(num, sympy.expand(bd * t**den - bn), t))
     except sympy.PolynomialError:
+        return False
+    return num == 0
+
+
+def _field_numerator_zero(e: sympy.Expr, rels: list[tuple[sympy.Symbol, int, sympy.Expr]]) -> bool:
+    """True when the numerator of ``e`` over one denominator (``together``), a polynomial whose
+    generators are its symbols and its remaining function applications, is zero once
+    pseudo-reduced modulo each relation den(b)·t^q - num(b) of ``rels`` (outermost first);
+    False when that does not show it.
+
+    The numerator is multiplied out in SymPy's sparse polynomials over QQ, node by node
+    (``PolyRing.from_expr``), where ``cancel`` and ``expand`` multiply out expression trees:
+    at N = 3 a trailing layer's difference took 10.6 s by ``cancel`` and 1.5 s so. Only True
+    is trusted: a generator stands for any value, so zero for every value of the generators
+    is zero for theirs; where this does not reach zero (an identity between functions, as
+    exp(a + b) = exp(a)·exp(b), which ``expand`` applies), the caller reduces as before."""
+    if e.is_Number:
+        return e == 0
+    if e.has(sympy.Float):
+        return False
+    opaque = {
+        f: sympy.Dummy(f"f{k}") for k, f in enumerate(sorted(e.atoms(sympy.Function), key=sympy.default_sort_key))
+    }
+    numer = sympy.fraction(sympy.together(e.xreplace(opaque)))[0]
+    rels = [(t, den, sympy.fraction(sympy.together(b.xreplace(opaque)))) for t, den, b in rels]
+    gens = sorted(
+        set().union(numer.free_symbols, *(b[0].free_symbols | b[1].free_symbols | {t} for t, _, b in rels)),
+        key=sympy.default_sort_key,
+    )
+    if not gens:
+        return numer == 0
+    ring = polynomials(gens, sympy.QQ)[0]
+    try:
+        num = ring.from_expr(numer)
+        for t, den, (bn, bd) in reversed(rels):
+            g = ring.gens[gens.index(t)]
+            if num.degree(g) > 0:
+                num = num.prem(ring.from_expr(bd) * g**den - ring.from_expr(bn), g)
+    except (ValueError, TypeError, ZeroDivisionError, sympy.PolynomialError, CoercionFailed):
         return False
     return num == 0
 
