@@ -60,6 +60,12 @@ class Derivation:
             self._cache[key] = compute()
         return self._cache[key]
 
+    def memo(self, key: tuple, compute: Callable[[], object]) -> object:
+        """What a later stage computes from this derivation alone (code generation's IR and
+        kernel plans), computed once per ``key`` and kept with it: a layer emitted for
+        several targets is planned once."""
+        return self._cached(("memo", *key), compute)
+
     def _mode(self, mode: str) -> ModeDerivation:
         """One mode's derivation; a ValueError naming the layer's modes for another."""
         if mode not in self.modes:
@@ -149,8 +155,14 @@ def load_spec(name_or_path: str | Path) -> Spec:
 @functools.lru_cache(maxsize=64)
 def _derive_spec(spec: Spec, prove: tuple[int, ...]) -> Derivation:
     """Derive every mode of ``spec`` and, when ``prove`` names sizes, prove them (memoized)."""
-    derivation = Derivation(spec, {m.name: derive_mode(spec, m.name) for m in spec.modes})
-    return replace(derivation, proofs=prove_derivation(derivation, prove)) if prove else derivation
+    if not prove:
+        return Derivation(spec, {m.name: derive_mode(spec, m.name) for m in spec.modes})
+    derivation = _derive_spec(spec, ())
+    proven = replace(derivation, proofs=prove_derivation(derivation, prove))
+    # the same derivation with its proofs: what either computes on first use (the second
+    # order, steps, plans) does not depend on the proofs, so they keep it in one place
+    object.__setattr__(proven, "_cache", derivation._cache)
+    return proven
 
 
 def derive(name_or_spec: str | Path | Spec, *, prove: bool | tuple[int, ...] = False) -> Derivation:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 import pprint
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -25,6 +25,7 @@ from derivgen.codegen.jax_printer import jax_expr
 from derivgen.codegen.printers import SpecPrinter
 from derivgen.codegen.triton_plan import plan_triton
 from derivgen.derive.first import ModeDerivation
+from derivgen.derive.second import SecondOrder
 from derivgen.runtime.abi import kernel_signature
 from derivgen.spec.model import N as GROUP_SIZE
 from derivgen.spec.model import Spec
@@ -49,6 +50,12 @@ class LayerDerivation(Protocol):
 
     spec: Spec
     modes: Mapping[str, ModeDerivation]
+
+    def second(self, mode: str) -> SecondOrder:
+        """The second order of one mode."""
+
+    def memo(self, key: tuple, compute: Callable[[], object]) -> object:
+        """``compute()``, once per ``key`` for this derivation (the IR and the kernel plans)."""
 
 
 def template_dir() -> Path:
@@ -237,12 +244,23 @@ def emit(d: LayerDerivation, targets: Collection[str] = ("numpy", "c")) -> Emitt
         raise NotImplementedError(f"{spec.name}: the C kernels take block statistics or windows, not both in one layer")
     printer = SpecPrinter(spec)
     env = _env()
-    irs = {m: build_mode_ir(first) for m, first in d.modes.items()}
-    second_irs = {
-        m: {"bb": build_second_ir(d.second(m), "bb"), "jvp": build_second_ir(d.second(m), "jvp")} for m in d.modes
-    }
+    # planned once per derivation, whichever targets ask (a layer is often emitted for several)
+    irs = d.memo(("ir",), lambda: {m: build_mode_ir(first) for m, first in d.modes.items()})
+    second_irs = d.memo(
+        ("second ir",),
+        lambda: {
+            m: {"bb": build_second_ir(d.second(m), "bb"), "jvp": build_second_ir(d.second(m), "jvp")} for m in d.modes
+        },
+    )
     kernels = (
-        {(m, sfx): plan_kernel(printer, ir, second_irs[m], ct) for m, ir in irs.items() for sfx, ct in CTYPES.items()}
+        d.memo(
+            ("c plans",),
+            lambda: {
+                (m, sfx): plan_kernel(printer, ir, second_irs[m], ct)
+                for m, ir in irs.items()
+                for sfx, ct in CTYPES.items()
+            },
+        )
         if "c" in targets
         else {}
     )
