@@ -110,3 +110,22 @@ def test_symbolic_budget_survives_an_exception_dropped_by_a_gc_callback():
         while time.perf_counter() - t0 < 5:
             pass
     assert time.perf_counter() - t0 < 1.5
+
+
+def test_the_polynomial_reduction_proves_zero_and_defers_identities_between_functions():
+    """The numerator multiplied out over QQ shows a rational identity (roots as generators
+    with their relations included); an identity between functions (exp(a + b) = exp(a)·exp(b))
+    it cannot show, and then the reduction through ``cancel`` still proves it; a non-zero
+    difference is zero by neither."""
+    from derivgen.prove.proof import _field_numerator_zero, _reduces_to_zero
+
+    a, b = sympy.symbols("a b", real=True)
+    rational = (a**2 - b**2) / (a - b) - a - b + sympy.exp(a) * (1 / (a + 1) - 1 / (a + 1))
+    assert _field_numerator_zero(rational, []) and _reduces_to_zero(rational)
+    t = sympy.Dummy("t", positive=True)  # t = sqrt(a**2 + 1)
+    assert _field_numerator_zero(t**3 - (a**2 + 1) * t, [(t, 2, a**2 + 1)])
+    assert not _field_numerator_zero(t**3 - a**2 * t, [(t, 2, a**2 + 1)])
+    functions = sympy.exp(a + b) - sympy.exp(a) * sympy.exp(b)
+    assert not _field_numerator_zero(functions, []) and _reduces_to_zero(functions)
+    assert not _field_numerator_zero(a / (a + b) - 1, []) and not _reduces_to_zero(a / (a + b) - 1)
+    assert _reduces_to_zero(sympy.sqrt(a**2 + 1) ** 3 - (a**2 + 1) * sympy.sqrt(a**2 + 1))
