@@ -409,8 +409,8 @@ def _compile_at_o1(monkeypatch):
     """The zoo's C modules are compiled at -O1 here, as the spec fuzzer compiles its specs:
     these tests check values, not speed, and switchnorm's 22,000 lines (its double backward
     and JVP kernels for every layout and dtype) took 63 s at the default -O3 and 18 s at -O1
-    on the AMD EPYC guest. The catalogue's tests, the sanitizers and the bench build with
-    the defaults."""
+    on the AMD EPYC guest. The catalogue's tests and the bench build with the defaults (the
+    sanitizers with their own flags)."""
     monkeypatch.setenv("CFLAGS", "-O1 -march=native -fno-math-errno -ffp-contract=off")
 
 
