@@ -327,7 +327,8 @@ def _reduces_to_zero(diff: sympy.Expr) -> bool:
     a polynomial in the generators -- is pseudo-reduced modulo den(b)·t^q - num(b),
     outermost first."""
     if not _roots(diff):
-        return _field_numerator_zero(diff, []) or sympy.cancel(sympy.together(diff)) == 0
+        fast = _polynomial_zero(diff, [])
+        return fast if fast is not None else sympy.cancel(sympy.together(diff)) == 0
     e, rels = diff, []
     for k in range(8):
         inner = [q for q in _roots(e) if not _roots(q.base)]
@@ -357,8 +358,9 @@ def _reduces_to_zero(diff: sympy.Expr) -> bool:
         )
     }
     e = e.xreplace(opaque)
-    if _field_numerator_zero(e, [(t, den, base.xreplace(opaque)) for t, den, base in rels]):
-        return True
+    fast = _polynomial_zero(e, [(t, den, base.xreplace(opaque)) for t, den, base in rels])
+    if fast is not None:
+        return fast
     num = sympy.expand(sympy.numer(sympy.together(e)))
     try:
         for t, den, base in reversed(rels):
@@ -370,25 +372,25 @@ def _reduces_to_zero(diff: sympy.Expr) -> bool:
     return num == 0
 
 
-def _field_numerator_zero(e: sympy.Expr, rels: list[tuple[sympy.Symbol, int, sympy.Expr]]) -> bool:
-    """True when the numerator of ``e`` over one denominator (``together``), a polynomial whose
-    generators are its symbols and its remaining function applications, is zero once
-    pseudo-reduced modulo each relation den(b)·t^q - num(b) of ``rels`` (outermost first);
-    False when that does not show it.
+def _polynomial_zero(e: sympy.Expr, rels: list[tuple[sympy.Symbol, int, sympy.Expr]]) -> bool | None:
+    """Whether the numerator of ``e`` over one denominator (``together``) is zero once
+    pseudo-reduced modulo each relation den(b)·t^q - num(b) of ``rels`` (outermost first): the
+    reduction :func:`_reduces_to_zero` makes, with the numerator multiplied out in SymPy's
+    sparse polynomials over QQ, node by node (``PolyRing.from_expr``), where ``cancel`` and
+    ``expand`` multiply out expression trees: at N = 3 a trailing layer's difference took
+    10.6 s by ``cancel`` and 1.5 s so.
 
-    The numerator is multiplied out in SymPy's sparse polynomials over QQ, node by node
-    (``PolyRing.from_expr``), where ``cancel`` and ``expand`` multiply out expression trees:
-    at N = 3 a trailing layer's difference took 10.6 s by ``cancel`` and 1.5 s so. Only True
-    is trusted: a generator stands for any value, so zero for every value of the generators
-    is zero for theirs; where this does not reach zero (an identity between functions, as
-    exp(a + b) = exp(a)·exp(b), which ``expand`` applies), the caller reduces as before."""
+    Function applications left in ``e`` or a base are generators of their own: zero for every
+    value of the generators is zero for theirs, so True is final; False is final only where
+    there were none (``expand`` applies identities between functions, as exp(a + b) =
+    exp(a)·exp(b), which generators do not know). None: not decided here (such functions, a
+    Float, or what is not a polynomial over QQ), for the caller's reduction."""
     if e.is_Number:
         return e == 0
-    if e.has(sympy.Float):
-        return False
-    opaque = {
-        f: sympy.Dummy(f"f{k}") for k, f in enumerate(sorted(e.atoms(sympy.Function), key=sympy.default_sort_key))
-    }
+    if e.has(sympy.Float) or any(b.has(sympy.Float) for _, _, b in rels):
+        return None
+    funcs = set().union(e.atoms(sympy.Function), *(b.atoms(sympy.Function) for _, _, b in rels))
+    opaque = {f: sympy.Dummy(f"f{k}") for k, f in enumerate(sorted(funcs, key=sympy.default_sort_key))}
     numer = sympy.fraction(sympy.together(e.xreplace(opaque)))[0]
     rels = [(t, den, sympy.fraction(sympy.together(b.xreplace(opaque)))) for t, den, b in rels]
     gens = sorted(
@@ -396,7 +398,7 @@ def _field_numerator_zero(e: sympy.Expr, rels: list[tuple[sympy.Symbol, int, sym
         key=sympy.default_sort_key,
     )
     if not gens:
-        return numer == 0
+        return bool(numer == 0) if numer.is_Rational else None
     ring = polynomials(gens, sympy.QQ)[0]
     try:
         num = ring.from_expr(numer)
@@ -405,8 +407,10 @@ def _field_numerator_zero(e: sympy.Expr, rels: list[tuple[sympy.Symbol, int, sym
             if num.degree(g) > 0:
                 num = num.prem(ring.from_expr(bd) * g**den - ring.from_expr(bn), g)
     except (ValueError, TypeError, ZeroDivisionError, sympy.PolynomialError, CoercionFailed):
-        return False
-    return num == 0
+        return None
+    if num == 0:
+        return True
+    return None if opaque else False
 
 
 NUMERIC_DIGITS = 80

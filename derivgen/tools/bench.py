@@ -657,7 +657,7 @@ def target_lines(report: dict) -> list[str]:
     width = max(len(t["what"]) for t in targets)
     for t in targets:
         floor = t.get("floor")
-        below = floor is not None and t["limit"] < floor
+        below = not t["met"] and floor is not None and t["limit"] < floor
         out.append(
             f"  {t['build']:<24} {t['what']:<{width}}  {t['value']:.2f} (<= {t['limit']})  "
             f"{'met' if t['met'] else 'MISSED'}"

@@ -266,3 +266,5 @@ def test_a_target_below_the_memory_floor_says_so():
     assert "below this machine's memory floor, 0.82 of torch" in text and "1 missed below the memory floor" in text
     text = "\n".join(target_lines(low))
     assert "MISSED" in text and "memory floor" not in text
+    c_ratios["step_vs_torch"] = 0.7  # met: no word of the floor
+    assert "memory floor" not in "\n".join(target_lines(high))
