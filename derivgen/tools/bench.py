@@ -486,7 +486,9 @@ def _bench_case(
         rows.append(Result(name, shape, "torch", fwd_ms=t2[("torch", "fwd")], step_alloc_ms=torch_ms))
         # the memory floor: forward and backward's bytes at the faster of the two probes, over
         # torch's time; a target of C / torch below it asks for more than this memory gives
-        rows[-1].ratios["floor_vs_torch"] = min(bound["fwd"] + bound["bwd"], nt_bound["fwd"] + nt_bound["bwd"]) / torch_ms
+        rows[-1].ratios["floor_vs_torch"] = (
+            min(bound["fwd"] + bound["bwd"], nt_bound["fwd"] + nt_bound["bwd"]) / torch_ms
+        )
     for r in rows:
         best = r.step_ms if r.step_ms is not None else r.step_alloc_ms
         if torch_ms:
@@ -667,7 +669,11 @@ def target_lines(report: dict) -> list[str]:
     unreachable = sum(1 for t in targets if not t["met"] and t.get("floor") is not None and t["limit"] < t["floor"])
     out.append(
         f"  {met} of {len(targets)} met"
-        + (f"; {unreachable} missed below the memory floor (bytes moved / the faster copy probe)" if unreachable else "")
+        + (
+            f"; {unreachable} missed below the memory floor (bytes moved / the faster copy probe)"
+            if unreachable
+            else ""
+        )
     )
     return out
 
