@@ -6,6 +6,8 @@ from pathlib import Path
 
 import pytest
 
+from derivgen.runtime.build import cache_dir
+
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
 
@@ -46,10 +48,29 @@ def require_module(name: str):
         pytest.skip(f"{name} not installed")
 
 
+# the suite's build cache, as the tests found it ($DERIVGEN_CACHE, else ~/.cache/derivgen)
+SUITE_CACHE = cache_dir()
+
+
+def private_cache(tmp_path) -> str:
+    """A build cache of a test's own under ``tmp_path`` (its kernels built with its CFLAGS),
+    whose ``torch_ext`` folder is the suite's: derivgen.torch's C++ extension does not depend
+    on CFLAGS and takes half a minute to build, so every private cache shares one build (its
+    own lock file serializes the first)."""
+    cache = Path(tmp_path) / "cache"
+    cache.mkdir(parents=True, exist_ok=True)
+    shared = SUITE_CACHE / "torch_ext"
+    shared.mkdir(parents=True, exist_ok=True)
+    link = cache / "torch_ext"
+    if not link.exists():
+        link.symlink_to(shared, target_is_directory=True)
+    return str(cache)
+
+
 def run_driver(script: str, tmp_path, cflags: str, *args, env=None, timeout: int = 900):
     """Run ``tests/<script>`` in a subprocess whose C kernels are built with
-    ``cflags`` into a cache of its own under ``tmp_path``."""
-    full = dict(os.environ, CFLAGS=cflags, DERIVGEN_CACHE=str(tmp_path / "cache"), PYTHONPATH=str(ROOT), **(env or {}))
+    ``cflags`` into a cache of its own under ``tmp_path`` (:func:`private_cache`)."""
+    full = dict(os.environ, CFLAGS=cflags, DERIVGEN_CACHE=private_cache(tmp_path), PYTHONPATH=str(ROOT), **(env or {}))
     return subprocess.run(
         [sys.executable, str(ROOT / "tests" / script), *map(str, args)],
         env=full,

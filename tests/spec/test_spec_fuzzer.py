@@ -11,7 +11,7 @@ import time
 
 import pytest
 import specfuzz
-from conftest import ROOT
+from conftest import ROOT, private_cache
 
 import derivgen
 from derivgen.spec.model import parse_spec, reserved_reason
@@ -51,7 +51,7 @@ def test_generated_specs_are_valid_and_varied():
 
 @pytest.mark.slow
 def test_ci_corpus_passes(tmp_path, monkeypatch):
-    monkeypatch.setenv("DERIVGEN_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("DERIVGEN_CACHE", private_cache(tmp_path))
     monkeypatch.setenv("CFLAGS", "-O1 -march=native -fno-math-errno")  # compile fast; still -Werror
     t0 = time.perf_counter()
     # every seed's second order is checked (finite differences, the other backend); every
@@ -92,7 +92,7 @@ def test_corpus_runs_after_openmp_kernels_in_the_same_process(tmp_path):
     spawned now. Bounded: a hang fails here after 240 s instead of hanging the suite."""
     env = dict(
         os.environ,
-        DERIVGEN_CACHE=str(tmp_path / "cache"),
+        DERIVGEN_CACHE=private_cache(tmp_path),
         CFLAGS="-O1 -march=native -fno-math-errno",
         PYTHONPATH=str(specfuzz.ROOT),
     )
