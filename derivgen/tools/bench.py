@@ -654,17 +654,22 @@ def target_lines(report: dict) -> list[str]:
     if not targets:
         return ["targets: none of this run's cases has one"]
     out = [
-        f"targets ({report['dtype']}, {report['threads']} thread(s), preallocated outputs; the project's targets are set for float32 and 2 threads):"
+        f"targets ({report['dtype']}, {report['threads']} thread(s), preallocated outputs; the targets are set for float32, 2 threads):"
     ]
+    # a table under each build's name, so that a line fits 100 columns unfolded
     width = max(len(t["what"]) for t in targets)
+    build = None
     for t in targets:
+        if t["build"] != build:
+            build = t["build"]
+            out.append(f"  {build}:")
         floor = t.get("floor")
         below = not t["met"] and floor is not None and t["limit"] < floor
         out.append(
-            f"  {t['build']:<24} {t['what']:<{width}}  {t['value']:.2f} (<= {t['limit']})  "
-            f"{'met' if t['met'] else 'MISSED'}"
-            + (f" (below this machine's memory floor, {floor:.2f} of torch)" if below else "")
+            f"    {t['what']:<{width}}  {t['value']:.2f} (<= {t['limit']})  {'met' if t['met'] else 'MISSED'}"
         )
+        if below:
+            out.append(f"      below this machine's memory floor, {floor:.2f} of torch")
     met = sum(t["met"] for t in targets)
     unreachable = sum(1 for t in targets if not t["met"] and t.get("floor") is not None and t["limit"] < t["floor"])
     out.append(

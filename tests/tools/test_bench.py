@@ -264,6 +264,7 @@ def test_a_target_below_the_memory_floor_says_so():
     assert t["what"].endswith("fwd+bwd / torch") and t["limit"] == 0.75 and not t["met"] and t["floor"] == 0.82
     text = "\n".join(target_lines(high))
     assert "below this machine's memory floor, 0.82 of torch" in text and "1 missed below the memory floor" in text
+    assert max(map(len, text.splitlines())) <= 100  # a table, never folded
     text = "\n".join(target_lines(low))
     assert "MISSED" in text and "memory floor" not in text
     c_ratios["step_vs_torch"] = 0.7  # met: no word of the floor
