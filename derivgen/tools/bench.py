@@ -665,9 +665,7 @@ def target_lines(report: dict) -> list[str]:
             out.append(f"  {build}:")
         floor = t.get("floor")
         below = not t["met"] and floor is not None and t["limit"] < floor
-        out.append(
-            f"    {t['what']:<{width}}  {t['value']:.2f} (<= {t['limit']})  {'met' if t['met'] else 'MISSED'}"
-        )
+        out.append(f"    {t['what']:<{width}}  {t['value']:.2f} (<= {t['limit']})  {'met' if t['met'] else 'MISSED'}")
         if below:
             out.append(f"      below this machine's memory floor, {floor:.2f} of torch")
     met = sum(t["met"] for t in targets)
