@@ -48,6 +48,11 @@ def require_module(name: str):
         pytest.skip(f"{name} not installed")
 
 
+# the flags of the tests that check values, not speed (the regression specs, the zoo): -O1
+# compiles several times faster than the default -O3 and still fails on any warning
+QUICK_CFLAGS = "-O1 -march=native -fno-math-errno -ffp-contract=off"
+
+
 # the suite's build cache, as the tests found it ($DERIVGEN_CACHE, else ~/.cache/derivgen)
 SUITE_CACHE = cache_dir()
 

@@ -648,6 +648,12 @@ def _wrap(line: str) -> str:
     return textwrap.fill(line, 100, subsequent_indent="    ", break_on_hyphens=False) if len(line) > 100 else line
 
 
+def _below_floor(target: dict) -> bool:
+    """Whether a target was missed asking for less time than this machine's memory floor."""
+    floor = target.get("floor")
+    return not target["met"] and floor is not None and target["limit"] < floor
+
+
 def target_lines(report: dict) -> list[str]:
     """The project's targets this report can judge, each met or MISSED, and how many were met."""
     targets = report.get("targets") or evaluate_targets(report)
@@ -663,13 +669,11 @@ def target_lines(report: dict) -> list[str]:
         if t["build"] != build:
             build = t["build"]
             out.append(f"  {build}:")
-        floor = t.get("floor")
-        below = not t["met"] and floor is not None and t["limit"] < floor
         out.append(f"    {t['what']:<{width}}  {t['value']:.2f} (<= {t['limit']})  {'met' if t['met'] else 'MISSED'}")
-        if below:
-            out.append(f"      below this machine's memory floor, {floor:.2f} of torch")
+        if _below_floor(t):
+            out.append(f"      below this machine's memory floor, {t['floor']:.2f} of torch")
     met = sum(t["met"] for t in targets)
-    unreachable = sum(1 for t in targets if not t["met"] and t.get("floor") is not None and t["limit"] < t["floor"])
+    unreachable = sum(map(_below_floor, targets))
     out.append(
         f"  {met} of {len(targets)} met"
         + (

@@ -4,7 +4,7 @@ backends in float32 and float64 against finite differences and each other."""
 
 import numpy as np
 import pytest
-from conftest import ROOT
+from conftest import QUICK_CFLAGS, ROOT
 
 import derivgen
 from derivgen.spec.model import SpecError, parse_spec
@@ -23,7 +23,7 @@ def _has_group_selection(spec) -> bool:
 def test_regression_spec_goes_through_the_pipeline(path, monkeypatch):
     # compiled as the spec fuzzer compiles the specs it finds (fast; still -Werror): these
     # check the engine and the templates, the catalogue's tests the -O3 builds
-    monkeypatch.setenv("CFLAGS", "-O1 -march=native -fno-math-errno -ffp-contract=off")
+    monkeypatch.setenv("CFLAGS", QUICK_CFLAGS)
     spec = derivgen.load_spec(path)
     numeric_ok = _has_group_selection(spec) or bool(spec.windows)
     if numeric_ok:  # the fuzzer's symbolic budget per size (10 s), then exact 80-digit numbers

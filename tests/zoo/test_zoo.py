@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 import torch
-from conftest import block_layer
+from conftest import QUICK_CFLAGS, block_layer
 
 import derivgen
 
@@ -411,7 +411,7 @@ def _compile_at_o1(monkeypatch):
     and JVP kernels for every layout and dtype) took 63 s at the default -O3 and 18 s at -O1
     on the AMD EPYC guest. The catalogue's tests and the bench build with the defaults (the
     sanitizers with their own flags)."""
-    monkeypatch.setenv("CFLAGS", "-O1 -march=native -fno-math-errno -ffp-contract=off")
+    monkeypatch.setenv("CFLAGS", QUICK_CFLAGS)
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
