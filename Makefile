@@ -6,7 +6,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.derivgen-installed
 
-.PHONY: demo test install pdflatex generate check clean fuzz lint format
+.PHONY: demo test test-full install pdflatex generate check clean fuzz lint format
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -56,8 +56,14 @@ format: $(STAMP)
 
 # two pytest workers: most tests are one single-threaded process (SymPy, compiles), so two
 # fill a 2-core machine; the spec fuzzer's corpus runs its own two workers inside one of them
+# make test is the quick tier: every test, with each corpus (fuzz seeds run by a backend, the
+# regression specs' second-order proofs) cut to a sample that has every feature of the whole;
+# make test-full runs the corpora whole (the tests marked `full` too)
 TEST_WORKERS ?= 2
 test: $(STAMP) pdflatex lint
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) -m "not full"
+
+test-full: $(STAMP) pdflatex lint
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS)
 
 # the spec fuzzer's larger corpus (the test suite runs seeds 0-27, 100000 and 100008); SEEDS=a-b,

@@ -53,6 +53,21 @@ def require_module(name: str):
 QUICK_CFLAGS = "-O1 -march=native -fno-math-errno -ffp-contract=off"
 
 
+# `make test` is the quick tier: it deselects the tests marked `full` (-m "not full"), the
+# members of a corpus beyond its sample; `make test-full` (or plain pytest) runs them all
+def corpus(items, quick, ids=None) -> list:
+    """Parameters for ``pytest.mark.parametrize`` over a corpus: the members in ``quick``
+    as they are, every other one marked ``full`` (``make test-full`` runs it, ``make test``
+    does not); ``ids(item)`` names a member."""
+    quick = set(quick)
+    missing = quick - set(items)
+    assert not missing, f"the quick sample names members the corpus lacks: {sorted(missing)}"
+    return [
+        pytest.param(it, id=None if ids is None else ids(it), marks=() if it in quick else pytest.mark.full)
+        for it in items
+    ]
+
+
 # the suite's build cache, as the tests found it ($DERIVGEN_CACHE, else ~/.cache/derivgen)
 SUITE_CACHE = cache_dir()
 

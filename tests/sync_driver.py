@@ -33,6 +33,9 @@ import derivgen.torch as dt
 from derivgen.torch.sync import SyncError
 
 ROOT = Path(__file__).resolve().parent.parent
+# the spec of case "spec", written by main() for the ranks it forks
+SPEC_PATH: Path | None = None
+
 SPEC = """\
 name = "quartic_batchnorm"
 title = "Batch normalization by the fourth central moment"
@@ -148,8 +151,7 @@ def case_batchnorm(rank, world):
 
 
 def case_spec(rank, world):
-    path = Path(tempfile.gettempdir()) / f"derivgen_sync_spec_{os.getpid()}.toml"
-    path.write_text(SPEC)
+    path = SPEC_PATH  # one file for every rank: one build of its kernels (the others wait for it)
     x, dy = batch(torch.float64, world)
     ref = dt.Module(str(path), 3, dtype=torch.float64)
     ours = dt.Module(str(path), 3, sync=True, dtype=torch.float64)
@@ -259,6 +261,7 @@ def rank_main(rank, world, port, case):
 
 
 def main():
+    global SPEC_PATH
     case, world = sys.argv[1], int(sys.argv[2])
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -269,6 +272,11 @@ def main():
             p.join(120)
         codes = [p.exitcode for p in ctx.processes]
         assert codes == [0 if r != 1 else 3 for r in range(world)], codes
+    elif case == "spec":
+        with tempfile.TemporaryDirectory() as tmp:
+            SPEC_PATH = Path(tmp) / "derivgen_sync_spec.toml"
+            SPEC_PATH.write_text(SPEC)
+            mp.start_processes(rank_main, args=(world, port, case), nprocs=world, join=True, start_method="fork")
     else:
         mp.start_processes(rank_main, args=(world, port, case), nprocs=world, join=True, start_method="fork")
     print(f"{case} with {world} processes: ok")

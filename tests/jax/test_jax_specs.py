@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import ROOT, require_module
+from conftest import ROOT, corpus, require_module
 
 jax = require_module("jax")
 jax.config.update("jax_enable_x64", True)
@@ -91,17 +91,7 @@ def test_zoo(path):
     _check(spec)
 
 
-# seed 80 (a group maximum's tie test, now written in x as the forward computed it) was a
-# strict expected failure while the engine compared x rewritten through x̂.
-FRAGILE: set[int] = set()
-
-
-@pytest.mark.parametrize(
-    "seed",
-    [
-        pytest.param(s, marks=pytest.mark.xfail(strict=True, reason="see FRAGILE")) if s in FRAGILE else s
-        for s in FUZZ_SEEDS
-    ],
-)
+# make test: the seeds that together have every feature of these (specfuzz.covering)
+@pytest.mark.parametrize("seed", corpus(FUZZ_SEEDS, specfuzz.covering(FUZZ_SEEDS)))
 def test_fuzzed_specs(seed):
     _check(parse_spec(specfuzz.generate(seed), source=f"fuzz{seed}.toml"))

@@ -7,7 +7,8 @@ import itertools
 
 import numpy as np
 import pytest
-from conftest import ROOT
+import specfuzz
+from conftest import QUICK_CFLAGS, ROOT, corpus
 
 import derivgen
 
@@ -93,13 +94,13 @@ def test_a_group_maximum_has_no_split_reduction():
 @pytest.mark.parametrize("dtype", [np.float64, np.float32])
 # evonorm_b0: instance statistics inside the batch group (a part holds whole instance blocks)
 @pytest.mark.parametrize("spec", ["batchnorm", "evonorm_b0"] + BATCH_REGRESSIONS)
-def test_split_equals_one_piece(spec, backend, dtype):
+def test_split_equals_one_piece(spec, backend, dtype, monkeypatch):
+    if spec not in derivgen.names():  # as the zoo's and the regressions' tests build them
+        monkeypatch.setenv("CFLAGS", QUICK_CFLAGS)
     _check(spec, backend, dtype)
 
 
 def _fuzz_batch_seeds(n=6, limit=200):
-    import specfuzz
-
     out = []
     for s in range(limit):
         if 'reduce = "batch"' in specfuzz.generate(s):
@@ -109,11 +110,11 @@ def _fuzz_batch_seeds(n=6, limit=200):
     return out
 
 
-@pytest.mark.parametrize("seed", _fuzz_batch_seeds())
+# make test: the seeds that together have every feature of these (specfuzz.covering)
+@pytest.mark.parametrize("seed", corpus(_fuzz_batch_seeds(), specfuzz.covering(_fuzz_batch_seeds())))
 @pytest.mark.parametrize("backend", ["numpy", "c"])
-def test_split_fuzzed_batch_specs(seed, backend, tmp_path):
-    import specfuzz
-
+def test_split_fuzzed_batch_specs(seed, backend, tmp_path, monkeypatch):
+    monkeypatch.setenv("CFLAGS", QUICK_CFLAGS)
     p = tmp_path / f"fuzz{seed}.toml"
     p.write_text(specfuzz.generate(seed))
     _check(str(p), backend, np.float64, seed)

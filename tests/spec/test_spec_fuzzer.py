@@ -19,8 +19,10 @@ from derivgen.symbolic.block import BlockMean
 
 # and two of the block family (a group layout and a batch layout; the all layout's take a minute
 # each: `make fuzz` runs them, and the zoo's switchnorm and the sanitizer's block spec are in it).
-# Seeds 28 and up are `make fuzz`'s (test time).
+# Seeds 28 and up are `make fuzz`'s. make test runs the sample of seeds 0-27 that has every
+# feature of them all (specfuzz.covering) and the block seeds; make test-full the other seeds too.
 CI_SEEDS = [*range(28), specfuzz.BLOCK_SEEDS, specfuzz.BLOCK_SEEDS + 8]
+QUICK_SEEDS = [*specfuzz.covering(range(28)), specfuzz.BLOCK_SEEDS, specfuzz.BLOCK_SEEDS + 8]
 CI_DEADLINE = 900  # seconds; seeds not started by then fail the test ("not run")
 
 
@@ -49,26 +51,47 @@ def test_generated_specs_are_valid_and_varied():
     assert any(n.endswith("_t") for n in names)
 
 
+def test_the_quick_sample_has_every_feature_of_its_corpus():
+    every = set().union(*map(specfuzz.features, range(28)))
+    sample = set().union(*map(specfuzz.features, QUICK_SEEDS))
+    assert every <= sample and len(QUICK_SEEDS) < len(CI_SEEDS)
+    assert {f for f in every if f.startswith("layout ")} == {
+        "layout trailing/features",
+        "layout channels/batch",
+        "layout channels/instance",
+        "layout channels/group",
+        "layout channels/position",
+    }
+    assert {"call exp", "call sqrt", "table buffers", "table modes.eval.statistics"} <= every
+
+
 @pytest.mark.slow
-def test_ci_corpus_passes(tmp_path, monkeypatch):
+@pytest.mark.parametrize(
+    "seeds",
+    [
+        pytest.param(QUICK_SEEDS, id="sample"),
+        pytest.param([s for s in CI_SEEDS if s not in QUICK_SEEDS], id="rest", marks=pytest.mark.full),
+    ],
+)
+def test_ci_corpus_passes(seeds, tmp_path, monkeypatch):
     monkeypatch.setenv("DERIVGEN_CACHE", private_cache(tmp_path))
     monkeypatch.setenv("CFLAGS", "-O1 -march=native -fno-math-errno")  # compile fast; still -Werror
     t0 = time.perf_counter()
     # every seed's second order is checked (finite differences, the other backend); every
-    # fourth is proven by brute force at N = 2 here, and every fourth channel layout's
+    # other one is proven by brute force at N = 2 here, and every other channel layout's
     # channels-last kernels checked against its NCHW ones (all of them, N = 2, 3, in `make fuzz`)
     results = specfuzz.run_corpus(
-        CI_SEEDS,
+        seeds,
         jobs=min(2, os.cpu_count() or 1),
         proof_seconds=10.0,
         deadline=CI_DEADLINE,
-        second_order=(4, (2,)),
-        channels_last_every=4,
+        second_order=(2, (2,)),
+        channels_last_every=2,
     )
     print("\n" + specfuzz.summary(results, time.perf_counter() - t0))
     failed = [f"seed {r.seed}: {r.failure}" for r in results if not r.ok]
     assert not failed, "\n".join(failed)
-    assert len(results) == len(CI_SEEDS)
+    assert len(results) == len(seeds)
 
 
 _AFTER_OPENMP = """
@@ -114,7 +137,18 @@ def test_corpus_runs_after_openmp_kernels_in_the_same_process(tmp_path):
     assert proc.returncode == 0, out
 
 
-def test_naming_the_coordinate_or_not_needs_the_same_reductions():
+NAMING_SEEDS = range(120)
+NAMING_QUICK = specfuzz.covering(NAMING_SEEDS)
+
+
+@pytest.mark.parametrize(
+    "seeds",
+    [
+        pytest.param(NAMING_QUICK, id="sample"),
+        pytest.param([s for s in NAMING_SEEDS if s not in NAMING_QUICK], id="rest", marks=pytest.mark.full),
+    ],
+)
+def test_naming_the_coordinate_or_not_needs_the_same_reductions(seeds):
     """The same layer written with its normalized coordinate in [normalized] or inline in the
     output (z = (x - mu)*r three times over): the engine names an inline coordinate itself, so
     the backward needs no more run-time reductions either way (regression: fuzz seed 228
@@ -122,7 +156,7 @@ def test_naming_the_coordinate_or_not_needs_the_same_reductions():
     import derivgen
 
     worse = []
-    for seed in range(120):
+    for seed in seeds:
         named = parse_spec(specfuzz.generate(seed, name_coordinate=True), source=f"named{seed}.toml")
         inline = parse_spec(specfuzz.generate(seed, name_coordinate=False), source=f"inline{seed}.toml")
         assert named.normalized is not None and inline.normalized is None

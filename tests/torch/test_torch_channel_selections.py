@@ -4,7 +4,7 @@ with torch.amax/torch.amin (their gradient convention: split evenly among tied e
 a split reduction across processes refuses them by name."""
 
 import pytest
-from conftest import ROOT, require_module
+from conftest import QUICK_CFLAGS, ROOT, require_module
 
 torch = require_module("torch")
 import derivgen.torch as dt
@@ -54,7 +54,8 @@ def _reference(x, gamma, beta, reduce, eps=1e-3):
 
 @pytest.mark.parametrize("reduce", ["instance", "group", "batch"])
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
-def test_group_selections_in_channel_layouts(reduce, dtype, tmp_path):
+def test_group_selections_in_channel_layouts(reduce, dtype, tmp_path, monkeypatch):
+    monkeypatch.setenv("CFLAGS", QUICK_CFLAGS)  # a user spec: built as the regression specs are
     path = tmp_path / f"range_{reduce}.toml"
     path.write_text(SPEC.format(reduce=reduce))
     tdt = getattr(torch, dtype)

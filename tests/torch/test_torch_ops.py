@@ -8,7 +8,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, require_module
+import specfuzz
+from conftest import ROOT, corpus, require_module
 
 torch = require_module("torch")
 from torch_cases import arguments
@@ -300,12 +301,11 @@ def _against_the_specs_forward(lay, mode, f, args, params, inputs, options, buff
         assert torch.allclose(a, b, rtol=1e-6, atol=1e-8)
 
 
-@pytest.mark.parametrize("seed", FUZZ_SEEDS)
+# make test: the seeds that together have every feature of these (specfuzz.covering)
+@pytest.mark.parametrize("seed", corpus(FUZZ_SEEDS, specfuzz.covering(FUZZ_SEEDS)))
 def test_fuzzed_specs_as_torch_operators(seed, tmp_path):
     """Any spec a user could write (the spec fuzzer's), as operators: opcheck, gradcheck and
     gradgradcheck in float64 for each of its modes."""
-    import specfuzz
-
     p = tmp_path / f"fuzz{seed}.toml"
     p.write_text(specfuzz.generate(seed))
     lay = layer(str(p))

@@ -10,7 +10,8 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ROOT, require_module
+import specfuzz
+from conftest import QUICK_CFLAGS, ROOT, corpus, require_module
 
 torch = require_module("torch")
 import derivgen.torch as dt
@@ -19,8 +20,8 @@ from derivgen.torch import sync
 from derivgen.torch.ops import layer
 
 
-def run(case: str, world: int, timeout: int = 240) -> str:
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+def run(case: str, world: int, timeout: int = 240, cflags: str | None = None) -> str:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", **({"CFLAGS": cflags} if cflags else {}))
     p = subprocess.Popen(
         [sys.executable, str(ROOT / "tests" / "sync_driver.py"), case, str(world)],
         cwd=ROOT,
@@ -48,7 +49,7 @@ def test_sync_batchnorm_matches_one_process(world):
 
 
 def test_user_spec_with_a_batch_reduction():
-    out = run("spec", 3)
+    out = run("spec", 3, cflags=QUICK_CFLAGS)  # a user spec: built as the regression specs are
     assert "spec dgamma" in out
 
 
@@ -342,10 +343,9 @@ def test_split_functions_every_layer(name):
     _split_matches_closed_forms(name)
 
 
-@pytest.mark.parametrize("seed", range(40))
+# make test: the seeds that together have every feature of these (specfuzz.covering)
+@pytest.mark.parametrize("seed", corpus(range(40), specfuzz.covering(range(40))))
 def test_split_functions_fuzzed_specs(seed, tmp_path):
-    import specfuzz
-
     p = tmp_path / f"fuzz{seed}.toml"
     p.write_text(specfuzz.generate(seed))
     _split_matches_closed_forms(str(p))

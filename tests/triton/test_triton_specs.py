@@ -6,7 +6,7 @@ per group, and swept in tiles); and the CUDA implementation of the derivgen:: op
 from __future__ import annotations
 
 import pytest
-from conftest import ROOT, assert_refuses_blocks, block_layer, require_module
+from conftest import ROOT, assert_refuses_blocks, block_layer, corpus, require_module
 
 torch = require_module("torch")
 require_module("triton")
@@ -48,7 +48,8 @@ def test_zoo(path):
     _check(spec)
 
 
-@pytest.mark.parametrize("seed", FUZZ_SEEDS)
+# make test: the seeds that together have every feature of these (specfuzz.covering)
+@pytest.mark.parametrize("seed", corpus(FUZZ_SEEDS, specfuzz.covering(FUZZ_SEEDS)))
 def test_fuzzed_specs(seed):
     spec = parse_spec(specfuzz.generate(seed), source=f"fuzz{seed}.toml")
     _check(spec, tol=2e-5)
