@@ -55,17 +55,41 @@ QUICK_CFLAGS = "-O1 -march=native -fno-math-errno -ffp-contract=off"
 
 # `make test` is the quick tier: it deselects the tests marked `full` (-m "not full"), the
 # members of a corpus beyond its sample; `make test-full` (or plain pytest) runs them all
-def corpus(items, quick, ids=None) -> list:
+def corpus(items, quick, ids=None, unpack=False) -> list:
     """Parameters for ``pytest.mark.parametrize`` over a corpus: the members in ``quick``
     as they are, every other one marked ``full`` (``make test-full`` runs it, ``make test``
-    does not); ``ids(item)`` names a member."""
+    does not); ``ids(item)`` names a member; ``unpack``: each member is a tuple of the
+    values of several argument names."""
     quick = set(quick)
     missing = quick - set(items)
     assert not missing, f"the quick sample names members the corpus lacks: {sorted(missing)}"
     return [
-        pytest.param(it, id=None if ids is None else ids(it), marks=() if it in quick else pytest.mark.full)
+        pytest.param(
+            *(it if unpack else (it,)),
+            id=None if ids is None else ids(it),
+            marks=() if it in quick else pytest.mark.full,
+        )
         for it in items
     ]
+
+
+def grid(*axes, names=None) -> list:
+    """The product of three or more ``axes`` as a corpus (tuples, for ``parametrize`` over
+    as many argument names) whose quick sample has every pair of values of any two axes: the
+    last axis's index is the sum of the others' modulo its length (every other axis at least
+    as long). ``names`` maps an axis's value to its part of the test id (``str`` by default)."""
+    import itertools
+
+    last = len(axes[-1])
+    assert len(axes) >= 3 and all(len(a) >= last for a in axes[:-1]), "a pairwise sample needs these"
+    names = names or [str] * len(axes)
+    items, quick = [], []
+    for idx in itertools.product(*(range(len(a)) for a in axes)):
+        item = tuple(a[i] for a, i in zip(axes, idx))
+        items.append(item)
+        if idx[-1] == sum(idx[:-1]) % last:
+            quick.append(item)
+    return corpus(items, quick, ids=lambda item: "-".join(f(v) for f, v in zip(names, item)), unpack=True)
 
 
 # the suite's build cache, as the tests found it ($DERIVGEN_CACHE, else ~/.cache/derivgen)

@@ -447,37 +447,48 @@ class Result:
 
 
 def features(seed: int) -> frozenset[str]:
-    """What seed's spec exercises, read from its text: its layout and reduction, each
-    function it calls (mean and sum included), each table it has ([inputs], [buffers],
+    """What seed's spec exercises (:func:`text_features`)."""
+    return text_features(generate(seed), f"fuzz{seed}.toml")
+
+
+def text_features(text: str, source: str = "spec.toml") -> frozenset[str]:
+    """What a spec exercises: its layout and reduction, each function its formulas call
+    (mean and sum included), each table its text has ([inputs], [buffers],
     [modes.eval.statistics], [normalized], ...), its kinds of parameter (role, scalar shape)
     and of block statistic. :func:`covering` picks a corpus's sample by them."""
     from derivgen.spec.model import parse_spec
 
-    text = generate(seed)
-    spec = parse_spec(text, source=f"fuzz{seed}.toml")
+    spec = parse_spec(text, source=source)
+    formulas = [spec.output_text, *(b.update_text for b in spec.buffers)]
+    formulas += [st.expr_text for m in spec.modes for st in (*m.statistics, *m.blocks)]
+    if spec.normalized_expr is not None:
+        formulas.append(str(spec.normalized_expr))
     out = {f"layout {spec.layout}/{spec.reduce}"}
-    out |= {f"call {f}" for f in re.findall(r"\b([A-Za-z_]\w*)\(", text)}
+    out |= {f"call {f}" for f in re.findall(r"\b([A-Za-z_]\w*)\(", " ".join(formulas))}
     out |= {f"table {t}" for t in re.findall(r"^\[([\w.]+)\]", text, re.MULTILINE)}
-    out |= {f"{k} {v}" for k, v in re.findall(r'\b(role|shape) = "(\w+)"', text)}
-    out |= {f"block {k}" for k in re.findall(r"'(\w+)'\)", text)}
+    out |= {f"{k} {v}" for k, v in re.findall(r'^\w+ = \{.*\b(role|shape) = "(\w+)"', text, re.MULTILINE)}
+    out |= {f"block {k}" for b in (bl for m in spec.modes for bl in m.blocks) for k in b.kinds}
     return frozenset(out)
 
 
-def covering(seeds) -> list[int]:
-    """A sample of a corpus with every feature of the whole (:func:`features`): greedily the
-    seed that adds the most features not yet seen, the smaller seed on a tie; in seed order.
-    The test suite's quick tier runs a backend's fuzz corpus as this sample, and the full
-    tier (make test-full) the whole corpus."""
-    todo = {sd: features(sd) for sd in seeds}
+def covering(items, key=features) -> list:
+    """A sample of a corpus with every feature of the whole (``key``: an item's features,
+    :func:`features` of a seed by default): greedily the item that adds the most features
+    not yet seen, the smaller item on a tie; in the corpus's order. The test suite's quick
+    tier runs a backend's corpus as this sample, and the full tier (make test-full) the
+    whole corpus."""
+    items = list(items)
+    todo = {it: key(it) for it in items}
+    rank = {it: k for k, it in enumerate(items)}
     seen: set[str] = set()
-    picked: list[int] = []
+    picked = []
     while todo:
-        best = min(todo, key=lambda sd: (-len(todo[sd] - seen), sd))
+        best = min(todo, key=lambda it: (-len(todo[it] - seen), rank[it]))
         if not todo[best] - seen:
             break
         seen |= todo.pop(best)
         picked.append(best)
-    return sorted(picked)
+    return sorted(picked, key=rank.__getitem__)
 
 
 def run(text: str, seed: int = -1, prove_sizes=(2, 3)) -> Result:

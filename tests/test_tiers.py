@@ -33,3 +33,17 @@ def test_a_corpus_keeps_its_sample_unmarked():
     assert all(m.name == "full" for p in params for m in p.marks)
     with pytest.raises(AssertionError, match="lacks"):
         corpus([1, 2], quick=[5])
+
+
+def test_a_grid_sample_has_every_pair_of_values():
+    import itertools
+
+    from conftest import grid
+
+    axes = ([(2, 3), (4,), (1, 1, 5)], [1, 2, 5], ["f64", "f32"])
+    params = grid(*axes)
+    assert len(params) == 18 and len({p.id for p in params}) == 18
+    quick = [p.values for p in params if not p.marks]
+    assert len(quick) == 9
+    for a, b in itertools.combinations(range(3), 2):
+        assert {(q[a], q[b]) for q in quick} == set(itertools.product(axes[a], axes[b])), (a, b)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import LRN_FEATURES, require_module
+from conftest import LRN_FEATURES, grid, require_module
 
 jax = require_module("jax")
 jax.config.update("jax_enable_x64", True)
@@ -84,26 +84,23 @@ def _features(z):
 
 
 TOL = {np.float64: (1e-10, 1e-12), np.float32: (2e-5, 2e-6)}
+DTYPES = [np.float64, np.float32]
+IDS = [lambda shape: "x".join(map(str, shape)), str, lambda dtype: {np.float64: "f64", np.float32: "f32"}[dtype]]
 
 
-@pytest.mark.parametrize("dtype", [np.float64, np.float32], ids=["f64", "f32"])
-@pytest.mark.parametrize("size", [1, 2, 5])
-@pytest.mark.parametrize("shape", [(2, 7, 3), (2, 4, 3, 2), (1, 1, 5)])
+# make test: every pair of a shape, a size and a dtype once (conftest.grid); make test-full all
+@pytest.mark.parametrize("shape,size,dtype", grid([(2, 7, 3), (2, 4, 3, 2), (1, 1, 5)], [1, 2, 5], DTYPES, names=IDS))
 def test_lrn_channels_first(shape, size, dtype):
     _compare(dj.function("lrn"), shape, size, {}, _channels_first, dtype, *TOL[dtype])
 
 
-@pytest.mark.parametrize("dtype", [np.float64, np.float32], ids=["f64", "f32"])
-@pytest.mark.parametrize("size", [2, 5])
-@pytest.mark.parametrize("shape", [(2, 3, 7), (2, 3, 2, 4)])
+@pytest.mark.parametrize("shape,size,dtype", grid([(2, 3, 7), (2, 3, 2, 4)], [2, 5], DTYPES, names=IDS))
 def test_lrn_channels_last(shape, size, dtype):
     f = dj.function("lrn")
     _compare(f, shape, size, {"channels_last": True}, _from_last, dtype, *TOL[dtype])
 
 
-@pytest.mark.parametrize("dtype", [np.float64, np.float32], ids=["f64", "f32"])
-@pytest.mark.parametrize("size", [2, 5, 11])
-@pytest.mark.parametrize("shape", [(3, 1), (3, 4), (2, 3, 7)])
+@pytest.mark.parametrize("shape,size,dtype", grid([(3, 1), (3, 4), (2, 3, 7)], [2, 5, 11], DTYPES, names=IDS))
 def test_window_over_features(shape, size, dtype):
     f = dj.function(parse_spec(FEATURES, "lrn_features.toml"))
     _compare(f, shape, size, {}, _features, dtype, *TOL[dtype])
