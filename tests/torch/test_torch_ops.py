@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import specfuzz
-from conftest import ROOT, corpus, require_module
+from conftest import QUICK_CFLAGS, ROOT, corpus, require_module
 
 torch = require_module("torch")
 from torch_cases import arguments
@@ -303,9 +303,10 @@ def _against_the_specs_forward(lay, mode, f, args, params, inputs, options, buff
 
 # make test: the seeds that together have every feature of these (specfuzz.covering)
 @pytest.mark.parametrize("seed", corpus(FUZZ_SEEDS, specfuzz.covering(FUZZ_SEEDS)))
-def test_fuzzed_specs_as_torch_operators(seed, tmp_path):
+def test_fuzzed_specs_as_torch_operators(seed, tmp_path, monkeypatch):
     """Any spec a user could write (the spec fuzzer's), as operators: opcheck, gradcheck and
     gradgradcheck in float64 for each of its modes."""
+    monkeypatch.setenv("CFLAGS", QUICK_CFLAGS)  # built as the fuzzer builds its specs
     p = tmp_path / f"fuzz{seed}.toml"
     p.write_text(specfuzz.generate(seed))
     lay = layer(str(p))
