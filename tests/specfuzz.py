@@ -466,7 +466,8 @@ def text_features(text: str, source: str = "spec.toml") -> frozenset[str]:
     out = {f"layout {spec.layout}/{spec.reduce}"}
     out |= {f"call {f}" for f in re.findall(r"\b([A-Za-z_]\w*)\(", " ".join(formulas))}
     out |= {f"table {t}" for t in re.findall(r"^\[([\w.]+)\]", text, re.MULTILINE)}
-    out |= {f"{k} {v}" for k, v in re.findall(r'^\w+ = \{.*\b(role|shape) = "(\w+)"', text, re.MULTILINE)}
+    for key in ("role", "shape"):  # of a parameter: name = { role = "...", shape = "..." }
+        out |= {f"{key} {v}" for v in re.findall(rf'^\w+ = \{{[^\n]*\b{key} = "(\w+)"', text, re.MULTILINE)}
     out |= {f"block {k}" for b in (bl for m in spec.modes for bl in m.blocks) for k in b.kinds}
     return frozenset(out)
 
@@ -474,7 +475,7 @@ def text_features(text: str, source: str = "spec.toml") -> frozenset[str]:
 def covering(items, key=features) -> list:
     """A sample of a corpus with every feature of the whole (``key``: an item's features,
     :func:`features` of a seed by default): greedily the item that adds the most features
-    not yet seen, the smaller item on a tie; in the corpus's order. The test suite's quick
+    not yet seen, the earlier one on a tie; in the corpus's order. The test suite's quick
     tier runs a backend's corpus as this sample, and the full tier (make test-full) the
     whole corpus."""
     items = list(items)

@@ -47,3 +47,25 @@ def test_a_grid_sample_has_every_pair_of_values():
     assert len(quick) == 9
     for a, b in itertools.combinations(range(3), 2):
         assert {(q[a], q[b]) for q in quick} == set(itertools.product(axes[a], axes[b])), (a, b)
+
+
+def test_features_come_from_the_formulas_and_declarations():
+    import specfuzz
+
+    text = """name = "t"
+title = "Not mean(x) but prose: exp(x)"
+[layout]
+kind = "trailing"
+[params]
+b = { role = "shift", shape = "scalar" }
+[statistics]
+mu = "mean(x)"
+[output]
+y = "tanh(x - mu) + b"
+"""
+    f = specfuzz.text_features(text, "t.toml")
+    assert {"call mean", "call tanh", "role shift", "shape scalar", "table params"} <= f
+    assert "call exp" not in f and "layout trailing/features" in f
+    # a corpus's sample: the earliest item with the most new features first, none redundant here
+    feats = {1: {"a"}, 2: {"a", "b"}, 3: {"c"}, 4: {"b", "c"}}
+    assert specfuzz.covering([1, 2, 3, 4], key=feats.__getitem__) == [2, 3]

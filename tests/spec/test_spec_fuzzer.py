@@ -1,7 +1,7 @@
 """Generality is tested by generation: the spec fuzzer's CI corpus -- 30 specs a user could
-write, fixed seeds -- goes through derive, prove, generate, compile (-Werror) and check
-(both backends, float32 and float64, against finite differences and each other). The larger
-corpus is `make fuzz`. Every failure the fuzzer finds becomes a spec in tests/regressions/."""
+write, fixed seeds; make test runs the 10 of them that together have every feature -- goes
+through derive, prove, generate, compile (-Werror) and check (both backends, float32 and
+float64, against finite differences and each other). The larger corpus is `make fuzz`. Every failure the fuzzer finds becomes a spec in tests/regressions/."""
 
 import os
 import signal
