@@ -73,6 +73,31 @@ def corpus(items, quick, ids=None, unpack=False) -> list:
     ]
 
 
+def fuzz_corpus(seeds) -> list:
+    """:func:`corpus` of spec fuzzer seeds; the sample: the seeds that together have every
+    feature of them all (``specfuzz.covering``)."""
+    import specfuzz
+
+    seeds = list(seeds)
+    return corpus(seeds, specfuzz.covering(seeds))
+
+
+def spec_file_corpus(paths) -> list:
+    """:func:`corpus` of spec files, named by their stems; the sample: the files that together
+    have every feature of them all (``specfuzz.covering`` by ``specfuzz.text_features``)."""
+    import specfuzz
+
+    quick = specfuzz.covering(paths, key=lambda p: specfuzz.text_features(p.read_text(), p.name))
+    return corpus(paths, quick, ids=lambda p: p.stem)
+
+
+def sample_and_rest(items, quick) -> list:
+    """The parameters of a test that runs a corpus as one list: the sample (id "sample") and
+    the other members (id "rest", marked ``full``)."""
+    rest = [it for it in items if it not in quick]
+    return [pytest.param(list(quick), id="sample"), pytest.param(rest, id="rest", marks=pytest.mark.full)]
+
+
 def grid(*axes, names=None) -> list:
     """The product of three or more ``axes`` as a corpus (tuples, for ``parametrize`` over
     as many argument names) whose quick sample has every pair of values of any two axes: the

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import os
 import random
 import re
@@ -446,6 +447,7 @@ class Result:
     failure: str = ""
 
 
+@functools.cache  # the suite's corpora share seeds
 def features(seed: int) -> frozenset[str]:
     """What seed's spec exercises (:func:`text_features`)."""
     return text_features(generate(seed), f"fuzz{seed}.toml")

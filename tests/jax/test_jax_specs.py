@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import ROOT, corpus, require_module
+from conftest import ROOT, fuzz_corpus, require_module, spec_file_corpus
 
 jax = require_module("jax")
 jax.config.update("jax_enable_x64", True)
@@ -87,16 +87,12 @@ def test_examples(path):
 
 # make test: the zoo's layers that together have every feature of the zoo (the zoo's own tests
 # run every layer on NumPy, C and PyTorch)
-ZOO_QUICK = specfuzz.covering(ZOO, key=lambda p: specfuzz.text_features(p.read_text(), p.name))
-
-
-@pytest.mark.parametrize("path", corpus(ZOO, ZOO_QUICK, ids=lambda p: p.stem))
+@pytest.mark.parametrize("path", spec_file_corpus(ZOO))
 def test_zoo(path):
     spec = load_spec_file(str(path))
     _check(spec)
 
 
-# make test: the seeds that together have every feature of these (specfuzz.covering)
-@pytest.mark.parametrize("seed", corpus(FUZZ_SEEDS, specfuzz.covering(FUZZ_SEEDS)))
+@pytest.mark.parametrize("seed", fuzz_corpus(FUZZ_SEEDS))
 def test_fuzzed_specs(seed):
     _check(parse_spec(specfuzz.generate(seed), source=f"fuzz{seed}.toml"))

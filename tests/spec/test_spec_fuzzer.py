@@ -11,7 +11,7 @@ import time
 
 import pytest
 import specfuzz
-from conftest import ROOT, private_cache
+from conftest import ROOT, private_cache, sample_and_rest
 
 import derivgen
 from derivgen.spec.model import parse_spec, reserved_reason
@@ -66,13 +66,7 @@ def test_the_quick_sample_has_every_feature_of_its_corpus():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "seeds",
-    [
-        pytest.param(QUICK_SEEDS, id="sample"),
-        pytest.param([s for s in CI_SEEDS if s not in QUICK_SEEDS], id="rest", marks=pytest.mark.full),
-    ],
-)
+@pytest.mark.parametrize("seeds", sample_and_rest(CI_SEEDS, QUICK_SEEDS))
 def test_ci_corpus_passes(seeds, tmp_path, monkeypatch):
     monkeypatch.setenv("DERIVGEN_CACHE", private_cache(tmp_path))
     monkeypatch.setenv("CFLAGS", "-O1 -march=native -fno-math-errno")  # compile fast; still -Werror
@@ -138,16 +132,9 @@ def test_corpus_runs_after_openmp_kernels_in_the_same_process(tmp_path):
 
 
 NAMING_SEEDS = range(120)
-NAMING_QUICK = specfuzz.covering(NAMING_SEEDS)
 
 
-@pytest.mark.parametrize(
-    "seeds",
-    [
-        pytest.param(NAMING_QUICK, id="sample"),
-        pytest.param([s for s in NAMING_SEEDS if s not in NAMING_QUICK], id="rest", marks=pytest.mark.full),
-    ],
-)
+@pytest.mark.parametrize("seeds", sample_and_rest(NAMING_SEEDS, specfuzz.covering(NAMING_SEEDS)))
 def test_naming_the_coordinate_or_not_needs_the_same_reductions(seeds):
     """The same layer written with its normalized coordinate in [normalized] or inline in the
     output (z = (x - mu)*r three times over): the engine names an inline coordinate itself, so

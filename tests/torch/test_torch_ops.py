@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import specfuzz
-from conftest import QUICK_CFLAGS, ROOT, corpus, require_module
+from conftest import QUICK_CFLAGS, ROOT, fuzz_corpus, require_module
 
 torch = require_module("torch")
 from torch_cases import arguments
@@ -301,8 +301,7 @@ def _against_the_specs_forward(lay, mode, f, args, params, inputs, options, buff
         assert torch.allclose(a, b, rtol=1e-6, atol=1e-8)
 
 
-# make test: the seeds that together have every feature of these (specfuzz.covering)
-@pytest.mark.parametrize("seed", corpus(FUZZ_SEEDS, specfuzz.covering(FUZZ_SEEDS)))
+@pytest.mark.parametrize("seed", fuzz_corpus(FUZZ_SEEDS))
 def test_fuzzed_specs_as_torch_operators(seed, tmp_path, monkeypatch):
     """Any spec a user could write (the spec fuzzer's), as operators: opcheck, gradcheck and
     gradgradcheck in float64 for each of its modes."""

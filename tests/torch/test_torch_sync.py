@@ -11,7 +11,7 @@ import sys
 
 import pytest
 import specfuzz
-from conftest import QUICK_CFLAGS, ROOT, corpus, require_module
+from conftest import QUICK_CFLAGS, ROOT, fuzz_corpus, require_module
 
 torch = require_module("torch")
 import derivgen.torch as dt
@@ -343,8 +343,7 @@ def test_split_functions_every_layer(name):
     _split_matches_closed_forms(name)
 
 
-# make test: the seeds that together have every feature of these (specfuzz.covering)
-@pytest.mark.parametrize("seed", corpus(range(40), specfuzz.covering(range(40))))
+@pytest.mark.parametrize("seed", fuzz_corpus(range(40)))
 def test_split_functions_fuzzed_specs(seed, tmp_path):
     p = tmp_path / f"fuzz{seed}.toml"
     p.write_text(specfuzz.generate(seed))

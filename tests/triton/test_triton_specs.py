@@ -6,7 +6,7 @@ per group, and swept in tiles); and the CUDA implementation of the derivgen:: op
 from __future__ import annotations
 
 import pytest
-from conftest import ROOT, assert_refuses_blocks, block_layer, corpus, require_module
+from conftest import ROOT, assert_refuses_blocks, block_layer, fuzz_corpus, require_module, spec_file_corpus
 
 torch = require_module("torch")
 require_module("triton")
@@ -41,10 +41,7 @@ def test_examples(path):
 
 # make test: the zoo's layers that together have every feature of the zoo (the zoo's own tests
 # run every layer on NumPy, C and PyTorch)
-ZOO_QUICK = specfuzz.covering(ZOO, key=lambda p: specfuzz.text_features(p.read_text(), p.name))
-
-
-@pytest.mark.parametrize("path", corpus(ZOO, ZOO_QUICK, ids=lambda p: p.stem))
+@pytest.mark.parametrize("path", spec_file_corpus(ZOO))
 def test_zoo(path):
     spec = load_spec_file(path)
     if block_layer(spec):
@@ -53,8 +50,7 @@ def test_zoo(path):
     _check(spec)
 
 
-# make test: the seeds that together have every feature of these (specfuzz.covering)
-@pytest.mark.parametrize("seed", corpus(FUZZ_SEEDS, specfuzz.covering(FUZZ_SEEDS)))
+@pytest.mark.parametrize("seed", fuzz_corpus(FUZZ_SEEDS))
 def test_fuzzed_specs(seed):
     spec = parse_spec(specfuzz.generate(seed), source=f"fuzz{seed}.toml")
     _check(spec, tol=2e-5)
