@@ -10,24 +10,34 @@ with torch.nn norms and once converted, with the share of the step the norms tak
 from __future__ import annotations
 
 import copy
+import statistics
 from collections.abc import Callable, Collection
 
 import torch
 from torch import nn
 
 from derivgen.runtime.machine import machine
-from derivgen.tools.bench import round_robin
+from derivgen.tools.bench import Bandwidth, round_robin
 from derivgen.torch import nn as dnn
 
-# (label, torch.nn module factory, input shape, memory format, target derivgen/torch or None)
+# (label, torch.nn module factory, input shape, memory format, target derivgen/torch or None,
+#  sweeps: the fewest times forward + backward together move an x-sized tensor through
+#  memory, whoever implements them; None where x fits in the caches)
+# 5: the forward reads x and writes y, the backward reads x and dy and writes dx, where a
+# group's values (a row, a channel of one sample or of the batch: at most 400 KB here)
+# stay in the cache between a kernel's sweeps over them. Channels-last batch norm: 8. A
+# channel's values span the whole 25.7 MB tensor, so the statistics need all of x read
+# before any y is written (the forward reads x twice with one-pass statistics, three
+# times with derivgen's two-pass ones), and the backward's two sums need all of x and dy
+# read before any dx is (x and dy twice, dx once).
 CASES = [
-    ("LayerNorm", lambda: nn.LayerNorm(1024), (8192, 1024), None, 0.85),
-    ("BatchNorm2d", lambda: nn.BatchNorm2d(64), (32, 64, 56, 56), None, 0.6),
-    ("RMSNorm", lambda: nn.RMSNorm(1024), (8192, 1024), None, 0.3),
-    ("GroupNorm", lambda: nn.GroupNorm(32, 64), (32, 64, 56, 56), None, 0.8),
-    ("InstanceNorm2d", lambda: nn.InstanceNorm2d(64, affine=True), (32, 64, 56, 56), None, None),
-    ("BatchNorm2d channels_last", lambda: nn.BatchNorm2d(64), (32, 64, 56, 56), torch.channels_last, 0.6),
-    ("LayerNorm per call", lambda: nn.LayerNorm(1024), (8, 1024), None, 1.2),
+    ("LayerNorm", lambda: nn.LayerNorm(1024), (8192, 1024), None, 0.85, 5),
+    ("BatchNorm2d", lambda: nn.BatchNorm2d(64), (32, 64, 56, 56), None, 0.6, 5),
+    ("RMSNorm", lambda: nn.RMSNorm(1024), (8192, 1024), None, 0.3, 5),
+    ("GroupNorm", lambda: nn.GroupNorm(32, 64), (32, 64, 56, 56), None, 0.8, 5),
+    ("InstanceNorm2d", lambda: nn.InstanceNorm2d(64, affine=True), (32, 64, 56, 56), None, None, 5),
+    ("BatchNorm2d channels_last", lambda: nn.BatchNorm2d(64), (32, 64, 56, 56), torch.channels_last, 0.6, 8),
+    ("LayerNorm per call", lambda: nn.LayerNorm(1024), (8, 1024), None, 1.2, None),
 ]
 
 
@@ -104,10 +114,13 @@ def _run(
     tdt = getattr(torch, dtype)
     gen = torch.Generator().manual_seed(0)
     rows = []
-    for label, make, shape, fmt, target in CASES:
+    bw = None  # the copy probes, made for the first case with a memory floor
+    for label, make, shape, fmt, target, sweeps in CASES:
         if cases is not None and label not in cases:
             continue
-        rows.append(_case_row(label, make, shape, fmt, target, tdt, gen, repeat))
+        if sweeps is not None and bw is None:
+            bw = Bandwidth(threads)
+        rows.append(_case_row(label, make, shape, fmt, target, tdt, gen, repeat, sweeps, bw))
         if progress:
             progress(label)
     m = machine()
@@ -145,9 +158,13 @@ def _case_row(
     tdt: torch.dtype,
     gen: torch.Generator,
     repeat: int,
+    sweeps: int | None = None,
+    bw: Bandwidth | None = None,
 ) -> dict:
     """One case's row: torch.nn and its derivgen twin, a training step (forward and
-    backward) and a forward each, in ms per call; an ``error`` where derivgen refuses it."""
+    backward) and a forward each, in ms per call; an ``error`` where derivgen refuses it.
+    With ``sweeps`` and the copy probes ``bw``, timed beside the modules, the memory floor
+    too: ``sweeps`` x-sized tensors at the faster probe, over torch.nn's step."""
     ref = make().to(tdt)
     ours = dnn.convert(copy.deepcopy(ref))
     x = torch.randn(shape, generator=gen, dtype=tdt)
@@ -168,19 +185,33 @@ def _case_row(
     except (TypeError, ValueError, NotImplementedError) as e:
         row["error"] = str(e).splitlines()[0]
         return row
-    ms = round_robin(
-        {
-            "torch_step": _step(ref, x, dy),
-            "derivgen_step": _step(ours, x, dy),
-            "torch_fwd": _fwd(ref, x),
-            "derivgen_fwd": _fwd(ours, x),
-        },
-        repeat,
-    )
-    row.update({k: v / _inner(x) for k, v in ms.items()})
+    fns = {
+        "torch_step": _step(ref, x, dy),
+        "derivgen_step": _step(ours, x, dy),
+        "torch_fwd": _fwd(ref, x),
+        "derivgen_fwd": _fwd(ours, x),
+    }
+    probed = sweeps is not None and bw is not None
+    if probed:
+        fns.update(copy=bw.copy, stream_copy=bw.stream_copy)
+    ms = round_robin(fns, repeat)
+    row.update({k: ms[k] / _inner(x) for k in ("torch_step", "derivgen_step", "torch_fwd", "derivgen_fwd")})
     row["ratio"] = row["derivgen_step"] / row["torch_step"]
     row["fwd_ratio"] = row["derivgen_fwd"] / row["torch_fwd"]
+    if probed:
+        rates = bw.rates(ms)
+        best = max(rates["copy_GBps"], rates["stream_copy_GBps"])
+        row["bandwidth"] = rates
+        row["sweeps"] = sweeps
+        row["floor_ms"] = sweeps * x.numel() * x.element_size() / (best * 1e6)
+        row["floor"] = row["floor_ms"] / row["torch_step"]
     return row
+
+
+def below_floor(row: dict) -> bool:
+    """Whether a case missed its target asking for less time than this machine's memory floor."""
+    t, f = row.get("target"), row.get("floor")
+    return t is not None and f is not None and row["ratio"] > t and t < f
 
 
 def _block_row(tdt: torch.dtype, gen: torch.Generator, repeat: int) -> dict:
@@ -301,6 +332,26 @@ def _t(ms: float) -> str:
     return f"{ms:.2f} ms" if ms >= 1 else f"{1e3 * ms:.1f} us"
 
 
+def _floor_lines(rows: list[dict]) -> list[str]:
+    """The memory floor of each case that has one (:func:`_case_row`), as lines under the table."""
+    floored = [r for r in rows if "floor" in r]
+    if not floored:
+        return []
+    copy = statistics.median(r["bandwidth"]["copy_GBps"] for r in floored)
+    nt = statistics.median(r["bandwidth"]["stream_copy_GBps"] for r in floored)
+    out = [
+        "",
+        "memory floor: the fewest x-sized tensors forward + backward move through memory, at the",
+        f"faster copy probe (256 MiB arrays beside each case; median copy {copy:.1f} GB/s, streaming-store",
+        f"copy {nt:.1f} GB/s), over torch.nn's fwd+bwd (tensors that partly stay in the last-level",
+        "cache can run under it):",
+    ]
+    for r in floored:
+        note = f"  target {r['target']} is below it" if below_floor(r) else ""
+        out.append(f"  {r['case']:26s} {r['sweeps']} sweeps {_t(r['floor_ms']):>9s} {r['floor']:6.2f}{note}")
+    return out
+
+
 def format_torch_report(rep: dict) -> str:
     """The report of :func:`run_torch_bench` as a text table."""
     m = rep["machine"]
@@ -325,6 +376,7 @@ def format_torch_report(rep: dict) -> str:
             f"{r['case']:26s} {shape:>14s} {_t(r['torch_step']):>13s} {_t(r['derivgen_step']):>9s} "
             f"{r['ratio']:6.2f} {r['fwd_ratio']:9.2f} {tgt:>7s}{ok}"
         )
+    lines += _floor_lines(rep["cases"])
     if rep.get("second"):
         lines += [
             "",

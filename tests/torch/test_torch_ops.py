@@ -263,6 +263,30 @@ def test_torch_bench_report_runs():
     assert max(map(len, text.splitlines())) <= 100  # fits a 100-column terminal
 
 
+def test_torch_bench_memory_floor():
+    """A case with tensor sweeps gets its memory floor from copy probes timed beside it: the
+    sweeps' bytes at the faster probe, over torch.nn's time; a target under it is flagged."""
+    from derivgen.tools.bench import Bandwidth
+    from derivgen.torch.bench import CASES, _case_row, below_floor, format_torch_report
+
+    sweeps = {c[0]: c[5] for c in CASES}
+    assert sweeps["BatchNorm2d channels_last"] == 8 and sweeps["LayerNorm"] == 5
+    assert sweeps["LayerNorm per call"] is None  # fits in the caches: no floor
+    gen = torch.Generator().manual_seed(0)
+    bw = Bandwidth(1, mib=8)
+    row = _case_row("LayerNorm", lambda: torch.nn.LayerNorm(256), (512, 256), None, 0.0, torch.float32, gen, 3, 5, bw)
+    best = max(row["bandwidth"]["copy_GBps"], row["bandwidth"]["stream_copy_GBps"])
+    assert row["floor_ms"] == pytest.approx(5 * 512 * 256 * 4 / (best * 1e6))
+    assert row["floor"] == pytest.approx(row["floor_ms"] / row["torch_step"])
+    assert below_floor(row) and not below_floor(dict(row, target=None)) and not below_floor(dict(row, ratio=0.0))
+    rep = {"machine": {"cpu": "cpu", "cores": 1, "torch": "t"}, "dtype": "float32", "repeat": 3, "threads": 1}
+    text = format_torch_report(rep | {"cases": [row], "block": None})
+    assert "5 sweeps" in text and "target 0.0 is below it" in text
+    assert max(map(len, text.splitlines())) <= 100
+    plain = _case_row("LayerNorm", lambda: torch.nn.LayerNorm(8), (4, 8), None, None, torch.float32, gen, 3)
+    assert "floor" not in plain and "memory floor" not in format_torch_report(rep | {"cases": [plain], "block": None})
+
+
 FUZZ_SEEDS = range(16)
 
 
