@@ -337,12 +337,13 @@ def _floor_lines(rows: list[dict]) -> list[str]:
     floored = [r for r in rows if "floor" in r]
     if not floored:
         return []
-    copy = statistics.median(r["bandwidth"]["copy_GBps"] for r in floored)
+    copy_rate = statistics.median(r["bandwidth"]["copy_GBps"] for r in floored)
     nt = statistics.median(r["bandwidth"]["stream_copy_GBps"] for r in floored)
+    mib = floored[0]["bandwidth"]["MiB"]
     out = [
         "",
         "memory floor: the fewest x-sized tensors forward + backward move through memory, at the",
-        f"faster copy probe (256 MiB arrays beside each case; median copy {copy:.1f} GB/s, streaming-store",
+        f"faster copy probe ({mib} MiB arrays beside each case; median copy {copy_rate:.1f} GB/s, streaming-store",
         f"copy {nt:.1f} GB/s), over torch.nn's fwd+bwd (tensors that partly stay in the last-level",
         "cache can run under it):",
     ]

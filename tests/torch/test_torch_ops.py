@@ -281,7 +281,7 @@ def test_torch_bench_memory_floor():
     assert below_floor(row) and not below_floor(dict(row, target=None)) and not below_floor(dict(row, ratio=0.0))
     rep = {"machine": {"cpu": "cpu", "cores": 1, "torch": "t"}, "dtype": "float32", "repeat": 3, "threads": 1}
     text = format_torch_report(rep | {"cases": [row], "block": None})
-    assert "5 sweeps" in text and "target 0.0 is below it" in text
+    assert "5 sweeps" in text and "target 0.0 is below it" in text and "(8 MiB arrays" in text
     assert max(map(len, text.splitlines())) <= 100
     plain = _case_row("LayerNorm", lambda: torch.nn.LayerNorm(8), (4, 8), None, None, torch.float32, gen, 3)
     assert "floor" not in plain and "memory floor" not in format_torch_report(rep | {"cases": [plain], "block": None})
