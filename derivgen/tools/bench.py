@@ -648,10 +648,15 @@ def _wrap(line: str) -> str:
     return textwrap.fill(line, 100, subsequent_indent="    ", break_on_hyphens=False) if len(line) > 100 else line
 
 
+def missed_below_floor(met: bool, limit: float | None, floor: float | None) -> bool:
+    """Whether a target (``limit``) was missed asking for less time than this machine's
+    memory floor (both as fractions of torch's time)."""
+    return not met and limit is not None and floor is not None and limit < floor
+
+
 def _below_floor(target: dict) -> bool:
-    """Whether a target was missed asking for less time than this machine's memory floor."""
-    floor = target.get("floor")
-    return not target["met"] and floor is not None and target["limit"] < floor
+    """:func:`missed_below_floor` of one of :func:`evaluate_targets`' targets."""
+    return missed_below_floor(target["met"], target["limit"], target.get("floor"))
 
 
 def target_lines(report: dict) -> list[str]:

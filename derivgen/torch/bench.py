@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from derivgen.runtime.machine import machine
-from derivgen.tools.bench import Bandwidth, round_robin
+from derivgen.tools.bench import Bandwidth, missed_below_floor, round_robin
 from derivgen.torch import nn as dnn
 
 # (label, torch.nn module factory, input shape, memory format, target derivgen/torch or None,
@@ -210,8 +210,8 @@ def _case_row(
 
 def below_floor(row: dict) -> bool:
     """Whether a case missed its target asking for less time than this machine's memory floor."""
-    t, f = row.get("target"), row.get("floor")
-    return t is not None and f is not None and row["ratio"] > t and t < f
+    t = row.get("target")
+    return missed_below_floor(t is not None and row["ratio"] <= t, t, row.get("floor"))
 
 
 def _block_row(tdt: torch.dtype, gen: torch.Generator, repeat: int) -> dict:
