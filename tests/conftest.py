@@ -203,3 +203,18 @@ def huge_page_advised(address: int) -> bool:
         elif vma and head == "VmFlags:":
             return "hg" in line.split()[1:]
     raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def pytest_terminal_summary(terminalreporter):
+    """What a test says it checked where that depends on the machine (``record_property("checked",
+    ...)``: the ISAs this CPU runs), printed under the run so a green run names what it covered."""
+    lines = [
+        f"{r.nodeid}: {value}"
+        for r in terminalreporter.stats.get("passed", [])
+        for key, value in getattr(r, "user_properties", ())
+        if key == "checked" and r.when == "call"
+    ]
+    if lines:
+        terminalreporter.section("checked on this machine")
+        for line in lines:
+            terminalreporter.write_line(line)

@@ -8,22 +8,16 @@ for the AVX-512, AVX2 and SSE2 variants of the streaming copy."""
 import importlib.util
 import os
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import require_tool, run_driver
+from conftest import IN_CI, require_tool, run_driver
+
+from derivgen.runtime.machine import X86_LEVELS, machine
 
 BASE = "-O2 -fno-math-errno -ffp-contract=off"  # every ISA the same bits (clang fuses by default)
 OFF = "-DDG_STREAM_BYTES=INT64_MAX -DDG_AHEAD_BYTES=0"
 ON = "-DDG_STREAM_BYTES=0 -DDG_AHEAD_BYTES=64"
-
-
-def _cpu_flags() -> str:
-    try:
-        return Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return ""
 
 
 def _run(tmp_path, tag: str, cflags: str, with_torch: bool) -> dict:
@@ -40,28 +34,45 @@ def _run(tmp_path, tag: str, cflags: str, with_torch: bool) -> dict:
 # intrinsics): every run without lane sums streamed from registers (DG_DIRECT_MIN=0) on AVX2,
 # only runs of 512+ elements (the default; shorter ones written in place) on AVX-512 with
 # derivgen.torch's extras, no tile at all for the runs with lane sums (DG_TILE_BYTES=0: what
-# runs longer than the tile get: in place) on SSE2
+# runs longer than the tile get: in place) on SSE2. Each is the x86-64 level whose flags the
+# CPU must have to run it (runtime.machine.X86_LEVELS), narrowest first.
 ISAS = [
-    ("sse2", "", ("-DDG_TILE_BYTES=0",)),
-    ("avx2", "-mavx2 -mfma", ("-DDG_DIRECT_MIN=0",)),
-    ("avx512", "-mavx512f", ("",)),
+    ("sse2", "x86-64", "", ("-DDG_TILE_BYTES=0",)),
+    ("avx2", "x86-64-v3", "-mavx2 -mfma", ("-DDG_DIRECT_MIN=0",)),
+    ("avx512", "x86-64-v4", "-mavx512f", ("",)),
 ]
+LEVELS = [name for name, _ in X86_LEVELS] + ["x86-64"]  # best first
 
 
-def test_streaming_and_prefetch_change_no_bits(tmp_path):
-    """Every streamed variant of every ISA gives the bits of one unstreamed build: the
-    AVX-512 one where the CPU has it (every ISA build gives the same bits, so one baseline
-    serves them all and asserts that too)."""
-    flags = _cpu_flags()
-    have = []
-    for isa, isa_flags, variants in ISAS:
-        needs = {"sse2": "sse2", "avx2": "avx2"}.get(isa, "avx512f")
-        if f" {needs}" in flags:
-            have.append((isa, isa_flags, variants))
-        elif os.environ.get("CI") == "true":  # the CI machines are AVX-512 x86-64
-            pytest.fail(f"this machine's CPU lacks {needs}")
-    if not have:
-        pytest.skip("no x86-64 SIMD flags read from /proc/cpuinfo")
+def runnable(level: str) -> list[tuple]:
+    """The entries of :data:`ISAS` a CPU of this x86-64 level runs ("" off x86-64: none)."""
+    if level not in LEVELS:
+        return []
+    return [entry for entry in ISAS if LEVELS.index(entry[1]) >= LEVELS.index(level)]
+
+
+def test_runnable_isas_follow_the_level():
+    """An AVX2-only CPU checks SSE2 and AVX2, an AVX-512 one all three, a baseline x86-64 SSE2,
+    another architecture none."""
+    assert [e[0] for e in runnable("x86-64-v4")] == ["sse2", "avx2", "avx512"]
+    assert [e[0] for e in runnable("x86-64-v3")] == ["sse2", "avx2"]
+    assert [e[0] for e in runnable("x86-64-v2")] == ["sse2"]
+    assert [e[0] for e in runnable("x86-64")] == ["sse2"]
+    assert runnable("") == []
+
+
+def test_streaming_and_prefetch_change_no_bits(tmp_path, record_property):
+    """Every streamed variant of every ISA this CPU runs (AVX-512, AVX2, SSE2: whichever it
+    has) gives the bits of one unstreamed build at the widest of them (every ISA build gives
+    the same bits, so one baseline serves them all and asserts that too). The ISAs checked are
+    recorded and printed in the run's summary."""
+    have = [(isa, flags, variants) for isa, _, flags, variants in runnable(machine().level)]
+    if not have:  # not x86-64: these are x86 intrinsics
+        msg = f"not an x86-64 CPU ({machine().cpu}): the streaming paths are x86 intrinsics"
+        if IN_CI:
+            pytest.fail(msg)
+        pytest.skip(msg)
+    record_property("checked", f"ISAs {', '.join(isa for isa, _, _ in have)} on {machine().cpu}")
     # derivgen.torch's bfloat16 and channels-last kernels (the extras library) on the two
     # widest ISAs: they share every streaming helper with the float kernels checked on all
     # (where torch is missing they are left out, but never under CI=true)
