@@ -7,9 +7,12 @@ statistics as explicit sums, ``L = Σ_j ∂L/∂y_j · y_j`` differentiated with
 ``together``/``cancel`` -- one coefficient of each ∂L/∂y_j at a time (both
 sides are linear in ∂L/∂y), at element 0 (the layer is symmetric in its
 elements), with square roots as generators t, t² = E, and absolute values
-split by sign.  Where that does not reach zero within the budget,
-the difference is evaluated at random rational points in 80-digit arithmetic,
-and the result is reported as "checked numerically" -- never as "proven".
+split by sign.  The reduction is exact rational arithmetic in sparse polynomials
+(:mod:`derivgen.prove.exact`) under a budget counted in work -- term pairs multiplied,
+:data:`SYMBOLIC_WORK` per size -- not in seconds, so the verdict depends on the spec and
+the size alone. Where that does not reach zero within the budget, the difference is
+evaluated at random rational points in 80-digit arithmetic, and the result is reported as
+"checked numerically" -- never as "proven".
 """
 
 from __future__ import annotations
@@ -27,11 +30,11 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import sympy
-from sympy.polys.polyerrors import CoercionFailed
-from sympy.polys.rings import ring as polynomials
 
 from derivgen.derive.first import G, ModeDerivation, ParamGrad
 from derivgen.derive.second import SecondOrder, almost_everywhere
+from derivgen.prove import exact
+from derivgen.prove.exact import UNLIMITED, OutOfWork, Work
 from derivgen.spec.model import DY, Input, N, Param, Spec, X
 from derivgen.symbolic import domain, functions
 from derivgen.symbolic.block import GROUP_AXES, BlockMean
@@ -41,14 +44,16 @@ from derivgen.symbolic.window import Window, offsets
 
 @dataclass
 class ProofResult:
-    """One size's verdict: at N = ``n`` the closed forms were proven, checked numerically or
-    FAILED (``detail`` says which check), by ``method``, in ``seconds``."""
+    """One size's verdict: at N = ``n`` the closed forms were proven, checked numerically,
+    FAILED (``detail`` says which check) or "timed out" (past the last-resort guard of
+    :data:`GUARD_SECONDS`, which no budget of work decides), by ``method``, in ``seconds``."""
 
     n: int
-    status: str  # "proven", "checked numerically", "FAILED"
+    status: str  # "proven", "checked numerically", "FAILED", "timed out"
     method: str
     seconds: float
     detail: str = ""
+    work: int = 0  # units of exact arithmetic the symbolic reduction used (the same on every machine)
 
     @property
     def ok(self) -> bool:
@@ -70,12 +75,14 @@ class ModeProof:
 
     @property
     def status(self) -> str:
-        """The weakest result over the sizes: "FAILED", "checked numerically", "proven", or
-        "not checked" when there are none."""
+        """The weakest result over the sizes: "FAILED", "timed out", "checked numerically",
+        "proven", or "not checked" when there are none."""
         if not self.results:
             return "not checked"
-        if not self.ok:
+        if any(r.status == "FAILED" for r in self.results):
             return "FAILED"
+        if not self.ok:
+            return "timed out"
         if all(r.status == "proven" for r in self.results):
             return "proven"
         return "checked numerically"
@@ -237,12 +244,14 @@ def _strip_positive(e: sympy.Expr) -> sympy.Expr:
         c, _, k1, k2 = canonical(a.args[0])
         return sympy.sign(c) * sympy.sign(k1) * sympy.sign(k2)
 
+    if not e.has(sympy.Abs, sympy.sign):
+        return e
     e = e.replace(lambda a: isinstance(a, sympy.Abs), abs_)
     return e.replace(lambda a: isinstance(a, sympy.sign), sign_)
 
 
-def _zero_symbolic(diff: sympy.Expr) -> bool:
-    """Zero by exact rational reduction (see :func:`_reduces_to_zero`). Absolute values
+def _zero_symbolic(diff: sympy.Expr, work: Work = UNLIMITED) -> bool:
+    """Zero by exact rational reduction under ``work`` (see :func:`_reduces_to_zero`). Absolute values
     (SymPy writes √(t²) as |t| for real t, as at N = 2) are split by cases: |t| = ±t and
     sign(t) = ±1, one argument at a time (at most 32 cases), each case reduced the same
     way; a case whose signs no point has (x₀ - 2x₁ + x₂, x₀ + x₁ - 2x₂ and -2x₀ + x₁ + x₂
@@ -253,7 +262,7 @@ def _zero_symbolic(diff: sympy.Expr) -> bool:
         e = _strip_positive(e)
         args = sorted({a.args[0] for a in e.atoms(sympy.Abs, sympy.sign)}, key=sympy.default_sort_key)
         if not args:
-            return _reduces_to_zero(e)
+            return _reduces_to_zero(e, work)
         t = args[0]
         for sgn in (1, -1):
             case = decided + [(t, sgn)]
@@ -314,10 +323,10 @@ def _primitive_root(q: sympy.Pow) -> sympy.Expr:
 
 def _primitive_roots(e: sympy.Expr, roots: list[sympy.Pow]) -> sympy.Expr:
     """``e`` with each of ``roots`` whose base is not a number written by :func:`_primitive_root`."""
-    return e.replace(lambda q: q in roots and not q.base.is_Number, _primitive_root)
+    return e.xreplace({q: _primitive_root(q) for q in roots if not q.base.is_Number})
 
 
-def _reduces_to_zero(diff: sympy.Expr) -> bool:
+def _reduces_to_zero(diff: sympy.Expr, work: Work = UNLIMITED) -> bool:
     """Zero as a rational function once every root b^(1/q) is a generator t with t^q = b.
 
     ``cancel`` alone treats √E as independent of E (at N = 2 a standard deviation is
@@ -325,10 +334,12 @@ def _reduces_to_zero(diff: sympy.Expr) -> bool:
     inside. Roots are replaced innermost first (a root may sit inside another's base),
     b^(p/q) by t^p; the difference is brought over one denominator, and its numerator --
     a polynomial in the generators -- is pseudo-reduced modulo den(b)·t^q - num(b),
-    outermost first."""
+    outermost first (:func:`_polynomial_zero`), all of it charged to ``work``. What that
+    leaves undecided (an identity between functions other than exp) goes to ``cancel``
+    where the difference is small (:data:`CANCEL_NODES`), and is not proven otherwise."""
     if not _roots(diff):
-        fast = _polynomial_zero(diff, [])
-        return fast if fast is not None else sympy.cancel(sympy.together(diff)) == 0
+        fast = _polynomial_zero(diff, [], work)
+        return fast if fast is not None else _small_cancel(diff, work)
     e, rels = diff, []
     for k in range(8):
         inner = [q for q in _roots(e) if not _roots(q.base)]
@@ -340,77 +351,73 @@ def _reduces_to_zero(diff: sympy.Expr) -> bool:
         base = min((q.base for q in inner), key=sympy.default_sort_key)
         den = math.lcm(*[int(q.exp.q) for q in inner if q.base == base])
         t = sympy.Dummy(f"t{k}", positive=True)
-        e = e.replace(
-            lambda q, b=base: q.is_Pow and q.base == b and q.exp.is_Rational and not q.exp.is_Integer,
-            lambda q, t=t, d=den: t ** int(d * q.exp),
-        )
+        e = e.xreplace({q: t ** int(den * q.exp) for q in inner if q.base == base})
         rels.append((t, den, base))
     if _roots(e):
         return False
-    # functions of the generators (exp(-t²)) are generators of their own
-    opaque = {
-        f: sympy.Dummy(f"u{k}")
-        for k, f in enumerate(
-            sorted(
-                (f for f in e.atoms(sympy.Function) if f.free_symbols & {t for t, _, _ in rels}),
-                key=sympy.default_sort_key,
-            )
-        )
-    }
-    e = e.xreplace(opaque)
-    fast = _polynomial_zero(e, [(t, den, base.xreplace(opaque)) for t, den, base in rels])
-    if fast is not None:
-        return fast
-    num = sympy.expand(sympy.numer(sympy.together(e)))
-    try:
-        for t, den, base in reversed(rels):
-            if num.has(t):
-                bn, bd = sympy.fraction(sympy.together(base.xreplace(opaque)))
-                num = sympy.expand(sympy.prem(num, sympy.expand(bd * t**den - bn), t))
-    except sympy.PolynomialError:
+    return bool(_polynomial_zero(e, rels, work))
+
+
+CANCEL_NODES = 400  # the largest difference (in expression nodes) left to ``cancel`` when exact arithmetic is undecided
+
+
+def _small_cancel(diff: sympy.Expr, work: Work) -> bool:
+    """``cancel`` for a difference of at most :data:`CANCEL_NODES` nodes (charged as its
+    square), which applies identities between functions that generators do not know; larger
+    ones are not proven here (the decision depends on the expression alone)."""
+    nodes = sum(1 for _ in sympy.preorder_traversal(diff))
+    if nodes > CANCEL_NODES:
         return False
-    return num == 0
+    work.charge(nodes * nodes)
+    return sympy.cancel(sympy.together(diff)) == 0
 
 
-def _polynomial_zero(e: sympy.Expr, rels: list[tuple[sympy.Symbol, int, sympy.Expr]]) -> bool | None:
-    """Whether the numerator of ``e`` over one denominator (``together``) is zero once
-    pseudo-reduced modulo each relation den(b)·t^q - num(b) of ``rels`` (outermost first): the
-    reduction :func:`_reduces_to_zero` makes, with the numerator multiplied out in SymPy's
-    sparse polynomials over QQ, node by node (``PolyRing.from_expr``), where ``cancel`` and
-    ``expand`` multiply out expression trees: at N = 3 a trailing layer's difference took
-    10.6 s by ``cancel`` and 1.5 s so.
+def _exact_floats(e: sympy.Expr) -> sympy.Expr:
+    """Every Float as the rational it is exactly (a binary fraction): both sides carry a
+    constant such as 0.044715 as the same Float, so the identity is one between rationals."""
+    floats = e.atoms(sympy.Float)
+    return e.xreplace({f: sympy.Rational(f) for f in floats}) if floats else e
 
-    Function applications left in ``e`` or a base are generators of their own: zero for every
-    value of the generators is zero for theirs, so True is final; False is final only where
-    there were none (``expand`` applies identities between functions, as exp(a + b) =
-    exp(a)·exp(b), which generators do not know). None: not decided here (such functions, a
-    Float, or what is not a polynomial over QQ), for the caller's reduction."""
+
+def _polynomial_zero(
+    e: sympy.Expr, rels: list[tuple[sympy.Symbol, int, sympy.Expr]], work: Work = UNLIMITED
+) -> bool | None:
+    """Whether the numerator of ``e`` over one denominator is zero once pseudo-reduced modulo
+    each relation den(b)·t^q - num(b) of ``rels`` (outermost first): the reduction
+    :func:`_reduces_to_zero` makes, in SymPy's sparse polynomials over QQ, built node by node
+    under ``work`` (:mod:`derivgen.prove.exact`; :class:`~derivgen.prove.exact.OutOfWork`
+    propagates). Floats are the rationals they are; exponentials are written in canonical
+    generators (exp(a + b) and exp(a)·exp(b) are one monomial).
+
+    Other function applications are generators of their own: zero for every value of the
+    generators is zero for theirs, so True is final; False is final only where there were
+    none, exponentials included (tanh² + sech² = 1 is not a polynomial identity). None: not decided here (such
+    functions, or what is not a rational function over QQ)."""
     if e.is_Number:
-        return e == 0
-    if e.has(sympy.Float) or any(b.has(sympy.Float) for _, _, b in rels):
-        return None
-    funcs = set().union(e.atoms(sympy.Function), *(b.atoms(sympy.Function) for _, _, b in rels))
+        return bool(e == 0)
+    every = _exact_floats(sympy.Tuple(e, *(b for _, _, b in rels)))
+    every, exponentials = exact.canonical_exponentials(every)
+    funcs = every.atoms(sympy.Function)
     opaque = {f: sympy.Dummy(f"f{k}") for k, f in enumerate(sorted(funcs, key=sympy.default_sort_key))}
-    numer = sympy.fraction(sympy.together(e.xreplace(opaque)))[0]
-    rels = [(t, den, sympy.fraction(sympy.together(b.xreplace(opaque)))) for t, den, b in rels]
+    every = every.xreplace(opaque)
+    e, bases = every.args[0], every.args[1:]
     gens = sorted(
-        set().union(numer.free_symbols, *(b[0].free_symbols | b[1].free_symbols | {t} for t, _, b in rels)),
+        set().union(every.free_symbols, (t for t, _, _ in rels)),
         key=sympy.default_sort_key,
     )
-    if not gens:
-        return bool(numer == 0) if numer.is_Rational else None
-    ring = polynomials(gens, sympy.QQ)[0]
+    ring = exact.ring_of(gens)
     try:
-        num = ring.from_expr(numer)
-        for t, den, (bn, bd) in reversed(rels):
+        num = exact.numerator(e, ring, work)
+        for (t, den, _), base in reversed(list(zip(rels, bases))):
             g = ring.gens[gens.index(t)]
-            if num.degree(g) > 0:
-                num = num.prem(ring.from_expr(bd) * g**den - ring.from_expr(bn), g)
-    except (ValueError, TypeError, ZeroDivisionError, sympy.PolynomialError, CoercionFailed):
+            if num and num.degree(g) > 0:
+                bn, bd = exact.fraction(base, ring, work)
+                num = exact.pseudo_remainder(num, bd * g**den - bn, g, work)
+    except exact.NotRational:
         return None
-    if num == 0:
+    if not num:
         return True
-    return None if opaque else False
+    return None if opaque or exponentials else False
 
 
 NUMERIC_DIGITS = 80
@@ -475,7 +482,13 @@ def _zero_numeric(diff: sympy.Expr, points: _Sampler, trials: int = 3) -> bool:
     return True
 
 
-SYMBOLIC_SECONDS = 30.0  # per size: symbolic reduction beyond this falls back to 80-digit numbers
+# per size: the exact arithmetic the symbolic reduction may do (units of exact.Work: term pairs
+# multiplied) before the rest of that size's checks fall back to 80-digit numbers. A count of
+# work, not seconds, so the verdict is the same on every machine and under any load.
+SYMBOLIC_WORK = 20_000_000
+# per size: a last guard in seconds against a SymPy step that no budget counts (differentiation
+# of the unrolled forward); a size that reaches it is reported "timed out", never downgraded
+GUARD_SECONDS = 3600.0
 
 
 class _OutOfTime(Exception):
@@ -497,7 +510,7 @@ def _budget(seconds: float):
 
     def fire(signum, frame):
         # again in 50 ms: an exception raised while a gc callback runs (hypothesis installs
-        # one) is printed and dropped there, and the reduction would run on unbounded
+        # one) is printed and dropped there, and the block would run on unbounded
         signal.setitimer(signal.ITIMER_REAL, 0.05)
         raise _OutOfTime()
 
@@ -512,7 +525,7 @@ def _budget(seconds: float):
             signal.setitimer(signal.ITIMER_REAL, max(1e-3, outer_left - (time.monotonic() - t0)))
 
 
-def _proven(d: sympy.Expr, lin: list[sympy.Symbol]) -> bool:
+def _proven(d: sympy.Expr, lin: list[sympy.Symbol], work: Work = UNLIMITED) -> bool:
     """Symbolically zero: both sides are linear in the symbols ``lin`` (∂L/∂y; the second
     order's cotangents or tangents), so each coefficient vanishes on its own.
 
@@ -522,8 +535,14 @@ def _proven(d: sympy.Expr, lin: list[sympy.Symbol]) -> bool:
     the kinks) and each region is reduced on its own by the case split."""
 
     def zero(e: sympy.Expr) -> bool:
-        rest = e.xreplace({s: 0 for s in lin})
-        return all(_zero_symbolic(sympy.diff(e, s)) for s in lin if e.has(s)) and _zero_symbolic(rest)
+        # e is linear in lin: zero where every symbol of lin is 0, and where each one alone is 1,
+        # is zero everywhere (the coefficients without differentiating e, as sympy.diff would)
+        off = {s: 0 for s in lin}
+        rest = e.xreplace(off)
+        if not _zero_symbolic(rest, work):
+            return False
+        present = e.free_symbols
+        return all(_zero_symbolic(e.xreplace({**off, s: 1}), work) for s in lin if s in present)
 
     if zero(d):
         return True
@@ -595,18 +614,23 @@ def _first_checks(first: ModeDerivation, ex: _Explicit) -> list[tuple[str, sympy
     return checks
 
 
-def prove_mode(first: ModeDerivation, sizes: Iterable[int] = (2, 3, 4, 5, 6)) -> ModeProof:
+def prove_mode(first: ModeDerivation, sizes: Iterable[int] = (2, 3, 4, 5, 6), work: int | None = None) -> ModeProof:
     """One mode's first-order closed forms against brute-force differentiation at each size
-    (symbolic within :data:`SYMBOLIC_SECONDS` per size, then 80-digit numbers)."""
+    (symbolic within ``work`` units of exact arithmetic per size, :data:`SYMBOLIC_WORK` by
+    default, then 80-digit numbers)."""
     out = ModeProof(first.mode)
     points = _Sampler.for_spec(first.spec, 1234)
-    for n in sizes:
-        t0 = time.perf_counter()
+    limit = SYMBOLIC_WORK if work is None else work
+
+    def settle(n, t0):
         checks = []
         for k in window_sizes(first.spec):
             ex = _Explicit(first, n, k)
             checks += [(_sized(what, k), d, ex.elem[DY]) for what, d in _first_checks(first, ex)]
-        out.results.append(_settle(n, checks, t0, points, SYMBOLIC_SECONDS))
+        return _settle(n, checks, t0, points, limit)
+
+    for n in sizes:
+        out.results.append(_guarded(n, functools.partial(settle, n)))
     return out
 
 
@@ -628,26 +652,39 @@ def _sized(what: str, k: int | None) -> str:
     return what if k is None else f"{what} (window {k})"
 
 
-def _settle(n: int, checks: list[_Check], t0: float, points: _Sampler, seconds: float) -> ProofResult:
+def _settle(n: int, checks: list[_Check], t0: float, points: _Sampler, work_limit: int | None) -> ProofResult:
     """One size's result: each (what, difference, symbols it is linear in) reduced to zero
-    symbolically (one coefficient of those symbols at a time) until ``seconds`` since t0
-    have passed, then in 80-digit arithmetic at random rational points; the first that is not zero fails."""
-    method, status, detail = "cancel/together", "proven", ""
-    symbolic = True
+    symbolically (one coefficient of those symbols at a time) while the size's budget of
+    ``work_limit`` units of exact arithmetic lasts, then in 80-digit arithmetic at random
+    rational points; the first that is not zero fails."""
+    method, status, detail = METHOD, "proven", ""
+    work = Work(work_limit)
     for what, d, lin in checks:
-        if symbolic:
+        if not work.spent:
             try:
-                with _budget(max(0.1, seconds - (time.perf_counter() - t0))):
-                    if _proven(d, lin):
-                        continue
-            except _OutOfTime:
-                symbolic = False  # out of time: 80-digit numbers for the rest
+                if _proven(d, lin, work):
+                    continue
+            except OutOfWork:
+                pass  # spent: 80-digit numbers for this check and the rest
         if _zero_numeric(d, points):
             method, status = "80-digit arithmetic at random rational points", "checked numerically"
             continue
         status, detail = "FAILED", f"{what} differs from brute force"
         break
-    return ProofResult(n, status, method, time.perf_counter() - t0, detail)
+    return ProofResult(n, status, method, time.perf_counter() - t0, detail, work.used)
+
+
+METHOD = "exact rational arithmetic"
+
+
+def _guarded(n: int, settle) -> ProofResult:
+    """``settle()`` for size n, or "timed out" after :data:`GUARD_SECONDS`."""
+    t0 = time.perf_counter()
+    try:
+        with _budget(GUARD_SECONDS):
+            return settle(t0)
+    except _OutOfTime:
+        return ProofResult(n, "timed out", METHOD, time.perf_counter() - t0, f"past the {GUARD_SECONDS:g} s guard")
 
 
 class _Derived(Protocol):
@@ -765,19 +802,18 @@ def _second_checks(second: SecondOrder, n: int) -> list[_Check]:
     return [(what, almost_everywhere(d), lin) for what, d, lin in checks]
 
 
-def prove_second_mode(
-    second: SecondOrder, sizes: Iterable[int] = (2, 3, 4, 5), symbolic_seconds: float = SYMBOLIC_SECONDS
-) -> ModeProof:
+def prove_second_mode(second: SecondOrder, sizes: Iterable[int] = (2, 3, 4, 5), work: int | None = None) -> ModeProof:
     """The second-order closed forms (:mod:`derivgen.derive.second`) against brute force at small N:
     the first-order gradients of the explicit layer by ``sympy.diff``, their VJP with the
     cotangents (δx, δp, δi) differentiated again, and the directional derivative of the
     explicit y along (ẋ, ṗ, i̇); compared at element 0 like the first order, one
     coefficient of each cotangent or tangent at a time (both sides are linear in them).
     Falls back to 80-digit evaluation at random rational points when the symbolic budget
-    runs out (reported as "checked numerically")."""
+    (``work`` units of exact arithmetic per size, :data:`SYMBOLIC_WORK` by default) is spent
+    (reported as "checked numerically")."""
     out = ModeProof(second.first.mode)
     points = _Sampler.for_spec(second.spec, 4321)
+    limit = SYMBOLIC_WORK if work is None else work
     for n in sizes:
-        t0 = time.perf_counter()
-        out.results.append(_settle(n, _second_checks(second, n), t0, points, symbolic_seconds))
+        out.results.append(_guarded(n, lambda t0, n=n: _settle(n, _second_checks(second, n), t0, points, limit)))
     return out

@@ -36,7 +36,7 @@ def test_layernorm_double_backward_is_the_compact_closed_form():
 @pytest.mark.parametrize("name,mode", LAYERS)
 def test_catalogue_second_order_is_proven(name, mode):
     so = derivgen.derive(name).second(mode)
-    proof = prove_second_mode(so, (2, 3), symbolic_seconds=5.0)
+    proof = prove_second_mode(so, (2, 3))
     assert proof.ok, [(r.n, r.status, r.detail) for r in proof.results]
     if name != "online_layernorm":
         assert proof.status == "proven"
@@ -45,7 +45,7 @@ def test_catalogue_second_order_is_proven(name, mode):
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
 def test_examples_second_order_is_proven(path):
     md = derivgen.derive(path).train
-    proof = prove_second_mode(derive_second(md), (2, 3), symbolic_seconds=5.0)
+    proof = prove_second_mode(derive_second(md), (2, 3))
     assert proof.ok, [(r.n, r.status, r.detail) for r in proof.results]
 
 

@@ -114,10 +114,11 @@ def test_symbolic_budget_survives_an_exception_dropped_by_a_gc_callback():
 
 def test_the_polynomial_reduction_proves_zero_and_defers_identities_between_functions():
     """The numerator multiplied out over QQ shows a rational identity, with functions as
-    generators and roots as generators under their relations; an identity between functions
-    (exp(a + b) = exp(a)·exp(b)) it leaves undecided, and the reduction through ``cancel``
-    proves it; a non-zero difference without functions is final; a Float, even inside a
-    root's base, is left to the exact reduction."""
+    generators and roots as generators under their relations; the laws of exponents hold
+    between exponentials (exp(a + b) = exp(a)·exp(b)); an identity between other functions
+    (tanh² + 1/cosh² = 1) it leaves undecided, and ``cancel`` decides it for a small
+    difference; a non-zero difference without functions is final; a Float is the rational it
+    is, inside a root's base too."""
     from derivgen.prove.proof import _polynomial_zero, _reduces_to_zero
 
     a, b = sympy.symbols("a b", real=True)
@@ -130,11 +131,76 @@ def test_the_polynomial_reduction_proves_zero_and_defers_identities_between_func
     root = (a**2 + 1) ** sympy.Rational(3, 2) - a**2 * s - s
     assert root != 0 and _reduces_to_zero(root)
     assert _polynomial_zero(t**3 - a**2 * t, [(t, 2, a**2 + 1)]) is False
-    functions = sympy.exp(a + b) - sympy.exp(a) * sympy.exp(b)
-    assert _polynomial_zero(functions, []) is None and _reduces_to_zero(functions)
+    exponents = sympy.exp(a + b) - sympy.exp(a) * sympy.exp(b) + sympy.exp(a / 2) ** 3 - sympy.exp(3 * a / 2)
+    assert exponents != 0 and _polynomial_zero(exponents, []) is True
+    assert _polynomial_zero(sympy.exp(a + b) - sympy.exp(a), []) is None  # exp(b) = 1 is not an identity
+    pythagoras = sympy.tanh(a) ** 2 + 1 / sympy.cosh(a) ** 2 - 1
+    assert _polynomial_zero(pythagoras, []) is None and _reduces_to_zero(pythagoras.rewrite(sympy.exp))
     assert _polynomial_zero(a / (a + b) - 1, []) is False and not _reduces_to_zero(a / (a + b) - 1)
     x = sympy.Symbol("x", positive=True)
     floaty = (x + 0.30000000000000004) ** sympy.Rational(3, 2) - (x + sympy.Rational(3, 10)) * sympy.sqrt(
         x + 0.30000000000000004
     )
     assert not _reduces_to_zero(floaty)
+    exact_float = (x + 0.25) ** sympy.Rational(3, 2) - (x + sympy.Rational(1, 4)) * sympy.sqrt(x + 0.25)
+    assert _reduces_to_zero(exact_float)
+
+
+def test_exact_arithmetic_is_charged_before_it_is_done():
+    """A product of polynomials of a and b terms costs a·b units, a sum a + b; a budget too
+    small raises OutOfWork, and the count is a property of the expression alone."""
+    from derivgen.prove import exact
+
+    a, b, c = sympy.symbols("a b c", real=True)
+    ring = exact.ring_of([a, b, c])
+    e = (a + b + c) ** 2 / (a - b) - sympy.expand((a + b + c) ** 2) / (a - b)
+    assert e != 0
+    used = []
+    for _ in range(2):
+        work = exact.Work(None)
+        assert exact.numerator(e, ring, work) == 0
+        used.append(work.used)
+    assert used[0] == used[1] > 9  # (a + b + c)² alone is 3·3 term pairs
+    with pytest.raises(exact.OutOfWork):
+        exact.numerator(e, ring, exact.Work(used[0] - 1))
+    assert exact.numerator(e, ring, exact.Work(used[0])) == 0
+    num, den = exact.fraction(1 / (a + 1) + 1 / (a - 1), exact.ring_of([a]))
+    assert (num.as_expr(), sympy.expand(den.as_expr())) == (2 * a, a**2 - 1)
+    with pytest.raises(exact.NotRational):
+        exact.numerator(sympy.sqrt(a), ring)
+
+
+def test_a_spent_budget_falls_back_to_numbers_the_same_way_every_time():
+    """With a budget too small for layer norm at N = 3 the proof checks numerically, and the
+    work it counted before giving up is the same in every run."""
+    md = derivgen.derive("layernorm").train
+    runs = [prove_mode(md, sizes=(2, 3), work=200).results for _ in range(2)]
+    assert [(r.status, r.work) for r in runs[0]] == [(r.status, r.work) for r in runs[1]]
+    assert runs[0][1].status == "checked numerically" and runs[0][1].work > 200
+    assert prove_mode(md, sizes=(3,)).status == "proven"
+
+
+def test_the_verdict_does_not_depend_on_the_load(tmp_path):
+    """The same proof, idle and with both cores kept busy by sibling processes, gives the same
+    verdict and counts the same work at every size: the budget is work, not seconds."""
+    import subprocess
+    import sys
+
+    from derivgen.prove.proof import prove_second_mode
+
+    so = derivgen.derive("batchnorm").second("train")
+
+    def verdict():
+        return [(r.n, r.status, r.work) for r in prove_second_mode(so, (2, 3)).results]
+
+    idle = verdict()
+    spin = "import time\nend = time.monotonic() + 600\nwhile time.monotonic() < end: pass"
+    busy = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(2)]
+    try:
+        loaded = verdict()
+    finally:
+        for p in busy:
+            p.kill()
+            p.wait()
+    assert loaded == idle
+    assert all(status == "proven" and work > 0 for _, status, work in idle)
