@@ -36,10 +36,14 @@ def test_layernorm_double_backward_is_the_compact_closed_form():
 @pytest.mark.parametrize("name,mode", LAYERS)
 def test_catalogue_second_order_is_proven(name, mode):
     so = derivgen.derive(name).second(mode)
+    if name == "online_layernorm":
+        # its proof at N = 3 multiplies out 2.8 million term pairs (about a minute): a budget of
+        # half a million proves N = 2 and checks N = 3 numerically, the same way on every machine
+        proof = prove_second_mode(so, (2, 3), work=500_000)
+        assert [r.status for r in proof.results] == ["proven", "checked numerically"], proof.results
+        return
     proof = prove_second_mode(so, (2, 3))
-    assert proof.ok, [(r.n, r.status, r.detail) for r in proof.results]
-    if name != "online_layernorm":
-        assert proof.status == "proven"
+    assert proof.status == "proven", [(r.n, r.status, r.detail) for r in proof.results]
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
