@@ -30,7 +30,7 @@ small per-group coefficients, ``factor_terms``. The result is plain data
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import sympy
@@ -40,6 +40,7 @@ from derivgen.derive.coordinate import ImplicitCoordinate, closed_form_coordinat
 from derivgen.spec.model import DY, Mode, N, Named, Spec, Statistic, X
 from derivgen.symbolic import domain, functions
 from derivgen.symbolic.block import BlockFacts, BlockMean, block_mean, hide_blocks
+from derivgen.symbolic.fewest import fewest_means
 from derivgen.symbolic.reduce import SELECTIONS, GroupMax, Mean, ReductionAlgebra, expand, hide_means, means, selections
 from derivgen.symbolic.window import Window, pull
 
@@ -836,16 +837,16 @@ class _Deriver:
             self.alg.derived = {self.coord.symbol: self.coord_def}
         written = self._closed_forms_in(adj)
         if self.to_xhat is None or not self.y_hat.has(X):
-            return written
+            return self._fewest(*written)
         to_xhat = self.to_xhat
         self.to_xhat = None
         plain = self._closed_forms_in(adj)
         if _mean_count(plain) < _mean_count(written):
             if self.implicit is None and self.spec.normalized is None:
                 self.coord = self.coord_def = None  # the centred coordinate is not used
-            return plain
+            return self._fewest(*plain)
         self.to_xhat = to_xhat
-        return written
+        return self._fewest(*written)
 
     def _closed_forms_in(
         self, adj: _Adjoints
@@ -873,6 +874,109 @@ class _Deriver:
         for where, e in [("output", dx), *((f"params.{k}", v.element + v.group) for k, v in grads.items())]:
             check_derivatives(spec, where, e)
         return dx, grads, dinputs, adjoints
+
+    def _fewest(
+        self,
+        dx: sympy.Expr,
+        grads: dict[str, ParamGrad],
+        dinputs: dict[str, sympy.Expr],
+        adjoints: dict[sympy.Symbol, sympy.Expr],
+    ) -> tuple[sympy.Expr, dict[str, ParamGrad], dict[str, sympy.Expr], dict[sympy.Symbol, sympy.Expr]]:
+        """The closed forms in the fewest run-time means of ∂L/∂y (:mod:`derivgen.symbolic.fewest`):
+        group means, then the block means of each kind, merged where their integrands or
+        their coefficients in every output are proportional with a factor one value over
+        the mean's domain (per group; per block). The coordinate is chosen before (a merge
+        would join ⟨g·(x - μ)⟩ and μ·⟨g⟩ back into ⟨g·((x - μ) + μ)⟩); the statistics'
+        adjoints stay as derived."""
+        names = list(grads)
+        exprs = [dx, *(grads[k].element for k in names), *(grads[k].group for k in names), *dinputs.values()]
+        unname_g = {G: self.g_def} if self.g_def is not None else {}
+
+        def written_out(u: sympy.Expr) -> sympy.Expr:
+            return u.xreplace(unname_g) if unname_g else u
+
+        def of_dy(atoms: Iterable[sympy.Expr]) -> list[sympy.Expr]:
+            return sorted({a for a in atoms if a.has(DY, G)}, key=sympy.default_sort_key)
+
+        spell = self._speller()
+        exprs = fewest_means(
+            exprs,
+            of_dy(m for e in exprs for m in means(e)),
+            lambda m: m.args[0],
+            Mean,
+            lambda f: not self.alg.is_varying(f),
+            written_out,
+            spell,
+        )
+        exprs = self._centre_blocks(exprs)
+        for kind in sorted({b.kind for e in exprs for b in e.atoms(BlockMean)}):
+            exprs = fewest_means(
+                exprs,
+                of_dy(b for e in exprs for b in e.atoms(BlockMean) if b.kind == kind),
+                lambda b: b.body,
+                lambda u, kind=kind: block_mean(u, kind),
+                lambda f, kind=kind: self.bfacts.constant(f, kind),
+                written_out,
+                spell,
+            )
+        k = len(names)
+        dx, elements, groups, ins = exprs[0], exprs[1 : 1 + k], exprs[1 + k : 1 + 2 * k], exprs[1 + 2 * k :]
+        grads = {name: ParamGrad(e, gr) for name, e, gr in zip(names, elements, groups)}
+        return dx, grads, dict(zip(dinputs, ins)), adjoints
+
+    def _speller(self) -> Callable[[sympy.Expr], sympy.Expr]:
+        """A sum as the reader knows it: k·num for a statistic s = num/den (num a sum) is k·den·s
+        (a switchable norm's exp(vw_in)·σ²_in + exp(vw_ln)·σ²_ln + exp(vw_bn)·σ²_bn is vz·σ²)."""
+        known = []
+        for st in [*self.program.stats, *self.blocks]:
+            if st.expr.has(Mean, BlockMean, *SELECTIONS):
+                continue
+            num, den = sympy.fraction(sympy.together(st.expr))
+            if num.is_Add:
+                known.append((expand(num), den, st.symbol))
+        for y in {self.spec.output, self.y_hat}:  # the output's own sums (1 + x + x²/2)
+            for a in sympy.preorder_traversal(y):
+                if a.is_Add and a.free_symbols & self.element and not a.has(Mean, BlockMean, *SELECTIONS):
+                    known.append((expand(a), sympy.S.One, a))
+
+        def spell(f: sympy.Expr) -> sympy.Expr:
+            if not f.is_Add:
+                return f
+            ef = expand(f)
+            for num, den, s in known:
+                if len(Add.make_args(ef)) != len(Add.make_args(num)):
+                    continue
+                k = sympy.cancel(ef / num)
+                if not k.has(X, DY, G) and not (k.free_symbols & self.element) and expand(ef - k * num) == 0:
+                    return Mul(k, den, s, evaluate=False)  # 2·(1 + x + x²/2), not distributed
+            return f
+
+        return spell
+
+    def _centre_blocks(self, exprs: list[sympy.Expr]) -> list[sympy.Expr]:
+        """Block means of ∂L/∂y written about their block's own mean of x: ⟨∂L/∂y·(x - μ_in)⟩
+        rather than ⟨∂L/∂y·x⟩ or ⟨∂L/∂y·((x - μ) + μ)⟩ (x in the group's coordinate), where a
+        block statistic of that kind is mean(x, kind). As many means, and their coefficients
+        free of the block's mean (which would cancel)."""
+        centres = {b.expr.kind: b.symbol for b in self.blocks if isinstance(b.expr, BlockMean) and b.expr.body == X}
+        if not centres:
+            return exprs
+        to_x = {self.coord.symbol: self.coord_def} if self.to_xhat is not None else {}
+        z = sympy.Dummy("z", real=True)
+        facts = BlockFacts(self.bfacts.element | {z}, self.bfacts.kinds, self.bfacts.channel, self.bfacts.known)
+        table = {}
+        for e in exprs:
+            for b in e.atoms(BlockMean):
+                if b.kind not in centres or b in table or not b.has(DY, G):
+                    continue
+                u = expand(b.body.xreplace(to_x) if to_x else b.body)
+                if not u.has(X) or not _polynomial_in_x(u):
+                    continue
+                m = centres[b.kind]
+                table[b] = facts.rewrite(block_mean(expand(u.subs(X, z + m)), b.kind)).xreplace({z: X - m})
+        if not table:
+            return exprs
+        return [tidy(e.xreplace(table), self.element) if e.has(*table) else e for e in exprs]
 
     def _sum_xhat_zero(self) -> bool:
         """⟨x̂⟩ = 0 exactly for the spec's x̂."""
@@ -918,6 +1022,15 @@ def _mean_count(forms: tuple) -> int:
     dx, grads, dinputs, _ = forms
     exprs = [dx, *dinputs.values(), *(g.element + g.group for g in grads.values())]
     return len({m for e in exprs for m in means(e)})
+
+
+def _polynomial_in_x(u: sympy.Expr) -> bool:
+    """Is the expanded ``u`` a polynomial in x (x in no function, root or denominator)?"""
+    for term in Add.make_args(u):
+        for f in Mul.make_args(term):
+            if f.has(X) and not (f == X or (f.is_Pow and f.base == X and f.exp.is_Integer and f.exp > 0)):
+                return False
+    return True
 
 
 def mode_depends_on_x(mode: ModeDerivation, s: sympy.Symbol) -> bool:

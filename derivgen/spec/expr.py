@@ -52,6 +52,7 @@ MAX_NODES = 400
 MAX_EXPONENT = 16  # |constant exponent| allowed in ``a ** k``
 
 REDUCTIONS = ("mean", "sum", "max", "min")
+BLOCK_SIZE_NAMES = ("size", "numel", "count", "block_size")  # what a user may try for a block's size
 LEADING = "leading"
 WINDOW = "window"
 
@@ -276,6 +277,22 @@ class _Builder:
             self.fail(node, "a block mean's argument may not hold a group reduction; name it as a statistic")
         return Mean(e) if self.blocks[kind.value] == "group" else block_mean(e, kind.value)
 
+    def block_sum(self, node: ast.Call, depth: int) -> sympy.Expr:
+        """``sum(e, "kind")``: N·mean(e) where the kind spans the layout's group; over a smaller
+        block it would need the block's size, which cannot be written yet: refused, saying so."""
+        kind = node.args[1]
+        if not (isinstance(kind, ast.Constant) and isinstance(kind.value, str)) or kind.value not in self.blocks:
+            self.block(node, depth)  # fails, saying what a kind is and which ones the layout has
+        if self.blocks[kind.value] == "group":
+            return self.group_size * self.block(node, depth)
+        article = "an" if kind.value[0] in "aeiou" else "a"
+        self.fail(
+            node,
+            f"sum(e, {kind.value!r}) needs the size of {article} {kind.value} block, and block sizes cannot "
+            f"be written yet: use the block mean mean(e, {kind.value!r}) (an unbiased block variance, which "
+            "divides by the block's size less one, is not available)",
+        )
+
     def call(self, node: ast.Call, depth: int) -> sympy.Expr:
         """A call of a table function (derivgen.symbolic.functions) or of a group reduction."""
         if not isinstance(node.func, ast.Name):
@@ -283,6 +300,14 @@ class _Builder:
         fname = node.func.id
         if fname == "mean" and len(node.args) == 2 and not node.keywords:
             return self.block(node, depth)
+        if fname == "sum" and len(node.args) == 2 and not node.keywords:
+            return self.block_sum(node, depth)
+        if fname in BLOCK_SIZE_NAMES:
+            self.fail(
+                node,
+                f"{fname}() is not part of the language: block sizes cannot be written yet "
+                '(a block mean mean(e, "instance") can; N is the group\'s size)',
+            )
         fn = functions.language().get(fname)
         arity = fn.arity if fn is not None else 2 if fname == WINDOW else 1
         if node.keywords:

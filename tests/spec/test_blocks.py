@@ -59,12 +59,29 @@ def test_the_kind_that_spans_the_group_is_the_group_mean():
             "group reduction of a block mean",
         ),
         ("m = { expr = 'mean(mean(x), \"instance\")' }", "batch", "may not hold a group reduction"),
+        # block sizes cannot be written (yet): an unbiased instance variance is refused, saying so
+        (
+            "m = { expr = 'sum(x**2, \"instance\")/(N - 1)' }",
+            "batch",
+            "sum(e, 'instance') needs the size of an instance block, and block sizes cannot be written yet",
+        ),
+        ("m = { expr = 'sum(1, \"sample\")' }", "all", "block sizes cannot be written yet"),
+        ('m = { expr = \'mean(x, "instance")/size("instance")\' }', "batch", "size() is not part of the"),
+        ("m = { expr = 'sum(x, \"sample\")' }", "batch", "block kind 'sample' is not one of this layout's"),
     ],
 )
 def test_bad_block_means_are_refused_naming_the_field(stats, reduce, message):
     with pytest.raises(SpecError, match="statistics.[mb].expr") as info:
         spec(stats, reduce=reduce)
     assert message in str(info.value)
+
+
+def test_a_sum_over_the_group_kind_is_the_group_sum():
+    from derivgen.spec.model import N
+    from derivgen.symbolic.reduce import Mean
+
+    s = spec("m = { expr = 'sum(x, \"batch\")/N' }")
+    assert [st.expr for st in s.mode().statistics] == [N * Mean(X) / N]
 
 
 def test_block_means_are_rewritten_exactly():
