@@ -104,6 +104,7 @@ class _Explicit:
         self.window = window  # the size every window option takes (windows: one size per check)
         self.windows = {w.symbol: w.expr for w in spec.windows}
         self.blocks = {b.symbol: b.expr for b in first.blocks}
+        self.block_memo: dict[tuple, sympy.Expr] = {}
         # with block statistics the group is a grid over the axes it spans (of the (O, G, Cg, S)
         # view): S has n elements, every other spanned axis 2; a per-channel value is one
         # symbol per channel. Without, n elements in a row, each with its own parameters.
@@ -149,8 +150,11 @@ class _Explicit:
         """A block mean at element i: the mean of its argument over the elements of i's block."""
         keep = [a for a in range(4) if a not in b.axes]
         mine = [self.coords[i][a] for a in keep]
-        js = [j for j, c in enumerate(self.coords) if [c[a] for a in keep] == mine]
-        return sympy.Add(*[self.at(b.body, j) for j in js]) / len(js)
+        key = (b, tuple(mine))  # one value per block: written out once for all its elements
+        if key not in self.block_memo:
+            js = [j for j, c in enumerate(self.coords) if [c[a] for a in keep] == mine]
+            self.block_memo[key] = sympy.Add(*[self.at(b.body, j) for j in js]) / len(js)
+        return self.block_memo[key]
 
     def _blocks(self, e: sympy.Expr, i: int) -> sympy.Expr:
         """``e`` with every block mean and block statistic at element i written out."""
@@ -552,6 +556,56 @@ def _proven(d: sympy.Expr, lin: list[sympy.Symbol], work: Work = UNLIMITED) -> b
 
 # ---- the brute-force side, shared by both orders
 
+
+def _diff(e: sympy.Expr, x: sympy.Symbol) -> sympy.Expr:
+    """∂e/∂x by the chain rule over e's tree, each distinct subexpression differentiated once
+    (the explicit layer repeats its statistics in every element's output, which ``sympy.diff``
+    differentiates again at each). Sums, products, powers with exponents free of x, and
+    functions through their ``fdiff`` are done here; anything else, and a function class with
+    a derivative rule of its own, is left to ``sympy.diff``."""
+    memo: dict[sympy.Basic, sympy.Expr] = {}
+    zero = sympy.S.Zero
+
+    def d(u: sympy.Basic) -> sympy.Expr:
+        hit = memo.get(u)
+        if hit is not None:
+            return hit
+        memo[u] = out = rule(u)
+        return out
+
+    def rule(u: sympy.Basic) -> sympy.Expr:
+        if u.is_Atom:
+            return sympy.S.One if u == x else zero
+        if u.is_Add:
+            return sympy.Add(*[d(a) for a in u.args])
+        if u.is_Mul:
+            terms = []
+            for i, a in enumerate(u.args):
+                da = d(a)
+                if da != 0:
+                    terms.append(sympy.Mul(*u.args[:i], da, *u.args[i + 1 :]))
+            return sympy.Add(*terms)
+        if u.is_Pow and d(u.exp) == 0:
+            db = d(u.base)
+            return zero if db == 0 else u.exp * u.base ** (u.exp - 1) * db
+        if isinstance(u, sympy.Function) and type(u)._eval_derivative is sympy.Function._eval_derivative:
+            terms = []
+            for i, a in enumerate(u.args):
+                da = d(a)
+                if da != 0:
+                    try:
+                        f = u.fdiff(i + 1)
+                    except (sympy.ArgumentIndexError, NotImplementedError):
+                        return sympy.diff(u, x)
+                    if f.has(sympy.Derivative, sympy.Subs):
+                        return sympy.diff(u, x)
+                    terms.append(f * da)
+            return sympy.Add(*terms)
+        return sympy.diff(u, x)
+
+    return d(e)
+
+
 _Check = tuple[str, sympy.Expr, list[sympy.Symbol]]  # (what, difference, symbols it is linear in)
 
 
@@ -579,17 +633,17 @@ def _param_check(
     element plus the group part) for a scalar one."""
     if p.scalar:
         total = sympy.Add(*[ex.at(grad.element, j) for j in range(ex.n)]) + ex.at(grad.group, None)
-        return f"{prefix}d{p.name}", sympy.diff(loss, p.symbol) - total
+        return f"{prefix}d{p.name}", _diff(loss, p.symbol) - total
     sym = ex.elem[p.symbol][i]  # on a grid, its channel's symbol: the sum over the channel's elements
     closed = sympy.Add(*[ex.at(grad.element, j) for j in ex.members(sym, ex.elem[p.symbol])])
-    return f"{prefix}d{p.name}_{i}", sympy.diff(loss, sym) - closed
+    return f"{prefix}d{p.name}_{i}", _diff(loss, sym) - closed
 
 
 def _input_check(
     prefix: str, loss: sympy.Expr, inp: Input, closed: sympy.Expr, ex: _Explicit
 ) -> tuple[str, sympy.Expr]:
     """(``prefix`` d<name>, difference) for a per-group input's closed-form gradient ``closed`` of ``loss``."""
-    return f"{prefix}d{inp.name}", sympy.diff(loss, inp.symbol) - ex.at(closed, None)
+    return f"{prefix}d{inp.name}", _diff(loss, inp.symbol) - ex.at(closed, None)
 
 
 # ---- first order
@@ -602,7 +656,7 @@ def _first_checks(first: ModeDerivation, ex: _Explicit) -> list[tuple[str, sympy
     permutation of (x_j, dy_j, p_j), and the closed form is the same formula at every j."""
     spec = first.spec
     _, loss = _explicit_loss(ex)
-    checks = [(f"dx_{i}", sympy.diff(loss, ex.elem[X][i]) - ex.at(first.dx, i)) for i in _positions(ex)]
+    checks = [(f"dx_{i}", _diff(loss, ex.elem[X][i]) - ex.at(first.dx, i)) for i in _positions(ex)]
     checks += [
         _param_check("", loss, p, first.grads[p.name], ex, i)
         for p in spec.params
@@ -720,16 +774,16 @@ def _double_backward_loss(second: SecondOrder, ex: _Explicit, loss: sympy.Expr) 
     """L₂ = Σ δx·∂L/∂x + Σ δp·∂L/∂p + δi·∂L/∂i: the VJP of the brute-force backward."""
     spec = second.spec
     n = ex.n
-    l2 = sympy.Add(*[ex.elem[second.cot_x.symbol][i] * sympy.diff(loss, ex.elem[X][i]) for i in range(n)])
+    l2 = sympy.Add(*[ex.elem[second.cot_x.symbol][i] * _diff(loss, ex.elem[X][i]) for i in range(n)])
     for p in spec.params:
         c = second.cot_params[p.name].symbol
         if p.scalar:
-            l2 += c * sympy.diff(loss, p.symbol)
+            l2 += c * _diff(loss, p.symbol)
         else:
             pairs = dict(zip(ex.elem[p.symbol], ex.elem[c]))  # one per channel
-            l2 += sympy.Add(*[cs * sympy.diff(loss, ps) for ps, cs in pairs.items()])
+            l2 += sympy.Add(*[cs * _diff(loss, ps) for ps, cs in pairs.items()])
     for inp in spec.inputs:
-        l2 += second.cot_inputs[inp.name].symbol * sympy.diff(loss, inp.symbol)
+        l2 += second.cot_inputs[inp.name].symbol * _diff(loss, inp.symbol)
     return l2
 
 
@@ -751,8 +805,8 @@ def _double_backward_checks(second: SecondOrder, ex: _Explicit, loss: sympy.Expr
     checks = []
     for i in _positions(ex):
         checks += [
-            (f"double backward dx_{i}", sympy.diff(l2, ex.elem[X][i]) - ex.at(second.dx, i)),
-            (f"double backward ddy_{i}", sympy.diff(l2, ex.elem[DY][i]) - ex.at(second.ddy, i)),
+            (f"double backward dx_{i}", _diff(l2, ex.elem[X][i]) - ex.at(second.dx, i)),
+            (f"double backward ddy_{i}", _diff(l2, ex.elem[DY][i]) - ex.at(second.ddy, i)),
         ]
         checks += [
             _param_check("double backward ", l2, p, second.grads[p.name], ex, i)
@@ -768,20 +822,20 @@ def _jvp_check(second: SecondOrder, ex: _Explicit, y0: sympy.Expr, i: int = 0) -
     along (ẋ, ṗ, i̇) against the closed-form ẏ at element i."""
     spec = second.spec
     tx = ex.elem[second.tan_x.symbol]
-    ty0 = sympy.Add(*[sympy.diff(y0, ex.elem[X][j]) * tx[j] for j in range(ex.n)])
+    ty0 = sympy.Add(*[_diff(y0, ex.elem[X][j]) * tx[j] for j in range(ex.n)])
     tseeds = list(tx)
     for p in spec.params:
         t = second.tan_params[p.name].symbol
         if p.scalar:
-            ty0 += sympy.diff(y0, p.symbol) * t
+            ty0 += _diff(y0, p.symbol) * t
             tseeds.append(t)
         else:
             pairs = dict(zip(ex.elem[p.symbol], ex.elem[t]))  # one per channel
-            ty0 += sympy.Add(*[sympy.diff(y0, ps) * ts for ps, ts in pairs.items()])
+            ty0 += sympy.Add(*[_diff(y0, ps) * ts for ps, ts in pairs.items()])
             tseeds += list(pairs.values())
     for inp in spec.inputs:
         t = second.tan_inputs[inp.name].symbol
-        ty0 += sympy.diff(y0, inp.symbol) * t
+        ty0 += _diff(y0, inp.symbol) * t
         tseeds.append(t)
     return (f"JVP y_{i}", ty0 - ex.at(second.ty, i), tseeds)
 
