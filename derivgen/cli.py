@@ -247,7 +247,7 @@ def prove_cmd(names: tuple[str, ...], spec_files: tuple[str, ...], prove_sizes: 
                 (
                     spec.name,
                     mode_name,
-                    str(len(mode.reductions)),
+                    mode.reduction_summary,
                     proof.status,
                     f"{sum(r.seconds for r in proof.results):.1f}s",
                     "∂L/∂x = " + text_expr(mode.dx, spec, extra=mode_names(mode)),

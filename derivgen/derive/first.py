@@ -39,7 +39,7 @@ from sympy import Add, Mul
 from derivgen.derive.coordinate import ImplicitCoordinate, closed_form_coordinate, find_implicit
 from derivgen.spec.model import DY, Mode, N, Named, Spec, Statistic, X
 from derivgen.symbolic import domain, functions
-from derivgen.symbolic.block import BlockFacts, BlockMean, block_mean, hide_blocks
+from derivgen.symbolic.block import BLOCK_AXES, BlockFacts, BlockMean, block_mean, hide_blocks
 from derivgen.symbolic.fewest import fewest_means
 from derivgen.symbolic.reduce import SELECTIONS, GroupMax, Mean, ReductionAlgebra, expand, hide_means, means, selections
 from derivgen.symbolic.window import Window, pull
@@ -170,6 +170,33 @@ class ModeDerivation:
     def output_in_normalized(self) -> sympy.Expr:
         """y with x̂ as a symbol (y itself when there is no x̂)."""
         return self.output_in_coordinate if self.implicit_coordinate else self.output
+
+    @property
+    def block_reductions(self) -> tuple[BlockMean, ...]:
+        """The block means of ∂L/∂y the backward computes at run time (one pass each: instance,
+        then sample, then batch ones), beside its group means (:attr:`reductions`)."""
+        exprs = [self.dx, *self.dinputs.values(), *(g.element + g.group for g in self.grads.values())]
+        found = {b for e in exprs for b in e.atoms(BlockMean) if b.has(DY, G)}
+        order = list(BLOCK_AXES)
+        return tuple(sorted(found, key=lambda b: (order.index(b.kind), sympy.default_sort_key(b))))
+
+    @property
+    def reduction_counts(self) -> dict[str, int]:
+        """The backward's run-time means by kind: {"group": n} and, where it has block means,
+        their count per kind ("instance", "sample", "batch"), in that order."""
+        out = {"group": len(self.reductions)}
+        for b in self.block_reductions:
+            out[b.kind] = out.get(b.kind, 0) + 1
+        return out
+
+    @property
+    def reduction_summary(self) -> str:
+        """The counts as a reader sees them: "2" (group means only), "2 group + 2 instance",
+        "2 sample + 2 batch" (no group mean)."""
+        counts = self.reduction_counts
+        if len(counts) == 1:
+            return str(counts["group"])
+        return " + ".join(f"{n} {kind}" for kind, n in counts.items() if n)
 
     def lowered(self, expr: sympy.Expr) -> sympy.Expr:
         """Replace Mean atoms by the reduction symbols of the backward program."""

@@ -437,14 +437,24 @@ def _closed_form(mode: ModeDerivation, names: _Names) -> Step:
     how = _closed_form_how(mode, names)
     prose = how + ("applying" if how else "Applying") + " linearity of ⟨·⟩ and the definitions of the statistics:"
     n = len(mode.reductions)
-    if n == 0:
+    parts = []
+    if n:
+        parts.append(
+            f"{n} reduction{'s' if n > 1 else ''} per group: "
+            + ", ".join(names.expr_text(r.atom) for r in mode.reductions)
+        )
+    by_kind: dict[str, list] = {}
+    for b in mode.block_reductions:
+        by_kind.setdefault(b.kind, []).append(b)
+    for kind, bs in by_kind.items():
+        parts.append(
+            f"{len(bs)} {kind} mean{'s' if len(bs) > 1 else ''} (one value per {kind} block): "
+            + ", ".join(names.expr_text(b) for b in bs)
+        )
+    if not parts:
         prose += " the backward needs no reduction over the group."
     else:
-        prose += (
-            f" the backward needs {n} reduction{'s' if n > 1 else ''} per group: "
-            + ", ".join(names.expr_text(r.atom) for r in mode.reductions)
-            + "."
-        )
+        prose += " the backward needs " + ("no reduction over the group but " if not n else "") + "; ".join(parts) + "."
     eqs = []
     if mode.g is not None:
         eqs.append(Equation("g_i", "g", mode.g))

@@ -130,7 +130,8 @@ def _integrand(
             split = sympy.factor(f)  # (μ - x)·(...) out of a sum of six terms; x²/2 + x + 1 kept
             if sum(1 for a in Mul.make_args(split) if not a.is_Number) > 1:
                 f = split
-        factors.extend(Mul.make_args(spell(f)) if f.is_Add else Mul.make_args(f))
+        for a in Mul.make_args(f):
+            factors.extend(Mul.make_args(spell(a)) if a.is_Add else (a,))
     c, u = [1 / common], []
     for f in factors:
         (c if constant(f) else u).append(f)

@@ -172,3 +172,38 @@ def test_group_maximum_tie_mask_compares_x_as_the_forward_did():
     for e in (md.dx, d.second("train").ty):
         masks = e.atoms(functions.Indicator)
         assert masks and all(not m.has(coord) and m.has(derivgen.spec.model.X) for m in masks), masks
+
+
+# issue 39: the backward needs one run-time mean per independent mean of ∂L/∂y, by kind
+MINIMAL_REDUCTIONS = {
+    "taylor_softmax": {"group": 1},  # was 3: <dy>, <dy*x>, <dy*x^2>
+    "rms_row_scale": {"group": 1},  # was 2: <xhat*g> and <xhat*dy*w>, g = dy*w
+    "instance_layer_norm": {"group": 2, "instance": 2},  # was 4 group: dy*gamma and dy*gamma*rho apart
+    "batch_channel_norm": {"group": 0, "sample": 2, "batch": 2},  # was 4 sample
+    "batch_instance_norm": {"group": 2, "instance": 2},  # as many; the counts said 2
+}
+
+
+@pytest.mark.parametrize("name", sorted(MINIMAL_REDUCTIONS))
+def test_the_backward_needs_the_fewest_means_by_kind(name):
+    md = derivgen.derive(ROOT / "tests" / "regressions" / f"{name}.toml").train
+    assert md.reduction_counts == MINIMAL_REDUCTIONS[name]
+    want = MINIMAL_REDUCTIONS[name]
+    summary = str(want["group"]) if len(want) == 1 else " + ".join(f"{n} {k}" for k, n in want.items() if n)
+    assert md.reduction_summary == summary
+
+
+def test_merged_means_read_as_a_person_writes_them():
+    from derivgen.spec.model import DY, X
+
+    taylor = derivgen.derive(ROOT / "tests" / "regressions" / "taylor_softmax.toml").train
+    (r,) = taylor.reductions
+    assert r.arg == DY * (1 + X + X**2 / 2)  # through f as the output writes it, no raw powers apart
+    iln = derivgen.derive(ROOT / "tests" / "regressions" / "instance_layer_norm.toml").train
+    rho = next(p.symbol for p in iln.spec.params if p.name == "rho")
+    assert all(r.arg.has(1 - rho) for r in iln.reductions), [r.arg for r in iln.reductions]
+    # the instance means are about the instance mean, not x written in the layer's coordinate
+    mu_in = next(b.symbol for b in iln.blocks if b.name == "mu_in")
+    assert {b.body for b in iln.block_reductions} == {DY, DY * (X - mu_in)}
+    text = derivgen.derive(ROOT / "tests" / "regressions" / "batch_channel_norm.toml").render("text")
+    assert "no reduction over the group but 2 sample means" in text and "2 batch means" in text
