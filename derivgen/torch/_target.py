@@ -19,19 +19,27 @@ from derivgen.symbolic import functions
 pi = math.pi
 
 
+# torch functions that are constant between their jumps but have no forward-mode formula
+# (torch.heaviside: the masks step and indicator): called on detached arguments, which is
+# exact (their derivative is zero wherever it is defined) and lets forward-mode AD and
+# torch.func.jvp through them
+_PIECEWISE_CONSTANT = frozenset({"heaviside"})
+
+
 def _unary(fn: functions.Elementary) -> Callable:
     """The table function ``fn`` for tensors (torch.<fn.torch>, with its extra constants) or
     plain numbers (fn.scalar); plain numbers beside a tensor become tensors of its dtype."""
     tfn = getattr(torch, fn.torch)
+    detach = fn.torch in _PIECEWISE_CONSTANT
 
     def f(*args: torch.Tensor | float) -> torch.Tensor | float:
         like = next((a for a in args if isinstance(a, torch.Tensor)), None)
         if like is None:
             return fn.scalar(*args)
         if len(args) == 1 and not fn.torch_extra:
-            return tfn(args[0])
+            return tfn(args[0].detach() if detach else args[0])
         full = [a if isinstance(a, torch.Tensor) else like.new_tensor(a) for a in (*args, *fn.torch_extra)]
-        return tfn(*full)
+        return tfn(*(a.detach() for a in full) if detach else full)
 
     f.__name__ = fn.name
     return f

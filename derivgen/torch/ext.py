@@ -1,12 +1,15 @@
 """The C++ extension of the per-call path (``ext.cpp``), built on first use and cached.
 
 An eager CPU call whose plan is simple (contiguous tensors, no per-group inputs, no
-buffers passed; :class:`derivgen.torch.plan.KernelPlan`) runs through the extension: one
-call checks that the tensors, options and groups fit the plan, allocates the outputs,
-calls the forward kernel and, when autograd needs it, makes the autograd node whose
-backward calls the backward kernel, without Python. Everything else (a first call, a
-different signature, options out of range, forward AD, torch.func, torch.compile,
-create_graph=True) goes through the Python path, which validates and names errors.
+buffers passed; :class:`derivgen.torch.plan.KernelPlan`) and whose kernels' argument runs
+fit the extension's calls (``MAX_LEAD``, ``MAX_OPTS``, ``MAX_TAIL``) runs through the
+extension: one call checks that the tensors, options and groups fit the plan, allocates
+the outputs, calls the forward kernel and, when autograd needs it, makes the autograd
+node whose backward calls the backward kernel, without Python; a backward with
+create_graph=True calls the backward operator instead (its autograd is the derived double
+backward). A signature's first call, a different signature, options out of range,
+forward AD, torch.func and torch.compile go through the Python path, which validates and
+names errors (a validated first call is then run by the extension).
 
 The extension is compiled with ``torch.utils.cpp_extension`` (a C++ compiler and ninja:
 ``pip install 'derivgen[torch]'`` brings ninja) into derivgen's build cache

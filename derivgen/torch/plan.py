@@ -27,7 +27,14 @@ from derivgen.runtime.cbind import CKernel, input_pairs
 from derivgen.torch import ext
 from derivgen.torch.protocol import Layer
 from derivgen.torch.schema import by_spec_name
-from derivgen.torch.tensors import SUFFIX, channels_last_format, fresh_like, is_channels_last, per_group_input_grad
+from derivgen.torch.tensors import (
+    SUFFIX,
+    as_tuple,
+    channels_last_format,
+    fresh_like,
+    is_channels_last,
+    per_group_input_grad,
+)
 from derivgen.torch.validate import check_forward
 
 # x with fewer values runs on one thread: a fork and join of the kernel's threads costs more
@@ -121,7 +128,9 @@ class KernelPlan:
         self.stats_like = torch.empty((nstat, L.n_groups), dtype=torch.float64)
         # contiguous tensors, no per-group inputs, no buffers passed
         self.simple = not self.copy and not self.nin and not (takes_buffers and lay.buffers)
-        self.opts_ok: tuple = ()  # the options of the last call, known to be in range
+        # the options of the last call, known to be in range (and handed to the C++ plan); None
+        # before the first, so that a layer without options hands its C++ plan () too
+        self.opts_ok: tuple | None = None
         # the common case's calls, the arguments in the order the signature's packers check
         self.run_forward = _fast_forward(self) if self.simple else None
         self.run_backward = _fast_backward(self) if self.simple and not nhwc else None
@@ -224,7 +233,8 @@ def _ext_plan(plan: KernelPlan, tens: list[torch.Tensor]) -> Any:
     if mod is None:
         return None
     npar, nopt, nstat, nnull = plan.npar, len(plan.lay.options), len(plan.stat_offsets), len(plan.null_bufs)
-    fruns, bruns = call_runs(plan.fsig), call_runs(plan.bsig)
+    fruns = _split_runs(call_runs(plan.fsig), 4 + 1 + npar)
+    bruns = _split_runs(call_runs(plan.bsig), 4 + 2 + npar)
     if (
         len(tens) != 1 + npar
         or fruns != (4 + 1 + npar, nopt, nnull + 1 + nstat)
@@ -238,9 +248,10 @@ def _ext_plan(plan: KernelPlan, tens: list[torch.Tensor]) -> Any:
 
     def differentiable_backward(dy, *args):
         """The backward operator (its autograd is the derived double backward): a backward
-        with create_graph=True."""
+        with create_graph=True. A tuple, one gradient per tensor (x, then the parameters),
+        also where the operator returns dx alone (as a bare tensor)."""
         *ts, st, opts = args
-        return lay.modes[mode].backward(dy.contiguous(), *ts, *st.unbind(0), *opts, groups)
+        return as_tuple(lay.modes[mode].backward(dy.contiguous(), *ts, *st.unbind(0), *opts, groups))
 
     def address(f: ctypes._CFuncPtr) -> int:
         return ctypes.cast(f, ctypes.c_void_p).value
@@ -260,6 +271,16 @@ def _ext_plan(plan: KernelPlan, tens: list[torch.Tensor]) -> Any:
         plan.kernel,
         differentiable_backward,
     )
+
+
+def _split_runs(runs: tuple[int, int, int] | None, lead: int) -> tuple[int, int, int] | None:
+    """A kernel's runs (:func:`derivgen.runtime.abi.call_runs`) with the integers before its
+    outputs (the dims and the pointers it reads, ``lead`` of them) a run of their own. A kernel
+    without options has one run of integers, ``(lead + tail, 0, 0)``: the same call as
+    ``(lead, 0, tail)``, which is the extension's split."""
+    if runs is None or runs[1] or runs[0] < lead:
+        return runs
+    return (lead, 0, runs[0] - lead + runs[2])
 
 
 def _contiguous_operands(plan: KernelPlan, tens: list[torch.Tensor]) -> list[torch.Tensor]:
