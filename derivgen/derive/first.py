@@ -917,35 +917,15 @@ class _Deriver:
         adjoints stay as derived."""
         names = list(grads)
         exprs = [dx, *(grads[k].element for k in names), *(grads[k].group for k in names), *dinputs.values()]
-        unname_g = {G: self.g_def} if self.g_def is not None else {}
-
-        def written_out(u: sympy.Expr) -> sympy.Expr:
-            return u.xreplace(unname_g) if unname_g else u
-
-        def of_dy(atoms: Iterable[sympy.Expr]) -> list[sympy.Expr]:
-            return sorted({a for a in atoms if a.has(DY, G)}, key=sympy.default_sort_key)
-
-        spell = self._speller()
-        exprs = fewest_means(
+        exprs = fewest_closed_forms(
             exprs,
-            of_dy(m for e in exprs for m in means(e)),
-            lambda m: m.args[0],
-            Mean,
-            lambda f: not self.alg.is_varying(f),
-            written_out,
-            spell,
+            self.alg,
+            self.bfacts,
+            self.g_def,
+            keep=lambda a: a.has(DY, G),
+            spell=self._speller(),
+            centre=self._centre_blocks,
         )
-        exprs = self._centre_blocks(exprs)
-        for kind in sorted({b.kind for e in exprs for b in e.atoms(BlockMean)}):
-            exprs = fewest_means(
-                exprs,
-                of_dy(b for e in exprs for b in e.atoms(BlockMean) if b.kind == kind),
-                lambda b: b.body,
-                lambda u, kind=kind: block_mean(u, kind),
-                lambda f, kind=kind: self.bfacts.constant(f, kind),
-                written_out,
-                spell,
-            )
         k = len(names)
         dx, elements, groups, ins = exprs[0], exprs[1 : 1 + k], exprs[1 + k : 1 + 2 * k], exprs[1 + 2 * k :]
         grads = {name: ParamGrad(e, gr) for name, e, gr in zip(names, elements, groups)}
@@ -1049,6 +1029,53 @@ def _mean_count(forms: tuple) -> int:
     dx, grads, dinputs, _ = forms
     exprs = [dx, *dinputs.values(), *(g.element + g.group for g in grads.values())]
     return len({m for e in exprs for m in means(e)})
+
+
+def fewest_closed_forms(
+    exprs: list[sympy.Expr],
+    alg: ReductionAlgebra,
+    bfacts: BlockFacts,
+    g_def: sympy.Expr | None,
+    keep: Callable[[sympy.Expr], bool] = lambda a: True,
+    spell: Callable[[sympy.Expr], sympy.Expr] = lambda e: e,
+    centre: Callable[[list[sympy.Expr]], list[sympy.Expr]] | None = None,
+) -> list[sympy.Expr]:
+    """``exprs`` (closed forms, linear in the run-time values) in the fewest run-time means
+    (:mod:`derivgen.symbolic.fewest`): their group means, then their block means kind by
+    kind, among those ``keep`` accepts, merged where integrands or coefficients are
+    proportional with a factor one value over the mean's domain (``alg`` says what varies
+    within a group, ``bfacts`` within a block); integrands are compared with g written out
+    as ``g_def``; ``centre`` rewrites the block means before they are merged."""
+    unname_g = {G: g_def} if g_def is not None else {}
+
+    def written_out(u: sympy.Expr) -> sympy.Expr:
+        return u.xreplace(unname_g) if unname_g else u
+
+    def atoms(found: Iterable[sympy.Expr]) -> list[sympy.Expr]:
+        return sorted({a for a in found if keep(a)}, key=sympy.default_sort_key)
+
+    exprs = fewest_means(
+        exprs,
+        atoms(m for e in exprs for m in means(e)),
+        lambda m: m.args[0],
+        Mean,
+        lambda f: not alg.is_varying(f),
+        written_out,
+        spell,
+    )
+    if centre is not None:
+        exprs = centre(exprs)
+    for kind in sorted({b.kind for e in exprs for b in e.atoms(BlockMean)}):
+        exprs = fewest_means(
+            exprs,
+            atoms(b for e in exprs for b in e.atoms(BlockMean) if b.kind == kind),
+            lambda b: b.body,
+            lambda u, kind=kind: block_mean(u, kind),
+            lambda f, kind=kind: bfacts.constant(f, kind),
+            written_out,
+            spell,
+        )
+    return exprs
 
 
 def _polynomial_in_x(u: sympy.Expr) -> bool:

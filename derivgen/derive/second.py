@@ -40,6 +40,7 @@ from derivgen.derive.first import (
     block_facts,
     check_derivatives,
     closed_form,
+    fewest_closed_forms,
     name_reductions,
     selection_count,
     selection_tie,
@@ -436,6 +437,33 @@ def _jvp(first: ModeDerivation, seeds: _Seeds, close: _Closer) -> sympy.Expr:
     return ty
 
 
+def _merge(first: ModeDerivation, close: _Closer, exprs: list[sympy.Expr]) -> list[sympy.Expr]:
+    """Closed forms of the second order in the fewest run-time means, as the first order's
+    (:func:`derivgen.derive.first.fewest_closed_forms`)."""
+    bfacts = block_facts(first.blocks, close.element, {p.symbol for p in first.spec.params if not p.scalar})
+    return fewest_closed_forms(exprs, close.alg, bfacts, first.g)
+
+
+def _fewest(
+    first: ModeDerivation,
+    close: _Closer,
+    dx: sympy.Expr,
+    ddy: sympy.Expr,
+    grads: dict[str, ParamGrad],
+    dinputs: dict[str, sympy.Expr],
+) -> tuple[sympy.Expr, sympy.Expr, dict[str, ParamGrad], dict[str, sympy.Expr]]:
+    """The double backward's outputs in the fewest run-time means (:func:`_merge`)."""
+    names = list(grads)
+    k = len(names)
+    exprs = _merge(
+        first,
+        close,
+        [dx, ddy, *(grads[n].element for n in names), *(grads[n].group for n in names), *dinputs.values()],
+    )
+    grads = {n: ParamGrad(e, g) for n, e, g in zip(names, exprs[2 : 2 + k], exprs[2 + k : 2 + 2 * k])}
+    return exprs[0], exprs[1], grads, dict(zip(dinputs, exprs[2 + 2 * k :]))
+
+
 def derive_second(first: ModeDerivation) -> SecondOrder:
     """The double backward and the JVP of one mode, as closed forms, from its first order
     (which is read, never changed)."""
@@ -446,6 +474,7 @@ def derive_second(first: ModeDerivation) -> SecondOrder:
     close = _Closer(first, seeds.element(spec))
     names = seeds.reduction_names(spec)
     dx, ddy, grads, dinputs = _double_backward(first, seeds, close)
+    dx, ddy, grads, dinputs = _fewest(first, close, dx, ddy, grads, dinputs)
     reductions = name_reductions(
         spec,
         first.coordinate,
@@ -453,6 +482,7 @@ def derive_second(first: ModeDerivation) -> SecondOrder:
         names,
     )
     ty = _jvp(first, seeds, close)
+    (ty,) = _merge(first, close, [ty])
     jvp_reductions = name_reductions(spec, first.coordinate, [ty], names)
     return SecondOrder(
         first=first,
