@@ -11,7 +11,7 @@ import time
 
 import pytest
 import specfuzz
-from conftest import ROOT, private_cache, sample_and_rest
+from conftest import LRN_FEATURES, ROOT, private_cache, sample_and_rest
 
 import derivgen
 from derivgen.spec.model import parse_spec, reserved_reason
@@ -24,6 +24,18 @@ from derivgen.symbolic.block import BlockMean
 CI_SEEDS = [*range(28), specfuzz.BLOCK_SEEDS, specfuzz.BLOCK_SEEDS + 8]
 QUICK_SEEDS = [*specfuzz.covering(range(28)), specfuzz.BLOCK_SEEDS, specfuzz.BLOCK_SEEDS + 8]
 CI_DEADLINE = 900  # seconds; seeds not started by then fail the test ("not run")
+
+# The run-time means are judged on the CI corpus and the shape family's first 48 seeds (a Taylor
+# softmax, a per-row scale, a mixture of two kinds' normalizations in every spec): derived and
+# judged only, a few seconds a spec (their whole pipeline is `make fuzz`'s). make test judges
+# the CI corpus's sample and the shape seeds that have every shape and layout of the 48.
+SHAPE_CI_SEEDS = range(specfuzz.SHAPE_SEEDS, specfuzz.SHAPE_SEEDS + 48)
+SHAPES = ("output ", "mixture ", "layout ")
+SHAPE_QUICK_SEEDS = specfuzz.covering(
+    SHAPE_CI_SEEDS, key=lambda s: {f for f in specfuzz.features(s) if f.startswith(SHAPES)}
+)
+MEANS_SEEDS = [*CI_SEEDS, *SHAPE_CI_SEEDS]
+MEANS_QUICK_SEEDS = [*QUICK_SEEDS, *SHAPE_QUICK_SEEDS]
 
 
 def test_generated_specs_are_valid_and_varied():
@@ -49,6 +61,95 @@ def test_generated_specs_are_valid_and_varied():
     # the names derivgen's generated code once used for itself are ordinary names now
     assert names & {"s", "m", "b", "base", "part", "idx", "grp", "mine", "np", "stats", "call"}
     assert any(n.endswith("_t") for n in names)
+    # the shape family: every spec has a shape whose fewest means are judged, and its first 48
+    # seeds have them all -- the mixtures in every layout with blocks
+    shapes = {s: {f for f in specfuzz.features(s) if f.startswith(("output ", "mixture "))} for s in SHAPE_CI_SEEDS}
+    assert all(shapes.values())
+    assert set().union(*shapes.values()) >= {
+        "output polynomial in x",
+        "output scaled by an input",
+        "output input times x",
+        "output input times the coordinate",
+        "mixture group+instance",
+        "mixture batch+instance",
+        "mixture instance+sample",
+        "mixture batch+sample",
+    }
+    assert {parse_spec(specfuzz.generate(s), source="s.toml").reduce for s in SHAPE_CI_SEEDS if s % 2} == {
+        "batch",
+        "group",
+        "all",
+    }
+
+
+def _spec(layout: str, body: str, name: str = "t"):
+    return parse_spec(f'name = "{name}"\n[layout]\n{layout}\n{body}', source=f"{name}.toml")
+
+
+TRAILING, ALL, BATCH = 'kind = "trailing"', 'kind = "channels"\nreduce = "all"', 'kind = "channels"\nreduce = "batch"'
+
+
+def test_shape_features_come_from_the_formulas():
+    """The shapes of the fewest-means judgement: a polynomial of x in the output (a Taylor
+    softmax), the output scaled by a per-group input, an input times x, and a mixture of two
+    levels' statistics or normalized values (w and 1 - w, a symbol or numbers)."""
+    taylor = _spec(
+        TRAILING,
+        """
+[statistics]
+s = "sum(1 + x + x**2/2)"
+[output]
+y = "(1 + x + x**2/2)/s"
+""",
+    )
+    assert specfuzz.shape_features(taylor) == {"output polynomial in x"}
+    rms = _spec(
+        TRAILING,
+        """
+[params]
+gamma = {}
+[inputs]
+k = {}
+[statistics]
+r = "1/sqrt(mean(x**2) + 1e-6)"
+[output]
+y = "k*(gamma*x*r + 0.5*k*x + k*tanh(x*r))"
+""",
+    )
+    assert specfuzz.shape_features(rms) == {
+        "output scaled by an input",
+        "output input times x",
+        "output input times the coordinate",
+    }
+    mixed = _spec(
+        ALL,
+        """
+[options]
+rho = { min = 0, max = 1 }
+[statistics]
+mi = "mean(x, 'instance')"
+ml = "mean(x, 'sample')"
+mb = "mean(x, 'batch')"
+mu = "rho*mi + (1 - rho)*ml"
+vb = "mean((x - mb)**2, 'batch')"
+vi = "mean((x - mi)**2, 'instance')"
+[output]
+y = "0.3*(x - mb)/sqrt(vb + 1) + 0.7*(x - mi)/sqrt(vi + 1) + x - mu"
+""",
+    )
+    assert specfuzz.shape_features(mixed) == {"mixture instance+sample", "mixture batch+instance"}
+    # not mixtures: two terms of two shapes, or of one level
+    plain = _spec(
+        BATCH,
+        """
+[statistics]
+mu = "mean(x)"
+mi = "mean(x, 'instance')"
+[output]
+y = "0.5*tanh(x - mu) + 0.5*(x - mi) + 0.2*(x - mu) + 0.8*tanh(x - mu)"
+""",
+    )
+    assert specfuzz.shape_features(plain) == set()
 
 
 def test_the_quick_sample_has_every_feature_of_its_corpus():
@@ -63,6 +164,9 @@ def test_the_quick_sample_has_every_feature_of_its_corpus():
         "layout channels/position",
     }
     assert {"call exp", "call sqrt", "table buffers", "table modes.eval.statistics"} <= every
+    # the shape family's sample for the fewest-means judgement: every shape and layout of its 48
+    shaped = {f for s in SHAPE_CI_SEEDS for f in specfuzz.features(s) if f.startswith(SHAPES)}
+    assert shaped == {f for s in SHAPE_QUICK_SEEDS for f in specfuzz.features(s) if f.startswith(SHAPES)}
 
 
 @pytest.mark.slow
@@ -86,6 +190,175 @@ def test_ci_corpus_passes(seeds, tmp_path, monkeypatch):
     failed = [f"seed {r.seed}: {r.failure}" for r in results if not r.ok]
     assert not failed, "\n".join(failed)
     assert len(results) == len(seeds)
+
+
+@pytest.mark.parametrize("seeds", sample_and_rest(MEANS_SEEDS, MEANS_QUICK_SEEDS))
+def test_ci_corpus_reductions_are_at_the_minimum(seeds):
+    """Every spec's backward reads the fewest run-time means of ∂L/∂y of each kind any backward
+    can: the engine's count by kind (group means, block means per kind) is the brute-force
+    minimum (specfuzz.brute_force_minimum: the rank of the Jacobian's parts off the diagonal,
+    never the engine's list of reductions). A count above it names the seed, mode and kinds."""
+    above = []
+    for seed in seeds:
+        spec = parse_spec(specfuzz.generate(seed), source=f"fuzz{seed}.toml")
+        for r in specfuzz.reduction_minimum(spec, derivgen.derive(spec)):
+            if not r.at_minimum:
+                above.append(f"seed {seed} {r} (engine/minimum)")
+    assert not above, "\n".join(above)
+
+
+# hand-derived minima (kind -> means any backward needs), with the spec's layout and body
+KNOWN_MINIMA = {
+    "layernorm": ("catalogue", {"group": 2}),  # ⟨g⟩, ⟨g·x̂⟩
+    "rmsnorm": ("catalogue", {"group": 1}),  # ⟨g·x̂⟩
+    "softmax": ("zoo", {"group": 1}),  # ⟨∂L/∂y·y⟩; its max has no gradient
+    "absmax_scale": ("zoo", {"group": 1}),  # ⟨∂L/∂y·x⟩ at the arg max (one element)
+    "prmsnorm": ("zoo", {"group": 1}),  # the leading slice's ⟨g·x⟩
+    "batchnorm": ("catalogue", {"group": 2}),  # train; eval: none
+    "taylor_softmax": (
+        TRAILING,
+        {"group": 1},  # ⟨∂L/∂y·(1 + x + x²/2)⟩
+        """
+[statistics]
+s = "sum(1 + x + x**2/2)"
+[output]
+y = "(1 + x + x**2/2)/s"
+""",
+    ),
+    "rms_row_scale": (
+        TRAILING,
+        {"group": 1},  # ⟨∂L/∂y·γ·x̂⟩: ∂L/∂x's, and ∂L/∂k's too
+        """
+[params]
+gamma = {}
+[inputs]
+k = {}
+[statistics]
+r = "1/sqrt(mean(x**2) + 1e-6)"
+[output]
+y = "k*gamma*x*r"
+""",
+    ),
+    "input_gradient": (
+        TRAILING,
+        {"group": 3},  # ⟨g⟩, ⟨g·x̂⟩ and ∂L/∂k's ⟨∂L/∂y·x̂⟩ (g = ∂L/∂y·(γ + k/10))
+        """
+[params]
+gamma = {}
+[inputs]
+k = {}
+[statistics]
+mu = "mean(x)"
+r = "1/sqrt(mean((x - mu)**2) + 1e-5)"
+[normalized]
+name = "xhat"
+expr = "(x - mu)*r"
+[output]
+y = "gamma*xhat + 0.1*k*xhat"
+""",
+    ),
+    "lrn_features": (TRAILING, {}, None),  # windows only: no mean
+    "instance_blocks": (
+        BATCH,
+        {"instance": 2},  # instance norm written with block means in a batch layout
+        """
+[statistics]
+mi = "mean(x, 'instance')"
+vi = "mean((x - mi)**2, 'instance')"
+[output]
+y = "(x - mi)/sqrt(vi + 1e-5)"
+""",
+    ),
+    "batch_instance": (
+        BATCH,
+        {"group": 2, "instance": 2},  # ρ·BN + (1 - ρ)·IN, with a group maximum beside it
+        """
+[params]
+gamma = {}
+[options]
+rho = { default = 0.5, min = 0, max = 1 }
+[statistics]
+mu = "mean(x)"
+var = "mean((x - mu)**2)"
+mi = "mean(x, 'instance')"
+vi = "mean((x - mi)**2, 'instance')"
+mx = "max(abs(x)) + 1"
+[output]
+y = "gamma*(rho*(x - mu)/sqrt(var + 1e-5) + (1 - rho)*(x - mi)/sqrt(vi + 1e-5)) + x/mx"
+""",
+    ),
+    "batch_channel": (
+        ALL,
+        {"batch": 2, "sample": 2},  # ρ·BN + (1 - ρ)·LN over the channels
+        """
+[params]
+gamma = {}
+[options]
+rho = { default = 0.5, min = 0, max = 1 }
+[statistics]
+mb = "mean(x, 'batch')"
+vb = "mean((x - mb)**2, 'batch')"
+ml = "mean(x, 'sample')"
+vl = "mean((x - ml)**2, 'sample')"
+[output]
+y = "gamma*(rho*(x - mb)/sqrt(vb + 1e-5) + (1 - rho)*(x - ml)/sqrt(vl + 1e-5))"
+""",
+    ),
+}
+
+
+def _known(name):
+    where, minimum, *body = KNOWN_MINIMA[name]
+    if where in ("catalogue", "zoo"):
+        return derivgen.load_spec(name), minimum
+    if name == "lrn_features":
+        return parse_spec(LRN_FEATURES, source="lrn_features.toml"), minimum
+    return _spec(where, body[0], name), minimum
+
+
+@pytest.mark.parametrize("name", list(KNOWN_MINIMA))
+def test_brute_force_minimum_of_known_layers(name):
+    """The rank computation itself, on layers whose fewest means are known by hand: per kind
+    (the kinds the layout holds and the layer does not use: zero), every mode (batch norm's
+    eval mode: none), at two random points; and its Jacobian is the spec's forward's, by
+    central differences of the forward alone (derivgen.tools.evaluate)."""
+    import numpy as np
+
+    from derivgen.tools.evaluate import GroupEvaluator
+
+    spec, minimum = _known(name)
+    d = derivgen.derive(spec)
+    for mode in d.modes:
+        want = minimum if mode == "train" else {}
+        for seed in (0, 1):
+            got = specfuzz.brute_force_minimum(spec, mode, seed, d)
+            assert {k: n for k, n in got.items() if n} == want, (mode, seed, got)
+    case = specfuzz.rank_case(spec)
+    if len(case.x) > 144:
+        return
+    md = d.modes["train"]
+    jac, _ = specfuzz._jacobian(md, case)
+    block = specfuzz.block_mean(case.grid)
+    ev = GroupEvaluator(md)
+
+    def y(x):
+        return ev.forward(x, case.params, case.scalars, block)[0]
+
+    h, fd = 1e-6, np.empty_like(jac)
+    for e in range(len(case.x)):
+        step = np.zeros_like(case.x)
+        step[e] = h
+        fd[e] = (y(case.x + step) - y(case.x - step)) / (2 * h)
+    assert np.abs(fd - jac).max() < 1e-6 * max(1.0, np.abs(jac).max())
+
+
+def test_reductions_above_the_minimum_are_reported():
+    """The judgement: a count above the minimum is an excess of that kind; below it is one
+    too (negative: the brute force or the backward is wrong)."""
+    r = specfuzz.Reductions("train", {"group": 3, "instance": 2}, {"group": 2, "instance": 2, "batch": 0})
+    assert not r.at_minimum and r.excess == {"group": 1} and str(r) == "train: group 3/2, instance 2/2"
+    assert specfuzz.Reductions("eval", {"group": 1}, {"group": 2}).excess == {"group": -1}
+    assert specfuzz.Reductions("eval", {}, {"group": 0, "instance": 0}).at_minimum
 
 
 _AFTER_OPENMP = """
