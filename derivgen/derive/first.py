@@ -960,30 +960,26 @@ class _Deriver:
 
         return spell
 
-    def _centre_blocks(self, exprs: list[sympy.Expr]) -> list[sympy.Expr]:
-        """Block means of ∂L/∂y written about their block's own mean of x: ⟨∂L/∂y·(x - μ_in)⟩
-        rather than ⟨∂L/∂y·x⟩ or ⟨∂L/∂y·((x - μ) + μ)⟩ (x in the group's coordinate), where a
-        block statistic of that kind is mean(x, kind). As many means, and their coefficients
-        free of the block's mean (which would cancel)."""
-        centres = {b.expr.kind: b.symbol for b in self.blocks if isinstance(b.expr, BlockMean) and b.expr.body == X}
-        if not centres:
-            return exprs
+    def _centre_blocks(self, exprs: list[sympy.Expr], kind: str) -> list[list[sympy.Expr]]:
+        """The block means of ∂L/∂y of one kind written about their block's own mean of x:
+        ⟨∂L/∂y·(x - μ_in)⟩ rather than ⟨∂L/∂y·x⟩ or ⟨∂L/∂y·((x - μ) + μ)⟩ (x in the group's
+        coordinate) -- one rewrite of ``exprs`` per block statistic mean(x, kind), latest
+        first (a spec may name the same mean twice and use the later one)."""
+        centres = [st.symbol for st in reversed(self.blocks) if st.expr == block_mean(X, kind)]
         to_x = {self.coord.symbol: self.coord_def} if self.to_xhat is not None else {}
         z = sympy.Dummy("z", real=True)
         facts = BlockFacts(self.bfacts.element | {z}, self.bfacts.kinds, self.bfacts.channel, self.bfacts.known)
-        table = {}
-        for e in exprs:
-            for b in e.atoms(BlockMean):
-                if b.kind not in centres or b in table or not b.has(DY, G):
-                    continue
+        found = {b for e in exprs for b in e.atoms(BlockMean) if b.kind == kind and b.has(DY, G)}
+        out = []
+        for m in centres:
+            table = {}
+            for b in found:
                 u = expand(b.body.xreplace(to_x) if to_x else b.body)
-                if not u.has(X) or not _polynomial_in_x(u):
-                    continue
-                m = centres[b.kind]
-                table[b] = facts.rewrite(block_mean(expand(u.subs(X, z + m)), b.kind)).xreplace({z: X - m})
-        if not table:
-            return exprs
-        return [tidy(e.xreplace(table), self.element) if e.has(*table) else e for e in exprs]
+                if u.has(X) and _polynomial_in_x(u):
+                    table[b] = facts.rewrite(block_mean(expand(u.subs(X, z + m)), kind)).xreplace({z: X - m})
+            if table:
+                out.append([tidy(e.xreplace(table), self.element) if e.has(*table) else e for e in exprs])
+        return out
 
     def _sum_xhat_zero(self) -> bool:
         """⟨x̂⟩ = 0 exactly for the spec's x̂."""
@@ -1038,14 +1034,15 @@ def fewest_closed_forms(
     g_def: sympy.Expr | None,
     keep: Callable[[sympy.Expr], bool] = lambda a: True,
     spell: Callable[[sympy.Expr], sympy.Expr] = lambda e: e,
-    centre: Callable[[list[sympy.Expr]], list[sympy.Expr]] | None = None,
+    centre: Callable[[list[sympy.Expr], str], list[list[sympy.Expr]]] | None = None,
 ) -> list[sympy.Expr]:
     """``exprs`` (closed forms, linear in the run-time values) in the fewest run-time means
     (:mod:`derivgen.symbolic.fewest`): their group means, then their block means kind by
     kind, among those ``keep`` accepts, merged where integrands or coefficients are
     proportional with a factor one value over the mean's domain (``alg`` says what varies
     within a group, ``bfacts`` within a block); integrands are compared with g written out
-    as ``g_def``; ``centre`` rewrites the block means before they are merged."""
+    as ``g_def``; ``centre(exprs, kind)`` rewrites the block means of a kind before they are
+    merged (one rewrite per centre), the first kept that is then as few."""
     unname_g = {G: g_def} if g_def is not None else {}
 
     def written_out(u: sympy.Expr) -> sympy.Expr:
@@ -1063,18 +1060,30 @@ def fewest_closed_forms(
         written_out,
         spell,
     )
-    if centre is not None:
-        exprs = centre(exprs)
-    for kind in sorted({b.kind for e in exprs for b in e.atoms(BlockMean)}):
-        exprs = fewest_means(
+
+    def of_kind(exprs: list[sympy.Expr], kind: str) -> list[sympy.Expr]:
+        return atoms(b for e in exprs for b in e.atoms(BlockMean) if b.kind == kind)
+
+    def merged(exprs: list[sympy.Expr], kind: str) -> list[sympy.Expr]:
+        return fewest_means(
             exprs,
-            atoms(b for e in exprs for b in e.atoms(BlockMean) if b.kind == kind),
+            of_kind(exprs, kind),
             lambda b: b.body,
-            lambda u, kind=kind: block_mean(u, kind),
-            lambda f, kind=kind: bfacts.constant(f, kind),
+            lambda u: block_mean(u, kind),
+            lambda f: bfacts.constant(f, kind),
             written_out,
             spell,
         )
+
+    for kind in sorted({b.kind for e in exprs for b in e.atoms(BlockMean)}):
+        best = merged(exprs, kind)
+        # about a block mean of x, where that needs no more means (the fewest of the centres)
+        centred = [merged(c, kind) for c in (centre(exprs, kind) if centre is not None else [])]
+        if centred:
+            fewest = min(centred, key=lambda c: len(of_kind(c, kind)))
+            if len(of_kind(fewest, kind)) <= len(of_kind(best, kind)):
+                best = fewest
+        exprs = best
     return exprs
 
 
