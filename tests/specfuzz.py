@@ -13,16 +13,22 @@ statistics (a learnable eps, a per-feature weight inside a mean, a learnable
 mixing coefficient), options (required or with defaults), buffers with an eval
 mode, with or without a normalized coordinate, and any valid identifier --
 single letters, ``_t`` suffixes, and the names derivgen's own generated code
-uses for its locals.
+uses for its locals. Seeds from :data:`BLOCK_SEEDS` add block statistics; seeds from
+:data:`SHAPE_SEEDS` a Taylor softmax, a per-row scale or a mixture of two kinds'
+normalizations (:func:`_shapes`).
 
 ``run(text)`` parses, derives, proves at N = 2, 3, generates NumPy and C,
 compiles the C (a compiler warning fails the spec, as ``-Werror`` would), and checks both
 backends in float32 and float64 against float64 finite differences and each
 other (:func:`derivgen.tools.check.check_layer`); a channel layout's channels-last
-kernels must give its NCHW kernels' bits (:func:`channels_last_mismatches`).
+kernels must give its NCHW kernels' bits (:func:`channels_last_mismatches`). It also
+judges the backward's run-time means of ∂L/∂y by kind against the fewest any backward
+needs (:func:`reduction_minimum`, :func:`brute_force_minimum`); :func:`run_means` does
+only that.
 
     python tests/specfuzz.py --seeds 0-1999 --jobs 2      # the larger corpus (make fuzz)
     python tests/specfuzz.py --seed 17 --show             # one spec, printed
+    python tests/specfuzz.py --seeds 200000-200199 --means-only   # the run-time means only
 """
 
 from __future__ import annotations
@@ -603,53 +609,55 @@ class MinimumUnresolved(RuntimeError):
     between the singular values it keeps and the ones it drops)."""
 
 
-# the singular values of a class's Jacobian block kept as rank: above TOL_RANK times the
-# Jacobian's largest entry; a kept one within GAP of a dropped one is no clear rank
+# the singular values of a block of the Jacobian that count towards its rank: above TOL_RANK
+# times its largest entry (or an input gradient's); one within a factor GAP of that bound is no
+# clear rank. Over the corpora the kept ones lie above 1e-7 and the dropped ones below 1e-15
 TOL_RANK = 1e-11
 GAP = 1e3
 
 
 def brute_force_minimum(spec, mode: str, seed: int = 0, derivation=None) -> dict[str, int]:
-    """The fewest run-time means of ∂L/∂y of each kind any backward of ``mode`` needs, from
-    the Jacobian of ∂L/∂x alone: independent of the engine's symbolic reasoning (it never
-    reads the engine's reductions or closed forms, only the numbers the generated NumPy
-    backward returns, which :func:`run` checks against finite differences).
+    """The fewest run-time means of ∂L/∂y of each kind any backward of ``mode`` needs
+    ({"group": n, "instance": n, ...}: every kind the layout's groups hold, zero where none),
+    from the numbers of ∂L/∂x alone: the closed forms evaluated numerically by
+    :mod:`derivgen.tools.evaluate` (the tree walk ``derivgen check`` compares the generated code
+    against; the proof and :func:`run`'s checks vouch for them), never the engine's list of
+    reductions nor the shape of its closed forms.
 
-    **Why a rank.** A backward that reads R means ⟨c_l·∂L/∂y⟩ of a group computes
-    ∂L/∂x_i = a_i·∂L/∂y_i + Σ_l b_l,i·⟨c_l·∂L/∂y⟩ (a, b, c element values: what the forward
-    left, the parameters, the position), so Jᵀ = ∂(∂L/∂x)/∂(∂L/∂y) is a diagonal plus
-    Σ_l b_l c_lᵀ/N. Off the diagonal -- rows R and columns C of disjoint elements -- it has
-    rank ≤ R, whatever the backward, and equal to the number of independent means at a
-    random point: the minimum. The gradient of a per-group input is a functional of
-    ∂L/∂y too (a mean); its row over C joins the matrix. (A scalar parameter's gradient
-    is a sum over the whole tensor of an element value times ∂L/∂y: it needs no group
-    mean, and is left out.)
+    **Why a rank.** ∂L/∂x is linear in ∂L/∂y. A backward that reads R means ⟨c_l·∂L/∂y⟩ of a
+    group computes ∂L/∂x_i = a_i·∂L/∂y_i + Σ_l b_l,i·⟨c_l·∂L/∂y⟩ (a, b, c element values:
+    what the forward left, the parameters, the position), so Jᵀ, the matrix of
+    ∂(∂L/∂x_i)/∂(∂L/∂y_k), is a diagonal plus Σ_l b_l c_lᵀ/N. Its block of rows R and
+    columns C, disjoint sets of elements, has rank ≤ R whatever the backward, and at a random
+    point exactly the number of independent means: the minimum. The gradient of a per-group
+    input is a mean of ∂L/∂y too; its row over C joins the block. A scalar parameter's
+    gradient is a sum over the whole tensor of an element value times ∂L/∂y and needs no mean
+    of its own, so it is left out (a mean only it reads is one too many).
 
-    **Block means.** In a channel layout whose groups hold blocks (``mean(e, kind)``), a
-    mean of kind K adds Σ_l b_l c_lᵀ/|block| on the pairs of elements that share a K block.
-    The elements are cells (sample u, channel v) of positions; a kind's blocks span some of
-    the cell axes (the group: the layout's; ``sample``: the channels; ``batch``: the
-    samples; ``instance``: none, one cell). Two elements of one K block that differ on every
-    cell axis K spans (for ``instance``: two positions of a cell) share no finer block, so
-    their entry of Jᵀ holds K's means and those of the kinds whose blocks hold K's (the
-    coarser ones) only. Coarsest first, for each kind: F_K, K's part of Jᵀ, is Jᵀ less the
-    coarser kinds' parts on those pairs; on pairs of a K block that also share a finer
-    block, F_K is extrapolated from such pairs around them (F_K(e, e') =
-    F_K(e, C)·F_K(R, C)⁺·F_K(R, e') for reference cells R and C that differ from e', e and
-    each other on K's axes: exact for a rank-r part when F_K(R, C) has rank r). The
-    minimum of kind K is the rank of F_K on one K block's pairs that share no finer block.
+    **Block means.** In a channel layout whose groups hold blocks (``mean(e, kind)``), a mean
+    of kind K adds Σ_l b_l c_lᵀ/|block| on the pairs of elements that share a K block. The
+    elements are cells (sample u, channel v) of positions; a kind's blocks span some of the
+    cell axes (the group: the layout's; ``sample``: the channels; ``batch``: the samples;
+    ``instance``: none, one cell). Two elements of one K block that differ on every cell axis
+    K spans (for ``instance``: two positions of one cell) share no finer block, so their entry
+    of Jᵀ holds only K's means and those of the coarser kinds, whose blocks hold K's. Coarsest
+    first, F_K, K's part of Jᵀ, is Jᵀ less the coarser kinds' parts on those pairs; on pairs
+    of a K block that also share a finer block it is extrapolated from such pairs around them:
+    F_K(e, e') = F_K(e, C)·F_K(R, C)⁺·F_K(R, e') for reference cells R and C that differ from
+    e', e and each other on K's axes (exact for a part of rank r where F_K(R, C) has rank r).
+    The minimum of kind K is the rank of F_K on one K block's pairs that share no finer block.
 
-    **What is chosen.** x at random (float64; a group of 64 elements, or cells of 16
-    positions: 9 samples of a batch group, 9 channels of a group, 6×6 in the ``all``
-    layout), parameters, inputs, buffers and options at random inside their bounds
-    (window sizes 1..5, a ``leading`` fraction in 0.3..0.7). Rows and columns: the cells
-    split into interleaved parts, each part once the columns and the cells that differ from
-    it the rows; the rank is the largest over the splits. So an element value concentrated
-    on one element -- the mask of a group maximum's arg max -- is a row in some split; that
-    element's row is left out of the finer kinds' blocks and the references (its part of
-    Jᵀ cannot be told apart there). Pairs of elements within a window's reach (window(e, k)
-    along the ordered axis) are never used. A rank that fills the block, or singular values
-    without a clear gap, raise :class:`MinimumUnresolved`.
+    **What is chosen.** The point: :func:`rank_case` (a group of 64 elements, or cells of 16
+    positions: 9 samples in a batch layout's group, 9 channels in a group layout's, 6 × 6 in
+    the ``all`` layout); another where the first leaves the layer's domain. Rows and columns:
+    the values along each axis K spans in interleaved parts, each part once the columns and
+    the cells that differ from it on every such axis the rows; the rank is the largest over
+    the splits. So an element value held by one element -- a group maximum's mask at its arg
+    max -- is a row in some split; that element's row is left out of the finer kinds' blocks
+    and of the references (its share of Jᵀ cannot be told apart there). Pairs within a
+    window's reach (``window(e, k)`` along the ordered axis) are never used. A rank that fills
+    its block, or singular values between TOL_RANK/GAP and TOL_RANK·GAP of the Jacobian's
+    largest entry (where no rank is clear), raise :class:`MinimumUnresolved`.
     """
     with _one_blas_thread():
         return _minimum(spec, mode, seed, derivation)

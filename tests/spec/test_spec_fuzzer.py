@@ -1,7 +1,11 @@
 """Generality is tested by generation: the spec fuzzer's CI corpus -- 30 specs a user could
 write, fixed seeds; make test runs the 10 of them that together have every feature -- goes
 through derive, prove, generate, compile (-Werror) and check (both backends, float32 and
-float64, against finite differences and each other). The larger corpus is `make fuzz`. Every failure the fuzzer finds becomes a spec in tests/regressions/."""
+float64, against finite differences and each other). The larger corpus is `make fuzz`. Every failure the fuzzer finds becomes a spec in tests/regressions/.
+
+Correct is not enough: each spec's backward must read the fewest run-time means of ∂L/∂y
+any backward can (specfuzz.brute_force_minimum, a rank of the Jacobian), on the CI corpus
+and the shape family's first seeds."""
 
 import os
 import signal
