@@ -922,6 +922,7 @@ class _Deriver:
             self.alg,
             self.bfacts,
             self.g_def,
+            self.element,
             keep=lambda a: a.has(DY, G),
             spell=self._speller(),
             centre=self._centre_blocks,
@@ -1032,6 +1033,7 @@ def fewest_closed_forms(
     alg: ReductionAlgebra,
     bfacts: BlockFacts,
     g_def: sympy.Expr | None,
+    element: Iterable[sympy.Symbol],
     keep: Callable[[sympy.Expr], bool] = lambda a: True,
     spell: Callable[[sympy.Expr], sympy.Expr] = lambda e: e,
     centre: Callable[[list[sympy.Expr], str], list[list[sympy.Expr]]] | None = None,
@@ -1040,10 +1042,14 @@ def fewest_closed_forms(
     (:mod:`derivgen.symbolic.fewest`): their group means, then their block means kind by
     kind, among those ``keep`` accepts, merged where integrands or coefficients are
     proportional with a factor one value over the mean's domain (``alg`` says what varies
-    within a group, ``bfacts`` within a block); integrands are compared with g written out
-    as ``g_def``; ``centre(exprs, kind)`` rewrites the block means of a kind before they are
+    within a group, ``bfacts`` within a block; ``element`` are the closed forms' element
+    symbols); integrands are compared with g written out as ``g_def``; ``centre(exprs, kind)`` rewrites the block means of a kind before they are
     merged (one rewrite per centre), the first kept that is then as few."""
     unname_g = {G: g_def} if g_def is not None else {}
+    element = set(element)
+
+    def retidy(e: sympy.Expr) -> sympy.Expr:
+        return tidy(e, element)
 
     def written_out(u: sympy.Expr) -> sympy.Expr:
         return u.xreplace(unname_g) if unname_g else u
@@ -1053,12 +1059,13 @@ def fewest_closed_forms(
 
     exprs = fewest_means(
         exprs,
-        atoms(m for e in exprs for m in means(e)),
+        lambda es: atoms(m for e in es for m in means(e)),
         lambda m: m.args[0],
         Mean,
         lambda f: not alg.is_varying(f),
         written_out,
         spell,
+        retidy,
     )
 
     def of_kind(exprs: list[sympy.Expr], kind: str) -> list[sympy.Expr]:
@@ -1067,12 +1074,13 @@ def fewest_closed_forms(
     def merged(exprs: list[sympy.Expr], kind: str) -> list[sympy.Expr]:
         return fewest_means(
             exprs,
-            of_kind(exprs, kind),
+            lambda es: of_kind(es, kind),
             lambda b: b.body,
             lambda u: block_mean(u, kind),
             lambda f: bfacts.constant(f, kind),
             written_out,
             spell,
+            retidy,
         )
 
     for kind in sorted({b.kind for e in exprs for b in e.atoms(BlockMean)}):

@@ -441,7 +441,7 @@ def _merge(first: ModeDerivation, close: _Closer, exprs: list[sympy.Expr]) -> li
     """Closed forms of the second order in the fewest run-time means, as the first order's
     (:func:`derivgen.derive.first.fewest_closed_forms`)."""
     bfacts = block_facts(first.blocks, close.element, {p.symbol for p in first.spec.params if not p.scalar})
-    return fewest_closed_forms(exprs, close.alg, bfacts, first.g)
+    return fewest_closed_forms(exprs, close.alg, bfacts, first.g, close.element)
 
 
 def _fewest(

@@ -34,6 +34,11 @@ from derivgen.symbolic.window import Window
 # beyond these sizes the merge is not attempted (the closed forms stay as derived)
 _MAX_ATOMS = 24
 _MAX_OPS = 4000
+# a merge by directions is kept unless its integrands hold more than this many times the
+# operations of the ones they replace, plus the slack (a guard against blow-ups: the named
+# layers' closed forms are not merged by directions at all)
+_READABLE_GROWTH = 20
+_READABLE_SLACK = 400
 
 
 def _top_level(e: sympy.Expr, atoms: set[sympy.Expr]) -> tuple[set[sympy.Expr], set[sympy.Expr]]:
@@ -138,25 +143,14 @@ def _integrand(
     return Mul(*c), Mul(*u)
 
 
-def fewest_means(
-    exprs: Sequence[sympy.Expr],
-    atoms: Sequence[sympy.Expr],
-    integrand: Callable[[sympy.Expr], sympy.Expr],
-    make: Callable[[sympy.Expr], sympy.Expr],
-    constant: Callable[[sympy.Expr], bool],
-    written_out: Callable[[sympy.Expr], sympy.Expr] = lambda e: e,
-    spell: Callable[[sympy.Expr], sympy.Expr] = lambda e: e,
-) -> list[sympy.Expr]:
-    """``exprs`` with their means ``atoms`` (one family: group means, or block means of one
-    kind) merged where their integrands or their coefficients are proportional (see the
-    module docstring). ``integrand(atom)`` is what an atom averages, ``make(u)`` the atom
-    averaging u, ``constant(f)`` whether a factor is one value over the atoms' domain, and
-    ``written_out(u)`` an integrand in the symbols the comparison is made in (g written out),
-    ``spell(f)`` a sum the merged integrand holds, as the reader knows it (a statistic's
-    definition folded back into its name). Returns the expressions unchanged where nothing merges."""
-    exprs = list(exprs)
+def _family(
+    exprs: list[sympy.Expr], atoms: Sequence[sympy.Expr]
+) -> tuple[list[sympy.Expr], dict[sympy.Expr, sympy.Dummy], list[sympy.Expr]] | None:
+    """(the atoms that can be merged, a symbol for each, ``exprs`` with them as the symbols):
+    those met only through sums and products, in expressions linear in them; None when
+    fewer than two are, or the expressions are too large to try."""
     if len(atoms) < 2 or len(atoms) > _MAX_ATOMS or sum(sympy.count_ops(e) for e in exprs) > _MAX_OPS:
-        return exprs
+        return None
     pool = set(atoms)
     top: set[sympy.Expr] = set()
     nested: set[sympy.Expr] = set()
@@ -166,15 +160,114 @@ def fewest_means(
         nested |= n
     family = sorted(top - nested, key=lambda a: (sympy.count_ops(a), sympy.default_sort_key(a)))
     if len(family) < 2:
-        return exprs
+        return None
     sym = {a: sympy.Dummy(f"M{k}", real=True) for k, a in enumerate(family)}
     hidden = [e.xreplace(sym) for e in exprs]
     rs = list(sym.values())
-    # linear in the means: no coefficient reads a mean of the family
-    for h in hidden:
+    for h in hidden:  # linear in the means: no coefficient reads a mean of the family
         for r in rs:
             if sympy.diff(h, r).has(*rs):
-                return exprs
+                return None
+    return family, sym, hidden
+
+
+def fewest_means(
+    exprs: Sequence[sympy.Expr],
+    atoms: Callable[[list[sympy.Expr]], list[sympy.Expr]],
+    integrand: Callable[[sympy.Expr], sympy.Expr],
+    make: Callable[[sympy.Expr], sympy.Expr],
+    constant: Callable[[sympy.Expr], bool],
+    written_out: Callable[[sympy.Expr], sympy.Expr] = lambda e: e,
+    spell: Callable[[sympy.Expr], sympy.Expr] = lambda e: e,
+    retidy: Callable[[sympy.Expr], sympy.Expr] | None = None,
+) -> list[sympy.Expr]:
+    """``exprs`` with their means (``atoms(exprs)`` finds them: one family, group means or
+    block means of one kind) merged where their integrands or their coefficients are proportional, and -- where
+    the outputs have fewer element directions than that leaves means (dx = a·⟨u₁⟩ + x·b·⟨u₂⟩
+    + x·c·⟨u₃⟩) -- one mean per direction (see the module docstring). ``integrand(atom)`` is
+    what an atom averages, ``make(u)`` the atom averaging u, ``constant(f)`` whether a factor
+    is one value over the atoms' domain, ``written_out(u)`` an integrand in the symbols the
+    comparison is made in (g written out), ``spell(f)`` a sum the merged integrand holds, as
+    the reader knows it (a statistic's definition folded back into its name), ``retidy(e)``
+    an output rebuilt by directions brought back to the closed forms' layout (without it,
+    no merge by directions). Returns the expressions unchanged where nothing merges."""
+    exprs = _merge_proportional(list(exprs), atoms(list(exprs)), integrand, make, constant, written_out, spell)
+    if retidy is None:
+        return exprs
+    return _merge_directions(exprs, atoms(exprs), integrand, make, constant, spell, retidy)
+
+
+def _merge_directions(
+    exprs: list[sympy.Expr],
+    atoms: Sequence[sympy.Expr],
+    integrand: Callable[[sympy.Expr], sympy.Expr],
+    make: Callable[[sympy.Expr], sympy.Expr],
+    constant: Callable[[sympy.Expr], bool],
+    spell: Callable[[sympy.Expr], sympy.Expr],
+    retidy: Callable[[sympy.Expr], sympy.Expr],
+) -> list[sympy.Expr]:
+    """Σ_k ⟨u_k⟩·A_k with A_k = Σ_d c_kd·e_d over fewer element directions e_d (an output and
+    an element monomial of it) than means: Σ_d e_d·⟨Σ_k c_kd·u_k⟩, one mean per direction
+    (directions whose columns are proportional share theirs). No division by a value that
+    may vanish: each new mean's integrand is the coefficients as derived."""
+    found = _family(exprs, atoms)
+    if found is None:
+        return exprs
+    family, sym, hidden = found
+    columns: dict[tuple[int, sympy.Expr], dict[sympy.Expr, sympy.Expr]] = {}
+    for i, h in enumerate(hidden):
+        for a in family:
+            for m, c in _vector(sympy.diff(h, sym[a]), constant).items():
+                columns.setdefault((i, m), {})[a] = c
+    reps: list[tuple[tuple[int, sympy.Expr], list[tuple[tuple[int, sympy.Expr], sympy.Expr]]]] = []
+    for d in sorted(columns, key=lambda d: (d[0], sympy.count_ops(d[1]), sympy.default_sort_key(d[1]))):
+        for rep, members in reps:
+            mu = _ratio(columns[d], columns[rep])
+            if mu is not None:
+                members.append((d, mu))
+                break
+        else:
+            reps.append((d, [(d, sympy.S.One)]))
+    if len(reps) >= len(family):
+        return exprs
+    rest = [h.xreplace({r: 0 for r in sym.values()}) for h in hidden]
+    holders, values = {}, {}
+    for k, (rep, members) in enumerate(reps):
+        holder = make(sympy.Dummy(f"P{k}", real=True))
+        c, u = _integrand([(columns[rep][a], integrand(a)) for a in family if a in columns[rep]], constant, spell)
+        values[holder] = c * make(u)
+        for (i, m), mu in members:
+            holders.setdefault(i, []).append(mu * m * holder)
+    # the new integrands hold the coefficients as derived; where that makes them far larger
+    # than the means they replace, the means stay as they are
+    before = sum(sympy.count_ops(integrand(a)) for a in family)
+    after = sum(sympy.count_ops(integrand(v.atoms(type(family[0])).pop())) for v in values.values())
+    if after > _READABLE_GROWTH * before + _READABLE_SLACK:
+        return exprs
+    out = []
+    for i, r in enumerate(rest):
+        if i not in holders:
+            out.append(exprs[i])
+            continue
+        out.append(retidy(r + Add(*holders[i])).xreplace(values))
+    return out
+
+
+def _merge_proportional(
+    exprs: list[sympy.Expr],
+    atoms: Sequence[sympy.Expr],
+    integrand: Callable[[sympy.Expr], sympy.Expr],
+    make: Callable[[sympy.Expr], sympy.Expr],
+    constant: Callable[[sympy.Expr], bool],
+    written_out: Callable[[sympy.Expr], sympy.Expr],
+    spell: Callable[[sympy.Expr], sympy.Expr],
+) -> list[sympy.Expr]:
+    """Means with proportional integrands, then means with proportional coefficients in every
+    output, as one (see :func:`fewest_means`)."""
+    found = _family(exprs, atoms)
+    if found is None:
+        return exprs
+    family, sym, hidden = found
 
     # 1. integrands proportional: M_k = c·M_j
     vectors = {a: _vector(written_out(integrand(a)), constant) for a in family}
