@@ -742,7 +742,8 @@ def _minimum(spec, mode: str, seed: int, derivation) -> dict[str, int]:
         ax = spans[k]
         return all(cr[a] != cc[a] for a in ax) if ax else cr == cc
 
-    memo: dict = {}
+    memo: dict = {}  # (kind, cell, cell) -> its part
+    inverses: dict = {}  # (kind, reference rows, reference columns) -> pinv of their part
 
     def part(k, cr, cc):
         """F_k on the elements of cells cr x cc (one k block)."""
@@ -754,12 +755,12 @@ def _minimum(spec, mode: str, seed: int, derivation) -> dict[str, int]:
                     out = out - part(k2, cr, cc)
             else:
                 rr, cs = references(k, cr, cc)
-                if (k, rr, cs) not in memo:
+                if (k, rr, cs) not in inverses:
                     mid = np.vstack([np.hstack([part(k, r, c)[ok(r)] for c in cs]) for r in rr])
-                    memo[(k, rr, cs)] = pinv(mid)
+                    inverses[(k, rr, cs)] = pinv(mid)
                 left = np.hstack([part(k, cr, c) for c in cs])
                 right = np.vstack([part(k, r, cc)[ok(r)] for r in rr])
-                out = left @ memo[(k, rr, cs)] @ right
+                out = left @ inverses[(k, rr, cs)] @ right
             memo[key] = out
         return memo[key]
 
@@ -823,8 +824,8 @@ def _minimum(spec, mode: str, seed: int, derivation) -> dict[str, int]:
 
 
 # the group's grid (samples, channels, positions) per channel layout (a trailing layout's
-# group: 64 features); a block kind's blocks each hold 16 positions, and its pairs that
-# share no finer block 48 or more columns
+# group: 64 features along the channel axis): a kind's ranks up to 6 can be told in its
+# smallest blocks (an instance's 16 positions, split in two), more in the larger ones
 RANK_GRIDS = {
     "instance": (1, 1, 64),
     "position": (1, 64, 1),
@@ -944,9 +945,8 @@ def _splits(spans, block, cells, ordered: bool, reach: int):
     ``spans`` (none: the positions of one cell). The values along each axis in interleaved
     parts (runs of 8 along an ordered axis, so a window's reach leaves rows between them),
     each part once the columns."""
-    if not spans:
-        (cell,) = block if len(block) == 1 else block[:1]
-        elems = cells[cell]
+    if not spans:  # the block is one cell
+        elems = cells[block[0]]
         q = 4 if len(elems) >= 48 else 2
         for p in range(q):
             yield [e for i, e in enumerate(elems) if i % q != p], [e for i, e in enumerate(elems) if i % q == p]
@@ -1215,11 +1215,12 @@ def run(text: str, seed: int = -1, prove_sizes=(2, 3)) -> Result:
 def judge_means(spec, derivation=None) -> tuple[str, bool | None]:
     """(per mode, the engine's run-time means by kind / the brute-force minimum; whether
     every count is the minimum), from :func:`reduction_minimum`; a brute force that cannot
-    tell is (its message, None)."""
+    tell (or fails: a finding about the judge, not about the spec's correctness) is (its
+    message, None)."""
     try:
         found = reduction_minimum(spec, derivation)
-    except MinimumUnresolved as exc:
-        return f"unresolved: {exc}", None
+    except Exception as exc:  # noqa: BLE001 - reported, never raised into the pipeline's result
+        return f"not told: {type(exc).__name__}: {exc}"[:500], None
     return "; ".join(map(str, found)), all(r.at_minimum for r in found)
 
 
