@@ -1295,6 +1295,9 @@ def channels_last_mismatches(spec) -> list[str]:
 
 
 SECONDS = 120  # one spec's whole pipeline; longer is a finding too
+# each proof size's exact arithmetic (derivgen.prove.proof.SYMBOLIC_WORK for fuzzed specs, first and
+# second order): about a tenth of the library's, so that no spec's proofs come near SECONDS
+PROOF_WORK = 2_000_000
 # the second order's brute-force proof: every k-th seed, at these sizes (its checks against
 # finite differences and the other backend run for every seed, in check_layer)
 SECOND_ORDER = (1, (2, 3))
@@ -1331,14 +1334,14 @@ def _run_seed(seed: int) -> Result:
         signal.signal(signal.SIGALRM, old)
 
 
-def _init_worker(proof_seconds: float, second_order=None, channels_last_every=None, means_only=False):
+def _init_worker(proof_work: int, second_order=None, channels_last_every=None, means_only=False):
     import warnings
 
     import derivgen.prove.proof
     from derivgen.runtime.build import BuildWarning
 
     warnings.simplefilter("error", BuildWarning)  # a compiler warning is a finding (as -Werror)
-    derivgen.prove.proof.SYMBOLIC_SECONDS = proof_seconds
+    derivgen.prove.proof.SYMBOLIC_WORK = proof_work  # both orders: a count of work, the same verdict anywhere
     global SECOND_ORDER, CHANNELS_LAST_EVERY, MEANS_ONLY
     if second_order is not None:
         SECOND_ORDER = second_order
@@ -1365,7 +1368,7 @@ def _die_with_parent():
 def run_corpus(
     seeds,
     jobs: int = 2,
-    proof_seconds: float = 10.0,
+    proof_work: int = PROOF_WORK,
     on_result=None,
     deadline: float | None = None,
     second_order=None,
@@ -1373,7 +1376,7 @@ def run_corpus(
     means_only: bool = False,
 ) -> list[Result]:
     """Every seed through the pipeline (``means_only``: :func:`run_means`) on ``jobs`` worker processes (each spec bounded by
-    SECONDS, each proof size by ``proof_seconds`` of symbolic reduction); results in seed
+    SECONDS, each proof size by ``proof_work`` units of exact arithmetic); results in seed
     order. Seeds not started within ``deadline`` seconds are failures ("not run").
 
     Workers are *spawned*, never forked: the calling process may already run OpenMP
@@ -1395,7 +1398,7 @@ def run_corpus(
             on_result(r)
 
     if jobs <= 1:
-        _init_worker(proof_seconds, second_order, channels_last_every, means_only)
+        _init_worker(proof_work, second_order, channels_last_every, means_only)
         for sd in seeds:
             if deadline is not None and time.monotonic() - t0 > deadline:
                 record(Result(sd, False, failure=f"not run: the corpus ran out of its {deadline:.0f} s"))
@@ -1410,7 +1413,7 @@ def run_corpus(
             jobs,
             mp_context=ctx,
             initializer=_init_worker,
-            initargs=(proof_seconds, second_order, channels_last_every, means_only),
+            initargs=(proof_work, second_order, channels_last_every, means_only),
         )
         running: dict = {}
         try:
@@ -1489,10 +1492,10 @@ def main(argv=None) -> int:
         help="derive and judge the run-time means only (no proof, code or checks): a quick survey",
     )
     ap.add_argument(
-        "--proof-seconds",
-        type=float,
-        default=10.0,
-        help="symbolic reduction per proof size before exact numbers take over",
+        "--proof-work",
+        type=int,
+        default=PROOF_WORK,
+        help="units of exact arithmetic (term pairs multiplied) per proof size before 80-digit numbers take over",
     )
     args = ap.parse_args(argv)
     if args.seed is not None:
@@ -1527,7 +1530,7 @@ def main(argv=None) -> int:
                 flush=True,
             )
 
-    results = run_corpus(seeds, args.jobs, args.proof_seconds, report, means_only=args.means_only)
+    results = run_corpus(seeds, args.jobs, args.proof_work, report, means_only=args.means_only)
     print(summary(results, time.perf_counter() - t0))
     return 0 if all(r.ok and r.minimal for r in results) else 1
 
