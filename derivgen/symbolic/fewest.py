@@ -15,9 +15,11 @@ block means of one kind) and A_k what multiplies them. Two means can be one when
 
 A factor is "constant over the domain" as the caller's predicate says: a per-channel
 parameter is one value on an instance block, but not on a group that spans the channels.
-A ratio is used only where it divides by nothing that may be zero (λ = 1/(1 - ρ) would),
-and every identity is checked exactly before it is used; where a check fails, the means
-stay as they were.
+A ratio is used only where it divides by nothing that may be zero (λ = 1/(1 - ρ) would)
+and holds no reduction (it would put a mean inside a mean), and every identity is checked
+exactly before it is used; where a check fails, the means stay as they were. Where the
+outputs have fewer element directions than means, each direction gets one mean
+(:func:`_merge_directions`).
 """
 
 from __future__ import annotations
@@ -191,6 +193,11 @@ def fewest_means(
     the reader knows it (a statistic's definition folded back into its name), ``retidy(e)``
     an output rebuilt by directions brought back to the closed forms' layout (without it,
     no merge by directions). Returns the expressions unchanged where nothing merges."""
+    given = constant
+
+    def constant(f: sympy.Expr) -> bool:  # a factor holding a reduction never moves into a mean
+        return given(f) and not _holds_reductions(f)
+
     exprs = _merge_proportional(list(exprs), atoms(list(exprs)), integrand, make, constant, written_out, spell)
     if retidy is None:
         return exprs

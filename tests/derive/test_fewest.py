@@ -81,3 +81,18 @@ def test_fewer_directions_than_means_give_one_mean_per_direction():
     (out,) = merge([dx], retidy=lambda e: e)
     assert len(means(out)) == 2
     assert same(out, dx)
+
+
+def test_no_mean_moves_into_another_mean():
+    # x·(<x>·<dy> + <dy·x>) by directions would be x·<<x>·dy + dy·x>: a mean inside a mean
+    dx = x * (Mean(x) * Mean(dy) + Mean(dy * x))
+    (out,) = fewest_means(
+        [dx],
+        lambda es: sorted({m for e in es for m in means(e) if m.has(dy)}, key=sympy.default_sort_key),
+        lambda m: m.args[0],
+        Mean,
+        lambda f: not (f.free_symbols & ELEMENT) or not f.has(dy) and isinstance(f, Mean),
+        retidy=lambda e: e,
+    )
+    assert not any(m.args[0].has(Mean) for m in means(out))
+    assert same(out, dx)
