@@ -218,3 +218,17 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.section("checked on this machine")
         for line in lines:
             terminalreporter.write_line(line)
+
+
+def require_torch_extension():
+    """derivgen.torch's C++ extension module; skip locally where it cannot be built, fail under
+    CI=true or where a C++ compiler and ninja are installed."""
+    from derivgen.torch import ext
+
+    mod = ext.module()
+    if mod is None:
+        why = "derivgen.torch's C++ extension is turned off (DERIVGEN_TORCH_EXT=0) or could not be built"
+        if IN_CI or (ext.enabled() and shutil.which("c++") and shutil.which("ninja")):
+            pytest.fail(why + " (required under CI=true, and where a C++ compiler and ninja are installed)")
+        pytest.skip(why)
+    return mod

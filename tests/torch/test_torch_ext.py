@@ -6,11 +6,10 @@ to take huge pages, and the fallback where the extension cannot be built."""
 from __future__ import annotations
 
 import contextlib
-import shutil
 import sys
 
 import pytest
-from conftest import HAS_THP, IN_CI, huge_page_advised, require_module
+from conftest import HAS_THP, huge_page_advised, require_module, require_torch_extension
 
 torch = require_module("torch")
 from torch import nn
@@ -19,17 +18,6 @@ import derivgen.torch as dt
 from derivgen.torch import ext
 from derivgen.torch.ops import layer
 from derivgen.torch.tensors import HUGE_MIN, HUGE_PAGE, advise_huge_pages, fresh_like
-
-
-def _require_extension():
-    """The extension's module; skip locally where it cannot be built, fail under CI=true."""
-    mod = ext.module()
-    if mod is None:
-        why = "derivgen.torch's C++ extension is turned off (DERIVGEN_TORCH_EXT=0) or could not be built"
-        if IN_CI or (ext.enabled() and shutil.which("c++") and shutil.which("ninja")):
-            pytest.fail(why + " (required under CI=true, and where a C++ compiler and ninja are installed)")
-        pytest.skip(why)
-    return mod
 
 
 @contextlib.contextmanager
@@ -74,7 +62,7 @@ def test_same_bits_as_the_python_path(label, name, make, shape, dtype, threads):
     """Each module's outputs, gradients and second-order gradients through the extension
     equal the Python path's bit for bit (the same kernels on the same arguments), and the
     eager calls do go through the extension."""
-    _require_extension()
+    require_torch_extension()
     g = torch.Generator().manual_seed(3)
     ref = make().to(dtype)
     with torch.no_grad():
@@ -104,7 +92,7 @@ def test_same_bits_as_the_python_path(label, name, make, shape, dtype, threads):
 def test_statistics_and_the_functional_face():
     """lay.forward's statistics (BatchNorm's running buffers use them) and function(...)
     through the extension equal the Python path's."""
-    _require_extension()
+    require_torch_extension()
     lay = layer("batchnorm")
     x = torch.randn(4, 3, 5, dtype=torch.float64)
     w, b = torch.rand(3, dtype=torch.float64), torch.randn(3, dtype=torch.float64)
@@ -178,7 +166,7 @@ def _graph_errors():
 
 
 def test_graph_misuse_errors_match_the_python_path():
-    _require_extension()
+    require_torch_extension()
     got = _graph_errors()
     with python_path("layernorm"):
         want = _graph_errors()
@@ -203,7 +191,7 @@ def _hooked(m, x, dy):
 
 
 def test_saved_tensor_hooks_and_checkpoint_as_the_python_path():
-    _require_extension()
+    require_torch_extension()
     m = dt.LayerNorm(16)
     x = torch.randn(5, 16, requires_grad=True)
     dy = torch.randn(5, 16)
@@ -251,7 +239,7 @@ def test_compiled_autograd_takes_the_python_path():
     """Under compiled autograd (its context, or torch._dynamo.config.compiled_autograd) a call
     records a Python autograd node, which compiled autograd can trace; the gradients are the
     eager ones."""
-    _require_extension()
+    require_torch_extension()
     from torch._dynamo import compiled_autograd
 
     m = dt.LayerNorm(16).double()
@@ -271,7 +259,7 @@ def test_large_outputs_are_advised_to_take_huge_pages(path, monkeypatch):
     touch of each 4 KiB page is a page fault. Where THP is missing the advice is not taken."""
     monkeypatch.delenv("DERIVGEN_HUGE_PAGES", raising=False)
     if path == "extension":
-        _require_extension()
+        require_torch_extension()
     m = dt.LayerNorm(4096)
     x = torch.randn(2048, 4096, requires_grad=True)
     with python_path("layernorm") if path == "python" else contextlib.nullcontext():

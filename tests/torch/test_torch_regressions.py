@@ -3,10 +3,8 @@ each against an independent PyTorch forward, on each path an eager call takes.""
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
-from conftest import IN_CI, QUICK_CFLAGS, ROOT, require_module
+from conftest import QUICK_CFLAGS, ROOT, require_module, require_torch_extension
 
 torch = require_module("torch")
 import torch.autograd.forward_ad as fwad
@@ -18,16 +16,6 @@ from derivgen.torch.ops import layer
 OPTIONS_ONLY = ROOT / "tests" / "regressions" / "second_order_options_only.toml"
 
 
-def _require_extension() -> None:
-    """Skip locally where derivgen.torch's C++ extension cannot be built; fail under CI=true
-    or where a C++ compiler and ninja are installed."""
-    if ext.module() is None:
-        why = "derivgen.torch's C++ extension is turned off (DERIVGEN_TORCH_EXT=0) or could not be built"
-        if IN_CI or (ext.enabled() and shutil.which("c++") and shutil.which("ninja")):
-            pytest.fail(why + " (required under CI=true, and where a C++ compiler and ninja are installed)")
-        pytest.skip(why)
-
-
 @pytest.mark.parametrize("path", ["extension", "python"])
 def test_options_only_layer_second_order(path, monkeypatch):
     """second_order_options_only (c*tanh(x/c): an option, no parameters, no per-group inputs,
@@ -36,7 +24,7 @@ def test_options_only_layer_second_order(path, monkeypatch):
     and forward mode (dual numbers, torch.func.jvp). The extension's node returned one
     gradient per row of dx (x.shape[0] of them) where autograd expected one."""
     monkeypatch.setenv("CFLAGS", QUICK_CFLAGS)  # built as the regression specs' tests build it
-    _require_extension()
+    require_torch_extension()
     c = 1.5
     m = dt.Module(OPTIONS_ONLY, 5, c=c)
     lay = layer(OPTIONS_ONLY)

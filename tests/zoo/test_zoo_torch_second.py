@@ -18,11 +18,10 @@ mode, on each path a module call takes (derivgen/torch/autograd.py, ``call_forwa
 from __future__ import annotations
 
 import functools
-import shutil
 
 import numpy as np
 import pytest
-from conftest import IN_CI, QUICK_CFLAGS, require_module
+from conftest import QUICK_CFLAGS, require_module, require_torch_extension
 
 torch = require_module("torch")
 import torch.autograd.forward_ad as fwad
@@ -46,16 +45,6 @@ TOO_WIDE_FOR_THE_EXTENSION = {"switchnorm"}
 def _compile_at_o1(monkeypatch):
     """Built as test_zoo.py builds the zoo's C modules (-O1): the same cached libraries."""
     monkeypatch.setenv("CFLAGS", QUICK_CFLAGS)
-
-
-def _require_extension() -> None:
-    """Skip locally where derivgen.torch's C++ extension cannot be built; fail under CI=true
-    or where a C++ compiler and ninja are installed."""
-    if ext.module() is None:
-        why = "derivgen.torch's C++ extension is turned off (DERIVGEN_TORCH_EXT=0) or could not be built"
-        if IN_CI or (ext.enabled() and shutil.which("c++") and shutil.which("ninja")):
-            pytest.fail(why + " (required under CI=true, and where a C++ compiler and ninja are installed)")
-        pytest.skip(why)
 
 
 class Setup:
@@ -131,7 +120,7 @@ def test_zoo_module_second_order_and_forward_mode(name, monkeypatch):
     simple, then the Python per-call path with the extension off) and within dt.portable();
     the JVP by dual numbers (eager and portable) and by torch.func.jvp; forward over reverse
     through torch.func; all against autograd of the paper's forward."""
-    _require_extension()
+    require_torch_extension()
     s, lay = Setup(name), layer(name)
     P, T, n = s.primals, s.tangents, len(s.primals)
     for training in _modes(s.prob.spec):
