@@ -79,7 +79,12 @@ class Emitted:
 
 
 def _grad_fields(spec: Spec) -> list[str]:
-    return ["dx", *("d" + p.name for p in spec.params), *("d" + i.name for i in spec.inputs)]
+    return [
+        "dx",
+        *("d" + t.name for t in spec.grad_tensors),
+        *("d" + p.name for p in spec.params),
+        *("d" + i.name for i in spec.inputs),
+    ]
 
 
 def layer_meta(spec: Spec, irs: Mapping[str, ModeIR]) -> dict:
@@ -108,6 +113,9 @@ def layer_meta(spec: Spec, irs: Mapping[str, ModeIR]) -> dict:
         "buffer_reads": _buffer_reads(spec),
         # block statistics: the C library has no channels-last kernels (NCHW copies are run)
         **({"blocks": True} if any(m.blocks for m in spec.modes) else {}),
+        # tensor inputs beside x: (shape, gradient, mask) by name, in order; outputs beside y
+        **({"tensors": {t.name: (t.shape, t.grad, t.mask) for t in spec.tensors}} if spec.tensors else {}),
+        **({"outputs": [o.name for o in spec.outputs]} if spec.outputs else {}),
     }
 
 
@@ -224,6 +232,9 @@ def _formulas(d: LayerDerivation, printer: SpecPrinter) -> dict[str, list[str]]:
     return out
 
 
+# the targets that take tensor inputs, values and outputs beside y (Spec.multi)
+MULTI_TARGETS = frozenset({"numpy"})
+
 # the targets whose kernels have no per-block sums (block statistics: derivgen.symbolic.block)
 BLOCKLESS = ("triton",)
 
@@ -233,6 +244,12 @@ def emit(d: LayerDerivation, targets: Collection[str] = ("numpy", "c")) -> Emitt
     ("numpy", "c", "torch", "jax", "triton"): the IR and every C kernel's plan are computed here, once;
     the templates lay them out."""
     spec = d.spec
+    if spec.multi and set(targets) - MULTI_TARGETS:
+        raise NotImplementedError(
+            f"{spec.source}: tensors, values and outputs beside y are derived and proven (derivgen derive, "
+            f"derivgen prove) and generated for the {', '.join(sorted(MULTI_TARGETS))} target; not yet for "
+            f"{', '.join(sorted(set(targets) - MULTI_TARGETS))}"
+        )
     blocked = sorted(t for t in targets if t in BLOCKLESS) if any(m.blocks for m in d.modes.values()) else []
     if blocked:
         raise NotImplementedError(
@@ -249,7 +266,10 @@ def emit(d: LayerDerivation, targets: Collection[str] = ("numpy", "c")) -> Emitt
     second_irs = d.memo(
         ("second ir",),
         lambda: {
-            m: {"bb": build_second_ir(d.second(m), "bb"), "jvp": build_second_ir(d.second(m), "jvp")} for m in d.modes
+            m: {}  # the second order of tensor inputs and outputs beside y is not derived yet
+            if spec.multi
+            else {"bb": build_second_ir(d.second(m), "bb"), "jvp": build_second_ir(d.second(m), "jvp")}
+            for m in d.modes
         },
     )
     kernels = (
@@ -280,6 +300,7 @@ def emit(d: LayerDerivation, targets: Collection[str] = ("numpy", "c")) -> Emitt
         "atypes": ATYPES,
         "per_sample": spec.reduce not in ("batch", "all"),
         "trailing": spec.layout == "trailing",
+        "first_chain": sorted({k for m in d.modes.values() for k in m.chain}),  # x and the tensors in the core
         "position": spec.reduce == "position",
         "blocks": has_blocks,  # block statistics: no channels-last C kernels
         "selects": any(st.expr.has(*SELECTIONS) for m in d.modes.values() for st in m.statistics),

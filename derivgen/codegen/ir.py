@@ -20,7 +20,7 @@ own namespace (see :mod:`derivgen.symbolic.naming`).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import sympy
 from sympy import Add, Mul
@@ -89,6 +89,10 @@ class ModeIR:
     dinputs: list[tuple[str, str]]  # (input, group variable holding its gradient)
     element_symbols: list[str]
     stat_exprs: list[tuple[str, sympy.Expr, str]]  # (name, expression as computed, source text)
+    values: list[tuple[str, sympy.Expr]] = field(default_factory=list)  # the core value h = f(x, t), first
+    out_elem: list[tuple[str, sympy.Expr]] = field(default_factory=list)  # the outputs beside y
+    dcore: tuple[str, sympy.Expr] | None = None  # ∂L/∂h, computed once: dx and dt read it
+    dtensors: list[tuple[str, sympy.Expr]] = field(default_factory=list)  # (tensor, element gradient)
 
 
 def _unique(name: str, used: set[str]) -> str:
@@ -213,6 +217,9 @@ def build_mode_ir(first: ModeDerivation) -> ModeIR:
         *spec.mask_symbols,
         *spec.window_symbols,
         *(b.symbol for b in first.blocks),
+        *spec.tensor_symbols,
+        *spec.cotangents,
+        *([spec.core.symbol] if spec.core is not None else []),
     }
     xhat = spec.normalized.symbol if spec.normalized else None
     if xhat is not None:
@@ -263,6 +270,19 @@ def build_mode_ir(first: ModeDerivation) -> ModeIR:
             dparam_groups.append((k, nm))
     dparams = [(p.name, first.lowered(first.grads[p.name].element)) for p in spec.params]
     forward = forward_program(first)
+    values, out_elem, dcore, dtensors = [], [], None, []
+    if spec.core is not None:
+        values.append((spec.core.name, spec.core.expr))
+        adj = sympy.Symbol(derived(spec.core.name, "Adj"), real=True)
+        dcore = (adj.name, first.lowered(first.dcore))
+        dx_closed = adj * first.chain["x"]
+        for t in spec.grad_tensors:
+            through = adj * first.chain[t.name] if t.name in first.chain else sympy.S.Zero
+            dtensors.append((t.name, through + first.lowered(first.direct[t.name])))
+    else:
+        dx_closed = first.dx_lowered
+        dtensors = [(t.name, first.lowered(first.dtensors[t.name])) for t in spec.grad_tensors]
+    out_elem = [(o.name, o.expr) for o in spec.outputs]
     return ModeIR(
         mode=first.mode,
         stats=[s.name for s in first.statistics],
@@ -274,7 +294,7 @@ def build_mode_ir(first: ModeDerivation) -> ModeIR:
         bwd_loop=bwd_loop,
         bwd_group=bwd_group,
         dx_terms=dx_terms,
-        dx_closed=first.dx_lowered,
+        dx_closed=dx_closed,
         dparams=dparams,
         dparam_groups=dparam_groups,
         dinputs=dinputs,
@@ -283,6 +303,10 @@ def build_mode_ir(first: ModeDerivation) -> ModeIR:
         },
         element_symbols=sorted(str(s) for s in element),
         stat_exprs=[(st.name, st.expr, st.expr_text) for st in first.statistics],
+        values=values,
+        out_elem=out_elem,
+        dcore=dcore,
+        dtensors=dtensors,
     )
 
 

@@ -30,6 +30,7 @@ small per-group coefficients, ``factor_terms``. The result is plain data
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -147,6 +148,10 @@ class ModeDerivation:
     mean_facts: MeanFacts | None = field(default=None, repr=False)
     self_rules: dict[sympy.Symbol, _SelfRule] = field(default_factory=dict, repr=False)  # s = c·F(u)
     blocks: tuple[Statistic, ...] = ()  # the block statistics (element values, one per block), in order
+    dtensors: dict[str, sympy.Expr] = field(default_factory=dict)  # element-level ∂L/∂t per tensor input
+    dcore: sympy.Expr | None = None  # ∂L/∂h for the spec's core value h (dx = dcore·∂h/∂x)
+    chain: dict[str, sympy.Expr] = field(default_factory=dict)  # ∂h/∂v for x and each tensor in h
+    direct: dict[str, sympy.Expr] = field(default_factory=dict)  # a tensor's gradient beside dcore·chain (the outputs')
 
     @property
     def dparams(self) -> dict[str, sympy.Expr]:
@@ -176,7 +181,7 @@ class ModeDerivation:
         """The block means of ∂L/∂y the backward computes at run time (one pass each: instance,
         then sample, then batch ones), beside its group means (:attr:`reductions`)."""
         exprs = [self.dx, *self.dinputs.values(), *(g.element + g.group for g in self.grads.values())]
-        found = {b for e in exprs for b in e.atoms(BlockMean) if b.has(DY, G)}
+        found = {b for e in exprs for b in e.atoms(BlockMean) if b.has(*self.spec.cotangents, G)}
         order = list(BLOCK_AXES)
         return tuple(sorted(found, key=lambda b: (order.index(b.kind), sympy.default_sort_key(b))))
 
@@ -501,6 +506,10 @@ def name_reductions(
     for e in exprs:
         atoms |= set(means(e))
     names = {X: "x", DY: "dy", G: "g", **{p.symbol: p.name for p in spec.params}, **(extra or {})}
+    names.update({t.symbol: t.name for t in spec.tensors})
+    names.update({o.cotangent: o.cotangent.name for o in spec.outputs})
+    if spec.core is not None:
+        names[spec.core.symbol] = spec.core.name
     names.update({m.symbol: m.name for m in spec.masks})  # Mean_Lead_p_dx_x
     if coordinate is not None:
         names[coordinate.symbol] = coordinate.name
@@ -579,6 +588,8 @@ def block_facts(
 def derive_mode(spec: Spec, mode_name: str | None = None) -> ModeDerivation:
     """The first-order derivation of one mode of ``spec`` (the first mode by default)."""
     try:
+        if spec.core is not None:
+            return _through_core(spec, mode_name)
         return _Deriver(spec, spec.mode(mode_name)).run()
     except DerivationError:
         raise
@@ -587,6 +598,119 @@ def derive_mode(spec: Spec, mode_name: str | None = None) -> ModeDerivation:
             f"{spec.source}: the engine cannot derive this layer ({type(exc).__name__}: "
             f"{str(exc).splitlines()[0][:160] if str(exc) else 'no detail'})"
         ) from None
+
+
+def core_spec(spec: Spec) -> Spec:
+    """The layer seen from its core value h (the one its statistics read): h in place of x in
+    the statistics, the normalized coordinate and the outputs, and no values. Its derivation's
+    ∂L/∂x is ∂L/∂h; the tensors h is computed from appear nowhere in it (the parser saw to that)."""
+    u = {spec.core.symbol: X}
+
+    def sub(st: Statistic) -> Statistic:
+        return dataclasses.replace(st, expr=st.expr.xreplace(u))
+
+    modes = tuple(
+        dataclasses.replace(m, statistics=tuple(sub(s) for s in m.statistics), blocks=tuple(sub(b) for b in m.blocks))
+        for m in spec.modes
+    )
+    used = {s for m in modes for st in m.statistics for s in st.expr.free_symbols}
+    for e in [spec.output, *(o.expr for o in spec.outputs)]:
+        used |= e.xreplace(u).free_symbols
+    return dataclasses.replace(
+        spec,
+        modes=modes,
+        normalized_expr=spec.normalized_expr.xreplace(u) if spec.normalized_expr is not None else None,
+        output=spec.output.xreplace(u),
+        outputs=tuple(dataclasses.replace(o, expr=o.expr.xreplace(u)) for o in spec.outputs),
+        buffers=tuple(dataclasses.replace(b, update=b.update.xreplace(u)) for b in spec.buffers),
+        values=(),
+        core=None,
+        tensors=tuple(t for t in spec.tensors if t.symbol in used),
+    )
+
+
+def _through_core(spec: Spec, mode_name: str | None) -> ModeDerivation:
+    """The derivation of a layer whose statistics read a value h = f(x, t, ...): the layer's
+    derivation in h (:func:`core_spec`), written back in h, then the chain rule through h:
+    ∂L/∂x = ∂L/∂h·∂f/∂x and ∂L/∂t = ∂L/∂h·∂f/∂t (+ the paths from the outputs that read t),
+    one closed form ∂L/∂h that every input's gradient shares."""
+    cs = core_spec(spec)
+    inner = _Deriver(cs, cs.mode(mode_name)).run()
+    h = spec.core.symbol
+    back = {X: h}
+
+    def w(e):
+        return e.xreplace(back) if isinstance(e, sympy.Basic) else e
+
+    f = spec.core.expr
+    dcore = w(inner.dx)
+    chain = {"x": sympy.diff(f, X)}
+    chain.update({t.name: sympy.diff(f, t.symbol) for t in spec.grad_tensors if f.has(t.symbol)})
+    for d in chain.values():
+        check_derivatives(spec, f"values.{spec.core.name}.expr", d)
+    direct = {t.name: w(inner.dtensors.get(t.name, sympy.S.Zero)) for t in spec.grad_tensors}
+    dtensors = dict(direct)
+    for t in spec.grad_tensors:
+        if t.name in chain:
+            through = dcore if chain[t.name] == 1 else Mul(dcore, chain[t.name], evaluate=False)
+            dtensors[t.name] = through + direct[t.name]
+    grads = {k: ParamGrad(w(v.element), w(v.group)) for k, v in inner.grads.items()}
+    for p in spec.params:  # a parameter inside h: its element gradient through h (∂f/∂p in x itself)
+        d = sympy.diff(f, p.symbol)
+        if d != 0:
+            if p.scalar:
+                raise DerivationError(
+                    f"{spec.source}: values.{spec.core.name}.expr: a scalar parameter in the core value is not supported yet"
+                )
+            grads[p.name] = ParamGrad(grads[p.name].element + dcore * d if p.name in grads else dcore * d)
+    dinputs = {k: w(v) for k, v in inner.dinputs.items()}
+    for i in spec.inputs:  # a per-group input inside h: Σ over the group of ∂L/∂h·∂f/∂i
+        d = sympy.diff(f, i.symbol)
+        if d != 0:
+            raise DerivationError(
+                f"{spec.source}: values.{spec.core.name}.expr: a per-group input in the core value is not supported yet"
+            )
+    dx = dcore if chain["x"] == 1 else Mul(dcore, chain["x"], evaluate=False)
+    return dataclasses.replace(
+        inner,
+        spec=spec,
+        user_statistics=tuple(dataclasses.replace(s, expr=w(s.expr)) for s in inner.user_statistics),
+        statistics=tuple(dataclasses.replace(s, expr=w(s.expr)) for s in inner.statistics),
+        normalized_expr=w(inner.normalized_expr),
+        output=spec.output,
+        g=w(inner.g),
+        dx=dx,
+        grads=grads,
+        dinputs=dinputs,
+        reductions=name_reductions(
+            spec,
+            inner.coordinate,
+            [
+                dcore,
+                *dinputs.values(),
+                *dtensors.values(),
+                *(g.element for g in grads.values()),
+                *(g.group for g in grads.values()),
+            ],
+        ),
+        partials=tuple(
+            dataclasses.replace(
+                pt, value=w(pt.value), atom=w(pt.atom), raw=w(pt.raw), linear=w(pt.linear), wrt=w(pt.wrt)
+            )
+            for pt in inner.partials
+        ),
+        adjoints={w(k): w(v) for k, v in inner.adjoints.items()},
+        coordinate_expr=w(inner.coordinate_expr),
+        output_in_coordinate=w(inner.output_in_coordinate),
+        x_in_coordinate=w(inner.x_in_coordinate),
+        element=frozenset(inner.element - {X}) | {h, X} | spec.tensor_symbols,
+        mean_facts=None,
+        blocks=tuple(dataclasses.replace(b, expr=w(b.expr)) for b in inner.blocks),
+        dtensors=dtensors,
+        dcore=dcore,
+        chain=chain,
+        direct=direct,
+    )
 
 
 @dataclass
@@ -612,17 +736,21 @@ class _Deriver:
         # block statistics (theirs through the same block means: reverse)
         self.blocks = mode.blocks
         self.masks = set(spec.mask_symbols) | set(spec.window_symbols) | {b.symbol for b in mode.blocks}
+        self.masks |= spec.constant_tensor_symbols  # tensor inputs without a gradient: element constants
+        self.tensors = [t.symbol for t in spec.grad_tensors]  # element values with a gradient, as x
+        self.cotangents = set(spec.cotangents)
         self._use_normalized(spec.normalized.symbol if spec.normalized else None, spec.normalized_expr)
-        varying = {X, DY, G, *self.channel, *self.masks} | ({self.xhat} if self.xhat is not None else set())
-        self.alg = ReductionAlgebra(varying, active={DY, G})
+        varying = {X, G, *self.cotangents, *self.channel, *self.masks, *self.tensors}
+        varying |= {self.xhat} if self.xhat is not None else set()
+        self.alg = ReductionAlgebra(varying, active={G, *self.cotangents})
         inputs = {i.symbol for i in spec.inputs}
         self.program = Program(spec, mode.statistics, self.alg, inputs | set(self.scalar))
         self.group_diff = set(self.program.active)  # every group value with an adjoint
         self.implicit: ImplicitCoordinate | None = None
-        if self.xhat is None:
+        if self.xhat is None and not spec.outputs:
             self._adopt(find_implicit(spec, self.program.stats, self.y_full, self.alg))
         self._use_coordinate(*closed_form_coordinate(spec, self.program.stats, self.y_full, self.alg, self.implicit))
-        self.element_diff = [X, *self.channel]
+        self.element_diff = [X, *self.channel, *self.tensors]
         self.bfacts = block_facts(mode.blocks, self.element, set(self.channel))
 
     def _use_normalized(self, xhat: sympy.Symbol | None, xhat_def: sympy.Expr | None) -> None:
@@ -631,7 +759,13 @@ class _Deriver:
         self.xhat, self.xhat_def = xhat, xhat_def
         self.y_full = spec.output.xreplace({xhat: xhat_def}) if xhat is not None else spec.output
         self.y_hat = spec.output  # y with x̂ as a symbol (or y itself)
+        self.others = [(o.cotangent, o.expr) for o in spec.outputs]  # the outputs beside y, x̂ as a symbol
         dy_dxhat = sympy.diff(spec.output, xhat) if xhat is not None else sympy.S.Zero
+        if xhat is not None and any(e.has(xhat) for _, e in self.others):
+            # several outputs read x̂: g is the adjoint of x̂ over all of them, Σ_k ∂L/∂y_k·∂y_k/∂x̂
+            self.g_def = Add(DY * dy_dxhat, *(c * sympy.diff(e, xhat) for c, e in self.others))
+            self.xhat_adjoint = G
+            return
         self._set_g(dy_dxhat, xhat)
 
     def _set_g(self, dy_dxhat: sympy.Expr, xhat: sympy.Symbol | None) -> None:
@@ -641,7 +775,7 @@ class _Deriver:
         if dy_dxhat == 0:
             self.g_def, self.xhat_adjoint = None, sympy.S.Zero
             return
-        varying = {X, DY, *self.channel, *self.masks} | ({xhat} if xhat is not None else set())
+        varying = {X, DY, *self.channel, *self.masks, *self.tensors} | ({xhat} if xhat is not None else set())
         per_group, per_element = [], []
         for f in Mul.make_args(dy_dxhat):
             (per_element if f.free_symbols & varying else per_group).append(f)
@@ -659,7 +793,8 @@ class _Deriver:
         if xhat is not None:
             self.alg.varying.add(xhat)
         self.to_xhat = _solver(xhat, coord_def) if xhat is not None else None
-        self.element = {X, DY, G, *self.channel, *self.masks} | ({xhat} if xhat is not None else set())
+        self.element = {X, G, *self.cotangents, *self.channel, *self.masks, *self.tensors}
+        self.element |= {xhat} if xhat is not None else set()
 
     def _adopt(self, implicit: ImplicitCoordinate | None) -> None:
         """Write the backward in the coordinate the output uses without naming it (x̂ = u,
@@ -675,8 +810,8 @@ class _Deriver:
     def dL(self, v: sympy.Symbol) -> sympy.Expr:
         """∂L/∂y·∂y/∂v for one element, with the path through x̂ written in g = ∂L/∂y·∂y/∂x̂
         (the adjoint of x̂) and the direct paths in ∂L/∂y: γ·x̂ + β + t·x gives g·∂x̂/∂x + ∂L/∂y·t."""
-        direct = DY * sympy.diff(self.y_hat, v)
-        if self.g_def is not None and direct != 0:  # ∂L/∂y·exp(x̂)/S² is g/S² for g = ∂L/∂y·exp(x̂)
+        direct = DY * sympy.diff(self.y_hat, v) + Add(*(c * sympy.diff(e, v) for c, e in self.others))
+        if self.g_def is not None and direct != 0 and not self.others:  # ∂L/∂y·exp(x̂)/S² is g/S² for g = ∂L/∂y·exp(x̂)
             q = sympy.cancel(direct / self.g_def)
             if not q.free_symbols & (self.element - {G}):
                 direct = q * G
@@ -691,7 +826,7 @@ class _Deriver:
             v: sympy.S.Zero if v in self.scalar else self.alg.canon(N * Mean(self.dL(v)))
             for v in sorted(self.group_diff, key=sympy.default_sort_key)
         }
-        terms = {e: [self.dL(e)] for e in [X, *self.channel]}
+        terms = {e: [self.dL(e)] for e in [X, *self.channel, *self.tensors]}
         terms.update({p: [] for p in self.scalar})  # element terms beside dL(p): through block statistics
         for w in self.spec.windows:  # W_i = Σ_d e(x_{i+d}): ∂L/∂x_j = e'(x_j)·Σ_d ∂L/∂W_{j-d}
             terms[X].append(sympy.diff(w.body, X) * w.expr.transpose(self.dL(w.symbol)))
@@ -739,7 +874,7 @@ class _Deriver:
                 inner = self.bfacts.rewrite(block_mean(a * d, back[v].kind))
                 if inner != 0:
                     self._spread(inner, back[v].body, b, adj, badj)
-            elif v == X or v in self.channel or v in self.scalar:
+            elif v == X or v in self.channel or v in self.scalar or v in self.tensors:
                 adj.terms[v].append(a * d)
             elif v in badj:
                 badj[v] = badj[v] + a * d
@@ -772,7 +907,7 @@ class _Deriver:
         for v in sorted(rarg.free_symbols & self.group_diff, key=sympy.default_sort_key):
             raw = Mean(sympy.diff(rarg, v))
             val = self.alg.canon(raw)
-            if any(not m.has(DY, G) for m in means(val)):
+            if any(not m.has(*self.cotangents, G) for m in means(val)):
                 val = self._forward_mean(raw, st, adj.group)
             dr = Mean(sympy.factor_terms(sympy.diff(rarg, v)))
             if val == 0:
@@ -889,6 +1024,8 @@ class _Deriver:
                 )
             else:
                 grads[p.name] = ParamGrad(finish(Add(*adj.terms[p.symbol])))
+        for t in spec.grad_tensors:  # beside the parameters until run() splits them off
+            grads[t.name] = ParamGrad(finish(Add(*adj.terms[t.symbol])))
         dinputs = {i.name: finish(adj.group[i.symbol]) for i in spec.inputs}
         unname_g = {G: self.g_def} if self.g_def is not None else {}
         adjoints = {
@@ -923,7 +1060,7 @@ class _Deriver:
             self.bfacts,
             self.g_def,
             self.element,
-            keep=lambda a: a.has(DY, G),
+            keep=lambda a: a.has(*self.cotangents, G),
             spell=self._speller(),
             centre=self._centre_blocks,
         )
@@ -955,7 +1092,11 @@ class _Deriver:
                 if len(Add.make_args(ef)) != len(Add.make_args(num)):
                     continue
                 k = sympy.cancel(ef / num)
-                if not k.has(X, DY, G) and not (k.free_symbols & self.element) and expand(ef - k * num) == 0:
+                if (
+                    not k.has(X, *self.cotangents, G)
+                    and not (k.free_symbols & self.element)
+                    and expand(ef - k * num) == 0
+                ):
                     return Mul(k, den, s, evaluate=False)  # 2·(1 + x + x²/2), not distributed
             return f
 
@@ -970,7 +1111,7 @@ class _Deriver:
         to_x = {self.coord.symbol: self.coord_def} if self.to_xhat is not None else {}
         z = sympy.Dummy("z", real=True)
         facts = BlockFacts(self.bfacts.element | {z}, self.bfacts.kinds, self.bfacts.channel, self.bfacts.known)
-        found = {b for e in exprs for b in e.atoms(BlockMean) if b.kind == kind and b.has(DY, G)}
+        found = {b for e in exprs for b in e.atoms(BlockMean) if b.kind == kind and b.has(*self.cotangents, G)}
         out = []
         for m in centres:
             table = {}
@@ -991,8 +1132,10 @@ class _Deriver:
         spec = self.spec
         adj = self.reverse()
         dx, grads, dinputs, adjoints = self._closed_forms(adj)
+        dtensors = {t.name: grads.pop(t.name).element for t in spec.grad_tensors}
         sum_zero = self._sum_xhat_zero()
         results = [dx, *dinputs.values(), *(g.element for g in grads.values()), *(g.group for g in grads.values())]
+        results += list(dtensors.values())
         uses_g = self.g_def is not None and any(e.has(G) for e in results)
         return ModeDerivation(
             spec=spec,
@@ -1018,6 +1161,7 @@ class _Deriver:
             mean_facts=MeanFacts.of(self.alg),
             self_rules=dict(self.program.rules),
             blocks=tuple(self.blocks),
+            dtensors=dtensors,
         )
 
 

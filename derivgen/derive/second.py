@@ -467,6 +467,11 @@ def _fewest(
 def derive_second(first: ModeDerivation) -> SecondOrder:
     """The double backward and the JVP of one mode, as closed forms, from its first order
     (which is read, never changed)."""
+    if first.spec.multi:
+        raise NotImplementedError(
+            f"{first.spec.source}: the second order of a layer with tensors, values or outputs beside y "
+            "is not derived yet (the first order is)"
+        )
     if first.mean_facts is None:
         raise ValueError("derive_second needs a ModeDerivation made by derivgen.derive.first.derive_mode")
     spec = first.spec

@@ -151,7 +151,8 @@ def facts(mode: ModeDerivation) -> tuple[list[tuple[str, str]], list[tuple[str, 
 
 def _linear_mean(spec: Spec, xhat_def: sympy.Expr) -> sympy.Expr:
     """⟨x̂⟩ by linearity of the mean, in the spec's statistics (zero for a centred x̂)."""
-    varying = {X, DY} | {p.symbol for p in spec.params if not p.scalar} | spec.mask_symbols
+    varying = {X, DY} | {p.symbol for p in spec.params if not p.scalar} | spec.mask_symbols | spec.tensor_symbols
+    varying |= {spec.core.symbol} if spec.core is not None else set()
     return sympy.factor_terms(ReductionAlgebra(varying).canon(Mean(xhat_def)))
 
 
@@ -160,7 +161,12 @@ def _linear_mean(spec: Spec, xhat_def: sympy.Expr) -> sympy.Expr:
 
 def _definitions(mode: ModeDerivation) -> Step:
     spec = mode.spec
-    eqs = [Equation(st.latex, st.text, st.expr) for st in mode.user_statistics]
+    eqs = [Equation(t.latex + "_i", t.text, None, note=_tensor_note(t)) for t in spec.tensors]
+    if spec.core is not None:
+        eqs.append(
+            Equation(spec.core.latex + "_i", spec.core.text, spec.core.expr, note="the value the statistics normalize")
+        )
+    eqs += [Equation(st.latex, st.text, st.expr) for st in mode.user_statistics]
     eqs += [
         Equation(
             w.latex + "_i",
@@ -179,6 +185,10 @@ def _definitions(mode: ModeDerivation) -> Step:
     if spec.normalized is not None:
         eqs.append(Equation(spec.normalized.latex + "_i", spec.normalized.text, mode.normalized_expr))
     eqs.append(Equation("y_i", "y", spec.output))
+    eqs += [
+        Equation(o.latex + "_i", o.text, o.expr, note=f"an output beside y; δ{o.text} is the gradient arriving at it")
+        for o in spec.outputs
+    ]
     blocks = (
         " A mean with a kind beside it, ⟨e⟩_instance (sample, batch), is over the block of the group "
         "that element i lies in: its (sample, channel)'s positions (its sample's channels and "
@@ -458,7 +468,11 @@ def _closed_form(mode: ModeDerivation, names: _Names) -> Step:
     eqs = []
     if mode.g is not None:
         eqs.append(Equation("g_i", "g", mode.g))
-    eqs.append(Equation(partial_latex("L", "x_i"), "∂L/∂x", mode.dx))
+    if mode.dcore is not None:
+        core = spec.core
+        eqs.append(Equation(partial_latex("L", core.latex + "_i"), partial_text("L", core.text), mode.dcore))
+    else:
+        eqs.append(Equation(partial_latex("L", "x_i"), "∂L/∂x", mode.dx))
     if mode.sum_xhat_zero:
         xhat = spec.normalized
         lin = _linear_mean(spec, mode.normalized_expr)
@@ -521,6 +535,51 @@ def _input_gradients(mode: ModeDerivation) -> Step:
     )
 
 
+def _tensor_note(t) -> str:
+    """What a tensor input is, in words."""
+    shape = "x's shape" if t.shape == "x" else f"one value per {t.shape} ({'broadcast'} over x's other axes)"
+    what = "a 0/1 mask, no gradient" if t.mask else ("with a gradient" if t.grad else "no gradient")
+    return f"a tensor input of {shape}, {what}"
+
+
+def _tensor_gradients(mode: ModeDerivation) -> Step:
+    """The chain rule through the core value, and the gradients of the tensor inputs."""
+    spec = mode.spec
+    eqs = []
+    prose = ""
+    if spec.core is not None:
+        core = spec.core
+        dh = partial_text("L", core.text)
+        ones = [k for k, d in mode.chain.items() if d == 1]
+        prose = (
+            f"The statistics read x only through {core.text} = {text_expr(core.expr, spec)}, so every gradient "
+            f"through them is {dh}·∂{core.text}/∂v, with the closed form {dh} above computed once"
+        )
+        shown = {t.name: t for t in spec.tensors}
+        for k, d in mode.chain.items():
+            t = shown.get(k)
+            eqs.append(
+                Equation(partial_latex(core.latex, t.latex if t else k), f"∂{core.text}/∂{t.text if t else k}", d)
+            )
+        if len(ones) > 1:
+            prose += (
+                f"; ∂{core.text}/∂v = 1 for "
+                + " and ".join(shown[k].text if k in shown else k for k in ones)
+                + f": their gradients are the same values, {dh} itself, "
+                "shared rather than recomputed"
+            )
+        prose += ":"
+        eqs.append(Equation(partial_latex("L", "x_i"), "∂L/∂x", mode.dx))
+    else:
+        prose = "Each tensor input's gradient at its element:"
+    for t in spec.grad_tensors:
+        note = "" if t.shape == "x" else f"summed over the axes {t.name} is broadcast over"
+        eqs.append(
+            Equation(partial_latex("L", t.latex + "_i"), partial_text("L", t.text), mode.dtensors[t.name], note=note)
+        )
+    return Step("Gradients of x and the tensor inputs", prose, tuple(eqs))
+
+
 def _running_buffers(mode: ModeDerivation) -> Step:
     return Step(
         "Running buffers (not differentiated)",
@@ -548,6 +607,8 @@ def build_steps(mode: ModeDerivation) -> tuple[Step, ...]:
         _statistic_adjoints(mode),
         _closed_form(mode, names),
     ]
+    if spec.core is not None or spec.grad_tensors:
+        steps.append(_tensor_gradients(mode))
     if spec.params:
         steps.append(_parameter_gradients(mode))
     if spec.inputs:

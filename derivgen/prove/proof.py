@@ -121,13 +121,20 @@ class _Explicit:
                 self.elem[p.symbol] = self.per_channel(p.name)
         for m in spec.mask_symbols:  # any constant per element: the 0/1 pattern is one case
             self.elem[m] = [sympy.Symbol(f"{m.name}[{j}]", nonnegative=True) for j in range(n)]
+        for t in spec.tensors:  # one symbol per element (a broadcast tensor's are some of them equal)
+            self.elem[t.symbol] = [sympy.Symbol(f"{t.name}[{j}]", **t.symbol.assumptions0) for j in range(n)]
+        for o in spec.outputs:
+            self.elem[o.cotangent] = _elements(o.cotangent.name, n)
+        self.cotangents = [self.elem[c] for c in spec.cotangents]
+        self.derived: dict[sympy.Symbol, sympy.Expr] = {}
+        if spec.core is not None:  # h = f(x, t) at each element
+            self.derived[spec.core.symbol] = spec.core.expr
         self.group: dict[sympy.Symbol, sympy.Expr] = {N: sympy.Integer(n)}
         for w in spec.windows:
             if w.size.is_Symbol:
                 self.group[w.size] = sympy.Integer(window)
         for st in first.statistics:
             self.group[st.symbol] = self.at(st.expr, None)
-        self.derived: dict[sympy.Symbol, sympy.Expr] = {}
         if spec.normalized is not None:
             self.derived[spec.normalized.symbol] = first.normalized_expr
         if first.coordinate is not None:
@@ -616,7 +623,11 @@ def _explicit_loss(ex: _Explicit) -> tuple[list[sympy.Expr], sympy.Expr]:
     xhat = spec.normalized.symbol if spec.normalized else None
     y_full = spec.output.xreplace({xhat: first.normalized_expr}) if xhat is not None else spec.output
     ys = [ex.at(y_full, i) for i in range(ex.n)]
-    return ys, sympy.Add(*[ex.elem[DY][i] * ys[i] for i in range(ex.n)])
+    loss = sympy.Add(*[ex.elem[DY][i] * ys[i] for i in range(ex.n)])
+    for o in spec.outputs:  # the outputs beside y, each against its own cotangent
+        full = o.expr.xreplace({xhat: first.normalized_expr}) if xhat is not None else o.expr
+        loss += sympy.Add(*[ex.elem[o.cotangent][i] * ex.at(full, i) for i in range(ex.n)])
+    return ys, loss
 
 
 def _positions(ex: _Explicit) -> range:
@@ -665,6 +676,11 @@ def _first_checks(first: ModeDerivation, ex: _Explicit) -> list[tuple[str, sympy
     ]
     checks += [_param_check("", loss, p, first.grads[p.name], ex) for p in spec.params if p.scalar]
     checks += [_input_check("", loss, inp, first.dinputs[inp.name], ex) for inp in spec.inputs]
+    checks += [
+        (f"d{t.name}_{i}", _diff(loss, ex.elem[t.symbol][i]) - ex.at(first.dtensors[t.name], i))
+        for t in spec.grad_tensors
+        for i in _positions(ex)
+    ]
     return checks
 
 
@@ -680,7 +696,8 @@ def prove_mode(first: ModeDerivation, sizes: Iterable[int] = (2, 3, 4, 5, 6), wo
         checks = []
         for k in window_sizes(first.spec):
             ex = _Explicit(first, n, k)
-            checks += [(_sized(what, k), d, ex.elem[DY]) for what, d in _first_checks(first, ex)]
+            lin = [c for cs in ex.cotangents for c in cs]
+            checks += [(_sized(what, k), d, lin) for what, d in _first_checks(first, ex)]
         return _settle(n, checks, t0, points, limit)
 
     for n in sizes:

@@ -101,6 +101,14 @@ from derivgen.runtime.split import (
     stats_array,
     sums_array,
 )
+from derivgen.runtime.tensors import (
+    check_cotangents,
+    check_tensors,
+    extra_outputs,
+    finish_tensor_grad,
+    grad_buffer,
+    tensor_shape,
+)
 from derivgen.runtime.validate import (
     Layout,
     check_buffer_shape,
@@ -140,7 +148,9 @@ __all__ = [
     "f64",
     "finish_input_grad",
     "finish_part",
+    "finish_tensor_grad",
     "for_chunks",
+    "grad_buffer",
     "grad_fields",
     "grads_type",
     "group_max",
@@ -194,8 +204,10 @@ def grads_type(name: str, fields: tuple[str, ...]) -> type[tuple]:
 
 
 def grad_fields(meta: dict) -> tuple[str, ...]:
-    """The backward's fields: dx, then d<param> and d<input> in spec order."""
-    return ("dx", *("d" + p for p in meta["params"]), *("d" + i for i in meta["inputs"]))
+    """The backward's fields: dx, then d<tensor> (the tensor inputs with a gradient), d<param>
+    and d<input> in spec order."""
+    tensors = tuple("d" + t for t, (_, grad, _) in meta.get("tensors", {}).items() if grad)
+    return ("dx", *tensors, *("d" + p for p in meta["params"]), *("d" + i for i in meta["inputs"]))
 
 
 @dataclass
@@ -213,10 +225,21 @@ class ForwardCall:
     buffers: dict[str, np.ndarray | None]
     out: np.ndarray
     extra: dict = field(default_factory=dict)
+    tensors: dict[str, np.ndarray] = field(default_factory=dict)  # tensor inputs, C order, x's shape
+    outs: dict[str, np.ndarray] = field(default_factory=dict)  # the outputs beside y
 
     def cache(self, stats: dict[str, np.ndarray]) -> Cache:
         """What the backward needs of this call, with the forward's statistics."""
-        return Cache(self.meta, self.mode, self.layout, self.x, self.params, stats, self.options, self.inputs)
+        c = Cache(self.meta, self.mode, self.layout, self.x, self.params, stats, self.options, self.inputs)
+        c.tensors = self.tensors
+        return c
+
+    def result(self, stats: dict[str, np.ndarray]) -> tuple:
+        """``(y, cache)``, or ``((y, *outputs beside y), cache)`` for a layer with several."""
+        cache = self.cache(stats)
+        if not self.outs:
+            return self.out, cache
+        return (self.out, *self.outs.values()), cache
 
 
 def _buffers(meta: dict, buffers: dict, layout: Layout, dtype: np.dtype, mode: str) -> dict:
@@ -250,8 +273,11 @@ def prepare_forward(
     training: bool,
     num_groups: int | None = None,
     out: np.ndarray | None = None,
+    tensors: Mapping[str, Any] | None = None,
+    outs: Any = None,
 ) -> ForwardCall:
-    """Checks for a forward call (errors name the argument), and its layout."""
+    """Checks for a forward call (errors name the argument), and its layout; ``tensors`` are
+    the tensor inputs beside x by name, ``outs`` preallocated outputs beside y."""
     name = meta["name"]
     x = _check_array("x", x)
     dtype = x.dtype
@@ -271,7 +297,13 @@ def prepare_forward(
     if empty and mode == "train":  # no values: the running buffers stay as they are (as torch.nn leaves them)
         bufs = dict.fromkeys(bufs)
     out = check_out("out", out, x.shape, dtype)
-    _no_overlap(name, {"out": out}, {"x": x, **params, **{k: v for k, v in bufs.items() if v is not None}})
+    tens = check_tensors(meta, tensors or {}, layout, dtype)
+    extra_outs = extra_outputs(meta, layout, dtype, outs)
+    _no_overlap(
+        name,
+        {"out": out, **{"outs." + k: v for k, v in extra_outs.items()}},
+        {"x": x, **params, **{k: v for k, v in bufs.items() if v is not None}, **tens},
+    )
     return ForwardCall(
         meta,
         mode,
@@ -283,6 +315,8 @@ def prepare_forward(
         ins,
         bufs,
         out,
+        tensors=tens,
+        outs=extra_outs,
     )
 
 
@@ -292,7 +326,8 @@ class BackwardCall:
 
     cache: Cache
     dy: np.ndarray
-    outs: dict[str, np.ndarray]  # dx (x shape), d<param> (param shape), d<input> (n_groups)
+    outs: dict[str, np.ndarray]  # dx (x shape), d<tensor>, d<param> (param shape), d<input> (n_groups)
+    cotangents: dict[str, np.ndarray | None] = field(default_factory=dict)  # of the outputs beside y
 
 
 @named_errors
@@ -301,8 +336,10 @@ def prepare_backward(
     dy: np.ndarray,
     cache: Cache,
     out: Mapping[str, np.ndarray] | Sequence[np.ndarray] | None = None,
+    cotangents: Mapping[str, Any] | None = None,
 ) -> BackwardCall:
-    """Checks for a backward call against the forward's cache (errors name the argument)."""
+    """Checks for a backward call against the forward's cache (errors name the argument);
+    ``cotangents`` are those of the outputs beside y by name (None: zero)."""
     name = meta["name"]
     cache = _check_cache(meta, cache)
     dy = _check_array("dy", dy)
@@ -312,10 +349,19 @@ def prepare_backward(
         raise ValueError(f"{name}: dy must have the shape of x {cache.layout.x_shape}, got {dy.shape}")
     fields = grad_fields(meta)
     shapes = _grad_shapes(meta, cache.layout, ("dx",))
+    for t, (kind, grad, _) in meta.get("tensors", {}).items():
+        if grad:
+            shapes["d" + t] = tensor_shape(meta, kind, cache.layout)
     given = _out_by_field(name, out, fields)
     outs = {f: check_out(f"out.{f}", given.get(f), shapes[f], cache.dtype) for f in fields if f in shapes}
-    _no_overlap(name, outs, {"dy": dy, "x": cache.x, **cache.params})
-    return BackwardCall(cache, _contig(dy), outs)
+    cots = check_cotangents(meta, cotangents or {}, cache.layout, cache.dtype)
+    tens = getattr(cache, "tensors", {})
+    _no_overlap(
+        name,
+        outs,
+        {"dy": dy, "x": cache.x, **cache.params, **tens, **{"d" + k: v for k, v in cots.items() if v is not None}},
+    )
+    return BackwardCall(cache, _contig(dy), outs, cots)
 
 
 def finish_input_grad(cache: Cache, iname: str, per_group: np.ndarray) -> np.ndarray:

@@ -85,6 +85,7 @@ class Cache(StatisticsView):
         self.meta, self.mode, self.layout = meta, mode, layout
         self.x, self.params, self.stats = x, params, stats
         self.options, self.inputs = options, inputs
+        self.tensors: dict[str, np.ndarray] = {}  # the tensor inputs beside x (x's shape)
 
     def __repr__(self) -> str:
         return (

@@ -10,6 +10,7 @@ expression goes through :mod:`derivgen.spec.expr`; nothing is evaluated as code.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 import tomllib
@@ -57,6 +58,8 @@ TOP_LEVEL_FIELDS = {
     "normalized",
     "output",
     "modes",
+    "tensors",
+    "values",
 }
 
 # Names a spec may not declare. Everything the generated code names itself
@@ -123,6 +126,52 @@ class Option(Named):
 @dataclass(frozen=True)
 class Input(Named):
     """Per-group (or scalar) differentiable input, e.g. a previous running mean."""
+
+
+# The shapes a tensor input may have, per layout kind: x's own, or broadcast over some of its
+# axes (the gradient is then summed over them, as autograd sums a broadcast operand's).
+TENSOR_SHAPES = {
+    "trailing": {
+        "x": "x's shape",
+        "sample": "one value per sample and normalized feature: (x.shape[0], *normalized), broadcast over the axes between",
+    },
+    "channels": {
+        "x": "x's shape",
+        "sample": "one value per (sample, channel): (N, C), broadcast over the spatial axes",
+        "position": "one value per (sample, position): (N, 1, *spatial), broadcast over the channels",
+    },
+}
+
+
+@dataclass(frozen=True)
+class Tensor(Named):
+    """A tensor input beside x: of x's shape, or broadcast over some of its axes (``shape``:
+    a key of :data:`TENSOR_SHAPES`); an element value in every expression. With ``grad`` its
+    gradient is ``dNAME`` (summed over the broadcast axes); without, it is a constant to the
+    derivatives (a mask, a dropout mask the caller draws)."""
+
+    shape: str = "x"
+    grad: bool = True
+    mask: bool = False  # 0/1 values, checked at call time (never a gradient)
+
+
+@dataclass(frozen=True)
+class Value(Named):
+    """An element value computed from x and tensor inputs before the statistics
+    (``h = x + residual``); the statistics read x through at most one value, the layer's
+    **core**, which the derivation differentiates through by the chain rule."""
+
+    expr: sympy.Expr = sympy.S.Zero
+    expr_text: str = ""
+
+
+@dataclass(frozen=True)
+class Output(Named):
+    """An output beside y: an element expression, with its cotangent ``dNAME``."""
+
+    expr: sympy.Expr = sympy.S.Zero
+    expr_text: str = ""
+    cotangent: sympy.Symbol = None  # type: ignore[assignment]
 
 
 @dataclass(frozen=True)
@@ -217,6 +266,35 @@ class Spec:
     second_order_notes: tuple[str, ...] = field(default=())  # prose for the second-order section
     masks: tuple[Mask, ...] = field(default=())  # the leading(option) masks the expressions use
     windows: tuple[WindowValue, ...] = field(default=())  # the output's window(e, k) values
+    tensors: tuple[Tensor, ...] = field(default=())  # tensor inputs beside x
+    values: tuple[Value, ...] = field(default=())  # element values computed before the statistics
+    outputs: tuple[Output, ...] = field(default=())  # outputs beside y, in order
+    core: Value | None = None  # the value the statistics read in place of x (None: x itself)
+
+    @property
+    def grad_tensors(self) -> tuple[Tensor, ...]:
+        """The tensor inputs with a gradient."""
+        return tuple(t for t in self.tensors if t.grad)
+
+    @property
+    def tensor_symbols(self) -> frozenset[sympy.Symbol]:
+        """The element symbols of every tensor input."""
+        return frozenset(t.symbol for t in self.tensors)
+
+    @property
+    def constant_tensor_symbols(self) -> frozenset[sympy.Symbol]:
+        """The element symbols of the tensor inputs without a gradient (masks)."""
+        return frozenset(t.symbol for t in self.tensors if not t.grad)
+
+    @property
+    def cotangents(self) -> tuple[sympy.Symbol, ...]:
+        """The cotangents of the outputs, y's (dy) first."""
+        return (DY, *(o.cotangent for o in self.outputs))
+
+    @property
+    def multi(self) -> bool:
+        """Does the layer take tensor inputs beside x, or return outputs beside y?"""
+        return bool(self.tensors or self.outputs or self.values)
 
     @property
     def mask_symbols(self) -> frozenset[sympy.Symbol]:
@@ -233,7 +311,16 @@ class Spec:
         """Every named quantity of the layer, by name: x, N, parameters, options, inputs,
         buffers, the statistics of every mode and the normalized coordinate."""
         out: dict[str, Named] = {"x": _X_NAMED, "N": _N_NAMED}
-        for group in (self.params, self.options, self.inputs, self.buffers, self.masks, self.windows):
+        for group in (
+            self.params,
+            self.options,
+            self.inputs,
+            self.buffers,
+            self.masks,
+            self.windows,
+            self.tensors,
+            self.values,
+        ):
             for item in group:
                 out[item.name] = item
         for mode in self.modes:
@@ -241,6 +328,9 @@ class Spec:
                 out[st.name] = st
         if self.normalized is not None:
             out[self.normalized.name] = self.normalized
+        for o in self.outputs:  # the gradient arriving at an output h, shown as δh (∂L/∂h is the total)
+            c = o.cotangent
+            out[c.name] = Named(c.name, c, f"\\delta {o.latex}", f"δ{o.text}")
         return out
 
     def mode(self, name: str | None = None) -> Mode:
@@ -429,6 +519,9 @@ class _Parser:
         self.window_fields: list[tuple[str, Window]] = []  # (field, window) for each window written
         self.blocks: dict[str, str] = {}  # the block kinds mean(e, kind) may name (symbolic.block)
         self.block_symbols: set[sympy.Symbol] = set()  # every block statistic's symbol, any mode
+        self.tensor_fields: dict[sympy.Symbol, str] = {}  # tensor symbol -> its field
+        self.value_symbols: set[sympy.Symbol] = set()  # the element values' symbols
+        self.value_reads: dict[sympy.Symbol, str] = {}  # value -> the first statistic that reads it
 
     def declare(self, where: str, name: str, what: str, sym: sympy.Expr) -> None:
         """Declare ``name`` (``what`` it is, for messages) with its symbol."""
@@ -632,6 +725,56 @@ class _Parser:
             out.append(Input(iname, sym, *ctx.display(where, iname, entry)))
         return out
 
+    def tensors(self, layout: str) -> list[Tensor]:
+        """The tensor inputs beside x, declared (each an element symbol)."""
+        ctx, out = self.ctx, []
+        for tname, v in ctx.table("tensors").items():
+            where = f"tensors.{tname}"
+            entry = ctx.entry(where, v, None)
+            ctx.keys(where, entry, {"shape", "grad", "mask", "latex", "text"})
+            shape = entry.get("shape", "x")
+            if shape not in TENSOR_SHAPES[layout]:
+                ctx.err(
+                    f"{where}.shape",
+                    f"a {layout!r} layout has no axes {shape!r}; one of: "
+                    + "; ".join(f"{k!r} ({v})" for k, v in TENSOR_SHAPES[layout].items()),
+                )
+            for flag in ("grad", "mask"):
+                if not isinstance(entry.get(flag, False), bool):
+                    ctx.err(f"{where}.{flag}", f"must be true or false, got {entry[flag]!r}")
+            mask = entry.get("mask", False)
+            if mask and entry.get("grad", False):
+                ctx.err(f"{where}.grad", "a mask (0/1 values) has no gradient; drop grad = true or mask = true")
+            grad = entry.get("grad", not mask)
+            sym = domain.symbol(tname, domain.NONNEG if mask else domain.REAL)
+            self.declare(where, tname, "a tensor input", sym)
+            self.tensor_fields[sym] = where
+            out.append(Tensor(tname, sym, *ctx.display(where, tname, entry), shape=shape, grad=grad, mask=mask))
+        return out
+
+    def values(self) -> list[Value]:
+        """The element values computed before the statistics, in order: elementwise in x,
+        tensor inputs, parameters, options, inputs and earlier values."""
+        ctx, out = self.ctx, []
+        for vname, v in ctx.table("values").items():
+            where = f"values.{vname}"
+            entry = ctx.entry(where, v, "expr")
+            ctx.keys(where, entry, {"expr", "latex", "text"})
+            if "expr" not in entry:
+                ctx.err(f"{where}.expr", "missing required field")
+            scope = {k: s for k, s in self.names.items() if k != "N"}
+            expr = self.expr(f"{where}.expr", entry["expr"], scope, reductions=False)
+            if expr.has(Window) or any(leading_option(s) is not None for s in expr.free_symbols):
+                ctx.err(
+                    f"{where}.expr",
+                    f"window() and leading() belong in the statistics and the output: {entry['expr']!r}",
+                )
+            sym = domain.symbol(vname, domain.sign_level(expr))
+            self.declare(where, vname, "a value", sym)
+            self.value_symbols.add(sym)
+            out.append(Value(vname, sym, *ctx.display(where, vname, entry), expr=expr, expr_text=entry["expr"]))
+        return out
+
     def buffer_entries(self) -> list[tuple[str, str, dict, sympy.Symbol]]:
         """The buffers declared, as (name, field, entry, symbol); their updates are read once
         the statistics are known (:meth:`buffers`)."""
@@ -699,6 +842,8 @@ class _Parser:
                 self.check_group_level(f"{where}.expr", expr, expr_text)
                 st = Statistic(sname, sym, latex, text, expr=expr, expr_text=expr_text)
             scope[sname] = st.symbol
+            for v in expr.free_symbols & self.value_symbols:
+                self.value_reads.setdefault(v, where)
             out.append(st)
         return out, scope, inferred
 
@@ -708,6 +853,8 @@ class _Parser:
         """A block statistic is one value per block of some kind: x and per-channel parameters
         only inside block means (or per-channel parameters where the block holds one channel),
         no group reduction written inline. Returns the kinds it is one value on."""
+        if expr.free_symbols & (self.value_symbols | set(self.tensor_fields)):
+            self.ctx.err(where, f"a block statistic of tensor inputs or values is not supported yet: {text!r}")
         if expr.has(Mean, GroupMax):
             self.ctx.err(
                 where,
@@ -740,6 +887,8 @@ class _Parser:
             self.ctx.err(
                 where, f"x appears outside mean()/sum()/max()/min(): a statistic is one value per group: {text!r}"
             )
+        for t in sorted(outside & (self.value_symbols | set(self.tensor_fields)), key=str):
+            self.ctx.err(where, f"{t} varies within a normalization group; use it inside mean()/sum(): {text!r}")
         for m in sorted(outside, key=str):
             if leading_option(m) is not None:
                 self.ctx.err(
@@ -837,11 +986,24 @@ class _Parser:
                 ctx.err(f"normalized.{f}", "missing required field")
         nname = ctx.ident("normalized.name", ctx.string("normalized.name", norm_t["name"]), self.taken)
         expr = self.expr("normalized.expr", norm_t["expr"], scope, reductions=False)
-        if not expr.has(X):
-            ctx.err("normalized.expr", "must depend on x")
-        slope = sympy.diff(expr, X)
-        per_element = self.channel_params | set(self.mask_fields) | self.block_symbols
-        if slope.has(X) or (slope.free_symbols | expr.subs(X, 0).free_symbols) & per_element:
+        read = sorted(self.value_reads, key=str)
+        if len(read) > 1:
+            names = ", ".join(str(v) for v in read)
+            ctx.err(
+                min(self.value_reads.values()), f"the statistics may read one value in place of x, not several ({names})"
+            )
+        core = read[0] if read else X
+        if not expr.has(core):
+            ctx.err("normalized.expr", "must depend on x" if core == X else f"must depend on {core}")
+        slope = sympy.diff(expr, core)
+        per_element = (
+            self.channel_params
+            | set(self.mask_fields)
+            | self.block_symbols
+            | self.value_symbols
+            | set(self.tensor_fields)
+        )
+        if slope.has(core) or (slope.free_symbols | expr.subs(core, 0).free_symbols) & per_element:
             ctx.err(
                 "normalized.expr",
                 f"must be affine in x with a slope that is one value per group "
@@ -854,23 +1016,113 @@ class _Parser:
 
     def output(
         self, data: dict, scope: dict, normalized: Named | None, normalized_expr: sympy.Expr | None
-    ) -> tuple[sympy.Expr, str]:
-        """The output y (``output = "..."`` or ``[output] y = "..."``) and its text; it must
-        depend on x, directly or through the normalized coordinate."""
+    ) -> tuple[sympy.Expr, str, list[Output]]:
+        """The output y (``output = "..."`` or ``[output] y = "..."``) and its text, and the
+        outputs beside it (``[output] NAME = "..."``, in order). y must depend on x, directly,
+        through a value or through the normalized coordinate; an output named as a value
+        must be that value (``h = "h"``)."""
         ctx = self.ctx
         out_t = data.get("output")
         if out_t is None:
             ctx.err("output", "missing required field")
+        extra: list[Output] = []
         if isinstance(out_t, dict):
-            ctx.keys("output", out_t, {"y"})
             if "y" not in out_t:
                 ctx.err("output.y", "missing required field")
+            for oname, text in out_t.items():
+                if oname == "y":
+                    continue
+                where = f"output.{oname}"
+                if not isinstance(text, str):
+                    ctx.err(where, f"unknown field {oname!r} (an output beside y is an expression string)")
+                e = self.expr(where, text, scope, reductions=False)
+                if self.taken.get(oname) == "a value" and e != scope.get(oname):
+                    ctx.err(where, f"an output named as the value {oname!r} must be that value ({oname} = {oname!r})")
+                if self.taken.get(oname) != "a value":
+                    ctx.ident(where, oname, self.taken)
+                    self.taken[oname] = "an output"
+                elif oname in {o.name for o in extra}:
+                    ctx.err(where, f"output {oname!r} is declared twice")
+                cot = domain.symbol("d" + oname)
+                extra.append(
+                    Output(oname, domain.symbol(oname), oname, oname, expr=e, expr_text=str(text), cotangent=cot)
+                )
             out_t = out_t["y"]
-        output = self.expr("output", out_t, scope, reductions=False)
+            where_y = "output.y" if extra else "output"
+        else:
+            where_y = "output"
+        output = self.expr(where_y, out_t, scope, reductions=False)
         output_full = output.xreplace({normalized.symbol: normalized_expr}) if normalized is not None else output
-        if not output_full.has(X):
-            ctx.err("output", "must depend on x")
-        return output, str(out_t)
+        if not output_full.has(X, *self.value_symbols):
+            ctx.err(where_y, "must depend on x")
+        for o in extra:
+            if o.expr.has(Window) or (o.expr.free_symbols & self.mask_fields.keys()):
+                ctx.err(f"output.{o.name}", "window() and leading() may appear only in y")
+        return output, str(out_t), extra
+
+    def core(
+        self,
+        values: list[Value],
+        tensors: list[Tensor],
+        modes: list[Mode],
+        normalized: sympy.Expr | None,
+        output: sympy.Expr,
+        extra: list[Output],
+        buffers: list[Buffer],
+    ) -> tuple[Value | None, sympy.Expr | None, sympy.Expr, list[Output]]:
+        """The value the statistics read in place of x (at most one: the layer's core), and
+        the normalized coordinate and outputs with every other value written out. With a
+        core, x and the tensors it is computed from with a gradient appear nowhere else but
+        through it (the derivation goes through the core by the chain rule)."""
+        ctx = self.ctx
+        by_symbol = {v.symbol: v for v in values}
+        read = {}
+        for m in modes:
+            for st in (*m.statistics, *m.blocks):
+                for sym in st.expr.free_symbols & set(by_symbol):
+                    read.setdefault(sym, f"{'statistics' if m.name == 'train' else 'modes.eval.statistics'}.{st.name}")
+        if len(read) > 1:
+            names = ", ".join(sorted(by_symbol[s].name for s in read))
+            ctx.err(min(read.values()), f"the statistics may read one value in place of x, not several ({names})")
+        core = by_symbol[next(iter(read))] if read else None
+        inline = {}
+        for v in values:  # earlier values written out in later ones, then every non-core value
+            e = v.expr.xreplace(inline)
+            if v is not core:
+                inline[v.symbol] = e
+        if core is not None:
+            core = dataclasses.replace(core, expr=core.expr.xreplace(inline))
+        normalized = normalized.xreplace(inline) if normalized is not None else None
+        output = output.xreplace(inline)
+        extra = [dataclasses.replace(o, expr=o.expr.xreplace(inline)) for o in extra]
+        if core is not None:
+            owned = {X} | {t.symbol for t in tensors if t.grad and core.expr.has(t.symbol)}
+            if not core.expr.has(X):
+                ctx.err(f"values.{core.name}.expr", "the value the statistics read must depend on x")
+            places = [(f"output{'.y' if extra else ''}", output), *((f"output.{o.name}", o.expr) for o in extra)]
+            places += [("normalized.expr", normalized)] if normalized is not None else []
+            places += [(f"statistics.{st.name}", st.expr) for m in modes for st in (*m.statistics, *m.blocks)]
+            places += [(f"buffers.{b.name}.update", b.update) for b in buffers]
+            for where, e in places:
+                bad = sorted(str(s) for s in e.free_symbols & owned)
+                if bad:
+                    ctx.err(
+                        where,
+                        f"reads {', '.join(bad)} outside the value {core.name!r} the statistics normalize; "
+                        f"write it through {core.name}",
+                    )
+        used = set(output.free_symbols)
+        for e in [o.expr for o in extra] + ([normalized] if normalized is not None else []):
+            used |= e.free_symbols
+        for m in modes:
+            for st in (*m.statistics, *m.blocks):
+                used |= st.expr.free_symbols
+        if core is not None:
+            used |= core.expr.free_symbols
+        for t in tensors:
+            if t.symbol not in used:
+                ctx.err(f"tensors.{t.name}", f"the tensor input {t.name!r} is used nowhere")
+        return core, normalized, output, extra
 
     def check_gradient_names(self) -> None:
         """Gradients are named d<name>: a declared d<name> would collide with one."""
@@ -904,12 +1156,17 @@ def parse_spec(text: str, source: str = "<spec>") -> Spec:
     params = parser.params()
     options = parser.options()
     inputs = parser.inputs()
+    tensors = parser.tensors(kind)
+    values = parser.values()
     buffer_entries = parser.buffer_entries()
     stats_t = ctx.table("statistics")  # none: an elementwise layer (Dynamic Tanh)
     modes, scope = parser.modes(stats_t)
     buffers = parser.buffers(buffer_entries, scope)
     normalized, normalized_expr, out_scope = parser.normalized(data, scope)
-    output, output_text = parser.output(data, out_scope, normalized, normalized_expr)
+    output, output_text, outputs = parser.output(data, out_scope, normalized, normalized_expr)
+    core, normalized_expr, output, outputs = parser.core(
+        values, tensors, modes, normalized_expr, output, outputs, buffers
+    )
     parser.check_gradient_names()
     masks = parser.masks(options, kind)
     output, windows = parser.windows(options, kind, reduce_, output)
@@ -934,4 +1191,8 @@ def parse_spec(text: str, source: str = "<spec>") -> Spec:
         second_order_notes=tuple(parser.prose_list(data, "second_order_notes")),
         masks=tuple(masks),
         windows=tuple(windows),
+        tensors=tuple(tensors),
+        values=tuple(values),
+        outputs=tuple(outputs),
+        core=core,
     )

@@ -122,12 +122,6 @@ TWO_VALUES = {
 }
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="parser bug: with two values read by the statistics, _Parser.normalized picks its core as "
-    "next(iter(set)) before core() rejects the spec, so under some PYTHONHASHSEEDs the error is "
-    "'normalized.expr: must depend on u' instead of 'statistics.ms: ... not several (h, u)'",
-)
 def test_statistics_reading_two_values_is_one_error_under_every_hash_seed(tmp_path):
     """The error does not depend on the order a set of symbols iterates in (PYTHONHASHSEED)."""
     path = tmp_path / "t.toml"
@@ -192,12 +186,6 @@ def test_loading_a_multi_tensor_layer_loads_or_names_the_spec():
         assert module is not None
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="engine bug: derive/first.py _through_core multiplies a parameter's chain factor "
-    "d = ∂h/∂weight = x into its gradient before writing the inner derivation back from x to h "
-    "(w: x -> h), so dweight's element is h·∂L/∂h, not x·∂L/∂h",
-)
 def test_a_parameter_inside_the_core_value_is_differentiated_through_it():
     """h = x·weight + residual: ∂L/∂weight = Σ x·∂L/∂h over the axes weight does not span."""
     text = spec_text(values='h = "x*weight + residual"', output='y = "hhat"\nh = "h"')

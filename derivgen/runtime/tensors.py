@@ -1,0 +1,143 @@
+"""Tensor inputs beside x and outputs beside y: their shapes, checks and gradients.
+
+A spec's ``[tensors]`` are element values of x's shape, or broadcast over some of its axes
+(``_META["tensors"]``: name -> (shape, gradient, mask)):
+
+==========  =========================  ================================================
+shape       layout                     the tensor's shape (for x's)
+==========  =========================  ================================================
+``x``       any                        x's own
+``sample``  trailing, x (B, ..., *D)   (B, *D): one value per sample and feature
+``sample``  channels, x (N, C, *S)     (N, C): one value per (sample, channel)
+``position`` channels, x (N, C, *S)    (N, 1, *S): one value per (sample, position)
+==========  =========================  ================================================
+
+The kernels read every tensor at x's shape (a broadcast one is written out once per call);
+a broadcast tensor's gradient is summed over the axes it is broadcast over, as autograd
+sums a broadcast operand's. No SymPy here (stage 0).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from derivgen.runtime.base import _check_array, _contig, check_out
+from derivgen.runtime.validate import Layout
+
+
+def tensor_shape(meta: dict, kind: str, layout: Layout) -> tuple[int, ...]:
+    """The shape a tensor input declared ``kind`` has for x of ``layout``."""
+    xs = tuple(layout.x_shape)
+    if kind == "x":
+        return xs
+    if meta["layout"] == "trailing":  # (B, *normalized)
+        k = len(layout.param_shape)
+        return (xs[0], *xs[len(xs) - k :]) if len(xs) > k else xs
+    if kind == "sample":
+        return xs[:2]
+    return (xs[0], 1, *xs[2:])  # position
+
+
+def broadcast_axes(meta: dict, kind: str, layout: Layout) -> tuple[int, ...]:
+    """The axes of x a tensor declared ``kind`` is broadcast over (its gradient is summed over them)."""
+    nd = len(layout.x_shape)
+    if kind == "x":
+        return ()
+    if meta["layout"] == "trailing":
+        k = len(layout.param_shape)
+        return tuple(range(1, nd - k)) if nd > k else ()
+    if kind == "sample":
+        return tuple(range(2, nd))
+    return (1,)
+
+
+def _full_view(meta: dict, kind: str, t: np.ndarray, layout: Layout) -> np.ndarray:
+    """A tensor of its declared shape as a C-contiguous array of x's shape."""
+    if kind == "x":
+        return _contig(t)
+    shape = list(layout.x_shape)
+    for a in broadcast_axes(meta, kind, layout):
+        shape[a] = 1
+    return np.ascontiguousarray(np.broadcast_to(t.reshape(shape), layout.x_shape))
+
+
+def check_tensors(meta: dict, tensors: Mapping[str, Any], layout: Layout, dtype: np.dtype) -> dict[str, np.ndarray]:
+    """Every tensor input checked (an array of x's dtype, of its declared shape; a mask 0 or 1
+    everywhere), as C-contiguous arrays of x's shape; errors name the argument."""
+    name, out = meta["name"], {}
+    for tname, (kind, _grad, mask) in meta.get("tensors", {}).items():
+        t = tensors.get(tname)
+        if t is None:
+            raise TypeError(f"{name}: {tname} is required (a tensor input)")
+        t = _check_array(tname, t)
+        if t.dtype != dtype:
+            raise TypeError(f"{name}: {tname} has dtype {t.dtype} but x has {dtype}")
+        want = tensor_shape(meta, kind, layout)
+        if tuple(t.shape) != want:
+            raise ValueError(
+                f"{name}: {tname} must have shape {want} ({kind!r} for x of shape {layout.x_shape}), got {t.shape}"
+            )
+        if mask and t.size and not np.all((t == 0) | (t == 1)):
+            raise ValueError(f"{name}: {tname} is a mask: every value must be 0 or 1")
+        out[tname] = _full_view(meta, kind, t, layout)
+    return out
+
+
+def extra_outputs(meta: dict, layout: Layout, dtype: np.dtype, given: Any) -> dict[str, np.ndarray]:
+    """The arrays the outputs beside y are written to (x's shape and dtype): ``given`` is None,
+    or a sequence or dict by name of preallocated ones (None where not given)."""
+    names = meta.get("outputs", [])
+    if given is None:
+        given = {}
+    elif not isinstance(given, Mapping):
+        given = list(given)
+        if len(given) != len(names):
+            raise ValueError(
+                f"{meta['name']}: outs must have {len(names)} arrays ({', '.join(names)}), got {len(given)}"
+            )
+        given = dict(zip(names, given))
+    extra = set(given) - set(names)
+    if extra:
+        raise ValueError(f"{meta['name']}: outs has unknown output(s) {', '.join(sorted(extra))}")
+    return {o: check_out(f"outs.{o}", given.get(o), layout.x_shape, dtype) for o in names}
+
+
+def check_cotangents(meta: dict, cots: Mapping[str, Any], layout: Layout, dtype: np.dtype) -> dict:
+    """The cotangents of the outputs beside y (``d<name>``): arrays of x's shape and dtype; one
+    not given (None) is zero, as autograd passes for an output that no loss reads."""
+    out = {}
+    for o in meta.get("outputs", []):
+        c = cots.get(o)
+        if c is not None:
+            c = _check_array("d" + o, c)
+            if c.dtype != dtype:
+                raise TypeError(f"{meta['name']}: d{o} has dtype {c.dtype} but the forward ran in {dtype}")
+            if tuple(c.shape) != tuple(layout.x_shape):
+                raise ValueError(f"{meta['name']}: d{o} must have the shape of x {layout.x_shape}, got {c.shape}")
+            c = _contig(c)
+        else:
+            c = np.zeros(layout.x_shape, dtype=dtype)
+        out[o] = c
+    return out
+
+
+def grad_buffer(meta: dict, tname: str, layout: Layout, out: np.ndarray) -> np.ndarray:
+    """Where a tensor's element gradients are written: its output itself (a tensor of x's
+    shape), else a float64 array of x's shape that :func:`finish_tensor_grad` sums."""
+    kind = meta["tensors"][tname][0]
+    return out if kind == "x" else np.empty(layout.x_shape, dtype=np.float64)
+
+
+def finish_tensor_grad(meta: dict, tname: str, layout: Layout, buf: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """A tensor's gradient: the element gradients ``buf`` summed over the axes it is broadcast
+    over (nothing to do for one of x's shape), stored in ``out``."""
+    kind = meta["tensors"][tname][0]
+    if kind == "x":
+        return out
+    axes = broadcast_axes(meta, kind, layout)
+    total = buf.sum(axis=axes, keepdims=True, dtype=np.float64) if axes else buf
+    out[...] = total.reshape(out.shape)
+    return out
