@@ -398,8 +398,45 @@ for name, xs, ps in [(n, xs, ps) for n in ("batchnorm", "blocks_in_batch") if n 
             assert np.allclose(np.concatenate(dxs), ref[2], **tol), (xs, sfx)
             assert all(np.allclose(a, b, **tol) for a, b in zip(dps, ref[3])), (xs, sfx)
             splits += 1
+# Layers with tensor inputs beside x and outputs beside y (the zoo's): odd shapes, 1 and 2
+# threads, both dtypes, every cotangent given and none
+MULTI_SHAPES = {
+    "add_rmsnorm": [(1, 1), (3, 7), (2, 3, 33)],
+    "flash_layernorm_parallel": [(1, 2), (4, 9), (2, 2, 17)],
+    "adaln": [(1, 1, 3), (2, 3, 7), (3, 1, 33)],
+    "masked_batchnorm": [(1, 1, 2), (3, 2, 5), (2, 3, 37)],
+}
+multi = 0
+for name, shapes in MULTI_SHAPES.items():
+    k = derivgen.load(name, backend="c")
+    spec = derivgen.load_spec(name)
+    for threads in (1, 2):
+        k.set_num_threads(threads)
+        for xs in shapes:
+            for dtype in (np.float32, np.float64):
+                x = rng.normal(size=xs).astype(dtype)
+                ts = []
+                for t in spec.tensors:
+                    shape = {"x": xs, "sample": (xs[0], xs[-1]) if spec.layout == "trailing" else xs[:2]}.get(
+                        t.shape, (xs[0], 1, *xs[2:])
+                    )
+                    v = rng.normal(size=shape).astype(dtype)
+                    if t.mask:
+                        v = (v > -0.5).astype(dtype)
+                        v.reshape(-1)[0] = 1
+                    ts.append(v)
+                ps = [
+                    rng.normal(size=(xs[-1] if spec.layout == "trailing" else xs[1],)).astype(dtype)
+                    for _ in spec.params
+                ]
+                outs, c = k.forward(x, *ts, *ps)
+                dy = rng.normal(size=xs).astype(dtype)
+                k.backward(dy, c)
+                k.backward(dy, c, **{"d" + o.name: np.ones_like(x) for o in spec.outputs})
+                multi += 1
 print(
-    f"ran {count} forward/backward pairs, {extras} of the extras (bfloat16, channels-last), {splits} split reductions",
+    f"ran {count} forward/backward pairs, {extras} of the extras (bfloat16, channels-last), {splits} split reductions"
+    f", {multi} layers with tensor inputs",
     flush=True,
 )
 sys.exit(0)

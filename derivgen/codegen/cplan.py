@@ -37,6 +37,12 @@ CTYPES = {"f32": "float", "f64": "double", "bf16": "dg_bf16"}
 ATYPES = {"float": "float", "double": "double", "dg_bf16": "float"}
 
 
+def output_array(name: str) -> str:
+    """The C array an output beside y is written to: ``h_Out`` for output h (the output's own
+    name may be the value it returns, an element temporary of the same sweep)."""
+    return derived(name, "Out")
+
+
 def c_load(text: str, T: str, to: str = "double") -> str:
     """C text reading one stored element ``text`` of type T as ``to``."""
     if T == "dg_bf16":
@@ -629,11 +635,15 @@ class CPlanner:
         for p in self.scalar:  # one value for the whole tensor: a group value
             self.group_names[p] = derived(p, "G")
         self.masks = {m.name: m.option for m in spec.masks}
+        # arrays of x's shape read at the element beside x and dy: the tensor inputs, and the
+        # cotangents of the outputs beside y
+        self.arrays = [t.name for t in spec.tensors] + [o.cotangent.name for o in spec.outputs]
         self.elem_names: dict[str, str] = {
             "x": "Xv",
             "dy": "Dyv",
             **{p: derived(p, "V") for p in self.params if p not in self.scalar},
             **{m: derived(m, "V") for m in self.masks},
+            **{a: derived(a, "V") for a in self.arrays},
         }
 
     def _block_pass(self, slot: int, body: sympy.Expr, kind: str, temps: list) -> BlockPass:
@@ -740,7 +750,7 @@ class CPlanner:
             window_reads.update(self.group_names.get(g, g) for g in fn.groups)
             return fn.call(self.group_names)
 
-        elem = {"x", "dy", *chan, *self.masks, *block_reads} | {nm for nm, _ in needed}
+        elem = {"x", "dy", *chan, *self.masks, *block_reads, *self.arrays} | {nm for nm, _ in needed}
         enames = dict(self.group_names)
         enames.update(self.elem_names)
         enames.update({b: b for b in block_reads})
@@ -767,6 +777,9 @@ class CPlanner:
             elem_loads.append(f"const {arith} Xv = {c_load('x[Idx]', ctype, arith)};")
         if "dy" in names:
             elem_loads.append(f"const {arith} Dyv = {c_load('dy[Idx]', ctype, arith)};")
+        for a in self.arrays:
+            if a in names:
+                elem_loads.append(f"const {arith} {derived(a, 'V')} = {c_load(a + '[Idx]', ctype, arith)};")
         # a block value one per sample (index Blk) is read with the element; one per (sample,
         # channel) or per channel with the parameters, where the sweep knows the channel Ch
         elem_loads += self.blocks.loads(names, by_channel=False)
@@ -814,8 +827,8 @@ class CPlanner:
             scalar_param_sums=tuple((k, f"Psum_{k}") for k, _ in scal_sums),
             param_pend=pend,
             outputs=tuple(outputs),
-            prefetch=tuple(a for a in ("x", "dy") if a in names) if first else (),
-            ahead_next=tuple(a for a in ("x", "dy") if a in names) if second else (),
+            prefetch=tuple(a for a in ("x", "dy", *self.arrays) if a in names) if first else (),
+            ahead_next=tuple(a for a in ("x", "dy", *self.arrays) if a in names) if second else (),
             reads=frozenset(body_reads),
             pend_reads=frozenset(pend_reads),
             other_reads=other_reads,
@@ -840,10 +853,11 @@ class CPlanner:
         spec = self.spec
         names = [i.name for i in spec.inputs] + [derived(b.name, "G") for b in spec.buffers]
         steps: list[Sweep | GroupValue] = []
+        values = list(self.ir.values)  # the core value h = f(x, t), an element temporary of every sweep
         for st in self.ir.forward:
             if isinstance(st, Loop):
                 done = sum(isinstance(s, Sweep) for s in steps)
-                lp = self.loop([e for _, e in st.accs], [], group_sums=st.accs, first=done == 0, second=done == 1)
+                lp = self.loop([e for _, e in st.accs], values, group_sums=st.accs, first=done == 0, second=done == 1)
                 steps.append(self._sweep(lp, [a for a, _ in st.accs], names))
                 names += [a for a, _ in st.accs]
             elif isinstance(st, Select):
@@ -855,14 +869,15 @@ class CPlanner:
                 steps.append(self._group_value(st.name, st.expr, st.comment, names))
                 names.append(st.name)
         _, out_expr = self.ir.fwd_elem[-1]
-        temps = list(self.ir.fwd_elem[:-1])
+        temps = values + list(self.ir.fwd_elem[:-1])
         done = sum(isinstance(s, Sweep) for s in steps)
+        extra = [(output_array(o), e) for o, e in self.ir.out_elem]  # the outputs beside y
         final = self.loop(
-            [out_expr],
+            [out_expr, *(e for _, e in extra)],
             temps,
-            stores=[("y", out_expr)],
+            stores=[("y", out_expr), *extra],
             arith=self.atype,
-            outputs=["y"],
+            outputs=["y", *(o for o, _ in extra)],
             first=done == 0,
             second=done == 1,
         )
@@ -899,7 +914,7 @@ class CPlanner:
     def backward(self) -> BackwardPlan:
         """The backward kernel's plan."""
         names = [i.name for i in self.spec.inputs] + list(self.ir.stats)
-        temps = list(self.ir.bwd_elem)
+        temps = list(self.ir.values) + list(self.ir.bwd_elem)
         red = None
         if self.ir.bwd_loop:
             lp = self.loop(
@@ -910,18 +925,21 @@ class CPlanner:
         group = self._group_values(names)
         # double: dx = sum of per-group coefficients times element monomials (fewest flops);
         # float: the factored closed form, whose cancellations the hi/lo addends keep exact
-        if self.atype == "double":
+        if self.atype == "double" and self.ir.dx_terms:
             dx_expr = Add(*[sympy.Symbol(k) * m for k, m in self.ir.dx_terms])
         else:
             dx_expr = self.ir.dx_closed
+        if self.ir.dcore is not None:  # ∂L/∂h once per element: dx and the tensors' gradients read it
+            temps.append(self.ir.dcore)
+        dts = [("d" + t, e) for t, e in self.ir.dtensors]
         pexprs = [e for _, e in self.ir.dparams]
         final = self.loop(
-            [dx_expr, *pexprs],
+            [dx_expr, *(e for _, e in dts), *pexprs],
             temps,
-            stores=[("dx", dx_expr)],
+            stores=[("dx", dx_expr), *dts],
             param_sums=list(enumerate(pexprs)),
             arith=self.atype,
-            outputs=["dx"],
+            outputs=["dx", *(o for o, _ in dts)],
             first=red is None,
             second=red is not None,
         )

@@ -131,7 +131,7 @@ def _split_meta(spec: Spec, irs: Mapping[str, ModeIR]) -> dict | None:
     forward and sums of the backward, per group. None where there is no split reduction:
     other layouts, and training statistics that read running buffers (batch
     renormalization's r and d), which the split kernels do not take, or group maxima."""
-    if spec.layout != "channels" or spec.reduce != "batch" or "train" not in irs:
+    if spec.layout != "channels" or spec.reduce != "batch" or "train" not in irs or spec.multi:
         return None
     buffers = {b.symbol for b in spec.buffers}
     if any(st.expr.free_symbols & buffers or st.expr.has(*SELECTIONS) for st in spec.modes[0].statistics):
@@ -233,7 +233,7 @@ def _formulas(d: LayerDerivation, printer: SpecPrinter) -> dict[str, list[str]]:
 
 
 # the targets that take tensor inputs, values and outputs beside y (Spec.multi)
-MULTI_TARGETS = frozenset({"numpy"})
+MULTI_TARGETS = frozenset({"numpy", "c"})
 
 # the targets whose kernels have no per-block sums (block statistics: derivgen.symbolic.block)
 BLOCKLESS = ("triton",)
@@ -257,6 +257,11 @@ def emit(d: LayerDerivation, targets: Collection[str] = ("numpy", "c")) -> Emitt
             f"JAX targets; the {', '.join(blocked)} target{'s do' if len(blocked) > 1 else ' does'} not take them"
         )
     has_blocks = any(m.blocks for m in d.modes.values())
+    if spec.multi and "c" in targets and (spec.windows or has_blocks or spec.reduce == "position"):
+        raise NotImplementedError(
+            f"{spec.source}: the C kernels take tensor inputs and outputs beside y in layouts without windows, "
+            "block statistics or a position layout; this layer has one"
+        )
     if has_blocks and spec.windows and "c" in targets:
         raise NotImplementedError(f"{spec.name}: the C kernels take block statistics or windows, not both in one layer")
     printer = SpecPrinter(spec)
@@ -303,6 +308,8 @@ def emit(d: LayerDerivation, targets: Collection[str] = ("numpy", "c")) -> Emitt
         "first_chain": sorted({k for m in d.modes.values() for k in m.chain}),  # x and the tensors in the core
         "position": spec.reduce == "position",
         "blocks": has_blocks,  # block statistics: no channels-last C kernels
+        # the channels-last C kernels (not for block statistics, nor tensor inputs beside x yet)
+        "nhwc": spec.layout != "trailing" and spec.reduce != "position" and not has_blocks and not spec.multi,
         "selects": any(st.expr.has(*SELECTIONS) for m in d.modes.values() for st in m.statistics),
         # the modes a split reduction computes: sums only (a group max()/min() is not a sum)
         # the modes whose output uses the group size N (the PyTorch forward then defines it)

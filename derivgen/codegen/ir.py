@@ -248,9 +248,12 @@ def build_mode_ir(first: ModeDerivation) -> ModeIR:
         Assign(r.name, sympy.Symbol(acc) / N_DIVIDED, comment=f"{r.name} = mean({code_text(r.arg, spec)})")
         for r, (acc, _) in zip(first.reductions, bwd_loop)
     ]
-    # dx = Σ_k coefficient_k(group) · monomial_k(element)
-    coefficients, dx_terms = by_monomial(first.dx_lowered, is_elem, "K_", set(), spec, of=" in dx", drop_zero=False)
-    bwd_group += coefficients
+    # dx = Σ_k coefficient_k(group) · monomial_k(element); a layer with a core value computes
+    # ∂L/∂h once per element instead (dx and the tensors' gradients are it times ∂h/∂v)
+    dx_terms = []
+    if spec.core is None:
+        coefficients, dx_terms = by_monomial(first.dx_lowered, is_elem, "K_", set(), spec, of=" in dx", drop_zero=False)
+        bwd_group += coefficients
     dinputs = []
     for i in spec.inputs:
         nm = derived(i.name, "Grad")

@@ -215,12 +215,27 @@ def _one(section: str, name: str, ctype: str, pointer: bool = False, const: bool
     return [Arg(name, section, ctype, pointer=pointer, const=const)]
 
 
+def tensor_names(meta: dict) -> list[str]:
+    """The tensor inputs beside x, in order (each read at x's shape by the kernels)."""
+    return list(meta.get("tensors", {}))
+
+
+def grad_tensor_names(meta: dict) -> list[str]:
+    """The tensor inputs with a gradient, in order."""
+    return [t for t, (_, grad, _) in meta.get("tensors", {}).items() if grad]
+
+
 def _leading(meta: dict, data: Sequence[str]) -> _Builder:
-    """dims, the data arrays (``x``; ``x`` and ``dy``), parameters, options and inputs:
-    what every kernel starts with."""
+    """dims, the data arrays (``x``; ``x`` and ``dy``), the tensor inputs beside x and the
+    cotangents of the outputs beside y (a layer that has them), parameters, options and
+    inputs: what every kernel starts with."""
     b = _Builder().add("dims", _dims())
     for d in data:
         b.add(d, _elems(d, [d], True))
+    if tensor_names(meta):
+        b.add("tensors", _elems("tensors", tensor_names(meta), True))
+    if "dy" in data and meta.get("outputs"):
+        b.add("cotangents", _elems("cotangents", ["d" + o for o in meta["outputs"]], True))
     return (
         b.add("params", _elems("params", meta["params"], True))
         .add("options", [Arg(o, "options", "double") for o in meta["options"]])
@@ -238,7 +253,7 @@ def _forward(meta: dict, mode: str) -> _Builder:
     return (
         _leading(meta, ["x"])
         .add("buffers", _elems("buffers", meta["buffers"], mode == "eval"))
-        .add("y", _elems("y", ["y"], False))
+        .add("y", _elems("y", ["y", *(o + "_Out" for o in meta.get("outputs", []))], False))
         .add("stats", _doubles("stats", [s + "_Out" for s in meta["stats"][mode]], False))
         .add("nthreads", _one("nthreads", "Nthreads", "int"))
     )
@@ -248,7 +263,7 @@ def _backward(meta: dict, mode: str) -> _Builder:
     return (
         _leading(meta, ["x", "dy"])
         .add("stats", _doubles("stats", [s + "_In" for s in meta["stats"][mode]], True))
-        .add("dx", _elems("dx", ["dx"], False))
+        .add("dx", _elems("dx", ["dx", *("d" + t for t in grad_tensor_names(meta))], False))
         .add("dparams", _elems("dparams", ["d" + p for p in meta["params"]], False))
         .add("dinputs", _elems("dinputs", ["d" + i for i in meta["inputs"]], False))
         .add("nthreads", _one("nthreads", "Nthreads", "int"))
@@ -352,7 +367,8 @@ def kernel_signatures(meta: dict) -> dict[tuple[str, str], KernelSignature]:
     """Every kernel's signature of a layer, by (mode, kind)."""
     out = {}
     for mode in meta["modes"]:
-        kinds = KINDS + (SPLIT_KINDS if meta.get("split") and mode == "train" else ())
+        kinds = KINDS if not meta.get("outputs") and not meta.get("tensors") else ("forward", "backward")
+        kinds += SPLIT_KINDS if meta.get("split") and mode == "train" else ()
         for kind in kinds:
             out[(mode, kind)] = kernel_signature(meta, mode, kind)
     return out

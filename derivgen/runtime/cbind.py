@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from derivgen import runtime as rt
-from derivgen.runtime.abi import KernelSignature, kernel_signatures
+from derivgen.runtime.abi import KernelSignature, grad_tensor_names, kernel_signatures, tensor_names
 from derivgen.runtime.base import aligned_empty
 from derivgen.runtime.build import build_shared
 from derivgen.runtime.machine import machine
@@ -164,47 +164,49 @@ class CKernel:
         for b in m["buffers"]:
             buf = call.buffers[b]
             bufs[b] = np.ascontiguousarray(buf) if buf is not None and not buf.flags.c_contiguous else buf
-        status = self._run(
-            call.mode,
-            "forward",
-            call.dtype,
-            {
-                **self._leading(L, call.params, call.options, call.inputs),
-                "x": (_ptr(call.x),),
-                "buffers": [_ptr(bufs[b]) for b in m["buffers"]],
-                "y": (_ptr(call.out),),
-                "stats": [_ptr(stats[s]) for s in m["stats"][call.mode]],
-            },
-        )
+        sections = {
+            **self._leading(L, call.params, call.options, call.inputs),
+            "x": (_ptr(call.x),),
+            "buffers": [_ptr(bufs[b]) for b in m["buffers"]],
+            "y": (_ptr(call.out), *(_ptr(call.outs[o]) for o in m.get("outputs", []))),
+            "stats": [_ptr(stats[s]) for s in m["stats"][call.mode]],
+        }
+        if call.tensors:
+            sections["tensors"] = [_ptr(call.tensors[t]) for t in tensor_names(m)]
+        status = self._run(call.mode, "forward", call.dtype, sections)
         if status != 0:
             raise MemoryError(f"{m['name']}: forward kernel could not allocate its work buffer")
         for b, buf in bufs.items():
             if buf is not None and buf is not call.buffers[b]:
                 call.buffers[b][...] = buf
-        return call.out, call.cache(stats)
+        return call.result(stats)
 
     def backward(self, call: rt.BackwardCall, grads_type: Callable[..., tuple]) -> tuple:
         """``grads_type(dx, d<param>..., d<input>...)`` of a validated backward call."""
         c, m = call.cache, self.meta
         L = c.layout
         dinputs = {i: np.empty(L.n_groups, dtype=c.dtype) for i in m["inputs"]}
-        status = self._run(
-            c.mode,
-            "backward",
-            c.dtype,
-            {
-                **self._leading(L, c.params, c.options, c.inputs),
-                "x": (_ptr(c.x),),
-                "dy": (_ptr(call.dy),),
-                "stats": [_ptr(c.stats[s]) for s in m["stats"][c.mode]],
-                "dx": (_ptr(call.outs["dx"]),),
-                "dparams": [_ptr(call.outs["d" + p]) for p in m["params"]],
-                "dinputs": [_ptr(dinputs[i]) for i in m["inputs"]],
-            },
-        )
+        # a broadcast tensor's element gradients go to x's shape first, then are summed (rt)
+        dtens = {t: rt.grad_buffer(m, t, L, call.outs["d" + t], c.dtype) for t in grad_tensor_names(m)}
+        sections = {
+            **self._leading(L, c.params, c.options, c.inputs),
+            "x": (_ptr(c.x),),
+            "dy": (_ptr(call.dy),),
+            "stats": [_ptr(c.stats[s]) for s in m["stats"][c.mode]],
+            "dx": (_ptr(call.outs["dx"]), *(_ptr(dtens[t]) for t in grad_tensor_names(m))),
+            "dparams": [_ptr(call.outs["d" + p]) for p in m["params"]],
+            "dinputs": [_ptr(dinputs[i]) for i in m["inputs"]],
+        }
+        if tensor_names(m):
+            sections["tensors"] = [_ptr(c.tensors[t]) for t in tensor_names(m)]
+        if m.get("outputs"):
+            sections["cotangents"] = [_ptr(call.cotangents[o]) for o in m["outputs"]]
+        status = self._run(c.mode, "backward", c.dtype, sections)
         if status != 0:
             raise MemoryError(f"{m['name']}: backward kernel could not allocate its work buffer")
         values = {"dx": call.outs["dx"], **{"d" + p: call.outs["d" + p] for p in m["params"]}}
+        for t in grad_tensor_names(m):
+            values["d" + t] = rt.finish_tensor_grad(m, t, L, dtens[t], call.outs["d" + t])
         for i in m["inputs"]:
             values["d" + i] = rt.finish_input_grad(c, i, dinputs[i])
         return grads_type(**values)

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from derivgen.runtime.base import _check_array, _contig, check_out
+from derivgen.runtime.base import _check_array, _contig, aligned_empty, check_out
 from derivgen.runtime.validate import Layout
 
 
@@ -124,11 +124,13 @@ def check_cotangents(meta: dict, cots: Mapping[str, Any], layout: Layout, dtype:
     return out
 
 
-def grad_buffer(meta: dict, tname: str, layout: Layout, out: np.ndarray) -> np.ndarray:
+def grad_buffer(
+    meta: dict, tname: str, layout: Layout, out: np.ndarray, dtype: np.dtype | type = np.float64
+) -> np.ndarray:
     """Where a tensor's element gradients are written: its output itself (a tensor of x's
-    shape), else a float64 array of x's shape that :func:`finish_tensor_grad` sums."""
+    shape), else an array of x's shape and ``dtype`` that :func:`finish_tensor_grad` sums."""
     kind = meta["tensors"][tname][0]
-    return out if kind == "x" else np.empty(layout.x_shape, dtype=np.float64)
+    return out if kind == "x" else aligned_empty(layout.x_shape, dtype)
 
 
 def finish_tensor_grad(meta: dict, tname: str, layout: Layout, buf: np.ndarray, out: np.ndarray) -> np.ndarray:

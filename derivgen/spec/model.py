@@ -990,7 +990,8 @@ class _Parser:
         if len(read) > 1:
             names = ", ".join(str(v) for v in read)
             ctx.err(
-                min(self.value_reads.values()), f"the statistics may read one value in place of x, not several ({names})"
+                min(self.value_reads.values()),
+                f"the statistics may read one value in place of x, not several ({names})",
             )
         core = read[0] if read else X
         if not expr.has(core):

@@ -247,6 +247,53 @@ def torch_step(
     return fwd_only, step
 
 
+def fused_torch_step(
+    name: str,
+    x: np.ndarray,
+    tensors: list[np.ndarray],
+    params: list[np.ndarray],
+    dy: np.ndarray,
+    cots: dict,
+    kw: dict,
+    threads: int,
+    compiled: bool,
+) -> tuple[Callable[[], None], Callable[[], None]]:
+    """What a user writes instead of a fused layer, in PyTorch on the same arrays: eager, or the
+    same function through ``torch.compile`` (forward without autograd, forward + backward)."""
+    import torch  # optional dependency: only when it is installed
+    import torch.nn.functional as F
+
+    torch.set_num_threads(threads)
+    tx = torch.from_numpy(x).requires_grad_(True)
+    tt = [torch.from_numpy(t).requires_grad_(True) for t in tensors]
+    tp = [torch.from_numpy(p).requires_grad_(True) for p in params]
+    tdy, tcots = torch.from_numpy(dy), [torch.from_numpy(c) for c in cots.values()]
+    eps = kw.get("eps", 1e-6 if name == "add_rmsnorm" else 1e-5)
+    d = x.shape[-1]
+
+    def fn(x, t, w):
+        if name == "add_rmsnorm":  # vLLM / Liger: h = x + residual, y = rms_norm(h) * w; (y, h)
+            h = x + t
+            return F.rms_norm(h, (d,), w, eps), h
+        if name == "rmsnorm_gated":  # Mamba-2, gate after the norm
+            return (F.rms_norm(x, (d,), w, eps) * F.silu(t),)
+        return (F.rms_norm(x * F.silu(t), (d,), w, eps),)  # rmsnorm_gated_before
+
+    f = torch.compile(fn) if compiled else fn
+
+    def fwd_only() -> None:
+        with torch.no_grad():
+            f(tx, tt[0], tp[0])
+
+    def step() -> None:
+        for v in (tx, *tt, *tp):
+            v.grad = None
+        outs = f(tx, tt[0], tp[0])
+        torch.autograd.backward(outs, [tdy, *tcots])
+
+    return fwd_only, step
+
+
 # ------------------------------------------------------------------ the bench
 
 
@@ -298,13 +345,47 @@ def _case_spec(layer: str | Spec) -> tuple[Spec, str, bool]:
     return spec, spec.name, spec.source.startswith("catalogue/")
 
 
+# the zoo's fused layers (tensor inputs beside x, outputs beside y) that the bench times against
+# what a user would write instead, PyTorch eager and torch.compile of the same function
+FUSED_SHAPES = {
+    "add_rmsnorm": [(8192, 4096), (32, 4096)],
+    "rmsnorm_gated": [(8192, 4096)],
+    "rmsnorm_gated_before": [(8192, 4096)],
+}
+
+
 def default_shapes(spec: Spec) -> list[tuple]:
     """The shapes a layer is benched at by default: a catalogue layer's own, else one by layout."""
     if spec.name in DEFAULT_SHAPES and spec.source.startswith("catalogue/"):
         return DEFAULT_SHAPES[spec.name]
+    if spec.name in FUSED_SHAPES and spec.source.startswith("zoo/"):
+        return FUSED_SHAPES[spec.name]
     if spec.layout == "trailing":
         return [(8192, 32, 32)] if spec.axes == 2 else [(8192, 1024)]
     return [(32, 64, 56, 56)]
+
+
+def tensor_inputs(spec: Spec, x: np.ndarray, rng: np.random.Generator) -> tuple[list[np.ndarray], dict]:
+    """A case's tensor inputs beside x (in spec order, each of its declared shape, 64-byte aligned;
+    masks 0/1 with a valid value in every group) and the cotangents of its outputs beside y."""
+    from derivgen.runtime.tensors import tensor_shape
+
+    meta = {"name": spec.name, "layout": spec.layout, "reduce": spec.reduce, "params": [], "axes": spec.axes}
+    layout = resolve_layout(meta, x, {}, None)
+    out = []
+    for t in spec.tensors:
+        a = aligned_empty(tensor_shape(meta, t.shape, layout), x.dtype)
+        a[...] = rng.standard_normal(a.shape, dtype=np.float32)
+        if t.mask:
+            a[...] = a > -1.0
+            a.reshape(a.shape[0], -1)[:, 0] = 1.0
+        out.append(a)
+    cots = {}
+    for o in spec.outputs:
+        c = aligned_empty(x.shape, x.dtype)
+        c[...] = rng.standard_normal(x.shape, dtype=np.float32)
+        cots["d" + o.name] = c
+    return out, cots
 
 
 def _inputs(spec: Spec, shape: tuple, dt: np.dtype, catalogue: bool) -> tuple:
@@ -403,12 +484,14 @@ def _timed_calls(
 ) -> dict[tuple[str, str], Callable[[], object]]:
     """One generated module's timed calls: forward, backward, both with preallocated outputs, and
     both allocating. ``setup`` is (module, y, cache, gradients) from a first call."""
-    mod, y, cache, grads = setup
+    mod, y, cache, grads = setup[:4]
+    outs, cots = (setup[4], setup[5]) if len(setup) > 4 else ({}, {})
+    fkw = dict(kw, outs=outs) if outs else kw
     return {
-        (label, "fwd"): lambda: mod.forward(x, *params, out=y, **kw),
-        (label, "bwd"): lambda: mod.backward(dy, cache, out=grads),
-        (label, "step"): lambda: mod.backward(dy, mod.forward(x, *params, out=y, **kw)[1], out=grads),
-        (label, "alloc"): lambda: mod.backward(dy, mod.forward(x, *params, **kw)[1]),
+        (label, "fwd"): lambda: mod.forward(x, *params, out=y, **fkw),
+        (label, "bwd"): lambda: mod.backward(dy, cache, out=grads, **cots),
+        (label, "step"): lambda: mod.backward(dy, mod.forward(x, *params, out=y, **fkw)[1], out=grads, **cots),
+        (label, "alloc"): lambda: mod.backward(dy, mod.forward(x, *params, **kw)[1], **cots),
     }
 
 
@@ -428,16 +511,20 @@ def _bench_case(
     """The rows of one layer at one shape: 1. each kernel beside the bandwidth probe, 2. forward +
     backward of every implementation side by side; their ratios to the bounds, torch and plain NumPy."""
     x, dy, params, kw = _inputs(spec, shape, dt, catalogue)
+    tensors, cots = tensor_inputs(spec, x, np.random.default_rng(1))
     nbytes = x.nbytes
     impls: list[tuple[str, ModuleType]] = [
         (b.label, load(spec, backend="c", cflags=b.cflags if b.march != "native" else None)) for b in live
     ] + [("generated numpy", load(spec, backend="numpy"))]
     fns = {}
+    args = [*tensors, *params]  # the forward's positional arguments after x
     for label, mod in impls:
         mod.set_num_threads(threads)
-        y = np.empty_like(x)
-        _, cache = mod.forward(x, *params, out=y, **kw)
-        fns.update(_timed_calls(label, (mod, y, cache, mod.backward(dy, cache)), x, params, dy, kw))
+        y = aligned_empty(x.shape, x.dtype)
+        outs = tuple(aligned_empty(x.shape, x.dtype) for _ in spec.outputs)
+        _, cache = mod.forward(x, *args, out=y, **(dict(kw, outs=outs) if outs else kw))
+        grads = mod.backward(dy, cache, **cots)
+        fns.update(_timed_calls(label, (mod, y, cache, grads, outs, cots), x, args, dy, kw))
     for b, (_, mod) in zip(live, impls):
         b.isa = b.isa or mod._kernel.isa
     # 1. each kernel beside the bandwidth probe, in turn within every round
@@ -453,16 +540,30 @@ def _bench_case(
     )
     cbw = probe.rates({"copy": t1[("probe", "copy")], "stream_copy": t1[("probe", "stream_copy")]})
     moved = {"fwd": 2 * nbytes, "bwd": 3 * nbytes}  # fwd: x, y; bwd: x, dy, dx
+    if spec.multi:  # and each tensor input read (its gradient written), each output written (its cotangent read)
+        extra = sum(t.nbytes for t in tensors)
+        dextra = sum(t.nbytes for t, d in zip(tensors, spec.tensors) if d.grad)
+        moved = {
+            "fwd": moved["fwd"] + extra + len(spec.outputs) * nbytes,
+            "bwd": moved["bwd"] + extra + dextra + len(spec.outputs) * nbytes,
+        }
     bound = {ph: b / (cbw["copy_GBps"] * 1e6) for ph, b in moved.items()}  # ms
     nt_bound = {ph: b / (cbw["stream_copy_GBps"] * 1e6) for ph, b in moved.items()}
     # 2. forward + backward of every implementation, side by side
     if progress:
         progress(f"{name} {shape} forward + backward side by side")
     step_fns = {k: f for k, f in fns.items() if k[1] in ("step", "alloc")}
-    step_fns[("plain numpy", "alloc")] = _baseline(spec, catalogue, x, params, dy, kw)
+    if not spec.multi:  # the spec-driven plain NumPy takes x alone
+        step_fns[("plain numpy", "alloc")] = _baseline(spec, catalogue, x, params, dy, kw)
     if have_torch and catalogue:
         fwd_only, step = torch_step(name, x, params, dy, kw, threads)
         step_fns.update({("torch", "fwd"): fwd_only, ("torch", "alloc"): step})
+    fused = have_torch and spec.name in FUSED_SHAPES and spec.source.startswith("zoo/")
+    if fused:  # forward and fwd+bwd of every implementation in the same rounds: bwd = fwd+bwd - fwd
+        for impl, compiled in (("torch", False), ("torch.compile", True)):
+            fwd_only, step = fused_torch_step(spec.name, x, tensors, params, dy, cots, kw, threads, compiled)
+            step_fns.update({(impl, "fwd"): fwd_only, (impl, "alloc"): step})
+        step_fns.update({k: f for k, f in fns.items() if k[1] == "fwd"})
     t2 = round_robin(step_fns, repeat)
     rows = []
     for label, _ in impls:
@@ -480,7 +581,18 @@ def _bench_case(
             r.ratios[f"{ph}_vs_bound"] = ms / bound[ph]
             r.ratios[f"{ph}_vs_stream_bound"] = ms / nt_bound[ph]
         rows.append(r)
-    rows.append(Result(name, shape, "plain numpy", step_alloc_ms=t2[("plain numpy", "alloc")]))
+    if ("plain numpy", "alloc") in t2:
+        rows.append(Result(name, shape, "plain numpy", step_alloc_ms=t2[("plain numpy", "alloc")]))
+    if ("torch.compile", "alloc") in t2:
+        rows.append(
+            Result(
+                name,
+                shape,
+                "torch.compile",
+                fwd_ms=t2[("torch.compile", "fwd")],
+                step_alloc_ms=t2[("torch.compile", "alloc")],
+            )
+        )
     torch_ms = t2.get(("torch", "alloc"))
     if torch_ms is not None:
         rows.append(Result(name, shape, "torch", fwd_ms=t2[("torch", "fwd")], step_alloc_ms=torch_ms))
@@ -489,12 +601,34 @@ def _bench_case(
         rows[-1].ratios["floor_vs_torch"] = (
             min(bound["fwd"] + bound["bwd"], nt_bound["fwd"] + nt_bound["bwd"]) / torch_ms
         )
+    compiled_ms = t2.get(("torch.compile", "alloc"))
+    if fused:  # each phase of each implementation against eager, torch.compile and the memory floor
+        floor = {ph: min(bound[ph], nt_bound[ph]) for ph in ("fwd", "bwd")}
+        phase = {}
+        for impl in [label for label, _ in impls] + ["torch", "torch.compile"]:
+            fwd = t2[(impl, "fwd")]
+            total = t2[(impl, "step")] if (impl, "step") in t2 else t2[(impl, "alloc")]
+            phase[impl] = {"fwd": fwd, "bwd": total - fwd}
+        for r in rows:
+            if r.impl not in phase:
+                continue
+            for ph in ("fwd", "bwd"):
+                v = phase[r.impl][ph]
+                r.ratios[f"same_round_{ph}_ms"] = v
+                r.ratios[f"{ph}_vs_eager"] = v / phase["torch"][ph]
+                r.ratios[f"{ph}_vs_compile"] = v / phase["torch.compile"][ph]
+                r.ratios[f"{ph}_vs_floor"] = v / floor[ph]
     for r in rows:
         best = r.step_ms if r.step_ms is not None else r.step_alloc_ms
         if torch_ms:
             r.ratios["step_vs_torch"] = best / torch_ms
-        r.ratios["step_vs_plain_numpy"] = best / t2[("plain numpy", "alloc")]
+        if compiled_ms:
+            r.ratios["step_vs_torch_compile"] = best / compiled_ms
+        if ("plain numpy", "alloc") in t2:
+            r.ratios["step_vs_plain_numpy"] = best / t2[("plain numpy", "alloc")]
         r.ratios["step_vs_bound"] = best / (bound["fwd"] + bound["bwd"])
+        if r.fwd_ms is not None and r.impl.startswith(("torch", "generated")):
+            r.ratios["fwd_vs_bound"] = r.fwd_ms / bound["fwd"]
     return rows
 
 
@@ -635,7 +769,35 @@ def format_report(report: dict) -> str:
             for r in res
         ),
     ]
-    for table in (times, bounds):
+    fused = [r for r in res if "fwd_vs_eager" in r["ratios"]]
+    tables = [times, bounds]
+    if fused:  # the fused layers: each phase timed in the same rounds as PyTorch's
+        tables.append(
+            [
+                ("layer", "shape", "impl", "fwd ms", "bwd ms", "fwd x eager", "bwd x eager", "fwd x compile")
+                + ("bwd x compile", "fwd x floor", "bwd x floor"),
+                *(
+                    (
+                        *key(r),
+                        *(
+                            f(r["ratios"].get(k))
+                            for k in (
+                                "same_round_fwd_ms",
+                                "same_round_bwd_ms",
+                                "fwd_vs_eager",
+                                "bwd_vs_eager",
+                                "fwd_vs_compile",
+                                "bwd_vs_compile",
+                                "fwd_vs_floor",
+                                "bwd_vs_floor",
+                            )
+                        ),
+                    )
+                    for r in fused
+                ),
+            ]
+        )
+    for table in tables:
         widths = [max(len(str(x[i])) for x in table) for i in range(len(table[0]))]
         lines += ["  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip() for row in table]
         lines.append("")

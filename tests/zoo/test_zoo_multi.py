@@ -266,3 +266,29 @@ def test_the_second_order_is_refused_in_one_line():
     _, cache = m.forward(b["x"], b["residual"], b["weight"])
     with pytest.raises(NotImplementedError, match="second order"):
         m.jvp(cache, tx=b["x"])
+
+
+# every feature of these layers' C: outputs beside y, tensors of x's shape, broadcast and masks,
+# a core value with a chain factor, batch and trailing layouts
+STRICT = ["add_rmsnorm", "adaln", "flash_layernorm_parallel", "masked_batchnorm", "rmsnorm_gated_before"]
+
+
+@pytest.mark.parametrize("kernels", ["-DDG_WITH_EXTRAS", "-DDG_EXTRAS_ONLY"])
+@pytest.mark.parametrize("name", STRICT)
+def test_their_c_is_strict_c99(name, kernels, tmp_path):
+    """float, double and bfloat16 kernels under -std=c99 -Wall -Wextra -pedantic -Werror."""
+    import subprocess
+
+    from conftest import require_tool
+
+    from derivgen.codegen.emit import emit
+
+    cc = require_tool("gcc")
+    files = emit(derivgen.derive(name), ("c",)).files
+    for rel, text in files.items():
+        (tmp_path / rel.split("/")[-1]).write_text(text)
+    argv = [cc, "-std=c99", "-Wall", "-Wextra", "-pedantic", "-Werror", "-O1", "-fPIC", "-c", kernels]
+    r = subprocess.run(
+        [*argv, str(tmp_path / f"{name}.c"), "-o", str(tmp_path / "k.o")], capture_output=True, text=True
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
