@@ -132,6 +132,24 @@ def test_every_multi_tensor_zoo_layer_has_a_case():
     assert sorted(CASES) == multi_zoo()
 
 
+def test_the_readme_lists_every_fused_layer_with_its_reductions():
+    """README's fused-layer table: one row per layer, its reductions per group as derived."""
+    from conftest import ROOT
+
+    rows = {}
+    for line in (ROOT / "README.md").read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 6 and cells[1].strip("`") in CASES:
+            rows[cells[1].strip("`")] = cells
+    assert sorted(rows) == multi_zoo()
+    for name, cells in rows.items():
+        d = derivgen.derive(name)
+        assert cells[4] == "; ".join(f"{mode}: {m.reduction_summary}" for mode, m in d.modes.items()), name
+        tensors = [t.name for t in d.spec.tensors]
+        assert all(t in cells[3] for t in tensors), name
+        assert cells[5].startswith("proven"), name  # the 80-digit check at N = 6 where the budget ran out
+
+
 @functools.cache
 def _draw(name: str, seed: int = 0) -> dict[str, np.ndarray]:
     """Float64 arguments by name: masks 0/1 with at least one valid value per group."""
