@@ -4,6 +4,8 @@
     model = dt.convert(model)                 # torch.nn norms -> derivgen twins, same state
     norm = dt.LayerNorm(1024)                 # the torch.nn.LayerNorm constructor
     mine = dt.Module("my_norm.toml", 256)     # any spec, as a module
+    y, h = dt.FusedAddRMSNorm(4096)(x, residual)   # fused residual add + RMSNorm (vLLM, Liger)
+    y = dt.RMSNormGated(1024, group_size=256, norm_before_gate=False)(x, z)   # Mamba-2's
 
 On the CPU the layers run derivgen's compiled C kernels; on any other device (CUDA,
 MPS, XPU), under torch.func transforms, and within ``with dt.portable():``, the
@@ -22,6 +24,7 @@ except ImportError as e:  # pragma: no cover - exercised by a subprocess test
         "pip install 'derivgen[torch]' (torch==2.13.0, the CPU wheel)"
     ) from e
 
+from derivgen.torch.fused import FusedAddRMSNorm, RMSNormGated
 from derivgen.torch.generic import portable
 from derivgen.torch.nn import (
     BatchNorm1d,
@@ -45,6 +48,7 @@ __all__ = [
     "BatchNorm1d",
     "BatchNorm2d",
     "BatchNorm3d",
+    "FusedAddRMSNorm",
     "GroupNorm",
     "InstanceNorm1d",
     "InstanceNorm2d",
@@ -53,6 +57,7 @@ __all__ = [
     "Module",
     "OnlineLayerNorm",
     "RMSNorm",
+    "RMSNormGated",
     "SyncBatchNorm",
     "convert",
     "function",

@@ -16,8 +16,9 @@ import torch
 
 from derivgen import runtime as rt
 from derivgen.runtime.abi import reads_buffers
-from derivgen.torch.tensors import channels_last_format, is_channels_last, wide
-from derivgen.torch.validate import check_on_tensors
+from derivgen.torch.schema import differentiable, extra_outputs, grad_tensors, is_multi, tensor_inputs
+from derivgen.torch.tensors import channels_last_format, full_tensor, is_channels_last, tensor_grad, wide
+from derivgen.torch.validate import check_on_tensors, check_tensor_inputs
 
 LOW = (torch.float16, torch.bfloat16)
 
@@ -28,10 +29,11 @@ class Cache(rt.StatisticsView):
     float64 value per group, or float32 on a device without float64 support); as attributes
     (``cache.mean``, ``cache.rstd``) the statistics in the layer's group shape and x's dtype."""
 
-    def __init__(self, meta, mode, layout, x, params, stats, options, inputs, num_groups) -> None:
+    def __init__(self, meta, mode, layout, x, params, stats, options, inputs, num_groups, tensors=None) -> None:
         self.meta, self.mode, self.layout = meta, mode, layout
         self.x, self.params, self.stats = x, params, stats
         self.options, self.inputs, self.num_groups = options, inputs, num_groups
+        self.tensors = dict(tensors or {})  # the tensor inputs beside x, as given
 
     def __repr__(self) -> str:
         return f"Cache({self.meta['name']}, {self.mode}, x {tuple(self.x.shape)} {self.x.dtype})"
@@ -50,6 +52,8 @@ def _compute(v: Any) -> Any:
 def _views(meta: dict, a: dict, L: rt.Layout, mode: str) -> dict:
     """Keyword arguments of the generated functions: 4-D views, in the computation's dtype."""
     kw: dict = {"_L": L}
+    for t in tensor_inputs(meta):  # the tensor inputs beside x, at x's shape
+        kw[t] = _compute(full_tensor(meta, t, a[t], L)).reshape(L.view4)
     for p in meta["params"]:
         kw[p] = _compute(a[p]).reshape((1, 1, 1, 1) if p in meta["scalar_params"] else L.param4)
     for i in meta["inputs"]:
@@ -84,9 +88,13 @@ def forward(
     training: bool = True,
     num_groups: int | None = None,
     out: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, Cache]:
+    tensors: dict | None = None,
+    outs: Any = None,
+) -> tuple[torch.Tensor | tuple, Cache]:
     """``(y, cache)`` by the generated forward; running buffers given in training mode
-    are updated in place (not differentiated)."""
+    are updated in place (not differentiated). A layer with tensor inputs beside x takes
+    them in ``tensors`` (by name); one with outputs beside y returns ``((y, outputs...),
+    cache)`` and writes them into ``outs`` (a sequence or a dict by name) when given."""
     name = meta["name"]
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name}: x must be a torch.Tensor, got {type(x).__name__}")
@@ -100,13 +108,16 @@ def forward(
         if missing:
             raise ValueError(f"{name}: {mode} mode needs {missing[0]} (its statistics read it)")
         a.update({b: buffers[b] for b in meta["buffers"]})
+    tens = dict(tensors or {})
+    a.update(tens)
     L = check_on_tensors(meta, mode, a, any_device=True)
+    check_tensor_inputs(meta, a, L, any_device=True, values=not torch._C._are_functorch_transforms_active())
     opts = {o: float(options[o]) for o in meta["options"]}
     a.update(opts)
-    y4, st = functions[mode](_compute(x).reshape(L.view4), **_views(meta, a, L, mode))
-    y = y4.reshape(x.shape).to(x.dtype)
-    if meta["layout"] == "channels" and is_channels_last(x):
-        y = y.contiguous(memory_format=channels_last_format(x))
+    got = functions[mode](_compute(x).reshape(L.view4), **_views(meta, a, L, mode))
+    y4, st = got[0], got[1]
+    y = _like_x(y4, x, meta)
+    extra = [_like_x(got[2][o], x, meta) for o in extra_outputs(meta)] if is_multi(meta) else []
     sd = wide(x.device)
     stats = {s: st[s].reshape(L.n_groups).to(sd) for s in meta["stats"][mode]}
     # the buffers the statistics read, as they were before this call updates them
@@ -123,32 +134,52 @@ def forward(
                     if bufs[b] is not None:
                         bufs[b].copy_(v.reshape(bufs[b].shape))
     y = _store(out, y, "out")
-    cache = Cache(meta, mode, L, x, {p: params[p] for p in meta["params"]}, stats, opts, ins, num_groups)
+    cache = Cache(meta, mode, L, x, {p: params[p] for p in meta["params"]}, stats, opts, ins, num_groups, tens)
     if read is not None:
         cache.buffers = read
+    if extra:
+        given = _by_name(extra_outputs(meta), outs, "outs", meta)
+        extra = [_store(given.get(o), v, "outs." + o) for o, v in zip(extra_outputs(meta), extra)]
+        return (y, *extra), cache
     return y, cache
+
+
+def _like_x(v4: torch.Tensor, x: torch.Tensor, meta: dict) -> torch.Tensor:
+    """An element-level result (4-D) in x's shape, dtype and memory format."""
+    v = v4.reshape(x.shape).to(x.dtype)
+    if meta["layout"] == "channels" and is_channels_last(x):
+        v = v.contiguous(memory_format=channels_last_format(x))
+    return v
 
 
 def _call_args(cache: Cache) -> dict:
     """A cache's arguments by spec name."""
-    a = {"x": cache.x, **cache.params, **cache.inputs, **cache.options, "num_groups": cache.num_groups or 0}
+    a = {"x": cache.x, **cache.tensors, **cache.params, **cache.inputs, **cache.options}
+    a["num_groups"] = cache.num_groups or 0
     if reads_buffers(cache.meta, cache.mode):
         a.update(cache.__dict__.get("buffers", {}))
     return a
 
 
-def _backward_of(meta: dict, functions: dict[str, Callable], cache: Cache) -> Callable:
-    """(dy, x, params..., inputs...) -> (dx, dparams..., dinputs...) of the cache's call."""
+def _backward_of(meta: dict, functions: dict[str, Callable], cache: Cache, cotangents: dict | None = None) -> Callable:
+    """(dy, x, params..., inputs...) -> (dx, dparams..., dinputs...) of the cache's call; a
+    multi layer's (dy, x, tensors with a gradient..., ...) -> (dx, dtensors..., ...), with
+    the outputs' cotangents (x's shape) in ``cotangents`` by name."""
     a0, L, mode = _call_args(cache), cache.layout, cache.mode
-    diff = ["x", *meta["params"], *meta["inputs"]]
+    diff = differentiable(meta)
+    cots = {"d" + o: _compute(c).reshape(L.view4) for o, c in (cotangents or {}).items()}
 
     def f(dy, *vals):
         a = {**a0, **dict(zip(diff, vals))}
         x = a["x"]
-        dx, dp, di = functions[mode](
-            _compute(dy).reshape(L.view4), _compute(x).reshape(L.view4), **_views(meta, a, L, mode)
+        got = functions[mode](
+            _compute(dy).reshape(L.view4), _compute(x).reshape(L.view4), **cots, **_views(meta, a, L, mode)
         )
+        dx, dp, di = got[:3]
         res = [dx.reshape(x.shape).to(x.dtype)]
+        for t in grad_tensors(meta):
+            d = got[3][t].reshape(x.shape)
+            res.append(tensor_grad(meta, t, d, L, a[t].shape).to(x.dtype))
         res += [dp[p].reshape(a[p].shape).to(x.dtype) for p in meta["params"]]
         for i in meta["inputs"]:
             v = di[i]
@@ -200,15 +231,23 @@ def _seeds(meta: dict, cache: Cache, vx: Any, vparams: Any, vinputs: Any, what: 
 
 
 def backward(
-    meta: dict, functions: dict[str, Callable], grads_type: type, dy: torch.Tensor, cache: Cache, out: Any = None
+    meta: dict,
+    functions: dict[str, Callable],
+    grads_type: type,
+    dy: torch.Tensor,
+    cache: Cache,
+    out: Any = None,
+    cotangents: dict | None = None,
 ) -> tuple:
-    """``Grads(dx, d<param>..., d<input>...)`` by the generated closed form."""
+    """``Grads(dx, d<tensor>..., d<param>..., d<input>...)`` by the generated closed form;
+    ``cotangents``: those of the outputs beside y by name (None: zeros)."""
     if not isinstance(cache, Cache):
         raise TypeError(f"{meta['name']}: cache must be what this module's forward returned")
     dy = _check_like_x(meta["name"], "dy", dy, cache)
+    cots = {o: _check_like_x(meta["name"], "d" + o, (cotangents or {}).get(o), cache) for o in extra_outputs(meta)}
     a = _call_args(cache)
-    diff = ["x", *meta["params"], *meta["inputs"]]
-    got = _backward_of(meta, functions, cache)(dy, *(a[n] for n in diff))
+    diff = differentiable(meta)
+    got = _backward_of(meta, functions, cache, cots)(dy, *(a[n] for n in diff))
     if out is not None:
         outs = out if not isinstance(out, dict) else [out.get(f) for f in grads_type._fields]
         got = tuple(_store(o, g, f) for o, g, f in zip(outs, got, grads_type._fields))

@@ -16,13 +16,15 @@ import torch
 from derivgen import runtime as rt
 from derivgen.runtime.abi import reads_buffers
 from derivgen.torch.protocol import Layer
-from derivgen.torch.schema import differentiable
-from derivgen.torch.tensors import layout, wide
+from derivgen.torch.schema import differentiable, tensor_inputs
+from derivgen.torch.tensors import full_tensor, layout, wide
 
 
 def views(lay: Layer, a: dict, L: rt.Layout, mode: str) -> dict:
     """Keyword arguments of the generated PyTorch functions: 4-D views."""
     kw = {"_L": L}
+    for t in tensor_inputs(lay.meta):  # a multi layer's tensor inputs, at x's shape
+        kw[t] = full_tensor(lay.meta, t, a[t], L).reshape(L.view4)
     for p in lay.params:
         kw[p] = a[p].reshape((1, 1, 1, 1) if p in lay.meta["scalar_params"] else L.param4)
     for i in lay.inputs:

@@ -26,6 +26,7 @@ from derivgen.runtime.validate import bind_arguments, check_float
 from derivgen.spec.model import Spec
 from derivgen.torch import sync
 from derivgen.torch.ops import layer
+from derivgen.torch.schema import tensor_inputs
 from derivgen.torch.sync import check_syncable
 from derivgen.torch.tensors import wide
 
@@ -313,6 +314,9 @@ class Module(nn.Module):
     ``init`` values; buffers likewise (updated in training mode with the
     spec's rule). Options are attributes (``m.eps``); the spec's per-group
     inputs are keyword arguments of ``forward`` (``m(x, prev_mean=..., prev_std=...)``).
+    A spec's tensor inputs beside x come after x, positionally in the spec's order or
+    by name (``m(x, residual)``); a spec with outputs beside y returns them after y, as a
+    tuple (``y, h = m(x, residual)``).
     ``sync=True`` or a ``process_group`` (layers whose groups span the batch): in
     training, statistics over the batch the group's processes hold together, as
     :class:`SyncBatchNorm` (the default group when ``process_group`` is None).
@@ -371,10 +375,15 @@ class Module(nn.Module):
         opts = ", ".join(f"{o}={getattr(self, o)}" for o in self._layer.meta["options"])
         return f"{self.layer_name}, {self._size}" + (f", {opts}" if opts else "")
 
-    def forward(self, x: torch.Tensor, **inputs: torch.Tensor | float) -> torch.Tensor:
-        """y of the spec's layer; its per-group inputs as keywords (tensors or numbers). In
-        training mode the running buffers are updated in place."""
+    def forward(
+        self, x: torch.Tensor, *tensors: torch.Tensor, **inputs: torch.Tensor | float
+    ) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """y of the spec's layer (``(y, outputs...)`` for a spec with outputs beside y); its
+        tensor inputs beside x after x (in spec order, or as keywords), its per-group inputs
+        as keywords (tensors or numbers). In training mode the running buffers are updated
+        in place."""
         lay, meta = self._layer, self._layer.meta
+        tens = _tensor_arguments(self.layer_name, meta, tensors, inputs)
         missing = [i for i in meta["inputs"] if i not in inputs]
         extra = set(inputs) - set(meta["inputs"])
         if missing or extra:
@@ -406,7 +415,32 @@ class Module(nn.Module):
             if bufs:
                 lay.update_buffers(stats, bufs, options, n)
             return y
-        return _run(lay, x, params, inputs, options, self.training, bufs, self.num_groups)
+        return _run(lay, x, params, inputs, options, self.training, bufs, self.num_groups, tens)
+
+
+def _tensor_arguments(name: str, meta: dict, given: Sequence, kw: dict) -> dict | None:
+    """The tensor inputs beside x of a call by name: ``given`` positionally in spec order,
+    the rest taken out of the keywords ``kw``; None for a layer without them."""
+    names = tensor_inputs(meta)
+    if len(given) > len(names):
+        raise TypeError(
+            f"{name}: forward takes x"
+            + (f" and the tensor inputs {names}" if names else "")
+            + f" positionally, got {1 + len(given)} tensors"
+        )
+    if not names:
+        return None
+    tens = dict(zip(names, given))
+    twice = sorted(set(tens) & set(kw))
+    if twice:
+        raise TypeError(f"{name}: tensor input(s) {twice} given both by position and by keyword")
+    for t in names[len(given) :]:
+        if t in kw:
+            tens[t] = kw.pop(t)
+    missing = [t for t in names if t not in tens]
+    if missing:
+        raise TypeError(f"{name}: forward takes the tensor inputs {names} after x; missing {missing}")
+    return tens
 
 
 def _module_size(name: str, meta: dict, size: object) -> tuple[int, ...]:
@@ -437,11 +471,14 @@ def _check_groups(name: str, meta: dict, num_groups: object, channels: int) -> N
         raise ValueError(f"{name}: num_channels ({channels}) must be divisible by num_groups ({num_groups})")
 
 
-def _run(lay, x, params: dict, inputs: dict, options: dict, training: bool, bufs: dict, num_groups):
-    """y of a spec's layer; per-group inputs may be numbers; running buffers, when all are
-    given, are updated in training mode (batch-reduced layers: N values per channel)."""
+def _run(lay, x, params: dict, inputs: dict, options: dict, training: bool, bufs: dict, num_groups, tensors=None):
+    """y of a spec's layer (``(y, outputs...)`` for a spec with outputs beside y); per-group
+    inputs may be numbers; running buffers, when all are given, are updated in training
+    mode (batch-reduced layers: N values per channel)."""
     ins = {i: (v if isinstance(v, torch.Tensor) else torch.tensor(float(v), dtype=x.dtype)) for i, v in inputs.items()}
-    y, stats = lay.forward(x, params, ins, options, training=training, buffers=bufs, num_groups=num_groups)
+    y, stats = lay.forward(
+        x, params, ins, options, training=training, buffers=bufs, num_groups=num_groups, tensors=tensors
+    )
     if training and bufs and all(v is not None for v in bufs.values()):
         lay.update_buffers(stats, bufs, options, x.numel() // x.shape[1])
     return y
@@ -452,12 +489,15 @@ class _Function:
 
     def __init__(self, spec):
         self._layer = layer(spec)
-        self.__doc__ = f"derivgen layer {self._layer.meta['name']}: f(x, {', '.join(self._layer.params)}, **options)"
+        args = ", ".join([*tensor_inputs(self._layer.meta), *self._layer.params])
+        self.__doc__ = f"derivgen layer {self._layer.meta['name']}: f(x, {args}, **options)"
 
     def __call__(self, x, *params, training: bool = True, num_groups: int = 0, **kw):
         meta = self._layer.meta
         name = meta["name"]
-        kw = bind_arguments(meta, params, kw)
+        nt = len(tensor_inputs(meta))
+        tensors = _tensor_arguments(name, meta, params[:nt], kw)
+        kw = bind_arguments(meta, params[nt:], kw)
         options = {}
         for o, (default, _, _) in meta["options"].items():
             options[o] = kw.get(o, default)
@@ -478,13 +518,15 @@ class _Function:
             training,
             bufs,
             num_groups,
+            tensors,
         )
 
 
 def function(spec: Spec | str | Path) -> _Function:
     """A layer as an autograd-aware function: ``f = function("layernorm")``, then
-    ``f(x, weight, bias, eps=1e-5)``. Parameters come positionally in the spec's
-    order (or as keywords by name), per-group inputs and options as keywords
+    ``f(x, weight, bias, eps=1e-5)``. Tensor inputs beside x, then parameters, come
+    positionally in the spec's order (or as keywords by name; ``function("add_rmsnorm")(x,
+    residual, weight)`` gives ``(y, h)``), per-group inputs and options as keywords
     (options default as in the spec); ``training=False`` normalizes with the
     buffers passed as keywords, which training mode updates in place when given."""
     return _Function(spec)

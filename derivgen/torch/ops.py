@@ -52,11 +52,11 @@ from derivgen.api import load, load_spec, materialize
 from derivgen.runtime.abi import reads_buffers
 from derivgen.runtime.cbind import input_pairs
 from derivgen.spec.model import Spec, catalogue_names, load_catalogue
-from derivgen.torch import closed_form
+from derivgen.torch import closed_form, multi
 from derivgen.torch.autograd import call_forward
 from derivgen.torch.plan import KernelLibraries, PlanCache, threads
 from derivgen.torch.register import LIBRARY, ModeOps, register_mode
-from derivgen.torch.schema import mode_schemas
+from derivgen.torch.schema import mode_schemas, tensor_inputs
 from derivgen.torch.tensors import layout
 
 # re-exported beside this module's own names: the operators' per-group input convention
@@ -94,16 +94,26 @@ class TorchLayer:
     def __init__(self, spec: Spec, base: str) -> None:
         self.spec, self.base = spec, base
         self.ckernel = load(spec, "c")
-        self.target = load(spec, "torch")
+        self.multi = spec.multi
+        # a multi layer's generated PyTorch target is loaded on first use (other devices,
+        # torch.func, portable()): its CPU operators need only the C kernels
+        self._target = None if self.multi else load(spec, "torch")
         self.meta = m = self.ckernel._META
         self.params, self.inputs, self.buffers = list(m["params"]), list(m["inputs"]), list(m["buffers"])
         self.options = list(m["options"])
         self.grads_type = rt.grads_type(spec.name, rt.grad_fields(m))
         self.schemas = {mode: mode_schemas(m, mode) for mode in m["modes"]}
         self.libraries = KernelLibraries(self.ckernel._kernel)
-        self.plans = PlanCache(self)
+        self.plans = multi.MultiPlans(self) if self.multi else PlanCache(self)
         self._csplit: dict = {}  # dtype -> derivgen.torch.sync._CSplit
         self.modes = {mode: register_mode(self, mode) for mode in m["modes"]}
+
+    @property
+    def target(self):
+        """The layer's generated PyTorch module (``derivgen.load(spec, "torch")``)."""
+        if self._target is None:
+            self._target = load(self.spec, "torch")
+        return self._target
 
     # one object per spec and process: copies of a module share it, a pickle names the spec
     def __copy__(self) -> TorchLayer:
@@ -126,22 +136,27 @@ class TorchLayer:
         buffers: dict | None = None,
         num_groups: int = 0,
         stats: bool = True,
-    ) -> tuple[torch.Tensor, dict[str, torch.Tensor] | None]:
+        tensors: dict | None = None,
+    ) -> tuple[torch.Tensor | tuple, dict[str, torch.Tensor] | None]:
         """(y, {statistic: float64 per-group tensor}) through the operators (autograd-aware);
-        (y, None) with ``stats=False``."""
+        (y, None) with ``stats=False``. A layer with tensor inputs beside x takes them in
+        ``tensors`` (by name); one with outputs beside y gives ``(y, outputs...)`` for y."""
         mode = "train" if training or "eval" not in self.modes else "eval"
-        tens = [x, *[params[p] for p in self.params], *[inputs[i] for i in self.inputs]]
+        tens = [x, *[(tensors or {}).get(t) for t in tensor_inputs(self.meta)]]
+        tens += [*[params[p] for p in self.params], *[inputs[i] for i in self.inputs]]
         if reads_buffers(self.meta, mode):  # read, never updated here (a training kernel gets copies)
             tens += [buffers[b] if mode == "eval" else buffers[b].clone() for b in self.buffers]
-        return call_forward(
-            self, mode, tens, tuple([float(options[o]) for o in self.options]), int(num_groups or 0), stats
-        )
+        return self.call(mode, tens, tuple([float(options[o]) for o in self.options]), int(num_groups or 0), stats)
 
     def call(
         self, mode: str, tens: list, opts: tuple, groups: int, stats: bool = True
-    ) -> tuple[torch.Tensor, dict[str, torch.Tensor] | None]:
-        """:meth:`forward` with the arguments in operator order: tensors (x, parameters,
-        inputs, and in eval mode buffers), options (floats), groups (0 without groups)."""
+    ) -> tuple[torch.Tensor | tuple, dict[str, torch.Tensor] | None]:
+        """:meth:`forward` with the arguments in operator order: tensors (x, the tensor
+        inputs beside x, parameters, inputs, and in eval mode buffers), options (floats),
+        groups (0 without groups)."""
+        if self.multi:
+            out, st = multi.call_forward(self, mode, tens, opts, groups, stats)
+            return (out if self.meta.get("outputs") else out[0]), st
         return call_forward(self, mode, tens, opts, groups, stats)
 
     def update_buffers(

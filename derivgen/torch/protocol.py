@@ -20,6 +20,7 @@ class Layer(Protocol):
     spec: Any  # the layer's derivgen.spec.model.Spec
     base: str  # the operators' base name (``derivgen::<base>_<mode>_forward`` ...)
     meta: dict  # the layer's metadata (the generated modules' ``_META``)
+    multi: bool  # tensor inputs beside x or outputs beside y (Spec.multi): derivgen.torch.multi
     params: list[str]
     inputs: list[str]
     buffers: list[str]
@@ -43,8 +44,10 @@ class Layer(Protocol):
         buffers: dict | None = None,
         num_groups: int = 0,
         stats: bool = True,
+        tensors: dict | None = None,
     ) -> tuple:
-        """(y, statistics or None) through the operators."""
+        """(y, statistics or None) through the operators ((y, outputs...) for y where the
+        layer has outputs beside y; its tensor inputs beside x in ``tensors``)."""
 
     def update_buffers(
         self, stats: dict, buffers: dict, options: dict, group_size: int, reduce_dims: tuple[int, ...] = ()

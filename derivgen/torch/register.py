@@ -17,11 +17,11 @@ from dataclasses import dataclass
 
 import torch
 
-from derivgen.torch import generic
+from derivgen.torch import generic, multi
 from derivgen.torch.autograd import register_first_order, register_second_order
 from derivgen.torch.plan import call_key
 from derivgen.torch.protocol import Layer
-from derivgen.torch.schema import by_spec_name, tensor_count
+from derivgen.torch.schema import by_spec_name, is_multi, tensor_count
 from derivgen.torch.second_order import second_impl
 from derivgen.torch.tensors import is_channels_last, layout, op_result
 from derivgen.torch.validate import check_backward_extras
@@ -150,7 +150,10 @@ def triton_impls(lay: Layer, mode: str, portable: dict[str, Callable]) -> dict[s
 
 
 def register_mode(lay: Layer, mode: str) -> ModeOps:
-    """Define and implement one mode's four operators, with fake kernels and autograd."""
+    """Define and implement one mode's four operators, with fake kernels and autograd (a
+    layer with tensor inputs beside x or outputs beside y: its two, :mod:`derivgen.torch.multi`)."""
+    if is_multi(lay.meta):
+        return ModeOps(mode, *multi.register(lay, LIBRARY, mode))
     s = lay.schemas[mode]
     names = {kind: f"{lay.base}_{mode}_{kind}" for kind in ("forward", "backward", "bb", "jvp")}
     for kind, text in (

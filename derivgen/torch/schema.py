@@ -12,8 +12,18 @@ For each mode of a layer four operators (see :mod:`derivgen.torch.ops`)::
                        options..., groups) -> ty
 
 Buffers are arguments in eval mode only. Each argument has a schema type, a schema name
-(``x``, ``p0``, ``i0``, ``b0``, ``s0``, ``c0``, ``t0``, ``o0``, ``groups``) and the name the
-spec gives it (``gamma``, ``eps``, ``num_groups``; the seeds ``c_<name>`` and ``t_<name>``).
+(``x``, ``e0``, ``p0``, ``i0``, ``b0``, ``s0``, ``c0``, ``t0``, ``o0``, ``q0``, ``groups``) and
+the name the spec gives it (``gamma``, ``eps``, ``num_groups``; the seeds ``c_<name>`` and
+``t_<name>``, the cotangents ``d<output>``).
+
+A layer with tensor inputs beside x and outputs beside y (``Spec.multi``) has the forward
+and backward operators only (the derived second order of these layers is not there yet)::
+
+    <layer>_<mode>_forward(x, tensors..., params..., inputs..., [buffers...], options..., groups)
+        -> (y, outputs..., statistic...)
+    <layer>_<mode>_backward(dy, d<output>..., x, tensors..., params..., inputs..., [buffers...],
+                            statistics..., options..., groups)
+        -> (dx, d<tensor with a gradient>..., dparam..., dinput...)
 """
 
 from __future__ import annotations
@@ -42,8 +52,9 @@ class ModeSchemas:
     backward: tuple[OpArg, ...]
     bb: tuple[OpArg, ...]
     jvp: tuple[OpArg, ...]
-    forward_outputs: int  # y and the statistics
-    backward_outputs: int  # dx, the parameters' and the inputs' gradients
+    forward_outputs: int  # y, the outputs beside y and the statistics
+    backward_outputs: int  # dx, the tensor inputs', the parameters' and the inputs' gradients
+    outputs: int = 0  # the outputs beside y (a multi layer's; its cotangents follow dy)
 
     def forward_text(self) -> str:
         """The forward operator's schema (after its name)."""
@@ -67,14 +78,36 @@ def schema_text(args: Iterable[OpArg], outputs: int) -> str:
     return "(" + ", ".join(f"{a.type} {a.name}" for a in args) + ") -> (" + ", ".join(["Tensor"] * outputs) + ")"
 
 
+def tensor_inputs(meta: dict) -> list[str]:
+    """The tensor inputs beside x, in spec order (a multi layer's; none for the others)."""
+    return list(meta.get("tensors", {}))
+
+
+def grad_tensors(meta: dict) -> list[str]:
+    """The tensor inputs beside x that have a gradient, in spec order."""
+    return [t for t, (_, grad, _) in meta.get("tensors", {}).items() if grad]
+
+
+def extra_outputs(meta: dict) -> list[str]:
+    """The outputs beside y, in spec order."""
+    return list(meta.get("outputs", []))
+
+
+def is_multi(meta: dict) -> bool:
+    """Does the layer take tensor inputs beside x or return outputs beside y (``Spec.multi``)?"""
+    return bool(meta.get("tensors") or meta.get("outputs"))
+
+
 def differentiable(meta: dict) -> list[str]:
-    """The spec names of what the backward differentiates: x, the parameters, the inputs."""
-    return ["x", *meta["params"], *meta["inputs"]]
+    """The spec names of what the backward differentiates: x, the tensor inputs with a
+    gradient, the parameters, the inputs."""
+    return ["x", *grad_tensors(meta), *meta["params"], *meta["inputs"]]
 
 
 def forward_args(meta: dict, mode: str) -> tuple[OpArg, ...]:
     """The forward operator's arguments."""
     a = [OpArg("Tensor", "x", "x")]
+    a += [OpArg("Tensor", f"e{k}", t) for k, t in enumerate(tensor_inputs(meta))]
     a += [OpArg("Tensor", f"p{k}", p) for k, p in enumerate(meta["params"])]
     a += [OpArg("Tensor", f"i{k}", i) for k, i in enumerate(meta["inputs"])]
     if reads_buffers(meta, mode):
@@ -85,12 +118,25 @@ def forward_args(meta: dict, mode: str) -> tuple[OpArg, ...]:
 
 
 def mode_schemas(meta: dict, mode: str) -> ModeSchemas:
-    """The argument lists of one mode's four operators."""
+    """The argument lists of one mode's four operators (a multi layer's two)."""
     fargs = forward_args(meta, mode)
     tensors = [a for a in fargs if a.type == "Tensor"]
     scalars = [a for a in fargs if a.type != "Tensor"]
     stats = [OpArg("Tensor", f"s{k}", s) for k, s in enumerate(meta["stats"][mode])]
     diff = differentiable(meta)
+    if is_multi(meta):
+        outs = extra_outputs(meta)
+        cots = [OpArg("Tensor", f"q{k}", "d" + o) for k, o in enumerate(outs)]
+        return ModeSchemas(
+            mode,
+            fargs,
+            (OpArg("Tensor", "dy", "dy"), *cots, *tensors, *stats, *scalars),
+            (),
+            (),
+            1 + len(outs) + len(stats),
+            len(diff),
+            len(outs),
+        )
     bb = [
         OpArg("Tensor", "dy", "dy"),
         *tensors,

@@ -298,6 +298,11 @@ def check_syncable(lay: Layer) -> None:
     that span the batch (layout channels, reduce batch), statistics that are means (one
     all_reduce of sums per level; a group max()/min() would need another reduction)."""
     meta = lay.meta
+    if lay.spec.multi:
+        raise ValueError(
+            f"{meta['name']}: a split reduction across processes is not there yet for tensor inputs "
+            "beside x or outputs beside y"
+        )
     if meta["layout"] != "channels" or meta["reduce"] != "batch":
         raise ValueError(
             f"{meta['name']}: a split reduction across processes needs a layer whose groups span "

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from derivgen import runtime as rt
+from derivgen.runtime.tensors import broadcast_axes
 
 DTYPES = (torch.float32, torch.float64, torch.bfloat16)
 GENERIC_DTYPES = (*DTYPES, torch.float16)  # the device-agnostic path's
@@ -132,3 +133,40 @@ def per_group_input_grad(d: torch.Tensor, given: torch.Tensor, dtype: torch.dtyp
     """A per-group input's gradient from the kernel's one value per group: summed (in
     float64) for an input given as one value, else in the input's shape."""
     return d.sum(dtype=torch.float64).to(dtype).reshape(given.shape) if given.numel() == 1 else d.reshape(given.shape)
+
+
+def tensor_kind(meta: dict, name: str) -> str:
+    """How a tensor input beside x is shaped: ``x``, ``sample`` or ``position``
+    (:mod:`derivgen.runtime.tensors`)."""
+    return meta["tensors"][name][0]
+
+
+def broadcast_shape(meta: dict, name: str, L: rt.Layout) -> tuple[int, ...]:
+    """A tensor input's shape with x's rank: x's shape with 1 on the axes it is broadcast over."""
+    shape = list(L.x_shape)
+    for ax in broadcast_axes(meta, tensor_kind(meta, name), L):
+        shape[ax] = 1
+    return tuple(shape)
+
+
+def full_tensor(meta: dict, name: str, t: torch.Tensor, L: rt.Layout) -> torch.Tensor:
+    """A tensor input at x's shape: itself (one of x's shape), else a broadcast view
+    (stride 0 along the axes it is broadcast over; autograd sums its gradient over them)."""
+    if tensor_kind(meta, name) == "x":
+        return t
+    return t.reshape(broadcast_shape(meta, name, L)).expand(tuple(L.x_shape))
+
+
+def tensor_grad(meta: dict, name: str, d: torch.Tensor, L: rt.Layout, shape: Sequence[int]) -> torch.Tensor:
+    """A tensor input's gradient from its element gradients ``d`` (x's shape): summed over
+    the axes it is broadcast over (in float64 for a low-precision dtype's accuracy), shaped
+    like the tensor; one of x's shape is ``d`` itself."""
+    kind = tensor_kind(meta, name)
+    if kind == "x":
+        return d.reshape(tuple(shape))
+    axes = broadcast_axes(meta, kind, L)
+    if not axes:
+        return d.reshape(tuple(shape))
+    wide_sum = d.dtype in (torch.float16, torch.bfloat16, torch.float32) and d.device.type == "cpu"
+    total = d.sum(dim=axes, keepdim=True, dtype=torch.float64) if wide_sum else d.sum(dim=axes, keepdim=True)
+    return total.to(d.dtype).reshape(tuple(shape))

@@ -85,3 +85,38 @@ def check_backward_extras(meta: dict, mode: str, a: dict, n_groups: int) -> None
                 f"{name}: statistic {s} must be float64 with one value per group "
                 f"({n_groups}), as the forward returns them; got {t.dtype} {tuple(t.shape)}"
             )
+
+
+def check_tensor_inputs(meta: dict, a: dict, L: rt.Layout, any_device: bool = False, values: bool = True) -> None:
+    """The tensor inputs beside x (a multi layer's), by spec name in ``a``: tensors of x's
+    dtype and device, each of its declared shape (:func:`derivgen.runtime.tensor_shape`); a
+    mask 0 or 1 everywhere (``values``: not checked where the values cannot be read, under
+    torch.func transforms). Errors name the argument, as the NumPy runtime's."""
+    name, x = meta["name"], a["x"]
+    for t, (kind, _grad, mask) in meta.get("tensors", {}).items():
+        v = a.get(t)
+        if v is None:
+            raise TypeError(f"{name}: {t} is required (a tensor input)")
+        check_tensor(name, t, v, any_device)
+        if v.dtype != x.dtype:
+            raise TypeError(f"{name}: {t} has dtype {v.dtype} but x has {x.dtype}")
+        _check_device(meta, t, v, x)
+        want = rt.tensor_shape(meta, kind, L)
+        if tuple(v.shape) != tuple(want):
+            raise ValueError(
+                f"{name}: {t} must have shape {tuple(want)} ({kind!r} for x of shape {tuple(L.x_shape)}), "
+                f"got {tuple(v.shape)}"
+            )
+        if mask and values and v.numel() and not bool(((v == 0) | (v == 1)).all()):
+            raise ValueError(f"{name}: {t} is a mask: every value must be 0 or 1")
+
+
+def check_cotangent(meta: dict, what: str, v: object, x: torch.Tensor) -> None:
+    """A cotangent of y or of an output beside y: a tensor of x's shape and dtype."""
+    name = meta["name"]
+    check_tensor(name, what, v, any_device=True)
+    if v.dtype != x.dtype or tuple(v.shape) != tuple(x.shape):
+        raise ValueError(
+            f"{name}: {what} must have the shape and dtype of x {tuple(x.shape)} "
+            f"{x.dtype}, got {tuple(v.shape)} {v.dtype}"
+        )

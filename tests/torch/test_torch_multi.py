@@ -1,0 +1,507 @@
+"""derivgen.torch for the zoo's layers with tensor inputs beside x and outputs beside y
+(fused residual adds, gates, modulation, masks, several outputs): every one through
+``derivgen.torch.Module`` on the CPU's C kernels against autograd of the independent
+references of tests/zoo/multi_reference.py (outputs and every gradient, float64 and
+float32), bfloat16 against float32, the generated PyTorch closed forms (``portable()``, the
+generated module's own API), torch.func, torch.compile, ``torch.library.opcheck``, bad
+arguments, and the drop-in modules ``FusedAddRMSNorm`` and ``RMSNormGated`` against the
+references' module forms (vLLM/Liger, Mamba-2)."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import pytest
+from conftest import TESTS, require_module
+
+torch = require_module("torch")
+if str(TESTS / "zoo") not in sys.path:
+    sys.path.insert(0, str(TESTS / "zoo"))
+import multi_reference as R
+
+import derivgen
+import derivgen.torch as dt
+from derivgen import api
+
+F64, F32 = 1e-10, 1e-4
+
+
+@pytest.fixture(scope="module", autouse=True)
+def torch_target_takes_multi_layers():
+    """The generated PyTorch target of these layers (other devices, torch.func, portable()):
+    ``derivgen.codegen.emit.MULTI_TARGETS`` names "torch" once code generation lists it; until
+    then this module's tests add it, and forget the modules loaded meanwhile on leaving, so
+    that the other tests still see the refusal."""
+    emit = importlib.import_module("derivgen.codegen.emit")
+    if "torch" in emit.MULTI_TARGETS:
+        yield
+        return
+    from derivgen.torch import ops
+
+    before = set(api._LOADED)
+    mp = pytest.MonkeyPatch()
+    mp.setattr(emit, "MULTI_TARGETS", emit.MULTI_TARGETS | {"torch"})
+    try:
+        yield
+    finally:
+        mp.undo()
+        for k in set(api._LOADED) - before:
+            if "torch" in k[:2]:
+                del api._LOADED[k]
+        for lay in list(ops._LAYERS.values()):
+            if lay.multi:
+                lay._target = None
+
+
+@dataclass(frozen=True)
+class Case:
+    """One layer: its reference (tensors by the spec's names, options -> outputs in the
+    spec's order), x's shape, the tensor inputs' and parameters' shapes, options."""
+
+    reference: Callable
+    x: tuple[int, ...]
+    tensors: dict[str, tuple[int, ...]]
+    params: dict[str, tuple[int, ...]]
+    options: dict[str, float] = field(default_factory=dict)
+
+
+T3 = (3, 5, 8)  # (batch, tokens, features)
+C3 = (4, 3, 6)  # (N, C, T)
+
+CASES = {
+    "add_rmsnorm": Case(
+        lambda a, o: R.add_rmsnorm(a["x"], a["residual"], a["weight"], o["eps"]),
+        T3,
+        {"residual": T3},
+        {"weight": (8,)},
+        {"eps": 1e-6},
+    ),
+    "add_layernorm": Case(
+        lambda a, o: R.add_layernorm(a["x"], a["residual"], a["weight"], a["bias"], o["eps"]),
+        T3,
+        {"residual": T3},
+        {"weight": (8,), "bias": (8,)},
+        {"eps": 1e-5},
+    ),
+    "rmsnorm_gated": Case(
+        lambda a, o: R.rmsnorm_gated(a["x"], a["z"], a["weight"], o["eps"]),
+        T3,
+        {"z": T3},
+        {"weight": (8,)},
+        {"eps": 1e-5},
+    ),
+    "rmsnorm_gated_before": Case(
+        lambda a, o: R.rmsnorm_gated(a["x"], a["z"], a["weight"], o["eps"], norm_before_gate=False),
+        T3,
+        {"z": T3},
+        {"weight": (8,)},
+        {"eps": 1e-5},
+    ),
+    "adaln": Case(
+        lambda a, o: R.adaln(a["x"], a["shift"], a["scale"], o["eps"]),
+        T3,
+        {"shift": (3, 8), "scale": (3, 8)},
+        {},
+        {"eps": 1e-6},
+    ),
+    "ada_rmsnorm": Case(
+        lambda a, o: R.ada_rmsnorm(a["x"], a["shift"], a["scale"], o["eps"]),
+        T3,
+        {"shift": (3, 8), "scale": (3, 8)},
+        {},
+        {"eps": 1e-6},
+    ),
+    "conditional_batchnorm": Case(
+        lambda a, o: R.conditional_batchnorm(a["x"], a["gamma"], a["beta"], o["eps"]),
+        C3,
+        {"gamma": (4, 3), "beta": (4, 3)},
+        {},
+        {"eps": 1e-5},
+    ),
+    "spade": Case(
+        lambda a, o: R.spade(a["x"], a["gamma"], a["beta"], o["eps"]), C3, {"gamma": C3, "beta": C3}, {}, {"eps": 1e-5}
+    ),
+    "masked_batchnorm": Case(
+        lambda a, o: R.masked_batchnorm(a["x"], a["mask"], a["weight"], a["bias"], o["eps"]),
+        C3,
+        {"mask": (4, 1, 6)},
+        {"weight": (3,), "bias": (3,)},
+        {"eps": 1e-5},
+    ),
+    "masked_layernorm": Case(
+        lambda a, o: R.masked_layernorm(a["x"], a["mask"], a["weight"], a["bias"], o["eps"]),
+        T3,
+        {"mask": T3},
+        {"weight": (8,), "bias": (8,)},
+        {"eps": 1e-5},
+    ),
+    "flash_layernorm_parallel": Case(
+        lambda a, o: R.flash_layernorm_parallel(
+            a["x"], a["residual"], a["x1"], a["weight"], a["bias"], a["weight1"], a["bias1"], None, o["eps"]
+        ),
+        T3,
+        {"x1": T3, "residual": T3},
+        {"weight": (8,), "bias": (8,), "weight1": (8,), "bias1": (8,)},
+        {"eps": 1e-6},
+    ),
+}
+
+
+def multi_zoo() -> list[str]:
+    return [n for n in derivgen.zoo() if derivgen.load_spec(n).multi]
+
+
+def test_every_multi_tensor_zoo_layer_has_a_case():
+    assert sorted(CASES) == multi_zoo()
+
+
+def draw(name: str, dtype=torch.float64, seed: int = 0) -> dict:
+    """Arguments by name (float64 drawn, then cast): masks 0/1 with a valid value per group."""
+    case, spec = CASES[name], derivgen.load_spec(name)
+    g = torch.Generator().manual_seed(seed)
+    a = {"x": torch.randn(case.x, generator=g, dtype=torch.float64) * 1.5 + 0.3}
+    for t in spec.tensors:
+        shape = case.tensors[t.name]
+        if t.mask:
+            m = (torch.rand(shape, generator=g, dtype=torch.float64) < 0.7).to(torch.float64)
+            if name == "masked_batchnorm":
+                m[0, 0, 0] = 1.0
+            else:
+                m[..., 0] = 1.0
+            a[t.name] = m
+        else:
+            a[t.name] = torch.randn(shape, generator=g, dtype=torch.float64) * 0.7
+    for p, shape in case.params.items():
+        a[p] = torch.randn(shape, generator=g, dtype=torch.float64) * 0.5 + 1.0
+    return {k: v.to(dtype) for k, v in a.items()}
+
+
+def cotangents(name: str, dtype=torch.float64, seed: int = 1) -> list:
+    """A random cotangent for y and for each output beside it."""
+    g = torch.Generator().manual_seed(seed)
+    n = 1 + len(derivgen.load_spec(name).outputs)
+    return [torch.randn(CASES[name].x, generator=g, dtype=torch.float64).to(dtype) for _ in range(n)]
+
+
+def grads_of(name: str) -> list[str]:
+    spec = derivgen.load_spec(name)
+    return ["x", *(t.name for t in spec.grad_tensors), *CASES[name].params]
+
+
+def reference(name: str, args: dict, cots: list) -> tuple[list, dict]:
+    """The reference's outputs and the gradients of sum(cot * output) by name (autograd)."""
+    wrt = grads_of(name)
+    ts = {k: v.detach().clone().requires_grad_(k in wrt) for k, v in args.items()}
+    outs = CASES[name].reference(ts, CASES[name].options)
+    outs = list(outs) if isinstance(outs, tuple) else [outs]
+    loss = sum((o * c).sum() for o, c in zip(outs, cots))
+    got = torch.autograd.grad(loss, [ts[k] for k in wrt])
+    return [o.detach() for o in outs], dict(zip(wrt, got))
+
+
+def module_for(name: str, args: dict) -> torch.nn.Module:
+    """``dt.Module`` of a zoo layer, its parameters set to the drawn values."""
+    case, spec = CASES[name], derivgen.load_spec(name)
+    size = case.x[1] if spec.layout == "channels" else case.x[-1]
+    m = dt.Module(name, size, dtype=args["x"].dtype, **case.options)
+    with torch.no_grad():
+        for p in case.params:
+            getattr(m, p).copy_(args[p])
+    return m
+
+
+def through_module(m: torch.nn.Module, name: str, args: dict, cots: list) -> tuple[list, dict]:
+    """The module's outputs and gradients (by the reference's names) for the same arguments."""
+    spec = derivgen.load_spec(name)
+    wrt = grads_of(name)
+    ts = {k: v.detach().clone().requires_grad_(k in wrt) for k, v in args.items() if k not in CASES[name].params}
+    outs = m(ts["x"], *(ts[t.name] for t in spec.tensors))
+    outs = list(outs) if spec.outputs else [outs]
+    loss = sum((o * c).sum() for o, c in zip(outs, cots))
+    leaves = [ts[k] if k in ts else getattr(m, k) for k in wrt]
+    got = torch.autograd.grad(loss, leaves)
+    return [o.detach() for o in outs], dict(zip(wrt, got))
+
+
+def rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    assert got.shape == want.shape, (got.shape, want.shape)
+    assert got.dtype == want.dtype, (got.dtype, want.dtype)
+    got, want = got.detach().double(), want.detach().double()
+    return float((got - want).abs().max() / want.abs().max().clamp_min(1e-300))
+
+
+def assert_close(name: str, got: tuple, want: tuple, tol: float) -> None:
+    (go, gg), (wo, wg) = got, want
+    assert len(go) == len(wo)
+    for k, (a, b) in enumerate(zip(go, wo)):
+        assert rel(a, b) < tol, (name, "output", k, rel(a, b))
+    assert sorted(gg) == sorted(wg)
+    for k in wg:
+        assert rel(gg[k], wg[k]) < tol, (name, "d" + k, rel(gg[k], wg[k]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_module_against_the_reference(name, dtype):
+    """Every output and every gradient (x, the tensor inputs with one, the parameters) of
+    the module on the C kernels, against autograd of the reference in the same dtype."""
+    args, cots = draw(name, dtype), cotangents(name, dtype)
+    want = reference(name, {k: v.double() for k, v in args.items()}, [c.double() for c in cots])
+    want = ([o.to(dtype) for o in want[0]], {k: v.to(dtype) for k, v in want[1].items()})
+    m = module_for(name, args)
+    assert_close(name, through_module(m, name, args, cots), want, F64 if dtype == torch.float64 else F32)
+
+
+def test_bfloat16_add_rmsnorm_is_float32_rounded():
+    """bfloat16 on the C kernels (the extras library): outputs and gradients within bfloat16
+    rounding of the float32 ones on the same (rounded) arguments."""
+    name = "add_rmsnorm"
+    args = {k: v.to(torch.bfloat16) for k, v in draw(name).items()}
+    cots = [c.to(torch.bfloat16) for c in cotangents(name)]
+    m16 = module_for(name, args)
+    got = through_module(m16, name, args, cots)
+    a32 = {k: v.float() for k, v in args.items()}
+    want = through_module(module_for(name, a32), name, a32, [c.float() for c in cots])
+    assert all(o.dtype == torch.bfloat16 for o in got[0]) and all(g.dtype == torch.bfloat16 for g in got[1].values())
+    for a, b in zip(got[0], want[0]):
+        assert rel(a.float(), b) < 2**-7, rel(a.float(), b)
+    for k in want[1]:  # dweight sums 15 rows of bfloat16 products
+        assert rel(got[1][k].float(), want[1][k]) < 2**-6, (k, rel(got[1][k].float(), want[1][k]))
+
+
+# the generated PyTorch closed forms: outputs beside y, tensors of x's shape, broadcast per
+# sample and a position mask, a core value, both layouts
+PORTABLE = [
+    "add_rmsnorm",
+    "adaln",
+    "conditional_batchnorm",
+    "flash_layernorm_parallel",
+    "masked_batchnorm",
+    "rmsnorm_gated_before",
+]
+
+
+@pytest.mark.parametrize("name", PORTABLE)
+def test_the_generated_pytorch_closed_forms(name):
+    """Within ``portable()`` the module runs the generated PyTorch forward and its
+    closed-form backward (what other devices run): float64 against the reference."""
+    args, cots = draw(name), cotangents(name)
+    want = reference(name, args, cots)
+    with dt.portable():
+        got = through_module(module_for(name, args), name, args, cots)
+    assert_close(name, got, want, F64)
+
+
+@pytest.mark.parametrize("name", ["add_rmsnorm", "adaln", "masked_batchnorm"])
+def test_the_generated_pytorch_module(name):
+    """``derivgen.load(name, "torch")``: the NumPy module's calling convention on tensors,
+    d<output> cotangents (None: zeros), d<tensor> gradients summed over broadcast axes; the
+    second order refused in one line, as the NumPy module does."""
+    spec = derivgen.load_spec(name)
+    mod = derivgen.load(name, backend="torch")
+    args, cots = draw(name), cotangents(name)
+    want = reference(name, args, cots)
+    pos = [args["x"], *(args[t.name] for t in spec.tensors), *(args[p] for p in CASES[name].params)]
+    outs, cache = mod.forward(*pos, **CASES[name].options)
+    outs = list(outs) if spec.outputs else [outs]
+    g = mod.backward(cots[0], cache, **{"d" + o.name: c for o, c in zip(spec.outputs, cots[1:])})
+    got = {"x": g.dx, **{t.name: getattr(g, "d" + t.name) for t in spec.grad_tensors}}
+    got.update({p: getattr(g, "d" + p) for p in CASES[name].params})
+    assert_close(name, (outs, got), want, F64)
+    with pytest.raises(NotImplementedError, match="second order") as info:
+        mod.backward_backward(cots[0], cache)
+    assert "\n" not in str(info.value)
+
+
+def test_a_cotangent_left_out_is_zero():
+    """A loss that reads y alone: h's cotangent is zero, on the C kernels and the closed forms."""
+    name = "add_rmsnorm"
+    args, cots = draw(name), cotangents(name)
+    cots[1] = torch.zeros_like(cots[1])
+    want = reference(name, args, cots)
+    for portable in (False, True):
+        with dt.portable(portable):
+            m = module_for(name, args)
+            x, r = (args[k].clone().requires_grad_() for k in ("x", "residual"))
+            y, _ = m(x, r)
+            got = torch.autograd.grad((y * cots[0]).sum(), (x, r, m.weight))
+        for k, v in zip(("x", "residual", "weight"), got):
+            assert rel(v, want[1][k]) < F64, (portable, k)
+
+
+@pytest.mark.parametrize("name", ["add_rmsnorm", "adaln", "masked_layernorm"])
+def test_torch_func_grad_and_vjp(name):
+    """torch.func.grad and vjp (first order) run the generated PyTorch forward: the same
+    gradients as autograd on the C kernels."""
+    spec = derivgen.load_spec(name)
+    args, cots = draw(name), cotangents(name)
+    m = module_for(name, args)
+    want = through_module(m, name, args, cots)
+    wrt = [k for k in grads_of(name) if k not in CASES[name].params]
+    params = {p: getattr(m, p).detach() for p in CASES[name].params}
+
+    def loss(vals: dict, ps: dict) -> torch.Tensor:
+        a = {**args, **vals}
+        outs = torch.func.functional_call(m, ps, (a["x"], *(a[t.name] for t in spec.tensors)))
+        outs = outs if spec.outputs else (outs,)
+        return sum((o * c).sum() for o, c in zip(outs, cots))
+
+    g_vals, g_params = torch.func.grad(loss, argnums=(0, 1))({k: args[k] for k in wrt}, params)
+    for k in wrt:
+        assert rel(g_vals[k], want[1][k]) < F64, k
+    for p in params:
+        assert rel(g_params[p], want[1][p]) < F64, p
+
+    def outputs(x):
+        outs = m(x, *(args[t.name] for t in spec.tensors))
+        return outs if spec.outputs else (outs,)
+
+    outs, vjp = torch.func.vjp(outputs, args["x"])
+    for a, b in zip(outs, want[0]):
+        assert rel(a, b) < F64
+    (dx,) = vjp(tuple(cots))
+    assert rel(dx, want[1]["x"]) < F64
+
+
+def test_gradcheck_and_gradgradcheck():
+    """First derivatives through the C kernels, second (the backward operator's autograd:
+    torch.func over the generated PyTorch backward) against finite differences."""
+    g = torch.Generator().manual_seed(7)
+    x, x1, r = (torch.randn(2, 4, dtype=torch.float64, generator=g).requires_grad_() for _ in range(3))
+    ps = [(torch.randn(4, dtype=torch.float64, generator=g) + 1).requires_grad_() for _ in range(4)]
+    f = dt.function("flash_layernorm_parallel")
+    assert torch.autograd.gradcheck(lambda *a: f(*a, eps=1e-6), (x, x1, r, *ps))
+    assert torch.autograd.gradgradcheck(lambda *a: f(*a, eps=1e-6), (x, x1, r, *ps))
+
+
+def test_torch_compile_matches_eager():
+    """torch.compile (fullgraph: no graph breaks) of a module of add_rmsnorm traces its
+    operators through their fake kernels; outputs and gradients equal eager's."""
+    name = "add_rmsnorm"
+    args, cots = draw(name), cotangents(name)
+    m = module_for(name, args)
+    want = through_module(m, name, args, cots)
+    torch._dynamo.reset()
+    compiled = torch.compile(m, backend="aot_eager", fullgraph=True)
+    got = through_module(compiled, name, args, cots)
+    assert_close(name, got, want, 0.0 + 1e-15)
+
+
+def test_opcheck():
+    """Schema, fake kernels, autograd registration and AOT dispatch (dynamic shapes) of
+    add_rmsnorm's forward and backward operators."""
+    from derivgen.torch.ops import layer
+
+    lay = layer("add_rmsnorm")
+    ops = lay.modes["train"]
+    args = draw("add_rmsnorm")
+    fargs = [args["x"].requires_grad_(), args["residual"].requires_grad_(), args["weight"].requires_grad_()]
+    res = torch.library.opcheck(ops.forward, (*fargs, 1e-6, 0))
+    assert all(v == "SUCCESS" for v in res.values()), res
+    _, _, *stats = ops.forward(*fargs, 1e-6, 0)
+    dy, dh = cotangents("add_rmsnorm")
+    res = torch.library.opcheck(ops.backward, (dy, dh, *fargs, *stats, 1e-6, 0))
+    assert all(v == "SUCCESS" for v in res.values()), res
+
+
+# ------------------------------------------------------------------ the drop-in modules
+
+
+def _pair_grads(mine, ref, inputs: list, cots: list) -> None:
+    """The two modules' outputs and gradients (inputs and weight) agree to 1e-10 (float64)."""
+    a = [t.detach().clone().requires_grad_() for t in inputs]
+    b = [t.detach().clone().requires_grad_() for t in inputs]
+    out_a, out_b = mine(*a), ref(*b)
+    out_a = out_a if isinstance(out_a, tuple) else (out_a,)
+    out_b = out_b if isinstance(out_b, tuple) else (out_b,)
+    assert len(out_a) == len(out_b)
+    for u, v in zip(out_a, out_b):
+        assert rel(u, v) < F64
+    ga = torch.autograd.grad(sum((o * c).sum() for o, c in zip(out_a, cots)), [*a, mine.weight])
+    gb = torch.autograd.grad(sum((o * c).sum() for o, c in zip(out_b, cots)), [*b, ref.weight])
+    for k, (u, v) in enumerate(zip(ga, gb)):
+        assert rel(u, v) < F64, k
+
+
+def _random_weight(*mods) -> None:
+    w = torch.randn(mods[0].weight.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(5)) + 1.0
+    with torch.no_grad():
+        for m in mods:
+            m.weight.copy_(w)
+
+
+def test_fused_add_rmsnorm_is_vllm_and_liger():
+    """FusedAddRMSNorm(hidden_size, eps) with forward(x, residual) -> (y, h), weight
+    initialized to ones, equals the reference module (vLLM/Liger semantics); residual=None
+    is plain RMSNorm."""
+    g = torch.Generator().manual_seed(3)
+    mine = dt.FusedAddRMSNorm(16, eps=1e-6, dtype=torch.float64)
+    ref = R.FusedAddRMSNormRef(16, eps=1e-6, dtype=torch.float64)
+    assert torch.equal(mine.weight, torch.ones(16, dtype=torch.float64))
+    assert list(mine.state_dict()) == ["weight"] and mine.variance_epsilon == 1e-6
+    _random_weight(mine, ref)
+    x, r = (torch.randn(2, 7, 16, dtype=torch.float64, generator=g) for _ in range(2))
+    cots = [torch.randn(2, 7, 16, dtype=torch.float64, generator=g) for _ in range(2)]
+    _pair_grads(mine, ref, [x, r], cots)
+    y = mine(x)
+    assert rel(y, torch.nn.functional.rms_norm(x, (16,), mine.weight, 1e-6)) < F64
+
+
+@pytest.mark.parametrize("gated", [True, False], ids=["z", "no-z"])
+@pytest.mark.parametrize("group_size", [None, 4])
+@pytest.mark.parametrize("norm_before_gate", [True, False])
+def test_rmsnorm_gated_is_mamba2s(norm_before_gate, group_size, gated):
+    """RMSNormGated(hidden_size, eps, group_size, norm_before_gate) with forward(x, z=None)
+    equals the reference of Mamba-2's class: both gate positions, one group and groups of 4,
+    with a gate and without."""
+    g = torch.Generator().manual_seed(4)
+    kw = {"eps": 1e-5, "group_size": group_size, "norm_before_gate": norm_before_gate, "dtype": torch.float64}
+    mine, ref = dt.RMSNormGated(16, **kw), R.RMSNormGatedRef(16, **kw)
+    assert mine.bias is None and torch.equal(mine.weight, torch.ones(16, dtype=torch.float64))
+    _random_weight(mine, ref)
+    x, z = (torch.randn(3, 5, 16, dtype=torch.float64, generator=g) for _ in range(2))
+    cots = [torch.randn(3, 5, 16, dtype=torch.float64, generator=g)]
+    _pair_grads(mine, ref, [x, z] if gated else [x], cots)
+
+
+# ------------------------------------------------------------------ errors and layouts
+
+
+def test_bad_tensor_inputs_are_named():
+    """Errors name the tensor input: its shape, dtype, a mask's values, a missing one."""
+    args = draw("adaln")
+    m = dt.Module("adaln", 8)
+    with pytest.raises(ValueError, match=r"shift must have shape \(3, 8\)"):
+        m(args["x"], args["shift"][:2], args["scale"])
+    with pytest.raises(TypeError, match="scale has dtype torch.float32 but x has torch.float64"):
+        m(args["x"], args["shift"], args["scale"].float())
+    with pytest.raises(TypeError, match=r"missing \['scale'\]"):
+        m(args["x"], args["shift"])
+    a = draw("masked_layernorm")
+    mm = module_for("masked_layernorm", a)
+    mm(a["x"], a["mask"])  # a valid call first: the plan of this signature exists
+    for portable in (False, True):
+        with dt.portable(portable), pytest.raises(ValueError, match="mask is a mask: every value must be 0 or 1"):
+            mm(a["x"], a["mask"] * 0.5)
+
+
+def test_channels_last_gives_channels_last():
+    """A channels-last x (these layers have no channels-last kernels: read NCHW-contiguous)
+    gives channels-last outputs and gradients with the contiguous call's values."""
+    name = "spade"
+    g = torch.Generator().manual_seed(6)
+    x, gamma, beta = (torch.randn(2, 3, 4, 5, dtype=torch.float64, generator=g) for _ in range(3))
+    dy = torch.randn(2, 3, 4, 5, dtype=torch.float64, generator=g)
+    m = dt.Module(name, 3)
+    outs = []
+    for fmt in (torch.contiguous_format, torch.channels_last):
+        xs = x.contiguous(memory_format=fmt).requires_grad_()
+        y = m(xs, gamma, beta)
+        (dx,) = torch.autograd.grad((y * dy).sum(), xs)
+        outs.append((y, dx))
+    (y0, dx0), (y1, dx1) = outs
+    assert y1.is_contiguous(memory_format=torch.channels_last) and dx1.is_contiguous(memory_format=torch.channels_last)
+    assert torch.equal(y0, y1) and torch.equal(dx0, dx1)
