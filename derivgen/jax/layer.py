@@ -20,7 +20,7 @@ import jax.numpy as jnp
 
 from derivgen.jax.layout import JaxLayout, make_layout
 from derivgen.jax.load import module, spec_of
-from derivgen.runtime.validate import bind_arguments, check_float
+from derivgen.runtime.validate import bind_arguments, check_float, layout_from_shapes
 from derivgen.spec.model import Spec
 
 RULES = ("jvp", "vjp")
@@ -32,8 +32,9 @@ def compute_dtype(dtype) -> jnp.dtype:
     return jnp.promote_types(jnp.dtype(dtype), jnp.float32)
 
 
-def _kw(meta: dict, options: dict, params, inputs, buffers) -> dict:
+def _kw(meta: dict, options: dict, params, inputs, buffers, tensors=()) -> dict:
     return {
+        **dict(zip(meta.get("tensors", {}), tensors)),
         **dict(zip(meta["params"], params)),
         **dict(zip(meta["inputs"], inputs)),
         **dict(zip(meta["buffers"], buffers)),
@@ -49,6 +50,8 @@ def rule(mod: ModuleType, mode: str, L: JaxLayout, options: tuple, kind: str = "
     meta = mod.META
     opts = dict(options)
     forward = mod.FORWARD[mode]
+    if "tensors" in meta or "outputs" in meta:
+        return _multi_rule(mod, mode, L, opts, kind)
     if kind == "jvp":
         _, seed_p, seed_i = mod.JVP_SEEDS[mode]
         jvp = mod.JVP[mode]
@@ -89,6 +92,49 @@ def rule(mod: ModuleType, mode: str, L: JaxLayout, options: tuple, kind: str = "
             for i, v in zip(meta["inputs"], inputs)
         )
         return dx, dp, di, tuple(jnp.zeros_like(b) for b in buffers)
+
+    core.defvjp(fwd, bwd)
+    return core
+
+
+def _multi_rule(mod: ModuleType, mode: str, L: JaxLayout, opts: dict, kind: str):
+    """``core(x, tensors, params, inputs, buffers) -> (y, *outputs)`` for a layer with tensor
+    inputs beside x (views of x's shape) or outputs beside y: a ``custom_vjp`` over the derived
+    VJP, whose backward takes a cotangent per output (its forward-mode rule is not derived yet)."""
+    meta = mod.META
+    if kind == "jvp":
+        raise NotImplementedError(
+            f"{meta['name']}: the forward mode (JVP) of tensor inputs and outputs beside y is not "
+            "generated yet; derivgen.jax.function(..., rule='vjp') gives reverse mode"
+        )
+    forward, backward = mod.FORWARD[mode], mod.BACKWARD[mode]
+    names = list(meta.get("tensors", {}))
+    grads = {t for t, (_, grad, _) in meta.get("tensors", {}).items() if grad}
+    outs = list(meta.get("outputs", []))
+
+    def outputs(y):
+        return y if outs else (y,)
+
+    @jax.custom_vjp
+    def core(x, tensors, params, inputs, buffers):
+        return outputs(forward(x, **_kw(meta, opts, params, inputs, buffers, tensors), _L=L)[0])
+
+    def fwd(x, tensors, params, inputs, buffers):
+        y, stats = forward(x, **_kw(meta, opts, params, inputs, buffers, tensors), _L=L)
+        return outputs(y), (x, tensors, params, inputs, buffers, stats)
+
+    def bwd(res, cts):
+        x, tensors, params, inputs, buffers, stats = res
+        kw = _kw(meta, opts, params, inputs, buffers, tensors)
+        cot = {"d" + o: c for o, c in zip(outs, cts[1:])}
+        dx, dparams, dinputs, dtensors = backward(cts[0], x, **cot, **kw, _stats=stats, _L=L)
+        dp = tuple(dparams[p].reshape(v.shape).astype(v.dtype) for p, v in zip(meta["params"], params))
+        di = tuple(
+            jnp.sum(dinputs[i]).reshape(v.shape) if v.size == 1 else dinputs[i].reshape(v.shape)
+            for i, v in zip(meta["inputs"], inputs)
+        )
+        dt = tuple(dtensors[t] if t in grads else jnp.zeros_like(v) for t, v in zip(names, tensors))
+        return dx, dt, dp, di, tuple(jnp.zeros_like(b) for b in buffers)
 
     core.defvjp(fwd, bwd)
     return core
@@ -151,6 +197,16 @@ class Function:
         statistics (a dict, per-group shapes, not differentiated) come last."""
         meta = self.meta
         name = meta["name"]
+        tnames = list(meta.get("tensors", {}))
+        if tnames:  # the tensor inputs come first, after x (or by name)
+            given = dict(zip(tnames, params))
+            params = params[len(tnames) :]
+            for t in tnames[len(given) :]:
+                if t not in kw:
+                    raise TypeError(f"{name}: tensor input {t} is required")
+                given[t] = kw.pop(t)
+            if channels_last:
+                raise NotImplementedError(f"{name}: channels_last with tensor inputs is not supported yet")
         pv, iv, options, bufs = self._arguments(params, kw)
         mode = "train" if training or "eval" not in meta["modes"] else "eval"
         if mode == "eval" and not bufs:
@@ -181,11 +237,18 @@ class Function:
         if not bufs:  # the forward programs name the buffers: eval mode has them, train mode ignores them
             b4 = tuple(jnp.zeros(L.stat_view, ct) for _ in meta["buffers"])
         core = rule(self.module, mode, L, tuple(sorted(options.items())), self.rule)
-        y = core(x.astype(ct).reshape(L.view), p4, i4, b4).reshape(x.shape).astype(x.dtype)
+        if "tensors" in meta or "outputs" in meta:
+            t4 = tuple(self._tensor(t, given[t], x, pv, num_groups, ct, L) for t in tnames)
+            ys = core(x.astype(ct).reshape(L.view), t4, p4, i4, b4)
+            y = tuple(v.reshape(x.shape).astype(x.dtype) for v in ys)
+            y = y if len(y) > 1 else y[0]
+        else:
+            t4 = ()
+            y = core(x.astype(ct).reshape(L.view), p4, i4, b4).reshape(x.shape).astype(x.dtype)
         out = [y]
         stats = None
         if (bufs and mode == "train") or return_stats:
-            kw4 = _kw(meta, options, p4, i4, b4)
+            kw4 = _kw(meta, options, p4, i4, b4, t4)
             stats = self.module.STATISTICS[mode](jax.lax.stop_gradient(x.astype(ct).reshape(L.view)), **kw4, _L=L)
             stats = {k: jax.lax.stop_gradient(v) for k, v in stats.items()}
         if bufs:
@@ -202,6 +265,25 @@ class Function:
         if return_stats:
             out.append({k: v.reshape(L.group_shape) for k, v in stats.items()})
         return out[0] if len(out) == 1 else tuple(out)
+
+    def _tensor(self, t: str, v, x, pv: dict, num_groups, ct, L: JaxLayout):
+        """A tensor input of its declared shape (checked), broadcast to x and viewed as x is:
+        JAX sums its gradient over the broadcast axes."""
+        from derivgen.runtime.tensors import broadcast_axes, tensor_shape
+
+        meta = self.meta
+        v = jnp.asarray(v)
+        layout = layout_from_shapes(meta, x.shape, {p: a.shape for p, a in pv.items()}, num_groups)
+        kind = meta["tensors"][t][0]
+        want = tensor_shape(meta, kind, layout)
+        if tuple(v.shape) != want:
+            raise ValueError(
+                f"{meta['name']}: {t} must have shape {want} ({kind!r} for x of shape {x.shape}), got {v.shape}"
+            )
+        shape = list(x.shape)
+        for a in broadcast_axes(meta, kind, layout):
+            shape[a] = 1
+        return jnp.broadcast_to(v.astype(ct).reshape(shape), x.shape).reshape(L.view)
 
     @staticmethod
     def _per_group(what: str, v, L: JaxLayout, ct):
