@@ -18,6 +18,7 @@ import multi_reference as R
 import numpy as np
 import pytest
 import torch
+from conftest import QUICK_CFLAGS, grid
 
 import derivgen
 from derivgen.codegen.emit import MULTI_TARGETS
@@ -206,16 +207,24 @@ def _call(module, name: str, args: dict[str, np.ndarray], cots: list[np.ndarray]
     return outs, by_name
 
 
-@pytest.mark.parametrize("dtype", ["float64", "float32"])
-@pytest.mark.parametrize("backend", sorted(MULTI_TARGETS & {"numpy", "c"}))
-@pytest.mark.parametrize("name", sorted(CASES))
+def _module(name: str, backend: str):
+    """The layer's NumPy module, or its C one built with the tests' quick flags (-O1)."""
+    if backend == "c":
+        return derivgen.load(name, backend="c", cflags=QUICK_CFLAGS.split())
+    return derivgen.load(name, backend=backend)
+
+
+# make test: every pair of (layer, backend, dtype) values
+@pytest.mark.parametrize(
+    "name,backend,dtype", grid(sorted(CASES), sorted(MULTI_TARGETS & {"numpy", "c"}), ["float64", "float32"])
+)
 def test_multi_tensor_layer_against_its_library(name, backend, dtype):
     spec = derivgen.load_spec(name)
     args = _draw(name)
     rng = np.random.default_rng(1)
     cots = [rng.standard_normal(CASES[name].x) for _ in range(1 + len(spec.outputs))]
     want_out, want_grad = _reference(name, args, cots)
-    got_out, got_grad = _call(derivgen.load(name, backend=backend), name, args, cots, np.dtype(dtype))
+    got_out, got_grad = _call(_module(name, backend), name, args, cots, np.dtype(dtype))
     tol = F64 if dtype == "float64" else F32
     for k, (g, w) in enumerate(zip(got_out, want_out)):
         assert _rel(g, w) < tol, (name, "output", k)
