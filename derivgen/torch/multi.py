@@ -123,6 +123,14 @@ class MultiPlan:
         self.stats_like = torch.empty((nstat, L.n_groups), dtype=torch.float64)
         self.masks = _masks(lay)
         self.opts_ok: tuple | None = None  # the options of the last call, known to be in range
+        # each forward tensor's gradient among the backward's outputs (None: it has none)
+        diff = differentiable(meta)
+        self.grad_slots = [diff.index(n) if n in diff else None for n in _tensor_names(lay, mode)]
+        # the kernels' sections in the order of their arguments (those they have)
+        self.fsections = [s for s in self.fsig.sections if s in _FORWARD_SECTIONS]
+        self.bsections = [s for s in self.bsig.sections if s in _BACKWARD_SECTIONS]
+        self.fpack = self.fsig.packer(self.fsections)
+        self.bpack = self.bsig.packer(self.bsections)
 
     def nthreads(self) -> int:
         """The kernel call's threads: one for a small x, else the layer's or torch's setting."""
@@ -139,10 +147,9 @@ class MultiPlan:
         bufs = [t.contiguous() for t in tens[k + self.npar + self.nin :]]
         return x, full, params, ins, bufs
 
-    def _sections(self, sig, values: dict) -> list:
-        """The call's argument list: the sections this kernel has (a layer without tensor
-        inputs has no ``tensors`` section, one without outputs beside y no ``cotangents``)."""
-        return sig.pack({s: v for s, v in values.items() if s in sig.sections})
+    def grads_by_tensor(self, grads: Sequence) -> tuple:
+        """The backward's outputs, one per forward tensor (None where it has no gradient)."""
+        return tuple(None if k is None else grads[k] for k in self.grad_slots)
 
     def forward(self, tens: Sequence[torch.Tensor], opts: tuple[float, ...], blob: bool) -> tuple:
         """(y, [outputs beside y], statistics) by the forward kernel: the statistics one
@@ -157,22 +164,19 @@ class MultiPlan:
         else:
             st = [torch.empty(self.n_groups, dtype=torch.float64) for _ in self.stat_offsets]
             sp = [t.data_ptr() for t in st]
-        args = self._sections(
-            self.fsig,
-            {
-                "dims": self.dims,
-                "x": (x.data_ptr(),),
-                "tensors": [t.data_ptr() for t in full],
-                "params": [p.data_ptr() for p in params],
-                "options": opts,
-                "inputs": input_pairs(ins),
-                "buffers": [b.data_ptr() for b in bufs] or self.null_bufs,
-                "y": (y.data_ptr(), *(o.data_ptr() for o in outs)),
-                "stats": sp,
-                "nthreads": (self.nthreads(),),
-            },
-        )
-        if self.ffn(*args) != 0:
+        values = {
+            "dims": self.dims,
+            "x": (x.data_ptr(),),
+            "tensors": [t.data_ptr() for t in full],
+            "params": [p.data_ptr() for p in params],
+            "options": opts,
+            "inputs": input_pairs(ins),
+            "buffers": [b.data_ptr() for b in bufs] or self.null_bufs,
+            "y": (y.data_ptr(), *(o.data_ptr() for o in outs)),
+            "stats": sp,
+            "nthreads": (self.nthreads(),),
+        }
+        if self.ffn(*self.fpack(*[values[k] for k in self.fsections])) != 0:
             raise MemoryError(f"{self.name}: forward kernel could not allocate its work buffer")
         back = self.channels
         return _as_x_came(y, like, back), [_as_x_came(o, like, back) for o in outs], st
@@ -197,25 +201,22 @@ class MultiPlan:
         dts = [fresh_like(x) if self.kinds[t] == "x" else torch.empty_like(x) for t in self.gnames]
         dps = [torch.empty_like(p) for p in params]
         dis = [torch.empty(self.n_groups, dtype=x.dtype) for _ in ins]
-        args = self._sections(
-            self.bsig,
-            {
-                "dims": self.dims,
-                "x": (x.data_ptr(),),
-                "dy": (dy.data_ptr(),),
-                "tensors": [t.data_ptr() for t in full],
-                "cotangents": [c.data_ptr() for c in cots],
-                "params": [p.data_ptr() for p in params],
-                "options": opts,
-                "inputs": input_pairs(ins),
-                "stats": list(stat_ptrs),
-                "dx": (dx.data_ptr(), *(d.data_ptr() for d in dts)),
-                "dparams": [d.data_ptr() for d in dps],
-                "dinputs": [d.data_ptr() for d in dis],
-                "nthreads": (self.nthreads(),),
-            },
-        )
-        if self.bfn(*args) != 0:
+        values = {
+            "dims": self.dims,
+            "x": (x.data_ptr(),),
+            "dy": (dy.data_ptr(),),
+            "tensors": [t.data_ptr() for t in full],
+            "cotangents": [c.data_ptr() for c in cots],
+            "params": [p.data_ptr() for p in params],
+            "options": opts,
+            "inputs": input_pairs(ins),
+            "stats": list(stat_ptrs),
+            "dx": (dx.data_ptr(), *(d.data_ptr() for d in dts)),
+            "dparams": [d.data_ptr() for d in dps],
+            "dinputs": [d.data_ptr() for d in dis],
+            "nthreads": (self.nthreads(),),
+        }
+        if self.bfn(*self.bpack(*[values[k] for k in self.bsections])) != 0:
             raise MemoryError(f"{self.name}: backward kernel could not allocate its work buffer")
         back = self.channels
         dtens = [
@@ -228,6 +229,15 @@ class MultiPlan:
             *dps,
             *(per_group_input_grad(d, t, x.dtype) for t, d in zip(ins, dis)),
         )
+
+
+# the sections of the kernels' arguments a plan passes (runtime/abi.py; a layer's kernels have
+# those it needs: no ``tensors`` without tensor inputs, no ``cotangents`` without outputs beside y)
+_FORWARD_SECTIONS = ("dims", "x", "tensors", "params", "options", "inputs", "buffers", "y", "stats", "nthreads")
+_BACKWARD_SECTIONS = (
+    *("dims", "x", "dy", "tensors", "cotangents", "params", "options", "inputs"),
+    *("stats", "dx", "dparams", "dinputs", "nthreads"),
+)
 
 
 def check_masks(plan: MultiPlan, tens: Sequence[torch.Tensor]) -> None:
@@ -521,8 +531,12 @@ class _Eager(torch.autograd.Function):
         else:
             base = st.data_ptr()
             grads = plan.backward(cots[0], cots[1:], tens, [base + o for o in plan.stat_offsets], ctx.opts)
-        by = dict(zip(differentiable(plan.lay.meta), grads))
-        return (None, None, None, *(by.get(n) for n in _tensor_names(plan.lay, plan.mode)))
+        return (None, None, None, *plan.grads_by_tensor(grads))
+
+
+# _Eager.apply without torch.autograd.Function.apply's Python wrapper (see
+# derivgen.torch.autograd): only reached with no torch.func transform active
+_eager_apply = torch._C._FunctionBase.__dict__["apply"].__get__(None, _Eager)
 
 
 class _Portable(torch.autograd.Function):
@@ -581,7 +595,7 @@ def call_forward(
         plan = lay.plans.forward(mode, tens, opts, groups)
         if torch.is_grad_enabled() and any([isinstance(t, torch.Tensor) and t.requires_grad for t in tens]):  # noqa: C419
             box: list = []
-            out = _Eager.apply(plan, opts, box, *tens)
+            out = _eager_apply(plan, opts, box, *tens)
             st = box[0]
         else:
             y, outs, st = plan.forward(tens, opts, blob=True)

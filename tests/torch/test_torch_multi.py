@@ -505,3 +505,21 @@ def test_channels_last_gives_channels_last():
     (y0, dx0), (y1, dx1) = outs
     assert y1.is_contiguous(memory_format=torch.channels_last) and dx1.is_contiguous(memory_format=torch.channels_last)
     assert torch.equal(y0, y1) and torch.equal(dx0, dx1)
+
+
+def test_tensor_inputs_by_keyword_and_as_a_function():
+    """Tensor inputs by name as well as by position; ``dt.function`` takes them before the
+    parameters; a layer without them refuses a second positional tensor, naming itself."""
+    args = draw("adaln")
+    m = dt.Module("adaln", 8)
+    y = m(args["x"], args["shift"], args["scale"])
+    assert torch.equal(m(args["x"], scale=args["scale"], shift=args["shift"]), y)
+    assert torch.equal(m(args["x"], args["shift"], scale=args["scale"]), y)
+    assert torch.equal(dt.function("adaln")(args["x"], args["shift"], args["scale"], eps=1e-6), y)
+    a = draw("add_layernorm")
+    f = dt.function("add_layernorm")
+    y1, h1 = f(a["x"], a["residual"], a["weight"], a["bias"])
+    y2, h2 = f(a["x"], residual=a["residual"], weight=a["weight"], bias=a["bias"])
+    assert torch.equal(y1, y2) and torch.equal(h1, h2) and torch.equal(h1, a["x"] + a["residual"])
+    with pytest.raises(TypeError, match="layernorm: forward takes x positionally, got 2 tensors"):
+        dt.Module("layernorm", 8, dtype=torch.float64)(a["x"], a["residual"])
