@@ -9,7 +9,6 @@ references' module forms (vLLM/Liger, Mamba-2)."""
 
 from __future__ import annotations
 
-import importlib
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -24,36 +23,8 @@ import multi_reference as R
 
 import derivgen
 import derivgen.torch as dt
-from derivgen import api
 
 F64, F32 = 1e-10, 1e-4
-
-
-@pytest.fixture(scope="module", autouse=True)
-def torch_target_takes_multi_layers():
-    """The generated PyTorch target of these layers (other devices, torch.func, portable()):
-    ``derivgen.codegen.emit.MULTI_TARGETS`` names "torch" once code generation lists it; until
-    then this module's tests add it, and forget the modules loaded meanwhile on leaving, so
-    that the other tests still see the refusal."""
-    emit = importlib.import_module("derivgen.codegen.emit")
-    if "torch" in emit.MULTI_TARGETS:
-        yield
-        return
-    from derivgen.torch import ops
-
-    before = set(api._LOADED)
-    mp = pytest.MonkeyPatch()
-    mp.setattr(emit, "MULTI_TARGETS", emit.MULTI_TARGETS | {"torch"})
-    try:
-        yield
-    finally:
-        mp.undo()
-        for k in set(api._LOADED) - before:
-            if "torch" in k[:2]:
-                del api._LOADED[k]
-        for lay in list(ops._LAYERS.values()):
-            if lay.multi:
-                lay._target = None
 
 
 @dataclass(frozen=True)
