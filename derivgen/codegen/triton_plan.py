@@ -15,6 +15,14 @@ sweep loads, computes, sums and stores:
   closed form and each parameter's contributions, summed per channel into the program's
   row of partial sums (a second kernel reduces the rows).
 
+A layer with tensor inputs beside x (``Spec.tensors``) reads each at x's element offsets
+(``<t>_Ptr``: the host writes a broadcast one out at x's shape and strides); its core value
+h = f(x, t) (``ModeIR.values``) is an element temporary of every sweep; the outputs beside y
+are stored in the forward's last sweep beside y (``<o>_Out``); the backward reads their
+cotangents (``d<o>_Ptr``), computes ∂L/∂h once per element (``ModeIR.dcore``) and stores
+each tensor's element gradient (``d<t>_Ptr``) beside dx; the host sums a broadcast one over
+the axes it is broadcast over.
+
 A window, ``window(u, k)`` (:mod:`derivgen.symbolic.window`: the forward's ``Win1`` and the
 transposed windows of the closed forms), is a ``triton.jit`` function of its own
 (:class:`TWindow`): at each element of a tile it loops over the offsets D of the window,
@@ -114,6 +122,10 @@ class TritonPlan:
     dinputs: tuple[tuple[str, str], ...]  # (input, group variable)
     dparam_groups: tuple[tuple[str, str], ...]  # (scalar parameter, group variable)
     windows: tuple[TWindow, ...] = ()  # the windows' functions, each after those it calls
+    # the forward's steps and output sweep in registers (one pass): each sweep without the
+    # element temporaries an earlier one computed (a core value h = f(x, t) is computed once)
+    one_pass_steps: tuple[TSweep | TValue, ...] = ()
+    one_pass_final: TSweep | None = None
 
 
 class TritonPlanner:
@@ -126,6 +138,9 @@ class TritonPlanner:
         self.chan = [p for p in self.params if p not in self.scalar]
         self.reads = reads_buffers({"buffers": list(spec.buffers), "buffer_reads": _buffer_reads(spec)}, ir.mode)
         self.windows: dict[tuple, TWindow] = {}  # by (window, the temporaries it reads), in definition order
+        # arrays of x's shape read at x's offsets: the tensor inputs beside x, and the cotangents
+        # of the outputs beside y
+        self.arrays = [t.name for t in spec.tensors] + [o.cotangent.name for o in spec.outputs]
 
     def text(self, e: sympy.Expr, temps: list | tuple = (), at: str = "") -> str:
         """Triton text of ``e`` at the elements ``Offs<at>`` ...: its windows as calls of their
@@ -133,9 +148,11 @@ class TritonPlanner:
         return triton_expr(e, self.spec, lambda w: self.window(w, temps).call(at))
 
     def element_pointers(self) -> dict[str, str]:
-        """What each element load reads: x, dy, channel parameters (pointers), the ``leading(p)``
-        masks (the count ⌊p·N⌋ the host passes)."""
-        out = {"x": "X_Ptr", "dy": "Dy_Ptr", **{p: derived(p, "Ptr") for p in self.chan}}
+        """What each element load reads: x, dy, the tensor inputs and cotangents (at x's
+        offsets), channel parameters (pointers), the ``leading(p)`` masks (the count ⌊p·N⌋
+        the host passes)."""
+        out = {"x": "X_Ptr", "dy": "Dy_Ptr", **{a: derived(a, "Ptr") for a in self.arrays}}
+        out.update({p: derived(p, "Ptr") for p in self.chan})
         out.update({m.name: derived(m.option, "Lead") for m in self.spec.masks})
         return out
 
@@ -144,11 +161,8 @@ class TritonPlanner:
         channel parameters, and the ``leading(p)`` masks (the feature index against the
         count ⌊p·N⌋ the host passes); at the elements ``Offs<at>``, ``Mask<at>``, ``Chan<at>``."""
         offs, mask, chan = f"Offs{at}", f"Mask{at}", f"Chan{at}"
-        out = [
-            (n, f"tl.load({ptr} + {offs}, mask={mask}, other=0.0).to(tl.float32)")
-            for n, ptr in (("x", "X_Ptr"), ("dy", "Dy_Ptr"))
-            if n in names
-        ]
+        at_x = (("x", "X_Ptr"), ("dy", "Dy_Ptr"), *((a, derived(a, "Ptr")) for a in self.arrays))
+        out = [(n, f"tl.load({ptr} + {offs}, mask={mask}, other=0.0).to(tl.float32)") for n, ptr in at_x if n in names]
         out += [(p, f"tl.load({derived(p, 'Ptr')} + {chan}, mask={mask}, other=0.0).to(tl.float32)") for p in self.chan]
         out += [(m.name, f"({chan} < {derived(m.option, 'Lead')}).to(tl.float32)") for m in self.spec.masks]
         return tuple((n, t) for n, t in out if n in names)
@@ -219,27 +233,31 @@ class TritonPlanner:
         """The forward's steps, its output sweep and every element load of the one-pass kernel."""
         steps: list[TSweep | TValue] = []
         names: set[str] = set()
+        values = list(self.ir.values)  # the core value h = f(x, t): an element temporary of every sweep
         for st in self.ir.forward:
             if isinstance(st, Loop):
-                sw = self.sweep([e for _, e in st.accs], [], accs=tuple((a, self.text(e)) for a, e in st.accs))
+                accs = tuple((a, self.text(e, values)) for a, e in st.accs)
+                sw = self.sweep([e for _, e in st.accs], values, accs=accs)
                 steps.append(sw)
             elif isinstance(st, Select):
-                sw = self.sweep([st.expr], [], select=(st.name, st.op, self.text(st.expr)))
+                sw = self.sweep([st.expr], values, select=(st.name, st.op, self.text(st.expr, values)))
                 steps.append(sw)
             else:
                 steps.append(TValue(st.name, self.text(st.expr), st.comment))
                 continue
             names |= {n for n, _ in sw.loads}
         _, y = self.ir.fwd_elem[-1]
-        temps = list(self.ir.fwd_elem[:-1])
-        final = self.sweep([y], temps, stores=(("Y_Ptr", self.text(y, temps)),))
+        temps = values + list(self.ir.fwd_elem[:-1])
+        outs = [(output_pointer(o), e) for o, e in self.ir.out_elem]  # the outputs beside y
+        stores = (("Y_Ptr", self.text(y, temps)), *((ptr, self.text(e, temps)) for ptr, e in outs))
+        final = self.sweep([y, *(e for _, e in outs)], temps, stores=stores)
         names |= {n for n, _ in final.loads}
         return steps, final, self.loads(names)
 
     def backward(self) -> tuple[TSweep | None, list[TValue], TSweep, tuple]:
         """The backward's reduction sweep, group values, output sweep and one-pass loads."""
         ir = self.ir
-        temps = list(ir.bwd_elem)
+        temps = list(ir.values) + list(ir.bwd_elem)
         red = None
         if ir.bwd_loop:
             red = self.sweep(
@@ -248,11 +266,14 @@ class TritonPlanner:
         coeffs = {k for k, _ in ir.dx_terms}
         group = [TValue(a.name, self.text(a.expr), a.comment) for a in ir.bwd_group if a.name not in coeffs]
         contrib = [(p, e) for p, e in ir.dparams]
+        ftemps = temps + ([ir.dcore] if ir.dcore is not None else [])  # ∂L/∂h, once per element
+        dts = [(tensor_grad_pointer(t), e) for t, e in ir.dtensors]
+        stores = (("Dx_Ptr", self.text(ir.dx_closed, ftemps)), *((ptr, self.text(e, ftemps)) for ptr, e in dts))
         final = self.sweep(
-            [ir.dx_closed, *(e for _, e in contrib)],
-            temps,
-            stores=(("Dx_Ptr", self.text(ir.dx_closed, temps)),),
-            params=tuple((p, self.text(e, temps), p in self.scalar) for p, e in contrib if e != 0),
+            [ir.dx_closed, *(e for _, e in dts), *(e for _, e in contrib)],
+            ftemps,
+            stores=stores,
+            params=tuple((p, self.text(e, ftemps), p in self.scalar) for p, e in contrib if e != 0),
         )
         names = {n for n, _ in final.loads} | ({n for n, _ in red.loads} if red else set())
         return red, group, final, self.loads(names)
@@ -272,18 +293,22 @@ class TritonPlanner:
                 "the Triton kernels take windows in element values only"
             )
         steps, final, fwd_loads = self.forward()
+        one_steps, one_final = _once([*steps, final])
         red, group, bfinal, bwd_loads = self.backward()
         buffers = [b.name for b in spec.buffers]
         loaded = {n for n, _ in self.group_loads(False)}
         upd_reads = {str(s) for _, e in ir.buffer_updates for s in e.free_symbols}
         bnames = [b for b in buffers if b in upd_reads and b not in loaded]
-        fargs = [("x", "x"), ("y", "y"), *(("param", p) for p in self.params)]
+        fargs = [("x", "x"), *(("tensor", t.name) for t in spec.tensors), ("y", "y")]
+        fargs += [("output", o.name) for o in spec.outputs] + [("param", p) for p in self.params]
         fargs += [("input", i.name) for i in spec.inputs]
         if buffers and (self.reads or ir.mode == "train"):
             fargs += [("buffer", b) for b in buffers]
         fargs += [("stat", s) for s in ir.stats] + [("option", o.name) for o in spec.options]
         fargs += [("mask", m.option) for m in spec.masks]
-        bargs = [("dy", "dy"), ("x", "x"), ("dx", "dx"), *(("param", p) for p in self.params)]
+        bargs = [("dy", "dy"), *(("cotangent", o.name) for o in spec.outputs), ("x", "x")]
+        bargs += [("tensor", t.name) for t in spec.tensors] + [("dx", "dx")]
+        bargs += [("dtensor", t.name) for t in spec.grad_tensors] + [("param", p) for p in self.params]
         bargs += [("input", i.name) for i in spec.inputs]
         bargs += [("buffer", b) for b in buffers] if self.reads else []
         bargs += [("stat", s) for s in ir.stats] + [("option", o.name) for o in spec.options]
@@ -296,6 +321,8 @@ class TritonPlanner:
             forward_loads=tuple(self.group_loads(False)),
             forward_steps=tuple(steps),
             forward_final=final,
+            one_pass_steps=tuple(one_steps),
+            one_pass_final=one_final,
             stats=tuple(ir.stats),
             buffer_loads=tuple(
                 (b, f"tl.load({derived(b, 'Ptr')} + Grp, mask=GOk, other=1.0).to(tl.float32)")
@@ -321,6 +348,17 @@ class TritonPlanner:
         )
 
 
+def output_pointer(name: str) -> str:
+    """The kernel argument an output beside y is stored through: ``h_Out`` for output h (the
+    output's own name may be the element value it stores)."""
+    return derived(name, "Out")
+
+
+def tensor_grad_pointer(name: str) -> str:
+    """The kernel argument a tensor input's element gradient is stored through (``residual_Dt``)."""
+    return derived(name, "Dt")
+
+
 def _offsets_text(w: Window) -> str:
     """The offsets a window sums, for its function's docstring: numbers for a fixed size."""
     if not w.size.is_Symbol:
@@ -342,6 +380,20 @@ def _after(final: TSweep, red: TSweep | None) -> TSweep:
         return final
     done = {n for n, _ in red.temps}
     return replace(final, temps=tuple((n, t) for n, t in final.temps if n not in done))
+
+
+def _once(sweeps: list) -> tuple[list, TSweep]:
+    """The forward's steps and output sweep (the last) in one pass over registers: a sweep
+    leaves out the element temporaries an earlier sweep computed (the same definitions)."""
+    done: set[str] = set()
+    out = []
+    for st in sweeps:
+        if isinstance(st, TSweep):
+            kept = tuple((n, t) for n, t in st.temps if n not in done)
+            done |= {n for n, _ in st.temps}
+            st = replace(st, temps=kept)
+        out.append(st)
+    return out[:-1], out[-1]
 
 
 def _buffer_reads(spec: Spec) -> list[str]:

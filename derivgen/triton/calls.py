@@ -10,6 +10,15 @@ kernel (statistics in float32 whatever x's dtype, running buffers updated in pla
 ``backward_backward`` and ``jvp`` run the PyTorch closed forms of the same spec on the
 same device (``derivgen.load(spec, backend="torch")``).
 
+A layer with tensor inputs beside x (``META["tensors"]``: fused residual adds, gates,
+modulation, masks) takes them after x, in spec order; the kernels read each at x's element
+offsets, so a broadcast one (``sample``, ``position``: :mod:`derivgen.runtime.tensors`) is
+written out at x's shape and strides first (:func:`at_x`), and its element gradients, written
+at x's shape in float32, are summed over the axes it is broadcast over afterwards
+(:func:`finish_tensor_grad`). A layer with outputs beside y (``META["outputs"]``) returns
+``((y, *outputs), cache)`` and its backward takes their cotangents ``d<output>=`` (None:
+zero). Their second order is not derived yet: ``backward_backward`` and ``jvp`` refuse them.
+
 A group is a matrix of A rows and B columns of x (:func:`geometry`): a row of x for a
 trailing layout (A = 1); a sample's channel (instance), a sample's group of channels
 (A = the channels of a group), a channel over the batch (A = the samples) or a sample's
@@ -30,7 +39,8 @@ from triton.runtime.interpreter import InterpretedFunction
 
 from derivgen import runtime as rt
 from derivgen.api import load
-from derivgen.runtime.abi import reads_buffers
+from derivgen.runtime.abi import grad_tensor_names, reads_buffers, tensor_names
+from derivgen.runtime.tensors import broadcast_axes, tensor_shape
 from derivgen.runtime.validate import (
     check_call_shapes,
     check_same_dtype,
@@ -69,8 +79,8 @@ class Layer:
 
 class Cache(rt.StatisticsView):
     """What the forward keeps for the backward: the mode, layout, x as the kernels read it,
-    parameters, options, per-group inputs, buffers the statistics read (copies), and the
-    statistics (float32, one value per group); as attributes (``cache.mean``) the
+    the tensor inputs beside x (as given), parameters, options, per-group inputs, buffers the
+    statistics read (copies), and the statistics (float32, one value per group); as attributes (``cache.mean``) the
     statistics in the layer's group shape and x's dtype."""
 
     def __init__(self, meta: dict, mode: str, layout: rt.Layout, x: torch.Tensor, **kw: Any) -> None:
@@ -82,6 +92,7 @@ class Cache(rt.StatisticsView):
         self.buffers: dict = kw["buffers"]
         self.num_groups: int | None = kw["num_groups"]
         self.user_x: torch.Tensor = kw["user_x"]
+        self.tensors: dict = kw.get("tensors", {})  # the tensor inputs beside x, as given (declared shapes)
 
     def __repr__(self) -> str:
         return f"Cache({self.meta['name']}, {self.mode}, x {tuple(self.x.shape)} {self.x.dtype}, Triton)"
@@ -103,15 +114,27 @@ def _check_tensor(name: str, what: str, t: Any) -> None:
 
 def check_call(meta: dict, mode: str, a: dict) -> rt.Layout:
     """The forward's argument contract on tensors by spec name (errors name the argument);
-    the layout of x."""
+    the layout of x. The tensor inputs beside x have their declared shapes, and a mask's
+    values are 0 or 1."""
     name, x = meta["name"], a["x"]
-    tensors = ["x", *meta["params"], *meta["inputs"], *(meta["buffers"] if reads_buffers(meta, mode) else ())]
+    for t in tensor_names(meta):
+        if a.get(t) is None:
+            raise TypeError(f"{name}: {t} is required (a tensor input)")
+    tensors = ["x", *tensor_names(meta), *meta["params"], *meta["inputs"]]
+    tensors += meta["buffers"] if reads_buffers(meta, mode) else []
     for k in tensors:
         _check_tensor(name, k, a[k])
         check_same_dtype(meta, k, a[k].dtype, x.dtype, "; use one dtype for all")
         if a[k].device != x.device:
             raise ValueError(f"{name}: {k} is on {a[k].device} but x is on {x.device}")
-    return check_call_shapes(meta, mode, a, a.get("num_groups"))
+    L = check_call_shapes(meta, mode, a, a.get("num_groups"))
+    for t, (kind, _, mask) in meta.get("tensors", {}).items():
+        want, got = tensor_shape(meta, kind, L), tuple(a[t].shape)
+        if got != want:
+            raise ValueError(f"{name}: {t} must have shape {want} ({kind!r} for x of shape {L.x_shape}), got {got}")
+        if mask and a[t].numel() and not bool(((a[t] == 0) | (a[t] == 1)).all()):
+            raise ValueError(f"{name}: {t} is a mask: every value must be 0 or 1")
+    return L
 
 
 # ---- the geometry of the kernels
@@ -147,6 +170,37 @@ def geometry(meta: dict, L: rt.Layout, x: torch.Tensor) -> dict:
     if L.Cg != 1:
         raise NotImplementedError(f"{meta['name']}: batch statistics over groups of several channels")
     return {**geo, "sO": 0, "sC": sCh, "A": L.O, "B": L.S, "sA": sN, "sB": sS, "PCHAN": 0}
+
+
+def at_x(meta: dict, name: str, t: torch.Tensor, x: torch.Tensor, L: rt.Layout) -> torch.Tensor:
+    """A tensor input as the kernels read it: at x's shape and strides (``x`` as :func:`_dense`
+    made it), a broadcast one written out over the axes it is broadcast over."""
+    if tuple(t.shape) != tuple(x.shape):
+        shape = list(x.shape)
+        for ax in broadcast_axes(meta, meta["tensors"][name][0], L):
+            shape[ax] = 1
+        t = t.reshape(shape).expand(x.shape)
+    elif t.stride() == x.stride():
+        return t
+    return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device).copy_(t)
+
+
+def _like_x(t: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+    """A cotangent (of x's shape) with x's strides; zeros for one not given."""
+    if t is None:
+        return torch.zeros_like(x)
+    if t.stride() == x.stride():
+        return t
+    return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device).copy_(t)
+
+
+def finish_tensor_grad(meta: dict, name: str, buf: torch.Tensor, given: torch.Tensor, L: rt.Layout) -> torch.Tensor:
+    """A tensor input's gradient from its element gradients ``buf`` (x's shape): summed over
+    the axes the input ``given`` was broadcast over, in its shape and dtype."""
+    if tuple(buf.shape) == tuple(given.shape):
+        return buf if buf.dtype == given.dtype else buf.to(given.dtype)
+    axes = broadcast_axes(meta, meta["tensors"][name][0], L)
+    return buf.sum(dim=axes, dtype=torch.float32).to(given.dtype).reshape(given.shape)
 
 
 def _pow2(n: int) -> int:
@@ -223,20 +277,26 @@ def _check_runnable(kernel: Any, x: torch.Tensor) -> None:
         )
 
 
-def run_forward(layer: Layer, mode: str, a: dict, L: rt.Layout, update: bool) -> tuple[torch.Tensor, dict]:
+def run_forward(layer: Layer, mode: str, a: dict, L: rt.Layout, update: bool) -> tuple[Any, dict]:
     """y and the statistics (float32, one per group) by the mode's forward kernel; with
-    ``update``, the running buffers given in ``a`` are updated in place (training mode)."""
+    ``update``, the running buffers given in ``a`` are updated in place (training mode).
+    ``a`` holds the tensor inputs beside x by name (their declared shapes); a layer with
+    outputs beside y gives ``(y, *outputs)`` for y."""
     meta = layer.meta
     x = _dense(a["x"])
-    y = torch.empty_like(x)
-    if y.stride() != x.stride():
-        y = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device)
+    y = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device)
+    extra = {
+        o: torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device) for o in meta.get("outputs", [])
+    }
+    ys = (y, *extra.values()) if extra else y
     stats = {s: torch.empty(L.n_groups, dtype=torch.float32, device=x.device) for s in meta["stats"][mode]}
     if x.numel() == 0:
         for s in stats.values():
             s.fill_(math.nan)
-        return y, stats
+        return ys, stats
     values = {("x", "x"): x, ("y", "y"): y, **_common(meta, a)}
+    values.update({("tensor", t): at_x(meta, t, a[t], x, L) for t in tensor_names(meta)})
+    values.update({("output", o): v for o, v in extra.items()})
     values.update({("stat", s): t for s, t in stats.items()})
     given = {b: a.get(b) for b in meta["buffers"]}
     copies = {}
@@ -259,19 +319,27 @@ def run_forward(layer: Layer, mode: str, a: dict, L: rt.Layout, update: bool) ->
     for b, c in copies.items():
         if up and c.data_ptr() != given[b].data_ptr():
             given[b].copy_(c.reshape(given[b].shape))
-    return y, stats
+    return ys, stats
 
 
-def run_backward(layer: Layer, mode: str, a: dict, L: rt.Layout) -> tuple[torch.Tensor, dict, dict]:
+def run_backward(layer: Layer, mode: str, a: dict, L: rt.Layout) -> tuple[Any, dict, dict]:
     """(dx, {parameter: gradient}, {input: per-group gradient, float32}) by the mode's
     backward kernel and the reduction of the partial sums; ``a`` has dy, x as the forward
-    read it, the parameters, inputs, buffers the statistics read, the statistics, options."""
+    read it, the parameters, inputs, buffers the statistics read, the statistics, options;
+    and a layer's tensor inputs beside x by name and the cotangents of its outputs beside y
+    (``d<output>``; missing or None: zero). A layer whose tensor inputs have gradients gives
+    ``(dx, *d<tensor>)`` for dx (each in its input's shape: summed over its broadcast axes)."""
     meta = layer.meta
     x = _dense(a["x"])
-    dy = a["dy"]
-    if dy.stride() != x.stride():
-        dy = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device).copy_(dy)
+    dy = _like_x(a["dy"], x)
     dx = torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device)
+    # a tensor's element gradients: its own dtype at x's shape, float32 where they are summed
+    dts = {
+        t: torch.empty_strided(
+            x.shape, x.stride(), dtype=x.dtype if a[t].shape == x.shape else torch.float32, device=x.device
+        )
+        for t in grad_tensor_names(meta)
+    }
     geo = geometry(meta, L, x)
     blk = blocks(geo)
     pchan = geo.pop("PCHAN")
@@ -285,6 +353,9 @@ def run_backward(layer: Layer, mode: str, a: dict, L: rt.Layout) -> tuple[torch.
     dins = {i: torch.zeros(L.n_groups, dtype=torch.float32, device=x.device) for i in meta["inputs"]}
     if x.numel():
         values = {("x", "x"): x, ("dy", "dy"): dy, ("dx", "dx"): dx, **_common(meta, a)}
+        values.update({("tensor", t): at_x(meta, t, a[t], x, L) for t in tensor_names(meta)})
+        values.update({("cotangent", o): _like_x(a.get("d" + o), x) for o in meta.get("outputs", [])})
+        values.update({("dtensor", t): v for t, v in dts.items()})
         values.update({("buffer", b): a[b].reshape(-1).contiguous() for b in meta["buffers"] if b in a})
         values.update({("stat", s): a[s].reshape(-1).to(torch.float32).contiguous() for s in meta["stats"][mode]})
         values.update({("dparam", p): parts[p] for p in meta["params"]})
@@ -294,7 +365,11 @@ def run_backward(layer: Layer, mode: str, a: dict, L: rt.Layout) -> tuple[torch.
         layer.kernels[mode][1][(nprog,)](*args, *geo.values(), channels, **blk, PCHAN=pchan, **_warps(geo, blk))
     else:
         dx.zero_()
+        for v in dts.values():
+            v.zero_()
     dparams = {p: reduce_rows(parts[p], a[p].dtype).reshape(a[p].shape) for p in meta["params"]}
+    if dts:
+        return (dx, *(finish_tensor_grad(meta, t, v, a[t], L) for t, v in dts.items())), dparams, dins
     return dx, dparams, dins
 
 
@@ -337,9 +412,13 @@ def forward(
     training: bool = True,
     num_groups: int | None = None,
     out: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, Cache]:
+    tensors: dict | None = None,
+    outs: Any = None,
+) -> tuple[Any, Cache]:
     """``(y, cache)`` by the mode's forward kernel; running buffers given in training mode
-    are updated in place."""
+    are updated in place. ``tensors``: the tensor inputs beside x by name; a layer with
+    outputs beside y returns ``((y, *outputs), cache)``, written into ``outs`` (a sequence
+    or a dict by name of preallocated tensors) where given."""
     meta = layer.meta
     name = meta["name"]
     if not isinstance(x, torch.Tensor):
@@ -348,19 +427,27 @@ def forward(
     params = {p: _tensor(v, x) if p in meta["scalar_params"] else v for p, v in params.items()}
     ins = {i: _tensor(v, x) for i, v in inputs.items()}
     a = {"x": x, **params, **ins, **options, "num_groups": num_groups or 0}
+    a.update({t: v for t, v in (tensors or {}).items()})
     if reads_buffers(meta, mode):
         missing = [b for b in meta["buffers"] if buffers.get(b) is None]
         if missing:
             raise ValueError(f"{name}: {mode} mode needs {missing[0]} (its statistics read it)")
     a.update({b: v for b, v in buffers.items() if v is not None})
     L = check_call(meta, mode, a)
+    given = _outs_by_name(meta, outs)
     kept = {b: buffers[b].detach().clone() for b in meta["buffers"]} if reads_buffers(meta, mode) else {}
     with torch.no_grad():
-        y, stats = run_forward(layer, mode, a, L, update=mode == "train" and x.numel() > 0)
-    if out is not None:
-        if not isinstance(out, torch.Tensor) or out.shape != y.shape or out.dtype != y.dtype:
-            raise ValueError(f"out must be a tensor of shape {tuple(y.shape)} and dtype {y.dtype}")
-        y = out.copy_(y)
+        ys, stats = run_forward(layer, mode, a, L, update=mode == "train" and x.numel() > 0)
+    names = meta.get("outputs", [])
+    got = ys if names else (ys,)
+    res = []
+    for f, g, o in zip(("y", *names), got, (out, *(given.get(n) for n in names))):
+        if o is not None:
+            what = "out" if f == "y" else f"outs.{f}"
+            if not isinstance(o, torch.Tensor) or o.shape != g.shape or o.dtype != g.dtype:
+                raise ValueError(f"{what} must be a tensor of shape {tuple(g.shape)} and dtype {g.dtype}")
+            g = o.copy_(g)
+        res.append(g)
     cache = Cache(
         meta,
         mode,
@@ -373,8 +460,27 @@ def forward(
         buffers=kept,
         num_groups=num_groups,
         user_x=x,
+        tensors={t: a[t].detach() for t in tensor_names(meta)},
     )
-    return y, cache
+    return (tuple(res) if names else res[0]), cache
+
+
+def _outs_by_name(meta: dict, outs: Any) -> dict:
+    """Preallocated outputs beside y by name: ``outs`` None, a sequence in order or a dict."""
+    names = meta.get("outputs", [])
+    if outs is None:
+        return {}
+    if not isinstance(outs, dict):
+        outs = list(outs)
+        if len(outs) != len(names):
+            raise ValueError(
+                f"{meta['name']}: outs must have {len(names)} tensors ({', '.join(names)}), got {len(outs)}"
+            )
+        outs = dict(zip(names, outs))
+    extra = set(outs) - set(names)
+    if extra:
+        raise ValueError(f"{meta['name']}: outs has unknown output(s) {', '.join(sorted(extra))}")
+    return outs
 
 
 def _check_cache(meta: dict, cache: Any) -> Cache:
@@ -399,18 +505,39 @@ def _store_all(got: tuple, out: Any, fields: tuple[str, ...]) -> tuple:
     return tuple(res)
 
 
-def backward(layer: Layer, dy: torch.Tensor, cache: Cache, out: Any = None) -> tuple:
-    """``Grads(dx, d<param>..., d<input>...)`` by the mode's backward kernel."""
+def _check_like_x(meta: dict, what: str, t: Any, x: torch.Tensor) -> None:
+    """``t`` (dy, a cotangent) is a tensor of x's shape, dtype and device."""
+    if (
+        not isinstance(t, torch.Tensor)
+        or tuple(t.shape) != tuple(x.shape)
+        or t.dtype != x.dtype
+        or t.device != x.device
+    ):
+        got = f"{tuple(t.shape)} {t.dtype} on {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__
+        raise ValueError(
+            f"{meta['name']}: {what} must have the shape and dtype of x {tuple(x.shape)} {x.dtype}"
+            f" (on {x.device}), got {got}"
+        )
+
+
+def backward(layer: Layer, dy: torch.Tensor, cache: Cache, out: Any = None, cotangents: dict | None = None) -> tuple:
+    """``Grads(dx, d<tensor>..., d<param>..., d<input>...)`` by the mode's backward kernel;
+    ``cotangents``: those of the outputs beside y by name (None: zero)."""
     meta = layer.meta
     cache = _check_cache(meta, cache)
     x = cache.x
-    if not isinstance(dy, torch.Tensor) or tuple(dy.shape) != tuple(x.shape) or dy.dtype != x.dtype:
-        got = f"{tuple(dy.shape)} {dy.dtype}" if isinstance(dy, torch.Tensor) else type(dy).__name__
-        raise ValueError(f"{meta['name']}: dy must have the shape and dtype of x {tuple(x.shape)} {x.dtype}, got {got}")
+    _check_like_x(meta, "dy", dy, x)
+    cots = {}
+    for o, c in (cotangents or {}).items():
+        if c is not None:
+            _check_like_x(meta, "d" + o, c, x)
+            cots["d" + o] = c.detach()
     a = {"dy": dy.detach(), "x": x, **cache.params, **cache.inputs, **cache.buffers, **cache.options, **cache.stats}
+    a.update(cache.tensors)
+    a.update(cots)
     with torch.no_grad():
         dx, dparams, dins = run_backward(layer, cache.mode, a, cache.layout)
-    got = [dx, *(dparams[p] for p in meta["params"])]
+    got = [*(dx if isinstance(dx, tuple) else (dx,)), *(dparams[p] for p in meta["params"])]
     for i in meta["inputs"]:
         given = cache.inputs[i]
         d = dins[i]
@@ -420,6 +547,10 @@ def backward(layer: Layer, dy: torch.Tensor, cache: Cache, out: Any = None) -> t
 
 def _torch_cache(layer: Layer, cache: Cache) -> tuple[Any, Any]:
     """The generated PyTorch module of the layer's spec and its cache at the same point."""
+    if layer.meta.get("tensors") or layer.meta.get("outputs"):
+        raise NotImplementedError(
+            f"{layer.meta['name']}: the second order of tensor inputs and outputs beside y is not derived yet"
+        )
     if layer.spec is None:
         raise RuntimeError(f"{layer.meta['name']}: load the module with derivgen.load(spec, backend='triton')")
     tm = load(layer.spec, "torch")
