@@ -233,7 +233,7 @@ def _formulas(d: LayerDerivation, printer: SpecPrinter) -> dict[str, list[str]]:
 
 
 # the targets that take tensor inputs, values and outputs beside y (Spec.multi)
-MULTI_TARGETS = frozenset({"numpy", "c", "jax", "torch"})
+MULTI_TARGETS = frozenset({"numpy", "c", "jax", "torch", "triton"})
 
 # the targets whose kernels have no per-block sums (block statistics: derivgen.symbolic.block)
 BLOCKLESS = ("triton",)

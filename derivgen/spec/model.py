@@ -71,7 +71,7 @@ TOP_LEVEL_FIELDS = {
 # the data and its gradient, the derivation's g, the keyword arguments every
 # generated forward takes, and the functions of the expression language
 # (derivgen/symbolic/functions.py).
-FORMAT_NAMES = frozenset({"x", "y", "dy", "dx", "g", "out", "training", "num_groups", "leading", "window"})
+FORMAT_NAMES = frozenset({"x", "y", "dy", "dx", "g", "out", "outs", "training", "num_groups", "leading", "window"})
 
 
 def reserved_reason(name: str) -> str | None:

@@ -606,9 +606,10 @@ def _bench_case(
         floor = {ph: min(bound[ph], nt_bound[ph]) for ph in ("fwd", "bwd")}
         phase = {}
         for impl in [label for label, _ in impls] + ["torch", "torch.compile"]:
-            fwd = t2[(impl, "fwd")]
+            # the backward: fwd+bwd less fwd, both medians of the same rounds (a compiled
+            # function's backward cannot be run again on one retained graph)
             total = t2[(impl, "step")] if (impl, "step") in t2 else t2[(impl, "alloc")]
-            phase[impl] = {"fwd": fwd, "bwd": total - fwd}
+            phase[impl] = {"fwd": t2[(impl, "fwd")], "bwd": total - t2[(impl, "fwd")]}
         for r in rows:
             if r.impl not in phase:
                 continue

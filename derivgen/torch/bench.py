@@ -19,6 +19,7 @@ from torch import nn
 from derivgen.runtime.machine import machine
 from derivgen.tools.bench import Bandwidth, missed_below_floor, round_robin
 from derivgen.torch import nn as dnn
+from derivgen.torch.fused import FusedAddRMSNorm, RMSNormGated
 
 # (label, torch.nn module factory, input shape, memory format, target derivgen/torch or None,
 #  sweeps: the fewest times forward + backward together move an x-sized tensor through
@@ -137,6 +138,12 @@ def _run(
         "cases": rows,
         "block": None,
     }
+    if cases is None or "fused" in cases:
+        if bw is None:
+            bw = Bandwidth(threads)
+        rep["fused"] = _fused_rows(tdt, gen, repeat, bw)
+        if progress:
+            progress("fused layers")
     if cases is None or "second" in cases:
         rep["second"] = _second_rows(tdt, gen, repeat)
         if progress:
@@ -264,6 +271,129 @@ def _block_row(tdt: torch.dtype, gen: torch.Generator, repeat: int) -> dict:
     )
 
 
+# the fused layers (tensor inputs beside x, outputs beside y): (label, module factory, the
+# same function in PyTorch as a user writes it, its inputs beside x, shape, sweeps). Sweeps:
+# add+RMSNorm's forward reads x and residual and writes y and h, its backward reads dy, dh
+# and x (or h) and writes dx (dresidual is the same values): 8; the gated RMSNorm's forward
+# reads x and z and writes y, its backward reads dy, x and z and writes dx and dz: 8.
+def _add_rmsnorm(x, residual, w, eps=1e-6):
+    h = x + residual
+    return torch.nn.functional.rms_norm(h, (x.shape[-1],), w, eps), h
+
+
+def _rmsnorm_gated_before(x, z, w, eps=1e-5):
+    return torch.nn.functional.rms_norm(x * torch.nn.functional.silu(z), (x.shape[-1],), w, eps)
+
+
+FUSED = [
+    ("FusedAddRMSNorm", lambda d: FusedAddRMSNorm(d, eps=1e-6), _add_rmsnorm, (8192, 4096), 8),
+    ("FusedAddRMSNorm", lambda d: FusedAddRMSNorm(d, eps=1e-6), _add_rmsnorm, (32, 4096), None),
+    (
+        "RMSNormGated (gate before)",
+        lambda d: RMSNormGated(d, eps=1e-5, norm_before_gate=False),
+        _rmsnorm_gated_before,
+        (8192, 4096),
+        8,
+    ),
+]
+
+
+def _fused_rows(tdt: torch.dtype, gen: torch.Generator, repeat: int, bw: Bandwidth) -> list[dict]:
+    """Each fused layer's forward and forward + backward: derivgen.torch's module, the same
+    function in eager PyTorch and through ``torch.compile``, and the memory floor, side by
+    side (the backward is fwd+bwd less fwd, each timed in the same rounds)."""
+    return [_fused_row(*case, tdt, gen, repeat, bw) for case in FUSED]
+
+
+def _fused_row(
+    label: str,
+    make: Callable[[int], nn.Module],
+    fn: Callable,
+    shape: tuple[int, ...],
+    sweeps: int | None,
+    tdt: torch.dtype,
+    gen: torch.Generator,
+    repeat: int,
+    bw: Bandwidth,
+) -> dict:
+    """One fused layer's row (:func:`_fused_rows`)."""
+    ours = make(shape[-1]).to(tdt)
+    x = torch.randn(shape, generator=gen, dtype=tdt, requires_grad=True)
+    t = torch.randn(shape, generator=gen, dtype=tdt, requires_grad=True)
+    w = torch.ones(shape[-1], dtype=tdt, requires_grad=True)
+    cots = [torch.randn(shape, generator=gen, dtype=tdt) for _ in range(2)]
+    compiled = torch.compile(fn)
+    k = _inner(x)
+
+    def step(f):
+        def call():
+            for _ in range(k):
+                x.grad = t.grad = w.grad = None
+                out = f(x, t)
+                out = out if isinstance(out, tuple) else (out,)
+                torch.autograd.backward(out, cots[: len(out)])
+
+        return call
+
+    def fwd(f):
+        def call():
+            with torch.no_grad():
+                for _ in range(k):
+                    f(x, t)
+
+        return call
+
+    impls = {
+        "derivgen": lambda a, b: ours(a, b),
+        "eager": lambda a, b: fn(a, b, w),
+        "compile": lambda a, b: compiled(a, b, w),
+    }
+    fns = {}
+    for name, f in impls.items():
+        step(f)()  # compiled and warmed up outside the timing
+        fns[name + "_step"], fns[name + "_fwd"] = step(f), fwd(f)
+    fns.update(copy=bw.copy, stream_copy=bw.stream_copy)
+    ms = round_robin(fns, repeat)
+    row = {"case": label, "shape": list(shape)}
+    for name in impls:
+        row[name + "_fwd"] = ms[name + "_fwd"] / k
+        row[name + "_step"] = ms[name + "_step"] / k
+        row[name + "_bwd"] = row[name + "_step"] - row[name + "_fwd"]  # a compiled backward runs once per graph
+    for ph in ("fwd", "bwd"):
+        row[ph + "_vs_eager"] = row["derivgen_" + ph] / row["eager_" + ph]
+        row[ph + "_vs_compile"] = row["derivgen_" + ph] / row["compile_" + ph]
+    if sweeps is not None:
+        rates = bw.rates(ms)
+        best = max(rates["copy_GBps"], rates["stream_copy_GBps"])
+        nbytes = x.numel() * x.element_size()
+        row["bandwidth"] = rates
+        row["floor_fwd_ms"] = 4 * nbytes / (best * 1e6)
+        row["floor_bwd_ms"] = (sweeps - 4) * nbytes / (best * 1e6)
+        row["fwd_vs_floor"] = row["derivgen_fwd"] / row["floor_fwd_ms"]
+        row["bwd_vs_floor"] = row["derivgen_bwd"] / row["floor_bwd_ms"]
+    return row
+
+
+def _fused_lines(rows: list[dict]) -> list[str]:
+    """The fused layers' table (:func:`_fused_rows`)."""
+    out = [
+        "",
+        "fused layers, derivgen.torch's module (eager: the same function in PyTorch; compile: it through",
+        "torch.compile; bwd = fwd+bwd - fwd, medians of the same rounds; floor: the",
+        "bytes they must move; each ratio is fwd, then bwd):",
+        f"{'case':26s} {'shape':>10s} {'fwd':>9s} {'bwd':>9s} {'/eager':>11s} {'/compile':>11s} {'/floor':>11s}",
+    ]
+    for r in rows:
+        shape = "x".join(map(str, r["shape"]))
+        floor = f"{r['fwd_vs_floor']:5.2f} {r['bwd_vs_floor']:5.2f}" if "fwd_vs_floor" in r else "-"
+        out.append(
+            f"{r['case']:26s} {shape:>10s} {_t(r['derivgen_fwd']):>9s} {_t(r['derivgen_bwd']):>9s} "
+            f"{r['fwd_vs_eager']:5.2f} {r['bwd_vs_eager']:5.2f} {r['fwd_vs_compile']:5.2f} {r['bwd_vs_compile']:5.2f} "
+            f"{floor:>11s}"
+        )
+    return out
+
+
 SECOND_SHAPE = (8192, 1024)
 
 
@@ -378,6 +508,8 @@ def format_torch_report(rep: dict) -> str:
             f"{r['ratio']:6.2f} {r['fwd_ratio']:9.2f} {tgt:>7s}{ok}"
         )
     lines += _floor_lines(rep["cases"])
+    if rep.get("fused"):
+        lines += _fused_lines(rep["fused"])
     if rep.get("second"):
         lines += [
             "",

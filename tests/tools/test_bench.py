@@ -269,3 +269,20 @@ def test_a_target_below_the_memory_floor_says_so():
     assert "MISSED" in text and "memory floor" not in text
     c_ratios["step_vs_torch"] = 0.7  # met: no word of the floor
     assert "memory floor" not in "\n".join(target_lines(high))
+
+
+@pytest.mark.full  # torch.compile compiles the same function twice: a minute on a 2-core machine
+def test_bench_times_a_fused_layer_against_eager_and_compiled_pytorch():
+    """add_rmsnorm: the C and NumPy modules, eager PyTorch (x + residual, then F.rms_norm) and
+    torch.compile of it, each phase in the same rounds, against the bytes the layer moves."""
+    pytest.importorskip("torch")
+    from derivgen.tools.bench import format_report, run_bench
+
+    rep = run_bench(["add_rmsnorm"], shapes=[(16, 64)], threads=1, repeat=2)
+    impls = {r["impl"]: r for r in rep["results"]}
+    assert {"generated c", "generated numpy", "torch", "torch.compile"} <= set(impls)
+    c = impls["generated c"]["ratios"]
+    for k in ("fwd_vs_eager", "bwd_vs_eager", "fwd_vs_compile", "bwd_vs_compile", "fwd_vs_floor", "bwd_vs_floor"):
+        assert math.isfinite(c[k]) and c[k] > 0, k
+    assert c["fwd_vs_eager"] == pytest.approx(c["same_round_fwd_ms"] / impls["torch"]["ratios"]["same_round_fwd_ms"])
+    assert "fwd x compile" in format_report(rep)

@@ -494,3 +494,23 @@ def test_tensor_inputs_by_keyword_and_as_a_function():
     assert torch.equal(y1, y2) and torch.equal(h1, h2) and torch.equal(h1, a["x"] + a["residual"])
     with pytest.raises(TypeError, match="layernorm: forward takes x positionally, got 2 tensors"):
         dt.Module("layernorm", 8, dtype=torch.float64)(a["x"], a["residual"])
+
+
+@pytest.mark.full  # torch.compile compiles three functions: a minute on a 2-core machine
+def test_the_fused_bench_rows():
+    """``derivgen bench --torch``'s fused rows: derivgen.torch's module, the same function in eager
+    PyTorch and through torch.compile, each phase, and the floor of the bytes they must move
+    (timings are not asserted: the ratios and the floor's arithmetic)."""
+    from derivgen.tools.bench import Bandwidth
+    from derivgen.torch.bench import FUSED, _fused_lines, _fused_row
+
+    label, make, fn, _, sweeps = FUSED[0]
+    assert label == "FusedAddRMSNorm" and sweeps == 8
+    gen = torch.Generator().manual_seed(0)
+    row = _fused_row(label, make, fn, (16, 64), sweeps, torch.float32, gen, 2, Bandwidth(1, mib=8))
+    best = max(row["bandwidth"]["copy_GBps"], row["bandwidth"]["stream_copy_GBps"])
+    assert row["floor_fwd_ms"] == pytest.approx(4 * 16 * 64 * 4 / (best * 1e6))
+    assert row["fwd_vs_eager"] == pytest.approx(row["derivgen_fwd"] / row["eager_fwd"])
+    assert row["bwd_vs_compile"] == pytest.approx(row["derivgen_bwd"] / row["compile_bwd"])
+    text = "\n".join(_fused_lines([row]))
+    assert "FusedAddRMSNorm" in text and max(map(len, text.splitlines())) <= 100

@@ -20,7 +20,6 @@ require_module("triton")
 import triton_cases as tc
 
 import derivgen
-from derivgen import api
 from derivgen.triton.calls import tile_limit
 
 emit_module = importlib.import_module("derivgen.codegen.emit")  # derivgen.codegen.emit is also a function's name
@@ -39,16 +38,6 @@ def multi_zoo() -> list[str]:
 
 
 LAYERS = multi_zoo()
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _triton_takes_them():
-    """The Triton target for these layers, whether or not ``emit.MULTI_TARGETS`` names it yet;
-    the modules loaded meanwhile are forgotten afterwards (another test may expect a refusal)."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(emit_module, "MULTI_TARGETS", emit_module.MULTI_TARGETS | {"triton"})
-        mp.setattr(api, "_LOADED", dict(api._LOADED))
-        yield
 
 
 def _tensor_shape(spec, kind: str, x: tuple) -> tuple:
@@ -286,8 +275,6 @@ import importlib, importlib.util, sys
 spec = importlib.util.spec_from_file_location("driver", sys.argv[1])
 driver = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(driver)  # sets TRITON_INTERPRET=0 before Triton is imported
-emit = importlib.import_module("derivgen.codegen.emit")
-emit.MULTI_TARGETS = emit.MULTI_TARGETS | {"triton"}
 NAMES = {"output": "{}_Out", "cotangent": "d{}_Ptr", "dtensor": "{}_Dt"}
 plain = driver.signature
 

@@ -20,8 +20,7 @@ from derivgen.triton import ops
 from derivgen.triton.calls import tile_limit
 
 EXAMPLES = sorted((ROOT / "examples").glob("*.toml"))
-# the layers with tensor inputs or outputs beside y: tests/zoo/test_zoo_multi.py, which checks this
-# target refuses them
+# the layers with tensor inputs or outputs beside y: tests/triton/test_triton_multi.py
 ZOO = [p for p in sorted((ROOT / "derivgen" / "spec" / "zoo").glob("*.toml")) if not load_spec_file(p).multi]
 # every layout kind, scalar parameters, per-group inputs, buffers with eval modes; maximum,
 # stop_gradient, clip, sigmoid, erf, minimum, a group minimum and a group maximum

@@ -280,11 +280,22 @@ def test_bad_tensor_arguments_are_named():
         mr.backward(h, cache, dh=h[:1])
 
 
-@pytest.mark.parametrize("backend", sorted({"numpy", "c", "torch", "triton"} - MULTI_TARGETS))
-def test_the_other_targets_refuse_these_layers_in_one_line(backend):
-    with pytest.raises(NotImplementedError, match="add_rmsnorm.*not yet for") as info:
-        derivgen.load("add_rmsnorm", backend=backend)
+def test_what_the_c_target_does_not_take_is_refused_in_one_line(tmp_path):
+    """Every target generates these layers; the C kernels refuse tensor inputs in a position
+    layout (one line naming the spec), and the NumPy target runs it."""
+    path = tmp_path / "pos.toml"
+    path.write_text(
+        'name = "pos_gate"\ntitle = "t"\n[layout]\nkind = "channels"\nreduce = "position"\n'
+        "[tensors]\nz = {}\n[options]\neps = { default = 1e-5, min = 0 }\n"
+        '[statistics]\nms = "mean(x**2)"\n[output]\ny = "x/sqrt(ms + eps)*z"\n'
+    )
+    assert {"numpy", "c", "torch", "triton", "jax"} <= MULTI_TARGETS
+    with pytest.raises(NotImplementedError, match="pos.toml: the C kernels take tensor inputs") as info:
+        derivgen.load(path, backend="c")
     assert "\n" not in str(info.value)
+    x, z = np.ones((2, 3, 4)), np.ones((2, 3, 4))
+    y, _ = derivgen.load(path, backend="numpy").forward(x, z)
+    assert y.shape == x.shape
 
 
 def test_the_second_order_is_refused_in_one_line():
