@@ -98,6 +98,13 @@ BAD = {
         "statistics.rstd",
         "residual varies within a normalization group",
     ),
+    # the spec fuzzer's tensor family, seed 300072: a tensor named outs clashed with the
+    # forward's outs= keyword (preallocated outputs beside y)
+    "a tensor named as a keyword of the forward": (
+        {"tensors": 'outs = {}', "values": 'h = "x + outs"'},
+        "tensors.outs",
+        "reserved name 'outs'",
+    ),
     "an output named as a value but not that value": (
         {"output": 'y = "weight*hhat"\nh = "2*h"'},
         "output.h",
