@@ -141,7 +141,7 @@ def test_statistics_reading_two_values_is_one_error_under_every_hash_seed(tmp_pa
         "except SpecError as e:\n"
         "    print(e)\n"
     )
-    for seed in range(4):
+    for seed in (1, 3):  # two seeds under which the set order once gave another field
         r = subprocess.run(
             [sys.executable, "-c", probe, str(path)],
             capture_output=True,
