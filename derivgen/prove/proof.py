@@ -773,22 +773,29 @@ def prove_derivation(derivation: _Derived, sizes: Iterable[int] = (2, 3, 4, 5, 6
 
 
 def _explicit_seeds(second: SecondOrder, ex: _Explicit) -> None:
-    """Give the per-element cotangents and tangents (δx, ẋ, δp, ṗ of per-element parameters)
-    explicit elements in ``ex``."""
+    """Give the per-element cotangents and tangents (δx, ẋ, δp, ṗ of per-element parameters,
+    δt, ṫ of tensor inputs) explicit elements in ``ex``, and a core value's δh and ḣ their
+    definitions."""
     spec = second.spec
     for named in [
         second.cot_x,
         second.tan_x,
+        *second.cot_tensors.values(),
+        *second.tan_tensors.values(),
     ]:
         ex.elem[named.symbol] = _elements(named.name, ex.n)
     for p in spec.params:
         if not p.scalar:
             for named in (second.cot_params[p.name], second.tan_params[p.name]):
                 ex.elem[named.symbol] = ex.per_channel(named.name)
+    if second.cot_core is not None:
+        ex.derived[second.cot_core.symbol] = second.cot_core_expr
+    if second.tan_core is not None:
+        ex.derived[second.tan_core.symbol] = second.tan_core_expr
 
 
 def _double_backward_loss(second: SecondOrder, ex: _Explicit, loss: sympy.Expr) -> sympy.Expr:
-    """L₂ = Σ δx·∂L/∂x + Σ δp·∂L/∂p + δi·∂L/∂i: the VJP of the brute-force backward."""
+    """L₂ = Σ δx·∂L/∂x + Σ δp·∂L/∂p + δi·∂L/∂i + Σ δt·∂L/∂t: the VJP of the brute-force backward."""
     spec = second.spec
     n = ex.n
     l2 = sympy.Add(*[ex.elem[second.cot_x.symbol][i] * _diff(loss, ex.elem[X][i]) for i in range(n)])
@@ -801,6 +808,9 @@ def _double_backward_loss(second: SecondOrder, ex: _Explicit, loss: sympy.Expr) 
             l2 += sympy.Add(*[cs * _diff(loss, ps) for ps, cs in pairs.items()])
     for inp in spec.inputs:
         l2 += second.cot_inputs[inp.name].symbol * _diff(loss, inp.symbol)
+    for t in spec.grad_tensors:  # one symbol per element, each with its own cotangent
+        c = second.cot_tensors[t.name].symbol
+        l2 += sympy.Add(*[ex.elem[c][i] * _diff(loss, ex.elem[t.symbol][i]) for i in range(n)])
     return l2
 
 
@@ -810,12 +820,14 @@ def _cotangent_seeds(second: SecondOrder, ex: _Explicit) -> list[sympy.Symbol]:
     for p in second.spec.params:
         c = second.cot_params[p.name].symbol
         seeds += [c] if p.scalar else list(dict.fromkeys(ex.elem[c]))
-    return seeds + [second.cot_inputs[i.name].symbol for i in second.spec.inputs]
+    seeds += [second.cot_inputs[i.name].symbol for i in second.spec.inputs]
+    return seeds + [s for t in second.spec.grad_tensors for s in ex.elem[second.cot_tensors[t.name].symbol]]
 
 
 def _double_backward_checks(second: SecondOrder, ex: _Explicit, loss: sympy.Expr) -> list[_Check]:
     """(what, difference, cotangents) for the double backward's dx, d(∂L/∂y), parameter and
-    input gradients: brute-force derivatives of L₂ against the closed forms at element 0."""
+    input gradients, and for layers with them, d(∂L/∂out) of each output beside y and the
+    tensor inputs' gradients: brute-force derivatives of L₂ against the closed forms at element 0."""
     spec = second.spec
     l2 = _double_backward_loss(second, ex, loss)
     seeds = _cotangent_seeds(second, ex)
@@ -826,6 +838,14 @@ def _double_backward_checks(second: SecondOrder, ex: _Explicit, loss: sympy.Expr
             (f"double backward ddy_{i}", _diff(l2, ex.elem[DY][i]) - ex.at(second.ddy, i)),
         ]
         checks += [
+            (f"double backward dd{o.name}_{i}", _diff(l2, ex.elem[o.cotangent][i]) - ex.at(second.ddouts[o.name], i))
+            for o in spec.outputs
+        ]
+        checks += [
+            (f"double backward d{t.name}_{i}", _diff(l2, ex.elem[t.symbol][i]) - ex.at(second.dtensors[t.name], i))
+            for t in spec.grad_tensors
+        ]
+        checks += [
             _param_check("double backward ", l2, p, second.grads[p.name], ex, i)
             for p in spec.params
             if not p.scalar or i == 0
@@ -834,9 +854,10 @@ def _double_backward_checks(second: SecondOrder, ex: _Explicit, loss: sympy.Expr
     return [(what, d, seeds) for what, d in checks]
 
 
-def _jvp_check(second: SecondOrder, ex: _Explicit, y0: sympy.Expr, i: int = 0) -> _Check:
+def _jvp_check(second: SecondOrder, ex: _Explicit, y0: sympy.Expr, i: int = 0, out: str = "y") -> _Check:
     """("JVP y_i", difference, tangents): the directional derivative of the explicit y_i (``y0``)
-    along (ẋ, ṗ, i̇) against the closed-form ẏ at element i."""
+    along (ẋ, ṗ, i̇, ṫ) against the closed-form ẏ at element i (of the output ``out`` beside y:
+    its tangent)."""
     spec = second.spec
     tx = ex.elem[second.tan_x.symbol]
     ty0 = sympy.Add(*[_diff(y0, ex.elem[X][j]) * tx[j] for j in range(ex.n)])
@@ -854,7 +875,23 @@ def _jvp_check(second: SecondOrder, ex: _Explicit, y0: sympy.Expr, i: int = 0) -
         t = second.tan_inputs[inp.name].symbol
         ty0 += _diff(y0, inp.symbol) * t
         tseeds.append(t)
-    return (f"JVP y_{i}", ty0 - ex.at(second.ty, i), tseeds)
+    for tn in spec.grad_tensors:
+        tt = ex.elem[second.tan_tensors[tn.name].symbol]
+        ty0 += sympy.Add(*[_diff(y0, ex.elem[tn.symbol][j]) * tt[j] for j in range(ex.n)])
+        tseeds += list(tt)
+    closed = second.ty if out == "y" else second.touts[out]
+    return (f"JVP {out}_{i}", ty0 - ex.at(closed, i), tseeds)
+
+
+def _explicit_outputs(ex: _Explicit) -> dict[str, list[sympy.Expr]]:
+    """The explicit outputs beside y (x̂ written out), each at every element."""
+    first = ex.first
+    xhat = first.spec.normalized.symbol if first.spec.normalized else None
+    out = {}
+    for o in first.spec.outputs:
+        full = o.expr.xreplace({xhat: first.normalized_expr}) if xhat is not None else o.expr
+        out[o.name] = [ex.at(full, i) for i in range(ex.n)]
+    return out
 
 
 def _second_checks(second: SecondOrder, n: int) -> list[_Check]:
@@ -869,15 +906,34 @@ def _second_checks(second: SecondOrder, n: int) -> list[_Check]:
             *_double_backward_checks(second, ex, loss),
             *(_jvp_check(second, ex, ys[i], i) for i in _positions(ex)),
         ]
-        checks += [(_sized(what, k), d, lin) for what, d, lin in found]
+        for name, values in _explicit_outputs(ex).items():
+            found += [_jvp_check(second, ex, values[i], i, name) for i in _positions(ex)]
+        shift = _core_coordinates(second.spec, ex)
+        checks += [(_sized(what, k), d.xreplace(shift) if shift else d, lin) for what, d, lin in found]
     return [(what, almost_everywhere(d), lin) for what, d, lin in checks]
+
+
+def _core_coordinates(spec: Spec, ex: _Explicit) -> dict[sympy.Symbol, sympy.Expr]:
+    """For a core value h = x + c(t) (a residual sum): x_j = h_j - c(t)_j, a change of variables
+    with polynomial inverse, so a difference is zero in (x, t) exactly where it is zero in
+    (h, t). The layer reads x only through h: each difference, brute force and closed form
+    alike, then holds one data symbol per element where it held one per summand (the residual
+    layers' exact reduction is several times smaller). Empty for other layers."""
+    core = spec.core
+    if core is None or sympy.diff(core.expr, X) != 1 or sympy.diff(core.expr, X, 2) != 0:
+        return {}
+    rest = core.expr - X
+    hs = [sympy.Symbol(f"{core.name}[{j}]", real=True) for j in range(ex.n)]
+    return {ex.elem[X][j]: hs[j] - ex.at(rest, j) for j in range(ex.n)}
 
 
 def prove_second_mode(second: SecondOrder, sizes: Iterable[int] = (2, 3, 4, 5), work: int | None = None) -> ModeProof:
     """The second-order closed forms (:mod:`derivgen.derive.second`) against brute force at small N:
     the first-order gradients of the explicit layer by ``sympy.diff``, their VJP with the
     cotangents (δx, δp, δi) differentiated again, and the directional derivative of the
-    explicit y along (ẋ, ṗ, i̇); compared at element 0 like the first order, one
+    explicit y along (ẋ, ṗ, i̇); for a layer with tensor inputs and outputs beside y, δt and ṫ
+    of each tensor with a gradient, the gradients of L₂ w.r.t. each tensor and each output's
+    cotangent, and the tangent of each output; compared at element 0 like the first order, one
     coefficient of each cotangent or tangent at a time (both sides are linear in them).
     Falls back to 80-digit evaluation at random rational points when the symbolic budget
     (``work`` units of exact arithmetic per size, :data:`SYMBOLIC_WORK` by default) is spent
