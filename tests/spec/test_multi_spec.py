@@ -101,7 +101,7 @@ BAD = {
     # the spec fuzzer's tensor family, seed 300072: a tensor named outs clashed with the
     # forward's outs= keyword (preallocated outputs beside y)
     "a tensor named as a keyword of the forward": (
-        {"tensors": 'outs = {}', "values": 'h = "x + outs"'},
+        {"tensors": "outs = {}", "values": 'h = "x + outs"'},
         "tensors.outs",
         "reserved name 'outs'",
     ),
