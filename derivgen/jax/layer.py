@@ -100,7 +100,7 @@ def rule(mod: ModuleType, mode: str, L: JaxLayout, options: tuple, kind: str = "
 def _multi_rule(mod: ModuleType, mode: str, L: JaxLayout, opts: dict, kind: str):
     """``core(x, tensors, params, inputs, buffers) -> (y, *outputs)`` for a layer with tensor
     inputs beside x (views of x's shape) or outputs beside y: a ``custom_vjp`` over the derived
-    VJP, whose backward takes a cotangent per output (its forward-mode rule is not derived yet)."""
+    VJP, whose backward takes a cotangent per output (its derived forward-mode rule is not generated yet)."""
     meta = mod.META
     if kind == "jvp":
         raise NotImplementedError(

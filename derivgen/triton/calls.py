@@ -17,7 +17,7 @@ written out at x's shape and strides first (:func:`at_x`), and its element gradi
 at x's shape in float32, are summed over the axes it is broadcast over afterwards
 (:func:`finish_tensor_grad`). A layer with outputs beside y (``META["outputs"]``) returns
 ``((y, *outputs), cache)`` and its backward takes their cotangents ``d<output>=`` (None:
-zero). Their second order is not derived yet: ``backward_backward`` and ``jvp`` refuse them.
+zero). Their second order is derived but not generated yet: ``backward_backward`` and ``jvp`` refuse them.
 
 A group is a matrix of A rows and B columns of x (:func:`geometry`): a row of x for a
 trailing layout (A = 1); a sample's channel (instance), a sample's group of channels
@@ -549,7 +549,7 @@ def _torch_cache(layer: Layer, cache: Cache) -> tuple[Any, Any]:
     """The generated PyTorch module of the layer's spec and its cache at the same point."""
     if layer.meta.get("tensors") or layer.meta.get("outputs"):
         raise NotImplementedError(
-            f"{layer.meta['name']}: the second order of tensor inputs and outputs beside y is not derived yet"
+            f"{layer.meta['name']}: the second order of tensor inputs and outputs beside y is derived (derivgen derive --order 2) but not generated yet"
         )
     if layer.spec is None:
         raise RuntimeError(f"{layer.meta['name']}: load the module with derivgen.load(spec, backend='triton')")
