@@ -909,8 +909,16 @@ def _second_checks(second: SecondOrder, n: int) -> list[_Check]:
         for name, values in _explicit_outputs(ex).items():
             found += [_jvp_check(second, ex, values[i], i, name) for i in _positions(ex)]
         shift = _core_coordinates(second.spec, ex)
-        checks += [(_sized(what, k), d.xreplace(shift) if shift else d, lin) for what, d, lin in found]
-    return [(what, almost_everywhere(d), lin) for what, d, lin in checks]
+        checks += [(_sized(what, k), _shifted(almost_everywhere(d), shift), lin) for what, d, lin in found]
+    return checks
+
+
+def _shifted(d: sympy.Expr, shift: dict[sympy.Symbol, sympy.Expr]) -> sympy.Expr:
+    """``d`` in the coordinates ``shift`` gives (:func:`_core_coordinates`); as it is where it
+    holds a derivative SymPy left unevaluated (its variable must stay a symbol)."""
+    if not shift or d.has(sympy.Derivative, sympy.Subs):
+        return d
+    return d.xreplace(shift)
 
 
 def _core_coordinates(spec: Spec, ex: _Explicit) -> dict[sympy.Symbol, sympy.Expr]:
