@@ -10,6 +10,10 @@ stderr; a compiler's warnings are shown (a :class:`BuildWarning`, and on
 stderr by ``derivgen build``) but do not fail a user's build. The test suite
 and CI build with ``-Werror`` (``DERIVGEN_WERROR=1``): every spec they
 generate must compile without a warning.
+
+A build that is not in the cache yet (a layer's first use) says so in one line on stderr,
+whatever stderr is (a terminal, a notebook, a CI log): what it compiles, about how long
+it takes and where the cache is (:func:`announce`).
 """
 
 from __future__ import annotations
@@ -206,16 +210,41 @@ def build_shared(
         return lib
     root = lib.parent
     key = lib.stem[len(source.stem) + 1 :]
-    _progress(f"derivgen: compiling {source.name} (first use; cached for later calls) ...")
+    announce(f"{source.name}{_variant(extra, cflags)}", _estimate(source), root)
     return _compile(source, lib, root, key, openmp, extra, cflags)
 
 
-def _progress(line: str) -> None:
-    """A line on stderr when it is a terminal (a first-use compile takes seconds); quiet
-    otherwise (pipes, logs, tests)."""
+def announce(what: str, took: str, where: Path) -> None:
+    """One line on stderr before a first-use build, whatever stderr is (a terminal, a
+    notebook, a CI log; a compile takes seconds, the torch extension a minute or two):
+    what it builds, about how long, and the cache it goes to. Nothing when there is no
+    stderr (``pythonw``)."""
     err = sys.stderr
-    if err is not None and hasattr(err, "isatty") and err.isatty():
-        print(line, file=err, flush=True)
+    if err is None:
+        return
+    print(f"derivgen: compiling {what} (first use, about {took}; cached in {where})", file=err, flush=True)
+
+
+def _variant(extra: list[str] | None, cflags: list[str] | None) -> str:
+    """What sets a build apart from a layer's main library, for :func:`announce`."""
+    out = ""
+    if extra and "-DDG_EXTRAS_ONLY" in extra:
+        out += "'s bfloat16 and channels-last kernels"
+    if cflags is not None:
+        target = build_target(cflags)
+        out += f" for -march={target}" if target else " with the given flags"
+    return out
+
+
+def _estimate(source: Path) -> str:
+    """About how long compiling ``source`` takes: measured at -O3 on a 2-core Xeon under
+    load, 8 s for layernorm.c (150 kB), 12 s for online_layernorm.c (205 kB), 18 s for
+    batchnorm.c (490 kB): some 4 s plus 30 s per MB, rounded to 5 s."""
+    try:
+        mb = source.stat().st_size / 1e6
+    except OSError:
+        mb = 0.2
+    return f"{max(5, 5 * round((4 + 30 * mb) / 5))} s"
 
 
 def library_path(

@@ -4,6 +4,7 @@
     model = dt.convert(model)                 # torch.nn norms -> derivgen twins, same state
     norm = dt.LayerNorm(1024)                 # the torch.nn.LayerNorm constructor
     mine = dt.Module("my_norm.toml", 256)     # any spec, as a module
+    dt.build("layernorm", "my_norm.toml")     # compile ahead what first use compiles
     y, h = dt.FusedAddRMSNorm(4096)(x, residual)   # fused residual add + RMSNorm (vLLM, Liger)
     y = dt.RMSNormGated(1024, group_size=256, norm_before_gate=False)(x, z)   # Mamba-2's
 
@@ -11,8 +12,8 @@ On the CPU the layers run derivgen's compiled C kernels; on any other device (CU
 MPS, XPU), under torch.func transforms, and within ``with dt.portable():``, the
 generated PyTorch closed forms (:mod:`derivgen.torch.generic`).
 
-torch is an optional dependency (``pip install 'derivgen[torch]'``, which pins
-the CPU wheel). See :mod:`derivgen.torch.ops` for the operators and
+torch is an optional dependency (``pip install torch ninja``, or the ``torch`` extra
+of derivgen's source, which pins the CPU wheel the tests run). See :mod:`derivgen.torch.ops` for the operators and
 :mod:`derivgen.torch.nn` for the modules.
 """
 
@@ -20,10 +21,12 @@ try:
     import torch as _torch  # noqa: F401
 except ImportError as e:  # pragma: no cover - exercised by a subprocess test
     raise ImportError(
-        "derivgen.torch needs PyTorch, an optional dependency: "
-        "pip install 'derivgen[torch]' (torch==2.13.0, the CPU wheel)"
+        "derivgen.torch needs PyTorch, an optional dependency: pip install torch ninja "
+        "(or the torch extra of derivgen's source, pip install '/path/to/derivgen[torch]': "
+        "torch==2.13.0, the CPU wheel)"
     ) from e
 
+from derivgen.torch.ahead import build
 from derivgen.torch.fused import FusedAddRMSNorm, RMSNormGated
 from derivgen.torch.generic import portable
 from derivgen.torch.nn import (
@@ -59,6 +62,7 @@ __all__ = [
     "RMSNorm",
     "RMSNormGated",
     "SyncBatchNorm",
+    "build",
     "convert",
     "function",
     "layer",
