@@ -24,6 +24,7 @@ from derivgen.explain.document import mode_names, text_expr
 from derivgen.prove.proof import prove_derivation
 from derivgen.runtime.build import BuildError, BuildWarning, build_shared, library_path
 from derivgen.runtime.fsutil import atomic_write
+from derivgen.spec.lint import LintWarning, lint
 from derivgen.spec.model import Spec, SpecError, catalogue_names
 from derivgen.tools import generate as gen
 from derivgen.tools.bench import DEFAULT_SHAPES, default_shapes, format_report, plot, run_bench, tune_malloc
@@ -59,13 +60,23 @@ def _out_dir(path: Path, option: str) -> None:
 
 
 def _writable_dir(folder: Path, what: str) -> None:
-    """UserError unless a file can be created in ``folder`` (or in the deepest part of it that
-    exists, where the rest can be made): probed with a temporary file, removed at once."""
+    """UserError unless a file can be created in ``folder``, or ``folder`` can be made in its
+    parent (derivgen makes at most the last directory of a path, as ``mkdir`` without ``-p``):
+    probed with a temporary file, removed at once."""
     probe = folder if str(folder) else Path(".")
-    while not probe.exists():
-        if probe.parent == probe:
-            break
-        probe = probe.parent
+    if not probe.exists():
+        parent = probe.parent
+        if not parent.exists():
+            up = parent
+            while not up.exists() and up.parent != up:
+                up = up.parent
+            if up.exists() and not up.is_dir():
+                raise UserError(f"{what}: {up} is not a directory")
+            raise UserError(
+                f"{what}: {parent}/ does not exist (derivgen makes at most the last directory of a path, "
+                f"like mkdir without -p: make {parent}/ first)"
+            )
+        probe = parent
     if not probe.is_dir():
         raise UserError(f"{what}: {probe} is not a directory")
     try:
@@ -76,8 +87,24 @@ def _writable_dir(folder: Path, what: str) -> None:
     os.unlink(tmp)
 
 
+def _make_dir(folder: Path, option: str) -> None:
+    """Make ``folder`` if it is missing (its parent exists: the checks before the work said so),
+    and say so on stderr."""
+    if str(folder) in ("", ".") or folder.is_dir():
+        return
+    try:
+        folder.mkdir()
+    except FileExistsError:
+        return
+    except OSError as exc:
+        raise UserError(f"{option} {folder}: cannot make the directory ({exc.strerror or exc})") from None
+    click.echo(f"derivgen: created directory {folder}/", err=True)
+
+
 def _write(path: str | Path, data: str | bytes, option: str) -> None:
-    """atomic_write, with a failure as a one-line UserError naming the option."""
+    """atomic_write, with a failure as a one-line UserError naming the option; a missing last
+    directory of the path is made first (and said)."""
+    _make_dir(Path(path).parent, option)
     try:
         atomic_write(path, data)
     except OSError as exc:
@@ -120,6 +147,25 @@ def _specs(names: tuple[str, ...] | list[str], spec_files: tuple[str, ...]) -> l
             raise UserError(f"{spec.source}: layer name {spec.name!r} is also the name of {seen[spec.name].source}")
         seen.setdefault(spec.name, spec)
     return specs
+
+
+class LintErrors(UserError):
+    """The spec lint's warnings under ``--strict``: one error line each, exit code 2."""
+
+    def __init__(self, found: list[LintWarning]) -> None:
+        super().__init__("\nderivgen: error: ".join(str(w) for w in found))
+
+
+STRICT_HELP = "Make the spec lint's warnings errors (exit 2 before any work)."
+
+
+def _lint(specs: list[Spec], strict: bool) -> None:
+    """The lint's warnings of ``specs`` on stderr, one line each; with ``strict``, as errors."""
+    found = [w for spec in specs for w in lint(spec)]
+    if found and strict:
+        raise LintErrors(found)
+    for w in found:
+        click.echo(f"derivgen: warning: {w}", err=True)
 
 
 def _sizes(text: str) -> tuple[int, ...]:
@@ -168,7 +214,11 @@ def list_cmd() -> None:
 )
 @click.option("--standalone", is_flag=True, help="A complete LaTeX document that compiles with pdflatex.")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), help="Write to FILE instead of stdout.")
-@click.option("--pdf", type=click.Path(dir_okay=False), help="Also compile the standalone LaTeX to this PDF.")
+@click.option(
+    "--pdf",
+    type=click.Path(dir_okay=False),
+    help="Compile the standalone LaTeX to this PDF (nothing on stdout unless -o says where the text goes).",
+)
 @click.option("--prove-sizes", default="2-6", show_default=True, help="Brute-force proof sizes (e.g. 2-6 or 2,3).")
 @click.option("--no-prove", is_flag=True, help="Skip the brute-force proof.")
 @click.option(
@@ -178,6 +228,7 @@ def list_cmd() -> None:
     show_default=True,
     help="2 adds the second order: the double backward and the JVP, derived and proven (N up to 5).",
 )
+@click.option("--strict", is_flag=True, help=STRICT_HELP)
 def derive_cmd(
     name: str | None,
     spec_file: str | None,
@@ -188,15 +239,19 @@ def derive_cmd(
     prove_sizes: str,
     no_prove: bool,
     order: int,
+    strict: bool,
 ) -> None:
     """Print the step-by-step derivation of a layer's backward pass: LaTeX by default
-    (--format text reads best in a terminal), proven at N = 2..6 unless --no-prove."""
+    (--format text reads best in a terminal), proven at N = 2..6 unless --no-prove.
+
+    The spec lint's warnings go to stderr first (--strict: errors, exit 2)."""
     spec = _spec_or_name(name, spec_file)
     sizes = () if no_prove else _sizes(prove_sizes)
     _out_file(output, "-o/--output")
     _out_file(pdf, "--pdf")
     if pdf and shutil.which("pdflatex") is None:  # before the work, like every other check
         raise UserError(PDFLATEX_MISSING)
+    _lint([spec], strict)
     with _status(f"deriving and proving {spec.name} (N = {', '.join(map(str, sizes))})" if sizes else ""):
         derivation = api.derive(spec, prove=sizes)
     failed = [mode for mode, proof in derivation.proofs.items() if not proof.ok]
@@ -205,7 +260,7 @@ def derive_cmd(
         text = derivation.render(fmt, standalone=standalone, order=order, second_sizes=second_sizes)
     if output:
         _write(output, text, "-o/--output")
-    else:
+    elif not pdf:  # --pdf alone writes the PDF, not the LaTeX too
         click.echo(text, nl=False)
     if pdf:
         _pdflatex(derivation.render("latex", standalone=True, order=order, second_sizes=second_sizes), Path(pdf))
@@ -269,7 +324,7 @@ def prove_cmd(names: tuple[str, ...], spec_files: tuple[str, ...], prove_sizes: 
         raise click.ClickException(f"proof FAILED for {', '.join(failed)}")
 
 
-@cli.command("generate", short_help="Write the NumPy, C and PyTorch code of layers.")
+@cli.command("generate", short_help="Write the NumPy, C, PyTorch, JAX and Triton code of layers.")
 @click.argument("names", nargs=-1)
 @click.option("--spec", "spec_files", multiple=True, type=click.Path(dir_okay=False), help="Spec file(s) to generate.")
 @click.option(
@@ -283,14 +338,16 @@ def prove_cmd(names: tuple[str, ...], spec_files: tuple[str, ...], prove_sizes: 
     "out_dir",
     type=click.Path(file_okay=False),
     default=None,
-    help="Output directory [default: ./generated for catalogue layers; for --spec files, "
-    "generated/ in the first spec's folder].",
+    help="Output directory, made if missing (only its last part, as mkdir) [default: ./generated for "
+    "catalogue layers; for --spec files, generated/ in the first spec's folder].",
 )
 @click.option("--check", is_flag=True, help="Write nothing; exit 1 listing files that are stale.")
 def generate_cmd(
     names: tuple[str, ...], spec_files: tuple[str, ...], target: tuple[str, ...], out_dir: str | None, check: bool
 ) -> None:
-    """Regenerate NumPy, C and PyTorch code (default: the whole catalogue into ./generated).
+    """Write each layer's code for five targets (default: the whole catalogue into ./generated):
+    numpy/NAME.py; c/NAME.c, c/NAME.h and their binding c/NAME.py; torch/NAME.py; jax/NAME.py;
+    triton/NAME.py; and the package files.
 
     A --spec layer is written beside its spec (SPEC_FOLDER/generated/) or into --out, never over
     the catalogue's own generated files."""
@@ -322,6 +379,7 @@ def generate_cmd(
             )
         click.echo(f"{len(files)} generated file(s) in {out}/ are up to date")
         return
+    _make_dir(out, "--out")
     try:
         written = gen.write(files, out)
     except OSError as exc:
@@ -376,14 +434,22 @@ def _not_over_catalogue(specs: list[Spec], out: Path, targets: tuple[str, ...]) 
 )
 @click.option("--prove-sizes", default="2-6", show_default=True, help="Brute-force proof sizes.")
 @click.option("--json", "as_json", is_flag=True, help="Print the results as JSON.")
+@click.option("--strict", is_flag=True, help=STRICT_HELP)
 def check_cmd(
-    names: tuple[str, ...], spec_files: tuple[str, ...], backends: str, dtypes: str, prove_sizes: str, as_json: bool
+    names: tuple[str, ...],
+    spec_files: tuple[str, ...],
+    backends: str,
+    dtypes: str,
+    prove_sizes: str,
+    as_json: bool,
+    strict: bool,
 ) -> None:
     """Cross-check every layer x backend x dtype (default: the whole catalogue).
 
     Against the spec and finite differences, the other backend, PyTorch autograd (torch's own
     layer for the catalogue, the spec's forward in torch operations for a spec file) and the
-    brute-force proof; first and second order. Exit 1 if any check fails."""
+    brute-force proof; first and second order. Exit 1 if any check fails. The spec lint's
+    warnings go to stderr first (--strict: errors, exit 2)."""
     backend_list = tuple(b.strip() for b in backends.split(",") if b.strip())
     dtype_list = tuple(d.strip() for d in dtypes.split(",") if d.strip())
     if (
@@ -402,6 +468,7 @@ def check_cmd(
     specs = _specs(names, spec_files)
     if not specs:
         specs = [api.load_spec(n) for n in api.names()]
+    _lint(specs, strict)
     total = sum(len(s.modes) for s in specs) * len(backend_list) * len(dtype_list)
     progress = stderr_progress(total)
     rows = []
@@ -423,6 +490,38 @@ def check_cmd(
         )
     if failed:
         raise click.ClickException(f"{len(failed)} check(s) failed")
+
+
+@cli.command("lint", short_help="Warn of what in a spec is valid but likely a mistake.")
+@click.argument("specs", nargs=-1, metavar="SPEC...")
+@click.option("--strict", is_flag=True, help="Make the warnings errors: one line each on stderr, exit 2.")
+@click.option(
+    "--all-zero",
+    is_flag=True,
+    help="Also report a division or logarithm that only a group of zeros makes zero "
+    "(as every layer that divides by a norm of x: weight normalization, absmax scaling).",
+)
+def lint_cmd(specs: tuple[str, ...], strict: bool, all_zero: bool) -> None:
+    """Lint spec files (a path, or a catalogue or zoo layer's name; default: every built-in
+    layer): a parameter, option, input, tensor, value, statistic or normalized coordinate that
+    nothing uses; a division by, a logarithm of or a fractional power of a value that a simple
+    group (every element equal, a group of one element) makes zero or negative; a statistic
+    that is constant. One line per warning, naming the file and the field; exit 0 (--strict:
+    errors, exit 2)."""
+    loaded = []
+    for item in specs or (*api.names(), *api.zoo()):
+        as_file = item.endswith(".toml") or os.sep in item or "/" in item or Path(item).is_file()
+        loaded.append(_spec_or_name(None, item) if as_file else _spec_or_name(item, None))
+    found = [w for spec in loaded for w in lint(spec, all_zero=all_zero)]
+    if found and strict:
+        raise LintErrors(found)
+    for w in found:
+        click.echo(str(w))
+    with_warnings = len({w.file for w in found})
+    if found:
+        click.echo(f"{len(found)} warning(s) in {with_warnings} of {len(loaded)} spec(s)")
+    else:
+        click.echo(f"no warnings in {len(loaded)} spec(s)")
 
 
 @cli.command("build", short_help="Compile the C kernels into the build cache.")
@@ -569,6 +668,7 @@ def bench_cmd(
     if json_file:
         _write(json_file, json.dumps(report, indent=1), "--json")
     if plot_file:
+        _make_dir(Path(plot_file).parent, "--plot")
         try:
             plot(report, plot_file)
         except RuntimeError as exc:
@@ -629,15 +729,16 @@ def _bench_jax(dtype: str, repeat: int, json_file: str | None) -> None:
     """``bench --jax``: derivgen.jax against Flax's layers, jitted, on the CPU."""
     from derivgen.tools.bench import format_jax_report, run_jax_bench
 
+    _out_file(json_file, "--json")
     progress = stderr_progress(6)
     try:
         report = run_jax_bench(repeat, dtype, progress)
     except ImportError as e:
-        raise UserError(f"{e} (bench --jax needs JAX and Flax: pip install 'derivgen[jax]')") from None
+        raise UserError(f"{e} (bench --jax needs JAX and Flax: pip install jax flax)") from None
     progress.done()
     click.echo(format_jax_report(report))
     if json_file:
-        atomic_write(json_file, json.dumps(report, indent=1))
+        _write(json_file, json.dumps(report, indent=1), "--json")
 
 
 def _pdflatex(tex: str, pdf: Path) -> None:
