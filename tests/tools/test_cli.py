@@ -1,5 +1,6 @@
 """The command line: happy paths, and bad input as one line with exit code 2."""
 
+import shutil
 import subprocess
 import sys
 
@@ -158,7 +159,7 @@ def test_prove_table_fits_100_columns_and_is_quiet_on_a_pipe():
     assert "∂L/∂x = " in r.stdout
 
 
-@pytest.mark.parametrize("command", ["", "derive", "prove", "generate", "check", "build", "bench", "list"])
+@pytest.mark.parametrize("command", ["", "derive", "prove", "generate", "check", "build", "bench", "list", "lint"])
 def test_every_help_states_its_defaults(command):
     r = run(*([command] if command else []), "--help")
     assert r.returncode == 0
@@ -168,6 +169,14 @@ def test_every_help_states_its_defaults(command):
         assert "LaTeX by default" in " ".join(r.stdout.split())
     if command == "generate":
         assert "default: ./generated" in " ".join(r.stdout.split())
+        for target in ("numpy/NAME.py", "c/NAME.c", "c/NAME.h", "c/NAME.py", "torch/NAME.py", "jax/NAME.py"):
+            assert target in r.stdout  # the five targets it writes
+        assert "triton/NAME.py" in r.stdout
+    if command == "":
+        assert "Write the NumPy, C, PyTorch, JAX and Triton code of layers." in r.stdout
+        assert "lint" in r.stdout
+    if command in ("derive", "check", "lint"):
+        assert "--strict" in r.stdout
 
 
 def test_two_spec_files_of_one_layer_name_are_refused(tmp_path):
@@ -180,3 +189,29 @@ def test_two_spec_files_of_one_layer_name_are_refused(tmp_path):
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert "b.toml: layer name 'dynamic_tanh' is also the name of a.toml" in r.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.toml", "b.toml"]
+
+
+def test_output_paths_make_at_most_their_last_directory(tmp_path):
+    r = run("derive", "rmsnorm", "--no-prove", "--format", "text", "-o", "notes/r.txt", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert r.stderr == "derivgen: created directory notes/\n" and r.stdout == ""
+    assert (tmp_path / "notes" / "r.txt").is_file()
+    r = run("generate", "rmsnorm", "--target", "numpy", "--out", "notes/gen", cwd=tmp_path)
+    assert r.returncode == 0 and r.stderr == "derivgen: created directory notes/gen/\n", r.stderr
+    for args in (
+        ["derive", "rmsnorm", "--no-prove", "-o", "typo/deeper/r.tex"],
+        ["generate", "rmsnorm", "--target", "numpy", "--out", "typo/gen"],
+        ["bench", "rmsnorm", "--json", "typo/deeper/r.json"],
+    ):
+        r = run(*args, cwd=tmp_path)
+        assert r.returncode == 2, r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1 and "does not exist" in r.stderr, r.stderr
+        assert "like mkdir without -p" in r.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes"]
+
+
+@pytest.mark.skipif(shutil.which("pdflatex") is None, reason="needs pdflatex")
+def test_derive_pdf_prints_no_latex(tmp_path):
+    r = run("derive", "rmsnorm", "--no-prove", "--pdf", "r.pdf", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == "" and (tmp_path / "r.pdf").read_bytes().startswith(b"%PDF")
