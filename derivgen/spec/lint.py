@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 import random
+import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
@@ -176,9 +177,15 @@ def _unused(spec: Spec) -> Iterator[tuple[str, str, str]]:
     for t in spec.tensors:
         if t.symbol not in used:
             yield f"tensors.{t.name}", "used nowhere (its value changes nothing)", "unused"
+    # the spec inlines every value but the core where it is read: find those by their names
+    texts = [("", spec.output_text), *(("", o.expr_text) for o in spec.outputs)]
+    texts += [(v.name, v.expr_text) for v in spec.values]
+    texts += [("", st.expr_text) for m in spec.modes for st in _mode_stats(m)]
+    texts += [("", b.update_text) for b in spec.buffers]
     output_names = {o.name for o in spec.outputs}
     for v in spec.values:
-        if v.symbol not in used and v.name not in output_names:
+        read = any(re.search(rf"\b{re.escape(v.name)}\b", t) for owner, t in texts if owner != v.name)
+        if v.symbol not in used and v.name not in output_names and not read:
             yield f"values.{v.name}", "used nowhere (no statistic and no output reads it)", "unused"
     seen: set[str] = set()
     for mode in spec.modes:
