@@ -19,7 +19,7 @@ from sympy.printing.str import StrPrinter
 from derivgen.derive.first import ModeDerivation
 from derivgen.derive.second import SecondOrder
 from derivgen.prove.proof import ModeProof
-from derivgen.spec.model import Named, Spec
+from derivgen.spec.model import _GREEK, Named, Spec
 from derivgen.symbolic import functions
 from derivgen.symbolic.functions import SpellsFunctions, call
 from derivgen.symbolic.naming import DisplayNames, TextSpelling, _Ordered
@@ -277,12 +277,24 @@ def latex_expr(
     """``expr`` in LaTeX with the display names of ``spec`` and of ``extra`` (auxiliaries,
     the coordinate); element-level symbols subscripted with i unless ``subscript`` is False."""
     scalars = frozenset(p.name for p in spec.params if p.scalar) if spec is not None else frozenset()
-    return DerivLatexPrinter(DisplayNames(spec, extra), subscript, scalars).doprint(_equalities(_decimals(expr)))
+    return DerivLatexPrinter(_shown(spec, extra), subscript, scalars).doprint(_equalities(_decimals(expr)))
+
+
+def _shown(spec: Spec | None, extra: Mapping[str, Named] | None) -> DisplayNames:
+    """The display names of a derivation: the spec's, with an option whose default display
+    abbreviates its name (momentum: m, defined nowhere in the derivation) shown by its name
+    as the user passes it; the Greek letters (eps: ε) and a spec's own ``text`` stay."""
+    names = DisplayNames(spec, extra)
+    for o in spec.options if spec is not None else ():
+        if (o.latex, o.text) == _GREEK.get(o.name) and o.text.isascii() and o.text != o.name:
+            names.text[o.name] = o.name
+            names.latex[o.name] = "\\mathrm{" + o.name.replace("_", "\\_") + "}"
+    return names
 
 
 def text_expr(expr: sympy.Expr, spec: Spec | None = None, extra: Mapping[str, Named] | None = None) -> str:
     """``expr`` in text with the display names of ``spec`` and ``extra``: ^ for powers, · for products."""
-    s = DerivTextPrinter(DisplayNames(spec, extra)).doprint(_equalities(_decimals(expr)))
+    s = DerivTextPrinter(_shown(spec, extra)).doprint(_equalities(_decimals(expr)))
     return s.replace("**", "^").replace("*", "·")
 
 
@@ -646,8 +658,9 @@ def _backward_program(second: SecondOrder) -> str:
     return f" ({', '.join(parts)})" if parts else ""
 
 
-def _second_prose(second: SecondOrder) -> str:
-    """How the double backward and the JVP are derived, with their seeds and reduction counts."""
+def _second_prose(second: SecondOrder, extra: Mapping[str, Named] | None = None) -> str:
+    """How the double backward and the JVP are derived, with their seeds and reductions
+    (listed, as the first order's closed form lists its own)."""
     spec = second.spec
     cots = ", ".join(
         [
@@ -663,16 +676,49 @@ def _second_prose(second: SecondOrder) -> str:
             *(second.tan_inputs[i.name].text for i in spec.inputs),
         ]
     )
+
+    def means(reductions: tuple) -> str:
+        return ", ".join(text_expr(Mean(r.arg), spec, extra=extra) for r in reductions)
+
+    if second.reductions:
+        double = (
+            f"to means of element monomials, {_count(len(second.reductions), 'reduction')} per group "
+            f"({means(second.reductions)}): one sweep for them and one for the outputs"
+        )
+    else:
+        double = "to no reduction over the group: one sweep for the outputs"
+    jvp = (
+        f"{_count(len(second.jvp_reductions), 'reduction')} per group ({means(second.jvp_reductions)})"
+        if second.jvp_reductions
+        else "no reduction over the group"
+    )
+    dirac = (
+        " Terms from |u| (a DiracDelta, the derivative of sign(u)) are dropped: zero wherever the first "
+        "derivative exists."
+        if _has_abs(second)
+        else ""
+    )
     return (
         f"The double backward is the vector-Jacobian product of the backward above: with the cotangents "
         f"{cots} of the backward's outputs it differentiates L₂ = Σ δx·∂L/∂x + Σ δp·∂L/∂p + ... once more, "
         f"by reverse mode through the backward's own program{_backward_program(second)}, and the "
-        f"nested means collapse by linearity and the known statistics to means of element monomials: "
-        f"{_count(len(second.reductions), 'reduction')} per group, one sweep for them and one for the outputs. "
-        f"The JVP is forward mode through the forward program with the tangents {tans}: "
-        f"{_count(len(second.jvp_reductions), 'reduction')}. Terms from |u| (a DiracDelta) are dropped: zero wherever the "
-        f"first derivative exists." + "".join(" " + note for note in spec.second_order_notes)
+        f"nested means collapse by linearity and the known statistics {double}. "
+        f"The JVP is forward mode through the forward program with the tangents {tans}: {jvp}."
+        + dirac
+        + "".join(" " + note for note in spec.second_order_notes)
     )
+
+
+def _has_abs(second: SecondOrder) -> bool:
+    """Whether the layer's expressions take an absolute value (or a sign), whose second
+    derivative is a DiracDelta that the second order drops."""
+    spec, first = second.spec, second.first
+    exprs = [spec.output, spec.normalized_expr, *(st.expr for st in first.statistics)]
+    for group in (spec.values, spec.outputs, spec.windows):
+        exprs += [getattr(item, "expr", None) for item in group]
+    mode = spec.mode(first.mode)
+    exprs += [st.expr for st in (*mode.statistics, *mode.blocks)]
+    return any(isinstance(e, sympy.Basic) and e.has(sympy.Abs, sympy.sign) for e in exprs)
 
 
 def _count(n: int, noun: str) -> str:
@@ -681,12 +727,10 @@ def _count(n: int, noun: str) -> str:
 
 
 def _second_equations(second: SecondOrder) -> list[tuple[str, str, object]]:
-    """[(lhs latex, lhs text, rhs)]: the reductions, the double backward's outputs, ẏ."""
+    """[(lhs latex, lhs text, rhs)]: the double backward's outputs and ẏ (the reductions
+    they read are listed in the prose, as the means the equations spell out)."""
     spec = second.spec
     eqs = []
-    jvp_only = [r for r in second.jvp_reductions if r.name not in {q.name for q in second.reductions}]
-    for r in (*second.reductions, *jvp_only):
-        eqs.append((r.name.replace("_", r"\_"), r.name, Mean(r.arg)))
     eqs.append((r"\frac{\partial L_2}{\partial x}", "∂L₂/∂x", second.dx))
     eqs.append((r"\frac{\partial L_2}{\partial (\partial L/\partial y)}", "∂L₂/∂(∂L/∂y)", second.ddy))
     for p in spec.params:
@@ -711,8 +755,12 @@ def render_second(spec: Spec, modes: list[ModeDocument], fmt: str) -> str:
     out = []
     for doc in modes:
         mode, second = doc.derivation, doc.second
-        prose, eqs, lines = _second_prose(second), _second_equations(second), _second_proof_lines(doc.second_proof)
         extra = {**mode_names(mode), **second.names}
+        prose, eqs, lines = (
+            _second_prose(second, extra),
+            _second_equations(second),
+            _second_proof_lines(doc.second_proof),
+        )
         mt = _mode_title(mode, len(modes))
         title = "Second order" + (f" ({mt.lower()})" if mt else "")
         if fmt == "latex":

@@ -79,7 +79,40 @@ def test_buffer_updates_reductions_and_the_coordinate_read_as_written():
     assert "needs 2 reductions per group: mean(g), mean(g·x̂)." in text
     assert "needs no reduction over the group." in text and "0 reduction" not in text
     tex = derivgen.derive("batchnorm").render("latex")
-    assert r"\hat{\mu} &\leftarrow \mu m" in tex
+    assert r"\hat{\mu} &\leftarrow \mu \mathrm{momentum}" in tex
+
+
+def test_options_print_by_their_names():
+    """An option whose display would abbreviate its name (momentum: m) is printed as the user
+    passes it; Greek letters (eps: ε) and a spec's own ``text`` stay."""
+    text = derivgen.derive("batchnorm", prove=()).render("text")
+    assert "running_mean ← μ·momentum + running_mean·(1 - momentum)" in text
+    assert "·m " not in text and "(1 - m)" not in text
+    assert "ρ = 1/sqrt(σ² + ε)" in text
+
+
+def test_the_second_order_lists_its_reductions_and_names_nothing_it_does_not_use():
+    """No named reductions (Mean_dx) beside equations that spell the means out; "no
+    reduction" rather than "0 reductions ... one sweep for them"; the DiracDelta note only
+    for a layer with |u|."""
+    for name, abs_note in (("layernorm", False), ("batchnorm", False), ("l1_batchnorm", True), ("frn", False)):
+        d = derivgen.derive(name, prove=())
+        for fmt in ("text", "markdown", "latex"):
+            out = d.render(fmt, order=2)
+            second = out[out.index("Second order") :]
+            assert "Mean_" not in second, (name, fmt)
+            assert "0 reductions" not in second and "sweep for them and" in second, (name, fmt)
+            assert ("DiracDelta" in second) == abs_note, (name, fmt)
+    text = derivgen.derive("layernorm", prove=()).render("text", order=2)
+    assert "7 reductions per group (mean(δx), mean(g), mean(δx·g)," in text
+    assert "tangents ẋ, γ̇, β̇: 2 reductions per group (mean(ẋ), mean(ẋ·x̂))." in text
+    eval_mode = (
+        derivgen.derive("batchnorm", prove=()).render("text", order=2).split("Second order (evaluation mode)")[1]
+    )
+    assert "to no reduction over the group: one sweep for the outputs" in eval_mode
+    assert "β̇: no reduction over the group." in eval_mode
+    l1_eval = derivgen.derive("l1_batchnorm", prove=()).render("text", order=2).split("(evaluation mode)")[-1]
+    assert "DiracDelta" not in l1_eval  # the running statistics take no |u|
 
 
 SPEC_WITH_ABS_AND_A_DECIMAL = """
