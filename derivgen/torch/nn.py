@@ -15,6 +15,7 @@ twin, keeping parameters, buffers, device, dtype and training mode.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -65,6 +66,21 @@ def _own(m: nn.Module, name: str):
         return getattr(m, name)
 
 
+_SPEC_TO_NN = ((re.compile(r"\bgamma\b"), "weight"), (re.compile(r"\bbeta\b"), "bias"))
+
+
+def _nn_names(e: Exception) -> Exception:
+    """``e`` with the catalogue's parameter names as torch.nn's modules call them (gamma:
+    weight, beta: bias): what a twin's user knows. ``e`` itself where nothing changes."""
+    msg = str(e)
+    new = msg
+    for pattern, name in _SPEC_TO_NN:
+        new = pattern.sub(name, new)
+    if new == msg or e.args != (msg,):
+        return e
+    return type(e)(new)
+
+
 class _Twin:
     """Binds the derivgen layers a twin uses when it is made (by its constructor or by
     :func:`convert`), so that the forward is plain attribute access: nothing for
@@ -91,7 +107,10 @@ class LayerNorm(_Twin, nn.LayerNorm):
         if w is None or b is None:
             shape = self.normalized_shape
             w, b = _param(w, input, shape, 1.0), _param(b, input, shape, 0.0)
-        return self._dg["layernorm"].call("train", [input, w, b], (float(self.eps),), 0, stats=False)[0]
+        try:
+            return self._dg["layernorm"].call("train", [input, w, b], (float(self.eps),), 0, stats=False)[0]
+        except (TypeError, ValueError) as e:
+            raise _nn_names(e) from None
 
 
 class RMSNorm(_Twin, nn.RMSNorm):
@@ -104,9 +123,12 @@ class RMSNorm(_Twin, nn.RMSNorm):
         """y = x / sqrt(mean(x**2) + eps) * weight over the trailing ``normalized_shape`` axes."""
         eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
         w = _own(self, "weight")
-        return self._dg["rmsnorm"].call(
-            "train", [x, _param(w, x, self.normalized_shape, 1.0)], (float(eps),), 0, stats=False
-        )[0]
+        try:
+            return self._dg["rmsnorm"].call(
+                "train", [x, _param(w, x, self.normalized_shape, 1.0)], (float(eps),), 0, stats=False
+            )[0]
+        except (TypeError, ValueError) as e:
+            raise _nn_names(e) from None
 
 
 class _BatchNormMixin(_Twin):
@@ -117,6 +139,12 @@ class _BatchNormMixin(_Twin):
     def forward(self, input):
         """Normalize ``input`` as the torch.nn module does (batch or running statistics)."""
         self._check_input_dim(input)
+        try:
+            return self._bn_forward(input)
+        except (TypeError, ValueError) as e:
+            raise _nn_names(e) from None
+
+    def _bn_forward(self, input):
         lay = self._dg["batchnorm"]
         momentum = self.momentum if self.momentum is not None else 0.0
         if self.training and self.track_running_stats and self.num_batches_tracked is not None:
@@ -244,6 +272,12 @@ class _InstanceNormMixin(_Twin):
     _DG_LAYERS = ("instancenorm", "batchnorm")
 
     def _apply_instance_norm(self, input):
+        try:
+            return self._in_forward(input)
+        except (TypeError, ValueError) as e:
+            raise _nn_names(e) from None
+
+    def _in_forward(self, input):
         c = input.shape[1]
         params = {"gamma": _param(self.weight, input, (c,), 1.0), "beta": _param(self.bias, input, (c,), 0.0)}
         if self.training or not self.track_running_stats:
@@ -289,14 +323,17 @@ class GroupNorm(_Twin, nn.GroupNorm):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         """y = (x - mean) * rstd * weight + bias, statistics over each (sample, group of channels)."""
         c = input.shape[1]
-        y, _ = self._dg["groupnorm"].forward(
-            input,
-            {"gamma": _param(self.weight, input, (c,), 1.0), "beta": _param(self.bias, input, (c,), 0.0)},
-            {},
-            {"eps": self.eps},
-            num_groups=self.num_groups,
-            stats=False,
-        )
+        try:
+            y, _ = self._dg["groupnorm"].forward(
+                input,
+                {"gamma": _param(self.weight, input, (c,), 1.0), "beta": _param(self.bias, input, (c,), 0.0)},
+                {},
+                {"eps": self.eps},
+                num_groups=self.num_groups,
+                stats=False,
+            )
+        except (TypeError, ValueError) as e:
+            raise _nn_names(e) from None
         return y
 
 
