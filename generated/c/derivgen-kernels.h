@@ -63,6 +63,269 @@ static inline dg_bf16 Dg_to_bf16(float f)
     return (dg_bf16)(u >> 16);
 }
 
+/* Elementary functions the kernels call per element: exp, log, log1p, tanh, erf (float),
+ * exp, log, log1p, tanh (double), and sigmoid and softplus spelled with them
+ * (derivgen/symbolic/functions.py). libm's expf, tanhf, erff ... are calls the compiler
+ * cannot vectorize, so a loop that calls one runs one element at a time; these are inline,
+ * without branches, tables or calls: a range reduction, a polynomial (fitted minimax, Lawson's
+ * iteration in 50-digit arithmetic), exponent bits moved with integer operations on the
+ * value's bits (memcpy), and selects (?: of values, which GCC turns into blends), so GCC
+ * vectorizes the loops that call them at -O2 -ftree-vectorize / -O3 on SSE2, AVX2 and
+ * AVX-512. Every operation is a plain IEEE add, multiply or divide, rounded as written
+ * (the kernels are built with -ffp-contract=off: no fused multiply-adds), so the results
+ * are the same bits on every ISA, for every thread count and in both memory formats.
+ * ±Inf, NaN, ±0, subnormal arguments and results, overflow and underflow give what
+ * libm gives (a NaN may differ in sign and payload); the error bounds, measured against
+ * libm in a wider type over the whole range, are in docs/numerics.md and checked by
+ * tests/codegen/test_vector_math.py. */
+static inline uint32_t Dg_bits_f(float f)
+{
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    return u;
+}
+
+static inline float Dg_f_bits(uint32_t u)
+{
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint64_t Dg_bits_d(double f)
+{
+    uint64_t u;
+    memcpy(&u, &f, sizeof u);
+    return u;
+}
+
+static inline double Dg_d_bits(uint64_t u)
+{
+    double f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* c ? a : b, as a blend of the bits (GCC threads jumps through a chain of ?: on one value,
+ * duplicating the arithmetic between them, and then no longer vectorizes the loop) */
+static inline float Dg_sel_f(uint32_t c, float a, float b)
+{
+    const uint32_t M = 0u - c;
+    return Dg_f_bits((Dg_bits_f(a) & M) | (Dg_bits_f(b) & ~M));
+}
+
+static inline double Dg_sel_d(uint64_t c, double a, double b)
+{
+    const uint64_t M = 0u - c;
+    return Dg_d_bits((Dg_bits_d(a) & M) | (Dg_bits_d(b) & ~M));
+}
+
+/* |v| with the sign of s (v >= 0 or NaN) */
+static inline float Dg_signed_f(float v, float s)
+{
+    return Dg_f_bits(Dg_bits_f(v) | (Dg_bits_f(s) & 0x80000000u));
+}
+
+static inline double Dg_signed_d(double v, double s)
+{
+    return Dg_d_bits(Dg_bits_d(v) | (Dg_bits_d(s) & 0x8000000000000000u));
+}
+
+/* e^x = 2^k e^r, k = round(x/ln 2), |r| <= ln2/2 (Cody and Waite's two-part ln 2, the first
+ * part's product exact), e^r = 1 + r + r^2 P(r). 2^k is applied as two factors 2^k1 2^k2,
+ * each a normal number, so that results in the subnormal range round once, as libm's. An
+ * argument past the overflow or underflow edge is clamped to one still past it (NaN passes
+ * the clamps: the comparisons are false). */
+static inline float Dg_expf(float x)
+{
+    const float Sh = 12582912.0f;                       /* 0x1.8p23: rounds to an integer */
+    float xc = Dg_sel_f(x > 88.8f, 88.8f, x);
+    xc = Dg_sel_f(xc < -104.0f, -104.0f, xc);
+    const float Z = xc * 1.44269504f + Sh;
+    const float Kf = Z - Sh;
+    const float R = (xc - Kf * 0.693359375f) - Kf * -2.12194440e-4f;
+    float P = 0.00138116640f;
+    P = P * R + 0.00837013988f;
+    P = P * R + 0.0416685286f;
+    P = P * R + 0.166665087f;
+    P = P * R + 0.499999926f;
+    const float E = 1.0f + (R + R * R * P);
+    const uint32_t K = Dg_bits_f(Z) - Dg_bits_f(Sh);    /* k mod 2^32 */
+    const uint32_t K1 = ((K + 256u) >> 1) - 128u, K2 = K - K1;
+    return E * Dg_f_bits((K1 + 127u) << 23) * Dg_f_bits((K2 + 127u) << 23);
+}
+
+static inline double Dg_exp(double x)
+{
+    const double Sh = 6755399441055744.0;               /* 0x1.8p52 */
+    double xc = Dg_sel_d(x > 709.8, 709.8, x);
+    xc = Dg_sel_d(xc < -746.0, -746.0, xc);
+    const double Z = xc * 1.4426950408889634 + Sh;
+    const double Kf = Z - Sh;
+    const double R = (xc - Kf * 6.93147180369123816490e-01) - Kf * 1.90821492927058770002e-10;
+    double P = 2.4997925605841015e-08;
+    P = P * R + 2.7633160389241637e-07;
+    P = P * R + 2.7557608395695123e-06;
+    P = P * R + 2.4801485441029499e-05;
+    P = P * R + 1.9841269464501281e-04;
+    P = P * R + 1.3888888950422073e-03;
+    P = P * R + 8.3333333335219649e-03;
+    P = P * R + 4.1666666666507208e-02;
+    P = P * R + 1.6666666666666357e-01;
+    P = P * R + 5.0000000000000129e-01;
+    const double E = 1.0 + (R + R * R * P);
+    const uint64_t K = Dg_bits_d(Z) - Dg_bits_d(Sh);
+    const uint64_t K1 = ((K + 2048u) >> 1) - 1024u, K2 = K - K1;
+    return E * Dg_d_bits((K1 + 1023u) << 52) * Dg_d_bits((K2 + 1023u) << 52);
+}
+
+/* log x = k ln 2 + log(1 + f), 1 + f in [sqrt(1/2), sqrt(2)), with s = f/(2 + f):
+ * log(1 + f) = f - f^2/2 + s (f^2/2 + R(s^2)) (fdlibm's e_logf.c and e_log.c, their
+ * coefficients). Subnormal x is scaled by 2^23 (2^54) first. */
+static inline float Dg_logf(float x)
+{
+    const uint32_t Sub = x < 1.17549435e-38f;
+    const float Xs = Dg_sel_f(Sub, x * 8388608.0f, x);
+    const uint32_t Ix = Dg_bits_f(Xs) + (0x3f800000u - 0x3f3504f3u);
+    const float K = (float)((int32_t)(Ix >> 23) - 127 - (int32_t)(Sub * 23u));
+    const float F = Dg_f_bits((Ix & 0x007fffffu) + 0x3f3504f3u) - 1.0f;
+    const float S = F / (2.0f + F), Zz = S * S, W = Zz * Zz;
+    const float T1 = W * (0.40000972152f + W * 0.24279078841f);
+    const float T2 = Zz * (0.66666662693f + W * 0.28498786688f);
+    const float Hf = 0.5f * F * F;
+    float r = K * 6.9313812256e-01f - ((Hf - (S * (Hf + (T2 + T1)) + K * 9.0580006145e-06f)) - F);
+    r = Dg_sel_f(x == 0.0f, -Dg_f_bits(0x7f800000u), r);
+    r = Dg_sel_f(x < 0.0f, Dg_f_bits(0x7fc00000u), r);
+    return Dg_sel_f(x == Dg_f_bits(0x7f800000u) || x != x, x, r);
+}
+
+static inline double Dg_log(double x)
+{
+    const uint64_t Sub = x < 2.2250738585072014e-308;
+    const double Xs = Dg_sel_d(Sub, x * 18014398509481984.0, x);  /* 2^54 */
+    const uint64_t Ix = Dg_bits_d(Xs) + (0x3ff0000000000000u - 0x3fe6a09e667f3bcdu);
+    /* the exponent field as a double (0x1p52 + e, less 0x1p52): no int64 conversion */
+    const double K = (Dg_d_bits(0x4330000000000000u | (Ix >> 52)) - 4503599627370496.0) - Dg_sel_d(Sub, 1077.0, 1023.0);
+    const double F = Dg_d_bits((Ix & 0x000fffffffffffffu) + 0x3fe6a09e667f3bcdu) - 1.0;
+    const double S = F / (2.0 + F), Zz = S * S, W = Zz * Zz;
+    const double T1 = W * (3.999999999940941908e-01 + W * (2.222219843214978396e-01 + W * 1.531383769920937332e-01));
+    const double T2 = Zz * (6.666666666666735130e-01 + W * (2.857142874366239149e-01
+                      + W * (1.818357216161805012e-01 + W * 1.479819860511658591e-01)));
+    const double Hf = 0.5 * F * F;
+    double r = K * 6.93147180369123816490e-01 - ((Hf - (S * (Hf + (T2 + T1)) + K * 1.90821492927058770002e-10)) - F);
+    r = Dg_sel_d(x == 0.0, -Dg_d_bits(0x7ff0000000000000u), r);
+    r = Dg_sel_d(x < 0.0, Dg_d_bits(0x7ff8000000000000u), r);
+    return Dg_sel_d(x == Dg_d_bits(0x7ff0000000000000u) || x != x, x, r);
+}
+
+/* log(1 + x) = log(u) + (x - (u - 1))/u with u = 1 + x rounded: the quotient puts back the
+ * rounding error of u (exact: u - 1 and x - (u - 1) are exact), and is x itself where u is 1 */
+static inline float Dg_log1pf(float x)
+{
+    const float U = 1.0f + x;
+    const float C = (x - (U - 1.0f)) / U;
+    const float r = Dg_logf(U);
+    return Dg_sel_f(U == 0.0f || U == Dg_f_bits(0x7f800000u), r, r + C);
+}
+
+static inline double Dg_log1p(double x)
+{
+    const double U = 1.0 + x;
+    const double C = (x - (U - 1.0)) / U;
+    const double r = Dg_log(U);
+    return Dg_sel_d(U == 0.0 || U == Dg_d_bits(0x7ff0000000000000u), r, r + C);
+}
+
+/* tanh x = x + x^3 P(x^2) for |x| < 0.625, else sign(x) (1 - 2/(e^{2|x|} + 1)) (|x| clamped
+ * where tanh rounds to 1) */
+static inline float Dg_tanhf(float x)
+{
+    const float A = fabsf(x), T = x * x;
+    float P = 0.00220899147f;
+    P = P * T + -0.00825758616f;
+    P = P * T + 0.0217374634f;
+    P = P * T + -0.0539545824f;
+    P = P * T + 0.133332812f;
+    P = P * T + -0.333333333f;
+    const float Small = x + x * T * P;
+    const float Ac = Dg_sel_f(A > 9.5f, 9.5f, A);
+    const float Large = 1.0f - 2.0f / (Dg_expf(Ac + Ac) + 1.0f);
+    return Dg_sel_f(A < 0.625f, Small, Dg_signed_f(Large, x));
+}
+
+static inline double Dg_tanh(double x)
+{
+    const double A = fabs(x), T = x * x;
+    double P = 6.1420760139632927e-06;
+    P = P * T + -3.0427606506166449e-05;
+    P = P * T + 9.1813108389230159e-05;
+    P = P * T + -2.3716739867423761e-04;
+    P = P * T + 5.8951243669263758e-04;
+    P = P * T + -1.4557416438571627e-03;
+    P = P * T + 3.5921167302081069e-03;
+    P = P * T + -8.8632346280721232e-03;
+    P = P * T + 2.1869488492079680e-02;
+    P = P * T + -5.3968253967092189e-02;
+    P = P * T + 1.3333333333332121e-01;
+    P = P * T + -3.3333333333333333e-01;
+    const double Small = x + x * T * P;
+    const double Ac = Dg_sel_d(A > 20.0, 20.0, A);
+    const double Large = 1.0 - 2.0 / (Dg_exp(Ac + Ac) + 1.0);
+    return Dg_sel_d(A < 0.625, Small, Dg_signed_d(Large, x));
+}
+
+/* erf x = x + x Q(x^2) for |x| < 0.875, else sign(x) (1 - e^{-x^2} R(|x|)), R a polynomial
+ * in |x| - 2.4375 (|x| clamped at 4, where erf rounds to 1) */
+static inline float Dg_erff(float x)
+{
+    const float A = fabsf(x), T = x * x;
+    float Q = 8.67539092e-05f;
+    Q = Q * T + -8.21110684e-04f;
+    Q = Q * T + 5.20674801e-03f;
+    Q = Q * T + -2.68615851e-02f;
+    Q = Q * T + 1.12837330e-01f;
+    Q = Q * T + -3.76126361e-01f;
+    Q = Q * T + 1.28379167e-01f;                      /* 2/sqrt(pi) - 1 */
+    const float Small = x + x * Q;
+    const float Ac = Dg_sel_f(A > 4.0f, 4.0f, A), V = Ac - 2.4375f;
+    float R = 9.89954897e-06f;
+    R = R * V + 2.38037475e-05f;
+    R = R * V + 4.82986674e-05f;
+    R = R * V + -8.36407123e-05f;
+    R = R * V + 1.82835797e-04f;
+    R = R * V + -8.51265840e-04f;
+    R = R * V + 2.71525106e-03f;
+    R = R * V + -8.63563199e-03f;
+    R = R * V + 2.65011178e-02f;
+    R = R * V + -7.75610351e-02f;
+    R = R * V + 2.15552391e-01f;
+    const float Large = 1.0f - Dg_expf(-(Ac * Ac)) * R;
+    return Dg_sel_f(A < 0.875f, Small, Dg_signed_f(Large, x));
+}
+
+/* sigmoid and softplus (max(x, 0) + log1p(e^{-|x|})) */
+static inline float Dg_sigmoidf(float x)
+{
+    const float E = Dg_expf(-fabsf(x));
+    return Dg_sel_f(x < 0.0f, E, 1.0f) / (1.0f + E);     /* e^x/(1 + e^x) below 0: no overflow */
+}
+
+static inline double Dg_sigmoid(double x)
+{
+    const double E = Dg_exp(-fabs(x));
+    return Dg_sel_d(x < 0.0, E, 1.0) / (1.0 + E);
+}
+
+static inline float Dg_softplusf(float x)
+{
+    return Dg_sel_f(x > 0.0f, x, 0.0f) + Dg_log1pf(Dg_expf(-fabsf(x)));
+}
+
+static inline double Dg_softplus(double x)
+{
+    return Dg_sel_d(x > 0.0, x, 0.0) + Dg_log1p(Dg_exp(-fabs(x)));
+}
+
 /* non-temporal stores (and plain copies) of one vector: x86 intrinsics, the widest the
  * build targets */
 #if defined(__AVX512F__)
