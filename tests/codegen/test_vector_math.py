@@ -1,0 +1,338 @@
+"""The vectorizable elementary functions of generated/c/derivgen-kernels.h (Dg_expf, Dg_logf,
+Dg_log1pf, Dg_tanhf, Dg_erff, Dg_sigmoidf, Dg_softplusf and the double ones): their error in
+ulp over the whole range against libm one type wider (double for float, long double for
+double), the special values (±0, ±inf, NaN, subnormals, the overflow and underflow edges) as
+libm gives them, the same bits from an SSE2 and the best build this CPU runs, the error table
+of docs/numerics.md, and that GCC vectorizes a loop calling each one (SSE2, AVX2, AVX-512:
+compiled, never run where the CPU lacks it)."""
+
+import platform
+import re
+import subprocess
+
+import pytest
+from conftest import ROOT, require_tool
+
+from derivgen.runtime.machine import machine
+from derivgen.symbolic import functions
+
+FLOAT = ["expf", "logf", "log1pf", "tanhf", "erff", "sigmoidf", "softplusf"]
+DOUBLE = ["exp", "log", "log1p", "tanh", "sigmoid", "softplus"]
+# the sweep: every STRIDE-th float bit pattern of the whole range, every STRIDE_NEAR-th of
+# |x| <= 16 (offset 3), every STRIDE_ONE-th float in [0.5, 2]; COUNT random doubles in each of
+# four regions. The quick sweep is a subset of the full one (strides multiples of its, the
+# same random streams cut shorter), so its maximum is at most the full sweep's, which the
+# table in docs/numerics.md records.
+FULL = {"stride": 61, "near": 7, "one": 1, "count": 400000}
+QUICK = {"stride": 61 * 41, "near": 7 * 41, "one": 41, "count": 40000}
+
+DRIVER = r"""
+#include "derivgen-kernels.h"
+#include <stdio.h>
+
+#define BLOCK 4096
+#define EV(name, T, f) \
+    static void ev_##name(T *restrict y, const T *restrict x, int n) { for (int i = 0; i < n; ++i) y[i] = f(x[i]); }
+EV(expf, float, Dg_expf)
+EV(logf, float, Dg_logf)
+EV(log1pf, float, Dg_log1pf)
+EV(tanhf, float, Dg_tanhf)
+EV(erff, float, Dg_erff)
+EV(sigmoidf, float, Dg_sigmoidf)
+EV(softplusf, float, Dg_softplusf)
+EV(exp, double, Dg_exp)
+EV(log, double, Dg_log)
+EV(log1p, double, Dg_log1p)
+EV(tanh, double, Dg_tanh)
+EV(sigmoid, double, Dg_sigmoid)
+EV(softplus, double, Dg_softplus)
+
+static double rf_sigmoid(double x) { return x >= 0 ? 1.0 / (1.0 + exp(-x)) : exp(x) / (1.0 + exp(x)); }
+static double rf_softplus(double x) { return (x > 0 ? x : 0.0) + log1p(exp(-fabs(x))); }
+static long double rl_sigmoid(long double x) { return x >= 0 ? 1.0L / (1.0L + expl(-x)) : expl(x) / (1.0L + expl(x)); }
+static long double rl_softplus(long double x) { return (x > 0 ? x : 0.0L) + log1pl(expl(-fabsl(x))); }
+
+typedef struct { const char *name; void (*f)(float *restrict, const float *restrict, int); double (*ref)(double); } FF;
+typedef struct { const char *name; void (*f)(double *restrict, const double *restrict, int); long double (*ref)(long double); } DF;
+static const FF FFS[] = {{"expf", ev_expf, exp}, {"logf", ev_logf, log}, {"log1pf", ev_log1pf, log1p},
+                         {"tanhf", ev_tanhf, tanh}, {"erff", ev_erff, erf}, {"sigmoidf", ev_sigmoidf, rf_sigmoid},
+                         {"softplusf", ev_softplusf, rf_softplus}};
+static const DF DFS[] = {{"exp", ev_exp, expl}, {"log", ev_log, logl}, {"log1p", ev_log1p, log1pl},
+                         {"tanh", ev_tanh, tanhl}, {"sigmoid", ev_sigmoid, rl_sigmoid}, {"softplus", ev_softplus, rl_softplus}};
+
+static double worst = 0, worst_at = 0;
+static long mismatches = 0, evaluated = 0;
+static uint64_t sum = 1469598103934665603u;   /* FNV-1a of every result's bits, in order (NaNs as one) */
+
+static void mix(uint64_t v) { sum = (sum ^ v) * 1099511628211u; }
+
+/* a result y of x against the reference r: its error in ulp of r's type (the ulp of a
+ * subnormal below the smallest normal); results or references that are not finite must be
+ * the same (any NaN for a NaN) */
+static void judge_f(float x, float y, double r)
+{
+    const float rf = (float)r;
+    mix(isnan(y) ? 0x7fc00000u : Dg_bits_f(y)); ++evaluated;   /* a NaN's sign and payload may differ */
+    if (!isfinite(rf) || !isfinite(y)) {
+        if (!(isnan(y) && isnan(rf)) && y != rf && ++mismatches <= 5) fprintf(stderr, "x=%a got %a want %a\n", x, y, rf);
+        return;
+    }
+    int e;
+    frexp(r, &e);
+    const double err = fabs((double)y - r) / ldexp(1.0, e - 24 < -149 ? -149 : e - 24);
+    if (err > worst) { worst = err; worst_at = x; }
+}
+
+static void judge_d(double x, double y, long double r)
+{
+    const double rd = (double)r;
+    mix(isnan(y) ? 0x7ff8000000000000u : Dg_bits_d(y)); ++evaluated;
+    if (!isfinite(rd) || !isfinite(y)) {
+        if (!(isnan(y) && isnan(rd)) && y != rd && ++mismatches <= 5) fprintf(stderr, "x=%a got %a want %a\n", x, y, rd);
+        return;
+    }
+    int e;
+    frexpl(r, &e);
+    const double err = (double)(fabsl((long double)y - r) / ldexpl(1.0L, e - 53 < -1074 ? -1074 : e - 53));
+    if (err > worst) { worst = err; worst_at = x; }
+}
+
+static float xf[BLOCK], yf[BLOCK];
+static double xd[BLOCK], yd[BLOCK];
+static int nf = 0, nd = 0;
+static const FF *Fcur;
+static const DF *Dcur;
+
+static void flush_f(void)
+{
+    Fcur->f(yf, xf, nf);    /* the vectorized loop */
+    for (int i = 0; i < nf; ++i) judge_f(xf[i], yf[i], Fcur->ref((double)xf[i]));
+    nf = 0;
+}
+static void put_f(float x) { xf[nf++] = x; if (nf == BLOCK) flush_f(); }
+static void flush_d(void)
+{
+    Dcur->f(yd, xd, nd);
+    for (int i = 0; i < nd; ++i) judge_d(xd[i], yd[i], Dcur->ref((long double)xd[i]));
+    nd = 0;
+}
+static void put_d(double x) { xd[nd++] = x; if (nd == BLOCK) flush_d(); }
+
+static uint64_t Rng;
+static uint64_t next(void) { Rng ^= Rng << 13; Rng ^= Rng >> 7; Rng ^= Rng << 17; return Rng; }
+
+int main(int argc, char **argv)
+{
+    if (argc != 6) return 2;
+    const uint64_t stride = (uint64_t)atol(argv[2]), near = (uint64_t)atol(argv[3]), one = (uint64_t)atol(argv[4]);
+    const long count = atol(argv[5]);
+    static const float SPF[] = {0.0f, -0.0f, 1.0f, -1.0f, 1.40129846e-45f, -1.40129846e-45f, 1.17549435e-38f,
+                                -1.17549435e-38f, 3.40282347e+38f, -3.40282347e+38f, 88.7228394f, -87.3365479f,
+                                -103.972084f, -103.278931f, 9.01f, -9.01f, 3.92f, -3.92f, 0.625f, -0.625f, 0.875f, -0.875f};
+    static const double SPD[] = {0.0, -0.0, 1.0, -1.0, 4.9406564584124654e-324, -4.9406564584124654e-324,
+                                 2.2250738585072014e-308, -2.2250738585072014e-308, 1.7976931348623157e+308,
+                                 -1.7976931348623157e+308, 709.782712893384, -708.39641853226408, -745.13321910194110,
+                                 -744.44007192138122, 19.06, -19.06, 0.625, -0.625};
+    for (size_t k = 0; k < sizeof FFS / sizeof FFS[0]; ++k) {
+        if (strcmp(argv[1], FFS[k].name) != 0) continue;
+        Fcur = &FFS[k];
+        for (uint64_t b = 0; b <= 0xffffffffu; b += stride) put_f(Dg_f_bits((uint32_t)b));
+        for (uint64_t b = 3; b <= 0x41800000u; b += near) { put_f(Dg_f_bits((uint32_t)b)); put_f(-Dg_f_bits((uint32_t)b)); }
+        for (uint64_t b = 0x3f000000u; b <= 0x40000000u; b += one) put_f(Dg_f_bits((uint32_t)b));
+        for (size_t s = 0; s < sizeof SPF / sizeof SPF[0]; ++s) {
+            put_f(SPF[s]); put_f(nextafterf(SPF[s], 0.0f)); put_f(nextafterf(SPF[s], 1e30f)); put_f(nextafterf(SPF[s], -1e30f));
+        }
+        put_f(Dg_f_bits(0x7f800000u)); put_f(-Dg_f_bits(0x7f800000u)); put_f(Dg_f_bits(0x7fc00000u)); put_f(-Dg_f_bits(0x7fc00000u));
+        flush_f();
+    }
+    for (size_t k = 0; k < sizeof DFS / sizeof DFS[0]; ++k) {
+        if (strcmp(argv[1], DFS[k].name) != 0) continue;
+        Dcur = &DFS[k];
+        Rng = 88172645463325252u;                                  /* any bit pattern */
+        for (long i = 0; i < count; ++i) put_d(Dg_d_bits(next()));
+        Rng = 3141592653589793238u;                                /* |x| in [2^-30, 2^10), exponents uniform */
+        for (long i = 0; i < count; ++i) {
+            const uint64_t u = next();
+            const double x = ldexp(1.0 + (double)(u >> 12) * 0x1p-52, (int)((u & 63u) % 40u) - 30);
+            put_d((u & 64u) ? -x : x);
+        }
+        Rng = 2718281828459045235u;                                /* [0.5, 1.5) */
+        for (long i = 0; i < count; ++i) put_d(1.0 + ((double)(next() >> 11) * 0x1p-53 - 0.5));
+        Rng = 1414213562373095048u;                                /* [-800, 800) */
+        for (long i = 0; i < count; ++i) put_d(((double)(next() >> 11) * 0x1p-53 - 0.5) * 1600.0);
+        for (size_t s = 0; s < sizeof SPD / sizeof SPD[0]; ++s) {
+            put_d(SPD[s]); put_d(nextafter(SPD[s], 0.0)); put_d(nextafter(SPD[s], 1e300)); put_d(nextafter(SPD[s], -1e300));
+        }
+        put_d(Dg_d_bits(0x7ff0000000000000u)); put_d(-Dg_d_bits(0x7ff0000000000000u));
+        put_d(Dg_d_bits(0x7ff8000000000000u)); put_d(-Dg_d_bits(0x7ff8000000000000u));
+        flush_d();
+    }
+    printf("%s %.6f %a %ld %ld %016llx\n", argv[1], worst, worst_at, mismatches, evaluated, (unsigned long long)sum);
+    return 0;
+}
+"""
+
+STRICT = ["-std=c99", "-Wall", "-Wextra", "-pedantic", "-Werror", "-Wno-unused-function"]
+# the kernels' own build flags (derivgen.runtime.build.DEFAULT_CFLAGS) but the -march
+KERNEL = ["-O3", "-fno-math-errno", "-ffp-contract=off"]
+NEEDS = {"x86-64": (), "x86-64-v3": ("avx2", "fma"), "x86-64-v4": ("avx512f", "avx512bw", "avx512vl")}
+
+
+def _runs(march: str) -> bool:
+    return set(NEEDS[march]) <= set(machine().flags)
+
+
+def _best() -> str:
+    return next((m for m in ("x86-64-v4", "x86-64-v3") if _runs(m)), "x86-64")
+
+
+def _x86() -> None:
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("the -march levels are x86-64's")
+
+
+@pytest.fixture(scope="module")
+def drivers(tmp_path_factory):
+    """The sweep driver built for plain x86-64 (SSE2) and for the best level this CPU runs."""
+    _x86()
+    cc = require_tool("gcc")
+    d = tmp_path_factory.mktemp("vector_math")
+    (d / "driver.c").write_text(DRIVER)
+    out = {}
+    for march in dict.fromkeys(("x86-64", _best())):
+        exe = d / f"driver-{march}"
+        r = subprocess.run(
+            [
+                cc,
+                *STRICT,
+                *KERNEL,
+                f"-march={march}",
+                f"-I{ROOT / 'generated' / 'c'}",
+                str(d / "driver.c"),
+                "-o",
+                str(exe),
+                "-lm",
+            ],
+            capture_output=True,
+            text=True,
+        )
+        assert r.returncode == 0, r.stderr
+        out[march] = exe
+    return out
+
+
+def _sweep(exe, name: str, sweep: dict) -> dict:
+    r = subprocess.run(
+        [str(exe), name, *(str(sweep[k]) for k in ("stride", "near", "one", "count"))],
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
+    assert r.returncode == 0, r.stderr
+    fn, worst, at, mismatches, evaluated, checksum = r.stdout.split()
+    assert fn == name
+    return {
+        "ulp": float(worst),
+        "at": float.fromhex(at),
+        "mismatches": int(mismatches),
+        "evaluated": int(evaluated),
+        "checksum": checksum,
+        "stderr": r.stderr,
+    }
+
+
+def doc_table() -> dict[str, tuple[float, float]]:
+    """docs/numerics.md's table of the vectorized functions: C function -> (measured max
+    error, bound), both in ulp."""
+    text = (ROOT / "docs" / "numerics.md").read_text()
+    section = text.split("<!-- vector-math-table -->")[1]
+    rows = {}
+    for line in section.splitlines():
+        m = re.match(r"\|\s*`Dg_(\w+)`\s*\|\s*(float|double)\s*\|\s*([0-9.]+)\s*\|\s*([0-9.]+)\s*\|", line)
+        if m:
+            rows[m.group(1)] = (float(m.group(3)), float(m.group(4)))
+        elif rows and not line.startswith("|"):
+            break
+    return rows
+
+
+def test_the_doc_table_has_every_function():
+    table = doc_table()
+    assert set(table) == set(FLOAT + DOUBLE)
+    for name, (measured, bound) in table.items():
+        assert measured <= bound, name
+
+
+CASES = [pytest.param(n, QUICK, id=f"{n}-quick") for n in FLOAT + DOUBLE] + [
+    pytest.param(n, FULL, id=f"{n}-full", marks=pytest.mark.full) for n in FLOAT + DOUBLE
+]
+
+
+@pytest.mark.parametrize("name,sweep", CASES)
+def test_error_within_the_documented_bound(name, sweep, drivers):
+    """Over the sweep: no special value differs from libm's, the largest error is within the
+    documented bound (and, for the full sweep, is the table's measured value), and the plain
+    SSE2 build and the best vector build give the same bits."""
+    measured, bound = doc_table()[name]
+    results = {march: _sweep(exe, name, sweep) for march, exe in drivers.items()}
+    for march, r in results.items():
+        assert r["mismatches"] == 0, (march, r["stderr"])
+        assert r["ulp"] <= bound, (march, r)
+        if sweep is FULL:
+            assert abs(r["ulp"] - measured) < 0.01, (march, r["ulp"], measured)
+        else:
+            assert r["ulp"] <= measured + 0.005, (march, r["ulp"], measured)
+    assert len({r["checksum"] for r in results.values()}) == 1, results
+
+
+LOOPS = r"""
+#include "derivgen-kernels.h"
+""" + "".join(
+    f"void loop_{n}({t} *restrict y, const {t} *restrict x, int n) {{ for (int i = 0; i < n; ++i) y[i] = Dg_{n}(x[i]); }}\n"
+    for t, names in (("float", FLOAT), ("double", DOUBLE))
+    for n in names
+)
+
+
+@pytest.mark.parametrize("march", ["x86-64", "x86-64-v2", "x86-64-v3", "x86-64-v4"])
+def test_gcc_vectorizes_a_loop_calling_each_function(march, tmp_path):
+    """Compiled only (any CPU): GCC reports every loop vectorized, with vectors of the ISA's
+    width, and the object calls nothing (no libm). Plain x86-64 (SSE2) lacks what the double
+    ones need (64-bit integer compares of the selects): there the float ones only."""
+    _x86()
+    cc = require_tool("gcc")
+    (tmp_path / "loops.c").write_text(LOOPS)
+    obj = tmp_path / "loops.o"
+    r = subprocess.run(
+        [cc, *STRICT, *KERNEL, f"-march={march}", "-fopt-info-vec-optimized", f"-I{ROOT / 'generated' / 'c'}"]
+        + ["-c", str(tmp_path / "loops.c"), "-o", str(obj)],
+        capture_output=True,
+        text=True,
+    )
+    assert r.returncode == 0, r.stderr
+    width = {"x86-64": 16, "x86-64-v2": 16, "x86-64-v3": 32, "x86-64-v4": 64}[march]
+    lines = LOOPS.splitlines()
+    want = FLOAT + (DOUBLE if march != "x86-64" else [])
+    for n in want:
+        line = next(i + 1 for i, text in enumerate(lines) if text.startswith(f"void loop_{n}("))
+        assert re.search(rf"loops\.c:{line}:\d+: optimized: loop vectorized using {width} byte vectors", r.stderr), (
+            n,
+            r.stderr,
+        )
+    nm = require_tool("nm")
+    undefined = subprocess.run([nm, "-u", str(obj)], capture_output=True, text=True, check=True).stdout.split()
+    assert not [s for s in undefined if s not in ("U",)], undefined
+
+
+def test_the_table_spells_the_transcendentals_with_the_header():
+    """exp, log, tanh, sigmoid, softplus (float and double) and erf (float) call the header's
+    functions, which the header defines."""
+    header = (ROOT / "generated" / "c" / "derivgen-kernels.h").read_text()
+    for name in ("exp", "log", "tanh", "sigmoid", "softplus", "erf"):
+        for ctype in ("float", "double"):
+            spelling = functions.TABLE[name].c(ctype)
+            if name == "erf" and ctype == "double":
+                assert spelling == "erf"  # libm's: no vectorized double erf yet
+                continue
+            assert spelling.startswith("Dg_"), (name, ctype, spelling)
+            assert re.search(rf"static inline {ctype} {spelling}\(", header), spelling
