@@ -28,6 +28,8 @@ Blocks that use PyTorch are skipped when it is not installed, and fail under ``C
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
 import re
 import shutil
@@ -38,6 +40,8 @@ from pathlib import Path
 
 import pytest
 from conftest import ROOT
+
+from derivgen.runtime.build import announce
 
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 RUN = ("bash", "console", "python")
@@ -270,14 +274,9 @@ def test_no_history_in_the_documents():
 
 
 def test_the_runner_leaves_out_first_use_lines_only():
-    from derivgen.runtime.build import announce
-
     line = "derivgen: compiling layernorm.c (first use, about 10 s; cached in /home/me/.cache/derivgen)"
     assert FIRST_USE.match(line)
     assert not FIRST_USE.match("derivgen: error: compiling layernorm.c failed")
-    import contextlib
-    import io
-
     err = io.StringIO()
     with contextlib.redirect_stderr(err):
         announce("derivgen.torch's C++ extension", "1-2 min", Path("/c/torch_ext/x"))
