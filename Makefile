@@ -66,20 +66,22 @@ test: $(STAMP) pdflatex lint
 test-full: $(STAMP) pdflatex lint
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS)
 
-# the spec fuzzer's larger corpus (the test suite runs seeds 0-27, 100000 and 100008, and judges
-# the run-time means of 200000-200047 too); SEEDS=a-b, BLOCK_SEEDS=a-b (the block family: seeds
+# the spec fuzzer's larger corpus (the test suite runs seeds 0-27, 100000 and 100008, 300000-300039
+# and 300085, and judges the run-time means of 200000-200047 too); SEEDS=a-b, BLOCK_SEEDS=a-b (the block family: seeds
 # from 100000 have block statistics), SHAPE_SEEDS=a-b (the shape family: seeds from 200000 have
-# a Taylor softmax, a per-row scale or a mixture of two kinds' normalizations), JOBS=n,
+# a Taylor softmax, a per-row scale or a mixture of two kinds' normalizations), TENSOR_SEEDS=a-b
+# (the tensor family: seeds from 300000 have tensor inputs, a core value, outputs beside y), JOBS=n,
 # PROOF_WORK units of exact arithmetic per proof size (the test suite's 500000) before 80-digit numbers take over. Every spec
 # is also judged on its run-time means (a count above the brute-force minimum fails it); every
 # range runs, whatever the ones before found, and the target fails if any spec did
 SEEDS ?= 28-1199
 BLOCK_SEEDS ?= 100001-100199
 SHAPE_SEEDS ?= 200000-200199
+TENSOR_SEEDS ?= 300040-300199
 JOBS  ?= 2
 PROOF_WORK ?= 500000
 fuzz: $(STAMP)
-	@status=0; for seeds in $(SEEDS) $(BLOCK_SEEDS) $(SHAPE_SEEDS); do \
+	@status=0; for seeds in $(SEEDS) $(BLOCK_SEEDS) $(SHAPE_SEEDS) $(TENSOR_SEEDS); do \
 	  $(BIN)/python tests/specfuzz.py --seeds $$seeds --jobs $(JOBS) --proof-work $(PROOF_WORK) --progress || status=1; \
 	done; exit $$status
 

@@ -15,7 +15,8 @@ mode, with or without a normalized coordinate, and any valid identifier --
 single letters, ``_t`` suffixes, and the names derivgen's own generated code
 uses for its locals. Seeds from :data:`BLOCK_SEEDS` add block statistics; seeds from
 :data:`SHAPE_SEEDS` a Taylor softmax, a per-row scale or a mixture of two kinds'
-normalizations (:func:`_shapes`).
+normalizations (:func:`_shapes`); seeds from :data:`TENSOR_SEEDS` tensor inputs beside x, a
+core value the statistics read, masked statistics and outputs beside y (:func:`_tensors`).
 
 ``run(text)`` parses, derives, proves at N = 2, 3, generates NumPy and C,
 compiles the C (a compiler warning fails the spec, as ``-Werror`` would), and checks both
@@ -24,11 +25,14 @@ other (:func:`derivgen.tools.check.check_layer`); a channel layout's channels-la
 kernels must give its NCHW kernels' bits (:func:`channels_last_mismatches`). It also
 judges the backward's run-time means of ∂L/∂y by kind against the fewest any backward
 needs (:func:`reduction_minimum`, :func:`brute_force_minimum`); :func:`run_means` does
-only that.
+only that. A layer with tensor inputs, values or outputs beside y goes through
+:func:`run_tensors` instead: NumPy and C against PyTorch autograd of the spec's forward written
+from its fields (:func:`_torch_tensors`), finite differences and each other.
 
     python tests/specfuzz.py --seeds 0-1999 --jobs 2      # the larger corpus (make fuzz)
     python tests/specfuzz.py --seed 17 --show             # one spec, printed
     python tests/specfuzz.py --seeds 200000-200199 --means-only   # the run-time means only
+    python tests/specfuzz.py --seeds 300000-300199 --jobs 2      # the tensor family
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import dataclasses
 import functools
 import math
 import os
@@ -106,6 +111,9 @@ class _Spec:
     normalized: tuple | None = None
     output: str = ""
     min_group: int = 1
+    tensors: list = field(default_factory=list)  # (name, fields): tensor inputs beside x
+    values: list = field(default_factory=list)  # (name, expr): element values before the statistics
+    outputs: list = field(default_factory=list)  # (name, expr): outputs beside y
 
     def toml(self, name: str) -> str:
         def tbl(items):
@@ -116,10 +124,13 @@ class _Spec:
             ("params", self.params),
             ("options", self.options),
             ("inputs", self.inputs),
+            ("tensors", self.tensors),
             ("buffers", self.buffers),
         ):
             if items:
                 out += [f"[{head}]", tbl(items)]
+        if self.values:
+            out += ["[values]", tbl((k, f'"{v}"') for k, v in self.values)]
         if self.stats:
             out += ["[statistics]", tbl((k, f'"{v}"') for k, v in self.stats)]
         if self.min_group > 1:
@@ -128,7 +139,7 @@ class _Spec:
             out += ["[modes.eval.statistics]", tbl((k, f'"{v}"') for k, v in self.eval_stats)]
         if self.normalized:
             out += ["[normalized]", f'name = "{self.normalized[0]}"', f'expr = "{self.normalized[1]}"']
-        out += ["[output]", f'y = "{self.output}"']
+        out += ["[output]", f'y = "{self.output}"', *(f'{k} = "{v}"' for k, v in self.outputs)]
         return "\n".join(out) + "\n"
 
 
@@ -142,8 +153,9 @@ def generate(seed: int, name_coordinate: bool | None = None) -> str:
     kind = rng.choice(["trailing", "trailing", "trailing2", "batch", "instance", "group"])
     if kind == "instance" and seed % 2 == 0:  # groups within a sample: a channel, or a position's channels
         kind = "position"  # (chosen by the seed alone, so every other draw is as it was)
-    shapes = seed >= SHAPE_SEEDS  # the shape family: every other seed in a layout with blocks
-    blocks = seed >= BLOCK_SEEDS and (not shapes or seed % 2 == 1)
+    tensors = seed >= TENSOR_SEEDS  # the tensor family: tensor inputs, values, outputs beside y
+    shapes = SHAPE_SEEDS <= seed < TENSOR_SEEDS  # the shape family: every other seed in a layout with blocks
+    blocks = seed >= BLOCK_SEEDS and not tensors and (not shapes or seed % 2 == 1)
     if blocks:  # the block family: a layout whose groups hold blocks (seed alone again)
         kind = ("batch", "group", "all")[seed % 3]
     if kind == "trailing2":
@@ -324,18 +336,23 @@ def generate(seed: int, name_coordinate: bool | None = None) -> str:
         terms.append(f"{extra}*{z}")
     if prev_m and rng.random() < 0.3:
         terms.append(f"0.1*{prev_m}*{z}")
-    _selections_and_friends(random.Random(seed * 7919 + 17), s, names, kind, z, terms)
-    _leading_masks(random.Random(seed * 104729 + 31), s, names, kind, z, xh, terms, eps)
-    _windows(random.Random(seed * 15485863 + 47), s, names, kind, z, terms)
+    _selections_and_friends(random.Random(seed * 7919 + 17), s, names, kind, z, terms, extremes=not tensors)
+    if not tensors:  # leading() and window() read x itself, which a core value takes over
+        _leading_masks(random.Random(seed * 104729 + 31), s, names, kind, z, xh, terms, eps)
+        _windows(random.Random(seed * 15485863 + 47), s, names, kind, z, terms)
     if blocks and not shapes:
         _blocks(random.Random(seed * 32452843 + 59), s, names, kind, terms, eps, c)
     if shapes:
         _shapes(random.Random(seed * 49979687 + 61), s, names, kind, z, terms, eps, gamma, blocks)
+    if tensors:
+        _tensors(random.Random(seed * 67867967 + 71), s, names, kind, z, terms, channel_ok)
     s.output = " + ".join(terms)
     return s.toml(f"fuzz{seed}")
 
 
-def _selections_and_friends(rng: random.Random, s: _Spec, names: Names, kind: str, z: str, terms: list[str]) -> None:
+def _selections_and_friends(
+    rng: random.Random, s: _Spec, names: Names, kind: str, z: str, terms: list[str], extremes: bool = True
+) -> None:
     """The language's selections (maximum, minimum, clip, group max/min), sigmoid, erf,
     stop_gradient and pi, drawn from a generator of their own so that every earlier draw
     (and so every spec the corpus had before them) stays as it was."""
@@ -353,7 +370,7 @@ def _selections_and_friends(rng: random.Random, s: _Spec, names: Names, kind: st
         terms.append(f"erf({z}/sqrt(2))*{rng.choice(['1', 'sqrt(pi)/2'])}")
     elif u < 0.2:
         terms[0] = f"({terms[0]})*(1 - stop_gradient({rng.choice(['0.1', '0.3'])}*{z}))"
-    if rng.random() < 0.12:  # a group maximum or minimum (any layout)
+    if extremes and rng.random() < 0.12:  # a group maximum or minimum (any layout; not the tensor family)
         op = rng.choice(["max", "min"])
         mx = names.new("mx", "peak", "m_max")
         if op == "max":
@@ -549,6 +566,193 @@ def _block_mixture(
         terms.append(f"{g}(x - {mu})/sqrt({var} + {eps})")
 
 
+# seeds from here on draw the tensor family: tensor inputs beside x, a core value the statistics
+# read in place of x, masked statistics, outputs beside y (judged by :func:`run_tensors`, which
+# derivgen.tools.check's check_layer does not take)
+TENSOR_SEEDS = 300_000
+
+# names the tensor family prefers for what it declares (beside TRICKY's, which Names draws too)
+TENSOR_NAMES = {
+    "core": ("h", "u", "pre", "hs", "resid"),
+    "residual": ("residual", "r", "res", "skip", "x1"),
+    "gate": ("z", "gate", "zg", "act"),
+    "scale": ("scale", "mod_s", "s_t", "gamma_t"),
+    "shift": ("shift", "mod_b", "b_t", "beta_t"),
+    "mask": ("mask", "valid", "m", "keep", "pad"),
+    "weight": ("wts", "conf", "logit", "c_w"),
+    "constant": ("pos", "noise", "bias_t", "emb"),
+    "output": ("y1", "y2", "out1", "y_b", "h_out", "z_out", "aux"),
+}
+
+
+def _with_core(text: str, core: str) -> str:
+    """``text`` with x written as the core value (the layer normalizes the core in place of x)."""
+    return re.sub(r"(?<![\w])x(?![\w])", core, text)
+
+
+def _weighted_means(expr: str, weight: str, total: str) -> str:
+    """``expr`` with every mean(e) and sum(e) taken with ``weight`` (a mask: over the valid
+    elements): mean(weight*(e))/total and sum(weight*(e))/total, ``total`` = mean(weight)."""
+    call = re.compile(r"(?<![\w])(mean|sum)\(")
+    out, i = [], 0
+    while (found := call.search(expr, i)) is not None:
+        out.append(expr[i : found.start()])
+        j, depth = found.end(), 1
+        while depth:
+            depth += {"(": 1, ")": -1}.get(expr[j], 0)
+            j += 1
+        body = _weighted_means(expr[found.end() : j - 1], weight, total)
+        out.append(f"({found.group(1)}({weight}*({body}))/{total})")
+        i = j
+    out.append(expr[i:])
+    return "".join(out)
+
+
+def _tensors(
+    rng: random.Random,
+    s: _Spec,
+    names: Names,
+    kind: str,
+    z: str,
+    terms: list[str],
+    channel_ok: bool,
+) -> None:
+    """The tensor family's seeds: the ordinary draws (no block statistics, windows, leading()
+    or group max/min) and, from a generator of their own, some of: a core value the
+    statistics read in place of x (x plus a residual or two, x times a scale plus a
+    residual, x gated by silu(z) or sigmoid(z), a per-channel weight times x plus a
+    residual, a masked sum, a constant added, two values in a row); masked or weighted
+    statistics (mean(m*e)/mean(m) for every mean, with a 0/1 mask, a constant weight or a
+    weight with a gradient); tensors only in the output (adaLN's modulation, a silu gate,
+    also through a value, a scale, a shift, a mask); one or two outputs beside y (the core
+    value itself, another affine output of the normalized coordinate, a function of it, the
+    coordinate modulated by a tensor, or times a statistic). Tensors of x's shape, or
+    broadcast per sample or per position where the layout has them."""
+    broadcast = ["sample", "position"] if not kind.startswith("trailing") else ["sample"]
+    on_group = {"instance": "sample", "position": "position"}.get(kind)  # one value per group
+
+    def tensor(role: str, shape: str = "x", grad: bool = True, mask: bool = False) -> str:
+        n = names.new(*TENSOR_NAMES[role])
+        f = [f'shape = "{shape}"'] if shape != "x" else []
+        f += ["mask = true"] if mask else ([] if grad else ["grad = false"])
+        s.tensors.append((n, "{ " + ", ".join(f) + " }" if f else "{}"))
+        return n
+
+    def shape(varying: bool = False) -> str:
+        """x's mostly, a broadcast one now and then (``varying``: not one value per group)."""
+        return rng.choice([sh for sh in ["x", "x", "x", *broadcast] if not (varying and sh == on_group)])
+
+    core = rng.random() < 0.6
+    masked = rng.random() < 0.35
+    modulate = rng.random() < 0.5
+    n_out = rng.choice([0, 0, 1, 1, 2])
+    if not (core or masked or modulate or n_out):
+        core = True
+    mask = None
+    h = None
+    if masked:  # statistics over the valid elements, or weighted
+        u = rng.random()
+        if u < 0.7:
+            mask = weight = tensor("mask", shape(varying=True), grad=False, mask=True)
+        elif u < 0.85:
+            weight = f"exp({tensor('constant', shape(varying=True), grad=False)})"
+        else:
+            weight = f"sigmoid({tensor('weight', shape(varying=True))})"  # a gradient through the means
+        total = names.new("frac", "valid_n", "m_bar", "cnt")
+        s.stats = [(total, f"mean({weight})")] + [(k, _weighted_means(v, weight, total)) for k, v in s.stats]
+    if core:
+        h = names.new(*TENSOR_NAMES["core"])
+        form = rng.choice(
+            ["add", "add", "add2", "scale_add", "silu", "sigmoid", "param", "mask", "tanh", "const", "two"]
+        )
+        if form == "param" and not channel_ok:
+            form = "add"
+        if form == "add":
+            expr = f"x + {tensor('residual', shape())}"
+        elif form == "add2":
+            expr = f"x + {tensor('residual', shape())} + {tensor('residual', shape())}"
+        elif form == "scale_add":
+            expr = f"x*{tensor('scale', shape())} + {tensor('residual', shape())}"
+        elif form == "silu":
+            g = tensor("gate", shape())
+            expr = f"x*{g}*sigmoid({g})"
+        elif form == "sigmoid":
+            expr = f"x*sigmoid({tensor('gate', shape())})"
+        elif form == "param":
+            w = names.new("w_in", "alpha_c", "w0")
+            s.params.append((w, "{ init = 1.0 }"))
+            expr = f"{w}*x + {tensor('residual', shape())}"
+        elif form == "mask":
+            m = mask or tensor("mask", shape(varying=True), grad=False, mask=True)
+            expr = f"(x + {tensor('residual', shape())})*{m}"
+        elif form == "tanh":
+            expr = f"x + 0.5*tanh({tensor('residual', shape())})"
+        elif form == "const":
+            expr = f"x + {tensor('constant', shape(), grad=False)}"
+        else:  # two values in a row: the first read only by the core
+            a = names.new("pre_add", "a_v", "sum_in")
+            s.values.append((a, f"x + {tensor('residual', shape())}"))
+            expr = f"{a}*sigmoid({tensor('gate', shape())})"
+        s.values.append((h, expr))
+        s.stats = [(k, _with_core(v, h)) for k, v in s.stats]
+        if s.normalized:
+            s.normalized = (s.normalized[0], _with_core(s.normalized[1], h))
+        terms[:] = [_with_core(t, h) for t in terms]
+        z = _with_core(z, h)
+    if modulate:  # tensors in the output only
+        form = rng.choice(["adaln", "adaln", "silu", "value", "scale", "shift", "mask"])
+        if form == "adaln":
+            sc = tensor("scale", rng.choice(["sample", "sample", *broadcast, "x"]))
+            terms[0] = f"({terms[0]})*(1 + {sc})"
+            terms.append(tensor("shift", rng.choice(["sample", *broadcast, "x"])))
+        elif form == "silu":
+            g = tensor("gate", shape())
+            terms[:] = [f"({' + '.join(terms)})*{g}*sigmoid({g})"]
+        elif form == "value":  # the gate as a value of its own (not read by the statistics)
+            g = tensor("gate", shape())
+            v = names.new("gate_v", "silu_z", "act_v")
+            s.values.append((v, f"{g}*sigmoid({g})"))
+            terms[:] = [f"({' + '.join(terms)})*{v}"]
+        elif form == "scale":
+            terms[0] = f"{tensor('scale', shape())}*({terms[0]})"
+        elif form == "shift":
+            t = tensor("shift", shape())
+            terms.append(rng.choice([t, f"0.5*{t}**2"]))
+        else:
+            m = tensor("mask", shape(), grad=False, mask=True)
+            terms[:] = [f"{m}*({' + '.join(terms)})"]
+    kinds = ["affine", "affine", "function", "modulated", "statistic"] + (["value"] if h else [])
+    for _ in range(n_out):
+        form = rng.choice(kinds)
+        if form == "value":  # the core value itself, as fused add-norms return it
+            kinds = [k for k in kinds if k != "value"]
+            s.outputs.append((h, h))
+            continue
+        o = names.new(*TENSOR_NAMES["output"])
+        if form == "affine":
+            w = names.new("w1", "weight1", "gamma1", "scale1")
+            s.params.append(
+                (w, "{ init = 1.0 }" if channel_ok and rng.random() < 0.7 else '{ shape = "scalar", init = 1.0 }')
+            )
+            b = names.new("b1", "bias1", "beta1", "shift1")
+            s.params.append(
+                (
+                    b,
+                    '{ role = "shift" }'
+                    if channel_ok and rng.random() < 0.7
+                    else '{ role = "shift", shape = "scalar" }',
+                )
+            )
+            expr = f"{w}*{z} + {b}"
+        elif form == "function":
+            expr = rng.choice([f"tanh({z})", f"{z}**2/2", f"{z}*sigmoid({z})", z])
+        elif form == "modulated":
+            expr = f"{z}*(1 + {tensor('scale', shape())})"
+        else:
+            expr = f"{z}*{s.stats[-1][0]}"
+        s.outputs.append((o, expr))
+
+
 # ------------------------------------------------------------------ the fewest run-time means
 
 
@@ -701,6 +905,8 @@ def _minimum(spec, mode: str, seed: int, derivation) -> dict[str, int]:
     from derivgen.symbolic.block import BLOCK_AXES, GROUP_AXES, block_kinds
 
     md = (derivation or derivgen.derive(spec)).modes[mode]
+    if any(m.blocks for m in spec.modes) and spec.multi:
+        raise MinimumUnresolved(f"{mode}: block means beside tensor inputs or outputs are not judged")
     for attempt in range(4):  # a point where the layer is defined (x may leave a root's domain)
         case = rank_case(spec, seed + 1000 * attempt)
         with np.errstate(all="ignore"):
@@ -712,6 +918,11 @@ def _minimum(spec, mode: str, seed: int, derivation) -> dict[str, int]:
     x, scalars, grid = case.x, case.scalars, case.grid
     layout, reduce_ = spec.layout, spec.reduce
     n = len(x)
+    wide = (jac.shape[0] // n, jac.shape[1] // n)  # blocks of rows (gradients) and columns (cotangents)
+
+    def widen(elements, blocks):  # the elements' rows or columns in every block
+        return [e + b * n for b in range(blocks) for e in elements]
+
     u, v, _ = np.unravel_index(np.arange(n), grid)
 
     cells: dict[tuple[int, int], list[int]] = {}
@@ -799,9 +1010,9 @@ def _minimum(spec, mode: str, seed: int, derivation) -> dict[str, int]:
         best, gaps = 0, []
         for rows, cols in _splits(ax, block, cells, ordered, reach):
             if k == "group":
-                m = jac[np.ix_(rows, cols)]
+                m = jac[np.ix_(widen(rows, wide[0]), widen(cols, wide[1]))]
                 if len(spec.inputs):
-                    m = np.vstack([m, dins[:, cols]])
+                    m = np.vstack([m, dins[:, widen(cols, wide[1])]])
             else:
                 rows = [e for e in rows if e not in special]
                 m = _assemble(part, k, rows, cols, cells)
@@ -838,12 +1049,14 @@ RANK_GRIDS = {
 @dataclass
 class RankCase:
     """One group's values for the brute force: x, the parameters (per element, or scalars),
-    the options, inputs and buffers (one value each), and the group's grid."""
+    the options, inputs and buffers (one value each), the group's grid, and the tensor inputs
+    (per element)."""
 
     x: object
     params: dict
     scalars: dict
     grid: tuple[int, int, int]
+    tensors: dict = field(default_factory=dict)
 
 
 def rank_case(spec, seed: int = 0) -> RankCase:
@@ -879,7 +1092,52 @@ def rank_case(spec, seed: int = 0) -> RankCase:
             scalars[o.name] = float(lo + rng.uniform(0.2, 0.8) * (hi - lo))
     for item in (*spec.inputs, *spec.buffers):
         scalars[item.name] = float(rng.uniform(0.6, 1.4))
-    return RankCase(x, params, scalars, grid)
+    return RankCase(x, params, scalars, grid, _rank_tensors(spec, grid, rng))
+
+
+def _rank_tensors(spec, grid: tuple[int, int, int], rng) -> dict:
+    """The tensor inputs over one group on ``grid`` (samples, channels, positions): one value per
+    element, per (sample, channel) for a channel layout's ``sample`` tensor, per (sample,
+    position) for a ``position`` one; ~ N(0.4, 0.8²), masks 0/1 with at least two valid."""
+    import numpy as np
+
+    n = math.prod(grid)
+    u, v, p = np.unravel_index(np.arange(n), grid)
+    out = {}
+    for t in spec.tensors:
+        if t.shape == "x" or spec.layout == "trailing":
+            index, size = np.arange(n), n
+        elif t.shape == "sample":
+            index, size = u * grid[1] + v, grid[0] * grid[1]
+        else:
+            index, size = u * grid[2] + p, grid[0] * grid[2]
+        if t.mask:
+            m = (rng.random(size) < 0.7).astype(np.float64)
+            m[rng.permutation(size)[:2]] = 1.0
+            out[t.name] = m[index]
+        else:
+            out[t.name] = rng.normal(0.4, 0.8, size)[index]
+    return out
+
+
+def group_evaluator(md, case: RankCase):
+    """:class:`derivgen.tools.evaluate.GroupEvaluator` of ``md`` on ``case``'s group, with the
+    tensor inputs and the values (the core among them) in its environment."""
+    import numpy as np
+
+    from derivgen.spec.model import X
+    from derivgen.tools.evaluate import GroupEvaluator, evaluate
+
+    class WithTensors(GroupEvaluator):
+        def _env(self, x, params, scalars):
+            env = super()._env(x, params, scalars)
+            for t in self.spec.tensors:
+                env[t.symbol] = np.asarray(case.tensors[t.name], dtype=np.float64)
+            for v in self.spec.values:  # in order: x, the tensors, the values before
+                env[v.symbol] = evaluate(v.expr, env) * np.ones_like(env[X])
+            return env
+
+    return WithTensors(md)
 
 
 def block_mean(grid: tuple[int, int, int]):
@@ -907,32 +1165,49 @@ def _jacobian(md, case: RankCase):
     give for ∂L/∂y one at element k, and row i of the second ∂L/∂(input i) for it, evaluated
     numerically (:mod:`derivgen.tools.evaluate`, the tree walk derivgen check compares the
     generated code against; its backward is linear in ∂L/∂y, so all k at once: ∂L/∂y the
-    identity, each mean over the last axis; one k at a time where a window is)."""
+    identity, each mean over the last axis; one k at a time where a window is).
+
+    With tensor inputs or outputs beside y, Jᵀ is a grid of such blocks: a row of blocks per
+    gradient of an element value (∂L/∂x, then each tensor's with a gradient, per element
+    before a broadcast tensor's sum), a column of blocks per output's cotangent (y's first),
+    and the input gradients' rows span every column; a mean of ∂L/∂y's that any of them reads
+    is one rank of it."""
     import numpy as np
 
     from derivgen.derive.first import G
-    from derivgen.spec.model import DY
-    from derivgen.tools.evaluate import GroupEvaluator, evaluate
+    from derivgen.tools.evaluate import evaluate
 
     n = len(case.x)
     block = block_mean(case.grid)
+    spec = md.spec
 
     def mean(values):
         a = np.asarray(values, dtype=np.float64)
         return a if a.ndim == 0 else a.mean(axis=-1, keepdims=True)
 
-    _, env = GroupEvaluator(md).forward(case.x, case.params, case.scalars, block)
-    inputs = md.spec.inputs
-    rows, dins = [], []
-    for dy in [np.eye(n)] if not md.spec.windows else list(np.eye(n)):
-        e = {**env, DY: dy}
-        if md.g is not None:
-            e[G] = evaluate(md.g, e, mean, None, block) * np.ones_like(dy)
-        rows.append(np.broadcast_to(evaluate(md.dx, e, mean, None, block), dy.shape).reshape(-1, n))
-        shape = (*dy.shape[:-1], 1)
-        dins.append([np.broadcast_to(evaluate(md.dinputs[i.name], e, mean, None, block), shape) for i in inputs])
-    din = np.array([np.concatenate([np.reshape(d[i], -1) for d in dins]) for i in range(len(inputs))])
-    return np.vstack(rows).T.copy(), din.reshape(len(inputs), n)
+    _, env = group_evaluator(md, case).forward(case.x, case.params, case.scalars, block)
+    inputs = spec.inputs
+    gradients = [md.dx, *(md.dtensors[t.name] for t in spec.grad_tensors)]
+    columns, din_columns = [], []
+    for cot in spec.cotangents:
+        rows, dins = [], []
+        for dy in [np.eye(n)] if not spec.windows else list(np.eye(n)):
+            e = {**env, **{c: np.zeros_like(dy) for c in spec.cotangents}, cot: dy}
+            if md.g is not None:
+                e[G] = evaluate(md.g, e, mean, None, block) * np.ones_like(dy)
+            rows.append(
+                [np.broadcast_to(evaluate(r, e, mean, None, block), dy.shape).reshape(-1, n) for r in gradients]
+            )
+            shape = (*dy.shape[:-1], 1)
+            dins.append([np.broadcast_to(evaluate(md.dinputs[i.name], e, mean, None, block), shape) for i in inputs])
+        columns.append([np.vstack([r[k] for r in rows]).T for k in range(len(gradients))])
+        din_columns.append(
+            np.array([np.concatenate([np.reshape(d[i], -1) for d in dins]) for i in range(len(inputs))]).reshape(
+                len(inputs), n
+            )
+        )
+    jac = np.block([[col[k] for col in columns] for k in range(len(gradients))])
+    return jac.copy(), np.hstack(din_columns)
 
 
 def _same_block(c, first, spans) -> bool:
@@ -1053,7 +1328,41 @@ def text_features(text: str, source: str = "spec.toml", shapes: bool = False) ->
     for key in ("role", "shape"):  # of a parameter: name = { role = "...", shape = "..." }
         out |= {f"{key} {v}" for v in re.findall(rf'^\w+ = \{{[^\n]*\b{key} = "(\w+)"', text, re.MULTILINE)}
     out |= {f"block {k}" for b in (bl for m in spec.modes for bl in m.blocks) for k in b.kinds}
-    return frozenset(out | shape_features(spec) if shapes else out)
+    return frozenset(out | shape_features(spec) | tensor_features(spec) if shapes else out)
+
+
+def tensor_features(spec) -> set[str]:
+    """What a layer with tensor inputs, values or outputs beside y exercises (the tensor
+    family's seeds; nothing for other layers): each tensor's shape and kind (``tensor x``,
+    ``tensor sample``, ``tensor position``; ``tensor mask``, ``tensor constant``: no gradient
+    and not a mask), where tensors are read (``tensor in core``, ``tensor in statistics``,
+    ``tensor in output``), ``core value``, ``parameter in core``, ``values beside the core``,
+    ``outputs beside y: n`` and ``output is the core value``."""
+    out: set[str] = set()
+    for t in spec.tensors:
+        out.add(f"tensor {t.shape}")
+        out.add("tensor mask" if t.mask else ("tensor constant" if not t.grad else "tensor with gradient"))
+    syms = spec.tensor_symbols
+    stats = [st.expr for m in spec.modes for st in m.statistics]
+    if any(e.free_symbols & syms for e in stats):
+        out.add("tensor in statistics")
+    if any(e.free_symbols & syms for e in (spec.output, *(o.expr for o in spec.outputs))):
+        out.add("tensor in output")
+    if spec.core is not None:
+        out.add("core value")
+        if spec.core.expr.free_symbols & syms:
+            out.add("tensor in core")
+        if spec.core.expr.free_symbols & {p.symbol for p in spec.params}:
+            out.add("parameter in core")
+        if len(spec.values) > 1:
+            out.add("values beside the core")
+    elif spec.values:
+        out.add("values beside the core")
+    if spec.outputs:
+        out.add(f"outputs beside y: {len(spec.outputs)}")
+    if spec.core is not None and spec.core.name in {o.name for o in spec.outputs}:
+        out.add("output is the core value")
+    return out
 
 
 def shape_features(spec) -> set[str]:
@@ -1158,13 +1467,16 @@ def covering(items, key=features) -> list:
 
 
 def run(text: str, seed: int = -1, prove_sizes=(2, 3)) -> Result:
-    """Parse, derive, prove, generate, compile, check. Never raises: failures are results."""
+    """Parse, derive, prove, generate, compile, check (a layer with tensor inputs, values or
+    outputs beside y: :func:`run_tensors`). Never raises: failures are results."""
     from derivgen.spec.model import parse_spec
     from derivgen.tools.check import check_layer
 
     t0 = time.perf_counter()
     try:
         spec = parse_spec(text, source=f"fuzz{seed}.toml")
+        if spec.multi:
+            return run_tensors(text, seed, prove_sizes)
         rows = check_layer(spec, prove_sizes=prove_sizes)
         import derivgen
 
@@ -1202,6 +1514,456 @@ def run(text: str, seed: int = -1, prove_sizes=(2, 3)) -> Result:
             max(len(m.reductions) for m in d.modes.values()),
             time.perf_counter() - t0,
             fail,
+            means,
+            minimal,
+        )
+    except BaseException as exc:  # every failure is a finding
+        if isinstance(exc, KeyboardInterrupt):
+            raise
+        tb = traceback.format_exception_only(type(exc), exc)[-1].strip()
+        return Result(seed, False, "", 0, time.perf_counter() - t0, tb[:2000])
+
+
+# ------------------------------------------------------------------ the tensor family's judge
+
+# x's shape and the normalized axes' (for the layout) per layout, for run_tensors: odd sizes, a
+# broadcast axis between a trailing layout's samples and features, groups of 5 to 20 elements
+TENSOR_CASES = {
+    "trailing": ((3, 4, 5), (5,)),
+    "trailing2": ((3, 2, 4, 5), (4, 5)),
+    "batch": ((4, 3, 5), (3,)),
+    "instance": ((2, 3, 7), (3,)),
+    "position": ((2, 5, 2, 3), (5,)),
+    "group": ((2, 6, 5), (6,)),
+}
+# tolerances, relative to max(1, max |reference|): a generated module in float64 against autograd
+# of the spec's forward in torch, and against central differences of its own forward; in float32
+# against itself in float64 on the same (rounded) arguments (the backends against each other:
+# derivgen.tools.check.TOL's "other backend")
+TENSOR_TOL = {"torch": 1e-10, "finite differences": 1e-6, "float32": 2e-5}
+# the backends run_tensors judges, where they generate these layers (codegen.emit.MULTI_TARGETS;
+# the C, in every layout but the position layout): each against PyTorch and finite differences,
+# and the C against the NumPy
+TENSOR_BACKENDS = ("numpy", "c")
+# those whose second order of these layers is generated, judged by second_checks
+TENSOR_SECOND_BACKENDS = ("numpy", "c")
+
+
+def broadcast_shape(spec, tensor, x_shape: tuple, k: int) -> tuple:
+    """The shape a tensor declared ``tensor.shape`` has for x of ``x_shape`` (``k``: a trailing
+    layout's normalized axes), as the spec language defines it, with 1 on the axes it is
+    broadcast over: x's own; trailing ``sample`` (x.shape[0], 1..., *normalized); channels
+    ``sample`` (N, C, 1...), ``position`` (N, 1, *spatial)."""
+    if tensor.shape == "x":
+        return tuple(x_shape)
+    if spec.layout == "trailing":
+        return (x_shape[0], *(1 for _ in x_shape[1 : len(x_shape) - k]), *x_shape[len(x_shape) - k :])
+    if tensor.shape == "sample":
+        return (*x_shape[:2], *(1 for _ in x_shape[2:]))
+    return (x_shape[0], 1, *x_shape[2:])
+
+
+def declared_shape(spec, tensor, x_shape: tuple, k: int) -> tuple:
+    """The shape the caller passes (the broadcast axes between a trailing layout's samples and
+    features left out; a channel layout's ``sample`` tensor (N, C))."""
+    full = broadcast_shape(spec, tensor, x_shape, k)
+    if tensor.shape == "x" or (spec.layout == "trailing" and len(x_shape) == k + 1):
+        return full
+    if spec.layout == "trailing":
+        return (full[0], *full[len(full) - k :])
+    return full[:2] if tensor.shape == "sample" else full
+
+
+@dataclass
+class TensorCase:
+    """One call of a tensor-family layer: arguments by name (x, tensors, parameters: float64,
+    the shapes the caller passes), keyword arguments (options, inputs, buffers, training,
+    num_groups), a cotangent per output (y's first), the layout and the normalized axes."""
+
+    mode: str
+    args: dict
+    kw: dict
+    cotangents: list
+    layout: object
+    k: int
+
+
+def tensor_case(spec, mode: str, seed: int = 0) -> TensorCase:
+    """Random arguments for ``mode`` on :data:`TENSOR_CASES`'s shapes: x ~ N(0.3, 1.3²), tensors
+    ~ N(0.4, 0.8²), masks 0/1 with at least two valid elements in every group (drawn again until
+    so), parameters ~ N(1, 0.4²), inputs and buffers in 0.6..1.4, options as derivgen check
+    passes them (:func:`derivgen.tools.check.case_options`)."""
+    import numpy as np
+
+    from derivgen.runtime import resolve_layout
+    from derivgen.tools.check import case_options
+
+    rng = np.random.default_rng(seed)
+    key = "trailing2" if spec.layout == "trailing" and spec.axes == 2 else spec.layout
+    key = spec.reduce if key == "channels" else key
+    x_shape, p_shape = TENSOR_CASES[key]
+    kw = dict(case_options(spec, mode))
+    if spec.reduce == "group":
+        kw["num_groups"] = 3
+    meta = {"name": spec.name, "layout": spec.layout, "reduce": spec.reduce, "params": ["p"], "axes": spec.axes}
+    layout = resolve_layout(meta, np.empty(x_shape), {"p": np.empty(p_shape)}, kw.get("num_groups"))
+    k = len(p_shape)
+    args = {"x": rng.normal(0.3, 1.3, x_shape)}
+    for t in spec.tensors:
+        shape = declared_shape(spec, t, x_shape, k)
+        if not t.mask:
+            args[t.name] = rng.normal(0.4, 0.8, shape)
+            continue
+        for attempt in range(50):
+            m = (rng.random(shape) < 0.7 + 0.006 * attempt).astype(np.float64)
+            full = np.broadcast_to(m.reshape(broadcast_shape(spec, t, x_shape, k)), x_shape).reshape(layout.view4)
+            if (full.sum(axis=layout.reduce_axes) >= min(2, layout.group_size)).all():
+                break
+        else:
+            m = np.ones(shape)
+        args[t.name] = m
+    for p in spec.params:
+        args[p.name] = np.asarray(rng.normal(1.0, 0.4, () if p.scalar else p_shape))
+    for item in (*spec.inputs, *spec.buffers):
+        kw[item.name] = rng.uniform(0.6, 1.4, layout.group_shape)
+    cots = [rng.normal(size=x_shape) for _ in spec.cotangents]
+    return TensorCase(mode, args, kw, cots, layout, k)
+
+
+def _call_module(mod, spec, case: TensorCase, args: dict, dtype=None, cotangents=True, preallocated=False):
+    """A generated module's outputs (y's first), gradients by field and the keyword arguments
+    after the call (buffers updated in place), at ``args`` (cast to ``dtype``); ``cotangents``:
+    pass those of the outputs beside y (else none: zero); ``preallocated``: into arrays passed
+    as ``out=`` and ``outs=`` (the forward) and ``out=`` (the backward), which must be the
+    arrays returned."""
+    import numpy as np
+
+    cast = (lambda a: np.asarray(a, dtype)) if dtype is not None else (lambda a: a)
+    kw = {k: (cast(v).copy() if isinstance(v, np.ndarray) else v) for k, v in case.kw.items()}
+    pos = [cast(args["x"]), *(cast(args[t.name]) for t in spec.tensors), *(cast(args[p.name]) for p in spec.params)]
+    given = {}
+    if preallocated:
+        given["out"] = np.full_like(pos[0], np.nan)
+        if spec.outputs:
+            given["outs"] = {o.name: np.full_like(pos[0], np.nan) for o in spec.outputs}
+    got, cache = mod.forward(*pos, **kw, **given)
+    outs = list(got) if spec.outputs else [got]
+    if preallocated and not all(a is b for a, b in zip(outs, [given["out"], *given.get("outs", {}).values()])):
+        raise AssertionError("the forward did not return the arrays passed as out= and outs=")
+    extra = {"d" + o.name: cast(c) for o, c in zip(spec.outputs, case.cotangents[1:])} if cotangents else {}
+    if preallocated:
+        first = mod.backward(cast(case.cotangents[0]), cache, **extra)
+        into = {f: np.full_like(np.asarray(v), np.nan) for f, v in first._asdict().items()}
+        grads = mod.backward(cast(case.cotangents[0]), cache, **extra, out=into)
+        if not all(getattr(grads, f) is a for f, a in into.items()):
+            raise AssertionError("the backward did not return the arrays passed as out=")
+    else:
+        grads = mod.backward(cast(case.cotangents[0]), cache, **extra)
+    return outs, grads, kw
+
+
+def _torch_tensors(spec, case: TensorCase, args: dict):
+    """The spec's forward in torch float64, written from its fields alone (nothing the engine
+    derived): the tensors broadcast to x's shape, the values in order, the mode's statistics with
+    each mean over the group's axes of the layout's (O, G, Cg, S) view, the normalized
+    coordinate, y and the outputs beside it, the buffers' updates; then autograd of the sum of
+    each output times its cotangent. Returns (outputs, gradients by the backward's field names,
+    buffers after the update by name)."""
+    import numpy as np
+    import torch
+
+    from derivgen.spec.model import N, X
+    from derivgen.tools.torch_ref import SpecForward
+
+    layout = case.layout
+    walk = SpecForward(spec, case.mode, layout)  # its expression walk: Mean over the group's axes
+    wants = {"x", *(t.name for t in spec.grad_tensors), *(p.name for p in spec.params)}
+    leaves = {k: torch.tensor(v, dtype=torch.float64, requires_grad=k in wants) for k, v in args.items()}
+    ins = {i.name: torch.tensor(case.kw[i.name], dtype=torch.float64, requires_grad=True) for i in spec.inputs}
+    x_shape = tuple(args["x"].shape)
+    env: dict = {X: leaves["x"].reshape(layout.view4), N: float(layout.group_size)}
+    for p in spec.params:
+        env[p.symbol] = leaves[p.name].reshape(() if p.scalar else layout.param4)
+    for o in spec.options:
+        if case.kw.get(o.name, o.default) is not None:
+            env[o.symbol] = float(case.kw.get(o.name, o.default))
+    for i in spec.inputs:
+        env[i.symbol] = ins[i.name].reshape(layout.stat4)
+    for b in spec.buffers:
+        env[b.symbol] = torch.tensor(case.kw[b.name], dtype=torch.float64).reshape(layout.stat4)
+    for t in spec.tensors:
+        full = leaves[t.name].reshape(broadcast_shape(spec, t, x_shape, case.k)).expand(x_shape)
+        env[t.symbol] = full.reshape(layout.view4)
+    for v in spec.values:  # in order, each from x, the tensors and the values before it
+        env[v.symbol] = walk._eval(v.expr, env)
+    mode = spec.mode(case.mode)
+    for st in mode.statistics:
+        env[st.symbol] = walk._eval(st.expr, env)
+    if spec.normalized is not None:
+        env[spec.normalized.symbol] = walk._eval(spec.normalized_expr, env)
+    ones = torch.ones(layout.view4, dtype=torch.float64)
+    outs = [(walk._eval(e, env) * ones).reshape(x_shape) for e in (spec.output, *(o.expr for o in spec.outputs))]
+    buffers = {}
+    if case.mode == "train":
+        for b in spec.buffers:
+            buffers[b.name] = (walk._eval(b.update, env) * torch.ones(layout.stat4, dtype=torch.float64)).detach()
+    loss = sum((o * torch.tensor(c)).sum() for o, c in zip(outs, case.cotangents))
+    order = [("dx", leaves["x"])]
+    order += [("d" + t.name, leaves[t.name]) for t in spec.grad_tensors]
+    order += [("d" + p.name, leaves[p.name]) for p in spec.params]
+    order += [("d" + i.name, ins[i.name]) for i in spec.inputs]
+    got = torch.autograd.grad(loss, [v for _, v in order], allow_unused=True)
+    grads = {k: (g.numpy() if g is not None else np.zeros(tuple(v.shape))) for (k, v), g in zip(order, got)}
+    return (
+        [o.detach().numpy() for o in outs],
+        grads,
+        {k: v.numpy().reshape(layout.group_shape) for k, v in buffers.items()},
+    )
+
+
+def _tensor_fd(mod, spec, case: TensorCase, h: float = 1e-6) -> dict:
+    """Central differences of L = Σ_k sum(cotangent_k · output_k) of the NumPy forward (float64)
+    with respect to x, each tensor with a gradient, each parameter and each input, by the
+    backward's field names."""
+    import numpy as np
+
+    def loss(args, kw) -> float:
+        c = dataclasses.replace(case, kw=kw)
+        pos = [args["x"], *(args[t.name] for t in spec.tensors), *(args[p.name] for p in spec.params)]
+        kk = {k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in c.kw.items()}
+        got, _ = mod.forward(*pos, **kk)
+        outs = list(got) if spec.outputs else [got]
+        return float(sum(np.sum(o * ct) for o, ct in zip(outs, case.cotangents)))
+
+    out = {}
+    names = ["x", *(t.name for t in spec.grad_tensors), *(p.name for p in spec.params)]
+    for name in names:
+        v = np.asarray(case.args[name], np.float64)
+        d = np.empty_like(v)
+        for idx in np.ndindex(v.shape):
+            plus, minus = dict(case.args), dict(case.args)
+            plus[name], minus[name] = v.copy(), v.copy()
+            plus[name][idx] += h
+            minus[name][idx] -= h
+            d[idx] = (loss(plus, case.kw) - loss(minus, case.kw)) / (2 * h)
+        out["d" + name] = d
+    for i in spec.inputs:
+        v = np.asarray(case.kw[i.name], np.float64)
+        d = np.empty_like(v)
+        for idx in np.ndindex(v.shape):
+            kp, km = dict(case.kw), dict(case.kw)
+            kp[i.name], km[i.name] = v.copy(), v.copy()
+            kp[i.name][idx] += h
+            km[i.name][idx] -= h
+            d[idx] = (loss(case.args, kp) - loss(case.args, km)) / (2 * h)
+        out["d" + i.name] = d
+    return out
+
+
+def _relative(got, want) -> float:
+    """max |got - want| / max(1, max |want|); infinite where the shapes differ."""
+    import numpy as np
+
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    if got.shape != want.shape:
+        return math.inf
+    if not want.size:
+        return 0.0
+    diff = np.where(np.isnan(got) & np.isnan(want), 0.0, np.abs(got - want))
+    return float(diff.max() / max(1.0, float(np.nanmax(np.abs(want)))))
+
+
+def tensor_checks(spec, mods: dict, case: TensorCase) -> list[str]:
+    """Every check of one mode's call, as failures (none: all passed), for each backend of
+    ``mods`` (name -> generated module): its outputs, buffers and gradients (field order dx,
+    d<tensor with a gradient>, d<param>, d<input>) against autograd of :func:`_torch_tensors`;
+    its gradients against central differences of its own forward (not where stop_gradient is:
+    they see through it); its float32 run against its float64 run on the same rounded
+    arguments; cotangents left out (None) against zeros passed; the arrays passed as out= and
+    outs= against the call's own; and every backend against the first in float64 and float32."""
+    import numpy as np
+
+    from derivgen.tools.check import TOL, _stops_gradient
+
+    bad = []
+    names = ["y", *(o.name for o in spec.outputs)]
+    fields = ["dx", *("d" + t.name for t in spec.grad_tensors), *("d" + p.name for p in spec.params)]
+    fields += ["d" + i.name for i in spec.inputs]
+    want_outs, want_grads, want_bufs = _torch_tensors(spec, case, case.args)
+    want = {**dict(zip(names, want_outs)), **want_grads, **want_bufs}
+    rounded = dataclasses.replace(
+        case,
+        args={k: np.asarray(v, np.float32).astype(np.float64) for k, v in case.args.items()},
+        cotangents=[np.asarray(c, np.float32).astype(np.float64) for c in case.cotangents],
+        kw={
+            k: (np.asarray(v, np.float32).astype(np.float64) if isinstance(v, np.ndarray) else v)
+            for k, v in case.kw.items()
+        },
+    )
+    runs = {}  # backend -> (float64 results, float32 results) by name
+    for backend, mod in mods.items():
+        label = f"{case.mode} {backend}"
+        outs, grads, kw = _call_module(mod, spec, case, case.args)
+        if list(grads._fields) != fields:
+            bad.append(f"{label}: backward returns {list(grads._fields)}, not {fields}")
+            continue
+        got = {**dict(zip(names, outs)), **grads._asdict(), **{b: kw[b] for b in want_bufs}}
+        errs = {k: _relative(got[k], v) for k, v in want.items()}
+        if not all(e <= TENSOR_TOL["torch"] for e in errs.values()):
+            bad.append(f"{label} float64 torch: " + _errors(errs, TENSOR_TOL["torch"]))
+        if not _stops_gradient(spec):
+            fd = _tensor_fd(mod, spec, case)
+            errs = {k: _relative(got[k], v) for k, v in fd.items()}
+            if not all(e <= TENSOR_TOL["finite differences"] for e in errs.values()):
+                bad.append(f"{label} float64 finite differences: " + _errors(errs, TENSOR_TOL["finite differences"]))
+        o64, g64, _ = _call_module(mod, spec, rounded, rounded.args)
+        o32, g32, _ = _call_module(mod, spec, rounded, rounded.args, dtype=np.float32)
+        r64 = {**dict(zip(names, o64)), **g64._asdict()}
+        r32 = {**dict(zip(names, o32)), **g32._asdict()}
+        runs[backend] = (r64, r32)
+        errs = {k: _relative(r32[k], r64[k]) for k in r64}
+        wrong = [k for k, v in r32.items() if np.asarray(v).dtype != np.float32]
+        if wrong or not all(e <= TENSOR_TOL["float32"] for e in errs.values()):
+            bad.append(
+                f"{label} float32: "
+                + _errors(errs, TENSOR_TOL["float32"])
+                + (f" (not float32: {', '.join(wrong)})" if wrong else "")
+            )
+        p_outs, p_grads, _ = _call_module(mod, spec, case, case.args, preallocated=True)
+        if not all(np.array_equal(a, b) for a, b in zip([*p_outs, *p_grads], [*outs, *grads])):
+            bad.append(f"{label}: the arrays passed as out= and outs= hold other values than the call's own")
+        if not _stops_gradient(spec) and backend in TENSOR_SECOND_BACKENDS:
+            bad += second_checks(spec, mod, case, label)
+        if spec.outputs:  # a cotangent left out is zero
+            left_out = dataclasses.replace(case, cotangents=case.cotangents[:1])
+            _, g_none, _ = _call_module(mod, spec, left_out, case.args, cotangents=False)
+            zeros = [case.cotangents[0], *(np.zeros_like(c) for c in case.cotangents[1:])]
+            _, g_zero, _ = _call_module(mod, spec, dataclasses.replace(case, cotangents=zeros), case.args)
+            if not all(np.array_equal(a, b) for a, b in zip(g_none, g_zero)):
+                bad.append(f"{label}: cotangents left out are not zeros passed")
+    first = next(iter(runs), None)
+    for backend in list(runs)[1:]:  # the backends agree (on the same rounded arguments)
+        for k, (dt, col) in enumerate((("float64", 0), ("float32", 1))):
+            tol = TOL["other backend"][col]
+            errs = {n: _relative(runs[backend][k][n], v) for n, v in runs[first][k].items()}
+            if not all(e <= tol for e in errs.values()):
+                bad.append(f"{case.mode} {backend}~{first} {dt}: " + _errors(errs, tol))
+    return bad
+
+
+def second_checks(spec, mod, case: TensorCase, label: str, h: float = 1e-6) -> list[str]:
+    """The generated second order of one backend, as failures: ``backward_backward`` along a
+    random direction u of every input of the backward (x, each tensor with a gradient, each
+    parameter and input, dy and each output's cotangent) against central differences of
+    L₂ = Σ δ·(the module's own backward), itself judged against PyTorch; ``jvp`` along a random
+    tangent of every input of the forward against central differences of the forward."""
+    import numpy as np
+
+    rng = np.random.default_rng(7)
+    arg_names = ["x", *(t.name for t in spec.grad_tensors), *(p.name for p in spec.params)]
+    in_names = [i.name for i in spec.inputs]
+    field = {n: ("dx" if n == "x" else "d" + n) for n in [*arg_names, *in_names]}
+    seeds = {n: rng.normal(size=np.shape(case.args[n])) for n in arg_names}
+    seeds.update({n: rng.normal(size=np.shape(case.kw[n])) for n in in_names})
+    u = {n: rng.normal(size=np.shape(v)) for n, v in seeds.items()}
+    ucot = [rng.normal(size=np.shape(c)) for c in case.cotangents]
+
+    def moved(eps):
+        args = {k: (v + eps * u[k] if k in u else v) for k, v in case.args.items()}
+        kw = {k: (v + eps * u[k] if k in u else v) for k, v in case.kw.items()}
+        cots = [c + eps * d for c, d in zip(case.cotangents, ucot)]
+        return dataclasses.replace(case, args=args, kw=kw, cotangents=cots)
+
+    def l2(eps) -> float:
+        c = moved(eps)
+        _, grads, _ = _call_module(mod, spec, c, c.args)
+        return float(sum(np.sum(seeds[n] * getattr(grads, field[n])) for n in seeds))
+
+    bad = []
+    pos = [case.args["x"], *(case.args[t.name] for t in spec.tensors), *(case.args[p.name] for p in spec.params)]
+    kw = {k: (v.copy() if isinstance(v, np.ndarray) else v) for k, v in case.kw.items()}
+    _, cache = mod.forward(*pos, **kw)
+    g = mod.backward_backward(
+        case.cotangents[0],
+        cache,
+        seeds["x"],
+        {p.name: seeds[p.name] for p in spec.params},
+        ddinputs={n: seeds[n] for n in in_names} or None,
+        **({"ddtensors": {t.name: seeds[t.name] for t in spec.grad_tensors}} if spec.multi else {}),
+        **{"d" + o.name: c for o, c in zip(spec.outputs, case.cotangents[1:])},
+    )
+    terms = [getattr(g, field[n]) * u[n] for n in u]
+    terms += [g.ddy * ucot[0], *(getattr(g, "dd" + o.name) * c for o, c in zip(spec.outputs, ucot[1:]))]
+    got, scale = float(sum(np.sum(t) for t in terms)), float(sum(np.sum(np.abs(t)) for t in terms))
+    fd = (l2(h) - l2(-h)) / (2 * h)
+    if not abs(got - fd) <= TENSOR_TOL["finite differences"] * max(1.0, scale):
+        bad.append(f"{label} backward_backward: {got:.10g} along a direction, finite differences {fd:.10g}")
+
+    tan = {n: rng.normal(size=np.shape(case.args[n])) for n in arg_names}
+    tan.update({n: rng.normal(size=np.shape(case.kw[n])) for n in in_names})
+
+    def outputs(eps):
+        args = {k: (v + eps * tan[k] if k in tan else v) for k, v in case.args.items()}
+        kk = {
+            k: ((v + eps * tan[k]) if k in tan else (v.copy() if isinstance(v, np.ndarray) else v))
+            for k, v in case.kw.items()
+        }
+        got, _ = mod.forward(
+            *[args["x"], *(args[t.name] for t in spec.tensors), *(args[p.name] for p in spec.params)], **kk
+        )
+        return list(got) if spec.outputs else [got]
+
+    ty = mod.jvp(
+        cache,
+        tan["x"],
+        {p.name: tan[p.name] for p in spec.params},
+        tinputs={n: tan[n] for n in in_names} or None,
+        **({"ttensors": {t.name: tan[t.name] for t in spec.grad_tensors}} if spec.multi else {}),
+    )
+    ty = list(ty) if spec.outputs else [ty]
+    fd = [(a - b) / (2 * h) for a, b in zip(outputs(h), outputs(-h))]
+    errs = {f"t{k}": _relative(a, b) for k, (a, b) in enumerate(zip(ty, fd))}
+    if len(ty) != len(fd) or not all(e <= TENSOR_TOL["finite differences"] for e in errs.values()):
+        bad.append(f"{label} jvp finite differences: " + _errors(errs, TENSOR_TOL["finite differences"]))
+    return bad
+
+
+def _errors(errs: dict, tol: float) -> str:
+    return " ".join(f"{k}={v:.1e}" for k, v in errs.items() if not v <= tol) + f" (tol {tol:.0e})"
+
+
+def run_tensors(text: str, seed: int = -1, prove_sizes=(2, 3)) -> Result:
+    """A layer with tensor inputs, values or outputs beside y (the tensor family): parse,
+    derive, prove at ``prove_sizes``, generate and build NumPy and C (:data:`TENSOR_BACKENDS`; a
+    compiler warning fails, as for every spec), and judge every mode's call
+    (:func:`tensor_checks`): each backend in float64 against PyTorch autograd of the spec's
+    forward and finite differences, float32 against float64, the C against the NumPy; then the
+    run-time means against the brute-force minimum. Never raises: failures are results."""
+    import derivgen
+    from derivgen.codegen.emit import MULTI_TARGETS
+    from derivgen.spec.model import parse_spec
+
+    t0 = time.perf_counter()
+    try:
+        spec = parse_spec(text, source=f"fuzz{seed}.toml")
+        d = derivgen.derive(spec, prove=tuple(prove_sizes))
+        statuses = {m: p.status for m, p in d.proofs.items()}
+        bad = [f"{m} proof: {st}" for m, st in statuses.items() if st not in ("proven", "checked numerically")]
+        proof = "FAILED" if bad else ("checked numerically" if "checked numerically" in statuses.values() else "proven")
+        backends = [b for b in TENSOR_BACKENDS if b in MULTI_TARGETS]
+        if spec.reduce == "position":  # the C kernels take tensors in no position layout (yet)
+            backends = [b for b in backends if b != "c"]
+        mods = {b: derivgen.load(spec, backend=b) for b in backends}
+        for k, mode in enumerate(spec.modes):
+            bad += tensor_checks(spec, mods, tensor_case(spec, mode.name, seed=11 + k))
+        means, minimal = judge_means(spec, d)
+        return Result(
+            seed,
+            not bad,
+            proof,
+            max(len(m.reductions) for m in d.modes.values()),
+            time.perf_counter() - t0,
+            "; ".join(bad),
             means,
             minimal,
         )

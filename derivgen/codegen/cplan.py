@@ -987,8 +987,15 @@ def second_plan(
     masks = {m.name: m.option for m in spec.masks}
     rename.update({m: derived(m, "V") for m in masks})
 
+    # arrays of x's shape read at the element: the tensor inputs, the cotangents of the outputs
+    # beside y (the double backward's), the seeds of the tensors with a gradient
+    arrays = [t.name for t in spec.tensors] + ([o.cotangent.name for o in spec.outputs] if ir.kind == "bb" else [])
+    rename.update({a: derived(a, "V") for a in arrays})
+    seed_arrays = {sd: t + "_Seed" for t, sd in ir.seed_tensors.items()}
     seed_chan = {ir.seed_params[p]: p for p in params if p not in scalar}
     loads = {"x": ("Xv", "x", "Idx"), "dy": ("Dyv", "dy", "Idx"), ir.seed_x: (ir.seed_x, "Seed_x", "Idx")}
+    loads.update({a: (derived(a, "V"), a, "Idx") for a in arrays})
+    loads.update({sd: (sd, arr, "Idx") for sd, arr in seed_arrays.items()})
     loads.update({p: (derived(p, "V"), p, "Ch") for p in params if p not in scalar})
     loads.update({sd: (sd, p + "_Seed", "Ch") for sd, p in seed_chan.items()})
     loads.update({m: (derived(m, "V"), mask_load(o), "", (o, "N")) for m, o in masks.items()})
@@ -1006,6 +1013,10 @@ def second_plan(
             loads.append(f"const double Dyv = {c_load('dy[Idx]', ctype)};")
         if ir.seed_x in names:
             loads.append(f"const double {ir.seed_x} = {c_load('Seed_x[Idx]', ctype)};")
+        loads += [f"const double {derived(a, 'V')} = {c_load(a + '[Idx]', ctype)};" for a in arrays if a in names]
+        loads += [
+            f"const double {sd} = {c_load(arr + '[Idx]', ctype)};" for sd, arr in seed_arrays.items() if sd in names
+        ]
         chan = [
             f"const double {derived(p, 'V')} = {c_load(p + '[Ch]', ctype)};"
             for p in params

@@ -271,10 +271,7 @@ def emit(d: LayerDerivation, targets: Collection[str] = ("numpy", "c")) -> Emitt
     second_irs = d.memo(
         ("second ir",),
         lambda: {
-            m: {}  # the second order of tensor inputs and outputs beside y is derived, not generated yet
-            if spec.multi
-            else {"bb": build_second_ir(d.second(m), "bb"), "jvp": build_second_ir(d.second(m), "jvp")}
-            for m in d.modes
+            m: {"bb": build_second_ir(d.second(m), "bb"), "jvp": build_second_ir(d.second(m), "jvp")} for m in d.modes
         },
     )
     kernels = (

@@ -333,6 +333,14 @@ class SecondIR:
     seed_x: str  # the seed symbol of x (X_Dd, X_T)
     seed_params: dict[str, str]  # parameter -> seed symbol
     seed_inputs: dict[str, str]
+    # tensor inputs and outputs beside y (empty otherwise): the seeds of the tensors with a
+    # gradient (δt, ṫ), the element outputs their gradients are among (``d<t>``, summed over
+    # a broadcast tensor's axes afterwards), and a core layer's ∂L₂/∂h at fixed δh, computed
+    # once per element after the means (name, expression) when dx and the tensors' gradients
+    # read it: dx = it·∂h/∂x + ..., as the first-order backward shares ∂L/∂h
+    seed_tensors: dict[str, str] = field(default_factory=dict)
+    tensor_outputs: list[str] = field(default_factory=list)
+    dcore: tuple[str, sympy.Expr] | None = None
 
 
 def build_second_ir(second: SecondOrder, kind: str) -> SecondIR:
@@ -346,6 +354,13 @@ def build_second_ir(second: SecondOrder, kind: str) -> SecondIR:
         )
 
     temps = [(w.name, w.expr) for w in spec.windows] + [(b.name, b.expr) for b in first.blocks]
+    if spec.core is not None:  # h, then the seed the backward in h sees (δh or ḣ)
+        temps.append((spec.core.name, spec.core.expr))
+        seed_core, seed_expr = (
+            (second.cot_core, second.cot_core_expr) if kind == "bb" else (second.tan_core, second.tan_core_expr)
+        )
+        if seed_core is not None:
+            temps.append((seed_core.name, seed_expr))
     if first.coordinate is not None:
         temps.append((first.coordinate.name, first.coordinate_expr))
     if first.g is not None and kind == "bb":
@@ -359,14 +374,25 @@ def build_second_ir(second: SecondOrder, kind: str) -> SecondIR:
     ]
     used: set[str] = set()
     group, outputs, param_elem, param_group, input_out = [], [], [], [], []
+    dcore = None
     if kind == "bb":
         outs = [("dx", second.dx), ("ddy", second.ddy)]
+        outs += [("dd" + o, e) for o, e in second.ddouts.items()]
+        outs += [("d" + t.name, second.dtensors[t.name]) for t in spec.grad_tensors]
+        if second.dcore is not None:
+            adj = sympy.Symbol(derived(spec.core.name, "Adj2"), real=True)
+            dcore = (adj.name, low(second.dcore))
+            shared = {"dx": "x", **{"d" + t.name: t.name for t in spec.grad_tensors}}
     else:
-        outs = [("ty", second.ty)]
+        outs = [("ty", second.ty)] + [("t" + o, e) for o, e in second.touts.items()]
     for name, e in outs:
         assigns, terms = by_monomial(low(e), is_elem, f"K{name.upper()}_", used, spec)
         group += assigns
-        outputs.append((name, terms, low(e)))
+        closed = low(e)
+        if dcore is not None and name in shared:  # ∂L₂/∂v = ∂L₂/∂h·∂h/∂v + the rest
+            v = shared[name]
+            closed = adj * second.chain.get(v, 0) + low(second.direct.get(v, 0)) if v in second.chain else closed
+        outputs.append((name, terms, closed))
     if kind == "bb":
         for p in spec.params:
             gr = second.grads[p.name]
@@ -379,11 +405,19 @@ def build_second_ir(second: SecondOrder, kind: str) -> SecondIR:
             nm = _unique(derived(i.name, "Grad2"), used)
             group.append(Assign(nm, low(second.dinputs[i.name]), comment=f"d{i.name} for this group"))
             input_out.append((i.name, nm))
-        seeds = (second.cot_x, second.cot_params, second.cot_inputs)
+        seeds = (second.cot_x, second.cot_params, second.cot_inputs, second.cot_tensors)
     else:
-        seeds = (second.tan_x, second.tan_params, second.tan_inputs)
+        seeds = (second.tan_x, second.tan_params, second.tan_inputs, second.tan_tensors)
     # only the temporaries something uses
-    kept, _ = needed_temps([*(e for _, e in loop), *(e for _, _, e in outputs), *(e for _, e in param_elem)], temps)
+    kept, _ = needed_temps(
+        [
+            *(e for _, e in loop),
+            *(e for _, _, e in outputs),
+            *(e for _, e in param_elem),
+            *([dcore[1]] if dcore is not None else []),
+        ],
+        temps,
+    )
     return SecondIR(
         kind=kind,
         temps=kept,
@@ -397,4 +431,7 @@ def build_second_ir(second: SecondOrder, kind: str) -> SecondIR:
         seed_x=seeds[0].name,
         seed_params={k: v.name for k, v in seeds[1].items()},
         seed_inputs={k: v.name for k, v in seeds[2].items()},
+        seed_tensors={k: v.name for k, v in seeds[3].items()},
+        tensor_outputs=[t.name for t in spec.grad_tensors] if kind == "bb" else [],
+        dcore=dcore,
     )

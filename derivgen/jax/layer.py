@@ -99,14 +99,11 @@ def rule(mod: ModuleType, mode: str, L: JaxLayout, options: tuple, kind: str = "
 
 def _multi_rule(mod: ModuleType, mode: str, L: JaxLayout, opts: dict, kind: str):
     """``core(x, tensors, params, inputs, buffers) -> (y, *outputs)`` for a layer with tensor
-    inputs beside x (views of x's shape) or outputs beside y: a ``custom_vjp`` over the derived
-    VJP, whose backward takes a cotangent per output (its derived forward-mode rule is not generated yet)."""
+    inputs beside x (views of x's shape) or outputs beside y: a ``custom_jvp`` with the derived
+    JVP along x, the tensors with a gradient, the parameters and the inputs (a tensor without a
+    gradient, a mask, is a constant), or a ``custom_vjp`` over the derived VJP, whose backward
+    takes a cotangent per output."""
     meta = mod.META
-    if kind == "jvp":
-        raise NotImplementedError(
-            f"{meta['name']}: the forward mode (JVP) of tensor inputs and outputs beside y is not "
-            "generated yet; derivgen.jax.function(..., rule='vjp') gives reverse mode"
-        )
     forward, backward = mod.FORWARD[mode], mod.BACKWARD[mode]
     names = list(meta.get("tensors", {}))
     grads = {t for t, (_, grad, _) in meta.get("tensors", {}).items() if grad}
@@ -114,6 +111,29 @@ def _multi_rule(mod: ModuleType, mode: str, L: JaxLayout, opts: dict, kind: str)
 
     def outputs(y):
         return y if outs else (y,)
+
+    if kind == "jvp":
+        _, seed_p, seed_i, seed_t = mod.JVP_SEEDS[mode]
+        jvp = mod.JVP[mode]
+
+        @jax.custom_jvp
+        def core_jvp(x, tensors, params, inputs, buffers):
+            return outputs(forward(x, **_kw(meta, opts, params, inputs, buffers, tensors), _L=L)[0])
+
+        @core_jvp.defjvp
+        def core_rule(primals, tangents):
+            x, tensors, params, inputs, buffers = primals
+            tx, ttensors, tparams, tinputs, _ = tangents  # buffers and masks are constants
+            kw = _kw(meta, opts, params, inputs, buffers, tensors)
+            y, stats = forward(x, **kw, _L=L)
+            seeds = {seed_p[p]: t for p, t in zip(meta["params"], tparams)}
+            seeds.update({seed_i[i]: t for i, t in zip(meta["inputs"], tinputs)})
+            seeds.update({seed_t[t]: v for t, v in zip(names, ttensors) if t in grads})
+            return outputs(y), outputs(jvp(x, tx, **seeds, **kw, _stats=stats, _L=L))
+
+        return core_jvp
+    if kind != "vjp":
+        raise ValueError(f"rule must be one of {RULES}, got {kind!r}")
 
     @jax.custom_vjp
     def core(x, tensors, params, inputs, buffers):

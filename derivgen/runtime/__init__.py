@@ -59,6 +59,7 @@ from derivgen.runtime.base import (
     _check_cache,
     _contig,
     _grad_shapes,
+    _input_grad_shapes,
     _inputs,
     _no_overlap,
     _out_by_field,
@@ -348,7 +349,7 @@ def prepare_backward(
     if tuple(dy.shape) != tuple(cache.layout.x_shape):
         raise ValueError(f"{name}: dy must have the shape of x {cache.layout.x_shape}, got {dy.shape}")
     fields = grad_fields(meta)
-    shapes = _grad_shapes(meta, cache.layout, ("dx",))
+    shapes = {**_grad_shapes(meta, cache.layout, ("dx",)), **_input_grad_shapes(meta, cache.layout, cache.inputs)}
     for t, (kind, grad, _) in meta.get("tensors", {}).items():
         if grad:
             shapes["d" + t] = tensor_shape(meta, kind, cache.layout)
@@ -364,11 +365,17 @@ def prepare_backward(
     return BackwardCall(cache, _contig(dy), outs, cots)
 
 
-def finish_input_grad(cache: Cache, iname: str, per_group: np.ndarray) -> np.ndarray:
-    """Per-group input gradients, summed when the input was a scalar."""
+def finish_input_grad(cache: Cache, iname: str, per_group: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """Per-group input gradients, summed when the input was a scalar; into ``out`` (the
+    array the caller passed for it, checked by the prepare step) when given."""
     if cache.inputs[iname].size == 1:
-        return np.asarray(per_group.sum(dtype=np.float64), dtype=cache.dtype)
-    return per_group.astype(cache.dtype, copy=False).reshape(cache.layout.group_shape)
+        got = np.asarray(per_group.sum(dtype=np.float64), dtype=cache.dtype)
+    else:
+        got = per_group.astype(cache.dtype, copy=False).reshape(cache.layout.group_shape)
+    if out is None:
+        return got
+    out[...] = got.reshape(out.shape)
+    return out
 
 
 def leading_mask(layout: Layout, p: float) -> np.ndarray:

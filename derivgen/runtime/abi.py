@@ -278,15 +278,20 @@ def _second(meta: dict, mode: str, kind: str) -> _Builder:
         .add("seed_params", _elems("seed_params", [p + "_Seed" for p in meta["params"]], True))
         .add("seed_inputs", _pairs("seed_inputs", meta["inputs"], "_Seed_In", "_Seed_Stride"))
     )
+    if grad_tensor_names(meta):  # the seeds of the tensors with a gradient, at x's shape
+        b.add("seed_tensors", _elems("seed_tensors", [t + "_Seed" for t in grad_tensor_names(meta)], True))
+    outputs = meta.get("outputs", [])
     if kind == "bb":
-        b = (
-            b.add("out_dx", _elems("out_dx", ["Out_dx"], False))
-            .add("out_ddy", _elems("out_ddy", ["Out_ddy"], False))
-            .add("out_params", _elems("out_params", [p + "_Out" for p in meta["params"]], False))
-            .add("out_inputs", _elems("out_inputs", [i + "_Out" for i in meta["inputs"]], False))
+        b = b.add("out_dx", _elems("out_dx", ["Out_dx"], False)).add("out_ddy", _elems("out_ddy", ["Out_ddy"], False))
+        if outputs:  # L2's gradients with respect to the outputs' cotangents
+            b.add("out_ddouts", _elems("out_ddouts", ["Out_dd" + o for o in outputs], False))
+        if grad_tensor_names(meta):  # the tensors' gradients at x's shape (summed by the caller)
+            b.add("out_dtensors", _elems("out_dtensors", ["Out_d" + t for t in grad_tensor_names(meta)], False))
+        b = b.add("out_params", _elems("out_params", [p + "_Out" for p in meta["params"]], False)).add(
+            "out_inputs", _elems("out_inputs", [i + "_Out" for i in meta["inputs"]], False)
         )
-    else:
-        b = b.add("out_ty", _elems("out_ty", ["Out_ty"], False))
+    else:  # the tangents of y and of the outputs beside it
+        b = b.add("out_ty", _elems("out_ty", ["Out_ty", *("Out_t" + o for o in outputs)], False))
     return b.add("nthreads", _one("nthreads", "Nthreads", "int"))
 
 
@@ -367,7 +372,7 @@ def kernel_signatures(meta: dict) -> dict[tuple[str, str], KernelSignature]:
     """Every kernel's signature of a layer, by (mode, kind)."""
     out = {}
     for mode in meta["modes"]:
-        kinds = KINDS if not meta.get("outputs") and not meta.get("tensors") else ("forward", "backward")
+        kinds = KINDS
         kinds += SPLIT_KINDS if meta.get("split") and mode == "train" else ()
         for kind in kinds:
             out[(mode, kind)] = kernel_signature(meta, mode, kind)

@@ -175,6 +175,12 @@ def _grad_shapes(meta: dict, layout: Layout, data: Sequence[str]) -> dict[str, t
     return shapes
 
 
+def _input_grad_shapes(meta: dict, layout: Layout, inputs: dict) -> dict[str, tuple]:
+    """The shapes of the per-group inputs' gradients (as finish_input_grad gives them): one
+    value per group, or a scalar where the forward got one value."""
+    return {"d" + i: () if inputs[i].size == 1 else layout.group_shape for i in meta.get("inputs", ()) if i in inputs}
+
+
 def _no_overlap(name: str, outputs: dict, inputs: dict) -> None:
     """No output shares memory with an input or another output."""
     for on, o in outputs.items():

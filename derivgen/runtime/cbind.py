@@ -208,7 +208,7 @@ class CKernel:
         for t in grad_tensor_names(m):
             values["d" + t] = rt.finish_tensor_grad(m, t, L, dtens[t], call.outs["d" + t])
         for i in m["inputs"]:
-            values["d" + i] = rt.finish_input_grad(c, i, dinputs[i])
+            values["d" + i] = rt.finish_input_grad(c, i, dinputs[i], call.outs.get("d" + i))
         return grads_type(**values)
 
     # ------------------------------------------------------------------ second order
@@ -228,6 +228,13 @@ class CKernel:
             "seed_inputs": input_pairs([call.seed_inputs[i] for i in m["inputs"]]),
         }
         dinputs = {i: np.empty(L.n_groups, dtype=c.dtype) for i in m["inputs"]}
+        outputs, gts = m.get("outputs", []), grad_tensor_names(m)
+        if tensor_names(m):
+            sections["tensors"] = [_ptr(c.tensors[t]) for t in tensor_names(m)]
+        if gts:
+            sections["seed_tensors"] = [_ptr(call.seed_tensors[t]) for t in gts]
+        # a broadcast tensor's element gradients go to x's shape first, then are summed (rt)
+        dtens = {t: rt.grad_buffer(m, t, L, call.outs["d" + t], c.dtype) for t in gts} if kind == "bb" else {}
         if kind == "bb":
             sections.update(
                 {
@@ -238,15 +245,23 @@ class CKernel:
                     "out_inputs": [_ptr(dinputs[i]) for i in m["inputs"]],
                 }
             )
+            if outputs:
+                sections["cotangents"] = [_ptr(call.cotangents[o]) for o in outputs]
+                sections["out_ddouts"] = [_ptr(call.outs["dd" + o]) for o in outputs]
+            if gts:
+                sections["out_dtensors"] = [_ptr(dtens[t]) for t in gts]
         else:
-            sections["out_ty"] = (_ptr(call.outs["ty"]),)
+            sections["out_ty"] = (_ptr(call.outs["ty"]), *(_ptr(call.outs["t" + o]) for o in outputs))
         if self._run(c.mode, kind, c.dtype, sections) != 0:
             raise MemoryError(f"{m['name']}: second-order kernel could not allocate its work buffer")
         if kind != "bb":
-            return call.outs["ty"]
+            return (call.outs["ty"], *(call.outs["t" + o] for o in outputs)) if outputs else call.outs["ty"]
         values = {"dx": call.outs["dx"], "ddy": call.outs["ddy"], **{"d" + p: call.outs["d" + p] for p in m["params"]}}
+        values.update({"dd" + o: call.outs["dd" + o] for o in outputs})
+        for t in gts:
+            values["d" + t] = rt.finish_tensor_grad(m, t, L, dtens[t], call.outs["d" + t])
         for i in m["inputs"]:
-            values["d" + i] = rt.finish_input_grad(c, i, dinputs[i])
+            values["d" + i] = rt.finish_input_grad(c, i, dinputs[i], call.outs.get("d" + i))
         return grads_type(**values)
 
     # ------------------------------------------------------------------ split reduction

@@ -54,7 +54,7 @@ def broadcast_axes(meta: dict, kind: str, layout: Layout) -> tuple[int, ...]:
     return (1,)
 
 
-def _full_view(meta: dict, kind: str, t: np.ndarray, layout: Layout) -> np.ndarray:
+def full_view(meta: dict, kind: str, t: np.ndarray, layout: Layout) -> np.ndarray:
     """A tensor of its declared shape as a C-contiguous array of x's shape."""
     if kind == "x":
         return _contig(t)
@@ -82,7 +82,7 @@ def check_tensors(meta: dict, tensors: Mapping[str, Any], layout: Layout, dtype:
             )
         if mask and t.size and not np.all((t == 0) | (t == 1)):
             raise ValueError(f"{name}: {tname} is a mask: every value must be 0 or 1")
-        out[tname] = _full_view(meta, kind, t, layout)
+        out[tname] = full_view(meta, kind, t, layout)
     return out
 
 

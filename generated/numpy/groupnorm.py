@@ -191,7 +191,8 @@ def _bb_train(_call):
     _mean_sq = _mean_prod
     X, SX = _c.x.reshape(L.view4), _call.seed_x.reshape(L.view4)
     DY = _call.dy.reshape(L.view4)
-    OUT_dx, OUT_ddy = _call.outs["dx"].reshape(L.view4), _call.outs["ddy"].reshape(L.view4)
+    OUT_dx = _call.outs['dx'].reshape(L.view4)
+    OUT_ddy = _call.outs['ddy'].reshape(L.view4)
     _G0 = _np.zeros(L.stat4)
     P_gamma = _rt.f64(_c.params['gamma']).reshape(L.param4)
     Q_gamma = _rt.f64(_call.seed_params['gamma']).reshape(L.param4)
@@ -246,7 +247,7 @@ def _jvp_train(_call):
     _mean, _mean_prod = _rt.group_mean(L), _rt.group_mean_prod(L)
     _mean_sq = _mean_prod
     X, SX = _c.x.reshape(L.view4), _call.seed_x.reshape(L.view4)
-    OUT_ty = _call.outs["ty"].reshape(L.view4)
+    OUT_ty = _call.outs['ty'].reshape(L.view4)
     _G0 = _np.zeros(L.stat4)
     P_gamma = _rt.f64(_c.params['gamma']).reshape(L.param4)
     Q_gamma = _rt.f64(_call.seed_params['gamma']).reshape(L.param4)

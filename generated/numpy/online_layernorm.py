@@ -206,8 +206,8 @@ def _backward_train(_call):
         dx=_call.outs["dx"],
         dgamma=_rt.store(_call.outs["dgamma"], D_gamma),
         dbeta=_rt.store(_call.outs["dbeta"], D_beta),
-        dprev_mean=_rt.finish_input_grad(_c, 'prev_mean', D_prev_mean.reshape(-1)),
-        dprev_std=_rt.finish_input_grad(_c, 'prev_std', D_prev_std.reshape(-1)),
+        dprev_mean=_rt.finish_input_grad(_c, 'prev_mean', D_prev_mean.reshape(-1), _call.outs.get("dprev_mean")),
+        dprev_std=_rt.finish_input_grad(_c, 'prev_std', D_prev_std.reshape(-1), _call.outs.get("dprev_std")),
     )
 
 
@@ -219,7 +219,8 @@ def _bb_train(_call):
     _mean_sq = _mean_prod
     X, SX = _c.x.reshape(L.view4), _call.seed_x.reshape(L.view4)
     DY = _call.dy.reshape(L.view4)
-    OUT_dx, OUT_ddy = _call.outs["dx"].reshape(L.view4), _call.outs["ddy"].reshape(L.view4)
+    OUT_dx = _call.outs['dx'].reshape(L.view4)
+    OUT_ddy = _call.outs['ddy'].reshape(L.view4)
     _G0 = _np.zeros(L.stat4)
     P_gamma = _rt.f64(_c.params['gamma']).reshape(L.param4)
     Q_gamma = _rt.f64(_call.seed_params['gamma']).reshape(L.param4)
@@ -281,8 +282,8 @@ def _bb_train(_call):
         ddy=_call.outs["ddy"],
         dgamma=_rt.store(_call.outs["dgamma"], D_gamma),
         dbeta=_rt.store(_call.outs["dbeta"], D_beta),
-        dprev_mean=_rt.finish_input_grad(_c, 'prev_mean', D_prev_mean.reshape(-1)),
-        dprev_std=_rt.finish_input_grad(_c, 'prev_std', D_prev_std.reshape(-1)),
+        dprev_mean=_rt.finish_input_grad(_c, 'prev_mean', D_prev_mean.reshape(-1), _call.outs.get("dprev_mean")),
+        dprev_std=_rt.finish_input_grad(_c, 'prev_std', D_prev_std.reshape(-1), _call.outs.get("dprev_std")),
     )
 
 
@@ -293,7 +294,7 @@ def _jvp_train(_call):
     _mean, _mean_prod = _rt.group_mean(L), _rt.group_mean_prod(L)
     _mean_sq = _mean_prod
     X, SX = _c.x.reshape(L.view4), _call.seed_x.reshape(L.view4)
-    OUT_ty = _call.outs["ty"].reshape(L.view4)
+    OUT_ty = _call.outs['ty'].reshape(L.view4)
     _G0 = _np.zeros(L.stat4)
     P_gamma = _rt.f64(_c.params['gamma']).reshape(L.param4)
     Q_gamma = _rt.f64(_call.seed_params['gamma']).reshape(L.param4)

@@ -76,6 +76,35 @@ def test_preallocated_outputs_are_used(backend):
     assert all(a is b for a, b in zip(grads, bufs))
 
 
+@pytest.mark.parametrize("backend", ["numpy", "c"])
+@pytest.mark.parametrize("given", ["per group", "scalar"])
+def test_preallocated_input_gradients_are_filled(backend, given):
+    """The per-group inputs' gradients (online layer norm's prev_mean, prev_std) land in the
+    arrays passed for them as out=, first and second order, as every other field does."""
+    mod = derivgen.load("online_layernorm", backend=backend)
+    rng = np.random.default_rng(2)
+    x, g, b = rng.normal(size=(5, 6)), rng.normal(size=6), rng.normal(size=6)
+    prev = (rng.normal(size=5), rng.uniform(1, 2, size=5)) if given == "per group" else (0.5, 1.5)
+    kw = dict(alpha=0.25, prev_mean=prev[0], prev_std=prev[1])
+    _, cache = mod.forward(x, g, b, **kw)
+    dy = rng.normal(size=x.shape)
+    want = mod.backward(dy, cache)
+    bufs = {f: np.full_like(np.asarray(v), np.nan) for f, v in want._asdict().items()}
+    grads = mod.backward(dy, cache, out=bufs)
+    for f, a in bufs.items():
+        assert getattr(grads, f) is a, f
+        np.testing.assert_array_equal(a, getattr(want, f), err_msg=f)
+    ddx = rng.normal(size=x.shape)
+    want2 = mod.backward_backward(dy, cache, ddx)
+    bufs2 = {f: np.full_like(np.asarray(v), np.nan) for f, v in want2._asdict().items()}
+    got2 = mod.backward_backward(dy, cache, ddx, out=bufs2)
+    for f, a in bufs2.items():
+        assert getattr(got2, f) is a, f
+        np.testing.assert_array_equal(a, getattr(want2, f), err_msg=f)
+    with pytest.raises(ValueError, match="out.dprev_mean"):
+        mod.backward(dy, cache, out={**bufs, "dprev_mean": np.empty(7)})
+
+
 def test_backends_agree_on_every_layer():
     for case in CASES:
         name = case[0]

@@ -15,7 +15,7 @@ import time
 
 import pytest
 import specfuzz
-from conftest import LRN_FEATURES, ROOT, private_cache, sample_and_rest
+from conftest import LRN_FEATURES, QUICK_CFLAGS, ROOT, private_cache, sample_and_rest
 
 import derivgen
 from derivgen.spec.model import parse_spec, reserved_reason
@@ -38,8 +38,38 @@ SHAPES = ("output ", "mixture ", "layout ")
 SHAPE_QUICK_SEEDS = specfuzz.covering(
     SHAPE_CI_SEEDS, key=lambda s: {f for f in specfuzz.features(s) if f.startswith(SHAPES)}
 )
-MEANS_SEEDS = [*CI_SEEDS, *SHAPE_CI_SEEDS]
-MEANS_QUICK_SEEDS = [*QUICK_SEEDS, *SHAPE_QUICK_SEEDS]
+
+# The tensor family (seeds from specfuzz.TENSOR_SEEDS): the ordinary draws with tensor inputs
+# beside x (of x's shape, per sample, per position; with a gradient, constant, 0/1 masks), a core
+# value the statistics read in place of x, masked or weighted statistics, tensors in the output
+# and outputs beside y, judged by specfuzz.run_tensors: NumPy and C against PyTorch autograd of
+# the spec's forward (written from its fields), finite differences and each other, float32
+# against float64; proven at N = 2, 3; the run-time means against the brute-force minimum.
+# The CI corpus is its first 40 seeds and 300085 (a per-channel weight in the core: the first 40
+# have one only in a slow seed); make test runs the quick seeds among them that have every tensor
+# feature of them all, make test-full the others; `make fuzz SEEDS=300000-300199` (or any range
+# from 300000) the larger corpus.
+TENSOR_CI_SEEDS = [*range(specfuzz.TENSOR_SEEDS, specfuzz.TENSOR_SEEDS + 40), specfuzz.TENSOR_SEEDS + 85]
+# open findings among them: what fails and the regression spec that holds the bug (fixed: take the
+# seed off); the corpus test leaves them out (each runs until its 120 s are spent)
+KNOWN_TENSOR_FAILURES = {
+    # masked or weighted statistics: the proof spends minutes in SymPy outside its work budget
+    300016: "tensors/masked_tanh_proof_time",  # tanh of the coordinate: _proven's xreplace
+    300017: "tensors/masked_exp_proof_time",  # exp(-z²/4): canonical_exponentials (near 120 s)
+    300028: "tensors/masked_root_proof_time",  # sqrt(z² + 1): _primitive_root
+}
+# the seeds whose pipeline takes over 12 s on an idle core (proofs that fall back to 80-digit
+# numbers, several outputs): make test-full runs them, make test's sample is drawn from the others
+SLOW_TENSOR_SEEDS = {300002, 300008, 300011, 300018, 300020, 300026, 300030, 300034}
+TENSOR_FEATURES = ("tensor ", "core value", "parameter in core", "values ", "outputs ", "output is", "layout ")
+TENSOR_RUN_SEEDS = [s for s in TENSOR_CI_SEEDS if s not in KNOWN_TENSOR_FAILURES]
+TENSOR_QUICK_SEEDS = specfuzz.covering(
+    [s for s in TENSOR_RUN_SEEDS if s not in SLOW_TENSOR_SEEDS],
+    key=lambda s: {f for f in specfuzz.features(s) if f.startswith(TENSOR_FEATURES)},
+)
+
+MEANS_SEEDS = [*CI_SEEDS, *SHAPE_CI_SEEDS, *TENSOR_CI_SEEDS]
+MEANS_QUICK_SEEDS = [*QUICK_SEEDS, *SHAPE_QUICK_SEEDS, *TENSOR_QUICK_SEEDS]
 
 
 def test_generated_specs_are_valid_and_varied():
@@ -211,6 +241,10 @@ KNOWN_ABOVE_MINIMUM = {
     200037: "train: group 5/4, instance 2/2",
     200044: "train: group 4/3",
     200047: "train: group 5/4, instance 2/2",
+    # the tensor family: ⟨x̂·exp(w)⟩ (a mean without ∂L/∂y: a per-channel weight exp(w) in the
+    # variance, or a weight with a gradient, sigmoid(t)) computed in the backward, as seed 9's
+    300005: "train: group 3/2",
+    300015: "train: group 3/2",
 }
 
 
@@ -285,6 +319,12 @@ y = "gamma*xhat + 0.1*k*xhat"
 """,
     ),
     "lrn_features": (TRAILING, {}, None),  # windows only: no mean
+    # tensor inputs and outputs beside y: every gradient's means and every cotangent's
+    "add_layernorm": ("zoo", {"group": 2}),  # ⟨g⟩, ⟨g·ĥ⟩ (∂L/∂h beside them: no mean)
+    "flash_layernorm_parallel": ("zoo", {"group": 2}),  # g = ∂L/∂y·w + ∂L/∂y₁·w₁: ⟨g⟩, ⟨g·ĥ⟩
+    "rmsnorm_gated_before": ("zoo", {"group": 1}),  # ⟨g·û⟩, through x and the gate alike
+    "masked_batchnorm": ("zoo", {"group": 2}),  # the valid positions' ⟨g⟩, ⟨g·x̂⟩
+    "adaln": ("zoo", {"group": 2}),  # the modulation's gradients read no mean
     "instance_blocks": (
         BATCH,
         {"instance": 2},  # instance norm written with block means in a batch layout
@@ -348,10 +388,14 @@ def test_brute_force_minimum_of_known_layers(name):
     """The rank computation itself, on layers whose fewest means are known by hand: per kind
     (the kinds the layout holds and the layer does not use: zero), every mode (batch norm's
     eval mode: none), at two random points; and its Jacobian is the spec's forward's, by
-    central differences of the forward alone (derivgen.tools.evaluate)."""
+    central differences of the forward alone (derivgen.tools.evaluate): with tensor inputs
+    and outputs beside y, every block of it (x and each tensor with a gradient, against y
+    and each output)."""
+    import dataclasses
+
     import numpy as np
 
-    from derivgen.tools.evaluate import GroupEvaluator
+    from derivgen.tools.evaluate import evaluate
 
     spec, minimum = _known(name)
     d = derivgen.derive(spec)
@@ -366,16 +410,27 @@ def test_brute_force_minimum_of_known_layers(name):
     md = d.modes["train"]
     jac, _ = specfuzz._jacobian(md, case)
     block = specfuzz.block_mean(case.grid)
-    ev = GroupEvaluator(md)
+    n = len(case.x)
 
-    def y(x):
-        return ev.forward(x, case.params, case.scalars, block)[0]
+    def outputs(c):  # y and the outputs beside it, side by side
+        y, env = specfuzz.group_evaluator(md, c).forward(c.x, c.params, c.scalars, block)
+        return np.concatenate([y, *(evaluate(o.expr, env) * np.ones(n) for o in spec.outputs)])
 
+    rows = ["x", *(t.name for t in spec.grad_tensors)]
+    assert jac.shape == (n * len(rows), n * (1 + len(spec.outputs)))
     h, fd = 1e-6, np.empty_like(jac)
-    for e in range(len(case.x)):
-        step = np.zeros_like(case.x)
-        step[e] = h
-        fd[e] = (y(case.x + step) - y(case.x - step)) / (2 * h)
+    for r, which in enumerate(rows):
+        for e in range(n):
+            moved = []
+            for sign in (1, -1):
+                if which == "x":
+                    c = dataclasses.replace(case, x=case.x + sign * h * np.eye(n)[e])
+                else:
+                    c = dataclasses.replace(
+                        case, tensors={**case.tensors, which: case.tensors[which] + sign * h * np.eye(n)[e]}
+                    )
+                moved.append(outputs(c))
+            fd[r * n + e] = (moved[0] - moved[1]) / (2 * h)
     assert np.abs(fd - jac).max() < 1e-6 * max(1.0, np.abs(jac).max())
 
 
@@ -466,3 +521,269 @@ def test_channels_last_regression_spec(name, monkeypatch):
     monkeypatch.setenv("CFLAGS", "-O1 -march=native -fno-math-errno")  # compile fast; still -Werror
     spec = derivgen.load_spec(ROOT / "tests" / "regressions" / f"{name}.toml")
     assert specfuzz.channels_last_mismatches(spec) == []
+
+
+# ------------------------------------------------------------------ the tensor family
+
+
+def test_the_tensor_family_is_valid_and_varied():
+    """Every seed of the tensor family parses to a layer with tensor inputs, values or outputs
+    beside y, in every layout, with none of what it leaves out (block statistics, windows,
+    leading(), group max/min); its first 40 seeds have every tensor shape and kind, a core
+    value with tensors and with a parameter in it, tensors in the statistics and in the
+    output, values beside the core, one and two outputs beside y and the core value among them."""
+    from derivgen.symbolic.reduce import SELECTIONS
+
+    kinds = set()
+    for seed in range(specfuzz.TENSOR_SEEDS, specfuzz.TENSOR_SEEDS + 60):
+        spec = parse_spec(specfuzz.generate(seed), source=f"fuzz{seed}.toml")
+        assert spec.multi, seed
+        assert not spec.windows and not spec.masks, seed
+        assert not any(m.blocks or any(st.expr.has(*SELECTIONS) for st in m.statistics) for m in spec.modes), seed
+        kinds.add((spec.layout, spec.reduce))
+    assert len(kinds) == 5
+    every = set().union(*(specfuzz.features(s) for s in TENSOR_RUN_SEEDS))
+    assert every >= {
+        "tensor x",
+        "tensor sample",
+        "tensor position",
+        "tensor mask",
+        "tensor constant",
+        "tensor with gradient",
+        "tensor in core",
+        "tensor in statistics",
+        "tensor in output",
+        "core value",
+        "parameter in core",
+        "values beside the core",
+        "outputs beside y: 1",
+        "outputs beside y: 2",
+        "output is the core value",
+    }
+    # the quick sample has every tensor feature of the seeds the corpus test runs
+    feats = {f for s in TENSOR_RUN_SEEDS for f in specfuzz.features(s) if f.startswith(TENSOR_FEATURES)}
+    assert feats == {f for s in TENSOR_QUICK_SEEDS for f in specfuzz.features(s) if f.startswith(TENSOR_FEATURES)}
+    # and the families before it draw what they drew (the tensor family's draws are its own)
+    assert "[tensors]" not in specfuzz.generate(specfuzz.TENSOR_SEEDS - 1)
+
+
+def test_the_tensor_family_weights_every_mean_and_writes_the_core_for_x():
+    """The rewrites the family makes of an ordinary draw: every mean(e) and sum(e) over a mask's
+    valid elements (nested ones too), and x written as the core value (not inside names)."""
+    got = specfuzz._weighted_means("sum((x - mu)**2)/(N - 1) + mean(abs(x - mean(x)))", "m", "f")
+    assert got == "(sum(m*((x - mu)**2))/f)/(N - 1) + (mean(m*(abs(x - (mean(m*(x))/f))))/f)"
+    assert specfuzz._with_core("x_t*x + exp(x)/xv", "h") == "x_t*h + exp(h)/xv"
+
+
+@pytest.mark.parametrize(
+    "layout, shape",
+    [
+        (TRAILING, "x"),
+        (TRAILING, "sample"),
+        ('kind = "trailing"\naxes = 2', "sample"),
+        (BATCH, "position"),
+        (BATCH, "sample"),
+        ('kind = "channels"\nreduce = "instance"', "position"),
+        ('kind = "channels"\nreduce = "group"', "sample"),
+        ('kind = "channels"\nreduce = "position"', "sample"),
+    ],
+)
+def test_tensor_case_masks_leave_two_valid_elements_in_every_group(layout, shape):
+    """A mask the judge draws leaves at least two valid elements in every group (a masked
+    variance has something to spread over), in its declared shape; so does the brute force's."""
+    import numpy as np
+
+    spec = _spec(
+        layout,
+        f"""
+[tensors]
+m = {{ mask = true, shape = "{shape}" }}
+[statistics]
+f = "mean(m)"
+mu = "mean(m*x)/f"
+v = "mean(m*(x - mu)**2)/f"
+[output]
+y = "(x - mu)/sqrt(v + 1)"
+""",
+    )
+    for seed in range(5):
+        case = specfuzz.tensor_case(spec, "train", seed)
+        x_shape, m = case.args["x"].shape, case.args["m"]
+        assert m.shape == specfuzz.declared_shape(spec, spec.tensors[0], x_shape, case.k)
+        full = np.broadcast_to(m.reshape(specfuzz.broadcast_shape(spec, spec.tensors[0], x_shape, case.k)), x_shape)
+        counts = full.reshape(case.layout.view4).sum(axis=case.layout.reduce_axes)
+        assert counts.min() >= 2 and set(np.unique(m)) <= {0.0, 1.0}
+        assert specfuzz.rank_case(spec, seed).tensors["m"].sum() >= 2
+
+
+def test_the_tensor_judge_finds_a_wrong_gradient_or_output():
+    """The judge itself: adaLN's generated NumPy passes; the same with one gradient (dx, or a
+    broadcast tensor's) or one output beside y (add_rmsnorm's h) off by one part in 10⁴ fails
+    against PyTorch and against finite differences."""
+    spec = derivgen.load_spec("adaln")
+    mod = derivgen.load(spec, backend="numpy")
+    case = specfuzz.tensor_case(spec, "train", 11)
+    assert specfuzz.tensor_checks(spec, {"numpy": mod}, case) == []
+
+    class Off:
+        def __init__(self, field):
+            self.field = field
+
+        def __getattr__(self, name):  # the second order: the module's own
+            return getattr(mod, name)
+
+        def forward(self, *args, **kw):
+            return mod.forward(*args, **kw)
+
+        def backward(self, *args, **kw):
+            g = mod.backward(*args, **kw)
+            getattr(g, self.field)[...] *= 1.0001  # in place: the judge checks out= comes back
+            return g
+
+    for field in ("dx", "dscale"):
+        bad = specfuzz.tensor_checks(spec, {"numpy": Off(field)}, case)
+        # and the double backward, judged against differences of this backward, disagrees
+        assert len(bad) == 3 and all(field in b for b in bad[:2]) and "backward_backward" in bad[2], bad
+        assert "torch" in bad[0] and "finite differences" in bad[1]
+    fused = derivgen.load_spec("add_rmsnorm")
+    fmod = derivgen.load(fused, backend="numpy")
+
+    class OffH:
+        def __getattr__(self, name):
+            return getattr(fmod, name)
+
+        def forward(self, *args, **kw):
+            (y, h), cache = fmod.forward(*args, **kw)
+            h[...] *= 1.0001
+            return (y, h), cache
+
+        def backward(self, *args, **kw):
+            return fmod.backward(*args, **kw)
+
+    bad = specfuzz.tensor_checks(fused, {"numpy": OffH()}, specfuzz.tensor_case(fused, "train", 11))
+    assert bad and "h=" in bad[0], bad
+
+
+def test_the_second_order_judge_finds_a_wrong_double_backward_or_jvp():
+    """specfuzz.second_checks: add_layernorm's generated second order passes; the double
+    backward with one gradient (dresidual, or ddh: the cotangent's) off by one part in 10⁴, or
+    the JVP's tangent of h, fails."""
+    spec = derivgen.load_spec("add_layernorm")
+    mod = derivgen.load(spec, backend="numpy")
+    case = specfuzz.tensor_case(spec, "train", 11)
+    assert specfuzz.second_checks(spec, mod, case, "train") == []
+
+    class Off:
+        def __init__(self, field):
+            self.field = field
+
+        def __getattr__(self, name):
+            return getattr(mod, name)
+
+        def backward_backward(self, *args, **kw):
+            g = mod.backward_backward(*args, **kw)
+            if self.field in g._fields:
+                getattr(g, self.field)[...] *= 1.0001
+            return g
+
+        def jvp(self, *args, **kw):
+            ty, th = mod.jvp(*args, **kw)
+            return ty, th * (1.0001 if self.field == "th" else 1.0)
+
+    for field in ("dresidual", "ddh", "th"):
+        bad = specfuzz.second_checks(spec, Off(field), case, "train")
+        assert len(bad) == 1 and ("jvp" if field == "th" else "backward_backward") in bad[0], (field, bad)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seeds", sample_and_rest(TENSOR_RUN_SEEDS, TENSOR_QUICK_SEEDS))
+def test_tensor_corpus_passes(seeds, tmp_path, monkeypatch):
+    """The tensor family's seeds through specfuzz.run_tensors: proven (or checked numerically)
+    at N = 2, 3; NumPy and C (built with -Werror) against PyTorch autograd of the spec's forward,
+    finite differences and each other, in float64, float32 against float64."""
+    monkeypatch.setenv("DERIVGEN_CACHE", private_cache(tmp_path))
+    monkeypatch.setenv("CFLAGS", "-O1 -march=native -fno-math-errno")  # compile fast; still -Werror
+    t0 = time.perf_counter()
+    results = specfuzz.run_corpus(seeds, jobs=min(2, os.cpu_count() or 1), deadline=CI_DEADLINE)
+    print("\n" + specfuzz.summary(results, time.perf_counter() - t0))
+    failed = [f"seed {r.seed}: {r.failure}" for r in results if not r.ok]
+    assert not failed, "\n".join(failed)
+    assert len(results) == len(seeds)
+
+
+def test_known_tensor_failures_name_their_regression_spec():
+    for seed, name in KNOWN_TENSOR_FAILURES.items():
+        assert seed in TENSOR_CI_SEEDS and (ROOT / "tests" / "regressions" / f"{name}.toml").exists(), seed
+
+
+# the proofs that run past their budget of work, each in SymPy outside it at a place of its own:
+# an exponential of the coordinate (canonical_exponentials' sympy.expand; fuzz seeds 300052,
+# 300132), tanh beside y (_proven's xreplace, tanh's assumptions; 300016, 300044, 300069, 300091,
+# 300136, 300151), a root of the coordinate (_primitive_root's sympy.expand; 300028, 300049,
+# 300078, 300178, 300196); each layer without its mask proves in about a second
+PROOF_TIME_REGRESSIONS = ["masked_exp_proof_time", "masked_tanh_proof_time", "masked_root_proof_time"]
+TENSOR_REGRESSIONS = sorted((ROOT / "tests" / "regressions" / "tensors").glob("*.toml"))
+# the regression specs whose pipeline takes minutes (the bug they hold): their own test below
+SLOW_TENSOR_REGRESSIONS = set(PROOF_TIME_REGRESSIONS)
+
+
+@pytest.mark.parametrize(
+    "path", [p for p in TENSOR_REGRESSIONS if p.stem not in SLOW_TENSOR_REGRESSIONS], ids=lambda p: p.stem
+)
+def test_tensor_regression_spec_goes_through_the_pipeline(path, monkeypatch):
+    """The specs of tests/regressions/tensors/ (layers with tensor inputs, values or outputs
+    beside y, which derivgen.tools.check does not take: tests/derive/test_regressions.py runs
+    the others) through specfuzz.run_tensors."""
+    monkeypatch.setenv("CFLAGS", QUICK_CFLAGS)
+    r = specfuzz.run_tensors(path.read_text(), prove_sizes=(2, 3))
+    assert r.ok and r.proof == "proven", r
+
+
+@pytest.mark.xfail(strict=True, reason="open: masked statistics beside other outputs get no centred coordinate")
+def test_masked_statistics_beside_other_outputs_are_centred():
+    """masked_outputs_raw_powers (fuzz seed 300170): the backward must not be written in raw
+    powers of x; at an offset of 1000 its float64 gradients agree with PyTorch autograd as the
+    centred closed forms do (to 1e-9, relative), where raw powers are off by ~1e-6."""
+    spec = derivgen.load_spec(ROOT / "tests" / "regressions" / "tensors" / "masked_outputs_raw_powers.toml")
+    case = specfuzz.tensor_case(spec, "train", 11)
+    case.args["x"] = case.args["x"] + 1000.0
+    _, want, _ = specfuzz._torch_tensors(spec, case, case.args)
+    for backend in ("numpy", "c"):
+        _, grads, _ = specfuzz._call_module(derivgen.load(spec, backend=backend), spec, case, case.args)
+        assert specfuzz._relative(grads.dx, want["dx"]) < 1e-9, backend
+
+
+@pytest.mark.full
+@pytest.mark.xfail(strict=True, reason="open: SymPy's evaluation outside the proof's work budget")
+@pytest.mark.parametrize("name", PROOF_TIME_REGRESSIONS)
+def test_masked_statistics_proof_settles_within_its_budget(name):
+    """The proof at N = 3 under the fuzzer's budget of work settles (proven, or checked
+    numerically once the budget is spent) within 20 s, as the unmasked layers' do in one."""
+    from derivgen.prove import proof
+
+    spec = derivgen.load_spec(ROOT / "tests" / "regressions" / "tensors" / f"{name}.toml")
+    d = derivgen.derive(spec)
+
+    def late(signum, frame):
+        raise TimeoutError("the proof at N = 3 took longer than 20 s")
+
+    old, work = signal.signal(signal.SIGALRM, late), proof.SYMBOLIC_WORK
+    proof.SYMBOLIC_WORK = specfuzz.PROOF_WORK
+    signal.alarm(20)
+    t0 = time.perf_counter()
+    try:
+        assert proof.prove_mode(d.modes["train"], (3,)).ok
+        assert time.perf_counter() - t0 < 20  # should the proof have caught the alarm
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+        proof.SYMBOLIC_WORK = work
+
+
+@pytest.mark.xfail(strict=True, reason="open: proportional means of dL/dy over a per-group factor not merged")
+def test_per_group_factor_means_are_one():
+    """per_group_factor_means (fuzz seed 300067): mean(dy*n) and mean(g*n) with g = dy*(weight + k),
+    one value per instance group, are one mean: the backward reads the brute-force minimum, 2."""
+    spec = derivgen.load_spec(ROOT / "tests" / "regressions" / "per_group_factor_means.toml")
+    found = specfuzz.reduction_minimum(spec, derivgen.derive(spec))
+    assert all(r.at_minimum for r in found), [str(r) for r in found]

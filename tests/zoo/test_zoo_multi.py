@@ -298,14 +298,6 @@ def test_what_the_c_target_does_not_take_is_refused_in_one_line(tmp_path):
     assert y.shape == x.shape
 
 
-def test_the_second_order_is_refused_in_one_line():
-    m = derivgen.load("add_rmsnorm", backend="numpy")
-    b = _draw("add_rmsnorm")
-    _, cache = m.forward(b["x"], b["residual"], b["weight"])
-    with pytest.raises(NotImplementedError, match="second order"):
-        m.jvp(cache, tx=b["x"])
-
-
 # every feature of these layers' C: outputs beside y, tensors of x's shape, broadcast and masks,
 # a core value with a chain factor, batch and trailing layouts
 STRICT = ["add_rmsnorm", "adaln", "flash_layernorm_parallel", "masked_batchnorm", "rmsnorm_gated_before"]
