@@ -2,7 +2,9 @@
 functions of the generated PyTorch modules (``derivgen.load(spec, backend="torch")``)
 call. ``forward(x, params..., *, options..., out=None) -> (y, cache)``,
 ``backward(dy, cache) -> Grads``, ``backward_backward(dy, cache, ddx, ddparams, ddinputs=)
--> SecondGrads`` and ``jvp(cache, tx, tparams, tinputs=) -> ty``, on any device, with
+-> SecondGrads`` and ``jvp(cache, tx, tparams, tinputs=) -> ty`` (a layer with tensor inputs
+beside x and outputs beside y: ``ddtensors=``/``ttensors=`` seeds of its tensors, the
+cotangents ``d<output>=`` its backward took, and ``(ty, t<output>...)``), on any device, with
 autograd recording them (so they can be differentiated further, and torch.compile can
 fuse them). float16 and bfloat16 inputs are computed in float32; results have x's dtype.
 """
@@ -215,12 +217,48 @@ def _by_name(names: Sequence[str], v: Any, what: str, meta: dict) -> dict:
     return dict(zip(names, v))
 
 
-def _seeds(meta: dict, cache: Cache, vx: Any, vparams: Any, vinputs: Any, what: str) -> list[torch.Tensor]:
-    """One seed per differentiable argument (x, parameters, inputs), zeros where missing."""
+def _tensor_seeds(meta: dict, cache: Cache, given: Any, label: str) -> list[torch.Tensor]:
+    """The seeds of the tensor inputs with a gradient, in spec order: ``given`` a dict by
+    name (None, a missing name or a None entry: zeros), each of the tensor's declared shape
+    (a broadcast one's, not x's) and x's dtype; errors name ``<label>.<tensor>``."""
+    name, names = meta["name"], grad_tensors(meta)
+    given = {} if given is None else given
+    if not isinstance(given, dict):
+        raise TypeError(f"{name}: {label} must be a dict by tensor name ({', '.join(names)})")
+    unknown = set(given) - set(names)
+    if unknown:
+        raise ValueError(
+            f"{name}: {label} has {', '.join(sorted(map(str, unknown)))}, which is not a tensor input with a "
+            f"gradient ({', '.join(names) or 'none'})"
+        )
+    x, seeds = cache.x, []
+    for t in names:
+        ref, v = cache.tensors[t], given.get(t)
+        if v is None:
+            seeds.append(torch.zeros(ref.shape, dtype=x.dtype, device=x.device))
+            continue
+        if not isinstance(v, torch.Tensor):
+            raise TypeError(f"{name}: {label}.{t} must be a torch.Tensor, got {type(v).__name__}")
+        if v.dtype != x.dtype:
+            raise TypeError(f"{name}: {label}.{t} has dtype {v.dtype} but the forward ran in {x.dtype}")
+        if tuple(v.shape) != tuple(ref.shape):
+            raise ValueError(f"{name}: {label}.{t} must have the shape of {t} {tuple(ref.shape)}, got {tuple(v.shape)}")
+        if v.device != x.device:
+            raise ValueError(f"{name}: {label}.{t} is on {v.device} but x is on {x.device}")
+        seeds.append(v)
+    return seeds
+
+
+def _seeds(
+    meta: dict, cache: Cache, vx: Any, vparams: Any, vinputs: Any, what: str, vtensors: Any = None, label: str = ""
+) -> list[torch.Tensor]:
+    """One seed per differentiable argument (x, the tensor inputs with a gradient, parameters,
+    inputs), zeros where missing; ``label`` names the tensor seeds' argument in errors."""
     name = meta["name"]
     ps = _by_name(meta["params"], vparams, what + " (parameters)", meta)
     ins = _by_name(meta["inputs"], vinputs, what + " (inputs)", meta)
     seeds = [_check_like_x(name, what + " of x", vx, cache)]
+    seeds += _tensor_seeds(meta, cache, vtensors, label) if is_multi(meta) else []
     for p in meta["params"]:
         ref = cache.params[p]
         seeds.append(torch.zeros_like(ref) if ps.get(p) is None else _tensor(ps[p], ref).reshape(ref.shape))
@@ -264,20 +302,34 @@ def backward_backward(
     ddparams: Any = None,
     ddinputs: Any = None,
     out: Any = None,
+    ddtensors: Any = None,
+    cotangents: dict | None = None,
 ) -> tuple:
-    """``SecondGrads(dx, ddy, d<param>..., d<input>...)``: the VJP of the backward with the
-    cotangents of dx, the parameter and the input gradients (torch.func over the closed form)."""
+    """``SecondGrads(dx, ddy, dd<output>..., d<tensor>..., d<param>..., d<input>...)``: the VJP
+    of the backward with the cotangents of dx, the tensor inputs' gradients (``ddtensors``, by
+    name, each of the tensor's declared shape), the parameter and the input gradients
+    (torch.func over the closed form). A layer with outputs beside y takes the cotangents its
+    backward took for them in ``cotangents`` (by name, None: zero); they are differentiated
+    too (``dd<output>``). The tensor inputs without a gradient (masks) are constants."""
+    if not isinstance(cache, Cache) or cache.meta["name"] != meta["name"]:
+        raise TypeError(f"{meta['name']}: cache must be what this module's forward returned")
     dy = _check_like_x(meta["name"], "dy", dy, cache)
+    outs = extra_outputs(meta)
+    cots = [_check_like_x(meta["name"], "d" + o, (cotangents or {}).get(o), cache) for o in outs]
     a = _call_args(cache)
-    diff = ["x", *meta["params"], *meta["inputs"]]
-    cot = _seeds(meta, cache, ddx, ddparams, ddinputs, "the cotangent")
-    f = _backward_of(meta, functions, cache)
-    _, vjp = torch.func.vjp(f, dy, *(a[n] for n in diff))
+    diff = differentiable(meta)
+    cot = _seeds(meta, cache, ddx, ddparams, ddinputs, "the cotangent", ddtensors, "ddtensors")
+
+    def f(dy, *rest):
+        return _backward_of(meta, functions, cache, dict(zip(outs, rest[: len(outs)])))(dy, *rest[len(outs) :])
+
+    _, vjp = torch.func.vjp(f, dy, *cots, *(a[n] for n in diff))
     g = vjp(tuple(cot))
-    got = (g[1], g[0], *g[2:])
+    k = 1 + len(outs)
+    got = (g[k], *g[:k], *g[k + 1 :])
     if out is not None:
-        outs = out if not isinstance(out, dict) else [out.get(fl) for fl in second_type._fields]
-        got = tuple(_store(o, v, fl) for o, v, fl in zip(outs, got, second_type._fields))
+        given = out if not isinstance(out, dict) else [out.get(fl) for fl in second_type._fields]
+        got = tuple(_store(o, v, fl) for o, v, fl in zip(given, got, second_type._fields))
     return second_type(*got)
 
 
@@ -289,17 +341,31 @@ def jvp(
     tparams: Any = None,
     tinputs: Any = None,
     out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """y's tangent along the tangents of x, the parameters and the inputs (torch.func's JVP
-    of the generated forward) at the cache's point."""
+    ttensors: Any = None,
+    outs: Any = None,
+) -> torch.Tensor | tuple:
+    """y's tangent along the tangents of x, the tensor inputs with a gradient (``ttensors``, by
+    name, each of the tensor's declared shape), the parameters and the inputs (torch.func's
+    JVP of the generated forward) at the cache's point; a layer with outputs beside y returns
+    ``(ty, t<output>...)``, the latter written into ``outs`` (a sequence or a dict by name)
+    where given."""
+    if not isinstance(cache, Cache) or cache.meta["name"] != meta["name"]:
+        raise TypeError(f"{meta['name']}: cache must be what this module's forward returned")
     a0, L, mode = _call_args(cache), cache.layout, cache.mode
-    diff = ["x", *meta["params"], *meta["inputs"]]
-    tangents = _seeds(meta, cache, tx, tparams, tinputs, "the tangent")
+    diff = differentiable(meta)
+    names = extra_outputs(meta)
+    given = _by_name(names, outs, "outs", meta)
+    tangents = _seeds(meta, cache, tx, tparams, tinputs, "the tangent", ttensors, "ttensors")
 
     def f(*vals):
         a = {**a0, **dict(zip(diff, vals))}
         x = a["x"]
-        return functions[mode](_compute(x).reshape(L.view4), **_views(meta, a, L, mode))[0].reshape(x.shape)
+        got = functions[mode](_compute(x).reshape(L.view4), **_views(meta, a, L, mode))
+        return (got[0].reshape(x.shape), *(got[2][o].reshape(x.shape) for o in names))
 
-    ty = torch.func.jvp(f, tuple(a0[n] for n in diff), tuple(tangents))[1].to(cache.x.dtype)
-    return _store(out, ty, "out")
+    ts = torch.func.jvp(f, tuple(a0[n] for n in diff), tuple(tangents))[1]
+    ty = _store(out, ts[0].to(cache.x.dtype), "out")
+    if not names:
+        return ty
+    rest = [_store(given.get(o), t.to(cache.x.dtype), "outs." + o) for o, t in zip(names, ts[1:])]
+    return (ty, *rest)
