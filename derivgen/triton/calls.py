@@ -17,7 +17,10 @@ written out at x's shape and strides first (:func:`at_x`), and its element gradi
 at x's shape in float32, are summed over the axes it is broadcast over afterwards
 (:func:`finish_tensor_grad`). A layer with outputs beside y (``META["outputs"]``) returns
 ``((y, *outputs), cache)`` and its backward takes their cotangents ``d<output>=`` (None:
-zero). Their second order is derived but not generated yet: ``backward_backward`` and ``jvp`` refuse them.
+zero). Their ``backward_backward`` takes the seeds of the tensors' gradients ``ddtensors=`` (by
+name, of each tensor's declared shape) and the first-order cotangents ``d<output>=``, and
+their ``jvp`` the tangents ``ttensors=`` and returns ``(ty, t<output>...)``, by the PyTorch
+closed forms as for every layer.
 
 A group is a matrix of A rows and B columns of x (:func:`geometry`): a row of x for a
 trailing layout (A = 1); a sample's channel (instance), a sample's group of channels
@@ -546,11 +549,8 @@ def backward(layer: Layer, dy: torch.Tensor, cache: Cache, out: Any = None, cota
 
 
 def _torch_cache(layer: Layer, cache: Cache) -> tuple[Any, Any]:
-    """The generated PyTorch module of the layer's spec and its cache at the same point."""
-    if layer.meta.get("tensors") or layer.meta.get("outputs"):
-        raise NotImplementedError(
-            f"{layer.meta['name']}: the second order of tensor inputs and outputs beside y is derived (derivgen derive --order 2) but not generated yet"
-        )
+    """The generated PyTorch module of the layer's spec and its cache at the same point (the
+    tensor inputs beside x as the forward was given them)."""
     if layer.spec is None:
         raise RuntimeError(f"{layer.meta['name']}: load the module with derivgen.load(spec, backend='triton')")
     tm = load(layer.spec, "torch")
@@ -562,19 +562,47 @@ def _torch_cache(layer: Layer, cache: Cache) -> tuple[Any, Any]:
         kw["num_groups"] = cache.num_groups
     if "eval" in meta["modes"]:
         kw["training"] = cache.mode == "train"
-    _, tcache = tm.forward(cache.user_x, *(cache.params[p] for p in meta["params"]), **kw)
+    pos = [cache.user_x, *(cache.tensors[t] for t in tensor_names(meta)), *(cache.params[p] for p in meta["params"])]
+    _, tcache = tm.forward(*pos, **kw)
     return tm, tcache
 
 
 def backward_backward(
-    layer: Layer, dy: torch.Tensor, cache: Cache, ddx: Any, ddparams: Any, ddinputs: Any, out: Any
+    layer: Layer,
+    dy: torch.Tensor,
+    cache: Cache,
+    ddx: Any,
+    ddparams: Any,
+    ddinputs: Any,
+    out: Any,
+    ddtensors: Any = None,
+    cotangents: dict | None = None,
 ) -> tuple:
-    """The double backward, by the PyTorch closed forms on the tensors' device."""
+    """The double backward, by the PyTorch closed forms on the tensors' device; a layer with
+    tensor inputs beside x takes the seeds of their gradients in ``ddtensors`` (by name), one
+    with outputs beside y the cotangents its backward took in ``cotangents`` (by name)."""
     tm, tcache = _torch_cache(layer, _check_cache(layer.meta, cache))
-    return tm.backward_backward(dy, tcache, ddx, ddparams, ddinputs=ddinputs, out=out)
+    if not (layer.meta.get("tensors") or layer.meta.get("outputs")):
+        return tm.backward_backward(dy, tcache, ddx, ddparams, ddinputs=ddinputs, out=out)
+    cots = {"d" + o: v for o, v in (cotangents or {}).items()}
+    return tm.backward_backward(dy, tcache, ddx, ddparams, ddinputs=ddinputs, ddtensors=ddtensors, out=out, **cots)
 
 
-def jvp(layer: Layer, cache: Cache, tx: Any, tparams: Any, tinputs: Any, out: Any) -> torch.Tensor:
-    """The forward-mode derivative, by the PyTorch closed forms on the tensors' device."""
+def jvp(
+    layer: Layer,
+    cache: Cache,
+    tx: Any,
+    tparams: Any,
+    tinputs: Any,
+    out: Any,
+    ttensors: Any = None,
+    outs: Any = None,
+) -> torch.Tensor | tuple:
+    """The forward-mode derivative, by the PyTorch closed forms on the tensors' device: y's
+    tangent, or ``(ty, t<output>...)`` for a layer with outputs beside y (``outs``: preallocated
+    tangents of the latter)."""
     tm, tcache = _torch_cache(layer, _check_cache(layer.meta, cache))
-    return tm.jvp(tcache, tx, tparams, tinputs=tinputs, out=out)
+    if not (layer.meta.get("tensors") or layer.meta.get("outputs")):
+        return tm.jvp(tcache, tx, tparams, tinputs=tinputs, out=out)
+    kw = {"outs": outs} if layer.meta.get("outputs") else {}
+    return tm.jvp(tcache, tx, tparams, tinputs=tinputs, ttensors=ttensors, out=out, **kw)
