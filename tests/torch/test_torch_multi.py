@@ -3,7 +3,8 @@
 ``derivgen.torch.Module`` on the CPU's C kernels against autograd of the independent
 references of tests/zoo/multi_reference.py (outputs and every gradient, float64 and
 float32), bfloat16 against float32, the generated PyTorch closed forms (``portable()``, the
-generated module's own API), torch.func, torch.compile, ``torch.library.opcheck``, bad
+generated module's own API, its backward_backward and jvp against double backward and
+forward mode of the references, tests/zoo/test_zoo_multi_second.py), torch.func, torch.compile, ``torch.library.opcheck``, bad
 arguments, and the drop-in modules ``FusedAddRMSNorm`` and ``RMSNormGated`` against the
 references' module forms (vLLM/Liger, Mamba-2)."""
 
@@ -20,6 +21,8 @@ torch = require_module("torch")
 if str(TESTS / "zoo") not in sys.path:
     sys.path.insert(0, str(TESTS / "zoo"))
 import multi_reference as R
+import numpy as np
+import test_zoo_multi_second as Z2
 
 import derivgen
 import derivgen.torch as dt
@@ -270,7 +273,7 @@ def test_the_generated_pytorch_closed_forms(name):
 def test_the_generated_pytorch_module(name):
     """``derivgen.load(name, "torch")``: the NumPy module's calling convention on tensors,
     d<output> cotangents (None: zeros), d<tensor> gradients summed over broadcast axes; the
-    second order refused in one line, as the NumPy module does."""
+    second order below."""
     spec = derivgen.load_spec(name)
     mod = derivgen.load(name, backend="torch")
     args, cots = draw(name), cotangents(name)
@@ -282,9 +285,118 @@ def test_the_generated_pytorch_module(name):
     got = {"x": g.dx, **{t.name: getattr(g, "d" + t.name) for t in spec.grad_tensors}}
     got.update({p: getattr(g, "d" + p) for p in CASES[name].params})
     assert_close(name, (outs, got), want, F64)
-    with pytest.raises(NotImplementedError, match="second order") as info:
-        mod.backward_backward(cots[0], cache)
-    assert "\n" not in str(info.value)
+
+
+class OnTensors:
+    """A generated PyTorch module called with NumPy arrays (tensors of their dtype) and giving
+    NumPy arrays back: test_zoo_multi_second's ``_generated_second`` runs it as it runs the
+    NumPy and C modules, at the same point and with the same seeds."""
+
+    def __init__(self, module) -> None:
+        self.m = module
+
+    @staticmethod
+    def _in(v):
+        if isinstance(v, dict):
+            return {k: OnTensors._in(u) for k, u in v.items()}
+        return torch.from_numpy(v) if isinstance(v, np.ndarray) else v
+
+    @staticmethod
+    def _out(v):
+        return v.detach().cpu().numpy() if isinstance(v, torch.Tensor) else v
+
+    def forward(self, *pos, **kw):
+        return self.m.forward(*map(self._in, pos), **kw)
+
+    def backward_backward(self, *a, **kw):
+        g = self.m.backward_backward(*map(self._in, a), **{k: self._in(v) for k, v in kw.items()})
+        return type(g)(*map(self._out, g))
+
+    def jvp(self, *a, **kw):
+        t = self.m.jvp(*map(self._in, a), **{k: self._in(v) for k, v in kw.items()})
+        return tuple(map(self._out, t)) if isinstance(t, tuple) else self._out(t)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_the_generated_second_order(name):
+    """``backward_backward`` (every gradient of L2 = sum(ddx*dx) + sum(ddt*dt) + sum(ddp*dp):
+    x, dy, each output's first-order cotangent, each tensor with a gradient in its declared
+    shape, each parameter) and ``jvp`` (the tangent of y and of every output beside it) of
+    ``derivgen.load(name, "torch")``, float64, against double backward and torch.func.jvp of
+    the independent reference (tests/zoo/test_zoo_multi_second.py)."""
+    want, want_t = Z2._reference_second(name)
+    got, got_t = Z2._generated_second(name, OnTensors(derivgen.load(name, backend="torch")), np.float64)
+    assert sorted(got) == sorted(want)
+    for k in want:
+        assert got[k].shape == want[k].shape and got[k].dtype == np.float64, (name, k)
+        assert Z2._rel(got[k], want[k]) < Z2.F64, (name, k, Z2._rel(got[k], want[k]))
+    assert len(got_t) == len(want_t)
+    for k, (g, w) in enumerate(zip(got_t, want_t)):
+        assert Z2._rel(g, w) < Z2.F64, (name, "tangent", k, Z2._rel(g, w))
+
+
+def test_the_second_order_float32_and_preallocated():
+    """float32 (computed in float32) within the zoo's float32 bound; ``out`` and ``outs``
+    written where given; a float16 forward's second order in float16."""
+    name = "flash_layernorm_parallel"
+    mod = derivgen.load(name, backend="torch")
+    want, want_t = Z2._reference_second(name)
+    got, got_t = Z2._generated_second(name, OnTensors(mod), np.float32)
+    for k in want:
+        assert got[k].dtype == np.float32 and Z2._rel(got[k], want[k]) < Z2.F32, k
+    for g, w in zip(got_t, want_t):
+        assert Z2._rel(g, w) < Z2.F32
+    spec = derivgen.load_spec(name)
+    a = draw(name)
+    pos = [a["x"], *(a[t.name] for t in spec.tensors), *(a[p] for p in CASES[name].params)]
+    _, cache = mod.forward(*pos, **CASES[name].options)
+    tx = torch.ones_like(a["x"])
+    ty, ty1, th = mod.jvp(cache, tx)
+    buf = [torch.empty_like(a["x"]) for _ in range(3)]
+    r = mod.jvp(cache, tx, out=buf[0], outs={"h": buf[2]})
+    assert r[0] is buf[0] and r[2] is buf[2] and torch.equal(r[1], ty1)
+    assert torch.equal(buf[0], ty) and torch.equal(buf[2], th) and torch.equal(th, tx)  # h = x + residual
+    r = mod.jvp(cache, tx, outs=[buf[1], None])  # y1, h
+    assert r[1] is buf[1] and torch.equal(buf[1], ty1)
+    dy = torch.ones_like(a["x"])
+    dres = torch.empty_like(a["residual"])
+    g = mod.backward_backward(dy, cache, tx, out={"dresidual": dres})
+    assert g.dresidual is dres
+    a16 = {k: v.half() for k, v in draw("adaln").items()}
+    m16 = derivgen.load("adaln", backend="torch")
+    _, c16 = m16.forward(a16["x"], a16["shift"], a16["scale"])
+    g16 = m16.backward_backward(torch.ones_like(a16["x"]), c16, torch.ones_like(a16["x"]))
+    assert all(v.dtype == torch.float16 for v in g16) and g16.dscale.shape == (3, 8)
+    assert m16.jvp(c16, ttensors={"scale": torch.ones_like(a16["scale"])}).dtype == torch.float16
+
+
+def test_the_second_orders_arguments_are_named():
+    """Seeds of a broadcast tensor in its declared shape, a known name, x's dtype; outputs'
+    cotangents of x's shape; no seed at all: every gradient zero (L2 = 0)."""
+    m = derivgen.load("adaln", backend="torch")
+    a = draw("adaln")
+    _, cache = m.forward(a["x"], a["shift"], a["scale"])
+    dy = torch.ones_like(a["x"])
+    with pytest.raises(ValueError, match=r"ddtensors.scale must have the shape of scale \(3, 8\)"):
+        m.backward_backward(dy, cache, ddtensors={"scale": a["x"]})
+    with pytest.raises(ValueError, match="ddtensors has nope, which is not a tensor input with a gradient"):
+        m.backward_backward(dy, cache, ddtensors={"nope": a["scale"]})
+    with pytest.raises(TypeError, match="ttensors.shift has dtype torch.float32"):
+        m.jvp(cache, ttensors={"shift": a["shift"].float()})
+    with pytest.raises(TypeError, match="ttensors must be a dict by tensor name"):
+        m.jvp(cache, ttensors=[a["shift"]])
+    g = m.backward_backward(dy, cache)
+    assert g._fields == ("dx", "ddy", "dshift", "dscale") and all(not v.any() for v in g)
+    mr = derivgen.load("add_rmsnorm", backend="torch")
+    b = draw("add_rmsnorm")
+    _, rc = mr.forward(b["x"], b["residual"], b["weight"])
+    with pytest.raises(ValueError, match="dh must have the shape and dtype of x"):
+        mr.backward_backward(torch.ones_like(b["x"]), rc, dh=b["x"][:1])
+    mm = derivgen.load("masked_layernorm", backend="torch")
+    c = draw("masked_layernorm")
+    _, mc = mm.forward(c["x"], c["mask"], c["weight"], c["bias"])
+    with pytest.raises(ValueError, match="ddtensors has mask, which is not a tensor input with a gradient"):
+        mm.backward_backward(torch.ones_like(c["x"]), mc, ddtensors={"mask": c["mask"]})
 
 
 def test_a_cotangent_left_out_is_zero():
