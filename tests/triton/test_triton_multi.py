@@ -3,21 +3,28 @@
 every output and every gradient (x, each tensor input with a gradient, each parameter) in
 float32 against the NumPy backend in float64 (which tests/zoo/test_zoo_multi.py holds to the
 libraries' own code), with one tile per group and swept in 16-value tiles; channels last;
-float16 and bfloat16; cotangents left out; preallocated outputs; empty batches; errors.
+float16 and bfloat16; cotangents left out; preallocated outputs; empty batches; errors; the
+second order (backward_backward and jvp, by the PyTorch closed forms) against double backward
+and forward mode of the references of tests/zoo/test_zoo_multi_second.py.
 
 Shapes are off every block multiple: rows of 37 features, 3 samples of 4 channels of 5 x 7."""
 
 from __future__ import annotations
 
 import importlib
+import sys
 
 import numpy as np
 import pytest
-from conftest import corpus, require_module
+from conftest import TESTS, corpus, require_module
 
 torch = require_module("torch")
 require_module("triton")
 import triton_cases as tc
+
+if str(TESTS / "zoo") not in sys.path:
+    sys.path.insert(0, str(TESTS / "zoo"))
+import test_zoo_multi_second as Z2
 
 import derivgen
 from derivgen.triton.calls import tile_limit
@@ -258,14 +265,81 @@ def test_errors_name_the_argument():
         mr.backward(h, cache, dh=h[:1])
 
 
-def test_the_second_order_is_refused_in_one_line():
-    m = derivgen.load("add_rmsnorm", backend="triton")
+class OnTensors:
+    """The Triton module called with NumPy arrays (CPU tensors of their dtype) and giving NumPy
+    arrays back: test_zoo_multi_second's ``_generated_second`` runs it as it runs the NumPy
+    and C modules, at the same point and with the same seeds."""
+
+    def __init__(self, module) -> None:
+        self.m = module
+
+    @staticmethod
+    def _in(v):
+        if isinstance(v, dict):
+            return {k: OnTensors._in(u) for k, u in v.items()}
+        return torch.from_numpy(v) if isinstance(v, np.ndarray) else v
+
+    @staticmethod
+    def _out(v):
+        return v.detach().cpu().numpy() if isinstance(v, torch.Tensor) else v
+
+    def forward(self, *pos, **kw):
+        return self.m.forward(*map(self._in, pos), **kw)
+
+    def backward_backward(self, *a, **kw):
+        g = self.m.backward_backward(*map(self._in, a), **{k: self._in(v) for k, v in kw.items()})
+        return type(g)(*map(self._out, g))
+
+    def jvp(self, *a, **kw):
+        t = self.m.jvp(*map(self._in, a), **{k: self._in(v) for k, v in kw.items()})
+        return tuple(map(self._out, t)) if isinstance(t, tuple) else self._out(t)
+
+
+# an output beside y and a core value, tensors broadcast per sample, a mask
+@pytest.mark.parametrize("name", ["add_rmsnorm", "adaln", "masked_layernorm"])
+def test_the_second_order(name):
+    """``backward_backward`` (every gradient of L2: x, dy, each output's first-order cotangent,
+    each tensor with a gradient in its declared shape, each parameter) and ``jvp`` (the tangents
+    of y and of the outputs beside it), by the PyTorch closed forms on the tensors' device,
+    float32 against double backward and torch.func.jvp of the references
+    (tests/zoo/test_zoo_multi_second.py) within its float32 bound."""
+    want, want_t = Z2._reference_second(name)
+    got, got_t = Z2._generated_second(name, OnTensors(derivgen.load(name, backend="triton")), np.float32)
+    assert sorted(got) == sorted(want)
+    for k in want:
+        assert got[k].shape == want[k].shape and got[k].dtype == np.float32, (name, k)
+        assert Z2._rel(got[k], want[k]) < Z2.F32, (name, k, Z2._rel(got[k], want[k]))
+    assert len(got_t) == len(want_t)
+    for k, (g, w) in enumerate(zip(got_t, want_t)):
+        assert Z2._rel(g, w) < Z2.F32, (name, "tangent", k, Z2._rel(g, w))
+
+
+def test_the_second_orders_arguments():
+    """Errors name the argument (ddtensors.<t>, ttensors.<t>, d<output>); ``outs`` takes the
+    tangents of the outputs beside y; no seed at all: every gradient zero."""
+    m = derivgen.load("adaln", backend="triton")
+    a, _ = draw("adaln")
+    _, cache = m.forward(f32(a["x"]), f32(a["shift"]), f32(a["scale"]))
+    dy = torch.ones(ROWS)
+    with pytest.raises(ValueError, match=r"ddtensors.scale must have the shape of scale \(3, 37\)"):
+        m.backward_backward(dy, cache, ddtensors={"scale": f32(a["x"])})
+    with pytest.raises(ValueError, match="ddtensors has nope, which is not a tensor input with a gradient"):
+        m.backward_backward(dy, cache, ddtensors={"nope": f32(a["scale"])})
+    with pytest.raises(TypeError, match="ttensors.shift has dtype torch.float16"):
+        m.jvp(cache, ttensors={"shift": f32(a["shift"]).half()})
+    g = m.backward_backward(dy, cache)
+    assert g._fields == ("dx", "ddy", "dshift", "dscale") and all(not v.any() for v in g)
+    assert g.dscale.shape == (3, 37)
+    mr = derivgen.load("add_rmsnorm", backend="triton")
     c, _ = draw("add_rmsnorm")
-    (y, _), cache = m.forward(f32(c["x"]), f32(c["residual"]), f32(c["weight"]))
-    for call in (lambda: m.jvp(cache, tx=f32(c["x"])), lambda: m.backward_backward(torch.ones_like(y), cache)):
-        with pytest.raises(NotImplementedError, match="add_rmsnorm: the second order") as info:
-            call()
-        assert "\n" not in str(info.value)
+    (_, h), rc = mr.forward(f32(c["x"]), f32(c["residual"]), f32(c["weight"]))
+    with pytest.raises(ValueError, match="dh must have the shape and dtype of x"):
+        mr.backward_backward(dy, rc, dh=h[:1])
+    tx = f32(c["x"])
+    buf = torch.empty(ROWS)
+    ty, th = mr.jvp(rc, tx, ttensors={"residual": tx})
+    r = mr.jvp(rc, tx, ttensors={"residual": tx}, outs={"h": buf})
+    assert r[1] is buf and torch.equal(buf, th) and torch.equal(th, 2 * tx) and torch.equal(r[0], ty)
 
 
 # tests/triton_compile_driver.py with the kernel arguments of these layers: the outputs beside
