@@ -107,6 +107,7 @@ _UNARY = {
     "erf": "erf",
 }
 
+_SCATTERS = {"select_scatter", "slice_scatter", "index_put", "scatter", "masked_scatter", "copy"}
 _IGNORED = {"_assert_tensor_metadata", "_assert_scalar", "sym_constrain_range_for_size", "_assert_async"}
 _VIEWS = {"view", "_unsafe_view", "reshape", "unsqueeze", "squeeze", "expand", "alias", "clone", "contiguous"}
 
@@ -171,23 +172,28 @@ class _Walker:
         self.module = module
         self.st = state
         self.fn_name = fn_name
+        self.def_line: int | None = None  # a function's first line, where export records none
         self.values: dict[str, Any] = {}
         self.feeds_reduction: set[str] = set()
         self.line_last: dict[tuple[str, int], str] = {}  # (file, line) -> the last node it produced
 
     # -- errors and source lines -------------------------------------------------------------
-    @staticmethod
-    def where(node: Any) -> tuple[str, int | None, str]:
+    def where(self, node: Any) -> tuple[str, int | None, str]:
+        """(function, line, code) of the source line that made the node; a function imported
+        through the wrapper module, whose lines export does not record, by its own name."""
         trace = node.meta.get("stack_trace") or ""
         found = re.findall(r'File "([^"]*)", line (\d+), in (\S+)\n\s*(.*)', trace)
+        found = [f for f in found if Path(f[0]).resolve() != Path(__file__).resolve()]
         if not found:
-            return "forward", None, ""
-        file, line, fn, code = found[-1]
+            return self.fn_name, None, ""
+        _file, line, fn, code = found[-1]
         return fn, int(line), code
 
     def refuse(self, node: Any, what: str, why: str) -> TorchImportError:
         fn, line, _ = self.where(node)
         at = f"{fn}, line {line}" if line is not None else fn
+        if line is None and self.def_line is not None:
+            at = f"{fn} (defined at line {self.def_line})"
         return TorchImportError(f"{what} in {at}: {why}")
 
     @staticmethod
@@ -231,7 +237,6 @@ class _Walker:
 
     # -- the walk --------------------------------------------------------------------------------
     def run(self) -> str:
-        torch = self.torch
         graph = self.ep.graph_module.graph
         sig = self.ep.graph_signature
         nodes = list(graph.nodes)
@@ -315,6 +320,11 @@ class _Walker:
                     entry["init"] = init
             self.st.params[name] = entry
             return _V(name, _ATOM, _CONST, name=name)
+        constants = dict(getattr(self.ep.graph_signature, "inputs_to_lifted_tensor_constants", {}))
+        if node.name in constants:
+            value = self.ep.constants.get(constants[node.name])
+            if value is not None and value.dim() == 0 and not value.dtype.is_complex:
+                return _num(value.item())
         what = to_buffers.get(node.name, node.name)
         raise TorchImportError(
             f"{self.fn_name}: reads the buffer or constant tensor {what!r}; "
@@ -471,6 +481,18 @@ class _Walker:
         args, kwargs = node.args, node.kwargs
         if op not in _ELEMENTWISE:
             why = _WHY.get(op.rstrip("_"), "not an operation the spec language has")
+            line = self.where(node)[:2]
+            for other in node.graph.nodes:
+                if (
+                    other.op == "call_function"
+                    and self.op_name(other)[1] in _SCATTERS
+                    and self.where(other)[:2] == line
+                ):
+                    raise self.refuse(
+                        node,
+                        "an assignment to part of a tensor",
+                        "an in-place update of some elements has no spec construct",
+                    )
             raise self.refuse(node, self.display(node), why)
         # a Python number added to a group value is an eps: an option
         vals = []
@@ -732,7 +754,7 @@ def _export(torch: Any, module: Any, x: Any, fn_name: str) -> Any:
             return ep.run_decompositions()
     except TorchImportError:
         raise
-    except Exception as exc:  # torch's own errors: one line naming the source line
+    except Exception as exc:  # noqa: BLE001 -- torch's own errors: one line naming the source line
         msg = str(exc)
         found = re.findall(r'File "([^"]*)", line (\d+), in (\S+)\n\s*(.*)', msg)
         data_dep = "data-dependent" in msg or "GuardOnDataDependent" in type(exc).__name__
@@ -770,7 +792,7 @@ def from_torch_toml(
         fn = module_or_function
 
         class _Function(torch.nn.Module):
-            def forward(self, x):  # noqa: D102
+            def forward(self, x):
                 return fn(x)
 
         module = _Function()
@@ -784,6 +806,8 @@ def from_torch_toml(
         if isinstance(value, float) and not attr.startswith("_") and value not in st.float_attrs:
             st.float_attrs[value] = attr
     walker = _Walker(torch, ep, module, st, fn_name)
+    code = getattr(origin_obj, "__code__", None)
+    walker.def_line = code.co_firstlineno if code is not None else None
     output = walker.run()
     _infer_layout(st, fn_name)
     try:
@@ -835,7 +859,7 @@ def resolve_target(target: str) -> Any:
             module = importlib.import_module(where)
     except TorchImportError:
         raise
-    except Exception as exc:  # the user's file: any error it raises on import
+    except Exception as exc:  # noqa: BLE001 -- the user's file: any error it raises on import
         raise TorchImportError(f"{target}: cannot import {where}: {type(exc).__name__}: {exc}") from None
     obj: Any = module
     for part in attr.split("."):
@@ -865,7 +889,7 @@ def import_command_main(
             raise TorchImportError(f"{target}: {obj.__name__} is not a torch.nn.Module")
         try:
             obj = obj(*args, **(kwargs or {}))
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 -- the user's constructor
             raise TorchImportError(f"{target}: {obj.__name__}(...) failed: {type(exc).__name__}: {exc}") from None
     elif not callable(obj):
         raise TorchImportError(f"{target}: not a class or function")

@@ -1,0 +1,309 @@
+"""derivgen.from_torch: torch.nn layers and the transformers / paper forms of RMSNorm, T5's
+layer norm, Gemma's (1 + w) RMSNorm and DyT imported as specs through torch.export; each
+derives to the hand-written spec's closed form and reduction count, and the module generated
+from it equals the original torch module's forward and autograd backward in float64. What no
+spec can say is refused with one line naming the operation and its source line."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import numpy as np
+import pytest
+from conftest import require_module
+
+import derivgen
+from derivgen.spec.from_torch import TorchImportError, from_torch, from_torch_toml, import_command_main
+from derivgen.spec.model import SpecError, parse_spec
+
+torch = require_module("torch")
+nn = torch.nn
+
+
+# -- the layers as their libraries write them (transformers may not be installed: the classes
+# are copied from transformers' modeling files, models/{llama,gemma,t5}; DyT from
+# github.com/jiachenzhu/DyT, dynamic_tanh.py) ------------------------------------------------
+class LlamaRMSNorm(nn.Module):
+    def __init__(self, hidden_size, eps=1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states):
+        input_dtype = hidden_states.dtype
+        hidden_states = hidden_states.to(torch.float32)
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        return self.weight * hidden_states.to(input_dtype)
+
+
+class GemmaRMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.zeros(dim))
+
+    def _norm(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+
+    def forward(self, x):
+        output = self._norm(x.float())
+        # Llama does x.to(float16) * w whilst Gemma is (x * w).to(float16)
+        output = output * (1.0 + self.weight.float())
+        return output.type_as(x)
+
+
+class T5LayerNorm(nn.Module):
+    def __init__(self, hidden_size, eps=1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states):
+        variance = hidden_states.to(torch.float32).pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        if self.weight.dtype in [torch.float16, torch.bfloat16]:
+            hidden_states = hidden_states.to(self.weight.dtype)
+        return self.weight * hidden_states
+
+
+class DynamicTanh(nn.Module):
+    def __init__(self, normalized_shape, channels_last, alpha_init_value=0.5):
+        super().__init__()
+        self.normalized_shape = normalized_shape
+        self.alpha_init_value = alpha_init_value
+        self.channels_last = channels_last
+        self.alpha = nn.Parameter(torch.ones(1) * alpha_init_value)
+        self.weight = nn.Parameter(torch.ones(normalized_shape))
+        self.bias = nn.Parameter(torch.zeros(normalized_shape))
+
+    def forward(self, x):
+        x = torch.tanh(self.alpha * x)
+        if self.channels_last:
+            x = x * self.weight + self.bias
+        else:
+            x = x * self.weight[:, None, None] + self.bias[:, None, None]
+        return x
+
+
+# class, constructor, example shape, the hand-written spec, forward keywords of the generated module
+CASES = {
+    "torch.nn.LayerNorm": (lambda: nn.LayerNorm(8), (3, 8), "layernorm", {}),
+    "torch.nn.RMSNorm": (lambda: nn.RMSNorm(8, eps=1e-6), (3, 8), "rmsnorm", {}),
+    "torch.nn.RMSNorm(eps=None)": (lambda: nn.RMSNorm(8), (3, 8), "rmsnorm", {}),
+    "torch.nn.GroupNorm": (lambda: nn.GroupNorm(2, 4), (2, 4, 5), "groupnorm", {"num_groups": 2}),
+    "LlamaRMSNorm": (lambda: LlamaRMSNorm(8), (3, 8), "rmsnorm", {}),
+    "GemmaRMSNorm": (lambda: GemmaRMSNorm(8), (3, 8), "gemma_rmsnorm", {}),
+    "T5LayerNorm": (lambda: T5LayerNorm(8), (3, 8), "rmsnorm", {}),
+    "DynamicTanh": (lambda: DynamicTanh(8, channels_last=True), (3, 8), "dynamic_tanh", {}),
+}
+
+
+@contextlib.contextmanager
+def casts_kept_in_float64():
+    """The layers' float32 casts as no-ops on float64 tensors: the original's arithmetic in
+    float64, to compare with the spec's (which drops the casts) at 1e-10."""
+    to, flt = torch.Tensor.to, torch.Tensor.float
+
+    def keep_to(self, *args, **kwargs):
+        if self.dtype == torch.float64 and (
+            (args and args[0] is torch.float32) or kwargs.get("dtype") is torch.float32
+        ):
+            return self
+        return to(self, *args, **kwargs)
+
+    torch.Tensor.to = keep_to
+    torch.Tensor.float = lambda self, *a, **k: self if self.dtype == torch.float64 else flt(self, *a, **k)
+    try:
+        yield
+    finally:
+        torch.Tensor.to, torch.Tensor.float = to, flt
+
+
+def _randomized(module):
+    """The module in float64 with parameters away from their inits (so each gradient shows)."""
+    module = module.double()
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(0.3 * torch.randn(p.shape, generator=gen, dtype=p.dtype))
+    return module
+
+
+def _closed_form_same(imported, handwritten) -> bool:
+    """dx of the training mode, the imported spec's names mapped onto the hand-written one's
+    by position (parameters, options, statistics, the normalized coordinate)."""
+    a, b = imported.spec, handwritten.spec
+    pairs = list(zip(a.params, b.params)) + list(zip(a.options, b.options))
+    pairs += list(zip(a.modes[0].statistics, b.modes[0].statistics))
+    if a.normalized and b.normalized:
+        pairs.append((a.normalized, b.normalized))
+    rename = {p.symbol: q.symbol for p, q in pairs}
+    dx = imported.train.dx.xreplace(rename)
+    grads_a = [g.element + g.group for g in imported.train.grads.values()]
+    grads_b = [g.element + g.group for g in handwritten.train.grads.values()]
+    return dx == handwritten.train.dx and all(ga.xreplace(rename) == gb for ga, gb in zip(grads_a, grads_b))
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_imports_derives_and_matches(case):
+    make, shape, reference, kwargs = CASES[case]
+    module = _randomized(make())
+    start = time.perf_counter()
+    spec = from_torch(module, torch.zeros(shape, dtype=torch.float64))
+    took = time.perf_counter() - start
+    # the TOML round-trips: parsed again, the same spec
+    text = from_torch_toml(module, shape)
+    assert parse_spec(text, source=spec.source) == spec
+    if case in ("LlamaRMSNorm", "GemmaRMSNorm", "T5LayerNorm"):
+        assert "computes in float32" in text
+    # the derivation: the hand-written spec's reductions and closed form
+    mine, theirs = derivgen.derive(spec), derivgen.derive(reference)
+    assert mine.train.reduction_counts == theirs.train.reduction_counts, case
+    assert _closed_form_same(mine, theirs), (case, mine.train.dx, theirs.train.dx)
+    # the generated module against the torch module: forward and autograd backward, float64
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=shape)
+    dy = rng.normal(size=shape)
+    params = dict(module.named_parameters())
+    k = derivgen.load(spec, backend="numpy")
+    args = [params[p.name].detach().numpy().reshape(-1 if not p.scalar else ()) for p in spec.params]
+    if spec.layout == "trailing":
+        args = [params[p.name].detach().numpy() if not p.scalar else a for p, a in zip(spec.params, args)]
+    y, cache = k.forward(x, *args, **kwargs)
+    grads = k.backward(dy, cache)
+    xt = torch.tensor(x, requires_grad=True)
+    with casts_kept_in_float64():
+        yt = module(xt)
+    yt.backward(torch.tensor(dy))
+    assert np.abs(y - yt.detach().numpy()).max() < 1e-10, case
+    assert np.abs(grads.dx - xt.grad.numpy()).max() < 1e-10, case
+    for p in spec.params:
+        got = np.asarray(getattr(grads, "d" + p.name)).reshape(-1)
+        want = params[p.name].grad.numpy().reshape(-1)
+        assert np.abs(got - want).max() < 1e-10, (case, p.name)
+    print(f"{case}: imported in {took:.2f} s, reductions {mine.train.reduction_summary}")
+
+
+def test_names_options_and_casts():
+    text = from_torch_toml(LlamaRMSNorm(8, eps=1e-5), (2, 8))
+    assert 'variance = "mean(x**2)"' in text  # the source's variable
+    assert "variance_epsilon = { default = 1e-05, min = 0 }" in text  # the module's attribute
+    assert "weight = " in text
+    assert "LlamaRMSNorm" in text.splitlines()[0]
+    gn = from_torch(nn.GroupNorm(3, 6), (2, 6, 4))
+    assert (gn.layout, gn.reduce) == ("channels", "group")
+
+
+def test_a_function_imports():
+    def rms(x):
+        return x / torch.sqrt(x.pow(2).mean(dim=-1, keepdim=True) + 1e-8)
+
+    spec = from_torch(rms, (2, 8))
+    assert [o.name for o in spec.options] == ["eps"] and spec.options[0].default == 1e-8
+    assert derivgen.derive(spec).train.reduction_counts == {"group": 1}
+
+
+# -- refusals: one line naming the operation and the source line ------------------------------
+class Sorted(nn.Module):
+    def forward(self, x):
+        s = torch.sort(x, dim=-1).values
+        return s / s.pow(2).mean(-1, keepdim=True)
+
+
+class Mixed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Parameter(torch.randn(8, 8))
+
+    def forward(self, x):
+        return torch.matmul(x, self.proj) * torch.rsqrt(x.pow(2).mean(-1, keepdim=True))
+
+
+class Branchy(nn.Module):
+    def forward(self, x):
+        if x.sum() > 0:
+            return x * 2
+        return x
+
+
+class InPlace(nn.Module):
+    def forward(self, x):
+        x.mul_(2)
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+
+class SliceAssign(nn.Module):
+    def forward(self, x):
+        y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+        y[..., 0] = 0
+        return y
+
+
+class Cumulative(nn.Module):
+    def forward(self, x):
+        return torch.cumsum(x, -1) - x.mean(-1, keepdim=True)
+
+
+class TwoGroups(nn.Module):
+    def forward(self, x):
+        return x - x.mean(-1, keepdim=True) - x.mean(0, keepdim=True)
+
+
+@pytest.fixture(scope="module")
+def custom_op():
+    lib = torch.library.Library("derivgen_test", "FRAGMENT")
+    lib.define("squish(Tensor x) -> Tensor")
+    lib.impl("squish", lambda x: x * 0.5, "CompositeExplicitAutograd")
+    lib.impl("squish", lambda x: torch.empty_like(x), "Meta")
+    yield torch.ops.derivgen_test.squish
+    lib._destroy()
+
+
+REFUSALS = {
+    "sort": (Sorted, "torch.sort in forward, line", "no spec construct computes a sort"),
+    "matmul": (Mixed, "in forward, line", "matrix product"),
+    "branch": (Branchy, "`if x.sum() > 0:` in forward, line", "control flow on tensor values"),
+    "in-place": (InPlace, "an in-place update of the input x in forward, line", "changes none of its inputs"),
+    "slice assignment": (SliceAssign, "an assignment to part of a tensor in forward, line", "in-place update"),
+    "cumsum": (Cumulative, "torch.cumsum in forward, line", "running sum"),
+    "two groups": (TwoGroups, "torch.mean in forward, line", "one set of axes"),
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSALS))
+def test_refused_in_one_line(case):
+    cls, where, why = REFUSALS[case]
+    with pytest.raises(TorchImportError) as info:
+        from_torch(cls(), (2, 8))
+    msg = str(info.value)
+    assert "\n" not in msg and where in msg and why in msg, msg
+    assert isinstance(info.value, SpecError)  # what the CLI prints without a traceback
+
+
+def test_unknown_custom_op_refused(custom_op):
+    def f(x):
+        return custom_op(x) * torch.rsqrt(x.pow(2).mean(-1, keepdim=True))
+
+    with pytest.raises(
+        TorchImportError, match=r"^custom operator derivgen_test::squish in f \(defined at line \d+\): "
+    ) as info:
+        from_torch(f, (2, 8))
+    assert "\n" not in str(info.value)
+
+
+def test_import_command_main(tmp_path):
+    path = tmp_path / "mylayers.py"
+    path.write_text(
+        "import torch\n\nclass Norm(torch.nn.Module):\n"
+        "    def __init__(self, dim, eps=1e-6):\n        super().__init__()\n"
+        "        self.weight = torch.nn.Parameter(torch.ones(dim))\n        self.eps = eps\n"
+        "    def forward(self, x):\n"
+        "        return self.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)\n",
+        encoding="utf-8",
+    )
+    text, seconds = import_command_main(f"{path}:Norm", (2, 16), (16,))
+    assert 'name = "norm"' in text and seconds > 0
+    with pytest.raises(TorchImportError, match="has no Missing"):
+        import_command_main(f"{path}:Missing", (2, 16))
