@@ -307,3 +307,11 @@ def test_import_command_main(tmp_path):
     assert 'name = "norm"' in text and seconds > 0
     with pytest.raises(TorchImportError, match="has no Missing"):
         import_command_main(f"{path}:Missing", (2, 16))
+
+
+def test_import_derivgen_leaves_torch_alone():
+    import subprocess
+    import sys
+
+    code = "import sys, derivgen; assert derivgen.from_torch; assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
