@@ -493,7 +493,7 @@ def check_cmd(
 
 
 @cli.command("lint", short_help="Warn of what in a spec is valid but likely a mistake.")
-@click.argument("specs", nargs=-1, metavar="SPEC...")
+@click.argument("specs", nargs=-1, metavar="[SPEC]...")
 @click.option("--strict", is_flag=True, help="Make the warnings errors: one line each on stderr, exit 2.")
 @click.option(
     "--all-zero",
