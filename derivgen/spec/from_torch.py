@@ -206,6 +206,9 @@ class _Walker:
 
     def display(self, node: Any) -> str:
         ns, op = self.op_name(node)
+        if ns == "aten" and op in ("mm", "bmm", "addmm", "matmul"):
+            code = self.where(node)[2]
+            return "a linear layer" if "linear" in code.lower() else "torch.matmul"
         return f"torch.{op}" if ns == "aten" else f"custom operator {ns}::{op}"
 
     # -- names ---------------------------------------------------------------------------------
@@ -481,6 +484,9 @@ class _Walker:
         args, kwargs = node.args, node.kwargs
         if op not in _ELEMENTWISE:
             why = _WHY.get(op.rstrip("_"), "not an operation the spec language has")
+            first = self.values.get(getattr(args[0], "name", None)) if args else None
+            if op in ("permute", "transpose", "t") and getattr(first, "name", None) in self.st.params:
+                why = f"transposes the parameter {first.name}: a spec's parameters are per-feature values or scalars, not matrices"
             line = self.where(node)[:2]
             for other in node.graph.nodes:
                 if (

@@ -261,6 +261,20 @@ def custom_op():
     lib._destroy()
 
 
+class Selected(nn.Module):
+    def forward(self, x):
+        return torch.where(x > 0, x, 0.1 * x) * torch.rsqrt(x.pow(2).mean(-1, keepdim=True))
+
+
+class Linear(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.proj(x) * torch.rsqrt(x.pow(2).mean(-1, keepdim=True))
+
+
 REFUSALS = {
     "sort": (Sorted, "torch.sort in forward, line", "no spec construct computes a sort"),
     "matmul": (Mixed, "in forward, line", "matrix product"),
@@ -269,6 +283,9 @@ REFUSALS = {
     "slice assignment": (SliceAssign, "an assignment to part of a tensor in forward, line", "in-place update"),
     "cumsum": (Cumulative, "torch.cumsum in forward, line", "running sum"),
     "two groups": (TwoGroups, "torch.mean in forward, line", "one set of axes"),
+    "where": (Selected, "torch.gt in forward, line", "a comparison of values"),
+    "linear": (Linear, "in forward, line", "proj_weight"),
+    "running statistics": (lambda: nn.BatchNorm1d(8), "an in-place update of the buffer running_mean", "changes none"),
 }
 
 
