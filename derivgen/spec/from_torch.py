@@ -749,6 +749,15 @@ def _snake(name: str) -> str:
     return s[:31]
 
 
+def _torch() -> Any:
+    """torch, imported on first use; a TorchImportError saying how to get it otherwise."""
+    try:
+        import torch
+    except ImportError:
+        raise TorchImportError("importing a PyTorch layer needs PyTorch: pip install torch") from None
+    return torch
+
+
 # -- the entry points -----------------------------------------------------------------------------
 def _export(torch: Any, module: Any, x: Any, fn_name: str) -> Any:
     try:
@@ -783,7 +792,7 @@ def from_torch_toml(
     """The spec of ``module_or_function`` (a ``torch.nn.Module`` or a function of one tensor) as
     TOML text, traced on ``example_input`` (a tensor, or a shape: a float64 tensor of that
     shape); see :func:`from_torch`."""
-    import torch
+    torch = _torch()
 
     start = time.perf_counter()
     if isinstance(example_input, (tuple, list)) and all(isinstance(d, int) for d in example_input):
@@ -887,7 +896,7 @@ def import_command_main(
     target, instantiate a class with ``args``/``kwargs`` (a function is used as it is), trace
     it on a float64 tensor of ``shape`` and return (the spec's TOML text, seconds taken). The
     text has been checked by the spec parser. Errors are :class:`TorchImportError` (one line)."""
-    import torch
+    torch = _torch()
 
     obj = resolve_target(target)
     if isinstance(obj, type):
