@@ -106,10 +106,15 @@ class Derivation:
         self, fmt: str = "latex", standalone: bool = False, order: int = 1, second_sizes: Iterable[int] = (2, 3, 4, 5)
     ) -> str:
         """The derivation for people in LaTeX, Markdown or text; ``order=2`` adds the second
-        order, proven at ``second_sizes`` (none: not proven)."""
+        order, proven at ``second_sizes`` (a tuple of sizes; True: 2..5; False, None or (): not
+        proven)."""
         document.check_format(fmt)
         if order not in (1, 2):
             raise ValueError(f"order must be 1 or 2, got {order!r}")
+        if second_sizes is True:  # as derive(prove=True): the default sizes; False or None: not proven
+            second_sizes = (2, 3, 4, 5)
+        elif second_sizes is False or second_sizes is None:
+            second_sizes = ()
         sizes = proof_sizes(second_sizes, "second_sizes", allow_none=True)
         modes = [
             document.ModeDocument(

@@ -280,11 +280,20 @@ def latex_expr(
     return DerivLatexPrinter(_shown(spec, extra), subscript, scalars).doprint(_equalities(_decimals(expr)))
 
 
+class ShownAs(Named):
+    """A display name in ``extra`` that overrides the spec's own (extra names otherwise only
+    add): the second order writes the gradient arriving at an output as ∂L/∂h, where the
+    first order's δh would read as one of its seeds."""
+
+
 def _shown(spec: Spec | None, extra: Mapping[str, Named] | None) -> DisplayNames:
     """The display names of a derivation: the spec's, with an option whose default display
     abbreviates its name (momentum: m, defined nowhere in the derivation) shown by its name
     as the user passes it; the Greek letters (eps: ε) and a spec's own ``text`` stay."""
     names = DisplayNames(spec, extra)
+    for n, item in (extra or {}).items():
+        if isinstance(item, ShownAs):
+            names.text[n], names.latex[n] = item.text, item.latex
     for o in spec.options if spec is not None else ():
         if (o.latex, o.text) == _GREEK.get(o.name) and o.text.isascii() and o.text != o.name:
             names.text[o.name] = o.name
@@ -665,6 +674,7 @@ def _second_prose(second: SecondOrder, extra: Mapping[str, Named] | None = None)
     cots = ", ".join(
         [
             second.cot_x.text,
+            *(second.cot_tensors[t.name].text for t in spec.grad_tensors),
             *(second.cot_params[p.name].text for p in spec.params),
             *(second.cot_inputs[i.name].text for i in spec.inputs),
         ]
@@ -672,6 +682,7 @@ def _second_prose(second: SecondOrder, extra: Mapping[str, Named] | None = None)
     tans = ", ".join(
         [
             second.tan_x.text,
+            *(second.tan_tensors[t.name].text for t in spec.grad_tensors),
             *(second.tan_params[p.name].text for p in spec.params),
             *(second.tan_inputs[i.name].text for i in spec.inputs),
         ]
@@ -698,12 +709,32 @@ def _second_prose(second: SecondOrder, extra: Mapping[str, Named] | None = None)
         if _has_abs(second)
         else ""
     )
+    core = ""
+    if second.cot_core is not None:  # the backward in the core value sees one seed of each kind
+        h = spec.core.text
+        core = (
+            f" Both see {h} = {text_expr(spec.core.expr, spec, extra=extra)} through one seed per element: "
+            f"{second.cot_core.text} = {text_expr(second.cot_core_expr, spec, extra=extra)} and "
+            f"{second.tan_core.text} = {text_expr(second.tan_core_expr, spec, extra=extra)}; the gradients of x and "
+            f"the tensors {h} is made of are ∂L₂/∂{h}, computed once, times ∂{h}/∂v"
+            + (", plus what they read directly." if any(v != 0 for v in second.direct.values()) else ".")
+        )
+    outs = ""
+    if spec.outputs:
+        names = ", ".join(f"∂L/∂{o.text}" for o in spec.outputs)
+        outs = (
+            f" The backward's inputs include the gradients {names} arriving at the outputs beside y (δ"
+            f"{spec.outputs[0].text} in the first order; δ is the seeds' here), so the double backward also "
+            "gives L₂'s gradient with respect to each."
+        )
     return (
         f"The double backward is the vector-Jacobian product of the backward above: with the cotangents "
         f"{cots} of the backward's outputs it differentiates L₂ = Σ δx·∂L/∂x + Σ δp·∂L/∂p + ... once more, "
         f"by reverse mode through the backward's own program{_backward_program(second)}, and the "
         f"nested means collapse by linearity and the known statistics {double}. "
         f"The JVP is forward mode through the forward program with the tangents {tans}: {jvp}."
+        + outs
+        + core
         + dirac
         + "".join(" " + note for note in spec.second_order_notes)
     )
@@ -733,6 +764,16 @@ def _second_equations(second: SecondOrder) -> list[tuple[str, str, object]]:
     eqs = []
     eqs.append((r"\frac{\partial L_2}{\partial x}", "∂L₂/∂x", second.dx))
     eqs.append((r"\frac{\partial L_2}{\partial (\partial L/\partial y)}", "∂L₂/∂(∂L/∂y)", second.ddy))
+    for o in spec.outputs:
+        eqs.append(
+            (
+                rf"\frac{{\partial L_2}}{{\partial (\partial L/\partial \mathrm{{{o.name}}})}}",
+                f"∂L₂/∂(∂L/∂{o.name})",
+                second.ddouts[o.name],
+            )
+        )
+    for t in spec.grad_tensors:
+        eqs.append((rf"\frac{{\partial L_2}}{{\partial {t.latex}}}", f"∂L₂/∂{t.text}", second.dtensors[t.name]))
     for p in spec.params:
         gr = second.grads[p.name]
         e = gr.element if gr.group == 0 else gr.element + gr.group
@@ -740,6 +781,9 @@ def _second_equations(second: SecondOrder) -> list[tuple[str, str, object]]:
     for i in spec.inputs:
         eqs.append((rf"\frac{{\partial L_2}}{{\partial {i.latex}}}", f"∂L₂/∂{i.text}", second.dinputs[i.name]))
     eqs.append((r"\dot{y}", "ẏ", second.ty))
+    for o in spec.outputs:  # (an output that is the core value: its tangent is ḣ, given in the prose)
+        if second.tan_core is None or second.touts[o.name] != second.tan_core.symbol:
+            eqs.append((rf"\dot{{\mathrm{{{o.name}}}}}", f"{o.name}̇", second.touts[o.name]))
     return eqs
 
 
@@ -755,7 +799,15 @@ def render_second(spec: Spec, modes: list[ModeDocument], fmt: str) -> str:
     out = []
     for doc in modes:
         mode, second = doc.derivation, doc.second
-        extra = {**mode_names(mode), **second.names}
+        # δ is the second order's seeds here: the gradient arriving at an output beside y (δh
+        # above) is written ∂L/∂h
+        arriving = {
+            o.cotangent.name: ShownAs(
+                o.cotangent.name, o.cotangent, rf"\frac{{\partial L}}{{\partial {o.latex}}}", f"∂L/∂{o.text}"
+            )
+            for o in spec.outputs
+        }
+        extra = {**mode_names(mode), **arriving, **second.names}
         prose, eqs, lines = (
             _second_prose(second, extra),
             _second_equations(second),

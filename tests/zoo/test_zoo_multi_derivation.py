@@ -248,3 +248,22 @@ def test_proven_at_sizes_2_to_4(name):
     assert [r.n for r in proof.results] == [2, 3, 4]
     assert all(r.status == "proven" for r in proof.results), [(r.n, r.status, r.detail) for r in proof.results]
     assert proof.status == "proven"
+
+
+def test_the_second_order_derivation_names_every_seed_and_output():
+    """derive --order 2 of add+RMSNorm: the residual's seed beside x's, the core's seeds
+    (δh = δx + δr, ḣ = ẋ + ṙ) defined once, L₂'s gradient with respect to the gradient
+    arriving at h (written ∂L/∂h, not δh: δ is the seeds' there) and to the residual; the
+    parallel form's second output gets its tangent. In LaTeX too."""
+    import unicodedata
+
+    text = derivgen.derive("add_rmsnorm").render("text", order=2, second_sizes=False)
+    second = unicodedata.normalize("NFC", text[text.index("Second order") :])  # ẋ: x and a combining dot
+    assert "δx, δr, δw" in second and unicodedata.normalize("NFC", "ẋ, ṙ, ẇ") in second
+    assert unicodedata.normalize("NFC", "δh = δx + δr and ḣ = ẋ + ṙ") in second and "∂L₂/∂h, computed once" in second
+    assert "∂L₂/∂(∂L/∂h) = δh" in second and "∂L₂/∂r = " in second
+    assert unicodedata.normalize("NFC", "ḣ = ḣ") not in second  # h is the core value: its tangent is the prose's ḣ
+    flash = derivgen.derive("flash_layernorm_parallel").render("text", order=2, second_sizes=False)
+    assert "∂L₂/∂(∂L/∂y1) = " in flash and "y1̇ = " in flash and "δy1·" not in flash[flash.index("Second order") :]
+    tex = derivgen.derive("add_rmsnorm").render("latex", order=2, second_sizes=False)
+    assert r"\frac{\partial L_2}{\partial (\partial L/\partial \mathrm{h})}" in tex
