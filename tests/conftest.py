@@ -1,4 +1,5 @@
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -115,6 +116,10 @@ def grid(*axes, names=None) -> list:
         if idx[-1] == sum(idx[:-1]) % last:
             quick.append(item)
     return corpus(items, quick, ids=lambda item: "-".join(f(v) for f, v in zip(names, item)), unpack=True)
+
+
+# the one line a build not yet in the cache prints on stderr (derivgen.runtime.build.announce)
+FIRST_USE = re.compile(r"^derivgen: compiling .* \(first use, about [^;]*; cached in .*\)$")
 
 
 # the suite's build cache, as the tests found it ($DERIVGEN_CACHE, else ~/.cache/derivgen)

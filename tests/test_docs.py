@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import ROOT
+from conftest import FIRST_USE, ROOT
 
 from derivgen.runtime.build import announce
 
@@ -139,7 +139,6 @@ def _commands(text: str) -> list[tuple[str, list[str]]]:
     return out
 
 
-FIRST_USE = re.compile(r"^derivgen: compiling .* \(first use, about [^;]*; cached in .*\)$")
 
 # entries of the clone's root that a document's commands may write into: copied, not linked
 WRITTEN = ("generated",)
