@@ -527,9 +527,27 @@ def lint_cmd(specs: tuple[str, ...], strict: bool, all_zero: bool) -> None:
 @cli.command("build", short_help="Compile the C kernels into the build cache.")
 @click.argument("names", nargs=-1)
 @click.option("--spec", "spec_files", multiple=True, type=click.Path(dir_okay=False), help="Spec file(s) to build.")
-def build_cmd(names: tuple[str, ...], spec_files: tuple[str, ...]) -> None:
-    """Compile the C kernels into shared libraries in the build cache (CC and CFLAGS honored)."""
+@click.option(
+    "--torch",
+    "torch_ext",
+    is_flag=True,
+    help="Also build derivgen.torch's C++ extension (needs torch; 1-2 min the first time).",
+)
+def build_cmd(names: tuple[str, ...], spec_files: tuple[str, ...], torch_ext: bool) -> None:
+    """Compile the C kernels into shared libraries in the build cache (CC and CFLAGS honored),
+    ahead of their first use; --torch builds derivgen.torch's extension too."""
     specs = _specs(names, spec_files)
+    if torch_ext:
+        if importlib.util.find_spec("torch") is None:
+            raise UserError("--torch: PyTorch is not installed (pip install torch==2.13.0)")
+        from derivgen.torch.ahead import build as build_ahead
+
+        t0 = time.perf_counter()
+        try:
+            build_ahead(extension=True)
+        except RuntimeError as exc:
+            raise UserError(f"--torch: {exc}") from None
+        click.echo(f"{'torch extension':<18} {f'ready in {time.perf_counter() - t0:.1f} s':<18}")
     for spec in specs or [api.load_spec(n) for n in api.names()]:
         root, _ = api.materialize(spec, "c")
         source = root / f"{spec.name}.c"
@@ -548,6 +566,55 @@ def build_cmd(names: tuple[str, ...], spec_files: tuple[str, ...]) -> None:
                 click.echo(f"derivgen: warning: {w.message}", err=True)
         what = "cached" if cached else f"compiled in {took:.1f} s"
         click.echo(f"{spec.name:<18} {what:<18} {lib}")
+
+
+@cli.command("import", short_help="Read a PyTorch module's or function's forward as a spec.")
+@click.argument("target", metavar="PATH:NAME")
+@click.option("--shape", "shape_text", required=True, help="An example input's shape, like 4x64 or 2,8,16,16.")
+@click.option(
+    "--arg", "args", multiple=True, metavar="VALUE", help="A constructor argument (a Python literal), in order."
+)
+@click.option("--kwarg", "kwargs", multiple=True, metavar="NAME=VALUE", help="A constructor keyword argument.")
+@click.option("--name", default=None, help="The layer's name in the spec (default: from the class or function).")
+@click.option(
+    "-o", "--out", default=None, type=click.Path(dir_okay=False), help="Write the spec here (default: stdout)."
+)
+def import_cmd(
+    target: str, shape_text: str, args: tuple[str, ...], kwargs: tuple[str, ...], name: str | None, out: str | None
+) -> None:
+    """Trace a torch.nn.Module class (built with --arg/--kwarg) or a function, named as
+    file.py:NAME or package.module:NAME, with torch.export on a float64 input of --shape, and
+    write its forward as a spec (TOML): statistics, the normalized coordinate, parameters by
+    the module's names, eps and other numbers as options. What no spec construct computes is
+    refused in one line naming the operation and its source line. Needs PyTorch."""
+    import ast
+
+    from derivgen.spec.from_torch import import_command_main
+
+    def literal(what: str, text: str):
+        try:
+            return ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            raise UserError(f"{what}: expected a Python literal (a number, string, tuple ...), got {text!r}") from None
+
+    positional = tuple(literal("--arg", a) for a in args)
+    named = {}
+    for kv in kwargs:
+        key, sep, value = kv.partition("=")
+        if not sep or not key.isidentifier():
+            raise UserError(f"--kwarg: expected NAME=VALUE, got {kv!r}")
+        named[key] = literal(f"--kwarg {key}", value)
+    shape = _shape(shape_text)
+    try:
+        with _status(f"tracing {target}"):
+            text, seconds = import_command_main(target, shape, positional, named, name=name)
+    except SpecError as exc:
+        raise UserError(str(exc)) from None
+    if out is None:
+        click.echo(text, nl=not text.endswith("\n"))
+    else:
+        _write(out, text, "--out")
+        click.echo(f"derivgen: wrote {out} (imported in {seconds:.1f} s)", err=True)
 
 
 def _shape(text: str) -> tuple[int, ...]:

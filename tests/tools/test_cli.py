@@ -215,3 +215,26 @@ def test_derive_pdf_prints_no_latex(tmp_path):
     r = run("derive", "rmsnorm", "--no-prove", "--pdf", "r.pdf", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert r.stdout == "" and (tmp_path / "r.pdf").read_bytes().startswith(b"%PDF")
+
+
+def test_import_writes_a_spec_that_derives_as_the_catalogue_layer(tmp_path):
+    """derivgen import torch.nn:LayerNorm: the spec file it writes derives to the catalogue's
+    layer norm's reduction count; a sort is refused in one line, a bad literal too."""
+    from conftest import require_module
+
+    require_module("torch")
+    out = tmp_path / "ln.toml"
+    r = run("import", "torch.nn:LayerNorm", "--shape", "4x8", "--arg", "8", "-o", str(out))
+    assert r.returncode == 0, r.stderr
+    assert "imported in" in r.stderr
+    spec = derivgen.load_spec(out)
+    assert [p.name for p in spec.params] == ["weight", "bias"]
+    got = derivgen.derive(spec).modes["train"].reductions
+    assert len(got) == len(derivgen.derive("layernorm").modes["train"].reductions)
+    for args, says in (
+        (("torch:sort", "--shape", "4x8"), "torch.sort"),
+        (("torch.nn:LayerNorm", "--shape", "4x8", "--arg", "8x"), "--arg: expected a Python literal"),
+        (("torch.nn:NoSuchNorm", "--shape", "4x8"), "NoSuchNorm"),
+    ):
+        r = run("import", *args)
+        assert r.returncode == 2 and says in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
