@@ -2056,7 +2056,10 @@ def channels_last_mismatches(spec) -> list[str]:
     return bad
 
 
-SECONDS = 120  # one spec's whole pipeline; longer is a finding too
+SECONDS = 120  # one spec's whole pipeline, in CPU seconds of its worker; longer is a finding too
+# a worker whose spec has not ended this many wall-clock seconds after it started is stuck where
+# no signal handler runs (inside a C kernel): the watchdog ends it (a hang, whatever the load)
+HANG_SECONDS = 20 * 60
 # each proof size's exact arithmetic (derivgen.prove.proof.SYMBOLIC_WORK for fuzzed specs, first and
 # second order): a fortieth of the library's, so that no spec's proofs come near SECONDS
 PROOF_WORK = 500_000
@@ -2074,26 +2077,27 @@ class _Timeout(Exception):
 
 
 def _alarm(signum, frame):
-    raise _Timeout(f"took longer than {SECONDS} s")
+    raise _Timeout(f"took longer than {SECONDS} s of CPU time")
 
 
 def _run_seed(seed: int) -> Result:
-    """One seed, bounded twice: SIGALRM interrupts Python code after SECONDS; a watchdog
-    thread (faulthandler) ends the whole worker process 30 s later if the time is spent
-    where no signal handler can run (inside a C kernel), so a hang is a finding, not a
-    stuck corpus."""
+    """One seed, bounded twice: SIGPROF interrupts Python code after SECONDS of the worker's
+    CPU time (not wall-clock time: a loaded machine gives the same verdict as an idle one); a
+    watchdog thread (faulthandler) ends the whole worker process after HANG_SECONDS of wall
+    time if the time is spent where no signal handler can run (inside a C kernel), so a hang
+    is a finding, not a stuck corpus."""
     import faulthandler
     import signal
 
-    old = signal.signal(signal.SIGALRM, _alarm)
-    signal.alarm(SECONDS)
-    faulthandler.dump_traceback_later(SECONDS + 30, exit=True)
+    old = signal.signal(signal.SIGPROF, _alarm)
+    signal.setitimer(signal.ITIMER_PROF, SECONDS)
+    faulthandler.dump_traceback_later(HANG_SECONDS, exit=True)
     try:
         return (run_means if MEANS_ONLY else run)(generate(seed), seed)
     finally:
         faulthandler.cancel_dump_traceback_later()
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, old)
+        signal.setitimer(signal.ITIMER_PROF, 0)
+        signal.signal(signal.SIGPROF, old)
 
 
 def _init_worker(proof_work: int, second_order=None, channels_last_every=None, means_only=False):

@@ -27,7 +27,9 @@ from derivgen.symbolic.block import BlockMean
 # feature of them all (specfuzz.covering) and the block seeds; make test-full the other seeds too.
 CI_SEEDS = [*range(28), specfuzz.BLOCK_SEEDS, specfuzz.BLOCK_SEEDS + 8]
 QUICK_SEEDS = [*specfuzz.covering(range(28)), specfuzz.BLOCK_SEEDS, specfuzz.BLOCK_SEEDS + 8]
-CI_DEADLINE = 900  # seconds; seeds not started by then fail the test ("not run")
+# no corpus deadline: each spec is bounded by specfuzz.SECONDS of CPU time, so the verdict is the
+# same on a loaded machine as on an idle one (only slower)
+CI_DEADLINE = None
 
 # The run-time means are judged on the CI corpus and the shape family's first 48 seeds (a Taylor
 # softmax, a per-row scale, a mixture of two kinds' normalizations in every spec): derived and
@@ -57,6 +59,8 @@ KNOWN_TENSOR_FAILURES = {
     300016: "tensors/masked_tanh_proof_time",  # tanh of the coordinate: _proven's xreplace
     300017: "tensors/masked_exp_proof_time",  # exp(-z²/4): canonical_exponentials (near 120 s)
     300028: "tensors/masked_root_proof_time",  # sqrt(z² + 1): _primitive_root
+    # the second order every generated module carries: derive.first.tidy's factor_terms (~3 min)
+    300008: "tensors/masked_second_order_time",
 }
 # the seeds whose pipeline takes over 12 s on an idle core (proofs that fall back to 80-digit
 # numbers, several outputs): make test-full runs them, make test's sample is drawn from the others
@@ -451,7 +455,7 @@ mod = derivgen.load("layernorm", backend="c")
 mod.set_num_threads(2)
 x = np.random.default_rng(0).normal(size=(64, 256)).astype(np.float32)
 y, cache = mod.forward(x, np.ones(256, np.float32), np.zeros(256, np.float32))   # libgomp's pool is up
-r = specfuzz.run_corpus([0], jobs=2, deadline=120)   # one spawned worker suffices
+r = specfuzz.run_corpus([0], jobs=2)   # one spawned worker suffices
 print([(x.seed, x.ok, x.failure) for x in r])
 sys.exit(0 if all(x.ok for x in r) else 1)
 """
@@ -724,7 +728,7 @@ def test_known_tensor_failures_name_their_regression_spec():
 PROOF_TIME_REGRESSIONS = ["masked_exp_proof_time", "masked_tanh_proof_time", "masked_root_proof_time"]
 TENSOR_REGRESSIONS = sorted((ROOT / "tests" / "regressions" / "tensors").glob("*.toml"))
 # the regression specs whose pipeline takes minutes (the bug they hold): their own test below
-SLOW_TENSOR_REGRESSIONS = set(PROOF_TIME_REGRESSIONS)
+SLOW_TENSOR_REGRESSIONS = {*PROOF_TIME_REGRESSIONS, "masked_second_order_time"}
 
 
 @pytest.mark.parametrize(
@@ -778,6 +782,18 @@ def test_masked_statistics_proof_settles_within_its_budget(name):
         signal.alarm(0)
         signal.signal(signal.SIGALRM, old)
         proof.SYMBOLIC_WORK = work
+
+
+@pytest.mark.full
+@pytest.mark.xfail(strict=True, reason="open: derive.first.tidy's factor_terms over large second-order closed forms")
+def test_masked_second_order_derives_within_its_budget():
+    """masked_second_order_time (fuzz seed 300008): its second order, which generating any of
+    its modules derives, takes under 60 s of CPU time (about 180 s today)."""
+    spec = derivgen.load_spec(ROOT / "tests" / "regressions" / "tensors" / "masked_second_order_time.toml")
+    d = derivgen.derive(spec)
+    t0 = time.process_time()
+    d.second("train")
+    assert time.process_time() - t0 < 60
 
 
 @pytest.mark.xfail(strict=True, reason="open: proportional means of dL/dy over a per-group factor not merged")
