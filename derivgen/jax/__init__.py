@@ -8,14 +8,16 @@
 Each layer's forward is a ``jax.custom_jvp`` whose rule is the JVP derivgen derived
 (``generated/jax/<layer>.py``); JAX transposes it for reverse mode, so ``grad``,
 ``vjp``, ``jacfwd``, ``jacrev``, ``hessian``, ``jit`` and ``vmap`` all work. JAX is an
-optional dependency (``pip install 'derivgen[jax]'``); the Flax modules
+optional dependency (``pip install jax flax``, or ``pip install '/path/to/derivgen[jax]'``); the Flax modules
 (:mod:`derivgen.jax.nnx`) need Flax too.
 """
 
 try:
     import jax as _jax  # noqa: F401
 except ImportError as e:  # pragma: no cover - exercised where JAX is missing
-    raise ImportError("derivgen.jax needs JAX, an optional dependency: pip install 'derivgen[jax]'") from e
+    raise ImportError(
+        "derivgen.jax needs JAX, an optional dependency: pip install jax flax (or pip install '/path/to/derivgen[jax]')"
+    ) from e
 
 from derivgen.jax.layer import Function, compute_dtype, function
 from derivgen.jax.layout import JaxLayout, make_layout

@@ -11,7 +11,7 @@ Each layer's kernels are generated from the same IR as the C kernels
 launches them with the NumPy and C modules' calling convention, :mod:`~derivgen.triton.ops`
 is the CUDA implementation of the ``derivgen::`` operators, and :mod:`~derivgen.triton._target`
 holds the functions the kernels call. Triton is an optional dependency
-(``pip install 'derivgen[triton]'``).
+(``pip install triton``, or the extra of derivgen's source: ``pip install '/path/to/derivgen[triton]'``).
 
 Where no CUDA device exists, importing this package sets ``TRITON_INTERPRET=1`` (unless the
 variable is set already, or Triton was imported before), before Triton is imported:
@@ -27,7 +27,9 @@ import os
 import sys
 
 if importlib.util.find_spec("triton") is None:  # pragma: no cover - exercised where Triton is missing
-    raise ImportError("derivgen.triton needs Triton, an optional dependency: pip install 'derivgen[triton]'")
+    raise ImportError(
+        "derivgen.triton needs Triton, an optional dependency: pip install triton (or pip install '/path/to/derivgen[triton]')"
+    )
 
 if "TRITON_INTERPRET" not in os.environ and "triton" not in sys.modules:
     import torch as _torch  # importing torch does not import triton
