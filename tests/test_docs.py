@@ -139,7 +139,6 @@ def _commands(text: str) -> list[tuple[str, list[str]]]:
     return out
 
 
-
 # entries of the clone's root that a document's commands may write into: copied, not linked
 WRITTEN = ("generated",)
 NOT_COPIED = {".git", ".venv", ".pytest_cache", ".ruff_cache", "build", "__pycache__"}

@@ -85,7 +85,7 @@ def test_preallocated_input_gradients_are_filled(backend, given):
     rng = np.random.default_rng(2)
     x, g, b = rng.normal(size=(5, 6)), rng.normal(size=6), rng.normal(size=6)
     prev = (rng.normal(size=5), rng.uniform(1, 2, size=5)) if given == "per group" else (0.5, 1.5)
-    kw = dict(alpha=0.25, prev_mean=prev[0], prev_std=prev[1])
+    kw = {"alpha": 0.25, "prev_mean": prev[0], "prev_std": prev[1]}
     _, cache = mod.forward(x, g, b, **kw)
     dy = rng.normal(size=x.shape)
     want = mod.backward(dy, cache)
