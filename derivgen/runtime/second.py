@@ -25,7 +25,7 @@ from derivgen.runtime.base import (
     check_out,
     named_errors,
 )
-from derivgen.runtime.tensors import check_cotangents, extra_outputs, full_view, tensor_shape
+from derivgen.runtime.tensors import check_cotangents, extra_outputs, full_view, seeds_by_name, tensor_shape
 from derivgen.runtime.validate import check_float
 
 
@@ -67,15 +67,7 @@ def _tensor_seeds(meta: dict, label: str, given: Any, cache: Cache) -> dict[str,
     not given are zeros), each of the tensor's declared shape and the forward's dtype, returned
     at x's shape in C order."""
     names = grad_tensor_names(meta)
-    given = {} if given is None else given
-    if not isinstance(given, Mapping):
-        raise TypeError(f"{meta['name']}: {label} must be a dict by tensor name ({', '.join(names)})")
-    unknown = set(given) - set(names)
-    if unknown:
-        raise ValueError(
-            f"{meta['name']}: {label} has {', '.join(sorted(map(str, unknown)))}, which is not a tensor input with a "
-            f"gradient ({', '.join(names) or 'none'})"
-        )
+    given = seeds_by_name(meta, label, given, names)
     out = {}
     for t in names:
         kind, v = meta["tensors"][t][0], given.get(t)

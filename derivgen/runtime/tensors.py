@@ -143,3 +143,18 @@ def finish_tensor_grad(meta: dict, tname: str, layout: Layout, buf: np.ndarray, 
     total = buf.sum(axis=axes, keepdims=True, dtype=np.float64) if axes else buf
     out[...] = total.reshape(out.shape)
     return out
+
+
+def seeds_by_name(meta: dict, label: str, given: Any, names: list[str]) -> Mapping[str, Any]:
+    """Seeds of the tensor inputs with a gradient (``names``) given as a dict by name (None:
+    none), checked: ``label`` names the argument in the errors (a non-dict, an unknown name)."""
+    given = {} if given is None else given
+    if not isinstance(given, Mapping):
+        raise TypeError(f"{meta['name']}: {label} must be a dict by tensor name ({', '.join(names)})")
+    unknown = set(given) - set(names)
+    if unknown:
+        raise ValueError(
+            f"{meta['name']}: {label} has {', '.join(sorted(map(str, unknown)))}, which is not a tensor input with a "
+            f"gradient ({', '.join(names) or 'none'})"
+        )
+    return given

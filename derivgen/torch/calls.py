@@ -18,6 +18,7 @@ import torch
 
 from derivgen import runtime as rt
 from derivgen.runtime.abi import reads_buffers
+from derivgen.runtime.tensors import seeds_by_name
 from derivgen.torch.schema import differentiable, extra_outputs, grad_tensors, is_multi, tensor_inputs
 from derivgen.torch.tensors import channels_last_format, full_tensor, is_channels_last, tensor_grad, wide
 from derivgen.torch.validate import check_on_tensors, check_tensor_inputs
@@ -222,15 +223,7 @@ def _tensor_seeds(meta: dict, cache: Cache, given: Any, label: str) -> list[torc
     name (None, a missing name or a None entry: zeros), each of the tensor's declared shape
     (a broadcast one's, not x's) and x's dtype; errors name ``<label>.<tensor>``."""
     name, names = meta["name"], grad_tensors(meta)
-    given = {} if given is None else given
-    if not isinstance(given, dict):
-        raise TypeError(f"{name}: {label} must be a dict by tensor name ({', '.join(names)})")
-    unknown = set(given) - set(names)
-    if unknown:
-        raise ValueError(
-            f"{name}: {label} has {', '.join(sorted(map(str, unknown)))}, which is not a tensor input with a "
-            f"gradient ({', '.join(names) or 'none'})"
-        )
+    given = seeds_by_name(meta, label, given, names)
     x, seeds = cache.x, []
     for t in names:
         ref, v = cache.tensors[t], given.get(t)
