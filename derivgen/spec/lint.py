@@ -337,31 +337,19 @@ def _group(spec: Spec, mode: Mode, xs: list[float], n: int | None = None) -> _Gr
         pt[X] = xv
         g0 = _Group([pt], env)
         for v in spec.values:
-            try:
-                pt[v.symbol] = _value(v.expr, g0, pt)
-            except _Undefined:
-                pt[v.symbol] = math.nan
+            pt[v.symbol] = _or_nan(v.expr, g0, pt)
         if spec.core is not None:  # the statistics read the core value: the pattern is its values
             pt[spec.core.symbol] = xv
         points.append(pt)
     g = _Group(points, env)
     for st in _mode_stats(mode):
-        try:
-            env[st.symbol] = _value(st.expr, g, None)
-        except _Undefined:
-            env[st.symbol] = math.nan
+        env[st.symbol] = _or_nan(st.expr, g, None)
     for w in spec.windows:
         for pt in points:
-            try:
-                pt[w.symbol] = _value(w.expr, g, pt)
-            except _Undefined:
-                pt[w.symbol] = math.nan
+            pt[w.symbol] = _or_nan(w.expr, g, pt)
     if spec.normalized is not None and spec.normalized_expr is not None:
         for pt in points:
-            try:
-                pt[spec.normalized.symbol] = _value(spec.normalized_expr, g, pt)
-            except _Undefined:
-                pt[spec.normalized.symbol] = math.nan
+            pt[spec.normalized.symbol] = _or_nan(spec.normalized_expr, g, pt)
     return g
 
 
@@ -538,18 +526,20 @@ def _random_group(spec: Spec, mode: Mode, rng: random.Random, n: int) -> _Group:
         pt[X] = rng.uniform(-2, 2)
         g0 = _Group([pt], env)
         for v in spec.values:
-            try:
-                pt[v.symbol] = _value(v.expr, g0, pt)
-            except _Undefined:
-                pt[v.symbol] = math.nan
+            pt[v.symbol] = _or_nan(v.expr, g0, pt)
         points.append(pt)
     g = _Group(points, env)
     for st in _mode_stats(mode):
-        try:
-            env[st.symbol] = _value(st.expr, g, None)
-        except _Undefined:
-            env[st.symbol] = math.nan
+        env[st.symbol] = _or_nan(st.expr, g, None)
     return g
+
+
+def _or_nan(expr: sympy.Expr, group, pt):
+    """``_value``, or NaN where the expression is undefined at the point."""
+    try:
+        return _value(expr, group, pt)
+    except _Undefined:
+        return math.nan
 
 
 def _data_symbols(spec: Spec) -> set[sympy.Symbol]:
