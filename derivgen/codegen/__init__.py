@@ -4,9 +4,9 @@
   plain data (loops, assignments, reductions);
 * :mod:`~derivgen.codegen.printers`: ``SpecPrinter``, one per spec: SymPy expressions as
   NumPy, PyTorch and C text;
-* :mod:`~derivgen.codegen.cplan`: the C kernels' plans (statements per element type,
+* :mod:`~derivgen.codegen.c.plan`: the C kernels' plans (statements per element type,
   sweeps, split-reduction levels), computed once per layer;
-* :mod:`~derivgen.codegen.triton_printer`, :mod:`~derivgen.codegen.triton_plan`: the Triton
+* :mod:`~derivgen.codegen.triton.printer`, :mod:`~derivgen.codegen.triton.plan`: the Triton
   target's printing and its kernels' plans (the same IR as the C, laid out as tiles of a group);
 * :mod:`~derivgen.codegen.emit`: builds IR and plans, then renders the Jinja templates
   (``templates/``), which only lay out text. The kernels' calling convention comes from

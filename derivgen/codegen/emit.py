@@ -1,7 +1,7 @@
 """Emit code from derivations: one IR per mode, one Jinja template per target.
 
 A layer's derivation (plain data: its spec and per-mode derivations) becomes the
-IR of :mod:`derivgen.codegen.ir`, and every C kernel's plan (:mod:`derivgen.codegen.cplan`) is
+IR of :mod:`derivgen.codegen.ir`, and every C kernel's plan (:mod:`derivgen.codegen.c.plan`) is
 computed once, before rendering; the templates receive plain data and only lay
 out text. Expressions are printed by one :class:`derivgen.codegen.printers.SpecPrinter`
 per layer. Every name the generated code makes is in derivgen's own namespace
@@ -19,11 +19,11 @@ from typing import Protocol
 
 import jinja2
 
-from derivgen.codegen.cplan import ATYPES, CTYPES, c_load, c_store, plan_kernel
+from derivgen.codegen.c import ATYPES, CTYPES, c_load, c_store, plan_kernel
 from derivgen.codegen.ir import ModeIR, build_mode_ir, build_second_ir
-from derivgen.codegen.jax_printer import jax_expr
+from derivgen.codegen.jax import jax_expr
 from derivgen.codegen.printers import SpecPrinter
-from derivgen.codegen.triton_plan import plan_triton
+from derivgen.codegen.triton import plan_triton
 from derivgen.derive.first import ModeDerivation
 from derivgen.derive.second import SecondOrder
 from derivgen.runtime.abi import kernel_signature

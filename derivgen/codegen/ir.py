@@ -12,7 +12,7 @@ The IR is what every target lays out as loops:
   contributions, per-group input gradients.
 
 It is built from a mode's derivation (:func:`build_mode_ir`) and from its second
-order (:func:`build_second_ir`); the C planner (:mod:`derivgen.codegen.cplan`) and the
+order (:func:`build_second_ir`); the C planner (:mod:`derivgen.codegen.c.plan`) and the
 templates (:mod:`derivgen.codegen.emit`) read it. Every name it makes is in derivgen's
 own namespace (see :mod:`derivgen.symbolic.naming`).
 """

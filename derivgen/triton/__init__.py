@@ -7,7 +7,7 @@
     grads = ln.backward(dy, cache)                       # Grads(dx, dgamma, dbeta)
 
 Each layer's kernels are generated from the same IR as the C kernels
-(:mod:`derivgen.codegen.triton_plan`, ``templates/triton.py.j2``); :mod:`~derivgen.triton.calls`
+(:mod:`derivgen.codegen.triton.plan`, ``templates/triton.py.j2``); :mod:`~derivgen.triton.calls`
 launches them with the NumPy and C modules' calling convention, :mod:`~derivgen.triton.ops`
 is the CUDA implementation of the ``derivgen::`` operators, and :mod:`~derivgen.triton._target`
 holds the functions the kernels call. Triton is an optional dependency

@@ -1,6 +1,6 @@
 """Plans of the Triton kernels: a mode's IR as the text of ``triton.jit`` kernel statements.
 
-Like the C planner (:mod:`derivgen.codegen.cplan`), this module computes every statement of
+Like the C planner (:mod:`derivgen.codegen.c.plan`), this module computes every statement of
 a mode's kernels once, before rendering, as plain data (:class:`TritonPlan`), and the
 template (``templates/triton.py.j2``) only lays it out. The kernels see a normalization
 group as a matrix of A rows and B columns (``derivgen.triton._target.tile``) and sweep it
@@ -44,7 +44,7 @@ from dataclasses import dataclass, replace
 import sympy
 
 from derivgen.codegen.ir import Loop, ModeIR, Select, needed_temps
-from derivgen.codegen.triton_printer import triton_expr
+from derivgen.codegen.triton.printer import triton_expr
 from derivgen.runtime.abi import reads_buffers
 from derivgen.spec.model import Spec
 from derivgen.symbolic.naming import code_text, derived

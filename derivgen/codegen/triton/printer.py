@@ -1,6 +1,6 @@
 """The Triton target's printer: SymPy expressions as the text of ``triton.jit`` kernels.
 
-The JAX printing of :mod:`derivgen.codegen.jax_printer` (term order, spec names as they are,
+The JAX printing of :mod:`derivgen.codegen.jax.printer` (term order, spec names as they are,
 a ``step`` or ``indicator`` of a difference as a comparison, which no fused multiply-add
 can move), with every function of :mod:`derivgen.symbolic.functions` called as
 ``_tt.<its name>`` (``derivgen.triton._target``: ``triton.jit`` functions of
@@ -9,7 +9,7 @@ tensors: integer powers as products (negative ones as reciprocals), square roots
 ``_tt.sqrt``, any other power as ``_tt.pow``. Group means never reach it: the IR has
 written them as sums over N. A window (:mod:`derivgen.symbolic.window`) prints as a call
 of the ``triton.jit`` function the planner made for it (``window_call``;
-:mod:`derivgen.codegen.triton_plan`), which sums its body over the neighbouring elements.
+:mod:`derivgen.codegen.triton.plan`), which sums its body over the neighbouring elements.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from collections.abc import Callable
 import sympy
 from sympy.printing.precedence import PRECEDENCE
 
-from derivgen.codegen.jax_printer import _Jax
+from derivgen.codegen.jax.printer import _Jax
 from derivgen.spec.model import Spec
 from derivgen.symbolic import functions
 from derivgen.symbolic.naming import ordered_names
@@ -33,11 +33,11 @@ class _Triton(_Jax):
 
     def _print_Window(self, expr):
         if self.window_call is None:
-            raise NotImplementedError(f"a window needs the planner's window functions (codegen.triton_plan): {expr}")
+            raise NotImplementedError(f"a window needs the planner's window functions (codegen.triton.plan): {expr}")
         return self.window_call(expr)
 
     def _print_Symbol(self, expr):
-        return expr.name  # leading(p) too: the kernels load it (codegen.triton_plan)
+        return expr.name  # leading(p) too: the kernels load it (codegen.triton.plan)
 
     def _spell(self, fn: functions.Elementary, args: tuple) -> str:
         return f"_tt.{fn.name}({self.stringify(args, ', ')})"
