@@ -48,9 +48,13 @@ def test_the_wheel_holds_every_data_file(wheel):
     for folder in ("catalogue", "zoo"):
         specs = {f"derivgen/spec/{folder}/{p.name}" for p in (ROOT / "derivgen" / "spec" / folder).glob("*.toml")}
         assert specs and specs <= names, sorted(specs - names)
-    templates = {f"derivgen/templates/{p.name}" for p in (ROOT / "templates").glob("*.j2")}
+    templates = {
+        f"derivgen/templates/{p.relative_to(ROOT / 'templates').as_posix()}" for p in (ROOT / "templates").rglob("*.j2")
+    }
     assert templates <= names, sorted(templates - names)
     assert {"derivgen/torch/ext.cpp", "derivgen/tools/bandwidth.c"} <= names
+    modules = {p.relative_to(ROOT).as_posix() for p in (ROOT / "derivgen").rglob("*.py")}
+    assert modules <= names, sorted(modules - names)  # every subpackage is named in pyproject.toml
 
 
 def test_without_the_extras_numpy_and_c_run(wheel, tmp_path):
