@@ -12,6 +12,7 @@ functions come from their table (:mod:`derivgen.symbolic.functions`).
 from __future__ import annotations
 
 import keyword
+from collections.abc import Callable
 
 from derivgen.symbolic import functions
 
@@ -65,16 +66,24 @@ def c_library() -> frozenset[str]:
     return C_LIBRARY_EXTRA | names
 
 
+# The reserved words by kind, in the order a collision is reported: (why, the words). Each
+# code-generation target (derivgen.codegen.targets) names the kinds its code needs; the spec
+# stage checks every kind, without importing the code generators.
+RESERVED: dict[str, tuple[str, Callable[[], frozenset[str]]]] = {
+    "python": ("a Python keyword", lambda: frozenset(keyword.kwlist)),
+    "c": ("a C keyword", lambda: C_KEYWORDS),
+    "c_library": ("a C library name the generated code uses", c_library),
+    "triton": ("a module name the generated Triton code uses", lambda: TRITON_NAMES),
+    "torch_module": (
+        "an attribute of derivgen.torch.Module (its options and parameters are attributes)",
+        lambda: TORCH_MODULE_NAMES,
+    ),
+}
+
+
 def collision(name: str) -> str | None:
     """Why ``name`` collides with a target language (a keyword, a library name), or None."""
-    if keyword.iskeyword(name):
-        return "a Python keyword"
-    if name in C_KEYWORDS:
-        return "a C keyword"
-    if name in c_library():
-        return "a C library name the generated code uses"
-    if name in TRITON_NAMES:
-        return "a module name the generated Triton code uses"
-    if name in TORCH_MODULE_NAMES:
-        return "an attribute of derivgen.torch.Module (its options and parameters are attributes)"
+    for why, words in RESERVED.values():
+        if name in words():
+            return why
     return None

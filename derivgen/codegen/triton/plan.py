@@ -43,9 +43,8 @@ from dataclasses import dataclass, replace
 
 import sympy
 
-from derivgen.codegen.ir import Loop, ModeIR, Select, needed_temps
+from derivgen.codegen.ir import Loop, ModeIR, Select, buffer_reads, needed_temps
 from derivgen.codegen.triton.printer import triton_expr
-from derivgen.runtime.abi import reads_buffers
 from derivgen.spec.model import Spec
 from derivgen.symbolic.naming import code_text, derived
 from derivgen.symbolic.window import Window, offsets
@@ -136,7 +135,7 @@ class TritonPlanner:
         self.params = [p.name for p in spec.params]
         self.scalar = {p.name for p in spec.params if p.scalar}
         self.chan = [p for p in self.params if p not in self.scalar]
-        self.reads = reads_buffers({"buffers": list(spec.buffers), "buffer_reads": _buffer_reads(spec)}, ir.mode)
+        self.reads = ir.mode in buffer_reads(spec)
         self.windows: dict[tuple, TWindow] = {}  # by (window, the temporaries it reads), in definition order
         # arrays of x's shape read at x's offsets: the tensor inputs beside x, and the cotangents
         # of the outputs beside y
@@ -394,12 +393,6 @@ def _once(sweeps: list) -> tuple[list, TSweep]:
             st = replace(st, temps=kept)
         out.append(st)
     return out[:-1], out[-1]
-
-
-def _buffer_reads(spec: Spec) -> list[str]:
-    """The modes whose statistics read the running buffers."""
-    buffers = {b.symbol for b in spec.buffers}
-    return [m.name for m in spec.modes if any(st.expr.free_symbols & buffers for st in m.statistics)]
 
 
 def plan_triton(spec: Spec, ir: ModeIR) -> TritonPlan:

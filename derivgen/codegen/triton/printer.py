@@ -3,7 +3,7 @@
 The JAX printing of :mod:`derivgen.codegen.jax.printer` (term order, spec names as they are,
 a ``step`` or ``indicator`` of a difference as a comparison, which no fused multiply-add
 can move), with every function of :mod:`derivgen.symbolic.functions` called as
-``_tt.<its name>`` (``derivgen.triton._target``: ``triton.jit`` functions of
+``_tt.<its triton_name>`` (``derivgen.triton._target``: ``triton.jit`` functions of
 ``triton.language`` primitives) and powers spelled for Triton, which has no ``**`` on
 tensors: integer powers as products (negative ones as reciprocals), square roots as
 ``_tt.sqrt``, any other power as ``_tt.pow``. Group means never reach it: the IR has
@@ -40,7 +40,7 @@ class _Triton(_Jax):
         return expr.name  # leading(p) too: the kernels load it (codegen.triton.plan)
 
     def _spell(self, fn: functions.Elementary, args: tuple) -> str:
-        return f"_tt.{fn.name}({self.stringify(args, ', ')})"
+        return f"_tt.{fn.triton_name}({self.stringify(args, ', ')})"
 
     def _print_elementary(self, fn: functions.Elementary, expr: sympy.Expr) -> str:
         if expr.is_number:  # sqrt(2), exp(1): a constant, not a function of a Python number
