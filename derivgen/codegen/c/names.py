@@ -1,0 +1,87 @@
+"""The one naming table of the C kernels: what each symbol of a mode's expressions is called
+in C, and where a value the element code reads is loaded from.
+
+Element loads (:class:`Load`): x as ``Xv`` from ``x[Idx]``, ∂L/∂y as ``Dyv`` from
+``dy[Idx]``, a tensor input or an output's cotangent a as ``a_V`` from ``a[Idx]``, a
+per-channel parameter p as ``p_V`` from ``p[Ch]``, a position mask m as ``m_V`` computed
+from its option and N at ``Ch``, and the second order's seeds (``Seed_x[Idx]``,
+``<t>_Seed[Idx]``, ``<p>_Seed[Ch]``) under their own names. Group values
+(:func:`group_names`): the group size ``N``, buffers and scalar parameters as ``b_G``.
+The first-order planner (sweep.py), the second order (second.py) and the window functions
+(windows.py) read names here; the templates read them from the plan (``GroupSelect.x``).
+Every name is in derivgen's own namespace (an upper-case letter; see
+:mod:`derivgen.symbolic.naming`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from derivgen.codegen.c.ctext import c_load, mask_load
+from derivgen.symbolic.naming import derived
+
+if TYPE_CHECKING:
+    from derivgen.codegen.ir import SecondIR
+    from derivgen.spec.model import Spec
+
+X = "Xv"  # x at the element: the element code's, and the group selections' of the templates
+
+
+@dataclass(frozen=True)
+class Load:
+    """One value the element code reads, loaded as ``local``: from ``source[index]`` at the
+    element (``index`` "Idx") or at its channel ("Ch"), or, for a mask (``index`` ""),
+    computed from its option ``source`` and N."""
+
+    local: str
+    source: str
+    index: str
+
+    @property
+    def reads(self) -> tuple[str, ...]:
+        """The group values a mask reads (its option and N); none for an array's element."""
+        return () if self.index else (self.source, "N")
+
+    def value(self, T: str, to: str = "double") -> str:
+        """C text of the value, of the stored type ``T``, as ``to``."""
+        return c_load(f"{self.source}[{self.index}]", T, to) if self.index else mask_load(self.source, to)
+
+    def line(self, T: str, to: str = "double") -> str:
+        """Its declaration: ``const to local = value;``."""
+        return f"const {to} {self.local} = {self.value(T, to)};"
+
+
+def load_table(spec: Spec, arrays: Sequence[str], seeds: SecondIR | None = None) -> dict[str, Load]:
+    """The element loads of a kernel by symbol name, in the order the kernels declare them
+    (at the element: x, ∂L/∂y, x's seed, ``arrays``, the tensors' seeds; at the channel: the
+    parameters, their seeds, the masks); ``arrays`` are those of x's shape besides x and ∂L/∂y
+    (tensor inputs, outputs' cotangents), ``seeds`` a second-order kernel's IR."""
+    chan = [p.name for p in spec.params if not p.scalar]
+    table = {"x": Load(X, "x", "Idx"), "dy": Load("Dyv", "dy", "Idx")}
+    if seeds is not None:
+        table[seeds.seed_x] = Load(seeds.seed_x, "Seed_x", "Idx")
+    table.update({a: Load(derived(a, "V"), a, "Idx") for a in arrays})
+    if seeds is not None:
+        table.update({sd: Load(sd, t + "_Seed", "Idx") for t, sd in seeds.seed_tensors.items()})
+    table.update({p: Load(derived(p, "V"), p, "Ch") for p in chan})
+    if seeds is not None:
+        table.update({seeds.seed_params[p]: Load(seeds.seed_params[p], p + "_Seed", "Ch") for p in chan})
+    table.update({m.name: Load(derived(m.name, "V"), m.option, "") for m in spec.masks})
+    return table
+
+
+def locals_of(table: dict[str, Load]) -> dict[str, str]:
+    """Symbol name -> the C name it is loaded as."""
+    return {n: ld.local for n, ld in table.items()}
+
+
+def group_names(spec: Spec, buffers: bool = True) -> dict[str, str]:
+    """The group values every sweep may read, symbol name -> C name: N, the buffers (with
+    ``buffers``) and the scalar parameters (one value for the whole tensor)."""
+    names = {"N": "N"}
+    if buffers:
+        names.update({b.name: derived(b.name, "G") for b in spec.buffers})
+    names.update({p.name: derived(p.name, "G") for p in spec.params if p.scalar})
+    return names

@@ -1,0 +1,386 @@
+"""The sweep planner: a mode's first-order IR as the C statements of its forward and
+backward kernels, for one element type.
+
+The kernel templates lay out the loops -- groups, blocks, runs of contiguous values,
+DG_LANES lanes -- and :class:`CPlanner` fills them: what each sweep over a group loads,
+computes, stores and sums (:class:`~derivgen.codegen.c.types.CLoop`), and the per-group
+values between sweeps. Float kernels compute their output sweeps in float with the group
+terms as hi/lo pairs (``H0_hi``) and float copies (``rstd_F``); common subexpressions of
+the group values are ``Cse0``. Names of loads and group values come from the naming table
+(:mod:`derivgen.codegen.c.names`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Sequence
+
+import sympy
+from sympy import Add
+
+from derivgen.codegen.c.blocks import BlockPasses, BlockSlots, block_pass, block_slots_read
+from derivgen.codegen.c.ctext import ATYPES, c_store, output_array
+from derivgen.codegen.c.layouts import nhwc_sweep, row_sweep
+from derivgen.codegen.c.names import X, group_names, load_table, locals_of
+from derivgen.codegen.c.types import (
+    BackwardPlan,
+    BlockPass,
+    CDecl,
+    CLoop,
+    ForwardPlan,
+    GroupSelect,
+    GroupValue,
+    SplitLevel,
+    Sweep,
+)
+from derivgen.codegen.c.windows import WindowFunctions, hide_windows
+from derivgen.codegen.ir import Assign, Loop, ModeIR, Select, needed_temps
+from derivgen.codegen.printers import SpecPrinter
+from derivgen.symbolic.window import Window
+
+
+def _live(prelude: list[CDecl], reads: frozenset[str]) -> tuple[CDecl, ...]:
+    """The prelude declarations that code reading ``reads`` uses, directly or through
+    another kept declaration (H0 through H0_hi); the rest would be unused variables."""
+    keep: list[CDecl] = []
+    used = set(reads)
+    for decl in reversed(prelude):
+        if decl.name in used:
+            keep.insert(0, decl)
+            used |= decl.reads
+    return tuple(keep)
+
+
+class CPlanner:
+    """Turns a ModeIR into C statement strings for one element type."""
+
+    def __init__(
+        self,
+        printer: SpecPrinter,
+        ir: ModeIR,
+        ctype: str,
+        windows: WindowFunctions | None = None,
+        slots: BlockSlots | None = None,
+    ):
+        spec = printer.spec
+        self.blocks = BlockPasses(slots if slots is not None else BlockSlots(), self._block_pass)
+        self.printer, self.spec, self.ir, self.ctype = printer, spec, ir, ctype
+        self.windows = windows or WindowFunctions(printer, f"{spec.name}_{ir.mode}", ctype)
+        self.atype = ATYPES[ctype]
+        self.params = [p.name for p in spec.params]
+        self.scalar = {p.name for p in spec.params if p.scalar}
+        self.group_names = group_names(spec)
+        self.masks = {m.name: m.option for m in spec.masks}
+        # arrays of x's shape read at the element beside x and dy: the tensor inputs, and the
+        # cotangents of the outputs beside y
+        self.arrays = [t.name for t in spec.tensors] + [o.cotangent.name for o in spec.outputs]
+        self.loads = load_table(spec, self.arrays)  # the naming table (names.py)
+        self.elem_names = locals_of(self.loads)
+
+    def _block_pass(self, slot: int, body: sympy.Expr, kind: str, temps: list) -> BlockPass:
+        """The pass leaving mean(body, kind) per block in Bm<slot>_A (body summed in double)."""
+        lp = self.loop([body], temps, group_sums=[("Acc", body)], arith="double")
+        names = {f"Bm{p.slot}" for p in lp.blocks}
+        comment = f'Bm{slot} = mean({self.printer.code(body)}, "{kind}")'
+        return block_pass(slot, kind, comment, lp.param_loads, lp.elem_loads, lp.group_sums[0][1], names, self.blocks)
+
+    def g(self, e: sympy.Expr) -> tuple[str, frozenset[str]]:
+        """A group-level expression (double), and the names it reads."""
+        return self.printer.c_reads(e, "double", self.group_names)
+
+    # ---- one sweep -----------------------------------------------------
+    def _float_prelude(self, every, elem: set[str], enames: dict[str, str]) -> tuple[list[CDecl], dict]:
+        """Float element arithmetic: group-level addends of mixed sums become hi/lo pairs
+        (H0_hi + H0_lo), other group values float copies (rstd_F). Returns the prelude
+        and the hoisted Add nodes; updates ``enames``."""
+        prelude: list[CDecl] = []
+        hoisted: dict = {}
+        for e in every:
+            for node in sympy.preorder_traversal(e):
+                if node.is_Add and node not in hoisted:
+                    ee = [t for t in node.args if {str(v) for v in t.free_symbols} & elem or t.has(Window)]
+                    ge = [t for t in node.args if t not in ee]
+                    if ge and ee:
+                        h = f"H{len(hoisted)}"
+                        hoisted[node] = (Add(*ee), h)
+                        prelude.append(CDecl("double", h, *self.g(Add(*ge))))
+                        prelude.append(CDecl("float", f"{h}_hi", f"(float){h}", frozenset({h})))
+                        prelude.append(
+                            CDecl("float", f"{h}_lo", f"(float)({h} - (double){h}_hi)", frozenset({h, f"{h}_hi"}))
+                        )
+        used: set[str] = set()
+
+        def collect(node):
+            if node in hoisted:  # only its element part is printed in float
+                collect(hoisted[node][0])
+            elif node.is_Symbol:
+                if str(node) not in elem:
+                    used.add(str(node))
+            else:
+                for a in node.args:
+                    collect(a)
+
+        for e in every:
+            collect(e)
+        for gname in sorted(used):
+            src = self.group_names.get(gname, gname)
+            f = src + "_F"  # rstd_F, Mean_g_F: an upper-case tag, derivgen's namespace
+            prelude.append(CDecl("float", f, f"(float){src}", frozenset({src})))
+            enames[gname] = f
+        return prelude, hoisted
+
+    def loop(
+        self,
+        exprs: list[sympy.Expr],
+        temps: list[tuple[str, sympy.Expr]],
+        *,
+        stores: Iterable[tuple[str, sympy.Expr]] = (),
+        group_sums: Iterable[tuple[str, sympy.Expr]] = (),
+        param_sums: Sequence[tuple[int, sympy.Expr]] = (),
+        arith: str = "double",
+        outputs: Iterable[str] = (),
+        first: bool = False,
+        second: bool = False,
+    ) -> CLoop:
+        """Element sweep computing ``exprs``; ``temps`` are element temporaries available;
+        ``stores`` are (output array, element expression) pairs.
+
+        ``outputs`` are the full-size arrays the sweep writes (straight, streamed
+        from registers, or through a cache-resident tile streamed out after each
+        run: see the template); the ``first`` sweep of a function prefetches the
+        arrays it reads, and the ``second`` reads them ahead in the next group.
+
+        Loads and stores use the array type. Sums are always double. With
+        ``arith="double"`` all arithmetic is double, so a float32 kernel centres
+        and squares without rounding the statistics to float (mean offset 1e4)
+        or overflowing (|x| ~ 1e30). ``arith="float"`` (output sweeps of float
+        kernels) computes in float, adding group-level terms as hi + lo pairs.
+        """
+        ctype = self.ctype
+        # block means are read as values one per block, left by their passes (BlockPass)
+        temps = self.blocks.hide_temps(temps)
+        exprs = [self.blocks.hide(e, temps) for e in exprs]
+        stores = [(o, self.blocks.hide(e, temps)) for o, e in stores]
+        group_sums = [(a, self.blocks.hide(e, temps)) for a, e in group_sums]
+        param_sums = [(k, self.blocks.hide(e, temps)) for k, e in param_sums]
+        needed, names = needed_temps([hide_windows(e) for e in exprs], temps)
+        block_reads = [f"Bm{k}" for k in block_slots_read(names)]
+        if block_reads:  # block values are double: the element code reading them is too
+            arith = "double"
+        chan = [p for p in self.params if p not in self.scalar]
+        loads = self.loads
+
+        called: list[Window] = []  # a sweep that calls a window function needs the channel index Ch
+        window_reads: set[str] = set()  # and the group values the calls pass
+
+        def windows(w: Window) -> str:
+            called.append(w)
+            fn = self.windows.function(w, list(temps), loads)
+            window_reads.update(self.group_names.get(g, g) for g in fn.groups)
+            return fn.call(self.group_names)
+
+        elem = {"x", "dy", *chan, *self.masks, *block_reads, *self.arrays} | {nm for nm, _ in needed}
+        enames = dict(self.group_names)
+        enames.update(self.elem_names)
+        enames.update({b: b for b in block_reads})
+        prelude, hoisted = ([], {})
+        if arith == "float":
+            prelude, hoisted = self._float_prelude([te for _, te in needed] + list(exprs), elem, enames)
+        body_reads: set[str] = set()
+        pend_reads: set[str] = set()
+        # masks compare in double: group values as computed, element values widened
+        mask_names = {**self.group_names, **{k: f"((double){v})" for k, v in self.elem_names.items()}}
+        mask_names.update({nm: f"((double){nm})" for nm, _ in needed})
+
+        def element(e: sympy.Expr, into: set[str]) -> str:
+            """Element arithmetic (temporaries, stored outputs) in the sweep's type."""
+            if arith == "float":
+                text, reads = self.printer.c_float_reads(e, enames, hoisted, mask_names, windows)
+            else:
+                text, reads = self.printer.c_reads(e, "double", enames, windows)
+            into |= reads
+            return text
+
+        elem_loads = [ld.line(ctype, arith) for n, ld in loads.items() if ld.index == "Idx" and n in names]
+        # a block value one per sample (index Blk) is read with the element; one per (sample,
+        # channel) or per channel with the parameters, where the sweep knows the channel Ch
+        elem_loads += self.blocks.loads(names, by_channel=False)
+        for nm, te in needed:
+            elem_loads.append(f"const {arith} {nm} = {element(te, body_reads)};")
+            enames[nm] = nm
+        # summands are double: float element values are widened before any arithmetic, so the
+        # temporaries (x-hat, g) are the same values in every sweep and products do not overflow
+        dnames = dict(self.group_names)
+        dnames.update(self.elem_names)
+        dnames.update({nm: nm for nm, _ in needed})
+        dnames.update({b: b for b in block_reads})
+        if arith != "double":
+            dnames.update({k: f"((double){v})" for k, v in dnames.items() if k in elem})
+
+        def summand(e: sympy.Expr, into: set[str] = body_reads) -> str:
+            text, reads = self.printer.c_reads(e, "double", dnames, windows)
+            into.update(reads)
+            return text
+
+        param_loads = [ld.line(ctype, arith) for n, ld in loads.items() if ld.index != "Idx" and n in names]
+        param_loads += self.blocks.loads(names, by_channel=True)
+        chan_sums = [(k, e) for k, e in param_sums if self.params[k] not in self.scalar]
+        scal_sums = [(k, e) for k, e in param_sums if self.params[k] in self.scalar]
+        all_sums = list(group_sums) + [(f"Psum_{k}", e) for k, e in scal_sums]
+        stored = tuple((o, c_store(element(e, body_reads), ctype)) for o, e in stores)
+        sums = tuple((a, summand(e)) for a, e in all_sums)
+        psum_reads: set[str] = set()
+        chan_summands = tuple((k, summand(e, psum_reads)) for k, e in chan_sums)
+        pend = tuple((k, element(e, pend_reads)) for k, e in chan_sums)
+        body_reads |= window_reads
+        other_reads = frozenset(body_reads)  # what the element code reads besides the parameter sums
+        body_reads |= psum_reads
+        passes = self.blocks.needed(names)
+        return CLoop(
+            uses_params=bool(param_loads) or bool(chan_sums) or bool(called),
+            prelude=_live(prelude, frozenset(body_reads | pend_reads)),
+            param_loads=tuple(param_loads),
+            elem_loads=tuple(elem_loads),
+            stores=stored,
+            group_sums=sums,
+            param_sums=chan_summands,
+            scalar_param_sums=tuple((k, f"Psum_{k}") for k, _ in scal_sums),
+            param_pend=pend,
+            outputs=tuple(outputs),
+            prefetch=tuple(a for a in ("x", "dy", *self.arrays) if a in names) if first else (),
+            ahead_next=tuple(a for a in ("x", "dy", *self.arrays) if a in names) if second else (),
+            reads=frozenset(body_reads),
+            pend_reads=frozenset(pend_reads),
+            other_reads=other_reads,
+            calls_windows=bool(called),
+            float_lanes=arith == "float" and bool(chan_sums) and self.spec.reduce != "position",
+            blocks=passes,
+            fresh=passes,
+        )
+
+    def _sweep(self, lp: CLoop, accs, names: list[str]) -> Sweep:
+        """A sweep with its accumulators, given the group values defined before it."""
+        return Sweep(loop=lp, accs=tuple(accs), nhwc=nhwc_sweep(lp, names))
+
+    def _group_value(self, name: str, e: sympy.Expr, comment: str, names: list[str]) -> GroupValue:
+        """``name = e`` per group, given the group values defined before it."""
+        text, reads = self.g(e)
+        return GroupValue(name=name, expr=text, comment=comment, reads=tuple(n for n in names if n in reads))
+
+    # ---- the two kernels ------------------------------------------------
+    def forward(self) -> ForwardPlan:
+        """The forward kernel's plan."""
+        spec = self.spec
+        names = [i.name for i in spec.inputs] + [self.group_names[b.name] for b in spec.buffers]
+        steps: list[Sweep | GroupValue] = []
+        values = list(self.ir.values)  # the core value h = f(x, t), an element temporary of every sweep
+        for st in self.ir.forward:
+            if isinstance(st, Loop):
+                done = sum(isinstance(s, Sweep) for s in steps)
+                lp = self.loop([e for _, e in st.accs], values, group_sums=st.accs, first=done == 0, second=done == 1)
+                steps.append(self._sweep(lp, [a for a, _ in st.accs], names))
+                names += [a for a, _ in st.accs]
+            elif isinstance(st, Select):
+                enames = {**self.group_names, **self.elem_names}
+                text, reads = self.printer.c_reads(st.expr, "double", enames)
+                steps.append(GroupSelect(st.name, st.op, text, st.comment, tuple(n for n in names if n in reads), x=X))
+                names.append(st.name)
+            else:
+                steps.append(self._group_value(st.name, st.expr, st.comment, names))
+                names.append(st.name)
+        _, out_expr = self.ir.fwd_elem[-1]
+        temps = values + list(self.ir.fwd_elem[:-1])
+        done = sum(isinstance(s, Sweep) for s in steps)
+        extra = [(output_array(o), e) for o, e in self.ir.out_elem]  # the outputs beside y
+        final = self.loop(
+            [out_expr, *(e for _, e in extra)],
+            temps,
+            stores=[("y", out_expr), *extra],
+            arith=self.atype,
+            outputs=["y", *(o for o, _ in extra)],
+            first=done == 0,
+            second=done == 1,
+        )
+        updates = [(b, *self.g(e)) for b, e in self.ir.buffer_updates]
+        update_reads = frozenset().union(*(r for _, _, r in updates))
+        return ForwardPlan(
+            steps=tuple(steps),
+            final=self._sweep(final, (), names),
+            updates=tuple((b, text) for b, text, _ in updates),
+            update_reads=tuple(n for n in names if n in update_reads),
+            levels=_levels(steps),
+        )
+
+    def _group_values(self, names: list[str]) -> list[GroupValue]:
+        """The per-group values between the reduction sweep and the final one: the means
+        (kept as sum/N, exact for constant rows), then the values derived from them with
+        their common subexpressions named once (online layer norm's coefficients share
+        several). Float kernels compute dx from the factored closed form, so they skip the
+        coefficients of the expanded one. ``names`` (the group values before them) grows."""
+        A = self.atype
+        coeffs = {k for k, _ in self.ir.dx_terms}
+        means = {r for r, _ in zip((a.name for a in self.ir.bwd_group), self.ir.bwd_loop)}
+        kept = [a for a in self.ir.bwd_group if a.name not in means and (A == "double" or a.name not in coeffs)]
+        repl, reduced = sympy.cse([a.expr for a in kept], symbols=sympy.numbered_symbols("Cse"), order="none")
+        values = [Assign(a.name, a.expr, a.comment) for a in self.ir.bwd_group if a.name in means]
+        values += [Assign(str(t), e, "common subexpression") for t, e in repl]
+        values += [Assign(a.name, r, a.comment) for a, r in zip(kept, reduced)]
+        group = []
+        for a in values:
+            group.append(self._group_value(a.name, a.expr, a.comment, names))
+            names.append(a.name)
+        return group
+
+    def backward(self) -> BackwardPlan:
+        """The backward kernel's plan."""
+        names = [i.name for i in self.spec.inputs] + list(self.ir.stats)
+        temps = list(self.ir.values) + list(self.ir.bwd_elem)
+        red = None
+        if self.ir.bwd_loop:
+            lp = self.loop(
+                [e for _, e in self.ir.bwd_loop], temps, group_sums=self.ir.bwd_loop, arith=self.atype, first=True
+            )
+            red = self._sweep(lp, [a for a, _ in self.ir.bwd_loop], names)
+            names += [a for a, _ in self.ir.bwd_loop]
+        group = self._group_values(names)
+        # double: dx = sum of per-group coefficients times element monomials (fewest flops);
+        # float: the factored closed form, whose cancellations the hi/lo addends keep exact
+        if self.atype == "double" and self.ir.dx_terms:
+            dx_expr = Add(*[sympy.Symbol(k) * m for k, m in self.ir.dx_terms])
+        else:
+            dx_expr = self.ir.dx_closed
+        if self.ir.dcore is not None:  # ∂L/∂h once per element: dx and the tensors' gradients read it
+            temps.append(self.ir.dcore)
+        dts = [("d" + t, e) for t, e in self.ir.dtensors]
+        pexprs = [e for _, e in self.ir.dparams]
+        final = self.loop(
+            [dx_expr, *(e for _, e in dts), *pexprs],
+            temps,
+            stores=[("dx", dx_expr), *dts],
+            param_sums=list(enumerate(pexprs)),
+            arith=self.atype,
+            outputs=["dx", *(o for o, _ in dts)],
+            first=red is None,
+            second=red is not None,
+        )
+        if red is not None:  # the block arrays the reduction sweep left are still the group's
+            final = dataclasses.replace(final, fresh=tuple(p for p in final.blocks if p not in red.loop.blocks))
+        sweep = self._sweep(final, (), names)
+        if self.spec.layout == "trailing":
+            sweep = dataclasses.replace(sweep, rows=row_sweep(final, names))
+        return BackwardPlan(reduction=red, group=tuple(group), final=sweep)
+
+
+def _levels(steps: list[Sweep | GroupValue]) -> tuple[SplitLevel, ...]:
+    """The forward's steps as split-reduction levels (see :func:`derivgen.codegen.ir.split_levels`)."""
+    levels: list[tuple[Sweep | None, list[GroupValue]]] = []
+    for st in steps:
+        if isinstance(st, Sweep) or not levels:
+            levels.append((st if isinstance(st, Sweep) else None, []))
+        if isinstance(st, GroupValue):
+            levels[-1][1].append(st)
+    out, known = [], []
+    for sweep, assigns in levels:
+        out.append(SplitLevel(sweep=sweep, assigns=tuple(assigns), known=tuple(known)))
+        known += [a.name for a in assigns]
+    return tuple(out)

@@ -1,0 +1,241 @@
+"""The plan types of the C kernels: plain, frozen data the templates lay out.
+
+A sweep over a group (:class:`CLoop`, wrapped with its accumulators and layout needs as a
+:class:`Sweep`), the per-group values between sweeps (:class:`GroupValue`,
+:class:`GroupSelect`), a block mean's pass (:class:`BlockPass`), the split reduction's
+levels (:class:`SplitLevel`), and the kernels of one mode for one element type
+(:class:`KernelPlan`: :class:`ForwardPlan`, :class:`BackwardPlan`, :class:`SecondPlan`).
+Every line records the names it reads, so which group values a sweep needs is known from
+the plan, never read back from the C text.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+
+@dataclass(frozen=True)
+class CDecl:
+    """A per-group declaration before a sweep: ``const ctype name = expr;``."""
+
+    ctype: str
+    name: str
+    expr: str
+    reads: frozenset[str]  # the names the expression reads
+
+    @property
+    def line(self) -> str:
+        """The declaration as one C statement."""
+        return f"const {self.ctype} {self.name} = {self.expr};"
+
+
+@dataclass(frozen=True)
+class CLoop:
+    """One sweep over the elements of a group, as data for the C template.
+
+    The template emits it with DG_LANES independent double lanes for every sum (so
+    the compiler vectorizes without reassociating: no -ffast-math, and the
+    summation order is fixed), and loads each parameter once per channel in
+    NCHW layouts.
+    """
+
+    uses_params: bool
+    prelude: tuple[CDecl, ...]  # per-group declarations before the sweep (float copies, hi/lo)
+    param_loads: tuple[str, ...]  # const double gamma_V = (double)gamma[Ch];
+    elem_loads: tuple[str, ...]  # x, dy, then element temporaries, in order
+    stores: tuple[tuple[str, str], ...]  # (output array, value): dx, (float)(...)
+    group_sums: tuple[tuple[str, str], ...]  # (accumulator, expression) summed over the group
+    param_sums: tuple[tuple[int, str], ...]  # (parameter slot, expression) summed per channel
+    scalar_param_sums: tuple[tuple[int, str], ...]  # (slot, accumulator): scalar params
+    param_pend: tuple[tuple[int, str], ...]  # param_sums in element arithmetic
+    outputs: tuple[str, ...]  # full-size arrays written (y, dx)
+    prefetch: tuple[str, ...]  # full-size arrays read ahead (first sweep only)
+    reads: frozenset[str]  # the names the element code (all but param_pend) reads
+    pend_reads: frozenset[str] = frozenset()  # the names param_pend reads
+    other_reads: frozenset[str] = frozenset()  # the names the element code reads but for param_sums
+    calls_windows: bool = False  # the element code calls a window function
+    # full-size arrays the second sweep over a group reads ahead in the group after it, at the
+    # positions it reads in this one (where a group is longer than the first sweep's read-ahead)
+    ahead_next: tuple[str, ...] = ()
+    # the per-channel parameter sums of a float or bfloat16 kernel's channel runs (NCHW and
+    # channels-last) go into float lanes of DG_PEND lane blocks, in element arithmetic
+    # (param_pend), then into double lanes; the position layout's kernels keep them in double
+    float_lanes: bool = False
+    # the block passes (block statistics: BlockPass) the element code reads, dependencies first,
+    # and those of them no earlier sweep of the kernel computed for the group (``fresh``)
+    blocks: tuple[BlockPass, ...] = ()
+    fresh: tuple[BlockPass, ...] = ()
+
+    # Runs whose iterations carry no lane sums may start their lane blocks anywhere, so a
+    # long streaming run peels a scalar head up to a 64-byte boundary of its single output
+    # and streams whole blocks straight from registers ("direct"; short ones are written
+    # in place); runs with lane sums compute into a cache-resident tile that is streamed
+    # out afterwards, keeping the lane of every element.
+    def _direct(self, channel_lanes: bool) -> bool:
+        return len(self.outputs) == 1 and not self.group_sums and not (channel_lanes and self.param_sums)
+
+    @property
+    def direct_run(self) -> bool:
+        """Written in place along the channel axis (S == 1), or with no parameters."""
+        return self._direct(False)
+
+    @property
+    def direct_nchw(self) -> bool:
+        """Written in place in runs of S values of one channel (NCHW)."""
+        return self._direct(True)
+
+    @property
+    def needs_tile(self) -> bool:
+        """Some run of this sweep computes into a tile that is streamed out afterwards."""
+        if not self.outputs:
+            return False
+        return not (self.direct_run and self.direct_nchw) if self.uses_params else not self.direct_run
+
+
+@dataclass(frozen=True)
+class BlockPass:
+    """One block mean as a pass over the group, for the C template (kernel.c.j2, block_pass)."""
+
+    slot: int  # its array: Bm<slot>_A
+    comment: str
+    count: str  # C: the blocks one group holds
+    size: str  # C: the elements one block holds (a double)
+    index: str  # C: the block of the element (Blk, Ch)
+    chan_loads: tuple[str, ...]  # per channel: parameters, masks, the block values u reads
+    elem_loads: tuple[str, ...]  # per element: x, dy, seeds, temporaries
+    body: str  # u, in double
+    deps: tuple[int, ...]  # the slots u reads, directly or through another pass
+
+
+@dataclass(frozen=True)
+class NhwcSweep:
+    """A sweep's group-level needs in the NHWC kernels."""
+
+    prelude_inputs: tuple[str, ...]  # group values the prelude reads
+    inner_group: tuple[str, ...]  # group values the element code reads
+    inner_prelude: tuple[tuple[str, str], ...]  # (type, name) of prelude values the element code reads
+
+
+@dataclass(frozen=True)
+class RowSweep:
+    """What a trailing layout's final backward sweep needs to run over rows in lockstep: the
+    group values and prelude declarations its element code reads, as (C type, name)."""
+
+    values: tuple[tuple[str, str], ...]
+
+
+@dataclass(frozen=True)
+class Sweep:
+    """A sweep of a kernel: its loop, the accumulators it leaves, and its NHWC needs."""
+
+    kind: ClassVar[str] = "sweep"
+    loop: CLoop
+    accs: tuple[str, ...]
+    nhwc: NhwcSweep
+    rows: RowSweep | None = None  # a trailing layout's final backward sweep over rows in lockstep
+
+
+@dataclass(frozen=True)
+class GroupValue:
+    """A per-group value between sweeps: ``const double name = expr;``."""
+
+    kind: ClassVar[str] = "assign"
+    name: str
+    expr: str
+    comment: str
+    reads: tuple[str, ...]  # the group values defined before it that it reads, in order
+
+
+@dataclass(frozen=True)
+class GroupSelect:
+    """A group maximum or minimum of the forward: ``name = op`` over the elements of the
+    group's run (trailing layouts: one contiguous row), ``expr`` the element value (double)."""
+
+    kind: ClassVar[str] = "select"
+    name: str
+    op: str  # "max" or "min"
+    expr: str
+    comment: str
+    reads: tuple[str, ...]
+    x: str  # the name of x at the element, which ``expr`` reads (the naming table's)
+
+
+@dataclass(frozen=True)
+class SplitLevel:
+    """A level of the split reduction: its sweep (None: no sums), the statistics it
+    assigns, and the statistics of the earlier levels."""
+
+    sweep: Sweep | None
+    assigns: tuple[GroupValue, ...]
+    known: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class ForwardPlan:
+    """The forward kernel: sweeps and statistics in order, the buffer updates, the output sweep."""
+
+    steps: tuple[Sweep | GroupValue | GroupSelect, ...]
+    final: Sweep
+    updates: tuple[tuple[str, str], ...]  # (buffer, C expression)
+    update_reads: tuple[str, ...]  # the group values the updates read
+    levels: tuple[SplitLevel, ...]
+
+    @property
+    def block_slots(self) -> tuple[int, ...]:
+        """The block arrays (Bm<k>_A) the forward's sweeps read."""
+        sweeps = [st.loop for st in self.steps if isinstance(st, Sweep)] + [self.final.loop]
+        return tuple(sorted({p.slot for lp in sweeps for p in lp.blocks}))
+
+
+@dataclass(frozen=True)
+class BackwardPlan:
+    """The backward kernel: the reduction sweep (None: no reductions), the group values, the output sweep."""
+
+    reduction: Sweep | None
+    group: tuple[GroupValue, ...]
+    final: Sweep
+
+    @property
+    def block_slots(self) -> tuple[int, ...]:
+        """The block arrays (Bm<k>_A) the backward's sweeps read."""
+        sweeps = ([self.reduction.loop] if self.reduction else []) + [self.final.loop]
+        return tuple(sorted({p.slot for lp in sweeps for p in lp.blocks}))
+
+
+@dataclass(frozen=True)
+class SecondPlan:
+    """A second-order kernel (derivgen.derive.second): one reduction sweep, one output sweep per
+    group, all arithmetic in double (float and bfloat16 values are widened on load), sums
+    in DG_LANES lanes; the template (kernel.c.j2, second_kernel) lays out the loops."""
+
+    elem1: tuple[str, ...]  # sweep 1: element loads and temporaries
+    chan1: tuple[str, ...]  # sweep 1: per-channel loads
+    sums: tuple[tuple[str, str], ...]  # (accumulator, C expression)
+    group: tuple[tuple[str, str, str], ...]  # (name, C expression, comment) per group between the sweeps
+    elem2: tuple[str, ...]
+    chan2: tuple[str, ...]
+    stores: tuple[tuple[str, str], ...]  # (output array, C expression in double)
+    param_sums: tuple[tuple[int, str], ...]  # (parameter slot, C expression)
+    inputs: tuple[tuple[str, str], ...]  # (input, group variable)
+    param_groups: tuple[tuple[int, str], ...]  # (parameter slot, group variable)
+    seed_group: tuple[tuple[str, str], ...]  # (name, declaration): per-group loads of input seeds, scalar seeds
+    blocks1: tuple[BlockPass, ...] = ()  # the block passes before the reduction sweep
+    blocks2: tuple[BlockPass, ...] = ()  # and those before the output sweep (the others' arrays kept)
+
+    @property
+    def block_slots(self) -> tuple[int, ...]:
+        """The block arrays (Bm<k>_A) the kernel's passes fill."""
+        return tuple(sorted({p.slot for p in (*self.blocks1, *self.blocks2)}))
+
+
+@dataclass(frozen=True)
+class KernelPlan:
+    """Every C kernel of one mode for one element type, planned once before rendering."""
+
+    mode: str
+    ctype: str
+    forward: ForwardPlan
+    backward: BackwardPlan
+    second: dict[str, SecondPlan] | None  # "bb", "jvp"; None for bfloat16 (no second-order kernels)
+    windows: tuple[str, ...] = ()  # the static functions the kernels call for window(e, k), in order
