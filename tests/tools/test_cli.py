@@ -106,10 +106,11 @@ def test_bench_plot_checks_matplotlib_before_any_work(tmp_path, monkeypatch, cap
     import importlib.util
 
     from derivgen import cli
+    from derivgen.cli import bench
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda n, *a: None if n == "matplotlib" else real(n, *a))
-    monkeypatch.setattr(cli, "run_bench", lambda *a, **k: pytest.fail("the bench ran before the check"))
+    monkeypatch.setattr(bench, "run_bench", lambda *a, **k: pytest.fail("the bench ran before the check"))
     rc = cli.main(["bench", "rmsnorm", "--plot", str(tmp_path / "x.png")])
     err = capsys.readouterr().err
     assert rc == 2 and "matplotlib" in err and len(err.strip().splitlines()) == 1
