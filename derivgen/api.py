@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import ModuleType
 
+from derivgen.codegen import targets
 from derivgen.codegen.emit import emit
 from derivgen.derive.first import ModeDerivation, derive_mode
 from derivgen.derive.second import SecondOrder, derive_second
@@ -20,7 +21,7 @@ from derivgen.explain.steps import Step, build_steps, facts
 from derivgen.prove.proof import ModeProof, prove_derivation, prove_second_mode
 from derivgen.runtime.build import cache_dir
 from derivgen.runtime.fsutil import atomic_write
-from derivgen.spec.model import Spec, catalogue_names, load_catalogue, load_spec_file, zoo_names
+from derivgen.spec import Spec, catalogue_names, load_catalogue, load_spec_file, zoo_names
 
 _TRAIN_MODE_FIELDS = ("dx", "dparams", "dinputs", "reductions", "g")
 
@@ -219,10 +220,14 @@ def load(name_or_spec: str | Path | Spec, backend: str = "numpy", *, cflags: lis
     its own, so builds for several instruction sets can run side by side
     (``derivgen.runtime.build.march_cflags("x86-64-v3")``).
     """
-    if backend not in ("numpy", "c", "torch", "triton"):
-        raise ValueError(f"backend must be 'numpy', 'c', 'torch' or 'triton', got {backend!r}")
-    if cflags is not None and backend != "c":
-        raise ValueError("cflags= applies to the C backend only")
+    loadable = list(targets.names(loadable=True))
+    if backend not in loadable:
+        raise ValueError(f"backend must be {targets.one_of(loadable)}, got {backend!r}")
+    target = targets.get(backend)
+    if cflags is not None and not target.cflags:
+        raise ValueError(
+            f"cflags= applies to the {' and '.join(t.label for t in targets.TARGETS.values() if t.cflags)} backend only"
+        )
     spec = name_or_spec if isinstance(name_or_spec, Spec) else load_spec(name_or_spec)
     flags = None if cflags is None else tuple(str(f) for f in cflags)
     if (spec, backend, flags) in _LOADED:  # the same spec: no need to derive and render again
@@ -234,12 +239,12 @@ def load(name_or_spec: str | Path | Spec, backend: str = "numpy", *, cflags: lis
         return _LOADED[key]
     tag = "" if flags is None else "_" + hashlib.sha256("\0".join(flags).encode()).hexdigest()[:8]
     modname = f"derivgen_generated_{backend}_{spec.name}_{digest}{tag}"
-    module_spec = importlib.util.spec_from_file_location(modname, root / f"{spec.name}.py")
+    module_spec = importlib.util.spec_from_file_location(modname, root / target.module.format(name=spec.name))
     module = importlib.util.module_from_spec(module_spec)
     sys.modules[modname] = module
     module_spec.loader.exec_module(module)
-    if backend == "triton":  # its second order runs the spec's PyTorch closed forms
-        module.LAYER.spec = spec
+    if target.after_load is not None:  # the Triton module's second order runs the spec's PyTorch closed forms
+        target.after_load(module, spec)
     if flags is not None:
         module._kernel.cflags = list(flags)  # built on first use, so before any call
     _LOADED[key] = _LOADED[(spec, backend, flags)] = module
