@@ -60,7 +60,7 @@ def test_records_are_whole():
 
 
 def test_buffer_reads_once():
-    """"Which modes read the running buffers" is one function; the contract carries it."""
+    """Which modes read the running buffers is one function; the contract carries it."""
     from derivgen.codegen.ir import buffer_reads
 
     spec = derivgen.load_spec("batchnorm")
