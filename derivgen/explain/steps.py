@@ -1,162 +1,40 @@
 """The derivation for people, built from the engine's results.
 
-:mod:`derivgen.derive.first` computes (a :class:`~derivgen.derive.first.ModeDerivation`:
+:mod:`derivgen.derive.first` computes (a :class:`~derivgen.derive.results.ModeDerivation`:
 the program of statistics, the partial derivatives, the adjoints, the
 closed forms); this module turns that data into the steps a careful person
 writes down -- definitions, local partials, the partials of the statistics
 with the terms that vanish and why, the adjoints, the closed form, the
 parameter and input gradients -- for :mod:`derivgen.explain.document` to print as
 LaTeX, Markdown or text.
+
+This module builds the steps (:func:`build_steps`) up to the statistics' adjoints; the
+closed form and the gradients are :mod:`~derivgen.explain.gradients`', the reasons terms
+vanish :mod:`~derivgen.explain.reasons`', the records :mod:`~derivgen.explain.records`'.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 
 import sympy
 
-from derivgen.derive.first import G, ModeDerivation, Partial, block_facts, mode_depends_on_x, tidy_windows
-from derivgen.explain.document import latex_expr, text_expr
-from derivgen.spec.model import DY, Named, Spec, Statistic, X
-from derivgen.symbolic.block import BlockMean, block_mean, hide_blocks
-from derivgen.symbolic.reduce import GroupMin, Mean, ReductionAlgebra
-
-
-@dataclass(frozen=True)
-class Equation:
-    """One displayed equation: ``lhs = rhs`` (rhs a SymPy expression or None)."""
-
-    lhs_latex: str
-    lhs_text: str
-    rhs: sympy.Expr | None = None
-    note: str = ""
-    note_latex: str = ""  # the note with its mathematics in LaTeX (optional)
-    rel_latex: str = "="  # the relation between the sides: "=", or "\\leftarrow" for an update
-    rel_text: str = "="
-
-
-@dataclass(frozen=True)
-class Step:
-    """One step of a derivation: a title, its prose and its equations."""
-
-    title: str
-    prose: str
-    equations: tuple[Equation, ...] = ()
-
-
-def partial_latex(num: str, den: str) -> str:
-    """∂num/∂den in LaTeX."""
-    return rf"\frac{{\partial {num}}}{{\partial {den}}}"
-
-
-def partial_text(num: str, den: str) -> str:
-    """∂num/∂den in text."""
-    return f"∂{num}/∂{den}"
-
-
-_NEGLIGIBLE = (
-    "exactly, so any term proportional to it — the “1/N²” term that hand derivations "
-    "drop as negligible — is not small but exactly zero"
+from derivgen.derive.results import G, ModeDerivation, Partial, mode_depends_on_x
+from derivgen.derive.rewrite import block_facts, tidy_windows
+from derivgen.explain.gradients import (
+    _closed_form,
+    _input_gradients,
+    _parameter_gradients,
+    _running_buffers,
+    _tensor_gradients,
 )
+from derivgen.explain.reasons import _Names, _selection_zero, _why_kept_text, _why_zero, _why_zero_text, facts
+from derivgen.explain.records import Equation, Step, partial_latex, partial_text
+from derivgen.spec.model import DY, X
+from derivgen.symbolic.block import BlockMean, block_mean, hide_blocks
+from derivgen.symbolic.reduce import GroupMin
 
-
-class _Names:
-    """Display names of the symbols of one derivation (spec names and auxiliaries)."""
-
-    def __init__(self, spec: Spec, statistics: Iterable[Statistic], coordinate: Named | None = None):
-        self.spec = spec
-        self.named = {n.symbol.name: n for n in spec.symbols.values()}
-        self.named.update({s.symbol.name: s for s in statistics})
-        if coordinate is not None:
-            self.named[coordinate.symbol.name] = coordinate
-
-    def latex(self, sym: sympy.Basic) -> str:
-        """A symbol's name in LaTeX."""
-        n = self.named.get(getattr(sym, "name", None))
-        return n.latex if n is not None else sympy.latex(sym)
-
-    def text(self, sym: sympy.Basic) -> str:
-        """A symbol's name in text."""
-        n = self.named.get(getattr(sym, "name", None))
-        return n.text if n is not None else str(sym)
-
-    def expr_text(self, e: sympy.Expr) -> str:
-        """An expression in text."""
-        return text_expr(e, self.spec, extra=self.named)
-
-    def expr_latex(self, e: sympy.Expr) -> str:
-        """An expression in LaTeX (no element subscripts)."""
-        return latex_expr(e, self.spec, subscript=False, extra=self.named)
-
-
-def _why_zero(stats: Iterable[Statistic], show: Callable[[sympy.Expr], str]) -> str:
-    """Why a term vanishes: the definitions of the statistics it uses, or that its terms cancel."""
-    defs = [f"{s.text} = {show(s.expr)}" for s in stats]
-    return " and ".join(defs) if defs else "its terms cancel"
-
-
-def _why_zero_text(p: Partial, names: _Names) -> str:
-    return f"{names.expr_text(p.raw)} = {names.expr_text(p.linear)} = 0 because " + _why_zero(
-        p.because, names.expr_text
-    )
-
-
-def _why_kept_text(p: Partial, names: _Names) -> str:
-    return f"{names.expr_text(p.raw)} = {names.expr_text(p.linear)}, which is not zero in general: kept"
-
-
-def _through_mean_text(p: Partial, names: _Names) -> str:
-    return f"∂{p.stat.text}/∂{names.text(p.wrt)} through the mean {names.expr_text(p.atom)}"
-
-
-def _selection_zero(p: Partial, names: _Names) -> tuple[str, str]:
-    """Why a group maximum (minimum) gets no gradient: ∂L/∂s is zero identically."""
-    st = p.stat
-    return (
-        f"∂L/∂{st.text} through the group {names.expr_text(p.atom)}",
-        (
-            f"∂L/∂{st.text} = {'' if p.raw == 0 else names.expr_text(p.raw) + ' = '}0 for every ∂L/∂y: "
-            "y does not change when "
-            f"{st.text} shifts (it only keeps the arithmetic in range), so no gradient flows through "
-            f"{st.text} and the backward needs no mask of the elements that attain it"
-        ),
-    )
-
-
-def facts(mode: ModeDerivation) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
-    """(vanishing, kept): the terms of one mode's derivation that are exactly zero and the
-    ones kept, with reasons (text)."""
-    spec = mode.spec
-    names = _Names(spec, mode.statistics)
-    vanishing, kept = [], []
-    for p in mode.partials:
-        if p.kind == "selection" and p.value == 0:
-            vanishing.append(_selection_zero(p, names))
-        if p.kind == "zero":
-            vanishing.append((_through_mean_text(p, names), _why_zero_text(p, names)))
-        elif p.kind == "kept":
-            kept.append((_through_mean_text(p, names), _why_kept_text(p, names)))
-    if mode.sum_xhat_zero:
-        lin = _linear_mean(spec, mode.normalized_expr)
-        vanishing.append(
-            (
-                f"Σ_j {spec.normalized.text}_j",
-                f"{names.expr_text(Mean(spec.normalized.symbol))} = {names.expr_text(lin)} = 0 {_NEGLIGIBLE}.",
-            )
-        )
-    return vanishing, kept
-
-
-def _linear_mean(spec: Spec, xhat_def: sympy.Expr) -> sympy.Expr:
-    """⟨x̂⟩ by linearity of the mean, in the spec's statistics (zero for a centred x̂)."""
-    varying = {X, DY} | {p.symbol for p in spec.params if not p.scalar} | spec.mask_symbols | spec.tensor_symbols
-    varying |= {spec.core.symbol} if spec.core is not None else set()
-    return sympy.factor_terms(ReductionAlgebra(varying).canon(Mean(xhat_def)))
-
-
-# ---------------------------------------------------------------- the steps
+__all__ = ["Equation", "Step", "build_steps", "facts"]
 
 
 def _definitions(mode: ModeDerivation) -> Step:
@@ -421,171 +299,11 @@ def _statistic_adjoints(mode: ModeDerivation) -> Step:
     return Step("Gradients with respect to the statistics", prose + ":", tuple(eqs))
 
 
-def _closed_form_how(mode: ModeDerivation, names: _Names) -> str:
-    """How the closed form is reached: through which coordinate."""
-    spec = mode.spec
-    with_g = f"g = {names.expr_text(mode.g)}, " if mode.g is not None else ""
-    if spec.normalized is not None:
-        return f"Substituting x = x({spec.normalized.text}) and " + with_g
-    if mode.implicit_coordinate:
-        return (
-            f"The output normalizes x without naming it: with {mode.coordinate.text} = "
-            f"{names.expr_text(mode.coordinate_expr)} (named here) y = "
-            f"{names.expr_text(mode.output_in_coordinate)}. "
-            f"Substituting x = x({mode.coordinate.text}) and " + with_g
-        )
-    if mode.coordinate is not None:
-        return (
-            f"Writing x through the centred coordinate {mode.coordinate.text} (polynomials in x are never "
-            "expanded into raw powers of x, which would cancel catastrophically), "
-        )
-    return ""
-
-
-def _closed_form(mode: ModeDerivation, names: _Names) -> Step:
-    spec = mode.spec
-    how = _closed_form_how(mode, names)
-    prose = how + ("applying" if how else "Applying") + " linearity of ⟨·⟩ and the definitions of the statistics:"
-    n = len(mode.reductions)
-    parts = []
-    if n:
-        parts.append(
-            f"{n} reduction{'s' if n > 1 else ''} per group: "
-            + ", ".join(names.expr_text(r.atom) for r in mode.reductions)
-        )
-    by_kind: dict[str, list] = {}
-    for b in mode.block_reductions:
-        by_kind.setdefault(b.kind, []).append(b)
-    for kind, bs in by_kind.items():
-        parts.append(
-            f"{len(bs)} {kind} mean{'s' if len(bs) > 1 else ''} (one value per {kind} block): "
-            + ", ".join(names.expr_text(b) for b in bs)
-        )
-    if not parts:
-        prose += " the backward needs no reduction over the group."
-    else:
-        prose += " the backward needs " + ("no reduction over the group but " if not n else "") + "; ".join(parts) + "."
-    eqs = []
-    if mode.g is not None:
-        eqs.append(Equation("g_i", "g", mode.g))
-    if mode.dcore is not None:
-        core = spec.core
-        eqs.append(Equation(partial_latex("L", core.latex + "_i"), partial_text("L", core.text), mode.dcore))
-    else:
-        eqs.append(Equation(partial_latex("L", "x_i"), "∂L/∂x", mode.dx))
-    if mode.sum_xhat_zero:
-        xhat = spec.normalized
-        lin = _linear_mean(spec, mode.normalized_expr)
-        note = f"{names.expr_text(Mean(xhat.symbol))} = {names.expr_text(lin)} = 0 {_NEGLIGIBLE}."
-        note_l = f"$\\langle {xhat.latex} \\rangle = 0$ {_NEGLIGIBLE}."
-        eqs.append(
-            Equation(r"\sum_j " + xhat.latex + "_j", "Σ " + xhat.text, sympy.S.Zero, note=note, note_latex=note_l)
-        )
-    return Step("Closed form", prose, tuple(eqs))
-
-
-def _parameter_gradients(mode: ModeDerivation) -> Step:
-    spec = mode.spec
-    through_stats = [
-        p for p in spec.params if mode.grads[p.name].group != 0 or any(q.wrt == p.symbol for q in mode.partials)
-    ]
-    if through_stats:
-        prose = (
-            "Parameters that enter the statistics collect their gradient through them too: the "
-            "element-level part is summed over the axes the parameter does not span, the per-group "
-            "part (a scalar parameter inside a statistic) over the groups:"
-        )
-    else:
-        prose = (
-            "Parameters do not enter the statistics, so their gradients are plain sums of "
-            "∂L/∂y·∂y/∂p over the axes the parameter does not span:"
-        )
-    eqs = []
-    for p in spec.params:
-        gr = mode.grads[p.name]
-        if gr.element != 0 or gr.group == 0:  # no zero printed beside a nonzero part
-            eqs.append(
-                Equation(
-                    partial_latex("L", p.latex),
-                    partial_text("L", p.text),
-                    gr.element,
-                    note="summed over all elements" if p.scalar else "summed over the non-parameter axes",
-                )
-            )
-        if gr.group != 0:
-            eqs.append(
-                Equation(
-                    partial_latex("L", p.latex) + r"\ \text{(statistics)}",
-                    partial_text("L", p.text) + " (statistics)",
-                    gr.group,
-                    note="per group, summed over the groups",
-                )
-            )
-    return Step("Parameter gradients", prose, tuple(eqs))
-
-
-def _input_gradients(mode: ModeDerivation) -> Step:
-    return Step(
-        "Gradients of the per-group inputs",
-        "Summed over groups when the input is a single scalar:",
-        tuple(
-            Equation(partial_latex("L", i.latex), partial_text("L", i.text), mode.dinputs[i.name])
-            for i in mode.spec.inputs
-        ),
-    )
-
-
 def _tensor_note(t) -> str:
     """What a tensor input is, in words."""
     shape = "x's shape" if t.shape == "x" else f"one value per {t.shape} ({'broadcast'} over x's other axes)"
     what = "a 0/1 mask, no gradient" if t.mask else ("with a gradient" if t.grad else "no gradient")
     return f"a tensor input of {shape}, {what}"
-
-
-def _tensor_gradients(mode: ModeDerivation) -> Step:
-    """The chain rule through the core value, and the gradients of the tensor inputs."""
-    spec = mode.spec
-    eqs = []
-    prose = ""
-    if spec.core is not None:
-        core = spec.core
-        dh = partial_text("L", core.text)
-        ones = [k for k, d in mode.chain.items() if d == 1]
-        prose = (
-            f"The statistics read x only through {core.text} = {text_expr(core.expr, spec)}, so every gradient "
-            f"through them is {dh}·∂{core.text}/∂v, with the closed form {dh} above computed once"
-        )
-        shown = {t.name: t for t in spec.tensors}
-        for k, d in mode.chain.items():
-            t = shown.get(k)
-            eqs.append(
-                Equation(partial_latex(core.latex, t.latex if t else k), f"∂{core.text}/∂{t.text if t else k}", d)
-            )
-        if len(ones) > 1:
-            prose += (
-                f"; ∂{core.text}/∂v = 1 for "
-                + " and ".join(shown[k].text if k in shown else k for k in ones)
-                + f": their gradients are the same values, {dh} itself, "
-                "shared rather than recomputed"
-            )
-        prose += ":"
-        eqs.append(Equation(partial_latex("L", "x_i"), "∂L/∂x", mode.dx))
-    else:
-        prose = "Each tensor input's gradient at its element:"
-    for t in spec.grad_tensors:
-        note = "" if t.shape == "x" else f"summed over the axes {t.name} is broadcast over"
-        eqs.append(
-            Equation(partial_latex("L", t.latex + "_i"), partial_text("L", t.text), mode.dtensors[t.name], note=note)
-        )
-    return Step("Gradients of x and the tensor inputs", prose, tuple(eqs))
-
-
-def _running_buffers(mode: ModeDerivation) -> Step:
-    return Step(
-        "Running buffers (not differentiated)",
-        "Updated in place in training mode:",
-        tuple(Equation(b.latex, b.text, b.update, rel_latex=r"\leftarrow", rel_text="←") for b in mode.spec.buffers),
-    )
 
 
 def build_steps(mode: ModeDerivation) -> tuple[Step, ...]:
