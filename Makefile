@@ -43,7 +43,7 @@ demo: $(STAMP)
 	@$(BIN)/derivgen check
 	@echo
 	@echo "== PyTorch: models trained with torch.nn norms and after derivgen.torch.convert"
-	@$(BIN)/python -m derivgen.torch.demo
+	@$(BIN)/python -m derivgen.tools.demo
 
 # ruff: lint and format (configured in pyproject.toml; generated/ is template output and excluded)
 lint: $(STAMP)

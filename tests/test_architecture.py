@@ -40,11 +40,6 @@ STAGE_OF_MODULE = {
     "derivgen.cbind": "runtime",  # the import path the generated bindings use
     "derivgen.cli": "cli",
     "derivgen.__main__": "cli",
-    "derivgen.torch.bench": "tools",  # benchmarks and demos use the modules, they are not part of them
-    "derivgen.torch.bench_sync": "tools",
-    "derivgen.torch.bench_bf16": "tools",
-    "derivgen.torch.demo": "tools",
-    "derivgen.jax.bench": "tools",
 }
 
 

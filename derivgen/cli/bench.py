@@ -10,8 +10,11 @@ from pathlib import Path
 import click
 
 from derivgen.cli.common import UserError, _make_dir, _out_file, _shape, _specs, _write, cli
-from derivgen.tools.bench import DEFAULT_SHAPES, default_shapes, format_report, plot, run_bench, tune_malloc
+from derivgen.tools.bench import default_shapes, run_bench
+from derivgen.tools.bench_report import format_report, plot
+from derivgen.tools.bench_targets import DEFAULT_SHAPES
 from derivgen.tools.check import stderr_progress
+from derivgen.tools.timing import tune_malloc
 
 
 @cli.command("bench", short_help="Time the generated code against NumPy, PyTorch and bandwidth.")
@@ -135,11 +138,11 @@ def _bench_torch(
     """``bench --torch``: derivgen.torch's modules against torch.nn's (or, with ``--sync``, SyncBatchNorm
     split over processes against one process)."""
     try:  # imported here: PyTorch is an optional dependency, and these modules import it
-        from derivgen.torch.bench import CASES, format_torch_report, run_torch_bench
+        from derivgen.tools.bench_torch import CASES, format_torch_report, run_torch_bench
     except ImportError as e:
         raise UserError(str(e)) from None
     if sync_world:
-        from derivgen.torch.bench_sync import format_sync_report, run_sync_bench  # optional PyTorch, as above
+        from derivgen.tools.bench_sync import format_sync_report, run_sync_bench  # optional PyTorch, as above
 
         report = run_sync_bench(sync_world, repeat)
         click.echo(format_sync_report(report))
@@ -161,7 +164,7 @@ def _bench_bf16(
 ) -> None:
     """``bench --dtype bfloat16``: the bfloat16 kernels against the float32 ones, per byte."""
     try:  # PyTorch is an optional dependency; the bench calls derivgen.torch's operators
-        from derivgen.torch.bench_bf16 import LAYERS, format_bf16_report, run_bf16_bench
+        from derivgen.tools.bench_bf16 import LAYERS, format_bf16_report, run_bf16_bench
     except ImportError as e:
         raise UserError(str(e)) from None
     bad = [n for n in names if n not in LAYERS]
@@ -180,7 +183,7 @@ def _bench_bf16(
 
 def _bench_jax(dtype: str, repeat: int, json_file: str | None) -> None:
     """``bench --jax``: derivgen.jax against Flax's layers, jitted, on the CPU."""
-    from derivgen.tools.bench import format_jax_report, run_jax_bench
+    from derivgen.tools.bench_jax import format_jax_report, run_jax_bench
 
     _out_file(json_file, "--json")
     progress = stderr_progress(6)

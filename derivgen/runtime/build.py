@@ -30,6 +30,8 @@ import tempfile
 import warnings
 from pathlib import Path
 
+from derivgen.runtime.machine import machine
+
 REQUIRED_FLAGS = ["-std=c99", "-fPIC", "-shared"]
 WARN_FLAGS = ["-Wall", "-Wextra", "-pedantic"]
 STRICT_FLAGS = ["-Werror"]  # with DERIVGEN_WERROR=1 (the test suite, CI)
@@ -96,8 +98,6 @@ def compiler() -> list[str]:
 def default_cflags() -> list[str]:
     """:data:`DEFAULT_CFLAGS` with -march=native made this machine's x86-64 level
     (``-march=x86-64-v4`` on an AVX-512 CPU); elsewhere (ARM, ...) native stays."""
-    from derivgen.runtime.machine import machine
-
     level = machine().level
     return [f"-march={level}" if f == "-march=native" and level else f for f in DEFAULT_CFLAGS]
 

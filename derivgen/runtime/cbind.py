@@ -13,7 +13,7 @@ import numpy as np
 from derivgen import runtime as rt
 from derivgen.runtime.abi import KernelSignature, grad_tensor_names, kernel_signatures, tensor_names
 from derivgen.runtime.base import aligned_empty
-from derivgen.runtime.build import build_shared
+from derivgen.runtime.build import build_shared, build_target
 from derivgen.runtime.machine import machine
 
 _SFX = {np.dtype(np.float32): "f32", np.dtype(np.float64): "f64"}
@@ -96,8 +96,6 @@ class CKernel:
     def target(self) -> str:
         """The -march this library is built for: the x86-64 level the load-time dispatch
         picked from cpuid ("x86-64-v4", "x86-64-v3", ...), or what $CFLAGS / ``cflags`` name."""
-        from derivgen.runtime.build import build_target
-
         return build_target(self.cflags)
 
     @property

@@ -212,7 +212,7 @@ def test_torch_float32_double_backward_matches_float64():
 def test_second_order_bench_machinery():
     """``derivgen bench --torch``'s second-order rows (timings are not asserted)."""
     torch = __import__("conftest").require_module("torch")
-    from derivgen.torch.bench import _second_rows, format_torch_report
+    from derivgen.tools.bench_torch import _second_rows, format_torch_report
 
     rows = _second_rows(torch.float32, torch.Generator().manual_seed(0), 3, (16, 32))
     assert [r["case"] for r in rows] == ["LayerNorm double backward", "LayerNorm JVP (torch.func.jvp)"]

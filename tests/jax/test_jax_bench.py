@@ -10,7 +10,7 @@ from conftest import require_module
 require_module("jax")
 require_module("flax")
 
-import derivgen.jax.bench as jb
+import derivgen.tools.bench_jax as jb
 from derivgen.cli import cli
 
 

@@ -58,7 +58,7 @@ def test_plain_numpy_baseline_is_correct():
     import numpy as np
 
     import derivgen
-    from derivgen.tools.bench import plain_numpy
+    from derivgen.tools.bench_refs import plain_numpy
 
     rng = np.random.default_rng(0)
     for name, shape, kw in [
@@ -248,7 +248,7 @@ def test_a_target_below_the_memory_floor_says_so():
     """A C / torch target smaller than the memory floor (the bytes at the faster copy
     probe, over torch's time) is marked as asking more than the memory gives; one above it
     is not."""
-    from derivgen.tools.bench import evaluate_targets, target_lines
+    from derivgen.tools.bench_targets import evaluate_targets, target_lines
 
     c_ratios = {"step_vs_torch": 0.9, "fwd_vs_stream_bound": 1.1, "bwd_vs_stream_bound": 1.0}
 
@@ -276,7 +276,8 @@ def test_bench_times_a_fused_layer_against_eager_and_compiled_pytorch():
     """add_rmsnorm: the C and NumPy modules, eager PyTorch (x + residual, then F.rms_norm) and
     torch.compile of it, each phase in the same rounds, against the bytes the layer moves."""
     pytest.importorskip("torch")
-    from derivgen.tools.bench import format_report, run_bench
+    from derivgen.tools.bench import run_bench
+    from derivgen.tools.bench_report import format_report
 
     rep = run_bench(["add_rmsnorm"], shapes=[(16, 64)], threads=1, repeat=2)
     impls = {r["impl"]: r for r in rep["results"]}

@@ -613,8 +613,8 @@ def test_the_fused_bench_rows():
     """``derivgen bench --torch``'s fused rows: derivgen.torch's module, the same function in eager
     PyTorch and through torch.compile, each phase, and the floor of the bytes they must move
     (timings are not asserted: the ratios and the floor's arithmetic)."""
-    from derivgen.tools.bench import Bandwidth
-    from derivgen.torch.bench import FUSED, _fused_lines, _fused_row
+    from derivgen.tools.bench_torch import FUSED, _fused_lines, _fused_row
+    from derivgen.tools.timing import Bandwidth
 
     label, make, fn, _, sweeps = FUSED[0]
     assert label == "FusedAddRMSNorm" and sweeps == 8

@@ -342,7 +342,7 @@ def test_demo_runs_and_float64_training_agrees():
     from conftest import ROOT
 
     r = subprocess.run(
-        [sys.executable, "-m", "derivgen.torch.demo"], cwd=ROOT, capture_output=True, text=True, timeout=600
+        [sys.executable, "-m", "derivgen.tools.demo"], cwd=ROOT, capture_output=True, text=True, timeout=600
     )
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.count("the same in float64") == 2

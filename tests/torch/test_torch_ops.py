@@ -253,7 +253,7 @@ def test_eager_path_detects_in_place_changes_and_keeps_statistics():
 def test_torch_bench_report_runs():
     """``derivgen bench --torch``'s machinery on its per-call case (timings are not asserted:
     a report with both sides and a ratio)."""
-    from derivgen.torch.bench import format_torch_report, run_torch_bench
+    from derivgen.tools.bench_torch import format_torch_report, run_torch_bench
 
     rep = run_torch_bench(threads=1, repeat=2, cases=["LayerNorm per call"])
     (row,) = rep["cases"]
@@ -266,8 +266,8 @@ def test_torch_bench_report_runs():
 def test_torch_bench_memory_floor():
     """A case with tensor sweeps gets its memory floor from copy probes timed beside it: the
     sweeps' bytes at the faster probe, over torch.nn's time; a target under it is flagged."""
-    from derivgen.tools.bench import Bandwidth
-    from derivgen.torch.bench import CASES, _case_row, below_floor, format_torch_report
+    from derivgen.tools.bench_torch import CASES, _case_row, below_floor, format_torch_report
+    from derivgen.tools.timing import Bandwidth
 
     sweeps = {c[0]: c[5] for c in CASES}
     assert sweeps["BatchNorm2d channels_last"] == 8 and sweeps["LayerNorm"] == 5

@@ -352,7 +352,7 @@ def test_split_functions_fuzzed_specs(seed, tmp_path):
 
 def test_sync_bench_reports_both_sides():
     """``derivgen bench --torch --sync 2``'s machinery (timings are not asserted)."""
-    from derivgen.torch import bench_sync
+    from derivgen.tools import bench_sync
 
     old = bench_sync.SHAPE
     bench_sync.SHAPE = (4, 3, 8, 8)

@@ -1,7 +1,7 @@
 """``derivgen bench --torch``: derivgen's modules against their torch.nn namesakes,
 through autograd (forward, then backward of the output), side by side in one process.
 
-Every case times the two modules round-robin (see derivgen.tools.bench.round_robin) on
+Every case times the two modules round-robin (see derivgen.tools.timing.round_robin) on
 the same input tensor, so the ratio compares them over the same stretch of the
 machine's time. A transformer block's whole training step is timed too, once
 with torch.nn norms and once converted, with the share of the step the norms take.
@@ -17,7 +17,8 @@ import torch
 from torch import nn
 
 from derivgen.runtime.machine import machine
-from derivgen.tools.bench import Bandwidth, missed_below_floor, round_robin
+from derivgen.tools.bench_targets import missed_below_floor
+from derivgen.tools.timing import Bandwidth, round_robin
 from derivgen.torch import nn as dnn
 from derivgen.torch.fused import FusedAddRMSNorm, RMSNormGated
 

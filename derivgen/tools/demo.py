@@ -1,4 +1,4 @@
-"""``python -m derivgen.torch.demo``: a small CNN (BatchNorm2d, GroupNorm, InstanceNorm2d)
+"""``python -m derivgen.tools.demo``: a small CNN (BatchNorm2d, GroupNorm, InstanceNorm2d)
 and a transformer block (LayerNorm, RMSNorm) trained with torch.nn's norms and, side by
 side, after ``derivgen.torch.convert``: the losses step by step, how far apart the final
 parameters are, and the time of each run."""

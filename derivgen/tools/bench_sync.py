@@ -25,7 +25,7 @@ import torch.multiprocessing as mp
 
 from derivgen import runtime as rt
 from derivgen.runtime.machine import machine
-from derivgen.tools.bench import Bandwidth, round_robin
+from derivgen.tools.timing import Bandwidth, round_robin
 from derivgen.torch import SyncBatchNorm
 from derivgen.torch.nn import BatchNorm2d
 from derivgen.torch.ops import layer, threads

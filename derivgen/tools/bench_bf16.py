@@ -24,8 +24,10 @@ import torch
 import torch.nn.functional as F
 
 from derivgen.runtime.machine import machine
-from derivgen.spec.model import load_catalogue
-from derivgen.tools.bench import DEFAULT_SHAPES, Bandwidth, _inputs, round_robin, tune_malloc
+from derivgen.spec import load_catalogue
+from derivgen.tools.bench import _inputs
+from derivgen.tools.bench_targets import DEFAULT_SHAPES
+from derivgen.tools.timing import Bandwidth, round_robin, tune_malloc
 from derivgen.torch import ops as dops
 
 LAYERS = ("layernorm", "rmsnorm", "batchnorm", "groupnorm", "instancenorm")
