@@ -1315,7 +1315,7 @@ def text_features(text: str, source: str = "spec.toml", shapes: bool = False) ->
     [modes.eval.statistics], [normalized], ...), its kinds of parameter (role, scalar shape)
     and of block statistic; ``shapes``: also its :func:`shape_features`. :func:`covering`
     picks a corpus's sample by them."""
-    from derivgen.spec.model import parse_spec
+    from derivgen.spec import parse_spec
 
     spec = parse_spec(text, source=source)
     formulas = [spec.output_text, *(b.update_text for b in spec.buffers)]
@@ -1469,7 +1469,7 @@ def covering(items, key=features) -> list:
 def run(text: str, seed: int = -1, prove_sizes=(2, 3)) -> Result:
     """Parse, derive, prove, generate, compile, check (a layer with tensor inputs, values or
     outputs beside y: :func:`run_tensors`). Never raises: failures are results."""
-    from derivgen.spec.model import parse_spec
+    from derivgen.spec import parse_spec
     from derivgen.tools.check import check_layer
 
     t0 = time.perf_counter()
@@ -1941,7 +1941,7 @@ def run_tensors(text: str, seed: int = -1, prove_sizes=(2, 3)) -> Result:
     run-time means against the brute-force minimum. Never raises: failures are results."""
     import derivgen
     from derivgen.codegen.emit import MULTI_TARGETS
-    from derivgen.spec.model import parse_spec
+    from derivgen.spec import parse_spec
 
     t0 = time.perf_counter()
     try:
@@ -1990,7 +1990,7 @@ def run_means(text: str, seed: int = -1) -> Result:
     """Parse, derive and judge the run-time means only (no proof, no code, no checks): a quick
     survey of :func:`reduction_minimum`. Never raises."""
     import derivgen
-    from derivgen.spec.model import parse_spec
+    from derivgen.spec import parse_spec
 
     t0 = time.perf_counter()
     try:

@@ -7,7 +7,7 @@ import pytest
 from conftest import QUICK_CFLAGS, ROOT, corpus
 
 import derivgen
-from derivgen.spec.model import SpecError, parse_spec
+from derivgen.spec import SpecError, parse_spec
 from derivgen.tools.check import check_layer
 
 REGRESSIONS = sorted((ROOT / "tests" / "regressions").glob("*.toml"))

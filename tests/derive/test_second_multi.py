@@ -23,7 +23,7 @@ import derivgen
 from derivgen.derive.first import G
 from derivgen.derive.second import derive_second
 from derivgen.prove.proof import _second_checks, prove_second_mode
-from derivgen.spec.model import N, X, parse_spec
+from derivgen.spec import N, X, parse_spec
 from derivgen.symbolic.reduce import Mean
 from derivgen.tools.evaluate import evaluate
 

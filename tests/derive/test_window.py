@@ -17,7 +17,7 @@ import derivgen
 from derivgen.derive.first import derive_mode
 from derivgen.derive.second import derive_second
 from derivgen.prove.proof import prove_mode, prove_second_mode, window_sizes
-from derivgen.spec.model import SpecError, parse_spec
+from derivgen.spec import SpecError, parse_spec
 from derivgen.symbolic.window import Window, offsets
 
 LRN = LRN_FEATURES

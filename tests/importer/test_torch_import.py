@@ -14,8 +14,8 @@ import pytest
 from conftest import require_module
 
 import derivgen
+from derivgen.spec import SpecError, parse_spec
 from derivgen.spec.from_torch import TorchImportError, from_torch, from_torch_toml, import_command_main
-from derivgen.spec.model import SpecError, parse_spec
 
 torch = require_module("torch")
 nn = torch.nn

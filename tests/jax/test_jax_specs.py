@@ -15,7 +15,7 @@ import jax_ref
 import specfuzz
 
 import derivgen.jax as dj
-from derivgen.spec.model import load_spec_file, parse_spec
+from derivgen.spec import load_spec_file, parse_spec
 from derivgen.tools.check import _inputs, cases_for
 
 EXAMPLES = sorted((ROOT / "examples").glob("*.toml"))

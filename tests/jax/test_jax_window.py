@@ -15,7 +15,7 @@ jax.config.update("jax_enable_x64", True)
 import jax.numpy as jnp
 
 import derivgen.jax as dj
-from derivgen.spec.model import parse_spec
+from derivgen.spec import parse_spec
 
 torch = require_module("torch")
 

@@ -11,7 +11,7 @@ from conftest import ROOT
 from derivgen.api import derive, load_spec
 from derivgen.codegen.emit import emit
 from derivgen.runtime.abi import KINDS, SPLIT_KINDS, KernelSignature, call_runs, kernel_signature, kernel_signatures
-from derivgen.spec.model import catalogue_names
+from derivgen.spec import catalogue_names
 
 ELEM = {"f32": "float", "f64": "double", "bf16": "dg_bf16"}
 PROTO = re.compile(r"^int (\w+)\(\n(.*?)\)(?:;|\n\{)", re.DOTALL | re.MULTILINE)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import sympy
 
-from derivgen.spec.model import SpecError, X, parse_spec
+from derivgen.spec import SpecError, X, parse_spec
 from derivgen.symbolic.block import BlockFacts, block_kinds, block_mean
 
 BASE = """

@@ -13,8 +13,8 @@ import pytest
 import specfuzz
 from conftest import ROOT
 
+from derivgen.spec import load_spec_file, parse_spec
 from derivgen.spec.lint import LintWarning, lint
-from derivgen.spec.model import load_spec_file, parse_spec
 
 CORPUS = sorted(
     [

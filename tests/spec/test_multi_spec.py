@@ -14,7 +14,7 @@ import pytest
 
 import derivgen
 from derivgen.prove.proof import prove_mode
-from derivgen.spec.model import SpecError, parse_spec
+from derivgen.spec import SpecError, parse_spec
 
 # add_rmsnorm, written out: the base every bad spec below changes in one place
 HEAD = """
@@ -135,7 +135,7 @@ def test_statistics_reading_two_values_is_one_error_under_every_hash_seed(tmp_pa
     path.write_text(spec_text(**TWO_VALUES), encoding="utf-8")
     probe = (
         "import sys\n"
-        "from derivgen.spec.model import SpecError, parse_spec\n"
+        "from derivgen.spec import SpecError, parse_spec\n"
         "try:\n"
         "    parse_spec(open(sys.argv[1], encoding='utf-8').read(), source='t.toml')\n"
         "except SpecError as e:\n"

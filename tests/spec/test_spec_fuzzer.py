@@ -18,7 +18,7 @@ import specfuzz
 from conftest import LRN_FEATURES, QUICK_CFLAGS, ROOT, private_cache, sample_and_rest
 
 import derivgen
-from derivgen.spec.model import parse_spec, reserved_reason
+from derivgen.spec import parse_spec, reserved_reason
 from derivgen.symbolic.block import BlockMean
 
 # and two of the block family (a group layout and a batch layout; the all layout's take a minute

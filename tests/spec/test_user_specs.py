@@ -11,7 +11,7 @@ import pytest
 from conftest import ROOT, require_module
 
 import derivgen
-from derivgen.spec.model import SpecError, parse_spec
+from derivgen.spec import SpecError, parse_spec
 from derivgen.tools.check import check_layer
 
 EXAMPLES = sorted((ROOT / "examples").glob("*.toml"))

@@ -19,8 +19,8 @@ from derivgen.codegen.printers import SpecPrinter, np_expr, torch_expr
 from derivgen.explain.document import latex_expr, text_expr
 from derivgen.runtime.build import build_shared
 from derivgen.runtime.elementwise import numpy_function
+from derivgen.spec import N, parse_spec, reserved_reason
 from derivgen.spec.expr import ExprError, parse_expr
-from derivgen.spec.model import N, parse_spec, reserved_reason
 from derivgen.symbolic import domain, functions
 from derivgen.symbolic.functions import NONNEG, POSITIVE, REAL, Elementary
 from derivgen.symbolic.naming import code_text

@@ -1,0 +1,493 @@
+"""The PyTorch importer's walk (:mod:`derivgen.spec.from_torch`): the core ATen graph of an
+exported forward read once, node by node, into expression text; reductions over the group
+become statistics, Python numbers added to them options, parameters keep their names, and
+what no spec can say is refused naming the operation and its source line.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+from derivgen.spec.model import reserved_reason
+from derivgen.spec.torch_ops import (
+    _ADD,
+    _ATOM,
+    _CONST,
+    _ELEM,
+    _ELEMENTWISE,
+    _GROUP,
+    _IGNORED,
+    _MUL,
+    _NEG,
+    _POW,
+    _SCATTERS,
+    _UNARY,
+    _V,
+    _VIEWS,
+    _WHY,
+    TorchImportError,
+    _Layout,
+    _num,
+    _State,
+    _wrap,
+)
+
+# the importer's own modules: a frame in one (the wrapper a function is traced through) is not
+# the user's source line
+_OWN_FILES = frozenset(
+    Path(__file__).resolve().with_name(f) for f in ("from_torch.py", "torch_graph.py", "torch_ops.py", "torch_toml.py")
+)
+
+
+class _Walker:
+    def __init__(self, torch: Any, ep: Any, module: Any, state: _State, fn_name: str) -> None:
+        self.torch = torch
+        self.ep = ep
+        self.module = module
+        self.st = state
+        self.fn_name = fn_name
+        self.def_line: int | None = None  # a function's first line, where export records none
+        self.values: dict[str, Any] = {}
+        self.feeds_reduction: set[str] = set()
+        self.line_last: dict[tuple[str, int], str] = {}  # (file, line) -> the last node it produced
+
+    # -- errors and source lines -------------------------------------------------------------
+    def where(self, node: Any) -> tuple[str, int | None, str]:
+        """(function, line, code) of the source line that made the node; a function imported
+        through the wrapper module, whose lines export does not record, by its own name."""
+        trace = node.meta.get("stack_trace") or ""
+        found = re.findall(r'File "([^"]*)", line (\d+), in (\S+)\n\s*(.*)', trace)
+        found = [f for f in found if Path(f[0]).resolve() not in _OWN_FILES]
+        if not found:
+            return self.fn_name, None, ""
+        _file, line, fn, code = found[-1]
+        return fn, int(line), code
+
+    def refuse(self, node: Any, what: str, why: str) -> TorchImportError:
+        fn, line, _ = self.where(node)
+        at = f"{fn}, line {line}" if line is not None else fn
+        if line is None and self.def_line is not None:
+            at = f"{fn} (defined at line {self.def_line})"
+        return TorchImportError(f"{what} in {at}: {why}")
+
+    @staticmethod
+    def op_name(node: Any) -> tuple[str, str]:
+        """(namespace, operation) of a call node."""
+        target = node.target
+        name = getattr(target, "__name__", str(target))  # "sort.default"
+        ns = getattr(target, "namespace", "aten")
+        return ns, name.split(".")[0]
+
+    def display(self, node: Any) -> str:
+        ns, op = self.op_name(node)
+        if ns == "aten" and op in ("mm", "bmm", "addmm", "matmul"):
+            code = self.where(node)[2]
+            return "a linear layer" if "linear" in code.lower() else "torch.matmul"
+        return f"torch.{op}" if ns == "aten" else f"custom operator {ns}::{op}"
+
+    # -- names ---------------------------------------------------------------------------------
+    def fresh(self, preferred: str | None, fallback: str = "s") -> str:
+        for cand in (preferred,):
+            if cand and self.ok(cand):
+                self.st.taken.add(cand)
+                return cand
+        while True:
+            self.st.counter += 1
+            cand = f"{fallback}{self.st.counter}"
+            if self.ok(cand):
+                self.st.taken.add(cand)
+                return cand
+
+    def ok(self, name: str) -> bool:
+        return name not in self.st.taken and reserved_reason(name) is None
+
+    def source_name(self, node: Any) -> str | None:
+        """The variable the node's source line assigns, when the node is the line's last."""
+        fn, line, code = self.where(node)
+        if line is None or self.line_last.get((fn, line)) != node.name:
+            return None
+        m = re.match(r"\s*([A-Za-z_][A-Za-z0-9_]*)\s*=[^=]", code)
+        if not m:
+            return None
+        name = m.group(1).lower()
+        return name if len(name) <= 31 else None
+
+    # -- the walk --------------------------------------------------------------------------------
+    def run(self) -> str:
+        graph = self.ep.graph_module.graph
+        sig = self.ep.graph_signature
+        nodes = list(graph.nodes)
+        for node in nodes:
+            if node.op == "call_function":
+                fn, line, _ = self.where(node)
+                if line is not None:
+                    self.line_last[(fn, line)] = node.name
+        self.mark_reductions(nodes)
+        inputs_to_params = dict(sig.inputs_to_parameters)
+        inputs_to_buffers = dict(sig.inputs_to_buffers)
+        user_inputs = list(sig.user_inputs)
+        mutated = {**getattr(sig, "user_inputs_to_mutate", {}), **getattr(sig, "buffers_to_mutate", {})}
+        if mutated:
+            out = next(n for n in nodes if n.op == "output")
+            for arg in out.args[0]:
+                if getattr(arg, "name", None) in mutated:
+                    target = mutated[arg.name]
+                    what = "the input x" if target in user_inputs else f"the buffer {target}"
+                    raise self.refuse(
+                        arg, f"an in-place update of {what}", "a spec's forward changes none of its inputs"
+                    )
+        if len(user_inputs) != 1:
+            raise TorchImportError(
+                f"{self.fn_name}: takes {len(user_inputs)} tensor inputs; the importer reads layers of one input x"
+            )
+        for node in nodes:
+            if node.op == "placeholder":
+                self.values[node.name] = self.placeholder(node, inputs_to_params, inputs_to_buffers, user_inputs)
+            elif node.op == "call_function":
+                v = self.call(node)
+                if isinstance(v, _V) and v.src is None:
+                    v.src = node
+                self.values[node.name] = v
+            elif node.op == "output":
+                outs = [a for a in node.args[0]]
+                if len(outs) != 1:
+                    raise TorchImportError(
+                        f"{self.fn_name}: returns {len(outs)} tensors; the importer reads layers of one output y"
+                    )
+                v = self.values[outs[0].name]
+                if isinstance(v, tuple) or v.level != _ELEM:
+                    raise self.refuse(outs[0], "the output", "y must be an element value of x")
+                return self.normalize(v).text
+            else:
+                raise self.refuse(node, f"graph node {node.op}", "not an operation the importer reads")
+        raise TorchImportError(f"{self.fn_name}: the traced graph has no output")
+
+    def mark_reductions(self, nodes: list) -> None:
+        """Every node some reduction reads, directly or through others."""
+        for node in reversed(nodes):
+            if node.op != "call_function":
+                continue
+            _, op = self.op_name(node)
+            if op in ("mean", "sum", "var", "var_mean", "amax", "amin") or node.name in self.feeds_reduction:
+                for a in node.all_input_nodes:
+                    self.feeds_reduction.add(a.name)
+
+    def placeholder(self, node: Any, to_params: dict, to_buffers: dict, user_inputs: list) -> _V:
+        torch = self.torch
+        if node.name in user_inputs:
+            return _V("x", _ATOM, _ELEM, affine=True)
+        if node.name in to_params:
+            target = to_params[node.name]
+            tensor = self.module.get_parameter(target)
+            name = target.replace(".", "_").lower()
+            if reserved_reason(name) is not None or name in self.st.taken:
+                raise TorchImportError(
+                    f"{self.fn_name}: parameter {target!r}: {reserved_reason(name) or 'name taken'}; rename it"
+                )
+            self.st.taken.add(name)
+            entry: dict = {}
+            flat = tensor.detach().reshape(-1)
+            if flat.numel() == 1:
+                entry["shape"] = "scalar"
+            self.st.param_shapes[name] = tuple(tensor.shape)
+            if flat.numel() and bool(torch.all(flat == flat[0])):
+                init = float(flat[0])
+                entry["role"] = "shift" if init == 0 else "scale"
+                if init not in (0.0, 1.0) or entry.get("shape") == "scalar":
+                    entry["init"] = init
+            self.st.params[name] = entry
+            return _V(name, _ATOM, _CONST, name=name)
+        constants = dict(getattr(self.ep.graph_signature, "inputs_to_lifted_tensor_constants", {}))
+        if node.name in constants:
+            value = self.ep.constants.get(constants[node.name])
+            if value is not None and value.dim() == 0 and not value.dtype.is_complex:
+                return _num(value.item())
+        what = to_buffers.get(node.name, node.name)
+        raise TorchImportError(
+            f"{self.fn_name}: reads the buffer or constant tensor {what!r}; "
+            "the importer reads parameters and Python numbers only"
+        )
+
+    # -- helpers for call nodes ---------------------------------------------------------------------
+    def val(self, node: Any, arg: Any) -> _V:
+        if hasattr(arg, "name") and hasattr(arg, "op"):
+            v = self.values[arg.name]
+            if isinstance(v, tuple):
+                raise self.refuse(node, self.display(node), "reads a tuple")
+            return v
+        try:
+            return _num(arg)
+        except TypeError:
+            raise self.refuse(node, self.display(node), f"an argument {arg!r} the importer cannot read") from None
+
+    def stat(self, v: _V, node: Any, preferred: str | None) -> _V:
+        """A group value an element value reads, named as a statistic."""
+        if v.level != _GROUP or v.name is not None:
+            return v
+        name = self.fresh(self.source_name(v.src if v.src is not None else node) or preferred)
+        self.st.statistics.append((name, v.text))
+        return _V(name, _ATOM, _GROUP, name=name)
+
+    def option(self, value: float, eps: bool) -> _V:
+        name = self.st.float_attrs.get(value)
+        if name is None and not eps:
+            return _num(value)
+        name = name or "eps"
+        name = name.lower()
+        if name in self.st.options and self.st.options[name]["default"] == value:
+            return _V(name, _ATOM, _CONST, name=name)
+        if name in self.st.taken or reserved_reason(name) is not None:
+            name = self.fresh(None, "eps")
+        self.st.taken.add(name)
+        entry = {"default": value}
+        if eps and value >= 0:
+            entry["min"] = 0
+        self.st.options[name] = entry
+        return _V(name, _ATOM, _CONST, name=name)
+
+    def reduced(self, node: Any, dims: Any, keepdim: bool) -> None:
+        """Check a reduction's dims against (or fix) the layout."""
+        nd = self.st.ndim
+        if dims is None or (isinstance(dims, (list, tuple)) and len(dims) == 0):
+            dims = tuple(range(nd))
+        dims = tuple(sorted({d % nd for d in dims}))
+        if self.st.layout.dims is None:
+            self.st.layout.dims = dims
+        elif self.st.layout.dims != dims:
+            raise self.refuse(
+                node,
+                self.display(node),
+                f"reduces over dims {list(dims)}, another reduction over {list(self.st.layout.dims)}; "
+                "a spec's group is one set of axes",
+            )
+
+    # -- call nodes ------------------------------------------------------------------------------
+    def call(self, node: Any) -> Any:
+        ns, op = self.op_name(node)
+        args, kwargs = node.args, node.kwargs
+        if ns != "aten":
+            raise self.refuse(node, self.display(node), "derivgen cannot see inside an operator it does not know")
+        if op in _IGNORED:
+            return _V("0", _ATOM, _CONST)
+        if op == "_to_copy" or op == "to":
+            if set(kwargs) - {"dtype", "memory_format", "layout", "device"}:
+                raise self.refuse(node, self.display(node), "a copy the importer cannot read")
+            dtype = kwargs.get("dtype")
+            if dtype is not None:
+                self.st.casts.append(str(dtype).replace("torch.", ""))
+            return self.val(node, args[0])
+        if op in _VIEWS:
+            v = self.val(node, args[0])
+            if v.level == _ELEM and op not in ("alias", "clone", "contiguous"):
+                shape = tuple(node.meta["val"].shape)
+                if shape != self.st.shape:
+                    raise self.refuse(node, f"torch.{op}", "reshapes x; a spec's layout is fixed by x's shape")
+            return v
+        if op == "detach":
+            v = self.val(node, args[0])
+            return v if v.level == _CONST else _V(f"stop_gradient({v.text})", _ATOM, v.level)
+        if op in ("native_layer_norm", "native_group_norm"):
+            return self.builtin_norm(node, op)
+        if op in ("mean", "sum", "var", "var_mean", "amax", "amin"):
+            return self.reduction(node, op)
+        if op == "getitem":
+            v = self.values[args[0].name]
+            if not isinstance(v, tuple):
+                raise self.refuse(node, "an index", "the importer reads indices of tuples only")
+            return v[args[1]]
+        return self.elementwise(node, op)
+
+    def reduction(self, node: Any, op: str) -> Any:
+        args, kwargs = node.args, node.kwargs
+        v = self.val(node, args[0])
+        if v.level != _ELEM:
+            raise self.refuse(node, self.display(node), "a reduction of group values or parameters")
+        dims = args[1] if len(args) > 1 else kwargs.get("dim")
+        keepdim = bool(args[2] if len(args) > 2 else kwargs.get("keepdim", False))
+        self.reduced(node, dims, keepdim)
+        if op == "mean":
+            text, pref = f"mean({v.text})", ("mean" if v.text == "x" else "ms" if v.text == "x**2" else None)
+        elif op == "sum":
+            text, pref = f"sum({v.text})", None
+        elif op in ("amax", "amin"):
+            text, pref = f"{'max' if op == 'amax' else 'min'}({v.text})", None
+        else:
+            correction = kwargs.get("correction", 1)
+            if kwargs.get("unbiased") is False:
+                correction = 0
+            m = self.stat(_V(f"mean({v.text})", _ATOM, _GROUP), node, "mean" if v.text == "x" else None)
+            centred = f"({v.text} - {m.text})**2"
+            text = f"mean({centred})"
+            if correction:
+                text = f"{text}*N/(N - {correction})"
+            var = self.stat(_V(text, _MUL if correction else _ATOM, _GROUP), node, "var")
+            return (var, m) if op == "var_mean" else var
+        named = self.stat(_V(text, _ATOM, _GROUP), node, pref)
+        return named
+
+    def builtin_norm(self, node: Any, op: str) -> tuple:
+        args = node.args
+        x = self.val(node, args[0])
+        if x.text != "x":
+            raise self.refuse(node, self.display(node), "a layer or group norm of something other than x")
+        if op == "native_layer_norm":
+            shape, weight, bias, eps = args[1], args[2], args[3], args[4]
+            k = len(shape)
+            self.reduced(node, tuple(range(self.st.ndim - k, self.st.ndim)), True)
+        else:
+            weight, bias, _n, _c, _hw, groups, eps = args[1:8]
+            if self.st.layout.dims is not None:
+                raise self.refuse(node, self.display(node), "a group norm beside other reductions")
+            self.st.layout = _Layout("channels", "group", 1, (-1,))
+            self.st.notes.append(f"num_groups = {groups}: the generated forward takes it as its num_groups= argument")
+        mean = self.stat(_V("mean(x)", _ATOM, _GROUP), node, "mean")
+        var = self.stat(_V(f"mean((x - {mean.text})**2)", _ATOM, _GROUP), node, "var")
+        rstd = self.stat(_V(f"1/sqrt({var.text} + {self.option(float(eps), True).text})", _MUL, _GROUP), node, "rstd")
+        name = self.fresh("xhat")
+        self.st.normalized = (name, f"(x - {mean.text})*{rstd.text}")
+        y = _V(name, _ATOM, _ELEM, name=name)
+        if weight is not None:
+            w = self.val(node, weight)
+            y = _V(f"{w.text}*{y.text}", _MUL, _ELEM)
+        if bias is not None:
+            b = self.val(node, bias)
+            y = _V(f"{y.text} + {b.text}", _ADD, _ELEM)
+        return (y, mean, rstd)
+
+    def elementwise(self, node: Any, op: str) -> _V:
+        args, kwargs = node.args, node.kwargs
+        if op not in _ELEMENTWISE:
+            why = _WHY.get(op.rstrip("_"), "not an operation the spec language has")
+            first = self.values.get(getattr(args[0], "name", None)) if args else None
+            if op in ("permute", "transpose", "t") and getattr(first, "name", None) in self.st.params:
+                why = f"transposes the parameter {first.name}: a spec's parameters are per-feature values or scalars, not matrices"
+            line = self.where(node)[:2]
+            for other in node.graph.nodes:
+                if (
+                    other.op == "call_function"
+                    and self.op_name(other)[1] in _SCATTERS
+                    and self.where(other)[:2] == line
+                ):
+                    raise self.refuse(
+                        node,
+                        "an assignment to part of a tensor",
+                        "an in-place update of some elements has no spec construct",
+                    )
+            raise self.refuse(node, self.display(node), why)
+        # a Python number added to a group value is an eps: an option
+        vals = []
+        for i, a in enumerate(args[: _ELEMENTWISE[op]]):
+            if isinstance(a, float) and not isinstance(a, bool) and op in ("add", "sub"):
+                other = args[1 - i] if len(args) > 1 else None
+                is_group = (
+                    other is not None
+                    and hasattr(other, "name")
+                    and getattr(self.values.get(other.name), "level", None) == _GROUP
+                )
+                vals.append(self.option(a, is_group))
+            elif isinstance(a, float) and not isinstance(a, bool) and op in ("mul", "div", "rsub", "clamp"):
+                vals.append(self.option(a, False))
+            else:
+                vals.append(self.val(node, a))
+        level = max(v.level for v in vals)
+        if level == _ELEM:  # element values read group values by name
+            vals = [self.stat(v, node, self.pref_for(v)) for v in vals]
+            if node.name not in self.feeds_reduction:
+                vals = [self.normalize(v) for v in vals]
+        v = self.apply(node, op, vals, kwargs)
+        v.level = level
+        return v
+
+    @staticmethod
+    def pref_for(v: _V) -> str | None:
+        if v.text.startswith("1/sqrt("):
+            return "rstd"
+        if v.text.startswith("sqrt("):
+            return "std"
+        return None
+
+    def normalize(self, v: _V) -> _V:
+        """The first normalized value an element value reads becomes the normalized coordinate."""
+        if not v.scaled or v.name is not None or v.level != _ELEM:
+            return v
+        if self.st.normalized is not None:
+            return v
+        name = self.fresh("xhat")
+        self.st.normalized = (name, v.text)
+        return _V(name, _ATOM, _ELEM, name=name)
+
+    def apply(self, node: Any, op: str, vals: list[_V], kwargs: dict) -> _V:
+        def group_factor(v: _V) -> bool:
+            return v.level == _GROUP
+
+        if op in ("add", "sub"):
+            a, b = vals
+            alpha = kwargs.get("alpha", 1)
+            if alpha != 1:
+                b = _V(f"{_wrap(_num(alpha), _MUL)}*{_wrap(b, _MUL)}", _MUL, b.level)
+            sign = "+" if op == "add" else "-"
+            if b.text.startswith("-") and op == "add" and b.prec >= _MUL:
+                text = f"{_wrap(a, _ADD)} - {b.text[1:]}"
+            else:
+                text = f"{_wrap(a, _ADD)} {sign} {_wrap(b, _ADD, strict=op == 'sub')}"
+            affine = (a.affine and b.level <= _GROUP) or (b.affine and a.level <= _GROUP)
+            if b.level != _CONST and a.level != _CONST and a.affine and b.affine:
+                affine = False
+            aff_ok = affine and not any(v.level == _CONST and v.name in self.st.params for v in (a, b))
+            return _V(text, _ADD, 0, affine=aff_ok, scaled=False)
+        if op == "rsub":
+            a, b = vals
+            return self.apply(node, "sub", [b, a], kwargs)
+        if op in ("mul", "div"):
+            a, b = vals
+            if op == "mul":
+                text = f"{_wrap(a, _MUL)}*{_wrap(b, _MUL)}"
+            else:
+                text = f"{_wrap(a, _MUL)}/{_wrap(b, _MUL, strict=True)}"
+            param = any(v.name in self.st.params for v in (a, b))
+            affine = not param and (
+                (a.affine and b.level <= _GROUP) or (op == "mul" and b.affine and a.level <= _GROUP)
+            )
+            scaled = affine and ((a.affine and group_factor(b)) or (op == "mul" and b.affine and group_factor(a)))
+            return _V(text, _MUL, 0, affine=affine, scaled=scaled)
+        if op == "neg":
+            return _V(f"-{_wrap(vals[0], _POW)}", _NEG, 0)
+        if op in ("pow", "square"):
+            base = vals[0]
+            exp = _num(2) if op == "square" else vals[1]
+            if exp.level != _CONST or exp.name is not None and exp.name in self.st.params:
+                raise self.refuse(node, self.display(node), "an exponent that is not a number")
+            if op == "pow" and node.target.__name__.startswith("pow.Scalar"):
+                raise self.refuse(node, self.display(node), "a number raised to a power of x; write exp(x*log(b))")
+            return _V(f"{_wrap(base, _ATOM)}**{_wrap(exp, _ATOM)}", _POW, 0)
+        if op == "rsqrt":
+            return _V(f"1/sqrt({vals[0].text})", _MUL, 0)
+        if op == "reciprocal":
+            return _V(f"1/{_wrap(vals[0], _MUL, strict=True)}", _MUL, 0)
+        if op in _UNARY:
+            return _V(f"{_UNARY[op]}({vals[0].text})", _ATOM, 0)
+        if op == "log1p":
+            return _V(f"log(1 + {vals[0].text})", _ATOM, 0)
+        if op == "expm1":
+            return _V(f"exp({vals[0].text}) - 1", _ADD, 0)
+        if op == "relu":
+            return _V(f"maximum({vals[0].text}, 0)", _ATOM, 0)
+        if op in ("maximum", "minimum"):
+            return _V(f"{op}({vals[0].text}, {vals[1].text})", _ATOM, 0)
+        if op == "clamp":
+            lo = node.args[1] if len(node.args) > 1 else node.kwargs.get("min")
+            hi = node.args[2] if len(node.args) > 2 else node.kwargs.get("max")
+            e = vals[0].text
+            if lo is not None and hi is not None:
+                return _V(f"clip({e}, {self.val(node, lo).text}, {self.val(node, hi).text})", _ATOM, 0)
+            if lo is not None:
+                return _V(f"maximum({e}, {self.val(node, lo).text})", _ATOM, 0)
+            return _V(f"minimum({e}, {self.val(node, hi).text})", _ATOM, 0)
+        if op == "softplus":
+            beta = node.args[1] if len(node.args) > 1 else 1
+            if beta != 1:
+                return _V(f"softplus({beta!r}*{_wrap(vals[0], _MUL)})/{beta!r}", _MUL, 0)
+            return _V(f"softplus({vals[0].text})", _ATOM, 0)
+        raise self.refuse(node, self.display(node), "not an operation the spec language has")
