@@ -76,6 +76,11 @@ class CLoop:
         return len(self.outputs) == 1 and not self.group_sums and not (channel_lanes and self.param_sums)
 
     @property
+    def param_slots(self) -> tuple[int, ...]:
+        """The parameters (slots) whose per-channel sums this sweep adds."""
+        return tuple(k for k, _ in self.param_sums)
+
+    @property
     def direct_run(self) -> bool:
         """Written in place along the channel axis (S == 1), or with no parameters."""
         return self._direct(False)
