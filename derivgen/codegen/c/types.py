@@ -140,6 +140,12 @@ class Sweep:
     nhwc: NhwcSweep
     rows: RowSweep | None = None  # a trailing layout's final backward sweep over rows in lockstep
 
+    @property
+    def nhwc_prelude(self) -> tuple[tuple[CDecl, bool], ...]:
+        """The prelude's declarations, each with whether the element code of a sweep over a
+        block of groups reads it (kept per group in an array) or not."""
+        return tuple((d, (d.ctype, d.name) in self.nhwc.inner_prelude) for d in self.loop.prelude)
+
 
 @dataclass(frozen=True)
 class GroupValue:
