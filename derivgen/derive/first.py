@@ -3,9 +3,9 @@
 For one mode of a spec (statistics s_1..s_K, normalized coordinate x̂, output
 y) it derives, as a careful person does by hand:
 
-1. the statistics as a *program* (:func:`atomize`): every group mean the
-   statistics are not linear in, and every square root, power, exp, log,
-   abs or tanh of group values inside a larger statistic, is named as an
+1. the statistics as a *program* (:class:`~derivgen.derive.program.Program`): every
+   group mean the statistics are not linear in, and every square root, power, exp,
+   log, abs or tanh of group values inside a larger statistic, is named as an
    auxiliary statistic. The engine then knows every mean the forward
    computes, and every derivative is rational in named values
    (d√u/du = 1/(2√u) is 1/(2·a) for the named a = √u) -- so the closed form
