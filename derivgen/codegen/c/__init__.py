@@ -13,10 +13,12 @@ Its modules, each importing only those above it in this list:
 * ``second``: the double backward and the JVP;
 * ``plan``: ``plan_kernel``, a mode's kernels for one element type.
 
-The templates: ``kernel.c.j2`` (a layer's file) includes ``_c_sweep.j2`` (sweeps over NCHW
-groups), ``_c_batch.j2`` (the split reduction), ``_c_backward.j2``, ``_c_second.j2``,
-``_nhwc.j2`` and ``_position.j2`` (the other layouts, over ``_c_groups.j2``'s shared
-bodies); ``kernel.h.j2`` the header, ``derivgen-kernels.h.j2`` the shared one.
+The templates (``templates/``): ``kernel.c.j2`` (a layer's file) imports ``_c_sweep.j2``
+(sweeps over an NCHW or trailing group, the kernels' dimensions), ``_c_backward.j2``,
+``_c_split.j2`` (the split reduction), ``_c_second.j2``, ``_nhwc.j2`` and
+``_c_nhwc_batch.j2`` (channels last), ``_position.j2``; the last three lay out blocks of
+groups over ``_c_groups.j2``'s shared bodies. ``kernel.h.j2`` is the header,
+``derivgen-kernels.h.j2`` (with ``_c_kernels_math.j2``) the header every layer shares.
 """
 
 from derivgen.codegen.c.ctext import ATYPES, CTYPES, c_load, c_store
