@@ -129,7 +129,7 @@ def _prebuild() -> None:
     for name in SHAPES:
         kernel = derivgen.load(BLOCK_PATHS.get(name, name), backend="c")._kernel
         jobs.append((kernel.source, None))
-        if not kernel.meta["inputs"]:
+        if not kernel.meta.inputs:
             jobs.append((kernel.source, ["-DDG_EXTRAS_ONLY"]))
     with ThreadPoolExecutor(2) as pool:
         list(pool.map(lambda job: build_shared(job[0], extra=job[1]), jobs))

@@ -30,7 +30,7 @@ def module(spec):
 
 
 def signature(roles) -> dict:
-    """The kernel's leading arguments' types by name (derivgen.triton.calls._kernel_args)."""
+    """The kernel's leading arguments' types by name (derivgen.triton.launch._kernel_args)."""
     sig = {}
     for role, n in roles:
         if role == "option":

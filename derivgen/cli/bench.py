@@ -13,7 +13,7 @@ from derivgen.cli.common import UserError, _make_dir, _out_file, _shape, _specs,
 from derivgen.tools.bench import default_shapes, run_bench
 from derivgen.tools.bench_report import format_report, plot
 from derivgen.tools.bench_targets import DEFAULT_SHAPES
-from derivgen.tools.check import stderr_progress
+from derivgen.tools.progress import stderr_progress
 from derivgen.tools.timing import tune_malloc
 
 

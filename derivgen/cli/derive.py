@@ -26,7 +26,7 @@ from derivgen.cli.common import (
 )
 from derivgen.explain.document import mode_names, text_expr
 from derivgen.prove.proof import prove_derivation
-from derivgen.tools.check import stderr_progress
+from derivgen.tools.progress import stderr_progress
 
 PDFLATEX_MISSING = (
     "--pdf needs pdflatex: install the Debian package texlive-latex-base (apt-get install -y texlive-latex-base)"

@@ -15,7 +15,9 @@ from derivgen.cli.common import STRICT_HELP, UserError, _lint, _make_dir, _out_d
 from derivgen.runtime.build import BuildError, BuildWarning, build_shared, library_path
 from derivgen.spec import Spec, catalogue_names
 from derivgen.tools import generate as gen
-from derivgen.tools.check import check_layer, format_table, rows_json, stderr_progress
+from derivgen.tools.check import check_layer
+from derivgen.tools.check_report import format_table, rows_json
+from derivgen.tools.progress import stderr_progress
 
 
 @cli.command("generate", short_help="Write the NumPy, C, PyTorch, JAX and Triton code of layers.")

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 
 from derivgen.jax.layout import JaxLayout, make_layout
 from derivgen.jax.load import module, spec_of
+from derivgen.runtime.meta import LayerMeta, layer_meta
 from derivgen.runtime.validate import bind_arguments, check_float, layout_from_shapes
 from derivgen.spec.model import Spec
 
@@ -32,12 +33,12 @@ def compute_dtype(dtype) -> jnp.dtype:
     return jnp.promote_types(jnp.dtype(dtype), jnp.float32)
 
 
-def _kw(meta: dict, options: dict, params, inputs, buffers, tensors=()) -> dict:
+def _kw(meta: LayerMeta, options: dict, params, inputs, buffers, tensors=()) -> dict:
     return {
-        **dict(zip(meta.get("tensors", {}), tensors)),
-        **dict(zip(meta["params"], params)),
-        **dict(zip(meta["inputs"], inputs)),
-        **dict(zip(meta["buffers"], buffers)),
+        **dict(zip(meta.tensors, tensors)),
+        **dict(zip(meta.params, params)),
+        **dict(zip(meta.inputs, inputs)),
+        **dict(zip(meta.buffers, buffers)),
         **options,
     }
 
@@ -47,10 +48,10 @@ def rule(mod: ModuleType, mode: str, L: JaxLayout, options: tuple, kind: str = "
     """``core(x, params, inputs, buffers) -> y`` on views (tuples of arrays in spec order),
     for one mode, layout and set of options: a ``custom_jvp`` with the derived JVP as its
     rule (``kind="jvp"``), or a ``custom_vjp`` with the derived VJP (``kind="vjp"``)."""
-    meta = mod.META
+    meta = layer_meta(mod.META)
     opts = dict(options)
     forward = mod.FORWARD[mode]
-    if "tensors" in meta or "outputs" in meta:
+    if meta.tensors or meta.outputs:
         return _multi_rule(mod, mode, L, opts, kind)
     if kind == "jvp":
         _, seed_p, seed_i = mod.JVP_SEEDS[mode]
@@ -66,8 +67,8 @@ def rule(mod: ModuleType, mode: str, L: JaxLayout, options: tuple, kind: str = "
             tx, tparams, tinputs, _ = tangents  # buffers are constants (the caller stops their gradient)
             kw = _kw(meta, opts, params, inputs, buffers)
             y, stats = forward(x, **kw, _L=L)
-            seeds = {seed_p[p]: t for p, t in zip(meta["params"], tparams)}
-            seeds.update({seed_i[i]: t for i, t in zip(meta["inputs"], tinputs)})
+            seeds = {seed_p[p]: t for p, t in zip(meta.params, tparams)}
+            seeds.update({seed_i[i]: t for i, t in zip(meta.inputs, tinputs)})
             return y, jvp(x, tx, **seeds, **kw, _stats=stats, _L=L)
 
         return core
@@ -86,10 +87,10 @@ def rule(mod: ModuleType, mode: str, L: JaxLayout, options: tuple, kind: str = "
     def bwd(res, dy):
         x, params, inputs, buffers, stats = res
         dx, dparams, dinputs = backward(dy, x, **_kw(meta, opts, params, inputs, buffers), _stats=stats, _L=L)
-        dp = tuple(dparams[p].reshape(v.shape).astype(v.dtype) for p, v in zip(meta["params"], params))
+        dp = tuple(dparams[p].reshape(v.shape).astype(v.dtype) for p, v in zip(meta.params, params))
         di = tuple(
             jnp.sum(dinputs[i]).reshape(v.shape) if v.size == 1 else dinputs[i].reshape(v.shape)
-            for i, v in zip(meta["inputs"], inputs)
+            for i, v in zip(meta.inputs, inputs)
         )
         return dx, dp, di, tuple(jnp.zeros_like(b) for b in buffers)
 
@@ -103,11 +104,11 @@ def _multi_rule(mod: ModuleType, mode: str, L: JaxLayout, opts: dict, kind: str)
     JVP along x, the tensors with a gradient, the parameters and the inputs (a tensor without a
     gradient, a mask, is a constant), or a ``custom_vjp`` over the derived VJP, whose backward
     takes a cotangent per output."""
-    meta = mod.META
+    meta = layer_meta(mod.META)
     forward, backward = mod.FORWARD[mode], mod.BACKWARD[mode]
-    names = list(meta.get("tensors", {}))
-    grads = {t for t, (_, grad, _) in meta.get("tensors", {}).items() if grad}
-    outs = list(meta.get("outputs", []))
+    names = list(meta.tensors)
+    grads = {t for t, (_, grad, _) in meta.tensors.items() if grad}
+    outs = list(meta.outputs)
 
     def outputs(y):
         return y if outs else (y,)
@@ -126,8 +127,8 @@ def _multi_rule(mod: ModuleType, mode: str, L: JaxLayout, opts: dict, kind: str)
             tx, ttensors, tparams, tinputs, _ = tangents  # buffers and masks are constants
             kw = _kw(meta, opts, params, inputs, buffers, tensors)
             y, stats = forward(x, **kw, _L=L)
-            seeds = {seed_p[p]: t for p, t in zip(meta["params"], tparams)}
-            seeds.update({seed_i[i]: t for i, t in zip(meta["inputs"], tinputs)})
+            seeds = {seed_p[p]: t for p, t in zip(meta.params, tparams)}
+            seeds.update({seed_i[i]: t for i, t in zip(meta.inputs, tinputs)})
             seeds.update({seed_t[t]: v for t, v in zip(names, ttensors) if t in grads})
             return outputs(y), outputs(jvp(x, tx, **seeds, **kw, _stats=stats, _L=L))
 
@@ -148,10 +149,10 @@ def _multi_rule(mod: ModuleType, mode: str, L: JaxLayout, opts: dict, kind: str)
         kw = _kw(meta, opts, params, inputs, buffers, tensors)
         cot = {"d" + o: c for o, c in zip(outs, cts[1:])}
         dx, dparams, dinputs, dtensors = backward(cts[0], x, **cot, **kw, _stats=stats, _L=L)
-        dp = tuple(dparams[p].reshape(v.shape).astype(v.dtype) for p, v in zip(meta["params"], params))
+        dp = tuple(dparams[p].reshape(v.shape).astype(v.dtype) for p, v in zip(meta.params, params))
         di = tuple(
             jnp.sum(dinputs[i]).reshape(v.shape) if v.size == 1 else dinputs[i].reshape(v.shape)
-            for i, v in zip(meta["inputs"], inputs)
+            for i, v in zip(meta.inputs, inputs)
         )
         dt = tuple(dtensors[t] if t in grads else jnp.zeros_like(v) for t, v in zip(names, tensors))
         return dx, dt, dp, di, tuple(jnp.zeros_like(b) for b in buffers)
@@ -168,19 +169,19 @@ class Function:
             raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
         self.spec = spec_of(spec)
         self.module = module(self.spec)
-        self.meta = self.module.META
+        self.meta = layer_meta(self.module.META)
         self.rule = rule
         m = self.meta
-        self.__doc__ = f"derivgen layer {m['name']} in JAX: f(x, {', '.join(m['params'])}, **options)"
+        self.__doc__ = f"derivgen layer {m.name} in JAX: f(x, {', '.join(m.params)}, **options)"
 
     def _arguments(self, params: tuple, kw: dict) -> tuple[dict, dict, dict, dict]:
         """(parameters, inputs, options, buffers) by name, checked as derivgen.torch.function does."""
         meta = self.meta
-        name = meta["name"]
+        name = meta.name
         kw = bind_arguments(meta, params, kw)
         options = {}
-        whole = set(meta.get("integer_options", ()))
-        for o, (default, lo, hi) in meta["options"].items():
+        whole = set(meta.integer_options)
+        for o, (default, lo, hi) in meta.options.items():
             v = kw.get(o, default)
             if v is None:
                 raise TypeError(f"{name}: option {o} is required")
@@ -189,15 +190,15 @@ class Function:
             options[o] = check_float(f"{name}: {o}", v, lo, hi)
             if o in whole and options[o] != int(options[o]):
                 raise ValueError(f"{name}: {o} must be a whole number (a window's size), got {options[o]}")
-        for i in meta["inputs"]:
+        for i in meta.inputs:
             if i not in kw:
                 raise TypeError(f"{name}: input {i} is required")
-        bufs = {b: kw[b] for b in meta["buffers"] if kw.get(b) is not None}
-        if bufs and len(bufs) != len(meta["buffers"]):
-            raise TypeError(f"{name}: pass all of the buffers {meta['buffers']} or none")
+        bufs = {b: kw[b] for b in meta.buffers if kw.get(b) is not None}
+        if bufs and len(bufs) != len(meta.buffers):
+            raise TypeError(f"{name}: pass all of the buffers {meta.buffers} or none")
         return (
-            {p: kw[p] for p in meta["params"]},
-            {i: kw[i] for i in meta["inputs"]},
+            {p: kw[p] for p in meta.params},
+            {i: kw[i] for i in meta.inputs},
             options,
             bufs,
         )
@@ -216,8 +217,8 @@ class Function:
         """y; with running buffers given, ``(y, new buffers)``; with ``return_stats``, the
         statistics (a dict, per-group shapes, not differentiated) come last."""
         meta = self.meta
-        name = meta["name"]
-        tnames = list(meta.get("tensors", {}))
+        name = meta.name
+        tnames = list(meta.tensors)
         if tnames:  # the tensor inputs come first, after x (or by name)
             given = dict(zip(tnames, params))
             params = params[len(tnames) :]
@@ -228,9 +229,9 @@ class Function:
             if channels_last:
                 raise NotImplementedError(f"{name}: channels_last with tensor inputs is not supported yet")
         pv, iv, options, bufs = self._arguments(params, kw)
-        mode = "train" if training or "eval" not in meta["modes"] else "eval"
+        mode = "train" if training or "eval" not in meta.modes else "eval"
         if mode == "eval" and not bufs:
-            raise ValueError(f"{name}: training=False normalizes with the buffers {meta['buffers']}; pass them")
+            raise ValueError(f"{name}: training=False normalizes with the buffers {meta.buffers}; pass them")
         if axis_name is not None and self.rule == "vjp":
             raise ValueError(f"{name}: axis_name needs rule='jvp' (the default)")
         x = jnp.asarray(x)
@@ -247,17 +248,17 @@ class Function:
             channels_last=channels_last,
             axis_name=axis_name,
         )
-        least = meta["min_group_size"][mode]
+        least = meta.min_group_size[mode]
         if axis_name is None and L.n_local < least:
             raise ValueError(f"{name}: {mode} mode needs at least {least} values per group, got {L.n_local}")
-        scalar = set(meta["scalar_params"])
-        p4 = tuple(pv[p].astype(ct).reshape(L.scalar_view if p in scalar else L.param_view) for p in meta["params"])
-        i4 = tuple(self._per_group(n, iv[n], L, ct) for n in meta["inputs"])
+        scalar = set(meta.scalar_params)
+        p4 = tuple(pv[p].astype(ct).reshape(L.scalar_view if p in scalar else L.param_view) for p in meta.params)
+        i4 = tuple(self._per_group(n, iv[n], L, ct) for n in meta.inputs)
         b4 = tuple(jax.lax.stop_gradient(self._per_group(b, bufs[b], L, ct)) for b in bufs)
         if not bufs:  # the forward programs name the buffers: eval mode has them, train mode ignores them
-            b4 = tuple(jnp.zeros(L.stat_view, ct) for _ in meta["buffers"])
+            b4 = tuple(jnp.zeros(L.stat_view, ct) for _ in meta.buffers)
         core = rule(self.module, mode, L, tuple(sorted(options.items())), self.rule)
-        if "tensors" in meta or "outputs" in meta:
+        if meta.tensors or meta.outputs:
             t4 = tuple(self._tensor(t, given[t], x, pv, num_groups, ct, L) for t in tnames)
             ys = core(x.astype(ct).reshape(L.view), t4, p4, i4, b4)
             y = tuple(v.reshape(x.shape).astype(x.dtype) for v in ys)
@@ -275,8 +276,8 @@ class Function:
             new = dict(bufs)
             if mode == "train":
                 upd = self.module.update_buffers(
-                    **{s: stats[s] for s in meta["stats"]["train"]},
-                    **dict(zip(meta["buffers"], b4)),
+                    **{s: stats[s] for s in meta.stats["train"]},
+                    **dict(zip(meta.buffers, b4)),
                     **options,
                     N=L.N,
                 )
@@ -294,11 +295,11 @@ class Function:
         meta = self.meta
         v = jnp.asarray(v)
         layout = layout_from_shapes(meta, x.shape, {p: a.shape for p, a in pv.items()}, num_groups)
-        kind = meta["tensors"][t][0]
+        kind = meta.tensors[t][0]
         want = tensor_shape(meta, kind, layout)
         if tuple(v.shape) != want:
             raise ValueError(
-                f"{meta['name']}: {t} must have shape {want} ({kind!r} for x of shape {x.shape}), got {v.shape}"
+                f"{meta.name}: {t} must have shape {want} ({kind!r} for x of shape {x.shape}), got {v.shape}"
             )
         shape = list(x.shape)
         for a in broadcast_axes(meta, kind, layout):

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 
+from derivgen.runtime.meta import MetaLike, layer_meta
 from derivgen.runtime.validate import layout_from_shapes
 
 
@@ -146,7 +147,7 @@ def _squeezed(view, reduce_axes, param_view, stat_view, param_axes, order=(0, 1,
 
 
 def make_layout(
-    meta: dict,
+    meta: MetaLike,
     x_shape: tuple,
     param_shapes: dict,
     num_groups: int | None,
@@ -156,15 +157,16 @@ def make_layout(
     axis_name=None,
 ) -> JaxLayout:
     """The layout of x (shape ``x_shape``) for the layer ``meta`` (errors name the argument)."""
+    meta = layer_meta(meta)
     x_shape = tuple(int(d) for d in x_shape)
     if math.prod(x_shape) == 0:
-        raise ValueError(f"{meta['name']}: x is empty (shape {x_shape})")
-    if axis_name is not None and meta["reduce"] != "batch":
+        raise ValueError(f"{meta.name}: x is empty (shape {x_shape})")
+    if axis_name is not None and meta.reduce != "batch":
         raise ValueError(
-            f"{meta['name']}: axis_name makes batch statistics collective; this layer's groups lie within a "
+            f"{meta.name}: axis_name makes batch statistics collective; this layer's groups lie within a "
             "sample, so every device already holds whole groups (run it under pmap/shard_map as it is)"
         )
-    kind = meta["layout"]
+    kind = meta.layout
     if channels_last and kind == "channels":
         first = (x_shape[0], x_shape[-1], *x_shape[1:-1])  # as channels first, for the shape checks
         L = layout_from_shapes(meta, first, param_shapes, num_groups)

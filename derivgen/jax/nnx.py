@@ -155,16 +155,16 @@ class Module(nnx.Module):
         self.channels_last = channels_last
         self.use_running_average = use_running_average
         self.axis_name = axis_name
-        for p in meta["params"]:
-            pshape = () if p in meta["scalar_params"] else shape
-            setattr(self, p, nnx.Param(jnp.full(pshape, meta["param_init"][p], param_dtype)))
-        self.buffer_names = tuple(meta["buffers"])
-        for b in meta["buffers"]:
-            if meta["reduce"] != "batch":
+        for p in meta.params:
+            pshape = () if p in meta.scalar_params else shape
+            setattr(self, p, nnx.Param(jnp.full(pshape, meta.param_init[p], param_dtype)))
+        self.buffer_names = tuple(meta.buffers)
+        for b in meta.buffers:
+            if meta.reduce != "batch":
                 raise NotImplementedError(
                     "derivgen.jax.nnx.Module: buffers of per-sample groups (their shape depends on x)"
                 )
-            setattr(self, b, nnx.BatchStat(jnp.full(shape, meta["buffer_init"][b], jnp.float32)))
+            setattr(self, b, nnx.BatchStat(jnp.full(shape, meta.buffer_init[b], jnp.float32)))
 
     @property
     def _meta(self) -> dict:
@@ -172,7 +172,7 @@ class Module(nnx.Module):
 
     def __call__(self, x, **inputs):
         meta = self._meta
-        params = [getattr(self, p)[...] for p in meta["params"]]
+        params = [getattr(self, p)[...] for p in meta.params]
         kw = dict(num_groups=self.num_groups, channels_last=self.channels_last, **self.options, **inputs)
         if not self.buffer_names:
             return self.fn(x, *params, **kw)

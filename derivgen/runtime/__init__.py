@@ -86,6 +86,7 @@ from derivgen.runtime.executor import (
     store,
     sum_prod,
 )
+from derivgen.runtime.meta import LayerMeta, MetaLike, layer_meta
 from derivgen.runtime.second import SecondCall, prepare_backward_backward, prepare_jvp, second_fields
 from derivgen.runtime.split import (
     SplitCall,
@@ -192,9 +193,10 @@ __all__ = [
 ]
 
 
-def resolve_layout(meta: dict, x: np.ndarray, params: dict[str, np.ndarray], num_groups: int | None) -> Layout:
+def resolve_layout(meta: MetaLike, x: np.ndarray, params: dict[str, np.ndarray], num_groups: int | None) -> Layout:
     """The layout of x (errors name the argument); an empty x has one too (no groups,
     or groups of no values), as torch.nn accepts empty batches."""
+    meta = layer_meta(meta)
     return layout_from_shapes(meta, x.shape, {p: a.shape for p, a in params.items()}, num_groups)
 
 
@@ -204,18 +206,19 @@ def grads_type(name: str, fields: tuple[str, ...]) -> type[tuple]:
     return namedtuple(f"{name.title().replace('_', '')}Grads", fields)
 
 
-def grad_fields(meta: dict) -> tuple[str, ...]:
+def grad_fields(meta: MetaLike) -> tuple[str, ...]:
     """The backward's fields: dx, then d<tensor> (the tensor inputs with a gradient), d<param>
     and d<input> in spec order."""
-    tensors = tuple("d" + t for t, (_, grad, _) in meta.get("tensors", {}).items() if grad)
-    return ("dx", *tensors, *("d" + p for p in meta["params"]), *("d" + i for i in meta["inputs"]))
+    meta = layer_meta(meta)
+    tensors = tuple("d" + t for t, (_, grad, _) in meta.tensors.items() if grad)
+    return ("dx", *tensors, *("d" + p for p in meta.params), *("d" + i for i in meta.inputs))
 
 
 @dataclass
 class ForwardCall:
     """A validated forward call: the layout, C-ordered arrays, checked options and inputs."""
 
-    meta: dict
+    meta: LayerMeta
     mode: str
     layout: Layout
     dtype: np.dtype
@@ -243,11 +246,11 @@ class ForwardCall:
         return (self.out, *self.outs.values()), cache
 
 
-def _buffers(meta: dict, buffers: dict, layout: Layout, dtype: np.dtype, mode: str) -> dict:
+def _buffers(meta: LayerMeta, buffers: dict, layout: Layout, dtype: np.dtype, mode: str) -> dict:
     """The running buffers by name (None where not given; eval mode needs them all)."""
-    name = meta["name"]
+    name = meta.name
     bufs = {}
-    for bname in meta["buffers"]:
+    for bname in meta.buffers:
         b = buffers.get(bname)
         if b is not None:
             b = _check_array(bname, b)
@@ -265,7 +268,7 @@ def _buffers(meta: dict, buffers: dict, layout: Layout, dtype: np.dtype, mode: s
 
 @named_errors
 def prepare_forward(
-    meta: dict,
+    meta: MetaLike,
     x: np.ndarray,
     params: dict[str, np.ndarray],
     options: dict[str, float],
@@ -279,7 +282,8 @@ def prepare_forward(
 ) -> ForwardCall:
     """Checks for a forward call (errors name the argument), and its layout; ``tensors`` are
     the tensor inputs beside x by name, ``outs`` preallocated outputs beside y."""
-    name = meta["name"]
+    meta = layer_meta(meta)
+    name = meta.name
     x = _check_array("x", x)
     dtype = x.dtype
     params = scalar_params(meta, params, dtype)
@@ -288,7 +292,7 @@ def prepare_forward(
     _param_shapes(meta, params, layout)
     if not isinstance(training, (bool, np.bool_)):
         raise TypeError(f"{name}: training must be a bool, got {type(training).__name__}")
-    mode = "train" if training or "eval" not in meta["modes"] else "eval"
+    mode = "train" if training or "eval" not in meta.modes else "eval"
     empty = x.size == 0
     if not empty:  # an empty x normalizes to an empty y, as in torch.nn
         check_group_size(meta, mode, layout)
@@ -311,7 +315,7 @@ def prepare_forward(
         layout,
         dtype,
         _contig(x),
-        {p: _contig(params[p]).reshape(-1) for p in meta["params"]},
+        {p: _contig(params[p]).reshape(-1) for p in meta.params},
         opts,
         ins,
         bufs,
@@ -333,7 +337,7 @@ class BackwardCall:
 
 @named_errors
 def prepare_backward(
-    meta: dict,
+    meta: MetaLike,
     dy: np.ndarray,
     cache: Cache,
     out: Mapping[str, np.ndarray] | Sequence[np.ndarray] | None = None,
@@ -341,7 +345,8 @@ def prepare_backward(
 ) -> BackwardCall:
     """Checks for a backward call against the forward's cache (errors name the argument);
     ``cotangents`` are those of the outputs beside y by name (None: zero)."""
-    name = meta["name"]
+    meta = layer_meta(meta)
+    name = meta.name
     cache = _check_cache(meta, cache)
     dy = _check_array("dy", dy)
     if dy.dtype != cache.dtype:
@@ -350,7 +355,7 @@ def prepare_backward(
         raise ValueError(f"{name}: dy must have the shape of x {cache.layout.x_shape}, got {dy.shape}")
     fields = grad_fields(meta)
     shapes = {**_grad_shapes(meta, cache.layout, ("dx",)), **_input_grad_shapes(meta, cache.layout, cache.inputs)}
-    for t, (kind, grad, _) in meta.get("tensors", {}).items():
+    for t, (kind, grad, _) in meta.tensors.items():
         if grad:
             shapes["d" + t] = tensor_shape(meta, kind, cache.layout)
     given = _out_by_field(name, out, fields)

@@ -14,7 +14,7 @@ double, bfloat16; the element type is the placeholder ``ELEM`` here), each layou
 the argument lists depend only on the mode and the kind of kernel.
 
 Kinds: ``forward``, ``backward``, the second order ``bb`` (double backward) and ``jvp``,
-and for layers whose groups span the batch (``meta["split"]``, training mode) the split
+and for layers whose groups span the batch (``meta.split``, training mode) the split
 reduction ``split_partial``, ``split_finish``, ``split_apply``, ``split_bpartial``,
 ``split_bapply``.
 
@@ -28,6 +28,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import chain
 from typing import Any
+
+from derivgen.runtime.meta import LayerMeta, MetaLike, layer_meta
 
 ELEM = "ELEM"  # the kernel's element type: float, double or dg_bf16
 KINDS = ("forward", "backward", "bb", "jvp")
@@ -215,17 +217,19 @@ def _one(section: str, name: str, ctype: str, pointer: bool = False, const: bool
     return [Arg(name, section, ctype, pointer=pointer, const=const)]
 
 
-def tensor_names(meta: dict) -> list[str]:
+def tensor_names(meta: MetaLike) -> list[str]:
     """The tensor inputs beside x, in order (each read at x's shape by the kernels)."""
-    return list(meta.get("tensors", {}))
+    meta = layer_meta(meta)
+    return list(meta.tensors)
 
 
-def grad_tensor_names(meta: dict) -> list[str]:
+def grad_tensor_names(meta: MetaLike) -> list[str]:
     """The tensor inputs with a gradient, in order."""
-    return [t for t, (_, grad, _) in meta.get("tensors", {}).items() if grad]
+    meta = layer_meta(meta)
+    return [t for t, (_, grad, _) in meta.tensors.items() if grad]
 
 
-def _leading(meta: dict, data: Sequence[str]) -> _Builder:
+def _leading(meta: LayerMeta, data: Sequence[str]) -> _Builder:
     """dims, the data arrays (``x``; ``x`` and ``dy``), the tensor inputs beside x and the
     cotangents of the outputs beside y (a layer that has them), parameters, options and
     inputs: what every kernel starts with."""
@@ -234,68 +238,69 @@ def _leading(meta: dict, data: Sequence[str]) -> _Builder:
         b.add(d, _elems(d, [d], True))
     if tensor_names(meta):
         b.add("tensors", _elems("tensors", tensor_names(meta), True))
-    if "dy" in data and meta.get("outputs"):
-        b.add("cotangents", _elems("cotangents", ["d" + o for o in meta["outputs"]], True))
+    if "dy" in data and meta.outputs:
+        b.add("cotangents", _elems("cotangents", ["d" + o for o in meta.outputs], True))
     return (
-        b.add("params", _elems("params", meta["params"], True))
-        .add("options", [Arg(o, "options", "double") for o in meta["options"]])
-        .add("inputs", _pairs("inputs", meta["inputs"], "_In", "_Stride"))
+        b.add("params", _elems("params", meta.params, True))
+        .add("options", [Arg(o, "options", "double") for o in meta.options])
+        .add("inputs", _pairs("inputs", meta.inputs, "_In", "_Stride"))
     )
 
 
-def reads_buffers(meta: dict, mode: str) -> bool:
+def reads_buffers(meta: MetaLike, mode: str) -> bool:
     """Do ``mode``'s statistics read the running buffers (so its calls must pass them)?
     Eval modes do (batch norm); a training mode may (batch renormalization's r and d)."""
-    return bool(meta["buffers"]) and mode in meta.get("buffer_reads", ["eval"])
+    meta = layer_meta(meta)
+    return bool(meta.buffers) and mode in meta.buffer_reads
 
 
-def _forward(meta: dict, mode: str) -> _Builder:
+def _forward(meta: LayerMeta, mode: str) -> _Builder:
     return (
         _leading(meta, ["x"])
-        .add("buffers", _elems("buffers", meta["buffers"], mode == "eval"))
-        .add("y", _elems("y", ["y", *(o + "_Out" for o in meta.get("outputs", []))], False))
-        .add("stats", _doubles("stats", [s + "_Out" for s in meta["stats"][mode]], False))
+        .add("buffers", _elems("buffers", meta.buffers, mode == "eval"))
+        .add("y", _elems("y", ["y", *(o + "_Out" for o in meta.outputs)], False))
+        .add("stats", _doubles("stats", [s + "_Out" for s in meta.stats[mode]], False))
         .add("nthreads", _one("nthreads", "Nthreads", "int"))
     )
 
 
-def _backward(meta: dict, mode: str) -> _Builder:
+def _backward(meta: LayerMeta, mode: str) -> _Builder:
     return (
         _leading(meta, ["x", "dy"])
-        .add("stats", _doubles("stats", [s + "_In" for s in meta["stats"][mode]], True))
+        .add("stats", _doubles("stats", [s + "_In" for s in meta.stats[mode]], True))
         .add("dx", _elems("dx", ["dx", *("d" + t for t in grad_tensor_names(meta))], False))
-        .add("dparams", _elems("dparams", ["d" + p for p in meta["params"]], False))
-        .add("dinputs", _elems("dinputs", ["d" + i for i in meta["inputs"]], False))
+        .add("dparams", _elems("dparams", ["d" + p for p in meta.params], False))
+        .add("dinputs", _elems("dinputs", ["d" + i for i in meta.inputs], False))
         .add("nthreads", _one("nthreads", "Nthreads", "int"))
     )
 
 
-def _second(meta: dict, mode: str, kind: str) -> _Builder:
+def _second(meta: LayerMeta, mode: str, kind: str) -> _Builder:
     b = (
         _leading(meta, ["x", "dy"] if kind == "bb" else ["x"])
-        .add("stats", _doubles("stats", [s + "_In" for s in meta["stats"][mode]], True))
+        .add("stats", _doubles("stats", [s + "_In" for s in meta.stats[mode]], True))
         .add("seed_x", _elems("seed_x", ["Seed_x"], True))
-        .add("seed_params", _elems("seed_params", [p + "_Seed" for p in meta["params"]], True))
-        .add("seed_inputs", _pairs("seed_inputs", meta["inputs"], "_Seed_In", "_Seed_Stride"))
+        .add("seed_params", _elems("seed_params", [p + "_Seed" for p in meta.params], True))
+        .add("seed_inputs", _pairs("seed_inputs", meta.inputs, "_Seed_In", "_Seed_Stride"))
     )
     if grad_tensor_names(meta):  # the seeds of the tensors with a gradient, at x's shape
         b.add("seed_tensors", _elems("seed_tensors", [t + "_Seed" for t in grad_tensor_names(meta)], True))
-    outputs = meta.get("outputs", [])
+    outputs = meta.outputs
     if kind == "bb":
         b = b.add("out_dx", _elems("out_dx", ["Out_dx"], False)).add("out_ddy", _elems("out_ddy", ["Out_ddy"], False))
         if outputs:  # L2's gradients with respect to the outputs' cotangents
             b.add("out_ddouts", _elems("out_ddouts", ["Out_dd" + o for o in outputs], False))
         if grad_tensor_names(meta):  # the tensors' gradients at x's shape (summed by the caller)
             b.add("out_dtensors", _elems("out_dtensors", ["Out_d" + t for t in grad_tensor_names(meta)], False))
-        b = b.add("out_params", _elems("out_params", [p + "_Out" for p in meta["params"]], False)).add(
-            "out_inputs", _elems("out_inputs", [i + "_Out" for i in meta["inputs"]], False)
+        b = b.add("out_params", _elems("out_params", [p + "_Out" for p in meta.params], False)).add(
+            "out_inputs", _elems("out_inputs", [i + "_Out" for i in meta.inputs], False)
         )
     else:  # the tangents of y and of the outputs beside it
         b = b.add("out_ty", _elems("out_ty", ["Out_ty", *("Out_t" + o for o in outputs)], False))
     return b.add("nthreads", _one("nthreads", "Nthreads", "int"))
 
 
-def _split(meta: dict, kind: str) -> _Builder:
+def _split(meta: LayerMeta, kind: str) -> _Builder:
     data = {
         "split_partial": ["x"],
         "split_finish": [],
@@ -342,17 +347,18 @@ def _split(meta: dict, kind: str) -> _Builder:
         .add("count", count)
         .add("group_terms", _one("group_terms", "Group_terms", "int"))
         .add("dx", _elems("dx", ["dx"], False))
-        .add("dparams", _elems("dparams", ["d" + p for p in meta["params"]], False))
-        .add("dinputs", _elems("dinputs", ["d" + i for i in meta["inputs"]], False))
+        .add("dparams", _elems("dparams", ["d" + p for p in meta.params], False))
+        .add("dinputs", _elems("dinputs", ["d" + i for i in meta.inputs], False))
         .add("nthreads", nthreads)
     )
 
 
-def kernel_signature(meta: dict, mode: str, kind: str) -> KernelSignature:
+def kernel_signature(meta: MetaLike, mode: str, kind: str) -> KernelSignature:
     """The signature of one kernel of a layer (``kind``: one of :data:`KINDS` or
-    :data:`SPLIT_KINDS`; the split kernels exist for ``meta["split"]`` layers in train mode)."""
-    if mode not in meta["modes"]:
-        raise ValueError(f"{meta['name']}: no mode {mode!r}; modes are {meta['modes']}")
+    :data:`SPLIT_KINDS`; the split kernels exist for ``meta.split`` layers in train mode)."""
+    meta = layer_meta(meta)
+    if mode not in meta.modes:
+        raise ValueError(f"{meta.name}: no mode {mode!r}; modes are {meta.modes}")
     if kind == "forward":
         b = _forward(meta, mode)
     elif kind == "backward":
@@ -360,20 +366,21 @@ def kernel_signature(meta: dict, mode: str, kind: str) -> KernelSignature:
     elif kind in ("bb", "jvp"):
         b = _second(meta, mode, kind)
     elif kind in SPLIT_KINDS:
-        if not meta.get("split") or mode != "train":
-            raise ValueError(f"{meta['name']}: no split kernels in mode {mode!r}")
+        if not meta.split or mode != "train":
+            raise ValueError(f"{meta.name}: no split kernels in mode {mode!r}")
         b = _split(meta, kind)
     else:
         raise ValueError(f"unknown kernel kind {kind!r}; kinds are {KINDS + SPLIT_KINDS}")
-    return KernelSignature(meta["name"], mode, kind, tuple(b.args), tuple(b.sections))
+    return KernelSignature(meta.name, mode, kind, tuple(b.args), tuple(b.sections))
 
 
-def kernel_signatures(meta: dict) -> dict[tuple[str, str], KernelSignature]:
+def kernel_signatures(meta: MetaLike) -> dict[tuple[str, str], KernelSignature]:
     """Every kernel's signature of a layer, by (mode, kind)."""
+    meta = layer_meta(meta)
     out = {}
-    for mode in meta["modes"]:
+    for mode in meta.modes:
         kinds = KINDS
-        kinds += SPLIT_KINDS if meta.get("split") and mode == "train" else ()
+        kinds += SPLIT_KINDS if meta.split and mode == "train" else ()
         for kind in kinds:
             out[(mode, kind)] = kernel_signature(meta, mode, kind)
     return out

@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from derivgen.runtime.meta import LayerMeta, MetaLike, layer_meta
 from derivgen.runtime.validate import (
     Layout,
     check_float,
@@ -73,7 +74,7 @@ class Cache(StatisticsView):
 
     def __init__(
         self,
-        meta: dict,
+        meta: LayerMeta,
         mode: str,
         layout: Layout,
         x: np.ndarray,
@@ -89,34 +90,33 @@ class Cache(StatisticsView):
 
     def __repr__(self) -> str:
         return (
-            f"<{self.meta['name']} cache mode={self.mode} x{tuple(self.x.shape)} {self.x.dtype} "
-            f"stats={list(self.stats)}>"
+            f"<{self.meta.name} cache mode={self.mode} x{tuple(self.x.shape)} {self.x.dtype} stats={list(self.stats)}>"
         )
 
 
-def _check_cache(meta: dict, cache: Any) -> Cache:
+def _check_cache(meta: LayerMeta, cache: Any) -> Cache:
     """``cache`` when it is this layer's forward cache; else a TypeError."""
-    if not isinstance(cache, Cache) or cache.meta["name"] != meta["name"]:
-        raise TypeError(f"{meta['name']}: cache must be the second value returned by this layer's forward")
+    if not isinstance(cache, Cache) or cache.meta.name != meta.name:
+        raise TypeError(f"{meta.name}: cache must be the second value returned by this layer's forward")
     return cache
 
 
-def _param_dtypes(meta: dict, params: dict, dtype: np.dtype) -> None:
+def _param_dtypes(meta: LayerMeta, params: dict, dtype: np.dtype) -> None:
     """Every parameter is a float array of x's dtype."""
-    for pname in meta["params"]:
+    for pname in meta.params:
         check_same_dtype(meta, pname, _check_array(pname, params[pname]).dtype, dtype, "; use one dtype for all arrays")
 
 
-def _param_shapes(meta: dict, params: dict, layout: Layout) -> None:
+def _param_shapes(meta: LayerMeta, params: dict, layout: Layout) -> None:
     """Every parameter has the shape of the normalized channels (see derivgen.runtime.validate)."""
-    check_param_shapes(meta, {p: params[p].shape for p in meta["params"]}, layout)
+    check_param_shapes(meta, {p: params[p].shape for p in meta.params}, layout)
 
 
-def _inputs(meta: dict, inputs: dict, layout: Layout, dtype: np.dtype) -> dict:
+def _inputs(meta: LayerMeta, inputs: dict, layout: Layout, dtype: np.dtype) -> dict:
     """Per-group inputs as flat arrays of x's dtype: one value (a scalar) or one per group."""
-    name = meta["name"]
+    name = meta.name
     ins = {}
-    for iname in meta["inputs"]:
+    for iname in meta.inputs:
         v = inputs.get(iname)
         if v is None:
             raise TypeError(
@@ -132,9 +132,9 @@ def _inputs(meta: dict, inputs: dict, layout: Layout, dtype: np.dtype) -> dict:
     return ins
 
 
-def _by_name(meta: dict, what: str, given: Any, names: list, defaults: dict | None = None) -> dict:
+def _by_name(meta: LayerMeta, what: str, given: Any, names: list, defaults: dict | None = None) -> dict:
     """A dict by name from a dict or a sequence in spec order (None: empty), with defaults."""
-    name = meta["name"]
+    name = meta.name
     if given is None:
         given = {}
     if isinstance(given, (list, tuple)):
@@ -166,19 +166,19 @@ def _out_by_field(name: str, out: Any, fields: Sequence[str]) -> dict:
     return given
 
 
-def _grad_shapes(meta: dict, layout: Layout, data: Sequence[str]) -> dict[str, tuple]:
+def _grad_shapes(meta: LayerMeta, layout: Layout, data: Sequence[str]) -> dict[str, tuple]:
     """The shapes of a backward's outputs: each of ``data`` (dx, ddy) x's shape, each
     parameter gradient the parameter's ((): a scalar parameter)."""
     shapes = {d: layout.x_shape for d in data}
-    for p in meta["params"]:
-        shapes["d" + p] = () if p in meta.get("scalar_params", ()) else layout.param_shape
+    for p in meta.params:
+        shapes["d" + p] = () if p in meta.scalar_params else layout.param_shape
     return shapes
 
 
-def _input_grad_shapes(meta: dict, layout: Layout, inputs: dict) -> dict[str, tuple]:
+def _input_grad_shapes(meta: LayerMeta, layout: Layout, inputs: dict) -> dict[str, tuple]:
     """The shapes of the per-group inputs' gradients (as finish_input_grad gives them): one
     value per group, or a scalar where the forward got one value."""
-    return {"d" + i: () if inputs[i].size == 1 else layout.group_shape for i in meta.get("inputs", ()) if i in inputs}
+    return {"d" + i: () if inputs[i].size == 1 else layout.group_shape for i in meta.inputs if i in inputs}
 
 
 def _no_overlap(name: str, outputs: dict, inputs: dict) -> None:
@@ -228,11 +228,12 @@ def named_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
     name (``layernorm: eps must lie in ...``), as every error of a call does."""
 
     @functools.wraps(fn)
-    def checked(meta: dict, *args: Any, **kwargs: Any) -> Any:
+    def checked(meta: MetaLike, *args: Any, **kwargs: Any) -> Any:
+        meta = layer_meta(meta)
         try:
             return fn(meta, *args, **kwargs)
         except (TypeError, ValueError) as exc:
-            prefix = f"{meta['name']}: "
+            prefix = f"{meta.name}: "
             if type(exc) not in (TypeError, ValueError) or str(exc).startswith(prefix):
                 raise
             raise type(exc)(prefix + str(exc)) from None

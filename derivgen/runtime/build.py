@@ -30,7 +30,7 @@ import tempfile
 import warnings
 from pathlib import Path
 
-from derivgen.runtime.machine import machine
+from derivgen.runtime import machine as cpu  # the module: machine() is looked up at each call
 
 REQUIRED_FLAGS = ["-std=c99", "-fPIC", "-shared"]
 WARN_FLAGS = ["-Wall", "-Wextra", "-pedantic"]
@@ -98,7 +98,7 @@ def compiler() -> list[str]:
 def default_cflags() -> list[str]:
     """:data:`DEFAULT_CFLAGS` with -march=native made this machine's x86-64 level
     (``-march=x86-64-v4`` on an AVX-512 CPU); elsewhere (ARM, ...) native stays."""
-    level = machine().level
+    level = cpu.machine().level
     return [f"-march={level}" if f == "-march=native" and level else f for f in DEFAULT_CFLAGS]
 
 

@@ -15,6 +15,7 @@ from derivgen.runtime.abi import KernelSignature, grad_tensor_names, kernel_sign
 from derivgen.runtime.base import aligned_empty
 from derivgen.runtime.build import build_shared, build_target
 from derivgen.runtime.machine import machine
+from derivgen.runtime.meta import MetaLike, layer_meta
 
 _SFX = {np.dtype(np.float32): "f32", np.dtype(np.float64): "f64"}
 
@@ -56,13 +57,13 @@ class CKernel:
 
     def __init__(
         self,
-        meta: dict,
+        meta: MetaLike,
         source: Path,
         threads: int = 0,
         cflags: list[str] | None = None,
         extra: list[str] | None = None,
     ) -> None:
-        self.meta = meta
+        self.meta = meta = layer_meta(meta)
         self.source = Path(source)
         self.threads = threads
         self.cflags = cflags  # None: $CFLAGS or the defaults (see derivgen.runtime.build)
@@ -87,7 +88,7 @@ class CKernel:
         """Tell the kernels this machine's cache sizes (see derivgen.runtime.machine); a build
         that fixed them with -DDG_STREAM_BYTES / -DDG_TILE_BYTES keeps its own."""
         m = machine()
-        fn = lib[f"{self.meta['name']}_configure"]
+        fn = lib[f"{self.meta.name}_configure"]
         fn.restype = None
         fn.argtypes = [ctypes.c_int64, ctypes.c_int64]
         fn(m.stream_bytes, m.tile_bytes)
@@ -101,7 +102,7 @@ class CKernel:
     @property
     def isa(self) -> str:
         """The instruction sets this build of the kernels targets ("avx2 fma sse2", ...)."""
-        fn = self.lib[f"{self.meta['name']}_isa"]
+        fn = self.lib[f"{self.meta.name}_isa"]
         fn.restype = ctypes.c_char_p
         return fn().decode()
 
@@ -149,31 +150,31 @@ class CKernel:
         m = self.meta
         return {
             "dims": (L.O, L.G, L.Cg, L.S),
-            "params": [_ptr(params[p]) for p in m["params"]],
-            "options": [options[o] for o in m["options"]],
-            "inputs": input_pairs([inputs[i] for i in m["inputs"]]),
+            "params": [_ptr(params[p]) for p in m.params],
+            "options": [options[o] for o in m.options],
+            "inputs": input_pairs([inputs[i] for i in m.inputs]),
         }
 
     def forward(self, call: rt.ForwardCall) -> tuple[np.ndarray, rt.Cache]:
         """y and the cache of a validated forward call (buffers updated in place in train mode)."""
         L, m = call.layout, self.meta
-        stats = {s: np.empty(L.n_groups, dtype=np.float64) for s in m["stats"][call.mode]}
+        stats = {s: np.empty(L.n_groups, dtype=np.float64) for s in m.stats[call.mode]}
         bufs = {}
-        for b in m["buffers"]:
+        for b in m.buffers:
             buf = call.buffers[b]
             bufs[b] = np.ascontiguousarray(buf) if buf is not None and not buf.flags.c_contiguous else buf
         sections = {
             **self._leading(L, call.params, call.options, call.inputs),
             "x": (_ptr(call.x),),
-            "buffers": [_ptr(bufs[b]) for b in m["buffers"]],
-            "y": (_ptr(call.out), *(_ptr(call.outs[o]) for o in m.get("outputs", []))),
-            "stats": [_ptr(stats[s]) for s in m["stats"][call.mode]],
+            "buffers": [_ptr(bufs[b]) for b in m.buffers],
+            "y": (_ptr(call.out), *(_ptr(call.outs[o]) for o in m.outputs)),
+            "stats": [_ptr(stats[s]) for s in m.stats[call.mode]],
         }
         if call.tensors:
             sections["tensors"] = [_ptr(call.tensors[t]) for t in tensor_names(m)]
         status = self._run(call.mode, "forward", call.dtype, sections)
         if status != 0:
-            raise MemoryError(f"{m['name']}: forward kernel could not allocate its work buffer")
+            raise MemoryError(f"{m.name}: forward kernel could not allocate its work buffer")
         for b, buf in bufs.items():
             if buf is not None and buf is not call.buffers[b]:
                 call.buffers[b][...] = buf
@@ -183,29 +184,29 @@ class CKernel:
         """``grads_type(dx, d<param>..., d<input>...)`` of a validated backward call."""
         c, m = call.cache, self.meta
         L = c.layout
-        dinputs = {i: np.empty(L.n_groups, dtype=c.dtype) for i in m["inputs"]}
+        dinputs = {i: np.empty(L.n_groups, dtype=c.dtype) for i in m.inputs}
         # a broadcast tensor's element gradients go to x's shape first, then are summed (rt)
         dtens = {t: rt.grad_buffer(m, t, L, call.outs["d" + t], c.dtype) for t in grad_tensor_names(m)}
         sections = {
             **self._leading(L, c.params, c.options, c.inputs),
             "x": (_ptr(c.x),),
             "dy": (_ptr(call.dy),),
-            "stats": [_ptr(c.stats[s]) for s in m["stats"][c.mode]],
+            "stats": [_ptr(c.stats[s]) for s in m.stats[c.mode]],
             "dx": (_ptr(call.outs["dx"]), *(_ptr(dtens[t]) for t in grad_tensor_names(m))),
-            "dparams": [_ptr(call.outs["d" + p]) for p in m["params"]],
-            "dinputs": [_ptr(dinputs[i]) for i in m["inputs"]],
+            "dparams": [_ptr(call.outs["d" + p]) for p in m.params],
+            "dinputs": [_ptr(dinputs[i]) for i in m.inputs],
         }
         if tensor_names(m):
             sections["tensors"] = [_ptr(c.tensors[t]) for t in tensor_names(m)]
-        if m.get("outputs"):
-            sections["cotangents"] = [_ptr(call.cotangents[o]) for o in m["outputs"]]
+        if m.outputs:
+            sections["cotangents"] = [_ptr(call.cotangents[o]) for o in m.outputs]
         status = self._run(c.mode, "backward", c.dtype, sections)
         if status != 0:
-            raise MemoryError(f"{m['name']}: backward kernel could not allocate its work buffer")
-        values = {"dx": call.outs["dx"], **{"d" + p: call.outs["d" + p] for p in m["params"]}}
+            raise MemoryError(f"{m.name}: backward kernel could not allocate its work buffer")
+        values = {"dx": call.outs["dx"], **{"d" + p: call.outs["d" + p] for p in m.params}}
         for t in grad_tensor_names(m):
             values["d" + t] = rt.finish_tensor_grad(m, t, L, dtens[t], call.outs["d" + t])
-        for i in m["inputs"]:
+        for i in m.inputs:
             values["d" + i] = rt.finish_input_grad(c, i, dinputs[i], call.outs.get("d" + i))
         return grads_type(**values)
 
@@ -220,13 +221,13 @@ class CKernel:
         sections = {
             **self._leading(L, c.params, c.options, c.inputs),
             "x": (_ptr(c.x),),
-            "stats": [_ptr(c.stats[s]) for s in m["stats"][c.mode]],
+            "stats": [_ptr(c.stats[s]) for s in m.stats[c.mode]],
             "seed_x": (_ptr(call.seed_x),),
-            "seed_params": [_ptr(call.seed_params[p]) for p in m["params"]],
-            "seed_inputs": input_pairs([call.seed_inputs[i] for i in m["inputs"]]),
+            "seed_params": [_ptr(call.seed_params[p]) for p in m.params],
+            "seed_inputs": input_pairs([call.seed_inputs[i] for i in m.inputs]),
         }
-        dinputs = {i: np.empty(L.n_groups, dtype=c.dtype) for i in m["inputs"]}
-        outputs, gts = m.get("outputs", []), grad_tensor_names(m)
+        dinputs = {i: np.empty(L.n_groups, dtype=c.dtype) for i in m.inputs}
+        outputs, gts = m.outputs, grad_tensor_names(m)
         if tensor_names(m):
             sections["tensors"] = [_ptr(c.tensors[t]) for t in tensor_names(m)]
         if gts:
@@ -239,8 +240,8 @@ class CKernel:
                     "dy": (_ptr(call.dy),),
                     "out_dx": (_ptr(call.outs["dx"]),),
                     "out_ddy": (_ptr(call.outs["ddy"]),),
-                    "out_params": [_ptr(call.outs["d" + p]) for p in m["params"]],
-                    "out_inputs": [_ptr(dinputs[i]) for i in m["inputs"]],
+                    "out_params": [_ptr(call.outs["d" + p]) for p in m.params],
+                    "out_inputs": [_ptr(dinputs[i]) for i in m.inputs],
                 }
             )
             if outputs:
@@ -251,14 +252,14 @@ class CKernel:
         else:
             sections["out_ty"] = (_ptr(call.outs["ty"]), *(_ptr(call.outs["t" + o]) for o in outputs))
         if self._run(c.mode, kind, c.dtype, sections) != 0:
-            raise MemoryError(f"{m['name']}: second-order kernel could not allocate its work buffer")
+            raise MemoryError(f"{m.name}: second-order kernel could not allocate its work buffer")
         if kind != "bb":
             return (call.outs["ty"], *(call.outs["t" + o] for o in outputs)) if outputs else call.outs["ty"]
-        values = {"dx": call.outs["dx"], "ddy": call.outs["ddy"], **{"d" + p: call.outs["d" + p] for p in m["params"]}}
+        values = {"dx": call.outs["dx"], "ddy": call.outs["ddy"], **{"d" + p: call.outs["d" + p] for p in m.params}}
         values.update({"dd" + o: call.outs["dd" + o] for o in outputs})
         for t in gts:
             values["d" + t] = rt.finish_tensor_grad(m, t, L, dtens[t], call.outs["d" + t])
-        for i in m["inputs"]:
+        for i in m.inputs:
             values["d" + i] = rt.finish_input_grad(c, i, dinputs[i], call.outs.get("d" + i))
         return grads_type(**values)
 
@@ -277,13 +278,13 @@ class CKernel:
     def split_partial(self, call: rt.SplitCall, level: int) -> np.ndarray:
         """This part's sums of statistics level ``level``: float64 (sums, groups)."""
         m, L = self.meta, call.layout
-        levels = m["split"]["levels"]
+        levels = m.split.levels
         level = rt.split_level(m, level)
         if level > 0 and call.stats is None:
             raise TypeError(
-                f"{m['name']}: level {level} needs the statistics of the earlier levels: stats= (from split_finish)"
+                f"{m.name}: level {level} needs the statistics of the earlier levels: stats= (from split_finish)"
             )
-        stats = call.stats if call.stats is not None else np.zeros((len(m["stats"]["train"]), L.n_groups))
+        stats = call.stats if call.stats is not None else np.zeros((len(m.stats["train"]), L.n_groups))
         sums = np.zeros((levels[level], L.n_groups))
         if L.O and levels[level]:
             status = self._run_split(
@@ -298,13 +299,13 @@ class CKernel:
                 },
             )
             if status != 0:
-                raise ValueError(f"{m['name']}: split partial kernel refused level {level}")
+                raise ValueError(f"{m.name}: split partial kernel refused level {level}")
         return sums
 
     def split_finish(self, call: rt.SplitCall, level: int, sums: np.ndarray) -> np.ndarray:
         """The statistics with level ``level``'s rows filled from its sums over all parts."""
         m, L = self.meta, call.layout
-        levels = m["split"]["levels"]
+        levels = m.split.levels
         level = rt.split_level(m, level)
         sums = rt.check_sums(m, sums, levels[level], L)
         out = rt.stats_array(m, call)
@@ -312,7 +313,7 @@ class CKernel:
             "finish", call, {"level": (level,), "sums": (_ptr(sums),), "count": (call.count,), "stats": (_ptr(out),)}
         )
         if status != 0:
-            raise ValueError(f"{m['name']}: split finish kernel refused level {level}")
+            raise ValueError(f"{m.name}: split finish kernel refused level {level}")
         return out
 
     def split_apply(self, call: rt.SplitCall, out: np.ndarray | None) -> np.ndarray:
@@ -326,14 +327,14 @@ class CKernel:
                 {"x": (_ptr(call.x),), "stats": (_ptr(call.stats),), "count": (call.count,), "y": (_ptr(y),)},
             )
             if status != 0:
-                raise MemoryError(f"{self.meta['name']}: split apply kernel could not allocate its work buffer")
+                raise MemoryError(f"{self.meta.name}: split apply kernel could not allocate its work buffer")
         return y
 
     def split_backward_partial(self, call: rt.SplitCall, dy: np.ndarray) -> np.ndarray:
         """This part's sums for the backward: float64 (sums, groups)."""
         m, L = self.meta, call.layout
         dy = rt.check_dy(m, dy, call)
-        sums = np.zeros((m["split"]["backward"], L.n_groups))
+        sums = np.zeros((m.split.backward, L.n_groups))
         if L.O and len(sums):
             status = self._run_split(
                 "bpartial",
@@ -347,7 +348,7 @@ class CKernel:
                 },
             )
             if status != 0:
-                raise RuntimeError(f"{m['name']}: split backward partial kernel failed")
+                raise RuntimeError(f"{m.name}: split backward partial kernel failed")
         return sums
 
     def split_backward_apply(
@@ -361,10 +362,10 @@ class CKernel:
         """This part's ``grads_type``: dx and the parameters' and inputs' gradients over this part."""
         m, L = self.meta, call.layout
         dy = rt.check_dy(m, dy, call)
-        sums = rt.check_sums(m, sums, m["split"]["backward"], L)
+        sums = rt.check_sums(m, sums, m.split.backward, L)
         dx = aligned_empty(call.x.shape, call.dtype)
-        dparams = {p: np.zeros(call.params[p].shape, dtype=call.dtype) for p in m["params"]}
-        dinputs = {i: np.zeros(L.n_groups, dtype=call.dtype) for i in m["inputs"]}
+        dparams = {p: np.zeros(call.params[p].shape, dtype=call.dtype) for p in m.params}
+        dinputs = {i: np.zeros(L.n_groups, dtype=call.dtype) for i in m.inputs}
         if L.O:
             status = self._run_split(
                 "bapply",
@@ -377,14 +378,14 @@ class CKernel:
                     "count": (call.count,),
                     "group_terms": (int(bool(group_terms)),),
                     "dx": (_ptr(dx),),
-                    "dparams": [_ptr(dparams[p]) for p in m["params"]],
-                    "dinputs": [_ptr(dinputs[i]) for i in m["inputs"]],
+                    "dparams": [_ptr(dparams[p]) for p in m.params],
+                    "dinputs": [_ptr(dinputs[i]) for i in m.inputs],
                 },
             )
             if status != 0:
-                raise MemoryError(f"{m['name']}: split backward apply kernel could not allocate its work buffer")
+                raise MemoryError(f"{m.name}: split backward apply kernel could not allocate its work buffer")
         values = {"dx": dx, **{"d" + p: v for p, v in dparams.items()}}
-        for i in m["inputs"]:
+        for i in m.inputs:
             v = dinputs[i]
             values["d" + i] = (
                 np.asarray(v.sum(dtype=np.float64), dtype=call.dtype)

@@ -25,6 +25,7 @@ from derivgen.runtime.base import (
     check_out,
     named_errors,
 )
+from derivgen.runtime.meta import LayerMeta, MetaLike, layer_meta
 from derivgen.runtime.tensors import check_cotangents, extra_outputs, full_view, seeds_by_name, tensor_shape
 from derivgen.runtime.validate import check_float
 
@@ -48,21 +49,22 @@ class SecondCall:
     cotangents: dict[str, np.ndarray] = field(default_factory=dict)
 
 
-def second_fields(meta: dict) -> tuple[str, ...]:
+def second_fields(meta: MetaLike) -> tuple[str, ...]:
     """``backward_backward``'s fields: the gradients of L2 = sum(ddx*dx) + sum(dd<t>*d<t>) +
     sum(dd<p>*d<p>) + ... with respect to x, dy, the cotangents d<o> of the outputs beside y
     (``dd<o>``), the tensor inputs with a gradient, the parameters and the inputs."""
+    meta = layer_meta(meta)
     return (
         "dx",
         "ddy",
-        *("dd" + o for o in meta.get("outputs", [])),
+        *("dd" + o for o in meta.outputs),
         *("d" + t for t in grad_tensor_names(meta)),
-        *("d" + p for p in meta["params"]),
-        *("d" + i for i in meta["inputs"]),
+        *("d" + p for p in meta.params),
+        *("d" + i for i in meta.inputs),
     )
 
 
-def _tensor_seeds(meta: dict, label: str, given: Any, cache: Cache) -> dict[str, np.ndarray]:
+def _tensor_seeds(meta: LayerMeta, label: str, given: Any, cache: Cache) -> dict[str, np.ndarray]:
     """The seeds of the tensor inputs with a gradient (a dict by name; None entries and names
     not given are zeros), each of the tensor's declared shape and the forward's dtype, returned
     at x's shape in C order."""
@@ -70,45 +72,45 @@ def _tensor_seeds(meta: dict, label: str, given: Any, cache: Cache) -> dict[str,
     given = seeds_by_name(meta, label, given, names)
     out = {}
     for t in names:
-        kind, v = meta["tensors"][t][0], given.get(t)
+        kind, v = meta.tensors[t][0], given.get(t)
         want = tensor_shape(meta, kind, cache.layout)
         if v is None:
             out[t] = np.zeros(cache.layout.x_shape, dtype=cache.dtype)
             continue
         v = _check_array(f"{label}.{t}", v)
         if v.dtype != cache.dtype:
-            raise TypeError(f"{meta['name']}: {label}.{t} has dtype {v.dtype} but the forward ran in {cache.dtype}")
+            raise TypeError(f"{meta.name}: {label}.{t} has dtype {v.dtype} but the forward ran in {cache.dtype}")
         if tuple(v.shape) != want:
-            raise ValueError(f"{meta['name']}: {label}.{t} must have the shape of {t} {want}, got {v.shape}")
+            raise ValueError(f"{meta.name}: {label}.{t} must have the shape of {t} {want}, got {v.shape}")
         out[t] = full_view(meta, kind, v, cache.layout)
     return out
 
 
-def _second_shapes(meta: dict, cache: Cache, data: tuple[str, ...]) -> dict[str, tuple]:
+def _second_shapes(meta: LayerMeta, cache: Cache, data: tuple[str, ...]) -> dict[str, tuple]:
     """The shapes of backward_backward's outputs."""
     shapes = {**_grad_shapes(meta, cache.layout, data), **_input_grad_shapes(meta, cache.layout, cache.inputs)}
-    for o in meta.get("outputs", []):
+    for o in meta.outputs:
         shapes["dd" + o] = cache.layout.x_shape
     for t in grad_tensor_names(meta):
-        shapes["d" + t] = tensor_shape(meta, meta["tensors"][t][0], cache.layout)
+        shapes["d" + t] = tensor_shape(meta, meta.tensors[t][0], cache.layout)
     return shapes
 
 
-def _like_x(meta: dict, what: str, v: np.ndarray | None, cache: Cache) -> np.ndarray:
+def _like_x(meta: LayerMeta, what: str, v: np.ndarray | None, cache: Cache) -> np.ndarray:
     """An array of x's shape and the forward's dtype, in C order (None: zeros)."""
     if v is None:
         return np.zeros(cache.layout.x_shape, dtype=cache.dtype)
     v = _check_array(what, v)
     if v.dtype != cache.dtype:
-        raise TypeError(f"{meta['name']}: {what} has dtype {v.dtype} but the forward ran in {cache.dtype}")
+        raise TypeError(f"{meta.name}: {what} has dtype {v.dtype} but the forward ran in {cache.dtype}")
     if tuple(v.shape) != tuple(cache.layout.x_shape):
-        raise ValueError(f"{meta['name']}: {what} must have the shape of x {cache.layout.x_shape}, got {v.shape}")
+        raise ValueError(f"{meta.name}: {what} must have the shape of x {cache.layout.x_shape}, got {v.shape}")
     return _contig(v)
 
 
-def _param_seed(meta: dict, label: str, pname: str, v: Any, cache: Cache) -> np.ndarray:
+def _param_seed(meta: LayerMeta, label: str, pname: str, v: Any, cache: Cache) -> np.ndarray:
     """One parameter's seed, flat like ``cache.params`` (None: zeros; a number: a scalar)."""
-    name, ref = meta["name"], cache.params[pname]
+    name, ref = meta.name, cache.params[pname]
     if v is None:
         return np.zeros(ref.shape, dtype=cache.dtype)
     if not isinstance(v, np.ndarray):
@@ -116,26 +118,26 @@ def _param_seed(meta: dict, label: str, pname: str, v: Any, cache: Cache) -> np.
     a = _check_array(label, v)
     if a.dtype != cache.dtype:
         raise TypeError(f"{name}: {label} has dtype {a.dtype} but the forward ran in {cache.dtype}")
-    scalar = pname in meta.get("scalar_params", ())
+    scalar = pname in meta.scalar_params
     shape = () if scalar else cache.layout.param_shape
     if a.size != ref.size or (a.ndim and tuple(a.shape) != tuple(shape) and not scalar):
         raise ValueError(f"{name}: {label} must have the shape of {pname} {shape}, got {a.shape}")
     return _contig(a).reshape(-1)
 
 
-def _seeds(meta: dict, what: str, params: Any, inputs: Any, cache: Cache) -> tuple[dict, dict]:
+def _seeds(meta: LayerMeta, what: str, params: Any, inputs: Any, cache: Cache) -> tuple[dict, dict]:
     """Seeds of the parameters (dict by name or sequence in spec order; None entries are
     zeros) and of the per-group inputs (dict by name)."""
-    given = _by_name(meta, what + "params", params, meta["params"])
-    sp = {pn: _param_seed(meta, f"{what}params.{pn}", pn, given.get(pn), cache) for pn in meta["params"]}
-    gi = _by_name(meta, what + "inputs", inputs, meta["inputs"])
-    si = _inputs(meta, {i: (0.0 if gi.get(i) is None else gi[i]) for i in meta["inputs"]}, cache.layout, cache.dtype)
+    given = _by_name(meta, what + "params", params, meta.params)
+    sp = {pn: _param_seed(meta, f"{what}params.{pn}", pn, given.get(pn), cache) for pn in meta.params}
+    gi = _by_name(meta, what + "inputs", inputs, meta.inputs)
+    si = _inputs(meta, {i: (0.0 if gi.get(i) is None else gi[i]) for i in meta.inputs}, cache.layout, cache.dtype)
     return sp, si
 
 
 @named_errors
 def prepare_backward_backward(
-    meta: dict,
+    meta: MetaLike,
     dy: np.ndarray,
     cache: Cache,
     ddx: np.ndarray | None = None,
@@ -148,7 +150,8 @@ def prepare_backward_backward(
     """Checks for ``backward_backward`` (errors name the argument); ``ddtensors`` are the seeds
     of the tensor inputs' gradients by name, ``cotangents`` the first-order cotangents of the
     outputs beside y by name (None: zero)."""
-    name = meta["name"]
+    meta = layer_meta(meta)
+    name = meta.name
     cache = _check_cache(meta, cache)
     if dy is None:
         raise TypeError(f"{name}: dy is required")
@@ -179,7 +182,7 @@ def prepare_backward_backward(
 
 @named_errors
 def prepare_jvp(
-    meta: dict,
+    meta: MetaLike,
     cache: Cache,
     tx: np.ndarray | None = None,
     tparams: Mapping[str, Any] | Sequence[Any] | None = None,
@@ -191,6 +194,7 @@ def prepare_jvp(
     """Checks for ``jvp`` (errors name the argument); ``ttensors`` are the tangents of the
     tensor inputs with a gradient by name, ``outs`` preallocated tangents of the outputs beside
     y (as the forward's ``outs``)."""
+    meta = layer_meta(meta)
     cache = _check_cache(meta, cache)
     seed_x = _like_x(meta, "tx", tx, cache)
     sp, si = _seeds(meta, "t", tparams, tinputs, cache)
@@ -198,7 +202,7 @@ def prepare_jvp(
     ty = check_out("out", out, cache.layout.x_shape, cache.dtype)
     results = {"ty": ty, **{"t" + o: a for o, a in extra_outputs(meta, cache.layout, cache.dtype, outs).items()}}
     _no_overlap(
-        meta["name"],
+        meta.name,
         results,
         {
             "x": cache.x,

@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from derivgen.runtime.base import _by_name, _check_array, _contig, _inputs, _param_dtypes, _param_shapes, named_errors
+from derivgen.runtime.meta import LayerMeta, MetaLike, layer_meta
 from derivgen.runtime.validate import Layout, check_float, check_options, layout_from_shapes, scalar_params
 
 
@@ -19,19 +20,20 @@ from derivgen.runtime.validate import Layout, check_float, check_options, layout
 class SplitCall:
     """A validated call of a split-reduction function on one part of a batch."""
 
-    meta: dict
+    meta: LayerMeta
     layout: Layout  # O: this part's samples (0 for an empty part)
     dtype: np.dtype
     x: np.ndarray  # C-contiguous, the part's own shape
     params: dict[str, np.ndarray]
     options: dict[str, float]
     inputs: dict[str, np.ndarray]
-    stats: np.ndarray | None  # (statistics, groups) float64, in meta["stats"]["train"] order
+    stats: np.ndarray | None  # (statistics, groups) float64, in meta.stats["train"] order
     count: float | None  # values per group over all parts
 
 
-def split_layout(meta: dict, x_shape: Sequence[int], param_shapes: dict[str, Sequence[int]]) -> Layout:
+def split_layout(meta: MetaLike, x_shape: Sequence[int], param_shapes: dict[str, Sequence[int]]) -> Layout:
     """The layout of one part of a batch (it may hold no samples)."""
+    meta = layer_meta(meta)
     x_shape = tuple(x_shape)
     if len(x_shape) >= 2 and x_shape[0] == 0:
         L = layout_from_shapes(meta, (1, *x_shape[1:]), param_shapes, None)
@@ -50,7 +52,7 @@ def split_layout(meta: dict, x_shape: Sequence[int], param_shapes: dict[str, Seq
 
 @named_errors
 def prepare_split(
-    meta: dict,
+    meta: MetaLike,
     x: np.ndarray,
     params: Mapping[str, np.ndarray] | Sequence[np.ndarray],
     options: Mapping[str, float] | Sequence[float] | None = None,
@@ -64,44 +66,45 @@ def prepare_split(
     a dict by name or a sequence in spec order; options and per-group inputs dicts by name
     (options default as in the spec). A part may be empty; the minimum group size applies
     to ``count``, the size over all parts."""
-    name = meta["name"]
-    if meta.get("split") is None:
+    meta = layer_meta(meta)
+    name = meta.name
+    if meta.split is None:
         raise ValueError(
             f"{name}: the split reduction is for layers whose groups span the batch "
-            f"(layout channels, reduce batch); this one is {meta['layout']}/{meta['reduce']}"
+            f"(layout channels, reduce batch); this one is {meta.layout}/{meta.reduce}"
         )
-    params = _by_name(meta, "params", params, list(meta["params"]))
-    missing = [p for p in meta["params"] if p not in params]
+    params = _by_name(meta, "params", params, list(meta.params))
+    missing = [p for p in meta.params if p not in params]
     if missing:
         raise TypeError(f"{name}: params {missing} are required")
     options = _by_name(
         meta,
         "options",
         options,
-        list(meta["options"]),
-        {o: d for o, (d, _, _) in meta["options"].items() if d is not None},
+        list(meta.options),
+        {o: d for o, (d, _, _) in meta.options.items() if d is not None},
     )
-    inputs = _by_name(meta, "inputs", inputs, list(meta["inputs"]))
+    inputs = _by_name(meta, "inputs", inputs, list(meta.inputs))
     x = _check_array("x", x)
     dtype = x.dtype
     params = scalar_params(meta, params, dtype)
     _param_dtypes(meta, params, dtype)
-    layout = split_layout(meta, x.shape, {p: params[p].shape for p in meta["params"]})
+    layout = split_layout(meta, x.shape, {p: params[p].shape for p in meta.params})
     _param_shapes(meta, params, layout)
     opts = check_options(meta, options)
-    nst = len(meta["stats"]["train"])
+    nst = len(meta.stats["train"])
     if stats is not None:
         stats = _check_array("stats", stats)
         if stats.dtype != np.float64 or stats.shape != (nst, layout.n_groups):
             raise ValueError(
                 f"{name}: stats must be float64 of shape ({nst}, {layout.n_groups}) (statistics "
-                f"{meta['stats']['train']}, one row each), got {stats.dtype} {stats.shape}"
+                f"{meta.stats['train']}, one row each), got {stats.dtype} {stats.shape}"
             )
     elif need_stats:
         raise TypeError(f"{name}: stats is required (from split_finish)")
     if count is not None:
         n = check_float("count", count, 1, None)
-        need = meta["min_group_size"]["train"]
+        need = meta.min_group_size["train"]
         if n < need:
             raise ValueError(f"{name}: count={n:g} values per group over all parts; training needs at least {need}")
         count = n
@@ -112,7 +115,7 @@ def prepare_split(
         layout,
         dtype,
         _contig(x),
-        {p: _contig(params[p]) for p in meta["params"]},
+        {p: _contig(params[p]) for p in meta.params},
         opts,
         _inputs(meta, inputs, layout, dtype),
         stats,
@@ -139,25 +142,28 @@ def sums_array(layout: Layout, sums: list) -> np.ndarray:
     return out
 
 
-def split_level(meta: dict, level: int) -> int:
+def split_level(meta: MetaLike, level: int) -> int:
     """``level`` as an int, checked against the layer's statistics levels."""
-    n = len(meta["split"]["levels"])
+    meta = layer_meta(meta)
+    n = len(meta.split.levels)
     if isinstance(level, (bool, np.bool_)) or not isinstance(level, (int, np.integer)) or not 0 <= level < n:
-        raise ValueError(f"{meta['name']}: level must be an int from 0 to {n - 1}, got {level!r}")
+        raise ValueError(f"{meta.name}: level must be an int from 0 to {n - 1}, got {level!r}")
     return int(level)
 
 
-def need_stats(meta: dict, call: SplitCall, level: int) -> None:
+def need_stats(meta: MetaLike, call: SplitCall, level: int) -> None:
     """A level after the first needs the statistics of the earlier ones."""
+    meta = layer_meta(meta)
     if level > 0 and call.stats is None:
         raise TypeError(
-            f"{meta['name']}: level {level} needs the statistics of the earlier levels: stats= (from split_finish)"
+            f"{meta.name}: level {level} needs the statistics of the earlier levels: stats= (from split_finish)"
         )
 
 
-def finish_part(sums: Any, meta: dict, params: Mapping[str, Any] | Sequence[Any] | None) -> np.ndarray:
+def finish_part(sums: Any, meta: MetaLike, params: Mapping[str, Any] | Sequence[Any] | None) -> np.ndarray:
     """An empty part with the groups of ``sums`` (split_finish reads no x): its layout
     and dtype (the parameters', float64 without any)."""
+    meta = layer_meta(meta)
     params = list(params.values()) if isinstance(params, dict) else list(params or [])
     arrays = [p for p in params if isinstance(p, np.ndarray)]
     spanning = [p for p in arrays if p.size > 1 or p.ndim == 1 and p.shape[0] > 1]
@@ -166,19 +172,20 @@ def finish_part(sums: Any, meta: dict, params: Mapping[str, Any] | Sequence[Any]
     return np.empty((0, groups), dtype=dtype)
 
 
-def stats_array(meta: dict, call: SplitCall) -> np.ndarray:
+def stats_array(meta: MetaLike, call: SplitCall) -> np.ndarray:
     """The statistics to fill: a copy of the call's (zeros when it has none), (statistics, groups)."""
-    nst = len(meta["stats"]["train"])
+    meta = layer_meta(meta)
+    nst = len(meta.stats["train"])
     return np.zeros((nst, call.layout.n_groups)) if call.stats is None else call.stats.copy()
 
 
-def check_dy(meta: dict, dy: np.ndarray, call: SplitCall) -> np.ndarray:
+def check_dy(meta: MetaLike, dy: np.ndarray, call: SplitCall) -> np.ndarray:
     """dy of a part, with the part's shape and dtype, in C order."""
+    meta = layer_meta(meta)
     dy = _check_array("dy", dy)
     if dy.dtype != call.dtype or dy.shape != call.x.shape:
         raise ValueError(
-            f"{meta['name']}: dy must have the shape and dtype of x {call.x.shape} {call.dtype}, "
-            f"got {dy.shape} {dy.dtype}"
+            f"{meta.name}: dy must have the shape and dtype of x {call.x.shape} {call.dtype}, got {dy.shape} {dy.dtype}"
         )
     return _contig(dy)
 
@@ -199,9 +206,10 @@ def part_input_grad(call: SplitCall, iname: str, per_group: np.ndarray | float) 
     return v.astype(call.dtype).reshape(call.layout.group_shape)
 
 
-def check_sums(meta: dict, sums: np.ndarray, rows: int, layout: Layout) -> np.ndarray:
+def check_sums(meta: MetaLike, sums: np.ndarray, rows: int, layout: Layout) -> np.ndarray:
     """Sums over whole groups: float64 of shape (rows, groups), in C order."""
-    name = meta["name"]
+    meta = layer_meta(meta)
+    name = meta.name
     sums = _check_array("sums", sums)
     if sums.dtype != np.float64 or sums.shape != (rows, layout.n_groups):
         raise ValueError(

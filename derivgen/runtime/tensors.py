@@ -25,15 +25,17 @@ from typing import Any
 import numpy as np
 
 from derivgen.runtime.base import _check_array, _contig, aligned_empty, check_out
+from derivgen.runtime.meta import MetaLike, layer_meta
 from derivgen.runtime.validate import Layout
 
 
-def tensor_shape(meta: dict, kind: str, layout: Layout) -> tuple[int, ...]:
+def tensor_shape(meta: MetaLike, kind: str, layout: Layout) -> tuple[int, ...]:
     """The shape a tensor input declared ``kind`` has for x of ``layout``."""
+    meta = layer_meta(meta)
     xs = tuple(layout.x_shape)
     if kind == "x":
         return xs
-    if meta["layout"] == "trailing":  # (B, *normalized)
+    if meta.layout == "trailing":  # (B, *normalized)
         k = len(layout.param_shape)
         return (xs[0], *xs[len(xs) - k :]) if len(xs) > k else xs
     if kind == "sample":
@@ -41,12 +43,13 @@ def tensor_shape(meta: dict, kind: str, layout: Layout) -> tuple[int, ...]:
     return (xs[0], 1, *xs[2:])  # position
 
 
-def broadcast_axes(meta: dict, kind: str, layout: Layout) -> tuple[int, ...]:
+def broadcast_axes(meta: MetaLike, kind: str, layout: Layout) -> tuple[int, ...]:
     """The axes of x a tensor declared ``kind`` is broadcast over (its gradient is summed over them)."""
+    meta = layer_meta(meta)
     nd = len(layout.x_shape)
     if kind == "x":
         return ()
-    if meta["layout"] == "trailing":
+    if meta.layout == "trailing":
         k = len(layout.param_shape)
         return tuple(range(1, nd - k)) if nd > k else ()
     if kind == "sample":
@@ -54,8 +57,9 @@ def broadcast_axes(meta: dict, kind: str, layout: Layout) -> tuple[int, ...]:
     return (1,)
 
 
-def full_view(meta: dict, kind: str, t: np.ndarray, layout: Layout) -> np.ndarray:
+def full_view(meta: MetaLike, kind: str, t: np.ndarray, layout: Layout) -> np.ndarray:
     """A tensor of its declared shape as a C-contiguous array of x's shape."""
+    meta = layer_meta(meta)
     if kind == "x":
         return _contig(t)
     shape = list(layout.x_shape)
@@ -64,11 +68,12 @@ def full_view(meta: dict, kind: str, t: np.ndarray, layout: Layout) -> np.ndarra
     return np.ascontiguousarray(np.broadcast_to(t.reshape(shape), layout.x_shape))
 
 
-def check_tensors(meta: dict, tensors: Mapping[str, Any], layout: Layout, dtype: np.dtype) -> dict[str, np.ndarray]:
+def check_tensors(meta: MetaLike, tensors: Mapping[str, Any], layout: Layout, dtype: np.dtype) -> dict[str, np.ndarray]:
     """Every tensor input checked (an array of x's dtype, of its declared shape; a mask 0 or 1
     everywhere), as C-contiguous arrays of x's shape; errors name the argument."""
-    name, out = meta["name"], {}
-    for tname, (kind, _grad, mask) in meta.get("tensors", {}).items():
+    meta = layer_meta(meta)
+    name, out = meta.name, {}
+    for tname, (kind, _grad, mask) in meta.tensors.items():
         t = tensors.get(tname)
         if t is None:
             raise TypeError(f"{name}: {tname} is required (a tensor input)")
@@ -86,37 +91,37 @@ def check_tensors(meta: dict, tensors: Mapping[str, Any], layout: Layout, dtype:
     return out
 
 
-def extra_outputs(meta: dict, layout: Layout, dtype: np.dtype, given: Any) -> dict[str, np.ndarray]:
+def extra_outputs(meta: MetaLike, layout: Layout, dtype: np.dtype, given: Any) -> dict[str, np.ndarray]:
     """The arrays the outputs beside y are written to (x's shape and dtype): ``given`` is None,
     or a sequence or dict by name of preallocated ones (None where not given)."""
-    names = meta.get("outputs", [])
+    meta = layer_meta(meta)
+    names = meta.outputs
     if given is None:
         given = {}
     elif not isinstance(given, Mapping):
         given = list(given)
         if len(given) != len(names):
-            raise ValueError(
-                f"{meta['name']}: outs must have {len(names)} arrays ({', '.join(names)}), got {len(given)}"
-            )
+            raise ValueError(f"{meta.name}: outs must have {len(names)} arrays ({', '.join(names)}), got {len(given)}")
         given = dict(zip(names, given))
     extra = set(given) - set(names)
     if extra:
-        raise ValueError(f"{meta['name']}: outs has unknown output(s) {', '.join(sorted(extra))}")
+        raise ValueError(f"{meta.name}: outs has unknown output(s) {', '.join(sorted(extra))}")
     return {o: check_out(f"outs.{o}", given.get(o), layout.x_shape, dtype) for o in names}
 
 
-def check_cotangents(meta: dict, cots: Mapping[str, Any], layout: Layout, dtype: np.dtype) -> dict:
+def check_cotangents(meta: MetaLike, cots: Mapping[str, Any], layout: Layout, dtype: np.dtype) -> dict:
     """The cotangents of the outputs beside y (``d<name>``): arrays of x's shape and dtype; one
     not given (None) is zero, as autograd passes for an output that no loss reads."""
+    meta = layer_meta(meta)
     out = {}
-    for o in meta.get("outputs", []):
+    for o in meta.outputs:
         c = cots.get(o)
         if c is not None:
             c = _check_array("d" + o, c)
             if c.dtype != dtype:
-                raise TypeError(f"{meta['name']}: d{o} has dtype {c.dtype} but the forward ran in {dtype}")
+                raise TypeError(f"{meta.name}: d{o} has dtype {c.dtype} but the forward ran in {dtype}")
             if tuple(c.shape) != tuple(layout.x_shape):
-                raise ValueError(f"{meta['name']}: d{o} must have the shape of x {layout.x_shape}, got {c.shape}")
+                raise ValueError(f"{meta.name}: d{o} must have the shape of x {layout.x_shape}, got {c.shape}")
             c = _contig(c)
         else:
             c = np.zeros(layout.x_shape, dtype=dtype)
@@ -125,18 +130,20 @@ def check_cotangents(meta: dict, cots: Mapping[str, Any], layout: Layout, dtype:
 
 
 def grad_buffer(
-    meta: dict, tname: str, layout: Layout, out: np.ndarray, dtype: np.dtype | type = np.float64
+    meta: MetaLike, tname: str, layout: Layout, out: np.ndarray, dtype: np.dtype | type = np.float64
 ) -> np.ndarray:
     """Where a tensor's element gradients are written: its output itself (a tensor of x's
     shape), else an array of x's shape and ``dtype`` that :func:`finish_tensor_grad` sums."""
-    kind = meta["tensors"][tname][0]
+    meta = layer_meta(meta)
+    kind = meta.tensors[tname][0]
     return out if kind == "x" else aligned_empty(layout.x_shape, dtype)
 
 
-def finish_tensor_grad(meta: dict, tname: str, layout: Layout, buf: np.ndarray, out: np.ndarray) -> np.ndarray:
+def finish_tensor_grad(meta: MetaLike, tname: str, layout: Layout, buf: np.ndarray, out: np.ndarray) -> np.ndarray:
     """A tensor's gradient: the element gradients ``buf`` summed over the axes it is broadcast
     over (nothing to do for one of x's shape), stored in ``out``."""
-    kind = meta["tensors"][tname][0]
+    meta = layer_meta(meta)
+    kind = meta.tensors[tname][0]
     if kind == "x":
         return out
     axes = broadcast_axes(meta, kind, layout)
@@ -145,16 +152,17 @@ def finish_tensor_grad(meta: dict, tname: str, layout: Layout, buf: np.ndarray, 
     return out
 
 
-def seeds_by_name(meta: dict, label: str, given: Any, names: list[str]) -> Mapping[str, Any]:
+def seeds_by_name(meta: MetaLike, label: str, given: Any, names: list[str]) -> Mapping[str, Any]:
     """Seeds of the tensor inputs with a gradient (``names``) given as a dict by name (None:
     none), checked: ``label`` names the argument in the errors (a non-dict, an unknown name)."""
+    meta = layer_meta(meta)
     given = {} if given is None else given
     if not isinstance(given, Mapping):
-        raise TypeError(f"{meta['name']}: {label} must be a dict by tensor name ({', '.join(names)})")
+        raise TypeError(f"{meta.name}: {label} must be a dict by tensor name ({', '.join(names)})")
     unknown = set(given) - set(names)
     if unknown:
         raise ValueError(
-            f"{meta['name']}: {label} has {', '.join(sorted(map(str, unknown)))}, which is not a tensor input with a "
+            f"{meta.name}: {label} has {', '.join(sorted(map(str, unknown)))}, which is not a tensor input with a "
             f"gradient ({', '.join(names) or 'none'})"
         )
     return given

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from derivgen.runtime.abi import reads_buffers
+from derivgen.runtime.meta import MetaLike, layer_meta
 
 
 @dataclass
@@ -97,37 +98,39 @@ def check_float(name: str, v: Any, lo: float | None = None, hi: float | None = N
     return f
 
 
-def scalar_params(meta: dict, params: dict, dtype: Any) -> dict:
+def scalar_params(meta: MetaLike, params: dict, dtype: Any) -> dict:
     """``params`` with every scalar parameter given as a Python or NumPy number (``0.7``,
     ``np.float32(0.7)``) as a 0-d array of ``dtype`` (x's); anything else is left for the
     array checks."""
+    meta = layer_meta(meta)
     out = dict(params)
-    for pname in meta.get("scalar_params", ()):
+    for pname in meta.scalar_params:
         v = out.get(pname)
         if isinstance(v, (int, float, np.integer, np.floating)) and not isinstance(v, (bool, np.bool_)):
-            out[pname] = np.asarray(check_float(f"{meta['name']}: {pname}", v), dtype=dtype)
+            out[pname] = np.asarray(check_float(f"{meta.name}: {pname}", v), dtype=dtype)
     return out
 
 
-def bind_arguments(meta: dict, params: Sequence[Any], kw: dict) -> dict:
+def bind_arguments(meta: MetaLike, params: Sequence[Any], kw: dict) -> dict:
     """The arguments of a functional call ``f(x, *params, **kw)`` by name: parameters by
     position or keyword (not both), every other name one the layer declares, every parameter
     given; errors name the layer and the argument."""
-    name = meta["name"]
-    if len(params) > len(meta["params"]):
+    meta = layer_meta(meta)
+    name = meta.name
+    if len(params) > len(meta.params):
         raise TypeError(
-            f"{name}: takes x and {len(meta['params'])} parameter(s) {meta['params']} positionally, got {len(params)}"
+            f"{name}: takes x and {len(meta.params)} parameter(s) {meta.params} positionally, got {len(params)}"
         )
-    given = dict(zip(meta["params"], params))
+    given = dict(zip(meta.params, params))
     twice = set(given) & set(kw)
     if twice:
         raise TypeError(f"{name}: parameter(s) {sorted(twice)} given both by position and by keyword")
     kw = {**given, **kw}
-    known = {*meta["params"], *meta["inputs"], *meta["options"], *meta["buffers"]}
+    known = {*meta.params, *meta.inputs, *meta.options, *meta.buffers}
     unknown = set(kw) - known
     if unknown:
         raise TypeError(f"{name}: unknown argument(s) {sorted(unknown)}; arguments are {sorted(known)}")
-    for p in meta["params"]:
+    for p in meta.params:
         if p not in kw:
             raise TypeError(f"{name}: parameter {p} is required")
     return kw
@@ -140,16 +143,17 @@ def leading_count(p: float, n: int) -> int:
 
 
 def layout_from_shapes(
-    meta: dict, x_shape: Sequence[int], param_shapes: dict[str, Sequence[int]], num_groups: int | None
+    meta: MetaLike, x_shape: Sequence[int], param_shapes: dict[str, Sequence[int]], num_groups: int | None
 ) -> Layout:
     """The 4-D view of x from shapes alone (derivgen.torch calls it on fake and symbolic
     shapes too), with errors naming the argument."""
-    kind, red = meta["layout"], meta["reduce"]
-    name = meta["name"]
+    meta = layer_meta(meta)
+    kind, red = meta.layout, meta.reduce
+    name = meta.name
     x_shape = tuple(x_shape)
     nd = len(x_shape)
     if kind == "trailing":
-        spanning = [p for p in meta["params"] if p not in meta.get("scalar_params", ())]
+        spanning = [p for p in meta.params if p not in meta.scalar_params]
         if spanning:
             p0, first = spanning[0], tuple(param_shapes[spanning[0]])
             k = len(first)
@@ -160,7 +164,7 @@ def layout_from_shapes(
                     f"{name}: {p0} has shape {first}, which must equal the trailing axes of x (shape {x_shape})"
                 )
         else:
-            k = meta.get("axes", 1)
+            k = meta.axes
             if nd < k:
                 raise ValueError(f"{name}: x must have at least {k} dimension(s), got shape {x_shape}")
         lead = x_shape[: nd - k]
@@ -210,48 +214,53 @@ def layout_from_shapes(
     return Layout(O=n, G=G, Cg=c // G, S=S, per_sample=True, x_shape=x_shape, param_shape=(c,), group_shape=(n, G))
 
 
-def check_not_empty(meta: dict, x_shape: Sequence[int]) -> None:
+def check_not_empty(meta: MetaLike, x_shape: Sequence[int]) -> None:
     """x holds at least one value."""
+    meta = layer_meta(meta)
     if math.prod(x_shape) == 0:
-        raise ValueError(f"{meta['name']}: x is empty (shape {tuple(x_shape)})")
+        raise ValueError(f"{meta.name}: x is empty (shape {tuple(x_shape)})")
 
 
-def check_same_dtype(meta: dict, what: str, dtype: Any, x_dtype: Any, hint: str = "") -> None:
+def check_same_dtype(meta: MetaLike, what: str, dtype: Any, x_dtype: Any, hint: str = "") -> None:
     """An argument has x's dtype (``hint`` ends the message)."""
+    meta = layer_meta(meta)
     if dtype != x_dtype:
-        raise TypeError(f"{meta['name']}: {what} has dtype {dtype} but x has {x_dtype}{hint}")
+        raise TypeError(f"{meta.name}: {what} has dtype {dtype} but x has {x_dtype}{hint}")
 
 
-def check_param_shapes(meta: dict, shapes: dict, layout: Layout) -> None:
+def check_param_shapes(meta: MetaLike, shapes: dict, layout: Layout) -> None:
     """Every parameter has the shape of the normalized channels (a scalar one: () or (1,))."""
-    for pname in meta["params"]:
+    meta = layer_meta(meta)
+    for pname in meta.params:
         shape = tuple(shapes[pname])
-        if pname in meta.get("scalar_params", ()):
+        if pname in meta.scalar_params:
             if math.prod(shape) != 1 or len(shape) > 1:
-                raise ValueError(f"{meta['name']}: {pname} is a scalar parameter: shape () or (1,), got {shape}")
+                raise ValueError(f"{meta.name}: {pname} is a scalar parameter: shape () or (1,), got {shape}")
         elif shape != tuple(layout.param_shape):
-            raise ValueError(f"{meta['name']}: {pname} must have shape {tuple(layout.param_shape)}, got {shape}")
+            raise ValueError(f"{meta.name}: {pname} must have shape {tuple(layout.param_shape)}, got {shape}")
 
 
-def check_group_size(meta: dict, mode: str, layout: Layout) -> None:
+def check_group_size(meta: MetaLike, mode: str, layout: Layout) -> None:
     """Each normalization group holds at least the mode's minimum number of values."""
-    need = meta["min_group_size"][mode]
+    meta = layer_meta(meta)
+    need = meta.min_group_size[mode]
     if layout.group_size < need:
         raise ValueError(
-            f"{meta['name']}: {mode} mode needs at least {need} values per normalization group, "
+            f"{meta.name}: {mode} mode needs at least {need} values per normalization group, "
             f"got {layout.group_size} (x shape {tuple(layout.x_shape)})"
         )
 
 
-def check_options(meta: dict, options: dict) -> dict[str, float]:
+def check_options(meta: MetaLike, options: dict) -> dict[str, float]:
     """Every option given, a finite float within its declared range (a whole number for an
     integer option: a window's size)."""
+    meta = layer_meta(meta)
     opts = {}
-    whole = set(meta.get("integer_options", ()))
-    for oname, (_, lo, hi) in meta["options"].items():
+    whole = set(meta.integer_options)
+    for oname, (_, lo, hi) in meta.options.items():
         v = options.get(oname)
         if v is None:
-            raise TypeError(f"{meta['name']}: option {oname} is required")
+            raise TypeError(f"{meta.name}: option {oname} is required")
         opts[oname] = check_float(oname, v, lo, hi)
         if oname in whole and opts[oname] != int(opts[oname]):
             raise ValueError(f"{oname} must be a whole number, got {opts[oname]}")
@@ -263,38 +272,41 @@ def is_scalar_shape(shape: Sequence[int]) -> bool:
     return math.prod(shape) == 1 and len(shape) <= 1
 
 
-def check_input_shape(meta: dict, iname: str, shape: Sequence[int], layout: Layout) -> None:
+def check_input_shape(meta: MetaLike, iname: str, shape: Sequence[int], layout: Layout) -> None:
     """A per-group input is a scalar or has one value per group."""
+    meta = layer_meta(meta)
     if not is_scalar_shape(shape) and tuple(shape) != tuple(layout.group_shape):
         raise ValueError(
-            f"{meta['name']}: {iname} must be a scalar or have shape {tuple(layout.group_shape)}, got {tuple(shape)}"
+            f"{meta.name}: {iname} must be a scalar or have shape {tuple(layout.group_shape)}, got {tuple(shape)}"
         )
 
 
-def check_buffer_shape(meta: dict, bname: str, shape: Sequence[int], layout: Layout) -> None:
+def check_buffer_shape(meta: MetaLike, bname: str, shape: Sequence[int], layout: Layout) -> None:
     """A running buffer has one value per group."""
+    meta = layer_meta(meta)
     if tuple(shape) != tuple(layout.group_shape):
-        raise ValueError(f"{meta['name']}: {bname} must have shape {tuple(layout.group_shape)}, got {tuple(shape)}")
+        raise ValueError(f"{meta.name}: {bname} must have shape {tuple(layout.group_shape)}, got {tuple(shape)}")
 
 
-def check_call_shapes(meta: dict, mode: str, a: dict, groups: int | None) -> Layout:
+def check_call_shapes(meta: MetaLike, mode: str, a: dict, groups: int | None) -> Layout:
     """The shape part of a forward call's contract on arrays or tensors by spec name (their
     dtypes and devices checked by the caller): x's layout, the parameters', inputs' and read
     buffers' shapes, the group size (not for an empty x: it normalizes to an empty y, as in
     torch.nn) and the options' ranges. Returns the layout."""
+    meta = layer_meta(meta)
     x = a["x"]
     L = layout_from_shapes(
         meta,
         tuple(x.shape),
-        {p: tuple(a[p].shape) for p in meta["params"]},
-        groups if meta["reduce"] == "group" else None,
+        {p: tuple(a[p].shape) for p in meta.params},
+        groups if meta.reduce == "group" else None,
     )
-    check_param_shapes(meta, {p: a[p].shape for p in meta["params"]}, L)
+    check_param_shapes(meta, {p: a[p].shape for p in meta.params}, L)
     if math.prod(x.shape):
         check_group_size(meta, mode, L)
-    check_options(meta, {o: a[o] for o in meta["options"]})
-    for i in meta["inputs"]:
+    check_options(meta, {o: a[o] for o in meta.options})
+    for i in meta.inputs:
         check_input_shape(meta, i, tuple(a[i].shape), L)
-    for b in meta["buffers"] if reads_buffers(meta, mode) else ():
+    for b in meta.buffers if reads_buffers(meta, mode) else ():
         check_buffer_shape(meta, b, tuple(a[b].shape), L)
     return L

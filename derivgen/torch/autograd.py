@@ -254,9 +254,9 @@ def call_forward(
         fast = lay.plans.last_ext.get(mode)
         out = None if fast is None else fast(tens, opts, groups)
         if out is not None:  # the tensors, options and groups of the last plan's call (the C++ extension)
-            return out[0], (dict(zip(lay.meta["stats"][mode], out[1].unbind(0))) if stats else None)
+            return out[0], (dict(zip(lay.meta.stats[mode], out[1].unbind(0))) if stats else None)
     x = tens[0]
-    names = lay.meta["stats"][mode]
+    names = lay.meta.stats[mode]
     if torch._C._are_functorch_transforms_active():
         if x.is_cpu and not generic.ON and not torch.compiler.is_compiling() and _one_jvp_level():
             out = _Functional.apply(lay, mode, opts, groups, *tens)
@@ -282,6 +282,6 @@ def call_forward(
             y, st = plan.forward(tens, opts, blob=True)
         return y, (dict(zip(names, st.unbind(0))) if stats else None)
     for k, t in zip(differentiable(lay.meta), tens):
-        check_tensor(lay.meta["name"], k, t, any_device=True)  # a wrong dtype: an error naming it
+        check_tensor(lay.meta.name, k, t, any_device=True)  # a wrong dtype: an error naming it
     out = as_tuple(lay.modes[mode].forward(*tens, *opts, groups))
     return out[0], dict(zip(names, out[1:]))

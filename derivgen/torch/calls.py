@@ -18,6 +18,7 @@ import torch
 
 from derivgen import runtime as rt
 from derivgen.runtime.abi import reads_buffers
+from derivgen.runtime.meta import LayerMeta, MetaLike, layer_meta
 from derivgen.runtime.tensors import seeds_by_name
 from derivgen.torch.schema import differentiable, extra_outputs, grad_tensors, is_multi, tensor_inputs
 from derivgen.torch.tensors import channels_last_format, full_tensor, is_channels_last, tensor_grad, wide
@@ -39,7 +40,7 @@ class Cache(rt.StatisticsView):
         self.tensors = dict(tensors or {})  # the tensor inputs beside x, as given
 
     def __repr__(self) -> str:
-        return f"Cache({self.meta['name']}, {self.mode}, x {tuple(self.x.shape)} {self.x.dtype})"
+        return f"Cache({self.meta.name}, {self.mode}, x {tuple(self.x.shape)} {self.x.dtype})"
 
 
 def _tensor(v: Any, x: torch.Tensor) -> torch.Tensor:
@@ -52,20 +53,20 @@ def _compute(v: Any) -> Any:
     return v.float() if isinstance(v, torch.Tensor) and v.dtype in LOW else v
 
 
-def _views(meta: dict, a: dict, L: rt.Layout, mode: str) -> dict:
+def _views(meta: LayerMeta, a: dict, L: rt.Layout, mode: str) -> dict:
     """Keyword arguments of the generated functions: 4-D views, in the computation's dtype."""
     kw: dict = {"_L": L}
     for t in tensor_inputs(meta):  # the tensor inputs beside x, at x's shape
         kw[t] = _compute(full_tensor(meta, t, a[t], L)).reshape(L.view4)
-    for p in meta["params"]:
-        kw[p] = _compute(a[p]).reshape((1, 1, 1, 1) if p in meta["scalar_params"] else L.param4)
-    for i in meta["inputs"]:
+    for p in meta.params:
+        kw[p] = _compute(a[p]).reshape((1, 1, 1, 1) if p in meta.scalar_params else L.param4)
+    for i in meta.inputs:
         v = _compute(a[i])
         kw[i] = v.reshape((1, 1, 1, 1) if v.numel() == 1 else L.stat4)
-    for b in meta["buffers"]:
+    for b in meta.buffers:
         v = a.get(b) if reads_buffers(meta, mode) else None
         kw[b] = None if v is None else _compute(v).reshape(L.stat4)
-    for o in meta["options"]:
+    for o in meta.options:
         kw[o] = a[o]
     return kw
 
@@ -80,7 +81,7 @@ def _store(out: torch.Tensor | None, v: torch.Tensor, what: str) -> torch.Tensor
 
 
 def forward(
-    meta: dict,
+    meta: MetaLike,
     functions: dict[str, Callable],
     update: Callable | None,
     x: torch.Tensor,
@@ -98,35 +99,36 @@ def forward(
     are updated in place (not differentiated). A layer with tensor inputs beside x takes
     them in ``tensors`` (by name); one with outputs beside y returns ``((y, outputs...),
     cache)`` and writes them into ``outs`` (a sequence or a dict by name) when given."""
-    name = meta["name"]
+    meta = layer_meta(meta)
+    name = meta.name
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name}: x must be a torch.Tensor, got {type(x).__name__}")
     if not isinstance(training, bool):
         raise TypeError(f"{name}: training must be a bool, got {type(training).__name__}")
-    mode = "train" if training or "eval" not in meta["modes"] else "eval"
+    mode = "train" if training or "eval" not in meta.modes else "eval"
     ins = {i: _tensor(v, x) for i, v in inputs.items()}
     a = {"x": x, **params, **ins, **options, "num_groups": num_groups or 0}
     if reads_buffers(meta, mode):
-        missing = [b for b in meta["buffers"] if buffers.get(b) is None]
+        missing = [b for b in meta.buffers if buffers.get(b) is None]
         if missing:
             raise ValueError(f"{name}: {mode} mode needs {missing[0]} (its statistics read it)")
-        a.update({b: buffers[b] for b in meta["buffers"]})
+        a.update({b: buffers[b] for b in meta.buffers})
     tens = dict(tensors or {})
     a.update(tens)
     L = check_on_tensors(meta, mode, a, any_device=True)
     check_tensor_inputs(meta, a, L, any_device=True, values=not torch._C._are_functorch_transforms_active())
-    opts = {o: float(options[o]) for o in meta["options"]}
+    opts = {o: float(options[o]) for o in meta.options}
     a.update(opts)
     got = functions[mode](_compute(x).reshape(L.view4), **_views(meta, a, L, mode))
     y4, st = got[0], got[1]
     y = _like_x(y4, x, meta)
     extra = [_like_x(got[2][o], x, meta) for o in extra_outputs(meta)] if is_multi(meta) else []
     sd = wide(x.device)
-    stats = {s: st[s].reshape(L.n_groups).to(sd) for s in meta["stats"][mode]}
+    stats = {s: st[s].reshape(L.n_groups).to(sd) for s in meta.stats[mode]}
     # the buffers the statistics read, as they were before this call updates them
-    read = {b: buffers[b].detach().clone() for b in meta["buffers"]} if reads_buffers(meta, mode) else None
+    read = {b: buffers[b].detach().clone() for b in meta.buffers} if reads_buffers(meta, mode) else None
     if mode == "train" and update is not None and x.numel():
-        bufs = {b: buffers.get(b) for b in meta["buffers"]}
+        bufs = {b: buffers.get(b) for b in meta.buffers}
         if any(v is not None for v in bufs.values()):
             with torch.no_grad():
                 shape = L.group_shape
@@ -137,7 +139,7 @@ def forward(
                     if bufs[b] is not None:
                         bufs[b].copy_(v.reshape(bufs[b].shape))
     y = _store(out, y, "out")
-    cache = Cache(meta, mode, L, x, {p: params[p] for p in meta["params"]}, stats, opts, ins, num_groups, tens)
+    cache = Cache(meta, mode, L, x, {p: params[p] for p in meta.params}, stats, opts, ins, num_groups, tens)
     if read is not None:
         cache.buffers = read
     if extra:
@@ -147,10 +149,10 @@ def forward(
     return y, cache
 
 
-def _like_x(v4: torch.Tensor, x: torch.Tensor, meta: dict) -> torch.Tensor:
+def _like_x(v4: torch.Tensor, x: torch.Tensor, meta: LayerMeta) -> torch.Tensor:
     """An element-level result (4-D) in x's shape, dtype and memory format."""
     v = v4.reshape(x.shape).to(x.dtype)
-    if meta["layout"] == "channels" and is_channels_last(x):
+    if meta.layout == "channels" and is_channels_last(x):
         v = v.contiguous(memory_format=channels_last_format(x))
     return v
 
@@ -164,7 +166,9 @@ def _call_args(cache: Cache) -> dict:
     return a
 
 
-def _backward_of(meta: dict, functions: dict[str, Callable], cache: Cache, cotangents: dict | None = None) -> Callable:
+def _backward_of(
+    meta: LayerMeta, functions: dict[str, Callable], cache: Cache, cotangents: dict | None = None
+) -> Callable:
     """(dy, x, params..., inputs...) -> (dx, dparams..., dinputs...) of the cache's call; a
     multi layer's (dy, x, tensors with a gradient..., ...) -> (dx, dtensors..., ...), with
     the outputs' cotangents (x's shape) in ``cotangents`` by name."""
@@ -183,8 +187,8 @@ def _backward_of(meta: dict, functions: dict[str, Callable], cache: Cache, cotan
         for t in grad_tensors(meta):
             d = got[3][t].reshape(x.shape)
             res.append(tensor_grad(meta, t, d, L, a[t].shape).to(x.dtype))
-        res += [dp[p].reshape(a[p].shape).to(x.dtype) for p in meta["params"]]
-        for i in meta["inputs"]:
+        res += [dp[p].reshape(a[p].shape).to(x.dtype) for p in meta.params]
+        for i in meta.inputs:
             v = di[i]
             res.append((v.sum() if a[i].numel() == 1 else v).reshape(a[i].shape).to(x.dtype))
         return tuple(res)
@@ -203,26 +207,26 @@ def _check_like_x(name: str, what: str, v: Any, cache: Cache) -> torch.Tensor:
     return v
 
 
-def _by_name(names: Sequence[str], v: Any, what: str, meta: dict) -> dict:
+def _by_name(names: Sequence[str], v: Any, what: str, meta: LayerMeta) -> dict:
     """Seeds given as a dict by name or a sequence in spec order (None: none)."""
     if v is None:
         return {}
     if isinstance(v, dict):
         unknown = set(v) - set(names)
         if unknown:
-            raise ValueError(f"{meta['name']}: unknown {what} {sorted(unknown)}; names are {list(names)}")
+            raise ValueError(f"{meta.name}: unknown {what} {sorted(unknown)}; names are {list(names)}")
         return dict(v)
     v = list(v)
     if len(v) > len(names):
-        raise ValueError(f"{meta['name']}: {what}: at most {len(names)} values, got {len(v)}")
+        raise ValueError(f"{meta.name}: {what}: at most {len(names)} values, got {len(v)}")
     return dict(zip(names, v))
 
 
-def _tensor_seeds(meta: dict, cache: Cache, given: Any, label: str) -> list[torch.Tensor]:
+def _tensor_seeds(meta: LayerMeta, cache: Cache, given: Any, label: str) -> list[torch.Tensor]:
     """The seeds of the tensor inputs with a gradient, in spec order: ``given`` a dict by
     name (None, a missing name or a None entry: zeros), each of the tensor's declared shape
     (a broadcast one's, not x's) and x's dtype; errors name ``<label>.<tensor>``."""
-    name, names = meta["name"], grad_tensors(meta)
+    name, names = meta.name, grad_tensors(meta)
     given = seeds_by_name(meta, label, given, names)
     x, seeds = cache.x, []
     for t in names:
@@ -243,26 +247,26 @@ def _tensor_seeds(meta: dict, cache: Cache, given: Any, label: str) -> list[torc
 
 
 def _seeds(
-    meta: dict, cache: Cache, vx: Any, vparams: Any, vinputs: Any, what: str, vtensors: Any = None, label: str = ""
+    meta: LayerMeta, cache: Cache, vx: Any, vparams: Any, vinputs: Any, what: str, vtensors: Any = None, label: str = ""
 ) -> list[torch.Tensor]:
     """One seed per differentiable argument (x, the tensor inputs with a gradient, parameters,
     inputs), zeros where missing; ``label`` names the tensor seeds' argument in errors."""
-    name = meta["name"]
-    ps = _by_name(meta["params"], vparams, what + " (parameters)", meta)
-    ins = _by_name(meta["inputs"], vinputs, what + " (inputs)", meta)
+    name = meta.name
+    ps = _by_name(meta.params, vparams, what + " (parameters)", meta)
+    ins = _by_name(meta.inputs, vinputs, what + " (inputs)", meta)
     seeds = [_check_like_x(name, what + " of x", vx, cache)]
     seeds += _tensor_seeds(meta, cache, vtensors, label) if is_multi(meta) else []
-    for p in meta["params"]:
+    for p in meta.params:
         ref = cache.params[p]
         seeds.append(torch.zeros_like(ref) if ps.get(p) is None else _tensor(ps[p], ref).reshape(ref.shape))
-    for i in meta["inputs"]:
+    for i in meta.inputs:
         ref = cache.inputs[i]
         seeds.append(torch.zeros_like(ref) if ins.get(i) is None else _tensor(ins[i], ref).reshape(ref.shape))
     return seeds
 
 
 def backward(
-    meta: dict,
+    meta: MetaLike,
     functions: dict[str, Callable],
     grads_type: type,
     dy: torch.Tensor,
@@ -272,10 +276,11 @@ def backward(
 ) -> tuple:
     """``Grads(dx, d<tensor>..., d<param>..., d<input>...)`` by the generated closed form;
     ``cotangents``: those of the outputs beside y by name (None: zeros)."""
+    meta = layer_meta(meta)
     if not isinstance(cache, Cache):
-        raise TypeError(f"{meta['name']}: cache must be what this module's forward returned")
-    dy = _check_like_x(meta["name"], "dy", dy, cache)
-    cots = {o: _check_like_x(meta["name"], "d" + o, (cotangents or {}).get(o), cache) for o in extra_outputs(meta)}
+        raise TypeError(f"{meta.name}: cache must be what this module's forward returned")
+    dy = _check_like_x(meta.name, "dy", dy, cache)
+    cots = {o: _check_like_x(meta.name, "d" + o, (cotangents or {}).get(o), cache) for o in extra_outputs(meta)}
     a = _call_args(cache)
     diff = differentiable(meta)
     got = _backward_of(meta, functions, cache, cots)(dy, *(a[n] for n in diff))
@@ -286,7 +291,7 @@ def backward(
 
 
 def backward_backward(
-    meta: dict,
+    meta: MetaLike,
     functions: dict[str, Callable],
     second_type: type,
     dy: torch.Tensor,
@@ -304,11 +309,12 @@ def backward_backward(
     (torch.func over the closed form). A layer with outputs beside y takes the cotangents its
     backward took for them in ``cotangents`` (by name, None: zero); they are differentiated
     too (``dd<output>``). The tensor inputs without a gradient (masks) are constants."""
-    if not isinstance(cache, Cache) or cache.meta["name"] != meta["name"]:
-        raise TypeError(f"{meta['name']}: cache must be what this module's forward returned")
-    dy = _check_like_x(meta["name"], "dy", dy, cache)
+    meta = layer_meta(meta)
+    if not isinstance(cache, Cache) or cache.meta.name != meta.name:
+        raise TypeError(f"{meta.name}: cache must be what this module's forward returned")
+    dy = _check_like_x(meta.name, "dy", dy, cache)
     outs = extra_outputs(meta)
-    cots = [_check_like_x(meta["name"], "d" + o, (cotangents or {}).get(o), cache) for o in outs]
+    cots = [_check_like_x(meta.name, "d" + o, (cotangents or {}).get(o), cache) for o in outs]
     a = _call_args(cache)
     diff = differentiable(meta)
     cot = _seeds(meta, cache, ddx, ddparams, ddinputs, "the cotangent", ddtensors, "ddtensors")
@@ -327,7 +333,7 @@ def backward_backward(
 
 
 def jvp(
-    meta: dict,
+    meta: MetaLike,
     functions: dict[str, Callable],
     cache: Cache,
     tx: Any = None,
@@ -342,8 +348,9 @@ def jvp(
     JVP of the generated forward) at the cache's point; a layer with outputs beside y returns
     ``(ty, t<output>...)``, the latter written into ``outs`` (a sequence or a dict by name)
     where given."""
-    if not isinstance(cache, Cache) or cache.meta["name"] != meta["name"]:
-        raise TypeError(f"{meta['name']}: cache must be what this module's forward returned")
+    meta = layer_meta(meta)
+    if not isinstance(cache, Cache) or cache.meta.name != meta.name:
+        raise TypeError(f"{meta.name}: cache must be what this module's forward returned")
     a0, L, mode = _call_args(cache), cache.layout, cache.mode
     diff = differentiable(meta)
     names = extra_outputs(meta)

@@ -26,7 +26,7 @@ def views(lay: Layer, a: dict, L: rt.Layout, mode: str) -> dict:
     for t in tensor_inputs(lay.meta):  # a multi layer's tensor inputs, at x's shape
         kw[t] = full_tensor(lay.meta, t, a[t], L).reshape(L.view4)
     for p in lay.params:
-        kw[p] = a[p].reshape((1, 1, 1, 1) if p in lay.meta["scalar_params"] else L.param4)
+        kw[p] = a[p].reshape((1, 1, 1, 1) if p in lay.meta.scalar_params else L.param4)
     for i in lay.inputs:
         kw[i] = a[i].reshape((1, 1, 1, 1) if a[i].numel() == 1 else L.stat4)
     for b in lay.buffers:

@@ -68,9 +68,9 @@ def forward_values(lay: Layer, mode: str, a: dict) -> tuple[torch.Tensor, list[t
     b = _upcast(a) if x.dtype in LOW else a
     y4, st = lay.target.FORWARD[mode](b["x"].reshape(L.view4), **closed_form.views(lay, b, L, mode))
     y = y4.reshape(x.shape).to(x.dtype)
-    if lay.meta["layout"] == "channels" and is_channels_last(x):
+    if lay.meta.layout == "channels" and is_channels_last(x):
         y = y.contiguous(memory_format=channels_last_format(x))
-    return y, [st[s].reshape(L.n_groups) for s in lay.meta["stats"][mode]]
+    return y, [st[s].reshape(L.n_groups) for s in lay.meta.stats[mode]]
 
 
 def forward_impl(lay: Layer, mode: str):
@@ -153,7 +153,7 @@ class Portable(torch.autograd.Function):
         """y's tangent by the JVP of the generated forward."""
         tens = ctx.saved_tensors
         ty = jvp_values(ctx.lay, ctx.mode, Portable._args(ctx, tens), tangents)
-        return (ty, *(None for _ in ctx.lay.meta["stats"][ctx.mode]))
+        return (ty, *(None for _ in ctx.lay.meta.stats[ctx.mode]))
 
 
 def jvp_values(lay: Layer, mode: str, a: dict, tangents) -> torch.Tensor:

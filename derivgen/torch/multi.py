@@ -31,18 +31,14 @@ Each mode has two operators (see :mod:`derivgen.torch.schema`)::
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import torch
 import torch.autograd.forward_ad as _fwad
 
-from derivgen import runtime as rt
-from derivgen.runtime.abi import reads_buffers
-from derivgen.runtime.cbind import input_pairs
 from derivgen.torch import closed_form, generic
 from derivgen.torch.autograd import _gradients_for, _save_tensor_inputs, _saved_by_name, _scalar_values
-from derivgen.torch.plan import SERIAL_BELOW, call_key, options_in_range, threads
+from derivgen.torch.multi_plan import LOW, as_x_came, backward_impl, check_call, forward_impl, forward_tensor_names
 from derivgen.torch.protocol import Layer
 from derivgen.torch.schema import (
     by_spec_name,
@@ -50,290 +46,17 @@ from derivgen.torch.schema import (
     extra_outputs,
     grad_tensors,
     tensor_count,
-    tensor_inputs,
 )
 from derivgen.torch.tensors import (
     as_tuple,
-    channels_last_format,
     check_tensor,
-    fresh_like,
-    full_tensor,
     is_channels_last,
     layout,
     op_result,
-    per_group_input_grad,
     tensor_grad,
     tensor_kind,
     wide,
 )
-from derivgen.torch.validate import check_cotangent, check_on_tensors, check_tensor_inputs
-
-LOW = (torch.float16, torch.bfloat16)
-
-
-def check_call(lay: Layer, mode: str, a: dict, *, any_device: bool = False, values: bool = True) -> rt.Layout:
-    """A forward call's contract by spec name: x, the parameters, inputs and read buffers
-    (:func:`derivgen.torch.validate.check_on_tensors`), then the tensor inputs (their
-    declared shapes; a mask's values with ``values``); the layout of x."""
-    L = check_on_tensors(lay.meta, mode, a, any_device)
-    check_tensor_inputs(lay.meta, a, L, any_device, values)
-    return L
-
-
-def _masks(lay: Layer) -> list[tuple[int, str]]:
-    """(position among the forward's tensors, name) of each mask among the tensor inputs."""
-    return [(1 + k, t) for k, t in enumerate(tensor_inputs(lay.meta)) if lay.meta["tensors"][t][2]]
-
-
-def _as_x_came(t: torch.Tensor, like: torch.Tensor, channels: bool) -> torch.Tensor:
-    """An element-level result (x's shape, computed NCHW-contiguous) in x's memory format:
-    channels last where x came so (a channel layout's)."""
-    if channels and is_channels_last(like):
-        return t.contiguous(memory_format=channels_last_format(like))
-    return t
-
-
-# ------------------------------------------------------------------ the C kernels
-
-
-class MultiPlan:
-    """A validated forward call signature of a multi layer and mode: the kernels' ctypes
-    functions and what the shapes fix (the layout, the tensor inputs' shapes), so that a
-    call writes out its broadcast tensors, allocates its outputs and passes data pointers."""
-
-    def __init__(self, lay: Layer, mode: str, L: rt.Layout, tens: list[torch.Tensor], groups: int) -> None:
-        meta = lay.meta
-        x = tens[0]
-        self.lay, self.mode, self.groups, self.name, self.L = lay, mode, groups, meta["name"], L
-        self.ffn = lay.libraries.cfunc(mode, "forward", x.dtype)
-        self.bfn = lay.libraries.cfunc(mode, "backward", x.dtype)
-        self.kernel = lay.ckernel._kernel
-        self.fsig = self.kernel.signatures[(mode, "forward")]
-        self.bsig = self.kernel.signatures[(mode, "backward")]
-        self.dims, self.n_groups = (L.O, L.G, L.Cg, L.S), L.n_groups
-        self.serial = math.prod(self.dims) < SERIAL_BELOW
-        self.channels = meta["layout"] == "channels"
-        self.tnames, self.gnames, self.outputs = tensor_inputs(meta), grad_tensors(meta), extra_outputs(meta)
-        self.kinds = {t: tensor_kind(meta, t) for t in self.tnames}
-        self.tshapes = {t: tuple(rt.tensor_shape(meta, self.kinds[t], L)) for t in self.tnames}
-        self.nt, self.npar, self.nin = len(self.tnames), len(lay.params), len(lay.inputs)
-        self.null_bufs = [] if reads_buffers(meta, mode) else [None] * len(lay.buffers)
-        nstat = len(meta["stats"][mode])
-        self.stat_offsets = [8 * L.n_groups * k for k in range(nstat)]
-        self.stats_like = torch.empty((nstat, L.n_groups), dtype=torch.float64)
-        self.masks = _masks(lay)
-        self.opts_ok: tuple | None = None  # the options of the last call, known to be in range
-        # each forward tensor's gradient among the backward's outputs (None: it has none)
-        diff = differentiable(meta)
-        self.grad_slots = [diff.index(n) if n in diff else None for n in _tensor_names(lay, mode)]
-        # the kernels' sections in the order of their arguments (those they have)
-        self.fsections = [s for s in self.fsig.sections if s in _FORWARD_SECTIONS]
-        self.bsections = [s for s in self.bsig.sections if s in _BACKWARD_SECTIONS]
-        self.fpack = self.fsig.packer(self.fsections)
-        self.bpack = self.bsig.packer(self.bsections)
-
-    def nthreads(self) -> int:
-        """The kernel call's threads: one for a small x, else the layer's or torch's setting."""
-        return 1 if self.serial else threads(self.kernel)
-
-    def _operands(self, tens: Sequence[torch.Tensor]) -> tuple:
-        """x, the tensor inputs at x's shape, the parameters, inputs and buffers, all
-        C-contiguous (copied where they are not; a broadcast tensor written out)."""
-        meta, k = self.lay.meta, 1 + self.nt
-        x = tens[0].contiguous()
-        full = [full_tensor(meta, t, v, self.L).contiguous() for t, v in zip(self.tnames, tens[1:k])]
-        params = [t.contiguous() for t in tens[k : k + self.npar]]
-        ins = [t.contiguous() for t in tens[k + self.npar : k + self.npar + self.nin]]
-        bufs = [t.contiguous() for t in tens[k + self.npar + self.nin :]]
-        return x, full, params, ins, bufs
-
-    def grads_by_tensor(self, grads: Sequence) -> tuple:
-        """The backward's outputs, one per forward tensor (None where it has no gradient)."""
-        return tuple(None if k is None else grads[k] for k in self.grad_slots)
-
-    def forward(self, tens: Sequence[torch.Tensor], opts: tuple[float, ...], blob: bool) -> tuple:
-        """(y, [outputs beside y], statistics) by the forward kernel: the statistics one
-        float64 tensor per statistic, or with ``blob`` one (statistics, groups) tensor."""
-        like = tens[0]
-        x, full, params, ins, bufs = self._operands(tens)
-        y = fresh_like(x)
-        outs = [fresh_like(x) for _ in self.outputs]
-        if blob:
-            st = torch.empty_like(self.stats_like)
-            sp = [st.data_ptr() + o for o in self.stat_offsets]
-        else:
-            st = [torch.empty(self.n_groups, dtype=torch.float64) for _ in self.stat_offsets]
-            sp = [t.data_ptr() for t in st]
-        values = {
-            "dims": self.dims,
-            "x": (x.data_ptr(),),
-            "tensors": [t.data_ptr() for t in full],
-            "params": [p.data_ptr() for p in params],
-            "options": opts,
-            "inputs": input_pairs(ins),
-            "buffers": [b.data_ptr() for b in bufs] or self.null_bufs,
-            "y": (y.data_ptr(), *(o.data_ptr() for o in outs)),
-            "stats": sp,
-            "nthreads": (self.nthreads(),),
-        }
-        if self.ffn(*self.fpack(*[values[k] for k in self.fsections])) != 0:
-            raise MemoryError(f"{self.name}: forward kernel could not allocate its work buffer")
-        back = self.channels
-        return _as_x_came(y, like, back), [_as_x_came(o, like, back) for o in outs], st
-
-    def backward(
-        self,
-        dy: torch.Tensor,
-        cots: Sequence[torch.Tensor],
-        tens: Sequence[torch.Tensor],
-        stat_ptrs: Sequence[int],
-        opts: tuple[float, ...],
-    ) -> tuple:
-        """(dx, d<tensor>..., dparams..., dinputs...) by the backward kernel, on the
-        forward's tensors; dy and the outputs' cotangents have x's shape and dtype."""
-        like = tens[0]
-        meta, L = self.lay.meta, self.L
-        x, full, params, ins, _ = self._operands(tens)  # the backward kernels read no buffers
-        dy = dy.contiguous()
-        cots = [c.contiguous() for c in cots]
-        dx = fresh_like(x)
-        # a broadcast tensor's element gradients at x's shape, summed below
-        dts = [fresh_like(x) if self.kinds[t] == "x" else torch.empty_like(x) for t in self.gnames]
-        dps = [torch.empty_like(p) for p in params]
-        dis = [torch.empty(self.n_groups, dtype=x.dtype) for _ in ins]
-        values = {
-            "dims": self.dims,
-            "x": (x.data_ptr(),),
-            "dy": (dy.data_ptr(),),
-            "tensors": [t.data_ptr() for t in full],
-            "cotangents": [c.data_ptr() for c in cots],
-            "params": [p.data_ptr() for p in params],
-            "options": opts,
-            "inputs": input_pairs(ins),
-            "stats": list(stat_ptrs),
-            "dx": (dx.data_ptr(), *(d.data_ptr() for d in dts)),
-            "dparams": [d.data_ptr() for d in dps],
-            "dinputs": [d.data_ptr() for d in dis],
-            "nthreads": (self.nthreads(),),
-        }
-        if self.bfn(*self.bpack(*[values[k] for k in self.bsections])) != 0:
-            raise MemoryError(f"{self.name}: backward kernel could not allocate its work buffer")
-        back = self.channels
-        dtens = [
-            _as_x_came(d, like, back) if self.kinds[t] == "x" else tensor_grad(meta, t, d, L, self.tshapes[t])
-            for t, d in zip(self.gnames, dts)
-        ]
-        return (
-            _as_x_came(dx, like, back),
-            *dtens,
-            *dps,
-            *(per_group_input_grad(d, t, x.dtype) for t, d in zip(ins, dis)),
-        )
-
-
-# the sections of the kernels' arguments a plan passes (runtime/abi.py; a layer's kernels have
-# those it needs: no ``tensors`` without tensor inputs, no ``cotangents`` without outputs beside y)
-_FORWARD_SECTIONS = ("dims", "x", "tensors", "params", "options", "inputs", "buffers", "y", "stats", "nthreads")
-_BACKWARD_SECTIONS = (
-    *("dims", "x", "dy", "tensors", "cotangents", "params", "options", "inputs"),
-    *("stats", "dx", "dparams", "dinputs", "nthreads"),
-)
-
-
-def check_masks(plan: MultiPlan, tens: Sequence[torch.Tensor]) -> None:
-    """Every mask among a call's tensor inputs 0 or 1 (its shape and dtype are the plan's)."""
-    for k, t in plan.masks:
-        v = tens[k]
-        if v.numel() and not bool(((v == 0) | (v == 1)).all()):
-            raise ValueError(f"{plan.name}: {t} is a mask: every value must be 0 or 1")
-
-
-class MultiPlans:
-    """A multi layer's plans by mode and call signature: validated on first use, and again
-    whenever the options are out of range (so that the error names them). Stands where the
-    other layers have a :class:`derivgen.torch.plan.PlanCache`."""
-
-    channel_layout = False  # no channels-last kernels: such tensors are read NCHW-contiguous
-
-    def __init__(self, lay: Layer) -> None:
-        self.lay = lay
-        self.ranges = [lay.meta["options"][o] for o in lay.options]
-        self._plans: dict = {}
-        self.last_ext: dict = {}  # the C++ extension's plans: none for these layers
-
-    def options_ok(self, opts: Sequence) -> bool:
-        """Every option of a call (in spec order) within its declared range."""
-        return options_in_range(opts, self.ranges)
-
-    def forward(self, mode: str, tens: list, opts: tuple, groups: int) -> MultiPlan:
-        """The plan of a forward call (tensors, options and groups in operator order), its
-        masks checked."""
-        try:
-            key = call_key(tens, 0, groups, False)[0]
-            plan = self._plans.get((mode, key))
-        except AttributeError:  # not a tensor: the validation names it
-            key = plan = None
-        if plan is None or (opts != plan.opts_ok and not options_in_range(opts, self.ranges)):
-            plan = self.validated(mode, tens, opts, groups, key)
-        else:
-            check_masks(plan, tens)
-        plan.opts_ok = opts
-        return plan
-
-    def validated(self, mode: str, tens: list, opts: tuple, groups: int, key: tuple | None) -> MultiPlan:
-        """Validate a forward call's arguments (raising on bad input: CPU tensors of the
-        kernels' dtypes) and remember its plan."""
-        fargs = self.lay.schemas[mode].forward
-        a = by_spec_name(fargs, [*tens, *opts, groups])
-        L = check_call(self.lay, mode, a)
-        plan = MultiPlan(self.lay, mode, L, list(tens), a["num_groups"])
-        if key is not None:
-            self._plans[(mode, key)] = plan
-        return plan
-
-
-def forward_impl(lay: Layer, mode: str) -> Callable:
-    """The forward operator's CPU implementation: (y, outputs..., statistics...)."""
-    ntens, nopt = tensor_count(lay.schemas[mode].forward), len(lay.options)
-
-    def impl(*args):
-        tens, opts = list(args[:ntens]), tuple(args[ntens : ntens + nopt])
-        plan = lay.plans.forward(mode, tens, opts, args[-1])
-        y, outs, st = plan.forward(tens, opts, blob=False)
-        return op_result((y, *outs, *st))
-
-    return impl
-
-
-def backward_impl(lay: Layer, mode: str) -> Callable:
-    """The backward operator's CPU implementation: the plan of the forward's signature;
-    dy, the cotangents and the statistics checked against it."""
-    s = lay.schemas[mode]
-    meta, nout = lay.meta, s.outputs
-    ntens, nstat, nopt = tensor_count(s.forward), len(meta["stats"][mode]), len(lay.options)
-    outputs = extra_outputs(meta)
-
-    def impl(*args):
-        dy, cots = args[0], args[1 : 1 + nout]
-        k = 1 + nout
-        tens, stats = list(args[k : k + ntens]), args[k + ntens : k + ntens + nstat]
-        opts = tuple(args[k + ntens + nstat : k + ntens + nstat + nopt])
-        plan = lay.plans.forward(mode, tens, opts, args[-1])
-        x = tens[0]
-        check_cotangent(meta, "dy", dy, x)
-        for o, c in zip(outputs, cots):
-            check_cotangent(meta, "d" + o, c, x)
-        for name, t in zip(meta["stats"][mode], stats):
-            if t.dtype != torch.float64 or t.numel() != plan.n_groups:
-                raise ValueError(
-                    f"{meta['name']}: statistic {name} must be float64 with one value per group "
-                    f"({plan.n_groups}), as the forward returns them; got {t.dtype} {tuple(t.shape)}"
-                )
-        st = [t.contiguous() for t in stats]
-        return op_result(plan.backward(dy, cots, tens, [t.data_ptr() for t in st], opts))
-
-    return impl
-
 
 # ------------------------------------------------------------------ the generated PyTorch closed forms
 
@@ -341,7 +64,7 @@ def backward_impl(lay: Layer, mode: str) -> Callable:
 def _back(t4: torch.Tensor, x: torch.Tensor, channels: bool) -> torch.Tensor:
     """An element-level result of the generated functions (4-D) in x's shape, dtype and
     memory format."""
-    return _as_x_came(t4.reshape(x.shape).to(x.dtype), x, channels)
+    return as_x_came(t4.reshape(x.shape).to(x.dtype), x, channels)
 
 
 def forward_values(lay: Layer, mode: str, a: dict, values: bool = True) -> tuple:
@@ -353,11 +76,11 @@ def forward_values(lay: Layer, mode: str, a: dict, values: bool = True) -> tuple
     L = check_call(lay, mode, a, any_device=True, values=values)
     b = generic._upcast(a) if x.dtype in LOW else a
     y4, st, outs = lay.target.FORWARD[mode](b["x"].reshape(L.view4), **closed_form.views(lay, b, L, mode))
-    ch = meta["layout"] == "channels"
+    ch = meta.layout == "channels"
     return (
         _back(y4, x, ch),
         [_back(outs[o], x, ch) for o in extra_outputs(meta)],
-        [st[s].reshape(L.n_groups) for s in meta["stats"][mode]],
+        [st[s].reshape(L.n_groups) for s in meta.stats[mode]],
     )
 
 
@@ -372,7 +95,7 @@ def backward_values(lay: Layer, mode: str, a: dict) -> tuple:
     for o in extra_outputs(meta):
         kw["d" + o] = b["d" + o].reshape(L.view4)
     dx, dp, di, dt = lay.target.BACKWARD[mode](b["dy"].reshape(L.view4), b["x"].reshape(L.view4), **kw)
-    ch = meta["layout"] == "channels"
+    ch = meta.layout == "channels"
     out = [_back(dx, x, ch)]
     for t in grad_tensors(meta):
         d = dt[t].reshape(x.shape)
@@ -410,7 +133,7 @@ def generic_backward_impl(lay: Layer, mode: str) -> Callable:
 
 def _like_x(lay: Layer, x: torch.Tensor) -> torch.Tensor:
     """A fake output of x's shape (channels last where x is)."""
-    return torch.empty_like(x) if lay.meta["layout"] == "channels" and is_channels_last(x) else x.new_empty(x.shape)
+    return torch.empty_like(x) if lay.meta.layout == "channels" and is_channels_last(x) else x.new_empty(x.shape)
 
 
 def register(lay: Layer, library: torch.library.Library, mode: str) -> tuple:
@@ -435,7 +158,7 @@ def register(lay: Layer, library: torch.library.Library, mode: str) -> tuple:
 def _register_fakes(lay: Layer, library: torch.library.Library, mode: str, fwd, bwd) -> None:
     """The two operators' fake kernels: outputs' shapes, dtypes and memory formats."""
     s, meta = lay.schemas[mode], lay.meta
-    nstat, nout = len(meta["stats"][mode]), s.outputs
+    nstat, nout = len(meta.stats[mode]), s.outputs
 
     def forward_fake(*args):
         a = by_spec_name(s.forward, args)
@@ -497,11 +220,6 @@ def _register_autograd(lay: Layer, library: torch.library.Library, mode: str, fw
 
 
 # ------------------------------------------------------------------ calls
-
-
-def _tensor_names(lay: Layer, mode: str) -> list[str]:
-    """The spec names of the forward operator's tensor arguments, in order."""
-    return [a.spec for a in lay.schemas[mode].forward if a.type == "Tensor"]
 
 
 class _Eager(torch.autograd.Function):
@@ -566,7 +284,7 @@ class _Portable(torch.autograd.Function):
         for o, c in zip(extra_outputs(lay.meta), rest[: ctx.nout]):
             a["d" + o] = torch.zeros_like(x) if c is None else c
         by = dict(zip(differentiable(lay.meta), backward_values(lay, mode, a)))
-        return (None, None, None, None, *(by.get(n) for n in _tensor_names(lay, mode)))
+        return (None, None, None, None, *(by.get(n) for n in forward_tensor_names(lay, mode)))
 
 
 def _functorch() -> bool:
@@ -582,7 +300,7 @@ def call_forward(
     the plan's kernels (:class:`_Eager` when autograd needs them), or within
     :func:`derivgen.torch.portable` and for float16 the closed forms (:class:`_Portable`);
     anything else (torch.compile, other devices) the registered operators."""
-    names, nout = lay.meta["stats"][mode], len(extra_outputs(lay.meta))
+    names, nout = lay.meta.stats[mode], len(extra_outputs(lay.meta))
     x = tens[0]
     if _functorch() or _fwad._current_level >= 0:
         a = by_spec_name(lay.schemas[mode].forward, [*tens, *opts, groups])
@@ -601,7 +319,7 @@ def call_forward(
             y, outs, st = plan.forward(tens, opts, blob=True)
             out = (y, *outs)
         return tuple(out), (dict(zip(names, st.unbind(0))) if stats else None)
-    for k, t in zip(_tensor_names(lay, mode), tens):
-        check_tensor(lay.meta["name"], k, t, any_device=True)  # a wrong dtype: an error naming it
+    for k, t in zip(forward_tensor_names(lay, mode), tens):
+        check_tensor(lay.meta.name, k, t, any_device=True)  # a wrong dtype: an error naming it
     out = as_tuple(lay.modes[mode].forward(*tens, *opts, groups))
     return tuple(out[: 1 + nout]), dict(zip(names, out[1 + nout :]))

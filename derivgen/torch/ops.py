@@ -51,8 +51,9 @@ from derivgen import runtime as rt
 from derivgen.api import load, load_spec, materialize
 from derivgen.runtime.abi import reads_buffers
 from derivgen.runtime.cbind import input_pairs
+from derivgen.runtime.meta import layer_meta
 from derivgen.spec.model import Spec, catalogue_names, load_catalogue
-from derivgen.torch import closed_form, multi
+from derivgen.torch import closed_form, multi, multi_plan
 from derivgen.torch.autograd import call_forward
 from derivgen.torch.plan import KernelLibraries, PlanCache, threads
 from derivgen.torch.register import LIBRARY, ModeOps, register_mode
@@ -98,15 +99,15 @@ class TorchLayer:
         # a multi layer's generated PyTorch target is loaded on first use (other devices,
         # torch.func, portable()): its CPU operators need only the C kernels
         self._target = None if self.multi else load(spec, "torch")
-        self.meta = m = self.ckernel._META
-        self.params, self.inputs, self.buffers = list(m["params"]), list(m["inputs"]), list(m["buffers"])
-        self.options = list(m["options"])
+        self.meta = m = layer_meta(self.ckernel._META)
+        self.params, self.inputs, self.buffers = list(m.params), list(m.inputs), list(m.buffers)
+        self.options = list(m.options)
         self.grads_type = rt.grads_type(spec.name, rt.grad_fields(m))
-        self.schemas = {mode: mode_schemas(m, mode) for mode in m["modes"]}
+        self.schemas = {mode: mode_schemas(m, mode) for mode in m.modes}
         self.libraries = KernelLibraries(self.ckernel._kernel)
-        self.plans = multi.MultiPlans(self) if self.multi else PlanCache(self)
+        self.plans = multi_plan.MultiPlans(self) if self.multi else PlanCache(self)
         self._csplit: dict = {}  # dtype -> derivgen.torch.sync._CSplit
-        self.modes = {mode: register_mode(self, mode) for mode in m["modes"]}
+        self.modes = {mode: register_mode(self, mode) for mode in m.modes}
 
     @property
     def target(self):
@@ -156,7 +157,7 @@ class TorchLayer:
         groups (0 without groups)."""
         if self.multi:
             out, st = multi.call_forward(self, mode, tens, opts, groups, stats)
-            return (out if self.meta.get("outputs") else out[0]), st
+            return (out if self.meta.outputs else out[0]), st
         return call_forward(self, mode, tens, opts, groups, stats)
 
     def update_buffers(

@@ -110,7 +110,7 @@ class KernelPlan:
 
     def __init__(self, lay: Layer, mode: str, L: rt.Layout, tens: list, nhwc: bool, groups: int) -> None:
         x = tens[0]
-        self.lay, self.mode, self.groups, self.name = lay, mode, groups, lay.meta["name"]
+        self.lay, self.mode, self.groups, self.name = lay, mode, groups, lay.meta.name
         self.ffn = lay.libraries.cfunc(mode, "forward", x.dtype, nhwc)
         self.bfn = lay.libraries.cfunc(mode, "backward", x.dtype, nhwc)
         self.kernel = lay.ckernel._kernel
@@ -123,7 +123,7 @@ class KernelPlan:
         self.copy = not all(t.is_contiguous() for t in (tens[1:] if nhwc else tens))
         takes_buffers = reads_buffers(lay.meta, mode)
         self.null_bufs = [] if takes_buffers else [None] * len(lay.buffers)
-        nstat = len(lay.meta["stats"][mode])
+        nstat = len(lay.meta.stats[mode])
         self.stat_offsets = [8 * L.n_groups * k for k in range(nstat)]
         self.stats_like = torch.empty((nstat, L.n_groups), dtype=torch.float64)
         # contiguous tensors, no per-group inputs, no buffers passed
@@ -331,7 +331,7 @@ def _forward_general(plan: KernelPlan, tens: list[torch.Tensor], opts: tuple[flo
 def _as_x_came(t: torch.Tensor, like: torch.Tensor, plan: KernelPlan) -> torch.Tensor:
     """An element-level result computed contiguous, in the memory format ``like`` (x as the
     caller gave it) has when that is channels last and the plan had no kernels for it."""
-    if plan.nhwc or plan.lay.meta["layout"] != "channels" or not is_channels_last(like):
+    if plan.nhwc or plan.lay.meta.layout != "channels" or not is_channels_last(like):
         return t
     return t.contiguous(memory_format=channels_last_format(like))
 
@@ -397,14 +397,12 @@ class PlanCache:
 
     def __init__(self, lay: Layer) -> None:
         self.lay = lay
-        self.ranges = [lay.meta["options"][o] for o in lay.options]
+        self.ranges = [lay.meta.options[o] for o in lay.options]
         # the layouts with channels-last kernels; a position layout's channels-last x is made
         # contiguous (its kernels walk channels-first memory)
         # a channel layout's channels-last tensors run the channels-last kernels (a layer with
         # block statistics has none: its tensors are made NCHW-contiguous)
-        self.channel_layout = (
-            lay.meta["layout"] == "channels" and lay.meta["reduce"] != "position" and not lay.meta.get("blocks")
-        )
+        self.channel_layout = lay.meta.layout == "channels" and lay.meta.reduce != "position" and not lay.meta.blocks
         self._plans: dict = {}
         self.last_ext: dict = {}  # mode -> the C++ plan of the last call through the extension
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 from derivgen import runtime as rt
+from derivgen.runtime.meta import LayerMeta
 from derivgen.torch.schema import ModeSchemas
 
 
@@ -19,7 +20,7 @@ class Layer(Protocol):
 
     spec: Any  # the layer's derivgen.spec.model.Spec
     base: str  # the operators' base name (``derivgen::<base>_<mode>_forward`` ...)
-    meta: dict  # the layer's metadata (the generated modules' ``_META``)
+    meta: LayerMeta  # the layer's metadata (the generated modules' ``_META``)
     multi: bool  # tensor inputs beside x or outputs beside y (Spec.multi): derivgen.torch.multi
     params: list[str]
     inputs: list[str]

@@ -57,7 +57,7 @@ def backward_impl(lay: Layer, mode: str) -> Callable:
     """The backward operator's CPU implementation: the plan of the forward's signature,
     validated with dy and the statistics on a signature's first call."""
     bargs = lay.schemas[mode].backward
-    stats = lay.meta["stats"][mode]
+    stats = lay.meta.stats[mode]
     ntens, nstat, nopt = tensor_count(bargs), len(stats), len(lay.options)
     plans: dict = {}
 
@@ -80,12 +80,12 @@ def backward_impl(lay: Layer, mode: str) -> Callable:
 
 def _like_x(lay: Layer, x: torch.Tensor) -> torch.Tensor:
     """A fake output of x's shape (channels last where x is)."""
-    return torch.empty_like(x) if lay.meta["layout"] == "channels" and is_channels_last(x) else x.new_empty(x.shape)
+    return torch.empty_like(x) if lay.meta.layout == "channels" and is_channels_last(x) else x.new_empty(x.shape)
 
 
 def register_fakes(lay: Layer, mode: str, ops: ModeOps) -> None:
     """The four operators' fake kernels: outputs' shapes and dtypes."""
-    s, stats = lay.schemas[mode], lay.meta["stats"][mode]
+    s, stats = lay.schemas[mode], lay.meta.stats[mode]
 
     def forward_fake(*args):
         a = by_spec_name(s.forward, args)

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from derivgen.runtime.abi import reads_buffers
+from derivgen.runtime.meta import MetaLike, layer_meta
 
 
 class OpArg(NamedTuple):
@@ -78,51 +79,58 @@ def schema_text(args: Iterable[OpArg], outputs: int) -> str:
     return "(" + ", ".join(f"{a.type} {a.name}" for a in args) + ") -> (" + ", ".join(["Tensor"] * outputs) + ")"
 
 
-def tensor_inputs(meta: dict) -> list[str]:
+def tensor_inputs(meta: MetaLike) -> list[str]:
     """The tensor inputs beside x, in spec order (a multi layer's; none for the others)."""
-    return list(meta.get("tensors", {}))
+    meta = layer_meta(meta)
+    return list(meta.tensors)
 
 
-def grad_tensors(meta: dict) -> list[str]:
+def grad_tensors(meta: MetaLike) -> list[str]:
     """The tensor inputs beside x that have a gradient, in spec order."""
-    return [t for t, (_, grad, _) in meta.get("tensors", {}).items() if grad]
+    meta = layer_meta(meta)
+    return [t for t, (_, grad, _) in meta.tensors.items() if grad]
 
 
-def extra_outputs(meta: dict) -> list[str]:
+def extra_outputs(meta: MetaLike) -> list[str]:
     """The outputs beside y, in spec order."""
-    return list(meta.get("outputs", []))
+    meta = layer_meta(meta)
+    return list(meta.outputs)
 
 
-def is_multi(meta: dict) -> bool:
+def is_multi(meta: MetaLike) -> bool:
     """Does the layer take tensor inputs beside x or return outputs beside y (``Spec.multi``)?"""
-    return bool(meta.get("tensors") or meta.get("outputs"))
+    meta = layer_meta(meta)
+    return bool(meta.tensors or meta.outputs)
 
 
-def differentiable(meta: dict) -> list[str]:
+def differentiable(meta: MetaLike) -> list[str]:
     """The spec names of what the backward differentiates: x, the tensor inputs with a
     gradient, the parameters, the inputs."""
-    return ["x", *grad_tensors(meta), *meta["params"], *meta["inputs"]]
+    meta = layer_meta(meta)
+    return ["x", *grad_tensors(meta), *meta.params, *meta.inputs]
 
 
-def forward_args(meta: dict, mode: str) -> tuple[OpArg, ...]:
+def forward_args(meta: MetaLike, mode: str) -> tuple[OpArg, ...]:
     """The forward operator's arguments."""
+    meta = layer_meta(meta)
     a = [OpArg("Tensor", "x", "x")]
     a += [OpArg("Tensor", f"e{k}", t) for k, t in enumerate(tensor_inputs(meta))]
-    a += [OpArg("Tensor", f"p{k}", p) for k, p in enumerate(meta["params"])]
-    a += [OpArg("Tensor", f"i{k}", i) for k, i in enumerate(meta["inputs"])]
+    a += [OpArg("Tensor", f"p{k}", p) for k, p in enumerate(meta.params)]
+    a += [OpArg("Tensor", f"i{k}", i) for k, i in enumerate(meta.inputs)]
     if reads_buffers(meta, mode):
-        a += [OpArg("Tensor", f"b{k}", b) for k, b in enumerate(meta["buffers"])]
-    a += [OpArg("float", f"o{k}", o) for k, o in enumerate(meta["options"])]
+        a += [OpArg("Tensor", f"b{k}", b) for k, b in enumerate(meta.buffers)]
+    a += [OpArg("float", f"o{k}", o) for k, o in enumerate(meta.options)]
     a.append(OpArg("int", "groups", "num_groups"))
     return tuple(a)
 
 
-def mode_schemas(meta: dict, mode: str) -> ModeSchemas:
+def mode_schemas(meta: MetaLike, mode: str) -> ModeSchemas:
     """The argument lists of one mode's four operators (a multi layer's two)."""
+    meta = layer_meta(meta)
     fargs = forward_args(meta, mode)
     tensors = [a for a in fargs if a.type == "Tensor"]
     scalars = [a for a in fargs if a.type != "Tensor"]
-    stats = [OpArg("Tensor", f"s{k}", s) for k, s in enumerate(meta["stats"][mode])]
+    stats = [OpArg("Tensor", f"s{k}", s) for k, s in enumerate(meta.stats[mode])]
     diff = differentiable(meta)
     if is_multi(meta):
         outs = extra_outputs(meta)

@@ -21,7 +21,7 @@ from derivgen.torch.tensors import SUFFIX, is_channels_last, layout, per_group_i
 def runs_in_c(lay: Layer, a: dict) -> bool:
     """Whether the derived C kernels take the call: float32/float64, not channels last."""
     x = a["x"]
-    return x.dtype in (torch.float32, torch.float64) and not (lay.meta["layout"] == "channels" and is_channels_last(x))
+    return x.dtype in (torch.float32, torch.float64) and not (lay.meta.layout == "channels" and is_channels_last(x))
 
 
 def _operands(lay: Layer, kind: str, a: dict, dtype: torch.dtype) -> dict:
@@ -44,7 +44,7 @@ def _leading_sections(lay: Layer, mode: str, kind: str, c: dict, x: torch.Tensor
         "params": [c[p].data_ptr() for p in lay.params],
         "options": [c[o] for o in lay.options],
         "inputs": input_pairs([c[i] for i in lay.inputs]),
-        "stats": [c[s].data_ptr() for s in lay.meta["stats"][mode]],
+        "stats": [c[s].data_ptr() for s in lay.meta.stats[mode]],
         "seed_x": (c[pre + "x"].data_ptr(),),
         "seed_params": [c[pre + p].data_ptr() for p in lay.params],
         "seed_inputs": input_pairs([c[pre + i] for i in lay.inputs]),
@@ -77,7 +77,7 @@ def c_second(lay: Layer, mode: str, kind: str, a: dict) -> torch.Tensor | tuple:
         sections["out_ty"] = (outs[0].data_ptr(),)
     fn = kernel.second_cfunc(mode, kind, SUFFIX[x.dtype])
     if fn(*kernel.signatures[(mode, kind)].pack(sections)) != 0:
-        raise MemoryError(f"{lay.meta['name']}: second-order kernel could not allocate its work buffer")
+        raise MemoryError(f"{lay.meta.name}: second-order kernel could not allocate its work buffer")
     if kind != "bb":
         return outs[0].reshape(a["x"].shape)
     return (*outs, *(per_group_input_grad(d, a[i], x.dtype) for i, d in zip(lay.inputs, dis)))

@@ -42,7 +42,7 @@ class SyncError(ValueError):
 
 def _check_part(lay: Layer, x: torch.Tensor, params: dict, channels: int) -> str | None:
     """This process's input problems (None when it is fine)."""
-    name = lay.meta["name"]
+    name = lay.meta.name
     if not isinstance(x, torch.Tensor):
         return f"{name}: x must be a torch.Tensor, got {type(x).__name__}"
     if x.device.type != "cpu":
@@ -61,7 +61,7 @@ def exchange(lay: Layer, pg: dist.ProcessGroup, x: torch.Tensor, problem: str | 
     """The header collective: every process's count of values per group, channels, dtype
     and status. Raises SyncError on every process if any process failed its checks or
     the parts disagree; returns the global group size."""
-    name = lay.meta["name"]
+    name = lay.meta.name
     ok = problem is None
     per = (math.prod(x.shape) // max(1, x.shape[1])) if ok else 0
     code = _DTYPE_CODES.get(getattr(x, "dtype", None), 0)
@@ -83,7 +83,7 @@ def exchange(lay: Layer, pg: dist.ProcessGroup, x: torch.Tensor, problem: str | 
         names = {v: k for k, v in _DTYPE_CODES.items()}
         raise SyncError(f"{name}: the processes' inputs have different dtypes: {[names[row[3]] for row in rows]}")
     n = sum(row[1] for row in rows)
-    need = lay.meta["min_group_size"]["train"]
+    need = lay.meta.min_group_size["train"]
     if n < need:
         raise SyncError(
             f"{name}: the group's processes hold {n} values per channel together; training mode needs at least {need}"
@@ -116,8 +116,8 @@ class _CSplit:
         self.fn = {kind: k.split_cfunc(kind, sfx) for kind in self.KINDS}
         self.sig = {kind: k.signatures[("train", "split_" + kind)] for kind in self.KINDS}
         self.kernel = k
-        self.split = lay.meta["split"]
-        self.nstat = len(lay.meta["stats"]["train"])
+        self.split = lay.meta.split
+        self.nstat = len(lay.meta.stats["train"])
 
     def _call(self, kind: str, leading: dict, **sections) -> int:
         """One split kernel's status, from the leading sections and the kernel's own."""
@@ -245,8 +245,8 @@ class _SyncFunction(torch.autograd.Function):
         """y of this process's part, with statistics reduced over every process's part."""
         L = rt.split_layout(lay.meta, tuple(x.shape), {p: tuple(t.shape) for p, t in zip(lay.params, params)})
         ctx.lay, ctx.pg, ctx.n, ctx.L = lay, pg, n, L
-        names = lay.meta["stats"]["train"]
-        if x.dtype in (torch.float32, torch.float64) and x.is_contiguous() and lay.meta["split"]:
+        names = lay.meta.stats["train"]
+        if x.dtype in (torch.float32, torch.float64) and x.is_contiguous() and lay.meta.split:
             c = lay._csplit.get(x.dtype)
             if c is None:
                 c = lay._csplit[x.dtype] = _CSplit(lay, x.dtype)
@@ -300,18 +300,18 @@ def check_syncable(lay: Layer) -> None:
     meta = lay.meta
     if lay.spec.multi:
         raise ValueError(
-            f"{meta['name']}: a split reduction across processes is not there yet for tensor inputs "
+            f"{meta.name}: a split reduction across processes is not there yet for tensor inputs "
             "beside x or outputs beside y"
         )
-    if meta["layout"] != "channels" or meta["reduce"] != "batch":
+    if meta.layout != "channels" or meta.reduce != "batch":
         raise ValueError(
-            f"{meta['name']}: a split reduction across processes needs a layer whose groups span "
-            f"the batch (layout channels, reduce batch); this one is {meta['layout']}/{meta['reduce']}"
+            f"{meta.name}: a split reduction across processes needs a layer whose groups span "
+            f"the batch (layout channels, reduce batch); this one is {meta.layout}/{meta.reduce}"
         )
     selected = [st.name for st in lay.spec.modes[0].statistics if st.expr.has(*SELECTIONS)]
     if selected:
         raise ValueError(
-            f"{meta['name']}: a split reduction across processes sums means; the statistic(s) "
+            f"{meta.name}: a split reduction across processes sums means; the statistic(s) "
             f"{', '.join(selected)} take a group max()/min(), which it does not reduce"
         )
 
@@ -340,16 +340,16 @@ def sync_forward(
     meta = lay.meta
     check_syncable(lay)
     pg = pg if pg is not None else dist.group.WORLD
-    channels = next((t.shape[0] for p, t in params.items() if p not in meta["scalar_params"]), x.shape[1])
+    channels = next((t.shape[0] for p, t in params.items() if p not in meta.scalar_params), x.shape[1])
     problem = _check_part(lay, x, params, channels)
     n = exchange(lay, pg, x, problem, channels)
     opts = {o: float(options[o]) for o in lay.options}
     ins = {i: inputs[i] for i in lay.inputs} if inputs else {}
     if set(ins) != set(lay.inputs):
-        raise ValueError(f"{meta['name']}: the per-group inputs {lay.inputs} are required")
+        raise ValueError(f"{meta.name}: the per-group inputs {lay.inputs} are required")
     out = _SyncFunction.apply(lay, pg, n, opts, ins, x, *(params[p] for p in lay.params))
     y, st = out[0], out[1:]
-    return y, dict(zip(meta["stats"]["train"], st)), n
+    return y, dict(zip(meta.stats["train"], st)), n
 
 
 def statistics_over(
@@ -379,7 +379,7 @@ def statistics_over(
             total = sums if total is None else tuple(a + b for a, b in zip(total, sums))
             count += L.O * L.Cg * L.S
         if count == 0:
-            raise ValueError(f"{meta['name']}: the parts hold no values")
+            raise ValueError(f"{meta.name}: the parts hold no values")
         n = count
         stats.update(target.finish_train(level, total, **_kw(lay, x, L, params, options), _stats=stats, N=n))
     return stats, n

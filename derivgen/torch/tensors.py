@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from derivgen import runtime as rt
+from derivgen.runtime.meta import LayerMeta, MetaLike, layer_meta
 from derivgen.runtime.tensors import broadcast_axes
 
 DTYPES = (torch.float32, torch.float64, torch.bfloat16)
@@ -46,9 +47,10 @@ def wide(device: torch.device) -> torch.dtype:
     return torch.float32 if device.type == "mps" else torch.float64
 
 
-def layout(meta: dict, x_shape: Sequence[int], param_shapes: dict, groups: int) -> rt.Layout:
+def layout(meta: MetaLike, x_shape: Sequence[int], param_shapes: dict, groups: int) -> rt.Layout:
     """The runtime's 4-D view of x, from shapes (``groups`` 0 for layers without groups)."""
-    return rt.layout_from_shapes(meta, x_shape, param_shapes, groups if meta["reduce"] == "group" else None)
+    meta = layer_meta(meta)
+    return rt.layout_from_shapes(meta, x_shape, param_shapes, groups if meta.reduce == "group" else None)
 
 
 def channels_last_format(t: torch.Tensor) -> torch.memory_format:
@@ -135,13 +137,13 @@ def per_group_input_grad(d: torch.Tensor, given: torch.Tensor, dtype: torch.dtyp
     return d.sum(dtype=torch.float64).to(dtype).reshape(given.shape) if given.numel() == 1 else d.reshape(given.shape)
 
 
-def tensor_kind(meta: dict, name: str) -> str:
+def tensor_kind(meta: LayerMeta, name: str) -> str:
     """How a tensor input beside x is shaped: ``x``, ``sample`` or ``position``
     (:mod:`derivgen.runtime.tensors`)."""
-    return meta["tensors"][name][0]
+    return meta.tensors[name][0]
 
 
-def broadcast_shape(meta: dict, name: str, L: rt.Layout) -> tuple[int, ...]:
+def broadcast_shape(meta: LayerMeta, name: str, L: rt.Layout) -> tuple[int, ...]:
     """A tensor input's shape with x's rank: x's shape with 1 on the axes it is broadcast over."""
     shape = list(L.x_shape)
     for ax in broadcast_axes(meta, tensor_kind(meta, name), L):
@@ -149,7 +151,7 @@ def broadcast_shape(meta: dict, name: str, L: rt.Layout) -> tuple[int, ...]:
     return tuple(shape)
 
 
-def full_tensor(meta: dict, name: str, t: torch.Tensor, L: rt.Layout) -> torch.Tensor:
+def full_tensor(meta: LayerMeta, name: str, t: torch.Tensor, L: rt.Layout) -> torch.Tensor:
     """A tensor input at x's shape: itself (one of x's shape), else a broadcast view
     (stride 0 along the axes it is broadcast over; autograd sums its gradient over them)."""
     if tensor_kind(meta, name) == "x":
@@ -157,7 +159,7 @@ def full_tensor(meta: dict, name: str, t: torch.Tensor, L: rt.Layout) -> torch.T
     return t.reshape(broadcast_shape(meta, name, L)).expand(tuple(L.x_shape))
 
 
-def tensor_grad(meta: dict, name: str, d: torch.Tensor, L: rt.Layout, shape: Sequence[int]) -> torch.Tensor:
+def tensor_grad(meta: LayerMeta, name: str, d: torch.Tensor, L: rt.Layout, shape: Sequence[int]) -> torch.Tensor:
     """A tensor input's gradient from its element gradients ``d`` (x's shape): summed over
     the axes it is broadcast over (in float64 for a low-precision dtype's accuracy), shaped
     like the tensor; one of x's shape is ``d`` itself."""

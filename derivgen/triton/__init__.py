@@ -7,8 +7,9 @@
     grads = ln.backward(dy, cache)                       # Grads(dx, dgamma, dbeta)
 
 Each layer's kernels are generated from the same IR as the C kernels
-(:mod:`derivgen.codegen.triton.plan`, ``templates/triton.py.j2``); :mod:`~derivgen.triton.calls`
-launches them with the NumPy and C modules' calling convention, :mod:`~derivgen.triton.ops`
+(:mod:`derivgen.codegen.triton.plan`, ``templates/triton.py.j2``); :mod:`~derivgen.triton.launch`
+launches them (the geometry of a group, tiles, programs), :mod:`~derivgen.triton.calls` calls
+them with the NumPy and C modules' calling convention, :mod:`~derivgen.triton.ops`
 is the CUDA implementation of the ``derivgen::`` operators, and :mod:`~derivgen.triton._target`
 holds the functions the kernels call. Triton is an optional dependency
 (``pip install triton``, or the extra of derivgen's source: ``pip install '/path/to/derivgen[triton]'``).

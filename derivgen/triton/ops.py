@@ -19,7 +19,7 @@ import torch
 
 from derivgen.api import load
 from derivgen.spec.model import Spec
-from derivgen.triton import calls
+from derivgen.triton import calls, launch
 
 
 def _layer(spec: Spec) -> calls.Layer:
@@ -36,8 +36,8 @@ def forward_impl(spec: Spec, mode: str, names: Sequence[str], fallback: Callable
             return fallback(*args)
         layer = _layer(spec)
         L = calls.check_call(layer.meta, mode, a)
-        y, st = calls.run_forward(layer, mode, a, L, update=False)
-        stats = [st[s].to(torch.float64) for s in layer.meta["stats"][mode]]
+        y, st = launch.run_forward(layer, mode, a, L, update=False)
+        stats = [st[s].to(torch.float64) for s in layer.meta.stats[mode]]
         return (y, *stats) if stats else y
 
     return impl
@@ -53,9 +53,9 @@ def backward_impl(spec: Spec, mode: str, names: Sequence[str], fallback: Callabl
         layer = _layer(spec)
         meta = layer.meta
         L = calls.check_call(meta, mode, a)
-        dx, dparams, dins = calls.run_backward(layer, mode, a, L)  # dx: x's memory format
-        out = [dx, *(dparams[p] for p in meta["params"])]
-        for i in meta["inputs"]:
+        dx, dparams, dins = launch.run_backward(layer, mode, a, L)  # dx: x's memory format
+        out = [dx, *(dparams[p] for p in meta.params)]
+        for i in meta.inputs:
             d, given = dins[i], a[i]
             out.append((d.double().sum() if given.numel() == 1 else d).to(given.dtype).reshape(given.shape))
         return out[0] if len(out) == 1 else tuple(out)

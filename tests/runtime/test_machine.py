@@ -82,7 +82,7 @@ def test_kernels_are_configured_from_the_machine_on_load(tmp_path, monkeypatch):
     real = cbind.CKernel._configure
 
     def spy(self, lib):
-        calls.append(self.meta["name"])
+        calls.append(self.meta.name)
         real(self, lib)
 
     monkeypatch.setattr(cbind.CKernel, "_configure", spy)

@@ -10,6 +10,7 @@ from conftest import FIRST_USE, ROOT
 
 import derivgen
 from derivgen.tools import check as chk
+from derivgen.tools import check_report, progress
 
 
 def run(*args, env=None):
@@ -48,12 +49,12 @@ def test_check_table_and_progress():
 
 def test_progress_on_a_terminal_only(monkeypatch, capsys):
     monkeypatch.setattr(sys.stderr, "isatty", lambda: False)
-    step = chk.stderr_progress(2)
+    step = progress.stderr_progress(2)
     step("one")
     step.done()
     assert capsys.readouterr().err == ""
     monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
-    step = chk.stderr_progress(2)
+    step = progress.stderr_progress(2)
     step("one")
     step.done()
     assert "1/2 one" in capsys.readouterr().err
@@ -137,7 +138,7 @@ def test_the_table_fits_100_columns_with_long_names():
         ),
         chk.Row("batch_renorm", "train", "numpy", "float64", "second order: finite differences", status=chk.NO_FD),
     ]
-    table = chk.format_table(rows)
+    table = check_report.format_table(rows)
     assert max(len(line) for line in table.splitlines()) <= 100
     assert "n/a: stop_gradient" in table
 

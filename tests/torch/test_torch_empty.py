@@ -89,11 +89,11 @@ def test_empty_through_every_layer_and_torch_path():
 
     for name in derivgen.names():
         lay = layer(name)
-        for mode in lay.meta["modes"]:
+        for mode in lay.meta.modes:
             x, params, inputs, options, buffers, groups = arguments(lay, mode, requires_grad=False)
             x = x[:0].clone().requires_grad_(True)
-            inputs = {i: v[:0] if v.dim() and lay.meta["layout"] != "channels" else v for i, v in inputs.items()}
-            if lay.meta["reduce"] in ("instance", "group"):
+            inputs = {i: v[:0] if v.dim() and lay.meta.layout != "channels" else v for i, v in inputs.items()}
+            if lay.meta.reduce in ("instance", "group"):
                 inputs = {i: v[:0] if v.numel() > 1 else v for i, v in inputs.items()}
             for p in params.values():
                 p.requires_grad_(True)

@@ -116,7 +116,7 @@ def test_every_layer_jacobian_under_torch_func_matches_the_kernels():
 
     for name in derivgen.names():
         lay = layer(name)
-        for mode in lay.meta["modes"]:
+        for mode in lay.meta.modes:
             x, params, inputs, options, buffers, groups = arguments(lay, mode, requires_grad=False)
 
             def f(x, lay=lay, mode=mode, params=params, inputs=inputs, options=options, buffers=buffers, groups=groups):

@@ -264,9 +264,9 @@ def test_generic_module_for_any_spec(tmp_path):
     spec = str(ROOT / "examples" / "online_layernorm_notation.toml")
     m = dt.Module(spec, 8, alpha=0.25).double()
     names = [n for n, _ in m.named_parameters()]
-    assert names == list(m._layer.meta["params"])
+    assert names == list(m._layer.meta.params)
     x = torch.randn(5, 8, dtype=torch.float64, requires_grad=True)
-    kw = {i: torch.rand(5, dtype=torch.float64) + 0.5 for i in m._layer.meta["inputs"]}
+    kw = {i: torch.rand(5, dtype=torch.float64) + 0.5 for i in m._layer.meta.inputs}
     y = m(x, **kw)
     assert y.shape == x.shape
     assert torch.autograd.gradcheck(lambda x: m(x, **kw), (x,))

@@ -63,7 +63,7 @@ def test_opcheck(name, mode):
     fargs = [x, *params.values(), *inputs.values()]
     if mode == "eval":
         fargs += list(buffers.values())
-    scalars = [float(options[o]) for o in lay.meta["options"]] + [groups]
+    scalars = [float(options[o]) for o in lay.meta.options] + [groups]
     res = torch.library.opcheck(ops.forward, (*fargs, *scalars))
     assert all(v == "SUCCESS" for v in res.values()), res
     out = ops.forward(*fargs, *scalars)
@@ -301,7 +301,7 @@ def _against_the_specs_forward(lay, mode, f, args, params, inputs, options, buff
         lay.meta,
         x.detach().numpy(),
         {k: v.detach().numpy() for k, v in params.items()},
-        groups if lay.meta["reduce"] == "group" else None,
+        groups if lay.meta.reduce == "group" else None,
     )
     ref_forward = SpecForward(lay.spec, mode, L)
     pnames, inames = list(params), list(inputs)
@@ -333,7 +333,7 @@ def test_fuzzed_specs_as_torch_operators(seed, tmp_path, monkeypatch):
     p = tmp_path / f"fuzz{seed}.toml"
     p.write_text(specfuzz.generate(seed))
     lay = layer(str(p))
-    for mode in lay.meta["modes"]:
+    for mode in lay.meta.modes:
         x, params, inputs, options, buffers, groups = arguments(lay, mode, seed=seed)
         f = _fn(lay, mode, params, inputs, options, buffers, groups)
         args = (x, *params.values(), *inputs.values())
@@ -344,7 +344,7 @@ def test_fuzzed_specs_as_torch_operators(seed, tmp_path, monkeypatch):
             assert torch.autograd.gradgradcheck(f, args, eps=1e-6, atol=1e-4, rtol=1e-3)
         fargs = [x, *params.values(), *inputs.values(), *(buffers.values() if mode == "eval" else ())]
         res = torch.library.opcheck(
-            lay.modes[mode].forward, (*fargs, *[float(options[o]) for o in lay.meta["options"]], groups)
+            lay.modes[mode].forward, (*fargs, *[float(options[o]) for o in lay.meta.options], groups)
         )
         assert all(v == "SUCCESS" for v in res.values()), res
         # the bfloat16 kernels of the spec: compiled under -Werror (the tests' build) and run
@@ -361,7 +361,7 @@ def test_fuzzed_specs_as_torch_operators(seed, tmp_path, monkeypatch):
         y64 = f(b["x"].double(), *(b[k].double() for k in params), *(b[k].double() for k in inputs)).detach()
         assert yb.dtype == torch.bfloat16
         assert float((yb.double() - y64).abs().max()) <= 2**-6 * (float(y64.abs().max()) or 1.0)
-        if lay.meta["layout"] == "channels":  # channels last: the NCHW kernels' bits
+        if lay.meta.layout == "channels":  # channels last: the NCHW kernels' bits
             x4 = x.detach().reshape(*x.shape, 1)
             outs = []
             for xx in (x4.contiguous(memory_format=torch.channels_last), x4.clone()):
@@ -403,6 +403,6 @@ def test_bfloat16_kernels_every_layer(name, mode):
         assert float((a.double() - e).abs().max()) <= 2**-6 * scale
     fargs = [rnd["x"], *(rnd[p] for p in params), *(rnd[i] for i in inputs), *(rnd[b] for b in buffers)]
     res = torch.library.opcheck(
-        lay.modes[mode].forward, (*fargs, *[float(options[o]) for o in lay.meta["options"]], groups)
+        lay.modes[mode].forward, (*fargs, *[float(options[o]) for o in lay.meta.options], groups)
     )
     assert all(v == "SUCCESS" for v in res.values()), res

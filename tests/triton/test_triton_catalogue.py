@@ -16,7 +16,7 @@ import triton_cases as tc
 
 import derivgen
 from derivgen.tools.torch_ref import torch_reference
-from derivgen.triton.calls import tile_limit
+from derivgen.triton.launch import tile_limit
 
 CATALOGUE = derivgen.names()
 TOL = {torch.float32: 1e-5, torch.float16: 2e-2, torch.bfloat16: 6e-2}

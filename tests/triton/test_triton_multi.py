@@ -27,7 +27,7 @@ if str(TESTS / "zoo") not in sys.path:
 import test_zoo_multi_second as Z2
 
 import derivgen
-from derivgen.triton.calls import tile_limit
+from derivgen.triton.launch import tile_limit
 
 emit_module = importlib.import_module("derivgen.codegen.emit")  # derivgen.codegen.emit is also a function's name
 

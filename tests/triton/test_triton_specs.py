@@ -17,7 +17,7 @@ import derivgen
 from derivgen.spec.model import load_spec_file, parse_spec
 from derivgen.torch.schema import mode_schemas
 from derivgen.triton import ops
-from derivgen.triton.calls import tile_limit
+from derivgen.triton.launch import tile_limit
 
 EXAMPLES = sorted((ROOT / "examples").glob("*.toml"))
 # the layers with tensor inputs or outputs beside y: tests/triton/test_triton_multi.py

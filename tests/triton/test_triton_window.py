@@ -18,7 +18,7 @@ import triton_cases as tc
 
 import derivgen
 from derivgen.spec.model import parse_spec
-from derivgen.triton.calls import tile_limit
+from derivgen.triton.launch import tile_limit
 
 F = torch.nn.functional
 OPTIONS = {"alpha": 0.3, "beta": 0.75, "k": 1.5}
