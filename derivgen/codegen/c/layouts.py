@@ -18,11 +18,14 @@ the group values the final sweep reads are kept in arrays ``Rv_<name>[Rr]``, and
 block of DG_LANES features by block, the final sweep computes each row's dx and adds its
 terms into registers, which go into the thread's double partials once per block of rows
 (:class:`RowSweep`).
+
+Batch-reduced channels-last kernels keep every group value, sum and per-channel prelude
+value in arrays over the channels (:func:`batch_arrays`).
 """
 
 from __future__ import annotations
 
-from derivgen.codegen.c.types import CLoop, NhwcSweep, RowSweep
+from derivgen.codegen.c.types import CLoop, NhwcSweep, RowSweep, Sweep
 
 
 def _read_values(lp: CLoop, group_names: list[str], reads: frozenset[str]) -> tuple[tuple, tuple]:
@@ -57,3 +60,23 @@ def row_sweep(lp: CLoop, group_names: list[str]) -> RowSweep | None:
         return None
     prelude, group = _read_values(lp, group_names, lp.reads | lp.pend_reads)
     return RowSweep(values=prelude + tuple(("double", n) for n in group))
+
+
+def batch_arrays(entries: list[str | tuple[Sweep, str]]) -> tuple[tuple[str, str, str], ...]:
+    """The arrays of a batch-reduced channels-last kernel, as (C type, name, length), in the
+    order the kernel defines its ``entries``: a group value's name gives ``Gv_<name>``; a
+    sweep tagged ``tag`` its group sums (``Gv_<acc>``, block sums ``Bs_<acc>``), parameter
+    sums (``Dp<k>``, ``Bs_p<k>``) and the prelude values its element code reads
+    (``Pv<tag>_<name>``)."""
+    out: list[tuple[str, str, str]] = []
+    for v in entries:
+        if isinstance(v, str):
+            out.append(("double", f"Gv_{v}", "G"))
+            continue
+        sw, tag = v
+        for acc, _ in sw.loop.group_sums:
+            out += [("double", f"Gv_{acc}", "G"), ("double", f"Bs_{acc}", "DG_NHWC_CHUNK * G")]
+        for k, _ in sw.loop.param_sums:
+            out += [("double", f"Dp{k}", "G"), ("double", f"Bs_p{k}", "DG_NHWC_CHUNK * G")]
+        out += [(t, f"Pv{tag}_{n}", "G") for t, n in sw.nhwc.inner_prelude]
+    return tuple(out)

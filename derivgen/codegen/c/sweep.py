@@ -20,7 +20,7 @@ from sympy import Add
 
 from derivgen.codegen.c.blocks import BlockPasses, BlockSlots, block_pass, block_slots_read
 from derivgen.codegen.c.ctext import ATYPES, c_store, output_array
-from derivgen.codegen.c.layouts import nhwc_sweep, row_sweep
+from derivgen.codegen.c.layouts import batch_arrays, nhwc_sweep, row_sweep
 from derivgen.codegen.c.names import X, group_names, load_table, locals_of
 from derivgen.codegen.c.types import (
     BackwardPlan,
@@ -303,12 +303,16 @@ class CPlanner:
         )
         updates = [(b, *self.g(e)) for b, e in self.ir.buffer_updates]
         update_reads = frozenset().union(*(r for _, _, r in updates))
+        final_sweep = self._sweep(final, (), names)
+        arrays = [*(i.name for i in spec.inputs), *(b.name + "_G" for b in spec.buffers)]
+        arrays += [(st, str(k)) if isinstance(st, Sweep) else st.name for k, st in enumerate(steps)]
         return ForwardPlan(
             steps=tuple(steps),
-            final=self._sweep(final, (), names),
+            final=final_sweep,
             updates=tuple((b, text) for b, text, _ in updates),
             update_reads=tuple(n for n in names if n in update_reads),
             levels=_levels(steps),
+            batch_arrays=batch_arrays([*arrays, (final_sweep, "F")]),
         )
 
     def _group_values(self, names: list[str]) -> list[GroupValue]:
@@ -368,7 +372,10 @@ class CPlanner:
         sweep = self._sweep(final, (), names)
         if self.spec.layout == "trailing":
             sweep = dataclasses.replace(sweep, rows=row_sweep(final, names))
-        return BackwardPlan(reduction=red, group=tuple(group), final=sweep)
+        arrays = [*(i.name for i in self.spec.inputs), *self.ir.stats]
+        arrays += [(red, "R")] if red is not None else []
+        arrays += [v.name for v in group] + [(sweep, "F")]
+        return BackwardPlan(reduction=red, group=tuple(group), final=sweep, batch_arrays=batch_arrays(arrays))
 
 
 def _levels(steps: list[Sweep | GroupValue]) -> tuple[SplitLevel, ...]:

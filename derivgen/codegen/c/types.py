@@ -191,6 +191,8 @@ class ForwardPlan:
     updates: tuple[tuple[str, str], ...]  # (buffer, C expression)
     update_reads: tuple[str, ...]  # the group values the updates read
     levels: tuple[SplitLevel, ...]
+    # the arrays a batch-reduced channels-last kernel allocates: (C type, name, length)
+    batch_arrays: tuple[tuple[str, str, str], ...] = ()
 
     @property
     def block_slots(self) -> tuple[int, ...]:
@@ -206,6 +208,7 @@ class BackwardPlan:
     reduction: Sweep | None
     group: tuple[GroupValue, ...]
     final: Sweep
+    batch_arrays: tuple[tuple[str, str, str], ...] = ()  # as ForwardPlan's
 
     @property
     def block_slots(self) -> tuple[int, ...]:
