@@ -76,6 +76,12 @@ class CLoop:
         return len(self.outputs) == 1 and not self.group_sums and not (channel_lanes and self.param_sums)
 
     @property
+    def lane_arrays(self) -> tuple[str, ...]:
+        """The suffixes of the lane arrays of this sweep's sums: ``Lane_<acc>`` of its group
+        sums, then ``Lane_p<k>`` of its per-channel parameter sums."""
+        return tuple(a for a, _ in self.group_sums) + tuple(f"p{k}" for k, _ in self.param_sums)
+
+    @property
     def param_slots(self) -> tuple[int, ...]:
         """The parameters (slots) whose per-channel sums this sweep adds."""
         return tuple(k for k, _ in self.param_sums)
