@@ -138,7 +138,7 @@ class _C(SpellsFunctions, _Ordered, C99CodePrinter):
         self.ctype = ctype
         self.rename = rename
         self.names = names
-        self.windows = windows  # Window -> C call text (derivgen.codegen.c.plan.WindowFunctions)
+        self.windows = windows  # Window -> C call text (derivgen.codegen.c.windows.WindowFunctions)
         self.printed: set[str] = set()  # what the symbols printed as, for the planner
 
     def _print_Window(self, expr):

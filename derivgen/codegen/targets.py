@@ -228,9 +228,11 @@ def template_dir() -> Path:
     return Path(__file__).resolve().parents[1] / "templates"  # installed: derivgen/templates
 
 
-def _kernels_header() -> str:
-    """The shared C header's template (its ``Dg_`` functions)."""
-    return (template_dir() / "derivgen-kernels.h.j2").read_text(encoding="utf-8")
+def _kernels_header(name: str = "derivgen-kernels.h.j2") -> str:
+    """The shared C header's template (its ``Dg_`` functions), with the templates it includes."""
+    text = (template_dir() / name).read_text(encoding="utf-8")
+    included = re.findall(r"""{%-?\s*include\s+["']([^"']+)["']""", text)
+    return "\n".join([text, *map(_kernels_header, included)])
 
 
 # the C99 <math.h> functions the table's C spellings may name
