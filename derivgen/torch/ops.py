@@ -52,7 +52,7 @@ from derivgen.api import load, load_spec, materialize
 from derivgen.runtime.abi import reads_buffers
 from derivgen.runtime.cbind import input_pairs
 from derivgen.runtime.meta import layer_meta
-from derivgen.spec.model import Spec, catalogue_names, load_catalogue
+from derivgen.spec import Spec, catalogue_names, load_catalogue
 from derivgen.torch import closed_form, multi, multi_plan
 from derivgen.torch.autograd import call_forward
 from derivgen.torch.plan import KernelLibraries, PlanCache, threads

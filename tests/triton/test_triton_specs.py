@@ -14,7 +14,7 @@ import specfuzz
 import triton_cases as tc
 
 import derivgen
-from derivgen.spec.model import load_spec_file, parse_spec
+from derivgen.spec import load_spec_file, parse_spec
 from derivgen.torch.schema import mode_schemas
 from derivgen.triton import ops
 from derivgen.triton.launch import tile_limit

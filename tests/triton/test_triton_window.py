@@ -17,7 +17,7 @@ require_module("triton")
 import triton_cases as tc
 
 import derivgen
-from derivgen.spec.model import parse_spec
+from derivgen.spec import parse_spec
 from derivgen.triton.launch import tile_limit
 
 F = torch.nn.functional
