@@ -19,7 +19,10 @@ walked once, node by node, and each node mapped to the spec language:
   (``position``));
 * dtype casts (``x.float()`` ... ``.to(input_dtype)``) are dropped and recorded in a comment;
 * ``native_layer_norm`` and ``native_group_norm``, which core ATen keeps whole, are read as
-  the catalogue's layer and group normalization.
+  the catalogue's layer and group normalization; batch norm (training mode: its running-buffer
+  updates as ``[buffers]`` with their momentum update; eval mode: the same spec, whose eval
+  mode reads the buffers), instance norm, softmax, log-softmax and local response norm's
+  window as the catalogue's and zoo's specs (:mod:`~derivgen.spec.torch_builtins`).
 
 What no spec can say is refused with one line naming the operation and its source line, as a
 :class:`TorchImportError` (a :class:`SpecError`, which the CLI prints without a traceback).
@@ -118,6 +121,13 @@ def from_torch_toml(
         origin_obj = fn
     else:
         raise TorchImportError("from_torch: expected a torch.nn.Module or a function of one tensor")
+    for sub in module.modules():  # what export reports as data-dependent control flow, said plainly
+        bn = isinstance(sub, torch.nn.modules.batchnorm._BatchNorm)
+        if bn and sub.training and sub.momentum is None and sub.track_running_stats:
+            raise TorchImportError(
+                f"{fn_name}: {type(sub).__name__} with momentum=None: the cumulative average of the "
+                "running statistics (1/num_batches_tracked) has no spec construct; give a momentum"
+            )
     ep = _export(torch, module, example_input, fn_name)
     st = _State(ndim=example_input.dim(), shape=tuple(example_input.shape))
     for attr, value in vars(module).items():

@@ -10,6 +10,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from derivgen.spec import torch_builtins as builtins
 from derivgen.spec.model import reserved_reason
 from derivgen.spec.torch_ops import (
     _ADD,
@@ -22,13 +23,13 @@ from derivgen.spec.torch_ops import (
     _MUL,
     _NEG,
     _POW,
+    _REDUCTIONS,
     _SCATTERS,
     _UNARY,
     _V,
     _VIEWS,
     _WHY,
     TorchImportError,
-    _Layout,
     _num,
     _State,
     _wrap,
@@ -37,7 +38,8 @@ from derivgen.spec.torch_ops import (
 # the importer's own modules: a frame in one (the wrapper a function is traced through) is not
 # the user's source line
 _OWN_FILES = frozenset(
-    Path(__file__).resolve().with_name(f) for f in ("from_torch.py", "torch_graph.py", "torch_ops.py", "torch_toml.py")
+    Path(__file__).resolve().with_name(f)
+    for f in ("from_torch.py", "torch_graph.py", "torch_ops.py", "torch_toml.py", "torch_builtins.py")
 )
 
 
@@ -52,6 +54,7 @@ class _Walker:
         self.values: dict[str, Any] = {}
         self.feeds_reduction: set[str] = set()
         self.line_last: dict[tuple[str, int], str] = {}  # (file, line) -> the last node it produced
+        self.counters: set[str] = set()  # the nodes adding 1 to a batch norm's num_batches_tracked
 
     # -- errors and source lines -------------------------------------------------------------
     def where(self, node: Any) -> tuple[str, int | None, str]:
@@ -132,7 +135,7 @@ class _Walker:
         if mutated:
             out = next(n for n in nodes if n.op == "output")
             for arg in out.args[0]:
-                if getattr(arg, "name", None) in mutated:
+                if getattr(arg, "name", None) in mutated and not builtins.buffer_update(self, arg, mutated[arg.name]):
                     target = mutated[arg.name]
                     what = "the input x" if target in user_inputs else f"the buffer {target}"
                     raise self.refuse(
@@ -145,13 +148,15 @@ class _Walker:
         for node in nodes:
             if node.op == "placeholder":
                 self.values[node.name] = self.placeholder(node, inputs_to_params, inputs_to_buffers, user_inputs)
+            elif node.name in self.counters:  # num_batches_tracked + 1: no spec value
+                self.values[node.name] = _V("0", _ATOM, _CONST, tag=("update",))
             elif node.op == "call_function":
                 v = self.call(node)
                 if isinstance(v, _V) and v.src is None:
                     v.src = node
                 self.values[node.name] = v
             elif node.op == "output":
-                outs = [a for a in node.args[0]]
+                outs = [a for a in node.args[0] if getattr(a, "name", None) not in mutated]
                 if len(outs) != 1:
                     raise TorchImportError(
                         f"{self.fn_name}: returns {len(outs)} tensors; the importer reads layers of one output y"
@@ -170,7 +175,7 @@ class _Walker:
             if node.op != "call_function":
                 continue
             _, op = self.op_name(node)
-            if op in ("mean", "sum", "var", "var_mean", "amax", "amin") or node.name in self.feeds_reduction:
+            if op in _REDUCTIONS or node.name in self.feeds_reduction:
                 for a in node.all_input_nodes:
                     self.feeds_reduction.add(a.name)
 
@@ -204,6 +209,15 @@ class _Walker:
             value = self.ep.constants.get(constants[node.name])
             if value is not None and value.dim() == 0 and not value.dtype.is_complex:
                 return _num(value.item())
+        if node.name in to_buffers:  # read by a batch norm only (val refuses it elsewhere)
+            target = to_buffers[node.name]
+            name = target.replace(".", "_").lower()
+            if reserved_reason(name) is not None or name in self.st.taken:
+                raise TorchImportError(
+                    f"{self.fn_name}: buffer {target!r}: {reserved_reason(name) or 'name taken'}; rename it"
+                )
+            self.st.taken.add(name)
+            return _V(name, _ATOM, _CONST, name=name, tag=("buffer", target))
         what = to_buffers.get(node.name, node.name)
         raise TorchImportError(
             f"{self.fn_name}: reads the buffer or constant tensor {what!r}; "
@@ -216,11 +230,35 @@ class _Walker:
             v = self.values[arg.name]
             if isinstance(v, tuple):
                 raise self.refuse(node, self.display(node), "reads a tuple")
+            if v.tag is not None:
+                raise self.tagged(node, v)
             return v
         try:
             return _num(arg)
         except TypeError:
             raise self.refuse(node, self.display(node), f"an argument {arg!r} the importer cannot read") from None
+
+    def tagged(self, node: Any, v: _V) -> TorchImportError:
+        """The refusal of an operation reading a value only a whole layer reads."""
+        if v.tag[0] == "buffer":
+            return self.refuse(
+                node,
+                self.display(node),
+                f"reads the buffer {v.tag[1]!r}; the importer reads buffers as a batch norm's running statistics only",
+            )
+        if v.tag[0] == "repeat":
+            return self.refuse(node, self.display(node), f"reads the parameter {v.name} repeated")
+        if v.tag[0] == "update":
+            return self.refuse(node, self.display(node), "reads a running statistic's new value")
+        return self.refuse(node, self.display(node), "reads x reshaped; a spec's layout is fixed by x's shape")
+
+    def param_arg(self, node: Any, arg: Any) -> _V:
+        """A whole layer's weight or bias: a parameter (or the parameter repeated per sample,
+        as instance norm passes it to batch norm)."""
+        v = self.values[arg.name] if hasattr(arg, "name") else None
+        if v is None or v.name not in self.st.params:
+            raise self.refuse(node, self.display(node), "a weight or bias that is not one of the module's parameters")
+        return _V(v.name, _ATOM, _CONST, name=v.name)
 
     def stat(self, v: _V, node: Any, preferred: str | None) -> _V:
         """A group value an element value reads, named as a statistic."""
@@ -279,17 +317,25 @@ class _Walker:
                 self.st.casts.append(str(dtype).replace("torch.", ""))
             return self.val(node, args[0])
         if op in _VIEWS:
-            v = self.val(node, args[0])
-            if v.level == _ELEM and op not in ("alias", "clone", "contiguous"):
-                shape = tuple(node.meta["val"].shape)
-                if shape != self.st.shape:
-                    raise self.refuse(node, f"torch.{op}", "reshapes x; a spec's layout is fixed by x's shape")
-            return v
+            return self.view(node, op)
+        if op == "repeat":
+            v = self.values.get(getattr(args[0], "name", None))
+            if v is not None and v.name in self.st.params and v.tag is None:
+                return _V(v.name, _ATOM, _CONST, name=v.name, tag=("repeat",))
+            raise self.refuse(node, "torch.repeat", "a repetition changes the group's shape")
+        if op == "constant_pad_nd":
+            return builtins.lrn_pad(self, node)
+        if op in ("avg_pool2d", "avg_pool3d"):
+            return builtins.lrn_pool(self, node, op)
         if op == "detach":
             v = self.val(node, args[0])
             return v if v.level == _CONST else _V(f"stop_gradient({v.text})", _ATOM, v.level)
         if op in ("native_layer_norm", "native_group_norm"):
-            return self.builtin_norm(node, op)
+            return builtins.layer_or_group_norm(self, node, op)
+        if op.startswith("_native_batch_norm_legit"):
+            return builtins.batch_norm(self, node, op)
+        if op in ("_softmax", "_log_softmax"):
+            return builtins.softmax(self, node, op)
         if op in ("mean", "sum", "var", "var_mean", "amax", "amin"):
             return self.reduction(node, op)
         if op == "getitem":
@@ -298,6 +344,29 @@ class _Walker:
                 raise self.refuse(node, "an index", "the importer reads indices of tuples only")
             return v[args[1]]
         return self.elementwise(node, op)
+
+    def view(self, node: Any, op: str) -> _V:
+        """A view: of a parameter or group value, dropped (the layout places it); of x, only
+        with x's shape, or as a whole layer's reshape (instance norm's (1, N*C, ...), local
+        response norm's (N, 1, C, ...))."""
+        v = self.values[node.args[0].name] if hasattr(node.args[0], "name") else self.val(node, node.args[0])
+        if isinstance(v, tuple):
+            raise self.refuse(node, self.display(node), "reads a tuple")
+        if v.level != _ELEM or op in ("alias", "clone", "contiguous"):
+            if v.tag is not None and v.tag[0] in ("buffer", "update"):
+                raise self.tagged(node, v)
+            return v
+        shape, st = tuple(node.meta["val"].shape), self.st
+        if shape == st.shape:
+            if v.tag is not None and v.tag[0] not in ("instance", "channel_pooled"):
+                raise self.tagged(node, v)
+            return _V(v.text, v.prec, v.level, v.affine, v.scaled, v.name, v.src)
+        if v.tag == ("channel_pooled",):
+            return v
+        reshaped = builtins.instance_view(self, node, v, shape) or builtins.lrn_view(self, node, v, shape)
+        if reshaped is not None:
+            return reshaped
+        raise self.refuse(node, f"torch.{op}", "reshapes x; a spec's layout is fixed by x's shape")
 
     def reduction(self, node: Any, op: str) -> Any:
         args, kwargs = node.args, node.kwargs
@@ -326,35 +395,6 @@ class _Walker:
             return (var, m) if op == "var_mean" else var
         named = self.stat(_V(text, _ATOM, _GROUP), node, pref)
         return named
-
-    def builtin_norm(self, node: Any, op: str) -> tuple:
-        args = node.args
-        x = self.val(node, args[0])
-        if x.text != "x":
-            raise self.refuse(node, self.display(node), "a layer or group norm of something other than x")
-        if op == "native_layer_norm":
-            shape, weight, bias, eps = args[1], args[2], args[3], args[4]
-            k = len(shape)
-            self.reduced(node, tuple(range(self.st.ndim - k, self.st.ndim)), True)
-        else:
-            weight, bias, _n, _c, _hw, groups, eps = args[1:8]
-            if self.st.layout.dims is not None:
-                raise self.refuse(node, self.display(node), "a group norm beside other reductions")
-            self.st.layout = _Layout("channels", "group", 1, (-1,))
-            self.st.notes.append(f"num_groups = {groups}: the generated forward takes it as its num_groups= argument")
-        mean = self.stat(_V("mean(x)", _ATOM, _GROUP), node, "mean")
-        var = self.stat(_V(f"mean((x - {mean.text})**2)", _ATOM, _GROUP), node, "var")
-        rstd = self.stat(_V(f"1/sqrt({var.text} + {self.option(float(eps), True).text})", _MUL, _GROUP), node, "rstd")
-        name = self.fresh("xhat")
-        self.st.normalized = (name, f"(x - {mean.text})*{rstd.text}")
-        y = _V(name, _ATOM, _ELEM, name=name)
-        if weight is not None:
-            w = self.val(node, weight)
-            y = _V(f"{w.text}*{y.text}", _MUL, _ELEM)
-        if bias is not None:
-            b = self.val(node, bias)
-            y = _V(f"{y.text} + {b.text}", _ADD, _ELEM)
-        return (y, mean, rstd)
 
     def elementwise(self, node: Any, op: str) -> _V:
         args, kwargs = node.args, node.kwargs
@@ -387,7 +427,7 @@ class _Walker:
                     and getattr(self.values.get(other.name), "level", None) == _GROUP
                 )
                 vals.append(self.option(a, is_group))
-            elif isinstance(a, float) and not isinstance(a, bool) and op in ("mul", "div", "rsub", "clamp"):
+            elif isinstance(a, float) and not isinstance(a, bool) and op in ("mul", "div", "rsub", "clamp", "pow"):
                 vals.append(self.option(a, False))
             else:
                 vals.append(self.val(node, a))

@@ -72,6 +72,16 @@ _UNARY = {
 
 _SCATTERS = {"select_scatter", "slice_scatter", "index_put", "scatter", "masked_scatter", "copy"}
 _IGNORED = {"_assert_tensor_metadata", "_assert_scalar", "sym_constrain_range_for_size", "_assert_async"}
+_BUILTINS = {
+    "native_layer_norm",
+    "native_group_norm",
+    "_native_batch_norm_legit_functional",
+    "_native_batch_norm_legit_no_training",
+    "_native_batch_norm_legit",
+    "_softmax",
+    "_log_softmax",
+}
+_REDUCTIONS = {"mean", "sum", "var", "var_mean", "amax", "amin", "avg_pool2d", "avg_pool3d"} | _BUILTINS
 _VIEWS = {"view", "_unsafe_view", "reshape", "unsqueeze", "squeeze", "expand", "alias", "clone", "contiguous"}
 
 
@@ -86,6 +96,7 @@ class _V:
     scaled: bool = False  # ... and multiplied by a statistic (a normalized coordinate)
     name: str | None = None  # a declared name (statistic, parameter, option, the normalized coordinate)
     src: Any = None  # the graph node that computed it
+    tag: tuple | None = None  # a value only a known construct reads: a buffer, a repeated parameter, a view of x
 
 
 @dataclass
@@ -110,6 +121,9 @@ class _State:
     casts: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     float_attrs: dict[float, str] = field(default_factory=dict)
+    buffers: dict[str, dict] = field(default_factory=dict)  # name -> toml entry (init, update)
+    eval_statistics: list[tuple[str, str]] = field(default_factory=list)  # [modes.eval.statistics]
+    min_group_size: int | None = None  # [modes.train]
     counter: int = 0
 
 

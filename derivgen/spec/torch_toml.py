@@ -16,7 +16,7 @@ def _infer_layout(st: _State, fn_name: str) -> None:
     lay = st.layout
     nd, shape = st.ndim, st.shape
     channel_params = {n: s for n, s in st.param_shapes.items() if st.params[n].get("shape") != "scalar"}
-    if lay.kind == "channels" and lay.reduce == "group":
+    if lay.kind == "channels" and lay.reduce in ("group", "instance"):  # a whole layer said which
         _check_channel_params(st, channel_params, fn_name)
         return
     dims = lay.dims
@@ -106,6 +106,12 @@ def _render(st: _State, name: str, origin: str, output: str) -> str:
         lines += ["", "[options]"] + [f"{n} = {_table(e)}" for n, e in st.options.items()]
     if st.statistics:
         lines += ["", "[statistics]"] + [f"{n} = {_toml_value(e)}" for n, e in st.statistics]
+    if st.buffers:
+        lines += ["", "[buffers]"] + [f"{n} = {_table(e)}" for n, e in st.buffers.items()]
+    if st.min_group_size:
+        lines += ["", "[modes.train]", f"min_group_size = {st.min_group_size}"]
+    if st.eval_statistics:
+        lines += ["", "[modes.eval.statistics]"] + [f"{n} = {_toml_value(e)}" for n, e in st.eval_statistics]
     if st.normalized:
         lines += ["", "[normalized]", f'name = "{st.normalized[0]}"', f"expr = {_toml_value(st.normalized[1])}"]
     lines += ["", "[output]", f"y = {_toml_value(output)}", ""]

@@ -73,6 +73,14 @@ CASES = {
     "T5LayerNorm": (hf("T5LayerNorm", 8), (3, 8), "rmsnorm", {}),
     "OlmoLayerNorm": (hf("OlmoLayerNorm", 8), (3, 8), "layernorm_simple", {}),
     "DynamicTanh": (lambda: DynamicTanh(8, channels_last=True), (3, 8), "dynamic_tanh", {}),
+    "torch.nn.BatchNorm1d": (lambda: nn.BatchNorm1d(4), (6, 4), "batchnorm", {}),
+    "torch.nn.BatchNorm2d": (lambda: nn.BatchNorm2d(3), (2, 3, 4, 5), "batchnorm", {}),
+    "torch.nn.BatchNorm2d.eval()": (lambda: nn.BatchNorm2d(3).eval(), (2, 3, 4, 5), "batchnorm", {}),
+    "torch.nn.InstanceNorm2d": (lambda: nn.InstanceNorm2d(3, affine=True), (2, 3, 4, 5), "instancenorm", {}),
+    "torch.nn.LocalResponseNorm": (lambda: nn.LocalResponseNorm(3), (2, 6, 3, 4), "lrn", {}),
+    "torch.nn.LocalResponseNorm(size=4), 3-d": (lambda: nn.LocalResponseNorm(4, k=2.0), (2, 7, 5), "lrn", {}),
+    "torch.softmax": (lambda: lambda x: torch.softmax(x, dim=-1), (3, 8), "softmax", {}),
+    "torch.log_softmax": (lambda: lambda x: torch.log_softmax(x, -1), (3, 8), "log_softmax", {}),
 }
 
 
@@ -98,12 +106,18 @@ def casts_kept_in_float64():
 
 
 def _randomized(module):
-    """The module in float64 with parameters away from their inits (so each gradient shows)."""
+    """The module in float64 with parameters (and running statistics) away from their inits
+    (so each gradient shows); a function as it is."""
+    if not isinstance(module, nn.Module):
+        return module
     module = module.double()
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for p in module.parameters():
             p.add_(0.3 * torch.randn(p.shape, generator=gen, dtype=p.dtype))
+        for name, b in module.named_buffers():
+            if b.is_floating_point():
+                b.add_(0.3 * torch.rand(b.shape, generator=gen, dtype=b.dtype))
     return module
 
 
@@ -111,15 +125,26 @@ def _closed_form_same(imported, handwritten) -> bool:
     """dx of the training mode, the imported spec's names mapped onto the hand-written one's
     by position (parameters, options, statistics, the normalized coordinate)."""
     a, b = imported.spec, handwritten.spec
-    pairs = list(zip(a.params, b.params)) + list(zip(a.options, b.options))
+    pairs = list(zip(a.params, b.params)) + _by_name_then_position(a.options, b.options)
+    pairs += list(zip(a.buffers, b.buffers))
     pairs += list(zip(a.modes[0].statistics, b.modes[0].statistics))
     if imported.train.coordinate and handwritten.train.coordinate:  # named or implicit (Xn)
         pairs.append((imported.train.coordinate, handwritten.train.coordinate))
     rename = {p.symbol: q.symbol for p, q in pairs}
-    dx = imported.train.dx.xreplace(rename)
-    grads_a = [g.element + g.group for g in imported.train.grads.values()]
-    grads_b = [g.element + g.group for g in handwritten.train.grads.values()]
-    return dx == handwritten.train.dx and all(ga.xreplace(rename) == gb for ga, gb in zip(grads_a, grads_b))
+    for mode in handwritten.modes:  # every mode: batch norm's eval mode too
+        mine, theirs = imported.modes[mode], handwritten.modes[mode]
+        grads_a = [g.element + g.group for g in mine.grads.values()]
+        grads_b = [g.element + g.group for g in theirs.grads.values()]
+        if mine.dx.xreplace(rename) != theirs.dx or any(ga.xreplace(rename) != gb for ga, gb in zip(grads_a, grads_b)):
+            return False
+    return set(imported.modes) == set(handwritten.modes)
+
+
+def _by_name_then_position(mine, theirs) -> list:
+    """Options with the same name paired (LRN's alpha, beta, k in another order), the rest by position."""
+    names = {o.name for o in mine} & {o.name for o in theirs}
+    pairs = [(o, next(t for t in theirs if t.name == o.name)) for o in mine if o.name in names]
+    return pairs + list(zip([o for o in mine if o.name not in names], [t for t in theirs if t.name not in names]))
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -143,7 +168,10 @@ def test_imports_derives_and_matches(case):
     rng = np.random.default_rng(0)
     x = rng.normal(size=shape)
     dy = rng.normal(size=shape)
-    params = dict(module.named_parameters())
+    params = dict(module.named_parameters()) if isinstance(module, nn.Module) else {}
+    buffers = {n: b.detach().numpy().copy() for n, b in module.named_buffers()} if params else {}
+    if spec.buffers:  # batch norm: the running statistics, updated in training mode, read in eval mode
+        kwargs = {**kwargs, "training": module.training, **{b.name: buffers[b.name] for b in spec.buffers}}
     k = derivgen.load(spec, backend="numpy")
     args = [params[p.name].detach().numpy().reshape(-1 if not p.scalar else ()) for p in spec.params]
     if spec.layout == "trailing":
@@ -160,6 +188,8 @@ def test_imports_derives_and_matches(case):
         got = np.asarray(getattr(grads, "d" + p.name)).reshape(-1)
         want = params[p.name].grad.numpy().reshape(-1)
         assert np.abs(got - want).max() < 1e-10, (case, p.name)
+    for b in spec.buffers:  # updated in place by both (training), read by both (eval)
+        assert np.abs(buffers[b.name] - getattr(module, b.name).numpy()).max() < 1e-10, (case, b.name)
     print(f"{case}: imported in {took:.2f} s, reductions {mine.train.reduction_summary}")
 
 
@@ -252,6 +282,16 @@ class Linear(nn.Module):
         return self.proj(x) * torch.rsqrt(x.pow(2).mean(-1, keepdim=True))
 
 
+class RunningMean(nn.Module):  # a running statistic kept by hand, not batch norm's
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("ema", torch.zeros(8))
+
+    def forward(self, x):
+        self.ema.mul_(0.9).add_(0.1 * x.mean(0))
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+
 REFUSALS = {
     "sort": (Sorted, "torch.sort in forward, line", "no spec construct computes a sort"),
     "matmul": (Mixed, "in forward, line", "matrix product"),
@@ -262,7 +302,8 @@ REFUSALS = {
     "two groups": (TwoGroups, "torch.mean in forward, line", "one set of axes"),
     "where": (Selected, "torch.gt in forward, line", "a comparison of values"),
     "linear": (Linear, "in forward, line", "proj_weight"),
-    "running statistics": (lambda: nn.BatchNorm1d(8), "an in-place update of the buffer running_mean", "changes none"),
+    "buffer update": (RunningMean, "an in-place update of the buffer ema in forward, line", "changes none"),
+    "cumulative batch norm": (lambda: nn.BatchNorm1d(8, momentum=None), "BatchNorm1d", "momentum=None"),
 }
 
 
