@@ -12,6 +12,7 @@ import click
 
 from derivgen import api
 from derivgen.cli.common import STRICT_HELP, UserError, _lint, _make_dir, _out_dir, _sizes, _specs, _status, cli
+from derivgen.codegen import targets
 from derivgen.runtime.build import BuildError, BuildWarning, build_shared, library_path
 from derivgen.spec import Spec, catalogue_names
 from derivgen.tools import generate as gen
@@ -20,14 +21,20 @@ from derivgen.tools.check_report import format_table, rows_json
 from derivgen.tools.progress import stderr_progress
 
 
-@cli.command("generate", short_help="Write the NumPy, C, PyTorch, JAX and Triton code of layers.")
+def _labels(names: tuple[str, ...]) -> str:
+    """The targets' labels as a list in words: ``NumPy, C, PyTorch, JAX and Triton``."""
+    labels = [targets.get(t).label for t in names]
+    return ", ".join(labels[:-1]) + " and " + labels[-1] if len(labels) > 1 else "".join(labels)
+
+
+@cli.command("generate", short_help=f"Write the {_labels(gen.TARGETS)} code of layers.")
 @click.argument("names", nargs=-1)
 @click.option("--spec", "spec_files", multiple=True, type=click.Path(dir_okay=False), help="Spec file(s) to generate.")
 @click.option(
     "--target",
-    type=click.Choice(["numpy", "c", "torch", "jax", "triton"]),
+    type=click.Choice(list(targets.names())),
     multiple=True,
-    help="Targets (default: all five).",
+    help=f"Targets (default: {', '.join(gen.TARGETS)}).",
 )
 @click.option(
     "--out",
@@ -88,7 +95,7 @@ def generate_cmd(
 def _holds_catalogue(out: Path) -> bool:
     """Whether directory ``out`` holds code generated from the catalogue (a header says so)."""
     for target in gen.TARGETS:
-        folder = out / target
+        folder = out / targets.get(target).folder
         if folder.is_dir():
             for path in sorted(folder.glob("*.py")):
                 try:
@@ -99,14 +106,14 @@ def _holds_catalogue(out: Path) -> bool:
     return False
 
 
-def _not_over_catalogue(specs: list[Spec], out: Path, targets: tuple[str, ...]) -> None:
+def _not_over_catalogue(specs: list[Spec], out: Path, chosen: tuple[str, ...]) -> None:
     """UserError if writing ``specs`` (spec files, not the catalogue) into ``out`` would replace a
     file generated from the catalogue (its header says ``from catalogue/``)."""
     clash = []
     for spec in specs:
-        for target in targets:
-            for suffix in (".py", ".c", ".h"):
-                path = out / target / f"{spec.name}{suffix}"
+        for target in chosen:
+            for relative in targets.get(target).paths(spec.name).values():
+                path = out / relative
                 try:
                     head = path.read_text(encoding="utf-8", errors="replace")[:300] if path.is_file() else ""
                 except OSError:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from derivgen.codegen import targets
 from derivgen.torch import generic, multi
 from derivgen.torch.autograd import register_first_order, register_second_order
 from derivgen.torch.plan import call_key
@@ -126,27 +127,31 @@ def register_fakes(lay: Layer, mode: str, ops: ModeOps) -> None:
         torch.library.register_fake(op, fake, lib=LIBRARY)
 
 
-def triton_impls(lay: Layer, mode: str, portable: dict[str, Callable]) -> dict[str, Callable]:
-    """The forward and backward operators' CUDA kernels generated for Triton
-    (:mod:`derivgen.triton.ops`), where Triton is installed; the module is imported on the
-    first CUDA call, so registering imports no Triton."""
-    if importlib.util.find_spec("triton") is None:
-        return {}
+def device_impls(lay: Layer, mode: str, portable: dict[str, Callable]) -> dict[str, dict[str, Callable]]:
+    """The forward and backward operators' kernels of every code-generation target that
+    names a dispatch key (:mod:`derivgen.codegen.targets`: Triton's for CUDA tensors,
+    :mod:`derivgen.triton.ops`), where the target's package is installed: dispatch key ->
+    kind -> implementation. Its ``ops`` module is imported on the first call, so registering
+    imports none of them."""
     s = lay.schemas[mode]
+    found: dict[str, dict[str, Callable]] = {}
+    for target in targets.TARGETS.values():
+        if target.dispatch is None or (target.requires and importlib.util.find_spec(target.requires) is None):
+            continue
 
-    def lazy(kind: str, names: list[str]) -> Callable:
-        def impl(*args):
-            from derivgen.triton import ops
+        def lazy(kind: str, names: list[str], runtime: str = target.runtime) -> Callable:
+            def impl(*args):
+                ops = importlib.import_module(f"{runtime}.ops")
+                make = ops.forward_impl if kind == "forward" else ops.backward_impl
+                return make(lay.spec, mode, names, portable[kind])(*args)
 
-            make = ops.forward_impl if kind == "forward" else ops.backward_impl
-            return make(lay.spec, mode, names, portable[kind])(*args)
+            return impl
 
-        return impl
-
-    return {
-        "forward": lazy("forward", [a.spec for a in s.forward]),
-        "backward": lazy("backward", [a.spec for a in s.backward]),
-    }
+        found[target.dispatch] = {
+            "forward": lazy("forward", [a.spec for a in s.forward]),
+            "backward": lazy("backward", [a.spec for a in s.backward]),
+        }
+    return found
 
 
 def register_mode(lay: Layer, mode: str) -> ModeOps:
@@ -180,8 +185,9 @@ def register_mode(lay: Layer, mode: str) -> ModeOps:
     }
     for kind, impl in portable.items():
         LIBRARY.impl(names[kind], impl, "CompositeExplicitAutograd")
-    for kind, impl in triton_impls(lay, mode, portable).items():  # CUDA tensors: the Triton kernels
-        LIBRARY.impl(names[kind], impl, "CUDA")
+    for key, impls in device_impls(lay, mode, portable).items():  # CUDA tensors: the Triton kernels
+        for kind, impl in impls.items():
+            LIBRARY.impl(names[kind], impl, key)
     ops = ModeOps(
         mode, *(getattr(torch.ops.derivgen, names[kind]).default for kind in ("forward", "backward", "bb", "jvp"))
     )
