@@ -29,7 +29,7 @@ spec writes them, in float32 whatever x's dtype: two passes for a variance, a gr
 maximum before an exp; then y; running buffers updated in place) and a backward kernel
 (dx by the closed form, and each program's partial sums of the parameter gradients,
 which derivgen.triton._target.sum_rows_kernel reduces). A group is a matrix of A rows
-and B columns (derivgen.triton.calls.geometry: a row of x; a channel's values over the
+and B columns (derivgen.triton.launch.geometry: a row of x; a channel's values over the
 batch and space; a sample's channel or group of channels, channels first or last); each
 program sweeps its groups in tiles, or holds a group in registers when it fits
 (ONE_PASS), ROWS groups at a time where they share their channels (rows of x). ``forward``, ``backward``, ``backward_backward`` and ``jvp`` take and return
