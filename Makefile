@@ -59,9 +59,10 @@ format: $(STAMP)
 # make test is the quick tier: every test, with each corpus (fuzz seeds run by a backend, the
 # regression specs' second-order proofs) cut to a sample that has every feature of the whole;
 # make test-full runs the corpora whole (the tests marked `full` too)
+# --durations: the slowest tests are listed at the end, to see where the time goes
 TEST_WORKERS ?= 2
 test: $(STAMP) pdflatex lint
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) -m "not full"
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) -m "not full" --durations=25
 
 test-full: $(STAMP) pdflatex lint
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS)
