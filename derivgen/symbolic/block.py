@@ -35,7 +35,7 @@ import sympy
 from sympy import Add, Mul
 from sympy.core.symbol import Str
 
-from derivgen.symbolic.reduce import SELECTIONS, Mean, expand
+from derivgen.symbolic.reduce import SELECTIONS, Mean, SumFacts, expand
 
 # kind -> the axes of the (O, G, Cg, S) view one block spans
 BLOCK_AXES: dict[str, tuple[int, ...]] = {
@@ -76,7 +76,7 @@ def inside(k1: str, k2: str) -> bool:
     return set(BLOCK_AXES[k1]) <= set(BLOCK_AXES[k2])
 
 
-class BlockMean(sympy.Function):
+class BlockMean(SumFacts, sympy.Function):
     """The mean of ``u`` over the element's block of kind ``kind`` (a :class:`Str`)."""
 
     nargs = 2
@@ -110,20 +110,8 @@ class BlockMean(sympy.Function):
         block means before differentiating by one)."""
         return BlockMean(sympy.diff(self.body, s), self.args[1])
 
-    def _eval_is_extended_real(self) -> bool | None:
-        return self.args[0].is_extended_real
-
-    def _eval_is_extended_nonnegative(self) -> bool | None:
-        return True if self.args[0].is_extended_nonnegative else None
-
     def _eval_is_extended_positive(self) -> bool | None:
         return True if self.args[0].is_extended_positive else None
-
-    def _eval_is_extended_nonpositive(self) -> bool | None:
-        return True if self.args[0].is_extended_nonpositive else None
-
-    def _eval_is_finite(self) -> bool | None:
-        return self.args[0].is_finite
 
     def _latex(self, printer: sympy.printing.latex.LatexPrinter) -> str:
         if hasattr(printer, "_print_BlockMean"):

@@ -28,6 +28,26 @@ import sympy
 from sympy import Add, Mul
 
 
+class SumFacts:
+    """What a sum (or mean) of its first argument knows from it, for a SymPy function that
+    sums element values (:class:`~derivgen.symbolic.window.Window`,
+    :class:`~derivgen.symbolic.block.BlockMean`): real and finite where they are, of
+    non-negative values non-negative, of non-positive values non-positive (otherwise
+    unknown). Listed before ``sympy.Function`` among the bases, so these handlers win."""
+
+    def _eval_is_extended_real(self) -> bool | None:
+        return self.args[0].is_extended_real
+
+    def _eval_is_extended_nonnegative(self) -> bool | None:
+        return True if self.args[0].is_extended_nonnegative else None
+
+    def _eval_is_extended_nonpositive(self) -> bool | None:
+        return True if self.args[0].is_extended_nonpositive else None
+
+    def _eval_is_finite(self) -> bool | None:
+        return self.args[0].is_finite
+
+
 class Mean(sympy.Function):
     """Mean over the normalization group (unevaluated; see ReductionAlgebra)."""
 

@@ -19,8 +19,10 @@ from __future__ import annotations
 import sympy
 from sympy import Add, Mul
 
+from derivgen.symbolic.reduce import SumFacts
 
-class Window(sympy.Function):
+
+class Window(SumFacts, sympy.Function):
     """Σ of ``u`` over a window of ``k`` neighbours, forward (``t = 1``) or transposed (``t = -1``)."""
 
     nargs = 3
@@ -50,18 +52,6 @@ class Window(sympy.Function):
     def transpose(self, u: sympy.Expr) -> sympy.Expr:
         """The transposed window of the same size over ``u``."""
         return Window(u, self.size, -self.args[2])
-
-    def _eval_is_extended_real(self) -> bool | None:
-        return self.args[0].is_extended_real
-
-    def _eval_is_extended_nonnegative(self) -> bool | None:
-        return True if self.args[0].is_extended_nonnegative else None
-
-    def _eval_is_extended_nonpositive(self) -> bool | None:
-        return True if self.args[0].is_extended_nonpositive else None
-
-    def _eval_is_finite(self) -> bool | None:
-        return self.args[0].is_finite
 
     def _latex(self, printer: sympy.printing.latex.LatexPrinter) -> str:
         if hasattr(printer, "_print_Window"):  # a printer's own spelling (derivgen.explain)
