@@ -75,6 +75,8 @@ def buffer_update(w: Any, node: Any, target: str) -> bool:
     update (its output 3 or 4) or num_batches_tracked + 1?"""
     if node.op != "call_function":
         return False
+    if w.op_name(node)[1] == "_to_copy" and set(node.kwargs) <= {"dtype", "layout"}:  # back to the buffer's dtype
+        node = node.args[0]
     if w.op_name(node)[1] == "getitem":
         src = node.args[0]
         return (

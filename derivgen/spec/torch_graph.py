@@ -312,6 +312,9 @@ class _Walker:
         if op == "_to_copy" or op == "to":
             if set(kwargs) - {"dtype", "memory_format", "layout", "device"}:
                 raise self.refuse(node, self.display(node), "a copy the importer cannot read")
+            src = self.values.get(getattr(args[0], "name", None))
+            if isinstance(src, _V) and src.tag == ("update",):  # a running statistic cast to its buffer's dtype
+                return src
             dtype = kwargs.get("dtype")
             if dtype is not None:
                 self.st.casts.append(str(dtype).replace("torch.", ""))

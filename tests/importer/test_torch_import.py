@@ -201,6 +201,8 @@ def test_names_options_and_casts():
     assert "LlamaRMSNorm" in text.splitlines()[0]
     gn = from_torch(nn.GroupNorm(3, 6), (2, 6, 4))
     assert (gn.layout, gn.reduce) == ("channels", "group")
+    bn = from_torch(nn.BatchNorm2d(3), (2, 3, 4, 4))  # float32 buffers, a float64 example: cast back
+    assert [b.name for b in bn.buffers] == ["running_mean", "running_var"]
 
 
 def test_a_function_imports():
