@@ -12,8 +12,11 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 
+# setuptools tells every editable install of a package with a package-dir mapping (templates/
+# is installed as derivgen.templates) to beware of same-named folders, as a UserWarning that pip
+# forwards (BuildBackendWarning); it is information, not a fault, so the install leaves it out
 $(STAMP): pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install -q -e '.[test]'
+	PYTHONWARNINGS=ignore::UserWarning $(BIN)/python -m pip install -q -e '.[test]'
 	touch $@
 
 install: $(STAMP)
