@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import jinja2
 
 from derivgen.codegen import targets as registry
-from derivgen.codegen.ir import ModeIR, buffer_reads, build_mode_ir, build_second_ir
+from derivgen.codegen.ir import ModeIR, build_mode_ir, build_second_ir
 from derivgen.codegen.printers import SpecPrinter
 from derivgen.codegen.targets import SHARED_HEADER, Layer, LayerDerivation, Target, template_dir
 from derivgen.spec.model import N as GROUP_SIZE
@@ -72,7 +72,7 @@ def layer_meta(spec: Spec, irs: Mapping[str, ModeIR]) -> dict:
         "min_group_size": {m.name: m.min_group_size for m in spec.modes},
         "stats": {m: list(ir.stats) for m, ir in irs.items()},
         "split": _split_meta(spec, irs),
-        "buffer_reads": buffer_reads(spec),
+        "buffer_reads": list(spec.buffer_reads),
         # block statistics: the C library has no channels-last kernels (NCHW copies are run)
         **({"blocks": True} if any(m.blocks for m in spec.modes) else {}),
         # tensor inputs beside x: (shape, gradient, mask) by name, in order; outputs beside y

@@ -435,11 +435,3 @@ def build_second_ir(second: SecondOrder, kind: str) -> SecondIR:
         tensor_outputs=[t.name for t in spec.grad_tensors] if kind == "bb" else [],
         dcore=dcore,
     )
-
-
-def buffer_reads(spec: Spec) -> list[str]:
-    """The modes whose statistics read the running buffers (batch norm's eval mode; batch
-    renormalization's training mode too): their kernels and operators take the buffers.
-    The one place this is computed (``_META["buffer_reads"]``, the Triton planner)."""
-    buffers = {b.symbol for b in spec.buffers}
-    return [m.name for m in spec.modes if any(st.expr.free_symbols & buffers for st in m.statistics)]

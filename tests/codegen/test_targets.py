@@ -60,12 +60,13 @@ def test_records_are_whole():
 
 
 def test_buffer_reads_once():
-    """Which modes read the running buffers is one function; the contract carries it."""
-    from derivgen.codegen.ir import buffer_reads
+    """Which modes read the running buffers is computed once, by the spec; the contract
+    the generated modules embed carries it."""
+    from derivgen.codegen.emit import emit
 
-    spec = derivgen.load_spec("batchnorm")
-    assert buffer_reads(spec) == ["eval"]
-    assert buffer_reads(derivgen.load_spec("layernorm")) == []
+    assert derivgen.load_spec("batchnorm").buffer_reads == ("eval",)
+    assert emit(derivgen.derive("batchnorm"), ["numpy"]).meta["buffer_reads"] == ["eval"]
+    assert emit(derivgen.derive("layernorm"), ["numpy"]).meta["buffer_reads"] == []
 
 
 # ------------------------------------------------------------------ a toy target

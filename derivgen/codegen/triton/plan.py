@@ -43,7 +43,7 @@ from dataclasses import dataclass, replace
 
 import sympy
 
-from derivgen.codegen.ir import Loop, ModeIR, Select, buffer_reads, needed_temps
+from derivgen.codegen.ir import Loop, ModeIR, Select, needed_temps
 from derivgen.codegen.triton.printer import triton_expr
 from derivgen.spec.model import Spec
 from derivgen.symbolic.naming import code_text, derived
@@ -135,7 +135,7 @@ class TritonPlanner:
         self.params = [p.name for p in spec.params]
         self.scalar = {p.name for p in spec.params if p.scalar}
         self.chan = [p for p in self.params if p not in self.scalar]
-        self.reads = ir.mode in buffer_reads(spec)
+        self.reads = spec.reads_buffers(ir.mode)
         self.windows: dict[tuple, TWindow] = {}  # by (window, the temporaries it reads), in definition order
         # arrays of x's shape read at x's offsets: the tensor inputs beside x, and the cotangents
         # of the outputs beside y
