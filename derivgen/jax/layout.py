@@ -177,18 +177,12 @@ def make_layout(
         else:
             reduce_axes = (1, 3) if per_sample else (0, 1, 3)
             stat = (n, 1, L.G, 1) if per_sample else (1, 1, L.G, 1)
-        return JaxLayout(
-            **_squeezed((n, s, L.G, L.Cg), reduce_axes, (1, 1, L.G, L.Cg), stat, (0, 1), order=(0, 3, 1, 2)),
-            n_local=L.group_size,
-            x_shape=x_shape,
-            param_shape=L.param_shape,
-            group_shape=L.group_shape,
-            dtype=str(jnp.dtype(dtype)),
-            axis_name=axis_name,
-        )
-    L = layout_from_shapes(meta, x_shape, param_shapes, num_groups)
+        views = _squeezed((n, s, L.G, L.Cg), reduce_axes, (1, 1, L.G, L.Cg), stat, (0, 1), order=(0, 3, 1, 2))
+    else:
+        L = layout_from_shapes(meta, x_shape, param_shapes, num_groups)
+        views = _squeezed(L.view4, L.reduce_axes, L.param4, L.stat4, L.param_axes)
     return JaxLayout(
-        **_squeezed(L.view4, L.reduce_axes, L.param4, L.stat4, L.param_axes),
+        **views,
         n_local=L.group_size,
         x_shape=x_shape,
         param_shape=L.param_shape,
