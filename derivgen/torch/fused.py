@@ -39,7 +39,29 @@ def _size(name: str, hidden_size: object) -> int:
     return hidden_size
 
 
-class FusedAddRMSNorm(nn.Module):
+class _Weighted(nn.Module):
+    """What both modules make alike: ``hidden_size`` and ``eps`` checked, and ``weight``, a
+    parameter of ones over the last axis that :meth:`reset_parameters` puts back."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        eps: float,
+        device: torch.device | str | None,
+        dtype: torch.dtype | None,
+    ) -> None:
+        super().__init__()
+        name = type(self).__name__
+        self.hidden_size = _size(name, hidden_size)
+        self.eps = _eps(name, eps)
+        self.weight = nn.Parameter(torch.ones(self.hidden_size, device=device, dtype=dtype))
+
+    def reset_parameters(self) -> None:
+        """weight back to ones."""
+        nn.init.ones_(self.weight)
+
+
+class FusedAddRMSNorm(_Weighted):
     """Residual add + RMSNorm, fused: ``forward(x, residual)`` returns ``(y, h)`` with
     ``h = x + residual`` and ``y = h / sqrt(mean(h**2) + eps) * weight`` over the last
     axis (vLLM's ``fused_add_rms_norm``, Liger-Kernel's ``LigerFusedAddRMSNorm`` with
@@ -60,21 +82,13 @@ class FusedAddRMSNorm(nn.Module):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
-        super().__init__()
-        name = type(self).__name__
-        self.hidden_size = _size(name, hidden_size)
-        self.eps = _eps(name, eps)
-        self.weight = nn.Parameter(torch.ones(self.hidden_size, device=device, dtype=dtype))
+        super().__init__(hidden_size, eps, device, dtype)
         self._dg = {"add": layer("add_rmsnorm"), "plain": layer("rmsnorm")}
 
     @property
     def variance_epsilon(self) -> float:
         """eps, by vLLM's name."""
         return self.eps
-
-    def reset_parameters(self) -> None:
-        """weight back to ones."""
-        nn.init.ones_(self.weight)
 
     def extra_repr(self) -> str:
         """hidden_size and eps, for ``repr``."""
@@ -91,7 +105,7 @@ class FusedAddRMSNorm(nn.Module):
         return self._dg["add"].call("train", [x, residual, w], opts, 0, stats=False)[0]
 
 
-class RMSNormGated(nn.Module):
+class RMSNormGated(_Weighted):
     """Mamba-2's gated RMSNorm (``mamba_ssm.ops.triton.layernorm_gated.RMSNorm``):
     ``RMSNormGated(hidden_size, eps=1e-5, group_size=None, norm_before_gate=True)``,
     ``forward(x, z=None)`` over the last axis of x.
@@ -121,10 +135,8 @@ class RMSNormGated(nn.Module):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
-        super().__init__()
+        super().__init__(hidden_size, eps, device, dtype)
         name = type(self).__name__
-        self.hidden_size = _size(name, hidden_size)
-        self.eps = _eps(name, eps)
         if group_size is not None:
             if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size <= 0:
                 raise TypeError(f"{name}: group_size must be a positive int or None, got {group_size!r}")
@@ -132,17 +144,12 @@ class RMSNormGated(nn.Module):
                 raise ValueError(f"{name}: hidden_size ({hidden_size}) must be divisible by group_size ({group_size})")
         self.group_size = group_size
         self.norm_before_gate = bool(norm_before_gate)
-        self.weight = nn.Parameter(torch.ones(self.hidden_size, device=device, dtype=dtype))
         self.register_parameter("bias", None)
         self._dg = {
             "plain": layer("rmsnorm"),
             "after": layer("rmsnorm_gated"),
             "before": layer("rmsnorm_gated_before"),
         }
-
-    def reset_parameters(self) -> None:
-        """weight back to ones."""
-        nn.init.ones_(self.weight)
 
     def extra_repr(self) -> str:
         """hidden_size, eps, group_size and norm_before_gate, for ``repr``."""
