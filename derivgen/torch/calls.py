@@ -80,6 +80,14 @@ def _store(out: torch.Tensor | None, v: torch.Tensor, what: str) -> torch.Tensor
     return out.copy_(v)
 
 
+def _store_all(got: tuple, out: Any, fields: tuple[str, ...]) -> tuple:
+    """``got`` written into ``out`` (a sequence, or a dict by field name) where given."""
+    if out is None:
+        return got
+    given = out if not isinstance(out, dict) else [out.get(f) for f in fields]
+    return tuple(_store(o, v, f) for o, v, f in zip(given, got, fields))
+
+
 def forward(
     meta: MetaLike,
     functions: dict[str, Callable],
@@ -284,10 +292,7 @@ def backward(
     a = _call_args(cache)
     diff = differentiable(meta)
     got = _backward_of(meta, functions, cache, cots)(dy, *(a[n] for n in diff))
-    if out is not None:
-        outs = out if not isinstance(out, dict) else [out.get(f) for f in grads_type._fields]
-        got = tuple(_store(o, g, f) for o, g, f in zip(outs, got, grads_type._fields))
-    return grads_type(*got)
+    return grads_type(*_store_all(got, out, grads_type._fields))
 
 
 def backward_backward(
@@ -326,10 +331,7 @@ def backward_backward(
     g = vjp(tuple(cot))
     k = 1 + len(outs)
     got = (g[k], *g[:k], *g[k + 1 :])
-    if out is not None:
-        given = out if not isinstance(out, dict) else [out.get(fl) for fl in second_type._fields]
-        got = tuple(_store(o, v, fl) for o, v, fl in zip(given, got, second_type._fields))
-    return second_type(*got)
+    return second_type(*_store_all(got, out, second_type._fields))
 
 
 def jvp(
