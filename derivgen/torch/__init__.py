@@ -2,6 +2,7 @@
 
     import derivgen.torch as dt
     model = dt.convert(model)                 # torch.nn norms -> derivgen twins, same state
+    model = dt.convert(model, import_unknown=True, example_inputs=(x,))  # + leaves that import
     norm = dt.LayerNorm(1024)                 # the torch.nn.LayerNorm constructor
     mine = dt.Module("my_norm.toml", 256)     # any spec, as a module
     dt.build("layernorm", "my_norm.toml")     # compile ahead what first use compiles
@@ -33,6 +34,7 @@ from derivgen.torch.nn import (
     BatchNorm1d,
     BatchNorm2d,
     BatchNorm3d,
+    ConvertReport,
     GroupNorm,
     InstanceNorm1d,
     InstanceNorm2d,
@@ -51,6 +53,7 @@ __all__ = [
     "BatchNorm1d",
     "BatchNorm2d",
     "BatchNorm3d",
+    "ConvertReport",
     "FusedAddRMSNorm",
     "GroupNorm",
     "InstanceNorm1d",

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from derivgen.torch import sync
+from derivgen.torch.imported import ConvertReport, convert_imported
 from derivgen.torch.module import Module, OnlineLayerNorm, function
 from derivgen.torch.ops import layer
 from derivgen.torch.tensors import wide
@@ -30,6 +31,7 @@ __all__ = [
     "BatchNorm1d",
     "BatchNorm2d",
     "BatchNorm3d",
+    "ConvertReport",
     "GroupNorm",
     "InstanceNorm1d",
     "InstanceNorm2d",
@@ -360,21 +362,49 @@ def _twin_of(m: nn.Module) -> nn.Module | None:
     return new
 
 
-def convert(model: nn.Module) -> nn.Module:
+def convert(
+    model: nn.Module,
+    import_unknown: bool = False,
+    *,
+    example_inputs: tuple | list | None = None,
+    example_kwargs: dict | None = None,
+    report: ConvertReport | None = None,
+) -> nn.Module:
     """Replace every torch.nn LayerNorm, RMSNorm, BatchNorm1d/2d/3d, InstanceNorm1d/2d/3d
     and GroupNorm in ``model`` (in place; the root too) by its derivgen twin, sharing
     the same parameter and buffer tensors (an optimizer built before keeps working).
     Subclasses of those (torch's SyncBatchNorm, user classes) are left alone.
-    Returns the model (the twin when ``model`` itself is a norm)."""
+    Returns the model (the twin when ``model`` itself is a norm).
+
+    ``import_unknown=True`` (with ``example_inputs``, the model's positional inputs for one
+    forward, and ``example_kwargs``): every other leaf submodule called with one
+    floating-point tensor whose forward :func:`derivgen.from_torch` imports as a one-tensor
+    spec is replaced too, by a :class:`Module` over that spec holding the submodule's own
+    parameter and buffer tensors under their own names (the same ``state_dict`` keys); the
+    rest are left. ``report``, a :class:`ConvertReport`, is filled with what was replaced
+    (path: layer) and what was left (path: the reason, in one line)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"convert: model must be a torch.nn.Module, got {type(model).__name__}")
+    report = ConvertReport() if report is None else report
+    if import_unknown:
+        if example_inputs is None:
+            raise TypeError("convert: import_unknown=True needs example_inputs, the model's inputs for one forward")
+        return convert_imported(model, example_inputs, example_kwargs, report, _twin_of)
+    return _convert_known(model, report, "")
+
+
+def _convert_known(model: nn.Module, report: ConvertReport, path: str) -> nn.Module:
+    """convert without imports: the torch.nn norms replaced by their twins."""
     root = _twin_of(model)
     if root is not None:
+        report.replaced[path] = ", ".join(root._DG_LAYERS)
         return root
     for name, child in list(model.named_children()):
         twin = _twin_of(child)
+        sub = f"{path}.{name}" if path else name
         if twin is not None:
             setattr(model, name, twin)
+            report.replaced[sub] = ", ".join(twin._DG_LAYERS)
         else:
-            convert(child)
+            _convert_known(child, report, sub)
     return model
