@@ -138,7 +138,7 @@ class _CSplit:
         lead = self._leading(L, params, opts, ins)
         nth = (threads(self.kernel),)
         stats = torch.zeros((self.nstat, L.n_groups), dtype=torch.float64)
-        for level, nsums in enumerate(self.split["levels"]):
+        for level, nsums in enumerate(self.split.levels):
             sums = torch.zeros((nsums, L.n_groups), dtype=torch.float64)
             if nsums:
                 if (
@@ -190,8 +190,8 @@ class _CSplit:
         """dx and this part's parameter gradients, one all_reduce of the backward's sums."""
         lead = self._leading(L, params, opts, ins)
         nth = (threads(self.kernel),)
-        sums = torch.zeros((self.split["backward"], L.n_groups), dtype=torch.float64)
-        if self.split["backward"]:
+        sums = torch.zeros((self.split.backward, L.n_groups), dtype=torch.float64)
+        if self.split.backward:
             if (
                 L.O
                 and self._call(
