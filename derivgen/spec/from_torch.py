@@ -65,13 +65,13 @@ def _torch() -> Any:
 
 
 # -- the entry points -----------------------------------------------------------------------------
-def _export(torch: Any, module: Any, x: Any, fn_name: str) -> Any:
+def _export(torch: Any, module: Any, xs: tuple, fn_name: str) -> Any:
     try:
         import warnings
 
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            ep = torch.export.export(module, (x,), strict=False)
+            ep = torch.export.export(module, xs, strict=False)
             return ep.run_decompositions()
     except TorchImportError:
         raise
@@ -95,32 +95,31 @@ def _export(torch: Any, module: Any, x: Any, fn_name: str) -> Any:
 def from_torch_toml(
     module_or_function: Any, example_input: Any, *, name: str | None = None, _timing: dict | None = None
 ) -> str:
-    """The spec of ``module_or_function`` (a ``torch.nn.Module`` or a function of one tensor) as
+    """The spec of ``module_or_function`` (a ``torch.nn.Module`` or a function of tensors) as
     TOML text, traced on ``example_input`` (a tensor, or a shape: a float64 tensor of that
-    shape); see :func:`from_torch`."""
+    shape; a tuple of them for a forward of several tensors: x first); see :func:`from_torch`."""
     torch = _torch()
 
     start = time.perf_counter()
-    if isinstance(example_input, (tuple, list)) and all(isinstance(d, int) for d in example_input):
-        example_input = torch.randn(*example_input, dtype=torch.float64)
-    if not isinstance(example_input, torch.Tensor):
-        raise TorchImportError("from_torch: example_input must be a tensor or a shape (a tuple of ints)")
+    inputs = _example_inputs(torch, example_input)
     if isinstance(module_or_function, torch.nn.Module):
         module = module_or_function
         fn_name = type(module).__name__
         origin_obj: Any = type(module)
+        names = _argument_names(module.forward, len(inputs))
     elif callable(module_or_function):
         fn = module_or_function
 
         class _Function(torch.nn.Module):
-            def forward(self, x):
-                return fn(x)
+            def forward(self, *xs):
+                return fn(*xs)
 
         module = _Function()
         fn_name = getattr(fn, "__name__", "function")
         origin_obj = fn
+        names = _argument_names(fn, len(inputs))
     else:
-        raise TorchImportError("from_torch: expected a torch.nn.Module or a function of one tensor")
+        raise TorchImportError("from_torch: expected a torch.nn.Module or a function of tensors")
     for sub in module.modules():  # what export reports as data-dependent control flow, said plainly
         bn = isinstance(sub, torch.nn.modules.batchnorm._BatchNorm)
         if bn and sub.training and sub.momentum is None and sub.track_running_stats:
@@ -128,12 +127,14 @@ def from_torch_toml(
                 f"{fn_name}: {type(sub).__name__} with momentum=None: the cumulative average of the "
                 "running statistics (1/num_batches_tracked) has no spec construct; give a momentum"
             )
-    ep = _export(torch, module, example_input, fn_name)
-    st = _State(ndim=example_input.dim(), shape=tuple(example_input.shape))
+    ep = _export(torch, module, inputs, fn_name)
+    x = inputs[0]
+    st = _State(ndim=x.dim(), shape=tuple(x.shape))
     for attr, value in vars(module).items():
         if isinstance(value, float) and not attr.startswith("_") and value not in st.float_attrs:
             st.float_attrs[value] = attr
     walker = _Walker(torch, ep, module, st, fn_name)
+    walker.input_names = names
     code = getattr(origin_obj, "__code__", None)
     walker.def_line = code.co_firstlineno if code is not None else None
     output = walker.run()
@@ -149,6 +150,43 @@ def from_torch_toml(
     if _timing is not None:
         _timing["seconds"] = time.perf_counter() - start
     return text
+
+
+def _example_inputs(torch: Any, example_input: Any) -> tuple:
+    """The example tensors: one tensor or shape, or a tuple (list) of them (x first)."""
+
+    def one(e: Any) -> Any:
+        if isinstance(e, (tuple, list)) and e and all(isinstance(d, int) and not isinstance(d, bool) for d in e):
+            return torch.randn(*e, dtype=torch.float64)
+        if isinstance(e, torch.Tensor):
+            return e
+        raise TorchImportError(
+            "from_torch: example_input must be a tensor or a shape (a tuple of ints), or a tuple of them "
+            f"for a forward of several tensors; got {type(e).__name__}"
+        )
+
+    several = (
+        isinstance(example_input, (tuple, list))
+        and example_input
+        and not all(isinstance(d, int) for d in example_input)
+    )
+    return tuple(one(e) for e in example_input) if several else (one(example_input),)
+
+
+def _argument_names(fn: Any, count: int) -> list[str]:
+    """The names of the forward's first ``count`` positional parameters (``x``, then the names
+    the tensors beside it keep); ``t1, t2, ...`` where the signature does not say."""
+    import inspect
+
+    try:
+        params = [
+            p.name
+            for p in inspect.signature(fn).parameters.values()
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        ]
+    except (TypeError, ValueError):
+        params = []
+    return [params[i] if i < len(params) else f"t{i}" for i in range(count)]
 
 
 def from_torch(module_or_function: Any, example_input: Any, *, name: str | None = None) -> Spec:

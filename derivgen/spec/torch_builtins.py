@@ -33,16 +33,16 @@ def named_stat(w: Any, text: str, prec: int, preferred: str) -> _V:
     return _V(name, _ATOM, _GROUP, name=name)
 
 
-def _moments(w: Any, node: Any, eps: float) -> tuple[_V, _V, _V]:
-    mean = named_stat(w, "mean(x)", _ATOM, "mean")
-    var = named_stat(w, f"mean((x - {mean.text})**2)", _ATOM, "var")
+def _moments(w: Any, node: Any, eps: float, x: str = "x") -> tuple[_V, _V, _V]:
+    mean = named_stat(w, f"mean({x})", _ATOM, "mean")
+    var = named_stat(w, f"mean(({x} - {mean.text})**2)", _ATOM, "var")
     rstd = named_stat(w, f"1/sqrt({var.text} + {w.option(float(eps), True).text})", _MUL, "rstd")
     return mean, var, rstd
 
 
-def _affine(w: Any, node: Any, mean: _V, rstd: _V, weight: Any, bias: Any) -> _V:
-    name = w.fresh("xhat")
-    w.st.normalized = (name, f"(x - {mean.text})*{rstd.text}")
+def _affine(w: Any, node: Any, mean: _V, rstd: _V, weight: Any, bias: Any, x: str = "x") -> _V:
+    name = w.fresh(f"{x}hat")
+    w.st.normalized = (name, f"({x} - {mean.text})*{rstd.text}")
     y = _V(name, _ATOM, _ELEM, name=name)
     if weight is not None:
         y = _V(f"{w.param_arg(node, weight).text}*{y.text}", _MUL, _ELEM)
@@ -54,7 +54,8 @@ def _affine(w: Any, node: Any, mean: _V, rstd: _V, weight: Any, bias: Any) -> _V
 def layer_or_group_norm(w: Any, node: Any, op: str) -> tuple:
     args = node.args
     x = w.val(node, args[0])
-    if x.text != "x":
+    core = w.st.value[0] if w.st.value else None  # the value a residual add made (flash-attn's prenorm)
+    if x.text not in ("x", core):
         raise w.refuse(node, w.display(node), "a layer or group norm of something other than x")
     if op == "native_layer_norm":
         shape, weight, bias, eps = args[1], args[2], args[3], args[4]
@@ -66,8 +67,8 @@ def layer_or_group_norm(w: Any, node: Any, op: str) -> tuple:
             raise w.refuse(node, w.display(node), "a group norm beside other reductions")
         w.st.layout = _Layout("channels", "group", 1, (-1,))
         w.st.notes.append(f"num_groups = {groups}: the generated forward takes it as its num_groups= argument")
-    mean, _var, rstd = _moments(w, node, eps)
-    return (_affine(w, node, mean, rstd, weight, bias), mean, rstd)
+    mean, _var, rstd = _moments(w, node, eps, x.text)
+    return (_affine(w, node, mean, rstd, weight, bias, x.text), mean, rstd)
 
 
 def buffer_update(w: Any, node: Any, target: str) -> bool:

@@ -43,6 +43,10 @@ _OWN_FILES = frozenset(
 )
 
 
+def _squeezed(shape: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(d for d in shape if d != 1)
+
+
 class _Walker:
     def __init__(self, torch: Any, ep: Any, module: Any, state: _State, fn_name: str) -> None:
         self.torch = torch
@@ -55,6 +59,9 @@ class _Walker:
         self.feeds_reduction: set[str] = set()
         self.line_last: dict[tuple[str, int], str] = {}  # (file, line) -> the last node it produced
         self.counters: set[str] = set()  # the nodes adding 1 to a batch norm's num_batches_tracked
+        self.input_names: list[str] | None = None  # the forward's names of its tensor arguments
+        self.tensor_of: dict[str, str] = {}  # placeholder -> the tensor input's spec name
+        self.core: Any = None  # the node computing the value the statistics read, beside x
 
     # -- errors and source lines -------------------------------------------------------------
     def where(self, node: Any) -> tuple[str, int | None, str]:
@@ -141,10 +148,8 @@ class _Walker:
                     raise self.refuse(
                         arg, f"an in-place update of {what}", "a spec's forward changes none of its inputs"
                     )
-        if len(user_inputs) != 1:
-            raise TorchImportError(
-                f"{self.fn_name}: takes {len(user_inputs)} tensor inputs; the importer reads layers of one input x"
-            )
+        self.name_tensors(user_inputs, nodes)
+        self.core = self.core_value(nodes, user_inputs)
         for node in nodes:
             if node.op == "placeholder":
                 self.values[node.name] = self.placeholder(node, inputs_to_params, inputs_to_buffers, user_inputs)
@@ -154,20 +159,114 @@ class _Walker:
                 v = self.call(node)
                 if isinstance(v, _V) and v.src is None:
                     v.src = node
+                if node is self.core:
+                    v = self.core_named(node, v)
                 self.values[node.name] = v
             elif node.op == "output":
-                outs = [a for a in node.args[0] if getattr(a, "name", None) not in mutated]
-                if len(outs) != 1:
-                    raise TorchImportError(
-                        f"{self.fn_name}: returns {len(outs)} tensors; the importer reads layers of one output y"
-                    )
-                v = self.values[outs[0].name]
-                if isinstance(v, tuple) or v.level != _ELEM:
-                    raise self.refuse(outs[0], "the output", "y must be an element value of x")
-                return self.normalize(v).text
+                return self.outputs(node, mutated)
             else:
                 raise self.refuse(node, f"graph node {node.op}", "not an operation the importer reads")
         raise TorchImportError(f"{self.fn_name}: the traced graph has no output")
+
+    # -- tensor inputs beside x, the core value, several outputs ----------------------------------
+    def name_tensors(self, user_inputs: list, nodes: list) -> None:
+        """The tensor inputs after x, named as the forward names its arguments; a bool tensor
+        is a mask (0/1, no gradient)."""
+        names = self.input_names or [f"t{i}" for i in range(len(user_inputs))]
+        placeholders = {n.name: n for n in nodes if n.op == "placeholder"}
+        for i, pname in enumerate(user_inputs[1:], start=1):
+            name = names[i].lower() if i < len(names) else f"t{i}"
+            if not self.ok(name):
+                raise TorchImportError(
+                    f"{self.fn_name}: tensor argument {names[i]!r}: {reserved_reason(name) or 'name taken'}; rename it"
+                )
+            self.st.taken.add(name)
+            val = placeholders[pname].meta.get("val")
+            shape = tuple(val.shape) if val is not None else self.st.shape
+            dtype = getattr(val, "dtype", None)
+            entry: dict = {}
+            if dtype is not None and dtype == self.torch.bool:
+                entry["mask"] = True
+            elif dtype is not None and not dtype.is_floating_point:
+                raise TorchImportError(
+                    f"{self.fn_name}: tensor argument {names[i]!r} is {str(dtype).replace('torch.', '')}; "
+                    "a tensor beside x is floating point, or bool for a mask"
+                )
+            self.st.tensors[name] = entry
+            self.st.tensor_shapes[name] = shape
+            self.tensor_of[pname] = name
+
+    def core_value(self, nodes: list, user_inputs: list) -> Any:
+        """Where the statistics read a tensor input that has a gradient, the node computing the
+        value they read (``h = x + residual``): the first element node every path from x and
+        those tensors to the reductions and outputs passes through. None where they read x and
+        constants only."""
+        grads = {p for p in user_inputs[1:] if not self.st.tensors[self.tensor_of[p]].get("mask")}
+        read = {p for p in grads if p in self.feeds_reduction}
+        if not read:
+            return None
+        sources = {user_inputs[0], *grads}
+        sinks = [
+            n for n in nodes if n.op == "output" or (n.op == "call_function" and self.op_name(n)[1] in _REDUCTIONS)
+        ]
+
+        def cut_by(cand: Any) -> bool:  # no path from a source to a sink avoids cand
+            seen, todo = set(), [n for n in nodes if n.name in sources]
+            while todo:
+                n = todo.pop()
+                if n is cand or n.name in seen:
+                    continue
+                seen.add(n.name)
+                if n in sinks and n.op == "output":
+                    return False
+                if n.op == "call_function" and self.op_name(n)[1] in _REDUCTIONS:
+                    return False
+                todo.extend(n.users)
+            return True
+
+        for cand in nodes:
+            if cand.op != "call_function" or self.op_name(cand)[1] in _REDUCTIONS:
+                continue
+            if cut_by(cand):
+                return cand
+        first = next(n for n in nodes if n.name in read)
+        name = self.tensor_of[first.name]
+        raise TorchImportError(
+            f"{self.fn_name}: the statistics read the tensor {name} and x, which are also read apart; "
+            "a spec's statistics read x and its tensors through one value (h = x + residual)"
+        )
+
+    def core_named(self, node: Any, v: _V) -> _V:
+        """The core value as ``[values]``: named after the source's variable (unless that is one
+        of the forward's arguments), else ``h``."""
+        if v.level != _ELEM:
+            raise self.refuse(node, self.display(node), "the value the statistics read is not an element value")
+        preferred = self.source_name(node)
+        if preferred in {n.lower() for n in (self.input_names or [])}:
+            preferred = None
+        name = self.fresh(preferred or "h", "h")
+        self.st.value = (name, v.text)
+        return _V(name, _ATOM, _ELEM, affine=True, name=name, src=node)
+
+    def outputs(self, node: Any, mutated: dict) -> str:
+        """y (the first tensor returned) as text; the tensors returned after it as outputs
+        beside y, named after the value they are or ``out1, out2, ...``."""
+        outs = [a for a in node.args[0] if getattr(a, "name", None) not in mutated]
+        if not outs:
+            raise TorchImportError(f"{self.fn_name}: returns no tensor")
+        texts = []
+        for i, a in enumerate(outs):
+            v = self.values.get(getattr(a, "name", None))
+            if not isinstance(v, _V) or v.level != _ELEM:
+                what = "the output" if i == 0 else f"output {i + 1}"
+                raise self.refuse(a, what, "y and the outputs beside it must be element values of x")
+            v = self.normalize(v)
+            texts.append(v)
+        for v in texts[1:]:
+            value = self.st.value
+            name = value[0] if value and v.text == value[0] else self.fresh(f"out{len(self.st.outputs) + 1}", "out")
+            self.st.outputs.append((name, v.text))
+        return texts[0].text
 
     def mark_reductions(self, nodes: list) -> None:
         """Every node some reduction reads, directly or through others."""
@@ -181,6 +280,9 @@ class _Walker:
 
     def placeholder(self, node: Any, to_params: dict, to_buffers: dict, user_inputs: list) -> _V:
         torch = self.torch
+        if node.name in self.tensor_of:
+            name = self.tensor_of[node.name]
+            return _V(name, _ATOM, _ELEM, name=name, tensor=name)
         if node.name in user_inputs:
             return _V("x", _ATOM, _ELEM, affine=True)
         if node.name in to_params:
@@ -261,9 +363,13 @@ class _Walker:
         return _V(v.name, _ATOM, _CONST, name=v.name)
 
     def stat(self, v: _V, node: Any, preferred: str | None) -> _V:
-        """A group value an element value reads, named as a statistic."""
+        """A group value an element value reads, named as a statistic (once: a group value
+        read twice, or computed twice alike, is one statistic)."""
         if v.level != _GROUP or v.name is not None:
             return v
+        same = next((n for n, text in self.st.statistics if text == v.text), None)
+        if same is not None:
+            return _V(same, _ATOM, _GROUP, name=same)
         name = self.fresh(self.source_name(v.src if v.src is not None else node) or preferred)
         self.st.statistics.append((name, v.text))
         return _V(name, _ATOM, _GROUP, name=name)
@@ -288,9 +394,15 @@ class _Walker:
     def reduced(self, node: Any, dims: Any, keepdim: bool) -> None:
         """Check a reduction's dims against (or fix) the layout."""
         nd = self.st.ndim
+        arg = node.args[0] if node.args else None
+        seen = tuple(arg.meta["val"].shape) if hasattr(arg, "meta") and "val" in arg.meta else self.st.shape
         if dims is None or (isinstance(dims, (list, tuple)) and len(dims) == 0):
-            dims = tuple(range(nd))
-        dims = tuple(sorted({d % nd for d in dims}))
+            dims = tuple(range(len(seen)))
+        dims = tuple(sorted({d % len(seen) for d in dims}))
+        plain = _squeezed(self.st.shape) == self.st.shape
+        if len(seen) != nd and plain and _squeezed(seen) == self.st.shape:  # x seen with size-1 axes inserted
+            axes = [i for i, d in enumerate(seen) if d != 1]
+            dims = tuple(sorted(axes.index(d) for d in dims if seen[d] != 1))
         if self.st.layout.dims is None:
             self.st.layout.dims = dims
         elif self.st.layout.dims != dims:
@@ -316,9 +428,10 @@ class _Walker:
             if isinstance(src, _V) and src.tag == ("update",):  # a running statistic cast to its buffer's dtype
                 return src
             dtype = kwargs.get("dtype")
-            if dtype is not None:
+            v = self.val(node, args[0])
+            if dtype is not None and not (v.tensor is not None and self.st.tensors[v.tensor].get("mask")):
                 self.st.casts.append(str(dtype).replace("torch.", ""))
-            return self.val(node, args[0])
+            return v
         if op in _VIEWS:
             return self.view(node, op)
         if op == "repeat":
@@ -360,15 +473,27 @@ class _Walker:
                 raise self.tagged(node, v)
             return v
         shape, st = tuple(node.meta["val"].shape), self.st
+        if v.tensor is not None:  # a tensor beside x broadcast (DiT's scale.unsqueeze(1)): the layout places it
+            return v
         if shape == st.shape:
             if v.tag is not None and v.tag[0] not in ("instance", "channel_pooled"):
                 raise self.tagged(node, v)
-            return _V(v.text, v.prec, v.level, v.affine, v.scaled, v.name, v.src)
+            return _V(v.text, v.prec, v.level, v.affine, v.scaled, v.name, v.src, tensor=v.tensor)
         if v.tag == ("channel_pooled",):
             return v
         reshaped = builtins.instance_view(self, node, v, shape) or builtins.lrn_view(self, node, v, shape)
         if reshaped is not None:
             return reshaped
+        if _squeezed(shape) == st.shape and v.tag is None:  # size-1 axes inserted (one group: view(..., 1, D))
+            return _V(v.text, v.prec, v.level, v.affine, v.scaled, v.name, v.src, tensor=v.tensor)
+        last = st.shape[-1]
+        if len(shape) == len(st.shape) + 1 and shape[:-2] == st.shape[:-1] and shape[-2] * shape[-1] == last:
+            raise self.refuse(
+                node,
+                f"torch.{op}",
+                f"splits the last axis into {shape[-2]} groups of {shape[-1]}: statistics over groups of "
+                "features within a row have no spec construct (one group of all the features imports)",
+            )
         raise self.refuse(node, f"torch.{op}", "reshapes x; a spec's layout is fixed by x's shape")
 
     def reduction(self, node: Any, op: str) -> Any:
@@ -456,8 +581,9 @@ class _Walker:
         if not v.scaled or v.name is not None or v.level != _ELEM:
             return v
         if self.st.normalized is not None:
-            return v
-        name = self.fresh("xhat")
+            name, text = self.st.normalized
+            return _V(name, _ATOM, _ELEM, name=name) if text == v.text else v
+        name = self.fresh(f"{self.st.value[0]}hat" if self.st.value else "xhat")
         self.st.normalized = (name, v.text)
         return _V(name, _ATOM, _ELEM, name=name)
 

@@ -97,6 +97,7 @@ class _V:
     name: str | None = None  # a declared name (statistic, parameter, option, the normalized coordinate)
     src: Any = None  # the graph node that computed it
     tag: tuple | None = None  # a value only a known construct reads: a buffer, a repeated parameter, a view of x
+    tensor: str | None = None  # a tensor input beside x, as it was passed (views of it broadcast it)
 
 
 @dataclass
@@ -125,6 +126,10 @@ class _State:
     eval_statistics: list[tuple[str, str]] = field(default_factory=list)  # [modes.eval.statistics]
     min_group_size: int | None = None  # [modes.train]
     counter: int = 0
+    tensors: dict[str, dict] = field(default_factory=dict)  # tensor inputs beside x: name -> toml entry
+    tensor_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    value: tuple[str, str] | None = None  # the core value the statistics read: (name, expression)
+    outputs: list[tuple[str, str]] = field(default_factory=list)  # outputs beside y: (name, expression)
 
 
 def _wrap(v: _V, prec: int, strict: bool = False) -> str:

@@ -13,6 +13,31 @@ from derivgen.spec.torch_ops import TorchImportError, _State
 
 # -- layout ---------------------------------------------------------------------------------------
 def _infer_layout(st: _State, fn_name: str) -> None:
+    _infer_axes(st, fn_name)
+    _tensor_shapes(st, fn_name)
+
+
+def _tensor_shapes(st: _State, fn_name: str) -> None:
+    """Each tensor beside x: x's shape, or one value per sample (and feature or channel), or
+    per sample and position (channels), as the runtime takes them."""
+    lay, xs = st.layout, st.shape
+    if lay.kind == "trailing":
+        k = lay.axes
+        kinds = {xs: None, (xs[0], *xs[len(xs) - k :]): "sample"} if len(xs) > k + 1 else {xs: None}
+    else:
+        kinds = {xs: None, xs[:2]: "sample", (xs[0], 1, *xs[2:]): "position"}
+    for name, shape in st.tensor_shapes.items():
+        if shape not in kinds:
+            said = ", ".join(str(s) for s in kinds)
+            raise TorchImportError(
+                f"{fn_name}: tensor {name} of shape {shape} for x of shape {xs}: a tensor beside x has one of "
+                f"the shapes {said}"
+            )
+        if kinds[shape] is not None:
+            st.tensors[name] = {"shape": kinds[shape], **st.tensors[name]}
+
+
+def _infer_axes(st: _State, fn_name: str) -> None:
     lay = st.layout
     nd, shape = st.ndim, st.shape
     channel_params = {n: s for n, s in st.param_shapes.items() if st.params[n].get("shape") != "scalar"}
@@ -76,6 +101,8 @@ def _toml_value(v: Any) -> str:
 
 
 def _table(entry: dict) -> str:
+    if not entry:
+        return "{}"
     return "{ " + ", ".join(f"{k} = {_toml_value(v)}" for k, v in entry.items()) + " }"
 
 
@@ -104,6 +131,10 @@ def _render(st: _State, name: str, origin: str, output: str) -> str:
         lines += ["", "[params]"] + [f"{n} = {_table(e)}" for n, e in st.params.items()]
     if st.options:
         lines += ["", "[options]"] + [f"{n} = {_table(e)}" for n, e in st.options.items()]
+    if st.tensors:
+        lines += ["", "[tensors]"] + [f"{n} = {_table(e)}" for n, e in st.tensors.items()]
+    if st.value:
+        lines += ["", "[values]", f"{st.value[0]} = {_toml_value(st.value[1])}"]
     if st.statistics:
         lines += ["", "[statistics]"] + [f"{n} = {_toml_value(e)}" for n, e in st.statistics]
     if st.buffers:
@@ -114,7 +145,8 @@ def _render(st: _State, name: str, origin: str, output: str) -> str:
         lines += ["", "[modes.eval.statistics]"] + [f"{n} = {_toml_value(e)}" for n, e in st.eval_statistics]
     if st.normalized:
         lines += ["", "[normalized]", f'name = "{st.normalized[0]}"', f"expr = {_toml_value(st.normalized[1])}"]
-    lines += ["", "[output]", f"y = {_toml_value(output)}", ""]
+    lines += ["", "[output]", f"y = {_toml_value(output)}"]
+    lines += [f"{n} = {_toml_value(e)}" for n, e in st.outputs] + [""]
     return "\n".join(lines)
 
 

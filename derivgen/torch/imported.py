@@ -1,5 +1,6 @@
 """``convert(model, import_unknown=True, example_inputs=...)``: every leaf submodule whose
-forward :func:`derivgen.from_torch` imports as a spec replaced by a :class:`Module` over that
+forward :func:`derivgen.from_torch` imports as a spec (of x alone, or of x and the tensors
+beside it, returning y or y and the outputs beside it) replaced by a :class:`Module` over that
 spec, holding the module's own parameter and buffer tensors under their own names; and the
 :class:`ConvertReport` of what was replaced and what was left, and why."""
 
@@ -41,13 +42,28 @@ class ConvertReport:
 
 @dataclass
 class _Call:
-    """A leaf's first call in the example forward: its input's shape, dtype and device, or
-    why it cannot be imported from that call alone."""
+    """A leaf's first call in the example forward: its inputs' shapes and dtypes (x first, then
+    the tensors beside it) and device, or why it cannot be imported from that call alone."""
 
-    shape: tuple[int, ...] = ()
-    dtype: torch.dtype = torch.float64
+    shapes: tuple[tuple[int, ...], ...] = ()
+    dtypes: tuple[torch.dtype, ...] = ()
     device: torch.device | None = None
     refused: str | None = None
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.shapes[0]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.dtypes[0]
+
+    def example(self) -> tuple[torch.Tensor, ...]:
+        """Random inputs like the recorded ones (a bool input: a mask of mostly ones)."""
+        return tuple(
+            torch.rand(s, device=self.device) < 0.8 if d == torch.bool else torch.randn(s, dtype=d, device=self.device)
+            for s, d in zip(self.shapes, self.dtypes)
+        )
 
 
 def _leaves(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -63,16 +79,21 @@ def _record_calls(model: nn.Module, example_inputs: Sequence, example_kwargs: di
         if id(mod) in calls:
             return
         x = args[0] if args else None
-        if len(args) != 1 or kwargs:
+        others = [
+            a
+            for a in args[1:]
+            if not isinstance(a, torch.Tensor) or not (a.is_floating_point() or a.dtype == torch.bool)
+        ]
+        if not args or kwargs or others:
             why = f"called with {len(args)} positional argument(s)" + (
                 f" and keywords {sorted(kwargs)}" if kwargs else ""
             )
-            calls[id(mod)] = _Call(refused=why + ": only a module of one tensor is imported")
+            calls[id(mod)] = _Call(refused=why + ": modules of positional tensors only are imported")
         elif not isinstance(x, torch.Tensor) or not x.is_floating_point():
             what = f"a {x.dtype} tensor" if isinstance(x, torch.Tensor) else type(x).__name__
             calls[id(mod)] = _Call(refused=f"its input is {what}, not a floating-point tensor")
         else:
-            calls[id(mod)] = _Call(tuple(x.shape), x.dtype, x.device)
+            calls[id(mod)] = _Call(tuple(tuple(a.shape) for a in args), tuple(a.dtype for a in args), x.device)
 
     handles = [m.register_forward_pre_hook(hook, with_kwargs=True) for _, m in _leaves(model)]
     saved = {k: b.detach().clone() for k, b in model.named_buffers()}
@@ -94,16 +115,14 @@ def _key(m: nn.Module, call: _Call) -> tuple:
     simple = (int, float, bool, str, type(None), tuple)
     attrs = tuple(sorted((k, repr(v)) for k, v in vars(m).items() if not k.startswith("_") and isinstance(v, simple)))
     tensors = tuple((k, tuple(t.shape)) for k, t in [*m._parameters.items(), *m._buffers.items()] if t is not None)
-    return (type(m), m.training, attrs, tensors, call.shape, call.dtype)
+    return (type(m), m.training, attrs, tensors, call.shapes, call.dtypes)
 
 
 def _import(m: nn.Module, call: _Call) -> Spec:
-    """The spec of ``m``'s forward, traced on a random input like the recorded one; refused
-    (SpecError) when it is multi-tensor or when the other mode (train/eval) traces another."""
-    x = torch.randn(call.shape, dtype=call.dtype, device=call.device)
+    """The spec of ``m``'s forward, traced on random inputs like the recorded ones; refused
+    (SpecError) when the other mode (train/eval) traces another layer."""
+    x = call.example()
     spec = from_torch(m, x)
-    if spec.multi:
-        raise SpecError(f"imported as {spec.name}, a layer of several tensors, which convert does not place")
     if all(md.name != "eval" for md in spec.modes):  # one traced mode: the other must be the same layer
         was = m.training
         try:
@@ -144,22 +163,29 @@ def _replacement(m: nn.Module, spec: Spec, call: _Call) -> Module:
 
 
 def _check_forward(m: nn.Module, new: Module, spec: Spec, call: _Call) -> None:
-    """The replacement's y equals the module's on a random input (buffers restored after)."""
-    x = torch.randn(call.shape, dtype=call.dtype, device=call.device)
+    """The replacement's outputs equal the module's on random inputs (buffers restored after)."""
+    xs = call.example()
     saved = {k: b.detach().clone() for k, b in m.named_buffers()}
     try:
         with torch.no_grad():
-            want, got = m(x), new(x)
+            want, got = m(*xs), new(*xs)
     finally:
         with torch.no_grad():
             for k, b in m.named_buffers():
                 b.copy_(saved[k])
     tol = 1e-3 if call.dtype in (torch.float16, torch.bfloat16) else 1e-4
-    if not isinstance(want, torch.Tensor) or want.shape != got.shape:
-        raise SpecError(f"imported as {spec.name}, but the module does not return one tensor of y's shape")
-    if not torch.allclose(got, want.to(got.dtype), rtol=tol, atol=tol):
-        diff = (got - want).abs().max().item()
-        raise SpecError(f"imported as {spec.name}, but its forward differs from the module's (max |dy| = {diff:.3g})")
+    want = want if isinstance(want, tuple) else (want,)
+    got = got if isinstance(got, tuple) else (got,)
+    if len(want) != len(got) or any(not isinstance(w, torch.Tensor) or w.shape != g.shape for w, g in zip(want, got)):
+        raise SpecError(
+            f"imported as {spec.name}, but the module does not return {len(got)} tensor(s) of its outputs' shapes"
+        )
+    for w, g, o in zip(want, got, ["y", *(o.name for o in spec.outputs)]):
+        if not torch.allclose(g, w.to(g.dtype), rtol=tol, atol=tol):
+            diff = (g - w).abs().max().item()
+            raise SpecError(
+                f"imported as {spec.name}, but its forward differs from the module's (max |d{o}| = {diff:.3g})"
+            )
 
 
 def convert_imported(
@@ -170,7 +196,7 @@ def convert_imported(
     known: Callable[[nn.Module], nn.Module | None],
 ) -> nn.Module:
     """Replace, in place, each leaf submodule ``known`` gives a twin for by it, and each other
-    leaf whose forward imports as a one-tensor spec by a :class:`Module` over it; ``report``
+    leaf whose forward imports as a spec by a :class:`Module` over it; ``report``
     filled. Returns the model (its replacement when the root itself is replaced)."""
     if not isinstance(example_inputs, (tuple, list)):
         raise TypeError(

@@ -85,3 +85,44 @@ def test_convert_default_unchanged_and_import_needs_an_example():
     assert report.replaced == {"1": "layernorm"} and report.left == {}
     with pytest.raises(TypeError, match="example_inputs"):
         dt.convert(model, import_unknown=True)
+
+
+def tiny_mamba2():
+    transformers = require_module("transformers")
+    config = transformers.Mamba2Config(
+        vocab_size=64,
+        hidden_size=16,
+        state_size=8,
+        num_heads=4,
+        head_dim=8,
+        n_groups=1,
+        expand=2,
+        num_hidden_layers=1,
+        chunk_size=8,
+        conv_kernel=4,
+    )
+    torch.manual_seed(0)
+    return transformers.Mamba2ForCausalLM(config).double()
+
+
+def test_mamba2_gated_norms_of_two_tensors_convert_and_train_as_the_original():
+    """Mamba-2's MambaRMSNormGated is called as norm(x, gate): imported as a spec with the gate
+    a tensor input beside x (the statistics read x·silu(gate)), and replaced."""
+    ref = tiny_mamba2()
+    ours = copy.deepcopy(ref)
+    torch.manual_seed(1)
+    tokens = torch.randint(0, 64, (2, 8))
+    report = dt.ConvertReport()
+    dt.convert(ours, import_unknown=True, example_inputs=(tokens,), report=report)
+    gated = [p for p, m in ref.named_modules() if type(m).__name__ == "MambaRMSNormGated"]
+    norms = [p for p, m in ref.named_modules() if type(m).__name__ == "Mamba2RMSNorm"]
+    assert len(gated) == 1 and len(norms) == 2
+    assert {p: report.replaced.get(p) for p in gated} == dict.fromkeys(gated, "mamba_rmsnorm_gated"), str(report)
+    assert all(report.replaced.get(p) == "mamba2_rmsnorm" for p in norms), str(report)
+    layer = ours.get_submodule(gated[0])
+    assert isinstance(layer, dt.Module) and list(layer._layer.meta.tensors) == ["gate"]
+    assert list(ours.state_dict()) == list(ref.state_dict())
+    want = train(ref, tokens, 3)
+    got = train(ours, tokens, 3)
+    assert want[-1] < want[0]
+    assert max(abs(a - b) for a, b in zip(want, got, strict=True)) < 1e-6, (want, got)
