@@ -116,6 +116,12 @@ BLOCK_SHAPES = {
 }
 SHAPES.update({n: s for n, s in BLOCK_SHAPES.items() if n in BLOCK_PATHS})
 N_PARAMS = {"rmsnorm": 1, "prmsnorm": 1, "lrn": 0}
+# layers with tensor inputs whose channels-last kernels run below: a position mask inside the
+# means, tensors of x's shape (one read only by the forward); (2, 3, 16, 17): whole chunks of lanes
+MULTI_NHWC = {
+    "masked_batchnorm": [(1, 1, 2, 3), (3, 2, 5, 1), (2, 3, 16, 17)],
+    "spade": [(1, 2, 1, 3), (2, 3, 16, 17)],
+}
 
 
 def _prebuild() -> None:
@@ -131,6 +137,9 @@ def _prebuild() -> None:
         jobs.append((kernel.source, None))
         if not kernel.meta.inputs:
             jobs.append((kernel.source, ["-DDG_EXTRAS_ONLY"]))
+    for name in MULTI_NHWC:
+        kernel = derivgen.load(name, backend="c")._kernel
+        jobs += [(kernel.source, None), (kernel.source, ["-DDG_EXTRAS_ONLY"])]
     with ThreadPoolExecutor(2) as pool:
         list(pool.map(lambda job: build_shared(job[0], extra=job[1]), jobs))
 
@@ -434,6 +443,48 @@ for name, shapes in MULTI_SHAPES.items():
                 k.backward(dy, c)
                 k.backward(dy, c, **{"d" + o.name: np.ones_like(x) for o in spec.outputs})
                 multi += 1
+# Their channels-last kernels (the extras library), called as derivgen.torch calls them: every
+# array of x's shape (x, the tensors written out at x's shape, dy) laid out (N, *spatial, C);
+# the results must be the NCHW kernels' bits
+for name, shapes in MULTI_NHWC.items():
+    k = derivgen.load(name, backend="c")
+    meta, spec = k._META, derivgen.load_spec(name)
+    flags = os.environ.get("CFLAGS")
+    ext = CKernel(meta, k._kernel.source, cflags=None if flags is None else user_cflags(), extra=["-DDG_EXTRAS_ONLY"])
+    nhwc = lambda a: np.ascontiguousarray(np.moveaxis(a, 1, -1))
+    for xs in shapes:
+        for dtype, sfx in ((np.float32, "f32"), (np.float64, "f64")):
+            x = rng.normal(size=xs).astype(dtype)
+            dy = rng.normal(size=xs).astype(dtype)
+            full = []
+            for t in spec.tensors:
+                v = rng.normal(size=xs if t.shape == "x" else (xs[0], 1, *xs[2:])).astype(dtype)
+                if t.mask:
+                    v = (v > -0.5).astype(dtype)
+                    v.reshape(-1)[0] = 1
+                full.append(np.ascontiguousarray(np.broadcast_to(v, xs)))
+            params = [rng.normal(size=(xs[1],)).astype(dtype) for _ in spec.params]
+            L = resolve_layout(meta, x, {p: np.empty(xs[1]) for p in meta["params"]}, None)
+            for threads in (1, 2):
+                res = []
+                for kern, pre, lay in ((k._kernel, "", lambda a: a), (ext, "nhwc_", nhwc)):
+                    xl, dyl, fl = lay(x), lay(dy), [lay(t) for t in full]  # kept alive over the calls
+                    y, dx = np.empty_like(xl), np.empty_like(xl)
+                    dts = [np.empty_like(xl) for t in spec.grad_tensors]
+                    st = [np.empty(L.n_groups) for _ in meta["stats"]["train"]]
+                    dps = [np.empty_like(p) for p in params]
+                    common = {"dims": (L.O, L.G, L.Cg, L.S), "x": (ptr(xl),), "params": [ptr(p) for p in params]}
+                    common.update(tensors=[ptr(t) for t in fl], options=[1e-5], nthreads=(threads,))
+                    fsig, bsig = kern.signatures[("train", "forward")], kern.signatures[("train", "backward")]
+                    fw = fsig.pack({**common, "y": (ptr(y),), "stats": [ptr(a) for a in st]})
+                    assert kern.cfunc("train", "forward", pre + sfx)(*fw) == 0
+                    bw = {**common, "dy": (ptr(dyl),), "stats": [ptr(a) for a in st], "dparams": [ptr(a) for a in dps]}
+                    bw["dx"] = (ptr(dx), *(ptr(a) for a in dts))
+                    assert kern.cfunc("train", "backward", pre + sfx)(*bsig.pack(bw)) == 0
+                    back = (lambda a: np.moveaxis(a, -1, 1)) if pre else (lambda a: a)
+                    res.append([back(y), *st, back(dx), *(back(a) for a in dts), *dps])
+                assert all(np.array_equal(a, b) for a, b in zip(*res)), (name, xs, sfx, threads)
+                extras += 1
 print(
     f"ran {count} forward/backward pairs, {extras} of the extras (bfloat16, channels-last), {splits} split reductions"
     f", {multi} layers with tensor inputs",

@@ -1956,6 +1956,8 @@ def run_tensors(text: str, seed: int = -1, prove_sizes=(2, 3)) -> Result:
         mods = {b: derivgen.load(spec, backend=b) for b in backends}
         for k, mode in enumerate(spec.modes):
             bad += tensor_checks(spec, mods, tensor_case(spec, mode.name, seed=11 + k))
+        if "c" in mods and (seed < 0 or seed % CHANNELS_LAST_EVERY == 0):
+            bad += channels_last_tensor_mismatches(spec)
         means, minimal = judge_means(spec, d)
         return Result(
             seed,
@@ -2048,6 +2050,78 @@ def channels_last_mismatches(spec) -> list[str]:
             gn = torch.autograd.grad(yn, [xn, *twin.parameters()], dy, allow_unused=True)
             same = [torch.equal(yl, yn)] + [
                 (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
+                for a, b in zip(gl, gn)
+            ]
+            same += [torch.equal(a, b) for a, b in zip(m.buffers(), twin.buffers())]
+            if not all(same):
+                bad.append(f"{mode.name} channels-last {dtype}: not the NCHW bits ({same})")
+    return bad
+
+
+def _same_bits(a, b) -> bool:
+    """Two tensors equal value for value, NaN where the other is NaN (a group a mask leaves
+    empty divides by zero alike in both layouts)."""
+    import torch
+
+    return torch.equal(torch.isnan(a), torch.isnan(b)) and torch.equal(a.nan_to_num(0.0), b.nan_to_num(0.0))
+
+
+def channels_last_tensor_mismatches(spec) -> list[str]:
+    """:func:`channels_last_mismatches` for a layer of the tensor family: its channels-last
+    kernels (derivgen.torch on a channels_last x, tensors of x's shape channels last too) against
+    its NCHW kernels, every output, the gradients of x, of the tensors with one and of the
+    parameters, bit for bit; float32, float64 and bfloat16, every mode, at 70 channels and 272
+    positions. A position layout has no C kernels for these layers."""
+    import importlib.util
+
+    if spec.layout != "channels" or spec.reduce == "position" or spec.inputs:
+        return []
+    if spec.buffers and spec.reduce != "batch":
+        return []
+    if importlib.util.find_spec("torch") is None:
+        if os.environ.get("CI") == "true":
+            raise RuntimeError("the channels-last check needs torch (the test extra) under CI=true")
+        return []
+    import torch
+
+    import derivgen.torch as dt
+    from derivgen.tools.check import case_options
+
+    shape = (2, 70, 16, 17)
+    groups = 5 if spec.reduce == "group" else None
+    opts = {k: v for k, v in case_options(spec, spec.modes[0].name).items() if k != "training"}
+    cl = torch.channels_last
+    bad = []
+    for dtype in (torch.float32, torch.float64, torch.bfloat16):
+        gen = torch.Generator().manual_seed(5)
+        m = dt.Module(spec, shape[1], num_groups=groups, dtype=dtype, **opts)
+        with torch.no_grad():
+            for par in m.parameters():
+                par.copy_(torch.randn(par.shape, generator=gen) * 0.3 + 1.0)
+        twin = copy.deepcopy(m)
+        x = (torch.randn(shape, generator=gen) * 2 + 0.5).to(dtype)
+        tens = []
+        for t in spec.tensors:
+            tshape = {"x": shape, "sample": shape[:2]}.get(t.shape, (shape[0], 1, *shape[2:]))
+            v = (torch.rand(tshape, generator=gen) < 0.7).double() if t.mask else torch.randn(tshape, generator=gen)
+            tens.append(v.to(dtype))
+        cots = [torch.randn(shape, generator=gen).to(dtype) for _ in range(1 + len(spec.outputs))]
+        grads_of = [k for k, t in enumerate(spec.tensors) if t.grad and not t.mask]
+        for mode in spec.modes:
+            m.train(mode.name == "train"), twin.train(mode.name == "train")
+            got = []
+            for mod, fmt in ((m, cl), (twin, torch.contiguous_format)):
+                xs = x.contiguous(memory_format=fmt).requires_grad_()
+                ts = [t.contiguous(memory_format=fmt) if t.shape == shape else t.clone() for t in tens]
+                ts = [t.requires_grad_(k in grads_of) for k, t in enumerate(ts)]
+                outs = mod(xs, *ts)
+                outs = list(outs) if spec.outputs else [outs]
+                leaves = [xs, *(ts[k] for k in grads_of), *mod.parameters()]
+                loss = sum((o * c.contiguous(memory_format=fmt)).sum() for o, c in zip(outs, cots))
+                got.append((outs, torch.autograd.grad(loss, leaves, allow_unused=True)))
+            (ol, gl), (on, gn) = got
+            same = [_same_bits(a, b) for a, b in zip(ol, on)] + [
+                (a is None and b is None) or (a is not None and b is not None and _same_bits(a, b))
                 for a, b in zip(gl, gn)
             ]
             same += [torch.equal(a, b) for a, b in zip(m.buffers(), twin.buffers())]

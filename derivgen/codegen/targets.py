@@ -269,8 +269,9 @@ def _c_plan(layer: Layer) -> dict[str, object]:
         "atypes": ATYPES,
         "per_sample": spec.reduce not in ("batch", "all"),
         "blocks": has_blocks,  # block statistics: no channels-last C kernels
-        # the channels-last C kernels (not for block statistics, nor tensor inputs beside x yet)
-        "nhwc": spec.layout != "trailing" and spec.reduce != "position" and not has_blocks and not spec.multi,
+        # the channels-last C kernels (not for block statistics): tensor inputs beside x and the
+        # outputs' cotangents are read, and the outputs beside y written, at x's NHWC index
+        "nhwc": spec.layout != "trailing" and spec.reduce != "position" and not has_blocks,
     }
 
 

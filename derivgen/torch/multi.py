@@ -14,8 +14,9 @@ Each mode has two operators (see :mod:`derivgen.torch.schema`)::
   values on every call). The kernels read every tensor input at x's shape, so a broadcast
   one (``sample``, ``position``) is written out once per call, and its element gradients,
   written at x's shape, are summed over the axes it is broadcast over (in float64).
-  These layers have no channels-last kernels: a channels-last x is read NCHW-contiguous
-  and its results given back channels last.
+  A channel layout's channels-last x runs the channels-last kernels: the tensor inputs,
+  dy and the cotangents are read channels last (written out so where they are not), and
+  every result of x's shape is channels last.
 * **other devices, float16, torch.func transforms, forward-mode AD and**
   :func:`derivgen.torch.portable`: the generated PyTorch closed forms
   (``derivgen.load(spec, "torch")``), which every transform differentiates.
@@ -38,7 +39,15 @@ import torch.autograd.forward_ad as _fwad
 
 from derivgen.torch import closed_form, generic
 from derivgen.torch.autograd import _gradients_for, _save_tensor_inputs, _saved_by_name, _scalar_values
-from derivgen.torch.multi_plan import LOW, as_x_came, backward_impl, check_call, forward_impl, forward_tensor_names
+from derivgen.torch.multi_plan import (
+    LOW,
+    as_x_came,
+    backward_impl,
+    check_call,
+    dense_as_x,
+    forward_impl,
+    forward_tensor_names,
+)
 from derivgen.torch.protocol import Layer
 from derivgen.torch.schema import (
     by_spec_name,
@@ -191,6 +200,7 @@ def _register_autograd(lay: Layer, library: torch.library.Library, mode: str, fw
     fargs, bargs, diff = s.forward, s.backward, differentiable(meta)
     nout, ntens = s.outputs, tensor_count(s.forward)
     cot_names = ["d" + o for o in extra_outputs(meta)]
+    ch = meta.layout == "channels"
 
     def setup_forward(ctx, inputs, output):
         ctx.inputs = inputs
@@ -203,7 +213,7 @@ def _register_autograd(lay: Layer, library: torch.library.Library, mode: str, fw
         saved = ctx.saved_tensors
         tensors, stats = saved[:ntens], saved[ntens:]
         x = tensors[0]
-        cots = [torch.zeros_like(x) if c is None else c.contiguous() for c in (dy, *rest[:nout])]
+        cots = [torch.zeros_like(x) if c is None else dense_as_x(c, x, ch) for c in (dy, *rest[:nout])]
         grads = as_tuple(bwd(*cots, *tensors, *stats, *_scalar_values(fargs, ctx.inputs)))
         return _gradients_for(fargs, dict(zip(diff, grads)))
 
@@ -245,7 +255,8 @@ class _Eager(torch.autograd.Function):
         cots = [torch.zeros_like(x) if d is None else d for d in (dy, *douts)]
         if torch.is_grad_enabled():
             op = plan.lay.modes[plan.mode].backward
-            grads = as_tuple(op(*(c.contiguous() for c in cots), *tens, *st.unbind(0), *ctx.opts, plan.groups))
+            cots = [dense_as_x(c, x, plan.channels) for c in cots]
+            grads = as_tuple(op(*cots, *tens, *st.unbind(0), *ctx.opts, plan.groups))
         else:
             base = st.data_ptr()
             grads = plan.backward(cots[0], cots[1:], tens, [base + o for o in plan.stat_offsets], ctx.opts)

@@ -60,6 +60,15 @@ def as_x_came(t: torch.Tensor, like: torch.Tensor, channels: bool) -> torch.Tens
     return t
 
 
+def dense_as_x(t: torch.Tensor, like: torch.Tensor, channels: bool) -> torch.Tensor:
+    """A tensor of x's shape dense in x's memory format (channels last where x is, a channel
+    layout's; else contiguous): a cotangent as the backward kernels read it, copied only where
+    it is not so already."""
+    if channels and is_channels_last(like):
+        return t.contiguous(memory_format=channels_last_format(like))
+    return t.contiguous()
+
+
 def forward_tensor_names(lay: Layer, mode: str) -> list[str]:
     """The spec names of the forward operator's tensor arguments, in order."""
     return [a.spec for a in lay.schemas[mode].forward if a.type == "Tensor"]
@@ -70,15 +79,25 @@ def forward_tensor_names(lay: Layer, mode: str) -> list[str]:
 
 class MultiPlan:
     """A validated forward call signature of a multi layer and mode: the kernels' ctypes
-    functions and what the shapes fix (the layout, the tensor inputs' shapes), so that a
-    call writes out its broadcast tensors, allocates its outputs and passes data pointers."""
+    functions and what the shapes fix (the layout, the tensor inputs' shapes, whether x is
+    channels last), so that a call writes out its broadcast tensors, allocates its outputs and
+    passes data pointers.
 
-    def __init__(self, lay: Layer, mode: str, L: rt.Layout, tens: list[torch.Tensor], groups: int) -> None:
+    With ``nhwc`` (a channel layout's channels-last x) the channels-last kernels run: every
+    array of x's shape (x, the tensor inputs written out at x's shape, dy, the outputs'
+    cotangents, y, the outputs beside it, dx and the tensors' element gradients) is
+    channels-last memory, read and written at x's NHWC index."""
+
+    def __init__(
+        self, lay: Layer, mode: str, L: rt.Layout, tens: list[torch.Tensor], groups: int, nhwc: bool = False
+    ) -> None:
         meta = lay.meta
         x = tens[0]
         self.lay, self.mode, self.groups, self.name, self.L = lay, mode, groups, meta.name, L
-        self.ffn = lay.libraries.cfunc(mode, "forward", x.dtype)
-        self.bfn = lay.libraries.cfunc(mode, "backward", x.dtype)
+        self.nhwc = nhwc
+        self.fmt = channels_last_format(x) if nhwc else torch.contiguous_format
+        self.ffn = lay.libraries.cfunc(mode, "forward", x.dtype, nhwc)
+        self.bfn = lay.libraries.cfunc(mode, "backward", x.dtype, nhwc)
         self.kernel = lay.ckernel._kernel
         self.fsig = self.kernel.signatures[(mode, "forward")]
         self.bsig = self.kernel.signatures[(mode, "backward")]
@@ -109,11 +128,12 @@ class MultiPlan:
         return 1 if self.serial else threads(self.kernel)
 
     def _operands(self, tens: Sequence[torch.Tensor]) -> tuple:
-        """x, the tensor inputs at x's shape, the parameters, inputs and buffers, all
-        C-contiguous (copied where they are not; a broadcast tensor written out)."""
-        meta, k = self.lay.meta, 1 + self.nt
-        x = tens[0].contiguous()
-        full = [full_tensor(meta, t, v, self.L).contiguous() for t, v in zip(self.tnames, tens[1:k])]
+        """x and the tensor inputs at x's shape in the plan's memory format (NCHW- or
+        channels-last-contiguous), the parameters, inputs and buffers C-contiguous (copied
+        where they are not; a broadcast tensor written out)."""
+        meta, k, fmt = self.lay.meta, 1 + self.nt, self.fmt
+        x = tens[0].contiguous(memory_format=fmt)
+        full = [full_tensor(meta, t, v, self.L).contiguous(memory_format=fmt) for t, v in zip(self.tnames, tens[1:k])]
         params = [t.contiguous() for t in tens[k : k + self.npar]]
         ins = [t.contiguous() for t in tens[k + self.npar : k + self.npar + self.nin]]
         bufs = [t.contiguous() for t in tens[k + self.npar + self.nin :]]
@@ -166,8 +186,8 @@ class MultiPlan:
         like = tens[0]
         meta, L = self.lay.meta, self.L
         x, full, params, ins, _ = self._operands(tens)  # the backward kernels read no buffers
-        dy = dy.contiguous()
-        cots = [c.contiguous() for c in cots]
+        dy = dy.contiguous(memory_format=self.fmt)
+        cots = [c.contiguous(memory_format=self.fmt) for c in cots]
         dx = fresh_like(x)
         # a broadcast tensor's element gradients at x's shape, summed below
         dts = [fresh_like(x) if self.kinds[t] == "x" else torch.empty_like(x) for t in self.gnames]
@@ -191,8 +211,12 @@ class MultiPlan:
         if self.bfn(*self.bpack(*[values[k] for k in self.bsections])) != 0:
             raise MemoryError(f"{self.name}: backward kernel could not allocate its work buffer")
         back = self.channels
+        # a broadcast tensor's sums are taken over NCHW-contiguous element gradients, so that
+        # they are the same bits whichever memory format x came in
         dtens = [
-            as_x_came(d, like, back) if self.kinds[t] == "x" else tensor_grad(meta, t, d, L, self.tshapes[t])
+            as_x_came(d, like, back)
+            if self.kinds[t] == "x"
+            else tensor_grad(meta, t, d.contiguous(), L, self.tshapes[t])
             for t, d in zip(self.gnames, dts)
         ]
         return (
@@ -225,10 +249,12 @@ class MultiPlans:
     whenever the options are out of range (so that the error names them). Stands where the
     other layers have a :class:`derivgen.torch.plan.PlanCache`."""
 
-    channel_layout = False  # no channels-last kernels: such tensors are read NCHW-contiguous
-
     def __init__(self, lay: Layer) -> None:
         self.lay = lay
+        # a channel layout's channels-last x runs the channels-last kernels (a position
+        # layout has none: the C kernels refuse it for these layers)
+        meta = lay.meta
+        self.channel_layout = meta.layout == "channels" and meta.reduce != "position" and not meta.blocks
         self.ranges = [lay.meta.options[o] for o in lay.options]
         self._plans: dict = {}
         self.last_ext: dict = {}  # the C++ extension's plans: none for these layers
@@ -241,24 +267,26 @@ class MultiPlans:
         """The plan of a forward call (tensors, options and groups in operator order), its
         masks checked."""
         try:
-            key = call_key(tens, 0, groups, False)[0]
+            key, nhwc = call_key(tens, 0, groups, self.channel_layout)
             plan = self._plans.get((mode, key))
         except AttributeError:  # not a tensor: the validation names it
-            key = plan = None
+            key, nhwc, plan = None, False, None
         if plan is None or (opts != plan.opts_ok and not options_in_range(opts, self.ranges)):
-            plan = self.validated(mode, tens, opts, groups, key)
+            plan = self.validated(mode, tens, opts, groups, key, nhwc)
         else:
             check_masks(plan, tens)
         plan.opts_ok = opts
         return plan
 
-    def validated(self, mode: str, tens: list, opts: tuple, groups: int, key: tuple | None) -> MultiPlan:
+    def validated(
+        self, mode: str, tens: list, opts: tuple, groups: int, key: tuple | None, nhwc: bool = False
+    ) -> MultiPlan:
         """Validate a forward call's arguments (raising on bad input: CPU tensors of the
-        kernels' dtypes) and remember its plan."""
+        kernels' dtypes) and remember its plan (``nhwc``: x is channels last)."""
         fargs = self.lay.schemas[mode].forward
         a = by_spec_name(fargs, [*tens, *opts, groups])
         L = check_call(self.lay, mode, a)
-        plan = MultiPlan(self.lay, mode, L, list(tens), a["num_groups"])
+        plan = MultiPlan(self.lay, mode, L, list(tens), a["num_groups"], nhwc)
         if key is not None:
             self._plans[(mode, key)] = plan
         return plan

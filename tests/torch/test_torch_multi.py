@@ -10,6 +10,7 @@ references' module forms (vLLM/Liger, Mamba-2)."""
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -571,23 +572,51 @@ def test_bad_tensor_inputs_are_named():
             mm(a["x"], a["mask"] * 0.5)
 
 
-def test_channels_last_gives_channels_last():
-    """A channels-last x (these layers have no channels-last kernels: read NCHW-contiguous)
-    gives channels-last outputs and gradients with the contiguous call's values."""
-    name = "spade"
-    g = torch.Generator().manual_seed(6)
-    x, gamma, beta = (torch.randn(2, 3, 4, 5, dtype=torch.float64, generator=g) for _ in range(3))
-    dy = torch.randn(2, 3, 4, 5, dtype=torch.float64, generator=g)
-    m = dt.Module(name, 3)
-    outs = []
-    for fmt in (torch.contiguous_format, torch.channels_last):
-        xs = x.contiguous(memory_format=fmt).requires_grad_()
-        y = m(xs, gamma, beta)
-        (dx,) = torch.autograd.grad((y * dy).sum(), xs)
-        outs.append((y, dx))
-    (y0, dx0), (y1, dx1) = outs
-    assert y1.is_contiguous(memory_format=torch.channels_last) and dx1.is_contiguous(memory_format=torch.channels_last)
-    assert torch.equal(y0, y1) and torch.equal(dx0, dx1)
+X4 = (4, 3, 48, 64)  # (N, C, H, W): over SERIAL_BELOW values (threads), whole chunks of lanes
+CHANNEL_MULTI = [n for n in sorted(CASES) if derivgen.load_spec(n).layout == "channels"]
+
+
+def _as_4d(case: Case) -> Case:
+    """A channel-layout case with x of shape X4, its tensors' shapes to match."""
+    four = {C3: X4, (C3[0], 1, C3[2]): (X4[0], 1, *X4[2:]), C3[:2]: X4[:2]}
+    return dataclasses.replace(case, x=X4, tensors={t: four[s] for t, s in case.tensors.items()})
+
+
+@pytest.mark.parametrize("name", CHANNEL_MULTI)
+def test_channels_last_runs_its_own_kernels_with_the_nchw_bits(name, monkeypatch):
+    """A channels-last x runs the channels-last kernels (tensors of x's shape channels last
+    too, broadcast ones as given): outputs and gradients channels last, the same bits as the
+    NCHW call in float64, float32 and bfloat16 on 1 and 2 threads, and the reference's values."""
+    monkeypatch.setitem(CASES, name, _as_4d(CASES[name]))
+    args64, cots64 = draw(name), cotangents(name)
+    want = reference(name, args64, cots64)
+    cl = torch.channels_last
+    threads = torch.get_num_threads()
+    try:
+        for dtype, tol in ((torch.float64, F64), (torch.float32, F32), (torch.bfloat16, None)):
+            args = {k: v.to(dtype) for k, v in args64.items()}
+            cots = [c.to(dtype) for c in cots64]
+            m = module_for(name, args)
+            got = {}
+            for nth in (1, 2):
+                torch.set_num_threads(nth)
+                got[(nth, "nchw")] = through_module(m, name, args, cots)
+                last = {k: v.contiguous(memory_format=cl) if v.shape == X4 else v for k, v in args.items()}
+                got[(nth, "nhwc")] = outs, grads = through_module(
+                    m, name, last, [c.contiguous(memory_format=cl) for c in cots]
+                )
+                assert all(o.is_contiguous(memory_format=cl) for o in outs), name
+                assert grads["x"].is_contiguous(memory_format=cl), name
+            assert any(p.nhwc for p in m._layer.plans._plans.values()), name
+            (o0, g0) = got[(1, "nchw")]
+            for key, (o, g) in got.items():
+                assert all(torch.equal(a, b) for a, b in zip(o, o0)), (name, dtype, key, "outputs")
+                assert sorted(g) == sorted(g0) and all(torch.equal(g[k], g0[k]) for k in g0), (name, dtype, key)
+            if tol is not None:
+                typed = ([o.to(dtype) for o in want[0]], {k: v.to(dtype) for k, v in want[1].items()})
+                assert_close(name, got[(2, "nhwc")], typed, tol)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_tensor_inputs_by_keyword_and_as_a_function():

@@ -299,12 +299,13 @@ def test_what_the_c_target_does_not_take_is_refused_in_one_line(tmp_path):
 
 
 # every feature of these layers' C: outputs beside y, tensors of x's shape, broadcast and masks,
-# a core value with a chain factor, batch and trailing layouts
-STRICT = ["add_rmsnorm", "adaln", "flash_layernorm_parallel", "masked_batchnorm", "rmsnorm_gated_before"]
+# a core value with a chain factor, batch and trailing layouts, channels-last kernels with a
+# mask inside the means and with tensors the backward does not read (spade's beta)
+STRICT = ["add_rmsnorm", "adaln", "flash_layernorm_parallel", "masked_batchnorm", "rmsnorm_gated_before", "spade"]
 
 
-# make test: every kernel (-DDG_WITH_EXTRAS) of the four layers that have every feature of the
-# five but add_rmsnorm's; the serial extras-only builds in the full tier
+# make test: every kernel (-DDG_WITH_EXTRAS) of the five layers that have every feature of the
+# six but add_rmsnorm's; the serial extras-only builds in the full tier
 _BUILDS = [(n, k) for n in STRICT for k in ("-DDG_WITH_EXTRAS", "-DDG_EXTRAS_ONLY")]
 
 
