@@ -60,6 +60,15 @@ from derivgen.tools.timing import tune_malloc
     help="Bench derivgen.jax (jitted forward + backward) against Flax's layers on the CPU instead.",
 )
 @click.option(
+    "--zoo",
+    "with_zoo",
+    is_flag=True,
+    help="Every catalogue and zoo layer (or NAMES): derivgen.torch against an independent PyTorch forward, eager "
+    "and torch.compile, fwd and fwd+bwd, with the memory floor; with --jax, derivgen.jax against jnp + autodiff.",
+)
+@click.option("--small", is_flag=True, help="With --zoo: tiny shapes (64x128, 4x8x6x6), a run of seconds per layer.")
+@click.option("--no-compile", "no_compile", is_flag=True, help="With --zoo: leave torch.compile out.")
+@click.option(
     "--sync",
     "sync_world",
     type=click.IntRange(2, 64),
@@ -79,9 +88,22 @@ def bench_cmd(
     default_malloc: bool,
     with_torch: bool,
     with_jax: bool,
+    with_zoo: bool,
+    small: bool,
+    no_compile: bool,
     sync_world: int | None,
 ) -> None:
     """Time generated C and NumPy against plain NumPy, PyTorch and the memory-bandwidth bound."""
+    if with_zoo:
+        if with_torch or sync_world or spec_files or plot_file or isas != "native" or dtype != "float32":
+            raise UserError(
+                "--zoo takes NAMES, --shape, --small, --no-compile, --jax, --threads, --repeat, --json and "
+                "--default-malloc only (float32)"
+            )
+        _bench_zoo(names, shapes, small, no_compile, with_jax, threads, repeat, json_file, default_malloc)
+        return
+    if small or no_compile:
+        raise UserError("--small and --no-compile go with --zoo")
     if with_jax:
         if with_torch or sync_world or names or spec_files or shapes or plot_file or isas != "native":
             raise UserError("--jax benches its own fixed cases; it takes --dtype, --repeat and --json only")
@@ -193,5 +215,57 @@ def _bench_jax(dtype: str, repeat: int, json_file: str | None) -> None:
         raise UserError(f"{e} (bench --jax needs JAX and Flax: pip install jax flax)") from None
     progress.done()
     click.echo(format_jax_report(report))
+    if json_file:
+        _write(json_file, json.dumps(report, indent=1), "--json")
+
+
+def _bench_zoo(
+    names: tuple[str, ...],
+    shapes: tuple[str, ...],
+    small: bool,
+    no_compile: bool,
+    with_jax: bool,
+    threads: int | None,
+    repeat: int,
+    json_file: str | None,
+    default_malloc: bool,
+) -> None:
+    """``bench --zoo``: every layer against an independent PyTorch forward (``--jax``: jnp + autodiff)."""
+    try:  # PyTorch is an optional dependency; the zoo bench's references and oracle are PyTorch's
+        from derivgen.tools import bench_zoo as Z
+    except ImportError as e:
+        raise UserError(f"{e} (bench --zoo needs PyTorch)") from None
+    known = Z.layers()
+    bad = [n for n in names if n not in known]
+    if bad:
+        raise UserError(f"--zoo: unknown layer(s) {', '.join(bad)} (`derivgen list` names them)")
+    trailing, channels = (Z.SMALL_TRAILING, Z.SMALL_CHANNELS) if small else (Z.TRAILING, Z.CHANNELS)
+    for text in shapes:  # a 2-D shape is the trailing layers', a 4-D one the channel layers'
+        s = _shape(text)
+        if len(s) == 2:
+            trailing = s
+        elif len(s) == 4:
+            channels = s
+        else:
+            raise UserError(f"--shape with --zoo: 2-D (rows x features) or 4-D (NxCxHxW), got {text!r}")
+    _out_file(json_file, "--json")
+    if not default_malloc:
+        tune_malloc()
+    layers = list(names) or known
+    progress = stderr_progress(len(layers))
+    if with_jax:
+        if no_compile:
+            raise UserError("--no-compile is the PyTorch zoo bench's; --jax compiles nothing with Inductor")
+        try:
+            from derivgen.tools.bench_zoo_jax import format_zoo_jax_report, run_zoo_jax_bench
+        except ImportError as e:
+            raise UserError(f"{e} (bench --zoo --jax needs JAX: pip install jax)") from None
+        report = run_zoo_jax_bench(layers, trailing, channels, repeat, progress)
+        text = format_zoo_jax_report(report)
+    else:
+        report = Z.run_zoo_bench(layers, trailing, channels, threads, repeat, not no_compile, True, progress)
+        text = Z.format_zoo_report(report)
+    progress.done()
+    click.echo(text)
     if json_file:
         _write(json_file, json.dumps(report, indent=1), "--json")

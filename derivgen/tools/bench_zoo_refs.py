@@ -241,3 +241,100 @@ def switchnorm(x, p, i, o, b, training):
     var = vw[0] * var_in + vw[1] * var_ln + vw[2] * var_bn
     y = ((flat - mean) / (var + o["eps"]).sqrt()).reshape(x.shape)
     return y * _c(p["gamma"], x) + _c(p["beta"], x)
+
+
+# ---- the catalogue, by PyTorch's own functional layers (online layer norm from its formula)
+
+
+def layernorm(x, p, i, o, b, training):
+    return torch.nn.functional.layer_norm(x, x.shape[-1:], p["gamma"], p["beta"], o["eps"])
+
+
+def rmsnorm(x, p, i, o, b, training):
+    return torch.nn.functional.rms_norm(x, x.shape[-1:], p["gamma"], o["eps"])
+
+
+def batchnorm(x, p, i, o, b, training):
+    return torch.nn.functional.batch_norm(
+        x, b["running_mean"], b["running_var"], p["gamma"], p["beta"], training, o["momentum"], o["eps"]
+    )
+
+
+def instancenorm(x, p, i, o, b, training):
+    return torch.nn.functional.instance_norm(x, weight=p["gamma"], bias=p["beta"], eps=o["eps"])
+
+
+def groupnorm(x, p, i, o, b, training):
+    return torch.nn.functional.group_norm(x, o["num_groups"], p["gamma"], p["beta"], o["eps"])
+
+
+def online_layernorm(x, p, i, o, b, training):
+    # Online normalization's layer form: the row's mean and sample std blended with the
+    # previous ones (per row) by alpha
+    a = o["alpha"]
+    mu = a * x.mean(-1, keepdim=True) + (1 - a) * i["prev_mean"].unsqueeze(-1)
+    s = torch.sqrt(((x - mu) ** 2).sum(-1, keepdim=True) / (x.shape[-1] - 1) + o["eps"])
+    sigma = a * s + (1 - a) * i["prev_std"].unsqueeze(-1)
+    return p["gamma"] * (x - mu) / sigma + p["beta"]
+
+
+# ---- the layers with tensors beside x (derivgen.tools.bench_multi_refs, written from the
+# libraries' code): (arguments by the spec's names, options) -> the outputs in the spec's order
+
+
+def _multi():
+    from derivgen.tools import bench_multi_refs as R
+
+    return {
+        "add_rmsnorm": lambda a, o: R.add_rmsnorm(a["x"], a["residual"], a["weight"], o["eps"]),
+        "add_layernorm": lambda a, o: R.add_layernorm(a["x"], a["residual"], a["weight"], a["bias"], o["eps"]),
+        "rmsnorm_gated": lambda a, o: R.rmsnorm_gated(a["x"], a["z"], a["weight"], o["eps"], norm_before_gate=True),
+        "rmsnorm_gated_before": lambda a, o: R.rmsnorm_gated(
+            a["x"], a["z"], a["weight"], o["eps"], norm_before_gate=False
+        ),
+        "adaln": lambda a, o: R.adaln(a["x"], a["shift"], a["scale"], o["eps"]),
+        "ada_rmsnorm": lambda a, o: R.ada_rmsnorm(a["x"], a["shift"], a["scale"], o["eps"]),
+        "conditional_batchnorm": lambda a, o: R.conditional_batchnorm(a["x"], a["gamma"], a["beta"], o["eps"]),
+        "spade": lambda a, o: R.spade(a["x"], a["gamma"], a["beta"], o["eps"]),
+        "masked_batchnorm": lambda a, o: R.masked_batchnorm(a["x"], a["mask"], a["weight"], a["bias"], o["eps"]),
+        "masked_layernorm": lambda a, o: R.masked_layernorm(a["x"], a["mask"], a["weight"], a["bias"], o["eps"]),
+        "flash_layernorm_parallel": lambda a, o: R.flash_layernorm_parallel(
+            a["x"], a["residual"], a["x1"], a["weight"], a["bias"], a["weight1"], a["bias1"], None, o["eps"]
+        ),
+    }
+
+
+SINGLE = {
+    f.__name__: f
+    for f in (
+        layernorm, rmsnorm, batchnorm, instancenorm, groupnorm, online_layernorm,
+        frn, batch_renorm, adanorm, derf, l2_normalize, evonorm_s0, weight_norm, polynorm, scalenorm,
+        dynamic_tanh, gemma_rmsnorm, layernorm_simple, pixelnorm, squash, weight_standardization, scaled_ws,
+        mean_only_bn, layernorm_annotated, l1_batchnorm, adain, softmax, log_softmax, absmax_scale,
+        softmax_temperature, edm2_normalize, prmsnorm, layernorm2d, lrn, evonorm_b0, switchnorm,
+    )
+}  # fmt: skip
+
+
+def reference(name: str):
+    """Layer ``name``'s independent PyTorch forward as ``f(args, options, buffers) -> tuple of outputs``,
+    ``args`` the tensors by the spec's names (x, tensors beside x, parameters, per-group inputs);
+    None where there is none."""
+    multi = _multi()
+    if name in multi:
+        fn = multi[name]
+
+        def call(args, options, buffers):
+            out = fn(args, options)
+            out = out if isinstance(out, tuple) else (out,)
+            return tuple(v for v in out if v is not None)
+
+        return call
+    if name in SINGLE:
+        fn = SINGLE[name]
+
+        def call(args, options, buffers, fn=fn):
+            return (fn(args["x"], args, args, options, buffers, True),)
+
+        return call
+    return None

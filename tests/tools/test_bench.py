@@ -287,3 +287,94 @@ def test_bench_times_a_fused_layer_against_eager_and_compiled_pytorch():
         assert math.isfinite(c[k]) and c[k] > 0, k
     assert c["fwd_vs_eager"] == pytest.approx(c["same_round_fwd_ms"] / impls["torch"]["ratios"]["same_round_fwd_ms"])
     assert "fwd x compile" in format_report(rep)
+
+
+# ---- derivgen bench --zoo: every layer against an independent PyTorch forward (and --jax)
+
+ZOO_COLUMNS = ("layer", "shape", "eager", "compile", "derivgen", "/compile", "/eager", "fwd/eager", "/floor")
+
+
+def test_bench_zoo_runs_three_layers_and_reports_finite_ratios(tmp_path):
+    """Three layers (a catalogue one, a zoo one with block statistics, one with a tensor beside
+    x) at tiny sizes, torch.compile left out: the table's columns, and every ratio finite."""
+    pytest.importorskip("torch")
+    from click.testing import CliRunner
+
+    from derivgen.cli import cli
+
+    out = tmp_path / "zoo.json"
+    names = ["rmsnorm", "frn", "add_rmsnorm"]
+    r = CliRunner().invoke(
+        cli,
+        ["bench", "--zoo", "--small", "--no-compile", "--repeat", "3", "--threads", "1", "--json", str(out), *names],
+    )
+    assert r.exit_code == 0, r.output
+    header = next(line for line in r.output.splitlines() if line.startswith("layer "))
+    assert header.split() == list(ZOO_COLUMNS) + ["fwd/comp"] or all(c in header for c in ZOO_COLUMNS)
+    machine = next(line for line in r.output.splitlines() if line.startswith("machine: "))  # after any build notes
+    assert "ISA" in machine
+    data = json.loads(out.read_text())
+    assert [row["layer"] for row in data["rows"]] == names
+    for row in data["rows"]:
+        assert "error" not in row, row
+        assert set(row["agreement"]) == {"derivgen", "eager"} and max(row["agreement"].values()) < data["tolerance"]
+        for k in ("derivgen_step", "eager_step", "step_vs_eager", "fwd_vs_eager", "floor_ms", "step_vs_floor"):
+            assert math.isfinite(row[k]) and row[k] > 0, (row["layer"], k)
+        assert row["layer"] in r.output
+
+
+def test_bench_zoo_catches_a_wrong_reference_and_lists_the_untimed(monkeypatch):
+    """A reference 1% off is caught by the float64 check before anything is timed; a layer
+    without a reference is listed with its reason, never dropped."""
+    pytest.importorskip("torch")
+    from derivgen.tools import bench_zoo, bench_zoo_refs
+
+    good = bench_zoo_refs.SINGLE["softmax"]
+    monkeypatch.setitem(bench_zoo_refs.SINGLE, "softmax", lambda x, *a: good(x, *a) * 1.01)
+    real = bench_zoo.reference
+    monkeypatch.setattr(bench_zoo, "reference", lambda n: None if n == "pixelnorm" else real(n))
+    rep = bench_zoo.run_zoo_bench(
+        ["softmax", "pixelnorm"], bench_zoo.SMALL_TRAILING, bench_zoo.SMALL_CHANNELS, 1, 3, compiled=False, floor=False
+    )
+    soft, pix = rep["rows"]
+    assert "disagrees with the float64 reference" in soft["error"] and "derivgen_step" not in soft
+    assert pix["error"] == "no independent PyTorch reference"
+    text = bench_zoo.format_zoo_report(rep)
+    assert "not timed:" in text and "softmax: " in text and "pixelnorm: no independent" in text
+
+
+def test_bench_zoo_options_are_checked():
+    from click.testing import CliRunner
+
+    from derivgen.cli import cli
+
+    for args, want in (
+        (["--zoo", "nosuchlayer"], "unknown layer"),
+        (["--zoo", "--shape", "8x4x2"], "2-D (rows x features) or 4-D"),
+        (["--small"], "go with --zoo"),
+        (["--zoo", "--torch"], "--zoo takes"),
+    ):
+        r = CliRunner().invoke(cli, ["bench", *args])
+        assert r.exit_code != 0 and want in r.output, (args, r.output)
+
+
+def test_bench_zoo_jax_runs_and_reports_finite_ratios():
+    """--zoo --jax on two layers at tiny sizes: both rules and the plain forward's autodiff
+    agree with the float64 reference; a layer with tensors beside x is listed with its reason."""
+    pytest.importorskip("jax")
+    pytest.importorskip("torch")
+    from derivgen.tools import bench_zoo
+    from derivgen.tools.bench_zoo_jax import format_zoo_jax_report, run_zoo_jax_bench
+
+    rep = run_zoo_jax_bench(
+        ["rmsnorm", "evonorm_s0", "add_rmsnorm"], bench_zoo.SMALL_TRAILING, bench_zoo.SMALL_CHANNELS, 3
+    )
+    rms, evo, add = rep["rows"]
+    for row in (rms, evo):
+        assert "error" not in row, row
+        assert set(row["agreement"]) == {"derivgen", "derivgen_vjp", "autodiff"}
+        for k in ("derivgen_step_vs_autodiff", "derivgen_vjp_step_vs_autodiff", "derivgen_fwd_vs_autodiff"):
+            assert math.isfinite(row[k]) and row[k] > 0, (row["layer"], k)
+    assert "tensors beside x" in add["error"]
+    text = format_zoo_jax_report(rep)
+    assert "jvp/ad" in text and "vjp/ad" in text and "add_rmsnorm: " in text
