@@ -12,11 +12,15 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 
+# timm (its layer classes, for the importer's tests) comes without its dependencies: it requires
+# torchvision, and PyPI's torchvision wheels link CUDA libtorch, which the pinned CPU torch lacks;
+# tests/importer/timm_layers.py loads timm's layer files without timm's package __init__.
 # setuptools tells every editable install of a package with a package-dir mapping (templates/
 # is installed as derivgen.templates) to beware of same-named folders, as a UserWarning that pip
 # forwards (BuildBackendWarning); it is information, not a fault, so the install leaves it out
 $(STAMP): pyproject.toml | $(BIN)/python
 	PYTHONWARNINGS=ignore::UserWarning $(BIN)/python -m pip install -q -e '.[test]'
+	$(BIN)/python -m pip install -q --no-deps 'timm==1.0.31'
 	touch $@
 
 install: $(STAMP)

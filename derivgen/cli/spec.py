@@ -48,7 +48,13 @@ def lint_cmd(specs: tuple[str, ...], strict: bool, all_zero: bool) -> None:
 
 @cli.command("import", short_help="Read a PyTorch module's or function's forward as a spec.")
 @click.argument("target", metavar="PATH:NAME")
-@click.option("--shape", "shape_text", required=True, help="An example input's shape, like 4x64 or 2,8,16,16.")
+@click.option(
+    "--shape",
+    "shape_texts",
+    required=True,
+    multiple=True,
+    help="An example input's shape, like 4x64 or 2,8,16,16; repeated for a forward of several tensors (x first).",
+)
 @click.option(
     "--arg", "args", multiple=True, metavar="VALUE", help="A constructor argument (a Python literal), in order."
 )
@@ -58,12 +64,18 @@ def lint_cmd(specs: tuple[str, ...], strict: bool, all_zero: bool) -> None:
     "-o", "--out", default=None, type=click.Path(dir_okay=False), help="Write the spec here (default: stdout)."
 )
 def import_cmd(
-    target: str, shape_text: str, args: tuple[str, ...], kwargs: tuple[str, ...], name: str | None, out: str | None
+    target: str,
+    shape_texts: tuple[str, ...],
+    args: tuple[str, ...],
+    kwargs: tuple[str, ...],
+    name: str | None,
+    out: str | None,
 ) -> None:
     """Trace a torch.nn.Module class (built with --arg/--kwarg) or a function, named as
-    file.py:NAME or package.module:NAME, with torch.export on a float64 input of --shape, and
-    write its forward as a spec (TOML): statistics, the normalized coordinate, parameters by
-    the module's names, eps and other numbers as options. What no spec construct computes is
+    file.py:NAME or package.module:NAME, with torch.export on a float64 input of --shape (one
+    --shape per tensor argument: x, then a residual, a gate ...), and write its forward as a
+    spec (TOML): statistics, the normalized coordinate, parameters by the module's names, eps
+    and other numbers as options, the tensors after x and the tensors returned after y. What no spec construct computes is
     refused in one line naming the operation and its source line. Needs PyTorch."""
     import ast
 
@@ -82,7 +94,8 @@ def import_cmd(
         if not sep or not key.isidentifier():
             raise UserError(f"--kwarg: expected NAME=VALUE, got {kv!r}")
         named[key] = literal(f"--kwarg {key}", value)
-    shape = _shape(shape_text)
+    shapes = tuple(_shape(t) for t in shape_texts)
+    shape = shapes[0] if len(shapes) == 1 else shapes
     try:
         with _status(f"tracing {target}"):
             text, seconds = import_command_main(target, shape, positional, named, name=name)

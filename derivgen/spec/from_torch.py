@@ -66,9 +66,14 @@ def _torch() -> Any:
 
 # -- the entry points -----------------------------------------------------------------------------
 def _export(torch: Any, module: Any, xs: tuple, fn_name: str) -> Any:
-    try:
-        import warnings
+    import logging
+    import warnings
 
+    was = logging.root.manager.disable
+    try:
+        # torch logs a failed trace's traceback (fake_tensor's "failed while attempting to run
+        # meta"): the error below is said in one line instead
+        logging.disable(logging.CRITICAL)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             ep = torch.export.export(module, xs, strict=False)
@@ -90,6 +95,8 @@ def _export(torch: Any, module: Any, xs: tuple, fn_name: str) -> Any:
             raise TorchImportError(f"{what} in {fn}, line {line}: {why}") from None
         first = msg.strip().splitlines()[0][:200] if msg.strip() else type(exc).__name__
         raise TorchImportError(f"{fn_name}: torch.export cannot trace the forward: {first}") from None
+    finally:
+        logging.disable(was)
 
 
 def from_torch_toml(
@@ -237,7 +244,7 @@ def resolve_target(target: str) -> Any:
 
 def import_command_main(
     target: str,
-    shape: tuple[int, ...],
+    shape: tuple,
     args: tuple = (),
     kwargs: dict | None = None,
     *,
@@ -245,7 +252,7 @@ def import_command_main(
 ) -> tuple[str, float]:
     """What ``derivgen import PATH:NAME --shape 2,8 [--args ...] -o out.toml`` does: resolve the
     target, instantiate a class with ``args``/``kwargs`` (a function is used as it is), trace
-    it on a float64 tensor of ``shape`` and return (the spec's TOML text, seconds taken). The
+    it on a float64 tensor of ``shape`` (a tuple of shapes: one tensor each, x first) and return (the spec's TOML text, seconds taken). The
     text has been checked by the spec parser. Errors are :class:`TorchImportError` (one line)."""
     torch = _torch()
 

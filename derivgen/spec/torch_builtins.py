@@ -68,7 +68,9 @@ def layer_or_group_norm(w: Any, node: Any, op: str) -> tuple:
         w.st.layout = _Layout("channels", "group", 1, (-1,))
         w.st.notes.append(f"num_groups = {groups}: the generated forward takes it as its num_groups= argument")
     mean, _var, rstd = _moments(w, node, eps, x.text)
-    return (_affine(w, node, mean, rstd, weight, bias, x.text), mean, rstd)
+    y = _affine(w, node, mean, rstd, weight, bias, x.text)
+    y.view = x.view  # timm's LayerNorm2d: the layer norm of x permuted to channels last
+    return (y, mean, rstd)
 
 
 def buffer_update(w: Any, node: Any, target: str) -> bool:

@@ -6,6 +6,8 @@ what no spec can say is refused naming the operation and its source line.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import re
 from pathlib import Path
 from typing import Any
@@ -30,6 +32,7 @@ from derivgen.spec.torch_ops import (
     _VIEWS,
     _WHY,
     TorchImportError,
+    _Layout,
     _num,
     _State,
     _wrap,
@@ -260,6 +263,10 @@ class _Walker:
             if not isinstance(v, _V) or v.level != _ELEM:
                 what = "the output" if i == 0 else f"output {i + 1}"
                 raise self.refuse(a, what, "y and the outputs beside it must be element values of x")
+            if v.view is not None:
+                raise self.refuse(
+                    a, "the output" if i == 0 else f"output {i + 1}", "x's values with its axes rearranged"
+                )
             v = self.normalize(v)
             texts.append(v)
         for v in texts[1:]:
@@ -399,6 +406,12 @@ class _Walker:
         if dims is None or (isinstance(dims, (list, tuple)) and len(dims) == 0):
             dims = tuple(range(len(seen)))
         dims = tuple(sorted({d % len(seen) for d in dims}))
+        v = self.values.get(getattr(arg, "name", None))
+        if isinstance(v, _V) and v.view is not None:
+            dims = self.view_dims(node, v, dims)
+            if dims is None:
+                return
+            seen = self.st.shape
         plain = _squeezed(self.st.shape) == self.st.shape
         if len(seen) != nd and plain and _squeezed(seen) == self.st.shape:  # x seen with size-1 axes inserted
             axes = [i for i, d in enumerate(seen) if d != 1]
@@ -434,6 +447,8 @@ class _Walker:
             return v
         if op in _VIEWS:
             return self.view(node, op)
+        if op in ("permute", "transpose") and self.permutable(args[0]):
+            return self.permute(node, op)
         if op == "repeat":
             v = self.values.get(getattr(args[0], "name", None))
             if v is not None and v.name in self.st.params and v.tag is None:
@@ -475,6 +490,8 @@ class _Walker:
         shape, st = tuple(node.meta["val"].shape), self.st
         if v.tensor is not None:  # a tensor beside x broadcast (DiT's scale.unsqueeze(1)): the layout places it
             return v
+        if v.view is not None or v.tag is None and self.grouped_shape(shape):
+            return self.rearranged(node, op, v, shape)
         if shape == st.shape:
             if v.tag is not None and v.tag[0] not in ("instance", "channel_pooled"):
                 raise self.tagged(node, v)
@@ -495,6 +512,74 @@ class _Walker:
                 "features within a row have no spec construct (one group of all the features imports)",
             )
         raise self.refuse(node, f"torch.{op}", "reshapes x; a spec's layout is fixed by x's shape")
+
+    # -- x's axes rearranged: permuted (timm's LayerNorm2d), channels split into groups (EvoNorm) --
+    def permutable(self, arg: Any) -> bool:
+        v = self.values.get(getattr(arg, "name", None))
+        return isinstance(v, _V) and v.level == _ELEM and v.tag is None and v.name not in self.st.params
+
+    def permute(self, node: Any, op: str) -> _V:
+        """x (or an element value) with its axes permuted: the same values, the view recording
+        which axis of x each axis is."""
+        v = self.values[node.args[0].name]
+        nd = self.st.ndim
+        if v.view is not None and v.view[0] != "perm":
+            raise self.refuse(node, f"torch.{op}", "permutes x's channels split into groups")
+        now = v.view[1] if v.view is not None else tuple(range(nd))
+        if op == "permute":
+            order = [d % nd for d in node.args[1]]
+        else:
+            a, b = node.args[1] % nd, node.args[2] % nd
+            order = list(range(nd))
+            order[a], order[b] = b, a
+        new = tuple(now[d] for d in order)
+        view = None if new == tuple(range(nd)) else ("perm", new)
+        return dataclasses.replace(v, view=view, src=None)
+
+    def grouped_shape(self, shape: tuple[int, ...]) -> int | None:
+        """G where ``shape`` is x (N, C, *S) with its channels split into G groups: (N, G, C/G, *S),
+        or (N, G, C/G·prod(S))."""
+        xs = self.st.shape
+        if len(xs) < 3 or len(shape) < 3 or shape[0] != xs[0] or shape[1] in (1, xs[1]) or xs[1] % shape[1]:
+            return None
+        if len(shape) == len(xs) + 1 and shape[1] * shape[2] == xs[1] and shape[3:] == xs[2:]:
+            return shape[1]
+        if len(shape) == 3 and shape[1] * shape[2] == math.prod(xs[1:]):
+            return shape[1]
+        return None
+
+    def rearranged(self, node: Any, op: str, v: _V, shape: tuple[int, ...]) -> _V:
+        """A view of an element value whose axes are rearranged: a no-op view keeps the
+        arrangement; x's shape again ends it; a split of the channels into groups starts one."""
+        st = self.st
+        if v.view is None:
+            return dataclasses.replace(v, view=("groups", self.grouped_shape(shape), shape), src=None)
+        if v.view[0] == "perm" and shape == tuple(st.shape[a] for a in v.view[1]):
+            return v
+        if v.view[0] == "groups" and shape == v.view[2]:
+            return v
+        if v.view[0] == "groups" and shape == st.shape:
+            return dataclasses.replace(v, view=None, src=None)
+        raise self.refuse(node, f"torch.{op}", "reshapes x; a spec's layout is fixed by x's shape")
+
+    def view_dims(self, node: Any, v: _V, dims: tuple[int, ...]) -> tuple[int, ...] | None:
+        """The reduced dims of a rearranged value as dims of x; None where they are the groups of
+        channels (the layout set to reduce = "group")."""
+        if v.view[0] == "perm":
+            return tuple(sorted(v.view[1][d] for d in dims))
+        groups, shape = v.view[1], v.view[2]
+        if dims != tuple(range(2, len(shape))):
+            raise self.refuse(node, self.display(node), "reduces x's channels split into groups over other dims")
+        lay = self.st.layout
+        if lay.kind == "channels" and lay.reduce == "group":
+            if lay.groups != groups:
+                raise self.refuse(node, self.display(node), "reduces over two different splits into groups")
+            return None
+        if lay.dims is not None:
+            raise self.refuse(node, self.display(node), "a reduction over groups of channels beside other reductions")
+        self.st.layout = _Layout("channels", "group", 1, (-1,), groups)
+        self.st.notes.append(f"num_groups = {groups}: the generated forward takes it as its num_groups= argument")
+        return None
 
     def reduction(self, node: Any, op: str) -> Any:
         args, kwargs = node.args, node.kwargs
@@ -560,12 +645,16 @@ class _Walker:
             else:
                 vals.append(self.val(node, a))
         level = max(v.level for v in vals)
+        views = {v.view for v in vals if v.level == _ELEM}
+        if len(views) > 1:
+            raise self.refuse(node, self.display(node), "combines x's values in two arrangements of its axes")
         if level == _ELEM:  # element values read group values by name
             vals = [self.stat(v, node, self.pref_for(v)) for v in vals]
             if node.name not in self.feeds_reduction:
                 vals = [self.normalize(v) for v in vals]
         v = self.apply(node, op, vals, kwargs)
         v.level = level
+        v.view = next(iter(views)) if views else None
         return v
 
     @staticmethod

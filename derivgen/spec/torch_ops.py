@@ -98,6 +98,9 @@ class _V:
     src: Any = None  # the graph node that computed it
     tag: tuple | None = None  # a value only a known construct reads: a buffer, a repeated parameter, a view of x
     tensor: str | None = None  # a tensor input beside x, as it was passed (views of it broadcast it)
+    # an element value seen in another arrangement of x's axes: ("perm", axes) (x.permute(axes)),
+    # ("groups", G, shape) (x's channels split into G groups: (N, G, C/G, *S) or (N, G, -1))
+    view: tuple | None = None
 
 
 @dataclass
@@ -106,6 +109,7 @@ class _Layout:
     reduce: str | None = None
     axes: int = 1
     dims: tuple[int, ...] | None = None  # the reduced dims of x, positive
+    groups: int | None = None  # reduce = "group" from x's channels split into groups: how many
 
 
 @dataclass

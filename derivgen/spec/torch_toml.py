@@ -50,6 +50,12 @@ def _infer_axes(st: _State, fn_name: str) -> None:
         k = max(spans) if spans else 1
         dims = tuple(range(nd - k, nd))
     trailing = dims == tuple(range(nd - len(dims), nd)) and len(dims) < nd
+    if trailing and nd > 2 and dims == tuple(range(2, nd)) and channel_params:
+        # statistics over the space of (N, C, *S) with parameters per channel (timm's FRN):
+        # a channel layout, not a trailing one whose parameters would span the space
+        spans = all(tuple(_strip(s)) == tuple(shape[2:]) for s in channel_params.values())
+        per_channel = all(tuple(_strip(s)) == (shape[1],) for s in channel_params.values())
+        trailing = spans or not per_channel
     if trailing:
         k = len(dims)
         lay.kind, lay.axes = "trailing", k

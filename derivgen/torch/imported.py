@@ -143,7 +143,7 @@ def _replacement(m: nn.Module, spec: Spec, call: _Call) -> Module:
     options set to ``m``'s values, its hooks and mode; checked against ``m`` on a random input."""
     meta = layer(spec).meta
     size = call.shape[1:2] if meta.layout == "channels" else call.shape[len(call.shape) - meta.axes :]
-    groups = getattr(m, "num_groups", None) if meta.reduce == "group" else None
+    groups = (getattr(m, "num_groups", None) or getattr(m, "groups", None)) if meta.reduce == "group" else None
     options = {o: getattr(m, o) for o in meta.options if isinstance(getattr(m, o, None), (int, float))}
     new = Module(spec, size, num_groups=groups, device="meta", **options)
     for p in meta.params:

@@ -239,3 +239,32 @@ def test_import_writes_a_spec_that_derives_as_the_catalogue_layer(tmp_path):
     ):
         r = run("import", *args)
         assert r.returncode == 2 and says in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_import_of_several_tensors_takes_a_shape_each(tmp_path):
+    """derivgen import with one --shape per tensor argument: a residual add + RMSNorm file
+    imports with residual in [tensors], h in [values] and as an output; shapes that do not
+    broadcast are one line (torch's own logged traceback silenced)."""
+    from conftest import require_module
+
+    require_module("torch")
+    src = tmp_path / "addnorm.py"
+    src.write_text(
+        "import torch\n\n\n"
+        "class AddRMSNorm(torch.nn.Module):\n"
+        "    def __init__(self, n, eps=1e-6):\n"
+        "        super().__init__()\n"
+        "        self.weight = torch.nn.Parameter(torch.ones(n))\n"
+        "        self.eps = eps\n\n"
+        "    def forward(self, x, residual):\n"
+        "        h = x + residual\n"
+        "        return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight, h\n"
+    )
+    out = tmp_path / "addnorm.toml"
+    r = run("import", f"{src}:AddRMSNorm", "--arg", "16", "--shape", "4x16", "--shape", "4x16", "-o", str(out))
+    assert r.returncode == 0, r.stderr
+    spec = derivgen.load_spec(out)
+    assert [t.name for t in spec.tensors] == ["residual"] and [v.name for v in spec.values] == ["h"]
+    assert [o.name for o in spec.outputs] == ["h"]
+    r = run("import", f"{src}:AddRMSNorm", "--arg", "16", "--shape", "4x16", "--shape", "4x3")
+    assert r.returncode == 2 and "cannot trace" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
