@@ -18,6 +18,10 @@ walked once, node by node, and each node mapped to the spec language:
   parameters, reductions over space (``instance``), batch and space (``batch``), channels
   (``position``));
 * dtype casts (``x.float()`` ... ``.to(input_dtype)``) are dropped and recorded in a comment;
+* tensor arguments after x are ``[tensors]`` (x's shape, one value per sample, per position;
+  a bool one a mask), the value the statistics read through x and those tensors a
+  ``[values]`` entry, tensors returned after y outputs beside it; x permuted (and permuted
+  back) or its channels reshaped into groups (``reduce = "group"``) keep x's layout;
 * ``native_layer_norm`` and ``native_group_norm``, which core ATen keeps whole, are read as
   the catalogue's layer and group normalization; batch norm (training mode: its running-buffer
   updates as ``[buffers]`` with their momentum update; eval mode: the same spec, whose eval
@@ -197,10 +201,10 @@ def _argument_names(fn: Any, count: int) -> list[str]:
 
 
 def from_torch(module_or_function: Any, example_input: Any, *, name: str | None = None) -> Spec:
-    """Read a ``torch.nn.Module`` (or a function of one tensor) as a :class:`Spec`.
+    """Read a ``torch.nn.Module`` (or a function of tensors) as a :class:`Spec`.
 
     The forward is traced with ``torch.export`` on ``example_input`` (a tensor, or a shape:
-    a float64 tensor of that shape) and its core ATen graph mapped to the spec language: see
+    a float64 tensor of that shape; a tuple of them for a forward of several tensors) and its core ATen graph mapped to the spec language: see
     this module's docstring. ``name`` names the layer (default: the class or function name in
     snake case). What cannot be a spec raises :class:`TorchImportError` with one line naming
     the operation and the source line."""
