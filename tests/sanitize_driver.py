@@ -485,6 +485,31 @@ for name, shapes in MULTI_NHWC.items():
                     res.append([back(y), *st, back(dx), *(back(a) for a in dts), *dps])
                 assert all(np.array_equal(a, b) for a, b in zip(*res)), (name, xs, sfx, threads)
                 extras += 1
+# Their split kernels (masked_batchnorm: a mask inside the means; spade: tensors of x's shape
+# with gradients), through the C binding's split functions, in parts of 2, 0 and 1 samples
+for name in MULTI_NHWC:
+    k = derivgen.load(name, backend="c")
+    spec = derivgen.load_spec(name)
+    for dtype in (np.float32, np.float64):
+        xs = (3, 2, 5, 3)
+        x, dy = rng.normal(size=xs).astype(dtype), rng.normal(size=xs).astype(dtype)
+        tens = {}
+        for t in spec.tensors:
+            v = rng.normal(size=xs if t.shape == "x" else (xs[0], 1, *xs[2:])).astype(dtype)
+            tens[t.name] = (v > -0.5).astype(dtype) if t.mask else v
+        params = [rng.normal(size=(xs[1],)).astype(dtype) for _ in spec.params]
+        cuts = [(0, 2), (2, 2), (2, 3)]
+        parts = [(x[a:b], dy[a:b], {t: v[a:b] for t, v in tens.items()}) for a, b in cuts]
+        total, stats = xs[0] * xs[2] * xs[3], None
+        for level in range(k.SPLIT_LEVELS):
+            sums = sum(k.split_partial(level, p, params, stats=stats, tensors=t) for p, _, t in parts)
+            stats = k.split_finish(level, sums, total, params, stats=stats)
+        for p, d, t in parts:
+            k.split_apply(p, params, stats, total, tensors=t)
+        bsums = sum(k.split_backward_partial(d, p, params, stats, total, tensors=t) for p, d, t in parts)
+        for j, (p, d, t) in enumerate(parts):
+            k.split_backward_apply(d, p, params, stats, bsums, total, group_terms=j == 0, tensors=t)
+        splits += 1
 print(
     f"ran {count} forward/backward pairs, {extras} of the extras (bfloat16, channels-last), {splits} split reductions"
     f", {multi} layers with tensor inputs",

@@ -84,9 +84,10 @@ def layer_meta(spec: Spec, irs: Mapping[str, ModeIR]) -> dict:
 def _split_meta(spec: Spec, irs: Mapping[str, ModeIR]) -> dict | None:
     """The split reduction's shape (batch layouts, training mode): sums per level of the
     forward and sums of the backward, per group. None where there is no split reduction:
-    other layouts, and training statistics that read running buffers (batch
-    renormalization's r and d), which the split kernels do not take, or group maxima."""
-    if spec.layout != "channels" or spec.reduce != "batch" or "train" not in irs or spec.multi:
+    other layouts, training statistics that read running buffers (batch renormalization's r
+    and d), which the split kernels do not take, or group maxima, and outputs beside y. Tensor
+    inputs beside x (a mask inside the means, a modulation) are element values of every part."""
+    if spec.layout != "channels" or spec.reduce != "batch" or "train" not in irs or spec.outputs:
         return None
     buffers = {b.symbol for b in spec.buffers}
     if any(st.expr.free_symbols & buffers or st.expr.has(*SELECTIONS) for st in spec.modes[0].statistics):

@@ -346,7 +346,7 @@ def _split(meta: LayerMeta, kind: str) -> _Builder:
         .add("sums", _one("sums", "Sums", "double", True, True))
         .add("count", count)
         .add("group_terms", _one("group_terms", "Group_terms", "int"))
-        .add("dx", _elems("dx", ["dx"], False))
+        .add("dx", _elems("dx", ["dx", *("d" + t for t in grad_tensor_names(meta))], False))
         .add("dparams", _elems("dparams", ["d" + p for p in meta.params], False))
         .add("dinputs", _elems("dinputs", ["d" + i for i in meta.inputs], False))
         .add("nthreads", nthreads)

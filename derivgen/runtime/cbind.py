@@ -267,13 +267,12 @@ class CKernel:
     # (batch layouts, training mode; see the split_* functions of the generated modules)
 
     def _run_split(self, kind: str, call: rt.SplitCall, sections: dict) -> int:
-        """Call a split kernel: ``sections`` after the leading ones of ``call``."""
-        return self._run(
-            "train",
-            "split_" + kind,
-            call.dtype,
-            {**self._leading(call.layout, call.params, call.options, call.inputs), **sections},
-        )
+        """Call a split kernel: ``sections`` after the leading ones of ``call`` (its tensor
+        inputs at the part's x shape; none for split_finish, which reads no element)."""
+        lead = self._leading(call.layout, call.params, call.options, call.inputs)
+        if tensor_names(self.meta):
+            lead["tensors"] = [_ptr(call.tensors.get(t)) for t in tensor_names(self.meta)]
+        return self._run("train", "split_" + kind, call.dtype, {**lead, **sections})
 
     def split_partial(self, call: rt.SplitCall, level: int) -> np.ndarray:
         """This part's sums of statistics level ``level``: float64 (sums, groups)."""
@@ -364,6 +363,10 @@ class CKernel:
         dy = rt.check_dy(m, dy, call)
         sums = rt.check_sums(m, sums, m.split.backward, L)
         dx = aligned_empty(call.x.shape, call.dtype)
+        # a broadcast tensor's element gradients at x's shape, summed over its broadcast axes below
+        gts = grad_tensor_names(m)
+        douts = {t: np.zeros(rt.tensor_shape(m, m.tensors[t][0], L), dtype=call.dtype) for t in gts}
+        dtens = {t: rt.grad_buffer(m, t, L, douts[t], call.dtype) for t in gts}
         dparams = {p: np.zeros(call.params[p].shape, dtype=call.dtype) for p in m.params}
         dinputs = {i: np.zeros(L.n_groups, dtype=call.dtype) for i in m.inputs}
         if L.O:
@@ -377,7 +380,7 @@ class CKernel:
                     "sums": (_ptr(sums),),
                     "count": (call.count,),
                     "group_terms": (int(bool(group_terms)),),
-                    "dx": (_ptr(dx),),
+                    "dx": (_ptr(dx), *(_ptr(dtens[t]) for t in gts)),
                     "dparams": [_ptr(dparams[p]) for p in m.params],
                     "dinputs": [_ptr(dinputs[i]) for i in m.inputs],
                 },
@@ -385,6 +388,8 @@ class CKernel:
             if status != 0:
                 raise MemoryError(f"{m.name}: split backward apply kernel could not allocate its work buffer")
         values = {"dx": dx, **{"d" + p: v for p, v in dparams.items()}}
+        for t in gts:
+            values["d" + t] = rt.finish_tensor_grad(m, t, L, dtens[t], douts[t]) if L.O else douts[t]
         for i in m.inputs:
             v = dinputs[i]
             values["d" + i] = (

@@ -6,13 +6,14 @@ bindings call these checks and helpers)."""
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from derivgen.runtime.base import _by_name, _check_array, _contig, _inputs, _param_dtypes, _param_shapes, named_errors
 from derivgen.runtime.meta import LayerMeta, MetaLike, layer_meta
+from derivgen.runtime.tensors import check_tensors, finish_tensor_grad, tensor_shape
 from derivgen.runtime.validate import Layout, check_float, check_options, layout_from_shapes, scalar_params
 
 
@@ -29,6 +30,7 @@ class SplitCall:
     inputs: dict[str, np.ndarray]
     stats: np.ndarray | None  # (statistics, groups) float64, in meta.stats["train"] order
     count: float | None  # values per group over all parts
+    tensors: dict[str, np.ndarray] = field(default_factory=dict)  # the tensor inputs at the part's x shape
 
 
 def split_layout(meta: MetaLike, x_shape: Sequence[int], param_shapes: dict[str, Sequence[int]]) -> Layout:
@@ -61,11 +63,15 @@ def prepare_split(
     count: float | None = None,
     need_stats: bool = False,
     need_count: bool = False,
+    tensors: Mapping[str, Any] | None = None,
+    need_tensors: bool = False,
 ) -> SplitCall:
     """Checks for the split-reduction functions (errors name the argument). Parameters are
-    a dict by name or a sequence in spec order; options and per-group inputs dicts by name
+    a dict by name or a sequence in spec order; options, per-group inputs and the tensor
+    inputs beside x (the part's own, of their declared shapes for the part's x) dicts by name
     (options default as in the spec). A part may be empty; the minimum group size applies
-    to ``count``, the size over all parts."""
+    to ``count``, the size over all parts. The tensors are checked with ``need_tensors``
+    (the functions that read the part's elements; ``split_finish`` reads none)."""
     meta = layer_meta(meta)
     name = meta.name
     if meta.split is None:
@@ -110,6 +116,11 @@ def prepare_split(
         count = n
     elif need_count:
         raise TypeError(f"{name}: count is required (values per group over all parts)")
+    full = {}
+    if meta.tensors and need_tensors:
+        if tensors is not None and not isinstance(tensors, Mapping):
+            raise TypeError(f"{name}: tensors must be a dict by name ({', '.join(meta.tensors)})")
+        full = check_tensors(meta, tensors or {}, layout, dtype)
     return SplitCall(
         meta,
         layout,
@@ -120,6 +131,7 @@ def prepare_split(
         _inputs(meta, inputs, layout, dtype),
         stats,
         count,
+        full,
     )
 
 
@@ -196,6 +208,16 @@ def part_param_grad(value: np.ndarray | float, param: np.ndarray) -> np.ndarray:
     if v.size == 1 and param.size != 1:
         return np.full(param.shape, v.reshape(-1)[0], dtype=param.dtype)
     return v.astype(param.dtype).reshape(param.shape)
+
+
+def part_tensor_grad(meta: MetaLike, tname: str, layout: Layout, buf: np.ndarray) -> np.ndarray:
+    """A tensor input's gradient over a part from its element gradients ``buf`` (the part's x
+    shape): itself for a tensor of x's shape, else summed over the axes it is broadcast over."""
+    meta = layer_meta(meta)
+    kind = meta.tensors[tname][0]
+    if kind == "x":
+        return buf
+    return finish_tensor_grad(meta, tname, layout, buf, np.zeros(tensor_shape(meta, kind, layout), buf.dtype))
 
 
 def part_input_grad(call: SplitCall, iname: str, per_group: np.ndarray | float) -> np.ndarray:
