@@ -11,13 +11,15 @@
 * :mod:`~derivgen.derive.coordinate`: the normalized coordinate (x̂) the closed forms are
   written in;
 * :mod:`~derivgen.derive.rewrite`: the targeted rewrites both orders share (``tidy``,
-  ``closed_form``, ``fewest_closed_forms``);
+  ``closed_form``, ``fewest_closed_forms``), over :mod:`~derivgen.derive.terms` (what keeps
+  ``tidy``'s work bounded: ``factor_terms`` remembering its sub-expressions, a large sum
+  expanded with its denominators factored);
 * :mod:`~derivgen.derive.second`: the second order's entry, ``derive_second`` -- the double
   backward (:mod:`~derivgen.derive.double_backward`) and the JVP
   (:mod:`~derivgen.derive.jvp`) from their seeds (:mod:`~derivgen.derive.seeds`);
 * :mod:`~derivgen.derive.results`: the data handed on, ``ModeDerivation`` and ``SecondOrder``.
 
-Inside the stage, imports go one way: program, results, rewrite, coordinate; reverse,
+Inside the stage, imports go one way: program, results, terms, rewrite, coordinate; reverse,
 closed_forms, core, first; seeds, double_backward, jvp, second.
 Results are frozen data; nothing here keeps an engine after it returns.
 """

@@ -14,6 +14,7 @@ import sympy
 from sympy import Add, Mul
 
 from derivgen.derive.results import G
+from derivgen.derive.terms import expand_factored, factor_terms, size
 from derivgen.spec.model import Statistic, X
 from derivgen.symbolic import functions
 from derivgen.symbolic.block import BlockFacts, BlockMean, block_mean
@@ -56,23 +57,35 @@ def _nice_signs(e: sympy.Expr) -> sympy.Expr:
     return coeff * Mul(*factors)
 
 
-def _nice_group(e: sympy.Expr) -> sympy.Expr:
+def _nice_group(e: sympy.Expr, seen: dict[sympy.Basic, sympy.Basic]) -> sympy.Expr:
     """A per-group coefficient, factored (small expressions only)."""
     if e.is_Atom or sympy.count_ops(e) > 400:
-        return sympy.factor_terms(e)
+        return factor_terms(e, seen)
     f = sympy.factor(e, deep=False)
-    if sympy.count_ops(f) > sympy.count_ops(sympy.factor_terms(e)):
-        f = sympy.factor_terms(e)
+    if sympy.count_ops(f) > sympy.count_ops(factor_terms(e, seen)):
+        f = factor_terms(e, seen)
     num, den = sympy.fraction(f)
     return _nice_signs(num) / den if den != 1 else _nice_signs(f)
 
 
+# an expression larger than this (nodes, terms.size) is expanded with its polynomial
+# denominators factored (terms.expand_factored), not multiplied out: the double backward of
+# tests/regressions/tensors/masked_second_order_time (masked statistics, a quadratic output)
+# has two closed forms of 127,000 and 84,000 nodes (679 and 443 terms over a dozen
+# denominators, each multiplied out in every term); tidied as the others they took 32 s and
+# 18 s, most of it in factor_terms, and came out at 52,000 and 36,000 count_ops; factored,
+# 9 s and 5 s, and 5,700 and 4,700. The largest a catalogue, zoo or regression layer tidies
+# is under half of it (9,700, switchnorm's second order): theirs are as they were.
+LARGE = 20_000
+
+
 def tidy(e: sympy.Expr, element: set[sympy.Symbol]) -> sympy.Expr:
     """Collect by products of means (group and block means), then by element monomials; factor
-    each per-group coefficient."""
-    e = expand(e)
+    each per-group coefficient; a large sum's denominators factored first (see ``LARGE``)."""
+    e = expand_factored(e) if size(e) > LARGE else expand(e)
     if e == 0:
         return e
+    seen: dict[sympy.Basic, sympy.Basic] = {}  # factor_terms' results, shared by the three passes
     by_means: dict[sympy.Expr, list] = {}
     for t in Add.make_args(e):
         m = Mul(*[f for f in Mul.make_args(t) if f.has(Mean, BlockMean)])
@@ -85,12 +98,12 @@ def tidy(e: sympy.Expr, element: set[sympy.Symbol]) -> sympy.Expr:
             by_elem.setdefault(el, []).append(t / el)
         coef = Add(
             *[
-                el * _nice_group(Add(*gs))
+                el * _nice_group(Add(*gs), seen)
                 for el, gs in sorted(by_elem.items(), key=lambda kv: sympy.default_sort_key(kv[0]))
             ]
         )
-        out.append(m * (sympy.factor_terms(coef) if len(by_elem) > 1 else coef))
-    return _nice_signs(sympy.factor_terms(Add(*out)))
+        out.append(m * (factor_terms(coef, seen) if len(by_elem) > 1 else coef))
+    return _nice_signs(factor_terms(Add(*out), seen))
 
 
 def closed_form(
