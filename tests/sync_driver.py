@@ -171,6 +171,58 @@ def case_spec(rank, world):
     close("spec dbeta", gather_sum(ours.beta.grad), ref.beta.grad, 1e-12)
 
 
+# the zoo's batch layers with tensor inputs beside x: a position mask inside the means, per-(sample,
+# channel) and per-element modulations; each process passes its part of every tensor
+MULTI = ("masked_batchnorm", "conditional_batchnorm", "spade")
+
+
+def multi_tensors(name, x, dtype):
+    g = torch.Generator().manual_seed(11)
+    n, c = x.shape[:2]
+    if name == "masked_batchnorm":
+        m = (torch.rand(n, 1, *x.shape[2:], generator=g) < 0.7).double()
+        m[0] = 1.0
+        return {"mask": m.to(dtype)}
+    shape = (n, c) if name == "conditional_batchnorm" else tuple(x.shape)
+    return {t: (torch.randn(shape, generator=g, dtype=torch.float64) * 0.5 + 1).to(dtype) for t in ("gamma", "beta")}
+
+
+def case_multi(rank, world):
+    for name in MULTI:
+        for dtype, rtol, fmt in (
+            (torch.float64, 1e-12, None),
+            (torch.float32, 2e-6, None),
+            (torch.float64, 1e-12, "cl"),
+        ):
+            x, dy = batch(dtype, world)
+            tens = multi_tensors(name, x, dtype)
+            ref = dt.Module(name, 3, dtype=dtype)
+            ours = dt.Module(name, 3, sync=True, dtype=dtype)
+            with torch.no_grad():
+                for p in ref.parameters():
+                    p.copy_(torch.linspace(0.5, 1.5, p.numel(), dtype=dtype))
+                ours.load_state_dict(ref.state_dict())
+            grads = name != "masked_batchnorm"
+            tr = {k: v.clone().requires_grad_(grads) for k, v in tens.items()}
+            xr = x.clone().requires_grad_(True)
+            ref(xr, **tr).backward(dy)
+            xo = part(x, rank, world).clone()
+            if fmt:
+                xo = xo.contiguous(memory_format=torch.channels_last)
+            xo.requires_grad_(True)
+            to = {k: part(v, rank, world).clone().requires_grad_(grads) for k, v in tens.items()}
+            yo = ours(xo, **to)
+            yo.backward(part(dy, rank, world))
+            label = f"{name} {dtype}{' channels_last' if fmt else ''}"
+            assert not fmt or yo.is_contiguous(memory_format=torch.channels_last), label
+            close(f"{label} y", gather_cat(yo.detach().contiguous(), world), ref(x, **tens).detach(), rtol)
+            close(f"{label} dx", gather_cat(xo.grad.contiguous(), world), xr.grad, rtol)
+            for k in tens if grads else ():
+                close(f"{label} d{k}", gather_cat(to[k].grad, world), tr[k].grad, rtol)
+            for (k, p), q in zip(ours.named_parameters(), ref.parameters()):
+                close(f"{label} d{k}", gather_sum(p.grad), q.grad, rtol)
+
+
 def cnn():
     torch.manual_seed(0)
     return nn.Sequential(
@@ -250,7 +302,9 @@ def rank_main(rank, world, port, case):
         if case in ("badshape", "baddtype"):
             case_bad(rank, world, case)
         else:
-            {"batchnorm": case_batchnorm, "spec": case_spec, "train": case_train}[case](rank, world)
+            {"batchnorm": case_batchnorm, "spec": case_spec, "train": case_train, "multi": case_multi}[case](
+                rank, world
+            )
         dist.barrier()
     finally:
         gc.collect()
@@ -278,6 +332,11 @@ def main():
             SPEC_PATH.write_text(SPEC)
             mp.start_processes(rank_main, args=(world, port, case), nprocs=world, join=True, start_method="fork")
     else:
+        if case == "multi":  # built once here (no kernel runs before the fork: libgomp is not fork-safe)
+            import derivgen
+
+            for name in MULTI:
+                assert derivgen.load(name, backend="c")._kernel.lib is not None
         mp.start_processes(rank_main, args=(world, port, case), nprocs=world, join=True, start_method="fork")
     print(f"{case} with {world} processes: ok")
 

@@ -123,7 +123,7 @@ class Module(nn.Module):
                 i: (v if isinstance(v, torch.Tensor) else torch.tensor(float(v), dtype=x.dtype))
                 for i, v in inputs.items()
             }
-            y, stats, n = sync.sync_forward(lay, pg, x, params, options, ins)
+            y, stats, n = sync.sync_forward(lay, pg, x, params, options, ins, tens)
             if bufs:
                 lay.update_buffers(stats, bufs, options, n)
             return y

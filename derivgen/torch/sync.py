@@ -29,15 +29,38 @@ import torch.distributed as dist
 from derivgen import runtime as rt
 from derivgen.runtime.cbind import input_pairs
 from derivgen.symbolic.reduce import SELECTIONS
+from derivgen.torch.multi_plan import as_x_came
 from derivgen.torch.plan import threads
 from derivgen.torch.protocol import Layer
-from derivgen.torch.tensors import fresh_like
+from derivgen.torch.schema import tensor_inputs
+from derivgen.torch.tensors import fresh_like, full_tensor, tensor_grad
 
 _DTYPE_CODES = {torch.float32: 1, torch.float64: 2, torch.bfloat16: 3}
 
 
 class SyncError(ValueError):
     """Raised on every process when the processes' inputs do not fit together."""
+
+
+def _check_tensors(lay: Layer, x: torch.Tensor, params: dict, tensors: dict) -> str | None:
+    """This process's tensor inputs' problems (None when they are fine): each given, of x's
+    dtype (float32 or float64: the C split kernels'), of its declared shape for this part,
+    a mask 0 or 1."""
+    meta = lay.meta
+    name = meta.name
+    if x.dtype not in (torch.float32, torch.float64):
+        return f"{name}: x has dtype {x.dtype}; a layer with tensor inputs splits in float32 and float64"
+    L = rt.split_layout(meta, tuple(x.shape), {p: tuple(t.shape) for p, t in params.items()})
+    for t in tensor_inputs(meta):
+        v = tensors.get(t)
+        if not isinstance(v, torch.Tensor):
+            return f"{name}: the tensor input {t} is required (a torch.Tensor)"
+        want = rt.tensor_shape(meta, meta.tensors[t][0], L)
+        if v.dtype != x.dtype or tuple(v.shape) != tuple(want):
+            return f"{name}: {t} must be {x.dtype} of shape {tuple(want)}, got {v.dtype} {tuple(v.shape)}"
+        if meta.tensors[t][2] and v.numel() and not bool(((v == 0) | (v == 1)).all()):
+            return f"{name}: {t} is a mask: every value must be 0 or 1"
+    return None
 
 
 def _check_part(lay: Layer, x: torch.Tensor, params: dict, channels: int) -> str | None:
@@ -124,18 +147,22 @@ class _CSplit:
         return self.fn[kind](*self.sig[kind].pack({**leading, **sections}))
 
     @staticmethod
-    def _leading(L, params, opts, ins) -> dict:
-        return {
+    def _leading(L, params, opts, ins, tens=()) -> dict:
+        """The leading sections; ``tens``: the tensor inputs beside x at the part's x shape."""
+        lead = {
             "dims": (L.O, L.G, L.Cg, L.S),
             "params": [p.data_ptr() for p in params],
             "options": opts,
             "inputs": input_pairs(ins),
         }
+        if tens:
+            lead["tensors"] = [t.data_ptr() for t in tens]
+        return lead
 
-    def forward(self, L, x, params, opts, ins, n, pg):
+    def forward(self, L, x, params, opts, ins, n, pg, tens=()):
         """y and the (statistics, groups) float64 statistics of the whole batch, one
         all_reduce per statistics level."""
-        lead = self._leading(L, params, opts, ins)
+        lead = self._leading(L, params, opts, ins, tens)
         nth = (threads(self.kernel),)
         stats = torch.zeros((self.nstat, L.n_groups), dtype=torch.float64)
         for level, nsums in enumerate(self.split.levels):
@@ -186,9 +213,10 @@ class _CSplit:
             raise MemoryError("split apply kernel could not allocate its work buffer")
         return y, stats
 
-    def backward(self, L, x, dy, params, opts, ins, stats, n, pg, group_terms):
-        """dx and this part's parameter gradients, one all_reduce of the backward's sums."""
-        lead = self._leading(L, params, opts, ins)
+    def backward(self, L, x, dy, params, opts, ins, stats, n, pg, group_terms, tens=(), dts=()):
+        """dx and this part's parameter gradients, one all_reduce of the backward's sums;
+        the tensors' element gradients written into ``dts`` (x's shape)."""
+        lead = self._leading(L, params, opts, ins, tens)
         nth = (threads(self.kernel),)
         sums = torch.zeros((self.split.backward, L.n_groups), dtype=torch.float64)
         if self.split.backward:
@@ -212,6 +240,8 @@ class _CSplit:
         dparams = [torch.empty_like(p) for p in params]
         dinputs = [torch.empty(L.n_groups, dtype=x.dtype) for _ in ins]
         if L.O == 0:
+            for d in dts:
+                d.zero_()
             return dx, [d.zero_() for d in dparams]
         if (
             self._call(
@@ -223,7 +253,7 @@ class _CSplit:
                 sums=(sums.data_ptr(),),
                 count=(float(n),),
                 group_terms=(int(group_terms),),
-                dx=(dx.data_ptr(),),
+                dx=(dx.data_ptr(), *(d.data_ptr() for d in dts)),
                 dparams=[d.data_ptr() for d in dparams],
                 dinputs=[d.data_ptr() for d in dinputs],
                 nthreads=nth,
@@ -293,16 +323,66 @@ class _SyncFunction(torch.autograd.Function):
         return (None, None, None, None, None, dx.reshape(x.shape).to(x.dtype), *grads)
 
 
+class _SyncTensors(torch.autograd.Function):
+    """A batch-reduced layer with tensor inputs beside x over a batch split across processes:
+    the generated C split kernels (float32/float64) on NCHW-contiguous copies of the part and
+    its tensors written out at x's shape; y and dx in x's memory format, each tensor's
+    gradient over this part (a broadcast one summed over its broadcast axes)."""
+
+    @staticmethod
+    def forward(ctx, lay, pg, n, options, kw_inputs, ntens, x, *rest):
+        """y of this process's part, with statistics reduced over every process's part."""
+        meta = lay.meta
+        tens, params = rest[:ntens], rest[ntens:]
+        L = rt.split_layout(meta, tuple(x.shape), {p: tuple(t.shape) for p, t in zip(lay.params, params)})
+        ctx.lay, ctx.pg, ctx.n, ctx.L, ctx.like = lay, pg, n, L, x
+        c = lay._csplit.get(x.dtype)
+        if c is None:
+            c = lay._csplit[x.dtype] = _CSplit(lay, x.dtype)
+        xc = x.contiguous()
+        full = [full_tensor(meta, t, v, L).contiguous() for t, v in zip(tensor_inputs(meta), tens)]
+        params_c = [t.contiguous() for t in params]
+        ins = [kw_inputs[i].to(x.dtype).contiguous() for i in lay.inputs]
+        opts = [options[o] for o in lay.options]
+        y, stats = c.forward(L, xc, params_c, opts, ins, n, pg, full)
+        ctx.c, ctx.opts, ctx.ins, ctx.stats, ctx.ntens = c, opts, ins, stats, ntens
+        ctx.tshapes = [tuple(t.shape) for t in tens]
+        ctx.save_for_backward(xc, *full, *params_c)
+        st = [stats[k].clone() for k in range(len(meta.stats["train"]))]
+        ctx.mark_non_differentiable(*st)
+        return (as_x_came(y, x, True), *st)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dy, *dstats):
+        """dx, the tensors' and the parameters' gradients of this part."""
+        L, meta = ctx.L, ctx.lay.meta
+        xc, *rest = ctx.saved_tensors
+        full, params = rest[: ctx.ntens], rest[ctx.ntens :]
+        names = tensor_inputs(meta)
+        grads = [t for t in names if meta.tensors[t][1]]
+        dts = [torch.empty_like(xc) for _ in grads]
+        first = dist.get_rank(ctx.pg) == 0
+        dx, dps = ctx.c.backward(
+            L, xc, dy.contiguous(), params, ctx.opts, ctx.ins, ctx.stats, ctx.n, ctx.pg, first, full, dts
+        )
+        by_name = dict(zip(grads, dts))
+        dtens = []
+        for t, shape in zip(names, ctx.tshapes):
+            d = by_name.get(t)
+            if d is not None:
+                d = as_x_came(d, ctx.like, True) if meta.tensors[t][0] == "x" else tensor_grad(meta, t, d, L, shape)
+            dtens.append(d)
+        return (None, None, None, None, None, None, as_x_came(dx, ctx.like, True), *dtens, *dps)
+
+
 def check_syncable(lay: Layer) -> None:
     """Raise ValueError unless ``lay``'s statistics can be split across processes: groups
     that span the batch (layout channels, reduce batch), statistics that are means (one
     all_reduce of sums per level; a group max()/min() would need another reduction)."""
     meta = lay.meta
-    if lay.spec.multi:
-        raise ValueError(
-            f"{meta.name}: a split reduction across processes is not there yet for tensor inputs "
-            "beside x or outputs beside y"
-        )
+    if lay.spec.outputs:
+        raise ValueError(f"{meta.name}: a split reduction across processes takes no layer with outputs beside y")
     if meta.layout != "channels" or meta.reduce != "batch":
         raise ValueError(
             f"{meta.name}: a split reduction across processes needs a layer whose groups span "
@@ -332,22 +412,30 @@ def sync_forward(
     params: dict,
     options: dict,
     inputs: dict | None = None,
+    tensors: dict | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor], int]:
     """(y, {statistic: per-group float64 tensor}, N) of a batch-reduced layer in
     training mode over the batch the processes of ``pg`` hold together (``pg`` None:
-    the default group). Autograd-aware; the parameters' gradients are this process's
-    part (DistributedDataParallel adds them up)."""
+    the default group); ``tensors``: this part's tensor inputs beside x by name (a layer
+    with them). Autograd-aware; the parameters' gradients are this process's part
+    (DistributedDataParallel adds them up)."""
     meta = lay.meta
     check_syncable(lay)
     pg = pg if pg is not None else dist.group.WORLD
     channels = next((t.shape[0] for p, t in params.items() if p not in meta.scalar_params), x.shape[1])
     problem = _check_part(lay, x, params, channels)
+    if problem is None and meta.tensors:
+        problem = _check_tensors(lay, x, params, tensors or {})
     n = exchange(lay, pg, x, problem, channels)
     opts = {o: float(options[o]) for o in lay.options}
     ins = {i: inputs[i] for i in lay.inputs} if inputs else {}
     if set(ins) != set(lay.inputs):
         raise ValueError(f"{meta.name}: the per-group inputs {lay.inputs} are required")
-    out = _SyncFunction.apply(lay, pg, n, opts, ins, x, *(params[p] for p in lay.params))
+    if meta.tensors:
+        tens = [tensors[t] for t in tensor_inputs(meta)]
+        out = _SyncTensors.apply(lay, pg, n, opts, ins, len(tens), x, *tens, *(params[p] for p in lay.params))
+    else:
+        out = _SyncFunction.apply(lay, pg, n, opts, ins, x, *(params[p] for p in lay.params))
     y, st = out[0], out[1:]
     return y, dict(zip(meta.stats["train"], st)), n
 
@@ -366,6 +454,11 @@ def statistics_over(
     whole batch, in float64: the split reduction without torch.distributed."""
     meta = lay.meta
     check_syncable(lay)
+    if lay.meta.tensors:  # the generated PyTorch split functions do not take tensor inputs beside x
+        raise ValueError(
+            f"{lay.meta.name}: statistics_over takes no layer with tensor inputs beside x; the NumPy and C "
+            "modules' split_* functions do (tensors=)"
+        )
     again = parts if callable(parts) else (lambda: parts)
     target = lay.target
     stats: dict = {}

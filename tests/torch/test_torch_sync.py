@@ -53,6 +53,14 @@ def test_user_spec_with_a_batch_reduction():
     assert "spec dgamma" in out
 
 
+def test_layers_with_tensor_inputs_split_across_processes():
+    """masked, conditional and SPADE batch norm with sync=True on 3 processes (parts of 5, 3 and
+    0 samples, each with its part of the tensors) against one process on the whole batch:
+    y, dx, the tensors' and parameters' gradients, float64, float32 and a channels-last part."""
+    out = run("multi", 3)
+    assert "spade torch.float64 channels_last dgamma" in out and "masked_batchnorm torch.float32 dweight" in out
+
+
 def test_ddp_training_with_convert_sync_batchnorm():
     out = run("train", 2)
     assert "train 1.running_var" in out and "train 4.num_batches_tracked" not in out
@@ -93,9 +101,18 @@ def test_statistics_over_micro_batches_equal_the_whole_batch():
         sync.statistics_over(layer("layernorm"), parts, {}, {})
 
 
-def test_sync_needs_a_batch_reduced_layer():
+def test_sync_needs_a_batch_reduced_layer(tmp_path):
     with pytest.raises(ValueError, match="groups span the batch"):
         dt.Module("layernorm", 8, sync=True)
+    beside = tmp_path / "beside.toml"
+    beside.write_text(
+        'name = "beside"\ntitle = "t"\n[layout]\nkind = "channels"\nreduce = "batch"\n[tensors]\nr = {}\n'
+        '[values]\nh = "x + r"\n[statistics]\nmu = "mean(h)"\n[output]\ny = "h - mu"\nh = "h"\n'
+    )
+    with pytest.raises(ValueError, match="no layer with outputs beside y"):
+        dt.Module(str(beside), 3, sync=True)
+    with pytest.raises(ValueError, match="statistics_over takes no layer with tensor inputs"):
+        sync.statistics_over(layer("masked_batchnorm"), [torch.ones(2, 3, 4)], {}, {})
 
 
 def test_sync_batchnorm_alone_is_batchnorm():
