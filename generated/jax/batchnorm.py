@@ -104,7 +104,10 @@ def jvp_train(x, X_T, *, gamma_T, beta_T, gamma, beta, running_mean, running_var
     xhat = rstd*(x - mean)
     Mean_tx = _mean(X_T)
     Mean_tx_xhat = _mean_prod(X_T, xhat)
-    return _L.full(gamma_T*xhat + X_T*gamma*rstd + beta_T - Mean_tx*gamma*rstd - Mean_tx_xhat*gamma*rstd*xhat)
+    KTY_gamma = -Mean_tx*rstd
+    KTY_X_T_gamma = rstd
+    KTY_gamma_xhat = -Mean_tx_xhat*rstd
+    return _L.full(beta_T + KTY_gamma*gamma + KTY_X_T_gamma*X_T*gamma + KTY_gamma_xhat*gamma*xhat + gamma_T*xhat)
 
 
 def backward_train(dy, x, *, gamma, beta, running_mean, running_var, eps, momentum, _stats, _L):
@@ -120,7 +123,10 @@ def backward_train(dy, x, *, gamma, beta, running_mean, running_var, eps, moment
     g = dy*gamma
     Mean_g = _mean(g)
     Mean_g_xhat = _mean_prod(g, xhat)
-    _dx = _L.full(rstd*(g - Mean_g - Mean_g_xhat*xhat))
+    K_1 = -Mean_g*rstd
+    K_g = rstd
+    K_xhat = -Mean_g_xhat*rstd
+    _dx = _L.full(K_1 + K_g*g + K_xhat*xhat)
     _dparams = {
         'gamma': _L.param_sum(dy*xhat, scalar=False),
         'beta': _L.param_sum(dy, scalar=False),
@@ -162,7 +168,8 @@ def jvp_eval(x, X_T, *, gamma_T, beta_T, gamma, beta, running_mean, running_var,
     var = _stats['var']
     rstd = _stats['rstd']
     xhat = rstd*(x - mean)
-    return _L.full(gamma_T*xhat + X_T*gamma*rstd + beta_T)
+    KTY_X_T_gamma = rstd
+    return _L.full(beta_T + KTY_X_T_gamma*X_T*gamma + gamma_T*xhat)
 
 
 def backward_eval(dy, x, *, gamma, beta, running_mean, running_var, eps, momentum, _stats, _L):
@@ -176,7 +183,8 @@ def backward_eval(dy, x, *, gamma, beta, running_mean, running_var, eps, momentu
     rstd = _stats['rstd']
     xhat = rstd*(x - mean)
     g = dy*gamma
-    _dx = _L.full(g*rstd)
+    K_g = rstd
+    _dx = _L.full(K_g*g)
     _dparams = {
         'gamma': _L.param_sum(dy*xhat, scalar=False),
         'beta': _L.param_sum(dy, scalar=False),

@@ -88,7 +88,10 @@ def jvp_train(x, X_T, *, gamma_T, beta_T, gamma, beta, eps, _stats, _L):
     xhat = rstd*(x - mean)
     Mean_tx = _mean(X_T)
     Mean_tx_xhat = _mean_prod(X_T, xhat)
-    return _L.full(gamma_T*xhat + X_T*gamma*rstd + beta_T - Mean_tx*gamma*rstd - Mean_tx_xhat*gamma*rstd*xhat)
+    KTY_gamma = -Mean_tx*rstd
+    KTY_X_T_gamma = rstd
+    KTY_gamma_xhat = -Mean_tx_xhat*rstd
+    return _L.full(beta_T + KTY_gamma*gamma + KTY_X_T_gamma*X_T*gamma + KTY_gamma_xhat*gamma*xhat + gamma_T*xhat)
 
 
 def backward_train(dy, x, *, gamma, beta, eps, _stats, _L):
@@ -104,7 +107,10 @@ def backward_train(dy, x, *, gamma, beta, eps, _stats, _L):
     g = dy*gamma
     Mean_g = _mean(g)
     Mean_g_xhat = _mean_prod(g, xhat)
-    _dx = _L.full(rstd*(g - Mean_g - Mean_g_xhat*xhat))
+    K_1 = -Mean_g*rstd
+    K_g = rstd
+    K_xhat = -Mean_g_xhat*rstd
+    _dx = _L.full(K_1 + K_g*g + K_xhat*xhat)
     _dparams = {
         'gamma': _L.param_sum(dy*xhat, scalar=False),
         'beta': _L.param_sum(dy, scalar=False),

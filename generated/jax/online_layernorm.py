@@ -98,7 +98,10 @@ def jvp_train(x, X_T, *, gamma_T, beta_T, prev_mean_T, prev_std_T, gamma, beta, 
     xhat = (x - mean)/std
     Mean_tx = _mean(X_T)
     Mean_tx_xhat = _mean_prod(X_T, xhat)
-    return _L.full(Mean_tx*alpha*gamma*(N*alpha*xhat*(row_mean - mean)/(sample_std*(N - 1)) - 1)/std + gamma*xhat*(1 - alpha)*(prev_std_T*sample_std + N*alpha*prev_mean_T*row_mean - N*prev_std_T*sample_std - N*alpha*mean*prev_mean_T)/(sample_std*std*(N - 1)) + gamma_T*xhat + X_T*gamma/std + gamma*prev_mean_T*(alpha - 1)/std + beta_T - Mean_tx_xhat*N*alpha*gamma*xhat/(sample_std*(N - 1)))
+    KTY_gamma = (alpha*prev_mean_T - prev_mean_T - Mean_tx*alpha)/std
+    KTY_X_T_gamma = std**(-1.0)
+    KTY_gamma_xhat = (prev_std_T/std + N*alpha*prev_std_T/std + N*alpha*prev_mean_T*row_mean/(sample_std*std) + Mean_tx*N*alpha**2*row_mean/(sample_std*std) + N*alpha**2*mean*prev_mean_T/(sample_std*std) - N*prev_std_T/std - alpha*prev_std_T/std - Mean_tx_xhat*N*alpha/sample_std - N*alpha*mean*prev_mean_T/(sample_std*std) - Mean_tx*N*alpha**2*mean/(sample_std*std) - N*alpha**2*prev_mean_T*row_mean/(sample_std*std))/(N - 1)
+    return _L.full(beta_T + KTY_gamma*gamma + KTY_X_T_gamma*X_T*gamma + KTY_gamma_xhat*gamma*xhat + gamma_T*xhat)
 
 
 def backward_train(dy, x, *, gamma, beta, prev_mean, prev_std, alpha, eps, _stats, _L):
@@ -116,7 +119,10 @@ def backward_train(dy, x, *, gamma, beta, prev_mean, prev_std, alpha, eps, _stat
     g = dy*gamma
     Mean_g = _mean(g)
     Mean_g_xhat = _mean_prod(g, xhat)
-    _dx = _L.full(g/std + Mean_g_xhat*N*alpha*(alpha*(row_mean - mean)/std - xhat)/(sample_std*(N - 1)) - Mean_g*alpha/std)
+    K_1 = alpha*(Mean_g_xhat*N*alpha*row_mean/(sample_std*(N - 1)) - Mean_g - Mean_g_xhat*N*alpha*mean/(sample_std*(N - 1)))/std
+    K_g = std**(-1.0)
+    K_xhat = -Mean_g_xhat*N*alpha/(sample_std*(N - 1))
+    _dx = _L.full(K_1 + K_g*g + K_xhat*xhat)
     _dparams = {
         'gamma': _L.param_sum(dy*xhat, scalar=False),
         'beta': _L.param_sum(dy, scalar=False),

@@ -80,7 +80,9 @@ def jvp_train(x, X_T, *, gamma_T, gamma, eps, _stats, _L):
     rstd = _stats['rstd']
     xhat = rstd*x
     Mean_tx_xhat = _mean_prod(X_T, xhat)
-    return _L.full(gamma_T*xhat + X_T*gamma*rstd - Mean_tx_xhat*gamma*rstd*xhat)
+    KTY_X_T_gamma = rstd
+    KTY_gamma_xhat = -Mean_tx_xhat*rstd
+    return _L.full(KTY_X_T_gamma*X_T*gamma + KTY_gamma_xhat*gamma*xhat + gamma_T*xhat)
 
 
 def backward_train(dy, x, *, gamma, eps, _stats, _L):
@@ -94,7 +96,9 @@ def backward_train(dy, x, *, gamma, eps, _stats, _L):
     xhat = rstd*x
     g = dy*gamma
     Mean_g_xhat = _mean_prod(g, xhat)
-    _dx = _L.full(rstd*(g - Mean_g_xhat*xhat))
+    K_g = rstd
+    K_xhat = -Mean_g_xhat*rstd
+    _dx = _L.full(K_g*g + K_xhat*xhat)
     _dparams = {
         'gamma': _L.param_sum(dy*xhat, scalar=False),
     }

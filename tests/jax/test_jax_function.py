@@ -282,15 +282,17 @@ def reduction_counts(name: str, mode: str) -> dict:
 
 LAYER_MODES = [(n, m.name) for n in derivgen.names() for m in derivgen.load_spec(n).modes]
 # (layer, mode) -> reductions over x-sized data of (JAX's transpose of the derived JVP, the derived VJP).
-# online_layernorm: transposition sums the cotangent once more per per-group input (prev_mean,
-# prev_std), where the derived VJP writes their gradients with the two group means it already has.
+# The JVP is generated as per-group coefficients times element monomials (issue 41); its transpose
+# reads x-sized data fewer times than the factored closed form's did (batch, group and instance
+# norm 3, were 4; online layer norm 4, was 6: the sums for its per-group inputs now run over
+# values already reduced, counted in the _all figures only).
 EXPECTED = {
-    ("batchnorm", "train"): (4, 4),
+    ("batchnorm", "train"): (3, 4),
     ("batchnorm", "eval"): (2, 2),
-    ("groupnorm", "train"): (4, 4),
-    ("instancenorm", "train"): (4, 4),
+    ("groupnorm", "train"): (3, 4),
+    ("instancenorm", "train"): (3, 4),
     ("layernorm", "train"): (4, 4),
-    ("online_layernorm", "train"): (6, 4),
+    ("online_layernorm", "train"): (4, 4),
     ("rmsnorm", "train"): (2, 2),
 }
 
