@@ -2008,6 +2008,17 @@ def run_means(text: str, seed: int = -1) -> Result:
         return Result(seed, False, "", 0, time.perf_counter() - t0, tb[:2000])
 
 
+def _torch_for_channels_last() -> bool:
+    """Whether torch is there for the channels-last checks; its absence is an error under CI=true."""
+    import importlib.util
+
+    if importlib.util.find_spec("torch") is not None:
+        return True
+    if os.environ.get("CI") == "true":
+        raise RuntimeError("the channels-last check needs torch (the test extra) under CI=true")
+    return False
+
+
 def channels_last_mismatches(spec) -> list[str]:
     """Where a channel layout's channels-last kernels (derivgen.torch on a channels_last tensor)
     and its NCHW kernels (on the contiguous tensor) differ in any bit: y, the gradients of x and
@@ -2015,13 +2026,10 @@ def channels_last_mismatches(spec) -> list[str]:
     channels (a block of 64 channels and 6) and 272 positions (a whole chunk of 256 that the
     batch layouts' sums take lane by lane, and a rest). Needs torch: without it the check is
     left out, except under CI=true, where that is a failure."""
-    import importlib.util
 
     if spec.layout != "channels" or spec.inputs or (spec.buffers and spec.reduce != "batch"):
         return []  # no channels-last kernels, or no derivgen.torch module (inputs, such buffers)
-    if importlib.util.find_spec("torch") is None:
-        if os.environ.get("CI") == "true":
-            raise RuntimeError("the channels-last check needs torch (the test extra) under CI=true")
+    if not _torch_for_channels_last():
         return []
     import torch
 
@@ -2072,15 +2080,12 @@ def channels_last_tensor_mismatches(spec) -> list[str]:
     its NCHW kernels, every output, the gradients of x, of the tensors with one and of the
     parameters, bit for bit; float32, float64 and bfloat16, every mode, at 70 channels and 272
     positions. A position layout has no C kernels for these layers."""
-    import importlib.util
 
     if spec.layout != "channels" or spec.reduce == "position" or spec.inputs:
         return []
     if spec.buffers and spec.reduce != "batch":
         return []
-    if importlib.util.find_spec("torch") is None:
-        if os.environ.get("CI") == "true":
-            raise RuntimeError("the channels-last check needs torch (the test extra) under CI=true")
+    if not _torch_for_channels_last():
         return []
     import torch
 

@@ -384,17 +384,20 @@ def format_zoo_report(rep: dict) -> str:
                 _f(r.get("step_vs_floor")),
             )
         )
-    widths = [max(len(t[i]) for t in table) for i in range(len(cols))]
-    lines += ["  ".join(c.ljust(w) for c, w in zip(t, widths)).rstrip() for t in table]
-    lines += [
-        "",
-        (
-            "eager, compile, derivgen: fwd+bwd ms; /compile, /eager: derivgen's fwd+bwd over theirs; fwd/...: the "
-            "same of the forward without autograd; /floor: derivgen's fwd+bwd over the bytes it must move at the "
-            "faster copy probe's rate"
-        ),
-    ]
-    skipped = [r for r in rep["rows"] if "error" in r]
+    legend = (
+        "eager, compile, derivgen: fwd+bwd ms; /compile, /eager: derivgen's fwd+bwd over theirs; fwd/...: the "
+        "same of the forward without autograd; /floor: derivgen's fwd+bwd over the bytes it must move at the "
+        "faster copy probe's rate"
+    )
+    return table_text(lines, table, legend, rep["rows"])
+
+
+def table_text(lines: list[str], table: list[tuple[str, ...]], legend: str, rows: list[dict]) -> str:
+    """``lines`` (the header), then ``table`` in aligned columns, its ``legend``, and the rows
+    not timed with their reasons."""
+    widths = [max(len(t[i]) for t in table) for i in range(len(table[0]))]
+    lines = [*lines, *("  ".join(c.ljust(w) for c, w in zip(t, widths)).rstrip() for t in table), "", legend]
+    skipped = [r for r in rows if "error" in r]
     if skipped:
         lines += ["", "not timed:"] + [f"  {r['layer']}: {r['error']}" for r in skipped]
     return "\n".join(lines)

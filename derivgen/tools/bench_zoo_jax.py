@@ -20,7 +20,16 @@ import torch
 import derivgen
 from derivgen.runtime.machine import machine
 from derivgen.tools.bench_jax import _round_robin_ms
-from derivgen.tools.bench_zoo import CHANNELS, TOL, TRAILING, _run_ref, disagreement, layers, problem
+from derivgen.tools.bench_zoo import (
+    CHANNELS,
+    TOL,
+    TRAILING,
+    _run_ref,
+    disagreement,
+    layers,
+    problem,
+    table_text,
+)
 from derivgen.tools.bench_zoo_refs import reference
 
 JAX_IMPLS = ("derivgen", "derivgen_vjp", "autodiff")
@@ -196,17 +205,9 @@ def format_zoo_jax_report(rep: dict) -> str:
                 f"{r['derivgen_fwd_vs_autodiff']:.2f}",
             )
         )
-    widths = [max(len(t[i]) for t in table) for i in range(len(cols))]
-    lines += ["  ".join(c.ljust(w) for c, w in zip(t, widths)).rstrip() for t in table]
-    lines += [
-        "",
-        (
-            "autodiff, jvp, vjp: fwd+bwd ms (jitted y and every gradient) of the plain forward, derivgen.jax's "
-            "default rule (custom_jvp, reverse mode by transposition) and rule='vjp'; jvp/ad, vjp/ad: derivgen's "
-            "over the plain forward's; fwd/ad: the same of the jitted forward"
-        ),
-    ]
-    skipped = [r for r in rep["rows"] if "error" in r]
-    if skipped:
-        lines += ["", "not timed:"] + [f"  {r['layer']}: {r['error']}" for r in skipped]
-    return "\n".join(lines)
+    legend = (
+        "autodiff, jvp, vjp: fwd+bwd ms (jitted y and every gradient) of the plain forward, derivgen.jax's "
+        "default rule (custom_jvp, reverse mode by transposition) and rule='vjp'; jvp/ad, vjp/ad: derivgen's "
+        "over the plain forward's; fwd/ad: the same of the jitted forward"
+    )
+    return table_text(lines, table, legend, rep["rows"])

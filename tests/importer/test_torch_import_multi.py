@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import sympy
 from conftest import corpus, require_module
-from test_torch_import import casts_kept_in_float64
+from test_torch_import import _randomized, casts_kept_in_float64
 
 import derivgen
 from derivgen.spec import parse_spec
@@ -123,17 +123,6 @@ def _inputs(case: str, shapes: list, gen: torch.Generator) -> list:
         xs[1] = torch.rand(shapes[1], generator=gen, dtype=torch.float64) < 0.7
         xs[1][:, 0] = True  # every row has a valid feature
     return xs
-
-
-def _randomized(module):
-    if not isinstance(module, nn.Module):
-        return module
-    module = module.double()
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for p in module.parameters():
-            p.add_(0.3 * torch.randn(p.shape, generator=gen, dtype=p.dtype))
-    return module
 
 
 def _inlined(d, e):
