@@ -94,24 +94,24 @@ def test_options_print_by_their_names():
 def test_the_second_order_lists_its_reductions_and_names_nothing_it_does_not_use():
     """No named reductions (Mean_dx) beside equations that spell the means out; "no
     reduction" rather than "0 reductions ... one sweep for them"; the DiracDelta note only
-    for a layer with |u|."""
+    for a layer with |u|. (The text is read, so the second order is rendered unproven:
+    its proofs have their own tests, tests/derive/test_second.py.)"""
+    derived = {name: derivgen.derive(name, prove=()) for name in ("layernorm", "batchnorm", "l1_batchnorm", "frn")}
+    texts = {}
     for name, abs_note in (("layernorm", False), ("batchnorm", False), ("l1_batchnorm", True), ("frn", False)):
-        d = derivgen.derive(name, prove=())
         for fmt in ("text", "markdown", "latex"):
-            out = d.render(fmt, order=2)
+            out = texts[name, fmt] = derived[name].render(fmt, order=2, second_sizes=())
             second = out[out.index("Second order") :]
             assert "Mean_" not in second, (name, fmt)
             assert "0 reductions" not in second and "sweep for them and" in second, (name, fmt)
             assert ("DiracDelta" in second) == abs_note, (name, fmt)
-    text = derivgen.derive("layernorm", prove=()).render("text", order=2)
+    text = texts["layernorm", "text"]
     assert "7 reductions per group (mean(δx), mean(g), mean(δx·g)," in text
     assert "tangents ẋ, γ̇, β̇: 2 reductions per group (mean(ẋ), mean(ẋ·x̂))." in text
-    eval_mode = (
-        derivgen.derive("batchnorm", prove=()).render("text", order=2).split("Second order (evaluation mode)")[1]
-    )
+    eval_mode = texts["batchnorm", "text"].split("Second order (evaluation mode)")[1]
     assert "to no reduction over the group: one sweep for the outputs" in eval_mode
     assert "β̇: no reduction over the group." in eval_mode
-    l1_eval = derivgen.derive("l1_batchnorm", prove=()).render("text", order=2).split("(evaluation mode)")[-1]
+    l1_eval = texts["l1_batchnorm", "text"].split("(evaluation mode)")[-1]
     assert "DiracDelta" not in l1_eval  # the running statistics take no |u|
 
 
