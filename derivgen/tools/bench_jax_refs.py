@@ -151,6 +151,15 @@ def spec_forward(spec, mode: str, x4, params4: dict, values: dict, reduce_axes: 
     """y of ``spec``'s mode ``mode`` for x as a view whose groups span ``reduce_axes``;
     parameters as broadcastable views, ``values`` the options, inputs and buffers by name;
     ``axes4`` the view's axis of each axis of (O, G, Cg, S) (-1: a unit axis left out)."""
+    return spec_outputs(spec, mode, x4, params4, values, reduce_axes, axes4)[0]
+
+
+def spec_outputs(
+    spec, mode: str, x4, params4: dict, values: dict, reduce_axes: tuple, axes4=(0, 1, 2, 3), tensors4=None
+) -> tuple:
+    """(y, the outputs beside y...) of ``spec``'s mode, as :func:`spec_forward`; ``tensors4`` the
+    tensor inputs beside x by name, as views broadcasting against x's; the spec's element values
+    (``[values]``: a residual sum, a gated x) are computed from them before the statistics."""
 
     def mean(e):
         return jnp.mean(jnp.broadcast_to(e, x4.shape), axis=reduce_axes, keepdims=True)
@@ -167,6 +176,8 @@ def spec_forward(spec, mode: str, x4, params4: dict, values: dict, reduce_axes: 
     for a in reduce_axes:
         n *= x4.shape[a]
     env = {X: x4, N: float(n)}
+    for t in spec.tensors:
+        env[t.symbol] = tensors4[t.name]
     for p in spec.params:
         env[p.symbol] = params4[p.name]
     for item in (*spec.options, *spec.inputs, *spec.buffers):
@@ -176,6 +187,8 @@ def spec_forward(spec, mode: str, x4, params4: dict, values: dict, reduce_axes: 
         p = values.get(m.option, spec.symbols[m.option].default)
         shape = tuple(x4.shape[a] if a in reduce_axes else 1 for a in range(x4.ndim))
         env[m.symbol] = (jnp.arange(n) < int(p * n)).astype(float).reshape(shape)
+    for v in spec.values:  # element values before the statistics (h = x + residual)
+        env[v.symbol] = evaluate(v.expr, env, mean, select, block)
     for w in getattr(spec, "windows", ()):  # window(e, k): a banded 0/1 matrix along the group's axis
         env[w.symbol] = window(
             evaluate(w.body, env, mean, select, block),
@@ -187,4 +200,5 @@ def spec_forward(spec, mode: str, x4, params4: dict, values: dict, reduce_axes: 
         env[st.symbol] = evaluate(st.expr, env, mean, select, block)
     if spec.normalized is not None:
         env[spec.normalized.symbol] = evaluate(spec.normalized_expr, env, mean, select, block)
-    return jnp.broadcast_to(evaluate(spec.output, env, mean, select, block), x4.shape)
+    outs = (spec.output, *(o.expr for o in spec.outputs))
+    return tuple(jnp.broadcast_to(evaluate(e, env, mean, select, block), x4.shape) for e in outs)

@@ -35,50 +35,88 @@ from derivgen.tools.bench_zoo_refs import reference
 JAX_IMPLS = ("derivgen", "derivgen_vjp", "autodiff")
 
 
+def _tensor_view(v, kind: str, shape: tuple, channels: bool):
+    """A tensor beside x at its own shape, broadcast to x's (written here: plain jnp, nothing
+    of derivgen's): per sample, (B, D) over x's middle axes or (N, C) over the spatial ones;
+    per position, (N, 1, *spatial) over the channels."""
+    import jax.numpy as jnp
+
+    if kind == "sample":
+        v = (
+            v.reshape(v.shape + (1,) * (len(shape) - 2))
+            if channels
+            else v.reshape((v.shape[0],) + (1,) * (len(shape) - 2) + (v.shape[-1],))
+        )
+    return jnp.broadcast_to(v, shape)
+
+
 def _steps(prob) -> tuple[dict, tuple, list[str]]:
     """The jitted forward and forward + backward of each implementation, their arguments and
-    the names of the differentiated ones (x, the parameters, the per-group inputs)."""
+    the names of the differentiated ones (x, the parameters, the per-group inputs, the tensors
+    beside x that have a gradient)."""
     import jax
     import jax.numpy as jnp
 
     import derivgen.jax as dj
-    from derivgen.tools.bench_jax_refs import spec_forward
+    from derivgen.tools.bench_jax_refs import spec_outputs
 
     spec = derivgen.load_spec(prob.name)
     pnames = [p.name for p in spec.params]
     inames = [i.name for i in spec.inputs]
+    tnames = [t.name for t in spec.tensors]
+    gnames = [t.name for t in spec.grad_tensors]
     f32 = jnp.float32
     x = jnp.asarray(prob.args["x"], f32)
     params = tuple(jnp.asarray(prob.args[p], f32) for p in pnames)
     inputs = tuple(jnp.asarray(prob.args[i], f32) for i in inames)
+    masks = {t: jnp.asarray(prob.args[t], f32) for t in tnames if t not in gnames}  # constants
+    tens = tuple(jnp.asarray(prob.args[t], f32) for t in gnames)
     bufs = {b: jnp.asarray(v, f32) for b, v in prob.buffers.items()}
-    dy = jnp.asarray(prob.cots[0], f32)
+    dys = tuple(jnp.asarray(c, f32) for c in prob.cots)
     opts = {k: v for k, v in prob.options.items() if k != "num_groups"}
     meta = dj.function(prob.name).meta
     L = dj.make_layout(meta, x.shape, {p: v.shape for p, v in zip(pnames, params)}, prob.groups, f32)
+    kinds = {t.name: t.shape for t in spec.tensors}
+    channels = spec.layout == "channels"
 
     def ours(rule: str) -> Callable:
         f = dj.function(prob.name, rule=rule)
 
-        def forward(x, params, inputs):
-            out = f(x, *params, **dict(zip(inames, inputs)), **opts, **bufs, num_groups=prob.groups)
-            return out[0] if bufs else out
+        def forward(x, params, inputs, tens):
+            given = {**masks, **dict(zip(gnames, tens))}
+            out = f(
+                x,
+                *(given[t] for t in tnames),
+                *params,
+                **dict(zip(inames, inputs)),
+                **opts,
+                **bufs,
+                num_groups=prob.groups,
+            )
+            if bufs:  # (y, [outputs...], new buffers): the buffers are not differentiated
+                out = out[:-1] if len(out) > 2 else out[0]
+            return out
 
         return forward
 
-    def plain(x, params, inputs):
+    def plain(x, params, inputs, tens):
         p4 = {p.name: v.reshape(L.scalar_view if p.scalar else L.param_view) for p, v in zip(spec.params, params)}
         per_group = {
             k: (v.reshape(L.scalar_view) if v.size == 1 else v.reshape(L.stat_view))
             for k, v in {**dict(zip(inames, inputs)), **bufs}.items()
         }
-        y = spec_forward(spec, "train", x.reshape(L.view), p4, {**opts, **per_group}, L.reduce_axes, L.axes4)
-        return y.reshape(x.shape)
+        given = {**masks, **dict(zip(gnames, tens))}
+        t4 = {t: _tensor_view(v, kinds[t], x.shape, channels).reshape(L.view) for t, v in given.items()}
+        outs = spec_outputs(
+            spec, "train", x.reshape(L.view), p4, {**opts, **per_group}, L.reduce_axes, L.axes4, tensors4=t4
+        )
+        outs = tuple(o.reshape(x.shape) for o in outs)
+        return outs if spec.outputs else outs[0]
 
     def step(forward: Callable) -> Callable:
-        def run(x, params, inputs, dy):
-            y, back = jax.vjp(forward, x, params, inputs)
-            return y, back(dy)
+        def run(x, params, inputs, tens, dys):
+            y, back = jax.vjp(forward, x, params, inputs, tens)
+            return y, back(dys if spec.outputs else dys[0])
 
         return jax.jit(run)
 
@@ -86,28 +124,22 @@ def _steps(prob) -> tuple[dict, tuple, list[str]]:
     out = {}
     for impl, fwd in fwds.items():
         out[impl] = (jax.jit(fwd), step(fwd))
-    return out, (x, params, inputs, dy), ["x", *pnames, *inames]
+    return out, (x, params, inputs, tens, dys), ["x", *pnames, *inames, *gnames]
 
 
 def _result(fwd, stp, args, names) -> tuple[list, dict]:
-    """y of the forward, y of the step and every gradient, as float64 NumPy."""
-    x, params, inputs, _dy = args
-    y0 = fwd(x, params, inputs)
-    y, (dx, dp, di) = stp(*args)
-    grads = [dx, *dp, *di]
-    return [np.asarray(y0, np.float64), np.asarray(y, np.float64)], {
-        k: np.asarray(g, np.float64) for k, g in zip(names, grads)
-    }
+    """The outputs of the forward, those of the step and every gradient, as float64 NumPy."""
+    y0 = fwd(*args[:-1])
+    y, (dx, dp, di, dt) = stp(*args)
+    grads = [dx, *dp, *di, *dt]
+    outs = [*(y0 if isinstance(y0, tuple) else (y0,)), *(y if isinstance(y, tuple) else (y,))]
+    return [np.asarray(o, np.float64) for o in outs], {k: np.asarray(g, np.float64) for k, g in zip(names, grads)}
 
 
 def bench_jax_layer(name: str, trailing: tuple, channels: tuple, repeat: int) -> dict:
     """One layer's row: each implementation's forward and step in ms, the ratios to the
     plain forward's autodiff, the agreement; or ``error``."""
     row: dict = {"layer": name}
-    spec = derivgen.load_spec(name)
-    if spec.multi:
-        row["error"] = "no plain jnp forward in the bench for a layer with tensors beside x"
-        return row
     ref = reference(name)
     if ref is None:
         row["error"] = "no independent PyTorch reference (the float64 oracle)"
@@ -131,11 +163,10 @@ def bench_jax_layer(name: str, trailing: tuple, channels: tuple, repeat: int) ->
         if err > TOL:
             row["error"] = f"{impl} disagrees with the float64 reference: {what} off by {err:.2g} (> {TOL:g})"
             return row
-    x, params, inputs, dy = args
     fns = {}
     for impl, (fwd, stp) in steps.items():
-        fns[f"{impl}_fwd"] = lambda fwd=fwd: fwd(x, params, inputs)
-        fns[f"{impl}_step"] = lambda stp=stp: stp(x, params, inputs, dy)
+        fns[f"{impl}_fwd"] = lambda fwd=fwd: fwd(*args[:-1])
+        fns[f"{impl}_step"] = lambda stp=stp: stp(*args)
     ms = _round_robin_ms(fns, repeat)
     row.update(ms)
     for impl in ("derivgen", "derivgen_vjp"):

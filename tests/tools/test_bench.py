@@ -358,23 +358,30 @@ def test_bench_zoo_options_are_checked():
         assert r.exit_code != 0 and want in r.output, (args, r.output)
 
 
-def test_bench_zoo_jax_runs_and_reports_finite_ratios():
-    """--zoo --jax on two layers at tiny sizes: both rules and the plain forward's autodiff
-    agree with the float64 reference; a layer with tensors beside x is listed with its reason."""
+def test_bench_zoo_jax_runs_and_reports_finite_ratios(monkeypatch):
+    """--zoo --jax at tiny sizes: both rules and the plain forward's autodiff agree with the
+    float64 reference, for layers with tensors beside x too (a residual and an output beside y;
+    a mask); a layer without a reference is listed with its reason."""
     pytest.importorskip("jax")
     pytest.importorskip("torch")
-    from derivgen.tools import bench_zoo
+    from derivgen.tools import bench_zoo, bench_zoo_jax
     from derivgen.tools.bench_zoo_jax import format_zoo_jax_report, run_zoo_jax_bench
 
+    real = bench_zoo_jax.reference
+    monkeypatch.setattr(bench_zoo_jax, "reference", lambda name: None if name == "layernorm" else real(name))
     rep = run_zoo_jax_bench(
-        ["rmsnorm", "evonorm_s0", "add_rmsnorm"], bench_zoo.SMALL_TRAILING, bench_zoo.SMALL_CHANNELS, 3
+        ["rmsnorm", "evonorm_s0", "add_rmsnorm", "masked_layernorm", "layernorm"],
+        bench_zoo.SMALL_TRAILING,
+        bench_zoo.SMALL_CHANNELS,
+        3,
     )
-    rms, evo, add = rep["rows"]
-    for row in (rms, evo):
+    *timed, missing = rep["rows"]
+    for row in timed:
         assert "error" not in row, row
         assert set(row["agreement"]) == {"derivgen", "derivgen_vjp", "autodiff"}
+        assert all(e < bench_zoo.TOL for e in row["agreement"].values()), row
         for k in ("derivgen_step_vs_autodiff", "derivgen_vjp_step_vs_autodiff", "derivgen_fwd_vs_autodiff"):
             assert math.isfinite(row[k]) and row[k] > 0, (row["layer"], k)
-    assert "tensors beside x" in add["error"]
+    assert "no independent PyTorch reference" in missing["error"]
     text = format_zoo_jax_report(rep)
-    assert "jvp/ad" in text and "vjp/ad" in text and "add_rmsnorm: " in text
+    assert "jvp/ad" in text and "vjp/ad" in text and "add_rmsnorm " in text and "layernorm: " in text
