@@ -3,17 +3,22 @@ and ``load()`` (a layer's generated NumPy, C or PyTorch module, from the cache).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import importlib.util
+import json
 import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import ModuleType
 
+import jinja2
+import sympy
+
 from derivgen.codegen import targets
-from derivgen.codegen.emit import emit
+from derivgen.codegen.emit import emit, template_dir
 from derivgen.derive.first import ModeDerivation, derive_mode
 from derivgen.derive.second import SecondOrder, derive_second
 from derivgen.explain import document
@@ -22,6 +27,7 @@ from derivgen.prove.proof import ModeProof, prove_derivation, prove_second_mode
 from derivgen.runtime.build import cache_dir
 from derivgen.runtime.fsutil import atomic_write
 from derivgen.spec import Spec, catalogue_names, load_catalogue, load_spec_file, zoo_names
+from derivgen.symbolic import functions
 
 _TRAIN_MODE_FIELDS = ("dx", "dparams", "dinputs", "reductions", "g")
 
@@ -251,13 +257,86 @@ def load(name_or_spec: str | Path | Spec, backend: str = "numpy", *, cflags: lis
     return module
 
 
+def _files_digest(files: dict[str, str]) -> str:
+    return hashlib.sha256("\0".join(f"{k}\0{v}" for k, v in sorted(files.items())).encode()).hexdigest()[:16]
+
+
 def materialize(spec: Spec, backend: str) -> tuple[Path, str]:
-    """Write the generated code of one backend into the cache; (directory, content digest)."""
+    """Write the generated code of one backend into the cache; (directory, content digest).
+
+    What a spec generates is remembered on disk (``modules/index/``) under a key of the spec,
+    the target and derivgen's own source (:func:`_generation_key`), so a later process loads
+    the files without deriving again (SwitchNorm's derivation takes half a minute); the files
+    are read back and must give the recorded digest, else they are generated again."""
+    key = _generation_key(spec, backend)
+    index = cache_dir() / "modules" / "index" / f"{key}.json" if key else None
+    if index is not None and index.is_file():
+        try:
+            entry = json.loads(index.read_text(encoding="utf-8"))
+            root = cache_dir() / "modules" / f"{spec.name}-{backend}-{entry['digest']}"
+            files = {rel: (root / Path(rel).name).read_text(encoding="utf-8") for rel in entry["files"]}
+            if _files_digest(files) == entry["digest"]:
+                return root, entry["digest"]
+        except (OSError, ValueError, KeyError, TypeError):
+            pass  # unreadable or partial: generate again
     files = emit(derive(spec), targets=(backend,)).files
-    digest = hashlib.sha256("\0".join(f"{k}\0{v}" for k, v in sorted(files.items())).encode()).hexdigest()[:16]
+    digest = _files_digest(files)
     root = cache_dir() / "modules" / f"{spec.name}-{backend}-{digest}"
     for rel, text in files.items():
         path = root / Path(rel).name
         if not path.is_file() or path.read_text(encoding="utf-8") != text:
             atomic_write(path, text)
+    if index is not None:
+        atomic_write(index, json.dumps({"digest": digest, "files": sorted(files)}))
     return root, digest
+
+
+# the function table and the targets as derivgen defines them: a process that registers a
+# function or target of its own (a test, a user's extension) generates without the disk index
+_BUILTIN_TABLES = (dict(functions.TABLE), dict(targets.TARGETS))
+
+
+def _pristine() -> bool:
+    return all(
+        len(now) == len(then) and all(now.get(k) is v for k, v in then.items())
+        for now, then in zip((functions.TABLE, targets.TARGETS), _BUILTIN_TABLES)
+    )
+
+
+def _canonical(v: object) -> str:
+    """A spec (or any part of one) as text that is the same in every process: dataclasses by
+    field, sets sorted, SymPy expressions by ``srepr``."""
+    if dataclasses.is_dataclass(v) and not isinstance(v, type):
+        fields = ",".join(f"{f.name}={_canonical(getattr(v, f.name))}" for f in dataclasses.fields(v))
+        return f"{type(v).__name__}({fields})"
+    if isinstance(v, (set, frozenset)):
+        return "{" + ",".join(sorted(_canonical(e) for e in v)) + "}"
+    if isinstance(v, dict):
+        return "{" + ",".join(f"{_canonical(k)}:{_canonical(e)}" for k, e in v.items()) + "}"
+    if isinstance(v, (list, tuple)):
+        return "(" + ",".join(_canonical(e) for e in v) + ")"
+    if isinstance(v, sympy.Basic):
+        return sympy.srepr(v)
+    return repr(v)
+
+
+@functools.lru_cache(maxsize=1)
+def _source_digest() -> str:
+    """Every file of the derivgen package and of its templates, and the versions of Python,
+    SymPy and Jinja: what the generated code depends on besides the spec."""
+    h = hashlib.sha256(f"{sys.version}\0{sympy.__version__}\0{jinja2.__version__}".encode())
+    for folder in (Path(__file__).resolve().parent, template_dir()):
+        for path in sorted(folder.rglob("*")):
+            if path.is_file() and "__pycache__" not in path.parts and path.suffix != ".pyc":
+                h.update(f"\0{path.relative_to(folder).as_posix()}\0".encode())
+                h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+def _generation_key(spec: Spec, backend: str) -> str | None:
+    """The disk index's key of what ``spec`` generates for ``backend`` (None: not indexed,
+    where the function table or the targets are not derivgen's own)."""
+    if not _pristine():
+        return None
+    text = f"{_source_digest()}\0{backend}\0{_canonical(spec)}"
+    return hashlib.sha256(text.encode()).hexdigest()[:32]

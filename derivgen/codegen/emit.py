@@ -20,6 +20,7 @@ from derivgen.codegen import targets as registry
 from derivgen.codegen.ir import ModeIR, build_mode_ir, build_second_ir
 from derivgen.codegen.printers import SpecPrinter
 from derivgen.codegen.targets import SHARED_HEADER, Layer, LayerDerivation, Target, template_dir
+from derivgen.runtime.build import cache_dir
 from derivgen.spec.model import N as GROUP_SIZE
 from derivgen.spec.model import Spec
 from derivgen.symbolic.block import blocks
@@ -111,6 +112,20 @@ _ENVS: dict[str, jinja2.Environment] = {}  # per target: its compiled templates 
 registry.on_change(_ENVS.clear)
 
 
+def _bytecode_cache() -> jinja2.BytecodeCache | None:
+    """The templates compiled to Python bytecode once, kept in the derivgen cache directory
+    (``jinja/``) for the next process: compiling them is most of a small layer's first
+    ``load()``. Jinja keys each entry by the template's path and checks its source's checksum,
+    so an edited template is compiled again; entries are written to a temporary file and
+    renamed, so processes may share the directory. None where it cannot be made."""
+    folder = cache_dir() / "jinja"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return None
+    return jinja2.FileSystemBytecodeCache(str(folder))
+
+
 def _env(target: Target) -> jinja2.Environment:
     """The Jinja environment of one target: its templates (then the shared ones in
     ``templates/``), the shared filters and the target's own."""
@@ -118,6 +133,7 @@ def _env(target: Target) -> jinja2.Environment:
         dirs = [str(target.template_dir)] if target.template_dir is not None else []
         env = jinja2.Environment(
             loader=jinja2.FileSystemLoader([*dirs, str(template_dir())]),
+            bytecode_cache=_bytecode_cache(),
             undefined=jinja2.StrictUndefined,
             keep_trailing_newline=True,
             trim_blocks=True,
