@@ -128,16 +128,19 @@ SUITE_CACHE = cache_dir()
 
 def private_cache(tmp_path) -> str:
     """A build cache of a test's own under ``tmp_path`` (its kernels built with its CFLAGS),
-    whose ``torch_ext`` folder is the suite's: derivgen.torch's C++ extension does not depend
-    on CFLAGS and takes half a minute to build, so every private cache shares one build (its
-    own lock file serializes the first)."""
+    whose ``torch_ext`` and ``modules`` folders are the suite's: derivgen.torch's C++ extension
+    does not depend on CFLAGS and takes half a minute to build, so every private cache shares
+    one build (its own lock file serializes the first); the generated sources and their index
+    (api.materialize) do not depend on them either, so a layer derived once in the suite is
+    not derived again in a driver's subprocess."""
     cache = Path(tmp_path) / "cache"
     cache.mkdir(parents=True, exist_ok=True)
-    shared = SUITE_CACHE / "torch_ext"
-    shared.mkdir(parents=True, exist_ok=True)
-    link = cache / "torch_ext"
-    if not link.exists():
-        link.symlink_to(shared, target_is_directory=True)
+    for folder in ("torch_ext", "modules"):
+        shared = SUITE_CACHE / folder
+        shared.mkdir(parents=True, exist_ok=True)
+        link = cache / folder
+        if not link.exists():
+            link.symlink_to(shared, target_is_directory=True)
     return str(cache)
 
 
