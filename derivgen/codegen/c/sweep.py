@@ -36,6 +36,9 @@ from derivgen.codegen.c.types import (
 from derivgen.codegen.c.windows import WindowFunctions, hide_windows
 from derivgen.codegen.ir import Assign, Loop, ModeIR, Select, needed_temps
 from derivgen.codegen.printers import SpecPrinter
+from derivgen.spec.model import X as DATA_X
+from derivgen.symbolic.block import BlockMean
+from derivgen.symbolic.functions import of_node
 from derivgen.symbolic.window import Window
 
 
@@ -141,6 +144,7 @@ class CPlanner:
         outputs: Iterable[str] = (),
         first: bool = False,
         second: bool = False,
+        float_sums: bool = False,
     ) -> CLoop:
         """Element sweep computing ``exprs``; ``temps`` are element temporaries available;
         ``stores`` are (output array, element expression) pairs.
@@ -154,7 +158,9 @@ class CPlanner:
         ``arith="double"`` all arithmetic is double, so a float32 kernel centres
         and squares without rounding the statistics to float (mean offset 1e4)
         or overflowing (|x| ~ 1e30). ``arith="float"`` (output sweeps of float
-        kernels) computes in float, adding group-level terms as hi + lo pairs.
+        kernels) computes in float, adding group-level terms as hi + lo pairs; with
+        ``float_sums`` the summands too (each widened to double as it is added: see
+        :func:`_float_summand`).
         """
         ctype = self.ctype
         # block means are read as values one per block, left by their passes (BlockPass)
@@ -228,7 +234,10 @@ class CPlanner:
         scal_sums = [(k, e) for k, e in param_sums if self.params[k] in self.scalar]
         all_sums = list(group_sums) + [(f"Psum_{k}", e) for k, e in scal_sums]
         stored = tuple((o, c_store(element(e, body_reads), ctype)) for o, e in stores)
-        sums = tuple((a, summand(e)) for a, e in all_sums)
+        if float_sums and arith != "double":
+            sums = tuple((a, f"((double)({element(e, body_reads)}))") for a, e in all_sums)
+        else:
+            sums = tuple((a, summand(e)) for a, e in all_sums)
         psum_reads: set[str] = set()
         chan_summands = tuple((k, summand(e, psum_reads)) for k, e in chan_sums)
         pend = tuple((k, element(e, pend_reads)) for k, e in chan_sums)
@@ -274,16 +283,40 @@ class CPlanner:
         names = [i.name for i in spec.inputs] + [self.group_names[b.name] for b in spec.buffers]
         steps: list[Sweep | GroupValue] = []
         values = list(self.ir.values)  # the core value h = f(x, t), an element temporary of every sweep
+        chan = {p for p in self.params if p not in self.scalar}
+        elem = {"x", "dy", *chan, *self.masks, *self.arrays}  # the element values a summand may read
         for st in self.ir.forward:
             if isinstance(st, Loop):
                 done = sum(isinstance(s, Sweep) for s in steps)
-                lp = self.loop([e for _, e in st.accs], values, group_sums=st.accs, first=done == 0, second=done == 1)
+                flt = self.atype != "double" and not values and all(_float_summand(e, elem) for _, e in st.accs)
+                lp = self.loop(
+                    [e for _, e in st.accs],
+                    values,
+                    group_sums=st.accs,
+                    arith=self.atype if flt else "double",
+                    first=done == 0,
+                    second=done == 1,
+                    float_sums=flt,
+                )
                 steps.append(self._sweep(lp, [a for a, _ in st.accs], names))
                 names += [a for a, _ in st.accs]
             elif isinstance(st, Select):
                 enames = {**self.group_names, **self.elem_names}
                 text, reads = self.printer.c_reads(st.expr, "double", enames)
-                steps.append(GroupSelect(st.name, st.op, text, st.comment, tuple(n for n in names if n in reads), x=X))
+                lane = self.atype if _exact_selection(st.expr) else "double"
+                lane_text = self.printer.c_reads(st.expr, lane, enames)[0] if lane != "double" else text
+                steps.append(
+                    GroupSelect(
+                        st.name,
+                        st.op,
+                        text,
+                        st.comment,
+                        tuple(n for n in names if n in reads),
+                        x=X,
+                        lane=lane,
+                        lane_expr=lane_text,
+                    )
+                )
                 names.append(st.name)
             else:
                 steps.append(self._group_value(st.name, st.expr, st.comment, names))
@@ -376,6 +409,41 @@ class CPlanner:
         arrays += [(red, "R")] if red is not None else []
         arrays += [v.name for v in group] + [(sweep, "F")]
         return BackwardPlan(reduction=red, group=tuple(group), final=sweep, batch_arrays=batch_arrays(arrays))
+
+
+def _float_summand(e: sympy.Expr, elem: set[str]) -> bool:
+    """Whether a float kernel's statistic sweep adds ``e`` in float arithmetic (widened to
+    double as it is added: the sums stay double): where ``e`` calls an elementary function the
+    kernels compute with a polynomial (``Dg_expf``, ``Dg_logf``, ... of
+    ``derivgen-kernels.h``), whose double version costs about twice the float one, and its
+    element arithmetic rounds without cancelling: every sum in it has at most one term that
+    varies with the element (group terms are added as hi + lo pairs), and no element value is
+    raised to a power (a square may overflow float, and a centred moment keeps double's
+    exactness). The output sweeps and the backward already compute such functions in float;
+    exp(x - m) of softmax is the case this is for (docs/numerics.md: the error bound)."""
+
+    def varies(t: sympy.Expr) -> bool:
+        return any(str(v) in elem for v in t.free_symbols)
+
+    calls = False
+    for node in sympy.preorder_traversal(e):
+        if isinstance(node, (Window, BlockMean)):
+            return False
+        if node.is_Add and sum(varies(t) for t in node.args) > 1:
+            return False
+        if node.is_Pow and varies(node.base) and node.exp != -1:
+            return False
+        fn = of_node(node) if isinstance(node, sympy.Function) else None
+        calls = calls or (fn is not None and fn.c_float.startswith("Dg_"))
+    return calls
+
+
+def _exact_selection(e: sympy.Expr) -> bool:
+    """Whether a selection's element value is exact in x's own arithmetic: x, -x, |x| (the
+    maximum of float values is one of them, so it may be taken in float)."""
+    while isinstance(e, sympy.Abs) or (e.is_Mul and len(e.args) == 2 and e.args[0] == -1):
+        e = e.args[0] if isinstance(e, sympy.Abs) else e.args[1]
+    return e == DATA_X
 
 
 def _levels(steps: list[Sweep | GroupValue]) -> tuple[SplitLevel, ...]:

@@ -167,7 +167,8 @@ class GroupValue:
 @dataclass(frozen=True)
 class GroupSelect:
     """A group maximum or minimum of the forward: ``name = op`` over the elements of the
-    group's run (trailing layouts: one contiguous row), ``expr`` the element value (double)."""
+    group's run (trailing layouts: one contiguous row), ``expr`` the element value (double),
+    computed in DG_LANES lanes of type ``lane``."""
 
     kind: ClassVar[str] = "select"
     name: str
@@ -176,6 +177,11 @@ class GroupSelect:
     comment: str
     reads: tuple[str, ...]
     x: str  # the name of x at the element, which ``expr`` reads (the naming table's)
+    # the type of the selection's lanes: the element arithmetic's where the element value is
+    # exact in it (x, -x, |x| of float data: float), else double; ``lane_expr`` is ``expr``
+    # in it (the template, _c_sweep.j2's select, keeps ``expr`` to choose among zeros and NaNs)
+    lane: str = "double"
+    lane_expr: str = ""
 
 
 @dataclass(frozen=True)
