@@ -159,3 +159,16 @@ def test_float_sums_of_exp_stay_within_float_rounding(layer):
             assert err.mean() <= 20
         else:  # y = x - m - log(s): absolute, against the largest |y| of the row
             assert np.all(np.abs(y - yr) <= 2.0**-22 * np.abs(yr).max(axis=1, keepdims=True))
+
+
+def test_the_output_sweep_reads_back_the_exp_the_sum_sweep_kept():
+    """softmax's forward (float) computes exp(x - m) once per element: the sum sweep keeps it
+    in the thread's row, the output sweep divides what it reads back (sweep.py, _kept); the
+    double kernels keep nothing (their sums are double arithmetic, the output sweep too)."""
+    text = next(t for p, t in emit(derivgen.derive("softmax"), ["c"]).files.items() if p.endswith(".c"))
+    f32 = text.split("forward, float ----", 1)[1].split("backward, float ----", 1)[0]
+    f64 = text.split("forward, double ----", 1)[1].split("backward, double ----", 1)[0]
+    stats, out = f32.split("s_Out[Grp] = s;", 1)
+    assert stats.count("Kv0_Row[Idx - Off] = Kv0;") == 2  # the lane blocks and the remainder
+    assert "Dg_expf" not in out and out.count("const float Kv0 = Kv0_Row[Idx - Off];") == 3
+    assert "Kv0" not in f64

@@ -145,6 +145,8 @@ class CPlanner:
         first: bool = False,
         second: bool = False,
         float_sums: bool = False,
+        keep_out: Sequence[tuple[sympy.Expr, str]] = (),
+        keep_in: Sequence[tuple[sympy.Expr, str]] = (),
     ) -> CLoop:
         """Element sweep computing ``exprs``; ``temps`` are element temporaries available;
         ``stores`` are (output array, element expression) pairs.
@@ -160,9 +162,17 @@ class CPlanner:
         or overflowing (|x| ~ 1e30). ``arith="float"`` (output sweeps of float
         kernels) computes in float, adding group-level terms as hi + lo pairs; with
         ``float_sums`` the summands too (each widened to double as it is added: see
-        :func:`_float_summand`).
+        :func:`_float_summand`). ``keep_out`` are (function call, name) pairs the sweep
+        computes in its element arithmetic and also stores in the thread's row ``<name>_Row``
+        (at the element's place in its group's run), ``keep_in`` those it reads back from there
+        instead of computing them again (see :meth:`_kept`).
         """
         ctype = self.ctype
+        if keep_in:  # read back, not computed: the sweep's expressions hold the names instead
+            back = {f: sympy.Symbol(nm) for f, nm in keep_in}
+            exprs = [e.xreplace(back) for e in exprs]
+            stores = [(o, e.xreplace(back)) for o, e in stores]
+            temps = [(nm, e.xreplace(back)) for nm, e in temps]
         # block means are read as values one per block, left by their passes (BlockPass)
         temps = self.blocks.hide_temps(temps)
         exprs = [self.blocks.hide(e, temps) for e in exprs]
@@ -185,7 +195,8 @@ class CPlanner:
             window_reads.update(self.group_names.get(g, g) for g in fn.groups)
             return fn.call(self.group_names)
 
-        elem = {"x", "dy", *chan, *self.masks, *block_reads, *self.arrays} | {nm for nm, _ in needed}
+        kept = [nm for _, nm in (*keep_in, *keep_out)]
+        elem = {"x", "dy", *chan, *self.masks, *block_reads, *self.arrays, *kept} | {nm for nm, _ in needed}
         enames = dict(self.group_names)
         enames.update(self.elem_names)
         enames.update({b: b for b in block_reads})
@@ -211,6 +222,16 @@ class CPlanner:
         # a block value one per sample (index Blk) is read with the element; one per (sample,
         # channel) or per channel with the parameters, where the sweep knows the channel Ch
         elem_loads += self.blocks.loads(names, by_channel=False)
+        for f, nm in keep_in:
+            elem_loads.insert(0, f"const {arith} {nm} = {nm}_Row[Idx - Off];")
+            enames[nm] = nm
+        for f, nm in keep_out:
+            elem_loads.append(f"const {arith} {nm} = {element(f, body_reads)};")
+            elem_loads.append(f"{nm}_Row[Idx - Off] = {nm};")
+            enames[nm] = nm
+        if keep_out:  # the sums add the kept values
+            out = {f: sympy.Symbol(nm) for f, nm in keep_out}
+            group_sums = [(a, e.xreplace(out)) for a, e in group_sums]
         for nm, te in needed:
             elem_loads.append(f"const {arith} {nm} = {element(te, body_reads)};")
             enames[nm] = nm
@@ -285,18 +306,29 @@ class CPlanner:
         values = list(self.ir.values)  # the core value h = f(x, t), an element temporary of every sweep
         chan = {p for p in self.params if p not in self.scalar}
         elem = {"x", "dy", *chan, *self.masks, *self.arrays}  # the element values a summand may read
-        for st in self.ir.forward:
+        _, out_expr = self.ir.fwd_elem[-1]
+        temps = values + list(self.ir.fwd_elem[:-1])
+        extra = [(output_array(o), e) for o, e in self.ir.out_elem]  # the outputs beside y
+        floats = [
+            isinstance(st, Loop)
+            and self.atype != "double"
+            and not values
+            and all(_float_summand(e, elem) for _, e in st.accs)
+            for st in self.ir.forward
+        ]
+        last, keeps = self._kept(floats, [out_expr, *(e for _, e in extra), *(e for _, e in temps)])
+        for k, st in enumerate(self.ir.forward):
             if isinstance(st, Loop):
                 done = sum(isinstance(s, Sweep) for s in steps)
-                flt = self.atype != "double" and not values and all(_float_summand(e, elem) for _, e in st.accs)
                 lp = self.loop(
                     [e for _, e in st.accs],
                     values,
                     group_sums=st.accs,
-                    arith=self.atype if flt else "double",
+                    arith=self.atype if floats[k] else "double",
                     first=done == 0,
                     second=done == 1,
-                    float_sums=flt,
+                    float_sums=floats[k],
+                    keep_out=keeps if k == last else (),
                 )
                 steps.append(self._sweep(lp, [a for a, _ in st.accs], names))
                 names += [a for a, _ in st.accs]
@@ -321,10 +353,7 @@ class CPlanner:
             else:
                 steps.append(self._group_value(st.name, st.expr, st.comment, names))
                 names.append(st.name)
-        _, out_expr = self.ir.fwd_elem[-1]
-        temps = values + list(self.ir.fwd_elem[:-1])
         done = sum(isinstance(s, Sweep) for s in steps)
-        extra = [(output_array(o), e) for o, e in self.ir.out_elem]  # the outputs beside y
         final = self.loop(
             [out_expr, *(e for _, e in extra)],
             temps,
@@ -333,6 +362,7 @@ class CPlanner:
             outputs=["y", *(o for o, _ in extra)],
             first=done == 0,
             second=done == 1,
+            keep_in=keeps,
         )
         updates = [(b, *self.g(e)) for b, e in self.ir.buffer_updates]
         update_reads = frozenset().union(*(r for _, _, r in updates))
@@ -346,7 +376,30 @@ class CPlanner:
             update_reads=tuple(n for n in names if n in update_reads),
             levels=_levels(steps),
             batch_arrays=batch_arrays([*arrays, (final_sweep, "F")]),
+            keeps=tuple(nm for _, nm in keeps),
         )
+
+    def _kept(self, floats: list[bool], out: list[sympy.Expr]) -> tuple[int | None, list[tuple[sympy.Expr, str]]]:
+        """The calls of elementary functions that the forward's last statistic sweep adds in
+        float and the output sweep computes again (softmax's exp(x - m)): that sweep keeps
+        their values in a row of the thread's (``Kv0_Row``, one group's run: trailing layouts,
+        whose group is one contiguous run) and the output sweep reads them back, the same bits
+        as computing them again in the same arithmetic without a second call. Returns the
+        sweep's index in the forward program and the (call, name) pairs."""
+        loops = [k for k, st in enumerate(self.ir.forward) if isinstance(st, Loop)]
+        if self.spec.layout != "trailing" or not loops or not floats[loops[-1]]:
+            return None, []
+        if any(e.has(BlockMean, Window) for e in out):
+            return None, []
+        calls: list[sympy.Expr] = []
+        for _, e in self.ir.forward[loops[-1]].accs:
+            for node in sympy.preorder_traversal(e):
+                fn = of_node(node) if isinstance(node, sympy.Function) else None
+                if fn is None or not fn.c_float.startswith("Dg_") or node in calls:
+                    continue
+                if any(o.has(node) for o in out) and not any(c.has(node) for c in calls):
+                    calls.append(node)
+        return loops[-1], [(f, f"Kv{k}") for k, f in enumerate(calls)]
 
     def _group_values(self, names: list[str]) -> list[GroupValue]:
         """The per-group values between the reduction sweep and the final one: the means

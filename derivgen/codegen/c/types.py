@@ -205,6 +205,9 @@ class ForwardPlan:
     levels: tuple[SplitLevel, ...]
     # the arrays a batch-reduced channels-last kernel allocates: (C type, name, length)
     batch_arrays: tuple[tuple[str, str, str], ...] = ()
+    # values a statistic sweep keeps per element for the output sweep: one row per thread each
+    # (<name>_Row, of the element arithmetic's type; CPlanner._kept)
+    keeps: tuple[str, ...] = ()
 
     @property
     def block_slots(self) -> tuple[int, ...]:
