@@ -229,6 +229,7 @@ class CPlanner:
             elem_loads.append(f"const {arith} {nm} = {element(f, body_reads)};")
             elem_loads.append(f"{nm}_Row[Idx - Off] = {nm};")
             enames[nm] = nm
+        all_sums0 = list(group_sums) + [(f"Psum_{k}", e) for k, e in param_sums if self.params[k] in self.scalar]
         if keep_out:  # the sums add the kept values
             out = {f: sympy.Symbol(nm) for f, nm in keep_out}
             group_sums = [(a, e.xreplace(out)) for a, e in group_sums]
@@ -255,10 +256,21 @@ class CPlanner:
         scal_sums = [(k, e) for k, e in param_sums if self.params[k] in self.scalar]
         all_sums = list(group_sums) + [(f"Psum_{k}", e) for k, e in scal_sums]
         stored = tuple((o, c_store(element(e, body_reads), ctype)) for o, e in stores)
-        if float_sums and arith != "double":
-            sums = tuple((a, f"((double)({element(e, body_reads)}))") for a, e in all_sums)
-        else:
-            sums = tuple((a, summand(e)) for a, e in all_sums)
+
+        def float_summand(e: sympy.Expr) -> str:
+            """The element factors in float, widened; the group factor in double."""
+            c, v = e.as_independent(*(t for t in e.free_symbols if str(t) in elem), as_Add=False)
+            text = f"((double)({element(v, body_reads)}))"
+            if c == 1:
+                return text
+            ct, reads = self.g(c)
+            body_reads.update(reads)
+            return f"{text}*({ct})"
+
+        sums = tuple(
+            (a, float_summand(e) if float_sums and arith != "double" and _float_summand(e0, elem) else summand(e))
+            for (a, e), (_, e0) in zip(all_sums, all_sums0)
+        )
         psum_reads: set[str] = set()
         chan_summands = tuple((k, summand(e, psum_reads)) for k, e in chan_sums)
         pend = tuple((k, element(e, pend_reads)) for k, e in chan_sums)
@@ -452,6 +464,7 @@ class CPlanner:
             outputs=["dx", *(o for o, _ in dts)],
             first=red is None,
             second=red is not None,
+            float_sums=True,  # scalar parameters' sums of elementary functions (_float_summand)
         )
         if red is not None:  # the block arrays the reduction sweep left are still the group's
             final = dataclasses.replace(final, fresh=tuple(p for p in final.blocks if p not in red.loop.blocks))
