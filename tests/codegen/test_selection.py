@@ -163,8 +163,11 @@ def test_float_sums_of_exp_stay_within_float_rounding(layer):
 
 def test_the_output_sweep_reads_back_the_exp_the_sum_sweep_kept():
     """softmax's forward (float) computes exp(x - m) once per element: the sum sweep keeps it
-    in the thread's row, the output sweep divides what it reads back (sweep.py, _kept); the
-    double kernels keep nothing (their sums are double arithmetic, the output sweep too)."""
+    in the thread's row, the output sweep divides what it reads back (sweep.py, _kept), and
+    the backward's dx sweep reads back the reduction sweep's exp(x̂); the double kernels keep
+    nothing (their sums are double arithmetic, the output sweep too). The bits are those of
+    computing them again (checked side by side when this was written: y, the statistics, dx
+    and dt of softmax, softmax_temperature, log_softmax, absmax_scale, 1 and 2 threads)."""
     text = next(t for p, t in emit(derivgen.derive("softmax"), ["c"]).files.items() if p.endswith(".c"))
     f32 = text.split("forward, float ----", 1)[1].split("backward, float ----", 1)[0]
     f64 = text.split("forward, double ----", 1)[1].split("backward, double ----", 1)[0]
@@ -172,3 +175,8 @@ def test_the_output_sweep_reads_back_the_exp_the_sum_sweep_kept():
     assert stats.count("Kv0_Row[Idx - Off] = Kv0;") == 2  # the lane blocks and the remainder
     assert "Dg_expf" not in out and out.count("const float Kv0 = Kv0_Row[Idx - Off];") == 3
     assert "Kv0" not in f64
+    # the backward: its reduction sweep (g = dy·exp(x̂)) keeps exp(x̂) for the dx sweep
+    bwd = text.split("backward, float ----", 1)[1].split("double backward, float", 1)[0]
+    red, dx = bwd.split("const double Mean_g = ", 1)
+    assert red.count("Kv0_Row[Idx - Off] = Kv0;") == 2 and red.count("Dg_expf") == 2
+    assert "Dg_expf" not in dx and dx.count("const float Kv0 = Kv0_Row[Idx - Off];") == 3

@@ -168,11 +168,21 @@ class CPlanner:
         instead of computing them again (see :meth:`_kept`).
         """
         ctype = self.ctype
+        all_sums0 = [*group_sums, *((f"Psum_{k}", e) for k, e in param_sums if self.params[k] in self.scalar)]
         if keep_in:  # read back, not computed: the sweep's expressions hold the names instead
             back = {f: sympy.Symbol(nm) for f, nm in keep_in}
             exprs = [e.xreplace(back) for e in exprs]
             stores = [(o, e.xreplace(back)) for o, e in stores]
             temps = [(nm, e.xreplace(back)) for nm, e in temps]
+            group_sums = [(a, e.xreplace(back)) for a, e in group_sums]
+            param_sums = [(k, e.xreplace(back)) for k, e in param_sums]
+        for f, nm in keep_out:  # computed as a temporary after those it reads, stored, and read by name
+            to = {f: sympy.Symbol(nm)}
+            deps = {str(v) for v in f.free_symbols}
+            at = max((i for i, (t, _) in enumerate(temps) if t in deps), default=-1) + 1
+            temps = [*temps[:at], (nm, f), *((t, e.xreplace(to)) for t, e in temps[at:])]
+            exprs = [e.xreplace(to) for e in exprs]
+            group_sums = [(a, e.xreplace(to)) for a, e in group_sums]
         # block means are read as values one per block, left by their passes (BlockPass)
         temps = self.blocks.hide_temps(temps)
         exprs = [self.blocks.hide(e, temps) for e in exprs]
@@ -223,24 +233,19 @@ class CPlanner:
         # channel) or per channel with the parameters, where the sweep knows the channel Ch
         elem_loads += self.blocks.loads(names, by_channel=False)
         for f, nm in keep_in:
-            elem_loads.insert(0, f"const {arith} {nm} = {nm}_Row[Idx - Off];")
-            enames[nm] = nm
-        for f, nm in keep_out:
-            elem_loads.append(f"const {arith} {nm} = {element(f, body_reads)};")
-            elem_loads.append(f"{nm}_Row[Idx - Off] = {nm};")
-            enames[nm] = nm
-        all_sums0 = list(group_sums) + [(f"Psum_{k}", e) for k, e in param_sums if self.params[k] in self.scalar]
-        if keep_out:  # the sums add the kept values
-            out = {f: sympy.Symbol(nm) for f, nm in keep_out}
-            group_sums = [(a, e.xreplace(out)) for a, e in group_sums]
+            elem_loads.insert(0, f"const {arith} {kv(nm)} = {kv(nm)}_Row[Idx - Off];")
+            enames[nm] = kv(nm)
+        stored_rows = {nm for _, nm in keep_out}
         for nm, te in needed:
-            elem_loads.append(f"const {arith} {nm} = {element(te, body_reads)};")
-            enames[nm] = nm
+            elem_loads.append(f"const {arith} {kv(nm)} = {element(te, body_reads)};")
+            enames[nm] = kv(nm)
+            if nm in stored_rows:
+                elem_loads.append(f"{kv(nm)}_Row[Idx - Off] = {kv(nm)};")
         # summands are double: float element values are widened before any arithmetic, so the
         # temporaries (x-hat, g) are the same values in every sweep and products do not overflow
         dnames = dict(self.group_names)
         dnames.update(self.elem_names)
-        dnames.update({nm: nm for nm, _ in needed})
+        dnames.update({nm: kv(nm) for nm, _ in needed})
         dnames.update({b: b for b in block_reads})
         if arith != "double":
             dnames.update({k: f"((double){v})" for k, v in dnames.items() if k in elem})
@@ -388,7 +393,7 @@ class CPlanner:
             update_reads=tuple(n for n in names if n in update_reads),
             levels=_levels(steps),
             batch_arrays=batch_arrays([*arrays, (final_sweep, "F")]),
-            keeps=tuple(nm for _, nm in keeps),
+            keeps=tuple(kv(nm) for _, nm in keeps),
         )
 
     def _kept(self, floats: list[bool], out: list[sympy.Expr]) -> tuple[int | None, list[tuple[sympy.Expr, str]]]:
@@ -401,17 +406,7 @@ class CPlanner:
         loops = [k for k, st in enumerate(self.ir.forward) if isinstance(st, Loop)]
         if self.spec.layout != "trailing" or not loops or not floats[loops[-1]]:
             return None, []
-        if any(e.has(BlockMean, Window) for e in out):
-            return None, []
-        calls: list[sympy.Expr] = []
-        for _, e in self.ir.forward[loops[-1]].accs:
-            for node in sympy.preorder_traversal(e):
-                fn = of_node(node) if isinstance(node, sympy.Function) else None
-                if fn is None or not fn.c_float.startswith("Dg_") or node in calls:
-                    continue
-                if any(o.has(node) for o in out) and not any(c.has(node) for c in calls):
-                    calls.append(node)
-        return loops[-1], [(f, f"Kv{k}") for k, f in enumerate(calls)]
+        return loops[-1], _calls_shared([e for _, e in self.ir.forward[loops[-1]].accs], out)
 
     def _group_values(self, names: list[str]) -> list[GroupValue]:
         """The per-group values between the reduction sweep and the final one: the means
@@ -435,12 +430,29 @@ class CPlanner:
 
     def backward(self) -> BackwardPlan:
         """The backward kernel's plan."""
+        plan = self._backward(True)
+        return plan if plan.final.rows is None or not plan.keeps else self._backward(False)
+
+    def _backward(self, keep: bool) -> BackwardPlan:
+        """The backward kernel's plan; ``keep``: the reduction sweep keeps the elementary-function
+        calls the final sweep computes again (trailing layouts, float; see :meth:`_kept`) --
+        not where the final sweep goes over rows in lockstep, after the rows' reductions."""
         names = [i.name for i in self.spec.inputs] + list(self.ir.stats)
         temps = list(self.ir.values) + list(self.ir.bwd_elem)
         red = None
+        keeps: list[tuple[sympy.Expr, str]] = []
         if self.ir.bwd_loop:
+            if keep and self.spec.layout == "trailing" and self.atype != "double":
+                red_exprs = [e for _, e in self.ir.bwd_loop]
+                needed, _ = needed_temps(red_exprs, temps)
+                keeps = _calls_shared([*red_exprs, *(e for _, e in needed)], self._backward_exprs(temps))
             lp = self.loop(
-                [e for _, e in self.ir.bwd_loop], temps, group_sums=self.ir.bwd_loop, arith=self.atype, first=True
+                [e for _, e in self.ir.bwd_loop],
+                temps,
+                group_sums=self.ir.bwd_loop,
+                arith=self.atype,
+                first=True,
+                keep_out=keeps,
             )
             red = self._sweep(lp, [a for a, _ in self.ir.bwd_loop], names)
             names += [a for a, _ in self.ir.bwd_loop]
@@ -465,6 +477,7 @@ class CPlanner:
             first=red is None,
             second=red is not None,
             float_sums=True,  # scalar parameters' sums of elementary functions (_float_summand)
+            keep_in=keeps,
         )
         if red is not None:  # the block arrays the reduction sweep left are still the group's
             final = dataclasses.replace(final, fresh=tuple(p for p in final.blocks if p not in red.loop.blocks))
@@ -474,7 +487,44 @@ class CPlanner:
         arrays = [*(i.name for i in self.spec.inputs), *self.ir.stats]
         arrays += [(red, "R")] if red is not None else []
         arrays += [v.name for v in group] + [(sweep, "F")]
-        return BackwardPlan(reduction=red, group=tuple(group), final=sweep, batch_arrays=batch_arrays(arrays))
+        return BackwardPlan(
+            reduction=red,
+            group=tuple(group),
+            final=sweep,
+            batch_arrays=batch_arrays(arrays),
+            keeps=tuple(kv(nm) for _, nm in keeps),
+        )
+
+    def _backward_exprs(self, temps: list[tuple[str, sympy.Expr]]) -> list[sympy.Expr]:
+        """What the backward's final sweep computes (dx in the float kernels' factored form, the
+        tensors' and parameters' gradients) with the temporaries it needs."""
+        exprs = [self.ir.dx_closed, *(e for _, e in self.ir.dtensors), *(e for _, e in self.ir.dparams)]
+        needed, _ = needed_temps(exprs, temps + ([self.ir.dcore] if self.ir.dcore is not None else []))
+        return [*exprs, *(e for _, e in needed)]
+
+
+def _calls_shared(first: list[sympy.Expr], later: list[sympy.Expr]) -> list[tuple[sympy.Expr, str]]:
+    """The calls of elementary functions with a float vector version (``Dg_expf``, ...) in
+    ``first`` that ``later`` computes again, outermost first, named Kv0, Kv1, ...; none where
+    ``later`` holds block means or windows (double arithmetic, a row's neighbours)."""
+    if any(e.has(BlockMean, Window) for e in (*first, *later)):
+        return []
+    calls: list[sympy.Expr] = []
+    for e in first:
+        for node in sympy.preorder_traversal(e):
+            fn = of_node(node) if isinstance(node, sympy.Function) else None
+            if fn is None or not fn.c_float.startswith("Dg_") or node in calls:
+                continue
+            if any(o.has(node) for o in later) and not any(c.has(node) for c in calls):
+                calls.append(node)
+    return [(f, f"~Kv{k}") for k, f in enumerate(calls)]
+
+
+def kv(name: str) -> str:
+    """The C name of a kept value: its symbol ``~Kv0`` (no spec's name; it sorts after every
+    name in a product, where the call it stands for was printed, so the arithmetic is the
+    same) is ``Kv0`` in C; other names are themselves."""
+    return name.removeprefix("~")
 
 
 def _float_summand(e: sympy.Expr, elem: set[str]) -> bool:

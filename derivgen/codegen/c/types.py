@@ -224,6 +224,7 @@ class BackwardPlan:
     group: tuple[GroupValue, ...]
     final: Sweep
     batch_arrays: tuple[tuple[str, str, str], ...] = ()  # as ForwardPlan's
+    keeps: tuple[str, ...] = ()  # as ForwardPlan's: the reduction sweep keeps them for the final one
 
     @property
     def block_slots(self) -> tuple[int, ...]:
