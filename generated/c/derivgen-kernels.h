@@ -7,7 +7,13 @@
  * Arrays are read and written in their own type. Statistics and every sum are double,
  * computed as written (two passes for a variance, over a group that stays in
  * cache), never as E[x^2] - E[x]^2. Output sweeps of the float kernels compute
- * in float, adding group-level terms as hi + lo float pairs. Sums run in
+ * in float, adding group-level terms as hi + lo float pairs; so do their summands
+ * that call an elementary function without cancelling or squaring (softmax's
+ * exp(x - m)), widened to double as they are added, and a value one sweep computes
+ * that the next sweep over a row computes again is kept in a row per thread (trailing
+ * layouts). Group maxima and minima run in DG_LANES lanes (in float where the value
+ * is exact in it), a zero or NaN result chosen again in order: the same bits as one
+ * sweep in order (the first of equal values, the last NaN). Sums run in
  * DG_LANES independent lanes added pairwise at the end: vectorizable without
  * reassociation, and per-group results (statistics, y, dx) are the same bits
  * for any thread count; parameter gradients add per-thread partials (float

@@ -92,3 +92,42 @@ def test_split_reduction_refuses_group_selections():
     path = ROOT / "tests" / "regressions" / "group_max_over_batch_blocks.toml"
     with pytest.raises(ValueError, match="hi, lo take a group max"):
         dt.Module(path, 4, sync=True)
+
+
+SIGNED = """
+name = "signed_range_{reduce}"
+title = "A selection whose zero's sign and NaN's payload reach y"
+summary = "y = x*hi*lo: the sign of a zero hi or lo, and the payload of a NaN one, reach y"
+[layout]
+kind = "channels"
+reduce = "{reduce}"
+[statistics]
+hi = "max(x)"
+lo = "min(x)"
+[output]
+y = "x*hi*lo"
+"""
+
+
+@pytest.mark.parametrize("reduce", ["instance", "group", "batch"])
+def test_channels_last_chooses_zeros_and_nans_as_nchw(reduce, tmp_path, monkeypatch):
+    """Which zero (-0, +0) or NaN a group max/min keeps is the NCHW sweep's choice in both
+    memory formats (the first zero, the last NaN in NCHW order): channels last sweeps positions
+    before channels, and redoes a zero or NaN result in that order (_c_groups.j2, best_order)."""
+    monkeypatch.setenv("CFLAGS", QUICK_CFLAGS)
+    path = tmp_path / f"signed_range_{reduce}.toml"
+    path.write_text(SIGNED.format(reduce=reduce))
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 4, 5, 6, generator=gen)
+    x[:, :2] = -x[:, :2].abs() - 1  # channels 0, 1 (group 0): the maximum is a zero
+    x[:, 2:] = x[:, 2:].abs() + 1  # channels 2, 3 (group 1): the minimum is a zero
+    x[:, 1, 0, 0], x[:, 0, 0, 5] = -0.0, 0.0  # NCHW order meets channel 0's +0 first
+    x[:, 3, 0, 0], x[:, 2, 0, 5] = 0.0, -0.0  # and channel 2's -0
+    nan = torch.tensor([0x7FC00011, -0x3FFFDE], dtype=torch.int32).view(torch.float32)  # two payloads
+    x[1, 2, 4, 1], x[1, 3, 0, 2] = nan[0], nan[1]  # NCHW order meets nan[1] last, channels last nan[0]
+    kw = {"num_groups": GROUPS} if reduce == "group" else {}
+    m = dt.Module(path, 4, **kw)
+    with torch.no_grad():
+        ys = [m(x.clone().to(memory_format=fmt)) for fmt in (torch.contiguous_format, torch.channels_last)]
+    assert (ys[0] == 0).any() and torch.isnan(ys[0]).any()
+    assert torch.equal(ys[0].contiguous().view(torch.int32), ys[1].contiguous().view(torch.int32))

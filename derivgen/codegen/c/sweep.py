@@ -36,6 +36,9 @@ from derivgen.codegen.c.types import (
 from derivgen.codegen.c.windows import WindowFunctions, hide_windows
 from derivgen.codegen.ir import Assign, Loop, ModeIR, Select, needed_temps
 from derivgen.codegen.printers import SpecPrinter
+from derivgen.spec.model import X as DATA_X
+from derivgen.symbolic.block import BlockMean
+from derivgen.symbolic.functions import of_node
 from derivgen.symbolic.window import Window
 
 
@@ -141,6 +144,9 @@ class CPlanner:
         outputs: Iterable[str] = (),
         first: bool = False,
         second: bool = False,
+        float_sums: bool = False,
+        keep_out: Sequence[tuple[sympy.Expr, str]] = (),
+        keep_in: Sequence[tuple[sympy.Expr, str]] = (),
     ) -> CLoop:
         """Element sweep computing ``exprs``; ``temps`` are element temporaries available;
         ``stores`` are (output array, element expression) pairs.
@@ -154,9 +160,29 @@ class CPlanner:
         ``arith="double"`` all arithmetic is double, so a float32 kernel centres
         and squares without rounding the statistics to float (mean offset 1e4)
         or overflowing (|x| ~ 1e30). ``arith="float"`` (output sweeps of float
-        kernels) computes in float, adding group-level terms as hi + lo pairs.
+        kernels) computes in float, adding group-level terms as hi + lo pairs; with
+        ``float_sums`` the summands too (each widened to double as it is added: see
+        :func:`_float_summand`). ``keep_out`` are (function call, name) pairs the sweep
+        computes in its element arithmetic and also stores in the thread's row ``<name>_Row``
+        (at the element's place in its group's run), ``keep_in`` those it reads back from there
+        instead of computing them again (see :meth:`_kept`).
         """
         ctype = self.ctype
+        all_sums0 = [*group_sums, *((f"Psum_{k}", e) for k, e in param_sums if self.params[k] in self.scalar)]
+        if keep_in:  # read back, not computed: the sweep's expressions hold the names instead
+            back = {f: sympy.Symbol(nm) for f, nm in keep_in}
+            exprs = [e.xreplace(back) for e in exprs]
+            stores = [(o, e.xreplace(back)) for o, e in stores]
+            temps = [(nm, e.xreplace(back)) for nm, e in temps]
+            group_sums = [(a, e.xreplace(back)) for a, e in group_sums]
+            param_sums = [(k, e.xreplace(back)) for k, e in param_sums]
+        for f, nm in keep_out:  # computed as a temporary after those it reads, stored, and read by name
+            to = {f: sympy.Symbol(nm)}
+            deps = {str(v) for v in f.free_symbols}
+            at = max((i for i, (t, _) in enumerate(temps) if t in deps), default=-1) + 1
+            temps = [*temps[:at], (nm, f), *((t, e.xreplace(to)) for t, e in temps[at:])]
+            exprs = [e.xreplace(to) for e in exprs]
+            group_sums = [(a, e.xreplace(to)) for a, e in group_sums]
         # block means are read as values one per block, left by their passes (BlockPass)
         temps = self.blocks.hide_temps(temps)
         exprs = [self.blocks.hide(e, temps) for e in exprs]
@@ -179,7 +205,8 @@ class CPlanner:
             window_reads.update(self.group_names.get(g, g) for g in fn.groups)
             return fn.call(self.group_names)
 
-        elem = {"x", "dy", *chan, *self.masks, *block_reads, *self.arrays} | {nm for nm, _ in needed}
+        kept = [nm for _, nm in (*keep_in, *keep_out)]
+        elem = {"x", "dy", *chan, *self.masks, *block_reads, *self.arrays, *kept} | {nm for nm, _ in needed}
         enames = dict(self.group_names)
         enames.update(self.elem_names)
         enames.update({b: b for b in block_reads})
@@ -205,14 +232,20 @@ class CPlanner:
         # a block value one per sample (index Blk) is read with the element; one per (sample,
         # channel) or per channel with the parameters, where the sweep knows the channel Ch
         elem_loads += self.blocks.loads(names, by_channel=False)
+        for f, nm in keep_in:
+            elem_loads.insert(0, f"const {arith} {kv(nm)} = {kv(nm)}_Row[Idx - Off];")
+            enames[nm] = kv(nm)
+        stored_rows = {nm for _, nm in keep_out}
         for nm, te in needed:
-            elem_loads.append(f"const {arith} {nm} = {element(te, body_reads)};")
-            enames[nm] = nm
+            elem_loads.append(f"const {arith} {kv(nm)} = {element(te, body_reads)};")
+            enames[nm] = kv(nm)
+            if nm in stored_rows:
+                elem_loads.append(f"{kv(nm)}_Row[Idx - Off] = {kv(nm)};")
         # summands are double: float element values are widened before any arithmetic, so the
         # temporaries (x-hat, g) are the same values in every sweep and products do not overflow
         dnames = dict(self.group_names)
         dnames.update(self.elem_names)
-        dnames.update({nm: nm for nm, _ in needed})
+        dnames.update({nm: kv(nm) for nm, _ in needed})
         dnames.update({b: b for b in block_reads})
         if arith != "double":
             dnames.update({k: f"((double){v})" for k, v in dnames.items() if k in elem})
@@ -228,7 +261,21 @@ class CPlanner:
         scal_sums = [(k, e) for k, e in param_sums if self.params[k] in self.scalar]
         all_sums = list(group_sums) + [(f"Psum_{k}", e) for k, e in scal_sums]
         stored = tuple((o, c_store(element(e, body_reads), ctype)) for o, e in stores)
-        sums = tuple((a, summand(e)) for a, e in all_sums)
+
+        def float_summand(e: sympy.Expr) -> str:
+            """The element factors in float, widened; the group factor in double."""
+            c, v = e.as_independent(*(t for t in e.free_symbols if str(t) in elem), as_Add=False)
+            text = f"((double)({element(v, body_reads)}))"
+            if c == 1:
+                return text
+            ct, reads = self.g(c)
+            body_reads.update(reads)
+            return f"{text}*({ct})"
+
+        sums = tuple(
+            (a, float_summand(e) if float_sums and arith != "double" and _float_summand(e0, elem) else summand(e))
+            for (a, e), (_, e0) in zip(all_sums, all_sums0)
+        )
         psum_reads: set[str] = set()
         chan_summands = tuple((k, summand(e, psum_reads)) for k, e in chan_sums)
         pend = tuple((k, element(e, pend_reads)) for k, e in chan_sums)
@@ -274,24 +321,56 @@ class CPlanner:
         names = [i.name for i in spec.inputs] + [self.group_names[b.name] for b in spec.buffers]
         steps: list[Sweep | GroupValue] = []
         values = list(self.ir.values)  # the core value h = f(x, t), an element temporary of every sweep
-        for st in self.ir.forward:
+        chan = {p for p in self.params if p not in self.scalar}
+        elem = {"x", "dy", *chan, *self.masks, *self.arrays}  # the element values a summand may read
+        _, out_expr = self.ir.fwd_elem[-1]
+        temps = values + list(self.ir.fwd_elem[:-1])
+        extra = [(output_array(o), e) for o, e in self.ir.out_elem]  # the outputs beside y
+        floats = [
+            isinstance(st, Loop)
+            and self.atype != "double"
+            and not values
+            and all(_float_summand(e, elem) for _, e in st.accs)
+            for st in self.ir.forward
+        ]
+        last, keeps = self._kept(floats, [out_expr, *(e for _, e in extra), *(e for _, e in temps)])
+        for k, st in enumerate(self.ir.forward):
             if isinstance(st, Loop):
                 done = sum(isinstance(s, Sweep) for s in steps)
-                lp = self.loop([e for _, e in st.accs], values, group_sums=st.accs, first=done == 0, second=done == 1)
+                lp = self.loop(
+                    [e for _, e in st.accs],
+                    values,
+                    group_sums=st.accs,
+                    arith=self.atype if floats[k] else "double",
+                    first=done == 0,
+                    second=done == 1,
+                    float_sums=floats[k],
+                    keep_out=keeps if k == last else (),
+                )
                 steps.append(self._sweep(lp, [a for a, _ in st.accs], names))
                 names += [a for a, _ in st.accs]
             elif isinstance(st, Select):
                 enames = {**self.group_names, **self.elem_names}
                 text, reads = self.printer.c_reads(st.expr, "double", enames)
-                steps.append(GroupSelect(st.name, st.op, text, st.comment, tuple(n for n in names if n in reads), x=X))
+                lane = self.atype if _exact_selection(st.expr) else "double"
+                lane_text = self.printer.c_reads(st.expr, lane, enames)[0] if lane != "double" else text
+                steps.append(
+                    GroupSelect(
+                        st.name,
+                        st.op,
+                        text,
+                        st.comment,
+                        tuple(n for n in names if n in reads),
+                        x=X,
+                        lane=lane,
+                        lane_expr=lane_text,
+                    )
+                )
                 names.append(st.name)
             else:
                 steps.append(self._group_value(st.name, st.expr, st.comment, names))
                 names.append(st.name)
-        _, out_expr = self.ir.fwd_elem[-1]
-        temps = values + list(self.ir.fwd_elem[:-1])
         done = sum(isinstance(s, Sweep) for s in steps)
-        extra = [(output_array(o), e) for o, e in self.ir.out_elem]  # the outputs beside y
         final = self.loop(
             [out_expr, *(e for _, e in extra)],
             temps,
@@ -300,6 +379,7 @@ class CPlanner:
             outputs=["y", *(o for o, _ in extra)],
             first=done == 0,
             second=done == 1,
+            keep_in=keeps,
         )
         updates = [(b, *self.g(e)) for b, e in self.ir.buffer_updates]
         update_reads = frozenset().union(*(r for _, _, r in updates))
@@ -313,7 +393,20 @@ class CPlanner:
             update_reads=tuple(n for n in names if n in update_reads),
             levels=_levels(steps),
             batch_arrays=batch_arrays([*arrays, (final_sweep, "F")]),
+            keeps=tuple(kv(nm) for _, nm in keeps),
         )
+
+    def _kept(self, floats: list[bool], out: list[sympy.Expr]) -> tuple[int | None, list[tuple[sympy.Expr, str]]]:
+        """The calls of elementary functions that the forward's last statistic sweep adds in
+        float and the output sweep computes again (softmax's exp(x - m)): that sweep keeps
+        their values in a row of the thread's (``Kv0_Row``, one group's run: trailing layouts,
+        whose group is one contiguous run) and the output sweep reads them back, the same bits
+        as computing them again in the same arithmetic without a second call. Returns the
+        sweep's index in the forward program and the (call, name) pairs."""
+        loops = [k for k, st in enumerate(self.ir.forward) if isinstance(st, Loop)]
+        if self.spec.layout != "trailing" or not loops or not floats[loops[-1]]:
+            return None, []
+        return loops[-1], _calls_shared([e for _, e in self.ir.forward[loops[-1]].accs], out)
 
     def _group_values(self, names: list[str]) -> list[GroupValue]:
         """The per-group values between the reduction sweep and the final one: the means
@@ -337,12 +430,29 @@ class CPlanner:
 
     def backward(self) -> BackwardPlan:
         """The backward kernel's plan."""
+        plan = self._backward(True)
+        return plan if plan.final.rows is None or not plan.keeps else self._backward(False)
+
+    def _backward(self, keep: bool) -> BackwardPlan:
+        """The backward kernel's plan; ``keep``: the reduction sweep keeps the elementary-function
+        calls the final sweep computes again (trailing layouts, float; see :meth:`_kept`) --
+        not where the final sweep goes over rows in lockstep, after the rows' reductions."""
         names = [i.name for i in self.spec.inputs] + list(self.ir.stats)
         temps = list(self.ir.values) + list(self.ir.bwd_elem)
         red = None
+        keeps: list[tuple[sympy.Expr, str]] = []
         if self.ir.bwd_loop:
+            if keep and self.spec.layout == "trailing" and self.atype != "double":
+                red_exprs = [e for _, e in self.ir.bwd_loop]
+                needed, _ = needed_temps(red_exprs, temps)
+                keeps = _calls_shared([*red_exprs, *(e for _, e in needed)], self._backward_exprs(temps))
             lp = self.loop(
-                [e for _, e in self.ir.bwd_loop], temps, group_sums=self.ir.bwd_loop, arith=self.atype, first=True
+                [e for _, e in self.ir.bwd_loop],
+                temps,
+                group_sums=self.ir.bwd_loop,
+                arith=self.atype,
+                first=True,
+                keep_out=keeps,
             )
             red = self._sweep(lp, [a for a, _ in self.ir.bwd_loop], names)
             names += [a for a, _ in self.ir.bwd_loop]
@@ -366,6 +476,8 @@ class CPlanner:
             outputs=["dx", *(o for o, _ in dts)],
             first=red is None,
             second=red is not None,
+            float_sums=True,  # scalar parameters' sums of elementary functions (_float_summand)
+            keep_in=keeps,
         )
         if red is not None:  # the block arrays the reduction sweep left are still the group's
             final = dataclasses.replace(final, fresh=tuple(p for p in final.blocks if p not in red.loop.blocks))
@@ -375,7 +487,79 @@ class CPlanner:
         arrays = [*(i.name for i in self.spec.inputs), *self.ir.stats]
         arrays += [(red, "R")] if red is not None else []
         arrays += [v.name for v in group] + [(sweep, "F")]
-        return BackwardPlan(reduction=red, group=tuple(group), final=sweep, batch_arrays=batch_arrays(arrays))
+        return BackwardPlan(
+            reduction=red,
+            group=tuple(group),
+            final=sweep,
+            batch_arrays=batch_arrays(arrays),
+            keeps=tuple(kv(nm) for _, nm in keeps),
+        )
+
+    def _backward_exprs(self, temps: list[tuple[str, sympy.Expr]]) -> list[sympy.Expr]:
+        """What the backward's final sweep computes (dx in the float kernels' factored form, the
+        tensors' and parameters' gradients) with the temporaries it needs."""
+        exprs = [self.ir.dx_closed, *(e for _, e in self.ir.dtensors), *(e for _, e in self.ir.dparams)]
+        needed, _ = needed_temps(exprs, temps + ([self.ir.dcore] if self.ir.dcore is not None else []))
+        return [*exprs, *(e for _, e in needed)]
+
+
+def _calls_shared(first: list[sympy.Expr], later: list[sympy.Expr]) -> list[tuple[sympy.Expr, str]]:
+    """The calls of elementary functions with a float vector version (``Dg_expf``, ...) in
+    ``first`` that ``later`` computes again, outermost first, named Kv0, Kv1, ...; none where
+    ``later`` holds block means or windows (double arithmetic, a row's neighbours)."""
+    if any(e.has(BlockMean, Window) for e in (*first, *later)):
+        return []
+    calls: list[sympy.Expr] = []
+    for e in first:
+        for node in sympy.preorder_traversal(e):
+            fn = of_node(node) if isinstance(node, sympy.Function) else None
+            if fn is None or not fn.c_float.startswith("Dg_") or node in calls:
+                continue
+            if any(o.has(node) for o in later) and not any(c.has(node) for c in calls):
+                calls.append(node)
+    return [(f, f"~Kv{k}") for k, f in enumerate(calls)]
+
+
+def kv(name: str) -> str:
+    """The C name of a kept value: its symbol ``~Kv0`` (no spec's name; it sorts after every
+    name in a product, where the call it stands for was printed, so the arithmetic is the
+    same) is ``Kv0`` in C; other names are themselves."""
+    return name.removeprefix("~")
+
+
+def _float_summand(e: sympy.Expr, elem: set[str]) -> bool:
+    """Whether a float kernel's statistic sweep adds ``e`` in float arithmetic (widened to
+    double as it is added: the sums stay double): where ``e`` calls an elementary function the
+    kernels compute with a polynomial (``Dg_expf``, ``Dg_logf``, ... of
+    ``derivgen-kernels.h``), whose double version costs about twice the float one, and its
+    element arithmetic rounds without cancelling: every sum in it has at most one term that
+    varies with the element (group terms are added as hi + lo pairs), and no element value is
+    raised to a power (a square may overflow float, and a centred moment keeps double's
+    exactness). The output sweeps and the backward already compute such functions in float;
+    exp(x - m) of softmax is the case this is for (docs/numerics.md: the error bound)."""
+
+    def varies(t: sympy.Expr) -> bool:
+        return any(str(v) in elem for v in t.free_symbols)
+
+    calls = False
+    for node in sympy.preorder_traversal(e):
+        if isinstance(node, (Window, BlockMean)):
+            return False
+        if node.is_Add and sum(varies(t) for t in node.args) > 1:
+            return False
+        if node.is_Pow and varies(node.base) and node.exp != -1:
+            return False
+        fn = of_node(node) if isinstance(node, sympy.Function) else None
+        calls = calls or (fn is not None and fn.c_float.startswith("Dg_"))
+    return calls
+
+
+def _exact_selection(e: sympy.Expr) -> bool:
+    """Whether a selection's element value is exact in x's own arithmetic: x, -x, |x| (the
+    maximum of float values is one of them, so it may be taken in float)."""
+    while isinstance(e, sympy.Abs) or (e.is_Mul and len(e.args) == 2 and e.args[0] == -1):
+        e = e.args[0] if isinstance(e, sympy.Abs) else e.args[1]
+    return e == DATA_X
 
 
 def _levels(steps: list[Sweep | GroupValue]) -> tuple[SplitLevel, ...]:

@@ -167,7 +167,8 @@ class GroupValue:
 @dataclass(frozen=True)
 class GroupSelect:
     """A group maximum or minimum of the forward: ``name = op`` over the elements of the
-    group's run (trailing layouts: one contiguous row), ``expr`` the element value (double)."""
+    group's run (trailing layouts: one contiguous row), ``expr`` the element value (double),
+    computed in DG_LANES lanes of type ``lane``."""
 
     kind: ClassVar[str] = "select"
     name: str
@@ -176,6 +177,11 @@ class GroupSelect:
     comment: str
     reads: tuple[str, ...]
     x: str  # the name of x at the element, which ``expr`` reads (the naming table's)
+    # the type of the selection's lanes: the element arithmetic's where the element value is
+    # exact in it (x, -x, |x| of float data: float), else double; ``lane_expr`` is ``expr``
+    # in it (the template, _c_sweep.j2's select, keeps ``expr`` to choose among zeros and NaNs)
+    lane: str = "double"
+    lane_expr: str = ""
 
 
 @dataclass(frozen=True)
@@ -199,6 +205,9 @@ class ForwardPlan:
     levels: tuple[SplitLevel, ...]
     # the arrays a batch-reduced channels-last kernel allocates: (C type, name, length)
     batch_arrays: tuple[tuple[str, str, str], ...] = ()
+    # values a statistic sweep keeps per element for the output sweep: one row per thread each
+    # (<name>_Row, of the element arithmetic's type; CPlanner._kept)
+    keeps: tuple[str, ...] = ()
 
     @property
     def block_slots(self) -> tuple[int, ...]:
@@ -215,6 +224,7 @@ class BackwardPlan:
     group: tuple[GroupValue, ...]
     final: Sweep
     batch_arrays: tuple[tuple[str, str, str], ...] = ()  # as ForwardPlan's
+    keeps: tuple[str, ...] = ()  # as ForwardPlan's: the reduction sweep keeps them for the final one
 
     @property
     def block_slots(self) -> tuple[int, ...]:
