@@ -3,7 +3,9 @@
 A window at element ``Ch`` of its group sums its body over the neighbours inside the group;
 :class:`WindowFunctions` writes one function per window and what it reads, shared by the
 kernels of one mode and element type, and the element code calls it
-(:meth:`WindowFunction.call`).
+(:meth:`WindowFunction.call`). In a position layout's blocks of positions the sweeps read a
+window from a tile instead (:meth:`WindowFunctions.tiles`: the same sum, the same bits, the body
+evaluated once per element rather than once per neighbour).
 """
 
 from __future__ import annotations
