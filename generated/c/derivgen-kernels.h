@@ -120,6 +120,29 @@ static inline double Dg_sel_d(uint64_t c, double a, double b)
     return Dg_d_bits((Dg_bits_d(a) & M) | (Dg_bits_d(b) & ~M));
 }
 
+/* fmax and fmin without the call (a libm call no loop vectorizes): the larger (smaller) of a
+ * and b, the other where one is NaN, b where they are equal (x86-64's maxsd and minsd, which
+ * glibc's fmax and fmin return: -0 or +0 as b is) */
+static inline double Dg_fmax(double a, double b)
+{
+    return Dg_sel_d((uint64_t)(a > b) | (uint64_t)(b != b), a, b);
+}
+
+static inline double Dg_fmin(double a, double b)
+{
+    return Dg_sel_d((uint64_t)(a < b) | (uint64_t)(b != b), a, b);
+}
+
+static inline float Dg_fmaxf(float a, float b)
+{
+    return Dg_sel_f((uint32_t)(a > b) | (uint32_t)(b != b), a, b);
+}
+
+static inline float Dg_fminf(float a, float b)
+{
+    return Dg_sel_f((uint32_t)(a < b) | (uint32_t)(b != b), a, b);
+}
+
 /* |v| with the sign of s (v >= 0 or NaN) */
 static inline float Dg_signed_f(float v, float s)
 {

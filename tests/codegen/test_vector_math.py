@@ -396,3 +396,63 @@ def test_the_table_spells_the_transcendentals_with_the_header():
                 continue
             assert spelling.startswith("Dg_"), (name, ctype, spelling)
             assert re.search(rf"static inline {ctype} {spelling}\(", header), spelling
+
+
+SELECT = r"""
+#include "derivgen-kernels.h"
+#include <stdio.h>
+
+#define LOOP(name, T, f) \
+    void loop_##name(T *restrict y, const T *restrict a, const T *restrict b, int n) { for (int i = 0; i < n; ++i) y[i] = f(a[i], b[i]); }
+LOOP(fmax, double, Dg_fmax)
+LOOP(fmin, double, Dg_fmin)
+LOOP(fmaxf, float, Dg_fmaxf)
+LOOP(fminf, float, Dg_fminf)
+
+int main(void)
+{
+    static const double V[] = {0.0, -0.0, 1.0, -1.0, 2.5, -3e300, 4.9406564584124654e-324, 1e-310, INFINITY, -INFINITY, NAN, -NAN};
+    enum { K = sizeof V / sizeof V[0], N = K * K };
+    double a[N], b[N], y[N];
+    float af[N], bf[N], yf[N];
+    long bad = 0;
+    for (int i = 0; i < K; ++i)
+        for (int j = 0; j < K; ++j) { a[i * K + j] = V[i]; b[i * K + j] = V[j]; af[i * K + j] = (float)V[i]; bf[i * K + j] = (float)V[j]; }
+    /* against libm's, bit for bit but for a NaN's sign and payload and the sign of equal zeros */
+#define CHECK(name, ref) \
+    loop_##name(y, a, b, N); \
+    for (int i = 0; i < N; ++i) { const double r = ref(a[i], b[i]); \
+        if (isnan(r) ? !isnan(y[i]) : (y[i] != r || (r != 0.0 && signbit(y[i]) != signbit(r)))) { ++bad; fprintf(stderr, #name " %a %a: %a\n", a[i], b[i], y[i]); } }
+    CHECK(fmax, fmax)
+    CHECK(fmin, fmin)
+    loop_fmaxf(yf, af, bf, N);
+    for (int i = 0; i < N; ++i) { const float r = fmaxf(af[i], bf[i]); if (isnan(r) ? !isnan(yf[i]) : yf[i] != r) { ++bad; fprintf(stderr, "fmaxf %a %a: %a\n", af[i], bf[i], yf[i]); } }
+    loop_fminf(yf, af, bf, N);
+    for (int i = 0; i < N; ++i) { const float r = fminf(af[i], bf[i]); if (isnan(r) ? !isnan(yf[i]) : yf[i] != r) { ++bad; fprintf(stderr, "fminf %a %a: %a\n", af[i], bf[i], yf[i]); } }
+    printf("%ld\n", bad);
+    return bad != 0;
+}
+"""
+
+
+def test_selections_are_libm_fmax_and_fmin_and_vectorize(tmp_path):
+    """Dg_fmax, Dg_fmin, Dg_fmaxf, Dg_fminf (the table's maximum, minimum and clip): libm's
+    fmax and fmin on every pair of special values (±0, ±1, subnormals, ±inf, NaN: NaN only where
+    both are), and their loops vectorize where fmax's libm call does not."""
+    _x86()
+    cc = require_tool("gcc")
+    (tmp_path / "sel.c").write_text(SELECT)
+    exe = tmp_path / "sel"
+    r = subprocess.run(
+        [cc, *STRICT, *KERNEL, f"-march={_best()}", "-fopt-info-vec-optimized", f"-I{ROOT / 'generated' / 'c'}"]
+        + [str(tmp_path / "sel.c"), "-o", str(exe), "-lm"],
+        capture_output=True,
+        text=True,
+    )
+    assert r.returncode == 0, r.stderr
+    lines = SELECT.splitlines()
+    for n in ("fmax", "fmin", "fmaxf", "fminf"):
+        line = next(i + 1 for i, text in enumerate(lines) if text.startswith(f"LOOP({n},"))
+        assert re.search(rf"sel\.c:{line}:\d+: optimized: loop vectorized", r.stderr), (n, r.stderr)
+    run = subprocess.run([str(exe)], capture_output=True, text=True)
+    assert run.returncode == 0 and run.stdout.strip() == "0", run.stderr
