@@ -131,6 +131,21 @@ def np_sum(e: sympy.Expr, axes: str, spec: Spec | None = None) -> str:
     return f"_np.sum({np_expr(e, spec)}, axis={axes}, keepdims=True)"
 
 
+C_INT_POWER_MAX = 16  # the largest |n| the C printers write b**n for as products
+
+
+def c_int_power(b: str, n: int) -> str:
+    """C text of ``b`` (printed, parenthesized as a factor) to the integer power 2 <= n <= 16 as
+    products: b*b, b*b*b, b*b*b*b as written (left to right), and from 5 on by squaring,
+    b**n = (b**(n//2))**2 (times b when n is odd), whose repeated operand the compiler
+    computes once. Each product rounds once; the relative error is at most (n - 1) units of
+    rounding to first order whatever the order of the products (docs/numerics.md)."""
+    if n <= 4:
+        return "*".join([b] * n)
+    half = f"({c_int_power(b, n // 2)})"
+    return f"{half}*{half}*{b}" if n % 2 else f"{half}*{half}"
+
+
 class _C(SpellsFunctions, _Ordered, C99CodePrinter):
     def __init__(self, ctype: str, rename: dict[str, str], names, windows=None):
         alias = float32 if ctype == "float" else float64
@@ -176,15 +191,19 @@ class _C(SpellsFunctions, _Ordered, C99CodePrinter):
         return super()._print_Mul(expr)
 
     def _print_Pow(self, expr):
-        # small integer powers as products: exact, fast, no pow() call
-        if expr.exp.is_Integer and 2 <= abs(int(expr.exp)) <= 4:
+        # integer powers as products: no pow() call, so the loops vectorize (docs/numerics.md
+        # bounds the rounding: |n| - 1 products at most, each rounding once)
+        if expr.exp.is_Integer and 2 <= abs(int(expr.exp)) <= C_INT_POWER_MAX:
             b = self.parenthesize(expr.base, sympy.printing.precedence.PRECEDENCE["Mul"])
-            prod = "*".join([b] * abs(int(expr.exp)))
+            prod = c_int_power(b, abs(int(expr.exp)))
             return f"({prod})" if expr.exp > 0 else f"({self._print(sympy.S.One)}/({prod}))"
         root = functions.half_power_sign(expr)
         if root:
             text = self._spell(functions.half_power(), (expr.base,))
             return text if root > 0 else f"{self._print(sympy.S.One)}/{text}"
+        if self.ctype == "float" and expr.exp != -1 and expr.exp != sympy.Rational(1, 3):
+            # powf is a libm call no loop vectorizes; Dg_powf is inline (derivgen-kernels.h)
+            return f"Dg_powf({self._print(expr.base)}, {self._print(expr.exp)})"
         return super()._print_Pow(expr)
 
 

@@ -126,6 +126,29 @@ static inline double Dg_sel_d(uint64_t c, double a, double b)
     return Dg_d_bits((Dg_bits_d(a) & M) | (Dg_bits_d(b) & ~M));
 }
 
+/* fmax and fmin without the call (a libm call no loop vectorizes): the larger (smaller) of a
+ * and b, the other where one is NaN, b where they are equal (x86-64's maxsd and minsd, which
+ * glibc's fmax and fmin return: -0 or +0 as b is) */
+static inline double Dg_fmax(double a, double b)
+{
+    return Dg_sel_d((uint64_t)(a > b) | (uint64_t)(b != b), a, b);
+}
+
+static inline double Dg_fmin(double a, double b)
+{
+    return Dg_sel_d((uint64_t)(a < b) | (uint64_t)(b != b), a, b);
+}
+
+static inline float Dg_fmaxf(float a, float b)
+{
+    return Dg_sel_f((uint32_t)(a > b) | (uint32_t)(b != b), a, b);
+}
+
+static inline float Dg_fminf(float a, float b)
+{
+    return Dg_sel_f((uint32_t)(a < b) | (uint32_t)(b != b), a, b);
+}
+
 /* |v| with the sign of s (v >= 0 or NaN) */
 static inline float Dg_signed_f(float v, float s)
 {
@@ -332,6 +355,30 @@ static inline double Dg_softplus(double x)
     return Dg_sel_d(x > 0.0, x, 0.0) + Dg_log1p(Dg_exp(-fabs(x)));
 }
 
+/* a^b as powf: e^(b log|a|) in double (Dg_log, Dg_exp) rounded once to float. Where a^b is
+ * a finite float, |b log|a|| < 104, so the double's relative error is below 2^-44 and the
+ * float result is within 0.5 ulp + 2^-20 ulp of the exact value (docs/numerics.md).
+ * C99's special values: a^0 = 1^b = 1 (even for NaN), a < 0 gives |a|^b with the sign of a
+ * for odd integers b and NaN for finite a and b, b not an integer, (-1)^(±inf) = 1, and ±0 and ±inf
+ * bases as powf. An integer b: |b| >= 2^23 (every such float), or |b| + 2^23 - 2^23 == |b|. */
+static inline float Dg_powf(float a, float b)
+{
+    const float A = fabsf(a), Bb = fabsf(b);
+    const double Y = (double)b * Dg_log((double)A);
+    const float R = (float)Dg_exp(Y);
+    const float Sh = 8388608.0f;                        /* 0x1p23 */
+    const uint32_t Whole = (uint32_t)(Bb >= Sh) | (uint32_t)((Bb + Sh) - Sh == Bb);
+    const float Bi = Dg_sel_f(Bb < 16777216.0f, b, 0.0f);   /* |b| < 2^24: converts exactly */
+    const uint32_t Odd = Whole & ((uint32_t)(int32_t)Bi & 1u);
+    const uint32_t Neg = Dg_bits_f(a) >> 31;
+    const float Inf = Dg_f_bits(0x7f800000u);
+    /* the conditions as 0/1 combined with & and | (no branches: && would be control flow) */
+    const uint32_t Nan = (uint32_t)(a < 0.0f) & (uint32_t)(A < Inf) & (Whole ^ 1u) & (uint32_t)(Bb < Inf);
+    float r = Dg_sel_f(Neg & Odd, -R, R);
+    r = Dg_sel_f(Nan, Dg_f_bits(0x7fc00000u), r);
+    r = Dg_sel_f((uint32_t)(Bb == Inf) & (uint32_t)(A == 1.0f), 1.0f, r);      /* (-1)^(±inf): not inf*0 */
+    return Dg_sel_f((uint32_t)(b == 0.0f) | (uint32_t)(a == 1.0f), 1.0f, r);
+}
 /* non-temporal stores (and plain copies) of one vector: x86 intrinsics, the widest the
  * build targets */
 #if defined(__AVX512F__)

@@ -18,6 +18,7 @@ from derivgen.symbolic import functions
 
 FLOAT = ["expf", "logf", "log1pf", "tanhf", "erff", "sigmoidf", "softplusf"]
 DOUBLE = ["exp", "log", "log1p", "tanh", "sigmoid", "softplus"]
+BINARY = ["powf"]  # a^b (float): the C printer's spelling of a power other than an integer or a half
 # the sweep: every STRIDE-th float bit pattern of the whole range, every STRIDE_NEAR-th of
 # |x| <= 16 (offset 3), every STRIDE_ONE-th float in [0.5, 2]; COUNT random doubles in each of
 # four regions. The quick sweep is a subset of the full one (strides multiples of its, the
@@ -118,6 +119,21 @@ static void flush_d(void)
 }
 static void put_d(double x) { xd[nd++] = x; if (nd == BLOCK) flush_d(); }
 
+/* a^b, in blocks through the vectorized loop, against libm's pow in double */
+static float xa[BLOCK], xb[BLOCK], ya[BLOCK];
+static int np = 0;
+static void ev_powf(float *restrict y, const float *restrict a, const float *restrict b, int n)
+{
+    for (int i = 0; i < n; ++i) y[i] = Dg_powf(a[i], b[i]);
+}
+static void flush_p(void)
+{
+    ev_powf(ya, xa, xb, np);
+    for (int i = 0; i < np; ++i) judge_f(xa[i], ya[i], pow((double)xa[i], (double)xb[i]));
+    np = 0;
+}
+static void judge_p(float a, float b) { xa[np] = a; xb[np++] = b; if (np == BLOCK) flush_p(); }
+
 static uint64_t Rng;
 static uint64_t next(void) { Rng ^= Rng << 13; Rng ^= Rng >> 7; Rng ^= Rng << 17; return Rng; }
 
@@ -166,6 +182,42 @@ int main(int argc, char **argv)
         put_d(Dg_d_bits(0x7ff0000000000000u)); put_d(-Dg_d_bits(0x7ff0000000000000u));
         put_d(Dg_d_bits(0x7ff8000000000000u)); put_d(-Dg_d_bits(0x7ff8000000000000u));
         flush_d();
+    }
+    if (strcmp(argv[1], "powf") == 0) {
+        /* a^b: every (16 stride)-th float bit pattern a of either sign against exponents b
+         * (the special ones, integers near the 2^23 and 2^24 edges, 48 random ones in [-16, 16]
+         * and 16 in [-200, 200]); count random pairs with a in [2^-20, 2^20) and b in [-8, 8);
+         * every (one)-th float a in [0.5, 2] against b = 0.75, -0.75, -1.75 (LRN's) */
+        static float SB[128] = {0.0f, -0.0f, 1.0f, -1.0f, 2.0f, -2.0f, 3.0f, -3.0f, 0.5f, -0.5f, 0.75f, -0.75f,
+                                -1.75f, 0.333333343f, 7.0f, -7.0f, 8388607.0f, 8388608.0f, 8388609.0f, 16777215.0f,
+                                16777216.0f, 16777218.0f, -16777215.0f, 2.5f, -2.5f, 1e-10f, 100.5f, -100.5f,
+                                1e30f, -1e30f, 1.40129846e-45f, 3.40282347e+38f};
+        int nb = 32;
+        SB[nb++] = Dg_f_bits(0x7f800000u); SB[nb++] = -Dg_f_bits(0x7f800000u); SB[nb++] = Dg_f_bits(0x7fc00000u);
+        Rng = 6180339887498948482u;
+        for (int i = 0; i < 48; ++i) SB[nb++] = (float)(((double)(next() >> 11) * 0x1p-53 - 0.5) * 32.0);
+        for (int i = 0; i < 16; ++i) SB[nb++] = (float)(((double)(next() >> 11) * 0x1p-53 - 0.5) * 400.0);
+        for (int j = 0; j < nb; ++j) {
+            const float b = SB[j];
+            for (uint64_t u = 0; u <= 0x7fc00000u; u += 16 * stride) {
+                const float a = Dg_f_bits((uint32_t)u);
+                judge_p(a, b); judge_p(-a, b);
+            }
+            static const float SA[] = {0.0f, -0.0f, 1.0f, -1.0f, 1.40129846e-45f, 3.40282347e+38f, 0.999999940f,
+                                       1.00000012f, 2.0f, -2.0f, 0.5f, -0.5f};
+            for (size_t i = 0; i < sizeof SA / sizeof SA[0]; ++i) judge_p(SA[i], b);
+            judge_p(Dg_f_bits(0x7f800000u), b); judge_p(-Dg_f_bits(0x7f800000u), b); judge_p(Dg_f_bits(0x7fc00000u), b);
+        }
+        Rng = 5772156649015328606u;
+        for (long i = 0; i < count; ++i) {
+            const uint64_t u = next();
+            const float a = (float)ldexp(1.0 + (double)(u >> 12) * 0x1p-52, (int)((u & 63u) % 40u) - 20);
+            judge_p(a, (float)(((double)(next() >> 11) * 0x1p-53 - 0.5) * 16.0));
+        }
+        static const float SL[] = {0.75f, -0.75f, -1.75f};
+        for (size_t i = 0; i < 3; ++i)
+            for (uint64_t u = 0x3f000000u; u <= 0x40000000u; u += one) judge_p(Dg_f_bits((uint32_t)u), SL[i]);
+        flush_p();
     }
     printf("%s %.6f %a %ld %ld %016llx\n", argv[1], worst, worst_at, mismatches, evaluated, (unsigned long long)sum);
     return 0;
@@ -258,13 +310,13 @@ def doc_table() -> dict[str, tuple[float, float]]:
 
 def test_the_doc_table_has_every_function():
     table = doc_table()
-    assert set(table) == set(FLOAT + DOUBLE)
+    assert set(table) == set(FLOAT + DOUBLE + BINARY)
     for name, (measured, bound) in table.items():
         assert measured <= bound, name
 
 
-CASES = [pytest.param(n, QUICK, id=f"{n}-quick") for n in FLOAT + DOUBLE] + [
-    pytest.param(n, FULL, id=f"{n}-full", marks=pytest.mark.full) for n in FLOAT + DOUBLE
+CASES = [pytest.param(n, QUICK, id=f"{n}-quick") for n in FLOAT + DOUBLE + BINARY] + [
+    pytest.param(n, FULL, id=f"{n}-full", marks=pytest.mark.full) for n in FLOAT + DOUBLE + BINARY
 ]
 
 
@@ -285,12 +337,20 @@ def test_error_within_the_documented_bound(name, sweep, drivers):
     assert len({r["checksum"] for r in results.values()}) == 1, results
 
 
-LOOPS = r"""
+LOOPS = (
+    r"""
 #include "derivgen-kernels.h"
-""" + "".join(
-    f"void loop_{n}({t} *restrict y, const {t} *restrict x, int n) {{ for (int i = 0; i < n; ++i) y[i] = Dg_{n}(x[i]); }}\n"
-    for t, names in (("float", FLOAT), ("double", DOUBLE))
-    for n in names
+"""
+    + "".join(
+        f"void loop_{n}({t} *restrict y, const {t} *restrict x, int n) {{ for (int i = 0; i < n; ++i) y[i] = Dg_{n}(x[i]); }}\n"
+        for t, names in (("float", FLOAT), ("double", DOUBLE))
+        for n in names
+    )
+    + "".join(
+        f"void loop_{n}(float *restrict y, const float *restrict a, const float *restrict b, int n) "
+        f"{{ for (int i = 0; i < n; ++i) y[i] = Dg_{n}(a[i], b[i]); }}\n"
+        for n in BINARY
+    )
 )
 
 
@@ -312,7 +372,7 @@ def test_gcc_vectorizes_a_loop_calling_each_function(march, tmp_path):
     assert r.returncode == 0, r.stderr
     width = {"x86-64": 16, "x86-64-v2": 16, "x86-64-v3": 32, "x86-64-v4": 64}[march]
     lines = LOOPS.splitlines()
-    want = FLOAT + (DOUBLE if march != "x86-64" else [])
+    want = FLOAT + (DOUBLE + BINARY if march != "x86-64" else [])  # powf works in double
     for n in want:
         line = next(i + 1 for i, text in enumerate(lines) if text.startswith(f"void loop_{n}("))
         assert re.search(rf"loops\.c:{line}:\d+: optimized: loop vectorized using {width} byte vectors", r.stderr), (
@@ -336,3 +396,63 @@ def test_the_table_spells_the_transcendentals_with_the_header():
                 continue
             assert spelling.startswith("Dg_"), (name, ctype, spelling)
             assert re.search(rf"static inline {ctype} {spelling}\(", header), spelling
+
+
+SELECT = r"""
+#include "derivgen-kernels.h"
+#include <stdio.h>
+
+#define LOOP(name, T, f) \
+    void loop_##name(T *restrict y, const T *restrict a, const T *restrict b, int n) { for (int i = 0; i < n; ++i) y[i] = f(a[i], b[i]); }
+LOOP(fmax, double, Dg_fmax)
+LOOP(fmin, double, Dg_fmin)
+LOOP(fmaxf, float, Dg_fmaxf)
+LOOP(fminf, float, Dg_fminf)
+
+int main(void)
+{
+    static const double V[] = {0.0, -0.0, 1.0, -1.0, 2.5, -3e300, 4.9406564584124654e-324, 1e-310, INFINITY, -INFINITY, NAN, -NAN};
+    enum { K = sizeof V / sizeof V[0], N = K * K };
+    double a[N], b[N], y[N];
+    float af[N], bf[N], yf[N];
+    long bad = 0;
+    for (int i = 0; i < K; ++i)
+        for (int j = 0; j < K; ++j) { a[i * K + j] = V[i]; b[i * K + j] = V[j]; af[i * K + j] = (float)V[i]; bf[i * K + j] = (float)V[j]; }
+    /* against libm's, bit for bit but for a NaN's sign and payload and the sign of equal zeros */
+#define CHECK(name, ref) \
+    loop_##name(y, a, b, N); \
+    for (int i = 0; i < N; ++i) { const double r = ref(a[i], b[i]); \
+        if (isnan(r) ? !isnan(y[i]) : (y[i] != r || (r != 0.0 && signbit(y[i]) != signbit(r)))) { ++bad; fprintf(stderr, #name " %a %a: %a\n", a[i], b[i], y[i]); } }
+    CHECK(fmax, fmax)
+    CHECK(fmin, fmin)
+    loop_fmaxf(yf, af, bf, N);
+    for (int i = 0; i < N; ++i) { const float r = fmaxf(af[i], bf[i]); if (isnan(r) ? !isnan(yf[i]) : yf[i] != r) { ++bad; fprintf(stderr, "fmaxf %a %a: %a\n", af[i], bf[i], yf[i]); } }
+    loop_fminf(yf, af, bf, N);
+    for (int i = 0; i < N; ++i) { const float r = fminf(af[i], bf[i]); if (isnan(r) ? !isnan(yf[i]) : yf[i] != r) { ++bad; fprintf(stderr, "fminf %a %a: %a\n", af[i], bf[i], yf[i]); } }
+    printf("%ld\n", bad);
+    return bad != 0;
+}
+"""
+
+
+def test_selections_are_libm_fmax_and_fmin_and_vectorize(tmp_path):
+    """Dg_fmax, Dg_fmin, Dg_fmaxf, Dg_fminf (the table's maximum, minimum and clip): libm's
+    fmax and fmin on every pair of special values (±0, ±1, subnormals, ±inf, NaN: NaN only where
+    both are), and their loops vectorize where fmax's libm call does not."""
+    _x86()
+    cc = require_tool("gcc")
+    (tmp_path / "sel.c").write_text(SELECT)
+    exe = tmp_path / "sel"
+    r = subprocess.run(
+        [cc, *STRICT, *KERNEL, f"-march={_best()}", "-fopt-info-vec-optimized", f"-I{ROOT / 'generated' / 'c'}"]
+        + [str(tmp_path / "sel.c"), "-o", str(exe), "-lm"],
+        capture_output=True,
+        text=True,
+    )
+    assert r.returncode == 0, r.stderr
+    lines = SELECT.splitlines()
+    for n in ("fmax", "fmin", "fmaxf", "fminf"):
+        line = next(i + 1 for i, text in enumerate(lines) if text.startswith(f"LOOP({n},"))
+        assert re.search(rf"sel\.c:{line}:\d+: optimized: loop vectorized", r.stderr), (n, r.stderr)
+    run = subprocess.run([str(exe)], capture_output=True, text=True)
+    assert run.returncode == 0 and run.stdout.strip() == "0", run.stderr

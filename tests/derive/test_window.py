@@ -163,3 +163,32 @@ y = "gamma*x/rms + alpha*window(x**2, size)*leading(p)"
 """
     rows = check_layer(parse_spec(text, "lead_win.toml"), prove_sizes=(2, 3))
     assert rows and not [r for r in rows if r.failed], [(r.check, r.backend, r.status) for r in rows if r.failed]
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_position_windows_are_the_same_bits_whatever_the_threads_and_blocks(dtype):
+    """The zoo's LRN (channels of a position layout): the C kernels compute each window the
+    element code reads as a tile of the block of positions (its body once per element, then the
+    neighbours' values added in offset order), the window function's sum. 70 positions per
+    sample (a block of 64 and one of 6), odd and even sizes: the forward and the gradient are the
+    same bits with 1 and 2 threads, and agree with the NumPy backend in float64."""
+    c = derivgen.load("lrn", backend="c")
+    ref = derivgen.load("lrn", backend="numpy")
+    rng = np.random.default_rng(41)
+    x = rng.standard_normal((3, 9, 7, 10))
+    dy = rng.standard_normal(x.shape)
+    for size in (2, 5):
+        opts = {"size": size, "alpha": 0.3, "beta": 0.75, "k": 1.5}
+        runs = []
+        for threads in (1, 2):
+            c.set_num_threads(threads)
+            y, cache = c.forward(x.astype(dtype), **opts)
+            runs.append((y, c.backward(dy.astype(dtype), cache).dx))
+        c.set_num_threads(0)
+        for a, b in zip(*runs):
+            assert a.dtype == dtype and a.tobytes() == b.tobytes()
+        y64, cache64 = ref.forward(x.astype(dtype).astype(np.float64), **opts)
+        dx64 = ref.backward(dy.astype(dtype).astype(np.float64), cache64).dx
+        tol = 2e-6 if dtype == np.float32 else 1e-12
+        np.testing.assert_allclose(runs[0][0], y64, rtol=tol, atol=tol)
+        np.testing.assert_allclose(runs[0][1], dx64, rtol=tol, atol=tol)

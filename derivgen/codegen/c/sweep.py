@@ -199,10 +199,22 @@ class CPlanner:
         called: list[Window] = []  # a sweep that calls a window function needs the channel index Ch
         window_reads: set[str] = set()  # and the group values the calls pass
 
+        tiles: list[tuple[int, str]] = []  # the position layout's windows, as tiles of the block
+        kernel_values = set(self.group_names) | {o.name for o in self.spec.options}
+
         def windows(w: Window) -> str:
             called.append(w)
-            fn = self.windows.function(w, list(temps), loads)
+            tiled = self.spec.reduce == "position"
+            fn = self.windows.function(w, list(temps), loads, called=not tiled)
+            if tiled and not set(fn.groups) <= kernel_values:  # reads a group's own value: called
+                tiled = False
+                fn = self.windows.function(w, list(temps), loads)
             window_reads.update(self.group_names.get(g, g) for g in fn.groups)
+            if tiled:
+                for t in self.windows.tiles(w, list(temps), loads, self.group_names):
+                    if t not in tiles:
+                        tiles.append(t)
+                return f"Wt_{fn.slot}[Ch * DG_NHWC_GROUPS + Gi]"
             return fn.call(self.group_names)
 
         kept = [nm for _, nm in (*keep_in, *keep_out)]
@@ -303,6 +315,7 @@ class CPlanner:
             float_lanes=arith == "float" and bool(chan_sums) and self.spec.reduce != "position",
             blocks=passes,
             fresh=passes,
+            window_tiles=tuple(tiles),
         )
 
     def _sweep(self, lp: CLoop, accs, names: list[str]) -> Sweep:

@@ -66,6 +66,9 @@ class CLoop:
     # and those of them no earlier sweep of the kernel computed for the group (``fresh``)
     blocks: tuple[BlockPass, ...] = ()
     fresh: tuple[BlockPass, ...] = ()
+    # a position layout's windows as tiles of the block (WindowFunctions.tiles): (slot, C text)
+    # computed before the sweep, the windows inside others first; the element code reads Wt_<slot>
+    window_tiles: tuple[tuple[int, str], ...] = ()
 
     # Runs whose iterations carry no lane sums may start their lane blocks anywhere, so a
     # long streaming run peels a scalar head up to a 64-byte boundary of its single output

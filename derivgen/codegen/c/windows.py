@@ -3,7 +3,9 @@
 A window at element ``Ch`` of its group sums its body over the neighbours inside the group;
 :class:`WindowFunctions` writes one function per window and what it reads, shared by the
 kernels of one mode and element type, and the element code calls it
-(:meth:`WindowFunction.call`).
+(:meth:`WindowFunction.call`). In a position layout's blocks of positions the sweeps read a
+window from a tile instead (:meth:`WindowFunctions.tiles`: the same sum, the same bits, the body
+evaluated once per element rather than once per neighbour).
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ class WindowFunction:
     arrays: tuple[str, ...]  # the arrays it reads, as the kernel names them
     groups: tuple[str, ...]  # the group values it reads, by their symbol names
     text: str
+    slot: int = 0  # its number among the mode's window functions (its tile's, Wt_<slot>)
+    inner: tuple[str, ...] = ()  # the functions its text calls
 
     def call(self, names: dict[str, str]) -> str:
         """Its call at element (Idx, Ch), the group values by the caller's ``names``."""
@@ -54,24 +58,41 @@ class WindowFunctions:
     def __init__(self, printer: SpecPrinter, prefix: str, ctype: str):
         self.printer, self.prefix, self.ctype = printer, prefix, ctype
         self.done: dict[tuple, WindowFunction] = {}
-        self.texts: list[str] = []
+        self.defined: list[WindowFunction] = []
+        self.used: set[str] = set()  # those some kernel calls (a tile's window is not called)
 
-    def function(self, w: Window, temps: list[tuple[str, sympy.Expr]], loads: dict[str, Load]) -> WindowFunction:
+    @property
+    def texts(self) -> list[str]:
+        """The C text of the functions some kernel calls, directly or through another."""
+        return [fn.text for fn in self.defined if fn.name in self.used]
+
+    def _use(self, fn: WindowFunction) -> None:
+        if fn.name not in self.used:
+            self.used.add(fn.name)
+            for inner in self.defined:
+                if inner.name in fn.inner:
+                    self._use(inner)
+
+    def function(
+        self, w: Window, temps: list[tuple[str, sympy.Expr]], loads: dict[str, Load], called: bool = True
+    ) -> WindowFunction:
         """The function of ``w`` in a kernel whose element temporaries are ``temps`` and whose
         element ``loads`` are ``loads`` (symbol name -> Load: the naming table), defined on
-        first use."""
+        first use; ``called``: a kernel calls it (else only its tile is computed: not emitted)."""
         # one function per window and what it reads (its temporaries, nested windows' too, and
         # the loads): the kernels that need the same one share it
         deps, names = needed_temps([w.body], temps)
         key = (w, tuple(deps), tuple(sorted((n, loads[n]) for n in names if n in loads)))
         if key in self.done:
+            if called:
+                self._use(self.done[key])
             return self.done[key]
         needed, _ = needed_temps([hide_windows(w.body)], temps)  # what this body itself reads
         temp_names = {nm for nm, _ in needed}
         inner: list[WindowFunction] = []
 
         def nested(v: Window) -> str:
-            fn = self.function(v, temps, loads)
+            fn = self.function(v, temps, loads, called=False)
             inner.append(fn)
             return fn.call({})
 
@@ -98,7 +119,7 @@ class WindowFunctions:
             arrays = sorted(set(arrays) | set(fn.arrays))
             groups |= set(fn.groups)
         groups_t = tuple(sorted(groups))
-        name = f"{self.prefix}_window{len(self.texts) + 1}"
+        name = f"{self.prefix}_window{len(self.defined) + 1}"
         T = self.ctype
         params = [f"const {T} *restrict {a}" for a in arrays] + [f"double {g}" for g in groups_t]
         params += ["int64_t Base", "int64_t S", "int64_t Cg", "int64_t Ch0"]
@@ -130,7 +151,74 @@ class WindowFunctions:
                 "}",
             ]
         )
-        fn = WindowFunction(name, tuple(arrays), groups_t, text)
+        fn = WindowFunction(name, tuple(arrays), groups_t, text, len(self.defined) + 1, tuple(f.name for f in inner))
         self.done[key] = fn
-        self.texts.append(text)
+        self.defined.append(fn)
+        if called:
+            self._use(fn)
         return fn
+
+    def tiles(
+        self, w: Window, temps: list[tuple[str, sympy.Expr]], loads: dict[str, Load], rename: dict[str, str]
+    ) -> list[tuple[int, str]]:
+        """A position layout's block of positions (W of them, innermost and contiguous) with
+        ``w`` as a tile: ``Wt_<slot>[Ch * DG_NHWC_GROUPS + Gi]`` is the window at channel Ch of
+        the block's group Gi, for every channel. Its body is evaluated once per element into the
+        scratch tile ``Wb`` (a loop over the block's positions, vectorizable), then each
+        channel's window adds the body's values at its neighbours in offset order from 0.0: the
+        function's sum, the same bits, at one evaluation of the body per element instead of k
+        (k² for a window inside a window). Returns (slot, C text) of the tiles to compute, the
+        windows inside ``w`` first; the group values print by ``rename``."""
+        fn = self.function(w, temps, loads, called=False)
+        out: list[tuple[int, str]] = []
+        needed, _ = needed_temps([hide_windows(w.body)], temps)
+
+        def nested(v: Window) -> str:
+            for t in self.tiles(v, temps, loads, rename):
+                if t not in out:
+                    out.append(t)
+            return f"Wt_{self.function(v, temps, loads, called=False).slot}[Ch * DG_NHWC_GROUPS + Gi]"
+
+        names = dict(rename)
+        names.update({n: ld.local for n, ld in loads.items()})
+        names.update({nm: nm for nm, _ in needed})
+        lines, reads = [], set()
+        for nm, te in needed:
+            text, r = self.printer.c_reads(te, "double", names, nested)
+            lines.append(f"const double {nm} = {text};")
+            reads |= r
+        body, r = self.printer.c_reads(w.body, "double", names, nested)
+        reads |= r
+        load_lines = [loads[n].line(self.ctype) for n in sorted(loads) if loads[n].local in reads]
+        size = w.size
+        k = f"(int64_t){names.get(str(size), str(size))}" if size.is_Symbol else str(int(size))
+        before, after = ("(K - 1) / 2", "K / 2") if w.transposed else ("K / 2", "(K - 1) / 2")
+        text = "\n".join(
+            [
+                f"{{   /* Wt_{fn.slot}: {fn.name} at every channel of the block (its body once per element) */",
+                "    for (int64_t Ch = 0; Ch < Cg; ++Ch) {",
+                "        DG_INDEPENDENT",
+                "        for (int64_t Gi = 0; Gi < W; ++Gi) {",
+                "            const int64_t Idx = Base + Ch * S + Gi;",
+                "            (void)Idx;",
+                *(f"            {line}" for line in load_lines + lines),
+                f"            Wb[Ch * DG_NHWC_GROUPS + Gi] = {body};",
+                "        }",
+                "    }",
+                f"    const int64_t K = {k};",
+                "    for (int64_t Ch0 = 0; Ch0 < Cg; ++Ch0) {",
+                f"        const int64_t Wlo = Ch0 - {before} < 0 ? 0 : Ch0 - {before};",
+                f"        const int64_t Whi = Ch0 + {after} > Cg - 1 ? Cg - 1 : Ch0 + {after};",
+                f"        double *restrict Out = Wt_{fn.slot} + Ch0 * DG_NHWC_GROUPS;",
+                "        for (int64_t Gi = 0; Gi < W; ++Gi) Out[Gi] = 0.0;",
+                "        for (int64_t Ch = Wlo; Ch <= Whi; ++Ch) {",
+                "            const double *restrict In = Wb + Ch * DG_NHWC_GROUPS;",
+                "            DG_INDEPENDENT",
+                "            for (int64_t Gi = 0; Gi < W; ++Gi) Out[Gi] += In[Gi];",
+                "        }",
+                "    }",
+                "}",
+            ]
+        )
+        out.append((fn.slot, text))
+        return out
