@@ -66,6 +66,11 @@ class CLoop:
     # and those of them no earlier sweep of the kernel computed for the group (``fresh``)
     blocks: tuple[BlockPass, ...] = ()
     fresh: tuple[BlockPass, ...] = ()
+    # the gradients of the tensors read at their own shape (a trailing layout's "sample" ones:
+    # one value per sample and feature), as (slot, element expression in element arithmetic):
+    # summed per feature over a unit's rows into Tsum[slot * M + feature] (in registers over
+    # the rows in lockstep, like param_pend), the units added in order after the sweep
+    tensor_pend: tuple[tuple[int, str], ...] = ()
 
     # Runs whose iterations carry no lane sums may start their lane blocks anywhere, so a
     # long streaming run peels a scalar head up to a 64-byte boundary of its single output
