@@ -23,6 +23,7 @@ once per call), and their element gradients, written at x's shape, are summed he
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -65,7 +66,7 @@ def kernel_view(meta: MetaLike, kind: str, full: np.ndarray, layout: Layout) -> 
     if full.size == 0:
         return np.zeros(shape, full.dtype)
     b = samples(meta, layout)
-    return np.ascontiguousarray(full.reshape(b, -1, full.size // b)[:, 0]).reshape(shape)
+    return np.ascontiguousarray(full.reshape(b, -1, math.prod(layout.param_shape))[:, 0]).reshape(shape)
 
 
 def broadcast_axes(meta: MetaLike, kind: str, layout: Layout) -> tuple[int, ...]:
