@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from derivgen.runtime.abi import has_native, native
+from derivgen.runtime.abi import native
 from derivgen.runtime.base import _check_array, _contig, aligned_empty, check_out
 from derivgen.runtime.meta import MetaLike, layer_meta
 from derivgen.runtime.validate import Layout

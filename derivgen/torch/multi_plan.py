@@ -12,8 +12,8 @@ import torch
 
 from derivgen import runtime as rt
 from derivgen.runtime.abi import has_native, native, reads_buffers
-from derivgen.runtime.tensors import samples
 from derivgen.runtime.cbind import input_pairs
+from derivgen.runtime.tensors import samples
 from derivgen.torch.plan import SERIAL_BELOW, call_key, options_in_range, threads
 from derivgen.torch.protocol import Layer
 from derivgen.torch.schema import (
@@ -249,7 +249,10 @@ class MultiPlan:
 
 # the sections of the kernels' arguments a plan passes (runtime/abi.py; a layer's kernels have
 # those it needs: no ``tensors`` without tensor inputs, no ``cotangents`` without outputs beside y)
-_FORWARD_SECTIONS = ("dims", "samples", "x", "tensors", "params", "options", "inputs", "buffers", "y", "stats", "nthreads")
+_FORWARD_SECTIONS = (
+    *("dims", "samples", "x", "tensors", "params", "options", "inputs"),
+    *("buffers", "y", "stats", "nthreads"),
+)
 _BACKWARD_SECTIONS = (
     *("dims", "samples", "x", "dy", "tensors", "cotangents", "params", "options", "inputs"),
     *("stats", "dx", "dparams", "dinputs", "nthreads"),
