@@ -218,7 +218,8 @@ def _one(section: str, name: str, ctype: str, pointer: bool = False, const: bool
 
 
 def tensor_names(meta: MetaLike) -> list[str]:
-    """The tensor inputs beside x, in order (each read at x's shape by the kernels)."""
+    """The tensor inputs beside x, in order (each read at x's shape by the kernels, but a
+    :func:`native` one, read at its own)."""
     meta = layer_meta(meta)
     return list(meta.tensors)
 
@@ -306,7 +307,7 @@ def _second(meta: LayerMeta, mode: str, kind: str) -> _Builder:
         b = b.add("out_dx", _elems("out_dx", ["Out_dx"], False)).add("out_ddy", _elems("out_ddy", ["Out_ddy"], False))
         if outputs:  # L2's gradients with respect to the outputs' cotangents
             b.add("out_ddouts", _elems("out_ddouts", ["Out_dd" + o for o in outputs], False))
-        if grad_tensor_names(meta):  # the tensors' gradients at x's shape (summed by the caller)
+        if grad_tensor_names(meta):  # the tensors' gradients at x's shape (summed by the caller, native ones too)
             b.add("out_dtensors", _elems("out_dtensors", ["Out_d" + t for t in grad_tensor_names(meta)], False))
         b = b.add("out_params", _elems("out_params", [p + "_Out" for p in meta.params], False)).add(
             "out_inputs", _elems("out_inputs", [i + "_Out" for i in meta.inputs], False)

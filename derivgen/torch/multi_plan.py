@@ -81,8 +81,9 @@ def forward_tensor_names(lay: Layer, mode: str) -> list[str]:
 class MultiPlan:
     """A validated forward call signature of a multi layer and mode: the kernels' ctypes
     functions and what the shapes fix (the layout, the tensor inputs' shapes, whether x is
-    channels last), so that a call writes out its broadcast tensors, allocates its outputs and
-    passes data pointers.
+    channels last), so that a call writes out the broadcast tensors the kernels read at x's
+    shape (a trailing layout's per-sample ones go at their own, and the backward kernel sums
+    their gradients), allocates its outputs and passes data pointers.
 
     With ``nhwc`` (a channel layout's channels-last x) the channels-last kernels run: every
     array of x's shape (x, the tensor inputs written out at x's shape, dy, the outputs'
