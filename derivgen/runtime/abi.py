@@ -226,16 +226,17 @@ def tensor_names(meta: MetaLike) -> list[str]:
 
 def native(meta: MetaLike, kind: str) -> bool:
     """Do the C kernels read a tensor input declared ``kind`` at its own shape, and the
-    backward kernel sum its gradient over the axes it is broadcast over? A trailing layout's
-    ``sample`` tensors (one value per sample and feature; :mod:`derivgen.runtime.tensors`)."""
-    return kind == "sample" and layer_meta(meta).layout == "trailing"
+    backward kernel sum its gradient over the axes it is broadcast over? The ``sample``
+    tensors (one value per sample and feature, or per sample and channel;
+    :mod:`derivgen.runtime.tensors`)."""
+    return kind == "sample"
 
 
-def has_native(meta: MetaLike) -> bool:
-    """Does a layer have a tensor input the kernels read at its own shape? Its kernels then
-    take the ``samples`` section after the dims: the samples such a tensor holds."""
+def takes_samples(meta: MetaLike) -> bool:
+    """Does a layer's kernels take the ``samples`` section after the dims (the samples a
+    trailing layout's per-sample tensor holds, which its (O, G, Cg, S) view does not say)?"""
     meta = layer_meta(meta)
-    return any(native(meta, t.shape) for t in meta.tensors.values())
+    return meta.layout == "trailing" and any(native(meta, t.shape) for t in meta.tensors.values())
 
 
 def grad_tensor_names(meta: MetaLike) -> list[str]:
@@ -249,7 +250,7 @@ def _leading(meta: LayerMeta, data: Sequence[str]) -> _Builder:
     cotangents of the outputs beside y (a layer that has them), parameters, options and
     inputs: what every kernel starts with."""
     b = _Builder().add("dims", _dims())
-    if has_native(meta):
+    if takes_samples(meta):
         b.add("samples", _one("samples", "Samples", "int64_t"))
     for d in data:
         b.add(d, _elems(d, [d], True))

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from derivgen import runtime as rt
-from derivgen.runtime.abi import KernelSignature, grad_tensor_names, has_native, kernel_signatures, tensor_names
+from derivgen.runtime.abi import KernelSignature, grad_tensor_names, kernel_signatures, takes_samples, tensor_names
 from derivgen.runtime.base import aligned_empty
 from derivgen.runtime.build import build_shared, build_target
 from derivgen.runtime.machine import machine
@@ -155,7 +155,7 @@ class CKernel:
             "options": [options[o] for o in m.options],
             "inputs": input_pairs([inputs[i] for i in m.inputs]),
         }
-        if has_native(m):
+        if takes_samples(m):
             out["samples"] = (samples(m, L),)
         return out
 
@@ -286,8 +286,12 @@ class CKernel:
         """Call a split kernel: ``sections`` after the leading ones of ``call`` (its tensor
         inputs at the part's x shape; none for split_finish, which reads no element)."""
         lead = self._leading(call.layout, call.params, call.options, call.inputs)
+        keep: list = []
         if tensor_names(self.meta):
-            lead["tensors"] = [_ptr(call.tensors.get(t)) for t in tensor_names(self.meta)]
+            if call.tensors:
+                lead["tensors"] = self._tensors(call.layout, call.tensors, keep)
+            else:
+                lead["tensors"] = [None for _ in tensor_names(self.meta)]
         return self._run("train", "split_" + kind, call.dtype, {**lead, **sections})
 
     def split_partial(self, call: rt.SplitCall, level: int) -> np.ndarray:
@@ -382,7 +386,7 @@ class CKernel:
         # a broadcast tensor's element gradients at x's shape, summed over its broadcast axes below
         gts = grad_tensor_names(m)
         douts = {t: np.zeros(rt.tensor_shape(m, m.tensors[t][0], L), dtype=call.dtype) for t in gts}
-        dtens = {t: rt.grad_buffer(m, t, L, douts[t], call.dtype) for t in gts}
+        dtens = {t: rt.grad_buffer(m, t, L, douts[t], call.dtype, summed=True) for t in gts}
         dparams = {p: np.zeros(call.params[p].shape, dtype=call.dtype) for p in m.params}
         dinputs = {i: np.zeros(L.n_groups, dtype=call.dtype) for i in m.inputs}
         if L.O:

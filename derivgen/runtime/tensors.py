@@ -13,17 +13,16 @@ shape       layout                     the tensor's shape (for x's)
 ==========  =========================  ================================================
 
 A broadcast tensor's gradient is summed over the axes it is broadcast over, as autograd
-sums a broadcast operand's. The C kernels read a trailing layout's ``sample`` tensors at
-their own shape (:func:`native`: the element of sample b and feature d at ``b * D + d``,
-b from the group and the kernels' ``Samples`` argument, :func:`samples`), and the backward
-kernel sums their gradients itself; they read every other tensor at x's shape (written out
-once per call), and their element gradients, written at x's shape, are summed here
-(:func:`finish_tensor_grad`). No SymPy here (stage 0).
+sums a broadcast operand's. The C kernels read the ``sample`` tensors at their own shape
+(:func:`native`: a trailing layout's element of sample b and feature d at ``b * D + d``, b
+from the group and the kernels' ``Samples`` argument, :func:`samples`; a channel layout's
+of sample n and channel c at ``n * C + c``), and the backward kernel sums their gradients
+itself; they read every other tensor at x's shape (written out once per call), and their
+element gradients, written at x's shape, are summed here (:func:`finish_tensor_grad`). No SymPy here (stage 0).
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -65,8 +64,8 @@ def kernel_view(meta: MetaLike, kind: str, full: np.ndarray, layout: Layout) -> 
     shape = tensor_shape(meta, kind, layout)
     if full.size == 0:
         return np.zeros(shape, full.dtype)
-    b = samples(meta, layout)
-    return np.ascontiguousarray(full.reshape(b, -1, math.prod(layout.param_shape))[:, 0]).reshape(shape)
+    axes = broadcast_axes(meta, kind, layout)
+    return np.ascontiguousarray(full[tuple(0 if a in axes else slice(None) for a in range(full.ndim))]).reshape(shape)
 
 
 def broadcast_axes(meta: MetaLike, kind: str, layout: Layout) -> tuple[int, ...]:

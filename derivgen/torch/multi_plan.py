@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from derivgen import runtime as rt
-from derivgen.runtime.abi import has_native, native, reads_buffers
+from derivgen.runtime.abi import native, reads_buffers, takes_samples
 from derivgen.runtime.cbind import input_pairs
 from derivgen.runtime.tensors import samples
 from derivgen.torch.plan import SERIAL_BELOW, call_key, options_in_range, threads
@@ -111,7 +111,7 @@ class MultiPlan:
         self.tshapes = {t: tuple(rt.tensor_shape(meta, self.kinds[t], L)) for t in self.tnames}
         # the tensors the kernels read at their own shape (and whose gradients they sum)
         self.native = {t: native(meta, self.kinds[t]) for t in self.tnames}
-        self.samples = (samples(meta, L),) if has_native(meta) else ()
+        self.samples = (samples(meta, L),) if takes_samples(meta) else ()
         self.nt, self.npar, self.nin = len(self.tnames), len(lay.params), len(lay.inputs)
         self.null_bufs = [] if reads_buffers(meta, mode) else [None] * len(lay.buffers)
         nstat = len(meta.stats[mode])

@@ -4,7 +4,8 @@ in C, and where a value the element code reads is loaded from.
 Element loads (:class:`Load`): x as ``Xv`` from ``x[Idx]``, ∂L/∂y as ``Dyv`` from
 ``dy[Idx]``, a tensor input or an output's cotangent a as ``a_V`` from ``a[Idx]`` (a
 trailing layout's ``sample`` tensor, read at its own shape, from ``a[Tb + (Idx - Off)]``:
-``Tb`` its sample's first value, ``Idx - Off`` the feature; ``derivgen.runtime.abi.native``), a
+``Tb`` its sample's first value, ``Idx - Off`` the feature; a channel layout's from
+``a[Tn + Ch]`` with the parameters; ``derivgen.runtime.abi.native``), a
 per-channel parameter p as ``p_V`` from ``p[Ch]``, a position mask m as ``m_V`` computed
 from its option and N at ``Ch``, and the second order's seeds (``Seed_x[Idx]``,
 ``<t>_Seed[Idx]``, ``<p>_Seed[Ch]``) under their own names. Group values
@@ -29,15 +30,18 @@ if TYPE_CHECKING:
     from derivgen.spec.model import Spec
 
 X = "Xv"  # x at the element: the element code's, and the group selections' of the templates
-# a native tensor's element (derivgen.runtime.abi.native): its sample's first value Tb (the
-# sweeps define it per group, the trailing backward per unit of rows) plus the feature
+# a tensor read at its own shape (derivgen.runtime.abi.native): a trailing layout's per-sample
+# one at its sample's first value Tb (the sweeps define it per group, the trailing backward per
+# unit of rows) plus the feature; a channel layout's per-(sample, channel) one at its sample's
+# first value Tn (defined per sample) plus the channel, with the parameters
 NATIVE_INDEX = "Tb + (Idx - Off)"
+CHANNEL_INDEX = "Tn + Ch"
 
 
 def native_names(spec: Spec) -> list[str]:
-    """The tensor inputs the kernels read at their own shape (a trailing layout's "sample"
-    ones: ``derivgen.runtime.abi.native``), in spec order."""
-    return [t.name for t in spec.tensors if t.shape == "sample" and spec.layout == "trailing"]
+    """The tensor inputs the kernels read at their own shape (the "sample" ones:
+    ``derivgen.runtime.abi.native``), in spec order."""
+    return [t.name for t in spec.tensors if t.shape == "sample"]
 
 
 @dataclass(frozen=True)
@@ -53,7 +57,7 @@ class Load:
     @property
     def at_element(self) -> bool:
         """Loaded at the element (x's index, or a native tensor's), not per channel or computed."""
-        return self.index not in ("Ch", "")
+        return "Idx" in self.index
 
     @property
     def reads(self) -> tuple[str, ...]:
@@ -79,7 +83,8 @@ def load_table(spec: Spec, arrays: Sequence[str], seeds: SecondIR | None = None)
     if seeds is not None:
         table[seeds.seed_x] = Load(seeds.seed_x, "Seed_x", "Idx")
     native = set(native_names(spec))
-    table.update({a: Load(derived(a, "V"), a, NATIVE_INDEX if a in native else "Idx") for a in arrays})
+    own = NATIVE_INDEX if spec.layout == "trailing" else CHANNEL_INDEX
+    table.update({a: Load(derived(a, "V"), a, own if a in native else "Idx") for a in arrays})
     if seeds is not None:
         table.update({sd: Load(sd, t + "_Seed", "Idx") for t, sd in seeds.seed_tensors.items()})
     table.update({p: Load(derived(p, "V"), p, "Ch") for p in chan})

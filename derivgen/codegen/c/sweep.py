@@ -21,7 +21,7 @@ from sympy import Add
 from derivgen.codegen.c.blocks import BlockPasses, BlockSlots, block_pass, block_slots_read
 from derivgen.codegen.c.ctext import ATYPES, c_store, output_array
 from derivgen.codegen.c.layouts import batch_arrays, nhwc_sweep, row_sweep
-from derivgen.codegen.c.names import X, group_names, load_table, locals_of, native_names
+from derivgen.codegen.c.names import CHANNEL_INDEX, X, group_names, load_table, locals_of, native_names
 from derivgen.codegen.c.types import (
     BackwardPlan,
     BlockPass,
@@ -139,6 +139,7 @@ class CPlanner:
         group_sums: Iterable[tuple[str, sympy.Expr]] = (),
         param_sums: Sequence[tuple[int, sympy.Expr]] = (),
         tensor_sums: Sequence[sympy.Expr] = (),
+        tensor_slots: Sequence[tuple[int, str]] = (),
         arith: str = "double",
         outputs: Iterable[str] = (),
         first: bool = False,
@@ -147,8 +148,10 @@ class CPlanner:
         """Element sweep computing ``exprs``; ``temps`` are element temporaries available;
         ``stores`` are (output array, element expression) pairs.
 
-        ``tensor_sums`` are the element gradients of the tensors read at their own shape,
-        summed per sample and feature (``CLoop.tensor_pend``).
+        ``tensor_sums`` are the element gradients of a trailing layout's tensors read at
+        their own shape, summed per sample and feature (``CLoop.tensor_pend``); a channel
+        layout's are parameter sums whose ``tensor_slots`` (slot, output) store each run's
+        sum per (sample, channel) (``CLoop.tensor_slots``).
 
         ``outputs`` are the full-size arrays the sweep writes (straight, streamed
         from registers, or through a cache-resident tile streamed out after each
@@ -230,8 +233,9 @@ class CPlanner:
 
         param_loads = [ld.line(ctype, arith) for n, ld in loads.items() if not ld.at_element and n in names]
         param_loads += self.blocks.loads(names, by_channel=True)
-        chan_sums = [(k, e) for k, e in param_sums if self.params[k] not in self.scalar]
-        scal_sums = [(k, e) for k, e in param_sums if self.params[k] in self.scalar]
+        scalar = {k for k, p in enumerate(self.params) if p in self.scalar}
+        chan_sums = [(k, e) for k, e in param_sums if k not in scalar]
+        scal_sums = [(k, e) for k, e in param_sums if k in scalar]
         all_sums = list(group_sums) + [(f"Psum_{k}", e) for k, e in scal_sums]
         stored = tuple((o, c_store(element(e, body_reads), ctype)) for o, e in stores)
         sums = tuple((a, summand(e)) for a, e in all_sums)
@@ -257,6 +261,9 @@ class CPlanner:
             scalar_param_sums=tuple((k, f"Psum_{k}") for k, _ in scal_sums),
             param_pend=pend,
             tensor_pend=tpend,
+            tensor_slots=tuple(tensor_slots),
+            tensor_single=tuple((k, c_store(f"(double)({e})", ctype)) for k, e in pend if k in dict(tensor_slots)),
+            sample_index=bool(tensor_slots) or any(ld.index == CHANNEL_INDEX for n, ld in loads.items() if n in names),
             outputs=tuple(outputs),
             prefetch=tuple(a for a in ("x", "dy", *streamed) if a in names) if first else (),
             ahead_next=tuple(a for a in ("x", "dy", *streamed) if a in names) if second else (),
@@ -369,14 +376,18 @@ class CPlanner:
         # a tensor read at its own shape has its gradient summed in the sweep; the others' are
         # stored at x's shape
         dts = [("d" + t, e) for t, e in self.ir.dtensors if t not in self.native]
-        tsums = [e for t, e in self.ir.dtensors if t in self.native]
+        tsums = [(t, e) for t, e in self.ir.dtensors if t in self.native]
         pexprs = [e for _, e in self.ir.dparams]
+        trailing = self.spec.layout == "trailing"
+        # a channel layout's per-(sample, channel) tensors: parameter-sum slots after the parameters'
+        slots = [] if trailing else [(len(pexprs) + j, "d" + t) for j, (t, _) in enumerate(tsums)]
         final = self.loop(
-            [dx_expr, *(e for _, e in dts), *pexprs, *tsums],
+            [dx_expr, *(e for _, e in dts), *pexprs, *(e for _, e in tsums)],
             temps,
             stores=[("dx", dx_expr), *dts],
-            param_sums=list(enumerate(pexprs)),
-            tensor_sums=tsums,
+            param_sums=list(enumerate(pexprs + ([] if trailing else [e for _, e in tsums]))),
+            tensor_sums=[e for _, e in tsums] if trailing else [],
+            tensor_slots=slots,
             arith=self.atype,
             outputs=["dx", *(o for o, _ in dts)],
             first=red is None,
