@@ -617,6 +617,8 @@ def test_channels_last_runs_its_own_kernels_with_the_nchw_bits(name, monkeypatch
                 assert_close(name, got[(2, "nhwc")], typed, tol)
     finally:
         torch.set_num_threads(threads)
+    if not derivgen.load_spec(name).params:  # the C binding's positional call: tensors only
+        _c_binding_bits(name, args64, cots64)
 
 
 T4 = (3, 300, 40)  # (batch, tokens, features): over SERIAL_BELOW values; 300 rows per sample
@@ -656,6 +658,12 @@ def test_per_sample_tensor_gradients_are_the_kernels_sums_with_the_same_bits_on_
             assert_close(name, got[2], typed, tol)
     finally:
         torch.set_num_threads(threads)
+    _c_binding_bits(name, args64, cots64)
+
+
+def _c_binding_bits(name: str, args64: dict, cots64: list) -> None:
+    """The NumPy C binding's gradients of a layer without outputs beside y: the same bits on
+    1 and 2 threads, and the NumPy target's values."""
     spec = derivgen.load_spec(name)
     a = {k: v.numpy() for k, v in args64.items()}
     dy = cots64[0].numpy()
