@@ -82,8 +82,8 @@ class MultiPlan:
     """A validated forward call signature of a multi layer and mode: the kernels' ctypes
     functions and what the shapes fix (the layout, the tensor inputs' shapes, whether x is
     channels last), so that a call writes out the broadcast tensors the kernels read at x's
-    shape (a trailing layout's per-sample ones go at their own, and the backward kernel sums
-    their gradients), allocates its outputs and passes data pointers.
+    shape (the per-sample ones go at their own, and the backward kernel sums their
+    gradients), allocates its outputs and passes data pointers.
 
     With ``nhwc`` (a channel layout's channels-last x) the channels-last kernels run: every
     array of x's shape (x, the tensor inputs written out at x's shape, dy, the outputs'
@@ -134,8 +134,8 @@ class MultiPlan:
 
     def _operands(self, tens: Sequence[torch.Tensor]) -> tuple:
         """x and the tensor inputs as the kernels read them: at x's shape in the plan's memory
-        format (NCHW- or channels-last-contiguous; a broadcast tensor written out), or a
-        trailing layout's per-sample ones C-contiguous at their own shape; the parameters,
+        format (NCHW- or channels-last-contiguous; a broadcast tensor written out), or the
+        per-sample ones C-contiguous at their own shape; the parameters,
         inputs and buffers C-contiguous (copied where they are not)."""
         meta, k, fmt = self.lay.meta, 1 + self.nt, self.fmt
         x = tens[0].contiguous(memory_format=fmt)
