@@ -120,6 +120,8 @@ N_PARAMS = {"rmsnorm": 1, "prmsnorm": 1, "lrn": 0}
 # means, tensors of x's shape (one read only by the forward); (2, 3, 16, 17): whole chunks of lanes
 MULTI_NHWC = {
     "masked_batchnorm": [(1, 1, 2, 3), (3, 2, 5, 1), (2, 3, 16, 17)],
+    # per-(sample, channel) tensors read at their own shape, their gradients summed per run
+    "conditional_batchnorm": [(1, 1, 2, 3), (3, 2, 5, 1), (2, 3, 16, 17)],
     "spade": [(1, 2, 1, 3), (2, 3, 16, 17)],
 }
 
@@ -412,8 +414,10 @@ for name, xs, ps in [(n, xs, ps) for n in ("batchnorm", "blocks_in_batch") if n 
 MULTI_SHAPES = {
     "add_rmsnorm": [(1, 1), (3, 7), (2, 3, 33)],
     "flash_layernorm_parallel": [(1, 2), (4, 9), (2, 2, 17)],
-    "adaln": [(1, 1, 3), (2, 3, 7), (3, 1, 33)],
+    # (2, 130, 5): a sample's rows in two units of DG_SAMPLE_ROWS, the last not whole DG_ROWS
+    "adaln": [(1, 1, 3), (2, 3, 7), (3, 1, 33), (2, 130, 5)],
     "masked_batchnorm": [(1, 1, 2), (3, 2, 5), (2, 3, 37)],
+    "conditional_batchnorm": [(1, 1, 2), (3, 2, 5), (2, 3, 37)],
 }
 multi = 0
 for name, shapes in MULTI_SHAPES.items():
@@ -444,8 +448,9 @@ for name, shapes in MULTI_SHAPES.items():
                 k.backward(dy, c, **{"d" + o.name: np.ones_like(x) for o in spec.outputs})
                 multi += 1
 # Their channels-last kernels (the extras library), called as derivgen.torch calls them: every
-# array of x's shape (x, the tensors written out at x's shape, dy) laid out (N, *spatial, C);
-# the results must be the NCHW kernels' bits
+# array of x's shape (x, the tensors written out at x's shape, dy) laid out (N, *spatial, C),
+# a per-(sample, channel) tensor and its gradient (N, C) in both; the results must be the NCHW
+# kernels' bits
 for name, shapes in MULTI_NHWC.items():
     k = derivgen.load(name, backend="c")
     meta, spec = k._META, derivgen.load_spec(name)
@@ -456,8 +461,11 @@ for name, shapes in MULTI_NHWC.items():
         for dtype, sfx in ((np.float32, "f32"), (np.float64, "f64")):
             x = rng.normal(size=xs).astype(dtype)
             dy = rng.normal(size=xs).astype(dtype)
-            full = []
+            full, own = [], {t.name: t.shape == "sample" for t in spec.tensors}
             for t in spec.tensors:
+                if own[t.name]:
+                    full.append(rng.normal(size=xs[:2]).astype(dtype))
+                    continue
                 v = rng.normal(size=xs if t.shape == "x" else (xs[0], 1, *xs[2:])).astype(dtype)
                 if t.mask:
                     v = (v > -0.5).astype(dtype)
@@ -468,9 +476,10 @@ for name, shapes in MULTI_NHWC.items():
             for threads in (1, 2):
                 res = []
                 for kern, pre, lay in ((k._kernel, "", lambda a: a), (ext, "nhwc_", nhwc)):
-                    xl, dyl, fl = lay(x), lay(dy), [lay(t) for t in full]  # kept alive over the calls
+                    xl, dyl = lay(x), lay(dy)  # kept alive over the calls
+                    fl = [t if own[s.name] else lay(t) for s, t in zip(spec.tensors, full)]
                     y, dx = np.empty_like(xl), np.empty_like(xl)
-                    dts = [np.empty_like(xl) for t in spec.grad_tensors]
+                    dts = [np.empty(xs[:2], dtype) if own[t.name] else np.empty_like(xl) for t in spec.grad_tensors]
                     st = [np.empty(L.n_groups) for _ in meta["stats"]["train"]]
                     dps = [np.empty_like(p) for p in params]
                     common = {"dims": (L.O, L.G, L.Cg, L.S), "x": (ptr(xl),), "params": [ptr(p) for p in params]}
@@ -482,7 +491,8 @@ for name, shapes in MULTI_NHWC.items():
                     bw["dx"] = (ptr(dx), *(ptr(a) for a in dts))
                     assert kern.cfunc("train", "backward", pre + sfx)(*bsig.pack(bw)) == 0
                     back = (lambda a: np.moveaxis(a, -1, 1)) if pre else (lambda a: a)
-                    res.append([back(y), *st, back(dx), *(back(a) for a in dts), *dps])
+                    tb = [a if own[t.name] else back(a) for t, a in zip(spec.grad_tensors, dts)]
+                    res.append([back(y), *st, back(dx), *tb, *dps])
                 assert all(np.array_equal(a, b) for a, b in zip(*res)), (name, xs, sfx, threads)
                 extras += 1
 # Their split kernels (masked_batchnorm: a mask inside the means; spade: tensors of x's shape

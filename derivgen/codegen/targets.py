@@ -22,6 +22,7 @@ from types import ModuleType
 from typing import Protocol
 
 from derivgen.codegen.c import ATYPES, CTYPES, c_load, c_store, plan_kernel
+from derivgen.codegen.c.names import native_names
 from derivgen.codegen.ir import ModeIR, SecondIR
 from derivgen.codegen.jax import jax_expr
 from derivgen.codegen.printers import SpecPrinter
@@ -268,6 +269,15 @@ def _c_plan(layer: Layer) -> dict[str, object]:
         "ctypes": CTYPES,
         "atypes": ATYPES,
         "per_sample": spec.reduce not in ("batch", "all"),
+        # the tensors read at their own shape (derivgen.runtime.abi.native): a trailing layout's,
+        # and those of them whose gradients the backward kernel sums per unit of rows
+        "native": native_names(spec) if spec.layout == "trailing" else [],
+        "native_grads": [t.name for t in spec.tensors if t.grad and t.name in native_names(spec)]
+        if spec.layout == "trailing"
+        else [],
+        # a channel layout's: read at Tn + Ch (Tn: the sample's first value), their gradients
+        # summed per (sample, channel) by the parameter-gradient lanes (CLoop.tensor_out)
+        "chan_native": native_names(spec) if spec.layout != "trailing" else [],
         "blocks": has_blocks,  # block statistics: no channels-last C kernels
         # the channels-last C kernels (not for block statistics): tensor inputs beside x and the
         # outputs' cotangents are read, and the outputs beside y written, at x's NHWC index

@@ -218,9 +218,25 @@ def _one(section: str, name: str, ctype: str, pointer: bool = False, const: bool
 
 
 def tensor_names(meta: MetaLike) -> list[str]:
-    """The tensor inputs beside x, in order (each read at x's shape by the kernels)."""
+    """The tensor inputs beside x, in order (each read at x's shape by the kernels, but a
+    :func:`native` one, read at its own)."""
     meta = layer_meta(meta)
     return list(meta.tensors)
+
+
+def native(meta: MetaLike, kind: str) -> bool:
+    """Do the C kernels read a tensor input declared ``kind`` at its own shape, and the
+    backward kernel sum its gradient over the axes it is broadcast over? The ``sample``
+    tensors (one value per sample and feature, or per sample and channel;
+    :mod:`derivgen.runtime.tensors`)."""
+    return kind == "sample"
+
+
+def takes_samples(meta: MetaLike) -> bool:
+    """Does a layer's kernels take the ``samples`` section after the dims (the samples a
+    trailing layout's per-sample tensor holds, which its (O, G, Cg, S) view does not say)?"""
+    meta = layer_meta(meta)
+    return meta.layout == "trailing" and any(native(meta, t.shape) for t in meta.tensors.values())
 
 
 def grad_tensor_names(meta: MetaLike) -> list[str]:
@@ -234,6 +250,8 @@ def _leading(meta: LayerMeta, data: Sequence[str]) -> _Builder:
     cotangents of the outputs beside y (a layer that has them), parameters, options and
     inputs: what every kernel starts with."""
     b = _Builder().add("dims", _dims())
+    if takes_samples(meta):
+        b.add("samples", _one("samples", "Samples", "int64_t"))
     for d in data:
         b.add(d, _elems(d, [d], True))
     if tensor_names(meta):
@@ -290,7 +308,7 @@ def _second(meta: LayerMeta, mode: str, kind: str) -> _Builder:
         b = b.add("out_dx", _elems("out_dx", ["Out_dx"], False)).add("out_ddy", _elems("out_ddy", ["Out_ddy"], False))
         if outputs:  # L2's gradients with respect to the outputs' cotangents
             b.add("out_ddouts", _elems("out_ddouts", ["Out_dd" + o for o in outputs], False))
-        if grad_tensor_names(meta):  # the tensors' gradients at x's shape (summed by the caller)
+        if grad_tensor_names(meta):  # the tensors' gradients at x's shape (summed by the caller, native ones too)
             b.add("out_dtensors", _elems("out_dtensors", ["Out_d" + t for t in grad_tensor_names(meta)], False))
         b = b.add("out_params", _elems("out_params", [p + "_Out" for p in meta.params], False)).add(
             "out_inputs", _elems("out_inputs", [i + "_Out" for i in meta.inputs], False)

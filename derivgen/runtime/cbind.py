@@ -11,11 +11,12 @@ from typing import Any
 import numpy as np
 
 from derivgen import runtime as rt
-from derivgen.runtime.abi import KernelSignature, grad_tensor_names, kernel_signatures, tensor_names
+from derivgen.runtime.abi import KernelSignature, grad_tensor_names, kernel_signatures, takes_samples, tensor_names
 from derivgen.runtime.base import aligned_empty
 from derivgen.runtime.build import build_shared, build_target
 from derivgen.runtime.machine import machine
 from derivgen.runtime.meta import MetaLike, layer_meta
+from derivgen.runtime.tensors import kernel_view, samples
 
 _SFX = {np.dtype(np.float32): "f32", np.dtype(np.float64): "f64"}
 
@@ -148,12 +149,23 @@ class CKernel:
         """The sections every kernel starts with: dims, parameters, options, per-group
         inputs (pointer and stride: 0 for a scalar, 1 for one value per group)."""
         m = self.meta
-        return {
+        out = {
             "dims": (L.O, L.G, L.Cg, L.S),
             "params": [_ptr(params[p]) for p in m.params],
             "options": [options[o] for o in m.options],
             "inputs": input_pairs([inputs[i] for i in m.inputs]),
         }
+        if takes_samples(m):
+            out["samples"] = (samples(m, L),)
+        return out
+
+    def _tensors(self, L: rt.Layout, tensors: dict, keep: list) -> list:
+        """The tensor inputs' pointers as the kernels read them (:func:`kernel_view`: at x's
+        shape, or a trailing layout's per-sample ones at their own), the arrays in ``keep``."""
+        m = self.meta
+        views = [kernel_view(m, m.tensors[t][0], tensors[t], L) for t in tensor_names(m)]
+        keep += views
+        return [_ptr(v) for v in views]
 
     def forward(self, call: rt.ForwardCall) -> tuple[np.ndarray, rt.Cache]:
         """y and the cache of a validated forward call (buffers updated in place in train mode)."""
@@ -170,8 +182,9 @@ class CKernel:
             "y": (_ptr(call.out), *(_ptr(call.outs[o]) for o in m.outputs)),
             "stats": [_ptr(stats[s]) for s in m.stats[call.mode]],
         }
+        keep: list = []
         if call.tensors:
-            sections["tensors"] = [_ptr(call.tensors[t]) for t in tensor_names(m)]
+            sections["tensors"] = self._tensors(L, call.tensors, keep)
         status = self._run(call.mode, "forward", call.dtype, sections)
         if status != 0:
             raise MemoryError(f"{m.name}: forward kernel could not allocate its work buffer")
@@ -185,8 +198,9 @@ class CKernel:
         c, m = call.cache, self.meta
         L = c.layout
         dinputs = {i: np.empty(L.n_groups, dtype=c.dtype) for i in m.inputs}
-        # a broadcast tensor's element gradients go to x's shape first, then are summed (rt)
-        dtens = {t: rt.grad_buffer(m, t, L, call.outs["d" + t], c.dtype) for t in grad_tensor_names(m)}
+        # a broadcast tensor's element gradients go to x's shape first, then are summed (rt),
+        # but where the kernel sums them (a tensor it reads at its own shape)
+        dtens = {t: rt.grad_buffer(m, t, L, call.outs["d" + t], c.dtype, summed=True) for t in grad_tensor_names(m)}
         sections = {
             **self._leading(L, c.params, c.options, c.inputs),
             "x": (_ptr(c.x),),
@@ -196,8 +210,9 @@ class CKernel:
             "dparams": [_ptr(call.outs["d" + p]) for p in m.params],
             "dinputs": [_ptr(dinputs[i]) for i in m.inputs],
         }
+        keep: list = []
         if tensor_names(m):
-            sections["tensors"] = [_ptr(c.tensors[t]) for t in tensor_names(m)]
+            sections["tensors"] = self._tensors(L, c.tensors, keep)
         if m.outputs:
             sections["cotangents"] = [_ptr(call.cotangents[o]) for o in m.outputs]
         status = self._run(c.mode, "backward", c.dtype, sections)
@@ -228,8 +243,9 @@ class CKernel:
         }
         dinputs = {i: np.empty(L.n_groups, dtype=c.dtype) for i in m.inputs}
         outputs, gts = m.outputs, grad_tensor_names(m)
+        keep: list = []
         if tensor_names(m):
-            sections["tensors"] = [_ptr(c.tensors[t]) for t in tensor_names(m)]
+            sections["tensors"] = self._tensors(L, c.tensors, keep)
         if gts:
             sections["seed_tensors"] = [_ptr(call.seed_tensors[t]) for t in gts]
         # a broadcast tensor's element gradients go to x's shape first, then are summed (rt)
@@ -270,8 +286,12 @@ class CKernel:
         """Call a split kernel: ``sections`` after the leading ones of ``call`` (its tensor
         inputs at the part's x shape; none for split_finish, which reads no element)."""
         lead = self._leading(call.layout, call.params, call.options, call.inputs)
+        keep: list = []
         if tensor_names(self.meta):
-            lead["tensors"] = [_ptr(call.tensors.get(t)) for t in tensor_names(self.meta)]
+            if call.tensors:
+                lead["tensors"] = self._tensors(call.layout, call.tensors, keep)
+            else:
+                lead["tensors"] = [None for _ in tensor_names(self.meta)]
         return self._run("train", "split_" + kind, call.dtype, {**lead, **sections})
 
     def split_partial(self, call: rt.SplitCall, level: int) -> np.ndarray:
@@ -366,7 +386,7 @@ class CKernel:
         # a broadcast tensor's element gradients at x's shape, summed over its broadcast axes below
         gts = grad_tensor_names(m)
         douts = {t: np.zeros(rt.tensor_shape(m, m.tensors[t][0], L), dtype=call.dtype) for t in gts}
-        dtens = {t: rt.grad_buffer(m, t, L, douts[t], call.dtype) for t in gts}
+        dtens = {t: rt.grad_buffer(m, t, L, douts[t], call.dtype, summed=True) for t in gts}
         dparams = {p: np.zeros(call.params[p].shape, dtype=call.dtype) for p in m.params}
         dinputs = {i: np.zeros(L.n_groups, dtype=call.dtype) for i in m.inputs}
         if L.O:

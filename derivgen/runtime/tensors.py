@@ -12,9 +12,13 @@ shape       layout                     the tensor's shape (for x's)
 ``position`` channels, x (N, C, *S)    (N, 1, *S): one value per (sample, position)
 ==========  =========================  ================================================
 
-The kernels read every tensor at x's shape (a broadcast one is written out once per call);
-a broadcast tensor's gradient is summed over the axes it is broadcast over, as autograd
-sums a broadcast operand's. No SymPy here (stage 0).
+A broadcast tensor's gradient is summed over the axes it is broadcast over, as autograd
+sums a broadcast operand's. The C kernels read the ``sample`` tensors at their own shape
+(:func:`native`: a trailing layout's element of sample b and feature d at ``b * D + d``, b
+from the group and the kernels' ``Samples`` argument, :func:`samples`; a channel layout's
+of sample n and channel c at ``n * C + c``), and the backward kernel sums their gradients
+itself; they read every other tensor at x's shape (written out once per call), and their
+element gradients, written at x's shape, are summed here (:func:`finish_tensor_grad`). No SymPy here (stage 0).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from derivgen.runtime.abi import native
 from derivgen.runtime.base import _check_array, _contig, aligned_empty, check_out
 from derivgen.runtime.meta import MetaLike, layer_meta
 from derivgen.runtime.validate import Layout
@@ -41,6 +46,26 @@ def tensor_shape(meta: MetaLike, kind: str, layout: Layout) -> tuple[int, ...]:
     if kind == "sample":
         return xs[:2]
     return (xs[0], 1, *xs[2:])  # position
+
+
+def samples(meta: MetaLike, layout: Layout) -> int:
+    """The kernels' ``Samples`` argument: how many samples a native tensor holds (x.shape[0]
+    for a trailing layout with axes before the normalized ones, else 1)."""
+    xs, k = tuple(layout.x_shape), len(layout.param_shape)
+    return xs[0] if len(xs) > k else 1
+
+
+def kernel_view(meta: MetaLike, kind: str, full: np.ndarray, layout: Layout) -> np.ndarray:
+    """A tensor input as the C kernels read it, from its array at x's shape (:func:`full_view`):
+    itself, or a :func:`native` tensor's own values, C-contiguous at its declared shape."""
+    meta = layer_meta(meta)
+    if not native(meta, kind):
+        return full
+    shape = tensor_shape(meta, kind, layout)
+    if full.size == 0:
+        return np.zeros(shape, full.dtype)
+    axes = broadcast_axes(meta, kind, layout)
+    return np.ascontiguousarray(full[tuple(0 if a in axes else slice(None) for a in range(full.ndim))]).reshape(shape)
 
 
 def broadcast_axes(meta: MetaLike, kind: str, layout: Layout) -> tuple[int, ...]:
@@ -130,21 +155,28 @@ def check_cotangents(meta: MetaLike, cots: Mapping[str, Any], layout: Layout, dt
 
 
 def grad_buffer(
-    meta: MetaLike, tname: str, layout: Layout, out: np.ndarray, dtype: np.dtype | type = np.float64
+    meta: MetaLike,
+    tname: str,
+    layout: Layout,
+    out: np.ndarray,
+    dtype: np.dtype | type = np.float64,
+    summed: bool = False,
 ) -> np.ndarray:
     """Where a tensor's element gradients are written: its output itself (a tensor of x's
-    shape), else an array of x's shape and ``dtype`` that :func:`finish_tensor_grad` sums."""
+    shape, or with ``summed`` -- the C backward kernel's -- a :func:`native` one, whose sums
+    the kernel takes), else an array of x's shape and ``dtype`` that :func:`finish_tensor_grad` sums."""
     meta = layer_meta(meta)
     kind = meta.tensors[tname][0]
-    return out if kind == "x" else aligned_empty(layout.x_shape, dtype)
+    return out if kind == "x" or (summed and native(meta, kind)) else aligned_empty(layout.x_shape, dtype)
 
 
 def finish_tensor_grad(meta: MetaLike, tname: str, layout: Layout, buf: np.ndarray, out: np.ndarray) -> np.ndarray:
     """A tensor's gradient: the element gradients ``buf`` summed over the axes it is broadcast
-    over (nothing to do for one of x's shape), stored in ``out``."""
+    over (nothing to do for one of x's shape, or where ``buf`` is ``out``: the kernel summed
+    them), stored in ``out``."""
     meta = layer_meta(meta)
     kind = meta.tensors[tname][0]
-    if kind == "x":
+    if kind == "x" or buf is out:
         return out
     axes = broadcast_axes(meta, kind, layout)
     total = buf.sum(axis=axes, keepdims=True, dtype=np.float64) if axes else buf

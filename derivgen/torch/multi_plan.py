@@ -11,8 +11,9 @@ from collections.abc import Callable, Sequence
 import torch
 
 from derivgen import runtime as rt
-from derivgen.runtime.abi import reads_buffers
+from derivgen.runtime.abi import native, reads_buffers, takes_samples
 from derivgen.runtime.cbind import input_pairs
+from derivgen.runtime.tensors import samples
 from derivgen.torch.plan import SERIAL_BELOW, call_key, options_in_range, threads
 from derivgen.torch.protocol import Layer
 from derivgen.torch.schema import (
@@ -80,8 +81,9 @@ def forward_tensor_names(lay: Layer, mode: str) -> list[str]:
 class MultiPlan:
     """A validated forward call signature of a multi layer and mode: the kernels' ctypes
     functions and what the shapes fix (the layout, the tensor inputs' shapes, whether x is
-    channels last), so that a call writes out its broadcast tensors, allocates its outputs and
-    passes data pointers.
+    channels last), so that a call writes out the broadcast tensors the kernels read at x's
+    shape (the per-sample ones go at their own, and the backward kernel sums their
+    gradients), allocates its outputs and passes data pointers.
 
     With ``nhwc`` (a channel layout's channels-last x) the channels-last kernels run: every
     array of x's shape (x, the tensor inputs written out at x's shape, dy, the outputs'
@@ -107,6 +109,9 @@ class MultiPlan:
         self.tnames, self.gnames, self.outputs = tensor_inputs(meta), grad_tensors(meta), extra_outputs(meta)
         self.kinds = {t: tensor_kind(meta, t) for t in self.tnames}
         self.tshapes = {t: tuple(rt.tensor_shape(meta, self.kinds[t], L)) for t in self.tnames}
+        # the tensors the kernels read at their own shape (and whose gradients they sum)
+        self.native = {t: native(meta, self.kinds[t]) for t in self.tnames}
+        self.samples = (samples(meta, L),) if takes_samples(meta) else ()
         self.nt, self.npar, self.nin = len(self.tnames), len(lay.params), len(lay.inputs)
         self.null_bufs = [] if reads_buffers(meta, mode) else [None] * len(lay.buffers)
         nstat = len(meta.stats[mode])
@@ -128,12 +133,16 @@ class MultiPlan:
         return 1 if self.serial else threads(self.kernel)
 
     def _operands(self, tens: Sequence[torch.Tensor]) -> tuple:
-        """x and the tensor inputs at x's shape in the plan's memory format (NCHW- or
-        channels-last-contiguous), the parameters, inputs and buffers C-contiguous (copied
-        where they are not; a broadcast tensor written out)."""
+        """x and the tensor inputs as the kernels read them: at x's shape in the plan's memory
+        format (NCHW- or channels-last-contiguous; a broadcast tensor written out), or the
+        per-sample ones C-contiguous at their own shape; the parameters,
+        inputs and buffers C-contiguous (copied where they are not)."""
         meta, k, fmt = self.lay.meta, 1 + self.nt, self.fmt
         x = tens[0].contiguous(memory_format=fmt)
-        full = [full_tensor(meta, t, v, self.L).contiguous(memory_format=fmt) for t, v in zip(self.tnames, tens[1:k])]
+        full = [
+            v.contiguous() if self.native[t] else full_tensor(meta, t, v, self.L).contiguous(memory_format=fmt)
+            for t, v in zip(self.tnames, tens[1:k])
+        ]
         params = [t.contiguous() for t in tens[k : k + self.npar]]
         ins = [t.contiguous() for t in tens[k + self.npar : k + self.npar + self.nin]]
         bufs = [t.contiguous() for t in tens[k + self.npar + self.nin :]]
@@ -158,6 +167,7 @@ class MultiPlan:
             sp = [t.data_ptr() for t in st]
         values = {
             "dims": self.dims,
+            "samples": self.samples,
             "x": (x.data_ptr(),),
             "tensors": [t.data_ptr() for t in full],
             "params": [p.data_ptr() for p in params],
@@ -189,12 +199,21 @@ class MultiPlan:
         dy = dy.contiguous(memory_format=self.fmt)
         cots = [c.contiguous(memory_format=self.fmt) for c in cots]
         dx = fresh_like(x)
-        # a broadcast tensor's element gradients at x's shape, summed below
-        dts = [fresh_like(x) if self.kinds[t] == "x" else torch.empty_like(x) for t in self.gnames]
+        # a broadcast tensor's element gradients at x's shape, summed below; the kernel sums
+        # those of a tensor it reads at its own shape
+        dts = [
+            fresh_like(x)
+            if self.kinds[t] == "x"
+            else x.new_empty(self.tshapes[t])
+            if self.native[t]
+            else torch.empty_like(x)
+            for t in self.gnames
+        ]
         dps = [torch.empty_like(p) for p in params]
         dis = [torch.empty(self.n_groups, dtype=x.dtype) for _ in ins]
         values = {
             "dims": self.dims,
+            "samples": self.samples,
             "x": (x.data_ptr(),),
             "dy": (dy.data_ptr(),),
             "tensors": [t.data_ptr() for t in full],
@@ -216,6 +235,8 @@ class MultiPlan:
         dtens = [
             as_x_came(d, like, back)
             if self.kinds[t] == "x"
+            else d
+            if self.native[t]
             else tensor_grad(meta, t, d.contiguous(), L, self.tshapes[t])
             for t, d in zip(self.gnames, dts)
         ]
@@ -229,9 +250,12 @@ class MultiPlan:
 
 # the sections of the kernels' arguments a plan passes (runtime/abi.py; a layer's kernels have
 # those it needs: no ``tensors`` without tensor inputs, no ``cotangents`` without outputs beside y)
-_FORWARD_SECTIONS = ("dims", "x", "tensors", "params", "options", "inputs", "buffers", "y", "stats", "nthreads")
+_FORWARD_SECTIONS = (
+    *("dims", "samples", "x", "tensors", "params", "options", "inputs"),
+    *("buffers", "y", "stats", "nthreads"),
+)
 _BACKWARD_SECTIONS = (
-    *("dims", "x", "dy", "tensors", "cotangents", "params", "options", "inputs"),
+    *("dims", "samples", "x", "dy", "tensors", "cotangents", "params", "options", "inputs"),
     *("stats", "dx", "dparams", "dinputs", "nthreads"),
 )
 

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from derivgen import runtime as rt
+from derivgen.runtime.abi import native
 from derivgen.runtime.cbind import input_pairs
 from derivgen.symbolic.reduce import SELECTIONS
 from derivgen.torch.multi_plan import as_x_came
@@ -326,8 +327,9 @@ class _SyncFunction(torch.autograd.Function):
 class _SyncTensors(torch.autograd.Function):
     """A batch-reduced layer with tensor inputs beside x over a batch split across processes:
     the generated C split kernels (float32/float64) on NCHW-contiguous copies of the part and
-    its tensors written out at x's shape; y and dx in x's memory format, each tensor's
-    gradient over this part (a broadcast one summed over its broadcast axes)."""
+    its tensors written out at x's shape (the per-(sample, channel) ones at their own); y and
+    dx in x's memory format, each tensor's gradient over this part (a broadcast one summed
+    over its broadcast axes, by the kernel for a per-(sample, channel) one)."""
 
     @staticmethod
     def forward(ctx, lay, pg, n, options, kw_inputs, ntens, x, *rest):
@@ -340,7 +342,12 @@ class _SyncTensors(torch.autograd.Function):
         if c is None:
             c = lay._csplit[x.dtype] = _CSplit(lay, x.dtype)
         xc = x.contiguous()
-        full = [full_tensor(meta, t, v, L).contiguous() for t, v in zip(tensor_inputs(meta), tens)]
+        # at x's shape, written out, but the per-(sample, channel) ones, which the kernels read
+        # at their own shape (derivgen.runtime.abi.native)
+        full = [
+            v.contiguous() if native(meta, meta.tensors[t][0]) else full_tensor(meta, t, v, L).contiguous()
+            for t, v in zip(tensor_inputs(meta), tens)
+        ]
         params_c = [t.contiguous() for t in params]
         ins = [kw_inputs[i].to(x.dtype).contiguous() for i in lay.inputs]
         opts = [options[o] for o in lay.options]
@@ -361,7 +368,10 @@ class _SyncTensors(torch.autograd.Function):
         full, params = rest[: ctx.ntens], rest[ctx.ntens :]
         names = tensor_inputs(meta)
         grads = [t for t in names if meta.tensors[t][1]]
-        dts = [torch.empty_like(xc) for _ in grads]
+        # a per-(sample, channel) tensor's gradient the kernel sums; the others' at x's shape
+        own = {t: native(meta, meta.tensors[t][0]) for t in grads}
+        shapes = dict(zip(names, ctx.tshapes))
+        dts = [xc.new_empty(shapes[t]) if own[t] else torch.empty_like(xc) for t in grads]
         first = dist.get_rank(ctx.pg) == 0
         dx, dps = ctx.c.backward(
             L, xc, dy.contiguous(), params, ctx.opts, ctx.ins, ctx.stats, ctx.n, ctx.pg, first, full, dts
@@ -371,7 +381,10 @@ class _SyncTensors(torch.autograd.Function):
         for t, shape in zip(names, ctx.tshapes):
             d = by_name.get(t)
             if d is not None:
-                d = as_x_came(d, ctx.like, True) if meta.tensors[t][0] == "x" else tensor_grad(meta, t, d, L, shape)
+                if meta.tensors[t][0] == "x":
+                    d = as_x_came(d, ctx.like, True)
+                elif not own[t]:
+                    d = tensor_grad(meta, t, d, L, shape)
             dtens.append(d)
         return (None, None, None, None, None, None, as_x_came(dx, ctx.like, True), *dtens, *dps)
 

@@ -444,6 +444,13 @@ static inline float Dg_powf(float a, float b)
 #ifndef DG_ROWS
 #define DG_ROWS 8
 #endif
+/* Rows of a unit of a trailing layout's backward whose tensors hold one value per sample and
+ * feature: the threads share the units (at most DG_SAMPLE_ROWS rows of one sample each), each
+ * unit sums its gradient terms into its own double slot, and the slots of a sample are added
+ * in order after the sweep, so those gradients are the same bits for any thread count. */
+#ifndef DG_SAMPLE_ROWS
+#define DG_SAMPLE_ROWS 128
+#endif
 /* The lockstep sweep's loop over its DG_ROWS rows is unrolled (its trip count is DG_ROWS:
  * a thread's last rows that do not fill one go row by row), so that the compiler keeps the
  * rows' parameter sums in registers; rolled, GCC 12 kept them on the stack and loaded and

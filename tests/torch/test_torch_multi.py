@@ -617,6 +617,69 @@ def test_channels_last_runs_its_own_kernels_with_the_nchw_bits(name, monkeypatch
                 assert_close(name, got[(2, "nhwc")], typed, tol)
     finally:
         torch.set_num_threads(threads)
+    if not derivgen.load_spec(name).params:  # the C binding's positional call: tensors only
+        _c_binding_bits(name, args64, cots64)
+
+
+T4 = (3, 300, 40)  # (batch, tokens, features): over SERIAL_BELOW values; 300 rows per sample
+# are several units of DG_SAMPLE_ROWS (128) rows, the last not a whole number of DG_ROWS
+TRAILING_PER_SAMPLE = [
+    n
+    for n in sorted(CASES)
+    if any(t.shape == "sample" for t in derivgen.load_spec(n).tensors) and derivgen.load_spec(n).layout == "trailing"
+]
+
+
+@pytest.mark.parametrize("name", TRAILING_PER_SAMPLE)
+def test_per_sample_tensor_gradients_are_the_kernels_sums_with_the_same_bits_on_any_thread_count(name, monkeypatch):
+    """A trailing layout's per-sample tensors (shift and scale of DiT's modulate) go to the C
+    kernels at their own shape and the backward kernel sums their gradients: against
+    autograd of the reference in float64 and float32, and the same bits (outputs and every
+    gradient) on 1 and 2 threads; the NumPy C binding's gradients too."""
+    case = CASES[name]
+    per_sample = {t: (T4[0], T4[-1]) for t in case.tensors}
+    monkeypatch.setitem(CASES, name, dataclasses.replace(case, x=T4, tensors=per_sample))
+    args64, cots64 = draw(name), cotangents(name)
+    want = reference(name, args64, cots64)
+    threads = torch.get_num_threads()
+    try:
+        for dtype, tol in ((torch.float64, F64), (torch.float32, F32)):
+            args = {k: v.to(dtype) for k, v in args64.items()}
+            cots = [c.to(dtype) for c in cots64]
+            m = module_for(name, args)
+            got = {}
+            for nth in (1, 2):
+                torch.set_num_threads(nth)
+                got[nth] = through_module(m, name, args, cots)
+            (o1, g1), (o2, g2) = got[1], got[2]
+            assert all(torch.equal(a, b) for a, b in zip(o1, o2)), (name, dtype, "outputs")
+            assert sorted(g1) == sorted(g2) and all(torch.equal(g1[k], g2[k]) for k in g1), (name, dtype)
+            typed = ([o.to(dtype) for o in want[0]], {k: v.to(dtype) for k, v in want[1].items()})
+            assert_close(name, got[2], typed, tol)
+    finally:
+        torch.set_num_threads(threads)
+    _c_binding_bits(name, args64, cots64)
+
+
+def _c_binding_bits(name: str, args64: dict, cots64: list) -> None:
+    """The NumPy C binding's gradients of a layer without outputs beside y: the same bits on
+    1 and 2 threads, and the NumPy target's values."""
+    spec = derivgen.load_spec(name)
+    a = {k: v.numpy() for k, v in args64.items()}
+    dy = cots64[0].numpy()
+    ref = derivgen.load(name, backend="numpy")
+    _, c = ref.forward(a["x"], *(a[t.name] for t in spec.tensors))
+    want_np = ref.backward(dy, c)
+    mod = derivgen.load(name, backend="c")
+    out = []
+    for nth in (1, 2):
+        mod.set_num_threads(nth)
+        _, c = mod.forward(a["x"], *(a[t.name] for t in spec.tensors))
+        out.append(mod.backward(dy, c))
+    mod.set_num_threads(0)
+    for f, p, q, r in zip(want_np._fields, out[0], out[1], want_np):
+        np.testing.assert_array_equal(p, q, err_msg=f"{name} {f}")
+        np.testing.assert_allclose(p, r, rtol=1e-11, atol=1e-11, err_msg=f"{name} {f}")
 
 
 def test_tensor_inputs_by_keyword_and_as_a_function():

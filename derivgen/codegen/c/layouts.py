@@ -53,10 +53,10 @@ def nhwc_sweep(lp: CLoop, group_names: list[str]) -> NhwcSweep:
 
 def row_sweep(lp: CLoop, group_names: list[str]) -> RowSweep | None:
     """The lockstep plan of a trailing layout's final backward sweep, or None where the
-    per-row sweep stays: no per-feature parameter terms, several outputs or group sums in
+    per-row sweep stays: no per-feature parameter or per-sample tensor terms, several outputs or group sums in
     the sweep (no straight streaming), scalar parameter sums, or window calls (they read a
     row's neighbours through its offset)."""
-    if not lp.param_pend or not lp.direct_run or lp.scalar_param_sums or lp.calls_windows:
+    if not (lp.param_pend or lp.tensor_pend) or not lp.direct_run or lp.scalar_param_sums or lp.calls_windows:
         return None
     prelude, group = _read_values(lp, group_names, lp.reads | lp.pend_reads)
     return RowSweep(values=prelude + tuple(("double", n) for n in group))

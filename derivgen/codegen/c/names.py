@@ -2,7 +2,10 @@
 in C, and where a value the element code reads is loaded from.
 
 Element loads (:class:`Load`): x as ``Xv`` from ``x[Idx]``, ∂L/∂y as ``Dyv`` from
-``dy[Idx]``, a tensor input or an output's cotangent a as ``a_V`` from ``a[Idx]``, a
+``dy[Idx]``, a tensor input or an output's cotangent a as ``a_V`` from ``a[Idx]`` (a
+trailing layout's ``sample`` tensor, read at its own shape, from ``a[Tb + (Idx - Off)]``:
+``Tb`` its sample's first value, ``Idx - Off`` the feature; a channel layout's from
+``a[Tn + Ch]`` with the parameters; ``derivgen.runtime.abi.native``), a
 per-channel parameter p as ``p_V`` from ``p[Ch]``, a position mask m as ``m_V`` computed
 from its option and N at ``Ch``, and the second order's seeds (``Seed_x[Idx]``,
 ``<t>_Seed[Idx]``, ``<p>_Seed[Ch]``) under their own names. Group values
@@ -27,6 +30,18 @@ if TYPE_CHECKING:
     from derivgen.spec.model import Spec
 
 X = "Xv"  # x at the element: the element code's, and the group selections' of the templates
+# a tensor read at its own shape (derivgen.runtime.abi.native): a trailing layout's per-sample
+# one at its sample's first value Tb (the sweeps define it per group, the trailing backward per
+# unit of rows) plus the feature; a channel layout's per-(sample, channel) one at its sample's
+# first value Tn (defined per sample) plus the channel, with the parameters
+NATIVE_INDEX = "Tb + (Idx - Off)"
+CHANNEL_INDEX = "Tn + Ch"
+
+
+def native_names(spec: Spec) -> list[str]:
+    """The tensor inputs the kernels read at their own shape (the "sample" ones:
+    ``derivgen.runtime.abi.native``), in spec order."""
+    return [t.name for t in spec.tensors if t.shape == "sample"]
 
 
 @dataclass(frozen=True)
@@ -38,6 +53,11 @@ class Load:
     local: str
     source: str
     index: str
+
+    @property
+    def at_element(self) -> bool:
+        """Loaded at the element (x's index, or a native tensor's), not per channel or computed."""
+        return "Idx" in self.index
 
     @property
     def reads(self) -> tuple[str, ...]:
@@ -62,7 +82,9 @@ def load_table(spec: Spec, arrays: Sequence[str], seeds: SecondIR | None = None)
     table = {"x": Load(X, "x", "Idx"), "dy": Load("Dyv", "dy", "Idx")}
     if seeds is not None:
         table[seeds.seed_x] = Load(seeds.seed_x, "Seed_x", "Idx")
-    table.update({a: Load(derived(a, "V"), a, "Idx") for a in arrays})
+    native = set(native_names(spec))
+    own = NATIVE_INDEX if spec.layout == "trailing" else CHANNEL_INDEX
+    table.update({a: Load(derived(a, "V"), a, own if a in native else "Idx") for a in arrays})
     if seeds is not None:
         table.update({sd: Load(sd, t + "_Seed", "Idx") for t, sd in seeds.seed_tensors.items()})
     table.update({p: Load(derived(p, "V"), p, "Ch") for p in chan})

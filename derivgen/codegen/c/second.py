@@ -44,8 +44,8 @@ def second_plan(
 
     def needed(exprs, temps_in=None):
         temps, names = needed_temps([hide_windows(e) for e in exprs], all_temps if temps_in is None else temps_in)
-        elem = [ld.line(ctype) for n, ld in loads.items() if ld.index == "Idx" and n in names]
-        chan = [ld.line(ctype) for n, ld in loads.items() if ld.index != "Idx" and n in names]
+        elem = [ld.line(ctype) for n, ld in loads.items() if ld.at_element and n in names]
+        chan = [ld.line(ctype) for n, ld in loads.items() if not ld.at_element and n in names]
         chan += passes.loads(names)
         return tuple(elem + [f"const double {nm} = {C(te)};" for nm, te in temps]), tuple(chan)
 

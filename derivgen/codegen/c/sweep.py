@@ -21,7 +21,7 @@ from sympy import Add
 from derivgen.codegen.c.blocks import BlockPasses, BlockSlots, block_pass, block_slots_read
 from derivgen.codegen.c.ctext import ATYPES, c_store, output_array
 from derivgen.codegen.c.layouts import batch_arrays, nhwc_sweep, row_sweep
-from derivgen.codegen.c.names import X, group_names, load_table, locals_of
+from derivgen.codegen.c.names import CHANNEL_INDEX, X, group_names, load_table, locals_of, native_names
 from derivgen.codegen.c.types import (
     BackwardPlan,
     BlockPass,
@@ -78,6 +78,7 @@ class CPlanner:
         # cotangents of the outputs beside y
         self.arrays = [t.name for t in spec.tensors] + [o.cotangent.name for o in spec.outputs]
         self.loads = load_table(spec, self.arrays)  # the naming table (names.py)
+        self.native = set(native_names(spec))  # tensors read at their own shape
         self.elem_names = locals_of(self.loads)
 
     def _block_pass(self, slot: int, body: sympy.Expr, kind: str, temps: list) -> BlockPass:
@@ -140,6 +141,8 @@ class CPlanner:
         stores: Iterable[tuple[str, sympy.Expr]] = (),
         group_sums: Iterable[tuple[str, sympy.Expr]] = (),
         param_sums: Sequence[tuple[int, sympy.Expr]] = (),
+        tensor_sums: Sequence[sympy.Expr] = (),
+        tensor_slots: Sequence[tuple[int, str]] = (),
         arith: str = "double",
         outputs: Iterable[str] = (),
         first: bool = False,
@@ -150,6 +153,11 @@ class CPlanner:
     ) -> CLoop:
         """Element sweep computing ``exprs``; ``temps`` are element temporaries available;
         ``stores`` are (output array, element expression) pairs.
+
+        ``tensor_sums`` are the element gradients of a trailing layout's tensors read at
+        their own shape, summed per sample and feature (``CLoop.tensor_pend``); a channel
+        layout's are parameter sums whose ``tensor_slots`` (slot, output) store each run's
+        sum per (sample, channel) (``CLoop.tensor_slots``).
 
         ``outputs`` are the full-size arrays the sweep writes (straight, streamed
         from registers, or through a cache-resident tile streamed out after each
@@ -189,6 +197,7 @@ class CPlanner:
         stores = [(o, self.blocks.hide(e, temps)) for o, e in stores]
         group_sums = [(a, self.blocks.hide(e, temps)) for a, e in group_sums]
         param_sums = [(k, self.blocks.hide(e, temps)) for k, e in param_sums]
+        tensor_sums = [self.blocks.hide(e, temps) for e in tensor_sums]
         needed, names = needed_temps([hide_windows(e) for e in exprs], temps)
         block_reads = [f"Bm{k}" for k in block_slots_read(names)]
         if block_reads:  # block values are double: the element code reading them is too
@@ -240,7 +249,7 @@ class CPlanner:
             into |= reads
             return text
 
-        elem_loads = [ld.line(ctype, arith) for n, ld in loads.items() if ld.index == "Idx" and n in names]
+        elem_loads = [ld.line(ctype, arith) for n, ld in loads.items() if ld.at_element and n in names]
         # a block value one per sample (index Blk) is read with the element; one per (sample,
         # channel) or per channel with the parameters, where the sweep knows the channel Ch
         elem_loads += self.blocks.loads(names, by_channel=False)
@@ -267,10 +276,11 @@ class CPlanner:
             into.update(reads)
             return text
 
-        param_loads = [ld.line(ctype, arith) for n, ld in loads.items() if ld.index != "Idx" and n in names]
+        param_loads = [ld.line(ctype, arith) for n, ld in loads.items() if not ld.at_element and n in names]
         param_loads += self.blocks.loads(names, by_channel=True)
-        chan_sums = [(k, e) for k, e in param_sums if self.params[k] not in self.scalar]
-        scal_sums = [(k, e) for k, e in param_sums if self.params[k] in self.scalar]
+        scalar = {k for k, p in enumerate(self.params) if p in self.scalar}
+        chan_sums = [(k, e) for k, e in param_sums if k not in scalar]
+        scal_sums = [(k, e) for k, e in param_sums if k in scalar]
         all_sums = list(group_sums) + [(f"Psum_{k}", e) for k, e in scal_sums]
         stored = tuple((o, c_store(element(e, body_reads), ctype)) for o, e in stores)
 
@@ -291,10 +301,14 @@ class CPlanner:
         psum_reads: set[str] = set()
         chan_summands = tuple((k, summand(e, psum_reads)) for k, e in chan_sums)
         pend = tuple((k, element(e, pend_reads)) for k, e in chan_sums)
+        tpend = tuple((k, element(e, pend_reads)) for k, e in enumerate(tensor_sums))
         body_reads |= window_reads
         other_reads = frozenset(body_reads)  # what the element code reads besides the parameter sums
         body_reads |= psum_reads
         passes = self.blocks.needed(names)
+        # the arrays of x's shape read ahead (a tensor read at its own shape is not: its values
+        # are those of a sample, read again by every row)
+        streamed = [a for a in self.arrays if a not in self.native]
         return CLoop(
             uses_params=bool(param_loads) or bool(chan_sums) or bool(called),
             prelude=_live(prelude, frozenset(body_reads | pend_reads)),
@@ -305,9 +319,13 @@ class CPlanner:
             param_sums=chan_summands,
             scalar_param_sums=tuple((k, f"Psum_{k}") for k, _ in scal_sums),
             param_pend=pend,
+            tensor_pend=tpend,
+            tensor_slots=tuple(tensor_slots),
+            tensor_single=tuple((k, c_store(f"(double)({e})", ctype)) for k, e in pend if k in dict(tensor_slots)),
+            sample_index=bool(tensor_slots) or any(ld.index == CHANNEL_INDEX for n, ld in loads.items() if n in names),
             outputs=tuple(outputs),
-            prefetch=tuple(a for a in ("x", "dy", *self.arrays) if a in names) if first else (),
-            ahead_next=tuple(a for a in ("x", "dy", *self.arrays) if a in names) if second else (),
+            prefetch=tuple(a for a in ("x", "dy", *streamed) if a in names) if first else (),
+            ahead_next=tuple(a for a in ("x", "dy", *streamed) if a in names) if second else (),
             reads=frozenset(body_reads),
             pend_reads=frozenset(pend_reads),
             other_reads=other_reads,
@@ -478,13 +496,21 @@ class CPlanner:
             dx_expr = self.ir.dx_closed
         if self.ir.dcore is not None:  # ∂L/∂h once per element: dx and the tensors' gradients read it
             temps.append(self.ir.dcore)
-        dts = [("d" + t, e) for t, e in self.ir.dtensors]
+        # a tensor read at its own shape has its gradient summed in the sweep; the others' are
+        # stored at x's shape
+        dts = [("d" + t, e) for t, e in self.ir.dtensors if t not in self.native]
+        tsums = [(t, e) for t, e in self.ir.dtensors if t in self.native]
         pexprs = [e for _, e in self.ir.dparams]
+        trailing = self.spec.layout == "trailing"
+        # a channel layout's per-(sample, channel) tensors: parameter-sum slots after the parameters'
+        slots = [] if trailing else [(len(pexprs) + j, "d" + t) for j, (t, _) in enumerate(tsums)]
         final = self.loop(
-            [dx_expr, *(e for _, e in dts), *pexprs],
+            [dx_expr, *(e for _, e in dts), *pexprs, *(e for _, e in tsums)],
             temps,
             stores=[("dx", dx_expr), *dts],
-            param_sums=list(enumerate(pexprs)),
+            param_sums=list(enumerate(pexprs + ([] if trailing else [e for _, e in tsums]))),
+            tensor_sums=[e for _, e in tsums] if trailing else [],
+            tensor_slots=slots,
             arith=self.atype,
             outputs=["dx", *(o for o, _ in dts)],
             first=red is None,

@@ -69,6 +69,21 @@ class CLoop:
     # a position layout's windows as tiles of the block (WindowFunctions.tiles): (slot, C text)
     # computed before the sweep, the windows inside others first; the element code reads Wt_<slot>
     window_tiles: tuple[tuple[int, str], ...] = ()
+    # the gradients of the tensors read at their own shape (a trailing layout's "sample" ones:
+    # one value per sample and feature), as (slot, element expression in element arithmetic):
+    # summed per feature over a unit's rows into Tsum[slot * M + feature] (in registers over
+    # the rows in lockstep, like param_pend), the units added in order after the sweep
+    tensor_pend: tuple[tuple[int, str], ...] = ()
+    # a channel layout's: the parameter-sum slots (after the parameters') that are the
+    # gradients of its per-(sample, channel) tensors, as (slot, output array): a run's lanes
+    # are stored at the output's Tn + Ch instead of added into the thread's partials
+    tensor_slots: tuple[tuple[int, str], ...] = ()
+    # each such slot's one value where a run is one element per (sample, channel) (S == 1), as
+    # (slot, the stored C value of its term)
+    tensor_single: tuple[tuple[int, str], ...] = ()
+    # the sweep reads or sums a channel layout's per-(sample, channel) tensor: the templates
+    # define Tn, the block's sample's first value of it
+    sample_index: bool = False
 
     # Runs whose iterations carry no lane sums may start their lane blocks anywhere, so a
     # long streaming run peels a scalar head up to a 64-byte boundary of its single output
@@ -83,6 +98,16 @@ class CLoop:
         """The suffixes of the lane arrays of this sweep's sums: ``Lane_<acc>`` of its group
         sums, then ``Lane_p<k>`` of its per-channel parameter sums."""
         return tuple(a for a, _ in self.group_sums) + tuple(f"p{k}" for k, _ in self.param_sums)
+
+    @property
+    def tensor_out(self) -> dict[int, str]:
+        """The tensor gradients among the parameter-sum slots: slot -> output array."""
+        return dict(self.tensor_slots)
+
+    @property
+    def tensor_one(self) -> dict[int, str]:
+        """A tensor-gradient slot's stored value where its run is one element: slot -> C value."""
+        return dict(self.tensor_single)
 
     @property
     def param_slots(self) -> tuple[int, ...]:
