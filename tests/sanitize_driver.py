@@ -496,7 +496,7 @@ for name, shapes in MULTI_NHWC.items():
                 assert all(np.array_equal(a, b) for a, b in zip(*res)), (name, xs, sfx, threads)
                 extras += 1
 # Their split kernels (masked_batchnorm: a mask inside the means; spade: tensors of x's shape
-# with gradients), through the C binding's split functions, in parts of 2, 0 and 1 samples
+# with gradients; conditional_batchnorm: per-(sample, channel) ones), through the C binding's split functions, in parts of 2, 0 and 1 samples
 for name in MULTI_NHWC:
     k = derivgen.load(name, backend="c")
     spec = derivgen.load_spec(name)
@@ -505,7 +505,8 @@ for name in MULTI_NHWC:
         x, dy = rng.normal(size=xs).astype(dtype), rng.normal(size=xs).astype(dtype)
         tens = {}
         for t in spec.tensors:
-            v = rng.normal(size=xs if t.shape == "x" else (xs[0], 1, *xs[2:])).astype(dtype)
+            shape = {"x": xs, "sample": xs[:2]}.get(t.shape, (xs[0], 1, *xs[2:]))
+            v = rng.normal(size=shape).astype(dtype)
             tens[t.name] = (v > -0.5).astype(dtype) if t.mask else v
         params = [rng.normal(size=(xs[1],)).astype(dtype) for _ in spec.params]
         cuts = [(0, 2), (2, 2), (2, 3)]
