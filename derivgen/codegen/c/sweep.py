@@ -176,7 +176,11 @@ class CPlanner:
         instead of computing them again (see :meth:`_kept`).
         """
         ctype = self.ctype
-        all_sums0 = [*group_sums, *((f"Psum_{k}", e) for k, e in param_sums if self.params[k] in self.scalar)]
+        # the scalar parameters' sums (slots past the parameters' are tensor gradients' sums)
+        scalar_sums = (
+            (f"Psum_{k}", e) for k, e in param_sums if k < len(self.params) and self.params[k] in self.scalar
+        )
+        all_sums0 = [*group_sums, *scalar_sums]
         if keep_in:  # read back, not computed: the sweep's expressions hold the names instead
             back = {f: sympy.Symbol(nm) for f, nm in keep_in}
             exprs = [e.xreplace(back) for e in exprs]
