@@ -343,6 +343,25 @@ def test_bench_zoo_catches_a_wrong_reference_and_lists_the_untimed(monkeypatch):
     assert "not timed:" in text and "softmax: " in text and "pixelnorm: no independent" in text
 
 
+def test_bench_zoo_compiles_each_layer_afresh(monkeypatch):
+    """Every layer's compiled reference is one lambda's code, and Dynamo runs a code object
+    eagerly once it has compiled it 8 times (2 per layer: the forward and the step), so the bench
+    starts Dynamo afresh for each layer: without it, the compile column of a run of 5 layers or
+    more would time eager PyTorch from the fifth on."""
+    torch = pytest.importorskip("torch")
+    from derivgen.tools import bench_zoo
+    from derivgen.tools.bench_zoo_refs import reference
+
+    resets = []
+    real = torch._dynamo.reset
+    monkeypatch.setattr(torch._dynamo, "reset", lambda: resets.append(1) or real())
+    for name in ("rmsnorm", "softmax"):
+        prob = bench_zoo.problem(name, bench_zoo.SMALL_TRAILING, bench_zoo.SMALL_CHANNELS)
+        vs = bench_zoo.variants(prob, reference(name), compiled=True)
+        assert "compile" in vs
+    assert len(resets) == 2
+
+
 def test_bench_zoo_options_are_checked():
     from click.testing import CliRunner
 
