@@ -5,7 +5,7 @@ its best value or its last NaN, and a result that is zero or NaN is redone in th
 The statistic must be the same bits as one sweep in order that keeps the first of equal values
 and the last NaN (what the kernels computed before the lanes), for any NaN position, signed
 zeros, infinities, ties, rows that do not fill a lane block, and any thread count. Float
-kernels add exp(x - m) in float, widened to double (sweep.py, _float_summand): the sum must stay
+kernels add exp(x - m) in float, widened to double (floats.sums_in_float): the sum must stay
 within float rounding of a float64 reference and y as accurate as before."""
 
 from __future__ import annotations

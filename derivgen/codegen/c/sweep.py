@@ -20,6 +20,7 @@ from sympy import Add
 
 from derivgen.codegen.c.blocks import BlockPasses, BlockSlots, block_pass, block_slots_read
 from derivgen.codegen.c.ctext import ATYPES, c_store, output_array
+from derivgen.codegen.c.floats import exact_selection, kv, shared_calls, sums_in_float
 from derivgen.codegen.c.layouts import batch_arrays, nhwc_sweep, row_sweep
 from derivgen.codegen.c.names import CHANNEL_INDEX, X, group_names, load_table, locals_of, native_names
 from derivgen.codegen.c.types import (
@@ -36,9 +37,6 @@ from derivgen.codegen.c.types import (
 from derivgen.codegen.c.windows import WindowFunctions, hide_windows
 from derivgen.codegen.ir import Assign, Loop, ModeIR, Select, needed_temps
 from derivgen.codegen.printers import SpecPrinter
-from derivgen.spec.model import X as DATA_X
-from derivgen.symbolic.block import BlockMean
-from derivgen.symbolic.functions import of_node
 from derivgen.symbolic.window import Window
 
 
@@ -170,7 +168,7 @@ class CPlanner:
         or overflowing (|x| ~ 1e30). ``arith="float"`` (output sweeps of float
         kernels) computes in float, adding group-level terms as hi + lo pairs; with
         ``float_sums`` the summands too (each widened to double as it is added: see
-        :func:`_float_summand`). ``keep_out`` are (function call, name) pairs the sweep
+        :func:`~derivgen.codegen.c.floats.sums_in_float`). ``keep_out`` are (function call, name) pairs the sweep
         computes in its element arithmetic and also stores in the thread's row ``<name>_Row``
         (at the element's place in its group's run), ``keep_in`` those it reads back from there
         instead of computing them again (see :meth:`_kept`).
@@ -299,7 +297,7 @@ class CPlanner:
             return f"{text}*({ct})"
 
         sums = tuple(
-            (a, float_summand(e) if float_sums and arith != "double" and _float_summand(e0, elem) else summand(e))
+            (a, float_summand(e) if float_sums and arith != "double" and sums_in_float(e0, elem) else summand(e))
             for (a, e), (_, e0) in zip(all_sums, all_sums0)
         )
         psum_reads: set[str] = set()
@@ -365,7 +363,7 @@ class CPlanner:
             isinstance(st, Loop)
             and self.atype != "double"
             and not values
-            and all(_float_summand(e, elem) for _, e in st.accs)
+            and all(sums_in_float(e, elem) for _, e in st.accs)
             for st in self.ir.forward
         ]
         last, keeps = self._kept(floats, [out_expr, *(e for _, e in extra), *(e for _, e in temps)])
@@ -387,7 +385,7 @@ class CPlanner:
             elif isinstance(st, Select):
                 enames = {**self.group_names, **self.elem_names}
                 text, reads = self.printer.c_reads(st.expr, "double", enames)
-                lane = self.atype if _exact_selection(st.expr) else "double"
+                lane = self.atype if exact_selection(st.expr) else "double"
                 lane_text = self.printer.c_reads(st.expr, lane, enames)[0] if lane != "double" else text
                 steps.append(
                     GroupSelect(
@@ -441,7 +439,7 @@ class CPlanner:
         loops = [k for k, st in enumerate(self.ir.forward) if isinstance(st, Loop)]
         if self.spec.layout != "trailing" or not loops or not floats[loops[-1]]:
             return None, []
-        return loops[-1], _calls_shared([e for _, e in self.ir.forward[loops[-1]].accs], out)
+        return loops[-1], shared_calls([e for _, e in self.ir.forward[loops[-1]].accs], out)
 
     def _group_values(self, names: list[str]) -> list[GroupValue]:
         """The per-group values between the reduction sweep and the final one: the means
@@ -480,7 +478,7 @@ class CPlanner:
             if keep and self.spec.layout == "trailing" and self.atype != "double":
                 red_exprs = [e for _, e in self.ir.bwd_loop]
                 needed, _ = needed_temps(red_exprs, temps)
-                keeps = _calls_shared([*red_exprs, *(e for _, e in needed)], self._backward_exprs(temps))
+                keeps = shared_calls([*red_exprs, *(e for _, e in needed)], self._backward_exprs(temps))
             lp = self.loop(
                 [e for _, e in self.ir.bwd_loop],
                 temps,
@@ -519,7 +517,7 @@ class CPlanner:
             outputs=["dx", *(o for o, _ in dts)],
             first=red is None,
             second=red is not None,
-            float_sums=True,  # scalar parameters' sums of elementary functions (_float_summand)
+            float_sums=True,  # scalar parameters' sums of elementary functions (floats.sums_in_float)
             keep_in=keeps,
         )
         if red is not None:  # the block arrays the reduction sweep left are still the group's
@@ -544,65 +542,6 @@ class CPlanner:
         exprs = [self.ir.dx_closed, *(e for _, e in self.ir.dtensors), *(e for _, e in self.ir.dparams)]
         needed, _ = needed_temps(exprs, temps + ([self.ir.dcore] if self.ir.dcore is not None else []))
         return [*exprs, *(e for _, e in needed)]
-
-
-def _calls_shared(first: list[sympy.Expr], later: list[sympy.Expr]) -> list[tuple[sympy.Expr, str]]:
-    """The calls of elementary functions with a float vector version (``Dg_expf``, ...) in
-    ``first`` that ``later`` computes again, outermost first, named Kv0, Kv1, ...; none where
-    ``later`` holds block means or windows (double arithmetic, a row's neighbours)."""
-    if any(e.has(BlockMean, Window) for e in (*first, *later)):
-        return []
-    calls: list[sympy.Expr] = []
-    for e in first:
-        for node in sympy.preorder_traversal(e):
-            fn = of_node(node) if isinstance(node, sympy.Function) else None
-            if fn is None or not fn.c_float.startswith("Dg_") or node in calls:
-                continue
-            if any(o.has(node) for o in later) and not any(c.has(node) for c in calls):
-                calls.append(node)
-    return [(f, f"~Kv{k}") for k, f in enumerate(calls)]
-
-
-def kv(name: str) -> str:
-    """The C name of a kept value: its symbol ``~Kv0`` (no spec's name; it sorts after every
-    name in a product, where the call it stands for was printed, so the arithmetic is the
-    same) is ``Kv0`` in C; other names are themselves."""
-    return name.removeprefix("~")
-
-
-def _float_summand(e: sympy.Expr, elem: set[str]) -> bool:
-    """Whether a float kernel's statistic sweep adds ``e`` in float arithmetic (widened to
-    double as it is added: the sums stay double): where ``e`` calls an elementary function the
-    kernels compute with a polynomial (``Dg_expf``, ``Dg_logf``, ... of
-    ``derivgen-kernels.h``), whose double version costs about twice the float one, and its
-    element arithmetic rounds without cancelling: every sum in it has at most one term that
-    varies with the element (group terms are added as hi + lo pairs), and no element value is
-    raised to a power (a square may overflow float, and a centred moment keeps double's
-    exactness). The output sweeps and the backward already compute such functions in float;
-    exp(x - m) of softmax is the case this is for (docs/numerics.md: the error bound)."""
-
-    def varies(t: sympy.Expr) -> bool:
-        return any(str(v) in elem for v in t.free_symbols)
-
-    calls = False
-    for node in sympy.preorder_traversal(e):
-        if isinstance(node, (Window, BlockMean)):
-            return False
-        if node.is_Add and sum(varies(t) for t in node.args) > 1:
-            return False
-        if node.is_Pow and varies(node.base) and node.exp != -1:
-            return False
-        fn = of_node(node) if isinstance(node, sympy.Function) else None
-        calls = calls or (fn is not None and fn.c_float.startswith("Dg_"))
-    return calls
-
-
-def _exact_selection(e: sympy.Expr) -> bool:
-    """Whether a selection's element value is exact in x's own arithmetic: x, -x, |x| (the
-    maximum of float values is one of them, so it may be taken in float)."""
-    while isinstance(e, sympy.Abs) or (e.is_Mul and len(e.args) == 2 and e.args[0] == -1):
-        e = e.args[0] if isinstance(e, sympy.Abs) else e.args[1]
-    return e == DATA_X
 
 
 def _levels(steps: list[Sweep | GroupValue]) -> tuple[SplitLevel, ...]:
