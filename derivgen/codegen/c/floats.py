@@ -1,0 +1,73 @@
+"""Where a float kernel's sweeps may compute in float, and what they keep for the next sweep:
+the statistic summands added in float (widened to double: the sums stay double), the
+selections taken in float, and the calls of elementary functions a sweep computes and the
+next reads back (``Kv0``, ...) instead of calling them again. Used by the sweep planner
+(:mod:`derivgen.codegen.c.sweep`); docs/numerics.md says what each choice guarantees."""
+
+from __future__ import annotations
+
+import sympy
+
+from derivgen.spec.model import X as DATA_X
+from derivgen.symbolic.block import BlockMean
+from derivgen.symbolic.functions import of_node
+from derivgen.symbolic.window import Window
+
+
+def shared_calls(first: list[sympy.Expr], later: list[sympy.Expr]) -> list[tuple[sympy.Expr, str]]:
+    """The calls of elementary functions with a float vector version (``Dg_expf``, ...) in
+    ``first`` that ``later`` computes again, outermost first, named Kv0, Kv1, ...; none where
+    ``later`` holds block means or windows (double arithmetic, a row's neighbours)."""
+    if any(e.has(BlockMean, Window) for e in (*first, *later)):
+        return []
+    calls: list[sympy.Expr] = []
+    for e in first:
+        for node in sympy.preorder_traversal(e):
+            fn = of_node(node) if isinstance(node, sympy.Function) else None
+            if fn is None or not fn.c_float.startswith("Dg_") or node in calls:
+                continue
+            if any(o.has(node) for o in later) and not any(c.has(node) for c in calls):
+                calls.append(node)
+    return [(f, f"~Kv{k}") for k, f in enumerate(calls)]
+
+
+def kv(name: str) -> str:
+    """The C name of a kept value: its symbol ``~Kv0`` (no spec's name; it sorts after every
+    name in a product, where the call it stands for was printed, so the arithmetic is the
+    same) is ``Kv0`` in C; other names are themselves."""
+    return name.removeprefix("~")
+
+
+def sums_in_float(e: sympy.Expr, elem: set[str]) -> bool:
+    """Whether a float kernel's statistic sweep adds ``e`` in float arithmetic (widened to
+    double as it is added: the sums stay double): where ``e`` calls an elementary function the
+    kernels compute with a polynomial (``Dg_expf``, ``Dg_logf``, ... of
+    ``derivgen-kernels.h``), whose double version costs about twice the float one, and its
+    element arithmetic rounds without cancelling: every sum in it has at most one term that
+    varies with the element (group terms are added as hi + lo pairs), and no element value is
+    raised to a power (a square may overflow float, and a centred moment keeps double's
+    exactness). The output sweeps and the backward already compute such functions in float;
+    exp(x - m) of softmax is the case this is for (docs/numerics.md: the error bound)."""
+
+    def varies(t: sympy.Expr) -> bool:
+        return any(str(v) in elem for v in t.free_symbols)
+
+    calls = False
+    for node in sympy.preorder_traversal(e):
+        if isinstance(node, (Window, BlockMean)):
+            return False
+        if node.is_Add and sum(varies(t) for t in node.args) > 1:
+            return False
+        if node.is_Pow and varies(node.base) and node.exp != -1:
+            return False
+        fn = of_node(node) if isinstance(node, sympy.Function) else None
+        calls = calls or (fn is not None and fn.c_float.startswith("Dg_"))
+    return calls
+
+
+def exact_selection(e: sympy.Expr) -> bool:
+    """Whether a selection's element value is exact in x's own arithmetic: x, -x, |x| (the
+    maximum of float values is one of them, so it may be taken in float)."""
+    while isinstance(e, sympy.Abs) or (e.is_Mul and len(e.args) == 2 and e.args[0] == -1):
+        e = e.args[0] if isinstance(e, sympy.Abs) else e.args[1]
+    return e == DATA_X
