@@ -73,6 +73,17 @@ class WindowFunctions:
                 if inner.name in fn.inner:
                     self._use(inner)
 
+    def _body(self, w, needed, names: dict, nested) -> tuple[list[str], str, set[str]]:
+        """A window's temporaries as C declarations, its body as C text (double), and every
+        name they read."""
+        lines, reads = [], set()
+        for nm, te in needed:
+            text, r = self.printer.c_reads(te, "double", names, nested)
+            lines.append(f"const double {nm} = {text};")
+            reads |= r
+        body, r = self.printer.c_reads(w.body, "double", names, nested)
+        return lines, body, reads | r
+
     def function(
         self, w: Window, temps: list[tuple[str, sympy.Expr]], loads: dict[str, Load], called: bool = True
     ) -> WindowFunction:
@@ -98,13 +109,7 @@ class WindowFunctions:
 
         rename = {n: ld.local for n, ld in loads.items()}
         rename.update({nm: nm for nm in temp_names})
-        lines, reads = [], set()
-        for nm, te in needed:
-            text, r = self.printer.c_reads(te, "double", rename, nested)
-            lines.append(f"const double {nm} = {text};")
-            reads |= r
-        body, r = self.printer.c_reads(w.body, "double", rename, nested)
-        reads |= r
+        lines, body, reads = self._body(w, needed, rename, nested)
         used = {n for n, ld in loads.items() if ld.local in reads}
         # a load's array (or a mask's option and N), and every other name read: a group value
         arrays = sorted({loads[n].source for n in used if loads[n].index})
@@ -182,13 +187,7 @@ class WindowFunctions:
         names = dict(rename)
         names.update({n: ld.local for n, ld in loads.items()})
         names.update({nm: nm for nm, _ in needed})
-        lines, reads = [], set()
-        for nm, te in needed:
-            text, r = self.printer.c_reads(te, "double", names, nested)
-            lines.append(f"const double {nm} = {text};")
-            reads |= r
-        body, r = self.printer.c_reads(w.body, "double", names, nested)
-        reads |= r
+        lines, body, reads = self._body(w, needed, names, nested)
         load_lines = [loads[n].line(self.ctype) for n in sorted(loads) if loads[n].local in reads]
         size = w.size
         k = f"(int64_t){names.get(str(size), str(size))}" if size.is_Symbol else str(int(size))
