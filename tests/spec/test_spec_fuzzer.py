@@ -209,7 +209,7 @@ def test_the_quick_sample_has_every_feature_of_its_corpus():
 @pytest.mark.parametrize("seeds", sample_and_rest(CI_SEEDS, QUICK_SEEDS))
 def test_ci_corpus_passes(seeds, tmp_path, monkeypatch):
     monkeypatch.setenv("DERIVGEN_CACHE", private_cache(tmp_path))
-    monkeypatch.setenv("CFLAGS", "-O1 -march=native -fno-math-errno")  # compile fast; still -Werror
+    monkeypatch.setenv("CFLAGS", QUICK_CFLAGS)  # compile fast; still -Werror
     t0 = time.perf_counter()
     # every seed's second order is checked (finite differences, the other backend); every
     # other one is proven by brute force at N = 2 here, and every other channel layout's
@@ -467,7 +467,7 @@ def test_corpus_runs_after_openmp_kernels_in_the_same_process(tmp_path):
     env = dict(
         os.environ,
         DERIVGEN_CACHE=private_cache(tmp_path),
-        CFLAGS="-O1 -march=native -fno-math-errno",
+        CFLAGS=QUICK_CFLAGS,
         PYTHONPATH=str(specfuzz.ROOT),
     )
     proc = subprocess.Popen(
@@ -520,7 +520,7 @@ CHANNELS_LAST_REGRESSIONS = ["batch_no_gradient_partials"]
 def test_channels_last_regression_spec(name, monkeypatch):
     """The channels-last kernels of a spec the fuzzer's channels-last check failed build
     without a warning (-Werror) and give the NCHW kernels' bits."""
-    monkeypatch.setenv("CFLAGS", "-O1 -march=native -fno-math-errno")  # compile fast; still -Werror
+    monkeypatch.setenv("CFLAGS", QUICK_CFLAGS)  # compile fast; still -Werror
     spec = derivgen.load_spec(ROOT / "tests" / "regressions" / f"{name}.toml")
     assert specfuzz.channels_last_mismatches(spec) == []
 
@@ -705,7 +705,7 @@ def test_tensor_corpus_passes(seeds, tmp_path, monkeypatch):
     finite differences and each other, in float64, float32 against float64; every other channel
     layout's channels-last kernels against its NCHW ones (all of them in `make fuzz`)."""
     monkeypatch.setenv("DERIVGEN_CACHE", private_cache(tmp_path))
-    monkeypatch.setenv("CFLAGS", "-O1 -march=native -fno-math-errno")  # compile fast; still -Werror
+    monkeypatch.setenv("CFLAGS", QUICK_CFLAGS)  # compile fast; still -Werror
     t0 = time.perf_counter()
     results = specfuzz.run_corpus(seeds, jobs=min(2, os.cpu_count() or 1), deadline=CI_DEADLINE, channels_last_every=2)
     print("\n" + specfuzz.summary(results, time.perf_counter() - t0))

@@ -30,7 +30,7 @@ def test_wheel_in_fresh_venv(tmp_path):
     env = dict(os.environ, DERIVGEN_CACHE=str(tmp_path / "cache"))
     env.pop("PYTHONPATH", None)
     r = subprocess.run(
-        [str(env_dir / "bin" / "derivgen"), "generate", "--out", "gen"],
+        [str(env_dir / "bin" / "derivgen"), "generate", "layernorm", "--out", "gen"],
         cwd=work,
         capture_output=True,
         text=True,
