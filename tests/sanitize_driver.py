@@ -136,7 +136,7 @@ def _prebuild() -> None:
     jobs = []
     for name in SHAPES:
         kernel = derivgen.load(BLOCK_PATHS.get(name, name), backend="c")._kernel
-        jobs.append((kernel.source, None))
+        jobs += [(kernel.source, None), (kernel.source, ["-DDG_SECOND_ONLY"])]
         if not kernel.meta.inputs:
             jobs.append((kernel.source, ["-DDG_EXTRAS_ONLY"]))
     for name in MULTI_NHWC:

@@ -204,9 +204,15 @@ def check_cmd(
     is_flag=True,
     help="Also build derivgen.torch's C++ extension (needs torch; 1-2 min the first time).",
 )
-def build_cmd(names: tuple[str, ...], spec_files: tuple[str, ...], torch_ext: bool) -> None:
+@click.option(
+    "--second",
+    is_flag=True,
+    help="Also build each layer's second-order kernels (double backward, JVP), a library of their own.",
+)
+def build_cmd(names: tuple[str, ...], spec_files: tuple[str, ...], torch_ext: bool, second: bool) -> None:
     """Compile the C kernels into shared libraries in the build cache (CC and CFLAGS honored),
-    ahead of their first use; --torch builds derivgen.torch's extension too."""
+    ahead of their first use; --torch builds derivgen.torch's extension too, --second the
+    second-order kernels (built on their first call otherwise)."""
     specs = _specs(names, spec_files)
     if torch_ext:
         if importlib.util.find_spec("torch") is None:
@@ -222,18 +228,20 @@ def build_cmd(names: tuple[str, ...], spec_files: tuple[str, ...], torch_ext: bo
     for spec in specs or [api.load_spec(n) for n in api.names()]:
         root, _ = api.materialize(spec, "c")
         source = root / f"{spec.name}.c"
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always", BuildWarning)
-            try:
-                cached = library_path(source).is_file()
-                t0 = time.perf_counter()
-                with _status("" if cached else f"compiling {spec.name}"):
-                    lib = build_shared(source)
-                took = time.perf_counter() - t0
-            except BuildError as exc:
-                raise click.ClickException(f"{spec.name}: {exc}") from None
-        for w in caught:
-            if issubclass(w.category, BuildWarning):
-                click.echo(f"derivgen: warning: {w.message}", err=True)
-        what = "cached" if cached else f"compiled in {took:.1f} s"
-        click.echo(f"{spec.name:<18} {what:<18} {lib}")
+        for extra in [None, *([["-DDG_SECOND_ONLY"]] if second else [])]:
+            label = spec.name + (" 2nd" if extra else "")
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always", BuildWarning)
+                try:
+                    cached = library_path(source, extra=extra).is_file()
+                    t0 = time.perf_counter()
+                    with _status("" if cached else f"compiling {label}"):
+                        lib = build_shared(source, extra=extra)
+                    took = time.perf_counter() - t0
+                except BuildError as exc:
+                    raise click.ClickException(f"{spec.name}: {exc}") from None
+            for w in caught:
+                if issubclass(w.category, BuildWarning):
+                    click.echo(f"derivgen: warning: {w.message}", err=True)
+            what = "cached" if cached else f"compiled in {took:.1f} s"
+            click.echo(f"{label:<18} {what:<18} {lib}")

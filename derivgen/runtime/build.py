@@ -230,6 +230,8 @@ def _variant(extra: list[str] | None, cflags: list[str] | None) -> str:
     out = ""
     if extra and "-DDG_EXTRAS_ONLY" in extra:
         out += "'s bfloat16 and channels-last kernels"
+    if extra and "-DDG_SECOND_ONLY" in extra:
+        out += "'s second-order kernels"
     if cflags is not None:
         target = build_target(cflags)
         out += f" for -march={target}" if target else " with the given flags"

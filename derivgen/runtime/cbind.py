@@ -23,6 +23,9 @@ _SFX = {np.dtype(np.float32): "f32", np.dtype(np.float64): "f64"}
 
 _SCALARS = {"int64_t": ctypes.c_int64, "double": ctypes.c_double, "int": ctypes.c_int}
 
+# the kernels a layer's second library holds (kernel.c.j2's DG_SECOND_ONLY)
+SECOND_KINDS = frozenset({"bb", "jvp"})
+
 
 def _ptr(a: np.ndarray | None) -> int | None:
     """An array's data address (None: NULL)."""
@@ -72,6 +75,7 @@ class CKernel:
         self.signatures = kernel_signatures(meta)
         self._fns: dict = {}  # (mode, kind, dtype) -> (ctypes function, signature, takes nthreads)
         self._lib = None
+        self._second = None
         self._lock = threading.Lock()
 
     @property
@@ -80,10 +84,28 @@ class CKernel:
         if self._lib is None:
             with self._lock:
                 if self._lib is None:
-                    lib = ctypes.CDLL(str(build_shared(self.source, cflags=self.cflags, extra=self.extra)))
-                    self._configure(lib)
-                    self._lib = lib
+                    self._lib = self._load(self.extra)
         return self._lib
+
+    @property
+    def second_lib(self) -> ctypes.CDLL:
+        """The library of the second-order kernels (double backward, JVP: -DDG_SECOND_ONLY),
+        compiled and loaded the first time one is called: they are most of a layer's code, and
+        a first-order caller never compiles them."""
+        if self._second is None:
+            with self._lock:
+                if self._second is None:
+                    self._second = self._load([*(self.extra or []), "-DDG_SECOND_ONLY"])
+        return self._second
+
+    def _load(self, extra: list[str] | None) -> ctypes.CDLL:
+        lib = ctypes.CDLL(str(build_shared(self.source, cflags=self.cflags, extra=extra)))
+        self._configure(lib)
+        return lib
+
+    def _library(self, kind: str) -> ctypes.CDLL:
+        """The library that holds the kernels of ``kind`` (forward, backward, bb, jvp, split_...)."""
+        return self.second_lib if kind in SECOND_KINDS else self.lib
 
     def _configure(self, lib: ctypes.CDLL) -> None:
         """Tell the kernels this machine's cache sizes (see derivgen.runtime.machine); a build
@@ -129,7 +151,7 @@ class CKernel:
     def second_cfunc(self, mode: str, kind: str, sfx: str) -> ctypes._CFuncPtr:
         """The double backward (``kind`` "bb") or JVP ("jvp") kernel, argument types declared."""
         sig = self.signatures[(mode, kind)]
-        return self._declared(self.lib[sig.symbol(sfx)], sig)
+        return self._declared(self.second_lib[sig.symbol(sfx)], sig)
 
     def _run(self, mode: str, kind: str, dtype: np.dtype, sections: dict) -> int:
         """Call one kernel of a NumPy call (float32/float64) with its arguments by section
@@ -138,7 +160,7 @@ class CKernel:
         entry = self._fns.get((mode, kind, dtype))
         if entry is None:
             sig = self.signatures[(mode, kind)]
-            fn = self._declared(self.lib[sig.symbol(_SFX[np.dtype(dtype)])], sig)
+            fn = self._declared(self._library(kind)[sig.symbol(_SFX[np.dtype(dtype)])], sig)
             entry = self._fns[(mode, kind, dtype)] = (fn, sig, "nthreads" in sig.sections)
         fn, sig, threaded = entry
         if threaded:

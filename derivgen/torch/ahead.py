@@ -21,11 +21,14 @@ from derivgen.torch import ext
 from derivgen.torch.ops import layer
 
 
-def build(*layers: str | os.PathLike | Spec, extension: bool = True, extras: bool = False) -> list[Path]:
+def build(
+    *layers: str | os.PathLike | Spec, extension: bool = True, extras: bool = False, second: bool = False
+) -> list[Path]:
     """Compile, into the build cache, derivgen.torch's C++ extension (unless ``extension``
     is False or ``DERIVGEN_TORCH_EXT=0`` turns it off) and the C kernels of each layer
     named (a catalogue or zoo name, a spec file's path, or a Spec), with their bfloat16
-    and channels-last kernels too when ``extras`` is True; return the paths of the
+    and channels-last kernels too when ``extras`` is True and their second-order kernels
+    (double backward, JVP) when ``second`` is True; return the paths of the
     libraries, built now or found in the cache. What is not in the cache yet says so in
     one line on stderr while it builds. Raises RuntimeError when the extension cannot be
     built (first use would fall back to the Python per-call path), and
@@ -47,4 +50,8 @@ def build(*layers: str | os.PathLike | Spec, extension: bool = True, extras: boo
         for k in kernels:
             k.lib  # noqa: B018 -- compiled (or found in the cache) and loaded
             out.append(library_path(k.source, extra=k.extra, cflags=k.cflags))
+        if second:
+            main = libraries.main
+            main.second_lib  # noqa: B018
+            out.append(library_path(main.source, extra=[*(main.extra or []), "-DDG_SECOND_ONLY"], cflags=main.cflags))
     return out

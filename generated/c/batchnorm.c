@@ -42,17 +42,25 @@
 #include "batchnorm.h"
 #include "derivgen-kernels.h"
 
-/* Which kernels this build compiles: float and double in the NCHW layout by default;
- * -DDG_WITH_EXTRAS adds the "extras" (the bfloat16 kernels, and the channels-last ones of
- * a channel layout), -DDG_EXTRAS_ONLY compiles only those: derivgen.torch builds that
- * second library the first time it meets a bfloat16 or channels-last tensor, so loading
- * a layer compiles no more than NumPy callers use. */
+/* Which kernels this build compiles: the float and double forward and backward in the NCHW
+ * layout by default. -DDG_WITH_SECOND adds the second order (the double backward and the
+ * JVP, in float and double), -DDG_SECOND_ONLY compiles only those: the runtime builds that
+ * library the first time a second-order kernel is called, so that loading a layer compiles
+ * no more than a first-order caller uses (the second-order kernels are most of a layer's
+ * code). -DDG_WITH_EXTRAS adds the "extras" (the bfloat16 kernels, and the channels-last
+ * ones of a channel layout), -DDG_EXTRAS_ONLY compiles only those: derivgen.torch builds
+ * that library the first time it meets a bfloat16 or channels-last tensor. */
 #if defined(DG_EXTRAS_ONLY) || defined(DG_WITH_EXTRAS)
 #define DG_WANT_EXTRAS 1
 #else
 #define DG_WANT_EXTRAS 0
 #endif
-#if defined(DG_EXTRAS_ONLY)
+#if defined(DG_SECOND_ONLY) || defined(DG_WITH_SECOND)
+#define DG_WANT_SECOND 1
+#else
+#define DG_WANT_SECOND 0
+#endif
+#if defined(DG_EXTRAS_ONLY) || defined(DG_SECOND_ONLY)
 #define DG_WANT_FLOAT 0
 #else
 #define DG_WANT_FLOAT 1
@@ -694,550 +702,6 @@ int batchnorm_train_backward_f32(
     }
     free(Pend_mem);
     free(Part_mem);
-    return 0;
-}
-
-/* ---- train double backward, float (derived by derivgen.second) ---- */
-int batchnorm_train_bb_f32(
-    int64_t O, int64_t G, int64_t Cg, int64_t S,
-    const float *restrict x,
-    const float *restrict dy,
-    const float *restrict gamma,
-    const float *restrict beta,
-    double eps,
-    double momentum,
-    const double *restrict mean_In,
-    const double *restrict var_In,
-    const double *restrict rstd_In,
-    const float *restrict Seed_x,
-    const float *restrict gamma_Seed,
-    const float *restrict beta_Seed,
-    float *restrict Out_dx,
-    float *restrict Out_ddy,
-    float *restrict gamma_Out,
-    float *restrict beta_Out,
-    int Nthreads)
-{
-    const int64_t M = Cg * S;                       /* contiguous values per (o, g) block */
-    const int64_t N_groups = G;
-    const int64_t Blocks = O;               /* blocks per group */
-    const int64_t Block_stride = G * M;
-    (void)Block_stride;
-    const double N = (double)(Blocks * M);          /* values per group */
-    const double Inv_N = Dg_inv_pow2(N);          /* 1/N when exact (Dg_per) */
-    (void)Inv_N;
-    const int64_t Total = N_groups * Blocks * M;    /* values in x */
-    const int64_t Ahead = DG_AHEAD_BYTES / (int64_t)sizeof(float);
-    const int Nth = Dg_threads(Nthreads);
-    (void)N;
-    (void)Nth;
-    (void)Total;
-    (void)Ahead;
-    (void)gamma;
-    (void)beta;
-    (void)eps;
-    (void)momentum;
-    (void)x;
-
-    const int64_t C = G * Cg;                        /* parameter length */
-    const int64_t P = 2;      /* parameters */
-    (void)C;
-    (void)P;
-    (void)dy;
-    (void)Seed_x;
-    (void)gamma_Seed;
-    (void)beta_Seed;
-    const int64_t Stride = Dg_stride(P * C, (int64_t)sizeof(double));   /* whole cache lines per thread */
-    double *Part_mem = (double *)calloc((size_t)(Nth * Stride) + DG_LINE_SLACK, sizeof(double));
-    if (Part_mem == NULL)
-        return -1;
-    double *Part = (double *)Dg_line(Part_mem);
-    DG_PRAGMA(omp parallel num_threads(Nth))
-    {
-        double *restrict Mine = Part + (int64_t)Dg_thread_id() * Stride;
-        (void)Mine;
-        int64_t Lo, Hi;
-        Dg_share(N_groups, &Lo, &Hi);              /* this thread's groups (as schedule(static)) */
-        for (int64_t Grp = Lo; Grp < Hi; ++Grp) {
-            const int64_t Gi = G == 1 ? 0 : Grp % G;     /* channel group */
-            (void)Gi;
-            const int64_t Base = Gi * M;
-            (void)Base;
-            const double mean = mean_In[Grp];
-            (void)mean;
-            const double var = var_In[Grp];
-            (void)var;
-            const double rstd = rstd_In[Grp];
-            (void)rstd;
-            double Sum_dx;
-            double Sum_g;
-            double Sum_dx_g;
-            double Sum_dx_xhat;
-            double Sum_dy_dgamma;
-            double Sum_g_xhat;
-            double Sum_dy_dgamma_xhat;
-            {
-                double Lane_Sum_dx[DG_LANES] = {0};
-                double Lane_Sum_g[DG_LANES] = {0};
-                double Lane_Sum_dx_g[DG_LANES] = {0};
-                double Lane_Sum_dx_xhat[DG_LANES] = {0};
-                double Lane_Sum_dy_dgamma[DG_LANES] = {0};
-                double Lane_Sum_g_xhat[DG_LANES] = {0};
-                double Lane_Sum_dy_dgamma_xhat[DG_LANES] = {0};
-                for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
-                    const int64_t Off = Base + Blk * Block_stride;
-                    if (S == 1) {          /* one value per channel: parameters vary along the run */
-                        int64_t Mi = 0;
-                        for (; Mi + DG_LANES <= Cg; Mi += DG_LANES) {
-                            for (int J = 0; J < DG_LANES; ++J) {
-                                const int64_t Idx = Off + Mi + J;
-                                (void)Idx;
-                                const int64_t Ch = Gi * Cg + Mi + J;
-                                (void)Ch;
-                                const double gamma_V = (double)gamma[Ch];
-                                const double gamma_Dd = (double)gamma_Seed[Ch];
-                                const double Xv = (double)x[Idx];
-                                const double Dyv = (double)dy[Idx];
-                                const double X_Dd = (double)Seed_x[Idx];
-                                const double xhat = rstd*(Xv - mean);
-                                const double g = Dyv*gamma_V;
-                                Lane_Sum_dx[J] += X_Dd;
-                                Lane_Sum_g[J] += g;
-                                Lane_Sum_dx_g[J] += X_Dd*g;
-                                Lane_Sum_dx_xhat[J] += X_Dd*xhat;
-                                Lane_Sum_dy_dgamma[J] += Dyv*gamma_Dd;
-                                Lane_Sum_g_xhat[J] += g*xhat;
-                                Lane_Sum_dy_dgamma_xhat[J] += Dyv*gamma_Dd*xhat;
-
-                            }
-                        }
-                        for (; Mi < Cg; ++Mi) {
-                            const int64_t Idx = Off + Mi;
-                            (void)Idx;
-                            const int64_t Ch = Gi * Cg + Mi;
-                            (void)Ch;
-                            const double gamma_V = (double)gamma[Ch];
-                            const double gamma_Dd = (double)gamma_Seed[Ch];
-                            const double Xv = (double)x[Idx];
-                            const double Dyv = (double)dy[Idx];
-                            const double X_Dd = (double)Seed_x[Idx];
-                            const double xhat = rstd*(Xv - mean);
-                            const double g = Dyv*gamma_V;
-                            Lane_Sum_dx[0] += X_Dd;
-                            Lane_Sum_g[0] += g;
-                            Lane_Sum_dx_g[0] += X_Dd*g;
-                            Lane_Sum_dx_xhat[0] += X_Dd*xhat;
-                            Lane_Sum_dy_dgamma[0] += Dyv*gamma_Dd;
-                            Lane_Sum_g_xhat[0] += g*xhat;
-                            Lane_Sum_dy_dgamma_xhat[0] += Dyv*gamma_Dd*xhat;
-
-                        }
-                    } else {               /* NCHW: runs of S values of one channel */
-                        for (int64_t Ci = 0; Ci < Cg; ++Ci) {
-                            const int64_t Ch = Gi * Cg + Ci;
-                            (void)Ch;
-                            const double gamma_V = (double)gamma[Ch];
-                            const double gamma_Dd = (double)gamma_Seed[Ch];
-                            int64_t Si = 0;
-                            for (; Si + DG_LANES <= S; Si += DG_LANES) {
-                                for (int J = 0; J < DG_LANES; ++J) {
-                                    const int64_t Idx = Off + Ci * S + Si + J;
-                                    (void)Idx;
-                                    const double Xv = (double)x[Idx];
-                                    const double Dyv = (double)dy[Idx];
-                                    const double X_Dd = (double)Seed_x[Idx];
-                                    const double xhat = rstd*(Xv - mean);
-                                    const double g = Dyv*gamma_V;
-                                    Lane_Sum_dx[J] += X_Dd;
-                                    Lane_Sum_g[J] += g;
-                                    Lane_Sum_dx_g[J] += X_Dd*g;
-                                    Lane_Sum_dx_xhat[J] += X_Dd*xhat;
-                                    Lane_Sum_dy_dgamma[J] += Dyv*gamma_Dd;
-                                    Lane_Sum_g_xhat[J] += g*xhat;
-                                    Lane_Sum_dy_dgamma_xhat[J] += Dyv*gamma_Dd*xhat;
-
-                                }
-                            }
-                            for (; Si < S; ++Si) {
-                                const int64_t Idx = Off + Ci * S + Si;
-                                (void)Idx;
-                                const double Xv = (double)x[Idx];
-                                const double Dyv = (double)dy[Idx];
-                                const double X_Dd = (double)Seed_x[Idx];
-                                const double xhat = rstd*(Xv - mean);
-                                const double g = Dyv*gamma_V;
-                                Lane_Sum_dx[0] += X_Dd;
-                                Lane_Sum_g[0] += g;
-                                Lane_Sum_dx_g[0] += X_Dd*g;
-                                Lane_Sum_dx_xhat[0] += X_Dd*xhat;
-                                Lane_Sum_dy_dgamma[0] += Dyv*gamma_Dd;
-                                Lane_Sum_g_xhat[0] += g*xhat;
-                                Lane_Sum_dy_dgamma_xhat[0] += Dyv*gamma_Dd*xhat;
-
-                            }
-                        }
-                    }
-                }
-                Sum_dx = Dg_lanes(Lane_Sum_dx);
-                Sum_g = Dg_lanes(Lane_Sum_g);
-                Sum_dx_g = Dg_lanes(Lane_Sum_dx_g);
-                Sum_dx_xhat = Dg_lanes(Lane_Sum_dx_xhat);
-                Sum_dy_dgamma = Dg_lanes(Lane_Sum_dy_dgamma);
-                Sum_g_xhat = Dg_lanes(Lane_Sum_g_xhat);
-                Sum_dy_dgamma_xhat = Dg_lanes(Lane_Sum_dy_dgamma_xhat);
-            }
-            const double Mean_dx = Sum_dx/N;  /* Mean_dx = mean(X_Dd) */
-            (void)Mean_dx;
-            const double Mean_g = Sum_g/N;  /* Mean_g = mean(g) */
-            (void)Mean_g;
-            const double Mean_dx_g = Sum_dx_g/N;  /* Mean_dx_g = mean(X_Dd*g) */
-            (void)Mean_dx_g;
-            const double Mean_dx_xhat = Sum_dx_xhat/N;  /* Mean_dx_xhat = mean(X_Dd*xhat) */
-            (void)Mean_dx_xhat;
-            const double Mean_dy_dgamma = Sum_dy_dgamma/N;  /* Mean_dy_dgamma = mean(dy*gamma_Dd) */
-            (void)Mean_dy_dgamma;
-            const double Mean_g_xhat = Sum_g_xhat/N;  /* Mean_g_xhat = mean(g*xhat) */
-            (void)Mean_g_xhat;
-            const double Mean_dy_dgamma_xhat = Sum_dy_dgamma_xhat/N;  /* Mean_dy_dgamma_xhat = mean(dy*gamma_Dd*xhat) */
-            (void)Mean_dy_dgamma_xhat;
-            const double Cse0 = Mean_dx*rstd;  /* common subexpression */
-            (void)Cse0;
-            const double Cse1 = Mean_dx_xhat*rstd;  /* common subexpression */
-            (void)Cse1;
-            const double Cse2 = (rstd*rstd);  /* common subexpression */
-            (void)Cse2;
-            const double KDX_1 = rstd*(Cse0*Mean_g_xhat + Cse1*Mean_g - Mean_dy_dgamma);  /* coefficient of 1 */
-            (void)KDX_1;
-            const double KDX_X_Dd = -Cse2*Mean_g_xhat;  /* coefficient of X_Dd */
-            (void)KDX_X_Dd;
-            const double KDX_g = -Cse2*Mean_dx_xhat;  /* coefficient of g */
-            (void)KDX_g;
-            const double KDX_xhat = rstd*(Cse0*Mean_g + 3*Cse1*Mean_g_xhat - Mean_dy_dgamma_xhat - Mean_dx_g*rstd);  /* coefficient of xhat */
-            (void)KDX_xhat;
-            const double KDX_dy_gamma_Dd = rstd;  /* coefficient of dy*gamma_Dd */
-            (void)KDX_dy_gamma_Dd;
-            const double KDDY_beta_Dd = 1;  /* coefficient of beta_Dd */
-            (void)KDDY_beta_Dd;
-            const double KDDY_gamma = -Cse0;  /* coefficient of gamma */
-            (void)KDDY_gamma;
-            const double KDDY_X_Dd_gamma = rstd;  /* coefficient of X_Dd*gamma */
-            (void)KDDY_X_Dd_gamma;
-            const double KDDY_gamma_xhat = -Cse1;  /* coefficient of gamma*xhat */
-            (void)KDDY_gamma_xhat;
-            const double KDDY_gamma_Dd_xhat = 1;  /* coefficient of gamma_Dd*xhat */
-            (void)KDDY_gamma_Dd_xhat;
-            {
-                for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
-                    const int64_t Off = Base + Blk * Block_stride;
-                    if (S == 1) {          /* one value per channel: parameters vary along the run */
-                        int64_t Mi = 0;
-                        for (; Mi + DG_LANES <= Cg; Mi += DG_LANES) {
-                            for (int J = 0; J < DG_LANES; ++J) {
-                                const int64_t Idx = Off + Mi + J;
-                                (void)Idx;
-                                const int64_t Ch = Gi * Cg + Mi + J;
-                                (void)Ch;
-                                const double gamma_V = (double)gamma[Ch];
-                                const double gamma_Dd = (double)gamma_Seed[Ch];
-                                const double beta_Dd = (double)beta_Seed[Ch];
-                                const double Xv = (double)x[Idx];
-                                const double Dyv = (double)dy[Idx];
-                                const double X_Dd = (double)Seed_x[Idx];
-                                const double xhat = rstd*(Xv - mean);
-                                const double g = Dyv*gamma_V;
-                                Out_dx[Idx] = (float)(KDX_g*g + KDX_xhat*xhat + KDX_dy_gamma_Dd*Dyv*gamma_Dd + KDX_1 + KDX_X_Dd*X_Dd);
-                                Out_ddy[Idx] = (float)(KDDY_gamma_xhat*gamma_V*xhat + KDDY_gamma*gamma_V + KDDY_X_Dd_gamma*X_Dd*gamma_V + KDDY_gamma_Dd_xhat*gamma_Dd*xhat + KDDY_beta_Dd*beta_Dd);
-                                Mine[0 * C + Ch] += Dyv*rstd*(X_Dd - Mean_dx - Mean_dx_xhat*xhat);
-
-                            }
-                        }
-                        for (; Mi < Cg; ++Mi) {
-                            const int64_t Idx = Off + Mi;
-                            (void)Idx;
-                            const int64_t Ch = Gi * Cg + Mi;
-                            (void)Ch;
-                            const double gamma_V = (double)gamma[Ch];
-                            const double gamma_Dd = (double)gamma_Seed[Ch];
-                            const double beta_Dd = (double)beta_Seed[Ch];
-                            const double Xv = (double)x[Idx];
-                            const double Dyv = (double)dy[Idx];
-                            const double X_Dd = (double)Seed_x[Idx];
-                            const double xhat = rstd*(Xv - mean);
-                            const double g = Dyv*gamma_V;
-                            Out_dx[Idx] = (float)(KDX_g*g + KDX_xhat*xhat + KDX_dy_gamma_Dd*Dyv*gamma_Dd + KDX_1 + KDX_X_Dd*X_Dd);
-                            Out_ddy[Idx] = (float)(KDDY_gamma_xhat*gamma_V*xhat + KDDY_gamma*gamma_V + KDDY_X_Dd_gamma*X_Dd*gamma_V + KDDY_gamma_Dd_xhat*gamma_Dd*xhat + KDDY_beta_Dd*beta_Dd);
-                            Mine[0 * C + Ch] += Dyv*rstd*(X_Dd - Mean_dx - Mean_dx_xhat*xhat);
-
-                        }
-                    } else {               /* NCHW: runs of S values of one channel */
-                        for (int64_t Ci = 0; Ci < Cg; ++Ci) {
-                            const int64_t Ch = Gi * Cg + Ci;
-                            (void)Ch;
-                            const double gamma_V = (double)gamma[Ch];
-                            const double gamma_Dd = (double)gamma_Seed[Ch];
-                            const double beta_Dd = (double)beta_Seed[Ch];
-                            double Pacc_0 = 0.0;
-                            int64_t Si = 0;
-                            for (; Si + DG_LANES <= S; Si += DG_LANES) {
-                                for (int J = 0; J < DG_LANES; ++J) {
-                                    const int64_t Idx = Off + Ci * S + Si + J;
-                                    (void)Idx;
-                                    const double Xv = (double)x[Idx];
-                                    const double Dyv = (double)dy[Idx];
-                                    const double X_Dd = (double)Seed_x[Idx];
-                                    const double xhat = rstd*(Xv - mean);
-                                    const double g = Dyv*gamma_V;
-                                    Out_dx[Idx] = (float)(KDX_g*g + KDX_xhat*xhat + KDX_dy_gamma_Dd*Dyv*gamma_Dd + KDX_1 + KDX_X_Dd*X_Dd);
-                                    Out_ddy[Idx] = (float)(KDDY_gamma_xhat*gamma_V*xhat + KDDY_gamma*gamma_V + KDDY_X_Dd_gamma*X_Dd*gamma_V + KDDY_gamma_Dd_xhat*gamma_Dd*xhat + KDDY_beta_Dd*beta_Dd);
-                                    Pacc_0 += Dyv*rstd*(X_Dd - Mean_dx - Mean_dx_xhat*xhat);
-
-                                }
-                            }
-                            for (; Si < S; ++Si) {
-                                const int64_t Idx = Off + Ci * S + Si;
-                                (void)Idx;
-                                const double Xv = (double)x[Idx];
-                                const double Dyv = (double)dy[Idx];
-                                const double X_Dd = (double)Seed_x[Idx];
-                                const double xhat = rstd*(Xv - mean);
-                                const double g = Dyv*gamma_V;
-                                Out_dx[Idx] = (float)(KDX_g*g + KDX_xhat*xhat + KDX_dy_gamma_Dd*Dyv*gamma_Dd + KDX_1 + KDX_X_Dd*X_Dd);
-                                Out_ddy[Idx] = (float)(KDDY_gamma_xhat*gamma_V*xhat + KDDY_gamma*gamma_V + KDDY_X_Dd_gamma*X_Dd*gamma_V + KDDY_gamma_Dd_xhat*gamma_Dd*xhat + KDDY_beta_Dd*beta_Dd);
-                                Pacc_0 += Dyv*rstd*(X_Dd - Mean_dx - Mean_dx_xhat*xhat);
-
-                            }
-                            Mine[0 * C + Ch] += Pacc_0;
-                        }
-                    }
-                }
-            }
-        }
-    }
-    for (int64_t Cc = 0; Cc < C; ++Cc) {       /* dgamma */
-        double Acc = 0.0;
-        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * Stride + 0 * C + Cc];
-        gamma_Out[Cc] = (float)(Acc);
-    }
-    for (int64_t Cc = 0; Cc < C; ++Cc) {       /* dbeta */
-        double Acc = 0.0;
-        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * Stride + 1 * C + Cc];
-        beta_Out[Cc] = (float)(Acc);
-    }
-    free(Part_mem);
-    return 0;
-}
-
-/* ---- train JVP, float (derived by derivgen.second) ---- */
-int batchnorm_train_jvp_f32(
-    int64_t O, int64_t G, int64_t Cg, int64_t S,
-    const float *restrict x,
-    const float *restrict gamma,
-    const float *restrict beta,
-    double eps,
-    double momentum,
-    const double *restrict mean_In,
-    const double *restrict var_In,
-    const double *restrict rstd_In,
-    const float *restrict Seed_x,
-    const float *restrict gamma_Seed,
-    const float *restrict beta_Seed,
-    float *restrict Out_ty,
-    int Nthreads)
-{
-    const int64_t M = Cg * S;                       /* contiguous values per (o, g) block */
-    const int64_t N_groups = G;
-    const int64_t Blocks = O;               /* blocks per group */
-    const int64_t Block_stride = G * M;
-    (void)Block_stride;
-    const double N = (double)(Blocks * M);          /* values per group */
-    const double Inv_N = Dg_inv_pow2(N);          /* 1/N when exact (Dg_per) */
-    (void)Inv_N;
-    const int64_t Total = N_groups * Blocks * M;    /* values in x */
-    const int64_t Ahead = DG_AHEAD_BYTES / (int64_t)sizeof(float);
-    const int Nth = Dg_threads(Nthreads);
-    (void)N;
-    (void)Nth;
-    (void)Total;
-    (void)Ahead;
-    (void)gamma;
-    (void)beta;
-    (void)eps;
-    (void)momentum;
-    (void)x;
-
-    const int64_t C = G * Cg;                        /* parameter length */
-    const int64_t P = 2;      /* parameters */
-    (void)C;
-    (void)P;
-    (void)Seed_x;
-    (void)gamma_Seed;
-    (void)beta_Seed;
-    DG_PRAGMA(omp parallel num_threads(Nth))
-    {
-        int64_t Lo, Hi;
-        Dg_share(N_groups, &Lo, &Hi);              /* this thread's groups (as schedule(static)) */
-        for (int64_t Grp = Lo; Grp < Hi; ++Grp) {
-            const int64_t Gi = G == 1 ? 0 : Grp % G;     /* channel group */
-            (void)Gi;
-            const int64_t Base = Gi * M;
-            (void)Base;
-            const double mean = mean_In[Grp];
-            (void)mean;
-            const double var = var_In[Grp];
-            (void)var;
-            const double rstd = rstd_In[Grp];
-            (void)rstd;
-            double Sum_tx;
-            double Sum_tx_xhat;
-            {
-                double Lane_Sum_tx[DG_LANES] = {0};
-                double Lane_Sum_tx_xhat[DG_LANES] = {0};
-                for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
-                    const int64_t Off = Base + Blk * Block_stride;
-                    if (S == 1) {          /* one value per channel: parameters vary along the run */
-                        int64_t Mi = 0;
-                        for (; Mi + DG_LANES <= Cg; Mi += DG_LANES) {
-                            for (int J = 0; J < DG_LANES; ++J) {
-                                const int64_t Idx = Off + Mi + J;
-                                (void)Idx;
-                                const int64_t Ch = Gi * Cg + Mi + J;
-                                (void)Ch;
-                                const double Xv = (double)x[Idx];
-                                const double X_T = (double)Seed_x[Idx];
-                                const double xhat = rstd*(Xv - mean);
-                                Lane_Sum_tx[J] += X_T;
-                                Lane_Sum_tx_xhat[J] += X_T*xhat;
-
-                            }
-                        }
-                        for (; Mi < Cg; ++Mi) {
-                            const int64_t Idx = Off + Mi;
-                            (void)Idx;
-                            const int64_t Ch = Gi * Cg + Mi;
-                            (void)Ch;
-                            const double Xv = (double)x[Idx];
-                            const double X_T = (double)Seed_x[Idx];
-                            const double xhat = rstd*(Xv - mean);
-                            Lane_Sum_tx[0] += X_T;
-                            Lane_Sum_tx_xhat[0] += X_T*xhat;
-
-                        }
-                    } else {               /* NCHW: runs of S values of one channel */
-                        for (int64_t Ci = 0; Ci < Cg; ++Ci) {
-                            const int64_t Ch = Gi * Cg + Ci;
-                            (void)Ch;
-                            int64_t Si = 0;
-                            for (; Si + DG_LANES <= S; Si += DG_LANES) {
-                                for (int J = 0; J < DG_LANES; ++J) {
-                                    const int64_t Idx = Off + Ci * S + Si + J;
-                                    (void)Idx;
-                                    const double Xv = (double)x[Idx];
-                                    const double X_T = (double)Seed_x[Idx];
-                                    const double xhat = rstd*(Xv - mean);
-                                    Lane_Sum_tx[J] += X_T;
-                                    Lane_Sum_tx_xhat[J] += X_T*xhat;
-
-                                }
-                            }
-                            for (; Si < S; ++Si) {
-                                const int64_t Idx = Off + Ci * S + Si;
-                                (void)Idx;
-                                const double Xv = (double)x[Idx];
-                                const double X_T = (double)Seed_x[Idx];
-                                const double xhat = rstd*(Xv - mean);
-                                Lane_Sum_tx[0] += X_T;
-                                Lane_Sum_tx_xhat[0] += X_T*xhat;
-
-                            }
-                        }
-                    }
-                }
-                Sum_tx = Dg_lanes(Lane_Sum_tx);
-                Sum_tx_xhat = Dg_lanes(Lane_Sum_tx_xhat);
-            }
-            const double Mean_tx = Sum_tx/N;  /* Mean_tx = mean(X_T) */
-            (void)Mean_tx;
-            const double Mean_tx_xhat = Sum_tx_xhat/N;  /* Mean_tx_xhat = mean(X_T*xhat) */
-            (void)Mean_tx_xhat;
-            const double KTY_beta_T = 1;  /* coefficient of beta_T */
-            (void)KTY_beta_T;
-            const double KTY_gamma = -Mean_tx*rstd;  /* coefficient of gamma */
-            (void)KTY_gamma;
-            const double KTY_X_T_gamma = rstd;  /* coefficient of X_T*gamma */
-            (void)KTY_X_T_gamma;
-            const double KTY_gamma_xhat = -Mean_tx_xhat*rstd;  /* coefficient of gamma*xhat */
-            (void)KTY_gamma_xhat;
-            const double KTY_gamma_T_xhat = 1;  /* coefficient of gamma_T*xhat */
-            (void)KTY_gamma_T_xhat;
-            {
-                for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
-                    const int64_t Off = Base + Blk * Block_stride;
-                    if (S == 1) {          /* one value per channel: parameters vary along the run */
-                        int64_t Mi = 0;
-                        for (; Mi + DG_LANES <= Cg; Mi += DG_LANES) {
-                            for (int J = 0; J < DG_LANES; ++J) {
-                                const int64_t Idx = Off + Mi + J;
-                                (void)Idx;
-                                const int64_t Ch = Gi * Cg + Mi + J;
-                                (void)Ch;
-                                const double gamma_V = (double)gamma[Ch];
-                                const double gamma_T = (double)gamma_Seed[Ch];
-                                const double beta_T = (double)beta_Seed[Ch];
-                                const double Xv = (double)x[Idx];
-                                const double X_T = (double)Seed_x[Idx];
-                                const double xhat = rstd*(Xv - mean);
-                                Out_ty[Idx] = (float)(KTY_gamma_xhat*gamma_V*xhat + KTY_gamma*gamma_V + KTY_X_T_gamma*X_T*gamma_V + KTY_gamma_T_xhat*gamma_T*xhat + KTY_beta_T*beta_T);
-
-                            }
-                        }
-                        for (; Mi < Cg; ++Mi) {
-                            const int64_t Idx = Off + Mi;
-                            (void)Idx;
-                            const int64_t Ch = Gi * Cg + Mi;
-                            (void)Ch;
-                            const double gamma_V = (double)gamma[Ch];
-                            const double gamma_T = (double)gamma_Seed[Ch];
-                            const double beta_T = (double)beta_Seed[Ch];
-                            const double Xv = (double)x[Idx];
-                            const double X_T = (double)Seed_x[Idx];
-                            const double xhat = rstd*(Xv - mean);
-                            Out_ty[Idx] = (float)(KTY_gamma_xhat*gamma_V*xhat + KTY_gamma*gamma_V + KTY_X_T_gamma*X_T*gamma_V + KTY_gamma_T_xhat*gamma_T*xhat + KTY_beta_T*beta_T);
-
-                        }
-                    } else {               /* NCHW: runs of S values of one channel */
-                        for (int64_t Ci = 0; Ci < Cg; ++Ci) {
-                            const int64_t Ch = Gi * Cg + Ci;
-                            (void)Ch;
-                            const double gamma_V = (double)gamma[Ch];
-                            const double gamma_T = (double)gamma_Seed[Ch];
-                            const double beta_T = (double)beta_Seed[Ch];
-                            int64_t Si = 0;
-                            for (; Si + DG_LANES <= S; Si += DG_LANES) {
-                                for (int J = 0; J < DG_LANES; ++J) {
-                                    const int64_t Idx = Off + Ci * S + Si + J;
-                                    (void)Idx;
-                                    const double Xv = (double)x[Idx];
-                                    const double X_T = (double)Seed_x[Idx];
-                                    const double xhat = rstd*(Xv - mean);
-                                    Out_ty[Idx] = (float)(KTY_gamma_xhat*gamma_V*xhat + KTY_gamma*gamma_V + KTY_X_T_gamma*X_T*gamma_V + KTY_gamma_T_xhat*gamma_T*xhat + KTY_beta_T*beta_T);
-
-                                }
-                            }
-                            for (; Si < S; ++Si) {
-                                const int64_t Idx = Off + Ci * S + Si;
-                                (void)Idx;
-                                const double Xv = (double)x[Idx];
-                                const double X_T = (double)Seed_x[Idx];
-                                const double xhat = rstd*(Xv - mean);
-                                Out_ty[Idx] = (float)(KTY_gamma_xhat*gamma_V*xhat + KTY_gamma*gamma_V + KTY_X_T_gamma*X_T*gamma_V + KTY_gamma_T_xhat*gamma_T*xhat + KTY_beta_T*beta_T);
-
-                            }
-                        }
-                    }
-                }
-            }
-        }
-    }
     return 0;
 }
 
@@ -2072,6 +1536,553 @@ int batchnorm_train_split_bapply_f32(
     return 0;
 }
 #endif /* DG_WANT_FLOAT */
+
+#if DG_WANT_SECOND
+
+/* ---- train double backward, float (derived by derivgen.second) ---- */
+int batchnorm_train_bb_f32(
+    int64_t O, int64_t G, int64_t Cg, int64_t S,
+    const float *restrict x,
+    const float *restrict dy,
+    const float *restrict gamma,
+    const float *restrict beta,
+    double eps,
+    double momentum,
+    const double *restrict mean_In,
+    const double *restrict var_In,
+    const double *restrict rstd_In,
+    const float *restrict Seed_x,
+    const float *restrict gamma_Seed,
+    const float *restrict beta_Seed,
+    float *restrict Out_dx,
+    float *restrict Out_ddy,
+    float *restrict gamma_Out,
+    float *restrict beta_Out,
+    int Nthreads)
+{
+    const int64_t M = Cg * S;                       /* contiguous values per (o, g) block */
+    const int64_t N_groups = G;
+    const int64_t Blocks = O;               /* blocks per group */
+    const int64_t Block_stride = G * M;
+    (void)Block_stride;
+    const double N = (double)(Blocks * M);          /* values per group */
+    const double Inv_N = Dg_inv_pow2(N);          /* 1/N when exact (Dg_per) */
+    (void)Inv_N;
+    const int64_t Total = N_groups * Blocks * M;    /* values in x */
+    const int64_t Ahead = DG_AHEAD_BYTES / (int64_t)sizeof(float);
+    const int Nth = Dg_threads(Nthreads);
+    (void)N;
+    (void)Nth;
+    (void)Total;
+    (void)Ahead;
+    (void)gamma;
+    (void)beta;
+    (void)eps;
+    (void)momentum;
+    (void)x;
+
+    const int64_t C = G * Cg;                        /* parameter length */
+    const int64_t P = 2;      /* parameters */
+    (void)C;
+    (void)P;
+    (void)dy;
+    (void)Seed_x;
+    (void)gamma_Seed;
+    (void)beta_Seed;
+    const int64_t Stride = Dg_stride(P * C, (int64_t)sizeof(double));   /* whole cache lines per thread */
+    double *Part_mem = (double *)calloc((size_t)(Nth * Stride) + DG_LINE_SLACK, sizeof(double));
+    if (Part_mem == NULL)
+        return -1;
+    double *Part = (double *)Dg_line(Part_mem);
+    DG_PRAGMA(omp parallel num_threads(Nth))
+    {
+        double *restrict Mine = Part + (int64_t)Dg_thread_id() * Stride;
+        (void)Mine;
+        int64_t Lo, Hi;
+        Dg_share(N_groups, &Lo, &Hi);              /* this thread's groups (as schedule(static)) */
+        for (int64_t Grp = Lo; Grp < Hi; ++Grp) {
+            const int64_t Gi = G == 1 ? 0 : Grp % G;     /* channel group */
+            (void)Gi;
+            const int64_t Base = Gi * M;
+            (void)Base;
+            const double mean = mean_In[Grp];
+            (void)mean;
+            const double var = var_In[Grp];
+            (void)var;
+            const double rstd = rstd_In[Grp];
+            (void)rstd;
+            double Sum_dx;
+            double Sum_g;
+            double Sum_dx_g;
+            double Sum_dx_xhat;
+            double Sum_dy_dgamma;
+            double Sum_g_xhat;
+            double Sum_dy_dgamma_xhat;
+            {
+                double Lane_Sum_dx[DG_LANES] = {0};
+                double Lane_Sum_g[DG_LANES] = {0};
+                double Lane_Sum_dx_g[DG_LANES] = {0};
+                double Lane_Sum_dx_xhat[DG_LANES] = {0};
+                double Lane_Sum_dy_dgamma[DG_LANES] = {0};
+                double Lane_Sum_g_xhat[DG_LANES] = {0};
+                double Lane_Sum_dy_dgamma_xhat[DG_LANES] = {0};
+                for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
+                    const int64_t Off = Base + Blk * Block_stride;
+                    if (S == 1) {          /* one value per channel: parameters vary along the run */
+                        int64_t Mi = 0;
+                        for (; Mi + DG_LANES <= Cg; Mi += DG_LANES) {
+                            for (int J = 0; J < DG_LANES; ++J) {
+                                const int64_t Idx = Off + Mi + J;
+                                (void)Idx;
+                                const int64_t Ch = Gi * Cg + Mi + J;
+                                (void)Ch;
+                                const double gamma_V = (double)gamma[Ch];
+                                const double gamma_Dd = (double)gamma_Seed[Ch];
+                                const double Xv = (double)x[Idx];
+                                const double Dyv = (double)dy[Idx];
+                                const double X_Dd = (double)Seed_x[Idx];
+                                const double xhat = rstd*(Xv - mean);
+                                const double g = Dyv*gamma_V;
+                                Lane_Sum_dx[J] += X_Dd;
+                                Lane_Sum_g[J] += g;
+                                Lane_Sum_dx_g[J] += X_Dd*g;
+                                Lane_Sum_dx_xhat[J] += X_Dd*xhat;
+                                Lane_Sum_dy_dgamma[J] += Dyv*gamma_Dd;
+                                Lane_Sum_g_xhat[J] += g*xhat;
+                                Lane_Sum_dy_dgamma_xhat[J] += Dyv*gamma_Dd*xhat;
+
+                            }
+                        }
+                        for (; Mi < Cg; ++Mi) {
+                            const int64_t Idx = Off + Mi;
+                            (void)Idx;
+                            const int64_t Ch = Gi * Cg + Mi;
+                            (void)Ch;
+                            const double gamma_V = (double)gamma[Ch];
+                            const double gamma_Dd = (double)gamma_Seed[Ch];
+                            const double Xv = (double)x[Idx];
+                            const double Dyv = (double)dy[Idx];
+                            const double X_Dd = (double)Seed_x[Idx];
+                            const double xhat = rstd*(Xv - mean);
+                            const double g = Dyv*gamma_V;
+                            Lane_Sum_dx[0] += X_Dd;
+                            Lane_Sum_g[0] += g;
+                            Lane_Sum_dx_g[0] += X_Dd*g;
+                            Lane_Sum_dx_xhat[0] += X_Dd*xhat;
+                            Lane_Sum_dy_dgamma[0] += Dyv*gamma_Dd;
+                            Lane_Sum_g_xhat[0] += g*xhat;
+                            Lane_Sum_dy_dgamma_xhat[0] += Dyv*gamma_Dd*xhat;
+
+                        }
+                    } else {               /* NCHW: runs of S values of one channel */
+                        for (int64_t Ci = 0; Ci < Cg; ++Ci) {
+                            const int64_t Ch = Gi * Cg + Ci;
+                            (void)Ch;
+                            const double gamma_V = (double)gamma[Ch];
+                            const double gamma_Dd = (double)gamma_Seed[Ch];
+                            int64_t Si = 0;
+                            for (; Si + DG_LANES <= S; Si += DG_LANES) {
+                                for (int J = 0; J < DG_LANES; ++J) {
+                                    const int64_t Idx = Off + Ci * S + Si + J;
+                                    (void)Idx;
+                                    const double Xv = (double)x[Idx];
+                                    const double Dyv = (double)dy[Idx];
+                                    const double X_Dd = (double)Seed_x[Idx];
+                                    const double xhat = rstd*(Xv - mean);
+                                    const double g = Dyv*gamma_V;
+                                    Lane_Sum_dx[J] += X_Dd;
+                                    Lane_Sum_g[J] += g;
+                                    Lane_Sum_dx_g[J] += X_Dd*g;
+                                    Lane_Sum_dx_xhat[J] += X_Dd*xhat;
+                                    Lane_Sum_dy_dgamma[J] += Dyv*gamma_Dd;
+                                    Lane_Sum_g_xhat[J] += g*xhat;
+                                    Lane_Sum_dy_dgamma_xhat[J] += Dyv*gamma_Dd*xhat;
+
+                                }
+                            }
+                            for (; Si < S; ++Si) {
+                                const int64_t Idx = Off + Ci * S + Si;
+                                (void)Idx;
+                                const double Xv = (double)x[Idx];
+                                const double Dyv = (double)dy[Idx];
+                                const double X_Dd = (double)Seed_x[Idx];
+                                const double xhat = rstd*(Xv - mean);
+                                const double g = Dyv*gamma_V;
+                                Lane_Sum_dx[0] += X_Dd;
+                                Lane_Sum_g[0] += g;
+                                Lane_Sum_dx_g[0] += X_Dd*g;
+                                Lane_Sum_dx_xhat[0] += X_Dd*xhat;
+                                Lane_Sum_dy_dgamma[0] += Dyv*gamma_Dd;
+                                Lane_Sum_g_xhat[0] += g*xhat;
+                                Lane_Sum_dy_dgamma_xhat[0] += Dyv*gamma_Dd*xhat;
+
+                            }
+                        }
+                    }
+                }
+                Sum_dx = Dg_lanes(Lane_Sum_dx);
+                Sum_g = Dg_lanes(Lane_Sum_g);
+                Sum_dx_g = Dg_lanes(Lane_Sum_dx_g);
+                Sum_dx_xhat = Dg_lanes(Lane_Sum_dx_xhat);
+                Sum_dy_dgamma = Dg_lanes(Lane_Sum_dy_dgamma);
+                Sum_g_xhat = Dg_lanes(Lane_Sum_g_xhat);
+                Sum_dy_dgamma_xhat = Dg_lanes(Lane_Sum_dy_dgamma_xhat);
+            }
+            const double Mean_dx = Sum_dx/N;  /* Mean_dx = mean(X_Dd) */
+            (void)Mean_dx;
+            const double Mean_g = Sum_g/N;  /* Mean_g = mean(g) */
+            (void)Mean_g;
+            const double Mean_dx_g = Sum_dx_g/N;  /* Mean_dx_g = mean(X_Dd*g) */
+            (void)Mean_dx_g;
+            const double Mean_dx_xhat = Sum_dx_xhat/N;  /* Mean_dx_xhat = mean(X_Dd*xhat) */
+            (void)Mean_dx_xhat;
+            const double Mean_dy_dgamma = Sum_dy_dgamma/N;  /* Mean_dy_dgamma = mean(dy*gamma_Dd) */
+            (void)Mean_dy_dgamma;
+            const double Mean_g_xhat = Sum_g_xhat/N;  /* Mean_g_xhat = mean(g*xhat) */
+            (void)Mean_g_xhat;
+            const double Mean_dy_dgamma_xhat = Sum_dy_dgamma_xhat/N;  /* Mean_dy_dgamma_xhat = mean(dy*gamma_Dd*xhat) */
+            (void)Mean_dy_dgamma_xhat;
+            const double Cse0 = Mean_dx*rstd;  /* common subexpression */
+            (void)Cse0;
+            const double Cse1 = Mean_dx_xhat*rstd;  /* common subexpression */
+            (void)Cse1;
+            const double Cse2 = (rstd*rstd);  /* common subexpression */
+            (void)Cse2;
+            const double KDX_1 = rstd*(Cse0*Mean_g_xhat + Cse1*Mean_g - Mean_dy_dgamma);  /* coefficient of 1 */
+            (void)KDX_1;
+            const double KDX_X_Dd = -Cse2*Mean_g_xhat;  /* coefficient of X_Dd */
+            (void)KDX_X_Dd;
+            const double KDX_g = -Cse2*Mean_dx_xhat;  /* coefficient of g */
+            (void)KDX_g;
+            const double KDX_xhat = rstd*(Cse0*Mean_g + 3*Cse1*Mean_g_xhat - Mean_dy_dgamma_xhat - Mean_dx_g*rstd);  /* coefficient of xhat */
+            (void)KDX_xhat;
+            const double KDX_dy_gamma_Dd = rstd;  /* coefficient of dy*gamma_Dd */
+            (void)KDX_dy_gamma_Dd;
+            const double KDDY_beta_Dd = 1;  /* coefficient of beta_Dd */
+            (void)KDDY_beta_Dd;
+            const double KDDY_gamma = -Cse0;  /* coefficient of gamma */
+            (void)KDDY_gamma;
+            const double KDDY_X_Dd_gamma = rstd;  /* coefficient of X_Dd*gamma */
+            (void)KDDY_X_Dd_gamma;
+            const double KDDY_gamma_xhat = -Cse1;  /* coefficient of gamma*xhat */
+            (void)KDDY_gamma_xhat;
+            const double KDDY_gamma_Dd_xhat = 1;  /* coefficient of gamma_Dd*xhat */
+            (void)KDDY_gamma_Dd_xhat;
+            {
+                for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
+                    const int64_t Off = Base + Blk * Block_stride;
+                    if (S == 1) {          /* one value per channel: parameters vary along the run */
+                        int64_t Mi = 0;
+                        for (; Mi + DG_LANES <= Cg; Mi += DG_LANES) {
+                            for (int J = 0; J < DG_LANES; ++J) {
+                                const int64_t Idx = Off + Mi + J;
+                                (void)Idx;
+                                const int64_t Ch = Gi * Cg + Mi + J;
+                                (void)Ch;
+                                const double gamma_V = (double)gamma[Ch];
+                                const double gamma_Dd = (double)gamma_Seed[Ch];
+                                const double beta_Dd = (double)beta_Seed[Ch];
+                                const double Xv = (double)x[Idx];
+                                const double Dyv = (double)dy[Idx];
+                                const double X_Dd = (double)Seed_x[Idx];
+                                const double xhat = rstd*(Xv - mean);
+                                const double g = Dyv*gamma_V;
+                                Out_dx[Idx] = (float)(KDX_g*g + KDX_xhat*xhat + KDX_dy_gamma_Dd*Dyv*gamma_Dd + KDX_1 + KDX_X_Dd*X_Dd);
+                                Out_ddy[Idx] = (float)(KDDY_gamma_xhat*gamma_V*xhat + KDDY_gamma*gamma_V + KDDY_X_Dd_gamma*X_Dd*gamma_V + KDDY_gamma_Dd_xhat*gamma_Dd*xhat + KDDY_beta_Dd*beta_Dd);
+                                Mine[0 * C + Ch] += Dyv*rstd*(X_Dd - Mean_dx - Mean_dx_xhat*xhat);
+
+                            }
+                        }
+                        for (; Mi < Cg; ++Mi) {
+                            const int64_t Idx = Off + Mi;
+                            (void)Idx;
+                            const int64_t Ch = Gi * Cg + Mi;
+                            (void)Ch;
+                            const double gamma_V = (double)gamma[Ch];
+                            const double gamma_Dd = (double)gamma_Seed[Ch];
+                            const double beta_Dd = (double)beta_Seed[Ch];
+                            const double Xv = (double)x[Idx];
+                            const double Dyv = (double)dy[Idx];
+                            const double X_Dd = (double)Seed_x[Idx];
+                            const double xhat = rstd*(Xv - mean);
+                            const double g = Dyv*gamma_V;
+                            Out_dx[Idx] = (float)(KDX_g*g + KDX_xhat*xhat + KDX_dy_gamma_Dd*Dyv*gamma_Dd + KDX_1 + KDX_X_Dd*X_Dd);
+                            Out_ddy[Idx] = (float)(KDDY_gamma_xhat*gamma_V*xhat + KDDY_gamma*gamma_V + KDDY_X_Dd_gamma*X_Dd*gamma_V + KDDY_gamma_Dd_xhat*gamma_Dd*xhat + KDDY_beta_Dd*beta_Dd);
+                            Mine[0 * C + Ch] += Dyv*rstd*(X_Dd - Mean_dx - Mean_dx_xhat*xhat);
+
+                        }
+                    } else {               /* NCHW: runs of S values of one channel */
+                        for (int64_t Ci = 0; Ci < Cg; ++Ci) {
+                            const int64_t Ch = Gi * Cg + Ci;
+                            (void)Ch;
+                            const double gamma_V = (double)gamma[Ch];
+                            const double gamma_Dd = (double)gamma_Seed[Ch];
+                            const double beta_Dd = (double)beta_Seed[Ch];
+                            double Pacc_0 = 0.0;
+                            int64_t Si = 0;
+                            for (; Si + DG_LANES <= S; Si += DG_LANES) {
+                                for (int J = 0; J < DG_LANES; ++J) {
+                                    const int64_t Idx = Off + Ci * S + Si + J;
+                                    (void)Idx;
+                                    const double Xv = (double)x[Idx];
+                                    const double Dyv = (double)dy[Idx];
+                                    const double X_Dd = (double)Seed_x[Idx];
+                                    const double xhat = rstd*(Xv - mean);
+                                    const double g = Dyv*gamma_V;
+                                    Out_dx[Idx] = (float)(KDX_g*g + KDX_xhat*xhat + KDX_dy_gamma_Dd*Dyv*gamma_Dd + KDX_1 + KDX_X_Dd*X_Dd);
+                                    Out_ddy[Idx] = (float)(KDDY_gamma_xhat*gamma_V*xhat + KDDY_gamma*gamma_V + KDDY_X_Dd_gamma*X_Dd*gamma_V + KDDY_gamma_Dd_xhat*gamma_Dd*xhat + KDDY_beta_Dd*beta_Dd);
+                                    Pacc_0 += Dyv*rstd*(X_Dd - Mean_dx - Mean_dx_xhat*xhat);
+
+                                }
+                            }
+                            for (; Si < S; ++Si) {
+                                const int64_t Idx = Off + Ci * S + Si;
+                                (void)Idx;
+                                const double Xv = (double)x[Idx];
+                                const double Dyv = (double)dy[Idx];
+                                const double X_Dd = (double)Seed_x[Idx];
+                                const double xhat = rstd*(Xv - mean);
+                                const double g = Dyv*gamma_V;
+                                Out_dx[Idx] = (float)(KDX_g*g + KDX_xhat*xhat + KDX_dy_gamma_Dd*Dyv*gamma_Dd + KDX_1 + KDX_X_Dd*X_Dd);
+                                Out_ddy[Idx] = (float)(KDDY_gamma_xhat*gamma_V*xhat + KDDY_gamma*gamma_V + KDDY_X_Dd_gamma*X_Dd*gamma_V + KDDY_gamma_Dd_xhat*gamma_Dd*xhat + KDDY_beta_Dd*beta_Dd);
+                                Pacc_0 += Dyv*rstd*(X_Dd - Mean_dx - Mean_dx_xhat*xhat);
+
+                            }
+                            Mine[0 * C + Ch] += Pacc_0;
+                        }
+                    }
+                }
+            }
+        }
+    }
+    for (int64_t Cc = 0; Cc < C; ++Cc) {       /* dgamma */
+        double Acc = 0.0;
+        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * Stride + 0 * C + Cc];
+        gamma_Out[Cc] = (float)(Acc);
+    }
+    for (int64_t Cc = 0; Cc < C; ++Cc) {       /* dbeta */
+        double Acc = 0.0;
+        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * Stride + 1 * C + Cc];
+        beta_Out[Cc] = (float)(Acc);
+    }
+    free(Part_mem);
+    return 0;
+}
+
+/* ---- train JVP, float (derived by derivgen.second) ---- */
+int batchnorm_train_jvp_f32(
+    int64_t O, int64_t G, int64_t Cg, int64_t S,
+    const float *restrict x,
+    const float *restrict gamma,
+    const float *restrict beta,
+    double eps,
+    double momentum,
+    const double *restrict mean_In,
+    const double *restrict var_In,
+    const double *restrict rstd_In,
+    const float *restrict Seed_x,
+    const float *restrict gamma_Seed,
+    const float *restrict beta_Seed,
+    float *restrict Out_ty,
+    int Nthreads)
+{
+    const int64_t M = Cg * S;                       /* contiguous values per (o, g) block */
+    const int64_t N_groups = G;
+    const int64_t Blocks = O;               /* blocks per group */
+    const int64_t Block_stride = G * M;
+    (void)Block_stride;
+    const double N = (double)(Blocks * M);          /* values per group */
+    const double Inv_N = Dg_inv_pow2(N);          /* 1/N when exact (Dg_per) */
+    (void)Inv_N;
+    const int64_t Total = N_groups * Blocks * M;    /* values in x */
+    const int64_t Ahead = DG_AHEAD_BYTES / (int64_t)sizeof(float);
+    const int Nth = Dg_threads(Nthreads);
+    (void)N;
+    (void)Nth;
+    (void)Total;
+    (void)Ahead;
+    (void)gamma;
+    (void)beta;
+    (void)eps;
+    (void)momentum;
+    (void)x;
+
+    const int64_t C = G * Cg;                        /* parameter length */
+    const int64_t P = 2;      /* parameters */
+    (void)C;
+    (void)P;
+    (void)Seed_x;
+    (void)gamma_Seed;
+    (void)beta_Seed;
+    DG_PRAGMA(omp parallel num_threads(Nth))
+    {
+        int64_t Lo, Hi;
+        Dg_share(N_groups, &Lo, &Hi);              /* this thread's groups (as schedule(static)) */
+        for (int64_t Grp = Lo; Grp < Hi; ++Grp) {
+            const int64_t Gi = G == 1 ? 0 : Grp % G;     /* channel group */
+            (void)Gi;
+            const int64_t Base = Gi * M;
+            (void)Base;
+            const double mean = mean_In[Grp];
+            (void)mean;
+            const double var = var_In[Grp];
+            (void)var;
+            const double rstd = rstd_In[Grp];
+            (void)rstd;
+            double Sum_tx;
+            double Sum_tx_xhat;
+            {
+                double Lane_Sum_tx[DG_LANES] = {0};
+                double Lane_Sum_tx_xhat[DG_LANES] = {0};
+                for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
+                    const int64_t Off = Base + Blk * Block_stride;
+                    if (S == 1) {          /* one value per channel: parameters vary along the run */
+                        int64_t Mi = 0;
+                        for (; Mi + DG_LANES <= Cg; Mi += DG_LANES) {
+                            for (int J = 0; J < DG_LANES; ++J) {
+                                const int64_t Idx = Off + Mi + J;
+                                (void)Idx;
+                                const int64_t Ch = Gi * Cg + Mi + J;
+                                (void)Ch;
+                                const double Xv = (double)x[Idx];
+                                const double X_T = (double)Seed_x[Idx];
+                                const double xhat = rstd*(Xv - mean);
+                                Lane_Sum_tx[J] += X_T;
+                                Lane_Sum_tx_xhat[J] += X_T*xhat;
+
+                            }
+                        }
+                        for (; Mi < Cg; ++Mi) {
+                            const int64_t Idx = Off + Mi;
+                            (void)Idx;
+                            const int64_t Ch = Gi * Cg + Mi;
+                            (void)Ch;
+                            const double Xv = (double)x[Idx];
+                            const double X_T = (double)Seed_x[Idx];
+                            const double xhat = rstd*(Xv - mean);
+                            Lane_Sum_tx[0] += X_T;
+                            Lane_Sum_tx_xhat[0] += X_T*xhat;
+
+                        }
+                    } else {               /* NCHW: runs of S values of one channel */
+                        for (int64_t Ci = 0; Ci < Cg; ++Ci) {
+                            const int64_t Ch = Gi * Cg + Ci;
+                            (void)Ch;
+                            int64_t Si = 0;
+                            for (; Si + DG_LANES <= S; Si += DG_LANES) {
+                                for (int J = 0; J < DG_LANES; ++J) {
+                                    const int64_t Idx = Off + Ci * S + Si + J;
+                                    (void)Idx;
+                                    const double Xv = (double)x[Idx];
+                                    const double X_T = (double)Seed_x[Idx];
+                                    const double xhat = rstd*(Xv - mean);
+                                    Lane_Sum_tx[J] += X_T;
+                                    Lane_Sum_tx_xhat[J] += X_T*xhat;
+
+                                }
+                            }
+                            for (; Si < S; ++Si) {
+                                const int64_t Idx = Off + Ci * S + Si;
+                                (void)Idx;
+                                const double Xv = (double)x[Idx];
+                                const double X_T = (double)Seed_x[Idx];
+                                const double xhat = rstd*(Xv - mean);
+                                Lane_Sum_tx[0] += X_T;
+                                Lane_Sum_tx_xhat[0] += X_T*xhat;
+
+                            }
+                        }
+                    }
+                }
+                Sum_tx = Dg_lanes(Lane_Sum_tx);
+                Sum_tx_xhat = Dg_lanes(Lane_Sum_tx_xhat);
+            }
+            const double Mean_tx = Sum_tx/N;  /* Mean_tx = mean(X_T) */
+            (void)Mean_tx;
+            const double Mean_tx_xhat = Sum_tx_xhat/N;  /* Mean_tx_xhat = mean(X_T*xhat) */
+            (void)Mean_tx_xhat;
+            const double KTY_beta_T = 1;  /* coefficient of beta_T */
+            (void)KTY_beta_T;
+            const double KTY_gamma = -Mean_tx*rstd;  /* coefficient of gamma */
+            (void)KTY_gamma;
+            const double KTY_X_T_gamma = rstd;  /* coefficient of X_T*gamma */
+            (void)KTY_X_T_gamma;
+            const double KTY_gamma_xhat = -Mean_tx_xhat*rstd;  /* coefficient of gamma*xhat */
+            (void)KTY_gamma_xhat;
+            const double KTY_gamma_T_xhat = 1;  /* coefficient of gamma_T*xhat */
+            (void)KTY_gamma_T_xhat;
+            {
+                for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
+                    const int64_t Off = Base + Blk * Block_stride;
+                    if (S == 1) {          /* one value per channel: parameters vary along the run */
+                        int64_t Mi = 0;
+                        for (; Mi + DG_LANES <= Cg; Mi += DG_LANES) {
+                            for (int J = 0; J < DG_LANES; ++J) {
+                                const int64_t Idx = Off + Mi + J;
+                                (void)Idx;
+                                const int64_t Ch = Gi * Cg + Mi + J;
+                                (void)Ch;
+                                const double gamma_V = (double)gamma[Ch];
+                                const double gamma_T = (double)gamma_Seed[Ch];
+                                const double beta_T = (double)beta_Seed[Ch];
+                                const double Xv = (double)x[Idx];
+                                const double X_T = (double)Seed_x[Idx];
+                                const double xhat = rstd*(Xv - mean);
+                                Out_ty[Idx] = (float)(KTY_gamma_xhat*gamma_V*xhat + KTY_gamma*gamma_V + KTY_X_T_gamma*X_T*gamma_V + KTY_gamma_T_xhat*gamma_T*xhat + KTY_beta_T*beta_T);
+
+                            }
+                        }
+                        for (; Mi < Cg; ++Mi) {
+                            const int64_t Idx = Off + Mi;
+                            (void)Idx;
+                            const int64_t Ch = Gi * Cg + Mi;
+                            (void)Ch;
+                            const double gamma_V = (double)gamma[Ch];
+                            const double gamma_T = (double)gamma_Seed[Ch];
+                            const double beta_T = (double)beta_Seed[Ch];
+                            const double Xv = (double)x[Idx];
+                            const double X_T = (double)Seed_x[Idx];
+                            const double xhat = rstd*(Xv - mean);
+                            Out_ty[Idx] = (float)(KTY_gamma_xhat*gamma_V*xhat + KTY_gamma*gamma_V + KTY_X_T_gamma*X_T*gamma_V + KTY_gamma_T_xhat*gamma_T*xhat + KTY_beta_T*beta_T);
+
+                        }
+                    } else {               /* NCHW: runs of S values of one channel */
+                        for (int64_t Ci = 0; Ci < Cg; ++Ci) {
+                            const int64_t Ch = Gi * Cg + Ci;
+                            (void)Ch;
+                            const double gamma_V = (double)gamma[Ch];
+                            const double gamma_T = (double)gamma_Seed[Ch];
+                            const double beta_T = (double)beta_Seed[Ch];
+                            int64_t Si = 0;
+                            for (; Si + DG_LANES <= S; Si += DG_LANES) {
+                                for (int J = 0; J < DG_LANES; ++J) {
+                                    const int64_t Idx = Off + Ci * S + Si + J;
+                                    (void)Idx;
+                                    const double Xv = (double)x[Idx];
+                                    const double X_T = (double)Seed_x[Idx];
+                                    const double xhat = rstd*(Xv - mean);
+                                    Out_ty[Idx] = (float)(KTY_gamma_xhat*gamma_V*xhat + KTY_gamma*gamma_V + KTY_X_T_gamma*X_T*gamma_V + KTY_gamma_T_xhat*gamma_T*xhat + KTY_beta_T*beta_T);
+
+                                }
+                            }
+                            for (; Si < S; ++Si) {
+                                const int64_t Idx = Off + Ci * S + Si;
+                                (void)Idx;
+                                const double Xv = (double)x[Idx];
+                                const double X_T = (double)Seed_x[Idx];
+                                const double xhat = rstd*(Xv - mean);
+                                Out_ty[Idx] = (float)(KTY_gamma_xhat*gamma_V*xhat + KTY_gamma*gamma_V + KTY_X_T_gamma*X_T*gamma_V + KTY_gamma_T_xhat*gamma_T*xhat + KTY_beta_T*beta_T);
+
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+    return 0;
+}
+#endif /* DG_WANT_SECOND */
 
 #if DG_WANT_EXTRAS
 /* ---- train forward, channels last (NHWC), float ---- */
@@ -3384,550 +3395,6 @@ int batchnorm_train_backward_f64(
     return 0;
 }
 
-/* ---- train double backward, double (derived by derivgen.second) ---- */
-int batchnorm_train_bb_f64(
-    int64_t O, int64_t G, int64_t Cg, int64_t S,
-    const double *restrict x,
-    const double *restrict dy,
-    const double *restrict gamma,
-    const double *restrict beta,
-    double eps,
-    double momentum,
-    const double *restrict mean_In,
-    const double *restrict var_In,
-    const double *restrict rstd_In,
-    const double *restrict Seed_x,
-    const double *restrict gamma_Seed,
-    const double *restrict beta_Seed,
-    double *restrict Out_dx,
-    double *restrict Out_ddy,
-    double *restrict gamma_Out,
-    double *restrict beta_Out,
-    int Nthreads)
-{
-    const int64_t M = Cg * S;                       /* contiguous values per (o, g) block */
-    const int64_t N_groups = G;
-    const int64_t Blocks = O;               /* blocks per group */
-    const int64_t Block_stride = G * M;
-    (void)Block_stride;
-    const double N = (double)(Blocks * M);          /* values per group */
-    const double Inv_N = Dg_inv_pow2(N);          /* 1/N when exact (Dg_per) */
-    (void)Inv_N;
-    const int64_t Total = N_groups * Blocks * M;    /* values in x */
-    const int64_t Ahead = DG_AHEAD_BYTES / (int64_t)sizeof(double);
-    const int Nth = Dg_threads(Nthreads);
-    (void)N;
-    (void)Nth;
-    (void)Total;
-    (void)Ahead;
-    (void)gamma;
-    (void)beta;
-    (void)eps;
-    (void)momentum;
-    (void)x;
-
-    const int64_t C = G * Cg;                        /* parameter length */
-    const int64_t P = 2;      /* parameters */
-    (void)C;
-    (void)P;
-    (void)dy;
-    (void)Seed_x;
-    (void)gamma_Seed;
-    (void)beta_Seed;
-    const int64_t Stride = Dg_stride(P * C, (int64_t)sizeof(double));   /* whole cache lines per thread */
-    double *Part_mem = (double *)calloc((size_t)(Nth * Stride) + DG_LINE_SLACK, sizeof(double));
-    if (Part_mem == NULL)
-        return -1;
-    double *Part = (double *)Dg_line(Part_mem);
-    DG_PRAGMA(omp parallel num_threads(Nth))
-    {
-        double *restrict Mine = Part + (int64_t)Dg_thread_id() * Stride;
-        (void)Mine;
-        int64_t Lo, Hi;
-        Dg_share(N_groups, &Lo, &Hi);              /* this thread's groups (as schedule(static)) */
-        for (int64_t Grp = Lo; Grp < Hi; ++Grp) {
-            const int64_t Gi = G == 1 ? 0 : Grp % G;     /* channel group */
-            (void)Gi;
-            const int64_t Base = Gi * M;
-            (void)Base;
-            const double mean = mean_In[Grp];
-            (void)mean;
-            const double var = var_In[Grp];
-            (void)var;
-            const double rstd = rstd_In[Grp];
-            (void)rstd;
-            double Sum_dx;
-            double Sum_g;
-            double Sum_dx_g;
-            double Sum_dx_xhat;
-            double Sum_dy_dgamma;
-            double Sum_g_xhat;
-            double Sum_dy_dgamma_xhat;
-            {
-                double Lane_Sum_dx[DG_LANES] = {0};
-                double Lane_Sum_g[DG_LANES] = {0};
-                double Lane_Sum_dx_g[DG_LANES] = {0};
-                double Lane_Sum_dx_xhat[DG_LANES] = {0};
-                double Lane_Sum_dy_dgamma[DG_LANES] = {0};
-                double Lane_Sum_g_xhat[DG_LANES] = {0};
-                double Lane_Sum_dy_dgamma_xhat[DG_LANES] = {0};
-                for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
-                    const int64_t Off = Base + Blk * Block_stride;
-                    if (S == 1) {          /* one value per channel: parameters vary along the run */
-                        int64_t Mi = 0;
-                        for (; Mi + DG_LANES <= Cg; Mi += DG_LANES) {
-                            for (int J = 0; J < DG_LANES; ++J) {
-                                const int64_t Idx = Off + Mi + J;
-                                (void)Idx;
-                                const int64_t Ch = Gi * Cg + Mi + J;
-                                (void)Ch;
-                                const double gamma_V = gamma[Ch];
-                                const double gamma_Dd = gamma_Seed[Ch];
-                                const double Xv = x[Idx];
-                                const double Dyv = dy[Idx];
-                                const double X_Dd = Seed_x[Idx];
-                                const double xhat = rstd*(Xv - mean);
-                                const double g = Dyv*gamma_V;
-                                Lane_Sum_dx[J] += X_Dd;
-                                Lane_Sum_g[J] += g;
-                                Lane_Sum_dx_g[J] += X_Dd*g;
-                                Lane_Sum_dx_xhat[J] += X_Dd*xhat;
-                                Lane_Sum_dy_dgamma[J] += Dyv*gamma_Dd;
-                                Lane_Sum_g_xhat[J] += g*xhat;
-                                Lane_Sum_dy_dgamma_xhat[J] += Dyv*gamma_Dd*xhat;
-
-                            }
-                        }
-                        for (; Mi < Cg; ++Mi) {
-                            const int64_t Idx = Off + Mi;
-                            (void)Idx;
-                            const int64_t Ch = Gi * Cg + Mi;
-                            (void)Ch;
-                            const double gamma_V = gamma[Ch];
-                            const double gamma_Dd = gamma_Seed[Ch];
-                            const double Xv = x[Idx];
-                            const double Dyv = dy[Idx];
-                            const double X_Dd = Seed_x[Idx];
-                            const double xhat = rstd*(Xv - mean);
-                            const double g = Dyv*gamma_V;
-                            Lane_Sum_dx[0] += X_Dd;
-                            Lane_Sum_g[0] += g;
-                            Lane_Sum_dx_g[0] += X_Dd*g;
-                            Lane_Sum_dx_xhat[0] += X_Dd*xhat;
-                            Lane_Sum_dy_dgamma[0] += Dyv*gamma_Dd;
-                            Lane_Sum_g_xhat[0] += g*xhat;
-                            Lane_Sum_dy_dgamma_xhat[0] += Dyv*gamma_Dd*xhat;
-
-                        }
-                    } else {               /* NCHW: runs of S values of one channel */
-                        for (int64_t Ci = 0; Ci < Cg; ++Ci) {
-                            const int64_t Ch = Gi * Cg + Ci;
-                            (void)Ch;
-                            const double gamma_V = gamma[Ch];
-                            const double gamma_Dd = gamma_Seed[Ch];
-                            int64_t Si = 0;
-                            for (; Si + DG_LANES <= S; Si += DG_LANES) {
-                                for (int J = 0; J < DG_LANES; ++J) {
-                                    const int64_t Idx = Off + Ci * S + Si + J;
-                                    (void)Idx;
-                                    const double Xv = x[Idx];
-                                    const double Dyv = dy[Idx];
-                                    const double X_Dd = Seed_x[Idx];
-                                    const double xhat = rstd*(Xv - mean);
-                                    const double g = Dyv*gamma_V;
-                                    Lane_Sum_dx[J] += X_Dd;
-                                    Lane_Sum_g[J] += g;
-                                    Lane_Sum_dx_g[J] += X_Dd*g;
-                                    Lane_Sum_dx_xhat[J] += X_Dd*xhat;
-                                    Lane_Sum_dy_dgamma[J] += Dyv*gamma_Dd;
-                                    Lane_Sum_g_xhat[J] += g*xhat;
-                                    Lane_Sum_dy_dgamma_xhat[J] += Dyv*gamma_Dd*xhat;
-
-                                }
-                            }
-                            for (; Si < S; ++Si) {
-                                const int64_t Idx = Off + Ci * S + Si;
-                                (void)Idx;
-                                const double Xv = x[Idx];
-                                const double Dyv = dy[Idx];
-                                const double X_Dd = Seed_x[Idx];
-                                const double xhat = rstd*(Xv - mean);
-                                const double g = Dyv*gamma_V;
-                                Lane_Sum_dx[0] += X_Dd;
-                                Lane_Sum_g[0] += g;
-                                Lane_Sum_dx_g[0] += X_Dd*g;
-                                Lane_Sum_dx_xhat[0] += X_Dd*xhat;
-                                Lane_Sum_dy_dgamma[0] += Dyv*gamma_Dd;
-                                Lane_Sum_g_xhat[0] += g*xhat;
-                                Lane_Sum_dy_dgamma_xhat[0] += Dyv*gamma_Dd*xhat;
-
-                            }
-                        }
-                    }
-                }
-                Sum_dx = Dg_lanes(Lane_Sum_dx);
-                Sum_g = Dg_lanes(Lane_Sum_g);
-                Sum_dx_g = Dg_lanes(Lane_Sum_dx_g);
-                Sum_dx_xhat = Dg_lanes(Lane_Sum_dx_xhat);
-                Sum_dy_dgamma = Dg_lanes(Lane_Sum_dy_dgamma);
-                Sum_g_xhat = Dg_lanes(Lane_Sum_g_xhat);
-                Sum_dy_dgamma_xhat = Dg_lanes(Lane_Sum_dy_dgamma_xhat);
-            }
-            const double Mean_dx = Sum_dx/N;  /* Mean_dx = mean(X_Dd) */
-            (void)Mean_dx;
-            const double Mean_g = Sum_g/N;  /* Mean_g = mean(g) */
-            (void)Mean_g;
-            const double Mean_dx_g = Sum_dx_g/N;  /* Mean_dx_g = mean(X_Dd*g) */
-            (void)Mean_dx_g;
-            const double Mean_dx_xhat = Sum_dx_xhat/N;  /* Mean_dx_xhat = mean(X_Dd*xhat) */
-            (void)Mean_dx_xhat;
-            const double Mean_dy_dgamma = Sum_dy_dgamma/N;  /* Mean_dy_dgamma = mean(dy*gamma_Dd) */
-            (void)Mean_dy_dgamma;
-            const double Mean_g_xhat = Sum_g_xhat/N;  /* Mean_g_xhat = mean(g*xhat) */
-            (void)Mean_g_xhat;
-            const double Mean_dy_dgamma_xhat = Sum_dy_dgamma_xhat/N;  /* Mean_dy_dgamma_xhat = mean(dy*gamma_Dd*xhat) */
-            (void)Mean_dy_dgamma_xhat;
-            const double Cse0 = Mean_dx*rstd;  /* common subexpression */
-            (void)Cse0;
-            const double Cse1 = Mean_dx_xhat*rstd;  /* common subexpression */
-            (void)Cse1;
-            const double Cse2 = (rstd*rstd);  /* common subexpression */
-            (void)Cse2;
-            const double KDX_1 = rstd*(Cse0*Mean_g_xhat + Cse1*Mean_g - Mean_dy_dgamma);  /* coefficient of 1 */
-            (void)KDX_1;
-            const double KDX_X_Dd = -Cse2*Mean_g_xhat;  /* coefficient of X_Dd */
-            (void)KDX_X_Dd;
-            const double KDX_g = -Cse2*Mean_dx_xhat;  /* coefficient of g */
-            (void)KDX_g;
-            const double KDX_xhat = rstd*(Cse0*Mean_g + 3*Cse1*Mean_g_xhat - Mean_dy_dgamma_xhat - Mean_dx_g*rstd);  /* coefficient of xhat */
-            (void)KDX_xhat;
-            const double KDX_dy_gamma_Dd = rstd;  /* coefficient of dy*gamma_Dd */
-            (void)KDX_dy_gamma_Dd;
-            const double KDDY_beta_Dd = 1;  /* coefficient of beta_Dd */
-            (void)KDDY_beta_Dd;
-            const double KDDY_gamma = -Cse0;  /* coefficient of gamma */
-            (void)KDDY_gamma;
-            const double KDDY_X_Dd_gamma = rstd;  /* coefficient of X_Dd*gamma */
-            (void)KDDY_X_Dd_gamma;
-            const double KDDY_gamma_xhat = -Cse1;  /* coefficient of gamma*xhat */
-            (void)KDDY_gamma_xhat;
-            const double KDDY_gamma_Dd_xhat = 1;  /* coefficient of gamma_Dd*xhat */
-            (void)KDDY_gamma_Dd_xhat;
-            {
-                for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
-                    const int64_t Off = Base + Blk * Block_stride;
-                    if (S == 1) {          /* one value per channel: parameters vary along the run */
-                        int64_t Mi = 0;
-                        for (; Mi + DG_LANES <= Cg; Mi += DG_LANES) {
-                            for (int J = 0; J < DG_LANES; ++J) {
-                                const int64_t Idx = Off + Mi + J;
-                                (void)Idx;
-                                const int64_t Ch = Gi * Cg + Mi + J;
-                                (void)Ch;
-                                const double gamma_V = gamma[Ch];
-                                const double gamma_Dd = gamma_Seed[Ch];
-                                const double beta_Dd = beta_Seed[Ch];
-                                const double Xv = x[Idx];
-                                const double Dyv = dy[Idx];
-                                const double X_Dd = Seed_x[Idx];
-                                const double xhat = rstd*(Xv - mean);
-                                const double g = Dyv*gamma_V;
-                                Out_dx[Idx] = (double)(KDX_g*g + KDX_xhat*xhat + KDX_dy_gamma_Dd*Dyv*gamma_Dd + KDX_1 + KDX_X_Dd*X_Dd);
-                                Out_ddy[Idx] = (double)(KDDY_gamma_xhat*gamma_V*xhat + KDDY_gamma*gamma_V + KDDY_X_Dd_gamma*X_Dd*gamma_V + KDDY_gamma_Dd_xhat*gamma_Dd*xhat + KDDY_beta_Dd*beta_Dd);
-                                Mine[0 * C + Ch] += Dyv*rstd*(X_Dd - Mean_dx - Mean_dx_xhat*xhat);
-
-                            }
-                        }
-                        for (; Mi < Cg; ++Mi) {
-                            const int64_t Idx = Off + Mi;
-                            (void)Idx;
-                            const int64_t Ch = Gi * Cg + Mi;
-                            (void)Ch;
-                            const double gamma_V = gamma[Ch];
-                            const double gamma_Dd = gamma_Seed[Ch];
-                            const double beta_Dd = beta_Seed[Ch];
-                            const double Xv = x[Idx];
-                            const double Dyv = dy[Idx];
-                            const double X_Dd = Seed_x[Idx];
-                            const double xhat = rstd*(Xv - mean);
-                            const double g = Dyv*gamma_V;
-                            Out_dx[Idx] = (double)(KDX_g*g + KDX_xhat*xhat + KDX_dy_gamma_Dd*Dyv*gamma_Dd + KDX_1 + KDX_X_Dd*X_Dd);
-                            Out_ddy[Idx] = (double)(KDDY_gamma_xhat*gamma_V*xhat + KDDY_gamma*gamma_V + KDDY_X_Dd_gamma*X_Dd*gamma_V + KDDY_gamma_Dd_xhat*gamma_Dd*xhat + KDDY_beta_Dd*beta_Dd);
-                            Mine[0 * C + Ch] += Dyv*rstd*(X_Dd - Mean_dx - Mean_dx_xhat*xhat);
-
-                        }
-                    } else {               /* NCHW: runs of S values of one channel */
-                        for (int64_t Ci = 0; Ci < Cg; ++Ci) {
-                            const int64_t Ch = Gi * Cg + Ci;
-                            (void)Ch;
-                            const double gamma_V = gamma[Ch];
-                            const double gamma_Dd = gamma_Seed[Ch];
-                            const double beta_Dd = beta_Seed[Ch];
-                            double Pacc_0 = 0.0;
-                            int64_t Si = 0;
-                            for (; Si + DG_LANES <= S; Si += DG_LANES) {
-                                for (int J = 0; J < DG_LANES; ++J) {
-                                    const int64_t Idx = Off + Ci * S + Si + J;
-                                    (void)Idx;
-                                    const double Xv = x[Idx];
-                                    const double Dyv = dy[Idx];
-                                    const double X_Dd = Seed_x[Idx];
-                                    const double xhat = rstd*(Xv - mean);
-                                    const double g = Dyv*gamma_V;
-                                    Out_dx[Idx] = (double)(KDX_g*g + KDX_xhat*xhat + KDX_dy_gamma_Dd*Dyv*gamma_Dd + KDX_1 + KDX_X_Dd*X_Dd);
-                                    Out_ddy[Idx] = (double)(KDDY_gamma_xhat*gamma_V*xhat + KDDY_gamma*gamma_V + KDDY_X_Dd_gamma*X_Dd*gamma_V + KDDY_gamma_Dd_xhat*gamma_Dd*xhat + KDDY_beta_Dd*beta_Dd);
-                                    Pacc_0 += Dyv*rstd*(X_Dd - Mean_dx - Mean_dx_xhat*xhat);
-
-                                }
-                            }
-                            for (; Si < S; ++Si) {
-                                const int64_t Idx = Off + Ci * S + Si;
-                                (void)Idx;
-                                const double Xv = x[Idx];
-                                const double Dyv = dy[Idx];
-                                const double X_Dd = Seed_x[Idx];
-                                const double xhat = rstd*(Xv - mean);
-                                const double g = Dyv*gamma_V;
-                                Out_dx[Idx] = (double)(KDX_g*g + KDX_xhat*xhat + KDX_dy_gamma_Dd*Dyv*gamma_Dd + KDX_1 + KDX_X_Dd*X_Dd);
-                                Out_ddy[Idx] = (double)(KDDY_gamma_xhat*gamma_V*xhat + KDDY_gamma*gamma_V + KDDY_X_Dd_gamma*X_Dd*gamma_V + KDDY_gamma_Dd_xhat*gamma_Dd*xhat + KDDY_beta_Dd*beta_Dd);
-                                Pacc_0 += Dyv*rstd*(X_Dd - Mean_dx - Mean_dx_xhat*xhat);
-
-                            }
-                            Mine[0 * C + Ch] += Pacc_0;
-                        }
-                    }
-                }
-            }
-        }
-    }
-    for (int64_t Cc = 0; Cc < C; ++Cc) {       /* dgamma */
-        double Acc = 0.0;
-        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * Stride + 0 * C + Cc];
-        gamma_Out[Cc] = (double)(Acc);
-    }
-    for (int64_t Cc = 0; Cc < C; ++Cc) {       /* dbeta */
-        double Acc = 0.0;
-        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * Stride + 1 * C + Cc];
-        beta_Out[Cc] = (double)(Acc);
-    }
-    free(Part_mem);
-    return 0;
-}
-
-/* ---- train JVP, double (derived by derivgen.second) ---- */
-int batchnorm_train_jvp_f64(
-    int64_t O, int64_t G, int64_t Cg, int64_t S,
-    const double *restrict x,
-    const double *restrict gamma,
-    const double *restrict beta,
-    double eps,
-    double momentum,
-    const double *restrict mean_In,
-    const double *restrict var_In,
-    const double *restrict rstd_In,
-    const double *restrict Seed_x,
-    const double *restrict gamma_Seed,
-    const double *restrict beta_Seed,
-    double *restrict Out_ty,
-    int Nthreads)
-{
-    const int64_t M = Cg * S;                       /* contiguous values per (o, g) block */
-    const int64_t N_groups = G;
-    const int64_t Blocks = O;               /* blocks per group */
-    const int64_t Block_stride = G * M;
-    (void)Block_stride;
-    const double N = (double)(Blocks * M);          /* values per group */
-    const double Inv_N = Dg_inv_pow2(N);          /* 1/N when exact (Dg_per) */
-    (void)Inv_N;
-    const int64_t Total = N_groups * Blocks * M;    /* values in x */
-    const int64_t Ahead = DG_AHEAD_BYTES / (int64_t)sizeof(double);
-    const int Nth = Dg_threads(Nthreads);
-    (void)N;
-    (void)Nth;
-    (void)Total;
-    (void)Ahead;
-    (void)gamma;
-    (void)beta;
-    (void)eps;
-    (void)momentum;
-    (void)x;
-
-    const int64_t C = G * Cg;                        /* parameter length */
-    const int64_t P = 2;      /* parameters */
-    (void)C;
-    (void)P;
-    (void)Seed_x;
-    (void)gamma_Seed;
-    (void)beta_Seed;
-    DG_PRAGMA(omp parallel num_threads(Nth))
-    {
-        int64_t Lo, Hi;
-        Dg_share(N_groups, &Lo, &Hi);              /* this thread's groups (as schedule(static)) */
-        for (int64_t Grp = Lo; Grp < Hi; ++Grp) {
-            const int64_t Gi = G == 1 ? 0 : Grp % G;     /* channel group */
-            (void)Gi;
-            const int64_t Base = Gi * M;
-            (void)Base;
-            const double mean = mean_In[Grp];
-            (void)mean;
-            const double var = var_In[Grp];
-            (void)var;
-            const double rstd = rstd_In[Grp];
-            (void)rstd;
-            double Sum_tx;
-            double Sum_tx_xhat;
-            {
-                double Lane_Sum_tx[DG_LANES] = {0};
-                double Lane_Sum_tx_xhat[DG_LANES] = {0};
-                for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
-                    const int64_t Off = Base + Blk * Block_stride;
-                    if (S == 1) {          /* one value per channel: parameters vary along the run */
-                        int64_t Mi = 0;
-                        for (; Mi + DG_LANES <= Cg; Mi += DG_LANES) {
-                            for (int J = 0; J < DG_LANES; ++J) {
-                                const int64_t Idx = Off + Mi + J;
-                                (void)Idx;
-                                const int64_t Ch = Gi * Cg + Mi + J;
-                                (void)Ch;
-                                const double Xv = x[Idx];
-                                const double X_T = Seed_x[Idx];
-                                const double xhat = rstd*(Xv - mean);
-                                Lane_Sum_tx[J] += X_T;
-                                Lane_Sum_tx_xhat[J] += X_T*xhat;
-
-                            }
-                        }
-                        for (; Mi < Cg; ++Mi) {
-                            const int64_t Idx = Off + Mi;
-                            (void)Idx;
-                            const int64_t Ch = Gi * Cg + Mi;
-                            (void)Ch;
-                            const double Xv = x[Idx];
-                            const double X_T = Seed_x[Idx];
-                            const double xhat = rstd*(Xv - mean);
-                            Lane_Sum_tx[0] += X_T;
-                            Lane_Sum_tx_xhat[0] += X_T*xhat;
-
-                        }
-                    } else {               /* NCHW: runs of S values of one channel */
-                        for (int64_t Ci = 0; Ci < Cg; ++Ci) {
-                            const int64_t Ch = Gi * Cg + Ci;
-                            (void)Ch;
-                            int64_t Si = 0;
-                            for (; Si + DG_LANES <= S; Si += DG_LANES) {
-                                for (int J = 0; J < DG_LANES; ++J) {
-                                    const int64_t Idx = Off + Ci * S + Si + J;
-                                    (void)Idx;
-                                    const double Xv = x[Idx];
-                                    const double X_T = Seed_x[Idx];
-                                    const double xhat = rstd*(Xv - mean);
-                                    Lane_Sum_tx[J] += X_T;
-                                    Lane_Sum_tx_xhat[J] += X_T*xhat;
-
-                                }
-                            }
-                            for (; Si < S; ++Si) {
-                                const int64_t Idx = Off + Ci * S + Si;
-                                (void)Idx;
-                                const double Xv = x[Idx];
-                                const double X_T = Seed_x[Idx];
-                                const double xhat = rstd*(Xv - mean);
-                                Lane_Sum_tx[0] += X_T;
-                                Lane_Sum_tx_xhat[0] += X_T*xhat;
-
-                            }
-                        }
-                    }
-                }
-                Sum_tx = Dg_lanes(Lane_Sum_tx);
-                Sum_tx_xhat = Dg_lanes(Lane_Sum_tx_xhat);
-            }
-            const double Mean_tx = Sum_tx/N;  /* Mean_tx = mean(X_T) */
-            (void)Mean_tx;
-            const double Mean_tx_xhat = Sum_tx_xhat/N;  /* Mean_tx_xhat = mean(X_T*xhat) */
-            (void)Mean_tx_xhat;
-            const double KTY_beta_T = 1;  /* coefficient of beta_T */
-            (void)KTY_beta_T;
-            const double KTY_gamma = -Mean_tx*rstd;  /* coefficient of gamma */
-            (void)KTY_gamma;
-            const double KTY_X_T_gamma = rstd;  /* coefficient of X_T*gamma */
-            (void)KTY_X_T_gamma;
-            const double KTY_gamma_xhat = -Mean_tx_xhat*rstd;  /* coefficient of gamma*xhat */
-            (void)KTY_gamma_xhat;
-            const double KTY_gamma_T_xhat = 1;  /* coefficient of gamma_T*xhat */
-            (void)KTY_gamma_T_xhat;
-            {
-                for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
-                    const int64_t Off = Base + Blk * Block_stride;
-                    if (S == 1) {          /* one value per channel: parameters vary along the run */
-                        int64_t Mi = 0;
-                        for (; Mi + DG_LANES <= Cg; Mi += DG_LANES) {
-                            for (int J = 0; J < DG_LANES; ++J) {
-                                const int64_t Idx = Off + Mi + J;
-                                (void)Idx;
-                                const int64_t Ch = Gi * Cg + Mi + J;
-                                (void)Ch;
-                                const double gamma_V = gamma[Ch];
-                                const double gamma_T = gamma_Seed[Ch];
-                                const double beta_T = beta_Seed[Ch];
-                                const double Xv = x[Idx];
-                                const double X_T = Seed_x[Idx];
-                                const double xhat = rstd*(Xv - mean);
-                                Out_ty[Idx] = (double)(KTY_gamma_xhat*gamma_V*xhat + KTY_gamma*gamma_V + KTY_X_T_gamma*X_T*gamma_V + KTY_gamma_T_xhat*gamma_T*xhat + KTY_beta_T*beta_T);
-
-                            }
-                        }
-                        for (; Mi < Cg; ++Mi) {
-                            const int64_t Idx = Off + Mi;
-                            (void)Idx;
-                            const int64_t Ch = Gi * Cg + Mi;
-                            (void)Ch;
-                            const double gamma_V = gamma[Ch];
-                            const double gamma_T = gamma_Seed[Ch];
-                            const double beta_T = beta_Seed[Ch];
-                            const double Xv = x[Idx];
-                            const double X_T = Seed_x[Idx];
-                            const double xhat = rstd*(Xv - mean);
-                            Out_ty[Idx] = (double)(KTY_gamma_xhat*gamma_V*xhat + KTY_gamma*gamma_V + KTY_X_T_gamma*X_T*gamma_V + KTY_gamma_T_xhat*gamma_T*xhat + KTY_beta_T*beta_T);
-
-                        }
-                    } else {               /* NCHW: runs of S values of one channel */
-                        for (int64_t Ci = 0; Ci < Cg; ++Ci) {
-                            const int64_t Ch = Gi * Cg + Ci;
-                            (void)Ch;
-                            const double gamma_V = gamma[Ch];
-                            const double gamma_T = gamma_Seed[Ch];
-                            const double beta_T = beta_Seed[Ch];
-                            int64_t Si = 0;
-                            for (; Si + DG_LANES <= S; Si += DG_LANES) {
-                                for (int J = 0; J < DG_LANES; ++J) {
-                                    const int64_t Idx = Off + Ci * S + Si + J;
-                                    (void)Idx;
-                                    const double Xv = x[Idx];
-                                    const double X_T = Seed_x[Idx];
-                                    const double xhat = rstd*(Xv - mean);
-                                    Out_ty[Idx] = (double)(KTY_gamma_xhat*gamma_V*xhat + KTY_gamma*gamma_V + KTY_X_T_gamma*X_T*gamma_V + KTY_gamma_T_xhat*gamma_T*xhat + KTY_beta_T*beta_T);
-
-                                }
-                            }
-                            for (; Si < S; ++Si) {
-                                const int64_t Idx = Off + Ci * S + Si;
-                                (void)Idx;
-                                const double Xv = x[Idx];
-                                const double X_T = Seed_x[Idx];
-                                const double xhat = rstd*(Xv - mean);
-                                Out_ty[Idx] = (double)(KTY_gamma_xhat*gamma_V*xhat + KTY_gamma*gamma_V + KTY_X_T_gamma*X_T*gamma_V + KTY_gamma_T_xhat*gamma_T*xhat + KTY_beta_T*beta_T);
-
-                            }
-                        }
-                    }
-                }
-            }
-        }
-    }
-    return 0;
-}
-
 /* ---- train split reduction, double: level Level's sums over this part of every
  * group (2 levels), given the statistics of the earlier levels ---- */
 int batchnorm_train_split_partial_f64(
@@ -4731,6 +4198,553 @@ int batchnorm_train_split_bapply_f64(
     return 0;
 }
 #endif /* DG_WANT_FLOAT */
+
+#if DG_WANT_SECOND
+
+/* ---- train double backward, double (derived by derivgen.second) ---- */
+int batchnorm_train_bb_f64(
+    int64_t O, int64_t G, int64_t Cg, int64_t S,
+    const double *restrict x,
+    const double *restrict dy,
+    const double *restrict gamma,
+    const double *restrict beta,
+    double eps,
+    double momentum,
+    const double *restrict mean_In,
+    const double *restrict var_In,
+    const double *restrict rstd_In,
+    const double *restrict Seed_x,
+    const double *restrict gamma_Seed,
+    const double *restrict beta_Seed,
+    double *restrict Out_dx,
+    double *restrict Out_ddy,
+    double *restrict gamma_Out,
+    double *restrict beta_Out,
+    int Nthreads)
+{
+    const int64_t M = Cg * S;                       /* contiguous values per (o, g) block */
+    const int64_t N_groups = G;
+    const int64_t Blocks = O;               /* blocks per group */
+    const int64_t Block_stride = G * M;
+    (void)Block_stride;
+    const double N = (double)(Blocks * M);          /* values per group */
+    const double Inv_N = Dg_inv_pow2(N);          /* 1/N when exact (Dg_per) */
+    (void)Inv_N;
+    const int64_t Total = N_groups * Blocks * M;    /* values in x */
+    const int64_t Ahead = DG_AHEAD_BYTES / (int64_t)sizeof(double);
+    const int Nth = Dg_threads(Nthreads);
+    (void)N;
+    (void)Nth;
+    (void)Total;
+    (void)Ahead;
+    (void)gamma;
+    (void)beta;
+    (void)eps;
+    (void)momentum;
+    (void)x;
+
+    const int64_t C = G * Cg;                        /* parameter length */
+    const int64_t P = 2;      /* parameters */
+    (void)C;
+    (void)P;
+    (void)dy;
+    (void)Seed_x;
+    (void)gamma_Seed;
+    (void)beta_Seed;
+    const int64_t Stride = Dg_stride(P * C, (int64_t)sizeof(double));   /* whole cache lines per thread */
+    double *Part_mem = (double *)calloc((size_t)(Nth * Stride) + DG_LINE_SLACK, sizeof(double));
+    if (Part_mem == NULL)
+        return -1;
+    double *Part = (double *)Dg_line(Part_mem);
+    DG_PRAGMA(omp parallel num_threads(Nth))
+    {
+        double *restrict Mine = Part + (int64_t)Dg_thread_id() * Stride;
+        (void)Mine;
+        int64_t Lo, Hi;
+        Dg_share(N_groups, &Lo, &Hi);              /* this thread's groups (as schedule(static)) */
+        for (int64_t Grp = Lo; Grp < Hi; ++Grp) {
+            const int64_t Gi = G == 1 ? 0 : Grp % G;     /* channel group */
+            (void)Gi;
+            const int64_t Base = Gi * M;
+            (void)Base;
+            const double mean = mean_In[Grp];
+            (void)mean;
+            const double var = var_In[Grp];
+            (void)var;
+            const double rstd = rstd_In[Grp];
+            (void)rstd;
+            double Sum_dx;
+            double Sum_g;
+            double Sum_dx_g;
+            double Sum_dx_xhat;
+            double Sum_dy_dgamma;
+            double Sum_g_xhat;
+            double Sum_dy_dgamma_xhat;
+            {
+                double Lane_Sum_dx[DG_LANES] = {0};
+                double Lane_Sum_g[DG_LANES] = {0};
+                double Lane_Sum_dx_g[DG_LANES] = {0};
+                double Lane_Sum_dx_xhat[DG_LANES] = {0};
+                double Lane_Sum_dy_dgamma[DG_LANES] = {0};
+                double Lane_Sum_g_xhat[DG_LANES] = {0};
+                double Lane_Sum_dy_dgamma_xhat[DG_LANES] = {0};
+                for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
+                    const int64_t Off = Base + Blk * Block_stride;
+                    if (S == 1) {          /* one value per channel: parameters vary along the run */
+                        int64_t Mi = 0;
+                        for (; Mi + DG_LANES <= Cg; Mi += DG_LANES) {
+                            for (int J = 0; J < DG_LANES; ++J) {
+                                const int64_t Idx = Off + Mi + J;
+                                (void)Idx;
+                                const int64_t Ch = Gi * Cg + Mi + J;
+                                (void)Ch;
+                                const double gamma_V = gamma[Ch];
+                                const double gamma_Dd = gamma_Seed[Ch];
+                                const double Xv = x[Idx];
+                                const double Dyv = dy[Idx];
+                                const double X_Dd = Seed_x[Idx];
+                                const double xhat = rstd*(Xv - mean);
+                                const double g = Dyv*gamma_V;
+                                Lane_Sum_dx[J] += X_Dd;
+                                Lane_Sum_g[J] += g;
+                                Lane_Sum_dx_g[J] += X_Dd*g;
+                                Lane_Sum_dx_xhat[J] += X_Dd*xhat;
+                                Lane_Sum_dy_dgamma[J] += Dyv*gamma_Dd;
+                                Lane_Sum_g_xhat[J] += g*xhat;
+                                Lane_Sum_dy_dgamma_xhat[J] += Dyv*gamma_Dd*xhat;
+
+                            }
+                        }
+                        for (; Mi < Cg; ++Mi) {
+                            const int64_t Idx = Off + Mi;
+                            (void)Idx;
+                            const int64_t Ch = Gi * Cg + Mi;
+                            (void)Ch;
+                            const double gamma_V = gamma[Ch];
+                            const double gamma_Dd = gamma_Seed[Ch];
+                            const double Xv = x[Idx];
+                            const double Dyv = dy[Idx];
+                            const double X_Dd = Seed_x[Idx];
+                            const double xhat = rstd*(Xv - mean);
+                            const double g = Dyv*gamma_V;
+                            Lane_Sum_dx[0] += X_Dd;
+                            Lane_Sum_g[0] += g;
+                            Lane_Sum_dx_g[0] += X_Dd*g;
+                            Lane_Sum_dx_xhat[0] += X_Dd*xhat;
+                            Lane_Sum_dy_dgamma[0] += Dyv*gamma_Dd;
+                            Lane_Sum_g_xhat[0] += g*xhat;
+                            Lane_Sum_dy_dgamma_xhat[0] += Dyv*gamma_Dd*xhat;
+
+                        }
+                    } else {               /* NCHW: runs of S values of one channel */
+                        for (int64_t Ci = 0; Ci < Cg; ++Ci) {
+                            const int64_t Ch = Gi * Cg + Ci;
+                            (void)Ch;
+                            const double gamma_V = gamma[Ch];
+                            const double gamma_Dd = gamma_Seed[Ch];
+                            int64_t Si = 0;
+                            for (; Si + DG_LANES <= S; Si += DG_LANES) {
+                                for (int J = 0; J < DG_LANES; ++J) {
+                                    const int64_t Idx = Off + Ci * S + Si + J;
+                                    (void)Idx;
+                                    const double Xv = x[Idx];
+                                    const double Dyv = dy[Idx];
+                                    const double X_Dd = Seed_x[Idx];
+                                    const double xhat = rstd*(Xv - mean);
+                                    const double g = Dyv*gamma_V;
+                                    Lane_Sum_dx[J] += X_Dd;
+                                    Lane_Sum_g[J] += g;
+                                    Lane_Sum_dx_g[J] += X_Dd*g;
+                                    Lane_Sum_dx_xhat[J] += X_Dd*xhat;
+                                    Lane_Sum_dy_dgamma[J] += Dyv*gamma_Dd;
+                                    Lane_Sum_g_xhat[J] += g*xhat;
+                                    Lane_Sum_dy_dgamma_xhat[J] += Dyv*gamma_Dd*xhat;
+
+                                }
+                            }
+                            for (; Si < S; ++Si) {
+                                const int64_t Idx = Off + Ci * S + Si;
+                                (void)Idx;
+                                const double Xv = x[Idx];
+                                const double Dyv = dy[Idx];
+                                const double X_Dd = Seed_x[Idx];
+                                const double xhat = rstd*(Xv - mean);
+                                const double g = Dyv*gamma_V;
+                                Lane_Sum_dx[0] += X_Dd;
+                                Lane_Sum_g[0] += g;
+                                Lane_Sum_dx_g[0] += X_Dd*g;
+                                Lane_Sum_dx_xhat[0] += X_Dd*xhat;
+                                Lane_Sum_dy_dgamma[0] += Dyv*gamma_Dd;
+                                Lane_Sum_g_xhat[0] += g*xhat;
+                                Lane_Sum_dy_dgamma_xhat[0] += Dyv*gamma_Dd*xhat;
+
+                            }
+                        }
+                    }
+                }
+                Sum_dx = Dg_lanes(Lane_Sum_dx);
+                Sum_g = Dg_lanes(Lane_Sum_g);
+                Sum_dx_g = Dg_lanes(Lane_Sum_dx_g);
+                Sum_dx_xhat = Dg_lanes(Lane_Sum_dx_xhat);
+                Sum_dy_dgamma = Dg_lanes(Lane_Sum_dy_dgamma);
+                Sum_g_xhat = Dg_lanes(Lane_Sum_g_xhat);
+                Sum_dy_dgamma_xhat = Dg_lanes(Lane_Sum_dy_dgamma_xhat);
+            }
+            const double Mean_dx = Sum_dx/N;  /* Mean_dx = mean(X_Dd) */
+            (void)Mean_dx;
+            const double Mean_g = Sum_g/N;  /* Mean_g = mean(g) */
+            (void)Mean_g;
+            const double Mean_dx_g = Sum_dx_g/N;  /* Mean_dx_g = mean(X_Dd*g) */
+            (void)Mean_dx_g;
+            const double Mean_dx_xhat = Sum_dx_xhat/N;  /* Mean_dx_xhat = mean(X_Dd*xhat) */
+            (void)Mean_dx_xhat;
+            const double Mean_dy_dgamma = Sum_dy_dgamma/N;  /* Mean_dy_dgamma = mean(dy*gamma_Dd) */
+            (void)Mean_dy_dgamma;
+            const double Mean_g_xhat = Sum_g_xhat/N;  /* Mean_g_xhat = mean(g*xhat) */
+            (void)Mean_g_xhat;
+            const double Mean_dy_dgamma_xhat = Sum_dy_dgamma_xhat/N;  /* Mean_dy_dgamma_xhat = mean(dy*gamma_Dd*xhat) */
+            (void)Mean_dy_dgamma_xhat;
+            const double Cse0 = Mean_dx*rstd;  /* common subexpression */
+            (void)Cse0;
+            const double Cse1 = Mean_dx_xhat*rstd;  /* common subexpression */
+            (void)Cse1;
+            const double Cse2 = (rstd*rstd);  /* common subexpression */
+            (void)Cse2;
+            const double KDX_1 = rstd*(Cse0*Mean_g_xhat + Cse1*Mean_g - Mean_dy_dgamma);  /* coefficient of 1 */
+            (void)KDX_1;
+            const double KDX_X_Dd = -Cse2*Mean_g_xhat;  /* coefficient of X_Dd */
+            (void)KDX_X_Dd;
+            const double KDX_g = -Cse2*Mean_dx_xhat;  /* coefficient of g */
+            (void)KDX_g;
+            const double KDX_xhat = rstd*(Cse0*Mean_g + 3*Cse1*Mean_g_xhat - Mean_dy_dgamma_xhat - Mean_dx_g*rstd);  /* coefficient of xhat */
+            (void)KDX_xhat;
+            const double KDX_dy_gamma_Dd = rstd;  /* coefficient of dy*gamma_Dd */
+            (void)KDX_dy_gamma_Dd;
+            const double KDDY_beta_Dd = 1;  /* coefficient of beta_Dd */
+            (void)KDDY_beta_Dd;
+            const double KDDY_gamma = -Cse0;  /* coefficient of gamma */
+            (void)KDDY_gamma;
+            const double KDDY_X_Dd_gamma = rstd;  /* coefficient of X_Dd*gamma */
+            (void)KDDY_X_Dd_gamma;
+            const double KDDY_gamma_xhat = -Cse1;  /* coefficient of gamma*xhat */
+            (void)KDDY_gamma_xhat;
+            const double KDDY_gamma_Dd_xhat = 1;  /* coefficient of gamma_Dd*xhat */
+            (void)KDDY_gamma_Dd_xhat;
+            {
+                for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
+                    const int64_t Off = Base + Blk * Block_stride;
+                    if (S == 1) {          /* one value per channel: parameters vary along the run */
+                        int64_t Mi = 0;
+                        for (; Mi + DG_LANES <= Cg; Mi += DG_LANES) {
+                            for (int J = 0; J < DG_LANES; ++J) {
+                                const int64_t Idx = Off + Mi + J;
+                                (void)Idx;
+                                const int64_t Ch = Gi * Cg + Mi + J;
+                                (void)Ch;
+                                const double gamma_V = gamma[Ch];
+                                const double gamma_Dd = gamma_Seed[Ch];
+                                const double beta_Dd = beta_Seed[Ch];
+                                const double Xv = x[Idx];
+                                const double Dyv = dy[Idx];
+                                const double X_Dd = Seed_x[Idx];
+                                const double xhat = rstd*(Xv - mean);
+                                const double g = Dyv*gamma_V;
+                                Out_dx[Idx] = (double)(KDX_g*g + KDX_xhat*xhat + KDX_dy_gamma_Dd*Dyv*gamma_Dd + KDX_1 + KDX_X_Dd*X_Dd);
+                                Out_ddy[Idx] = (double)(KDDY_gamma_xhat*gamma_V*xhat + KDDY_gamma*gamma_V + KDDY_X_Dd_gamma*X_Dd*gamma_V + KDDY_gamma_Dd_xhat*gamma_Dd*xhat + KDDY_beta_Dd*beta_Dd);
+                                Mine[0 * C + Ch] += Dyv*rstd*(X_Dd - Mean_dx - Mean_dx_xhat*xhat);
+
+                            }
+                        }
+                        for (; Mi < Cg; ++Mi) {
+                            const int64_t Idx = Off + Mi;
+                            (void)Idx;
+                            const int64_t Ch = Gi * Cg + Mi;
+                            (void)Ch;
+                            const double gamma_V = gamma[Ch];
+                            const double gamma_Dd = gamma_Seed[Ch];
+                            const double beta_Dd = beta_Seed[Ch];
+                            const double Xv = x[Idx];
+                            const double Dyv = dy[Idx];
+                            const double X_Dd = Seed_x[Idx];
+                            const double xhat = rstd*(Xv - mean);
+                            const double g = Dyv*gamma_V;
+                            Out_dx[Idx] = (double)(KDX_g*g + KDX_xhat*xhat + KDX_dy_gamma_Dd*Dyv*gamma_Dd + KDX_1 + KDX_X_Dd*X_Dd);
+                            Out_ddy[Idx] = (double)(KDDY_gamma_xhat*gamma_V*xhat + KDDY_gamma*gamma_V + KDDY_X_Dd_gamma*X_Dd*gamma_V + KDDY_gamma_Dd_xhat*gamma_Dd*xhat + KDDY_beta_Dd*beta_Dd);
+                            Mine[0 * C + Ch] += Dyv*rstd*(X_Dd - Mean_dx - Mean_dx_xhat*xhat);
+
+                        }
+                    } else {               /* NCHW: runs of S values of one channel */
+                        for (int64_t Ci = 0; Ci < Cg; ++Ci) {
+                            const int64_t Ch = Gi * Cg + Ci;
+                            (void)Ch;
+                            const double gamma_V = gamma[Ch];
+                            const double gamma_Dd = gamma_Seed[Ch];
+                            const double beta_Dd = beta_Seed[Ch];
+                            double Pacc_0 = 0.0;
+                            int64_t Si = 0;
+                            for (; Si + DG_LANES <= S; Si += DG_LANES) {
+                                for (int J = 0; J < DG_LANES; ++J) {
+                                    const int64_t Idx = Off + Ci * S + Si + J;
+                                    (void)Idx;
+                                    const double Xv = x[Idx];
+                                    const double Dyv = dy[Idx];
+                                    const double X_Dd = Seed_x[Idx];
+                                    const double xhat = rstd*(Xv - mean);
+                                    const double g = Dyv*gamma_V;
+                                    Out_dx[Idx] = (double)(KDX_g*g + KDX_xhat*xhat + KDX_dy_gamma_Dd*Dyv*gamma_Dd + KDX_1 + KDX_X_Dd*X_Dd);
+                                    Out_ddy[Idx] = (double)(KDDY_gamma_xhat*gamma_V*xhat + KDDY_gamma*gamma_V + KDDY_X_Dd_gamma*X_Dd*gamma_V + KDDY_gamma_Dd_xhat*gamma_Dd*xhat + KDDY_beta_Dd*beta_Dd);
+                                    Pacc_0 += Dyv*rstd*(X_Dd - Mean_dx - Mean_dx_xhat*xhat);
+
+                                }
+                            }
+                            for (; Si < S; ++Si) {
+                                const int64_t Idx = Off + Ci * S + Si;
+                                (void)Idx;
+                                const double Xv = x[Idx];
+                                const double Dyv = dy[Idx];
+                                const double X_Dd = Seed_x[Idx];
+                                const double xhat = rstd*(Xv - mean);
+                                const double g = Dyv*gamma_V;
+                                Out_dx[Idx] = (double)(KDX_g*g + KDX_xhat*xhat + KDX_dy_gamma_Dd*Dyv*gamma_Dd + KDX_1 + KDX_X_Dd*X_Dd);
+                                Out_ddy[Idx] = (double)(KDDY_gamma_xhat*gamma_V*xhat + KDDY_gamma*gamma_V + KDDY_X_Dd_gamma*X_Dd*gamma_V + KDDY_gamma_Dd_xhat*gamma_Dd*xhat + KDDY_beta_Dd*beta_Dd);
+                                Pacc_0 += Dyv*rstd*(X_Dd - Mean_dx - Mean_dx_xhat*xhat);
+
+                            }
+                            Mine[0 * C + Ch] += Pacc_0;
+                        }
+                    }
+                }
+            }
+        }
+    }
+    for (int64_t Cc = 0; Cc < C; ++Cc) {       /* dgamma */
+        double Acc = 0.0;
+        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * Stride + 0 * C + Cc];
+        gamma_Out[Cc] = (double)(Acc);
+    }
+    for (int64_t Cc = 0; Cc < C; ++Cc) {       /* dbeta */
+        double Acc = 0.0;
+        for (int Th = 0; Th < Nth; ++Th) Acc += Part[(int64_t)Th * Stride + 1 * C + Cc];
+        beta_Out[Cc] = (double)(Acc);
+    }
+    free(Part_mem);
+    return 0;
+}
+
+/* ---- train JVP, double (derived by derivgen.second) ---- */
+int batchnorm_train_jvp_f64(
+    int64_t O, int64_t G, int64_t Cg, int64_t S,
+    const double *restrict x,
+    const double *restrict gamma,
+    const double *restrict beta,
+    double eps,
+    double momentum,
+    const double *restrict mean_In,
+    const double *restrict var_In,
+    const double *restrict rstd_In,
+    const double *restrict Seed_x,
+    const double *restrict gamma_Seed,
+    const double *restrict beta_Seed,
+    double *restrict Out_ty,
+    int Nthreads)
+{
+    const int64_t M = Cg * S;                       /* contiguous values per (o, g) block */
+    const int64_t N_groups = G;
+    const int64_t Blocks = O;               /* blocks per group */
+    const int64_t Block_stride = G * M;
+    (void)Block_stride;
+    const double N = (double)(Blocks * M);          /* values per group */
+    const double Inv_N = Dg_inv_pow2(N);          /* 1/N when exact (Dg_per) */
+    (void)Inv_N;
+    const int64_t Total = N_groups * Blocks * M;    /* values in x */
+    const int64_t Ahead = DG_AHEAD_BYTES / (int64_t)sizeof(double);
+    const int Nth = Dg_threads(Nthreads);
+    (void)N;
+    (void)Nth;
+    (void)Total;
+    (void)Ahead;
+    (void)gamma;
+    (void)beta;
+    (void)eps;
+    (void)momentum;
+    (void)x;
+
+    const int64_t C = G * Cg;                        /* parameter length */
+    const int64_t P = 2;      /* parameters */
+    (void)C;
+    (void)P;
+    (void)Seed_x;
+    (void)gamma_Seed;
+    (void)beta_Seed;
+    DG_PRAGMA(omp parallel num_threads(Nth))
+    {
+        int64_t Lo, Hi;
+        Dg_share(N_groups, &Lo, &Hi);              /* this thread's groups (as schedule(static)) */
+        for (int64_t Grp = Lo; Grp < Hi; ++Grp) {
+            const int64_t Gi = G == 1 ? 0 : Grp % G;     /* channel group */
+            (void)Gi;
+            const int64_t Base = Gi * M;
+            (void)Base;
+            const double mean = mean_In[Grp];
+            (void)mean;
+            const double var = var_In[Grp];
+            (void)var;
+            const double rstd = rstd_In[Grp];
+            (void)rstd;
+            double Sum_tx;
+            double Sum_tx_xhat;
+            {
+                double Lane_Sum_tx[DG_LANES] = {0};
+                double Lane_Sum_tx_xhat[DG_LANES] = {0};
+                for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
+                    const int64_t Off = Base + Blk * Block_stride;
+                    if (S == 1) {          /* one value per channel: parameters vary along the run */
+                        int64_t Mi = 0;
+                        for (; Mi + DG_LANES <= Cg; Mi += DG_LANES) {
+                            for (int J = 0; J < DG_LANES; ++J) {
+                                const int64_t Idx = Off + Mi + J;
+                                (void)Idx;
+                                const int64_t Ch = Gi * Cg + Mi + J;
+                                (void)Ch;
+                                const double Xv = x[Idx];
+                                const double X_T = Seed_x[Idx];
+                                const double xhat = rstd*(Xv - mean);
+                                Lane_Sum_tx[J] += X_T;
+                                Lane_Sum_tx_xhat[J] += X_T*xhat;
+
+                            }
+                        }
+                        for (; Mi < Cg; ++Mi) {
+                            const int64_t Idx = Off + Mi;
+                            (void)Idx;
+                            const int64_t Ch = Gi * Cg + Mi;
+                            (void)Ch;
+                            const double Xv = x[Idx];
+                            const double X_T = Seed_x[Idx];
+                            const double xhat = rstd*(Xv - mean);
+                            Lane_Sum_tx[0] += X_T;
+                            Lane_Sum_tx_xhat[0] += X_T*xhat;
+
+                        }
+                    } else {               /* NCHW: runs of S values of one channel */
+                        for (int64_t Ci = 0; Ci < Cg; ++Ci) {
+                            const int64_t Ch = Gi * Cg + Ci;
+                            (void)Ch;
+                            int64_t Si = 0;
+                            for (; Si + DG_LANES <= S; Si += DG_LANES) {
+                                for (int J = 0; J < DG_LANES; ++J) {
+                                    const int64_t Idx = Off + Ci * S + Si + J;
+                                    (void)Idx;
+                                    const double Xv = x[Idx];
+                                    const double X_T = Seed_x[Idx];
+                                    const double xhat = rstd*(Xv - mean);
+                                    Lane_Sum_tx[J] += X_T;
+                                    Lane_Sum_tx_xhat[J] += X_T*xhat;
+
+                                }
+                            }
+                            for (; Si < S; ++Si) {
+                                const int64_t Idx = Off + Ci * S + Si;
+                                (void)Idx;
+                                const double Xv = x[Idx];
+                                const double X_T = Seed_x[Idx];
+                                const double xhat = rstd*(Xv - mean);
+                                Lane_Sum_tx[0] += X_T;
+                                Lane_Sum_tx_xhat[0] += X_T*xhat;
+
+                            }
+                        }
+                    }
+                }
+                Sum_tx = Dg_lanes(Lane_Sum_tx);
+                Sum_tx_xhat = Dg_lanes(Lane_Sum_tx_xhat);
+            }
+            const double Mean_tx = Sum_tx/N;  /* Mean_tx = mean(X_T) */
+            (void)Mean_tx;
+            const double Mean_tx_xhat = Sum_tx_xhat/N;  /* Mean_tx_xhat = mean(X_T*xhat) */
+            (void)Mean_tx_xhat;
+            const double KTY_beta_T = 1;  /* coefficient of beta_T */
+            (void)KTY_beta_T;
+            const double KTY_gamma = -Mean_tx*rstd;  /* coefficient of gamma */
+            (void)KTY_gamma;
+            const double KTY_X_T_gamma = rstd;  /* coefficient of X_T*gamma */
+            (void)KTY_X_T_gamma;
+            const double KTY_gamma_xhat = -Mean_tx_xhat*rstd;  /* coefficient of gamma*xhat */
+            (void)KTY_gamma_xhat;
+            const double KTY_gamma_T_xhat = 1;  /* coefficient of gamma_T*xhat */
+            (void)KTY_gamma_T_xhat;
+            {
+                for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
+                    const int64_t Off = Base + Blk * Block_stride;
+                    if (S == 1) {          /* one value per channel: parameters vary along the run */
+                        int64_t Mi = 0;
+                        for (; Mi + DG_LANES <= Cg; Mi += DG_LANES) {
+                            for (int J = 0; J < DG_LANES; ++J) {
+                                const int64_t Idx = Off + Mi + J;
+                                (void)Idx;
+                                const int64_t Ch = Gi * Cg + Mi + J;
+                                (void)Ch;
+                                const double gamma_V = gamma[Ch];
+                                const double gamma_T = gamma_Seed[Ch];
+                                const double beta_T = beta_Seed[Ch];
+                                const double Xv = x[Idx];
+                                const double X_T = Seed_x[Idx];
+                                const double xhat = rstd*(Xv - mean);
+                                Out_ty[Idx] = (double)(KTY_gamma_xhat*gamma_V*xhat + KTY_gamma*gamma_V + KTY_X_T_gamma*X_T*gamma_V + KTY_gamma_T_xhat*gamma_T*xhat + KTY_beta_T*beta_T);
+
+                            }
+                        }
+                        for (; Mi < Cg; ++Mi) {
+                            const int64_t Idx = Off + Mi;
+                            (void)Idx;
+                            const int64_t Ch = Gi * Cg + Mi;
+                            (void)Ch;
+                            const double gamma_V = gamma[Ch];
+                            const double gamma_T = gamma_Seed[Ch];
+                            const double beta_T = beta_Seed[Ch];
+                            const double Xv = x[Idx];
+                            const double X_T = Seed_x[Idx];
+                            const double xhat = rstd*(Xv - mean);
+                            Out_ty[Idx] = (double)(KTY_gamma_xhat*gamma_V*xhat + KTY_gamma*gamma_V + KTY_X_T_gamma*X_T*gamma_V + KTY_gamma_T_xhat*gamma_T*xhat + KTY_beta_T*beta_T);
+
+                        }
+                    } else {               /* NCHW: runs of S values of one channel */
+                        for (int64_t Ci = 0; Ci < Cg; ++Ci) {
+                            const int64_t Ch = Gi * Cg + Ci;
+                            (void)Ch;
+                            const double gamma_V = gamma[Ch];
+                            const double gamma_T = gamma_Seed[Ch];
+                            const double beta_T = beta_Seed[Ch];
+                            int64_t Si = 0;
+                            for (; Si + DG_LANES <= S; Si += DG_LANES) {
+                                for (int J = 0; J < DG_LANES; ++J) {
+                                    const int64_t Idx = Off + Ci * S + Si + J;
+                                    (void)Idx;
+                                    const double Xv = x[Idx];
+                                    const double X_T = Seed_x[Idx];
+                                    const double xhat = rstd*(Xv - mean);
+                                    Out_ty[Idx] = (double)(KTY_gamma_xhat*gamma_V*xhat + KTY_gamma*gamma_V + KTY_X_T_gamma*X_T*gamma_V + KTY_gamma_T_xhat*gamma_T*xhat + KTY_beta_T*beta_T);
+
+                                }
+                            }
+                            for (; Si < S; ++Si) {
+                                const int64_t Idx = Off + Ci * S + Si;
+                                (void)Idx;
+                                const double Xv = x[Idx];
+                                const double X_T = Seed_x[Idx];
+                                const double xhat = rstd*(Xv - mean);
+                                Out_ty[Idx] = (double)(KTY_gamma_xhat*gamma_V*xhat + KTY_gamma*gamma_V + KTY_X_T_gamma*X_T*gamma_V + KTY_gamma_T_xhat*gamma_T*xhat + KTY_beta_T*beta_T);
+
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+    return 0;
+}
+#endif /* DG_WANT_SECOND */
 
 #if DG_WANT_EXTRAS
 /* ---- train forward, channels last (NHWC), double ---- */
@@ -7135,6 +7149,9 @@ int batchnorm_eval_backward_f32(
     free(Part_mem);
     return 0;
 }
+#endif /* DG_WANT_FLOAT */
+
+#if DG_WANT_SECOND
 
 /* ---- eval double backward, float (derived by derivgen.second) ---- */
 int batchnorm_eval_bb_f32(
@@ -7450,7 +7467,7 @@ int batchnorm_eval_jvp_f32(
     }
     return 0;
 }
-#endif /* DG_WANT_FLOAT */
+#endif /* DG_WANT_SECOND */
 
 #if DG_WANT_EXTRAS
 /* ---- eval forward, channels last (NHWC), float ---- */
@@ -8278,6 +8295,9 @@ int batchnorm_eval_backward_f64(
     free(Part_mem);
     return 0;
 }
+#endif /* DG_WANT_FLOAT */
+
+#if DG_WANT_SECOND
 
 /* ---- eval double backward, double (derived by derivgen.second) ---- */
 int batchnorm_eval_bb_f64(
@@ -8593,7 +8613,7 @@ int batchnorm_eval_jvp_f64(
     }
     return 0;
 }
-#endif /* DG_WANT_FLOAT */
+#endif /* DG_WANT_SECOND */
 
 #if DG_WANT_EXTRAS
 /* ---- eval forward, channels last (NHWC), double ---- */

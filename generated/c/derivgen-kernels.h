@@ -495,11 +495,18 @@ static inline float Dg_powf(float a, float b)
 #define DG_TILE_FIXED 0
 #define DG_TILE_BYTES ((int64_t)256 << 10)
 #endif
+/* static functions (these helpers, a layer's windows) that one of a layer's libraries may
+ * not call: its first-order and its second-order kernels are two libraries (kernel.c.j2) */
+#if defined(__GNUC__)
+#define DG_MAYBE_UNUSED __attribute__((unused))
+#else
+#define DG_MAYBE_UNUSED
+#endif
 static int64_t Dg_stream_bytes = DG_STREAM_BYTES;
 static int64_t Dg_tile_bytes = DG_TILE_BYTES;
 
 /* the machine's sizes (see above); values <= 0 keep the defaults */
-static void Dg_configure(int64_t stream_bytes, int64_t tile_bytes)
+DG_MAYBE_UNUSED static void Dg_configure(int64_t stream_bytes, int64_t tile_bytes)
 {
     if (!DG_STREAM_FIXED && stream_bytes > 0)
         Dg_stream_bytes = stream_bytes;
@@ -542,7 +549,7 @@ static void Dg_configure(int64_t stream_bytes, int64_t tile_bytes)
 #define DG_INDEPENDENT
 #endif
 
-static int Dg_threads(int Nthreads)
+DG_MAYBE_UNUSED static int Dg_threads(int Nthreads)
 {
 #ifdef _OPENMP
     return Nthreads > 0 ? Nthreads : omp_get_max_threads();
@@ -552,7 +559,7 @@ static int Dg_threads(int Nthreads)
 #endif
 }
 
-static int Dg_thread_id(void)
+DG_MAYBE_UNUSED static int Dg_thread_id(void)
 {
 #ifdef _OPENMP
     return omp_get_thread_num();
@@ -565,7 +572,7 @@ static int Dg_thread_id(void)
  * n % threads one item longer (OpenMP's schedule(static), written out so that the NCHW
  * and channels-last kernels split the groups alike: their parameter-gradient partials,
  * and so their bits, agree) */
-static void Dg_share(int64_t n, int64_t *lo, int64_t *hi)
+DG_MAYBE_UNUSED static void Dg_share(int64_t n, int64_t *lo, int64_t *hi)
 {
 #ifdef _OPENMP
     const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();

@@ -23,17 +23,25 @@
 #include "rmsnorm.h"
 #include "derivgen-kernels.h"
 
-/* Which kernels this build compiles: float and double in the NCHW layout by default;
- * -DDG_WITH_EXTRAS adds the "extras" (the bfloat16 kernels, and the channels-last ones of
- * a channel layout), -DDG_EXTRAS_ONLY compiles only those: derivgen.torch builds that
- * second library the first time it meets a bfloat16 or channels-last tensor, so loading
- * a layer compiles no more than NumPy callers use. */
+/* Which kernels this build compiles: the float and double forward and backward in the NCHW
+ * layout by default. -DDG_WITH_SECOND adds the second order (the double backward and the
+ * JVP, in float and double), -DDG_SECOND_ONLY compiles only those: the runtime builds that
+ * library the first time a second-order kernel is called, so that loading a layer compiles
+ * no more than a first-order caller uses (the second-order kernels are most of a layer's
+ * code). -DDG_WITH_EXTRAS adds the "extras" (the bfloat16 kernels, and the channels-last
+ * ones of a channel layout), -DDG_EXTRAS_ONLY compiles only those: derivgen.torch builds
+ * that library the first time it meets a bfloat16 or channels-last tensor. */
 #if defined(DG_EXTRAS_ONLY) || defined(DG_WITH_EXTRAS)
 #define DG_WANT_EXTRAS 1
 #else
 #define DG_WANT_EXTRAS 0
 #endif
-#if defined(DG_EXTRAS_ONLY)
+#if defined(DG_SECOND_ONLY) || defined(DG_WITH_SECOND)
+#define DG_WANT_SECOND 1
+#else
+#define DG_WANT_SECOND 0
+#endif
+#if defined(DG_EXTRAS_ONLY) || defined(DG_SECOND_ONLY)
 #define DG_WANT_FLOAT 0
 #else
 #define DG_WANT_FLOAT 1
@@ -532,6 +540,9 @@ int rmsnorm_train_backward_f32(
     free(Part_mem);
     return 0;
 }
+#endif /* DG_WANT_FLOAT */
+
+#if DG_WANT_SECOND
 
 /* ---- train double backward, float (derived by derivgen.second) ---- */
 int rmsnorm_train_bb_f32(
@@ -996,7 +1007,7 @@ int rmsnorm_train_jvp_f32(
     }
     return 0;
 }
-#endif /* DG_WANT_FLOAT */
+#endif /* DG_WANT_SECOND */
 
 #if DG_WANT_FLOAT
 
@@ -1483,6 +1494,9 @@ int rmsnorm_train_backward_f64(
     free(Part_mem);
     return 0;
 }
+#endif /* DG_WANT_FLOAT */
+
+#if DG_WANT_SECOND
 
 /* ---- train double backward, double (derived by derivgen.second) ---- */
 int rmsnorm_train_bb_f64(
@@ -1947,7 +1961,7 @@ int rmsnorm_train_jvp_f64(
     }
     return 0;
 }
-#endif /* DG_WANT_FLOAT */
+#endif /* DG_WANT_SECOND */
 
 #if DG_WANT_EXTRAS
 

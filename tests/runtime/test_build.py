@@ -21,13 +21,15 @@ def cache(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize(
     "openmp,kernels",
-    [(True, "-DDG_WITH_EXTRAS"), (False, "-DDG_EXTRAS_ONLY")],
-    ids=["openmp-all-kernels", "serial-extras-only"],
+    [(True, "-DDG_WITH_EXTRAS -DDG_WITH_SECOND"), (False, "-DDG_EXTRAS_ONLY"), (False, "-DDG_SECOND_ONLY")],
+    ids=["openmp-all-kernels", "serial-extras-only", "serial-second-only"],
 )
 @pytest.mark.parametrize("src", GEN_C, ids=[p.stem for p in GEN_C])
 def test_generated_c_is_strict_c99(src, openmp, kernels, tmp_path):
-    """Every kernel of every generated file (float, double, bfloat16, channels-last: the default build
-    compiles the first two, and the fuzzer and the other tests compile it under -Werror)."""
+    """Every kernel of every generated file (float and double first and second order, bfloat16,
+    channels-last: the default build compiles the first order in float and double, and the
+    fuzzer and the other tests compile every library under -Werror), and each library alone
+    (a function only the other calls must not warn)."""
     cc = require_tool("gcc")
     argv = [
         cc,
@@ -39,7 +41,7 @@ def test_generated_c_is_strict_c99(src, openmp, kernels, tmp_path):
         "-O2",
         "-fPIC",
         "-c",
-        kernels,
+        *kernels.split(),
         *(["-fopenmp"] if openmp else []),
         str(src),
         "-o",
@@ -127,6 +129,36 @@ def test_build_command(cache, monkeypatch):
         timeout=600,
     )
     assert r.returncode == 1 and "no-such-flag" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_second_order_kernels_are_a_library_of_their_own(cache):
+    """`derivgen build` compiles the first-order kernels, `--second` the double backward and JVP
+    too, into a second library; neither holds the other's kernels, and the C binding loads the
+    second only when a second-order kernel is first called."""
+    import ctypes
+
+    r = subprocess.run(
+        [sys.executable, "-m", "derivgen", "build", "rmsnorm", "--second"],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, DERIVGEN_CACHE=str(cache)),
+        timeout=600,
+    )
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert [line.split()[:2] for line in lines] == [["rmsnorm", "compiled"], ["rmsnorm", "2nd"]], lines
+    first, second = (ctypes.CDLL(line.split()[-1]) for line in lines)
+    assert hasattr(first, "rmsnorm_train_forward_f32") and not hasattr(first, "rmsnorm_train_bb_f32")
+    assert hasattr(second, "rmsnorm_train_jvp_f64") and not hasattr(second, "rmsnorm_train_backward_f64")
+    import derivgen
+    from derivgen.runtime.cbind import CKernel
+
+    loaded = derivgen.load("rmsnorm", backend="c")._kernel
+    kernel = CKernel(loaded.meta, loaded.source)
+    kernel.cfunc("train", "backward", "f32")
+    assert kernel._second is None  # first order only: the second library not loaded
+    kernel.second_cfunc("train", "bb", "f32")
+    assert kernel._second is not None
 
 
 # ---- the load-time ISA dispatch: the library built for this machine's x86-64 level ----

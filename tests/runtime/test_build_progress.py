@@ -32,6 +32,7 @@ def test_estimates_grow_with_the_source(tmp_path):
     assert build._estimate(small) == "5 s"
     assert build._estimate(large) == "20 s"  # batchnorm.c's size: 18 s measured
     assert build._variant(["-DDG_EXTRAS_ONLY"], None) == "'s bfloat16 and channels-last kernels"
+    assert build._variant(["-DDG_SECOND_ONLY"], None) == "'s second-order kernels"
     assert build._variant(None, ["-O2", "-march=x86-64-v3"]) == " for -march=x86-64-v3"
 
 

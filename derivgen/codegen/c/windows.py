@@ -139,7 +139,7 @@ class WindowFunctions:
                     f"/* {'the transposed window' if w.transposed else 'window'} of {self.printer.code(w.body)} over "
                     f"{size} neighbours, at element Ch0 of its group */"
                 ),
-                f"static double {name}({', '.join(params)})",
+                f"DG_MAYBE_UNUSED static double {name}({', '.join(params)})",
                 "{",
                 *(f"    (void){a};" for a in [*arrays, *groups_t, "Base", "S", "Cg", "Ch0"]),
                 f"    const int64_t K = {k};",
