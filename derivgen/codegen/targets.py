@@ -279,9 +279,11 @@ def _c_plan(layer: Layer) -> dict[str, object]:
         # summed per (sample, channel) by the parameter-gradient lanes (CLoop.tensor_out)
         "chan_native": native_names(spec) if spec.layout != "trailing" else [],
         "blocks": has_blocks,  # block statistics: no channels-last C kernels
-        # the channels-last C kernels (not for block statistics): tensor inputs beside x and the
-        # outputs' cotangents are read, and the outputs beside y written, at x's NHWC index
-        "nhwc": spec.layout != "trailing" and spec.reduce != "position" and not has_blocks,
+        # the channels-last C kernels (not for block statistics, nor for reduce = "all", whose one
+        # group spans the channels: the batch kernels take a group as one channel): tensor inputs
+        # beside x and the outputs' cotangents are read, and the outputs beside y written, at x's
+        # NHWC index
+        "nhwc": spec.layout != "trailing" and spec.reduce not in ("position", "all") and not has_blocks,
     }
 
 

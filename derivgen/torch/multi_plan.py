@@ -276,9 +276,9 @@ class MultiPlans:
     def __init__(self, lay: Layer) -> None:
         self.lay = lay
         # a channel layout's channels-last x runs the channels-last kernels (a position
-        # layout has none: the C kernels refuse it for these layers)
+        # layout has none: the C kernels refuse it for these layers; nor has reduce = "all")
         meta = lay.meta
-        self.channel_layout = meta.layout == "channels" and meta.reduce != "position" and not meta.blocks
+        self.channel_layout = meta.layout == "channels" and meta.reduce not in ("position", "all") and not meta.blocks
         self.ranges = [lay.meta.options[o] for o in lay.options]
         self._plans: dict = {}
         self.last_ext: dict = {}  # the C++ extension's plans: none for these layers
