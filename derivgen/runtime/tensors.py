@@ -13,12 +13,14 @@ shape       layout                     the tensor's shape (for x's)
 ==========  =========================  ================================================
 
 A broadcast tensor's gradient is summed over the axes it is broadcast over, as autograd
-sums a broadcast operand's. The C kernels read the ``sample`` tensors at their own shape
-(:func:`native`: a trailing layout's element of sample b and feature d at ``b * D + d``, b
-from the group and the kernels' ``Samples`` argument, :func:`samples`; a channel layout's
-of sample n and channel c at ``n * C + c``), and the backward kernel sums their gradients
-itself; they read every other tensor at x's shape (written out once per call), and their
-element gradients, written at x's shape, are summed here (:func:`finish_tensor_grad`). No SymPy here (stage 0).
+sums a broadcast operand's. The C kernels read the ``sample`` and ``position`` tensors at
+their own shape (:func:`native`: a trailing layout's element of sample b and feature d at
+``b * D + d``, b from the group and the kernels' ``Samples`` argument, :func:`samples`; a
+channel layout's of sample n and channel c at ``n * C + c``, of sample n and position s at
+``n * S + s``), and the backward kernel sums the ``sample`` ones' gradients itself
+(:func:`sums_own`); they read every other tensor at x's shape (written out once per call).
+The element gradients of a tensor whose sum the kernel does not take, written at x's
+shape, are summed here (:func:`finish_tensor_grad`). No SymPy here (stage 0).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from derivgen.runtime.abi import native
+from derivgen.runtime.abi import native, sums_own
 from derivgen.runtime.base import _check_array, _contig, aligned_empty, check_out
 from derivgen.runtime.meta import MetaLike, layer_meta
 from derivgen.runtime.validate import Layout
@@ -163,11 +165,11 @@ def grad_buffer(
     summed: bool = False,
 ) -> np.ndarray:
     """Where a tensor's element gradients are written: its output itself (a tensor of x's
-    shape, or with ``summed`` -- the C backward kernel's -- a :func:`native` one, whose sums
-    the kernel takes), else an array of x's shape and ``dtype`` that :func:`finish_tensor_grad` sums."""
+    shape, or with ``summed`` -- the C backward kernel's -- one whose sums the kernel takes,
+    :func:`sums_own`), else an array of x's shape and ``dtype`` that :func:`finish_tensor_grad` sums."""
     meta = layer_meta(meta)
     kind = meta.tensors[tname][0]
-    return out if kind == "x" or (summed and native(meta, kind)) else aligned_empty(layout.x_shape, dtype)
+    return out if kind == "x" or (summed and sums_own(meta, kind)) else aligned_empty(layout.x_shape, dtype)
 
 
 def finish_tensor_grad(meta: MetaLike, tname: str, layout: Layout, buf: np.ndarray, out: np.ndarray) -> np.ndarray:

@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from derivgen import runtime as rt
-from derivgen.runtime.abi import native, reads_buffers, takes_samples
+from derivgen.runtime.abi import native, reads_buffers, sums_own, takes_samples
 from derivgen.runtime.cbind import input_pairs
 from derivgen.runtime.tensors import samples
 from derivgen.torch.plan import SERIAL_BELOW, call_key, options_in_range, threads
@@ -81,9 +81,10 @@ def forward_tensor_names(lay: Layer, mode: str) -> list[str]:
 class MultiPlan:
     """A validated forward call signature of a multi layer and mode: the kernels' ctypes
     functions and what the shapes fix (the layout, the tensor inputs' shapes, whether x is
-    channels last), so that a call writes out the broadcast tensors the kernels read at x's
-    shape (the per-sample ones go at their own, and the backward kernel sums their
-    gradients), allocates its outputs and passes data pointers.
+    channels last), so that a call passes the per-sample and per-position tensors at their
+    own shape (the backward kernel sums the per-sample ones' gradients; a per-position one's
+    element gradients come at x's shape and are summed here), allocates its outputs and
+    passes data pointers.
 
     With ``nhwc`` (a channel layout's channels-last x) the channels-last kernels run: every
     array of x's shape (x, the tensor inputs written out at x's shape, dy, the outputs'
@@ -109,8 +110,9 @@ class MultiPlan:
         self.tnames, self.gnames, self.outputs = tensor_inputs(meta), grad_tensors(meta), extra_outputs(meta)
         self.kinds = {t: tensor_kind(meta, t) for t in self.tnames}
         self.tshapes = {t: tuple(rt.tensor_shape(meta, self.kinds[t], L)) for t in self.tnames}
-        # the tensors the kernels read at their own shape (and whose gradients they sum)
+        # the tensors the kernels read at their own shape, and those whose gradients they sum
         self.native = {t: native(meta, self.kinds[t]) for t in self.tnames}
+        self.summed = {t: sums_own(meta, self.kinds[t]) for t in self.tnames}
         self.samples = (samples(meta, L),) if takes_samples(meta) else ()
         self.nt, self.npar, self.nin = len(self.tnames), len(lay.params), len(lay.inputs)
         self.null_bufs = [] if reads_buffers(meta, mode) else [None] * len(lay.buffers)
@@ -134,9 +136,9 @@ class MultiPlan:
 
     def _operands(self, tens: Sequence[torch.Tensor]) -> tuple:
         """x and the tensor inputs as the kernels read them: at x's shape in the plan's memory
-        format (NCHW- or channels-last-contiguous; a broadcast tensor written out), or the
-        per-sample ones C-contiguous at their own shape; the parameters,
-        inputs and buffers C-contiguous (copied where they are not)."""
+        format (NCHW- or channels-last-contiguous), or the per-sample and per-position ones
+        C-contiguous at their own shape; the parameters, inputs and buffers C-contiguous
+        (copied where they are not)."""
         meta, k, fmt = self.lay.meta, 1 + self.nt, self.fmt
         x = tens[0].contiguous(memory_format=fmt)
         full = [
@@ -200,12 +202,12 @@ class MultiPlan:
         cots = [c.contiguous(memory_format=self.fmt) for c in cots]
         dx = fresh_like(x)
         # a broadcast tensor's element gradients at x's shape, summed below; the kernel sums
-        # those of a tensor it reads at its own shape
+        # those of a per-sample tensor
         dts = [
             fresh_like(x)
             if self.kinds[t] == "x"
             else x.new_empty(self.tshapes[t])
-            if self.native[t]
+            if self.summed[t]
             else torch.empty_like(x)
             for t in self.gnames
         ]
@@ -236,7 +238,7 @@ class MultiPlan:
             as_x_came(d, like, back)
             if self.kinds[t] == "x"
             else d
-            if self.native[t]
+            if self.summed[t]
             else tensor_grad(meta, t, d.contiguous(), L, self.tshapes[t])
             for t, d in zip(self.gnames, dts)
         ]
