@@ -25,6 +25,7 @@ from derivgen.torch.schema import (
     tensor_inputs,
 )
 from derivgen.torch.tensors import (
+    SUFFIX,
     channels_last_format,
     fresh_like,
     full_tensor,
@@ -120,6 +121,9 @@ class MultiPlan:
         self.stat_offsets = [8 * L.n_groups * k for k in range(nstat)]
         self.stats_like = torch.empty((nstat, L.n_groups), dtype=torch.float64)
         self.masks = _masks(lay)
+        # a mask's 0/1 values, checked on every call by one read in C (torch's comparisons
+        # wrote and read x-sized boolean tensors: most of masked layer norm's forward)
+        self.mask_check = lay.libraries.for_call(x.dtype, nhwc).mask_check(SUFFIX[x.dtype]) if self.masks else None
         self.opts_ok: tuple | None = None  # the options of the last call, known to be in range
         # each forward tensor's gradient among the backward's outputs (None: it has none)
         diff = differentiable(meta)
@@ -263,10 +267,12 @@ _BACKWARD_SECTIONS = (
 
 
 def check_masks(plan: MultiPlan, tens: Sequence[torch.Tensor]) -> None:
-    """Every mask among a call's tensor inputs 0 or 1 (its shape and dtype are the plan's)."""
+    """Every mask among a call's tensor inputs 0 or 1 (its shape and dtype are the plan's),
+    counted by the C kernels' library in one read of the mask."""
     for k, t in plan.masks:
-        v = tens[k]
-        if v.numel() and not bool(((v == 0) | (v == 1)).all()):
+        v = tens[k].contiguous()
+        n = v.numel()
+        if n and plan.mask_check(v.data_ptr(), n, 1 if n < SERIAL_BELOW else plan.nthreads()):
             raise ValueError(f"{plan.name}: {t} is a mask: every value must be 0 or 1")
 
 

@@ -160,3 +160,25 @@ def test_the_numpy_c_binding_reads_them_at_their_own_shape():
     for f, p, q, r in zip(want._fields, out[0], out[1], want):
         np.testing.assert_array_equal(p, q, err_msg=f)
         np.testing.assert_allclose(p, r, rtol=1e-11, atol=1e-11, err_msg=f)
+
+
+def test_a_masks_values_are_checked_on_every_call():
+    """After a valid call (the signature's plan made), a mask value other than 0 or 1 (a
+    half, NaN, infinity, -1, 2; at the mask's last value) is an error naming it, in float64,
+    float32 and bfloat16, NCHW and channels last (the library of the call's kernels counts
+    them); -0 is a 0."""
+    spec = parse_spec(TEXT.format(reduce="batch"), source="position_gate_batch.toml")
+    f = dt.function(spec)
+    for dtype in (torch.float64, torch.float32, torch.bfloat16):
+        a = {k: v.to(dtype) for k, v in draw().items()}
+        for fmt in (torch.contiguous_format, torch.channels_last):
+            x = a["x"].contiguous(memory_format=fmt)
+            f(x, a["mask"], a["gate"], a["weight"], a["bias"])
+            zero = a["mask"].clone()
+            zero[zero == 0] = -0.0
+            f(x, zero, a["gate"], a["weight"], a["bias"])
+            for bad in (0.5, float("nan"), float("inf"), -1.0, 2.0):
+                m = a["mask"].clone()
+                m.view(-1)[-1] = bad
+                with pytest.raises(ValueError, match="mask is a mask: every value must be 0 or 1"):
+                    f(x, m, a["gate"], a["weight"], a["bias"])
