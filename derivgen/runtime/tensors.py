@@ -84,20 +84,24 @@ def broadcast_axes(meta: MetaLike, kind: str, layout: Layout) -> tuple[int, ...]
     return (1,)
 
 
-def full_view(meta: MetaLike, kind: str, t: np.ndarray, layout: Layout) -> np.ndarray:
-    """A tensor of its declared shape as a C-contiguous array of x's shape."""
+def full_view(meta: MetaLike, kind: str, t: np.ndarray, layout: Layout, copy: bool = True) -> np.ndarray:
+    """A tensor of its declared shape as a C-contiguous array of x's shape (``copy=False``: a
+    read-only broadcast view of it, stride 0 along the axes it is broadcast over)."""
     meta = layer_meta(meta)
     if kind == "x":
         return _contig(t)
     shape = list(layout.x_shape)
     for a in broadcast_axes(meta, kind, layout):
         shape[a] = 1
-    return np.ascontiguousarray(np.broadcast_to(t.reshape(shape), layout.x_shape))
+    view = np.broadcast_to(t.reshape(shape), layout.x_shape)
+    return np.ascontiguousarray(view) if copy else view
 
 
 def check_tensors(meta: MetaLike, tensors: Mapping[str, Any], layout: Layout, dtype: np.dtype) -> dict[str, np.ndarray]:
     """Every tensor input checked (an array of x's dtype, of its declared shape; a mask 0 or 1
-    everywhere), as C-contiguous arrays of x's shape; errors name the argument."""
+    everywhere), as arrays of x's shape: C-contiguous, or a broadcast view of a :func:`native`
+    one (the C kernels read its own values, :func:`kernel_view`: no x-sized copy); errors name
+    the argument."""
     meta = layer_meta(meta)
     name, out = meta.name, {}
     for tname, (kind, _grad, mask) in meta.tensors.items():
@@ -114,7 +118,7 @@ def check_tensors(meta: MetaLike, tensors: Mapping[str, Any], layout: Layout, dt
             )
         if mask and t.size and not np.all((t == 0) | (t == 1)):
             raise ValueError(f"{name}: {tname} is a mask: every value must be 0 or 1")
-        out[tname] = full_view(meta, kind, t, layout)
+        out[tname] = full_view(meta, kind, t, layout, copy=not native(meta, kind))
     return out
 
 
