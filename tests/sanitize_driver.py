@@ -448,9 +448,9 @@ for name, shapes in MULTI_SHAPES.items():
                 k.backward(dy, c, **{"d" + o.name: np.ones_like(x) for o in spec.outputs})
                 multi += 1
 # Their channels-last kernels (the extras library), called as derivgen.torch calls them: every
-# array of x's shape (x, the tensors written out at x's shape, dy) laid out (N, *spatial, C),
-# a per-(sample, channel) tensor and its gradient (N, C) in both; the results must be the NCHW
-# kernels' bits
+# array of x's shape (x, the tensors of x's shape, dy) laid out (N, *spatial, C), a
+# per-(sample, channel) tensor and its gradient (N, C) and a per-position one (N, 1, *spatial)
+# in both; the results must be the NCHW kernels' bits
 for name, shapes in MULTI_NHWC.items():
     k = derivgen.load(name, backend="c")
     meta, spec = k._META, derivgen.load_spec(name)
@@ -461,7 +461,12 @@ for name, shapes in MULTI_NHWC.items():
         for dtype, sfx in ((np.float32, "f32"), (np.float64, "f64")):
             x = rng.normal(size=xs).astype(dtype)
             dy = rng.normal(size=xs).astype(dtype)
-            full, own = [], {t.name: t.shape == "sample" for t in spec.tensors}
+            # the tensors read at their own shape, and those whose gradients the kernel sums
+            native, own = (
+                {t.name: t.shape != "x" for t in spec.tensors},
+                {t.name: t.shape == "sample" for t in spec.tensors},
+            )
+            full = []
             for t in spec.tensors:
                 if own[t.name]:
                     full.append(rng.normal(size=xs[:2]).astype(dtype))
@@ -470,14 +475,14 @@ for name, shapes in MULTI_NHWC.items():
                 if t.mask:
                     v = (v > -0.5).astype(dtype)
                     v.reshape(-1)[0] = 1
-                full.append(np.ascontiguousarray(np.broadcast_to(v, xs)))
+                full.append(v)
             params = [rng.normal(size=(xs[1],)).astype(dtype) for _ in spec.params]
             L = resolve_layout(meta, x, {p: np.empty(xs[1]) for p in meta["params"]}, None)
             for threads in (1, 2):
                 res = []
                 for kern, pre, lay in ((k._kernel, "", lambda a: a), (ext, "nhwc_", nhwc)):
                     xl, dyl = lay(x), lay(dy)  # kept alive over the calls
-                    fl = [t if own[s.name] else lay(t) for s, t in zip(spec.tensors, full)]
+                    fl = [t if native[s.name] else lay(t) for s, t in zip(spec.tensors, full)]
                     y, dx = np.empty_like(xl), np.empty_like(xl)
                     dts = [np.empty(xs[:2], dtype) if own[t.name] else np.empty_like(xl) for t in spec.grad_tensors]
                     st = [np.empty(L.n_groups) for _ in meta["stats"]["train"]]

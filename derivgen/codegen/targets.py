@@ -22,7 +22,7 @@ from types import ModuleType
 from typing import Protocol
 
 from derivgen.codegen.c import ATYPES, CTYPES, c_load, c_store, plan_kernel
-from derivgen.codegen.c.names import native_names
+from derivgen.codegen.c.names import native_names, position_names, summed_names
 from derivgen.codegen.ir import ModeIR, SecondIR
 from derivgen.codegen.jax import jax_expr
 from derivgen.codegen.printers import SpecPrinter
@@ -275,13 +275,17 @@ def _c_plan(layer: Layer) -> dict[str, object]:
         "native_grads": [t.name for t in spec.tensors if t.grad and t.name in native_names(spec)]
         if spec.layout == "trailing"
         else [],
-        # a channel layout's: read at Tn + Ch (Tn: the sample's first value), their gradients
-        # summed per (sample, channel) by the parameter-gradient lanes (CLoop.tensor_out)
-        "chan_native": native_names(spec) if spec.layout != "trailing" else [],
+        # a channel layout's per-(sample, channel) ones: read at Tn + Ch (Tn: the sample's first
+        # value), their gradients summed per (sample, channel) by the parameter-gradient lanes
+        # (CLoop.tensor_out); its per-position ones: read at Pi (the element's sample and position)
+        "chan_native": summed_names(spec) if spec.layout != "trailing" else [],
+        "pos_native": position_names(spec),
         "blocks": has_blocks,  # block statistics: no channels-last C kernels
-        # the channels-last C kernels (not for block statistics): tensor inputs beside x and the
-        # outputs' cotangents are read, and the outputs beside y written, at x's NHWC index
-        "nhwc": spec.layout != "trailing" and spec.reduce != "position" and not has_blocks,
+        # the channels-last C kernels (not for block statistics, nor for reduce = "all", whose one
+        # group spans the channels: the batch kernels take a group as one channel): tensor inputs
+        # beside x and the outputs' cotangents are read, and the outputs beside y written, at x's
+        # NHWC index
+        "nhwc": spec.layout != "trailing" and spec.reduce not in ("position", "all") and not has_blocks,
     }
 
 

@@ -225,10 +225,17 @@ def tensor_names(meta: MetaLike) -> list[str]:
 
 
 def native(meta: MetaLike, kind: str) -> bool:
-    """Do the C kernels read a tensor input declared ``kind`` at its own shape, and the
-    backward kernel sum its gradient over the axes it is broadcast over? The ``sample``
-    tensors (one value per sample and feature, or per sample and channel;
-    :mod:`derivgen.runtime.tensors`)."""
+    """Do the C kernels read a tensor input declared ``kind`` at its own shape? The
+    ``sample`` tensors (one value per sample and feature, or per sample and channel) and the
+    ``position`` ones (one value per sample and position; :mod:`derivgen.runtime.tensors`)."""
+    return kind in ("sample", "position")
+
+
+def sums_own(meta: MetaLike, kind: str) -> bool:
+    """Does the backward kernel sum the gradient of a tensor input declared ``kind`` over
+    the axes it is broadcast over (writing it at its own shape)? The ``sample`` tensors;
+    a ``position`` one's element gradients are written at x's shape and summed over the
+    channels by the caller (a sum across the groups, which threads share out)."""
     return kind == "sample"
 
 
@@ -236,7 +243,7 @@ def takes_samples(meta: MetaLike) -> bool:
     """Does a layer's kernels take the ``samples`` section after the dims (the samples a
     trailing layout's per-sample tensor holds, which its (O, G, Cg, S) view does not say)?"""
     meta = layer_meta(meta)
-    return meta.layout == "trailing" and any(native(meta, t.shape) for t in meta.tensors.values())
+    return meta.layout == "trailing" and any(t.shape == "sample" for t in meta.tensors.values())
 
 
 def grad_tensor_names(meta: MetaLike) -> list[str]:

@@ -129,6 +129,15 @@ class CKernel:
         fn.restype = ctypes.c_char_p
         return fn().decode()
 
+    def mask_check(self, sfx: str) -> ctypes._CFuncPtr:
+        """The function counting the values of a mask (``m``, ``n`` values) that are neither 0
+        nor 1 (``sfx``: f32, f64, bf16), for a layer with mask tensors: one read of the mask,
+        over ``nthreads`` threads."""
+        fn = self.lib[f"{self.meta.name}_mask_check_{sfx}"]
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
+        fn.restype = ctypes.c_int64
+        return fn
+
     def _declared(self, fn: ctypes._CFuncPtr, sig: KernelSignature) -> ctypes._CFuncPtr:
         """``fn`` with the argument and result types of ``sig`` declared."""
         fn.argtypes = argtypes(sig)

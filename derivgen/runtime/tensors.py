@@ -13,12 +13,14 @@ shape       layout                     the tensor's shape (for x's)
 ==========  =========================  ================================================
 
 A broadcast tensor's gradient is summed over the axes it is broadcast over, as autograd
-sums a broadcast operand's. The C kernels read the ``sample`` tensors at their own shape
-(:func:`native`: a trailing layout's element of sample b and feature d at ``b * D + d``, b
-from the group and the kernels' ``Samples`` argument, :func:`samples`; a channel layout's
-of sample n and channel c at ``n * C + c``), and the backward kernel sums their gradients
-itself; they read every other tensor at x's shape (written out once per call), and their
-element gradients, written at x's shape, are summed here (:func:`finish_tensor_grad`). No SymPy here (stage 0).
+sums a broadcast operand's. The C kernels read the ``sample`` and ``position`` tensors at
+their own shape (:func:`native`: a trailing layout's element of sample b and feature d at
+``b * D + d``, b from the group and the kernels' ``Samples`` argument, :func:`samples`; a
+channel layout's of sample n and channel c at ``n * C + c``, of sample n and position s at
+``n * S + s``), and the backward kernel sums the ``sample`` ones' gradients itself
+(:func:`sums_own`); they read every other tensor at x's shape (written out once per call).
+The element gradients of a tensor whose sum the kernel does not take, written at x's
+shape, are summed here (:func:`finish_tensor_grad`). No SymPy here (stage 0).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from derivgen.runtime.abi import native
+from derivgen.runtime.abi import native, sums_own
 from derivgen.runtime.base import _check_array, _contig, aligned_empty, check_out
 from derivgen.runtime.meta import MetaLike, layer_meta
 from derivgen.runtime.validate import Layout
@@ -82,20 +84,24 @@ def broadcast_axes(meta: MetaLike, kind: str, layout: Layout) -> tuple[int, ...]
     return (1,)
 
 
-def full_view(meta: MetaLike, kind: str, t: np.ndarray, layout: Layout) -> np.ndarray:
-    """A tensor of its declared shape as a C-contiguous array of x's shape."""
+def full_view(meta: MetaLike, kind: str, t: np.ndarray, layout: Layout, copy: bool = True) -> np.ndarray:
+    """A tensor of its declared shape as a C-contiguous array of x's shape (``copy=False``: a
+    read-only broadcast view of it, stride 0 along the axes it is broadcast over)."""
     meta = layer_meta(meta)
     if kind == "x":
         return _contig(t)
     shape = list(layout.x_shape)
     for a in broadcast_axes(meta, kind, layout):
         shape[a] = 1
-    return np.ascontiguousarray(np.broadcast_to(t.reshape(shape), layout.x_shape))
+    view = np.broadcast_to(t.reshape(shape), layout.x_shape)
+    return np.ascontiguousarray(view) if copy else view
 
 
 def check_tensors(meta: MetaLike, tensors: Mapping[str, Any], layout: Layout, dtype: np.dtype) -> dict[str, np.ndarray]:
     """Every tensor input checked (an array of x's dtype, of its declared shape; a mask 0 or 1
-    everywhere), as C-contiguous arrays of x's shape; errors name the argument."""
+    everywhere), as arrays of x's shape: C-contiguous, or a broadcast view of a :func:`native`
+    one (the C kernels read its own values, :func:`kernel_view`: no x-sized copy); errors name
+    the argument."""
     meta = layer_meta(meta)
     name, out = meta.name, {}
     for tname, (kind, _grad, mask) in meta.tensors.items():
@@ -112,7 +118,7 @@ def check_tensors(meta: MetaLike, tensors: Mapping[str, Any], layout: Layout, dt
             )
         if mask and t.size and not np.all((t == 0) | (t == 1)):
             raise ValueError(f"{name}: {tname} is a mask: every value must be 0 or 1")
-        out[tname] = full_view(meta, kind, t, layout)
+        out[tname] = full_view(meta, kind, t, layout, copy=not native(meta, kind))
     return out
 
 
@@ -163,11 +169,11 @@ def grad_buffer(
     summed: bool = False,
 ) -> np.ndarray:
     """Where a tensor's element gradients are written: its output itself (a tensor of x's
-    shape, or with ``summed`` -- the C backward kernel's -- a :func:`native` one, whose sums
-    the kernel takes), else an array of x's shape and ``dtype`` that :func:`finish_tensor_grad` sums."""
+    shape, or with ``summed`` -- the C backward kernel's -- one whose sums the kernel takes,
+    :func:`sums_own`), else an array of x's shape and ``dtype`` that :func:`finish_tensor_grad` sums."""
     meta = layer_meta(meta)
     kind = meta.tensors[tname][0]
-    return out if kind == "x" or (summed and native(meta, kind)) else aligned_empty(layout.x_shape, dtype)
+    return out if kind == "x" or (summed and sums_own(meta, kind)) else aligned_empty(layout.x_shape, dtype)
 
 
 def finish_tensor_grad(meta: MetaLike, tname: str, layout: Layout, buf: np.ndarray, out: np.ndarray) -> np.ndarray:

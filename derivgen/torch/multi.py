@@ -12,11 +12,10 @@ Each mode has two operators (see :mod:`derivgen.torch.schema`)::
 * **CPU** (float32, float64, bfloat16): the generated C kernels, through a plan per call
   signature (:class:`MultiPlan`, validated on the signature's first call; a mask's 0/1
   values on every call). The ``sample`` tensors (one value per sample and feature, or per
-  sample and channel) go to the kernels at their own shape, and the backward kernel sums
-  their gradients (:func:`derivgen.runtime.abi.native`). The kernels read every other
-  tensor input at x's shape, so a ``position`` one is written out once per call, and its
-  element gradients, written at x's shape, are summed over the axes it is broadcast over
-  (in float64).
+  sample and channel) and the ``position`` ones (one value per sample and position) go to
+  the kernels at their own shape (:func:`derivgen.runtime.abi.native`); the backward kernel
+  sums the ``sample`` ones' gradients, and a ``position`` one's element gradients, written
+  at x's shape, are summed over the channels here (in float64).
   A channel layout's channels-last x runs the channels-last kernels: the tensor inputs,
   dy and the cotangents are read channels last (written out so where they are not), and
   every result of x's shape is channels last.

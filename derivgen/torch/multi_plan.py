@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from derivgen import runtime as rt
-from derivgen.runtime.abi import native, reads_buffers, takes_samples
+from derivgen.runtime.abi import native, reads_buffers, sums_own, takes_samples
 from derivgen.runtime.cbind import input_pairs
 from derivgen.runtime.tensors import samples
 from derivgen.torch.plan import SERIAL_BELOW, call_key, options_in_range, threads
@@ -25,6 +25,7 @@ from derivgen.torch.schema import (
     tensor_inputs,
 )
 from derivgen.torch.tensors import (
+    SUFFIX,
     channels_last_format,
     fresh_like,
     full_tensor,
@@ -81,9 +82,10 @@ def forward_tensor_names(lay: Layer, mode: str) -> list[str]:
 class MultiPlan:
     """A validated forward call signature of a multi layer and mode: the kernels' ctypes
     functions and what the shapes fix (the layout, the tensor inputs' shapes, whether x is
-    channels last), so that a call writes out the broadcast tensors the kernels read at x's
-    shape (the per-sample ones go at their own, and the backward kernel sums their
-    gradients), allocates its outputs and passes data pointers.
+    channels last), so that a call passes the per-sample and per-position tensors at their
+    own shape (the backward kernel sums the per-sample ones' gradients; a per-position one's
+    element gradients come at x's shape and are summed here), allocates its outputs and
+    passes data pointers.
 
     With ``nhwc`` (a channel layout's channels-last x) the channels-last kernels run: every
     array of x's shape (x, the tensor inputs written out at x's shape, dy, the outputs'
@@ -109,8 +111,9 @@ class MultiPlan:
         self.tnames, self.gnames, self.outputs = tensor_inputs(meta), grad_tensors(meta), extra_outputs(meta)
         self.kinds = {t: tensor_kind(meta, t) for t in self.tnames}
         self.tshapes = {t: tuple(rt.tensor_shape(meta, self.kinds[t], L)) for t in self.tnames}
-        # the tensors the kernels read at their own shape (and whose gradients they sum)
+        # the tensors the kernels read at their own shape, and those whose gradients they sum
         self.native = {t: native(meta, self.kinds[t]) for t in self.tnames}
+        self.summed = {t: sums_own(meta, self.kinds[t]) for t in self.tnames}
         self.samples = (samples(meta, L),) if takes_samples(meta) else ()
         self.nt, self.npar, self.nin = len(self.tnames), len(lay.params), len(lay.inputs)
         self.null_bufs = [] if reads_buffers(meta, mode) else [None] * len(lay.buffers)
@@ -118,6 +121,9 @@ class MultiPlan:
         self.stat_offsets = [8 * L.n_groups * k for k in range(nstat)]
         self.stats_like = torch.empty((nstat, L.n_groups), dtype=torch.float64)
         self.masks = _masks(lay)
+        # a mask's 0/1 values, checked on every call by one read in C (torch's comparisons
+        # wrote and read x-sized boolean tensors: most of masked layer norm's forward)
+        self.mask_check = lay.libraries.for_call(x.dtype, nhwc).mask_check(SUFFIX[x.dtype]) if self.masks else None
         self.opts_ok: tuple | None = None  # the options of the last call, known to be in range
         # each forward tensor's gradient among the backward's outputs (None: it has none)
         diff = differentiable(meta)
@@ -134,9 +140,9 @@ class MultiPlan:
 
     def _operands(self, tens: Sequence[torch.Tensor]) -> tuple:
         """x and the tensor inputs as the kernels read them: at x's shape in the plan's memory
-        format (NCHW- or channels-last-contiguous; a broadcast tensor written out), or the
-        per-sample ones C-contiguous at their own shape; the parameters,
-        inputs and buffers C-contiguous (copied where they are not)."""
+        format (NCHW- or channels-last-contiguous), or the per-sample and per-position ones
+        C-contiguous at their own shape; the parameters, inputs and buffers C-contiguous
+        (copied where they are not)."""
         meta, k, fmt = self.lay.meta, 1 + self.nt, self.fmt
         x = tens[0].contiguous(memory_format=fmt)
         full = [
@@ -200,12 +206,12 @@ class MultiPlan:
         cots = [c.contiguous(memory_format=self.fmt) for c in cots]
         dx = fresh_like(x)
         # a broadcast tensor's element gradients at x's shape, summed below; the kernel sums
-        # those of a tensor it reads at its own shape
+        # those of a per-sample tensor
         dts = [
             fresh_like(x)
             if self.kinds[t] == "x"
             else x.new_empty(self.tshapes[t])
-            if self.native[t]
+            if self.summed[t]
             else torch.empty_like(x)
             for t in self.gnames
         ]
@@ -236,7 +242,7 @@ class MultiPlan:
             as_x_came(d, like, back)
             if self.kinds[t] == "x"
             else d
-            if self.native[t]
+            if self.summed[t]
             else tensor_grad(meta, t, d.contiguous(), L, self.tshapes[t])
             for t, d in zip(self.gnames, dts)
         ]
@@ -261,10 +267,12 @@ _BACKWARD_SECTIONS = (
 
 
 def check_masks(plan: MultiPlan, tens: Sequence[torch.Tensor]) -> None:
-    """Every mask among a call's tensor inputs 0 or 1 (its shape and dtype are the plan's)."""
+    """Every mask among a call's tensor inputs 0 or 1 (its shape and dtype are the plan's),
+    counted by the C kernels' library in one read of the mask."""
     for k, t in plan.masks:
-        v = tens[k]
-        if v.numel() and not bool(((v == 0) | (v == 1)).all()):
+        v = tens[k].contiguous()
+        n = v.numel()
+        if n and plan.mask_check(v.data_ptr(), n, 1 if n < SERIAL_BELOW else plan.nthreads()):
             raise ValueError(f"{plan.name}: {t} is a mask: every value must be 0 or 1")
 
 
@@ -276,9 +284,9 @@ class MultiPlans:
     def __init__(self, lay: Layer) -> None:
         self.lay = lay
         # a channel layout's channels-last x runs the channels-last kernels (a position
-        # layout has none: the C kernels refuse it for these layers)
+        # layout has none: the C kernels refuse it for these layers; nor has reduce = "all")
         meta = lay.meta
-        self.channel_layout = meta.layout == "channels" and meta.reduce != "position" and not meta.blocks
+        self.channel_layout = meta.layout == "channels" and meta.reduce not in ("position", "all") and not meta.blocks
         self.ranges = [lay.meta.options[o] for o in lay.options]
         self._plans: dict = {}
         self.last_ext: dict = {}  # the C++ extension's plans: none for these layers

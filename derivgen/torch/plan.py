@@ -401,8 +401,10 @@ class PlanCache:
         # the layouts with channels-last kernels; a position layout's channels-last x is made
         # contiguous (its kernels walk channels-first memory)
         # a channel layout's channels-last tensors run the channels-last kernels (a layer with
-        # block statistics has none: its tensors are made NCHW-contiguous)
-        self.channel_layout = lay.meta.layout == "channels" and lay.meta.reduce != "position" and not lay.meta.blocks
+        # block statistics has none, nor the reduce = "all" layout, whose one group spans the
+        # channels: their tensors are made NCHW-contiguous)
+        meta = lay.meta
+        self.channel_layout = meta.layout == "channels" and meta.reduce not in ("position", "all") and not meta.blocks
         self._plans: dict = {}
         self.last_ext: dict = {}  # mode -> the C++ plan of the last call through the extension
 

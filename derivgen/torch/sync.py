@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from derivgen import runtime as rt
-from derivgen.runtime.abi import native
+from derivgen.runtime.abi import native, sums_own
 from derivgen.runtime.cbind import input_pairs
 from derivgen.symbolic.reduce import SELECTIONS
 from derivgen.torch.multi_plan import as_x_came
@@ -327,9 +327,9 @@ class _SyncFunction(torch.autograd.Function):
 class _SyncTensors(torch.autograd.Function):
     """A batch-reduced layer with tensor inputs beside x over a batch split across processes:
     the generated C split kernels (float32/float64) on NCHW-contiguous copies of the part and
-    its tensors written out at x's shape (the per-(sample, channel) ones at their own); y and
-    dx in x's memory format, each tensor's gradient over this part (a broadcast one summed
-    over its broadcast axes, by the kernel for a per-(sample, channel) one)."""
+    its tensors (those of x's shape; the per-(sample, channel) and per-position ones at their
+    own); y and dx in x's memory format, each tensor's gradient over this part (a broadcast
+    one summed over its broadcast axes, by the kernel for a per-(sample, channel) one)."""
 
     @staticmethod
     def forward(ctx, lay, pg, n, options, kw_inputs, ntens, x, *rest):
@@ -342,8 +342,8 @@ class _SyncTensors(torch.autograd.Function):
         if c is None:
             c = lay._csplit[x.dtype] = _CSplit(lay, x.dtype)
         xc = x.contiguous()
-        # at x's shape, written out, but the per-(sample, channel) ones, which the kernels read
-        # at their own shape (derivgen.runtime.abi.native)
+        # at x's shape, but the per-(sample, channel) and per-position ones, which the kernels
+        # read at their own shape (derivgen.runtime.abi.native)
         full = [
             v.contiguous() if native(meta, meta.tensors[t][0]) else full_tensor(meta, t, v, L).contiguous()
             for t, v in zip(tensor_inputs(meta), tens)
@@ -369,7 +369,7 @@ class _SyncTensors(torch.autograd.Function):
         names = tensor_inputs(meta)
         grads = [t for t in names if meta.tensors[t][1]]
         # a per-(sample, channel) tensor's gradient the kernel sums; the others' at x's shape
-        own = {t: native(meta, meta.tensors[t][0]) for t in grads}
+        own = {t: sums_own(meta, meta.tensors[t][0]) for t in grads}
         shapes = dict(zip(names, ctx.tshapes))
         dts = [xc.new_empty(shapes[t]) if own[t] else torch.empty_like(xc) for t in grads]
         first = dist.get_rank(ctx.pg) == 0

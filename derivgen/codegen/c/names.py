@@ -5,7 +5,8 @@ Element loads (:class:`Load`): x as ``Xv`` from ``x[Idx]``, ∂L/∂y as ``Dyv``
 ``dy[Idx]``, a tensor input or an output's cotangent a as ``a_V`` from ``a[Idx]`` (a
 trailing layout's ``sample`` tensor, read at its own shape, from ``a[Tb + (Idx - Off)]``:
 ``Tb`` its sample's first value, ``Idx - Off`` the feature; a channel layout's from
-``a[Tn + Ch]`` with the parameters; ``derivgen.runtime.abi.native``), a
+``a[Tn + Ch]`` with the parameters; a channel layout's ``position`` tensor from ``a[Pi]``,
+``Pi`` the element's sample and position; ``derivgen.runtime.abi.native``), a
 per-channel parameter p as ``p_V`` from ``p[Ch]``, a position mask m as ``m_V`` computed
 from its option and N at ``Ch``, and the second order's seeds (``Seed_x[Idx]``,
 ``<t>_Seed[Idx]``, ``<p>_Seed[Ch]``) under their own names. Group values
@@ -36,12 +37,27 @@ X = "Xv"  # x at the element: the element code's, and the group selections' of t
 # first value Tn (defined per sample) plus the channel, with the parameters
 NATIVE_INDEX = "Tb + (Idx - Off)"
 CHANNEL_INDEX = "Tn + Ch"
+# a channel layout's per-position tensor, (N, 1, *spatial): at the element's sample n and
+# position s, Pi = n * S + s, which the templates define at every element that reads one
+# (from the block's Tp = n * S in the NCHW kernels, from the row in the channels-last ones)
+POSITION_INDEX = "Pi"
 
 
 def native_names(spec: Spec) -> list[str]:
-    """The tensor inputs the kernels read at their own shape (the "sample" ones:
-    ``derivgen.runtime.abi.native``), in spec order."""
+    """The tensor inputs the kernels read at their own shape (the "sample" and "position"
+    ones: ``derivgen.runtime.abi.native``), in spec order."""
+    return [t.name for t in spec.tensors if t.shape in ("sample", "position")]
+
+
+def summed_names(spec: Spec) -> list[str]:
+    """The tensor inputs whose gradients the backward kernel sums itself, stored at their
+    own shape (the "sample" ones: ``derivgen.runtime.abi.sums_own``), in spec order."""
     return [t.name for t in spec.tensors if t.shape == "sample"]
+
+
+def position_names(spec: Spec) -> list[str]:
+    """The tensor inputs read at ``Pi`` (a channel layout's "position" ones), in spec order."""
+    return [t.name for t in spec.tensors if t.shape == "position"]
 
 
 @dataclass(frozen=True)
@@ -57,7 +73,7 @@ class Load:
     @property
     def at_element(self) -> bool:
         """Loaded at the element (x's index, or a native tensor's), not per channel or computed."""
-        return "Idx" in self.index
+        return "Idx" in self.index or self.index == POSITION_INDEX
 
     @property
     def reads(self) -> tuple[str, ...]:
@@ -82,9 +98,9 @@ def load_table(spec: Spec, arrays: Sequence[str], seeds: SecondIR | None = None)
     table = {"x": Load(X, "x", "Idx"), "dy": Load("Dyv", "dy", "Idx")}
     if seeds is not None:
         table[seeds.seed_x] = Load(seeds.seed_x, "Seed_x", "Idx")
-    native = set(native_names(spec))
-    own = NATIVE_INDEX if spec.layout == "trailing" else CHANNEL_INDEX
-    table.update({a: Load(derived(a, "V"), a, own if a in native else "Idx") for a in arrays})
+    own = dict.fromkeys(native_names(spec), NATIVE_INDEX if spec.layout == "trailing" else CHANNEL_INDEX)
+    own.update(dict.fromkeys(position_names(spec), POSITION_INDEX))
+    table.update({a: Load(derived(a, "V"), a, own.get(a, "Idx")) for a in arrays})
     if seeds is not None:
         table.update({sd: Load(sd, t + "_Seed", "Idx") for t, sd in seeds.seed_tensors.items()})
     table.update({p: Load(derived(p, "V"), p, "Ch") for p in chan})

@@ -22,7 +22,16 @@ from derivgen.codegen.c.blocks import BlockPasses, BlockSlots, block_pass, block
 from derivgen.codegen.c.ctext import ATYPES, c_store, output_array
 from derivgen.codegen.c.floats import exact_selection, kv, shared_calls, sums_in_float
 from derivgen.codegen.c.layouts import batch_arrays, nhwc_sweep, row_sweep
-from derivgen.codegen.c.names import CHANNEL_INDEX, X, group_names, load_table, locals_of, native_names
+from derivgen.codegen.c.names import (
+    CHANNEL_INDEX,
+    POSITION_INDEX,
+    X,
+    group_names,
+    load_table,
+    locals_of,
+    native_names,
+    summed_names,
+)
 from derivgen.codegen.c.types import (
     BackwardPlan,
     BlockPass,
@@ -77,6 +86,7 @@ class CPlanner:
         self.arrays = [t.name for t in spec.tensors] + [o.cotangent.name for o in spec.outputs]
         self.loads = load_table(spec, self.arrays)  # the naming table (names.py)
         self.native = set(native_names(spec))  # tensors read at their own shape
+        self.summed = set(summed_names(spec))  # and those whose gradients the backward kernel sums
         self.elem_names = locals_of(self.loads)
 
     def _block_pass(self, slot: int, body: sympy.Expr, kind: str, temps: list) -> BlockPass:
@@ -311,8 +321,11 @@ class CPlanner:
         # the arrays of x's shape read ahead (a tensor read at its own shape is not: its values
         # are those of a sample, read again by every row)
         streamed = [a for a in self.arrays if a not in self.native]
+        # a per-position tensor is read at the element's position (Pi), which the runs of the
+        # parameter sweeps know: along the channels (S == 1) one position, else runs of S
+        positions = any(ld.index == POSITION_INDEX for n, ld in loads.items() if n in names)
         return CLoop(
-            uses_params=bool(param_loads) or bool(chan_sums) or bool(called),
+            uses_params=bool(param_loads) or bool(chan_sums) or bool(called) or positions,
             prelude=_live(prelude, frozenset(body_reads | pend_reads)),
             param_loads=tuple(param_loads),
             elem_loads=tuple(elem_loads),
@@ -325,6 +338,7 @@ class CPlanner:
             tensor_slots=tuple(tensor_slots),
             tensor_single=tuple((k, c_store(f"(double)({e})", ctype)) for k, e in pend if k in dict(tensor_slots)),
             sample_index=bool(tensor_slots) or any(ld.index == CHANNEL_INDEX for n, ld in loads.items() if n in names),
+            position_index=positions,
             outputs=tuple(outputs),
             prefetch=tuple(a for a in ("x", "dy", *streamed) if a in names) if first else (),
             ahead_next=tuple(a for a in ("x", "dy", *streamed) if a in names) if second else (),
@@ -498,10 +512,10 @@ class CPlanner:
             dx_expr = self.ir.dx_closed
         if self.ir.dcore is not None:  # ∂L/∂h once per element: dx and the tensors' gradients read it
             temps.append(self.ir.dcore)
-        # a tensor read at its own shape has its gradient summed in the sweep; the others' are
-        # stored at x's shape
-        dts = [("d" + t, e) for t, e in self.ir.dtensors if t not in self.native]
-        tsums = [(t, e) for t, e in self.ir.dtensors if t in self.native]
+        # a per-sample tensor has its gradient summed in the sweep; the others' are stored at
+        # x's shape (a per-position one's too: its sum over the channels crosses the groups)
+        dts = [("d" + t, e) for t, e in self.ir.dtensors if t not in self.summed]
+        tsums = [(t, e) for t, e in self.ir.dtensors if t in self.summed]
         pexprs = [e for _, e in self.ir.dparams]
         trailing = self.spec.layout == "trailing"
         # a channel layout's per-(sample, channel) tensors: parameter-sum slots after the parameters'

@@ -84,6 +84,9 @@ class CLoop:
     # the sweep reads or sums a channel layout's per-(sample, channel) tensor: the templates
     # define Tn, the block's sample's first value of it
     sample_index: bool = False
+    # the sweep reads a channel layout's per-position tensor: the templates define Pi, the
+    # element's (sample, position) index into it (uses_params: the runs know the position)
+    position_index: bool = False
 
     # Runs whose iterations carry no lane sums may start their lane blocks anywhere, so a
     # long streaming run peels a scalar head up to a 64-byte boundary of its single output
