@@ -146,8 +146,22 @@ def c_int_power(b: str, n: int) -> str:
     return f"{half}*{half}*{b}" if n % 2 else f"{half}*{half}"
 
 
+def half_integer(e: sympy.Expr) -> int:
+    """n when ``e`` is n/2 for an odd n with 3 <= |n| <= 2*C_INT_POWER_MAX + 1 (a power the C
+    printers write as a square root times products), else 0."""
+    if e.is_Rational and e.q == 2 and 3 <= abs(e.p) <= 2 * C_INT_POWER_MAX + 1:
+        return int(e.p)
+    return 0
+
+
+class TileRead(str):
+    """The C text of a window's value read from a tile the kernel computed before the loop
+    (derivgen.codegen.c.windows.WindowFunctions.tiles), where any other text a printer's
+    ``windows`` gives is a call of a window function."""
+
+
 class _C(SpellsFunctions, _Ordered, C99CodePrinter):
-    def __init__(self, ctype: str, rename: dict[str, str], names, windows=None):
+    def __init__(self, ctype: str, rename: dict[str, str], names, windows=None, scalar: bool = False):
         alias = float32 if ctype == "float" else float64
         super().__init__({"type_aliases": {real: alias}, "math_macros": {}})  # no M_SQRT2: strict C99
         self.ctype = ctype
@@ -155,13 +169,24 @@ class _C(SpellsFunctions, _Ordered, C99CodePrinter):
         self.names = names
         self.windows = windows  # Window -> C call text (derivgen.codegen.c.windows.WindowFunctions)
         self.printed: set[str] = set()  # what the symbols printed as, for the planner
+        # the code runs element by element (a window function's loop over the neighbours, or an
+        # expression calling a window function: no loop around it vectorizes)
+        self.scalar = scalar
+
+    def doprint(self, expr, assign_to=None):
+        text = super().doprint(expr, assign_to)
+        # there a double power calls the one out-of-line copy of Dg_pow (Dg_pow_call): inlined,
+        # its few hundred operations only make the kernel's file slower to compile
+        return text.replace("Dg_pow(", "Dg_pow_call(") if self.scalar else text
 
     def _print_Window(self, expr):
-        """A call of the kernel's function summing the window's body over the neighbours (a
-        double; a float sweep rounds it once)."""
+        """A call of the kernel's function summing the window's body over the neighbours, or
+        its tile's value (a double; a float sweep rounds it once)."""
         if self.windows is None:
             raise ValueError(f"no C function for {expr}: the planner gives the printer its windows")
         text = self.windows(expr)
+        if not isinstance(text, TileRead):
+            self.scalar = True
         return f"(float){text}" if self.ctype == "float" else text
 
     def _print_elementary(self, fn: functions.Elementary, expr: sympy.Expr) -> str:
@@ -201,9 +226,19 @@ class _C(SpellsFunctions, _Ordered, C99CodePrinter):
         if root:
             text = self._spell(functions.half_power(), (expr.base,))
             return text if root > 0 else f"{self._print(sympy.S.One)}/{text}"
-        if self.ctype == "float" and expr.exp != -1 and expr.exp != sympy.Rational(1, 3):
-            # powf is a libm call no loop vectorizes; Dg_powf is inline (derivgen-kernels.h)
-            return f"Dg_powf({self._print(expr.base)}, {self._print(expr.exp)})"
+        n = half_integer(expr.exp)
+        if n:
+            # b**(n/2) as sqrt(b) times the integer power b**((|n| - 1)/2): no pow call, a
+            # correctly rounded root and products (docs/numerics.md bounds the rounding)
+            b = self.parenthesize(expr.base, sympy.printing.precedence.PRECEDENCE["Mul"])
+            k = (abs(n) - 1) // 2
+            prod = f"{self._spell(functions.half_power(), (expr.base,))}*{b if k == 1 else f'({c_int_power(b, k)})'}"
+            return f"({prod})" if n > 0 else f"({self._print(sympy.S.One)}/({prod}))"
+        if expr.exp != -1 and expr.exp != sympy.Rational(1, 3):
+            # pow and powf are libm calls no loop vectorizes; Dg_pow and Dg_powf are inline
+            # (derivgen-kernels.h)
+            fn = "Dg_powf" if self.ctype == "float" else "Dg_pow"
+            return f"{fn}({self._print(expr.base)}, {self._print(expr.exp)})"
         return super()._print_Pow(expr)
 
 
@@ -269,10 +304,11 @@ class SpecPrinter:
         return self.c_reads(e, ctype, rename, windows)[0]
 
     def c_reads(
-        self, e: sympy.Expr, ctype: str, rename: dict[str, str] | None = None, windows=None
+        self, e: sympy.Expr, ctype: str, rename: dict[str, str] | None = None, windows=None, scalar: bool = False
     ) -> tuple[str, frozenset[str]]:
-        """C text as :meth:`c`, and what its symbols printed as (the names it reads)."""
-        printer = _C(ctype, rename or {}, self.names, windows)
+        """C text as :meth:`c`, and what its symbols printed as (the names it reads); ``scalar``:
+        the text runs element by element (see ``_C.scalar``)."""
+        printer = _C(ctype, rename or {}, self.names, windows, scalar)
         return printer.doprint(e), frozenset(printer.printed)
 
     def c_float_reads(

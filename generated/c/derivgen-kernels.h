@@ -355,13 +355,24 @@ static inline double Dg_softplus(double x)
     return Dg_sel_d(x > 0.0, x, 0.0) + Dg_log1p(Dg_exp(-fabs(x)));
 }
 
+/* Dg_powf, Dg_pow and Dg_two_prod are inlined wherever they are called: GCC calls a function
+ * this long out of line from a kernel that calls it in many places, and a loop with a call
+ * is not vectorized. Dg_pow_call is Dg_pow's one out-of-line copy in a file */
+#if defined(__GNUC__)
+#define DG_ALWAYS_INLINE __attribute__((always_inline))
+#define DG_OUT_OF_LINE __attribute__((noinline, unused))
+#else
+#define DG_ALWAYS_INLINE
+#define DG_OUT_OF_LINE inline
+#endif
+
 /* a^b as powf: e^(b log|a|) in double (Dg_log, Dg_exp) rounded once to float. Where a^b is
  * a finite float, |b log|a|| < 104, so the double's relative error is below 2^-44 and the
  * float result is within 0.5 ulp + 2^-20 ulp of the exact value (docs/numerics.md).
  * C99's special values: a^0 = 1^b = 1 (even for NaN), a < 0 gives |a|^b with the sign of a
  * for odd integers b and NaN for finite a and b, b not an integer, (-1)^(±inf) = 1, and ±0 and ±inf
  * bases as powf. An integer b: |b| >= 2^23 (every such float), or |b| + 2^23 - 2^23 == |b|. */
-static inline float Dg_powf(float a, float b)
+static inline DG_ALWAYS_INLINE float Dg_powf(float a, float b)
 {
     const float A = fabsf(a), Bb = fabsf(b);
     const double Y = (double)b * Dg_log((double)A);
@@ -378,6 +389,143 @@ static inline float Dg_powf(float a, float b)
     r = Dg_sel_f(Nan, Dg_f_bits(0x7fc00000u), r);
     r = Dg_sel_f((uint32_t)(Bb == Inf) & (uint32_t)(A == 1.0f), 1.0f, r);      /* (-1)^(±inf): not inf*0 */
     return Dg_sel_f((uint32_t)(b == 0.0f) | (uint32_t)(a == 1.0f), 1.0f, r);
+}
+
+/* a*b = P + *Lo exactly (Dekker's product: no fused multiply-add, the kernels build with
+ * -ffp-contract=off): each operand split in two 26-bit halves (Veltkamp; |a|, |b| < 2^995
+ * and |a*b| well above the underflow threshold) */
+static inline DG_ALWAYS_INLINE double Dg_two_prod(double a, double b, double *Lo)
+{
+    const double Ca = 134217729.0 * a, Ah = Ca - (Ca - a), Al = a - Ah;   /* 2^27 + 1 */
+    const double Cb = 134217729.0 * b, Bh = Cb - (Cb - b), Bl = b - Bh;
+    const double P = a * b;
+    *Lo = ((Ah * Bh - P) + Ah * Bl + Al * Bh) + Al * Bl;
+    return P;
+}
+
+/* a^b as pow: e^(b log|a|), with log|a| as a sum Lh + Ll of two doubles (about 2^-100
+ * relative), b log|a| as Yh + Yl, and e^(Yh + Yl) summed in extra precision up to one last
+ * rounding, so the error stays near half an ulp however large |b log|a|| is (a double's
+ * product b log|a| would be off by up to 2^-53 |b log|a||, 80 ulp at 709).
+ *   log|a| = k ln 2 + log m, m in [sqrt(1/2), sqrt(2)) (subnormal a scaled by 2^54), f = m - 1
+ *   (exact), s = f/(2 + f) = Sh + Sl, log m = 2s + s^3 (2/3 + 2/5 s^2 + s^4 T(s^2)), the
+ *   Taylor series of 2 atanh s (|s| < 0.1716), its leading terms in two doubles;
+ *   e^y = 2^j e^r, r = y - j ln 2 = Rh + Rl (|r| <= ln2/2), e^r = 1 + r + r^2/2 + r^3 P(r)
+ *   (Taylor, to r^14), 1 + Rh + Rh^2/2 summed exactly and the rest added once.
+ * C99's special values (as Dg_powf): a^0 = 1^b = 1 (even for NaN), a < 0 gives |a|^b with the
+ * sign of a for odd integers b and NaN for finite a and b, b not an integer, (-1)^(±inf) = 1,
+ * ±0 and ±inf bases and ±inf exponents as pow (0 or inf as |a| > 1 and b > 0 agree, the sign
+ * of a for odd b), NaN otherwise where a or b is NaN. An integer b: |b| >= 2^52, or
+ * |b| + 2^52 - 2^52 == |b|; odd: the last bit of |b| + 2^52 (of |b| from 2^52 to 2^53). */
+static inline DG_ALWAYS_INLINE double Dg_pow(double a, double b)
+{
+    const double A = fabs(a), Bb = fabs(b);
+    const double Inf = Dg_d_bits(0x7ff0000000000000u);
+    /* log A = K ln 2 + log M */
+    const uint64_t Sub = A < 2.2250738585072014e-308;
+    const double Xs = Dg_sel_d(Sub, A * 18014398509481984.0, A);   /* 2^54 */
+    const uint64_t Ix = Dg_bits_d(Xs) + (0x3ff0000000000000u - 0x3fe6a09e667f3bcdu);
+    const double K = (Dg_d_bits(0x4330000000000000u | (Ix >> 52)) - 4503599627370496.0) - Dg_sel_d(Sub, 1077.0, 1023.0);
+    const double F = Dg_d_bits((Ix & 0x000fffffffffffffu) + 0x3fe6a09e667f3bcdu) - 1.0;
+    const double D = 2.0 + F, Dl = F - (D - 2.0);                  /* 2 + F = D + Dl, exactly */
+    const double Sh = F / D;
+    double Pl, Zl, Vl, Tl, Ul;
+    const double Ph = Dg_two_prod(Sh, D, &Pl);
+    const double Sl = (((F - Ph) - Pl) - Sh * Dl) / D;             /* F - Ph: exact */
+    const double Zh = Dg_two_prod(Sh, Sh, &Zl);                    /* s^2 */
+    Zl += 2.0 * Sh * Sl;
+    double T = 0.07407407407407407;                                /* 2/27 */
+    T = T * Zh + 0.08;
+    T = T * Zh + 0.08695652173913043;
+    T = T * Zh + 0.09523809523809523;
+    T = T * Zh + 0.10526315789473684;
+    T = T * Zh + 0.11764705882352941;
+    T = T * Zh + 0.13333333333333333;
+    T = T * Zh + 0.15384615384615385;
+    T = T * Zh + 0.18181818181818182;
+    T = T * Zh + 0.2222222222222222;
+    T = T * Zh + 0.2857142857142857;                               /* 2/7 */
+    /* Q = 2/3 + 2/5 s^2 + s^4 T = Qh + Ql */
+    const double Vh = Dg_two_prod(Zh, 0.4, &Vl);
+    Vl += Zl * 0.4 + Zh * -2.2204460492503132e-17 + (Zh * Zh) * T;
+    const double V = Vh + Vl;
+    const double Qh = 0.6666666666666666 + V;
+    const double Ql = ((0.6666666666666666 - Qh) + V) + (3.700743415417188e-17 + (Vl - (V - Vh)));
+    /* U = s^3 Q = (s s^2) Q */
+    const double Th = Dg_two_prod(Sh, Zh, &Tl);
+    Tl += Sh * Zl + Sl * Zh;
+    const double Uh = Dg_two_prod(Th, Qh, &Ul);
+    Ul += Th * Ql + Tl * Qh;
+    /* log A = K ln2 + 2 Sh + (Uh + 2 Sl + Ul), ln 2's high part times K exact (|K| < 2^11) */
+    const double S2 = 2.0 * Sh, M1 = S2 + Uh, M1l = (Uh - (M1 - S2)) + (2.0 * Sl + Ul);
+    const double Kh = K * 6.93147180369123816490e-01;
+    const double H = Kh + M1, Hl = (M1 - (H - Kh)) + (M1l + K * 1.9082149292705877e-10);
+    const double Lh = H + Hl, Ll = Hl - (Lh - H);
+    /* y = b log A = Yh + Yl; |b| capped at 2^64 (beyond it |y| > 2029 for every A != 1) */
+    const double Bc = Dg_sel_d(Bb > 18446744073709551616.0, Dg_signed_d(18446744073709551616.0, b), b);
+    double Yl;
+    const double Yh0 = Dg_two_prod(Bc, Lh, &Yl);
+    Yl += Bc * Ll;
+    /* e^y: clamped past the overflow and underflow edges (then without Yl) */
+    const uint64_t Out = (uint64_t)(Yh0 > 709.8) | (uint64_t)(Yh0 < -746.0);
+    double Yh = Dg_sel_d(Yh0 > 709.8, 709.8, Yh0);
+    Yh = Dg_sel_d(Yh < -746.0, -746.0, Yh);
+    Yl = Dg_sel_d(Out, 0.0, Yl);
+    const double Sh52 = 6755399441055744.0;                        /* 0x1.8p52 */
+    const double Z = Yh * 1.4426950408889634 + Sh52;
+    const double Jf = Z - Sh52;
+    const double R1 = Yh - Jf * 6.93147180369123816490e-01;        /* exact */
+    const double R2 = Jf * 1.9082149292705877e-10 - Yl;
+    const double Rh = R1 - R2, Rl = (R1 - Rh) - R2;
+    double P = 1.1470745597729725e-11;                             /* 1/14! */
+    P = P * Rh + 1.6059043836821613e-10;
+    P = P * Rh + 2.08767569878681e-09;
+    P = P * Rh + 2.505210838544172e-08;
+    P = P * Rh + 2.755731922398589e-07;
+    P = P * Rh + 2.7557319223985893e-06;
+    P = P * Rh + 2.48015873015873e-05;
+    P = P * Rh + 1.984126984126984e-04;
+    P = P * Rh + 1.388888888888889e-03;
+    P = P * Rh + 8.333333333333333e-03;
+    P = P * Rh + 4.1666666666666664e-02;
+    P = P * Rh + 1.6666666666666666e-01;                           /* 1/3! */
+    double R2l;
+    const double R2h = Dg_two_prod(Rh, Rh, &R2l);                  /* r^2 */
+    const double Hh = 0.5 * R2h;
+    const double E1 = 1.0 + Rh, E1l = Rh - (E1 - 1.0);
+    const double E2 = E1 + Hh, E2l = Hh - (E2 - E1);
+    const double Et = (E1l + E2l) + (0.5 * R2l + (R2h * Rh * P + Rl * (1.0 + Rh + Hh)));
+    const uint64_t J = Dg_bits_d(Z) - Dg_bits_d(Sh52);
+    const uint64_t J1 = ((J + 2048u) >> 1) - 1024u, J2 = J - J1;
+    const double Rn = (E2 + Et) * Dg_d_bits((J1 + 1023u) << 52) * Dg_d_bits((J2 + 1023u) << 52);
+    /* a subnormal result: (E2 + Et) 2^(j + 1022) (below 1) added to 1 rounds once, at the bit
+     * of 2^-1074 (not to 53 bits first, then again), and 1 is taken off exactly */
+    const double Es = E2 * Dg_d_bits((J + 2045u) << 52), Ets = Et * Dg_d_bits((J + 2045u) << 52);
+    const double Ws = 1.0 + Es, Wl = Es - (Ws - 1.0);
+    const double Rs = ((Ws + (Wl + Ets)) - 1.0) * 2.2250738585072014e-308;
+    const double Rm = Dg_sel_d((uint64_t)(Rn < 2.2250738585072014e-308), Rs, Rn);
+    /* the special values */
+    const double Sh52b = 4503599627370496.0;                       /* 2^52 */
+    const uint64_t Whole = (uint64_t)(Bb >= Sh52b) | (uint64_t)((Bb + Sh52b) - Sh52b == Bb);
+    const double Bp = Dg_sel_d(Bb < Sh52b, Bb + Sh52b, Bb);
+    const uint64_t Odd = Whole & (uint64_t)(Bb < 9007199254740992.0) & (Dg_bits_d(Bp) & 1u);
+    const uint64_t Neg = Dg_bits_d(a) >> 63;
+    const uint64_t Edge = (uint64_t)(A == 0.0) | (uint64_t)(A == Inf) | (uint64_t)(Bb == Inf);
+    double r = Dg_sel_d(Edge, Dg_sel_d((uint64_t)(A > 1.0) ^ (uint64_t)(b < 0.0), Inf, 0.0), Rm);
+    r = Dg_sel_d(Neg & Odd, -r, r);
+    const uint64_t Nan = (uint64_t)(a < 0.0) & (uint64_t)(A < Inf) & (Whole ^ 1u) & (uint64_t)(Bb < Inf);
+    r = Dg_sel_d(Nan, Dg_d_bits(0x7ff8000000000000u), r);
+    r = Dg_sel_d((uint64_t)(Bb == Inf) & (uint64_t)(A == 1.0), 1.0, r);
+    r = Dg_sel_d((uint64_t)(a != a) | (uint64_t)(b != b), a + b, r);
+    return Dg_sel_d((uint64_t)(b == 0.0) | (uint64_t)(a == 1.0), 1.0, r);
+}
+
+/* Dg_pow called: what a double power prints as in code that runs element by element anyway (a
+ * window function's loop over the neighbours, an expression calling one), where inlining
+ * Dg_pow would only make the kernel's file slower to compile (derivgen/codegen/printers.py) */
+static DG_OUT_OF_LINE double Dg_pow_call(double a, double b)
+{
+    return Dg_pow(a, b);
 }
 /* non-temporal stores (and plain copies) of one vector: x86 intrinsics, the widest the
  * build targets */

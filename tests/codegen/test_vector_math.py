@@ -1,12 +1,14 @@
 """The vectorizable elementary functions of generated/c/derivgen-kernels.h (Dg_expf, Dg_logf,
-Dg_log1pf, Dg_tanhf, Dg_erff, Dg_sigmoidf, Dg_softplusf and the double ones): their error in
-ulp over the whole range against libm one type wider (double for float, long double for
-double), the special values (±0, ±inf, NaN, subnormals, the overflow and underflow edges) as
-libm gives them, the same bits from an SSE2 and the best build this CPU runs, the error table
+Dg_log1pf, Dg_tanhf, Dg_erff, Dg_sigmoidf, Dg_softplusf, the double ones, and the powers
+Dg_powf and Dg_pow): their error in ulp over the whole range against libm one type wider
+(double for float, long double for double), the special values (±0, ±inf, NaN, subnormals,
+the overflow and underflow edges) as libm gives them, the same bits from an SSE2 and the best build this CPU runs, the error table
 of docs/numerics.md, and that GCC vectorizes a loop calling each one (SSE2, AVX2, AVX-512:
 compiled, never run where the CPU lacks it)."""
 
+import math
 import platform
+import random
 import re
 import subprocess
 
@@ -18,7 +20,8 @@ from derivgen.symbolic import functions
 
 FLOAT = ["expf", "logf", "log1pf", "tanhf", "erff", "sigmoidf", "softplusf"]
 DOUBLE = ["exp", "log", "log1p", "tanh", "sigmoid", "softplus"]
-BINARY = ["powf"]  # a^b (float): the C printer's spelling of a power other than an integer or a half
+# a^b (float, double): the C printer's spelling of a power other than an integer or a half
+BINARY = ["powf", "pow"]
 # the sweep: every STRIDE-th float bit pattern of the whole range, every STRIDE_NEAR-th of
 # |x| <= 16 (offset 3), every STRIDE_ONE-th float in [0.5, 2]; COUNT random doubles in each of
 # four regions. The quick sweep is a subset of the full one (strides multiples of its, the
@@ -134,8 +137,31 @@ static void flush_p(void)
 }
 static void judge_p(float a, float b) { xa[np] = a; xb[np++] = b; if (np == BLOCK) flush_p(); }
 
+/* a^b in double, against powl (x87 long double: 64 bits, its own error under 2^-11 ulp of a
+ * double); Dg_pow_call (the copy generated code calls where it runs element by element) gives
+ * the same bits */
+static double da[BLOCK], db[BLOCK], dq[BLOCK];
+static int nq = 0;
+static void ev_pow(double *restrict y, const double *restrict a, const double *restrict b, int n)
+{
+    for (int i = 0; i < n; ++i) y[i] = Dg_pow(a[i], b[i]);
+}
+static void flush_q(void)
+{
+    ev_pow(dq, da, db, nq);
+    for (int i = 0; i < nq; ++i) {
+        judge_d(da[i], dq[i], powl((long double)da[i], (long double)db[i]));
+        const double c = Dg_pow_call(da[i], db[i]);
+        if (Dg_bits_d(c) != Dg_bits_d(dq[i]) && !(isnan(c) && isnan(dq[i])) && ++mismatches <= 5)
+            fprintf(stderr, "Dg_pow_call(%a, %a) = %a, Dg_pow %a\n", da[i], db[i], c, dq[i]);
+    }
+    nq = 0;
+}
+static void judge_q(double a, double b) { da[nq] = a; db[nq++] = b; if (nq == BLOCK) flush_q(); }
+
 static uint64_t Rng;
 static uint64_t next(void) { Rng ^= Rng << 13; Rng ^= Rng >> 7; Rng ^= Rng << 17; return Rng; }
+static double unit(void) { return (double)(next() >> 11) * 0x1p-53; }
 
 int main(int argc, char **argv)
 {
@@ -218,6 +244,49 @@ int main(int argc, char **argv)
         for (size_t i = 0; i < 3; ++i)
             for (uint64_t u = 0x3f000000u; u <= 0x40000000u; u += one) judge_p(Dg_f_bits((uint32_t)u), SL[i]);
         flush_p();
+    }
+    if (strcmp(argv[1], "pow") == 0) {
+        /* a^b: count pairs in each of: any positive a with b = y/log a, y in [-745, 709.7] (the
+         * whole range of results, subnormal ones too, |b log a| large); a = 1 + u 2^-k (k < 50)
+         * with y as before (large |b|); a at the ends of the reduction, m near sqrt(1/2) and
+         * sqrt(2) (the largest |s|), |y| from 690; a in [2^-30, 2^10) and b in [-8, 8); a
+         * negative, b an integer up to 100; a and b any bit patterns (overflow, underflow,
+         * NaN); a in [1, 2] with LRN's b = -1.75 and -0.75. Then every pair of the special
+         * values and their neighbours. */
+        Rng = 4242424242424242424u;
+        for (long i = 0; i < count; ++i) {
+            const double a = Dg_d_bits(next() & 0x7fefffffffffffffu), y = unit() * 1454.7 - 745.0, l = log(a);
+            judge_q(a, l == 0.0 ? y : y / l);
+        }
+        for (long i = 0; i < count; ++i) {
+            const double a = 1.0 + (unit() - 0.5) * ldexp(1.0, -(int)(next() % 50u)), y = unit() * 1454.7 - 745.0;
+            const double l = log(a);
+            judge_q(a, l == 0.0 ? y : y / l);
+        }
+        for (long i = 0; i < count; ++i) {
+            const double m = (next() & 1u) ? 1.4142135623730951 - unit() * 0.02 : 0.70710678118654757 + unit() * 0.02;
+            const double a = ldexp(m, (int)(next() % 2046u) - 1022);
+            const double y = (next() & 1u) ? 690.0 + unit() * 19.7 : -690.0 - unit() * 55.0;
+            judge_q(a, y / log(a));
+        }
+        for (long i = 0; i < count; ++i) judge_q(ldexp(1.0 + unit(), (int)(next() % 40u) - 30), (unit() - 0.5) * 16.0);
+        for (long i = 0; i < count; ++i)
+            judge_q(-ldexp(1.0 + unit(), (int)(next() % 40u) - 20), (double)((int)(next() % 201u) - 100));
+        for (long i = 0; i < count; ++i) judge_q(Dg_d_bits(next()), Dg_d_bits(next()));
+        for (long i = 0; i < count; ++i) { judge_q(1.0 + unit(), -1.75); judge_q(1.0 + unit(), -0.75); }
+        static const double SQ[] = {0.0, 1.0, 2.0, 3.0, 0.5, 0.75, 1.75, 4.9406564584124654e-324, 2.2250738585072014e-308,
+                                    1.7976931348623157e+308, 4503599627370495.0, 4503599627370496.0, 4503599627370497.0,
+                                    9007199254740991.0, 9007199254740992.0, 9007199254740994.0, 1e300, 1e-300,
+                                    0.99999999999999989, 1.0000000000000002, 18446744073709551616.0, 709.78, 745.2,
+                                    1023.0, 1024.0, 1074.0, 1075.0, INFINITY, NAN};
+        const int ns = (int)(sizeof SQ / sizeof SQ[0]);
+        for (int i = 0; i < 2 * ns; ++i)
+            for (int j = 0; j < 2 * ns; ++j) {
+                const double a = i < ns ? SQ[i] : -SQ[i - ns], b = j < ns ? SQ[j] : -SQ[j - ns];
+                judge_q(a, b); judge_q(nextafter(a, 0.0), b); judge_q(nextafter(a, INFINITY), b);
+                judge_q(a, nextafter(b, 0.0)); judge_q(a, nextafter(b, INFINITY));
+            }
+        flush_q();
     }
     printf("%s %.6f %a %ld %ld %016llx\n", argv[1], worst, worst_at, mismatches, evaluated, (unsigned long long)sum);
     return 0;
@@ -337,6 +406,66 @@ def test_error_within_the_documented_bound(name, sweep, drivers):
     assert len({r["checksum"] for r in results.values()}) == 1, results
 
 
+POW_VALUES = r"""
+#include "derivgen-kernels.h"
+#include <stdio.h>
+
+int main(void)
+{
+    char a[64], b[64];
+    while (scanf("%63s %63s", a, b) == 2) printf("%a\n", Dg_pow(strtod(a, NULL), strtod(b, NULL)));
+    return 0;
+}
+"""
+
+
+def _pow_pairs(n: int, rng) -> list[tuple[float, float]]:
+    """Pairs (a, b) whose power is finite and nonzero: a = m 2^e with any exponent, a near 1,
+    and LRN's bases and exponents; b = y/log a for y over the whole range of results."""
+    out = []
+    for k in range(n):
+        if k % 3 == 2:
+            out.append((1.0 + rng.uniform(0.0, 1.0), rng.choice([-1.75, -0.75])))
+            continue
+        if k % 3 == 0:
+            a = math.ldexp(rng.uniform(0.5, 1.0), rng.randrange(-1073, 1025))
+        else:
+            a = 1.0 + rng.uniform(-0.5, 0.5) * 2.0 ** -rng.randrange(0, 50)
+        y = rng.uniform(-745.0, 709.7)
+        out.append((a, y / math.log(a) if a != 1.0 else y))
+    return out
+
+
+def test_pow_against_mpmath(tmp_path):
+    """Dg_pow at 2,000 pairs with |b log a| up to 745 (results from the largest double down to
+    subnormal ones) within its documented bound of the exact power, computed by mpmath in
+    200-bit arithmetic: the sweeps' reference, libm's long double powl, checked by another."""
+    _x86()
+    mpmath = pytest.importorskip("mpmath")
+    cc = require_tool("gcc")
+    (tmp_path / "pow.c").write_text(POW_VALUES)
+    exe = tmp_path / "pow"
+    cmd = [cc, *STRICT, *KERNEL, f"-march={_best()}", f"-I{ROOT / 'generated' / 'c'}", str(tmp_path / "pow.c")]
+    subprocess.run([*cmd, "-o", str(exe), "-lm"], check=True)
+    pairs = _pow_pairs(2000, random.Random(20250101))
+    text = "".join(f"{a.hex()} {b.hex()}\n" for a, b in pairs)
+    got = [
+        float.fromhex(v)
+        for v in subprocess.run([str(exe)], input=text, capture_output=True, text=True, check=True).stdout.split()
+    ]
+    assert len(got) == len(pairs)
+    bound = doc_table()["pow"][1]
+    worst = 0.0
+    with mpmath.workprec(200):
+        for (a, b), r in zip(pairs, got):
+            exact = mpmath.power(mpmath.mpf(a), mpmath.mpf(b))
+            ulp = mpmath.ldexp(1, max(int(mpmath.floor(mpmath.log(exact, 2))) - 52, -1074))
+            err = float(abs(mpmath.mpf(r) - exact) / ulp)
+            assert err <= bound, (a.hex(), b.hex(), r, err)
+            worst = max(worst, err)
+    assert worst > 0.3  # the sample reaches results that round: the check can fail
+
+
 LOOPS = (
     r"""
 #include "derivgen-kernels.h"
@@ -347,9 +476,9 @@ LOOPS = (
         for n in names
     )
     + "".join(
-        f"void loop_{n}(float *restrict y, const float *restrict a, const float *restrict b, int n) "
+        f"void loop_{n}({t} *restrict y, const {t} *restrict a, const {t} *restrict b, int n) "
         f"{{ for (int i = 0; i < n; ++i) y[i] = Dg_{n}(a[i], b[i]); }}\n"
-        for n in BINARY
+        for n, t in zip(BINARY, ("float", "double"))
     )
 )
 

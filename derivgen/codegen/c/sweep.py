@@ -45,7 +45,7 @@ from derivgen.codegen.c.types import (
 )
 from derivgen.codegen.c.windows import WindowFunctions, hide_windows
 from derivgen.codegen.ir import Assign, Loop, ModeIR, Select, needed_temps
-from derivgen.codegen.printers import SpecPrinter
+from derivgen.codegen.printers import SpecPrinter, TileRead
 from derivgen.symbolic.window import Window
 
 
@@ -235,7 +235,7 @@ class CPlanner:
                 for t in self.windows.tiles(w, list(temps), loads, self.group_names):
                     if t not in tiles:
                         tiles.append(t)
-                return f"Wt_{fn.slot}[Ch * DG_NHWC_GROUPS + Gi]"
+                return TileRead(f"Wt_{fn.slot}[Ch * DG_NHWC_GROUPS + Gi]")
             return fn.call(self.group_names)
 
         kept = [nm for _, nm in (*keep_in, *keep_out)]

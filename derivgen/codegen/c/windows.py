@@ -16,7 +16,7 @@ import sympy
 
 from derivgen.codegen.c.names import Load
 from derivgen.codegen.ir import needed_temps
-from derivgen.codegen.printers import SpecPrinter
+from derivgen.codegen.printers import SpecPrinter, TileRead
 from derivgen.symbolic.window import Window
 
 
@@ -73,15 +73,15 @@ class WindowFunctions:
                 if inner.name in fn.inner:
                     self._use(inner)
 
-    def _body(self, w, needed, names: dict, nested) -> tuple[list[str], str, set[str]]:
+    def _body(self, w, needed, names: dict, nested, scalar: bool) -> tuple[list[str], str, set[str]]:
         """A window's temporaries as C declarations, its body as C text (double), and every
-        name they read."""
+        name they read; ``scalar``: in the function's loop over the neighbours."""
         lines, reads = [], set()
         for nm, te in needed:
-            text, r = self.printer.c_reads(te, "double", names, nested)
+            text, r = self.printer.c_reads(te, "double", names, nested, scalar)
             lines.append(f"const double {nm} = {text};")
             reads |= r
-        body, r = self.printer.c_reads(w.body, "double", names, nested)
+        body, r = self.printer.c_reads(w.body, "double", names, nested, scalar)
         return lines, body, reads | r
 
     def function(
@@ -109,7 +109,7 @@ class WindowFunctions:
 
         rename = {n: ld.local for n, ld in loads.items()}
         rename.update({nm: nm for nm in temp_names})
-        lines, body, reads = self._body(w, needed, rename, nested)
+        lines, body, reads = self._body(w, needed, rename, nested, scalar=True)
         used = {n for n, ld in loads.items() if ld.local in reads}
         # a load's array (or a mask's option and N), and every other name read: a group value
         arrays = sorted({loads[n].source for n in used if loads[n].index})
@@ -182,12 +182,12 @@ class WindowFunctions:
             for t in self.tiles(v, temps, loads, rename):
                 if t not in out:
                     out.append(t)
-            return f"Wt_{self.function(v, temps, loads, called=False).slot}[Ch * DG_NHWC_GROUPS + Gi]"
+            return TileRead(f"Wt_{self.function(v, temps, loads, called=False).slot}[Ch * DG_NHWC_GROUPS + Gi]")
 
         names = dict(rename)
         names.update({n: ld.local for n, ld in loads.items()})
         names.update({nm: nm for nm, _ in needed})
-        lines, body, reads = self._body(w, needed, names, nested)
+        lines, body, reads = self._body(w, needed, names, nested, scalar=False)
         load_lines = [loads[n].line(self.ctype) for n in sorted(loads) if loads[n].local in reads]
         size = w.size
         k = f"(int64_t){names.get(str(size), str(size))}" if size.is_Symbol else str(int(size))
