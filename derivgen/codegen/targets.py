@@ -24,7 +24,7 @@ from typing import Protocol
 from derivgen.codegen.c import ATYPES, CTYPES, c_load, c_store, plan_kernel
 from derivgen.codegen.c.names import native_names, position_names, summed_names
 from derivgen.codegen.ir import ModeIR, SecondIR
-from derivgen.codegen.jax import jax_expr
+from derivgen.codegen.jax import jax_expr, jax_monomial, plan_jax
 from derivgen.codegen.printers import SpecPrinter
 from derivgen.codegen.triton import plan_triton
 from derivgen.derive.first import ModeDerivation
@@ -358,7 +358,11 @@ JAX = Target(
     'derivgen.jax). Do not edit."""\n',
     spell=lambda fn: (f"_j.{fn.numpy}",),
     resolves=_module_has({"_j": "derivgen.jax._target"}),
-    filters={"jax": lambda printer, e: jax_expr(e, printer.spec)},
+    plan=plan_jax,
+    filters={
+        "jax": lambda printer, e: jax_expr(e, printer.spec),
+        "jaxmono": lambda printer, e: jax_monomial(e, printer.spec),
+    },
     loadable=False,  # derivgen.jax.function loads it (derivgen.jax.load)
     runtime="derivgen.jax",
     requires="jax",

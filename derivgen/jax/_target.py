@@ -39,6 +39,13 @@ def indicator_cmp(a, b):
     return jnp.where(a >= b, 1.0, 0.0).astype(dt)
 
 
+def equal_cmp(a, b):
+    """indicator(a - b)·indicator(b - a) by one comparison: 1 where a == b, else 0."""
+    a, b = jnp.asarray(a), jnp.asarray(b)
+    dt = jnp.result_type(a, b, jnp.float32)
+    return jnp.where(a == b, 1.0, 0.0).astype(dt)
+
+
 def leading_mask(L, p):
     """``leading(p)`` in a trailing layout ``L`` (derivgen.jax.layout): 1 on the first
     ⌊p·N⌋ features, 0 on the rest, in a parameter's view."""

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from derivgen.runtime.meta import MetaLike, layer_meta
 from derivgen.runtime.validate import layout_from_shapes
@@ -53,28 +54,55 @@ class JaxLayout:
     def _array(self, a):
         return jnp.asarray(a, dtype=self.dtype)
 
+    def _ranked(self, e):
+        """``e`` as an array of the view's rank (leading axes of size 1 added): a value that
+        broadcasts against x, not broadcast."""
+        e = self._array(e)
+        return e.reshape((1,) * (len(self.view) - e.ndim) + e.shape)
+
+    def _kept(self, axes) -> tuple:
+        """The view with ``axes`` reduced to 1: the shape a reduction over them keeps."""
+        return tuple(1 if a in axes else n for a, n in enumerate(self.view))
+
+    def _total(self, e, axes):
+        """The sum over ``axes`` of ``e`` broadcast to x, without writing the broadcast: axes
+        along which ``e`` does not vary count by their length."""
+        e = self._ranked(e)
+        here = tuple(a for a in axes if e.shape[a] != 1)
+        count = math.prod(self.view[a] for a in axes if e.shape[a] == 1)
+        s = jnp.sum(e, axis=here, keepdims=True) if here else e
+        return jnp.broadcast_to(s * count if count != 1 else s, self._kept(axes))
+
+    def _select(self, e, f):
+        """``f`` (jnp.max, jnp.min) over each group of ``e`` broadcast to x."""
+        e = self._ranked(e)
+        here = tuple(a for a in self.reduce_axes if e.shape[a] != 1)
+        return jnp.broadcast_to(f(e, axis=here, keepdims=True) if here else e, self._kept(self.reduce_axes))
+
     def sum(self, e):
         """The sum over each group of the element values ``e`` (broadcast to x: a
         parameter counts once per element), kept as a per-group view."""
-        s = jnp.sum(jnp.broadcast_to(self._array(e), self.view), axis=self.reduce_axes, keepdims=True)
+        s = self._total(e, self.reduce_axes)
         return s if self.axis_name is None else jax.lax.psum(s, self.axis_name)
 
     def max(self, e):
         """The maximum over each group (over the devices of ``axis_name`` too)."""
-        m = jnp.max(jnp.broadcast_to(self._array(e), self.view), axis=self.reduce_axes, keepdims=True)
+        m = self._select(e, jnp.max)
         return m if self.axis_name is None else jax.lax.pmax(m, self.axis_name)
 
     def min(self, e):
         """The minimum over each group (over the devices of ``axis_name`` too)."""
-        m = jnp.min(jnp.broadcast_to(self._array(e), self.view), axis=self.reduce_axes, keepdims=True)
+        m = self._select(e, jnp.min)
         return m if self.axis_name is None else jax.lax.pmin(m, self.axis_name)
 
     def window(self, u, k, transposed=False):
         """``window(u, k)`` (:mod:`derivgen.symbolic.window`) along the group's axis: at each
         element i the sum of u over elements i - ⌊k/2⌋ .. i + ⌊(k-1)/2⌋ of its group, zero
-        padded past the group's ends (``transposed``: i - ⌊(k-1)/2⌋ .. i + ⌊k/2⌋), summed in
-        offset order. k is an option, a Python number (static under ``jit``): u is padded
-        along the group's one axis and the k shifted slices of it are added."""
+        padded past the group's ends (``transposed``: i - ⌊(k-1)/2⌋ .. i + ⌊k/2⌋). k is an
+        option, a Python number (static under ``jit``). One ``lax.reduce_window`` sum (JAX
+        transposes it into another): a window of shifted slices of u, added, let XLA's CPU
+        fusion evaluate u afresh at each of the k offsets -- in LRN's transposed JVP k powers
+        per element where one does."""
         full = jnp.broadcast_to(self._array(u), self.view)
         axes = [a for a in self.reduce_axes if self.view[a] != 1]
         if not axes:  # a group of one element: the window holds it alone
@@ -85,21 +113,19 @@ class JaxLayout:
         if transposed:
             lo, hi = hi, lo
         lo, hi = min(lo, n - 1), min(hi, n - 1)  # offsets past the group only add padding
-        pad = [(0, 0)] * len(self.view)
-        pad[axis] = (lo, hi)
-        padded = jnp.pad(full, pad)
-        out = jax.lax.slice_in_dim(padded, 0, n, axis=axis)  # offset -lo
-        for d in range(1, lo + hi + 1):  # offsets -lo + 1 .. hi
-            out = out + jax.lax.slice_in_dim(padded, d, d + n, axis=axis)
-        return out
+        dims, pad = [1] * len(self.view), [(0, 0)] * len(self.view)
+        dims[axis], pad[axis] = lo + hi + 1, (lo, hi)
+        return jax.lax.reduce_window(full, np.zeros((), full.dtype), jax.lax.add, tuple(dims), (1,) * len(dims), pad)
 
     def block_mean(self, u, axes):
-        """``mean(u, kind)`` (:mod:`derivgen.symbolic.block`): at each element the mean of u
-        over its block, the ``axes`` of the (O, G, Cg, S) view one block spans (blocks lie
-        inside a group: on this device, never across ``axis_name``)."""
-        full = jnp.broadcast_to(self._array(u), self.view)
-        mine = tuple(self.axes4[a] for a in axes if self.axes4[a] >= 0)
-        return jnp.broadcast_to(jnp.mean(full, axis=mine, keepdims=True), self.view) if mine else full
+        """``mean(u, kind)`` (:mod:`derivgen.symbolic.block`): the mean of u over each block,
+        the ``axes`` of the (O, G, Cg, S) view one block spans (blocks lie inside a group: on
+        this device, never across ``axis_name``), one value per block: a view that broadcasts
+        against x (an element's block mean is its block's), not broadcast to x's shape. u may
+        itself be one value per smaller block: the mean of block means over a coarser block."""
+        u = self._ranked(u)
+        mine = tuple(self.axes4[a] for a in axes if self.axes4[a] >= 0 and u.shape[self.axes4[a]] != 1)
+        return jnp.mean(u, axis=mine, keepdims=True) if mine else u
 
     def mean(self, e):
         """The mean over each group."""
@@ -120,10 +146,9 @@ class JaxLayout:
     def param_sum(self, e, scalar=False):
         """A parameter gradient: element contributions summed over the axes it does not span
         (everything for a scalar); the part held here under ``axis_name``."""
-        full = jnp.broadcast_to(self._array(e), self.view)
         if scalar:
-            return jnp.sum(full).reshape(self.scalar_view)
-        return jnp.sum(full, axis=self.param_axes, keepdims=True)
+            return self._total(e, tuple(range(len(self.view)))).reshape(self.scalar_view)
+        return self._total(e, self.param_axes)
 
     def group_total(self, v):
         """The sum over the groups of a per-group value (a scalar parameter in the statistics)."""

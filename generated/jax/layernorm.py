@@ -91,7 +91,7 @@ def jvp_train(x, X_T, *, gamma_T, beta_T, gamma, beta, eps, _stats, _L):
     KTY_gamma = -Mean_tx*rstd
     KTY_X_T_gamma = rstd
     KTY_gamma_xhat = -Mean_tx_xhat*rstd
-    return _L.full(beta_T + KTY_gamma*gamma + KTY_X_T_gamma*X_T*gamma + KTY_gamma_xhat*gamma*xhat + gamma_T*xhat)
+    return _L.full(beta_T + KTY_gamma*gamma + KTY_X_T_gamma*X_T*gamma + KTY_gamma_xhat*xhat*gamma + gamma_T*xhat)
 
 
 def backward_train(dy, x, *, gamma, beta, eps, _stats, _L):

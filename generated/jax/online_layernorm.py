@@ -101,7 +101,7 @@ def jvp_train(x, X_T, *, gamma_T, beta_T, prev_mean_T, prev_std_T, gamma, beta, 
     KTY_gamma = (alpha*prev_mean_T - prev_mean_T - Mean_tx*alpha)/std
     KTY_X_T_gamma = std**(-1.0)
     KTY_gamma_xhat = (prev_std_T/std + N*alpha*prev_std_T/std + N*alpha*prev_mean_T*row_mean/(sample_std*std) + Mean_tx*N*alpha**2*row_mean/(sample_std*std) + N*alpha**2*mean*prev_mean_T/(sample_std*std) - N*prev_std_T/std - alpha*prev_std_T/std - Mean_tx_xhat*N*alpha/sample_std - N*alpha*mean*prev_mean_T/(sample_std*std) - Mean_tx*N*alpha**2*mean/(sample_std*std) - N*alpha**2*prev_mean_T*row_mean/(sample_std*std))/(N - 1)
-    return _L.full(beta_T + KTY_gamma*gamma + KTY_X_T_gamma*X_T*gamma + KTY_gamma_xhat*gamma*xhat + gamma_T*xhat)
+    return _L.full(beta_T + KTY_gamma*gamma + KTY_X_T_gamma*X_T*gamma + KTY_gamma_xhat*xhat*gamma + gamma_T*xhat)
 
 
 def backward_train(dy, x, *, gamma, beta, prev_mean, prev_std, alpha, eps, _stats, _L):

@@ -82,7 +82,7 @@ def jvp_train(x, X_T, *, gamma_T, gamma, eps, _stats, _L):
     Mean_tx_xhat = _mean_prod(X_T, xhat)
     KTY_X_T_gamma = rstd
     KTY_gamma_xhat = -Mean_tx_xhat*rstd
-    return _L.full(KTY_X_T_gamma*X_T*gamma + KTY_gamma_xhat*gamma*xhat + gamma_T*xhat)
+    return _L.full(KTY_X_T_gamma*X_T*gamma + KTY_gamma_xhat*xhat*gamma + gamma_T*xhat)
 
 
 def backward_train(dy, x, *, gamma, eps, _stats, _L):
