@@ -95,8 +95,13 @@ class CKernel:
         if self._second is None:
             with self._lock:
                 if self._second is None:
-                    self._second = self._load([*(self.extra or []), "-DDG_SECOND_ONLY"])
+                    self._second = self._load(self.second_extra)
         return self._second
+
+    @property
+    def second_extra(self) -> list[str]:
+        """The flags added to build :attr:`second_lib` (its cache key with the source's)."""
+        return [*(self.extra or []), "-DDG_SECOND_ONLY"]
 
     def _load(self, extra: list[str] | None) -> ctypes.CDLL:
         lib = ctypes.CDLL(str(build_shared(self.source, cflags=self.cflags, extra=extra)))
@@ -160,7 +165,7 @@ class CKernel:
     def second_cfunc(self, mode: str, kind: str, sfx: str) -> ctypes._CFuncPtr:
         """The double backward (``kind`` "bb") or JVP ("jvp") kernel, argument types declared."""
         sig = self.signatures[(mode, kind)]
-        return self._declared(self.second_lib[sig.symbol(sfx)], sig)
+        return self._declared(self._library(kind)[sig.symbol(sfx)], sig)
 
     def _run(self, mode: str, kind: str, dtype: np.dtype, sections: dict) -> int:
         """Call one kernel of a NumPy call (float32/float64) with its arguments by section

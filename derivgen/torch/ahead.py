@@ -53,5 +53,5 @@ def build(
         if second:
             main = libraries.main
             main.second_lib  # noqa: B018
-            out.append(library_path(main.source, extra=[*(main.extra or []), "-DDG_SECOND_ONLY"], cflags=main.cflags))
+            out.append(library_path(main.source, extra=main.second_extra, cflags=main.cflags))
     return out
