@@ -377,7 +377,7 @@ register(
         REAL,
         numpy="erf",
         numpy_in_runtime=True,
-        c_double="erf",
+        c_double="Dg_erf",
         c_float="Dg_erff",
         torch="erf",
         scalar=math.erf,
