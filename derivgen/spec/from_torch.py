@@ -8,7 +8,8 @@ walked once, node by node, and each node mapped to the spec language:
   values read are named statistics too (after the source line's variable where the line
   assigns one, else after the operation: ``rstd``, ``std``, or ``s1, s2, ...``);
 * elementwise ATen operations become expressions (``rsqrt`` as ``1/sqrt``, ``pow`` as ``**``,
-  ``tanh``, ``exp``, ``clamp`` as ``clip`` ...); views and broadcasts of parameters and of
+  ``tanh``, ``exp``, ``clamp`` as ``clip``, ``gelu`` and ``silu`` through ``erf``, ``tanh`` and
+  ``sigmoid`` ...); views and broadcasts of parameters and of
   group values are dropped (the layout places them);
 * the module's parameters keep their names (``weight``, ``bias``, ``alpha``); Python numbers
   added to a statistic (an ``eps``) and numbers the module keeps as float attributes become

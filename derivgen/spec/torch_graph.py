@@ -609,6 +609,14 @@ class _Walker:
         named = self.stat(_V(text, _ATOM, _GROUP), node, pref)
         return named
 
+    def gelu(self, node: Any, u: _V) -> _V:
+        """torch's GELU, exact (``u*Φ(u)``) or its tanh approximation, as spec text."""
+        how = node.args[1] if len(node.args) > 1 else node.kwargs.get("approximate", "none")
+        a, t = _wrap(u, _MUL), u.text
+        if how == "tanh":
+            return _V(f"{a}*(1 + tanh(sqrt(2/pi)*({t} + 0.044715*{_wrap(u, _POW, strict=True)}**3)))/2", _MUL, 0)
+        return _V(f"{a}*(1 + erf(({t})/sqrt(2)))/2", _MUL, 0)
+
     def elementwise(self, node: Any, op: str) -> _V:
         args, kwargs = node.args, node.kwargs
         if op not in _ELEMENTWISE:
@@ -732,6 +740,10 @@ class _Walker:
             return _V(f"exp({vals[0].text}) - 1", _ADD, 0)
         if op == "relu":
             return _V(f"maximum({vals[0].text}, 0)", _ATOM, 0)
+        if op == "silu":
+            return _V(f"{_wrap(vals[0], _MUL)}*sigmoid({vals[0].text})", _MUL, 0)
+        if op == "gelu":
+            return self.gelu(node, vals[0])
         if op in ("maximum", "minimum"):
             return _V(f"{op}({vals[0].text}, {vals[1].text})", _ATOM, 0)
         if op == "clamp":

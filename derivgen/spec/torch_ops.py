@@ -166,6 +166,8 @@ _ELEMENTWISE = {
     "log1p": 1,
     "expm1": 1,
     "relu": 1,
+    "gelu": 1,
+    "silu": 1,
     "maximum": 2,
     "minimum": 2,
     "clamp": 1,

@@ -352,3 +352,44 @@ def test_import_derivgen_leaves_torch_alone():
 
     code = "import sys, derivgen; assert derivgen.from_torch; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# -- activations around a norm: a transformer block's fused form (act(norm(x)) + x) ------------
+class NormActResidual(nn.Module):
+    def __init__(self, act):
+        super().__init__()
+        self.norm, self.act = nn.LayerNorm(8), act
+
+    def forward(self, x):
+        return self.act(self.norm(x)) + x
+
+
+ACTIVATIONS = {
+    "gelu": (nn.GELU(), "erf("),
+    "gelu_tanh": (nn.GELU(approximate="tanh"), "tanh("),
+    "silu": (nn.SiLU(), "sigmoid("),
+}
+
+
+@pytest.mark.parametrize("act", list(ACTIVATIONS))
+def test_activations_import(act):
+    """GELU (exact and tanh) and SiLU become spec expressions; the imported block's forward and
+    backward equal torch autograd's in float64."""
+    fn, spelled = ACTIVATIONS[act]
+    module = _randomized(NormActResidual(fn))
+    spec = from_torch(module, (3, 8))
+    y_line = next(line for line in from_torch_toml(module, (3, 8)).splitlines() if line.startswith("y = "))
+    assert spelled in y_line, y_line
+    rng = np.random.default_rng(1)
+    x, dy = rng.normal(size=(3, 8)) * 2, rng.normal(size=(3, 8))
+    k = derivgen.load(spec, backend="numpy")
+    w, b = (p.detach().numpy() for p in (module.norm.weight, module.norm.bias))
+    y, cache = k.forward(x, w, b)
+    grads = k.backward(dy, cache)
+    xt = torch.tensor(x, requires_grad=True)
+    yt = module(xt)
+    yt.backward(torch.tensor(dy))
+    assert np.abs(y - yt.detach().numpy()).max() < 1e-12
+    assert np.abs(grads.dx - xt.grad.numpy()).max() < 1e-12
+    assert np.abs(grads.dnorm_weight - module.norm.weight.grad.numpy()).max() < 1e-12
+    assert np.abs(grads.dnorm_bias - module.norm.bias.grad.numpy()).max() < 1e-12
