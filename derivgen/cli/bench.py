@@ -69,6 +69,12 @@ from derivgen.tools.timing import tune_malloc
 @click.option("--small", is_flag=True, help="With --zoo: tiny shapes (64x128, 4x8x6x6), a run of seconds per layer.")
 @click.option("--no-compile", "no_compile", is_flag=True, help="With --zoo: leave torch.compile out.")
 @click.option(
+    "--block",
+    is_flag=True,
+    help="With --zoo: each layer inside a block's neighbours, gelu(y) + x, in every variant; derivgen's module "
+    "runs under torch.compile with them (against the whole block compiled by Inductor).",
+)
+@click.option(
     "--sync",
     "sync_world",
     type=click.IntRange(2, 64),
@@ -91,19 +97,24 @@ def bench_cmd(
     with_zoo: bool,
     small: bool,
     no_compile: bool,
+    block: bool,
     sync_world: int | None,
 ) -> None:
     """Time generated C and NumPy against plain NumPy, PyTorch and the memory-bandwidth bound."""
     if with_zoo:
         if with_torch or sync_world or spec_files or plot_file or isas != "native" or dtype != "float32":
             raise UserError(
-                "--zoo takes NAMES, --shape, --small, --no-compile, --jax, --threads, --repeat, --json and "
+                "--zoo takes NAMES, --shape, --small, --no-compile, --block, --jax, --threads, --repeat, --json and "
                 "--default-malloc only (float32)"
             )
-        _bench_zoo(names, shapes, small, no_compile, with_jax, threads, repeat, json_file, default_malloc)
+        if block and (no_compile or with_jax):
+            raise UserError(
+                "--block compares derivgen under torch.compile with Inductor: not with --no-compile or --jax"
+            )
+        _bench_zoo(names, shapes, small, no_compile, with_jax, threads, repeat, json_file, default_malloc, block)
         return
-    if small or no_compile:
-        raise UserError("--small and --no-compile go with --zoo")
+    if small or no_compile or block:
+        raise UserError("--small, --no-compile and --block go with --zoo")
     if with_jax:
         if with_torch or sync_world or names or spec_files or shapes or plot_file or isas != "native":
             raise UserError("--jax benches its own fixed cases; it takes --dtype, --repeat and --json only")
@@ -229,8 +240,10 @@ def _bench_zoo(
     repeat: int,
     json_file: str | None,
     default_malloc: bool,
+    block: bool = False,
 ) -> None:
-    """``bench --zoo``: every layer against an independent PyTorch forward (``--jax``: jnp + autodiff)."""
+    """``bench --zoo``: every layer against an independent PyTorch forward (``--jax``: jnp + autodiff;
+    ``--block``: inside gelu(y) + x)."""
     try:  # PyTorch is an optional dependency; the zoo bench's references and oracle are PyTorch's
         from derivgen.tools import bench_zoo as Z
     except ImportError as e:
@@ -263,7 +276,7 @@ def _bench_zoo(
         report = run_zoo_jax_bench(layers, trailing, channels, repeat, progress)
         text = format_zoo_jax_report(report)
     else:
-        report = Z.run_zoo_bench(layers, trailing, channels, threads, repeat, not no_compile, True, progress)
+        report = Z.run_zoo_bench(layers, trailing, channels, threads, repeat, not no_compile, True, progress, block)
         text = Z.format_zoo_report(report)
     progress.done()
     click.echo(text)

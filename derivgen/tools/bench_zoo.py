@@ -199,8 +199,20 @@ def _buffers(prob: Problem) -> dict[str, torch.Tensor]:
     return {k: torch.tensor(v, dtype=torch.float32) for k, v in prob.buffers.items()}
 
 
-def variants(prob: Problem, ref: Callable, compiled: bool) -> dict[str, Variant]:
-    """derivgen.torch.Module and the reference (eager; compiled by Inductor where ``compiled``)."""
+def in_block(layer: Callable) -> Callable:
+    """``layer`` (a function of the arguments returning its outputs) inside a transformer
+    block's elementwise neighbours: (gelu(y) + x,), the layer's first output only."""
+
+    def block(a: dict, *rest) -> tuple:
+        return (torch.nn.functional.gelu(layer(a, *rest)[0]) + a["x"],)
+
+    return block
+
+
+def variants(prob: Problem, ref: Callable, compiled: bool, block: bool = False) -> dict[str, Variant]:
+    """derivgen.torch.Module and the reference (eager; compiled by Inductor where ``compiled``).
+    ``block``: each inside :func:`in_block`'s neighbours, derivgen's module under torch.compile
+    with them (the reference is passed in its block already)."""
     import derivgen.torch as dt
 
     spec = derivgen.load_spec(prob.name)
@@ -215,6 +227,9 @@ def variants(prob: Problem, ref: Callable, compiled: bool) -> dict[str, Variant]
         out = module(a["x"], *(a[t] for t in tnames), **{i: a[i] for i in inames})
         return out if isinstance(out, tuple) else (out,)
 
+    if block:
+        torch._dynamo.reset()
+        ours = torch.compile(in_block(ours), dynamic=False)
     out = {"derivgen": Variant(prob, ours, dict(module.named_parameters()))}
     eager_bufs = _buffers(prob)
     out["eager"] = Variant(prob, lambda a: ref(a, prob.options, eager_bufs))
@@ -247,9 +262,11 @@ def bench_layer(
     repeat: int,
     bw: Bandwidth | None,
     compiled: bool = True,
+    block: bool = False,
 ) -> dict:
     """One layer's row: ms per call of each variant's forward and step, the ratios, the memory
-    floor, the agreement; or ``error`` (why it was not timed)."""
+    floor, the agreement; or ``error`` (why it was not timed). ``block``: the layer inside
+    :func:`in_block`'s neighbours (gelu(y) + x) in every variant."""
     row: dict = {"layer": name}
     ref = reference(name)
     if ref is None:
@@ -260,10 +277,12 @@ def bench_layer(
     except (TypeError, ValueError) as e:
         row["error"] = f"no bench arguments: {e}"
         return row
+    if block:
+        ref, prob.cots = in_block(ref), prob.cots[:1]
     row["shape"] = list(prob.shape)
     want = _run_ref(prob, ref, torch.float64)
     try:
-        vs = variants(prob, ref, compiled)
+        vs = variants(prob, ref, compiled, block)
     except (TypeError, ValueError, NotImplementedError, RuntimeError) as e:
         row["error"] = f"derivgen refused it: {str(e).splitlines()[0]}"
         return row
@@ -322,8 +341,10 @@ def run_zoo_bench(
     compiled: bool = True,
     floor: bool = True,
     progress: Callable[[str], None] | None = None,
+    block: bool = False,
 ) -> dict:
-    """Every layer's row (``names``: those only), the machine and the settings, as data."""
+    """Every layer's row (``names``: those only), the machine and the settings, as data;
+    ``block``: each layer inside a block's neighbours, gelu(y) + x (:func:`in_block`)."""
     threads = threads or machine().cores
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -331,7 +352,7 @@ def run_zoo_bench(
     rows = []
     try:
         for name in names or layers():
-            rows.append(bench_layer(name, trailing, channels, repeat, bw, compiled))
+            rows.append(bench_layer(name, trailing, channels, repeat, bw, compiled, block))
             if progress:
                 progress(name)
     finally:
@@ -345,6 +366,7 @@ def run_zoo_bench(
         "trailing": list(trailing),
         "channels": list(channels),
         "compiled": compiled,
+        "block": block,
         "tolerance": TOL,
         "rows": rows,
     }
@@ -366,6 +388,11 @@ def format_zoo_report(rep: dict) -> str:
             f"autograd: {rep['dtype']}, {rep['threads']} threads, torch {rep['torch']}, median of {rep['repeat']} "
             f"(round-robin); trailing layers {'x'.join(map(str, rep['trailing']))}, channel layers "
             f"{'x'.join(map(str, rep['channels']))}; every variant within {rep['tolerance']:g} of the float64 reference"
+        ),
+        *(
+            ["each layer inside a block, gelu(y) + x: derivgen's module under torch.compile with gelu and the add"]
+            if rep.get("block")
+            else []
         ),
         "",
     ]
