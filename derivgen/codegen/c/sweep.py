@@ -196,6 +196,7 @@ class CPlanner:
             temps = [(nm, e.xreplace(back)) for nm, e in temps]
             group_sums = [(a, e.xreplace(back)) for a, e in group_sums]
             param_sums = [(k, e.xreplace(back)) for k, e in param_sums]
+            tensor_sums = [e.xreplace(back) for e in tensor_sums]
         for f, nm in keep_out:  # computed as a temporary after those it reads, stored, and read by name
             to = {f: sympy.Symbol(nm)}
             deps = {str(v) for v in f.free_symbols}
@@ -250,7 +251,7 @@ class CPlanner:
         pend_reads: set[str] = set()
         # masks compare in double: group values as computed, element values widened
         mask_names = {**self.group_names, **{k: f"((double){v})" for k, v in self.elem_names.items()}}
-        mask_names.update({nm: f"((double){nm})" for nm, _ in needed})
+        mask_names.update({nm: f"((double){kv(nm)})" for nm in [*(n for n, _ in needed), *kept]})
 
         def element(e: sympy.Expr, into: set[str]) -> str:
             """Element arithmetic (temporaries, stored outputs) in the sweep's type."""
@@ -283,8 +284,12 @@ class CPlanner:
         if arith != "double":
             dnames.update({k: f"((double){v})" for k, v in dnames.items() if k in elem})
 
+        # a kept call (Kv0: a float value, computed once for the float sweeps) is called again in
+        # a double summand, whose element terms keep double's precision
+        unkeep = {sympy.Symbol(nm): self.blocks.hide(f, temps) for f, nm in (*keep_in, *keep_out)}
+
         def summand(e: sympy.Expr, into: set[str] = body_reads) -> str:
-            text, reads = self.printer.c_reads(e, "double", dnames, windows)
+            text, reads = self.printer.c_reads(e.xreplace(unkeep), "double", dnames, windows)
             into.update(reads)
             return text
 
