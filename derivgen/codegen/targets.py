@@ -23,6 +23,7 @@ from typing import Protocol
 
 from derivgen.codegen.c import ATYPES, CTYPES, c_load, c_store, plan_kernel
 from derivgen.codegen.c.names import native_names, position_names, summed_names
+from derivgen.codegen.c.types import block_groups
 from derivgen.codegen.ir import ModeIR, SecondIR
 from derivgen.codegen.jax import jax_expr, jax_monomial, plan_jax
 from derivgen.codegen.printers import SpecPrinter
@@ -317,7 +318,7 @@ C = Target(
     resolves=_c_resolves,
     reserved=("python", "c", "c_library"),
     plan=_c_plan,
-    globals={"cload": c_load, "cstore": c_store, "kernel_signature": kernel_signature},
+    globals={"cload": c_load, "cstore": c_store, "kernel_signature": kernel_signature, "block_groups": block_groups},
     refuses=_c_refuses,
     cflags=True,
 )

@@ -151,6 +151,62 @@ class BlockPass:
 
 
 @dataclass(frozen=True)
+class BlockPassGroup:
+    """Block passes that walk the group together (kernel.c.j2, block_group): each keeps its own
+    lanes, and adds them into its block array in its own order, so each mean has the bits of
+    its pass alone; the loads are those of the passes, each once."""
+
+    passes: tuple[BlockPass, ...]
+    chan_loads: tuple[str, ...]
+    elem_loads: tuple[str, ...]
+
+
+def _declared(load: str) -> str:
+    """The name a load declares (``const double Xv = ...;`` -> ``Xv``)."""
+    return load.split("=", 1)[0].split()[-1]
+
+
+def _merged(loads: list[str], more: tuple[str, ...]) -> list[str] | None:
+    """``loads`` then those of ``more`` not among them; None where one of them declares a name
+    already declared otherwise."""
+    names = {_declared(v): v for v in loads}
+    out = list(loads)
+    for v in more:
+        if v in out:
+            continue
+        if _declared(v) in names:
+            return None
+        names[_declared(v)] = v
+        out.append(v)
+    return out
+
+
+def block_groups(passes: tuple[BlockPass, ...]) -> tuple[BlockPassGroup, ...]:
+    """``passes`` (dependencies first) as groups that walk the group once: the passes whose
+    block values the same earlier passes give (one level of the dependencies: none reads
+    another's), in their order. A pass whose loads would declare a name its level's others
+    declare otherwise walks alone."""
+    level: dict[int, int] = {}
+    for p in passes:
+        level[p.slot] = 1 + max((level[d] for d in p.deps if d in level), default=-1)
+    groups: list[BlockPassGroup] = []
+    for lv in sorted(set(level.values())):
+        chan: list[str] = []
+        elem: list[str] = []
+        members: list[BlockPass] = []
+        for p in (q for q in passes if level[q.slot] == lv):
+            c, e = _merged(chan, p.chan_loads), _merged(elem, p.elem_loads)
+            if c is None or e is None:
+                groups.append(BlockPassGroup((p,), p.chan_loads, p.elem_loads))
+                continue
+            chan, elem = c, e
+            members.append(p)
+        if members:
+            groups.append(BlockPassGroup(tuple(members), tuple(chan), tuple(elem)))
+    return tuple(groups)
+
+
+@dataclass(frozen=True)
 class NhwcSweep:
     """A sweep's group-level needs in the NHWC kernels."""
 
