@@ -1,4 +1,5 @@
-"""Block statistics in the C kernels (:mod:`derivgen.symbolic.block`): a pass per block mean.
+"""Block statistics in the C kernels (:mod:`derivgen.symbolic.block`): a pass per block mean,
+the passes of one level of their dependencies walked together (``types.block_groups``).
 
 A block mean mean(u, kind) is one value per block of its kind inside the group (an
 instance: a (sample, channel)'s positions; a sample; a channel over the samples). Before
