@@ -157,7 +157,10 @@ def private_cache(tmp_path) -> str:
         shared.mkdir(parents=True, exist_ok=True)
         link = cache / folder
         if not link.exists():
-            link.symlink_to(shared, target_is_directory=True)
+            try:
+                link.symlink_to(shared, target_is_directory=True)
+            except FileExistsError:  # another thread's driver of the same test made it first
+                pass
     return str(cache)
 
 

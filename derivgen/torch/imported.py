@@ -123,6 +123,8 @@ def _import(m: nn.Module, call: _Call) -> Spec:
     (SpecError) when the other mode (train/eval) traces another layer."""
     x = call.example()
     spec = from_torch(m, x)
+    if not spec.params and not any(md.statistics for md in spec.modes):
+        raise SpecError("an activation (no statistics, no parameters): left to PyTorch")
     if all(md.name != "eval" for md in spec.modes):  # one traced mode: the other must be the same layer
         was = m.training
         try:

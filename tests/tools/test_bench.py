@@ -362,25 +362,32 @@ def test_bench_zoo_compiles_each_layer_afresh(monkeypatch):
     assert len(resets) == 2
 
 
-def test_bench_zoo_block_compiles_derivgen_with_its_neighbours():
+def test_bench_zoo_block_compiles_derivgen_with_its_neighbours(monkeypatch):
     """--block: every variant is the layer inside gelu(y) + x, checked against the float64
     reference of that block (a variant without the neighbours would disagree), and derivgen's
-    module runs under torch.compile with them."""
+    module runs under torch.compile with them (the reference's compiled variant left out here)."""
     torch = pytest.importorskip("torch")
     from derivgen.tools import bench_zoo
-    from derivgen.tools.bench_zoo_refs import reference
 
-    prob = bench_zoo.problem("dynamic_tanh", bench_zoo.SMALL_TRAILING, bench_zoo.SMALL_CHANNELS)
-    vs = bench_zoo.variants(prob, bench_zoo.in_block(reference("dynamic_tanh")), compiled=False, block=True)
-    assert hasattr(vs["derivgen"].call, "_torchdynamo_orig_callable")  # torch.compile's wrapper
+    compiled = []
+    real = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: compiled.append(fn) or real(fn, **kw))
     rep = bench_zoo.run_zoo_bench(
-        ["dynamic_tanh"], bench_zoo.SMALL_TRAILING, bench_zoo.SMALL_CHANNELS, 1, 1, floor=False, block=True
+        ["dynamic_tanh"],
+        bench_zoo.SMALL_TRAILING,
+        bench_zoo.SMALL_CHANNELS,
+        1,
+        1,
+        compiled=False,
+        floor=False,
+        block=True,
     )
     (row,) = rep["rows"]
     assert "error" not in row, row
-    assert set(row["agreement"]) == {"derivgen", "eager", "compile"}
+    assert len(compiled) == 1  # derivgen's block, with its gelu and add
+    assert set(row["agreement"]) == {"derivgen", "eager"}
     assert max(row["agreement"].values()) < rep["tolerance"]
-    assert math.isfinite(row["step_vs_compile"]) and row["step_vs_compile"] > 0
+    assert math.isfinite(row["step_vs_eager"]) and row["step_vs_eager"] > 0
     assert "inside a block, gelu(y) + x" in bench_zoo.format_zoo_report(rep)
     x = torch.randn(3, 4)
     (y,) = bench_zoo.in_block(lambda a: (2 * a["x"],))({"x": x})
