@@ -227,17 +227,18 @@ def variants(prob: Problem, ref: Callable, compiled: bool, block: bool = False) 
         out = module(a["x"], *(a[t] for t in tnames), **{i: a[i] for i in inames})
         return out if isinstance(out, tuple) else (out,)
 
-    if block:
+    if block or compiled:
+        # every layer's compiled code is the same code object (this lambda's, in_block's):
+        # Dynamo keeps a few compiled versions of a code object and runs it eagerly past its
+        # limit (8), so the layers after the first few of a run would be timed uncompiled; a
+        # fresh start each
         torch._dynamo.reset()
+    if block:
         ours = torch.compile(in_block(ours), dynamic=False)
     out = {"derivgen": Variant(prob, ours, dict(module.named_parameters()))}
     eager_bufs = _buffers(prob)
     out["eager"] = Variant(prob, lambda a: ref(a, prob.options, eager_bufs))
     if compiled:
-        # every layer's compiled reference is this one lambda's code: Dynamo keeps a few
-        # compiled versions of a code object and runs it eagerly past its limit (8), so the
-        # layers after the first few of a run would be timed uncompiled; a fresh start each
-        torch._dynamo.reset()
         comp_bufs = _buffers(prob)
         fn = torch.compile(lambda a, bufs: ref(a, prob.options, bufs), dynamic=False)
         out["compile"] = Variant(prob, lambda a: fn(a, comp_bufs))

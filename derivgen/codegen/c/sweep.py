@@ -285,8 +285,9 @@ class CPlanner:
             dnames.update({k: f"((double){v})" for k, v in dnames.items() if k in elem})
 
         # a kept call (Kv0: a float value, computed once for the float sweeps) is called again in
-        # a double summand, whose element terms keep double's precision
-        unkeep = {sympy.Symbol(nm): self.blocks.hide(f, temps) for f, nm in (*keep_in, *keep_out)}
+        # a double summand, whose element terms keep double's precision (kept calls read no
+        # block means: floats.shared_calls keeps none where there are any)
+        unkeep = {sympy.Symbol(nm): f for f, nm in (*keep_in, *keep_out)}
 
         def summand(e: sympy.Expr, into: set[str] = body_reads) -> str:
             text, reads = self.printer.c_reads(e.xreplace(unkeep), "double", dnames, windows)
