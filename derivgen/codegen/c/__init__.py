@@ -7,6 +7,7 @@ Its modules, each importing only those above it in this list:
 * ``types``: the plan types (``CLoop``, ``Sweep``, ``BlockPass``, ``KernelPlan`` ...);
 * ``names``: the one naming table of element loads and group values;
 * ``blocks``: block means as passes over the group (``BlockPass``);
+* ``hoist``: a block sweep's arithmetic shared along a run of positions, as run values;
 * ``layouts``: what channels-last and rows-in-lockstep sweeps read (``NhwcSweep``, ``RowSweep``);
 * ``windows``: a static C function per window;
 * ``sweep``: the sweep planner of the forward and backward kernels (``CPlanner``);

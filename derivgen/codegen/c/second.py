@@ -11,8 +11,9 @@ from __future__ import annotations
 import sympy
 from sympy import Add
 
-from derivgen.codegen.c.blocks import BlockPasses, BlockSlots, block_pass
+from derivgen.codegen.c.blocks import BlockPasses, BlockSlots, block_pass, block_slots_read
 from derivgen.codegen.c.ctext import c_load
+from derivgen.codegen.c.hoist import RunValues, hoist
 from derivgen.codegen.c.names import group_names, load_table, locals_of
 from derivgen.codegen.c.types import BlockPass, SecondPlan
 from derivgen.codegen.c.windows import WindowFunctions, hide_windows
@@ -42,30 +43,40 @@ def second_plan(
     def C(e):
         return printer.c(e, "double", rename, lambda w: windows.function(w, list(ir.temps), loads).call(rename))
 
+    varying = {n for n, ld in loads.items() if ld.at_element}
+    run_values = RunValues()
+
     def needed(exprs, temps_in=None):
+        """(element loads and temporaries, per-run loads and run values, ``exprs`` as printed)."""
         temps, names = needed_temps([hide_windows(e) for e in exprs], all_temps if temps_in is None else temps_in)
         elem = [ld.line(ctype) for n, ld in loads.items() if ld.at_element and n in names]
         chan = [ld.line(ctype) for n, ld in loads.items() if not ld.at_element and n in names]
         chan += passes.loads(names)
-        return tuple(elem + [f"const double {nm} = {C(te)};" for nm, te in temps]), tuple(chan)
+        if block_slots_read(names):  # a block sweep: its arithmetic shared along a run, once a run (hoist.py)
+            runs, temps, exprs = hoist(temps, list(exprs), varying, run_values)
+            chan += [f"const double {nm} = {C(te)};" for nm, te in runs]
+        return tuple(elem + [f"const double {nm} = {C(te)};" for nm, te in temps]), tuple(chan), list(exprs)
 
     def plan_pass(slot: int, body: sympy.Expr, kind: str, temps: list) -> BlockPass:
-        elem, chan = needed([body], temps)
+        elem, chan, (body_c,) = needed([body], temps)
         names = needed_temps([body], temps)[1]
         comment = f'Bm{slot} = mean({printer.code(body)}, "{kind}")'
-        return block_pass(slot, kind, comment, chan, elem, C(body), names, passes)
+        return block_pass(slot, kind, comment, chan, elem, C(body_c), names, passes)
 
     passes = BlockPasses(slots if slots is not None else BlockSlots(), plan_pass)
     all_temps = passes.hide_temps(ir.temps)  # block means read as Bm<k> (BlockPass)
     sums = [(a, passes.hide(e, all_temps)) for a, e in ir.loop]
-    elem1, chan1 = needed([e for _, e in sums])
     blocks1 = passes.needed(needed_temps([e for _, e in sums], all_temps)[1])
+    elem1, chan1, printed = needed([e for _, e in sums])
+    sums = [(a, e) for (a, _), e in zip(sums, printed)]
     outs2 = []
     for name, terms, closed in ir.outputs:
         outs2.append((name, passes.hide(Add(*[sympy.Symbol(k) * m for k, m in terms]), all_temps)))
     pexprs = [(k, passes.hide(e, all_temps)) for k, (p, e) in enumerate(ir.param_elem) if e != 0]
-    elem2, chan2 = needed([e for _, e in outs2] + [e for _, e in pexprs])
     blocks2 = passes.needed(needed_temps([e for _, e in outs2] + [e for _, e in pexprs], all_temps)[1])
+    elem2, chan2, printed = needed([e for _, e in outs2] + [e for _, e in pexprs])
+    outs2 = [(n, e) for (n, _), e in zip(outs2, printed)]
+    pexprs = [(k, e) for (k, _), e in zip(pexprs, printed[len(outs2) :])]
     group = [(a.name, C(a.expr), a.comment) for a in ir.means]
     repl, reduced = sympy.cse([a.expr for a in ir.group], symbols=sympy.numbered_symbols("Cse"), order="none")
     group += [(str(t), C(e), "common subexpression") for t, e in repl]

@@ -21,6 +21,7 @@ from sympy import Add
 from derivgen.codegen.c.blocks import BlockPasses, BlockSlots, block_pass, block_slots_read
 from derivgen.codegen.c.ctext import ATYPES, c_store, output_array
 from derivgen.codegen.c.floats import exact_selection, kv, shared_calls, sums_in_float
+from derivgen.codegen.c.hoist import RunValues, hoist
 from derivgen.codegen.c.layouts import batch_arrays, nhwc_sweep, row_sweep
 from derivgen.codegen.c.names import (
     CHANNEL_INDEX,
@@ -88,6 +89,7 @@ class CPlanner:
         self.native = set(native_names(spec))  # tensors read at their own shape
         self.summed = set(summed_names(spec))  # and those whose gradients the backward kernel sums
         self.elem_names = locals_of(self.loads)
+        self.run_values = RunValues()  # the block sweeps' values shared along a run
 
     def _block_pass(self, slot: int, body: sympy.Expr, kind: str, temps: list) -> BlockPass:
         """The pass leaving mean(body, kind) per block in Bm<slot>_A (body summed in double)."""
@@ -215,6 +217,16 @@ class CPlanner:
         block_reads = [f"Bm{k}" for k in block_slots_read(names)]
         if block_reads:  # block values are double: the element code reading them is too
             arith = "double"
+        runs: list[tuple[str, sympy.Expr]] = []  # computed once a run of positions (hoist.py)
+        if block_reads and not keep_in and not keep_out:
+            every = [e for _, e in stores] + [e for _, e in group_sums] + [e for _, e in param_sums] + tensor_sums
+            varying = {"x", "dy", *self.masks, *self.arrays}
+            runs, needed, every = hoist(needed, every, varying, self.run_values)
+            rest = iter(every)
+            stores = [(o, next(rest)) for o, _ in stores]
+            group_sums = [(a, next(rest)) for a, _ in group_sums]
+            param_sums = [(k, next(rest)) for k, _ in param_sums]
+            tensor_sums = [next(rest) for _ in tensor_sums]
         chan = [p for p in self.params if p not in self.scalar]
         loads = self.loads
 
@@ -244,6 +256,7 @@ class CPlanner:
         enames = dict(self.group_names)
         enames.update(self.elem_names)
         enames.update({b: b for b in block_reads})
+        enames.update({nm: nm for nm, _ in runs})
         prelude, hoisted = ([], {})
         if arith == "float":
             prelude, hoisted = self._float_prelude([te for _, te in needed] + list(exprs), elem, enames)
@@ -265,7 +278,8 @@ class CPlanner:
         elem_loads = [ld.line(ctype, arith) for n, ld in loads.items() if ld.at_element and n in names]
         # a block value one per sample (index Blk) is read with the element; one per (sample,
         # channel) or per channel with the parameters, where the sweep knows the channel Ch
-        elem_loads += self.blocks.loads(names, by_channel=False)
+        if not runs:
+            elem_loads += self.blocks.loads(names, by_channel=False)
         for f, nm in keep_in:
             elem_loads.insert(0, f"const {arith} {kv(nm)} = {kv(nm)}_Row[Idx - Off];")
             enames[nm] = kv(nm)
@@ -281,6 +295,7 @@ class CPlanner:
         dnames.update(self.elem_names)
         dnames.update({nm: kv(nm) for nm, _ in needed})
         dnames.update({b: b for b in block_reads})
+        dnames.update({nm: nm for nm, _ in runs})
         if arith != "double":
             dnames.update({k: f"((double){v})" for k, v in dnames.items() if k in elem})
 
@@ -295,7 +310,9 @@ class CPlanner:
             return text
 
         param_loads = [ld.line(ctype, arith) for n, ld in loads.items() if not ld.at_element and n in names]
-        param_loads += self.blocks.loads(names, by_channel=True)
+        # with run values, every block value is read with the parameters, before the run values
+        param_loads += self.blocks.loads(names, by_channel=None if runs else True)
+        param_loads += [f"const double {nm} = {element(te, body_reads)};" for nm, te in runs]
         scalar = {k for k, p in enumerate(self.params) if p in self.scalar}
         chan_sums = [(k, e) for k, e in param_sums if k not in scalar]
         scal_sums = [(k, e) for k, e in param_sums if k in scalar]

@@ -1,0 +1,108 @@
+"""Run values: the parts of a sweep's element arithmetic that every element of a run of
+positions shares, computed once per run.
+
+A sweep that reads block values (:mod:`derivgen.codegen.c.blocks`) computes in double, and
+much of its element arithmetic reads only values that are the same along a run of the
+channel kernels' positions: the group values, the options, the per-channel parameters and
+the block values (every block spans the positions). SwitchNorm's dx divides by
+vz·(σ² + ε)^(3/2) and calls exp of the mixing weights in every element; GCC keeps each such
+division in the loop (hoisting it would change the rounding). :func:`hoist` names those
+parts instead, as the spec's expression holds them: a product's factors that read only such
+values become one run value, a sum's terms likewise, and a whole subexpression that reads
+only them is one. The element arithmetic multiplies and adds the run values; nothing is
+expanded, so x − μ is still computed as written before it is scaled.
+
+The rewrite is of the expression, not of where it is printed: the kernels print the run
+values with the per-channel parameters, once per run where a run has one channel, in every
+element where the channel varies along the run. Either place computes the same operations
+in the same order, so the bits do not depend on the memory format or the thread count.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import sympy
+
+from derivgen.symbolic.window import Window
+
+
+class RunValues:
+    """One planner's run values: an expression's name (``Run0``, ``Run1``, ... -- an
+    upper-case tag, derivgen's namespace), the same for the same expression in every sweep of
+    the kernel, so that passes walked together declare a shared one once."""
+
+    def __init__(self) -> None:
+        self.names: dict[sympy.Expr, sympy.Symbol] = {}
+
+    def name(self, e: sympy.Expr) -> sympy.Symbol:
+        """The name of run value ``e``, made on first use."""
+        if e not in self.names:
+            self.names[e] = sympy.Symbol(f"Run{len(self.names)}")
+        return self.names[e]
+
+
+def hoist(
+    temps: list[tuple[str, sympy.Expr]],
+    exprs: list[sympy.Expr],
+    varying: Iterable[str],
+    registry: RunValues,
+) -> tuple[list[tuple[str, sympy.Expr]], list[tuple[str, sympy.Expr]], list[sympy.Expr]]:
+    """``temps`` (element temporaries, in definition order) and ``exprs`` rewritten with run
+    values, given the names ``varying`` along a run (the element values; a temporary
+    reading one varies too). Returns (the run values and the temporaries that read no varying
+    name, in definition order; the other temporaries; the expressions)."""
+    moves = set(varying)
+    inv: set[str] = set()  # the run values named so far
+    runs: list[tuple[str, sympy.Expr]] = []
+
+    def shared(e: sympy.Expr) -> bool:
+        return not e.has(Window) and not ({str(s) for s in e.free_symbols} & moves)
+
+    def name(e: sympy.Expr) -> sympy.Expr:
+        if e.is_Atom:
+            return e
+        sym = registry.name(e)
+        if str(sym) not in inv:
+            runs.append((str(sym), e))
+            inv.add(str(sym))
+        return sym
+
+    def rewrite(e: sympy.Expr) -> sympy.Expr:
+        if e.is_Atom or isinstance(e, Window):
+            return e
+        if shared(e) and isinstance(e, sympy.Expr):  # not a comparison: a condition stays one
+            return name(e)
+        if e.is_Add or e.is_Mul:
+            fixed = [a for a in e.args if shared(a)]
+            was = [a for a in e.args if not shared(a)]
+            moving = [rewrite(a) for a in was]
+            if len(fixed) > 1 or (fixed and not _cheap(fixed[0])):
+                fixed = [name(e.func(*fixed))]
+            elif all(a is b for a, b in zip(moving, was)):
+                return e
+            # unevaluated: a number times a sum is not distributed, the factors stay as written
+            return e.func(*fixed, *moving, evaluate=False)
+        if e.has(Window):  # a window's neighbours are read by its function: left whole
+            return e
+        return _rebuild(e, rewrite)
+
+    others: list[tuple[str, sympy.Expr]] = []
+    for nm, te in temps:
+        if shared(te):
+            runs.append((nm, te))
+        else:
+            others.append((nm, rewrite(te)))
+            moves.add(nm)
+    return runs, others, [rewrite(e) for e in exprs]
+
+
+def _cheap(e: sympy.Expr) -> bool:
+    """A value no cheaper named: a name or number, or one negated (x - m_ln stays a subtraction)."""
+    return e.is_Atom or (e.is_Mul and len(e.args) == 2 and e.args[0] == -1 and e.args[1].is_Atom)
+
+
+def _rebuild(e: sympy.Expr, rewrite: Callable[[sympy.Expr], sympy.Expr]) -> sympy.Expr:
+    """``e`` with its arguments rewritten (a function call, a power, a comparison, a selection)."""
+    args = [rewrite(a) for a in e.args]
+    return e if all(a is b for a, b in zip(args, e.args)) else e.func(*args)
