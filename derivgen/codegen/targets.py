@@ -270,6 +270,8 @@ def _c_plan(layer: Layer) -> dict[str, object]:
         "ctypes": CTYPES,
         "atypes": ATYPES,
         "per_sample": spec.reduce not in ("batch", "all"),
+        # one group, the whole tensor: the first-order kernels' threads share its blocks
+        "shared_group": spec.reduce == "all",
         # the tensors read at their own shape (derivgen.runtime.abi.native): a trailing layout's,
         # and those of them whose gradients the backward kernel sums per unit of rows
         "native": native_names(spec) if spec.layout == "trailing" else [],

@@ -149,6 +149,17 @@ class BlockPass:
     body: str  # u, in double
     deps: tuple[int, ...]  # the slots u reads, directly or through another pass
 
+    @property
+    def by_sample(self) -> bool:
+        """A block inside one sample (an instance, a sample): one thread's, where the threads
+        share the group's samples."""
+        return "Blk" in self.index
+
+    @property
+    def per_sample(self) -> str:
+        """C: the blocks of one sample (of a ``by_sample`` kind)."""
+        return "Cg" if self.count == "Blocks * Cg" else "1"
+
 
 @dataclass(frozen=True)
 class BlockPassGroup:
