@@ -373,6 +373,7 @@ class CPlanner:
             blocks=passes,
             fresh=passes,
             window_tiles=tuple(tiles),
+            runs=bool(runs),
         )
 
     def _sweep(self, lp: CLoop, accs, names: list[str]) -> Sweep:

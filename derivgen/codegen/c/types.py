@@ -69,6 +69,8 @@ class CLoop:
     # a position layout's windows as tiles of the block (WindowFunctions.tiles): (slot, C text)
     # computed before the sweep, the windows inside others first; the element code reads Wt_<slot>
     window_tiles: tuple[tuple[int, str], ...] = ()
+    # run values among the parameters' loads (hoist.py): the channel index may go unread
+    runs: bool = False
     # the gradients of the tensors read at their own shape (a trailing layout's "sample" ones:
     # one value per sample and feature), as (slot, element expression in element arithmetic):
     # summed per feature over a unit's rows into Tsum[slot * M + feature] (in registers over
