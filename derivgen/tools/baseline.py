@@ -35,6 +35,14 @@ class PlainNumPy:
         pick = np.min if kind == "min" else np.max
         return pick(np.broadcast_to(a, layout.view4), axis=layout.reduce_axes, keepdims=True)
 
+    def _block(self, a: np.ndarray, axes: tuple[int, ...]) -> np.ndarray:
+        """A block mean over the axes of (O, G, Cg, S) its blocks span, kept as size-1 axes."""
+        return np.mean(np.broadcast_to(a, self.layout.view4), axis=tuple(axes), keepdims=True)
+
+    def _eval(self, expr, env: dict):
+        """``expr`` over whole arrays: group means, maxima and block means as NumPy reductions."""
+        return evaluate(expr, env, self._mean, self._extreme, self._block)
+
     def _group(self, v: object) -> float | np.ndarray:
         """A per-group value (input, buffer) as a scalar or in the statistics' shape."""
         v = np.asarray(v)
@@ -53,12 +61,14 @@ class PlainNumPy:
             if kw.get(item.name) is not None:
                 env[item.symbol] = self._group(kw[item.name])
         for st in mode.statistics:
-            env[st.symbol] = evaluate(st.expr, env, self._mean, self._extreme)
+            env[st.symbol] = self._eval(st.expr, env)
+        for st in mode.blocks:  # one value per block, broadcast over its elements
+            env[st.symbol] = self._eval(st.expr, env)
         if spec.normalized is not None:
-            env[spec.normalized.symbol] = evaluate(mode.normalized_expr, env, self._mean, self._extreme)
+            env[spec.normalized.symbol] = self._eval(mode.normalized_expr, env)
         if mode.coordinate is not None:
-            env[mode.coordinate.symbol] = evaluate(mode.coordinate_expr, env, self._mean, self._extreme)
-        y = evaluate(spec.output, env, self._mean, self._extreme)
+            env[mode.coordinate.symbol] = self._eval(mode.coordinate_expr, env)
+        y = self._eval(spec.output, env)
         return np.broadcast_to(y, layout.view4).reshape(layout.x_shape), env
 
     def backward(self, dy: np.ndarray, env: dict) -> list:
@@ -68,19 +78,19 @@ class PlainNumPy:
         env = dict(env)
         env[DY] = dy.reshape(layout.view4)
         if mode.g is not None:
-            env[G] = evaluate(mode.g, env, self._mean, self._extreme)
-        dx = np.broadcast_to(evaluate(mode.dx, env, self._mean, self._extreme), layout.view4).reshape(layout.x_shape)
+            env[G] = self._eval(mode.g, env)
+        dx = np.broadcast_to(self._eval(mode.dx, env), layout.view4).reshape(layout.x_shape)
         grads = [dx]
         for p in spec.params:
             grad = mode.grads[p.name]
-            elem = np.broadcast_to(evaluate(grad.element, env, self._mean, self._extreme), layout.view4)
-            group = np.sum(np.broadcast_to(evaluate(grad.group, env, self._mean, self._extreme), layout.stat4))
+            elem = np.broadcast_to(self._eval(grad.element, env), layout.view4)
+            group = np.sum(np.broadcast_to(self._eval(grad.group, env), layout.stat4))
             if p.scalar:
                 grads.append(np.sum(elem) + group)
             else:
                 grads.append(np.sum(elem, axis=layout.param_axes).reshape(layout.param_shape))
         for i in spec.inputs:  # in the input's shape: one value, or one per group
-            gi = np.broadcast_to(evaluate(mode.dinputs[i.name], env, self._mean, self._extreme), layout.stat4)
+            gi = np.broadcast_to(self._eval(mode.dinputs[i.name], env), layout.stat4)
             scalar = not isinstance(env.get(i.symbol), np.ndarray)
             grads.append(np.sum(gi) if scalar else gi.reshape(layout.group_shape))
         return grads

@@ -44,6 +44,8 @@ def test_a_product_and_a_sum_keep_their_element_parts_and_name_the_rest():
 def test_a_negated_name_is_not_a_run_value():
     runs, _, (out,) = hoist([], [dy * (x - m)], {"x", "dy"}, RunValues())
     assert runs == [] and out == dy * (x - m)
+    runs, _, (out,) = hoist([], [mu - gamma * x], {"x"}, RunValues())  # -gamma*x: -1 and gamma fixed
+    assert runs == [] and out == mu - gamma * x
 
 
 def test_temporaries_reading_no_element_value_are_run_values():

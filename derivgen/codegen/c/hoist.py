@@ -77,7 +77,7 @@ def hoist(
             fixed = [a for a in e.args if shared(a)]
             was = [a for a in e.args if not shared(a)]
             moving = [rewrite(a) for a in was]
-            if len(fixed) > 1 or (fixed and not _cheap(fixed[0])):
+            if fixed and not _cheap(e.func(*fixed)):
                 fixed = [name(e.func(*fixed))]
             elif all(a is b for a, b in zip(moving, was)):
                 return e
@@ -98,7 +98,8 @@ def hoist(
 
 
 def _cheap(e: sympy.Expr) -> bool:
-    """A value no cheaper named: a name or number, or one negated (x - m_ln stays a subtraction)."""
+    """A value no cheaper named: a name or number, or one negated (x - m_ln stays a subtraction,
+    -v*x a product)."""
     return e.is_Atom or (e.is_Mul and len(e.args) == 2 and e.args[0] == -1 and e.args[1].is_Atom)
 
 
