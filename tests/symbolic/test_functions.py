@@ -288,3 +288,13 @@ def test_selection_gradients_follow_torch_at_ties_and_crossed_bounds():
             for k, t in enumerate(ts):
                 got = sympy_value(sympy.diff(built, ARGS[k]), *point)
                 assert got == t.grad.item(), (name, point, k, got, t.grad.item())
+
+
+def test_step_in_c_has_the_scalar_values_at_zeros_infinities_and_nan(tmp_path):
+    """step prints as two selects added, not one nested in the other (GCC vectorizes the sum on
+    AVX2 too): the scalar step's values at ±0, ±inf and NaN, in both element types."""
+    fn = functions.TABLE["step"]
+    c_values = compiled([fn], tmp_path)
+    for v in (-2.0, -0.0, 0.0, 3.0, math.inf, -math.inf, math.nan, 1e-45, -1e-45):
+        for ctype in ("float", "double"):
+            assert c_values["step", ctype](v) == fn.scalar(v), (v, ctype)
