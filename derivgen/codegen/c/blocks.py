@@ -123,7 +123,8 @@ def block_pass(
     slot: int, kind: str, comment: str, chan_loads, elem_loads, body: str, names: Iterable[str], passes: BlockPasses
 ) -> BlockPass:
     """A BlockPass of a body planned as ``chan_loads``, ``elem_loads`` and ``body`` reading ``names``."""
-    index, count, size = block_index(BLOCK_AXES[kind])
+    axes = BLOCK_AXES[kind]
+    index, count, size = block_index(axes)
     deps = tuple(p.slot for p in passes.needed(names) if p.slot != slot)
     return BlockPass(
         slot=slot,
@@ -135,4 +136,5 @@ def block_pass(
         elem_loads=tuple(elem_loads),
         body=body,
         deps=deps,
+        axes=axes,
     )

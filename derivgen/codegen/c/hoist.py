@@ -74,8 +74,9 @@ def hoist(
         if shared(e) and isinstance(e, sympy.Expr):  # not a comparison: a condition stays one
             return name(e)
         if e.is_Add or e.is_Mul:
-            fixed = [a for a in e.args if shared(a)]
-            was = [a for a in e.args if not shared(a)]
+            kept = [shared(a) for a in e.args]
+            fixed = [a for a, k in zip(e.args, kept) if k]
+            was = [a for a, k in zip(e.args, kept) if not k]
             moving = [rewrite(a) for a in was]
             if fixed and not _cheap(e.func(*fixed)):
                 fixed = [name(e.func(*fixed))]

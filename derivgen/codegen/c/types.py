@@ -150,17 +150,23 @@ class BlockPass:
     elem_loads: tuple[str, ...]  # per element: x, dy, seeds, temporaries
     body: str  # u, in double
     deps: tuple[int, ...]  # the slots u reads, directly or through another pass
+    axes: tuple[int, ...] = (3,)  # those of the (O, G, Cg, S) view one block spans (BLOCK_AXES)
 
     @property
     def by_sample(self) -> bool:
         """A block inside one sample (an instance, a sample): one thread's, where the threads
         share the group's samples."""
-        return "Blk" in self.index
+        return 0 not in self.axes
+
+    @property
+    def by_channel(self) -> bool:
+        """A block inside one channel (an instance, a channel over the samples)."""
+        return 2 not in self.axes
 
     @property
     def per_sample(self) -> str:
         """C: the blocks of one sample (of a ``by_sample`` kind)."""
-        return "Cg" if self.count == "Blocks * Cg" else "1"
+        return "Cg" if self.by_channel else "1"
 
 
 @dataclass(frozen=True)
