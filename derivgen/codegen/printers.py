@@ -13,6 +13,8 @@ their entries in :mod:`derivgen.symbolic.functions` say.
 
 from __future__ import annotations
 
+import struct
+
 import sympy
 from sympy.codegen.ast import float32, float64, real
 from sympy.printing.c import C99CodePrinter
@@ -213,6 +215,16 @@ class _C(SpellsFunctions, _Ordered, C99CodePrinter):
             (s,) = [a for a in expr.args if a != _N_INV]
             if s.is_Symbol:
                 return f"Dg_per({self._print(s)}, {self._print(N)}, Inv_N)"
+        # a constant factor with an irrational number (2/sqrt(pi) of erf's derivative) is one
+        # literal, its value rounded once to the element type: C would divide by sqrt(pi) in
+        # every element (a constant divisor is not a multiplication unless it is a power of two)
+        if any(a.is_number and not a.is_Rational for a in expr.args):
+            rest = [a for a in expr.args if not a.is_number]
+            value = float(sympy.Mul(*(a for a in expr.args if a.is_number)).evalf(30))
+            if self.ctype == "float":  # rounded to float from the double (irrational: never a tie)
+                value = struct.unpack("f", struct.pack("f", value))[0]
+            lit = sympy.Float(value, 17)
+            return self._print(lit) if not rest else super()._print_Mul(sympy.Mul(lit, *rest, evaluate=False))
         return super()._print_Mul(expr)
 
     def _print_Pow(self, expr):

@@ -38,31 +38,39 @@ def kv(name: str) -> str:
     return name.removeprefix("~")
 
 
-def sums_in_float(e: sympy.Expr, elem: set[str]) -> bool:
-    """Whether a float kernel's statistic sweep adds ``e`` in float arithmetic (widened to
-    double as it is added: the sums stay double): where ``e`` calls an elementary function the
-    kernels compute with a polynomial (``Dg_expf``, ``Dg_logf``, ... of
-    ``derivgen-kernels.h``), whose double version costs about twice the float one, and its
-    element arithmetic rounds without cancelling: every sum in it has at most one term that
-    varies with the element (group terms are added as hi + lo pairs), and no element value is
-    raised to a power (a square may overflow float, and a centred moment keeps double's
-    exactness). The output sweeps and the backward already compute such functions in float;
-    exp(x - m) of softmax is the case this is for (docs/numerics.md: the error bound)."""
+def sums_in_float(e: sympy.Expr, elem: set[str], gradient: bool = False) -> bool:
+    """Whether a float kernel's sweep adds ``e`` in float arithmetic (widened to double as it
+    is added: the sums stay double): where ``e`` calls an elementary function the kernels
+    compute with a polynomial (``Dg_expf``, ``Dg_logf``, ... of ``derivgen-kernels.h``), whose
+    double version costs about twice the float one, and its element arithmetic rounds without
+    cancelling: every sum in it has at most one term that varies with the element (group
+    terms are added as hi + lo pairs), and no element value is raised to a power (a square may
+    overflow float, and a centred moment keeps double's exactness). exp(x - m) of softmax is
+    the case this is for in a statistic (docs/numerics.md: the error bound).
+
+    A ``gradient`` (a scalar parameter's sum in the backward's last sweep, which computes dx
+    from the same element values in float) may also hold powers of a function's value or
+    inside a function's argument: Dynamic Tanh's x (1 - tanh^2(alpha x)), Derf's
+    x exp(-(alpha x + s)^2). Its terms are then dx's own values, their calls computed once."""
 
     def varies(t: sympy.Expr) -> bool:
         return any(str(v) in elem for v in t.free_symbols)
 
-    calls = False
-    for node in sympy.preorder_traversal(e):
+    def poly_call(node: sympy.Basic) -> bool:
+        fn = of_node(node) if isinstance(node, sympy.Function) else None
+        return fn is not None and fn.c_float.startswith("Dg_")
+
+    def ok(node: sympy.Basic, in_call: bool) -> bool:
         if isinstance(node, (Window, BlockMean)):
             return False
         if node.is_Add and sum(varies(t) for t in node.args) > 1:
             return False
-        if node.is_Pow and varies(node.base) and node.exp != -1:
+        power = node.is_Pow and varies(node.base) and node.exp != -1
+        if power and not (gradient and (in_call or any(map(poly_call, sympy.preorder_traversal(node.base))))):
             return False
-        fn = of_node(node) if isinstance(node, sympy.Function) else None
-        calls = calls or (fn is not None and fn.c_float.startswith("Dg_"))
-    return calls
+        return all(ok(a, in_call or poly_call(node)) for a in node.args)
+
+    return ok(e, False) and any(poly_call(n) for n in sympy.preorder_traversal(e))
 
 
 def exact_selection(e: sympy.Expr) -> bool:

@@ -157,7 +157,7 @@ class CPlanner:
         outputs: Iterable[str] = (),
         first: bool = False,
         second: bool = False,
-        float_sums: bool = False,
+        float_sums: bool | str = False,
         keep_out: Sequence[tuple[sympy.Expr, str]] = (),
         keep_in: Sequence[tuple[sympy.Expr, str]] = (),
     ) -> CLoop:
@@ -180,10 +180,10 @@ class CPlanner:
         or overflowing (|x| ~ 1e30). ``arith="float"`` (output sweeps of float
         kernels) computes in float, adding group-level terms as hi + lo pairs; with
         ``float_sums`` the summands too (each widened to double as it is added: see
-        :func:`~derivgen.codegen.c.floats.sums_in_float`). ``keep_out`` are (function call, name) pairs the sweep
-        computes in its element arithmetic and also stores in the thread's row ``<name>_Row``
-        (at the element's place in its group's run), ``keep_in`` those it reads back from there
-        instead of computing them again (see :meth:`_kept`).
+        :func:`~derivgen.codegen.c.floats.sums_in_float`; ``"dx"``: a gradient's). ``keep_out`` are
+        (call, name) pairs the sweep computes in its element arithmetic and also stores in the
+        thread's row ``<name>_Row`` (at the element's place in its group's run), ``keep_in``
+        those it reads back from there instead of computing them again (see :meth:`_kept`).
         """
         ctype = self.ctype
         # the scalar parameters' sums (slots past the parameters' are tensor gradients' sums)
@@ -329,10 +329,9 @@ class CPlanner:
             body_reads.update(reads)
             return f"{text}*({ct})"
 
-        sums = tuple(
-            (a, float_summand(e) if float_sums and arith != "double" and sums_in_float(e0, elem) else summand(e))
-            for (a, e), (_, e0) in zip(all_sums, all_sums0)
-        )
+        fl = bool(float_sums) and arith != "double"
+        in_float = [fl and sums_in_float(e, elem, float_sums == "dx") for _, e in all_sums0]
+        sums = tuple((a, float_summand(e) if f else summand(e)) for (a, e), f in zip(all_sums, in_float))
         psum_reads: set[str] = set()
         chan_summands = tuple((k, summand(e, psum_reads)) for k, e in chan_sums)
         pend = tuple((k, element(e, pend_reads)) for k, e in chan_sums)
@@ -555,7 +554,7 @@ class CPlanner:
             outputs=["dx", *(o for o, _ in dts)],
             first=red is None,
             second=red is not None,
-            float_sums=True,  # scalar parameters' sums of elementary functions (floats.sums_in_float)
+            float_sums="dx",  # scalar parameters' sums of elementary functions, as dx (floats.sums_in_float)
             keep_in=keeps,
         )
         if red is not None:  # the block arrays the reduction sweep left are still the group's
