@@ -257,7 +257,8 @@ class _C(SpellsFunctions, _Ordered, C99CodePrinter):
 class _CFloatElem(_C):
     """Element arithmetic in float: a group-level addend h (double) enters a sum as
     ``(elements + h_hi) + h_lo`` with h_hi = (float)h, h_lo = (float)(h - h_hi), so
-    x - mean is exact to float precision even when mean is 1e4 and x - mean is 1."""
+    x - mean is exact to float precision even when mean is 1e4 and x - mean is 1; a product
+    ``hoisted`` with its group factors as one constant q prints as ``q*elements``."""
 
     def __init__(self, rename, names, hoisted, mask_rename=None, windows=None):
         super().__init__("float", rename, names, windows)
@@ -273,6 +274,13 @@ class _CFloatElem(_C):
         text = call(fn.c("float"), *(printer.doprint(a) for a in expr.args))
         self.printed.update(printer.printed)
         return text
+
+    def _print_Mul(self, expr):
+        if expr in self.hoisted:  # the group factors as one constant (floats.float_prelude)
+            elem, q = self.hoisted[expr]
+            self.printed.add(q)
+            return f"{q}*{self.parenthesize(elem, sympy.printing.precedence.PRECEDENCE['Mul'])}"
+        return super()._print_Mul(expr)
 
     def _print_Add(self, expr, order=None):
         if expr in self.hoisted:

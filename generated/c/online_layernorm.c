@@ -354,17 +354,14 @@ int online_layernorm_train_backward_f32(
         for (int64_t Grp0 = Lo; Grp0 < Hi; Grp0 += Lockstep && Hi - Grp0 >= DG_ROWS ? DG_ROWS : 1) {
             const int Rows = Lockstep && Hi - Grp0 >= DG_ROWS;   /* DG_ROWS rows in lockstep */
             const int Rn = Rows ? DG_ROWS : 1;
+            float Rv_Qf0[DG_ROWS];
             float Rv_H0_hi[DG_ROWS];
             float Rv_H0_lo[DG_ROWS];
             float Rv_H1_hi[DG_ROWS];
             float Rv_H1_lo[DG_ROWS];
+            float Rv_Qf1[DG_ROWS];
             float Rv_H2_hi[DG_ROWS];
             float Rv_H2_lo[DG_ROWS];
-            float Rv_Mean_g_xhat_F[DG_ROWS];
-            float Rv_N_F[DG_ROWS];
-            float Rv_alpha_F[DG_ROWS];
-            float Rv_sample_std_F[DG_ROWS];
-            float Rv_std_F[DG_ROWS];
             for (int Rr = 0; Rr < Rn; ++Rr) {
                 const int64_t Grp = Grp0 + Rr;
                 const int64_t Gi = G == 1 ? 0 : Grp % G;     /* channel group */
@@ -453,48 +450,39 @@ int online_layernorm_train_backward_f32(
                 dprev_mean[Grp] = (float)(prev_mean_Grad);
                 dprev_std[Grp] = (float)(prev_std_Grad);
                 if (Rows) {                 /* the values the lockstep sweep reads */
+                    const float Qf0 = (float)(1.0/std);
                     const double H0 = -mean;
                     const float H0_hi = (float)H0;
                     const float H0_lo = (float)(H0 - (double)H0_hi);
                     const double H1 = -Mean_g*alpha/std;
                     const float H1_hi = (float)H1;
                     const float H1_lo = (float)(H1 - (double)H1_hi);
+                    const float Qf1 = (float)(Mean_g_xhat*N*alpha/(sample_std*(N - 1)));
                     const double H2 = alpha*(row_mean - mean)/std;
                     const float H2_hi = (float)H2;
                     const float H2_lo = (float)(H2 - (double)H2_hi);
-                    const float Mean_g_xhat_F = (float)Mean_g_xhat;
-                    const float N_F = (float)N;
-                    const float alpha_F = (float)alpha;
-                    const float sample_std_F = (float)sample_std;
-                    const float std_F = (float)std;
+                    Rv_Qf0[Rr] = Qf0;
                     Rv_H0_hi[Rr] = H0_hi;
                     Rv_H0_lo[Rr] = H0_lo;
                     Rv_H1_hi[Rr] = H1_hi;
                     Rv_H1_lo[Rr] = H1_lo;
+                    Rv_Qf1[Rr] = Qf1;
                     Rv_H2_hi[Rr] = H2_hi;
                     Rv_H2_lo[Rr] = H2_lo;
-                    Rv_Mean_g_xhat_F[Rr] = Mean_g_xhat_F;
-                    Rv_N_F[Rr] = N_F;
-                    Rv_alpha_F[Rr] = alpha_F;
-                    Rv_sample_std_F[Rr] = sample_std_F;
-                    Rv_std_F[Rr] = std_F;
                     continue;
                 }
                 {
+                    const float Qf0 = (float)(1.0/std);
                     const double H0 = -mean;
                     const float H0_hi = (float)H0;
                     const float H0_lo = (float)(H0 - (double)H0_hi);
                     const double H1 = -Mean_g*alpha/std;
                     const float H1_hi = (float)H1;
                     const float H1_lo = (float)(H1 - (double)H1_hi);
+                    const float Qf1 = (float)(Mean_g_xhat*N*alpha/(sample_std*(N - 1)));
                     const double H2 = alpha*(row_mean - mean)/std;
                     const float H2_hi = (float)H2;
                     const float H2_lo = (float)(H2 - (double)H2_hi);
-                    const float Mean_g_xhat_F = (float)Mean_g_xhat;
-                    const float N_F = (float)N;
-                    const float alpha_F = (float)alpha;
-                    const float sample_std_F = (float)sample_std;
-                    const float std_F = (float)std;
                     /* the next group read ahead while this one is in the cache (derivgen-kernels.h) */
                     const int Ahead_next = Dg_ahead_next(Blocks * M, Ahead, (int64_t)sizeof(*x) * 2);
                     for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
@@ -516,9 +504,9 @@ int online_layernorm_train_backward_f32(
                                         const float gamma_V = gamma[Ch];
                                         const float Xv = x[Idx];
                                         const float Dyv = dy[Idx];
-                                        const float xhat = ((Xv + H0_hi + H0_lo))/std_F;
+                                        const float xhat = Qf0*((Xv + H0_hi + H0_lo));
                                         const float g = Dyv*gamma_V;
-                                        dx_R[Idx - (Off)] = (float)((g/std_F + Mean_g_xhat_F*N_F*alpha_F*((-xhat + H2_hi + H2_lo))/(sample_std_F*(N_F - 1)) + H1_hi + H1_lo));
+                                        dx_R[Idx - (Off)] = (float)((Qf0*g + Qf1*((-xhat + H2_hi + H2_lo)) + H1_hi + H1_lo));
                                         Pend[0 * C + Ch] += Dyv*xhat;
                                         Pend[1 * C + Ch] += Dyv;
                                     }
@@ -543,9 +531,9 @@ int online_layernorm_train_backward_f32(
                                         const float gamma_V = gamma[Ch];
                                         const float Xv = x[Idx];
                                         const float Dyv = dy[Idx];
-                                        const float xhat = ((Xv + H0_hi + H0_lo))/std_F;
+                                        const float xhat = Qf0*((Xv + H0_hi + H0_lo));
                                         const float g = Dyv*gamma_V;
-                                        T_dx[J] = (float)((g/std_F + Mean_g_xhat_F*N_F*alpha_F*((-xhat + H2_hi + H2_lo))/(sample_std_F*(N_F - 1)) + H1_hi + H1_lo));
+                                        T_dx[J] = (float)((Qf0*g + Qf1*((-xhat + H2_hi + H2_lo)) + H1_hi + H1_lo));
                                         Pend[0 * C + Ch] += Dyv*xhat;
                                         Pend[1 * C + Ch] += Dyv;
                                     }
@@ -560,9 +548,9 @@ int online_layernorm_train_backward_f32(
                                     const float gamma_V = gamma[Ch];
                                     const float Xv = x[Idx];
                                     const float Dyv = dy[Idx];
-                                    const float xhat = ((Xv + H0_hi + H0_lo))/std_F;
+                                    const float xhat = Qf0*((Xv + H0_hi + H0_lo));
                                     const float g = Dyv*gamma_V;
-                                    dx_R[Idx - (Off)] = (float)((g/std_F + Mean_g_xhat_F*N_F*alpha_F*((-xhat + H2_hi + H2_lo))/(sample_std_F*(N_F - 1)) + H1_hi + H1_lo));
+                                    dx_R[Idx - (Off)] = (float)((Qf0*g + Qf1*((-xhat + H2_hi + H2_lo)) + H1_hi + H1_lo));
                                     Pend[0 * C + Ch] += Dyv*xhat;
                                     Pend[1 * C + Ch] += Dyv;
                                 }
@@ -590,18 +578,15 @@ int online_layernorm_train_backward_f32(
                         float Acc_p0[1] = {0};
                         float Acc_p1[1] = {0};
                         for (int Rr = 0; Rr < Rn; ++Rr) {
+                            const float Qf0 = Rv_Qf0[Rr];
                             const float H0_hi = Rv_H0_hi[Rr];
                             const float H0_lo = Rv_H0_lo[Rr];
                             const float H1_hi = Rv_H1_hi[Rr];
                             const float H1_lo = Rv_H1_lo[Rr];
+                            const float Qf1 = Rv_Qf1[Rr];
                             const float H2_hi = Rv_H2_hi[Rr];
                             const float H2_lo = Rv_H2_lo[Rr];
-                            const float Mean_g_xhat_F = Rv_Mean_g_xhat_F[Rr];
-                            const float N_F = Rv_N_F[Rr];
-                            const float alpha_F = Rv_alpha_F[Rr];
-                            const float sample_std_F = Rv_sample_std_F[Rr];
-                            const float std_F = Rv_std_F[Rr];
-                            (void)H0_hi; (void)H0_lo; (void)H1_hi; (void)H1_lo; (void)H2_hi; (void)H2_lo; (void)Mean_g_xhat_F; (void)N_F; (void)alpha_F; (void)sample_std_F; (void)std_F;
+                            (void)Qf0; (void)H0_hi; (void)H0_lo; (void)H1_hi; (void)H1_lo; (void)Qf1; (void)H2_hi; (void)H2_lo;
                             const int64_t Off = Off0 + Rr * M;
                             float *restrict dx_R = dx + Off;
                             const int J = 0;                /* outside the lane blocks: lane 0 */
@@ -612,9 +597,9 @@ int online_layernorm_train_backward_f32(
                             const float gamma_V = gamma[Ch];
                             const float Xv = x[Idx];
                             const float Dyv = dy[Idx];
-                            const float xhat = ((Xv + H0_hi + H0_lo))/std_F;
+                            const float xhat = Qf0*((Xv + H0_hi + H0_lo));
                             const float g = Dyv*gamma_V;
-                            dx_R[Idx - (Off)] = (float)((g/std_F + Mean_g_xhat_F*N_F*alpha_F*((-xhat + H2_hi + H2_lo))/(sample_std_F*(N_F - 1)) + H1_hi + H1_lo));
+                            dx_R[Idx - (Off)] = (float)((Qf0*g + Qf1*((-xhat + H2_hi + H2_lo)) + H1_hi + H1_lo));
                             Acc_p0[J] += Dyv*xhat;
                             Acc_p1[J] += Dyv;
                         }
@@ -627,18 +612,15 @@ int online_layernorm_train_backward_f32(
                     float Acc_p1[DG_LANES] = {0};
                     DG_UNROLL(DG_ROWS)              /* the rows' sums stay in registers */
                     for (int Rr = 0; Rr < DG_ROWS; ++Rr) {
+                        const float Qf0 = Rv_Qf0[Rr];
                         const float H0_hi = Rv_H0_hi[Rr];
                         const float H0_lo = Rv_H0_lo[Rr];
                         const float H1_hi = Rv_H1_hi[Rr];
                         const float H1_lo = Rv_H1_lo[Rr];
+                        const float Qf1 = Rv_Qf1[Rr];
                         const float H2_hi = Rv_H2_hi[Rr];
                         const float H2_lo = Rv_H2_lo[Rr];
-                        const float Mean_g_xhat_F = Rv_Mean_g_xhat_F[Rr];
-                        const float N_F = Rv_N_F[Rr];
-                        const float alpha_F = Rv_alpha_F[Rr];
-                        const float sample_std_F = Rv_sample_std_F[Rr];
-                        const float std_F = Rv_std_F[Rr];
-                        (void)H0_hi; (void)H0_lo; (void)H1_hi; (void)H1_lo; (void)H2_hi; (void)H2_lo; (void)Mean_g_xhat_F; (void)N_F; (void)alpha_F; (void)sample_std_F; (void)std_F;
+                        (void)Qf0; (void)H0_hi; (void)H0_lo; (void)H1_hi; (void)H1_lo; (void)Qf1; (void)H2_hi; (void)H2_lo;
                         const int64_t Off = Off0 + Rr * M;
                         float T_dx[DG_LANES];
                         DG_INDEPENDENT
@@ -650,9 +632,9 @@ int online_layernorm_train_backward_f32(
                             const float gamma_V = gamma[Ch];
                             const float Xv = x[Idx];
                             const float Dyv = dy[Idx];
-                            const float xhat = ((Xv + H0_hi + H0_lo))/std_F;
+                            const float xhat = Qf0*((Xv + H0_hi + H0_lo));
                             const float g = Dyv*gamma_V;
-                            T_dx[J] = (float)((g/std_F + Mean_g_xhat_F*N_F*alpha_F*((-xhat + H2_hi + H2_lo))/(sample_std_F*(N_F - 1)) + H1_hi + H1_lo));
+                            T_dx[J] = (float)((Qf0*g + Qf1*((-xhat + H2_hi + H2_lo)) + H1_hi + H1_lo));
                             Acc_p0[J] += Dyv*xhat;
                             Acc_p1[J] += Dyv;
                         }
@@ -668,18 +650,15 @@ int online_layernorm_train_backward_f32(
                     float Acc_p0[1] = {0};
                     float Acc_p1[1] = {0};
                     for (int Rr = 0; Rr < Rn; ++Rr) {
+                        const float Qf0 = Rv_Qf0[Rr];
                         const float H0_hi = Rv_H0_hi[Rr];
                         const float H0_lo = Rv_H0_lo[Rr];
                         const float H1_hi = Rv_H1_hi[Rr];
                         const float H1_lo = Rv_H1_lo[Rr];
+                        const float Qf1 = Rv_Qf1[Rr];
                         const float H2_hi = Rv_H2_hi[Rr];
                         const float H2_lo = Rv_H2_lo[Rr];
-                        const float Mean_g_xhat_F = Rv_Mean_g_xhat_F[Rr];
-                        const float N_F = Rv_N_F[Rr];
-                        const float alpha_F = Rv_alpha_F[Rr];
-                        const float sample_std_F = Rv_sample_std_F[Rr];
-                        const float std_F = Rv_std_F[Rr];
-                        (void)H0_hi; (void)H0_lo; (void)H1_hi; (void)H1_lo; (void)H2_hi; (void)H2_lo; (void)Mean_g_xhat_F; (void)N_F; (void)alpha_F; (void)sample_std_F; (void)std_F;
+                        (void)Qf0; (void)H0_hi; (void)H0_lo; (void)H1_hi; (void)H1_lo; (void)Qf1; (void)H2_hi; (void)H2_lo;
                         const int64_t Off = Off0 + Rr * M;
                         float *restrict dx_R = dx + Off;
                         const int J = 0;                /* outside the lane blocks: lane 0 */
@@ -690,9 +669,9 @@ int online_layernorm_train_backward_f32(
                         const float gamma_V = gamma[Ch];
                         const float Xv = x[Idx];
                         const float Dyv = dy[Idx];
-                        const float xhat = ((Xv + H0_hi + H0_lo))/std_F;
+                        const float xhat = Qf0*((Xv + H0_hi + H0_lo));
                         const float g = Dyv*gamma_V;
-                        dx_R[Idx - (Off)] = (float)((g/std_F + Mean_g_xhat_F*N_F*alpha_F*((-xhat + H2_hi + H2_lo))/(sample_std_F*(N_F - 1)) + H1_hi + H1_lo));
+                        dx_R[Idx - (Off)] = (float)((Qf0*g + Qf1*((-xhat + H2_hi + H2_lo)) + H1_hi + H1_lo));
                         Acc_p0[J] += Dyv*xhat;
                         Acc_p1[J] += Dyv;
                     }
@@ -3395,17 +3374,14 @@ int online_layernorm_train_backward_bf16(
         for (int64_t Grp0 = Lo; Grp0 < Hi; Grp0 += Lockstep && Hi - Grp0 >= DG_ROWS ? DG_ROWS : 1) {
             const int Rows = Lockstep && Hi - Grp0 >= DG_ROWS;   /* DG_ROWS rows in lockstep */
             const int Rn = Rows ? DG_ROWS : 1;
+            float Rv_Qf0[DG_ROWS];
             float Rv_H0_hi[DG_ROWS];
             float Rv_H0_lo[DG_ROWS];
             float Rv_H1_hi[DG_ROWS];
             float Rv_H1_lo[DG_ROWS];
+            float Rv_Qf1[DG_ROWS];
             float Rv_H2_hi[DG_ROWS];
             float Rv_H2_lo[DG_ROWS];
-            float Rv_Mean_g_xhat_F[DG_ROWS];
-            float Rv_N_F[DG_ROWS];
-            float Rv_alpha_F[DG_ROWS];
-            float Rv_sample_std_F[DG_ROWS];
-            float Rv_std_F[DG_ROWS];
             for (int Rr = 0; Rr < Rn; ++Rr) {
                 const int64_t Grp = Grp0 + Rr;
                 const int64_t Gi = G == 1 ? 0 : Grp % G;     /* channel group */
@@ -3494,48 +3470,39 @@ int online_layernorm_train_backward_bf16(
                 dprev_mean[Grp] = Dg_to_bf16((float)(prev_mean_Grad));
                 dprev_std[Grp] = Dg_to_bf16((float)(prev_std_Grad));
                 if (Rows) {                 /* the values the lockstep sweep reads */
+                    const float Qf0 = (float)(1.0/std);
                     const double H0 = -mean;
                     const float H0_hi = (float)H0;
                     const float H0_lo = (float)(H0 - (double)H0_hi);
                     const double H1 = -Mean_g*alpha/std;
                     const float H1_hi = (float)H1;
                     const float H1_lo = (float)(H1 - (double)H1_hi);
+                    const float Qf1 = (float)(Mean_g_xhat*N*alpha/(sample_std*(N - 1)));
                     const double H2 = alpha*(row_mean - mean)/std;
                     const float H2_hi = (float)H2;
                     const float H2_lo = (float)(H2 - (double)H2_hi);
-                    const float Mean_g_xhat_F = (float)Mean_g_xhat;
-                    const float N_F = (float)N;
-                    const float alpha_F = (float)alpha;
-                    const float sample_std_F = (float)sample_std;
-                    const float std_F = (float)std;
+                    Rv_Qf0[Rr] = Qf0;
                     Rv_H0_hi[Rr] = H0_hi;
                     Rv_H0_lo[Rr] = H0_lo;
                     Rv_H1_hi[Rr] = H1_hi;
                     Rv_H1_lo[Rr] = H1_lo;
+                    Rv_Qf1[Rr] = Qf1;
                     Rv_H2_hi[Rr] = H2_hi;
                     Rv_H2_lo[Rr] = H2_lo;
-                    Rv_Mean_g_xhat_F[Rr] = Mean_g_xhat_F;
-                    Rv_N_F[Rr] = N_F;
-                    Rv_alpha_F[Rr] = alpha_F;
-                    Rv_sample_std_F[Rr] = sample_std_F;
-                    Rv_std_F[Rr] = std_F;
                     continue;
                 }
                 {
+                    const float Qf0 = (float)(1.0/std);
                     const double H0 = -mean;
                     const float H0_hi = (float)H0;
                     const float H0_lo = (float)(H0 - (double)H0_hi);
                     const double H1 = -Mean_g*alpha/std;
                     const float H1_hi = (float)H1;
                     const float H1_lo = (float)(H1 - (double)H1_hi);
+                    const float Qf1 = (float)(Mean_g_xhat*N*alpha/(sample_std*(N - 1)));
                     const double H2 = alpha*(row_mean - mean)/std;
                     const float H2_hi = (float)H2;
                     const float H2_lo = (float)(H2 - (double)H2_hi);
-                    const float Mean_g_xhat_F = (float)Mean_g_xhat;
-                    const float N_F = (float)N;
-                    const float alpha_F = (float)alpha;
-                    const float sample_std_F = (float)sample_std;
-                    const float std_F = (float)std;
                     /* the next group read ahead while this one is in the cache (derivgen-kernels.h) */
                     const int Ahead_next = Dg_ahead_next(Blocks * M, Ahead, (int64_t)sizeof(*x) * 2);
                     for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
@@ -3557,9 +3524,9 @@ int online_layernorm_train_backward_bf16(
                                         const float gamma_V = Dg_from_bf16(gamma[Ch]);
                                         const float Xv = Dg_from_bf16(x[Idx]);
                                         const float Dyv = Dg_from_bf16(dy[Idx]);
-                                        const float xhat = ((Xv + H0_hi + H0_lo))/std_F;
+                                        const float xhat = Qf0*((Xv + H0_hi + H0_lo));
                                         const float g = Dyv*gamma_V;
-                                        dx_R[Idx - (Off)] = Dg_to_bf16((float)((g/std_F + Mean_g_xhat_F*N_F*alpha_F*((-xhat + H2_hi + H2_lo))/(sample_std_F*(N_F - 1)) + H1_hi + H1_lo)));
+                                        dx_R[Idx - (Off)] = Dg_to_bf16((float)((Qf0*g + Qf1*((-xhat + H2_hi + H2_lo)) + H1_hi + H1_lo)));
                                         Pend[0 * C + Ch] += Dyv*xhat;
                                         Pend[1 * C + Ch] += Dyv;
                                     }
@@ -3584,9 +3551,9 @@ int online_layernorm_train_backward_bf16(
                                         const float gamma_V = Dg_from_bf16(gamma[Ch]);
                                         const float Xv = Dg_from_bf16(x[Idx]);
                                         const float Dyv = Dg_from_bf16(dy[Idx]);
-                                        const float xhat = ((Xv + H0_hi + H0_lo))/std_F;
+                                        const float xhat = Qf0*((Xv + H0_hi + H0_lo));
                                         const float g = Dyv*gamma_V;
-                                        T_dx[J] = Dg_to_bf16((float)((g/std_F + Mean_g_xhat_F*N_F*alpha_F*((-xhat + H2_hi + H2_lo))/(sample_std_F*(N_F - 1)) + H1_hi + H1_lo)));
+                                        T_dx[J] = Dg_to_bf16((float)((Qf0*g + Qf1*((-xhat + H2_hi + H2_lo)) + H1_hi + H1_lo)));
                                         Pend[0 * C + Ch] += Dyv*xhat;
                                         Pend[1 * C + Ch] += Dyv;
                                     }
@@ -3601,9 +3568,9 @@ int online_layernorm_train_backward_bf16(
                                     const float gamma_V = Dg_from_bf16(gamma[Ch]);
                                     const float Xv = Dg_from_bf16(x[Idx]);
                                     const float Dyv = Dg_from_bf16(dy[Idx]);
-                                    const float xhat = ((Xv + H0_hi + H0_lo))/std_F;
+                                    const float xhat = Qf0*((Xv + H0_hi + H0_lo));
                                     const float g = Dyv*gamma_V;
-                                    dx_R[Idx - (Off)] = Dg_to_bf16((float)((g/std_F + Mean_g_xhat_F*N_F*alpha_F*((-xhat + H2_hi + H2_lo))/(sample_std_F*(N_F - 1)) + H1_hi + H1_lo)));
+                                    dx_R[Idx - (Off)] = Dg_to_bf16((float)((Qf0*g + Qf1*((-xhat + H2_hi + H2_lo)) + H1_hi + H1_lo)));
                                     Pend[0 * C + Ch] += Dyv*xhat;
                                     Pend[1 * C + Ch] += Dyv;
                                 }
@@ -3631,18 +3598,15 @@ int online_layernorm_train_backward_bf16(
                         float Acc_p0[1] = {0};
                         float Acc_p1[1] = {0};
                         for (int Rr = 0; Rr < Rn; ++Rr) {
+                            const float Qf0 = Rv_Qf0[Rr];
                             const float H0_hi = Rv_H0_hi[Rr];
                             const float H0_lo = Rv_H0_lo[Rr];
                             const float H1_hi = Rv_H1_hi[Rr];
                             const float H1_lo = Rv_H1_lo[Rr];
+                            const float Qf1 = Rv_Qf1[Rr];
                             const float H2_hi = Rv_H2_hi[Rr];
                             const float H2_lo = Rv_H2_lo[Rr];
-                            const float Mean_g_xhat_F = Rv_Mean_g_xhat_F[Rr];
-                            const float N_F = Rv_N_F[Rr];
-                            const float alpha_F = Rv_alpha_F[Rr];
-                            const float sample_std_F = Rv_sample_std_F[Rr];
-                            const float std_F = Rv_std_F[Rr];
-                            (void)H0_hi; (void)H0_lo; (void)H1_hi; (void)H1_lo; (void)H2_hi; (void)H2_lo; (void)Mean_g_xhat_F; (void)N_F; (void)alpha_F; (void)sample_std_F; (void)std_F;
+                            (void)Qf0; (void)H0_hi; (void)H0_lo; (void)H1_hi; (void)H1_lo; (void)Qf1; (void)H2_hi; (void)H2_lo;
                             const int64_t Off = Off0 + Rr * M;
                             dg_bf16 *restrict dx_R = dx + Off;
                             const int J = 0;                /* outside the lane blocks: lane 0 */
@@ -3653,9 +3617,9 @@ int online_layernorm_train_backward_bf16(
                             const float gamma_V = Dg_from_bf16(gamma[Ch]);
                             const float Xv = Dg_from_bf16(x[Idx]);
                             const float Dyv = Dg_from_bf16(dy[Idx]);
-                            const float xhat = ((Xv + H0_hi + H0_lo))/std_F;
+                            const float xhat = Qf0*((Xv + H0_hi + H0_lo));
                             const float g = Dyv*gamma_V;
-                            dx_R[Idx - (Off)] = Dg_to_bf16((float)((g/std_F + Mean_g_xhat_F*N_F*alpha_F*((-xhat + H2_hi + H2_lo))/(sample_std_F*(N_F - 1)) + H1_hi + H1_lo)));
+                            dx_R[Idx - (Off)] = Dg_to_bf16((float)((Qf0*g + Qf1*((-xhat + H2_hi + H2_lo)) + H1_hi + H1_lo)));
                             Acc_p0[J] += Dyv*xhat;
                             Acc_p1[J] += Dyv;
                         }
@@ -3668,18 +3632,15 @@ int online_layernorm_train_backward_bf16(
                     float Acc_p1[DG_LANES] = {0};
                     DG_UNROLL(DG_ROWS)              /* the rows' sums stay in registers */
                     for (int Rr = 0; Rr < DG_ROWS; ++Rr) {
+                        const float Qf0 = Rv_Qf0[Rr];
                         const float H0_hi = Rv_H0_hi[Rr];
                         const float H0_lo = Rv_H0_lo[Rr];
                         const float H1_hi = Rv_H1_hi[Rr];
                         const float H1_lo = Rv_H1_lo[Rr];
+                        const float Qf1 = Rv_Qf1[Rr];
                         const float H2_hi = Rv_H2_hi[Rr];
                         const float H2_lo = Rv_H2_lo[Rr];
-                        const float Mean_g_xhat_F = Rv_Mean_g_xhat_F[Rr];
-                        const float N_F = Rv_N_F[Rr];
-                        const float alpha_F = Rv_alpha_F[Rr];
-                        const float sample_std_F = Rv_sample_std_F[Rr];
-                        const float std_F = Rv_std_F[Rr];
-                        (void)H0_hi; (void)H0_lo; (void)H1_hi; (void)H1_lo; (void)H2_hi; (void)H2_lo; (void)Mean_g_xhat_F; (void)N_F; (void)alpha_F; (void)sample_std_F; (void)std_F;
+                        (void)Qf0; (void)H0_hi; (void)H0_lo; (void)H1_hi; (void)H1_lo; (void)Qf1; (void)H2_hi; (void)H2_lo;
                         const int64_t Off = Off0 + Rr * M;
                         dg_bf16 T_dx[DG_LANES];
                         DG_INDEPENDENT
@@ -3691,9 +3652,9 @@ int online_layernorm_train_backward_bf16(
                             const float gamma_V = Dg_from_bf16(gamma[Ch]);
                             const float Xv = Dg_from_bf16(x[Idx]);
                             const float Dyv = Dg_from_bf16(dy[Idx]);
-                            const float xhat = ((Xv + H0_hi + H0_lo))/std_F;
+                            const float xhat = Qf0*((Xv + H0_hi + H0_lo));
                             const float g = Dyv*gamma_V;
-                            T_dx[J] = Dg_to_bf16((float)((g/std_F + Mean_g_xhat_F*N_F*alpha_F*((-xhat + H2_hi + H2_lo))/(sample_std_F*(N_F - 1)) + H1_hi + H1_lo)));
+                            T_dx[J] = Dg_to_bf16((float)((Qf0*g + Qf1*((-xhat + H2_hi + H2_lo)) + H1_hi + H1_lo)));
                             Acc_p0[J] += Dyv*xhat;
                             Acc_p1[J] += Dyv;
                         }
@@ -3709,18 +3670,15 @@ int online_layernorm_train_backward_bf16(
                     float Acc_p0[1] = {0};
                     float Acc_p1[1] = {0};
                     for (int Rr = 0; Rr < Rn; ++Rr) {
+                        const float Qf0 = Rv_Qf0[Rr];
                         const float H0_hi = Rv_H0_hi[Rr];
                         const float H0_lo = Rv_H0_lo[Rr];
                         const float H1_hi = Rv_H1_hi[Rr];
                         const float H1_lo = Rv_H1_lo[Rr];
+                        const float Qf1 = Rv_Qf1[Rr];
                         const float H2_hi = Rv_H2_hi[Rr];
                         const float H2_lo = Rv_H2_lo[Rr];
-                        const float Mean_g_xhat_F = Rv_Mean_g_xhat_F[Rr];
-                        const float N_F = Rv_N_F[Rr];
-                        const float alpha_F = Rv_alpha_F[Rr];
-                        const float sample_std_F = Rv_sample_std_F[Rr];
-                        const float std_F = Rv_std_F[Rr];
-                        (void)H0_hi; (void)H0_lo; (void)H1_hi; (void)H1_lo; (void)H2_hi; (void)H2_lo; (void)Mean_g_xhat_F; (void)N_F; (void)alpha_F; (void)sample_std_F; (void)std_F;
+                        (void)Qf0; (void)H0_hi; (void)H0_lo; (void)H1_hi; (void)H1_lo; (void)Qf1; (void)H2_hi; (void)H2_lo;
                         const int64_t Off = Off0 + Rr * M;
                         dg_bf16 *restrict dx_R = dx + Off;
                         const int J = 0;                /* outside the lane blocks: lane 0 */
@@ -3731,9 +3689,9 @@ int online_layernorm_train_backward_bf16(
                         const float gamma_V = Dg_from_bf16(gamma[Ch]);
                         const float Xv = Dg_from_bf16(x[Idx]);
                         const float Dyv = Dg_from_bf16(dy[Idx]);
-                        const float xhat = ((Xv + H0_hi + H0_lo))/std_F;
+                        const float xhat = Qf0*((Xv + H0_hi + H0_lo));
                         const float g = Dyv*gamma_V;
-                        dx_R[Idx - (Off)] = Dg_to_bf16((float)((g/std_F + Mean_g_xhat_F*N_F*alpha_F*((-xhat + H2_hi + H2_lo))/(sample_std_F*(N_F - 1)) + H1_hi + H1_lo)));
+                        dx_R[Idx - (Off)] = Dg_to_bf16((float)((Qf0*g + Qf1*((-xhat + H2_hi + H2_lo)) + H1_hi + H1_lo)));
                         Acc_p0[J] += Dyv*xhat;
                         Acc_p1[J] += Dyv;
                     }

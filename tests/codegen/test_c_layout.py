@@ -16,7 +16,7 @@ from derivgen.codegen.c.names import X, load_table
 
 PACKAGE = ROOT / "derivgen" / "codegen" / "c"
 # the modules in the order they may import each other: each imports only those before it
-ORDER = ["ctext", "floats", "types", "names", "blocks", "hoist", "layouts", "windows", "sweep", "second", "plan"]
+ORDER = ["ctext", "types", "floats", "names", "blocks", "hoist", "layouts", "windows", "sweep", "second", "plan"]
 C_TEMPLATES = [
     "kernel.c.j2",
     "kernel.h.j2",

@@ -6,12 +6,79 @@ next reads back (``Kv0``, ...) instead of calling them again. Used by the sweep 
 
 from __future__ import annotations
 
-import sympy
+from collections.abc import Callable
 
+import sympy
+from sympy import Add, Mul
+
+from derivgen.codegen.c.types import CDecl
 from derivgen.spec.model import X as DATA_X
 from derivgen.symbolic.block import BlockMean
 from derivgen.symbolic.functions import of_node
 from derivgen.symbolic.window import Window
+
+
+def float_prelude(
+    every: list[sympy.Expr],
+    elem: set[str],
+    enames: dict[str, str],
+    group: Callable[[sympy.Expr], tuple[str, frozenset[str]]],
+    group_names: dict[str, str],
+    divisors: bool = False,
+) -> tuple[list[CDecl], dict]:
+    """Float element arithmetic: group-level addends of mixed sums become hi/lo pairs
+    (H0_hi + H0_lo), other group values float copies (rstd_F). With ``divisors`` (the
+    backward's dx sweep) a product that divides by a group value has its group factors as one
+    float constant, computed in double and rounded once (Qf0 = (float)(Mean_g*N/s)): no
+    element divides, where a float division costs several multiplications, and the constant is
+    as accurate as the float copies it replaces. Returns the prelude and the hoisted Add and
+    Mul nodes (node -> (its element part, the hoisted name)); updates ``enames``. ``group``
+    prints a group-level expression (double) with the names it reads."""
+    prelude: list[CDecl] = []
+    hoisted: dict = {}
+    factors: dict[sympy.Expr, str] = {}
+
+    def elemental(t: sympy.Expr) -> bool:
+        return bool({str(v) for v in t.free_symbols} & elem) or t.has(Window)
+
+    for e in every:
+        for node in sympy.preorder_traversal(e):
+            if not (node.is_Add or (divisors and node.is_Mul)) or node in hoisted:
+                continue
+            ee = [t for t in node.args if elemental(t)]
+            ge = [t for t in node.args if t not in ee]
+            if node.is_Mul:
+                if ee and any(t.is_Pow and t.exp.is_negative for t in ge):
+                    if Mul(*ge) not in factors:  # one constant per group factor
+                        factors[Mul(*ge)] = q = f"Qf{len(factors)}"
+                        prelude.append(CDecl("float", q, "(float)({})".format(*group(Mul(*ge))), group(Mul(*ge))[1]))
+                    hoisted[node] = (Mul(*ee), factors[Mul(*ge)])
+            elif ge and ee:
+                h = f"H{sum(isinstance(k, Add) for k in hoisted)}"
+                hoisted[node] = (Add(*ee), h)
+                prelude.append(CDecl("double", h, *group(Add(*ge))))
+                prelude.append(CDecl("float", f"{h}_hi", f"(float){h}", frozenset({h})))
+                prelude.append(CDecl("float", f"{h}_lo", f"(float)({h} - (double){h}_hi)", frozenset({h, f"{h}_hi"})))
+    used: set[str] = set()
+
+    def collect(node):
+        if node in hoisted:  # only its element part is printed in float
+            collect(hoisted[node][0])
+        elif node.is_Symbol:
+            if str(node) not in elem:
+                used.add(str(node))
+        else:
+            for a in node.args:
+                collect(a)
+
+    for e in every:
+        collect(e)
+    for gname in sorted(used):
+        src = group_names.get(gname, gname)
+        f = src + "_F"  # rstd_F, Mean_g_F: an upper-case tag, derivgen's namespace
+        prelude.append(CDecl("float", f, f"(float){src}", frozenset({src})))
+        enames[gname] = f
+    return prelude, hoisted
 
 
 def shared_calls(first: list[sympy.Expr], later: list[sympy.Expr]) -> list[tuple[sympy.Expr, str]]:

@@ -20,7 +20,7 @@ from sympy import Add
 
 from derivgen.codegen.c.blocks import BlockPasses, BlockSlots, block_pass, block_slots_read
 from derivgen.codegen.c.ctext import ATYPES, c_store, output_array
-from derivgen.codegen.c.floats import exact_selection, kv, shared_calls, sums_in_float
+from derivgen.codegen.c.floats import exact_selection, float_prelude, kv, shared_calls, sums_in_float
 from derivgen.codegen.c.hoist import RunValues, hoist
 from derivgen.codegen.c.layouts import batch_arrays, nhwc_sweep, row_sweep
 from derivgen.codegen.c.names import (
@@ -103,46 +103,6 @@ class CPlanner:
         return self.printer.c_reads(e, "double", self.group_names)
 
     # ---- one sweep -----------------------------------------------------
-    def _float_prelude(self, every, elem: set[str], enames: dict[str, str]) -> tuple[list[CDecl], dict]:
-        """Float element arithmetic: group-level addends of mixed sums become hi/lo pairs
-        (H0_hi + H0_lo), other group values float copies (rstd_F). Returns the prelude
-        and the hoisted Add nodes; updates ``enames``."""
-        prelude: list[CDecl] = []
-        hoisted: dict = {}
-        for e in every:
-            for node in sympy.preorder_traversal(e):
-                if node.is_Add and node not in hoisted:
-                    ee = [t for t in node.args if {str(v) for v in t.free_symbols} & elem or t.has(Window)]
-                    ge = [t for t in node.args if t not in ee]
-                    if ge and ee:
-                        h = f"H{len(hoisted)}"
-                        hoisted[node] = (Add(*ee), h)
-                        prelude.append(CDecl("double", h, *self.g(Add(*ge))))
-                        prelude.append(CDecl("float", f"{h}_hi", f"(float){h}", frozenset({h})))
-                        prelude.append(
-                            CDecl("float", f"{h}_lo", f"(float)({h} - (double){h}_hi)", frozenset({h, f"{h}_hi"}))
-                        )
-        used: set[str] = set()
-
-        def collect(node):
-            if node in hoisted:  # only its element part is printed in float
-                collect(hoisted[node][0])
-            elif node.is_Symbol:
-                if str(node) not in elem:
-                    used.add(str(node))
-            else:
-                for a in node.args:
-                    collect(a)
-
-        for e in every:
-            collect(e)
-        for gname in sorted(used):
-            src = self.group_names.get(gname, gname)
-            f = src + "_F"  # rstd_F, Mean_g_F: an upper-case tag, derivgen's namespace
-            prelude.append(CDecl("float", f, f"(float){src}", frozenset({src})))
-            enames[gname] = f
-        return prelude, hoisted
-
     def loop(
         self,
         exprs: list[sympy.Expr],
@@ -259,7 +219,8 @@ class CPlanner:
         enames.update({nm: nm for nm, _ in runs})
         prelude, hoisted = ([], {})
         if arith == "float":
-            prelude, hoisted = self._float_prelude([te for _, te in needed] + list(exprs), elem, enames)
+            every = [te for _, te in needed] + list(exprs)
+            prelude, hoisted = float_prelude(every, elem, enames, self.g, self.group_names, float_sums == "dx")
         body_reads: set[str] = set()
         pend_reads: set[str] = set()
         # masks compare in double: group values as computed, element values widened
