@@ -5,7 +5,9 @@ double, that call the same float tanh or exp as dx (one call per element, where 
 double before and called the double function again). Each term is then within a few float
 roundings of its exact value, so the sum is within float rounding of sum |term|; its own
 relative error grows with the sum's cancellation (docs/numerics.md). Constant factors with an
-irrational number are one literal: no element divides by sqrt(pi)."""
+irrational number are one literal: no element divides by sqrt(pi). And the dx sweep divides by
+no group value: a product's group factors with a divisor are one float constant per group
+(floats.float_prelude, ``Qf0``)."""
 
 from __future__ import annotations
 
@@ -66,3 +68,16 @@ def test_the_gradient_sums_call_the_float_function_of_dx(layer):
     assert "Lane_Psum_0[J] +=" in bwd
     assert "Dg_tanh(" not in bwd and "Dg_exp(" not in bwd
     assert "/sqrt" not in bwd and "/sqrt" not in text.split("train backward, double ----", 1)[1].split("----", 1)[0]
+
+
+@pytest.mark.parametrize("layer", ["softmax", "scalenorm", "online_layernorm", "layernorm_annotated", "absmax_scale"])
+def test_the_float_dx_sweep_multiplies_by_its_group_divisors(layer):
+    """No dx store of the float backward divides (they did: softmax's (g - Mean_g*N*e/s)/s,
+    online layer norm's g/std + ...); each divisor is in a Qf constant computed in double, and
+    the double backward is as it was (its coefficients are per-group already)."""
+    text = next(t for p, t in emit(derivgen.derive(layer), ["c"]).files.items() if p.endswith(".c"))
+    bwd = text.split("train backward, float ----", 1)[1].split("----", 1)[0]
+    stores = [ln.split("=", 1)[1] for ln in bwd.splitlines() if "dx_R[" in ln and "] = " in ln or "T_dx[J] = " in ln]
+    assert stores and not any("/" in rhs for rhs in stores)
+    assert "const float Qf0 = (float)(" in bwd
+    assert "Qf0" not in text.split("train backward, double ----", 1)[1].split("----", 1)[0]
