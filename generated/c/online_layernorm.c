@@ -385,10 +385,10 @@ int online_layernorm_train_backward_f32(
                 double Sum_g;
                 double Sum_g_xhat;
                 {
+                    const float Qf0 = (float)(1.0/std);
                     const double H0 = -mean;
                     const float H0_hi = (float)H0;
                     const float H0_lo = (float)(H0 - (double)H0_hi);
-                    const float std_F = (float)std;
                     double Lane_Sum_g[DG_LANES] = {0};
                     double Lane_Sum_g_xhat[DG_LANES] = {0};
                     for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
@@ -414,7 +414,7 @@ int online_layernorm_train_backward_f32(
                                         const float gamma_V = gamma[Ch];
                                         const float Xv = x[Idx];
                                         const float Dyv = dy[Idx];
-                                        const float xhat = ((Xv + H0_hi + H0_lo))/std_F;
+                                        const float xhat = Qf0*((Xv + H0_hi + H0_lo));
                                         const float g = Dyv*gamma_V;
                                         Lane_Sum_g[J] += ((double)g);
                                         Lane_Sum_g_xhat[J] += ((double)g)*((double)xhat);
@@ -429,7 +429,7 @@ int online_layernorm_train_backward_f32(
                                     const float gamma_V = gamma[Ch];
                                     const float Xv = x[Idx];
                                     const float Dyv = dy[Idx];
-                                    const float xhat = ((Xv + H0_hi + H0_lo))/std_F;
+                                    const float xhat = Qf0*((Xv + H0_hi + H0_lo));
                                     const float g = Dyv*gamma_V;
                                     Lane_Sum_g[J] += ((double)g);
                                     Lane_Sum_g_xhat[J] += ((double)g)*((double)xhat);
@@ -3405,10 +3405,10 @@ int online_layernorm_train_backward_bf16(
                 double Sum_g;
                 double Sum_g_xhat;
                 {
+                    const float Qf0 = (float)(1.0/std);
                     const double H0 = -mean;
                     const float H0_hi = (float)H0;
                     const float H0_lo = (float)(H0 - (double)H0_hi);
-                    const float std_F = (float)std;
                     double Lane_Sum_g[DG_LANES] = {0};
                     double Lane_Sum_g_xhat[DG_LANES] = {0};
                     for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
@@ -3434,7 +3434,7 @@ int online_layernorm_train_backward_bf16(
                                         const float gamma_V = Dg_from_bf16(gamma[Ch]);
                                         const float Xv = Dg_from_bf16(x[Idx]);
                                         const float Dyv = Dg_from_bf16(dy[Idx]);
-                                        const float xhat = ((Xv + H0_hi + H0_lo))/std_F;
+                                        const float xhat = Qf0*((Xv + H0_hi + H0_lo));
                                         const float g = Dyv*gamma_V;
                                         Lane_Sum_g[J] += ((double)g);
                                         Lane_Sum_g_xhat[J] += ((double)g)*((double)xhat);
@@ -3449,7 +3449,7 @@ int online_layernorm_train_backward_bf16(
                                     const float gamma_V = Dg_from_bf16(gamma[Ch]);
                                     const float Xv = Dg_from_bf16(x[Idx]);
                                     const float Dyv = Dg_from_bf16(dy[Idx]);
-                                    const float xhat = ((Xv + H0_hi + H0_lo))/std_F;
+                                    const float xhat = Qf0*((Xv + H0_hi + H0_lo));
                                     const float g = Dyv*gamma_V;
                                     Lane_Sum_g[J] += ((double)g);
                                     Lane_Sum_g_xhat[J] += ((double)g)*((double)xhat);

@@ -59,14 +59,16 @@ def test_scalar_gradients_within_float_rounding_of_their_terms(layer, scale):
         assert abs(got - t.sum()) <= 2 * _E * np.abs(t).sum(), name
 
 
-@pytest.mark.parametrize("layer", ["dynamic_tanh", "derf"])
+@pytest.mark.parametrize("layer", ["dynamic_tanh", "derf", "evonorm_s0"])
 def test_the_gradient_sums_call_the_float_function_of_dx(layer):
-    """The float backward's dx sweep calls no double tanh or exp (the scalar gradients' terms
-    are float, the same calls as dx's), and no element divides by a constant."""
+    """The float backward calls no double tanh, exp or sigmoid: the scalar gradients' terms
+    (Dynamic Tanh, Derf) and the reduction sweep's group sums (EvoNorm-S0's
+    sum dy gamma x sigmoid(v x)) are float, the same calls as dx's; and no element divides by
+    a constant."""
     text = next(t for p, t in emit(derivgen.derive(layer), ["c"]).files.items() if p.endswith(".c"))
     bwd = text.split("train backward, float ----", 1)[1].split("----", 1)[0]
-    assert "Lane_Psum_0[J] +=" in bwd
-    assert "Dg_tanh(" not in bwd and "Dg_exp(" not in bwd
+    assert "Lane_Psum_0[J] +=" in bwd or "Lane_Sum_0[J] += ((double)(" in bwd
+    assert not any(f"Dg_{f}(" in bwd for f in ("tanh", "exp", "sigmoid"))
     assert "/sqrt" not in bwd and "/sqrt" not in text.split("train backward, double ----", 1)[1].split("----", 1)[0]
 
 

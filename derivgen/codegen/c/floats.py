@@ -115,10 +115,11 @@ def sums_in_float(e: sympy.Expr, elem: set[str], gradient: bool = False) -> bool
     overflow float, and a centred moment keeps double's exactness). exp(x - m) of softmax is
     the case this is for in a statistic (docs/numerics.md: the error bound).
 
-    A ``gradient`` (a scalar parameter's sum in the backward's last sweep, which computes dx
-    from the same element values in float) may also hold powers of a function's value or
-    inside a function's argument: Dynamic Tanh's x (1 - tanh^2(alpha x)), Derf's
-    x exp(-(alpha x + s)^2). Its terms are then dx's own values, their calls computed once."""
+    A ``gradient`` summand (the backward's: its reduction sweep's group sums, a scalar
+    parameter's sum in its dx sweep, which computes dx from the same element values in float)
+    may also hold powers of a function's value or inside a function's argument: Dynamic Tanh's
+    x (1 - tanh^2(alpha x)), Derf's x exp(-(alpha x + s)^2). Its terms are then dx's own
+    values, their calls computed once."""
 
     def varies(t: sympy.Expr) -> bool:
         return any(str(v) in elem for v in t.free_symbols)

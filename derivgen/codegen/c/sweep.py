@@ -483,6 +483,7 @@ class CPlanner:
                 group_sums=self.ir.bwd_loop,
                 arith=self.atype,
                 first=True,
+                float_sums="dx",  # summands of elementary functions in float, as dx (floats.sums_in_float)
                 keep_out=keeps,
             )
             red = self._sweep(lp, [a for a, _ in self.ir.bwd_loop], names)
