@@ -1,5 +1,6 @@
 """Run values (derivgen.codegen.c.hoist): a block sweep's arithmetic that reads no element
-value is named and computed once per run of positions, as the expression holds it."""
+value is named and computed once per run of positions, as the expression holds it; and an
+element value that several terms divide by is one reciprocal per element (``reciprocals``)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import sympy
 from sympy import Pow, sqrt, symbols
 
 import derivgen
-from derivgen.codegen.c.hoist import RunValues, hoist
+from derivgen.codegen.c.hoist import RunValues, hoist, reciprocals
 from derivgen.codegen.c.types import BlockPass, CLoop
 from derivgen.spec import parse_spec
 
@@ -139,3 +140,29 @@ def test_block_sweeps_divide_once_a_run_and_agree_with_numpy():
     for other in outs[1:]:
         for a, b in zip(outs[0], other):
             assert np.array_equal(a, b)  # the same bits on any thread count
+
+
+def test_an_element_divisor_of_several_terms_is_one_reciprocal():
+    """dx and two sums divide by d = max(x, m) (powers 1 and 2): one Rcp0 = 1/d after the
+    temporary it reads, no division left; a divisor of one term, or one reading no element
+    value, stays a division (a reciprocal would only add a multiplication)."""
+    d = sympy.Max(sympy.Symbol("Xn"), m)
+    temps = [("Xn", x * gamma)]
+    exprs = [dy / d, dy * x / d**2, x / d, beta / (x + 1), dy / var + x / var]
+    out_temps, out = reciprocals(temps, exprs, {"x", "dy"})
+    assert [nm for nm, _ in out_temps] == ["Xn", "Rcp0"] and out_temps[1][1] == 1 / d
+    r = sympy.Symbol("Rcp0")
+    assert out[:3] == [dy * r, dy * x * r**2, x * r]
+    assert out[3:] == exprs[3:]  # one division by x + 1; var is not an element value
+    assert [e.xreplace({r: 1 / d}) for e in out] == exprs
+
+
+def test_evonorm_b0_divides_once_an_element():
+    """EvoNorm-B0's dx sweep (double: it reads block values) divides dx and two parameter sums
+    by max(v x + ..., sqrt(...)): one reciprocal per element, and its stores divide by
+    nothing."""
+    text = next(t for p, t in emit_module.emit(derivgen.derive("evonorm_b0"), ["c"]).files.items() if p.endswith(".c"))
+    bwd = text.split("train backward, float ----", 1)[1].split("----", 1)[0]
+    assert "const double Rcp0 = 1.0/Dg_fmax(" in bwd
+    stores = [ln.split(" = ", 1)[1] for ln in bwd.splitlines() if "dx_R[" in ln and "] = " in ln]
+    assert stores and not any("/" in rhs for rhs in stores)

@@ -108,3 +108,34 @@ def _rebuild(e: sympy.Expr, rewrite: Callable[[sympy.Expr], sympy.Expr]) -> symp
     """``e`` with its arguments rewritten (a function call, a power, a comparison, a selection)."""
     args = [rewrite(a) for a in e.args]
     return e if all(a is b for a, b in zip(args, e.args)) else e.func(*args)
+
+
+def reciprocals(
+    temps: list[tuple[str, sympy.Expr]], exprs: list[sympy.Expr], varying: Iterable[str]
+) -> tuple[list[tuple[str, sympy.Expr]], list[sympy.Expr]]:
+    """An element value that two terms or more divide by, as one reciprocal per element
+    (``Rcp0 = 1/d``, a temporary after those it reads), and each d^-k as Rcp0^k: EvoNorm-B0's
+    dx and three of its sums divide by max(v x + ..., sqrt(...)) or its square, four double
+    divisions an element where one does (a double division costs about ten multiplications,
+    and GCC keeps each, since a reciprocal rounds differently). ``varying``: the element
+    values (a temporary varies too). Returns the temporaries and the expressions."""
+    moves = set(varying) | {nm for nm, _ in temps}
+    count: dict[sympy.Expr, int] = {}
+    for e in [*(te for _, te in temps), *exprs]:
+        for node in sympy.preorder_traversal(e):
+            inverse = node.is_Pow and node.exp.is_Integer and node.exp < 0 and not node.base.has(Window)
+            if inverse and {str(s) for s in node.base.free_symbols} & moves:
+                count[node.base] = count.get(node.base, 0) + 1
+    for k, base in enumerate(b for b, uses in count.items() if uses >= 2):
+        r = sympy.Symbol(f"Rcp{k}")
+
+        def sub(e: sympy.Expr, base=base, r=r) -> sympy.Expr:
+            return e.replace(
+                lambda p: p.is_Pow and p.base == base and p.exp.is_Integer and p.exp < 0, lambda p: r ** (-p.exp)
+            )
+
+        deps = {str(s) for s in base.free_symbols}
+        at = max((i for i, (nm, _) in enumerate(temps) if nm in deps), default=-1) + 1
+        temps = [*temps[:at], (str(r), 1 / base), *((nm, sub(te)) for nm, te in temps[at:])]
+        exprs = [sub(e) for e in exprs]
+    return temps, exprs

@@ -21,7 +21,7 @@ from sympy import Add
 from derivgen.codegen.c.blocks import BlockPasses, BlockSlots, block_pass, block_slots_read
 from derivgen.codegen.c.ctext import ATYPES, c_store, output_array
 from derivgen.codegen.c.floats import exact_selection, float_prelude, kv, shared_calls, sums_in_float
-from derivgen.codegen.c.hoist import RunValues, hoist
+from derivgen.codegen.c.hoist import RunValues, hoist, reciprocals
 from derivgen.codegen.c.layouts import batch_arrays, nhwc_sweep, row_sweep
 from derivgen.codegen.c.names import (
     CHANNEL_INDEX,
@@ -178,10 +178,12 @@ class CPlanner:
         if block_reads:  # block values are double: the element code reading them is too
             arith = "double"
         runs: list[tuple[str, sympy.Expr]] = []  # computed once a run of positions (hoist.py)
-        if block_reads and not keep_in and not keep_out:
+        if arith == "double" and not keep_in and not keep_out:
             every = [e for _, e in stores] + [e for _, e in group_sums] + [e for _, e in param_sums] + tensor_sums
             varying = {"x", "dy", *self.masks, *self.arrays}
-            runs, needed, every = hoist(needed, every, varying, self.run_values)
+            if block_reads:
+                runs, needed, every = hoist(needed, every, varying, self.run_values)
+            needed, every = reciprocals(needed, every, varying | set(block_reads))  # once an element
             rest = iter(every)
             stores = [(o, next(rest)) for o, _ in stores]
             group_sums = [(a, next(rest)) for a, _ in group_sums]
