@@ -30,7 +30,7 @@ from derivgen.derive.second import SecondOrder
 from derivgen.spec.model import DY, N, Spec, X
 from derivgen.symbolic.block import BlockMean
 from derivgen.symbolic.naming import code_text, derived
-from derivgen.symbolic.reduce import SELECTIONS, GroupMax, Mean, means
+from derivgen.symbolic.reduce import SELECTIONS, GroupMax, Mean, expand, means
 from derivgen.symbolic.window import Window
 
 # The forward's statistics divide by N, which the C printer writes as Dg_per: a product where
@@ -130,8 +130,13 @@ def by_monomial(
     """``expr = Σ_k coefficient_k(group) · monomial_k(element)``: the coefficients as group
     assignments named ``prefix`` + the monomial (fewest flops per element), and the
     ``(coefficient name, monomial)`` terms. ``of`` ends each assignment's comment;
-    ``drop_zero`` leaves out coefficients that are zero."""
-    e = sympy.expand(expr, power_base=False, log=False)
+    ``drop_zero`` leaves out coefficients that are zero.
+
+    A function's argument is not expanded, nor an exponential split: Derf's
+    exp(-(alpha x + s)^2) stays one monomial (split, it was exp(-alpha^2 x^2) exp(-2 alpha s x)
+    with exp(-s^2) in the coefficient, whose factors overflow where the product does not:
+    x = 20, alpha = 1, s = -20 gave 0*inf, NaN, for a dx of 2/sqrt(pi))."""
+    e = expand(expr, open_means=True)
     by_mono: dict[sympy.Expr, list] = {}
     for term in Add.make_args(e):
         c, m = [], []

@@ -137,9 +137,11 @@ def _opaque(e: sympy.Expr) -> bool:
     return (isinstance(e, sympy.Function) and not isinstance(e, Mean)) or (e.is_Pow and not e.exp.is_Integer)
 
 
-def expand(e: sympy.Expr) -> sympy.Expr:
+def expand(e: sympy.Expr, *, open_means: bool = False) -> sympy.Expr:
     """Polynomial expansion over sums, products, integer powers and means; every other
-    function and every root stays as written (see :func:`_opaque`)."""
+    function and every root stays as written (see :func:`_opaque`). A mean is expanded
+    inside and then kept whole; with ``open_means`` SymPy expands it as it does any
+    expression (a mean of a sum is split, as the code generators' monomials want)."""
     if not isinstance(e, sympy.Basic) or e.is_Atom:
         return e
     table: dict[sympy.Expr, sympy.Dummy] = {}
@@ -152,7 +154,7 @@ def expand(e: sympy.Expr) -> sympy.Expr:
             if node not in table:
                 table[node] = sympy.Dummy(f"F{len(table)}", **_assumptions(node))
             return table[node]
-        if isinstance(node, Mean):  # its argument expanded the same way, then hidden
+        if isinstance(node, Mean) and not open_means:  # its argument expanded the same way, then hidden
             m = Mean(expand(node.args[0]))
             if m not in table:
                 table[m] = sympy.Dummy(f"M{len(table)}", **_assumptions(m))

@@ -207,3 +207,27 @@ def test_merged_means_read_as_a_person_writes_them():
     assert {b.body for b in iln.block_reductions} == {DY, DY * (X - mu_in)}
     text = derivgen.derive(ROOT / "tests" / "regressions" / "batch_channel_norm.toml").render("text")
     assert "no reduction over the group but 2 sample means" in text and "2 batch means" in text
+
+
+def test_an_exponential_is_not_split_into_factors_that_overflow():
+    """exp_of_a_shifted_square.toml: y = gamma exp(-u^2), u = alpha x + s, at x = 20, alpha = 1,
+    s = -20 (u = 0, where -alpha^2 x^2 and -2 alpha s x are -400 and 800): dx, dalpha and ds
+    finite and equal to the closed form, in both element types of the NumPy and C targets
+    (tests/jax/test_jax_specs.py checks the JAX JVP, which split exp(-u^2) too)."""
+    path = ROOT / "tests" / "regressions" / "exp_of_a_shifted_square.toml"
+    x = np.full((2, 4), 20.0)
+    args = [np.ones(4), np.array([1.0]), np.array([-20.0])]
+    for backend in ("numpy", "c"):
+        mod = derivgen.load(path, backend)
+        for dt in (np.float64, np.float32):
+            _, cache = mod.forward(x.astype(dt), *(a.astype(dt) for a in args))
+            g = mod.backward(np.ones_like(x, dtype=dt), cache)
+            # dy/du = -2u gamma exp(-u^2) = 0 at u = 0, and its derivative in x, alpha, s too
+            assert np.all(g.dx == 0) and g.dalpha == 0 and g.ds == 0, (backend, dt)
+    for backend in ("numpy", "c"):  # u = 1e-3: dx = -2u exp(-u^2) alpha, no 0*inf anywhere
+        mod = derivgen.load(path, backend)
+        xs = np.full((2, 4), 20.001)
+        _, cache = mod.forward(xs, *args)
+        g = mod.backward(np.ones_like(xs), cache)
+        u = 20.001 - 20.0
+        np.testing.assert_allclose(g.dx, -2 * u * np.exp(-(u**2)), rtol=1e-9)

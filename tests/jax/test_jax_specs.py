@@ -110,3 +110,25 @@ def test_zoo_rule_vjp(name):
 @pytest.mark.parametrize("seed", fuzz_corpus(FUZZ_SEEDS))
 def test_fuzzed_specs(seed):
     _check(parse_spec(specfuzz.generate(seed), source=f"fuzz{seed}.toml"))
+
+
+def test_the_jvp_does_not_split_an_exponential():
+    """tests/regressions/exp_of_a_shifted_square.toml, y = gamma exp(-(alpha x + s)^2), at
+    x = 20, alpha = 1, s = -20: the JVP split exp(-u^2) into exp(-alpha^2 x^2) exp(-2 alpha s x)
+    times exp(-s^2), 0 * inf there (NaN in float32, where e^800 and e^-400 are out of range);
+    the gradients through its transpose are finite and those of the closed form, float32 and
+    float64, at u = 0 and u = 1e-3 (float32 within the monomials' cancellation there)."""
+    f = dj.function(ROOT / "tests" / "regressions" / "exp_of_a_shifted_square.toml")
+    for dt in (jnp.float32, jnp.float64):
+        for x0 in (20.0, 20.001):
+            x = jnp.full((2, 4), x0, dt)
+            gamma, alpha, s = jnp.ones(4, dt), jnp.ones((), dt), jnp.full((), -20.0, dt)
+            gx, ga, gs = jax.grad(lambda x, a, s, g: f(x, g, a, s).sum(), argnums=(0, 1, 2))(x, alpha, s, gamma)
+            u = np.float64(x[0, 0]) - 20.0
+            du = -2 * u * np.exp(-(u**2))  # d/du of exp(-u^2), each element
+            # float32: the JVP's monomials -2 alpha x exp(-u^2) - 2 s exp(-u^2) cancel to 1e-4 of
+            # their size at u = 1e-3 (float32's rounding of 40 is 4e-6 of 2e-3: 0.2%)
+            tol = {"rtol": 5e-3, "atol": 1e-6} if dt == jnp.float32 else {"rtol": 1e-9, "atol": 0}
+            np.testing.assert_allclose(np.asarray(gx, np.float64), du, **tol)
+            np.testing.assert_allclose(float(gs), 8 * du, **tol)
+            np.testing.assert_allclose(float(ga), 8 * du * float(x0), **tol)
