@@ -37,8 +37,9 @@ TRITON_NAMES = frozenset({"tl", "triton"})
 
 # derivgen.torch.Module makes a spec's options and parameters its attributes (``m.eps``): they
 # may not take the name of an attribute or method torch.nn.Module has (public names, as of
-# torch 2.13; tests/spec/test_reserved.py checks this list against the installed torch) or of
-# one derivgen.torch.Module keeps itself
+# torch 2.13; tests/spec/test_user_specs.py checks this list against the installed torch), one
+# that Hugging Face transformers sets on torch.nn.Module once a pretrained model initializes
+# its weights (smart_apply), or one derivgen.torch.Module keeps itself
 TORCH_MODULE_NAMES = frozenset(
     """
 T_destination add_module apply bfloat16 buffers call_super_init children compile cpu cuda double
@@ -49,6 +50,7 @@ register_full_backward_hook register_full_backward_pre_hook register_load_state_
 register_load_state_dict_pre_hook register_module register_parameter register_state_dict_post_hook
 register_state_dict_pre_hook requires_grad_ set_extra_state set_submodule share_memory state_dict
 to to_empty train type xpu zero_grad
+smart_apply
 layer_name sync process_group device dtype
 """.split()  # noqa: SIM905
 )
