@@ -283,10 +283,10 @@ class _CFloatElem(_C):
         return super()._print_Mul(expr)
 
     def _print_Add(self, expr, order=None):
-        if expr in self.hoisted:
-            elem, h = self.hoisted[expr]
-            self.printed.update((f"{h}_hi", f"{h}_lo"))
-            return f"({self._print(elem)} + {h}_hi + {h}_lo)"
+        if expr in self.hoisted:  # a float group value (a maximum of x) has no low half
+            elem, h, lo = self.hoisted[expr]
+            self.printed.update((f"{h}_hi", f"{h}_lo") if lo else (f"{h}_hi",))
+            return f"({self._print(elem)} + {h}_hi + {h}_lo)" if lo else f"({self._print(elem)} + {h}_hi)"
         return super()._print_Add(expr, order)
 
 

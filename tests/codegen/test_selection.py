@@ -180,3 +180,17 @@ def test_the_output_sweep_reads_back_the_exp_the_sum_sweep_kept():
     red, dx = bwd.split("const double Mean_g = ", 1)
     assert red.count("Kv0_Row[Idx - Off] = Kv0;") == 2 and red.count("Dg_expf") == 2
     assert "Dg_expf" not in dx and dx.count("const float Kv0 = Kv0_Row[Idx - Off];") == 3
+
+
+def test_x_minus_a_float_maximum_has_no_low_half():
+    """softmax's m is a maximum of float data taken in float lanes: a float value, so the float
+    sweeps add x - m as x + (float)(-m) alone (floats.float_prelude, ``exact``), where a mean
+    needs hi + lo; log-softmax's output adds -m - log(s), which is not one, with both halves."""
+    for layer, lo_out in (("softmax", False), ("softmax_temperature", False), ("log_softmax", True)):
+        text = next(t for p, t in emit(derivgen.derive(layer), ["c"]).files.items() if p.endswith(".c"))
+        f32 = text.split("train forward, float ----", 1)[1].split("train backward, float ----", 1)[0]
+        stats, out = f32.split("s_Out[Grp] = s;", 1)
+        assert "H0_hi" in stats and "H0_lo" not in stats, layer
+        assert ("_lo" in out) == lo_out, layer
+        bwd = text.split("train backward, float ----", 1)[1].split("----", 1)[0]
+        assert "H0_lo" in bwd, layer  # the backward's m is an input: not assumed a float value

@@ -25,15 +25,19 @@ def float_prelude(
     group: Callable[[sympy.Expr], tuple[str, frozenset[str]]],
     group_names: dict[str, str],
     divisors: bool = False,
+    exact: frozenset[str] = frozenset(),
 ) -> tuple[list[CDecl], dict]:
     """Float element arithmetic: group-level addends of mixed sums become hi/lo pairs
     (H0_hi + H0_lo), other group values float copies (rstd_F). With ``divisors`` (the
     backward's dx sweep) a product that divides by a group value has its group factors as one
     float constant, computed in double and rounded once (Qf0 = (float)(Mean_g*N/s)): no
     element divides, where a float division costs several multiplications, and the constant is
-    as accurate as the float copies it replaces. Returns the prelude and the hoisted Add and
-    Mul nodes (node -> (its element part, the hoisted name)); updates ``enames``. ``group``
-    prints a group-level expression (double) with the names it reads."""
+    as accurate as the float copies it replaces. A group addend that is ±one of the ``exact``
+    values (a maximum or minimum of float data: softmax's x - m) is a float value and has no
+    low half. Returns the prelude and the hoisted Add nodes (node -> (its element part, the
+    hoisted name, whether it has a low half)) and Mul nodes (node -> (its element part, the
+    constant's name)); updates ``enames``. ``group`` prints a group-level expression (double)
+    with the names it reads."""
     prelude: list[CDecl] = []
     hoisted: dict = {}
     factors: dict[sympy.Expr, str] = {}
@@ -55,10 +59,14 @@ def float_prelude(
                     hoisted[node] = (Mul(*ee), factors[Mul(*ge)])
             elif ge and ee:
                 h = f"H{sum(isinstance(k, Add) for k in hoisted)}"
-                hoisted[node] = (Add(*ee), h)
+                lo = not (len(ge) == 1 and str(-ge[0] if ge[0].could_extract_minus_sign() else ge[0]) in exact)
+                hoisted[node] = (Add(*ee), h, lo)
                 prelude.append(CDecl("double", h, *group(Add(*ge))))
                 prelude.append(CDecl("float", f"{h}_hi", f"(float){h}", frozenset({h})))
-                prelude.append(CDecl("float", f"{h}_lo", f"(float)({h} - (double){h}_hi)", frozenset({h, f"{h}_hi"})))
+                if lo:
+                    prelude.append(
+                        CDecl("float", f"{h}_lo", f"(float)({h} - (double){h}_hi)", frozenset({h, f"{h}_hi"}))
+                    )
     used: set[str] = set()
 
     def collect(node):

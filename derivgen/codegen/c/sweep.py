@@ -120,6 +120,7 @@ class CPlanner:
         float_sums: bool | str = False,
         keep_out: Sequence[tuple[sympy.Expr, str]] = (),
         keep_in: Sequence[tuple[sympy.Expr, str]] = (),
+        exact: frozenset[str] = frozenset(),
     ) -> CLoop:
         """Element sweep computing ``exprs``; ``temps`` are element temporaries available;
         ``stores`` are (output array, element expression) pairs.
@@ -144,6 +145,7 @@ class CPlanner:
         (call, name) pairs the sweep computes in its element arithmetic and also stores in the
         thread's row ``<name>_Row`` (at the element's place in its group's run), ``keep_in``
         those it reads back from there instead of computing them again (see :meth:`_kept`).
+        ``exact``: the group values that are float values (a maximum of x), added without a low half.
         """
         ctype = self.ctype
         # the scalar parameters' sums (slots past the parameters' are tensor gradients' sums)
@@ -222,7 +224,7 @@ class CPlanner:
         prelude, hoisted = ([], {})
         if arith == "float":
             every = [te for _, te in needed] + list(exprs)
-            prelude, hoisted = float_prelude(every, elem, enames, self.g, self.group_names, float_sums == "dx")
+            prelude, hoisted = float_prelude(every, elem, enames, self.g, self.group_names, float_sums == "dx", exact)
         body_reads: set[str] = set()
         pend_reads: set[str] = set()
         # masks compare in double: group values as computed, element values widened
@@ -367,6 +369,7 @@ class CPlanner:
             for st in self.ir.forward
         ]
         last, keeps = self._kept(floats, [out_expr, *(e for _, e in extra), *(e for _, e in temps)])
+        exact: set[str] = set()  # the maxima and minima taken in float lanes: float values
         for k, st in enumerate(self.ir.forward):
             if isinstance(st, Loop):
                 done = sum(isinstance(s, Sweep) for s in steps)
@@ -379,6 +382,7 @@ class CPlanner:
                     second=done == 1,
                     float_sums=floats[k],
                     keep_out=keeps if k == last else (),
+                    exact=frozenset(exact),
                 )
                 steps.append(self._sweep(lp, [a for a, _ in st.accs], names))
                 names += [a for a, _ in st.accs]
@@ -387,6 +391,7 @@ class CPlanner:
                 text, reads = self.printer.c_reads(st.expr, "double", enames)
                 lane = self.atype if exact_selection(st.expr) else "double"
                 lane_text = self.printer.c_reads(st.expr, lane, enames)[0] if lane != "double" else text
+                exact.update([st.name] if lane != "double" else [])
                 steps.append(
                     GroupSelect(
                         st.name,
@@ -413,6 +418,7 @@ class CPlanner:
             first=done == 0,
             second=done == 1,
             keep_in=keeps,
+            exact=frozenset(exact),
         )
         updates = [(b, *self.g(e)) for b, e in self.ir.buffer_updates]
         update_reads = frozenset().union(*(r for _, _, r in updates))
