@@ -200,10 +200,10 @@ int online_layernorm_train_forward_f32(
             sample_std_Out[Grp] = sample_std;
             std_Out[Grp] = std;
             {
+                const float Qf0 = (float)(1.0/std);
                 const double H0 = -mean;
                 const float H0_hi = (float)H0;
                 const float H0_lo = (float)(H0 - (double)H0_hi);
-                const float std_F = (float)std;
                 for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
                     const int64_t Off = Base + Blk * Block_stride;
                     const int y_Direct = Dg_direct_row(y_Stream, Cg, y + Off);   /* stream from registers */
@@ -223,7 +223,7 @@ int online_layernorm_train_forward_f32(
                                     const float gamma_V = gamma[Ch];
                                     const float beta_V = beta[Ch];
                                     const float Xv = x[Idx];
-                                    const float xhat = ((Xv + H0_hi + H0_lo))/std_F;
+                                    const float xhat = Qf0*((Xv + H0_hi + H0_lo));
                                     y_R[Idx - (Off)] = (float)(gamma_V*xhat + beta_V);
                                 }
                             }
@@ -237,7 +237,7 @@ int online_layernorm_train_forward_f32(
                                     const float gamma_V = gamma[Ch];
                                     const float beta_V = beta[Ch];
                                     const float Xv = x[Idx];
-                                    const float xhat = ((Xv + H0_hi + H0_lo))/std_F;
+                                    const float xhat = Qf0*((Xv + H0_hi + H0_lo));
                                     T_y[J] = (float)(gamma_V*xhat + beta_V);
                                 }
                                 Dg_put_float(y_R + Mi, T_y, y_Direct);
@@ -251,7 +251,7 @@ int online_layernorm_train_forward_f32(
                                 const float gamma_V = gamma[Ch];
                                 const float beta_V = beta[Ch];
                                 const float Xv = x[Idx];
-                                const float xhat = ((Xv + H0_hi + H0_lo))/std_F;
+                                const float xhat = Qf0*((Xv + H0_hi + H0_lo));
                                 y_R[Idx - (Off)] = (float)(gamma_V*xhat + beta_V);
                             }
                         }
@@ -3220,10 +3220,10 @@ int online_layernorm_train_forward_bf16(
             sample_std_Out[Grp] = sample_std;
             std_Out[Grp] = std;
             {
+                const float Qf0 = (float)(1.0/std);
                 const double H0 = -mean;
                 const float H0_hi = (float)H0;
                 const float H0_lo = (float)(H0 - (double)H0_hi);
-                const float std_F = (float)std;
                 for (int64_t Blk = 0; Blk < Blocks; ++Blk) {
                     const int64_t Off = Base + Blk * Block_stride;
                     const int y_Direct = Dg_direct_row(y_Stream, Cg, y + Off);   /* stream from registers */
@@ -3243,7 +3243,7 @@ int online_layernorm_train_forward_bf16(
                                     const float gamma_V = Dg_from_bf16(gamma[Ch]);
                                     const float beta_V = Dg_from_bf16(beta[Ch]);
                                     const float Xv = Dg_from_bf16(x[Idx]);
-                                    const float xhat = ((Xv + H0_hi + H0_lo))/std_F;
+                                    const float xhat = Qf0*((Xv + H0_hi + H0_lo));
                                     y_R[Idx - (Off)] = Dg_to_bf16((float)(gamma_V*xhat + beta_V));
                                 }
                             }
@@ -3257,7 +3257,7 @@ int online_layernorm_train_forward_bf16(
                                     const float gamma_V = Dg_from_bf16(gamma[Ch]);
                                     const float beta_V = Dg_from_bf16(beta[Ch]);
                                     const float Xv = Dg_from_bf16(x[Idx]);
-                                    const float xhat = ((Xv + H0_hi + H0_lo))/std_F;
+                                    const float xhat = Qf0*((Xv + H0_hi + H0_lo));
                                     T_y[J] = Dg_to_bf16((float)(gamma_V*xhat + beta_V));
                                 }
                                 Dg_put_dg_bf16(y_R + Mi, T_y, y_Direct);
@@ -3271,7 +3271,7 @@ int online_layernorm_train_forward_bf16(
                                 const float gamma_V = Dg_from_bf16(gamma[Ch]);
                                 const float beta_V = Dg_from_bf16(beta[Ch]);
                                 const float Xv = Dg_from_bf16(x[Idx]);
-                                const float xhat = ((Xv + H0_hi + H0_lo))/std_F;
+                                const float xhat = Qf0*((Xv + H0_hi + H0_lo));
                                 y_R[Idx - (Off)] = Dg_to_bf16((float)(gamma_V*xhat + beta_V));
                             }
                         }

@@ -28,8 +28,8 @@ def float_prelude(
     exact: frozenset[str] = frozenset(),
 ) -> tuple[list[CDecl], dict]:
     """Float element arithmetic: group-level addends of mixed sums become hi/lo pairs
-    (H0_hi + H0_lo), other group values float copies (rstd_F). With ``divisors`` (the
-    backward's dx sweep) a product that divides by a group value has its group factors as one
+    (H0_hi + H0_lo), other group values float copies (rstd_F). With ``divisors`` (every float
+    sweep: the planner passes it) a product that divides by a group value has its group factors as one
     float constant, computed in double and rounded once (Qf0 = (float)(Mean_g*N/s)): no
     element divides, where a float division costs several multiplications, and the constant is
     as accurate as the float copies it replaces. A group addend that is ±one of the ``exact``
