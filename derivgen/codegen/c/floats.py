@@ -24,12 +24,10 @@ def float_prelude(
     enames: dict[str, str],
     group: Callable[[sympy.Expr], tuple[str, frozenset[str]]],
     group_names: dict[str, str],
-    divisors: bool = False,
     exact: frozenset[str] = frozenset(),
 ) -> tuple[list[CDecl], dict]:
     """Float element arithmetic: group-level addends of mixed sums become hi/lo pairs
-    (H0_hi + H0_lo), other group values float copies (rstd_F). With ``divisors`` (every float
-    sweep: the planner passes it) a product that divides by a group value has its group factors as one
+    (H0_hi + H0_lo), other group values float copies (rstd_F). A product that divides by a group value has its group factors as one
     float constant, computed in double and rounded once (Qf0 = (float)(Mean_g*N/s)): no
     element divides, where a float division costs several multiplications, and the constant is
     as accurate as the float copies it replaces. A group addend that is ±one of the ``exact``
@@ -47,16 +45,18 @@ def float_prelude(
 
     for e in every:
         for node in sympy.preorder_traversal(e):
-            if not (node.is_Add or (divisors and node.is_Mul)) or node in hoisted:
+            if not (node.is_Add or node.is_Mul) or node in hoisted:
                 continue
             ee = [t for t in node.args if elemental(t)]
             ge = [t for t in node.args if t not in ee]
             if node.is_Mul:
                 if ee and any(t.is_Pow and t.exp.is_negative for t in ge):
-                    if Mul(*ge) not in factors:  # one constant per group factor
-                        factors[Mul(*ge)] = q = f"Qf{len(factors)}"
-                        prelude.append(CDecl("float", q, "(float)({})".format(*group(Mul(*ge))), group(Mul(*ge))[1]))
-                    hoisted[node] = (Mul(*ee), factors[Mul(*ge)])
+                    g = Mul(*ge)
+                    if g not in factors:  # one constant per group factor
+                        factors[g] = q = f"Qf{len(factors)}"
+                        text, reads = group(g)
+                        prelude.append(CDecl("float", q, f"(float)({text})", reads))
+                    hoisted[node] = (Mul(*ee), factors[g])
             elif ge and ee:
                 h = f"H{sum(isinstance(k, Add) for k in hoisted)}"
                 lo = not (len(ge) == 1 and str(-ge[0] if ge[0].could_extract_minus_sign() else ge[0]) in exact)

@@ -224,7 +224,7 @@ class CPlanner:
         prelude, hoisted = ([], {})
         if arith == "float":
             every = [te for _, te in needed] + list(exprs)
-            prelude, hoisted = float_prelude(every, elem, enames, self.g, self.group_names, True, exact)
+            prelude, hoisted = float_prelude(every, elem, enames, self.g, self.group_names, exact)
         body_reads: set[str] = set()
         pend_reads: set[str] = set()
         # masks compare in double: group values as computed, element values widened
